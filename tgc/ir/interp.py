@@ -1,0 +1,263 @@
+"""The reference interpreter: evaluates a module with numpy, at any pipeline stage.
+
+It is the correctness oracle for every pass and backend, so it is written for
+clarity, not speed: each value is a numpy array whose axes follow the value's
+sorted edge names; indicators are built densely; gathers check their ids.
+
+`evaluate(module, inputs)` binds symbolic dims from the input shapes (given in
+each argument's ABI order) and returns one array per output and per update
+(named as its target), each in its ABI order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from tgc.ir.module import Arg, Module
+from tgc.ir.sizes import SizeError, size_eval
+from tgc.ir.values import Value, topo_order
+
+NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
+
+
+class EvalError(RuntimeError):
+    """A runtime error in the user's inputs (names, shapes, dtypes, gather ids)."""
+
+
+def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
+              given: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Sizes of every dim: `given`, then symbolic dims read off the input shapes."""
+    env: dict[str, int] = dict(given or {})
+    where: dict[str, str] = {d: "--dim" for d in env}
+    for arg in module.args.values():
+        shape = np.shape(inputs[arg.name])
+        for axis, edge in enumerate(arg.order):
+            dim, n = module.edges[edge], int(shape[axis])
+            if module.dims[dim] is not None:
+                continue
+            if dim in env and env[dim] != n:
+                raise EvalError(f"input '{arg.name}': edge '{edge}' has size {n}, "
+                                f"but dim '{dim}' is {env[dim]} (from {where[dim]})")
+            env.setdefault(dim, n)
+            where.setdefault(dim, f"input '{arg.name}'")
+    try:
+        return module.bind_dims(env)
+    except SizeError as e:
+        raise EvalError(f"{e}: no input has it; pass its size explicitly") from None
+
+
+def check_inputs(module: Module, inputs: Mapping[str, np.ndarray], env: Mapping[str, int],
+                 float_dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Validated copies of the inputs: names, ranks, sizes and dtypes checked."""
+    missing = [n for n in module.args if n not in inputs]
+    if missing:
+        raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
+    extra = [n for n in inputs if n not in module.args]
+    if extra:
+        raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(module.args)})")
+    out = {}
+    for arg in module.args.values():
+        out[arg.name] = _check_one(module, arg, np.asarray(inputs[arg.name]), env, float_dtype)
+    return out
+
+
+def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.ndarray:
+    want = tuple(env[module.edges[e]] for e in arg.order)
+    if a.shape != want:
+        edges = ", ".join(f"{e}={n}" for e, n in zip(arg.order, want))
+        raise EvalError(f"input '{arg.name}' has shape {a.shape}, expected {want} ([{edges}])")
+    if arg.dtype == "i32":
+        if a.dtype.kind not in "iu":
+            raise EvalError(f"input '{arg.name}' must hold integers (i32), not {a.dtype}")
+        return a.astype(np.int32)
+    if a.dtype.kind not in "fiub":
+        raise EvalError(f"input '{arg.name}' must be numeric, not {a.dtype}")
+    return a.astype(NP_DTYPES[float_dtype or arg.dtype])
+
+
+class _Eval:
+    def __init__(self, module: Module, env: dict[str, int], args: dict[str, np.ndarray],
+                 float_dtype: str | None):
+        self.m, self.env, self.args = module, env, args
+        self.sizes = module.edge_sizes(env)
+        self.float_dtype = float_dtype
+
+    def np_dtype(self, v: Value):
+        return NP_DTYPES[self.float_dtype if self.float_dtype and v.dtype != "i32" else v.dtype]
+
+    def expand(self, a: np.ndarray, v: Value, edges: tuple[str, ...]) -> np.ndarray:
+        """`a` (axes = v.edges) with size-1 axes inserted so its axes are `edges`."""
+        shape = [self.sizes[e] if e in v.edges else 1 for e in edges]
+        return a.reshape(shape)
+
+    def run(self, roots: list[Value]) -> dict[int, np.ndarray]:
+        vals: dict[int, np.ndarray] = {}
+        for v in topo_order(roots):
+            ops = [vals[id(o)] for o in v.operands]
+            vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
+        return vals
+
+
+def _arg(ev: _Eval, v: Value, ops):
+    a = ev.m.args[v.attrs[0]]
+    arr = ev.args[a.name]
+    return np.transpose(arr, [a.order.index(e) for e in v.edges])
+
+
+def _const(ev: _Eval, v: Value, ops):
+    return np.full([ev.sizes[e] for e in v.edges], v.attrs[0], dtype=ev.np_dtype(v))
+
+
+def _size(ev: _Eval, v: Value, ops):
+    return np.asarray(float(size_eval(ev.m.size(v.attrs[0]), ev.env)))
+
+
+def _add(ev: _Eval, v: Value, ops):
+    total = np.zeros([ev.sizes[e] for e in v.edges], dtype=ev.np_dtype(v))
+    for c, o, a in zip(v.attrs[0], v.operands, ops):
+        total = total + c * ev.expand(a, o, v.edges)
+    return total
+
+
+def _contract(ev: _Eval, v: Value, ops):
+    letters: dict[str, str] = {}
+
+    def sub(edges):
+        return "".join(letters.setdefault(e, _letter(len(letters))) for e in edges)
+
+    inputs = ",".join(sub(o.edges) for o in v.operands)
+    present = [e for e in v.edges if any(e in o.edges for o in v.operands)]
+    out = np.einsum(f"{inputs}->{sub(present)}", *ops, optimize=len(ops) > 2)
+    shape = [ev.sizes[e] if e in present else 1 for e in v.edges]
+    return np.broadcast_to(out.reshape(shape), [ev.sizes[e] for e in v.edges])
+
+
+def _letter(i: int) -> str:
+    return "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]
+
+
+def _safe_pow(a, b):
+    with np.errstate(all="ignore"):
+        return np.power(a, b)
+
+
+MAP_FNS: dict[str, Callable] = {
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin, "cos": np.cos,
+    "abs": np.abs, "sign": np.sign,
+    "div": np.divide, "pow": _safe_pow, "max": np.maximum, "min": np.minimum,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+    "eq": np.equal, "ne": np.not_equal,
+    "mul0": lambda a, b: np.where(a == 0, 0, a * b),
+    "where": lambda c, a, b: np.where(c != 0, a, b),
+}
+
+
+def _erf(x):
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float64])(x)
+
+
+MAP_FNS["erf"] = _erf
+
+
+def _map(ev: _Eval, v: Value, ops):
+    args = [ev.expand(a, o, v.edges) for o, a in zip(v.operands, ops)]
+    with np.errstate(all="ignore"):
+        out = MAP_FNS[v.attrs[0]](*args)
+    return np.broadcast_to(out, [ev.sizes[e] for e in v.edges])
+
+
+def _reduce(ev: _Eval, v: Value, ops):
+    kind, edges = v.attrs
+    x = v.operands[0]
+    axes = tuple(x.edges.index(e) for e in edges)
+    return (np.max if kind == "max" else np.min)(ops[0], axis=axes)
+
+
+def _indicator(ev: _Eval, v: Value, ops):
+    rel = v.attrs[0]
+    n = len(v.edges)
+    index = {e: np.arange(ev.sizes[e]).reshape([-1 if i == j else 1 for j in range(n)])
+             for i, e in enumerate(v.edges)}
+    held = rel.holds(index, ev.env)
+    return np.broadcast_to(np.asarray(held, dtype=ev.np_dtype(v)), [ev.sizes[e] for e in v.edges])
+
+
+def _gather(ev: _Eval, v: Value, ops):
+    table, ids = v.operands
+    edge = v.attrs[0]
+    n = ev.sizes[edge]
+    bad = (ops[1] < 0) | (ops[1] >= n)
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = ", ".join(f"{e}={i}" for e, i in zip(ids.edges, pos))
+        src = f"'{ids.attrs[0]}'" if ids.op == "arg" else "the index tensor"
+        raise EvalError(f"gather index out of range: {src}[{where}] = {int(ops[1][pos])}, "
+                        f"but edge '{edge}' has size {n}")
+    index = []
+    for e in table.edges:
+        if e == edge:
+            index.append(ev.expand(ops[1], ids, v.edges))
+        else:
+            index.append(np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in v.edges]))
+    return ops[0][tuple(index)]
+
+
+def _rename(ev: _Eval, v: Value, ops):
+    mapping = dict(v.attrs[0])
+    renamed = [mapping.get(e, e) for e in v.operands[0].edges]
+    return np.transpose(ops[0], [renamed.index(e) for e in v.edges])
+
+
+def _not_differentiated(ev: _Eval, v: Value, ops):
+    raise EvalError(f"'{v.op}' is not differentiated yet: run the adjoint and tangent passes first")
+
+
+OPS: dict[str, Callable] = {
+    "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
+    "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather,
+    "rename": _rename, "stop": lambda ev, v, ops: ops[0],
+    "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
+}
+
+
+def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | None = None,
+             dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Run the module; `dtype` ('f32'/'f64') overrides the float type of every value."""
+    missing = [n for n in module.args if n not in inputs]
+    if missing:
+        raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
+    env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
+    args = check_inputs(module, inputs, env, dtype)
+    ev = _Eval(module, env, args, dtype)
+    vals = ev.run(module.roots())
+    result: dict[str, np.ndarray] = {}
+    for o in module.outputs:
+        result[o.name] = np.ascontiguousarray(np.transpose(vals[id(o.value)], [o.value.edges.index(e) for e in o.order]))
+    for u in module.updates:
+        order = module.args[u.target].order
+        result[u.target] = np.ascontiguousarray(np.transpose(vals[id(u.value)], [u.value.edges.index(e) for e in order]))
+    return result
+
+
+def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
+                  dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for a in module.args.values():
+        shape = tuple(env[module.edges[e]] for e in a.order)
+        if a.dtype == "i32":
+            out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
+        else:
+            out[a.name] = rng.standard_normal(shape).astype(NP_DTYPES[dtype or a.dtype])
+    return out
+
+
+def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
+    """The smallest size among the edges this i32 input gathers along (or 1)."""
+    bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
+              if v.op == "gather" and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+    return min(bounds) if bounds else 1

@@ -1,0 +1,100 @@
+"""The IR module: dims, edges, arguments, and the outputs and updates of a program.
+
+A module owns the global edge table (every edge name has exactly one dim, and every
+dim is also an edge of its own size) and the roots of the value DAG: its outputs
+(each with an ABI order: the row-major axis order a caller sees) and its updates
+(new values for params and states, written back after the step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping
+
+from tgc.ir.diag import Loc
+from tgc.ir.sizes import Size, SizeError, size_eval
+from tgc.ir.values import Value, topo_order
+
+ARG_KINDS = ("input", "param", "state")
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    kind: str  # input | param | state
+    dtype: str  # f32 | f64 | i32
+    order: tuple[str, ...]  # ABI order of the edges
+    loc: Loc | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    value: Value
+    order: tuple[str, ...]  # ABI order
+    loc: Loc | None = None
+
+
+@dataclass(frozen=True)
+class Update:
+    target: str
+    value: Value
+    loc: Loc | None = None
+
+
+@dataclass
+class Module:
+    dims: dict[str, Size | None] = field(default_factory=dict)  # None: symbolic, bound at call
+    edges: dict[str, str] = field(default_factory=dict)  # edge -> dim
+    args: dict[str, Arg] = field(default_factory=dict)
+    outputs: list[Output] = field(default_factory=list)
+    updates: list[Update] = field(default_factory=list)
+
+    def size(self, edge: str) -> Size:
+        """The edge's size: an int, or an expression of symbolic dims."""
+        dim = self.edges[edge]
+        s = self.dims[dim]
+        return dim if s is None else s
+
+    def symbolic_dims(self) -> list[str]:
+        return [d for d, s in self.dims.items() if s is None]
+
+    def roots(self) -> list[Value]:
+        return [o.value for o in self.outputs] + [u.value for u in self.updates]
+
+    def values(self) -> list[Value]:
+        """Every live value, operands first, in a deterministic order."""
+        return topo_order(self.roots())
+
+    def replace_values(self, memo: Mapping[int, Value]) -> "Module":
+        """A copy whose outputs and updates map through `memo` (id(old) -> new)."""
+        outs = [replace(o, value=memo.get(id(o.value), o.value)) for o in self.outputs]
+        ups = [replace(u, value=memo.get(id(u.value), u.value)) for u in self.updates]
+        return Module(dict(self.dims), dict(self.edges), dict(self.args), outs, ups)
+
+    def fresh_edge(self, base: str, dim: str) -> str:
+        """Register and return a new edge name of size `dim` that no one uses yet."""
+        stem = base.split(".")[0]
+        n = 1
+        while f"{stem}.{n}" in self.edges:
+            n += 1
+        name = f"{stem}.{n}"
+        self.edges[name] = dim
+        return name
+
+    def bind_dims(self, known: Mapping[str, int]) -> dict[str, int]:
+        """Sizes of every dim given the symbolic ones in `known` (SizeError if missing)."""
+        env = dict(known)
+        for dim, s in self.dims.items():
+            if s is not None:
+                env[dim] = size_eval(s, env)
+            elif dim not in env:
+                raise SizeError(f"dim '{dim}' is not bound")
+        return env
+
+    def edge_sizes(self, env: Mapping[str, int]) -> dict[str, int]:
+        return {e: env[d] for e, d in self.edges.items()}
+
+    def order_edges(self, edges: Iterable[str]) -> tuple[str, ...]:
+        """`edges` in the order their names were first declared in the program."""
+        rank = {e: i for i, e in enumerate(self.edges)}
+        return tuple(sorted(edges, key=lambda e: (rank.get(e, len(rank)), e)))

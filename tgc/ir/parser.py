@@ -1,0 +1,143 @@
+"""Read the textual IR that `tgc.ir.printer` writes back into a `Module`.
+
+Every value is rebuilt through the typed builders of `tgc.ir.values`, so the types
+written in the text are checked against the types the ops derive; any mismatch or
+malformed line is a `CompileError` located at that line of the IR text.
+"""
+from __future__ import annotations
+
+import re
+
+from tgc.ir import values as V
+from tgc.ir.affine import parse_relation
+from tgc.ir.diag import CompileError, Loc
+from tgc.ir.module import ARG_KINDS, Arg, Module, Output, Update
+from tgc.ir.sizes import SizeError, parse_size
+
+NAME = r"[A-Za-z_][\w'.]*"
+_DIM = re.compile(rf"dim\s+({NAME})(?:\s*=\s*(.+))?$")
+_EDGE = re.compile(rf"edge\s+({NAME})\s*:\s*({NAME})$")
+_ARG = re.compile(rf"(input|param|state)\s+({NAME})\s*:\s*(\w+)\[([^\]]*)\]$")
+_VALUE = re.compile(rf"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[([^\]]*)\]"
+                    r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
+_OUT = re.compile(rf"out\s+({NAME})\s*=\s*%({NAME}|\d+)\s*:\s*\[([^\]]*)\]$")
+_UPDATE = re.compile(rf"update\s+({NAME})\s*=\s*%({NAME}|\d+)$")
+
+
+def _edge_list(text: str) -> list[str]:
+    return [e.strip() for e in text.split(",") if e.strip()]
+
+
+class _Reader:
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.m = Module()
+        self.env: dict[str, V.Value] = {}
+        self.line = 0
+
+    def error(self, message: str, col: int = 1) -> CompileError:
+        return CompileError(message, Loc(self.filename, self.line, col))
+
+    def ref(self, name: str) -> V.Value:
+        if name not in self.env:
+            raise self.error(f"use of undefined value '%{name}'")
+        return self.env[name]
+
+    def read(self, text: str) -> Module:
+        for self.line, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("%") else raw.strip()
+            if line:
+                try:
+                    self.statement(line)
+                except (V.IRError, SizeError, ValueError) as e:
+                    if isinstance(e, CompileError):
+                        raise
+                    raise self.error(str(e)) from None
+        return self.m
+
+    def statement(self, line: str) -> None:
+        for pattern, handler in ((_VALUE, self.value), (_DIM, self.dim), (_EDGE, self.edge),
+                                 (_ARG, self.arg), (_OUT, self.out), (_UPDATE, self.update)):
+            match = pattern.match(line)
+            if match:
+                handler(*match.groups())
+                return
+        raise self.error(f"cannot parse IR line: {line}")
+
+    def dim(self, name: str, size: str | None) -> None:
+        self.m.dims[name] = None if size is None else parse_size(size)
+        self.m.edges[name] = name
+
+    def edge(self, name: str, dim: str) -> None:
+        if dim not in self.m.dims:
+            raise self.error(f"edge '{name}' has unknown dim '{dim}'")
+        self.m.edges[name] = dim
+
+    def arg(self, kind: str, name: str, dtype: str, edges: str) -> None:
+        order = tuple(_edge_list(edges))
+        self.check_edges(order)
+        self.m.args[name] = Arg(name, kind, dtype, order)
+        self.env[name] = V.arg(name, dtype, order)
+
+    def check_edges(self, edges) -> None:
+        for e in edges:
+            if e not in self.m.edges:
+                raise self.error(f"unknown edge '{e}'")
+
+    def value(self, name, op, attrs, operands, dtype, edges, lfile, lline, lcol) -> None:
+        if name in self.env:
+            raise self.error(f"value '%{name}' is defined twice")
+        loc = Loc(lfile, int(lline), int(lcol)) if lfile else None
+        args = [self.ref(o.strip().lstrip("%")) for o in operands.split(",") if o.strip()]
+        typ = V.TensorType.of(dtype, _edge_list(edges))
+        self.check_edges(typ.edges)
+        v = _build(op, attrs, args, typ, loc)
+        if v.type != typ:
+            raise self.error(f"'{op}' gives type {v.type}, the text says {typ}")
+        self.env[name] = v
+
+    def out(self, name: str, ref: str, order: str) -> None:
+        v = self.ref(ref)
+        order_t = tuple(_edge_list(order))
+        if sorted(order_t) != list(v.edges):
+            raise self.error(f"output '{name}' order [{order}] does not match its edges {list(v.edges)}")
+        self.m.outputs.append(Output(name, v, order_t))
+
+    def update(self, target: str, ref: str) -> None:
+        if target not in self.m.args:
+            raise self.error(f"update of unknown argument '{target}'")
+        self.m.updates.append(Update(target, self.ref(ref)))
+
+
+def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, loc) -> V.Value:
+    a = attrs or ""
+    if op == "const":
+        return V.const(float(a), typ.dtype, typ.edges, loc)
+    if op == "size":
+        return V.size(a.strip(), typ.dtype, loc)
+    if op == "indicator":
+        return V.indicator(parse_relation(a), typ.dtype, loc)
+    if op == "add":
+        return V.add(args, [float(c) for c in a.split(",")], loc)
+    if op == "contract":
+        return V.contract(args, typ.edges, loc)
+    if op == "map":
+        return V.map_(a.strip(), *args, loc=loc)
+    if op == "reduce":
+        kind, _, edges = a.partition(":")
+        return V.reduce(kind.strip(), args[0], _edge_list(edges), loc)
+    if op == "gather":
+        return V.gather(args[0], args[1], a.strip(), loc)
+    if op == "rename":
+        pairs = [p.split("->") for p in a.split(",")]
+        return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
+    if op == "stop":
+        return V.stop(args[0], loc)
+    if op in ("grad", "jvp", "vjp"):
+        return getattr(V, op)(*args, loc=loc)
+    raise V.IRError(f"unknown op '{op}'")
+
+
+def parse_module(text: str, filename: str = "<ir>") -> Module:
+    """Parse IR text; CompileError (with the IR line) on anything malformed."""
+    return _Reader(filename).read(text)

@@ -1,0 +1,76 @@
+"""The textual form of a module: one declaration or op per line.
+
+    dim batch
+    dim features = 13
+    edge i : n
+    input x : f32[batch, features]          # ABI order
+    %0 = contract %x, %W : f32[batch, hidden]
+    %1 = add[1.0, -1.0] %0, %b : f32[batch, hidden]
+    out y = %1 : [batch, hidden]            # ABI order
+    update W = %5
+
+Values are numbered in a deterministic topological order; arguments are `%name`.
+`tgc.ir.parser.parse` reads this text back, and `print(parse(t)) == t`.
+"""
+from __future__ import annotations
+
+from tgc.ir.diag import Loc
+from tgc.ir.module import Module
+from tgc.ir.sizes import size_str
+from tgc.ir.values import Value
+
+
+def attr_text(v: Value) -> str:
+    """The bracketed attribute text of an op, '' when it has none."""
+    a = v.attrs
+    if v.op == "const":
+        text = repr(a[0])
+    elif v.op in ("size", "gather", "map"):
+        text = a[0]
+    elif v.op == "add":
+        text = ", ".join(repr(c) for c in a[0])
+    elif v.op == "reduce":
+        text = f"{a[0]}: {', '.join(a[1])}"
+    elif v.op == "indicator":
+        text = str(a[0])
+    elif v.op == "rename":
+        text = ", ".join(f"{s} -> {d}" for s, d in a[0])
+    else:
+        return ""
+    return f"[{text}]"
+
+
+def loc_text(loc: Loc | None) -> str:
+    return f" loc({loc.file}:{loc.line}:{loc.col})" if loc else ""
+
+
+def print_module(m: Module, locs: bool = False) -> str:
+    lines: list[str] = []
+    for dim, s in m.dims.items():
+        lines.append(f"dim {dim}" if s is None else f"dim {dim} = {size_str(s)}")
+    for edge, dim in m.edges.items():
+        if edge != dim:
+            lines.append(f"edge {edge} : {dim}")
+    for a in m.args.values():
+        lines.append(f"{a.kind} {a.name} : {a.dtype}[{', '.join(a.order)}]")
+    names: dict[int, str] = {}
+    body: list[str] = []
+    for v in m.values():
+        if v.op == "arg":
+            names[id(v)] = f"%{v.attrs[0]}"
+            continue
+        names[id(v)] = f"%{len(body)}"
+        operands = ", ".join(names[id(o)] for o in v.operands)
+        sep = " " if operands else ""
+        body.append(f"{names[id(v)]} = {v.op}{attr_text(v)}{sep}{operands} : {v.type}"
+                    + (loc_text(v.loc) if locs else ""))
+    if body:
+        lines.append("")
+        lines.extend(body)
+    if m.outputs or m.updates:
+        lines.append("")
+    for o in m.outputs:
+        lines.append(f"out {o.name} = {names[id(o.value)]} : [{', '.join(o.order)}]")
+    for u in m.updates:
+        lines.append(f"update {u.target} = {names[id(u.value)]}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,132 @@
+"""Size expressions: the integer arithmetic of dims.
+
+A size is an `int`, the name of a dim (`str`), or a `SizeOp` combining two sizes with
+`+ - * /` (`/` must divide exactly). Literal sub-expressions are folded when built,
+so a size that does not mention a symbolic dim is always a plain `int`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+
+class SizeError(ValueError):
+    """A size expression that cannot be evaluated (unknown dim, inexact division)."""
+
+
+@dataclass(frozen=True)
+class SizeOp:
+    op: str  # one of + - * /
+    lhs: "Size"
+    rhs: "Size"
+
+
+Size = Union[int, str, SizeOp]
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:
+        raise SizeError("division by zero in a size")
+    if a % b:
+        raise SizeError(f"{a} is not divisible by {b}")
+    return a // b
+
+
+def size_op(op: str, a: Size, b: Size) -> Size:
+    """Build `a op b`, folding literals and the identities x+0, x*1, x/1."""
+    if isinstance(a, int) and isinstance(b, int):
+        return _apply(op, a, b)
+    if op in "+-" and b == 0:
+        return a
+    if op == "+" and a == 0:
+        return b
+    if op in "*/" and b == 1:
+        return a
+    if op == "*" and a == 1:
+        return b
+    return SizeOp(op, a, b)
+
+
+def size_eval(s: Size, env: Mapping[str, int]) -> int:
+    """The value of `s` with symbolic dims taken from `env` (SizeError if missing)."""
+    if isinstance(s, int):
+        return s
+    if isinstance(s, str):
+        if s not in env:
+            raise SizeError(f"dim '{s}' is not bound")
+        return env[s]
+    return _apply(s.op, size_eval(s.lhs, env), size_eval(s.rhs, env))
+
+
+def size_dims(s: Size) -> list[str]:
+    """The dim names that `s` mentions, in order of first appearance."""
+    if isinstance(s, int):
+        return []
+    if isinstance(s, str):
+        return [s]
+    out = size_dims(s.lhs)
+    return out + [d for d in size_dims(s.rhs) if d not in out]
+
+
+def size_str(s: Size, parent: int = 0, right: bool = False) -> str:
+    """Text with the fewest parentheses that parses back to the same tree."""
+    if isinstance(s, int):
+        return str(s) if s >= 0 or parent == 0 else f"({s})"
+    if isinstance(s, str):
+        return s
+    p = _PREC[s.op]
+    text = f"{size_str(s.lhs, p)} {s.op} {size_str(s.rhs, p, True)}"
+    return f"({text})" if p < parent or (p == parent and right) else text
+
+
+def parse_size(text: str) -> Size:
+    """Parse the text `size_str` writes: ints, names, + - * / and parentheses."""
+    import re
+
+    toks = re.findall(r"\d+|[A-Za-z_][A-Za-z0-9_'.]*|[-+*/()]|\S", text)
+    pos = 0
+
+    def peek() -> str | None:
+        return toks[pos] if pos < len(toks) else None
+
+    def take() -> str:
+        nonlocal pos
+        if pos >= len(toks):
+            raise SizeError(f"incomplete size expression '{text}'")
+        pos += 1
+        return toks[pos - 1]
+
+    def atom() -> Size:
+        t = take()
+        if t == "(":
+            v = expr(1)
+            if take() != ")":
+                raise SizeError(f"expected ')' in size expression '{text}'")
+            return v
+        if t == "-":
+            return size_op("-", 0, atom())
+        if t.isdigit():
+            return int(t)
+        if re.match(r"[A-Za-z_]", t):
+            return t
+        raise SizeError(f"unexpected '{t}' in size expression '{text}'")
+
+    def expr(min_prec: int) -> Size:
+        lhs = atom()
+        while peek() in _PREC and _PREC[peek()] >= min_prec:
+            op = take()
+            lhs = size_op(op, lhs, expr(_PREC[op] + 1))
+        return lhs
+
+    result = expr(1)
+    if pos != len(toks):
+        raise SizeError(f"unexpected '{toks[pos]}' in size expression '{text}'")
+    return result

@@ -1,0 +1,298 @@
+"""Values of the tensor IR: a hash-consed DAG of named-edge operations.
+
+A `Value` is immutable and interned: building the same op on the same operands
+with the same attributes and type returns the very same object, so structural
+equality is identity and common subexpressions are shared for free.
+
+Every value has a `TensorType`: a dtype and a set of named edges (kept sorted, so
+there is no axis order). The primitive ops and their attributes:
+
+    arg       (name,)            an input, param or state of the module
+    const     (value,)           a float filled over the type's edges (usually none)
+    size      (edge,)            the size of an edge, as a float scalar
+    add       (coefs,)           sum of coef_i * operand_i, broadcast by edge name
+    contract  ()                 product of all operands, summed over every edge not
+                                 in the result type; result edges no operand has are
+                                 broadcast (repeated)
+    map       (fn,)              an elementwise leaf function (MAP_ARITY), broadcast
+    reduce    (kind, edges)      max or min over `edges`
+    indicator (relation,)        1.0 where the affine relation holds, else 0.0
+    gather    (edge,)            table[edge = ids[...]]: operands (table, ids:i32);
+                                 edges shared by table and ids are matched
+    rename    (pairs,)           edge renaming ((src, dst), ...)
+    stop      ()                 identity with a zero derivative
+    grad      ()                 d f / d x          operands (f, x: arg)
+    jvp       ()                 forward mode       operands (f, x: arg, dx)
+    vjp       ()                 reverse mode       operands (f, x: arg, v)
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+from tgc.ir.affine import Relation
+from tgc.ir.diag import Loc
+
+FLOAT_DTYPES = ("f32", "f64")
+DTYPES = FLOAT_DTYPES + ("i32",)
+
+MAP_ARITY = {
+    "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
+    "abs": 1, "sign": 1,
+    "div": 2, "pow": 2, "max": 2, "min": 2,
+    "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
+    "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
+    "where": 3,
+}
+DERIVATIVE_OPS = ("grad", "jvp", "vjp")
+
+
+class IRError(ValueError):
+    """An ill-typed IR construction (wrong edges, dtypes, arity)."""
+
+
+@dataclass(frozen=True)
+class TensorType:
+    dtype: str
+    edges: tuple[str, ...]  # sorted, unique
+
+    @staticmethod
+    def of(dtype: str, edges: Iterable[str]) -> "TensorType":
+        return TensorType(dtype, tuple(sorted(set(edges))))
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(self.edges)}]"
+
+
+class Value:
+    """One node of the DAG. Build with the functions below, never directly."""
+
+    __slots__ = ("op", "operands", "attrs", "type", "loc", "__weakref__")
+    _table: "weakref.WeakValueDictionary[tuple, Value]" = weakref.WeakValueDictionary()
+
+    op: str
+    operands: tuple["Value", ...]
+    attrs: tuple
+    type: TensorType
+    loc: Loc | None
+
+    @classmethod
+    def make(cls, op: str, operands: Sequence["Value"], attrs: tuple, type: TensorType,
+             loc: Loc | None = None) -> "Value":
+        key = (op, tuple(id(o) for o in operands), attrs, type)
+        found = cls._table.get(key)
+        if found is not None:
+            return found
+        v = object.__new__(cls)
+        v.op, v.operands, v.attrs, v.type, v.loc = op, tuple(operands), attrs, type, loc
+        cls._table[key] = v
+        return v
+
+    @property
+    def edges(self) -> tuple[str, ...]:
+        return self.type.edges
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+    def __repr__(self) -> str:
+        return f"<{self.op}{list(self.attrs) if self.attrs else ''} : {self.type}>"
+
+
+def _union(values: Iterable[Value]) -> set[str]:
+    out: set[str] = set()
+    for v in values:
+        out.update(v.edges)
+    return out
+
+
+def _float_dtype(values: Sequence[Value]) -> str:
+    dtypes = {v.dtype for v in values}
+    if "i32" in dtypes:
+        raise IRError("integer (i32) tensors can only be used as gather indices")
+    if len(dtypes) > 1:
+        raise IRError(f"mixed float types {sorted(dtypes)}")
+    return dtypes.pop()
+
+
+def arg(name: str, dtype: str, edges: Iterable[str], loc: Loc | None = None) -> Value:
+    if dtype not in DTYPES:
+        raise IRError(f"unknown dtype '{dtype}'")
+    return Value.make("arg", (), (name,), TensorType.of(dtype, edges), loc)
+
+
+def const(value: float, dtype: str, edges: Iterable[str] = (), loc: Loc | None = None) -> Value:
+    if dtype not in FLOAT_DTYPES:
+        raise IRError(f"constants are float, not '{dtype}'")
+    return Value.make("const", (), (float(value),), TensorType.of(dtype, edges), loc)
+
+
+def size(edge: str, dtype: str, loc: Loc | None = None) -> Value:
+    return Value.make("size", (), (edge,), TensorType.of(dtype, ()), loc)
+
+
+def add(operands: Sequence[Value], coefs: Sequence[float] | None = None, loc: Loc | None = None) -> Value:
+    if not operands:
+        raise IRError("add needs at least one operand")
+    coefs = tuple(float(c) for c in (coefs if coefs is not None else [1.0] * len(operands)))
+    if len(coefs) != len(operands):
+        raise IRError("add needs one coefficient per operand")
+    dtype = _float_dtype(operands)
+    return Value.make("add", operands, (coefs,), TensorType.of(dtype, _union(operands)), loc)
+
+
+def contract(operands: Sequence[Value], keep: Iterable[str], loc: Loc | None = None) -> Value:
+    if not operands:
+        raise IRError("contract needs at least one operand")
+    dtype = _float_dtype(operands)
+    return Value.make("contract", operands, (), TensorType.of(dtype, keep), loc)
+
+
+def mul(operands: Sequence[Value], loc: Loc | None = None) -> Value:
+    """Elementwise product with broadcasting: a contraction that keeps every edge."""
+    return contract(operands, _union(operands), loc)
+
+
+def map_(fn: str, *operands: Value, loc: Loc | None = None) -> Value:
+    if fn not in MAP_ARITY:
+        raise IRError(f"unknown elementwise function '{fn}'")
+    if len(operands) != MAP_ARITY[fn]:
+        raise IRError(f"'{fn}' takes {MAP_ARITY[fn]} argument(s), got {len(operands)}")
+    dtype = _float_dtype(operands)
+    return Value.make("map", operands, (fn,), TensorType.of(dtype, _union(operands)), loc)
+
+
+def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) -> Value:
+    if kind not in ("max", "min"):
+        raise IRError(f"unknown reduction '{kind}'")
+    edges = tuple(sorted(set(edges)))
+    missing = [e for e in edges if e not in x.edges]
+    if missing:
+        raise IRError(f"cannot reduce over edge '{missing[0]}': the tensor has edges [{', '.join(x.edges)}]")
+    dtype = _float_dtype([x])
+    rest = [e for e in x.edges if e not in edges]
+    return Value.make("reduce", (x,), (kind, edges), TensorType.of(dtype, rest), loc)
+
+
+def indicator(rel: Relation, dtype: str, loc: Loc | None = None) -> Value:
+    return Value.make("indicator", (), (rel,), TensorType.of(dtype, rel.edges()), loc)
+
+
+def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value:
+    if ids.dtype != "i32":
+        raise IRError(f"gather indices must be i32, not {ids.dtype}")
+    if edge not in table.edges:
+        raise IRError(f"cannot gather along edge '{edge}': the tensor has edges [{', '.join(table.edges)}]")
+    dtype = _float_dtype([table])
+    rest = [e for e in table.edges if e != edge]
+    return Value.make("gather", (table, ids), (edge,), TensorType.of(dtype, rest + list(ids.edges)), loc)
+
+
+def rename(x: Value, mapping: Mapping[str, str], loc: Loc | None = None) -> Value:
+    pairs = tuple(sorted((s, d) for s, d in mapping.items() if s != d))
+    if not pairs:
+        return x
+    for s, _ in pairs:
+        if s not in x.edges:
+            raise IRError(f"cannot rename edge '{s}': the tensor has edges [{', '.join(x.edges)}]")
+    new = [dict(pairs).get(e, e) for e in x.edges]
+    if len(set(new)) != len(new):
+        dup = next(e for e in new if new.count(e) > 1)
+        raise IRError(f"renaming gives the tensor edge '{dup}' twice")
+    return Value.make("rename", (x,), (pairs,), TensorType.of(x.dtype, new), loc)
+
+
+def stop(x: Value, loc: Loc | None = None) -> Value:
+    return Value.make("stop", (x,), (), x.type, loc)
+
+
+def _check_wrt(x: Value) -> None:
+    if x.op != "arg":
+        raise IRError("derivatives are taken with respect to an input, param or state")
+    if x.dtype == "i32":
+        raise IRError("cannot differentiate with respect to an integer (i32) input")
+
+
+def grad(f: Value, x: Value, loc: Loc | None = None) -> Value:
+    _check_wrt(x)
+    shared = sorted(set(f.edges) & set(x.edges))
+    if shared:
+        raise IRError(f"grad of a non-scalar needs disjoint edges; both sides have '{shared[0]}' (rename first)")
+    return Value.make("grad", (f, x), (), TensorType.of(f.dtype, f.edges + x.edges), loc)
+
+
+def jvp(f: Value, x: Value, dx: Value, loc: Loc | None = None) -> Value:
+    _check_wrt(x)
+    missing = sorted(set(x.edges) - set(dx.edges))
+    if missing:
+        raise IRError(f"the tangent must have the edges of '{x.attrs[0]}'; it lacks '{missing[0]}'")
+    extra = set(dx.edges) - set(x.edges)
+    if extra & set(f.edges):
+        raise IRError(f"the tangent's extra edge '{sorted(extra & set(f.edges))[0]}' is also an edge of the function")
+    return Value.make("jvp", (f, x, dx), (), TensorType.of(f.dtype, set(f.edges) | extra), loc)
+
+
+def vjp(f: Value, x: Value, v: Value, loc: Loc | None = None) -> Value:
+    _check_wrt(x)
+    missing = sorted(set(f.edges) - set(v.edges))
+    if missing:
+        raise IRError(f"the cotangent must have the function's edges; it lacks '{missing[0]}'")
+    extra = set(v.edges) - set(f.edges)
+    if extra & set(x.edges):
+        raise IRError(f"the cotangent's extra edge '{sorted(extra & set(x.edges))[0]}' is also an edge of '{x.attrs[0]}'")
+    return Value.make("vjp", (f, x, v), (), TensorType.of(f.dtype, set(x.edges) | extra), loc)
+
+
+def topo_order(roots: Iterable[Value]) -> list[Value]:
+    """Every value reachable from `roots`, operands before users, deterministic."""
+    order: list[Value] = []
+    seen: set[int] = set()
+    for root in roots:
+        stack: list[tuple[Value, int]] = [(root, 0)]
+        while stack:
+            v, i = stack.pop()
+            if i == 0 and id(v) in seen:
+                continue
+            if i < len(v.operands):
+                stack.append((v, i + 1))
+                child = v.operands[i]
+                if id(child) not in seen:
+                    stack.append((child, 0))
+            else:
+                seen.add(id(v))
+                order.append(v)
+    return order
+
+
+def rebuild(roots: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Value]) -> dict[int, Value]:
+    """Rewrite bottom-up: `fn(old, new_operands)` gives each value's replacement.
+
+    Returns a map from `id(old)` to its replacement for every value reachable.
+    """
+    memo: dict[int, Value] = {}
+    for v in topo_order(roots):
+        memo[id(v)] = fn(v, tuple(memo[id(o)] for o in v.operands))
+    return memo
+
+
+def rebuild_same(v: Value, operands: tuple[Value, ...]) -> Value:
+    """`v` with new operands, its op and attributes unchanged (types re-derived)."""
+    if operands == v.operands:
+        return v
+    return BUILDERS[v.op](v, operands)
+
+
+BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
+    "add": lambda v, ops: add(ops, v.attrs[0], v.loc),
+    "contract": lambda v, ops: contract(ops, v.edges, v.loc),
+    "map": lambda v, ops: map_(v.attrs[0], *ops, loc=v.loc),
+    "reduce": lambda v, ops: reduce(v.attrs[0], ops[0], v.attrs[1], v.loc),
+    "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
+    "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
+    "stop": lambda v, ops: stop(ops[0], v.loc),
+    "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
+    "jvp": lambda v, ops: jvp(*ops, loc=v.loc),
+    "vjp": lambda v, ops: vjp(*ops, loc=v.loc),
+}
