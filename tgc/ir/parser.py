@@ -13,6 +13,7 @@ from tgc.ir.affine import parse_relation
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import ARG_KINDS, Arg, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
+from tgc.ir.verify import VerifyError, verify
 
 NAME = r"[A-Za-z_][\w'.]*"
 _DIM = re.compile(rf"dim\s+({NAME})(?:\s*=\s*(.+))?$")
@@ -34,6 +35,7 @@ class _Reader:
         self.m = Module()
         self.env: dict[str, V.Value] = {}
         self.line = 0
+        self.lines: dict[int, int] = {}  # id(value) -> line that defined it
 
     def error(self, message: str, col: int = 1) -> CompileError:
         return CompileError(message, Loc(self.filename, self.line, col))
@@ -53,6 +55,11 @@ class _Reader:
                     if isinstance(e, CompileError):
                         raise
                     raise self.error(str(e)) from None
+        try:
+            verify(self.m)
+        except VerifyError as e:
+            self.line = self.lines.get(id(e.value), self.line)
+            raise self.error(str(e)) from None
         return self.m
 
     def statement(self, line: str) -> None:
@@ -95,6 +102,7 @@ class _Reader:
         if v.type != typ:
             raise self.error(f"'{op}' gives type {v.type}, the text says {typ}")
         self.env[name] = v
+        self.lines.setdefault(id(v), self.line)
 
     def out(self, name: str, ref: str, order: str) -> None:
         v = self.ref(ref)

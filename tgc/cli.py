@@ -1,0 +1,209 @@
+"""The `tgc` command line: thin click commands over the library.
+
+Exit status: 0 success, 1 errors in the user's program, 2 usage errors,
+3 runtime errors in `tgc run`, 4 internal compiler errors.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+import tgc
+from tgc import driver
+from tgc.fsutil import write_atomic
+from tgc.cli_errors import EXIT_USER, handle_errors
+from tgc.ir.diag import CompileError
+from tgc.ir.printer import print_module
+from tgc.options import Options
+
+def _emit_to_stderr(banner: str, text: str) -> None:
+    click.echo(f"// ----- {banner} -----", err=True)
+    click.echo(text, err=True, nl=False)
+
+
+def _pass_list(ctx, param, value):
+    if value is None:
+        return None
+    from tgc.passes.manager import parse_pass_list
+
+    try:
+        return parse_pass_list(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _pass_names(ctx, param, value):
+    from tgc.passes.registry import PASSES
+
+    names = set()
+    for item in value or ():
+        for n in item.split(","):
+            n = n.strip()
+            if n and n not in PASSES and n != "elaborate":
+                raise click.BadParameter(f"unknown pass '{n}' (known: elaborate, {', '.join(PASSES)})")
+            if n:
+                names.add(n)
+    return frozenset(names)
+
+
+def pipeline_options(fn):
+    """The flags every command that runs passes shares; they become one Options."""
+    decorators = [
+        click.option("-p", "--passes", callback=_pass_list, metavar="LIST",
+                     help="Comma-separated passes to run instead of the default pipeline."),
+        click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True,
+                     help="The program's float type."),
+        click.option("--print-ir-before", "print_before", multiple=True, callback=_pass_names,
+                     metavar="PASS", help="Print the IR to stderr before PASS."),
+        click.option("--print-ir-after", "print_after", multiple=True, callback=_pass_names,
+                     metavar="PASS", help="Print the IR to stderr after PASS."),
+        click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
+        click.option("--verify-each", is_flag=True,
+                     help="Check after every pass that the program's values did not change (float64)."),
+    ]
+    for d in reversed(decorators):
+        fn = d(fn)
+    return fn
+
+
+def make_options(passes=None, dtype="f32", print_before=frozenset(), print_after=frozenset(),
+                 print_ir_after_all=False, verify_each=False, **extra) -> Options:
+    return Options(dtype=dtype, passes=passes, print_ir_before=print_before,
+                   print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
+                   verify_each=verify_each, **extra)
+
+
+def write_output(path: str | None, text: str) -> None:
+    if path in (None, "-"):
+        click.echo(text, nl=False)
+    else:
+        write_atomic(path, text)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(tgc.__version__, prog_name="tgc")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors.")
+def main(debug: bool) -> None:
+    """tgc: compile tensor programs over named edges.
+
+    \b
+    Examples:
+      tgc check examples/mlp.tg
+      tgc dump-ir examples/mlp.tg --after elaborate
+      tgc run examples/mlp.tg --random-inputs
+    """
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@handle_errors
+def check(files: tuple[str, ...], dtype: str) -> None:
+    """Parse and check FILES; print nothing when they are correct.
+
+    \b
+    Example:
+      tgc check examples/mlp.tg examples/gpt.tg
+    """
+    failed = False
+    for path in files:
+        try:
+            driver.load(path, Options(dtype=dtype))
+        except CompileError as e:
+            click.echo(e.format(), err=True)
+            failed = True
+    if failed:
+        sys.exit(EXIT_USER)
+
+
+@main.command("dump-ir")
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--after", "after", metavar="PASS",
+              help="Stop after PASS ('elaborate' = straight from the front end).")
+@click.option("--after-all", is_flag=True, help="Print the IR after the front end and after every pass.")
+@click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@pipeline_options
+@handle_errors
+def dump_ir(file, after, after_all, locs, output, **opts) -> None:
+    """Print FILE's IR after the pipeline (or after one pass).
+
+    \b
+    Examples:
+      tgc dump-ir examples/mlp.tg --after elaborate
+      tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
+    """
+    from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+
+    options = make_options(**opts, locs=locs)
+    module = driver.load(file, options)
+    names = options.passes if options.passes is not None else DEFAULT_PIPELINE
+    if after == "elaborate":
+        names = ()
+    elif after is not None:
+        if after not in PASSES:
+            raise click.BadParameter(f"unknown pass '{after}' (known: elaborate, {', '.join(PASSES)})",
+                                     param_hint="--after")
+        if after not in names:
+            raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(names)})",
+                                     param_hint="--after")
+        names = names[: names.index(after) + 1]
+    chunks: list[str] = []
+    if after_all:
+        chunks.append(f"// ----- IR after elaborate -----\n{print_module(module, locs)}")
+        options = options.with_(print_ir_after_all=False)
+
+    def collect(banner: str, text: str) -> None:
+        chunks.append(f"// ----- {banner} -----\n{text}")
+
+    options = options.with_(passes=tuple(names))
+    emit = collect if after_all else _emit_to_stderr
+    if after_all:
+        options = options.with_(print_ir_after_all=True)
+    result = driver.lower(module, options, emit)
+    write_output(output, "".join(chunks) if after_all else print_module(result.module, locs))
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
+@pipeline_options
+@handle_errors
+def opt(file, output, locs, **opts) -> None:
+    """Read IR (a .tgir file, or - for stdin), run passes, print IR.
+
+    With an empty pass list (-p '') it only parses, verifies and reprints.
+
+    \b
+    Example:
+      tgc opt mlp.tgir -p adjoint,simplify -o mlp.opt.tgir
+    """
+    from tgc.ir.parser import parse_module
+
+    options = make_options(**opts, locs=locs)
+    module = parse_module(driver.read_text(file), "<stdin>" if file == "-" else file)
+    if options.passes is None:
+        options = options.with_(passes=())
+    result = driver.lower(module, options, _emit_to_stderr)
+    write_output(output, print_module(result.module, locs))
+
+
+@main.command()
+def passes() -> None:
+    """List every pass with its one-line description, and the default pipeline."""
+    from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+
+    width = max(len(n) for n in PASSES)
+    for name, cls in PASSES.items():
+        click.echo(f"{name:<{width}}  {cls.summary()}")
+    click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
+
+
+from tgc.cli_run import run  # noqa: E402  (registers `tgc run`)
+
+main.add_command(run)
+
+if __name__ == "__main__":
+    main()

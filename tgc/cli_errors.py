@@ -1,0 +1,52 @@
+"""Exit codes and the error boundary shared by every `tgc` command."""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+
+import click
+
+from tgc.ir.diag import CompileError
+from tgc.ir.interp import EvalError
+
+EXIT_USER, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERNAL = 1, 2, 3, 4
+
+
+def _debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx else None
+    return bool(os.environ.get("TGC_DEBUG")) or bool(root and root.params.get("debug"))
+
+
+def handle_errors(fn):
+    """Turn user errors into diagnostics and exit codes; anything else is an ICE."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CompileError as e:
+            click.echo(e.format(), err=True)
+            sys.exit(EXIT_USER)
+        except EvalError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(EXIT_RUNTIME)
+        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
+            raise
+        except RecursionError:
+            click.echo("error: the program is nested too deeply to compile", err=True)
+            sys.exit(EXIT_USER)
+        except Exception as e:  # noqa: BLE001 - the last line of defence
+            if _debug():
+                traceback.print_exc()
+            first = (str(e).splitlines() or [""])[0]
+            click.echo(f"internal compiler error: {type(e).__name__}: {first}", err=True)
+            click.echo("hint: rerun with --debug (or TGC_DEBUG=1) for the traceback, "
+                       "and report it with the input file", err=True)
+            sys.exit(EXIT_INTERNAL)
+
+    return wrapper
+
+
