@@ -13,7 +13,7 @@ from tgc.ir.affine import parse_relation
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import ARG_KINDS, Arg, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
-from tgc.ir.verify import VerifyError, verify
+from tgc.ir.verify import VerifyError, check_value, verify
 
 NAME = r"[A-Za-z_][\w'.]*"
 _DIM = re.compile(rf"dim\s+({NAME})(?:\s*=\s*(.+))?$")
@@ -101,6 +101,10 @@ class _Reader:
         v = _build(op, attrs, args, typ, loc)
         if v.type != typ:
             raise self.error(f"'{op}' gives type {v.type}, the text says {typ}")
+        try:
+            check_value(self.m, v, derivatives=True)
+        except VerifyError as e:
+            raise self.error(str(e)) from None
         self.env[name] = v
         self.lines.setdefault(id(v), self.line)
 

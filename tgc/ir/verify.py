@@ -24,7 +24,7 @@ def _same_size(m: Module, a: str, b: str) -> bool:
     return m.size(a) == m.size(b)
 
 
-def _check_value(m: Module, v: Value, derivatives: bool) -> None:
+def check_value(m: Module, v: Value, derivatives: bool) -> None:
     for e in v.edges:
         if e not in m.edges:
             raise VerifyError(f"edge '{e}' is not declared", v)
@@ -50,7 +50,7 @@ def verify(m: Module, derivatives: bool = True) -> None:
         if dim not in m.dims:
             raise VerifyError(f"edge '{edge}' has undeclared dim '{dim}'")
     for v in m.values():
-        _check_value(m, v, derivatives)
+        check_value(m, v, derivatives)
     names = [o.name for o in m.outputs]
     for o in m.outputs:
         if names.count(o.name) > 1:
