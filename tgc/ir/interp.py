@@ -185,17 +185,22 @@ def _indicator(ev: _Eval, v: Value, ops):
     return np.broadcast_to(np.asarray(held, dtype=ev.np_dtype(v)), [ev.sizes[e] for e in v.edges])
 
 
-def _gather(ev: _Eval, v: Value, ops):
-    table, ids = v.operands
+def _check_ids(ev: _Eval, v: Value, ids: Value, a: np.ndarray) -> None:
     edge = v.attrs[0]
     n = ev.sizes[edge]
-    bad = (ops[1] < 0) | (ops[1] >= n)
+    bad = (a < 0) | (a >= n)
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
         where = ", ".join(f"{e}={i}" for e, i in zip(ids.edges, pos))
         src = f"'{ids.attrs[0]}'" if ids.op == "arg" else "the index tensor"
-        raise EvalError(f"gather index out of range: {src}[{where}] = {int(ops[1][pos])}, "
+        raise EvalError(f"{v.op} index out of range: {src}[{where}] = {int(a[pos])}, "
                         f"but edge '{edge}' has size {n}")
+
+
+def _gather(ev: _Eval, v: Value, ops):
+    table, ids = v.operands
+    edge = v.attrs[0]
+    _check_ids(ev, v, ids, ops[1])
     index = []
     for e in table.edges:
         if e == edge:
@@ -203,6 +208,21 @@ def _gather(ev: _Eval, v: Value, ops):
         else:
             index.append(np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in v.edges]))
     return ops[0][tuple(index)]
+
+
+def _scatter(ev: _Eval, v: Value, ops):
+    ct, ids = v.operands
+    edge = v.attrs[0]
+    _check_ids(ev, v, ids, ops[1])
+    full = tuple(sorted(set(ct.edges) | set(ids.edges)))
+    shape = [ev.sizes[e] for e in full]
+    values = np.broadcast_to(ev.expand(ops[0], ct, full), shape)
+    index = tuple(np.broadcast_to(ev.expand(ops[1], ids, full), shape) if e == edge else
+                  np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in full])
+                  for e in v.edges)
+    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=ev.np_dtype(v))
+    np.add.at(out, index, values)
+    return out
 
 
 def _rename(ev: _Eval, v: Value, ops):
@@ -217,7 +237,7 @@ def _not_differentiated(ev: _Eval, v: Value, ops):
 
 OPS: dict[str, Callable] = {
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
-    "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather,
+    "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
     "rename": _rename, "stop": lambda ev, v, ops: ops[0],
     "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
 }

@@ -25,7 +25,7 @@ def attr_text(v: Value) -> str:
     a = v.attrs
     if v.op == "const":
         text = repr(a[0])
-    elif v.op in ("size", "gather", "map"):
+    elif v.op in ("size", "gather", "scatter", "map"):
         text = a[0]
     elif v.op == "add":
         text = ", ".join(repr(c) for c in a[0])

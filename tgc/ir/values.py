@@ -19,6 +19,10 @@ there is no axis order). The primitive ops and their attributes:
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
     gather    (edge,)            table[edge = ids[...]]: operands (table, ids:i32);
                                  edges shared by table and ids are matched
+    scatter   (edge,)            the transpose of gather: operands (ct, ids:i32); sums
+                                 ct into position ids[...] along `edge`; the result
+                                 has (ct.edges - ids.edges) + edge, plus the edges of
+                                 ids its type keeps, which are matched as in gather
     rename    (pairs,)           edge renaming ((src, dst), ...)
     stop      ()                 identity with a zero derivative
     grad      ()                 d f / d x          operands (f, x: arg)
@@ -190,6 +194,20 @@ def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value
     return Value.make("gather", (table, ids), (edge,), TensorType.of(dtype, rest + list(ids.edges)), loc)
 
 
+def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc | None = None) -> Value:
+    """result[edge = j, rest, keep] = sum over the other ids edges of ct where ids[...] == j."""
+    if ids.dtype != "i32":
+        raise IRError(f"scatter indices must be i32, not {ids.dtype}")
+    if edge in ct.edges or edge in ids.edges:
+        raise IRError(f"cannot scatter along edge '{edge}': an operand already has it")
+    keep = set(keep)
+    if not keep <= set(ids.edges):
+        raise IRError(f"scatter can keep only edges of the indices, not '{sorted(keep - set(ids.edges))[0]}'")
+    dtype = _float_dtype([ct])
+    rest = [e for e in ct.edges if e not in ids.edges]
+    return Value.make("scatter", (ct, ids), (edge,), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
+
+
 def rename(x: Value, mapping: Mapping[str, str], loc: Loc | None = None) -> Value:
     pairs = tuple(sorted((s, d) for s, d in mapping.items() if s != d))
     if not pairs:
@@ -290,6 +308,7 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "map": lambda v, ops: map_(v.attrs[0], *ops, loc=v.loc),
     "reduce": lambda v, ops: reduce(v.attrs[0], ops[0], v.attrs[1], v.loc),
     "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
+    "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
     "stop": lambda v, ops: stop(ops[0], v.loc),
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),

@@ -1,0 +1,138 @@
+"""The CPU backend's door to LLVM (llvmlite 0.50 / LLVM 22).
+
+One place that
+  * initialises llvmlite once (``initialize_native_target``/``_asmprinter``; the old
+    ``llvm.initialize()`` raises on this version),
+  * builds TargetMachines for the host CPU (its name and feature string, so loops
+    vectorize to the host's widest registers: 512-bit on AVX-512 machines),
+  * runs the new-pass-manager O0..O3 pipeline with loop and SLP vectorization on,
+  * JIT-compiles a module into a live MCJIT engine, and
+  * emits object files (``reloc='pic'``, ``codemodel='default'``: linkable into a
+    ``.so``) and assembly text.
+
+Everything takes the optimisation level explicitly; nothing here is configured by
+module state. Output is deterministic: the same IR text gives the same object bytes.
+
+A ``JitModule`` owns its engine; the addresses it hands out stay valid exactly as
+long as the ``JitModule`` object is alive, so keep a reference next to any ctypes
+function built from them.
+"""
+
+import functools
+
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+
+
+@functools.cache
+def _target() -> llvm.Target:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    return llvm.Target.from_default_triple()
+
+
+@functools.cache
+def host_cpu() -> tuple[str, str]:
+    """(cpu name, comma-separated feature string) of the machine we run on."""
+    _target()
+    try:
+        features = llvm.get_host_cpu_features().flatten()
+    except RuntimeError:
+        features = ''
+    return llvm.get_host_cpu_name(), features
+
+
+def has_feature(name: str) -> bool:
+    """Whether the host CPU has an LLVM feature, e.g. ``'avx512f'``."""
+    return f'+{name}' in host_cpu()[1].split(',')
+
+
+def target_machine(opt: int = 3, for_object: bool = False,
+                   prefer_512: bool = True) -> llvm.TargetMachine:
+    """A fresh host TargetMachine (fresh because an MCJIT engine takes ownership of
+    the one it is built with). ``for_object`` selects PIC code for shared objects;
+    otherwise the settings are those of the JIT. ``prefer_512`` lets the vectorizers
+    use 512-bit registers on AVX-512 CPUs whose LLVM tuning prefers 256 bits
+    (Intel server parts such as Sapphire/Emerald Rapids)."""
+    cpu, features = host_cpu()
+    if prefer_512 and has_feature('avx512f'):
+        features += ',-prefer-256-bit'
+    if for_object:
+        return _target().create_target_machine(
+            cpu=cpu, features=features, opt=opt, reloc='pic', codemodel='default')
+    return _target().create_target_machine(cpu=cpu, features=features, opt=opt)
+
+
+def parse(module) -> llvm.ModuleRef:
+    """A verified ModuleRef from IR text, an ``llvmlite.ir.Module`` or a ModuleRef."""
+    if isinstance(module, llvm.ModuleRef):
+        return module
+    if isinstance(module, ir.Module):
+        module = str(module)
+    _target()
+    ref = llvm.parse_assembly(module)
+    ref.verify()
+    return ref
+
+
+def optimize(module, opt: int = 3, tm: llvm.TargetMachine | None = None) -> llvm.ModuleRef:
+    """Run the O``opt`` pipeline (loop + SLP vectorization on) over ``module`` for
+    ``tm`` (default: the host JIT machine); returns the optimised ModuleRef, which is
+    ``module`` itself when a ModuleRef was given."""
+    if opt not in (0, 1, 2, 3):
+        raise ValueError(f'opt level must be 0..3, got {opt!r}')
+    ref = parse(module)
+    tm = tm or target_machine(opt)
+    ref.triple = tm.triple
+    ref.data_layout = str(tm.target_data)
+    pto = llvm.create_pipeline_tuning_options(speed_level=opt)
+    pto.loop_vectorization = True
+    pto.slp_vectorization = True
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(ref, pb)
+    ref.verify()
+    return ref
+
+
+class JitModule:
+    """A compiled module living in its own MCJIT engine."""
+
+    def __init__(self, module: llvm.ModuleRef, opt: int, prefer_512: bool = True):
+        tm = target_machine(opt, prefer_512=prefer_512)
+        self.module = optimize(module, opt, tm)
+        self.engine = llvm.create_mcjit_compiler(self.module, tm)
+        self.engine.finalize_object()
+
+    def address(self, name: str) -> int:
+        """Entry address of the function ``name``; KeyError if it is not defined."""
+        addr = self.engine.get_function_address(name)
+        if not addr:
+            raise KeyError(f'no function {name!r} in JIT module')
+        return addr
+
+    @property
+    def optimized_ir(self) -> str:
+        return str(self.module)
+
+
+def jit(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> JitModule:
+    """Optimise and JIT-compile IR text (or an ``llvmlite.ir.Module``)."""
+    return JitModule(parse(llvm_ir_text), opt, prefer_512)
+
+
+def _compiled(llvm_ir_text, opt, for_object, prefer_512):
+    tm = target_machine(opt, for_object=for_object, prefer_512=prefer_512)
+    return tm, optimize(parse(llvm_ir_text), opt, tm)
+
+
+def emit_object(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> bytes:
+    """ELF object code (PIC) for the optimised module; link with ``cc -shared``."""
+    tm, ref = _compiled(llvm_ir_text, opt, True, prefer_512)
+    return tm.emit_object(ref)
+
+
+def emit_asm(llvm_ir_text, opt: int = 3, for_object: bool = True, *,
+             prefer_512: bool = True) -> str:
+    """Assembly text of the optimised module, for the object (default) or JIT machine."""
+    tm, ref = _compiled(llvm_ir_text, opt, for_object, prefer_512)
+    return tm.emit_assembly(ref)

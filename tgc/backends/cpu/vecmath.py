@@ -1,0 +1,314 @@
+"""Vectorizable elementwise math in LLVM IR: exp log tanh erf sin cos sqrt, f32 and f64.
+
+Why: LLVM's ``llvm.exp``/``expf`` calls stay scalar inside vectorized loops (16 calls
+per 512-bit iteration). The functions here are straight-line IR -- fma polynomials,
+integer bit manipulation on the float's bits, ``select`` for the special cases, no
+libm calls, no branches -- emitted as ``internal alwaysinline`` functions, so a loop
+that calls one vectorizes to the host's widest registers once it is inlined.
+
+Usage: ``f = declare_math(module, 'exp', ir.FloatType())`` then ``builder.call(f, [x])``
+inside the loop body; the O1..O3 pipeline of ``llvm_env.optimize`` inlines and
+vectorizes. No fast-math flags are needed or used. Callers must not put
+``nnan``/``ninf`` (or ``fast``) on instructions feeding these functions: the special
+cases below are ``select``s that those flags would fold away.
+
+Algorithms (coefficients from ``vecmath_fit.py``: near-minimax weighted fits of the
+relative error, solved in float64 with residuals refined in 40-digit mpmath and
+Lawson reweighting, then rounded to the target precision):
+  exp   n = round(x/ln2) via the 1.5*2^p shifter in one fma; r = x - n*ln2 (two-part
+        Cody-Waite with fma); exp(r) = 1 + r + r^2 Q(r) (deg 4 | 9); times 2^n as two
+        exponent-field powers of two, so results in the subnormal range and next to
+        overflow round once and correctly.
+  log   x = 2^e m, m in [sqrt(1/2), sqrt(2)) from the bits (subnormal x pre-scaled);
+        f = m-1, s = f/(2+f), log(1+f) = f - f^2/2 + s (f^2/2 + R(s^2)) (R deg 3 | 7);
+        plus e*ln2 in two parts.
+  tanh  |x| < 0.625: x + x^3 P(x^2) (deg 4 | 10); else sign(x) (1 - 2/(exp(2|x|)+1)).
+  erf   |x| < 0.921875: x + x P(x^2) (deg 6 | 11); else sign(x) (1 - exp(-x^2) R(t)),
+        t = (|x|-3)/(|x|+3), R approximating erfcx (deg 6 | 12); |x| clamped at 4 | 6,
+        where erf rounds to 1.
+  sin, cos  j = round(x*2/pi) via the shifter; r = x - j*pi/2 with three-part
+        Cody-Waite (fma, first step exact); sin r = r + r^3 S(r^2), cos r = 1 - r^2/2 +
+        r^4 C(r^2) (deg 2 | 5 each); quadrant j mod 4 selects and negates.
+  sqrt  ``llvm.sqrt`` (correctly rounded; vectorizes to vsqrtps/pd).
+
+Special values (all as numpy): exp(NaN) = NaN, exp(+inf) = inf, exp(-inf) = 0, exp
+overflows to inf above 88.72 | 709.78 and underflows through the subnormals to +0
+below -103.97 | -745.13. log(+-0) = -inf, log(x<0) = log(-inf) = NaN, log(inf) = inf,
+log(NaN) = NaN, subnormal x exact. tanh(+-inf) = +-1, saturates to +-1 beyond
+9.01 | 19.06, keeps the sign of -0. erf(+-inf) = +-1, keeps -0. sin/cos(+-inf) = NaN.
+Subnormal inputs and outputs are handled exactly as IEEE arithmetic does (no
+flush-to-zero is assumed or set); under FTZ/DAZ they become zeros like any other code.
+
+sin/cos range: the reduction is accurate while j is an exact small integer and the
+first Cody-Waite step is exact: |x| <= 2^22 * pi/2 (~6.6e6) in f32, |x| <= 2^50 * pi/2
+(~1.8e15) in f64. Beyond that the result is NaN (by design: a silent wrong value
+would be worse). Within range the error grows slowly with |x| in f32 (the
+neglected fourth part of pi/2 times j): see the table.
+
+Measured maximum error in ulps (tests/backends/test_cpu_vecmath.py; references:
+numpy float64 for f32, numpy longdouble -- 64-bit mantissa libm -- for f64, and a
+positive-term series in longdouble for erf; errors are measured against the
+unrounded reference, so a correctly rounded result can show up to 0.5):
+    function  f32                          f64
+    exp       0.51                         0.51
+    log       0.51                         0.51
+    tanh      1.26                         1.63
+    erf       1.01                         0.96
+    sin       0.56 (|x|<1e5), 0.61 (<6.6e6)  0.51 (|x|<1e6)
+    cos       0.56 (|x|<1e5), 0.62 (<6.6e6)  0.51 (|x|<1e6)
+    sqrt      0.5 (correctly rounded)      0.5
+"""
+
+import llvmlite.ir as ir
+
+H = float.fromhex
+
+# Polynomial coefficients, ascending powers, from ``python -m tgc.backends.cpu.vecmath_fit``.
+_COEFFS = {
+    ('exp', 32): ('0x1.fffffcp-2', '0x1.555492p-3', '0x1.5558f2p-5', '0x1.1239dep-7',
+                  '0x1.6a23fp-10'),
+    ('exp', 64): ('0x1.000000000000ap-1', '0x1.55555555554fap-3', '0x1.5555555550873p-5',
+                  '0x1.1111111127b49p-7', '0x1.6c16c1842b25cp-10', '0x1.a01a012a92732p-13',
+                  '0x1.a0199a0b94e18p-16', '0x1.71df24cbc280bp-19', '0x1.28ad7204e5c5dp-22',
+                  '0x1.ad803faae4f5fp-26'),
+    ('log', 32): ('0x1.55557ap-1', '0x1.995ecep-2', '0x1.31e11ap-2'),
+    ('log', 64): ('0x1.5555555555592p-1', '0x1.999999997fec6p-2', '0x1.24924941e259cp-2',
+                  '0x1.c71c52152fbdep-3', '0x1.74663c873f6b9p-3', '0x1.39a1f6e5d22e8p-3',
+                  '0x1.2f03113fbc9b4p-3'),
+    ('tanh', 32): ('-0x1.555532p-2', '0x1.110726p-3', '-0x1.b83c36p-5', '0x1.5225c6p-6',
+                   '-0x1.75de6ap-8'),
+    ('tanh', 64): ('-0x1.55555555554ffp-2', '0x1.111111110acbap-3', '-0x1.ba1ba1b5058c2p-5',
+                   '0x1.664f477abd171p-6', '-0x1.226e162944351p-7', '0x1.d6cf27c0165ccp-9',
+                   '-0x1.7d68a04cf1884p-10', '0x1.336601704f869p-11', '-0x1.df54f654bfd66p-13',
+                   '0x1.43900986231dcp-14', '-0x1.0da52445b62e8p-16'),
+    ('sin', 32): ('-0x1.555546p-3', '0x1.11073ap-7', '-0x1.9943bep-13'),
+    ('sin', 64): ('-0x1.5555555555548p-3', '0x1.111111110f7cep-7', '-0x1.a01a019bfdb4cp-13',
+                  '0x1.71de3567a898fp-19', '-0x1.ae5e5a745e81cp-26', '0x1.5d8fca250565ep-33'),
+    ('cos', 32): ('0x1.55554ap-5', '-0x1.6c0c32p-10', '0x1.99eb6cp-16'),
+    ('cos', 64): ('0x1.555555555554bp-5', '-0x1.6c16c16c14f8dp-10', '0x1.a01a019c83f1dp-16',
+                  '-0x1.27e4f7ea888bdp-22', '0x1.1ee9d78fd3415p-29', '-0x1.8fa4886d4b6ebp-37'),
+    ('erf_small', 32): ('0x1.06eba8p-3', '-0x1.812744p-2', '0x1.ce2e2p-4', '-0x1.b8107ap-6',
+                        '0x1.54dadp-8', '-0x1.aae94cp-11', '0x1.5f1092p-14'),
+    ('erf_small', 64): ('0x1.06eba8214db69p-3', '-0x1.812746b0379dfp-2', '0x1.ce2f21a042580p-4',
+                        '-0x1.b82ce31266020p-6', '0x1.565bcd084e524p-8', '-0x1.c02db2ba768b9p-11',
+                        '0x1.f9a2fbd5145b5p-14', '-0x1.f4ce9613f8fdcp-17', '0x1.b9ae21d332a61p-20',
+                        '-0x1.5d3e019043ba2p-23', '0x1.e052876befb7dp-27', '-0x1.c9e7ec1d3e1fdp-31'),
+    ('erf_tail', 32): ('0x1.6e97eep-3', '-0x1.4e1372p-2', '0x1.f6b68p-3', '-0x1.350a82p-3',
+                       '0x1.1b6fbep-4', '-0x1.d65b56p-6', '0x1.319a94p-11'),
+    ('erf_tail', 64): ('0x1.6e9827d229ccdp-3', '-0x1.4e102b9cf9f34p-2', '0x1.f6ff2040b6086p-3',
+                       '-0x1.336ffbf064797p-3', '0x1.258b140813b7ep-4', '-0x1.8fa5754859cbcp-6',
+                       '0x1.17cb9003a86a0p-8', '0x1.73985d8b14177p-11', '-0x1.37420cf38657fp-11',
+                       '0x1.ba61fe54ebc4cp-15', '0x1.392909b2adccdp-14', '-0x1.22675aeed3cafp-18',
+                       '-0x1.8e347cfff7e87p-18'),
+}
+
+# Per-precision constants. ln2 and pi/2 are split into parts of the working precision
+# (hi = the value rounded, lo = the rounded remainder, ...), exact to ~3x the precision.
+_K = {
+    32: dict(mant=23, bias=127, shift=H('0x1.8p23'), log2e=H('0x1.715476p0'),
+             ln2=(H('0x1.62e43p-1'), H('-0x1.05c61p-29')),
+             exp_lo=-105.0, exp_hi=89.0, min_normal=H('0x1p-126'),
+             sqrt_half_bits=0x3F3504F3, one_bits=0x3F800000,
+             two_over_pi=H('0x1.45f306p-1'),
+             pio2=(H('0x1.921fb6p0'), H('-0x1.777a5cp-25'), H('-0x1.ee59dap-50')),
+             trig_max=H('0x1p22') * 1.5707963267948966,
+             tanh_split=0.625, erf_split=0.921875, erf_hi=4.0),
+    64: dict(mant=52, bias=1023, shift=H('0x1.8p52'), log2e=H('0x1.71547652b82fep0'),
+             ln2=(H('0x1.62e42fefa39efp-1'), H('0x1.abc9e3b39803fp-56')),
+             exp_lo=-746.0, exp_hi=710.0, min_normal=H('0x1p-1022'),
+             sqrt_half_bits=0x3FE6A09E667F3BCD, one_bits=0x3FF0000000000000,
+             two_over_pi=H('0x1.45f306dc9c883p-1'),
+             pio2=(H('0x1.921fb54442d18p0'), H('0x1.1a62633145c07p-54'),
+                   H('-0x1.f1976b7ed8fbcp-110')),
+             trig_max=H('0x1p50') * 1.5707963267948966,
+             tanh_split=0.625, erf_split=0.921875, erf_hi=6.0),
+}
+
+NAMES = ('exp', 'log', 'tanh', 'erf', 'sin', 'cos', 'sqrt')
+
+
+class _Ops:
+    """Builder shorthand for one float type: constants, fma, bit casts, selects."""
+
+    def __init__(self, builder: ir.IRBuilder, fp):
+        self.b, self.fp = builder, fp
+        self.bits = 32 if isinstance(fp, ir.FloatType) else 64
+        self.int = ir.IntType(self.bits)
+        self.k = _K[self.bits]
+
+    def c(self, value):
+        return ir.Constant(self.fp, value)
+
+    def ci(self, value):
+        return ir.Constant(self.int, value)
+
+    def coeffs(self, name):
+        return [self.c(H(h)) for h in _COEFFS[name, self.bits]]
+
+    def intrinsic(self, name, nargs):
+        module = self.b.module
+        full = f'llvm.{name}.f{self.bits}'
+        fn = module.globals.get(full)
+        if fn is None:
+            fn = ir.Function(module, ir.FunctionType(self.fp, [self.fp] * nargs), full)
+        return fn
+
+    def fma(self, a, b, c):
+        return self.b.call(self.intrinsic('fma', 3), [a, b, c])
+
+    def fabs(self, x):
+        return self.b.call(self.intrinsic('fabs', 1), [x])
+
+    def copysign(self, mag, sign):
+        return self.b.call(self.intrinsic('copysign', 2), [mag, sign])
+
+    def horner(self, t, cs):
+        p = cs[-1]
+        for c in reversed(cs[:-1]):
+            p = self.fma(p, t, c)
+        return p
+
+    def as_int(self, x):
+        return self.b.bitcast(x, self.int)
+
+    def as_fp(self, i):
+        return self.b.bitcast(i, self.fp)
+
+    def where(self, op, a, b, then, other):
+        """select(a <op> b, then, other) with an ordered compare (false on NaN)."""
+        return self.b.select(self.b.fcmp_ordered(op, a, b), then, other)
+
+    def pow2(self, n):
+        """2.0**n from an integer n in the normal exponent range."""
+        biased = self.b.add(n, self.ci(self.k['bias']))
+        return self.as_fp(self.b.shl(biased, self.ci(self.k['mant'])))
+
+    def round_shift(self, x, scale):
+        """(j as float, j as integer) with j = round(x * scale), |j| < 2**(mant-1)."""
+        b, shift = self.b, self.c(self.k['shift'])
+        kf = self.fma(x, self.c(scale), shift)
+        j = b.sub(self.as_int(kf), self.as_int(shift))
+        return b.fsub(kf, shift), j
+
+
+def _exp_core(o: _Ops, x):
+    """exp(x) for x already clamped to [exp_lo, exp_hi] (or NaN)."""
+    b, k = o.b, o.k
+    nf, n = o.round_shift(x, k['log2e'])
+    hi, lo = k['ln2']
+    r = o.fma(nf, o.c(-hi), x)
+    r = o.fma(nf, o.c(-lo), r)
+    q = o.horner(r, o.coeffs('exp'))
+    p = b.fadd(o.c(1.0), o.fma(b.fmul(r, r), q, r))
+    n1 = b.ashr(n, o.ci(1))
+    n2 = b.sub(n, n1)
+    return b.fmul(b.fmul(p, o.pow2(n1)), o.pow2(n2))
+
+
+def _exp(o: _Ops, x):
+    x = o.where('<', x, o.c(o.k['exp_lo']), o.c(o.k['exp_lo']), x)
+    x = o.where('>', x, o.c(o.k['exp_hi']), o.c(o.k['exp_hi']), x)
+    return _exp_core(o, x)
+
+
+def _log_parts(o: _Ops, x):
+    """(e as float, f) with x = 2**e * (1 + f), 1 + f in [sqrt(1/2), sqrt(2))."""
+    b, k = o.b, o.k
+    tiny = b.fcmp_ordered('<', x, o.c(k['min_normal']))
+    xs = b.select(tiny, b.fmul(x, o.c(2.0 ** k['mant'])), x)
+    e_adj = b.select(tiny, o.ci(-k['mant']), o.ci(0))
+    ix = b.add(o.as_int(xs), o.ci(k['one_bits'] - k['sqrt_half_bits']))
+    e = b.sub(b.lshr(ix, o.ci(k['mant'])), o.ci(k['bias']))
+    e = b.add(e, e_adj)
+    m_bits = b.and_(ix, o.ci((1 << k['mant']) - 1))
+    m = o.as_fp(b.add(m_bits, o.ci(k['sqrt_half_bits'])))
+    return b.sitofp(e, o.fp), b.fsub(m, o.c(1.0))
+
+
+def _log(o: _Ops, x):
+    b, k = o.b, o.k
+    ef, f = _log_parts(o, x)
+    s = b.fdiv(f, b.fadd(o.c(2.0), f))
+    z = b.fmul(s, s)
+    r = b.fmul(z, o.horner(z, o.coeffs('log')))
+    hfsq = b.fmul(o.c(0.5), b.fmul(f, f))
+    hi, lo = k['ln2']
+    y = o.fma(s, b.fadd(hfsq, r), b.fmul(ef, o.c(lo)))
+    y = b.fsub(f, b.fsub(hfsq, y))
+    y = o.fma(ef, o.c(hi), y)
+    inf = float('inf')
+    y = o.where('==', x, o.c(inf), o.c(inf), y)
+    y = o.where('==', x, o.c(0.0), o.c(-inf), y)
+    return b.select(b.fcmp_unordered('<', x, o.c(0.0)), o.c(float('nan')), y)
+
+
+def _tanh(o: _Ops, x):
+    b = o.b
+    ax = o.fabs(x)
+    u = b.fmul(x, x)
+    small = o.fma(b.fmul(x, u), o.horner(u, o.coeffs('tanh')), x)
+    e = _exp(o, b.fmul(ax, o.c(2.0)))
+    big = b.fsub(o.c(1.0), b.fdiv(o.c(2.0), b.fadd(e, o.c(1.0))))
+    return o.where('<', ax, o.c(o.k['tanh_split']), small, o.copysign(big, x))
+
+
+def _erf(o: _Ops, x):
+    b, k = o.b, o.k
+    ax = o.fabs(x)
+    small = o.fma(x, o.horner(b.fmul(x, x), o.coeffs('erf_small')), x)
+    xc = o.where('>', ax, o.c(k['erf_hi']), o.c(k['erf_hi']), ax)
+    t = b.fdiv(b.fsub(xc, o.c(3.0)), b.fadd(xc, o.c(3.0)))
+    r = o.horner(t, o.coeffs('erf_tail'))
+    e = _exp_core(o, b.fneg(b.fmul(xc, xc)))
+    big = o.fma(b.fneg(e), r, o.c(1.0))
+    return o.where('<', ax, o.c(k['erf_split']), small, o.copysign(big, x))
+
+
+def _sincos(o: _Ops, x, quadrant_offset):
+    """sin(x + quadrant_offset * pi/2)."""
+    b, k = o.b, o.k
+    jf, j = o.round_shift(x, k['two_over_pi'])
+    r = x
+    for part in k['pio2']:
+        r = o.fma(jf, o.c(-part), r)
+    u = b.fmul(r, r)
+    s = o.fma(b.fmul(r, u), o.horner(u, o.coeffs('sin')), r)
+    c = o.fma(u, o.fma(u, o.horner(u, o.coeffs('cos')), o.c(-0.5)), o.c(1.0))
+    q = b.add(j, o.ci(quadrant_offset))
+    odd = b.icmp_unsigned('!=', b.and_(q, o.ci(1)), o.ci(0))
+    neg = b.icmp_unsigned('!=', b.and_(q, o.ci(2)), o.ci(0))
+    v = b.select(odd, c, s)
+    v = b.select(neg, b.fneg(v), v)
+    return o.where('>', o.fabs(x), o.c(k['trig_max']), o.c(float('nan')), v)
+
+
+def _sqrt(o: _Ops, x):
+    return o.b.call(o.intrinsic('sqrt', 1), [x])
+
+
+_EMITTERS = {
+    'exp': _exp, 'log': _log, 'tanh': _tanh, 'erf': _erf,
+    'sin': lambda o, x: _sincos(o, x, 0), 'cos': lambda o, x: _sincos(o, x, 1),
+    'sqrt': _sqrt,
+}
+
+
+def declare_math(module: ir.Module, name: str, fp) -> ir.Function:
+    """The function ``tgc.<name>.f32|f64`` of ``module``: defined (internal,
+    alwaysinline) on first request, returned as is afterwards."""
+    if name not in _EMITTERS:
+        raise ValueError(f'unknown math function {name!r}; have {", ".join(NAMES)}')
+    if not isinstance(fp, (ir.FloatType, ir.DoubleType)):
+        raise TypeError(f'math functions take float or double, not {fp}')
+    bits = 32 if isinstance(fp, ir.FloatType) else 64
+    fname = f'tgc.{name}.f{bits}'
+    existing = module.globals.get(fname)
+    if existing is not None:
+        return existing
+    fn = ir.Function(module, ir.FunctionType(fp, [fp]), fname)
+    fn.linkage = 'internal'
+    fn.attributes.add('alwaysinline')
+    fn.attributes.add('nounwind')
+    builder = ir.IRBuilder(fn.append_basic_block('entry'))
+    builder.ret(_EMITTERS[name](_Ops(builder, fp), fn.args[0]))
+    return fn

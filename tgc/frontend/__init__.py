@@ -1,0 +1,19 @@
+"""The front end: .tg source text to a syntax tree (parser), then to IR (elaborator)."""
+from __future__ import annotations
+
+from tgc.ir.module import Module
+from tgc.options import Options
+
+
+def compile_source(text: str, filename: str = "<source>", options: Options | None = None) -> Module:
+    """Parse and check a program's text; a located CompileError on any mistake."""
+    from tgc.frontend.elaborate import elaborate_source
+
+    return elaborate_source(text, filename, options or Options()).module
+
+
+def compile_file(path: str, options: Options | None = None) -> Module:
+    """Parse and check a `.tg` file (and its imports)."""
+    from tgc.frontend.elaborate import elaborate_file
+
+    return elaborate_file(path, options or Options()).module

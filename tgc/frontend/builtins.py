@@ -1,0 +1,111 @@
+"""Calls of the language's primitives: elementwise functions, reductions,
+`where`, `stop`, `size`, and the derivative operators `grad`, `jvp`, `vjp`."""
+from __future__ import annotations
+
+from tgc.frontend import ast
+from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator
+from tgc.ir import values as V
+
+ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "size": (1,),
+         "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
+         "max": (1, 2), "min": (1, 2)}
+
+
+def _check_shape(el: Elaborator, node: ast.Call, ctx: Ctx) -> None:
+    if node.kwargs:
+        raise el.error(f"'{node.fn}' takes no keyword arguments", node.kwargs[0], ctx)
+    n = len(node.args)
+    if n not in ARITY[node.fn]:
+        want = " or ".join(str(a) for a in ARITY[node.fn])
+        raise el.error(f"'{node.fn}' takes {want} argument{'s' if want != '1' else ''}, got {n}", node, ctx)
+    if node.edges is not None and node.fn not in REDUCTIONS:
+        raise el.error(f"'{node.fn}' takes no edge arguments", node, ctx)
+
+
+def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    if node.fn not in ARITY:
+        kind = el.scope.kinds.get(node.fn)
+        if kind in ("tensor", "edge", "dim") or node.fn in ctx.values:
+            raise el.error(f"'{node.fn}' is not a function", node, ctx)
+        raise el.error(f"unknown function '{node.fn}'", node, ctx)
+    _check_shape(el, node, ctx)
+    if node.fn == "size":
+        return _size(el, node, ctx)
+    if node.fn in ("grad", "jvp", "vjp"):
+        return _derivative(el, node, ctx)
+    if node.fn in REDUCTIONS:
+        return _reduction(el, node, ctx)
+    args = [el.fexpr(a, ctx) for a in node.args]
+    if node.fn == "stop":
+        return V.stop(args[0], loc=node.loc)
+    return el.build(node, ctx, V.map_, node.fn, *args)
+
+
+def _size(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    arg = node.args[0]
+    if not isinstance(arg, ast.Name):
+        raise el.error("size() takes an edge name", arg, ctx)
+    return V.size(el.edge(arg.id, arg, ctx), el.dtype, loc=node.loc)
+
+
+def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    if len(node.args) == 2:
+        if node.edges is not None:
+            raise el.error(f"two-argument '{node.fn}' is elementwise and takes no edges", node, ctx)
+        a, b = (el.fexpr(x, ctx) for x in node.args)
+        return el.build(node, ctx, V.map_, node.fn, a, b)
+    x = el.fexpr(node.args[0], ctx)
+    if node.edges is None:
+        edges = list(x.edges)
+    else:
+        edges = []
+        for e in node.edges:
+            actual = el.edge(e.id, e, ctx)
+            if actual not in x.edges:
+                raise el.error(f"cannot reduce over edge '{e.id}': the argument has edges "
+                               f"[{', '.join(x.edges)}]", e, ctx)
+            if actual in edges:
+                raise el.error(f"edge '{e.id}' is listed twice", e, ctx)
+            edges.append(actual)
+    if node.fn in ("max", "min"):
+        return el.build(node, ctx, V.reduce, node.fn, x, edges) if edges else x
+    total = V.contract([x], [e for e in x.edges if e not in edges], loc=node.loc)
+    if node.fn == "sum" or not edges:
+        return total
+    sizes = [V.size(e, el.dtype, loc=node.loc) for e in edges]
+    count = sizes[0] if len(sizes) == 1 else V.contract(sizes, [], loc=node.loc)
+    return V.map_("div", total, count, loc=node.loc)
+
+
+def _wrt(el: Elaborator, node, ctx: Ctx) -> V.Value:
+    """The `x` of a derivative: a name denoting an input, param or state."""
+    v = el.expr(node, ctx)
+    if v.op != "arg":
+        what = f"'{node.id}'" if isinstance(node, ast.Name) else "this expression"
+        raise el.error(f"cannot differentiate with respect to {what}: it is not an input, param or state", node, ctx)
+    if v.dtype == "i32":
+        raise el.error("cannot differentiate with respect to an integer (i32) input", node, ctx)
+    return v
+
+
+def _derivative(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    f = el.fexpr(node.args[0], ctx)
+    x = _wrt(el, node.args[1], ctx)
+    if node.fn == "grad":
+        shared = sorted(set(f.edges) & set(x.edges))
+        if shared:
+            raise el.error(f"grad of a non-scalar: the function and '{x.attrs[0]}' share edge "
+                           f"'{shared[0]}'; rename one of them first", node, ctx)
+        return el.build(node, ctx, V.grad, f, x)
+    third = el.fexpr(node.args[2], ctx)
+    if node.fn == "jvp":
+        missing = sorted(set(x.edges) - set(third.edges))
+        if missing:
+            raise el.error(f"the tangent of '{x.attrs[0]}' must have its edges "
+                           f"[{', '.join(x.edges)}]; it lacks '{missing[0]}'", node.args[2], ctx)
+        return el.build(node, ctx, V.jvp, f, x, third)
+    missing = sorted(set(f.edges) - set(third.edges))
+    if missing:
+        raise el.error(f"the cotangent must have the function's edges [{', '.join(f.edges)}]; "
+                       f"it lacks '{missing[0]}'", node.args[2], ctx)
+    return el.build(node, ctx, V.vjp, f, x, third)

@@ -1,0 +1,66 @@
+"""Postfix edge operations `x[...]`: renames, reindexes and gathers, applied together.
+
+Renames in one bracket happen simultaneously (`x[i -> j, j -> i]` swaps). A reindex
+`x[t = rhs]` is the contraction of `x` with the indicator `[t = rhs]`, which
+replaces edge `t` by the edges of `rhs`; a gather `E[v = ids]` indexes edge `v`
+by the integer tensor `ids`.
+"""
+from __future__ import annotations
+
+from tgc.frontend import ast
+from tgc.frontend.expressions import Ctx, Elaborator
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+
+
+def apply_edge_ops(el: Elaborator, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
+    x = el.fexpr(node.x, ctx)
+    renames = [i for i in node.items if isinstance(i, ast.Rename)]
+    mapping = _rename_map(el, x, renames, ctx)
+    if mapping:
+        x = V.rename(x, mapping, loc=node.loc)
+    for item in node.items:
+        if isinstance(item, ast.Reindex):
+            x = _reindex(el, x, item, mapping, ctx)
+    return x
+
+
+def _rename_map(el: Elaborator, x: V.Value, items: list[ast.Rename], ctx: Ctx) -> dict[str, str]:
+    mapping: dict[str, str] = {}
+    for item in items:
+        src, dst = el.edge(item.src, item, ctx), el.edge(item.dst, item, ctx)
+        if src not in x.edges:
+            raise el.error(f"cannot rename edge '{item.src}': the tensor has edges [{', '.join(x.edges)}]", item, ctx)
+        if src in mapping:
+            raise el.error(f"edge '{item.src}' is renamed twice", item, ctx)
+        if el.m.size(src) != el.m.size(dst):
+            raise el.error(f"cannot rename '{item.src}' to '{item.dst}': their sizes differ "
+                           f"({el.size_text(src)} and {el.size_text(dst)})", item, ctx)
+        mapping[src] = dst
+    result = [mapping.get(e, e) for e in x.edges]
+    for item in items:
+        dst = mapping[el.edge(item.src, item, ctx)]
+        if result.count(dst) > 1:
+            raise el.error(f"cannot rename onto edge '{item.dst}': the tensor already has it", item, ctx)
+    return mapping
+
+
+def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, str], ctx: Ctx) -> V.Value:
+    target = el.edge(item.edge, item, ctx)
+    target = mapping.get(target, target)
+    if target not in x.edges:
+        raise el.error(f"cannot index edge '{item.edge}': the tensor has edges [{', '.join(x.edges)}]", item, ctx)
+    rhs = item.rhs
+    if isinstance(rhs, ast.Name) and (rhs.id in ctx.values or el.scope.kinds.get(rhs.id) == "tensor"):
+        ids = el.expr(rhs, ctx)
+        if ids.dtype != "i32":
+            raise el.error(f"gather indices must be an i32 tensor; '{rhs.id}' is {ids.dtype}", rhs, ctx)
+        return el.build(item, ctx, V.gather, x, ids, target)
+    aff = el.affine(ast.to_affine(rhs), ctx)
+    if target in aff.edges():
+        fresh = el.m.fresh_edge(target, el.m.edges[target])
+        x = V.rename(x, {target: fresh}, loc=item.loc)
+        target = fresh
+    rel = Relation((Affine.make([(target, 1)]), aff), ("=",))
+    keep = [e for e in x.edges if e != target] + list(aff.edges())
+    return V.contract([x, V.indicator(rel, el.dtype, loc=item.loc)], keep, loc=item.loc)

@@ -1,0 +1,247 @@
+"""Elaborate a parsed program into an IR module.
+
+Statements are processed in order (functions are hoisted): dims and edges are
+declared into one namespace, tensors become arguments, bindings become values,
+imports bring another file's dims and functions, and `out`/`update` become the
+module's roots. Function definitions are checked where written and inlined at
+their calls. Every mistake is a located `CompileError`.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tgc.frontend import ast
+from tgc.frontend.expressions import Ctx, Elaborator
+from tgc.frontend.functions import check_definition, check_recursion
+from tgc.frontend.parser import parse, read_source
+from tgc.frontend.scope import FnInfo, Scope
+from tgc.ir import values as V
+from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.module import Arg, Module, Output, Update
+from tgc.ir.sizes import Size, SizeError, size_op, size_str
+from tgc.options import Options
+
+PRELUDE = Path(__file__).with_name("prelude.tg")
+
+
+@dataclass
+class Elaborated:
+    module: Module
+    files: list[str] = field(default_factory=list)  # the program's file and every import
+
+
+@functools.lru_cache(maxsize=1)
+def _prelude() -> dict[str, FnInfo]:
+    text, name = read_source(PRELUDE)
+    table: dict[str, FnInfo] = {}
+    for item in parse(text, name).items:
+        if isinstance(item, ast.FnDef):
+            check_definition(item)
+            table[item.name] = FnInfo(item, table)
+    check_recursion(table, list(table))
+    return table
+
+
+class ProgramBuilder:
+    def __init__(self, options: Options):
+        self.m = Module()
+        self.scope = Scope()
+        self.el = Elaborator(self.m, self.scope, options.dtype)
+        self.fns: dict[str, FnInfo] = dict(_prelude())
+        self.user_fns: list[str] = []
+        self.files: list[str] = []
+        self.import_stack: list[tuple[Path, Loc | None]] = []
+        self.imported: set[Path] = set()
+
+    @property
+    def ctx(self) -> Ctx:
+        return Ctx(self.scope.tensors, {}, self.fns)
+
+    # ---- files and imports ----------------------------------------------------------
+
+    def file(self, text: str, name: str, top: bool) -> None:
+        program = parse(text, name)
+        self.files.append(name)
+        for item in program.items:
+            if isinstance(item, ast.FnDef):
+                self.function(item)
+        for item in program.items:
+            if isinstance(item, ast.FnDef):
+                continue
+            if top or isinstance(item, (ast.DimDecl, ast.Import)):
+                getattr(self, f"_{type(item).__name__}")(item, Path(name))
+
+    def _Import(self, item: ast.Import, here: Path) -> None:
+        path = (here.parent / item.path)
+        key = path.resolve()
+        chain = [p for p, _ in self.import_stack]
+        if key in chain or key == Path(self.files[0]).resolve():
+            names = " -> ".join(str(p.name) for p in [Path(self.files[0])] + chain[1:] + [key])
+            raise CompileError(f"import cycle: {names}", item.loc)
+        if key in self.imported:
+            return
+        if not path.is_file():
+            raise CompileError(f"cannot find imported file '{item.path}' (looked for {path})", item.loc)
+        self.imported.add(key)
+        text, name = read_source(path)
+        self.import_stack.append((key, item.loc))
+        try:
+            self.file(text, name, top=False)
+        except CompileError as e:
+            e.notes.append(Diagnostic("note", f"in the file imported here", item.loc))
+            raise
+        finally:
+            self.import_stack.pop()
+
+    # ---- declarations -----------------------------------------------------------
+
+    def function(self, d: ast.FnDef) -> None:
+        self.scope.declare(d.name, "fn", d.loc)
+        check_definition(d)
+        self.fns[d.name] = FnInfo(d, self.fns)
+        self.user_fns.append(d.name)
+
+    def _DimDecl(self, d: ast.DimDecl, here: Path) -> None:
+        size = None if d.expr is None else self.dim_size(d.expr)
+        if isinstance(size, int) and size <= 0:
+            raise CompileError(f"dim '{d.name}' must have a positive size, not {size}", d.expr.loc)
+        self.scope.declare(d.name, "dim", d.loc)
+        self.m.dims[d.name] = size
+        self.m.edges[d.name] = d.name
+
+    def dim_size(self, e) -> Size:
+        if isinstance(e, ast.Num):
+            if not isinstance(e.value, int):
+                raise CompileError(f"a dim size must be an integer, not {e.value}", e.loc)
+            return e.value
+        if isinstance(e, ast.Name):
+            if e.id not in self.m.edges:
+                raise CompileError(f"unknown dim '{e.id}'", e.loc)
+            return self.m.size(e.id)
+        if isinstance(e, ast.BinOp) and e.op in "+-*/":
+            a, b = self.dim_size(e.lhs), self.dim_size(e.rhs)
+            try:
+                return size_op(e.op, a, b)
+            except SizeError:
+                if b == 0:
+                    raise CompileError("division by zero in a dim expression", e.loc) from None
+                raise CompileError(f"{a} / {b} does not divide exactly: dim sizes are integers", e.loc) from None
+        raise CompileError("a dim size is an integer expression of dims with + - * /", e.loc)
+
+    def _TensorDecl(self, d: ast.TensorDecl, here: Path) -> None:
+        dtype = self.el.dtype if d.dtype in (None, "f32", "f64") else d.dtype
+        if dtype == "i32" and d.kind != "input":
+            raise CompileError(f"a {d.kind} must be a float tensor; only inputs can be i32", d.loc)
+        order = []
+        for spec in d.edges:
+            edge = self.edge_spec(spec)
+            if edge in order:
+                raise CompileError(f"edge '{spec.name}' appears twice in '{d.name}'", spec.loc)
+            order.append(edge)
+        self.scope.declare(d.name, "tensor", d.loc)
+        self.m.args[d.name] = Arg(d.name, d.kind, dtype, tuple(order), d.loc)
+        self.scope.tensors[d.name] = V.arg(d.name, dtype, order, d.loc)
+
+    def edge_spec(self, spec: ast.EdgeSpec) -> str:
+        if spec.dim is None:
+            if spec.name not in self.m.edges:
+                raise CompileError(f"unknown edge '{spec.name}' (declare it with `dim {spec.name}` "
+                                   f"or give its size as `{spec.name}: DIM`)", spec.loc)
+            return spec.name
+        if spec.dim not in self.m.edges:
+            raise CompileError(f"unknown dim '{spec.dim}'", spec.loc)
+        dim = self.m.edges[spec.dim]
+        if spec.name in self.m.edges:
+            if self.m.size(spec.name) != self.m.size(spec.dim):
+                old, new = self.size_text(spec.name), self.size_text(spec.dim)
+                raise CompileError(f"edge '{spec.name}' is used with two sizes: {new} here, {old} before",
+                                   spec.loc, [Diagnostic("note", f"'{spec.name}' got its size here",
+                                                         self.scope.locs.get(spec.name))])
+            return spec.name
+        self.scope.declare(spec.name, "edge", spec.loc)
+        self.m.edges[spec.name] = dim
+        return spec.name
+
+    def size_text(self, edge: str) -> str:
+        s = self.m.size(edge)
+        return str(s) if isinstance(s, int) else size_str(s)
+
+    # ---- bindings, outputs, updates ---------------------------------------------------
+
+    def _Bind(self, b: ast.Bind, here: Path) -> None:
+        value = self.el.expr(b.expr, self.ctx)
+        self.scope.declare(b.name, "tensor", b.loc)
+        self.scope.tensors[b.name] = value
+
+    def _Out(self, o: ast.Out, here: Path) -> None:
+        if any(out.name == o.name for out in self.m.outputs):
+            raise CompileError(f"output '{o.name}' is declared twice", o.loc)
+        if o.expr is None:
+            if o.name not in self.scope.tensors:
+                raise CompileError(f"unknown name '{o.name}'", o.loc)
+            value = self.scope.tensors[o.name]
+        else:
+            value = self.el.expr(o.expr, self.ctx)
+            self.scope.declare(o.name, "tensor", o.loc)
+            self.scope.tensors[o.name] = value
+        if value.dtype == "i32":
+            raise CompileError("outputs are float tensors; an i32 tensor cannot be an output", o.loc)
+        self.m.outputs.append(Output(o.name, value, self.output_order(o, value), o.loc))
+
+    def output_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
+        if o.order is not None:
+            order = [self.el.edge(e.id, e, self.ctx) for e in o.order]
+            if sorted(order) != list(value.edges) or len(set(order)) != len(order):
+                raise CompileError(f"output '{o.name}' has edges [{', '.join(self.m.order_edges(value.edges))}], "
+                                   f"but the order lists [{', '.join(e.id for e in o.order)}]", o.order[0].loc
+                                   if o.order else o.loc)
+            return tuple(order)
+        e = o.expr
+        if isinstance(e, ast.Call) and e.fn == "grad" and "grad" not in self.user_fns and value.op == "grad":
+            x = self.m.args[value.operands[1].attrs[0]]
+            return self.m.order_edges(value.operands[0].edges) + x.order
+        return self.m.order_edges(value.edges)
+
+    def _Update(self, u: ast.Update, here: Path) -> None:
+        arg = self.m.args.get(u.name)
+        if arg is None:
+            kind = self.scope.kinds.get(u.name)
+            what = f"'{u.name}' is not a param or state" if kind else f"unknown name '{u.name}'"
+            raise CompileError(f"cannot update: {what}", u.loc)
+        if arg.kind == "input":
+            raise CompileError(f"cannot update input '{u.name}': only params and states are updated", u.loc,
+                               [Diagnostic("note", f"'{u.name}' is declared here", arg.loc)])
+        if any(up.target == u.name for up in self.m.updates):
+            raise CompileError(f"'{u.name}' is updated twice", u.loc)
+        value = self.el.fexpr(u.expr, self.ctx)
+        extra = [e for e in value.edges if e not in arg.order]
+        if extra:
+            raise CompileError(f"the update of '{u.name}' has edge '{extra[0]}', which '{u.name}' "
+                               f"does not have ([{', '.join(arg.order)}])", u.expr.loc)
+        if len(value.edges) < len(arg.order):
+            value = V.contract([value], arg.order, loc=u.loc)
+        self.m.updates.append(Update(u.name, value, u.loc))
+
+    def finish(self) -> Module:
+        check_recursion(self.fns, self.user_fns)
+        return self.m
+
+
+def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
+    """Parse and elaborate a program given as text (imports resolve beside `filename`)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))
+    try:
+        b = ProgramBuilder(options)
+        b.file(text, filename, top=True)
+        return Elaborated(b.finish(), b.files)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def elaborate_file(path: str, options: Options) -> Elaborated:
+    text, name = read_source(path)
+    return elaborate_source(text, name, options)

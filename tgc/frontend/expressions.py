@@ -1,0 +1,165 @@
+"""Elaborate expressions: resolve names, check edges and sizes, build IR values.
+
+Every surface form maps onto the IR's few primitives: `+ -` are `add`, `*` and
+`@` are contractions (`@` sums the shared edges), reductions by sum are
+contractions, `/ ^`, comparisons and the elementwise primitives are `map`, a
+reindex is a contraction with an indicator, and function calls are inlined.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from tgc.frontend import ast
+from tgc.frontend.scope import FnInfo, Scope, describe
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.module import Module
+from tgc.ir.sizes import Size, size_op, size_str
+
+UNARY = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "abs", "sign")
+COMPARE = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
+REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Where an expression is elaborated: the top level or an inlined function body."""
+
+    values: Mapping[str, V.Value]
+    edges: Mapping[str, str] = field(default_factory=dict)  # edge parameter -> actual edge
+    fns: Mapping[str, FnInfo] = field(default_factory=dict)
+    stack: tuple[str, ...] = ()  # functions being inlined, outermost first
+    call_locs: tuple[Loc, ...] = ()
+
+
+class Elaborator:
+    """Turns expression ASTs into IR values for one module."""
+
+    def __init__(self, module: Module, scope: Scope, dtype: str):
+        self.m, self.scope, self.dtype = module, scope, dtype
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def error(self, message: str, node, ctx: Ctx | None = None, notes=()) -> CompileError:
+        notes = list(notes)
+        if ctx is not None and ctx.stack:
+            notes.append(Diagnostic("note", f"in function '{ctx.stack[-1]}', inlined here", ctx.call_locs[-1]))
+        return CompileError(message, node.loc, notes)
+
+    def build(self, node, ctx: Ctx, fn, *args, **kwargs) -> V.Value:
+        """Call an IR builder, reporting its type errors at `node`."""
+        try:
+            return fn(*args, loc=node.loc, **kwargs)
+        except V.IRError as e:
+            raise self.error(str(e), node, ctx) from None
+
+    def edge(self, name: str, node, ctx: Ctx) -> str:
+        """The actual edge a name denotes here (edge parameters substituted)."""
+        actual = ctx.edges.get(name, name)
+        if actual not in self.m.edges:
+            kind = self.scope.kinds.get(name)
+            if kind in ("tensor", "fn") or name in ctx.values:
+                raise self.error(f"'{name}' is {describe(kind or 'tensor')}, not an edge", node, ctx)
+            raise self.error(f"unknown edge '{name}'", node, ctx)
+        return actual
+
+    def float_value(self, v: V.Value, node, ctx: Ctx) -> V.Value:
+        if v.dtype == "i32":
+            raise self.error("an integer (i32) tensor can only be used as gather indices", node, ctx)
+        return v
+
+    def size_text(self, edge: str) -> str:
+        s = self.m.size(edge)
+        return str(s) if isinstance(s, int) else size_str(s)
+
+    # ---- expressions ------------------------------------------------------------
+
+    def expr(self, node, ctx: Ctx) -> V.Value:
+        method = getattr(self, f"_{type(node).__name__}", None)
+        if method is None:
+            raise self.error(f"unexpected {type(node).__name__} in an expression", node, ctx)
+        return method(node, ctx)
+
+    def fexpr(self, node, ctx: Ctx) -> V.Value:
+        """An expression that must be float."""
+        return self.float_value(self.expr(node, ctx), node, ctx)
+
+    def _Num(self, node: ast.Num, ctx: Ctx) -> V.Value:
+        return V.const(float(node.value), self.dtype, loc=node.loc)
+
+    def _Name(self, node: ast.Name, ctx: Ctx) -> V.Value:
+        if node.id in ctx.values:
+            return ctx.values[node.id]
+        kind = self.scope.kinds.get(node.id)
+        if node.id in ctx.edges or kind in ("edge", "dim"):
+            raise self.error(f"'{node.id}' is an edge, not a tensor (use size({node.id}) for its size)", node, ctx)
+        if kind == "fn" or node.id in ctx.fns:
+            raise self.error(f"'{node.id}' is a function; call it with arguments", node, ctx)
+        if kind == "tensor" and ctx.stack:
+            raise self.error(f"'{node.id}' is not visible inside function '{ctx.stack[-1]}': "
+                             "pass it as a parameter", node, ctx)
+        raise self.error(f"unknown name '{node.id}'", node, ctx)
+
+    def _Neg(self, node: ast.Neg, ctx: Ctx) -> V.Value:
+        if isinstance(node.x, ast.Num):
+            return V.const(-float(node.x.value), self.dtype, loc=node.loc)
+        return self.build(node, ctx, V.add, [self.fexpr(node.x, ctx)], [-1.0])
+
+    def _BinOp(self, node: ast.BinOp, ctx: Ctx) -> V.Value:
+        a, b = self.fexpr(node.lhs, ctx), self.fexpr(node.rhs, ctx)
+        if node.op in "+-":
+            return self.build(node, ctx, V.add, [a, b], [1.0, 1.0 if node.op == "+" else -1.0])
+        if node.op == "*":
+            return self.build(node, ctx, V.mul, [a, b])
+        if node.op == "@":
+            keep = set(a.edges) ^ set(b.edges)
+            return self.build(node, ctx, V.contract, [a, b], keep)
+        return self.build(node, ctx, V.map_, "div" if node.op == "/" else "pow", a, b)
+
+    def _Compare(self, node: ast.Compare, ctx: Ctx) -> V.Value:
+        a, b = self.fexpr(node.lhs, ctx), self.fexpr(node.rhs, ctx)
+        return self.build(node, ctx, V.map_, COMPARE[node.op], a, b)
+
+    def _Indicator(self, node: ast.Indicator, ctx: Ctx) -> V.Value:
+        rel = Relation(tuple(self.affine(t, ctx) for t in node.terms), tuple(node.ops))
+        if not rel.edges():
+            raise self.error("an indicator must name at least one edge", node, ctx)
+        return V.indicator(rel, self.dtype, loc=node.loc)
+
+    def _EdgeOps(self, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
+        from tgc.frontend.edgeops import apply_edge_ops
+
+        return apply_edge_ops(self, node, ctx)
+
+    def _Call(self, node: ast.Call, ctx: Ctx) -> V.Value:
+        if node.fn in ctx.fns:
+            from tgc.frontend.functions import inline_call
+
+            return inline_call(self, node, ctx)
+        from tgc.frontend.builtins import call_builtin
+
+        return call_builtin(self, node, ctx)
+
+    # ---- affine index expressions ------------------------------------------------------
+
+    def size_of(self, name: str, node, ctx: Ctx) -> Size:
+        """The size a coefficient or `size(e)` names: a dim's or an edge's."""
+        actual = ctx.edges.get(name, name)
+        if actual in self.m.edges:
+            return self.m.size(actual)
+        raise self.error(f"unknown dim or edge '{name}'", node, ctx)
+
+    def affine(self, node: ast.Affine, ctx: Ctx) -> Affine:
+        terms: list[tuple[str, Size]] = []
+        const: Size = 0
+        for t in node.terms:
+            coef: Size = t.coef
+            if t.size_of is not None:
+                coef = size_op("*", coef, self.size_of(t.size_of, t, ctx))
+            if t.edge is None:
+                const = size_op("+", const, coef)
+            else:
+                terms.append((self.edge(t.edge, t, ctx), coef))
+        return Affine.make(terms, const)

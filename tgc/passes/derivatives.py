@@ -1,0 +1,232 @@
+"""Derivative rules of the leaf primitives: one table, a few lines per primitive.
+
+`RULES` maps an op name (for `map`, its fn) to a `Rule`:
+
+- `diff`: the operand positions that can carry a derivative; the others (indices,
+  conditions, comparisons, `stop`) get none, which is also what activity analysis
+  reads: a value is active only through a `diff` operand.
+- `vjp(v, i, ct)`: the cotangent contribution of `v`'s cotangent `ct` to operand `i`.
+- `jvp(v, ts)`: the tangent of `v`, `ts[i]` the tangent of operand `i` or None (zero).
+
+`ct` and the tangents carry `v`'s edges plus the batch edges of the seed; a rule may
+return a value with extra or missing edges, and the driver `fit`s it (sums or
+broadcasts) to the operand's edges plus the batch edges. None means exactly zero.
+
+NaN safety (LANGUAGE.md section 8): a cotangent or tangent meets a possibly
+infinite partial only through `mul0(ct, partial)`, exact 0 where `ct` is 0; an
+elementwise product also gives exact 0 where the other factor is 0; `where`,
+`max` and `min` select with `where`, never multiply, so the branch not taken
+adds nothing. Composites (softmax, layernorm, ...) have no rules: they are inlined.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from tgc.ir import values as V
+from tgc.ir.values import Value, topo_order
+
+Vjp = Callable[[Value, int, Value], Optional[Value]]
+Jvp = Callable[[Value, Sequence[Optional[Value]]], Optional[Value]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    diff: tuple[int, ...] | None  # None: every operand
+    vjp: Vjp | None = None
+    jvp: Jvp | None = None
+
+    def positions(self, v: Value) -> Sequence[int]:
+        return range(len(v.operands)) if self.diff is None else self.diff
+
+
+ZERO = Rule(())
+
+
+# ---- small builders ------------------------------------------------------------
+
+def _c(v: Value, x: float) -> Value:
+    return V.const(x, v.dtype)
+
+
+def _neg(x: Value) -> Value:
+    return V.add([x], [-1.0])
+
+
+def _fn(fn: str, *xs: Value) -> Value:
+    return V.map_(fn, *xs)
+
+
+def _mul0(t: Value, partial: Value) -> Value:
+    """t * partial, exactly 0 where t is 0 (even where partial is inf or NaN)."""
+    return _fn("mul0", t, partial)
+
+
+def _times(t: Value, other: Value) -> Value | None:
+    """t * other, exactly 0 where either is 0 (an elementwise product's chain rule)."""
+    if other.op == "const":
+        return None if other.attrs[0] == 0.0 else _mul0(t, other)
+    return _fn("where", other, _mul0(t, other), _c(t, 0.0))
+
+
+def total(parts: Iterable[Value | None]) -> Value | None:
+    """The sum of the non-None parts (None when there are none)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else V.add(parts)
+
+
+def fit(t: Value, edges: Iterable[str]) -> Value:
+    """`t` summed over edges it has beyond `edges`, broadcast over those it lacks."""
+    want = tuple(sorted(set(edges)))
+    return t if t.edges == want else V.contract([t], want)
+
+
+def _batch(v: Value, t: Value) -> set[str]:
+    return set(t.edges) - set(v.edges)
+
+
+# ---- rule families ---------------------------------------------------------------
+
+Partial = Callable[..., Value]
+
+
+def pointwise(*partials: Partial | None) -> Rule:
+    """A map fn whose partial w.r.t. operand i is `partials[i](v, *operands)`."""
+    def vjp(v, i, ct):
+        return _mul0(ct, partials[i](v, *v.operands))
+
+    def jvp(v, ts):
+        return total(_mul0(t, partials[i](v, *v.operands)) for i, t in enumerate(ts) if t is not None)
+    return Rule(tuple(i for i, p in enumerate(partials) if p), vjp, jvp)
+
+
+def _product(v: Value, i: int, t: Value, keep: set[str]) -> Value | None:
+    """t times every operand of the contraction `v` but the i-th, keeping `keep`."""
+    others = [o for j, o in enumerate(v.operands) if j != i]
+    if not set().union(*(o.edges for o in v.operands)) <= set(v.edges):
+        return V.contract([t] + others, keep)  # sums: one contraction (a GEMM), no guard
+    for o in others:  # elementwise: guarded products
+        t = _times(t, o) if t is not None else None
+    return t
+
+
+def _contract_vjp(v: Value, i: int, ct: Value) -> Value | None:
+    return _product(v, i, ct, set(v.operands[i].edges) | _batch(v, ct))
+
+
+def _contract_jvp(v: Value, ts) -> Value | None:
+    return total(_product(v, i, t, set(v.edges) | _batch(v.operands[i], t))
+                 for i, t in enumerate(ts) if t is not None)
+
+
+def _add_vjp(v: Value, i: int, ct: Value) -> Value | None:
+    c = v.attrs[0][i]
+    return None if c == 0 else ct if c == 1 else V.add([ct], [c])
+
+
+def _add_jvp(v: Value, ts) -> Value | None:
+    live = [(c, t) for c, t in zip(v.attrs[0], ts) if t is not None and c != 0]
+    return V.add([t for _, t in live], [c for c, _ in live]) if live else None
+
+
+def select(cond: Callable[[Value], Value], branches: tuple[int, int]) -> Rule:
+    """`where(cond, a, b)`: a gets where(cond, ct, 0), b gets where(cond, 0, ct)."""
+    def vjp(v, i, ct):
+        z = _c(v, 0.0)
+        return _fn("where", cond(v), ct, z) if i == branches[0] else _fn("where", cond(v), z, ct)
+
+    def jvp(v, ts):
+        a, b = (ts[j] if ts[j] is not None else _c(v, 0.0) for j in branches)
+        return _fn("where", cond(v), a, b)
+    return Rule(branches, vjp, jvp)
+
+
+def _extreme_weights(v: Value) -> Value:
+    """max[e]/min[e]: 1/count at each position attaining the extreme, else 0 (ties share)."""
+    hit = _fn("eq", v.operands[0], v)
+    return _fn("div", hit, V.contract([hit], v.edges))
+
+
+def _minus1(b: Value) -> Value:
+    if b.op == "const":
+        return V.const(b.attrs[0] - 1.0, b.dtype, b.edges)
+    return V.add([b, _c(b, 1.0)], [1.0, -1.0])
+
+
+def _matched(table: Value, ids: Value) -> set[str]:
+    """The edges a gather matches between table and ids (a scatter keeps them)."""
+    return set(table.edges) & set(ids.edges)
+
+
+def _inverse(pairs) -> dict[str, str]:
+    return {d: s for s, d in pairs}
+
+
+def _both(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
+    """The jvp of a rule that is linear in each operand: the sum of fn(v, i, t_i)."""
+    return lambda v, ts: total(fn(v, i, t) for i, t in enumerate(ts) if t is not None)
+
+
+# ---- the table ------------------------------------------------------------------------
+
+_2_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+RULES: dict[str, Rule] = {
+    # leaves and zero-derivative ops
+    **{op: ZERO for op in ("arg", "const", "size", "indicator", "stop")},
+    **{fn: ZERO for fn in ("sign", "lt", "le", "gt", "ge", "eq", "ne")},
+    # sum_i c_i x_i: each operand gets c_i ct
+    "add": Rule(None, _add_vjp, _add_jvp),
+    # product summed over the edges not kept: ct times the other operands
+    "contract": Rule(None, _contract_vjp, _contract_jvp),
+    # max[e]/min[e]: the extreme positions share the cotangent evenly
+    "reduce": Rule((0,), lambda v, i, ct: _mul0(ct, _extreme_weights(v)),
+                   lambda v, ts: V.contract([ts[0], _extreme_weights(v)], set(v.edges) | _batch(v.operands[0], ts[0]))),
+    # table[edge = ids]: transposed by scatter-add, and scatter by gather
+    "gather": Rule((0,), lambda v, i, ct: V.scatter(ct, v.operands[1], v.attrs[0], _matched(*v.operands)),
+                   lambda v, ts: V.gather(ts[0], v.operands[1], v.attrs[0])),
+    "scatter": Rule((0,), lambda v, i, ct: V.gather(ct, v.operands[1], v.attrs[0]),
+                    lambda v, ts: V.scatter(ts[0], v.operands[1], v.attrs[0], _matched(v, v.operands[1]))),
+    # rename: the inverse rename
+    "rename": Rule((0,), lambda v, i, ct: V.rename(ct, _inverse(v.attrs[0])),
+                   lambda v, ts: V.rename(ts[0], dict(v.attrs[0]))),
+    # where(c, a, b); max/min send a tie to the first argument
+    "where": select(lambda v: v.operands[0], (1, 2)),
+    "max": select(lambda v: _fn("ge", *v.operands), (0, 1)),
+    "min": select(lambda v: _fn("le", *v.operands), (0, 1)),
+    # mul0(a, b) = a b: a product
+    "mul0": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
+                 _both(lambda v, i, t: _times(t, v.operands[1 - i]))),
+    # elementwise functions: their partial derivatives
+    "exp": pointwise(lambda v, a: v),                                   # exp' = exp
+    "log": pointwise(lambda v, a: _fn("div", _c(v, 1.0), a)),           # log' = 1/a
+    "sqrt": pointwise(lambda v, a: _fn("div", _c(v, 0.5), v)),          # sqrt' = 1/(2 sqrt a)
+    "tanh": pointwise(lambda v, a: V.add([_c(v, 1.0), V.mul([v, v])], [1.0, -1.0])),  # 1 - tanh^2
+    "erf": pointwise(lambda v, a: V.mul([_c(v, _2_SQRT_PI), _fn("exp", V.mul([_c(v, -1.0), a, a]))])),
+    "sin": pointwise(lambda v, a: _fn("cos", a)),
+    "cos": pointwise(lambda v, a: _neg(_fn("sin", a))),
+    "abs": pointwise(lambda v, a: _fn("sign", a)),                      # sign, 0 at 0
+    "div": pointwise(lambda v, a, b: _fn("div", _c(v, 1.0), b),         # 1/b
+                     lambda v, a, b: _neg(_fn("div", v, b))),           # -a/b^2
+    "pow": pointwise(lambda v, a, b: V.mul([b, _fn("pow", a, _minus1(b))]),  # b a^(b-1)
+                     lambda v, a, b: _mul0(v, _fn("log", a))),          # a^b log a, 0 where a^b = 0
+}
+
+
+def rule_for(v: Value) -> Rule:
+    key = v.attrs[0] if v.op == "map" else v.op
+    if key not in RULES:
+        raise V.IRError(f"no derivative rule for '{key}'")
+    return RULES[key]
+
+
+def active_values(f: Value, x: Value) -> set[int]:
+    """ids of the values of f's graph that depend on x through differentiable operands."""
+    act = {id(x)}
+    for v in topo_order([f]):
+        if any(id(v.operands[i]) in act for i in rule_for(v).positions(v)):
+            act.add(id(v))
+    return act
