@@ -255,11 +255,16 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
     vals = ev.run(module.roots())
     result: dict[str, np.ndarray] = {}
     for o in module.outputs:
-        result[o.name] = np.ascontiguousarray(np.transpose(vals[id(o.value)], [o.value.edges.index(e) for e in o.order]))
+        result[o.name] = _in_order(vals[id(o.value)], o.value.edges, o.order)
     for u in module.updates:
         order = module.args[u.target].order
-        result[u.target] = np.ascontiguousarray(np.transpose(vals[id(u.value)], [u.value.edges.index(e) for e in order]))
+        result[u.target] = _in_order(vals[id(u.value)], u.value.edges, order)
     return result
+
+
+def _in_order(a: np.ndarray, edges: tuple[str, ...], order: tuple[str, ...]) -> np.ndarray:
+    """A fresh C-contiguous copy of `a` with its axes in `order` (0-d stays 0-d)."""
+    return np.array(np.transpose(a, [edges.index(e) for e in order]), order="C", copy=True)
 
 
 def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
