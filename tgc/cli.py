@@ -6,13 +6,14 @@ Exit status: 0 success, 1 errors in the user's program, 2 usage errors,
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import click
 
 import tgc
 from tgc import driver
 from tgc.fsutil import write_atomic
-from tgc.cli_errors import EXIT_USER, handle_errors
+from tgc.cli_errors import EXIT_USER, handle_errors, report
 from tgc.ir.diag import CompileError
 from tgc.ir.printer import print_module
 from tgc.options import Options
@@ -83,8 +84,10 @@ def write_output(path: str | None, text: str) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(tgc.__version__, prog_name="tgc")
-@click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors.")
-def main(debug: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors (also TGC_DEBUG=1).")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Colour diagnostics (auto: on a terminal, unless NO_COLOR is set).")
+def main(debug: bool, color: str) -> None:
     """tgc: compile tensor programs over named edges.
 
     \b
@@ -98,9 +101,13 @@ def main(debug: bool) -> None:
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("-Werror", "werror", is_flag=True, help="Treat warnings as errors.")
+@click.option("-w", "no_warnings", is_flag=True, help="Print no warnings.")
 @handle_errors
-def check(files: tuple[str, ...], dtype: str) -> None:
+def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -> None:
     """Parse and check FILES; print nothing when they are correct.
+
+    Warnings (unused inputs and bindings) go to stderr; with -Werror they fail the check.
 
     \b
     Example:
@@ -109,10 +116,14 @@ def check(files: tuple[str, ...], dtype: str) -> None:
     failed = False
     for path in files:
         try:
-            driver.load(path, Options(dtype=dtype))
+            warnings = driver.load_program(path, Options(dtype=dtype)).warnings
         except CompileError as e:
-            click.echo(e.format(), err=True)
+            report(e.diagnostics())
             failed = True
+            continue
+        if not no_warnings or werror:
+            report([replace(w, severity="error") if werror else w for w in warnings])
+        failed = failed or (werror and bool(warnings))
     if failed:
         sys.exit(EXIT_USER)
 

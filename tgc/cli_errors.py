@@ -8,16 +8,34 @@ import traceback
 
 import click
 
-from tgc.ir.diag import CompileError
+from tgc.ir.diag import CompileError, render
 from tgc.ir.interp import EvalError
 
 EXIT_USER, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERNAL = 1, 2, 3, 4
 
 
-def _debug() -> bool:
+def _root_param(name: str):
     ctx = click.get_current_context(silent=True)
-    root = ctx.find_root() if ctx else None
-    return bool(os.environ.get("TGC_DEBUG")) or bool(root and root.params.get("debug"))
+    return ctx.find_root().params.get(name) if ctx else None
+
+
+def _debug() -> bool:
+    return bool(os.environ.get("TGC_DEBUG")) or bool(_root_param("debug"))
+
+
+def use_color() -> bool:
+    """--color=always|never, or (auto) when stderr is a terminal and NO_COLOR is unset."""
+    mode = _root_param("color") or "auto"
+    if mode != "auto":
+        return mode == "always"
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+
+
+def report(diagnostics) -> None:
+    """Print diagnostics to stderr in the gcc format."""
+    for d in diagnostics:
+        color = use_color()
+        click.echo(render(d, color=color), err=True, color=color)
 
 
 def handle_errors(fn):
@@ -28,7 +46,7 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except CompileError as e:
-            click.echo(e.format(), err=True)
+            report(e.diagnostics())
             sys.exit(EXIT_USER)
         except EvalError as e:
             click.echo(f"error: {e}", err=True)

@@ -38,13 +38,24 @@ def is_ir_file(path: str) -> bool:
     return path.endswith(".tgir")
 
 
-def load(path: str, options: Options) -> Module:
-    """Parse and check a `.tg` program, or read a `.tgir` module."""
-    if is_ir_file(path):
-        return parse_module(read_text(path), "<stdin>" if path == "-" else path)
-    from tgc.frontend import compile_file
+def load_program(path: str, options: Options) -> "Elaborated":
+    """Parse and check a `.tg` program ('-' is stdin), or read a `.tgir` module;
+    with the files it read and its warnings."""
+    from tgc.frontend.elaborate import Elaborated, elaborate_source
 
-    return compile_file(path, options)
+    name = "<stdin>" if path == "-" else path
+    if is_ir_file(path):
+        return Elaborated(parse_module(read_text(path), name), [] if path == "-" else [path])
+    if path == "-":
+        return elaborate_source(read_text(path), name, options)
+    from tgc.frontend.elaborate import elaborate_file
+
+    return elaborate_file(path, options)
+
+
+def load(path: str, options: Options) -> Module:
+    """The module of a `.tg` program or a `.tgir` file."""
+    return load_program(path, options).module
 
 
 def lower(module: Module, options: Options, emit=None) -> PipelineResult:

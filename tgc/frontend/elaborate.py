@@ -31,6 +31,7 @@ PRELUDE = Path(__file__).with_name("prelude.tg")
 class Elaborated:
     module: Module
     files: list[str] = field(default_factory=list)  # the program's file and every import
+    warnings: list[Diagnostic] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,6 +184,7 @@ class ProgramBuilder:
             if o.name not in self.scope.tensors:
                 raise CompileError(f"unknown name '{o.name}'", o.loc)
             value = self.scope.tensors[o.name]
+            self.el.used.add(o.name)
         else:
             value = self.el.expr(o.expr, self.ctx)
             self.scope.declare(o.name, "tensor", o.loc)
@@ -229,6 +231,18 @@ class ProgramBuilder:
         check_recursion(self.fns, self.user_fns)
         return self.m
 
+    def warnings(self) -> list[Diagnostic]:
+        """Inputs and bindings that nothing reads."""
+        out = []
+        outputs = {o.name for o in self.m.outputs}
+        for name, kind in self.scope.kinds.items():
+            if kind != "tensor" or name in self.el.used or name in outputs:
+                continue
+            arg = self.m.args.get(name)
+            what = f"{arg.kind} '{name}'" if arg else f"'{name}'"
+            out.append(Diagnostic("warning", f"{what} is never used", self.scope.locs[name]))
+        return out
+
 
 def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
     """Parse and elaborate a program given as text (imports resolve beside `filename`)."""
@@ -237,7 +251,7 @@ def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
     try:
         b = ProgramBuilder(options)
         b.file(text, filename, top=True)
-        return Elaborated(b.finish(), b.files)
+        return Elaborated(b.finish(), b.files, b.warnings())
     finally:
         sys.setrecursionlimit(limit)
 

@@ -39,6 +39,7 @@ class Elaborator:
 
     def __init__(self, module: Module, scope: Scope, dtype: str):
         self.m, self.scope, self.dtype = module, scope, dtype
+        self.used: set[str] = set()  # top-level tensor names read somewhere
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -91,6 +92,8 @@ class Elaborator:
 
     def _Name(self, node: ast.Name, ctx: Ctx) -> V.Value:
         if node.id in ctx.values:
+            if not ctx.stack:
+                self.used.add(node.id)
             return ctx.values[node.id]
         kind = self.scope.kinds.get(node.id)
         if node.id in ctx.edges or kind in ("edge", "dim"):

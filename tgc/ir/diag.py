@@ -49,27 +49,41 @@ def _source_line(loc: Loc, sources: dict[str, str]) -> str | None:
     return None
 
 
-def render(diag: Diagnostic, sources: dict[str, str] | None = None) -> str:
+_COLORS = {"error": "\033[1;31m", "warning": "\033[1;35m", "note": "\033[1;36m"}
+_BOLD, _GREEN, _RESET = "\033[1m", "\033[1;32m", "\033[0m"
+
+
+def render(diag: Diagnostic, sources: dict[str, str] | None = None, color: bool = False) -> str:
     """gcc-style text for one diagnostic: header, source line, caret and underline."""
+    paint = (lambda code, text: f"{code}{text}{_RESET}") if color else (lambda code, text: text)
+    severity = paint(_COLORS.get(diag.severity, _BOLD), f"{diag.severity}:")
     if diag.loc is None:
-        return f"{diag.severity}: {diag.message}"
+        return f"{severity} {diag.message}"
     loc = diag.loc
-    out = [f"{loc}: {diag.severity}: {diag.message}"]
+    out = [f"{paint(_BOLD, f'{loc}:')} {severity} {diag.message}"]
     line = _source_line(loc, sources or {})
     if line is not None:
-        line = line.expandtabs(1)
-        if len(line) > 200:  # keep huge lines readable: a window around the caret
-            start = max(0, loc.col - 100)
-            shown, pad = line[start:start + 200], loc.col - 1 - start
-        else:
-            shown, pad = line, loc.col - 1
-        width = 1
-        if loc.end_line == loc.line and loc.end_col is not None and loc.end_col > loc.col:
-            width = loc.end_col - loc.col
-        width = max(1, min(width, len(shown) - pad if len(shown) > pad else 1))
+        shown, pad = _window(line.expandtabs(1), loc.col)
+        width = _underline_width(loc, len(shown), pad)
         out.append(f" {shown}")
-        out.append(" " + " " * max(pad, 0) + "^" + "~" * (width - 1))
+        out.append(" " + " " * pad + paint(_GREEN, "^" + "~" * (width - 1)))
     return "\n".join(out)
+
+
+def _window(line: str, col: int) -> tuple[str, int]:
+    """The line (or a 200-character window of a huge one) and the caret's offset in it."""
+    if len(line) <= 200:
+        return line, max(col - 1, 0)
+    start = max(0, col - 100)
+    return line[start:start + 200], max(col - 1 - start, 0)
+
+
+def _underline_width(loc: Loc, shown: int, pad: int) -> int:
+    """Columns the range covers on its first line (to the line's end if it goes on)."""
+    if loc.end_line is None or loc.end_col is None:
+        return 1
+    end = loc.end_col - loc.col if loc.end_line == loc.line else shown - pad
+    return max(1, min(end, shown - pad))
 
 
 @dataclass
@@ -89,5 +103,5 @@ class CompileError(Exception):
     def diagnostics(self) -> list[Diagnostic]:
         return [Diagnostic("error", self.message, self.loc), *self.notes]
 
-    def format(self, sources: dict[str, str] | None = None) -> str:
-        return "\n".join(render(d, sources) for d in self.diagnostics())
+    def format(self, sources: dict[str, str] | None = None, color: bool = False) -> str:
+        return "\n".join(render(d, sources, color) for d in self.diagnostics())
