@@ -62,6 +62,7 @@ def pipeline_options(fn):
         click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
         click.option("--verify-each", is_flag=True,
                      help="Check after every pass that the program's values did not change (float64)."),
+        click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -69,10 +70,37 @@ def pipeline_options(fn):
 
 
 def make_options(passes=None, dtype="f32", print_before=frozenset(), print_after=frozenset(),
-                 print_ir_after_all=False, verify_each=False, **extra) -> Options:
+                 print_ir_after_all=False, verify_each=False, time_passes=False, **extra) -> Options:
     return Options(dtype=dtype, passes=passes, print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
-                   verify_each=verify_each, **extra)
+                   verify_each=verify_each, time_passes=time_passes, **extra)
+
+
+def render_module(module, fmt: str, locs: bool) -> str:
+    from tgc.ir.export import to_dot, to_json
+
+    return {"text": lambda: print_module(module, locs), "dot": lambda: to_dot(module),
+            "json": lambda: to_json(module)}[fmt]()
+
+
+def lower(module, options: Options, emit):
+    """Run the pipeline; with --time-passes, print the table to stderr."""
+    result = driver.lower(module, options, emit)
+    if options.time_passes:
+        click.echo(format_pass_times(result.stats), err=True, nl=False)
+    return result
+
+
+def format_pass_times(stats) -> str:
+    total = sum(s.seconds for s in stats) or 1e-12
+    lines = ["===-------------------------------------------------------===",
+             "                    tgc pass execution timing",
+             "===-------------------------------------------------------===",
+             f"  {'time (ms)':>10} {'%':>6}  {'ops before':>10} {'ops after':>10}  pass"]
+    for s in stats:
+        lines.append(f"  {s.seconds * 1e3:10.3f} {100 * s.seconds / total:5.1f}%  {s.ops_before:10d} {s.ops_after:10d}  {s.name}")
+    lines.append(f"  {total * 1e3:10.3f} 100.0%  {'':10} {'':10}  total")
+    return "\n".join(lines) + "\n"
 
 
 def write_output(path: str | None, text: str) -> None:
@@ -134,16 +162,19 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -
               help="Stop after PASS ('elaborate' = straight from the front end).")
 @click.option("--after-all", is_flag=True, help="Print the IR after the front end and after every pass.")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
+              help="text: the IR (readable back by `tgc opt`); dot: Graphviz of the tensor network; json: for tools.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
 @pipeline_options
 @handle_errors
-def dump_ir(file, after, after_all, locs, output, **opts) -> None:
+def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
     """Print FILE's IR after the pipeline (or after one pass).
 
     \b
     Examples:
       tgc dump-ir examples/mlp.tg --after elaborate
       tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
+      tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
     """
     from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
 
@@ -172,8 +203,11 @@ def dump_ir(file, after, after_all, locs, output, **opts) -> None:
     emit = collect if after_all else _emit_to_stderr
     if after_all:
         options = options.with_(print_ir_after_all=True)
-    result = driver.lower(module, options, emit)
-    write_output(output, "".join(chunks) if after_all else print_module(result.module, locs))
+    result = lower(module, options, emit)
+    if after_all:
+        write_output(output, "".join(chunks))
+    else:
+        write_output(output, render_module(result.module, fmt, locs))
 
 
 @main.command()
@@ -197,7 +231,7 @@ def opt(file, output, locs, **opts) -> None:
     module = parse_module(driver.read_text(file), "<stdin>" if file == "-" else file)
     if options.passes is None:
         options = options.with_(passes=())
-    result = driver.lower(module, options, _emit_to_stderr)
+    result = lower(module, options, _emit_to_stderr)
     write_output(output, print_module(result.module, locs))
 
 

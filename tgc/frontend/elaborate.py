@@ -64,15 +64,21 @@ class ProgramBuilder:
     # ---- files and imports ----------------------------------------------------------
 
     def file(self, text: str, name: str, top: bool) -> None:
+        """Imports first, then every function (hoisted and checked), then the rest in order."""
         program = parse(text, name)
         self.files.append(name)
         for item in program.items:
-            if isinstance(item, ast.FnDef):
-                self.function(item)
+            if isinstance(item, ast.Import):
+                self._Import(item, Path(name))
+        defined = [item.name for item in program.items if isinstance(item, ast.FnDef)]
         for item in program.items:
             if isinstance(item, ast.FnDef):
+                self.function(item)
+        check_recursion(self.fns, defined)
+        for item in program.items:
+            if isinstance(item, (ast.FnDef, ast.Import)):
                 continue
-            if top or isinstance(item, (ast.DimDecl, ast.Import)):
+            if top or isinstance(item, ast.DimDecl):
                 getattr(self, f"_{type(item).__name__}")(item, Path(name))
 
     def _Import(self, item: ast.Import, here: Path) -> None:
@@ -228,7 +234,6 @@ class ProgramBuilder:
         self.m.updates.append(Update(u.name, value, u.loc))
 
     def finish(self) -> Module:
-        check_recursion(self.fns, self.user_fns)
         return self.m
 
     def warnings(self) -> list[Diagnostic]:
