@@ -246,9 +246,11 @@ def passes() -> None:
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
 
 
-from tgc.cli_run import run  # noqa: E402  (registers `tgc run`)
+from tgc.cli_grad import grad  # noqa: E402
+from tgc.cli_run import run  # noqa: E402
 
 main.add_command(run)
+main.add_command(grad)
 
 if __name__ == "__main__":
     main()

@@ -60,3 +60,50 @@ def load(path: str, options: Options) -> Module:
 
 def lower(module: Module, options: Options, emit=None) -> PipelineResult:
     return run_pipeline(module, options, emit)
+
+
+def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -> Module:
+    """A module whose outputs are d(of)/d(x) for each x in `wrt` (still underived).
+
+    `of` defaults to the only scalar output. Reverse mode uses `grad`; forward mode
+    seeds `jvp` with an identity over fresh copies of x's edges, then renames back.
+    """
+    from tgc.ir import values as V
+    from tgc.ir.affine import Affine, Relation
+    from tgc.ir.module import Output
+
+    scalars = [o.name for o in module.outputs if not o.value.edges]
+    outputs = {o.name: o for o in module.outputs}
+    if of is None:
+        if len(scalars) != 1:
+            raise CompileError(f"--of is needed: the program has {len(scalars)} scalar outputs"
+                               + (f" ({', '.join(scalars)})" if scalars else ""))
+        of = scalars[0]
+    if of not in outputs:
+        raise CompileError(f"--of {of}: no such output (outputs: {', '.join(outputs) or 'none'})")
+    f = outputs[of].value
+    m = Module(dict(module.dims), dict(module.edges), dict(module.args))
+    for name in wrt:
+        arg = module.args.get(name)
+        if arg is None or arg.dtype == "i32":
+            raise CompileError(f"--wrt {name}: not a float input, param or state of the program")
+        x = V.arg(name, arg.dtype, arg.order)
+        if set(f.edges) & set(x.edges):
+            raise CompileError(f"--of {of} and --wrt {name} share an edge; rename one of them first")
+        if mode == "rev":
+            value = V.grad(f, x)
+        else:
+            copies = {e: m.fresh_edge(e, m.edges[e]) for e in x.edges}
+            seed = V.mul([V.indicator(Relation((Affine.make([(e, 1)]), Affine.make([(c, 1)])), ("=",)), f.dtype)
+                          for e, c in copies.items()]) if copies else V.const(1.0, f.dtype)
+            value = V.rename(V.jvp(f, x, seed), {c: e for e, c in copies.items()})
+        m.outputs.append(Output(_fresh_output(m, f"d{name}"), value, tuple(module.order_edges(f.edges)) + arg.order))
+    return m
+
+
+def _fresh_output(m: Module, base: str) -> str:
+    taken = set(m.args) | set(m.edges) | {o.name for o in m.outputs}
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    return name

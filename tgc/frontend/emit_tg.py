@@ -1,0 +1,186 @@
+"""Write a module back as `.tg` source: readable, checkable, and computing the same.
+
+Used by `tgc grad --emit tg` to show a derivative program in surface syntax. Each
+non-trivial value becomes one binding; edges the compiler invented (`t.1`) get
+valid names and are declared as dims of the same size; IR forms without a direct
+surface form are spelled with primitives (`mul0(a, b)` as `where(a != 0, a * b, 0)`,
+a scatter-add as a contraction with a gathered indicator, a broadcast as a
+product with `[e = e]`).
+"""
+from __future__ import annotations
+
+import math
+
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.module import Module
+from tgc.ir.sizes import size_str
+from tgc.ir.values import Value
+
+INFIX = {"div": "/", "pow": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+class _Writer:
+    def __init__(self, m: Module):
+        self.m = m
+        self.lines: list[str] = []
+        self.taken = set(m.dims) | set(m.edges) | set(m.args) | {o.name for o in m.outputs}
+        self.edge_names = {e: self.fresh(e.replace(".", "_")) if not _valid(e) else e for e in m.edges}
+        self.names: dict[int, str] = {}
+        self.count = 0
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self.taken:
+            n += 1
+            name = f"{base}_{n}"
+        self.taken.add(name)
+        return name
+
+    def e(self, edge: str) -> str:
+        return self.edge_names[edge]
+
+    def declarations(self) -> None:
+        for d, s in self.m.dims.items():
+            self.lines.append(f"dim {d}" if s is None else f"dim {d} = {size_str(s)}")
+        declared = set(self.m.dims)
+        for a in self.m.args.values():
+            for edge in a.order:
+                declared.add(edge)
+        for edge, dim in self.m.edges.items():
+            if edge not in declared:
+                self.lines.append(f"dim {self.e(edge)} = {dim}")
+                declared.add(edge)
+        seen = set(self.m.dims) | {e for e in self.m.edges if e not in _arg_edges(self.m)}
+        for a in self.m.args.values():
+            specs = []
+            for edge in a.order:
+                specs.append(edge if edge in seen else f"{edge}: {self.m.edges[edge]}")
+                seen.add(edge)
+            dtype = ": i32" if a.dtype == "i32" else ""
+            edges = f"[{', '.join(specs)}]" if specs else ""
+            self.lines.append(f"{a.kind} {a.name}{dtype}{edges}")
+
+    def ref(self, v: Value) -> str:
+        """A name or literal for `v`, binding it first if needed."""
+        if v.op == "arg":
+            return v.attrs[0]
+        if v.op == "const" and not v.edges:
+            return _number(v.attrs[0])
+        if v.op == "size":
+            return f"size({self.e(v.attrs[0])})"
+        if id(v) not in self.names:
+            text = self.expr(v)
+            name = self.fresh(f"v{self.count}")
+            self.count += 1
+            self.lines.append(f"{name} = {text}")
+            self.names[id(v)] = name
+        return self.names[id(v)]
+
+    def expr(self, v: Value) -> str:
+        return getattr(self, f"_{v.op}")(v, [self.ref(o) for o in v.operands])
+
+    def _const(self, v, ops):
+        return " * ".join([_number(v.attrs[0])] + [f"[{self.e(e)} = {self.e(e)}]" for e in v.edges])
+
+    def _add(self, v, ops):
+        text = ""
+        for c, o in zip(v.attrs[0], ops):
+            sign = "-" if c < 0 else "+"
+            body = o if abs(c) == 1 else f"{_number(abs(c))} * {o}"
+            text = (f"-{body}" if sign == "-" else body) if not text else f"{text} {sign} {body}"
+        return text
+
+    def _contract(self, v, ops):
+        present = set().union(*(o.edges for o in v.operands))
+        factors = list(ops) + [f"[{self.e(e)} = {self.e(e)}]" for e in v.edges if e not in present]
+        product = " * ".join(factors)
+        summed = sorted(present - set(v.edges))
+        return f"sum[{', '.join(self.e(e) for e in summed)}]({product})" if summed else product
+
+    def _map(self, v, ops):
+        fn = v.attrs[0]
+        if fn in INFIX:
+            return f"({ops[0]} {INFIX[fn]} {ops[1]})"
+        if fn == "mul0":
+            return f"where({ops[0]} != 0, {ops[0]} * {ops[1]}, 0)"
+        return f"{fn}({', '.join(ops)})"
+
+    def _reduce(self, v, ops):
+        kind, edges = v.attrs
+        if kind == "logsumexp":
+            text = ops[0]
+            for e in edges:
+                text = f"logsumexp[{self.e(e)}]({text})"
+            return text
+        return f"{kind}[{', '.join(self.e(e) for e in edges)}]({ops[0]})"
+
+    def _indicator(self, v, ops):
+        return f"[{_relation(v.attrs[0], self.e)}]"
+
+    def _gather(self, v, ops):
+        return f"{ops[0]}[{self.e(v.attrs[0])} = {ops[1]}]"
+
+    def _scatter(self, v, ops):
+        ct, ids = v.operands
+        edge = v.attrs[0]
+        w = self.fresh(f"{self.e(edge)}_w")
+        self.lines.insert(self._dims_end(), f"dim {w} = {self.m.edges[edge]}")
+        summed = [self.e(e) for e in ids.edges if e not in v.edges]
+        body = f"{ops[0]} * [{self.e(edge)} = {w}][{w} = {ops[1]}]"
+        return f"sum[{', '.join(summed)}]({body})" if summed else body
+
+    def _dims_end(self) -> int:
+        return sum(1 for line in self.lines if line.startswith("dim "))
+
+    def _rename(self, v, ops):
+        return f"{ops[0]}[{', '.join(f'{self.e(s)} -> {self.e(d)}' for s, d in v.attrs[0])}]"
+
+    def _stop(self, v, ops):
+        return f"stop({ops[0]})"
+
+    def _grad(self, v, ops):
+        return f"grad({ops[0]}, {ops[1]})"
+
+    def _jvp(self, v, ops):
+        return f"jvp({', '.join(ops)})"
+
+    def _vjp(self, v, ops):
+        return f"vjp({', '.join(ops)})"
+
+
+def _arg_edges(m: Module) -> set[str]:
+    return {e for a in m.args.values() for e in a.order}
+
+
+def _valid(name: str) -> bool:
+    return name.replace("_", "a").replace("'", "a").isalnum() and not name[0].isdigit()
+
+
+def _number(x: float) -> str:
+    if math.isnan(x):
+        return "(inf - inf)"
+    if math.isinf(x):
+        return "inf" if x > 0 else "(-inf)"
+    text = repr(int(x)) if x == int(x) and abs(x) < 1e15 else repr(x)
+    return text if x >= 0 else f"({text})"
+
+
+def _relation(r: Relation, name) -> str:
+    return f" {r.ops[0]} ".join(_affine(a, name) for a in r.exprs[:1]) + "".join(
+        f" {op} {_affine(a, name)}" for op, a in zip(r.ops, r.exprs[1:]))
+
+
+def _affine(a: Affine, name) -> str:
+    return str(a.renamed({e: name(e) for e in a.edges()}))
+
+
+def emit_tg(m: Module) -> str:
+    """The module as `.tg` source text."""
+    w = _Writer(m)
+    w.declarations()
+    outs = []
+    for o in m.outputs:
+        outs.append(f"out {o.name}[{', '.join(w.e(e) for e in o.order)}] = {w.ref(o.value)}"
+                    if o.order else f"out {o.name} = {w.ref(o.value)}")
+    ups = [f"update {u.target} = {w.ref(u.value)}" for u in m.updates]
+    return "\n".join(["# generated by tgc", *w.lines, *outs, *ups]) + "\n"
