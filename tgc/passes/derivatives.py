@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from tgc.ir import values as V
+from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
 
 Vjp = Callable[[Value, int, Value], Optional[Value]]
@@ -85,7 +86,13 @@ def fit(t: Value, edges: Iterable[str]) -> Value:
 
 
 def _batch(v: Value, t: Value) -> set[str]:
+    """The batch edges of `t`, a cotangent or tangent of `v`."""
     return set(t.edges) - set(v.edges)
+
+
+def _keep(v: Value, t: Value) -> set[str]:
+    """The edges of v's tangent, given the tangent `t` of its operand."""
+    return set(v.edges) | _batch(v.operands[0], t)
 
 
 # ---- rule families ---------------------------------------------------------------
@@ -104,10 +111,10 @@ def pointwise(*partials: Partial | None) -> Rule:
 
 
 def _product(v: Value, i: int, t: Value, keep: set[str]) -> Value | None:
-    """t times every operand of the contraction `v` but the i-th, keeping `keep`."""
+    """t times every operand of the contraction `v` but the i-th, summed to `keep`."""
     others = [o for j, o in enumerate(v.operands) if j != i]
-    if not set().union(*(o.edges for o in v.operands)) <= set(v.edges):
-        return V.contract([t] + others, keep)  # sums: one contraction (a GEMM), no guard
+    if not set(t.edges).union(*(o.edges for o in others)) <= keep:
+        return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
     for o in others:  # elementwise: guarded products
         t = _times(t, o) if t is not None else None
     return t
@@ -161,12 +168,8 @@ def _matched(table: Value, ids: Value) -> set[str]:
     return set(table.edges) & set(ids.edges)
 
 
-def _inverse(pairs) -> dict[str, str]:
-    return {d: s for s, d in pairs}
-
-
-def _both(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
-    """The jvp of a rule that is linear in each operand: the sum of fn(v, i, t_i)."""
+def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
+    """The jvp that sums `fn(v, i, t_i)` over the operands that have a tangent."""
     return lambda v, ts: total(fn(v, i, t) for i, t in enumerate(ts) if t is not None)
 
 
@@ -184,14 +187,14 @@ RULES: dict[str, Rule] = {
     "contract": Rule(None, _contract_vjp, _contract_jvp),
     # max[e]/min[e]: the extreme positions share the cotangent evenly
     "reduce": Rule((0,), lambda v, i, ct: _mul0(ct, _extreme_weights(v)),
-                   lambda v, ts: V.contract([ts[0], _extreme_weights(v)], set(v.edges) | _batch(v.operands[0], ts[0]))),
+                   lambda v, ts: V.contract([ts[0], _extreme_weights(v)], _keep(v, ts[0]))),
     # table[edge = ids]: transposed by scatter-add, and scatter by gather
     "gather": Rule((0,), lambda v, i, ct: V.scatter(ct, v.operands[1], v.attrs[0], _matched(*v.operands)),
                    lambda v, ts: V.gather(ts[0], v.operands[1], v.attrs[0])),
     "scatter": Rule((0,), lambda v, i, ct: V.gather(ct, v.operands[1], v.attrs[0]),
                     lambda v, ts: V.scatter(ts[0], v.operands[1], v.attrs[0], _matched(v, v.operands[1]))),
     # rename: the inverse rename
-    "rename": Rule((0,), lambda v, i, ct: V.rename(ct, _inverse(v.attrs[0])),
+    "rename": Rule((0,), lambda v, i, ct: V.rename(ct, inverse(dict(v.attrs[0]))),
                    lambda v, ts: V.rename(ts[0], dict(v.attrs[0]))),
     # where(c, a, b); max/min send a tie to the first argument
     "where": select(lambda v: v.operands[0], (1, 2)),
@@ -199,7 +202,7 @@ RULES: dict[str, Rule] = {
     "min": select(lambda v: _fn("le", *v.operands), (0, 1)),
     # mul0(a, b) = a b: a product
     "mul0": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
-                 _both(lambda v, i, t: _times(t, v.operands[1 - i]))),
+                 _summed(lambda v, i, t: _times(t, v.operands[1 - i]))),
     # elementwise functions: their partial derivatives
     "exp": pointwise(lambda v, a: v),                                   # exp' = exp
     "log": pointwise(lambda v, a: _fn("div", _c(v, 1.0), a)),           # log' = 1/a
@@ -230,3 +233,12 @@ def active_values(f: Value, x: Value) -> set[int]:
         if any(id(v.operands[i]) in act for i in rule_for(v).positions(v)):
             act.add(id(v))
     return act
+
+
+def fresh_edges(module: Module, edges: Iterable[str]) -> dict[str, str]:
+    """A new, unused edge of the same size for each of `edges` (registered in `module`)."""
+    return {e: module.fresh_edge(e, module.edges[e]) for e in sorted(edges)}
+
+
+def inverse(mapping: dict[str, str]) -> dict[str, str]:
+    return {d: s for s, d in mapping.items()}
