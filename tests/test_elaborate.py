@@ -198,11 +198,11 @@ update m = 0
 @pytest.mark.parametrize("src,line,col,words", [
     ("dim n = 3\ninput x[n]\nout y = q + x\n", 3, 9, "unknown name"),
     ("dim n = 3, m = 4\ninput A[i: n]\ninput B[i: m]\n", 3, 9, "two sizes"),
-    ("dim n = 3, m = 3\ninput A[n, m]\nout y = A[n -> m]\n", 3, 11, "already has"),
+    ("dim n = 3, m = 3\ninput A[n, m]\nout y = A[n -> m]\n", 3, 16, "already has"),
     ("dim n = 3\ninput x[n]\ny = x * 2\nout g = grad(sum(y), y)\n", 4, 22, "not an input"),
     ("dim n = 3, k = 2\ninput x[n]\nout y = x[n = k / 2]\n", 3, 15, "not an affine"),
     ("fn f(x) = g(x)\nfn g(x) = f(x)\ndim n = 2\ninput x[n]\nout y = f(x)\n", 2, 11, "recursive"),
-    ("dim n = 3\ninput x[n]\nupdate x = x * 2\n", 3, 1, "cannot update input"),
+    ("dim n = 3\ninput x[n]\nupdate x = x * 2\n", 3, 8, "cannot update input"),
     ("dim n = 7, m = n / 2\n", 1, 16, "divide"),
     ("dim n = 3\ninput n[n]\n", 2, 7, "already declared"),
     ("dim n = 3, m = 4\ninput A[n]\nout y = A[n -> m]\n", 3, 11, "sizes differ"),

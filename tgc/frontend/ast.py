@@ -1,8 +1,10 @@
 """The syntax tree of a .tg file, as `tgc.frontend.parser.parse` builds it.
 
 Every node is a frozen dataclass with a `loc: Loc` (keyword-only, ignored by `==`,
-so tests can compare trees built by hand). Sequences are tuples. Names are
-unresolved strings: the elaborator decides what they denote.
+so tests can compare trees built by hand). A statement's loc starts at the name it
+declares or targets (`f` in `fn f(...)`, `z` in `out z`, the string of an import)
+and ends with the statement. Sequences are tuples. Names are unresolved strings:
+the elaborator decides what they denote.
 
     Program(items: tuple[Stmt, ...])
   statements (Stmt)
@@ -10,7 +12,8 @@ unresolved strings: the elaborator decides what they denote.
     TensorDecl(kind: str, name: str, dtype: str | None, edges: tuple[EdgeSpec, ...])
         kind "input" | "param" | "state"; dtype "i32" | "f32" | "f64" | None;
         edges () for a scalar; `input a[i], b` gives two TensorDecls
-    EdgeSpec(name: str, dim: str | None)            `i` or `i: n`
+    EdgeSpec(name: str, dim: str | None)            `i` or `i: n`; also dim_loc (the
+        Loc of `n`, or None), keyword-only and ignored by `==` like loc
     FnDef(name: str, edge_params: tuple[Name, ...], params: tuple[Param, ...],
           body: tuple[Bind, ...], result: Expr)     `= expr` form: body ()
     Param(name: str, default: Expr | None)
@@ -28,7 +31,8 @@ unresolved strings: the elaborator decides what they denote.
          kwargs: tuple[Kwarg, ...])                 edges None when no `[...]`
     Kwarg(name: str, value: Expr)
     EdgeOps(x: Expr, items: tuple[Rename | Reindex, ...])
-    Rename(src: str, dst: str)                      `i -> j`
+    Rename(src: str, dst: str)                      `i -> j`; also dst_loc (the Loc of
+        `j`), keyword-only and ignored by `==` (loc starts at `i`)
     Reindex(edge: str, rhs: Expr)                   `t = s + k` or a gather `vocab = ids`
     Indicator(terms: tuple[Affine, ...], ops: tuple[str, ...])
         `[a op0 b op1 c]`, len(ops) == len(terms) - 1; ops = != < <= > >= (`==` is `=`)
@@ -83,6 +87,7 @@ class EdgeSpec(Node):
 
     name: str
     dim: str | None
+    dim_loc: Loc | None = field(default=None, compare=False, repr=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,7 @@ class Rename(Node):
 
     src: str
     dst: str
+    dst_loc: Loc | None = field(default=None, compare=False, repr=False, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tgc.frontend import ast
-from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator
+from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
 from tgc.ir import values as V
 
 ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "size": (1,),
@@ -69,7 +69,7 @@ def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
             edges.append(actual)
     if node.fn in ("max", "min"):
         return el.build(node, ctx, V.reduce, node.fn, x, edges) if edges else x
-    total = V.contract([x], [e for e in x.edges if e not in edges], loc=node.loc)
+    total = V.contract(factors(x), [e for e in x.edges if e not in edges], loc=node.loc)
     if node.fn == "sum" or not edges:
         return total
     sizes = [V.size(e, el.dtype, loc=node.loc) for e in edges]

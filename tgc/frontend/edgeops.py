@@ -28,7 +28,8 @@ def apply_edge_ops(el: Elaborator, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
 def _rename_map(el: Elaborator, x: V.Value, items: list[ast.Rename], ctx: Ctx) -> dict[str, str]:
     mapping: dict[str, str] = {}
     for item in items:
-        src, dst = el.edge(item.src, item, ctx), el.edge(item.dst, item, ctx)
+        dst_node = _DstNode(item.dst_loc or item.loc)
+        src, dst = el.edge(item.src, item, ctx), el.edge(item.dst, dst_node, ctx)
         if src not in x.edges:
             raise el.error(f"cannot rename edge '{item.src}': the tensor has edges [{', '.join(x.edges)}]", item, ctx)
         if src in mapping:
@@ -38,11 +39,19 @@ def _rename_map(el: Elaborator, x: V.Value, items: list[ast.Rename], ctx: Ctx) -
                            f"({el.size_text(src)} and {el.size_text(dst)})", item, ctx)
         mapping[src] = dst
     result = [mapping.get(e, e) for e in x.edges]
-    for item in items:
+    for item in reversed(items):
         dst = mapping[el.edge(item.src, item, ctx)]
         if result.count(dst) > 1:
-            raise el.error(f"cannot rename onto edge '{item.dst}': the tensor already has it", item, ctx)
+            raise el.error(f"cannot rename onto edge '{item.dst}': the tensor already has it",
+                           _DstNode(item.dst_loc or item.loc), ctx)
     return mapping
+
+
+class _DstNode:
+    """Stands for the destination edge of a rename in diagnostics."""
+
+    def __init__(self, loc):
+        self.loc = loc
 
 
 def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, str], ctx: Ctx) -> V.Value:

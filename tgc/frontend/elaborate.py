@@ -159,7 +159,7 @@ class ProgramBuilder:
                                    f"or give its size as `{spec.name}: DIM`)", spec.loc)
             return spec.name
         if spec.dim not in self.m.edges:
-            raise CompileError(f"unknown dim '{spec.dim}'", spec.loc)
+            raise CompileError(f"unknown dim '{spec.dim}'", spec.dim_loc or spec.loc)
         dim = self.m.edges[spec.dim]
         if spec.name in self.m.edges:
             if self.m.size(spec.name) != self.m.size(spec.dim):
@@ -188,6 +188,10 @@ class ProgramBuilder:
             raise CompileError(f"output '{o.name}' is declared twice", o.loc)
         if o.expr is None:
             if o.name not in self.scope.tensors:
+                kind = self.scope.kinds.get(o.name) or ("fn" if o.name in self.fns else None)
+                if kind:
+                    what = {"edge": "an edge", "dim": "a dim (an edge)", "fn": "a function"}[kind]
+                    raise CompileError(f"'{o.name}' is {what}, not a tensor: only tensors can be outputs", o.loc)
                 raise CompileError(f"unknown name '{o.name}'", o.loc)
             value = self.scope.tensors[o.name]
             self.el.used.add(o.name)
@@ -201,17 +205,29 @@ class ProgramBuilder:
 
     def output_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
         if o.order is not None:
-            order = [self.el.edge(e.id, e, self.ctx) for e in o.order]
-            if sorted(order) != list(value.edges) or len(set(order)) != len(order):
-                raise CompileError(f"output '{o.name}' has edges [{', '.join(self.m.order_edges(value.edges))}], "
-                                   f"but the order lists [{', '.join(e.id for e in o.order)}]", o.order[0].loc
-                                   if o.order else o.loc)
-            return tuple(order)
+            return self.explicit_order(o, value)
         e = o.expr
         if isinstance(e, ast.Call) and e.fn == "grad" and "grad" not in self.user_fns and value.op == "grad":
             x = self.m.args[value.operands[1].attrs[0]]
             return self.m.order_edges(value.operands[0].edges) + x.order
         return self.m.order_edges(value.edges)
+
+    def explicit_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
+        """The order written on `out`: exactly the value's edges, each once."""
+        have = ", ".join(self.m.order_edges(value.edges))
+        order: list[str] = []
+        for e in o.order:
+            edge = self.el.edge(e.id, e, self.ctx)
+            if edge not in value.edges:
+                raise CompileError(f"output '{o.name}' has no edge '{e.id}' (its edges: [{have}])", e.loc)
+            if edge in order:
+                raise CompileError(f"edge '{e.id}' is listed twice in the order of '{o.name}'", e.loc)
+            order.append(edge)
+        missing = [e for e in self.m.order_edges(value.edges) if e not in order]
+        if missing:
+            raise CompileError(f"the order of output '{o.name}' misses edge '{missing[0]}' (its edges: [{have}])",
+                               o.order[0].loc if o.order else o.loc)
+        return tuple(order)
 
     def _Update(self, u: ast.Update, here: Path) -> None:
         arg = self.m.args.get(u.name)

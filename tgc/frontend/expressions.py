@@ -7,7 +7,8 @@ reindex is a contraction with an indicator, and function calls are inlined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from tgc.frontend import ast
@@ -18,6 +19,7 @@ from tgc.ir.diag import CompileError, Diagnostic, Loc
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, size_op, size_str
 
+PRELUDE_FILE = str(Path(__file__).with_name("prelude.tg"))
 UNARY = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "abs", "sign")
 COMPARE = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -34,6 +36,14 @@ class Ctx:
     call_locs: tuple[Loc, ...] = ()
 
 
+def factors(v: V.Value) -> list[V.Value]:
+    """The operands of a plain product (a contraction that sums nothing), else [v]:
+    products and their sums become one n-ary contraction, never materialized."""
+    if v.op == "contract" and set(v.edges) == {e for o in v.operands for e in o.edges}:
+        return list(v.operands)
+    return [v]
+
+
 class Elaborator:
     """Turns expression ASTs into IR values for one module."""
 
@@ -44,10 +54,16 @@ class Elaborator:
     # ---- helpers ------------------------------------------------------------------
 
     def error(self, message: str, node, ctx: Ctx | None = None, notes=()) -> CompileError:
+        """A located error; inside the prelude, located at the user's call instead."""
         notes = list(notes)
+        loc = node.loc
         if ctx is not None and ctx.stack:
+            user = [i for i, c in enumerate(ctx.call_locs) if c.file != PRELUDE_FILE]
+            if loc is not None and loc.file == PRELUDE_FILE and user:
+                i = user[-1]
+                return CompileError(f"in call of '{ctx.stack[i]}': {message}", ctx.call_locs[i], notes)
             notes.append(Diagnostic("note", f"in function '{ctx.stack[-1]}', inlined here", ctx.call_locs[-1]))
-        return CompileError(message, node.loc, notes)
+        return CompileError(message, loc, notes)
 
     def build(self, node, ctx: Ctx, fn, *args, **kwargs) -> V.Value:
         """Call an IR builder, reporting its type errors at `node`."""
@@ -115,10 +131,10 @@ class Elaborator:
         if node.op in "+-":
             return self.build(node, ctx, V.add, [a, b], [1.0, 1.0 if node.op == "+" else -1.0])
         if node.op == "*":
-            return self.build(node, ctx, V.mul, [a, b])
+            return self.build(node, ctx, V.mul, factors(a) + factors(b))
         if node.op == "@":
             keep = set(a.edges) ^ set(b.edges)
-            return self.build(node, ctx, V.contract, [a, b], keep)
+            return self.build(node, ctx, V.contract, factors(a) + factors(b), keep)
         return self.build(node, ctx, V.map_, "div" if node.op == "/" else "pow", a, b)
 
     def _Compare(self, node: ast.Compare, ctx: Ctx) -> V.Value:

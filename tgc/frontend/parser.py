@@ -1,26 +1,29 @@
 """Parse .tg source text into the syntax tree of `tgc.frontend.ast`.
 
-`parse(text, filename)` runs lark's LALR parser over `grammar/tg.lark` and turns
-the parse tree into AST nodes without Python recursion, so deeply nested input
-cannot overflow the stack; expressions nested deeper than `MAX_DEPTH` are a
-located error instead (the elaborator may then recurse freely).
+`parse(text, filename)` runs lark's LALR parser (basic lexer) over
+`grammar/tg.lark` and builds each AST node in lark's reduce callback, so no
+intermediate parse tree exists and nothing recurses: deeply nested input cannot
+overflow the stack. Expressions nested deeper than `MAX_DEPTH` AST nodes are a
+located error instead, so later stages may recurse over the AST freely.
 `read_source(path)` reads a file as UTF-8 text. Every problem with the input is
 raised as `tgc.ir.diag.CompileError` with a location, never as another exception.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import gc
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from lark import Lark, Token, Tree
+from lark import Lark, Token
 from lark.parsers.lalr_parser_state import ParserState
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from tgc.frontend import ast
-from tgc.ir.diag import CompileError, Loc
+from tgc.ir.diag import CompileError, Diagnostic, Loc
 
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
 DTYPES = ("i32", "f32", "f64")
@@ -28,11 +31,19 @@ DTYPES = ("i32", "f32", "f64")
 
 def parse(text: str, filename: str) -> ast.Program:
     """The AST of `text`; `filename` goes into every Loc. Raises CompileError."""
+    parser = _lark()
+    _BUILDER.start_parse(filename)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a parse allocates millions of acyclic objects: collecting is waste
     try:
-        tree = _lark().parse(text)
+        return parser.parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, filename) from None
-    return _Builder(filename).build(tree)
+    except RecursionError:  # not expected: nothing recurses on the input's nesting
+        raise CompileError("input nested too deeply", Loc(filename, 1, 1)) from None
+    finally:
+        if gc_was_on:
+            gc.enable()
 
 
 def read_source(path) -> tuple[str, str]:
@@ -58,9 +69,11 @@ def read_source(path) -> tuple[str, str]:
 
 
 def _byte_loc(data: bytes, offset: int, name: str) -> Loc:
+    """The line and column (in characters) of byte `offset`."""
+    line = data.count(b"\n", 0, offset) + 1
     line_start = data.rfind(b"\n", 0, offset) + 1
     col = len(data[line_start:offset].decode("utf-8", errors="replace")) + 1
-    return Loc(name, data.count(b"\n", 0, offset) + 1, col, data.count(b"\n", 0, offset) + 1, col + 1)
+    return Loc(name, line, col, line, col + 1)
 
 
 # ---- the lark parser ------------------------------------------------------------
@@ -70,20 +83,27 @@ _CLOSE = {"RPAR", "RSQB", "RBRACE"}
 
 
 class _BracketNewlines:
-    """Postlexer: drop newlines inside ( ) and [ ], where a statement continues."""
+    """Postlexer: drop newlines inside ( ) and [ ], where a statement continues.
+    `open_brackets()` lists the brackets still open, for error messages."""
 
     always_accept = ("_NL",)
 
+    def __init__(self):
+        self.local = threading.local()
+
+    def open_brackets(self) -> list[Token]:
+        return getattr(self.local, "open", [])
+
     def process(self, stream):
-        open_ = []
+        open_ = self.local.open = []
         for tok in stream:
             kind = tok.type
             if kind in _OPEN:
-                open_.append(kind)
+                open_.append(tok)
             elif kind in _CLOSE:
                 if open_:
                     open_.pop()
-            elif kind == "_NL" and open_ and open_[-1] != "LBRACE":
+            elif kind == "_NL" and open_ and open_[-1].type != "LBRACE":
                 continue
             yield tok
 
@@ -95,8 +115,9 @@ def _grammar_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _lark() -> Lark:
-    return Lark(_grammar_path().read_text(encoding="utf-8"), parser="lalr", lexer="contextual",
-                propagate_positions=True, postlex=_BracketNewlines(), maybe_placeholders=False)
+    return Lark(_grammar_path().read_text(encoding="utf-8"), parser="lalr", lexer="basic",
+                postlex=_POSTLEX, transformer=_BUILDER, keep_all_tokens=True,
+                maybe_placeholders=False, cache=True)
 
 
 # ---- syntax errors ------------------------------------------------------------
@@ -110,7 +131,8 @@ def _syntax_error(e: UnexpectedInput, filename: str) -> CompileError:
     if isinstance(e, UnexpectedCharacters):
         ch = e.char
         msg = "unterminated string" if ch == '"' else f"unexpected character {_char(ch)}"
-        return CompileError(msg, Loc(filename, e.line, e.column, e.line, e.column + 1))
+        loc = Loc(filename, e.line, e.column, e.line, e.column + 1)
+        return CompileError(msg + _expected_text(e), loc, _unclosed_note(loc, filename))
     if isinstance(e, UnexpectedToken):
         return _token_error(e, filename)
     if isinstance(e, UnexpectedEOF):  # not raised by LALR; kept for safety
@@ -126,40 +148,54 @@ def _char(ch: str) -> str:
 def _token_error(e: UnexpectedToken, filename: str) -> CompileError:
     tok = e.token
     loc = _token_loc(tok, filename)
-    if tok.type == "COMPARE" and _after_comparison(e):
-        return CompileError("comparisons do not chain: `a < b < c` is an error; "
-                            "write `(a < b) * (b < c)`", loc)
-    expected = _friendly_expected(_accepted(e))
     msg = f"unexpected {_describe(tok)}"
-    if expected:
-        msg += f"; expected {expected[0]}" if len(expected) == 1 else \
-            f"; expected one of: {', '.join(expected)}"
-    return CompileError(msg, loc)
+    if tok.type == "COMPARE" and _after_comparison(e):
+        msg += ": comparisons do not chain; write `(a < b) * (b < c)` for both"
+    return CompileError(msg + _expected_text(e), loc, _unclosed_note(loc, filename))
+
+
+def _expected_text(e: UnexpectedInput) -> str:
+    expected = _friendly_expected(_accepted(e))
+    if not expected:
+        return ""
+    if len(expected) == 1:
+        return f"; expected {expected[0]}"
+    return f"; expected one of: {', '.join(expected)}"
+
+
+def _unclosed_note(loc: Loc, filename: str) -> list[Diagnostic]:
+    """A note at the innermost open bracket, if the error is on a later line."""
+    brackets = _POSTLEX.open_brackets()
+    if not brackets or brackets[-1].line >= loc.line:
+        return []
+    b = brackets[-1]
+    return [Diagnostic("note", f"'{b}' opened here is not closed",
+                       Loc(filename, b.line, b.column, b.line, b.column + 1))]
 
 
 def _token_loc(tok: Token, filename: str) -> Loc:
     if tok.type != "$END":
         end_col = tok.end_column if tok.end_line == tok.line else tok.column + 1
         return Loc(filename, tok.line, tok.column, tok.line, end_col)
-    if tok.line is None:  # empty token stream
-        return Loc(filename, 1, 1, 1, 2)
-    if tok.end_line is not None and tok.end_line > tok.line:  # borrowed from a newline
+    if tok.end_line is None:  # no token before the end
+        return Loc(filename, tok.line or 1, tok.column or 1)
+    if tok.end_line > tok.line:  # position borrowed from a newline token
         return Loc(filename, tok.line, tok.column, tok.line, tok.column + 1)
     return Loc(filename, tok.end_line, tok.end_column, tok.end_line, tok.end_column + 1)
 
 
-def _after_comparison(e: UnexpectedToken) -> bool:
+def _after_comparison(e: UnexpectedInput) -> bool:
     stack = getattr(e.state, "value_stack", None) or []
     return len(stack) >= 2 and isinstance(stack[-2], Token) and stack[-2].type == "COMPARE"
 
 
-def _accepted(e: UnexpectedToken) -> set[str]:
+def _accepted(e: UnexpectedInput) -> set[str]:
     """Terminals that really advance the parser here. LALR tables merge lookaheads,
     so each candidate is tried on a copy of the parser state, as lark's
     InteractiveParser.accepts() does."""
     state = e.state
     if not isinstance(state, ParserState):
-        return {t for t in (e.expected or ()) if t.isupper()}
+        return {t for t in (getattr(e, "expected", None) or ()) if t.isupper()}
     conf = copy.copy(state.parse_conf)
     conf.callbacks = {}
     ok = set()
@@ -205,7 +241,7 @@ def _describe(tok: Token) -> str:
     return f"keyword '{text}'" if text.isalpha() else f"token '{text}'"
 
 
-# ---- lark tree -> AST -------------------------------------------------------------
+# ---- building the AST -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -214,61 +250,105 @@ class _Part:
 
     kind: str
     value: object
-    loc: Loc | None = None
+    loc: Loc
+
+
+# Tokens that carry meaning; the others (keywords, punctuation, newlines) only
+# widen the span of the node they belong to.
+_KEEP = {"NAME", "NUMBER", "STRING", "COMPARE", "EQ", "ARROW", "PLUS", "MINUS",
+         "STAR", "SLASH", "AT", "CARET", "DECL_KIND"}
+
+
+def _is_separator(k) -> bool:
+    return type(k) is Token and k.type == "_NL"
+
+
+_PARENS = {"_atom", "_dim_atom"}  # handlers that return their child: no new depth
 
 
 class _Builder:
-    """Builds AST nodes bottom-up with an explicit stack (no recursion)."""
+    """lark's callbacks: build each AST node when the LALR parser reduces its rule.
 
-    def __init__(self, filename: str):
-        self.file = filename
+    lark calls `builder.<rule>(children)`; `__getattr__` routes that to the
+    `_<rule>(kids, loc)` handler after dropping punctuation from the children,
+    computing the node's span, and checking its nesting depth. The parser is
+    iterative, so nothing here recurses."""
 
-    def build(self, root: Tree) -> ast.Program:
-        values: list = []   # built children, in order
-        depths: list = []   # nesting depth of each entry of `values`
-        todo = [(root, False)]
-        while todo:
-            node, ready = todo.pop()
-            if not isinstance(node, Tree):
-                values.append(node)
-                depths.append(0)
-            elif ready:
-                n = len(node.children)
-                kids, values[len(values) - n:] = values[len(values) - n:], []
-                built = self._make(node, kids)
-                depth = max(depths[len(depths) - n:], default=0) + isinstance(built, ast.Node)
-                del depths[len(depths) - n:]
-                if depth > MAX_DEPTH:
-                    raise CompileError(f"expression nested too deeply (over {MAX_DEPTH} "
-                                       "levels); split it into several bindings", self._loc(node))
-                values.append(built)
-                depths.append(depth)
+    def __init__(self):
+        self.local = threading.local()  # .file and .depth, per parse and thread
+
+    def start_parse(self, filename: str) -> None:
+        self.local.file = filename
+        self.local.depth = {}  # id(value) -> nesting depth, for values not yet consumed
+
+    def __getattr__(self, rule: str):
+        handler = getattr(type(self), "_" + rule, None)
+        if handler is None or rule.startswith("_"):
+            raise AttributeError(rule)  # lark then builds a Tree, and inlines it
+        return lambda children: self._reduce(handler, children)
+
+    def _reduce(self, handler, children):  # hot: runs once per reduction
+        local = self.local
+        depths, kids, deepest = local.depth, [], 0
+        for k in children:
+            if type(k) is Token:
+                if k.type in _KEEP:
+                    kids.append(k)
             else:
-                todo.append((node, True))
-                todo.extend((child, False) for child in reversed(node.children))
-        return values[0]
+                d = depths.pop(id(k), 0)
+                if d > deepest:
+                    deepest = d
+                kids.append(k)
+        built = handler(self, kids, self._span(local.file, children))
+        if isinstance(built, ast.Node) and handler.__name__ not in _PARENS:
+            deepest += 1
+            if deepest > MAX_DEPTH:
+                raise CompileError(f"expression nested too deeply (over {MAX_DEPTH} "
+                                   "levels); split it into several bindings", built.loc)
+        depths[id(built)] = deepest
+        return built
 
-    def _make(self, tree: Tree, kids: list):
-        return getattr(self, "_" + tree.data)(kids, self._loc(tree))
+    @staticmethod
+    def _span(file: str, children) -> Loc:
+        """From the start of the first child to the end of the last, separators aside."""
+        if not children:
+            return Loc(file, 1, 1)
+        first, last = children[0], children[-1]
+        if _is_separator(first) or _is_separator(last):
+            children = [k for k in children if not _is_separator(k)]
+            if not children:
+                return Loc(file, 1, 1)
+            first, last = children[0], children[-1]
+        if type(first) is Token:
+            line, col = first.line, first.column
+        else:
+            line, col = first.loc.line, first.loc.col
+        if type(last) is Token:
+            return Loc(file, line, col, last.end_line, last.end_column)
+        return Loc(file, line, col, last.loc.end_line, last.loc.end_col)
 
-    def _loc(self, item) -> Loc:
-        if isinstance(item, Token):
-            return Loc(self.file, item.line, item.column, item.end_line, item.end_column)
-        m = item.meta
-        if getattr(m, "empty", True):
-            return Loc(self.file, 1, 1)
-        return Loc(self.file, m.line, m.column, m.end_line, m.end_column)
+    def _tok_loc(self, tok: Token) -> Loc:
+        return Loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column)
+
+    def _from_token(self, tok: Token, loc: Loc) -> Loc:
+        """`loc` starting at `tok`: statements are located at their name, not keyword."""
+        return Loc(self.local.file, tok.line, tok.column, loc.end_line, loc.end_col)
 
     # -- statements --
 
     def _start(self, kids, loc):
         items = []
         for k in kids:
-            items.extend(k) if isinstance(k, list) else items.append(k)
-        return ast.Program(tuple(items), loc=loc)
+            items.extend(k.value) if isinstance(k, _Part) else items.append(k)
+        return ast.Program(tuple(items), loc=Loc(self.local.file, 1, 1))
 
     def _dim_decl(self, kids, loc):
-        return list(kids)
+        return _Part("stmts", tuple(kids), loc)
+
+    def _dim_atom(self, kids, loc):  # ( dim_sum ): the inner node, its span widened
+        return dataclasses.replace(kids[0], loc=loc)
+
+    _atom = _dim_atom  # ( expr )
 
     def _dim_item(self, kids, loc):
         expr = kids[2] if len(kids) == 3 else None
@@ -278,7 +358,7 @@ class _Builder:
 
     def _tensor_decl(self, kids, loc):
         kind = str(kids[0])
-        return [ast.TensorDecl(kind, *p.value, loc=p.loc) for p in kids[1:]]
+        return _Part("stmts", tuple(ast.TensorDecl(kind, *p.value, loc=p.loc) for p in kids[1:]), loc)
 
     def _decl_item(self, kids, loc):
         name, dtype, edges = str(kids[0]), None, ()
@@ -287,7 +367,7 @@ class _Builder:
                 dtype = str(k)
                 if dtype not in DTYPES:
                     raise CompileError(f"unknown dtype '{dtype}'; expected one of: "
-                                       + ", ".join(DTYPES), self._loc(k))
+                                       + ", ".join(DTYPES), self._tok_loc(k))
             else:
                 edges = k.value
         return _Part("decl", (name, dtype, edges), loc)
@@ -296,9 +376,12 @@ class _Builder:
         return _Part("specs", tuple(kids), loc)
 
     def _edge_spec(self, kids, loc):
-        return ast.EdgeSpec(str(kids[0]), str(kids[1]) if len(kids) > 1 else None, loc=loc)
+        if len(kids) == 1:
+            return ast.EdgeSpec(str(kids[0]), None, loc=loc)
+        return ast.EdgeSpec(str(kids[0]), str(kids[1]), dim_loc=self._tok_loc(kids[1]), loc=loc)
 
     def _fn_def(self, kids, loc):
+        loc = self._from_token(kids[0], loc)
         parts = {k.kind: k for k in kids if isinstance(k, _Part)}
         body, result = parts["block"].value if "block" in parts else ((), kids[-1])
         edges = parts["edges"].value if "edges" in parts else ()
@@ -323,7 +406,7 @@ class _Builder:
         return _Part("block", (tuple(kids[:-1]), kids[-1]), loc)
 
     def _import_(self, kids, loc):
-        return ast.Import(str(kids[0])[1:-1], loc=loc)
+        return ast.Import(str(kids[0])[1:-1], loc=self._from_token(kids[0], loc))
 
     def _bind(self, kids, loc):
         return ast.Bind(str(kids[0]), kids[2], loc=loc)
@@ -332,10 +415,10 @@ class _Builder:
         order = next((k.value for k in kids if isinstance(k, _Part)), None)
         has_expr = len(kids) > 2 and isinstance(kids[-2], Token) and kids[-2].type == "EQ"
         expr = kids[-1] if has_expr else None
-        return ast.Out(str(kids[0]), order, expr, loc=loc)
+        return ast.Out(str(kids[0]), order, expr, loc=self._from_token(kids[0], loc))
 
     def _update(self, kids, loc):
-        return ast.Update(str(kids[0]), kids[2], loc=loc)
+        return ast.Update(str(kids[0]), kids[2], loc=self._from_token(kids[0], loc))
 
     def _edge_list(self, kids, loc):
         return _Part("edges", tuple(self._name(k) for k in kids), loc)
@@ -353,7 +436,7 @@ class _Builder:
 
     def _name(self, kids, loc=None):  # a `name` tree's children, or one NAME token
         tok = kids if isinstance(kids, Token) else kids[0]
-        return ast.Name(str(tok), loc=self._loc(tok))
+        return ast.Name(str(tok), loc=self._tok_loc(tok))
 
     def _number(self, kids, loc):
         return ast.Num(_number_value(kids[0], loc), loc=loc)
@@ -363,7 +446,7 @@ class _Builder:
         items = kids[1].value
         for item in items:
             if isinstance(item, _Part):
-                raise CompileError(f"edge operation '{item.value}' needs '->' (rename) or "
+                raise CompileError(f"edge operation '{item.value}': expected '->' (rename) or "
                                    "'=' (reindex or gather); a bare edge list belongs to "
                                    "a call such as sum[e](x)", item.loc)
         return ast.EdgeOps(x, items, loc=loc)
@@ -397,7 +480,7 @@ class _Builder:
         return _Part("plain", str(kids[0]), loc)
 
     def _rename(self, kids, loc):
-        return ast.Rename(str(kids[0]), str(kids[2]), loc=loc)
+        return ast.Rename(str(kids[0]), str(kids[2]), dst_loc=self._tok_loc(kids[2]), loc=loc)
 
     def _reindex(self, kids, loc):
         return ast.Reindex(str(kids[0]), kids[2], loc=loc)
@@ -446,3 +529,7 @@ def _check_arg_order(args: tuple) -> None:
             seen_kw.add(a.name)
         elif seen_kw:
             raise CompileError("positional argument after keyword argument", a.loc)
+
+
+_POSTLEX = _BracketNewlines()
+_BUILDER = _Builder()
