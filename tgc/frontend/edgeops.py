@@ -65,7 +65,13 @@ def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, s
         if ids.dtype != "i32":
             raise el.error(f"gather indices must be an i32 tensor; '{rhs.id}' is {ids.dtype}", rhs, ctx)
         return el.build(item, ctx, V.gather, x, ids, target)
-    aff = el.affine(ast.to_affine(rhs), ctx)
+    affine = ast.to_affine(rhs)
+    aff = el.affine(affine, ctx)
+    for term in affine.terms:
+        edge = term.edge and el.edge(term.edge, term, ctx)
+        if edge and edge != target and edge in x.edges:
+            raise el.error(f"the reindex introduces edge '{term.edge}', which the tensor already has "
+                           f"(rename it first)", term, ctx)
     if target in aff.edges():
         fresh = el.m.fresh_edge(target, el.m.edges[target])
         x = V.rename(x, {target: fresh}, loc=item.loc)
