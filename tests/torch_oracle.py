@@ -1,0 +1,308 @@
+"""A second, independent evaluator of IR modules: PyTorch float64 tensors, torch.autograd.
+
+Test-only (torch is never a runtime dependency of tgc). It evaluates the *elaborated*
+module, before the adjoint and tangent passes, so its `grad`, `jvp` and `vjp` values
+come from torch's own autograd and not from tgc's derivative rules: an oracle for them.
+
+The structure mirrors `tgc.ir.interp`: each value is a tensor whose axes follow the
+value's sorted edge names. Every float argument is a leaf with `requires_grad=True`
+(in its ABI order; the `arg` op is a differentiable permutation of it), and every
+derivative is taken with `create_graph=True`, so derivatives nest.
+
+- `grad(f, x)`: for scalar `f`, `autograd.grad(f, x)`; otherwise the Jacobian, built row
+  by row (one vjp per element of `f`), with the edges of both.
+- `vjp(f, x, v)`: `autograd.grad(f, x, grad_outputs=v)`; edges of `v` beyond `f`'s are a
+  batch: one vjp per index of them, stacked.
+- `jvp(f, x, dx)`: the double-vjp trick (`u` a dummy cotangent; `g = vjp(f, x, u)` is
+  linear in `u`, and `jvp = vjp(g, u, dx)`); extra edges of `dx` batch as for vjp.
+
+Conventions of LANGUAGE.md section 8 that torch's own kernels do not share are written
+out explicitly: two-argument `max`/`min` select with `where(a >= b, a, b)` so a tie sends
+the gradient to the first argument (`torch.maximum` would split it); `max[e]`/`min[e]`
+use `amax`/`amin`, which share a tie evenly, as the language asks.
+
+`evaluate(module, inputs)` takes and returns numpy arrays exactly like
+`tgc.ir.interp.evaluate`: outputs and updates, each in its ABI order.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from tgc.ir.interp import EvalError, bind_dims, check_inputs
+from tgc.ir.module import Module
+from tgc.ir.sizes import size_eval
+from tgc.ir.values import Value, topo_order
+
+F64 = torch.float64
+
+
+class _Eval:
+    def __init__(self, module: Module, env: dict[str, int], args: dict[str, np.ndarray]):
+        self.m, self.env = module, env
+        self.sizes = module.edge_sizes(env)
+        # one leaf per argument, in its ABI order; floats require grad
+        self.leaves: dict[str, torch.Tensor] = {}
+        for a in module.args.values():
+            arr = args[a.name]
+            if a.dtype == "i32":
+                self.leaves[a.name] = torch.from_numpy(np.asarray(arr, dtype=np.int64))
+            else:
+                self.leaves[a.name] = torch.tensor(np.asarray(arr, dtype=np.float64), dtype=F64,
+                                                   requires_grad=True)
+
+    def shape(self, edges) -> list[int]:
+        return [self.sizes[e] for e in edges]
+
+    def expand(self, a: torch.Tensor, v: Value, edges: tuple[str, ...]) -> torch.Tensor:
+        """`a` (axes = v.edges) with size-1 axes inserted so its axes are `edges`."""
+        return a.reshape([self.sizes[e] if e in v.edges else 1 for e in edges])
+
+    def run(self, roots: list[Value]) -> dict[int, torch.Tensor]:
+        vals: dict[int, torch.Tensor] = {}
+        for v in topo_order(roots):
+            ops = [vals[id(o)] for o in v.operands]
+            out = OPS[v.op](self, v, ops)
+            if v.dtype != "i32" and out.dtype != F64:
+                out = out.to(F64)
+            want = self.shape(v.edges)
+            if list(out.shape) != want:
+                raise AssertionError(f"oracle bug: {v!r} has shape {list(out.shape)}, expected {want}")
+            vals[id(v)] = out
+        return vals
+
+
+def _arg(ev: _Eval, v: Value, ops):
+    a = ev.m.args[v.attrs[0]]
+    return ev.leaves[a.name].permute([a.order.index(e) for e in v.edges])
+
+
+def _const(ev: _Eval, v: Value, ops):
+    return torch.full(ev.shape(v.edges), v.attrs[0], dtype=F64)
+
+
+def _size(ev: _Eval, v: Value, ops):
+    return torch.tensor(float(size_eval(ev.m.size(v.attrs[0]), ev.env)), dtype=F64)
+
+
+def _add(ev: _Eval, v: Value, ops):
+    total = torch.zeros(ev.shape(v.edges), dtype=F64)
+    for c, o, a in zip(v.attrs[0], v.operands, ops):
+        total = total + c * ev.expand(a, o, v.edges)
+    return total
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _contract(ev: _Eval, v: Value, ops):
+    letters: dict[str, str] = {}
+
+    def sub(edges):
+        return "".join(letters.setdefault(e, _LETTERS[len(letters)]) for e in edges)
+
+    inputs = ",".join(sub(o.edges) for o in v.operands)
+    present = [e for e in v.edges if any(e in o.edges for o in v.operands)]
+    out = torch.einsum(f"{inputs}->{sub(present)}", *ops)
+    shape = [ev.sizes[e] if e in present else 1 for e in v.edges]
+    return out.reshape(shape).expand(ev.shape(v.edges))
+
+
+def _max2(a, b):
+    return torch.where(a >= b, a, b)  # a tie sends the gradient to the first argument
+
+
+def _min2(a, b):
+    return torch.where(a <= b, a, b)
+
+
+def _mul0(a, b):
+    return torch.where(a == 0, torch.zeros((), dtype=F64), a * b)
+
+
+def _cmp(fn):
+    return lambda a, b: fn(a, b).to(F64)  # a 0/1 float: no derivative flows through it
+
+
+MAP_FNS: dict[str, Callable] = {
+    "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "tanh": torch.tanh, "erf": torch.erf,
+    "sin": torch.sin, "cos": torch.cos, "abs": torch.abs, "sign": torch.sign,
+    "div": torch.div, "pow": torch.pow, "max": _max2, "min": _min2,
+    "lt": _cmp(torch.lt), "le": _cmp(torch.le), "gt": _cmp(torch.gt), "ge": _cmp(torch.ge),
+    "eq": _cmp(torch.eq), "ne": _cmp(torch.ne),
+    "mul0": _mul0,
+    "where": lambda c, a, b: torch.where(c != 0, a, b),
+}
+
+
+def _map(ev: _Eval, v: Value, ops):
+    args = [ev.expand(a, o, v.edges) for o, a in zip(v.operands, ops)]
+    return MAP_FNS[v.attrs[0]](*args).expand(ev.shape(v.edges))
+
+
+def _reduce(ev: _Eval, v: Value, ops):
+    kind, edges = v.attrs
+    axes = tuple(v.operands[0].edges.index(e) for e in edges)
+    if not axes:
+        return ops[0]
+    # amax/amin: the gradient of a tie is shared evenly among the extreme positions
+    return (torch.amax if kind == "max" else torch.amin)(ops[0], dim=axes)
+
+
+def _indicator(ev: _Eval, v: Value, ops):
+    rel = v.attrs[0]
+    n = len(v.edges)
+    index = {e: np.arange(ev.sizes[e]).reshape([-1 if i == j else 1 for j in range(n)])
+             for i, e in enumerate(v.edges)}
+    held = np.broadcast_to(np.asarray(rel.holds(index, ev.env), dtype=np.float64), ev.shape(v.edges))
+    return torch.tensor(np.array(held), dtype=F64)
+
+
+def _check_ids(ev: _Eval, v: Value, ids: torch.Tensor) -> None:
+    n = ev.sizes[v.attrs[0]]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise EvalError(f"{v.op} index out of range along '{v.attrs[0]}' (size {n})")
+
+
+def _arange(ev: _Eval, e: str, edges) -> torch.Tensor:
+    return torch.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in edges])
+
+
+def _gather(ev: _Eval, v: Value, ops):
+    table, ids = v.operands
+    edge = v.attrs[0]
+    _check_ids(ev, v, ops[1])
+    index = tuple(ev.expand(ops[1], ids, v.edges) if e == edge else _arange(ev, e, v.edges)
+                  for e in table.edges)
+    return ops[0][index]
+
+
+def _scatter(ev: _Eval, v: Value, ops):
+    ct, ids = v.operands
+    edge = v.attrs[0]
+    _check_ids(ev, v, ops[1])
+    full = tuple(sorted(set(ct.edges) | set(ids.edges)))
+    shape = ev.shape(full)
+    values = ev.expand(ops[0], ct, full).expand(shape)
+    index = tuple(ev.expand(ops[1], ids, full).expand(shape) if e == edge else
+                  _arange(ev, e, full).expand(shape) for e in v.edges)
+    out = torch.zeros(ev.shape(v.edges), dtype=F64)
+    return out.index_put(index, values, accumulate=True)
+
+
+def _rename(ev: _Eval, v: Value, ops):
+    mapping = dict(v.attrs[0])
+    renamed = [mapping.get(e, e) for e in v.operands[0].edges]
+    return ops[0].permute([renamed.index(e) for e in v.edges])
+
+
+# ---- derivatives, by torch.autograd ------------------------------------------------------
+
+def _wrt(ev: _Eval, x: Value) -> tuple[torch.Tensor, list[int]]:
+    """The leaf of arg `x` (ABI order) and the permutation from ABI to sorted edges."""
+    a = ev.m.args[x.attrs[0]]
+    return ev.leaves[a.name], [a.order.index(e) for e in x.edges]
+
+
+def _vjp1(f: torch.Tensor, leaf: torch.Tensor, ct: torch.Tensor) -> torch.Tensor:
+    """ct^T df/dleaf, in the leaf's shape; exactly zero where f does not depend on the leaf."""
+    if f.requires_grad:
+        (g,) = torch.autograd.grad(f, leaf, grad_outputs=ct, create_graph=True, retain_graph=True,
+                                   allow_unused=True)
+        if g is not None:
+            return g
+    return torch.zeros_like(leaf)
+
+
+def _batched(ev: _Eval, t: torch.Tensor, t_edges: tuple[str, ...], batch: list[str],
+             core: Callable[[torch.Tensor], torch.Tensor], core_edges: tuple[str, ...],
+             out_edges: tuple[str, ...]) -> torch.Tensor:
+    """Apply `core` to every slice of `t` along the `batch` edges and stack the results.
+
+    `t` has axes `t_edges`; each slice handed to `core` has the other edges, sorted. `core`
+    returns a tensor with axes `core_edges`; the stack has axes `out_edges`.
+    """
+    rest = [e for e in t_edges if e not in batch]
+    t = t.permute([t_edges.index(e) for e in batch + rest])
+    sizes = [ev.sizes[e] for e in batch]
+    results = [core(t[idx] if batch else t) for idx in itertools.product(*map(range, sizes))]
+    stacked = torch.stack(results).reshape(sizes + ev.shape(core_edges)) if batch else results[0]
+    have = batch + list(core_edges)
+    return stacked.permute([have.index(e) for e in out_edges])
+
+
+def _grad(ev: _Eval, v: Value, ops):
+    fv, xv = v.operands
+    f, (leaf, perm) = ops[0], _wrt(ev, xv)
+    if not fv.edges:
+        return _vjp1(f, leaf, torch.ones((), dtype=F64)).permute(perm)
+    # the Jacobian, one row per element of f: axes f.edges + x.edges
+    rows = []
+    for i in range(f.numel()):
+        onehot = torch.zeros(f.numel(), dtype=F64)
+        onehot[i] = 1.0
+        rows.append(_vjp1(f, leaf, onehot.reshape(f.shape)).permute(perm))
+    jac = torch.stack(rows).reshape(list(f.shape) + ev.shape(xv.edges))
+    have = list(fv.edges) + list(xv.edges)
+    return jac.permute([have.index(e) for e in v.edges])
+
+
+def _vjp(ev: _Eval, v: Value, ops):
+    fv, xv, cv = v.operands
+    f, (leaf, perm) = ops[0], _wrt(ev, xv)
+    extra = [e for e in cv.edges if e not in fv.edges]
+    return _batched(ev, ops[2], cv.edges, extra,
+                    lambda ct: _vjp1(f, leaf, ct).permute(perm), xv.edges, v.edges)
+
+
+def _jvp(ev: _Eval, v: Value, ops):
+    fv, xv, tv = v.operands
+    f, (leaf, perm) = ops[0], _wrt(ev, xv)
+    extra = [e for e in tv.edges if e not in xv.edges]
+    abi = [perm.index(i) for i in range(len(perm))]  # sorted edges -> ABI order
+
+    def core(dx: torch.Tensor) -> torch.Tensor:
+        # double vjp: g(u) = u^T df/dx is linear in u, and d(g . dx)/du = (df/dx) dx
+        u = torch.zeros_like(f, requires_grad=True)
+        g = _vjp1(f, leaf, u)
+        if not g.requires_grad:
+            return torch.zeros_like(f)
+        (t,) = torch.autograd.grad(g, u, grad_outputs=dx.permute(abi), create_graph=True,
+                                   retain_graph=True, allow_unused=True)
+        return torch.zeros_like(f) if t is None else t
+
+    return _batched(ev, ops[2], tv.edges, extra, core, fv.edges, v.edges)
+
+
+OPS: dict[str, Callable] = {
+    "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
+    "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
+    "rename": _rename, "stop": lambda ev, v, ops: ops[0].detach(),
+    "grad": _grad, "jvp": _jvp, "vjp": _vjp,
+}
+
+
+def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *,
+             dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Run the module in float64 torch; outputs and updates in ABI order, as numpy arrays."""
+    missing = [n for n in module.args if n not in inputs]
+    if missing:
+        raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
+    env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
+    args = check_inputs(module, inputs, env, "f64")
+    ev = _Eval(module, env, args)
+    vals = ev.run(module.roots())
+    result: dict[str, np.ndarray] = {}
+    for o in module.outputs:
+        result[o.name] = _in_order(vals[id(o.value)], o.value.edges, o.order)
+    for u in module.updates:
+        result[u.target] = _in_order(vals[id(u.value)], u.value.edges, module.args[u.target].order)
+    return result
+
+
+def _in_order(t: torch.Tensor, edges: tuple[str, ...], order: tuple[str, ...]) -> np.ndarray:
+    a = t.detach().permute([edges.index(e) for e in order]).contiguous().numpy()
+    return np.array(a, dtype=np.float64 if t.dtype == F64 else a.dtype, order="C", copy=True)
