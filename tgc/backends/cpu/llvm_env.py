@@ -4,7 +4,9 @@ One place that
   * initialises llvmlite once (``initialize_native_target``/``_asmprinter``; the old
     ``llvm.initialize()`` raises on this version),
   * builds TargetMachines for the host CPU (its name and feature string, so loops
-    vectorize to the host's widest registers: 512-bit on AVX-512 machines),
+    vectorize to the host's widest registers: 512-bit on AVX-512 machines; on Intel
+    server parts LLVM's tuning prefers 256-bit vectors, which ``prefer_512=True``,
+    the default, overrides with ``-prefer-256-bit``),
   * runs the new-pass-manager O0..O3 pipeline with loop and SLP vectorization on,
   * JIT-compiles a module into a live MCJIT engine, and
   * emits object files (``reloc='pic'``, ``codemodel='default'``: linkable into a
@@ -13,9 +15,10 @@ One place that
 Everything takes the optimisation level explicitly; nothing here is configured by
 module state. Output is deterministic: the same IR text gives the same object bytes.
 
-A ``JitModule`` owns its engine; the addresses it hands out stay valid exactly as
-long as the ``JitModule`` object is alive, so keep a reference next to any ctypes
-function built from them.
+Engines are kept alive for the life of the process (a registry holds them), so an
+address handed out never dangles even when its ``JitModule`` is dropped; a caller
+that knows no address of a module is still in use may ``close()`` it to free the
+code.
 """
 
 import functools
@@ -94,6 +97,9 @@ def optimize(module, opt: int = 3, tm: llvm.TargetMachine | None = None) -> llvm
     return ref
 
 
+_LIVE_ENGINES: dict[int, llvm.ExecutionEngine] = {}
+
+
 class JitModule:
     """A compiled module living in its own MCJIT engine."""
 
@@ -102,9 +108,18 @@ class JitModule:
         self.module = optimize(module, opt, tm)
         self.engine = llvm.create_mcjit_compiler(self.module, tm)
         self.engine.finalize_object()
+        _LIVE_ENGINES[id(self.engine)] = self.engine
+
+    def close(self) -> None:
+        """Free the machine code; every address from this module becomes invalid."""
+        engine = _LIVE_ENGINES.pop(id(self.engine), None)
+        if engine is not None:
+            engine.close()
 
     def address(self, name: str) -> int:
         """Entry address of the function ``name``; KeyError if it is not defined."""
+        if id(self.engine) not in _LIVE_ENGINES:
+            raise RuntimeError('JIT module was closed')
         addr = self.engine.get_function_address(name)
         if not addr:
             raise KeyError(f'no function {name!r} in JIT module')

@@ -79,7 +79,7 @@ def _t(x):
 
 def problems():
     """name -> (g, a, b, weight, {bits: degree})."""
-    ln2, q, smax = mp.log(2), mp.pi / 4, (mp.sqrt(2) - 1) / (mp.sqrt(2) + 1)
+    ln2, smax = mp.log(2), (mp.sqrt(2) - 1) / (mp.sqrt(2) + 1)
     eps = mp.mpf(10) ** -30
     return {
         # exp(r) = 1 + r + r^2 Q(r),  |r| <= ln2/2
@@ -93,12 +93,13 @@ def problems():
         # tanh(x) = x + x^3 P(x^2),  |x| < 0.625
         'tanh': (_sq(lambda x: (mp.tanh(x) - x) / x ** 3 if x else mp.mpf(-1) / 3),
                  0, 0.625 ** 2, _sq(lambda x: x ** 3 / mp.tanh(x) if x else 0), {32: 4, 64: 10}),
-        # sin(r) = r + r^3 S(r^2),  |r| <= pi/4
+        # sin(r) = r + r^3 S(r^2),  |r| <= 1: pi/4 plus the slack of a reduction whose
+        # quotient j is off by one when x*2/pi rounds (large |x|)
         'sin': (_sq(lambda x: (mp.sin(x) - x) / x ** 3 if x else mp.mpf(-1) / 6),
-                0, q * q, _sq(lambda x: x ** 3 / mp.sin(x) if x else 0), {32: 2, 64: 5}),
-        # cos(r) = 1 - r^2/2 + r^4 C(r^2)
+                0, 1, _sq(lambda x: x ** 3 / mp.sin(x) if x else 0), {32: 3, 64: 6}),
+        # cos(r) = 1 - r^2/2 + r^4 C(r^2),  |r| <= 1
         'cos': (_sq(lambda x: (mp.cos(x) - 1 + x * x / 2) / x ** 4 if x else mp.mpf(1) / 24),
-                0, q * q, _sq(lambda x: x ** 4 / mp.cos(x)), {32: 2, 64: 5}),
+                0, 1, _sq(lambda x: x ** 4 / mp.cos(x)), {32: 2, 64: 5}),
         # erf(x) = x + x P(x^2),  |x| < ERF_SPLIT
         'erf_small': (_sq(lambda x: mp.erf(x) / x - 1 if x else 2 / mp.sqrt(mp.pi) - 1),
                       0, ERF_SPLIT ** 2, _sq(lambda x: x / mp.erf(x) if x > eps else mp.sqrt(mp.pi) / 2),
