@@ -63,6 +63,8 @@ def pipeline_options(fn):
         click.option("--verify-each", is_flag=True,
                      help="Check after every pass that the program's values did not change (float64)."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
+        click.option("--stats", is_flag=True,
+                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to stderr."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -70,10 +72,10 @@ def pipeline_options(fn):
 
 
 def make_options(passes=None, dtype="f32", print_before=frozenset(), print_after=frozenset(),
-                 print_ir_after_all=False, verify_each=False, time_passes=False, **extra) -> Options:
+                 print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, **extra) -> Options:
     return Options(dtype=dtype, passes=passes, print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
-                   verify_each=verify_each, time_passes=time_passes, **extra)
+                   verify_each=verify_each, time_passes=time_passes, stats=stats, **extra)
 
 
 def render_module(module, fmt: str, locs: bool) -> str:
@@ -88,6 +90,11 @@ def lower(module, options: Options, emit):
     result = driver.lower(module, options, emit)
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
+    if options.stats:
+        from tgc.passes.stats import format_table
+
+        rows = [("input", result.initial)] + [(s.name, s.cost) for s in result.stats]
+        click.echo(format_table(rows), err=True, nl=False)
     return result
 
 
@@ -246,11 +253,13 @@ def passes() -> None:
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
 
 
+from tgc.cli_build import build  # noqa: E402
 from tgc.cli_grad import grad  # noqa: E402
 from tgc.cli_run import run  # noqa: E402
 
 main.add_command(run)
 main.add_command(grad)
+main.add_command(build)
 
 if __name__ == "__main__":
     main()

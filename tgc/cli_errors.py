@@ -51,6 +51,9 @@ def handle_errors(fn):
         except EvalError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(EXIT_RUNTIME)
+        except BrokenPipeError:  # the reader went away (`tgc ... | head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_USER)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
         except RecursionError:

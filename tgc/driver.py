@@ -107,3 +107,16 @@ def _fresh_output(m: Module, base: str) -> str:
     while name in taken:
         name, n = f"{base}_{n}", n + 1
     return name
+
+
+def fix_dims(module: Module, dims: dict[str, int]) -> Module:
+    """A copy of `module` with the symbolic dims named in `dims` given fixed sizes."""
+    unknown = [d for d in dims if d not in module.dims]
+    if unknown:
+        raise ValueError(f"the program has no dim '{unknown[0]}'")
+    fixed = [d for d in dims if module.dims[d] is not None]
+    if fixed:
+        raise ValueError(f"dim '{fixed[0]}' already has a fixed size")
+    new = dict(module.dims)
+    new.update({d: int(n) for d, n in dims.items()})
+    return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates))

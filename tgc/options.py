@@ -21,6 +21,12 @@ class Options:
     print_ir_after_all: bool = False
     time_passes: bool = False
     locs: bool = False                       # print loc(...) in IR dumps
+    stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.passes.stats)
+    rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
+    # CPU backend (lowering and code generation)
+    threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
+    parallel_min_work: int = 1 << 18         # loop iterations (x op weight) below which a kernel runs on one thread
+    blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
 
     def with_(self, **changes) -> "Options":
         return replace(self, **changes)

@@ -153,6 +153,25 @@ MAP_FNS: dict[str, Callable] = {
 }
 
 
+def _sigmoid(x):
+    e = np.exp(-np.abs(x))  # never overflows
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _softplus(x):
+    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+
+
+def _logsumexp(x, axis):
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)  # all -inf stays -inf; an inf stays inf
+    return np.log(np.sum(np.exp(x - m), axis=axis)) + np.squeeze(m, axis=axis)
+
+
+MAP_FNS["sigmoid"] = _sigmoid
+MAP_FNS["softplus"] = _softplus
+
+
 def _erf(x):
     from math import erf
 
@@ -173,7 +192,8 @@ def _reduce(ev: _Eval, v: Value, ops):
     kind, edges = v.attrs
     x = v.operands[0]
     axes = tuple(x.edges.index(e) for e in edges)
-    return (np.max if kind == "max" else np.min)(ops[0], axis=axes)
+    with np.errstate(all="ignore"):
+        return {"max": np.max, "min": np.min, "logsumexp": _logsumexp}[kind](ops[0], axis=axes)
 
 
 def _indicator(ev: _Eval, v: Value, ops):

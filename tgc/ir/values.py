@@ -15,7 +15,8 @@ there is no axis order). The primitive ops and their attributes:
                                  in the result type; result edges no operand has are
                                  broadcast (repeated)
     map       (fn,)              an elementwise leaf function (MAP_ARITY), broadcast
-    reduce    (kind, edges)      max or min over `edges`
+    reduce    (kind, edges)      max, min or logsumexp (log sum exp, computed stably)
+                                 over `edges`
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
     gather    (edge,)            table[edge = ids[...]]: operands (table, ids:i32);
                                  edges shared by table and ids are matched
@@ -44,11 +45,13 @@ DTYPES = FLOAT_DTYPES + ("i32",)
 MAP_ARITY = {
     "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
     "abs": 1, "sign": 1,
+    "sigmoid": 1, "softplus": 1,  # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably
     "div": 2, "pow": 2, "max": 2, "min": 2,
     "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
     "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
     "where": 3,
 }
+REDUCE_KINDS = ("max", "min", "logsumexp")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
 
 
@@ -169,7 +172,7 @@ def map_(fn: str, *operands: Value, loc: Loc | None = None) -> Value:
 
 
 def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) -> Value:
-    if kind not in ("max", "min"):
+    if kind not in REDUCE_KINDS:
         raise IRError(f"unknown reduction '{kind}'")
     edges = tuple(sorted(set(edges)))
     missing = [e for e in edges if e not in x.edges]

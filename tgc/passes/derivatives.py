@@ -219,6 +219,31 @@ RULES: dict[str, Rule] = {
 }
 
 
+# ---- fused primitives of the stabilize pass ----------------------------------------------
+
+def _by_kind(rules: dict[str, Rule]) -> Rule:
+    """A reduce rule that dispatches on the reduction's kind."""
+    return Rule((0,), lambda v, i, ct: rules[v.attrs[0]].vjp(v, i, ct),
+                lambda v, ts: rules[v.attrs[0]].jvp(v, ts))
+
+
+def _softmax(v: Value) -> Value:
+    """logsumexp[e](x)' = softmax[e](x) = exp(x - logsumexp[e](x)): finite, in [0, 1]."""
+    return _fn("exp", V.add([v.operands[0], v], [1.0, -1.0]))
+
+
+RULES.update({
+    "sigmoid": pointwise(lambda v, a: V.mul([v, V.add([_c(v, 1.0), v], [1.0, -1.0])])),  # s (1 - s)
+    "softplus": pointwise(lambda v, a: _fn("sigmoid", a)),                            # sigmoid
+    "reduce": _by_kind({
+        "max": RULES["reduce"], "min": RULES["reduce"],
+        # logsumexp[e]: ct times the softmax weights (finite, so a plain product)
+        "logsumexp": Rule((0,), lambda v, i, ct: V.mul([ct, _softmax(v)]),
+                          lambda v, ts: V.contract([ts[0], _softmax(v)], set(v.edges) | _batch(v.operands[0], ts[0]))),
+    }),
+})
+
+
 def rule_for(v: Value) -> Rule:
     key = v.attrs[0] if v.op == "map" else v.op
     if key not in RULES:

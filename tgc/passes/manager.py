@@ -21,6 +21,7 @@ from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.verify import verify
 from tgc.options import Options
 from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+from tgc.passes.stats import ModuleStats, module_stats
 
 Emit = Callable[[str, str], None]
 
@@ -35,12 +36,14 @@ class PassStat:
     seconds: float
     ops_before: int
     ops_after: int
+    cost: ModuleStats | None = None  # with options.stats: the module after the pass
 
 
 @dataclass
 class PipelineResult:
     module: Module
     stats: list[PassStat] = field(default_factory=list)
+    initial: ModuleStats | None = None  # with options.stats: the module before any pass
 
 
 def parse_pass_list(text: str) -> tuple[str, ...]:
@@ -88,10 +91,12 @@ def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> 
     names = options.passes if options.passes is not None else DEFAULT_PIPELINE
     result = PipelineResult(module)
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
+    measure = (lambda m: module_stats(m, options.rep_size)) if options.stats else (lambda m: None)
+    result.initial = measure(module)
     for name in names:
         if emit and name in options.print_ir_before:
             emit(f"IR before {name}", print_module(module, options.locs))
-        before = _op_count(module) if options.time_passes else 0
+        before = _op_count(module) if options.time_passes or options.stats else 0
         start = time.perf_counter()
         module = PASSES[name]().run(module, options)
         seconds = time.perf_counter() - start
@@ -101,8 +106,8 @@ def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> 
             raise PassError(f"pass '{name}' produced invalid IR: {e}") from None
         if checker:
             checker.check(module, name)
-        if options.time_passes:
-            result.stats.append(PassStat(name, seconds, before, _op_count(module)))
+        if options.time_passes or options.stats:
+            result.stats.append(PassStat(name, seconds, before, _op_count(module), measure(module)))
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", print_module(module, options.locs))
     result.module = module

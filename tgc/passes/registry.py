@@ -3,9 +3,16 @@ from __future__ import annotations
 
 from tgc.passes.adjoint import Adjoint
 from tgc.passes.base import Pass
+from tgc.passes.factor import Factor
 from tgc.passes.normalize import Normalize
+from tgc.passes.simplify import Simplify
+from tgc.passes.stabilize import Stabilize
 from tgc.passes.tangent import Tangent
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor)}
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("normalize", "adjoint", "tangent")
+# Canonical form; fused stable ops before differentiating (so derivatives come from their
+# stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
+# hid; contraction order last (it leaves pairwise contractions that normalize would merge).
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "normalize", "stabilize", "adjoint", "tangent", "simplify", "stabilize", "factor")

@@ -1,0 +1,156 @@
+"""The Python API (`tgc.compile`, `Program`) and `tgc run --backend cpu`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.parser import parse_module
+
+MLP = """\
+dim batch
+dim features = 8, hidden = 16
+input x[batch, features]
+param W[features, hidden]
+input lr
+y = tanh(x @ W)
+loss = sum(y * y)
+out loss
+out y
+update W = W - lr * grad(loss, W)
+"""
+
+
+def test_compile_source_runs_forward_backward_and_update():
+    prog = tgc.compile(MLP, dtype="f64")
+    assert [(s.name, s.edges, s.dtype, s.updated) for s in prog.inputs] == [
+        ("x", ("batch", "features"), "f64", False), ("W", ("features", "hidden"), "f64", True),
+        ("lr", (), "f64", False)]
+    assert [(s.name, s.edges) for s in prog.outputs] == [("loss", ()), ("y", ("batch", "hidden"))]
+    rng = np.random.default_rng(0)
+    for batch in (3, 40):  # one build, two batch sizes
+        x, W = rng.standard_normal((batch, 8)), rng.standard_normal((8, 16))
+        W0 = W.copy()
+        got = prog(x=x, W=W, lr=0.01)
+        y = np.tanh(x @ W0)
+        np.testing.assert_allclose(got["y"], y, rtol=1e-12)
+        np.testing.assert_allclose(got["loss"], np.sum(y * y), rtol=1e-12)
+        grad = x.T @ (2 * y * (1 - y * y))
+        np.testing.assert_allclose(W, W0 - 0.01 * grad, rtol=1e-10)
+        assert got["W"] is W
+
+
+def test_compile_file_ir_text_and_module(tmp_path: Path):
+    path = tmp_path / "mlp.tg"
+    path.write_text(MLP)
+    a = tgc.compile(str(path), dtype="f32")
+    b = tgc.compile(path, dtype="f32")
+    module = parse_module("""
+dim n
+input x : f32[n]
+%0 = map[exp] %x : f32[n]
+out y = %0 : [n]
+""")
+    c = tgc.compile(module)
+    assert a.outputs == b.outputs
+    np.testing.assert_allclose(c(x=np.zeros(3, np.float32))["y"], np.ones(3))
+    from tgc.ir.printer import print_module
+
+    d = tgc.compile(print_module(module))
+    assert d.outputs == c.outputs
+
+
+def test_dims_fixed_at_build_time():
+    prog = tgc.compile(MLP, dims={"batch": 4})
+    assert prog.inputs[0].shape == (4, 8)
+    with pytest.raises(EvalError, match="shape"):
+        prog(x=np.zeros((5, 8), np.float32), W=np.zeros((8, 16), np.float32), lr=0.1)
+    with pytest.raises(ValueError, match="no dim"):
+        tgc.compile(MLP, dims={"nope": 4})
+
+
+def test_ids_dtypes():
+    prog = tgc.compile("""
+dim b
+dim v = 5
+input ids : i32[b]
+input E : f32[v]
+%0 = gather[v] %E, %ids : f32[b]
+out y = %0 : [b]
+""")
+    E = np.arange(5, dtype=np.float32)
+    np.testing.assert_array_equal(prog(ids=np.array([4, 0], np.int64), E=E)["y"], [4, 0])
+    with pytest.raises(EvalError, match="ids"):
+        prog(ids=np.array([1.0]), E=E)
+    with pytest.raises(EvalError, match="int32"):
+        prog(ids=np.array([2**40]), E=E)
+
+
+def test_readonly_update_target_refused_before_any_write():
+    prog = tgc.compile("""
+dim n = 3
+param a : f32[n]
+%0 = map[exp] %a : f32[n]
+update a = %0
+out y = %0 : [n]
+""")
+    a = np.zeros(3, np.float32)
+    a.flags.writeable = False
+    with pytest.raises(EvalError, match="read-only"):
+        prog(a=a)
+    with pytest.raises(EvalError, match="numpy array"):
+        prog(a=[0.0, 0.0, 0.0])
+
+
+def test_input_aliasing_an_update_target_reads_old_values():
+    prog = tgc.compile("""
+dim n = 4
+param a : f64[n]
+input b : f64[n]
+%0 = add[1.0, 1.0] %a, %b : f64[n]
+%1 = add[1.0, 1.0] %0, %b : f64[n]
+update a = %0
+out y = %1 : [n]
+""", dtype="f64")
+    a = np.ones(4)
+    got = prog(a=a, b=a)  # b is the same array as a, which is updated
+    np.testing.assert_array_equal(a, 2 * np.ones(4))
+    np.testing.assert_array_equal(got["y"], 3 * np.ones(4))
+
+
+def test_cli_run_backend_cpu_matches_interp(tmp_path: Path):
+    path = tmp_path / "mlp.tg"
+    path.write_text(MLP)
+    outs = {}
+    for backend in ("interp", "cpu"):
+        out = tmp_path / f"{backend}.npz"
+        subprocess.run([sys.executable, "-m", "tgc.cli", "run", str(path), "--random-inputs", "--dim", "batch=6",
+                        "--dtype", "f64", "--backend", backend, "-o", str(out)], check=True,
+                       cwd=Path(__file__).resolve().parents[2])
+        with np.load(out) as f:
+            outs[backend] = {k: f[k] for k in f.files}
+    assert outs["cpu"].keys() == outs["interp"].keys()
+    for k in outs["cpu"]:
+        np.testing.assert_allclose(outs["cpu"][k], outs["interp"][k], rtol=1e-10)
+
+
+def test_run_compiled_takes_dims_from_options():
+    from tgc.options import Options
+    from tgc.runtime import run_compiled
+
+    m = parse_module("""
+dim n
+input s : f64[]
+%0 = size[n] : f64[]
+%1 = add[1.0, 1.0] %0, %s : f64[]
+%2 = contract %1 : f64[n]
+out y = %2 : [n]
+""")
+    x = {"s": np.float64(0.5)}
+    got = run_compiled(m, x, Options(dtype="f64", dims=(("n", 3),)))
+    np.testing.assert_array_equal(got["y"], evaluate(m, x, dims={"n": 3})["y"])

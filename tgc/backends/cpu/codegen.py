@@ -1,0 +1,198 @@
+"""LLVM IR for a planned program (`Lowered` after `plan`): one native call runs it all.
+
+Native ABI (C linkage; the same for the JIT and a linked .so):
+
+    void    tgc_init(void* const* table)
+        once, before anything else: the function table (`fntable.FIELDS`: cblas
+        sgemm/dgemm, GOMP_parallel, omp_get_thread_num, omp_get_num_threads).
+    int64_t tgc_workspace_bytes(const int64_t* dims)
+        scratch bytes a run needs for these dims (a multiple of 64).
+    int32_t tgc_run(const int64_t* dims, void* const* args, void* const* outs, void* workspace)
+        dims:  the symbolic dims, in declaration order (`Module.symbolic_dims()`);
+        args:  one pointer per argument, in declaration order, each row-major in its
+               ABI axis order (floats of the program's type; ids int32); updates are
+               written into them after every read of their old values;
+        outs:  one pointer per output, row-major in its ABI order;
+        workspace: tgc_workspace_bytes(dims) bytes, 64-byte aligned.
+        Returns 0, or k > 0 when the k-th id check failed (an id out of range): then
+        nothing has been written, since every check runs before the first kernel.
+
+Kernels are internal functions (`loops.py`, `gemm.py`). A kernel whose outermost
+loop runs over a kept edge is also outlined for libgomp and run on every core when
+its work (iterations x op weight, known only at run time) reaches
+`options.parallel_min_work`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import llvmlite.ir as ir
+
+from tgc.backends.cpu import fntable
+from tgc.backends.cpu.gemm import GemmGen
+from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range
+from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok
+from tgc.ir.lowered import GemmKernel, Lowered, LoopKernel, Map, rename_buffers, walk
+from tgc.options import Options
+
+ALIGN = 64
+HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow", "sqrt", "div"})
+
+
+def generate(low: Lowered, options: Options) -> str:
+    """The LLVM IR text of the whole program."""
+    if low.stage != "plan":
+        raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
+    return str(_ModuleGen(low, options).emit())
+
+
+class _ModuleGen:
+    def __init__(self, low: Lowered, options: Options):
+        self.low, self.opt = low, options
+        self.fp = fp_type(low.dtype)
+        self.mod = ir.Module(name="tgc")
+        self.done: dict = {}
+
+    def emit(self) -> ir.Module:
+        fntable.define_init(self.mod, "tgc_init")
+        checks = [self.check_fn(i, c) for i, c in enumerate(self.low.checks)]
+        kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
+        self.workspace_fn()
+        self.run_fn(checks, kernels)
+        return self.mod
+
+    # ------------------------------------------------------------ pieces
+
+    def check_fn(self, i: int, c) -> ir.Function:
+        """i32 check(dims, ids): 1 if any id lies outside [0, size)."""
+        fn = define(self.mod, f"tgc.check{i}", I32, [PTR, PTR])
+        f = Frame(fn, self.low.module, fn.args[0])
+        b = f.b
+        n = f.count(self.low.buffers[c.buf].edges)
+        hi = f.size(c.size)
+        bad = f.alloca(ir.IntType(8), "bad")
+        f.entry.store(ir.IntType(8)(0), bad)
+        with for_range(b, I64(0), n, "j") as j:
+            v = b.sext(b.load(b.gep(fn.args[1], [j], source_etype=I32), typ=I32), I64)
+            out = b.or_(b.icmp_signed("<", v, I64(0)), b.icmp_signed(">=", v, hi))
+            b.store(b.or_(b.load(bad), b.zext(out, ir.IntType(8))), bad)
+        b.ret(b.zext(b.load(bad), I32))
+        f.finish()
+        return fn
+
+    def kernel_fns(self, i: int, k):
+        """The kernel's function (and parallel body); structurally equal kernels —
+        the same computation on other buffers, e.g. in another layer — share one."""
+        key = kernel_key(self.low, k)
+        if key not in self.done:
+            self.done[key] = self.new_kernel_fns(i, k)
+        return self.done[key]
+
+    def new_kernel_fns(self, i: int, k):
+        name = f"tgc.k{i}"
+        if isinstance(k, GemmKernel):
+            return GemmGen(self.mod, self.low, k, name, self.fp).emit(), None
+        fn = LoopGen(self.mod, self.low, k, name, self.fp).emit()
+        par = None
+        if self.opt.threads != 1 and parallel_ok(k):
+            par = emit_parallel_body(self.mod, self.low, k, fn, name + ".par")
+        return fn, par
+
+    def slot_sizes(self, f: Frame) -> list:
+        out = []
+        for sizes in self.low.slots:
+            best = None
+            for s in sizes:
+                v = f.size(s)
+                best = v if best is None else f.entry.select(f.entry.icmp_signed(">", v, best), v, best)
+            rounded = f.entry.and_(f.entry.add(best, I64(ALIGN - 1)), I64(-ALIGN))
+            out.append(rounded)
+        return out
+
+    def workspace_fn(self) -> None:
+        fn = define(self.mod, "tgc_workspace_bytes", I64, [PTR], internal=False)
+        f = Frame(fn, self.low.module, fn.args[0])
+        total = I64(0)
+        for s in self.slot_sizes(f):
+            total = f.b.add(total, s)
+        f.b.ret(total)
+        f.finish()
+
+    # ------------------------------------------------------------ the entry point
+
+    def run_fn(self, checks, kernels) -> None:
+        fn = define(self.mod, "tgc_run", I32, [PTR] * 4, internal=False)
+        dims, args, outs, ws = fn.args
+        f = Frame(fn, self.low.module, dims)
+        b = f.b
+        for i, (check, c) in enumerate(zip(checks, self.low.checks)):
+            bad = b.call(check, [dims, self.arg_ptr(b, args, self.low.buffers[c.buf].index)])
+            with b.if_then(b.icmp_signed("!=", bad, I32(0)), likely=False):
+                b.ret(I32(i + 1))
+        ptrs = self.buffer_ptrs(f, args, outs, ws)
+        for k, (kfn, par) in zip(self.low.kernels, kernels):
+            if isinstance(k, GemmKernel):
+                b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)])
+            else:
+                self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+        b.ret(I32(0))
+        f.finish()
+
+    def arg_ptr(self, b: ir.IRBuilder, array, index: int):
+        return b.load(b.gep(array, [I64(index)], source_etype=PTR), typ=PTR)
+
+    def buffer_ptrs(self, f: Frame, args, outs, ws) -> dict:
+        b = f.b
+        offsets, at = [], I64(0)
+        for s in self.slot_sizes(f):
+            offsets.append(at)
+            at = f.entry.add(at, s)
+        ptrs = {}
+        for name, buf in self.low.buffers.items():
+            if buf.kind == "arg":
+                ptrs[name] = self.arg_ptr(b, args, buf.index)
+            elif buf.kind == "out":
+                ptrs[name] = self.arg_ptr(b, outs, buf.index)
+            else:
+                ptrs[name] = b.gep(ws, [offsets[buf.slot]], source_etype=ir.IntType(8))
+        return ptrs
+
+    def call_loop(self, f: Frame, k: LoopKernel, kfn, par, call_args) -> None:
+        b = f.b
+        n = f.size(k.sizes[k.loops[0]]) if k.loops else I64(1)
+        if par is None:
+            b.call(kfn, call_args + [I64(0), n])
+            return
+        data = f.alloca(ir.ArrayType(PTR, len(call_args)), "data")
+        for i, a in enumerate(call_args):
+            b.store(a, b.gep(data, [I32(0), I32(i)]))
+        work = I64(self.weight(k))
+        for v in k.loops:
+            work = b.mul(work, f.size(k.sizes[v]))
+        have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
+        big = b.and_(b.icmp_signed(">=", work, I64(self.opt.parallel_min_work)), have)
+        with b.if_else(big) as (then, otherwise):
+            with then:
+                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+            with otherwise:
+                b.call(kfn, call_args + [I64(0), n])
+
+    @staticmethod
+    def weight(k: LoopKernel) -> int:
+        roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+        return 1 + sum(8 for r in roots for e in walk(r) if isinstance(e, Map) and e.fn in HEAVY)
+
+
+def kernel_key(low: Lowered, k) -> tuple:
+    """What a kernel's code depends on: its text with buffers numbered by first
+    use, and each buffer's axis order and dtype."""
+    bufs = k.buffers_used()
+    k = replace(rename_buffers(k, {b: f"b{i}" for i, b in enumerate(bufs)}), note="")
+    return k.text(), tuple((low.buffers[b].order, low.buffers[b].dtype) for b in bufs)
+
+
+def fntable_slot(b: ir.IRBuilder, name: str):
+    """The raw pointer in table entry `name` (null when the runtime gave none)."""
+    g = b.module.globals[fntable.GLOBAL]
+    slot = b.gep(g, [I32(0), I32(fntable.FIELDS.index(name))], inbounds=True)
+    return b.load(slot, typ=PTR)

@@ -1,0 +1,118 @@
+"""The IR's elementwise leaf functions (`map` fns) as LLVM instructions.
+
+Transcendentals come from `vecmath` (straight-line IR, inlined, so loops that call
+them vectorize); the rest are single instructions or intrinsics. Comparisons give
+1.0/0.0; `max`/`min` propagate NaN like numpy (`llvm.maximum`/`llvm.minimum`);
+`where(c, a, b)` takes `a` where `c != 0` (NaN counts as true, as in numpy);
+`mul0(a, b)` is `a * b` but exactly 0 where `a == 0`. `sigmoid` and `softplus` go
+through `e = exp(-|x|)`, which never overflows: `sigmoid = 1/(1+e)` (x >= 0) or
+`e/(1+e)`, `softplus = max(x, 0) + log1p(e)` with `log1p(e) = log(u) * e / (u - 1)`,
+`u = 1 + e` (exact where `u` rounds to 1: then it is `e`). `pow(x, y)` with a small
+integer or +-0.5 constant exponent is multiplications/sqrt; otherwise
+`exp(y * log|x|)`, signed for negative x with an integer y, NaN for negative x with
+a fractional y, and 1 for y == 0 (numpy's `power` on floats).
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from tgc.backends.cpu.vecmath import declare_math
+
+VECMATH = ("exp", "log", "tanh", "erf", "sin", "cos", "sqrt")
+CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+FLAGS = ("contract",)
+
+
+def intrinsic(b: ir.IRBuilder, name: str, fp, nargs: int) -> ir.Function:
+    suffix = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    full = f"llvm.{name}.{suffix}"
+    mod = b.module
+    fn = mod.globals.get(full)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(fp, [fp] * nargs), full)
+    return fn
+
+
+def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | None = None):
+    one, zero = ir.Constant(fp, 1.0), ir.Constant(fp, 0.0)
+    if fn in VECMATH:
+        return b.call(declare_math(b.module, fn, fp), args)
+    if fn in CMP:
+        op = CMP[fn]
+        c = b.fcmp_unordered(op, *args) if fn == "ne" else b.fcmp_ordered(op, *args)
+        return b.select(c, one, zero)
+    if fn == "abs":
+        return b.call(intrinsic(b, "fabs", fp, 1), args)
+    if fn == "sign":
+        x = args[0]
+        neg = b.select(b.fcmp_ordered("<", x, zero), ir.Constant(fp, -1.0), x)
+        return b.select(b.fcmp_ordered(">", x, zero), one, neg)
+    if fn == "div":
+        return b.fdiv(*args, flags=FLAGS)
+    if fn in ("max", "min"):
+        return b.call(intrinsic(b, "maximum" if fn == "max" else "minimum", fp, 2), args)
+    if fn == "mul0":
+        a, c = args
+        return b.select(b.fcmp_ordered("==", a, zero), zero, b.fmul(a, c, flags=FLAGS))
+    if fn == "where":
+        c, x, y = args
+        return b.select(b.fcmp_unordered("!=", c, zero), x, y)
+    if fn == "pow":
+        return emit_pow(b, args[0], args[1], fp, const_exponent)
+    if fn in ("sigmoid", "softplus"):
+        return (emit_sigmoid if fn == "sigmoid" else emit_softplus)(b, args[0], fp)
+    raise ValueError(f"no code for elementwise function '{fn}'")
+
+
+def _ipow(b: ir.IRBuilder, x, n: int, fp):
+    """x**n for a small integer n by repeated squaring."""
+    result, base, k = None, x, abs(n)
+    while k:
+        if k & 1:
+            result = base if result is None else b.fmul(result, base)
+        k >>= 1
+        if k:
+            base = b.fmul(base, base)
+    result = result if result is not None else ir.Constant(fp, 1.0)
+    return b.fdiv(ir.Constant(fp, 1.0), result) if n < 0 else result
+
+
+def emit_pow(b: ir.IRBuilder, x, y, fp, const: float | None):
+    if const is not None and const == int(const) and abs(const) <= 16:
+        return _ipow(b, x, int(const), fp)
+    if const in (0.5, -0.5):
+        r = b.call(declare_math(b.module, "sqrt", fp), [x])
+        return r if const > 0 else b.fdiv(ir.Constant(fp, 1.0), r)
+    one, zero = ir.Constant(fp, 1.0), ir.Constant(fp, 0.0)
+    ax = b.call(intrinsic(b, "fabs", fp, 1), [x])
+    r = b.call(declare_math(b.module, "exp", fp), [b.fmul(y, b.call(declare_math(b.module, "log", fp), [ax]))])
+    fl = b.call(intrinsic(b, "floor", fp, 1), [y])
+    integral = b.fcmp_ordered("==", fl, y)
+    half = b.fmul(y, ir.Constant(fp, 0.5))
+    odd = b.fcmp_ordered("!=", b.call(intrinsic(b, "floor", fp, 1), [half]), half)
+    signed = b.select(b.and_(integral, odd), b.fneg(r), r)
+    neg_base = b.select(integral, signed, ir.Constant(fp, float("nan")))
+    r = b.select(b.fcmp_ordered("<", x, zero), neg_base, r)
+    return b.select(b.fcmp_ordered("==", y, zero), one, r)
+
+
+def _exp_neg_abs(b: ir.IRBuilder, x, fp):
+    ax = b.call(intrinsic(b, "fabs", fp, 1), [x])
+    return b.call(declare_math(b.module, "exp", fp), [b.fneg(ax)])
+
+
+def emit_sigmoid(b: ir.IRBuilder, x, fp):
+    one = ir.Constant(fp, 1.0)
+    e = _exp_neg_abs(b, x, fp)
+    d = b.fadd(one, e)
+    return b.select(b.fcmp_ordered(">=", x, ir.Constant(fp, 0.0)), b.fdiv(one, d), b.fdiv(e, d))
+
+
+def emit_softplus(b: ir.IRBuilder, x, fp):
+    one, zero = ir.Constant(fp, 1.0), ir.Constant(fp, 0.0)
+    e = _exp_neg_abs(b, x, fp)
+    u = b.fadd(one, e)
+    ratio = b.fdiv(b.fmul(b.call(declare_math(b.module, "log", fp), [u]), e), b.fsub(u, one))
+    log1p = b.select(b.fcmp_ordered("==", u, one), e, ratio)
+    pos = b.call(intrinsic(b, "maximum", fp, 2), [x, zero])
+    return b.fadd(pos, log1p)

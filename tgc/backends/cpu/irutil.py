@@ -1,0 +1,119 @@
+"""Small helpers for building LLVM IR with llvmlite: types, counted loops, sizes.
+
+`Frame` is one function under construction: an `entry` block that stays open
+(unterminated) while the body is emitted, so loop-invariant values — dim sizes,
+strides, allocas — can be added there on demand and dominate every use; `finish`
+branches from it to the body.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Sequence
+
+import llvmlite.ir as ir
+
+from tgc.ir.module import Module
+from tgc.ir.sizes import Size
+
+I1, I32, I64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
+PTR = ir.PointerType()
+
+
+def fp_type(dtype: str):
+    return {"f32": ir.FloatType(), "f64": ir.DoubleType(), "i32": I32}[dtype]
+
+
+def define(module: ir.Module, name: str, ret, params: Sequence, internal: bool = True) -> ir.Function:
+    fn = ir.Function(module, ir.FunctionType(ret, list(params)), name)
+    if internal:
+        fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    return fn
+
+
+class Frame:
+    """A function being emitted: open entry block + body builder + cached sizes."""
+
+    def __init__(self, fn: ir.Function, module: Module, dims_ptr):
+        self.fn, self.m, self.dims_ptr = fn, module, dims_ptr
+        self.entry = ir.IRBuilder(fn.append_basic_block("entry"))
+        self.body_start = fn.append_basic_block("body")
+        self.b = ir.IRBuilder(self.body_start)
+        self._sizes: dict = {}
+        self.symbolic = module.symbolic_dims()
+
+    def finish(self) -> None:
+        self.entry.branch(self.body_start)
+
+    def size(self, s: Size):
+        """The i64 value of a size expression (computed once, in the entry block)."""
+        if isinstance(s, int):
+            return I64(s)
+        if s in self._sizes:
+            return self._sizes[s]
+        e = self.entry
+        if isinstance(s, str):
+            d = self.m.dims.get(s)
+            if d is None:
+                ptr = e.gep(self.dims_ptr, [I64(self.symbolic.index(s))], source_etype=I64)
+                value = e.load(ptr, typ=I64, name=f"dim.{s}")
+            else:
+                value = self.size(d)
+        else:
+            lhs, rhs = self.size(s.lhs), self.size(s.rhs)
+            value = {"+": e.add, "-": e.sub, "*": e.mul, "/": e.sdiv}[s.op](lhs, rhs)
+        self._sizes[s] = value
+        return value
+
+    def edge_size(self, edge: str):
+        return self.size(self.m.size(edge))
+
+    def strides(self, order: Sequence[str]) -> dict[str, ir.Value]:
+        """Element strides of a row-major buffer with axes `order`."""
+        key = ("strides", tuple(order))
+        if key not in self._sizes:
+            out, s = {}, I64(1)
+            for e in reversed(order):
+                out[e] = s
+                s = self.entry.mul(s, self.edge_size(e))
+            self._sizes[key] = out
+        return self._sizes[key]
+
+    def count(self, edges: Sequence[str]):
+        value = I64(1)
+        for e in edges:
+            value = self.entry.mul(value, self.edge_size(e))
+        return value
+
+    def alloca(self, typ, name: str = ""):
+        return self.entry.alloca(typ, name=name)
+
+
+@contextmanager
+def for_range(b: ir.IRBuilder, lo, hi, name: str = "i"):
+    """`for (i = lo; i < hi; ++i)`: yields i; the builder ends after the loop."""
+    pre = b.block
+    fn = pre.function
+    head = fn.append_basic_block(f"{name}.head")
+    body = fn.append_basic_block(f"{name}.body")
+    done = fn.append_basic_block(f"{name}.done")
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(I64, name=name)
+    i.add_incoming(lo, pre)
+    b.cbranch(b.icmp_signed("<", i, hi), body, done)
+    b.position_at_end(body)
+    yield i
+    nxt = b.add(i, I64(1), flags=["nsw"])
+    i.add_incoming(nxt, b.block)
+    b.branch(head)
+    b.position_at_end(done)
+
+
+def offset(b: ir.IRBuilder, parts: Sequence[tuple]):
+    """sum(index * stride) as i64 (`parts`: (index value, stride value))."""
+    total = None
+    for ix, stride in parts:
+        term = ix if (isinstance(stride, ir.Constant) and stride.constant == 1) else b.mul(ix, stride, flags=["nsw"])
+        total = term if total is None else b.add(total, term, flags=["nsw"])
+    return total if total is not None else I64(0)

@@ -1,0 +1,258 @@
+"""Loop kernels as LLVM functions: a loop nest around a fused expression tree.
+
+    void tgc.kN(const i64* dims, T* noalias out, T* noalias in..., i64 lo, i64 hi)
+
+runs the outermost loop over [lo, hi) (the caller passes the full range, or one
+thread's share when that loop is over a kept edge). Shapes of the nest:
+
+- register mode (every reduced loop inside every kept loop): an accumulator that
+  LLVM keeps in registers (vectorized with `reassoc` on the combining fadd — the
+  only fast-math flag besides `contract`, which allows FMA), then the epilogue,
+  then one store; `logsumexp` makes two passes over the reduced loops (the max,
+  then the sum of exp(x - max)) and always runs in this mode;
+- memory mode (a reduced loop outside a kept one, e.g. summing rows of a row-major
+  matrix): initialize `out`, combine into it in the nest, then apply the epilogue;
+- scatter: zero `out`, then add each element at its gathered position.
+
+`Mask` becomes a branch around its operand, so loads under a false condition are
+never executed; LLVM if-converts it into masked vector loads.
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
+from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset
+from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map, Mask,
+                            Mul, SizeOf)
+
+INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def kernel_buffers(k: LoopKernel) -> list[str]:
+    return k.buffers_used()
+
+
+def parallel_ok(k: LoopKernel) -> bool:
+    return bool(k.loops) and k.loops[0] not in k.red and not k.scatter
+
+
+class LoopGen:
+    def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel, name: str, fp):
+        self.low, self.k, self.fp = low, k, fp
+        self.bufs = kernel_buffers(k)
+        fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64])
+        for a in fn.args[: 1 + len(self.bufs)]:
+            a.add_attribute("noalias")
+        fn.attributes.add("noinline")  # optimized once, not again in each caller
+        self.fn = fn
+        self.f = Frame(fn, low.module, fn.args[0])
+        self.b = self.f.b
+        self.ptr = dict(zip(self.bufs, fn.args[1:]))
+        self.lo, self.hi = fn.args[-2], fn.args[-1]
+
+    # ------------------------------------------------------------ nest
+
+    def emit(self) -> ir.Function:
+        k = self.k
+        kept = [v for v in k.loops if v not in k.red]
+        register = not k.scatter and all(k.loops.index(r) > k.loops.index(v)
+                                         for r in k.red for v in kept)
+        if k.scatter:
+            self.fill_zero()
+            self.nest(list(k.loops), {}, self.scatter_step)
+        elif not k.reduce:
+            self.nest(list(k.loops), {}, lambda vs: self.store(vs, self.expr(k.body, vs)))
+        elif register:
+            self.nest(kept, {}, self.reduce_in_register)
+        else:
+            self.nest(kept, {}, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
+            self.nest(list(k.loops), {}, self.reduce_in_memory)
+            if k.epilogue is not None:
+                self.nest(kept, {}, lambda vs: self.store(vs, self.expr(k.epilogue, vs, self.load_out(vs))))
+        self.b.ret_void()
+        self.f.finish()
+        return self.fn
+
+    def nest(self, loops: list[str], vars: dict, leaf) -> None:
+        if not loops:
+            leaf(vars)
+            return
+        v = loops[0]
+        split = v == self.k.loops[0]
+        lo, hi = (self.lo, self.hi) if split else (I64(0), self.f.size(self.k.sizes[v]))
+        lows, highs = self.k.bounds.get(v, ((), ()))
+        for ix in lows:
+            x = self.ix(ix, vars)
+            lo = self.b.select(self.b.icmp_signed(">", x, lo), x, lo)
+        for ix in highs:
+            x = self.ix(ix, vars)
+            hi = self.b.select(self.b.icmp_signed("<", x, hi), x, hi)
+        with for_range(self.b, lo, hi, v) as i:
+            self.nest(loops[1:], {**vars, v: i}, leaf)
+
+    def accumulate(self, kind: str, vars: dict, term) -> ir.Value:
+        """Reduce `term(vars)` over the reduced loops into a register; its value."""
+        b = self.b
+        acc = self.f.alloca(self.fp, "acc")
+        b.store(self.const(INIT[kind]), acc)
+        red = [v for v in self.k.loops if v in self.k.red]
+        self.nest(red, vars, lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc))
+        return b.load(acc)
+
+    def reduce_in_register(self, vars: dict) -> None:
+        k = self.k
+        if k.reduce == "logsumexp":
+            value = self.logsumexp(vars)
+        else:
+            value = self.accumulate(k.reduce, vars, lambda vs: self.expr(k.body, vs))
+        if k.epilogue is not None:
+            value = self.expr(k.epilogue, vars, value)
+        self.store(vars, value)
+
+    def reduce_in_memory(self, vars: dict) -> None:
+        self.store(vars, self.combine(self.load_out(vars), self.expr(self.k.body, vars)))
+
+    def scatter_step(self, vars: dict) -> None:
+        self.store(vars, self.b.fadd(self.load_out(vars), self.expr(self.k.body, vars)))
+
+    def fill_zero(self) -> None:
+        out = self.low.buffers[self.k.out]
+        n = self.f.count(out.edges)
+        with for_range(self.b, I64(0), n, "z") as i:
+            self.b.store(self.const(0.0), self.b.gep(self.ptr[out.name], [i], source_etype=self.fp))
+
+    def logsumexp(self, vars: dict) -> ir.Value:
+        """m + log(sum exp(x - m)), m = max x (0 when not finite: all -inf stays -inf)."""
+        b, fp = self.b, self.fp
+        m = self.accumulate("max", vars, lambda vs: self.expr(self.k.body, vs))
+        finite = b.fcmp_ordered("<", b.call(intrinsic(b, "fabs", fp, 1), [m]), self.const(float("inf")))
+        m = b.select(finite, m, self.const(0.0))
+        s = self.accumulate("sum", vars, lambda vs: emit_map(b, "exp", [b.fsub(self.expr(self.k.body, vs), m)], fp))
+        return b.fadd(emit_map(b, "log", [s], fp), m)
+
+    def combine(self, acc, x, kind: str | None = None):
+        kind = kind or self.k.reduce
+        if kind == "sum":
+            return self.b.fadd(acc, x, flags=("reassoc", "contract"))
+        return self.b.call(intrinsic(self.b, "maximum" if kind == "max" else "minimum", self.fp, 2), [acc, x])
+
+    # ------------------------------------------------------------ memory
+
+    def address(self, buf: str, index, vars: dict, etype):
+        b = self.b
+        order = self.low.buffers[buf].order
+        strides = self.f.strides(order)
+        idx = dict(index)
+        off = offset(b, [(self.ix(idx[e], vars), strides[e]) for e in order])
+        return b.gep(self.ptr[buf], [off], inbounds=True, source_etype=etype)
+
+    def store(self, vars: dict, value) -> None:
+        self.b.store(value, self.address(self.k.out, self.k.index, vars, self.fp))
+
+    def load_out(self, vars: dict):
+        return self.b.load(self.address(self.k.out, self.k.index, vars, self.fp), typ=self.fp)
+
+    def ix(self, ix: Ix, vars: dict):
+        b = self.b
+        total = None if ix.const == 0 else self.f.size(ix.const)
+        for atom, coef in ix.terms:
+            if isinstance(atom, str):
+                a = vars[atom]
+            elif isinstance(atom, IdLoad):
+                p = self.address(atom.buf, atom.index, vars, ir.IntType(32))
+                a = b.sext(b.load(p, typ=ir.IntType(32)), I64)
+            else:
+                a = self.floordiv(atom, vars)
+            term = a if coef == 1 else b.mul(a, self.f.size(coef), flags=["nsw"])
+            total = term if total is None else b.add(total, term, flags=["nsw"])
+        return total if total is not None else I64(0)
+
+    def floordiv(self, atom: FloorDiv, vars: dict):
+        b = self.b
+        n, d = self.ix(atom.num, vars), self.f.size(atom.den)
+        q, r = b.sdiv(n, d), b.srem(n, d)
+        return b.sub(q, b.zext(b.icmp_signed("<", r, I64(0)), I64))
+
+    # ------------------------------------------------------------ expressions
+
+    def const(self, value: float):
+        return ir.Constant(self.fp, value)
+
+    def expr(self, e, vars: dict, acc=None):
+        b = self.b
+        if isinstance(e, Load):
+            return b.load(self.address(e.buf, e.index, vars, self.fp), typ=self.fp)
+        if isinstance(e, Const):
+            return self.const(e.value)
+        if isinstance(e, SizeOf):
+            return b.sitofp(self.f.size(e.size), self.fp)
+        if isinstance(e, Acc):
+            return acc
+        if isinstance(e, Mask):
+            return self.mask(e, vars, acc)
+        args = [self.expr(a, vars, acc) for a in e.args]
+        if isinstance(e, Add):
+            return self.add(e.coefs, args)
+        if isinstance(e, Mul):
+            out = args[0]
+            for a in args[1:]:
+                out = b.fmul(out, a, flags=FLAGS)
+            return out
+        if isinstance(e, Map):
+            exponent = e.args[1].value if e.fn == "pow" and isinstance(e.args[1], Const) else None
+            return emit_map(b, e.fn, args, self.fp, exponent)
+        raise TypeError(f"unknown expression {e!r}")
+
+    def add(self, coefs, args):
+        b = self.b
+        total = None
+        for c, a in zip(coefs, args):
+            if total is None:
+                total = a if c == 1 else b.fmul(self.const(c), a, flags=FLAGS)
+            elif c == 1:
+                total = b.fadd(total, a, flags=FLAGS)
+            elif c == -1:
+                total = b.fsub(total, a, flags=FLAGS)
+            else:
+                total = b.fadd(total, b.fmul(self.const(c), a, flags=FLAGS), flags=FLAGS)
+        return total
+
+    def mask(self, e: Mask, vars: dict, acc):
+        b = self.b
+        ok = None
+        for c in e.conds:
+            op = "==" if c.op == "=" else c.op
+            bit = b.icmp_signed(op, self.ix(c.ix, vars), I64(0))
+            ok = bit if ok is None else b.and_(ok, bit)
+        pre = b.block
+        then = self.fn.append_basic_block("mask.then")
+        merge = self.fn.append_basic_block("mask.merge")
+        b.cbranch(ok, then, merge)
+        b.position_at_end(then)
+        value = self.expr(e.arg, vars, acc)
+        then_end = b.block
+        b.branch(merge)
+        b.position_at_end(merge)
+        phi = b.phi(self.fp)
+        phi.add_incoming(value, then_end)
+        phi.add_incoming(self.const(0.0), pre)
+        return phi
+
+
+def emit_parallel_body(mod: ir.Module, low: Lowered, k: LoopKernel, kernel: ir.Function, name: str) -> ir.Function:
+    """`void name(ptr data)`, data = [dims, buffers...]: runs this thread's share of
+    the kernel's outermost loop (`parallel.thread_range`)."""
+    from tgc.backends.cpu import parallel
+
+    nbuf = len(kernel_buffers(k))
+    fn = define(mod, name, ir.VoidType(), [PTR])
+    f = Frame(fn, low.module, None)
+    e = f.entry
+    ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
+    f.dims_ptr = ptrs[0]
+    lo, hi = parallel.thread_range(f.b, f.size(k.sizes[k.loops[0]]))
+    f.b.call(kernel, ptrs + [lo, hi])
+    f.b.ret_void()
+    f.finish()
+    return fn

@@ -1,0 +1,97 @@
+"""`tgc build`: native artifacts for Makefile-driven builds (gcc-style flags)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from tgc import driver
+from tgc.cli_errors import handle_errors
+from tgc.fsutil import write_atomic
+from tgc.options import Options
+
+EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h"]
+SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h"}
+
+
+def _defines(ctx, param, value):
+    out = {}
+    for item in value:
+        name, sep, n = item.partition("=")
+        if not sep or not n.strip().isdigit() or int(n) <= 0:
+            raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
+        out[name.strip()] = int(n)
+    return out
+
+
+def default_output(source: str, emit: str) -> str:
+    stem = Path(source).stem if source != "-" else "a"
+    return f"lib{stem}.so" if emit == "so" else stem + SUFFIX[emit]
+
+
+def header_path(output: str) -> str:
+    """`libmlp.so` -> `mlp.h` beside it."""
+    from tgc.backends.cpu.header import c_identifier
+
+    return str(Path(output).with_name(c_identifier(output) + ".h"))
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file (default: libNAME.so, NAME.o, ...).")
+@click.option("-O0", "opt_level", flag_value=0, help="No optimization.")
+@click.option("-O1", "opt_level", flag_value=1)
+@click.option("-O2", "opt_level", flag_value=2, default=True, help="Optimize (default).")
+@click.option("-O3", "opt_level", flag_value=3)
+@click.option("-D", "defines", multiple=True, callback=_defines, metavar="NAME=N",
+              help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("--emit", type=click.Choice(EMIT_CHOICES), default="so", show_default=True,
+              help="so: shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
+                   "ir: tgc IR after the pipeline; h: the C header only.")
+@click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
+@click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
+@click.option("-MT", "mt", multiple=True, metavar="TARGET", help="Target name(s) of the depfile rule.")
+@click.option("-MP", "mp", is_flag=True, help="Add a phony target for every dependency.")
+@handle_errors
+def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None:
+    """Compile FILE to native code for this machine's CPU.
+
+    Every output is written atomically: a failed or interrupted build leaves no
+    new file, and an older one untouched. The same inputs and flags give
+    byte-identical outputs.
+
+    \b
+    Examples:
+      tgc build examples/mlp.tg -o libmlp.so          # also writes mlp.h
+      tgc build model.tg -o libmodel.so -MD -MP -D batch=32 -O3
+      tgc build model.tg --emit asm -o model.s
+    """
+    from tgc.backends.cpu import aot
+    from tgc.backends.cpu.header import c_identifier
+    from tgc.ir.printer import print_module
+
+    output = output or default_output(file, emit)
+    options = Options(dtype=dtype, opt_level=opt_level)
+    loaded = driver.load_program(file, options)
+    try:
+        module = driver.fix_dims(loaded.module, defines)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-D") from None
+    module = driver.lower(module, options).module
+    prefix = c_identifier(output)
+    source = Path(file).name
+    files: dict[str, bytes] = {}
+    if emit == "ir":
+        files[output] = print_module(module).encode()
+    else:
+        files[output] = aot.build(module, options, emit, prefix, source)
+        if emit == "so":
+            files[header_path(output)] = aot.build(module, options, "h", prefix, source)
+    if md or mf:
+        from tgc.depfile import format_depfile
+
+        depfile = mf or str(Path(output).with_suffix(".d"))
+        files[depfile] = format_depfile(list(mt) or [output], loaded.files, mp).encode()
+    for path, data in files.items():
+        write_atomic(path, data, 0o755 if path.endswith(".so") else 0o644)

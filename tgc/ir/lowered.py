@@ -1,0 +1,509 @@
+"""Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout` and
+`plan` produce, and their text form (`tgc dump-ir --after fuse|layout|plan`).
+
+Backend-neutral: a program is a list of kernels over named buffers.
+
+- A `Buffer` is a materialized tensor: an argument, an output, or a temporary in
+  the workspace. Its `order` (the physical axis order, outermost first) is set by
+  `layout` (arguments and outputs: their ABI order); its `slot` by `plan`.
+- A `LoopKernel` computes `out[index] = epilogue(R_red(body))` over a loop nest:
+  `loops` are loop variables (named like the edges they run over), `red` the
+  reduced ones, `reduce` one of '' (no reduction), 'sum', 'max', 'min'. `body` and
+  `epilogue` are expression trees (`Load`, `Const`, `Map`, ... below); `Acc` in the
+  epilogue is the reduced value. A `scatter` kernel zeroes `out` and then adds
+  `body` into `out[index]`, whose index goes through gathered ids.
+- A `GemmKernel` is `out[batch, m, n] = sum_k a[batch, m, k] * b[batch, k, n]`
+  over edge groups; `a`/`b` are `View`s (a buffer seen through an edge renaming).
+- A `Check` makes the program fail (nonzero status, before any write) when an id
+  buffer holds a value outside `[0, size)`.
+
+Indices (`Ix`) are integer affine combinations of atoms — a loop variable, an id
+loaded from an i32 buffer (`IdLoad`), or a floor division (`FloorDiv`) — with
+`Size` coefficients, so symbolic dims stay symbolic until run time. A `Cond` is
+`ix op 0`; `Mask(conds, e)` is `e` where every cond holds, else 0 (and `e` is not
+evaluated there: its loads may be out of range).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Union
+
+from tgc.ir.module import Module
+from tgc.ir.sizes import Size, SizeOp, size_op, size_str
+
+# ---------------------------------------------------------------- indices
+
+
+@dataclass(frozen=True)
+class IdLoad:
+    buf: str
+    index: tuple[tuple[str, "Ix"], ...]  # (buffer edge, index), sorted by edge
+
+    def __str__(self) -> str:
+        return f"%{self.buf}[{_index_text(self.index)}]"
+
+
+@dataclass(frozen=True)
+class FloorDiv:
+    num: "Ix"
+    den: Size
+
+    def __str__(self) -> str:
+        return f"floor(({self.num}) / {size_str(self.den)})"
+
+
+Atom = Union[str, IdLoad, FloorDiv]
+
+
+def _atom_key(a: Atom) -> tuple[int, str]:
+    return (0, a) if isinstance(a, str) else (1, str(a))
+
+
+def neg(s: Size) -> Size:
+    """-s, undoing a negation rather than stacking one."""
+    if isinstance(s, SizeOp) and ((s.op == "*" and s.lhs == -1) or (s.op == "-" and s.lhs == 0)):
+        return s.rhs
+    return size_op("*", -1, s)
+
+
+def smul(k: Size, s: Size) -> Size:
+    """k * s, with the sign of -1 folded (see `neg`)."""
+    if k == -1:
+        return neg(s)
+    if s == -1:
+        return neg(k)
+    return size_op("*", k, s)
+
+
+@dataclass(frozen=True)
+class Ix:
+    """sum(coef * atom) + const."""
+    terms: tuple[tuple[Atom, Size], ...] = ()
+    const: Size = 0
+
+    @staticmethod
+    def make(terms: Sequence[tuple[Atom, Size]], const: Size = 0) -> "Ix":
+        acc: dict[Atom, Size] = {}
+        for atom, coef in terms:
+            acc[atom] = size_op("+", acc[atom], coef) if atom in acc else coef
+        kept = sorted(((a, c) for a, c in acc.items() if c != 0), key=lambda t: _atom_key(t[0]))
+        return Ix(tuple(kept), const)
+
+    @staticmethod
+    def var(name: str) -> "Ix":
+        return Ix(((name, 1),), 0)
+
+    @staticmethod
+    def of(atom: Atom) -> "Ix":
+        return Ix(((atom, 1),), 0)
+
+    def plus(self, other: "Ix", sign: int = 1) -> "Ix":
+        o = other if sign == 1 else other.scaled(-1)
+        return Ix.make(list(self.terms) + list(o.terms), size_op("+", self.const, o.const))
+
+    def plus_const(self, c: Size) -> "Ix":
+        return Ix(self.terms, size_op("+", self.const, c))
+
+    def scaled(self, k: Size) -> "Ix":
+        return Ix.make([(a, smul(k, c)) for a, c in self.terms], smul(k, self.const))
+
+    def coef(self, atom: Atom) -> Size:
+        return dict(self.terms).get(atom, 0)
+
+    def as_var(self) -> str | None:
+        """The loop variable when this index is exactly one, else None."""
+        if len(self.terms) == 1 and self.const == 0 and self.terms[0][1] == 1 and isinstance(self.terms[0][0], str):
+            return self.terms[0][0]
+        return None
+
+    def vars(self) -> set[str]:
+        out: set[str] = set()
+        for a, _ in self.terms:
+            if isinstance(a, str):
+                out.add(a)
+            elif isinstance(a, IdLoad):
+                for _, ix in a.index:
+                    out |= ix.vars()
+            else:
+                out |= a.num.vars()
+        return out
+
+    def subst(self, mapping: Mapping[str, "Ix"]) -> "Ix":
+        if not mapping:
+            return self
+        out = Ix((), self.const)
+        for a, c in self.terms:
+            out = out.plus(_subst_atom(a, mapping).scaled(c))
+        return out
+
+    def __str__(self) -> str:
+        parts: list[str] = []
+        for a, c in self.terms:
+            body = str(a) if c == 1 else f"-{a}" if c == -1 else f"{_coef_text(c)}*{a}"
+            parts.append(body)
+        if self.const != 0 or not parts:
+            parts.append(_coef_text(self.const))
+        return " + ".join(parts).replace("+ -", "- ")
+
+
+def _coef_text(c: Size) -> str:
+    return str(c) if isinstance(c, (int, str)) else f"({size_str(c)})"
+
+
+def _subst_atom(a: Atom, mapping: Mapping[str, Ix]) -> Ix:
+    if isinstance(a, str):
+        return mapping.get(a, Ix.var(a))
+    if isinstance(a, IdLoad):
+        return Ix.of(IdLoad(a.buf, tuple((e, ix.subst(mapping)) for e, ix in a.index)))
+    return Ix.of(FloorDiv(a.num.subst(mapping), a.den))
+
+
+def _index_text(index) -> str:
+    return ", ".join(str(ix) for _, ix in index)
+
+
+@dataclass(frozen=True)
+class Cond:
+    ix: Ix
+    op: str  # = != < <= > >=  (compared with 0)
+
+    def subst(self, mapping: Mapping[str, Ix]) -> "Cond":
+        return Cond(self.ix.subst(mapping), self.op)
+
+    def __str__(self) -> str:
+        return f"{self.ix} {self.op} 0"
+
+
+# ---------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True)
+class Load:
+    buf: str
+    index: tuple[tuple[str, Ix], ...]  # (buffer edge, index), sorted by edge
+
+
+@dataclass(frozen=True)
+class Const:
+    value: float
+
+
+@dataclass(frozen=True)
+class SizeOf:
+    size: Size
+
+
+@dataclass(frozen=True)
+class Add:
+    coefs: tuple[float, ...]
+    args: tuple["Expr", ...]
+
+
+@dataclass(frozen=True)
+class Mul:
+    args: tuple["Expr", ...]
+
+
+@dataclass(frozen=True)
+class Map:
+    fn: str
+    args: tuple["Expr", ...]
+
+
+@dataclass(frozen=True)
+class Mask:
+    conds: tuple[Cond, ...]
+    arg: "Expr"
+
+
+@dataclass(frozen=True)
+class Acc:
+    pass
+
+
+Expr = Union[Load, Const, SizeOf, Add, Mul, Map, Mask, Acc]
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, (Add, Mul, Map)):
+        return e.args
+    if isinstance(e, Mask):
+        return (e.arg,)
+    return ()
+
+
+def walk(e: Expr):
+    """Every node of the tree, parents first."""
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def expr_text(e: Expr) -> str:
+    if isinstance(e, Load):
+        return f"%{e.buf}[{_index_text(e.index)}]"
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, SizeOf):
+        return f"size({size_str(e.size)})"
+    if isinstance(e, Acc):
+        return "acc"
+    if isinstance(e, Mask):
+        return f"mask[{', '.join(map(str, e.conds))}]({expr_text(e.arg)})"
+    args = ", ".join(expr_text(a) for a in e.args)
+    if isinstance(e, Add):
+        return f"add[{', '.join(repr(c) for c in e.coefs)}]({args})"
+    if isinstance(e, Mul):
+        return f"mul({args})"
+    return f"{e.fn}({args})"
+
+
+# ---------------------------------------------------------------- buffers and kernels
+
+
+@dataclass
+class Buffer:
+    name: str
+    dtype: str                      # f32 | f64 | i32
+    edges: tuple[str, ...]          # sorted
+    kind: str                       # arg | out | temp
+    index: int = -1                 # position in the args / outputs ABI lists
+    order: tuple[str, ...] | None = None
+    slot: int | None = None
+    prefer: tuple[str, ...] | None = None  # an order layout should try first
+
+    def text(self) -> str:
+        where = {"arg": f"arg {self.index}", "out": f"out {self.index}", "temp": "temp"}[self.kind]
+        text = f"buffer %{self.name} : {self.dtype}[{', '.join(self.edges)}] {where}"
+        if self.order is not None:
+            text += f" order [{', '.join(self.order)}]"
+        if self.slot is not None:
+            text += f" slot {self.slot}"
+        return text
+
+
+@dataclass(frozen=True)
+class View:
+    """A buffer seen with renamed edges: `edges` maps view edge -> buffer edge."""
+    buf: str
+    edges: tuple[tuple[str, str], ...]
+
+    def buf_edge(self, e: str) -> str:
+        return dict(self.edges)[e]
+
+    def view_order(self, order: Sequence[str]) -> tuple[str, ...]:
+        back = {b: v for v, b in self.edges}
+        return tuple(back[b] for b in order)
+
+    def __str__(self) -> str:
+        return f"%{self.buf}[{', '.join(v if v == b else f'{b} -> {v}' for v, b in self.edges)}]"
+
+
+@dataclass
+class LoopKernel:
+    out: str
+    index: tuple[tuple[str, Ix], ...]   # out buffer edge -> index
+    loops: tuple[str, ...]              # loop variables, outermost first
+    sizes: dict[str, Size]              # extent of each loop variable
+    body: Expr
+    reduce: str = ""                    # '' | sum | max | min
+    red: tuple[str, ...] = ()
+    epilogue: Expr | None = None
+    scatter: bool = False
+    note: str = ""                      # what it computes, for dumps
+    # tighter ranges for some reduced loops: var -> (lower bounds, upper bounds); the
+    # loop runs over [max(0, *lower), min(size, *upper)) (the rest of it adds zeros)
+    bounds: dict[str, tuple[tuple[Ix, ...], tuple[Ix, ...]]] = field(default_factory=dict)
+
+    def buffers_read(self) -> set[str]:
+        reads = self._reads()
+        return set(reads) | ({self.out} if self.scatter else set())
+
+    def buffers_used(self) -> list[str]:
+        """`out`, then every buffer read, in order of first appearance."""
+        return list(dict.fromkeys([self.out, *self._reads()]))
+
+    def _reads(self) -> dict[str, None]:
+        out: dict[str, None] = {}
+        exprs = [self.body] + ([self.epilogue] if self.epilogue is not None else [])
+        for root in exprs:
+            for node in walk(root):
+                if isinstance(node, Load):
+                    out[node.buf] = None
+                    _ix_bufs((ix for _, ix in node.index), out)
+                elif isinstance(node, Mask):
+                    _ix_bufs((c.ix for c in node.conds), out)
+        _ix_bufs((ix for _, ix in self.index), out)
+        _ix_bufs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
+        return out
+
+    def text(self) -> str:
+        head = f"loop %{self.out}[{_index_text(self.index)}]"
+        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce else ""
+        head += " +=" if self.scatter else " ="
+        body = f"{red} {expr_text(self.body)}"
+        if self.epilogue is not None:
+            body = f" {expr_text(self.epilogue)}  where acc ={body}"
+        loops = ", ".join(self._loop_text(v) for v in self.loops)
+        return f"{head}{body}\n      for {loops}" + (f"    # {self.note}" if self.note else "")
+
+
+    def _loop_text(self, v: str) -> str:
+        lo, hi = self.bounds.get(v, ((), ()))
+        if not lo and not hi:
+            return f"{v} < {size_str(self.sizes[v])}"
+        lows = ", ".join(["0"] + [str(x) for x in lo])
+        highs = ", ".join([size_str(self.sizes[v])] + [str(x) for x in hi])
+        return f"{v} in [max({lows}), min({highs}))"
+
+
+def _ix_bufs(ixs, out: dict[str, None]) -> None:
+    """Add the id buffers that indices read to `out` (ordered)."""
+    for ix in ixs:
+        for a, _ in ix.terms:
+            if isinstance(a, IdLoad):
+                out[a.buf] = None
+                _ix_bufs((i for _, i in a.index), out)
+            elif isinstance(a, FloorDiv):
+                _ix_bufs([a.num], out)
+
+
+@dataclass
+class GemmKernel:
+    out: str
+    a: View
+    b: View
+    batch: tuple[str, ...]
+    m: tuple[str, ...]
+    n: tuple[str, ...]
+    k: tuple[str, ...]
+    note: str = ""
+
+    def buffers_read(self) -> set[str]:
+        return {self.a.buf, self.b.buf}
+
+    def buffers_used(self) -> list[str]:
+        return list(dict.fromkeys([self.out, self.a.buf, self.b.buf]))
+
+    def text(self) -> str:
+        g = " ".join(f"{n}({', '.join(es)})" for n, es in
+                     (("batch", self.batch), ("m", self.m), ("n", self.n), ("k", self.k)))
+        return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+
+
+Kernel = Union[LoopKernel, GemmKernel]
+
+
+@dataclass(frozen=True)
+class Check:
+    buf: str        # an i32 buffer
+    size: Size      # every id must lie in [0, size)
+    note: str = ""
+
+
+@dataclass
+class Lowered:
+    """A whole program after `fuse` (then `layout`, then `plan`)."""
+    module: Module
+    dtype: str                                   # the program's float type
+    buffers: dict[str, Buffer] = field(default_factory=dict)
+    kernels: list[Kernel] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    slots: list[tuple[Size, ...]] = field(default_factory=list)  # bytes; a slot holds the max
+    stage: str = "fuse"
+
+    def sizes(self, edges: Sequence[str]) -> list[Size]:
+        return [self.module.size(e) for e in edges]
+
+    def nbytes(self, buf: Buffer) -> Size:
+        total: Size = 8 if buf.dtype == "f64" else 4
+        for s in self.sizes(buf.edges):
+            total = size_op("*", total, s)
+        return total
+
+    def fresh(self, stem: str) -> str:
+        n = len(self.buffers)
+        while f"{stem}{n}" in self.buffers:
+            n += 1
+        return f"{stem}{n}"
+
+
+def print_lowered(low: Lowered) -> str:
+    lines = [f"// lowered after {low.stage} ({low.dtype})"]
+    lines += [b.text() for b in low.buffers.values()]
+    for i, sizes in enumerate(low.slots):
+        lines.append(f"slot {i} : bytes max({', '.join(size_str(s) for s in sizes)})")
+    lines.append("")
+    for c in low.checks:
+        lines.append(f"check 0 <= %{c.buf} < {size_str(c.size)}" + (f"    # {c.note}" if c.note else ""))
+    for i, k in enumerate(low.kernels):
+        lines.append(f"k{i}: {k.text()}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- GEMM matrix views
+
+
+def group_run(order: Sequence[str], group: Sequence[str]) -> tuple[str, ...] | None:
+    """The group's edges in the order they appear in `order`, if they are adjacent."""
+    pos = sorted(order.index(e) for e in group)
+    if pos and pos[-1] - pos[0] != len(pos) - 1:
+        return None
+    return tuple(order[p] for p in pos)
+
+
+def matrix_form(order: Sequence[str], rows: Sequence[str], cols: Sequence[str]):
+    """How a buffer with axis `order` (view edges) holds a matrix [rows, cols]:
+    (rows_run, cols_run, cols_inner) with each group's edges in memory order, and
+    whether `cols` is the contiguous (innermost) group; None if it cannot (a group
+    is split, or the innermost axis belongs to neither group)."""
+    r, c = group_run(order, rows), group_run(order, cols)
+    if r is None or c is None or not order:
+        return None
+    tail = tuple(order[len(order) - len(c):]) if c else ()
+    if c and tail == c:
+        return r, c, True
+    tail = tuple(order[len(order) - len(r):]) if r else ()
+    if r and tail == r:
+        return r, c, False
+    return None
+
+
+# ---------------------------------------------------------------- rewriting
+
+
+def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
+    """`k` reading (and writing) the buffers `mapping` names instead (same edges)."""
+    from dataclasses import replace
+
+    if isinstance(k, GemmKernel):
+        def view(v: View) -> View:
+            return View(mapping.get(v.buf, v.buf), v.edges)
+        return replace(k, out=mapping.get(k.out, k.out), a=view(k.a), b=view(k.b))
+
+    def ix(i: Ix) -> Ix:
+        return Ix.make([(_atom_renamed(a, mapping, ix), c) for a, c in i.terms], i.const)
+
+    def index(idx):
+        return tuple((e, ix(i)) for e, i in idx)
+
+    def expr(e):
+        if isinstance(e, Load):
+            return Load(mapping.get(e.buf, e.buf), index(e.index))
+        if isinstance(e, Mask):
+            return Mask(tuple(Cond(ix(c.ix), c.op) for c in e.conds), expr(e.arg))
+        if isinstance(e, (Add, Mul, Map)):
+            return replace(e, args=tuple(expr(a) for a in e.args))
+        return e
+
+    bounds = {v: (tuple(map(ix, lo)), tuple(map(ix, hi))) for v, (lo, hi) in k.bounds.items()}
+    return replace(k, out=mapping.get(k.out, k.out), index=index(k.index), body=expr(k.body),
+                   epilogue=None if k.epilogue is None else expr(k.epilogue), bounds=bounds)
+
+
+def _atom_renamed(a: Atom, mapping: Mapping[str, str], ix) -> Atom:
+    if isinstance(a, IdLoad):
+        return IdLoad(mapping.get(a.buf, a.buf), tuple((e, ix(i)) for e, i in a.index))
+    if isinstance(a, FloorDiv):
+        return FloorDiv(ix(a.num), a.den)
+    return a

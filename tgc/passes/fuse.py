@@ -1,0 +1,438 @@
+"""fuse: partition the module's value DAG into kernels (the first lowering stage).
+
+Module -> `Lowered` (tgc.ir.lowered). Every value is either *materialized* (a
+buffer: arguments, outputs, update values, reductions, GEMM operands, scatters,
+values with several consumers unless they are cheap to recompute (see
+`recompute`), and expensive values a consumer would recompute over a broadcast) or *inlined* into the
+expression tree of the kernel that consumes it. So a chain of elementwise ops and
+reductions reads its inputs once:
+
+- GEMM cells: two-operand contractions whose edges split into batch / M / N / K
+  groups, all of M, N, K present and (when sizes are known) at least
+  `options.blas_min_flops` flops; their operands are materialized buffers, seen
+  through renames.
+- Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
+  `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
+  gathers (indexed loads), and indicators (index arithmetic, `tgc.passes.indexing`:
+  substitutions and bounds, never dense 0/1 tensors). A reduction with a single
+  elementwise consumer of the same edges becomes that kernel's `epilogue`.
+- Scatters: zero the output, then add each element at its gathered position.
+
+Outputs are computed into the caller's output buffers; update values into
+temporaries copied into their targets at the very end (after every read of the
+old values; `plan` writes them in place where that is safe).
+
+Terminates: one visit per value (topological order), one upward walk per reduction.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tgc.ir.lowered import (Acc, Add, Buffer, Check, Const, GemmKernel, IdLoad, Ix, Load,
+                            LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View)
+from tgc.ir.module import Module
+from tgc.ir.values import Value
+from tgc.options import Options
+from tgc.passes.base import Pass
+from tgc.passes.indexing import edge_size, relation_conds, simplify_conds, solve
+
+EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
+ELEMENTWISE = frozenset({"add", "map", "stop"})
+
+
+class FuseError(ValueError):
+    """The module holds something no kernel can compute (e.g. an undifferentiated grad)."""
+
+
+@dataclass(frozen=True)
+class Fuse(Pass):
+    """Partition the DAG into kernels: GEMM cells and fused loop nests."""
+
+    name = "fuse"
+
+    def run(self, module: Module, options: Options) -> Lowered:  # type: ignore[override]
+        return _Fuser(module, options).lower()
+
+
+def peel(v: Value) -> tuple[Value, dict[str, str]]:
+    """Strip renames and stops: (base value, view edge -> base edge)."""
+    mapping = {e: e for e in v.edges}
+    while v.op in ("rename", "stop"):
+        if v.op == "rename":
+            back = {d: s for s, d in v.attrs[0]}
+            mapping = {view: back.get(e, e) for view, e in mapping.items()}
+        v = v.operands[0]
+    return v, mapping
+
+
+class _Fuser:
+    def __init__(self, m: Module, options: Options):
+        self.m, self.opt = m, options
+        self.values = m.values()
+        for v in self.values:
+            if v.op in ("grad", "jvp", "vjp"):
+                raise FuseError(f"'{v.op}' is left in the program: run the adjoint/tangent passes first")
+        self.users: dict[int, set[int]] = {id(v): set() for v in self.values}
+        for v in self.values:
+            for o in v.operands:
+                self.users[id(o)].add(id(v))
+        self.by_id = {id(v): v for v in self.values}
+        self.root_uses = Counter(id(v) for v in m.roots())
+        self.low = Lowered(m, options.dtype)
+        self.mat: dict[int, str] = {}      # id(value) -> buffer
+        self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
+        self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
+        self.acc_of: int | None = None
+        self._reduction: dict[int, bool] = {}
+        self._cost: dict[int, int] = {}
+
+    # ------------------------------------------------------------ classification
+
+    def uses(self, v: Value) -> int:
+        return len(self.users[id(v)]) + self.root_uses[id(v)]
+
+    def is_reduction(self, v: Value) -> bool:
+        if v.op == "reduce":
+            return True
+        if v.op != "contract":
+            return False
+        if id(v) not in self._reduction:
+            env = {e: Ix.var(e) for e in v.edges}
+            sol = self.solve(v, env, "?")
+            self._reduction[id(v)] = bool(sol[1].remaining)
+        return self._reduction[id(v)]
+
+    def summed(self, v: Value) -> list[str]:
+        edges = {e for o in v.operands for e in o.edges} - set(v.edges)
+        return list(self.m.order_edges(edges))
+
+    def parts(self, v: Value) -> tuple[list[Value], list]:
+        """A contraction's factors and indicator relations, nested pure products flattened."""
+        factors, rels = [], []
+        for o in v.operands:
+            if id(o) in self.mat:
+                factors.append(o)
+            elif o.op == "indicator":
+                rels.append(o.attrs[0])
+            elif o.op == "contract" and all(set(x.edges) <= set(o.edges) for x in o.operands):
+                f, r = self.parts(o)
+                factors += f
+                rels += r
+            else:
+                factors.append(o)
+        return factors, rels
+
+    def solve(self, v: Value, env: dict[str, Ix], prefix: str):
+        factors, rels = self.parts(v)
+        names = {e: prefix + e for e in self.summed(v)}
+        full = dict(env)
+        full.update({e: Ix.var(p) for e, p in names.items()})
+        sizes = {p: edge_size(self.m, e) for e, p in names.items()}
+        sol = solve(self.m, rels, full, names, sizes)
+        for e, p in names.items():
+            full[e] = sol.sol.get(p, Ix.var(p))
+        return factors, sol, full
+
+    def gemm_groups(self, v: Value):
+        if v.op != "contract" or len(v.operands) != 2 or not self.is_reduction(v):
+            return None
+        a, b = (peel(o)[0] for o in v.operands)
+        if "indicator" in (a.op, b.op):
+            return None
+        A, B, C = set(v.operands[0].edges), set(v.operands[1].edges), set(v.edges)
+        if C - (A | B) or (A - B - C) or (B - A - C):
+            return None
+        groups = [self.m.order_edges(g) for g in (A & B & C, (A & C) - B, (B & C) - A, (A & B) - C)]
+        if not all(groups[1:]):
+            return None
+        flops = 2
+        for e in A | B:
+            s = edge_size(self.m, e)
+            flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
+        if flops is not None and flops < self.opt.blas_min_flops:
+            return None
+        return tuple(groups)
+
+    def cost(self, v: Value) -> int:
+        """Work to recompute `v` inline from materialized values (loads cost nothing)."""
+        if id(v) not in self._cost:
+            self._cost[id(v)] = min(100, self._cost_of(v))
+        return self._cost[id(v)]
+
+    def _cost_of(self, v: Value) -> int:
+        if id(v) in self.mat or v.op in ("const", "size", "indicator", "arg"):
+            return 0
+        own = 10 if (v.op == "map" and v.attrs[0] in EXPENSIVE) else 1
+        if v.op in ("rename", "stop"):
+            own = 0
+        if v.op in ("reduce", "scatter") or (v.op == "contract" and self.is_reduction(v)):
+            return 100
+        return own + sum(self.cost(o) for o in v.operands)
+
+    def recompute(self, v: Value) -> bool:
+        """Inline a value with several users into each: trivially cheap, or one
+        vectorized transcendental over what its two users read anyway (softmax's
+        exp(x - max) is computed twice rather than written and read back)."""
+        cost = self.cost(v)
+        return cost <= 2 or (cost <= 11 and self.uses(v) == 2 and not self.broadcast_by_user(v))
+
+    def broadcast_by_user(self, v: Value) -> bool:
+        for u in self.users[id(v)]:
+            user = self.by_id[u]
+            space = set(user.edges).union(*(o.edges for o in user.operands))
+            if space - set(v.edges):
+                return True
+        return False
+
+    # ------------------------------------------------------------ partition
+
+    def broadcast_edges(self, v: Value) -> set[str]:
+        """Result edges of a reduction that no operand has: it is the same along them."""
+        if v.op != "contract" or not self.is_reduction(v):
+            return set()
+        return set(v.edges) - {e for o in v.operands for e in o.edges}
+
+    def materialize(self, v: Value) -> None:
+        """Give `v` a buffer (a reduction's without its broadcast edges: loads repeat it)."""
+        if id(v) not in self.mat:
+            name = self.low.fresh("t")
+            edges = tuple(e for e in v.edges if e not in self.broadcast_edges(v))
+            self.low.buffers[name] = Buffer(name, self.dtype_of(v), edges, "temp")
+            self.mat[id(v)] = name
+            self._cost.clear()
+
+    def dtype_of(self, v: Value) -> str:
+        return "i32" if v.dtype == "i32" else self.opt.dtype
+
+    def partition(self) -> None:
+        for v in self.values:
+            if id(v) in self.mat:
+                pass
+            elif v.op == "scatter" or self.is_reduction(v) or self.root_uses[id(v)]:
+                self.materialize(v)
+            elif self.uses(v) > 1 and not self.recompute(v):
+                self.materialize(v)
+            elif self.cost(v) >= 10 and self.broadcast_by_user(v):
+                self.materialize(v)
+            groups = self.gemm_groups(v)
+            if groups is not None:
+                self.gemms[id(v)] = groups
+                for o in v.operands:
+                    base = peel(o)[0]
+                    if base.op != "arg":
+                        self.materialize(base)
+        self.settle()
+        for v in self.values:
+            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms:
+                self.try_absorb(v)
+
+    def settle(self) -> None:
+        """Materializing a product can hide an indicator from a contraction that was
+        classified as an index transform: such a contraction becomes a reduction
+        and is materialized too (monotone, so this ends)."""
+        changed = True
+        while changed:
+            self._reduction.clear()
+            changed = False
+            for v in self.values:
+                if id(v) not in self.mat and self.is_reduction(v):
+                    self.materialize(v)
+                    changed = True
+
+    def try_absorb(self, r: Value) -> None:
+        """Make `r` the reduction of the elementwise kernel that consumes it, if any."""
+        if self.uses(r) != 1 or self.root_uses[id(r)] or self.broadcast_edges(r):
+            return
+        u = self.by_id[next(iter(self.users[id(r)]))]
+        while True:
+            elementwise = u.op in ELEMENTWISE or (
+                u.op == "contract" and not self.is_reduction(u) and not self.summed(u))
+            if not elementwise or u.edges != r.edges or id(u) in self.absorb:
+                return
+            if id(u) in self.mat:
+                break
+            if self.uses(u) != 1:
+                return
+            u = self.by_id[next(iter(self.users[id(u)]))]
+        if u.op == "scatter" or id(u) in self.gemms or self.is_reduction(u):
+            return
+        buf = self.mat.pop(id(r))
+        del self.low.buffers[buf]
+        self.absorb[id(u)] = r
+
+    # ------------------------------------------------------------ expressions
+
+    def expr(self, v: Value, env: dict[str, Ix]):
+        if id(v) == self.acc_of:
+            return Acc()
+        if id(v) in self.mat:
+            buf = self.mat[id(v)]
+            return Load(buf, tuple((e, env[e]) for e in self.low.buffers[buf].edges))
+        return self.define(v, env)
+
+    def define(self, v: Value, env: dict[str, Ix]):
+        """The expression computing `v` itself (its operands inlined or loaded)."""
+        op = v.op
+        if op == "const":
+            return Const(v.attrs[0])
+        if op == "size":
+            return SizeOf(edge_size(self.m, v.attrs[0]))
+        if op == "stop":
+            return self.expr(v.operands[0], env)
+        if op == "rename":
+            fwd = dict(v.attrs[0])
+            x = v.operands[0]
+            return self.expr(x, {e: env[fwd.get(e, e)] for e in x.edges})
+        if op == "add":
+            return Add(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
+        if op == "map":
+            return Map(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
+        if op == "indicator":
+            return self.mask(relation_conds(self.m, v.attrs[0], env), Const(1.0))
+        if op == "gather":
+            table, ids = v.operands
+            tenv = {e: env[e] for e in table.edges if e != v.attrs[0]}
+            tenv[v.attrs[0]] = Ix.of(self.idload(ids, env))
+            return self.expr(table, tenv)
+        if op == "contract":
+            factors, sol, full = self.solve(v, env, "?")
+            if sol.remaining:
+                raise FuseError(f"internal: a reduction was inlined ({v})")
+            return self.mask(sol.conds, self.product(factors, full))
+        raise FuseError(f"internal: cannot inline '{op}'")
+
+    def product(self, factors: list[Value], env: dict[str, Ix]):
+        exprs = tuple(e for e in (self.expr(f, env) for f in factors) if e != Const(1.0))
+        return exprs[0] if len(exprs) == 1 else (Mul(exprs) if exprs else Const(1.0))
+
+    def mask(self, conds, e):
+        sizes = {x: edge_size(self.m, x) for c in conds for x in c.ix.vars() if x in self.m.edges}
+        kept = simplify_conds(conds, sizes)
+        if kept is None:
+            return Const(0.0)
+        return Mask(tuple(kept), e) if kept else e
+
+    def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
+        base, view = peel(ids)
+        if base.op != "arg":
+            raise FuseError("gather indices must come from an i32 input")
+        index = {view[e]: env[e] for e in ids.edges}
+        return IdLoad(base.attrs[0], tuple(sorted(index.items())))
+
+    # ------------------------------------------------------------ kernels
+
+    def lower(self) -> Lowered:
+        for i, (name, a) in enumerate(self.m.args.items()):
+            dtype = "i32" if a.dtype == "i32" else self.opt.dtype
+            self.low.buffers[name] = Buffer(name, dtype, tuple(sorted(a.order)), "arg", i, a.order)
+        for v in self.values:
+            if v.op == "arg":
+                self.mat[id(v)] = v.attrs[0]
+        copies = self.homes()
+        self.partition()
+        for v in self.values:
+            if id(v) in self.mat and v.op != "arg":
+                self.low.kernels.append(self.kernel(v))
+        self.low.kernels += [self.copy(dst, src) for dst, src in copies]
+        self.low.kernels += [self.copy(target, src) for target, src in self._late]
+        self.checks()
+        return self.low
+
+    def homes(self) -> list[tuple[str, Value | str]]:
+        """Buffers of outputs and updates; returns the (dst, source) copies still needed
+        (a source is a value, or the name of the buffer holding one)."""
+        copies: list[tuple[str, Value | str]] = []
+        for i, o in enumerate(self.m.outputs):
+            if o.value.dtype == "i32":
+                raise FuseError(f"output '{o.name}' is an integer tensor; the CPU backend computes floats")
+            name = o.name if o.name not in self.low.buffers else self.low.fresh(o.name + ".")
+            self.low.buffers[name] = Buffer(name, self.opt.dtype, o.value.edges, "out", i, o.order)
+            if o.value.op == "arg" or id(o.value) in self.mat:
+                copies.append((name, o.value))
+            else:
+                self.mat[id(o.value)] = name
+        self._late: list[tuple[str, Value | str]] = []
+        for u in self.m.updates:
+            v = u.value
+            if v.op == "arg" or id(v) not in self.mat:
+                tmp = self.low.fresh("t")
+                self.low.buffers[tmp] = Buffer(tmp, self.opt.dtype, v.edges, "temp",
+                                               prefer=self.m.args[u.target].order)
+                if v.op == "arg":
+                    copies.append((tmp, v))
+                else:
+                    self.mat[id(v)] = tmp
+                self._late.append((u.target, tmp))
+            else:
+                self._late.append((u.target, self.mat[id(v)]))
+        return copies
+
+    def copy(self, dst: str, src: Value | str) -> LoopKernel:
+        edges = self.low.buffers[dst].edges
+        index = tuple((e, Ix.var(e)) for e in edges)
+        body = Load(src, index) if isinstance(src, str) else self.expr(src, dict(index))
+        note = f"update {dst}" if self.low.buffers[dst].kind == "arg" else "copy"
+        return LoopKernel(dst, index, edges, self.var_sizes(edges), body, note=note)
+
+    def var_sizes(self, edges) -> dict:
+        return {e: edge_size(self.m, e) for e in edges}
+
+    def kernel(self, v: Value):
+        out = self.mat[id(v)]
+        if id(v) in self.gemms:
+            batch, m, n, k = self.gemms[id(v)]
+            a, b = (self.view(o) for o in v.operands)
+            return GemmKernel(out, a, b, batch, m, n, k)
+        ident = {e: Ix.var(e) for e in v.edges}
+        index = tuple(ident.items())
+        if v.op == "scatter":
+            return self.scatter_kernel(v, out)
+        if self.is_reduction(v):
+            body, red, kind, env = self.reduction(v)
+            kept = self.low.buffers[out].edges
+            index = tuple((e, ident[e]) for e in kept)
+            loops = tuple(kept) + tuple(red)
+            return LoopKernel(out, index, loops, self.var_sizes(loops), body, kind, tuple(red))
+        r = self.absorb.get(id(v))
+        if r is None:
+            return LoopKernel(out, index, v.edges, self.var_sizes(v.edges), self.define(v, ident))
+        body, red, kind, env = self.reduction(r)
+        self.acc_of = id(r)
+        epilogue = self.define(v, ident)
+        self.acc_of = None
+        loops = tuple(v.edges) + tuple(red)
+        return LoopKernel(out, index, loops, self.var_sizes(loops), body, kind, tuple(red), epilogue)
+
+    def reduction(self, r: Value):
+        """(body, reduced loop variables, kind) of a reduction over identity kept indices."""
+        ident = {e: Ix.var(e) for e in r.edges}
+        if r.op == "reduce":
+            x = r.operands[0]
+            env = {e: Ix.var(e) for e in x.edges}
+            return self.expr(x, env), list(r.attrs[1]), r.attrs[0], env
+        factors, sol, full = self.solve(r, ident, "")
+        return self.mask(sol.conds, self.product(factors, full)), sol.remaining, "sum", full
+
+    def scatter_kernel(self, v: Value, out: str) -> LoopKernel:
+        ct, ids = v.operands
+        edge = v.attrs[0]
+        loops = self.m.order_edges(set(ct.edges) | set(ids.edges))
+        env = {e: Ix.var(e) for e in loops}
+        index = tuple((e, Ix.of(self.idload(ids, env)) if e == edge else env[e]) for e in v.edges)
+        return LoopKernel(out, index, tuple(loops), self.var_sizes(loops), self.expr(ct, env),
+                          scatter=True, note="scatter")
+
+    def view(self, o: Value) -> View:
+        base, mapping = peel(o)
+        return View(self.mat[id(base)], tuple(sorted(mapping.items())))
+
+    def checks(self) -> None:
+        seen = set()
+        for v in self.values:
+            if v.op in ("gather", "scatter"):
+                base, _ = peel(v.operands[1])
+                key = (base.attrs[0], edge_size(self.m, v.attrs[0]))
+                if key not in seen:
+                    seen.add(key)
+                    self.low.checks.append(Check(key[0], key[1], f"{v.op} along '{v.attrs[0]}'"))

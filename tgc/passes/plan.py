@@ -1,0 +1,143 @@
+"""plan: in-place updates, liveness, and buffer reuse in one workspace.
+
+`Lowered` -> `Lowered`. Kernels keep the topological order `fuse` gave them (update
+copies last, so every read of an old parameter value happens before it is
+overwritten). Then:
+
+- An update computed into a temporary and copied into its target at the end is
+  written straight into the target when nothing from its producing kernel on reads
+  the target's old value (the producer may, if it is elementwise and reads the
+  target only at the very element it writes: `W - lr * dW` runs in place); later
+  readers of the temporary then read the target.
+- Temporaries get workspace slots by liveness (first write .. last read, both
+  inclusive, so a kernel never reads and writes one slot): a slot is reused by a
+  later buffer once its occupant is dead, preferring a slot of the same byte size.
+  A slot's size is the max of its buffers' sizes — expressions of the symbolic
+  dims, so the workspace size is known from the dims before the call.
+
+Terminates: one pass over the kernels for each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgc.ir.lowered import GemmKernel, Load, LoopKernel, Lowered, matrix_form, rename_buffers, walk
+from tgc.options import Options
+from tgc.passes.base import Pass
+
+
+@dataclass(frozen=True)
+class Plan(Pass):
+    """Write updates in place where safe; assign workspace slots by liveness."""
+
+    name = "plan"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+        out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
+                      kernels=list(low.kernels), stage="plan")
+        _updates_in_place(out)
+        _assign_slots(out)
+        return out
+
+
+def _reads(k) -> set[str]:
+    return k.buffers_read()
+
+
+def _final_copy(low: Lowered, target: str) -> LoopKernel:
+    return next(k for k in low.kernels if isinstance(k, LoopKernel) and k.out == target)
+
+
+def _updates_in_place(low: Lowered) -> None:
+    targets = [k.out for k in low.kernels if isinstance(k, LoopKernel) and low.buffers[k.out].kind == "arg"]
+    for target in targets:
+        c = _final_copy(low, target)  # fresh: earlier steps rebuild kernels
+        if not isinstance(c.body, Load) or low.buffers[c.body.buf].kind != "temp":
+            continue
+        tmp = c.body.buf
+        writers = [i for i, k in enumerate(low.kernels) if k.out == tmp]
+        if len(writers) != 1:
+            continue
+        w = writers[0]
+        p, later = low.kernels[w], low.kernels[w + 1:]
+        readers_before = [k for k in low.kernels[:w] if tmp in _reads(k)]
+        gemm_reads = any(isinstance(k, GemmKernel) and tmp in _reads(k) for k in later)
+        if readers_before or (gemm_reads and low.buffers[tmp].order != low.buffers[target].order):
+            continue
+        if any(target in _reads(k) for k in later if k is not c) or not _can_retarget(low, p, target):
+            continue
+        # the new value lives in the target from its producer on: later readers use it
+        low.kernels[w:] = [rename_buffers(k, {tmp: target}) for k in low.kernels[w:] if k is not c]
+        del low.buffers[tmp]
+
+
+def _can_retarget(low: Lowered, p, target: str) -> bool:
+    if isinstance(p, GemmKernel):
+        form = matrix_form(low.buffers[target].order, p.m, p.n)
+        return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]
+    if target not in _reads(p):
+        return True
+    if p.reduce or p.scatter or p.epilogue is not None:
+        return False
+    # a float target is read through loads only (ids are i32): each must be of the
+    # element being written
+    loads = [n for n in walk(p.body) if isinstance(n, Load) and n.buf == target]
+    return all(n.index == p.index for n in loads)
+
+
+def _assign_slots(low: Lowered) -> None:
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, k in enumerate(low.kernels):
+        for name in _reads(k) | {k.out}:
+            if low.buffers[name].kind == "temp":
+                first.setdefault(name, i)
+                last[name] = i
+    for name, b in low.buffers.items():
+        if b.kind == "temp" and name not in first:
+            raise ValueError(f"internal: temporary '{name}' is never used")
+    slots: list[list] = []          # sizes per slot
+    occupant: list[str | None] = []
+    for i, k in enumerate(low.kernels):
+        for s, name in enumerate(occupant):
+            if name is not None and last[name] < i:
+                occupant[s] = None
+        for name in sorted((n for n, f in first.items() if f == i), key=lambda n: list(first).index(n)):
+            size = low.nbytes(low.buffers[name])
+            free = [s for s, o in enumerate(occupant) if o is None]
+            same = [s for s in free if slots[s] == [size]]
+            s = (same or free or [None])[0]
+            if s is None:
+                slots.append([])
+                occupant.append(None)
+                s = len(slots) - 1
+            if size not in slots[s]:
+                slots[s].append(size)
+            occupant[s] = name
+            low.buffers[name].slot = s
+    low.slots = [tuple(s) for s in slots]
+
+
+LOWERING = ("fuse", "layout", "plan")
+
+
+def lower_module(module, options: Options, emit=None, stop_after: str = "plan") -> Lowered:
+    """Run the lowering stages after the IR pipeline: fuse, layout, plan.
+
+    `emit(banner, text)` receives the lowered form after each stage that
+    `options.print_ir_after` names (or every stage with `print_ir_after_all`);
+    `stop_after` ends early (what `tgc dump-ir --after fuse|layout` prints).
+    """
+    from tgc.ir.lowered import print_lowered
+    from tgc.passes.fuse import Fuse
+    from tgc.passes.layout import Layout
+
+    stages = {"fuse": Fuse(), "layout": Layout(), "plan": Plan()}
+    current = module
+    for name in LOWERING:
+        current = stages[name].run(current, options)
+        if emit and (options.print_ir_after_all or name in options.print_ir_after):
+            emit(f"IR after {name}", print_lowered(current))
+        if name == stop_after:
+            break
+    return current
