@@ -115,3 +115,11 @@ def test_subprocess_exit_codes(tmp_path):
     assert "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "tgc.cli", "check", str(tmp_path)], capture_output=True, text=True, env=env)
     assert p.returncode in (1, 2) and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("stage", ["fuse", "layout", "plan"])
+def test_dump_ir_after_lowering_stages(stage):
+    r = tgc("dump-ir", MLP, "--after", stage)
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"// lowered after {stage}")
+    assert "loop" in r.output or "gemm" in r.output

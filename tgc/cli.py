@@ -35,14 +35,16 @@ def _pass_list(ctx, param, value):
 
 
 def _pass_names(ctx, param, value):
+    from tgc.passes.plan import LOWERING
     from tgc.passes.registry import PASSES
 
+    known = ("elaborate",) + tuple(PASSES) + LOWERING
     names = set()
     for item in value or ():
         for n in item.split(","):
             n = n.strip()
-            if n and n not in PASSES and n != "elaborate":
-                raise click.BadParameter(f"unknown pass '{n}' (known: elaborate, {', '.join(PASSES)})")
+            if n and n not in known:
+                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})")
             if n:
                 names.add(n)
     return frozenset(names)
@@ -166,8 +168,10 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -
 @main.command("dump-ir")
 @click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--after", "after", metavar="PASS",
-              help="Stop after PASS ('elaborate' = straight from the front end).")
-@click.option("--after-all", is_flag=True, help="Print the IR after the front end and after every pass.")
+              help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
+                   "or a lowering stage (fuse, layout, plan).")
+@click.option("--after-all", is_flag=True,
+              help="Print the IR after the front end, after every pass and after every lowering stage.")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
               help="text: the IR (readable back by `tgc opt`); dot: Graphviz of the tensor network; json: for tools.")
@@ -183,38 +187,47 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
       tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
       tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
     """
-    from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
-
     options = make_options(**opts, locs=locs)
     module = driver.load(file, options)
-    names = options.passes if options.passes is not None else DEFAULT_PIPELINE
-    if after == "elaborate":
-        names = ()
-    elif after is not None:
-        if after not in PASSES:
-            raise click.BadParameter(f"unknown pass '{after}' (known: elaborate, {', '.join(PASSES)})",
-                                     param_hint="--after")
-        if after not in names:
-            raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(names)})",
-                                     param_hint="--after")
-        names = names[: names.index(after) + 1]
+    names, stage = _stages_until(after, options)
     chunks: list[str] = []
-    if after_all:
-        chunks.append(f"// ----- IR after elaborate -----\n{print_module(module, locs)}")
-        options = options.with_(print_ir_after_all=False)
 
     def collect(banner: str, text: str) -> None:
         chunks.append(f"// ----- {banner} -----\n{text}")
 
-    options = options.with_(passes=tuple(names))
-    emit = collect if after_all else _emit_to_stderr
     if after_all:
-        options = options.with_(print_ir_after_all=True)
-    result = lower(module, options, emit)
-    if after_all:
-        write_output(output, "".join(chunks))
+        collect("IR after elaborate", print_module(module, locs))
+    options = options.with_(passes=names, print_ir_after_all=after_all or options.print_ir_after_all)
+    result = lower(module, options, collect if after_all else _emit_to_stderr)
+    if stage is not None or (after_all and after is None):
+        from tgc.ir.lowered import print_lowered
+        from tgc.passes.plan import lower_module
+
+        low = lower_module(result.module, options, collect if after_all else _emit_to_stderr, stage or "plan")
+        text = print_lowered(low)
     else:
-        write_output(output, render_module(result.module, fmt, locs))
+        text = render_module(result.module, fmt, locs)
+    write_output(output, "".join(chunks) if after_all else text)
+
+
+def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
+    """The IR passes to run for `--after`, and the lowering stage to stop at (or None)."""
+    from tgc.passes.plan import LOWERING
+    from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+
+    names = options.passes if options.passes is not None else DEFAULT_PIPELINE
+    if after is None:
+        return tuple(names), None
+    if after == "elaborate":
+        return (), None
+    if after in LOWERING:
+        return tuple(names), after
+    known = ", ".join(("elaborate",) + tuple(PASSES) + LOWERING)
+    if after not in PASSES:
+        raise click.BadParameter(f"unknown pass '{after}' (known: {known})", param_hint="--after")
+    if after not in names:
+        raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(names)})", param_hint="--after")
+    return tuple(names[: names.index(after) + 1]), None
 
 
 @main.command()
