@@ -57,18 +57,32 @@ def build(module: Module, options: Options) -> "Program":
     from tgc.passes.plan import lower_module
 
     low = lower_module(module, options)
-    text = codegen.generate(low, options)
-    jit = llvm_env.jit(text, max(options.opt_level, 1))
+    jit = _machine_code(module, low, options)
     table = fntable.make_table({**blas.gemm_addresses(), **parallel.gomp_addresses()})
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
-    return Program(module, options, low, text, jit)
+    return Program(module, options, low, jit)
+
+
+def _machine_code(module: Module, low: Lowered, options: Options):
+    """The program's machine code, from the on-disk cache or freshly compiled (then cached)."""
+    from tgc.backends.cpu import codegen, llvm_env
+    from tgc.ir.printer import print_module
+    from tgc.runtime import cache
+
+    key = cache.cache_key(print_module(module), options, llvm_env.host_cpu())
+    obj = cache.lookup(key)
+    if obj is not None:
+        return llvm_env.jit_object(obj)
+    obj = llvm_env.emit_object(codegen.generate(low, options), max(options.opt_level, 1))
+    cache.store(key, obj)
+    return llvm_env.jit_object(obj)
 
 
 class Program:
     """A callable compiled program. Thread-safe; calls are serialized."""
 
-    def __init__(self, module: Module, options: Options, low: Lowered, llvm_ir: str, jit):
-        self.module, self.options, self.lowered, self.llvm_ir = module, options, low, llvm_ir
+    def __init__(self, module: Module, options: Options, low: Lowered, jit):
+        self.module, self.options, self.lowered = module, options, low
         self._jit = jit  # keeps the code alive
         vp, i64p = ctypes.c_void_p, ctypes.c_void_p
         self._run = ctypes.CFUNCTYPE(ctypes.c_int32, i64p, vp, vp, vp)(jit.address("tgc_run"))
@@ -83,6 +97,13 @@ class Program:
         self.outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
                         for o in module.outputs]
         self.updates = [u.target for u in module.updates]
+
+    @property
+    def llvm_ir(self) -> str:
+        """The LLVM IR text of this program (generated again on request)."""
+        from tgc.backends.cpu import codegen
+
+        return codegen.generate(self.lowered, self.options)
 
     def __call__(self, **arrays) -> dict[str, np.ndarray]:
         return self.run(arrays)

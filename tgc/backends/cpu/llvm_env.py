@@ -130,6 +130,23 @@ class JitModule:
         return str(self.module)
 
 
+class ObjectJit(JitModule):
+    """Machine code loaded from an object file (e.g. from the on-disk cache)."""
+
+    def __init__(self, obj: bytes, prefer_512: bool = True):
+        tm = target_machine(0, prefer_512=prefer_512)
+        self.module = parse('target triple = "%s"' % llvm.get_process_triple())
+        self.engine = llvm.create_mcjit_compiler(self.module, tm)
+        self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        self.engine.finalize_object()
+        _LIVE_ENGINES[id(self.engine)] = self.engine
+
+
+def jit_object(obj: bytes, *, prefer_512: bool = True) -> JitModule:
+    """Load an object file that `emit_object` produced into this process."""
+    return ObjectJit(obj, prefer_512)
+
+
 def jit(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> JitModule:
     """Optimise and JIT-compile IR text (or an ``llvmlite.ir.Module``)."""
     return JitModule(parse(llvm_ir_text), opt, prefer_512)

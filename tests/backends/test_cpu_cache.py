@@ -1,0 +1,74 @@
+"""The on-disk code cache: hits and misses, keys, damaged entries, concurrent builds."""
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.runtime import cache
+
+PROGRAM = "dim n\ninput x[n]\nout y[n] = exp(x) * 2\n"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TGC_CACHE", raising=False)
+    return tmp_path
+
+
+def entries(d):
+    return sorted(p.name for p in d.rglob("*.o"))
+
+
+def test_miss_then_hit(cache_dir):
+    assert entries(cache_dir) == []
+    a = tgc.compile(PROGRAM)
+    first = entries(cache_dir)
+    assert len(first) == 1
+    b = tgc.compile(PROGRAM)
+    assert entries(cache_dir) == first  # a hit adds nothing
+    x = np.linspace(-1, 1, 7, dtype=np.float32)
+    np.testing.assert_allclose(a(x=x)["y"], b(x=x)["y"])
+    np.testing.assert_allclose(b(x=x)["y"], np.exp(x) * 2, rtol=1e-6)
+
+
+def test_key_depends_on_program_dtype_and_flags(cache_dir):
+    tgc.compile(PROGRAM)
+    tgc.compile(PROGRAM, dtype="f64")
+    tgc.compile(PROGRAM.replace("* 2", "* 3"))
+    tgc.compile(PROGRAM, options=tgc.options.Options(opt_level=3))
+    assert len(entries(cache_dir)) == 4
+    tgc.compile(PROGRAM, options=tgc.options.Options(print_ir_after_all=True, time_passes=True))
+    assert len(entries(cache_dir)) == 4  # presentation flags do not change the code
+
+
+def test_damaged_entry_is_rebuilt(cache_dir):
+    tgc.compile(PROGRAM)
+    (entry,) = cache_dir.rglob("*.o")
+    good = entry.read_bytes()
+    entry.write_bytes(good[: len(good) // 2])  # truncated, as by a full disk
+    prog = tgc.compile(PROGRAM)
+    np.testing.assert_allclose(prog(x=np.zeros(3, np.float32))["y"], 2 * np.ones(3))
+    assert entry.read_bytes() == good
+
+
+def test_disabled(cache_dir, monkeypatch):
+    monkeypatch.setenv("TGC_CACHE", "off")
+    tgc.compile(PROGRAM)
+    assert entries(cache_dir) == []
+
+
+def test_concurrent_builds_agree(cache_dir):
+    code = ("import numpy as np, tgc; p = tgc.compile(%r); "
+            "print(float(p(x=np.ones(4, np.float32))['y'].sum()))" % PROGRAM)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**__import__("os").environ, "TGC_CACHE_DIR": str(cache_dir)})
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and float(outs[0]) == pytest.approx(8 * np.e, rel=1e-6)
+    assert len(entries(cache_dir)) == 1
+    assert not list(cache_dir.rglob("*.tmp"))
