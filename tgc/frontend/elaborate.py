@@ -163,7 +163,8 @@ class ProgramBuilder:
         dim = self.m.edges[spec.dim]
         if spec.name in self.m.edges:
             if self.m.size(spec.name) != self.m.size(spec.dim):
-                old, new = self.size_text(spec.name), self.size_text(spec.dim)
+                old = self.size_text(spec.name, self.m.edges[spec.name])
+                new = self.size_text(spec.dim, self.m.edges[spec.dim])
                 raise CompileError(f"edge '{spec.name}' is used with two sizes: {new} here, {old} before",
                                    spec.loc, [Diagnostic("note", f"'{spec.name}' got its size here",
                                                          self.scope.locs.get(spec.name))])
@@ -172,9 +173,11 @@ class ProgramBuilder:
         self.m.edges[spec.name] = dim
         return spec.name
 
-    def size_text(self, edge: str) -> str:
+    def size_text(self, edge: str, dim: str | None = None) -> str:
+        """An edge's size for messages: `n = 3`, or the expression of symbolic dims."""
         s = self.m.size(edge)
-        return str(s) if isinstance(s, int) else size_str(s)
+        text = str(s) if isinstance(s, int) else size_str(s)
+        return f"{dim} = {text}" if dim and dim != text else text
 
     # ---- bindings, outputs, updates ---------------------------------------------------
 
