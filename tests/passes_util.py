@@ -64,3 +64,15 @@ def same_values(a: Module, b: Module, dims=None, seed: int = 3) -> None:
     for k in ra:  # rounding differs: relative to the output's scale
         scale = float(np.max(np.abs(ra[k]), initial=1.0))
         np.testing.assert_allclose(rb[k], ra[k], rtol=1e-9, atol=1e-10 * scale, err_msg=k)
+
+
+def run_f64(m: Module, inputs) -> dict[str, np.ndarray]:
+    """The interpreter's values in float64."""
+    return evaluate(m, inputs, dtype="f64")
+
+
+def central_difference(m: Module, inputs, out: str, x: str, d, h: float) -> np.ndarray:
+    """d out / d x along direction `d`, by a central difference of step `h` (float64)."""
+    plus, minus = dict(inputs), dict(inputs)
+    plus[x], minus[x] = inputs[x] + h * d, inputs[x] - h * d
+    return (run_f64(m, plus)[out] - run_f64(m, minus)[out]) / (2 * h)

@@ -19,6 +19,7 @@ from tgc.ir.verify import verify
 from tgc.options import Options
 from tgc.passes.derivatives import RULES
 from tgc.passes.manager import run_pipeline
+from passes_util import central_difference, run_f64 as run
 
 PIPELINE = Options(passes=("normalize", "adjoint", "tangent"))
 H = 1e-6
@@ -30,15 +31,9 @@ def compile_ir(text):
     return m
 
 
-def run(m, inputs):
-    return evaluate(m, inputs, dtype="f64")
-
-
 def fd(m, inputs, out, x, d):
     """Central difference of output `out` when input `x` moves along `d`."""
-    plus, minus = dict(inputs), dict(inputs)
-    plus[x], minus[x] = inputs[x] + H * d, inputs[x] - H * d
-    return (run(m, plus)[out] - run(m, minus)[out]) / (2 * H)
+    return central_difference(m, inputs, out, x, d, H)
 
 
 def fd_grad(m, inputs, out, x):

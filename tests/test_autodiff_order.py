@@ -12,6 +12,7 @@ from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.verify import verify
 from tgc.options import Options
 from tgc.passes.manager import run_pipeline
+from passes_util import central_difference, run_f64 as run
 
 H = 1e-5
 
@@ -20,14 +21,9 @@ def compile_ir(text, passes=("normalize", "adjoint", "tangent")):
     return run_pipeline(parse_module(text), Options(passes=passes)).module
 
 
-def run(m, inputs):
-    return evaluate(m, inputs, dtype="f64")
-
-
 def fd(m, inputs, out, x, d):
-    plus, minus = dict(inputs), dict(inputs)
-    plus[x], minus[x] = inputs[x] + H * d, inputs[x] - H * d
-    return (run(m, plus)[out] - run(m, minus)[out]) / (2 * H)
+    """Central difference of output `out` when input `x` moves along `d`."""
+    return central_difference(m, inputs, out, x, d, H)
 
 
 def derivative_ops(m):

@@ -13,6 +13,7 @@ from tgc.ir.interp import evaluate
 from tgc.ir.verify import verify
 from tgc.options import Options
 from tgc.passes.manager import run_pipeline
+from passes_util import central_difference, run_f64 as run
 
 if not hasattr(tgc.frontend, "compile_source"):
     pytest.skip("tgc.frontend has no compile_source yet: prelude gradients cannot be compiled",
@@ -66,14 +67,9 @@ def inputs_for(m, seed):
     return {a.name: rng.standard_normal(tuple(sizes[e] for e in a.order)) for a in m.args.values()}
 
 
-def run(m, inputs):
-    return evaluate(m, inputs, dtype="f64")
-
-
 def fd(m, inputs, out, x, d):
-    plus, minus = dict(inputs), dict(inputs)
-    plus[x], minus[x] = inputs[x] + H * d, inputs[x] - H * d
-    return (run(m, plus)[out] - run(m, minus)[out]) / (2 * H)
+    """Central difference of output `out` when input `x` moves along `d`."""
+    return central_difference(m, inputs, out, x, d, H)
 
 
 def test_every_prelude_function_is_covered():
