@@ -45,6 +45,11 @@ def _threads_flag(argv):
     return None
 
 
+# tgc and torch share one libgomp in this process (the first copy loaded serves both), and
+# libgomp reads its spin setting once, at load. Fix it to tgc's runtime default before either
+# loads it, so the result does not depend on import order (see README, "Noise").
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 if _threads_flag(sys.argv[1:]):
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = _threads_flag(sys.argv[1:])
 
@@ -290,8 +295,8 @@ def check(case, out, ref, before):
     return None, worst
 
 
-def time_interleaved(steps, repeats, sample_s):
-    """Median seconds per call of each step, sampled A B C A B C ... ."""
+def time_interleaved(steps, repeats, sample_s, blocked=False):
+    """Median seconds per call of each step, sampled A B C A B C ... (blocked: A A ... B B ...)."""
     inner = {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
@@ -302,13 +307,13 @@ def time_interleaved(steps, repeats, sample_s):
     gc.collect()
     gc.disable()
     try:
-        for _ in range(repeats):
-            for name, fn in steps.items():
-                n = inner[name]
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                samples[name].append((time.perf_counter() - t0) / n)
+        order = [name for name in steps for _ in range(repeats)] if blocked else list(steps) * repeats
+        for name in order:
+            fn, n = steps[name], inner[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
     finally:
         gc.enable()
     return {name: float(np.median(s)) for name, s in samples.items()}, samples
@@ -486,7 +491,7 @@ def run_case(case, makers, args, bounds, tg):
             row["status"][name] = ("n/a (backend: " if name == "tgc" else "n/a (") + short_error(e) + ")"
     if steps:
         load = OtherLoad()
-        med, samples = time_interleaved(steps, args.repeat, args.sample_ms / 1e3)
+        med, samples = time_interleaved(steps, args.repeat, args.sample_ms / 1e3, args.blocked)
         row["other_load"] = load.fraction()
         row["median_s"] = med
         row["samples_s"] = samples
@@ -624,6 +629,9 @@ def main(argv=None):
     ap.add_argument("--json", help="also write every number to this file")
     ap.add_argument("--specialize", action="store_true",
                     help="compile tgc once per size with its dims fixed (default: once per file, dims bound per call)")
+    ap.add_argument("--blocked", action="store_true",
+                    help="time each contender's samples in one block (A A A B B B) instead of interleaved, "
+                    "to see how much the contenders disturb each other")
     ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile-time rows")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="first wait up to S seconds for other processes to leave the CPUs idle")
@@ -727,7 +735,7 @@ def main(argv=None):
             json.dump({"command": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "machine": info, "bounds": bounds, "rows": rows, "compile": ctimes,
                        "repeat": args.repeat, "sample_ms": args.sample_ms, "specialize": args.specialize,
-                       "threads": args.threads, "total_s": total, "other_load": busy}, f, indent=1, default=str)
+                       "threads": args.threads, "blocked": args.blocked, "total_s": total, "other_load": busy}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
