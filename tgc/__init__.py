@@ -20,7 +20,6 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     import os
     import re
 
-    from tgc import driver
     from tgc.ir.module import Module
     from tgc.options import Options
 
@@ -28,19 +27,85 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
         raise ValueError(f"backend '{backend}' is not available (have: cpu)")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
     if isinstance(source, Module):
-        module = source
-    elif isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+        return _build(source, dims, options, None)
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
-        module = driver.load(os.fspath(source), options)
+        path = os.fspath(source)
+        kind, name, text = ("ir" if path.endswith(".tgir") else "tg"), path, None
+        if path != "-":
+            try:  # keyed on the file's bytes; an unreadable file is reported by the loader below
+                import hashlib
+
+                with open(path, "rb") as f:
+                    text = "sha256:" + hashlib.sha256(f.read()).hexdigest()
+            except OSError:
+                pass
     elif re.search(r"^\s*(%\w+\s*=|out\s+\S+\s*=\s*%)", source, re.M):
+        kind, name, text = "ir", "<ir>", source
+    else:
+        kind, name, text = "tg", "<source>", source
+    # the first-level cache: source -> program, before the front end and the passes
+    key = _source_key(kind, name, text, options)
+    if key is not None:
+        program = _cached(key, options)
+        if program is not None:
+            return program
+    from tgc import driver
+
+    if name not in ("<ir>", "<source>"):    # a file (or stdin)
+        loaded = driver.load_program(name, options)
+        module, files = loaded.module, list(loaded.files)
+    elif kind == "ir":
         from tgc.ir.parser import parse_module
 
-        module = parse_module(source, "<ir>")
+        module, files = parse_module(source, name), []
     else:
-        from tgc.frontend import compile_source
+        from tgc.frontend.elaborate import elaborate_source
 
-        module = compile_source(source, "<source>", options)
+        loaded = elaborate_source(source, name, options)
+        module, files = loaded.module, [f for f in loaded.files if f != name]
+    return _build(module, dims, options, key, files)
+
+
+def _source_key(kind, name, text, options):
+    if text is None:
+        return None
+    from tgc.runtime import cache
+
+    if cache.cache_dir() is None or not cache.source_cacheable(options):
+        return None
+    try:
+        from tgc.backends.cpu import llvm_env
+
+        return cache.source_key(kind, name, text, options, llvm_env.host_cpu())
+    except Exception:  # noqa: BLE001 -- no key, no first-level cache
+        return None
+
+
+def _cached(key, options):
+    from tgc.runtime import cache
+
+    hit = cache.lookup_program(key)
+    if hit is None:
+        return None
+    try:
+        from tgc.runtime.program import from_object
+
+        return from_object(hit[0], options.with_(dims=()), hit[1], hit[2])
+    except Exception:  # noqa: BLE001 -- a damaged entry: the full build runs
+        return None
+
+
+def _build(module, dims, options, key, files=()):
+    from tgc import driver
+    from tgc.runtime import cache
+    from tgc.runtime.program import build_with_object
+
     module = driver.fix_dims(module, dims or {})
-    from tgc.runtime import build
-
-    return build(driver.lower(module, options.with_(dims=())).module, options.with_(dims=()))
+    opts = options.with_(dims=())
+    program, obj = build_with_object(driver.lower(module, opts).module, opts)
+    if key is not None:
+        deps = cache.file_hashes(files)
+        if deps is not None:
+            cache.store_program(key, deps, program.module, program.lowered, obj)
+    return program

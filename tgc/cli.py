@@ -13,7 +13,7 @@ import click
 import tgc
 from tgc import driver
 from tgc.fsutil import write_atomic
-from tgc.cli_errors import EXIT_USER, handle_errors, report
+from tgc.cli_errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.ir.diag import CompileError
 from tgc.ir.printer import print_module
 from tgc.options import Options
@@ -136,7 +136,7 @@ def main(debug: bool, color: str) -> None:
 
 
 @main.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("files", nargs=-1, required=True, type=SOURCE)
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
 @click.option("-Werror", "werror", is_flag=True, help="Treat warnings as errors.")
 @click.option("-w", "no_warnings", is_flag=True, help="Print no warnings.")
@@ -166,7 +166,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -
 
 
 @main.command("dump-ir")
-@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("file", type=SOURCE)
 @click.option("--after", "after", metavar="PASS",
               help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
                    "or a lowering stage (fuse, layout, plan).")
@@ -231,7 +231,7 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("file", type=SOURCE)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
 @pipeline_options

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from tgc import driver
-from tgc.cli_errors import handle_errors
+from tgc.cli_errors import SOURCE, handle_errors
 from tgc.fsutil import write_atomic
 from tgc.options import Options
 
@@ -37,7 +37,7 @@ def header_path(output: str) -> str:
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("file", type=SOURCE)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file (default: libNAME.so, NAME.o, ...).")
 @click.option("-O0", "opt_level", flag_value=0, help="No optimization.")
 @click.option("-O1", "opt_level", flag_value=1)

@@ -13,6 +13,10 @@ from tgc.ir.interp import EvalError
 
 EXIT_USER, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERNAL = 1, 2, 3, 4
 
+# A source file argument. A missing, unreadable or directory path is reported when the
+# file is read, as a located error like any other problem with the source (exit 1).
+SOURCE = click.Path(allow_dash=True)
+
 
 def _root_param(name: str):
     ctx = click.get_current_context(silent=True)
@@ -56,6 +60,13 @@ def handle_errors(fn):
             sys.exit(EXIT_USER)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
+        except OSError as e:  # a file the command was asked to write or read
+            where = f" '{e.filename}'" if e.filename else ""
+            click.echo(f"error: cannot access{where}: {e.strerror or e}", err=True)
+            sys.exit(EXIT_USAGE)
+        except MemoryError:
+            click.echo("error: out of memory (are the inputs or dims too large?)", err=True)
+            sys.exit(EXIT_RUNTIME)
         except RecursionError:
             click.echo("error: the program is nested too deeply to compile", err=True)
             sys.exit(EXIT_USER)

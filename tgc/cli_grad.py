@@ -4,14 +4,14 @@ from __future__ import annotations
 import click
 
 from tgc import driver
-from tgc.cli_errors import handle_errors
+from tgc.cli_errors import SOURCE, handle_errors
 from tgc.fsutil import write_atomic
 from tgc.ir.printer import print_module
 from tgc.options import Options
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("file", type=SOURCE)
 @click.option("--wrt", multiple=True, required=True, metavar="NAME",
               help="Differentiate with respect to this input, param or state (repeatable).")
 @click.option("--of", "of", metavar="OUTPUT", help="The output to differentiate (default: the only scalar one).")

@@ -8,11 +8,12 @@ import click
 import numpy as np
 
 from tgc import driver
-from tgc.cli_errors import handle_errors
+from tgc.cli_errors import SOURCE, handle_errors
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
+from tgc.ir.sizes import SizeError
 
 DEFAULT_RANDOM_DIM = 4
 
@@ -41,9 +42,23 @@ def _input_binding(ctx, param, value):
 
 def _load_array(path: str, what: str) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
+        data = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot read {what} from '{path}': {e}") from None
+    if not isinstance(data, np.ndarray):  # an .npz archive
+        data.close()
+        raise EvalError(f"cannot read {what} from '{path}': an .npz archive, not one .npy array "
+                        "(pass archives with --inputs)")
+    return data
+
+
+def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.ndarray:
+    """Integer or boolean data (saved by numpy as such) for a float input, as floats of the
+    program's type, so that every backend accepts what the interpreter accepts."""
+    arg = module.args.get(name)
+    if arg is not None and arg.dtype != "i32" and a.dtype.kind in "iub":
+        return a.astype(interp.NP_DTYPES[dtype])
+    return a
 
 
 def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], random: bool,
@@ -57,6 +72,7 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
             raise EvalError(f"cannot read inputs from '{npz}': {e}") from None
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
+    arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
     unknown = [d for d in dims if d not in module.dims]
     if unknown:
         raise click.BadParameter(f"the program has no dim '{unknown[0]}'", param_hint="--dim")
@@ -64,24 +80,39 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
     if fixed:
         raise click.BadParameter(f"dim '{fixed[0]}' has a fixed size", param_hint="--dim")
     if random:
-        from tgc.ir.interp import bind_dims
-
-        given = {a: arrays[a] for a in arrays if a in module.args}
-        partial = dict(dims)
-        for arg in module.args.values():
-            if arg.name in given:
-                for axis, e in enumerate(arg.order):
-                    d = module.edges[e]
-                    if module.dims[d] is None:
-                        partial.setdefault(d, int(np.shape(given[arg.name])[axis]))
-        for d in module.symbolic_dims():
-            partial.setdefault(d, DEFAULT_RANDOM_DIM)
-        env = module.bind_dims(partial)
+        partial = _random_dims(module, arrays, dims)
+        try:
+            env = module.bind_dims(partial)
+        except SizeError as e:
+            raise EvalError(str(e)) from None
         generated = interp.random_inputs(module, env, seed, dtype)
         for name, a in generated.items():
             arrays.setdefault(name, a)
         dims = {d: partial[d] for d in module.symbolic_dims()}
     return arrays, dims
+
+
+def in_float_type(results: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """Every float result in the program's float type: the compiled program writes an
+    update back into the caller's array, which may be of the other float width."""
+    want = interp.NP_DTYPES[dtype]
+    return {k: a.astype(want, copy=False) if a.dtype.kind == "f" else a for k, a in results.items()}
+
+
+def _random_dims(module: Module, arrays: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, int]:
+    """Symbolic dims for --random-inputs: --dim, then the given inputs' shapes, then the default.
+    An input of the wrong rank binds nothing here; the input check reports it."""
+    partial = dict(dims)
+    for arg in module.args.values():
+        shape = np.shape(arrays[arg.name]) if arg.name in arrays else ()
+        if len(shape) != len(arg.order):
+            continue
+        for e, n in zip(arg.order, shape):
+            if module.dims[module.edges[e]] is None:
+                partial.setdefault(module.edges[e], int(n))
+    for d in module.symbolic_dims():
+        partial.setdefault(d, DEFAULT_RANDOM_DIM)
+    return partial
 
 
 def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
@@ -94,7 +125,7 @@ def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
 
 
 @click.command()
-@click.argument("file", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False), help="An .npz with one array per input.")
 @click.option("--input", "singles", multiple=True, callback=_input_binding, metavar="NAME=FILE.npy",
               help="One input from an .npy file (repeatable).")
@@ -128,7 +159,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output) -
     else:
         from tgc.runtime import run_compiled
 
-        results = run_compiled(module, inputs, options)
+        results = in_float_type(run_compiled(module, inputs, options), dtype)
     if output:
         buf = io.BytesIO()
         np.savez(buf, **results)

@@ -50,9 +50,62 @@ def test_damaged_entry_is_rebuilt(cache_dir):
     (entry,) = cache_dir.rglob("*.o")
     good = entry.read_bytes()
     entry.write_bytes(good[: len(good) // 2])  # truncated, as by a full disk
+    for prog in cache_dir.rglob("*.prog"):     # so that the object entry is looked up
+        prog.unlink()
     prog = tgc.compile(PROGRAM)
     np.testing.assert_allclose(prog(x=np.zeros(3, np.float32))["y"], 2 * np.ones(3))
     assert entry.read_bytes() == good
+
+
+def test_source_level_entry_hit_skips_the_front_end(cache_dir, monkeypatch):
+    a = tgc.compile(PROGRAM)
+    assert len(list(cache_dir.rglob("*.prog"))) == 1
+    import tgc.frontend.elaborate as elaborate
+
+    def boom(*args, **kwargs):
+        raise AssertionError("front end ran on a hit")
+
+    monkeypatch.setattr(elaborate, "elaborate_source", boom)
+    b = tgc.compile(PROGRAM)
+    x = np.linspace(-1, 1, 5, dtype=np.float32)
+    np.testing.assert_array_equal(a(x=x)["y"], b(x=x)["y"])
+    assert b.inputs == a.inputs and b.outputs == a.outputs
+    # printing options bypass it (a hit would print nothing)
+    with pytest.raises(AssertionError, match="front end ran"):
+        tgc.compile(PROGRAM, options=tgc.options.Options(time_passes=True))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_damaged_source_level_entry_is_a_miss(cache_dir, damage):
+    tgc.compile(PROGRAM, dtype="f64")
+    (entry,) = cache_dir.rglob("*.prog")
+    data = entry.read_bytes()
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data = data[:-10] + bytes([data[-10] ^ 1]) + data[-9:]
+    else:
+        data = b"not a cache entry"
+    entry.write_bytes(data)
+    prog = tgc.compile(PROGRAM, dtype="f64")
+    np.testing.assert_allclose(prog(x=np.zeros(3))["y"], 2 * np.ones(3))
+    key = entry.name[:-len(".prog")]
+    assert cache.lookup_program(key) is not None     # rewritten whole
+
+
+def test_source_level_entry_checks_imports(cache_dir, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "lib.tg").write_text("fn f(a) {\n  return a * 2\n}\n")
+    (src / "main.tg").write_text('import "lib.tg"\ndim n\ninput x[n]\nout y[n] = f(x)\n')
+    x = np.ones(3, np.float32)
+    try:
+        assert tgc.compile(src / "main.tg")(x=x)["y"].tolist() == [2, 2, 2]
+    except Exception as e:  # noqa: BLE001 -- the import syntax is the front end's business
+        pytest.skip(f"imports: {e}")
+    assert tgc.compile(src / "main.tg")(x=x)["y"].tolist() == [2, 2, 2]
+    (src / "lib.tg").write_text("fn f(a) {\n  return a * 3\n}\n")
+    assert tgc.compile(src / "main.tg")(x=x)["y"].tolist() == [3, 3, 3]
 
 
 def test_disabled(cache_dir, monkeypatch):

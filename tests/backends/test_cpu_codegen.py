@@ -725,3 +725,57 @@ out q = %1 : [b, d]
     assert len(prog.lowered.kernels) == 2
     assert '@"tgc.k0"' in prog.llvm_ir and '@"tgc.k1' not in prog.llvm_ir
     assert_matches(prog, inputs_for(prog, {"b": 3}), "f64")
+
+
+CONV_SHIFTED = """
+dim b
+dim n
+dim c = 3
+dim o = 5
+dim k = 3
+edge t : n
+edge s : n
+input x : f64[b, c, t]
+input W : f64[o, c, k]
+input dy : f64[b, o, s]
+%0 = indicator[t = s + k - 1] : f64[k, s, t]
+%1 = contract %x, %W, %0 : f64[b, o, s]
+%2 = contract %dy, %W, %0 : f64[b, c, t]
+%3 = contract %dy, %x, %0 : f64[o, c, k]
+%4 = contract %dy, %W : f64[b, c, k, s]
+%5 = contract %4, %0 : f64[b, c, t]
+out y = %1 : [b, o, s]
+out dx = %2 : [b, c, t]
+out dW = %3 : [o, c, k]
+out dx2 = %5 : [b, t, c]
+"""
+
+
+def test_conv1d_forward_and_backward_as_gemms_on_shifted_views():
+    from tgc.passes.plan import lower_module
+
+    low = lower_module(parse_module(CONV_SHIFTED), Options(blas_min_flops=0))
+    shifted = [k for k in low.kernels if getattr(k, "shifts", ())]
+    assert len(shifted) == 4, [k.text() for k in low.kernels]
+    check(CONV_SHIFTED, [{"b": 2, "n": 9}, {"b": 1, "n": 2}, {"b": 3, "n": 1}], blas_min_flops=0)
+
+
+def test_valid_conv_with_shorter_output_as_shifted_gemm():
+    check("""
+dim b
+dim c = 4
+dim o = 6
+dim t = 13
+dim s = 10
+dim k = 4
+input x : f64[b, c, t]
+input W : f64[o, c, k]
+input dy : f64[b, o, s]
+%0 = indicator[t = s + k] : f64[k, s, t]
+%1 = contract %x, %W, %0 : f64[b, o, s]
+%2 = contract %dy, %W, %0 : f64[b, c, t]
+%3 = contract %dy, %x, %0 : f64[o, c, k]
+out y = %1 : [s, b, o]
+out dx = %2 : [b, c, t]
+out dW = %3 : [k, o, c]
+""", [{"b": 2}, {"b": 1}], blas_min_flops=0)

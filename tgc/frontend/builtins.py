@@ -62,7 +62,8 @@ def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         for e in node.edges:
             actual = el.edge(e.id, e, ctx)
             if actual not in x.edges:
-                raise el.error(f"cannot reduce over edge '{e.id}': the argument has edges "
+                what = f"'{actual}'" if actual == e.id else f"'{actual}' (edge parameter '{e.id}')"
+                raise el.error(f"cannot reduce over edge {what}: the argument has edges "
                                f"[{', '.join(x.edges)}]", e, ctx)
             if actual in edges:
                 raise el.error(f"edge '{e.id}' is listed twice", e, ctx)

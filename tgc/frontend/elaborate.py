@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tgc.frontend import ast
 from tgc.frontend.expressions import Ctx, Elaborator
-from tgc.frontend.functions import check_definition, check_recursion
+from tgc.frontend.functions import check_definition, check_names, check_recursion
 from tgc.frontend.parser import parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
@@ -25,6 +25,7 @@ from tgc.ir.sizes import Size, SizeError, size_op, size_str
 from tgc.options import Options
 
 PRELUDE = Path(__file__).with_name("prelude.tg")
+MAX_DIM = 2**62  # sizes, their products and their index arithmetic are int64 in compiled code
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ProgramBuilder:
         self.el = Elaborator(self.m, self.scope, options.dtype)
         self.fns: dict[str, FnInfo] = dict(_prelude())
         self.user_fns: list[str] = []
+        self.grads: dict[str, V.Value] = {}  # bindings written `name = grad(f, x)`
         self.files: list[str] = []
         self.import_stack: list[tuple[Path, Loc | None]] = []
         self.imported: set[Path] = set()
@@ -80,13 +82,16 @@ class ProgramBuilder:
                 continue
             if top or isinstance(item, ast.DimDecl):
                 getattr(self, f"_{type(item).__name__}")(item, Path(name))
+        if top:  # after every call: those report their own errors with the call's context
+            for fn in self.user_fns:
+                check_names(self.fns[fn].defn, self.fns, self.scope.kinds)
 
     def _Import(self, item: ast.Import, here: Path) -> None:
         path = (here.parent / item.path)
         key = path.resolve()
         chain = [p for p, _ in self.import_stack]
         if key in chain or key == Path(self.files[0]).resolve():
-            names = " -> ".join(str(p.name) for p in [Path(self.files[0])] + chain[1:] + [key])
+            names = " -> ".join(str(p.name) for p in [Path(self.files[0])] + chain + [key])
             raise CompileError(f"import cycle: {names}", item.loc)
         if key in self.imported:
             return
@@ -115,6 +120,8 @@ class ProgramBuilder:
         size = None if d.expr is None else self.dim_size(d.expr)
         if isinstance(size, int) and size <= 0:
             raise CompileError(f"dim '{d.name}' must have a positive size, not {size}", d.expr.loc)
+        if isinstance(size, int) and size > MAX_DIM:
+            raise CompileError(f"dim '{d.name}' is too large ({size}; at most {MAX_DIM})", d.expr.loc)
         self.scope.declare(d.name, "dim", d.loc)
         self.m.dims[d.name] = size
         self.m.edges[d.name] = d.name
@@ -130,6 +137,8 @@ class ProgramBuilder:
             return self.m.size(e.id)
         if isinstance(e, ast.BinOp) and e.op in "+-*/":
             a, b = self.dim_size(e.lhs), self.dim_size(e.rhs)
+            if e.op == "/" and b == 0:
+                raise CompileError("division by zero in a dim expression", e.loc)
             try:
                 return size_op(e.op, a, b)
             except SizeError:
@@ -185,6 +194,8 @@ class ProgramBuilder:
         value = self.el.expr(b.expr, self.ctx)
         self.scope.declare(b.name, "tensor", b.loc)
         self.scope.tensors[b.name] = value
+        if self.is_grad_call(b.expr, value):
+            self.grads[b.name] = value
 
     def _Out(self, o: ast.Out, here: Path) -> None:
         if any(out.name == o.name for out in self.m.outputs):
@@ -209,11 +220,15 @@ class ProgramBuilder:
     def output_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
         if o.order is not None:
             return self.explicit_order(o, value)
-        e = o.expr
-        if isinstance(e, ast.Call) and e.fn == "grad" and "grad" not in self.user_fns and value.op == "grad":
-            x = self.m.args[value.operands[1].attrs[0]]
-            return self.m.order_edges(value.operands[0].edges) + x.order
+        grad = value if self.is_grad_call(o.expr, value) else self.grads.get(o.name) if o.expr is None else None
+        if grad is not None:
+            x = self.m.args[grad.operands[1].attrs[0]]
+            return self.m.order_edges(grad.operands[0].edges) + x.order
         return self.m.order_edges(value.edges)
+
+    def is_grad_call(self, e, value: V.Value) -> bool:
+        """`e` is written `grad(f, x)`: its output order is x's declaration order."""
+        return isinstance(e, ast.Call) and e.fn == "grad" and value.op == "grad"
 
     def explicit_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
         """The order written on `out`: exactly the value's edges, each once."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from tgc.ir.affine import Affine, Relation
+from tgc.ir.affine import Affine
 from tgc.ir.module import Module
-from tgc.ir.sizes import size_str
+from tgc.ir.sizes import Size, SizeOp, size_str
 from tgc.ir.values import Value
 
 INFIX = {"div": "/", "pow": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
@@ -26,6 +26,7 @@ class _Writer:
         self.taken = set(m.dims) | set(m.edges) | set(m.args) | {o.name for o in m.outputs}
         self.edge_names = {e: self.fresh(e.replace(".", "_")) if not _valid(e) else e for e in m.edges}
         self.names: dict[int, str] = {}
+        self.size_dims: dict[SizeOp, str] = {}
         self.count = 0
 
     def fresh(self, base: str) -> str:
@@ -115,7 +116,40 @@ class _Writer:
         return f"{kind}[{', '.join(self.e(e) for e in edges)}]({ops[0]})"
 
     def _indicator(self, v, ops):
-        return f"[{_relation(v.attrs[0], self.e)}]"
+        r = v.attrs[0]
+        text = self.affine(r.exprs[0])
+        for op, a in zip(r.ops, r.exprs[1:]):
+            text += f" {op} {self.affine(a)}"
+        return f"[{text}]"
+
+    def affine(self, a: Affine) -> str:
+        """An index expression in .tg's terms: `edge`, `k*edge`, `k*d*edge`, `k`, `k*size(d)`."""
+        parts = [self.term(k, base, self.e(edge)) for edge, c in a.terms for k, base in _monomials(c)]
+        parts += [self.term(k, base, None) for k, base in _monomials(a.const)]
+        if not parts:
+            return "0"
+        text = ("-" if parts[0][0] < 0 else "") + parts[0][1]
+        for sign, body in parts[1:]:
+            text += (" - " if sign < 0 else " + ") + body
+        return text
+
+    def term(self, k: int, base: Size | None, edge: str | None) -> tuple[int, str]:
+        """(sign, text) of `k * base * edge`; a base that is not a dim's name (a product or
+        quotient of sizes) gets a dim of its own, so that it is one factor."""
+        factors = [] if abs(k) == 1 else [str(abs(k))]
+        if isinstance(base, SizeOp):
+            base = self.size_dim(base)
+        if base is not None:
+            factors.append(base if edge else f"size({base})")
+        factors += [edge] if edge else []
+        return (-1 if k < 0 else 1), "*".join(factors) or "1"
+
+    def size_dim(self, size: SizeOp) -> str:
+        """The name of a dim declared equal to `size` (declared once per size)."""
+        if size not in self.size_dims:
+            name = self.size_dims[size] = self.fresh("dsize")
+            self.lines.insert(self._dims_end(), f"dim {name} = {size_str(size)}")
+        return self.size_dims[size]
 
     def _gather(self, v, ops):
         return f"{ops[0]}[{self.e(v.attrs[0])} = {ops[1]}]"
@@ -165,13 +199,20 @@ def _number(x: float) -> str:
     return text if x >= 0 else f"({text})"
 
 
-def _relation(r: Relation, name) -> str:
-    return f" {r.ops[0]} ".join(_affine(a, name) for a in r.exprs[:1]) + "".join(
-        f" {op} {_affine(a, name)}" for op, a in zip(r.ops, r.exprs[1:]))
-
-
-def _affine(a: Affine, name) -> str:
-    return str(a.renamed({e: name(e) for e in a.edges()}))
+def _monomials(s: Size, sign: int = 1) -> list[tuple[int, Size | None]]:
+    """`sign * s` as a sum of `k * base`: base None (k is the integer), a dim's name, or a
+    size that is no sum and no integer multiple (a product or quotient of dims)."""
+    if isinstance(s, int):
+        return [(sign * s, None)] if s else []
+    if isinstance(s, str):
+        return [(sign, s)]
+    if s.op in "+-":
+        return _monomials(s.lhs, sign) + _monomials(s.rhs, sign if s.op == "+" else -sign)
+    if s.op == "*" and isinstance(s.lhs, int):
+        return [(k * s.lhs, b) for k, b in _monomials(s.rhs, sign)]
+    if s.op == "*" and isinstance(s.rhs, int):
+        return [(k * s.rhs, b) for k, b in _monomials(s.lhs, sign)]
+    return [(sign, s)]
 
 
 def emit_tg(m: Module) -> str:

@@ -80,6 +80,60 @@ def check_definition(d: ast.FnDef) -> None:
         seen[name] = item
 
 
+def check_names(d: ast.FnDef, fns, kinds) -> None:
+    """A located error for a name in `d`'s body that no call could resolve: a value that
+    is neither a parameter nor an earlier binding of the body, or an unknown function.
+    Inlining finds the same at every call; this also covers functions never called.
+    (Edge names are left to the calls: they may name edges of the calling program.)"""
+    from tgc.frontend.builtins import ARITY
+
+    params = {p.name for p in d.params}
+    scopes = [(p.default, params) for p in d.params if p.default is not None]
+    for i, b in enumerate(d.body):
+        scopes.append((b.expr, params | {x.name for x in d.body[:i]}))
+    scopes.append((d.result, params | {b.name for b in d.body}))
+    for node, local in scopes:
+        for use in _value_uses(node):
+            if isinstance(use, ast.Call):
+                if use.fn not in fns and use.fn not in ARITY:
+                    raise CompileError(f"unknown function '{use.fn}'", use.loc)
+            elif use.id not in local:
+                raise CompileError(_not_local(use.id, d.name, kinds.get(use.id), use.id in fns), use.loc)
+
+
+def _not_local(name: str, fn: str, kind: str | None, is_fn: bool) -> str:
+    """The message the elaborator gives for a name a body cannot see (see Elaborator._Name)."""
+    if kind in ("edge", "dim"):
+        return f"'{name}' is an edge, not a tensor (use size({name}) for its size)"
+    if kind == "fn" or is_fn:
+        return f"'{name}' is a function; call it with arguments"
+    if kind == "tensor":
+        return f"'{name}' is not visible inside function '{fn}': pass it as a parameter"
+    return f"unknown name '{name}'"
+
+
+def _value_uses(node):
+    """The names in value position and the calls inside an expression, in source order.
+    Edge positions are skipped: call edge lists, renames, indicators, `size(e)`, and the
+    right side of a reindex (an affine expression of edges, or a gather's index tensor)."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Name):
+            out.append(n)
+        elif isinstance(n, ast.Call):
+            out.append(n)
+            if n.fn != "size":
+                stack.extend(reversed(list(n.args) + [k.value for k in n.kwargs]))
+        elif isinstance(n, ast.EdgeOps):
+            stack.append(n.x)
+        elif isinstance(n, (ast.BinOp, ast.Compare)):
+            stack.extend((n.rhs, n.lhs))
+        elif isinstance(n, ast.Neg):
+            stack.append(n.x)
+    return sorted(out, key=lambda n: (n.loc.line, n.loc.col))
+
+
 def _bind_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, ast.Node]:
     if len(node.args) > len(d.params):
         raise el.error(f"'{d.name}' takes {len(d.params)} argument{'s' * (len(d.params) != 1)}, "

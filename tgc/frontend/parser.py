@@ -496,9 +496,12 @@ def _number_value(tok: Token, loc: Loc) -> int | float:
     text = str(tok)
     try:
         value = int(text) if text.isdigit() else float(text)
+        as_float = float(value)
     except ValueError:  # more digits than Python converts
         raise CompileError("number literal too long", loc) from None
-    if value == float("inf") and text != "inf":
+    except OverflowError:  # an integer beyond the float range
+        as_float = float("inf")
+    if as_float == float("inf") and text != "inf":
         raise CompileError("number literal out of range", loc)
     return value
 

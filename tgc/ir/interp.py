@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tgc.ir.module import Arg, Module
-from tgc.ir.sizes import SizeError, size_eval
+from tgc.ir.sizes import SizeError, UnboundDim, size_eval
 from tgc.ir.values import Value, topo_order
 
 NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
@@ -32,6 +32,9 @@ def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
     where: dict[str, str] = {d: "--dim" for d in env}
     for arg in module.args.values():
         shape = np.shape(inputs[arg.name])
+        if len(shape) != len(arg.order):
+            raise EvalError(f"input '{arg.name}' has {len(shape)} axes, expected {len(arg.order)} "
+                            f"([{', '.join(arg.order)}])")
         for axis, edge in enumerate(arg.order):
             dim, n = module.edges[edge], int(shape[axis])
             if module.dims[dim] is not None:
@@ -43,8 +46,10 @@ def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
             where.setdefault(dim, f"input '{arg.name}'")
     try:
         return module.bind_dims(env)
-    except SizeError as e:
+    except UnboundDim as e:
         raise EvalError(f"{e}: no input has it; pass its size explicitly") from None
+    except SizeError as e:
+        raise EvalError(str(e)) from None
 
 
 def check_inputs(module: Module, inputs: Mapping[str, np.ndarray], env: Mapping[str, int],

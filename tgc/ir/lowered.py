@@ -14,6 +14,9 @@ Backend-neutral: a program is a list of kernels over named buffers.
   `body` into `out[index]`, whose index goes through gathered ids.
 - A `GemmKernel` is `out[batch, m, n] = sum_k a[batch, m, k] * b[batch, k, n]`
   over edge groups; `a`/`b` are `View`s (a buffer seen through an edge renaming).
+  With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
+  `y[b, o, s] = sum_k W[k, o, c] @ x[b, c, s + k - 2]`, the range of `s` clipped
+  per tap), accumulating into `out`.
 - A `Check` makes the program fail (nonzero status, before any write) when an id
   buffer holds a value outside `[0, size)`.
 
@@ -378,9 +381,19 @@ class GemmKernel:
     n: tuple[str, ...]
     k: tuple[str, ...]
     note: str = ""
+    # summed edges looped outside the calls (each call accumulates into `out`)
+    taps: tuple[str, ...] = ()
+    # (operand 'a' | 'b', view edge, shift): the operand is read at `edge + shift`
+    # (shift: an index over batch and tap edges); each call clips the edge's range
+    # to where every shifted index is in bounds (the rest of the sum is zeros)
+    shifts: tuple[tuple[str, str, Ix], ...] = ()
 
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf}
+
+    def accumulates(self) -> bool:
+        """`out` is zeroed, then every call adds into it."""
+        return bool(self.taps or self.shifts)
 
     def buffers_used(self) -> list[str]:
         return list(dict.fromkeys([self.out, self.a.buf, self.b.buf]))
@@ -388,6 +401,10 @@ class GemmKernel:
     def text(self) -> str:
         g = " ".join(f"{n}({', '.join(es)})" for n, es in
                      (("batch", self.batch), ("m", self.m), ("n", self.n), ("k", self.k)))
+        if self.taps:
+            g += f" taps({', '.join(self.taps)})"
+        for role, e, ix in self.shifts:
+            g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
         return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from tgc.ir.diag import Loc
-from tgc.ir.sizes import Size, SizeError, size_eval
+from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 from tgc.ir.values import Value, topo_order
 
 ARG_KINDS = ("input", "param", "state")
@@ -82,13 +82,18 @@ class Module:
         return name
 
     def bind_dims(self, known: Mapping[str, int]) -> dict[str, int]:
-        """Sizes of every dim given the symbolic ones in `known` (SizeError if missing)."""
+        """Sizes of every dim given the symbolic ones in `known`: UnboundDim if one is
+        missing, SizeError if a dim expression does not divide or is negative (an empty
+        edge, size 0, is allowed at call time)."""
         env = dict(known)
         for dim, s in self.dims.items():
+            if s is None and dim not in env:
+                raise UnboundDim(f"dim '{dim}' is not bound")
             if s is not None:
-                env[dim] = size_eval(s, env)
-            elif dim not in env:
-                raise SizeError(f"dim '{dim}' is not bound")
+                env[dim] = _dim_value(dim, s, env)
+            if env[dim] < 0:
+                how = "" if s is None else f" = {size_str(s)}"
+                raise SizeError(f"dim '{dim}'{how} is {env[dim]}: sizes cannot be negative")
         return env
 
     def edge_sizes(self, env: Mapping[str, int]) -> dict[str, int]:
@@ -98,3 +103,13 @@ class Module:
         """`edges` in the order their names were first declared in the program."""
         rank = {e: i for i, e in enumerate(self.edges)}
         return tuple(sorted(edges, key=lambda e: (rank.get(e, len(rank)), e)))
+
+
+def _dim_value(dim: str, s: Size, env: Mapping[str, int]) -> int:
+    """The value of dim `dim` = `s`; a SizeError naming the dim if `s` does not divide."""
+    try:
+        return size_eval(s, env)
+    except UnboundDim:
+        raise
+    except SizeError as e:
+        raise SizeError(f"dim '{dim}' = {size_str(s)}: {e}") from None

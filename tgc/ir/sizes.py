@@ -14,6 +14,10 @@ class SizeError(ValueError):
     """A size expression that cannot be evaluated (unknown dim, inexact division)."""
 
 
+class UnboundDim(SizeError):
+    """A symbolic dim that nothing gave a size."""
+
+
 @dataclass(frozen=True)
 class SizeOp:
     op: str  # one of + - * /
@@ -55,13 +59,23 @@ def size_op(op: str, a: Size, b: Size) -> Size:
     return SizeOp(op, a, b)
 
 
+def size_estimate(s: Size, env: Mapping[str, int]) -> int:
+    """`s` for cost estimates at representative sizes: like `size_eval`, but `/` rounds
+    down and the result is at least 1, so a size that only divides at some sizes has
+    an estimate at every size."""
+    if not isinstance(s, SizeOp):
+        return max(1, size_eval(s, env))
+    a, b = size_estimate(s.lhs, env), size_estimate(s.rhs, env)
+    return max(1, a // b if s.op == "/" else _apply(s.op, a, b))
+
+
 def size_eval(s: Size, env: Mapping[str, int]) -> int:
     """The value of `s` with symbolic dims taken from `env` (SizeError if missing)."""
     if isinstance(s, int):
         return s
     if isinstance(s, str):
         if s not in env:
-            raise SizeError(f"dim '{s}' is not bound")
+            raise UnboundDim(f"dim '{s}' is not bound")
         return env[s]
     return _apply(s.op, size_eval(s.lhs, env), size_eval(s.rhs, env))
 

@@ -11,6 +11,11 @@ reductions reads its inputs once:
   groups, all of M, N, K present and (when sizes are known) at least
   `options.blas_min_flops` flops; their operands are materialized buffers, seen
   through renames.
+- GEMMs on shifted views (`tap_gemm`): a contraction whose two factors are read
+  through indicators as `edge + shift(short edges)` (a convolution, its input and
+  kernel gradients, a head split) becomes a loop over the short edges (taps) of GEMM
+  calls on shifted views, each edge's range clipped to the input (no im2col copy);
+  single-use inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`).
 - Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
   `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
   gathers (indexed loads), and indicators (index arithmetic, `tgc.passes.indexing`:
@@ -29,13 +34,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from tgc.ir.lowered import (Acc, Add, Buffer, Check, Const, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View)
+from tgc.ir.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
+                            LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View, neg)
 from tgc.ir.module import Module
 from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.passes.base import Pass
-from tgc.passes.indexing import edge_size, relation_conds, simplify_conds, solve
+from tgc.passes.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
 
 EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 ELEMENTWISE = frozenset({"add", "map", "stop"})
@@ -82,6 +87,8 @@ class _Fuser:
         self.low = Lowered(m, options.dtype)
         self.mat: dict[int, str] = {}      # id(value) -> buffer
         self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
+        self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`tap_gemm`)
+        self.folded: set[int] = set()      # reductions computed inside a shifted GEMM
         self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
         self.acc_of: int | None = None
         self._reduction: dict[int, bool] = {}
@@ -185,6 +192,138 @@ class _Fuser:
                 return True
         return False
 
+    # ------------------------------------------------------------ GEMMs on shifted views
+
+    def find_shifted_gemms(self) -> None:
+        """Contractions that are a loop of GEMMs on shifted views: a convolution
+        `sum_{c,k} x[b, c, t = s + k - 2] * W[o, c, k]` is, for each tap k, a GEMM
+        (o <- c) on x shifted by k - 2 with the range of s clipped to the input."""
+        for v in reversed(self.values):
+            if v.op == "contract" and id(v) not in self.folded and self.is_reduction(v):
+                spec = self.tap_gemm(v)
+                if spec is not None:
+                    self.shifted[id(v)] = spec
+                    self.folded |= spec["folded"]
+
+    def expand(self, v: Value, env: dict[str, Ix], acc: dict, top: bool = False) -> bool:
+        """Collect the leaf factors of a product of index transforms and single-use
+        reductions (summed edges become placeholders, indicators links)."""
+        if not top and (id(v) in self.mat or v.op not in ("contract", "rename", "stop")):
+            acc["leaves"].append((v, env))
+            return True
+        if v.op == "stop":
+            return self.expand(v.operands[0], env, acc)
+        if v.op == "rename":
+            fwd = dict(v.attrs[0])
+            x = v.operands[0]
+            return self.expand(x, {e: env[fwd.get(e, e)] for e in x.edges}, acc)
+        if not top and self.is_reduction(v):
+            if self.uses(v) != 1 or self.root_uses[id(v)] or id(v) in self.folded:
+                acc["leaves"].append((v, env))
+                return True
+            acc["folded"].add(id(v))
+        full = dict(env)
+        for e in self.summed(v):
+            if e in acc["sizes"]:
+                return False
+            acc["sizes"][e] = edge_size(self.m, e)
+            acc["places"].append(e)
+            full[e] = Ix.var(e)
+        for o in v.operands:
+            if o.op == "indicator":
+                acc["links"] += relation_conds(self.m, o.attrs[0], full)
+            elif not self.expand(o, {e: full[e] for e in o.edges}, acc):
+                return False
+        return True
+
+    def tap_gemm(self, v: Value) -> dict | None:
+        sizes = {e: edge_size(self.m, e) for e in v.edges}
+        acc = {"leaves": [], "links": [], "places": [], "sizes": sizes, "folded": set()}
+        if not self.expand(v, {e: Ix.var(e) for e in v.edges}, acc, top=True):
+            return None
+        leaves = acc["leaves"]
+        if len(leaves) != 2 or not acc["links"]:
+            return None
+        for leaf, _ in leaves:
+            if leaf.dtype == "i32" or leaf.op in ("const", "size", "indicator") or self.broadcast_edges(leaf):
+                return None
+        # eliminate long edges first: the short ones (taps) stay loops
+        places = sorted(acc["places"], key=lambda p: isinstance(sizes[p], int) and sizes[p])
+        sol = solve_conds(acc["links"], places, sizes)
+        idx = [{e: env[e].subst(sol.sol) for e in leaf.edges} for leaf, env in leaves]
+        kept, summed = list(v.edges), list(sol.remaining)
+
+        def big(u):
+            return sizes[u] if isinstance(sizes[u], int) else 1 << 40
+
+        outer: set[str] = set()
+        for d in idx:
+            for ix in d.values():
+                if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):
+                    return None
+                if len(ix.terms) >= 2:
+                    mains = [a for a, c in ix.terms if c == 1]
+                    if not mains:
+                        return None
+                    outer |= {a for a, _ in ix.terms} - {max(mains, key=big)}
+        views: list[dict[str, str]] = []
+        shifts, clipped = [], set()
+        for role, (leaf, _), d in zip("ab", leaves, idx):
+            edges: dict[str, str] = {}
+            for e, ix in d.items():
+                inner = [(a, c) for a, c in ix.terms if a not in outer]
+                if len(inner) > 1 or (inner and inner[0][1] != 1):
+                    return None
+                u = inner[0][0] if inner else ix.as_var()
+                if u is None or u in edges:
+                    return None
+                rest = Ix(tuple(t for t in ix.terms if t[0] != u), ix.const)
+                if rest != Ix():
+                    shifts.append((role, u, rest))
+                    clipped.add(u)
+                elif inner and edge_size(self.m, e) != sizes[u]:
+                    return None
+                edges[u] = e
+            views.append(edges)
+        if not shifts:
+            return None
+        A, B = set(views[0]), set(views[1])
+        if any(u not in A | B | outer for u in kept) or any(u not in outer and not (u in A and u in B) for u in summed):
+            return None
+        order = self.m.order_edges
+        batch = {u for u in kept if u in outer or (u in A and u in B)}
+        groups = [[u for u in kept if u not in batch and u in A], [u for u in kept if u not in batch and u in B],
+                  [u for u in summed if u not in outer]]
+        taps = {u for u in summed if u in outer}
+        for g in groups:
+            if clipped & set(g) and len(g) > 1:
+                if len(clipped & set(g)) > 1:
+                    return None
+                for u in [u for u in g if u not in clipped]:
+                    g.remove(u)
+                    (batch if u in kept else taps).add(u)
+        if clipped & (batch | taps) or not all(groups):
+            return None
+        expected = set()
+        for (role, u, rest) in shifts:
+            leaf_edges = views["ab".index(role)]
+            ix = Ix.var(u).plus(rest)
+            size = edge_size(self.m, leaf_edges[u])
+            expected |= {Cond(ix, ">="), Cond(ix.plus_const(neg(size)), "<")}
+        conds = simplify_conds(sol.conds, sizes)
+        if conds is None or any(c not in expected for c in conds):
+            return None
+        flops = 2
+        for s in (sizes[u] for g in groups for u in g):
+            flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
+        if flops is not None and flops < self.opt.blas_min_flops:
+            return None
+        key = order
+        return {"leaves": [leaf for leaf, _ in leaves], "folded": acc["folded"],
+                "views": [tuple(sorted(d.items())) for d in views],
+                "groups": (key(batch), key(groups[0]), key(groups[1]), key(groups[2])),
+                "taps": key(taps), "shifts": tuple(shifts)}
+
     # ------------------------------------------------------------ partition
 
     def broadcast_edges(self, v: Value) -> set[str]:
@@ -207,6 +346,13 @@ class _Fuser:
 
     def partition(self) -> None:
         for v in self.values:
+            if id(v) in self.folded:
+                continue
+            if id(v) in self.shifted:
+                self.materialize(v)
+                for leaf in self.shifted[id(v)]["leaves"]:
+                    self.materialize(leaf)
+                continue
             if id(v) in self.mat:
                 pass
             elif v.op == "scatter" or self.is_reduction(v) or self.root_uses[id(v)]:
@@ -224,7 +370,7 @@ class _Fuser:
                         self.materialize(base)
         self.settle()
         for v in self.values:
-            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms:
+            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms | self.shifted.keys():
                 self.try_absorb(v)
 
     def settle(self) -> None:
@@ -236,7 +382,7 @@ class _Fuser:
             self._reduction.clear()
             changed = False
             for v in self.values:
-                if id(v) not in self.mat and self.is_reduction(v):
+                if id(v) not in self.mat and id(v) not in self.folded and self.is_reduction(v):
                     self.materialize(v)
                     changed = True
 
@@ -255,7 +401,7 @@ class _Fuser:
             if self.uses(u) != 1:
                 return
             u = self.by_id[next(iter(self.users[id(u)]))]
-        if u.op == "scatter" or id(u) in self.gemms or self.is_reduction(u):
+        if u.op == "scatter" or id(u) in self.gemms or id(u) in self.shifted or self.is_reduction(u):
             return
         buf = self.mat.pop(id(r))
         del self.low.buffers[buf]
@@ -330,6 +476,7 @@ class _Fuser:
             if v.op == "arg":
                 self.mat[id(v)] = v.attrs[0]
         copies = self.homes()
+        self.find_shifted_gemms()
         self.partition()
         for v in self.values:
             if id(v) in self.mat and v.op != "arg":
@@ -380,6 +527,11 @@ class _Fuser:
 
     def kernel(self, v: Value):
         out = self.mat[id(v)]
+        if id(v) in self.shifted:
+            spec = self.shifted[id(v)]
+            a, b = (View(self.mat[id(leaf)], edges) for leaf, edges in zip(spec["leaves"], spec["views"]))
+            return GemmKernel(out, a, b, *spec["groups"], taps=spec["taps"], shifts=spec["shifts"],
+                              note="GEMMs on shifted views")
         if id(v) in self.gemms:
             batch, m, n, k = self.gemms[id(v)]
             a, b = (self.view(o) for o in v.operands)

@@ -77,21 +77,26 @@ def solve(m: Module, relations: Sequence[Relation], env: Mapping[str, Ix],
     """Eliminate summed edges. `env` maps every edge (kept and summed) to an index;
     a summed edge maps to `Ix.var(summed[edge])`, a placeholder; `sizes` gives each
     placeholder's extent."""
-    places = [summed[e] for e in summed]
+    links = [c for rel in relations for c in relation_conds(m, rel, env)]
+    return solve_conds(links, [summed[e] for e in summed], sizes)
+
+
+def solve_conds(links: Sequence[Cond], places: Sequence[str], sizes: Mapping[str, Size]) -> Solution:
+    """`solve` on relation links already in index form; `places`: the summed
+    placeholders, in elimination preference order."""
     sol: dict[str, Ix] = {}
     conds: list[Cond] = []
     ranges: list[tuple[Ix, Size]] = []
-    for rel in relations:
-        for c in relation_conds(m, rel, env):
-            ix = c.ix.subst(sol)
-            p = _pivot(ix, [q for q in places if q not in sol]) if c.op == "=" else None
-            if p is None:
-                conds.append(Cond(ix, c.op))
-                continue
-            k = ix.coef(p)
-            value = ix.plus(Ix.var(p).scaled(k), -1).scaled(-k)
-            _bind(sol, conds, ranges, p, value)
-            ranges.append((value, sizes[p]))
+    for c in links:
+        ix = c.ix.subst(sol)
+        p = _pivot(ix, [q for q in places if q not in sol]) if c.op == "=" else None
+        if p is None:
+            conds.append(Cond(ix, c.op))
+            continue
+        k = ix.coef(p)
+        value = ix.plus(Ix.var(p).scaled(k), -1).scaled(-k)
+        _bind(sol, conds, ranges, p, value)
+        ranges.append((value, sizes[p]))
     _digits(sol, conds, ranges, [q for q in places if q not in sol], sizes)
     for value, size in ranges:
         conds += [Cond(value, ">="), Cond(value.plus_const(neg(size)), "<")]

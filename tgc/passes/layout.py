@@ -121,7 +121,7 @@ def _gemm_operand_order(low: Lowered, k: GemmKernel, role: str, load_order) -> t
     form = matrix_form(view.view_order(load_order), rows, cols)
     if form and form[0] == want_rows and form[1] == want_cols:
         return load_order
-    seq = _pick(vo, k.batch) + want_rows + want_cols
+    seq = _pick(vo, k.batch + k.taps) + want_rows + want_cols
     return tuple(view.buf_edge(e) for e in seq if e in dict(view.edges))
 
 
@@ -178,9 +178,9 @@ def _fix_gemm(low: Lowered, k: GemmKernel) -> list:
     before, after = [], []
     a, b, out = k.a, k.b, k.out
     if not fa or fa[:2] != (m, kk):
-        a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch)) + m + kk, before)
+        a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch + k.taps)) + m + kk, before)
     if not fb or fb[:2] != (kk, n):
-        b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch)) + kk + n, before)
+        b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch + k.taps)) + kk + n, before)
     if not fc or fc[:2] != (m, n):
         out = low.fresh("t")
         low.buffers[out] = Buffer(out, low.dtype, low.buffers[k.out].edges, "temp",

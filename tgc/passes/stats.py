@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tgc.ir.module import Module
-from tgc.ir.sizes import size_eval
+from tgc.ir.sizes import size_estimate
 from tgc.ir.values import Value
 from tgc.passes.paths import contraction_cost, prod
 
@@ -47,10 +47,13 @@ class RepSizes(dict):
     def __init__(self, m: Module, rep: int):
         super().__init__()
         self.m = m
-        self.env = m.bind_dims({d: rep for d in m.symbolic_dims()})
+        self.env = {d: rep for d in m.symbolic_dims()}
+        for d, s in m.dims.items():
+            if s is not None:
+                self.env[d] = size_estimate(s, self.env)
 
     def __missing__(self, edge: str) -> int:
-        self[edge] = size_eval(self.m.size(edge), self.env)
+        self[edge] = self.env[self.m.edges[edge]]
         return self[edge]
 
 

@@ -6,6 +6,13 @@ reuses old code), and the host CPU's name and features. Entries are object files
 written atomically (temp file + rename), so processes that build the same program
 at once never see a partial entry; an unreadable entry is rebuilt.
 
+A first level, looked up before anything is parsed (`tgc.compile`), maps the
+source text itself (with its name, the options, the dims, tgc's source and the CPU)
+to everything a `Program` needs: the module after the IR pipeline, the lowered
+program and the object code, pickled. An entry also lists the files the program
+imported with their hashes; a changed import is a miss. Entries carry a checksum;
+anything unreadable, stale or failing to load is a miss, and the full build runs.
+
 Location: `$TGC_CACHE_DIR`, else `$XDG_CACHE_HOME/tgc`, else `~/.cache/tgc`;
 `TGC_CACHE=off` disables it.
 """
@@ -15,9 +22,10 @@ import dataclasses
 import functools
 import hashlib
 import os
+import pickle
+import tempfile
 from pathlib import Path
 
-from tgc.fsutil import write_atomic
 from tgc.options import Options
 
 # Options that only change what is printed, never the code.
@@ -39,8 +47,12 @@ def compiler_digest() -> str:
     """A hash of tgc's own source files (code, prelude, grammar)."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".tg", ".lark") and path.is_file():
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        paths += [Path(folder) / f for f in files if f.endswith((".py", ".tg", ".lark"))]
+    for path in sorted(paths):
+        if path.is_file():
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -79,7 +91,90 @@ def store(key: str, obj: bytes) -> None:
     if d is None:
         return
     try:
-        (d / key[:2]).mkdir(parents=True, exist_ok=True)
-        write_atomic(d / key[:2] / f"{key}.o", MAGIC + hashlib.sha256(obj).hexdigest().encode() + b"\n" + obj)
+        _write(d / key[:2], f"{key}.o", MAGIC + hashlib.sha256(obj).hexdigest().encode() + b"\n" + obj)
     except OSError:
         pass  # a read-only or full cache only costs the next build its time
+
+
+# ------------------------------------------------------------ the first level: source -> program
+
+PROGRAM_MAGIC = b"tgc-program-1\n"
+# options that print while the pipeline runs: a hit would skip the printing
+PRINTS = ("print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes", "stats", "verify_each")
+
+
+def source_cacheable(options: Options) -> bool:
+    return not any(getattr(options, f) for f in PRINTS)
+
+
+def source_key(kind: str, name: str, text: str, options: Options, cpu: tuple[str, str]) -> str:
+    """The first-level key: the source as given (kind: tg | ir; its file name, which
+    the module's locations carry), every option (dims included), tgc, the CPU."""
+    h = hashlib.sha256()
+    for part in ("source", compiler_digest(), repr(sorted(dataclasses.asdict(options).items())),
+                 cpu[0], cpu[1], kind, name, text):
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def file_hashes(paths) -> list[tuple[str, str]] | None:
+    """(path, sha256 of its bytes) per file; None if one cannot be read."""
+    out = []
+    for path in paths:
+        try:
+            out.append((str(path), hashlib.sha256(Path(path).read_bytes()).hexdigest()))
+        except OSError:
+            return None
+    return out
+
+
+def lookup_program(key: str):
+    """(module, lowered, object code) stored under `key`, or None: absent, unreadable,
+    failing its checksum, not loading, or an imported file changed since."""
+    d = cache_dir()
+    if d is None:
+        return None
+    try:
+        data = (d / key[:2] / f"{key}.prog").read_bytes()
+        n = len(PROGRAM_MAGIC)
+        head, digest, body = data[:n], data[n:n + 64], data[n + 65:]
+        if head != PROGRAM_MAGIC or digest != hashlib.sha256(body).hexdigest().encode():
+            return None
+        entry = pickle.loads(body)
+        deps, module, lowered, obj = entry["deps"], entry["module"], entry["lowered"], entry["obj"]
+        if not isinstance(obj, bytes) or file_hashes(p for p, _ in deps) != deps:
+            return None
+        return module, lowered, obj
+    except Exception:  # noqa: BLE001 -- any damage is a miss: the full build runs
+        return None
+
+
+def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: bytes) -> None:
+    """Save a program under `key` (checksummed, atomically); silently skipped on failure."""
+    d = cache_dir()
+    if d is None:
+        return
+    try:
+        body = pickle.dumps({"deps": deps, "module": module, "lowered": lowered, "obj": obj},
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        _write(d / key[:2], f"{key}.prog", PROGRAM_MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    except Exception:  # noqa: BLE001 -- unpicklable, read-only or full: the next build only costs its time
+        pass
+
+
+def _write(folder: Path, name: str, data: bytes) -> None:
+    """Write atomically (temp file + rename) without fsync: a torn entry after a crash
+    fails its checksum and is rebuilt, so durability is not needed, only atomicity."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, folder / name)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -16,6 +16,12 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         workspace: tgc_workspace_bytes(dims) bytes, 64-byte aligned.
         Returns 0, or k > 0 when the k-th id check failed (an id out of range): then
         nothing has been written, since every check runs before the first kernel.
+    int32_t tgc_run_objects(const int64_t* dims, void* const* objects, void* workspace,
+                            int64_t offset)
+        only with `generate(..., objects_entry=True)` (the Python runtime's JIT code,
+        never an AOT build): tgc_run with each argument, then each output, given as
+        an object whose data pointer lies `offset` bytes in (a numpy array:
+        PyArrayObject's `data`), which saves Python reading every pointer.
 
 Kernels are internal functions (`loops.py`, `gemm.py`). A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
@@ -33,22 +39,29 @@ from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok
 from tgc.ir.lowered import GemmKernel, Lowered, LoopKernel, Map, rename_buffers, walk
+from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
 ALIGN = 64
-HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow", "sqrt", "div"})
+# Op weights for the parallel threshold, relative to an add/mul (~0.1 ns an element
+# vectorized here): the polynomial functions (vecmath) and pow cost ~8; sqrt and div
+# are single vector instructions (vsqrtps, vdivps), ~2. (At weight 8 for div and sqrt,
+# layernorm 64x256 entered two parallel regions per call: 2-6 us each when idle, up to
+# milliseconds while another process holds a core.)
+HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
+LIGHT = frozenset({"sqrt", "div"})
 
 
-def generate(low: Lowered, options: Options) -> str:
-    """The LLVM IR text of the whole program."""
+def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
+    """The LLVM IR text of the whole program (with `tgc_run_objects` if asked)."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
-    return str(_ModuleGen(low, options).emit())
+    return str(_ModuleGen(low, options, objects_entry).emit())
 
 
 class _ModuleGen:
-    def __init__(self, low: Lowered, options: Options):
-        self.low, self.opt = low, options
+    def __init__(self, low: Lowered, options: Options, objects_entry: bool = False):
+        self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
         self.mod = ir.Module(name="tgc")
         self.done: dict = {}
@@ -58,7 +71,9 @@ class _ModuleGen:
         checks = [self.check_fn(i, c) for i, c in enumerate(self.low.checks)]
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         self.workspace_fn()
-        self.run_fn(checks, kernels)
+        run = self.run_fn(checks, kernels)
+        if self.objects_entry:
+            self.objects_fn(run)
         return self.mod
 
     # ------------------------------------------------------------ pieces
@@ -94,9 +109,22 @@ class _ModuleGen:
             return GemmGen(self.mod, self.low, k, name, self.fp).emit(), None
         fn = LoopGen(self.mod, self.low, k, name, self.fp).emit()
         par = None
-        if self.opt.threads != 1 and parallel_ok(k):
+        if self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k):
             par = emit_parallel_body(self.mod, self.low, k, fn, name + ".par")
         return fn, par
+
+    def always_serial(self, k: LoopKernel) -> bool:
+        """Whether the kernel's work is known here (no symbolic dim) and below the
+        threshold: then it gets no parallel body and no run-time test (less code for
+        LLVM to compile: small fixed-size kernels, e.g. an MLP's weight updates)."""
+        env = {d: s for d, s in self.low.module.dims.items() if isinstance(s, int)}
+        work = self.weight(k)
+        try:
+            for v in k.loops:
+                work *= size_eval(k.sizes[v], env)
+        except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
+            return False
+        return work < self.opt.parallel_min_work
 
     def slot_sizes(self, f: Frame) -> list:
         out = []
@@ -137,6 +165,21 @@ class _ModuleGen:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
         b.ret(I32(0))
         f.finish()
+        return fn
+
+    def objects_fn(self, run: ir.Function) -> None:
+        n_args, n_outs = len(self.low.module.args), len(self.low.module.outputs)
+        fn = define(self.mod, "tgc_run_objects", I32, [PTR, PTR, PTR, I64], internal=False)
+        dims, objs, ws, offset = fn.args
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        ptrs = b.alloca(ir.ArrayType(PTR, max(n_args + n_outs, 1)), name="ptrs")
+        for i in range(n_args + n_outs):
+            obj = b.load(b.gep(objs, [I64(i)], source_etype=PTR), typ=PTR)
+            data = b.load(b.gep(obj, [offset], source_etype=ir.IntType(8)), typ=PTR)
+            b.store(data, b.gep(ptrs, [I32(0), I32(i)]))
+        args = b.gep(ptrs, [I32(0), I32(0)])
+        outs = b.gep(ptrs, [I32(0), I32(n_args)])    # one past the end when no outputs: unused
+        b.ret(b.call(run, [dims, args, outs, ws]))
 
     def arg_ptr(self, b: ir.IRBuilder, array, index: int):
         return b.load(b.gep(array, [I64(index)], source_etype=PTR), typ=PTR)
@@ -180,7 +223,8 @@ class _ModuleGen:
     @staticmethod
     def weight(k: LoopKernel) -> int:
         roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
-        return 1 + sum(8 for r in roots for e in walk(r) if isinstance(e, Map) and e.fn in HEAVY)
+        maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
+        return 1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
 
 
 def kernel_key(low: Lowered, k) -> tuple:

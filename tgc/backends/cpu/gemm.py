@@ -8,6 +8,10 @@ strides; an operand without a batch edge is reused along it) one row-major
 matrix with both edge groups merged and one group contiguous: a transpose flag
 absorbs an operand stored the other way round, and a result stored with M
 innermost is computed as C^T = B^T A^T.
+
+With taps or shifts (GEMMs on shifted views) the nest also runs over the taps; each
+call offsets the shifted operand, clips the shifted edge's range to where every
+index is in bounds, and adds into `out` (zeroed first, beta = 1).
 """
 from __future__ import annotations
 
@@ -53,29 +57,75 @@ class GemmGen:
         ta, lda = self.operand(va, ab.order, k.m, k.k, k.a.buf_edge)
         tb, ldb = self.operand(vb, bb.order, k.k, k.n, k.b.buf_edge)
         cs = self.f.strides(cb.order)
-        if c_form[2]:  # C[M, N], N contiguous
-            ldc = cs[k.m[-1]]
-            call = (ta, tb, M, N, K, lda, ldb, ldc, False)
-        else:          # C^T[N, M] = B^T A^T
-            ldc = cs[k.n[-1]]
-            flip = {blas.NO_TRANS: blas.TRANS, blas.TRANS: blas.NO_TRANS}
-            call = (flip[tb], flip[ta], N, M, K, ldb, lda, ldc, True)
-        strides = [(self.f.strides(ab.order), dict(k.a.edges)), (self.f.strides(bb.order), dict(k.b.edges)),
-                   (cs, {e: e for e in cb.edges})]
+        ldc = cs[k.m[-1]] if c_form[2] else cs[k.n[-1]]
+        views = [(self.fn.args[1], self.f.strides(ab.order), dict(k.a.edges), "a"),
+                 (self.fn.args[2], self.f.strides(bb.order), dict(k.b.edges), "b"),
+                 (self.fn.args[3], cs, {e: e for e in cb.edges}, "c")]
+        clipped = {e for _, e, _ in k.shifts}
 
         def leaf(vars):  # a batch edge that an operand lacks repeats it (stride 0)
+            lo, ok = self.clip(vars, views)
             ptrs = []
-            for arg, (st, to_buf) in zip(self.fn.args[1:], strides):
-                off = offset(b, [(vars[e], st[to_buf[e]]) for e in k.batch if e in to_buf])
-                ptrs.append(b.gep(arg, [off], inbounds=True, source_etype=self.fp))
-            self.call_blas(call, *ptrs)
+            for arg, st, to_buf, role in views:
+                parts = [(vars[e], st[to_buf[e]]) for e in k.batch + k.taps if e in to_buf]
+                parts += [(lo[e], st[to_buf[e]]) for e in clipped if e in to_buf]
+                parts += [(self.ix(ix, vars), st[to_buf[e]]) for r, e, ix in k.shifts if r == role]
+                ptrs.append(b.gep(arg, [offset(b, parts)], inbounds=True, source_etype=self.fp))
+            m, n, kk = (self.extent(g, lo, full) for g, full in ((k.m, M), (k.n, N), (k.k, K)))
+            if c_form[2]:  # C[M, N], N contiguous
+                call = (ta, tb, m, n, kk, lda, ldb, ldc, False)
+            else:          # C^T[N, M] = B^T A^T
+                flip = {blas.NO_TRANS: blas.TRANS, blas.TRANS: blas.NO_TRANS}
+                call = (flip[tb], flip[ta], n, m, kk, ldb, lda, ldc, True)
+            if ok is None:
+                self.call_blas(call, *ptrs)
+            else:
+                with b.if_then(ok):
+                    self.call_blas(call, *ptrs)
 
+        if k.accumulates():
+            self.fill_zero(self.fn.args[3], self.f.count(cb.edges))
         nonempty = b.icmp_signed(">", b.mul(M, N), I64(0))
         with b.if_then(nonempty):
-            self.nest(list(k.batch), {}, leaf)
+            self.nest(list(k.batch + k.taps), {}, leaf)
         b.ret_void()
         self.f.finish()
         return self.fn
+
+    def clip(self, vars, views):
+        """Per clipped edge, the start of its range where every shifted index is in
+        bounds (`self.hi` gets the end); `ok`: all ranges nonempty (None: no clips)."""
+        b, k = self.b, self.k
+        lo, self.hi, ok = {}, {}, None
+        for role, e, ix in k.shifts:
+            view = dict(k.a.edges if role == "a" else k.b.edges)
+            sh = self.ix(ix, vars)
+            l0 = b.sub(I64(0), sh)
+            h0 = b.sub(self.f.edge_size(view[e]), sh)
+            l1, h1 = lo.get(e, I64(0)), self.hi.get(e, self.f.edge_size(e))
+            lo[e] = b.select(b.icmp_signed(">", l0, l1), l0, l1)
+            self.hi[e] = b.select(b.icmp_signed("<", h0, h1), h0, h1)
+        for e in lo:
+            bit = b.icmp_signed("<", lo[e], self.hi[e])
+            ok = bit if ok is None else b.and_(ok, bit)
+        return lo, ok
+
+    def extent(self, group, lo, full):
+        if len(group) == 1 and group[0] in lo:
+            return self.b.sub(self.hi[group[0]], lo[group[0]])
+        return full
+
+    def ix(self, ix, vars):
+        b = self.b
+        total = self.f.size(ix.const)
+        for atom, coef in ix.terms:
+            term = vars[atom] if coef == 1 else b.mul(vars[atom], self.f.size(coef))
+            total = b.add(total, term)
+        return total
+
+    def fill_zero(self, ptr, n):
+        with for_range(self.b, I64(0), n, "z") as i:
+            self.b.store(ir.Constant(self.fp, 0.0), self.b.gep(ptr, [i], source_etype=self.fp))
 
     def nest(self, edges, vars, leaf):
         if not edges:
@@ -88,7 +138,8 @@ class GemmGen:
         ta, tb, M, N, K, lda, ldb, ldc, swapped = call
         b = self.b
         x, y = (pb, pa) if swapped else (pa, pb)
-        one, zero = ir.Constant(self.fp, 1.0), ir.Constant(self.fp, 0.0)
+        one = ir.Constant(self.fp, 1.0)
+        zero = one if self.k.accumulates() else ir.Constant(self.fp, 0.0)  # beta
         name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
         ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
         fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), M, N, K, one,
