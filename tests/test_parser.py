@@ -51,25 +51,7 @@ a, b, c, d = N("a"), N("b"), N("c"), N("d")
 
 # ---- statements ---------------------------------------------------------------
 
-MLP = """\
-# mlp.tg — two-layer classifier, one training step
-dim batch                       # size bound when the program is called
-dim features = 13, hidden = 64, classes = 3
-
-input  x[batch, features]
-input  y[batch, classes]        # one-hot targets
-param  W1[features, hidden], b1[hidden]
-param  W2[hidden, classes],  b2[classes]
-input  lr                       # a scalar: no edges
-
-h      = relu(x @ W1 + b1)      # @ multiplies, then sums the edges both sides share
-logits = h @ W2 + b2
-loss   = mean[batch](cross_entropy[classes](logits, y))
-
-out loss
-out dW1 = grad(loss, W1)
-update W2 = W2 - lr * grad(loss, W2)   # written back in place after the step
-"""
+MLP = (Path(__file__).parent / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
 
 
 def test_mlp_program():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 from scipy.special import erf, expit, log_softmax, logsumexp, softmax
@@ -60,25 +62,7 @@ def case(name, src, inputs, expected, tol=(1e-9, 1e-11), dims=()):
 FD = (1e-6, 1e-7)  # for references by finite differences
 
 # ---- section 1: the first program, verbatim ---------------------------------------------
-MLP = """\
-# mlp.tg — two-layer classifier, one training step
-dim batch                       # size bound when the program is called
-dim features = 13, hidden = 64, classes = 3
-
-input  x[batch, features]
-input  y[batch, classes]        # one-hot targets
-param  W1[features, hidden], b1[hidden]
-param  W2[hidden, classes],  b2[classes]
-input  lr                       # a scalar: no edges
-
-h      = relu(x @ W1 + b1)      # @ multiplies, then sums the edges both sides share
-logits = h @ W2 + b2
-loss   = mean[batch](cross_entropy[classes](logits, y))
-
-out loss
-out dW1 = grad(loss, W1)
-update W2 = W2 - lr * grad(loss, W2)   # written back in place after the step
-"""
+MLP = (Path(__file__).parent / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
 _m = dict(x=rn(5, 13), y=np.eye(3)[[0, 2, 1, 1, 0]], W1=rn(13, 64) * .3, b1=rn(64), W2=rn(64, 3) * .3, b2=rn(3),
           lr=np.array(0.1))
 
