@@ -27,6 +27,7 @@ class Options:
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     parallel_min_work: int = 1 << 18         # loop iterations (x op weight) below which a kernel runs on one thread
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
+    group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
 
     def with_(self, **changes) -> "Options":
         return replace(self, **changes)

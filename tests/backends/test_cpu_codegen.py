@@ -721,7 +721,7 @@ input y : f64[b, d]
 %1 = map[tanh] %y : f64[b, d]
 out p = %0 : [b, d]
 out q = %1 : [b, d]
-""")
+""", group_blocks=0)
     assert len(prog.lowered.kernels) == 2
     assert '@"tgc.k0"' in prog.llvm_ir and '@"tgc.k1' not in prog.llvm_ir
     assert_matches(prog, inputs_for(prog, {"b": 3}), "f64")

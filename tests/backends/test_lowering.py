@@ -1,4 +1,4 @@
-"""The lowering stages (fuse, layout, plan) read like their dumps: what is fused,
+"""The lowering stages (fuse, layout, group, plan) read like their dumps: what is fused,
 what goes to BLAS, how indicators become index arithmetic, which buffers share
 workspace. Numbers are checked in test_cpu_codegen.py; these check the shape.
 """
@@ -34,11 +34,17 @@ out p = %4 : [b, n]
 
 
 def test_softmax_is_three_passes_over_x():
-    lines = kernel_lines(lower(SOFTMAX))
+    lines = kernel_lines(lower(SOFTMAX, group_blocks=0))
     assert len(lines) == 3
     assert "max[n] %x[b, n]" in lines[0]
     assert "sum[n] exp(add[1.0, -1.0](%x[b, n]" in lines[1]
     assert lines[2].startswith("k2: loop %p[b, n] = div(exp(")
+
+
+def test_softmax_passes_run_per_row_with_max_and_sum_in_registers():
+    low = lower(SOFTMAX)
+    assert kernel_lines(low) == ["k0: group for b < b  reg %t2, %t3"]
+    assert not [b for b in low.buffers.values() if b.kind == "temp"]
 
 
 def test_reduction_epilogue_is_fused():
@@ -165,7 +171,7 @@ input x : f32[b, n]
 %6 = map[log] %5 : f32[b, n]
 %7 = contract %6, %6 : f32[b]
 out y = %7 : [b]
-""")
+""", group_blocks=0)
     temps = [b for b in low.buffers.values() if b.kind == "temp"]
     assert len({b.slot for b in temps}) < len(temps)
 
@@ -190,8 +196,8 @@ def test_stages_print_after_each():
     seen = []
     lower_module(parse_module(SOFTMAX), Options(print_ir_after_all=True),
                  emit=lambda banner, text: seen.append((banner, text)))
-    assert [b for b, _ in seen] == ["IR after fuse", "IR after layout", "IR after plan"]
+    assert [b for b, _ in seen] == ["IR after fuse", "IR after layout", "IR after group", "IR after plan"]
     temps = lambda text: [l for l in text.splitlines() if l.startswith("buffer") and " temp" in l]
     assert temps(seen[0][1]) and all("order" not in l for l in temps(seen[0][1]))  # fuse: no layout yet
     assert all("order" in l and "slot" not in l for l in temps(seen[1][1]))
-    assert all("slot" in l for l in temps(seen[2][1]))
+    assert all("slot" in l for l in temps(seen[3][1]))

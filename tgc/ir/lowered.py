@@ -408,7 +408,54 @@ class GemmKernel:
         return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
 
 
-Kernel = Union[LoopKernel, GemmKernel]
+@dataclass
+class LoopGroup:
+    """Loop kernels run one after another inside shared outer loops: for each index
+    of `outer` (loop variables every member keeps, outermost first), each member runs
+    its remaining loops with the outer ones fixed. A member reads what an earlier one
+    wrote only at the same outer index, so the rows a group works on stay in cache
+    (and its threads split the outermost loop). A member whose output is in `regs` is
+    kept in a register for the outer index (no buffer: it is read only by later
+    members, at that index).
+
+    With `blocks` > 0 the first outer loop runs in that many blocks (a loop variable
+    named like the block edge, `#block`; threads take whole blocks), and a member
+    may sum over the first outer variable: it adds into its block's row of a partial
+    buffer (zeroed by a kernel before the group and added up, in block order, by one
+    after it), so the result does not depend on how blocks were shared by threads."""
+    outer: tuple[str, ...]
+    sizes: dict[str, Size]
+    members: tuple[LoopKernel, ...]
+    regs: tuple[str, ...] = ()
+    blocks: int = 0
+    note: str = ""
+
+    def buffers_read(self) -> set[str]:
+        own = self.writes()
+        return {b for m in self.members for b in m.buffers_read()} - set(self.regs) | \
+            {b for m in self.members for b in m.buffers_read() if b in own and m.scatter}
+
+    def writes(self) -> set[str]:
+        return {m.out for m in self.members} - set(self.regs)
+
+    def buffers_used(self) -> list[str]:
+        names = [b for m in self.members for b in m.buffers_used()]
+        return [b for b in dict.fromkeys(names) if b not in self.regs]
+
+    @property
+    def loops(self) -> tuple[str, ...]:
+        return self.outer
+
+    def text(self) -> str:
+        loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
+        if self.blocks:
+            loops += f" in {self.blocks} blocks"
+        head = f"group for {loops}" + (f"  reg {', '.join('%' + r for r in self.regs)}" if self.regs else "")
+        body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
+        return head + (f"    # {self.note}" if self.note else "") + body
+
+
+Kernel = Union[LoopKernel, GemmKernel, LoopGroup]
 
 
 @dataclass(frozen=True)
@@ -428,9 +475,13 @@ class Lowered:
     checks: list[Check] = field(default_factory=list)
     slots: list[tuple[Size, ...]] = field(default_factory=list)  # bytes; a slot holds the max
     stage: str = "fuse"
+    edges: dict[str, Size] = field(default_factory=dict)    # edges lowering made (not the module's)
+
+    def size(self, edge: str) -> Size:
+        return self.edges[edge] if edge in self.edges else self.module.size(edge)
 
     def sizes(self, edges: Sequence[str]) -> list[Size]:
-        return [self.module.size(e) for e in edges]
+        return [self.size(e) for e in edges]
 
     def nbytes(self, buf: Buffer) -> Size:
         total: Size = 8 if buf.dtype == "f64" else 4
@@ -493,6 +544,9 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
     """`k` reading (and writing) the buffers `mapping` names instead (same edges)."""
     from dataclasses import replace
 
+    if isinstance(k, LoopGroup):
+        return replace(k, members=tuple(rename_buffers(m, mapping) for m in k.members),
+                       regs=tuple(mapping.get(r, r) for r in k.regs))
     if isinstance(k, GemmKernel):
         def view(v: View) -> View:
             return View(mapping.get(v.buf, v.buf), v.edges)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.ir.lowered import GemmKernel, Load, LoopKernel, Lowered, matrix_form, rename_buffers, walk
+from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Lowered, matrix_form, rename_buffers, walk
 from tgc.options import Options
 from tgc.passes.base import Pass
 
@@ -44,6 +44,10 @@ def _reads(k) -> set[str]:
     return k.buffers_read()
 
 
+def _writes(k) -> set[str]:
+    return k.writes() if isinstance(k, LoopGroup) else {k.out}
+
+
 def _final_copy(low: Lowered, target: str) -> LoopKernel:
     return next(k for k in low.kernels if isinstance(k, LoopKernel) and k.out == target)
 
@@ -55,7 +59,7 @@ def _updates_in_place(low: Lowered) -> None:
         if not isinstance(c.body, Load) or low.buffers[c.body.buf].kind != "temp":
             continue
         tmp = c.body.buf
-        writers = [i for i, k in enumerate(low.kernels) if k.out == tmp]
+        writers = [i for i, k in enumerate(low.kernels) if tmp in _writes(k)]
         if len(writers) != 1:
             continue
         w = writers[0]
@@ -72,6 +76,8 @@ def _updates_in_place(low: Lowered) -> None:
 
 
 def _can_retarget(low: Lowered, p, target: str) -> bool:
+    if isinstance(p, LoopGroup):
+        return target not in _reads(p)
     if isinstance(p, GemmKernel):
         form = matrix_form(low.buffers[target].order, p.m, p.n)
         return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]
@@ -89,7 +95,7 @@ def _assign_slots(low: Lowered) -> None:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, k in enumerate(low.kernels):
-        for name in _reads(k) | {k.out}:
+        for name in k.buffers_used():  # a list: the slots do not depend on set order
             if low.buffers[name].kind == "temp":
                 first.setdefault(name, i)
                 last[name] = i
@@ -118,11 +124,11 @@ def _assign_slots(low: Lowered) -> None:
     low.slots = [tuple(s) for s in slots]
 
 
-LOWERING = ("fuse", "layout", "plan")
+LOWERING = ("fuse", "layout", "group", "plan")
 
 
 def lower_module(module, options: Options, emit=None, stop_after: str = "plan") -> Lowered:
-    """Run the lowering stages after the IR pipeline: fuse, layout, plan.
+    """Run the lowering stages after the IR pipeline: fuse, layout, group, plan.
 
     `emit(banner, text)` receives the lowered form after each stage that
     `options.print_ir_after` names (or every stage with `print_ir_after_all`);
@@ -130,9 +136,10 @@ def lower_module(module, options: Options, emit=None, stop_after: str = "plan") 
     """
     from tgc.ir.lowered import print_lowered
     from tgc.passes.fuse import Fuse
+    from tgc.passes.group import Group
     from tgc.passes.layout import Layout
 
-    stages = {"fuse": Fuse(), "layout": Layout(), "plan": Plan()}
+    stages = {"fuse": Fuse(), "layout": Layout(), "group": Group(), "plan": Plan()}
     current = module
     for name in LOWERING:
         current = stages[name].run(current, options)

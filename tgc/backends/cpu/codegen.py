@@ -37,8 +37,8 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import fntable
 from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range
-from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok
-from tgc.ir.lowered import GemmKernel, Lowered, LoopKernel, Map, rename_buffers, walk
+from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_extent
+from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
@@ -81,7 +81,7 @@ class _ModuleGen:
     def check_fn(self, i: int, c) -> ir.Function:
         """i32 check(dims, ids): 1 if any id lies outside [0, size)."""
         fn = define(self.mod, f"tgc.check{i}", I32, [PTR, PTR])
-        f = Frame(fn, self.low.module, fn.args[0])
+        f = Frame(fn, self.low.module, fn.args[0], self.low.edges)
         b = f.b
         n = f.count(self.low.buffers[c.buf].edges)
         hi = f.size(c.size)
@@ -113,18 +113,20 @@ class _ModuleGen:
             par = emit_parallel_body(self.mod, self.low, k, fn, name + ".par")
         return fn, par
 
-    def always_serial(self, k: LoopKernel) -> bool:
+    def always_serial(self, k) -> bool:
         """Whether the kernel's work is known here (no symbolic dim) and below the
         threshold: then it gets no parallel body and no run-time test (less code for
         LLVM to compile: small fixed-size kernels, e.g. an MLP's weight updates)."""
         env = {d: s for d, s in self.low.module.dims.items() if isinstance(s, int)}
-        work = self.weight(k)
+        total = 0
         try:
-            for v in k.loops:
-                work *= size_eval(k.sizes[v], env)
+            for weight, sizes in work_terms(k):
+                for s in sizes:
+                    weight *= size_eval(s, env)
+                total += weight
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
-        return work < self.opt.parallel_min_work
+        return total < self.opt.parallel_min_work
 
     def slot_sizes(self, f: Frame) -> list:
         out = []
@@ -139,7 +141,7 @@ class _ModuleGen:
 
     def workspace_fn(self) -> None:
         fn = define(self.mod, "tgc_workspace_bytes", I64, [PTR], internal=False)
-        f = Frame(fn, self.low.module, fn.args[0])
+        f = Frame(fn, self.low.module, fn.args[0], self.low.edges)
         total = I64(0)
         for s in self.slot_sizes(f):
             total = f.b.add(total, s)
@@ -151,7 +153,7 @@ class _ModuleGen:
     def run_fn(self, checks, kernels) -> None:
         fn = define(self.mod, "tgc_run", I32, [PTR] * 4, internal=False)
         dims, args, outs, ws = fn.args
-        f = Frame(fn, self.low.module, dims)
+        f = Frame(fn, self.low.module, dims, self.low.edges)
         b = f.b
         for i, (check, c) in enumerate(zip(checks, self.low.checks)):
             bad = b.call(check, [dims, self.arg_ptr(b, args, self.low.buffers[c.buf].index)])
@@ -200,18 +202,21 @@ class _ModuleGen:
                 ptrs[name] = b.gep(ws, [offsets[buf.slot]], source_etype=ir.IntType(8))
         return ptrs
 
-    def call_loop(self, f: Frame, k: LoopKernel, kfn, par, call_args) -> None:
+    def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
-        n = f.size(k.sizes[k.loops[0]]) if k.loops else I64(1)
+        n = f.size(split_extent(k))
         if par is None:
             b.call(kfn, call_args + [I64(0), n])
             return
         data = f.alloca(ir.ArrayType(PTR, len(call_args)), "data")
         for i, a in enumerate(call_args):
             b.store(a, b.gep(data, [I32(0), I32(i)]))
-        work = I64(self.weight(k))
-        for v in k.loops:
-            work = b.mul(work, f.size(k.sizes[v]))
+        work = I64(0)
+        for weight, sizes in work_terms(k):
+            term = I64(weight)
+            for s in sizes:
+                term = b.mul(term, f.size(s))
+            work = b.add(work, term)
         have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
         big = b.and_(b.icmp_signed(">=", work, I64(self.opt.parallel_min_work)), have)
         with b.if_else(big) as (then, otherwise):
@@ -220,11 +225,19 @@ class _ModuleGen:
             with otherwise:
                 b.call(kfn, call_args + [I64(0), n])
 
-    @staticmethod
-    def weight(k: LoopKernel) -> int:
-        roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
-        maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
-        return 1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
+
+
+def weight(k: LoopKernel) -> int:
+    """Work per iteration of the kernel's loops, in units of an add (see HEAVY)."""
+    roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+    maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
+    return 1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
+
+
+def work_terms(k) -> list[tuple[int, list]]:
+    """(weight, loop extents) for each loop kernel of `k` (a group: its members)."""
+    members = k.members if isinstance(k, LoopGroup) else (k,)
+    return [(weight(m), [m.sizes[v] for v in m.loops]) for m in members]
 
 
 def kernel_key(low: Lowered, k) -> tuple:

@@ -34,8 +34,9 @@ def define(module: ir.Module, name: str, ret, params: Sequence, internal: bool =
 class Frame:
     """A function being emitted: open entry block + body builder + cached sizes."""
 
-    def __init__(self, fn: ir.Function, module: Module, dims_ptr):
+    def __init__(self, fn: ir.Function, module: Module, dims_ptr, edges=None):
         self.fn, self.m, self.dims_ptr = fn, module, dims_ptr
+        self.edges = edges or {}    # sizes of edges the module lacks (`Lowered.edges`)
         self.entry = ir.IRBuilder(fn.append_basic_block("entry"))
         self.body_start = fn.append_basic_block("body")
         self.b = ir.IRBuilder(self.body_start)
@@ -66,7 +67,7 @@ class Frame:
         return value
 
     def edge_size(self, edge: str):
-        return self.size(self.m.size(edge))
+        return self.size(self.edges[edge] if edge in self.edges else self.m.size(edge))
 
     def strides(self, order: Sequence[str]) -> dict[str, ir.Value]:
         """Element strides of a row-major buffer with axes `order`."""

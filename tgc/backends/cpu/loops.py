@@ -14,6 +14,12 @@ thread's share when that loop is over a kept edge). Shapes of the nest:
   matrix): initialize `out`, combine into it in the nest, then apply the epilogue;
 - scatter: zero `out`, then add each element at its gathered position.
 
+A group (`LoopGroup`) is one function: its outer loops (the first split between
+threads, by blocks when it has partial sums), and inside them each member's own
+loops in one of the shapes above, with the outer variables fixed; a member in
+`regs` leaves its value in a register for the members after it; a partial member
+adds into its block's row without initializing it.
+
 `Mask` becomes a branch around its operand, so loads under a false condition are
 never executed; LLVM if-converts it into masked vector loads.
 """
@@ -23,63 +29,118 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset
-from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map, Mask,
-                            Mul, SizeOf)
+from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
+                            Mask, Mul, SizeOf)
+from tgc.passes.group import BLOCK_EDGE as BLOCK
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
-def kernel_buffers(k: LoopKernel) -> list[str]:
+def kernel_buffers(k: LoopKernel | LoopGroup) -> list[str]:
     return k.buffers_used()
 
 
-def parallel_ok(k: LoopKernel) -> bool:
+def parallel_ok(k: LoopKernel | LoopGroup) -> bool:
+    if isinstance(k, LoopGroup):
+        return True
     return bool(k.loops) and k.loops[0] not in k.red and not k.scatter
 
 
+def split_extent(k: LoopKernel | LoopGroup):
+    """The extent of the loop threads split: the blocks of a blocked group, else the
+    outermost loop's."""
+    if isinstance(k, LoopGroup) and k.blocks:
+        return k.blocks
+    return k.sizes[k.loops[0]] if k.loops else 1
+
+
 class LoopGen:
-    def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel, name: str, fp):
-        self.low, self.k, self.fp = low, k, fp
+    """One loop kernel, or a group of them inside shared outer loops, as a function."""
+
+    def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp):
+        self.low, self.top, self.k, self.fp = low, k, k, fp
         self.bufs = kernel_buffers(k)
         fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64])
         for a in fn.args[: 1 + len(self.bufs)]:
             a.add_attribute("noalias")
         fn.attributes.add("noinline")  # optimized once, not again in each caller
         self.fn = fn
-        self.f = Frame(fn, low.module, fn.args[0])
+        self.f = Frame(fn, low.module, fn.args[0], low.edges)
         self.b = self.f.b
         self.ptr = dict(zip(self.bufs, fn.args[1:]))
         self.lo, self.hi = fn.args[-2], fn.args[-1]
+        self.split = None if isinstance(k, LoopGroup) or not k.loops else k.loops[0]
+        self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
+        self.regs: dict[str, ir.Value] = {}
 
     # ------------------------------------------------------------ nest
 
     def emit(self) -> ir.Function:
-        k = self.k
-        kept = [v for v in k.loops if v not in k.red]
-        register = not k.scatter and all(k.loops.index(r) > k.loops.index(v)
-                                         for r in k.red for v in kept)
-        if k.scatter:
-            self.fill_zero()
-            self.nest(list(k.loops), {}, self.scatter_step)
-        elif not k.reduce:
-            self.nest(list(k.loops), {}, lambda vs: self.store(vs, self.expr(k.body, vs)))
-        elif register:
-            self.nest(kept, {}, self.reduce_in_register)
+        if isinstance(self.top, LoopGroup):
+            self.group(self.top)
         else:
-            self.nest(kept, {}, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
-            self.nest(list(k.loops), {}, self.reduce_in_memory)
-            if k.epilogue is not None:
-                self.nest(kept, {}, lambda vs: self.store(vs, self.expr(k.epilogue, vs, self.load_out(vs))))
+            self.member(self.top, {})
         self.b.ret_void()
         self.f.finish()
         return self.fn
+
+    def group(self, g: LoopGroup) -> None:
+        """The outer loops (this call's share of the first), then each member."""
+        b, first = self.b, g.outer[0]
+
+        def members(vars: dict) -> None:
+            for m in g.members:
+                self.member(m, vars)
+
+        def rest(vars: dict) -> None:
+            self.plain_nest(list(g.outer[1:]), g.sizes, vars, members)
+
+        if not g.blocks:
+            with for_range(b, self.lo, self.hi, first) as i:
+                rest({first: i})
+            return
+        n, nb = self.f.size(g.sizes[first]), I64(g.blocks)
+        with for_range(b, self.lo, self.hi, BLOCK) as blk:
+            start = b.sdiv(b.mul(blk, n), nb)
+            end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
+            with for_range(b, start, end, first) as i:
+                rest({BLOCK: blk, first: i})
+
+    def plain_nest(self, loops: list[str], sizes, vars: dict, leaf) -> None:
+        if not loops:
+            leaf(vars)
+            return
+        with for_range(self.b, I64(0), self.f.size(sizes[loops[0]]), loops[0]) as i:
+            self.plain_nest(loops[1:], sizes, {**vars, loops[0]: i}, leaf)
+
+    def member(self, k: LoopKernel, vars: dict) -> None:
+        """Kernel `k`'s loops other than those `vars` fixes (a group's outer loops)."""
+        self.k = k
+        loops = [v for v in k.loops if v not in vars]
+        kept = [v for v in loops if v not in k.red]
+        register = not k.scatter and all(loops.index(r) > loops.index(v)
+                                         for r in k.red if r in loops for v in kept)
+        if k.scatter:
+            self.fill_zero()
+            self.nest(loops, vars, self.scatter_step)
+        elif not k.reduce:
+            self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
+        elif set(k.red) & set(vars):  # a partial sum: add into the block's row
+            self.nest(loops, vars, self.reduce_in_memory)
+        elif register:
+            self.nest(kept, vars, self.reduce_in_register)
+        else:
+            self.nest(kept, vars, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
+            self.nest(loops, vars, self.reduce_in_memory)
+            if k.epilogue is not None:
+                self.nest(kept, vars, lambda vs: self.store(vs, self.expr(k.epilogue, vs, self.load_out(vs))))
 
     def nest(self, loops: list[str], vars: dict, leaf) -> None:
         if not loops:
             leaf(vars)
             return
         v = loops[0]
-        split = v == self.k.loops[0]
+        split = v == self.split
         lo, hi = (self.lo, self.hi) if split else (I64(0), self.f.size(self.k.sizes[v]))
         lows, highs = self.k.bounds.get(v, ((), ()))
         for ix in lows:
@@ -96,7 +157,7 @@ class LoopGen:
         b = self.b
         acc = self.f.alloca(self.fp, "acc")
         b.store(self.const(INIT[kind]), acc)
-        red = [v for v in self.k.loops if v in self.k.red]
+        red = [v for v in self.k.loops if v in self.k.red and v not in vars]
         self.nest(red, vars, lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc))
         return b.load(acc)
 
@@ -148,6 +209,9 @@ class LoopGen:
         return b.gep(self.ptr[buf], [off], inbounds=True, source_etype=etype)
 
     def store(self, vars: dict, value) -> None:
+        if self.k.out in self.reg_names:
+            self.regs[self.k.out] = value
+            return
         self.b.store(value, self.address(self.k.out, self.k.index, vars, self.fp))
 
     def load_out(self, vars: dict):
@@ -182,6 +246,8 @@ class LoopGen:
     def expr(self, e, vars: dict, acc=None):
         b = self.b
         if isinstance(e, Load):
+            if e.buf in self.regs:
+                return self.regs[e.buf]
             return b.load(self.address(e.buf, e.index, vars, self.fp), typ=self.fp)
         if isinstance(e, Const):
             return self.const(e.value)
@@ -240,18 +306,18 @@ class LoopGen:
         return phi
 
 
-def emit_parallel_body(mod: ir.Module, low: Lowered, k: LoopKernel, kernel: ir.Function, name: str) -> ir.Function:
+def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, name: str) -> ir.Function:
     """`void name(ptr data)`, data = [dims, buffers...]: runs this thread's share of
-    the kernel's outermost loop (`parallel.thread_range`)."""
+    the kernel's split loop (`split_extent`, `parallel.thread_range`)."""
     from tgc.backends.cpu import parallel
 
     nbuf = len(kernel_buffers(k))
     fn = define(mod, name, ir.VoidType(), [PTR])
-    f = Frame(fn, low.module, None)
+    f = Frame(fn, low.module, None, low.edges)
     e = f.entry
     ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
     f.dims_ptr = ptrs[0]
-    lo, hi = parallel.thread_range(f.b, f.size(k.sizes[k.loops[0]]))
+    lo, hi = parallel.thread_range(f.b, f.size(split_extent(k)))
     f.b.call(kernel, ptrs + [lo, hi])
     f.b.ret_void()
     f.finish()

@@ -1,0 +1,116 @@
+"""The `group` lowering stage: neighbouring loop kernels in shared outer loops.
+
+Each program runs on the cpu backend against the reference interpreter, serially and
+split over two threads (`parallel_min_work=1` makes every group parallel), at row
+counts around the block count, so partial sums, registers and inlined producers are
+all checked numerically; the structure is checked on the lowered form.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.lowered import LoopGroup, LoopKernel
+from tgc.options import Options
+
+LAYERNORM = """
+dim rows, d
+input x[rows, d]
+input dy[rows, d]
+param w[d], b[d]
+y = layernorm[d](x, w, b)
+loss = sum(y * dy)
+out y
+out dx = grad(loss, x)
+out dw = grad(loss, w)
+out db = grad(loss, b)
+"""
+
+# a bias gradient summed over rows next to elementwise work: outer loops (rows, d)
+TANH_BIAS = """
+dim rows, d
+input x[rows, d]
+input dy[rows, d]
+y = tanh(x)
+out y
+out g = grad(sum(y * dy), x)
+out s = sum[rows](dy * y)
+"""
+
+# a sum over rows read back by every row: the reader must wait for the whole sum
+SUM_THEN_SCALE = """
+dim rows, d
+input x[rows, d]
+s = sum[rows](exp(x))
+out z = x * s
+"""
+
+TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
+
+
+def build(source: str, dtype: str, **opts):
+    return tgc.compile(source, backend="cpu", dtype=dtype, options=Options(**opts))
+
+
+def run_and_compare(prog, rows: int, d: int, dtype: str, seed: int = 0) -> dict:
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"rows": rows, "d": d}), seed, dtype)
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    rtol, atol = TOL[dtype]
+    for name, w in want.items():
+        scale = max(1.0, float(np.max(np.abs(w)))) if w.size else 1.0
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol * scale, err_msg=name)
+    return got
+
+
+def groups(prog) -> list[LoopGroup]:
+    return [k for k in prog.lowered.kernels if isinstance(k, LoopGroup)]
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("source", [LAYERNORM, TANH_BIAS, SUM_THEN_SCALE], ids=["layernorm", "tanh_bias", "sum"])
+def test_groups_match_the_interpreter(source, threads, dtype):
+    prog = build(source, dtype, threads=threads, parallel_min_work=1)
+    for rows in (1, 2, 31, 32, 33, 100):
+        run_and_compare(prog, rows, 24, dtype, seed=rows)
+
+
+def test_layernorm_is_one_group_with_row_statistics_in_registers():
+    prog = build(LAYERNORM, "f32")
+    (g,) = groups(prog)
+    assert g.outer == ("rows",) and g.blocks == 32 and len(g.regs) == 4
+    # x - mean is recomputed where read, never stored
+    assert not [b for b in prog.lowered.buffers.values() if b.kind == "temp" and b.edges == ("d", "rows")]
+    partial = [m for m in g.members if m.note == "partial sums"]
+    assert len(partial) == 2
+
+
+def test_tanh_and_its_bias_gradient_share_one_pass():
+    prog = build(TANH_BIAS, "f32")
+    (g,) = groups(prog)
+    assert g.outer == ("rows", "d") and g.blocks
+    assert [m.note for m in g.members].count("partial sums") == 1
+
+
+def test_a_reader_of_a_sum_over_rows_waits_for_it():
+    prog = build(SUM_THEN_SCALE, "f64")
+    z = next(k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and k.out == "z")
+    assert z.reduce == ""   # its own kernel, after the partial sums are added up
+
+
+def test_partial_sums_do_not_depend_on_the_thread_count():
+    x = random_inputs(build(LAYERNORM, "f32").module, {"rows": 333, "d": 40}, 1, "f32")
+    one = build(LAYERNORM, "f32", threads=1)(**{k: np.copy(v) for k, v in x.items()})
+    two = build(LAYERNORM, "f32", threads=2, parallel_min_work=1)(**{k: np.copy(v) for k, v in x.items()})
+    for name in one:
+        assert np.array_equal(one[name], two[name]), name
+
+
+def test_group_blocks_zero_turns_grouping_off():
+    prog = build(LAYERNORM, "f64", group_blocks=0)
+    assert not groups(prog)
+    run_and_compare(prog, 5, 8, "f64")

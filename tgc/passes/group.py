@@ -1,0 +1,230 @@
+"""group: run neighbouring loop kernels inside shared outer loops (`LoopGroup`).
+
+`Lowered` (after `layout`) -> `Lowered`. `fuse` gives one loop nest per materialized
+value, so a layernorm's backward is nine kernels that each stream the whole
+[rows, d] input from memory. Kernels that follow one another and all start with the
+same kept loops (`rows`) become one group: for each row every member runs its own
+inner loops, so the row is read from memory once and stays in cache for the rest.
+
+A kernel joins the group before it when:
+- both are loop kernels (not scatters, not the final copies of updates) that write
+  their whole output at the identity index, and the longest common prefix of their
+  loops (same variables, same extents), kept in every member, is not empty;
+- every read of a buffer an earlier member wrote is at the same outer index (the
+  outer variables themselves), so at that index the value is complete.
+A member may also sum over the first outer variable (a parameter gradient
+`dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
+of outer indices (`options.group_blocks` blocks, threads take whole blocks), zeroed
+before the group and added up after it, in block order.
+
+Inside a finished group, a temporary that only later members read becomes:
+- a register (`regs`) when its edges are exactly the outer variables (a row's mean);
+- inlined into its readers when it is elementwise and cheap (`x - mean`), so it is
+  never written;
+- otherwise a buffer as before (read back while still in cache).
+
+Terminates: one pass over the kernels; inlining removes one member per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgc.ir.lowered import (Add, Buffer, Const, Cond, GemmKernel, Ix, Load, LoopGroup, LoopKernel, Lowered,
+                            Map, Mask, Mul, walk)
+from tgc.options import Options
+from tgc.passes.base import Pass
+
+EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
+INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined producer has
+BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
+
+
+@dataclass(frozen=True)
+class Group(Pass):
+    """Fuse neighbouring loop kernels that share outer loops into groups."""
+
+    name = "group"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+        out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
+                      kernels=[], stage="group", edges=dict(low.edges))
+        if options.group_blocks < 1:
+            out.kernels = list(low.kernels)
+            return out
+        _Grouper(low, out, options).run()
+        return out
+
+
+def _identity(k: LoopKernel) -> bool:
+    return all(ix == Ix.var(e) for e, ix in k.index) and not k.scatter
+
+
+def _loads(k: LoopKernel):
+    roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+    for r in roots:
+        for n in walk(r):
+            if isinstance(n, Load):
+                yield n
+
+
+def _outer_of(k: LoopKernel, partial_ok: bool) -> list[str]:
+    """The loops of `k` that can be outer loops of a group, outermost first: kept
+    ones, or (only the very first, for a sum) reduced ones."""
+    out = []
+    for i, v in enumerate(k.loops):
+        if v in k.red:
+            if not (i == 0 and partial_ok and k.reduce == "sum") or v in k.bounds:
+                break
+        out.append(v)
+    return out
+
+
+class _Grouper:
+    def __init__(self, low: Lowered, out: Lowered, options: Options):
+        self.low, self.out, self.opt = low, out, options
+        self.readers: dict[str, set[int]] = {}
+        for i, k in enumerate(low.kernels):
+            for b in k.buffers_read():
+                self.readers.setdefault(b, set()).add(i)
+
+    def groupable(self, k) -> bool:
+        return (isinstance(k, LoopKernel) and _identity(k) and k.loops != ()
+                and self.low.buffers[k.out].kind != "arg")
+
+    def run(self) -> None:
+        members: list[int] = []
+        for i, k in enumerate(self.low.kernels):
+            if members and self.groupable(k) and self.outer(members + [i]):
+                members.append(i)
+                continue
+            self.flush(members)
+            members = [i] if self.groupable(k) else []
+            if not members:
+                self.out.kernels.append(k)
+        self.flush(members)
+
+    # ------------------------------------------------------------ membership
+
+    def outer(self, members: list[int]) -> tuple[str, ...]:
+        """The group's outer loops, or () when these kernels cannot form one."""
+        ks = [self.low.kernels[i] for i in members]
+        prefix = _outer_of(ks[0], True)
+        for k in ks[1:]:
+            mine = _outer_of(k, True)
+            n = 0
+            while n < min(len(prefix), len(mine)) and prefix[n] == mine[n] \
+                    and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
+                n += 1
+            prefix = prefix[:n]
+        # only the first outer loop may be summed over (a partial), and then by a sum
+        while prefix and any(v in k.red for k in ks for v in prefix[1:]):
+            prefix = prefix[:-1]
+        if not prefix:
+            return ()
+        written: dict[str, LoopKernel] = {}
+        for k in ks:
+            for ld in _loads(k):
+                w = written.get(ld.buf)
+                if w is not None and (self.partial(w, prefix) or
+                                      any(dict(ld.index).get(v) != Ix.var(v) for v in prefix)):
+                    return ()
+            written[k.out] = k
+        return tuple(prefix)
+
+    @staticmethod
+    def partial(k: LoopKernel, outer) -> bool:
+        return outer[0] in k.red
+
+    # ------------------------------------------------------------ finishing a group
+
+    def flush(self, members: list[int]) -> None:
+        if not members:
+            return
+        ks = [self.low.kernels[i] for i in members]
+        if len(ks) == 1:
+            self.out.kernels.append(ks[0])
+            return
+        outer = self.outer(members)
+        outside = set(range(len(self.low.kernels))) - set(members)
+        local = [k.out for k in ks if not self.partial(k, outer) and self.low.buffers[k.out].kind == "temp"
+                 and not (self.readers.get(k.out, set()) & outside)]
+        regs: list[str] = []
+        for name in local:
+            k = next(m for m in ks if m.out == name)
+            if set(self.low.buffers[name].edges) == set(outer):
+                regs.append(name)
+            elif not k.reduce and _cheap(k.body) and k is not ks[-1]:
+                ks = [m for m in ks if m is not k]
+                ks = [_inline(m, k) for m in ks]
+                del self.out.buffers[name]
+        for name in regs:
+            del self.out.buffers[name]
+        before, after = [], []
+        if any(self.partial(k, outer) for k in ks):
+            ks = [self.make_partial(k, outer, before, after) if self.partial(k, outer) else k for k in ks]
+        sizes = {v: ks[0].sizes[v] for v in outer}
+        self.out.kernels += before
+        if len(ks) == 1 and not after:
+            self.out.kernels.append(ks[0])
+        else:
+            self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
+                                              blocks=self.opt.group_blocks if after else 0))
+        self.out.kernels += after
+
+    def make_partial(self, k: LoopKernel, outer, before: list, after: list) -> LoopKernel:
+        """`k` adding into its block's row of a partial buffer; the zeroing kernel
+        goes to `before`, the kernel adding the rows into `k.out` to `after`."""
+        low = self.out
+        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        dst = low.buffers[k.out]
+        name = low.fresh("p")
+        order = (BLOCK_EDGE,) + dst.order
+        low.buffers[name] = Buffer(name, dst.dtype, tuple(sorted(order)), "temp", order=order)
+        kept = tuple(e for e, _ in k.index)
+        full = ((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + k.index
+        loops = (BLOCK_EDGE,) + tuple(v for v in dst.order)
+        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.group_blocks}
+        index = tuple(sorted(full, key=lambda t: t[0]))
+        before.append(LoopKernel(name, index, loops, sizes, Const(0.0), note="zero partial sums"))
+        after.append(LoopKernel(k.out, k.index, loops, sizes, Load(name, index), "sum", (BLOCK_EDGE,),
+                                k.epilogue, note="add partial sums"))
+        return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _cheap(e) -> bool:
+    """Few cheap operations (recomputed by each reader instead of stored)."""
+    nodes = list(walk(e))
+    ops = [n for n in nodes if isinstance(n, (Add, Mul, Map))]
+    return (len(ops) <= INLINE_MAX_OPS and not any(isinstance(n, Map) and n.fn in EXPENSIVE for n in ops)
+            and not any(isinstance(n, Mask) for n in nodes))
+
+
+def _inline(reader: LoopKernel, producer: LoopKernel) -> LoopKernel:
+    """`reader` with its loads of `producer.out` replaced by the producer's
+    expression at the loaded index."""
+    def expr(e):
+        if isinstance(e, Load) and e.buf == producer.out:
+            at = dict(e.index)
+            return _subst(producer.body, {v: at[v] for v, _ in producer.index})
+        if isinstance(e, (Add, Mul, Map)):
+            return replace(e, args=tuple(expr(a) for a in e.args))
+        if isinstance(e, Mask):
+            return Mask(e.conds, expr(e.arg))
+        return e
+
+    return replace(reader, body=expr(reader.body),
+                   epilogue=None if reader.epilogue is None else expr(reader.epilogue))
+
+
+def _subst(e, mapping: dict[str, Ix]):
+    """`e` with loop variables replaced by indices."""
+    if isinstance(e, Load):
+        return Load(e.buf, tuple((edge, ix.subst(mapping)) for edge, ix in e.index))
+    if isinstance(e, Mask):
+        return Mask(tuple(Cond(c.ix.subst(mapping), c.op) for c in e.conds), _subst(e.arg, mapping))
+    if isinstance(e, (Add, Mul, Map)):
+        return replace(e, args=tuple(_subst(a, mapping) for a in e.args))
+    return e
+
+
+__all__ = ["Group", "GemmKernel"]
