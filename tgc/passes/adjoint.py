@@ -9,6 +9,9 @@ Each contribution comes from the consumer's rule in `tgc.passes.derivatives`.
 `[e = e.1] ...` over f's edges and fresh copies of them, renamed back at the end
 (the Jacobian). Extra edges of `v` (a batch of cotangents) are likewise renamed to
 fresh edges while the rules run, so they never meet an intermediate value's edge.
+The grads of one scalar `f` (all seeded with 1) share one sweep over the values
+active for any of their arguments: a value's cotangent is the same whichever
+argument asks, so n parameters cost one sweep, not n.
 
 Nesting (this module holds the driver both derivative passes share): `resolve`
 walks the module in topological order and expands the derivative nodes of the
@@ -38,15 +41,29 @@ from tgc.passes.tangent import jvp_value
 
 def reverse(f: Value, x: Value, seed: Value) -> Value | None:
     """The cotangent of `x` when `f`'s cotangent is `seed` (None: exactly zero)."""
-    act = active_values(f, x)
+    return reverse_many(f, [x], seed)[id(x)]
+
+
+def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | None]:
+    """id(x) -> the cotangent of x (None: exactly zero), for every x of `xs`, from one
+    sweep: a value's cotangent does not depend on which x is asked for, and the
+    activity of the union only adds values whose cotangents reach none of the others."""
+    act = active_values(f, xs)
+    want = {id(x) for x in xs}
+    out: dict[int, Value | None] = dict.fromkeys(want)
     if id(f) not in act:
-        return None
+        return out
     batch = set(seed.edges) - set(f.edges)
     parts: dict[int, list[Value]] = {id(f): [seed]}
+    left = len(want)
     for v in reversed(topo_order([f])):
-        if v is x:  # every value after x in this order does not depend on x
-            break
         ct = total(parts.pop(id(v), ()))
+        if id(v) in want:  # every value after the last x in this order depends on none of them
+            out[id(v)] = ct
+            left -= 1
+            if not left:
+                break
+            continue
         if ct is None:
             continue
         rule = rule_for(v)
@@ -55,11 +72,13 @@ def reverse(f: Value, x: Value, seed: Value) -> Value | None:
             c = rule.vjp(v, i, ct) if id(o) in act else None
             if c is not None:
                 parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
-    return total(parts.get(id(x), ()))
+    return out
 
 
-def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str]) -> Value:
-    ct = reverse(f, x, seed)
+def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str], ct=False) -> Value:
+    """x's cotangent (`ct` when given, a `reverse` result) with the fresh edges renamed back."""
+    if ct is False:
+        ct = reverse(f, x, seed)
     if ct is None:
         ct = V.const(0.0, f.dtype, set(x.edges) | set(fresh.values()))
     return V.rename(ct, inverse(fresh))
@@ -94,13 +113,32 @@ def _to_resolve(roots: list[Value], kinds: Iterable[str]) -> set[int]:
 
 
 def resolve(module: Module, kinds: Iterable[str]) -> Module:
-    """The module with those derivative nodes expanded, innermost first."""
+    """The module with those derivative nodes expanded, innermost first.
+
+    The grads of one scalar function (seeded with 1, no fresh edges) share one
+    reverse sweep (`reverse_many`) over all their arguments: a program's gradients
+    with respect to many parameters cost one sweep, not one each."""
     out = module.replace_values({})  # a copy: fresh edges are registered in it
+    values = topo_order(module.roots())
     todo = _to_resolve(module.roots(), tuple(kinds))
+    wrt: dict[int, list[Value]] = {}  # id(f) as written -> the x of each grad(f, x) to expand
+    for v in values:
+        if id(v) in todo and v.op == "grad" and id(v.operands[1]) not in {id(x) for x in wrt.get(id(v.operands[0]), ())}:
+            wrt.setdefault(id(v.operands[0]), []).append(v.operands[1])
+    sweeps: dict[int, dict[int, Value | None]] = {}  # id(f) as written -> reverse_many's result
     memo: dict[int, Value] = {}
-    for v in topo_order(module.roots()):
+    for v in values:
         ops = tuple(memo[id(o)] for o in v.operands)
-        memo[id(v)] = EXPAND[v.op](out, *ops) if id(v) in todo else rebuild_same(v, ops)
+        if id(v) not in todo:
+            memo[id(v)] = rebuild_same(v, ops)
+        elif v.op == "grad" and not ops[0].edges:
+            f, x = ops
+            cts = sweeps.get(id(v.operands[0]))
+            if cts is None:
+                cts = sweeps[id(v.operands[0])] = reverse_many(f, wrt[id(v.operands[0])], _identity({}, f.dtype))
+            memo[id(v)] = _pull(f, x, _identity({}, f.dtype), {}, cts[id(x)])
+        else:
+            memo[id(v)] = EXPAND[v.op](out, *ops)
     return out.replace_values(memo)
 
 

@@ -93,6 +93,10 @@ class Canon:
     def __init__(self, module: Module, merge: Callable[[Value], bool] | None = lambda v: True):
         self.m = module
         self.merge = merge
+        # (factors, keep) -> working names: a product met again (a rule or a later pass
+        # rebuilding it) is named as before; fresh edges only ever get added to the module,
+        # so naming again would give the same names
+        self._work: dict[tuple, dict[str, str]] = {}
 
     # ---- dispatch ----------------------------------------------------------------
 
@@ -301,7 +305,10 @@ class Canon:
 
     def _named(self, factors: list[Value], keep: set[str]) -> Value:
         """The product on canonical edge names, renamed to `keep` at the end."""
-        work = working_names(self.m, factors, keep, base, sort_key, self.fresh)
+        memo = (tuple(factors), frozenset(keep))
+        work = self._work.get(memo)
+        if work is None:
+            work = self._work[memo] = working_names(self.m, factors, keep, base, sort_key, self.fresh)
         ops = []
         for f in factors:
             b, mp = base(f)

@@ -251,9 +251,10 @@ def rule_for(v: Value) -> Rule:
     return RULES[key]
 
 
-def active_values(f: Value, x: Value) -> set[int]:
-    """ids of the values of f's graph that depend on x through differentiable operands."""
-    act = {id(x)}
+def active_values(f: Value, x: Value | Sequence[Value]) -> set[int]:
+    """ids of the values of f's graph that depend on x (or on any of a sequence of
+    values) through differentiable operands."""
+    act = {id(x)} if isinstance(x, Value) else {id(u) for u in x}
     for v in topo_order([f]):
         if any(id(v.operands[i]) in act for i in rule_for(v).positions(v)):
             act.add(id(v))

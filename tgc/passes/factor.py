@@ -108,7 +108,7 @@ def undistribute(ctx: Ctx, v: Value) -> Value | None:
         ctx.cache.update(sizes=rep_sizes(ctx.module, ctx.options.rep_size),
                          users=Counter(id(o) for x in values for o in x.operands))
     sizes, users = ctx.cache["sizes"], ctx.cache["users"]
-    known = {id(x) for x in topo_order([v])}  # what exists already
+    known = None  # ids of what exists already (v's graph), found on first need
     terms, coefs = list(v.operands), list(v.attrs[0])
     best = None
     for o in sorted({id(f): f for t in terms for f in _factors(t)}.values(), key=sort_key):
@@ -119,6 +119,8 @@ def undistribute(ctx: Ctx, v: Value) -> Value | None:
         new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
         dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
         old = sum(_cost(t, sizes) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        if known is None:
+            known = {id(x) for x in topo_order([v])}
         saving = old - _new_cost(new, sizes, set(known))
         if saving > 0 and (best is None or saving > best[0]):
             best = (saving, group, new)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from tgc.ir.values import Value, topo_order
+from tgc.ir.values import Value
 
 POS, NONNEG = "pos", "nonneg"
 
@@ -39,10 +39,19 @@ class Facts:
     def _get(self, v: Value) -> tuple[bool, str | None]:
         hit = self._memo.get(id(v))
         if hit is None:
-            for u in topo_order([v]):
-                if id(u) not in self._memo:
-                    self._memo[id(u)] = (u, *self._compute(u))
-            hit = self._memo[id(v)]
+            memo, stack = self._memo, [v]
+            while stack:  # operands first, never below a value already known
+                u = stack[-1]
+                if id(u) in memo:
+                    stack.pop()
+                    continue
+                todo = [o for o in u.operands if id(o) not in memo]
+                if todo:
+                    stack.extend(reversed(todo))
+                    continue
+                stack.pop()
+                memo[id(u)] = (u, *self._compute(u))
+            hit = memo[id(v)]
         return hit[1], hit[2]
 
     def finite(self, v: Value) -> bool:

@@ -38,6 +38,7 @@ class _Factor:
         self.base, self.mp = base_of(f)
         self.inv = {d: s for s, d in self.mp.items()}
         self.dense = f.op != "indicator"
+        self._pairs = None
 
     def native(self, e: str) -> str:
         return self.inv.get(e, e)
@@ -47,9 +48,11 @@ class _Factor:
         if not self.dense:
             names = {x: ("@" if x == e else label(x)) for x in self.f.edges}
             return "I" + str(self.f.attrs[0].renamed(names))
-        pairs = sorted((n, self.mp.get(n, n)) for n in self.base.edges)
+        if self._pairs is None:  # the base's edges (sorted) with their outer names, and its key
+            self._pairs = sorted((n, self.mp.get(n, n)) for n in self.base.edges), key_of(self.base)
+        pairs, key = self._pairs
         body = ",".join(f"{n}={'@' if o == e else label(o)}" for n, o in pairs)
-        return f"{key_of(self.base)}:{body}"
+        return f"{key}:{body}"
 
 
 def working_names(m: Module, factors: list[Value], keep: set[str], base_of, key_of, fresh: Fresh) -> dict[str, str]:
@@ -62,8 +65,9 @@ def working_names(m: Module, factors: list[Value], keep: set[str], base_of, key_
     taken = set(keep) - set(carriers)
     work: dict[str, str] = {}
     summed = [e for e in carriers if e not in keep]
-    sig = _signatures(m, carriers, keep, summed, key_of)
-    for e in sorted((e for e in carriers if e in keep)) + sorted(summed, key=lambda e: (sig[e], e)):
+    # the order of one summed edge (or none) needs no signature
+    sig = _signatures(m, carriers, keep, summed, key_of) if len(summed) > 1 else {}
+    for e in sorted((e for e in carriers if e in keep)) + sorted(summed, key=lambda e: (sig.get(e, ""), e)):
         natives = [x.native(e) for x in sorted((x for x in carriers[e] if x.dense), key=lambda x: key_of(x.base))]
         own = [e] if e in keep else []
         choice = next((n for n in natives + own if n not in taken), None)
