@@ -26,11 +26,13 @@ Terminates: one visit per kernel and buffer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tgc.ir.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Mask, View, matrix_form, walk)
+from tgc.ir.sizes import size_estimate
 from tgc.options import Options
 from tgc.passes.base import Pass
 from tgc.passes.indexing import edge_size
@@ -45,9 +47,9 @@ class Layout(Pass):
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
         out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
                       kernels=list(low.kernels), stage="layout")
-        _order_buffers(out)
+        guess = options.rep_size  # a symbolic dim's size when ranking strides and groups
+        _order_buffers(out, guess)
         _fix_gemms(out)
-        guess = getattr(options, "rep_size", 64)  # a symbolic dim's size when ranking strides
         out.kernels = [_tighten(_order_loops(out, k, guess)) if isinstance(k, LoopKernel) else k
                        for k in out.kernels]
         return out
@@ -56,7 +58,7 @@ class Layout(Pass):
 # ------------------------------------------------------------------ buffer orders
 
 
-def _order_buffers(low: Lowered) -> None:
+def _order_buffers(low: Lowered, guess: int) -> None:
     gemm_uses: dict[str, tuple[GemmKernel, str]] = {}
     for k in low.kernels:
         if isinstance(k, GemmKernel):
@@ -69,7 +71,7 @@ def _order_buffers(low: Lowered) -> None:
         if buf.prefer is not None:
             buf.order = buf.prefer
         elif isinstance(k, GemmKernel):
-            buf.order = _gemm_result_order(low, k)
+            buf.order = _gemm_result_order(low, k, guess)
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
@@ -89,9 +91,15 @@ def _pick(order: Sequence[str] | None, group: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(group, key=lambda e: rank.get(e, len(rank))))
 
 
-def _gemm_result_order(low: Lowered, k: GemmKernel) -> tuple[str, ...]:
+def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ...]:
+    """Batch edges, then the larger of the M and N groups, the smaller innermost (a
+    [tokens, features] activation keeps its features contiguous whichever operand
+    BLAS sees first; an M innermost is computed as C^T = B^T A^T)."""
     va, vb = _view_order(low, k.a), _view_order(low, k.b)
-    return _pick(va, k.batch) + _pick(va, k.m) + _pick(vb, k.n)
+    m, n = _pick(va, k.m), _pick(vb, k.n)
+    env = {d: guess for d in low.module.symbolic_dims()}
+    count = lambda g: math.prod(size_estimate(low.size(e), env) for e in g)  # noqa: E731
+    return _pick(va, k.batch) + (n + m if count(m) < count(n) else m + n)
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
@@ -131,25 +139,29 @@ def _loads(k: LoopKernel) -> list[Load]:
 
 
 def _follow_loads(low: Lowered, k: LoopKernel, buf: Buffer) -> tuple[str, ...]:
-    """Order `buf`'s edges like the loaded buffer whose axes index most of them (an
-    axis indexed by `s + k` places both; ties put the later-declared edge first)."""
+    """Order `buf`'s edges so that the kernel computing it walks its loads along their
+    layouts: every loaded buffer gives each edge it indexes its depth there (0 for
+    the innermost axis; an axis indexed by `s + k` gives both), and the edges go
+    outermost first by decreasing mean depth. A row statistic [batch, t] read next to
+    a [t, c] table thus leaves c innermost (where its reduction ran) rather than
+    outermost. Edges no load indexes go outermost; ties keep the declaration order."""
     var_of = {ix.as_var(): e for e, ix in k.index if ix.as_var() is not None}
-    best: dict[str, int] = {}
+    depths: dict[str, list[int]] = {}
     for load in _loads(k):
         order = low.buffers[load.buf].order or ()
         index = dict(load.index)
-        rank = {}
+        seen: dict[str, int] = {}
         for pos, e in enumerate(order):
             for atom, _ in index[e].terms:
                 if isinstance(atom, str) and atom in var_of:
-                    rank.setdefault(atom, pos)
-        if len(rank) > len(best):
-            best = rank
+                    seen.setdefault(var_of[atom], len(order) - 1 - pos)
+        for e, d in seen.items():
+            depths.setdefault(e, []).append(d)
     canon = list(low.module.order_edges(buf.edges))
-    inv = {e: v for v, e in var_of.items()}
+
     def key(e):
-        r = best.get(inv.get(e), -1)
-        return r, (-canon.index(e) if r >= 0 else canon.index(e))
+        d = depths.get(e)
+        return (0, 0.0, canon.index(e)) if d is None else (1, -sum(d) / len(d), canon.index(e))
 
     return tuple(sorted(buf.edges, key=key))
 
