@@ -231,6 +231,8 @@ def weight(k: LoopKernel) -> int:
     """Work per iteration of the kernel's loops, in units of an add (see HEAVY)."""
     roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
     maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
+    if k.reduce == "logsumexp":  # an exp per element, and a second pass
+        maps.append("exp")
     return 1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
 
 
