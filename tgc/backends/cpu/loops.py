@@ -21,7 +21,8 @@ loops in one of the shapes above, with the outer variables fixed; a member in
 adds into its block's row without initializing it.
 
 `Mask` becomes a branch around its operand, so loads under a false condition are
-never executed; LLVM if-converts it into masked vector loads.
+never executed; LLVM if-converts it into masked vector loads. A mask around an
+operand that loads nothing (a causal mask's 1.0) is a select, which vectorizes.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
-                            Mask, Mul, SizeOf)
+                            Mask, Mul, SizeOf, walk)
 from tgc.passes.group import BLOCK_EDGE as BLOCK
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -291,6 +292,8 @@ class LoopGen:
             op = "==" if c.op == "=" else c.op
             bit = b.icmp_signed(op, self.ix(c.ix, vars), I64(0))
             ok = bit if ok is None else b.and_(ok, bit)
+        if not any(isinstance(n, Load) for n in walk(e.arg)):  # nothing to guard: a select
+            return b.select(ok, self.expr(e.arg, vars, acc), self.const(0.0))
         pre = b.block
         then = self.fn.append_basic_block("mask.then")
         merge = self.fn.append_basic_block("mask.merge")
