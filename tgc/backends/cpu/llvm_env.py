@@ -8,12 +8,18 @@ One place that
     server parts LLVM's tuning prefers 256-bit vectors, which ``prefer_512=True``,
     the default, overrides with ``-prefer-256-bit``),
   * runs the new-pass-manager O0..O3 pipeline with loop and SLP vectorization on,
+    and generates machine code for the same level: below O3 without loop strength
+    reduction, a machine-code pass that took a fifth of code generation time on
+    tgc's kernels and did not change their speed (O3 keeps it),
   * JIT-compiles a module into a live MCJIT engine, and
   * emits object files (``reloc='pic'``, ``codemodel='default'``: linkable into a
     ``.so``) and assembly text.
 
 Everything takes the optimisation level explicitly; nothing here is configured by
-module state. Output is deterministic: the same IR text gives the same object bytes.
+module state. LLVM's command-line options are process-wide, so the one a level
+changes is set only while tgc generates code (under a lock) and put back after:
+other users of llvmlite in the process see LLVM's defaults. Output is
+deterministic: the same IR text gives the same object bytes.
 
 Engines are kept alive for the life of the process (a registry holds them), so an
 address handed out never dangles even when its ``JitModule`` is dropped; a caller
@@ -21,7 +27,9 @@ that knows no address of a module is still in use may ``close()`` it to free the
 code.
 """
 
+import contextlib
 import functools
+import threading
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
@@ -66,6 +74,27 @@ def target_machine(opt: int = 3, for_object: bool = False,
     return _target().create_target_machine(cpu=cpu, features=features, opt=opt)
 
 
+# (LLVM option, its value while generating code below O3, LLVM's default)
+_BELOW_O3 = (('disable-lsr', 'true', 'false'),)
+_FLAGS_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _codegen_level(opt: int):
+    """LLVM's process-wide code generation options for level ``opt``, for the
+    duration of the block (machine code is generated when a module is emitted or
+    when an engine finalizes it)."""
+    flags = _BELOW_O3 if opt < 3 else ()
+    with _FLAGS_LOCK:
+        for name, value, _ in flags:
+            llvm.set_option('tgc', f'-{name}={value}')
+        try:
+            yield
+        finally:
+            for name, _, default in flags:
+                llvm.set_option('tgc', f'-{name}={default}')
+
+
 def parse(module) -> llvm.ModuleRef:
     """A verified ModuleRef from IR text, an ``llvmlite.ir.Module`` or a ModuleRef."""
     if isinstance(module, llvm.ModuleRef):
@@ -106,8 +135,9 @@ class JitModule:
     def __init__(self, module: llvm.ModuleRef, opt: int, prefer_512: bool = True):
         tm = target_machine(opt, prefer_512=prefer_512)
         self.module = optimize(module, opt, tm)
-        self.engine = llvm.create_mcjit_compiler(self.module, tm)
-        self.engine.finalize_object()
+        with _codegen_level(opt):
+            self.engine = llvm.create_mcjit_compiler(self.module, tm)
+            self.engine.finalize_object()
         _LIVE_ENGINES[id(self.engine)] = self.engine
 
     def close(self) -> None:
@@ -160,11 +190,13 @@ def _compiled(llvm_ir_text, opt, for_object, prefer_512):
 def emit_object(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> bytes:
     """ELF object code (PIC) for the optimised module; link with ``cc -shared``."""
     tm, ref = _compiled(llvm_ir_text, opt, True, prefer_512)
-    return tm.emit_object(ref)
+    with _codegen_level(opt):
+        return tm.emit_object(ref)
 
 
 def emit_asm(llvm_ir_text, opt: int = 3, for_object: bool = True, *,
              prefer_512: bool = True) -> str:
     """Assembly text of the optimised module, for the object (default) or JIT machine."""
     tm, ref = _compiled(llvm_ir_text, opt, for_object, prefer_512)
-    return tm.emit_assembly(ref)
+    with _codegen_level(opt):
+        return tm.emit_assembly(ref)
