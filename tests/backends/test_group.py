@@ -47,6 +47,17 @@ s = sum[rows](exp(x))
 out z = x * s
 """
 
+# a Hessian-vector product: a per-row tensor with an exp in it is kept in a scratch row
+HVP = """
+dim rows, d
+input x[rows, d]
+input y[rows, d]
+input v[rows, d]
+loss = sum(cross_entropy[d](x, y))
+g = grad(loss, x)
+out hv[rows, d] = grad(g @ v, x)
+"""
+
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 
 
@@ -72,7 +83,7 @@ def groups(prog) -> list[LoopGroup]:
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("source", [LAYERNORM, TANH_BIAS, SUM_THEN_SCALE], ids=["layernorm", "tanh_bias", "sum"])
+@pytest.mark.parametrize("source", [LAYERNORM, TANH_BIAS, SUM_THEN_SCALE, HVP], ids=["layernorm", "tanh_bias", "sum", "hvp"])
 def test_groups_match_the_interpreter(source, threads, dtype):
     prog = build(source, dtype, threads=threads, parallel_min_work=1)
     for rows in (1, 2, 31, 32, 33, 100):
@@ -114,3 +125,11 @@ def test_group_blocks_zero_turns_grouping_off():
     prog = build(LAYERNORM, "f64", group_blocks=0)
     assert not groups(prog)
     run_and_compare(prog, 5, 8, "f64")
+
+
+def test_an_expensive_row_tensor_lives_in_a_scratch_row_per_block():
+    prog = build(HVP, "f32")
+    (g,) = groups(prog)
+    assert g.blocks and any(m.note == "scratch row" for m in g.members)
+    temps = [b for b in prog.lowered.buffers.values() if b.kind == "temp"]
+    assert [b.order for b in temps] == [("#block", "d")]

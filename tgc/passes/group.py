@@ -21,7 +21,9 @@ Inside a finished group, a temporary that only later members read becomes:
 - a register (`regs`) when its edges are exactly the outer variables (a row's mean);
 - inlined into its readers when it is elementwise and cheap (`x - mean`), so it is
   never written;
-- otherwise a buffer as before (read back while still in cache).
+- otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
+  group then runs in blocks): rewritten for each outer index, it stays in cache and
+  the full tensor is never written to memory.
 
 Terminates: one pass over the kernels; inlining removes one member per step.
 """
@@ -159,6 +161,9 @@ class _Grouper:
                 del self.out.buffers[name]
         for name in regs:
             del self.out.buffers[name]
+        scratch = [name for name in local if name not in regs and name in self.out.buffers]
+        for name in scratch:
+            ks = self.make_scratch(name, outer, ks)
         before, after = [], []
         if any(self.partial(k, outer) for k in ks):
             ks = [self.make_partial(k, outer, before, after) if self.partial(k, outer) else k for k in ks]
@@ -167,9 +172,42 @@ class _Grouper:
         if len(ks) == 1 and not after:
             self.out.kernels.append(ks[0])
         else:
+            blocked = bool(after or scratch)
             self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
-                                              blocks=self.opt.group_blocks if after else 0))
+                                              blocks=self.opt.group_blocks if blocked else 0))
         self.out.kernels += after
+
+    def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
+        """Members writing and reading `name` (one outer index at a time) through a
+        scratch row per block instead: [#block, inner edges] (a block is one thread's,
+        in order, so the row is rewritten for each outer index and stays in cache)."""
+        low = self.out
+        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        old = low.buffers.pop(name)
+        new = low.fresh("r")
+        order = (BLOCK_EDGE,) + tuple(e for e in old.order if e not in outer)
+        low.buffers[new] = Buffer(new, old.dtype, tuple(sorted(order)), "temp", order=order)
+
+        def index(ix):
+            kept = tuple((e, i) for e, i in ix if e not in outer)
+            return tuple(sorted(((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + kept, key=lambda t: t[0]))
+
+        def expr(e):
+            if isinstance(e, Load) and e.buf == name:
+                return Load(new, index(e.index))
+            if isinstance(e, (Add, Mul, Map)):
+                return replace(e, args=tuple(expr(a) for a in e.args))
+            if isinstance(e, Mask):
+                return Mask(e.conds, expr(e.arg))
+            return e
+
+        out = []
+        for k in ks:
+            k = replace(k, body=expr(k.body), epilogue=None if k.epilogue is None else expr(k.epilogue))
+            if k.out == name:
+                k = replace(k, out=new, index=index(k.index), note="scratch row")
+            out.append(k)
+        return out
 
     def make_partial(self, k: LoopKernel, outer, before: list, after: list) -> LoopKernel:
         """`k` adding into its block's row of a partial buffer; the zeroing kernel
