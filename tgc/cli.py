@@ -169,7 +169,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -
 @click.argument("file", type=SOURCE)
 @click.option("--after", "after", metavar="PASS",
               help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
-                   "or a lowering stage (fuse, layout, plan).")
+                   "or a lowering stage (fuse, layout, group, plan).")
 @click.option("--after-all", is_flag=True,
               help="Print the IR after the front end, after every pass and after every lowering stage.")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")

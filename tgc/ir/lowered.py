@@ -1,5 +1,5 @@
-"""Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout` and
-`plan` produce, and their text form (`tgc dump-ir --after fuse|layout|plan`).
+"""Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout`,
+`group` and `plan` produce, and their text form (`tgc dump-ir --after fuse|layout|group|plan`).
 
 Backend-neutral: a program is a list of kernels over named buffers.
 
@@ -467,7 +467,7 @@ class Check:
 
 @dataclass
 class Lowered:
-    """A whole program after `fuse` (then `layout`, then `plan`)."""
+    """A whole program after `fuse` (then `layout`, `group`, `plan`)."""
     module: Module
     dtype: str                                   # the program's float type
     buffers: dict[str, Buffer] = field(default_factory=dict)

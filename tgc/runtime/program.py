@@ -1,7 +1,7 @@
 """A compiled program in this process: lowering, LLVM, JIT, input checks, the call.
 
 `build(module, options)` takes a module after the IR pipeline (no grad/jvp/vjp
-left), lowers it (fuse, layout, plan), generates LLVM IR (`tgc.backends.cpu`),
+left), lowers it (fuse, layout, group, plan), generates LLVM IR (`tgc.backends.cpu`),
 JIT-compiles it and hands it the function table (numpy's OpenBLAS, libgomp).
 
 `Program(**arrays)` (or `.run(arrays, dims)`) checks every input before anything
