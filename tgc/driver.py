@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
-from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.passes.manager import PipelineResult, run_pipeline
 
@@ -45,6 +44,8 @@ def load_program(path: str, options: Options) -> "Elaborated":
 
     name = "<stdin>" if path == "-" else path
     if is_ir_file(path):
+        from tgc.ir.parser import parse_module  # only for .tgir input
+
         return Elaborated(parse_module(read_text(path), name), [] if path == "-" else [path])
     if path == "-":
         return elaborate_source(read_text(path), name, options)
