@@ -133,3 +133,28 @@ def test_an_expensive_row_tensor_lives_in_a_scratch_row_per_block():
     assert g.blocks and any(m.note == "scratch row" for m in g.members)
     temps = [b for b in prog.lowered.buffers.values() if b.kind == "temp"]
     assert [b.order for b in temps] == [("#block", "d")]
+
+
+# three heads first: threads share (head, b) as one range, not 3 heads over 2 threads
+HEADS = """
+dim b, d
+dim head = 3
+input x[head, b, d]
+out y[head, b, d] = softmax[d](x)
+out z[head, b, d] = exp(x) * 2
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_short_first_loop_is_split_with_the_next(threads):
+    from tgc.backends.cpu.loops import split_loops
+
+    prog = build(HEADS, "f64", threads=threads, parallel_min_work=1)
+    assert {split_loops(k) for k in prog.lowered.kernels} == {("head", "b")}
+    for rows in (1, 5, 33):
+        m = prog.module
+        x = random_inputs(m, m.bind_dims({"b": rows, "d": 7}), rows, "f64")
+        want = evaluate(m, dict(x), dtype="f64")
+        got = prog(**x)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-13)

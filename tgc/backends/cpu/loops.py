@@ -32,6 +32,7 @@ from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
                             Mask, Mul, SizeOf, walk)
+from tgc.ir.sizes import size_op
 from tgc.passes.group import BLOCK_EDGE as BLOCK
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -47,12 +48,36 @@ def parallel_ok(k: LoopKernel | LoopGroup) -> bool:
     return bool(k.loops) and k.loops[0] not in k.red and not k.scatter
 
 
+SMALL_SPLIT = 8   # an outermost loop shorter than this is split together with the next
+
+
+def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
+    """The loops whose iterations threads share: the outermost, or the outermost two
+    as one range when the first is short (3 heads do not split well over 2 threads)
+    and the second is kept and not the vectorized innermost loop."""
+    loops = k.outer if isinstance(k, LoopGroup) else k.loops
+    if not loops or (isinstance(k, LoopGroup) and k.blocks):
+        return ()
+    first = loops[:1]
+    n = k.sizes[loops[0]]
+    if len(loops) < 2 or not isinstance(n, int) or n >= SMALL_SPLIT:
+        return first
+    if isinstance(k, LoopGroup):
+        inner = len(loops) >= 3 or all(len(m.loops) > len(loops) for m in k.members)
+        return tuple(loops[:2]) if inner else first
+    ok = len(loops) >= 3 and loops[1] not in k.red and not k.bounds.get(loops[1])
+    return tuple(loops[:2]) if ok else first
+
+
 def split_extent(k: LoopKernel | LoopGroup):
-    """The extent of the loop threads split: the blocks of a blocked group, else the
-    outermost loop's."""
+    """The extent of the range threads split: the blocks of a blocked group, else the
+    product of the split loops' extents."""
     if isinstance(k, LoopGroup) and k.blocks:
         return k.blocks
-    return k.sizes[k.loops[0]] if k.loops else 1
+    total = 1
+    for v in split_loops(k):
+        total = size_op("*", total, k.sizes[v])
+    return total
 
 
 class LoopGen:
@@ -70,7 +95,7 @@ class LoopGen:
         self.b = self.f.b
         self.ptr = dict(zip(self.bufs, fn.args[1:]))
         self.lo, self.hi = fn.args[-2], fn.args[-1]
-        self.split = None if isinstance(k, LoopGroup) or not k.loops else k.loops[0]
+        self.split = () if isinstance(k, LoopGroup) else split_loops(k)
         self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
         self.regs: dict[str, ir.Value] = {}
 
@@ -86,26 +111,26 @@ class LoopGen:
         return self.fn
 
     def group(self, g: LoopGroup) -> None:
-        """The outer loops (this call's share of the first), then each member."""
+        """The outer loops (this call's share of the split ones, or of the blocks),
+        then each member."""
         b, first = self.b, g.outer[0]
 
         def members(vars: dict) -> None:
             for m in g.members:
                 self.member(m, vars)
 
-        def rest(vars: dict) -> None:
-            self.plain_nest(list(g.outer[1:]), g.sizes, vars, members)
-
         if not g.blocks:
-            with for_range(b, self.lo, self.hi, first) as i:
-                rest({first: i})
+            split = split_loops(g)
+            self.k = g  # the split loops' sizes
+            self.split_nest(split, [], {},
+                            lambda vs: self.plain_nest(list(g.outer[len(split):]), g.sizes, vs, members))
             return
         n, nb = self.f.size(g.sizes[first]), I64(g.blocks)
         with for_range(b, self.lo, self.hi, BLOCK) as blk:
             start = b.sdiv(b.mul(blk, n), nb)
             end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
             with for_range(b, start, end, first) as i:
-                rest({BLOCK: blk, first: i})
+                self.plain_nest(list(g.outer[1:]), g.sizes, {BLOCK: blk, first: i}, members)
 
     def plain_nest(self, loops: list[str], sizes, vars: dict, leaf) -> None:
         if not loops:
@@ -113,6 +138,17 @@ class LoopGen:
             return
         with for_range(self.b, I64(0), self.f.size(sizes[loops[0]]), loops[0]) as i:
             self.plain_nest(loops[1:], sizes, {**vars, loops[0]: i}, leaf)
+
+    def split_nest(self, split, rest: list[str], vars: dict, leaf) -> None:
+        """This call's share [lo, hi) of the split loops (two: one range, divided)."""
+        b = self.b
+        if len(split) == 1:
+            with for_range(b, self.lo, self.hi, split[0]) as i:
+                self.nest(rest, {**vars, split[0]: i}, leaf)
+            return
+        n1 = self.f.size(self.k.sizes[split[1]])
+        with for_range(b, self.lo, self.hi, f"{split[0]}.{split[1]}") as i:
+            self.nest(rest, {**vars, split[0]: b.sdiv(i, n1), split[1]: b.srem(i, n1)}, leaf)
 
     def member(self, k: LoopKernel, vars: dict) -> None:
         """Kernel `k`'s loops other than those `vars` fixes (a group's outer loops)."""
@@ -141,8 +177,10 @@ class LoopGen:
             leaf(vars)
             return
         v = loops[0]
-        split = v == self.split
-        lo, hi = (self.lo, self.hi) if split else (I64(0), self.f.size(self.k.sizes[v]))
+        if self.split and v == self.split[0]:
+            self.split_nest(self.split, loops[len(self.split):], vars, leaf)
+            return
+        lo, hi = I64(0), self.f.size(self.k.sizes[v])
         lows, highs = self.k.bounds.get(v, ((), ()))
         for ix in lows:
             x = self.ix(ix, vars)
