@@ -27,6 +27,9 @@ class Options:
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     parallel_min_work: int = 1 << 18         # loop iterations (x op weight) below which a kernel runs on one thread
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
+    blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
+    gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
+    gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
 
     def with_(self, **changes) -> "Options":

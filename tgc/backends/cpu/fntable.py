@@ -82,3 +82,10 @@ def call(builder: ir.IRBuilder, name: str, args) -> ir.Instruction:
     g = _table_global(builder.module)
     target = builder.load(_slot(builder, g, FIELDS.index(name)), typ=fnty.as_pointer())
     return builder.call(target, args)
+
+
+def is_set(builder: ir.IRBuilder, name: str) -> ir.Instruction:
+    """i1: table entry ``name`` is not null (the runtime gave it)."""
+    g = _table_global(builder.module)
+    ptr = builder.load(_slot(builder, g, FIELDS.index(name)), typ=ir.PointerType())
+    return builder.icmp_unsigned('!=', ptr, ir.Constant(ir.PointerType(), None))

@@ -1,98 +1,336 @@
-"""GEMM cells as LLVM functions calling cblas ?gemm through the function table.
+"""GEMM cells as LLVM functions: tiles of cblas ?gemm calls or generated loops,
+spread over the cores through libgomp.
 
     void tgc.kN(const i64* dims, T* a, T* b, T* c)
 
-For every index of the batch edges (a loop nest, offsets by each buffer's batch
-strides; an operand without a batch edge is reused along it) one row-major
-`cblas_?gemm` call. `layout` guarantees each buffer holds its
-matrix with both edge groups merged and one group contiguous: a transpose flag
-absorbs an operand stored the other way round, and a result stored with M
-innermost is computed as C^T = B^T A^T.
+The matrix product. `layout` guarantees each buffer holds its matrix with both
+edge groups merged and one group contiguous. The code works on the normalized
+product C'[P, Q] = A'[P, R] B'[R, Q] whose Q is C's contiguous group: (P, Q, R) =
+(M, N, K) when C holds N innermost, else (N, M, K) with A' = B^T, B' = A^T (C^T =
+B^T A^T). A' and B' may be stored either way round (a transpose flag, or strides).
 
-With taps or shifts (GEMMs on shifted views) the nest also runs over the taps; each
-call offsets the shifted operand, clips the shifted edge's range to where every
-index is in bounds, and adds into `out` (zeroed first, beta = 1).
+Tasks. The work is cut into tasks: every index of the batch edges (an operand
+without a batch edge is reused along it, stride 0) times a grid of tiles of C'.
+When the whole product has at least `options.gemm_parallel_min_flops` flops (and
+`options.threads != 1`, and the runtime gave GOMP_parallel), a tile is at most
+`options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into chunks accumulated in
+place, so no reduction is needed), which keeps every cblas call small enough for
+OpenBLAS to run it on the calling thread, and the tasks are shared among tgc's
+threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`): OpenBLAS's own
+pool never competes with them for the cores. Otherwise one thread runs every task
+(`tgc.kN.work(dims, a, b, c, lo, hi, limit)`) with one tile per batch index: one
+cblas call each, threaded or not as OpenBLAS decides.
+
+Small tiles. A tile of at most `options.gemm_loop_max_flops` flops is computed by a
+generated loop nest instead of a cblas call (`tgc.gemm.small.*`, shared by every
+kernel of the module): rows of C' in blocks of 4, columns in vectors of the
+host's widest SIMD (masked at the edge), the K loop accumulating 4 x 2 vectors in
+registers with fused multiply-adds. Q must be contiguous in B' too; when it is not,
+B' is first copied (packed) into a stack buffer of `PACK_ELEMS` elements (larger
+tiles go to BLAS). Which path a tile takes is decided at run time from the tile
+sizes (constants when the dims are fixed at build time, then LLVM drops the other).
+
+Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
+tap offsets the shifted operand and clips the shifted edge's range to where every
+index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
+Such a product accumulates: every task first zeroes its tile of `out`, then every
+call adds into it (beta = 1).
 """
 from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from tgc.backends.cpu import blas, fntable
-from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, for_range, offset
+from tgc.backends.cpu import blas, fntable, parallel
+from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, for_range, offset
 from tgc.ir.lowered import GemmKernel, Lowered, matrix_form
+from tgc.options import Options
+
+# Capacity (elements) of the stack buffer a small tile's B' is packed into when its
+# Q is not contiguous; a tile with more R x Q elements than this goes to BLAS.
+PACK_ELEMS = 4096
+ROWS = 4          # rows of C' per register block of the small-tile kernel
+MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
+MIN_CHUNK = 64    # ... nor R chunks below this
+UNTILED = 1 << 62  # the tile limit of a serial run: one tile (one cblas call) per batch index
+
+
+def _vector_lanes(fp) -> int:
+    return 16 if isinstance(fp, ir.FloatType) else 8
+
+
+class _Operand:
+    """A' or B' of the normalized product: pointer role ('a' | 'b'), strides of its
+    two groups (row, col) as IR values, and which is the unit-stride one."""
+
+    def __init__(self, role, row_stride, col_stride, col_unit):
+        self.role, self.row, self.col, self.col_unit = role, row_stride, col_stride, col_unit
 
 
 class GemmGen:
-    def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp):
-        self.low, self.k, self.fp = low, k, fp
+    def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
+                 options: Options | None = None):
+        self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
+        self.opt = options or Options()
         self.fn = define(mod, name, ir.VoidType(), [PTR] * 4)
         self.fn.attributes.add("noinline")
-        self.f = Frame(self.fn, low.module, self.fn.args[0])
-        self.b = self.f.b
+        ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
+        self.bufs = {"a": ab, "b": bb, "c": cb}
+        va, vb = k.a.view_order(ab.order), k.b.view_order(bb.order)
+        fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(cb.order, k.m, k.n)
+        for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
+            if form is None:
+                raise ValueError(f"internal: GEMM {what} is not a matrix")
+        self.forms = {"a": fa, "b": fb, "c": fc}
+        self.flip = not fc[2]                 # C holds M innermost: compute C^T = B^T A^T
+        # the normalized groups (edges in memory order)
+        if not self.flip:
+            self.P, self.Q = fc[0], fc[1]
+        else:
+            self.P, self.Q = fc[1], fc[0]
+        self.R = fa[1]
+        self.clipped = {e for _, e, _ in k.shifts}
+        for e in self.clipped:
+            if not any(g == (e,) for g in (tuple(k.m), tuple(k.n), tuple(k.k))):
+                raise ValueError(f"internal: shifted GEMM edge '{e}' is not a whole M, N or K group")
 
-    def group(self, order, edges):
-        """(merged size, stride of the group's innermost edge) in a buffer."""
-        strides = self.f.strides(order)
-        return self.f.count(edges), strides[edges[-1]]
+    # ------------------------------------------------------------ shapes
 
-    def operand(self, view_order, buf_order, rows, cols, to_buf):
-        """(trans flag, ld) for a matrix [rows, cols] held in a buffer."""
-        form = matrix_form(view_order, rows, cols)
-        if form is None:
-            raise ValueError(f"internal: GEMM operand in order {view_order} is not a matrix")
-        r, c, cols_inner = form
-        outer = r if cols_inner else c
-        strides = self.f.strides(buf_order)
-        ld = strides[to_buf(outer[-1])]
-        return (blas.NO_TRANS if cols_inner else blas.TRANS), ld
+    def views(self, f: Frame):
+        """Per role: (strides by view edge of the buffer, view edge -> buffer edge)."""
+        k = self.k
+        out = {}
+        for role, view in (("a", k.a), ("b", k.b)):
+            st = f.strides(self.bufs[role].order)
+            to_buf = dict(view.edges)
+            out[role] = ({e: st[b] for e, b in to_buf.items()}, to_buf)
+        cst = f.strides(self.bufs["c"].order)
+        out["c"] = (dict(cst), {e: e for e in self.bufs["c"].edges})
+        return out
+
+    def operands(self, f: Frame, st):
+        """(A', B', C' row stride) of the normalized product."""
+        (ar, ac, a_inner), (br, bc, b_inner) = self.forms["a"], self.forms["b"]
+        sa, sb, sc = st["a"][0], st["b"][0], st["c"][0]
+        one = I64(1)
+        # A[m, k], B[k, n]: strides of each group = stride of its innermost edge
+        a_m, a_k = (sa[ar[-1]], one) if a_inner else (one, sa[ac[-1]])
+        b_k, b_n = (sb[br[-1]], one) if b_inner else (one, sb[bc[-1]])
+        if not self.flip:
+            A = _Operand("a", a_m, a_k, a_inner)              # A'[P=m, R=k]
+            B = _Operand("b", b_k, b_n, b_inner)              # B'[R=k, Q=n]
+            c_p = st["c"][0][self.P[-1]]
+        else:
+            A = _Operand("b", b_n, b_k, not b_inner)          # A'[P=n, R=k] = B^T
+            B = _Operand("a", a_k, a_m, not a_inner)          # B'[R=k, Q=m] = A^T
+            c_p = st["c"][0][self.P[-1]]
+        return A, B, c_p
+
+    def tiles(self, f: Frame, b: ir.IRBuilder, P, Q, R, limit):
+        """Tile sizes (tp, tq, tr): halve the largest of them (R counting half; not
+        below MIN_TILE rows/columns, MIN_CHUNK for R) until tp * tq * tr <= limit."""
+        pre = b.block
+        head = f.fn.append_basic_block("tile.head")
+        step = f.fn.append_basic_block("tile.step")
+        done = f.fn.append_basic_block("tile.done")
+        b.branch(head)
+        b.position_at_end(head)
+        tp, tq, tr = (b.phi(I64, name=n) for n in ("tp", "tq", "tr"))
+        for phi, init in ((tp, P), (tq, Q), (tr, R)):
+            phi.add_incoming(init, pre)
+        over = b.icmp_signed(">", b.mul(b.mul(tp, tq), tr), limit)
+        zero = I64(0)
+        hp = b.select(b.icmp_signed(">=", tp, I64(2 * MIN_TILE)), tp, zero)
+        hq = b.select(b.icmp_signed(">=", tq, I64(2 * MIN_TILE)), tq, zero)
+        hr = b.select(b.icmp_signed(">=", tr, I64(2 * MIN_CHUNK)), tr, zero)
+        # R only while it is more than twice P and Q: a task's tile of C stays large
+        # enough to give every thread a share when there are few batch indices
+        hr2 = b.ashr(hr, I64(1))
+        pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">=", hp, hr2))
+        pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">=", hq, hr2))
+        best = b.select(pick_p, hp, b.select(pick_q, hq, hr2))
+        b.cbranch(b.and_(over, b.icmp_signed(">", best, zero)), step, done)
+        b.position_at_end(step)
+
+        def half(x):
+            return b.ashr(b.add(x, I64(1)), I64(1))
+        pick_r = b.not_(b.or_(pick_p, pick_q))
+        for phi, pick in ((tp, pick_p), (tq, pick_q), (tr, pick_r)):
+            phi.add_incoming(b.select(pick, half(phi), phi), step)
+        b.branch(head)
+        b.position_at_end(done)
+        return tp, tq, tr
+
+    @staticmethod
+    def ceil_div(b, x, y):
+        return b.sdiv(b.add(x, b.sub(y, I64(1))), y)
+
+    def plan(self, f: Frame, b: ir.IRBuilder, limit):
+        """Sizes, tiles (at most `limit` m*n*k) and the task count, emitted at `b`."""
+        P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
+        one = I64(1)
+        tp, tq, tr = self.tiles(f, b, P, Q, R, limit)
+        tp, tq, tr = (b.select(b.icmp_signed("<", t, one), one, t) for t in (tp, tq, tr))
+        n_p, n_q = self.ceil_div(b, P, tp), self.ceil_div(b, Q, tq)
+        tasks = b.mul(b.mul(f.count(self.k.batch), n_p), n_q)
+        return dict(P=P, Q=Q, R=R, tp=tp, tq=tq, tr=tr, n_p=n_p, n_q=n_q, tasks=tasks)
+
+    # ------------------------------------------------------------ entry
 
     def emit(self) -> ir.Function:
-        k, low, b = self.k, self.low, self.b
-        ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
-        va, vb = k.a.view_order(ab.order), k.b.view_order(bb.order)
-        c_form = matrix_form(cb.order, k.m, k.n)
-        if c_form is None:
-            raise ValueError("internal: GEMM result is not a matrix")
-        M, N, K = self.f.count(k.m), self.f.count(k.n), self.f.count(k.k)
-        ta, lda = self.operand(va, ab.order, k.m, k.k, k.a.buf_edge)
-        tb, ldb = self.operand(vb, bb.order, k.k, k.n, k.b.buf_edge)
-        cs = self.f.strides(cb.order)
-        ldc = cs[k.m[-1]] if c_form[2] else cs[k.n[-1]]
-        views = [(self.fn.args[1], self.f.strides(ab.order), dict(k.a.edges), "a"),
-                 (self.fn.args[2], self.f.strides(bb.order), dict(k.b.edges), "b"),
-                 (self.fn.args[3], cs, {e: e for e in cb.edges}, "c")]
-        clipped = {e for _, e, _ in k.shifts}
+        work = self.emit_work()
+        par = self.emit_par(work) if self.opt.threads != 1 else None
+        f = Frame(self.fn, self.low.module, self.fn.args[0])
+        b = f.b
+        args = list(self.fn.args)
+        whole = I64(UNTILED)
 
-        def leaf(vars):  # a batch edge that an operand lacks repeats it (stride 0)
-            lo, ok = self.clip(vars, views)
-            ptrs = []
-            for arg, st, to_buf, role in views:
-                parts = [(vars[e], st[to_buf[e]]) for e in k.batch + k.taps if e in to_buf]
-                parts += [(lo[e], st[to_buf[e]]) for e in clipped if e in to_buf]
-                parts += [(self.ix(ix, vars), st[to_buf[e]]) for r, e, ix in k.shifts if r == role]
-                ptrs.append(b.gep(arg, [offset(b, parts)], inbounds=True, source_etype=self.fp))
-            m, n, kk = (self.extent(g, lo, full) for g, full in ((k.m, M), (k.n, N), (k.k, K)))
-            if c_form[2]:  # C[M, N], N contiguous
-                call = (ta, tb, m, n, kk, lda, ldb, ldc, False)
-            else:          # C^T[N, M] = B^T A^T
-                flip = {blas.NO_TRANS: blas.TRANS, blas.TRANS: blas.NO_TRANS}
-                call = (flip[tb], flip[ta], n, m, kk, ldb, lda, ldc, True)
-            if ok is None:
-                self.call_blas(call, *ptrs)
-            else:
-                with b.if_then(ok):
-                    self.call_blas(call, *ptrs)
+        def serial():
+            pl = self.plan(f, b, whole)
+            b.call(work, args + [I64(0), pl["tasks"], whole])
 
-        if k.accumulates():
-            self.fill_zero(self.fn.args[3], self.f.count(cb.edges))
-        nonempty = b.icmp_signed(">", b.mul(M, N), I64(0))
-        with b.if_then(nonempty):
-            self.nest(list(k.batch + k.taps), {}, leaf)
+        if par is None:
+            serial()
+        else:
+            P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
+            flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
+            flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
+            big = b.icmp_signed(">=", flops, I64(self.opt.gemm_parallel_min_flops))
+            big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
+            with b.if_else(big) as (then, otherwise):
+                with then:
+                    limit = I64(max(1, self.opt.blas_tile_mnk))
+                    pl = self.plan(f, b, limit)
+                    data = f.alloca(ir.ArrayType(I64, 6), "data")
+                    for i, v in enumerate(args + [pl["tasks"], limit]):
+                        v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
+                        b.store(v, b.gep(data, [I32(0), I32(i)]))
+                    fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+                with otherwise:
+                    serial()
         b.ret_void()
-        self.f.finish()
+        f.finish()
         return self.fn
 
-    def clip(self, vars, views):
+    def emit_par(self, work: ir.Function) -> ir.Function:
+        fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(6)]
+        ptrs = [b.inttoptr(v, PTR) for v in vals[:4]]
+        lo, hi = parallel.thread_range(b, vals[4])
+        with b.if_then(b.icmp_signed("<", lo, hi)):
+            b.call(work, ptrs + [lo, hi, vals[5]])
+        b.ret_void()
+        return fn
+
+    def emit_work(self) -> ir.Function:
+        k = self.k
+        fn = define(self.mod, self.name + ".work", ir.VoidType(), [PTR] * 4 + [I64, I64, I64])
+        fn.attributes.add("noinline")
+        f = Frame(fn, self.low.module, fn.args[0])
+        b = f.b
+        self.f, self.b = f, b
+        ptrs = {"a": fn.args[1], "b": fn.args[2], "c": fn.args[3]}
+        lo, hi, limit = fn.args[4], fn.args[5], fn.args[6]
+        st = self.views(f)
+        A, B, c_p = self.operands(f, st)
+        pl = self.plan(f, b, limit)
+        small = self.small_ok(b, pl, B)
+        with for_range(b, lo, hi, "task") as t:
+            # decode: t = ((batch...) * n_p + ip) * n_q + iq
+            iq = b.srem(t, pl["n_q"])
+            rest = b.sdiv(t, pl["n_q"])
+            ip = b.srem(rest, pl["n_p"])
+            rest = b.sdiv(rest, pl["n_p"])
+            vars = {}
+            for e in reversed(k.batch):
+                n = f.edge_size(e)
+                vars[e] = b.srem(rest, n)
+                rest = b.sdiv(rest, n)
+            p0 = b.mul(ip, pl["tp"])
+            q0 = b.mul(iq, pl["tq"])
+            p1 = self.smin(b.add(p0, pl["tp"]), pl["P"])
+            q1 = self.smin(b.add(q0, pl["tq"]), pl["Q"])
+            if k.accumulates():
+                cbase = self.ptr(ptrs["c"], [(vars[e], st["c"][0][e]) for e in k.batch])
+                self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)
+            tile = (p0, p1, q0, q1)
+            self.nest(list(k.taps), vars,
+                      lambda v: self.leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
+        b.ret_void()
+        f.finish()
+        return fn
+
+    def small_ok(self, b, pl, B):
+        """i1: the tiles go to the generated loops (not BLAS)."""
+        mnk = b.mul(b.mul(pl["tp"], pl["tq"]), pl["tr"])
+        ok = b.icmp_signed("<=", b.mul(mnk, I64(2)), I64(self.opt.gemm_loop_max_flops))
+        if not B.col_unit:
+            ok = b.and_(ok, b.icmp_signed("<=", b.mul(pl["tq"], pl["tr"]), I64(PACK_ELEMS)))
+        return ok
+
+    # ------------------------------------------------------------ one task, one tap
+
+    def leaf(self, vars, tile, pl, st, ptrs, A, B, c_p, small):
+        b, k = self.b, self.k
+        lo, hi, ok = self.clip(vars)
+        p0, p1, q0, q1 = tile
+        r0, r1 = I64(0), pl["R"]
+        # the clipped edge's range cuts its group's range
+        ranges = {"P": [p0, p1], "Q": [q0, q1], "R": [r0, r1]}
+        for e in lo:
+            g = "P" if self.P == (e,) else "Q" if self.Q == (e,) else "R"
+            ranges[g] = [self.smax(b, ranges[g][0], lo[e]), self.smin(ranges[g][1], self.hi[e])]
+        (ps, pe), (qs, qe), (rs, re) = ranges["P"], ranges["Q"], ranges["R"]
+        nonempty = b.and_(b.icmp_signed("<", ps, pe), b.icmp_signed("<", qs, qe))
+        if ok is not None:
+            nonempty = b.and_(nonempty, ok)
+        shift_off = {}
+        for role in ("a", "b"):
+            strides = st[role][0]
+            parts = [(vars[e], strides[e]) for e in k.batch + k.taps if e in strides]
+            parts += [(self.ix(ix, vars), strides[e]) for r, e, ix in k.shifts if r == role]
+            shift_off[role] = parts
+        c_parts = [(vars[e], st["c"][0][e]) for e in k.batch]
+        with b.if_then(nonempty):
+            pa = self.ptr(ptrs[A.role], shift_off[A.role] + [(ps, A.row)])
+            pb = self.ptr(ptrs[B.role], shift_off[B.role] + [(qs, B.col)])
+            pc = self.ptr(ptrs["c"], c_parts + [(ps, c_p), (qs, I64(1))])
+            m, n = b.sub(pe, ps), b.sub(qe, qs)
+            kk = self.smax(b, b.sub(re, rs), I64(0))
+            chunks = self.ceil_div(b, kk, pl["tr"])
+            chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)
+            with for_range(b, I64(0), chunks, "chunk") as j:
+                r = b.add(rs, b.mul(j, pl["tr"]))
+                kc = self.smin(pl["tr"], b.sub(re, r))
+                kc = self.smax(b, kc, I64(0))
+                beta1 = b.icmp_signed(">", j, I64(0))
+                if k.accumulates():
+                    beta1 = ir.Constant(I1, 1)
+                xa = self.ptr(pa, [(r, A.col)])
+                xb = self.ptr(pb, [(r, B.row)])
+                with b.if_else(small) as (then, otherwise):
+                    with then:
+                        self.call_small(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+                    with otherwise:
+                        self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+
+    def ptr(self, base, parts):
+        return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=self.fp)
+
+    def smin(self, x, y):
+        return self.b.select(self.b.icmp_signed("<", x, y), x, y)
+
+    @staticmethod
+    def smax(b, x, y):
+        return b.select(b.icmp_signed(">", x, y), x, y)
+
+    def zero_tile(self, b, base, ld, p0, p1, q0, q1):
+        with for_range(b, p0, p1, "zp") as p:
+            row = b.gep(base, [b.mul(p, ld)], source_etype=self.fp)
+            with for_range(b, q0, q1, "zq") as q:
+                b.store(ir.Constant(self.fp, 0.0), b.gep(row, [q], source_etype=self.fp))
+
+    def clip(self, vars):
         """Per clipped edge, the start of its range where every shifted index is in
         bounds (`self.hi` gets the end); `ok`: all ranges nonempty (None: no clips)."""
         b, k = self.b, self.k
@@ -108,12 +346,7 @@ class GemmGen:
         for e in lo:
             bit = b.icmp_signed("<", lo[e], self.hi[e])
             ok = bit if ok is None else b.and_(ok, bit)
-        return lo, ok
-
-    def extent(self, group, lo, full):
-        if len(group) == 1 and group[0] in lo:
-            return self.b.sub(self.hi[group[0]], lo[group[0]])
-        return full
+        return lo, self.hi, ok
 
     def ix(self, ix, vars):
         b = self.b
@@ -123,10 +356,6 @@ class GemmGen:
             total = b.add(total, term)
         return total
 
-    def fill_zero(self, ptr, n):
-        with for_range(self.b, I64(0), n, "z") as i:
-            self.b.store(ir.Constant(self.fp, 0.0), self.b.gep(ptr, [i], source_etype=self.fp))
-
     def nest(self, edges, vars, leaf):
         if not edges:
             leaf(vars)
@@ -134,16 +363,150 @@ class GemmGen:
         with for_range(self.b, I64(0), self.f.edge_size(edges[0]), edges[0]) as i:
             self.nest(edges[1:], {**vars, edges[0]: i}, leaf)
 
-    def call_blas(self, call, pa, pb, pc):
-        ta, tb, M, N, K, lda, ldb, ldc, swapped = call
+    # ------------------------------------------------------------ the two paths
+
+    def call_blas(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """C'[m, n] (+)= A'[m, kk] B'[kk, n], row-major cblas."""
         b = self.b
-        x, y = (pb, pa) if swapped else (pa, pb)
+        ta = blas.NO_TRANS if A.col_unit else blas.TRANS
+        lda = A.row if A.col_unit else A.col
+        tb = blas.NO_TRANS if B.col_unit else blas.TRANS
+        ldb = B.row if B.col_unit else B.col
         one = ir.Constant(self.fp, 1.0)
-        zero = one if self.k.accumulates() else ir.Constant(self.fp, 0.0)  # beta
+        beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
         name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
         ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
-        fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), M, N, K, one,
-                               x, ld[0], y, ld[1], zero, pc, ld[2]])
+        fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
+                               pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+
+    def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        fn = small_kernel(self.mod, self.fp, packed=not B.col_unit)
+        self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc,
+                         self.b.zext(beta1, I32)])
 
     def at_least_one(self, v):
         return self.b.select(self.b.icmp_signed("<", v, I64(1)), I64(1), v)
+
+
+# ---------------------------------------------------------------- small tiles
+
+
+def small_kernel(mod: ir.Module, fp, packed: bool) -> ir.Function:
+    """void tgc.gemm.small.<T>[.packed](i64 M, i64 N, i64 K, T* A, i64 sAm, i64 sAk,
+    T* B, i64 sBk, i64 sBn, T* C, i64 ldc, i32 accumulate):
+    C[M, N] (+)= A[M, K] B[K, N] with C's N contiguous; B's N contiguous (sBn is
+    ignored) unless `packed` (then B is first copied into a stack buffer; K*N must
+    not exceed PACK_ELEMS). One function per module and kind."""
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    name = f"tgc.gemm.small.{tag}" + (".packed" if packed else "")
+    if name in mod.globals:
+        return mod.globals[name]
+    if packed:
+        return _packed_kernel(mod, fp, name, small_kernel(mod, fp, packed=False))
+    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
+    fn.attributes.add("noinline")
+    M, N, K, pa, sam, sak, pb, sbk, _sbn, pc, ldc, acc = fn.args
+    for a in (pa, pb, pc):
+        a.add_attribute("noalias")
+    entry = ir.IRBuilder(fn.append_basic_block("entry"))
+    body = fn.append_basic_block("body")
+    b = ir.IRBuilder(body)
+    vl = _vector_lanes(fp)
+    vt = ir.VectorType(fp, vl)
+    mt = ir.VectorType(I1, vl)
+    accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(2)] for r in range(ROWS)]
+    iota = ir.Constant(ir.VectorType(I64, vl), [i for i in range(vl)])
+    accumulate = b.icmp_signed("!=", acc, I32(0))
+    acc_mask = _splat(b, accumulate, mt)
+    zero_v = ir.Constant(vt, [0.0] * vl)
+    load_fn, store_fn, fma_fn = _masked_intrinsics(mod, fp, vl)
+    align = I32(4 if isinstance(fp, ir.FloatType) else 8)
+
+    def block(i0, rows, j0, nc):
+        masks = []
+        for c in range(nc):
+            left = b.sub(N, b.add(j0, I64(c * vl)))
+            masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+        crow = [b.gep(pc, [b.add(b.mul(b.add(i0, I64(r)), ldc), j0)], source_etype=fp) for r in range(rows)]
+        for r in range(rows):
+            for c in range(nc):
+                p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
+                init = b.call(load_fn, [p, align, b.and_(masks[c], acc_mask), zero_v])
+                b.store(init, accs[r][c])
+        arow = [b.gep(pa, [b.mul(b.add(i0, I64(r)), sam)], source_etype=fp) for r in range(rows)]
+        with for_range(b, I64(0), K, "k") as kk:
+            brow = b.gep(pb, [b.add(b.mul(kk, sbk), j0)], source_etype=fp)
+            bv = [b.call(load_fn, [b.gep(brow, [I64(c * vl)], source_etype=fp), align, masks[c], zero_v])
+                  for c in range(nc)]
+            for r in range(rows):
+                a = b.load(b.gep(arow[r], [b.mul(kk, sak)], source_etype=fp), typ=fp)
+                av = _splat(b, a, vt)
+                for c in range(nc):
+                    b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+        for r in range(rows):
+            for c in range(nc):
+                p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
+                b.call(store_fn, [b.load(accs[r][c], typ=vt), p, align, masks[c]])
+
+    def row_block(i0, rows):
+        # columns: two vectors at a time while more than one vector is left
+        pairs = b.sdiv(b.add(N, I64(2 * vl - 1)), I64(2 * vl))  # ceil(N / 2vl) blocks
+        with for_range(b, I64(0), pairs, "jb") as jb:
+            j0 = b.mul(jb, I64(2 * vl))
+            two = b.icmp_signed(">", b.sub(N, j0), I64(vl))
+            with b.if_else(two) as (then, otherwise):
+                with then:
+                    block(i0, rows, j0, 2)
+                with otherwise:
+                    block(i0, rows, j0, 1)
+
+    full = b.sdiv(M, I64(ROWS))
+    with for_range(b, I64(0), full, "ib") as ib:
+        row_block(b.mul(ib, I64(ROWS)), ROWS)
+    # the last M % ROWS rows as one block (more independent accumulators than one row at a time)
+    rest, i0 = b.srem(M, I64(ROWS)), b.mul(full, I64(ROWS))
+    for rows in range(ROWS - 1, 0, -1):
+        with b.if_then(b.icmp_signed("==", rest, I64(rows))):
+            row_block(i0, rows)
+    b.ret_void()
+    entry.branch(body)
+    return fn
+
+
+def _packed_kernel(mod, fp, name, direct):
+    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
+    fn.attributes.add("noinline")
+    M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
+    entry = ir.IRBuilder(fn.append_basic_block("entry"))
+    buf = entry.alloca(fp, size=I64(PACK_ELEMS), name="pack")
+    buf.align = 64
+    body = fn.append_basic_block("body")
+    b = ir.IRBuilder(body)
+    with for_range(b, I64(0), K, "pk") as kk:
+        src = b.gep(pb, [b.mul(kk, sbk)], source_etype=fp)
+        dst = b.gep(buf, [b.mul(kk, N)], source_etype=fp)
+        with for_range(b, I64(0), N, "pn") as j:
+            v = b.load(b.gep(src, [b.mul(j, sbn)], source_etype=fp), typ=fp)
+            b.store(v, b.gep(dst, [j], source_etype=fp))
+    b.call(direct, [M, N, K, pa, sam, sak, buf, N, I64(1), pc, ldc, acc])
+    b.ret_void()
+    entry.branch(body)
+    return fn
+
+
+def _splat(b, x, vt):
+    undef = ir.Constant(vt, ir.Undefined)
+    v = b.insert_element(undef, x, I32(0))
+    return b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+
+
+def _masked_intrinsics(mod, fp, vl):
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    vt, mt = ir.VectorType(fp, vl), ir.VectorType(I1, vl)
+    names = (f"llvm.masked.load.v{vl}{tag}.p0", f"llvm.masked.store.v{vl}{tag}.p0", f"llvm.fma.v{vl}{tag}")
+    out = []
+    for name, ty in zip(names, (ir.FunctionType(vt, [PTR, I32, mt, vt]),
+                                ir.FunctionType(ir.VoidType(), [vt, PTR, I32, mt]),
+                                ir.FunctionType(vt, [vt, vt, vt]))):
+        out.append(mod.globals.get(name) or ir.Function(mod, ty, name))
+    return out

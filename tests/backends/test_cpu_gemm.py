@@ -1,0 +1,178 @@
+"""GEMM cells on the CPU (tgc/backends/cpu/gemm.py): the generated small-tile loops,
+serial cblas calls, and the parallel tiled path (tiles and R chunks spread over
+libgomp threads), each against numpy in float64 or the reference interpreter.
+
+Which path a product takes follows from its size (Options defaults): a tile of at
+most `gemm_loop_max_flops` flops runs the generated loops; a product of at least
+`gemm_parallel_min_flops` flops is cut into tiles of at most `blas_tile_mnk`
+multiply-adds run on every thread. The sizes below are chosen to reach each one,
+with transposed operands (every axis order of A, B and C), batch edges, an operand
+without the batch edge, symbolic sizes (decided at run time), empty sums, and
+shifted operands (a convolution: taps, clipped ranges, accumulation).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.parser import parse_module
+from tgc.options import Options
+from tgc.runtime import build
+
+TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
+NP = {"f64": np.float64, "f32": np.float32}
+
+
+def compile_ir(text: str, dtype: str):
+    return build(parse_module(text), Options(dtype=dtype))
+
+
+def close(got, want, dtype):
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale)
+
+
+def run_matmul(a_order, b_order, c_order, sizes, dtype, fixed=("i", "j", "k"), seed=0):
+    """C[b, i, j] = sum_k A[b, i, k] B[b, k, j] (B without b when 'b' is not in
+    b_order), each operand and the result in the given axis order."""
+    dims = "\n".join(f"dim {d}" + (f" = {sizes[d]}" if d in fixed else "") for d in "bijk")
+    c_edges = "b, i, j"
+    text = f"""
+{dims}
+input A : {dtype}[{a_order}]
+input B : {dtype}[{b_order}]
+%0 = contract %A, %B : {dtype}[{c_edges}]
+out C = %0 : [{c_order}]
+"""
+    prog = compile_ir(text, dtype)
+    rng = np.random.default_rng(seed)
+    shape = lambda order: tuple(sizes[e.strip()] for e in order.split(","))  # noqa: E731
+    A = rng.standard_normal(shape(a_order)).astype(NP[dtype])
+    B = rng.standard_normal(shape(b_order)).astype(NP[dtype])
+    got = prog.run({"A": A, "B": B})["C"]
+    a = "".join(e.strip() for e in a_order.split(","))
+    b = "".join(e.strip() for e in b_order.split(","))
+    c = "".join(e.strip() for e in c_order.split(","))
+    want = np.einsum(f"{a},{b}->{c}", A.astype(np.float64), B.astype(np.float64))
+    close(got, want.astype(NP[dtype]), dtype)
+    return prog
+
+
+A_ORDERS = ["b, i, k", "b, k, i", "k, b, i"]
+B_ORDERS = ["b, k, j", "b, j, k", "j, k, b"]
+C_ORDERS = ["b, i, j", "b, j, i", "j, b, i"]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("a_order", A_ORDERS)
+@pytest.mark.parametrize("b_order", B_ORDERS)
+@pytest.mark.parametrize("c_order", C_ORDERS)
+def test_small_batched_gemm_every_layout(dtype, a_order, b_order, c_order):
+    """11 x 13 x 16 per batch index: the generated loops (remainder rows, one masked
+    vector of columns; a packed B' when its columns are not contiguous)."""
+    run_matmul(a_order, b_order, c_order, {"b": 5, "i": 11, "j": 13, "k": 16}, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("sizes", [
+    {"b": 3, "i": 1, "j": 1, "k": 1},
+    {"b": 2, "i": 9, "j": 40, "k": 7},       # two vectors of columns (f32: 16 + 24 masked)
+    {"b": 1, "i": 37, "j": 33, "k": 5},      # blocks of 4 rows plus a remainder of 1
+    {"b": 4, "i": 6, "j": 17, "k": 30},
+    {"b": 2, "i": 5, "j": 3, "k": 0},        # empty sum: zeros
+    {"b": 0, "i": 5, "j": 3, "k": 2},        # no batch: nothing to do
+])
+def test_gemm_symbolic_sizes(dtype, sizes):
+    """Every size symbolic: the path and the tiles are chosen at run time."""
+    for c_order in ("b, i, j", "b, j, i"):
+        run_matmul("b, i, k", "b, j, k", c_order, sizes, dtype, fixed=())
+        run_matmul("b, k, i", "b, k, j", c_order, sizes, dtype, fixed=())
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("b_order", ["k, j", "j, k"])
+def test_operand_without_the_batch_edge(dtype, b_order):
+    for sizes in ({"b": 7, "i": 11, "j": 16, "k": 9}, {"b": 3, "i": 100, "j": 120, "k": 90}):
+        run_matmul("b, i, k", b_order, "b, i, j", sizes, dtype)
+        run_matmul("i, b, k", b_order, "b, j, i", sizes, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"),
+                                    ("b, k, i", "b, j, k", "b, j, i"),
+                                    ("i, b, k", "k, b, j", "b, i, j")])
+def test_large_gemm_parallel_tiles(dtype, orders):
+    """150 x 260 x 300 per batch index: tiles cut in all three groups (R in chunks
+    accumulated in place), shared among the threads."""
+    run_matmul(*orders, {"b": 2, "i": 150, "j": 260, "k": 300}, dtype)
+    run_matmul(*orders, {"b": 1, "i": 3, "j": 700, "k": 1100}, dtype, fixed=())
+
+
+def test_multi_edge_groups():
+    """M and K of two edges each (merged groups), through tiles and loops."""
+    for dtype in ("f32", "f64"):
+        for n in (3, 40):
+            text = f"""
+dim b
+dim h = 3
+dim d = 16
+dim e = 24
+dim t = {n}
+input Q : {dtype}[b, h, t, d]
+input W : {dtype}[h, d, e]
+%0 = contract %Q, %W : {dtype}[b, t, e]
+out Y = %0 : [b, t, e]
+"""
+            prog = compile_ir(text, dtype)
+            x = random_inputs(prog.module, prog.module.bind_dims({"b": 5}), 0, dtype)
+            ref = evaluate(prog.module, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+            got = prog.run({k: np.copy(v) for k, v in x.items()})
+            close(got["Y"], ref["Y"], dtype)
+
+
+CONV = """
+dim batch, len
+dim cin = {cin}, cout = {cout}, klen = 5
+input  x[batch, cin, t: len]
+input  dy[batch, cout, s: len]
+param  K[cout, cin, k: klen]
+y    = x[t = s + k - 2] @ K
+loss = sum(y * dy)
+out y[batch, cout, s]
+out dx = grad(loss, x)
+out dK = grad(loss, K)
+"""
+
+
+def conv_reference(x, dy, K):
+    x, dy, K = (a.astype(np.float64) for a in (x, dy, K))
+    B, ci, L = x.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (2, 2)))
+    win = np.stack([xp[:, :, k:k + L] for k in range(K.shape[2])], axis=-1)    # b, ci, s, k
+    y = np.einsum("bcsk,ock->bos", win, K)
+    dK = np.einsum("bcsk,bos->ock", win, dy)
+    dyp = np.pad(dy, ((0, 0), (0, 0), (2, 2)))
+    dx = np.zeros_like(x)
+    for k in range(K.shape[2]):     # y[s] uses x[s + k - 2]: dx[t] += K_k^T dy[t - k + 2]
+        dx += np.einsum("oc,bot->bct", K[:, :, k], dyp[:, :, 4 - k:4 - k + L])
+    return y, dx, dK
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("sizes", [(3, 4, 5, 9), (2, 32, 24, 600), (1, 8, 8, 3)])
+def test_convolution_shifted_gemms(dtype, sizes):
+    """Taps, shifted views with clipped ranges, accumulation: small (loops), large
+    (parallel tiles cut across the clipped edge), and a signal shorter than the kernel."""
+    batch, cin, cout, length = sizes
+    prog = tgc.compile(CONV.format(cin=cin, cout=cout), dtype=dtype)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((batch, cin, length)).astype(NP[dtype])
+    dy = rng.standard_normal((batch, cout, length)).astype(NP[dtype])
+    K = rng.standard_normal((cout, cin, 5)).astype(NP[dtype])
+    got = prog(x=x, dy=dy, K=K.copy())
+    for name, want in zip(("y", "dx", "dK"), conv_reference(x, dy, K)):
+        close(got[name], want.astype(NP[dtype]), dtype)
