@@ -239,8 +239,8 @@ def test_objects_entry_and_pointer_entry_agree():
     from tgc.runtime import program as P
 
     prog = tgc.compile(UPD, dtype="f64")
-    if P._DATA_OFFSET is None:
-        pytest.skip("this numpy's array layout is not the one the fast pointer reader knows")
+    if P._LAYOUT is None:
+        pytest.skip("this numpy's array layout is not the one the native argument checks know")
     assert prog._run_objects is not None
     assert "tgc_run_objects" not in tgc.compile(UPD, dtype="f64").llvm_ir   # AOT/IR text: tgc_run only
     rng = np.random.default_rng(1)
@@ -254,3 +254,44 @@ def test_objects_entry_and_pointer_entry_agree():
     for y, a, a0, b in results:
         np.testing.assert_array_equal(a, a0 + b)
         np.testing.assert_array_equal(y, (a0 + b) + b)
+
+
+def test_the_native_checks_take_the_fast_path_and_refuse_what_they_must():
+    """After one checked call per shape, calls go straight to native code; anything
+    it refuses (view, other dtype, read-only target, other shape, aliasing) takes the
+    checked path, which converts, copies or explains, before anything is written."""
+    from tgc.runtime import program as P
+
+    if P._LAYOUT is None:
+        pytest.skip("this numpy's array layout is not the one the native argument checks know")
+    prog = tgc.compile(UPD, dtype="f64")
+    checked = []
+    inner = prog._run_checked
+    prog._run_checked = lambda *a, **k: checked.append(1) or inner(*a, **k)
+    a, b = np.arange(6.0), np.ones(6)
+    prog(a=a, b=b)
+    prog(a=a, b=b)
+    assert len(checked) == 1
+    np.testing.assert_array_equal(a, np.arange(6.0) + 2)
+    # a strided view, a float32 array: converted by the checked path, same numbers
+    wide = np.ones(12)
+    y = prog(a=a, b=wide[::2])["y"]
+    assert len(checked) == 2
+    np.testing.assert_array_equal(y, np.arange(6.0) + 4)
+    y = prog(a=a, b=np.ones(6, np.float32))["y"]
+    np.testing.assert_array_equal(y, np.arange(6.0) + 5)
+    # the update target read-only: refused with a message, nothing written
+    ro = np.arange(6.0)
+    ro.flags.writeable = False
+    with pytest.raises(EvalError, match="read-only"):
+        prog(a=ro, b=b)
+    # b is a's own memory: read with the old values
+    a = np.arange(6.0)
+    y = prog(a=a, b=a)["y"]
+    np.testing.assert_array_equal(a, 2 * np.arange(6.0))
+    np.testing.assert_array_equal(y, 3 * np.arange(6.0))
+    # another length: a new plan, then the fast path again
+    n = len(checked)
+    prog(a=np.zeros(3), b=np.ones(3))
+    prog(a=np.zeros(3), b=np.ones(3))
+    assert len(checked) == n + 1

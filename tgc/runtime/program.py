@@ -24,13 +24,13 @@ is written, then makes one native call:
 Returns a dict: each output (a new array, ABI order), then each update target
 (the caller's array, now holding the new values).
 
-The call's fast path (small programs: ~2-5 us of Python instead of ~25): inputs that
-are already exact-dtype, C-contiguous ndarrays (writable where updated) skip
-conversion; the shape checks and the dims, output shapes and workspace size are
-computed once per combination of input shapes (`_Plan`); the aliasing test is
-skipped while the buffers are those of a call that passed it; and the native
-`tgc_run_objects` reads the arrays' data pointers itself. Anything else, and every
-error message, goes through the checked path above, before anything is written.
+The call's fast path (~2-4 us of Python instead of ~25): the dims, output shapes,
+workspace size and what each argument must be are computed once per combination of
+the shapes that bind the symbolic dims (`_Plan`); the native `tgc_run_objects` then
+checks every argument object itself (ndarray, dtype, C-contiguous, writable where
+updated, shape; updated buffers overlapping nothing else) and reads its data
+pointer. Anything it refuses, and every error message, goes through the checked path
+above, before anything is written.
 """
 from __future__ import annotations
 
@@ -51,44 +51,51 @@ ALIGN = 64
 PLANS = 64          # shape combinations remembered per program (fast path)
 
 
-def _data_pointer_reader():
-    """A fast `a -> address of a's data` (`a.ctypes.data` costs ~1.2 us a call).
-
-    numpy's PyArrayObject starts with PyObject_HEAD, then `char *data`; reading that
-    field directly costs ~0.2 us. Checked here on a few arrays and views; where it
-    disagrees with `a.ctypes.data` (another numpy or interpreter layout), the slow
-    reader is used. Returns (reader, the field's offset or None)."""
-    slow = lambda a: a.ctypes.data  # noqa: E731
+def _array_layout() -> tuple[int, ...] | None:
+    """Byte offsets in numpy's PyArrayObject of ob_type, data, nd, dimensions, descr
+    and flags (the C struct numpy has kept since 1.7), then of the item array in a
+    list object; checked here against the Python view of a few arrays, views and a
+    list; None where any disagrees (then every call takes the checked path)."""
+    head = object.__basicsize__              # PyObject_HEAD: ob_refcnt, ob_type
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    offsets = (ptr, head, head + ptr, head + 2 * ptr, head + 5 * ptr, head + 6 * ptr, head + ptr)
+    read_p, read_i = ctypes.c_void_p.from_address, ctypes.c_int.from_address
     try:
-        offset = object.__basicsize__  # PyObject_HEAD
-        from_address = ctypes.c_void_p.from_address
-
-        def fast(a):
-            return from_address(id(a) + offset).value or 0
-
         base = np.arange(64, dtype=np.float64)
-        probes = [base, base[3:], base[5:9].reshape(2, 2), np.zeros(0, np.float32), np.asarray(1.5, np.float32),
-                  np.empty((7, 3), np.int32)]
-        if all(fast(a) == (a.ctypes.data or 0) for a in probes):
-            return fast, offset
-    except Exception:  # noqa: BLE001 -- any surprise: the documented reader
-        pass
-    return slow, None
+        probes = [base, base[3:], base[5:9].reshape(2, 2), base[::2], np.zeros(0, np.float32),
+                  np.asarray(1.5, np.float32), np.empty((7, 3), np.int32)]
+        for a in probes:
+            addr = id(a)
+            dims = read_p(addr + offsets[3]).value
+            shape = tuple(ctypes.c_int64.from_address(dims + 8 * i).value for i in range(a.ndim)) if a.ndim else ()
+            if (read_p(addr + offsets[0]).value != id(type(a)) or (read_p(addr + offsets[1]).value or 0) !=
+                    (a.ctypes.data or 0) or read_i(addr + offsets[2]).value != a.ndim or shape != a.shape
+                    or read_p(addr + offsets[4]).value != id(a.dtype)
+                    or read_i(addr + offsets[5]).value != a.flags.num):
+                return None
+        items = read_p(id(probes) + offsets[6]).value
+        if [read_p(items + ptr * i).value for i in range(len(probes))] != list(map(id, probes)):
+            return None
+    except Exception:  # noqa: BLE001 -- any surprise: no fast path
+        return None
+    return offsets
 
 
-_data_ptr, _DATA_OFFSET = _data_pointer_reader()
+C_CONTIGUOUS, WRITEABLE = 0x1, 0x400     # NPY_ARRAY_* flag bits
+_LAYOUT = _array_layout()
 
 
 @dataclass
 class _Plan:
-    """What a call with one combination of input shapes needs, computed once."""
+    """What a call with one combination of the dim-binding shapes needs, computed once."""
     env: dict
     dim_values: object          # ctypes int64 array, the symbolic dims
-    out_shapes: list
     ws_need: int
     dims_addr: int
     out_specs: list             # (shape, numpy dtype) per output
-    clean: list | None = None   # the data pointers of the last call found free of aliasing
+    expect: object              # ctypes int64 array: what tgc_run_objects checks per argument
+    frame: object               # ctypes int64 array: tgc_run_objects' frame
+    frame_addr: int
 
 
 @dataclass(frozen=True)
@@ -149,15 +156,13 @@ class Program:
         vp, i64p = ctypes.c_void_p, ctypes.c_void_p
         self._run = ctypes.CFUNCTYPE(ctypes.c_int32, i64p, vp, vp, vp)(jit.address("tgc_run"))
         self._ws_bytes = ctypes.CFUNCTYPE(ctypes.c_int64, i64p)(jit.address("tgc_workspace_bytes"))
-        self._run_objects = None  # tgc_run_objects: reads the arrays' data pointers natively
-        if _DATA_OFFSET is not None:
-            try:
-                self._run_objects = ctypes.CFUNCTYPE(ctypes.c_int32, vp, vp, vp, ctypes.c_int64)(
-                    jit.address("tgc_run_objects"))
-            except KeyError:
-                pass
+        self._run_objects = None  # tgc_run_objects: checks the arrays and reads their pointers natively
+        if _LAYOUT is not None:
+            self._run_objects = ctypes.CFUNCTYPE(ctypes.c_int32, vp, ctypes.py_object)(jit.address("tgc_run_objects"))
+            self._layout = (ctypes.c_int64 * len(_LAYOUT))(*_LAYOUT)
         self._lock = threading.Lock()
         self._workspace = np.empty(0, np.uint8)
+        self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
         targets = {u.target for u in module.updates}
         self.inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
@@ -166,21 +171,25 @@ class Program:
         self.outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
                         for o in module.outputs]
         self.updates = [u.target for u in module.updates]
-        # fast path (see run): per input, its name, numpy dtype and whether it is updated
+        # fast path (see run): the inputs that bind the symbolic dims key the plans
         self._names = tuple(s.name for s in self.inputs)
-        self._name_set = frozenset(self._names)
-        self._want = tuple((s.name, np.dtype(NP[s.dtype]), s.updated) for s in self.inputs)
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
-        self._ro_idx = tuple(i for i, s in enumerate(self.inputs) if not s.updated)
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
+        self._key_idx = self._binding_inputs()
         self._plans: dict = {}
-        self._arg_ptrs = (ctypes.c_void_p * max(len(self.inputs), 1))()
-        self._out_ptrs = (ctypes.c_void_p * max(len(self.outputs), 1))()
-        self._arg_addr, self._out_addr = ctypes.addressof(self._arg_ptrs), ctypes.addressof(self._out_ptrs)
-        self._objs = (ctypes.c_size_t * max(len(self.inputs) + len(self.outputs), 1))()
-        self._objs_addr = ctypes.addressof(self._objs)
         self._ws_addr = 0
+
+    def _binding_inputs(self) -> tuple[int, ...] | None:
+        """Indices of the inputs whose shapes fix every symbolic dim (the first to
+        carry each), or None when some dim is carried by none (passed as dims=)."""
+        m, found = self.module, []
+        for d in m.symbolic_dims():
+            i = next((i for i, s in enumerate(self.inputs) if any(m.edges[e] == d for e in s.edges)), None)
+            if i is None:
+                return None
+            found.append(i)
+        return tuple(sorted(set(found)))
 
     @property
     def llvm_ir(self) -> str:
@@ -267,84 +276,55 @@ class Program:
     # ------------------------------------------------------------ the call
 
     def run(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
-        # The fast path takes inputs that are already what the native code reads (an
-        # ndarray of the exact dtype, C-contiguous, writable where updated), which
-        # `_prepare` would pass through unchanged; anything else, and every error
-        # message, goes through the checked path.
-        if dims is None and arrays.keys() == self._name_set:
-            vals = []
-            for name, want, updated in self._want:
-                a = arrays[name]
-                if type(a) is not np.ndarray or (a.dtype is not want and a.dtype != want):
-                    break
-                flags = a.flags
-                if not flags.c_contiguous or (updated and not flags.writeable):
-                    break
-                vals.append(a)
-            else:
-                return self._run_fast(vals)
+        # The fast path: the plan for the shapes that bind the dims, then one native
+        # call that checks every argument itself; what it refuses (it then ran
+        # nothing), and every error message, goes through the checked path.
+        if dims is None and self._run_objects is not None and self._key_idx is not None \
+                and len(arrays) == len(self._names):
+            try:
+                vals = [arrays[n] for n in self._names]
+                key = tuple([vals[i].shape for i in self._key_idx])
+            except (KeyError, AttributeError):
+                return self._run_checked(arrays, dims)
+            plan = self._plans.get(key)
+            if plan is not None:
+                result = self._run_fast(vals, plan)
+                if result is not None:
+                    return result
         return self._run_checked(arrays, dims)
 
-    def _plan(self, vals: list, key: tuple) -> _Plan:
-        """Bind and check the shapes of a call (as `_bind` does), remembered by shape."""
-        env = self._bind(dict(zip(self._names, vals)), None)
+    def _remember(self, env: dict) -> None:
+        """The fast path's plan for these dims (`_Plan`), keyed by the binding shapes."""
         sym = self.module.symbolic_dims()
         dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
-        out_shapes = [tuple(size_eval(x, env) for x in s.shape) for s in self.outputs]
         addr = ctypes.addressof(dim_values)
-        plan = _Plan(env, dim_values, out_shapes, int(self._ws_bytes(addr)), addr,
-                     list(zip(out_shapes, self._out_dtypes)))
+        expect: list[int] = []
+        shapes = []
+        for spec in self.inputs:
+            shape = [size_eval(x, env) for x in spec.shape]
+            dt = np.dtype(NP[spec.dtype])
+            mask = C_CONTIGUOUS | (WRITEABLE if spec.updated else 0)
+            expect += [id(np.ndarray), id(dt), mask, len(shape), int(np.prod(shape, dtype=np.int64)) * dt.itemsize]
+            expect += shape
+            shapes.append(tuple(shape))
+        table = (ctypes.c_int64 * max(len(expect), 1))(*expect)
+        frame = (ctypes.c_int64 * 4)(addr, ctypes.addressof(self._ws_cell), ctypes.addressof(self._layout),
+                                     ctypes.addressof(table))
+        outs = [(tuple(size_eval(x, env) for x in o.shape), dt) for o, dt in zip(self.outputs, self._out_dtypes)]
+        plan = _Plan(env, dim_values, int(self._ws_bytes(addr)), addr, outs, table, frame, ctypes.addressof(frame))
         if len(self._plans) >= PLANS:
             self._plans.clear()
-        self._plans[key] = plan
-        return plan
+        self._plans[tuple(shapes[i] for i in self._key_idx)] = plan
 
-    def _unaliased(self, vals: list, ptrs: list) -> None:
-        """Copy each input sharing memory with an update target, so it is read with its
-        old values (np.may_share_memory's bounds test; every array here is contiguous)."""
-        upd = [(ptrs[j], ptrs[j] + vals[j].nbytes) for j in self._upd_idx if vals[j].nbytes]
-        for i in self._ro_idx:
-            n = vals[i].nbytes
-            if not n:
-                continue
-            lo, hi = ptrs[i], ptrs[i] + n
-            for ulo, uhi in upd:
-                if ulo < hi and lo < uhi:
-                    vals[i] = vals[i].copy()
-                    ptrs[i] = _data_ptr(vals[i])
-                    break
-
-    def _run_fast(self, vals: list) -> dict[str, np.ndarray]:
-        key = tuple([a.shape for a in vals])
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(vals, key)
-        if self._upd_idx:
-            ptrs = [_data_ptr(a) for a in vals]
-            # the same buffers as a call found free of aliasing need no check (the
-            # shapes, hence the byte extents, are the plan's)
-            if ptrs != plan.clean:
-                before = list(ptrs)
-                self._unaliased(vals, ptrs)
-                if ptrs == before:
-                    plan.clean = before
-        empty = np.empty
-        outs = [empty(shape, dt) for shape, dt in plan.out_specs]
+    def _run_fast(self, vals: list, plan: _Plan) -> dict[str, np.ndarray] | None:
+        outs = [np.empty(shape, dt) for shape, dt in plan.out_specs]
         with self._lock:
             if self._workspace.size < plan.ws_need + ALIGN:
-                self._workspace = np.empty(plan.ws_need + ALIGN, np.uint8)
-                addr = self._workspace.ctypes.data
-                self._ws_addr = addr + (-addr) % ALIGN
-            if self._run_objects is not None:
-                # vals and outs hold the objects alive through the call
-                objs = vals + outs
-                self._objs[:len(objs)] = list(map(id, objs))
-                rc = self._run_objects(plan.dims_addr, self._objs_addr, self._ws_addr, _DATA_OFFSET)
-            else:
-                self._arg_ptrs[:len(vals)] = [_data_ptr(a) for a in vals]
-                self._out_ptrs[:len(outs)] = [_data_ptr(a) for a in outs]
-                rc = self._run(plan.dims_addr, self._arg_addr, self._out_addr, self._ws_addr)
-        if rc != 0:
+                self._workspace_addr(plan.ws_need)
+            rc = self._run_objects(plan.frame_addr, vals + outs)
+        if rc < 0:
+            return None
+        if rc > 0:
             raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
         result = dict(zip(self._out_names, outs))
         for i in self._upd_idx:
@@ -354,13 +334,15 @@ class Program:
     def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
         args, write_back = self._prepare(arrays)
         env = self._bind(args, dims)
+        if dims is None and self._run_objects is not None and self._key_idx is not None:
+            self._remember(env)  # the next call with these shapes takes the fast path
         sym = self.module.symbolic_dims()
         dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
         outs = {s.name: np.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
         arg_ptrs = (ctypes.c_void_p * max(len(args), 1))(*[a.ctypes.data for a in args.values()])
         out_ptrs = (ctypes.c_void_p * max(len(outs), 1))(*[a.ctypes.data for a in outs.values()])
         with self._lock:
-            ws = self._workspace_for(dim_values)
+            ws = self._workspace_addr(int(self._ws_bytes(ctypes.addressof(dim_values))))
             rc = self._run(ctypes.addressof(dim_values), ctypes.addressof(arg_ptrs),
                            ctypes.addressof(out_ptrs), ws)
         if rc != 0:
@@ -372,12 +354,12 @@ class Program:
             result[target] = write_back.get(target, args[target])
         return result
 
-    def _workspace_for(self, dim_values) -> int:
-        need = int(self._ws_bytes(ctypes.addressof(dim_values)))
+    def _workspace_addr(self, need: int) -> int:
+        """The 64-byte aligned address of at least `need` scratch bytes (grown on demand)."""
         if self._workspace.size < need + ALIGN:
             self._workspace = np.empty(need + ALIGN, np.uint8)
             addr = self._workspace.ctypes.data
-            self._ws_addr = addr + (-addr) % ALIGN
+            self._ws_addr = self._ws_cell.value = addr + (-addr) % ALIGN
         return self._ws_addr
 
     def _check_error(self, rc: int, args: dict, env: dict) -> EvalError:

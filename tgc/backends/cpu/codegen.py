@@ -16,12 +16,17 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         workspace: tgc_workspace_bytes(dims) bytes, 64-byte aligned.
         Returns 0, or k > 0 when the k-th id check failed (an id out of range): then
         nothing has been written, since every check runs before the first kernel.
-    int32_t tgc_run_objects(const int64_t* dims, void* const* objects, void* workspace,
-                            int64_t offset)
+    int32_t tgc_run_objects(const int64_t* frame, PyObject* list)
         only with `generate(..., objects_entry=True)` (the Python runtime's JIT code,
         never an AOT build): tgc_run with each argument, then each output, given as
-        an object whose data pointer lies `offset` bytes in (a numpy array:
-        PyArrayObject's `data`), which saves Python reading every pointer.
+        a numpy array object in a Python list, so that Python neither checks nor
+        reads pointers. `frame`: [dims, address of the workspace address, layout,
+        expect]; `layout`: byte offsets of [ob_type, data, nd, dimensions, descr,
+        flags] in PyArrayObject and of the item array in a list; `expect`: per
+        argument [type, descr, flag mask, rank, bytes, size of each axis]. Returns -1
+        (nothing run) when an argument is not that (another type, dtype, shape, or
+        without a flag, e.g. C-contiguous), -2 when an updated argument's bytes
+        overlap another argument's; else as tgc_run.
 
 Kernels are internal functions (`loops.py`, `gemm.py`). A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
@@ -170,15 +175,59 @@ class _ModuleGen:
         return fn
 
     def objects_fn(self, run: ir.Function) -> None:
-        n_args, n_outs = len(self.low.module.args), len(self.low.module.outputs)
-        fn = define(self.mod, "tgc_run_objects", I32, [PTR, PTR, PTR, I64], internal=False)
-        dims, objs, ws, offset = fn.args
+        m = self.low.module
+        n_args, n_outs = len(m.args), len(m.outputs)
+        fn = define(self.mod, "tgc_run_objects", I32, [PTR] * 2, internal=False)
+        frame, items = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
+
+        def at(base, i, typ=I64):
+            return b.load(b.gep(base, [I64(i)], source_etype=typ), typ=typ)
+
+        dims, layout, expect = at(frame, 0, PTR), at(frame, 2, PTR), at(frame, 3, PTR)
+        ws = b.load(at(frame, 1, PTR), typ=PTR)
+        objs = b.load(b.gep(items, [at(layout, 6)], source_etype=ir.IntType(8)), typ=PTR)
+
+        def field(obj, which, typ):  # which: index into `layout`
+            return b.load(b.gep(obj, [at(layout, which)], source_etype=ir.IntType(8)), typ=typ)
+
         ptrs = b.alloca(ir.ArrayType(PTR, max(n_args + n_outs, 1)), name="ptrs")
-        for i in range(n_args + n_outs):
-            obj = b.load(b.gep(objs, [I64(i)], source_etype=PTR), typ=PTR)
-            data = b.load(b.gep(obj, [offset], source_etype=ir.IntType(8)), typ=PTR)
+        ok, spans, pos = ir.Constant(ir.IntType(1), 1), [], 0
+        targets = {u.target for u in m.updates}
+        for i, (name, arg) in enumerate(m.args.items()):
+            obj = at(objs, i, PTR)
+            rank = len(arg.order)
+            checks = [b.icmp_unsigned("==", b.ptrtoint(field(obj, 0, PTR), I64), at(expect, pos)),
+                      b.icmp_unsigned("==", b.ptrtoint(field(obj, 4, PTR), I64), at(expect, pos + 1))]
+            mask = at(expect, pos + 2)
+            flags = b.zext(field(obj, 5, I32), I64)
+            checks.append(b.icmp_unsigned("==", b.and_(flags, mask), mask))
+            checks.append(b.icmp_unsigned("==", b.sext(field(obj, 2, I32), I64), I64(rank)))
+            shape = field(obj, 3, PTR)
+            for axis in range(rank):
+                checks.append(b.icmp_unsigned("==", at(shape, axis), at(expect, pos + 5 + axis)))
+            for c in checks:
+                ok = b.and_(ok, c)
+            data = field(obj, 1, PTR)
             b.store(data, b.gep(ptrs, [I32(0), I32(i)]))
+            spans.append((name in targets, b.ptrtoint(data, I64), at(expect, pos + 4)))
+            pos += 5 + rank
+        with b.if_then(b.not_(ok), likely=False):
+            b.ret(I32(-1))
+        overlap = ir.Constant(ir.IntType(1), 0)
+        for updated, lo, n in spans:
+            if not updated:
+                continue
+            for other, lo2, n2 in spans:
+                if lo2 is lo:
+                    continue
+                both = b.and_(b.icmp_unsigned("<", lo2, b.add(lo, n)), b.icmp_unsigned("<", lo, b.add(lo2, n2)))
+                nonempty = b.and_(b.icmp_unsigned("!=", n, I64(0)), b.icmp_unsigned("!=", n2, I64(0)))
+                overlap = b.or_(overlap, b.and_(both, nonempty))
+        with b.if_then(overlap, likely=False):
+            b.ret(I32(-2))
+        for j in range(n_outs):
+            b.store(field(at(objs, n_args + j, PTR), 1, PTR), b.gep(ptrs, [I32(0), I32(n_args + j)]))
         args = b.gep(ptrs, [I32(0), I32(0)])
         outs = b.gep(ptrs, [I32(0), I32(n_args)])    # one past the end when no outputs: unused
         b.ret(b.call(run, [dims, args, outs, ws]))
