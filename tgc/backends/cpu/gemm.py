@@ -126,8 +126,8 @@ class GemmGen:
         return A, B, c_p
 
     def tiles(self, f: Frame, b: ir.IRBuilder, P, Q, R, limit):
-        """Tile sizes (tp, tq, tr): halve the largest of them (R counting half; not
-        below MIN_TILE rows/columns, MIN_CHUNK for R) until tp * tq * tr <= limit."""
+        """Tile sizes (tp, tq, tr): halve the largest of them (not below MIN_TILE
+        rows/columns, MIN_CHUNK for R) until tp * tq * tr <= limit."""
         pre = b.block
         head = f.fn.append_basic_block("tile.head")
         step = f.fn.append_basic_block("tile.step")
@@ -142,12 +142,9 @@ class GemmGen:
         hp = b.select(b.icmp_signed(">=", tp, I64(2 * MIN_TILE)), tp, zero)
         hq = b.select(b.icmp_signed(">=", tq, I64(2 * MIN_TILE)), tq, zero)
         hr = b.select(b.icmp_signed(">=", tr, I64(2 * MIN_CHUNK)), tr, zero)
-        # R only while it is more than twice P and Q: a task's tile of C stays large
-        # enough to give every thread a share when there are few batch indices
-        hr2 = b.ashr(hr, I64(1))
-        pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">=", hp, hr2))
-        pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">=", hq, hr2))
-        best = b.select(pick_p, hp, b.select(pick_q, hq, hr2))
+        pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">=", hp, hr))
+        pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">=", hq, hr))
+        best = b.select(pick_p, hp, b.select(pick_q, hq, hr))
         b.cbranch(b.and_(over, b.icmp_signed(">", best, zero)), step, done)
         b.position_at_end(step)
 
