@@ -42,7 +42,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import fntable
 from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range
-from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_extent
+from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
@@ -253,7 +253,7 @@ class _ModuleGen:
 
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
-        n = f.size(split_extent(k))
+        n = split_count(f, k)
         if par is None:
             b.call(kfn, call_args + [I64(0), n])
             return

@@ -49,6 +49,8 @@ def parallel_ok(k: LoopKernel | LoopGroup) -> bool:
 
 
 SMALL_SPLIT = 8   # an outermost loop shorter than this is split together with the next
+UNROLL = 4        # a loop of at most this many iterations (known) is unrolled
+MIN_BLOCK_ROWS = 16  # the shortest block of a blocked group's outer loop
 
 
 def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
@@ -69,15 +71,20 @@ def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
     return tuple(loops[:2]) if ok else first
 
 
-def split_extent(k: LoopKernel | LoopGroup):
-    """The extent of the range threads split: the blocks of a blocked group, else the
-    product of the split loops' extents."""
+def split_count(f: Frame, k: LoopKernel | LoopGroup):
+    """The length of the range threads split (i64): the product of the split loops'
+    extents, or a blocked group's blocks: `blocks`, fewer when the outer loop is
+    short (each block at least MIN_BLOCK_ROWS long, so that a loop vectorized over
+    rows still fills a vector; partial-sum rows past the last are zeros)."""
     if isinstance(k, LoopGroup) and k.blocks:
-        return k.blocks
+        b = f.entry
+        per = b.sdiv(f.size(k.sizes[k.outer[0]]), I64(MIN_BLOCK_ROWS))
+        nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
+        return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
     total = 1
     for v in split_loops(k):
         total = size_op("*", total, k.sizes[v])
-    return total
+    return f.size(total)
 
 
 class LoopGen:
@@ -125,7 +132,7 @@ class LoopGen:
             self.split_nest(split, [], {},
                             lambda vs: self.plain_nest(list(g.outer[len(split):]), g.sizes, vs, members))
             return
-        n, nb = self.f.size(g.sizes[first]), I64(g.blocks)
+        n, nb = self.f.size(g.sizes[first]), split_count(self.f, g)
         with for_range(b, self.lo, self.hi, BLOCK) as blk:
             start = b.sdiv(b.mul(blk, n), nb)
             end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
@@ -180,8 +187,13 @@ class LoopGen:
         if self.split and v == self.split[0]:
             self.split_nest(self.split, loops[len(self.split):], vars, leaf)
             return
-        lo, hi = I64(0), self.f.size(self.k.sizes[v])
+        n = self.k.sizes[v]
         lows, highs = self.k.bounds.get(v, ((), ()))
+        if isinstance(n, int) and n <= UNROLL and not lows and not highs:
+            for i in range(n):  # unrolled, so that the loop around it is innermost for LLVM
+                self.nest(loops[1:], {**vars, v: I64(i)}, leaf)
+            return
+        lo, hi = I64(0), self.f.size(n)
         for ix in lows:
             x = self.ix(ix, vars)
             lo = self.b.select(self.b.icmp_signed(">", x, lo), x, lo)
@@ -349,7 +361,7 @@ class LoopGen:
 
 def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, name: str) -> ir.Function:
     """`void name(ptr data)`, data = [dims, buffers...]: runs this thread's share of
-    the kernel's split loop (`split_extent`, `parallel.thread_range`)."""
+    the kernel's split range (`split_count`, `parallel.thread_range`)."""
     from tgc.backends.cpu import parallel
 
     nbuf = len(kernel_buffers(k))
@@ -358,7 +370,7 @@ def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, nam
     e = f.entry
     ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
     f.dims_ptr = ptrs[0]
-    lo, hi = parallel.thread_range(f.b, f.size(split_extent(k)))
+    lo, hi = parallel.thread_range(f.b, split_count(f, k))
     f.b.call(kernel, ptrs + [lo, hi])
     f.b.ret_void()
     f.finish()
