@@ -48,6 +48,7 @@ from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
 ALIGN = 64
+WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is updated
 # Op weights for the parallel threshold, relative to an add/mul (~0.1 ns an element
 # vectorized here): the polynomial functions (vecmath) and pow cost ~8; sqrt and div
 # are single vector instructions (vsqrtps, vdivps), ~2. (At weight 8 for div and sqrt,
@@ -175,62 +176,70 @@ class _ModuleGen:
         return fn
 
     def objects_fn(self, run: ir.Function) -> None:
+        """tgc_run_objects: loops over the `expect` table (code of one size whatever
+        the number of arguments: unrolled checks of 40 arguments cost LLVM minutes)."""
         m = self.low.module
         n_args, n_outs = len(m.args), len(m.outputs)
         fn = define(self.mod, "tgc_run_objects", I32, [PTR] * 2, internal=False)
         frame, items = fn.args
-        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        f = Frame(fn, m, None)
+        b, e = f.b, f.entry
 
         def at(base, i, typ=I64):
-            return b.load(b.gep(base, [I64(i)], source_etype=typ), typ=typ)
-
-        dims, layout, expect = at(frame, 0, PTR), at(frame, 2, PTR), at(frame, 3, PTR)
-        ws = b.load(at(frame, 1, PTR), typ=PTR)
-        objs = b.load(b.gep(items, [at(layout, 6)], source_etype=ir.IntType(8)), typ=PTR)
+            return b.load(b.gep(base, [i if isinstance(i, ir.Value) else I64(i)], source_etype=typ), typ=typ)
 
         def field(obj, which, typ):  # which: index into `layout`
             return b.load(b.gep(obj, [at(layout, which)], source_etype=ir.IntType(8)), typ=typ)
 
-        ptrs = b.alloca(ir.ArrayType(PTR, max(n_args + n_outs, 1)), name="ptrs")
-        ok, spans, pos = ir.Constant(ir.IntType(1), 1), [], 0
-        targets = {u.target for u in m.updates}
-        for i, (name, arg) in enumerate(m.args.items()):
-            obj = at(objs, i, PTR)
-            rank = len(arg.order)
-            checks = [b.icmp_unsigned("==", b.ptrtoint(field(obj, 0, PTR), I64), at(expect, pos)),
-                      b.icmp_unsigned("==", b.ptrtoint(field(obj, 4, PTR), I64), at(expect, pos + 1))]
-            mask = at(expect, pos + 2)
+        dims, layout, expect = at(frame, 0, PTR), at(frame, 2, PTR), at(frame, 3, PTR)
+        ws = b.load(at(frame, 1, PTR), typ=PTR)
+        objs = b.load(b.gep(items, [at(layout, 6)], source_etype=ir.IntType(8)), typ=PTR)
+        n = max(n_args + n_outs, 1)
+        ptrs = f.alloca(ir.ArrayType(PTR, n), "ptrs")
+        lo, size, upd = (f.alloca(ir.ArrayType(I64, n), name) for name in ("lo", "size", "upd"))
+        pos, ok = f.alloca(I64, "pos"), f.alloca(ir.IntType(1), "ok")
+        e.store(I64(0), pos)
+        e.store(ir.Constant(ir.IntType(1), 1), ok)
+
+        def slot(array, i):
+            return b.gep(array, [I32(0), i])
+
+        with for_range(b, I64(0), I64(n_args), "arg") as i:
+            obj, p = at(objs, i, PTR), b.load(pos)
+            mask, rank = at(expect, b.add(p, I64(2))), at(expect, b.add(p, I64(3)))
+            same = b.and_(b.icmp_unsigned("==", b.ptrtoint(field(obj, 0, PTR), I64), at(expect, p)),
+                          b.icmp_unsigned("==", b.ptrtoint(field(obj, 4, PTR), I64), at(expect, b.add(p, I64(1)))))
             flags = b.zext(field(obj, 5, I32), I64)
-            checks.append(b.icmp_unsigned("==", b.and_(flags, mask), mask))
-            checks.append(b.icmp_unsigned("==", b.sext(field(obj, 2, I32), I64), I64(rank)))
-            shape = field(obj, 3, PTR)
-            for axis in range(rank):
-                checks.append(b.icmp_unsigned("==", at(shape, axis), at(expect, pos + 5 + axis)))
-            for c in checks:
-                ok = b.and_(ok, c)
+            same = b.and_(same, b.icmp_unsigned("==", b.and_(flags, mask), mask))
+            same = b.and_(same, b.icmp_unsigned("==", b.sext(field(obj, 2, I32), I64), rank))
+            b.store(b.and_(b.load(ok), same), ok)
+            with b.if_then(same):  # the same rank: compare the sizes
+                shape = field(obj, 3, PTR)
+                with for_range(b, I64(0), rank, "axis") as a:
+                    eq = b.icmp_unsigned("==", at(shape, a), at(expect, b.add(b.add(p, I64(5)), a)))
+                    b.store(b.and_(b.load(ok), eq), ok)
             data = field(obj, 1, PTR)
-            b.store(data, b.gep(ptrs, [I32(0), I32(i)]))
-            spans.append((name in targets, b.ptrtoint(data, I64), at(expect, pos + 4)))
-            pos += 5 + rank
-        with b.if_then(b.not_(ok), likely=False):
+            b.store(data, slot(ptrs, i))
+            b.store(b.ptrtoint(data, I64), slot(lo, i))
+            b.store(at(expect, b.add(p, I64(4))), slot(size, i))
+            b.store(b.and_(mask, I64(WRITEABLE)), slot(upd, i))
+            b.store(b.add(b.add(p, I64(5)), rank), pos)
+        with b.if_then(b.not_(b.load(ok)), likely=False):
             b.ret(I32(-1))
-        overlap = ir.Constant(ir.IntType(1), 0)
-        for updated, lo, n in spans:
-            if not updated:
-                continue
-            for other, lo2, n2 in spans:
-                if lo2 is lo:
-                    continue
-                both = b.and_(b.icmp_unsigned("<", lo2, b.add(lo, n)), b.icmp_unsigned("<", lo, b.add(lo2, n2)))
-                nonempty = b.and_(b.icmp_unsigned("!=", n, I64(0)), b.icmp_unsigned("!=", n2, I64(0)))
-                overlap = b.or_(overlap, b.and_(both, nonempty))
-        with b.if_then(overlap, likely=False):
-            b.ret(I32(-2))
+        with for_range(b, I64(0), I64(n_args), "u") as i:
+            lo_i, n_i = b.load(slot(lo, i)), b.load(slot(size, i))
+            written = b.and_(b.icmp_unsigned("!=", b.load(slot(upd, i)), I64(0)), b.icmp_unsigned("!=", n_i, I64(0)))
+            with b.if_then(written):
+                with for_range(b, I64(0), I64(n_args), "o") as j:
+                    lo_j, n_j = b.load(slot(lo, j)), b.load(slot(size, j))
+                    hit = b.and_(b.icmp_unsigned("<", lo_j, b.add(lo_i, n_i)), b.icmp_unsigned("<", lo_i, b.add(lo_j, n_j)))
+                    hit = b.and_(hit, b.and_(b.icmp_unsigned("!=", i, j), b.icmp_unsigned("!=", n_j, I64(0))))
+                    with b.if_then(hit, likely=False):
+                        b.ret(I32(-2))
         for j in range(n_outs):
-            b.store(field(at(objs, n_args + j, PTR), 1, PTR), b.gep(ptrs, [I32(0), I32(n_args + j)]))
-        args = b.gep(ptrs, [I32(0), I32(0)])
-        outs = b.gep(ptrs, [I32(0), I32(n_args)])    # one past the end when no outputs: unused
-        b.ret(b.call(run, [dims, args, outs, ws]))
+            b.store(field(at(objs, n_args + j, PTR), 1, PTR), slot(ptrs, I32(n_args + j)))
+        b.ret(b.call(run, [dims, slot(ptrs, I32(0)), slot(ptrs, I32(n_args)), ws]))
+        f.finish()
 
     def arg_ptr(self, b: ir.IRBuilder, array, index: int):
         return b.load(b.gep(array, [I64(index)], source_etype=PTR), typ=PTR)
