@@ -112,7 +112,7 @@ class _ModuleGen:
     def new_kernel_fns(self, i: int, k):
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
-            return GemmGen(self.mod, self.low, k, name, self.fp).emit(), None
+            return GemmGen(self.mod, self.low, k, name, self.fp, self.opt).emit(), None
         fn = LoopGen(self.mod, self.low, k, name, self.fp).emit()
         par = None
         if self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k):

@@ -68,9 +68,9 @@ class _Operand:
 
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
-                 options: Options | None = None):
+                 options: Options):
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
-        self.opt = options or Options()
+        self.opt = options
         self.fn = define(mod, name, ir.VoidType(), [PTR] * 4)
         self.fn.attributes.add("noinline")
         ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
