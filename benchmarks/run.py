@@ -295,21 +295,35 @@ def check(case, out, ref, before):
     return None, worst
 
 
-def time_interleaved(steps, repeats, sample_s, blocked=False):
-    """Median seconds per call of each step, sampled A B C A B C ... (blocked: A A ... B B ...)."""
-    inner = {}
+def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
+    """Median seconds per call of each step, sampled A B C A B C ... (blocked: A A ... B B ...).
+
+    With `settle_s`, each switch to a contender whose call takes 1 ms or more (the rows where
+    every contender runs threads) first waits that long, then runs half a sample untimed: a
+    thread pool the previous contender used (numpy's OpenBLAS spins ~0.1 s after a
+    multi-threaded call) is idle again and does not take the cores from this one, and this
+    one's own threads are awake. (Before short calls, torch's pool measured ~15x slower
+    after such a pause, so they are not paused.)"""
+    inner, long_calls = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
         inner[name] = max(1, min(10000, int(sample_s / max(dt, 1e-7))))
+        long_calls[name] = dt >= 1e-3
     samples = {name: [] for name in steps}
     gc.collect()
     gc.disable()
     try:
         order = [name for name in steps for _ in range(repeats)] if blocked else list(steps) * repeats
+        previous = None
         for name in order:
             fn, n = steps[name], inner[name]
+            if settle_s and name != previous and long_calls[name]:
+                time.sleep(settle_s)
+                for _ in range(max(1, n // 2)):  # untimed: wakes this contender's threads up
+                    fn()
+            previous = name
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
@@ -510,7 +524,7 @@ def run_case(case, makers, args, bounds, tg):
             row["status"][name] = ("n/a (backend: " if name == "tgc" else "n/a (") + short_error(e) + ")"
     if steps:
         load = OtherLoad()
-        med, samples = time_interleaved(steps, args.repeat, args.sample_ms / 1e3, args.blocked)
+        med, samples = time_interleaved(steps, args.repeat, args.sample_ms / 1e3, args.blocked, args.settle_ms / 1e3)
         row["other_load"] = load.fraction()
         row["median_s"] = med
         row["samples_s"] = samples
@@ -648,6 +662,10 @@ def main(argv=None):
     ap.add_argument("--json", help="also write every number to this file")
     ap.add_argument("--specialize", action="store_true",
                     help="compile tgc once per size with its dims fixed (default: once per file, dims bound per call)")
+    ap.add_argument("--settle-ms", type=float, default=120.0,
+                    help="idle time before each switch to another contender, so that the thread pool the "
+                         "previous one used (OpenBLAS spins ~0.1 s after a call) has gone to sleep (default 120; "
+                         "0 to see the contenders' pools collide)")
     ap.add_argument("--blocked", action="store_true",
                     help="time each contender's samples in one block (A A A B B B) instead of interleaved, "
                     "to see how much the contenders disturb each other")

@@ -25,7 +25,7 @@ class Options:
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
-    parallel_min_work: int = 1 << 18         # loop iterations (x op weight) below which a kernel runs on one thread
+    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas

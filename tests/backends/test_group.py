@@ -158,3 +158,17 @@ def test_a_short_first_loop_is_split_with_the_next(threads):
         got = prog(**x)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-13)
+
+
+def test_a_bounded_sum_is_not_split_and_keeps_its_bounds():
+    """`sum[q] scores[q + 1, q]` runs q over [0, 4): read past that, it would add what
+    lies after the array (here 1e6)."""
+    from tgc.backends.cpu.loops import split_loops
+
+    prog = tgc.compile("dim p = 5, q = p\ninput scores[p, q]\nout s = [q = p + 1] @ scores[q -> p, p -> q]\n",
+                       dtype="f64")
+    assert [split_loops(k) for k in prog.lowered.kernels] == [()]
+    memory = np.full(100, 1e6)
+    scores = memory[:25].reshape(5, 5)
+    scores[:] = np.arange(25.0).reshape(5, 5)
+    assert prog(scores=scores)["s"] == sum(scores[q + 1, q] for q in range(4))

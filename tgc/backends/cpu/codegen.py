@@ -56,6 +56,7 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 # milliseconds while another process holds a core.)
 HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 LIGHT = frozenset({"sqrt", "div"})
+ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
@@ -295,9 +296,17 @@ def weight(k: LoopKernel) -> int:
 
 
 def work_terms(k) -> list[tuple[int, list]]:
-    """(weight, loop extents) for each loop kernel of `k` (a group: its members)."""
-    members = k.members if isinstance(k, LoopGroup) else (k,)
-    return [(weight(m), [m.sizes[v] for v in m.loops]) for m in members]
+    """(weight, loop extents) terms of the work of `k` (a group: of its members): each
+    iteration weighs `weight`, and each entry into the innermost loop ROW_COST more
+    (its setup, masked tail and horizontal reduction: softmax rows of 11 elements
+    cost ~10x what their element count says)."""
+    out = []
+    for m in (k.members if isinstance(k, LoopGroup) else (k,)):
+        sizes = [m.sizes[v] for v in m.loops]
+        out.append((weight(m), sizes))
+        if len(sizes) > 1:
+            out.append((ROW_COST, sizes[:-1]))
+    return out
 
 
 def kernel_key(low: Lowered, k) -> tuple:

@@ -60,6 +60,8 @@ def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
     loops = k.outer if isinstance(k, LoopGroup) else k.loops
     if not loops or (isinstance(k, LoopGroup) and k.blocks):
         return ()
+    if isinstance(k, LoopKernel) and (loops[0] in k.red or k.scatter or k.bounds.get(loops[0])):
+        return ()   # a sum's loop (with its bounds), a scatter's: never shared
     first = loops[:1]
     n = k.sizes[loops[0]]
     if len(loops) < 2 or not isinstance(n, int) or n >= SMALL_SPLIT:

@@ -54,12 +54,21 @@ def _gomp_loaded() -> bool:
 
 @functools.cache
 def _library(spin_count: int | None, wait_policy: str | None) -> ctypes.CDLL:
-    if not _gomp_loaded():
-        if spin_count is not None:
-            os.environ.setdefault('GOMP_SPINCOUNT', str(spin_count))
-        if wait_policy is not None:
-            os.environ.setdefault('OMP_WAIT_POLICY', wait_policy)
-    return ctypes.CDLL(LIBGOMP)
+    """libgomp, loaded with our wait settings where the environment has none. The
+    environment is restored at once: another OpenMP runtime loaded later (torch bundles
+    its own libgomp) must not read our settings (a short spin made torch's small ops
+    ~15x slower, waking its sleeping threads for every op)."""
+    if _gomp_loaded():
+        return ctypes.CDLL(LIBGOMP)
+    wanted = {'GOMP_SPINCOUNT': None if spin_count is None else str(spin_count), 'OMP_WAIT_POLICY': wait_policy}
+    added = [k for k, v in wanted.items() if v is not None and k not in os.environ]
+    for k in added:
+        os.environ[k] = wanted[k]
+    try:
+        return ctypes.CDLL(LIBGOMP)
+    finally:
+        for k in added:
+            del os.environ[k]
 
 
 def gomp_addresses(spin_count: int | None = 10_000,
