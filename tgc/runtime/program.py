@@ -162,6 +162,7 @@ class Program:
             self._layout = (ctypes.c_int64 * len(_LAYOUT))(*_LAYOUT)
         self._lock = threading.Lock()
         self._workspace = np.empty(0, np.uint8)
+        self._ws_size = -1                  # usable bytes at _ws_addr
         self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
         targets = {u.target for u in module.updates}
@@ -177,6 +178,7 @@ class Program:
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
         self._key_idx = self._binding_inputs()
+        self._fast = self._run_objects is not None and self._key_idx is not None
         self._plans: dict = {}
         self._ws_addr = 0
 
@@ -279,8 +281,7 @@ class Program:
         # The fast path: the plan for the shapes that bind the dims, then one native
         # call that checks every argument itself; what it refuses (it then ran
         # nothing), and every error message, goes through the checked path.
-        if dims is None and self._run_objects is not None and self._key_idx is not None \
-                and len(arrays) == len(self._names):
+        if dims is None and self._fast and len(arrays) == len(self._names):
             try:
                 vals = [arrays[n] for n in self._names]
                 key = tuple([vals[i].shape for i in self._key_idx])
@@ -317,9 +318,10 @@ class Program:
         self._plans[tuple(shapes[i] for i in self._key_idx)] = plan
 
     def _run_fast(self, vals: list, plan: _Plan) -> dict[str, np.ndarray] | None:
-        outs = [np.empty(shape, dt) for shape, dt in plan.out_specs]
+        empty = np.empty
+        outs = [empty(shape, dt) for shape, dt in plan.out_specs]
         with self._lock:
-            if self._workspace.size < plan.ws_need + ALIGN:
+            if self._ws_size < plan.ws_need:
                 self._workspace_addr(plan.ws_need)
             rc = self._run_objects(plan.frame_addr, vals + outs)
         if rc < 0:
@@ -334,7 +336,7 @@ class Program:
     def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
         args, write_back = self._prepare(arrays)
         env = self._bind(args, dims)
-        if dims is None and self._run_objects is not None and self._key_idx is not None:
+        if dims is None and self._fast:
             self._remember(env)  # the next call with these shapes takes the fast path
         sym = self.module.symbolic_dims()
         dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
@@ -360,6 +362,7 @@ class Program:
             self._workspace = np.empty(need + ALIGN, np.uint8)
             addr = self._workspace.ctypes.data
             self._ws_addr = self._ws_cell.value = addr + (-addr) % ALIGN
+            self._ws_size = need
         return self._ws_addr
 
     def _check_error(self, rc: int, args: dict, env: dict) -> EvalError:
