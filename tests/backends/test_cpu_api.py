@@ -246,7 +246,7 @@ def test_objects_entry_and_pointer_entry_agree():
     rng = np.random.default_rng(1)
     results = []
     for entry in (prog._run_objects, None):
-        prog._run_objects = entry
+        prog._run_objects, prog._fast = entry, entry is not None
         a, b = rng.standard_normal(6), rng.standard_normal(6)
         a0 = a.copy()
         y = prog(a=a, b=b)["y"]
