@@ -20,7 +20,8 @@ def test_library_is_numpys_and_exports_ilp64_gemm():
     path = blas.openblas_path()
     assert 'openblas' in os.path.basename(path)
     addrs = blas.gemm_addresses()
-    assert set(addrs) == {'sgemm', 'dgemm'} and all(addrs.values())
+    assert {'sgemm', 'dgemm'} <= set(addrs) <= {'sgemm', 'dgemm', 'blas_get_threads', 'blas_set_threads'}
+    assert all(addrs.values())
     if shutil.which('nm'):
         out = subprocess.run(['nm', '-D', path], capture_output=True, text=True).stdout
         names = {line.split()[-1] for line in out.splitlines() if line.strip()}
@@ -112,3 +113,26 @@ def test_table_layout():
     assert len(t) == len(fntable.FIELDS) and t[0] is None and t[1] == 1234
     assert str(fntable.field_type('sgemm')) == (
         'void (i32, i32, i32, i64, i64, i64, float, ptr, i64, ptr, i64, float, ptr, i64)')
+
+
+def test_a_program_with_gemms_gives_back_the_callers_openblas_thread_count():
+    """tgc_run sets OpenBLAS to one thread while it runs (tgc shares the cores itself);
+    the result is right and the caller's setting is back afterwards."""
+    import ctypes
+
+    import numpy as np
+
+    import tgc
+
+    lib = blas._library()
+    names = [n for n in blas.THREAD_SYMBOLS['blas_get_threads'] if hasattr(lib, n)]
+    if not names:
+        pytest.skip("this OpenBLAS has no openblas_get_num_threads")
+    get = getattr(lib, names[0])
+    get.restype = ctypes.c_int
+    prog = tgc.compile("dim i = 300, j = 300, k = 300\ninput A[i, k]\ninput B[k, j]\nout C = A @ B\n",
+                       dtype="f64")
+    before = get()
+    A, B = np.random.default_rng(0).standard_normal((2, 300, 300))
+    np.testing.assert_allclose(prog(A=A, B=B)["C"], A @ B, rtol=1e-10, atol=1e-10)
+    assert get() == before

@@ -67,7 +67,8 @@ def gomp():
 
 def compiled(gomp, threshold):
     jm = llvm_env.jit(str(tid_module(threshold)))
-    INIT(jm.address('tgc_init'))(ctypes.addressof(fntable.make_table(gomp)))
+    table = fntable.make_table(gomp)  # alive through the call (a temporary is freed before it)
+    INIT(jm.address('tgc_init'))(ctypes.addressof(table))
     return jm, RUN(jm.address('run'))
 
 

@@ -38,6 +38,12 @@ SYMBOLS = {
     'sgemm': ('scipy_cblas_sgemm64_', 'cblas_sgemm64_'),
     'dgemm': ('scipy_cblas_dgemm64_', 'cblas_dgemm64_'),
 }
+# OpenBLAS's (process-wide) thread count, which generated code sets to 1 for the
+# duration of a call (see codegen.py)
+THREAD_SYMBOLS = {
+    'blas_get_threads': ('scipy_openblas_get_num_threads64_', 'openblas_get_num_threads64_'),
+    'blas_set_threads': ('scipy_openblas_set_num_threads64_', 'openblas_set_num_threads64_'),
+}
 
 
 def _mapped_libraries() -> list[str]:
@@ -89,10 +95,15 @@ def _symbol(lib: ctypes.CDLL, names: tuple[str, ...]):
 
 
 def gemm_addresses() -> dict[str, int]:
-    """{'sgemm': address, 'dgemm': address} of the ILP64 CBLAS GEMMs."""
+    """{'sgemm': address, 'dgemm': address} of the ILP64 CBLAS GEMMs, and of the
+    thread-count get/set entries where the library has them."""
     lib = _library()
-    return {k: ctypes.cast(_symbol(lib, names), ctypes.c_void_p).value
-            for k, names in SYMBOLS.items()}
+    out = {k: ctypes.cast(_symbol(lib, names), ctypes.c_void_p).value for k, names in SYMBOLS.items()}
+    for k, names in THREAD_SYMBOLS.items():
+        found = [getattr(lib, n) for n in names if hasattr(lib, n)]
+        if found:
+            out[k] = ctypes.cast(found[0], ctypes.c_void_p).value
+    return out
 
 
 def gemm_type(fp) -> ir.FunctionType:

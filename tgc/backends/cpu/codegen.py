@@ -4,7 +4,9 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
 
     void    tgc_init(void* const* table)
         once, before anything else: the function table (`fntable.FIELDS`: cblas
-        sgemm/dgemm, GOMP_parallel, omp_get_thread_num, omp_get_num_threads).
+        sgemm/dgemm, GOMP_parallel, omp_get_thread_num, omp_get_num_threads,
+        OpenBLAS's thread count get/set; a program with GEMMs runs OpenBLAS on one
+        thread during tgc_run: see `blas_one_thread`).
     int64_t tgc_workspace_bytes(const int64_t* dims)
         scratch bytes a run needs for these dims (a multiple of 64).
     int32_t tgc_run(const int64_t* dims, void* const* args, void* const* outs, void* workspace)
@@ -167,14 +169,43 @@ class _ModuleGen:
             with b.if_then(b.icmp_signed("!=", bad, I32(0)), likely=False):
                 b.ret(I32(i + 1))
         ptrs = self.buffer_ptrs(f, args, outs, ws)
+        restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
         for k, (kfn, par) in zip(self.low.kernels, kernels):
             if isinstance(k, GemmKernel):
                 b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)])
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+        if restore is not None:
+            restore()
         b.ret(I32(0))
         f.finish()
         return fn
+
+    @staticmethod
+    def blas_one_thread(f: Frame):
+        """Set OpenBLAS to one thread for this call; returns what emits the restore.
+
+        tgc shares the cores itself (its tiled GEMMs and loops on libgomp); a GEMM
+        below `gemm_parallel_min_flops` is one cblas call, which OpenBLAS would
+        otherwise thread on its own pool, whose spinning then takes the cores from
+        tgc's threads (an MLP step: 82 -> 70 us). Process-wide, but only during the
+        call, and restored only by the call that changed it, so overlapping calls
+        from several threads end with the caller's setting."""
+        b = f.b
+        have = b.and_(fntable.is_set(b, "blas_get_threads"), fntable.is_set(b, "blas_set_threads"))
+        before = f.alloca(I32, "blas.threads")
+        b.store(I32(1), before)
+        with b.if_then(have):
+            n = fntable.call(b, "blas_get_threads", [])
+            b.store(n, before)
+            with b.if_then(b.icmp_signed(">", n, I32(1))):
+                fntable.call(b, "blas_set_threads", [I32(1)])
+        saved = b.load(before)
+
+        def restore() -> None:
+            with b.if_then(b.icmp_signed(">", saved, I32(1))):
+                fntable.call(b, "blas_set_threads", [saved])
+        return restore
 
     def objects_fn(self, run: ir.Function) -> None:
         """tgc_run_objects: loops over the `expect` table (code of one size whatever

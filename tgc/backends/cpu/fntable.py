@@ -13,11 +13,14 @@ into it. The runtime calls init once after loading (JIT engine or ``dlopen``ed
     2      gomp_parallel        void (ptr fn, ptr data, i32 num_threads, i32 flags)
     3      omp_get_thread_num   i32 ()
     4      omp_get_num_threads  i32 ()
+    5      blas_get_threads     i32 ()            (openblas_get_num_threads)
+    6      blas_set_threads     void (i32)        (openblas_set_num_threads)
 
 The module copies the pointers, so the Python-side array may be freed after init.
 Only fields a module calls need be non-null, but the array always has all N slots.
 The runtime builds the array with
 ``make_table({**blas.gemm_addresses(), **parallel.gomp_addresses()})``.
+(`blas.gemm_addresses` gives the two thread-count entries too.)
 """
 
 import ctypes
@@ -26,7 +29,8 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas
 
-FIELDS = ('sgemm', 'dgemm', 'gomp_parallel', 'omp_get_thread_num', 'omp_get_num_threads')
+FIELDS = ('sgemm', 'dgemm', 'gomp_parallel', 'omp_get_thread_num', 'omp_get_num_threads',
+          'blas_get_threads', 'blas_set_threads')
 GLOBAL = 'tgc.fntable'
 
 
@@ -39,6 +43,8 @@ def field_type(name: str) -> ir.FunctionType:
         'gomp_parallel': ir.FunctionType(ir.VoidType(), [ptr, ptr, i32, i32]),
         'omp_get_thread_num': ir.FunctionType(i32, []),
         'omp_get_num_threads': ir.FunctionType(i32, []),
+        'blas_get_threads': ir.FunctionType(i32, []),
+        'blas_set_threads': ir.FunctionType(ir.VoidType(), [i32]),
     }
     return types[name]
 
