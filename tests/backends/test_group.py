@@ -58,6 +58,15 @@ g = grad(loss, x)
 out hv[rows, d] = grad(g @ v, x)
 """
 
+SOFTMAX = """
+dim rows, d
+input x[rows, d]
+input dy[rows, d]
+y = softmax[d](x)
+out y
+out dx = grad(sum(y * dy), x)
+"""
+
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 
 
@@ -83,7 +92,8 @@ def groups(prog) -> list[LoopGroup]:
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("source", [LAYERNORM, TANH_BIAS, SUM_THEN_SCALE, HVP], ids=["layernorm", "tanh_bias", "sum", "hvp"])
+@pytest.mark.parametrize("source", [LAYERNORM, TANH_BIAS, SUM_THEN_SCALE, HVP, SOFTMAX],
+                         ids=["layernorm", "tanh_bias", "sum", "hvp", "softmax"])
 def test_groups_match_the_interpreter(source, threads, dtype):
     prog = build(source, dtype, threads=threads, parallel_min_work=1)
     for rows in (1, 2, 31, 32, 33, 100):
@@ -140,7 +150,7 @@ HEADS = """
 dim b, d
 dim head = 3
 input x[head, b, d]
-out y[head, b, d] = softmax[d](x)
+out y[head, b, d] = x * sum[d](x)
 out z[head, b, d] = exp(x) * 2
 """
 
@@ -172,3 +182,28 @@ def test_a_bounded_sum_is_not_split_and_keeps_its_bounds():
     scores = memory[:25].reshape(5, 5)
     scores[:] = np.arange(25.0).reshape(5, 5)
     assert prog(scores=scores)["s"] == sum(scores[q + 1, q] for q in range(4))
+
+
+def test_a_softmax_takes_one_exp_per_element():
+    """logsumexp then exp(x - lse) become max, e = exp(x - max) in a scratch row, its
+    sum, and e * (1/sum): no logsumexp is left and exactly one exp is."""
+    from tgc.ir.lowered import Map, walk
+
+    prog = build(SOFTMAX, "f32")
+    (g,) = groups(prog)
+    assert not [m for m in g.members if m.reduce == "logsumexp"]
+    exps = [n for m in g.members for n in walk(m.body) if isinstance(n, Map) and n.fn == "exp"]
+    assert len(exps) == 1
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_a_causal_softmax_with_masked_rows_matches_the_interpreter(dtype):
+    prog = build("dim b\ndim t = 7\ndim s = t\ninput x[b, t, s]\n"
+                 "out y[b, t, s] = softmax[s](where([s <= t], x, -inf))\n", dtype)
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"b": 5}), 3, dtype)
+    want = evaluate(m, dict(x), dtype=dtype)["y"]
+    got = prog(**x)["y"]
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    assert np.all(got[:, 0, 1:] == 0) and np.allclose(got[:, 0, 0], 1)

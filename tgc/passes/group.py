@@ -148,12 +148,16 @@ class _Grouper:
             return
         outer = self.outer(members)
         outside = set(range(len(self.low.kernels))) - set(members)
-        local = [k.out for k in ks if not self.partial(k, outer) and self.low.buffers[k.out].kind == "temp"
+        bufs = self.out.buffers
+        for k in list(ks):
+            if k.reduce == "logsumexp" and not (self.readers.get(k.out, set()) & outside):
+                ks = self.exp_once(k, ks)
+        local = [k.out for k in ks if not self.partial(k, outer) and bufs[k.out].kind == "temp"
                  and not (self.readers.get(k.out, set()) & outside)]
         regs: list[str] = []
         for name in local:
             k = next(m for m in ks if m.out == name)
-            if set(self.low.buffers[name].edges) == set(outer):
+            if set(bufs[name].edges) == set(outer):
                 regs.append(name)
             elif not k.reduce and _cheap(k.body) and k is not ks[-1]:
                 ks = [m for m in ks if m is not k]
@@ -176,6 +180,73 @@ class _Grouper:
             self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
                                               blocks=self.opt.group_blocks if blocked else 0))
         self.out.kernels += after
+
+    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel]) -> list[LoopKernel]:
+        """A softmax computes exp twice per element: in `lse = logsumexp[d](B)` and in
+        `exp(B - lse)` where it is read. When every read of `lse` is such an exp, the
+        members become `m = max[d] B`, `e = exp(B - m)` (stored once: a scratch row),
+        `s = sum[d] e`, and each read `e * (1/s)`: one exp per element."""
+        at = dict(lse.index)
+        hits = []
+
+        def match(e) -> bool:
+            if not (isinstance(e, Map) and e.fn == "exp" and isinstance(e.args[0], Add)):
+                return False
+            add = e.args[0]
+            if len(add.args) != 2 or sorted(add.coefs) != [-1.0, 1.0]:
+                return False
+            i = add.coefs.index(-1.0)
+            other = add.args[1 - i]
+            return add.args[i] == Load(lse.out, lse.index) and other == lse.body
+
+        readers = [m for m in ks if m is not lse and any(isinstance(n, Load) and n.buf == lse.out
+                                                         for n in _walk_kernel(m))]
+        for m in readers:
+            loads = sum(1 for n in _walk_kernel(m) if isinstance(n, Load) and n.buf == lse.out)
+            exps = [n for n in _walk_kernel(m) if match(n)]
+            if loads != len(exps) or not m.loops[:len(lse.loops)] == lse.loops or m.reduce:
+                return ks
+            hits.append(m)
+        if not hits or lse.epilogue is not None:
+            return ks
+        low, dst = self.out, self.out.buffers[hits[0].out]
+        full = tuple(sorted(((e, Ix.var(e)) for e in dst.edges), key=lambda t: t[0]))
+        if tuple(sorted(dst.edges)) != tuple(sorted(set(at) | set(lse.red))):
+            return ks
+        names = {}
+        for stem, edges, order in (("m", lse.index, None), ("e", full, dst.order), ("s", lse.index, None)):
+            names[stem] = low.fresh(stem)
+            edge_names = tuple(e for e, _ in edges)
+            low.buffers[names[stem]] = Buffer(names[stem], dst.dtype, tuple(sorted(edge_names)), "temp",
+                                              order=order or low.buffers[lse.out].order)
+        m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
+        loops = lse.loops
+        sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
+        new = [replace(lse, out=names["m"], reduce="max", note="softmax: max"),
+               LoopKernel(names["e"], full, tuple(v for v in loops), sizes,
+                          Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once"),
+               replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum")]
+        scaled = Mul((e_load, Map("div", (Const(1.0), s_load))))
+
+        def swap(e):
+            if match(e):
+                return scaled
+            if isinstance(e, (Add, Mul, Map)):
+                return replace(e, args=tuple(swap(a) for a in e.args))
+            if isinstance(e, Mask):
+                return Mask(e.conds, swap(e.arg))
+            return e
+
+        out = []
+        for k in ks:
+            if k is lse:
+                out += new
+            elif k in hits:
+                out.append(replace(k, body=swap(k.body), epilogue=None if k.epilogue is None else swap(k.epilogue)))
+            else:
+                out.append(k)
+        del low.buffers[lse.out]
+        return out
 
     def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
         """Members writing and reading `name` (one outer index at a time) through a
@@ -227,6 +298,12 @@ class _Grouper:
         after.append(LoopKernel(k.out, k.index, loops, sizes, Load(name, index), "sum", (BLOCK_EDGE,),
                                 k.epilogue, note="add partial sums"))
         return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _walk_kernel(k: LoopKernel):
+    yield from walk(k.body)
+    if k.epilogue is not None:
+        yield from walk(k.epilogue)
 
 
 def _cheap(e) -> bool:
