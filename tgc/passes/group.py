@@ -17,7 +17,9 @@ A member may also sum over the first outer variable (a parameter gradient
 of outer indices (`options.group_blocks` blocks, threads take whole blocks), zeroed
 before the group and added up after it, in block order.
 
-Inside a finished group, a temporary that only later members read becomes:
+Inside a finished group, a softmax's `logsumexp` read only as `exp(B - lse)` becomes
+max, `exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per
+element, not two). Then a temporary that only later members read becomes:
 - a register (`regs`) when its edges are exactly the outer variables (a row's mean);
 - inlined into its readers when it is elementwise and cheap (`x - mean`), so it is
   never written;
@@ -25,13 +27,14 @@ Inside a finished group, a temporary that only later members read becomes:
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
 
-Terminates: one pass over the kernels; inlining removes one member per step.
+Terminates: one pass over the kernels; `exp_once` replaces each logsumexp once (its
+members are no logsumexp); inlining removes one member per step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.ir.lowered import (Add, Buffer, Const, Cond, GemmKernel, Ix, Load, LoopGroup, LoopKernel, Lowered,
+from tgc.ir.lowered import (Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
                             Map, Mask, Mul, walk)
 from tgc.options import Options
 from tgc.passes.base import Pass
@@ -342,4 +345,3 @@ def _subst(e, mapping: dict[str, Ix]):
     return e
 
 
-__all__ = ["Group", "GemmKernel"]
