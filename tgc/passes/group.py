@@ -175,14 +175,14 @@ class _Grouper:
         if any(self.partial(k, outer) for k in ks):
             ks = [self.make_partial(k, outer, before, after) if self.partial(k, outer) else k for k in ks]
         sizes = {v: ks[0].sizes[v] for v in outer}
-        self.out.kernels += before
+        self.out.kernels += _together(before)
         if len(ks) == 1 and not after:
             self.out.kernels.append(ks[0])
         else:
             blocked = bool(after or scratch)
             self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
                                               blocks=self.opt.group_blocks if blocked else 0))
-        self.out.kernels += after
+        self.out.kernels += _together(after)
 
     def exp_once(self, lse: LoopKernel, ks: list[LoopKernel]) -> list[LoopKernel]:
         """A softmax computes exp twice per element: in `lse = logsumexp[d](B)` and in
@@ -298,9 +298,21 @@ class _Grouper:
         sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.group_blocks}
         index = tuple(sorted(full, key=lambda t: t[0]))
         before.append(LoopKernel(name, index, loops, sizes, Const(0.0), note="zero partial sums"))
-        after.append(LoopKernel(k.out, k.index, loops, sizes, Load(name, index), "sum", (BLOCK_EDGE,),
+        after.append(LoopKernel(k.out, k.index, loops[1:] + loops[:1], sizes, Load(name, index), "sum", (BLOCK_EDGE,),
                                 k.epilogue, note="add partial sums"))
         return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _together(ks: list[LoopKernel]) -> list:
+    """Kernels over the same kept loops (the zeroing, or the adding up, of several
+    partial sums) as one group: one function instead of one each."""
+    if len(ks) < 2:
+        return ks
+    kept = [tuple(v for v in k.loops if v not in k.red) for k in ks]
+    if len(set(kept)) != 1 or not kept[0] or any(k.loops[:len(kept[0])] != kept[0] for k in ks) \
+            or len({tuple(k.sizes[v] for v in kept[0]) for k in ks}) != 1:
+        return ks
+    return [LoopGroup(kept[0], {v: ks[0].sizes[v] for v in kept[0]}, tuple(ks))]
 
 
 def _walk_kernel(k: LoopKernel):
