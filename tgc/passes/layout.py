@@ -32,7 +32,7 @@ from typing import Sequence
 
 from tgc.ir.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Mask, View, matrix_form, walk)
-from tgc.ir.sizes import size_estimate
+from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.passes.base import Pass
 from tgc.passes.indexing import edge_size
@@ -98,8 +98,12 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
     va, vb = _view_order(low, k.a), _view_order(low, k.b)
     m, n = _pick(va, k.m), _pick(vb, k.n)
     env = {d: guess for d in low.module.symbolic_dims()}
-    count = lambda g: math.prod(size_estimate(low.size(e), env) for e in g)  # noqa: E731
-    return _pick(va, k.batch) + (n + m if count(m) < count(n) else m + n)
+    sym = set(low.module.symbolic_dims())
+
+    def size(g):  # a group with a symbolic dim (a batch) counts as the larger on a tie
+        return (math.prod(size_estimate(low.size(e), env) for e in g),
+                any(d in sym for e in g for d in size_dims(low.size(e))))
+    return _pick(va, k.batch) + (n + m if size(m) < size(n) else m + n)
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
