@@ -230,22 +230,12 @@ class _Grouper:
                           Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once"),
                replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum")]
         scaled = Mul((e_load, Map("div", (Const(1.0), s_load))))
-
-        def swap(e):
-            if match(e):
-                return scaled
-            if isinstance(e, (Add, Mul, Map)):
-                return replace(e, args=tuple(swap(a) for a in e.args))
-            if isinstance(e, Mask):
-                return Mask(e.conds, swap(e.arg))
-            return e
-
         out = []
         for k in ks:
             if k is lse:
                 out += new
             elif k in hits:
-                out.append(replace(k, body=swap(k.body), epilogue=None if k.epilogue is None else swap(k.epilogue)))
+                out.append(_map_kernel(k, lambda e: scaled if match(e) else None))
             else:
                 out.append(k)
         del low.buffers[lse.out]
@@ -266,18 +256,12 @@ class _Grouper:
             kept = tuple((e, i) for e, i in ix if e not in outer)
             return tuple(sorted(((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + kept, key=lambda t: t[0]))
 
-        def expr(e):
-            if isinstance(e, Load) and e.buf == name:
-                return Load(new, index(e.index))
-            if isinstance(e, (Add, Mul, Map)):
-                return replace(e, args=tuple(expr(a) for a in e.args))
-            if isinstance(e, Mask):
-                return Mask(e.conds, expr(e.arg))
-            return e
+        def visit(e):
+            return Load(new, index(e.index)) if isinstance(e, Load) and e.buf == name else None
 
         out = []
         for k in ks:
-            k = replace(k, body=expr(k.body), epilogue=None if k.epilogue is None else expr(k.epilogue))
+            k = _map_kernel(k, visit)
             if k.out == name:
                 k = replace(k, out=new, index=index(k.index), note="scratch row")
             out.append(k)
@@ -332,18 +316,32 @@ def _cheap(e) -> bool:
 def _inline(reader: LoopKernel, producer: LoopKernel) -> LoopKernel:
     """`reader` with its loads of `producer.out` replaced by the producer's
     expression at the loaded index."""
-    def expr(e):
+    def visit(e):
         if isinstance(e, Load) and e.buf == producer.out:
             at = dict(e.index)
             return _subst(producer.body, {v: at[v] for v, _ in producer.index})
-        if isinstance(e, (Add, Mul, Map)):
-            return replace(e, args=tuple(expr(a) for a in e.args))
-        if isinstance(e, Mask):
-            return Mask(e.conds, expr(e.arg))
-        return e
+        return None
 
-    return replace(reader, body=expr(reader.body),
-                   epilogue=None if reader.epilogue is None else expr(reader.epilogue))
+    return _map_kernel(reader, visit)
+
+
+def _map_expr(e, visit):
+    """`e` with each node for which `visit` returns an expression replaced by it (the
+    others rebuilt around their rewritten operands)."""
+    new = visit(e)
+    if new is not None:
+        return new
+    if isinstance(e, (Add, Mul, Map)):
+        return replace(e, args=tuple(_map_expr(a, visit) for a in e.args))
+    if isinstance(e, Mask):
+        return Mask(e.conds, _map_expr(e.arg, visit))
+    return e
+
+
+def _map_kernel(k: LoopKernel, visit) -> LoopKernel:
+    """`k` with `_map_expr` applied to its body and epilogue."""
+    return replace(k, body=_map_expr(k.body, visit),
+                   epilogue=None if k.epilogue is None else _map_expr(k.epilogue, visit))
 
 
 def _subst(e, mapping: dict[str, Ix]):
