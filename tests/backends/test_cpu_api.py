@@ -313,3 +313,14 @@ def test_the_objects_entry_does_not_grow_with_the_number_of_arguments():
         return body.count("\n")
 
     assert entry_lines(30) == entry_lines(3)
+
+
+def test_a_python_scalar_or_list_for_an_array_takes_the_checked_path():
+    """The native checks read an argument's array fields only once its type is ndarray."""
+    prog = tgc.compile(UPD, dtype="f64")
+    a = np.zeros(3)
+    prog(a=a, b=np.ones(3))  # a plan for n = 3
+    y = prog(a=a, b=[1.0, 2.0, 3.0])["y"]
+    np.testing.assert_array_equal(y, [3.0, 5.0, 7.0])  # a was 1 after the first call
+    with pytest.raises(EvalError):
+        prog(a=a, b=2.5)

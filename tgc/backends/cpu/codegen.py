@@ -239,23 +239,25 @@ class _ModuleGen:
         with for_range(b, I64(0), I64(n_args), "arg") as i:
             obj, p = at(objs, i, PTR), b.load(pos)
             mask, rank = at(expect, b.add(p, I64(2))), at(expect, b.add(p, I64(3)))
-            same = b.and_(b.icmp_unsigned("==", b.ptrtoint(field(obj, 0, PTR), I64), at(expect, p)),
-                          b.icmp_unsigned("==", b.ptrtoint(field(obj, 4, PTR), I64), at(expect, b.add(p, I64(1)))))
-            flags = b.zext(field(obj, 5, I32), I64)
-            same = b.and_(same, b.icmp_unsigned("==", b.and_(flags, mask), mask))
-            same = b.and_(same, b.icmp_unsigned("==", b.sext(field(obj, 2, I32), I64), rank))
-            b.store(b.and_(b.load(ok), same), ok)
-            with b.if_then(same):  # the same rank: compare the sizes
-                shape = field(obj, 3, PTR)
-                with for_range(b, I64(0), rank, "axis") as a:
-                    eq = b.icmp_unsigned("==", at(shape, a), at(expect, b.add(b.add(p, I64(5)), a)))
-                    b.store(b.and_(b.load(ok), eq), ok)
-            data = field(obj, 1, PTR)
-            b.store(data, slot(ptrs, i))
-            b.store(b.ptrtoint(data, I64), slot(lo, i))
-            b.store(at(expect, b.add(p, I64(4))), slot(size, i))
-            b.store(b.and_(mask, I64(WRITEABLE)), slot(upd, i))
             b.store(b.add(b.add(p, I64(5)), rank), pos)
+            array = b.icmp_unsigned("==", b.ptrtoint(field(obj, 0, PTR), I64), at(expect, p))
+            b.store(b.and_(b.load(ok), array), ok)
+            with b.if_then(array):  # only an ndarray's fields are read (another object may be smaller)
+                same = b.icmp_unsigned("==", b.ptrtoint(field(obj, 4, PTR), I64), at(expect, b.add(p, I64(1))))
+                flags = b.zext(field(obj, 5, I32), I64)
+                same = b.and_(same, b.icmp_unsigned("==", b.and_(flags, mask), mask))
+                same = b.and_(same, b.icmp_unsigned("==", b.sext(field(obj, 2, I32), I64), rank))
+                b.store(b.and_(b.load(ok), same), ok)
+                with b.if_then(same):  # the same rank: compare the sizes
+                    shape = field(obj, 3, PTR)
+                    with for_range(b, I64(0), rank, "axis") as a:
+                        eq = b.icmp_unsigned("==", at(shape, a), at(expect, b.add(b.add(p, I64(5)), a)))
+                        b.store(b.and_(b.load(ok), eq), ok)
+                data = field(obj, 1, PTR)
+                b.store(data, slot(ptrs, i))
+                b.store(b.ptrtoint(data, I64), slot(lo, i))
+                b.store(at(expect, b.add(p, I64(4))), slot(size, i))
+                b.store(b.and_(mask, I64(WRITEABLE)), slot(upd, i))
         with b.if_then(b.not_(b.load(ok)), likely=False):
             b.ret(I32(-1))
         with for_range(b, I64(0), I64(n_args), "u") as i:
