@@ -257,13 +257,16 @@ def opt(file, output, locs, **opts) -> None:
 
 @main.command()
 def passes() -> None:
-    """List every pass with its one-line description, and the default pipeline."""
+    """List every pass with its one-line description, the default pipeline, and the
+    lowering stages that follow it for the CPU backend."""
+    from tgc.passes.plan import LOWERING
     from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
 
     width = max(len(n) for n in PASSES)
     for name, cls in PASSES.items():
         click.echo(f"{name:<{width}}  {cls.summary()}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
+    click.echo(f"lowering (then, for a backend; dump-ir --after STAGE): {','.join(LOWERING)}")
 
 
 from tgc.cli_build import build  # noqa: E402
