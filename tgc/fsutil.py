@@ -10,7 +10,10 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, durable: bool = True) -> None:
+    """Write `data` to `path` through a temporary file renamed over it. `durable`:
+    fsync before the rename (a build output); without it, only atomicity (a cache
+    entry, whose checksum catches a torn write after a crash)."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
@@ -20,8 +23,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644) 
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, mode & ~_umask())
         os.replace(tmp, path)
     except BaseException:

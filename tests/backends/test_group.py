@@ -118,9 +118,16 @@ def test_tanh_and_its_bias_gradient_share_one_pass():
 
 
 def test_a_reader_of_a_sum_over_rows_waits_for_it():
+    """z reads the whole sum: it is a kernel of its own (in no group with the sum),
+    after the kernel that finishes the sum."""
     prog = build(SUM_THEN_SCALE, "f64")
-    z = next(k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and k.out == "z")
-    assert z.reduce == ""   # its own kernel, after the partial sums are added up
+    kernels = prog.lowered.kernels
+    (zi,) = [i for i, k in enumerate(kernels) if isinstance(k, LoopKernel) and k.out == "z"]
+    from tgc.ir.lowered import Load, walk
+
+    summed = next(n.buf for n in walk(kernels[zi].body) if isinstance(n, Load) and n.buf != "x")  # z = x * s
+    (si,) = [i for i, k in enumerate(kernels) if isinstance(k, LoopKernel) and k.out == summed]
+    assert si < zi and not any(isinstance(k, LoopGroup) for k in kernels)
 
 
 def test_partial_sums_do_not_depend_on_the_thread_count():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from tgc.ir.affine import Affine
+from tgc.ir.affine import Affine, join_signed
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeOp, size_str
 from tgc.ir.values import Value
@@ -126,12 +126,7 @@ class _Writer:
         """An index expression in .tg's terms: `edge`, `k*edge`, `k*d*edge`, `k`, `k*size(d)`."""
         parts = [self.term(k, base, self.e(edge)) for edge, c in a.terms for k, base in _monomials(c)]
         parts += [self.term(k, base, None) for k, base in _monomials(a.const)]
-        if not parts:
-            return "0"
-        text = ("-" if parts[0][0] < 0 else "") + parts[0][1]
-        for sign, body in parts[1:]:
-            text += (" - " if sign < 0 else " + ") + body
-        return text
+        return join_signed(parts)
 
     def term(self, k: int, base: Size | None, edge: str | None) -> tuple[int, str]:
         """(sign, text) of `k * base * edge`; a base that is not a dim's name (a product or

@@ -63,12 +63,17 @@ class Affine:
             parts.append(_signed_term(coef, edge))
         if self.const != 0:
             parts.append(_signed_term(self.const, None))
-        if not parts:
-            return "0"
-        text = ("-" if parts[0][0] < 0 else "") + parts[0][1]
-        for sign, body in parts[1:]:
-            text += (" - " if sign < 0 else " + ") + body
-        return text
+        return join_signed(parts)
+
+
+def join_signed(parts: list[tuple[int, str]]) -> str:
+    """`a - b + c` from (sign, magnitude text) terms; "0" for none."""
+    if not parts:
+        return "0"
+    text = ("-" if parts[0][0] < 0 else "") + parts[0][1]
+    for sign, body in parts[1:]:
+        text += (" - " if sign < 0 else " + ") + body
+    return text
 
 
 def _signed(sign: int, s: Size) -> Size:

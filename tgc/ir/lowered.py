@@ -28,7 +28,7 @@ evaluated there: its loads may be out of range).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, Union
 
 from tgc.ir.module import Module
@@ -431,9 +431,7 @@ class LoopGroup:
     note: str = ""
 
     def buffers_read(self) -> set[str]:
-        own = self.writes()
-        return {b for m in self.members for b in m.buffers_read()} - set(self.regs) | \
-            {b for m in self.members for b in m.buffers_read() if b in own and m.scatter}
+        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
 
     def writes(self) -> set[str]:
         return {m.out for m in self.members} - set(self.regs)
@@ -441,10 +439,6 @@ class LoopGroup:
     def buffers_used(self) -> list[str]:
         names = [b for m in self.members for b in m.buffers_used()]
         return [b for b in dict.fromkeys(names) if b not in self.regs]
-
-    @property
-    def loops(self) -> tuple[str, ...]:
-        return self.outer
 
     def text(self) -> str:
         loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
@@ -479,6 +473,12 @@ class Lowered:
 
     def size(self, edge: str) -> Size:
         return self.edges[edge] if edge in self.edges else self.module.size(edge)
+
+    def staged(self, stage: str) -> "Lowered":
+        """A copy for the next lowering stage to rewrite: its own buffers (each copied),
+        kernel list and edge sizes; the kernels are shared (stages replace kernels, never change them)."""
+        return replace(self, buffers={n: replace(b) for n, b in self.buffers.items()},
+                       kernels=list(self.kernels), edges=dict(self.edges), stage=stage)
 
     def sizes(self, edges: Sequence[str]) -> list[Size]:
         return [self.size(e) for e in edges]
@@ -542,8 +542,6 @@ def matrix_form(order: Sequence[str], rows: Sequence[str], cols: Sequence[str]):
 
 def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
     """`k` reading (and writing) the buffers `mapping` names instead (same edges)."""
-    from dataclasses import replace
-
     if isinstance(k, LoopGroup):
         return replace(k, members=tuple(rename_buffers(m, mapping) for m in k.members),
                        regs=tuple(mapping.get(r, r) for r in k.regs))

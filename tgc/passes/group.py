@@ -51,11 +51,10 @@ class Group(Pass):
     name = "group"
 
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
-        out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
-                      kernels=[], stage="group", edges=dict(low.edges))
+        out = low.staged("group")
         if options.group_blocks < 1:
-            out.kernels = list(low.kernels)
             return out
+        out.kernels = []
         _Grouper(low, out, options).run()
         return out
 

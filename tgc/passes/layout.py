@@ -45,8 +45,7 @@ class Layout(Pass):
     name = "layout"
 
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
-        out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
-                      kernels=list(low.kernels), stage="layout")
+        out = low.staged("layout")
         guess = options.rep_size  # a symbolic dim's size when ranking strides and groups
         _order_buffers(out, guess)
         _fix_gemms(out)

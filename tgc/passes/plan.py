@@ -19,7 +19,7 @@ Terminates: one pass over the kernels for each step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Lowered, matrix_form, rename_buffers, walk
 from tgc.options import Options
@@ -33,8 +33,7 @@ class Plan(Pass):
     name = "plan"
 
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
-        out = replace(low, buffers={n: replace(b) for n, b in low.buffers.items()},
-                      kernels=list(low.kernels), stage="plan")
+        out = low.staged("plan")
         _updates_in_place(out)
         _assign_slots(out)
         return out

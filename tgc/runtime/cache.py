@@ -23,9 +23,9 @@ import functools
 import hashlib
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
+from tgc.fsutil import write_atomic
 from tgc.options import Options
 
 # Options that only change what is printed, never the code.
@@ -164,17 +164,7 @@ def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: b
 
 
 def _write(folder: Path, name: str, data: bytes) -> None:
-    """Write atomically (temp file + rename) without fsync: a torn entry after a crash
-    fails its checksum and is rebuilt, so durability is not needed, only atomicity."""
+    """Write atomically without fsync: a torn entry after a crash fails its checksum
+    and is rebuilt, so durability is not needed, only atomicity."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, folder / name)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(folder / name, data, durable=False)
