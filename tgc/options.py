@@ -30,6 +30,7 @@ class Options:
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
+    compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
 
     def with_(self, **changes) -> "Options":

@@ -125,3 +125,14 @@ def test_concurrent_builds_agree(cache_dir):
     assert len(set(outs)) == 1 and float(outs[0]) == pytest.approx(8 * np.e, rel=1e-6)
     assert len(entries(cache_dir)) == 1
     assert not list(cache_dir.rglob("*.tmp"))
+
+
+def test_entries_hold_every_object_file(cache_dir):
+    objs = (b"first object", b"", b"third")
+    cache.store("ab" + "0" * 62, objs)
+    assert cache.lookup("ab" + "0" * 62) == objs
+    path = next(cache_dir.rglob("*.o"))
+    data = path.read_bytes()
+    path.write_bytes(data[:-2])                 # truncated: the checksum fails
+    assert cache.lookup("ab" + "0" * 62) is None
+    assert cache._unpack((100).to_bytes(8, "little") + b"short") is None   # a length past the end

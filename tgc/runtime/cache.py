@@ -28,9 +28,10 @@ from pathlib import Path
 from tgc.fsutil import write_atomic
 from tgc.options import Options
 
-# Options that only change what is printed, never the code.
+# Options that only change what is printed, never the code; and compile_jobs, which
+# only changes how the same code is cut into object files (any cut loads the same).
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
-                          "locs", "verify_each", "verify_seed", "stats", "passes"})
+                          "locs", "verify_each", "verify_seed", "stats", "passes", "compile_jobs"})
 
 
 def cache_dir() -> Path | None:
@@ -67,11 +68,12 @@ def cache_key(ir_text: str, options: Options, cpu: tuple[str, str]) -> str:
     return h.hexdigest()
 
 
-MAGIC = b"tgc-object-1\n"
+MAGIC = b"tgc-objects-2\n"
 
 
-def lookup(key: str) -> bytes | None:
-    """The cached object for `key`, or None (absent, unreadable, or failing its checksum)."""
+def lookup(key: str) -> tuple[bytes, ...] | None:
+    """The object files cached for `key`, or None (absent, unreadable, or failing
+    its checksum)."""
     d = cache_dir()
     if d is None:
         return None
@@ -79,26 +81,43 @@ def lookup(key: str) -> bytes | None:
         data = (d / key[:2] / f"{key}.o").read_bytes()
     except OSError:
         return None
-    head, digest, obj = data[:len(MAGIC)], data[len(MAGIC):len(MAGIC) + 64], data[len(MAGIC) + 65:]
-    if head != MAGIC or digest != hashlib.sha256(obj).hexdigest().encode():
+    head, digest, body = data[:len(MAGIC)], data[len(MAGIC):len(MAGIC) + 64], data[len(MAGIC) + 65:]
+    if head != MAGIC or digest != hashlib.sha256(body).hexdigest().encode():
         return None
-    return obj
+    return _unpack(body)
 
 
-def store(key: str, obj: bytes) -> None:
-    """Save `obj` under `key` with a checksum, atomically."""
+def store(key: str, objs: tuple[bytes, ...]) -> None:
+    """Save the object files `objs` under `key` with a checksum, atomically."""
     d = cache_dir()
     if d is None:
         return
+    body = _pack(objs)
     try:
-        _write(d / key[:2], f"{key}.o", MAGIC + hashlib.sha256(obj).hexdigest().encode() + b"\n" + obj)
+        _write(d / key[:2], f"{key}.o", MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
     except OSError:
         pass  # a read-only or full cache only costs the next build its time
 
 
+def _pack(objs: tuple[bytes, ...]) -> bytes:
+    """Each object as its 8-byte little-endian length, then its bytes."""
+    return b"".join(len(o).to_bytes(8, "little") + o for o in objs)
+
+
+def _unpack(body: bytes) -> tuple[bytes, ...] | None:
+    objs, at = [], 0
+    while at < len(body):
+        n = int.from_bytes(body[at:at + 8], "little")
+        if at + 8 + n > len(body):
+            return None
+        objs.append(body[at + 8:at + 8 + n])
+        at += 8 + n
+    return tuple(objs) or None
+
+
 # ------------------------------------------------------------ the first level: source -> program
 
-PROGRAM_MAGIC = b"tgc-program-1\n"
+PROGRAM_MAGIC = b"tgc-program-2\n"
 # options that print while the pipeline runs: a hit would skip the printing
 PRINTS = ("print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes", "stats", "verify_each")
 
@@ -143,14 +162,14 @@ def lookup_program(key: str):
             return None
         entry = pickle.loads(body)
         deps, module, lowered, obj = entry["deps"], entry["module"], entry["lowered"], entry["obj"]
-        if not isinstance(obj, bytes) or file_hashes(p for p, _ in deps) != deps:
+        if not (isinstance(obj, tuple) and all(isinstance(o, bytes) for o in obj)) or file_hashes(p for p, _ in deps) != deps:
             return None
         return module, lowered, obj
     except Exception:  # noqa: BLE001 -- any damage is a miss: the full build runs
         return None
 
 
-def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: bytes) -> None:
+def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: tuple[bytes, ...]) -> None:
     """Save a program under `key` (checksummed, atomically); silently skipped on failure."""
     d = cache_dir()
     if d is None:

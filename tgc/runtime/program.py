@@ -112,39 +112,42 @@ def build(module: Module, options: Options) -> "Program":
     return build_with_object(module, options)[0]
 
 
-def build_with_object(module: Module, options: Options) -> tuple["Program", bytes]:
-    """The program and its object code (which `from_object` loads again)."""
+def build_with_object(module: Module, options: Options) -> tuple["Program", tuple[bytes, ...]]:
+    """The program and its object files (which `from_object` loads again)."""
     from tgc.passes.plan import lower_module
 
     low = lower_module(module, options)
-    obj = _machine_code(module, low, options)
-    return from_object(module, options, low, obj), obj
+    objs = _machine_code(module, low, options)
+    return from_object(module, options, low, objs), objs
 
 
-def from_object(module: Module, options: Options, low: Lowered, obj: bytes) -> "Program":
+def from_object(module: Module, options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Program":
     """A program from its parts: the module after the IR pipeline, the lowered program,
-    and the object code generated for them (`build_with_object`)."""
+    and the object files generated for them (`build_with_object`)."""
     from tgc.backends.cpu import blas, fntable, llvm_env, parallel
 
-    jit = llvm_env.jit_object(obj)
+    jit = llvm_env.jit_objects(objs)
     table = fntable.make_table({**blas.gemm_addresses(), **parallel.gomp_addresses()})
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
     return Program(module, options, low, jit)
 
 
-def _machine_code(module: Module, low: Lowered, options: Options) -> bytes:
-    """The program's object code, from the on-disk cache or freshly compiled (then cached)."""
+def _machine_code(module: Module, low: Lowered, options: Options) -> tuple[bytes, ...]:
+    """The program's object files, from the on-disk cache or freshly compiled (then
+    cached): generated in as many units as `compile_jobs` allows, compiled at once."""
     from tgc.backends.cpu import codegen, llvm_env
     from tgc.ir.printer import print_module
     from tgc.runtime import cache
 
     key = cache.cache_key(print_module(module), options, llvm_env.host_cpu())
-    obj = cache.lookup(key)
-    if obj is not None:
-        return obj
-    obj = llvm_env.emit_object(codegen.generate(low, options, objects_entry=True), max(options.opt_level, 1))
-    cache.store(key, obj)
-    return obj
+    objs = cache.lookup(key)
+    if objs is not None:
+        return objs
+    jobs = options.compile_jobs or llvm_env.usable_cores()
+    texts = codegen.generate_units(low, options, objects_entry=True, units=jobs)
+    objs = tuple(llvm_env.emit_objects(texts, max(options.opt_level, 1), jobs=jobs))
+    cache.store(key, objs)
+    return objs
 
 
 class Program:
@@ -299,7 +302,7 @@ class Program:
         sym = self.module.symbolic_dims()
         dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
         addr = ctypes.addressof(dim_values)
-        expect: list[int] = []
+        expect: list[int] = [len(self.inputs)]   # the count first: tgc_run_objects loops over it
         shapes = []
         for spec in self.inputs:
             shape = [size_eval(x, env) for x in spec.shape]

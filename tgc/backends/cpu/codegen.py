@@ -24,13 +24,15 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         a numpy array object in a Python list, so that Python neither checks nor
         reads pointers. `frame`: [dims, address of the workspace address, layout,
         expect]; `layout`: byte offsets of [ob_type, data, nd, dimensions, descr,
-        flags] in PyArrayObject and of the item array in a list; `expect`: per
-        argument [type, descr, flag mask, rank, bytes, size of each axis]. Returns -1
+        flags] in PyArrayObject and of the item array in a list; `expect`: the
+        argument count, then per argument [type, descr, flag mask, rank, bytes, size
+        of each axis]. Returns -1
         (nothing run) when an argument is not that (another type, dtype, shape, or
         without a flag, e.g. C-contiguous), -2 when an updated argument's bytes
         overlap another argument's; else as tgc_run.
 
-Kernels are internal functions (`loops.py`, `gemm.py`). A kernel whose outermost
+Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
+program is generated in several units (`generate_units`). A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
 its work (iterations x op weight, known only at run time) reaches
 `options.parallel_min_work`.
@@ -59,31 +61,80 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 LIGHT = frozenset({"sqrt", "div"})
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
+ENTRY_COST = 40  # compile cost (see compile_cost) of the entry points: tgc_run, its argument checks
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
     """The LLVM IR text of the whole program (with `tgc_run_objects` if asked)."""
+    return generate_units(low, options, objects_entry, units=1)[0]
+
+
+def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
+                   units: int = 1) -> list[str]:
+    """The program as at most `units` LLVM modules that LLVM can compile at once
+    (`llvm_env.emit_objects`) and that link into one program.
+
+    The first holds the entry points and the function table; the distinct kernels
+    are dealt out by estimated compile cost (`compile_cost`), the costliest first,
+    each to the least loaded module, so the parts take about as long. A kernel
+    outside the first module is defined there with hidden visibility and declared in
+    the first; GEMM tile helpers live in the first. Units that would be empty are
+    left out; `units=1` is the single module of `generate`."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
-    return str(_ModuleGen(low, options, objects_entry).emit())
+    gen = _ModuleGen(low, options, objects_entry, units)
+    return [str(m) for m in gen.emit()]
+
+
+def compile_cost(k) -> int:
+    """A rough estimate of LLVM's time on a kernel (ms on this machine's class of
+    CPU): a GEMM is three functions of fixed size; a loop kernel costs more per
+    member, per operation, per transcendental (inlined polynomials) and when its
+    sums go into per-block partials (fully unrolled rows of known length)."""
+    if isinstance(k, GemmKernel):
+        return 40
+    members = k.members if isinstance(k, LoopGroup) else (k,)
+    maps = [e.fn for m in members for r in (m.body, m.epilogue) if r is not None
+            for e in walk(r) if isinstance(e, Map)]
+    blocked = isinstance(k, LoopGroup) and k.blocks > 1
+    return 10 + 8 * len(members) + 2 * len(maps) + 10 * sum(fn in HEAVY for fn in maps) + 40 * blocked
 
 
 class _ModuleGen:
-    def __init__(self, low: Lowered, options: Options, objects_entry: bool = False):
+    def __init__(self, low: Lowered, options: Options, objects_entry: bool = False, units: int = 1):
         self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
-        self.mod = ir.Module(name="tgc")
+        units = self.assign_units(max(1, units))
+        self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
+        self.mod = self.mods[0]
         self.done: dict = {}
 
-    def emit(self) -> ir.Module:
+    def assign_units(self, units: int) -> int:
+        """`self.unit`: kernel key -> module index; returns how many modules are used."""
+        self.unit: dict = {}
+        costs: dict = {}
+        for k in self.low.kernels:
+            costs.setdefault(kernel_key(self.low, k), compile_cost(k))
+        load = [ENTRY_COST] + [0] * (units - 1)
+        for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
+            u = load.index(min(load))
+            self.unit[key] = u
+            load[u] += cost
+        return max(self.unit.values(), default=0) + 1
+
+    def emit(self) -> list[ir.Module]:
         fntable.define_init(self.mod, "tgc_init")
+        if len(self.mods) > 1:
+            self.mod.globals[fntable.GLOBAL].linkage = "hidden"   # the other units read it
+            for m in self.mods[1:]:
+                fntable.declare_table(m)
         checks = [self.check_fn(i, c) for i, c in enumerate(self.low.checks)]
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         self.workspace_fn()
         run = self.run_fn(checks, kernels)
         if self.objects_entry:
             self.objects_fn(run)
-        return self.mod
+        return self.mods
 
     # ------------------------------------------------------------ pieces
 
@@ -113,14 +164,21 @@ class _ModuleGen:
         return self.done[key]
 
     def new_kernel_fns(self, i: int, k):
+        """The kernel's functions, as the first module sees them (declarations when
+        they are defined in another unit)."""
+        mod = self.mods[self.unit[kernel_key(self.low, k)]]
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
-            return GemmGen(self.mod, self.low, k, name, self.fp, self.opt).emit(), None
-        fn = LoopGen(self.mod, self.low, k, name, self.fp).emit()
-        par = None
-        if self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k):
-            par = emit_parallel_body(self.mod, self.low, k, fn, name + ".par")
-        return fn, par
+            fns = (GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None)
+        else:
+            fn = LoopGen(mod, self.low, k, name, self.fp).emit()
+            par = None
+            if self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k):
+                par = emit_parallel_body(mod, self.low, k, fn, name + ".par")
+            fns = (fn, par)
+        if mod is self.mod:
+            return fns
+        return tuple(None if fn is None else export(fn, self.mod) for fn in fns)
 
     def always_serial(self, k) -> bool:
         """Whether the kernel's work is known here (no symbolic dim) and below the
@@ -208,8 +266,10 @@ class _ModuleGen:
         return restore
 
     def objects_fn(self, run: ir.Function) -> None:
-        """tgc_run_objects: loops over the `expect` table (code of one size whatever
-        the number of arguments: unrolled checks of 40 arguments cost LLVM minutes)."""
+        """tgc_run_objects: loops over the `expect` table, whose first entry is the
+        argument count. The count is read at run time so that LLVM cannot unroll the
+        loops: code of one size whatever the number of arguments (unrolled checks of 40
+        arguments cost LLVM minutes, and even 2 cost it ~40 ms)."""
         m = self.low.module
         n_args, n_outs = len(m.args), len(m.outputs)
         fn = define(self.mod, "tgc_run_objects", I32, [PTR] * 2, internal=False)
@@ -230,13 +290,14 @@ class _ModuleGen:
         ptrs = f.alloca(ir.ArrayType(PTR, n), "ptrs")
         lo, size, upd = (f.alloca(ir.ArrayType(I64, n), name) for name in ("lo", "size", "upd"))
         pos, ok = f.alloca(I64, "pos"), f.alloca(ir.IntType(1), "ok")
-        e.store(I64(0), pos)
+        e.store(I64(1), pos)
         e.store(ir.Constant(ir.IntType(1), 1), ok)
+        count = at(expect, 0)
 
         def slot(array, i):
             return b.gep(array, [I32(0), i])
 
-        with for_range(b, I64(0), I64(n_args), "arg") as i:
+        with for_range(b, I64(0), count, "arg") as i:
             obj, p = at(objs, i, PTR), b.load(pos)
             mask, rank = at(expect, b.add(p, I64(2))), at(expect, b.add(p, I64(3)))
             b.store(b.add(b.add(p, I64(5)), rank), pos)
@@ -260,11 +321,11 @@ class _ModuleGen:
                 b.store(b.and_(mask, I64(WRITEABLE)), slot(upd, i))
         with b.if_then(b.not_(b.load(ok)), likely=False):
             b.ret(I32(-1))
-        with for_range(b, I64(0), I64(n_args), "u") as i:
+        with for_range(b, I64(0), count, "u") as i:
             lo_i, n_i = b.load(slot(lo, i)), b.load(slot(size, i))
             written = b.and_(b.icmp_unsigned("!=", b.load(slot(upd, i)), I64(0)), b.icmp_unsigned("!=", n_i, I64(0)))
             with b.if_then(written):
-                with for_range(b, I64(0), I64(n_args), "o") as j:
+                with for_range(b, I64(0), count, "o") as j:
                     lo_j, n_j = b.load(slot(lo, j)), b.load(slot(size, j))
                     hit = b.and_(b.icmp_unsigned("<", lo_j, b.add(lo_i, n_i)), b.icmp_unsigned("<", lo_i, b.add(lo_j, n_j)))
                     hit = b.and_(hit, b.and_(b.icmp_unsigned("!=", i, j), b.icmp_unsigned("!=", n_j, I64(0))))
@@ -348,6 +409,15 @@ def kernel_key(low: Lowered, k) -> tuple:
     bufs = k.buffers_used()
     k = replace(rename_buffers(k, {b: f"b{i}" for i, b in enumerate(bufs)}), note="")
     return k.text(), tuple((low.buffers[b].order, low.buffers[b].dtype) for b in bufs)
+
+
+def export(fn: ir.Function, into: ir.Module) -> ir.Function:
+    """Give `fn` hidden visibility (other objects of the program may call it; a
+    shared object does not export it) and declare it in `into`."""
+    fn.linkage = "hidden"
+    decl = ir.Function(into, fn.function_type, fn.name)
+    decl.linkage = "hidden"
+    return decl
 
 
 def fntable_slot(b: ir.IRBuilder, name: str):

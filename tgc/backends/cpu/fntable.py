@@ -64,6 +64,14 @@ def _table_global(module: ir.Module) -> ir.GlobalVariable:
     return g
 
 
+def declare_table(module: ir.Module) -> ir.GlobalVariable:
+    """Declare the table that another module of the same program defines (its
+    definition then needs a linkage other than internal)."""
+    g = ir.GlobalVariable(module, ir.ArrayType(ir.PointerType(), len(FIELDS)), GLOBAL)
+    g.linkage = 'external'
+    return g
+
+
 def _slot(builder: ir.IRBuilder, table: ir.GlobalVariable, index: int):
     i32 = ir.IntType(32)
     return builder.gep(table, [i32(0), i32(index)], inbounds=True)

@@ -73,8 +73,9 @@ class _Operand:
 
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
-                 options: Options):
+                 options: Options, home: ir.Module | None = None):
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
+        self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
         self.fn = define(mod, name, ir.VoidType(), [PTR] * 4)
         self.fn.attributes.add("noinline")
@@ -388,7 +389,7 @@ class GemmGen:
                                pa, ld[0], pb, ld[1], beta, pc, ld[2]])
 
     def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
-        fn = small_kernel(self.mod, self.fp, packed=not B.col_unit)
+        fn = small_kernel(self.mod, self.fp, packed=not B.col_unit, home=self.home)
         self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc,
                          self.b.zext(beta1, I32)])
 
@@ -399,16 +400,24 @@ class GemmGen:
 # ---------------------------------------------------------------- small tiles
 
 
-def small_kernel(mod: ir.Module, fp, packed: bool) -> ir.Function:
+def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None) -> ir.Function:
     """void tgc.gemm.small.<T>[.packed](i64 M, i64 N, i64 K, T* A, i64 sAm, i64 sAk,
     T* B, i64 sBk, i64 sBn, T* C, i64 ldc, i32 accumulate):
     C[M, N] (+)= A[M, K] B[K, N] with C's N contiguous; B's N contiguous (sBn is
     ignored) unless `packed` (then B is first copied into a stack buffer; K*N must
-    not exceed PACK_ELEMS). One function per module and kind."""
+    not exceed PACK_ELEMS). One function per program and kind: defined in `home`
+    (default `mod`) and, when that is another unit of the program, declared in
+    `mod`."""
     tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
     name = f"tgc.gemm.small.{tag}" + (".packed" if packed else "")
     if name in mod.globals:
         return mod.globals[name]
+    if home is not None and home is not mod:
+        fn = small_kernel(home, fp, packed)
+        fn.linkage = "hidden"
+        decl = ir.Function(mod, fn.function_type, name)
+        decl.linkage = "hidden"
+        return decl
     if packed:
         return _packed_kernel(mod, fp, name, small_kernel(mod, fp, packed=False))
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])

@@ -11,7 +11,9 @@ One place that
     and generates machine code for the same level: below O3 without loop strength
     reduction, a machine-code pass that took a fifth of code generation time on
     tgc's kernels and did not change their speed (O3 keeps it),
-  * JIT-compiles a module into a live MCJIT engine, and
+  * JIT-compiles a module into a live MCJIT engine, or loads object files into one,
+  * compiles the modules of one program at once in forked processes
+    (`emit_objects`), and
   * emits object files (``reloc='pic'``, ``codemodel='default'``: linkable into a
     ``.so``) and assembly text.
 
@@ -29,7 +31,9 @@ code.
 
 import contextlib
 import functools
+import os
 import threading
+import warnings
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
@@ -161,20 +165,27 @@ class JitModule:
 
 
 class ObjectJit(JitModule):
-    """Machine code loaded from an object file (e.g. from the on-disk cache)."""
+    """Machine code loaded from object files (e.g. from the on-disk cache); symbols
+    one object leaves undefined are resolved in the others."""
 
-    def __init__(self, obj: bytes, prefer_512: bool = True):
+    def __init__(self, objs: list[bytes], prefer_512: bool = True):
         tm = target_machine(0, prefer_512=prefer_512)
         self.module = parse('target triple = "%s"' % llvm.get_process_triple())
         self.engine = llvm.create_mcjit_compiler(self.module, tm)
-        self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+        for obj in objs:
+            self.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
         self.engine.finalize_object()
         _LIVE_ENGINES[id(self.engine)] = self.engine
 
 
 def jit_object(obj: bytes, *, prefer_512: bool = True) -> JitModule:
     """Load an object file that `emit_object` produced into this process."""
-    return ObjectJit(obj, prefer_512)
+    return ObjectJit([obj], prefer_512)
+
+
+def jit_objects(objs: list[bytes], *, prefer_512: bool = True) -> JitModule:
+    """Load the object files of one program (`emit_objects`) into one engine."""
+    return ObjectJit(list(objs), prefer_512)
 
 
 def jit(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> JitModule:
@@ -192,6 +203,92 @@ def emit_object(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> bytes
     tm, ref = _compiled(llvm_ir_text, opt, True, prefer_512)
     with _codegen_level(opt):
         return tm.emit_object(ref)
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def emit_objects(texts: list[str], opt: int = 3, *, jobs: int = 1,
+                 prefer_512: bool = True) -> list[bytes]:
+    """Object code of each module, the same bytes as `emit_object` gives for it.
+
+    With `jobs` > 1, up to jobs - 1 modules after the first are compiled each in a
+    forked child process while this process compiles the first, and the children
+    send their object code back through a pipe. llvmlite serializes every LLVM call
+    of a process behind one lock, so threads cannot share the work; processes can.
+    The fork happens while this thread holds that lock, so no other thread of the
+    process is inside LLVM at that moment (a child never inherits LLVM mid-call).
+    A child that fails, or a platform without fork, leaves its module to this
+    process: the result is the same, only slower. Children are always reaped."""
+    lock = _llvm_lock()
+    if jobs <= 1 or len(texts) == 1 or not hasattr(os, "fork") or lock is None:
+        return [emit_object(t, opt, prefer_512=prefer_512) for t in texts]
+    children: list[tuple[int, int, int]] = []   # (pid, read end, module index)
+    try:
+        with lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
+            for i in range(1, min(jobs, len(texts))):
+                children.append(_fork_compile(texts[i], i, opt, prefer_512))
+        objs: list[bytes | None] = [None] * len(texts)
+        busy = {i for _, _, i in children}
+        for i, text in enumerate(texts):
+            if i not in busy:
+                objs[i] = emit_object(text, opt, prefer_512=prefer_512)
+        while children:
+            pid, fd, i = children.pop(0)
+            objs[i] = _collect(pid, fd) or emit_object(texts[i], opt, prefer_512=prefer_512)
+        return objs
+    finally:
+        for pid, fd, _ in children:   # only on an exception: stop and reap what is left
+            _reap(pid, fd, kill=True)
+
+
+def _llvm_lock():
+    """llvmlite's process-wide lock around LLVM calls (None if this llvmlite has none)."""
+    lib = getattr(getattr(llvm, 'ffi', None), 'lib', None)
+    return getattr(lib, '_lock', None)
+
+
+def _fork_compile(text: str, index: int, opt: int, prefer_512: bool) -> tuple[int, int, int]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: compile, send, leave without running any of the parent's exit code
+        status = 1
+        try:
+            os.close(read)
+            obj = emit_object(text, opt, prefer_512=prefer_512)
+            with os.fdopen(write, 'wb') as out:
+                out.write(obj)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    return pid, read, index
+
+
+def _collect(pid: int, fd: int) -> bytes | None:
+    """The child's object code, or None if it did not finish cleanly."""
+    try:
+        with os.fdopen(fd, 'rb') as f:
+            data = f.read()
+    finally:
+        _, status = os.waitpid(pid, 0)
+    return data if os.waitstatus_to_exitcode(status) == 0 and data else None
+
+
+def _reap(pid: int, fd: int, kill: bool) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if kill:
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    with contextlib.suppress(OSError):
+        os.waitpid(pid, 0)
 
 
 def emit_asm(llvm_ir_text, opt: int = 3, for_object: bool = True, *,

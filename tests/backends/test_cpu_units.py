@@ -1,0 +1,81 @@
+"""Code generated in units and compiled at once (codegen.generate_units,
+llvm_env.emit_objects): the same results as one unit, the same bytes however the
+work is shared, and a failing child process only costs time."""
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import driver
+from tgc.backends.cpu import codegen, llvm_env
+from tgc.ir.interp import evaluate, random_inputs
+from tgc.options import Options
+from tgc.passes.plan import lower_module
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = ROOT / "benchmarks" / "workloads" / "gpt.tg"
+
+
+def lowered(path, dtype="f64"):
+    opts = Options(dtype=dtype)
+    module = driver.lower(driver.load(str(path), opts), opts).module
+    return module, lower_module(module, opts), opts
+
+
+def test_units_split_kernels_and_share_one_table():
+    _, low, opts = lowered(GPT)
+    texts = codegen.generate_units(low, opts, objects_entry=True, units=3)
+    assert len(texts) == 3
+    first, rest = texts[0], texts[1:]
+    assert "define i32 @\"tgc_run\"" in first and all("tgc_run" not in t for t in rest)
+    assert re.search(r'@"tgc.fntable" = hidden global', first)
+    for t in rest:
+        assert re.search(r'@"tgc.fntable" = external global', t)
+        defined = re.findall(r'define hidden [^@]*@"(tgc\.k\d+)"', t)
+        assert defined, "a unit without kernels should not exist"
+        for name in defined:  # what another unit defines, the first declares
+            assert re.search(rf'declare hidden [^@]*@"{re.escape(name)}"', first)
+    # every kernel is defined exactly once over all units
+    names = [n for t in texts for n in re.findall(r'define (?:internal |hidden )?[^@]*@"(tgc\.k\d+)"\(', t)]
+    assert len(names) == len(set(names)) > 10
+
+
+def test_a_single_kernel_makes_at_most_two_units():
+    path = ROOT / "benchmarks" / "workloads" / "gelu.tg"
+    _, low, opts = lowered(path)
+    assert len(codegen.generate_units(low, opts, units=8)) <= 2
+    assert len(codegen.generate_units(low, opts, units=1)) == 1
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_gpt_in_units_matches_the_interpreter(jobs):
+    prog = tgc.compile(GPT, dtype="f64", options=Options(compile_jobs=jobs))
+    arrays = {k: 0.2 * v if v.dtype != np.int32 else v
+              for k, v in random_inputs(prog.module, {**prog.module.dims, "batch": 2}, seed=jobs, dtype="f64").items()}
+    want = evaluate(prog.module, {k: v.copy() for k, v in arrays.items()}, dtype="f64")
+    got = prog(**{k: v.copy() for k, v in arrays.items()})
+    for name, value in got.items():
+        np.testing.assert_allclose(value, want[name], rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_objects_do_not_depend_on_how_they_were_compiled():
+    _, low, opts = lowered(GPT, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+    assert llvm_env.emit_objects(texts, 2, jobs=2) == llvm_env.emit_objects(texts, 2, jobs=1)
+
+
+def test_a_failing_child_leaves_its_unit_to_the_parent(monkeypatch):
+    _, low, opts = lowered(GPT, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+    parent, emit = os.getpid(), llvm_env.emit_object
+
+    def child_dies(text, *args, **kw):
+        if os.getpid() != parent:
+            os._exit(3)
+        return emit(text, *args, **kw)
+
+    monkeypatch.setattr(llvm_env, "emit_object", child_dies)
+    assert llvm_env.emit_objects(texts, 2, jobs=2) == [emit(t, 2) for t in texts]
