@@ -61,7 +61,9 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 LIGHT = frozenset({"sqrt", "div"})
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
-ENTRY_COST = 40  # compile cost (see compile_cost) of the entry points: tgc_run, its argument checks
+ENTRY_COST = 30  # compile cost (see compile_cost) of the entry points: tgc_run, its argument checks ...
+CALL_COST = 0.5  # ... and of each kernel call in tgc_run
+TILE_COST = 100  # the GEMM tile helpers (gemm.small_kernel), compiled with the entry points
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
@@ -87,17 +89,16 @@ def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
 
 
 def compile_cost(k) -> int:
-    """A rough estimate of LLVM's time on a kernel (ms on this machine's class of
-    CPU): a GEMM is three functions of fixed size; a loop kernel costs more per
-    member, per operation, per transcendental (inlined polynomials) and when its
-    sums go into per-block partials (fully unrolled rows of known length)."""
+    """A rough estimate of LLVM's time on a kernel, in ms on this machine (fitted to
+    measured times of the benchmark workloads' kernels, correlation ~0.8): a GEMM is
+    three functions of fixed size, more with taps; a loop kernel costs more per
+    member and loop, and much more when its sums go into per-block partials (rows of
+    known length, unrolled and vectorized in several copies)."""
     if isinstance(k, GemmKernel):
-        return 40
+        return 34 + 26 * len(k.taps)
     members = k.members if isinstance(k, LoopGroup) else (k,)
-    maps = [e.fn for m in members for r in (m.body, m.epilogue) if r is not None
-            for e in walk(r) if isinstance(e, Map)]
     blocked = isinstance(k, LoopGroup) and k.blocks > 1
-    return 10 + 8 * len(members) + 2 * len(maps) + 10 * sum(fn in HEAVY for fn in maps) + 40 * blocked
+    return 10 + 4 * len(members) + 2 * sum(len(m.loops) for m in members) + 70 * blocked
 
 
 class _ModuleGen:
@@ -115,7 +116,8 @@ class _ModuleGen:
         costs: dict = {}
         for k in self.low.kernels:
             costs.setdefault(kernel_key(self.low, k), compile_cost(k))
-        load = [ENTRY_COST] + [0] * (units - 1)
+        gemms = any(isinstance(k, GemmKernel) for k in self.low.kernels)
+        load = [ENTRY_COST + CALL_COST * len(self.low.kernels) + TILE_COST * gemms] + [0] * (units - 1)
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
             u = load.index(min(load))
             self.unit[key] = u
