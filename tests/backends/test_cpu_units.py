@@ -79,3 +79,14 @@ def test_a_failing_child_leaves_its_unit_to_the_parent(monkeypatch):
 
     monkeypatch.setattr(llvm_env, "emit_object", child_dies)
     assert llvm_env.emit_objects(texts, 2, jobs=2) == [emit(t, 2) for t in texts]
+
+
+def test_without_fork_this_process_compiles_every_unit(monkeypatch):
+    _, low, opts = lowered(GPT, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+
+    def refuse():
+        raise OSError("fork refused")
+
+    monkeypatch.setattr(os, "fork", refuse)
+    assert llvm_env.emit_objects(texts, 2, jobs=2) == [llvm_env.emit_object(t, 2) for t in texts]

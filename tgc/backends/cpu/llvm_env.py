@@ -233,7 +233,10 @@ def emit_objects(texts: list[str], opt: int = 3, *, jobs: int = 1,
         with lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
             for i in range(1, min(jobs, len(texts))):
-                children.append(_fork_compile(texts[i], i, opt, prefer_512))
+                try:
+                    children.append(_fork_compile(texts[i], i, opt, prefer_512))
+                except OSError:   # no more processes or pipes: this process does the rest
+                    break
         objs: list[bytes | None] = [None] * len(texts)
         busy = {i for _, _, i in children}
         for i, text in enumerate(texts):
@@ -256,7 +259,12 @@ def _llvm_lock():
 
 def _fork_compile(text: str, index: int, opt: int, prefer_512: bool) -> tuple[int, int, int]:
     read, write = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        raise
     if pid == 0:   # the child: compile, send, leave without running any of the parent's exit code
         status = 1
         try:
