@@ -214,3 +214,30 @@ def test_a_causal_softmax_with_masked_rows_matches_the_interpreter(dtype):
     rtol, atol = TOL[dtype]
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
     assert np.all(got[:, 0, 1:] == 0) and np.allclose(got[:, 0, 0], 1)
+
+
+# rows of 3 classes: every inner loop is unrolled, so LLVM vectorizes over the rows
+CROSS_ENTROPY = """
+dim rows
+dim c = 3
+input x[rows, c]
+input y[rows, c]
+out loss = sum(cross_entropy[c](x, y))
+out g = grad(sum(cross_entropy[c](x, y)), x)
+"""
+
+
+def test_blocks_vectorized_over_rows_are_long_enough_for_the_vector_loop():
+    from tgc.backends.cpu.loops import MIN_VECTOR_BLOCK_ROWS, rows_vectorized
+
+    prog = build(CROSS_ENTROPY, "f64", threads=2, parallel_min_work=1)
+    blocked = [g for g in groups(prog) if g.blocks]
+    assert blocked and all(rows_vectorized(g) for g in blocked)
+    assert not any(rows_vectorized(g) for g in groups(build(LAYERNORM, "f64")))
+    m = prog.module
+    for rows in (1, MIN_VECTOR_BLOCK_ROWS - 1, MIN_VECTOR_BLOCK_ROWS, 3 * MIN_VECTOR_BLOCK_ROWS + 5):
+        x = random_inputs(m, m.bind_dims({"rows": rows}), rows, "f64")
+        want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+        got = prog(**x)
+        for name, w in want.items():
+            np.testing.assert_allclose(got[name], w, rtol=1e-12, atol=1e-12, err_msg=name)

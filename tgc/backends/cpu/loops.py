@@ -50,7 +50,10 @@ def parallel_ok(k: LoopKernel | LoopGroup) -> bool:
 
 SMALL_SPLIT = 8   # an outermost loop shorter than this is split together with the next
 UNROLL = 4        # a loop of at most this many iterations (known) is unrolled
-MIN_BLOCK_ROWS = 16  # the shortest block of a blocked group's outer loop
+MIN_BLOCK_ROWS = 16  # the shortest block of a blocked group's outer loop ...
+MIN_VECTOR_BLOCK_ROWS = 64  # ... when that loop is the one vectorized (LLVM's main vector loop
+                            # takes 2 x 16 rows; with 16-row blocks an MLP's cross-entropy rows
+                            # all ran in its narrow epilogue)
 
 
 def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
@@ -76,17 +79,31 @@ def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
 def split_count(f: Frame, k: LoopKernel | LoopGroup):
     """The length of the range threads split (i64): the product of the split loops'
     extents, or a blocked group's blocks: `blocks`, fewer when the outer loop is
-    short (each block at least MIN_BLOCK_ROWS long, so that a loop vectorized over
-    rows still fills a vector; partial-sum rows past the last are zeros)."""
+    short (each block at least MIN_BLOCK_ROWS long, MIN_VECTOR_BLOCK_ROWS when the
+    rows are what LLVM vectorizes, so that its main vector loop runs; partial-sum rows
+    past the last are zeros)."""
     if isinstance(k, LoopGroup) and k.blocks:
         b = f.entry
-        per = b.sdiv(f.size(k.sizes[k.outer[0]]), I64(MIN_BLOCK_ROWS))
+        rows = MIN_VECTOR_BLOCK_ROWS if rows_vectorized(k) else MIN_BLOCK_ROWS
+        per = b.sdiv(f.size(k.sizes[k.outer[0]]), I64(rows))
         nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
         return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
     total = 1
     for v in split_loops(k):
         total = size_op("*", total, k.sizes[v])
     return f.size(total)
+
+
+def unrolled(k: LoopKernel, v: str) -> bool:
+    """Whether `LoopGen.nest` unrolls loop `v` of `k` (a few known iterations, no bounds)."""
+    n = k.sizes[v]
+    return isinstance(n, int) and n <= UNROLL and not any(k.bounds.get(v, ((), ())))
+
+
+def rows_vectorized(g: LoopGroup) -> bool:
+    """Whether a group has one outer loop (its rows) and every loop inside it is
+    unrolled, so that the rows loop is the one LLVM vectorizes."""
+    return len(g.outer) == 1 and all(unrolled(m, v) for m in g.members for v in m.loops if v not in g.outer)
 
 
 class LoopGen:
@@ -191,7 +208,7 @@ class LoopGen:
             return
         n = self.k.sizes[v]
         lows, highs = self.k.bounds.get(v, ((), ()))
-        if isinstance(n, int) and n <= UNROLL and not lows and not highs:
+        if unrolled(self.k, v):
             for i in range(n):  # unrolled, so that the loop around it is innermost for LLVM
                 self.nest(loops[1:], {**vars, v: I64(i)}, leaf)
             return
