@@ -26,10 +26,13 @@ class Options:
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread
+    parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
+    warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
+    gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
 

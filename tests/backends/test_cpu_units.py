@@ -90,3 +90,25 @@ def test_without_fork_this_process_compiles_every_unit(monkeypatch):
 
     monkeypatch.setattr(os, "fork", refuse)
     assert llvm_env.emit_objects(texts, 2, jobs=2) == [llvm_env.emit_object(t, 2) for t in texts]
+
+
+def test_after_a_parallel_region_small_kernels_go_parallel_too():
+    """With the warm thresholds at 1 and a window that never closes, every kernel
+    after the first parallel region runs on the threads: the results still match."""
+    warm = Options(parallel_min_work=1, parallel_min_work_warm=1, gemm_parallel_min_flops_warm=1,
+                   warm_cycles=1 << 62)
+    prog = tgc.compile(GPT, dtype="f64", options=warm)
+    text = prog.llvm_ir
+    assert "llvm.readcyclecounter" in text and "tgc.region_end" in text
+    arrays = {k: 0.2 * v if v.dtype != np.int32 else v
+              for k, v in random_inputs(prog.module, {**prog.module.dims, "batch": 3}, seed=5, dtype="f64").items()}
+    want = evaluate(prog.module, {k: v.copy() for k, v in arrays.items()}, dtype="f64")
+    for _ in range(2):   # the second call starts warm
+        got = prog(**{k: v.copy() for k, v in arrays.items()})
+        for name, value in got.items():
+            np.testing.assert_allclose(value, want[name], rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_one_thread_has_no_warm_test():
+    prog = tgc.compile(GPT, dtype="f64", options=Options(threads=1))
+    assert "llvm.readcyclecounter" not in prog.llvm_ir

@@ -195,7 +195,7 @@ class _ModuleGen:
                 total += weight
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
-        return total < self.opt.parallel_min_work
+        return total < min(self.opt.parallel_min_work, self.opt.parallel_min_work_warm)
 
     def slot_sizes(self, f: Frame) -> list:
         out = []
@@ -232,7 +232,11 @@ class _ModuleGen:
         restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
         for k, (kfn, par) in zip(self.low.kernels, kernels):
             if isinstance(k, GemmKernel):
-                b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)])
+                min_flops = self.threshold(b, self.opt.gemm_parallel_min_flops_warm, self.opt.gemm_parallel_min_flops)
+                ran = b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)] + [min_flops])
+                if self.opt.threads != 1:
+                    with b.if_then(b.icmp_signed("!=", ran, I32(0))):
+                        self.mark_region(b)
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
         if restore is not None:
@@ -357,6 +361,42 @@ class _ModuleGen:
                 ptrs[name] = b.gep(ws, [offsets[buf.slot]], source_etype=ir.IntType(8))
         return ptrs
 
+    # ------------------------------------------------------------ warm workers
+    #
+    # A parallel region costs 1-3 us while libgomp's workers still spin from the last
+    # one, ~80 us when they have gone to sleep. So the threshold for going parallel is
+    # lower right after a region: `tgc.region_end` holds the time-stamp counter at
+    # the end of the program's last region, and a kernel that starts less than
+    # `options.warm_cycles` later uses the `_warm` threshold. (GPT's step: many
+    # small kernels between large ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are
+    # all small, never starts a region and stays serial.) A counter that reads 0 (a
+    # target without one) is never warm. Racing calls only blur a heuristic.
+
+    def region_end(self) -> ir.GlobalVariable:
+        g = self.mod.globals.get("tgc.region_end")
+        if g is None:
+            g = ir.GlobalVariable(self.mod, I64, "tgc.region_end")
+            g.linkage = "internal"
+            g.initializer = I64(0)
+        return g
+
+    def now(self, b: ir.IRBuilder):
+        fn = self.mod.globals.get("llvm.readcyclecounter") or ir.Function(
+            self.mod, ir.FunctionType(I64, []), "llvm.readcyclecounter")
+        return b.call(fn, [])
+
+    def mark_region(self, b: ir.IRBuilder) -> None:
+        b.store_atomic(self.now(b), self.region_end(), "monotonic", 8)
+
+    def threshold(self, b: ir.IRBuilder, warm: int, cold: int):
+        """i64: `warm` when a region ended less than `warm_cycles` ago, else `cold`."""
+        if warm >= cold or self.opt.threads == 1:
+            return I64(cold)
+        last = b.load_atomic(self.region_end(), "monotonic", 8, typ=I64)
+        recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.warm_cycles))
+        recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
+        return b.select(recent, I64(warm), I64(cold))
+
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
         n = split_count(f, k)
@@ -373,10 +413,12 @@ class _ModuleGen:
                 term = b.mul(term, f.size(s))
             work = b.add(work, term)
         have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
-        big = b.and_(b.icmp_signed(">=", work, I64(self.opt.parallel_min_work)), have)
+        threshold = self.threshold(b, self.opt.parallel_min_work_warm, self.opt.parallel_min_work)
+        big = b.and_(b.icmp_signed(">=", work, threshold), have)
         with b.if_else(big) as (then, otherwise):
             with then:
                 fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+                self.mark_region(b)
             with otherwise:
                 b.call(kfn, call_args + [I64(0), n])
 

@@ -1,9 +1,9 @@
 """GEMM cells as LLVM functions: tiles of cblas ?gemm calls or generated loops,
 spread over the cores through libgomp.
 
-    void tgc.kN(const i64* dims, T* a, T* b, T* c)
+    i32 tgc.kN(const i64* dims, T* a, T* b, T* c, i64 min_flops)
 
-The matrix product. `layout` guarantees each buffer holds its matrix with both
+The matrix product; returns 1 when it ran on several threads (a libgomp region). `layout` guarantees each buffer holds its matrix with both
 edge groups merged and one group contiguous. The code works on the normalized
 product C'[P, Q] = A'[P, R] B'[R, Q] whose Q is C's contiguous group: (P, Q, R) =
 (M, N, K) when C holds N innermost, else (N, M, K) with A' = B^T, B' = A^T (C^T =
@@ -11,7 +11,8 @@ B^T A^T). A' and B' may be stored either way round (a transpose flag, or strides
 
 Tasks. The work is cut into tasks: every index of the batch edges (an operand
 without a batch edge is reused along it, stride 0) times a grid of tiles of C'.
-When the whole product has at least `options.gemm_parallel_min_flops` flops (and
+When the whole product has at least `min_flops` flops (the caller passes
+`options.gemm_parallel_min_flops`, or the `_warm` one; see codegen) (and
 `options.threads != 1`, and the runtime gave GOMP_parallel), a tile is at most
 `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into chunks accumulated in
 place, so no reduction is needed) or 1/TILE_TASKS of the product if that is more
@@ -77,7 +78,7 @@ class GemmGen:
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
-        self.fn = define(mod, name, ir.VoidType(), [PTR] * 4)
+        self.fn = define(mod, name, I32, [PTR] * 4 + [I64])
         self.fn.attributes.add("noinline")
         ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
         self.bufs = {"a": ab, "b": bb, "c": cb}
@@ -184,7 +185,7 @@ class GemmGen:
         par = self.emit_par(work) if self.opt.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
-        args = list(self.fn.args)
+        args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
         whole = I64(UNTILED)
 
         def serial():
@@ -197,7 +198,7 @@ class GemmGen:
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
             flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
-            big = b.icmp_signed(">=", flops, I64(self.opt.gemm_parallel_min_flops))
+            big = b.icmp_signed(">=", flops, min_flops)
             big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
             with b.if_else(big) as (then, otherwise):
                 with then:
@@ -214,9 +215,10 @@ class GemmGen:
                         v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
                         b.store(v, b.gep(data, [I32(0), I32(i)]))
                     fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+                    b.ret(I32(1))
                 with otherwise:
                     serial()
-        b.ret_void()
+        b.ret(I32(0))
         f.finish()
         return self.fn
 
