@@ -133,8 +133,11 @@ class GemmGen:
         return A, B, c_p
 
     def tiles(self, f: Frame, b: ir.IRBuilder, P, Q, R, limit):
-        """Tile sizes (tp, tq, tr): halve the largest of them (not below MIN_TILE
-        rows/columns, MIN_CHUNK for R) until tp * tq * tr <= limit."""
+        """Tile sizes (tp, tq, tr): halve the larger of tp and tq (not below
+        MIN_TILE), or when neither can be halved tr (not below MIN_CHUNK), until
+        tp * tq * tr <= limit. Rows and columns first, since only they make tasks
+        (R chunks add up inside one task): a 48 x 48 weight gradient summed over 704
+        rows was one task, and its region left the second thread idle."""
         pre = b.block
         head = f.fn.append_basic_block("tile.head")
         step = f.fn.append_basic_block("tile.step")
@@ -149,8 +152,8 @@ class GemmGen:
         hp = b.select(b.icmp_signed(">=", tp, I64(2 * MIN_TILE)), tp, zero)
         hq = b.select(b.icmp_signed(">=", tq, I64(2 * MIN_TILE)), tq, zero)
         hr = b.select(b.icmp_signed(">=", tr, I64(2 * MIN_CHUNK)), tr, zero)
-        pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">=", hp, hr))
-        pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">=", hq, hr))
+        pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">", hp, zero))
+        pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">", hq, zero))
         best = b.select(pick_p, hp, b.select(pick_q, hq, hr))
         b.cbranch(b.and_(over, b.icmp_signed(">", best, zero)), step, done)
         b.position_at_end(step)
@@ -210,6 +213,9 @@ class GemmGen:
                     tile = b.select(b.icmp_signed(">", share, small), share, small)
                     limit = b.select(many, I64(UNTILED), tile)
                     pl = self.plan(f, b, limit)
+                    with b.if_then(b.icmp_signed("<", pl["tasks"], I64(2))):   # nothing to share
+                        b.call(work, args + [I64(0), pl["tasks"], limit])
+                        b.ret(I32(0))
                     data = f.alloca(ir.ArrayType(I64, 6), "data")
                     for i, v in enumerate(args + [pl["tasks"], limit]):
                         v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
