@@ -324,3 +324,36 @@ def test_a_python_scalar_or_list_for_an_array_takes_the_checked_path():
     np.testing.assert_array_equal(y, [3.0, 5.0, 7.0])  # a was 1 after the first call
     with pytest.raises(EvalError):
         prog(a=a, b=2.5)
+
+
+BIG = "dim n\ninput x[n]\nout y[n] = x * 2\nout z[n] = x + 1\n"
+
+
+def test_large_outputs_are_recycled_only_once_dropped():
+    prog = tgc.compile(BIG)
+    n = 1 << 18                                         # 1 MiB per output
+    xs = [np.full(n, float(i), np.float32) for i in range(4)]
+    held = [prog(x=xs[0]), prog(x=xs[1])]
+    view = prog(x=xs[2])["y"][5:9]                      # a view keeps its result's array
+    for i in range(6):
+        prog(x=xs[3])
+    for i, r in enumerate(held):
+        np.testing.assert_array_equal(r["y"], 2.0 * i)
+        np.testing.assert_array_equal(r["z"], i + 1.0)
+    np.testing.assert_array_equal(view, 4.0)
+    first, second = prog(x=xs[0]), prog(x=xs[1])     # the two results the program keeps
+    address = first["y"].ctypes.data
+    del first
+    again = prog(x=xs[2])                               # the dropped one's memory is used again
+    assert again["y"].ctypes.data == address
+    np.testing.assert_array_equal(again["y"], 4.0)
+    np.testing.assert_array_equal(again["z"], 3.0)
+    np.testing.assert_array_equal(second["y"], 2.0)
+
+
+def test_small_outputs_are_new_every_call():
+    prog = tgc.compile(BIG)
+    x = np.ones(16, np.float32)
+    a = prog(x=x)["y"]
+    b = prog(x=x)["y"]
+    assert a is not b and not np.shares_memory(a, b)
