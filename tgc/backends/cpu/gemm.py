@@ -177,6 +177,11 @@ class GemmGen:
         one = I64(1)
         tp, tq, tr = self.tiles(f, b, P, Q, R, limit)
         tp, tq, tr = (b.select(b.icmp_signed("<", t, one), one, t) for t in (tp, tq, tr))
+        return self.tasks(f, b, tp, tq, tr)
+
+    def tasks(self, f: Frame, b: ir.IRBuilder, tp, tq, tr):
+        """The plan for tiles of tp x tq x tr: sizes, tiles per row and column, tasks."""
+        P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         n_p, n_q = self.ceil_div(b, P, tp), self.ceil_div(b, Q, tq)
         tasks = b.mul(b.mul(f.count(self.k.batch), n_p), n_q)
         return dict(P=P, Q=Q, R=R, tp=tp, tq=tq, tr=tr, n_p=n_p, n_q=n_q, tasks=tasks)
@@ -184,46 +189,38 @@ class GemmGen:
     # ------------------------------------------------------------ entry
 
     def emit(self) -> ir.Function:
+        """The entry: plans the tiles once (one tile per batch index when it runs on
+        one thread), then runs every task here or shares them out in a region."""
         work = self.emit_work()
         par = self.emit_par(work) if self.opt.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
-        whole = I64(UNTILED)
-
-        def serial():
-            pl = self.plan(f, b, whole)
-            b.call(work, args + [I64(0), pl["tasks"], whole])
-
-        if par is None:
-            serial()
-        else:
+        limit, big = I64(UNTILED), None
+        if par is not None:
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
             flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
             big = b.icmp_signed(">=", flops, min_flops)
             big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
-            with b.if_else(big) as (then, otherwise):
-                with then:
-                    # enough batch products to share: whole ones (OpenBLAS runs on one thread
-                    # during tgc_run, so a big call stays on its thread, at its packed speed)
-                    many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
-                    share = b.sdiv(b.mul(b.mul(P, Q), R), I64(TILE_TASKS))
-                    small = I64(max(1, self.opt.blas_tile_mnk))
-                    tile = b.select(b.icmp_signed(">", share, small), share, small)
-                    limit = b.select(many, I64(UNTILED), tile)
-                    pl = self.plan(f, b, limit)
-                    with b.if_then(b.icmp_signed("<", pl["tasks"], I64(2))):   # nothing to share
-                        b.call(work, args + [I64(0), pl["tasks"], limit])
-                        b.ret(I32(0))
-                    data = f.alloca(ir.ArrayType(I64, 6), "data")
-                    for i, v in enumerate(args + [pl["tasks"], limit]):
-                        v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
-                        b.store(v, b.gep(data, [I32(0), I32(i)]))
-                    fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
-                    b.ret(I32(1))
-                with otherwise:
-                    serial()
+            # enough batch products to share: whole ones (OpenBLAS runs on one thread
+            # during tgc_run, so a big call stays on its thread, at its packed speed)
+            many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
+            share = b.sdiv(b.mul(b.mul(P, Q), R), I64(TILE_TASKS))
+            small = I64(max(1, self.opt.blas_tile_mnk))
+            tile = b.select(b.icmp_signed(">", share, small), share, small)
+            limit = b.select(b.and_(big, b.not_(many)), tile, limit)
+        pl = self.plan(f, b, limit)
+        tiles = [pl["tp"], pl["tq"], pl["tr"]]
+        if big is not None:
+            with b.if_then(b.and_(big, b.icmp_signed(">=", pl["tasks"], I64(2)))):
+                data = f.alloca(ir.ArrayType(I64, 8), "data")
+                for i, v in enumerate(args + [pl["tasks"]] + tiles):
+                    v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
+                    b.store(v, b.gep(data, [I32(0), I32(i)]))
+                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+                b.ret(I32(1))
+        b.call(work, args + [I64(0), pl["tasks"]] + tiles)
         b.ret(I32(0))
         f.finish()
         return self.fn
@@ -231,26 +228,28 @@ class GemmGen:
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(6)]
+        vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(8)]
         ptrs = [b.inttoptr(v, PTR) for v in vals[:4]]
         lo, hi = parallel.thread_range(b, vals[4])
         with b.if_then(b.icmp_signed("<", lo, hi)):
-            b.call(work, ptrs + [lo, hi, vals[5]])
+            b.call(work, ptrs + [lo, hi] + vals[5:8])
         b.ret_void()
         return fn
 
     def emit_work(self) -> ir.Function:
+        """`tgc.kN.work(dims, a, b, c, lo, hi, tp, tq, tr)`: tasks [lo, hi) of the
+        plan with tiles of tp x tq x tr."""
         k = self.k
-        fn = define(self.mod, self.name + ".work", ir.VoidType(), [PTR] * 4 + [I64, I64, I64])
+        fn = define(self.mod, self.name + ".work", ir.VoidType(), [PTR] * 4 + [I64] * 5)
         fn.attributes.add("noinline")
         f = Frame(fn, self.low.module, fn.args[0])
         b = f.b
         self.f, self.b = f, b
         ptrs = {"a": fn.args[1], "b": fn.args[2], "c": fn.args[3]}
-        lo, hi, limit = fn.args[4], fn.args[5], fn.args[6]
+        lo, hi = fn.args[4], fn.args[5]
         st = self.views(f)
         A, B, c_p = self.operands(f, st)
-        pl = self.plan(f, b, limit)
+        pl = self.tasks(f, b, *fn.args[6:9])
         small = self.small_ok(b, pl, B)
         with for_range(b, lo, hi, "task") as t:
             # decode: t = ((batch...) * n_p + ip) * n_q + iq
