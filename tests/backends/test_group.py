@@ -241,3 +241,36 @@ def test_blocks_vectorized_over_rows_are_long_enough_for_the_vector_loop():
         got = prog(**x)
         for name, w in want.items():
             np.testing.assert_allclose(got[name], w, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+HEAD_SOFTMAX = "dim b\ndim head = 3, t = 7\ndim s = t\ninput x[head, b, t, s]\n" \
+               "out y[head, b, t, s] = softmax[s](where([s <= t], x, -inf))\n"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_of_a_short_first_loop_take_the_next_loop_too(threads):
+    from tgc.backends.cpu.loops import blocked_loops
+
+    prog = build(HEAD_SOFTMAX, "f64", threads=threads, parallel_min_work=1)
+    blocked = [g for g in groups(prog) if g.blocks]
+    assert blocked and all(blocked_loops(g) == ("head", "b") for g in blocked)
+    m = prog.module
+    for rows in (1, 2, 11, 40):
+        x = random_inputs(m, m.bind_dims({"b": rows}), rows, "f64")
+        want = evaluate(m, dict(x), dtype="f64")["y"]
+        np.testing.assert_allclose(prog(**x)["y"], want, rtol=1e-12, atol=1e-13)
+
+
+def test_blocks_stay_on_the_first_loop_when_it_is_summed_over():
+    from tgc.backends.cpu.loops import blocked_loops
+
+    prog = build("dim b\ndim head = 3, d = 5\ninput x[head, b, d]\nout s[b, d] = sum[head](tanh(x))\n"
+                 "out y[head, b, d] = tanh(x) * 2\n", "f64", threads=2, parallel_min_work=1)
+    partial = [g for g in groups(prog) if g.blocks and any("head" in m.red for m in g.members)]
+    assert partial and all(blocked_loops(g) == ("head",) for g in partial)
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"b": 9}), 1, "f64")
+    want = evaluate(m, dict(x), dtype="f64")
+    got = prog(**x)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-13)

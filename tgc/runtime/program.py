@@ -206,6 +206,20 @@ class Program:
             found.append(i)
         return tuple(sorted(set(found)))
 
+    def profile(self, reset: bool = False) -> list[tuple[int, int, str]]:
+        """(cycles, kernel index, the kernel's first line) per kernel, most cycles
+        first: the time-stamp-counter cycles each kernel took over every call so far
+        (compiled with `Options(profile=True)`; `reset` zeroes the counters)."""
+        if not self.options.profile:
+            raise ValueError("compile with Options(profile=True) to profile kernels")
+        kernels = self.lowered.kernels
+        addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
+        counts = (ctypes.c_int64 * max(len(kernels), 1)).from_address(addr)
+        out = sorted(((counts[i], i, k.text().splitlines()[0]) for i, k in enumerate(kernels)), reverse=True)
+        if reset:
+            ctypes.memset(addr, 0, ctypes.sizeof(counts))
+        return out
+
     @property
     def llvm_ir(self) -> str:
         """The LLVM IR text of this program (generated again on request)."""

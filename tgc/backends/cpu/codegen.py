@@ -230,7 +230,8 @@ class _ModuleGen:
                 b.ret(I32(i + 1))
         ptrs = self.buffer_ptrs(f, args, outs, ws)
         restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
-        for k, (kfn, par) in zip(self.low.kernels, kernels):
+        for i, (k, (kfn, par)) in enumerate(zip(self.low.kernels, kernels)):
+            start = self.now(b) if self.opt.profile else None
             if isinstance(k, GemmKernel):
                 min_flops = self.threshold(b, self.opt.gemm_parallel_min_flops_warm, self.opt.gemm_parallel_min_flops)
                 ran = b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)] + [min_flops])
@@ -239,6 +240,8 @@ class _ModuleGen:
                         self.mark_region(b)
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+            if start is not None:
+                self.count_cycles(b, i, start)
         if restore is not None:
             restore()
         b.ret(I32(0))
@@ -384,6 +387,20 @@ class _ModuleGen:
         fn = self.mod.globals.get("llvm.readcyclecounter") or ir.Function(
             self.mod, ir.FunctionType(I64, []), "llvm.readcyclecounter")
         return b.call(fn, [])
+
+    def count_cycles(self, b: ir.IRBuilder, i: int, start) -> None:
+        """Add the cycles since `start` to kernel i's counter (`options.profile`:
+        `tgc_profile()` returns the counters, one i64 per kernel)."""
+        table = self.mod.globals.get("tgc.profile")
+        if table is None:
+            n = max(len(self.low.kernels), 1)
+            table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, n), "tgc.profile")
+            table.linkage = "internal"
+            table.initializer = ir.Constant(table.value_type, None)
+            getter = define(self.mod, "tgc_profile", PTR, [], internal=False)
+            ir.IRBuilder(getter.append_basic_block("entry")).ret(table)
+        slot = b.gep(table, [I32(0), I32(i)], inbounds=True)
+        b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), start)), slot)
 
     def mark_region(self, b: ir.IRBuilder) -> None:
         b.store_atomic(self.now(b), self.region_end(), "monotonic", 8)

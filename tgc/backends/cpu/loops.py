@@ -85,13 +85,29 @@ def split_count(f: Frame, k: LoopKernel | LoopGroup):
     if isinstance(k, LoopGroup) and k.blocks:
         b = f.entry
         rows = MIN_VECTOR_BLOCK_ROWS if rows_vectorized(k) else MIN_BLOCK_ROWS
-        per = b.sdiv(f.size(k.sizes[k.outer[0]]), I64(rows))
+        total = I64(1)
+        for v in blocked_loops(k):
+            total = b.mul(total, f.size(k.sizes[v]))
+        per = b.sdiv(total, I64(rows))
         nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
         return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
     total = 1
     for v in split_loops(k):
         total = size_op("*", total, k.sizes[v])
     return f.size(total)
+
+
+def blocked_loops(g: LoopGroup) -> tuple[str, ...]:
+    """The outer loops a blocked group's blocks divide, as one range: the first, or
+    the first two when the first is short (3 heads: at most 3 blocks, so one thread
+    ran a whole attention softmax) and no member sums over it (partial sums are per
+    block of the first loop alone)."""
+    first = g.outer[0]
+    n = g.sizes[first]
+    if len(g.outer) > 1 and isinstance(n, int) and n < SMALL_SPLIT and \
+            not any(first in m.red for m in g.members):
+        return g.outer[:2]
+    return g.outer[:1]
 
 
 def unrolled(k: LoopKernel, v: str) -> bool:
@@ -151,12 +167,21 @@ class LoopGen:
             self.split_nest(split, [], {},
                             lambda vs: self.plain_nest(list(g.outer[len(split):]), g.sizes, vs, members))
             return
-        n, nb = self.f.size(g.sizes[first]), split_count(self.f, g)
+        rows = blocked_loops(g)
+        n = I64(1)
+        for v in rows:
+            n = b.mul(n, self.f.size(g.sizes[v]))
+        nb = split_count(self.f, g)
         with for_range(b, self.lo, self.hi, BLOCK) as blk:
             start = b.sdiv(b.mul(blk, n), nb)
             end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
-            with for_range(b, start, end, first) as i:
-                self.plain_nest(list(g.outer[1:]), g.sizes, {BLOCK: blk, first: i}, members)
+            with for_range(b, start, end, ".".join(rows)) as i:
+                if len(rows) == 1:
+                    vars = {first: i}
+                else:
+                    n1 = self.f.size(g.sizes[rows[1]])
+                    vars = {first: b.sdiv(i, n1), rows[1]: b.srem(i, n1)}
+                self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
 
     def plain_nest(self, loops: list[str], sizes, vars: dict, leaf) -> None:
         if not loops:
