@@ -357,3 +357,19 @@ def test_small_outputs_are_new_every_call():
     a = prog(x=x)["y"]
     b = prog(x=x)["y"]
     assert a is not b and not np.shares_memory(a, b)
+
+
+def test_profile_counts_cycles_per_kernel():
+    from tgc.options import Options
+
+    prog = tgc.compile(MLP, dtype="f64", options=Options(profile=True))
+    x, W = np.ones((4, 8)), np.full((8, 16), 0.1)
+    for _ in range(3):
+        prog(x=x, W=W.copy(), lr=0.1)
+    prof = prog.profile(reset=True)
+    assert len(prof) == len(prog.lowered.kernels)
+    assert [c for c, _, _ in prof] == sorted((c for c, _, _ in prof), reverse=True)
+    assert prof[0][0] > 0 and all(text for _, _, text in prof)
+    assert all(c == 0 for c, _, _ in prog.profile())          # reset
+    with pytest.raises(ValueError, match="profile=True"):
+        tgc.compile(MLP, dtype="f64").profile()
