@@ -112,3 +112,17 @@ def test_after_a_parallel_region_small_kernels_go_parallel_too():
 def test_one_thread_has_no_warm_test():
     prog = tgc.compile(GPT, dtype="f64", options=Options(threads=1))
     assert "llvm.readcyclecounter" not in prog.llvm_ir
+
+
+def test_a_unit_given_as_a_function_is_made_once_after_the_children_start(monkeypatch):
+    _, low, opts = lowered(GPT, "f32")
+    first, rest = codegen.generate_units_first_last(low, opts, units=2)
+    calls = []
+
+    def make():
+        calls.append(os.getpid())
+        return first()
+
+    objs = llvm_env.emit_objects([make] + rest, 2, jobs=2)
+    assert calls == [os.getpid()]
+    assert objs == llvm_env.emit_objects(codegen.generate_units(low, opts, units=2), 2, jobs=1)

@@ -154,8 +154,8 @@ def _machine_code(module: Module, low: Lowered, options: Options) -> tuple[bytes
     if objs is not None:
         return objs
     jobs = options.compile_jobs or llvm_env.usable_cores()
-    texts = codegen.generate_units(low, options, objects_entry=True, units=jobs)
-    objs = tuple(llvm_env.emit_objects(texts, max(options.opt_level, 1), jobs=jobs))
+    first, rest = codegen.generate_units_first_last(low, options, objects_entry=True, units=jobs)
+    objs = tuple(llvm_env.emit_objects([first] + rest, max(options.opt_level, 1), jobs=jobs))
     cache.store(key, objs)
     return objs
 

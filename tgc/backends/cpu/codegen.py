@@ -82,10 +82,21 @@ def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
     outside the first module is defined there with hidden visibility and declared in
     the first; GEMM tile helpers live in the first. Units that would be empty are
     left out; `units=1` is the single module of `generate`."""
+    first, rest = generate_units_first_last(low, options, objects_entry, units)
+    return [first()] + rest
+
+
+def generate_units_first_last(low: Lowered, options: Options, objects_entry: bool = False,
+                              units: int = 1):
+    """`generate_units` in two steps: (a function that makes the first unit's text,
+    the other units' texts). The other units are complete once every kernel is
+    generated, so LLVM can start on them while this process generates the entry
+    points."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
     gen = _ModuleGen(low, options, objects_entry, units)
-    return [str(m) for m in gen.emit()]
+    kernels = gen.emit_kernels()
+    return (lambda: str(gen.emit_entry(kernels))), [str(m) for m in gen.mods[1:]]
 
 
 def compile_cost(k) -> int:
@@ -124,19 +135,24 @@ class _ModuleGen:
             load[u] += cost
         return max(self.unit.values(), default=0) + 1
 
-    def emit(self) -> list[ir.Module]:
+    def emit_kernels(self) -> list:
+        """The function table and every kernel's functions (in their units): the
+        units after the first are complete after this."""
         fntable.define_init(self.mod, "tgc_init")
         if len(self.mods) > 1:
             self.mod.globals[fntable.GLOBAL].linkage = "hidden"   # the other units read it
             for m in self.mods[1:]:
                 fntable.declare_table(m)
+        return [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
+
+    def emit_entry(self, kernels: list) -> ir.Module:
+        """The entry points, in the first unit."""
         checks = [self.check_fn(i, c) for i, c in enumerate(self.low.checks)]
-        kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         self.workspace_fn()
         run = self.run_fn(checks, kernels)
         if self.objects_entry:
             self.objects_fn(run)
-        return self.mods
+        return self.mod
 
     # ------------------------------------------------------------ pieces
 

@@ -213,9 +213,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def emit_objects(texts: list[str], opt: int = 3, *, jobs: int = 1,
+def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
                  prefer_512: bool = True) -> list[bytes]:
     """Object code of each module, the same bytes as `emit_object` gives for it.
+    A module may be given as a function that returns its text: it is called only
+    after the children have started, so making it overlaps their work.
 
     With `jobs` > 1, up to jobs - 1 modules after the first are compiled each in a
     forked child process while this process compiles the first, and the children
@@ -225,26 +227,33 @@ def emit_objects(texts: list[str], opt: int = 3, *, jobs: int = 1,
     process is inside LLVM at that moment (a child never inherits LLVM mid-call).
     A child that fails, or a platform without fork, leaves its module to this
     process: the result is the same, only slower. Children are always reaped."""
+    made: dict[int, str] = {}
+
+    def text(i):   # a function's text is made once
+        if i not in made:
+            made[i] = texts[i]() if callable(texts[i]) else texts[i]
+        return made[i]
+
     lock = _llvm_lock()
     if jobs <= 1 or len(texts) == 1 or not hasattr(os, "fork") or lock is None:
-        return [emit_object(t, opt, prefer_512=prefer_512) for t in texts]
+        return [emit_object(text(i), opt, prefer_512=prefer_512) for i in range(len(texts))]
     children: list[tuple[int, int, int]] = []   # (pid, read end, module index)
     try:
         with lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
             for i in range(1, min(jobs, len(texts))):
                 try:
-                    children.append(_fork_compile(texts[i], i, opt, prefer_512))
+                    children.append(_fork_compile(text(i), i, opt, prefer_512))
                 except OSError:   # no more processes or pipes: this process does the rest
                     break
         objs: list[bytes | None] = [None] * len(texts)
         busy = {i for _, _, i in children}
-        for i, text in enumerate(texts):
+        for i in range(len(texts)):
             if i not in busy:
-                objs[i] = emit_object(text, opt, prefer_512=prefer_512)
+                objs[i] = emit_object(text(i), opt, prefer_512=prefer_512)
         while children:
             pid, fd, i = children.pop(0)
-            objs[i] = _collect(pid, fd) or emit_object(texts[i], opt, prefer_512=prefer_512)
+            objs[i] = _collect(pid, fd) or emit_object(text(i), opt, prefer_512=prefer_512)
         return objs
     finally:
         for pid, fd, _ in children:   # only on an exception: stop and reap what is left
