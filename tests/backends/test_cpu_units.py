@@ -17,6 +17,7 @@ from tgc.passes.plan import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "benchmarks" / "workloads" / "gpt.tg"
+MLP = ROOT / "benchmarks" / "workloads" / "mlp.tg"   # two units as well, and quicker to compile
 
 
 def lowered(path, dtype="f64"):
@@ -62,14 +63,16 @@ def test_gpt_in_units_matches_the_interpreter(jobs):
 
 
 def test_objects_do_not_depend_on_how_they_were_compiled():
-    _, low, opts = lowered(GPT, "f32")
+    _, low, opts = lowered(MLP, "f32")
     texts = codegen.generate_units(low, opts, units=2)
+    assert len(texts) == 2
     assert llvm_env.emit_objects(texts, 2, jobs=2) == llvm_env.emit_objects(texts, 2, jobs=1)
 
 
 def test_a_failing_child_leaves_its_unit_to_the_parent(monkeypatch):
-    _, low, opts = lowered(GPT, "f32")
+    _, low, opts = lowered(MLP, "f32")
     texts = codegen.generate_units(low, opts, units=2)
+    assert len(texts) == 2
     parent, emit = os.getpid(), llvm_env.emit_object
 
     def child_dies(text, *args, **kw):
@@ -82,7 +85,7 @@ def test_a_failing_child_leaves_its_unit_to_the_parent(monkeypatch):
 
 
 def test_without_fork_this_process_compiles_every_unit(monkeypatch):
-    _, low, opts = lowered(GPT, "f32")
+    _, low, opts = lowered(MLP, "f32")
     texts = codegen.generate_units(low, opts, units=2)
 
     def refuse():
@@ -115,8 +118,9 @@ def test_one_thread_has_no_warm_test():
 
 
 def test_a_unit_given_as_a_function_is_made_once_after_the_children_start(monkeypatch):
-    _, low, opts = lowered(GPT, "f32")
+    _, low, opts = lowered(MLP, "f32")
     first, rest = codegen.generate_units_first_last(low, opts, units=2)
+    assert len(rest) == 1
     calls = []
 
     def make():
