@@ -13,9 +13,9 @@ removes one operand per step.
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
-import opt_einsum as oe
 
 import math
 
@@ -66,13 +66,15 @@ def find_path(leaves: Sequence[Leaf], keep: set[str], sizes: Mapping[str, int], 
     """The pairwise order for contracting `leaves` into the edges `keep` (all carried)."""
     if len(leaves) < 2:
         return [tuple(range(len(leaves)))]
+    import opt_einsum as oe   # here: most programs never search a path (4 ms of every cold compile)
+
     names = sorted(set(keep).union(*(e for e, _ in leaves)))
     sym = {e: oe.get_symbol(i) for i, e in enumerate(names)}
     inputs = ",".join("".join(sym[e] for e in sorted(e_)) for e_, _ in leaves)
     eq = f"{inputs}->{''.join(sym[e] for e in sorted(keep))}"
     shapes = [tuple(sizes[e] for e in sorted(e_)) for e_, _ in leaves]
     flags = [ind for _, ind in leaves]
-    optimize = IndicatorAware(flags) if any(flags) else "dp"
+    optimize = indicator_aware()(flags) if any(flags) else "dp"
     path, _ = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize, memory_limit=limit)
     return [tuple(step) for step in path]
 
@@ -96,17 +98,23 @@ def path_cost(leaves: Sequence[Leaf], keep: set[str], sizes, path) -> int:
     return total
 
 
-class IndicatorAware(oe.paths.PathOptimizer):
-    """An opt_einsum path optimizer whose cost model knows indicators are not dense."""
+@functools.cache
+def indicator_aware() -> type:
+    """The class of an opt_einsum path optimizer whose cost model knows indicators
+    are not dense (made on first use, with opt_einsum's import)."""
+    import opt_einsum as oe
 
-    def __init__(self, indicator_flags: Sequence[bool]):
-        self.flags = list(indicator_flags)
+    class IndicatorAware(oe.paths.PathOptimizer):
+        def __init__(self, indicator_flags: Sequence[bool]):
+            self.flags = list(indicator_flags)
 
-    def __call__(self, inputs, output, size_dict, memory_limit=None):
-        leaves = [(frozenset(i), f) for i, f in zip(inputs, self.flags)]
-        if len(leaves) > MAX_EXACT:
-            return _greedy(leaves, set(output), size_dict, memory_limit)
-        return _exact(leaves, set(output), size_dict, memory_limit)
+        def __call__(self, inputs, output, size_dict, memory_limit=None):
+            leaves = [(frozenset(i), f) for i, f in zip(inputs, self.flags)]
+            if len(leaves) > MAX_EXACT:
+                return _greedy(leaves, set(output), size_dict, memory_limit)
+            return _exact(leaves, set(output), size_dict, memory_limit)
+
+    return IndicatorAware
 
 
 def _exact(leaves, output, sizes, limit):
