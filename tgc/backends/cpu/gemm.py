@@ -341,10 +341,14 @@ class GemmGen:
         return b.select(b.icmp_signed(">", x, y), x, y)
 
     def zero_tile(self, b, base, ld, p0, p1, q0, q1):
+        """Zero rows p0..p1, columns q0..q1: a memset per row (a loop of stores here
+        was vectorized and unrolled by LLVM, ~10 ms more to compile per GEMM)."""
+        memset = self.mod.globals.get("llvm.memset.p0.i64") or ir.Function(
+            self.mod, ir.FunctionType(ir.VoidType(), [PTR, ir.IntType(8), I64, I1]), "llvm.memset.p0.i64")
+        width = I64(4 if isinstance(self.fp, ir.FloatType) else 8)
         with for_range(b, p0, p1, "zp") as p:
-            row = b.gep(base, [b.mul(p, ld)], source_etype=self.fp)
-            with for_range(b, q0, q1, "zq") as q:
-                b.store(ir.Constant(self.fp, 0.0), b.gep(row, [q], source_etype=self.fp))
+            row = b.gep(base, [b.add(b.mul(p, ld), q0)], source_etype=self.fp)
+            b.call(memset, [row, ir.IntType(8)(0), b.mul(b.sub(q1, q0), width), ir.Constant(I1, 0)])
 
     def clip(self, vars):
         """Per clipped edge, the start of its range where every shifted index is in
