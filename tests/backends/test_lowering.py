@@ -201,3 +201,33 @@ def test_stages_print_after_each():
     assert temps(seen[0][1]) and all("order" not in l for l in temps(seen[0][1]))  # fuse: no layout yet
     assert all("order" in l and "slot" not in l for l in temps(seen[1][1]))
     assert all("slot" in l for l in temps(seen[3][1]))
+
+
+HEADS_THEN_WEIGHT_GRADIENT = """
+dim b
+dim head = 3, hd = 4, t = 5, c = 6
+dim s = t
+input p[b, head, s, t]
+input v[b, head, hd, s]
+input x[b, t, c]
+d = sum[s](p * v)
+out w[head, hd, c] = sum[b, t](d * x)
+"""
+
+
+def test_a_gemm_result_is_written_as_the_gemm_reading_it_wants():
+    """A product batched over (b, head) feeds one that sums over (b, t) with rows
+    (head, hd): the first writes its result in that order (strided rows), so no
+    transposing copy sits between them (GPT's attention had 17)."""
+    import numpy as np
+
+    import tgc
+    from tgc.ir.interp import evaluate, random_inputs
+
+    prog = tgc.compile(HEADS_THEN_WEIGHT_GRADIENT, dtype="f64")
+    gemms = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
+    assert len(gemms) == 2
+    assert not [k for k in prog.lowered.kernels if "transposing copy" in k.text()]
+    m = prog.module
+    x = random_inputs(m, {**m.dims, "b": 7}, 0, "f64")
+    np.testing.assert_allclose(prog(**x)["w"], evaluate(m, dict(x), dtype="f64")["w"], rtol=1e-12)

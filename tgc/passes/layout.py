@@ -8,7 +8,10 @@ temporary gets, in kernel order, the order that suits it best:
 - a GEMM operand: batch edges, then the rows group, then the columns group (the
   contraction group innermost), each group in the order the other buffer sharing
   it already has, so that BLAS reads it with no transposing copy;
-- a GEMM result: batch, M, N in the operands' orders;
+- a GEMM result: batch, M, N in the operands' orders; or, when another GEMM reads
+  it, the operand order that GEMM wants, if this one can write its matrices that
+  way (batch edges may sit between the groups: rows then have a longer stride).
+  GPT's attention products feed its weight gradients with no copy in between;
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -71,6 +74,11 @@ def _order_buffers(low: Lowered, guess: int) -> None:
             buf.order = buf.prefer
         elif isinstance(k, GemmKernel):
             buf.order = _gemm_result_order(low, k, guess)
+            if buf.name in gemm_uses:   # written as the GEMM that reads it wants, where it can be
+                want = _gemm_operand_order(low, *gemm_uses[buf.name], buf.order)
+                mine = _demote(k, want)
+                if matrix_form(want, mine.m, mine.n) is not None:
+                    buf.order = want
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
