@@ -235,6 +235,8 @@ class GemmGen:
 
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
+        for attr in ("optnone", "noinline"):   # a few loads and one call per thread
+            fn.attributes.add(attr)
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(8)]
         ptrs = [b.inttoptr(v, PTR) for v in vals[:4]]

@@ -410,6 +410,8 @@ def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, nam
 
     nbuf = len(kernel_buffers(k))
     fn = define(mod, name, ir.VoidType(), [PTR])
+    for attr in ("optnone", "noinline"):   # a few loads and one call per thread: nothing to optimize
+        fn.attributes.add(attr)
     f = Frame(fn, low.module, None, low.edges)
     e = f.entry
     ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
