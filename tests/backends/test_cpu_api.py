@@ -373,3 +373,31 @@ def test_profile_counts_cycles_per_kernel():
     assert all(c == 0 for c, _, _ in prog.profile())          # reset
     with pytest.raises(ValueError, match="profile=True"):
         tgc.compile(MLP, dtype="f64").profile()
+
+
+def test_recycled_outputs_are_safe_across_threads():
+    """Calls from several threads: no call's outputs are handed to another call."""
+    import threading
+
+    prog = tgc.compile(BIG)
+    n = 1 << 18
+    bad = []
+
+    def work(i):
+        x = np.full(n, float(i), np.float32)
+        for _ in range(40):
+            r = prog(x=x)
+            if not (np.all(r["y"] == 2.0 * i) and np.all(r["z"] == i + 1.0)):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # switch threads as often as possible
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not bad

@@ -354,6 +354,8 @@ class Program:
             if self._ws_size < plan.ws_need:
                 self._workspace_addr(plan.ws_need)
             rc = self._run_objects(plan.frame_addr, vals + outs)
+            # the result refers to the outputs before another call may look for free ones
+            result = dict(zip(self._out_names, outs))
             if plan.recycle and rc == 0:
                 plan.kept.append(outs)
                 del plan.kept[:-RECYCLE_KEPT]
@@ -361,7 +363,6 @@ class Program:
             return None
         if rc > 0:
             raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
-        result = dict(zip(self._out_names, outs))
         for i in self._upd_idx:
             result[self._names[i]] = vals[i]
         return result
