@@ -130,3 +130,29 @@ def test_a_unit_given_as_a_function_is_made_once_after_the_children_start(monkey
     objs = llvm_env.emit_objects([make] + rest, 2, jobs=2)
     assert calls == [os.getpid()]
     assert objs == llvm_env.emit_objects(codegen.generate_units(low, opts, units=2), 2, jobs=1)
+
+
+def test_an_error_here_stops_and_reaps_the_children(monkeypatch):
+    _, low, opts = lowered(MLP, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+    parent, emit = os.getpid(), llvm_env.emit_object
+
+    def parent_fails(text, *args, **kw):
+        if os.getpid() == parent:
+            raise RuntimeError("LLVM failed here")
+        return emit(text, *args, **kw)
+
+    forked, fork_compile = [], llvm_env._fork_compile
+
+    def recorded(*args):
+        child = fork_compile(*args)
+        forked.append(child[0])
+        return child
+
+    monkeypatch.setattr(llvm_env, "emit_object", parent_fails)
+    monkeypatch.setattr(llvm_env, "_fork_compile", recorded)
+    with pytest.raises(RuntimeError, match="LLVM failed here"):
+        llvm_env.emit_objects(texts, 2, jobs=2)
+    assert len(forked) == 1
+    with pytest.raises(ChildProcessError):   # reaped: not even a zombie is left
+        os.waitpid(forked[0], os.WNOHANG)

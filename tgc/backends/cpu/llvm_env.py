@@ -32,6 +32,7 @@ code.
 import contextlib
 import functools
 import os
+import signal
 import threading
 import warnings
 
@@ -257,7 +258,7 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
         return objs
     finally:
         for pid, fd, _ in children:   # only on an exception: stop and reap what is left
-            _reap(pid, fd, kill=True)
+            _stop(pid, fd)
 
 
 def _llvm_lock():
@@ -298,12 +299,12 @@ def _collect(pid: int, fd: int) -> bytes | None:
     return data if os.waitstatus_to_exitcode(status) == 0 and data else None
 
 
-def _reap(pid: int, fd: int, kill: bool) -> None:
+def _stop(pid: int, fd: int) -> None:
+    """Kill a child whose result is no longer wanted, and reap it."""
     with contextlib.suppress(OSError):
         os.close(fd)
-    if kill:
-        with contextlib.suppress(OSError):
-            os.kill(pid, 9)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         os.waitpid(pid, 0)
 
