@@ -124,6 +124,24 @@ def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
     return (head + f" mean={a.mean():.6g} std={a.std():.6g} min={a.min():.6g} max={a.max():.6g}")
 
 
+def print_profile(program, inputs: dict, dims, calls: int) -> None:
+    """Run `program` `calls` more times and print each kernel's time per call (to
+    stderr): the cycles `Options(profile=True)` counts, scaled to the wall time."""
+    import time
+
+    program.profile(reset=True)
+    start = time.perf_counter()
+    for _ in range(calls):
+        program.run({k: np.copy(v) for k, v in inputs.items()}, dims)
+    wall = (time.perf_counter() - start) / calls
+    rows = program.profile()
+    total = sum(c for c, _, _ in rows) or 1
+    click.echo(f"# {calls} calls, {wall * 1e6:.1f} us per call (with input copies); kernels, costliest first:", err=True)
+    for cycles, i, text in rows:
+        if cycles:
+            click.echo(f"{100 * cycles / total:6.2f}%  k{i}: {text}", err=True)
+
+
 @click.command()
 @click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False), help="An .npz with one array per input.")
@@ -137,8 +155,11 @@ def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
 @click.option("--backend", type=click.Choice(["interp", "cpu"]), default="interp", show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the outputs to this .npz.")
+@click.option("--profile", type=click.IntRange(min=1), metavar="N",
+              help="With --backend cpu: run N more times (on copies of the inputs) and print, to stderr, "
+                   "each kernel's share of the time, the costliest first.")
 @handle_errors
-def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output) -> None:
+def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its target).
 
     Arrays are in each output's ABI order; integer inputs are int32.
@@ -148,18 +169,25 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output) -
     Examples:
       tgc run examples/mlp.tg --random-inputs --dim batch=32
       tgc run examples/mlp.tg --inputs data.npz -o result.npz
+      tgc run examples/gpt.tg --random-inputs --backend cpu --profile 100
     """
     from tgc.options import Options
 
-    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())))
+    if profile and backend != "cpu":
+        raise click.UsageError("--profile needs --backend cpu")
+    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile))
     module = driver.lower(driver.load(file, options), options).module
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)
     if backend == "interp":
         results = evaluate(module, inputs, dtype=dtype, dims=dims)
     else:
-        from tgc.runtime import run_compiled
+        from tgc.runtime import build
 
-        results = in_float_type(run_compiled(module, inputs, options), dtype)
+        program = build(module, options)
+        call_dims = dict(options.dims) or None
+        results = in_float_type(program.run(dict(inputs), call_dims), dtype)
+        if profile:
+            print_profile(program, inputs, call_dims, profile)
     if output:
         buf = io.BytesIO()
         np.savez(buf, **results)

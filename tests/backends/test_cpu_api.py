@@ -1,6 +1,7 @@
 """The Python API (`tgc.compile`, `Program`) and `tgc run --backend cpu`."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -401,3 +402,21 @@ def test_recycled_outputs_are_safe_across_threads():
     finally:
         sys.setswitchinterval(interval)
     assert not bad
+
+
+def test_cli_run_profile_lists_kernels_and_keeps_the_results(tmp_path: Path):
+    path = tmp_path / "mlp.tg"
+    path.write_text(MLP)
+    cmd = [sys.executable, "-m", "tgc.cli", "run", str(path), "--random-inputs", "--dim", "batch=6", "--dtype", "f64"]
+    root = Path(__file__).resolve().parents[2]
+    plain = subprocess.run(cmd + ["--backend", "cpu"], capture_output=True, text=True, cwd=root)
+    done = subprocess.run(cmd + ["--backend", "cpu", "--profile", "3"], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == plain.stdout            # the printed results are those of the first call
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("# 3 calls,")
+    shares = [float(line.split("%")[0]) for line in lines[1:]]
+    assert shares and abs(sum(shares) - 100) < 0.1 and shares == sorted(shares, reverse=True)
+    assert all(re.search(r"k\d+: (gemm|loop|group)", line) for line in lines[1:])
+    refused = subprocess.run(cmd + ["--profile", "3"], capture_output=True, text=True, cwd=root)
+    assert refused.returncode == 2 and "--profile needs --backend cpu" in refused.stderr
