@@ -227,7 +227,7 @@ out g = grad(sum(cross_entropy[c](x, y)), x)
 """
 
 
-def test_blocks_vectorized_over_rows_are_long_enough_for_the_vector_loop():
+def test_a_group_over_short_rows_is_vectorized_over_them_and_its_blocks_match():
     from tgc.backends.cpu.loops import MIN_VECTOR_BLOCK_ROWS, rows_vectorized
 
     prog = build(CROSS_ENTROPY, "f64", threads=2, parallel_min_work=1)

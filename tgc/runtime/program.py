@@ -40,8 +40,8 @@ above, before anything is written.
 from __future__ import annotations
 
 import ctypes
-import threading
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np

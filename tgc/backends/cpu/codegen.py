@@ -45,7 +45,7 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable
 from tgc.backends.cpu.gemm import GemmGen
-from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range
+from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, export, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
 from tgc.ir.sizes import size_eval
@@ -116,6 +116,7 @@ class _ModuleGen:
     def __init__(self, low: Lowered, options: Options, objects_entry: bool = False, units: int = 1):
         self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
+        self.keys = [kernel_key(low, k) for k in low.kernels]
         units = self.assign_units(max(1, units))
         self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
         self.mod = self.mods[0]
@@ -125,8 +126,8 @@ class _ModuleGen:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
         self.unit: dict = {}
         costs: dict = {}
-        for k in self.low.kernels:
-            costs.setdefault(kernel_key(self.low, k), compile_cost(k))
+        for key, k in zip(self.keys, self.low.kernels):
+            costs.setdefault(key, compile_cost(k))
         gemms = any(isinstance(k, GemmKernel) for k in self.low.kernels)
         load = [ENTRY_COST + CALL_COST * len(self.low.kernels) + TILE_COST * gemms] + [0] * (units - 1)
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
@@ -176,7 +177,7 @@ class _ModuleGen:
     def kernel_fns(self, i: int, k):
         """The kernel's function (and parallel body); structurally equal kernels —
         the same computation on other buffers, e.g. in another layer — share one."""
-        key = kernel_key(self.low, k)
+        key = self.keys[i]
         if key not in self.done:
             self.done[key] = self.new_kernel_fns(i, k)
         return self.done[key]
@@ -184,7 +185,7 @@ class _ModuleGen:
     def new_kernel_fns(self, i: int, k):
         """The kernel's functions, as the first module sees them (declarations when
         they are defined in another unit)."""
-        mod = self.mods[self.unit[kernel_key(self.low, k)]]
+        mod = self.mods[self.unit[self.keys[i]]]
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
             fns = (GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None)
@@ -488,23 +489,6 @@ def kernel_key(low: Lowered, k) -> tuple:
     bufs = k.buffers_used()
     k = replace(rename_buffers(k, {b: f"b{i}" for i, b in enumerate(bufs)}), note="")
     return k.text(), tuple((low.buffers[b].order, low.buffers[b].dtype) for b in bufs)
-
-
-def optimize_not(fn: ir.Function) -> None:
-    """Leave `fn` out of LLVM's optimization (it runs once per call and loops over a
-    few arguments): `tgc_run_objects` took ~25 ms to optimize and ~4 ms so, and a call
-    measured the same (3.2 us)."""
-    fn.attributes.add("optnone")
-    fn.attributes.add("noinline")
-
-
-def export(fn: ir.Function, into: ir.Module) -> ir.Function:
-    """Give `fn` hidden visibility (other objects of the program may call it; a
-    shared object does not export it) and declare it in `into`."""
-    fn.linkage = "hidden"
-    decl = ir.Function(into, fn.function_type, fn.name)
-    decl.linkage = "hidden"
-    return decl
 
 
 def fntable_slot(b: ir.IRBuilder, name: str):

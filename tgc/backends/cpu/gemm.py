@@ -3,8 +3,9 @@ spread over the cores through libgomp.
 
     i32 tgc.kN(const i64* dims, T* a, T* b, T* c, i64 min_flops)
 
-The matrix product; returns 1 when it ran on several threads (a libgomp region). `layout` guarantees each buffer holds its matrix with both
-edge groups merged and one group contiguous. The code works on the normalized
+The matrix product; returns 1 when it ran on several threads (a libgomp region).
+`layout` guarantees each buffer holds its matrix with both edge groups merged and
+one group contiguous. The code works on the normalized
 product C'[P, Q] = A'[P, R] B'[R, Q] whose Q is C's contiguous group: (P, Q, R) =
 (M, N, K) when C holds N innermost, else (N, M, K) with A' = B^T, B' = A^T (C^T =
 B^T A^T). A' and B' may be stored either way round (a transpose flag, or strides).
@@ -45,7 +46,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
-from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, for_range, offset
+from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
 from tgc.ir.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
 
@@ -235,8 +236,7 @@ class GemmGen:
 
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
-        for attr in ("optnone", "noinline"):   # a few loads and one call per thread
-            fn.attributes.add(attr)
+        optimize_not(fn)   # a few loads and one call per thread
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(8)]
         ptrs = [b.inttoptr(v, PTR) for v in vals[:4]]
@@ -434,11 +434,7 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     if name in mod.globals:
         return mod.globals[name]
     if home is not None and home is not mod:
-        fn = small_kernel(home, fp, packed)
-        fn.linkage = "hidden"
-        decl = ir.Function(mod, fn.function_type, name)
-        decl.linkage = "hidden"
-        return decl
+        return export(small_kernel(home, fp, packed), mod)
     if packed:
         return _packed_kernel(mod, fp, name, small_kernel(mod, fp, packed=False))
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])

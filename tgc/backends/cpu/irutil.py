@@ -31,6 +31,23 @@ def define(module: ir.Module, name: str, ret, params: Sequence, internal: bool =
     return fn
 
 
+def optimize_not(fn: ir.Function) -> None:
+    """Leave `fn` out of LLVM's optimization: code that runs once per call or per
+    thread and only loads and calls (`tgc_run_objects` took ~25 ms to optimize and
+    ~4 ms so, and a call measured the same)."""
+    fn.attributes.add("optnone")
+    fn.attributes.add("noinline")
+
+
+def export(fn: ir.Function, into: ir.Module) -> ir.Function:
+    """Give `fn` hidden visibility (other objects of the program may call it; a
+    shared object does not export it) and declare it in `into`."""
+    fn.linkage = "hidden"
+    decl = ir.Function(into, fn.function_type, fn.name)
+    decl.linkage = "hidden"
+    return decl
+
+
 class Frame:
     """A function being emitted: open entry block + body builder + cached sizes."""
 

@@ -179,11 +179,6 @@ class ObjectJit(JitModule):
         _LIVE_ENGINES[id(self.engine)] = self.engine
 
 
-def jit_object(obj: bytes, *, prefer_512: bool = True) -> JitModule:
-    """Load an object file that `emit_object` produced into this process."""
-    return ObjectJit([obj], prefer_512)
-
-
 def jit_objects(objs: list[bytes], *, prefer_512: bool = True) -> JitModule:
     """Load the object files of one program (`emit_objects`) into one engine."""
     return ObjectJit(list(objs), prefer_512)

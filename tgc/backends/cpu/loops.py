@@ -29,7 +29,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
-from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset
+from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
                             Mask, Mul, SizeOf, walk)
 from tgc.ir.sizes import size_op
@@ -85,10 +85,7 @@ def split_count(f: Frame, k: LoopKernel | LoopGroup):
     if isinstance(k, LoopGroup) and k.blocks:
         b = f.entry
         rows = MIN_VECTOR_BLOCK_ROWS if rows_vectorized(k) else MIN_BLOCK_ROWS
-        total = I64(1)
-        for v in blocked_loops(k):
-            total = b.mul(total, f.size(k.sizes[v]))
-        per = b.sdiv(total, I64(rows))
+        per = b.sdiv(blocked_extent(f, k), I64(rows))
         nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
         return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
     total = 1
@@ -108,6 +105,14 @@ def blocked_loops(g: LoopGroup) -> tuple[str, ...]:
             not any(first in m.red for m in g.members):
         return g.outer[:2]
     return g.outer[:1]
+
+
+def blocked_extent(f: Frame, g: LoopGroup):
+    """i64: the length of the range a blocked group's blocks divide (`blocked_loops`)."""
+    total = I64(1)
+    for v in blocked_loops(g):
+        total = f.entry.mul(total, f.size(g.sizes[v]))
+    return total
 
 
 def unrolled(k: LoopKernel, v: str) -> bool:
@@ -168,10 +173,7 @@ class LoopGen:
                             lambda vs: self.plain_nest(list(g.outer[len(split):]), g.sizes, vs, members))
             return
         rows = blocked_loops(g)
-        n = I64(1)
-        for v in rows:
-            n = b.mul(n, self.f.size(g.sizes[v]))
-        nb = split_count(self.f, g)
+        n, nb = blocked_extent(self.f, g), split_count(self.f, g)
         with for_range(b, self.lo, self.hi, BLOCK) as blk:
             start = b.sdiv(b.mul(blk, n), nb)
             end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
@@ -410,8 +412,7 @@ def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, nam
 
     nbuf = len(kernel_buffers(k))
     fn = define(mod, name, ir.VoidType(), [PTR])
-    for attr in ("optnone", "noinline"):   # a few loads and one call per thread: nothing to optimize
-        fn.attributes.add(attr)
+    optimize_not(fn)   # a few loads and one call per thread
     f = Frame(fn, low.module, None, low.edges)
     e = f.entry
     ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
