@@ -25,8 +25,8 @@ TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 NP = {"f64": np.float64, "f32": np.float32}
 
 
-def compile_ir(text: str, dtype: str):
-    return build(parse_module(text), Options(dtype=dtype))
+def compile_ir(text: str, dtype: str, **opts):
+    return build(parse_module(text), Options(dtype=dtype, **opts))
 
 
 def close(got, want, dtype):
@@ -36,7 +36,7 @@ def close(got, want, dtype):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale)
 
 
-def run_matmul(a_order, b_order, c_order, sizes, dtype, fixed=("i", "j", "k"), seed=0):
+def run_matmul(a_order, b_order, c_order, sizes, dtype, fixed=("i", "j", "k"), seed=0, **opts):
     """C[b, i, j] = sum_k A[b, i, k] B[b, k, j] (B without b when 'b' is not in
     b_order), each operand and the result in the given axis order."""
     dims = "\n".join(f"dim {d}" + (f" = {sizes[d]}" if d in fixed else "") for d in "bijk")
@@ -48,7 +48,7 @@ input B : {dtype}[{b_order}]
 %0 = contract %A, %B : {dtype}[{c_edges}]
 out C = %0 : [{c_order}]
 """
-    prog = compile_ir(text, dtype)
+    prog = compile_ir(text, dtype, **opts)
     rng = np.random.default_rng(seed)
     shape = lambda order: tuple(sizes[e.strip()] for e in order.split(","))  # noqa: E731
     A = rng.standard_normal(shape(a_order)).astype(NP[dtype])
@@ -105,11 +105,13 @@ def test_operand_without_the_batch_edge(dtype, b_order):
 @pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"),
                                     ("b, k, i", "b, j, k", "b, j, i"),
                                     ("i, b, k", "k, b, j", "b, i, j")])
-def test_large_gemm_parallel_tiles(dtype, orders):
-    """150 x 260 x 300 per batch index: tiles cut in all three groups (R in chunks
-    accumulated in place), shared among the threads."""
-    run_matmul(*orders, {"b": 2, "i": 150, "j": 260, "k": 300}, dtype)
-    run_matmul(*orders, {"b": 1, "i": 3, "j": 700, "k": 1100}, dtype, fixed=())
+@pytest.mark.parametrize("threads", [0, 64])
+def test_large_gemm_parallel_tiles(dtype, orders, threads):
+    """150 x 260 x 300 per batch index, shared among the threads: one tile per thread
+    of the team (threads=0: libgomp's team, from omp_get_max_threads). With 64
+    threads the tiles are cut in all three groups (R in chunks accumulated in place)."""
+    run_matmul(*orders, {"b": 2, "i": 150, "j": 260, "k": 300}, dtype, threads=threads)
+    run_matmul(*orders, {"b": 1, "i": 3, "j": 700, "k": 1100}, dtype, fixed=(), threads=threads)
 
 
 def test_multi_edge_groups():

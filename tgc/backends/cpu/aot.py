@@ -45,13 +45,15 @@ extern void scipy_cblas_dgemm64_(void);
 extern void GOMP_parallel(void);
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
+extern int omp_get_max_threads(void);
 extern int scipy_openblas_get_num_threads64_(void);
 extern void scipy_openblas_set_num_threads64_(int);
 void {p}_init(void* const* table);
 int32_t {p}_init_default(void) {{
-  void* table[7] = {{(void*)scipy_cblas_sgemm64_, (void*)scipy_cblas_dgemm64_, (void*)GOMP_parallel,
+  void* table[8] = {{(void*)scipy_cblas_sgemm64_, (void*)scipy_cblas_dgemm64_, (void*)GOMP_parallel,
                     (void*)omp_get_thread_num, (void*)omp_get_num_threads,
-                    (void*)scipy_openblas_get_num_threads64_, (void*)scipy_openblas_set_num_threads64_}};
+                    (void*)scipy_openblas_get_num_threads64_, (void*)scipy_openblas_set_num_threads64_,
+                    (void*)omp_get_max_threads}};
   {p}_init(table);
   return 0;
 }}

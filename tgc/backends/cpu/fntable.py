@@ -15,6 +15,7 @@ into it. The runtime calls init once after loading (JIT engine or ``dlopen``ed
     4      omp_get_num_threads  i32 ()
     5      blas_get_threads     i32 ()            (openblas_get_num_threads)
     6      blas_set_threads     void (i32)        (openblas_set_num_threads)
+    7      omp_get_max_threads  i32 ()            (the team size of a region)
 
 The module copies the pointers, so the Python-side array may be freed after init.
 Only fields a module calls need be non-null, but the array always has all N slots.
@@ -30,7 +31,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import blas
 
 FIELDS = ('sgemm', 'dgemm', 'gomp_parallel', 'omp_get_thread_num', 'omp_get_num_threads',
-          'blas_get_threads', 'blas_set_threads')
+          'blas_get_threads', 'blas_set_threads', 'omp_get_max_threads')
 GLOBAL = 'tgc.fntable'
 
 
@@ -45,6 +46,7 @@ def field_type(name: str) -> ir.FunctionType:
         'omp_get_num_threads': ir.FunctionType(i32, []),
         'blas_get_threads': ir.FunctionType(i32, []),
         'blas_set_threads': ir.FunctionType(ir.VoidType(), [i32]),
+        'omp_get_max_threads': ir.FunctionType(i32, []),
     }
     return types[name]
 

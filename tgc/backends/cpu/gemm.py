@@ -16,10 +16,14 @@ When the whole product has at least `min_flops` flops (the caller passes
 `options.gemm_parallel_min_flops`, or the `_warm` one; see codegen) (and
 `options.threads != 1`, and the runtime gave GOMP_parallel), a tile is at most
 `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into chunks accumulated in
-place, so no reduction is needed) or 1/TILE_TASKS of the product if that is more
-(tgc_run keeps OpenBLAS on one thread, and bigger calls take its packed kernels:
-GPT 4.8 -> 4.5 ms, conv1d 23.6 -> 21.7 ms), and the tasks are shared among tgc's
-threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`): OpenBLAS's own
+place, so no reduction is needed) or the product's share of one thread of the
+region's team if that is more, and the tasks are shared among tgc's threads
+(libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`). As the shares are
+fixed, more tasks than threads balance nothing, and one big cblas call per thread
+runs OpenBLAS's packed kernels at their best (tgc_run keeps OpenBLAS on one thread):
+GPT's 48 x 192 x 704 products took 86 us in 8 tiles and 66 us in 2; OpenBLAS alone
+on one core runs an 88-row tile with B transposed at 80 GFLOP/s, a 352-row one at
+112. OpenBLAS's own
 pool never competes with them for the cores. A product batched BATCH_TASKS times or
 more (a convolution over 32 signals) has tasks enough untiled: each is one cblas call,
 on its thread since tgc_run sets OpenBLAS to one thread, at the packed kernels' speed. Otherwise one thread runs every task
@@ -57,7 +61,7 @@ ROWS = 4          # rows of C' per register block of the small-tile kernel
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
 MIN_CHUNK = 64    # ... nor R chunks below this
 UNTILED = 1 << 62  # the tile limit of a serial run: one tile (one cblas call) per batch index
-TILE_TASKS = 8    # else tiles of at least 1/8 of the product (bigger tiles: OpenBLAS's packed kernels)
+DEFAULT_TEAM = 2  # threads assumed when the runtime gave no omp_get_max_threads
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
 
@@ -215,7 +219,7 @@ class GemmGen:
             # enough batch products to share: whole ones (OpenBLAS runs on one thread
             # during tgc_run, so a big call stays on its thread, at its packed speed)
             many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
-            share = b.sdiv(b.mul(b.mul(P, Q), R), I64(TILE_TASKS))
+            share = b.sdiv(b.mul(b.mul(P, Q), R), self.team(b))
             small = I64(max(1, self.opt.blas_tile_mnk))
             tile = b.select(b.icmp_signed(">", share, small), share, small)
             limit = b.select(b.and_(big, b.not_(many)), tile, limit)
@@ -233,6 +237,21 @@ class GemmGen:
         b.ret(I32(0))
         f.finish()
         return self.fn
+
+    def team(self, b: ir.IRBuilder):
+        """i64: the threads a region of this program runs on."""
+        if self.opt.threads > 0:
+            return I64(self.opt.threads)
+        with b.if_else(fntable.is_set(b, "omp_get_max_threads")) as (known, unknown):
+            with known:
+                asked = b.sext(fntable.call(b, "omp_get_max_threads", []), I64)
+                from_known = b.block
+            with unknown:
+                from_unknown = b.block
+        n = b.phi(I64, "team")
+        n.add_incoming(asked, from_known)
+        n.add_incoming(I64(DEFAULT_TEAM), from_unknown)
+        return b.select(b.icmp_signed("<", n, I64(1)), I64(1), n)
 
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])

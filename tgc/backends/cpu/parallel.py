@@ -5,7 +5,7 @@ body asks ``thread_range`` for its share [lo, hi) of the iteration space and run
 it. The caller emits ``parallel_for``: when the trip count reaches a threshold it
 calls ``GOMP_parallel(body, data, 0, 0)`` (0 threads = libgomp's default, one per
 core), otherwise it calls ``body(data)`` directly, where
-``omp_get_num_threads() == 1`` makes the share the whole range. All three libgomp
+``omp_get_num_threads() == 1`` makes the share the whole range. All libgomp
 entries are reached through the runtime function table (``fntable.py``), so the
 generated code links nothing.
 
@@ -41,7 +41,7 @@ from tgc.backends.cpu import fntable
 LIBGOMP = 'libgomp.so.1'
 # table field -> libgomp symbol
 SYMBOLS = {'gomp_parallel': 'GOMP_parallel', 'omp_get_thread_num': 'omp_get_thread_num',
-           'omp_get_num_threads': 'omp_get_num_threads'}
+           'omp_get_num_threads': 'omp_get_num_threads', 'omp_get_max_threads': 'omp_get_max_threads'}
 
 
 def _gomp_loaded() -> bool:
