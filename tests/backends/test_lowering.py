@@ -231,3 +231,49 @@ def test_a_gemm_result_is_written_as_the_gemm_reading_it_wants():
     m = prog.module
     x = random_inputs(m, {**m.dims, "b": 7}, 0, "f64")
     np.testing.assert_allclose(prog(**x)["w"], evaluate(m, dict(x), dtype="f64")["w"], rtol=1e-12)
+
+
+HEAD_PROJECTION = """
+dim b
+dim t = 11, c = 48, head = 3, hd = c / head
+input x[b, t, c]
+input wq[c, c2: c]
+q = x @ wq
+out y[b, t, head, hd] = q[c2 = hd*head + hd]
+"""
+
+
+def test_a_weight_split_into_heads_is_copied_once_for_one_plain_gemm():
+    """`wq[c, c2 -> hd + 16*head]` only splits c2 into (head, hd): the weight is copied
+    into those edges by a loop kernel and the projection is one GEMM over all heads
+    (n = head, hd), not a loop of GEMMs on views shifted by 16*head."""
+    import numpy as np
+
+    import tgc
+    from tgc.ir.interp import evaluate, random_inputs
+
+    prog = tgc.compile(HEAD_PROJECTION, dtype="f64")
+    (gemm,) = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
+    assert not gemm.shifts and not gemm.batch
+    assert set(gemm.n) == {"head", "hd"} or set(gemm.m) == {"head", "hd"}
+    assert [k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and "16*head" in k.text()]
+    m = prog.module
+    x = random_inputs(m, {**m.dims, "b": 5}, 0, "f64")
+    np.testing.assert_allclose(prog(**x)["y"], evaluate(m, dict(x), dtype="f64")["y"], rtol=1e-12)
+
+
+def test_a_true_shift_stays_a_loop_of_gemms_on_shifted_views():
+    """A convolution's x[s + k - 2] is not a split (indices run off the ends): it keeps
+    the shifted-view GEMMs, with no copy of x."""
+    import tgc
+
+    prog = tgc.compile("""
+dim b = 8, n = 1024, cin = 64, cout = 64, klen = 5
+input x[b, cin, t: n]
+input dy[b, cout, s: n]
+input K[cout, cin, k: klen]
+y = x[t = s + k - 2] @ K
+out y[b, cout, s]
+""", dtype="f64")
+    (gemm,) = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
+    assert gemm.shifts
