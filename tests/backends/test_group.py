@@ -274,3 +274,31 @@ def test_blocks_stay_on_the_first_loop_when_it_is_summed_over():
     got = prog(**x)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-13)
+
+
+SOFTMAX_AND_LSE = """
+dim rows, d
+input x[rows, d]
+out p = softmax[d](x)
+out l = logsumexp[d](x)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_the_shift_of_softmax_and_logsumexp_keeps_nan_and_minus_inf_rows_as_the_interpreter(dtype):
+    """The max a softmax or logsumexp subtracts ('maxshift': one compare and select a
+    step, NaNs skipped) gives the interpreter's values: rows with a NaN, a -inf, all
+    -inf, and signed zeros."""
+    prog = build(SOFTMAX_AND_LSE, dtype)
+    assert [k for g in groups(prog) for k in g.members if k.reduce == "maxshift"]
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"rows": 6, "d": 37}), 0, dtype)
+    xs = x["x"]
+    xs[1, 5], xs[2, 0], xs[3, 36] = np.nan, np.nan, -np.inf
+    xs[4, :] = -np.inf
+    xs[5, :3] = [-0.0, 0.0, -0.0]
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+    got = prog(**x)
+    for name in ("p", "l"):
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(want[name]), err_msg=name)
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)

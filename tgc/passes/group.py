@@ -224,7 +224,7 @@ class _Grouper:
         m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
         loops = lse.loops
         sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
-        new = [replace(lse, out=names["m"], reduce="max", note="softmax: max"),
+        new = [replace(lse, out=names["m"], reduce="maxshift", note="softmax: max"),
                LoopKernel(names["e"], full, tuple(v for v in loops), sizes,
                           Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once"),
                replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum")]

@@ -35,7 +35,7 @@ from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGro
 from tgc.ir.sizes import size_op
 from tgc.passes.group import BLOCK_EDGE as BLOCK
 
-INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
 
 
 def kernel_buffers(k: LoopKernel | LoopGroup) -> list[str]:
@@ -283,7 +283,7 @@ class LoopGen:
     def logsumexp(self, vars: dict) -> ir.Value:
         """m + log(sum exp(x - m)), m = max x (0 when not finite: all -inf stays -inf)."""
         b, fp = self.b, self.fp
-        m = self.accumulate("max", vars, lambda vs: self.expr(self.k.body, vs))
+        m = self.accumulate("maxshift", vars, lambda vs: self.expr(self.k.body, vs))
         finite = b.fcmp_ordered("<", b.call(intrinsic(b, "fabs", fp, 1), [m]), self.const(float("inf")))
         m = b.select(finite, m, self.const(0.0))
         s = self.accumulate("sum", vars, lambda vs: emit_map(b, "exp", [b.fsub(self.expr(self.k.body, vs), m)], fp))
@@ -293,6 +293,8 @@ class LoopGen:
         kind = kind or self.k.reduce
         if kind == "sum":
             return self.b.fadd(acc, x, flags=("reassoc", "contract"))
+        if kind == "maxshift":   # one maxss: llvm.maximum's NaN and signed-zero care cost ~2x per step
+            return self.b.select(self.b.fcmp_ordered(">", x, acc), x, acc)
         return self.b.call(intrinsic(self.b, "maximum" if kind == "max" else "minimum", self.fp, 2), [acc, x])
 
     # ------------------------------------------------------------ memory
