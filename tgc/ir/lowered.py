@@ -310,7 +310,7 @@ class LoopKernel:
     sizes: dict[str, Size]              # extent of each loop variable
     body: Expr
     reduce: str = ""                    # '' | sum | max | min | logsumexp | maxshift
-    # (maxshift: the max a softmax subtracts before its exp; it may skip NaNs and
+    # (maxshift: the max a softmax or logsumexp subtracts before its exp; it may skip NaNs and
     # order -0 and +0 either way, as exp(x - m) is NaN for a NaN x whatever m is)
     red: tuple[str, ...] = ()
     epilogue: Expr | None = None
