@@ -17,7 +17,8 @@ When the whole product has at least `min_flops` flops (the caller passes
 `options.threads != 1`, and the runtime gave GOMP_parallel), a tile is at most
 `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into chunks accumulated in
 place, so no reduction is needed) or the product's share of one thread of the
-region's team if that is more, and the tasks are shared among tgc's threads
+region's team if that is more (a quarter of that with taps, see
+TAP_TILES_PER_THREAD), and the tasks are shared among tgc's threads
 (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`). As the shares are
 fixed, more tasks than threads balance nothing, and one big cblas call per thread
 runs OpenBLAS's packed kernels at their best (tgc_run keeps OpenBLAS on one thread):
@@ -63,6 +64,12 @@ MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
 MIN_CHUNK = 64    # ... nor R chunks below this
 UNTILED = 1 << 62  # the tile limit of a serial run: one tile (one cblas call) per batch index
 DEFAULT_TEAM = 2  # threads assumed when the runtime gave no omp_get_max_threads
+# A task of a product with taps makes one accumulating cblas call per tap; there,
+# tiles 4x smaller than one per thread measured faster: conv1d's kernel gradient
+# (5 x 32 taps of 64 x 64 x 1024) took 11.9 ms in 2 tiles per batch index and 9.3 ms
+# in 8, whose 16 x 32 x 1024 calls (2^19 multiply-adds) OpenBLAS runs with its
+# unpacked small-matrix kernel (68 GFLOP/s alone, against 54-61 for 32 x 32 or 32 x 64).
+TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
 
@@ -220,7 +227,10 @@ class GemmGen:
             # enough batch products to share: whole ones (OpenBLAS runs on one thread
             # during tgc_run, so a big call stays on its thread, at its packed speed)
             many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
-            share = b.sdiv(b.mul(b.mul(P, Q), R), self.team(b))
+            parts = self.team(b)
+            if self.k.taps:
+                parts = b.mul(parts, I64(TAP_TILES_PER_THREAD))
+            share = b.sdiv(b.mul(b.mul(P, Q), R), parts)
             small = I64(max(1, self.opt.blas_tile_mnk))
             tile = b.select(b.icmp_signed(">", share, small), share, small)
             limit = b.select(b.and_(big, b.not_(many)), tile, limit)
