@@ -321,9 +321,9 @@ class GemmGen:
         mnk = b.mul(b.mul(pl["tp"], pl["tq"]), pl["tr"])
         ok = b.icmp_signed("<=", b.mul(mnk, I64(2)), I64(self.opt.gemm_loop_max_flops))
         if not B.col_unit:
-            vl = I64(_vector_lanes(self.fp))   # the packed rows are padded to whole vectors
-            padded = b.mul(self.ceil_div(b, pl["tq"], vl), vl)
-            ok = b.and_(ok, b.icmp_signed("<=", b.mul(padded, pl["tr"]), I64(PACK_ELEMS)))
+            vl = I64(_vector_lanes(self.fp))   # packed by vl x vl blocks: both padded
+            rows, cols = (b.mul(self.ceil_div(b, pl[t], vl), vl) for t in ("tr", "tq"))
+            ok = b.and_(ok, b.icmp_signed("<=", b.mul(rows, cols), I64(PACK_ELEMS)))
         return ok
 
     # ------------------------------------------------------------ one task, one tap
@@ -605,11 +605,10 @@ def _pack_by_blocks(b, mod, fp, pb, sbn, N, K, buf, ldp):
                 mask = b.and_(lanes, _splat(b, b.icmp_signed("<", j, N), ir.VectorType(I1, vl)))
                 src = b.gep(pb, [b.add(b.mul(j, sbn), k0)], source_etype=fp)
                 rows.append(b.call(load_fn, [src, align, mask, zero]))
-            for r, v in enumerate(_transpose(b, rows)):
-                k = b.add(k0, I64(r))
-                with b.if_then(b.icmp_signed("<", k, K)):   # not a masked store: those are not forwarded
-                    dst = b.gep(buf, [b.add(b.mul(k, ldp), j0)], source_etype=fp)
-                    b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
+            for r, v in enumerate(_transpose(b, rows)):   # whole rows, even past K (the
+                k = b.add(k0, I64(r))                      # buffer has room): not masked
+                dst = b.gep(buf, [b.add(b.mul(k, ldp), j0)], source_etype=fp)  # stores,
+                b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)        # never forwarded
 
 
 def _transpose(b, rows):
