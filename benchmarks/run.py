@@ -303,7 +303,10 @@ def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
     thread pool the previous contender used (numpy's OpenBLAS spins ~0.1 s after a
     multi-threaded call) is idle again and does not take the cores from this one, and this
     one's own threads are awake. (Before short calls, torch's pool measured ~15x slower
-    after such a pause, so they are not paused.)"""
+    after such a pause, so they are not paused.) The untimed run is a whole sample of at
+    least 3 calls: after 0.12 s idle, tgc's GPT step measured 4.0-5.4 ms on its first
+    call and 3.4-4.1 on its second against 3.3-3.4 after, so half a sample (2 calls)
+    left the slow second call in the timed part."""
     inner, long_calls = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
@@ -321,7 +324,7 @@ def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
             fn, n = steps[name], inner[name]
             if settle_s and name != previous and long_calls[name]:
                 time.sleep(settle_s)
-                for _ in range(max(1, n // 2)):  # untimed: wakes this contender's threads up
+                for _ in range(max(3, n)):  # untimed: wakes this contender's threads up
                     fn()
             previous = name
             t0 = time.perf_counter()
