@@ -37,8 +37,7 @@ kernel of the module): rows of C' in blocks of 4, columns in vectors of the
 host's widest SIMD (masked at the edge), the K loop accumulating 4 x 2 vectors in
 registers with fused multiply-adds. Q must be contiguous in B' too; when it is not,
 B' is first copied (packed) into a stack buffer of `PACK_ELEMS` elements, its rows
-padded to whole vectors (larger tiles go to BLAS): transposed in registers, vl x vl
-at a time, when B' holds its R contiguous (the dot-product form of q @ k^T). Which path a tile takes is decided at run time from the tile
+padded to whole vectors (larger tiles go to BLAS), by gathers of a vector of columns. Which path a tile takes is decided at run time from the tile
 sizes (constants when the dims are fixed at build time, then LLVM drops the other).
 
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
@@ -321,9 +320,9 @@ class GemmGen:
         mnk = b.mul(b.mul(pl["tp"], pl["tq"]), pl["tr"])
         ok = b.icmp_signed("<=", b.mul(mnk, I64(2)), I64(self.opt.gemm_loop_max_flops))
         if not B.col_unit:
-            vl = I64(_vector_lanes(self.fp))   # packed by vl x vl blocks: both padded
-            rows, cols = (b.mul(self.ceil_div(b, pl[t], vl), vl) for t in ("tr", "tq"))
-            ok = b.and_(ok, b.icmp_signed("<=", b.mul(rows, cols), I64(PACK_ELEMS)))
+            vl = I64(_vector_lanes(self.fp))   # the packed rows are padded to whole vectors
+            padded = b.mul(self.ceil_div(b, pl["tq"], vl), vl)
+            ok = b.and_(ok, b.icmp_signed("<=", b.mul(padded, pl["tr"]), I64(PACK_ELEMS)))
         return ok
 
     # ------------------------------------------------------------ one task, one tap
@@ -552,10 +551,13 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
 
 
 def _packed_kernel(mod, fp, name, direct):
-    """B' (N strided) copied into a stack buffer whose rows are padded to whole
-    vectors, then the direct kernel on it. When B' holds K contiguous (both operands
-    of q @ k^T do), blocks of vl x vl are loaded as vectors, transposed in registers
-    and stored as whole vectors (see `_transpose`); otherwise element by element."""
+    """B' (N strided) gathered a vector of columns at a time into a stack buffer whose
+    rows are padded to whole vectors, then the direct kernel on it. Whole-vector
+    stores matter: the kernel's vector loads follow at once, and after scalar stores
+    they could not be forwarded and waited for the stores to retire (GPT's 11 x 11 x
+    16 attention-score tiles: 42.8 us per 192 in the program after a scalar copy,
+    35.5 after gathers; 16 x 16 blocks transposed in registers gave 32-34 us, but
+    their 64 shuffles took LLVM ~40 ms more to compile, in every program with a GEMM)."""
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
     fn.attributes.add("noinline")
     M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
@@ -565,92 +567,36 @@ def _packed_kernel(mod, fp, name, direct):
     body = fn.append_basic_block("body")
     b = ir.IRBuilder(body)
     vl = _vector_lanes(fp)
-    ldp = b.mul(b.sdiv(b.add(N, I64(vl - 1)), I64(vl)), I64(vl))
-    with b.if_else(b.icmp_signed("==", sbk, I64(1))) as (rows, other):
-        with rows:
-            _pack_by_blocks(b, mod, fp, pb, sbn, N, K, buf, ldp)
-        with other:
-            with for_range(b, I64(0), N, "pn") as j:
-                _strided_copy(b, fp, b.gep(pb, [b.mul(j, sbn)], source_etype=fp), sbk,
-                              b.gep(buf, [j], source_etype=fp), ldp, K)
+    vt, it = ir.VectorType(fp, vl), ir.VectorType(I64, vl)
+    size = I64(4 if isinstance(fp, ir.FloatType) else 8)
+    chunks = b.sdiv(b.add(N, I64(vl - 1)), I64(vl))
+    ldp = b.mul(chunks, I64(vl))
+    iota = ir.Constant(it, list(range(vl)))
+    base = b.ptrtoint(pb, I64)
+    zero = ir.Constant(vt, [0.0] * vl)
+    gather = _gather_intrinsic(mod, fp, vl)
+    with for_range(b, I64(0), chunks, "pc") as jc:
+        cols = b.add(_splat(b, b.mul(jc, I64(vl)), it), iota)
+        mask = b.icmp_signed("<", cols, _splat(b, N, it))
+        lanes = b.mul(cols, _splat(b, b.mul(sbn, size), it))
+        with for_range(b, I64(0), K, "pk") as kk:
+            row = b.add(base, b.mul(b.mul(kk, sbk), size))
+            ptrs = b.inttoptr(b.add(_splat(b, row, it), lanes), ir.VectorType(PTR, vl))
+            v = b.call(gather, [ptrs, I32(1), mask, zero])
+            dst = b.gep(buf, [b.add(b.mul(kk, ldp), b.mul(jc, I64(vl)))], source_etype=fp)
+            b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
     b.call(direct, [M, N, K, pa, sam, sak, buf, ldp, I64(1), pc, ldc, acc])
     b.ret_void()
     entry.branch(body)
     return fn
 
 
-def _pack_by_blocks(b, mod, fp, pb, sbn, N, K, buf, ldp):
-    """buf[k, j] = B[j, k] (B's rows sbn apart, contiguous in k) in blocks of vl x vl:
-    vl rows of B as vectors (masked past N and K), transposed, stored as whole rows
-    of buf (those below K). Whole-vector stores matter: the kernel's vector loads
-    follow at once, and after scalar stores they could not be forwarded and waited
-    for the stores to retire (GPT's 11 x 11 x 16 attention tiles: 42.8 us per 192
-    tiles in the program with a scalar copy, 35.5 with gathers, 32-34 this way; alone,
-    the packed kernel took 30 us per 192 with the scalar copy and 20 this way, the
-    kernel on B unpacked 18)."""
-    vl = _vector_lanes(fp)
-    vt, it = ir.VectorType(fp, vl), ir.VectorType(I64, vl)
-    load_fn, _, _ = _masked_intrinsics(mod, fp, vl)
-    align = I32(4 if isinstance(fp, ir.FloatType) else 8)
-    iota = ir.Constant(it, list(range(vl)))
-    zero = ir.Constant(vt, [0.0] * vl)
-    with for_range(b, I64(0), b.sdiv(b.add(N, I64(vl - 1)), I64(vl)), "pj") as jb:
-        j0 = b.mul(jb, I64(vl))
-        with for_range(b, I64(0), b.sdiv(b.add(K, I64(vl - 1)), I64(vl)), "pk") as kb:
-            k0 = b.mul(kb, I64(vl))
-            lanes = b.icmp_signed("<", b.add(_splat(b, k0, it), iota), _splat(b, K, it))
-            rows = []
-            for i in range(vl):
-                j = b.add(j0, I64(i))
-                mask = b.and_(lanes, _splat(b, b.icmp_signed("<", j, N), ir.VectorType(I1, vl)))
-                src = b.gep(pb, [b.add(b.mul(j, sbn), k0)], source_etype=fp)
-                rows.append(b.call(load_fn, [src, align, mask, zero]))
-            for r, v in enumerate(_transpose(b, rows)):   # whole rows, even past K (the
-                k = b.add(k0, I64(r))                      # buffer has room): not masked
-                dst = b.gep(buf, [b.add(b.mul(k, ldp), j0)], source_etype=fp)  # stores,
-                b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)        # never forwarded
-
-
-def _transpose(b, rows):
-    """The transpose of a vl x vl matrix held as vl vectors: log2(vl) stages, each
-    swapping the off-diagonal blocks of size h within every 2h x 2h block (one
-    two-source shuffle per output vector)."""
-    vl = len(rows)
-    rows = list(rows)
-    h = vl // 2
-    while h:
-        for i in range(vl):
-            if i & h:
-                continue
-            a, c = rows[i], rows[i + h]
-            top = [j if not j & h else vl + j - h for j in range(vl)]
-            bottom = [j + h if not j & h else vl + j for j in range(vl)]
-            rows[i] = b.shuffle_vector(a, c, ir.Constant(ir.VectorType(I32, vl), top))
-            rows[i + h] = b.shuffle_vector(a, c, ir.Constant(ir.VectorType(I32, vl), bottom))
-        h //= 2
-    return rows
-
-
-def _strided_copy(b, fp, src, src_step, dst, dst_step, count):
-    """dst[i * dst_step] = src[i * src_step] for i < count, with the pointers stepped
-    in the loop (below O3 LLVM's loop strength reduction is off: no multiply per
-    element)."""
-    pre = b.block
-    fn = pre.function
-    head, body, done = (fn.append_basic_block(f"copy.{n}") for n in ("head", "body", "done"))
-    b.branch(head)
-    b.position_at_end(head)
-    i, s, d = b.phi(I64, "i"), b.phi(PTR, "s"), b.phi(PTR, "d")
-    for phi, init in ((i, I64(0)), (s, src), (d, dst)):
-        phi.add_incoming(init, pre)
-    b.cbranch(b.icmp_signed("<", i, count), body, done)
-    b.position_at_end(body)
-    b.store(b.load(s, typ=fp), d)
-    i.add_incoming(b.add(i, I64(1), flags=["nsw"]), body)
-    s.add_incoming(b.gep(s, [src_step], source_etype=fp), body)
-    d.add_incoming(b.gep(d, [dst_step], source_etype=fp), body)
-    b.branch(head)
-    b.position_at_end(done)
+def _gather_intrinsic(mod, fp, vl):
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    vt = ir.VectorType(fp, vl)
+    name = f"llvm.masked.gather.v{vl}{tag}.v{vl}p0"
+    ty = ir.FunctionType(vt, [ir.VectorType(PTR, vl), I32, ir.VectorType(I1, vl), vt])
+    return mod.globals.get(name) or ir.Function(mod, ty, name)
 
 
 def _splat(b, x, vt):
