@@ -479,11 +479,7 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     vl = _vector_lanes(fp)
     vt = ir.VectorType(fp, vl)
     mt = ir.VectorType(I1, vl)
-    # two accumulators per register of C, for even and odd k: a block of one vector
-    # column and few rows had too few independent FMA chains to hide their latency
-    # (GPT's 11 x 11 x 16 attention tiles: 215 -> ... cycles each)
-    accs = [[[entry.alloca(vt, name=f"acc{r}.{c}.{h}") for h in range(2)] for c in range(2)]
-            for r in range(ROWS)]
+    accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(2)] for r in range(ROWS)]
     iota = ir.Constant(ir.VectorType(I64, vl), [i for i in range(vl)])
     accumulate = b.icmp_signed("!=", acc, I32(0))
     acc_mask = _splat(b, accumulate, mt)
@@ -501,11 +497,9 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
             for c in range(nc):
                 p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
                 init = b.call(load_fn, [p, align, b.and_(masks[c], acc_mask), zero_v])
-                b.store(init, accs[r][c][0])
-                b.store(zero_v, accs[r][c][1])
+                b.store(init, accs[r][c])
         arow = [b.gep(pa, [b.mul(b.add(i0, I64(r)), sam)], source_etype=fp) for r in range(rows)]
-
-        def step(kk, h):
+        with for_range(b, I64(0), K, "k", unroll=False) as kk:
             brow = b.gep(pb, [b.add(b.mul(kk, sbk), j0)], source_etype=fp)
             bv = [b.call(load_fn, [b.gep(brow, [I64(c * vl)], source_etype=fp), align, masks[c], zero_v])
                   for c in range(nc)]
@@ -513,15 +507,11 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
                 a = b.load(b.gep(arow[r], [b.mul(kk, sak)], source_etype=fp), typ=fp)
                 av = _splat(b, a, vt)
                 for c in range(nc):
-                    acc = accs[r][c][h]
-                    b.store(b.call(fma_fn, [av, bv[c], b.load(acc, typ=vt)]), acc)
-        with for_range(b, I64(0), K, "k") as kk:
-            step(kk, 0)
+                    b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
         for r in range(rows):
             for c in range(nc):
                 p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
-                total = b.fadd(b.load(accs[r][c][0], typ=vt), b.load(accs[r][c][1], typ=vt))
-                b.call(store_fn, [total, p, align, masks[c]])
+                b.call(store_fn, [b.load(accs[r][c], typ=vt), p, align, masks[c]])
 
     def row_block(i0, rows):
         # columns: two vectors at a time while more than one vector is left

@@ -107,9 +107,22 @@ class Frame:
         return self.entry.alloca(typ, name=name)
 
 
+def no_unroll(module: ir.Module):
+    """Loop metadata asking LLVM not to unroll the loop whose latch branch carries it
+    (`llvm.loop`, a self-referential node), one node per module."""
+    node = getattr(module, "_tgc_no_unroll", None)
+    if node is None:
+        hint = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
+        node = module.add_metadata([hint])
+        node.operands = (node,) + tuple(node.operands)
+        module._tgc_no_unroll = node
+    return node
+
+
 @contextmanager
-def for_range(b: ir.IRBuilder, lo, hi, name: str = "i"):
-    """`for (i = lo; i < hi; ++i)`: yields i; the builder ends after the loop."""
+def for_range(b: ir.IRBuilder, lo, hi, name: str = "i", unroll: bool = True):
+    """`for (i = lo; i < hi; ++i)`: yields i; the builder ends after the loop. With
+    `unroll=False`, LLVM is asked not to unroll it."""
     pre = b.block
     fn = pre.function
     head = fn.append_basic_block(f"{name}.head")
@@ -124,7 +137,9 @@ def for_range(b: ir.IRBuilder, lo, hi, name: str = "i"):
     yield i
     nxt = b.add(i, I64(1), flags=["nsw"])
     i.add_incoming(nxt, b.block)
-    b.branch(head)
+    latch = b.branch(head)
+    if not unroll:
+        latch.set_metadata("llvm.loop", no_unroll(b.module))
     b.position_at_end(done)
 
 
