@@ -13,9 +13,11 @@ reductions reads its inputs once:
   through renames.
 - GEMMs on shifted views (`tap_gemm`): a contraction whose two factors are read
   through indicators as `edge + shift(short edges)` (a convolution, its input and
-  kernel gradients, a head split) becomes a loop over the short edges (taps) of GEMM
-  calls on shifted views, each edge's range clipped to the input (no im2col copy);
-  single-use inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`).
+  kernel gradients) becomes a loop over the short edges (taps) of GEMM calls on
+  shifted views, each edge's range clipped to the input (no im2col copy); single-use
+  inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`). A shift that only
+  splits an edge (`c2 = hd + 16*head`, every index in bounds: `exact_split`) is left
+  to a copy into the split edges and one plain GEMM.
 - Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
   `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
   gathers (indexed loads), and indicators (index arithmetic, `tgc.passes.indexing`:
