@@ -31,7 +31,7 @@ BOUNDS = {
 }
 
 
-def kernel_module(dtype, names=vecmath.NAMES):
+def kernel_module(dtype, names=vecmath.NAMES, scalef=None):
     """An IR module with one loop kernel ``k_<name>`` per function."""
     module = ir.Module(name=f'vecmath_{np.dtype(dtype).name}')
     fp, i64, ptr = FP[dtype], ir.IntType(64), ir.PointerType()
@@ -46,7 +46,7 @@ def kernel_module(dtype, names=vecmath.NAMES):
         b.position_at_end(loop)
         i = b.phi(i64)
         x = b.load(b.gep(inp, [i], source_etype=fp), typ=fp)
-        y = b.call(vecmath.declare_math(module, name, fp), [x])
+        y = b.call(vecmath.declare_math(module, name, fp, scalef), [x])
         b.store(y, b.gep(out, [i], source_etype=fp))
         i_next = b.add(i, i64(1))
         i.add_incoming(i64(0), entry)
@@ -61,9 +61,9 @@ _SIG = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
 class Kernels:
-    def __init__(self, dtype, opt=3):
+    def __init__(self, dtype, opt=3, scalef=None):
         self.dtype = dtype
-        self.jit = llvm_env.jit(str(kernel_module(dtype)), opt)
+        self.jit = llvm_env.jit(str(kernel_module(dtype, scalef=scalef)), opt)
         self.fns = {n: _SIG(self.jit.address(f'k_{n}')) for n in vecmath.NAMES}
 
     def __call__(self, name, x):
@@ -73,9 +73,14 @@ class Kernels:
         return out
 
 
-@pytest.fixture(scope='module', params=[np.float32, np.float64], ids=['f32', 'f64'])
+@pytest.fixture(scope='module', params=[(np.float32, None), (np.float64, None),
+                                        (np.float32, False), (np.float64, False)],
+                ids=['f32', 'f64', 'f32-no-scalef', 'f64-no-scalef'])
 def kernels(request):
-    return Kernels(request.param)
+    """The host's functions, and those scaling by two multiplies instead of
+    llvm.ldexp (what a host without AVX-512 gets)."""
+    dtype, scalef = request.param
+    return Kernels(dtype, scalef=scalef)
 
 
 # ---------------------------------------------------------------- references
