@@ -107,22 +107,31 @@ class Frame:
         return self.entry.alloca(typ, name=name)
 
 
-def no_unroll(module: ir.Module):
-    """Loop metadata asking LLVM not to unroll the loop whose latch branch carries it
-    (`llvm.loop`, a self-referential node), one node per module."""
-    node = getattr(module, "_tgc_no_unroll", None)
-    if node is None:
-        hint = module.add_metadata([ir.MetaDataString(module, "llvm.loop.unroll.disable")])
-        node = module.add_metadata([hint])
+def loop_hints(module: ir.Module, unroll: bool = True, fold_tail: bool = False):
+    """`llvm.loop` metadata for a loop's latch branch (a self-referential node; one per
+    module and combination), or None when there is nothing to ask: `unroll=False`,
+    do not unroll it; `fold_tail`, vectorize it with masked lanes for the last
+    iterations instead of a scalar remainder loop."""
+    if unroll and not fold_tail:
+        return None
+    cache = module.__dict__.setdefault("_tgc_loop_hints", {})
+    key = (unroll, fold_tail)
+    if key not in cache:
+        def hint(name, *value):
+            return module.add_metadata([ir.MetaDataString(module, name), *value])
+        hints = ([] if unroll else [hint("llvm.loop.unroll.disable")]) + \
+            ([hint("llvm.loop.vectorize.predicate.enable", ir.IntType(1)(1))] if fold_tail else [])
+        node = module.add_metadata(hints)
         node.operands = (node,) + tuple(node.operands)
-        module._tgc_no_unroll = node
-    return node
+        cache[key] = node
+    return cache[key]
 
 
 @contextmanager
-def for_range(b: ir.IRBuilder, lo, hi, name: str = "i", unroll: bool = True):
+def for_range(b: ir.IRBuilder, lo, hi, name: str = "i", unroll: bool = True, fold_tail: bool = False):
     """`for (i = lo; i < hi; ++i)`: yields i; the builder ends after the loop. With
-    `unroll=False`, LLVM is asked not to unroll it."""
+    `unroll=False`, LLVM is asked not to unroll it; with `fold_tail`, to vectorize it
+    with masked last iterations instead of a scalar remainder (see `loop_hints`)."""
     pre = b.block
     fn = pre.function
     head = fn.append_basic_block(f"{name}.head")
@@ -138,8 +147,9 @@ def for_range(b: ir.IRBuilder, lo, hi, name: str = "i", unroll: bool = True):
     nxt = b.add(i, I64(1), flags=["nsw"])
     i.add_incoming(nxt, b.block)
     latch = b.branch(head)
-    if not unroll:
-        latch.set_metadata("llvm.loop", no_unroll(b.module))
+    hints = loop_hints(b.module, unroll, fold_tail)
+    if hints is not None:
+        latch.set_metadata("llvm.loop", hints)
     b.position_at_end(done)
 
 

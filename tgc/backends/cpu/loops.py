@@ -177,7 +177,7 @@ class LoopGen:
         with for_range(b, self.lo, self.hi, BLOCK) as blk:
             start = b.sdiv(b.mul(blk, n), nb)
             end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
-            with for_range(b, start, end, ".".join(rows)) as i:
+            with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g)) as i:
                 if len(rows) == 1:
                     vars = {first: i}
                 else:
