@@ -105,8 +105,8 @@ def compile_cost(k) -> int:
     three functions of fixed size, more with taps; a loop kernel costs more per
     member and loop, and much more when its sums go into per-block partials (rows of
     known length, unrolled and vectorized in several copies)."""
-    if isinstance(k, GemmKernel):
-        return 34 + 26 * len(k.taps)
+    if isinstance(k, GemmKernel):   # the entry is not optimized, nor an unbatched work function
+        return (14 if k.batch else 8) + 26 * len(k.taps)
     members = k.members if isinstance(k, LoopGroup) else (k,)
     blocked = isinstance(k, LoopGroup) and k.blocks > 1
     return 10 + 4 * len(members) + 2 * sum(len(m.loops) for m in members) + 70 * blocked
@@ -254,8 +254,7 @@ class _ModuleGen:
                 min_flops = self.threshold(b, self.opt.gemm_parallel_min_flops_warm, self.opt.gemm_parallel_min_flops)
                 ran = b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)] + [min_flops])
                 if self.opt.threads != 1:
-                    with b.if_then(b.icmp_signed("!=", ran, I32(0))):
-                        self.mark_region(b)
+                    b.call(self.helper("tgc.after_gemm"), [ran])
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
             if start is not None:
@@ -421,6 +420,43 @@ class _ModuleGen:
         slot = b.gep(table, [I32(0), I32(i)], inbounds=True)
         b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), start)), slot)
 
+    # tgc_run calls these small helpers (defined once, never inlined) around every
+    # kernel rather than holding their code once per kernel: GPT's first unit, with
+    # tgc_run, took 1.06 -> 0.92 s to compile (its tgc_run: 4569 -> 3001 lines of IR).
+
+    def helper(self, name: str) -> ir.Function:
+        """`tgc.threshold(warm, cold)`: the threshold in force now;
+        `tgc.parallel_now(work, warm, cold)`: whether a kernel of this much work runs
+        in a region now; `tgc.region(body, data)`: run body on every thread, note the
+        time; `tgc.after_gemm(ran)`: note the time if a GEMM ran a region."""
+        fn = self.mod.globals.get(name)
+        if fn is not None:
+            return fn
+        sig = {"tgc.threshold": (I64, [I64, I64]), "tgc.parallel_now": (ir.IntType(1), [I64, I64, I64]),
+               "tgc.region": (ir.VoidType(), [PTR, PTR]), "tgc.after_gemm": (ir.VoidType(), [I32])}[name]
+        fn = define(self.mod, name, *sig)
+        fn.attributes.add("noinline")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        a = fn.args
+        if name == "tgc.threshold":
+            last = b.load_atomic(self.region_end(), "monotonic", 8, typ=I64)
+            recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.warm_cycles))
+            recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
+            b.ret(b.select(recent, a[0], a[1]))
+        elif name == "tgc.parallel_now":
+            have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
+            limit = b.call(self.helper("tgc.threshold"), [a[1], a[2]])
+            b.ret(b.and_(b.icmp_signed(">=", a[0], limit), have))
+        elif name == "tgc.region":
+            fntable.call(b, "gomp_parallel", [a[0], a[1], I32(max(self.opt.threads, 0)), I32(0)])
+            self.mark_region(b)
+            b.ret_void()
+        else:
+            with b.if_then(b.icmp_signed("!=", a[0], I32(0))):
+                self.mark_region(b)
+            b.ret_void()
+        return fn
+
     def mark_region(self, b: ir.IRBuilder) -> None:
         b.store_atomic(self.now(b), self.region_end(), "monotonic", 8)
 
@@ -428,10 +464,7 @@ class _ModuleGen:
         """i64: `warm` when a region ended less than `warm_cycles` ago, else `cold`."""
         if warm >= cold or self.opt.threads == 1:
             return I64(cold)
-        last = b.load_atomic(self.region_end(), "monotonic", 8, typ=I64)
-        recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.warm_cycles))
-        recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
-        return b.select(recent, I64(warm), I64(cold))
+        return b.call(self.helper("tgc.threshold"), [I64(warm), I64(cold)])
 
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
@@ -448,13 +481,13 @@ class _ModuleGen:
             for s in sizes:
                 term = b.mul(term, f.size(s))
             work = b.add(work, term)
-        have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
-        threshold = self.threshold(b, self.opt.parallel_min_work_warm, self.opt.parallel_min_work)
-        big = b.and_(b.icmp_signed(">=", work, threshold), have)
+        warm, cold = self.opt.parallel_min_work_warm, self.opt.parallel_min_work
+        if warm >= cold:
+            warm = cold
+        big = b.call(self.helper("tgc.parallel_now"), [work, I64(warm), I64(cold)])
         with b.if_else(big) as (then, otherwise):
             with then:
-                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
-                self.mark_region(b)
+                b.call(self.helper("tgc.region"), [par, data])
             with otherwise:
                 b.call(kfn, call_args + [I64(0), n])
 
