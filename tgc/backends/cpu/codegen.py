@@ -83,20 +83,20 @@ def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
     the first; GEMM tile helpers live in the first. Units that would be empty are
     left out; `units=1` is the single module of `generate`."""
     first, rest = generate_units_first_last(low, options, objects_entry, units)
-    return [first()] + rest
+    return [first()] + [text() for text in rest]
 
 
 def generate_units_first_last(low: Lowered, options: Options, objects_entry: bool = False,
                               units: int = 1):
     """`generate_units` in two steps: (a function that makes the first unit's text,
-    the other units' texts). The other units are complete once every kernel is
-    generated, so LLVM can start on them while this process generates the entry
-    points."""
+    functions that print the other units). The other units are complete once every
+    kernel is generated, so LLVM can start on them (after printing them) while this
+    process generates the entry points."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
     gen = _ModuleGen(low, options, objects_entry, units)
     kernels = gen.emit_kernels()
-    return (lambda: str(gen.emit_entry(kernels))), [str(m) for m in gen.mods[1:]]
+    return (lambda: str(gen.emit_entry(kernels))), [(lambda m=m: str(m)) for m in gen.mods[1:]]
 
 
 def compile_cost(k) -> int:

@@ -212,8 +212,9 @@ def usable_cores() -> int:
 def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
                  prefer_512: bool = True) -> list[bytes]:
     """Object code of each module, the same bytes as `emit_object` gives for it.
-    A module may be given as a function that returns its text: it is called only
-    after the children have started, so making it overlaps their work.
+    A module may be given as a function that returns its text: the first is called
+    only after the children have started, so making it overlaps their work, and a
+    child calls its own (printing a module's IR is Python work too).
 
     With `jobs` > 1, up to jobs - 1 modules after the first are compiled each in a
     forked child process while this process compiles the first, and the children
@@ -239,7 +240,7 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
             warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
             for i in range(1, min(jobs, len(texts))):
                 try:
-                    children.append(_fork_compile(text(i), i, opt, prefer_512))
+                    children.append(_fork_compile(texts[i], i, opt, prefer_512))
                 except OSError:   # no more processes or pipes: this process does the rest
                     break
         objs: list[bytes | None] = [None] * len(texts)
@@ -262,7 +263,7 @@ def _llvm_lock():
     return getattr(lib, '_lock', None)
 
 
-def _fork_compile(text: str, index: int, opt: int, prefer_512: bool) -> tuple[int, int, int]:
+def _fork_compile(text, index: int, opt: int, prefer_512: bool) -> tuple[int, int, int]:
     read, write = os.pipe()
     try:
         pid = os.fork()
@@ -274,7 +275,7 @@ def _fork_compile(text: str, index: int, opt: int, prefer_512: bool) -> tuple[in
         status = 1
         try:
             os.close(read)
-            obj = emit_object(text, opt, prefer_512=prefer_512)
+            obj = emit_object(text() if callable(text) else text, opt, prefer_512=prefer_512)
             with os.fdopen(write, 'wb') as out:
                 out.write(obj)
             status = 0
