@@ -33,8 +33,9 @@ cblas call each, threaded or not as OpenBLAS decides.
 
 Small tiles. A tile of at most `options.gemm_loop_max_flops` flops is computed by a
 generated loop nest instead of a cblas call (`tgc.gemm.small.*`, shared by every
-kernel of the module): rows of C' in blocks of 4, columns in vectors of the
-host's widest SIMD (masked at the edge), the K loop accumulating 4 x 2 vectors in
+kernel of the module): rows of C' in blocks of 4 (a last partial block reads its
+last row again and stores only its rows), columns in vectors of the host's widest
+SIMD (masked at the edge), the K loop accumulating 4 x 2 vectors in
 registers with fused multiply-adds. Q must be contiguous in B' too; when it is not,
 B' is first gathered (packed) into a stack buffer of `PACK_ELEMS` elements, its rows
 padded to whole vectors (larger tiles go to BLAS). Which path a tile takes is decided
@@ -493,57 +494,54 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     load_fn, store_fn, fma_fn = _masked_intrinsics(mod, fp, vl)
     align = I32(4 if isinstance(fp, ir.FloatType) else 8)
 
-    def block(i0, rows, j0, nc):
+    def block(i0, j0, nc):
+        """ROWS rows from i0 by nc vectors of columns from j0. Rows past M read row
+        M - 1 and store nothing: every block is a whole one, so the kernel has two
+        kinds of block (one or two vectors), not six (rows of 4, 2 and 1 had taken
+        LLVM ~3x as long, in every program with a GEMM)."""
         masks = []
         for c in range(nc):
             left = b.sub(N, b.add(j0, I64(c * vl)))
             masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
-        crow = [b.gep(pc, [b.add(b.mul(b.add(i0, I64(r)), ldc), j0)], source_etype=fp) for r in range(rows)]
-        for r in range(rows):
+        last = b.sub(M, I64(1))
+        rows = [b.add(i0, I64(r)) for r in range(ROWS)]
+        real = [_splat(b, b.icmp_signed("<", i, M), mt) for i in rows]
+        rows = [b.select(b.icmp_signed("<", i, M), i, last) for i in rows]
+        crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=fp) for i in rows]
+        for r in range(ROWS):
             for c in range(nc):
                 p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
                 init = b.call(load_fn, [p, align, b.and_(masks[c], acc_mask), zero_v])
                 b.store(init, accs[r][c])
-        arow = [b.gep(pa, [b.mul(b.add(i0, I64(r)), sam)], source_etype=fp) for r in range(rows)]
-        # not unrolled: there are six blocks (3 row counts x 1 or 2 vectors), and
-        # LLVM's runtime unrolling of their k loops cost ~18 ms of compile time in
-        # every program with a GEMM, for ~3% on an 11 x 11 x 16 tile
+        arow = [b.gep(pa, [b.mul(i, sam)], source_etype=fp) for i in rows]
+        # not unrolled: LLVM's runtime unrolling of the k loops cost ~18 ms of compile
+        # time in every program with a GEMM, for ~3% on an 11 x 11 x 16 tile
         with for_range(b, I64(0), K, "k", unroll=False) as kk:
             brow = b.gep(pb, [b.add(b.mul(kk, sbk), j0)], source_etype=fp)
             bv = [b.call(load_fn, [b.gep(brow, [I64(c * vl)], source_etype=fp), align, masks[c], zero_v])
                   for c in range(nc)]
-            for r in range(rows):
+            for r in range(ROWS):
                 a = b.load(b.gep(arow[r], [b.mul(kk, sak)], source_etype=fp), typ=fp)
                 av = _splat(b, a, vt)
                 for c in range(nc):
                     b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
-        for r in range(rows):
+        for r in range(ROWS):
             for c in range(nc):
                 p = b.gep(crow[r], [I64(c * vl)], source_etype=fp)
-                b.call(store_fn, [b.load(accs[r][c], typ=vt), p, align, masks[c]])
+                b.call(store_fn, [b.load(accs[r][c], typ=vt), p, align, b.and_(masks[c], real[r])])
 
-    def row_block(i0, rows):
-        # columns: two vectors at a time while more than one vector is left
-        pairs = b.sdiv(b.add(N, I64(2 * vl - 1)), I64(2 * vl))  # ceil(N / 2vl) blocks
+    # columns: two vectors at a time while more than one vector is left
+    pairs = b.sdiv(b.add(N, I64(2 * vl - 1)), I64(2 * vl))  # ceil(N / 2vl) blocks
+    with for_range(b, I64(0), b.sdiv(b.add(M, I64(ROWS - 1)), I64(ROWS)), "ib") as ib:
+        i0 = b.mul(ib, I64(ROWS))
         with for_range(b, I64(0), pairs, "jb") as jb:
             j0 = b.mul(jb, I64(2 * vl))
             two = b.icmp_signed(">", b.sub(N, j0), I64(vl))
             with b.if_else(two) as (then, otherwise):
                 with then:
-                    block(i0, rows, j0, 2)
+                    block(i0, j0, 2)
                 with otherwise:
-                    block(i0, rows, j0, 1)
-
-    full = b.sdiv(M, I64(ROWS))
-    with for_range(b, I64(0), full, "ib") as ib:
-        row_block(b.mul(ib, I64(ROWS)), ROWS)
-    # the last M % ROWS rows: a block of 2, then one of 1 (three kinds of block in all,
-    # not four: the kernel is compiled with every program that has a GEMM)
-    i0 = b.mul(full, I64(ROWS))
-    with b.if_then(b.icmp_signed(">=", b.sub(M, i0), I64(2))):
-        row_block(i0, 2)
-    with b.if_then(b.icmp_signed("==", b.srem(b.sub(M, i0), I64(2)), I64(1))):
-        row_block(b.sub(M, I64(1)), 1)
+                    block(i0, j0, 1)
     b.ret_void()
     entry.branch(body)
     return fn
