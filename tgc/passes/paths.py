@@ -64,9 +64,9 @@ def contraction_cost(leaves: Sequence[Leaf], keep: set[str], sizes) -> int:
 
 def find_path(leaves: Sequence[Leaf], keep: set[str], sizes: Mapping[str, int], limit: int) -> list[tuple[int, ...]]:
     """The pairwise order for contracting `leaves` into the edges `keep` (all carried)."""
-    if len(leaves) < 2:
+    if len(leaves) <= 2:   # one order only: no search (nor opt_einsum's import, 6 ms)
         return [tuple(range(len(leaves)))]
-    import opt_einsum as oe   # here: most programs never search a path (4 ms of every cold compile)
+    import opt_einsum as oe   # here: most programs never search a path
 
     names = sorted(set(keep).union(*(e for e, _ in leaves)))
     sym = {e: oe.get_symbol(i) for i, e in enumerate(names)}
