@@ -63,7 +63,7 @@ LIGHT = frozenset({"sqrt", "div"})
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
 ENTRY_COST = 30  # compile cost (see compile_cost) of the entry points: tgc_run, its argument checks ...
 CALL_COST = 0.5  # ... and of each kernel call in tgc_run
-TILE_COST = 80  # the GEMM tile helpers (gemm.small_kernel), compiled with the entry points
+TILE_COST = 100  # the GEMM tile helpers (gemm.small_kernel), compiled with the entry points
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
