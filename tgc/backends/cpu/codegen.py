@@ -39,13 +39,15 @@ its work (iterations x op weight, known only at run time) reaches
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import replace
 
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable
-from tgc.backends.cpu.gemm import GemmGen
-from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, export, fp_type, for_range, optimize_not
+from tgc.backends.cpu.gemm import GemmGen, packs_b, small_kernel
+from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
 from tgc.ir.sizes import size_eval
@@ -61,7 +63,7 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 LIGHT = frozenset({"sqrt", "div"})
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
-ENTRY_COST = 30  # compile cost (see compile_cost) of the entry points: tgc_run, its argument checks ...
+ENTRY_COST = 0  # compile cost (see compile_cost) of the entry points beyond their calls (each unit also generates and prints its own IR) ...
 CALL_COST = 0.5  # ... and of each kernel call in tgc_run
 TILE_COST = 100  # the GEMM tile helpers (gemm.small_kernel), compiled with the entry points
 
@@ -88,15 +90,16 @@ def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
 
 def generate_units_first_last(low: Lowered, options: Options, objects_entry: bool = False,
                               units: int = 1):
-    """`generate_units` in two steps: (a function that makes the first unit's text,
-    functions that print the other units). The other units are complete once every
-    kernel is generated, so LLVM can start on them (after printing them) while this
-    process generates the entry points."""
+    """`generate_units` as functions, one per unit, that each make its text: (the
+    first's, the others'). Each makes only its own unit's kernels (the first declares
+    the others'), so the processes of `llvm_env.emit_objects` share the Python work
+    of generating and printing IR as well as LLVM's (the MLP: 36 ms of kernels were
+    generated before the fork)."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
     gen = _ModuleGen(low, options, objects_entry, units)
-    kernels = gen.emit_kernels()
-    return (lambda: str(gen.emit_entry(kernels))), [(lambda m=m: str(m)) for m in gen.mods[1:]]
+    gen.emit_table()
+    return gen.first_text, [functools.partial(gen.unit_text, u) for u in range(1, len(gen.mods))]
 
 
 def compile_cost(k) -> int:
@@ -136,15 +139,37 @@ class _ModuleGen:
             load[u] += cost
         return max(self.unit.values(), default=0) + 1
 
-    def emit_kernels(self) -> list:
-        """The function table and every kernel's functions (in their units): the
-        units after the first are complete after this."""
+    def emit_table(self) -> None:
+        """The function table: defined in the first unit, declared in the others."""
         fntable.define_init(self.mod, "tgc_init")
         if len(self.mods) > 1:
             self.mod.globals[fntable.GLOBAL].linkage = "hidden"   # the other units read it
             for m in self.mods[1:]:
                 fntable.declare_table(m)
-        return [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
+
+    def first_text(self) -> str:
+        """The first unit: the GEMM tile helpers every unit calls, its kernels (the
+        others' declared), the entry points."""
+        for fp_packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
+            helper = small_kernel(self.mod, self.fp, packed=fp_packed)
+            if len(self.mods) > 1:
+                helper.linkage = "hidden"   # called from the other units
+                if fp_packed:
+                    self.mod.globals[helper.name.replace(".packed", "")].linkage = "hidden"
+        kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
+        return str(self.emit_entry(kernels))
+
+    def unit_text(self, u: int) -> str:
+        """Unit u > 0: its kernels, defined with hidden visibility."""
+        done = set()
+        for i, k in enumerate(self.low.kernels):
+            key = self.keys[i]
+            if self.unit[key] == u and key not in done:
+                done.add(key)
+                for fn in self.define_kernel(i, k):
+                    if fn is not None:
+                        fn.linkage = "hidden"
+        return str(self.mods[u])
 
     def emit_entry(self, kernels: list) -> ir.Module:
         """The entry points, in the first unit."""
@@ -175,29 +200,40 @@ class _ModuleGen:
         return fn
 
     def kernel_fns(self, i: int, k):
-        """The kernel's function (and parallel body); structurally equal kernels —
-        the same computation on other buffers, e.g. in another layer — share one."""
+        """The kernel's function (and parallel body) as the first unit sees them:
+        defined there, or declared when another unit defines them. Structurally
+        equal kernels — the same computation on other buffers, e.g. in another
+        layer — share one."""
         key = self.keys[i]
         if key not in self.done:
-            self.done[key] = self.new_kernel_fns(i, k)
+            self.done[key] = self.define_kernel(i, k) if self.unit[key] == 0 else self.declare_kernel(i, k)
         return self.done[key]
 
-    def new_kernel_fns(self, i: int, k):
-        """The kernel's functions, as the first module sees them (declarations when
-        they are defined in another unit)."""
+    def define_kernel(self, i: int, k):
+        """(function, parallel body or None), defined in the kernel's unit."""
         mod = self.mods[self.unit[self.keys[i]]]
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
-            fns = (GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None)
-        else:
-            fn = LoopGen(mod, self.low, k, name, self.fp).emit()
-            par = None
-            if self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k):
-                par = emit_parallel_body(mod, self.low, k, fn, name + ".par")
-            fns = (fn, par)
-        if mod is self.mod:
-            return fns
-        return tuple(None if fn is None else export(fn, self.mod) for fn in fns)
+            return GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None
+        fn = LoopGen(mod, self.low, k, name, self.fp).emit()
+        par = emit_parallel_body(mod, self.low, k, fn, name + ".par") if self.has_par(k) else None
+        return fn, par
+
+    def declare_kernel(self, i: int, k):
+        """(function, parallel body or None) declared in the first unit, with the
+        signatures `GemmGen`, `LoopGen` and `emit_parallel_body` define them with."""
+        def declare(name, ret, args):
+            fn = ir.Function(self.mod, ir.FunctionType(ret, args), name)
+            fn.linkage = "hidden"
+            return fn
+        name = f"tgc.k{i}"
+        if isinstance(k, GemmKernel):
+            return declare(name, I32, [PTR] * 4 + [I64]), None
+        fn = declare(name, ir.VoidType(), [PTR] * (1 + len(kernel_buffers(k))) + [I64, I64])
+        return fn, (declare(name + ".par", ir.VoidType(), [PTR]) if self.has_par(k) else None)
+
+    def has_par(self, k) -> bool:
+        return self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k)
 
     def always_serial(self, k) -> bool:
         """Whether the kernel's work is known here (no symbolic dim) and below the

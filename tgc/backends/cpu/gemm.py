@@ -96,6 +96,24 @@ class _Operand:
         self.role, self.row, self.col, self.col_unit = role, row_stride, col_stride, col_unit
 
 
+def _forms(low: Lowered, k: GemmKernel) -> dict:
+    """Each operand's and the result's `matrix_form` (in its buffer's order)."""
+    ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
+    va, vb = k.a.view_order(ab.order), k.b.view_order(bb.order)
+    fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(cb.order, k.m, k.n)
+    for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
+        if form is None:
+            raise ValueError(f"internal: GEMM {what} is not a matrix")
+    return {"a": fa, "b": fb, "c": fc}
+
+
+def packs_b(low: Lowered, k: GemmKernel) -> bool:
+    """Whether the product's small tiles pack B' (its columns are not contiguous):
+    which small-tile helper it calls (see `GemmGen.operands`)."""
+    f = _forms(low, k)
+    return f["a"][2] if not f["c"][2] else not f["b"][2]
+
+
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
                  options: Options, home: ir.Module | None = None):
@@ -104,14 +122,9 @@ class GemmGen:
         self.opt = options
         self.fn = define(mod, name, I32, [PTR] * 4 + [I64])
         optimize_not(self.fn)   # plans the tiles once per call: not worth LLVM's time
-        ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
-        self.bufs = {"a": ab, "b": bb, "c": cb}
-        va, vb = k.a.view_order(ab.order), k.b.view_order(bb.order)
-        fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(cb.order, k.m, k.n)
-        for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
-            if form is None:
-                raise ValueError(f"internal: GEMM {what} is not a matrix")
-        self.forms = {"a": fa, "b": fb, "c": fc}
+        self.bufs = {r: low.buffers[n] for r, n in (("a", k.a.buf), ("b", k.b.buf), ("c", k.out))}
+        self.forms = _forms(low, k)
+        fa, fc = self.forms["a"], self.forms["c"]
         self.flip = not fc[2]                 # C holds M innermost: compute C^T = B^T A^T
         # the normalized groups (edges in memory order)
         if not self.flip:
