@@ -275,6 +275,7 @@ class _ModuleGen:
 
     def run_fn(self, checks, kernels) -> None:
         fn = define(self.mod, "tgc_run", I32, [PTR] * 4, internal=False)
+        optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit 130 -> 112 ms to compile
         dims, args, outs, ws = fn.args
         f = Frame(fn, self.low.module, dims, self.low.edges)
         b = f.b
