@@ -178,3 +178,31 @@ def test_convolution_shifted_gemms(dtype, sizes):
     got = prog(x=x, dy=dy, K=K.copy())
     for name, want in zip(("y", "dx", "dK"), conv_reference(x, dy, K)):
         close(got[name], want.astype(NP[dtype]), dtype)
+
+
+def test_packs_b_names_the_helper_every_gemm_calls():
+    """The first unit makes the small-tile helpers before any GEMM is generated
+    (`gemm.packs_b`); it must name the one `GemmGen` calls, for every layout."""
+    import glob
+
+    import llvmlite.ir as ir
+
+    from tgc import driver
+    from tgc.backends.cpu import gemm
+    from tgc.backends.cpu.irutil import Frame
+    from tgc.ir.lowered import GemmKernel
+    from tgc.passes.plan import lower_module
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    seen = set()
+    for path in sorted(glob.glob(str(root / "benchmarks" / "workloads" / "*.tg"))):
+        opts = Options(dtype="f32")
+        low = lower_module(driver.lower(driver.load(path, opts), opts).module, opts)
+        for i, k in enumerate(low.kernels):
+            if isinstance(k, GemmKernel):
+                g = gemm.GemmGen(ir.Module(), low, k, f"k{i}", ir.FloatType(), opts)
+                f = Frame(g.fn, low.module, g.fn.args[0], low.edges)
+                _, b, _ = g.operands(f, g.views(f))
+                assert gemm.packs_b(low, k) == (not b.col_unit), (path, i)
+                seen.add(gemm.packs_b(low, k))
+    assert seen == {True, False}
