@@ -184,6 +184,7 @@ def test_packs_b_names_the_helper_every_gemm_calls():
     """The first unit makes the small-tile helpers before any GEMM is generated
     (`gemm.packs_b`); it must name the one `GemmGen` calls, for every layout."""
     import glob
+    from pathlib import Path
 
     import llvmlite.ir as ir
 
@@ -193,7 +194,7 @@ def test_packs_b_names_the_helper_every_gemm_calls():
     from tgc.ir.lowered import GemmKernel
     from tgc.passes.plan import lower_module
 
-    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[2]
     seen = set()
     for path in sorted(glob.glob(str(root / "benchmarks" / "workloads" / "*.tg"))):
         opts = Options(dtype="f32")
