@@ -156,3 +156,36 @@ def test_an_error_here_stops_and_reaps_the_children(monkeypatch):
     assert len(forked) == 1
     with pytest.raises(ChildProcessError):   # reaped: not even a zombie is left
         os.waitpid(forked[0], os.WNOHANG)
+
+
+def test_a_child_compiles_while_another_thread_holds_the_flags_lock():
+    """A thread of the parent holding llvm_env's option lock at the fork (it waits
+    for llvmlite's lock, which the forking thread holds) must not hang the child."""
+    import threading
+
+    _, low, opts = lowered(MLP, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with llvm_env._FLAGS_LOCK:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    got = {}
+    try:
+        pid, fd, _ = llvm_env._fork_compile(texts[1], 1, 2, True)
+        reader = threading.Thread(target=lambda: got.setdefault("obj", llvm_env._collect(pid, fd)))
+        reader.start()
+        reader.join(120)
+        if reader.is_alive():   # hung: stop the child rather than the test run
+            os.kill(pid, 9)
+            reader.join()
+            pytest.fail("the child hung on a lock another thread held at the fork")
+    finally:
+        release.set()
+        t.join()
+    assert got["obj"] == llvm_env.emit_object(texts[1], 2)

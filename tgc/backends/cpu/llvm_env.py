@@ -275,6 +275,10 @@ def _fork_compile(text, index: int, opt: int, prefer_512: bool) -> tuple[int, in
         status = 1
         try:
             os.close(read)
+            # another thread of the parent may have held this lock at the fork: the
+            # child, which has only this thread, starts with its own
+            global _FLAGS_LOCK
+            _FLAGS_LOCK = threading.RLock()
             obj = emit_object(text() if callable(text) else text, opt, prefer_512=prefer_512)
             with os.fdopen(write, 'wb') as out:
                 out.write(obj)
