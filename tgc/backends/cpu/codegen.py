@@ -150,12 +150,12 @@ class _ModuleGen:
     def first_text(self) -> str:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
-        for fp_packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
-            helper = small_kernel(self.mod, self.fp, packed=fp_packed)
-            if len(self.mods) > 1:
-                helper.linkage = "hidden"   # called from the other units
-                if fp_packed:
-                    self.mod.globals[helper.name.replace(".packed", "")].linkage = "hidden"
+        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
+            small_kernel(self.mod, self.fp, packed=packed)
+        if len(self.mods) > 1:   # the other units call them
+            for fn in self.mod.functions:
+                if fn.name.startswith("tgc.gemm.small.") and not fn.is_declaration:
+                    fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))
 
@@ -463,13 +463,14 @@ class _ModuleGen:
 
     def helper(self, name: str) -> ir.Function:
         """`tgc.threshold(warm, cold)`: the threshold in force now;
-        `tgc.parallel_now(work, warm, cold)`: whether a kernel of this much work runs
-        in a region now; `tgc.region(body, data)`: run body on every thread, note the
-        time; `tgc.after_gemm(ran)`: note the time if a GEMM ran a region."""
+        `tgc.parallel_now(work, limit)`: whether a kernel of this much work runs in a
+        region (the runtime gave libgomp and work reaches limit); `tgc.region(body,
+        data)`: run body on every thread, note the time; `tgc.after_gemm(ran)`: note
+        the time if a GEMM ran a region."""
         fn = self.mod.globals.get(name)
         if fn is not None:
             return fn
-        sig = {"tgc.threshold": (I64, [I64, I64]), "tgc.parallel_now": (ir.IntType(1), [I64, I64, I64]),
+        sig = {"tgc.threshold": (I64, [I64, I64]), "tgc.parallel_now": (ir.IntType(1), [I64, I64]),
                "tgc.region": (ir.VoidType(), [PTR, PTR]), "tgc.after_gemm": (ir.VoidType(), [I32])}[name]
         fn = define(self.mod, name, *sig)
         fn.attributes.add("noinline")
@@ -482,8 +483,7 @@ class _ModuleGen:
             b.ret(b.select(recent, a[0], a[1]))
         elif name == "tgc.parallel_now":
             have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
-            limit = b.call(self.helper("tgc.threshold"), [a[1], a[2]])
-            b.ret(b.and_(b.icmp_signed(">=", a[0], limit), have))
+            b.ret(b.and_(b.icmp_signed(">=", a[0], a[1]), have))
         elif name == "tgc.region":
             fntable.call(b, "gomp_parallel", [a[0], a[1], I32(max(self.opt.threads, 0)), I32(0)])
             self.mark_region(b)
@@ -518,10 +518,8 @@ class _ModuleGen:
             for s in sizes:
                 term = b.mul(term, f.size(s))
             work = b.add(work, term)
-        warm, cold = self.opt.parallel_min_work_warm, self.opt.parallel_min_work
-        if warm >= cold:
-            warm = cold
-        big = b.call(self.helper("tgc.parallel_now"), [work, I64(warm), I64(cold)])
+        limit = self.threshold(b, self.opt.parallel_min_work_warm, self.opt.parallel_min_work)
+        big = b.call(self.helper("tgc.parallel_now"), [work, limit])
         with b.if_else(big) as (then, otherwise):
             with then:
                 b.call(self.helper("tgc.region"), [par, data])

@@ -518,8 +518,9 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
             masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
         last = b.sub(M, I64(1))
         rows = [b.add(i0, I64(r)) for r in range(ROWS)]
-        real = [_splat(b, b.icmp_signed("<", i, M), mt) for i in rows]
-        rows = [b.select(b.icmp_signed("<", i, M), i, last) for i in rows]
+        inside = [b.icmp_signed("<", i, M) for i in rows]
+        real = [_splat(b, x, mt) for x in inside]
+        rows = [b.select(x, i, last) for x, i in zip(inside, rows)]
         crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=fp) for i in rows]
         for r in range(ROWS):
             for c in range(nc):
@@ -578,7 +579,8 @@ def _packed_kernel(mod, fp, name, direct):
     b = ir.IRBuilder(body)
     vl = _vector_lanes(fp)
     vt, it = ir.VectorType(fp, vl), ir.VectorType(I64, vl)
-    size = I64(4 if isinstance(fp, ir.FloatType) else 8)
+    elem = 4 if isinstance(fp, ir.FloatType) else 8
+    size = I64(elem)
     chunks = b.sdiv(b.add(N, I64(vl - 1)), I64(vl))
     ldp = b.mul(chunks, I64(vl))
     iota = ir.Constant(it, list(range(vl)))
@@ -592,7 +594,7 @@ def _packed_kernel(mod, fp, name, direct):
         with for_range(b, I64(0), K, "pk") as kk:
             row = b.add(base, b.mul(b.mul(kk, sbk), size))
             ptrs = b.inttoptr(b.add(_splat(b, row, it), lanes), ir.VectorType(PTR, vl))
-            v = b.call(gather, [ptrs, I32(4 if isinstance(fp, ir.FloatType) else 8), mask, zero])
+            v = b.call(gather, [ptrs, I32(elem), mask, zero])
             dst = b.gep(buf, [b.add(b.mul(kk, ldp), b.mul(jc, I64(vl)))], source_etype=fp)
             b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
     b.call(direct, [M, N, K, pa, sam, sak, buf, ldp, I64(1), pc, ldc, acc])
