@@ -305,6 +305,43 @@ def test_the_shift_of_softmax_and_logsumexp_keeps_nan_and_minus_inf_rows_as_the_
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+# the logsumexp is an output, or read otherwise too, besides exp(x - lse)
+LSE_KEPT = {
+    "output": "dim rows, d\ninput x[rows, d]\nout m = logsumexp[d](x)\nout y[rows, d] = exp(x - m)\n",
+    "read_otherwise": "dim rows, d\ninput x[rows, d]\nm = log(sum[d](exp(tanh(x))))\n"
+                      "out y[rows, d] = exp(tanh(x) - m) * m\n",
+    "read_after": "dim rows, d\ninput x[rows, d]\nm = logsumexp[d](x)\nout y = exp(x - m)\n"
+                  "out z = sum[d](x) * m\n",
+}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("case", sorted(LSE_KEPT))
+def test_a_logsumexp_read_besides_its_softmax_is_still_written_with_one_exp_per_element(case, dtype):
+    """Found by a conformance probe: an output `logsumexp` next to `exp(x - lse)` was
+    never written (its buffer was dropped for the softmax form). Now it is written as
+    max + log(sum), from the one exp per element, with the logsumexp's own values on
+    rows with +inf, NaN, -inf and all -inf."""
+    from tgc.ir.lowered import Map, walk
+
+    prog = build(LSE_KEPT[case], dtype, threads=2, parallel_min_work=1)
+    exps = [n for g in groups(prog) for m in g.members for n in walk(m.body)
+            if isinstance(n, Map) and n.fn == "exp"]
+    assert len(exps) == 1
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"rows": 40, "d": 19}), 2, dtype)
+    xs = x["x"]
+    xs[1, 5], xs[2, 0], xs[3, 18] = np.inf, np.nan, -np.inf
+    xs[4, :] = -np.inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+    got = prog(**x)
+    rtol, atol = TOL[dtype]
+    for name, w in want.items():
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(w), err_msg=name)
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol, err_msg=name)
+
+
 def test_the_rows_loop_of_a_group_vectorized_over_rows_asks_for_masked_last_rows():
     """That loop carries `llvm.loop.vectorize.predicate.enable` (no scalar remainder
     loop with every exp and log of the rows inlined once more: the MLP's cross-entropy

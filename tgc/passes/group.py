@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.ir.lowered import (Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
+from tgc.ir.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
                             Map, Mask, Mul, walk)
 from tgc.options import Options
 from tgc.passes.base import Pass
@@ -152,8 +152,9 @@ class _Grouper:
         outside = set(range(len(self.low.kernels))) - set(members)
         bufs = self.out.buffers
         for k in list(ks):
-            if k.reduce == "logsumexp" and not (self.readers.get(k.out, set()) & outside):
-                ks = self.exp_once(k, ks)
+            if k.reduce == "logsumexp":
+                ks = self.exp_once(k, ks, keep=bufs[k.out].kind != "temp"
+                                   or bool(self.readers.get(k.out, set()) & outside))
         local = [k.out for k in ks if not self.partial(k, outer) and bufs[k.out].kind == "temp"
                  and not (self.readers.get(k.out, set()) & outside)]
         regs: list[str] = []
@@ -183,12 +184,14 @@ class _Grouper:
                                               blocks=self.opt.group_blocks if blocked else 0))
         self.out.kernels += _together(after)
 
-    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel]) -> list[LoopKernel]:
+    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool) -> list[LoopKernel]:
         """A softmax computes exp twice per element: in `lse = logsumexp[d](B)` and in
-        `exp(B - lse)` where it is read. When every read of `lse` is such an exp, the
-        members become `m = max[d] B`, `e = exp(B - m)` (stored once: a scratch row),
-        `s = sum[d] e`, and each read `e * (1/s)`: one exp per element."""
-        at = dict(lse.index)
+        `exp(B - lse)` where it is read. When members read `lse` in such an exp, the
+        members become `m = max[d] B` (0 where not finite, as in the logsumexp
+        itself), `e = exp(B - m)` (stored once: a scratch row), `s = sum[d] e`, and
+        each such exp `e * (1/s)`: one exp per element. When `lse` is also read
+        otherwise, or outside the group, or is an output (`keep`), it is still
+        written, as `m + log(s)`, after the sum."""
         hits = []
 
         def match(e) -> bool:
@@ -201,19 +204,20 @@ class _Grouper:
             other = add.args[1 - i]
             return add.args[i] == Load(lse.out, lse.index) and other == lse.body
 
-        readers = [m for m in ks if m is not lse and any(isinstance(n, Load) and n.buf == lse.out
-                                                         for n in _walk_kernel(m))]
-        for m in readers:
-            loads = sum(1 for n in _walk_kernel(m) if isinstance(n, Load) and n.buf == lse.out)
-            exps = [n for n in _walk_kernel(m) if match(n)]
-            if loads != len(exps) or not m.loops[:len(lse.loops)] == lse.loops or m.reduce:
+        for m in ks:
+            exps = 0 if m is lse else sum(1 for n in _walk_kernel(m) if match(n))
+            loads = 0 if m is lse else sum(1 for n in _walk_kernel(m) if isinstance(n, Load) and n.buf == lse.out)
+            keep = keep or loads != exps
+            if not exps:
+                continue
+            if m.loops[:len(lse.loops)] != lse.loops or m.reduce:
                 return ks
             hits.append(m)
         if not hits or lse.epilogue is not None:
             return ks
         low, dst = self.out, self.out.buffers[hits[0].out]
         full = tuple(sorted(((e, Ix.var(e)) for e in dst.edges), key=lambda t: t[0]))
-        if tuple(sorted(dst.edges)) != tuple(sorted(set(at) | set(lse.red))):
+        if tuple(sorted(dst.edges)) != tuple(sorted(set(dict(lse.index)) | set(lse.red))):
             return ks
         names = {}
         for stem, edges, order in (("m", lse.index, None), ("e", full, dst.order), ("s", lse.index, None)):
@@ -222,12 +226,18 @@ class _Grouper:
             low.buffers[names[stem]] = Buffer(names[stem], dst.dtype, tuple(sorted(edge_names)), "temp",
                                               order=order or low.buffers[lse.out].order)
         m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
-        loops = lse.loops
         sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
-        new = [replace(lse, out=names["m"], reduce="maxshift", note="softmax: max"),
-               LoopKernel(names["e"], full, tuple(v for v in loops), sizes,
+        finite = Map("where", (Map("lt", (Map("abs", (Acc(),)), Const(float("inf")))), Acc(), Const(0.0)))
+        new = [replace(lse, out=names["m"], reduce="maxshift", epilogue=finite, note="softmax: max"),
+               LoopKernel(names["e"], full, lse.loops, sizes,
                           Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once"),
                replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum")]
+        if keep:
+            kept = tuple(v for v in lse.loops if v not in lse.red)
+            new.append(LoopKernel(lse.out, lse.index, kept, {v: lse.sizes[v] for v in kept},
+                                  Add((1.0, 1.0), (Map("log", (s_load,)), m_load)), note="logsumexp"))
+        else:
+            del low.buffers[lse.out]
         scaled = Mul((e_load, Map("div", (Const(1.0), s_load))))
         out = []
         for k in ks:
@@ -237,7 +247,6 @@ class _Grouper:
                 out.append(_map_kernel(k, lambda e: scaled if match(e) else None))
             else:
                 out.append(k)
-        del low.buffers[lse.out]
         return out
 
     def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
