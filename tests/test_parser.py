@@ -42,8 +42,8 @@ def C(fn, *args, edges=None, kwargs=()):
     return A.Call(fn, None if edges is None else tuple(N(e) for e in edges), tuple(args), tuple(kwargs))
 
 
-def T(coef, size_of=None, edge=None):
-    return A.AffineTerm(coef, size_of, edge)
+def T(coef, size_of=None, edge=None, by_name=False):
+    return A.AffineTerm(coef, size_of, edge, by_name)
 
 
 a, b, c, d = N("a"), N("b"), N("c"), N("d")
@@ -221,14 +221,14 @@ INDICATORS = [
     ("[i = j = k]", [[T(1, None, "i")], [T(1, None, "j")], [T(1, None, "k")]], ["=", "="]),
     ("[t = s + k]", [[T(1, None, "t")], [T(1, None, "s"), T(1, None, "k")]], ["="]),
     ("[s <= t]", [[T(1, None, "s")], [T(1, None, "t")]], ["<="]),
-    ("[c = hd*head + hd]", [[T(1, None, "c")], [T(1, "hd", "head"), T(1, None, "hd")]], ["="]),
+    ("[c = hd*head + hd]", [[T(1, None, "c")], [T(1, "hd", "head", True), T(1, None, "hd")]], ["="]),
     ("[i != j]", [[T(1, None, "i")], [T(1, None, "j")]], ["!="]),
     ("[i == j]", [[T(1, None, "i")], [T(1, None, "j")]], ["="]),
     ("[s < t < u]", [[T(1, None, "s")], [T(1, None, "t")], [T(1, None, "u")]], ["<", "<"]),
     ("[t = 9 - s]", [[T(1, None, "t")], [T(9), T(-1, None, "s")]], ["="]),
     ("[-s + 2*t - 1 > 0]", [[T(-1, None, "s"), T(2, None, "t"), T(-1)], [T(0)]], [">"]),
     ("[t2 = t - size(t1)]", [[T(1, None, "t2")], [T(1, None, "t"), T(-1, "t1", None)]], ["="]),
-    ("[c = 2*hd*head]", [[T(1, None, "c")], [T(2, "hd", "head")]], ["="]),
+    ("[c = 2*hd*head]", [[T(1, None, "c")], [T(2, "hd", "head", True)]], ["="]),
     ("[c = -(s - k)]", [[T(1, None, "c")], [T(-1, None, "s"), T(1, None, "k")]], ["="]),
     ("[c >= -2*s]", [[T(1, None, "c")], [T(-2, None, "s")]], [">="]),
 ]

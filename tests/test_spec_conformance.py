@@ -155,6 +155,14 @@ case("s3_s6_edge_aliases", """
     out v = u * 1
     """, dict(A=_A, B=_B, u=_x4), dict(C=_A.T @ _A, D=(_A.T @ _B).T, E=_A.T @ _B, v=_x4))
 
+_x8 = rn(8)
+case("s6_zero_coefficient_keeps_its_edge", """
+    dim t = 8, j = 2
+    input x[t]
+    out y[j] = x[t = 0*j + 3]
+    out z[t, j] = [t = 0*j + 3]
+    """, dict(x=_x8), dict(y=np.full(2, _x8[3]), z=np.tile((np.arange(8) == 3)[:, None], (1, 2)).astype(float)))
+
 # ---- section 5: expressions -----------------------------------------------------------------------
 _X = rn(3, 4)
 case("s5_reductions", """
@@ -600,6 +608,13 @@ ERRORS = [  # id, source, line, column, words of the message
     ("program_tensor_in_fn", "dim n = 2\ninput x[n]\nfn f(a) = a + x\n", 3, 15, "not visible"),
     ("later_binding_in_fn", "fn f(a) {\n  b = c\n  c = a\n  return b\n}\n", 2, 7, "unknown name 'c'"),
     ("reduce_param_edge_named", "dim n = 3, m = 2\ninput x[n]\nout z = softmax[m](x)\n", 3, 9, "'m' (edge parameter 'e')"),
+    # a coefficient is an integer or a dim's size: `i * j` of two edges multiplies indices
+    ("product_of_two_edges", "dim n = 3, t = 9\ninput A[i: n, j: n]\ninput x[t]\nout y = x[t = i * j]\n",
+     4, 15, "not affine"),
+    ("rename_and_reindex_one_edge", "dim t = 4, s = 2, k = 3, u = 4\ninput x[t]\nout z = x[t -> u, t = s + k]\n",
+     3, 19, "both renamed and indexed"),
+    ("float_gather_ids", "dim v = 5, n = 3\ninput E[v]\ninput ids: f64[n]\nout y = E[v = ids]\n", 4, 15,
+     "'ids' is a float tensor"),
 ]
 
 

@@ -420,3 +420,36 @@ def test_cli_run_profile_lists_kernels_and_keeps_the_results(tmp_path: Path):
     assert all(re.search(r"k\d+: (gemm|loop|group)", line) for line in lines[1:])
     refused = subprocess.run(cmd + ["--profile", "3"], capture_output=True, text=True, cwd=root)
     assert refused.returncode == 2 and "--profile needs --backend cpu" in refused.stderr
+
+
+EMPTY_BATCH = """
+dim b
+dim d = 3
+input x[b, d]
+out mx = max(x)
+out mn = min[b](x)
+out sm = sum[b](x)
+out me = mean(x)
+out s = softmax[d](x)
+out g = grad(sum(max[b](x)) + sum(x * x), x)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_a_dim_bound_to_zero_is_an_empty_edge_on_both_backends(dtype, tmp_path: Path):
+    """A symbolic dim may be 0 at call time: a sum over the empty edge is 0, a max
+    -inf, a min +inf, a mean NaN; the interpreter gives the same (it had crashed on
+    an empty max), and so does `tgc run --dim b=0`."""
+    prog = tgc.compile(EMPTY_BATCH, dtype=dtype)
+    x = np.zeros((0, 3), dtype=np.float32 if dtype == "f32" else np.float64)
+    got, want = prog(x=x), evaluate(prog.module, {"x": x}, dtype=dtype)
+    assert float(want["mx"]) == -np.inf and np.all(want["mn"] == np.inf) and np.all(want["sm"] == 0)
+    assert np.isnan(want["me"]) and want["s"].shape == (0, 3) and want["g"].shape == (0, 3)
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)
+    src = tmp_path / "empty.tg"
+    src.write_text(EMPTY_BATCH)
+    for backend in ("interp", "cpu"):
+        r = subprocess.run([sys.executable, "-m", "tgc.cli", "run", str(src), "--random-inputs", "--dim", "b=0",
+                            "--backend", backend], capture_output=True, text=True)
+        assert r.returncode == 0 and "mx[] float32 shape=() = [-inf]" in r.stdout, r.stderr

@@ -245,6 +245,7 @@ class AffineTerm(Node):
     coef: int
     size_of: str | None
     edge: str | None
+    by_name: bool = False   # size_of written as a bare name (a dim), not as size(e)
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def to_affine(expr) -> Affine:
 
 
 def _negate(a: Affine) -> Affine:
-    return Affine(tuple(AffineTerm(-t.coef, t.size_of, t.edge, loc=t.loc) for t in a.terms), loc=a.loc)
+    return Affine(tuple(AffineTerm(-t.coef, t.size_of, t.edge, t.by_name, loc=t.loc) for t in a.terms), loc=a.loc)
 
 
 def _term(expr) -> AffineTerm:
@@ -292,13 +293,21 @@ def _term(expr) -> AffineTerm:
     if edge is None and any(isinstance(f, Name) for f in factors):
         raise CompileError("the edge of an index term comes last, after its "
                            "coefficient: write `2*s`, not `s*2`", expr.loc)
-    coef, size_of = 1, None
+    coef, size_of, by_name = 1, None, False
     for f in factors:
         k, s = _coefficient(f)
         if s is not None and size_of is not None:
             raise CompileError("an index term may have only one size factor", expr.loc)
-        coef, size_of = coef * k, s or size_of
-    return AffineTerm(coef, size_of, edge, loc=expr.loc)
+        if s is not None:
+            size_of, by_name = s, _is_name(f)
+        coef *= k
+    return AffineTerm(coef, size_of, edge, by_name, loc=expr.loc)
+
+
+def _is_name(expr) -> bool:
+    while isinstance(expr, Neg):
+        expr = expr.x
+    return isinstance(expr, Name)
 
 
 def _factors(expr) -> list:

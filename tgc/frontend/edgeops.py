@@ -21,6 +21,9 @@ def apply_edge_ops(el: Elaborator, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
         x = V.rename(x, mapping, loc=node.loc)
     for item in node.items:
         if isinstance(item, ast.Reindex):
+            if el.edge(item.edge, item, ctx) in mapping:
+                raise el.error(f"edge '{item.edge}' is both renamed and indexed in one bracket "
+                               f"(write the two one after the other: x[...][...])", item, ctx)
             x = _reindex(el, x, item, mapping, ctx)
     return x
 
@@ -63,7 +66,8 @@ def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, s
     if isinstance(rhs, ast.Name) and (rhs.id in ctx.values or el.scope.kinds.get(rhs.id) == "tensor"):
         ids = el.expr(rhs, ctx)
         if ids.dtype != "i32":
-            raise el.error(f"gather indices must be an i32 tensor; '{rhs.id}' is {ids.dtype}", rhs, ctx)
+            raise el.error(f"gather indices must be an i32 tensor; '{rhs.id}' is a float tensor "
+                           f"(declare it `input {rhs.id}: i32[...]`)", rhs, ctx)
         return el.build(item, ctx, V.gather, x, ids, target)
     affine = ast.to_affine(rhs)
     aff = el.affine(affine, ctx)
@@ -78,4 +82,5 @@ def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, s
         target = fresh
     rel = Relation((Affine.make([(target, 1)]), aff), ("=",))
     keep = [e for e in x.edges if e != target] + list(aff.edges())
-    return V.contract([x, V.indicator(rel, el.dtype, loc=item.loc)], keep, loc=item.loc)
+    out = V.contract([x, V.indicator(rel, el.dtype, loc=item.loc)], keep, loc=item.loc)
+    return el.spread(out, el.named_edges([affine], ctx), item.loc)

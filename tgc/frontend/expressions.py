@@ -143,9 +143,28 @@ class Elaborator:
 
     def _Indicator(self, node: ast.Indicator, ctx: Ctx) -> V.Value:
         rel = Relation(tuple(self.affine(t, ctx) for t in node.terms), tuple(node.ops))
-        if not rel.edges():
+        named = self.named_edges(node.terms, ctx)
+        if not named:
             raise self.error("an indicator must name at least one edge", node, ctx)
-        return V.indicator(rel, self.dtype, loc=node.loc)
+        return self.spread(V.indicator(rel, self.dtype, loc=node.loc), named, node.loc)
+
+    def named_edges(self, affines, ctx: Ctx) -> list[str]:
+        """The edges index expressions name, in order, those with a 0 coefficient too."""
+        out: list[str] = []
+        for a in affines:
+            for t in a.terms:
+                e = t.edge and self.edge(t.edge, t, ctx)
+                if e and e not in out:
+                    out.append(e)
+        return out
+
+    def spread(self, v: V.Value, edges, loc) -> V.Value:
+        """`v` over `edges` too, the same along each it lacks (an edge named only with
+        coefficient 0: `[t = 0*j + 3]` is 1 where t = 3, for every j)."""
+        lacking = [e for e in edges if e not in v.edges]
+        if not lacking:
+            return v
+        return V.mul([v, V.const(1.0, self.dtype, lacking, loc=loc)], loc=loc)
 
     def _EdgeOps(self, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
         from tgc.frontend.edgeops import apply_edge_ops
@@ -176,6 +195,9 @@ class Elaborator:
         for t in node.terms:
             coef: Size = t.coef
             if t.size_of is not None:
+                if t.by_name and t.edge is not None and ctx.edges.get(t.size_of, t.size_of) not in self.m.dims:
+                    raise self.error(f"the coefficient '{t.size_of}' of '{t.edge}' is not a dim: a coefficient is "
+                                     f"an integer, a dim or size(e); a product of two edges is not affine", t, ctx)
                 coef = size_op("*", coef, self.size_of(t.size_of, t, ctx))
             if t.edge is None:
                 const = size_op("+", const, coef)

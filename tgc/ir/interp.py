@@ -168,7 +168,7 @@ def _softplus(x):
 
 
 def _logsumexp(x, axis):
-    m = np.max(x, axis=axis, keepdims=True)
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, 0)  # all -inf stays -inf; an inf stays inf
     return np.log(np.sum(np.exp(x - m), axis=axis)) + np.squeeze(m, axis=axis)
 
@@ -198,7 +198,12 @@ def _reduce(ev: _Eval, v: Value, ops):
     x = v.operands[0]
     axes = tuple(x.edges.index(e) for e in edges)
     with np.errstate(all="ignore"):
-        return {"max": np.max, "min": np.min, "logsumexp": _logsumexp}[kind](ops[0], axis=axes)
+        if kind == "logsumexp":
+            return _logsumexp(ops[0], axes)
+        # over an empty edge (a dim bound to 0 at call time): the identity, -inf or +inf
+        if kind == "max":
+            return np.max(ops[0], axis=axes, initial=-np.inf)
+        return np.min(ops[0], axis=axes, initial=np.inf)
 
 
 def _indicator(ev: _Eval, v: Value, ops):
@@ -277,7 +282,8 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
     env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
     args = check_inputs(module, inputs, env, dtype)
     ev = _Eval(module, env, args, dtype)
-    vals = ev.run(module.roots())
+    with np.errstate(all="ignore"):   # IEEE arithmetic, as compiled code: inf and NaN are values
+        vals = ev.run(module.roots())
     result: dict[str, np.ndarray] = {}
     for o in module.outputs:
         result[o.name] = _in_order(vals[id(o.value)], o.value.edges, o.order)
