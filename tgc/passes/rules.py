@@ -233,27 +233,39 @@ def _composed(ctx: Ctx, v: Value, ops, a: int, others: list[int], s: str, f, den
 # sqrt(x) sqrt(x) = x               (x >= 0)
 # x^a x^b = x^(a + b)               (x > 0)
 def cancel(ctx: Ctx, v: Value) -> Value | None:
-    ops = v.operands
-    for p, x in enumerate(ops):
-        for q in range(len(ops)):
-            if q == p:
-                continue
-            new = _pair(ctx, x, ops[q], q > p)
-            if new is not None:
-                return ctx.c.contract(_without(ops, p, q) + new + [_ones(v, x.edges)], v.edges)
-    return None
+    """The first pair that cancels, found through the operands' identities: linear in
+    the factors (a product of N factors meets this rule at each of its N sizes)."""
+    pair = _cancelling(ctx, v.operands)
+    if pair is None:
+        return None
+    p, q, new = pair
+    x = v.operands[p]
+    return ctx.c.contract(_without(v.operands, p, q) + new + [_ones(v, x.edges)], v.edges)
 
 
-def _pair(ctx: Ctx, x: Value, y: Value, later: bool) -> list[Value] | None:
-    if _is_map(y, "div") and _is_const(y.operands[0], 1.0) and y.operands[1] is x \
-            and ctx.facts.positive(x) and ctx.facts.finite(x):
-        return []
-    if later and x is y and _is_map(x, "sqrt") and ctx.facts.nonneg(x.operands[0]) and _closed_ok(ctx):
-        return [x.operands[0]]
-    if later and _is_map(x, "pow") and _is_map(y, "pow") and x.operands[0] is y.operands[0] \
-            and _is_const(x.operands[1]) and _is_const(y.operands[1]) and ctx.facts.positive(x.operands[0]):
-        k = x.operands[1].attrs[0] + y.operands[1].attrs[0]
-        return [ctx.c.map("pow", x.operands[0], V.const(k, x.dtype))]
+def _cancelling(ctx: Ctx, ops) -> tuple[int, int, list[Value]] | None:
+    first: dict[int, int] = {}
+    for k, o in enumerate(ops):
+        first.setdefault(id(o), k)
+    for q, y in enumerate(ops):
+        if _is_map(y, "div") and _is_const(y.operands[0], 1.0):
+            x = y.operands[1]
+            p = first.get(id(x))
+            if p is not None and p != q and ctx.facts.positive(x) and ctx.facts.finite(x):
+                return p, q, []
+    sqrt: dict[int, int] = {}
+    pows: dict[int, int] = {}
+    for q, y in enumerate(ops):
+        if _is_map(y, "sqrt"):
+            p = sqrt.setdefault(id(y), q)
+            if p != q and ctx.facts.nonneg(y.operands[0]) and _closed_ok(ctx):
+                return p, q, [y.operands[0]]
+        elif _is_map(y, "pow") and _is_const(y.operands[1]):
+            base = y.operands[0]
+            p = pows.setdefault(id(base), q)
+            if p != q and ctx.facts.positive(base):
+                k = ops[p].operands[1].attrs[0] + y.operands[1].attrs[0]
+                return p, q, [ctx.c.map("pow", base, V.const(k, y.dtype))]
     return None
 
 
