@@ -60,6 +60,6 @@ def test_good_program_runs(path):
     module = compile_file(str(path), Options(dtype="f64"))
     module = run_pipeline(module, Options(dtype="f64")).module
     out = _concrete_run(module)
-    assert set(out) == {o.name for o in module.outputs} | {u.target for u in module.updates}
+    assert set(out) == {o.name for o in module.outputs} | {module.update_key(u.target) for u in module.updates}
     for name, value in out.items():
         assert np.all(np.isfinite(value)), f"{name} is not finite"

@@ -388,6 +388,23 @@ IMPORTS = {"lib/common.tg": 'import "more.tg"\ndim batch\ndim d = 4\ndim hd = d 
            "lib/more.tg": "fn centre[e](x) = x - mean[e](x)\n"}
 
 # ---- section 8: derivatives ---------------------------------------------------------------------------
+# `out W` beside `update W`: the output is W before the step; the new value is W'
+_w0 = rn(2)
+case("s9_out_and_update_of_one_name", """
+    dim a = 2
+    param W[a]
+    out W
+    update W = W * 3 + 1
+    """, dict(W=_w0), {"W": _w0, "W'": _w0 * 3 + 1})
+# x^p with p exactly 0 at run time: the term p x^(p-1) is multiplied by an exact 0, so it
+# adds nothing even at x = 0 (it was 0 * inf = NaN)
+_xp = np.array([0.0, 1.0, 2.0, 0.0])
+case("s8_power_with_a_zero_exponent_at_run_time", """
+    dim n = 4
+    input x[n], p
+    out dx = grad(sum(x ^ p), x)
+    out t = jvp(sum(x ^ p), x, x)
+    """, dict(x=_xp, p=np.array(0.0)), dict(dx=np.zeros(4), t=np.array(0.0)))
 _xg, _Wg, _Vg, _mg = rn(2, 4), rn(4, 3) * .5, rn(4, 3), rn(3, 4)
 
 
@@ -613,6 +630,8 @@ ERRORS = [  # id, source, line, column, words of the message
      4, 15, "not affine"),
     ("rename_and_reindex_one_edge", "dim t = 4, s = 2, k = 3, u = 4\ninput x[t]\nout z = x[t -> u, t = s + k]\n",
      3, 19, "both renamed and indexed"),
+    ("out_takes_the_name_of_a_new_value", "dim a = 2\nparam W[a]\nout W\nout W' = W * 2\nupdate W = W + 1\n",
+     4, 5, "takes the name under which the update of 'W' is returned"),
     ("float_gather_ids", "dim v = 5, n = 3\ninput E[v]\ninput ids: f64[n]\nout y = E[v = ids]\n", 4, 15,
      "'ids' is a float tensor"),
 ]

@@ -194,6 +194,6 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         write_atomic(output, buf.getvalue())
         return
     orders = {o.name: o.order for o in module.outputs}
-    orders.update({u.target: module.args[u.target].order for u in module.updates})
+    orders.update({module.update_key(u.target): module.args[u.target].order for u in module.updates})
     for name, a in results.items():
         click.echo(summarize(name, orders[name], a))

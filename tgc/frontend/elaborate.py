@@ -25,6 +25,7 @@ from tgc.ir.sizes import Size, SizeError, size_op, size_str
 from tgc.options import Options
 
 PRELUDE = Path(__file__).with_name("prelude.tg")
+
 MAX_DIM = 2**62  # sizes, their products and their index arithmetic are int64 in compiled code
 
 
@@ -268,6 +269,12 @@ class ProgramBuilder:
         self.m.updates.append(Update(u.name, value, u.loc))
 
     def finish(self) -> Module:
+        names = {o.name: o for o in self.m.outputs}
+        for u in self.m.updates:   # the new value of an output's namesake is reported as `name'`
+            key = self.m.update_key(u.target)
+            if key != u.target and key in names:
+                raise CompileError(f"output '{key}' takes the name under which the update of '{u.target}' is "
+                                   f"returned (output '{u.target}' holds its value before the step)", names[key].loc)
         return self.m
 
     def warnings(self) -> list[Diagnostic]:

@@ -289,7 +289,7 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
         result[o.name] = _in_order(vals[id(o.value)], o.value.edges, o.order)
     for u in module.updates:
         order = module.args[u.target].order
-        result[u.target] = _in_order(vals[id(u.value)], u.value.edges, order)
+        result[module.update_key(u.target)] = _in_order(vals[id(u.value)], u.value.edges, order)
     return result
 
 

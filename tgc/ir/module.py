@@ -61,6 +61,12 @@ class Module:
     def roots(self) -> list[Value]:
         return [o.value for o in self.outputs] + [u.value for u in self.updates]
 
+    def update_key(self, target: str) -> str:
+        """The name of an update's new value among a call's results: the target's, or
+        `target'` when an output has that name (`out W` beside `update W`: the output
+        is W before the step, as every right-hand side reads it)."""
+        return f"{target}'" if any(o.name == target for o in self.outputs) else target
+
     def values(self) -> list[Value]:
         """Every live value, operands first, in a deterministic order."""
         return topo_order(self.roots())

@@ -214,7 +214,7 @@ RULES: dict[str, Rule] = {
     "abs": pointwise(lambda v, a: _fn("sign", a)),                      # sign, 0 at 0
     "div": pointwise(lambda v, a, b: _fn("div", _c(v, 1.0), b),         # 1/b
                      lambda v, a, b: _neg(_fn("div", v, b))),           # -a/b^2
-    "pow": pointwise(lambda v, a, b: V.mul([b, _fn("pow", a, _minus1(b))]),  # b a^(b-1)
+    "pow": pointwise(lambda v, a, b: _mul0(b, _fn("pow", a, _minus1(b))),  # b a^(b-1), 0 where b = 0
                      lambda v, a, b: _mul0(v, _fn("log", a))),          # a^b log a, 0 where a^b = 0
 }
 

@@ -185,6 +185,7 @@ class Program:
         self.outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
                         for o in module.outputs]
         self.updates = [u.target for u in module.updates]
+        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
         # fast path (see run): the inputs that bind the symbolic dims key the plans
         self._names = tuple(s.name for s in self.inputs)
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
@@ -364,7 +365,7 @@ class Program:
         if rc > 0:
             raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
         for i in self._upd_idx:
-            result[self._names[i]] = vals[i]
+            result[self._update_keys[self._names[i]]] = vals[i]
         return result
 
     @staticmethod
@@ -398,7 +399,7 @@ class Program:
             np.copyto(original, args[name], casting="unsafe")
         result = dict(outs)
         for target in self.updates:
-            result[target] = write_back.get(target, args[target])
+            result[self._update_keys[target]] = write_back.get(target, args[target])
         return result
 
     def _workspace_addr(self, need: int) -> int:
