@@ -667,7 +667,7 @@ DIMS = "dim d\ndim e = 6 / d\ndim z = d - 5\ninput x[d]\nout s = sum(x) + size(e
 
 
 @pytest.mark.parametrize("backend", ["interp", "cpu"])
-@pytest.mark.parametrize("d,words", [(4, "6 / d: 6 is not divisible by 4"), (3, "d - 5 is -2: sizes cannot be negative")])
+@pytest.mark.parametrize("d,words", [(4, "6 / d: 6 is not divisible by 4"), (3, "d - 5 is -2: sizes must be positive")])
 def test_call_time_dim_errors_exit_3(tmp_path, backend, d, words):
     prog = tmp_path / "dims.tg"
     prog.write_text(DIMS)

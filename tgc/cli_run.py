@@ -24,8 +24,8 @@ def _dim_binding(ctx, param, value):
         name, sep, n = item.partition("=")
         if not sep or not name.strip() or not n.strip().lstrip("-").isdigit():
             raise click.BadParameter(f"'{item}' is not NAME=N")
-        if int(n) < 0:   # 0 is an empty edge, as in a call from Python
-            raise click.BadParameter(f"'{item}': a size cannot be negative")
+        if int(n) <= 0:
+            raise click.BadParameter(f"'{item}': a size must be positive")
         out[name.strip()] = int(n)
     return out
 

@@ -89,17 +89,18 @@ class Module:
 
     def bind_dims(self, known: Mapping[str, int]) -> dict[str, int]:
         """Sizes of every dim given the symbolic ones in `known`: UnboundDim if one is
-        missing, SizeError if a dim expression does not divide or is negative (an empty
-        edge, size 0, is allowed at call time)."""
+        missing, SizeError if a dim expression does not divide or is not positive (the
+        optimizer's algebra assumes no edge is empty: a mean's gradient divides by the
+        size, a softmax's weights add up to 1)."""
         env = dict(known)
         for dim, s in self.dims.items():
             if s is None and dim not in env:
                 raise UnboundDim(f"dim '{dim}' is not bound")
             if s is not None:
                 env[dim] = _dim_value(dim, s, env)
-            if env[dim] < 0:
+            if env[dim] <= 0:
                 how = "" if s is None else f" = {size_str(s)}"
-                raise SizeError(f"dim '{dim}'{how} is {env[dim]}: sizes cannot be negative")
+                raise SizeError(f"dim '{dim}'{how} is {env[dim]}: sizes must be positive")
         return env
 
     def edge_sizes(self, env: Mapping[str, int]) -> dict[str, int]:
