@@ -677,7 +677,7 @@ input x : f64[b, d]
 %1 = contract %0 : f64[d]
 out y = %1 : [d]
 """)
-    for b in (1, 7, 300, 0):
+    for b in (1, 7, 300):
         assert_matches(prog, inputs_for(prog, {"b": b}, b), "f64")
 
 
