@@ -239,7 +239,8 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 def opt(file, output, locs, **opts) -> None:
     """Read IR (a .tgir file, or - for stdin), run passes, print IR.
 
-    With an empty pass list (-p '') it only parses, verifies and reprints.
+    Without -p it runs the default pipeline (`tgc passes` lists it); with an
+    empty pass list (-p '') it only parses, verifies and reprints.
 
     \b
     Example:
@@ -249,8 +250,6 @@ def opt(file, output, locs, **opts) -> None:
 
     options = make_options(**opts, locs=locs)
     module = parse_module(driver.read_text(file), "<stdin>" if file == "-" else file)
-    if options.passes is None:
-        options = options.with_(passes=())
     result = lower(module, options, _emit_to_stderr)
     write_output(output, print_module(result.module, locs))
 

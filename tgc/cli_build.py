@@ -7,7 +7,7 @@ import click
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
-from tgc.fsutil import write_atomic
+from tgc.fsutil import write_all_atomic
 from tgc.options import Options
 
 EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h"]
@@ -20,6 +20,8 @@ def _defines(ctx, param, value):
         name, sep, n = item.partition("=")
         if not sep or not n.strip().isdigit() or int(n) <= 0:
             raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
+        if int(n) > 2**62:
+            raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
         out[name.strip()] = int(n)
     return out
 
@@ -51,7 +53,8 @@ def header_path(output: str) -> str:
                    "ir: tgc IR after the pipeline; h: the C header only.")
 @click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
 @click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
-@click.option("-MT", "mt", multiple=True, metavar="TARGET", help="Target name(s) of the depfile rule.")
+@click.option("-MT", "mt", multiple=True, metavar="TARGET",
+              help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")
 @click.option("-MP", "mp", is_flag=True, help="Add a phony target for every dependency.")
 @handle_errors
 def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None:
@@ -72,8 +75,16 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
     from tgc.ir.printer import print_module
 
     output = output or default_output(file, emit)
+    if output == "-" and emit in ("so", "obj"):
+        raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=dtype, opt_level=opt_level)
     loaded = driver.load_program(file, options)
+    header = header_path(output) if emit == "so" else None
+    depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
+    if depfile and output == "-" and not (mf and mt):
+        raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
+    _check_distinct([(what, p) for what, p in (("the output", output), ("the header", header),
+                                               ("the depfile", depfile)) if p and p != "-"], loaded.files)
     try:
         module = driver.fix_dims(loaded.module, defines)
     except ValueError as e:
@@ -86,12 +97,25 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
         files[output] = print_module(module).encode()
     else:
         files[output] = aot.build(module, options, emit, prefix, source)
-        if emit == "so":
-            files[header_path(output)] = aot.build(module, options, "h", prefix, source)
-    if md or mf:
+    if header:
+        files[header] = aot.build(module, options, "h", prefix, source)
+    if depfile:
         from tgc.depfile import format_depfile
 
-        depfile = mf or str(Path(output).with_suffix(".d"))
-        files[depfile] = format_depfile(list(mt) or [output], loaded.files, mp).encode()
-    for path, data in files.items():
-        write_atomic(path, data, 0o755 if path.endswith(".so") else 0o644)
+        deps = [f for f in loaded.files if f not in ("-", "<stdin>")]
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
+    if output == "-":
+        click.echo(files.pop("-").decode(), nl=False)
+    write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})
+
+
+def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:
+    """No two outputs, and no output and source, are one file (gcc refuses the same)."""
+    import os
+
+    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in sources if s not in ("-", "<stdin>")}
+    for what, path in files:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise click.BadParameter(f"{what} '{path}' would overwrite {seen[real]}", param_hint="-o/-MF")
+        seen[real] = f"{what} '{path}'"

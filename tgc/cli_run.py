@@ -16,6 +16,7 @@ from tgc.ir.module import Module
 from tgc.ir.sizes import SizeError
 
 DEFAULT_RANDOM_DIM = 4
+MAX_DIM = 2**62   # as for dims in a program: sizes and index arithmetic are int64
 
 
 def _dim_binding(ctx, param, value):
@@ -26,6 +27,8 @@ def _dim_binding(ctx, param, value):
             raise click.BadParameter(f"'{item}' is not NAME=N")
         if int(n) <= 0:
             raise click.BadParameter(f"'{item}': a size must be positive")
+        if int(n) > MAX_DIM:
+            raise click.BadParameter(f"'{item}': a size must be at most 2^62")
         out[name.strip()] = int(n)
     return out
 
@@ -52,6 +55,28 @@ def _load_array(path: str, what: str) -> np.ndarray:
     return data
 
 
+def _load_archive(path: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz archive; a clear error for anything else."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise EvalError(f"cannot read inputs from '{path}': {e.strerror or e}") from None
+    except ValueError:   # numpy's guess at the format ("pickled data") misleads here
+        raise EvalError(f"cannot read inputs from '{path}': not an .npz archive of arrays") from None
+    if isinstance(data, np.ndarray):
+        raise EvalError(f"cannot read inputs from '{path}': one .npy array, not an .npz archive "
+                        "(pass one array with --input NAME=FILE.npy)")
+    try:
+        with data:
+            arrays = {k: data[k] for k in data.files}
+    except Exception as e:  # noqa: BLE001 -- numpy raises many kinds for a damaged member
+        raise EvalError(f"cannot read inputs from '{path}': a damaged .npz archive ({e})") from None
+    bad = [k for k, a in arrays.items() if not isinstance(a, np.ndarray)]
+    if bad:
+        raise EvalError(f"cannot read inputs from '{path}': member '{bad[0]}' is not an array")
+    return arrays
+
+
 def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.ndarray:
     """Integer or boolean data (saved by numpy as such) for a float input, as floats of the
     program's type, so that every backend accepts what the interpreter accepts."""
@@ -65,11 +90,7 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
                   seed: int, dims: dict[str, int], dtype: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
     arrays: dict[str, np.ndarray] = {}
     if npz:
-        try:
-            with np.load(npz, allow_pickle=False) as f:
-                arrays.update({k: f[k] for k in f.files})
-        except (OSError, ValueError) as e:
-            raise EvalError(f"cannot read inputs from '{npz}': {e}") from None
+        arrays.update(_load_archive(npz))
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
     arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
@@ -149,18 +170,20 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
               help="One input from an .npy file (repeatable).")
 @click.option("--random-inputs", is_flag=True,
               help=f"Fill missing inputs with seeded random data (symbolic dims default to {DEFAULT_RANDOM_DIM}).")
-@click.option("--seed", default=0, show_default=True, help="Seed for --random-inputs.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
 @click.option("--backend", type=click.Choice(["interp", "cpu"]), default="interp", show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the outputs to this .npz.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
+              help="Write the outputs to this .npz (atomically).")
 @click.option("--profile", type=click.IntRange(min=1), metavar="N",
               help="With --backend cpu: run N more times (on copies of the inputs) and print, to stderr, "
                    "each kernel's share of the time, the costliest first.")
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile) -> None:
-    """Run FILE on inputs; write one array per out and per update (named as its target).
+    """Run FILE on inputs; write one array per out and per update (named as its
+    target, or TARGET' when an output has that name).
 
     Arrays are in each output's ABI order; integer inputs are int32.
     Without -o, print each output's name, edges, shape and a short summary.
@@ -173,6 +196,9 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     """
     from tgc.options import Options
 
+    if output == "-":
+        raise click.BadParameter("an .npz archive cannot go to standard output: give a file name",
+                                 param_hint="-o")
     if profile and backend != "cpu":
         raise click.UsageError("--profile needs --backend cpu")
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile))

@@ -1,7 +1,8 @@
 """Make-style dependency files, as `gcc -MD -MF FILE -MT TARGET -MP` writes them.
 
-`format_depfile(targets, deps, phony)` gives `target: dep dep ...` with make's
-escaping (spaces, `#`, `$`), lines continued with a backslash, and with `phony` an
+`format_depfile(targets, quoted, deps, phony)` gives `target: dep dep ...` with
+make's escaping (spaces, `#`, `$`) of the dependencies and of the `quoted` targets
+(-MT targets are written as given, as gcc does), lines continued with a backslash, and with `phony` an
 empty rule per dependency so that deleting a header-like import does not break
 the build.
 """
@@ -15,11 +16,13 @@ def escape(path: str) -> str:
     return out.replace(" ", "\\ ")
 
 
-def format_depfile(targets: list[str], deps: list[str], phony: bool = False) -> str:
+def format_depfile(targets: list[str], quoted: list[str], deps: list[str], phony: bool = False) -> str:
+    """`targets` as written (gcc's -MT), `quoted` escaped for make (the default target,
+    the output's path, as gcc's -MQ)."""
     seen: dict[str, None] = {}
     for d in deps:
         seen.setdefault(os.path.normpath(d), None)
-    items = [escape(t) for t in targets]
+    items = list(targets) + [escape(t) for t in quoted]
     lines = [" ".join(items) + ":"]
     for d in seen:
         lines[-1] += " \\"

@@ -15,7 +15,9 @@ C_TYPES = {"f32": "float", "f64": "double", "i32": "int32_t"}
 
 def c_identifier(name: str) -> str:
     """A valid C identifier made from a library name (`libmlp.so` -> `mlp`)."""
-    stem = re.sub(r"^lib", "", name.split("/")[-1].split(".")[0])
+    base = name.split("/")[-1]
+    base = re.sub(r"\.(so|o|ll|s|tgir|h|d)$", "", base)
+    stem = re.sub(r"^lib", "", base)
     ident = re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model"
     return ident if not ident[0].isdigit() else f"m_{ident}"
 
