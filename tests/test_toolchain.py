@@ -80,3 +80,88 @@ def test_shell_completion_scripts():
         p = subprocess.run([sys.executable, "-c", "from tgc.cli import main; main(prog_name='tgc')"],
                            capture_output=True, text=True, env={**env, "_TGC_COMPLETE": f"{shell}_source"})
         assert p.returncode == 0 and "tgc" in p.stdout and len(p.stdout) > 100, shell
+
+
+# ---- found by a toolchain probe ------------------------------------------------------------------
+
+
+def test_build_refuses_outputs_that_are_one_file_and_keeps_old_files_on_failure(tmp_path):
+    src = tmp_path / "m.tg"
+    src.write_text(Path(MLP).read_text())
+    for args, words in ((["-o", src], "the output"), (["-o", tmp_path / "col.h"], "the header"),
+                        (["-o", tmp_path / "libm.so", "-MF", tmp_path / "libm.so"], "the depfile"),
+                        (["-o", tmp_path / "libm.so", "-MF", tmp_path / "m.h"], "the depfile")):
+        r = tgc("build", src, *args)
+        assert r.exit_code == 2 and words in r.output and "would overwrite" in r.output, r.output
+    assert src.read_text() == Path(MLP).read_text()
+    # the header's path is a folder: the build fails, and the old library stays
+    (tmp_path / "q.h").mkdir()
+    (tmp_path / "libq.so").write_text("OLD")
+    r = tgc("build", src, "-o", tmp_path / "libq.so")
+    assert r.exit_code == 2 and "q.h" in r.output and ".tmp" not in r.output, r.output
+    assert (tmp_path / "libq.so").read_text() == "OLD"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_build_names_and_streams(tmp_path):
+    src = tmp_path / "model.v2.tg"
+    src.write_text(Path(MLP).read_text())
+    assert tgc("build", src, "-o", tmp_path / "libmodel.v2.so").exit_code == 0
+    assert (tmp_path / "model_v2.h").exists() and "model_v2_run" in (tmp_path / "model_v2.h").read_text()
+    r = tgc("build", src, "--emit", "llvm", "-o", "-")
+    assert r.exit_code == 0 and "define" in r.output and not Path("-").exists()
+    r = tgc("build", src, "-o", "-")
+    assert r.exit_code == 2 and "standard output" in r.output
+    r = tgc("build", src, "-o", tmp_path / "libt.so", "-MD", "-MT", "a b", "-MT", "$(X)")
+    assert (tmp_path / "libt.d").read_text().startswith("a b $(X):"), (tmp_path / "libt.d").read_text()
+
+
+def test_run_input_problems_are_errors_not_crashes(tmp_path):
+    import zipfile
+
+    import numpy as np
+
+    np.save(tmp_path / "x.npy", np.zeros(3))
+    with zipfile.ZipFile(tmp_path / "junk.npz", "w") as z:
+        z.writestr("x.npy", b"garbage")
+    for args, code, words in ((["--inputs", tmp_path / "x.npy"], 3, "not an .npz archive"),
+                              (["--inputs", tmp_path / "junk.npz"], 3, "cannot read inputs"),
+                              (["--inputs", MLP], 3, "not an .npz archive of arrays"),
+                              (["--random-inputs", "--seed", "-1"], 2, "--seed"),
+                              (["--random-inputs", "--dim", "batch=99999999999999999999"], 2, "2^62"),
+                              (["--random-inputs", "-o", "-"], 2, "standard output")):
+        r = tgc("run", MLP, *args)
+        assert r.exit_code == code and words in r.output and "internal" not in r.output, (args, r.output)
+    r = tgc("dump-ir", MLP, "--after", "fuse", "-p", "normalize")
+    assert r.exit_code == 1 and "'grad' is left in the program" in r.output
+    r = tgc("dump-ir", MLP, "--format", "json", "--after-all")
+    assert r.exit_code == 2 and "--format json" in r.output
+
+
+def test_opt_reads_dumps_back_and_runs_the_default_pipeline(tmp_path):
+    ir = tmp_path / "m.tgir"
+    ir.write_bytes(b"\xef\xbb\xbf" + tgc("dump-ir", MLP, "--after", "elaborate").output.encode())
+    assert tgc("opt", ir).output == tgc("dump-ir", MLP).output
+    low = tmp_path / "low.txt"
+    low.write_text(tgc("dump-ir", MLP, "--after", "fuse").output)
+    r = tgc("opt", low)
+    assert r.exit_code == 1 and "cannot be read back" in r.output
+
+
+def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):
+    import numpy as np
+
+    emb = str(ROOT / "examples/embedding.tg")
+    shape = tgc("run", emb, "--random-inputs").output
+    assert "error" not in shape
+    from tgc import driver
+    from tgc.options import Options
+
+    m = driver.load(emb, Options())
+    ids = [a for a in m.args.values() if a.dtype == "i32"][0]
+    dims = {d: 4 for d in m.symbolic_dims()}
+    want = tuple(int(m.size(e)) if isinstance(m.size(e), int) else dims[m.edges[e]] for e in ids.order)
+    np.save(tmp_path / "ids.npy", np.full(want, 2**33 + 3, np.int64))
+    for backend in ("interp", "cpu"):
+        r = tgc("run", emb, "--random-inputs", "--input", f"{ids.name}={tmp_path / 'ids.npy'}", "--backend", backend)
+        assert r.exit_code == 3 and "do not fit in int32" in r.output, (backend, r.output)

@@ -188,8 +188,11 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
       tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
     """
     options = make_options(**opts, locs=locs)
-    module = driver.load(file, options)
     names, stage = _stages_until(after, options)
+    if fmt != "text" and (after_all or stage is not None):
+        why = "--after-all" if after_all else f"--after {stage} (a lowering stage)"
+        raise click.BadParameter(f"--format {fmt} prints one module of IR, not with {why}", param_hint="--format")
+    module = driver.load(file, options)
     chunks: list[str] = []
 
     def collect(banner: str, text: str) -> None:

@@ -58,7 +58,10 @@ def handle_errors(fn):
         except BrokenPipeError:  # the reader went away (`tgc ... | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_USER)
-        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
+        except KeyboardInterrupt:   # the conventional status of a process stopped by SIGINT
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except OSError as e:  # a file the command was asked to write or read
             where = f" '{e.filename}'" if e.filename else ""

@@ -75,6 +75,8 @@ def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.
     if arg.dtype == "i32":
         if a.dtype.kind not in "iu":
             raise EvalError(f"input '{arg.name}' must hold integers (i32), not {a.dtype}")
+        if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
+            raise EvalError(f"input '{arg.name}': ids do not fit in int32")   # as the compiled program says
         return a.astype(np.int32)
     if a.dtype.kind not in "fiub":
         raise EvalError(f"input '{arg.name}' must be numeric, not {a.dtype}")

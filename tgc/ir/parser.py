@@ -46,7 +46,12 @@ class _Reader:
         return self.env[name]
 
     def read(self, text: str) -> Module:
+        if text.startswith("\ufeff"):   # a byte order mark, as in .tg files
+            text = text[1:]
         for self.line, raw in enumerate(text.splitlines(), 1):
+            if raw.startswith("// lowered"):
+                raise self.error("this is a dump of a lowering stage, which cannot be read back: "
+                                 "only IR (dump-ir --after a pass of `tgc passes`) can")
             line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("%") else raw.strip()
             if line:
                 try:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from tgc.ir.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View, neg)
+from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 from tgc.ir.values import Value
 from tgc.options import Options
@@ -79,7 +80,8 @@ class _Fuser:
         self.values = m.values()
         for v in self.values:
             if v.op in ("grad", "jvp", "vjp"):
-                raise FuseError(f"'{v.op}' is left in the program: run the adjoint/tangent passes first")
+                raise CompileError(f"'{v.op}' is left in the program, which cannot be lowered: a pass list "
+                                   f"(-p) without the adjoint and tangent passes", v.loc)
         self.users: dict[int, set[int]] = {id(v): set() for v in self.values}
         for v in self.values:
             for o in v.operands:
