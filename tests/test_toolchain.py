@@ -165,3 +165,19 @@ def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):
     for backend in ("interp", "cpu"):
         r = tgc("run", emb, "--random-inputs", "--input", f"{ids.name}={tmp_path / 'ids.npy'}", "--backend", backend)
         assert r.exit_code == 3 and "do not fit in int32" in r.output, (backend, r.output)
+
+
+def test_an_ir_file_is_built_in_its_own_float_type_unless_dtype_says(tmp_path):
+    import numpy as np
+
+    ir = tmp_path / "e64.tgir"
+    ir.write_text(tgc("dump-ir", MLP, "--dtype", "f64").output)
+    for dtype, want in ((None, np.float64), ("f32", np.float32)):
+        out = tmp_path / f"r{dtype}.npz"
+        r = tgc("run", ir, "--random-inputs", "-o", out, *(["--dtype", dtype] if dtype else []))
+        assert r.exit_code == 0, r.output
+        with np.load(out) as z:
+            assert z["loss"].dtype == want
+    assert "f64" in tgc("opt", ir, "-p", "").output
+    assert tgc("build", ir, "-o", tmp_path / "libe.so").exit_code == 0
+    assert "Floats are double" in (tmp_path / "e.h").read_text()

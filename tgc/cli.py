@@ -55,8 +55,8 @@ def pipeline_options(fn):
     decorators = [
         click.option("-p", "--passes", callback=_pass_list, metavar="LIST",
                      help="Comma-separated passes to run instead of the default pipeline."),
-        click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True,
-                     help="The program's float type."),
+        click.option("--dtype", type=click.Choice(["f32", "f64"]),
+                     help="The program's float type (default: f32, or a .tgir file's own)."),
         click.option("--print-ir-before", "print_before", multiple=True, callback=_pass_names,
                      metavar="PASS", help="Print the IR to stderr before PASS."),
         click.option("--print-ir-after", "print_after", multiple=True, callback=_pass_names,
@@ -73,9 +73,9 @@ def pipeline_options(fn):
     return fn
 
 
-def make_options(passes=None, dtype="f32", print_before=frozenset(), print_after=frozenset(),
+def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=frozenset(),
                  print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, **extra) -> Options:
-    return Options(dtype=dtype, passes=passes, print_ir_before=print_before,
+    return Options(dtype=dtype or "f32", passes=passes, print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
                    verify_each=verify_each, time_passes=time_passes, stats=stats, **extra)
 
@@ -251,8 +251,9 @@ def opt(file, output, locs, **opts) -> None:
     """
     from tgc.ir.parser import parse_module
 
-    options = make_options(**opts, locs=locs)
-    module = parse_module(driver.read_text(file), "<stdin>" if file == "-" else file)
+    text = driver.read_text(file)
+    options = make_options(**{**opts, "dtype": opts.get("dtype") or driver.float_type(file, None)}, locs=locs)
+    module = parse_module(text, "<stdin>" if file == "-" else file)
     result = lower(module, options, _emit_to_stderr)
     write_output(output, print_module(result.module, locs))
 

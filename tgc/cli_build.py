@@ -47,7 +47,8 @@ def header_path(output: str) -> str:
 @click.option("-O3", "opt_level", flag_value=3)
 @click.option("-D", "defines", multiple=True, callback=_defines, metavar="NAME=N",
               help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
-@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "f64"]),
+              help="The float type (default: f32, or a .tgir file's own).")
 @click.option("--emit", type=click.Choice(EMIT_CHOICES), default="so", show_default=True,
               help="so: shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
                    "ir: tgc IR after the pipeline; h: the C header only.")
@@ -77,7 +78,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
     output = output or default_output(file, emit)
     if output == "-" and emit in ("so", "obj"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
-    options = Options(dtype=dtype, opt_level=opt_level)
+    options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level)
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None

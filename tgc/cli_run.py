@@ -174,7 +174,8 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
 @click.option("--backend", type=click.Choice(["interp", "cpu"]), default="interp", show_default=True)
-@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "f64"]),
+              help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
               help="Write the outputs to this .npz (atomically).")
 @click.option("--profile", type=click.IntRange(min=1), metavar="N",
@@ -201,6 +202,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                                  param_hint="-o")
     if profile and backend != "cpu":
         raise click.UsageError("--profile needs --backend cpu")
+    dtype = driver.float_type(file, dtype)
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile))
     module = driver.lower(driver.load(file, options), options).module
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)

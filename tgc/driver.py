@@ -37,6 +37,20 @@ def is_ir_file(path: str) -> bool:
     return path.endswith(".tgir")
 
 
+def float_type(path: str, asked: str | None) -> str:
+    """The float type to build `path` with: `asked` (--dtype), else a .tgir file's
+    own (its IR spells every type), else f32."""
+    if asked:
+        return asked
+    if is_ir_file(path):
+        import re
+
+        found = re.search(r"^\s*(?:input|param|state)\s+\S+\s*:\s*(f32|f64)\b", read_text(path), re.M)
+        if found:
+            return found.group(1)
+    return "f32"
+
+
 def load_program(path: str, options: Options) -> "Elaborated":
     """Parse and check a `.tg` program ('-' is stdin), or read a `.tgir` module;
     with the files it read and its warnings."""
