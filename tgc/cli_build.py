@@ -74,6 +74,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
     from tgc.backends.cpu import aot
     from tgc.backends.cpu.header import c_identifier
     from tgc.ir.printer import print_module
+    from tgc.progress import status
 
     output = output or default_output(file, emit)
     if output == "-" and emit in ("so", "obj"):
@@ -90,16 +91,17 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
         module = driver.fix_dims(loaded.module, defines)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-D") from None
-    module = driver.lower(module, options).module
     prefix = c_identifier(output)
     source = Path(file).name
     files: dict[str, bytes] = {}
-    if emit == "ir":
-        files[output] = print_module(module).encode()
-    else:
-        files[output] = aot.build(module, options, emit, prefix, source)
-    if header:
-        files[header] = aot.build(module, options, "h", prefix, source)
+    with status("compiling"):
+        module = driver.lower(module, options).module
+        if emit == "ir":
+            files[output] = print_module(module).encode()
+        else:
+            files[output] = aot.build(module, options, emit, prefix, source)
+        if header:
+            files[header] = aot.build(module, options, "h", prefix, source)
     if depfile:
         from tgc.depfile import format_depfile
 

@@ -202,20 +202,27 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                                  param_hint="-o")
     if profile and backend != "cpu":
         raise click.UsageError("--profile needs --backend cpu")
+    from tgc.progress import status
+
     dtype = driver.float_type(file, dtype)
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile))
-    module = driver.lower(driver.load(file, options), options).module
+    with status("compiling"):
+        module = driver.lower(driver.load(file, options), options).module
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)
     if backend == "interp":
-        results = evaluate(module, inputs, dtype=dtype, dims=dims)
+        with status("running (interpreter)"):
+            results = evaluate(module, inputs, dtype=dtype, dims=dims)
     else:
         from tgc.runtime import build
 
-        program = build(module, options)
+        with status("compiling (LLVM)"):
+            program = build(module, options)
         call_dims = dict(options.dims) or None
-        results = in_float_type(program.run(dict(inputs), call_dims), dtype)
+        with status("running"):
+            results = in_float_type(program.run(dict(inputs), call_dims), dtype)
         if profile:
-            print_profile(program, inputs, call_dims, profile)
+            with status(f"profiling ({profile} runs)"):
+                print_profile(program, inputs, call_dims, profile)
     if output:
         buf = io.BytesIO()
         np.savez(buf, **results)
