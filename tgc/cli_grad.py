@@ -37,7 +37,7 @@ def grad(file, wrt, of, mode, emit, dtype, output) -> None:
     from tgc.frontend.emit_tg import emit_tg
 
     options = Options(dtype=dtype)
-    module = driver.gradient_module(driver.load(file, options), list(wrt), of, mode)
+    module = driver.gradient_module(driver.load(file, options), list(dict.fromkeys(wrt)), of, mode)
     module = driver.lower(module, options).module
     text = emit_tg(module) if emit == "tg" else print_module(module)
     if output in (None, "-"):

@@ -55,7 +55,7 @@ def make_header(module: Module, prefix: str, dtype: str, source: str) -> str:
         lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: {float_t} {_shape(module, o.order)} */")
     lines += [
         f"#define {prefix.upper()}_NUM_OUTS {len(module.outputs)}", "",
-        "/* Return codes of _run: 0 success; k > 0: the k-th gather index check failed",
+        f"/* Return codes of {prefix}_run: 0 success; k > 0: the k-th gather index check failed",
         "   (an id out of range); then nothing was written. */",
         f"#define {prefix.upper()}_OK 0", "",
         "/* Call once before anything else. `table` holds, in order: cblas sgemm, cblas dgemm",
