@@ -25,6 +25,10 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
 
     if backend != "cpu":
         raise ValueError(f"backend '{backend}' is not available (have: cpu)")
+    if dtype not in ("f32", "f64"):
+        raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
+    if isinstance(source, (bytes, bytearray)):
+        raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
     if isinstance(source, Module):
         return _build(source, dims, options, None)

@@ -132,6 +132,11 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
     fixed = [d for d in dims if module.dims[d] is not None]
     if fixed:
         raise ValueError(f"dim '{fixed[0]}' already has a fixed size")
+    import numbers
+
+    for d, n in dims.items():
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= 2**62:
+            raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
     new = dict(module.dims)
     new.update({d: int(n) for d, n in dims.items()})
     return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates))

@@ -13,6 +13,8 @@ import tgc
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.parser import parse_module
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
 MLP = """\
 dim batch
 dim features = 8, hidden = 16
@@ -452,3 +454,36 @@ def test_a_dim_bound_to_zero_is_refused_before_anything_runs(dtype, tmp_path: Pa
     r = subprocess.run([sys.executable, "-m", "tgc.cli", "run", str(src), "--random-inputs", "--dim", "b=0"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "must be positive" in r.stderr, r.stderr
+
+
+def test_update_targets_sharing_memory_are_refused_before_any_write():
+    """Found by a probe: one array (or overlapping views) passed as two update targets
+    was accepted and the two in-place writes mixed."""
+    prog = tgc.compile("dim n = 4\nparam a[n], b[n]\nout s = sum(a * b)\nupdate a = a + b\nupdate b = a - b\n")
+    z = np.arange(4, dtype=np.float32)
+    buf = np.arange(6, dtype=np.float32)
+    for _ in range(2):   # the checked path, then the fast path's refusal falls back to it
+        for a, b in ((z, z), (buf[0:4], buf[2:6]), (z.astype(np.float64),) * 2):
+            with pytest.raises(EvalError, match="update targets 'a' and 'b' share memory"):
+                prog(a=a, b=b)
+        assert np.array_equal(z, np.arange(4)) and np.array_equal(buf, np.arange(6))
+        prog(a=np.ones(4, np.float32), b=np.ones(4, np.float32))
+
+
+def test_bad_dims_dtypes_and_values_are_clear_errors():
+    for bad in (0, -3, 2.7, "4", True):
+        with pytest.raises(ValueError, match="a size is a positive integer"):
+            tgc.compile(str(EXAMPLES / "mlp.tg"), dims={"batch": bad})
+    with pytest.raises(ValueError, match="'f32' or 'f64'"):
+        tgc.compile(str(EXAMPLES / "mlp.tg"), dtype="i32")
+    with pytest.raises(TypeError, match="not bytes"):
+        tgc.compile(b"dim n = 2\n")
+    prog = tgc.compile("dim n = 2\ninput x[n], lr\nout y = x * lr\n")
+    with pytest.raises(EvalError, match="input 'x' is not an array of numbers"):
+        prog(x=[[1, 2], [3]], lr=1.0)
+    with pytest.raises(EvalError, match="input 'lr' is not an array of numbers"):
+        prog(x=np.ones(2), lr=10**400)
+    with pytest.raises(EvalError, match="no dim 'nope'"):
+        prog.run({"x": np.ones(2), "lr": 1.0}, dims={"nope": 3})
+    with pytest.raises(EvalError, match="fixed at 2, not 3"):
+        prog.run({"x": np.ones(2), "lr": 1.0}, dims={"n": 3})

@@ -241,9 +241,12 @@ class Program:
     def _convert(self, spec: TensorSpec, value) -> np.ndarray:
         if spec.updated and not isinstance(value, np.ndarray):
             raise EvalError(f"'{spec.name}' is updated in place: pass a numpy array, not {type(value).__name__}")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.dtype != "i32":
-            return np.asarray(value, NP[spec.dtype])
-        a = np.asarray(value)
+        try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.dtype != "i32":
+                return np.asarray(value, NP[spec.dtype])
+            a = np.asarray(value)
+        except (ValueError, OverflowError, TypeError) as e:   # a ragged list, a huge Python int
+            raise EvalError(f"input '{spec.name}' is not an array of numbers: {e}") from None
         if spec.dtype == "i32":
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
@@ -258,6 +261,11 @@ class Program:
     def _bind(self, arrays: dict, dims: dict | None) -> dict[str, int]:
         m = self.module
         env: dict[str, int] = dict(dims or {})
+        for d, n in env.items():
+            if d not in m.dims:
+                raise EvalError(f"dims=: the program has no dim '{d}'")
+            if m.dims[d] is not None and size_eval(m.dims[d], {}) != n:
+                raise EvalError(f"dims=: dim '{d}' is fixed at {size_eval(m.dims[d], {})}, not {n}")
         src = {d: "dims=" for d in env}
         for spec in self.inputs:
             shape = arrays[spec.name].shape
@@ -293,6 +301,12 @@ class Program:
         if extra:
             raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
         arrays = {s.name: self._convert(s, given[s.name]) for s in self.inputs}
+        targets = [s.name for s in self.inputs if s.updated]
+        for i, a in enumerate(targets):
+            for b in targets[i + 1:]:
+                if np.may_share_memory(given[a], given[b]) or np.may_share_memory(arrays[a], arrays[b]):
+                    raise EvalError(f"update targets '{a}' and '{b}' share memory: pass separate arrays "
+                                    f"(each is written in place)")
         write_back = {s.name: given[s.name] for s in self.inputs
                       if s.updated and arrays[s.name] is not given[s.name]}
         for s in self.inputs:
