@@ -17,9 +17,10 @@ A member may also sum over the first outer variable (a parameter gradient
 of outer indices (`options.group_blocks` blocks, threads take whole blocks), zeroed
 before the group and added up after it, in block order.
 
-Inside a finished group, a softmax's `logsumexp` read only as `exp(B - lse)` becomes
-max, `exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per
-element, not two). Then a temporary that only later members read becomes:
+Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
+`exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per element,
+not two); a logsumexp that is also an output, or read otherwise, is then written as
+max + log(sum). Then a temporary that only later members read becomes:
 - a register (`regs`) when its edges are exactly the outer variables (a row's mean);
 - inlined into its readers when it is elementwise and cheap (`x - mean`), so it is
   never written;
