@@ -485,5 +485,9 @@ def test_bad_dims_dtypes_and_values_are_clear_errors():
         prog(x=np.ones(2), lr=10**400)
     with pytest.raises(EvalError, match="no dim 'nope'"):
         prog.run({"x": np.ones(2), "lr": 1.0}, dims={"nope": 3})
-    with pytest.raises(EvalError, match="fixed at 2, not 3"):
+    with pytest.raises(EvalError, match="dim 'n' is 2, not a symbolic dim to bind to 3"):
         prog.run({"x": np.ones(2), "lr": 1.0}, dims={"n": 3})
+    prog.run({"x": np.ones(2), "lr": 1.0}, dims={"n": 2})   # the same size: nothing to refuse
+    derived = tgc.compile("dim d\ndim h = d / 2\ninput x[d]\nout y = sum(x) * size(h)\n")
+    with pytest.raises(EvalError, match="dim 'h' is d / 2, not a symbolic dim"):
+        derived.run({"x": np.ones(4)}, dims={"h": 2})

@@ -49,7 +49,7 @@ import numpy as np
 from tgc.ir.interp import EvalError
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
-from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval
+from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 from tgc.options import Options
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
@@ -264,8 +264,8 @@ class Program:
         for d, n in env.items():
             if d not in m.dims:
                 raise EvalError(f"dims=: the program has no dim '{d}'")
-            if m.dims[d] is not None and size_eval(m.dims[d], {}) != n:
-                raise EvalError(f"dims=: dim '{d}' is fixed at {size_eval(m.dims[d], {})}, not {n}")
+            if m.dims[d] is not None and m.dims[d] != n:   # fixed, or derived from other dims
+                raise EvalError(f"dims=: dim '{d}' is {size_str(m.dims[d])}, not a symbolic dim to bind to {n}")
         src = {d: "dims=" for d in env}
         for spec in self.inputs:
             shape = arrays[spec.name].shape
