@@ -118,7 +118,7 @@ UNARY = {  # fn: (domain of x, smooth enough for second order)
 }
 BINARY = {  # fn: (domain of x, domain of y)
     "div": (None, away_from_zero), "pow": (positive, None), "max": (None, None), "min": (None, None),
-    "mul0": (away_from_zero, None), "lt": (None, None), "le": (None, None), "gt": (None, None),
+    "mul0": (away_from_zero, None), "mul00": (away_from_zero, away_from_zero), "lt": (None, None), "le": (None, None), "gt": (None, None),
     "ge": (None, None), "eq": (None, None), "ne": (None, None),
 }
 

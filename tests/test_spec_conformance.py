@@ -396,6 +396,18 @@ case("s9_out_and_update_of_one_name", """
     out W
     update W = W * 3 + 1
     """, dict(W=_w0), {"W": _w0, "W'": _w0 * 3 + 1})
+# second derivatives where a factor is exactly 0 (found against torch.func.hessian): the
+# guarded product of the chain rule was a `where` on the other factor, which has no
+# derivative where that factor is 0 (the Hessian of sum(x * x) came out 0 at x = 0)
+_xz, _vz = np.array([0.0, 1.0, -1.0]), np.array([1.0, 2.0, -0.5])
+case("s8_second_derivatives_at_exact_zeros", """
+    dim n = 3
+    input x[n], v[n]
+    out h1 = grad(grad(sum(x * x), x) @ v, x)
+    out h2 = grad(grad(sum(x * exp(x)), x) @ v, x)
+    out h3 = jvp(grad(sum(x * sin(x)), x), x, v)
+    """, dict(x=_xz, v=_vz), dict(
+        h1=2 * _vz, h2=(2 + _xz) * np.exp(_xz) * _vz, h3=(2 * np.cos(_xz) - _xz * np.sin(_xz)) * _vz))
 # x^p with p exactly 0 at run time: the term p x^(p-1) is multiplied by an exact 0, so it
 # adds nothing even at x = 0 (it was 0 * inf = NaN)
 _xp = np.array([0.0, 1.0, 2.0, 0.0])

@@ -123,6 +123,10 @@ def _mul0(a, b):
     return torch.where(a == 0, torch.zeros((), dtype=F64), a * b)
 
 
+def _mul00(a, b):
+    return torch.where((a == 0) | (b == 0), torch.zeros((), dtype=F64), a * b)
+
+
 def _cmp(fn):
     return lambda a, b: fn(a, b).to(F64)  # a 0/1 float: no derivative flows through it
 
@@ -134,6 +138,7 @@ MAP_FNS: dict[str, Callable] = {
     "lt": _cmp(torch.lt), "le": _cmp(torch.le), "gt": _cmp(torch.gt), "ge": _cmp(torch.ge),
     "eq": _cmp(torch.eq), "ne": _cmp(torch.ne),
     "mul0": _mul0,
+    "mul00": _mul00,
     "where": lambda c, a, b: torch.where(c != 0, a, b),
 }
 

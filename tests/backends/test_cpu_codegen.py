@@ -56,7 +56,7 @@ def check(text: str, dims: dict | None = None, positive: tuple = (), dtypes=("f6
 
 UNARY = ["exp", "tanh", "erf", "sin", "cos", "abs", "sign", "sigmoid", "softplus"]
 POSITIVE = ["log", "sqrt"]
-BINARY = ["div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne", "mul0"]
+BINARY = ["div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne", "mul0", "mul00"]
 
 
 @pytest.mark.parametrize("fn", UNARY + POSITIVE)

@@ -104,6 +104,8 @@ class _Writer:
             return f"({ops[0]} {INFIX[fn]} {ops[1]})"
         if fn == "mul0":
             return f"where({ops[0]} != 0, {ops[0]} * {ops[1]}, 0)"
+        if fn == "mul00":
+            return f"where({ops[0]} != 0, where({ops[1]} != 0, {ops[0]} * {ops[1]}, 0), 0)"
         return f"{fn}({', '.join(ops)})"
 
     def _reduce(self, v, ops):

@@ -156,6 +156,7 @@ MAP_FNS: dict[str, Callable] = {
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
     "eq": np.equal, "ne": np.not_equal,
     "mul0": lambda a, b: np.where(a == 0, 0, a * b),
+    "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
     "where": lambda c, a, b: np.where(c != 0, a, b),
 }
 

@@ -49,6 +49,7 @@ MAP_ARITY = {
     "div": 2, "pow": 2, "max": 2, "min": 2,
     "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
     "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
+    "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")

@@ -14,7 +14,7 @@ broadcasts) to the operand's edges plus the batch edges. None means exactly zero
 
 NaN safety (LANGUAGE.md section 8): a cotangent or tangent meets a possibly
 infinite partial only through `mul0(ct, partial)`, exact 0 where `ct` is 0; an
-elementwise product also gives exact 0 where the other factor is 0; `where`,
+elementwise product is `mul00(ct, other)`, exact 0 where either is 0; `where`,
 `max` and `min` select with `where`, never multiply, so the branch not taken
 adds nothing. Composites (softmax, layernorm, ...) have no rules: they are inlined.
 """
@@ -65,10 +65,13 @@ def _mul0(t: Value, partial: Value) -> Value:
 
 
 def _times(t: Value, other: Value) -> Value | None:
-    """t * other, exactly 0 where either is 0 (an elementwise product's chain rule)."""
+    """t * other, exactly 0 where either is 0 (an elementwise product's chain rule).
+    One primitive, `mul00`, whose own derivative is a product's: a `where(other, ...,
+    0)` guard would have had none where other = 0, and lost second derivatives there
+    (the Hessian of sum(x * x) was 0 at x = 0)."""
     if other.op == "const":
         return None if other.attrs[0] == 0.0 else _mul0(t, other)
-    return _fn("where", other, _mul0(t, other), _c(t, 0.0))
+    return _fn("mul00", t, other)
 
 
 def total(parts: Iterable[Value | None]) -> Value | None:
@@ -203,6 +206,8 @@ RULES: dict[str, Rule] = {
     # mul0(a, b) = a b: a product
     "mul0": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
                  _summed(lambda v, i, t: _times(t, v.operands[1 - i]))),
+    "mul00": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
+                  _summed(lambda v, i, t: _times(t, v.operands[1 - i]))),
     # elementwise functions: their partial derivatives
     "exp": pointwise(lambda v, a: v),                                   # exp' = exp
     "log": pointwise(lambda v, a: _fn("div", _c(v, 1.0), a)),           # log' = 1/a

@@ -17,7 +17,7 @@ from tgc.ir.values import Value
 POS, NONNEG = "pos", "nonneg"
 
 # map fns that are finite on finite arguments, and those finite on every argument
-_TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0", "where",
+_TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0", "mul00", "where",
           "sigmoid", "softplus"}
 _ALWAYS_FINITE = {"lt", "le", "gt", "ge", "eq", "ne", "sign"}
 _POSITIVE = {"exp", "sigmoid", "softplus"}
@@ -117,7 +117,7 @@ class Facts:
             return fin, POS
         if fn == "abs":
             return fin, NONNEG
-        if fn in ("max", "where", "min", "mul0"):
+        if fn in ("max", "where", "min", "mul0", "mul00"):
             return fin, self._select_sign(fn, signs)
         if fn in _TOTAL:
             return fin, signs[0] if fn in ("tanh", "erf") and signs[0] else None

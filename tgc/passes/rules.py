@@ -60,9 +60,20 @@ def mul0(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
+# mul00(a, b) = mul0(a, b)          (a finite: where b = 0, a b is 0 too)
+# mul00(a, b) = mul0(b, a)          (b finite)
+def mul00(ctx: Ctx, v: Value) -> Value | None:
+    a, b = v.operands
+    if ctx.facts.finite(a):
+        return ctx.c.map("mul0", a, b)
+    if ctx.facts.finite(b):
+        return ctx.c.map("mul0", b, a)
+    return None
+
+
 def _vanishes_with(ctx: Ctx, a: Value, c: Value) -> bool:
     """a is 0 wherever c is 0."""
-    if a is c or (_is_map(a, "mul0") and a.operands[0] is c):
+    if a is c or (_is_map(a, "mul0") and a.operands[0] is c) or (_is_map(a, "mul00") and c in a.operands):
         return True
     if _is_map(a, "mul0") and a.operands[1] is c and ctx.facts.finite(a.operands[0]):
         return True
@@ -296,6 +307,7 @@ def drop_stop(ctx: Ctx, v: Value) -> Value | None:
 
 SIMPLIFY = {
     "mul0": [mul0],
+    "mul00": [mul00],
     "where": [where],
     "exp": [exp_log],
     "log": [log_exp],

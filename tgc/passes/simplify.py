@@ -8,7 +8,8 @@ Rewrites, besides everything `normalize` does:
   where(1, a, b) = a, x^0, x^1, small integer powers as products, a/k as a scaling,
   quotients as products with reciprocals, x (1/x) = 1 for x > 0;
 - the guards derivatives carry, once provably unneeded: mul0(a, b) = a b when b is
-  finite, where(c, a, 0) = a when a vanishes with c;
+  finite, mul00(a, b) = mul0(a, b) when a is, where(c, a, 0) = a when a vanishes
+  with c;
 - exp(log x), log(exp x), sqrt(x) sqrt(x), x^a x^b, max(x, x), max(0, x) for x >= 0;
 - like terms collected, and `stop` dropped once no derivative is left to take;
 - dead code (nothing unreachable is visited).

@@ -4,7 +4,7 @@ Transcendentals come from `vecmath` (straight-line IR, inlined, so loops that ca
 them vectorize); the rest are single instructions or intrinsics. Comparisons give
 1.0/0.0; `max`/`min` propagate NaN like numpy (`llvm.maximum`/`llvm.minimum`);
 `where(c, a, b)` takes `a` where `c != 0` (NaN counts as true, as in numpy);
-`mul0(a, b)` is `a * b` but exactly 0 where `a == 0`. `sigmoid` and `softplus` go
+`mul0(a, b)` is `a * b` but exactly 0 where `a == 0`, `mul00(a, b)` where either is. `sigmoid` and `softplus` go
 through `e = exp(-|x|)`, which never overflows: `sigmoid = 1/(1+e)` (x >= 0) or
 `e/(1+e)`, `softplus = max(x, 0) + log1p(e)` with `log1p(e) = log(u) * e / (u - 1)`,
 `u = 1 + e` (exact where `u` rounds to 1: then it is `e`). `pow(x, y)` with a small
@@ -54,6 +54,10 @@ def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | N
     if fn == "mul0":
         a, c = args
         return b.select(b.fcmp_ordered("==", a, zero), zero, b.fmul(a, c, flags=FLAGS))
+    if fn == "mul00":
+        a, c = args
+        either = b.or_(b.fcmp_ordered("==", a, zero), b.fcmp_ordered("==", c, zero))
+        return b.select(either, zero, b.fmul(a, c, flags=FLAGS))
     if fn == "where":
         c, x, y = args
         return b.select(b.fcmp_unordered("!=", c, zero), x, y)
