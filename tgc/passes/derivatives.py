@@ -238,7 +238,7 @@ def _softmax(v: Value) -> Value:
 
 
 RULES.update({
-    "sigmoid": pointwise(lambda v, a: V.mul([v, V.add([_c(v, 1.0), v], [1.0, -1.0])])),  # s (1 - s)
+    "sigmoid": pointwise(lambda v, a: V.mul([v, _fn("sigmoid", _neg(a))])),  # s (1 - s), as s(a) s(-a): no cancellation
     "softplus": pointwise(lambda v, a: _fn("sigmoid", a)),                            # sigmoid
     "reduce": _by_kind({
         "max": RULES["reduce"], "min": RULES["reduce"],

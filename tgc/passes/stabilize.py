@@ -12,6 +12,7 @@ Rewrites (each an identity of functions, so both values and derivatives are kept
     exp(a) sigmoid(-a)                     = sigmoid(a)
     (exp(a) - exp(b)) / (exp(a) + exp(b))  = tanh((a - b) / 2)
     log(exp(a) + exp(b))                   = b + softplus(a - b)
+    log(sigmoid(a))                        = -softplus(-a)
 
 So softmax `exp(x - m) / sum_E exp(x - m)` becomes `exp(x - logsumexp_E(x))` (the
 shift m cancels), log_softmax `x - logsumexp_E(x)`, the prelude's sigmoid and
@@ -87,8 +88,11 @@ def _terms(a: Value | None) -> tuple:
 
 # log(sum_E exp(d)) = logsumexp_E(d)
 # log(exp(a) + exp(b)) = b + softplus(a - b)       (b the simpler argument)
+# log(sigmoid(a)) = -softplus(-a)
 def log_(ctx: Ctx, v: Value) -> Value | None:
     s = v.operands[0]
+    if s.op == "map" and s.attrs[0] == "sigmoid":
+        return ctx.c.scale(-1.0, ctx.c.map("softplus", ctx.c.scale(-1.0, s.operands[0])))
     found = _exp_sum(s)
     if found is not None:
         return ctx.c.reduce("logsumexp", *found)
