@@ -152,8 +152,6 @@ def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):
     import numpy as np
 
     emb = str(ROOT / "examples/embedding.tg")
-    shape = tgc("run", emb, "--random-inputs").output
-    assert "error" not in shape
     from tgc import driver
     from tgc.options import Options
 

@@ -252,7 +252,7 @@ def opt(file, output, locs, **opts) -> None:
     from tgc.ir.parser import parse_module
 
     text = driver.read_text(file)
-    options = make_options(**{**opts, "dtype": opts.get("dtype") or driver.float_type(file, None)}, locs=locs)
+    options = make_options(**{**opts, "dtype": driver.float_type(file, opts.get("dtype"), text)}, locs=locs)
     module = parse_module(text, "<stdin>" if file == "-" else file)
     result = lower(module, options, _emit_to_stderr)
     write_output(output, print_module(result.module, locs))

@@ -8,6 +8,7 @@ import click
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
 from tgc.fsutil import write_all_atomic
+from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 
 EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h"]
@@ -20,7 +21,7 @@ def _defines(ctx, param, value):
         name, sep, n = item.partition("=")
         if not sep or not n.strip().isdigit() or int(n) <= 0:
             raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
-        if int(n) > 2**62:
+        if int(n) > MAX_SIZE:
             raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
         out[name.strip()] = int(n)
     return out
@@ -105,8 +106,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
     if depfile:
         from tgc.depfile import format_depfile
 
-        deps = [f for f in loaded.files if f not in ("-", "<stdin>")]
-        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], _on_disk(loaded.files), mp).encode()
     if output == "-":
         click.echo(files.pop("-").decode(), nl=False)
     write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})
@@ -116,9 +116,14 @@ def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:
     """No two outputs, and no output and source, are one file (gcc refuses the same)."""
     import os
 
-    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in sources if s not in ("-", "<stdin>")}
+    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in _on_disk(sources)}
     for what, path in files:
         real = os.path.realpath(path)
         if real in seen:
             raise click.BadParameter(f"{what} '{path}' would overwrite {seen[real]}", param_hint="-o/-MF")
         seen[real] = f"{what} '{path}'"
+
+
+def _on_disk(files: list[str]) -> list[str]:
+    """The files a program was read from, without standard input."""
+    return [f for f in files if f not in ("-", "<stdin>")]

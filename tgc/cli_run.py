@@ -13,10 +13,9 @@ from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
-from tgc.ir.sizes import SizeError
+from tgc.ir.sizes import MAX_SIZE, SizeError
 
 DEFAULT_RANDOM_DIM = 4
-MAX_DIM = 2**62   # as for dims in a program: sizes and index arithmetic are int64
 
 
 def _dim_binding(ctx, param, value):
@@ -27,7 +26,7 @@ def _dim_binding(ctx, param, value):
             raise click.BadParameter(f"'{item}' is not NAME=N")
         if int(n) <= 0:
             raise click.BadParameter(f"'{item}': a size must be positive")
-        if int(n) > MAX_DIM:
+        if int(n) > MAX_SIZE:
             raise click.BadParameter(f"'{item}': a size must be at most 2^62")
         out[name.strip()] = int(n)
     return out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
+from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 from tgc.passes.manager import PipelineResult, run_pipeline
 
@@ -37,15 +38,16 @@ def is_ir_file(path: str) -> bool:
     return path.endswith(".tgir")
 
 
-def float_type(path: str, asked: str | None) -> str:
-    """The float type to build `path` with: `asked` (--dtype), else a .tgir file's
-    own (its IR spells every type), else f32."""
+def float_type(path: str, asked: str | None, text: str | None = None) -> str:
+    """The float type to build `path` (whose `text` may be read already) with: `asked`
+    (--dtype), else a .tgir file's own (its IR spells every type), else f32."""
     if asked:
         return asked
-    if is_ir_file(path):
+    if text is not None or is_ir_file(path):
         import re
 
-        found = re.search(r"^\s*(?:input|param|state)\s+\S+\s*:\s*(f32|f64)\b", read_text(path), re.M)
+        text = read_text(path) if text is None else text
+        found = re.search(r"^\s*(?:input|param|state)\s+\S+\s*:\s*(f32|f64)\b", text, re.M)
         if found:
             return found.group(1)
     return "f32"
@@ -135,7 +137,7 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
     import numbers
 
     for d, n in dims.items():
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= 2**62:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
             raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
     new = dict(module.dims)
     new.update({d: int(n) for d, n in dims.items()})

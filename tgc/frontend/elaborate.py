@@ -21,12 +21,10 @@ from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 from tgc.ir.module import Arg, Module, Output, Update
-from tgc.ir.sizes import Size, SizeError, size_op, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, SizeError, size_op, size_str
 from tgc.options import Options
 
 PRELUDE = Path(__file__).with_name("prelude.tg")
-
-MAX_DIM = 2**62  # sizes, their products and their index arithmetic are int64 in compiled code
 
 
 @dataclass
@@ -121,8 +119,8 @@ class ProgramBuilder:
         size = None if d.expr is None else self.dim_size(d.expr)
         if isinstance(size, int) and size <= 0:
             raise CompileError(f"dim '{d.name}' must have a positive size, not {size}", d.expr.loc)
-        if isinstance(size, int) and size > MAX_DIM:
-            raise CompileError(f"dim '{d.name}' is too large ({size}; at most {MAX_DIM})", d.expr.loc)
+        if isinstance(size, int) and size > MAX_SIZE:
+            raise CompileError(f"dim '{d.name}' is too large ({size}; at most {MAX_SIZE})", d.expr.loc)
         self.scope.declare(d.name, "dim", d.loc)
         self.m.dims[d.name] = size
         self.m.edges[d.name] = d.name

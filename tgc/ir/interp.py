@@ -67,6 +67,12 @@ def check_inputs(module: Module, inputs: Mapping[str, np.ndarray], env: Mapping[
     return out
 
 
+def check_ids_fit(name: str, a: np.ndarray) -> None:
+    """Integer ids must fit in int32 (the type gathers index with): never wrapped."""
+    if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
+        raise EvalError(f"input '{name}': ids do not fit in int32")
+
+
 def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.ndarray:
     want = tuple(env[module.edges[e]] for e in arg.order)
     if a.shape != want:
@@ -75,8 +81,7 @@ def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.
     if arg.dtype == "i32":
         if a.dtype.kind not in "iu":
             raise EvalError(f"input '{arg.name}' must hold integers (i32), not {a.dtype}")
-        if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
-            raise EvalError(f"input '{arg.name}': ids do not fit in int32")   # as the compiled program says
+        check_ids_fit(arg.name, a)
         return a.astype(np.int32)
     if a.dtype.kind not in "fiub":
         raise EvalError(f"input '{arg.name}' must be numeric, not {a.dtype}")
@@ -171,7 +176,7 @@ def _softplus(x):
 
 
 def _logsumexp(x, axis):
-    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+    m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)  # all -inf stays -inf; an inf stays inf
     return np.log(np.sum(np.exp(x - m), axis=axis)) + np.squeeze(m, axis=axis)
 
@@ -201,12 +206,7 @@ def _reduce(ev: _Eval, v: Value, ops):
     x = v.operands[0]
     axes = tuple(x.edges.index(e) for e in edges)
     with np.errstate(all="ignore"):
-        if kind == "logsumexp":
-            return _logsumexp(ops[0], axes)
-        # over an empty edge (a dim bound to 0 at call time): the identity, -inf or +inf
-        if kind == "max":
-            return np.max(ops[0], axis=axes, initial=-np.inf)
-        return np.min(ops[0], axis=axes, initial=np.inf)
+        return {"max": np.max, "min": np.min, "logsumexp": _logsumexp}[kind](ops[0], axis=axes)
 
 
 def _indicator(ev: _Eval, v: Value, ops):

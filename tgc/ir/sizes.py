@@ -28,6 +28,7 @@ class SizeOp:
 Size = Union[int, str, SizeOp]
 
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+MAX_SIZE = 2**62  # sizes, their products and their index arithmetic are int64 in compiled code
 
 
 def _apply(op: str, a: int, b: int) -> int:

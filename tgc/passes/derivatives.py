@@ -178,6 +178,9 @@ def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
 
 # ---- the table ------------------------------------------------------------------------
 
+_PRODUCT = Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
+                _summed(lambda v, i, t: _times(t, v.operands[1 - i])))
+
 _2_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
 RULES: dict[str, Rule] = {
@@ -203,11 +206,9 @@ RULES: dict[str, Rule] = {
     "where": select(lambda v: v.operands[0], (1, 2)),
     "max": select(lambda v: _fn("ge", *v.operands), (0, 1)),
     "min": select(lambda v: _fn("le", *v.operands), (0, 1)),
-    # mul0(a, b) = a b: a product
-    "mul0": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
-                 _summed(lambda v, i, t: _times(t, v.operands[1 - i]))),
-    "mul00": Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
-                  _summed(lambda v, i, t: _times(t, v.operands[1 - i]))),
+    # mul0(a, b) = mul00(a, b) = a b: products
+    "mul0": _PRODUCT,
+    "mul00": _PRODUCT,
     # elementwise functions: their partial derivatives
     "exp": pointwise(lambda v, a: v),                                   # exp' = exp
     "log": pointwise(lambda v, a: _fn("div", _c(v, 1.0), a)),           # log' = 1/a

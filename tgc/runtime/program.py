@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tgc.ir.interp import EvalError
+from tgc.ir.interp import EvalError, check_ids_fit
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
@@ -250,8 +250,7 @@ class Program:
         if spec.dtype == "i32":
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
-            if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
-                raise EvalError(f"input '{spec.name}': ids do not fit in int32")
+            check_ids_fit(spec.name, a)
         elif a.dtype.kind != "f":
             raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
         if spec.updated and not a.flags.writeable:
