@@ -1,0 +1,177 @@
+"""Run one fuzzed program on the oracle and on each system under test, and compare.
+
+The oracle is `tests/torch_oracle.py` on the *elaborated* module (before any pass):
+float64 torch tensors, every `grad`/`jvp`/`vjp` by torch.autograd, so it shares
+neither tgc's optimization passes nor its derivative rules. The systems under test:
+
+- `interp-f64`: `tgc.driver.lower` (the whole default pipeline) in float64, then the
+  numpy reference interpreter;
+- `cpu-f64`: `tgc.compile(text, backend="cpu", dtype="f64")`, native code;
+- `interp-f32`, `cpu-f32`: the same in float32, against the float64 oracle with a
+  looser bound (reported separately: float32 rounding can flip a comparison).
+
+All see the same seeded random inputs (`tgc.ir.interp.random_inputs`, ids in range).
+The error is norm-wise relative, `|got - want| / max(|want|, floor)` (Frobenius norms),
+and non-finite entries must agree exactly. The CPU program writes updates in place
+into the caller's arrays, so it is given copies.
+
+An update's new value comes back under the target's name, or `W'` when an output is
+also named `W` (`Module.update_key`); the oracle reports every update under its
+target, so the harness hands the oracle a module whose updates are extra outputs.
+"""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tgc.ir.module import Module, Output
+from tgc.options import Options
+
+BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32")
+DEFAULT_BACKENDS = ("interp-f64", "cpu-f64")
+RTOL = {"f64": 1e-6, "f32": 2e-3}
+FLOOR = {"f64": 1e-6, "f32": 1e-2}
+
+
+@dataclass
+class Outcome:
+    """What one backend did with one program: `kind` is ok | mismatch | error."""
+    backend: str
+    kind: str
+    detail: str = ""
+    output: str = ""          # the first output that disagreed
+    error: float = 0.0
+
+    def signature(self) -> tuple:
+        """What the shrinker keeps: the backend and the kind (and an error's class and gist)."""
+        if self.kind == "error":
+            return (self.backend, "error", _gist(self.detail))
+        return (self.backend, self.kind)
+
+
+@dataclass
+class Report:
+    """The oracle's verdict on the program (`valid`) and each backend's outcome."""
+    text: str
+    valid: bool = True
+    invalid_reason: str = ""
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes.values() if o.kind != "ok"]
+
+
+def _gist(detail: str) -> str:
+    """An exception's class and message with names and numbers blanked: its kind."""
+    first = detail.strip().splitlines()[0] if detail.strip() else ""
+    first = re.sub(r"'[^']*'|\"[^\"]*\"|%\w+|\b\d+(\.\d+)?\b|<[^>]*>", "_", first)
+    return first[:80]
+
+
+def rel_error(got, want, floor: float) -> float:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return float("inf")
+    fin_g, fin_w = np.isfinite(got), np.isfinite(want)
+    if not np.array_equal(fin_g, fin_w):
+        return float("inf")
+    bad = ~fin_w
+    if bad.any() and not np.array_equal(got[bad], want[bad], equal_nan=True):
+        return float("inf")
+    d = np.linalg.norm((got - want)[fin_w])
+    return float(d / max(np.linalg.norm(want[fin_w]), floor))
+
+
+def _oracle_module(m: Module) -> tuple[Module, dict[str, str]]:
+    """`m` with each update as an extra output; {that output's name: the update's result key}."""
+    outs, keys = list(m.outputs), {}
+    for i, u in enumerate(m.updates):
+        nm = f"__update{i}"
+        outs.append(Output(nm, u.value, m.args[u.target].order))
+        keys[nm] = m.update_key(u.target)
+    return Module(dict(m.dims), dict(m.edges), dict(m.args), outs, []), keys
+
+
+def oracle(m: Module, inputs, dims) -> dict[str, np.ndarray]:
+    import torch_oracle
+
+    om, keys = _oracle_module(m)
+    res = torch_oracle.evaluate(om, inputs, dims=dims)
+    return {keys.get(k, k): v for k, v in res.items()}
+
+
+def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
+    """The results of `text` on `backend` ({output or update key: array})."""
+    kind, dtype = backend.split("-")
+    np_t = np.float64 if dtype == "f64" else np.float32
+    ins = {k: (v.astype(np_t) if v.dtype.kind == "f" else v.copy()) for k, v in inputs.items()}
+    if kind == "interp":
+        from tgc import driver
+        from tgc.frontend import compile_source
+        from tgc.ir.interp import evaluate
+
+        m = compile_source(text, "<fuzz>", Options(dtype=dtype))
+        low = driver.lower(m, Options(dtype=dtype)).module
+        return evaluate(low, ins, dtype=dtype, dims=dims)
+    if kind == "cpu":
+        import tgc
+
+        prog = tgc.compile(text, backend="cpu", dtype=dtype, options=Options(compile_jobs=1))
+        return prog.run(ins, dict(dims) or None)
+    raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
+
+
+def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0) -> Report:
+    """Run `text` on the oracle and on every backend; the report."""
+    from tgc.frontend import compile_source
+    from tgc.ir.interp import random_inputs
+
+    rep = Report(text)
+    try:
+        m = compile_source(text, "<fuzz>", Options(dtype="f64"))
+        env = m.bind_dims(dims)
+        inputs = random_inputs(m, env, seed, "f64")
+        want = oracle(m, inputs, dims)
+    except Exception as e:  # noqa: BLE001 -- a program the oracle cannot run is not a test
+        rep.valid, rep.invalid_reason = False, f"{type(e).__name__}: {e}"
+        return rep
+    bad = [k for k, v in want.items() if not np.all(np.isfinite(v))]
+    if bad:
+        rep.valid, rep.invalid_reason = False, f"the oracle's '{bad[0]}' is not finite"
+        return rep
+    for b in backends:
+        dtype = b.split("-")[1]
+        try:
+            got = run_backend(b, text, inputs, dims)
+        except Exception as e:  # noqa: BLE001 -- any exception is a finding
+            rep.outcomes[b] = Outcome(b, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}")
+            continue
+        if set(got) != set(want):
+            rep.outcomes[b] = Outcome(b, "mismatch", f"result keys {sorted(got)} != oracle's {sorted(want)}")
+            continue
+        worst = None
+        for k in want:
+            err = rel_error(got[k], want[k], FLOOR[dtype])
+            if not err <= RTOL[dtype] and (worst is None or err > worst[1]):
+                worst = (k, err)
+        if worst is None:
+            rep.outcomes[b] = Outcome(b, "ok")
+        else:
+            k, err = worst
+            rep.outcomes[b] = Outcome(b, "mismatch", _describe(k, got[k], want[k], err), k, err)
+    return rep
+
+
+def _describe(key: str, got, want, err: float) -> str:
+    with np.printoptions(precision=6, threshold=20, edgeitems=3, linewidth=100):
+        return (f"output '{key}': relative error {err:.3g}\n"
+                f"  got  {np.asarray(got)!r}\n  want {np.asarray(want)!r}")
+
+
+def no_cache() -> None:
+    """Compiled programs are not cached on disk (thousands of one-off programs)."""
+    os.environ["TGC_CACHE"] = "off"
