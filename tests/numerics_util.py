@@ -1,0 +1,177 @@
+"""Helpers of the f32 numerics suite (`tests/test_numerics_f32.py`).
+
+A `Case` is a .tg program, deterministic inputs and a hand-written PyTorch reference.
+`compare(case, backend)` runs the reference in float64 (the wanted values) and in
+float32 (PyTorch's own error), runs tgc's f32 build on `backend`, and returns one
+`Result` per output and update. The measures and the pass rule are described in the
+suite's docstring; they are implemented here:
+
+- `normwise_err(got, want)`  = max|got - want| / max(max|want|, FLOOR)
+- `elementwise_err(got, want)`[i] = |got[i] - want[i]| / max(|want[i]|, FLOOR)
+
+Non-finite values: where `want` is non-finite, `got` must be the same value (the same
+infinity, or NaN), else the error is inf; a non-finite `got` where `want` is finite is
+an error of inf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+
+FLOOR = 1e-30     # the tiny absolute floor of the scale divided by (see the suite's docstring)
+FACTOR = 10.0     # tgc may be this many times worse than PyTorch f32 ...
+ABS_OK = 1e-6     # ... or always within this relative error
+EPS64 = 2.0 ** -52
+
+# Every tgc backend the suite runs. "interp" is the reference interpreter on the lowered
+# module; any other name is passed to `tgc.compile(..., backend=name)`. Add new backends
+# (e.g. "cuda-sim") here.
+BACKENDS = ("interp", "cpu")
+
+
+@dataclass
+class Case:
+    id: str
+    src: str
+    inputs: dict            # name -> numpy array (any float type; rounded to f32 once) or i32
+    ref: Callable           # ref(T) -> {output name: tensor}; T.name is a torch tensor
+    elementwise: bool = False   # per-element errors (elementwise functions' tails)
+    note: str = ""
+
+    def f32_inputs(self) -> dict[str, np.ndarray]:
+        out = {}
+        for k, v in self.inputs.items():
+            a = np.asarray(v)
+            out[k] = a.astype(np.int32) if a.dtype.kind in "iu" else a.astype(np.float32)
+        return out
+
+
+@dataclass
+class Result:
+    name: str
+    tgc_err: float          # normwise; for elementwise cases the error at the worst element
+    torch_err: float
+    passed: bool
+    vacuous: bool           # torch's own f32 error is inf everywhere: nothing to compare to
+    where: str = ""         # elementwise: the worst element's index and values
+
+
+def normwise_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    fin = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), fin):
+        return math.inf
+    if (~fin).any() and not np.array_equal(got[~fin], want[~fin], equal_nan=True):
+        return math.inf
+    if not fin.any():
+        return 0.0
+    d = np.max(np.abs(got[fin] - want[fin]))
+    return float(d / max(float(np.max(np.abs(want[fin]))), FLOOR))
+
+
+def elementwise_err(got, want) -> np.ndarray:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    with np.errstate(all="ignore"):
+        err = np.abs(got - want) / np.maximum(np.abs(want), FLOOR)
+    fin_w, fin_g = np.isfinite(want), np.isfinite(got)
+    same_nonfinite = ~fin_w & ((got == want) | (np.isnan(got) & np.isnan(want)))
+    err = np.where(fin_w & fin_g, err, np.inf)
+    return np.where(same_nonfinite, 0.0, err)
+
+
+def ok(tgc_err, torch_err):
+    """The pass rule (scalars or arrays alike)."""
+    return (tgc_err <= FACTOR * torch_err) | (tgc_err <= ABS_OK)
+
+
+# ---------------------------------------------------------------- running
+
+def torch_outputs(case: Case, dtype) -> dict[str, np.ndarray]:
+    import torch
+
+    T = SimpleNamespace()
+    for k, v in case.f32_inputs().items():
+        t = torch.from_numpy(np.array(v))
+        setattr(T, k, t if v.dtype == np.int32 else t.to(dtype))
+    out = case.ref(T)
+    return {k: np.asarray(v.detach().to(torch.float64).numpy() if hasattr(v, "detach") else v, np.float64)
+            for k, v in out.items()}
+
+
+def tgc_outputs(case: Case, backend: str) -> dict[str, np.ndarray]:
+    inputs = case.f32_inputs()
+    if backend == "interp":
+        from tgc import driver
+        from tgc.frontend import compile_source
+        from tgc.ir.interp import evaluate
+        from tgc.options import Options
+
+        opts = Options(dtype="f32")
+        module = compile_source(case.src, f"<{case.id}>", opts)
+        lowered = driver.lower(module, opts).module
+        return evaluate(lowered, inputs, dtype="f32")
+    import tgc
+
+    prog = tgc.compile(case.src, backend=backend, dtype="f32")
+    arrays = {k: v.copy() for k, v in inputs.items()}
+    result = dict(prog(**arrays))
+    for target in prog.updates:     # updates are written in place: the caller's arrays are what counts
+        result[prog.module.update_key(target)] = arrays[target]
+    return result
+
+
+_REF_CACHE: dict[str, tuple[dict, dict]] = {}
+
+
+def references(case: Case) -> tuple[dict, dict]:
+    """(want: torch float64, torch float32) outputs of the case, computed once."""
+    if case.id not in _REF_CACHE:
+        import torch
+
+        _REF_CACHE[case.id] = (torch_outputs(case, torch.float64), torch_outputs(case, torch.float32))
+    return _REF_CACHE[case.id]
+
+
+def compare(case: Case, backend: str) -> list[Result]:
+    want, t32 = references(case)
+    got = tgc_outputs(case, backend)
+    assert set(got) == set(want), f"outputs: tgc {sorted(got)}, reference {sorted(want)}"
+    results = []
+    for name in want:
+        w, t, g = want[name], t32[name], np.asarray(got[name], np.float64)
+        assert g.shape == w.shape, f"{name}: tgc shape {g.shape}, reference {w.shape}"
+        if case.elementwise:
+            te, ge = elementwise_err(t, w), elementwise_err(g, w)
+            # where PyTorch's formula gives exactly 0 in float64 and in float32 (sigmoid'(80)
+            # as s (1 - s), tanh'(30) as 1 - t^2), the reference cannot tell a tiny true value
+            # from 0: there tgc must be 0 to float64's resolution of the output
+            fin = np.isfinite(w)
+            resolution = EPS64 * (float(np.max(np.abs(w[fin]))) if fin.any() else 0.0)
+            unresolved = (w == 0) & (t == 0) & (np.abs(g) <= resolution)
+            ge = np.where(unresolved, 0.0, ge)
+            good = ok(ge, te)
+            slack = np.where(good, -np.inf, ge - FACTOR * te)   # the worst failing element, else the
+            i = int(np.argmax(slack)) if (~good).any() else int(np.argmax(ge))  # largest tgc error
+            idx = np.unravel_index(i, w.shape) if w.ndim else ()
+            where = (f"at {tuple(int(j) for j in idx)}: want {w.flat[i]:.9g}, tgc {g.flat[i]:.9g}, "
+                     f"torch f32 {t.flat[i]:.9g}")
+            results.append(Result(name, float(ge.flat[i]), float(te.flat[i]), bool(good.all()),
+                                  bool(np.isinf(te).all()), where))
+        else:
+            te, ge = normwise_err(t, w), normwise_err(g, w)
+            results.append(Result(name, ge, te, bool(ok(ge, te)), math.isinf(te)))
+    return results
+
+
+def report(case: Case, backend: str, results: list[Result]) -> str:
+    lines = [f"{case.id} [{backend}]" + (" (element-wise)" if case.elementwise else "")]
+    for r in results:
+        lines.append(f"  {'ok  ' if r.passed else 'FAIL'} {r.name}: tgc_err {r.tgc_err:.3g}, "
+                     f"torch_err {r.torch_err:.3g}" + (f"  {r.where}" if r.where else ""))
+    return "\n".join(lines)
