@@ -87,15 +87,24 @@ def _source_key(kind, name, text, options):
 
 
 def _cached(key, options):
+    """The program of a first-level cache hit, or None. The entry's IR is lowered
+    again; its code is used only for the same lowered program."""
     from tgc.runtime import cache
 
     hit = cache.lookup_program(key)
     if hit is None:
         return None
     try:
-        from tgc.runtime.program import from_object
+        from tgc.ir.parser import parse_module
+        from tgc.passes.plan import lower_module
+        from tgc.runtime.program import from_cached_object
 
-        return from_object(hit[0], options.with_(dims=()), hit[1], hit[2])
+        opts = options.with_(dims=())
+        module = parse_module(hit.ir, "<cache>")
+        low = lower_module(module, opts)
+        if cache.lowered_digest(low) != hit.lowered_sha256:
+            return None
+        return from_cached_object(module, opts, low, hit.objs)
     except Exception:  # noqa: BLE001 -- a damaged entry: the full build runs
         return None
 

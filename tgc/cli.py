@@ -133,6 +133,19 @@ def main(debug: bool, color: str) -> None:
       tgc dump-ir examples/mlp.tg --after elaborate
       tgc run examples/mlp.tg --random-inputs
     """
+    import warnings
+
+    from tgc.runtime.cache import CacheWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, *args, **kwargs):   # tgc's own warnings as one plain line
+        if issubclass(category, CacheWarning):
+            click.echo(f"warning: {message}", err=True)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
 
 
 @main.command()

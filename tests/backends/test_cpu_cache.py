@@ -1,7 +1,13 @@
 """The on-disk code cache: hits and misses, keys, damaged entries, concurrent builds."""
+import hashlib
+import json
+import os
+import stat
 import subprocess
 import sys
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,11 +134,206 @@ def test_concurrent_builds_agree(cache_dir):
 
 
 def test_entries_hold_every_object_file(cache_dir):
-    objs = (b"first object", b"", b"third")
+    tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=3))
+    (entry,) = cache_dir.rglob("*.o")
+    objs = cache.lookup(entry.name[:-2])
+    assert objs and all(o.startswith(b"\x7fELF") for o in objs)
     cache.store("ab" + "0" * 62, objs)
     assert cache.lookup("ab" + "0" * 62) == objs
-    path = next(cache_dir.rglob("*.o"))
+    path = cache_dir / "ab" / ("ab" + "0" * 62 + ".o")
     data = path.read_bytes()
     path.write_bytes(data[:-2])                 # truncated: the checksum fails
     assert cache.lookup("ab" + "0" * 62) is None
     assert cache._unpack((100).to_bytes(8, "little") + b"short") is None   # a length past the end
+
+
+# ------------------------------------------------------------ security: a private directory, no pickles
+
+def test_directory_is_created_private_under_any_umask(tmp_path, monkeypatch):
+    d = tmp_path / "a" / "b" / "tgc"
+    monkeypatch.setenv("TGC_CACHE_DIR", str(d))
+    monkeypatch.delenv("TGC_CACHE", raising=False)
+    old = os.umask(0)
+    try:
+        tgc.compile(PROGRAM)
+    finally:
+        os.umask(old)
+    for p in (d, d.parent, d.parent.parent):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o700, p
+    for p in d.rglob("*"):
+        assert stat.S_IMODE(p.stat().st_mode) & 0o077 == 0, p
+    assert entries(d)
+
+
+def _unsafe_dirs(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    yield "symlink", link, target
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o775)
+    yield "group-writable", loose, loose
+    if os.getuid() == 0:
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        os.chown(other, 12345, 12345)
+        yield "not ours", other, other
+
+
+def test_unsafe_directory_is_not_used_and_warned_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("TGC_CACHE", raising=False)
+    for why, d, target in _unsafe_dirs(tmp_path):
+        monkeypatch.setenv("TGC_CACHE_DIR", str(d))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                prog = tgc.compile(PROGRAM)
+        assert prog(x=np.zeros(2, np.float32))["y"].tolist() == [2, 2], why
+        mine = [w for w in caught if issubclass(w.category, cache.CacheWarning)]
+        assert len(mine) == 1 and str(d) in str(mine[0].message), (why, [str(w.message) for w in caught])
+        assert list(target.iterdir()) == [], why
+
+
+def test_cli_warns_once_about_an_unsafe_directory(tmp_path):
+    d = tmp_path / "loose"
+    d.mkdir()
+    d.chmod(0o777)
+    src = tmp_path / "p.tg"
+    src.write_text(PROGRAM)
+    env = {**os.environ, "TGC_CACHE_DIR": str(d)}
+    env.pop("TGC_CACHE", None)
+    r = subprocess.run([sys.executable, "-m", "tgc.cli", "run", str(src), "--random-inputs", "--dim", "n=3",
+                        "--backend", "cpu"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "code cache" in ln]
+    assert len(lines) == 1 and "writable by group or others" in lines[0], r.stderr
+    assert list(d.iterdir()) == []
+
+
+def test_entries_hold_no_pickle(cache_dir):
+    tgc.compile(PROGRAM)
+    (prog,) = cache_dir.rglob("*.prog")
+    data = prog.read_bytes()
+    n = len(cache.PROGRAM_MAGIC) + 65
+    size = int.from_bytes(data[n:n + 8], "little")
+    meta = json.loads(data[n + 8:n + 8 + size])        # the metadata is JSON
+    assert set(meta) == {"deps", "ir", "lowered_sha256"}
+    assert b"pickle" not in Path(cache.__file__).read_bytes().replace(b"never pickles", b"")
+
+
+def test_a_hit_whose_ir_lowers_differently_is_a_miss(cache_dir):
+    tgc.compile(PROGRAM)
+    (prog,) = cache_dir.rglob("*.prog")
+    key = prog.name[:-len(".prog")]
+    hit = cache.lookup_program(key)
+    other = hit.ir.replace("2", "3")                    # valid IR, another program
+    assert other != hit.ir
+    meta = json.dumps({"deps": [], "ir": other, "lowered_sha256": hit.lowered_sha256}).encode()
+    cache._write(cache_dir, key, ".prog", cache.PROGRAM_MAGIC,
+                 len(meta).to_bytes(8, "little") + meta + cache._pack(hit.objs))
+    assert tgc.compile(PROGRAM)(x=np.ones(2, np.float32))["y"].tolist() == pytest.approx([2 * np.e] * 2)
+
+
+# ------------------------------------------------------------ damage of any kind is a miss
+
+CHILD = ("import numpy as np, tgc; p = tgc.compile(%r); "
+         "print(p(x=np.ones(2, np.float32))['y'].tolist())" % PROGRAM)
+
+
+def _rewrite(path, body_change, magic):
+    """Change an entry's body and recompute its checksum (damage the checksum misses)."""
+    data = path.read_bytes()
+    body = body_change(data[len(magic) + 65:])
+    path.write_bytes(magic + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def _objects_of(body):
+    """(offset, length) of each object file in a packed body."""
+    out, at = [], 0
+    while at < len(body):
+        n = int.from_bytes(body[at:at + 8], "little")
+        out.append((at + 8, n))
+        at += 8 + n
+    return out
+
+
+DAMAGE = {
+    "truncated object": lambda b: b[:_objects_of(b)[0][0] + _objects_of(b)[0][1] // 2]
+    + b"",
+    "object cut short, lengths fixed": lambda b: (_objects_of(b)[0][1] // 3).to_bytes(8, "little")
+    + b[8:8 + _objects_of(b)[0][1] // 3],
+    "section headers moved past the end": lambda b: b[:8 + 0x28] + (1 << 40).to_bytes(8, "little") + b[8 + 0x30:],
+    "not ELF": lambda b: b[:8] + b"\x00" * 16 + b[24:],
+    "empty": lambda b: b"",
+}
+
+
+@pytest.mark.parametrize("kind", ["o", "prog"])
+@pytest.mark.parametrize("damage", sorted(DAMAGE) + ["fifo", "dev-zero", "directory", "huge", "dangling"])
+def test_damage_with_a_valid_checksum_is_a_miss(cache_dir, kind, damage):
+    tgc.compile(PROGRAM)
+    (entry,) = cache_dir.rglob(f"*.{kind}")
+    if kind == "o":
+        for prog in cache_dir.rglob("*.prog"):     # so that the object entry is looked up
+            prog.unlink()
+    magic = cache.MAGIC if kind == "o" else cache.PROGRAM_MAGIC
+    if damage in DAMAGE:
+        if kind == "o":
+            _rewrite(entry, DAMAGE[damage], magic)
+        else:   # the objects follow the JSON metadata
+            def change(body):
+                n = 8 + int.from_bytes(body[:8], "little")
+                return body[:n] + DAMAGE[damage](body[n:])
+            _rewrite(entry, change, magic)
+    else:
+        entry.unlink()
+        if damage == "fifo":
+            os.mkfifo(entry)
+        elif damage == "dev-zero":
+            entry.symlink_to("/dev/zero")
+        elif damage == "directory":
+            entry.mkdir()
+        elif damage == "dangling":
+            entry.symlink_to(cache_dir / "nowhere")
+        else:
+            with open(entry, "wb") as f:
+                f.truncate(cache.MAX_ENTRY + 1)
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TGC_CACHE_DIR": str(cache_dir)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str([2 * float(np.float32(np.e))] * 2) or \
+        json.loads(r.stdout) == pytest.approx([2 * np.e] * 2)
+
+
+def test_flipped_object_headers_never_crash(cache_dir):
+    """Flip bits of an object file's ELF and section headers, checksum recomputed:
+    each compile still gives the right result (the damage is refused, or loads and
+    works); none crashes or hangs the process (run in a forked child to see)."""
+    tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=1))
+    for prog in cache_dir.rglob("*.prog"):
+        prog.unlink()
+    (entry,) = cache_dir.rglob("*.o")
+    key = entry.name[:-2]
+    (obj,) = cache.lookup(key)
+    shoff = int.from_bytes(obj[0x28:0x30], "little")
+    rng = np.random.default_rng(0)
+    spots = list(range(0x40)) + list(range(shoff, len(obj)))
+    for _ in range(120):
+        bad = bytearray(obj)
+        at = int(rng.choice(spots))
+        bad[at] ^= 1 << int(rng.integers(8))
+        cache.store(key, (bytes(bad),))
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                p = tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=1))
+                y = p(x=np.ones(2, np.float32))["y"]
+                code = 0 if np.allclose(y, 2 * np.e) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status), f"flip at byte {at:#x}: killed by signal {os.WTERMSIG(status)}"
+        assert os.WEXITSTATUS(status) == 0, f"flip at byte {at:#x}: status {os.WEXITSTATUS(status)}"

@@ -14,10 +14,13 @@ import copy
 import dataclasses
 import functools
 import gc
+import hashlib
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import lark
 from lark import Lark, Token
 from lark.parsers.lalr_parser_state import ParserState
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -113,11 +116,49 @@ def _grammar_path() -> Path:
     return here if here.exists() else Path(__file__).resolve().parents[2] / "grammar" / "tg.lark"
 
 
+_TABLES = Path(__file__).with_name("lark_tables.json")   # `python -m tgc.frontend.parser` writes it
+_OPTIONS = dict(parser="lalr", lexer="basic", keep_all_tokens=True, maybe_placeholders=False)
+_RUNTIME_OPTIONS = ("postlex", "transformer")   # objects of this process, never serialized
+
+
 @functools.lru_cache(maxsize=1)
 def _lark() -> Lark:
-    return Lark(_grammar_path().read_text(encoding="utf-8"), parser="lalr", lexer="basic",
-                postlex=_POSTLEX, transformer=_BUILDER, keep_all_tokens=True,
-                maybe_placeholders=False, cache=True)
+    """The parser: from the tables generated at build time (`lark_tables.json`) when
+    they match this grammar and this lark, else built from the grammar in memory.
+    Nothing is read from a shared or temporary directory (lark's `cache=True` would
+    unpickle a file there that another user can plant)."""
+    grammar = _grammar_path().read_text(encoding="utf-8")
+    try:
+        tables = json.loads(_TABLES.read_text(encoding="utf-8"), object_pairs_hook=_int_keys)
+        if tables["grammar_sha256"] == _grammar_digest(grammar) and tables["lark"] == lark.__version__:
+            return Lark._load_from_dict(tables["data"], tables["memo"], postlex=_POSTLEX, transformer=_BUILDER)
+    except Exception:  # noqa: BLE001 -- absent, stale or unreadable tables: build them
+        pass
+    return Lark(grammar, postlex=_POSTLEX, transformer=_BUILDER, **_OPTIONS)
+
+
+def _int_keys(pairs) -> dict:
+    """JSON object -> dict, with decimal keys as ints (lark's tables key states,
+    tokens and its memo by number; no other key is all digits)."""
+    return {int(k) if k.isdigit() else k: v for k, v in pairs}
+
+
+def _grammar_digest(grammar: str) -> str:
+    return hashlib.sha256(grammar.encode("utf-8")).hexdigest()
+
+
+def tables_json() -> str:
+    """The text of `lark_tables.json`: the LALR tables of the grammar (lark's own
+    serialization, as data), with the grammar's hash and the lark version they are
+    valid for."""
+    from lark.grammar import Rule
+    from lark.lexer import TerminalDef
+
+    grammar = _grammar_path().read_text(encoding="utf-8")
+    data, memo = Lark(grammar, postlex=_POSTLEX, **_OPTIONS).memo_serialize([TerminalDef, Rule])
+    data["options"] = {k: v for k, v in data["options"].items() if k not in _RUNTIME_OPTIONS}
+    return json.dumps({"grammar_sha256": _grammar_digest(grammar), "lark": lark.__version__,
+                       "data": data, "memo": memo}, sort_keys=True, separators=(",", ":")) + "\n"
 
 
 # ---- syntax errors ------------------------------------------------------------
@@ -536,3 +577,7 @@ def _check_arg_order(args: tuple) -> None:
 
 _POSTLEX = _BracketNewlines()
 _BUILDER = _Builder()
+
+
+if __name__ == "__main__":   # regenerate lark_tables.json after changing the grammar
+    _TABLES.write_text(tables_json(), encoding="utf-8")

@@ -8,10 +8,22 @@ at once never see a partial entry; an unreadable entry is rebuilt.
 
 A first level, looked up before anything is parsed (`tgc.compile`), maps the
 source text itself (with its name, the options, the dims, tgc's source and the CPU)
-to everything a `Program` needs: the module after the IR pipeline, the lowered
-program and the object code, pickled. An entry also lists the files the program
-imported with their hashes; a changed import is a miss. Entries carry a checksum;
-anything unreadable, stale or failing to load is a miss, and the full build runs.
+to what a `Program` needs: the module after the IR pipeline as IR text, a hash of
+the lowered program made from it, and the object code. A hit parses the IR, lowers
+it again (milliseconds) and uses the code only if the lowered program hashes the
+same. An entry also lists the files the program imported with their hashes; a
+changed import is a miss.
+
+Nothing in the cache is code to Python: entries are a checksummed binary layout
+(magic, sha256, lengths) with JSON metadata, never pickles. Any damage is a miss
+and the full build runs: an entry is read only if it is a regular file (no FIFO,
+device or symlink) of at most `MAX_ENTRY` bytes whose checksum holds, and its object
+files must pass `tgc.runtime.objfile.check_objects` before LLVM loads them.
+
+Security: the directory is created 0700 (whatever the umask), and before every use
+it must be a real directory (not a symlink), owned by this user, and not writable
+by group or others; otherwise the cache is not used at all and one warning says why.
+So only this user can place code in it.
 
 Location: `$TGC_CACHE_DIR`, else `$XDG_CACHE_HOME/tgc`, else `~/.cache/tgc`;
 `TGC_CACHE=off` disables it.
@@ -21,26 +33,85 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
-import pickle
+import stat
+import warnings
 from pathlib import Path
 
 from tgc.fsutil import write_atomic
 from tgc.options import Options
 
-# Options that only change what is printed, never the code; and compile_jobs, which
-# only changes how the same code is cut into object files (any cut loads the same).
+MAX_ENTRY = 1 << 30   # bytes: a larger "entry" is damage, never read
+
+
+class CacheWarning(UserWarning):
+    """The cache directory is unsafe to use (so it is not used)."""
+
+
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
                           "locs", "verify_each", "verify_seed", "stats", "passes", "compile_jobs"})
 
 
 def cache_dir() -> Path | None:
+    """The cache directory, created 0700 if absent; None when the cache is off or
+    the directory fails the checks in the module docstring (then one warning)."""
     if os.environ.get("TGC_CACHE", "").lower() in ("0", "off", "no", "false"):
         return None
     if os.environ.get("TGC_CACHE_DIR"):
-        return Path(os.environ["TGC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tgc"
+        path = Path(os.environ["TGC_CACHE_DIR"])
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        path = Path(base) / "tgc"
+    problem = _unsafe(path)
+    if problem is None:
+        return path
+    if problem and path not in _WARNED:
+        _WARNED.add(path)
+        warnings.warn(f"not using the code cache '{path}': {problem}", CacheWarning, stacklevel=2)
+    return None
+
+
+_WARNED: set[Path] = set()
+
+
+def _unsafe(path: Path) -> str | None:
+    """Why `path` must not hold the cache (None: it is safe; '': it cannot be made,
+    e.g. a read-only home, which only costs time and is not warned about)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        try:
+            _make_private(path)
+            st = os.lstat(path)
+        except OSError:
+            return ""
+    except OSError as e:
+        return f"cannot inspect it ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user"
+    if st.st_mode & 0o022:
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):03o})"
+    return None
+
+
+def _make_private(path: Path) -> None:
+    """Create `path` and any missing parents with mode 0700, whatever the umask."""
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(p, 0o700)   # the umask only removes bits; this also drops any it kept
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +122,7 @@ def compiler_digest() -> str:
     paths = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
-        paths += [Path(folder) / f for f in files if f.endswith((".py", ".tg", ".lark"))]
+        paths += [Path(folder) / f for f in files if f.endswith((".py", ".tg", ".lark", ".json"))]
     for path in sorted(paths):
         if path.is_file():
             h.update(str(path.relative_to(root)).encode())
@@ -68,23 +139,20 @@ def cache_key(ir_text: str, options: Options, cpu: tuple[str, str]) -> str:
     return h.hexdigest()
 
 
-MAGIC = b"tgc-objects-2\n"
+MAGIC = b"tgc-objects-3\n"
 
 
 def lookup(key: str) -> tuple[bytes, ...] | None:
-    """The object files cached for `key`, or None (absent, unreadable, or failing
-    its checksum)."""
+    """The object files cached for `key`, or None (absent, unreadable, failing its
+    checksum, or objects unfit to load)."""
     d = cache_dir()
     if d is None:
         return None
-    try:
-        data = (d / key[:2] / f"{key}.o").read_bytes()
-    except OSError:
+    body = _read_entry(d, key, ".o", MAGIC)
+    objs = _unpack(body) if body is not None else None
+    if objs is None or _objects_unfit(objs):
         return None
-    head, digest, body = data[:len(MAGIC)], data[len(MAGIC):len(MAGIC) + 64], data[len(MAGIC) + 65:]
-    if head != MAGIC or digest != hashlib.sha256(body).hexdigest().encode():
-        return None
-    return _unpack(body)
+    return objs
 
 
 def store(key: str, objs: tuple[bytes, ...]) -> None:
@@ -94,9 +162,15 @@ def store(key: str, objs: tuple[bytes, ...]) -> None:
         return
     body = _pack(objs)
     try:
-        _write(d / key[:2], f"{key}.o", MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+        _write(d, key, ".o", MAGIC, body)
     except OSError:
         pass  # a read-only or full cache only costs the next build its time
+
+
+def _objects_unfit(objs) -> bool:
+    from tgc.runtime.objfile import check_objects
+
+    return check_objects(objs) is not None
 
 
 def _pack(objs: tuple[bytes, ...]) -> bytes:
@@ -108,16 +182,62 @@ def _unpack(body: bytes) -> tuple[bytes, ...] | None:
     objs, at = [], 0
     while at < len(body):
         n = int.from_bytes(body[at:at + 8], "little")
-        if at + 8 + n > len(body):
+        if at + 8 > len(body) or at + 8 + n > len(body):
             return None
         objs.append(body[at + 8:at + 8 + n])
         at += 8 + n
     return tuple(objs) or None
 
 
+def _entry_name(key: str, suffix: str) -> tuple[str, str]:
+    if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise ValueError(f"not a cache key: {key!r}")
+    return key[:2], key + suffix
+
+
+def _read_entry(d: Path, key: str, suffix: str, magic: bytes) -> bytes | None:
+    """The checked body of an entry, or None: only a regular file, owned by this
+    user, of at most MAX_ENTRY bytes, opened without following links or blocking
+    (a FIFO), whose magic and sha256 hold."""
+    sub, name = _entry_name(key, suffix)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        dfd = os.open(d / sub, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow)
+    except OSError:
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0), dir_fd=dfd)
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ENTRY or \
+                (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+            return None
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    n = len(magic)
+    head, digest, newline, body = data[:n], data[n:n + 64], data[n + 64:n + 65], data[n + 65:]
+    if head != magic or newline != b"\n" or digest != hashlib.sha256(body).hexdigest().encode():
+        return None
+    return body
+
+
 # ------------------------------------------------------------ the first level: source -> program
 
-PROGRAM_MAGIC = b"tgc-program-2\n"
+PROGRAM_MAGIC = b"tgc-program-3\n"
 # options that print while the pipeline runs: a hit would skip the printing
 PRINTS = ("print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes", "stats", "verify_each")
 
@@ -148,25 +268,42 @@ def file_hashes(paths) -> list[tuple[str, str]] | None:
     return out
 
 
-def lookup_program(key: str):
-    """(module, lowered, object code) stored under `key`, or None: absent, unreadable,
-    failing its checksum, not loading, or an imported file changed since."""
+def lowered_digest(lowered) -> str:
+    """The hash of a lowered program's text, which a first-level hit must reproduce."""
+    from tgc.ir.lowered import print_lowered
+
+    return hashlib.sha256(print_lowered(lowered).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramEntry:
+    ir: str                       # the module after the IR pipeline, as IR text with locations
+    lowered_sha256: str           # `lowered_digest` of the lowered program the code is for
+    objs: tuple[bytes, ...]
+
+
+def lookup_program(key: str) -> ProgramEntry | None:
+    """The entry stored under `key`, or None: absent, unreadable, failing its checksum
+    or its structure, an imported file changed since, or objects unfit to load."""
     d = cache_dir()
     if d is None:
         return None
-    try:
-        data = (d / key[:2] / f"{key}.prog").read_bytes()
-        n = len(PROGRAM_MAGIC)
-        head, digest, body = data[:n], data[n:n + 64], data[n + 65:]
-        if head != PROGRAM_MAGIC or digest != hashlib.sha256(body).hexdigest().encode():
-            return None
-        entry = pickle.loads(body)
-        deps, module, lowered, obj = entry["deps"], entry["module"], entry["lowered"], entry["obj"]
-        if not (isinstance(obj, tuple) and all(isinstance(o, bytes) for o in obj)) or file_hashes(p for p, _ in deps) != deps:
-            return None
-        return module, lowered, obj
-    except Exception:  # noqa: BLE001 -- any damage is a miss: the full build runs
+    body = _read_entry(d, key, ".prog", PROGRAM_MAGIC)
+    if body is None or len(body) < 8:
         return None
+    n = int.from_bytes(body[:8], "little")
+    try:
+        meta = json.loads(body[8:8 + n].decode("utf-8"))
+        deps = [(str(p), str(h)) for p, h in meta["deps"]]
+        ir, digest = meta["ir"], meta["lowered_sha256"]
+        if not isinstance(ir, str) or not isinstance(digest, str):
+            return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    objs = _unpack(body[8 + n:])
+    if objs is None or file_hashes(p for p, _ in deps) != deps or _objects_unfit(objs):
+        return None
+    return ProgramEntry(ir, digest, objs)
 
 
 def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: tuple[bytes, ...]) -> None:
@@ -175,15 +312,24 @@ def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: t
     if d is None:
         return
     try:
-        body = pickle.dumps({"deps": deps, "module": module, "lowered": lowered, "obj": obj},
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        _write(d / key[:2], f"{key}.prog", PROGRAM_MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
-    except Exception:  # noqa: BLE001 -- unpicklable, read-only or full: the next build only costs its time
+        from tgc.ir.printer import print_module
+
+        meta = json.dumps({"deps": deps, "ir": print_module(module, locs=True),
+                           "lowered_sha256": lowered_digest(lowered)}).encode("utf-8")
+        _write(d, key, ".prog", PROGRAM_MAGIC, len(meta).to_bytes(8, "little") + meta + _pack(obj))
+    except Exception:  # noqa: BLE001 -- unprintable, read-only or full: the next build only costs its time
         pass
 
 
-def _write(folder: Path, name: str, data: bytes) -> None:
-    """Write atomically without fsync: a torn entry after a crash fails its checksum
-    and is rebuilt, so durability is not needed, only atomicity."""
-    folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / name, data, durable=False)
+def _write(d: Path, key: str, suffix: str, magic: bytes, body: bytes) -> None:
+    """Write an entry atomically without fsync: a torn entry after a crash fails its
+    checksum and is rebuilt, so durability is not needed, only atomicity."""
+    sub, name = _entry_name(key, suffix)
+    folder = d / sub
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            raise NotADirectoryError(20, "not a directory", str(folder))
+    except FileNotFoundError:
+        _make_private(folder)
+    data = magic + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+    write_atomic(folder / name, data, mode=0o600, durable=False)

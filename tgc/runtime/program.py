@@ -127,8 +127,39 @@ def build_with_object(module: Module, options: Options) -> tuple["Program", tupl
     from tgc.passes.plan import lower_module
 
     low = lower_module(module, options)
-    objs = _machine_code(module, low, options)
+    objs = _machine_code(module, low, options, cached=True)
+    if objs is not None:
+        try:
+            return from_cached_object(module, options, low, objs), objs
+        except Exception:  # noqa: BLE001 -- a cached entry that does not load is a miss
+            pass
+    objs = _machine_code(module, low, options, cached=False)
     return from_object(module, options, low, objs), objs
+
+
+_LOADED: set[bytes] = set()        # digests of object sets this process has loaded safely
+_LOADED_LOCK = threading.Lock()
+
+
+def from_cached_object(module: Module, options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Program":
+    """`from_object` for object files read from the cache, which may be damaged in
+    ways no checksum sees: they are loaded (and `tgc_init` run) first in a forked child,
+    and only if that child survives, here. RuntimeError if it did not."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(len(o).to_bytes(8, "little") + o for o in objs)).digest()
+    with _LOADED_LOCK:
+        known = digest in _LOADED
+    if not known:
+        from tgc.backends.cpu import blas, llvm_env, parallel
+
+        blas.gemm_addresses(), parallel.gomp_addresses()   # found once, here, not in every child
+        if llvm_env.survives_in_child(lambda: from_object(module, options, low, objs)) is False:
+            raise RuntimeError("cached object files do not load")
+    program = from_object(module, options, low, objs)
+    with _LOADED_LOCK:
+        _LOADED.add(digest)
+    return program
 
 
 def from_object(module: Module, options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Program":
@@ -142,17 +173,17 @@ def from_object(module: Module, options: Options, low: Lowered, objs: tuple[byte
     return Program(module, options, low, jit)
 
 
-def _machine_code(module: Module, low: Lowered, options: Options) -> tuple[bytes, ...]:
-    """The program's object files, from the on-disk cache or freshly compiled (then
-    cached): generated in as many units as `compile_jobs` allows, compiled at once."""
+def _machine_code(module: Module, low: Lowered, options: Options, cached: bool) -> tuple[bytes, ...] | None:
+    """The program's object files: `cached`, from the on-disk cache (None on a miss);
+    else freshly compiled (then cached), generated in as many units as `compile_jobs`
+    allows and compiled at once."""
     from tgc.backends.cpu import codegen, llvm_env
     from tgc.ir.printer import print_module
     from tgc.runtime import cache
 
     key = cache.cache_key(print_module(module), options, llvm_env.host_cpu())
-    objs = cache.lookup(key)
-    if objs is not None:
-        return objs
+    if cached:
+        return cache.lookup(key)
     jobs = options.compile_jobs or llvm_env.usable_cores()
     first, rest = codegen.generate_units_first_last(low, options, objects_entry=True, units=jobs)
     objs = tuple(llvm_env.emit_objects([first] + rest, max(options.opt_level, 1), jobs=jobs))

@@ -257,6 +257,49 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
             _stop(pid, fd)
 
 
+def survives_in_child(fn, timeout: float = 60.0) -> bool | None:
+    """Whether ``fn()`` returns (any exception counts as failure) in a forked child
+    without being killed by a signal (LLVM aborts or segfaults on damaged object
+    files) or running past ``timeout`` seconds; None where this platform cannot
+    fork. The fork happens under llvmlite's lock, as in `emit_objects`."""
+    import select
+
+    lock = _llvm_lock()
+    if not hasattr(os, "fork") or lock is None:
+        return None
+    read, write = os.pipe()
+    with lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read)
+            os.close(write)
+            return None
+        if pid == 0:
+            status = 1
+            try:
+                os.close(read)
+                global _FLAGS_LOCK
+                _FLAGS_LOCK = threading.RLock()
+                with contextlib.suppress(OSError):   # LLVM's messages, if any, are not ours to print
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+                fn()
+                status = 0
+            finally:
+                os._exit(status)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)   # readable at EOF: the child ended
+    finally:
+        os.close(read)
+    if not ready:
+        _stop(pid, -1)
+        return False
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def _llvm_lock():
     """llvmlite's process-wide lock around LLVM calls (None if this llvmlite has none)."""
     lib = getattr(getattr(llvm, 'ffi', None), 'lib', None)
