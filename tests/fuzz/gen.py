@@ -152,7 +152,7 @@ class Gen:
     def declare(self, kind: str, edges, prefix=None) -> str:
         prefix = prefix or {"input": "x", "param": "W", "state": "m"}[kind]
         nm = f"{prefix}{next(self.counter)}"
-        order = list(edges)
+        order = sorted(edges)
         self.r.shuffle(order)
         self.decls.append(Decl(kind, nm, tuple(order)))
         self.args[nm] = (frozenset(edges), kind)
@@ -163,7 +163,7 @@ class Gen:
         if edges in self.ids and self.r.random() < 0.7:
             return self.ids[edges]
         nm = f"ids{next(self.counter)}"
-        order = list(edges)
+        order = sorted(edges)
         self.r.shuffle(order)
         self.decls.append(Decl("input", nm, tuple(order), "i32"))
         self.ids[edges] = nm
@@ -234,8 +234,10 @@ class Gen:
                 e = r.choice(list(self.edge_dim))
                 return raw(f"size({e})", (), scale=self.size(e))
             return num(r.choice([0.5, 2, 3, 0.25, 1.5, 0.125, 0.75]))
+        if not E and r.random() < 0.05:
+            return num(r.choice([0, 1]))
         have = [p for p in self.pool if p[1] == E]
-        if have and (r.random() < 0.8 or len(self.args) > 10):
+        if have and (r.random() < 0.65 or len(self.args) > 10):
             p = r.choice(have)
             return name(p[0], p[1], p[2], p[3])
         # a rename of a tensor with the same sizes
@@ -268,7 +270,7 @@ class Gen:
         prods = [(self.p_unary, 5), (self.p_binary, 6), (self.p_contract, 3), (self.p_reduce, 3),
                  (self.p_rename, 2), (self.p_reindex, 3), (self.p_gather, 1.5), (self.p_indicator, 2),
                  (self.p_prelude, 3), (self.p_user, 1.5 if self.fns else 0), (self.p_deriv, 1.5),
-                 (self.p_leaf, 2)]
+                 (self.p_leaf, 2), (self.p_masked, 1.5), (self.p_dup, 1.5)]
         fns = [f for f, _ in prods]
         weights = [w for _, w in prods]
         for _ in range(8):
@@ -322,7 +324,7 @@ class Gen:
 
     def split_edges(self, E, overlap=True):
         A, B = set(), set()
-        for e in E:
+        for e in sorted(E):
             c = self.r.randrange(3 if overlap else 2)
             if c == 0:
                 A.add(e)
@@ -415,12 +417,12 @@ class Gen:
 
     def p_rename(self, E, d):
         r = self.r
-        same = [(a, b) for a in E for b in E if a < b and self.key(a) == self.key(b)]
+        same = [(a, b) for a in sorted(E) for b in sorted(E) if a < b and self.key(a) == self.key(b)]
         if same and r.random() < 0.5:
             a, b = r.choice(same)
             u = self.expr(E, d - 1)
             return eops(u, [("rename", a, b), ("rename", b, a)], E, sparse=u.sparse)
-        opts = [(e, f) for e in E for f in self.edge_dim if f not in E and self.key(e) == self.key(f)]
+        opts = [(e, f) for e in sorted(E) for f in self.edge_dim if f not in E and self.key(e) == self.key(f)]
         if not opts:
             return None
         e, f = r.choice(opts)
@@ -459,7 +461,7 @@ class Gen:
             base = (E - {s}) | {t}
             items = [("reindex", t, rel)]
             # sometimes a rename applied together with it
-            others = [(e, f) for e in E - {s} for f in self.edge_dim
+            others = [(e, f) for e in sorted(E - {s}) for f in self.edge_dim
                       if f not in E and f != t and self.key(e) == self.key(f)]
             if others and r.random() < 0.3:
                 e, f = r.choice(others)
@@ -493,6 +495,77 @@ class Gen:
                             edges=E, sparse=True)
         return None
 
+    def p_masked(self, E, d):
+        """Causal masks: `where([s <= t], u, -inf)` under softmax/max/logsumexp, or `u * [s <= t]`
+        under max/min (every row keeps s = 0, so no row is all -inf)."""
+        r = self.r
+        if not E:
+            return None
+        t = r.choice(sorted(E))
+        k = r.choice(["softmax", "max", "logsumexp", "mulmax"])
+        if k == "softmax":
+            others = [s for s in sorted(E) if s != t]
+            if not others:
+                return None
+            s = r.choice(others)
+            u = self.expr(E, d - 1)
+            w = call("where", [raw(f"[{s} <= {t}]", {s, t}), u, neg(raw("inf"))], edges=E, sparse=True)
+            return call("softmax", [w], [s], edges=E, scale=1.0, sparse=True)
+        s = self.fresh_edges(1, E)
+        if not s:
+            return None
+        s = s[0]
+        u = self.expr(E | {s}, d - 1)
+        ind = raw(f"[{s} <= {t}]", {s, t})
+        if k == "mulmax":
+            return call(r.choice(["max", "min"]), [bin_("*", u, ind, edges=E | {s})], [s], edges=E,
+                        scale=u.scale, sparse=True)
+        w = call("where", [ind, u, neg(raw("inf"))], edges=E | {s}, sparse=True)
+        return call(k, [w], [s], edges=E, scale=u.scale + 2, sparse=True)
+
+    def p_dup(self, E, d):
+        """One value used twice: renamed copies of it (`X[a -> i] - X[a -> j]`), or itself."""
+        r = self.r
+        pairs = [(a, b) for a in sorted(E) for b in sorted(E) if a < b and self.key(a) == self.key(b)]
+        if pairs and r.random() < 0.7:
+            e1, e2 = r.choice(pairs)
+            src = [f for f in self.edge_dim if f not in E and self.key(f) == self.key(e1)]
+            if src:
+                f = r.choice(src)
+                u = self.expr((E - {e1, e2}) | {f}, d - 1)
+                op = r.choice("+-*")
+                return bin_(op, eops(u, [("rename", f, e1)], (E - {e2}), sparse=u.sparse),
+                            eops(u, [("rename", f, e2)], (E - {e1}), sparse=u.sparse), edges=E)
+        u = self.expr(E, d - 1)
+        k = r.randrange(4)
+        if k == 0:
+            return bin_("-", u, u, edges=E, sparse=True)
+        if k == 1:
+            return bin_("-", u, call("stop", [u], edges=E), edges=E, sparse=True)
+        if k == 2:
+            b = self.bounded(u)
+            return bin_("*", b, call("stop", [b], edges=E), edges=E, scale=b.scale ** 2)
+        return bin_("+", u, bin_("*", num(0), u), edges=E, sparse=u.sparse)
+
+    def featured(self) -> Node | None:
+        """A binding that uses the split or concatenation dims, which random edge sets rarely hit."""
+        r = self.r
+        if self.split and r.random() < 0.8:
+            c, head, hd = self.split
+            E = frozenset([head, hd]) | (self.edge_set(1, avoid={c, head, hd}) if r.random() < 0.4 else frozenset())
+            if self.fits(E | {c}):
+                for _ in range(10):
+                    n = self.p_reindex(E, 2)
+                    if n is not None and "hd*" in n.render():
+                        return n
+        if self.concat:
+            w = self.concat[0]
+            for _ in range(10):
+                n = self.p_reindex(frozenset([w]), 2)
+                if n is not None and "size(" in n.render():
+                    return n
+        return None
+
     def p_gather(self, E, d):
         r = self.r
         if not E:
@@ -502,7 +575,7 @@ class Gen:
         if not v:
             return None
         v = v[0]
-        shared = frozenset(e for e in G if r.random() < 0.3)
+        shared = frozenset(e for e in sorted(G) if r.random() < 0.3)
         T = (E - G) | shared | {v}
         if not self.fits(T):
             return None
@@ -519,14 +592,14 @@ class Gen:
             u = self.expr(E, d - 1)
             return bin_("*", u, raw(f"[{s} {op} {t}]", {s, t}, sparse=True), edges=E, sparse=True)
         if k == "eye":
-            same = [(a, b) for a in E for b in E if a < b and self.key(a) == self.key(b)]
+            same = [(a, b) for a in sorted(E) for b in sorted(E) if a < b and self.key(a) == self.key(b)]
             if not same:
                 return None
             a, b = r.choice(same)
             u = self.expr(E, d - 1)
             return bin_("*", u, raw(f"[{a} = {b}]", {a, b}, sparse=True), edges=E, sparse=True)
         if k == "rename":
-            opts = [(e, f) for e in E for f in self.edge_dim if f not in E and self.key(e) == self.key(f)]
+            opts = [(e, f) for e in sorted(E) for f in self.edge_dim if f not in E and self.key(e) == self.key(f)]
             if not opts:
                 return None
             e, f = r.choice(opts)
@@ -557,7 +630,7 @@ class Gen:
             w = self.expr(self.edge_set(r.randint(0, 2), keep=frozenset()) & E, d - 2)
             args, kw = [x, w], [None, None]
             if k == "layernorm":
-                args.append(self.expr(frozenset(s for s in E if r.random() < 0.5), d - 2))
+                args.append(self.expr(frozenset(s for s in sorted(E) if r.random() < 0.5), d - 2))
                 kw.append(None)
             if r.random() < 0.3:
                 args.append(num(r.choice([0.001, 0.01, 0.5])))
@@ -570,7 +643,7 @@ class Gen:
             x = self.expr(E | {e[0]}, d - 1)
             if k == "logsumexp":
                 return call(k, [x], e, edges=E, scale=x.scale + 2)
-            tgt = self.expr(frozenset(s for s in E if r.random() < 0.5) | {e[0]}, d - 1)
+            tgt = self.expr(frozenset(s for s in sorted(E) if r.random() < 0.5) | {e[0]}, d - 1)
             return call(k, [x, tgt], e, edges=E, scale=(x.scale * 2 + 3) * tgt.scale * self.size(e[0]))
         if k == "mse":
             if E:
@@ -583,9 +656,9 @@ class Gen:
             if len(se) < 2:
                 return None
             s, e = se
-            Q = frozenset(x for x in E if r.random() < 0.7)
-            K = frozenset(x for x in E if r.random() < 0.3)
-            V = E - Q - K | frozenset(x for x in E if r.random() < 0.3)
+            Q = frozenset(x for x in sorted(E) if r.random() < 0.7)
+            K = frozenset(x for x in sorted(E) if r.random() < 0.3)
+            V = E - Q - K | frozenset(x for x in sorted(E) if r.random() < 0.3)
             if not (self.fits(Q | {e}) and self.fits(K | {s, e}) and self.fits(V | {s})):
                 return None
             q, kk, v = self.expr(Q | {e}, d - 1), self.expr(K | {s, e}, d - 1), self.expr(V | {s}, d - 1)
@@ -685,7 +758,7 @@ class Gen:
             args = [self.bounded(self.expr(argE, d - 1)) for _ in range(nreq)]
         else:
             args = [self.bounded(self.expr(E, d - 1))]
-            args += [self.bounded(self.expr(frozenset(x for x in E if r.random() < 0.5), d - 1))
+            args += [self.bounded(self.expr(frozenset(x for x in sorted(E) if r.random() < 0.5), d - 1))
                      for _ in range(nreq - 1)]
         kw = [None] * len(args)
         if default and r.random() < 0.5:
@@ -771,7 +844,7 @@ class Gen:
             dx = self.expr(X | B, max(small - 1, 0))
             return call("jvp", [f, name(x, X), dx], edges=E, scale=(f.scale * 2 + 1) * dx.scale)
         if k == "vjp":
-            X = frozenset(e for e in E if r.random() < 0.7)
+            X = frozenset(e for e in sorted(E) if r.random() < 0.7)
             B = E - X
             F = self.edge_set(r.randint(0, 2), avoid=B)
             if not self.fits(F | B):
@@ -805,19 +878,26 @@ class Gen:
         for _ in range(r.randint(1, 3)):
             self.declare(r.choice(["input", "param", "param", "state"]), self.edge_set())
         self.make_fns()
-        for i in range(r.randint(1, 4)):
+        for i in range(r.randint(1, 5)):
             E = self.edge_set()
-            node = self.expr(E, r.randint(1, 3))
+            node = self.expr(E, r.choice([1, 2, 2, 3, 3, 4]))
             nm = f"h{i}"
             self.stmts.append(Stmt("bind", nm, node))
             self.pool.append((nm, E, node.scale, node.sparse, self.deps(node)))
+        feat = self.featured()
+        if feat is not None:
+            self.stmts.append(Stmt("bind", "hf", feat))
+            self.pool.append(("hf", feat.edges, feat.scale, feat.sparse, self.deps(feat)))
+            if r.random() < 0.7:
+                self.stmts.append(Stmt("out", "hf"))
         params = [n for n, (e, k) in self.args.items() if k in ("param", "state")]
-        loss = None
+        loss, loss_deps = None, frozenset()
         if params and r.random() < 0.6:
             W = r.choice(params)
             loss = self.scalar_of(W, 2)
             self.stmts.append(Stmt("bind", "loss", loss))
             self.pool.append(("loss", frozenset(), loss.scale, loss.sparse, self.deps(loss)))
+            loss_deps = self.deps(loss)
             loss = "loss"
         nout = 0
         binds = [s for s in self.stmts if s.kind == "bind"]
@@ -833,7 +913,7 @@ class Gen:
                 nout += 1
                 continue
             if k == "grad" and loss:
-                W = r.choice(params)
+                W = r.choice([w for w in params if w in loss_deps] or params)
                 E = self.args[W][0]
                 node = call("grad", [name(loss), name(W, E)], edges=E)
             else:
@@ -845,21 +925,26 @@ class Gen:
         for W in r.sample(params, min(len(params), r.choice([0, 1, 1, 2]))):
             E = self.args[W][0]
             k = r.choice(["sgd", "ema", "any"])
-            if k == "sgd" and loss:
+            if k == "sgd" and loss and (W in loss_deps or r.random() < 0.2):
                 step = call("grad", [name(loss), name(W, E)], edges=E)
                 lrn = name("lr") if lr else num(0.1)
                 node = bin_("-", name(W, E), bin_("*", lrn, step))
             elif k == "ema":
                 node = bin_("+", bin_("*", num(0.9), name(W, E)), bin_("*", num(0.1), self.expr(E, 2)))
             else:
-                node = self.expr(frozenset(e for e in E if r.random() < 0.7), 2)
+                node = self.expr(frozenset(e for e in sorted(E) if r.random() < 0.7), 2)
             if r.random() < 0.25:
                 self.stmts.append(Stmt("out", W, None, None))
             self.stmts.append(Stmt("update", W, node))
             nout += 1
-        if nout == 0:
-            s = binds[-1]
-            self.stmts.append(Stmt("out", s.name))
+        # every binding that nothing reads is an output (dead code would test nothing)
+        used = {n.attrs[0] for st in self.stmts if st.expr is not None for n in st.expr.walk() if n.op == "name"}
+        used |= {st.name for st in self.stmts if st.kind == "out"}
+        for st in list(self.stmts):
+            if st.kind == "bind" and st.name not in used:
+                E = sorted(self.pool_edges(st.name))
+                order = tuple(r.sample(E, len(E))) if E and r.random() < 0.3 else None
+                self.stmts.append(Stmt("out", st.name, None, order))
         return Program(self.dims, self.aliases, self.decls, self.fns, self.stmts, self.bind, self.seed)
 
     def pool_edges(self, nm):
