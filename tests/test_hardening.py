@@ -52,3 +52,107 @@ def test_check_reads_and_writes_nothing_in_the_temp_dir(tmp_path):
     r = tgc_cli("check", ROOT / "examples" / "mlp.tg", env={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp.iterdir()) == [planted.name]
+
+
+# ------------------------------------------------------------ sizes over 2^62
+
+HUGE = "dim a\ndim m = a*a*a*a\ndim b = m / (a*a*a)\ninput x[b]\nout s = sum(x)\n"
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_a_derived_size_over_2_62_is_exit_3(tmp_path, backend):
+    src = tmp_path / "huge.tg"
+    src.write_text(HUGE)
+    np.savez(tmp_path / "x.npz", x=np.ones(2_000_000, np.float32))
+    r = tgc_cli("run", src, "--inputs", tmp_path / "x.npz", "--dim", "a=2000000", "--backend", backend)
+    assert r.returncode == 3, r.stderr
+    assert "2^62" in r.stderr and "Traceback" not in r.stderr
+    np.savez(tmp_path / "y.npz", x=np.ones(40_000, np.float32))   # a^4 fits: the right sum
+    r = tgc_cli("run", src, "--inputs", tmp_path / "y.npz", "--dim", "a=40000", "--backend", backend)
+    assert r.returncode == 0 and "40000" in r.stdout, r.stderr
+
+
+def test_the_runtime_checks_every_size_at_bind_time():
+    prog = tgc.compile(HUGE)
+    with pytest.raises(tgc.ir.interp.EvalError, match="2\\^62"):
+        prog.run({"x": np.ones(3, np.float32)}, dims={"a": 2_000_000})
+    big = tgc.compile("dim n\ninput x[n]\ndim k = n * n * n\nout y = sum(x) * size(k)\n")
+    with pytest.raises(tgc.ir.interp.EvalError, match="2\\^62"):
+        big(x=np.ones(2_000_000, np.float32))
+    assert big(x=np.ones(4, np.float32))["y"] == 4 * 64
+
+
+@pytest.mark.parametrize("batch", ["4611686018427387904", "4611686018427387903", "99999999999999999999"])
+def test_a_huge_dim_on_the_command_line_is_exit_3(batch):
+    r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--random-inputs", "--dim", f"batch={batch}")
+    assert r.returncode in (2, 3), r.stderr
+    assert "Traceback" not in r.stderr and "internal compiler error" not in r.stderr
+
+
+def _build(tmp_path, source, name):
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler (cc)")
+    src = tmp_path / f"{name}.tg"
+    src.write_text(source)
+    r = tgc_cli("build", src, "-o", tmp_path / f"lib{name}.so", "--dtype", "f64")
+    assert r.returncode == 0, r.stderr
+    import ctypes
+
+    lib = ctypes.CDLL(str(tmp_path / f"lib{name}.so"))
+    assert getattr(lib, f"{name}_init_default")() == 0
+    getattr(lib, f"{name}_workspace_bytes").restype = ctypes.c_int64
+    return lib, (tmp_path / f"{name}.h").read_text()
+
+
+def test_the_c_abi_refuses_bad_dims_and_null_pointers(tmp_path):
+    import ctypes
+
+    lib, header = _build(tmp_path, "dim n\ninput x[n]\nt = exp(x) * x\nout y[n] = t / sum(t)\n", "m")
+    assert "M_ERR_SIZE (-3)" in header and "M_ERR_NULL (-4)" in header and "NULL" in header
+    ws_bytes, run = lib.m_workspace_bytes, lib.m_run
+    Dims = ctypes.c_int64 * 1
+    x, y = np.linspace(0, 1, 5), np.zeros(5)
+    args, outs = (ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(y.ctypes.data)
+    ws = np.zeros(1 << 16, np.uint8)
+    w = ctypes.c_void_p(ws.ctypes.data + (-ws.ctypes.data) % 64)
+    assert 0 <= ws_bytes(Dims(5)) < 1 << 16
+    for bad in (0, -1, 2**62 + 1, 2**63 - 1, 2**61):   # 2^61 f64 elements: 2^64 bytes
+        assert ws_bytes(Dims(bad)) == -1, bad
+        assert run(Dims(bad), args, outs, w) == -3, bad
+    assert ws_bytes(None) == -1
+    assert run(None, args, outs, w) == -4
+    assert run(Dims(5), None, outs, w) == -4
+    assert run(Dims(5), args, None, w) == -4
+    assert run(Dims(5), (ctypes.c_void_p * 1)(None), outs, w) == -4
+    assert run(Dims(5), args, (ctypes.c_void_p * 1)(None), w) == -4
+    assert not y.any()                                     # nothing was written
+    assert run(Dims(5), args, outs, w) == 0
+    np.testing.assert_allclose(y, np.exp(x) * x / (np.exp(x) * x).sum())
+
+
+def test_the_c_abi_checks_derived_sizes(tmp_path):
+    import ctypes
+
+    lib, _ = _build(tmp_path, HUGE, "h")
+    x = np.ones(40_000)
+    args, out = (ctypes.c_void_p * 1)(x.ctypes.data), np.zeros(())
+    outs = (ctypes.c_void_p * 1)(out.ctypes.data)
+    dims = (ctypes.c_int64 * 1)
+    assert lib.h_workspace_bytes(dims(2_000_000)) == -1
+    assert lib.h_run(dims(2_000_000), args, outs, None) == -3
+    assert lib.h_run(dims(40_000), args, outs, None) == 0 and out == 40_000
+
+
+@pytest.mark.parametrize("dims", [{"a": 2_000_000}, {"a": 2.5}, {"a": "3"}, {"a": 0}, {"a": 2**62 + 1}])
+def test_dims_fixed_at_build_time_are_checked(dims):
+    with pytest.raises(ValueError, match="2\\^62|positive integer"):
+        tgc.compile(HUGE, dims=dims)
+
+
+def test_build_refuses_a_fixed_dim_whose_derived_size_overflows(tmp_path):
+    src = tmp_path / "huge.tg"
+    src.write_text(HUGE)
+    r = tgc_cli("build", src, "-D", "a=2000000", "-o", tmp_path / "libh.so")
+    assert r.returncode == 2 and "2^62" in r.stderr and not (tmp_path / "libh.so").exists()

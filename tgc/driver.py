@@ -141,4 +141,17 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
             raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
     new = dict(module.dims)
     new.update({d: int(n) for d, n in dims.items()})
+    from tgc.ir.sizes import SizeError, UnboundDim, size_eval_checked
+
+    env = {d: n for d, n in new.items() if isinstance(n, int)}
+    for d, s in new.items():   # a derived dim these sizes fix must fit too
+        if s is not None and not isinstance(s, int):
+            try:
+                env[d] = size_eval_checked(s, env, f"dim '{d}'")
+            except UnboundDim:
+                continue
+            except SizeError as e:
+                raise ValueError(str(e)) from None
+            if not 0 < env[d] <= MAX_SIZE:
+                raise ValueError(f"dim '{d}' is {env[d]}: a size is a positive integer (at most 2^62)")
     return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from tgc.ir.diag import Loc
-from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval_checked, size_str
 from tgc.ir.values import Value, topo_order
 
 ARG_KINDS = ("input", "param", "state")
@@ -101,6 +101,13 @@ class Module:
             if env[dim] <= 0:
                 how = "" if s is None else f" = {size_str(s)}"
                 raise SizeError(f"dim '{dim}'{how} is {env[dim]}: sizes must be positive")
+            if env[dim] > MAX_SIZE:
+                how = "" if s is None else f" = {size_str(s)}"
+                raise SizeError(f"dim '{dim}'{how} is {env[dim]}, over the size limit of 2^62")
+        for a in self.args.values():   # every argument's and output's elements and bytes
+            check_count(f"{a.kind} '{a.name}'", [self.size(e) for e in a.order], env, 8)
+        for o in self.outputs:
+            check_count(f"output '{o.name}'", [self.size(e) for e in o.order], env, 8)
         return env
 
     def edge_sizes(self, env: Mapping[str, int]) -> dict[str, int]:
@@ -115,7 +122,7 @@ class Module:
 def _dim_value(dim: str, s: Size, env: Mapping[str, int]) -> int:
     """The value of dim `dim` = `s`; a SizeError naming the dim if `s` does not divide."""
     try:
-        return size_eval(s, env)
+        return size_eval_checked(s, env)
     except UnboundDim:
         raise
     except SizeError as e:

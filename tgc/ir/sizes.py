@@ -81,6 +81,29 @@ def size_eval(s: Size, env: Mapping[str, int]) -> int:
     return _apply(s.op, size_eval(s.lhs, env), size_eval(s.rhs, env))
 
 
+def size_eval_checked(s: Size, env: Mapping[str, int], what: str = "") -> int:
+    """`size_eval`, with every intermediate value within +-MAX_SIZE (compiled code
+    computes sizes in int64); otherwise a SizeError (its text starts with `what`)."""
+    if isinstance(s, SizeOp):
+        v = _apply(s.op, size_eval_checked(s.lhs, env, what), size_eval_checked(s.rhs, env, what))
+    else:
+        v = size_eval(s, env)
+    if not -MAX_SIZE <= v <= MAX_SIZE:
+        raise SizeError(f"{what + ': ' if what else ''}{size_str(s)} is {v}, over the size limit of 2^62")
+    return v
+
+
+def check_count(what: str, sizes, env: Mapping[str, int], itemsize: int) -> int:
+    """The element count of a tensor of these sizes; SizeError if it, or its bytes
+    (`itemsize` each), exceeds MAX_SIZE."""
+    n = 1
+    for s in sizes:
+        n *= size_eval_checked(s, env, what)
+        if n * itemsize > MAX_SIZE:
+            raise SizeError(f"{what} would take more than 2^62 bytes (the size limit)")
+    return n
+
+
 def size_dims(s: Size) -> list[str]:
     """The dim names that `s` mentions, in order of first appearance."""
     if isinstance(s, int):

@@ -49,7 +49,7 @@ import numpy as np
 from tgc.ir.interp import EvalError, check_ids_fit
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
-from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval, size_eval_checked, size_str
 from tgc.options import Options
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
@@ -315,12 +315,30 @@ class Program:
             raise EvalError(f"{e}: no input has it; pass its size with dims=") from None
         except SizeError as e:
             raise EvalError(str(e)) from None
+        try:
+            self._check_sizes(env)
+        except SizeError as e:
+            raise EvalError(str(e)) from None
         for spec in self.inputs:
             want = tuple(size_eval(s, env) for s in spec.shape)
             if arrays[spec.name].shape != want:
                 edges = ", ".join(f"{e}={n}" for e, n in zip(spec.edges, want))
                 raise EvalError(f"input '{spec.name}' has shape {arrays[spec.name].shape}, expected {want} ([{edges}])")
         return env
+
+    def _check_sizes(self, env: dict) -> None:
+        """SizeError unless every buffer's elements and bytes, every index size, and
+        the workspace stay within MAX_SIZE (the native code's int64 arithmetic)."""
+        low = self.lowered
+        for e in low.edges:
+            size_eval_checked(low.size(e), env, f"edge '{e}'")
+        for b in low.buffers.values():
+            check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, 8 if b.dtype == "f64" else 4)
+        total = 0
+        for sizes in low.slots:
+            total += max(size_eval_checked(s, env, "the workspace") for s in sizes) + ALIGN
+            if total > MAX_SIZE:
+                raise SizeError("the workspace would take more than 2^62 bytes (the size limit)")
 
     def _prepare(self, given: dict) -> tuple[dict, dict]:
         names = [s.name for s in self.inputs]

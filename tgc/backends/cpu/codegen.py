@@ -17,7 +17,9 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         outs:  one pointer per output, row-major in its ABI order;
         workspace: tgc_workspace_bytes(dims) bytes, 64-byte aligned.
         Returns 0, or k > 0 when the k-th id check failed (an id out of range): then
-        nothing has been written, since every check runs before the first kernel.
+        nothing has been written, since every check runs before the first kernel;
+        -3 or -4 for sizes over 2^62 or NULL pointers (`sizecheck`, which also makes
+        tgc_workspace_bytes return -1 for such dims).
     int32_t tgc_run_objects(const int64_t* frame, PyObject* list)
         only with `generate(..., objects_entry=True)` (the Python runtime's JIT code,
         never an AOT build): tgc_run with each argument, then each output, given as
@@ -45,7 +47,7 @@ from dataclasses import replace
 
 import llvmlite.ir as ir
 
-from tgc.backends.cpu import fntable
+from tgc.backends.cpu import fntable, sizecheck
 from tgc.backends.cpu.gemm import GemmGen, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
@@ -176,6 +178,7 @@ class _ModuleGen:
         checks = [self.check_fn(i, c) for i, c in enumerate(self.low.checks)]
         self.workspace_fn()
         run = self.run_fn(checks, kernels)
+        sizecheck.entry_points(self.mod, self.low)
         if self.objects_entry:
             self.objects_fn(run)
         return self.mod
@@ -262,7 +265,7 @@ class _ModuleGen:
         return out
 
     def workspace_fn(self) -> None:
-        fn = define(self.mod, "tgc_workspace_bytes", I64, [PTR], internal=False)
+        fn = define(self.mod, sizecheck.INNER_WORKSPACE, I64, [PTR])   # exported checked: sizecheck
         optimize_not(fn)
         f = Frame(fn, self.low.module, fn.args[0], self.low.edges)
         total = I64(0)
@@ -274,7 +277,7 @@ class _ModuleGen:
     # ------------------------------------------------------------ the entry point
 
     def run_fn(self, checks, kernels) -> None:
-        fn = define(self.mod, "tgc_run", I32, [PTR] * 4, internal=False)
+        fn = define(self.mod, sizecheck.INNER_RUN, I32, [PTR] * 4)   # exported checked: sizecheck
         optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit 130 -> 112 ms to compile
         dims, args, outs, ws = fn.args
         f = Frame(fn, self.low.module, dims, self.low.edges)

@@ -1,0 +1,145 @@
+"""The checked C entry points: `tgc_run` and `tgc_workspace_bytes` as a C caller sees them.
+
+A C caller passes the symbolic dims itself, so the library cannot rely on Python's
+checks: a dim <= 0, a derived size, element count, byte count or workspace size
+over 2^62 (`tgc.ir.sizes.MAX_SIZE`, so that no int64 index arithmetic in the kernels
+can wrap), or a NULL pointer would otherwise run kernels with wrapped sizes or
+dereference NULL. The generated bodies are internal (`tgc.run`, `tgc.workspace_bytes`);
+the exported functions made here check first:
+
+    tgc_workspace_bytes(dims): -1 (TGC_ERR_SIZE) if dims is NULL or the sizes fail
+        the checks, else the inner function's bytes;
+    tgc_run(dims, args, outs, workspace): TGC_ERR_NULL (-4) if dims (with symbolic
+        dims), args, outs, any argument or output pointer, or the workspace (when
+        one is needed) is NULL; TGC_ERR_SIZE (-3) if the sizes fail the checks;
+        else the inner run. Nothing is read or written before these checks pass.
+
+Every size expression is evaluated with LLVM's overflow-checked arithmetic, each
+intermediate value kept within +-2^62, divisions checked for exactness.
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from tgc.ir.lowered import Lowered
+from tgc.ir.sizes import MAX_SIZE, Size, SizeOp
+
+ERR_SIZE, ERR_NULL = -3, -4
+INNER_RUN, INNER_WORKSPACE = "tgc.run", "tgc.workspace_bytes"
+ALIGN = 64
+I1, I32, I64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
+PTR = ir.PointerType()
+
+
+def entry_points(mod: ir.Module, low: Lowered) -> None:
+    """Define the exported, checked `tgc_run` and `tgc_workspace_bytes` in `mod`,
+    which must hold the inner functions."""
+    ok_fn = _sizes_ok(mod, low)
+    inner_ws, inner_run = mod.get_global(INNER_WORKSPACE), mod.get_global(INNER_RUN)
+    symbolic = bool(low.module.symbolic_dims())
+
+    ws = ir.Function(mod, ir.FunctionType(I64, [PTR]), "tgc_workspace_bytes")
+    ws.attributes.add("nounwind")
+    b = ir.IRBuilder(ws.append_basic_block("entry"))
+    bad = _null(b, ws.args[0]) if symbolic else I1(0)
+    with b.if_then(bad, likely=False):
+        b.ret(I64(-1))
+    with b.if_then(b.icmp_signed("==", b.call(ok_fn, [ws.args[0]]), I32(0)), likely=False):
+        b.ret(I64(-1))
+    b.ret(b.call(inner_ws, [ws.args[0]]))
+
+    run = ir.Function(mod, ir.FunctionType(I32, [PTR] * 4), "tgc_run")
+    run.attributes.add("nounwind")
+    dims, args, outs, work = run.args
+    b = ir.IRBuilder(run.append_basic_block("entry"))
+    bad = _null(b, dims) if symbolic else I1(0)
+    n_args = sum(1 for buf in low.buffers.values() if buf.kind == "arg")
+    n_outs = sum(1 for buf in low.buffers.values() if buf.kind == "out")
+    for table, n in ((args, n_args), (outs, n_outs)):
+        if n:
+            bad = b.or_(bad, _null(b, table))
+    with b.if_then(bad, likely=False):
+        b.ret(I32(ERR_NULL))
+    for table, n in ((args, n_args), (outs, n_outs)):
+        for i in range(n):
+            p = b.load(b.gep(table, [I64(i)], source_etype=PTR), typ=PTR)
+            bad = b.or_(bad, _null(b, p))
+    with b.if_then(bad, likely=False):
+        b.ret(I32(ERR_NULL))
+    with b.if_then(b.icmp_signed("==", b.call(ok_fn, [dims]), I32(0)), likely=False):
+        b.ret(I32(ERR_SIZE))
+    need = b.call(inner_ws, [dims])
+    with b.if_then(b.and_(b.icmp_signed(">", need, I64(0)), _null(b, work)), likely=False):
+        b.ret(I32(ERR_NULL))
+    b.ret(b.call(inner_run, [dims, args, outs, work]))
+
+
+def _null(b: ir.IRBuilder, p) -> ir.Value:
+    return b.icmp_unsigned("==", b.ptrtoint(p, I64), I64(0))
+
+
+def _sizes_ok(mod: ir.Module, low: Lowered) -> ir.Function:
+    """i32 tgc.sizes_ok(dims): 1 if every dim is positive and every size fits (see
+    the module docstring), else 0. Straight-line code: no size is trusted."""
+    fn = ir.Function(mod, ir.FunctionType(I32, [PTR]), "tgc.sizes_ok")
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    m = low.module
+    symbolic = m.symbolic_dims()
+    values: dict = {}
+    bad = [I1(0)]
+
+    def flag(cond) -> None:
+        bad[0] = b.or_(bad[0], cond)
+
+    def within(v) -> ir.Value:
+        flag(b.icmp_signed(">", v, I64(MAX_SIZE)))
+        flag(b.icmp_signed("<", v, I64(-MAX_SIZE)))
+        return v
+
+    def arith(op: str, x, y) -> ir.Value:
+        if op == "/":
+            zero, minus_one = b.icmp_signed("==", y, I64(0)), b.icmp_signed("==", y, I64(-1))
+            flag(zero)
+            safe = b.select(b.or_(zero, minus_one), I64(1), y)   # no division by 0, no INT64_MIN / -1
+            flag(b.icmp_signed("!=", b.srem(x, safe), I64(0)))
+            return within(b.select(minus_one, b.sub(I64(0), x), b.sdiv(x, safe)))
+        pair = {"+": b.sadd_with_overflow, "-": b.ssub_with_overflow, "*": b.smul_with_overflow}[op](x, y)
+        flag(b.extract_value(pair, 1))
+        return within(b.extract_value(pair, 0))
+
+    def size(s: Size) -> ir.Value:
+        if isinstance(s, int):
+            return I64(s)
+        if s in values:
+            return values[s]
+        if isinstance(s, str):
+            d = m.dims.get(s)
+            if d is None:
+                v = within(b.load(b.gep(fn.args[0], [I64(symbolic.index(s))], source_etype=I64), typ=I64))
+            else:
+                v = size(d)
+        else:
+            assert isinstance(s, SizeOp)
+            v = arith(s.op, size(s.lhs), size(s.rhs))
+        values[s] = v
+        return v
+
+    for d in m.dims:
+        flag(b.icmp_signed("<=", size(d), I64(0)))
+    for e in low.edges:
+        size(low.size(e))
+    for buf in low.buffers.values():
+        n = I64(8 if buf.dtype == "f64" else 4)
+        for s in low.sizes(buf.edges):
+            n = arith("*", n, size(s))
+    total = I64(0)
+    for sizes in low.slots:
+        best = I64(0)
+        for s in sizes:
+            v = size(s)
+            best = b.select(b.icmp_signed(">", v, best), v, best)
+        total = arith("+", total, arith("+", best, I64(ALIGN)))
+    b.ret(b.select(bad[0], I32(0), I32(1)))
+    return fn
