@@ -41,12 +41,13 @@ out p = %p : [i]
 out ss = %ss : [i]
 """
 
-# where(e, mul0(y, e), 0) = y e (y, e finite); mul0(y, 1/x) stays (1/x may be inf);
+# where(e, mul0(y, e), 0) = mul0(y, e) (e = exp x may overflow: the guard stays);
+# mul0(y, 1/x) stays (1/x may be inf);
 # a summed delta is a rename; A 0 = 0; where(1, x, y) = x; log exp x = x; x^2 = x x;
 # sqrt(e) sqrt(e) = e (e = exp x >= 0).
 IDENTITIES_AFTER = """\
 %0 = map[exp] %x : f64[i]
-%1 = contract %y, %0 : f64[i]
+%1 = map[mul0] %y, %0 : f64[i]
 %2 = const[1.0] : f64[]
 %3 = map[div] %2, %x : f64[i]
 %4 = map[mul0] %y, %3 : f64[i]

@@ -21,22 +21,26 @@ out sg[b, n] = 1 / (1 + exp(-x))
 out lse[b] = log(sum[n](exp(x)))
 """
 
-# softmax = exp(x - logsumexp(x)), log_softmax = x - logsumexp(x) (the max shifts cancel);
-# the prelude's sigmoid/softplus and sigmoid/tanh written through exp: their fused ops.
+# softmax = exp(d - logsumexp(d)), log_softmax = d - logsumexp(d) on the shifted logits
+# d = x - max(x) (the shift stays: x - logsumexp(x) would cancel in floating point); the
+# prelude's logsumexp, sigmoid/softplus and sigmoid/tanh written through exp: their fused ops.
 PATTERNS_AFTER = """\
-%0 = reduce[logsumexp: n] %x : f64[b]
+%0 = reduce[max: n] %x : f64[b]
 %1 = add[1.0, -1.0] %x, %0 : f64[b, n]
-%2 = map[exp] %1 : f64[b, n]
-%3 = map[sigmoid] %x : f64[b, n]
-%4 = map[softplus] %x : f64[b, n]
-%5 = map[tanh] %x : f64[b, n]
-out p = %2 : [b, n]
-out l = %1 : [b, n]
-out s = %3 : [b, n]
-out sp = %4 : [b, n]
-out th = %5 : [b, n]
-out sg = %3 : [b, n]
-out lse = %0 : [b]"""
+%2 = reduce[logsumexp: n] %1 : f64[b]
+%3 = add[-1.0, 1.0] %2, %1 : f64[b, n]
+%4 = map[exp] %3 : f64[b, n]
+%5 = map[sigmoid] %x : f64[b, n]
+%6 = map[softplus] %x : f64[b, n]
+%7 = map[tanh] %x : f64[b, n]
+%8 = reduce[logsumexp: n] %x : f64[b]
+out p = %4 : [b, n]
+out l = %3 : [b, n]
+out s = %5 : [b, n]
+out sp = %6 : [b, n]
+out th = %7 : [b, n]
+out sg = %5 : [b, n]
+out lse = %8 : [b]"""
 
 
 def test_forward_patterns():
@@ -61,15 +65,18 @@ out g = grad(sum(cross_entropy[n](x, y)), x)
 """
 
 # With stabilize only after differentiation, the derived gradient's 1 / sum exp and
-# exp ratios still become the same stable form: sum(y) softmax(x) - y.
+# exp ratios still become the same stable form: sum(y) softmax(x) - y, the softmax on
+# the shifted logits.
 CE_GRAD_AFTER = """\
-%0 = reduce[logsumexp: n] %x : f64[b]
+%0 = reduce[max: n] %x : f64[b]
 %1 = add[1.0, -1.0] %x, %0 : f64[b, n]
-%2 = map[exp] %1 : f64[b, n]
-%3 = rename[n -> n.1] %y : f64[b, n.1]
-%4 = contract %2, %3 : f64[b, n]
-%5 = add[-1.0, 1.0] %y, %4 : f64[b, n]
-out g = %5 : [b, n]"""
+%2 = reduce[logsumexp: n] %1 : f64[b]
+%3 = add[-1.0, 1.0] %2, %1 : f64[b, n]
+%4 = map[exp] %3 : f64[b, n]
+%5 = rename[n -> n.1] %y : f64[b, n.1]
+%6 = contract %4, %5 : f64[b, n]
+%7 = add[-1.0, 1.0] %y, %6 : f64[b, n]
+out g = %7 : [b, n]"""
 
 
 def test_backward_patterns():

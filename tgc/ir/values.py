@@ -319,3 +319,17 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),
     "vjp": lambda v, ops: vjp(*ops, loc=v.loc),
 }
+
+
+def is_shift(v: Value) -> bool:
+    """v = x - max_E(x) (or min, or either under `stop`): the shifted logits of a softmax.
+
+    A shift stays one term of its users' sums: (x - m) - lse is computed as written,
+    with x - m exact where it matters; flattened, the sum could take x - lse first,
+    whose terms are as large as the logits (the floating-point contract in docs/optimization.md)."""
+    if v.op != "add" or len(v.operands) != 2 or sorted(v.attrs[0]) != [-1.0, 1.0]:
+        return False
+    x, m = v.operands if v.attrs[0][1] == -1.0 else v.operands[::-1]
+    if m.op == "stop":
+        m = m.operands[0]
+    return m.op == "reduce" and m.attrs[0] in ("max", "min") and m.operands[0] is x

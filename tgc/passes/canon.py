@@ -38,7 +38,7 @@ from tgc.ir import values as V
 from tgc.ir.module import Module
 from tgc.ir.sizes import SizeError, size_eval
 from tgc.passes.naming import working_names
-from tgc.ir.values import Value
+from tgc.ir.values import Value, is_shift
 
 _KEYS: "weakref.WeakKeyDictionary[Value, str]" = weakref.WeakKeyDictionary()
 _RANK = {"arg": 0, "size": 1, "indicator": 2, "const": 9}
@@ -163,6 +163,8 @@ class Canon:
         if not back:
             return None
         natives = set(back.values())
+        if len(natives) != len(back):  # x[i -> j] - x[i -> k]: an outer difference, not one rename of x - x
+            return None
         bases = []
         for o in ops:
             b, mp = base(o)
@@ -201,8 +203,9 @@ class Canon:
 
     def _add_terms(self, operands, coefs):
         for o, c in zip(operands, coefs):
-            if o.op == "add" and (len(o.operands) == 1 or (self.merge and self.merge(o))):  # (a + b) c = a c + b c
-                yield from ((v, c * k) for v, k in zip(o.operands, o.attrs[0]))
+            if o.op == "add" and (len(o.operands) == 1 or (exact_scale(c) and not is_shift(o)
+                                                          and self.merge and self.merge(o))):
+                yield from ((v, c * k) for v, k in zip(o.operands, o.attrs[0]))  # (a + b) c = a c + b c
             else:
                 yield o, c
 
@@ -374,6 +377,17 @@ class Canon:
             b, mp = base(x)
             return self.rename(self.stop(b), mp)
         return V.stop(x)
+
+
+def exact_scale(c: float) -> bool:
+    """Scaling by c is exact in floating point: c = +-2^k (barring over/underflow).
+
+    Only such a scale is distributed over a sum: k (a - b) = k a - k b turns the exact
+    difference of two close values (Sterbenz) into the difference of two rounded
+    products, whose error is relative to k a, not to the result (3 (a - b) at a = b
+    came out as 1e-4, not 0)."""
+    m, _ = math.frexp(c)
+    return m in (0.5, -0.5)
 
 
 def narrow(v: Value) -> Value:

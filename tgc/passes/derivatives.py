@@ -234,8 +234,14 @@ def _by_kind(rules: dict[str, Rule]) -> Rule:
 
 
 def _softmax(v: Value) -> Value:
-    """logsumexp[e](x)' = softmax[e](x) = exp(x - logsumexp[e](x)): finite, in [0, 1]."""
-    return _fn("exp", V.add([v.operands[0], v], [1.0, -1.0]))
+    """logsumexp[e](x)' = softmax[e](x) = exp(d - logsumexp[e](d)), d = x - stop(max[e](x)):
+    finite, in [0, 1], and computed from the shifted logits, so its error is relative to
+    the result (exp(x - logsumexp(x)) loses eps |x| in the exponent)."""
+    x = v.operands[0]
+    if not V.is_shift(x):
+        x = V.add([x, V.stop(V.reduce("max", x, v.attrs[1]))], [1.0, -1.0])
+        v = V.reduce("logsumexp", x, v.attrs[1])
+    return _fn("exp", V.add([x, v], [1.0, -1.0]))
 
 
 RULES.update({

@@ -1,20 +1,34 @@
-"""What a value provably is, for the rules that need it: finite, and its sign.
+"""What a value provably is, for the rules that need it: finite, its sign, its range.
 
-`Facts.finite(v)`: v is finite everywhere, in exact arithmetic, whenever the module's
-inputs are finite. (A program's own infinities — log 0, 1/0, a derivative's 1/sqrt 0 —
-are what LANGUAGE.md section 8 guards against; an input that is already inf or NaN,
-or a float overflow of a finite exact value, is outside what the rules promise.)
+`Facts.finite(v)`: v is finite everywhere, in the module's float type, whenever the
+module's inputs are finite. (A program's own infinities — log 0, 1/0, a derivative's
+1/sqrt 0 — are what LANGUAGE.md section 8 guards against; an input that is already
+inf or NaN is outside what the rules promise.) `exp` overflows at moderate arguments
+(88.7 in f32, 709.8 in f64), so `exp(y)` is finite only where an upper bound of `y`
+keeps it below that: `exp(x - max x)`, `exp(-x^2)`, `exp(tanh x)` are, `exp(3x)` is not
+(its guard stays: the gradient of `where(x < 30, exp(3x), 0)` at x = 40 is 0, not NaN).
+Products and powers of finite values are taken to be finite: they overflow only at
+inputs beyond 1e19 (f32), which the rules do not promise to survive.
 `Facts.sign(v)`: "pos" (> 0), "nonneg" (>= 0) or None (unknown).
+`Facts.upper(v)`: an upper bound of v (inf when none is known).
 
-Both are computed bottom-up once per value (a DAG walk), so they terminate.
+All are computed bottom-up once per value (a DAG walk), so they terminate.
 """
 from __future__ import annotations
 
 import math
 
-from tgc.ir.values import Value
+import numpy as np
+
+from tgc.ir.values import Value, is_shift
 
 POS, NONNEG = "pos", "nonneg"
+INF = math.inf
+# the largest argument whose exp is finite, per float type
+EXP_MAX = {"f32": math.log(float(np.finfo(np.float32).max)), "f64": math.log(float(np.finfo(np.float64).max))}
+# map fns bounded whatever their argument: fn -> upper bound
+_BOUNDED = {"tanh": 1.0, "erf": 1.0, "sin": 1.0, "cos": 1.0, "sign": 1.0, "sigmoid": 1.0,
+            "lt": 1.0, "le": 1.0, "gt": 1.0, "ge": 1.0, "eq": 1.0, "ne": 1.0}
 
 # map fns that are finite on finite arguments, and those finite on every argument
 _TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0", "mul00", "where",
@@ -34,9 +48,9 @@ def _meet(*signs: str | None) -> str | None:
 
 class Facts:
     def __init__(self):
-        self._memo: dict[int, tuple[Value, bool, str | None]] = {}
+        self._memo: dict[int, tuple[Value, bool, str | None, float]] = {}
 
-    def _get(self, v: Value) -> tuple[bool, str | None]:
+    def _get(self, v: Value) -> tuple[bool, str | None, float]:
         hit = self._memo.get(id(v))
         if hit is None:
             memo, stack = self._memo, [v]
@@ -50,9 +64,13 @@ class Facts:
                     stack.extend(reversed(todo))
                     continue
                 stack.pop()
-                memo[id(u)] = (u, *self._compute(u))
+                fin, sign = self._compute(u)
+                hi = self._upper(u)
+                if u.op == "map" and u.attrs[0] == "exp":
+                    fin = fin and hi < INF
+                memo[id(u)] = (u, fin, sign, hi)
             hit = memo[id(v)]
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
 
     def finite(self, v: Value) -> bool:
         return self._get(v)[0]
@@ -60,14 +78,72 @@ class Facts:
     def sign(self, v: Value) -> str | None:
         return self._get(v)[1]
 
+    def upper(self, v: Value) -> float:
+        return self._get(v)[2]
+
     def positive(self, v: Value) -> bool:
         return self.sign(v) == POS
 
     def nonneg(self, v: Value) -> bool:
         return self.sign(v) in (POS, NONNEG)
 
+    def _upper(self, v: Value) -> float:
+        """An upper bound of v (inf: none known), from its operands' bounds and signs."""
+        his = [self._memo[id(o)][3] for o in v.operands]
+        if v.op == "const":
+            return v.attrs[0] if not math.isnan(v.attrs[0]) else INF
+        if v.op == "indicator":
+            return 1.0
+        if v.op in ("rename", "stop", "gather") or (v.op == "contract" and len(v.operands) == 1
+                                                    and set(v.edges) >= set(v.operands[0].edges)):
+            return his[0]
+        if v.op == "reduce":
+            return his[0] if v.attrs[0] in ("max", "min") else INF
+        if v.op == "add":
+            return self._add_upper(v, his)
+        if v.op == "contract" and set(v.edges) >= set().union(*(o.edges for o in v.operands)):
+            return self._product_upper(v, his)
+        if v.op == "map":
+            fn = v.attrs[0]
+            if fn in _BOUNDED:
+                return _BOUNDED[fn]
+            if fn == "exp":
+                return math.exp(his[0]) if his[0] <= EXP_MAX[v.dtype] else INF
+            if fn in ("max", "where"):
+                return max(his[-2:])
+            if fn == "min":
+                return min(his)
+            if fn == "log":
+                return math.log(his[0]) if 0 < his[0] < INF else INF
+        return INF
+
+    def _add_upper(self, v: Value, his: list[float]) -> float:
+        """Sum of c * bound: an upper bound for c > 0, and for c < 0 when the term is >= 0
+        (its bound is then 0); a shift x - max_E(x) is <= 0."""
+        if is_shift(v):
+            return 0.0
+        total = 0.0
+        for o, c, hi in zip(v.operands, v.attrs[0], his):
+            if c > 0:
+                total += c * hi
+            elif not self.nonneg(o):
+                return INF
+        return total if not math.isnan(total) else INF
+
+    def _product_upper(self, v: Value, his: list[float]) -> float:
+        """An elementwise product of nonnegative factors: the product of their bounds; of
+        one factor that is <= 0 (bound <= 0) with nonnegative ones: <= 0."""
+        signs = [self._memo[id(o)][2] for o in v.operands]
+        if all(s in (POS, NONNEG) for s in signs):
+            total = 1.0
+            for hi in his:
+                total *= hi
+            return total if not math.isnan(total) else INF
+        unsigned = [hi for hi, s in zip(his, signs) if s not in (POS, NONNEG)]
+        return 0.0 if len(unsigned) == 1 and unsigned[0] <= 0 else INF
+
     def _compute(self, v: Value) -> tuple[bool, str | None]:
-        ops = [self._memo[id(o)][1:] for o in v.operands]
+        ops = [self._memo[id(o)][1:3] for o in v.operands]
         fin = all(f for f, _ in ops)
         if v.op in ("arg", "size", "indicator", "const"):
             return self._leaf(v)
@@ -80,8 +156,9 @@ class Facts:
             return fin, self._product_sign(v, ops)
         if v.op == "map":
             return self._map(v.attrs[0], v, ops)
-        if v.op == "reduce":
-            return fin, ops[0][1]
+        if v.op == "reduce":  # logsumexp of a shift (max 0) is >= log 1
+            shifted = v.attrs[0] == "logsumexp" and is_shift(v.operands[0])
+            return fin, NONNEG if shifted else ops[0][1]
         if v.op in ("rename", "stop", "gather"):
             return ops[0]
         if v.op == "scatter":

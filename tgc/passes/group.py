@@ -229,10 +229,16 @@ class _Grouper:
         m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
         sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
         finite = Map("where", (Map("lt", (Map("abs", (Acc(),)), Const(float("inf")))), Acc(), Const(0.0)))
-        new = [replace(lse, out=names["m"], reduce="maxshift", epilogue=finite, note="softmax: max"),
-               LoopKernel(names["e"], full, lse.loops, sizes,
-                          Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once"),
-               replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum")]
+        if _shifted_by_its_max(lse, ks):  # its max is 0 (or the row is NaN): exp(B) needs no shift
+            del low.buffers[names["m"]]
+            new = [LoopKernel(names["e"], full, lse.loops, sizes, Map("exp", (lse.body,)), note="softmax: exp once")]
+            if keep:
+                m_load = Const(0.0)
+        else:
+            new = [replace(lse, out=names["m"], reduce="maxshift", epilogue=finite, note="softmax: max"),
+                   LoopKernel(names["e"], full, lse.loops, sizes,
+                              Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once")]
+        new.append(replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum"))
         if keep:
             kept = tuple(v for v in lse.loops if v not in lse.red)
             new.append(LoopKernel(lse.out, lse.index, kept, {v: lse.sizes[v] for v in kept},
@@ -294,6 +300,17 @@ class _Grouper:
         after.append(LoopKernel(k.out, k.index, loops[1:] + loops[:1], sizes, Load(name, index), "sum", (BLOCK_EDGE,),
                                 k.epilogue, note="add partial sums"))
         return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> bool:
+    """`lse` is logsumexp[E](B - M) with M = max[E](B) written by a member: B - M has the
+    maximum 0 (the prelude's shifted softmax), or is NaN where M is not finite."""
+    e = lse.body
+    if not (isinstance(e, Add) and e.coefs == (1.0, -1.0) and isinstance(e.args[1], Load)):
+        return False
+    b, m = e.args
+    return any(k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b and k.epilogue is None
+               and k.loops == lse.loops and k.red == lse.red and m.index == k.index for k in ks)
 
 
 def _together(ks: list[LoopKernel]) -> list:

@@ -4,7 +4,7 @@ Rewrites (each an identity of functions, so both values and derivatives are kept
 1 counts as exp(0)):
 
     log(sum_E exp(d))                      = logsumexp_E(d)
-    logsumexp_E(x + m)                     = logsumexp_E(x) + m      (m constant along E)
+    logsumexp_E(x - m) + m                 = logsumexp_E(x)          (m = max_E x)
     1 / sum_E exp(d)                       = exp(-logsumexp_E(d))
     exp(a) exp(b)                          = exp(a + b)              (b has no edge a lacks)
     exp(a) / (exp(a) + exp(b))             = sigmoid(a - b)
@@ -14,15 +14,20 @@ Rewrites (each an identity of functions, so both values and derivatives are kept
     log(exp(a) + exp(b))                   = b + softplus(a - b)
     log(sigmoid(a))                        = -softplus(-a)
 
-So softmax `exp(x - m) / sum_E exp(x - m)` becomes `exp(x - logsumexp_E(x))` (the
-shift m cancels), log_softmax `x - logsumexp_E(x)`, the prelude's sigmoid and
-softplus their fused ops; in derived backward graphs the same patterns (a
+So softmax `exp(d) / sum_E exp(d)` with `d = x - stop(max_E x)` becomes
+`exp(d - logsumexp_E(d))`, log_softmax `d - logsumexp_E(d)`, the prelude's sigmoid
+and softplus their fused ops; in derived backward graphs the same patterns (a
 reciprocal of a sum of exps times an exp) become the same stable forms. The
 patterns match the canonical forms of `simplify`, whose rules run here too.
 
-Terminates: each pattern removes an exp, a log or a reciprocal of a sum of exps,
-or (the shift rule) moves a term out of a logsumexp's operand: a measure that
-strictly decreases; simplify's rules decrease theirs (`tgc.passes.rules`).
+Otherwise the shift stays: `logsumexp_E(x - m)` is not rewritten to `logsumexp_E(x) - m`.
+That is an identity of real numbers, but then `d - logsumexp_E(d)` becomes
+`x - logsumexp_E(x)`, whose two terms are as large as the logits: in f32 its error
+is eps |x| (5e-4 at logits near 1e4), where `(x - m) - log sum exp(x - m)` keeps the
+error relative to the result (docs/optimization.md, the floating-point contract).
+
+Terminates: each pattern removes an exp, a log, a reciprocal of a sum of exps or
+a shift: a measure that strictly decreases; simplify's rules decrease theirs (`tgc.passes.rules`).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.passes.base import Pass
 from tgc.passes.canon import key
+from tgc.ir.values import is_shift
 from tgc.passes.rewrite import Ctx, rewrite
 from tgc.passes.rules import SIMPLIFY
 
@@ -104,19 +110,20 @@ def log_(ctx: Ctx, v: Value) -> Value | None:
     return ctx.c.broadcast(ctx.c.add([_arg(ctx, b, v), soft]), v.edges)
 
 
-# logsumexp_E(x + m) = logsumexp_E(x) + m          (m constant along E)
-def lse_shift(ctx: Ctx, v: Value) -> Value | None:
-    kind, edges = v.attrs
-    d = v.operands[0]
-    if kind != "logsumexp" or d.op != "add":
-        return None
-    terms = list(zip(d.operands, d.attrs[0]))
-    inner = [(t, c) for t, c in terms if set(t.edges) & set(edges)]
-    outer = [(t, c) for t, c in terms if not set(t.edges) & set(edges)]
-    if not inner or not outer:
-        return None
-    lse = ctx.c.reduce("logsumexp", ctx.c.add([t for t, _ in inner], [c for _, c in inner]), edges)
-    return ctx.c.add([lse] + [t for t, _ in outer], [1.0] + [c for _, c in outer])
+# logsumexp_E(x - m) + m = logsumexp_E(x)       (m = max_E x, constant along E: the prelude's logsumexp)
+def lse_of_shift(ctx: Ctx, v: Value) -> Value | None:
+    terms = list(zip(v.operands, v.attrs[0]))
+    for i, (t, c) in enumerate(terms):
+        if t.op != "reduce" or t.attrs[0] != "logsumexp" or not is_shift(t.operands[0]):
+            continue
+        x, m = t.operands[0].operands if t.operands[0].attrs[0][1] == -1.0 else t.operands[0].operands[::-1]
+        j = next((j for j, (u, k) in enumerate(terms) if u is m and k == c), None)
+        if j is None:
+            continue
+        rest = [(u, k) for n, (u, k) in enumerate(terms) if n not in (i, j)]
+        lse = ctx.c.reduce("logsumexp", x, t.attrs[1])
+        return ctx.c.broadcast(ctx.c.add([lse] + [u for u, _ in rest], [c] + [k for _, k in rest]), v.edges)
+    return None
 
 
 # 1 / sum_E exp(d) = exp(-logsumexp_E(d))
@@ -170,7 +177,7 @@ def products(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
-PATTERNS = {"log": [log_], "div": [recip_], "reduce": [lse_shift], "contract": [products]}
+PATTERNS = {"log": [log_], "div": [recip_], "add": [lse_of_shift], "contract": [products]}
 STABILIZE = {k: PATTERNS.get(k, []) + SIMPLIFY.get(k, []) for k in sorted(set(PATTERNS) | set(SIMPLIFY))}
 
 
