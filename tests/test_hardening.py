@@ -156,3 +156,47 @@ def test_build_refuses_a_fixed_dim_whose_derived_size_overflows(tmp_path):
     src.write_text(HUGE)
     r = tgc_cli("build", src, "-D", "a=2000000", "-o", tmp_path / "libh.so")
     assert r.returncode == 2 and "2^62" in r.stderr and not (tmp_path / "libh.so").exists()
+
+
+# ------------------------------------------------------------ -o: devices and FIFOs are written, never replaced
+
+def test_output_to_a_device_or_fifo_writes_into_it(tmp_path):
+    import stat
+    import threading
+
+    src = ROOT / "examples" / "mlp.tg"
+    null = tmp_path / "null"
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        os.symlink("/dev/null", null)
+    for cmd in (["dump-ir", src, "-o", null], ["build", src, "-o", null]):
+        r = tgc_cli(*cmd, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert stat.S_ISCHR(os.stat(null).st_mode), cmd
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    r = tgc_cli("dump-ir", src, "-o", fifo)
+    reader.join(60)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and got and got[0].startswith(b"dim batch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "null", "null.h"]
+
+
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from tgc import fsutil
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil.os, "fsync", full)
+    target = tmp_path / "out.txt"
+    with pytest.raises(OSError) as e:
+        fsutil.write_atomic(target, "text")
+    assert e.value.filename == str(target) and e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

@@ -2,29 +2,41 @@
 
 An interrupted or failed write never leaves a half-written file under the target
 name, so `make` never takes a broken output as up to date.
+
+A target that is not a regular file or a directory (a device such as /dev/null or
+/dev/stdout, a FIFO, a socket; also through a symlink) is never replaced: it is
+opened and written, as gcc does, after every regular target's temporary file is
+complete. Error messages name the file asked for, never a temporary one.
 """
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, durable: bool = True) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, durable: bool = True,
+                 write_special: bool = True) -> None:
     """Write `data` to `path` through a temporary file renamed over it. `durable`:
     fsync before the rename (a build output); without it, only atomicity (a cache
-    entry, whose checksum catches a torn write after a crash)."""
-    write_all_atomic({path: (data, mode)}, durable)
+    entry, whose checksum catches a torn write after a crash). `write_special`: a
+    device or FIFO at `path` is written into (else replaced by the new file)."""
+    write_all_atomic({path: (data, mode)}, durable, write_special)
 
 
-def write_all_atomic(files: dict, durable: bool = True) -> None:
+def write_all_atomic(files: dict, durable: bool = True, write_special: bool = True) -> None:
     """`write_atomic` for several files ({path: (data, mode)}) as one step: every
     temporary file is written before any is renamed, so a failure while writing
     (a full disk, an unwritable folder) leaves every target as it was."""
     temps: list[tuple[str, Path]] = []
+    special = {p: v for p, v in files.items() if write_special and _is_special(Path(p))}
     try:
         for path, (data, mode) in files.items():
-            temps.append((_temporary(Path(path), data, mode, durable), Path(path)))
+            if path not in special:
+                temps.append((_temporary(Path(path), data, mode, durable), Path(path)))
+        for path, (data, _) in special.items():
+            _write_through(Path(path), data)
         for tmp, path in temps:
             try:
                 os.replace(tmp, path)
@@ -37,6 +49,28 @@ def write_all_atomic(files: dict, durable: bool = True) -> None:
             except OSError:
                 pass
         raise
+
+
+def _is_special(path: Path) -> bool:
+    """Whether `path` (followed through links) exists and is neither a regular file
+    nor a directory."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _write_through(path: Path, data: bytes | str) -> None:
+    """Open the existing device or FIFO `path` and write `data` into it."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        with open(path, "wb", buffering=0) as f:
+            view = memoryview(payload)
+            while view:
+                view = view[f.write(view):]
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def _temporary(path: Path, data: bytes | str, mode: int, durable: bool) -> str:
@@ -55,6 +89,9 @@ def _temporary(path: Path, data: bytes | str, mode: int, durable: bool) -> str:
                 f.flush()
                 os.fsync(f.fileno())
         os.chmod(tmp, mode & ~_umask())
+    except OSError as e:   # a full disk: name the file asked for
+        os.unlink(tmp)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         os.unlink(tmp)
         raise

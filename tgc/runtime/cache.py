@@ -332,4 +332,4 @@ def _write(d: Path, key: str, suffix: str, magic: bytes, body: bytes) -> None:
     except FileNotFoundError:
         _make_private(folder)
     data = magic + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
-    write_atomic(folder / name, data, mode=0o600, durable=False)
+    write_atomic(folder / name, data, mode=0o600, durable=False, write_special=False)
