@@ -802,9 +802,9 @@ def _(T):
 ACT = np.array([-30, -10, -6, -3, -1, -0.5, 0.1, 0.5, 1, 3, 6, 10, 30.])
 
 
-def _act_src(expr):
+def _act_src(expr, n=len(ACT)):
     return f"""
-dim n = {len(ACT)}
+dim n = {n}
 input x[n]
 y = {expr}
 d1 = grad(sum(y), x)
@@ -824,7 +824,11 @@ def _func_d1_d2(f):
 
 
 case("tanh_d2", _act_src("tanh(x)"), {"x": ACT}, elementwise=True)(_func_d1_d2(torch.tanh))
-case("gelu_tanh_d2", _act_src("gelu(x)"), {"x": ACT}, elementwise=True)(
+# without x = +-10: there PyTorch's float64 gelu'' (its own double-backward formula) is
+# itself 1.7% off (-6.3709e-35 at x = -10, where 60-digit arithmetic gives -6.2639e-35,
+# as tgc does in f32), so it cannot judge tgc
+ACT_GELU = ACT[np.abs(ACT) != 10]
+case("gelu_tanh_d2", _act_src("gelu(x)", len(ACT_GELU)), {"x": ACT_GELU}, elementwise=True)(
     _func_d1_d2(lambda z: F.gelu(z, approximate="tanh")))
 case("gelu_erf_d2", _act_src("gelu_erf(x)"), {"x": ACT}, elementwise=True)(_func_d1_d2(F.gelu))
 case("softplus_d2_moderate", _act_src("softplus(x)"), {"x": ACT}, elementwise=True)(

@@ -2,7 +2,9 @@
 
 It is the correctness oracle for every pass and backend, so it is written for
 clarity, not speed: each value is a numpy array whose axes follow the value's
-sorted edge names; indicators are built densely; gathers check their ids.
+sorted edge names; indicators are built densely; gathers check their ids. Each op
+computes in float64 and rounds its result once to the value's float type, so an f32
+value is the float64 one, rounded (sums of any length included).
 
 `evaluate(module, inputs)` binds symbolic dims from the input shapes (given in
 each argument's ABI order) and returns one array per output and per update
@@ -106,9 +108,16 @@ class _Eval:
     def run(self, roots: list[Value]) -> dict[int, np.ndarray]:
         vals: dict[int, np.ndarray] = {}
         for v in topo_order(roots):
-            ops = [vals[id(o)] for o in v.operands]
+            ops = [_wide(vals[id(o)]) for o in v.operands]
             vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
         return vals
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    """f32 operands in float64: every op computes in float64 and its result is rounded
+    once to the value's type, so a sum of any length, or exp near 1, is as accurate as
+    f32 can hold (numpy's own f32 sums and functions are not always correctly rounded)."""
+    return a.astype(np.float64) if a.dtype == np.float32 else a
 
 
 def _arg(ev: _Eval, v: Value, ops):
@@ -253,7 +262,7 @@ def _scatter(ev: _Eval, v: Value, ops):
     index = tuple(np.broadcast_to(ev.expand(ops[1], ids, full), shape) if e == edge else
                   np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in full])
                   for e in v.edges)
-    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=ev.np_dtype(v))
+    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=values.dtype)
     np.add.at(out, index, values)
     return out
 

@@ -250,13 +250,24 @@ class LoopGen:
             self.nest(loops[1:], {**vars, v: i}, leaf)
 
     def accumulate(self, kind: str, vars: dict, term) -> ir.Value:
-        """Reduce `term(vars)` over the reduced loops into a register; its value."""
+        """Reduce `term(vars)` over the reduced loops into a register; its value.
+
+        An f32 sum accumulates in f64 lanes, rounded once at the end: summed in f32,
+        each of LLVM's vector lanes carries n / lanes terms, and the error grows with
+        n (3e-3 relative for 10^7 values of 0.1); in f64 it stays below f32's rounding
+        of the result for any length that fits in memory."""
         b = self.b
-        acc = self.f.alloca(self.fp, "acc")
-        b.store(self.const(INIT[kind]), acc)
+        wide = kind == "sum" and self.fp == ir.FloatType()
+        acc_type = ir.DoubleType() if wide else self.fp
+        acc = self.f.alloca(acc_type, "acc")
+        b.store(ir.Constant(acc_type, INIT[kind]), acc)
         red = [v for v in self.k.loops if v in self.k.red and v not in vars]
-        self.nest(red, vars, lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc))
-        return b.load(acc)
+        if wide:
+            step = lambda vs: b.store(self.combine(b.load(acc), b.fpext(term(vs), acc_type), kind), acc)  # noqa: E731
+        else:
+            step = lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc)  # noqa: E731
+        self.nest(red, vars, step)
+        return b.fptrunc(b.load(acc), self.fp) if wide else b.load(acc)
 
     def reduce_in_register(self, vars: dict) -> None:
         k = self.k
