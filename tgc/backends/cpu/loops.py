@@ -372,7 +372,8 @@ class LoopGen:
             return self.mask(e, vars, acc)
         args = [self.expr(a, vars, acc) for a in e.args]
         if isinstance(e, Add):
-            return self.add(e.coefs, args)
+            products = sum(1 for c, a in zip(e.coefs, e.args) if c not in (1, -1) or isinstance(a, Mul))
+            return self.add(e.coefs, args, FLAGS if products < 2 else ())
         if isinstance(e, Mul):
             out = args[0]
             for a in args[1:]:
@@ -383,18 +384,21 @@ class LoopGen:
             return emit_map(b, e.fn, args, self.fp, exponent)
         raise TypeError(f"unknown expression {e!r}")
 
-    def add(self, coefs, args):
+    def add(self, coefs, args, flags=FLAGS):
+        """sum c_i a_i in order. `flags` without `contract` when two or more terms are
+        products: an FMA would subtract a rounded product from an unrounded one, so
+        3a - 3b or ab - cd at a = b (= c = d) would not be 0 (PyTorch's is)."""
         b = self.b
         total = None
         for c, a in zip(coefs, args):
             if total is None:
-                total = a if c == 1 else b.fmul(self.const(c), a, flags=FLAGS)
+                total = a if c == 1 else b.fmul(self.const(c), a, flags=flags)
             elif c == 1:
-                total = b.fadd(total, a, flags=FLAGS)
+                total = b.fadd(total, a, flags=flags)
             elif c == -1:
-                total = b.fsub(total, a, flags=FLAGS)
+                total = b.fsub(total, a, flags=flags)
             else:
-                total = b.fadd(total, b.fmul(self.const(c), a, flags=FLAGS), flags=FLAGS)
+                total = b.fadd(total, b.fmul(self.const(c), a, flags=flags), flags=flags)
         return total
 
     def mask(self, e: Mask, vars: dict, acc):
