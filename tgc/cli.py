@@ -229,9 +229,9 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
 def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
     """The IR passes to run for `--after`, and the lowering stage to stop at (or None)."""
     from tgc.passes.plan import LOWERING
-    from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+    from tgc.passes.registry import PASSES, pipeline
 
-    names = options.passes if options.passes is not None else DEFAULT_PIPELINE
+    names = pipeline(options)
     if after is None:
         return tuple(names), None
     if after == "elaborate":

@@ -13,6 +13,7 @@ class Options:
     dtype: str = "f32"                       # the program's float type: f32 | f64
     passes: tuple[str, ...] | None = None    # None: the default pipeline
     opt_level: int = 2                       # -O0..-O3
+    fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)
     verify_each: bool = False                # interpret before/after every pass and compare
     verify_seed: int = 0

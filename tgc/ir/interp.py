@@ -172,6 +172,7 @@ MAP_FNS: dict[str, Callable] = {
     "mul0": lambda a, b: np.where(a == 0, 0, a * b),
     "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
     "where": lambda c, a, b: np.where(c != 0, a, b),
+    "round32": lambda x: np.asarray(x, np.float32).astype(np.float64),
 }
 
 

@@ -51,6 +51,7 @@ MAP_ARITY = {
     "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
     "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
+    "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")

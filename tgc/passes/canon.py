@@ -90,9 +90,11 @@ class Canon:
     derivative program shares.
     """
 
-    def __init__(self, module: Module, merge: Callable[[Value], bool] | None = lambda v: True):
+    def __init__(self, module: Module, merge: Callable[[Value], bool] | None = lambda v: True,
+                 reassociate: bool = True):
         self.m = module
         self.merge = merge
+        self.reassociate = reassociate  # False (--fp-strict): scalings stay where the source has them
         # (factors, keep) -> working names: a product met again (a rule or a later pass
         # rebuilding it) is named as before; fresh edges only ever get added to the module,
         # so naming again would give the same names
@@ -203,8 +205,8 @@ class Canon:
 
     def _add_terms(self, operands, coefs):
         for o, c in zip(operands, coefs):
-            if o.op == "add" and (len(o.operands) == 1 or (exact_scale(c) and not is_shift(o)
-                                                          and self.merge and self.merge(o))):
+            if o.op == "add" and ((len(o.operands) == 1 and self.reassociate) or (
+                    exact_scale(c) and not is_shift(o) and self.merge and self.merge(o))):
                 yield from ((v, c * k) for v, k in zip(o.operands, o.attrs[0]))  # (a + b) c = a c + b c
             else:
                 yield o, c
@@ -242,7 +244,7 @@ class Canon:
         used = set(keep).union(*(o.edges for o in todo))
         while todo:
             o = todo.pop(0)
-            if o.op == "add" and len(o.operands) == 1:  # (k x) y = k (x y)
+            if o.op == "add" and len(o.operands) == 1 and self.reassociate:  # (k x) y = k (x y)
                 coef *= o.attrs[0][0]
                 o = o.operands[0]
             inner = self._open(o) if self.merge and self.merge(o) else None

@@ -94,7 +94,7 @@ class Facts:
             return v.attrs[0] if not math.isnan(v.attrs[0]) else INF
         if v.op == "indicator":
             return 1.0
-        if v.op in ("rename", "stop", "gather") or (v.op == "contract" and len(v.operands) == 1
+        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] == "round32") or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
         if v.op == "reduce":
@@ -194,6 +194,8 @@ class Facts:
             return fin, POS
         if fn == "abs":
             return fin, NONNEG
+        if fn == "round32":
+            return ops[0]
         if fn in ("max", "where", "min", "mul0", "mul00"):
             return fin, self._select_sign(fn, signs)
         if fn in _TOTAL:

@@ -20,7 +20,7 @@ from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.verify import verify
 from tgc.options import Options
-from tgc.passes.registry import DEFAULT_PIPELINE, PASSES
+from tgc.passes.registry import PASSES, pipeline
 from tgc.passes.stats import ModuleStats, module_stats
 
 Emit = Callable[[str, str], None]
@@ -88,7 +88,7 @@ class _Checker:
 
 
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
-    names = options.passes if options.passes is not None else DEFAULT_PIPELINE
+    names = pipeline(options)
     result = PipelineResult(module)
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     measure = (lambda m: module_stats(m, options.rep_size)) if options.stats else (lambda m: None)

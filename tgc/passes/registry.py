@@ -16,3 +16,15 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent
 # hid; contraction order last (it leaves pairwise contractions that normalize would merge).
 DEFAULT_PIPELINE: tuple[str, ...] = (
     "normalize", "stabilize", "adjoint", "tangent", "simplify", "stabilize", "factor")
+
+# --fp-strict: only what the program needs to run (its derivatives), in canonical form
+# without reassociation (`Options.fp_strict` makes normalize keep every sum and product
+# as the source nests it).
+STRICT_PIPELINE: tuple[str, ...] = ("normalize", "adjoint", "tangent", "normalize")
+
+
+def pipeline(options) -> tuple[str, ...]:
+    """The passes `options` asks for: its own list, else the default (or strict) one."""
+    if options.passes is not None:
+        return options.passes
+    return STRICT_PIPELINE if options.fp_strict else DEFAULT_PIPELINE

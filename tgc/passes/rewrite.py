@@ -111,10 +111,10 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
     for v in reversed(values):  # a rename is a view: its users use what it renames
         if v.op == "rename":
             users[id(v.operands[0])] += users[id(v)] - 1
-    ctx = Ctx(out, options, Canon(out))
+    ctx = Ctx(out, options, Canon(out, reassociate=not options.fp_strict))
     ctx.derivatives_left = any(v.op in DERIVATIVE_OPS for v in values)
     rw = _Rewriter(ctx, table, users)
-    ctx.c.merge = None if ctx.derivatives_left else rw.single_use
+    ctx.c.merge = None if ctx.derivatives_left or options.fp_strict else rw.single_use
     for v in values:
         rw.value(v)
     result = out.replace_values({k: new for k, (_, new) in rw.memo.items()})

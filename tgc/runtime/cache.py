@@ -243,7 +243,9 @@ PRINTS = ("print_ir_before", "print_ir_after", "print_ir_after_all", "time_passe
 
 
 def source_cacheable(options: Options) -> bool:
-    return not any(getattr(options, f) for f in PRINTS)
+    """Whether `tgc.compile` may look the source up (not when it prints, nor for an
+    --fp-strict program, whose f32 emulation is rebuilt from the object cache)."""
+    return not options.fp_strict and not any(getattr(options, f) for f in PRINTS)
 
 
 def source_key(kind: str, name: str, text: str, options: Options, cpu: tuple[str, str]) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,8 +124,18 @@ def build(module: Module, options: Options) -> "Program":
 
 
 def build_with_object(module: Module, options: Options) -> tuple["Program", tuple[bytes, ...]]:
-    """The program and its object files (which `from_object` loads again)."""
+    """The program and its object files (which `from_object` loads again).
+
+    An f32 program under --fp-strict runs as its f64 emulation (`tgc.passes.emulate`):
+    it takes f32 arrays (updates are written back into them) and returns f32 outputs."""
     from tgc.passes.plan import lower_module
+
+    if options.fp_strict and options.dtype == "f32":
+        from tgc.passes.emulate import emulate_f32
+
+        program, objs = build_with_object(emulate_f32(module), options.with_(dtype="f64"))
+        program.out_dtype = np.dtype(np.float32)
+        return program, objs
 
     low = lower_module(module, options)
     objs = _machine_code(module, low, options, cached=True)
@@ -196,7 +207,8 @@ class Program:
 
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
-        self._jit = jit  # keeps the code alive
+        self._jit = jit  # keeps the code alive; freed with the program (nothing else holds its addresses)
+        weakref.finalize(self, jit.close)
         vp, i64p = ctypes.c_void_p, ctypes.c_void_p
         self._run = ctypes.CFUNCTYPE(ctypes.c_int32, i64p, vp, vp, vp)(jit.address("tgc_run"))
         self._ws_bytes = ctypes.CFUNCTYPE(ctypes.c_int64, i64p)(jit.address("tgc_workspace_bytes"))
@@ -226,6 +238,7 @@ class Program:
         self._fast = self._run_objects is not None and self._key_idx is not None
         self._plans: dict = {}
         self._ws_addr = 0
+        self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
 
     def _binding_inputs(self) -> tuple[int, ...] | None:
         """Indices of the inputs whose shapes fix every symbolic dim (the first to
@@ -368,6 +381,13 @@ class Program:
     # ------------------------------------------------------------ the call
 
     def run(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
+        result = self._call(arrays, dims)
+        if self.out_dtype is None:
+            return result
+        updated = set(self._update_keys.values())
+        return {k: v if k in updated else v.astype(self.out_dtype) for k, v in result.items()}
+
+    def _call(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
         # The fast path: the plan for the shapes that bind the dims, then one native
         # call that checks every argument itself; what it refuses (it then ran
         # nothing), and every error message, goes through the checked path.

@@ -218,7 +218,7 @@ class _ModuleGen:
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
             return GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None
-        fn = LoopGen(mod, self.low, k, name, self.fp).emit()
+        fn = LoopGen(mod, self.low, k, name, self.fp, self.opt.fp_strict).emit()
         par = emit_parallel_body(mod, self.low, k, fn, name + ".par") if self.has_par(k) else None
         return fn, par
 

@@ -10,7 +10,8 @@ through `e = exp(-|x|)`, which never overflows: `sigmoid = 1/(1+e)` (x >= 0) or
 `u = 1 + e` (exact where `u` rounds to 1: then it is `e`). `pow(x, y)` with a small
 integer or +-0.5 constant exponent is multiplications/sqrt; otherwise
 `exp(y * log|x|)`, signed for negative x with an integer y, NaN for negative x with
-a fractional y, and 1 for y == 0 (numpy's `power` on floats).
+a fractional y, and 1 for y == 0 (numpy's `power` on floats). `round32(x)` rounds
+an f64 to the nearest f32 and back.
 """
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | N
         return b.select(b.fcmp_unordered("!=", c, zero), x, y)
     if fn == "pow":
         return emit_pow(b, args[0], args[1], fp, const_exponent)
+    if fn == "round32":   # to the nearest f32 and back (--fp-strict's f32 emulation)
+        return b.fpext(b.fptrunc(args[0], ir.FloatType()), fp)
     if fn in ("sigmoid", "softplus"):
         return (emit_sigmoid if fn == "sigmoid" else emit_softplus)(b, args[0], fp)
     raise ValueError(f"no code for elementwise function '{fn}'")

@@ -7,7 +7,8 @@ thread's share when that loop is over a kept edge). Shapes of the nest:
 
 - register mode (every reduced loop inside every kept loop): an accumulator that
   LLVM keeps in registers (vectorized with `reassoc` on the combining fadd — the
-  only fast-math flag besides `contract`, which allows FMA), then the epilogue,
+  only fast-math flag besides `contract`, which allows FMA; neither under
+  --fp-strict; an f32 sum accumulates in f64), then the epilogue,
   then one store; `logsumexp` makes two passes over the reduced loops (the max,
   then the sum of exp(x - max)) and always runs in this mode;
 - memory mode (a reduced loop outside a kept one, e.g. summing rows of a row-major
@@ -130,8 +131,11 @@ def rows_vectorized(g: LoopGroup) -> bool:
 class LoopGen:
     """One loop kernel, or a group of them inside shared outer loops, as a function."""
 
-    def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp):
+    def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp,
+                 strict: bool = False):
         self.low, self.top, self.k, self.fp = low, k, k, fp
+        self.flags = () if strict else FLAGS          # --fp-strict: no FMA contraction ...
+        self.sum_flags = () if strict else ("reassoc", "contract")   # ... and sums in order
         self.bufs = kernel_buffers(k)
         fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64])
         for a in fn.args[: 1 + len(self.bufs)]:
@@ -303,7 +307,7 @@ class LoopGen:
     def combine(self, acc, x, kind: str | None = None):
         kind = kind or self.k.reduce
         if kind == "sum":
-            return self.b.fadd(acc, x, flags=("reassoc", "contract"))
+            return self.b.fadd(acc, x, flags=self.sum_flags)
         if kind == "maxshift":
             # maxnum, not maximum: no NaN or signed-zero care per step. Rows of 11 that
             # LLVM unrolls into a chain: 107 -> 65 us per 2112 rows; rows of 64 that it
@@ -373,11 +377,11 @@ class LoopGen:
         args = [self.expr(a, vars, acc) for a in e.args]
         if isinstance(e, Add):
             products = sum(1 for c, a in zip(e.coefs, e.args) if c not in (1, -1) or isinstance(a, Mul))
-            return self.add(e.coefs, args, FLAGS if products < 2 else ())
+            return self.add(e.coefs, args, self.flags if products < 2 else ())
         if isinstance(e, Mul):
             out = args[0]
             for a in args[1:]:
-                out = b.fmul(out, a, flags=FLAGS)
+                out = b.fmul(out, a, flags=self.flags)
             return out
         if isinstance(e, Map):
             exponent = e.args[1].value if e.fn == "pow" and isinstance(e.args[1], Const) else None
