@@ -200,3 +200,147 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
         fsutil.write_atomic(target, "text")
     assert e.value.filename == str(target) and e.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------ imports stay inside their folder (or -I)
+
+def test_imports_are_relative_and_confined(tmp_path):
+    lib = tmp_path / "lib"
+    sub = tmp_path / "proj" / "sub"
+    lib.mkdir()
+    sub.mkdir(parents=True)
+    (lib / "f.tg").write_text("fn twice(a) {\n  return a * 2\n}\n")
+    (sub / "g.tg").write_text("fn thrice(a) {\n  return a * 3\n}\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP SECRET first line\n")
+    main = tmp_path / "proj" / "main.tg"
+    for imp, ok in [('"sub/g.tg"', True), ('"../lib/f.tg"', False), (f'"{lib / "f.tg"}"', False),
+                    (f'"{secret}"', False), ('"../secret.txt"', False), ('"/etc/passwd"', False)]:
+        main.write_text(f"import {imp}\ndim n\ninput x[n]\nout y[n] = x\n")
+        r = tgc_cli("check", main)
+        assert (r.returncode == 0) == ok, (imp, r.stderr)
+        assert "SECRET" not in r.stderr and "root:" not in r.stderr, imp
+    main.write_text('import "f.tg"\ndim n\ninput x[n]\nout y[n] = twice(x)\n')
+    assert tgc_cli("check", main).returncode == 1
+    r = tgc_cli("check", "-I", lib, main)          # -I: another folder imports may come from
+    assert r.returncode == 0, r.stderr
+    main.write_text('import "../lib/f.tg"\ndim n\ninput x[n]\nout y[n] = twice(x)\n')
+    assert tgc_cli("check", "-I", lib, main).returncode == 0
+    r = tgc_cli("run", "-I", lib, main, "--random-inputs", "--dim", "n=3", "--backend", "cpu")
+    assert r.returncode == 0, r.stderr
+    link = sub / "escape.tg"                        # a link out of the folder is outside too
+    link.symlink_to(lib / "f.tg")
+    main.write_text('import "sub/escape.tg"\ndim n\n')
+    assert tgc_cli("check", main).returncode == 1
+
+
+# ------------------------------------------------------------ hostile inputs: exit 3 or 1, a message
+
+def test_a_truncated_npz_is_exit_3(tmp_path):
+    np.savez(tmp_path / "in.npz", x=np.ones((4, 13), np.float32))
+    data = (tmp_path / "in.npz").read_bytes()
+    for n in (0, 10, 300, len(data) - 20):
+        (tmp_path / "t.npz").write_bytes(data[:n])
+        r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--inputs", tmp_path / "t.npz")
+        assert r.returncode == 3 and "cannot read inputs" in r.stderr, (n, r.stderr)
+        r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--random-inputs", "--input", f"x={tmp_path / 't.npz'}")
+        assert r.returncode == 3 and "Traceback" not in r.stderr, (n, r.stderr)
+
+
+def test_sources_that_are_devices_fifos_or_huge_are_refused(tmp_path):
+    fifo = tmp_path / "p.tg"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo):
+        for cmd in (["check"], ["dump-ir"], ["run", "--random-inputs"]):
+            r = tgc_cli(*cmd, path, timeout=60)
+            assert r.returncode == 1 and "not a source file" in r.stderr, (cmd, path, r.stderr)
+    with pytest.raises(tgc.ir.diag.CompileError, match="FIFO"):
+        tgc.compile(str(fifo))
+    from tgc import fsutil
+
+    big = tmp_path / "big.tg"
+    big.write_text("# comment\n" * 20)
+    with pytest.raises(fsutil.NotASource, match="larger"):
+        fsutil.read_source_bytes(big, limit=100)
+
+
+def test_programs_free_their_machine_code():
+    import gc
+    import weakref
+
+    from tgc.backends.cpu import llvm_env
+
+    gc.collect()
+    before = len(llvm_env._LIVE_ENGINES)
+    refs = []
+    for i in range(20):
+        p = tgc.compile(f"dim n\ninput x[n]\nout y[n] = x * {i + 2}\n", options=tgc.options.Options(compile_jobs=1))
+        assert p(x=np.ones(2, np.float32))["y"].tolist() == [i + 2] * 2
+        refs.append(weakref.ref(p))
+    del p
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(llvm_env._LIVE_ENGINES) == before
+
+
+def test_stale_link_folders_are_removed(tmp_path, monkeypatch):
+    import tempfile
+    import time
+
+    from tgc.backends.cpu import aot
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old, new = tmp_path / "tgc-link-old", tmp_path / "tgc-link-new"
+    for d in (old, new):
+        d.mkdir()
+        (d / "model.o").write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    os.utime(other, (0, 0))
+    aot.remove_stale_link_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tgc-link-new", "unrelated"]
+
+
+# ------------------------------------------------------------ concurrency
+
+def test_threads_share_one_program():
+    from concurrent.futures import ThreadPoolExecutor
+
+    prog = tgc.compile(ROOT / "examples" / "layernorm.tg")
+    names = [s.name for s in prog.inputs]
+    rng = np.random.default_rng(0)
+
+    def inputs(batch):
+        return {s.name: rng.standard_normal([batch if isinstance(n, str) else n for n in s.shape]).astype(np.float32)
+                if s.shape else np.float32(0.5) for s in prog.inputs}
+
+    cases = [inputs(b) for b in (1, 3, 8, 33, 3, 8) * 2]
+    want = [{k: v.copy() for k, v in prog(**{n: c[n].copy() for n in names}).items()} for c in cases]
+
+    def call(i):
+        c = cases[i % len(cases)]
+        got = prog(**{n: c[n].copy() for n in names})
+        return all(np.array_equal(got[k], want[i % len(cases)][k]) for k in got)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(call, range(400)))
+
+
+def test_processes_share_one_new_cache_dir(tmp_path):
+    d = tmp_path / "new" / "cache"                    # made by whichever process comes first
+    code = ("import numpy as np, tgc, sys; k = int(sys.argv[1]); "
+            "p = tgc.compile('dim n\\ninput x[n]\\nout y[n] = exp(x) * %d\\n' % (k % 3 + 2)); "
+            "print(float(p(x=np.ones(4, np.float32))['y'].sum()))")
+    env = {**os.environ, "TGC_CACHE_DIR": str(d)}
+    env.pop("TGC_CACHE", None)
+    for _ in range(2):                                # cold, then warm
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for k in range(9)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+        for k, (out, err) in enumerate(outs):
+            assert float(out) == pytest.approx(4 * np.e * (k % 3 + 2), rel=1e-6)
+            assert "warning" not in err
+    assert len(list(d.rglob("*.prog"))) >= 3 and not list(d.rglob("*.tmp"))   # 3, unless tgc changed meanwhile
+    assert (d.stat().st_mode & 0o777) == 0o700

@@ -40,9 +40,10 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
             try:  # keyed on the file's bytes; an unreadable file is reported by the loader below
                 import hashlib
 
-                with open(path, "rb") as f:
-                    text = "sha256:" + hashlib.sha256(f.read()).hexdigest()
-            except OSError:
+                from tgc.fsutil import read_source_bytes
+
+                text = "sha256:" + hashlib.sha256(read_source_bytes(path)).hexdigest()
+            except (OSError, ValueError):
                 pass
     elif re.search(r"^\s*(%\w+\s*=|out\s+\S+\s*=\s*%)", source, re.M):
         kind, name, text = "ir", "<ir>", source

@@ -65,6 +65,8 @@ def pipeline_options(fn):
         click.option("--verify-each", is_flag=True,
                      help="Check after every pass that the program's values did not change (float64)."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
+        click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+                     help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
                      help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to stderr."),
     ]
@@ -74,8 +76,9 @@ def pipeline_options(fn):
 
 
 def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=frozenset(),
-                 print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, **extra) -> Options:
-    return Options(dtype=dtype or "f32", passes=passes, print_ir_before=print_before,
+                 print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, import_dirs=(),
+                 **extra) -> Options:
+    return Options(dtype=dtype or "f32", passes=passes, import_dirs=tuple(import_dirs), print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
                    verify_each=verify_each, time_passes=time_passes, stats=stats, **extra)
 
@@ -153,8 +156,10 @@ def main(debug: bool, color: str) -> None:
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
 @click.option("-Werror", "werror", is_flag=True, help="Treat warnings as errors.")
 @click.option("-w", "no_warnings", is_flag=True, help="Print no warnings.")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @handle_errors
-def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -> None:
+def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, import_dirs=()) -> None:
     """Parse and check FILES; print nothing when they are correct.
 
     Warnings (unused inputs and bindings) go to stderr; with -Werror they fail the check.
@@ -166,7 +171,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool) -
     failed = False
     for path in files:
         try:
-            warnings = driver.load_program(path, Options(dtype=dtype)).warnings
+            warnings = driver.load_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
         except CompileError as e:
             report(e.diagnostics())
             failed = True

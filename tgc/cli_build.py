@@ -58,8 +58,10 @@ def header_path(output: str) -> str:
 @click.option("-MT", "mt", multiple=True, metavar="TARGET",
               help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")
 @click.option("-MP", "mp", is_flag=True, help="Add a phony target for every dependency.")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @handle_errors
-def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None:
+def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_dirs=()) -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -80,7 +82,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp) -> None
     output = output or default_output(file, emit)
     if output == "-" and emit in ("so", "obj"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
-    options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level)
+    options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs))
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None

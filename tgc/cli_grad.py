@@ -21,8 +21,10 @@ from tgc.options import Options
               help="tg: .tg source that `tgc check` accepts; ir: the textual IR.")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @handle_errors
-def grad(file, wrt, of, mode, emit, dtype, output) -> None:
+def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
     """Print the derivative of an output of FILE with respect to --wrt.
 
     The derivative is derived symbolically and optimized by the default pipeline;
@@ -36,7 +38,7 @@ def grad(file, wrt, of, mode, emit, dtype, output) -> None:
     """
     from tgc.frontend.emit_tg import emit_tg
 
-    options = Options(dtype=dtype)
+    options = Options(dtype=dtype, import_dirs=tuple(import_dirs))
     module = driver.gradient_module(driver.load(file, options), list(dict.fromkeys(wrt)), of, mode)
     module = driver.lower(module, options).module
     text = emit_tg(module) if emit == "tg" else print_module(module)

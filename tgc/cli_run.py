@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import io
 import sys
+import zipfile
 
 import click
+
 import numpy as np
 
 from tgc import driver
@@ -45,7 +47,7 @@ def _input_binding(ctx, param, value):
 def _load_array(path: str, what: str) -> np.ndarray:
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise EvalError(f"cannot read {what} from '{path}': {e}") from None
     if not isinstance(data, np.ndarray):  # an .npz archive
         data.close()
@@ -60,7 +62,7 @@ def _load_archive(path: str) -> dict[str, np.ndarray]:
         data = np.load(path, allow_pickle=False)
     except OSError as e:
         raise EvalError(f"cannot read inputs from '{path}': {e.strerror or e}") from None
-    except ValueError:   # numpy's guess at the format ("pickled data") misleads here
+    except (ValueError, EOFError, zipfile.BadZipFile):   # numpy's guess at the format ("pickled data") misleads
         raise EvalError(f"cannot read inputs from '{path}': not an .npz archive of arrays") from None
     if isinstance(data, np.ndarray):
         raise EvalError(f"cannot read inputs from '{path}': one .npy array, not an .npz archive "
@@ -180,8 +182,10 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @click.option("--profile", type=click.IntRange(min=1), metavar="N",
               help="With --backend cpu: run N more times (on copies of the inputs) and print, to stderr, "
                    "each kernel's share of the time, the costliest first.")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @handle_errors
-def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile) -> None:
+def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=()) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -204,7 +208,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     from tgc.progress import status
 
     dtype = driver.float_type(file, dtype)
-    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile))
+    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile),
+                      import_dirs=tuple(import_dirs))
     with status("compiling"):
         module = driver.lower(driver.load(file, options), options).module
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)

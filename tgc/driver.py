@@ -5,9 +5,6 @@ parser) into a module; `lower(module, options, emit)` runs the pass pipeline.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE
@@ -17,15 +14,16 @@ from tgc.passes.manager import PipelineResult, run_pipeline
 
 def read_text(path: str) -> str:
     """The file's text ('-' is stdin); unreadable or non-UTF-8 input is a located error."""
-    if path == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        try:
-            data = Path(path).read_bytes()
-        except IsADirectoryError:
-            raise CompileError("is a directory, not a file", Loc(path, 1, 1)) from None
-        except OSError as e:
-            raise CompileError(f"cannot read file: {e.strerror or e}", Loc(path, 1, 1)) from None
+    from tgc.fsutil import NotASource, read_source_bytes
+
+    try:
+        data = read_source_bytes(None if path == "-" else path)
+    except IsADirectoryError:
+        raise CompileError("is a directory, not a file", Loc(path, 1, 1)) from None
+    except NotASource as e:
+        raise CompileError(f"cannot read file: {e}", Loc(path, 1, 1)) from None
+    except OSError as e:
+        raise CompileError(f"cannot read file: {e.strerror or e}", Loc(path, 1, 1)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

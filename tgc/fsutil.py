@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -49,6 +50,44 @@ def write_all_atomic(files: dict, durable: bool = True, write_special: bool = Tr
             except OSError:
                 pass
         raise
+
+
+MAX_SOURCE = 256 << 20   # bytes: the most a source file (or stdin) may hold
+
+
+class NotASource(ValueError):
+    """A path that names no readable source: a device, FIFO or socket, or too large."""
+
+
+def read_source_bytes(path: str | os.PathLike | None, limit: int = MAX_SOURCE) -> bytes:
+    """The bytes of a source file (None: stdin), at most `limit` of them. A FIFO,
+    device or socket is refused without blocking (stdin may be a pipe); a directory
+    raises IsADirectoryError; NotASource or OSError otherwise."""
+    if path is None:
+        data = sys.stdin.buffer.read(limit + 1)
+    else:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(21, "Is a directory", str(path))
+            if not stat.S_ISREG(mode):
+                kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or \
+                    stat.S_ISBLK(mode) else "not a regular file"
+                raise NotASource(f"{kind}, not a source file (pipe a program to standard input with '-')")
+            chunks, left = [], limit + 1
+            while left > 0:
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+    if len(data) > limit:
+        raise NotASource(f"larger than {limit >> 20} MiB, the most a source may hold")
+    return data
 
 
 def _is_special(path: Path) -> bool:

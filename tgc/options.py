@@ -15,6 +15,7 @@ class Options:
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)
+    import_dirs: tuple[str, ...] = ()        # folders imports may also come from (-I)
     verify_each: bool = False                # interpret before/after every pass and compare
     verify_seed: int = 0
     print_ir_before: frozenset[str] = field(default_factory=frozenset)

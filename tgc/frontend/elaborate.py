@@ -56,6 +56,7 @@ class ProgramBuilder:
         self.grads: dict[str, V.Value] = {}  # bindings written `name = grad(f, x)`
         self.files: list[str] = []
         self.import_stack: list[tuple[Path, Loc | None]] = []
+        self.import_dirs = [Path(d).resolve() for d in options.import_dirs]
         self.imported: set[Path] = set()
 
     @property
@@ -86,8 +87,18 @@ class ProgramBuilder:
                 check_names(self.fns[fn].defn, self.fns, self.scope.kinds)
 
     def _Import(self, item: ast.Import, here: Path) -> None:
-        path = (here.parent / item.path)
+        """Import a .tg file by a path relative to the importing file; it must lie
+        inside that file's folder, or inside a folder given with -I (there also by a
+        path relative to that folder). Nothing else is read, so no error can show a
+        line of another kind of file."""
+        if not item.path.endswith(".tg"):
+            raise CompileError(f"cannot import '{item.path}': imports name .tg files", item.loc)
+        bases = [here.parent.resolve()] + self.import_dirs
+        path = next((b / item.path for b in bases if (b / item.path).is_file()), here.parent / item.path)
         key = path.resolve()
+        if not any(key.is_relative_to(b) for b in bases):
+            raise CompileError(f"cannot import '{item.path}': it lies outside the importing file's folder "
+                               f"({bases[0]}); allow its folder with -I DIR", item.loc)
         chain = [p for p, _ in self.import_stack]
         if key in chain or key == Path(self.files[0]).resolve():
             names = " -> ".join(str(p.name) for p in [Path(self.files[0])] + chain + [key])

@@ -52,11 +52,15 @@ def parse(text: str, filename: str) -> ast.Program:
 def read_source(path) -> tuple[str, str]:
     """(text, filename) of a .tg file; a located CompileError if it is unreadable,
     a directory, binary (NUL bytes) or not UTF-8."""
+    from tgc.fsutil import NotASource, read_source_bytes
+
     name = str(path)
     try:
-        data = Path(path).read_bytes()
+        data = read_source_bytes(path)
     except IsADirectoryError:
         raise CompileError(f"'{name}' is a directory, not a source file", Loc(name, 1, 1)) from None
+    except NotASource as e:
+        raise CompileError(f"cannot read '{name}': {e}", Loc(name, 1, 1)) from None
     except OSError as e:
         raise CompileError(f"cannot read '{name}': {e.strerror or e}", Loc(name, 1, 1)) from None
     if data.startswith(b"\xef\xbb\xbf"):

@@ -37,12 +37,16 @@ class Diagnostic:
 
 def _source_line(loc: Loc, sources: dict[str, str]) -> str | None:
     text = sources.get(loc.file)
-    if text is None:
+    if text is None:   # only a regular file of bounded size, never a device or FIFO
+        from tgc.fsutil import read_source_bytes
+
         try:
-            with open(loc.file, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError:
+            data = read_source_bytes(loc.file)
+        except (OSError, ValueError):
             return None
+        if b"\0" in data:
+            return None
+        text = data.decode("utf-8", errors="replace")
     lines = text.splitlines()
     if 1 <= loc.line <= len(lines):
         return lines[loc.line - 1]

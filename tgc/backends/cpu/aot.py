@@ -60,12 +60,41 @@ int32_t {p}_init_default(void) {{
 """
 
 
+LINK_PREFIX = "tgc-link-"
+STALE_SECONDS = 15 * 60   # a link takes seconds: an older folder's process was killed
+
+
+def remove_stale_link_dirs(now: float | None = None) -> None:
+    """Remove the temporary link folders that killed builds left behind: `tgc-link-*`
+    folders in the temp directory, owned by this user (not symlinks), untouched for
+    STALE_SECONDS."""
+    import shutil
+    import stat
+    import time
+
+    now = time.time() if now is None else now
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(LINK_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and now - st.st_mtime > STALE_SECONDS:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def link_shared(obj: bytes, prefix: str) -> bytes:
     """Link an object into a shared library with the system `cc`; its bytes."""
     from tgc.backends.cpu.blas import openblas_path
 
     blas = Path(openblas_path())
-    with tempfile.TemporaryDirectory(prefix="tgc-link-") as tmp:
+    remove_stale_link_dirs()
+    with tempfile.TemporaryDirectory(prefix=LINK_PREFIX) as tmp:
         o, stub, so = Path(tmp, "model.o"), Path(tmp, "init_default.c"), Path(tmp, "model.so")
         o.write_bytes(obj)
         stub.write_text(_STUB.format(p=prefix))
