@@ -95,3 +95,23 @@ def test_updates_are_written_into_the_callers_f32_arrays():
     out = prog(W=w, x=x, lr=np.float32(0.5))
     assert out["W"] is w and out["loss"].dtype == np.float32
     np.testing.assert_array_equal(w, np.arange(4, dtype=np.float32) - np.float32(0.5) * x)
+
+
+def test_the_command_line_flag(tmp_path):
+    """`tgc run --fp-strict`: the CPU build's outputs are the interpreter's, bit for bit."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    outs = {}
+    for backend in ("interp", "cpu"):
+        out = tmp_path / f"{backend}.npz"
+        r = CliRunner().invoke(main, ["run", str(ROOT / "examples/mlp.tg"), "--random-inputs", "--fp-strict",
+                                      "--backend", backend, "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        outs[backend] = dict(np.load(out))
+    assert outs["cpu"].keys() == outs["interp"].keys()
+    for name, a in outs["interp"].items():
+        np.testing.assert_array_equal(outs["cpu"][name], a, err_msg=name)
+    r = CliRunner().invoke(main, ["dump-ir", str(ROOT / "examples/mlp.tg"), "--fp-strict", "--after", "normalize"])
+    assert r.exit_code == 0 and "grad" in r.output   # the first normalize of the strict pipeline

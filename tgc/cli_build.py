@@ -7,6 +7,7 @@ import click
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
+from tgc.cli_flags import FP_STRICT
 from tgc.fsutil import write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
@@ -60,8 +61,9 @@ def header_path(output: str) -> str:
 @click.option("-MP", "mp", is_flag=True, help="Add a phony target for every dependency.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@FP_STRICT
 @handle_errors
-def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_dirs=()) -> None:
+def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_dirs=(), fp_strict=False) -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -82,7 +84,8 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_
     output = output or default_output(file, emit)
     if output == "-" and emit in ("so", "obj"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
-    options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs))
+    options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
+                      fp_strict=fp_strict)
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None

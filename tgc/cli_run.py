@@ -11,6 +11,7 @@ import numpy as np
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
+from tgc.cli_flags import FP_STRICT
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.interp import EvalError, evaluate
@@ -184,8 +185,10 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
                    "each kernel's share of the time, the costliest first.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@FP_STRICT
 @handle_errors
-def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=()) -> None:
+def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
+        fp_strict=False) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -209,7 +212,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
 
     dtype = driver.float_type(file, dtype)
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile),
-                      import_dirs=tuple(import_dirs))
+                      import_dirs=tuple(import_dirs), fp_strict=fp_strict)
     with status("compiling"):
         module = driver.lower(driver.load(file, options), options).module
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)
