@@ -60,6 +60,7 @@ class Gen:
         self.focus: list[str] = []
         self.n_deriv = 0
         self.deriv_nest = 0
+        self.ties = self.r.random() < 0.15       # kinks and ties left in, at their conventions
         self.split = None                        # (c, head, hd) dims
         self.concat = None                       # (w, p, q) dims
 
@@ -184,8 +185,8 @@ class Gen:
         return call(f, [u], edges=u.edges, scale=1.0, sparse=u.sparse)
 
     def unkink(self, u: Node) -> Node:
-        """u shifted off exact zeros where it may hold them (a kink's tie)."""
-        if not u.sparse:
+        """u shifted off exact zeros where it may hold them (a kink's tie); not in a ties program."""
+        if not u.sparse or self.ties:
             return u
         return bin_("+", u, num(self.r.choice([0.25, 0.375, 0.625])), sparse=False)
 
@@ -340,6 +341,8 @@ class Gen:
         A, B = self.split_edges(E)
         k = r.choice(["+", "-", "*", "/", "^", "max", "min", "where", "cmp", "cmp"])
         a = self.expr(A, d - 1)
+        if k == "where" and r.random() < 0.3:
+            return self.guarded(a, E, d)
         if k == "where":
             C1, C2 = self.split_edges(E)
             c = self.compare(C1, C2, d - 1)
@@ -362,12 +365,29 @@ class Gen:
             return bin_("^", base, self.bounded(b), edges=E, scale=max(base.scale, 1.5) ** BOUND)
         if k in ("max", "min"):
             a, b = self.unkink(a), self.unkink(b)
-            if a.render() == b.render() or (a.sparse and b.sparse):
+            if not self.ties and (a.render() == b.render() or (a.sparse and b.sparse)):
                 b = bin_("+", b, num(0.1875), sparse=False)
             if r.random() < 0.2 and not a.sparse and A == E:
                 return call(k, [num(r.choice([0, 0.5])), a], edges=E, scale=a.scale + 1, sparse=True)
             return call(k, [a, b], edges=E, scale=max(a.scale, b.scale), sparse=True)
         return self.compare(A, B, d - 1, a, b)
+
+    def guarded(self, a: Node, E, d) -> Node:
+        """A singular function on the side of a `where` that is taken, its argument made safe
+        on the other side too: `where(a > 0, sqrt(where(a > 0, a, 1)), b)`."""
+        r = self.r
+        f = r.choice(["sqrt", "log", "recip", "pow"])
+        op = r.choice([">", "<"])
+        cond = bin_(op, a, num(0), sparse=True)
+        safe = call("where", [cond, a if op == ">" else neg(a), num(1)], edges=a.edges, scale=a.scale + 1)
+        if f == "recip":
+            inner = bin_("/", num(1), safe, scale=10.0)
+        elif f == "pow":
+            inner = bin_("^", call("abs", [safe], edges=a.edges), num(0.5), scale=a.scale)
+        else:
+            inner = call(f, [safe], edges=a.edges, scale=a.scale + 2)
+        other = self.expr(frozenset(e for e in sorted(E) if r.random() < 0.5) | (E - a.edges), d - 1)
+        return call("where", [cond, inner, other], edges=E, scale=max(inner.scale, other.scale), sparse=True)
 
     def compare(self, A, B, d, a=None, b=None):
         r = self.r
@@ -408,7 +428,7 @@ class Gen:
             return None
         u = self.expr(E | frozenset(C), d - 1)
         k = r.choice(["sum", "mean", "max", "min"])
-        if k in ("max", "min") and u.sparse and r.random() < 0.6:
+        if k in ("max", "min") and u.sparse and r.random() < 0.6 and not self.ties:
             k = "sum"
         scale = u.scale * (self.elems(C) if k == "sum" else 1)
         if not E and r.random() < 0.5:
