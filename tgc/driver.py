@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
-from tgc.ir.sizes import MAX_SIZE
+from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.options import Options
 from tgc.passes.manager import PipelineResult, run_pipeline
 
@@ -129,20 +129,18 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
     unknown = [d for d in dims if d not in module.dims]
     if unknown:
         raise ValueError(f"the program has no dim '{unknown[0]}'")
-    fixed = [d for d in dims if module.dims[d] is not None]
-    if fixed:
-        raise ValueError(f"dim '{fixed[0]}' already has a fixed size")
     import numbers
 
     for d, n in dims.items():
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
             raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
+    given = {d: int(n) for d, n in dims.items() if module.dims[d] is None}
     new = dict(module.dims)
-    new.update({d: int(n) for d, n in dims.items()})
+    new.update(given)
     from tgc.ir.sizes import SizeError, UnboundDim, size_eval_checked
 
     env = {d: n for d, n in new.items() if isinstance(n, int)}
-    for d, s in new.items():   # a derived dim these sizes fix must fit too
+    for d, s in new.items():   # a derived dim these sizes fix is fixed too (and must fit)
         if s is not None and not isinstance(s, int):
             try:
                 env[d] = size_eval_checked(s, env, f"dim '{d}'")
@@ -152,4 +150,9 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
                 raise ValueError(str(e)) from None
             if not 0 < env[d] <= MAX_SIZE:
                 raise ValueError(f"dim '{d}' is {env[d]}: a size is a positive integer (at most 2^62)")
+            new[d] = env[d]
+    for d, n in dims.items():   # a fixed or derived dim may be named with the size it has
+        if d not in given and env.get(d) != n:
+            have = f"is {env[d]}" if d in env else f"is derived from other dims ({size_str(module.dims[d])})"
+            raise ValueError(f"dim '{d}' {have}, not {n}")
     return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates))

@@ -149,8 +149,8 @@ class _Fuser:
         if v.op != "contract" or len(v.operands) != 2 or not self.is_reduction(v):
             return None
         a, b = (peel(o)[0] for o in v.operands)
-        if "indicator" in (a.op, b.op):
-            return None
+        if "indicator" in (a.op, b.op) or self.broadcast_edges(a) or self.broadcast_edges(b):
+            return None   # an operand stored without the edges it repeats along is no BLAS matrix
         A, B, C = set(v.operands[0].edges), set(v.operands[1].edges), set(v.edges)
         if C - (A | B) or (A - B - C) or (B - A - C):
             return None
