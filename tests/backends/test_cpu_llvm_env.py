@@ -56,7 +56,10 @@ def test_loop_vectorizes_to_host_width():
     asm = llvm_env.emit_asm(SCALE, 3)
     if llvm_env.has_feature('avx512f'):
         assert 'zmm' in asm
-        assert 'zmm' not in llvm_env.emit_asm(SCALE, 3, prefer_512=False)
+        # without prefer_512 the CPU's own tuning decides: 256-bit on parts that prefer it
+        # (Zen 4, Intel servers), the same 512-bit code where it prefers 512 (Zen 5)
+        own = llvm_env.emit_asm(SCALE, 3, prefer_512=False)
+        assert 'zmm' not in own or own == asm
     elif llvm_env.has_feature('avx2'):
         assert 'ymm' in asm
     else:
