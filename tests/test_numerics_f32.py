@@ -895,6 +895,107 @@ def test_error_measure():
     assert ok(1e-7, 0.0) and ok(5e-5, 1e-5) and not ok(2e-4, 1e-5) and not ok(np.inf, 1e-3)
 
 
+# ================================================================ losses and similarities written out
+
+_z = (rng(40).standard_normal(32) * 3)
+_lab = (rng(41).random(32) > 0.5).astype(float)
+
+
+@case("bce_through_sigmoid", """
+dim n = 32
+input z[n], y[n]
+p = sigmoid(z)
+l = -mean(y * log(p) + (1 - y) * log(1 - p))
+out l
+out g = grad(l, z)
+""", {"z": _z, "y": _lab})
+def _(T):
+    z = leaf(T.z)
+    p = torch.sigmoid(z)
+    l = -(T.y * torch.log(p) + (1 - T.y) * torch.log(1 - p)).mean()
+    return {"l": l, "g": gradient(l, z)}
+
+
+@case("bce_with_logits", """
+dim n = 32
+input z[n], y[n]
+l = mean(y * softplus(-z) + (1 - y) * softplus(z))
+out l
+out g = grad(l, z)
+""", {"z": _z * 7, "y": _lab})
+def _(T):
+    z = leaf(T.z)
+    l = F.binary_cross_entropy_with_logits(z, T.y)
+    return {"l": l, "g": gradient(l, z)}
+
+
+_u, _v = rng(42).standard_normal((4, 16)), rng(43).standard_normal((4, 16))
+
+
+@case("cosine_similarity", """
+dim b = 4, d = 16
+input x[b, d], y[b, d]
+c = sum[d](x * y) / sqrt(sum[d](x * x) * sum[d](y * y))
+out c
+out g = grad(sum(c), x)
+""", {"x": _u, "y": _v})
+def _(T):
+    x = leaf(T.x)
+    c = (x * T.y).sum(-1) / torch.sqrt((x * x).sum(-1) * (T.y * T.y).sum(-1))
+    return {"c": c, "g": gradient(c.sum(), x)}
+
+
+@case("kl_divergence_close", """
+dim b = 4, d = 16
+input x[b, d], y[b, d]
+lp = log_softmax[d](x)
+l = sum(exp(lp) * (lp - log_softmax[d](y)))
+out l
+out g = grad(l, x)
+""", {"x": _u * 10, "y": _u * 10 + 0.01 * _v})
+def _(T):
+    x = leaf(T.x)
+    lp = F.log_softmax(x, -1)
+    l = (lp.exp() * (lp - F.log_softmax(T.y, -1))).sum()
+    return {"l": l, "g": gradient(l, x)}
+
+
+@case("huber", """
+dim n = 1000
+input a[n], b[n]
+d = a - b
+l = mean(where(abs(d) < 1, 0.5 * d * d, abs(d) - 0.5))
+out l
+out g = grad(l, a)
+""", {"a": 100 + rng(44).standard_normal(1000), "b": 100 + rng(45).standard_normal(1000) * 2})
+def _(T):
+    a = leaf(T.a)
+    l = F.huber_loss(a, T.b)
+    return {"l": l, "g": gradient(l, a)}
+
+
+@case("pixel_standardize", """
+dim b = 4, d = 16
+input x[b, d]
+out y = (x - 127.5) / 127.5
+""", {"x": rng(46).integers(0, 256, (4, 16)).astype(float)})
+def _(T):
+    return {"y": (T.x - 127.5) / 127.5}
+
+
+@case("causal_where_minus_inf", """
+dim t = 6, u = 6
+input s[t, u], w[t, u]
+p = softmax[u](where([u <= t], s, -inf))
+out p
+out g = grad(sum(p * w), s)
+""", {"s": rng(47).standard_normal((6, 6)) * 5, "w": rng(48).standard_normal((6, 6))})
+def _(T):
+    s = leaf(T.s)
+    p = torch.softmax(torch.where(torch.tril(torch.ones(6, 6, dtype=torch.bool)), s, float("-inf")), -1)
+    return {"p": p, "g": gradient((p * T.w).sum(), s)}
+
+
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
 KNOWN_GAPS = {
     "entropy_large": "softmax and log_softmax of one x share their shifted logits d - lse(d), so reverse "

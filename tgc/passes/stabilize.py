@@ -13,6 +13,7 @@ Rewrites (each an identity of functions, so both values and derivatives are kept
     (exp(a) - exp(b)) / (exp(a) + exp(b))  = tanh((a - b) / 2)
     log(exp(a) + exp(b))                   = b + softplus(a - b)
     log(sigmoid(a))                        = -softplus(-a)
+    1 - sigmoid(a)                         = sigmoid(-a)
 
 So softmax `exp(d) / sum_E exp(d)` with `d = x - stop(max_E x)` becomes
 `exp(d - logsumexp_E(d))`, log_softmax `d - logsumexp_E(d)`, the prelude's sigmoid
@@ -126,6 +127,21 @@ def lse_of_shift(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
+# c - c sigmoid(a) = c sigmoid(-a)               (1 - s(a) cancels where s(a) is near 1)
+def one_minus_sigmoid(ctx: Ctx, v: Value) -> Value | None:
+    terms = list(zip(v.operands, v.attrs[0]))
+    const = [(i, t.attrs[0] * c) for i, (t, c) in enumerate(terms) if t.op == "const" and not t.edges]
+    if not const:
+        return None
+    i, k = const[0]
+    for j, (t, c) in enumerate(terms):
+        if t.op == "map" and t.attrs[0] == "sigmoid" and c == -k:
+            rest = [(u, e) for n, (u, e) in enumerate(terms) if n not in (i, j)]
+            s = ctx.c.map("sigmoid", ctx.c.scale(-1.0, t.operands[0]))
+            return ctx.c.broadcast(ctx.c.add([s] + [u for u, _ in rest], [k] + [e for _, e in rest]), v.edges)
+    return None
+
+
 # 1 / sum_E exp(d) = exp(-logsumexp_E(d))
 # 1 / (1 + exp(b)) = sigmoid(-b)
 def recip_(ctx: Ctx, v: Value) -> Value | None:
@@ -177,7 +193,7 @@ def products(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
-PATTERNS = {"log": [log_], "div": [recip_], "add": [lse_of_shift], "contract": [products]}
+PATTERNS = {"log": [log_], "div": [recip_], "add": [lse_of_shift, one_minus_sigmoid], "contract": [products]}
 STABILIZE = {k: PATTERNS.get(k, []) + SIMPLIFY.get(k, []) for k in sorted(set(PATTERNS) | set(SIMPLIFY))}
 
 
