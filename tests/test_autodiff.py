@@ -124,10 +124,11 @@ BINARY = {  # fn: (domain of x, domain of y)
 
 
 def test_every_map_fn_and_op_has_a_rule_and_a_test():
-    assert set(V.MAP_ARITY) == set(UNARY) | set(BINARY) | {"where"}
+    # round32 is --fp-strict's f32 emulation, made after differentiation: no derivative
+    assert set(V.MAP_ARITY) == set(UNARY) | set(BINARY) | {"where", "round32"}
     ops = set(V.BUILDERS) | {"arg", "const", "size", "indicator"}
     assert ops - set(V.DERIVATIVE_OPS) - {"map"} <= set(RULES)
-    assert set(V.MAP_ARITY) <= set(RULES)
+    assert set(V.MAP_ARITY) - {"round32"} <= set(RULES)
 
 
 @pytest.mark.parametrize("fn", sorted(UNARY))
