@@ -173,6 +173,50 @@ def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int 
     return rep
 
 
+def check_isolated(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0,
+                   timeout: float = 300) -> Report:
+    """`check` in a forked child: a crash (an LLVM assertion aborts the process) or a hang
+    becomes every backend's error outcome instead of taking the caller down."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_check_into, args=(send, text, dims, tuple(backends), seed))
+    child.start()
+    send.close()
+    rep = None
+    try:
+        if recv.poll(timeout):
+            rep = recv.recv()
+    except EOFError:
+        pass
+    child.join(5 if rep is not None else 0.1)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    if rep is not None:
+        return rep
+    if len(backends) > 1:   # which backend: one child each
+        rep = Report(text)
+        for b in backends:
+            one = check_isolated(text, dims, (b,), seed, timeout)
+            if not one.valid:
+                return one
+            rep.outcomes.update(one.outcomes)
+        return rep
+    why = (f"crash: the process died with signal {-child.exitcode}" if child.exitcode and child.exitcode < 0
+           else f"timeout: no result within {timeout:.0f} s" if child.exitcode is None or child.exitcode == -9
+           else f"crash: exit status {child.exitcode}")
+    rep = Report(text)
+    rep.outcomes = {b: Outcome(b, "error", why) for b in backends}
+    return rep
+
+
+def _check_into(conn, text, dims, backends, seed) -> None:
+    conn.send(check(text, dims, backends, seed))
+    conn.close()
+
+
 def _describe(key: str, got, want, err: float) -> str:
     with np.printoptions(precision=6, threshold=20, edgeitems=3, linewidth=100):
         return (f"output '{key}': relative error {err:.3g}\n"

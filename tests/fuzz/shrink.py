@@ -13,7 +13,8 @@ keeps its class and message gist). The edits, biggest first:
 - shrink a literal dim's size and a symbolic dim's run-time size.
 
 It repeats until no edit is kept (or the budget runs out) and returns the smallest
-program, which `Program.render` writes as .tg text.
+program, which `Program.render` writes as .tg text. A crash (the process killed by a
+signal, e.g. an LLVM assertion) is shrunk by running each candidate in a forked child.
 """
 from __future__ import annotations
 
@@ -147,6 +148,8 @@ def shrink(p: Program, outcome: harness.Outcome, *, max_checks: int = 1500, max_
     checks = 0
     start = time.monotonic()
 
+    crash = outcome.detail.startswith("crash:")
+
     def fails(q: Program) -> bool:
         nonlocal checks
         text = q.render()
@@ -154,6 +157,8 @@ def shrink(p: Program, outcome: harness.Outcome, *, max_checks: int = 1500, max_
             return False
         seen.add(text)
         checks += 1
+        if crash:   # the same signal, in a child process
+            return _child_signal(text, q.bind, backend, q.seed) == outcome.detail.split("signal ")[1].split()[0]
         rep = harness.check(text, q.bind, (backend,), q.seed)
         return rep.valid and rep.outcomes[backend].signature() == target
 
@@ -174,6 +179,20 @@ def shrink(p: Program, outcome: harness.Outcome, *, max_checks: int = 1500, max_
                     log(f"shrink: {_size(q)} ({checks} checks)")
                 break
     return current
+
+
+def _child_signal(text: str, bind, backend: str, seed: int) -> str | None:
+    """The signal that kills a forked child running the program on `backend` (as text), or None."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=harness.check, args=(text, bind, (backend,), seed))
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return None
+    return str(-child.exitcode) if child.exitcode and child.exitcode < 0 else None
 
 
 def header(p: Program, outcome: harness.Outcome, what: str = "") -> str:
