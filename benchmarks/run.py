@@ -659,7 +659,8 @@ def wait_idle(limit_s, window_s=3.0, idle=0.05):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few repeats, no torch.compile (< ~2 min)")
-    ap.add_argument("--only", help="comma-separated workloads: " + ", ".join(sorted(set(NUMPY))) + ", compile")
+    ap.add_argument("--only", help="comma-separated workloads: " + ", ".join(sorted(set(NUMPY)))
+                    + ", compile, check (tgc check at 10^5 statements: benchmarks/frontend.py)")
     ap.add_argument("--repeat", type=int, help="timed samples per contender (default 5 quick, 31 full)")
     ap.add_argument("--sample-ms", type=float, help="minimum length of one sample (default 3 quick, 20 full)")
     ap.add_argument("--json", help="also write every number to this file")
@@ -672,7 +673,7 @@ def main(argv=None):
     ap.add_argument("--blocked", action="store_true",
                     help="time each contender's samples in one block (A A A B B B) instead of interleaved, "
                     "to see how much the contenders disturb each other")
-    ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile-time rows")
+    ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile-time rows and the front-end (check) rows")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="first wait up to S seconds for other processes to leave the CPUs idle")
     ap.add_argument("--threads", type=int, help="threads for every contender (default: torch 2, the others "
@@ -722,7 +723,7 @@ def main(argv=None):
     tg = Tgc(args.specialize, args.threads)
     makers = contenders(args, tg, torch_ok, jax_ok)
     names = [n for n, _ in makers]
-    unknown = (only or set()) - set(NUMPY) - {"compile"}
+    unknown = (only or set()) - set(NUMPY) - {"compile", "check"}
     if unknown:
         ap.error(f"--only: unknown workload(s) {', '.join(sorted(unknown))}")
     selected = [c for c in cases() if only is None or c.workload in only]
@@ -746,6 +747,13 @@ def main(argv=None):
         print("# compile times (fresh process each; cold = first tgc.compile, warm = the same again)", flush=True)
         listed = None if only is None or only == {"compile"} else only
         ctimes = compile_times([c for c in cases() if listed is None or c.workload in listed], args.specialize, 300)
+
+    checks = []
+    if not args.no_compile_times and (only is None or "check" in only):
+        import frontend
+        print(f"# front end: tgc check of generated programs, {frontend.TARGET_S:.0f} s target "
+              "(fresh process each, start-up included)", flush=True)
+        checks = frontend.check_times()
 
     if rows:
         print()
@@ -775,7 +783,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "machine": info, "bounds": bounds, "rows": rows, "compile": ctimes,
+                       "machine": info, "bounds": bounds, "rows": rows, "compile": ctimes, "check": checks,
                        "repeat": args.repeat, "sample_ms": args.sample_ms, "specialize": args.specialize,
                        "threads": args.threads, "blocked": args.blocked, "total_s": total, "other_load": busy}, f, indent=1, default=str)
 

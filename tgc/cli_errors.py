@@ -37,9 +37,10 @@ def use_color() -> bool:
 
 def report(diagnostics) -> None:
     """Print diagnostics to stderr in the gcc format."""
+    color = use_color()
+    lines: dict = {}
     for d in diagnostics:
-        color = use_color()
-        click.echo(render(d, color=color), err=True, color=color)
+        click.echo(render(d, color=color, lines=lines), err=True, color=color)
 
 
 def handle_errors(fn):

@@ -16,7 +16,7 @@ from pathlib import Path
 from tgc.frontend import ast
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.frontend.functions import check_definition, check_names, check_recursion
-from tgc.frontend.parser import parse, read_source
+from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, Loc
@@ -304,9 +304,10 @@ def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20000))
     try:
-        b = ProgramBuilder(options)
-        b.file(text, filename, top=True)
-        return Elaborated(b.finish(), b.files, b.warnings())
+        with gc_paused():
+            b = ProgramBuilder(options)
+            b.file(text, filename, top=True)
+            return Elaborated(b.finish(), b.files, b.warnings())
     finally:
         sys.setrecursionlimit(limit)
 

@@ -36,12 +36,28 @@ class Ctx:
     call_locs: tuple[Loc, ...] = ()
 
 
+MAX_FLAT_FACTORS = 32  # operands of one product the front end builds by flattening
+
+
 def factors(v: V.Value) -> list[V.Value]:
     """The operands of a plain product (a contraction that sums nothing), else [v]:
     products and their sums become one n-ary contraction, never materialized."""
     if v.op == "contract" and set(v.edges) == {e for o in v.operands for e in o.edges}:
         return list(v.operands)
     return [v]
+
+
+def product_operands(a: V.Value, b: V.Value) -> list[V.Value]:
+    """The operands of `a * b` (or `a @ b`): both sides' factors, flattened while the
+    product has at most MAX_FLAT_FACTORS operands. Without the bound a chain
+    `v_i = v_(i-1) * c` builds products of 1, 2, ..., n operands, quadratic work in n;
+    with it each statement does bounded work. `normalize` merges single-use nested
+    products anyway, so the bound changes only where a shared product is inlined."""
+    fa = factors(a) if len(a.operands) < MAX_FLAT_FACTORS else [a]
+    fb = factors(b) if len(b.operands) < MAX_FLAT_FACTORS else [b]
+    if len(fa) + len(fb) <= MAX_FLAT_FACTORS:
+        return fa + fb
+    return [a] + fb if len(fa) >= len(fb) else fa + [b]
 
 
 class Elaborator:
@@ -131,10 +147,10 @@ class Elaborator:
         if node.op in "+-":
             return self.build(node, ctx, V.add, [a, b], [1.0, 1.0 if node.op == "+" else -1.0])
         if node.op == "*":
-            return self.build(node, ctx, V.mul, factors(a) + factors(b))
+            return self.build(node, ctx, V.mul, product_operands(a, b))
         if node.op == "@":
             keep = set(a.edges) ^ set(b.edges)
-            return self.build(node, ctx, V.contract, factors(a) + factors(b), keep)
+            return self.build(node, ctx, V.contract, product_operands(a, b), keep)
         return self.build(node, ctx, V.map_, "div" if node.op == "/" else "pow", a, b)
 
     def _Compare(self, node: ast.Compare, ctx: Ctx) -> V.Value:

@@ -35,21 +35,30 @@ class Diagnostic:
     loc: Loc | None = None
 
 
-def _source_line(loc: Loc, sources: dict[str, str]) -> str | None:
-    text = sources.get(loc.file)
+def _file_lines(file: str, sources: dict[str, str]) -> list[str] | None:
+    text = sources.get(file)
     if text is None:   # only a regular file of bounded size, never a device or FIFO
         from tgc.fsutil import read_source_bytes
 
         try:
-            data = read_source_bytes(loc.file)
+            data = read_source_bytes(file)
         except (OSError, ValueError):
             return None
         if b"\0" in data:
             return None
         text = data.decode("utf-8", errors="replace")
-    lines = text.splitlines()
-    if 1 <= loc.line <= len(lines):
-        return lines[loc.line - 1]
+    return text.splitlines()
+
+
+def _source_line(loc: Loc, sources: dict[str, str], lines: dict[str, list[str] | None] | None) -> str | None:
+    if lines is None:
+        found = _file_lines(loc.file, sources)
+    else:   # one read and split per file for a batch of diagnostics, not one per diagnostic
+        if loc.file not in lines:
+            lines[loc.file] = _file_lines(loc.file, sources)
+        found = lines[loc.file]
+    if found is not None and 1 <= loc.line <= len(found):
+        return found[loc.line - 1]
     return None
 
 
@@ -57,15 +66,19 @@ _COLORS = {"error": "\033[1;31m", "warning": "\033[1;35m", "note": "\033[1;36m"}
 _BOLD, _GREEN, _RESET = "\033[1m", "\033[1;32m", "\033[0m"
 
 
-def render(diag: Diagnostic, sources: dict[str, str] | None = None, color: bool = False) -> str:
-    """gcc-style text for one diagnostic: header, source line, caret and underline."""
+def render(diag: Diagnostic, sources: dict[str, str] | None = None, color: bool = False,
+           lines: dict[str, list[str] | None] | None = None) -> str:
+    """gcc-style text for one diagnostic: header, source line, caret and underline.
+
+    `lines`, a dict the caller keeps for a batch of diagnostics, caches each file's
+    lines: rendering n diagnostics of one file then reads and splits it once."""
     paint = (lambda code, text: f"{code}{text}{_RESET}") if color else (lambda code, text: text)
     severity = paint(_COLORS.get(diag.severity, _BOLD), f"{diag.severity}:")
     if diag.loc is None:
         return f"{severity} {diag.message}"
     loc = diag.loc
     out = [f"{paint(_BOLD, f'{loc}:')} {severity} {diag.message}"]
-    line = _source_line(loc, sources or {})
+    line = _source_line(loc, sources or {}, lines)
     if line is not None:
         shown, pad = _window(line.expandtabs(1), loc.col)
         width = _underline_width(loc, len(shown), pad)
@@ -108,4 +121,5 @@ class CompileError(Exception):
         return [Diagnostic("error", self.message, self.loc), *self.notes]
 
     def format(self, sources: dict[str, str] | None = None, color: bool = False) -> str:
-        return "\n".join(render(d, sources, color) for d in self.diagnostics())
+        lines: dict[str, list[str] | None] = {}
+        return "\n".join(render(d, sources, color, lines) for d in self.diagnostics())
