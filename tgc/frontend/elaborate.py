@@ -34,6 +34,13 @@ class Elaborated:
     warnings: list[Diagnostic] = field(default_factory=list)
 
 
+def _shorten(text: str, limit: int = 80) -> str:
+    """`text` with unprintable characters escaped, or its start and end around '...'
+    when it is longer than `limit`."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]}"
+
+
 @functools.lru_cache(maxsize=1)
 def _prelude() -> dict[str, FnInfo]:
     text, name = read_source(PRELUDE)
@@ -94,8 +101,13 @@ class ProgramBuilder:
         if not item.path.endswith(".tg"):
             raise CompileError(f"cannot import '{item.path}': imports name .tg files", item.loc)
         bases = [here.parent.resolve()] + self.import_dirs
-        path = next((b / item.path for b in bases if (b / item.path).is_file()), here.parent / item.path)
-        key = path.resolve()
+        try:   # a name the OS refuses (too long, a NUL, a loop of links) is the user's error
+            path = next((b / item.path for b in bases if (b / item.path).is_file()), here.parent / item.path)
+            key = path.resolve()
+        except (OSError, ValueError, RuntimeError) as e:   # RuntimeError: pathlib's symlink loop
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            why = "a loop of symbolic links" if isinstance(e, RuntimeError) else why
+            raise CompileError(f"cannot import '{_shorten(item.path)}': {why}", item.loc) from None
         if not any(key.is_relative_to(b) for b in bases):
             raise CompileError(f"cannot import '{item.path}': it lies outside the importing file's folder "
                                f"({bases[0]}); allow its folder with -I DIR", item.loc)
