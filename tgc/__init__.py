@@ -1,27 +1,76 @@
 """tgc: a compiler for tensor programs whose axes are named edges.
 
-    import tgc
-    prog = tgc.compile("model.tg", dtype="f32")       # or .tg source text, IR text, a Module
-    result = prog(x=x, W=W)                            # {output: array, ..., update target: array}
+    import numpy as np, tgc
+    program = tgc.compile("model.tg")              # or .tg source text, IR text, a Module
+    print(program)                                 # what to pass: names, edges, shapes, dtypes
+    result = program(x=x, W=W, lr=0.1)             # {output: array, ..., update target: array}
+    result = program(x=x, W=W, updates=False)      # forward only: no update is applied
+    tgc.save_params("model.safetensors", program, {"W": W})
+    W = tgc.load_params("model.safetensors", program)["W"]
+
+The API:
+
+- `compile(source, ...)` builds a `Program` (native code for this CPU);
+- `Program`: call it with one array per argument, by name; `inputs`, `outputs`,
+  `ir()`, `plan()`, `without_updates()`;
+- `TensorSpec`: one argument or output (name, kind, edges in ABI order, shape, dtype);
+- `Options`: compiler settings (passes, threads, `fp_strict`, ...);
+- `save_params` / `load_params`: a program's params and states to and from
+  safetensors or npz files, checked against the program on load;
+- errors: `CompileError` (the program is wrong), `EvalError` (a call's arrays are
+  wrong), `ParamsError` (a parameter file does not fit).
+
+The language is described in docs/language.md; the command line in `tgc --help`.
 """
 from __future__ import annotations
 
+from tgc.options import Options
+
 __version__ = "0.1.0"
+
+__all__ = ["compile", "Program", "TensorSpec", "Options", "save_params", "load_params",
+           "CompileError", "EvalError", "ParamsError", "__version__"]
+
+# Names imported on first use, so that `import tgc` stays cheap (the command line
+# imports it for the version alone).
+_LAZY = {"Program": "tgc.runtime.program", "TensorSpec": "tgc.runtime.program",
+         "save_params": "tgc.params", "load_params": "tgc.params", "ParamsError": "tgc.params",
+         "EvalError": "tgc.ir.interp", "CompileError": "tgc.ir.diag"}
+
+
+def __getattr__(name: str):
+    """The public names not imported yet (`Program`, `save_params`, ...), on first use."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tgc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Every name `tgc` offers, imported or not (for `dir()` and `help()`)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None):
-    """Compile a program to native code; returns a callable `tgc.runtime.Program`.
+    """Compile a program to native code for this CPU; returns a callable `Program`.
 
     `source`: a path to a `.tg` or `.tgir` file, `.tg` source text, IR text (as
-    `tgc dump-ir` prints it), or a `tgc.ir.module.Module`. `dims` ({name: size})
-    fixes symbolic dims at build time; dims left symbolic are bound at each call
-    from the inputs' shapes, so one build serves every batch size.
+    `tgc dump-ir` prints it), or a `tgc.ir.module.Module`. `dtype` is the float
+    type, "f32" or "f64". `dims` ({name: size}) fixes symbolic dims at build time;
+    dims left symbolic are bound at each call from the inputs' shapes, so one build
+    serves every batch size. `options` (an `Options`) sets everything else.
+    `backend` is "cpu" (the only one). Errors in the program raise `CompileError`.
+
+    Compiled code is cached on disk (see the README), so compiling the same program
+    again is fast.
     """
     import os
     import re
 
     from tgc.ir.module import Module
-    from tgc.options import Options
 
     if backend != "cpu":
         raise ValueError(f"backend '{backend}' is not available (have: cpu)")

@@ -29,6 +29,8 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
 
     The derivative is derived symbolically and optimized by the default pipeline;
     each result is named dNAME and has NAME's edges (plus the output's, for a Jacobian).
+    Arguments the derivative does not read are left out (one that alone gives a
+    symbolic dim its size stays), so the result passes `tgc check -Werror`.
 
     \b
     Examples:
@@ -40,7 +42,7 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
 
     options = Options(dtype=dtype, import_dirs=tuple(import_dirs))
     module = driver.gradient_module(driver.load(file, options), list(dict.fromkeys(wrt)), of, mode)
-    module = driver.lower(module, options).module
+    module = driver.drop_unread_args(driver.lower(module, options).module)
     text = emit_tg(module) if emit == "tg" else print_module(module)
     if output in (None, "-"):
         click.echo(text, nl=False)

@@ -1,6 +1,7 @@
 """`tgc run`: compile a program, feed it inputs, and write or summarize its outputs."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 import zipfile
@@ -58,7 +59,14 @@ def _load_array(path: str, what: str) -> np.ndarray:
 
 
 def _load_archive(path: str) -> dict[str, np.ndarray]:
-    """The arrays of an .npz archive; a clear error for anything else."""
+    """The arrays of an .npz archive or a .safetensors file; a clear error for anything else."""
+    if path.endswith(".safetensors"):
+        from tgc.params import ParamsError, read_file
+
+        try:
+            return read_file(path)[0]
+        except ParamsError as e:
+            raise EvalError(str(e)) from None
     try:
         data = np.load(path, allow_pickle=False)
     except OSError as e:
@@ -89,10 +97,19 @@ def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.
 
 
 def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], random: bool,
-                  seed: int, dims: dict[str, int], dtype: str) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+                  seed: int, dims: dict[str, int], dtype: str, full: Module | None = None,
+                  onehot: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The arrays to call `module` with, and its symbolic dims: the --inputs archive,
+    then each --input, then (with `random`) seeded data for whatever is missing.
+
+    `full` is the program before `--no-update` pruned it (default: `module`). Archive
+    keys that name its outputs are skipped with a note, so that `-o` of one run can
+    feed the next; a key `T'` (an update's new value, saved beside an output `T`)
+    is the input `T`. `onehot` ({input: edge}) names the inputs that random data
+    fills with one-hot rows along the edge (cross-entropy targets)."""
     arrays: dict[str, np.ndarray] = {}
     if npz:
-        arrays.update(_load_archive(npz))
+        arrays.update(_inputs_from_archive(module, full or module, npz, _load_archive(npz)))
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
     arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
@@ -109,10 +126,100 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
         except SizeError as e:
             raise EvalError(str(e)) from None
         generated = interp.random_inputs(module, env, seed, dtype)
+        for name, edge in (onehot or {}).items():
+            if name in generated and name not in arrays and edge in module.args[name].order:
+                generated[name] = _one_hot(generated[name], module.args[name].order.index(edge), seed)
         for name, a in generated.items():
             arrays.setdefault(name, a)
         dims = {d: partial[d] for d in module.symbolic_dims()}
     return arrays, dims
+
+
+def _inputs_from_archive(module: Module, full: Module, path: str, arrays: dict[str, np.ndarray]) -> dict:
+    """The archive's arrays that are arguments of `module`. Keys that name an output of
+    `full`, or an argument that only its updates read, are left out with a note on
+    stderr; the new value of an update target (`T'`) stands for `T`. Anything else is
+    kept, for the input check to refuse."""
+    outputs = {o.name for o in full.outputs}
+    renamed = {full.update_key(u.target): u.target for u in full.updates if full.update_key(u.target) != u.target}
+    kept: dict[str, np.ndarray] = {}
+    skipped: list[tuple[str, str]] = []
+    for key, a in arrays.items():
+        if key in renamed:
+            if renamed[key] in module.args:
+                kept[renamed[key]] = a
+            else:
+                skipped.append((key, "only the updates read it"))
+        elif key in module.args:
+            if key in outputs and any(renamed.get(k) == key for k in arrays):
+                skipped.append((key, f"an output; its new value {key}' is the input"))
+            else:
+                kept.setdefault(key, a)
+        elif key in outputs:
+            skipped.append((key, "an output of the program, not an input"))
+        elif key in full.args:
+            skipped.append((key, "only the updates read it (--no-update)"))
+        else:
+            kept[key] = a
+    for key, why in skipped:
+        click.echo(f"note: --inputs {path}: ignoring '{key}' ({why})", err=True)
+    return kept
+
+
+def _one_hot(a: np.ndarray, axis: int, seed: int) -> np.ndarray:
+    """An array of `a`'s shape and dtype with one 1 along `axis` at a seeded random
+    place per row, and 0 elsewhere."""
+    rng = np.random.default_rng([seed, 1])
+    moved = np.moveaxis(np.zeros_like(a), axis, -1)
+    n = moved.shape[-1]
+    flat = moved.reshape(-1, n)
+    flat[np.arange(flat.shape[0]), rng.integers(0, n, size=flat.shape[0])] = 1
+    return np.ascontiguousarray(np.moveaxis(flat.reshape(moved.shape), -1, axis))
+
+
+def cross_entropy_targets(path: str) -> dict[str, str]:
+    """{input: edge} for every float input of the .tg file at `path` passed by name as
+    the target of a prelude `cross_entropy[edge](logits, target)` in one of its
+    statements, where the edge is one of the input's. Found in the file's own syntax
+    tree (not its imports, not inside functions); anything unusual finds nothing."""
+    from tgc.frontend import ast
+    from tgc.frontend.parser import parse
+
+    if path == "-" or driver.is_ir_file(path):
+        return {}
+    try:
+        tree = parse(driver.read_text(path), path)
+    except Exception:  # noqa: BLE001 -- the compile reports errors; here nothing is found
+        return {}
+    items = tree.items
+    if any(isinstance(i, ast.FnDef) and i.name == "cross_entropy" for i in items):
+        return {}
+    decls = {i.name: i for i in items if isinstance(i, ast.TensorDecl)}
+    bound = {i.name for i in items if isinstance(i, (ast.Bind, ast.Out)) and getattr(i, "expr", None) is not None}
+    found: dict[str, str] = {}
+
+    def visit(node) -> None:
+        if isinstance(node, tuple):
+            for n in node:
+                visit(n)
+            return
+        if not isinstance(node, ast.Node):
+            return
+        if isinstance(node, ast.Call) and node.fn == "cross_entropy" and node.edges and len(node.edges) == 1:
+            target = node.args[1] if len(node.args) > 1 else next(
+                (k.value for k in node.kwargs if k.name == "target"), None)
+            decl = decls.get(target.id) if isinstance(target, ast.Name) else None
+            edge = node.edges[0].id
+            if (decl is not None and decl.kind == "input" and decl.dtype != "i32" and decl.name not in bound
+                    and edge in [e.name for e in decl.edges]):
+                found.setdefault(decl.name, edge)
+        for f in dataclasses.fields(node):
+            visit(getattr(node, f.name))
+
+    for item in items:
+        if isinstance(item, (ast.Bind, ast.Out, ast.Update)):
+            visit(item.expr)
+    return found
 
 
 def in_float_type(results: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
@@ -167,11 +274,17 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 
 @click.command()
 @click.argument("file", type=SOURCE)
-@click.option("--inputs", "npz", type=click.Path(dir_okay=False), help="An .npz with one array per input.")
+@click.option("--inputs", "npz", type=click.Path(dir_okay=False),
+              help="An .npz (or .safetensors) with one array per input; keys that name outputs are "
+                   "skipped with a note, so that -o of one run can feed the next.")
 @click.option("--input", "singles", multiple=True, callback=_input_binding, metavar="NAME=FILE.npy",
               help="One input from an .npy file (repeatable).")
 @click.option("--random-inputs", is_flag=True,
-              help=f"Fill missing inputs with seeded random data (symbolic dims default to {DEFAULT_RANDOM_DIM}).")
+              help=f"Fill missing inputs with seeded random data (symbolic dims default to {DEFAULT_RANDOM_DIM}); "
+                   "an input used as a cross_entropy target gets one-hot rows.")
+@click.option("--no-update", "no_update", is_flag=True,
+              help="Forward only: apply no update, and compute nothing that only the updates need "
+                   "(inputs that only they read may be left out).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
@@ -188,7 +301,7 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @FP_STRICT
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
-        fp_strict=False) -> None:
+        fp_strict=False, no_update=False) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -199,6 +312,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     Examples:
       tgc run examples/mlp.tg --random-inputs --dim batch=32
       tgc run examples/mlp.tg --inputs data.npz -o result.npz
+      tgc run examples/mlp.tg --inputs result.npz --input x=x.npy --input y=y.npy --no-update
       tgc run examples/gpt.tg --random-inputs --backend cpu --profile 100
     """
     from tgc.options import Options
@@ -214,8 +328,10 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile),
                       import_dirs=tuple(import_dirs), fp_strict=fp_strict)
     with status("compiling"):
-        module = driver.lower(driver.load(file, options), options).module
-    inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype)
+        full = driver.load(file, options)
+        module = driver.lower(driver.forward_only(full) if no_update else full, options).module
+    onehot = cross_entropy_targets(file) if random_inputs else {}
+    inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
     if backend == "interp":
         with status("running (interpreter)"):
             results = evaluate(module, inputs, dtype=dtype, dims=dims)

@@ -10,6 +10,16 @@ from dataclasses import dataclass, field, replace
 
 @dataclass(frozen=True)
 class Options:
+    """Compiler settings, passed as `tgc.compile(..., options=Options(...))`.
+
+    Frozen: `options.with_(name=value)` makes a changed copy. The fields most callers
+    set: `fp_strict` (no algebra, reassociation or FMA), `threads` (worker threads;
+    0 every core, 1 none), `compile_jobs` (LLVM compiles in that many parts),
+    `opt_level`, `passes` (a pass list instead of the default pipeline; `tgc passes`
+    lists them) and `profile` (count cycles per kernel, `Program.profile()`). The
+    others tune the CPU backend's choices or print the IR; each field's comment below
+    says what it does. `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
+
     dtype: str = "f32"                       # the program's float type: f32 | f64
     passes: tuple[str, ...] | None = None    # None: the default pipeline
     opt_level: int = 2                       # -O0..-O3
@@ -40,4 +50,5 @@ class Options:
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
 
     def with_(self, **changes) -> "Options":
+        """A copy with the given fields changed."""
         return replace(self, **changes)

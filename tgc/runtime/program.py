@@ -111,6 +111,12 @@ class _Plan:
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One argument or output of a compiled program, as a caller sees it.
+
+    `kind` is input, param, state or output; `edges` are in ABI order (the order of
+    the array's axes); `shape` gives each axis's size: an int, or a size expression
+    of the symbolic dims (a dim's name, or `SizeOp`); `dtype` is f32, f64 or i32;
+    `updated` marks a param or state that an `update` writes in place."""
     name: str
     kind: str                   # input | param | state | output
     edges: tuple[str, ...]      # ABI order
@@ -120,6 +126,7 @@ class TensorSpec:
 
 
 def build(module: Module, options: Options) -> "Program":
+    """Lower, generate, JIT-compile and load `module` (after the IR pipeline)."""
     return build_with_object(module, options)[0]
 
 
@@ -135,6 +142,7 @@ def build_with_object(module: Module, options: Options) -> tuple["Program", tupl
 
         program, objs = build_with_object(emulate_f32(module), options.with_(dtype="f64"))
         program.out_dtype = np.dtype(np.float32)
+        program._origin = (module, options)
         return program, objs
 
     low = lower_module(module, options)
@@ -203,10 +211,25 @@ def _machine_code(module: Module, low: Lowered, options: Options, cached: bool) 
 
 
 class Program:
-    """A callable compiled program. Thread-safe; calls are serialized."""
+    """A compiled program, callable from Python. Thread-safe; calls are serialized.
+
+    Made by `tgc.compile`. Call it with one array per argument, by name:
+
+        result = program(x=x, W=W, lr=0.1)           # or program.run({...})
+        result["loss"]                               # outputs by name
+
+    `inputs` and `outputs` describe the arguments and results (`TensorSpec`: edges in
+    ABI order, shape, dtype); `print(program)` lists them, with the dims; `ir()` and
+    `plan()` give the optimized IR and the lowered plan as text. A call with
+    `updates=False` skips the program's `update`s and whatever only they need.
+    `tgc.save_params` and `tgc.load_params` write and read its params and states.
+    """
 
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
+        self._origin = (module, options)    # what `without_updates` prunes and builds again
+        self._forward: Program | None = None
+        self._forward_lock = threading.Lock()
         self._jit = jit  # keeps the code alive; freed with the program (nothing else holds its addresses)
         weakref.finalize(self, jit.close)
         vp, i64p = ctypes.c_void_p, ctypes.c_void_p
@@ -222,12 +245,12 @@ class Program:
         self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
         targets = {u.target for u in module.updates}
-        self.inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
+        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
                                   "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
                        for a in module.args.values()]
-        self.outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
+        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
                         for o in module.outputs]
-        self.updates = [u.target for u in module.updates]
+        self._updates = [u.target for u in module.updates]
         self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
         # fast path (see run): the inputs that bind the symbolic dims key the plans
         self._names = tuple(s.name for s in self.inputs)
@@ -239,6 +262,72 @@ class Program:
         self._plans: dict = {}
         self._ws_addr = 0
         self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        """The arguments a call takes, in ABI order (the program's declaration order):
+        every input, param and state, each a `TensorSpec` (name, kind, edges, shape,
+        dtype, and whether an `update` writes it in place)."""
+        return self._inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        """The program's outputs (`out` statements), in order, each a `TensorSpec`.
+        A call's result holds them, then the new value of each update target."""
+        return self._outputs
+
+    @property
+    def updates(self) -> list[str]:
+        """The params and states that a call updates in place, in `update` order."""
+        return self._updates
+
+    @property
+    def float_dtype(self) -> str:
+        """The float type callers pass and get (f32 or f64). An f32 program built with
+        `fp_strict` runs as its f64 emulation, but takes and returns f32 arrays."""
+        return "f32" if self.out_dtype == np.dtype(np.float32) else self.dtype
+
+    def update_key(self, target: str) -> str:
+        """The name under which a call's result holds the new value of `target`: the
+        target's own, or `target'` when an output also has that name."""
+        return self._update_keys[target]
+
+    def ir(self) -> str:
+        """The program's IR after the optimization pipeline, as text (the format
+        `tgc dump-ir` prints and `tgc opt` reads)."""
+        from tgc.ir.printer import print_module
+
+        return print_module(self._origin[0])
+
+    def plan(self) -> str:
+        """The lowered program as text: buffers, workspace slots and kernels (what
+        `tgc dump-ir --after plan` prints)."""
+        from tgc.ir.lowered import print_lowered
+
+        return print_lowered(self.lowered)
+
+    def info(self) -> dict:
+        """The program's interface as data (what `tgc info --format json` prints): its
+        dims, arguments, outputs and updates, with edges, sizes and dtypes."""
+        from tgc.info import describe
+
+        return describe(self._origin[0], self.float_dtype)
+
+    def without_updates(self) -> "Program":
+        """The forward-only program: this one without its `update`s, without what only
+        they computed, and without the arguments only they read (a learning rate,
+        say). Compiled on first use (through the same pipeline), then kept; the
+        program itself when it has no updates. `run(..., updates=False)` calls it."""
+        if not self._updates:
+            return self
+        with self._forward_lock:
+            if self._forward is None:
+                from tgc import driver
+
+                module, options = self._origin
+                pruned = driver.lower(driver.forward_only(module), options).module
+                self._forward = build(pruned, options)
+            return self._forward
 
     def _binding_inputs(self) -> tuple[int, ...] | None:
         """Indices of the inputs whose shapes fix every symbolic dim (the first to
@@ -272,13 +361,27 @@ class Program:
 
         return codegen.generate(self.lowered, self.options)
 
-    def __call__(self, **arrays) -> dict[str, np.ndarray]:
-        return self.run(arrays)
+    def __call__(self, /, **arrays) -> dict[str, np.ndarray]:
+        """Run the program once on `arrays` (one keyword per argument, by name):
+        `program(x=x, W=W, lr=0.1)` is `program.run({"x": x, "W": W, "lr": 0.1})`.
+
+        `updates=False` makes the forward-only call (see `run`), unless the program
+        has an argument named `updates` (use `run` then)."""
+        updates = True
+        if "updates" in arrays and "updates" not in self._names:
+            updates = arrays.pop("updates")
+        return self.run(arrays, updates=updates)
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{s.name}[{', '.join(s.edges)}]" for s in self.inputs)
         outs = ", ".join(f"{s.name}[{', '.join(s.edges)}]" for s in self.outputs)
         return f"<tgc.Program ({ins}) -> ({outs}) {self.dtype}>"
+
+    def __str__(self) -> str:
+        """The program's interface, as `tgc info` prints it."""
+        from tgc.info import format_info
+
+        return format_info(self.info())
 
     # ------------------------------------------------------------ validation
 
@@ -380,12 +483,40 @@ class Program:
 
     # ------------------------------------------------------------ the call
 
-    def run(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
+    def run(self, arrays: dict, dims: dict | None = None, updates: bool = True) -> dict[str, np.ndarray]:
+        """Run the program once; returns {name: array}.
+
+        `arrays` maps every argument's name (see `inputs`) to an array whose axes are
+        its edges in ABI order (a Python number for a scalar). Float arguments take
+        float arrays of either width; i32 arguments take integers. `dims` binds
+        symbolic dims that no argument's shape gives. Everything is checked before
+        anything runs (an `EvalError` says what is wrong).
+
+        The result holds each output (a new array), then, for each `update`, the new
+        value of its target under the target's name (`W'` when an output is also
+        named `W`): the very array the caller passed, written in place.
+
+        With `updates=False`, the call applies no update and computes nothing that only
+        the updates need: it runs `without_updates()` (compiled on first use). Its
+        result holds the outputs only, equal to a full call's; arguments only the
+        updates read may be left out, and no argument is written.
+        """
+        if not isinstance(updates, bool):
+            raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
+        if not updates and self._updates:
+            return self._run_forward(arrays, dims)
         result = self._call(arrays, dims)
         if self.out_dtype is None:
             return result
         updated = set(self._update_keys.values())
         return {k: v if k in updated else v.astype(self.out_dtype) for k, v in result.items()}
+
+    def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
+        extra = [n for n in arrays if n not in self._names]
+        if extra:
+            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self._names)})")
+        forward = self.without_updates()
+        return forward.run({n: arrays[n] for n in forward._names if n in arrays}, dims)
 
     def _call(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
         # The fast path: the plan for the shapes that bind the dims, then one native

@@ -1,0 +1,203 @@
+"""Saving and loading a program's parameters: its params and states, by name.
+
+    tgc.save_params("model.safetensors", program, arrays)   # or "model.npz"
+    arrays = tgc.load_params("model.safetensors", program)  # {name: array}, checked
+
+Two formats, chosen by the file's suffix: safetensors (`.safetensors`, the format
+model weights are exchanged in; no code runs on load) and numpy's `.npz`. Both hold
+one array per param and state, in the program's float type and with its axes in the
+argument's ABI order, and a description of them: the program's float type and each
+array's kind and edges. safetensors keeps the description as JSON under the metadata
+key `tgc`; an `.npz` keeps the same JSON in a member named `__tgc__` (a string array,
+read without pickles).
+
+Loading checks each array against the program before anything is returned: every
+param and state is there and nothing else is; the edges match the argument's (a file
+that lists the same edges in another order is transposed into the ABI order: the
+names say which axis is which); the dtype is the program's float type (`cast=True`
+converts the other width); and each axis has its edge's size (a symbolic dim takes
+one size across the file). A file without the description (written by another tool)
+is checked by names, dtypes and shapes in ABI order alone. Any mismatch raises
+`ParamsError`, naming the array and what differs.
+
+The arrays returned are fresh, writable and C-contiguous: a call can update them in
+place.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from typing import Mapping
+
+import numpy as np
+
+from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
+
+META_KEY = "tgc"          # safetensors metadata key
+NPZ_MEMBER = "__tgc__"    # the .npz member holding the same JSON
+FORMAT_VERSION = 1
+_NP = {"f32": np.float32, "f64": np.float64}
+
+
+class ParamsError(ValueError):
+    """A parameter file that cannot be read, or does not fit the program."""
+
+
+def _format(path) -> str:
+    name = os.fspath(path)
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith(".npz"):
+        return "npz"
+    raise ParamsError(f"'{name}': the file name must end in .safetensors or .npz (it chooses the format)")
+
+
+def _specs(program) -> list:
+    """The program's params and states (`TensorSpec`s), in ABI order."""
+    return [s for s in program.inputs if s.kind in ("param", "state")]
+
+
+def _describe(program, specs: list) -> str:
+    return json.dumps({"version": FORMAT_VERSION, "dtype": program.float_dtype,
+                       "tensors": {s.name: {"kind": s.kind, "edges": list(s.edges)} for s in specs}},
+                      sort_keys=True)
+
+
+def _bind(name: str, edges, shape: tuple[int, ...], want: tuple[Size, ...], env: dict[str, int]) -> None:
+    """Check `shape` against the sizes `want` (binding symbolic dims into `env`)."""
+    if len(shape) != len(want):
+        raise ParamsError(f"'{name}' has {len(shape)} axes, the program's has {len(want)} ([{', '.join(edges)}])")
+    for e, n, s in zip(edges, shape, want):
+        if isinstance(s, str):
+            if env.setdefault(s, int(n)) != n:
+                raise ParamsError(f"'{name}': edge '{e}' has size {n}, but dim '{s}' is {env[s]} elsewhere in the file")
+            continue
+        try:
+            expect = size_eval(s, env)
+        except UnboundDim:
+            continue
+        except SizeError as err:
+            raise ParamsError(f"'{name}': edge '{e}' ({size_str(s)}): {err}") from None
+        if expect != n:
+            raise ParamsError(f"'{name}': edge '{e}' has size {n}, the program's is {expect}"
+                              + ("" if isinstance(s, int) else f" ({size_str(s)})"))
+
+
+def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict | None,
+             where: str) -> dict[str, np.ndarray]:
+    specs = _specs(program)
+    dtype = program.float_dtype
+    names = [s.name for s in specs]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise ParamsError(f"{where}: no array for {', '.join(repr(n) for n in missing)} "
+                          f"(the program's params and states: {', '.join(names) or 'none'})")
+    extra = [n for n in arrays if n not in names]
+    if extra:
+        raise ParamsError(f"{where}: '{extra[0]}' is not a param or state of the program "
+                          f"(it has: {', '.join(names) or 'none'})")
+    recorded = (meta or {}).get("tensors", {})
+    env: dict[str, int] = {}
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        a = arrays[spec.name]
+        if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
+            kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+            raise ParamsError(f"{where}: '{spec.name}' is {kind}, not a float array")
+        entry = recorded.get(spec.name)
+        if entry is not None:
+            edges = tuple(entry.get("edges", ()))
+            if sorted(edges) != sorted(spec.edges) or len(edges) != a.ndim:
+                raise ParamsError(f"{where}: '{spec.name}' has edges [{', '.join(edges)}], the program's are "
+                                  f"[{', '.join(spec.edges)}]")
+            if entry.get("kind", spec.kind) != spec.kind:
+                raise ParamsError(f"{where}: '{spec.name}' was saved as a {entry['kind']}, the program's is a {spec.kind}")
+            if edges != spec.edges:   # the same edges in another order: into the ABI order
+                a = np.transpose(a, [edges.index(e) for e in spec.edges])
+        have = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(a.dtype, str(a.dtype))
+        if have != dtype and not cast:
+            raise ParamsError(f"{where}: '{spec.name}' is {have}, the program's float type is {dtype} "
+                              f"(cast=True converts)")
+        _bind(spec.name, spec.edges, a.shape, spec.shape, env)
+        out[spec.name] = a
+    for spec in specs:   # sizes that depend on dims bound by a later array
+        _bind(spec.name, spec.edges, out[spec.name].shape, spec.shape, env)
+    return {n: np.array(a, dtype=_NP[dtype], order="C", copy=True) for n, a in out.items()}
+
+
+def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write the params and states of `program` (a `tgc.Program`), taken by name from
+    `arrays` (the mapping a call takes; other names are ignored), to `path`.
+
+    The suffix chooses the format: `.safetensors` or `.npz`. Each array is checked
+    against its argument (edges' sizes, float) and stored in the program's float type
+    with its axes in ABI order; the file also records the float type and each array's
+    kind and edges (see the module's documentation). Written atomically."""
+    from tgc.fsutil import write_atomic
+
+    fmt = _format(path)
+    specs = _specs(program)
+    chosen = {s.name: np.asarray(arrays[s.name]) if s.name in arrays else None for s in specs}
+    missing = [n for n, a in chosen.items() if a is None]
+    if missing:
+        raise ParamsError(f"save_params: no array for {', '.join(repr(n) for n in missing)}")
+    checked = _checked(program, chosen, True, None, "save_params")
+    meta = _describe(program, specs)
+    if fmt == "safetensors":
+        import safetensors.numpy
+
+        data = safetensors.numpy.save(checked, metadata={META_KEY: meta})
+    else:
+        if NPZ_MEMBER in checked:
+            raise ParamsError(f"a param or state named '{NPZ_MEMBER}' cannot go to an .npz (the name is reserved)")
+        buf = io.BytesIO()
+        np.savez(buf, **checked, **{NPZ_MEMBER: np.array(meta)})
+        data = buf.getvalue()
+    write_atomic(path, data)
+
+
+def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | None]:
+    """The arrays of a `.safetensors` or `.npz` file, and tgc's description of them
+    (None when the file has none)."""
+    fmt = _format(path)
+    name = os.fspath(path)
+    try:
+        if fmt == "safetensors":
+            import safetensors
+
+            with safetensors.safe_open(name, framework="numpy") as f:
+                meta_text = (f.metadata() or {}).get(META_KEY)
+                arrays = {k: f.get_tensor(k) for k in f.keys()}
+        else:
+            with np.load(name, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+            member = arrays.pop(NPZ_MEMBER, None)
+            meta_text = str(member) if member is not None and member.dtype.kind == "U" else None
+    except OSError as e:
+        raise ParamsError(f"cannot read '{name}': {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile, AttributeError) as e:
+        raise ParamsError(f"cannot read '{name}': not a {fmt} file ({e})") from None
+    except Exception as e:  # noqa: BLE001 -- safetensors' own error type for a damaged file
+        raise ParamsError(f"cannot read '{name}': a damaged {fmt} file ({e})") from None
+    meta = None
+    if meta_text is not None:
+        try:
+            meta = json.loads(meta_text)
+        except ValueError:
+            raise ParamsError(f"cannot read '{name}': its tgc description is not JSON") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("tensors", {}), dict):
+            raise ParamsError(f"cannot read '{name}': its tgc description is malformed")
+    return arrays, meta
+
+
+def load_params(path: str | os.PathLike, program, cast: bool = False) -> dict[str, np.ndarray]:
+    """Read the params and states of `program` from a file `save_params` wrote (or any
+    `.safetensors` / `.npz` whose arrays have their names); returns {name: array}.
+
+    Checks names, edges, dtype and sizes first (see the module's documentation) and
+    raises `ParamsError` on any mismatch. `cast=True` accepts arrays of the other
+    float width and converts them. The arrays are writable and C-contiguous."""
+    arrays, meta = read_file(path)
+    return _checked(program, arrays, cast, meta, os.fspath(path))
