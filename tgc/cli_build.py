@@ -109,9 +109,10 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_
         if header:
             files[header] = aot.build(module, options, "h", prefix, source)
     if depfile:
-        from tgc.depfile import format_depfile
+        from tgc.depfile import compiler_dependencies, format_depfile
 
-        files[depfile] = format_depfile(list(mt), [output] if not mt else [], _on_disk(loaded.files), mp).encode()
+        deps = _on_disk(loaded.files) + compiler_dependencies(not driver.is_ir_file(file))
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
     if output == "-":
         click.echo(files.pop("-").decode(), nl=False)
     write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})

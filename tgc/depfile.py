@@ -5,10 +5,29 @@ make's escaping (spaces, `#`, `$`) of the dependencies and of the `quoted` targe
 (-MT targets are written as given, as gcc does), lines continued with a backslash, and with `phony` an
 empty rule per dependency so that deleting a header-like import does not break
 the build.
+
+`compiler_dependencies(tg)` names what a build depends on beyond the program's own
+files: the prelude (`tgc/frontend/prelude.tg`, read for every `.tg` program) and a
+stamp of the compiler's version, tgc's `__init__.py`. That file defines
+`tgc.__version__`, so a new version changes its content, and a regular install (pip
+writes the package's files anew, for an upgrade or a reinstall alike) gives it the
+install's time: a library built before an upgrade is older than the stamp, and make
+builds it again. In an editable install, a checkout's new version touches the stamp
+with its version number; editing tgc's other sources there does not (`make -B` then).
 """
 from __future__ import annotations
 
 import os
+
+import tgc
+
+
+def compiler_dependencies(tg: bool) -> list[str]:
+    """The prelude (when the program is `.tg` source) and the version stamp, as
+    absolute paths (see the module's documentation)."""
+    package = os.path.dirname(os.path.abspath(tgc.__file__))
+    deps = [os.path.join(package, "frontend", "prelude.tg")] if tg else []
+    return deps + [os.path.join(package, "__init__.py")]
 
 
 def escape(path: str) -> str:
