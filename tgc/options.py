@@ -45,6 +45,7 @@ class Options:
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
+    gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
     profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups

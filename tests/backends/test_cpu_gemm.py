@@ -103,13 +103,13 @@ def test_operand_without_the_batch_edge(dtype, b_order):
 @pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"),
                                     ("b, k, i", "b, j, k", "b, j, i"),
                                     ("i, b, k", "k, b, j", "b, i, j")])
-@pytest.mark.parametrize("threads", [0, 64])
-def test_large_gemm_parallel_tiles(dtype, orders, threads):
-    """150 x 260 x 300 per batch index, shared among the threads: one tile per thread
-    of the team (threads=0: libgomp's team, from omp_get_max_threads). With 64
-    threads the tiles are cut in all three groups (R in chunks accumulated in place)."""
-    run_matmul(*orders, {"b": 2, "i": 150, "j": 260, "k": 300}, dtype, threads=threads)
-    run_matmul(*orders, {"b": 1, "i": 3, "j": 700, "k": 1100}, dtype, fixed=(), threads=threads)
+@pytest.mark.parametrize("threads, tiles", [(0, 2), (3, 64)])
+def test_large_gemm_parallel_tiles(dtype, orders, threads, tiles):
+    """150 x 260 x 300 per batch index in `gemm_tiles` tiles, shared among the threads
+    (threads=0: libgomp's team). With 64 tiles they are cut in all three groups (R in
+    chunks accumulated in place)."""
+    run_matmul(*orders, {"b": 2, "i": 150, "j": 260, "k": 300}, dtype, threads=threads, gemm_tiles=tiles)
+    run_matmul(*orders, {"b": 1, "i": 3, "j": 700, "k": 1100}, dtype, fixed=(), threads=threads, gemm_tiles=tiles)
 
 
 def test_multi_edge_groups():

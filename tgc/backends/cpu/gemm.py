@@ -12,24 +12,27 @@ B^T A^T). A' and B' may be stored either way round (a transpose flag, or strides
 
 Tasks. The work is cut into tasks: every index of the batch edges (an operand
 without a batch edge is reused along it, stride 0) times a grid of tiles of C'.
-When the whole product has at least `min_flops` flops (the caller passes
-`options.gemm_parallel_min_flops`, or the `_warm` one; see codegen) (and
-`options.threads != 1`, and the runtime gave GOMP_parallel), a tile is at most
-`options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into chunks accumulated in
-place, so no reduction is needed) or the product's share of one thread of the
-region's team if that is more (a quarter of that with taps, see
-TAP_TILES_PER_THREAD), and the tasks are shared among tgc's threads
-(libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`). As the shares are
-fixed, more tasks than threads balance nothing, and one big cblas call per thread
-runs OpenBLAS's packed kernels at their best (tgc_run keeps OpenBLAS on one thread):
-GPT's 48 x 192 x 704 products took 86 us in 8 tiles and 66 us in 2; OpenBLAS alone
-on one core runs an 88-row tile with B transposed at 80 GFLOP/s, a 352-row one at
-112. OpenBLAS's own
-pool never competes with them for the cores. A product batched BATCH_TASKS times or
-more (a convolution over 32 signals) has tasks enough untiled: each is one cblas call,
-on its thread since tgc_run sets OpenBLAS to one thread, at the packed kernels' speed. Otherwise one thread runs every task
-(`tgc.kN.work(dims, a, b, c, lo, hi, limit)`) with one tile per batch index: one
-cblas call each, threaded or not as OpenBLAS decides.
+The tiles depend on the product's sizes and the options only (`tile_limit`), never
+on the thread count or on whether this call runs in a region: every run makes the
+same cblas calls, so the result has the same bits on 1 or N threads and from run to
+run (OpenBLAS's value for an element depends on where a call's edges cut its
+kernels: 2 and 3 tiles of one product differed in the last bits). A product batched
+BATCH_TASKS times or more (a convolution over 32 signals) is one tile per batch
+index: tasks enough, each one cblas call at the packed kernels' speed. Another is
+cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with taps),
+each of at least `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
+chunks accumulated in place only when P and Q cannot be cut), so a small product
+stays one call. When the whole product has at least `min_flops` flops (the caller
+passes `options.gemm_parallel_min_flops`, or the `_warm` one; see codegen), and
+`options.threads != 1`, and the runtime gave GOMP_parallel, the tasks are shared
+among tgc's threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`);
+otherwise one thread runs them all (`tgc.kN.work(dims, a, b, c, lo, hi, tp, tq, tr)`).
+One big cblas call per thread runs OpenBLAS's packed kernels at their best (tgc_run
+keeps OpenBLAS on one thread, so its own pool never competes for the cores): GPT's
+48 x 192 x 704 products took 86 us in 8 tiles and 66 us in 2 on 2 cores; OpenBLAS
+alone on one core runs an 88-row tile with B transposed at 80 GFLOP/s, a 352-row one
+at 112. The default of 2 tiles fits the 2-core reference machine; more cores need
+more tiles (`gemm_tiles`), which changes the bits, as any option may.
 
 Small tiles. A tile of at most `options.gemm_loop_max_flops` flops is computed by a
 generated loop nest instead of a cblas call (`tgc.gemm.small.*`, shared by every
@@ -63,8 +66,7 @@ PACK_ELEMS = 4096
 ROWS = 4          # rows of C' per register block of the small-tile kernel
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
 MIN_CHUNK = 64    # ... nor R chunks below this
-UNTILED = 1 << 62  # the tile limit of a serial run: one tile (one cblas call) per batch index
-DEFAULT_TEAM = 2  # threads assumed when the runtime gave no omp_get_max_threads
+UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or more: one tile per batch index
 # A task of a product with taps makes one accumulating cblas call per tap; there,
 # tiles 4x smaller than one per thread measured faster: conv1d's kernel gradient
 # (5 x 32 taps of 64 x 64 x 1024) took 11.9 ms in 2 tiles per batch index and 9.3 ms
@@ -233,23 +235,14 @@ class GemmGen:
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
-        limit, big = I64(UNTILED), None
+        limit = self.tile_limit(f, b)
+        big = None
         if par is not None:
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
             flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
             big = b.icmp_signed(">=", flops, min_flops)
             big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
-            # enough batch products to share: whole ones (OpenBLAS runs on one thread
-            # during tgc_run, so a big call stays on its thread, at its packed speed)
-            many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
-            parts = self.team(b)
-            if self.k.taps:
-                parts = b.mul(parts, I64(TAP_TILES_PER_THREAD))
-            share = b.sdiv(b.mul(b.mul(P, Q), R), parts)
-            small = I64(max(1, self.opt.blas_tile_mnk))
-            tile = b.select(b.icmp_signed(">", share, small), share, small)
-            limit = b.select(b.and_(big, b.not_(many)), tile, limit)
         pl = self.plan(f, b, limit)
         tiles = [pl["tp"], pl["tq"], pl["tr"]]
         if big is not None:
@@ -265,20 +258,22 @@ class GemmGen:
         f.finish()
         return self.fn
 
-    def team(self, b: ir.IRBuilder):
-        """i64: the threads a region of this program runs on."""
-        if self.opt.threads > 0:
-            return I64(self.opt.threads)
-        with b.if_else(fntable.is_set(b, "omp_get_max_threads")) as (known, unknown):
-            with known:
-                asked = b.sext(fntable.call(b, "omp_get_max_threads", []), I64)
-                from_known = b.block
-            with unknown:
-                from_unknown = b.block
-        n = b.phi(I64, "team")
-        n.add_incoming(asked, from_known)
-        n.add_incoming(I64(DEFAULT_TEAM), from_unknown)
-        return b.select(b.icmp_signed("<", n, I64(1)), I64(1), n)
+    def tile_limit(self, f: Frame, b: ir.IRBuilder):
+        """i64: the most multiply-adds of one tile. A function of the product's sizes
+        and the options only, never of the thread count or of whether this call runs
+        in a region: every run makes the same cblas calls (and small-tile loops), so
+        the result has the same bits on any number of threads (OpenBLAS's result for
+        an element depends on where the call's edges cut its kernels). A product
+        batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
+        another is cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
+        that with taps), each of at least `blas_tile_mnk`, so a small one stays whole."""
+        many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
+        P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
+        parts = max(1, self.opt.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.taps else 1)
+        share = b.sdiv(b.mul(b.mul(P, Q), R), I64(parts))
+        small = I64(max(1, self.opt.blas_tile_mnk))
+        tile = b.select(b.icmp_signed(">", share, small), share, small)
+        return b.select(many, I64(UNTILED), tile)
 
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
