@@ -3,8 +3,9 @@
 - `test_generator_well_typed`: the generator (`tests/fuzz/gen.py`) makes programs that
   elaborate without error, deterministically from their seed: an ill-typed program is
   a bug in the generator, not a finding.
-Each program runs in a forked child (`harness.check_isolated`), so a crash of the
-compiler (an LLVM assertion aborts the process) fails its test and not the session.
+A regression runs in a forked child (`harness.check_isolated`), so a crash of the
+compiler (an LLVM assertion aborts the process) fails its test and not the session;
+the slice runs in-process (forked children are several times slower there).
 
 - `test_slice`: programs of seeds 0..SLICE-1, each on the float64 torch oracle and on
   the float64 backends (the interpreter after the default pipeline, and the CPU build);
@@ -93,7 +94,7 @@ def test_slice(seed):
     backends = harness.DEFAULT_BACKENDS
     if harness.f32_comparable(text):
         backends = backends + ("interp-f32", "cpu-f32")
-    rep = harness.check_isolated(text, prog.bind, backends, seed)
+    rep = harness.check(text, prog.bind, backends, seed)
     assert rep.valid, f"seed {seed}: the oracle cannot run the generated program ({rep.invalid_reason}):\n{text}"
     assert not rep.failures(), _failure_message(f"seed {seed}", text, rep)
 

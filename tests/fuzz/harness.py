@@ -215,6 +215,7 @@ def check_isolated(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, s
 def _check_into(conn, text, dims, backends, seed) -> None:
     conn.send(check(text, dims, backends, seed))
     conn.close()
+    os._exit(0)   # at once: no exit handlers of the parent's libraries (thread pools) in the child
 
 
 def _describe(key: str, got, want, err: float) -> str:
