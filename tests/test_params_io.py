@@ -173,6 +173,9 @@ def test_one_runs_outputs_feed_the_next(tmp_path):
             "--no-update")
     assert r.exit_code == 0, r.output
     assert r.output.count("note:") == 3
+    r = run(MLP, "--inputs", data, "--random-inputs", "--no-update", "--backend", "cpu")
+    assert r.exit_code == 0, r.output
+    assert f"note: --inputs {data}: ignoring 'lr' (only the updates read it (--no-update))" in r.output
 
 
 def test_an_updated_output_feeds_the_next_step_by_its_new_value(tmp_path):
