@@ -121,5 +121,5 @@ def build(module: Module, options: Options, emit: str, prefix: str, source: str)
         return str(llvm_env.optimize(text, opt)).encode()
     if emit == "asm":
         return llvm_env.emit_asm(text, opt).encode()
-    obj = llvm_env.emit_object(text, opt)
+    obj = llvm_env.emit_objects([text], opt)[0]   # in a child: an LLVM crash is an error, not an abort
     return obj if emit == "obj" else link_shared(obj, prefix)

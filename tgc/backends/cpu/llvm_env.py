@@ -13,7 +13,8 @@ One place that
     tgc's kernels and did not change their speed (O3 keeps it),
   * JIT-compiles a module into a live MCJIT engine, or loads object files into one,
   * compiles the modules of one program at once in forked processes
-    (`emit_objects`), and
+    (`emit_objects`), where an LLVM assertion cannot take the process down (a module
+    whose compile dies is compiled again without the vectorizers), and
   * emits object files (``reloc='pic'``, ``codemodel='default'``: linkable into a
     ``.so``) and assembly text.
 
@@ -30,6 +31,7 @@ code.
 """
 
 import contextlib
+import faulthandler
 import functools
 import os
 import signal
@@ -112,10 +114,11 @@ def parse(module) -> llvm.ModuleRef:
     return ref
 
 
-def optimize(module, opt: int = 3, tm: llvm.TargetMachine | None = None) -> llvm.ModuleRef:
-    """Run the O``opt`` pipeline (loop + SLP vectorization on) over ``module`` for
-    ``tm`` (default: the host JIT machine); returns the optimised ModuleRef, which is
-    ``module`` itself when a ModuleRef was given."""
+def optimize(module, opt: int = 3, tm: llvm.TargetMachine | None = None,
+             vectorize: bool = True) -> llvm.ModuleRef:
+    """Run the O``opt`` pipeline (loop + SLP vectorization on, unless ``vectorize`` is
+    False) over ``module`` for ``tm`` (default: the host JIT machine); returns the
+    optimised ModuleRef, which is ``module`` itself when a ModuleRef was given."""
     if opt not in (0, 1, 2, 3):
         raise ValueError(f'opt level must be 0..3, got {opt!r}')
     ref = parse(module)
@@ -123,8 +126,8 @@ def optimize(module, opt: int = 3, tm: llvm.TargetMachine | None = None) -> llvm
     ref.triple = tm.triple
     ref.data_layout = str(tm.target_data)
     pto = llvm.create_pipeline_tuning_options(speed_level=opt)
-    pto.loop_vectorization = True
-    pto.slp_vectorization = True
+    pto.loop_vectorization = vectorize
+    pto.slp_vectorization = vectorize
     pb = llvm.create_pass_builder(tm, pto)
     pb.getModulePassManager().run(ref, pb)
     ref.verify()
@@ -189,16 +192,21 @@ def jit(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> JitModule:
     return JitModule(parse(llvm_ir_text), opt, prefer_512)
 
 
-def _compiled(llvm_ir_text, opt, for_object, prefer_512):
+def _compiled(llvm_ir_text, opt, for_object, prefer_512, vectorize=True):
     tm = target_machine(opt, for_object=for_object, prefer_512=prefer_512)
-    return tm, optimize(parse(llvm_ir_text), opt, tm)
+    return tm, optimize(parse(llvm_ir_text), opt, tm, vectorize)
 
 
-def emit_object(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True) -> bytes:
+def emit_object(llvm_ir_text, opt: int = 3, *, prefer_512: bool = True, vectorize: bool = True) -> bytes:
     """ELF object code (PIC) for the optimised module; link with ``cc -shared``."""
-    tm, ref = _compiled(llvm_ir_text, opt, True, prefer_512)
+    tm, ref = _compiled(llvm_ir_text, opt, True, prefer_512, vectorize)
     with _codegen_level(opt):
         return tm.emit_object(ref)
+
+
+class LLVMCrash(RuntimeError):
+    """LLVM died (an assertion or a fault) compiling a module, with and without the
+    vectorizers: an internal compiler error, reported without taking the process down."""
 
 
 def usable_cores() -> int:
@@ -212,18 +220,19 @@ def usable_cores() -> int:
 def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
                  prefer_512: bool = True) -> list[bytes]:
     """Object code of each module, the same bytes as `emit_object` gives for it.
-    A module may be given as a function that returns its text: the first is called
-    only after the children have started, so making it overlaps their work, and a
-    child calls its own (printing a module's IR is Python work too).
+    A module may be given as a function that returns its text (a child calls its own:
+    printing a module's IR is Python work too).
 
-    With `jobs` > 1, up to jobs - 1 modules after the first are compiled each in a
-    forked child process while this process compiles the first, and the children
-    send their object code back through a pipe. llvmlite serializes every LLVM call
-    of a process behind one lock, so threads cannot share the work; processes can.
-    The fork happens while this thread holds that lock, so no other thread of the
-    process is inside LLVM at that moment (a child never inherits LLVM mid-call).
-    A child that fails, or a platform without fork, leaves its module to this
-    process: the result is the same, only slower. Children are always reaped."""
+    Each module is compiled in a forked child process, up to `jobs` at once, and the
+    children send their object code back through a pipe. llvmlite serializes every
+    LLVM call of a process behind one lock, so threads cannot share the work;
+    processes can. And LLVM's own assertions abort the process they run in (its loop
+    vectorizer asserts on some loops tgc generates): a child that dies is tried once
+    more without the vectorizers, and if that dies too, `LLVMCrash` is raised here,
+    where the caller reports it. The fork happens while this thread holds llvmlite's
+    lock, so no other thread of the process is inside LLVM at that moment (a child
+    never inherits LLVM mid-call). Without fork, this process compiles every module
+    itself. Children are always reaped."""
     made: dict[int, str] = {}
 
     def text(i):   # a function's text is made once
@@ -232,28 +241,36 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
         return made[i]
 
     lock = _llvm_lock()
-    if jobs <= 1 or len(texts) == 1 or not hasattr(os, "fork") or lock is None:
+    if not hasattr(os, "fork") or lock is None:
         return [emit_object(text(i), opt, prefer_512=prefer_512) for i in range(len(texts))]
-    children: list[tuple[int, int, int]] = []   # (pid, read end, module index)
+    objs: list[bytes | None] = [None] * len(texts)
+    todo = [(i, True) for i in range(len(texts))]   # (module, vectorize)
+    children: list[tuple[int, int, int, bool]] = []   # (pid, read end, module index, vectorize)
     try:
-        with lock, warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
-            for i in range(1, min(jobs, len(texts))):
-                try:
-                    children.append(_fork_compile(texts[i], i, opt, prefer_512))
-                except OSError:   # no more processes or pipes: this process does the rest
-                    break
-        objs: list[bytes | None] = [None] * len(texts)
-        busy = {i for _, _, i in children}
-        for i in range(len(texts)):
-            if i not in busy:
-                objs[i] = emit_object(text(i), opt, prefer_512=prefer_512)
-        while children:
-            pid, fd, i = children.pop(0)
-            objs[i] = _collect(pid, fd) or emit_object(text(i), opt, prefer_512=prefer_512)
+        while todo or children:
+            while todo and len(children) < max(jobs, 1):
+                i, vec = todo.pop(0)
+                with lock, warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)   # 3.12+: fork of a threaded process
+                    try:
+                        pid, fd, _ = _fork_compile(texts[i], i, opt, prefer_512, vec)
+                    except OSError:   # no more processes or pipes: this process compiles it
+                        objs[i] = emit_object(text(i), opt, prefer_512=prefer_512, vectorize=vec)
+                        continue
+                children.append((pid, fd, i, vec))
+            if not children:
+                continue
+            pid, fd, i, vec = children[0]
+            objs[i] = _collect(pid, fd)   # reaps the child
+            children.pop(0)
+            if objs[i] is None:
+                if not vec:
+                    raise LLVMCrash(f"LLVM crashed compiling part {i + 1} of {len(texts)} of the program, "
+                                    "with and without vectorization")
+                todo.insert(0, (i, False))
         return objs
     finally:
-        for pid, fd, _ in children:   # only on an exception: stop and reap what is left
+        for pid, fd, _, _ in children:   # only on an exception: stop and reap what is left
             _stop(pid, fd)
 
 
@@ -306,7 +323,7 @@ def _llvm_lock():
     return getattr(lib, '_lock', None)
 
 
-def _fork_compile(text, index: int, opt: int, prefer_512: bool) -> tuple[int, int, int]:
+def _fork_compile(text, index: int, opt: int, prefer_512: bool, vectorize: bool = True) -> tuple[int, int, int]:
     read, write = os.pipe()
     try:
         pid = os.fork()
@@ -318,11 +335,16 @@ def _fork_compile(text, index: int, opt: int, prefer_512: bool) -> tuple[int, in
         status = 1
         try:
             os.close(read)
+            # LLVM reports a failed assertion on stderr before it aborts: the parent retries
+            # the module (or raises LLVMCrash), so the user sees one error, not LLVM's
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            faulthandler.disable()   # (a test runner's, writing to its own copy of stderr)
             # another thread of the parent may have held this lock at the fork: the
             # child, which has only this thread, starts with its own
             global _FLAGS_LOCK
             _FLAGS_LOCK = threading.RLock()
-            obj = emit_object(text() if callable(text) else text, opt, prefer_512=prefer_512)
+            obj = emit_object(text() if callable(text) else text, opt, prefer_512=prefer_512, vectorize=vectorize)
             with os.fdopen(write, 'wb') as out:
                 out.write(obj)
             status = 0
