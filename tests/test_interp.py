@@ -146,3 +146,18 @@ out y = %0 : [n]
         run(prog, a=np.ones(3))
     with pytest.raises(EvalError, match="unexpected input 'c'"):
         run(prog, a=np.ones(3), b=np.ones(3), c=np.ones(3))
+
+
+def test_a_value_too_big_for_memory_is_an_error_not_numpys():
+    """A value of more than 2^62 bytes (each fits, their product does not) is an
+    EvalError naming its edges, before numpy's 'array is too big'."""
+    import pytest as _pytest
+
+    from tgc.frontend import compile_source
+    from tgc.ir.interp import EvalError, evaluate
+    from tgc.options import Options
+
+    m = compile_source("dim a\ndim c = a, e = a, f = a\ninput x[a]\nz = x * x[a -> c]\n"
+                       "out s = sum(exp(z * z[a -> e, c -> f]))\n", "<t>", Options())
+    with _pytest.raises(EvalError, match=r"\[a, c, e, f\] has 24010000000000000000 elements"):
+        evaluate(m, {"x": np.zeros(70000, np.float32)})

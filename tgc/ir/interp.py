@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tgc.ir.module import Arg, Module
-from tgc.ir.sizes import SizeError, UnboundDim, size_eval
+from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
 from tgc.ir.values import Value, topo_order
 
 NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
@@ -108,9 +108,27 @@ class _Eval:
     def run(self, roots: list[Value]) -> dict[int, np.ndarray]:
         vals: dict[int, np.ndarray] = {}
         for v in topo_order(roots):
+            self.check_size(v)
             ops = [_wide(vals[id(o)]) for o in v.operands]
-            vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
+            try:
+                vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
+            except MemoryError:
+                raise EvalError(f"not enough memory for a value over [{', '.join(v.edges)}] "
+                                f"({self.elements(v)} elements)") from None
         return vals
+
+    def elements(self, v: Value) -> int:
+        n = 1
+        for e in v.edges:
+            n *= self.sizes[e]
+        return n
+
+    def check_size(self, v: Value) -> None:
+        """A value whose bytes (in float64, as computed) exceed 2^62 is an error, not
+        numpy's 'array is too big'."""
+        if self.elements(v) * 8 > MAX_SIZE:
+            raise EvalError(f"a value over [{', '.join(v.edges)}] has {self.elements(v)} elements: "
+                            f"more than 2^62 bytes")
 
 
 def _wide(a: np.ndarray) -> np.ndarray:
