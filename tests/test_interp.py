@@ -149,8 +149,9 @@ out y = %0 : [n]
 
 
 def test_a_value_too_big_for_memory_is_an_error_not_numpys():
-    """A value of more than 2^62 bytes (each fits, their product does not) is an
-    EvalError naming its edges, before numpy's 'array is too big'."""
+    """A value of more than 2^62 bytes (each dim fits, their product does not) is an
+    EvalError naming its edges, before numpy's 'array is too big'; so is one that
+    does not fit in memory (here the first product, 4.9e9 elements)."""
     import pytest as _pytest
 
     from tgc.frontend import compile_source
@@ -159,5 +160,10 @@ def test_a_value_too_big_for_memory_is_an_error_not_numpys():
 
     m = compile_source("dim a\ndim c = a, e = a, f = a\ninput x[a]\nz = x * x[a -> c]\n"
                        "out s = sum(exp(z * z[a -> e, c -> f]))\n", "<t>", Options())
-    with _pytest.raises(EvalError, match=r"\[a, c, e, f\] has 24010000000000000000 elements"):
+    with _pytest.raises(EvalError, match=r"value over \[a, c.*elements"):
         evaluate(m, {"x": np.zeros(70000, np.float32)})
+    from tgc import driver
+
+    lowered = driver.lower(m, Options()).module   # computes the 4-edge value first
+    with _pytest.raises(EvalError, match=r"\[a, c, e, f\] has 24010000000000000000 elements: more than 2\^62"):
+        evaluate(lowered, {"x": np.zeros(70000, np.float32)})
