@@ -37,6 +37,7 @@ from tgc.ir.sizes import size_op
 from tgc.passes.group import BLOCK_EDGE as BLOCK
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
+SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate)
 
 
 def kernel_buffers(k: LoopKernel | LoopGroup) -> list[str]:
@@ -134,8 +135,15 @@ class LoopGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp,
                  strict: bool = False):
         self.low, self.top, self.k, self.fp = low, k, k, fp
-        self.flags = () if strict else FLAGS          # --fp-strict: no FMA contraction ...
-        self.sum_flags = () if strict else ("reassoc", "contract")   # ... and sums in order
+        # fast-math flags: none in expressions, so that one expression computes the same
+        # bits in every kernel and loop that recomputes it (a max's gradient compares the
+        # max with its recomputed argument: an FMA in one place and not the other made
+        # that test fail, and the gradient 0 or NaN); `reassoc` (vector lanes) and
+        # `contract` (the FMA of the last product into the sum) only on the accumulation
+        # of a reduction loop LLVM vectorizes itself (`_accumulate`); none under --fp-strict
+        self.strict = strict
+        self.sum_flags: tuple = ()
+        self.fused_term = None   # the body whose last product may fuse into the accumulation
         self.bufs = kernel_buffers(k)
         fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64])
         for a in fn.args[: 1 + len(self.bufs)]:
@@ -256,22 +264,49 @@ class LoopGen:
     def accumulate(self, kind: str, vars: dict, term) -> ir.Value:
         """Reduce `term(vars)` over the reduced loops into a register; its value.
 
-        An f32 sum accumulates in f64 lanes, rounded once at the end: summed in f32,
-        each of LLVM's vector lanes carries n / lanes terms, and the error grows with
-        n (3e-3 relative for 10^7 values of 0.1); in f64 it stays below f32's rounding
-        of the result for any length that fits in memory."""
+        A long f32 sum accumulates in f64 lanes, rounded once at the end: summed in
+        f32, each of LLVM's vector lanes carries n / lanes terms, and the error grows
+        with n (3e-3 relative for 10^7 values of 0.1); in f64 it stays below f32's
+        rounding of the result for any length that fits in memory. A sum of at most
+        SHORT_SUM terms (a row of a layernorm) keeps f32 lanes, at most SHORT_SUM / 64
+        terms each: f64 lanes made a 64 x 256 layernorm 1.8x slower. With a symbolic
+        length, both loops are generated and the length picks one."""
         b = self.b
-        wide = kind == "sum" and self.fp == ir.FloatType()
-        acc_type = ir.DoubleType() if wide else self.fp
+        red = [v for v in self.k.loops if v in self.k.red and v not in vars]
+        if not (kind == "sum" and self.fp == ir.FloatType()):
+            return self._accumulate(kind, vars, term, red, self.fp)
+        n = 1
+        for v in red:
+            n = size_op("*", n, self.k.sizes[v])
+        if isinstance(n, int):
+            return self._accumulate(kind, vars, term, red, self.fp if n <= SHORT_SUM else ir.DoubleType())
+        result = self.f.alloca(self.fp, "sum")
+        short = b.icmp_signed("<=", self.f.size(n), I64(SHORT_SUM))
+        with b.if_else(short) as (then, otherwise):
+            with then:
+                b.store(self._accumulate(kind, vars, term, red, self.fp), result)
+            with otherwise:
+                b.store(self._accumulate(kind, vars, term, red, ir.DoubleType()), result)
+        return b.load(result)
+
+    def _accumulate(self, kind: str, vars: dict, term, red: list[str], acc_type) -> ir.Value:
+        b = self.b
         acc = self.f.alloca(acc_type, "acc")
         b.store(ir.Constant(acc_type, INIT[kind]), acc)
-        red = [v for v in self.k.loops if v in self.k.red and v not in vars]
-        if wide:
+        if acc_type != self.fp:
             step = lambda vs: b.store(self.combine(b.load(acc), b.fpext(term(vs), acc_type), kind), acc)  # noqa: E731
         else:
             step = lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc)  # noqa: E731
+        saved = self.sum_flags, self.fused_term
+        if kind == "sum" and not self.strict and not all(unrolled(self.k, v) for v in red):
+            # a reduction loop LLVM vectorizes: lanes (reassoc) and FMA (contract). An
+            # unrolled one is not: the loop around it is, and there LLVM contracts and
+            # reassociates the vector body and the scalar remainder differently, whose
+            # split moves with the thread count (the same bits on any number of threads)
+            self.sum_flags, self.fused_term = ("reassoc", "contract"), self.k.body
         self.nest(red, vars, step)
-        return b.fptrunc(b.load(acc), self.fp) if wide else b.load(acc)
+        self.sum_flags, self.fused_term = saved
+        return b.fptrunc(b.load(acc), self.fp) if acc_type != self.fp else b.load(acc)
 
     def reduce_in_register(self, vars: dict) -> None:
         k = self.k
@@ -376,33 +411,32 @@ class LoopGen:
             return self.mask(e, vars, acc)
         args = [self.expr(a, vars, acc) for a in e.args]
         if isinstance(e, Add):
-            products = sum(1 for c, a in zip(e.coefs, e.args) if c not in (1, -1) or isinstance(a, Mul))
-            return self.add(e.coefs, args, self.flags if products < 2 else ())
+            return self.add(e.coefs, args)
         if isinstance(e, Mul):
             out = args[0]
-            for a in args[1:]:
-                out = b.fmul(out, a, flags=self.flags)
+            for i, a in enumerate(args[1:], 2):   # the last product of a summed body may fuse (FMA)
+                out = b.fmul(out, a, flags=FLAGS if e is self.fused_term and i == len(args) else ())
             return out
         if isinstance(e, Map):
             exponent = e.args[1].value if e.fn == "pow" and isinstance(e.args[1], Const) else None
             return emit_map(b, e.fn, args, self.fp, exponent)
         raise TypeError(f"unknown expression {e!r}")
 
-    def add(self, coefs, args, flags=FLAGS):
-        """sum c_i a_i in order. `flags` without `contract` when two or more terms are
-        products: an FMA would subtract a rounded product from an unrounded one, so
-        3a - 3b or ab - cd at a = b (= c = d) would not be 0 (PyTorch's is)."""
+    def add(self, coefs, args):
+        """sum c_i a_i in order, each product rounded (no FMA: one would subtract a
+        rounded product from an unrounded one, and 3a - 3b or ab - cd at a = b (= c = d)
+        would not be 0, as PyTorch's is)."""
         b = self.b
         total = None
         for c, a in zip(coefs, args):
             if total is None:
-                total = a if c == 1 else b.fmul(self.const(c), a, flags=flags)
+                total = a if c == 1 else b.fmul(self.const(c), a)
             elif c == 1:
-                total = b.fadd(total, a, flags=flags)
+                total = b.fadd(total, a)
             elif c == -1:
-                total = b.fsub(total, a, flags=flags)
+                total = b.fsub(total, a)
             else:
-                total = b.fadd(total, b.fmul(self.const(c), a, flags=flags), flags=flags)
+                total = b.fadd(total, b.fmul(self.const(c), a))
         return total
 
     def mask(self, e: Mask, vars: dict, acc):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
+from tgc.backends.cpu.irutil import optimize_not
 from tgc.ir.lowered import Lowered
 from tgc.ir.sizes import MAX_SIZE, Size, SizeOp
 
@@ -84,6 +85,7 @@ def _sizes_ok(mod: ir.Module, low: Lowered) -> ir.Function:
     fn = ir.Function(mod, ir.FunctionType(I32, [PTR]), "tgc.sizes_ok")
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
+    optimize_not(fn)   # once per call, thousands of checks for a GPT: optimized, it took 1.7 s to compile
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     m = low.module
     symbolic = m.symbolic_dims()
