@@ -306,9 +306,11 @@ def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> bool:
     """`lse` is logsumexp[E](B - M) with M = max[E](B) written by a member: B - M has the
     maximum 0 (the prelude's shifted softmax), or is NaN where M is not finite."""
     e = lse.body
-    if not (isinstance(e, Add) and e.coefs == (1.0, -1.0) and isinstance(e.args[1], Load)):
+    if not (isinstance(e, Add) and sorted(e.coefs) == [-1.0, 1.0]):
         return False
-    b, m = e.args
+    b, m = e.args if e.coefs == (1.0, -1.0) else e.args[::-1]
+    if not isinstance(m, Load):
+        return False
     return any(k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b and k.epilogue is None
                and k.loops == lse.loops and k.red == lse.red and m.index == k.index for k in ks)
 
