@@ -211,7 +211,7 @@ class _Grouper:
             keep = keep or loads != exps
             if not exps:
                 continue
-            if m.loops[:len(lse.loops)] != lse.loops or m.reduce:
+            if set(m.loops[:len(lse.loops)]) != set(lse.loops) or m.reduce:   # any order inside
                 return ks
             hits.append(m)
         if not hits or lse.epilogue is not None:
@@ -312,7 +312,8 @@ def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> bool:
     if not isinstance(m, Load):
         return False
     return any(k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b and k.epilogue is None
-               and k.loops == lse.loops and k.red == lse.red and m.index == k.index for k in ks)
+               and set(k.loops) == set(lse.loops) and set(k.red) == set(lse.red) and m.index == k.index
+               for k in ks)
 
 
 def _together(ks: list[LoopKernel]) -> list:
