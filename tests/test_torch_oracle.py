@@ -85,17 +85,9 @@ def with_derivative_outputs(m: Module) -> tuple[Module, list[str]]:
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
-    """Norm-wise relative error; non-finite entries must agree exactly (same inf, both NaN)."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    fin_g, fin_w = np.isfinite(got), np.isfinite(want)
-    if not np.array_equal(fin_g, fin_w):
-        return float("inf")
-    bad = ~fin_w
-    if bad.any() and not np.array_equal(got[bad], want[bad], equal_nan=True):
-        return float("inf")
-    d = np.linalg.norm((got - want)[fin_w])
-    return float(d / max(np.linalg.norm(want[fin_w]), FLOOR))
+    """Norm-wise relative error (`torch_oracle.rel_error`, floor FLOOR), shapes equal."""
+    assert np.shape(got) == np.shape(want), (np.shape(got), np.shape(want))
+    return torch_oracle.rel_error(got, want, FLOOR)
 
 
 def compare(path: Path, seed: int = SEED) -> dict[str, tuple[float, float]]:

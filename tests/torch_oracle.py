@@ -311,3 +311,20 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *,
 def _in_order(t: torch.Tensor, edges: tuple[str, ...], order: tuple[str, ...]) -> np.ndarray:
     a = t.detach().permute([edges.index(e) for e in order]).contiguous().numpy()
     return np.array(a, dtype=np.float64 if t.dtype == F64 else a.dtype, order="C", copy=True)
+
+
+def rel_error(got, want, floor: float) -> float:
+    """Norm-wise relative error, |got - want| / max(|want|, floor) (Frobenius norms);
+    non-finite entries must agree exactly (the same inf, or both NaN), and a shape
+    that differs is an error of inf."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return float("inf")
+    fin_g, fin_w = np.isfinite(got), np.isfinite(want)
+    if not np.array_equal(fin_g, fin_w):
+        return float("inf")
+    bad = ~fin_w
+    if bad.any() and not np.array_equal(got[bad], want[bad], equal_nan=True):
+        return float("inf")
+    d = np.linalg.norm((got - want)[fin_w])
+    return float(d / max(np.linalg.norm(want[fin_w]), floor))

@@ -75,19 +75,24 @@ def read_source_bytes(path: str | os.PathLike | None, limit: int = MAX_SOURCE) -
                 kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or \
                     stat.S_ISBLK(mode) else "not a regular file"
                 raise NotASource(f"{kind}, not a source file (pipe a program to standard input with '-')")
-            chunks, left = [], limit + 1
-            while left > 0:
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            data = b"".join(chunks)
+            data = read_at_most(fd, limit + 1)
         finally:
             os.close(fd)
     if len(data) > limit:
         raise NotASource(f"larger than {limit >> 20} MiB, the most a source may hold")
     return data
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """At most `limit` bytes from `fd`, read in chunks (up to its end, if sooner)."""
+    chunks, left = [], limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _is_special(path: Path) -> bool:

@@ -74,20 +74,6 @@ def _gist(detail: str) -> str:
     return first[:80]
 
 
-def rel_error(got, want, floor: float) -> float:
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape:
-        return float("inf")
-    fin_g, fin_w = np.isfinite(got), np.isfinite(want)
-    if not np.array_equal(fin_g, fin_w):
-        return float("inf")
-    bad = ~fin_w
-    if bad.any() and not np.array_equal(got[bad], want[bad], equal_nan=True):
-        return float("inf")
-    d = np.linalg.norm((got - want)[fin_w])
-    return float(d / max(np.linalg.norm(want[fin_w]), floor))
-
-
 def _oracle_module(m: "Module") -> tuple["Module", dict[str, str]]:
     """`m` with each update as an extra output; {that output's name: the update's result key}."""
     from tgc.ir.module import Module, Output
@@ -133,6 +119,7 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
 
 def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0) -> Report:
     """Run `text` on the oracle and on every backend; the report."""
+    import torch_oracle
     from tgc.frontend import compile_source
     from tgc.ir.interp import random_inputs
     from tgc.options import Options
@@ -162,7 +149,7 @@ def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int 
             continue
         worst = None
         for k in want:
-            err = rel_error(got[k], want[k], FLOOR[dtype])
+            err = torch_oracle.rel_error(got[k], want[k], FLOOR[dtype])
             if not err <= RTOL[dtype] and (worst is None or err > worst[1]):
                 worst = (k, err)
         if worst is None:

@@ -39,7 +39,7 @@ import stat
 import warnings
 from pathlib import Path
 
-from tgc.fsutil import write_atomic
+from tgc.fsutil import read_at_most, write_atomic
 from tgc.options import Options
 
 MAX_ENTRY = 1 << 30   # bytes: a larger "entry" is damage, never read
@@ -216,14 +216,7 @@ def _read_entry(d: Path, key: str, suffix: str, magic: bytes) -> bytes | None:
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ENTRY or \
                 (hasattr(os, "getuid") and st.st_uid != os.getuid()):
             return None
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = read_at_most(fd, st.st_size)
     except OSError:
         return None
     finally:
