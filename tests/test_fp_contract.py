@@ -55,6 +55,23 @@ def test_differences_of_products_the_user_wrote_are_exact_at_equal_operands(expr
         assert np.all(out["y"] == 0), out["y"]
 
 
+def test_a_single_rounded_product_in_a_sum_is_one_fma():
+    """a * b + c rounds once, as an FMA, where the CPU has one; 3 * a - 3 * b and
+    a * b - c * d (two rounded products) do not fuse."""
+    from tgc.backends.cpu.llvm_env import has_feature
+
+    if not has_feature("fma"):
+        pytest.skip("this CPU has no FMA instructions")
+    src = "dim n = 64\ninput a[n], b[n], c[n]\nout y = a * b + c\n"
+    assert "llvm.fma" in tgc.compile(src, dtype="f32").llvm_ir
+    for expr in ("3 * a - 3 * b", "a * b - c * a"):
+        assert "llvm.fma" not in tgc.compile(src.replace("a * b + c", expr), dtype="f32").llvm_ir, expr
+    rng = np.random.default_rng(0)
+    a, b, c = (f32(rng.standard_normal(64)) for _ in range(3))
+    want = (a.astype(np.float64) * b + c).astype(np.float32)   # the exact product, rounded once
+    np.testing.assert_array_equal(tgc.compile(src, dtype="f32")(a=a, b=b, c=c)["y"], want)
+
+
 def test_an_offset_divided_by_a_constant_keeps_its_relative_error():
     x = f32(1e4 + np.arange(1, 6) * 0.37)
     want = (x.astype(np.float64) - 1e4) / 3
@@ -224,7 +241,8 @@ def test_the_reported_cpu_nan_program_agrees_with_the_interpreter_on_normal_inpu
     """The gradient of `max[hid]` compares the max with its argument recomputed in
     other kernels; where LLVM fused a product into an FMA in one kernel and not in the
     other, no element equalled the max, and the gradient was 0 (or NaN: 0 * (1/0)).
-    Expressions now compute the same bits in every kernel (no implicit FMA)."""
+    Expressions now compute the same bits in every kernel (an FMA is chosen from the
+    expression alone, not left to LLVM's contraction)."""
     opts = Options(dtype=dtype)
     lowered = driver.lower(compile_source(ITEM7, "<item7>", opts), opts).module
     cpu = tgc.compile(ITEM7, dtype=dtype)

@@ -355,3 +355,33 @@ def test_the_rows_loop_of_a_group_vectorized_over_rows_asks_for_masked_last_rows
 
     assert "llvm.loop.vectorize.predicate.enable" in text(CROSS_ENTROPY)
     assert "llvm.loop.vectorize.predicate.enable" not in text(LAYERNORM)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("source, shift", [(HVP, "maxshift"), (SOFTMAX, "maxshift"), (LSE_KEPT["read_otherwise"], "maxshift"),
+                                           ("dim rows, d\ninput x[rows, d], y[rows, d]\n"
+                                            "out l = sum(cross_entropy[d](x, y))\n", "max")],
+                         ids=["hvp", "softmax", "own_max", "log_softmax"])
+def test_a_max_read_only_as_the_shift_of_one_exp_skips_nans_with_the_same_values(source, shift, dtype):
+    """A max that only `exp(x - max)` reads, whose exps reach every output through
+    their sum, may skip NaNs (maxshift, llvm.maxnum): a NaN in a row makes the sum and
+    so the row NaN either way. Read otherwise (log_softmax's x - max), it stays a max.
+    (A logsumexp of no max takes the group's own shift, a maxshift.) Values on rows with NaN, +-inf, all -inf and signed zeros are the interpreter's."""
+    prog = build(source, dtype, threads=2, parallel_min_work=1)
+    kinds = {k.reduce for g in groups(prog) for k in g.members} & {"max", "maxshift"}
+    assert kinds == {shift}
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"rows": 40, "d": 19}), 3, dtype)
+    xs = x["x"]
+    xs[1, 5], xs[2, 0], xs[3, 18], xs[6, 2] = np.inf, np.nan, -np.inf, np.nan
+    xs[4, :] = -np.inf
+    xs[5, :3] = [-0.0, 0.0, -0.0]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+    got = prog(**x)
+    rtol, atol = TOL[dtype]
+    for name, w in want.items():
+        np.testing.assert_array_equal(np.isnan(got[name]), np.isnan(w), err_msg=name)
+        finite = np.abs(w[np.isfinite(w)])
+        scale = max(1.0, float(finite.max())) if finite.size else 1.0
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol * scale, err_msg=name)

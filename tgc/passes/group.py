@@ -155,7 +155,7 @@ class _Grouper:
         for k in list(ks):
             if k.reduce == "logsumexp":
                 ks = self.exp_once(k, ks, keep=bufs[k.out].kind != "temp"
-                                   or bool(self.readers.get(k.out, set()) & outside))
+                                   or bool(self.readers.get(k.out, set()) & outside), outside=outside)
         local = [k.out for k in ks if not self.partial(k, outer) and bufs[k.out].kind == "temp"
                  and not (self.readers.get(k.out, set()) & outside)]
         regs: list[str] = []
@@ -185,7 +185,7 @@ class _Grouper:
                                               blocks=self.opt.group_blocks if blocked else 0))
         self.out.kernels += _together(after)
 
-    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool) -> list[LoopKernel]:
+    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool, outside: set[int]) -> list[LoopKernel]:
         """A softmax computes exp twice per element: in `lse = logsumexp[d](B)` and in
         `exp(B - lse)` where it is read. When members read `lse` in such an exp, the
         members become `m = max[d] B` (0 where not finite, as in the logsumexp
@@ -229,7 +229,8 @@ class _Grouper:
         m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
         sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
         finite = Map("where", (Map("lt", (Map("abs", (Acc(),)), Const(float("inf")))), Acc(), Const(0.0)))
-        if _shifted_by_its_max(lse, ks):  # its max is 0 (or the row is NaN): exp(B) needs no shift
+        shift = _shifted_by_its_max(lse, ks)
+        if shift is not None:  # its max is 0 (or the row is NaN): exp(B) needs no shift
             del low.buffers[names["m"]]
             new = [LoopKernel(names["e"], full, lse.loops, sizes, Map("exp", (lse.body,)), note="softmax: exp once")]
             if keep:
@@ -254,7 +255,20 @@ class _Grouper:
                 out.append(_map_kernel(k, lambda e: scaled if match(e) else None))
             else:
                 out.append(k)
+        if shift is not None and self.only_shifts(shift.out, new[0], out, outside):
+            out = [replace(k, reduce="maxshift") if k is shift else k for k in out]
         return out
+
+    def only_shifts(self, m: str, exps: LoopKernel, ks: list[LoopKernel], outside: set[int]) -> bool:
+        """Whether max M, a temp read nowhere outside the group, is read only by `exps`,
+        e = exp(B - M): then it may skip NaNs (maxshift, llvm.maxnum, which LLVM
+        vectorizes better than the NaN-propagating llvm.maximum), with the same
+        outputs. A NaN in a row of B makes its e NaN there, so s = sum e is NaN, and e
+        reaches everything only through s (as e * (1/s), or log s); an infinite row
+        has the same M either way, and exp(B - M) is 1 at both signed zeros."""
+        if self.out.buffers[m].kind != "temp" or self.readers.get(m, set()) & outside:
+            return False
+        return all(k is exps or not any(isinstance(n, Load) and n.buf == m for n in _walk_kernel(k)) for k in ks)
 
     def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
         """Members writing and reading `name` (one outer index at a time) through a
@@ -302,18 +316,18 @@ class _Grouper:
         return replace(k, out=name, index=index, epilogue=None, note="partial sums")
 
 
-def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> bool:
-    """`lse` is logsumexp[E](B - M) with M = max[E](B) written by a member: B - M has the
-    maximum 0 (the prelude's shifted softmax), or is NaN where M is not finite."""
+def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> LoopKernel | None:
+    """The member writing M when `lse` is logsumexp[E](B - M) with M = max[E](B): B - M
+    has the maximum 0 (the prelude's shifted softmax), or is NaN where M is not finite."""
     e = lse.body
     if not (isinstance(e, Add) and sorted(e.coefs) == [-1.0, 1.0]):
-        return False
+        return None
     b, m = e.args if e.coefs == (1.0, -1.0) else e.args[::-1]
     if not isinstance(m, Load):
-        return False
-    return any(k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b and k.epilogue is None
-               and set(k.loops) == set(lse.loops) and set(k.red) == set(lse.red) and m.index == k.index
-               for k in ks)
+        return None
+    return next((k for k in ks if k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b
+                 and k.epilogue is None and set(k.loops) == set(lse.loops) and set(k.red) == set(lse.red)
+                 and m.index == k.index), None)
 
 
 def _together(ks: list[LoopKernel]) -> list:

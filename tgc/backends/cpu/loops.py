@@ -5,6 +5,9 @@
 runs the outermost loop over [lo, hi) (the caller passes the full range, or one
 thread's share when that loop is over a kept edge). Shapes of the nest:
 
+Expressions carry no fast-math flags; `a * b + c`, a sum with one rounded term and
+that a product, is one llvm.fma (`fma_term`), never two rounded products in one FMA.
+
 - register mode (every reduced loop inside every kept loop): an accumulator that
   LLVM keeps in registers (vectorized with `reassoc` on the combining fadd — the
   only fast-math flag besides `contract`, which allows FMA; neither under
@@ -34,6 +37,8 @@ from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, 
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
                             Mask, Mul, SizeOf, walk)
 from tgc.ir.sizes import size_op
+from tgc.backends.cpu.llvm_env import has_feature
+from tgc.passes.canon import exact_scale
 from tgc.passes.group import BLOCK_EDGE as BLOCK
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
@@ -123,6 +128,22 @@ def unrolled(k: LoopKernel, v: str) -> bool:
     return isinstance(n, int) and n <= UNROLL and not any(k.bounds.get(v, ((), ())))
 
 
+def fma_term(e: Add) -> int | None:
+    """The term of `e` computed as an FMA with the sum of the others, if any: the only
+    rounded term, and a product. A rounded term is a product, a quotient, or scaled by
+    a c other than +-2^k; with two of them, ab - cd at a = b (= c = d) would not be 0
+    (an unrounded product less a rounded one), as it is term by term and in PyTorch.
+    With one, the FMA rounds once where the sum rounded twice. Only where the CPU has
+    FMA instructions (elsewhere llvm.fma is a call)."""
+    if len(e.args) < 2 or not has_feature("fma"):
+        return None
+    rounded = [i for i, (c, a) in enumerate(zip(e.coefs, e.args))
+               if not exact_scale(c) or isinstance(a, Mul) or (isinstance(a, Map) and a.fn == "div")]
+    if len(rounded) == 1 and isinstance(e.args[rounded[0]], Mul) and len(e.args[rounded[0]].args) >= 2:
+        return rounded[0]
+    return None
+
+
 def rows_vectorized(g: LoopGroup) -> bool:
     """Whether a group has one outer loop (its rows) and every loop inside it is
     unrolled, so that the rows loop is the one LLVM vectorizes."""
@@ -138,9 +159,11 @@ class LoopGen:
         # fast-math flags: none in expressions, so that one expression computes the same
         # bits in every kernel and loop that recomputes it (a max's gradient compares the
         # max with its recomputed argument: an FMA in one place and not the other made
-        # that test fail, and the gradient 0 or NaN); `reassoc` (vector lanes) and
+        # that test fail, and the gradient 0 or NaN). An FMA is an explicit llvm.fma,
+        # chosen from the expression alone (`fma_term`). `reassoc` (vector lanes) and
         # `contract` (the FMA of the last product into the sum) only on the accumulation
-        # of a reduction loop LLVM vectorizes itself (`_accumulate`); none under --fp-strict
+        # of a reduction loop LLVM vectorizes itself (`_accumulate`), or a partial sum
+        # carried by a block's rows loop. None of these under --fp-strict
         self.strict = strict
         self.sum_flags: tuple = ()
         self.fused_term = None   # the body whose last product may fuse into the accumulation
@@ -228,7 +251,14 @@ class LoopGen:
         elif not k.reduce:
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
         elif set(k.red) & set(vars):  # a partial sum: add into the block's row
+            saved = self.sum_flags, self.fused_term
+            if k.reduce == "sum" and not self.strict:
+                # the rows loop LLVM vectorizes carries this sum: lanes (reassoc) and
+                # FMA (contract). Blocks split the rows independently of the thread
+                # count, so the lanes are the same on any number of threads
+                self.sum_flags, self.fused_term = ("reassoc", "contract"), k.body
             self.nest(loops, vars, self.reduce_in_memory)
+            self.sum_flags, self.fused_term = saved
         elif register:
             self.nest(kept, vars, self.reduce_in_register)
         else:
@@ -409,6 +439,10 @@ class LoopGen:
             return acc
         if isinstance(e, Mask):
             return self.mask(e, vars, acc)
+        if isinstance(e, Add):
+            k = None if self.strict else fma_term(e)
+            if k is not None:
+                return self.fused_add(e, k, vars, acc)
         args = [self.expr(a, vars, acc) for a in e.args]
         if isinstance(e, Add):
             return self.add(e.coefs, args)
@@ -438,6 +472,22 @@ class LoopGen:
             else:
                 total = b.fadd(total, b.fmul(self.const(c), a))
         return total
+
+    def fused_add(self, e: Add, k: int, vars: dict, acc):
+        """`e` with its term k, c * m1 * ... * mn, as one FMA: fma(c * m1 * ... * m(n-1),
+        mn, the other terms summed in order). Chosen from the expression alone
+        (`fma_term`), so an expression computed in several kernels has the same bits
+        in each; LLVM's own contraction (`contract`) depends on what it inlines."""
+        b = self.b
+        rest = [(c, a) for i, (c, a) in enumerate(zip(e.coefs, e.args)) if i != k]
+        total = self.add([c for c, _ in rest], [self.expr(a, vars, acc) for _, a in rest])
+        factors = [self.expr(a, vars, acc) for a in e.args[k].args]
+        u = factors[0]
+        for x in factors[1:-1]:
+            u = b.fmul(u, x)
+        c = e.coefs[k]
+        u = u if c == 1 else b.fneg(u) if c == -1 else b.fmul(self.const(c), u)
+        return b.call(intrinsic(b, "fma", self.fp, 3), [u, factors[-1], total])
 
     def mask(self, e: Mask, vars: dict, acc):
         b = self.b
