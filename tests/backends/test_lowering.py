@@ -157,6 +157,49 @@ update W = %2
     assert not low.slots
 
 
+ADAM_MLP = """
+dim batch
+dim features = 13, hidden = 16, classes = 3
+input  x[batch, features]
+input  y[batch, classes]
+param  W1[features, hidden], W2[hidden, classes]
+state  m1[features, hidden], v1[features, hidden]
+input  lr, c1, c2
+loss = mean[batch](cross_entropy[classes](relu(x @ W1) @ W2, y))
+out loss
+g = grad(loss, W1)
+update m1 = 0.9 * m1 + 0.1 * g
+update v1 = 0.999 * v1 + 0.001 * g * g
+update W1 = W1 - lr * c1 * (0.9 * m1 + 0.1 * g) / (sqrt(c2 * (0.999 * v1 + 0.001 * g * g)) + 1e-8) - 0.01 * lr * W1
+update W2 = W2 - lr * grad(loss, W2)
+"""
+
+
+def test_adam_moments_and_parameter_are_written_in_place_by_their_group():
+    """AdamW's moments and parameter update are one elementwise group, whose members
+    read the old values at the elements they write: each writes its target directly,
+    with no temporary and no copy back; the values are the interpreter's."""
+    import numpy as np
+
+    import tgc
+    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.ir.lowered import LoopGroup
+
+    prog = tgc.compile(ADAM_MLP, dtype="f64")
+    group = next(k for k in prog.lowered.kernels if isinstance(k, LoopGroup) and
+                 {m.out for m in k.members} >= {"m1", "v1", "W1"})
+    assert [m.out for m in group.members] == ["m1", "v1", "W1"]
+    copies = [k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and k.note.startswith("update")]
+    assert {k.out for k in copies} <= {"W2"}
+    m = prog.module
+    for seed in range(3):
+        x = random_inputs(m, m.bind_dims({"batch": 29}), seed, "f64")
+        want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+        got = prog(**{k: np.copy(v) for k, v in x.items()})
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
 def test_liveness_shares_slots():
     low = lower("""
 dim b

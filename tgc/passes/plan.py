@@ -74,7 +74,7 @@ def _updates_in_place(low: Lowered) -> None:
         if any(tmp in reads[j] for j in range(w)) or \
                 (gemm_reads and low.buffers[tmp].order != low.buffers[target].order):
             continue
-        if any(target in reads[j] for j in later if j != i) or not _can_retarget(low, kernels[w], target):
+        if any(target in reads[j] for j in later if j != i) or not _can_retarget(low, kernels[w], target, tmp):
             continue
         # the new value lives in the target from its producer on: later readers use it
         mapping[tmp] = target
@@ -85,9 +85,10 @@ def _updates_in_place(low: Lowered) -> None:
             del low.buffers[tmp]
 
 
-def _can_retarget(low: Lowered, p, target: str) -> bool:
+def _can_retarget(low: Lowered, p, target: str, tmp: str) -> bool:
+    """Whether kernel `p`, which writes `tmp`, may write it into `target` instead."""
     if isinstance(p, LoopGroup):
-        return target not in _reads(p)
+        return _group_can_retarget(p, target, tmp)
     if isinstance(p, GemmKernel):
         form = matrix_form(low.buffers[target].order, p.m, p.n)
         return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]
@@ -99,6 +100,30 @@ def _can_retarget(low: Lowered, p, target: str) -> bool:
     # element being written
     loads = [n for n in walk(p.body) if isinstance(n, Load) and n.buf == target]
     return all(n.index == p.index for n in loads)
+
+
+def _group_can_retarget(g: LoopGroup, target: str, tmp: str) -> bool:
+    """A group's member writing `tmp` may write `target` instead when no member after
+    it reads `target`, and every member up to it reads `target` only at the element
+    that member writes (its own index; the writer itself as a plain elementwise
+    member): members run in order for each iteration of the shared outer loops, whose
+    indices these loads fix, so each old element is read before it is overwritten and
+    no iteration reads another's (AdamW's moments and parameter, one elementwise group:
+    three copies back gone)."""
+    writer = next((j for j, m in enumerate(g.members) if m.out == tmp), None)
+    if writer is None:
+        return False
+    at = g.members[writer].index
+    for j, m in enumerate(g.members):
+        nodes = list(walk(m.body)) + (list(walk(m.epilogue)) if m.epilogue is not None else [])
+        loads = [n for n in nodes if isinstance(n, Load) and n.buf == target]
+        if not loads:
+            continue
+        if j > writer or (j == writer and (m.reduce or m.scatter or m.epilogue is not None)):
+            return False
+        if any(n.index != at for n in loads):
+            return False
+    return True
 
 
 def _assign_slots(low: Lowered) -> None:
