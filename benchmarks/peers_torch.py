@@ -121,6 +121,34 @@ def mlp(a, compiled):
 
 
 def gpt(a, compiled, layers=3, heads=3):
+    names, ids, targets, params, fwd = _gpt_model(a, compiled, layers, heads)
+    return _sgd_step(lambda: fwd(ids, targets, *params), params, names, float(a["lr"]))
+
+
+def gpt_adamw(a, compiled, layers=3, heads=3):
+    """The GPT with torch.optim.AdamW(foreach=True), its state set to the arrays' moments
+    at step t, where the inputs' bias corrections bc1 = 1 / (1 - beta1^t) put it."""
+    from ref_numpy import ADAMW
+    names, ids, targets, params, fwd = _gpt_model(a, compiled, layers, heads)
+    b1, b2 = ADAMW["beta1"], ADAMW["beta2"]
+    t = round(float(np.log(1 - 1 / float(a["bc1"])) / np.log(b1)))
+    opt = torch.optim.AdamW(params, lr=float(a["lr"]), betas=(b1, b2), eps=ADAMW["eps"],
+                            weight_decay=ADAMW["weight_decay"], foreach=True)
+    for p, n in zip(params, names):
+        opt.state[p] = {"step": torch.tensor(float(t - 1)), "exp_avg": _t(a[f"m_{n}"]),
+                        "exp_avg_sq": _t(a[f"v_{n}"])}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = fwd(ids, targets, *params)
+        loss.backward()
+        opt.step()
+        return {"loss": loss.detach(), **dict(zip(names, params))}
+    return step
+
+
+def _gpt_model(a, compiled, layers, heads):
+    """(param names, ids, targets, param tensors, loss function) of the GPT."""
     from ref_numpy import gpt_param_names
     names = gpt_param_names(layers)
     ids = torch.from_numpy(a["ids"].astype(np.int64))
@@ -144,12 +172,11 @@ def gpt(a, compiled, layers=3, heads=3):
             x = x + F.gelu(h @ p("wfc") + p("bfc"), approximate="tanh") @ p("wproj") + p("bproj")
         xf = F.layer_norm(x, (C,), P["lnf_w"], P["lnf_b"], 1e-5)
         return F.cross_entropy((xf @ P["wte"].T).reshape(-1, V), targets)
-    fwd = _maybe_compile(loss, compiled)
-    return _sgd_step(lambda: fwd(ids, targets, *params), params, names, float(a["lr"]))
+    return names, ids, targets, params, _maybe_compile(loss, compiled)
 
 
 MAKERS = {"layernorm": layernorm, "gelu": gelu, "softmax": softmax, "hvp": hvp,
-          "conv1d": conv1d, "mlp": mlp, "gpt": gpt}
+          "conv1d": conv1d, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
 
 
 def make(workload, arrays, compiled):

@@ -173,7 +173,33 @@ def gpt_param_names(layers=GPT_LAYERS):
 
 
 def gpt_step(a):
-    ids, targets, lr = a["ids"], a["targets"], a["lr"]
+    """One SGD step of the GPT (benchmarks/workloads/gpt.tg); updates `a` in place."""
+    loss, grads = gpt_loss_and_grads(a)
+    for nm, gv in grads.items():
+        a[nm] -= a["lr"] * gv
+    return {"loss": loss, **{nm: a[nm] for nm in gpt_param_names()}}
+
+
+ADAMW = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def gpt_adamw_step(a):
+    """One AdamW step of the GPT (benchmarks/workloads/gpt_adamw.tg), as torch.optim.AdamW
+    takes it: decoupled weight decay, then the moments, then the step with the bias
+    corrections bc1 = 1 / (1 - beta1^t), bc2 = 1 / (1 - beta2^t) given as inputs."""
+    loss, grads = gpt_loss_and_grads(a)
+    b1, b2, eps, wd = ADAMW["beta1"], ADAMW["beta2"], ADAMW["eps"], ADAMW["weight_decay"]
+    lr, c1, c2 = a["lr"], a["bc1"], a["bc2"]
+    for nm, g in grads.items():
+        m = a[f"m_{nm}"] = b1 * a[f"m_{nm}"] + (1 - b1) * g
+        v = a[f"v_{nm}"] = b2 * a[f"v_{nm}"] + (1 - b2) * g * g
+        a[nm] = a[nm] * (1 - lr * wd) - lr * (m * c1) / (np.sqrt(v * c2) + eps)
+    return {"loss": loss, **{nm: a[nm] for nm in gpt_param_names()}}
+
+
+def gpt_loss_and_grads(a):
+    """(loss, {param: gradient}) of the GPT's next-token cross-entropy."""
+    ids, targets = a["ids"], a["targets"]
     wte, wpe = a["wte"], a["wpe"]
     B, T = ids.shape
     V, C = wte.shape
@@ -262,6 +288,4 @@ def gpt_step(a):
     onehot = np.zeros((M, V), dt)
     onehot[rows, ids.reshape(M)] = 1
     grads["wte"] += onehot.T @ dx
-    for nm, gv in grads.items():
-        a[nm] -= lr * gv
-    return {"loss": np.asarray(loss, dt), **{nm: a[nm] for nm in gpt_param_names()}}
+    return np.asarray(loss, dt), grads

@@ -75,8 +75,8 @@ class Case:
     inputs: object                  # rng -> {name: array}
     bound: tuple                    # ("bw", bytes) or ("flops", flops)
     target: str                     # the project's target, as printed
-    kind: str                       # "large-elementwise" | "small" | "abs"
-    target_s: float = 0.0           # for kind "abs"/"small": the time to meet
+    kind: str                       # "large-elementwise" | "small" | "abs" | "vs-torch"
+    target_s: float = 0.0           # for kind "abs"/"small": the time to meet; "vs-torch": the most tgc/torch
     updates: tuple = ()             # update targets (compared as (new - old) / lr)
 
 
@@ -146,6 +146,22 @@ def _gpt_inputs(rng):
     return a
 
 
+ADAMW_STEP = 10   # the gpt_adamw row's moments and bias corrections are those of step 10
+
+
+def _gpt_adamw_inputs(rng):
+    """The GPT's inputs, with AdamW moments of a run under way and their bias corrections."""
+    a = _gpt_inputs(rng)
+    a["lr"] = np.asarray(1e-3, F32)
+    for n in ref_numpy.gpt_param_names(GPT["layers"]):
+        a[f"m_{n}"] = (1e-3 * rng.standard_normal(a[n].shape)).astype(F32)
+        a[f"v_{n}"] = (1e-6 * (1 + rng.random(a[n].shape))).astype(F32)
+    b1, b2 = ref_numpy.ADAMW["beta1"], ref_numpy.ADAMW["beta2"]
+    a["bc1"] = np.asarray(1 / (1 - b1 ** ADAMW_STEP), F32)
+    a["bc2"] = np.asarray(1 / (1 - b2 ** ADAMW_STEP), F32)
+    return a
+
+
 def _gpt_flops():
     B, T, V, C, L = GPT["batch"], GPT["t"], GPT["vocab"], GPT["c"], GPT["layers"]
     M = B * T
@@ -179,11 +195,15 @@ def cases():
                     "<=60 us", "abs", 60e-6, updates=ref_numpy.MLP_PARAMS))
     out.append(Case("gpt", "3L 3H w48 64x11", {"batch": GPT["batch"]}, _gpt_inputs, ("flops", _gpt_flops()),
                     "<=3.5 ms", "abs", 3.5e-3, updates=tuple(ref_numpy.gpt_param_names(GPT["layers"]))))
+    out.append(Case("gpt_adamw", "3L 3H w48 64x11", {"batch": GPT["batch"]}, _gpt_adamw_inputs,
+                    ("flops", _gpt_flops()), "<=0.5x torch", "vs-torch", 0.5,
+                    updates=tuple(ref_numpy.gpt_param_names(GPT["layers"]))))
     return out
 
 
 NUMPY = {"layernorm": ref_numpy.layernorm, "gelu": ref_numpy.gelu, "softmax": ref_numpy.softmax,
-         "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step}
+         "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step,
+         "gpt_adamw": ref_numpy.gpt_adamw_step}
 
 
 # ============================================================ contenders
@@ -544,6 +564,9 @@ def target_met(case, row):
     t = row["median_s"].get("tgc")
     if t is None:
         return None
+    if case.kind == "vs-torch":   # target_s: the most tgc may take, as a multiple of torch eager
+        te = row["median_s"].get("torch")
+        return None if te is None else t <= case.target_s * te
     if case.kind != "large-elementwise":
         return t <= case.target_s
     near_bound = t <= 1.5 * row["bound_s"]
