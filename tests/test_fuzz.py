@@ -8,7 +8,8 @@ compiler (an LLVM assertion aborts the process) fails its test and not the sessi
 the slice runs in-process (forked children are several times slower there).
 
 - `test_slice`: programs of seeds 0..SLICE-1, each on the float64 torch oracle and on
-  the float64 backends (the interpreter after the default pipeline, and the CPU build);
+  the float64 backends (the interpreter after the default pipeline, the CPU build, and
+  the CPU's lowered program run by `tgc.ir.lowered_interp`);
   those with no step that float32 rounding could flip (`harness.f32_comparable`) also on
   the float32 ones, to a looser bound.
 - `test_regression`: every program in `tests/fuzz/regressions/` (each a shrunk
@@ -93,7 +94,7 @@ def test_slice(seed):
     text = prog.render()
     backends = harness.DEFAULT_BACKENDS
     if harness.f32_comparable(text):
-        backends = backends + ("interp-f32", "cpu-f32")
+        backends = backends + ("interp-f32", "cpu-f32", "lowered-f32")
     rep = harness.check(text, prog.bind, backends, seed)
     assert rep.valid, f"seed {seed}: the oracle cannot run the generated program ({rep.invalid_reason}):\n{text}"
     assert not rep.failures(), _failure_message(f"seed {seed}", text, rep)

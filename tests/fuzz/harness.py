@@ -7,7 +7,10 @@ neither tgc's optimization passes nor its derivative rules. The systems under te
 - `interp-f64`: `tgc.driver.lower` (the whole default pipeline) in float64, then the
   numpy reference interpreter;
 - `cpu-f64`: `tgc.compile(text, backend="cpu", dtype="f64")`, native code;
-- `interp-f32`, `cpu-f32`: the same in float32, against the float64 oracle with a
+- `lowered-f64`: the CPU backend's lowered program (after `plan`), run kernel by kernel
+  by the numpy lowered-program interpreter (`tgc.ir.lowered_interp`): the lowering
+  stages checked apart from code generation;
+- `interp-f32`, `cpu-f32`, `lowered-f32`: the same in float32, against the float64 oracle with a
   looser bound (reported separately: float32 rounding can flip a comparison, a sign
   or a `where` whose operand is zero in exact arithmetic; `f32_comparable` tells the
   programs free of such steps).
@@ -33,8 +36,8 @@ import numpy as np
 # tgc is imported inside the functions: scripts/fuzz forks its workers from a parent
 # that never imported it, so each worker runs one consistent version of the tree.
 
-BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32")
-DEFAULT_BACKENDS = ("interp-f64", "cpu-f64")
+BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32")
+DEFAULT_BACKENDS = ("interp-f64", "cpu-f64", "lowered-f64")
 RTOL = {"f64": 1e-6, "f32": 2e-3}
 FLOOR = {"f64": 1e-6, "f32": 1e-2}
 
@@ -109,6 +112,15 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         m = compile_source(text, "<fuzz>", Options(dtype=dtype))
         low = driver.lower(m, Options(dtype=dtype)).module
         return evaluate(low, ins, dtype=dtype, dims=dims)
+    if kind == "lowered":   # the CPU's lowered program, run by the numpy lowered-program interpreter
+        from tgc import driver
+        from tgc.frontend import compile_source
+        from tgc.ir.lowered_interp import run_lowered
+        from tgc.passes.plan import lower_module
+
+        opts = Options(dtype=dtype)
+        low = lower_module(driver.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)
+        return run_lowered(low, ins, dims)
     if kind == "cpu":
         import tgc
 
