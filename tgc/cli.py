@@ -64,7 +64,9 @@ def pipeline_options(fn):
                      metavar="PASS", help="Print the IR to stderr after PASS."),
         click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
         click.option("--verify-each", is_flag=True,
-                     help="Check after every pass that the program's values did not change (float64)."),
+                     help="Check after every pass that the program's values did not change (float64), "
+                          "and after every lowering stage (fuse, layout, group, plan) by running the "
+                          "lowered program with the numpy lowered-program interpreter."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
         FP_STRICT,
         click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",

@@ -139,3 +139,26 @@ def test_the_interpreter_depends_on_no_backend():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "typing", "numpy", "tgc.ir.interp", "tgc.ir.lowered", "tgc.ir.sizes"}, imported
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtype, monkeypatch):
+    from tgc.passes.manager import PassError
+    from tgc.passes.plan import Plan
+
+    path = ROOT / "examples" / "mlp.tg"
+    m, opts = optimized(path.read_text(), str(path), dtype)
+    lower_module(m, opts.with_(verify_each=True))     # every stage keeps the values
+    run = Plan.run
+
+    def one_slot(self, low, options):   # a plan that puts every temporary in one slot
+        out = run(self, low, options)
+        for b in out.buffers.values():
+            if b.kind == "temp":
+                b.slot = 0
+        out.slots = [tuple(s for sizes in out.slots for s in sizes)]
+        return out
+
+    monkeypatch.setattr(Plan, "run", one_slot)
+    with pytest.raises(PassError, match="lowering stage 'plan' changed the value"):
+        lower_module(m, opts.with_(verify_each=True))

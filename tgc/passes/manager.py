@@ -87,6 +87,29 @@ class _Checker:
                 raise PassError(f"pass '{pass_name}' changed the value of '{name}' (max abs difference {err:.3g})")
 
 
+    def check_lowered(self, low, stage: str) -> None:
+        """The lowered program after `stage`, run by the numpy lowered-program
+        interpreter in its own float type, against the module's float64 values (to
+        1e-9 in f64; to 1e-3 of each output's largest magnitude in f32)."""
+        from tgc.ir.lowered_interp import run_lowered
+
+        if self.reference is None:
+            return
+        inputs = {k: (v.astype(low.dtype.replace("f", "float")) if v.dtype.kind == "f" else v)
+                  for k, v in self.inputs.items()}
+        try:
+            got = run_lowered(low, inputs, self.dims)
+        except Exception as e:  # noqa: BLE001 -- any failure is the stage's
+            raise PassError(f"lowering stage '{stage}' made a program that does not run: {e}") from None
+        tol = 1e-9 if low.dtype == "f64" else 1e-3
+        for name, ref in self.reference.items():
+            scale = float(np.nanmax(np.abs(ref), initial=0.0)) if np.isfinite(ref).any() else 0.0
+            if not np.allclose(got[name], ref, rtol=tol, atol=tol * max(1.0, scale), equal_nan=True):
+                err = float(np.nanmax(np.abs(got[name] - ref)))
+                raise PassError(f"lowering stage '{stage}' changed the value of '{name}' "
+                                f"(max abs difference {err:.3g})")
+
+
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
     names = pipeline(options)
     result = PipelineResult(module)

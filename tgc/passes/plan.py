@@ -167,7 +167,9 @@ def lower_module(module, options: Options, emit=None, stop_after: str = "plan") 
 
     `emit(banner, text)` receives the lowered form after each stage that
     `options.print_ir_after` names (or every stage with `print_ir_after_all`);
-    `stop_after` ends early (what `tgc dump-ir --after fuse|layout` prints).
+    `stop_after` ends early (what `tgc dump-ir --after fuse|layout` prints). With
+    `options.verify_each`, the lowered program after each stage is run by the numpy
+    lowered-program interpreter and compared with the module's values.
     """
     from tgc.ir.lowered import print_lowered
     from tgc.passes.fuse import Fuse
@@ -175,9 +177,15 @@ def lower_module(module, options: Options, emit=None, stop_after: str = "plan") 
     from tgc.passes.layout import Layout
 
     stages = {"fuse": Fuse(), "layout": Layout(), "group": Group(), "plan": Plan()}
+    checker = None
+    if options.verify_each:
+        from tgc.passes.manager import _Checker
+        checker = _Checker(module, options.verify_seed)
     current = module
     for name in LOWERING:
         current = stages[name].run(current, options)
+        if checker:
+            checker.check_lowered(current, name)
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", print_lowered(current))
         if name == stop_after:
