@@ -113,7 +113,10 @@ def _searched(leaves: Sequence[Leaf], keep: set[str], sizes: Mapping[str, int], 
     shapes = [tuple(sizes[e] for e in sorted(e_)) for e_, _ in leaves]
     flags = [ind for _, ind in leaves]
     optimize = indicator_aware()(flags) if any(flags) else "dp" if len(leaves) <= MAX_DP else "greedy"
-    path, _ = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize, memory_limit=limit)
+    try:
+        path, _ = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize, memory_limit=limit)
+    except RuntimeError:   # no order keeps every intermediate under the limit: the cheapest order
+        path, _ = oe.contract_path(eq, *shapes, shapes=True, optimize=optimize)
     return [tuple(step) for step in path]
 
 
