@@ -93,24 +93,3 @@ def test_above_threshold_splits_contiguously(gomp):
     if cores > 1:
         assert len(np.unique(out)) > 1
 
-
-def test_region_overhead(gomp, capsys):
-    """Print (not assert) the cost of a parallel region against a serial call."""
-    _, run_par = compiled(gomp, threshold=0)
-    _, run_ser = compiled(gomp, threshold=1 << 40)
-    out = np.zeros(64, dtype=np.int64)
-    data = (ctypes.c_int64 * 2)(out.ctypes.data, 64)
-    addr = ctypes.addressof(data)
-    res = {}
-    for label, run in (('serial call', run_ser), ('parallel region', run_par)):
-        for _ in range(100):
-            run(addr)
-        reps = 2000
-        t = time.perf_counter()
-        for _ in range(reps):
-            run(addr)
-        res[label] = (time.perf_counter() - t) / reps * 1e6
-    with capsys.disabled():
-        print(f'\nGOMP_parallel overhead (GOMP_SPINCOUNT={os.environ.get("GOMP_SPINCOUNT")}, '
-              f'OMP_WAIT_POLICY={os.environ.get("OMP_WAIT_POLICY")}): '
-              + ', '.join(f'{k} {v:.1f} us' for k, v in res.items()))

@@ -250,24 +250,3 @@ def test_no_libm_calls_and_vectorized_to_512_bits():
             assert 'zmm' in body, name
             assert 'call' not in body, name
 
-
-def test_timing_exp_f32(capsys):
-    k = Kernels(np.float32)
-    x = np.random.default_rng(2).uniform(-80, 80, 10_000_000).astype(np.float32)
-    out = np.empty_like(x)
-
-    def ours():
-        k.fns['exp'](out.ctypes.data, x.ctypes.data, x.size)
-
-    def numpy_():
-        np.exp(x, out=out)
-
-    times = {'tgc exp': [], 'np.exp': []}
-    for _ in range(7):
-        for label, f in (('tgc exp', ours), ('np.exp', numpy_)):
-            t = time.perf_counter()
-            f()
-            times[label].append(time.perf_counter() - t)
-    with capsys.disabled():
-        print('\nexp over 1e7 f32, median ms: ' + ', '.join(
-            f'{label} {1e3 * np.median(ts):.2f}' for label, ts in times.items()))
