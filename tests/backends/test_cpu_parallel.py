@@ -2,7 +2,6 @@
 
 import ctypes
 import os
-import time
 
 import llvmlite.ir as ir
 import numpy as np

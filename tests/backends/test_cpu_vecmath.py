@@ -8,7 +8,6 @@ positive-term series in longdouble for erf (numpy has no erf).
 """
 
 import ctypes
-import time
 
 import llvmlite.ir as ir
 import numpy as np
