@@ -54,6 +54,14 @@ def header_path(output: str) -> str:
 @click.option("--emit", type=click.Choice(EMIT_CHOICES), default="so", show_default=True,
               help="so: shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
                    "ir: tgc IR after the pipeline; h: the C header only.")
+@click.option("--blas", type=click.Choice(["none", "system", "numpy"]), default="none", show_default=True,
+              help="The BLAS a .so links for its products (GEMMs). none: no BLAS; they run tgc's own "
+                   "loops, or a BLAS the caller passes to NAME_init_blas (see NAME.h): the library "
+                   "needs only libc and libgomp, so it runs wherever it is copied (the default, for "
+                   "that). system: the system's CBLAS (-lopenblas, -lcblas or -lblas; Debian/Ubuntu: "
+                   "libopenblas-dev), a NEEDED entry found in the system's library path. numpy: numpy's "
+                   "bundled OpenBLAS, through a RUNPATH into this Python environment: the library fails "
+                   "to load once that environment moves or goes.")
 @click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
 @click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
 @click.option("-MT", "mt", multiple=True, metavar="TARGET",
@@ -63,7 +71,7 @@ def header_path(output: str) -> str:
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @FP_STRICT
 @handle_errors
-def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_dirs=(), fp_strict=False) -> None:
+def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False) -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -75,6 +83,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_
       tgc build examples/mlp.tg -o libmlp.so          # also writes mlp.h
       tgc build model.tg -o libmodel.so -MD -MP -D batch=32 -O3
       tgc build model.tg --emit asm -o model.s
+      tgc build model.tg --blas=system -o libmodel.so   # links -lopenblas
     """
     from tgc.backends.cpu import aot
     from tgc.backends.cpu.header import c_identifier
@@ -85,7 +94,7 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_
     if output == "-" and emit in ("so", "obj"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
-                      fp_strict=fp_strict)
+                      fp_strict=fp_strict, blas=blas)
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
@@ -105,7 +114,10 @@ def build(file, output, opt_level, defines, dtype, emit, md, mf, mt, mp, import_
         if emit == "ir":
             files[output] = print_module(module).encode()
         else:
-            files[output] = aot.build(module, options, emit, prefix, source)
+            try:
+                files[output] = aot.build(module, options, emit, prefix, source)
+            except aot.NoSystemBlas as e:
+                raise click.BadParameter(str(e), param_hint="--blas") from None
         if header:
             files[header] = aot.build(module, options, "h", prefix, source)
     if depfile:

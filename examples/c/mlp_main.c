@@ -2,13 +2,39 @@
  *
  * Inputs are made from closed formulas (so a test can rebuild them in numpy);
  * the program prints the loss, the mean of the class probabilities and a few
- * updated weights, then runs a second step to show the update took effect. */
+ * updated weights, then runs a second step to show the update took effect.
+ *
+ * BLAS: by default the library's own choice, mlp_init_default() (what `tgc build
+ * --blas` linked; nothing with the default --blas=none, and then the products run
+ * tgc's loops). Compiled with -DMLP_CALLER_BLAS and linked with a CBLAS (e.g.
+ * Debian's libopenblas-dev: -lopenblas), the driver passes that BLAS itself:
+ *
+ *   tgc build examples/mlp.tg -o out/libmlp.so
+ *   cc -O2 -DMLP_CALLER_BLAS -Iout -o mlp_main examples/c/mlp_main.c -Lout -lmlp \
+ *      -Wl,-rpath,'$ORIGIN' -lopenblas -lm
+ *   ./mlp_main 512          # a batch of 512: large enough products to go to BLAS
+ */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "mlp.h"
+
+#ifdef MLP_CALLER_BLAS
+#include <cblas.h>
+
+/* The caller's CBLAS through the init table. Its size arguments' width matters: an
+   OpenBLAS says (blasint: 64 bits when built with INTERFACE64=1); a plain CBLAS is LP64. */
+static int32_t init_with_caller_blas(void) {
+#ifdef OPENBLAS_VERSION
+    return mlp_init_blas((int32_t)(8 * sizeof(blasint)), (void*)cblas_sgemm, (void*)cblas_dgemm,
+                         (void*)openblas_get_num_threads, (void*)openblas_set_num_threads);
+#else
+    return mlp_init_blas(32, (void*)cblas_sgemm, (void*)cblas_dgemm, NULL, NULL);
+#endif
+}
+#endif
 
 enum { FEATURES = 13, HIDDEN = 64, CLASSES = 3 };
 
@@ -39,7 +65,11 @@ int main(int argc, char** argv) {
     void* outs[MLP_NUM_OUTS];
     outs[MLP_OUT_LOSS] = &loss; outs[MLP_OUT_CORRECT] = correct; outs[MLP_OUT_PROBS] = probs;
 
+#ifdef MLP_CALLER_BLAS
+    if (init_with_caller_blas() != 0) { fprintf(stderr, "mlp_init_blas failed\n"); return 1; }
+#else
     if (mlp_init_default() != 0) { fprintf(stderr, "mlp_init_default failed\n"); return 1; }
+#endif
     int64_t bytes = mlp_workspace_bytes(dims);
     void* workspace = aligned_alloc(64, (size_t)(bytes > 0 ? bytes : 64));
     for (int step = 0; step < 2; step++) {

@@ -187,7 +187,8 @@ def from_object(module: Module, options: Options, low: Lowered, objs: tuple[byte
     from tgc.backends.cpu import blas, fntable, llvm_env, parallel
 
     jit = llvm_env.jit_objects(objs)
-    table = fntable.make_table({**blas.gemm_addresses(), **parallel.gomp_addresses()})
+    gemms = blas.gemm_addresses() if options.blas != "none" else {}   # none: generated loops only
+    table = fntable.make_table({**gemms, **parallel.gomp_addresses()})
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
     return Program(module, options, low, jit)
 

@@ -2,10 +2,31 @@
 
 The exported symbols of the generated code (`tgc_init`, `tgc_run`,
 `tgc_workspace_bytes`) are renamed to `PREFIX_*`, so several models can live in
-one program. A `.so` also gets `PREFIX_init_default()`, which fills the function
-table from the libraries it is linked against: numpy's bundled OpenBLAS (ILP64,
-`scipy_cblas_[sd]gemm64_`, found at build time and recorded as an rpath) and
-libgomp. Code is tuned for the building machine's CPU (like -march=native).
+one program. The generated code links nothing: it reaches BLAS and libgomp through
+the function table `PREFIX_init` copies (`fntable.py`). A `.so` also gets two
+helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
+
+- `PREFIX_init_blas(int_bits, sgemm, dgemm, get_threads, set_threads)`: the
+  caller's CBLAS, ILP64 (`int_bits` 64: the table's own signature, given as is) or
+  LP64 (32: the sizes of a call are passed as `int` by an adapter, and a call whose
+  sizes do not fit an `int` is computed by its definition instead), plus libgomp's
+  entries;
+- `PREFIX_init_default()`: `PREFIX_init_blas` with the BLAS `options.blas` linked.
+
+`options.blas` decides what the `.so` links, and so what it needs to load:
+
+- "none": no BLAS (the GEMMs run generated loops unless the caller passes one);
+- "system": the system CBLAS (`-lopenblas`, else `-lcblas`, else `-lblas`: a NEEDED
+  entry on a library in the system's search path, no RUNPATH), LP64 as Debian's;
+- "numpy": numpy's bundled OpenBLAS (ILP64 `scipy_cblas_[sd]gemm64_`, found at build
+  time), with a RUNPATH into that Python environment: the library loads only while
+  that environment exists. The generated code then assumes a BLAS in the table.
+
+Every `.so` links libgomp (GCC's OpenMP runtime, `libgomp.so.1` in the system's
+library path wherever GCC is; its threads are the ones tgc's parallel kernels run
+on) and libc (`memcpy`, `memset`); the link refuses any symbol left undefined
+(`-z defs`), so a library that links also loads. Code is tuned for the building
+machine's CPU (like -march=native).
 
 Every artifact is a pure function of the module, the options and the prefix.
 """
@@ -39,25 +60,132 @@ def llvm_text(module: Module, options: Options, prefix: str) -> str:
     return text
 
 
-_STUB = """#include <stdint.h>
-extern void scipy_cblas_sgemm64_(void);
-extern void scipy_cblas_dgemm64_(void);
+BLAS_CHOICES = ("none", "system", "numpy")
+SYSTEM_LIBRARIES = ("openblas", "cblas", "blas")   # tried in this order by --blas=system
+
+# C, compiled into every .so. {p}: the prefix; {required}: 1 when the generated code
+# calls the table's BLAS unconditionally (--blas=numpy). ORDER/TRANS values are CBLAS's.
+STUB = r"""#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* 1: the generated code calls the table's BLAS for every large product (--blas=numpy);
+   0: it runs its own loops when the table has none. */
+#define BLAS_REQUIRED {required}
+
+void {p}_init(void* const* table);
+
 extern void GOMP_parallel(void);
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
 extern int omp_get_max_threads(void);
-extern int scipy_openblas_get_num_threads64_(void);
-extern void scipy_openblas_set_num_threads64_(int);
-void {p}_init(void* const* table);
-int32_t {p}_init_default(void) {{
-  void* table[8] = {{(void*)scipy_cblas_sgemm64_, (void*)scipy_cblas_dgemm64_, (void*)GOMP_parallel,
-                    (void*)omp_get_thread_num, (void*)omp_get_num_threads,
-                    (void*)scipy_openblas_get_num_threads64_, (void*)scipy_openblas_set_num_threads64_,
+
+typedef void (*lp64_sgemm_t)(int, int, int, int, int, int, float, const float*, int,
+                             const float*, int, float, float*, int);
+typedef void (*lp64_dgemm_t)(int, int, int, int, int, int, double, const double*, int,
+                             const double*, int, double, double*, int);
+static lp64_sgemm_t lp64_sgemm;
+static lp64_dgemm_t lp64_dgemm;
+
+#ifndef TGC_LP64_MAX
+#define TGC_LP64_MAX INT_MAX
+#endif
+
+static int lp64_fits(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc) {{
+  return m <= TGC_LP64_MAX && n <= TGC_LP64_MAX && k <= TGC_LP64_MAX && lda <= TGC_LP64_MAX &&
+         ldb <= TGC_LP64_MAX && ldc <= TGC_LP64_MAX;
+}}
+
+/* C = alpha op(A) op(B) + beta C by its definition: a call whose sizes an LP64
+   CBLAS cannot take. Column-major is the row-major product of the transposes. */
+#define TGC_GEMM_BY_DEFINITION(NAME, T)                                                   \
+  static void NAME(int32_t order, int32_t ta, int32_t tb, int64_t m, int64_t n, int64_t k, \
+                   T alpha, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,  \
+                   int64_t ldc) {{                                                          \
+    if (order == 102) {{                                                                  \
+      NAME(101, tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);                     \
+      return;                                                                             \
+    }}                                                                                    \
+    for (int64_t i = 0; i < m; i++)                                                       \
+      for (int64_t j = 0; j < n; j++) {{                                                  \
+        T s = 0;                                                                          \
+        for (int64_t p = 0; p < k; p++)                                                   \
+          s += (ta == 111 ? a[i * lda + p] : a[p * lda + i]) *                            \
+               (tb == 111 ? b[p * ldb + j] : b[j * ldb + p]);                             \
+        c[i * ldc + j] = (beta == 0 ? (T)0 : beta * c[i * ldc + j]) + alpha * s;         \
+      }}                                                                                  \
+  }}
+TGC_GEMM_BY_DEFINITION(sgemm_by_definition, float)
+TGC_GEMM_BY_DEFINITION(dgemm_by_definition, double)
+
+/* The table's (ILP64) signature over an LP64 CBLAS. */
+#define TGC_LP64_ADAPTER(NAME, T, TARGET, FALLBACK)                                       \
+  static void NAME(int32_t order, int32_t ta, int32_t tb, int64_t m, int64_t n, int64_t k, \
+                   T alpha, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,  \
+                   int64_t ldc) {{                                                          \
+    if (lp64_fits(m, n, k, lda, ldb, ldc))                                                \
+      TARGET(order, ta, tb, (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, \
+             c, (int)ldc);                                                                \
+    else                                                                                  \
+      FALLBACK(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);              \
+  }}
+TGC_LP64_ADAPTER(sgemm_lp64, float, lp64_sgemm, sgemm_by_definition)
+TGC_LP64_ADAPTER(dgemm_lp64, double, lp64_dgemm, dgemm_by_definition)
+
+int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,
+                      void* set_threads) {{
+  void* table[8] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
+                    (void*)omp_get_num_threads, get_threads, set_threads,
                     (void*)omp_get_max_threads}};
+  if (BLAS_REQUIRED && (sgemm == NULL || dgemm == NULL)) return -1;
+  if (int_bits == 64) {{
+    table[0] = sgemm;
+    table[1] = dgemm;
+  }} else if (int_bits == 32) {{
+    lp64_sgemm = (lp64_sgemm_t)sgemm;
+    lp64_dgemm = (lp64_dgemm_t)dgemm;
+    table[0] = sgemm ? (void*)sgemm_lp64 : NULL;
+    table[1] = dgemm ? (void*)dgemm_lp64 : NULL;
+  }} else {{
+    return -1;
+  }}
   {p}_init(table);
   return 0;
 }}
+
+{default}
 """
+
+DEFAULTS = {
+    "none": """int32_t {p}_init_default(void) {{ return {p}_init_blas(64, NULL, NULL, NULL, NULL); }}""",
+    "system": """extern void cblas_sgemm(void);
+extern void cblas_dgemm(void);
+extern int openblas_get_num_threads(void) __attribute__((weak));   /* OpenBLAS's only */
+extern void openblas_set_num_threads(int) __attribute__((weak));
+int32_t {p}_init_default(void) {{
+  return {p}_init_blas(32, (void*)cblas_sgemm, (void*)cblas_dgemm, (void*)openblas_get_num_threads,
+                       (void*)openblas_set_num_threads);
+}}""",
+    "numpy": """extern void scipy_cblas_sgemm64_(void);
+extern void scipy_cblas_dgemm64_(void);
+extern int scipy_openblas_get_num_threads64_(void);
+extern void scipy_openblas_set_num_threads64_(int);
+int32_t {p}_init_default(void) {{
+  return {p}_init_blas(64, (void*)scipy_cblas_sgemm64_, (void*)scipy_cblas_dgemm64_,
+                       (void*)scipy_openblas_get_num_threads64_, (void*)scipy_openblas_set_num_threads64_);
+}}""",
+}
+
+
+def stub_source(prefix: str, blas: str) -> str:
+    """The C source of a `.so`'s `PREFIX_init_blas` and `PREFIX_init_default`."""
+    if blas not in BLAS_CHOICES:
+        raise ValueError(f"unknown BLAS choice '{blas}' (one of {', '.join(BLAS_CHOICES)})")
+    return STUB.format(p=prefix, required=int(blas == "numpy"), default=DEFAULTS[blas].format(p=prefix))
+
+
+class NoSystemBlas(BuildError):
+    """--blas=system on a machine without a CBLAS to link (no libopenblas-dev)."""
 
 
 LINK_PREFIX = "tgc-link-"
@@ -88,24 +216,45 @@ def remove_stale_link_dirs(now: float | None = None) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def link_shared(obj: bytes, prefix: str) -> bytes:
-    """Link an object into a shared library with the system `cc`; its bytes."""
-    from tgc.backends.cpu.blas import openblas_path
-
-    blas = Path(openblas_path())
+def link_shared(obj: bytes, prefix: str, blas: str) -> bytes:
+    """Link an object into a shared library with the system `cc`, with the init
+    helpers and the BLAS `blas` names (see the module docstring); its bytes."""
     remove_stale_link_dirs()
     with tempfile.TemporaryDirectory(prefix=LINK_PREFIX) as tmp:
-        o, stub, so = Path(tmp, "model.o"), Path(tmp, "init_default.c"), Path(tmp, "model.so")
+        o, stub, so = Path(tmp, "model.o"), Path(tmp, "init.c"), Path(tmp, "model.so")
         o.write_bytes(obj)
-        stub.write_text(_STUB.format(p=prefix))
-        cmd = ["cc", "-shared", "-O2", "-fPIC", "-o", str(so), str(o), str(stub),
-               f"-L{blas.parent}", f"-l:{blas.name}", f"-Wl,-rpath,{blas.parent}", "-lgomp",
-               "-Wl,--build-id=sha1"]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp,
-                           env={**os.environ, "SOURCE_DATE_EPOCH": "0"})
+        stub.write_text(stub_source(prefix, blas))
+        base = ["cc", "-shared", "-O2", "-fPIC", "-o", str(so), str(o), str(stub)]
+        tail = ["-lgomp", "-Wl,-z,defs", "-Wl,--build-id=sha1"]
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "0", "LC_ALL": "C"}   # C: the linker's messages are read
+        if blas == "system":
+            tried = []
+            for name in SYSTEM_LIBRARIES:
+                cmd = base + [f"-l{name}"] + tail
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
+                if p.returncode == 0:
+                    return so.read_bytes()
+                if f"cannot find -l{name}" not in p.stderr and "undefined reference to `cblas_" not in p.stderr:
+                    raise BuildError(f"linking failed: {' '.join(cmd)}\n{p.stderr.strip()}")
+                tried.append(f"-l{name}")   # absent, or a BLAS without the CBLAS interface
+            raise NoSystemBlas(f"no system CBLAS to link (tried {', '.join(tried)}; the last said: "
+                               f"{_last_line(p.stderr)}); install one (Debian/Ubuntu: apt-get install "
+                               "libopenblas-dev), or build with --blas=none")
+        if blas == "numpy":
+            from tgc.backends.cpu.blas import openblas_path
+
+            lib = Path(openblas_path())
+            base += [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+        cmd = base + tail
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
         if p.returncode != 0:
             raise BuildError(f"linking failed: {' '.join(cmd)}\n{p.stderr.strip()}")
         return so.read_bytes()
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(nothing)"
 
 
 def build(module: Module, options: Options, emit: str, prefix: str, source: str) -> bytes:
@@ -114,7 +263,7 @@ def build(module: Module, options: Options, emit: str, prefix: str, source: str)
     from tgc.backends.cpu.header import make_header
 
     if emit == "h":
-        return make_header(module, prefix, options.dtype, source).encode()
+        return make_header(module, prefix, options.dtype, source, options.blas).encode()
     text = llvm_text(module, options, prefix)
     opt = options.opt_level
     if emit == "llvm":
@@ -122,4 +271,4 @@ def build(module: Module, options: Options, emit: str, prefix: str, source: str)
     if emit == "asm":
         return llvm_env.emit_asm(text, opt).encode()
     obj = llvm_env.emit_objects([text], opt)[0]   # in a child: an LLVM crash is an error, not an abort
-    return obj if emit == "obj" else link_shared(obj, prefix)
+    return obj if emit == "obj" else link_shared(obj, prefix, options.blas)

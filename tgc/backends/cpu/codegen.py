@@ -48,7 +48,7 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
-from tgc.backends.cpu.gemm import GemmGen, packs_b, small_kernel
+from tgc.backends.cpu.gemm import GemmGen, loops_kernel, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
@@ -154,9 +154,11 @@ class _ModuleGen:
         others' declared), the entry points."""
         for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
             small_kernel(self.mod, self.fp, packed=packed)
+            if self.opt.blas != "numpy":   # large tiles without BLAS (see gemm.py)
+                loops_kernel(self.mod, self.fp, packed=packed)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
-                if fn.name.startswith("tgc.gemm.small.") and not fn.is_declaration:
+                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.")) and not fn.is_declaration:
                     fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))

@@ -45,6 +45,12 @@ padded to whole vectors (larger tiles go to BLAS). Which path a tile takes is de
 at run time from the tile sizes (constants when the dims are fixed at build time, then
 LLVM drops the other).
 
+Without BLAS. With `options.blas` "system" or "none" (`tgc build`'s libraries, whose
+caller may put no BLAS in the function table; the JIT's table has none with "none"),
+a larger tile calls cblas only when the table has it, and otherwise the blocked loops
+(`tgc.gemm.loops.*`): the small-tile kernel over blocks of columns and chunks of K
+that fit its pack buffer. With "numpy" (the JIT's default) the code is as above.
+
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
 tap offsets the shifted operand and clips the shifted edge's range to where every
 index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
@@ -64,6 +70,7 @@ from tgc.options import Options
 # Q is not contiguous; a tile with more R x Q elements than this goes to BLAS.
 PACK_ELEMS = 4096
 ROWS = 4          # rows of C' per register block of the small-tile kernel
+LOOP_COLS = 2     # vectors of columns per block of the blocked loops (`loops_kernel`)
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
 MIN_CHUNK = 64    # ... nor R chunks below this
 UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or more: one tile per batch index
@@ -384,7 +391,7 @@ class GemmGen:
                     with then:
                         self.call_small(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
                     with otherwise:
-                        self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+                        self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
 
     def ptr(self, base, parts):
         return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=self.fp)
@@ -455,8 +462,24 @@ class GemmGen:
         fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
                                pa, ld[0], pb, ld[1], beta, pc, ld[2]])
 
-    def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
-        fn = small_kernel(self.mod, self.fp, packed=not B.col_unit, home=self.home)
+    def call_large(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """A tile too large for the small-tile loops: cblas, or with `options.blas`
+        "system" or "none" (a built library, whose caller may give no BLAS), cblas
+        when the function table has it and the blocked loops (`loops_kernel`) when not."""
+        if self.opt.blas == "numpy":
+            self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+            return
+        b = self.b
+        name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
+        with b.if_else(fntable.is_set(b, name)) as (have, missing):
+            with have:
+                self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+            with missing:
+                self.call_small(m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=True)
+
+    def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=False):
+        kernel = loops_kernel if blocked else small_kernel
+        fn = kernel(self.mod, self.fp, packed=not B.col_unit, home=self.home)
         self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc,
                          self.b.zext(beta1, I32)])
 
@@ -553,6 +576,51 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
                     block(i0, j0, 1)
     b.ret_void()
     entry.branch(body)
+    return fn
+
+
+def loops_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None) -> ir.Function:
+    """void tgc.gemm.loops.<T>[.packed](the arguments of `small_kernel`): the same
+    product of any size, without BLAS (`options.blas` "none", or a library whose
+    caller gave none). Columns in blocks of LOOP_COLS vectors and K in chunks that
+    make one block of B' PACK_ELEMS elements (16 KiB of f32: it stays in L1 while
+    every row of A' passes over it), each block one call of the small-tile kernel
+    on all the rows (the packed one gathers the block first); a chunk after the
+    first accumulates. Each element of C' is still one sum over K in K's order, cut
+    where the chunks end. One function per program and kind, like `small_kernel`."""
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    name = f"tgc.gemm.loops.{tag}" + (".packed" if packed else "")
+    if name in mod.globals:
+        return mod.globals[name]
+    if home is not None and home is not mod:
+        return export(loops_kernel(home, fp, packed), mod)
+    inner = small_kernel(mod, fp, packed)
+    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
+    fn.attributes.add("noinline")
+    optimize_not(fn)   # loops around calls: not worth LLVM's time
+    M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    cols = LOOP_COLS * _vector_lanes(fp)
+    depth = PACK_ELEMS // cols
+
+    def smin(x, y):
+        return b.select(b.icmp_signed("<", x, y), x, y)
+
+    chunks = b.sdiv(b.add(K, I64(depth - 1)), I64(depth))
+    chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C' (zeros)
+    with for_range(b, I64(0), b.sdiv(b.add(N, I64(cols - 1)), I64(cols)), "lj") as jb:
+        j0 = b.mul(jb, I64(cols))
+        width = smin(I64(cols), b.sub(N, j0))
+        with for_range(b, I64(0), chunks, "lk") as kc:
+            k0 = b.mul(kc, I64(depth))
+            kb = smin(I64(depth), b.sub(K, k0))
+            kb = b.select(b.icmp_signed("<", kb, I64(0)), I64(0), kb)
+            accumulate = b.or_(b.icmp_signed("!=", acc, I32(0)), b.icmp_signed(">", kc, I64(0)))
+            a = b.gep(pa, [b.mul(k0, sak)], source_etype=fp)
+            bb = b.gep(pb, [b.add(b.mul(k0, sbk), b.mul(j0, sbn))], source_etype=fp)
+            c = b.gep(pc, [j0], source_etype=fp)
+            b.call(inner, [M, width, kb, a, sam, sak, bb, sbk, sbn, c, ldc, b.zext(accumulate, I32)])
+    b.ret_void()
     return fn
 
 

@@ -33,7 +33,8 @@ def _shape(module: Module, order) -> str:
     return "[" + ", ".join(parts) + "] row-major"
 
 
-def make_header(module: Module, prefix: str, dtype: str, source: str) -> str:
+def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str) -> str:
+    """The header of a library built with `tgc build --blas=blas` (see `aot.py`)."""
     guard = f"TGC_{prefix.upper()}_H"
     float_t = C_TYPES[dtype]
     dims = module.symbolic_dims()
@@ -63,15 +64,7 @@ def make_header(module: Module, prefix: str, dtype: str, source: str) -> str:
         f"#define {prefix.upper()}_ERR_NULL (-4)  /* dims (when there are symbolic dims), args, outs, an",
         "                                argument or output pointer, or a needed workspace is NULL */",
         "/* Both are checked before anything is read or written: a bad call writes nothing. */", "",
-        "/* Call once before anything else. `table` holds, in order: cblas sgemm, cblas dgemm",
-        "   (ILP64 OpenBLAS: scipy_cblas_sgemm64_ / scipy_cblas_dgemm64_), GOMP_parallel,",
-        "   omp_get_thread_num, omp_get_num_threads, openblas_get_num_threads and",
-        "   openblas_set_num_threads (these two may be NULL; given, OpenBLAS runs on one thread",
-        "   during a _run, as tgc shares the cores itself) and omp_get_max_threads (NULL: a",
-        f"   matrix product is cut as for 2 threads). Or call {prefix}_init_default(), which",
-        "   fills it from the OpenBLAS (numpy's, found at build time) and libgomp the library links. */",
-        f"void {prefix}_init(void* const* table);",
-        f"int32_t {prefix}_init_default(void);  /* init from the linked OpenBLAS/libgomp; 0 on success */", "",
+    ] + _init_section(prefix, blas) + [
         "/* Scratch bytes a run needs for these dims (a multiple of 64); -1 if dims is NULL or",
         f"   the dims fail the checks of {prefix.upper()}_ERR_SIZE. */",
         f"int64_t {prefix}_workspace_bytes(const int64_t* dims);", "",
@@ -80,6 +73,85 @@ def make_header(module: Module, prefix: str, dtype: str, source: str) -> str:
         "", "#ifdef __cplusplus", "}", "#endif", f"#endif /* {guard} */", "",
     ]
     return "\n".join(lines)
+
+
+_DEFAULT = {
+    "none": ["This library links no BLAS (built with --blas=none): _init_default() gives the",
+             "   products none, and they run tgc's own loops, unless a BLAS is passed to _init_blas."],
+    "system": ["This library links the system's CBLAS (built with --blas=system: a NEEDED entry on",
+               "   libopenblas, libcblas or libblas, found in the system's library path when it loads),",
+               "   LP64 (cblas_sgemm/cblas_dgemm with int sizes), and OpenBLAS's thread count when it",
+               "   has one."],
+    "numpy": ["This library links numpy's bundled OpenBLAS (built with --blas=numpy), found through",
+              "   a RUNPATH into the Python environment that built it: it loads only while that",
+              "   environment exists. Its products need a BLAS: sgemm and dgemm must not be NULL."],
+}
+
+
+def _init_section(prefix: str, blas: str) -> list[str]:
+    """The header's account of the function table and the three init calls."""
+    p = prefix
+    lines = [
+        "/* Initialization: call ONE of the three init functions once, before anything else.",
+        "",
+        "   Products of tensors (GEMMs) call a CBLAS sgemm (f32) or dgemm (f64), row-major:",
+        "   order CblasRowMajor = 101, transposes CblasNoTrans = 111 or CblasTrans = 112, alpha 1",
+        "   and beta 0 or 1. Small ones, and all when there is no BLAS, run tgc's own loops.",
+        "   Parallel kernels run on libgomp (GCC's OpenMP runtime, which this library links:",
+        "   libgomp.so.1 from the system). When the BLAS's thread count can be read and set,",
+        f"   {p}_run sets it to 1 for the call (tgc shares the cores itself, and its results then",
+        "   do not depend on the number of threads) and restores it before returning.",
+        "",
+        "   " + _DEFAULT[blas][0],
+        *_DEFAULT[blas][1:],
+        "",
+        f"   {p}_init_default(): the BLAS this library links (above) and libgomp. 0 on success.",
+        "",
+        f"   {p}_init_blas(int_bits, sgemm, dgemm, get_threads, set_threads): the caller's BLAS",
+        "   and libgomp. sgemm and dgemm are CBLAS functions ("
+        + ("neither may be NULL" if blas == "numpy" else "NULL: tgc's loops") + "); int_bits is the",
+        "   width of their size arguments M, N, K, lda, ldb and ldc (order, transa and transb",
+        "   are int in both):",
+        "     64  ILP64: void f(int order, int transa, int transb, int64_t m, int64_t n,",
+        "                       int64_t k, float alpha, const float* a, int64_t lda,",
+        "                       const float* b, int64_t ldb, float beta, float* c, int64_t ldc)",
+        "         (double for dgemm); called as they are.",
+        "     32  LP64, the same with int sizes: what most CBLAS builds export as cblas_sgemm. The",
+        "         library adapts each call, and computes one whose sizes exceed INT_MAX itself.",
+        "   Giving an LP64 function as 64 (or the reverse) passes wrong sizes: check your BLAS.",
+        "   get_threads (int (void)) and set_threads (void (int)) read and set the BLAS's own",
+        "   thread count, or are NULL. Returns 0, or -1: int_bits not 32 or 64"
+        + (", or sgemm or dgemm NULL." if blas == "numpy" else "."),
+        "   For example, with",
+        "     OpenBLAS as Debian/Ubuntu ship it (libopenblas-dev; #include <cblas.h>, link",
+        "     -lopenblas; LP64):",
+        f"       {p}_init_blas(32, (void*)cblas_sgemm, (void*)cblas_dgemm,",
+        "                     (void*)openblas_get_num_threads, (void*)openblas_set_num_threads);",
+        "     OpenBLAS built ILP64 with a symbol suffix (make INTERFACE64=1 SYMBOLSUFFIX=64_):",
+        f"       {p}_init_blas(64, (void*)cblas_sgemm64_, (void*)cblas_dgemm64_,",
+        "                     (void*)openblas_get_num_threads64_, (void*)openblas_set_num_threads64_);",
+        "     Intel oneMKL (#include <mkl.h>, link -lmkl_rt): its ILP64 entries cblas_?gemm_64,",
+        f"       {p}_init_blas(64, (void*)cblas_sgemm_64, (void*)cblas_dgemm_64,",
+        "                     (void*)mkl_get_max_threads, (void*)mkl_set_num_threads);",
+        "       or its default LP64 interface: 32 with cblas_sgemm and cblas_dgemm;",
+        "     numpy's bundled OpenBLAS (scipy-openblas, ILP64, its symbols prefixed scipy_ and",
+        "     suffixed 64_; link -L.../site-packages/numpy.libs -l:libscipy_openblas64_-HASH.so):",
+        f"       {p}_init_blas(64, (void*)scipy_cblas_sgemm64_, (void*)scipy_cblas_dgemm64_,",
+        "                     (void*)scipy_openblas_get_num_threads64_,",
+        "                     (void*)scipy_openblas_set_num_threads64_);",
+        "",
+        f"   {p}_init(table): the function table itself, 8 pointers in this order (NULL: none):",
+        "     0 sgemm and 1 dgemm, ILP64 as above; 2 GOMP_parallel, 3 omp_get_thread_num and",
+        "     4 omp_get_num_threads (libgomp's; without 2 every kernel runs on the calling",
+        "     thread); 5 get_threads and 6 set_threads as above; 7 omp_get_max_threads.",
+        f"   The library copies the pointers: the array may be freed after the call. */",
+        f"void {p}_init(void* const* table);",
+        f"int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,",
+        f"        {' ' * len(p)}           void* set_threads);",
+        f"int32_t {p}_init_default(void);",
+        "",
+    ]
+    return lines
 
 
 def _macro(name: str) -> str:
