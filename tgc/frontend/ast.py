@@ -263,6 +263,18 @@ class Indicator(Node):
     ops: tuple
 
 
+def with_loc(node: Node, loc: Loc) -> Node:
+    """`node` with another loc, its fields shared: what `dataclasses.replace(node,
+    loc=loc)` gives, without running `__init__` again (the parser widens the span of
+    every parenthesized expression). Nodes keep their fields in their `__dict__`
+    (no slots), which `object.__setattr__` would also write."""
+    new = object.__new__(type(node))
+    fields = new.__dict__
+    fields.update(node.__dict__)
+    fields["loc"] = loc
+    return new
+
+
 # ---- affine index expressions -------------------------------------------------
 
 

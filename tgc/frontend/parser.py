@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import gc
 import hashlib
 import json
+import operator
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import lark
 from lark import Lark, Token
+from lark.grammar import Rule
+from lark.parse_tree_builder import ExpandSingleChild
 from lark.parsers.lalr_parser_state import ParserState
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
@@ -157,10 +159,47 @@ def _lark() -> Lark:
     try:
         tables = json.loads(_TABLES.read_text(encoding="utf-8"), object_pairs_hook=_int_keys)
         if tables["grammar_sha256"] == _grammar_digest(grammar) and tables["lark"] == lark.__version__:
-            return Lark._load_from_dict(tables["data"], tables["memo"], postlex=_POSTLEX, transformer=_BUILDER)
+            return _tuned(Lark._load_from_dict(tables["data"], tables["memo"], postlex=_POSTLEX,
+                                               transformer=_BUILDER))
     except Exception:  # noqa: BLE001 -- absent, stale or unreadable tables: build them
         pass
-    return Lark(grammar, postlex=_POSTLEX, transformer=_BUILDER, **_OPTIONS)
+    return _tuned(Lark(grammar, postlex=_POSTLEX, transformer=_BUILDER, **_OPTIONS))
+
+
+class _Rule(Rule):
+    """A grammar rule of tgc's own parser, equal only to itself.
+
+    lark's `Rule` compares and hashes by value in Python code, and its LALR loop
+    compares every rule it reduces with the end state and looks it up in the
+    callbacks dict: on a program of 10^5 statements, millions of Python calls. The
+    rules of the parser `_lark()` builds belong to it alone (lark makes them anew for
+    each parser, and each rule once), so identity is their equality."""
+
+    __slots__ = ()
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
+def _tuned(parser: Lark) -> Lark:
+    """`parser`, its reductions made cheaper without changing what they build: each
+    rule becomes a `_Rule`, and a rule `?a: b` of one symbol, which lark reduces by
+    calling `ExpandSingleChild` (in Python) to return the one child, returns it with
+    `operator.itemgetter(0)` (in C). A lark whose parser is laid out otherwise is
+    used as it is."""
+    try:
+        callbacks = parser.parser.parser.parser.callbacks
+    except AttributeError:
+        return parser
+    tuned = {}
+    for rule, callback in callbacks.items():
+        if type(rule) is Rule:
+            rule.__class__ = _Rule
+        if isinstance(callback, ExpandSingleChild) and len(rule.expansion) == 1:
+            callback = operator.itemgetter(0)
+        tuned[rule] = callback
+    callbacks.clear()   # rehashed by identity, in the dict the LALR loop holds
+    callbacks.update(tuned)
+    return parser
 
 
 def _int_keys(pairs) -> dict:
@@ -330,16 +369,24 @@ def _is_separator(k) -> bool:
     return type(k) is Token and k.type == "_NL"
 
 
-_PARENS = {"_atom", "_dim_atom"}  # handlers that return their child: no new depth
+_PARENS = {"_dim_atom"}  # handlers that return their child: no new depth
+
+_TOO_DEEP = (f"expression nested too deeply (over {MAX_DEPTH} levels); "
+             "split it into several bindings")
 
 
 class _Builder:
     """lark's callbacks: build each AST node when the LALR parser reduces its rule.
 
-    lark calls `builder.<rule>(children)`; `__getattr__` routes that to the
-    `_<rule>(kids, loc)` handler after dropping punctuation from the children,
-    computing the node's span, and checking its nesting depth. The parser is
-    iterative, so nothing here recurses."""
+    The rules of expressions, which make up most of any program, have their own
+    callbacks (`name`, `number`, `binop`, ...): each knows its rule's children by
+    position, so it builds the node and its span directly. For every other rule lark
+    calls `builder.<rule>(children)`, and `__getattr__` routes that to the
+    `_<rule>(kids, loc)` handler after dropping punctuation from the children and
+    computing the node's span. Both check the nesting depth: `local.depth` maps
+    `id(value)` to the depth of each value built and not yet consumed, except a leaf
+    (a Name or Num, depth 1), which is not recorded: an absent id counts 1. The parser
+    is iterative, so nothing here recurses."""
 
     def __init__(self):
         self.local = threading.local()  # .file and .depth, per parse and thread
@@ -354,7 +401,7 @@ class _Builder:
             raise AttributeError(rule)  # lark then builds a Tree, and inlines it
         return lambda children: self._reduce(handler, children)
 
-    def _reduce(self, handler, children):  # hot: runs once per reduction
+    def _reduce(self, handler, children):
         local = self.local
         depths, kids, deepest = local.depth, [], 0
         for k in children:
@@ -362,7 +409,7 @@ class _Builder:
                 if k.type in _KEEP:
                     kids.append(k)
             else:
-                d = depths.pop(id(k), 0)
+                d = depths.pop(id(k), 1)
                 if d > deepest:
                     deepest = d
                 kids.append(k)
@@ -370,8 +417,7 @@ class _Builder:
         if isinstance(built, ast.Node) and handler.__name__ not in _PARENS:
             deepest += 1
             if deepest > MAX_DEPTH:
-                raise CompileError(f"expression nested too deeply (over {MAX_DEPTH} "
-                                   "levels); split it into several bindings", built.loc)
+                raise CompileError(_TOO_DEEP, built.loc)
         depths[id(built)] = deepest
         return built
 
@@ -401,6 +447,79 @@ class _Builder:
         """`loc` starting at `tok`: statements are located at their name, not keyword."""
         return Loc(self.local.file, tok.line, tok.column, loc.end_line, loc.end_col)
 
+    # -- expressions: one callback per rule, children by position (hot) --
+
+    def name(self, c):
+        """NAME, an operand (also of a dim expression): a leaf."""
+        tok = c[0]
+        return ast.Name(tok.value, loc=Loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column))
+
+    def number(self, c):
+        """NUMBER: a leaf."""
+        tok = c[0]
+        loc = Loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column)
+        return ast.Num(_number_value(tok, loc), loc=loc)
+
+    def binop(self, c):
+        """lhs (+ - * / @ ^) rhs."""
+        lhs, op, rhs = c
+        local = self.local
+        depths = local.depth
+        d = depths.pop(id(lhs), 1)
+        r = depths.pop(id(rhs), 1)
+        a, b = lhs.loc, rhs.loc
+        node = ast.BinOp(op.value, lhs, rhs, loc=Loc(local.file, a.line, a.col, b.end_line, b.end_col))
+        return _deeper(depths, node, (d if d > r else r) + 1)
+
+    def compare(self, c):
+        """lhs (< <= > >= == !=) rhs."""
+        lhs, op, rhs = c
+        local = self.local
+        depths = local.depth
+        d = depths.pop(id(lhs), 1)
+        r = depths.pop(id(rhs), 1)
+        a, b = lhs.loc, rhs.loc
+        node = ast.Compare(op.value, lhs, rhs, loc=Loc(local.file, a.line, a.col, b.end_line, b.end_col))
+        return _deeper(depths, node, (d if d > r else r) + 1)
+
+    def name_power(self, c):
+        """NAME ^ rhs: the name is the left operand."""
+        tok, op, rhs = c
+        local = self.local
+        depths = local.depth
+        file, b = local.file, rhs.loc
+        lhs = ast.Name(tok.value, loc=Loc(file, tok.line, tok.column, tok.end_line, tok.end_column))
+        node = ast.BinOp(op.value, lhs, rhs, loc=Loc(file, tok.line, tok.column, b.end_line, b.end_col))
+        return _deeper(depths, node, depths.pop(id(rhs), 1) + 1)
+
+    def neg(self, c):
+        """- x."""
+        tok, x = c
+        local = self.local
+        depths = local.depth
+        b = x.loc
+        node = ast.Neg(x, loc=Loc(local.file, tok.line, tok.column, b.end_line, b.end_col))
+        return _deeper(depths, node, depths.pop(id(x), 1) + 1)
+
+    def paren(self, c):
+        """( expr ): the inner node, its span widened to the parentheses; no new depth."""
+        lpar, inner, rpar = c
+        depths = self.local.depth
+        d = depths.pop(id(inner), 1)
+        node = ast.with_loc(inner, Loc(self.local.file, lpar.line, lpar.column, rpar.end_line, rpar.end_column))
+        if d > 1:
+            depths[id(node)] = d
+        return node
+
+    def bind(self, c):
+        """NAME = expr, at top level or in a function block."""
+        tok, _, x = c
+        local = self.local
+        depths = local.depth
+        b = x.loc
+        node = ast.Bind(tok.value, x, loc=Loc(local.file, tok.line, tok.column, b.end_line, b.end_col))
+        return _deeper(depths, node, depths.pop(id(x), 1) + 1)
+
     # -- statements --
 
     def _start(self, kids, loc):
@@ -413,9 +532,7 @@ class _Builder:
         return _Part("stmts", tuple(kids), loc)
 
     def _dim_atom(self, kids, loc):  # ( dim_sum ): the inner node, its span widened
-        return dataclasses.replace(kids[0], loc=loc)
-
-    _atom = _dim_atom  # ( expr )
+        return ast.with_loc(kids[0], loc)
 
     def _dim_item(self, kids, loc):
         expr = kids[2] if len(kids) == 3 else None
@@ -475,9 +592,6 @@ class _Builder:
     def _import_(self, kids, loc):
         return ast.Import(str(kids[0])[1:-1], loc=self._from_token(kids[0], loc))
 
-    def _bind(self, kids, loc):
-        return ast.Bind(str(kids[0]), kids[2], loc=loc)
-
     def _out(self, kids, loc):
         order = next((k.value for k in kids if isinstance(k, _Part)), None)
         has_expr = len(kids) > 2 and isinstance(kids[-2], Token) and kids[-2].type == "EQ"
@@ -492,21 +606,8 @@ class _Builder:
 
     # -- expressions --
 
-    def _compare(self, kids, loc):
-        return ast.Compare(str(kids[1]), kids[0], kids[2], loc=loc)
-
-    def _binop(self, kids, loc):
-        return ast.BinOp(str(kids[1]), kids[0], kids[2], loc=loc)
-
-    def _neg(self, kids, loc):
-        return ast.Neg(kids[1], loc=loc)
-
-    def _name(self, kids, loc=None):  # a `name` tree's children, or one NAME token
-        tok = kids if isinstance(kids, Token) else kids[0]
+    def _name(self, tok: Token) -> ast.Name:
         return ast.Name(str(tok), loc=self._tok_loc(tok))
-
-    def _number(self, kids, loc):
-        return ast.Num(_number_value(kids[0], loc), loc=loc)
 
     def _edge_ops(self, kids, loc):
         x = self._name(kids[0]) if isinstance(kids[0], Token) else kids[0]
@@ -557,6 +658,14 @@ class _Builder:
 
     def _kwarg(self, kids, loc):
         return ast.Kwarg(str(kids[0]), kids[2], loc=loc)
+
+
+def _deeper(depths: dict, node, depth: int):
+    """Record `node`'s nesting depth (a located error past MAX_DEPTH); `node`."""
+    if depth > MAX_DEPTH:
+        raise CompileError(_TOO_DEEP, node.loc)
+    depths[id(node)] = depth
+    return node
 
 
 def _number_value(tok: Token, loc: Loc) -> int | float:
