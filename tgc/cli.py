@@ -297,6 +297,7 @@ def passes() -> None:
 
 from tgc.cli_build import build  # noqa: E402
 from tgc.cli_grad import grad  # noqa: E402
+from tgc.cli_explain import explain  # noqa: E402
 from tgc.cli_info import info  # noqa: E402
 from tgc.cli_run import run  # noqa: E402
 
@@ -304,6 +305,7 @@ main.add_command(run)
 main.add_command(grad)
 main.add_command(build)
 main.add_command(info)
+main.add_command(explain)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,81 @@
+"""`tgc explain`: kernels with FLOPs and bytes, workspace, live memory and its peak."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tgc import driver
+from tgc.cli import main
+from tgc.explain import explain
+from tgc.frontend import compile_source
+from tgc.ir.lowered import GemmKernel
+from tgc.options import Options
+from tgc.passes.plan import lower_module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lowered(src: str):
+    opts = Options()
+    return lower_module(driver.lower(compile_source(src, "<t>", opts), opts).module, opts)
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["explain", *map(str, args)])
+
+
+def test_a_gemm_is_2mnk_flops_and_its_three_matrices_in_bytes():
+    low = lowered("dim m = 64, k = 32, n = 48\ninput a[m, k], b[k, n]\nout y = a @ b\n")
+    (g,) = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    report = explain(low, {})
+    (row,) = [k for k in report["kernels"] if k["kind"] == "gemm"]
+    assert row["flops"] == 2 * 64 * 32 * 48
+    assert row["bytes"] == 4 * (64 * 32 + 32 * 48 + 64 * 48)
+
+
+def test_a_loop_counts_each_operation_at_every_point():
+    low = lowered("dim n = 100\ninput x[n], y[n]\nout z = exp(x) * y + 3\n")
+    report = explain(low, {})
+    assert [k["flops"] for k in report["kernels"]] == [100 * 3]   # exp, *, +
+
+
+def test_the_peak_is_the_largest_live_total_and_fits_the_workspace():
+    report = explain(lowered((ROOT / "benchmarks" / "workloads" / "gpt.tg").read_text().replace("dim batch\n", "dim batch = 8\n")), {})
+    peak = report["peak"]
+    assert peak["bytes"] == max(report["live_bytes"]) > 0
+    assert sum(b["bytes"] for b in peak["buffers"]) == peak["bytes"]
+    assert all(b["from"] <= peak["kernel"] <= b["to"] for b in peak["buffers"])
+    assert report["workspace"]["bytes"] >= peak["bytes"]   # slots hold every live temporary at once
+    assert report["recompute"] == [] and "no recomputation" in report["recompute_note"]
+
+
+def test_cli_text_json_and_an_svg_timeline(tmp_path):
+    svg = tmp_path / "mem.svg"
+    r = run(ROOT / "examples" / "mlp.tg", "--dim", "batch=178", "--timeline", svg)
+    assert r.exit_code == 0, r.output
+    assert "batch = 178" in r.output and "peak:" in r.output and "workspace:" in r.output
+    r = run(ROOT / "examples" / "mlp.tg", "--dim", "batch=178", "--format", "json")
+    data = json.loads(r.output)
+    assert data["dims"] == {"batch": 178}
+    assert len(data["kernels"]) == len(data["live_bytes"]) > 0
+    text = svg.read_text()
+    assert text.startswith("<svg") and text.count("<rect") == len(data["kernels"])
+
+
+def test_a_png_timeline_needs_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib draws the PNG timeline")
+    png = tmp_path / "mem.png"
+    r = run(ROOT / "examples" / "mlp.tg", "--timeline", png)
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_are_usage_errors(tmp_path):
+    assert run(ROOT / "examples" / "mlp.tg", "--timeline", tmp_path / "x.gif").exit_code == 2
+    r = run(ROOT / "examples" / "mlp.tg", "--dim", "nope=3")
+    assert r.exit_code == 2 and "no dim 'nope'" in r.output
+    r = run(ROOT / "examples" / "mlp.tg", "--dim", "hidden=3")
+    assert r.exit_code == 2 and "fixed size" in r.output

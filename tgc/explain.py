@@ -1,0 +1,206 @@
+"""What a compiled step does with time and memory: `tgc explain` (issue 17, item 4).
+
+`explain(low, env)` reads a planned lowered program (after `plan`) with every
+symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
+
+- the kernels in execution order, each with its FLOPs and the bytes of the distinct
+  buffers it reads and writes (each counted once per kernel: a lower bound of its
+  memory traffic, exact for kernels that stream each operand once);
+- the workspace: its slots and their bytes, and which temporaries share each slot;
+- memory over time: before each kernel, the bytes of the temporaries alive from
+  their first write to their last read (as `plan` assigns slots), the peak, and what
+  is alive at the peak; arguments and outputs are the caller's arrays and are listed
+  apart;
+- the save/recompute decisions (tgc keeps every value a later kernel reads: there is
+  no recomputation yet, and the report says so).
+
+FLOPs count one per arithmetic operation of an expression, evaluated at every point
+of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
+coefficient other than 1, an n-factor product n - 1 multiplications, an elementwise
+function one (an `exp` is one FLOP here, as in PyTorch's profiler), a reduction one
+per term; a GEMM is 2 m n k per batch index and tap.
+
+`format_explain` lays the report out as text; `timeline_svg` draws the live bytes per
+kernel as an SVG bar chart (no dependency), and `timeline_png` the same with
+matplotlib when it is installed.
+"""
+from __future__ import annotations
+
+from tgc.ir.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, walk
+from tgc.ir.sizes import size_eval
+
+ITEMSIZE = {"f32": 4, "f64": 8, "i32": 4}
+
+
+def explain(low: Lowered, env: dict[str, int]) -> dict:
+    """The report of the planned program `low` at the dims `env` (every symbolic dim bound)."""
+    size = {e: size_eval(low.size(e), env) for b in low.buffers.values() for e in b.edges}
+
+    def nbytes(name: str) -> int:
+        b = low.buffers[name]
+        n = ITEMSIZE[b.dtype]
+        for e in b.edges:
+            n *= size[e]
+        return n
+
+    def extent(k, v) -> int:
+        return size_eval(k.sizes[v], env)
+
+    kernels, first, last = [], {}, {}
+    for i, k in enumerate(low.kernels):
+        used = k.buffers_used()
+        for name in used:
+            if low.buffers[name].kind == "temp":
+                first.setdefault(name, i)
+                last[name] = i
+        kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
+                        "flops": _flops(k, extent, lambda e: size_eval(low.size(e), env)),
+                        "bytes": sum(nbytes(n) for n in used)})
+    live, at_peak, peak = [], [], -1
+    for i in range(len(low.kernels)):
+        alive = sorted((n for n in first if first[n] <= i <= last[n]), key=lambda n: (-nbytes(n), n))
+        total = sum(nbytes(n) for n in alive)
+        live.append(total)
+        if total > peak:
+            peak, at_peak = total, [(i, alive)]
+    slots = [{"slot": s, "bytes": max([size_eval(x, env) for x in sizes] + [0]),
+              "buffers": [n for n, b in low.buffers.items() if b.slot == s]} for s, sizes in enumerate(low.slots)]
+    peak_kernel, alive = at_peak[0] if at_peak else (None, [])
+    return {
+        "dtype": low.dtype,
+        "dims": dict(sorted(env.items())),
+        "kernels": kernels,
+        "flops": sum(k["flops"] for k in kernels),
+        "bytes": sum(k["bytes"] for k in kernels),
+        "arguments_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "arg"),
+        "outputs_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "out"),
+        "workspace": {"bytes": sum(s["bytes"] for s in slots), "slots": slots},
+        "live_bytes": live,
+        "peak": {"bytes": max(peak, 0), "kernel": peak_kernel,
+                 "buffers": [{"name": n, "edges": list(low.buffers[n].edges), "dtype": low.buffers[n].dtype,
+                              "bytes": nbytes(n), "from": first[n], "to": last[n]} for n in alive]},
+        "recompute": [],
+        "recompute_note": "every value a later kernel reads is kept: tgc has no recomputation yet "
+                          "(checkpoint and a memory budget are planned)",
+    }
+
+
+def _kind(k) -> str:
+    return "group" if isinstance(k, LoopGroup) else "gemm" if isinstance(k, GemmKernel) else "loop"
+
+
+def _flops(k, extent, edge_size) -> int:
+    if isinstance(k, GemmKernel):
+        n = 2
+        for e in k.batch + k.m + k.n + k.k + k.taps:
+            n *= edge_size(e)
+        return n
+    if isinstance(k, LoopGroup):
+        outer = 1
+        for v in k.outer:
+            outer *= extent(k, v)
+        return sum(_loop_flops(m, extent, skip=set(k.outer)) * outer for m in k.members)
+    return _loop_flops(k, extent, skip=set())
+
+
+def _loop_flops(k: LoopKernel, extent, skip: set[str]) -> int:
+    points = kept = 1
+    for v in k.loops:
+        if v in skip:
+            continue
+        points *= extent(k, v)
+        if v not in k.red:
+            kept *= extent(k, v)
+    body = _ops(k.body) + (1 if k.reduce else 0) + (2 if k.reduce == "logsumexp" else 0)
+    epilogue = _ops(k.epilogue) if k.epilogue is not None else 0
+    return points * body + kept * epilogue
+
+
+def _ops(e) -> int:
+    n = 0
+    for node in walk(e):
+        if isinstance(node, Add):
+            n += len(node.args) - 1 + sum(1 for c in node.coefs if c != 1)
+        elif isinstance(node, Mul):
+            n += len(node.args) - 1
+        elif isinstance(node, Map):
+            n += 1
+        elif isinstance(node, Mask):
+            n += len(node.conds)
+    return n
+
+
+def human(n: float, unit: str) -> str:
+    """1234567 -> '1.23 M' + unit."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {prefix}{unit}"
+    return f"{n:g} {unit}"
+
+
+def format_explain(report: dict, name: str) -> str:
+    dims = ", ".join(f"{d} = {n}" for d, n in report["dims"].items()) or "no symbolic dims"
+    lines = [f"{name} ({report['dtype']}; {dims})", "", "kernels, in order:",
+             f"  {'#':>4}  {'kind':5}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}  what"]
+    for k, live in zip(report["kernels"], report["live_bytes"]):
+        lines.append(f"  k{k['index']:<3}  {k['kind']:5}  {human(k['flops'], 'FLOP'):>10}  {human(k['bytes'], 'B'):>10}"
+                     f"  {human(live, 'B'):>11}  {k['text'][:90]}")
+    ws = report["workspace"]
+    lines += ["", f"total: {len(report['kernels'])} kernels, {human(report['flops'], 'FLOP')}, "
+              f"{human(report['bytes'], 'B')} of buffers touched (each once per kernel)",
+              f"caller's arrays: arguments {human(report['arguments_bytes'], 'B')}, "
+              f"outputs {human(report['outputs_bytes'], 'B')}",
+              f"workspace: {human(ws['bytes'], 'B')} in {len(ws['slots'])} slots"]
+    for s in ws["slots"]:
+        lines.append(f"  slot {s['slot']}: {human(s['bytes'], 'B')}, shared by {', '.join('%' + b for b in s['buffers'])}")
+    peak = report["peak"]
+    if peak["kernel"] is None:
+        lines.append("peak: no temporaries")
+    else:
+        lines.append(f"peak: {human(peak['bytes'], 'B')} of temporaries alive at k{peak['kernel']}:")
+        for b in peak["buffers"]:
+            lines.append(f"  %{b['name']} {b['dtype']}[{', '.join(b['edges'])}] {human(b['bytes'], 'B')}"
+                         f" (k{b['from']} .. k{b['to']})")
+    lines.append(f"save/recompute: {report['recompute_note']}")
+    return "\n".join(lines) + "\n"
+
+
+def timeline_svg(report: dict, title: str) -> str:
+    """Live temporary bytes before each kernel as bars, the peak's bar in another colour."""
+    live = report["live_bytes"]
+    w, h, pad = 900, 300, 40
+    top = max(live + [1])
+    bar = (w - 2 * pad) / max(len(live), 1)
+    peak = report["peak"]["kernel"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+             f'font-size="12">', f'<text x="{pad}" y="20">{_escape(title)}: live temporaries per kernel '
+             f'(peak {human(top, "B")} at k{peak})</text>']
+    for i, b in enumerate(live):
+        bh = (h - 2 * pad) * b / top
+        colour = "#c0392b" if i == peak else "#2e86c1"
+        parts.append(f'<rect x="{pad + i * bar:.2f}" y="{h - pad - bh:.2f}" width="{max(bar - 0.5, 0.5):.2f}" '
+                     f'height="{bh:.2f}" fill="{colour}"><title>k{i}: {human(b, "B")}</title></rect>')
+    parts.append(f'<text x="{pad}" y="{h - 12}">kernel 0 .. {len(live) - 1}</text></svg>')
+    return "\n".join(parts) + "\n"
+
+
+def timeline_png(report: dict, title: str, path: str) -> None:
+    """The same chart as a PNG, through matplotlib (ImportError when it is absent)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    live = report["live_bytes"]
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    colours = ["#c0392b" if i == report["peak"]["kernel"] else "#2e86c1" for i in range(len(live))]
+    ax.bar(range(len(live)), live, color=colours, width=1.0)
+    ax.set_xlabel("kernel")
+    ax.set_ylabel("live temporaries (bytes)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
