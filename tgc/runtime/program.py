@@ -125,6 +125,18 @@ class TensorSpec:
     updated: bool = False       # a param/state written by `update`
 
 
+def _dlpack_view(name: str, value):
+    """A CPU array that is not numpy's but speaks DLPack (a torch CPU tensor) as a
+    numpy array over the same memory, so that an update writes into it; others as given."""
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
+        return value
+    try:
+        return np.from_dlpack(value)
+    except (RuntimeError, BufferError, TypeError, ValueError) as e:
+        raise EvalError(f"input '{name}': {type(value).__name__} does not give its memory to numpy ({e}); "
+                        f"pass a CPU tensor (detached from autograd), or a numpy array") from None
+
+
 def build(module: Module, options: Options) -> "Program":
     """Lower, generate, JIT-compile and load `module` (after the IR pipeline)."""
     return build_with_object(module, options)[0]
@@ -388,7 +400,8 @@ class Program:
 
     def _convert(self, spec: TensorSpec, value) -> np.ndarray:
         if spec.updated and not isinstance(value, np.ndarray):
-            raise EvalError(f"'{spec.name}' is updated in place: pass a numpy array, not {type(value).__name__}")
+            raise EvalError(f"'{spec.name}' is updated in place: pass a numpy array (or a CPU tensor with "
+                            f"__dlpack__, such as torch's), not {type(value).__name__}")
         try:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.dtype != "i32":
                 return np.asarray(value, NP[spec.dtype])
@@ -465,6 +478,7 @@ class Program:
         extra = [n for n in given if n not in names]
         if extra:
             raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
+        given = {k: _dlpack_view(k, v) for k, v in given.items()}
         arrays = {s.name: self._convert(s, given[s.name]) for s in self.inputs}
         targets = [s.name for s in self.inputs if s.updated]
         for i, a in enumerate(targets):
@@ -495,7 +509,9 @@ class Program:
 
         The result holds each output (a new array), then, for each `update`, the new
         value of its target under the target's name (`W'` when an output is also
-        named `W`): the very array the caller passed, written in place.
+        named `W`): the very array the caller passed, written in place. A CPU tensor
+        that speaks DLPack (torch's, detached from autograd) is taken without a copy,
+        and an updated one is written in place too (see also `tgc.torch.function`).
 
         With `updates=False`, the call applies no update and computes nothing that only
         the updates need: it runs `without_updates()` (compiled on first use). Its
