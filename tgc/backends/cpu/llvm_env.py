@@ -163,10 +163,6 @@ class JitModule:
             raise KeyError(f'no function {name!r} in JIT module')
         return addr
 
-    @property
-    def optimized_ir(self) -> str:
-        return str(self.module)
-
 
 class ObjectJit(JitModule):
     """Machine code loaded from object files (e.g. from the on-disk cache); symbols
