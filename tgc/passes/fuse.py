@@ -10,19 +10,32 @@ reductions reads its inputs once:
 - GEMM cells: two-operand contractions whose edges split into batch / M / N / K
   groups, all of M, N, K present and (when sizes are known) at least
   `options.blas_min_flops` flops; their operands are materialized buffers, seen
-  through renames.
+  through renames. An indicator, or a product of indicators only (`index_only`),
+  is never an operand: it is index arithmetic, and as a buffer it would be a dense
+  0/1 tensor over all its edges (six, for a 2-D convolution's window relation).
 - GEMMs on shifted views (`tap_gemm`): a contraction whose two factors are read
   through indicators as `edge + shift(short edges)` (a convolution, its input and
   kernel gradients) becomes a loop over the short edges (taps) of GEMM calls on
   shifted views, each edge's range clipped to the input (no im2col copy); single-use
-  inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`). A shift that only
+  inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`). Indicators are
+  solved for the longest summed edges first, so the taps are the short ones, with
+  fixed sizes as with symbolic ones. A clipped edge may share its group with others
+  (`(h, w)` of a 2-D image shifted along `h`): `layout` keeps the group where the
+  clipped edge is outermost in every buffer, so its range is one run of the merged
+  group, and splits it into loops of calls otherwise. Two clipped edges in one group
+  (a 2-D window on both image edges) are no strided matrix: the window is then a
+  loop kernel's output (im2col) and the product a plain GEMM. A shift that only
   splits an edge (`c2 = hd + 16*head`, every index in bounds: `exact_split`) is left
   to a copy into the split edges and one plain GEMM.
 - Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
   `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
   gathers (indexed loads), and indicators (index arithmetic, `tgc.passes.indexing`:
-  substitutions and bounds, never dense 0/1 tensors). A reduction with a single
-  elementwise consumer of the same edges becomes that kernel's `epilogue`.
+  substitutions and bounds, never dense 0/1 tensors). The indicators of a product's
+  inlined factors (a padded window `x[h = ho + kh - 1]`) mask the product as a
+  whole, as its own indicators do (`masked_product`): a term one indicator zeroes is
+  zero, so this is the contraction's value, and `layout` can then turn the conditions
+  into loop bounds. A reduction with a single elementwise consumer of the same edges
+  becomes that kernel's `epilogue`.
 - Scatters: zero the output, then add each element at its gathered position.
 
 Outputs are computed into the caller's output buffers; update values into
@@ -135,8 +148,11 @@ class _Fuser:
         return factors, rels
 
     def solve(self, v: Value, env: dict[str, Ix], prefix: str):
+        """Substitute the summed edges that indicators determine. The longest are
+        eliminated first (`long_first`): what stays a loop is the short edge, so
+        `sum_{kw, wo} [w = wo + kw - 1] g[wo, kw]` loops over 3 taps, not 32 positions."""
         factors, rels = self.parts(v)
-        names = {e: prefix + e for e in self.summed(v)}
+        names = {e: prefix + e for e in self.long_first(self.summed(v))}
         full = dict(env)
         full.update({e: Ix.var(p) for e, p in names.items()})
         sizes = {p: edge_size(self.m, e) for e, p in names.items()}
@@ -145,11 +161,20 @@ class _Fuser:
             full[e] = sol.sol.get(p, Ix.var(p))
         return factors, sol, full
 
+    def long_first(self, edges) -> list[str]:
+        """`edges` by decreasing size (a symbolic one counts as longest; ties keep their order)."""
+        def key(e):
+            n = edge_size(self.m, e)
+            return -n if isinstance(n, int) else -(1 << 40)
+        return sorted(edges, key=key)
+
     def gemm_groups(self, v: Value):
         if v.op != "contract" or len(v.operands) != 2 or not self.is_reduction(v):
             return None
         a, b = (peel(o)[0] for o in v.operands)
-        if "indicator" in (a.op, b.op) or self.broadcast_edges(a) or self.broadcast_edges(b):
+        if self.index_only(a) or self.index_only(b):
+            return None   # an indicator (or a product of them) is index arithmetic, never a dense matrix
+        if self.broadcast_edges(a) or self.broadcast_edges(b):
             return None   # an operand stored without the edges it repeats along is no BLAS matrix
         A, B, C = set(v.operands[0].edges), set(v.operands[1].edges), set(v.edges)
         if C - (A | B) or (A - B - C) or (B - A - C):
@@ -164,6 +189,16 @@ class _Fuser:
         if flops is not None and flops < self.opt.blas_min_flops:
             return None
         return tuple(groups)
+
+    def index_only(self, v: Value) -> bool:
+        """`v` is an indicator or a product of indicators (seen through renames): a
+        relation over its edges, which loads inline as index arithmetic and a mask.
+        Materializing one would write a dense 0/1 tensor over all of its edges."""
+        v = peel(v)[0]
+        if v.op == "indicator":
+            return True
+        return (v.op == "contract" and id(v) not in self.mat
+                and all(self.index_only(o) for o in v.operands))
 
     def cost(self, v: Value) -> int:
         """Work to recompute `v` inline from materialized values (loads cost nothing)."""
@@ -211,8 +246,12 @@ class _Fuser:
 
     def expand(self, v: Value, env: dict[str, Ix], acc: dict, top: bool = False) -> bool:
         """Collect the leaf factors of a product of index transforms and single-use
-        reductions (summed edges become placeholders, indicators links)."""
-        if not top and (id(v) in self.mat or v.op not in ("contract", "rename", "stop")):
+        reductions (summed edges become placeholders, indicators links). A product
+        with several users that is not cheap to recompute is a leaf: `partition`
+        gives it a buffer anyway (a max-pool's gradient, scattered back to the
+        pixels, feeds both of a convolution's gradients)."""
+        if not top and (id(v) in self.mat or v.op not in ("contract", "rename", "stop")
+                        or (v.op == "contract" and self.uses(v) > 1 and not self.recompute(v))):
             acc["leaves"].append((v, env))
             return True
         if v.op == "stop":
@@ -252,7 +291,7 @@ class _Fuser:
             if leaf.dtype == "i32" or leaf.op in ("const", "size", "indicator") or self.broadcast_edges(leaf):
                 return None
         # eliminate long edges first: the short ones (taps) stay loops
-        places = sorted(acc["places"], key=lambda p: isinstance(sizes[p], int) and sizes[p])
+        places = self.long_first(acc["places"])
         sol = solve_conds(acc["links"], places, sizes)
         idx = [{e: env[e].subst(sol.sol) for e in leaf.edges} for leaf, env in leaves]
         kept, summed = list(v.edges), list(sol.remaining)
@@ -299,13 +338,8 @@ class _Fuser:
         groups = [[u for u in kept if u not in batch and u in A], [u for u in kept if u not in batch and u in B],
                   [u for u in summed if u not in outer]]
         taps = {u for u in summed if u in outer}
-        for g in groups:
-            if clipped & set(g) and len(g) > 1:
-                if len(clipped & set(g)) > 1:
-                    return None
-                for u in [u for u in g if u not in clipped]:
-                    g.remove(u)
-                    (batch if u in kept else taps).add(u)
+        if any(len(clipped & set(g)) > 1 for g in groups):
+            return None   # two clipped edges in one group: no strided matrix (a 2-D window)
         if clipped & (batch | taps) or not all(groups):
             return None
         expected = set()
@@ -462,12 +496,30 @@ class _Fuser:
             factors, sol, full = self.solve(v, env, "?")
             if sol.remaining:
                 raise FuseError(f"internal: a reduction was inlined ({v})")
-            return self.mask(sol.conds, self.product(factors, full))
+            return self.masked_product(sol.conds, factors, full)
         raise FuseError(f"internal: cannot inline '{op}'")
 
     def product(self, factors: list[Value], env: dict[str, Ix]):
         exprs = tuple(e for e in (self.expr(f, env) for f in factors) if e != Const(1.0))
         return exprs[0] if len(exprs) == 1 else (Mul(exprs) if exprs else Const(1.0))
+
+    def masked_product(self, conds, factors: list[Value], env: dict[str, Ix]):
+        """The product of `factors` under the contraction's own conditions `conds`, with
+        the conditions of masked factors (views through indicators, `x[h = ho + kh - 1]`
+        inlined) taken out to the top: a term that one factor's indicator zeroes is zero
+        in the contraction as a whole (the same reading as the contraction's own
+        indicators), and a mask at the top is one `layout` can turn into loop bounds."""
+        e = self.product(factors, env)
+        conds = list(conds)
+        if isinstance(e, Mul) and any(isinstance(a, Mask) for a in e.args):
+            args = []
+            for a in e.args:
+                while isinstance(a, Mask):
+                    conds += [c for c in a.conds if c not in conds]
+                    a = a.arg
+                args.append(a)
+            e = Mul(tuple(args))
+        return self.mask(conds, e)
 
     def mask(self, conds, e):
         sizes = {x: edge_size(self.m, x) for c in conds for x in c.ix.vars() if x in self.m.edges}
@@ -581,7 +633,7 @@ class _Fuser:
             env = {e: Ix.var(e) for e in x.edges}
             return self.expr(x, env), list(r.attrs[1]), r.attrs[0], env
         factors, sol, full = self.solve(r, ident, "")
-        return self.mask(sol.conds, self.product(factors, full)), sol.remaining, "sum", full
+        return self.masked_product(sol.conds, factors, full), sol.remaining, "sum", full
 
     def scatter_kernel(self, v: Value, out: str) -> LoopKernel:
         ct, ids = v.operands

@@ -16,29 +16,42 @@ temporary gets, in kernel order, the order that suits it best:
   it lacks go outermost), so the innermost loop is contiguous for both.
 
 Then every GEMM is checked (`matrix_form`): a transpose flag absorbs an operand
-whose groups are swapped; an operand that splits a group, or whose group order
-disagrees with the other buffer, gets a copy kernel into a temporary in the
-canonical form (the only copies this pass inserts). Finally each loop kernel's
-loops are ordered: the innermost is the variable with the cheapest strides over
-all accesses (stores weigh double, reductions win ties, so they accumulate in
-registers), the others outward by decreasing stride. Last, a summed loop whose
+whose groups are swapped; a group the result's order splits becomes batch edges
+(`_demote`); a group holding a shifted (clipped) edge keeps the edges that follow
+it in every buffer holding the group, the rest become loops of calls (`_fit_clips`:
+the clipped range is then one run of the merged group); a K group an operand's
+order splits gives its outer edges to taps, loops of calls that add into the
+result, when at least MIN_TAP_K of K is left to each call (`_taps_for_split_k`: a
+2-D convolution's kernel gradient sums 16 images by 16 accumulating calls instead
+of copying its two operands, 4 MB and 19 MB, into transposed temporaries); an
+operand that still splits a group, or whose group order disagrees with the other
+buffer, gets a copy kernel into a temporary in the canonical form (the only copies
+this pass inserts). Each of these only moves edges between the groups and the
+loops around the calls, so every term of the product is still added exactly once.
+Finally each loop kernel's loops are ordered: the innermost is the variable with
+the cheapest strides over all accesses (stores weigh double, reductions win ties,
+so they accumulate in registers), the others outward by decreasing stride. Last, a summed loop whose
 mask says `lo(outer vars) <= v < hi(outer vars)` gets those bounds instead of the
 mask (a causal mask halves the work, padding needs no masked loads).
 
-Terminates: one visit per kernel and buffer.
+Terminates: one visit per kernel and buffer (`_demote` and `_fit_clips` move each
+edge at most once; `_taps_for_split_k` tries each subset of a K group once).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tgc.ir.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Mask, View, matrix_form, walk)
+                            Mask, View, group_run, matrix_form, walk)
 from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.passes.base import Pass
 from tgc.passes.indexing import edge_size
+
+MIN_TAP_K = 256   # the shortest K left to each call when split K edges become taps
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,7 @@ class Layout(Pass):
         out = low.staged("layout")
         guess = options.rep_size  # a symbolic dim's size when ranking strides and groups
         _order_buffers(out, guess)
-        _fix_gemms(out)
+        _fix_gemms(out, guess)
         out.kernels = [_tighten(_order_loops(out, k, guess)) if isinstance(k, LoopKernel) else k
                        for k in out.kernels]
         return out
@@ -118,8 +131,10 @@ def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
     C[b, o, s] = W[o, ck] @ A[b, ck, s] is one GEMM per b."""
     if vc is None:
         return k
+    clipped = {e for _, e, _ in k.shifts}
     while matrix_form(vc, k.m, k.n) is None:
-        movable = [e for e in vc if (e in k.m and len(k.m) > 1) or (e in k.n and len(k.n) > 1)]
+        movable = [e for e in vc if e not in clipped and
+                   ((e in k.m and len(k.m) > 1) or (e in k.n and len(k.n) > 1))]
         if not movable:
             break
         e = movable[0]
@@ -180,24 +195,28 @@ def _follow_loads(low: Lowered, k: LoopKernel, buf: Buffer) -> tuple[str, ...]:
 # ------------------------------------------------------------------ GEMMs
 
 
-def _fix_gemms(low: Lowered) -> None:
+def _fix_gemms(low: Lowered, guess: int) -> None:
     kernels = []
     for k in low.kernels:
         if isinstance(k, GemmKernel):
-            kernels += _fix_gemm(low, k)
+            kernels += _fix_gemm(low, k, guess)
         else:
             kernels.append(k)
     low.kernels = kernels
 
 
-def _fix_gemm(low: Lowered, k: GemmKernel) -> list:
+def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
     va, vb = _view_order(low, k.a), _view_order(low, k.b)
     vc = low.buffers[k.out].order
     k = _demote(k, vc)
+    k = _fit_clips(k, va, vb, vc)
+    k = _taps_for_split_k(low, k, va, vb, guess)
     fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(vc, k.m, k.n)
     m = fc[0] if fc else fa[0] if fa else k.m
     n = fc[1] if fc else fb[1] if fb else k.n
     kk = fa[1] if fa else fb[0] if fb else k.k
+    clipped = {e for _, e, _ in k.shifts}   # a clipped edge leads its group, copies included
+    m, n, kk = (tuple(sorted(g, key=lambda e: e not in clipped)) for g in (m, n, kk))
     before, after = [], []
     a, b, out = k.a, k.b, k.out
     if not fa or fa[:2] != (m, kk):
@@ -210,6 +229,70 @@ def _fix_gemm(low: Lowered, k: GemmKernel) -> list:
                                   order=_pick(vc, k.batch) + m + n)
         after.append(_copy(low, k.out, View(out, tuple((e, e) for e in low.buffers[out].edges))))
     return before + [replace(k, a=a, b=b, out=out, m=m, n=n, k=kk)] + after
+
+
+def _fit_clips(k: GemmKernel, va, vb, vc) -> GemmKernel:
+    """A shifted edge clips its group's range: with other edges in the group
+    (`y[b, o, (ho, wo)] += W[o, (c, kw)] @ x[b, (c, kw), (ho + kh - 1, wo)]`) it must
+    be the group's outermost edge in each buffer holding the group, so that its
+    clipped range is one run of the merged group. Where it is not, the group's other
+    edges become loops of calls (M and N edges batch edges, K edges taps), as in a
+    one-edge group."""
+    clipped = {e for _, e, _ in k.shifts}
+    holders = {"m": (va, vc), "n": (vb, vc), "k": (va, vb)}
+    for name, orders in holders.items():
+        g = getattr(k, name)
+        cut = clipped & set(g)
+        if not cut or len(g) == 1:
+            continue
+        e = cut.pop()
+        keep = None
+        for o in orders:   # the run of the group's edges from e inward, common to every holder
+            run = _run_from(o, g, e) if o is not None else (e,)
+            keep = run if keep is None else tuple(a for a, b in zip(keep, run) if a == b)
+            keep = keep[:next((i for i, (a, b) in enumerate(zip(keep, run)) if a != b), len(keep))]
+        rest = tuple(x for x in g if x not in keep)
+        if not rest:
+            continue
+        more = {"batch": k.batch + rest} if name in "mn" else {"taps": k.taps + rest}
+        k = replace(k, **{name: tuple(x for x in g if x in keep)}, **more)
+    return k
+
+
+def _run_from(order, group, e) -> tuple[str, ...]:
+    """`e` and the edges of `group` that follow it in `order` without a gap."""
+    run = [e]
+    for x in order[order.index(e) + 1:]:
+        if x not in group:
+            break
+        run.append(x)
+    return tuple(run)
+
+
+def _taps_for_split_k(low: Lowered, k: GemmKernel, va, vb, guess: int) -> GemmKernel:
+    """Where an operand's order splits the K group (`dK[o, c] = sum_{b, s} dy[b, o, s]
+    col[b, c, s]`: `b` is outside `o` and `c`), the outermost K edges become taps,
+    loops of calls that add into the result, when what is left of K is at least
+    MIN_TAP_K long: one accumulating call per batch index instead of a transposing
+    copy of both operands (a 2-D convolution's kernel gradient)."""
+    if va is None or vb is None or (matrix_form(va, k.m, k.k) and matrix_form(vb, k.k, k.n)):
+        return k
+    clipped = {e for _, e, _ in k.shifts}
+    free = [e for e in k.k if e not in clipped]
+    env = {d: guess for d in low.module.symbolic_dims()}
+    best = None
+    for n in range(1, len(free) + 1):
+        for out in itertools.combinations(free, n):
+            rest = tuple(e for e in k.k if e not in out)
+            if not rest or not (matrix_form(va, k.m, rest) and matrix_form(vb, rest, k.n)):
+                continue
+            length = math.prod(size_estimate(low.size(e), env) for e in rest)
+            if length >= MIN_TAP_K and (best is None or length > best[0]):
+                best = (length, out, rest)
+    if best is None:
+        return k
+    _, out, rest = best
+    return replace(k, k=rest, taps=k.taps + tuple(e for e in va if e in out))
 
 
 def _present(view: View, edges) -> tuple[str, ...]:

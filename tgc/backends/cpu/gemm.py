@@ -19,7 +19,7 @@ run (OpenBLAS's value for an element depends on where a call's edges cut its
 kernels: 2 and 3 tiles of one product differed in the last bits). A product batched
 BATCH_TASKS times or more (a convolution over 32 signals) is one tile per batch
 index: tasks enough, each one cblas call at the packed kernels' speed. Another is
-cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with taps),
+cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
 each of at least `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
 chunks accumulated in place only when P and Q cannot be cut), so a small product
 stays one call. When the whole product has at least `min_flops` flops (the caller
@@ -54,8 +54,12 @@ that fit its pack buffer. With "numpy" (the JIT's default) the code is as above.
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
 tap offsets the shifted operand and clips the shifted edge's range to where every
 index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
-Such a product accumulates: every task first zeroes its tile of `out`, then every
-call adds into it (beta = 1).
+A clipped edge is the outermost edge of its group (`layout` sees to it), so its
+range [lo, hi) is the run [lo * inner, hi * inner) of the merged group, `inner`
+being the other edges' extent: a 2-D image shifted along its rows is one call per
+tap over whole rows. Such a product accumulates: every task first zeroes its tile
+of `out`, then every call adds into it (beta = 1). Taps without shifts (a K edge
+that an operand's order splits, looped outside the calls) accumulate the same way.
 """
 from __future__ import annotations
 
@@ -74,11 +78,13 @@ LOOP_COLS = 2     # vectors of columns per block of the blocked loops (`loops_ke
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
 MIN_CHUNK = 64    # ... nor R chunks below this
 UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or more: one tile per batch index
-# A task of a product with taps makes one accumulating cblas call per tap; there,
+# A task of a product with shifts makes one accumulating cblas call per tap; there,
 # tiles 4x smaller than one per thread measured faster: conv1d's kernel gradient
 # (5 x 32 taps of 64 x 64 x 1024) took 11.9 ms in 2 tiles per batch index and 9.3 ms
 # in 8, whose 16 x 32 x 1024 calls (2^19 multiply-adds) OpenBLAS runs with its
 # unpacked small-matrix kernel (68 GFLOP/s alone, against 54-61 for 32 x 32 or 32 x 64).
+# Taps without shifts keep one tile per thread: a 2-D convolution's kernel gradient
+# (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
 TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
@@ -143,8 +149,8 @@ class GemmGen:
         self.R = fa[1]
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
-            if not any(g == (e,) for g in (tuple(k.m), tuple(k.n), tuple(k.k))):
-                raise ValueError(f"internal: shifted GEMM edge '{e}' is not a whole M, N or K group")
+            if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
+                raise ValueError(f"internal: shifted GEMM edge '{e}' is not the outermost of its group")
 
     # ------------------------------------------------------------ shapes
 
@@ -273,10 +279,10 @@ class GemmGen:
         an element depends on where the call's edges cut its kernels). A product
         batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
         another is cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
-        that with taps), each of at least `blas_tile_mnk`, so a small one stays whole."""
+        that with shifts), each of at least `blas_tile_mnk`, so a small one stays whole."""
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
-        parts = max(1, self.opt.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.taps else 1)
+        parts = max(1, self.opt.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts else 1)
         share = b.sdiv(b.mul(b.mul(P, Q), R), I64(parts))
         small = I64(max(1, self.opt.blas_tile_mnk))
         tile = b.select(b.icmp_signed(">", share, small), share, small)
@@ -354,11 +360,14 @@ class GemmGen:
         lo, hi, ok = self.clip(vars)
         p0, p1, q0, q1 = tile
         r0, r1 = I64(0), pl["R"]
-        # the clipped edge's range cuts its group's range
+        # the clipped edge's range cuts its group's range; it is the group's outermost
+        # edge, so its range times the other edges' extent is one run of the group
         ranges = {"P": [p0, p1], "Q": [q0, q1], "R": [r0, r1]}
         for e in lo:
-            g = "P" if self.P == (e,) else "Q" if self.Q == (e,) else "R"
-            ranges[g] = [self.smax(b, ranges[g][0], lo[e]), self.smin(ranges[g][1], self.hi[e])]
+            g = next(g for g in ("P", "Q", "R") if getattr(self, g)[:1] == (e,))
+            inner = self.f.count(getattr(self, g)[1:])
+            start, end = b.mul(lo[e], inner), b.mul(self.hi[e], inner)
+            ranges[g] = [self.smax(b, ranges[g][0], start), self.smin(ranges[g][1], end)]
         (ps, pe), (qs, qe), (rs, re) = ranges["P"], ranges["Q"], ranges["R"]
         nonempty = b.and_(b.icmp_signed("<", ps, pe), b.icmp_signed("<", qs, qe))
         if ok is not None:

@@ -1,0 +1,158 @@
+"""2-D convolution probe: cold compile times and step times against PyTorch eager.
+
+    python benchmarks/conv2d_probe.py compile FILE.tg...   # cold compile, split by stage
+    python benchmarks/conv2d_probe.py run [--batch 16] [--rounds 5]
+
+`compile`: for each file, in a fresh process with an empty cache, the front end, the
+IR passes, the lowering stages and code generation with LLVM, and the lines of LLVM
+IR. `run`: benchmarks/workloads/conv2d.tg (batch x 32 -> 64 channels, 32 x 32, 3 x 3,
+padding 1: y, dx and dK) with a symbolic batch and with the batch fixed in the file,
+against torch.nn.functional.conv2d and autograd (float32). Every contender runs in a
+process of its own with its own defaults (no GOMP_SPINCOUNT or thread setting is
+imposed on any), the processes take turns `--rounds` times, and each reports the
+time per call of samples of at least 0.2 s; the table shows the minimum and median
+over all samples. The machine is shared: repeat, and read minima.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONV2D = HERE / "workloads" / "conv2d.tg"
+
+
+def _inputs(batch: int):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((batch, 32, 32, 32)).astype(np.float32),
+            "dy": rng.standard_normal((batch, 64, 32, 32)).astype(np.float32),
+            "K": (rng.standard_normal((64, 32, 3, 3)) / math.sqrt(32 * 9)).astype(np.float32)}
+
+
+def _fixed_source(batch: int) -> str:
+    text = CONV2D.read_text()
+    fixed = text.replace("\ndim batch\n", f"\ndim batch = {batch}\n")
+    assert fixed != text, "conv2d.tg no longer declares 'dim batch' on a line of its own"
+    return fixed
+
+
+def _samples(step, count: int) -> list[float]:
+    step()
+    out = []
+    for _ in range(count):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            step()
+            n += 1
+        out.append((time.perf_counter() - t0) / n)
+    return out
+
+
+def worker(name: str, batch: int, count: int) -> None:
+    """One contender's samples, as JSON on stdout."""
+    a = _inputs(batch)
+    if name == "torch":
+        import torch
+        import torch.nn.functional as F
+        x, K, dy = torch.tensor(a["x"], requires_grad=True), torch.tensor(a["K"], requires_grad=True), \
+            torch.tensor(a["dy"])
+
+        def step():
+            y = F.conv2d(x, K, padding=1)
+            return torch.autograd.grad(y, (x, K), dy)
+    else:
+        import tgc
+        prog = tgc.compile(str(CONV2D) if name == "tgc" else _fixed_source(batch))
+
+        def step():
+            return prog(**a)
+    print(json.dumps(_samples(step, count)))
+
+
+def run(args) -> None:
+    names = ["tgc", "tgc-fixed", "torch"]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as cache:   # each tgc program compiles once, then hits
+        env = dict(os.environ, TGC_CACHE_DIR=cache)
+        for _ in range(args.rounds):
+            for n in names:
+                out = subprocess.run([sys.executable, __file__, "worker", n, str(args.batch), str(args.samples)],
+                                     env=env, check=True, capture_output=True, text=True).stdout
+                samples[n] += json.loads(out.strip().splitlines()[-1])
+    base = min(samples["torch"])
+    print(f"conv2d {args.batch} x 32 -> 64, 32 x 32, 3 x 3, padding 1 (y, dx, dK), f32; "
+          f"{args.rounds} rounds x {args.samples} samples")
+    for n in names:
+        s = samples[n]
+        print(f"  {n:10s} min {min(s) * 1e3:7.2f} ms  median {statistics.median(s) * 1e3:7.2f} ms  "
+              f"min / torch min {min(s) / base:5.2f}")
+
+
+def compile_one(path: str) -> None:
+    """Cold compile of one file, in this process (the caller gives an empty cache)."""
+    t0 = time.perf_counter()
+    import tgc
+    from tgc import driver
+    from tgc.options import Options
+    from tgc.passes.plan import lower_module
+    t_import = time.perf_counter() - t0
+    opts = Options()
+    t0 = time.perf_counter()
+    module = driver.load(path, opts)
+    t_front = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    passed = driver.lower(module, opts).module
+    t_passes = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    low = lower_module(passed, opts)
+    t_lower = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prog = tgc.compile(path)
+    t_total = time.perf_counter() - t0
+    lines = prog.llvm_ir.count("\n")
+    llvm = max(0.0, t_total - t_front - t_passes - t_lower)
+    print(f"{path}: tgc.compile {t_total:.2f} s = front end {t_front:.2f} + passes {t_passes:.2f} + "
+          f"lowering {t_lower:.2f} + code generation and LLVM {llvm:.2f}; {len(low.kernels)} kernels, "
+          f"{lines} lines of LLVM IR (import tgc {t_import:.2f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile", help="cold compile times, split by stage")
+    c.add_argument("files", nargs="+")
+    r = sub.add_parser("run", help="step times against torch eager")
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--rounds", type=int, default=5)
+    r.add_argument("--samples", type=int, default=3)
+    w = sub.add_parser("worker")
+    w.add_argument("name")
+    w.add_argument("batch", type=int)
+    w.add_argument("samples", type=int)
+    c1 = sub.add_parser("compile-one")
+    c1.add_argument("file")
+    args = ap.parse_args()
+    if args.cmd == "worker":
+        worker(args.name, args.batch, args.samples)
+    elif args.cmd == "compile-one":
+        compile_one(args.file)
+    elif args.cmd == "compile":
+        for f in args.files:
+            with tempfile.TemporaryDirectory() as cache:
+                subprocess.run([sys.executable, __file__, "compile-one", f],
+                               env=dict(os.environ, TGC_CACHE_DIR=cache), check=True)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

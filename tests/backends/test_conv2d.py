@@ -1,0 +1,250 @@
+"""Two-dimensional convolutions written with reindex (issue 16, item 7).
+
+Small ones (a digits model's) compile to little code, large ones run as GEMMs with
+no transposing copies, and a program whose sizes are fixed in the file takes the
+same plan as the symbolic one. Compile and run times are measured by
+`benchmarks/conv2d_probe.py`, not asserted here (timed assertions are flaky on a
+shared machine); what is asserted is the shape of the plan, the size of the
+generated code, and the values against the interpreter and PyTorch.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import driver
+from tgc.frontend import compile_source
+from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
+from tgc.options import Options
+from tgc.passes.plan import lower_module
+from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+TINY = ROOT / "tests" / "programs" / "good" / "039_conv2d_pool.tg"
+BENCH = ROOT / "benchmarks" / "workloads" / "conv2d.tg"
+CONV1D = ROOT / "benchmarks" / "workloads" / "conv1d.tg"
+
+# Two convolutions and two pools, as a digits model with a second layer has them.
+# The second convolution reads the pooled activations (not an input), and its input
+# gradient reads the first pool's gradient: before, fuse gave BLAS the product of its
+# two window indicators as a dense 0/1 operand over six edges (kh, kw, q2h, q2w, qh,
+# qw), and the program was 80,000 lines of LLVM IR (8 s to compile).
+TWO_LAYERS = """
+dim batch
+dim cin = 1, c1 = 8, c2 = 16, h = 8, w = 8, kh = 3, kw = 3
+dim ho = h, wo = w
+dim ph = 2, pw = 2, qh = h / 2, qw = w / 2
+dim q2h = qh, q2w = qw, rh = qh / 2, rw = qw / 2
+dim classes = 10
+input  x[batch, cin, h, w]
+input  y[batch, classes]
+param  K1[c1, cin, kh, kw], b1[c1]
+param  K2[c2, c1, kh, kw], b2[c2]
+param  W[c2, rh, rw, classes], b[classes]
+input  lr
+a1 = relu(x[h = ho + kh - 1, w = wo + kw - 1] @ K1 + b1)
+z1 = max[ph, pw](a1[ho = 2*qh + ph, wo = 2*qw + pw])
+a2 = relu(z1[qh = q2h + kh - 1, qw = q2w + kw - 1] @ K2 + b2)
+z2 = max[ph, pw](a2[q2h = 2*rh + ph, q2w = 2*rw + pw])
+loss = mean[batch](cross_entropy[classes](z2 @ W + b, y))
+out loss
+update K1 = K1 - lr * grad(loss, K1)
+update b1 = b1 - lr * grad(loss, b1)
+update K2 = K2 - lr * grad(loss, K2)
+update b2 = b2 - lr * grad(loss, b2)
+update W = W - lr * grad(loss, W)
+update b = b - lr * grad(loss, b)
+"""
+
+
+def _source(which) -> str:
+    return which.read_text() if isinstance(which, Path) else which
+
+
+def _fixed(text: str, batch: int) -> str:
+    """The program with its batch fixed in the file (`dim batch = N`)."""
+    fixed, n = re.subn(r"^dim batch$", f"dim batch = {batch}", text, flags=re.M)
+    assert n == 1
+    return fixed
+
+
+def _lowered(text: str, dtype: str = "f32"):
+    options = Options(dtype=dtype)
+    module = driver.lower(compile_source(text, "<test>", options), options).module
+    return lower_module(module, options)
+
+
+def _members(low):
+    for k in low.kernels:
+        if isinstance(k, LoopGroup):
+            yield from k.members
+        elif isinstance(k, LoopKernel):
+            yield k
+
+
+def _dense_indicators(low) -> list[str]:
+    """Loop kernels that write a relation as numbers: masked, and loading nothing."""
+    out = []
+    for k in _members(low):
+        nodes = list(walk(k.body)) + (list(walk(k.epilogue)) if k.epilogue is not None else [])
+        if any(isinstance(n, Mask) for n in nodes) and not any(isinstance(n, Load) for n in nodes):
+            out.append(k.text())
+    return out
+
+
+def _function_lines(llvm_ir: str) -> dict[str, int]:
+    lines, name = {}, None
+    for line in llvm_ir.splitlines():
+        m = re.match(r'define .*@"?([^"( ]+)"?\(', line)
+        if m:
+            name = m.group(1)
+            lines[name] = 0
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            lines[name] += 1
+    return lines
+
+
+@pytest.mark.parametrize("which", [TINY, TWO_LAYERS, BENCH], ids=["tiny", "two_layers", "bench"])
+def test_no_indicator_is_materialized(which):
+    low = _lowered(_source(which))
+    assert not _dense_indicators(low)
+    for k in low.kernels:   # no GEMM operand is written by a kernel that loads nothing
+        if isinstance(k, GemmKernel):
+            for view in (k.a, k.b):
+                writers = [m for m in _members(low) if m.out == view.buf]
+                assert all(any(isinstance(n, Load) for n in walk(m.body)) for m in writers), k.text()
+
+
+@pytest.mark.parametrize("which, max_lines, max_kernels",
+                         [(TINY, 8_000, 12), (TWO_LAYERS, 20_000, 32)], ids=["tiny", "two_layers"])
+def test_small_convolutions_are_little_code(which, max_lines, max_kernels):
+    """Bounds with room (the tiny program is ~4,300 lines, the two layers ~9,500;
+    before, 80,000 with one kernel of 19,000): what they catch is a blow-up, such as
+    nested short loops unrolled into each other or a dense relation."""
+    prog = tgc.compile(_source(which))
+    lines = _function_lines(prog.llvm_ir)
+    assert sum(lines.values()) <= max_lines, sorted(lines.items(), key=lambda kv: -kv[1])[:5]
+    assert max(lines.values()) <= 2_500, sorted(lines.items(), key=lambda kv: -kv[1])[:5]
+    assert len(prog.lowered.kernels) <= max_kernels
+
+
+def _unrolled_copies(k: LoopKernel) -> int:
+    copies = 1
+    for v in k.loops:
+        if unrolled(k, v):
+            copies *= k.sizes[v]
+    return copies
+
+
+def test_nested_short_loops_unroll_within_the_budget():
+    """A 2x2 max-pool's gradient over 4 x 4 pooled positions (loops 4, 2, 4, 2 around
+    the channels): the innermost short loops unroll, the copies stay within budget."""
+    low = _lowered(TINY.read_text())
+    pools = [k for k in _members(low) if {"ph", "pw", "qh", "qw"} <= set(k.loops)]
+    assert pools
+    for k in pools:
+        assert 1 < _unrolled_copies(k) <= UNROLL_COPIES, k.text()
+    for k in _members(low):
+        assert _unrolled_copies(k) <= UNROLL_COPIES, k.text()
+
+
+def _conv_inputs(path: Path, batch: int, dtype, seed: int = 0) -> dict:
+    m = compile_source(path.read_text(), str(path), Options())
+    return random_inputs(m, m.bind_dims({d: batch for d in m.symbolic_dims()}), seed, dtype)
+
+
+@pytest.mark.parametrize("which", [TINY, BENCH], ids=["tiny", "bench"])
+def test_convolution_matches_the_interpreter(which):
+    """f64: the CPU program (shifted GEMMs, im2col, col2im loops) against the
+    interpreter's reading of the indicators, to rounding."""
+    text = which.read_text()
+    m = compile_source(text, str(which), Options(dtype="f64"))
+    inputs = _conv_inputs(which, 3, "f64")
+    want = evaluate(driver.lower(m, Options(dtype="f64")).module, {k: v.copy() for k, v in inputs.items()},
+                    dtype="f64", dims={"batch": 3})
+    for source in (text, _fixed(text, 3)):
+        got = tgc.compile(source, dtype="f64").run({k: v.copy() for k, v in inputs.items()},
+                                                   None if source != text else {"batch": 3})
+        for name, ref in want.items():
+            scale = max(1.0, float(np.max(np.abs(ref))))
+            np.testing.assert_allclose(got[name], ref, rtol=1e-10, atol=1e-10 * scale, err_msg=name)
+
+
+def test_small_convolution_and_pool_match_torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
+    F = torch.nn.functional
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 1, 8, 8))
+    K, bias = rng.standard_normal((4, 1, 3, 3)), rng.standard_normal(4)
+    dz = rng.standard_normal((5, 4, 4, 4))
+    tx, tK = torch.tensor(x, requires_grad=True), torch.tensor(K, requires_grad=True)
+    z = F.relu(F.max_pool2d(F.conv2d(tx, tK, torch.tensor(bias), padding=1), 2))
+    dx, dK = torch.autograd.grad(z, (tx, tK), torch.tensor(dz))
+    got = tgc.compile(str(TINY), dtype="f64")(x=x, K=K, bias=bias, dz=dz)
+    for name, ref in (("z", z), ("dx", dx), ("dK", dK)):
+        np.testing.assert_allclose(got[name], ref.detach().numpy(), rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_benchmark_convolution_matches_torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
+    F = torch.nn.functional
+    rng = np.random.default_rng(2)
+    x, dy = rng.standard_normal((3, 32, 32, 32)), rng.standard_normal((3, 64, 32, 32))
+    K = rng.standard_normal((64, 32, 3, 3)) / np.sqrt(32 * 9)
+    tx, tK = torch.tensor(x, requires_grad=True), torch.tensor(K, requires_grad=True)
+    y = F.conv2d(tx, tK, padding=1)
+    dx, dK = torch.autograd.grad(y, (tx, tK), torch.tensor(dy))
+    text = BENCH.read_text()
+    for source in (text, _fixed(text, 3)):
+        got = tgc.compile(source, dtype="f32")(x=x.astype(np.float32), dy=dy.astype(np.float32),
+                                               K=K.astype(np.float32))
+        for name, ref in (("y", y), ("dx", dx), ("dK", dK)):
+            ref = ref.detach().numpy()
+            err = np.linalg.norm(got[name] - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, (name, err)
+
+
+def test_benchmark_convolution_runs_as_gemms_without_copies():
+    """y: the windows (im2col) and one GEMM per image; dx: one GEMM per image and
+    kernel row on dy shifted by rows, whole rows per call (the clipped edge h is the
+    outer edge of the group (h, w)), then a sum over the kernel columns; dK: the
+    windows again, one call per image adding into dK. Neither dy nor the windows are
+    copied into a transposed temporary."""
+    low = _lowered(BENCH.read_text())
+    gemms = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    assert len(gemms) == 3
+    shifted = [g for g in gemms if g.shifts]
+    assert len(shifted) == 1
+    (role, edge, _), = shifted[0].shifts
+    group = next(g for g in (shifted[0].m, shifted[0].n) if edge in g)
+    assert len(group) == 2 and set(shifted[0].taps) == {"kh"}
+    assert any(g.taps == ("batch",) and not g.shifts for g in gemms)   # dK
+    copies = [k for k in _members(low) if "transposing copy" in k.note]
+    assert all("batch" not in low.buffers[k.out].edges for k in copies), [k.text() for k in copies]
+
+
+def _gemm_shapes(low) -> list[tuple]:
+    return [(k.batch, k.m, k.n, k.k, k.taps, tuple((r, e, str(ix)) for r, e, ix in k.shifts))
+            for k in low.kernels if isinstance(k, GemmKernel)]
+
+
+@pytest.mark.parametrize("path, batch", [(BENCH, 16), (CONV1D, 32)], ids=["conv2d", "conv1d"])
+def test_fixed_sizes_take_the_symbolic_plan(path, batch):
+    """A program with its batch (and, for conv1d, its length) fixed in the file makes
+    the same GEMMs as the symbolic one. Before, the taps were chosen as the shortest
+    edges only among fixed ones: conv1d fixed looped over 1,024 output positions of
+    64 x 32 x 5 products, 1.7x slower."""
+    text = path.read_text()
+    fixed = text.replace("dim batch, len", f"dim batch = {batch}, len = 1024") if path == CONV1D \
+        else _fixed(text, batch)
+    assert fixed != text
+    sym, fix = _lowered(text), _lowered(fixed)
+    assert _gemm_shapes(sym) == _gemm_shapes(fix)
+    assert len(sym.kernels) >= len(fix.kernels)
