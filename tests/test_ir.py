@@ -53,6 +53,18 @@ def test_hash_consing_shares_equal_values():
     assert V.map_("exp", x) is not V.map_("log", x)
 
 
+def test_hash_consing_table_holds_values_weakly():
+    """A value nothing else holds is freed with its table entry; its type is shared."""
+    x = V.arg("x", "f32", ["b", "f"])
+    before = len(V.Value._table)
+    y = V.map_("exp", V.map_("log", x))
+    assert len(V.Value._table) == before + 2
+    assert y.type is x.type and y.type == V.TensorType("f32", ("b", "f"))
+    del y
+    assert len(V.Value._table) == before
+    assert V.map_("exp", V.map_("log", x)).operands[0].operands == (x,)
+
+
 def test_builder_type_errors():
     x = V.arg("x", "f32", ["a", "b"])
     with pytest.raises(V.IRError, match="twice"):

@@ -76,9 +76,10 @@ class ProgramBuilder:
         """Imports first, then every function (hoisted and checked), then the rest in order."""
         program = parse(text, name)
         self.files.append(name)
+        here = Path(name)
         for item in program.items:
             if isinstance(item, ast.Import):
-                self._Import(item, Path(name))
+                self._Import(item, here)
         defined = [item.name for item in program.items if isinstance(item, ast.FnDef)]
         for item in program.items:
             if isinstance(item, ast.FnDef):
@@ -88,7 +89,7 @@ class ProgramBuilder:
             if isinstance(item, (ast.FnDef, ast.Import)):
                 continue
             if top or isinstance(item, ast.DimDecl):
-                getattr(self, f"_{type(item).__name__}")(item, Path(name))
+                getattr(self, f"_{type(item).__name__}")(item, here)
         if top:  # after every call: those report their own errors with the call's context
             for fn in self.user_fns:
                 check_names(self.fns[fn].defn, self.fns, self.scope.kinds)

@@ -66,6 +66,7 @@ class Elaborator:
     def __init__(self, module: Module, scope: Scope, dtype: str):
         self.m, self.scope, self.dtype = module, scope, dtype
         self.used: set[str] = set()  # top-level tensor names read somewhere
+        self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -110,10 +111,13 @@ class Elaborator:
     # ---- expressions ------------------------------------------------------------
 
     def expr(self, node, ctx: Ctx) -> V.Value:
-        method = getattr(self, f"_{type(node).__name__}", None)
+        method = self.methods.get(type(node))
         if method is None:
-            raise self.error(f"unexpected {type(node).__name__} in an expression", node, ctx)
-        return method(node, ctx)
+            method = getattr(type(self), f"_{type(node).__name__}", None)
+            if method is None:
+                raise self.error(f"unexpected {type(node).__name__} in an expression", node, ctx)
+            self.methods[type(node)] = method
+        return method(self, node, ctx)
 
     def fexpr(self, node, ctx: Ctx) -> V.Value:
         """An expression that must be float."""

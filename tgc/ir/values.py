@@ -33,6 +33,7 @@ there is no axis order). The primitive ops and their attributes:
 from __future__ import annotations
 
 import weakref
+from _weakref import _remove_dead_weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -61,6 +62,10 @@ class IRError(ValueError):
     """An ill-typed IR construction (wrong edges, dtypes, arity)."""
 
 
+_TYPES: dict = {}   # (dtype, edges) -> TensorType: types are shared, at most _MAX_TYPES kept
+_MAX_TYPES = 4096
+
+
 @dataclass(frozen=True)
 class TensorType:
     dtype: str
@@ -68,17 +73,34 @@ class TensorType:
 
     @staticmethod
     def of(dtype: str, edges: Iterable[str]) -> "TensorType":
-        return TensorType(dtype, tuple(sorted(set(edges))))
+        key = (dtype, tuple(sorted(set(edges))))
+        found = _TYPES.get(key)
+        if found is None:
+            if len(_TYPES) >= _MAX_TYPES:
+                _TYPES.clear()
+            found = _TYPES[key] = TensorType(*key)
+        return found
 
     def __str__(self) -> str:
         return f"{self.dtype}[{', '.join(self.edges)}]"
 
 
+class _Entry(weakref.ref):
+    """The hash-consing table's weak reference to a value, with the value's key."""
+
+    __slots__ = ("key",)
+
+
 class Value:
-    """One node of the DAG. Build with the functions below, never directly."""
+    """One node of the DAG. Build with the functions below, never directly.
+
+    `_table` maps (op, operand ids, attrs, dtype, edges) to a weak reference to the
+    value, as a `WeakValueDictionary` would, in C: a value no longer used elsewhere is
+    freed and its entry removed (only if it still refers to the dead value, as
+    `WeakValueDictionary` does). The operands a live value holds keep their ids."""
 
     __slots__ = ("op", "operands", "attrs", "type", "loc", "__weakref__")
-    _table: "weakref.WeakValueDictionary[tuple, Value]" = weakref.WeakValueDictionary()
+    _table: "dict[tuple, _Entry]" = {}
 
     op: str
     operands: tuple["Value", ...]
@@ -89,13 +111,18 @@ class Value:
     @classmethod
     def make(cls, op: str, operands: Sequence["Value"], attrs: tuple, type: TensorType,
              loc: Loc | None = None) -> "Value":
-        key = (op, tuple(id(o) for o in operands), attrs, type)
-        found = cls._table.get(key)
-        if found is not None:
-            return found
+        key = (op, tuple(map(id, operands)), attrs, type.dtype, type.edges)
+        table = cls._table
+        entry = table.get(key)
+        if entry is not None:
+            found = entry()
+            if found is not None:
+                return found
         v = object.__new__(cls)
         v.op, v.operands, v.attrs, v.type, v.loc = op, tuple(operands), attrs, type, loc
-        cls._table[key] = v
+        entry = _Entry(v, _forget)
+        entry.key = key
+        table[key] = entry
         return v
 
     @property
@@ -110,6 +137,11 @@ class Value:
         return f"<{self.op}{list(self.attrs) if self.attrs else ''} : {self.type}>"
 
 
+def _forget(entry: _Entry) -> None:
+    """A value was freed: its entry goes, unless the key has been made anew since."""
+    _remove_dead_weakref(Value._table, entry.key)
+
+
 def _union(values: Iterable[Value]) -> set[str]:
     out: set[str] = set()
     for v in values:
@@ -118,6 +150,10 @@ def _union(values: Iterable[Value]) -> set[str]:
 
 
 def _float_dtype(values: Sequence[Value]) -> str:
+    if values:
+        first = values[0].type.dtype
+        if first != "i32" and all(v.type.dtype == first for v in values):
+            return first
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
         raise IRError("integer (i32) tensors can only be used as gather indices")
@@ -145,7 +181,7 @@ def size(edge: str, dtype: str, loc: Loc | None = None) -> Value:
 def add(operands: Sequence[Value], coefs: Sequence[float] | None = None, loc: Loc | None = None) -> Value:
     if not operands:
         raise IRError("add needs at least one operand")
-    coefs = tuple(float(c) for c in (coefs if coefs is not None else [1.0] * len(operands)))
+    coefs = tuple(map(float, coefs)) if coefs is not None else (1.0,) * len(operands)
     if len(coefs) != len(operands):
         raise IRError("add needs one coefficient per operand")
     dtype = _float_dtype(operands)
