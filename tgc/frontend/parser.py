@@ -24,8 +24,10 @@ from pathlib import Path
 import lark
 from lark import Lark, Token
 from lark.grammar import Rule
+from lark.lexer import BasicLexer, LexerState
 from lark.parse_tree_builder import ExpandSingleChild
 from lark.parsers.lalr_parser_state import ParserState
+from lark.utils import TextSlice
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from tgc.frontend import ast
@@ -139,6 +141,50 @@ class _BracketNewlines:
             yield tok
 
 
+class _Lexer(BasicLexer):
+    """lark's basic lexer, its loop made tighter: the same scanner (one regular
+    expression of every terminal, in lark's order), the same `Token`s with the same
+    positions, the same line counting (a newline counts only in the terminals lark
+    counts it in) and the same errors (on a character nothing matches, lark's own
+    `next_token` raises from the same position). What it saves is lark's per-token
+    calls through `next_token`, `match`, `Scanner.match` and `LineCounter.feed`, on
+    each token and on each run of blanks between tokens. A scanner lark split in
+    several expressions, lexer callbacks, or input other than a `TextSlice` are lexed
+    by lark's own loop."""
+
+    def lex(self, state: LexerState, parser_state):
+        scanner, text = self.scanner, state.text
+        if len(scanner._mres) != 1 or self.callback or not isinstance(text, TextSlice):
+            yield from super().lex(state, parser_state)
+            return
+        match = scanner._mres[0].match
+        ignored, newline_types = self.ignore_types, self.newline_types
+        text, end, ctr = text.text, text.end, state.line_ctr
+        nl = ctr.newline_char
+        pos, line, line_start, last = ctr.char_pos, ctr.line, ctr.line_start_pos, state.last_token
+        try:
+            while pos < end:
+                m = match(text, pos, end)
+                if m is None:
+                    break
+                value, kind, start, first_line, column = m.group(0), m.lastgroup, pos, line, pos - line_start + 1
+                if kind in newline_types:
+                    count = value.count(nl)
+                    if count:
+                        line += count
+                        line_start = pos + value.rindex(nl) + 1
+                pos += len(value)
+                if kind not in ignored:
+                    last = Token(kind, value, start, first_line, column, line, pos - line_start + 1, pos)
+                    yield last
+        finally:   # where lark's LineCounter would be
+            ctr.char_pos, ctr.line, ctr.line_start_pos = pos, line, line_start
+            ctr.column = pos - line_start + 1
+            state.last_token = last
+        if pos < end:   # nothing matches here: lark's own error
+            super().next_token(state, parser_state)
+
+
 def _grammar_path() -> Path:
     here = Path(__file__).with_name("tg.lark")
     return here if here.exists() else Path(__file__).resolve().parents[2] / "grammar" / "tg.lark"
@@ -146,7 +192,8 @@ def _grammar_path() -> Path:
 
 _TABLES = Path(__file__).with_name("lark_tables.json")   # `python -m tgc.frontend.parser` writes it
 _OPTIONS = dict(parser="lalr", lexer="basic", keep_all_tokens=True, maybe_placeholders=False)
-_RUNTIME_OPTIONS = ("postlex", "transformer")   # objects of this process, never serialized
+_RUNTIME_OPTIONS = ("postlex", "transformer", "_plugins")   # objects of this process, never serialized
+_PLUGINS = {"BasicLexer": _Lexer}   # lark's hook for its basic lexer's class
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,10 +207,10 @@ def _lark() -> Lark:
         tables = json.loads(_TABLES.read_text(encoding="utf-8"), object_pairs_hook=_int_keys)
         if tables["grammar_sha256"] == _grammar_digest(grammar) and tables["lark"] == lark.__version__:
             return _tuned(Lark._load_from_dict(tables["data"], tables["memo"], postlex=_POSTLEX,
-                                               transformer=_BUILDER))
+                                               transformer=_BUILDER, _plugins=_PLUGINS))
     except Exception:  # noqa: BLE001 -- absent, stale or unreadable tables: build them
         pass
-    return _tuned(Lark(grammar, postlex=_POSTLEX, transformer=_BUILDER, **_OPTIONS))
+    return _tuned(Lark(grammar, postlex=_POSTLEX, transformer=_BUILDER, _plugins=_PLUGINS, **_OPTIONS))
 
 
 class _Rule(Rule):
@@ -216,7 +263,6 @@ def tables_json() -> str:
     """The text of `lark_tables.json`: the LALR tables of the grammar (lark's own
     serialization, as data), with the grammar's hash and the lark version they are
     valid for."""
-    from lark.grammar import Rule
     from lark.lexer import TerminalDef
 
     grammar = _grammar_path().read_text(encoding="utf-8")
