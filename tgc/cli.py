@@ -173,17 +173,20 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
     Example:
       tgc check examples/mlp.tg examples/gpt.tg
     """
+    from tgc.frontend.parser import gc_paused
+
     failed = False
-    for path in files:
-        try:
-            warnings = driver.load_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
-        except CompileError as e:
-            report(e.diagnostics())
-            failed = True
-            continue
-        if not no_warnings or werror:
-            report([replace(w, severity="error") if werror else w for w in warnings])
-        failed = failed or (werror and bool(warnings))
+    with gc_paused():   # each program is freed once its warnings are out: the collector would find nothing
+        for path in files:
+            try:
+                warnings = driver.load_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
+            except CompileError as e:
+                report(e.diagnostics())
+                failed = True
+                continue
+            if not no_warnings or werror:
+                report([replace(w, severity="error") if werror else w for w in warnings])
+            failed = failed or (werror and bool(warnings))
     if failed:
         sys.exit(EXIT_USER)
 
