@@ -33,6 +33,8 @@ def parser(name: str, doc: str, steps: int, quick_steps: int) -> argparse.Argume
     p.add_argument("--quick", action="store_true",
                    help="a few steps and a short PyTorch comparison: a smoke test that takes seconds")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch side-by-side timing")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads for tgc's step and for PyTorch (default 0: every core, each library's default)")
     p.set_defaults(default_steps=steps, quick_steps=quick_steps)
     return p
 
@@ -44,7 +46,19 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args.steps = args.quick_steps if args.quick else args.default_steps
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.threads < 0:
+        p.error("--threads must be 0 (every core) or more")
     return args
+
+
+def compile_step(path: Path, args):
+    """`tgc.compile(path)` with --threads, printing how long it took (a first compile
+    takes seconds; later runs find the code in tgc's cache)."""
+    import tgc
+    t = time.perf_counter()
+    program = tgc.compile(path, options=tgc.Options(threads=args.threads))
+    print(f"compiled {path.name} in {seconds(time.perf_counter() - t)}")
+    return program
 
 
 def scalar(value: float) -> np.ndarray:
@@ -119,11 +133,14 @@ def plot(path: Path, title: str, losses: list[float], evals: list[tuple[int, dic
     a.set_xlabel("step")
     a.set_ylabel("training loss")
     a.legend()
+    lowest = 100.0
     for name in (evals[0][1] if evals else {}):
-        b.plot([s for s, _ in evals], [100 * e[name] for _, e in evals], marker=".", label=name)
+        values = [100 * e[name] for _, e in evals]
+        b.plot([s for s, _ in evals], values, marker=".", label=name)
+        lowest = min(lowest, *values)
     b.set_xlabel("step")
     b.set_ylabel("accuracy (%)")
-    b.set_ylim(0, 101)
+    b.set_ylim(max(0.0, 10 * np.floor(lowest / 10) - 5), 100.5)
     b.legend()
     fig.suptitle(title)
     fig.tight_layout()
@@ -155,6 +172,9 @@ def compare_with_torch(args, what: str, batch: int, steps: int, make_torch_step,
         note("PyTorch is not installed: no side-by-side step time")
         return {}
     k = min(steps, len(losses))
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     torch_step = make_torch_step()
     torch_losses, torch_times = [], []
     for i in range(k):

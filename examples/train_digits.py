@@ -3,9 +3,9 @@
     python examples/train_digits.py                   # the full run (see README, "Training")
     python examples/train_digits.py --quick           # a smoke test: a few steps
 
-The step is `train_digits.tg`: a 3x3 convolution written as a reindex, relu, 2x2
-max-pool, a hidden layer and softmax cross-entropy, with Adam on every parameter, in
-one native call. The data are the 1,797 images of `sklearn.datasets.load_digits`
+The step is `train_digits.tg`: two blocks of 3x3 convolution (written as a reindex),
+relu and 2x2 max-pool, a linear layer and softmax cross-entropy, with Adam on every
+parameter, in one native call. The data are the 1,797 images of `sklearn.datasets.load_digits`
 (they ship with scikit-learn: no download), scaled to [0, 1]; a quarter, stratified
 by class and chosen by `--seed`, is the test set. Each step trains on a minibatch of
 64 images; each epoch visits the training images in a new order.
@@ -58,7 +58,7 @@ def init(program: tgc.Program, seed: int) -> dict[str, np.ndarray]:
         if spec.kind == "state" or (spec.kind == "param" and spec.name.startswith("b")):
             arrays[spec.name] = np.zeros(spec.shape, np.float32)
         elif spec.kind == "param":
-            fan_in = int(np.prod(spec.shape)) // spec.shape[0 if spec.name == "K" else -1]
+            fan_in = int(np.prod(spec.shape)) // spec.shape[0 if spec.name.startswith("K") else -1]
             arrays[spec.name] = (np.sqrt(2 / fan_in) * rng.standard_normal(spec.shape)).astype(np.float32)
     return arrays
 
@@ -86,22 +86,21 @@ def batches(n: int, steps: int, seed: int) -> list[np.ndarray]:
 def torch_trainer(params: dict, dtype="float32"):
     """(P, step, optimizer): PyTorch copies of `params`, a function that takes one Adam
     step (torch.optim.Adam, foreach) on (x, one-hot y) and returns the loss before it,
-    and the optimizer. The model is train_digits.tg's: K is [out channels, ky, kx], W1
-    [ch, pi, pj, hidden]."""
+    and the optimizer. The model is train_digits.tg's: K1 is [out channels, ky, kx], K2
+    [out channels, in channels, ky, kx], W [channels, rows, columns, classes]."""
     import torch
     import torch.nn.functional as F
     P = {k: torch.tensor(v, dtype=getattr(torch, dtype), requires_grad=True) for k, v in params.items()}
     opt = torch.optim.Adam(list(P.values()), lr=LR, foreach=True)
 
     def loss_of(x, y):
-        conv = F.conv2d(x[:, None], P["K"][:, None], P["bk"], padding=1)          # [batch, ch, 8, 8]
-        pooled = F.relu(F.max_pool2d(conv, 2))                                   # [batch, ch, 4, 4]
-        hid = F.relu(pooled.flatten(1) @ P["W1"].flatten(0, 2) + P["b1"])
-        return F.cross_entropy(hid @ P["W2"] + P["b2"], y)
+        pool1 = F.relu(F.max_pool2d(F.conv2d(x[:, None], P["K1"][:, None], P["b1"], padding=1), 2))
+        pool2 = F.relu(F.max_pool2d(F.conv2d(pool1, P["K2"], P["b2"], padding=1), 2))   # [batch, 32, 2, 2]
+        return F.cross_entropy(pool2.flatten(1) @ P["W"].flatten(0, 2) + P["b"], y)
 
     def step(x: np.ndarray, y: np.ndarray) -> float:
         opt.zero_grad(set_to_none=True)
-        loss = loss_of(torch.from_numpy(x).to(P["K"].dtype), torch.from_numpy(y).to(P["K"].dtype))
+        loss = loss_of(torch.from_numpy(x).to(P["W"].dtype), torch.from_numpy(y).to(P["W"].dtype))
         loss.backward()
         opt.step()
         return loss.item()
@@ -113,10 +112,8 @@ def torch_trainer(params: dict, dtype="float32"):
 def main(argv=None) -> int:
     args = tc.parse(tc.parser("digits", __doc__, steps=600, quick_steps=20), argv)
     xa, ya, xb, yb = load(args.seed)
-    t0 = time.perf_counter()
-    program = tgc.compile(TG)
-    print(f"compiled {TG.name} in {tc.seconds(time.perf_counter() - t0)}; {len(xa)} training images, "
-          f"{len(xb)} test images")
+    program = tc.compile_step(TG, args)
+    print(f"data: {len(xa)} training images, {len(xb)} test images")
 
     arrays = init(program, args.seed)
     params = {s.name: arrays[s.name] for s in program.inputs if s.kind == "param"}

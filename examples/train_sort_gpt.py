@@ -15,7 +15,9 @@ predicts the first sorted digit, which is appended to the input, and so on 6 tim
 sequence counts as right when all 6 predicted digits are. (For a causal model this
 exact-sequence accuracy equals the teacher-forced one, where every position's argmax
 must be the right digit: both fail at the first wrong digit.) The run reports the
-first step at which every held-out sequence is sorted right.
+first step at which every held-out sequence is sorted right. With seeds 0 to 7, seven
+runs sort all of them; seed 7 holds out [2, 2, 2, 2, 2, 1], the one sequence whose
+last digit is a lone 1 among 2s, and sorts every held-out sequence but that one.
 
 Writes `params.safetensors` (parameters and the optimizer's state, loadable with
 `tgc.load_params`) and `training.png` (loss and accuracies) to `--out`. With PyTorch
@@ -40,7 +42,8 @@ TG = tc.HERE / "train_sort_gpt.tg"
 N, VOCAB, LAYERS, C, HEADS = 6, 3, 3, 48, 3     # as the .tg file declares them
 T = 2 * N - 1
 BATCH = 64
-LR, MIN_LR, WARMUP, WEIGHT_DECAY = 2e-3, 1e-4, 100, 0.1
+LR, MIN_LR, WARMUP = 1e-3, 1e-4, 100
+WEIGHT_DECAY = 1.0     # strong: the model has no dropout (minGPT: 0.1, with dropout 0.1)
 BETAS, EPS = (0.9, 0.95), 1e-8                  # as the .tg file's adam_m, adam_v, adamw
 MATRICES = ("wq", "wk", "wv", "wo", "wfc", "wproj")
 
@@ -89,10 +92,12 @@ def init(program: tgc.Program, seed: int) -> dict[str, np.ndarray]:
 
 
 def learning_rate(step: int, steps: int) -> float:
-    """Linear warm-up over WARMUP steps, then a cosine decay to MIN_LR at `steps`."""
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    f = (step - WARMUP) / max(1, steps - WARMUP)
+    """Linear warm-up over WARMUP steps (a sixth of a shorter run), then a cosine
+    decay to MIN_LR at `steps`."""
+    warmup = max(1, min(WARMUP, steps // 6))
+    if step < warmup:
+        return LR * (step + 1) / warmup
+    f = (step - warmup) / max(1, steps - warmup)
     return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + np.cos(np.pi * min(f, 1.0)))
 
 
@@ -173,10 +178,8 @@ def torch_trainer(params: dict, dtype="float32"):
 def main(argv=None) -> int:
     args = tc.parse(tc.parser("sort_gpt", __doc__, steps=600, quick_steps=12), argv)
     train, held_out = split(args.seed)
-    t0 = time.perf_counter()
-    program = tgc.compile(TG)
-    print(f"compiled {TG.name} in {tc.seconds(time.perf_counter() - t0)}; {len(train)} training sequences, "
-          f"{len(held_out)} held out")
+    program = tc.compile_step(TG, args)
+    print(f"data: {len(train)} training sequences, {len(held_out)} held out")
 
     arrays = init(program, args.seed)
     params = {s.name: arrays[s.name] for s in program.inputs if s.kind == "param"}

@@ -97,10 +97,8 @@ def torch_trainer(params: dict, dtype="float32"):
 def main(argv=None) -> int:
     args = tc.parse(tc.parser("wine", __doc__, steps=300, quick_steps=20), argv)
     xa, ya, xb, yb, source = load(args.seed)
-    t0 = time.perf_counter()
-    program = tgc.compile(TG)
-    print(f"compiled {TG.name} in {tc.seconds(time.perf_counter() - t0)}; data: {source}, "
-          f"{len(xa)} training wines, {len(xb)} test wines")
+    program = tc.compile_step(TG, args)
+    print(f"data: {source}, {len(xa)} training wines, {len(xb)} test wines")
 
     params = init(program, args.seed)
     start = {k: v.copy() for k, v in params.items()}
