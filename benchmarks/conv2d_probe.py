@@ -8,10 +8,11 @@ IR passes, the lowering stages and code generation with LLVM, and the lines of L
 IR. `run`: benchmarks/workloads/conv2d.tg (batch x 32 -> 64 channels, 32 x 32, 3 x 3,
 padding 1: y, dx and dK) with a symbolic batch and with the batch fixed in the file,
 against torch.nn.functional.conv2d and autograd (float32). Every contender runs in a
-process of its own with its own defaults (no GOMP_SPINCOUNT or thread setting is
-imposed on any), the processes take turns `--rounds` times, and each reports the
-time per call of samples of at least 0.2 s; the table shows the minimum and median
-over all samples. The machine is shared: repeat, and read minima.
+process of its own, once with its own defaults and once with GOMP_SPINCOUNT=10000
+for all (libgomp's default spinning helps or hurts with the machine's load); the
+processes take turns `--rounds` times, and each reports the time per call of
+samples of at least 0.2 s; the table shows the minimum and median over all samples.
+The machine is shared: repeat, and read minima.
 """
 from __future__ import annotations
 
@@ -80,21 +81,27 @@ def worker(name: str, batch: int, count: int) -> None:
 
 def run(args) -> None:
     names = ["tgc", "tgc-fixed", "torch"]
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    # libgomp's spinning: each process's own default, and GOMP_SPINCOUNT=10000 for all
+    # (tgc's runtime default; benchmarks/run.py's setting), which favours neither
+    settings = {"default": {}, "spin 10000": {"GOMP_SPINCOUNT": "10000"}}
+    samples = {(n, s): [] for s in settings for n in names}
     with tempfile.TemporaryDirectory() as cache:   # each tgc program compiles once, then hits
-        env = dict(os.environ, TGC_CACHE_DIR=cache)
         for _ in range(args.rounds):
-            for n in names:
-                out = subprocess.run([sys.executable, __file__, "worker", n, str(args.batch), str(args.samples)],
-                                     env=env, check=True, capture_output=True, text=True).stdout
-                samples[n] += json.loads(out.strip().splitlines()[-1])
-    base = min(samples["torch"])
+            for s, extra in settings.items():
+                env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+                env.update(extra, TGC_CACHE_DIR=cache)
+                for n in names:
+                    cmd = [sys.executable, __file__, "worker", n, str(args.batch), str(args.samples)]
+                    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+                    samples[n, s] += json.loads(out.strip().splitlines()[-1])
     print(f"conv2d {args.batch} x 32 -> 64, 32 x 32, 3 x 3, padding 1 (y, dx, dK), f32; "
-          f"{args.rounds} rounds x {args.samples} samples")
-    for n in names:
-        s = samples[n]
-        print(f"  {n:10s} min {min(s) * 1e3:7.2f} ms  median {statistics.median(s) * 1e3:7.2f} ms  "
-              f"min / torch min {min(s) / base:5.2f}")
+          f"{args.rounds} rounds x {args.samples} samples per contender and setting")
+    for s in settings:
+        base = min(samples["torch", s])
+        for n in names:
+            t = samples[n, s]
+            print(f"  {s:10s} {n:10s} min {min(t) * 1e3:7.2f} ms  median {statistics.median(t) * 1e3:7.2f} ms  "
+                  f"min / torch min {min(t) / base:5.2f}")
 
 
 def compile_one(path: str) -> None:

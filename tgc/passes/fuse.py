@@ -150,16 +150,33 @@ class _Fuser:
     def solve(self, v: Value, env: dict[str, Ix], prefix: str):
         """Substitute the summed edges that indicators determine. The longest are
         eliminated first (`long_first`): what stays a loop is the short edge, so
-        `sum_{kw, wo} [w = wo + kw - 1] g[wo, kw]` loops over 3 taps, not 32 positions."""
+        `sum_{kw, wo} [w = wo + kw - 1] g[wo, kw]` loops over 3 taps, not 32 positions.
+        Where that leaves loops, a link may also determine an edge it scales (stride
+        2: `h = 2*ho + kh - 1` gives `ho = (h + 1 - kh) / 2` where that divides), if
+        that leaves shorter loops (`indexing.solve_conds`)."""
         factors, rels = self.parts(v)
-        names = {e: prefix + e for e in self.long_first(self.summed(v))}
+        summed = self.summed(v)
+        names = {e: prefix + e for e in self.long_first(summed)}
         full = dict(env)
         full.update({e: Ix.var(p) for e, p in names.items()})
         sizes = {p: edge_size(self.m, e) for e, p in names.items()}
         sol = solve(self.m, rels, full, names, sizes)
+        if sol.remaining:
+            other = solve(self.m, rels, full, names, sizes, divide=True)
+            if self.loop_volume(other.remaining, sizes) < self.loop_volume(sol.remaining, sizes):
+                sol = other
+        left = set(sol.remaining)   # the loops in the edges' order, whatever the elimination's
+        sol.remaining = [names[e] for e in summed if names[e] in left]
         for e, p in names.items():
             full[e] = sol.sol.get(p, Ix.var(p))
         return factors, sol, full
+
+    def loop_volume(self, places, sizes) -> int:
+        """Iterations of loops over `places` (a symbolic size at `options.rep_size`)."""
+        n = 1
+        for p in places:
+            n *= sizes[p] if isinstance(sizes[p], int) else self.opt.rep_size
+        return n
 
     def long_first(self, edges) -> list[str]:
         """`edges` by decreasing size (a symbolic one counts as longest; ties keep their order)."""

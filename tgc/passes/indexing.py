@@ -65,37 +65,54 @@ def _direct(ix: Ix, p: str) -> bool:
     return p not in inside and p in dict(ix.terms)
 
 
-def _pivot(ix: Ix, free: Sequence[str]) -> str | None:
+def _pivot(ix: Ix, free: Sequence[str], divide: bool = False) -> str | None:
     for p in free:
-        if ix.coef(p) in (1, -1) and _direct(ix, p):
+        k = ix.coef(p)
+        if _direct(ix, p) and (k in (1, -1) or (divide and isinstance(k, int) and k != 0)):
             return p
     return None
 
 
 def solve(m: Module, relations: Sequence[Relation], env: Mapping[str, Ix],
-          summed: Mapping[str, str], sizes: Mapping[str, Size]) -> Solution:
+          summed: Mapping[str, str], sizes: Mapping[str, Size], divide: bool = False) -> Solution:
     """Eliminate summed edges. `env` maps every edge (kept and summed) to an index;
     a summed edge maps to `Ix.var(summed[edge])`, a placeholder; `sizes` gives each
     placeholder's extent."""
     links = [c for rel in relations for c in relation_conds(m, rel, env)]
-    return solve_conds(links, [summed[e] for e in summed], sizes)
+    return solve_conds(links, [summed[e] for e in summed], sizes, divide)
 
 
-def solve_conds(links: Sequence[Cond], places: Sequence[str], sizes: Mapping[str, Size]) -> Solution:
+def solve_conds(links: Sequence[Cond], places: Sequence[str], sizes: Mapping[str, Size],
+                divide: bool = False) -> Solution:
     """`solve` on relation links already in index form; `places`: the summed
-    placeholders, in elimination preference order."""
+    placeholders, in elimination preference order. With `divide`, a link may also
+    determine a placeholder with another integer coefficient: `k*p + R = 0` gives
+    `p = floor(N / |k|)` (N = -R, or R when k < 0) under the condition
+    `N - |k| floor(N / |k|) = 0` (N divisible by |k|), which is exact: where it holds
+    the division has no remainder, and where it does not no integer p satisfies the
+    link, so the term is zero (a stride-2 convolution's input gradient sums over its
+    3 kernel taps, the output position following from each, not over every output
+    position with a mask)."""
     sol: dict[str, Ix] = {}
     conds: list[Cond] = []
     ranges: list[tuple[Ix, Size]] = []
     for c in links:
         ix = c.ix.subst(sol)
-        p = _pivot(ix, [q for q in places if q not in sol]) if c.op == "=" else None
+        p = _pivot(ix, [q for q in places if q not in sol], divide) if c.op == "=" else None
         if p is None:
             conds.append(Cond(ix, c.op))
             continue
         k = ix.coef(p)
-        value = ix.plus(Ix.var(p).scaled(k), -1).scaled(-k)
+        rest = ix.plus(Ix.var(p).scaled(k), -1)   # ix = k p + rest
+        if k in (1, -1):
+            value, divisible = rest.scaled(-k), None
+        else:
+            num, d = rest.scaled(-1 if k > 0 else 1), abs(k)
+            value = Ix.of(FloorDiv(num, d))
+            divisible = Cond(num.plus(value.scaled(d), -1), "=")
         _bind(sol, conds, ranges, p, value)
+        if divisible is not None:
+            conds.append(divisible)
         ranges.append((value, sizes[p]))
     _digits(sol, conds, ranges, [q for q in places if q not in sol], sizes)
     for value, size in ranges:

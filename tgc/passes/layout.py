@@ -32,7 +32,8 @@ Finally each loop kernel's loops are ordered: the innermost is the variable with
 the cheapest strides over all accesses (stores weigh double, reductions win ties,
 so they accumulate in registers), the others outward by decreasing stride. Last, a summed loop whose
 mask says `lo(outer vars) <= v < hi(outer vars)` gets those bounds instead of the
-mask (a causal mask halves the work, padding needs no masked loads).
+mask (a causal mask halves the work, padding needs no masked loads); a condition
+on a multiple of v (`2 v + k - 1 >= 0`, a stride) gives a bound by floor division.
 
 Terminates: one visit per kernel and buffer (`_demote` and `_fit_clips` move each
 edge at most once; `_taps_for_split_k` tries each subset of a K group once).
@@ -414,20 +415,32 @@ def _tighten(k: LoopKernel) -> LoopKernel:
 
 
 def _as_bound(c, pos: dict, red) -> tuple[str, tuple, tuple] | None:
-    """`a*v + R op 0` (a = +-1, R of loops outside v) as bounds on the summed loop v."""
+    """`a*v + R op 0` (a an integer, R of loops outside v) as bounds on the summed
+    loop v. With a = +-1, v op' -a R; with |a| > 1 (a stride), floor divisions:
+    `a v + R >= 0` is `v >= -floor(R / a)`, `a v + R < 0` is `v < floor((-R - 1) / a) + 1`
+    (a > 0; a < 0 mirrors the relation). An equality with |a| > 1 stays a mask."""
     if c.op == "!=":
         return None
+    mirror = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "=": "="}
     for v in sorted(red, key=lambda x: -pos[x]):
         a = c.ix.coef(v)
-        if a not in (1, -1):
+        if not isinstance(a, int) or a == 0 or (abs(a) > 1 and c.op == "="):
             continue
         rest = Ix(tuple(t for t in c.ix.terms if t[0] != v), c.ix.const)
         if v in rest.vars() or any(pos[x] >= pos[v] for x in rest.vars()):
             continue
-        r = rest.scaled(-a)  # v op' r, with op' = op (a = 1) or mirrored (a = -1)
-        op = c.op if a == 1 else {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "=": "="}[c.op]
-        one = r.plus_const(1)
-        lo, hi = {"<": ((), (r,)), "<=": ((), (one,)), ">": ((one,), ()), ">=": ((r,), ()),
-                  "=": ((r,), (one,))}[op]
-        return v, lo, hi
+        if a in (1, -1):
+            r = rest.scaled(-a)  # v op' r, with op' = op (a = 1) or mirrored (a = -1)
+            op = c.op if a == 1 else mirror[c.op]
+            one = r.plus_const(1)
+            lo, hi = {"<": ((), (r,)), "<=": ((), (one,)), ">": ((one,), ()), ">=": ((r,), ()),
+                      "=": ((r,), (one,))}[op]
+            return v, lo, hi
+        op, k, r = (c.op, a, rest) if a > 0 else (mirror[c.op], -a, rest.scaled(-1))   # k v + r op 0, k > 1
+
+        def fl(x: Ix) -> Ix:
+            return Ix.of(FloorDiv(x, k))
+        if op in (">=", ">"):
+            return v, (fl(r if op == ">=" else r.plus_const(-1)).scaled(-1),), ()
+        return v, (), (fl(r.scaled(-1) if op == "<=" else r.scaled(-1).plus_const(-1)).plus_const(1),)
     return None
