@@ -27,6 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# OpenBLAS reads these when numpy loads; they slow a current numpy (PLATFORM.md): this
+# process and its children only, as benchmarks/run.py does.
+for _v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+    os.environ.pop(_v, None)
+
 HERE = Path(__file__).resolve().parent
 CONV2D = HERE / "workloads" / "conv2d.tg"
 
