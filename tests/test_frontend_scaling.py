@@ -82,3 +82,29 @@ def test_warnings_read_the_source_once(tmp_path, monkeypatch):
     assert result.output.count("is never used") == 299
     assert "y7 = x * 7.5" in result.output
     assert reads == [str(path)]
+
+
+# LALR reductions per statement of each shape (the parser's work is mostly reductions):
+# the grammar gives an operand few unit reductions. They were 15, 16, 13, 19, 15 and 38.
+REDUCTIONS = {"chain-mul": 8, "chain-add": 8, "chain-matmul": 7, "chain-calls": 12, "independent": 8,
+              "wide-sum": 18}
+
+
+@pytest.mark.parametrize("shape", sorted(frontend.SHAPES))
+def test_reductions_per_statement(shape, monkeypatch):
+    from tgc.frontend import parser
+
+    callbacks = parser._lark().parser.parser.parser.callbacks   # lark's table: rule -> callback
+    count = [0]
+
+    def counted(f):
+        def g(children):
+            count[0] += 1
+            return f(children)
+        return g
+
+    monkeypatch.setattr(parser._lark().parser.parser.parser, "callbacks",
+                        {rule: counted(f) for rule, f in callbacks.items()})
+    n = 1000
+    parser.parse(frontend.SHAPES[shape](n), "shape.tg")
+    assert count[0] <= REDUCTIONS[shape] * n + 50, (shape, count[0] / n)   # + the declarations

@@ -543,3 +543,83 @@ def test_prelude_parses():
         pytest.skip("no prelude yet")
     prog = parse(*read_source(prelude))
     assert all(isinstance(s, A.FnDef) for s in prog.items)
+
+
+# ---- the fast paths build exactly what lark and the constructors build ----------------
+
+
+def _dump(x) -> str:
+    """Every field of a tree, locations included (== leaves them out)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return f"{type(x).__name__}(" + ", ".join(
+            f"{f.name}={_dump(getattr(x, f.name))}" for f in dataclasses.fields(x)) + ")"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_dump(y) for y in x) + ")"
+    return repr(x)
+
+
+def _plain_lark_result(text: str, filename: str) -> str:
+    """The tree (or the error) lark's own lexer and callbacks give, as `_dump` text."""
+    from lark import Lark
+    from lark.exceptions import UnexpectedInput
+
+    from tgc.frontend import parser as P
+
+    plain = _plain_lark_result.__dict__.get("parser")
+    if plain is None:
+        grammar = P._grammar_path().read_text(encoding="utf-8")
+        plain = _plain_lark_result.parser = Lark(grammar, postlex=P._POSTLEX, transformer=P._BUILDER, **P._OPTIONS)
+    P._BUILDER.start_parse(filename)
+    try:
+        return _dump(plain.parse(text))
+    except UnexpectedInput as e:
+        return _dump(P._syntax_error(e, filename).diagnostics())
+    except CompileError as e:
+        return _dump(e.diagnostics())
+
+
+def _tgc_result(text: str, filename: str) -> str:
+    try:
+        return _dump(parse(text, filename))
+    except CompileError as e:
+        return _dump(e.diagnostics())
+
+
+def test_parser_matches_plain_lark_with_locations_and_errors():
+    """`parse` (tgc's lexer loop, its tuned reductions and fast constructors) gives the
+    trees, locations and errors of a lark built from the grammar with lark's own lexer
+    and callbacks: on the examples, the test programs and seeded mutants of them."""
+    import random
+
+    from test_frontend_fuzz import CORPUS, mutate
+
+    texts = [p.read_text() for p in CORPUS]
+    texts += [p.read_text() for p in sorted((ROOT / "tests" / "programs" / "bad").glob("*.tg"))]
+    rng = random.Random(19)
+    texts += [mutate(rng.choice(texts[:len(CORPUS)]), random.Random(i)) for i in range(400)]
+    texts += ["x = " + " + ".join(["a"] * (MAX_DEPTH + k)) for k in (-3, -2, 2)]
+    for text in texts:
+        assert _tgc_result(text, "t.tg") == _plain_lark_result(text, "t.tg"), text
+
+
+def test_fast_constructors_build_what_the_constructors_build():
+    import dataclasses
+
+    from tgc.frontend.parser import _loc
+    from tgc.ir.diag import Loc
+
+    assert _loc("t.tg", 1, 2, 3, 4) == Loc("t.tg", 1, 2, 3, 4)
+    assert vars(_loc("t.tg", 1, 2, 3, 4)) == vars(Loc("t.tg", 1, 2, 3, 4))
+    loc = Loc("t.tg", 2, 3, 2, 9)
+    for cls in [c for c in vars(A).values() if isinstance(c, type) and issubclass(c, A.Node)]:
+        fields = {f.name: f"v_{f.name}" for f in dataclasses.fields(cls)} | {"loc": loc}
+        made, built = cls(**fields), A.build(cls, dict(fields))
+        assert type(built) is cls and vars(built) == vars(made) and built == made, cls
+        assert hash(built) == hash(made) and repr(built) == repr(made)
+        moved = A.with_loc(made, Loc("t.tg", 1, 1, 1, 2))
+        assert moved == dataclasses.replace(made, loc=Loc("t.tg", 1, 1, 1, 2))
+        assert vars(moved) == vars(dataclasses.replace(made, loc=Loc("t.tg", 1, 1, 1, 2)))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            built.loc = loc

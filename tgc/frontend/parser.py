@@ -7,11 +7,20 @@ overflow the stack. Expressions nested deeper than `MAX_DEPTH` AST nodes are a
 located error instead, so later stages may recurse over the AST freely.
 `read_source(path)` reads a file as UTF-8 text. Every problem with the input is
 raised as `tgc.ir.diag.CompileError` with a location, never as another exception.
+
+Speed (`tgc check` of 10^5 statements in seconds, benchmarks/frontend.py): the time
+goes into lark's per-token and per-reduction loop, so the grammar takes few
+reductions per operand, the parser's rules compare by identity and its unit rules
+return their child in C (`_tuned`), the lexer loop is lark's without its per-token
+calls (`_Lexer`), and the callbacks of expressions build nodes and locations
+directly. None of it changes a tree, a location or a message: the tests compare
+`parse` with a lark built plainly from the grammar, errors and locations included.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -31,8 +40,11 @@ from lark.utils import TextSlice
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from tgc.frontend import ast
+from tgc.frontend.ast import build
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 
+_new = object.__new__
+_setattr = object.__setattr__
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
 DTYPES = ("i32", "f32", "f64")
 
@@ -417,6 +429,28 @@ def _is_separator(k) -> bool:
 
 _PARENS = {"_dim_atom"}  # handlers that return their child: no new depth
 
+_LOC_FIELDS = ("file", "line", "col", "end_line", "end_col")
+
+
+def _plain_loc() -> bool:
+    """Whether a `Loc` is a dataclass with exactly these fields, kept in its instance
+    `__dict__` and set by nothing but its `__init__`, as `_loc` assumes."""
+    return (dataclasses.is_dataclass(Loc) and not hasattr(Loc, "__slots__")
+            and not hasattr(Loc, "__post_init__")
+            and tuple(f.name for f in dataclasses.fields(Loc)) == _LOC_FIELDS)
+
+
+if _plain_loc():
+    def _loc(file: str, line: int, col: int, end_line: int, end_col: int) -> Loc:
+        """`Loc(file, line, col, end_line, end_col)`, its fields set at once (a third of
+        the time of the frozen dataclass `__init__`; the parser makes one per node)."""
+        loc = _new(Loc)
+        _setattr(loc, "__dict__", {"file": file, "line": line, "col": col, "end_line": end_line,
+                                   "end_col": end_col})
+        return loc
+else:   # another Loc: its own constructor
+    _loc = Loc
+
 _TOO_DEEP = (f"expression nested too deeply (over {MAX_DEPTH} levels); "
              "split it into several bindings")
 
@@ -498,13 +532,14 @@ class _Builder:
     def name(self, c):
         """NAME, an operand (also of a dim expression): a leaf."""
         tok = c[0]
-        return ast.Name(tok.value, loc=Loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column))
+        return build(ast.Name, {"id": tok.value, "loc": _loc(self.local.file, tok.line, tok.column,
+                                                              tok.end_line, tok.end_column)})
 
     def number(self, c):
         """NUMBER: a leaf."""
         tok = c[0]
-        loc = Loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column)
-        return ast.Num(_number_value(tok, loc), loc=loc)
+        loc = _loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column)
+        return build(ast.Num, {"value": _number_value(tok, loc), "loc": loc})
 
     def binop(self, c):
         """lhs (+ - * / @ ^) rhs."""
@@ -514,7 +549,8 @@ class _Builder:
         d = depths.pop(id(lhs), 1)
         r = depths.pop(id(rhs), 1)
         a, b = lhs.loc, rhs.loc
-        node = ast.BinOp(op.value, lhs, rhs, loc=Loc(local.file, a.line, a.col, b.end_line, b.end_col))
+        node = build(ast.BinOp, {"op": op.value, "lhs": lhs, "rhs": rhs,
+                                 "loc": _loc(local.file, a.line, a.col, b.end_line, b.end_col)})
         return _deeper(depths, node, (d if d > r else r) + 1)
 
     def compare(self, c):
@@ -525,7 +561,8 @@ class _Builder:
         d = depths.pop(id(lhs), 1)
         r = depths.pop(id(rhs), 1)
         a, b = lhs.loc, rhs.loc
-        node = ast.Compare(op.value, lhs, rhs, loc=Loc(local.file, a.line, a.col, b.end_line, b.end_col))
+        node = build(ast.Compare, {"op": op.value, "lhs": lhs, "rhs": rhs,
+                                   "loc": _loc(local.file, a.line, a.col, b.end_line, b.end_col)})
         return _deeper(depths, node, (d if d > r else r) + 1)
 
     def name_power(self, c):
@@ -534,8 +571,10 @@ class _Builder:
         local = self.local
         depths = local.depth
         file, b = local.file, rhs.loc
-        lhs = ast.Name(tok.value, loc=Loc(file, tok.line, tok.column, tok.end_line, tok.end_column))
-        node = ast.BinOp(op.value, lhs, rhs, loc=Loc(file, tok.line, tok.column, b.end_line, b.end_col))
+        lhs = build(ast.Name, {"id": tok.value, "loc": _loc(file, tok.line, tok.column, tok.end_line,
+                                                             tok.end_column)})
+        node = build(ast.BinOp, {"op": op.value, "lhs": lhs, "rhs": rhs,
+                                 "loc": _loc(file, tok.line, tok.column, b.end_line, b.end_col)})
         return _deeper(depths, node, depths.pop(id(rhs), 1) + 1)
 
     def neg(self, c):
@@ -544,7 +583,7 @@ class _Builder:
         local = self.local
         depths = local.depth
         b = x.loc
-        node = ast.Neg(x, loc=Loc(local.file, tok.line, tok.column, b.end_line, b.end_col))
+        node = build(ast.Neg, {"x": x, "loc": _loc(local.file, tok.line, tok.column, b.end_line, b.end_col)})
         return _deeper(depths, node, depths.pop(id(x), 1) + 1)
 
     def paren(self, c):
@@ -552,7 +591,7 @@ class _Builder:
         lpar, inner, rpar = c
         depths = self.local.depth
         d = depths.pop(id(inner), 1)
-        node = ast.with_loc(inner, Loc(self.local.file, lpar.line, lpar.column, rpar.end_line, rpar.end_column))
+        node = ast.with_loc(inner, _loc(self.local.file, lpar.line, lpar.column, rpar.end_line, rpar.end_column))
         if d > 1:
             depths[id(node)] = d
         return node
@@ -563,7 +602,8 @@ class _Builder:
         local = self.local
         depths = local.depth
         b = x.loc
-        node = ast.Bind(tok.value, x, loc=Loc(local.file, tok.line, tok.column, b.end_line, b.end_col))
+        node = build(ast.Bind, {"name": tok.value, "expr": x,
+                                "loc": _loc(local.file, tok.line, tok.column, b.end_line, b.end_col)})
         return _deeper(depths, node, depths.pop(id(x), 1) + 1)
 
     # -- statements --
