@@ -153,6 +153,10 @@ class _BracketNewlines:
             yield tok
 
 
+_TOKEN_FIELDS = ("type", "start_pos", "value", "line", "column", "end_line", "end_column", "end_pos")
+_new_str = str.__new__
+
+
 class _Lexer(BasicLexer):
     """lark's basic lexer, its loop made tighter: the same scanner (one regular
     expression of every terminal, in lark's order), the same `Token`s with the same
@@ -160,13 +164,15 @@ class _Lexer(BasicLexer):
     counts it in) and the same errors (on a character nothing matches, lark's own
     `next_token` raises from the same position). What it saves is lark's per-token
     calls through `next_token`, `match`, `Scanner.match` and `LineCounter.feed`, on
-    each token and on each run of blanks between tokens. A scanner lark split in
-    several expressions, lexer callbacks, or input other than a `TextSlice` are lexed
-    by lark's own loop."""
+    each token and on each run of blanks between tokens, and the two calls of
+    `Token()` (a `str` whose eight fields this sets). A scanner lark split in several
+    expressions, lexer callbacks, input other than a `TextSlice` or a `Token` with
+    other fields are lexed by lark's own loop."""
 
     def lex(self, state: LexerState, parser_state):
         scanner, text = self.scanner, state.text
-        if len(scanner._mres) != 1 or self.callback or not isinstance(text, TextSlice):
+        if (len(scanner._mres) != 1 or self.callback or not isinstance(text, TextSlice)
+                or getattr(Token, "__slots__", None) != _TOKEN_FIELDS):
             yield from super().lex(state, parser_state)
             return
         match = scanner._mres[0].match
@@ -186,8 +192,10 @@ class _Lexer(BasicLexer):
                         line += count
                         line_start = pos + value.rindex(nl) + 1
                 pos += len(value)
-                if kind not in ignored:
-                    last = Token(kind, value, start, first_line, column, line, pos - line_start + 1, pos)
+                if kind not in ignored:   # a Token, its fields set as lark's Token() sets them
+                    last = _new_str(Token, value)
+                    last.type, last.start_pos, last.value, last.line, last.column = kind, start, value, first_line, column
+                    last.end_line, last.end_column, last.end_pos = line, pos - line_start + 1, pos
                     yield last
         finally:   # where lark's LineCounter would be
             ctr.char_pos, ctr.line, ctr.line_start_pos = pos, line, line_start
