@@ -67,6 +67,12 @@ class Elaborator:
         self.m, self.scope, self.dtype = module, scope, dtype
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
+        # the modules of calls and edge operations import this one: theirs are found here once
+        from tgc.frontend.builtins import call_builtin
+        from tgc.frontend.edgeops import apply_edge_ops
+        from tgc.frontend.functions import inline_call
+
+        self.call_builtin, self.edge_ops, self.inline_call = call_builtin, apply_edge_ops, inline_call
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -121,7 +127,8 @@ class Elaborator:
 
     def fexpr(self, node, ctx: Ctx) -> V.Value:
         """An expression that must be float."""
-        return self.float_value(self.expr(node, ctx), node, ctx)
+        v = self.expr(node, ctx)
+        return v if v.type.dtype != "i32" else self.float_value(v, node, ctx)
 
     def _Num(self, node: ast.Num, ctx: Ctx) -> V.Value:
         return V.const(float(node.value), self.dtype, loc=node.loc)
@@ -187,18 +194,12 @@ class Elaborator:
         return V.mul([v, V.const(1.0, self.dtype, lacking, loc=loc)], loc=loc)
 
     def _EdgeOps(self, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
-        from tgc.frontend.edgeops import apply_edge_ops
-
-        return apply_edge_ops(self, node, ctx)
+        return self.edge_ops(self, node, ctx)
 
     def _Call(self, node: ast.Call, ctx: Ctx) -> V.Value:
         if node.fn in ctx.fns:
-            from tgc.frontend.functions import inline_call
-
-            return inline_call(self, node, ctx)
-        from tgc.frontend.builtins import call_builtin
-
-        return call_builtin(self, node, ctx)
+            return self.inline_call(self, node, ctx)
+        return self.call_builtin(self, node, ctx)
 
     # ---- affine index expressions ------------------------------------------------------
 

@@ -73,7 +73,7 @@ class TensorType:
 
     @staticmethod
     def of(dtype: str, edges: Iterable[str]) -> "TensorType":
-        key = (dtype, tuple(sorted(set(edges))))
+        key = (dtype, tuple(sorted(edges if isinstance(edges, (set, frozenset)) else set(edges))))
         found = _TYPES.get(key)
         if found is None:
             if len(_TYPES) >= _MAX_TYPES:
@@ -145,15 +145,19 @@ def _forget(entry: _Entry) -> None:
 def _union(values: Iterable[Value]) -> set[str]:
     out: set[str] = set()
     for v in values:
-        out.update(v.edges)
+        out.update(v.type.edges)
     return out
 
 
 def _float_dtype(values: Sequence[Value]) -> str:
-    if values:
+    if values:   # the common case first: one float type
         first = values[0].type.dtype
-        if first != "i32" and all(v.type.dtype == first for v in values):
-            return first
+        if first != "i32":
+            for v in values:
+                if v.type.dtype != first:
+                    break
+            else:
+                return first
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
         raise IRError("integer (i32) tensors can only be used as gather indices")
