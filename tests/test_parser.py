@@ -600,6 +600,9 @@ def test_parser_matches_plain_lark_with_locations_and_errors():
     rng = random.Random(19)
     texts += [mutate(rng.choice(texts[:len(CORPUS)]), random.Random(i)) for i in range(400)]
     texts += ["x = " + " + ".join(["a"] * (MAX_DEPTH + k)) for k in (-3, -2, 2)]
+    texts += ["x = 1   ", "x = 1 \t\f\r\n  y = x   # c  \n\t\n", "x = 1   $", "x =   \n", "   ", "", "\t",
+              "x = (a +\n   b)  ", "x = a   \u00e9", "  # only\n   ", "x = 1\r\n y = 2 \r\n", "x\t=\ta\t*\t2\t",
+              "x = a  [ i -> j ]  ", "x = 1 \f", "x = 1\n\n   \n  \n"]   # blanks where lexing turns
     for text in texts:
         assert _tgc_result(text, "t.tg") == _plain_lark_result(text, "t.tg"), text
 

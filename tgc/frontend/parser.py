@@ -161,13 +161,16 @@ class _Lexer(BasicLexer):
     """lark's basic lexer, its loop made tighter: the same scanner (one regular
     expression of every terminal, in lark's order), the same `Token`s with the same
     positions, the same line counting (a newline counts only in the terminals lark
-    counts it in) and the same errors (on a character nothing matches, lark's own
-    `next_token` raises from the same position). What it saves is lark's per-token
-    calls through `next_token`, `match`, `Scanner.match` and `LineCounter.feed`, on
-    each token and on each run of blanks between tokens, and the two calls of
-    `Token()` (a `str` whose eight fields this sets). A scanner lark split in several
-    expressions, lexer callbacks, input other than a `TextSlice` or a `Token` with
-    other fields are lexed by lark's own loop."""
+    counts it in) and the same errors. What it saves is lark's per-token calls through
+    `next_token`, `match`, `Scanner.match` and `LineCounter.feed`, the two calls of
+    `Token()` (a `str` whose eight fields this sets), and a match and a turn of the
+    loop for each run of blanks: the scanner's expression is matched after any run of
+    the ignored terminals that hold no newline (which lark would skip one match at a
+    time without counting a line), taken possessively. Where that finds no token, one
+    step of lark's own loop goes on from the blanks: it skips what it ignores and
+    raises where nothing matches. A scanner lark split in several expressions, lexer
+    callbacks, input other than a `TextSlice` or a `Token` with other fields are lexed
+    by lark's own loop."""
 
     def lex(self, state: LexerState, parser_state):
         scanner, text = self.scanner, state.text
@@ -175,34 +178,56 @@ class _Lexer(BasicLexer):
                 or getattr(Token, "__slots__", None) != _TOKEN_FIELDS):
             yield from super().lex(state, parser_state)
             return
-        match = scanner._mres[0].match
+        match = self._after_blanks(scanner._mres[0]).match
         ignored, newline_types = self.ignore_types, self.newline_types
         text, end, ctr = text.text, text.end, state.line_ctr
         nl = ctr.newline_char
-        pos, line, line_start, last = ctr.char_pos, ctr.line, ctr.line_start_pos, state.last_token
-        try:
-            while pos < end:
-                m = match(text, pos, end)
-                if m is None:
-                    break
-                value, kind, start, first_line, column = m.group(0), m.lastgroup, pos, line, pos - line_start + 1
-                if kind in newline_types:
-                    count = value.count(nl)
-                    if count:
-                        line += count
-                        line_start = pos + value.rindex(nl) + 1
-                pos += len(value)
-                if kind not in ignored:   # a Token, its fields set as lark's Token() sets them
-                    last = _new_str(Token, value)
-                    last.type, last.start_pos, last.value, last.line, last.column = kind, start, value, first_line, column
-                    last.end_line, last.end_column, last.end_pos = line, pos - line_start + 1, pos
-                    yield last
-        finally:   # where lark's LineCounter would be
-            ctr.char_pos, ctr.line, ctr.line_start_pos = pos, line, line_start
-            ctr.column = pos - line_start + 1
-            state.last_token = last
-        if pos < end:   # nothing matches here: lark's own error
-            super().next_token(state, parser_state)
+        while True:
+            pos, line, line_start, last = ctr.char_pos, ctr.line, ctr.line_start_pos, state.last_token
+            try:
+                while pos < end:
+                    m = match(text, pos, end)
+                    if m is None:
+                        break
+                    kind = m.lastgroup
+                    value = m.group(kind)
+                    pos = m.end()
+                    start = pos - len(value)
+                    first_line, column = line, start - line_start + 1
+                    if kind in newline_types:
+                        count = value.count(nl)
+                        if count:
+                            line += count
+                            line_start = start + value.rindex(nl) + 1
+                    if kind not in ignored:   # a Token, its fields set as lark's Token() sets them
+                        last = _new_str(Token, value)
+                        last.type, last.start_pos, last.value, last.line, last.column = kind, start, value, first_line, column
+                        last.end_line, last.end_column, last.end_pos = line, pos - line_start + 1, pos
+                        yield last
+            finally:   # where lark's LineCounter would be
+                ctr.char_pos, ctr.line, ctr.line_start_pos = pos, line, line_start
+                ctr.column = pos - line_start + 1
+                state.last_token = last
+            if pos >= end:
+                return
+            try:   # no token after the blanks here: lark's own step
+                token = super().next_token(state, parser_state)
+            except EOFError:   # only ignored text was left
+                return
+            yield token
+
+    def _after_blanks(self, scanner_re):
+        """The scanner's expression after a possessive run of the ignored terminals
+        that cannot hold a newline (made once per lexer)."""
+        made = self.__dict__.get("_after_blanks_re")
+        if made is None:
+            blanks = [t.pattern.to_regexp() for t in self.terminals
+                      if t.name in self.ignore_types and t.name not in self.newline_types]
+            pattern = scanner_re.pattern
+            if blanks:
+                pattern = "(?:" + "|".join(f"(?:{b})" for b in blanks) + f")*+(?:{pattern})"
+            made = self._after_blanks_re = self.re.compile(pattern, scanner_re.flags)
+        return made
 
 
 def _grammar_path() -> Path:
