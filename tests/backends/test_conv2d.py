@@ -176,18 +176,20 @@ def _conv_inputs(path: Path, batch: int, dtype, seed: int = 0) -> dict:
     return random_inputs(m, m.bind_dims({d: batch for d in m.symbolic_dims()}), seed, dtype)
 
 
+@pytest.mark.parametrize("blas", ["numpy", "none"])
 @pytest.mark.parametrize("which", [TINY, BENCH], ids=["tiny", "bench"])
-def test_convolution_matches_the_interpreter(which):
+def test_convolution_matches_the_interpreter(which, blas):
     """f64: the CPU program (shifted GEMMs, im2col, col2im loops) against the
-    interpreter's reading of the indicators, to rounding."""
+    interpreter's reading of the indicators, to rounding; with BLAS and with tgc's
+    own GEMM loops (`tgc build`'s default)."""
     text = which.read_text()
     m = compile_source(text, str(which), Options(dtype="f64"))
     inputs = _conv_inputs(which, 3, "f64")
     want = evaluate(driver.lower(m, Options(dtype="f64")).module, {k: v.copy() for k, v in inputs.items()},
                     dtype="f64", dims={"batch": 3})
     for source in (text, _fixed(text, 3)):
-        got = tgc.compile(source, dtype="f64").run({k: v.copy() for k, v in inputs.items()},
-                                                   None if source != text else {"batch": 3})
+        prog = tgc.compile(source, dtype="f64", options=Options(blas=blas))
+        got = prog.run({k: v.copy() for k, v in inputs.items()}, None if source != text else {"batch": 3})
         for name, ref in want.items():
             scale = max(1.0, float(np.max(np.abs(ref))))
             np.testing.assert_allclose(got[name], ref, rtol=1e-10, atol=1e-10 * scale, err_msg=name)
