@@ -6,8 +6,9 @@ that are not about the model. The optional packages of the `examples` extra
 (`pip install -e '.[examples]'`: tqdm, matplotlib, scikit-learn) are used when
 installed; without tqdm progress is printed as plain lines, without matplotlib the
 plot is skipped with one note, and without torch the side-by-side timing is skipped
-with one note. Nothing here changes what is trained: the numbers a run prints
-depend only on `--seed` and `--steps`.
+with one note. Nothing here changes what is trained: the losses and accuracies a
+run prints depend only on `--seed` and `--steps` (tgc gives the same bits on any
+number of threads).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def parser(name: str, doc: str, steps: int, quick_steps: int) -> argparse.Argume
                    help=f"training steps (default {steps}; {quick_steps} with --quick)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data split, the initial weights and the batches")
     p.add_argument("--out", type=Path, default=HERE / "out" / name,
-                   help="folder for the parameters and the plot (default: %(default)s)")
+                   help="folder for the parameters, the plot and summary.json (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a few steps and a short PyTorch comparison: a smoke test that takes seconds")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch side-by-side timing")
