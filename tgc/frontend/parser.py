@@ -8,8 +8,8 @@ located error instead, so later stages may recurse over the AST freely.
 `read_source(path)` reads a file as UTF-8 text. Every problem with the input is
 raised as `tgc.ir.diag.CompileError` with a location, never as another exception.
 
-Speed (`tgc check` of 10^5 statements in seconds, benchmarks/frontend.py): the time
-goes into lark's per-token and per-reduction loop, so the grammar takes few
+Speed (`tgc check` of 10^5 statements takes seconds: benchmarks/frontend.py): the
+time goes into lark's loop over tokens and reductions, so the grammar takes few
 reductions per operand, the parser's rules compare by identity and its unit rules
 return their child in C (`_tuned`), the lexer loop is lark's without its per-token
 calls (`_Lexer`), and the callbacks of expressions build nodes and locations
@@ -43,8 +43,6 @@ from tgc.frontend import ast
 from tgc.frontend.ast import build
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 
-_new = object.__new__
-_setattr = object.__setattr__
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
 DTYPES = ("i32", "f32", "f64")
 
@@ -463,6 +461,8 @@ def _is_separator(k) -> bool:
 _PARENS = {"_dim_atom"}  # handlers that return their child: no new depth
 
 _LOC_FIELDS = ("file", "line", "col", "end_line", "end_col")
+_new = object.__new__
+_setattr = object.__setattr__
 
 
 def _plain_loc() -> bool:
