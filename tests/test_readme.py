@@ -44,8 +44,8 @@ def test_set_up_uses_a_venv_and_ci_runs_the_same_test_command():
     lines = [line.split("#")[0].strip() for line in setup.strip().splitlines()]
     assert lines[0] == "python3 -m venv .venv && . .venv/bin/activate"
     install, test = lines[1], lines[2]
-    assert install.startswith("python -m pip install -e . && tgc run examples/")
-    assert (ROOT / install.split("tgc run ")[1].split()[0]).is_file()
+    assert install.startswith("python -m pip install -e . && python examples/")
+    assert (ROOT / install.split("python ")[-1].split()[0]).is_file()
     assert "torch==2.13.0" in test and test.endswith("python -m pytest")
     ci = (ROOT / ".ci/run").read_text().splitlines()
     assert test in ci
@@ -56,7 +56,7 @@ def test_the_first_set_up_command_runs():
     command = setup.strip().splitlines()[1].split("#")[0].split("&&")[1].strip()
     r = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, env=env(), timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "loss[]" in r.stdout
+    assert "held-out exact-sequence accuracy after 600 steps: 100.0%" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="tgc build links with cc")
