@@ -95,6 +95,17 @@ def conv1d(a, compiled):
     return step
 
 
+def conv2d(a, compiled):
+    x, K, dy = _t(a["x"], True), _t(a["K"], True), _t(a["dy"])
+    fwd = _maybe_compile(lambda x, K: F.conv2d(x, K, padding=1), compiled)
+
+    def step():
+        y = fwd(x, K)
+        dx, dK = torch.autograd.grad(y, (x, K), dy)
+        return {"y": y, "dx": dx, "dK": dK}
+    return step
+
+
 def _sgd_step(loss_fn, params, names, lr):
     def step():
         loss = loss_fn()
@@ -176,7 +187,7 @@ def _gpt_model(a, compiled, layers, heads):
 
 
 MAKERS = {"layernorm": layernorm, "gelu": gelu, "softmax": softmax, "hvp": hvp,
-          "conv1d": conv1d, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
+          "conv1d": conv1d, "conv2d": conv2d, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
 
 
 def make(workload, arrays, compiled):

@@ -125,6 +125,34 @@ def conv1d(a):
     return {"y": y, "dx": dx, "dK": dK}
 
 
+def _im2col2d(x, k):
+    """[B, C, H, W] -> [B, C*k*k, H*W]: the k x k windows of x padded by k // 2 (stride 1)."""
+    B, C, H, W = x.shape
+    p = k // 2
+    xp = np.zeros((B, C, H + 2 * p, W + 2 * p), x.dtype)
+    xp[:, :, p:p + H, p:p + W] = x
+    cols = np.empty((B, C, k, k, H, W), x.dtype)
+    for i in range(k):
+        for j in range(k):
+            cols[:, :, i, j] = xp[:, :, i:i + H, j:j + W]
+    return cols.reshape(B, C * k * k, H * W)
+
+
+def conv2d(a):
+    """y = conv2d(x, K) (stride 1, padding 1), dx and dK of sum(y * dy), by im2col GEMMs."""
+    x, K, dy = a["x"], a["K"], a["dy"]
+    B, ci, H, W = x.shape
+    co, _, k, _ = K.shape
+    cols = _im2col2d(x, k)                                             # [B, ci*k*k, H*W]
+    y = np.matmul(K.reshape(co, ci * k * k), cols).reshape(B, co, H, W)
+    dym = dy.reshape(B, co, H * W)
+    dK = np.matmul(dym, cols.transpose(0, 2, 1)).sum(0).reshape(co, ci, k, k)
+    # dx: dy convolved with the kernel flipped in both spatial axes, channels swapped
+    Kf = np.ascontiguousarray(K[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)).reshape(ci, co * k * k)
+    dx = np.matmul(Kf, _im2col2d(dy, k)).reshape(B, ci, H, W)
+    return {"y": y, "dx": dx, "dK": dK}
+
+
 # --------------------------------------------------------------- MLP training step
 
 MLP_PARAMS = ("W1", "b1", "W2", "b2", "W3", "b3")

@@ -109,6 +109,14 @@ def _conv_inputs(b, ci, co, k, length):
     return make
 
 
+def _conv2d_inputs(b, ci, co, k, side):
+    def make(rng):
+        return {"x": rng.standard_normal((b, ci, side, side)).astype(F32),
+                "dy": rng.standard_normal((b, co, side, side)).astype(F32),
+                "K": (rng.standard_normal((co, ci, k, k)) / math.sqrt(ci * k * k)).astype(F32)}
+    return make
+
+
 def load_wine():
     raw = np.loadtxt(HERE / "data" / "wine.csv", delimiter=",", skiprows=1)
     x, y = raw[:, :13], raw[:, 13:]
@@ -179,6 +187,10 @@ def _conv_flops(b=32, ci=64, co=64, k=5, length=1024):
     return 3 * 2 * b * co * ci * k * length
 
 
+def _conv2d_flops(b=16, ci=32, co=64, k=3, side=32):
+    return 3 * 2 * b * co * ci * k * k * side * side
+
+
 def cases():
     big = ("large-elementwise", "<=1.5x bw, 2x t.compile")
     out = []
@@ -191,6 +203,8 @@ def cases():
                     ("bw", 4 * 4096 * 1024 * 4), big[1], big[0]))
     out.append(Case("conv1d", "32x64x1024 k5", {"batch": 32, "len": 1024}, _conv_inputs(32, 64, 64, 5, 1024),
                     ("flops", _conv_flops()), "<=24 ms", "abs", 24e-3))
+    out.append(Case("conv2d", "16x32->64 32x32 k3", {"batch": 16}, _conv2d_inputs(16, 32, 64, 3, 32),
+                    ("flops", _conv2d_flops()), "<=1x torch", "vs-torch", 1.0))
     out.append(Case("mlp", "178x13-64-64-3", {"batch": 178}, _mlp_inputs, ("flops", _mlp_flops()),
                     "<=60 us", "abs", 60e-6, updates=ref_numpy.MLP_PARAMS))
     out.append(Case("gpt", "3L 3H w48 64x11", {"batch": GPT["batch"]}, _gpt_inputs, ("flops", _gpt_flops()),
@@ -203,7 +217,7 @@ def cases():
 
 NUMPY = {"layernorm": ref_numpy.layernorm, "gelu": ref_numpy.gelu, "softmax": ref_numpy.softmax,
          "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step,
-         "gpt_adamw": ref_numpy.gpt_adamw_step}
+         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d}
 
 
 # ============================================================ contenders

@@ -37,3 +37,13 @@ def test_one_gpt_adamw_step_is_the_reference_adamw_step():
         np.testing.assert_allclose(step, (want[n] - arrays[n]) / float(arrays["lr"]), rtol=1e-6, atol=1e-8, err_msg=n)
         np.testing.assert_allclose(got[f"m_{n}"], ref[f"m_{n}"], rtol=1e-9, atol=1e-14, err_msg=n)
         np.testing.assert_allclose(got[f"v_{n}"], ref[f"v_{n}"], rtol=1e-9, atol=1e-18, err_msg=n)
+
+
+def test_conv2d_reference_is_the_programs_values():
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) for k, v in run._conv2d_inputs(2, 32, 64, 3, 32)(np.random.default_rng(0)).items()}
+    got = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "conv2d.tg"), dtype="f64")(**arrays)
+    want = ref_numpy.conv2d({k: v.copy() for k, v in arrays.items()})
+    for k in ("y", "dx", "dK"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
