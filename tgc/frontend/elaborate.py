@@ -66,8 +66,10 @@ class ProgramBuilder:
         self.import_dirs = [Path(d).resolve() for d in options.import_dirs]
         self.imported: set[Path] = set()
 
-    @property
+    @functools.cached_property
     def ctx(self) -> Ctx:
+        """The top level's context, made once: it holds the builder's own dicts of
+        tensors and functions, which grow as the statements are elaborated."""
         return Ctx(self.scope.tensors, {}, self.fns)
 
     # ---- files and imports ----------------------------------------------------------
