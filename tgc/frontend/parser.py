@@ -576,27 +576,11 @@ class _Builder:
 
     def binop(self, c):
         """lhs (+ - * / @ ^) rhs."""
-        lhs, op, rhs = c
-        local = self.local
-        depths = local.depth
-        d = depths.pop(id(lhs), 1)
-        r = depths.pop(id(rhs), 1)
-        a, b = lhs.loc, rhs.loc
-        node = build(ast.BinOp, {"op": op.value, "lhs": lhs, "rhs": rhs,
-                                 "loc": _loc(local.file, a.line, a.col, b.end_line, b.end_col)})
-        return _deeper(depths, node, (d if d > r else r) + 1)
+        return _binary(self.local, ast.BinOp, c)
 
     def compare(self, c):
         """lhs (< <= > >= == !=) rhs."""
-        lhs, op, rhs = c
-        local = self.local
-        depths = local.depth
-        d = depths.pop(id(lhs), 1)
-        r = depths.pop(id(rhs), 1)
-        a, b = lhs.loc, rhs.loc
-        node = build(ast.Compare, {"op": op.value, "lhs": lhs, "rhs": rhs,
-                                   "loc": _loc(local.file, a.line, a.col, b.end_line, b.end_col)})
-        return _deeper(depths, node, (d if d > r else r) + 1)
+        return _binary(self.local, ast.Compare, c)
 
     def name_power(self, c):
         """NAME ^ rhs: the name is the left operand."""
@@ -777,6 +761,18 @@ class _Builder:
 
     def _kwarg(self, kids, loc):
         return ast.Kwarg(str(kids[0]), kids[2], loc=loc)
+
+
+def _binary(local, cls, c):
+    """The node `cls` (BinOp or Compare) of lhs op rhs, one deeper than its deeper operand."""
+    lhs, op, rhs = c
+    depths = local.depth
+    d = depths.pop(id(lhs), 1)
+    r = depths.pop(id(rhs), 1)
+    a, b = lhs.loc, rhs.loc
+    node = build(cls, {"op": op.value, "lhs": lhs, "rhs": rhs,
+                       "loc": _loc(local.file, a.line, a.col, b.end_line, b.end_col)})
+    return _deeper(depths, node, (d if d > r else r) + 1)
 
 
 def _deeper(depths: dict, node, depth: int):
