@@ -9,7 +9,7 @@ import click
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
-from tgc.cli_run import _dim_binding
+from tgc.cli_run import _dim_binding, check_dim_flags
 from tgc.fsutil import write_atomic
 from tgc.options import Options
 
@@ -51,12 +51,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
     options = Options(dtype=driver.float_type(file, dtype), import_dirs=tuple(import_dirs))
     module = driver.load(file, options)
-    unknown = [d for d in dims if d not in module.dims]
-    if unknown:
-        raise click.BadParameter(f"the program has no dim '{unknown[0]}'", param_hint="--dim")
-    fixed = [d for d in dims if module.dims[d] is not None]
-    if fixed:
-        raise click.BadParameter(f"dim '{fixed[0]}' has a fixed size", param_hint="--dim")
+    check_dim_flags(module, dims)
     env = module.bind_dims({d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()})
     low = lower_module(driver.lower(module, options).module, options)
     report = report_of(low, env)

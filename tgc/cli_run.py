@@ -36,6 +36,16 @@ def _dim_binding(ctx, param, value):
     return out
 
 
+def check_dim_flags(module, dims: dict[str, int]) -> None:
+    """--dim names only symbolic dims of `module` (a usage error otherwise)."""
+    unknown = [d for d in dims if d not in module.dims]
+    if unknown:
+        raise click.BadParameter(f"the program has no dim '{unknown[0]}'", param_hint="--dim")
+    fixed = [d for d in dims if module.dims[d] is not None]
+    if fixed:
+        raise click.BadParameter(f"dim '{fixed[0]}' has a fixed size", param_hint="--dim")
+
+
 def _input_binding(ctx, param, value):
     out = {}
     for item in value:
@@ -113,12 +123,7 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
     arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
-    unknown = [d for d in dims if d not in module.dims]
-    if unknown:
-        raise click.BadParameter(f"the program has no dim '{unknown[0]}'", param_hint="--dim")
-    fixed = [d for d in dims if module.dims[d] is not None]
-    if fixed:
-        raise click.BadParameter(f"dim '{fixed[0]}' has a fixed size", param_hint="--dim")
+    check_dim_flags(module, dims)
     if random:
         partial = _random_dims(module, arrays, dims)
         try:

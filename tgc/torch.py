@@ -48,6 +48,7 @@ class _Function:
         self.names = [s.name for s in program.inputs]
         self.float_names = {s.name for s in program.inputs if s.dtype != "i32"}
         self.outputs = [s.name for s in self.forward_program.outputs]
+        self.cotangents = _vjp_names(program)   # output -> its cotangent argument
         self._vjp = None
         self._lock = threading.Lock()
         self.__doc__ = f"tgc program: ({', '.join(self.names)}) -> ({', '.join(self.outputs)})"
@@ -87,7 +88,7 @@ class _Autograd(torch.autograd.Function):
     def backward(ctx, *grads):
         fn: _Function = ctx.fn
         saved = ctx.saved_tensors
-        vjp, cotangent = fn.vjp_program(), _vjp_names(fn.program)
+        vjp, cotangent = fn.vjp_program(), fn.cotangents
         arrays = {n: _numpy(t) for n, t in zip(fn.names, saved)}
         for o, g, spec, shape in zip(fn.outputs, grads, fn.forward_program.outputs, ctx.shapes):
             arrays[cotangent[o]] = np.zeros(shape, _float(spec.dtype)) if g is None else _numpy(g)
