@@ -153,16 +153,18 @@ def _bind_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[s
 
 
 def _edge_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, str]:
-    """Edge parameter -> actual edge. The last parameter collects every remaining edge
-    argument (`dropout[batch, hidden](h, key, p)` binds `e` to both): it then stands for
-    all of them in edge lists, and is an error where one edge is needed."""
+    """Edge parameter -> actual edge. The last parameter of a function declared with
+    `e...` collects every remaining edge argument (`dropout[batch, hidden](h, key, p)`
+    binds `e` to both): it then stands for all of them in edge lists, and is an error
+    where one edge is needed."""
     args = [(a, x) for a in node.edges or () for x in el.edge_names(a.id, a, ctx)]
     want, got = len(d.edge_params), len(args)
-    if got < want or (want == 0 and got):
+    if got < want or (got > want and not d.variadic):
         if want == 0:
             raise el.error(f"'{d.name}' takes no edge arguments", node, ctx)
-        raise el.error(f"'{d.name}' takes {want} edge argument{'s' * (want != 1)} "
-                       f"([{', '.join(e.id for e in d.edge_params)}]), got {got}", node, ctx)
+        more = " or more" if d.variadic else ""
+        raise el.error(f"'{d.name}' takes {want}{more} edge argument{'s' * (want != 1 or d.variadic)} "
+                       f"([{', '.join(e.id for e in d.edge_params)}{'...' * d.variadic}]), got {got}", node, ctx)
     mapping: dict[str, str | tuple[str, ...]] = {}
     for p, (_, actual) in zip(d.edge_params, args):
         mapping[p.id] = actual
