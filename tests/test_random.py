@@ -182,6 +182,24 @@ def test_interpreters_and_cpu_agree_bit_for_bit(dtype, key):
     assert not np.array_equal(want["w"].T, u)                  # another key
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_fp_strict_draws_are_the_interpreters(dtype):
+    """--fp-strict runs an f32 program as f64 rounded to f32 (emulate_f32): its draws stay
+    f32 draws (`random[... as f32]`, exact in f64), never f64 ones rounded (possibly to 1.0)."""
+    src = "dim i = 300, j = 7\ninput key: i32\nout u = rand[i, j](key)\nout z = randn[j, i](fold(key, 9))\n"
+    m = compile_source(src, "t.tg", Options(dtype=dtype))
+    want = evaluate(m, {"key": 99})
+    got = tgc.compile(src, dtype=dtype, options=Options(dtype=dtype, fp_strict=True))(key=np.int32(99))
+    for k in want:
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_array_equal(got[k], want[k])
+    if dtype == "f32":
+        from tgc.passes.emulate import emulate_f32
+        text = print_module(emulate_f32(m))
+        assert "random[rand as f32] %key : f64[i, j]" in text and "round32" not in text
+        assert print_module(parse_module(text)) == text
+
+
 def test_draws_do_not_depend_on_the_edges_around_them():
     """A draw over [i, j] is the same in a program that also has other edges and values."""
     small = compile_source("dim i = 4, j = 3\ninput key: i32\nout u = rand[i, j](key)\n", "<a>")

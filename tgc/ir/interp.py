@@ -290,7 +290,7 @@ def _scatter(ev: _Eval, v: Value, ops):
 def _random(ev: _Eval, v: Value, ops):
     """Philox draws (tgc.ir.philox) at the row-major linear index over the sorted edges."""
     shape = [ev.sizes[e] for e in v.edges]
-    dtype = "f32" if ev.np_dtype(v) == np.float32 else "f64"
+    dtype = v.attrs[2] or ("f32" if ev.np_dtype(v) == np.float32 else "f64")
     counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
     return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), v.attrs[1], counters)
 

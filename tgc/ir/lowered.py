@@ -233,6 +233,7 @@ class Rand:
     folds: tuple[int, ...]
     key: Ix
     counter: Ix
+    draw: str = ""   # '' (the program's float type) or 'f32' (f32 draws in an f64 program)
 
 
 Expr = Union[Load, Const, SizeOf, Add, Mul, Map, Mask, Acc, Rand]
@@ -264,7 +265,7 @@ def expr_text(e: Expr) -> str:
         return "acc"
     if isinstance(e, Rand):
         folds = "".join(f", fold {n}" for n in e.folds)
-        return f"{e.kind}({e.key}{folds}; {e.counter})"
+        return f"{e.kind}({e.key}{folds}; {e.counter}){' as ' + e.draw if e.draw else ''}"
     if isinstance(e, Mask):
         return f"mask[{', '.join(map(str, e.conds))}]({expr_text(e.arg)})"
     args = ", ".join(expr_text(a) for a in e.args)

@@ -255,8 +255,8 @@ class _Machine:
         if isinstance(e, Rand):   # integer arithmetic, then float64 rounded once (tgc.ir.philox)
             key = np.asarray(self.ix(e.key, vals), np.int64)
             counter = np.asarray(self.ix(e.counter, vals), np.int64)
-            dtype = "f32" if self.fp == np.float32 else "f64"
-            return draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), e.folds, counter)
+            dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
+            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), e.folds, counter))
         if isinstance(e, Mask):
             ok = True
             for c in e.conds:

@@ -24,10 +24,12 @@ there is no axis order). The primitive ops and their attributes:
                                  ct into position ids[...] along `edge`; the result
                                  has (ct.edges - ids.edges) + edge, plus the edges of
                                  ids its type keeps, which are matched as in gather
-    random    (kind, folds)      a counter-based draw over the type's edges (tgc.ir.philox):
+    random    (kind, folds, draw) a counter-based draw over the type's edges (tgc.ir.philox):
                                  kind 'rand' (uniform in [0, 1)) or 'randn' (standard
                                  normal); operand: the key, an i32 scalar argument;
-                                 folds: the integers `fold(key, n)` applied, in order
+                                 folds: the integers `fold(key, n)` applied, in order;
+                                 draw: '' (drawn in the computation's float type) or
+                                 'f32' (f32 draws held in f64: --fp-strict's emulation)
     fold      (n,)               a key derived from a key (an i32 scalar argument or a
                                  fold): only the front end builds it, and `random`
                                  takes its chain apart into its folds at once
@@ -264,7 +266,7 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
 
 
 def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Iterable[str],
-           loc: Loc | None = None) -> Value:
+           loc: Loc | None = None, draw: str = "") -> Value:
     """A draw of `kind` over `edges` from `key` (an i32 scalar argument) folded with `folds`.
     Deterministic: the same key, folds, kind and edges are one value (hash-consed)."""
     if kind not in RANDOM_KINDS:
@@ -281,7 +283,9 @@ def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Itera
     folds = tuple(int(n) for n in folds)
     if any(not 0 <= n < 2 ** 31 for n in folds):
         raise IRError("fold takes an integer in [0, 2^31)")
-    return Value.make("random", (key,), (kind, folds), TensorType.of(dtype, edges), loc)
+    if draw not in ("", "f32"):
+        raise IRError(f"random draws are f32 or of the value's type, not '{draw}'")
+    return Value.make("random", (key,), (kind, folds, draw), TensorType.of(dtype, edges), loc)
 
 
 def fold(key: Value, n: int, loc: Loc | None = None) -> Value:
@@ -395,7 +399,7 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
     "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
-    "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc),
+    "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc, v.attrs[2]),
     "stop": lambda v, ops: stop(ops[0], v.loc),
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),

@@ -559,7 +559,7 @@ class _Fuser:
             counter = counter.plus(env[e].scaled(stride))
             stride = size_op("*", stride, edge_size(self.m, e))
         key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
-        return Rand(v.attrs[0], v.attrs[1], key, counter)
+        return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
 
     def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
         base, view = peel(ids)

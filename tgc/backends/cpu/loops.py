@@ -461,7 +461,9 @@ class LoopGen:
         if isinstance(e, Acc):
             return acc
         if isinstance(e, Rand):
-            return emit_draw(b, e.kind, e.folds, self.ix(e.key, vars), self.ix(e.counter, vars), self.fp)
+            fp = ir.FloatType() if e.draw == "f32" else self.fp
+            value = emit_draw(b, e.kind, e.folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
+            return value if fp == self.fp else b.fpext(value, self.fp)
         if isinstance(e, Mask):
             return self.mask(e, vars, acc)
         if isinstance(e, Add):
