@@ -24,7 +24,7 @@ from tgc import driver
 from tgc.frontend import compile_source
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import evaluate
+from tgc.ir.interp import evaluate, random_inputs
 from tgc.ir.lowered_interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.philox import draw_numpy, philox_block
@@ -334,6 +334,38 @@ def test_a_training_step_with_dropout_compiles_and_agrees_with_the_interpreter()
         losses.append(float(got["loss"]))
     assert all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+WITH_DROPOUT = {   # example -> (replacements that add dropout to it), each must apply once
+    "gpt.tg": [("x0 = wte[vocab = ids] + wpe", "input key: i32\nx0 = dropout[batch, t, c](wte[vocab = ids] + wpe, key, 0.1)"),
+               ("xf = layernorm[c](x2,", "xf = layernorm[c](dropout[batch, t, c](x2, fold(key, 1), 0.1),")],
+    "train_digits.tg": [("logits = pool2 @ W + b", "input key: i32\nlogits = dropout[batch, ch2, h4, w4](pool2, key, 0.25) @ W + b")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITH_DROPOUT))
+def test_examples_train_with_dropout(name):
+    """An example's training step with dropout layers compiles and runs on the CPU, to
+    the interpreter's values, and another key drops other units."""
+    path = ROOT / "examples" / name
+    src = path.read_text()
+    for old, new in WITH_DROPOUT[name]:
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    opts = Options(dtype="f64")
+    source_module = compile_source(src, str(path), opts)    # imports are relative to the example
+    m = run_pipeline(source_module, opts).module
+    x = random_inputs(m, m.bind_dims({d: 4 for d in m.symbolic_dims()}), 0, "f64")
+    step = tgc.compile(source_module, dtype="f64")
+    results = []
+    for key in (1, 2):
+        want = evaluate(m, {**x, "key": key}, dtype="f64")
+        got = step.run({**{k: np.copy(v) for k, v in x.items()}, "key": np.int32(key)})
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-9, atol=1e-12, err_msg=k)
+        results.append(want["loss"])
+    assert results[0] != results[1]
 
 
 # ---------------------------------------------------------------- errors
