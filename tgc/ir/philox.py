@@ -222,3 +222,29 @@ def draw_numpy(kind: str, dtype: str, key: int, folds: tuple[int, ...], counters
     with np.errstate(all="ignore"):
         k = np.asarray(np.int64(key)).astype(np.uint64)
         return draw(NUMPY, kind, dtype, k, tuple(folds), np.asarray(counters).astype(np.uint64))
+
+
+class _Counter:
+    """`A` that counts operations instead of computing: (integer ops, float ops)."""
+
+    def __init__(self):
+        self.ints = self.floats = 0
+
+    def __getattr__(self, name: str):
+        floats = name.startswith("f") and name not in ("fconst", "frexp") or name in ("sqrt", "int_to_f64")
+
+        def op(*args):
+            if name not in ("const", "fconst", "to_float"):
+                if floats:
+                    self.floats += 1
+                else:
+                    self.ints += 1
+            return (0.0, 0.0) if name == "frexp" else 0
+        return op
+
+
+def op_counts(kind: str, dtype: str, folds: int = 0) -> tuple[int, int]:
+    """(integer ops, float ops) of one draw, counted by running `draw` (for cost models)."""
+    c = _Counter()
+    draw(c, kind, dtype, 0, (0,) * folds, 0)
+    return c.ints, c.floats
