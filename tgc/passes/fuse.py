@@ -53,7 +53,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tgc.ir.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, smul)
 from tgc.ir.sizes import size_op
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
@@ -556,7 +556,9 @@ class _Fuser:
         over the draw's own edges (sorted by name), whatever loops compute it."""
         counter, stride = Ix(), 1
         for e in reversed(v.edges):
-            counter = counter.plus(env[e].scaled(stride))
+            ix = env[e]
+            counter = counter.plus(Ix.make([(a, smul(stride, c)) for a, c in ix.terms],
+                                           0 if ix.const == 0 else smul(stride, ix.const)))
             stride = size_op("*", stride, edge_size(self.m, e))
         key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
         return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
