@@ -152,7 +152,7 @@ def _bind_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[s
     return given
 
 
-def _edge_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, str]:
+def _edge_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, str | tuple[str, ...]]:
     """Edge parameter -> actual edge. The last parameter of a function declared with
     `e...` collects every remaining edge argument (`dropout[batch, hidden](h, key, p)`
     binds `e` to both): it then stands for all of them in edge lists, and is an error
