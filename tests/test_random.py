@@ -208,6 +208,16 @@ def test_draws_do_not_depend_on_the_edges_around_them():
     a = evaluate(small, {"key": 5})["u"]
     b = evaluate(big, {"key": 5, "y": np.ones((9, 4), np.float32)})["u"]
     np.testing.assert_array_equal(a, b)
+    # edge names matter only through their order: [i, j] and [a, b] (a < b) are one
+    # stream; [z, b] sorts b first, and the renamed [i -> z] keeps the draw over (i, j)
+    names = compile_source("dim i = 4, j = 3\ninput key: i32\ninput t[a: i, b: j, z: i]\n"
+                           "out u[i, j] = rand[i, j](key)\nout v[a, b] = rand[a, b](key)\n"
+                           "out w[z, b] = rand[z, b](key)\nout r[z, j] = rand[i, j](key)[i -> z]\n", "<c>")
+    got = evaluate(names, {"key": 5, "t": np.zeros((4, 3, 4), np.float32)})
+    np.testing.assert_array_equal(got["u"], got["v"])
+    np.testing.assert_array_equal(got["u"], got["r"])
+    assert not np.array_equal(got["u"], got["w"])
+    np.testing.assert_array_equal(got["w"].T.reshape(-1), a.reshape(-1))   # rows of w's [b, z] order
 
 
 # ---------------------------------------------------------------- the IR
