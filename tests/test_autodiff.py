@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tgc.ir import values as V
+from tgc.ir.dtypes import CONVERSIONS, ROUNDINGS
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
@@ -124,8 +125,9 @@ BINARY = {  # fn: (domain of x, domain of y)
 
 
 def test_every_map_fn_and_op_has_a_rule_and_a_test():
-    # round32 is --fp-strict's f32 emulation, made after differentiation: no derivative
-    assert set(V.MAP_ARITY) == set(UNARY) | set(BINARY) | {"where", "round32"}
+    # round32 is --fp-strict's f32 emulation, made after differentiation: no derivative;
+    # the conversions (to_bf16 ..) and bf16/f16 roundings are tested in test_dtypes.py
+    assert set(V.MAP_ARITY) == set(UNARY) | set(BINARY) | {"where", "round32"} | set(CONVERSIONS) | set(ROUNDINGS)
     ops = set(V.BUILDERS) | {"arg", "const", "size", "indicator"}
     assert ops - set(V.DERIVATIVE_OPS) - {"map"} <= set(RULES)
     assert set(V.MAP_ARITY) - {"round32"} <= set(RULES)

@@ -353,7 +353,7 @@ ERRORS = [
     ("x = f(a < b < c)", 1, 13, "comparisons do not chain"),
     ('import "abc', 1, 8, "unterminated string"),
     ("import abc", 1, 8, "unexpected name 'abc'; expected STRING"),
-    ("input x: f16[a]", 1, 10, "unknown dtype 'f16'"),
+    ("input x: f8[a]", 1, 10, "unknown dtype 'f8'"),
     ("input x[]", 1, 9, "unexpected token ']'; expected NAME"),
     ("y = x[i]", 1, 7, "expected '->' (rename) or '='"),
     ("y = x[i, j -> k]", 1, 7, "expected '->'"),

@@ -290,6 +290,7 @@ class ProgramBuilder:
                                f"does not have ([{', '.join(arg.order)}])", u.expr.loc)
         if len(value.edges) < len(arg.order):
             value = V.contract([value], arg.order, loc=u.loc)
+        value = V.convert(value, arg.dtype, loc=u.loc)   # stored in the target's type (rounded)
         self.m.updates.append(Update(u.name, value, u.loc))
 
     def finish(self) -> Module:

@@ -44,7 +44,7 @@ from tgc.frontend.ast import build
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
-DTYPES = ("i32", "f32", "f64")
+DTYPES = ("i32", "f32", "f64", "bf16", "f16")
 
 
 def parse(text: str, filename: str) -> ast.Program:

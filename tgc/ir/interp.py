@@ -19,9 +19,10 @@ import numpy as np
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, ROUNDINGS, TYPES, is_low_array, round_to
 from tgc.ir.values import Value, topo_order
 
-NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
+NP_DTYPES = {n: t.numpy.type for n, t in TYPES.items()}   # bf16: ml_dtypes.bfloat16
 
 
 class EvalError(RuntimeError):
@@ -86,8 +87,10 @@ def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.
             raise EvalError(f"input '{arg.name}' must hold integers (i32), not {a.dtype}")
         check_ids_fit(arg.name, a)
         return a.astype(np.int32)
-    if a.dtype.kind not in "fiub":
+    if a.dtype.kind not in "fiub" and not is_low_array(a):
         raise EvalError(f"input '{arg.name}' must be numeric, not {a.dtype}")
+    if arg.dtype in LOW_FLOATS:   # bf16/f16 stay themselves; --dtype overrides f32/f64 only
+        return round_to(a, arg.dtype)
     return a.astype(NP_DTYPES[float_dtype or arg.dtype])
 
 
@@ -99,7 +102,7 @@ class _Eval:
         self.float_dtype = float_dtype
 
     def np_dtype(self, v: Value):
-        return NP_DTYPES[self.float_dtype if self.float_dtype and v.dtype != "i32" else v.dtype]
+        return NP_DTYPES[self.float_dtype if self.float_dtype and v.dtype in ("f32", "f64") else v.dtype]
 
     def expand(self, a: np.ndarray, v: Value, edges: tuple[str, ...]) -> np.ndarray:
         """`a` (axes = v.edges) with size-1 axes inserted so its axes are `edges`."""
@@ -112,7 +115,9 @@ class _Eval:
             self.check_size(v)
             ops = [_wide(vals[id(o)]) for o in v.operands]
             try:
-                vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
+                out = np.asarray(OPS[v.op](self, v, ops))
+                vals[id(v)] = (round_to(out, v.dtype) if v.dtype in LOW_FLOATS
+                               else out.astype(self.np_dtype(v), copy=False))
             except MemoryError:
                 raise EvalError(f"not enough memory for a value over [{', '.join(v.edges)}] "
                                 f"({self.elements(v)} elements)") from None
@@ -136,7 +141,7 @@ def _wide(a: np.ndarray) -> np.ndarray:
     """f32 operands in float64: every op computes in float64 and its result is rounded
     once to the value's type, so a sum of any length, or exp near 1, is as accurate as
     f32 can hold (numpy's own f32 sums and functions are not always correctly rounded)."""
-    return a.astype(np.float64) if a.dtype == np.float32 else a
+    return a.astype(np.float64) if a.dtype == np.float32 or is_low_array(a) else a
 
 
 def _arg(ev: _Eval, v: Value, ops):
@@ -146,6 +151,8 @@ def _arg(ev: _Eval, v: Value, ops):
 
 
 def _const(ev: _Eval, v: Value, ops):
+    if v.dtype in LOW_FLOATS:
+        return round_to(np.full([ev.sizes[e] for e in v.edges], v.attrs[0]), v.dtype)
     return np.full([ev.sizes[e] for e in v.edges], v.attrs[0], dtype=ev.np_dtype(v))
 
 
@@ -154,7 +161,7 @@ def _size(ev: _Eval, v: Value, ops):
 
 
 def _add(ev: _Eval, v: Value, ops):
-    total = np.zeros([ev.sizes[e] for e in v.edges], dtype=ev.np_dtype(v))
+    total = np.zeros([ev.sizes[e] for e in v.edges], dtype=np.float64 if v.dtype in LOW_FLOATS else ev.np_dtype(v))
     for c, o, a in zip(v.attrs[0], v.operands, ops):
         total = total + c * ev.expand(a, o, v.edges)
     return total
@@ -192,6 +199,10 @@ MAP_FNS: dict[str, Callable] = {
     "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
     "where": lambda c, a, b: np.where(c != 0, a, b),
     "round32": lambda x: np.asarray(x, np.float32).astype(np.float64),
+    # conversions: the value itself; the result's type rounds it (see _Eval.run)
+    **{fn: (lambda x: x) for fn in CONVERSIONS},
+    # round_bf16/round_f16: to the nearest bf16/f16 (through f32), held in the operand's type
+    **{fn: (lambda x, _t=t: round_to(x, _t).astype(np.asarray(x).dtype)) for fn, t in ROUNDINGS.items()},
 }
 
 
@@ -290,7 +301,7 @@ def _scatter(ev: _Eval, v: Value, ops):
 def _random(ev: _Eval, v: Value, ops):
     """Philox draws (tgc.ir.philox) at the row-major linear index over the sorted edges."""
     shape = [ev.sizes[e] for e in v.edges]
-    dtype = v.attrs[2] or ("f32" if ev.np_dtype(v) == np.float32 else "f64")
+    dtype = v.attrs[2] or ("f64" if ev.np_dtype(v) == np.float64 else "f32")   # bf16/f16: drawn in f32, rounded
     counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
     return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), v.attrs[1], counters)
 

@@ -48,8 +48,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from tgc.ir.affine import Relation
 from tgc.ir.diag import Loc
+from tgc.ir.dtypes import CONVERSIONS, FLOATS, ROUNDINGS, promote
 
-FLOAT_DTYPES = ("f32", "f64")
+FLOAT_DTYPES = FLOATS          # bf16, f16, f32, f64 (tgc.ir.dtypes)
 DTYPES = FLOAT_DTYPES + ("i32",)
 
 MAP_ARITY = {
@@ -62,6 +63,8 @@ MAP_ARITY = {
     "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
     "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
+    **{fn: 1 for fn in CONVERSIONS},  # to_bf16 .. to_f64: x converted to that type (the result's type)
+    **{fn: 1 for fn in ROUNDINGS},    # round_bf16, round_f16: x rounded to bf16/f16, kept in x's type
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
 RANDOM_KINDS = ("rand", "randn")
@@ -171,9 +174,13 @@ def _float_dtype(values: Sequence[Value]) -> str:
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
         raise IRError("integer (i32) tensors can only be used as gather indices")
-    if len(dtypes) > 1:
-        raise IRError(f"mixed float types {sorted(dtypes)}")
-    return dtypes.pop()
+    # mixed types promote (tgc.ir.dtypes.promote); constants and sizes are weak, like
+    # a Python number in numpy: they take part only when every operand is one
+    strong = {v.dtype for v in values if v.op not in ("const", "size")} or dtypes
+    out = strong.pop()
+    for d in strong:
+        out = promote(out, d)
+    return out
 
 
 def arg(name: str, dtype: str, edges: Iterable[str], loc: Loc | None = None) -> Value:
@@ -219,8 +226,15 @@ def map_(fn: str, *operands: Value, loc: Loc | None = None) -> Value:
         raise IRError(f"unknown elementwise function '{fn}'")
     if len(operands) != MAP_ARITY[fn]:
         raise IRError(f"'{fn}' takes {MAP_ARITY[fn]} argument(s), got {len(operands)}")
-    dtype = _float_dtype(operands)
+    dtype = CONVERSIONS.get(fn) or _float_dtype(operands)
+    if fn in CONVERSIONS and operands[0].dtype == "i32":
+        raise IRError("integer (i32) tensors can only be used as gather indices")
     return Value.make("map", operands, (fn,), TensorType.of(dtype, _union(operands)), loc)
+
+
+def convert(x: Value, dtype: str, loc: Loc | None = None) -> Value:
+    """`x` as type `dtype` (itself when it has it already)."""
+    return x if x.dtype == dtype else map_(f"to_{dtype}", x, loc=loc)
 
 
 def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) -> Value:
@@ -327,7 +341,8 @@ def grad(f: Value, x: Value, loc: Loc | None = None) -> Value:
     shared = sorted(set(f.edges) & set(x.edges))
     if shared:
         raise IRError(f"grad of a non-scalar needs disjoint edges; both sides have '{shared[0]}' (rename first)")
-    return Value.make("grad", (f, x), (), TensorType.of(f.dtype, f.edges + x.edges), loc)
+    # a gradient has its variable's type
+    return Value.make("grad", (f, x), (), TensorType.of(x.dtype, f.edges + x.edges), loc)
 
 
 def jvp(f: Value, x: Value, dx: Value, loc: Loc | None = None) -> Value:
@@ -349,7 +364,7 @@ def vjp(f: Value, x: Value, v: Value, loc: Loc | None = None) -> Value:
     extra = set(v.edges) - set(f.edges)
     if extra & set(x.edges):
         raise IRError(f"the cotangent's extra edge '{sorted(extra & set(x.edges))[0]}' is also an edge of '{x.attrs[0]}'")
-    return Value.make("vjp", (f, x, v), (), TensorType.of(f.dtype, set(x.edges) | extra), loc)
+    return Value.make("vjp", (f, x, v), (), TensorType.of(x.dtype, set(x.edges) | extra), loc)
 
 
 def topo_order(roots: Iterable[Value]) -> list[Value]:

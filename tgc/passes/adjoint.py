@@ -80,8 +80,8 @@ def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str], ct=False) -> V
     if ct is False:
         ct = reverse(f, x, seed)
     if ct is None:
-        ct = V.const(0.0, f.dtype, set(x.edges) | set(fresh.values()))
-    return V.rename(ct, inverse(fresh))
+        ct = V.const(0.0, x.dtype, set(x.edges) | set(fresh.values()))
+    return V.convert(V.rename(ct, inverse(fresh)), x.dtype)   # a gradient has its variable's type
 
 
 def _identity(fresh: dict[str, str], dtype: str) -> Value:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from tgc.ir import values as V
+from tgc.ir.dtypes import CONVERSIONS, ROUNDINGS
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
 
@@ -225,6 +226,14 @@ RULES: dict[str, Rule] = {
     "pow": pointwise(lambda v, a, b: _mul0(b, _fn("pow", a, _minus1(b))),  # b a^(b-1), 0 where b = 0
                      lambda v, a, b: _mul0(v, _fn("log", a))),          # a^b log a, 0 where a^b = 0
 }
+
+
+# conversions and roundings pass a derivative through, converted to the receiver's type
+# (a gradient has its variable's type; roundings are straight-through: they exist only
+# after the pipeline, in a backend's emulation of bf16/f16)
+for _fn_name in (*CONVERSIONS, *ROUNDINGS):
+    RULES[_fn_name] = Rule((0,), lambda v, i, ct: V.convert(ct, v.operands[0].dtype),
+                           lambda v, ts: V.convert(ts[0], v.dtype))
 
 
 # ---- fused primitives of the stabilize pass ----------------------------------------------

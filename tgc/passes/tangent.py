@@ -47,7 +47,7 @@ def jvp_value(module: Module, f: Value, x: Value, dx: Value) -> Value:
     t = forward(f, x, V.rename(dx, fresh))
     if t is None:
         t = V.const(0.0, f.dtype, set(f.edges) | set(fresh.values()))
-    return V.rename(t, inverse(fresh))
+    return V.convert(V.rename(t, inverse(fresh)), f.dtype)   # a tangent has its function's type
 
 
 @dataclass(frozen=True)

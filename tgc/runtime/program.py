@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
 from tgc.ir.interp import EvalError, check_ids_fit
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
@@ -275,7 +276,12 @@ class Program:
         # arrays for the fast path, as `_convert` does for the checked one
         self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
                                  if not s.shape and not s.updated and s.dtype != "i32")
-        self._fast = self._run_objects is not None and self._key_idx is not None
+        # bf16/f16 arguments and outputs (tgc.passes.lowp): the compiled code holds them
+        # in the program's float type; calls convert them on the way in and out
+        self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
+        self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
+        self.low_types.update(self._low_outs)
+        self._fast = self._run_objects is not None and self._key_idx is not None and not self.low_types
         self._plans: dict = {}
         self._ws_addr = 0
         self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
@@ -416,6 +422,13 @@ class Program:
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
             check_ids_fit(spec.name, a)
+        elif spec.name in self.low_types:   # bf16/f16: rounded to it, then held in the program's type
+            if a.dtype.kind != "f" and not is_low_array(a):
+                raise EvalError(f"input '{spec.name}' must be a float array ({self.low_types[spec.name]}), "
+                                f"not {a.dtype}")
+            if spec.updated and not a.flags.writeable:
+                raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
+            return np.require(round_to(a, self.low_types[spec.name]), NP[spec.dtype], "C")
         elif a.dtype.kind != "f":
             raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
         if spec.updated and not a.flags.writeable:
@@ -527,10 +540,12 @@ class Program:
         if not updates and self._updates:
             return self._run_forward(arrays, dims)
         result = self._call(arrays, dims)
-        if self.out_dtype is None:
+        if self.out_dtype is None and not self._low_outs:
             return result
         updated = set(self._update_keys.values())
-        return {k: v if k in updated else v.astype(self.out_dtype) for k, v in result.items()}
+        low = self._low_outs   # bf16/f16 outputs: rounded already, so exact in their type
+        return {k: v if k in updated else v.astype(TYPES[low[k]].numpy) if k in low
+                else v.astype(self.out_dtype) if self.out_dtype is not None else v for k, v in result.items()}
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
         extra = [n for n in arrays if n not in self._names]

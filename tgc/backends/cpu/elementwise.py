@@ -11,7 +11,8 @@ through `e = exp(-|x|)`, which never overflows: `sigmoid = 1/(1+e)` (x >= 0) or
 integer or +-0.5 constant exponent is multiplications/sqrt; otherwise
 `exp(y * log|x|)`, signed for negative x with an integer y, NaN for negative x with
 a fractional y, and 1 for y == 0 (numpy's `power` on floats). `round32(x)` rounds
-an f64 to the nearest f32 and back.
+an f64 to the nearest f32 and back; `round_bf16(x)`/`round_f16(x)` round x (through
+f32) to the nearest bfloat16/half and back (bf16/f16 values, `tgc.passes.lowp`).
 """
 from __future__ import annotations
 
@@ -66,9 +67,30 @@ def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | N
         return emit_pow(b, args[0], args[1], fp, const_exponent)
     if fn == "round32":   # to the nearest f32 and back (--fp-strict's f32 emulation)
         return b.fpext(b.fptrunc(args[0], ir.FloatType()), fp)
+    if fn == "round_f16":   # through f32 to the nearest f16 (vcvtps2ph with F16C) and back
+        x = b.fptrunc(args[0], ir.FloatType()) if not isinstance(fp, ir.FloatType) else args[0]
+        return b.fpext(b.fptrunc(x, ir.HalfType()), fp)
+    if fn == "round_bf16":
+        return emit_round_bf16(b, args[0], fp)
     if fn in ("sigmoid", "softplus"):
         return (emit_sigmoid if fn == "sigmoid" else emit_softplus)(b, args[0], fp)
     raise ValueError(f"no code for elementwise function '{fn}'")
+
+
+def emit_round_bf16(b: ir.IRBuilder, x, fp):
+    """x through f32 to the nearest bfloat16, ties to even, and back: the f32 bits plus
+    0x7fff plus the lowest kept bit, cut to the top 16 (a carry rounds up into the
+    exponent, up to inf); NaN stays NaN (made quiet). Integer ops, so it vectorizes
+    on any x86 (ml_dtypes and PyTorch round the same way)."""
+    i32 = ir.IntType(32)
+    f = b.fptrunc(x, ir.FloatType()) if not isinstance(fp, ir.FloatType) else x
+    bits = b.bitcast(f, i32)
+    lsb = b.and_(b.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    up = b.add(b.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
+    nan = b.fcmp_unordered("uno", f, f)
+    kept = b.select(nan, b.or_(bits, ir.Constant(i32, 0x00400000)), up)
+    r = b.bitcast(b.and_(kept, ir.Constant(i32, -65536)), ir.FloatType())
+    return r if isinstance(fp, ir.FloatType) else b.fpext(r, fp)
 
 
 def _ipow(b: ir.IRBuilder, x, n: int, fp):

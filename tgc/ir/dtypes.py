@@ -1,0 +1,81 @@
+"""The element types: one table that says how each is stored, computed and promoted.
+
+Every IR value has one of these types (`TensorType.dtype`). A float type has a
+storage type (the numpy dtype a caller's array holds) and a compute type (the type
+arithmetic on it happens in): `f32` and `f64` compute in themselves; `bf16` and
+`f16` are storage types whose arithmetic happens in f32, rounded once (to nearest,
+ties to even, as ml_dtypes, numpy and PyTorch round) to the value's type, as the
+field's low-precision types work. `rank` orders the floats for promotion; two
+different types of the same rank (f16 and bf16: neither holds the other) promote to
+the next wider type, f32. A new family (complex) adds rows here.
+
+numpy has no bfloat16: `ml_dtypes.bfloat16` (the type JAX uses) stands for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ElemType:
+    name: str
+    numpy: np.dtype        # how a caller's array holds it
+    compute: str           # the type its arithmetic is computed in
+    bits: int
+    rank: int              # promotion order among floats (0: not a float)
+
+    @property
+    def is_float(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def low(self) -> bool:
+        """Stored narrower than it is computed (bf16, f16)."""
+        return self.compute != self.name
+
+
+TYPES: dict[str, ElemType] = {t.name: t for t in (
+    ElemType("bf16", np.dtype(ml_dtypes.bfloat16), "f32", 16, 1),
+    ElemType("f16", np.dtype(np.float16), "f32", 16, 1),
+    ElemType("f32", np.dtype(np.float32), "f32", 32, 2),
+    ElemType("f64", np.dtype(np.float64), "f64", 64, 3),
+    ElemType("i32", np.dtype(np.int32), "i32", 32, 0),
+)}
+LOW_FLOATS = tuple(n for n, t in TYPES.items() if t.low)          # ('bf16', 'f16')
+FLOATS = tuple(n for n, t in TYPES.items() if t.is_float)
+CONVERSIONS = {f"to_{n}": n for n in FLOATS}                      # the map fns that convert
+ROUNDINGS = {f"round_{n}": n for n in LOW_FLOATS}                 # round to n, held in the compute type
+
+
+def promote(a: str, b: str) -> str:
+    """The type of an operation on operands of types `a` and `b`: the wider one; two
+    different types of one width (f16, bf16) give the next wider float (f32)."""
+    if a == b:
+        return a
+    ta, tb = TYPES[a], TYPES[b]
+    if ta.rank != tb.rank:
+        return a if ta.rank > tb.rank else b
+    return next(t.name for t in TYPES.values() if t.rank == ta.rank + 1)
+
+
+def round_to(a, name: str) -> np.ndarray:
+    """`a` (any float array) as type `name`: a low type is reached through f32 (its
+    compute type), so that a value computed in f64 is rounded as the f32 computation
+    would be when that one is exact-rounded."""
+    a = np.asarray(a)
+    t = TYPES[name]
+    if t.low:
+        return a.astype(np.float32, copy=False).astype(t.numpy)
+    return a.astype(t.numpy, copy=False)
+
+
+def is_low_array(a) -> str | None:
+    """The low float type name an array holds (bf16 or f16), or None."""
+    dt = getattr(a, "dtype", None)
+    for n in LOW_FLOATS:
+        if dt == TYPES[n].numpy:
+            return n
+    return None

@@ -1,0 +1,85 @@
+"""emulate_low: bf16/f16 values as values of the program's float type, each rounded.
+
+A value of type bf16 or f16 means: its op computed in f32 (the compute type,
+`tgc.ir.dtypes`) and rounded once to bf16/f16 (to nearest, ties to even). The
+reference interpreter computes each op in float64 and rounds through f32 to the
+value's type; this pass gives the backends a module without bf16/f16 values, where
+every such value is computed in the program's float type `fp` and wrapped in
+`round_bf16`/`round_f16` (round to the nearest bf16/f16 through f32, kept in `fp`).
+Every op of the result therefore sees exactly the bf16/f16 operands the interpreter
+sees, and rounds its f32 result exactly once to the value's type, as the interpreter
+does: the two agree bit for bit wherever the f32 computation is exact-rounded (every
+elementwise +, -, *, / and conversion; sums in another order, BLAS ones included,
+and transcendental functions may differ in the last f32 bit before rounding, and so
+rarely by one bf16/f16 ulp). The rounding sits on every value, so fusion, layout and
+grouping, which only move values around, keep it: the rule "every IR value of type
+bf16/f16 is rounded" survives any fusion.
+
+Ops whose result a bf16/f16 already holds (an argument, a selection, a copy, a
+comparison, max/min) are not rounded again; constants are rounded once here. A
+conversion to bf16/f16 is a rounding; a conversion to the program's float type is
+the value itself (a bf16/f16 value is held exactly in f32 and f64). The runtime
+(`tgc.runtime.program`) converts bf16/f16 arguments (ml_dtypes.bfloat16 and
+np.float16 arrays) to `fp` on the way in and rounded outputs back on the way out, so
+that storage in the caller's memory is bf16/f16 while the compiled kernels hold
+`fp`. Terminates: one visit per value, in topological order.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tgc.ir import values as V
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, ROUNDINGS, round_to
+from tgc.ir.module import Module
+from tgc.ir.values import IRError, TensorType, Value
+
+_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
+_EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", *ROUNDINGS})
+
+
+def has_low(module: Module) -> bool:
+    """Whether any value or argument of the module is bf16 or f16."""
+    return (any(a.dtype in LOW_FLOATS for a in module.args.values())
+            or any(v.dtype in LOW_FLOATS for v in module.values()))
+
+
+def _exact(v: Value) -> bool:
+    if v.op in _EXACT_OPS:
+        return True
+    if v.op == "map":
+        return v.attrs[0] in _EXACT_FNS
+    return v.op == "reduce" and v.attrs[0] in ("max", "min")
+
+
+def _convert(x: Value, target: str, fp: str) -> Value:
+    """`x` (already emulated, held in `fp`) converted to `target`."""
+    if target in LOW_FLOATS:
+        return V.map_(f"round_{target}", x)
+    if target == fp:
+        return x
+    if target == "f32" and fp == "f64":
+        return V.map_("round32", x)
+    raise IRError(f"cannot convert to {target} in an {fp} program")
+
+
+def emulate_low(module: Module, fp: str) -> Module:
+    """The module whose bf16/f16 values are held in `fp` (f32 or f64), each rounded."""
+    memo: dict[int, Value] = {}
+    for v in module.values():
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if v.op == "map" and v.attrs[0] in CONVERSIONS:
+            memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
+            continue
+        if v.dtype not in LOW_FLOATS:
+            memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
+            continue
+        attrs = v.attrs
+        if v.op == "const":
+            attrs = (float(round_to(v.attrs[0], v.dtype)),)
+        elif v.op == "random" and fp == "f64":
+            attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type), then rounded
+        new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
+        memo[id(v)] = new if _exact(v) else V.map_(f"round_{v.dtype}", new)
+    out = module.replace_values(memo)
+    out.args = {n: replace(a, dtype=fp) if a.dtype in LOW_FLOATS else a for n, a in module.args.items()}
+    return out
