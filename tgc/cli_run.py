@@ -15,6 +15,7 @@ from tgc.cli_errors import SOURCE, handle_errors
 from tgc.cli_flags import FP_STRICT
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, SizeError
@@ -99,8 +100,11 @@ def _load_archive(path: str) -> dict[str, np.ndarray]:
 
 def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.ndarray:
     """Integer or boolean data (saved by numpy as such) for a float input, as floats of the
-    program's type, so that every backend accepts what the interpreter accepts."""
+    program's type, so that every backend accepts what the interpreter accepts; raw 2-byte
+    items (what `np.savez` makes of an ml_dtypes.bfloat16 array) for a bf16/f16 input, as it."""
     arg = module.args.get(name)
+    if arg is not None and arg.dtype in LOW_FLOATS and a.dtype == np.dtype("V2"):
+        return a.view(TYPES[arg.dtype].numpy)   # numpy saves a bfloat16 array as raw 2-byte items
     if arg is not None and arg.dtype != "i32" and a.dtype.kind in "iub":
         return a.astype(interp.NP_DTYPES[dtype])
     return a
@@ -229,9 +233,11 @@ def cross_entropy_targets(path: str) -> dict[str, str]:
 
 def in_float_type(results: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     """Every float result in the program's float type: the compiled program writes an
-    update back into the caller's array, which may be of the other float width."""
+    update back into the caller's array, which may be of the other float width. bf16/f16
+    results stay what they are."""
     want = interp.NP_DTYPES[dtype]
-    return {k: a.astype(want, copy=False) if a.dtype.kind == "f" else a for k, a in results.items()}
+    return {k: a.astype(want, copy=False) if a.dtype.kind == "f" and not is_low_array(a) else a
+            for k, a in results.items()}
 
 
 def _random_dims(module: Module, arrays: dict[str, np.ndarray], dims: dict[str, int]) -> dict[str, int]:

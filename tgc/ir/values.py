@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from tgc.ir.affine import Relation
 from tgc.ir.diag import Loc
-from tgc.ir.dtypes import CONVERSIONS, FLOATS, ROUNDINGS, promote
+from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, ROUNDINGS, TYPES, promote
 
 FLOAT_DTYPES = FLOATS          # bf16, f16, f32, f64 (tgc.ir.dtypes)
 DTYPES = FLOAT_DTYPES + ("i32",)
@@ -162,7 +162,23 @@ def _union(values: Iterable[Value]) -> set[str]:
     return out
 
 
-def _float_dtype(values: Sequence[Value]) -> str:
+# elementwise functions whose result a bf16/f16 operand's type holds exactly (a
+# selection, a comparison's 0/1, a sign): they keep that type; every other op on
+# bf16/f16 operands computes in their compute type (f32), see _float_dtype
+EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32", *ROUNDINGS})
+
+
+def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
+    """The type of an op on `values`: their promoted type (tgc.ir.dtypes.promote);
+    for a bf16/f16 one, its compute type (f32) unless the op is `exact` (its result
+    is one of its operands' values or 0/1). The front end rounds a bf16/f16
+    expression's result explicitly (`to_bf16`, tgc.passes.lowp.explicit_rounding), so
+    the optimizer never adds a rounding: the values it creates are f32."""
+    t = _promoted(values)
+    return t if exact or t not in LOW_FLOATS else TYPES[t].compute
+
+
+def _promoted(values: Sequence[Value]) -> str:
     if values:   # the common case first: one float type
         first = values[0].type.dtype
         if first != "i32":
@@ -226,7 +242,7 @@ def map_(fn: str, *operands: Value, loc: Loc | None = None) -> Value:
         raise IRError(f"unknown elementwise function '{fn}'")
     if len(operands) != MAP_ARITY[fn]:
         raise IRError(f"'{fn}' takes {MAP_ARITY[fn]} argument(s), got {len(operands)}")
-    dtype = CONVERSIONS.get(fn) or _float_dtype(operands)
+    dtype = CONVERSIONS.get(fn) or _float_dtype(operands, fn in EXACT_FNS)
     if fn in CONVERSIONS and operands[0].dtype == "i32":
         raise IRError("integer (i32) tensors can only be used as gather indices")
     return Value.make("map", operands, (fn,), TensorType.of(dtype, _union(operands)), loc)
@@ -244,7 +260,7 @@ def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) ->
     missing = [e for e in edges if e not in x.edges]
     if missing:
         raise IRError(f"cannot reduce over edge '{missing[0]}': the tensor has edges [{', '.join(x.edges)}]")
-    dtype = _float_dtype([x])
+    dtype = _float_dtype([x], kind in ("max", "min"))
     rest = [e for e in x.edges if e not in edges]
     return Value.make("reduce", (x,), (kind, edges), TensorType.of(dtype, rest), loc)
 
@@ -260,7 +276,7 @@ def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value
         raise IRError(f"gather indices must be i32, not {ids.dtype}")
     if edge not in table.edges:
         raise IRError(f"cannot gather along edge '{edge}': the tensor has edges [{', '.join(table.edges)}]")
-    dtype = _float_dtype([table])
+    dtype = _float_dtype([table], True)
     rest = [e for e in table.edges if e != edge]
     return Value.make("gather", (table, ids), (edge,), TensorType.of(dtype, rest + list(ids.edges)), loc)
 

@@ -29,25 +29,26 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tgc.ir import values as V
-from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, ROUNDINGS, round_to
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, TYPES, promote, round_to
 from tgc.ir.module import Module
 from tgc.ir.values import IRError, TensorType, Value
 
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
-_EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", *ROUNDINGS})
+_ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
-def has_low(module: Module) -> bool:
-    """Whether any value or argument of the module is bf16 or f16."""
+def has_low(module: Module, fp: str | None = None) -> bool:
+    """Whether any value or argument of the module is bf16 or f16 (or, given the
+    program's float type `fp`, of any float type but `fp`)."""
     return (any(a.dtype in LOW_FLOATS for a in module.args.values())
-            or any(v.dtype in LOW_FLOATS for v in module.values()))
+            or any(v.dtype in LOW_FLOATS or (fp and v.dtype not in ("i32", fp)) for v in module.values()))
 
 
 def _exact(v: Value) -> bool:
     if v.op in _EXACT_OPS:
         return True
     if v.op == "map":
-        return v.attrs[0] in _EXACT_FNS
+        return v.attrs[0] in V.EXACT_FNS
     return v.op == "reduce" and v.attrs[0] in ("max", "min")
 
 
@@ -62,24 +63,52 @@ def _convert(x: Value, target: str, fp: str) -> Value:
     raise IRError(f"cannot convert to {target} in an {fp} program")
 
 
+def explicit_rounding(module: Module) -> Module:
+    """The module with each bf16/f16 expression's rounding made explicit.
+
+    An op on bf16/f16 operands computes in f32 (`tgc.ir.values`: its IR type is the
+    compute type); in the language, its result has the operands' promoted type, so
+    the front end follows each such op whose promoted type is bf16/f16 with
+    `to_bf16`/`to_f16`. The optimizer then sees where values are rounded and adds
+    no rounding: the values it creates (a reciprocal, a partial product, a
+    derivative) are f32. Constants are weak (`x * 0.1` is bf16 for a bf16 `x`)."""
+    memo: dict[int, Value] = {}
+    for v in module.values():
+        ops = tuple(memo[id(o)] for o in v.operands)
+        new = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
+        if v.op in _ROUNDED_OPS and not (v.op == "map" and v.attrs[0] in CONVERSIONS):
+            floats = [o for o in ops if o.dtype != "i32"]
+            strong = [o.dtype for o in floats if o.op not in ("const", "size")] or [o.dtype for o in floats]
+            lang = strong[0] if strong else v.dtype
+            for d in strong[1:]:
+                lang = promote(lang, d)
+            if lang in LOW_FLOATS and new.dtype != lang:
+                new = V.map_(f"to_{lang}", new, loc=v.loc)
+        memo[id(v)] = new
+    return module.replace_values(memo)
+
+
 def emulate_low(module: Module, fp: str) -> Module:
-    """The module whose bf16/f16 values are held in `fp` (f32 or f64), each rounded."""
+    """The module whose narrower values (bf16, f16; f32 in an f64 program) are held
+    in `fp`, each rounded to its type."""
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
             continue
-        if v.dtype not in LOW_FLOATS:
+        if v.dtype in ("i32", fp):
             memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
             continue
+        if TYPES[v.dtype].rank > TYPES[fp].rank:
+            raise IRError(f"an {v.dtype} value in an {fp} program")
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
         elif v.op == "random" and fp == "f64":
             attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
-        memo[id(v)] = new if _exact(v) else V.map_(f"round_{v.dtype}", new)
+        memo[id(v)] = new if _exact(v) else V.map_("round32" if v.dtype == "f32" else f"round_{v.dtype}", new)
     out = module.replace_values(memo)
-    out.args = {n: replace(a, dtype=fp) if a.dtype in LOW_FLOATS else a for n, a in module.args.items()}
+    out.args = {n: replace(a, dtype=fp) if a.dtype != "i32" else a for n, a in module.args.items()}
     return out
