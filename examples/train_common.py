@@ -36,6 +36,8 @@ def parser(name: str, doc: str, steps: int, quick_steps: int) -> argparse.Argume
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch side-by-side timing")
     p.add_argument("--threads", type=int, default=0,
                    help="threads for tgc's step and for PyTorch (default 0: every core, each library's default)")
+    p.add_argument("--autocast", choices=("bf16", "f16"), default=None,
+                   help="mixed precision: tgc's matrix products on bf16/f16 operands, f32 accumulation")
     p.set_defaults(default_steps=steps, quick_steps=quick_steps)
     return p
 
@@ -53,11 +55,11 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
 
 
 def compile_step(path: Path, args):
-    """`tgc.compile(path)` with --threads, printing how long it took (a first compile
-    takes seconds; later runs find the code in tgc's cache)."""
+    """`tgc.compile(path)` with --threads (and --autocast), printing how long it took (a
+    first compile takes seconds; later runs find the code in tgc's cache)."""
     import tgc
     t = time.perf_counter()
-    program = tgc.compile(path, options=tgc.Options(threads=args.threads))
+    program = tgc.compile(path, options=tgc.Options(threads=args.threads, autocast=getattr(args, "autocast", None)))
     print(f"compiled {path.name} in {seconds(time.perf_counter() - t)}")
     return program
 

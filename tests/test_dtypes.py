@@ -288,3 +288,85 @@ def test_cli_reports_type_errors_with_caret(tmp_path):
     r = CliRunner().invoke(cli, ["check", str(f)])
     assert r.exit_code == 1
     assert "bad.tg:2:10: error: unknown dtype 'bf8'" in r.output and "^~~" in r.output
+
+
+# ---- mixed precision (--autocast) -------------------------------------------------------
+
+MLP = """
+dim batch = 16, features = 24, hidden = 32, classes = 5
+input x[batch, features]
+input y[batch, classes]
+param W1[features, hidden]
+param W2[hidden, classes]
+input lr
+h = tanh(x @ W1)
+logits = h @ W2
+loss = mean[batch](cross_entropy[classes](logits, y))
+out loss
+update W1 = W1 - lr * grad(loss, W1)
+update W2 = W2 - lr * grad(loss, W2)
+"""
+
+
+def mlp_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, 16)]
+    return {"x": rng.standard_normal((16, 24)).astype(np.float32), "y": y,
+            "W1": (rng.standard_normal((24, 32)) * 0.3).astype(np.float32),
+            "W2": (rng.standard_normal((32, 5)) * 0.3).astype(np.float32), "lr": np.float32(0.5)}
+
+
+@pytest.mark.parametrize("t", ["bf16", "f16"])
+def test_autocast_converts_matrix_products_only(t):
+    from tgc.passes.autocast import is_matmul
+
+    m = pipeline(MLP, autocast=t)
+    gemms = [v for v in m.values() if is_matmul(v)]
+    assert len(gemms) >= 5   # x W1, h W2 and the backward products (dlogits W2^T, x^T dh, h^T dlogits)
+    for v in gemms:
+        assert v.dtype == "f32" and all(o.dtype == t for o in v.operands if o.op not in ("const", "indicator")), v
+    # nothing else reads a bf16/f16 value: reductions, the loss, the updates stay f32
+    for v in m.values():
+        if not is_matmul(v) and v.op != "map":
+            assert all(o.dtype == "f32" or o.dtype == "i32" for o in v.operands), v
+        if v.op == "reduce":
+            assert v.dtype == "f32"
+    assert all(o.value.dtype == "f32" for o in m.outputs) and all(u.value.dtype == "f32" for u in m.updates)
+    assert not any(v.dtype == t for v in pipeline(MLP).values())    # off by default
+
+
+def test_autocast_step_close_to_f32_and_interpreter_agrees():
+    inputs = mlp_inputs()
+    f32 = tgc.compile(MLP)(**{k: np.copy(v) for k, v in inputs.items()})
+    opts = Options(autocast="bf16")
+    got = tgc.compile(MLP, options=opts)(**{k: np.copy(v) for k, v in inputs.items()})
+    ref = evaluate(pipeline(MLP, autocast="bf16"), {k: np.copy(v) for k, v in inputs.items()})
+    for k in ("loss", "W1", "W2"):
+        np.testing.assert_allclose(got[k], f32[k], rtol=2e-2, atol=2e-2)        # bf16 operands: ~2^-8 each
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6)        # the same roundings, f32 sums
+    assert not np.array_equal(got["loss"], f32["loss"])                        # it did round
+    run_pipeline(compile_source(MLP, "t.tg", opts), opts.with_(verify_each=True))
+
+
+def test_autocast_matmul_matches_torch_bf16_products_with_f32_accumulation():
+    torch = torch_or_skip()
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((48, 64)).astype(np.float32), rng.standard_normal((64, 40)).astype(np.float32)
+    src = "dim m = 48, k = 64, n = 40\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
+    got = tgc.compile(src, options=Options(autocast="bf16"))(a=a, b=b)["c"]
+    A, B = torch.from_numpy(a).bfloat16().float(), torch.from_numpy(b).bfloat16().float()
+    np.testing.assert_allclose(got, (A @ B).numpy(), rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tc = torch.from_numpy(a) @ torch.from_numpy(b)                         # torch rounds its result to bf16
+    np.testing.assert_allclose(got, tc.float().numpy(), rtol=2**-7, atol=2**-7 * np.abs(got).max())
+
+
+def test_autocast_option_is_checked_and_cli_flag_works(tmp_path):
+    with pytest.raises(ValueError, match="autocast"):
+        tgc.compile(MLP, options=Options(autocast="f8"))
+    f = tmp_path / "mlp.tg"
+    f.write_text(MLP)
+    r = CliRunner().invoke(cli, ["dump-ir", str(f), "--autocast", "bf16"])
+    assert r.exit_code == 0 and "to_bf16" in r.output
+    r = CliRunner().invoke(cli, ["run", str(f), "--random-inputs", "--backend", "cpu", "--autocast", "f16"])
+    assert r.exit_code == 0, r.output

@@ -76,6 +76,8 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
         raise ValueError(f"backend '{backend}' is not available (have: cpu)")
     if dtype not in ("f32", "f64"):
         raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
+    if options is not None and options.autocast not in (None, "bf16", "f16"):
+        raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
     if isinstance(source, (bytes, bytearray)):
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))

@@ -14,7 +14,7 @@ import tgc
 from tgc import driver
 from tgc.fsutil import write_atomic
 from tgc.cli_errors import EXIT_USER, SOURCE, handle_errors, report
-from tgc.cli_flags import FP_STRICT
+from tgc.cli_flags import AUTOCAST, FP_STRICT
 from tgc.ir.diag import CompileError
 from tgc.ir.printer import print_module
 from tgc.options import Options
@@ -69,6 +69,7 @@ def pipeline_options(fn):
                           "lowered program with the numpy lowered-program interpreter."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
         FP_STRICT,
+        AUTOCAST,
         click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
@@ -81,8 +82,9 @@ def pipeline_options(fn):
 
 def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=frozenset(),
                  print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, import_dirs=(),
-                 fp_strict=False, **extra) -> Options:
+                 fp_strict=False, autocast=None, **extra) -> Options:
     return Options(dtype=dtype or "f32", passes=passes, import_dirs=tuple(import_dirs), fp_strict=fp_strict,
+                   autocast=autocast,
                    print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
                    verify_each=verify_each, time_passes=time_passes, stats=stats, **extra)

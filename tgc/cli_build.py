@@ -7,7 +7,7 @@ import click
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
-from tgc.cli_flags import FP_STRICT
+from tgc.cli_flags import AUTOCAST, FP_STRICT
 from tgc.fsutil import write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
@@ -70,8 +70,10 @@ def header_path(output: str) -> str:
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @FP_STRICT
+@AUTOCAST
 @handle_errors
-def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False) -> None:
+def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False,
+          autocast=None) -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -94,7 +96,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     if output == "-" and emit in ("so", "obj"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
-                      fp_strict=fp_strict, blas=blas)
+                      fp_strict=fp_strict, blas=blas, autocast=autocast)
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None

@@ -12,7 +12,7 @@ import numpy as np
 
 from tgc import driver
 from tgc.cli_errors import SOURCE, handle_errors
-from tgc.cli_flags import FP_STRICT
+from tgc.cli_flags import AUTOCAST, FP_STRICT
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array
@@ -310,9 +310,10 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @FP_STRICT
+@AUTOCAST
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
-        fp_strict=False, no_update=False) -> None:
+        fp_strict=False, no_update=False, autocast=None) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -337,7 +338,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
 
     dtype = driver.float_type(file, dtype)
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile),
-                      import_dirs=tuple(import_dirs), fp_strict=fp_strict)
+                      import_dirs=tuple(import_dirs), fp_strict=fp_strict, autocast=autocast)
     with status("compiling"):
         full = driver.load(file, options)
         module = driver.lower(driver.forward_only(full) if no_update else full, options).module

@@ -21,6 +21,7 @@ class Options:
     says what it does. `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
+    autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.passes.autocast)
     passes: tuple[str, ...] | None = None    # None: the default pipeline
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)

@@ -16,6 +16,7 @@ from tgc.options import Options
 @dataclass(frozen=True)
 class Pass:
     name: ClassVar[str] = ""
+    rounds: ClassVar[bool] = False   # changes values by design (autocast): --verify-each re-bases after it
 
     def run(self, module: Module, options: Options) -> Module:
         raise NotImplementedError

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tgc.passes.adjoint import Adjoint
+from tgc.passes.autocast import Autocast
 from tgc.passes.base import Pass
 from tgc.passes.factor import Factor
 from tgc.passes.normalize import Normalize
@@ -9,7 +10,8 @@ from tgc.passes.simplify import Simplify
 from tgc.passes.stabilize import Stabilize
 from tgc.passes.tangent import Tangent
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor,
+                                                    Autocast)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
@@ -27,4 +29,5 @@ def pipeline(options) -> tuple[str, ...]:
     """The passes `options` asks for: its own list, else the default (or strict) one."""
     if options.passes is not None:
         return options.passes
-    return STRICT_PIPELINE if options.fp_strict else DEFAULT_PIPELINE
+    names = STRICT_PIPELINE if options.fp_strict else DEFAULT_PIPELINE
+    return names + ("autocast",) if options.autocast else names   # mixed precision: last
