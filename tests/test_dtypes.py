@@ -370,3 +370,29 @@ def test_autocast_option_is_checked_and_cli_flag_works(tmp_path):
     assert r.exit_code == 0 and "to_bf16" in r.output
     r = CliRunner().invoke(cli, ["run", str(f), "--random-inputs", "--backend", "cpu", "--autocast", "f16"])
     assert r.exit_code == 0, r.output
+
+
+def test_loss_scaling_program_of_the_docs():
+    """docs/dtypes.md's f16 loss scaling, run: the step is the f32 step's (to f16), and an
+    overflowing scale reports `bad` and leaves W as it was."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "dtypes.md").read_text()
+    src = text.split("## Loss scaling")[1].split("```\n")[1]
+    p = tgc.compile(src)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 16)).astype(np.float16)
+    y = np.eye(4, dtype=np.float32)[rng.integers(0, 4, 8)]
+    W0 = (rng.standard_normal((16, 4)) * 0.5).astype(np.float16)
+    W = W0.copy()
+    out = p(x=x, y=y, W=W, lr=0.5, scale=1024.0)
+    assert out["bad"] == 0 and W.dtype == np.float16 and not np.array_equal(W, W0)
+    # the same step in f64, rounded to f16
+    logits = x.astype(np.float64) @ W0.astype(np.float64)
+    pr = np.exp(logits - logits.max(1, keepdims=True))
+    pr /= pr.sum(1, keepdims=True)
+    gW = x.astype(np.float64).T @ (pr - y) / 8
+    np.testing.assert_allclose(W.astype(np.float64), W0 - 0.5 * gW, rtol=2e-3, atol=2e-3)
+    W = W0.copy()
+    out = p(x=x, y=y, W=W, lr=0.5, scale=1e8)   # the scaled f16 gradient overflows
+    assert out["bad"] == 1 and np.array_equal(W, W0)

@@ -359,7 +359,8 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
         if a.dtype == "i32":
             out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
         else:
-            out[a.name] = rng.standard_normal(shape).astype(NP_DTYPES[dtype or a.dtype])
+            t = a.dtype if a.dtype in LOW_FLOATS else dtype or a.dtype   # bf16/f16 keep their type
+            out[a.name] = round_to(rng.standard_normal(shape), t)
     return out
 
 
