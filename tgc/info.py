@@ -10,6 +10,7 @@ pass without reading the source.
 """
 from __future__ import annotations
 
+from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, size_str
 
@@ -19,12 +20,13 @@ def _size(s: Size) -> int | str:
 
 
 def describe(module: Module, dtype: str) -> dict:
-    """The interface of `module` whose floats are `dtype` (f32 or f64)."""
+    """The interface of `module` whose floats are `dtype` (f32 or f64); bf16/f16
+    arguments and outputs are listed as such."""
     targets = {u.target for u in module.updates}
 
     def tensor(name: str, order: tuple[str, ...], elem: str) -> dict:
         return {"name": name, "edges": list(order), "shape": [_size(module.size(e)) for e in order],
-                "dtype": "i32" if elem == "i32" else dtype}
+                "dtype": elem if elem in ("i32", *LOW_FLOATS) else dtype}
 
     seen = {e for a in module.args.values() for e in a.order} | {e for o in module.outputs for e in o.order}
     dims = []

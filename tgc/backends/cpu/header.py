@@ -13,6 +13,13 @@ from tgc.ir.sizes import size_str
 C_TYPES = {"f32": "float", "f64": "double", "i32": "int32_t"}
 
 
+def _low_note(elem: str, dtype: str) -> str:
+    """bf16/f16 arguments and outputs cross the C ABI in the float type (docs/dtypes.md)."""
+    if elem not in ("bf16", "f16"):
+        return ""
+    return f" ({elem} values held in {C_TYPES[dtype]}: pass them rounded to {elem}; outputs come rounded)"
+
+
 def c_identifier(name: str) -> str:
     """A valid C identifier made from a library name (`libmlp.so` -> `mlp`)."""
     base = name.split("/")[-1]
@@ -50,10 +57,12 @@ def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str)
     for i, a in enumerate(module.args.values()):
         updated = " (updated in place after the step)" if any(u.target == a.name for u in module.updates) else ""
         lines.append(f"#define {prefix.upper()}_ARG_{_macro(a.name)} {i}  /* {a.kind} {a.name}: "
-                     f"{C_TYPES[a.dtype if a.dtype == 'i32' else dtype]} {_shape(module, a.order)}{updated} */")
+                     f"{C_TYPES[a.dtype if a.dtype == 'i32' else dtype]} {_shape(module, a.order)}{updated}"
+                     f"{_low_note(a.dtype, dtype)} */")
     lines += [f"#define {prefix.upper()}_NUM_ARGS {len(module.args)}", "", "/* Outputs, the `outs` array, in this order: */"]
     for i, o in enumerate(module.outputs):
-        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: {float_t} {_shape(module, o.order)} */")
+        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: {float_t} {_shape(module, o.order)}"
+                     f"{_low_note(o.value.dtype, dtype)} */")
     lines += [
         f"#define {prefix.upper()}_NUM_OUTS {len(module.outputs)}", "",
         f"/* Return codes of {prefix}_run: 0 success; k > 0: the k-th gather index check failed",
