@@ -396,3 +396,20 @@ def test_loss_scaling_program_of_the_docs():
     W = W0.copy()
     out = p(x=x, y=y, W=W, lr=0.5, scale=1e8)   # the scaled f16 gradient overflows
     assert out["bad"] == 1 and np.array_equal(W, W0)
+
+
+def test_grad_emit_tg_keeps_types_and_values(tmp_path):
+    """`tgc grad --emit tg` of a bf16 program: the .tg it writes declares bf16, spells
+    the conversions, and computes the same gradient as the IR it came from."""
+    f = tmp_path / "g.tg"
+    f.write_text("dim n = 8\ninput x: bf16[i: n]\nparam W: bf16[i]\n"
+                 "loss = sum[i](f32(W * x) * tanh(f32(W)))\nout loss\n")
+    r = CliRunner().invoke(cli, ["grad", str(f), "--wrt", "W", "--emit", "tg", "-o", str(tmp_path / "d.tg")])
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "d.tg").read_text()
+    assert "input x: bf16[" in text and "param W: bf16[" in text and "bf16(" in text and "to_" not in text
+    rng = np.random.default_rng(6)
+    inputs = {"x": values(rng, 8, "bf16"), "W": values(rng, 8, "bf16")}
+    got = tgc.compile(str(tmp_path / "d.tg"))(**inputs)["dW"]
+    direct = tgc.compile(f.read_text().replace("out loss", "out dW = grad(loss, W)"))(**inputs)["dW"]
+    assert got.dtype == NP["bf16"] and same_bits(got, direct)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS
 from tgc.ir.affine import Affine, join_signed
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeOp, size_str
@@ -57,7 +58,7 @@ class _Writer:
             for edge in a.order:
                 specs.append(edge if edge in seen else f"{edge}: {self.m.edges[edge]}")
                 seen.add(edge)
-            dtype = ": i32" if a.dtype == "i32" else ""
+            dtype = f": {a.dtype}" if a.dtype in ("i32", *LOW_FLOATS) else ""
             edges = f"[{', '.join(specs)}]" if specs else ""
             self.lines.append(f"{a.kind} {a.name}{dtype}{edges}")
 
@@ -78,7 +79,13 @@ class _Writer:
         return self.names[id(v)]
 
     def expr(self, v: Value) -> str:
-        return getattr(self, f"_{v.op}")(v, [self.ref(o) for o in v.operands])
+        ops = [self.ref(o) for o in v.operands]
+        if v.dtype not in LOW_FLOATS and v.op in ("add", "contract", "map", "reduce", "scatter"):
+            # an op on bf16/f16 operands that the IR keeps unrounded (in f32): in .tg the
+            # expression would be rounded, so its low operands are converted first
+            ops = [f"{v.dtype}({t})" if o.dtype in LOW_FLOATS and not (v.op == "map" and v.attrs[0] in CONVERSIONS)
+                   else t for o, t in zip(v.operands, ops)]
+        return getattr(self, f"_{v.op}")(v, ops)
 
     def _const(self, v, ops):
         return " * ".join([_number(v.attrs[0])] + [f"[{self.e(e)} = {self.e(e)}]" for e in v.edges])
@@ -106,6 +113,8 @@ class _Writer:
             return f"where({ops[0]} != 0, {ops[0]} * {ops[1]}, 0)"
         if fn == "mul00":
             return f"where({ops[0]} != 0, where({ops[1]} != 0, {ops[0]} * {ops[1]}, 0), 0)"
+        if fn in CONVERSIONS:   # to_bf16(x) is spelled bf16(x)
+            return f"{CONVERSIONS[fn]}({ops[0]})"
         return f"{fn}({', '.join(ops)})"
 
     def _reduce(self, v, ops):
