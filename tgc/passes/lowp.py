@@ -29,19 +29,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tgc.ir import values as V
-from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, TYPES, promote, round_to
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, promote, round_to
 from tgc.ir.module import Module
-from tgc.ir.values import IRError, TensorType, Value
+from tgc.ir.values import TensorType, Value
 
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
-def has_low(module: Module, fp: str | None = None) -> bool:
-    """Whether any value or argument of the module is bf16 or f16 (or, given the
-    program's float type `fp`, of any float type but `fp`)."""
+def has_low(module: Module) -> bool:
+    """Whether any value or argument of the module is bf16 or f16."""
     return (any(a.dtype in LOW_FLOATS for a in module.args.values())
-            or any(v.dtype in LOW_FLOATS or (fp and v.dtype not in ("i32", fp)) for v in module.values()))
+            or any(v.dtype in LOW_FLOATS for v in module.values()))
 
 
 def _exact(v: Value) -> bool:
@@ -56,11 +55,9 @@ def _convert(x: Value, target: str, fp: str) -> Value:
     """`x` (already emulated, held in `fp`) converted to `target`."""
     if target in LOW_FLOATS:
         return V.map_(f"round_{target}", x)
-    if target == fp:
-        return x
     if target == "f32" and fp == "f64":
         return V.map_("round32", x)
-    raise IRError(f"cannot convert to {target} in an {fp} program")
+    return x   # to the program's float type (to_f64 in an f32 program names it too)
 
 
 def explicit_rounding(module: Module) -> Module:
@@ -89,26 +86,25 @@ def explicit_rounding(module: Module) -> Module:
 
 
 def emulate_low(module: Module, fp: str) -> Module:
-    """The module whose narrower values (bf16, f16; f32 in an f64 program) are held
-    in `fp`, each rounded to its type."""
+    """The module whose bf16/f16 values are held in `fp` (f32 or f64), each rounded.
+    f32 and f64 values are left as they are: lowering holds every float in `fp` (an IR
+    module's f32/f64 types name the program's float type, as declarations do)."""
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
             continue
-        if v.dtype in ("i32", fp):
+        if v.dtype not in LOW_FLOATS:   # i32; f32/f64: the program's float type (lowering holds them in fp)
             memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
             continue
-        if TYPES[v.dtype].rank > TYPES[fp].rank:
-            raise IRError(f"an {v.dtype} value in an {fp} program")
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
         elif v.op == "random" and fp == "f64":
             attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
-        memo[id(v)] = new if _exact(v) else V.map_("round32" if v.dtype == "f32" else f"round_{v.dtype}", new)
+        memo[id(v)] = new if _exact(v) else V.map_(f"round_{v.dtype}", new)
     out = module.replace_values(memo)
-    out.args = {n: replace(a, dtype=fp) if a.dtype != "i32" else a for n, a in module.args.items()}
+    out.args = {n: replace(a, dtype=fp) if a.dtype in LOW_FLOATS else a for n, a in module.args.items()}
     return out

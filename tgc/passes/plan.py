@@ -178,7 +178,7 @@ def lower_module(module, options: Options, emit=None, stop_after: str = "plan") 
 
     from tgc.passes.lowp import emulate_low, has_low
 
-    if has_low(module, options.dtype):   # bf16/f16 values: held in the program's float type, each rounded
+    if has_low(module):   # bf16/f16 values: held in the program's float type, each rounded
         module = emulate_low(module, options.dtype)
     stages = {"fuse": Fuse(), "layout": Layout(), "group": Group(), "plan": Plan()}
     checker = None
