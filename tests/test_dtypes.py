@@ -413,3 +413,16 @@ def test_grad_emit_tg_keeps_types_and_values(tmp_path):
     got = tgc.compile(str(tmp_path / "d.tg"))(**inputs)["dW"]
     direct = tgc.compile(f.read_text().replace("out loss", "out dW = grad(loss, W)"))(**inputs)["dW"]
     assert got.dtype == NP["bf16"] and same_bits(got, direct)
+
+
+def test_bf16_scalar_from_a_python_number_and_forward_only_call():
+    src = "dim n = 4\ninput x: bf16[i: n]\ninput s: bf16\nparam W: bf16[i]\nout y = x * s\nupdate W = W - 0.5 * x"
+    p = tgc.compile(src)
+    x = round_to([1, 2, 3, 1 / 3], "bf16")
+    W = np.ones(4, BF16)
+    out = p(x=x, s=0.1, W=W)
+    s = round_to(0.1, "bf16").astype(np.float32)          # 0.1 rounded to bf16 first
+    assert same_bits(out["y"], round_to(x.astype(np.float32) * s, "bf16"))
+    assert same_bits(W, round_to(1 - 0.5 * x.astype(np.float32), "bf16"))
+    forward = p.run({"x": x, "s": 0.1}, updates=False)
+    assert set(forward) == {"y"} and same_bits(forward["y"], out["y"]) and forward["y"].dtype == NP["bf16"]

@@ -419,6 +419,8 @@ class Program:
                             f"__dlpack__, such as torch's), not {type(value).__name__}")
         try:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.dtype != "i32":
+                if spec.name in self.low_types:   # a Python number for a bf16/f16 scalar: rounded to it
+                    return np.asarray(round_to(float(value), self.low_types[spec.name]), NP[spec.dtype])
                 return np.asarray(value, NP[spec.dtype])
             a = np.asarray(value)
         except (ValueError, OverflowError, TypeError) as e:   # a ragged list, a huge Python int
