@@ -426,3 +426,19 @@ def test_bf16_scalar_from_a_python_number_and_forward_only_call():
     assert same_bits(W, round_to(1 - 0.5 * x.astype(np.float32), "bf16"))
     forward = p.run({"x": x, "s": 0.1}, updates=False)
     assert set(forward) == {"y"} and same_bits(forward["y"], out["y"]) and forward["y"].dtype == NP["bf16"]
+
+
+def test_save_and_load_bf16_params(tmp_path):
+    src = "dim n = 4\ninput x: bf16[i: n]\nparam W: bf16[i]\nparam V: f16[i]\nparam U[i]\nout y = f32(x * W) + f32(V) * U"
+    p = tgc.compile(src)
+    W, V, U = round_to([0.1, 0.2, 0.3, 0.4], "bf16"), np.array([1, 2, 3, 1e-5], np.float16), np.ones(4, np.float32)
+    tgc.save_params(tmp_path / "p.npz", p, {"W": W, "V": V, "U": U})
+    back = tgc.load_params(tmp_path / "p.npz", p)
+    assert back["W"].dtype == NP["bf16"] and back["V"].dtype == NP["f16"] and back["U"].dtype == np.float32
+    assert same_bits(back["W"], W) and same_bits(back["V"], V)
+    with pytest.raises(tgc.ParamsError, match="bf16"):
+        tgc.save_params(tmp_path / "p.safetensors", p, {"W": W, "V": V, "U": U})
+    np.savez(tmp_path / "f32.npz", W=W.astype(np.float32), V=V, U=U)
+    with pytest.raises(tgc.ParamsError, match="'W' is f32, the program's 'W' is bf16"):
+        tgc.load_params(tmp_path / "f32.npz", p)
+    assert tgc.load_params(tmp_path / "f32.npz", p, cast=True)["W"].dtype == NP["bf16"]

@@ -14,8 +14,8 @@ read without pickles).
 Loading checks each array against the program before anything is returned: every
 param and state is there and nothing else is; the edges match the argument's (a file
 that lists the same edges in another order is transposed into the ABI order: the
-names say which axis is which); the dtype is the program's float type (`cast=True`
-converts the other width); and each axis has its edge's size (a symbolic dim takes
+names say which axis is which); the dtype is the program's float type, or the
+argument's own for bf16/f16 ones (`cast=True` converts another float type); and each axis has its edge's size (a symbolic dim takes
 one size across the file). A file without the description (written by another tool)
 is checked by names, dtypes and shapes in ABI order alone. Any mismatch raises
 `ParamsError`, naming the array and what differs.
@@ -33,12 +33,12 @@ from typing import Mapping
 
 import numpy as np
 
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 
 META_KEY = "tgc"          # safetensors metadata key
 NPZ_MEMBER = "__tgc__"    # the .npz member holding the same JSON
 FORMAT_VERSION = 1
-_NP = {"f32": np.float32, "f64": np.float64}
 
 
 class ParamsError(ValueError):
@@ -101,9 +101,13 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
     recorded = (meta or {}).get("tensors", {})
     env: dict[str, int] = {}
     out: dict[str, np.ndarray] = {}
+    low = getattr(program, "low_types", {})
     for spec in specs:
         a = arrays[spec.name]
-        if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
+        want = low.get(spec.name, dtype)   # bf16/f16 params and states keep their type
+        if isinstance(a, np.ndarray) and want in LOW_FLOATS and a.dtype == np.dtype("V2"):
+            a = a.view(TYPES[want].numpy)   # numpy saves a bfloat16 array as raw 2-byte items
+        if not isinstance(a, np.ndarray) or (a.dtype.kind != "f" and not is_low_array(a)):
             kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
             raise ParamsError(f"{where}: '{spec.name}' is {kind}, not a float array")
         entry = recorded.get(spec.name)
@@ -116,15 +120,15 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
                 raise ParamsError(f"{where}: '{spec.name}' was saved as a {entry['kind']}, the program's is a {spec.kind}")
             if edges != spec.edges:   # the same edges in another order: into the ABI order
                 a = np.transpose(a, [edges.index(e) for e in spec.edges])
-        have = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(a.dtype, str(a.dtype))
-        if have != dtype and not cast:
-            raise ParamsError(f"{where}: '{spec.name}' is {have}, the program's float type is {dtype} "
-                              f"(cast=True converts)")
+        have = next((n for n, t in TYPES.items() if t.numpy == a.dtype), str(a.dtype))
+        if have != want and not cast:
+            what = f"the program's '{spec.name}' is {want}" if want != dtype else f"the program's float type is {dtype}"
+            raise ParamsError(f"{where}: '{spec.name}' is {have}, {what} (cast=True converts)")
         _bind(spec.name, spec.edges, a.shape, spec.shape, env)
         out[spec.name] = a
     for spec in specs:   # sizes that depend on dims bound by a later array
         _bind(spec.name, spec.edges, out[spec.name].shape, spec.shape, env)
-    return {n: np.array(a, dtype=_NP[dtype], order="C", copy=True) for n, a in out.items()}
+    return {n: np.array(round_to(a, low.get(n, dtype)), order="C", copy=True) for n, a in out.items()}
 
 
 def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarray]) -> None:
@@ -145,6 +149,10 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
         raise ParamsError(f"save_params: no array for {', '.join(repr(n) for n in missing)}")
     checked = _checked(program, chosen, True, None, "save_params")
     meta = _describe(program, specs)
+    bf16 = [n for n, a in checked.items() if a.dtype == TYPES["bf16"].numpy]
+    if fmt == "safetensors" and bf16:
+        raise ParamsError(f"save_params: '{bf16[0]}' is bf16, which safetensors' numpy reader cannot read "
+                          f"back: save bf16 parameters to an .npz")
     if fmt == "safetensors":
         import safetensors.numpy
 
