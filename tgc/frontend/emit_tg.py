@@ -157,6 +157,11 @@ class _Writer:
         w = self.fresh(f"{self.e(edge)}_w")
         self.lines.insert(self._dims_end(), f"dim {w} = {self.m.edges[edge]}")
         summed = [self.e(e) for e in ids.edges if e not in v.edges]
+        kind = v.attrs[1]
+        if kind != "sum":   # a segment max/min: the masked reduction
+            fill = "-inf" if kind == "max" else "inf"
+            body = f"where([{self.e(edge)} = {w}][{w} = {ops[1]}], {ops[0]}, {fill})"
+            return f"{kind}[{', '.join(summed)}]({body})" if summed else body
         body = f"{ops[0]} * [{self.e(edge)} = {w}][{w} = {ops[1]}]"
         return f"sum[{', '.join(summed)}]({body})" if summed else body
 

@@ -281,9 +281,14 @@ def _scatter(ev: _Eval, v: Value, ops):
     index = tuple(np.broadcast_to(ev.expand(ops[1], ids, full), shape) if e == edge else
                   np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in full])
                   for e in v.edges)
-    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=values.dtype)
-    np.add.at(out, index, values)
+    kind = v.attrs[1]
+    out = np.full([ev.sizes[e] for e in v.edges], SCATTER_INIT[kind], dtype=values.dtype)
+    SCATTER_COMBINE[kind].at(out, index, values)   # maximum/minimum propagate NaN, as max does
     return out
+
+
+SCATTER_INIT = {"sum": 0.0, "max": -np.inf, "min": np.inf}
+SCATTER_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _rename(ev: _Eval, v: Value, ops):
