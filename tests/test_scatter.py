@@ -308,3 +308,42 @@ def test_f32_not_worse_than_torch(backend):
     case = _torch_case()
     results = compare_f32(case, backend)
     assert all(r.passed for r in results), report(case, backend, results)
+
+
+def test_gcn_example_against_torch():
+    """examples/gcn.tg, forward and backward, against index_add / scatter_reduce (float64)."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of the GCN example")
+    from pathlib import Path
+
+    n, e = 50, 300
+    r = np.random.default_rng(11)
+    a = {"x": r.normal(size=(n, 16)), "src": r.integers(0, n, e).astype(np.int32),
+         "dst": r.integers(0, n, e).astype(np.int32), "y": np.eye(4)[r.integers(0, 4, n)],
+         "W1": r.normal(size=(16, 32)) / 4, "W2": r.normal(size=(32, 4)) / 4,
+         "a_src": r.normal(size=4), "a_dst": r.normal(size=4), "lr": np.asarray(0.1)}
+    a["dst"][:3] = [7, 7, 7]     # a node with several in-edges, and (likely) nodes with none
+
+    T = {k: torch.tensor(v) for k, v in a.items()}
+    src, dst = T["src"].long(), T["dst"].long()
+    params = {k: T[k].clone().requires_grad_(True) for k in ("W1", "W2", "a_src", "a_dst")}
+    deg = torch.zeros(n, dtype=torch.float64).index_add(0, dst, torch.ones(e, dtype=torch.float64)) + 1
+    xw = T["x"] @ params["W1"]
+    h = torch.relu((torch.zeros(n, 32, dtype=torch.float64).index_add(0, dst, xw[src]) + xw) / deg[:, None])
+    v = h @ params["W2"]
+    raw = v[src] @ params["a_src"] + v[dst] @ params["a_dst"]
+    s = torch.maximum(raw, 0.2 * raw)
+    m = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, dst, s, "amax").detach()
+    w = torch.exp(s - m[dst])
+    att = w / torch.zeros(n, dtype=torch.float64).index_add(0, dst, w)[dst]
+    logits = torch.zeros(n, 4, dtype=torch.float64).index_add(0, dst, att[:, None] * v[src]) + v
+    loss = -(T["y"] * torch.log_softmax(logits, 1)).sum(1).mean()
+    grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+
+    prog = tgc.compile(str(Path(__file__).resolve().parent.parent / "examples" / "gcn.tg"), dtype="f64")
+    arrays = {k: np.array(v, copy=True) for k, v in a.items()}
+    got = prog(**arrays)
+    np.testing.assert_allclose(got["loss"], loss.item(), rtol=1e-12)
+    np.testing.assert_allclose(got["logits"], logits.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got["dW1"], grads["W1"].numpy(), rtol=1e-9, atol=1e-12)
+    for k, g in grads.items():   # the updates: one SGD step
+        np.testing.assert_allclose(arrays[k], a[k] - 0.1 * g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)

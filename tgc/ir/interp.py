@@ -349,7 +349,7 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
 
 
 def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
-    """The smallest size among the edges this i32 input gathers along (or 1)."""
+    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
     bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
-              if v.op == "gather" and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
     return min(bounds) if bounds else 1
