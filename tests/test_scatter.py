@@ -347,3 +347,28 @@ def test_gcn_example_against_torch():
     np.testing.assert_allclose(got["dW1"], grads["W1"].numpy(), rtol=1e-9, atol=1e-12)
     for k, g in grads.items():   # the updates: one SGD step
         np.testing.assert_allclose(arrays[k], a[k] - 0.1 * g.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_grad_emits_integer_indicators_that_compile_back():
+    """`tgc grad --emit tg` spells scatters with `[n = ids]`, and the program computes the same."""
+    from tgc.frontend.emit_tg import emit_tg
+
+    src = f"""dim n = {N}, m = {M}, f = {F}
+input msg[m, f], x[n, f]
+input dst: i32[m]
+out l = sum(max[m](where([n = dst], msg, -inf)) * x) + sum(min[m](where([n = dst], msg, inf)) * x)
+out d = grad(sum((msg @ [n = dst]) * x) + l, msg)
+"""
+    opts = Options(dtype="f64")
+    m = driver.lower(compile_source(src, "<emit>", opts), opts).module
+    text = emit_tg(m)
+    assert "where([n = dst], msg, -inf)" in text and "where([n = dst], msg, inf)" in text
+    assert "* [n = dst]" in text
+    again = driver.lower(compile_source(text, "<emitted>", opts), opts).module
+    a = inputs(4)
+    a["dst"] = np.array([0, 1, 1, 3, 3, 3, 0, 1, 4, 2, 5], np.int32)
+    a = {k: a[k] for k in ("msg", "x", "dst")}
+    want = evaluate(m, dict(a), dtype="f64")
+    got = evaluate(again, dict(a), dtype="f64")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, err_msg=k)
