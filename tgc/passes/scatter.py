@@ -111,7 +111,8 @@ def segment_reduce(ctx: Ctx, v: Value) -> Value | None:
     if kind not in _FILL or w.op != "map" or w.attrs[0] != "where":
         return None
     s, a, fill = w.operands
-    if not (integer_indicator(s) and _is_one(s.operands[0]) and fill.op == "const"
+    if not (integer_indicator(s) and _is_one(s.operands[0])
+            and set(s.operands[0].edges) <= set(s.operands[1].edges) and fill.op == "const"
             and fill.attrs[0] == _FILL[kind] and not fill.edges):
         return None
     ids = s.operands[1]
