@@ -372,3 +372,24 @@ out d = grad(sum((msg @ [n = dst]) * x) + l, msg)
     got = evaluate(again, dict(a), dtype="f64")
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, err_msg=k)
+
+
+def test_second_derivatives_stay_in_edge_space():
+    """A Hessian-vector product through a scatter-add, a gather and a segment max: against
+    central differences of the gradient, and with no nodes x edges value."""
+    src = f"""dim n = {N}, m = {M}, f = {F}
+input msg[m, f], v[m, f], x[n, f]
+input dst: i32[m]
+input src: i32[m]
+l = sum(tanh((msg @ [n = dst]) * x) ^ 2) + sum(max[m](where([n = dst], msg * msg, -inf)) * x) + sum(exp((x @ [n = src]) * msg))
+out g = grad(l, msg)
+out hv = grad(sum(grad(l, msg) * v), msg)
+"""
+    r = np.random.default_rng(9)
+    a = {"msg": r.normal(size=(M, F)), "v": r.normal(size=(M, F)), "x": r.normal(size=(N, F)),
+         "dst": np.array([0, 1, 1, 3, 3, 3, 0, 1, 4, 2, 5], np.int32), "src": SRC.copy()}
+    m, got = backends(src, "f64", a)
+    assert not [v for v in m.values() if _mixed(v)]
+    fd = central_difference(m, a, "g", "msg", a["v"], 1e-6)
+    for backend, outs in got.items():
+        np.testing.assert_allclose(outs["hv"], fd, rtol=1e-6, atol=1e-6, err_msg=backend)
