@@ -427,3 +427,18 @@ out b = %b : [v]
     np.testing.assert_array_equal(got["b"], [7.0, -4.0, np.inf, 0.5])
     for k in got:
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+
+
+def test_nan_propagates_through_segment_max_and_min():
+    src = f"""dim n = {N}, m = {M}
+input msg[m]
+input dst: i32[m]
+out a = max[m](where([n = dst], msg, -inf))
+out b = min[m](where([n = dst], msg, inf))
+"""
+    msg = np.arange(M, dtype=float)
+    msg[4] = np.nan                      # in node 3's segment (DST[4] = 3)
+    for backend, outs in backends(src, "f64", {"msg": msg, "dst": DST.copy()})[1].items():
+        for k in ("a", "b"):
+            assert np.isnan(outs[k][3]), (backend, k)
+            assert not np.isnan(np.delete(outs[k], 3)).any(), (backend, k)
