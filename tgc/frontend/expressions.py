@@ -107,7 +107,8 @@ class Elaborator:
 
     def float_value(self, v: V.Value, node, ctx: Ctx) -> V.Value:
         if v.dtype == "i32":
-            raise self.error("an integer (i32) tensor can only be used as gather indices", node, ctx)
+            raise self.error("an integer (i32) tensor can only be used as gather indices (x[node = ids]) "
+                             "or in an indicator ([node = ids])", node, ctx)
         return v
 
     def size_text(self, edge: str) -> str:

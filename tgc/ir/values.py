@@ -164,7 +164,7 @@ def _float_dtype(values: Sequence[Value]) -> str:
                 return first
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
-        raise IRError("integer (i32) tensors can only be used as gather indices")
+        raise IRError("integer (i32) tensors can only be used as gather or scatter indices")
     if len(dtypes) > 1:
         raise IRError(f"mixed float types {sorted(dtypes)}")
     return dtypes.pop()
