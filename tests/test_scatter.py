@@ -330,8 +330,7 @@ def test_gcn_example_against_torch():
     xw = T["x"] @ params["W1"]
     h = torch.relu((torch.zeros(n, 32, dtype=torch.float64).index_add(0, dst, xw[src]) + xw) / deg[:, None])
     v = h @ params["W2"]
-    raw = v[src] @ params["a_src"] + v[dst] @ params["a_dst"]
-    s = torch.maximum(raw, 0.2 * raw)
+    s = torch.tanh(v[src] @ params["a_src"] + v[dst] @ params["a_dst"])
     m = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, dst, s, "amax").detach()
     w = torch.exp(s - m[dst])
     att = w / torch.zeros(n, dtype=torch.float64).index_add(0, dst, w)[dst]
