@@ -35,6 +35,10 @@ def attr_text(v: Value) -> str:
         text = str(a[0])
     elif v.op == "rename":
         text = ", ".join(f"{s} -> {d}" for s, d in a[0])
+    elif v.op == "slot":
+        text = a[0]
+    elif v.op == "custom":  # fn; argument count; cotangent slot ('' without vjp); tangent slots
+        text = f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}"
     else:
         return ""
     return f"[{text}]"
