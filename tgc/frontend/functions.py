@@ -110,7 +110,7 @@ def _check_rule(d: ast.FnDef, r: ast.Rule, seen: dict[str, object]) -> None:
         if len(r.exprs) != n:
             what = f"a tuple of {n} (one per parameter: {names})" if n > 1 else f"one (for '{names}')"
             raise CompileError(f"the vjp of '{d.name}' gives {len(r.exprs)} derivative{'s' * (len(r.exprs) != 1)}, "
-                               f"it needs {what}", r.exprs[0].loc if r.tuple_form else r.loc)
+                               f"it needs {what}", r.exprs[0].loc)
     else:
         if len(r.binders) != n:
             raise CompileError(f"the jvp of '{d.name}' takes {n} tangent{'s' * (n != 1)}, one per parameter "
