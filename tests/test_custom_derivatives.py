@@ -255,6 +255,26 @@ def test_hessian_vector_product_through_a_vjp_clause():
     np.testing.assert_allclose(got["hv"], np.outer(x, c * s * (1 - s) * (x @ V)), rtol=1e-9)
 
 
+NESTED = """
+dim n = 5
+param x[n]
+input w[n], V[n]
+fn clip(x) = x with vjp(g) = max(-1, min(1, g))
+fn double(x) = 2 * x with vjp(g) = clip(2 * g)   # a clause that calls a function with its own rule
+loss = sum(double(x) * w)
+out gx = grad(loss, x)                            # clip's value is 2 w
+out m = grad(sum(grad(loss, x) * V), w)           # the second derivative meets clip's own rule
+"""
+
+
+def test_a_clause_calling_a_function_with_its_own_rule():
+    x, w, V = rng.standard_normal(5), rng.standard_normal(5), 3 * rng.standard_normal(5)
+    got = every_way(NESTED, {"x": x, "w": w, "V": V})
+    np.testing.assert_allclose(got["gx"], 2 * w)
+    np.testing.assert_allclose(got["m"], 2 * np.clip(V, -1, 1))   # not 2 V: clip's rule
+    assert np.abs(V).max() > 1
+
+
 JACOBIAN = """
 dim n = 3, k = n
 param x[n]
@@ -273,7 +293,7 @@ def test_jacobian_through_a_clause_batches_the_cotangent():
 # ---- IR: prints and reads back, --verify-each, the rules leave before lowering ----------
 
 def test_ir_round_trip_and_verify_each():
-    for src in (STE, CLIP_MODEL, SCALE, ROWCLIP, HYPOT, HVP):
+    for src in (STE, CLIP_MODEL, SCALE, ROWCLIP, HYPOT, HVP, NESTED):
         m = module(src)
         text = print_module(m)
         assert "custom[" in text and "slot[" in text
