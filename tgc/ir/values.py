@@ -400,10 +400,11 @@ def strip_custom(roots: Sequence[Value]) -> dict[int, Value]:
     return memo
 
 
-def topo_order(roots: Iterable[Value]) -> list[Value]:
-    """Every value reachable from `roots`, operands before users, deterministic."""
+def topo_order(roots: Iterable[Value], stop: Iterable[int] = ()) -> list[Value]:
+    """Every value reachable from `roots`, operands before users, deterministic; the
+    values whose ids are in `stop`, and what lies beneath them only, are left out."""
     order: list[Value] = []
-    seen: set[int] = set()
+    seen: set[int] = set(stop)
     for root in roots:
         stack: list[tuple[Value, int]] = [(root, 0)]
         while stack:

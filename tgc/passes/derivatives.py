@@ -237,15 +237,17 @@ RULES: dict[str, Rule] = {
 
 # ---- custom rules (functions with their own derivative) ------------------------------
 
-def instantiate(rule: Value, slots: dict[str, Value]) -> Value:
+def instantiate(rule: Value, slots: dict[str, Value], known: Iterable[Value] = ()) -> Value:
     """`rule` with each slot named in `slots` replaced by its value.
 
     A replacement may carry batch edges beyond the slot's own (a batch of cotangents or
     tangents, always fresh edges): they propagate to every value that depends on it, and
     a contraction keeps them (a new edge is never summed). Every other op re-derives its
-    type from its operands. Exact: the same ops on the substituted values."""
-    memo: dict[int, Value] = {}
-    for v in topo_order([rule]):
+    type from its operands. Exact: the same ops on the substituted values. The values of
+    `known` hold no slot (a call's arguments and value, made before its rules), so the
+    walk stops there: it costs the clause and the body it reads, not the whole program."""
+    memo: dict[int, Value] = {id(k): k for k in known}
+    for v in topo_order([rule], stop=memo):
         if v.op == "slot" and v.attrs[0] in slots:
             memo[id(v)] = slots[v.attrs[0]]
             continue
@@ -270,7 +272,7 @@ def _custom_vjp(v: Value, i: int, ct: Value) -> Value | None:
     y, args, vjps, _ = V.custom_parts(v)
     if vjps is None:
         raise _missing(v, "vjp", "reverse")
-    return instantiate(vjps[i - 1], {v.attrs[2]: ct})
+    return instantiate(vjps[i - 1], {v.attrs[2]: ct}, (y, *args))
 
 
 def _custom_jvp(v: Value, ts) -> Value | None:
@@ -279,7 +281,7 @@ def _custom_jvp(v: Value, ts) -> Value | None:
         raise _missing(v, "jvp", "forward")
     tans = {name: ts[1 + i] if ts[1 + i] is not None else V.const(0.0, a.dtype, a.edges)
             for i, (name, a) in enumerate(zip(v.attrs[3], args))}
-    return instantiate(jvp, tans)
+    return instantiate(jvp, tans, (y, *args))
 
 
 class _CustomRule(Rule):
