@@ -396,3 +396,22 @@ def test_cli_renders_the_error_with_a_caret(tmp_path):
     ok.write_text(STE)
     r = CliRunner().invoke(main, ["dump-ir", str(ok), "--after", "elaborate"], catch_exceptions=False)
     assert r.exit_code == 0 and "custom[ste; 1; ste.g.1; ]" in r.output
+
+
+def test_the_example_trains_one_step_as_numpy_says():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "custom_grad.tg"
+    x, y = rng.standard_normal((6, 8)), rng.standard_normal(6)
+    W1, W2 = 0.8 * rng.standard_normal((8, 16)), rng.standard_normal(16)
+    step = tgc.compile(str(path), dtype="f64")
+    got = step(x=x, y=y, W1=np.copy(W1), W2=np.copy(W2), lr=0.1)
+    z = x @ np.sign(W1)                                   # ste_sign's value: sign
+    h = np.logaddexp(0, z)                                # softplus_hand, clip_grad: values unchanged
+    r = h @ W2 - y
+    dh = np.clip(np.outer(2 * r / 6, W2), -0.1, 0.1)      # clip_grad's rule
+    dW1 = x.T @ (dh * sigmoid(z))                         # softplus_hand's rule, then ...
+    dW1 = np.where(np.abs(W1) <= 1, dW1, 0)               # ... straight through inside [-1, 1]
+    np.testing.assert_allclose(got["loss"], np.mean(r ** 2))
+    np.testing.assert_allclose(got["W1"], W1 - 0.1 * dW1)
+    np.testing.assert_allclose(got["W2"], W2 - 0.1 * h.T @ (2 * r / 6))
