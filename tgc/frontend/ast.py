@@ -130,6 +130,7 @@ class FnDef(Node):
     body: tuple
     result: object
     rules: tuple = ()
+    variadic: bool = False  # `fn f[e...]`: the last edge parameter collects extra edge arguments
 
 
 @dataclass(frozen=True)

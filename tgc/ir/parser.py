@@ -160,6 +160,11 @@ def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, l
         rest = args[1 + n:]
         return V.custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
                         fn, ct, tans, loc)
+    if op == "random":
+        a, _, draw = a.partition(" as ")
+        kind, _, folds = a.partition(":")
+        return V.random(kind.strip(), args[0], [int(n) for n in folds.split(",") if n.strip()],
+                        typ.dtype, typ.edges, loc, draw.strip())
     if op in ("grad", "jvp", "vjp"):
         return getattr(V, op)(*args, loc=loc)
     raise V.IRError(f"unknown op '{op}'")
