@@ -82,9 +82,11 @@ class CudaModule:
         return [x.name for x in self.launches if x.kind != "gemm"]
 
 
-def generate(low: Lowered) -> CudaModule:
-    """The CUDA module of `low` (after `plan`, no loop groups)."""
-    return _Gen(low).run()
+def generate(low: Lowered, prefix: str = "") -> CudaModule:
+    """The CUDA module of `low` (after `plan`, no loop groups); `prefix` starts every
+    kernel's name (modules of one float type with distinct prefixes can be
+    concatenated into one translation unit: the tests compile many at once)."""
+    return _Gen(low, prefix).run()
 
 
 def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
@@ -117,10 +119,10 @@ def _c_ident(name: str) -> str:
 
 
 class _Gen:
-    def __init__(self, low: Lowered):
+    def __init__(self, low: Lowered, prefix: str = ""):
         if low.dtype not in ("f32", "f64"):
             raise CudaUnsupported(f"float type '{low.dtype}'")
-        self.low = low
+        self.low, self.prefix = low, prefix
         self.T = C_TYPES[low.dtype]
         self.dims = tuple(low.module.symbolic_dims())
         self.dim_c = {d: f"d{i}" for i, d in enumerate(self.dims)}
@@ -270,7 +272,7 @@ class _Gen:
     # ------------------------------------------------------------ kernels
 
     def check(self, i: int, c) -> None:
-        name = f"check{i}"
+        name = f"{self.prefix}check{i}"
         buf = self.low.buffers[c.buf]
         sizes = tuple(self.low.size(e) for e in buf.edges)
         total = " * ".join(self.size(s) for s in sizes) or "1LL"
@@ -296,8 +298,8 @@ class _Gen:
             zero = [f"const long long n = {n};",
                     "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
                     "t += (long long)gridDim.x * blockDim.x) p0[t] = (tgc_t)0;"]
-            self.kernel(f"k{i}_zero", self.params([k.out], k.out), zero, f"zero %{k.out} before the scatter")
-            self.launches.append(Launch("zero", f"k{i}_zero", (k.out,), out_sizes, index=i))
+            self.kernel(f"{self.prefix}k{i}_zero", self.params([k.out], k.out), zero, f"zero %{k.out} before the scatter")
+            self.launches.append(Launch("zero", f"{self.prefix}k{i}_zero", (k.out,), out_sizes, index=i))
         sizes = [self.size(k.sizes[v]) for v in kept]
         body = [f"const long long n = {' * '.join(sizes) or '1LL'};",
                 "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
@@ -320,8 +322,8 @@ class _Gen:
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
             inner.append(f"{store} = {value};")
         body += ["    " + line for line in inner] + ["}"]
-        self.kernel(f"k{i}", self.params(bufs, k.out), body, note)
-        self.launches.append(Launch("loop", f"k{i}", tuple(bufs), tuple(k.sizes[v] for v in kept), index=i))
+        self.kernel(f"{self.prefix}k{i}", self.params(bufs, k.out), body, note)
+        self.launches.append(Launch("loop", f"{self.prefix}k{i}", tuple(bufs), tuple(k.sizes[v] for v in kept), index=i))
 
     def guarded(self, k: LoopKernel, loops, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` where every bounded loop variable among `loops` is within its bounds."""

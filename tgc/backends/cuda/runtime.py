@@ -61,8 +61,6 @@ BACKENDS = ("cuda", "cuda-sim")
 def build(module: Module, options: Options, backend: str) -> "CudaProgram":
     """Lower `module` (after the IR pipeline), generate its CUDA module and load it
     on the device `backend` names ("cuda" or "cuda-sim")."""
-    from tgc.passes.plan import lower_module
-
     if backend not in BACKENDS:
         raise ValueError(f"backend '{backend}' is not a CUDA backend")
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
@@ -74,10 +72,18 @@ def build(module: Module, options: Options, backend: str) -> "CudaProgram":
         program._origin = (module, options)
         return program
     opts = options.with_(group_blocks=0)
-    low = lower_module(module, opts)
+    low = lower(module, opts)
     cm = codegen.generate(low)
     device.load(cm, opts)
     return CudaProgram(module, options, low, cm, device)
+
+
+def lower(module: Module, options: Options):
+    """The lowered program the CUDA backend compiles: fuse, layout and plan, without
+    the CPU's loop groups (`group_blocks=0`)."""
+    from tgc.passes.plan import lower_module
+
+    return lower_module(module, options.with_(group_blocks=0))
 
 
 # ---------------------------------------------------------------- devices

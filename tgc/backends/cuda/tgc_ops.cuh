@@ -17,7 +17,7 @@
 #ifndef TGC_OPS_CUH
 #define TGC_OPS_CUH
 
-#define TGC_DEV static __device__ __forceinline__
+#define TGC_DEV __device__ __forceinline__
 #define TGC_INF __builtin_huge_val()
 #define TGC_NAN __builtin_nan("")
 
