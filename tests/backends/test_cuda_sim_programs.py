@@ -43,3 +43,19 @@ def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
     module = driver.lower(driver.load(str(path), options), options).module
     compare(module, dtype)
+
+
+ROW_PROGRAMS = ["examples/layernorm.tg", "examples/attention.tg", "tests/programs/good/005_reductions.tg",
+                "tests/programs/good/010_conv_stride_pad.tg", "tests/programs/good/019_softmax_family.tg",
+                "tests/programs/good/020_norms.tg", "tests/programs/good/032_masked_softmax.tg"]
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+@pytest.mark.parametrize("path", ROW_PROGRAMS)
+def test_one_block_per_row_reductions_match_interpreter(path, dtype):
+    """With `cuda_row_min=1` every reduction that has the form runs one block per output
+    (an OpenMP team under the emulator: shuffles, shared memory, barriers)."""
+    options = Options(dtype=dtype, cuda_row_min=1)
+    module = driver.lower(driver.load(str(ROOT / path), options), options).module
+    prog = compare(module, dtype, options=options)
+    assert any(x.row for x in prog._cm.launches)

@@ -69,6 +69,8 @@ class Launch:
     total: tuple[Size, ...] = ()      # the work items: the product of these sizes
     gemm: GemmKernel | None = None
     index: int = -1                   # the lowered kernel (or check) it comes from
+    row: str = ""                     # a reduction's one-block-per-output variant (kernel name), if any
+    red: tuple[Size, ...] = ()        # the reduced loops' sizes (the row variant runs when their product is large)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class CudaModule:
     dtype: str = "f32"
 
     def kernel_names(self) -> list[str]:
-        return [x.name for x in self.launches if x.kind != "gemm"]
+        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row) if n]
 
 
 def generate(low: Lowered, prefix: str = "") -> CudaModule:
@@ -153,9 +155,10 @@ class _Gen:
                 continue
             args = [f"({self.buf_type(b, write=j == 0 and x.kind != 'check')}*)b[{j}]" for j, b in enumerate(x.bufs)]
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
-            launch = "TGC_SIM_LAUNCH_SERIAL"
-            sim.append(f'extern "C" void tgc_launch_{x.name}(void* const* b, const long long* d, int* err, '
-                       f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {x.name}({', '.join(args)}));\n}}")
+            for name, launch in ((x.name, "TGC_SIM_LAUNCH_SERIAL"), (x.row, "TGC_SIM_LAUNCH")):
+                if name:   # the row variant needs a team per block: barriers and shuffles
+                    sim.append(f'extern "C" void tgc_launch_{name}(void* const* b, const long long* d, int* err, '
+                               f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {name}({', '.join(args)}));\n}}")
         sim.append("#endif")
         source = "\n".join(head + self.parts + sim) + "\n"
         return CudaModule(source, self.launches, self.dims, low.dtype)
@@ -322,8 +325,78 @@ class _Gen:
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
             inner.append(f"{store} = {value};")
         body += ["    " + line for line in inner] + ["}"]
-        self.kernel(f"{self.prefix}k{i}", self.params(bufs, k.out), body, note)
-        self.launches.append(Launch("loop", f"{self.prefix}k{i}", tuple(bufs), tuple(k.sizes[v] for v in kept), index=i))
+        name = f"{self.prefix}k{i}"
+        self.kernel(name, self.params(bufs, k.out), body, note)
+        row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
+        self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
+                                    red=tuple(k.sizes[v] for v in k.red)))
+
+    def row_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> str:
+        """The reduction `k` with one block per output element (a grid-stride loop of
+        blocks over them): the block's threads share the reduced iterations, and
+        `tgc_block_reduce` combines their partials (shuffles, then shared memory)."""
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)})
+        for j, v in enumerate(k.loops):
+            ctx.var[v] = f"i{j}"
+        sizes = [self.size(k.sizes[v]) for v in kept]
+        red = [v for v in k.loops if v in k.red]
+        inner = []
+        if kept:
+            inner.append("long long r = t;")
+            for v, s in reversed(list(zip(kept, sizes))):
+                inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
+        for v in red:
+            lows, highs = k.bounds.get(v, ((), ()))
+            lo = "0LL"
+            for x in lows:
+                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+            hi = self.size(k.sizes[v])
+            for x in highs:
+                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            i = ctx.var[v]
+            inner.append(f"const long long {i}_lo = {lo}, {i}_n = max_ll({hi} - {i}_lo, 0LL);")
+        inner.append(f"const long long cnt = {' * '.join(ctx.var[v] + '_n' for v in red)};")
+
+        def over(stmts: list[str]) -> list[str]:
+            head = ["for (long long q = threadIdx.x; q < cnt; q += blockDim.x) {", "    long long rq = q;"]
+            for v in reversed(red):
+                i = ctx.var[v]
+                head.append(f"    const long long {i} = {i}_lo + rq % {i}_n; rq /= {i}_n;")
+            return head + ["    " + s for s in stmts] + ["}"]
+
+        x = self.expr(k.body, ctx)
+        shared = set()
+        if k.reduce == "sum":
+            inner += ["double sum = 0.0;"] + over([f"sum += (double){x};"])
+            inner += ["sum = tgc_block_reduce(sum, tgc_op_sum(), part_d);", "const tgc_t acc = (tgc_t)sum;"]
+            shared.add("double part_d[32];")
+        elif k.reduce in ("max", "min"):
+            better = "!(v <= m)" if k.reduce == "max" else "!(v >= m)"
+            init = "-(tgc_t)TGC_INF" if k.reduce == "max" else "(tgc_t)TGC_INF"
+            inner += [f"tgc_t m = {init};"] + over([f"const tgc_t v = {x};", f"if (m == m && ({better})) m = v;"])
+            inner += [f"const tgc_t acc = tgc_block_reduce(m, tgc_op_{k.reduce}(), part_t);"]
+            shared.add("tgc_t part_t[32];")
+        else:   # maxshift, logsumexp
+            inner += ["tgc_t m = -(tgc_t)TGC_INF;"] + over([f"const tgc_t v = {x};", "if (v > m) m = v;"])
+            inner += ["m = tgc_block_reduce(m, tgc_op_maxshift(), part_t);"]
+            shared.add("tgc_t part_t[32];")
+            if k.reduce == "maxshift":
+                inner.append("const tgc_t acc = m;")
+            else:
+                inner += ["if (!tgc_finite(m)) m = (tgc_t)0;", "double sum = 0.0;"]
+                inner += over([f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
+                inner += ["sum = tgc_block_reduce(sum, tgc_op_sum(), part_d);",
+                          "const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
+                shared.add("double part_d[32];")
+        ctx.acc = "acc"
+        value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
+        inner.append(f"if (threadIdx.x == 0) p0[{self.offset(k.out, k.index, ctx)}] = {value};")
+        body = [f"__shared__ {d}" for d in sorted(shared)]
+        body += [f"const long long n = {' * '.join(sizes) or '1LL'};",
+                 "for (long long t = blockIdx.x; t < n; t += gridDim.x) {"]
+        body += ["    " + line for line in inner] + ["}"]
+        self.kernel(name, self.params(bufs, k.out), body, note + " (one block per output)")
+        return name
 
     def guarded(self, k: LoopKernel, loops, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` where every bounded loop variable among `loops` is within its bounds."""
@@ -374,6 +447,15 @@ class _Gen:
             out += self.nest(k, ctx, [f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
             return out + ["const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
         raise CudaUnsupported(f"reduction '{k.reduce}'")
+
+
+def _row_ok(k: LoopKernel) -> bool:
+    """Whether the reduction `k` has a one-block-per-output form: its reduced loops'
+    bounds depend on the kept loops only (so their ranges are known before the
+    block shares them out)."""
+    if not k.reduce or k.scatter or not k.red or k.reduce not in ("sum", "max", "min", "maxshift", "logsumexp"):
+        return False
+    return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
 
 
 @dataclass

@@ -20,7 +20,9 @@ and convert the inputs, bind the dims, allocate the outputs and one workspace (e
 error word once (an out-of-range id raises `EvalError` before any other kernel runs,
 so nothing is written), then every launch in order with its geometry: a grid-stride
 loop over the launch's work items, `BLOCK` threads per block on a GPU and small
-grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow.
+grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
+at least `Options.cuda_row_min` elements per output runs its one-block-per-output
+variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator).
 
 Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
 out, updates in place). On a GPU, an input may be a CuPy array, anything with
@@ -53,6 +55,7 @@ from tgc.runtime.program import NP, Program, TensorSpec
 SIM_HEADER = Path(__file__).with_name("sim.h")
 SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
 SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
+SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
 GPU_GRID = 132 * 16                  # at most this many blocks (grid-stride loops do the rest)
 WS_ALIGN = 256
 BACKENDS = ("cuda", "cuda-sim")
@@ -110,9 +113,9 @@ class _SimDevice:
     def read_err(self, err) -> int:
         return int(err[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err) -> None:
-        block = SIM_BLOCK
-        grid = max(1, min(SIM_GRID, -(-total // block)))
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+        block = SIM_ROW_BLOCK if row else SIM_BLOCK
+        grid = max(1, min(SIM_GRID, total if row else -(-total // block)))
         ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
         self.fns[name](ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid, block)
@@ -157,8 +160,8 @@ class _CupyDevice:
     def read_err(self, err) -> int:
         return int(err.get()[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err) -> None:
-        grid = max(1, min(GPU_GRID, -(-total // codegen.BLOCK)))
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+        grid = max(1, min(GPU_GRID, total if row else -(-total // codegen.BLOCK)))
         self.fns[name]((grid,), (codegen.BLOCK,), tuple(arrays) + tuple(np.int64(d) for d in dims) + (err,))
 
     def to_host(self, a) -> np.ndarray:
@@ -340,8 +343,15 @@ class CudaProgram(Program):
                 total = 1
                 for s in x.total:
                     total *= size_eval(s, env)
-                if total > 0:
-                    dev.launch(x.name, total, [bufs[b] for b in x.bufs], dvals, err)
+                if total <= 0:
+                    continue
+                row = False
+                if x.row:
+                    red = 1
+                    for s in x.red:
+                        red *= size_eval(s, env)
+                    row = red >= self.options.cuda_row_min
+                dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
             if n_checks == len(launches) and n_checks:
                 rc = dev.read_err(err)
                 if rc:

@@ -84,4 +84,23 @@ TGC_DEV long long tgc_floordiv(long long a, long long b) {
 }
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
+
+// Block reductions (one block per output row): a warp's lanes combine by shuffles,
+// then every thread combines the warps' partials from shared memory in warp order,
+// so each thread gets the same value, and the order (so the rounding) depends only on
+// blockDim. Every thread of the block must call it (blockDim a multiple of 32).
+struct tgc_op_sum { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
+struct tgc_op_max { template <typename T> __device__ T operator()(T a, T b) const { return tgc_max(a, b); } };
+struct tgc_op_min { template <typename T> __device__ T operator()(T a, T b) const { return tgc_min(a, b); } };
+// maxshift's partials are never NaN (NaNs are skipped): the larger one
+struct tgc_op_maxshift { template <typename T> __device__ T operator()(T a, T b) const { return b > a ? b : a; } };
+template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    T r = part[0];
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) r = op(r, part[w]);
+    __syncthreads();   // part may be written again by the next reduction
+    return r;
+}
 #endif
