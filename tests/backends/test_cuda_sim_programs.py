@@ -20,8 +20,8 @@ F32_RTOL, F32_ATOL = 2e-4, 2e-5  # as the CPU backend's tests (tests/backends/te
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
 
-def compare(module, dtype, seed=0, options=None):
-    dims = {d: 5 for d in module.symbolic_dims()}
+def compare(module, dtype, seed=0, options=None, dims=None):
+    dims = {d: (dims or {}).get(d, 5) for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), seed, dtype)
     want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)
     prog = tgc.compile(module, dtype=dtype, backend="cuda-sim", options=options)
