@@ -4,8 +4,9 @@ whose `RawModule` runs the module's kernels through the cuda-sim emulator, with 
 GPU's launch geometry (256 threads per block, up to 2112 blocks). What runs is the
 code a GPU call runs: device-array input handling (CuPy arrays, DLPack, numpy copied),
 updates in place on the caller's device arrays, the workspace, the kernel argument
-order, the error word, GEMMs through `matmul` on strided views. What it cannot show
-is NVRTC, the driver and cuBLAS themselves (tests/backends/test_cuda_gpu.py does, on
+order, the error word, the cuBLAS calls' arguments (its stand-in executes the
+column-major semantics on the memory the pointers span). What it cannot show is
+NVRTC, the driver and cuBLAS themselves (tests/backends/test_cuda_gpu.py does, on
 a GPU)."""
 from __future__ import annotations
 
@@ -18,17 +19,22 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.backends.cuda import runtime
+from tgc.backends.cuda import gemm, runtime
 from tgc.ir.interp import EvalError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++ with OpenMP")
 
 
 class ndarray(np.ndarray):
-    """A 'device' array: host memory; `.get()` copies it to a numpy array."""
+    """A 'device' array: host memory; `.get()` copies it to a numpy array, `.data.ptr`
+    is its address (as CuPy's MemoryPointer)."""
 
     def get(self):
         return np.array(self, copy=True).view(np.ndarray)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
 
 
 def _dev(a) -> ndarray:
@@ -57,6 +63,30 @@ class _RawModule:
         return launch
 
 
+GEMM_CALLS: list = []
+
+
+def _gemm_strided_batched(dtype):
+    """cublas<t>gemmStridedBatched on host addresses: the column-major semantics of
+    `gemm.run_numpy` over the memory the pointers and leading dimensions span."""
+    ct = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+
+    def fn(handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):
+        assert handle == "handle" and ta in (0, 1) and tb in (0, 1)
+        assert ct.from_address(alpha).value == 1 and ct.from_address(beta).value == 0
+
+        def mem(ptr, rows, cols, ld, stride):
+            extent = stride * (batch - 1) + ld * (cols - 1) + rows
+            return np.ctypeslib.as_array((ct * extent).from_address(ptr))
+        a = mem(A, k, m, lda, sa) if ta else mem(A, m, k, lda, sa)
+        b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
+        c = mem(C, m, n, ldc, sc)
+        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch)
+        GEMM_CALLS.append(call)
+        gemm.run_numpy(call, a, b, c)
+    return fn
+
+
 def _fake_cupy() -> types.ModuleType:
     cp = types.ModuleType("cupy")
     cp.ndarray = ndarray
@@ -70,7 +100,12 @@ def _fake_cupy() -> types.ModuleType:
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
     cp.RawModule = _RawModule
-    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, setStream=lambda handle, stream: None,
+                                   sgemmStridedBatched=_gemm_strided_batched(np.float32),
+                                   dgemmStridedBatched=_gemm_strided_batched(np.float64))
+    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
+                                    device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
+                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     return cp
 
 
@@ -78,6 +113,9 @@ def _fake_cupy() -> types.ModuleType:
 def cupy(monkeypatch):
     cp = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
+    GEMM_CALLS.clear()
     return cp
 
 
@@ -109,6 +147,7 @@ def test_device_arrays_in_and_out_and_updates_in_place(cupy):
     np.testing.assert_allclose(float(got["loss"].get()), np.sum(y * y), rtol=1e-12)
     assert got["W"] is dW
     np.testing.assert_allclose(dW.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
+    assert len(GEMM_CALLS) == prog.gemm_counts["strided"] == 2   # x @ W and the gradient x^T @ dy, through cuBLAS
     launches = prog._device.module.launches
     assert launches and all(block == 256 for _, _, block in launches)
     assert max(grid for _, grid, _ in launches) == -(-300 * 16 // 256)   # one thread per element of y
@@ -142,3 +181,25 @@ def test_without_cupy_the_error_is_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)     # import cupy fails
     with pytest.raises(tgc.backends.base.BackendUnavailable, match="CuPy is not installed"):
         tgc.compile(MLP, backend="cuda")
+
+
+def test_attention_on_the_gpu_path_matches_interpreter(cupy):
+    """Batched GEMMs (batch and head, with a looped batch edge) through the cuBLAS
+    stand-in, and every kernel with the GPU's geometry."""
+    from pathlib import Path
+
+    from tgc import driver
+    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.options import Options
+
+    options = Options(dtype="f64")
+    path = Path(__file__).resolve().parents[2] / "examples/attention.tg"
+    module = driver.lower(driver.load(str(path), options), options).module
+    dims = {d: 3 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f64")
+    want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)
+    prog = tgc.compile(module, dtype="f64", backend="cuda")
+    got = prog.run({k: cupy.asarray(v.copy()) for k, v in inputs.items()}, dims)
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name].get(), ref, rtol=1e-9, atol=1e-9, err_msg=name)
+    assert prog.gemm_counts == {"strided": 18, "views": 0} and len(GEMM_CALLS) > 18   # looped calls

@@ -25,8 +25,8 @@ What each kernel kind becomes (the meaning is `tgc.ir.lowered_interp`'s):
 - a `Check` is a kernel over the id buffer that writes the check's number into the
   device error word (compare-and-swap from 0, launched in order: the first failing
   check wins); the host reads the word once, after the checks, before any other work.
-- a `GemmKernel` without taps or shifts is a host-side call (cuBLAS through CuPy on a
-  GPU, numpy under cuda-sim) on strided views of its buffers (`Launch.gemm`); one
+- a `GemmKernel` without taps or shifts is a host-side call (`Launch.gemm`: a cuBLAS
+  strided batched GEMM on a GPU, numpy on the same strides under cuda-sim; `gemm.py`); one
   with taps or shifts (a convolution) becomes a loop kernel summing over its `k` and
   tap edges with the shifted reads masked to their ranges (`gemm_as_loop`), which is
   the same sum: each call of the CPU's tap loop adds zeros where it clips.

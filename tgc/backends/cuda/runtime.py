@@ -8,11 +8,11 @@ groups, which are the CPU's cache blocking), generates one CUDA module
 - `_SimDevice` compiles the module text unchanged with the host C++ compiler and
   the emulation header (`g++ -fopenmp -x c++ -O2 -shared -fPIC -include sim.h`),
   caches the shared object on disk by content (`tgc.runtime.cache`'s directory,
-  checksummed), and loads it with ctypes; arrays are numpy's; numpy's matmul stands
-  in for cuBLAS;
+  checksummed), and loads it with ctypes; arrays are numpy's; numpy runs each GEMM
+  cell's strided batched call (`gemm.run_numpy`) in place of cuBLAS;
 - `_CupyDevice` loads the same text with `cupy.RawModule` (NVRTC; CuPy caches the
   compiled module on disk by source, options and GPU architecture), keeps arrays on
-  the device, and runs GEMMs with `cupy.matmul` on strided views (cuBLAS).
+  the device, and runs GEMM cells through `cupy.cuda.cublas` (`gemm.run_cublas`).
 
 A call (`CudaProgram._run_checked`) is the same host orchestration for both: check
 and convert the inputs, bind the dims, allocate the outputs and one workspace (each
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from tgc.backends.base import BackendUnavailable
-from tgc.backends.cuda import codegen
+from tgc.backends.cuda import codegen, gemm
 from tgc.ir.interp import EvalError
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_eval
@@ -247,6 +247,7 @@ class CudaProgram(Program):
         self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
         self._names = tuple(s.name for s in self._inputs)
         self._fast = False
+        self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
         self.out_dtype: np.dtype | None = None
 
     @property
@@ -389,24 +390,42 @@ class CudaProgram(Program):
         return bufs
 
     def _gemm(self, k, bufs: dict, env: dict) -> None:
-        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n] on strided views of the
-        buffers (an operand without an edge is broadcast along it): numpy's matmul
-        under cuda-sim, cuBLAS (through cupy.matmul) on a GPU."""
+        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
+        (`gemm.plan`: cuBLAS on a GPU, numpy on the same strides under cuda-sim) where
+        the layouts allow, else `matmul` on strided views of the buffers (an operand
+        without an edge is broadcast along it)."""
         xp, low = self._device.xp, self.lowered
         strided = xp.lib.stride_tricks.as_strided
+        size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
 
-        def view(buf: str, rename: dict, axes: tuple) -> object:
+        def strides(buf: str, rename: dict) -> dict:
             arr = bufs[buf]
             order = low.buffers[buf].order or low.buffers[buf].edges
-            stride = dict(zip(order, arr.strides))
-            shape = [size_eval(low.size(e), env) for e in axes]
-            return strided(arr, shape, [stride[rename[e]] if e in rename else 0 for e in axes])
+            by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
+            return {v: by_edge[b] for v, b in rename.items()}
 
-        size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
+        out_edges = low.buffers[k.out].edges
+        operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
+                    "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
+        planned = gemm.plan_looped(k, operands, size)
+        if planned is not None:
+            call, looped = planned
+            self.gemm_counts["strided"] += 1
+            run = gemm.run_numpy if self._device.name == "cuda-sim" else gemm.run_cublas
+            roles = (call.a, call.b, "out")
+            for point in np.ndindex(*[size[e] for e in looped]):
+                offsets = tuple(sum(i * operands[r][1].get(e, 0) for e, i in zip(looped, point)) for r in roles)
+                run(call, *(bufs[operands[r][0]] for r in roles), offsets)
+            return
+        self.gemm_counts["views"] += 1
+
+        def view(buf: str, st: dict, axes: tuple) -> object:
+            isz = bufs[buf].itemsize
+            return strided(bufs[buf], [size[e] for e in axes], [st[e] * isz if e in st else 0 for e in axes])
+
         prod = lambda es: int(np.prod([size[e] for e in es], dtype=np.int64))  # noqa: E731
         bsz, msz, nsz, ksz = prod(k.batch), prod(k.m), prod(k.n), prod(k.k)
-        a = view(k.a.buf, dict(k.a.edges), k.batch + k.m + k.k).reshape(bsz, msz, ksz)
-        b = view(k.b.buf, dict(k.b.edges), k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
-        out_edges = low.buffers[k.out].edges
-        c = view(k.out, {e: e for e in out_edges}, k.batch + k.m + k.n)
+        a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
+        b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
+        c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
         c[...] = xp.matmul(a, b).reshape(c.shape)
