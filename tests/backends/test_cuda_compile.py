@@ -1,5 +1,9 @@
 """Every kernel the CUDA backend generates for the examples and the corpus programs
-compiles for sm_90 with nvcc, with zero warnings (as errors), in f32 and f64.
+compiles for sm_90 with nvcc, with zero warnings (as errors): every program in f32,
+and in f64 the programs whose kernels differ most (GEMMs and attention, gathers and
+scatters, every elementwise function, convolutions and pooling, updates): the f64
+text differs only in `tgc_t` and the header's overloads, and nvcc takes ~20 s of CPU
+for all programs.
 
 The modules of one float type are compiled as one translation unit (each program's
 kernels under its own name prefix): two nvcc runs in all. Skipped, with the
@@ -18,6 +22,8 @@ from tgc.options import Options
 ROOT = Path(__file__).parent.parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 NVCC = shutil.which("nvcc")
+F64_PROGRAMS = ["gpt.tg", "014_gather.tg", "016_functions.tg", "010_conv_stride_pad.tg", "039_conv2d_pool.tg",
+                "028_updates.tg", "019_softmax_family.tg"]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed")
@@ -25,7 +31,9 @@ NVCC = shutil.which("nvcc")
 def test_every_program_compiles_for_sm90_without_warnings(dtype, tmp_path):
     options = Options(dtype=dtype)
     sources, kernels = [], 0
-    for i, path in enumerate(PROGRAMS):
+    programs = PROGRAMS if dtype == "f32" else [p for p in PROGRAMS if p.name in F64_PROGRAMS]
+    assert len(programs) >= len(F64_PROGRAMS)
+    for i, path in enumerate(programs):
         module = driver.lower(driver.load(str(path), options), options).module
         cm = codegen.generate(lower(module, options), prefix=f"p{i}_")
         sources.append(f"// {path.name}\n{cm.source}")
@@ -36,4 +44,4 @@ def test_every_program_compiles_for_sm90_without_warnings(dtype, tmp_path):
                            str(tmp_path / "all.cubin"), str(cu)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]
-    assert kernels > 100 and (tmp_path / "all.cubin").stat().st_size > 0
+    assert kernels > (100 if dtype == "f32" else 50) and (tmp_path / "all.cubin").stat().st_size > 0
