@@ -231,3 +231,15 @@ def test_cli_runs_cuda_sim_like_cpu(tmp_path):
 def test_unknown_backend_lists_the_backends():
     with pytest.raises(ValueError, match="have: cpu, cuda, cuda-sim"):
         tgc.compile(MLP, backend="tpu")
+
+
+def test_unsupported_forms_are_a_clear_error():
+    from tgc.backends.cuda import codegen
+    from tgc.ir.lowered import LoopGroup
+    from tgc.passes.plan import lower_module
+
+    module = driver.lower(driver.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
+    low = lower_module(module, Options())          # the CPU's lowering: with loop groups
+    assert any(isinstance(k, LoopGroup) for k in low.kernels)
+    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: loop groups"):
+        codegen.generate(low)

@@ -44,6 +44,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tgc.backends.base import BackendUnavailable
 from tgc.ir.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
                             LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View, neg)
 from tgc.ir.sizes import Size, SizeOp
@@ -55,8 +56,12 @@ FNS = {"exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "abs", "pow", "div", "
 BLOCK = 256          # threads per block on a GPU
 
 
-class CudaUnsupported(ValueError):
-    """The lowered program has a form the CUDA backend does not compile (yet)."""
+class CudaUnsupported(BackendUnavailable):
+    """The lowered program has a form the CUDA backend does not compile (yet); the
+    message starts "not supported by the cuda backend yet: " (exit 3 from the CLI)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"not supported by the cuda backend yet: {what}")
 
 
 @dataclass

@@ -33,6 +33,7 @@ array that had to be cast or copied is refused for an update target).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -58,6 +59,9 @@ SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
 SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
 GPU_GRID = 132 * 16                  # at most this many blocks (grid-stride loops do the rest)
 WS_ALIGN = 256
+# the emulator's grid and block sizes are globals of each loaded library (a library is
+# shared by every program with the same module text): one emulated call at a time
+_SIM_LOCK = threading.Lock()
 BACKENDS = ("cuda", "cuda-sim")
 
 
@@ -326,7 +330,7 @@ class CudaProgram(Program):
             args, write_back = self._prepare(arrays)
         env = self._bind(args, dims)
         outs = {s.name: dev.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
-        with self._lock:
+        with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
             bufs = self._buffers(args, outs, env)
             err = dev.err_word()
             dvals = [env[d] for d in cm.dims]
