@@ -45,3 +45,45 @@ def test_every_program_compiles_for_sm90_without_warnings(dtype, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]
     assert kernels > (100 if dtype == "f32" else 50) and (tmp_path / "all.cubin").stat().st_size > 0
+
+
+def _libnvrtc():
+    """NVRTC (what CuPy's RawModule compiles with): the `nvidia-cuda-nvrtc` wheel's
+    library on sys.path, or the system's; None if neither is there."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    for entry in sys.path:
+        lib = Path(entry) / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+        if lib.is_file():
+            return ctypes.CDLL(str(lib))
+    found = ctypes.util.find_library("nvrtc")
+    return ctypes.CDLL(found) if found else None
+
+
+NVRTC = _libnvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_modules_compile_with_nvrtc_as_cupy_would(dtype):
+    """The runtime compiles with NVRTC, which has no libc headers and fewer builtins
+    than nvcc: the modules must compile there too, with an empty log."""
+    import ctypes
+
+    options = Options(dtype=dtype)
+    for name in ("examples/gpt.tg", "tests/programs/good/014_gather.tg", "tests/programs/good/016_functions.tg",
+                 "tests/programs/good/039_conv2d_pool.tg"):
+        module = driver.lower(driver.load(str(ROOT / name), options), options).module
+        source = codegen.generate(lower(module, options)).source
+        prog = ctypes.c_void_p()
+        assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"module.cu", 0, None, None) == 0
+        opts = [b"--std=c++17", b"-arch=sm_90"]
+        rc = NVRTC.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        NVRTC.nvrtcGetProgramLog(prog, log)
+        NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert rc == 0 and not log.value.strip(), f"{name}: {log.value.decode()[:2000]}"

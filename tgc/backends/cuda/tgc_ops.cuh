@@ -18,8 +18,13 @@
 #define TGC_OPS_CUH
 
 #define TGC_DEV __device__ __forceinline__
+#ifdef __CUDACC__   /* nvcc and NVRTC (which has no __builtin_huge_val) */
+#define TGC_INF __longlong_as_double(0x7ff0000000000000ULL)
+#define TGC_NAN __longlong_as_double(0x7ff8000000000000ULL)
+#else               /* the cuda-sim emulator (g++) */
 #define TGC_INF __builtin_huge_val()
 #define TGC_NAN __builtin_nan("")
+#endif
 
 TGC_DEV float tgc_exp(float x) { return expf(x); }
 TGC_DEV double tgc_exp(double x) { return exp(x); }
