@@ -46,7 +46,7 @@ from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
 from tgc.ir.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
-                            LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View, neg)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
@@ -263,6 +263,8 @@ class _Gen:
             return "(" + " + ".join(terms) + ")"
         if isinstance(e, Mul):
             return "(" + " * ".join(self.expr(a, ctx) for a in e.args) + ")"
+        if isinstance(e, Rand):   # Philox draws
+            raise CudaUnsupported(f"random draws ({e.kind}; the CPU backend and the interpreters run them)")
         if isinstance(e, Map):
             if e.fn not in FNS:
                 raise CudaUnsupported(f"elementwise function '{e.fn}'")
