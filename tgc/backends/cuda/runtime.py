@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -183,13 +184,18 @@ def _compiler() -> str:
     raise BackendUnavailable("backend 'cuda-sim' needs a C++ compiler with OpenMP (g++): none found")
 
 
+@functools.lru_cache(maxsize=4)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+
+
 def _load_sim(source: str) -> ctypes.CDLL:
     """The emulator's shared object for `source`: from the cache (by content: the
     source, the header, the flags and the compiler's version) or compiled now."""
     from tgc.runtime import cache
 
     cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(cxx)
     h = hashlib.sha256()
     for part in (source, SIM_HEADER.read_text(), " ".join(SIM_FLAGS), version):
         h.update(part.encode())
