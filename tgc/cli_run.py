@@ -277,6 +277,11 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
             click.echo(f"{100 * cycles / total:6.2f}%  k{i}: {text}", err=True)
 
 
+def _host(a):
+    """A result as a numpy array (a CuPy array of the cuda backend is copied to the host)."""
+    return a if isinstance(a, np.ndarray) or not hasattr(a, "get") else a.get()
+
+
 @click.command()
 @click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False),
@@ -293,7 +298,9 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
-@click.option("--backend", type=click.Choice(["interp", "cpu"]), default="interp", show_default=True)
+@click.option("--backend", type=click.Choice(["interp", "cpu", "cuda", "cuda-sim"]), default="interp",
+              show_default=True, help="interp (the reference interpreter), cpu (LLVM), cuda (an NVIDIA GPU "
+                                      "through CuPy) or cuda-sim (the CUDA kernels emulated on this CPU).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
@@ -341,13 +348,20 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         with status("running (interpreter)"):
             results = evaluate(module, inputs, dtype=dtype, dims=dims)
     else:
-        from tgc.runtime import build
+        if backend == "cpu":
+            from tgc.runtime import build
 
-        with status("compiling (LLVM)"):
-            program = build(module, options)
+            with status("compiling (LLVM)"):
+                program = build(module, options)
+        else:
+            from tgc.backends.cuda.runtime import build as build_cuda
+
+            with status(f"compiling ({backend})"):
+                program = build_cuda(module, options, backend)
         call_dims = dict(options.dims) or None
         with status("running"):
-            results = in_float_type(program.run(dict(inputs), call_dims), dtype)
+            results = program.run(dict(inputs), call_dims)
+            results = in_float_type({k: _host(v) for k, v in results.items()}, dtype)
         if profile:
             with status(f"profiling ({profile} runs)"):
                 print_profile(program, inputs, call_dims, profile)

@@ -50,6 +50,8 @@ class Options:
     profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
+    # CUDA backends (cuda, cuda-sim; docs/cuda.md)
+    cuda_row_min: int = 128                  # a reduction over at least this many elements per output runs one block per output (else one thread)
 
     def with_(self, **changes) -> "Options":
         """A copy with the given fields changed."""
