@@ -1,12 +1,12 @@
 """Calls of the language's primitives: elementwise functions, reductions,
-`where`, `stop`, `size`, and the derivative operators `grad`, `jvp`, `vjp`."""
+`where`, `stop`, `checkpoint`, `size`, and the derivative operators `grad`, `jvp`, `vjp`."""
 from __future__ import annotations
 
 from tgc.frontend import ast
 from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
 from tgc.ir import values as V
 
-ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "size": (1,),
+ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2)}
 
@@ -38,6 +38,8 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     args = [el.fexpr(a, ctx) for a in node.args]
     if node.fn == "stop":
         return V.stop(args[0], loc=node.loc)
+    if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/passes/remat.py)
+        return V.map_("checkpoint", args[0], loc=node.loc)
     return el.build(node, ctx, V.map_, node.fn, *args)
 
 

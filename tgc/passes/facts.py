@@ -40,6 +40,7 @@ _TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0
           "sigmoid", "softplus"}
 _ALWAYS_FINITE = {"lt", "le", "gt", "ge", "eq", "ne", "sign"}
 _POSITIVE = {"exp", "sigmoid", "softplus"}
+_IDENTITY = {"round32", "checkpoint", "recompute"}  # x's sign and bound (round32: to the nearest f32)
 
 
 def _meet(*signs: str | None) -> str | None:
@@ -102,7 +103,7 @@ class Facts:
             return self._args[v.attrs[0]][1]
         if v.op == "indicator":
             return 1.0
-        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] == "round32") or (v.op == "contract" and len(v.operands) == 1
+        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] in _IDENTITY) or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
         if v.op == "reduce":
@@ -202,7 +203,7 @@ class Facts:
             return fin, POS
         if fn == "abs":
             return fin, NONNEG
-        if fn == "round32":
+        if fn in _IDENTITY:
             return ops[0]
         if fn in ("max", "where", "min", "mul0", "mul00"):
             return fin, self._select_sign(fn, signs)

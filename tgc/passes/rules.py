@@ -306,6 +306,12 @@ def indicator_truth(ctx: Ctx, v: Value) -> Value | None:
     return None if t is None else V.const(1.0 if t else 0.0, v.dtype, v.edges)
 
 
+# checkpoint(x) = x                 (once no derivative is left to take: adjoint has made
+#                                   the backward read recomputed copies, passes/remat.py)
+def drop_checkpoint(ctx: Ctx, v: Value) -> Value | None:
+    return None if ctx.derivatives_left else v.operands[0]
+
+
 # stop(x) = x                       (once no derivative is left to take)
 def drop_stop(ctx: Ctx, v: Value) -> Value | None:
     return None if ctx.derivatives_left else v.operands[0]
@@ -343,4 +349,5 @@ SIMPLIFY = {
     "reduce": [reduce_broadcast],
     "indicator": [indicator_truth],
     "stop": [drop_stop],
+    "checkpoint": [drop_checkpoint],
 }
