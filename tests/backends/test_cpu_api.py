@@ -491,3 +491,27 @@ def test_bad_dims_dtypes_and_values_are_clear_errors():
     derived = tgc.compile("dim d\ndim h = d / 2\ninput x[d]\nout y = sum(x) * size(h)\n")
     with pytest.raises(EvalError, match="dim 'h' is d / 2, not a symbolic dim"):
         derived.run({"x": np.ones(4)}, dims={"h": 2})
+
+
+def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
+    """A learning rate passed as a Python float (or int, or numpy scalar) is made a
+    0-d array of the program's float type, so a training loop's calls stay on the
+    native fast path; the values are those of a 0-d array."""
+    from tgc.runtime import program as P
+
+    if P._LAYOUT is None:
+        pytest.skip("this numpy's array layout is not the one the native argument checks know")
+    src = "dim n = 4\ninput x[n], lr\nparam w[n]\nout y = sum[n](w * x)\nupdate w = w - lr * x\n"
+    prog = tgc.compile(src)
+    checked = []
+    inner = prog._run_checked
+    prog._run_checked = lambda *a, **k: checked.append(1) or inner(*a, **k)
+    x = np.arange(4, dtype=np.float32)
+    w = np.zeros(4, np.float32)
+    prog(x=x, lr=np.array(0.5, np.float32), w=w)
+    for lr in (0.5, 1, np.float32(0.25), np.float64(0.125)):
+        before = w.copy()
+        y = prog(x=x, lr=lr, w=w)["y"]
+        assert y == np.float32(np.dot(before, x))
+        np.testing.assert_array_equal(w, before - np.float32(lr) * x)
+    assert len(checked) == 1

@@ -271,6 +271,10 @@ class Program:
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
         self._key_idx = self._binding_inputs()
+        # float scalars a caller may pass as Python numbers (a learning rate): made 0-d
+        # arrays for the fast path, as `_convert` does for the checked one
+        self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
+                                 if not s.shape and not s.updated and s.dtype != "i32")
         self._fast = self._run_objects is not None and self._key_idx is not None
         self._plans: dict = {}
         self._ws_addr = 0
@@ -552,8 +556,11 @@ class Program:
         if dims is None and self._fast and len(arrays) == len(self._names):
             try:
                 vals = [arrays[n] for n in self._names]
+                for i, dt in self._scalar_idx:
+                    if type(vals[i]) in (float, int) or isinstance(vals[i], (np.floating, np.integer)):
+                        vals[i] = np.array(vals[i], dt)
                 key = tuple([vals[i].shape for i in self._key_idx])
-            except (KeyError, AttributeError):
+            except (KeyError, AttributeError, OverflowError):   # a huge int: the checked path explains
                 return self._run_checked(arrays, dims)
             plan = self._plans.get(key)
             if plan is not None:
