@@ -228,3 +228,5 @@ def test_cli_check_assumptions(tmp_path, backend):
     assert f"error: assumption 'sum[v](y) = 1' ({f}:4:8) does not hold at [b=1]" in bad.output
     unchecked = CliRunner().invoke(main, run + ["--inputs", str(tmp_path / "bad.npz")])
     assert unchecked.exit_code == 0
+    generated = CliRunner().invoke(main, run + ["--random-inputs", "--check-assumptions"])   # they meet the facts
+    assert generated.exit_code == 0, generated.output

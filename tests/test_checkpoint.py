@@ -196,3 +196,14 @@ def test_grad_emit_tg_reads_back(tmp_path):
     x, W, V = np.linspace(-1, 1, 4), np.linspace(-0.5, 0.5, 24).reshape(4, 6), np.arange(6.0)
     want = np.outer(x, V * (1 - np.tanh(x @ W) ** 2))
     np.testing.assert_allclose(evaluate(optimize(back), {"x": x, "W": W, "V": V})["dW"], want, rtol=1e-12)
+
+
+def test_second_order_reverse_over_reverse_and_a_checkpointed_argument():
+    src = ("dim n = 5, k = 3\ninput x[n], v[n]\nparam W[n, k]\n"
+           "loss = sum({c}(tanh(x @ W)) * {c}(W) @ [k = k])\ng = grad(loss, x)\n"
+           "out gg = grad(sum(g * v), x)\nout gw = grad(sum(g * v), W)\n")
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal(5), "v": rng.standard_normal(5), "W": rng.standard_normal((5, 3))}
+    want, got = (evaluate(optimize(tg(src.format(c=c))), inputs) for c in ("", "checkpoint"))
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-13, atol=1e-15)

@@ -95,6 +95,30 @@ def peel(v: Value) -> tuple[Value, dict[str, str]]:
     return v, mapping
 
 
+def _kernel_writes(k) -> set[str]:
+    return k.writes() if hasattr(k, "writes") else {k.out}
+
+
+def sink_recomputation(kernels: list) -> None:
+    """Move each kernel that recomputes a checkpointed value for the backward pass (note
+    "recompute", see `tgc.passes.remat`) to just before its first reader, later ones
+    first so that a chain of copies moves together: a copy then lives only while the
+    backward reads it. A kernel moves past no kernel that writes a buffer it reads or
+    reads or writes one it writes, so every kernel still reads what it read before.
+    Terminates: one pass, each kernel moved at most once."""
+    for i in reversed(range(len(kernels))):
+        k = kernels[i]
+        if k.note != "recompute":
+            continue
+        writes, reads = _kernel_writes(k), k.buffers_read()
+        j = i + 1
+        while j < len(kernels) and not (kernels[j].buffers_read() & writes) \
+                and not (_kernel_writes(kernels[j]) & (reads | writes)):
+            j += 1
+        if j < len(kernels) and j > i + 1:
+            kernels.insert(j - 1, kernels.pop(i))
+
+
 class _Fuser:
     def __init__(self, m: Module, options: Options):
         self.m, self.opt = m, options
@@ -577,6 +601,7 @@ class _Fuser:
             if id(v) in self.mat and v.op != "arg":
                 k = self.kernel(v)
                 self.low.kernels.append(replace(k, note="recompute") if id(v) in again and not k.note else k)
+        sink_recomputation(self.low.kernels)
         self.low.kernels += [self.copy(dst, src) for dst, src in copies]
         self.low.kernels += [self.copy(target, src) for target, src in self._late]
         self.checks()

@@ -25,6 +25,7 @@ from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Lowered, mat
 from tgc.ir.sizes import size_estimate
 from tgc.options import Options
 from tgc.passes.base import Pass
+from tgc.passes.fuse import sink_recomputation
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Plan(Pass):
 
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
         out = low.staged("plan")
-        _sink_recomputation(out)
+        sink_recomputation(out.kernels)   # again: layout and group may have added kernels
         _updates_in_place(out)
         _assign_slots(out, options.rep_size)
         return out
@@ -47,25 +48,6 @@ def _reads(k) -> set[str]:
 
 def _writes(k) -> set[str]:
     return k.writes() if isinstance(k, LoopGroup) else {k.out}
-
-
-def _sink_recomputation(low: Lowered) -> None:
-    """Move each kernel that recomputes a checkpointed value for the backward (note
-    "recompute", see `tgc.passes.remat`) to just before its first reader, later ones
-    first so that a chain of copies moves together. A kernel moves past no kernel that
-    writes a buffer it reads or reads one it writes, so every kernel still reads what
-    it read before. Terminates: each kernel moves at most once."""
-    ks = low.kernels
-    for i in reversed(range(len(ks))):
-        k = ks[i]
-        if k.note != "recompute":
-            continue
-        writes, reads = _writes(k), _reads(k)
-        j = i + 1
-        while j < len(ks) and not (_reads(ks[j]) & writes) and not (_writes(ks[j]) & (reads | writes)):
-            j += 1
-        if j < len(ks) and j > i + 1:
-            ks.insert(j - 1, ks.pop(i))
 
 
 def _updates_in_place(low: Lowered) -> None:

@@ -16,7 +16,8 @@ checkpoint saves). Its other operands are the boundary: the copy reads them as t
 are (kept, as the backward reads them anyway or the forward uses them elsewhere).
 
 The copy is the region rebuilt with every boundary operand `b` read as
-`recompute(b)` (`map[recompute]`, the identity). Values are hash-consed, so without
+`recompute(b)` (`map[recompute]`, the identity; constants and i32 ids are read as
+they are: a copy built from those alone would be the original, which is then read). Values are hash-consed, so without
 that marker the copy would be the region's values themselves; with it, the copy is
 distinct through every later pass (no rule removes `recompute`) and lowering reads
 `recompute(b)` as `b` itself (`fuse.is_identity`: a view of b's buffer, no copy).
@@ -80,7 +81,9 @@ def rematerialize(f: Value, cotangents: dict[int, Value | None]) -> dict[int, Va
         """What the copy reads for the primal operand o."""
         if id(o) in region:
             return copies[id(o)]
-        return o if o.op in LEAVES[1:] else V.map_("recompute", o)
+        if o.op in LEAVES[1:] or o.dtype == "i32":   # constants; ids (only gathers read them)
+            return o
+        return V.map_("recompute", o)
 
     for v in primal:   # operands first: every region operand is copied before its users
         if id(v) in region:
