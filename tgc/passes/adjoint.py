@@ -35,8 +35,8 @@ from tgc.ir.module import Module
 from tgc.ir.values import DERIVATIVE_OPS, Value, rebuild_same, topo_order
 from tgc.options import Options
 from tgc.passes.base import Pass
-from tgc.passes.remat import rematerialize
 from tgc.passes.derivatives import active_values, fit, fresh_edges, inverse, rule_for, total
+from tgc.passes.remat import rematerialize
 from tgc.passes.tangent import jvp_value
 
 

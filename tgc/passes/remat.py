@@ -8,12 +8,13 @@ and reads a recomputed copy instead. So the primal values of the region are last
 read by the forward pass and die there; the copy is computed from what the backward
 keeps anyway, when the backward needs it.
 
-The region of `checkpoint(x)`: the marker itself, then, walking down x's graph from
-the top, every value that is not a leaf (argument, constant, size, indicator) and
-that either only region values use in the primal graph (it exists only to compute
-x) or that the backward never reads (keeping it for the copy would cost what the
-checkpoint saves). Its other operands are the boundary: the copy reads them as they
-are (kept, as the backward reads them anyway or the forward uses them elsewhere).
+The region of `checkpoint(x)`: the marker and x, then, walking down x's graph from
+the top, every value that is not a leaf (argument, constant, size, indicator), that
+a region value uses, and that either only region values use in the primal graph (it
+exists only to compute x) or that the backward never reads (keeping it for the copy
+would cost what the checkpoint saves). The region's other operands are the boundary:
+the copy reads them as they are (kept, as the backward reads them anyway or the
+forward uses them elsewhere).
 
 The copy is the region rebuilt with every boundary operand `b` read as
 `recompute(b)` (`map[recompute]`, the identity; constants and i32 ids are read as
@@ -42,12 +43,9 @@ def is_checkpoint(v: Value) -> bool:
     return v.op == "map" and v.attrs[0] == "checkpoint"
 
 
-def regions(f: Value, backward: list[Value]) -> set[int]:
-    """ids of the primal values (of f's graph) that the backward must not read."""
-    primal = topo_order([f])
-    marks = [v for v in primal if is_checkpoint(v)]
-    if not marks:
-        return set()
+def regions(primal: list[Value], backward: list[Value]) -> set[int]:
+    """ids of the primal values (`primal`: f's graph, operands first) that the backward
+    (`backward`: the cotangents' graphs) must not read."""
     in_primal = {id(v) for v in primal}
     primal_users: dict[int, list[int]] = defaultdict(list)
     for v in primal:
@@ -55,12 +53,16 @@ def regions(f: Value, backward: list[Value]) -> set[int]:
             primal_users[id(o)].append(id(v))
     read_back: set[int] = {id(o) for v in backward if id(v) not in in_primal for o in v.operands}
     region: set[int] = set()
-    for c in marks:
+    for c in (v for v in primal if is_checkpoint(v)):
         region.add(id(c))
-        for v in reversed(topo_order([c.operands[0]])):
-            if v.op in LEAVES:
+        x = c.operands[0]
+        if x.op not in LEAVES:
+            region.add(id(x))
+        for v in reversed(topo_order([x])):   # users before operands
+            users = primal_users[id(v)]
+            if v.op in LEAVES or not any(u in region for u in users):   # a leaf, or below the boundary
                 continue
-            if all(u in region for u in primal_users[id(v)]) or id(v) not in read_back:
+            if all(u in region for u in users) or id(v) not in read_back:
                 region.add(id(v))
     return region
 
@@ -68,12 +70,11 @@ def regions(f: Value, backward: list[Value]) -> set[int]:
 def rematerialize(f: Value, cotangents: dict[int, Value | None]) -> dict[int, Value | None]:
     """`cotangents` (id -> value, from a reverse sweep over f) reading recomputed copies
     of the checkpoints' regions instead of their primal values."""
-    roots = [ct for ct in cotangents.values() if ct is not None]
-    backward = topo_order(roots)
-    region = regions(f, backward)
-    if not region:
-        return cotangents
     primal = topo_order([f])
+    if not any(is_checkpoint(v) for v in primal):
+        return cotangents
+    roots = [ct for ct in cotangents.values() if ct is not None]
+    region = regions(primal, topo_order(roots))
     in_primal = {id(v) for v in primal}
     copies: dict[int, Value] = {}
 
