@@ -39,11 +39,12 @@ CASES = {  # name: (differentiated inputs with their edges, the expression)
     "cross_entropy": (XT, "cross_entropy[cls](x, t)"),
     "mse": (XT, "mse(x, t)"),
     "attention": ([("q", "rows, feat"), ("k", "keys, feat"), ("v", "keys, cls")], "attention[keys, feat](q, k, v)"),
+    "dropout": (X, "dropout[rows, cls](x, key, 0.3)"),   # the key (an i32 input) is held fixed
 }
 
 
 def source(wrt, expr):
-    lines = ["dim rows = 3, cls = 4, keys = 5, feat = 2"]
+    lines = ["dim rows = 3, cls = 4, keys = 5, feat = 2"] + (["input key: i32"] if "key" in expr else [])
     for x, edges in wrt:
         lines += [f"input {x}[{edges}]", f"input d_{x}[{edges}]", f"input u_{x}[{edges}]"]
     lines += [f"f = sum(sin({expr}))", "out f"]
@@ -64,7 +65,8 @@ def compile_program(text, name):
 def inputs_for(m, seed):
     rng = np.random.default_rng(seed)
     sizes = {e: int(m.dims[d]) for e, d in m.edges.items()}
-    return {a.name: rng.standard_normal(tuple(sizes[e] for e in a.order)) for a in m.args.values()}
+    return {a.name: rng.standard_normal(tuple(sizes[e] for e in a.order)) if a.dtype != "i32"
+            else np.int32(rng.integers(-2 ** 31, 2 ** 31)) for a in m.args.values()}
 
 
 def fd(m, inputs, out, x, d):

@@ -27,7 +27,8 @@ matplotlib when it is installed.
 """
 from __future__ import annotations
 
-from tgc.ir.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, walk
+from tgc.ir.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
+from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
 
 ITEMSIZE = {"f32": 4, "f64": 8, "i32": 4}
@@ -141,6 +142,8 @@ def _ops(e) -> int:
             n += 1
         elif isinstance(node, Mask):
             n += len(node.conds)
+        elif isinstance(node, Rand):   # its float operations (Box-Muller's polynomials, the scaling)
+            n += op_counts(node.kind, "f64")[1]
     return n
 
 

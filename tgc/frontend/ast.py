@@ -128,6 +128,7 @@ class FnDef(Node):
     params: tuple
     body: tuple
     result: object
+    variadic: bool = False  # `fn f[e...]`: the last edge parameter collects extra edge arguments
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Calls of the language's primitives: elementwise functions, reductions,
-`where`, `stop`, `checkpoint`, `size`, and the derivative operators `grad`, `jvp`, `vjp`."""
+`where`, `stop`, `checkpoint`, `size`, the derivative operators `grad`, `jvp`, `vjp`,
+and the random draws `rand[e, ...](key)`, `randn[e, ...](key)` with keys `fold(key, n)`."""
 from __future__ import annotations
 
 from tgc.frontend import ast
@@ -8,7 +9,8 @@ from tgc.ir import values as V
 
 ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
-         "max": (1, 2), "min": (1, 2)}
+         "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,)}
+RANDOM = ("rand", "randn")
 
 
 def _check_shape(el: Elaborator, node: ast.Call, ctx: Ctx) -> None:
@@ -18,7 +20,7 @@ def _check_shape(el: Elaborator, node: ast.Call, ctx: Ctx) -> None:
     if n not in ARITY[node.fn]:
         want = " or ".join(str(a) for a in ARITY[node.fn])
         raise el.error(f"'{node.fn}' takes {want} argument{'s' if want != '1' else ''}, got {n}", node, ctx)
-    if node.edges is not None and node.fn not in REDUCTIONS:
+    if node.edges is not None and node.fn not in REDUCTIONS + RANDOM:
         raise el.error(f"'{node.fn}' takes no edge arguments", node, ctx)
 
 
@@ -35,6 +37,10 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         return _derivative(el, node, ctx)
     if node.fn in REDUCTIONS:
         return _reduction(el, node, ctx)
+    if node.fn in RANDOM:
+        return _random(el, node, ctx)
+    if node.fn == "fold":
+        return _fold(el, node, ctx)
     args = [el.fexpr(a, ctx) for a in node.args]
     if node.fn == "stop":
         return V.stop(args[0], loc=node.loc)
@@ -62,14 +68,14 @@ def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     else:
         edges = []
         for e in node.edges:
-            actual = el.edge(e.id, e, ctx)
-            if actual not in x.edges:
-                what = f"'{actual}'" if actual == e.id else f"'{actual}' (edge parameter '{e.id}')"
-                raise el.error(f"cannot reduce over edge {what}: the argument has edges "
-                               f"[{', '.join(x.edges)}]", e, ctx)
-            if actual in edges:
-                raise el.error(f"edge '{e.id}' is listed twice", e, ctx)
-            edges.append(actual)
+            for actual in el.edge_names(e.id, e, ctx):
+                if actual not in x.edges:
+                    what = f"'{actual}'" if actual == e.id else f"'{actual}' (edge parameter '{e.id}')"
+                    raise el.error(f"cannot reduce over edge {what}: the argument has edges "
+                                   f"[{', '.join(x.edges)}]", e, ctx)
+                if actual in edges:
+                    raise el.error(f"edge '{e.id}' is listed twice", e, ctx)
+                edges.append(actual)
     if node.fn in ("max", "min"):
         return el.build(node, ctx, V.reduce, node.fn, x, edges) if edges else x
     total = V.contract(factors(x), [e for e in x.edges if e not in edges], loc=node.loc)
@@ -112,3 +118,32 @@ def _derivative(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         raise el.error(f"the cotangent must have the function's edges [{', '.join(f.edges)}]; "
                        f"it lacks '{missing[0]}'", node.args[2], ctx)
     return el.build(node, ctx, V.vjp, f, x, third)
+
+
+def _key(el: Elaborator, node, ctx: Ctx) -> V.Value:
+    """A key: an i32 scalar input, or a key derived from one by `fold`."""
+    v = el.expr(node, ctx)
+    if v.op not in ("arg", "fold") or v.dtype != "i32" or v.edges:
+        raise el.error("a random key must be an i32 scalar input or fold(key, n)", node, ctx)
+    return v
+
+
+def _random(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    if node.edges is None:
+        raise el.error(f"'{node.fn}' needs the edges to draw over: {node.fn}[e, ...](key)", node, ctx)
+    edges: list[str] = []
+    for e in node.edges:
+        for actual in el.edge_names(e.id, e, ctx):
+            if actual in edges:
+                raise el.error(f"edge '{e.id}' is listed twice", e, ctx)
+            edges.append(actual)
+    key = _key(el, node.args[0], ctx)
+    return el.build(node, ctx, V.random, node.fn, key, (), el.dtype, edges)
+
+
+def _fold(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    key = _key(el, node.args[0], ctx)
+    n = node.args[1]
+    if not (isinstance(n, ast.Num) and float(n.value).is_integer() and 0 <= float(n.value) < 2 ** 31):
+        raise el.error("fold takes a key and an integer literal in [0, 2^31)", n, ctx)
+    return el.build(node, ctx, V.fold, key, int(float(n.value)))

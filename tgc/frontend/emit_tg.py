@@ -119,6 +119,12 @@ class _Writer:
             return text
         return f"{kind}[{', '.join(self.e(e) for e in edges)}]({ops[0]})"
 
+    def _random(self, v, ops):
+        key = ops[0]
+        for n in v.attrs[1]:
+            key = f"fold({key}, {n})"
+        return f"{v.attrs[0]}[{', '.join(self.e(e) for e in v.edges)}]({key})"
+
     def _indicator(self, v, ops):
         r = v.attrs[0]
         text = self.affine(r.exprs[0])

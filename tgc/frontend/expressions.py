@@ -30,7 +30,7 @@ class Ctx:
     """Where an expression is elaborated: the top level or an inlined function body."""
 
     values: Mapping[str, V.Value]
-    edges: Mapping[str, str] = field(default_factory=dict)  # edge parameter -> actual edge
+    edges: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)  # edge parameter -> actual edge(s)
     fns: Mapping[str, FnInfo] = field(default_factory=dict)
     stack: tuple[str, ...] = ()  # functions being inlined, outermost first
     call_locs: tuple[Loc, ...] = ()
@@ -98,12 +98,23 @@ class Elaborator:
     def edge(self, name: str, node, ctx: Ctx) -> str:
         """The actual edge a name denotes here (edge parameters substituted)."""
         actual = ctx.edges.get(name, name)
+        if isinstance(actual, tuple):
+            raise self.error(f"edge parameter '{name}' stands for several edges here ({', '.join(actual)}); "
+                             "only an edge list (sum[...], rand[...], a call's edges) takes several", node, ctx)
         if actual not in self.m.edges:
             kind = self.scope.kinds.get(name)
             if kind in ("tensor", "fn") or name in ctx.values:
                 raise self.error(f"'{name}' is {describe(kind or 'tensor')}, not an edge", node, ctx)
             raise self.error(f"unknown edge '{name}'", node, ctx)
         return actual
+
+    def edge_names(self, name: str, node, ctx: Ctx) -> list[str]:
+        """The edges a name in an edge list denotes: one, or all of those an edge
+        parameter that collected several edge arguments stands for."""
+        actual = ctx.edges.get(name, name)
+        if isinstance(actual, tuple):
+            return list(actual)
+        return [self.edge(name, node, ctx)]
 
     def float_value(self, v: V.Value, node, ctx: Ctx) -> V.Value:
         if v.dtype == "i32":

@@ -152,16 +152,27 @@ def _bind_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[s
     return given
 
 
-def _edge_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, str]:
-    want, got = len(d.edge_params), len(node.edges or ())
-    if want != got:
+def _edge_args(el: Elaborator, node: ast.Call, d: ast.FnDef, ctx: Ctx) -> dict[str, str | tuple[str, ...]]:
+    """Edge parameter -> actual edge. The last parameter of a function declared with
+    `e...` collects every remaining edge argument (`dropout[batch, hidden](h, key, p)`
+    binds `e` to both): it then stands for all of them in edge lists, and is an error
+    where one edge is needed."""
+    args = [(a, x) for a in node.edges or () for x in el.edge_names(a.id, a, ctx)]
+    want, got = len(d.edge_params), len(args)
+    if got < want or (got > want and not d.variadic):
         if want == 0:
             raise el.error(f"'{d.name}' takes no edge arguments", node, ctx)
-        raise el.error(f"'{d.name}' takes {want} edge argument{'s' * (want != 1)} "
-                       f"([{', '.join(e.id for e in d.edge_params)}]), got {got}", node, ctx)
-    mapping = {}
-    for p, a in zip(d.edge_params, node.edges or ()):
-        mapping[p.id] = el.edge(a.id, a, ctx)
+        more = " or more" if d.variadic else ""
+        raise el.error(f"'{d.name}' takes {want}{more} edge argument{'s' * (want != 1 or d.variadic)} "
+                       f"([{', '.join(e.id for e in d.edge_params)}{'...' * d.variadic}]), got {got}", node, ctx)
+    mapping: dict[str, str | tuple[str, ...]] = {}
+    for p, (_, actual) in zip(d.edge_params, args):
+        mapping[p.id] = actual
+    if got > want:
+        rest = tuple(x for _, x in args[want - 1:])
+        if len(set(rest)) != len(rest):
+            raise el.error(f"an edge is given twice to '{d.name}'", node, ctx)
+        mapping[d.edge_params[-1].id] = rest
     return mapping
 
 

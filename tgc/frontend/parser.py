@@ -452,7 +452,7 @@ class _Part:
 # Tokens that carry meaning; the others (keywords, punctuation, newlines) only
 # widen the span of the node they belong to.
 _KEEP = {"NAME", "NUMBER", "STRING", "COMPARE", "EQ", "ARROW", "PLUS", "MINUS",
-         "STAR", "SLASH", "AT", "CARET", "DECL_KIND"}
+         "STAR", "SLASH", "AT", "CARET", "DECL_KIND", "ELLIPSIS"}
 
 
 def _is_separator(k) -> bool:
@@ -672,10 +672,17 @@ class _Builder:
         loc = self._from_token(kids[0], loc)
         parts = {k.kind: k for k in kids if isinstance(k, _Part)}
         body, result = parts["block"].value if "block" in parts else ((), kids[-1])
-        edges = parts["edges"].value if "edges" in parts else ()
+        edges, variadic = parts["fn_edges"].value if "fn_edges" in parts else ((), False)
         params = parts["params"].value if "params" in parts else ()
         _check_unique([e.id for e in edges], [e.loc for e in edges], "edge parameter")
-        return ast.FnDef(str(kids[0]), edges, params, body, result, loc=loc)
+        return ast.FnDef(str(kids[0]), edges, params, body, result, variadic, loc=loc)
+
+    def _fn_edges(self, kids, loc):
+        """[e1, e2, ...] or [e1, e2...]: the edge parameters, and whether the last collects
+        every remaining edge argument of a call."""
+        variadic = kids[-1].type == "ELLIPSIS"
+        names = kids[:-1] if variadic else kids
+        return _Part("fn_edges", (tuple(self._name(k) for k in names), variadic), loc)
 
     def _params(self, kids, loc):
         _check_unique([p.name for p in kids], [p.loc for p in kids], "parameter")

@@ -13,7 +13,7 @@ from tgc.ir.values import Value
 
 PRIMITIVES = frozenset({
     "sum", "mean", "max", "min", "exp", "log", "sqrt", "tanh", "erf", "sin", "cos",
-    "abs", "sign", "where", "stop", "size", "grad", "jvp", "vjp",
+    "abs", "sign", "where", "stop", "size", "grad", "jvp", "vjp", "rand", "randn", "fold",
 })
 
 

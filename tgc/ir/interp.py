@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tgc.ir.module import Arg, Module
+from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
 from tgc.ir.values import Value, topo_order
 
@@ -288,6 +289,14 @@ def _scatter(ev: _Eval, v: Value, ops):
     return out
 
 
+def _random(ev: _Eval, v: Value, ops):
+    """Philox draws (tgc.ir.philox) at the row-major linear index over the sorted edges."""
+    shape = [ev.sizes[e] for e in v.edges]
+    dtype = v.attrs[2] or ("f32" if ev.np_dtype(v) == np.float32 else "f64")
+    counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
+    return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), v.attrs[1], counters)
+
+
 def _rename(ev: _Eval, v: Value, ops):
     mapping = dict(v.attrs[0])
     renamed = [mapping.get(e, e) for e in v.operands[0].edges]
@@ -301,7 +310,7 @@ def _not_differentiated(ev: _Eval, v: Value, ops):
 OPS: dict[str, Callable] = {
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
-    "rename": _rename, "stop": lambda ev, v, ops: ops[0],
+    "random": _random, "rename": _rename, "stop": lambda ev, v, ops: ops[0],
     "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
 }
 

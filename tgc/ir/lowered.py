@@ -224,7 +224,19 @@ class Acc:
     pass
 
 
-Expr = Union[Load, Const, SizeOf, Add, Mul, Map, Mask, Acc]
+@dataclass(frozen=True)
+class Rand:
+    """A Philox draw (tgc.ir.philox): `kind` ('rand' or 'randn') from the key `key` (an
+    index: the i32 key loaded as an `IdLoad`) folded with `folds`, at the 64-bit
+    `counter` (the element's row-major index over the draw's edges, sorted by name)."""
+    kind: str
+    folds: tuple[int, ...]
+    key: Ix
+    counter: Ix
+    draw: str = ""   # '' (the program's float type) or 'f32' (f32 draws in an f64 program)
+
+
+Expr = Union[Load, Const, SizeOf, Add, Mul, Map, Mask, Acc, Rand]
 
 
 def children(e: Expr) -> tuple[Expr, ...]:
@@ -251,6 +263,9 @@ def expr_text(e: Expr) -> str:
         return f"size({size_str(e.size)})"
     if isinstance(e, Acc):
         return "acc"
+    if isinstance(e, Rand):
+        folds = "".join(f", fold {n}" for n in e.folds)
+        return f"{e.kind}({e.key}{folds}; {e.counter}){' as ' + e.draw if e.draw else ''}"
     if isinstance(e, Mask):
         return f"mask[{', '.join(map(str, e.conds))}]({expr_text(e.arg)})"
     args = ", ".join(expr_text(a) for a in e.args)
@@ -338,6 +353,8 @@ class LoopKernel:
                     _ix_bufs((ix for _, ix in node.index), out)
                 elif isinstance(node, Mask):
                     _ix_bufs((c.ix for c in node.conds), out)
+                elif isinstance(node, Rand):
+                    _ix_bufs((node.key, node.counter), out)
         _ix_bufs((ix for _, ix in self.index), out)
         _ix_bufs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
         return out
@@ -565,6 +582,8 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
             return Mask(tuple(Cond(ix(c.ix), c.op) for c in e.conds), expr(e.arg))
         if isinstance(e, (Add, Mul, Map)):
             return replace(e, args=tuple(expr(a) for a in e.args))
+        if isinstance(e, Rand):
+            return replace(e, key=ix(e.key), counter=ix(e.counter))
         return e
 
     bounds = {v: (tuple(map(ix, lo)), tuple(map(ix, hi))) for v, (lo, hi) in k.bounds.items()}

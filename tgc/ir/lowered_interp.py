@@ -41,7 +41,8 @@ import numpy as np
 
 from tgc.ir.interp import MAP_FNS, NP_DTYPES, EvalError, bind_dims, check_inputs
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
-                            Map, Mask, Mul, SizeOf)
+                            Map, Mask, Mul, Rand, SizeOf)
+from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
 
 BLOCK_EDGE = "#block"   # the loop variable of a group's blocks (tgc.passes.group.BLOCK_EDGE)
@@ -251,6 +252,11 @@ class _Machine:
             return self.round(self.eval_size(e.size))
         if isinstance(e, Acc):
             return acc
+        if isinstance(e, Rand):   # integer arithmetic, then float64 rounded once (tgc.ir.philox)
+            key = np.asarray(self.ix(e.key, vals), np.int64)
+            counter = np.asarray(self.ix(e.counter, vals), np.int64)
+            dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
+            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), e.folds, counter))
         if isinstance(e, Mask):
             ok = True
             for c in e.conds:

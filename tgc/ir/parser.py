@@ -164,6 +164,11 @@ def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, l
         return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
     if op == "stop":
         return V.stop(args[0], loc)
+    if op == "random":
+        a, _, draw = a.partition(" as ")
+        kind, _, folds = a.partition(":")
+        return V.random(kind.strip(), args[0], [int(n) for n in folds.split(",") if n.strip()],
+                        typ.dtype, typ.edges, loc, draw.strip())
     if op in ("grad", "jvp", "vjp"):
         return getattr(V, op)(*args, loc=loc)
     raise V.IRError(f"unknown op '{op}'")

@@ -34,6 +34,8 @@ def attr_text(v: Value) -> str:
         text = f"{a[0]}: {', '.join(a[1])}"
     elif v.op == "indicator":
         text = str(a[0])
+    elif v.op == "random":
+        text = a[0] + (f": {', '.join(map(str, a[1]))}" if a[1] else "") + (f" as {a[2]}" if a[2] else "")
     elif v.op == "rename":
         text = ", ".join(f"{s} -> {d}" for s, d in a[0])
     else:

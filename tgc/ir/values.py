@@ -24,6 +24,15 @@ there is no axis order). The primitive ops and their attributes:
                                  ct into position ids[...] along `edge`; the result
                                  has (ct.edges - ids.edges) + edge, plus the edges of
                                  ids its type keeps, which are matched as in gather
+    random    (kind, folds, draw) a counter-based draw over the type's edges (tgc.ir.philox):
+                                 kind 'rand' (uniform in [0, 1)) or 'randn' (standard
+                                 normal); operand: the key, an i32 scalar argument;
+                                 folds: the integers `fold(key, n)` applied, in order;
+                                 draw: '' (drawn in the computation's float type) or
+                                 'f32' (f32 draws held in f64: --fp-strict's emulation)
+    fold      (n,)               a key derived from a key (an i32 scalar argument or a
+                                 fold): only the front end builds it, and `random`
+                                 takes its chain apart into its folds at once
     rename    (pairs,)           edge renaming ((src, dst), ...)
     stop      ()                 identity with a zero derivative
     grad      ()                 d f / d x          operands (f, x: arg)
@@ -57,6 +66,7 @@ MAP_ARITY = {
     "recompute": 1,  # x, read by a backward recomputation (passes/remat.py): keeps the copy apart
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
+RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
 
 
@@ -232,6 +242,8 @@ def indicator(rel: Relation, dtype: str, loc: Loc | None = None) -> Value:
 
 
 def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value:
+    if ids.op == "fold":
+        raise IRError("a key made by fold is no index: it is used only by rand and randn")
     if ids.dtype != "i32":
         raise IRError(f"gather indices must be i32, not {ids.dtype}")
     if edge not in table.edges:
@@ -253,6 +265,38 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
     dtype = _float_dtype([ct])
     rest = [e for e in ct.edges if e not in ids.edges]
     return Value.make("scatter", (ct, ids), (edge,), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
+
+
+def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Iterable[str],
+           loc: Loc | None = None, draw: str = "") -> Value:
+    """A draw of `kind` over `edges` from `key` (an i32 scalar argument) folded with `folds`.
+    Deterministic: the same key, folds, kind and edges are one value (hash-consed)."""
+    if kind not in RANDOM_KINDS:
+        raise IRError(f"unknown random kind '{kind}'")
+    chain: list[int] = []
+    while key.op == "fold":
+        chain.append(key.attrs[0])
+        key = key.operands[0]
+    folds = tuple(reversed(chain)) + tuple(folds)
+    if key.op != "arg" or key.dtype != "i32" or key.edges:
+        raise IRError("a random key must be an i32 scalar input")
+    if dtype not in FLOAT_DTYPES:
+        raise IRError(f"random values are float, not '{dtype}'")
+    folds = tuple(int(n) for n in folds)
+    if any(not 0 <= n < 2 ** 31 for n in folds):
+        raise IRError("fold takes an integer in [0, 2^31)")
+    if draw not in ("", "f32"):
+        raise IRError(f"random draws are f32 or of the value's type, not '{draw}'")
+    return Value.make("random", (key,), (kind, folds, draw), TensorType.of(dtype, edges), loc)
+
+
+def fold(key: Value, n: int, loc: Loc | None = None) -> Value:
+    """The key `fold(key, n)`: consumed by `random`, which folds it into its attributes."""
+    if key.op not in ("arg", "fold") or key.dtype != "i32" or key.edges:
+        raise IRError("fold takes an i32 scalar key")
+    if not 0 <= int(n) < 2 ** 31:
+        raise IRError("fold takes an integer in [0, 2^31)")
+    return Value.make("fold", (key,), (int(n),), key.type, loc)
 
 
 def rename(x: Value, mapping: Mapping[str, str], loc: Loc | None = None) -> Value:
@@ -357,6 +401,7 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
     "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
+    "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc, v.attrs[2]),
     "stop": lambda v, ops: stop(ops[0], v.loc),
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),

@@ -373,7 +373,7 @@ class Canon:
         return V.reduce(kind, x, edges)
 
     def stop(self, x: Value) -> Value:
-        if x.op in ("stop", "const", "indicator", "size"):  # stop(stop x) = stop x; constants have no derivative
+        if x.op in ("stop", "const", "indicator", "size", "random"):  # stop(stop x) = stop x; constants and draws have no derivative
             return x
         if x.op == "rename":
             b, mp = base(x)

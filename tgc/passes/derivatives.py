@@ -185,7 +185,7 @@ _2_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
 RULES: dict[str, Rule] = {
     # leaves and zero-derivative ops
-    **{op: ZERO for op in ("arg", "const", "size", "indicator", "stop")},
+    **{op: ZERO for op in ("arg", "const", "size", "indicator", "stop", "random")},   # a draw is a constant
     **{fn: ZERO for fn in ("sign", "lt", "le", "gt", "ge", "eq", "ne")},
     # sum_i c_i x_i: each operand gets c_i ct
     "add": Rule(None, _add_vjp, _add_jvp),

@@ -26,7 +26,7 @@ from tgc.ir.module import Module
 from tgc.ir.values import TensorType, Value
 
 # ops whose value on f32 operands is always an f32 (a selection, a copy, a comparison)
-_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
+_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random"})
 _EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32"})
 
 
@@ -44,6 +44,8 @@ def emulate_f32(module: Module) -> Module:
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
         attrs = (float(np.float32(v.attrs[0])),) if v.op == "const" else v.attrs
+        if v.op == "random" and v.dtype == "f32":
+            attrs = attrs[:2] + ("f32",)   # f32 draws, held exactly in f64
         dtype = "f64" if v.dtype == "f32" else v.dtype
         new = Value.make(v.op, ops, attrs, TensorType(dtype, v.edges), v.loc)
         memo[id(v)] = new if dtype != "f64" or _exact(v) else V.map_("round32", new)

@@ -101,8 +101,8 @@ class Facts:
             return v.attrs[0] if not math.isnan(v.attrs[0]) else INF
         if v.op == "arg" and v.attrs[0] in self._args:
             return self._args[v.attrs[0]][1]
-        if v.op == "indicator":
-            return 1.0
+        if v.op == "indicator" or (v.op == "random" and v.attrs[0] == "rand"):
+            return 1.0   # rand is in [0, 1)
         if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] in _IDENTITY) or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
@@ -156,6 +156,8 @@ class Facts:
         fin = all(f for f, _ in ops)
         if v.op in ("arg", "size", "indicator", "const"):
             return self._leaf(v)
+        if v.op == "random":   # rand in [0, 1), randn finite (|randn| < 8.6), both never NaN
+            return True, NONNEG if v.attrs[0] == "rand" else None
         if v.op == "add":
             coefs = v.attrs[0]
             signs = [s if c > 0 else None for c, (_, s) in zip(coefs, ops)]

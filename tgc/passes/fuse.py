@@ -37,6 +37,9 @@ reductions reads its inputs once:
   into loop bounds. A reduction with a single elementwise consumer of the same edges
   becomes that kernel's `epilogue`.
 - Scatters: zero the output, then add each element at its gathered position.
+- Random draws (`random`) are leaves like indicators: a `Rand` computed from the
+  loop indices (its counter, the row-major index over its own edges) and the key,
+  so a draw fused into any kernel, in any loop order, has the same value.
 
 Outputs are computed into the caller's output buffers; update values into
 temporaries copied into their targets at the very end (after every read of the
@@ -50,7 +53,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from tgc.ir.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, SizeOf, View, neg)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, smul)
+from tgc.ir.sizes import size_op
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 from tgc.ir.values import Value
@@ -258,7 +262,7 @@ class _Fuser:
     def _cost_of(self, v: Value) -> int:
         if id(v) in self.mat or v.op in ("const", "size", "indicator", "arg"):
             return 0
-        own = 10 if (v.op == "map" and v.attrs[0] in EXPENSIVE) else 1
+        own = 10 if (v.op == "map" and v.attrs[0] in EXPENSIVE) or v.op == "random" else 1
         if v.op == "rename" or is_identity(v):
             own = 0
         if v.op in ("reduce", "scatter") or (v.op == "contract" and self.is_reduction(v)):
@@ -536,6 +540,8 @@ class _Fuser:
             return Map(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
         if op == "indicator":
             return self.mask(relation_conds(self.m, v.attrs[0], env), Const(1.0))
+        if op == "random":
+            return self.random(v, env)
         if op == "gather":
             table, ids = v.operands
             tenv = {e: env[e] for e in table.edges if e != v.attrs[0]}
@@ -576,6 +582,18 @@ class _Fuser:
         if kept is None:
             return Const(0.0)
         return Mask(tuple(kept), e) if kept else e
+
+    def random(self, v: Value, env: dict[str, Ix]) -> Rand:
+        """A draw, computed from the loop indices: its counter is the row-major index
+        over the draw's own edges (sorted by name), whatever loops compute it."""
+        counter, stride = Ix(), 1
+        for e in reversed(v.edges):
+            ix = env[e]
+            counter = counter.plus(Ix.make([(a, smul(stride, c)) for a, c in ix.terms],
+                                           0 if ix.const == 0 else smul(stride, ix.const)))
+            stride = size_op("*", stride, edge_size(self.m, e))
+        key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
+        return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
 
     def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
         base, view = peel(ids)

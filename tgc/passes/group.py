@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
-                            Map, Mask, Mul, walk)
+                            Map, Mask, Mul, Rand, walk)
 from tgc.options import Options
 from tgc.passes.base import Pass
 
@@ -353,7 +353,7 @@ def _cheap(e) -> bool:
     nodes = list(walk(e))
     ops = [n for n in nodes if isinstance(n, (Add, Mul, Map))]
     return (len(ops) <= INLINE_MAX_OPS and not any(isinstance(n, Map) and n.fn in EXPENSIVE for n in ops)
-            and not any(isinstance(n, Mask) for n in nodes))
+            and not any(isinstance(n, (Mask, Rand)) for n in nodes))
 
 
 def _inline(reader: LoopKernel, producer: LoopKernel) -> LoopKernel:
@@ -395,6 +395,8 @@ def _subst(e, mapping: dict[str, Ix]):
         return Mask(tuple(Cond(c.ix.subst(mapping), c.op) for c in e.conds), _subst(e.arg, mapping))
     if isinstance(e, (Add, Mul, Map)):
         return replace(e, args=tuple(_subst(a, mapping) for a in e.args))
+    if isinstance(e, Rand):
+        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping))
     return e
 
 

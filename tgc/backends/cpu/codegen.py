@@ -51,7 +51,7 @@ from tgc.backends.cpu import fntable, sizecheck
 from tgc.backends.cpu.gemm import GemmGen, loops_kernel, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
-from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, rename_buffers, walk
+from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
@@ -539,7 +539,9 @@ def weight(k: LoopKernel) -> int:
     maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
     if k.reduce == "logsumexp":  # an exp per element, and a second pass
         maps.append("exp")
-    return 1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
+    draws = [e for r in roots for e in walk(r) if isinstance(e, Rand)]   # Philox's ~100 integer ops, vectorized
+    return (1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
+            + sum(8 if e.kind == "rand" else 24 for e in draws))
 
 
 def work_terms(k) -> list[tuple[int, list]]:

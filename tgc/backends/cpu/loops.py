@@ -41,7 +41,8 @@ import llvmlite.ir as ir
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
-                            Mask, Mul, SizeOf, walk)
+                            Mask, Mul, Rand, SizeOf, walk)
+from tgc.backends.cpu.philox import emit_draw
 from tgc.ir.sizes import size_op
 from tgc.backends.cpu.llvm_env import has_feature
 from tgc.passes.canon import exact_scale
@@ -459,6 +460,10 @@ class LoopGen:
             return b.sitofp(self.f.size(e.size), self.fp)
         if isinstance(e, Acc):
             return acc
+        if isinstance(e, Rand):
+            fp = ir.FloatType() if e.draw == "f32" else self.fp
+            value = emit_draw(b, e.kind, e.folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
+            return value if fp == self.fp else b.fpext(value, self.fp)
         if isinstance(e, Mask):
             return self.mask(e, vars, acc)
         if isinstance(e, Add):
