@@ -19,7 +19,7 @@ import numpy as np
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
-from tgc.ir.values import Value, topo_order
+from tgc.ir.values import Value, primal_order
 
 NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 
@@ -108,9 +108,9 @@ class _Eval:
 
     def run(self, roots: list[Value]) -> dict[int, np.ndarray]:
         vals: dict[int, np.ndarray] = {}
-        for v in topo_order(roots):
+        for v in primal_order(roots):  # a custom value's derivative rules are not evaluated
             self.check_size(v)
-            ops = [_wide(vals[id(o)]) for o in v.operands]
+            ops = [_wide(vals[id(o)]) for o in (v.operands[:1] if v.op == "custom" else v.operands)]
             try:
                 vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
             except MemoryError:
@@ -284,9 +284,14 @@ def _scatter(ev: _Eval, v: Value, ops):
     index = tuple(np.broadcast_to(ev.expand(ops[1], ids, full), shape) if e == edge else
                   np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in full])
                   for e in v.edges)
-    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=values.dtype)
-    np.add.at(out, index, values)
+    kind = v.attrs[1]
+    out = np.full([ev.sizes[e] for e in v.edges], SCATTER_INIT[kind], dtype=values.dtype)
+    SCATTER_COMBINE[kind].at(out, index, values)   # maximum/minimum propagate NaN, as max does
     return out
+
+
+SCATTER_INIT = {"sum": 0.0, "max": -np.inf, "min": np.inf}
+SCATTER_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _random(ev: _Eval, v: Value, ops):
@@ -307,11 +312,16 @@ def _not_differentiated(ev: _Eval, v: Value, ops):
     raise EvalError(f"'{v.op}' is not differentiated yet: run the adjoint and tangent passes first")
 
 
+def _slot(ev: _Eval, v: Value, ops):
+    raise EvalError(f"the placeholder '{v.attrs[0]}' of a custom derivative rule has no value")
+
+
 OPS: dict[str, Callable] = {
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
     "random": _random, "rename": _rename, "stop": lambda ev, v, ops: ops[0],
     "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
+    "custom": lambda ev, v, ops: ops[0], "slot": _slot,  # a custom call's value is its body's
 }
 
 
@@ -360,7 +370,7 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
 
 
 def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
-    """The smallest size among the edges this i32 input gathers along (or 1)."""
+    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
     bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
-              if v.op == "gather" and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
     return min(bounds) if bounds else 1

@@ -26,8 +26,10 @@ def attr_text(v: Value) -> str:
     a = v.attrs
     if v.op == "const":
         text = repr(a[0])
-    elif v.op in ("size", "gather", "scatter", "map"):
+    elif v.op in ("size", "gather", "map"):
         text = a[0]
+    elif v.op == "scatter":   # a scatter-add is [edge], a segment reduction [kind: edge]
+        text = a[0] if a[1] == "sum" else f"{a[1]}: {a[0]}"
     elif v.op == "add":
         text = ", ".join(repr(c) for c in a[0])
     elif v.op == "reduce":
@@ -38,6 +40,10 @@ def attr_text(v: Value) -> str:
         text = a[0] + (f": {', '.join(map(str, a[1]))}" if a[1] else "") + (f" as {a[2]}" if a[2] else "")
     elif v.op == "rename":
         text = ", ".join(f"{s} -> {d}" for s, d in a[0])
+    elif v.op == "slot":
+        text = a[0]
+    elif v.op == "custom":  # fn; argument count; cotangent slot ('' without vjp); tangent slots
+        text = f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}"
     else:
         return ""
     return f"[{text}]"

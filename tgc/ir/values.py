@@ -20,10 +20,13 @@ there is no axis order). The primitive ops and their attributes:
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
     gather    (edge,)            table[edge = ids[...]]: operands (table, ids:i32);
                                  edges shared by table and ids are matched
-    scatter   (edge,)            the transpose of gather: operands (ct, ids:i32); sums
+    scatter   (edge, kind)       the transpose of gather: operands (ct, ids:i32); combines
                                  ct into position ids[...] along `edge`; the result
                                  has (ct.edges - ids.edges) + edge, plus the edges of
-                                 ids its type keeps, which are matched as in gather
+                                 ids its type keeps, which are matched as in gather.
+                                 kind `sum` adds (0 where no id points: a scatter-add);
+                                 `max`/`min` take the extreme (-inf/inf where no id
+                                 points, NaN if any term is NaN: a segment reduction)
     random    (kind, folds, draw) a counter-based draw over the type's edges (tgc.ir.philox):
                                  kind 'rand' (uniform in [0, 1)) or 'randn' (standard
                                  normal); operand: the key, an i32 scalar argument;
@@ -38,6 +41,16 @@ there is no axis order). The primitive ops and their attributes:
     grad      ()                 d f / d x          operands (f, x: arg)
     jvp       ()                 forward mode       operands (f, x: arg, dx)
     vjp       ()                 reverse mode       operands (f, x: arg, v)
+    slot      (name,)            a placeholder in a custom derivative rule: the
+                                 cotangent or a tangent the rule is applied to
+    custom    (fn, n, ct, tans)  a function call with its own derivative rules:
+                                 operands (y, a_1..a_n, [d_1..d_n], [t]); its value
+                                 is y (the body's value); d_i (over the slot named
+                                 `ct`, y's edges) is the cotangent of a_i, and t (over
+                                 the slots named `tans`, one per a_i) is y's tangent.
+                                 `ct` is '' without a vjp rule, `tans` () without a
+                                 jvp rule. Only adjoint/tangent read the rules; once
+                                 no grad/jvp/vjp is left the op is its value y.
 """
 from __future__ import annotations
 
@@ -66,8 +79,10 @@ MAP_ARITY = {
     "recompute": 1,  # x, read by a backward recomputation (passes/remat.py): keeps the copy apart
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
+SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
+CUSTOM_OPS = ("custom", "slot")  # custom derivative rules (gone once no derivative is left)
 
 
 class IRError(ValueError):
@@ -172,7 +187,7 @@ def _float_dtype(values: Sequence[Value]) -> str:
                 return first
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
-        raise IRError("integer (i32) tensors can only be used as gather indices")
+        raise IRError("integer (i32) tensors can only be used as gather or scatter indices")
     if len(dtypes) > 1:
         raise IRError(f"mixed float types {sorted(dtypes)}")
     return dtypes.pop()
@@ -253,8 +268,12 @@ def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value
     return Value.make("gather", (table, ids), (edge,), TensorType.of(dtype, rest + list(ids.edges)), loc)
 
 
-def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc | None = None) -> Value:
-    """result[edge = j, rest, keep] = sum over the other ids edges of ct where ids[...] == j."""
+def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc | None = None,
+            kind: str = "sum") -> Value:
+    """result[edge = j, rest, keep] = sum (or max, min: `kind`) over the other ids edges of
+    ct where ids[...] == j."""
+    if kind not in SCATTER_KINDS:
+        raise IRError(f"unknown scatter kind '{kind}'")
     if ids.dtype != "i32":
         raise IRError(f"scatter indices must be i32, not {ids.dtype}")
     if edge in ct.edges or edge in ids.edges:
@@ -264,7 +283,7 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
         raise IRError(f"scatter can keep only edges of the indices, not '{sorted(keep - set(ids.edges))[0]}'")
     dtype = _float_dtype([ct])
     rest = [e for e in ct.edges if e not in ids.edges]
-    return Value.make("scatter", (ct, ids), (edge,), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
+    return Value.make("scatter", (ct, ids), (edge, kind), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
 
 
 def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Iterable[str],
@@ -354,10 +373,92 @@ def vjp(f: Value, x: Value, v: Value, loc: Loc | None = None) -> Value:
     return Value.make("vjp", (f, x, v), (), TensorType.of(f.dtype, set(x.edges) | extra), loc)
 
 
-def topo_order(roots: Iterable[Value]) -> list[Value]:
-    """Every value reachable from `roots`, operands before users, deterministic."""
+def slot(name: str, dtype: str, edges: Iterable[str], loc: Loc | None = None) -> Value:
+    """The placeholder `name` of a custom rule (a cotangent or a tangent)."""
+    if dtype not in FLOAT_DTYPES:
+        raise IRError(f"a rule's placeholder is float, not '{dtype}'")
+    return Value.make("slot", (), (name,), TensorType.of(dtype, edges), loc)
+
+
+def custom(y: Value, args: Sequence[Value], vjps: Sequence[Value] | None, jvp: Value | None,
+           fn: str, ct: str = "", tans: Sequence[str] = (), loc: Loc | None = None) -> Value:
+    """`y` (the value of a call of `fn` on `args`) with the call's own derivative rules:
+    `vjps[i]` the cotangent of args[i] in terms of the slot `ct` (y's edges), `jvp` the
+    tangent of y in terms of the slots `tans` (args[i]'s edges each). A rule may have
+    fewer edges than its target (it is broadcast), never an edge the target lacks."""
+    n = len(args)
+    if n < 1:
+        raise IRError("a custom derivative needs at least one argument")
+    if (vjps is None) != (not ct) or (jvp is None) != (not tans):
+        raise IRError("a custom rule and its placeholders come together")
+    if vjps is None and jvp is None:
+        raise IRError("a custom derivative needs a vjp or a jvp rule")
+    operands = [y, *args]
+    if vjps is not None:
+        if len(vjps) != n:
+            raise IRError(f"the vjp rule gives {len(vjps)} derivatives for {n} arguments")
+        for i, (d, a) in enumerate(zip(vjps, args)):
+            extra = sorted(set(d.edges) - set(a.edges))
+            if extra:
+                raise IRError(f"the vjp rule's derivative {i + 1} has edge '{extra[0]}', its argument does not")
+        operands += vjps
+    if jvp is not None:
+        if len(tans) != n:
+            raise IRError(f"the jvp rule has {len(tans)} tangents for {n} arguments")
+        extra = sorted(set(jvp.edges) - set(y.edges))
+        if extra:
+            raise IRError(f"the jvp rule has edge '{extra[0]}', the value does not")
+        operands.append(jvp)
+    return Value.make("custom", operands, (fn, n, ct, tuple(tans)), y.type, loc)
+
+
+def custom_parts(v: Value) -> tuple[Value, tuple[Value, ...], tuple[Value, ...] | None, Value | None]:
+    """(y, args, vjps or None, jvp or None) of a `custom` value."""
+    fn, n, ct, tans = v.attrs
+    y, args, rest = v.operands[0], v.operands[1:1 + n], v.operands[1 + n:]
+    vjps = rest[:n] if ct else None
+    jvp = rest[-1] if tans else None
+    return y, args, vjps, jvp
+
+
+def primal_order(roots: Iterable[Value]) -> list[Value]:
+    """`topo_order`, but a `custom` value's rules are not visited: what computing the
+    roots' values needs (a custom value is its first operand's value)."""
     order: list[Value] = []
     seen: set[int] = set()
+    for root in roots:
+        stack: list[tuple[Value, int]] = [(root, 0)]
+        while stack:
+            v, i = stack.pop()
+            if i == 0 and id(v) in seen:
+                continue
+            ops = v.operands[:1] if v.op == "custom" else v.operands
+            if i < len(ops):
+                stack.append((v, i + 1))
+                child = ops[i]
+                if id(child) not in seen:
+                    stack.append((child, 0))
+            else:
+                seen.add(id(v))
+                order.append(v)
+    return order
+
+
+def strip_custom(roots: Sequence[Value]) -> dict[int, Value]:
+    """id(old) -> replacement for every value `roots` need, each `custom` replaced by its
+    value (its first operand): the rules go, the values are unchanged (exact)."""
+    memo: dict[int, Value] = {}
+    for v in primal_order(roots):
+        memo[id(v)] = memo[id(v.operands[0])] if v.op == "custom" else \
+            rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+    return memo
+
+
+def topo_order(roots: Iterable[Value], stop: Iterable[int] = ()) -> list[Value]:
+    """Every value reachable from `roots`, operands before users, deterministic; the
+    values whose ids are in `stop`, and what lies beneath them only, are left out."""
+    order: list[Value] = []
+    seen: set[int] = set(stop)
     for root in roots:
         stack: list[tuple[Value, int]] = [(root, 0)]
         while stack:
@@ -399,14 +500,23 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "map": lambda v, ops: map_(v.attrs[0], *ops, loc=v.loc),
     "reduce": lambda v, ops: reduce(v.attrs[0], ops[0], v.attrs[1], v.loc),
     "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
-    "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc),
+    "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc,
+                                      v.attrs[1]),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
     "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc, v.attrs[2]),
     "stop": lambda v, ops: stop(ops[0], v.loc),
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),
     "vjp": lambda v, ops: vjp(*ops, loc=v.loc),
+    "custom": lambda v, ops: _rebuild_custom(v, ops),
 }
+
+
+def _rebuild_custom(v: Value, ops: tuple[Value, ...]) -> Value:
+    fn, n, ct, tans = v.attrs
+    rest = ops[1 + n:]
+    return custom(ops[0], ops[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
+                  fn, ct, tans, v.loc)
 
 
 def is_shift(v: Value) -> bool:
