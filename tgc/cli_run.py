@@ -310,10 +310,13 @@ def _host(a):
                    "each kernel's share of the time, the costliest first.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@click.option("--check-assumptions", "check_assumptions", is_flag=True,
+              help="Check every `assume` of FILE on the inputs before running (an error names the first that "
+                   "fails); without it nothing is checked.")
 @FP_STRICT
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
-        fp_strict=False, no_update=False) -> None:
+        fp_strict=False, no_update=False, check_assumptions=False) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -344,6 +347,11 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         module = driver.lower(driver.forward_only(full) if no_update else full, options).module
     onehot = cross_entropy_targets(file) if random_inputs else {}
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
+    if check_assumptions and module.facts:
+        from tgc.ir.assume import check_facts
+
+        with status("checking assumptions"):
+            check_facts(module, inputs, dims, dtype)
     if backend == "interp":
         with status("running (interpreter)"):
             results = evaluate(module, inputs, dtype=dtype, dims=dims)

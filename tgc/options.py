@@ -34,6 +34,7 @@ class Options:
     time_passes: bool = False
     locs: bool = False                       # print loc(...) in IR dumps
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.passes.stats)
+    check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none

@@ -524,6 +524,8 @@ class Program:
         """
         if not isinstance(updates, bool):
             raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
+        if self.options.check_assumptions and self.module.facts:
+            self._check_facts(arrays, dims)
         if not updates and self._updates:
             return self._run_forward(arrays, dims)
         result = self._call(arrays, dims)
@@ -531,6 +533,14 @@ class Program:
             return result
         updated = set(self._update_keys.values())
         return {k: v if k in updated else v.astype(self.out_dtype) for k, v in result.items()}
+
+    def _check_facts(self, arrays: dict, dims: dict | None) -> None:
+        """With `Options.check_assumptions`: every declared fact on these inputs, before
+        anything runs (an EvalError names the first that fails; tgc.ir.assume)."""
+        from tgc.ir.assume import check_facts
+
+        given = {n: np.asarray(a) for n, a in arrays.items()}
+        check_facts(self.module, given, dims, self.dtype)
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
         extra = [n for n in arrays if n not in self._names]
