@@ -257,16 +257,8 @@ class Program:
         self._ws_size = -1                  # usable bytes at _ws_addr
         self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
-        targets = {u.target for u in module.updates}
-        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
-                                  "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
-                       for a in module.args.values()]
-        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
-                        for o in module.outputs]
-        self._updates = [u.target for u in module.updates]
-        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
+        self._signature(module)
         # fast path (see run): the inputs that bind the symbolic dims key the plans
-        self._names = tuple(s.name for s in self.inputs)
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
@@ -279,6 +271,19 @@ class Program:
         self._plans: dict = {}
         self._ws_addr = 0
         self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
+
+    def _signature(self, module: Module) -> None:
+        """What every backend's program takes and gives, from the module: the input
+        and output specs in ABI order, the update targets and their result keys."""
+        targets = {u.target for u in module.updates}
+        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
+                                   "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
+                        for a in module.args.values()]
+        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
+                         for o in module.outputs]
+        self._updates = [u.target for u in module.updates]
+        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
+        self._names = tuple(s.name for s in self._inputs)
 
     @property
     def inputs(self) -> list[TensorSpec]:

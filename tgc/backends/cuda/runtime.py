@@ -37,7 +37,6 @@ import contextlib
 import ctypes
 import functools
 import hashlib
-import os
 import shutil
 import subprocess
 import tempfile
@@ -52,7 +51,7 @@ from tgc.ir.interp import EvalError
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
-from tgc.runtime.program import NP, Program, TensorSpec
+from tgc.runtime.program import NP, Program
 
 SIM_HEADER = Path(__file__).with_name("sim.h")
 SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
@@ -247,15 +246,7 @@ class CudaProgram(Program):
         self._cm, self._device = cm, device
         self.backend = device.name
         self.dtype = options.dtype
-        targets = {u.target for u in module.updates}
-        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
-                                   "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
-                        for a in module.args.values()]
-        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
-                         for o in module.outputs]
-        self._updates = [u.target for u in module.updates]
-        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
-        self._names = tuple(s.name for s in self._inputs)
+        self._signature(module)
         self._fast = False
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
         self.out_dtype: np.dtype | None = None
@@ -329,7 +320,7 @@ class CudaProgram(Program):
         return arrays, {}
 
     def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict:
-        dev, low, cm = self._device, self.lowered, self._cm
+        dev, cm = self._device, self._cm
         if dev.name == "cuda":
             args, write_back = self._prepare_device(arrays)
         else:
