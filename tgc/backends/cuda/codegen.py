@@ -290,7 +290,7 @@ class _Gen:
         body = [f"const long long n = {total};",
                 "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
                 "t += (long long)gridDim.x * blockDim.x) {",
-                f"    long long id = p0[t];",
+                "    long long id = p0[t];",
                 f"    if (id < 0 || id >= {self.size(c.size)}) atomicCAS(err, 0, {i + 1});",
                 "}"]
         self.kernel(name, self.params([c.buf], None), body, f"check 0 <= %{c.buf} < ...")
