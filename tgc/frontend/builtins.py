@@ -1,6 +1,7 @@
 """Calls of the language's primitives: elementwise functions, reductions,
-`where`, `stop`, `size`, the conversions `f32(x)`, `f64(x)`, `bf16(x)`, `f16(x)`, the derivative operators `grad`, `jvp`, `vjp`, and the
-random draws `rand[e, ...](key)`, `randn[e, ...](key)` with keys `fold(key, n)`."""
+`where`, `stop`, `checkpoint`, `size`, the conversions `f32(x)`, `f64(x)`, `bf16(x)`,
+`f16(x)`, the derivative operators `grad`, `jvp`, `vjp`, and the random draws
+`rand[e, ...](key)`, `randn[e, ...](key)` with keys `fold(key, n)`."""
 from __future__ import annotations
 
 from tgc.frontend import ast
@@ -8,7 +9,7 @@ from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
 from tgc.ir import values as V
 from tgc.ir.dtypes import FLOATS, LOW_FLOATS
 
-ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "size": (1,),
+ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,),
          **{t: (1,) for t in FLOATS}}   # conversions: f32(x), f64(x), bf16(x), f16(x)
@@ -46,6 +47,8 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     args = [el.fexpr(a, ctx) for a in node.args]
     if node.fn == "stop":
         return V.stop(args[0], loc=node.loc)
+    if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/passes/remat.py)
+        return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in FLOATS:   # f32/f64 name the program's float type, as declarations do
         return V.convert(args[0], node.fn if node.fn in LOW_FLOATS else el.dtype, loc=node.loc)
     return el.build(node, ctx, V.map_, node.fn, *args)

@@ -199,6 +199,8 @@ MAP_FNS: dict[str, Callable] = {
     "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
     "where": lambda c, a, b: np.where(c != 0, a, b),
     "round32": lambda x: np.asarray(x, np.float32).astype(np.float64),
+    "checkpoint": lambda x: x,
+    "recompute": lambda x: x,
     # conversions: the value itself; the result's type rounds it (see _Eval.run)
     **{fn: (lambda x: x) for fn in CONVERSIONS},
     # round_bf16/round_f16: to the nearest bf16/f16 (through f32), held in the operand's type
@@ -361,7 +363,8 @@ def _in_order(a: np.ndarray, edges: tuple[str, ...], order: tuple[str, ...]) -> 
 
 def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
                   dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range."""
+    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range,
+    then moved onto the program's simple declared facts (`tgc.ir.assume.satisfy`)."""
     rng = np.random.default_rng(seed)
     out = {}
     for a in module.args.values():
@@ -371,6 +374,10 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
         else:
             t = a.dtype if a.dtype in LOW_FLOATS else dtype or a.dtype   # bf16/f16 keep their type
             out[a.name] = round_to(rng.standard_normal(shape), t)
+    if module.facts:
+        from tgc.ir.assume import satisfy
+
+        satisfy(module, out)
     return out
 
 

@@ -76,6 +76,8 @@ MAP_ARITY = {
     "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
     "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
+    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; passes/remat.py)
+    "recompute": 1,  # x, read by a backward recomputation (passes/remat.py): keeps the copy apart
     **{fn: 1 for fn in CONVERSIONS},  # to_bf16 .. to_f64: x converted to that type (the result's type)
     **{fn: 1 for fn in ROUNDINGS},    # round_bf16, round_f16: x rounded to bf16/f16, kept in x's type
 }
@@ -180,7 +182,8 @@ def _union(values: Iterable[Value]) -> set[str]:
 # elementwise functions whose result a bf16/f16 operand's type holds exactly (a
 # selection, a comparison's 0/1, a sign): they keep that type; every other op on
 # bf16/f16 operands computes in their compute type (f32), see _float_dtype
-EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32", *ROUNDINGS})
+EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32",
+                       "checkpoint", "recompute", *ROUNDINGS})
 
 
 def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
