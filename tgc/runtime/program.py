@@ -244,6 +244,11 @@ class Program:
     `tgc.save_params` and `tgc.load_params` write and read its params and states.
     """
 
+    # bf16/f16 arguments and outputs by name (set per program in __init__; a backend's
+    # program that shares this call path without them has none)
+    low_types: dict[str, str] = {}
+    _low_outs: dict[str, str] = {}
+
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
         self._origin = (module, options)    # what `without_updates` prunes and builds again
