@@ -442,3 +442,19 @@ def test_save_and_load_bf16_params(tmp_path):
     with pytest.raises(tgc.ParamsError, match="'W' is f32, the program's 'W' is bf16"):
         tgc.load_params(tmp_path / "f32.npz", p)
     assert tgc.load_params(tmp_path / "f32.npz", p, cast=True)["W"].dtype == NP["bf16"]
+
+
+
+def test_a_gradient_keeps_its_variables_type_when_simplify_moves_the_rounding():
+    """grad(sum[m](x @ W), W) is x broadcast over m: simplify moves the bf16 rounding
+    inside the broadcast, which computes in f32; the output is still bf16 (the
+    variable's type) in the optimized module and on every evaluator."""
+    src = ("dim k = 3, m = 2\ninput x: bf16[k]\nparam W: bf16[k, m]\n"
+           "out g = grad(sum[m](x @ W), W)\n")
+    x = np.array([0.5, -1.25, 3.0], BF16)
+    inputs = {"x": x, "W": np.ones((3, 2), BF16)}
+    assert pipeline(src).outputs[0].value.dtype == "bf16"
+    want = np.repeat(x.astype(np.float32)[:, None], 2, 1)
+    for got in three_ways(src, inputs):
+        assert same_bits(got["g"], want)
+    assert tgc.compile(src)(**inputs)["g"].dtype == BF16

@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from tgc.ir import values as V
+from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.module import Module
 from tgc.ir.values import DERIVATIVE_OPS, Value, strip_custom
 from tgc.options import Options
@@ -130,8 +132,21 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
     ctx.c.merge = None if ctx.derivatives_left or options.fp_strict else rw.single_use
     for v in values:
         rw.value(v)
-    result = out.replace_values({k: new for k, (_, new) in rw.memo.items()})
+    mapping = {k: new for k, (_, new) in rw.memo.items()}
+    for r in module.roots():   # an output keeps its type (see `_keep_type`)
+        mapping[id(r)] = _keep_type(r, mapping[id(r)])
+    result = out.replace_values(mapping)
     return prune_edges(result)
+
+
+def _keep_type(old: Value, new: Value) -> Value:
+    """`new`, converted to `old`'s bf16/f16 type where a rule moved the rounding
+    inward and left an f32 value (a broadcast of a bf16 value computes in f32): an
+    output or update keeps the type the program gave it. Exact: `new` equals `old`,
+    which holds values of that type, so the conversion changes no value."""
+    if old.dtype == new.dtype or old.dtype not in LOW_FLOATS:
+        return new
+    return V.map_(f"to_{old.dtype}", new, loc=old.loc)
 
 
 def prune_edges(m: Module) -> Module:
