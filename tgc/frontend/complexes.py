@@ -102,9 +102,11 @@ class Complex:
         return self.part(z, 0, loc), self.part(z, 1, loc)
 
     def make(self, re: V.Value | None, im: V.Value | None, loc) -> V.Value:
-        """re + i im (a missing part is 0)."""
-        terms = [V.mul([p, self.unit(k, loc)], loc=loc) for k, p in ((0, re), (1, im)) if p is not None]
-        return terms[0] if len(terms) == 1 else V.add(terms, loc=loc)
+        """re + i im (a missing part is 0): where([re.im = 0], re, im), which selects,
+        so an inf or NaN in one part stays out of the other (a product with the
+        indicators would make inf * 0 = NaN there)."""
+        zero = V.const(0.0, self.dtype, loc=loc)
+        return V.map_("where", self.unit(0, loc), zero if re is None else re, zero if im is None else im, loc=loc)
 
     def promote(self, v: V.Value, loc) -> V.Value:
         """`v` as a complex value: itself if complex, else v + 0i."""
