@@ -33,6 +33,7 @@ from typing import Mapping
 
 import numpy as np
 
+from tgc.ir.complex_io import as_complex, as_pairs, is_complex_order
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 
 META_KEY = "tgc"          # safetensors metadata key
@@ -103,6 +104,9 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
     out: dict[str, np.ndarray] = {}
     for spec in specs:
         a = arrays[spec.name]
+        if is_complex_order(spec.edges) and isinstance(a, np.ndarray) and a.dtype.kind == "c":
+            a = as_pairs(a, dtype if a.dtype.itemsize == (8 if dtype == "f32" else 16) or cast else
+                         ("f32" if a.dtype == np.complex64 else "f64"))   # stored as float pairs, edge re.im
         if not isinstance(a, np.ndarray) or a.dtype.kind != "f":
             kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
             raise ParamsError(f"{where}: '{spec.name}' is {kind}, not a float array")
@@ -124,7 +128,9 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
         out[spec.name] = a
     for spec in specs:   # sizes that depend on dims bound by a later array
         _bind(spec.name, spec.edges, out[spec.name].shape, spec.shape, env)
-    return {n: np.array(a, dtype=_NP[dtype], order="C", copy=True) for n, a in out.items()}
+    out = {n: np.array(a, dtype=_NP[dtype], order="C", copy=True) for n, a in out.items()}
+    return {n: as_complex(a) if is_complex_order(s.edges) and where != "save_params" else a
+            for (n, a), s in zip(out.items(), specs)}
 
 
 def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarray]) -> None:
