@@ -87,6 +87,24 @@ def test_elementwise_and_contractions_agree_with_numpy_on_every_path(dtype):
             close(got[k], v, dtype, f"{path}: {k}")
 
 
+def test_edge_operations_gathers_and_stop_act_on_complex_values():
+    src = """dim n = 5, m = 3
+input z: c64[n]
+input ids: i32[m]
+out g = z[n = ids]
+out s = z[n = n + 1] * [n < 4]
+out t = stop(z) - 1j * z[n -> k][k -> n]
+out r = max[n](real(z)) + sum[n](imag(z))
+"""
+    rng = np.random.default_rng(10)
+    z, ids = crandn(rng, 5, dtype="f32"), np.array([4, 0, 2], np.int32)
+    for path, got in all_paths(src.replace("dim n = 5, m = 3", "dim n = 5, m = 3, k = 5"), dict(z=z, ids=ids), "f32"):
+        np.testing.assert_array_equal(got["g"], z[ids], err_msg=path)
+        np.testing.assert_array_equal(got["s"], np.append(z[1:], 0), err_msg=path)
+        close(got["t"], z - 1j * z, "f32", path)
+        close(got["r"], z.real.max() + z.imag.sum(), "f32", path)
+
+
 def test_angle_and_log_in_every_quadrant_on_the_axes_and_at_zero():
     vals = np.array([1, 1j, -1, -1j, 0, 1 + 1e-300j, -1 + 1e-12j, -1 - 1e-12j, 3 + 4j, -3 + 4j,
                      -3 - 4j, 3 - 4j, 1e-8 + 1j, 1e200 + 1e199j, 2.5e-300 + 0j], np.complex128)
