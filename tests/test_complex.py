@@ -174,6 +174,21 @@ update z = z - lr * grad(loss, z)
     np.testing.assert_allclose(z128, t, rtol=1e-6)
 
 
+@pytest.mark.parametrize("fp_strict", [False, True])
+def test_forward_only_calls_and_fp_strict_take_complex_arrays(fp_strict):
+    src = "dim n = 4\nparam z: c64[n]\ninput w: c64[n]\nout p = z * w\nupdate z = z * 1j\n"
+    prog = tgc.compile(src, options=Options(fp_strict=fp_strict))
+    z, w = np.array([1 + 2j, 3, 4j, -1], np.complex64), np.full(4, 2 - 1j, np.complex64)
+    z0 = z.copy()
+    r = prog(z=z, w=w, updates=False)
+    assert set(r) == {"p"} and r["p"].dtype == np.complex64
+    np.testing.assert_array_equal(z, z0)
+    r = prog(z=z, w=w)
+    np.testing.assert_array_equal(r["p"], z0 * w)      # exact: each part is one product and one sum
+    assert r["z"] is z
+    np.testing.assert_array_equal(z, z0 * 1j)
+
+
 @pytest.mark.parametrize("suffix", [".npz", ".safetensors"])
 def test_save_and_load_params_keep_complex_arrays(tmp_path, suffix):
     prog = tgc.compile("dim n = 3\nparam z: c64[n]\nout y = z * z\n")
