@@ -154,6 +154,14 @@ out g = grad(L, z)
             assert abs(fd - part) < 1e-7 * max(1, abs(part)), (k, unit, fd, part)
 
 
+def test_abs_and_angle_have_gradient_zero_at_zero_as_torch():
+    src = "dim n = 3\ninput z: c128[n]\nout ga = grad(sum(abs(z)), z)\nout gg = grad(sum(angle(z)), z)\n"
+    z = np.array([0, 1 + 1j, -2j])
+    for path, got in all_paths(src, {"z": z}, "f64"):
+        np.testing.assert_allclose(got["ga"], [0, (1 + 1j) / np.sqrt(2), -1j], atol=1e-15, err_msg=path)
+        np.testing.assert_allclose(got["gg"], [0, -0.5 + 0.5j, 0.5], atol=1e-15, err_msg=path)   # i / conj(z)
+
+
 def test_update_of_a_complex_param_is_written_in_place():
     src = """dim n = 4
 param z: c64[n]

@@ -38,7 +38,8 @@ steps. Each step multiplies the error e by about e^2/3 (f(t) = |z| sin(t - phi) 
 no second-order term), so the third starts below 1e-16 and gives the correctly
 rounded-to-a-few-ulps angle in f64 and f32. The guess and the first two steps are
 under `stop`: only the last step is differentiated, and at its converged start it
-gives exactly d angle = (x dy - y dx) / |z|^2. angle(0) is 0, as numpy says. The
+gives exactly d angle = (x dy - y dx) / |z|^2. angle(0) is 0, as numpy says, and
+its derivative there 0, as torch's (the derivative of abs at 0 is 0 too). The
 loop is unrolled, three steps, so elaboration terminates.
 """
 from __future__ import annotations
@@ -215,7 +216,8 @@ class Complex:
         num = V.add([V.mul([x, s], loc=loc), V.mul([y, co], loc=loc)], [1.0, -1.0], loc=loc)
         den = V.add([V.mul([x, co], loc=loc), V.mul([y, s], loc=loc)], loc=loc)
         zero = V.map_("eq", den, self.c(0.0, loc), loc=loc)
-        step = V.map_("div", num, V.add([den, zero], loc=loc), loc=loc)
+        step = V.map_("where", zero, self.c(0.0, loc), V.map_("div", num, V.add([den, zero], loc=loc), loc=loc),
+                      loc=loc)   # no step, and no derivative (torch's), where x = y = 0
         return V.add([t, step], [1.0, -1.0], loc=loc)
 
 
