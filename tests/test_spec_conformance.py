@@ -427,6 +427,23 @@ case("s8_power_with_a_zero_exponent_at_run_time", """
     out dx = grad(sum(x ^ p), x)
     out t = jvp(sum(x ^ p), x, x)
     """, dict(x=_xp, p=np.array(0.0)), dict(dx=np.zeros(4), t=np.array(0.0)))
+# section 11, custom derivatives: the reference's form verbatim; a tuple per parameter;
+# a jvp rule; a second derivative differentiates the clause (max(-1, min(1, g)) along v)
+_xc, _wc, _vc, _sc = rn(4), 3 * rn(4), rn(4), np.array(1.5)
+case("s11_custom_derivatives", """
+    dim n = 4
+    input x[n], w[n], v[n], s
+    fn clip_grad(x) = x with vjp(g) = max(-1, min(1, g))
+    fn scale(x, s) = x * s with vjp(g) = (g * s, sum(g * x))
+    fn cube(x) = x * x * x with jvp(dx) = 3 * x * x * dx
+    out y = clip_grad(x) * w
+    out dx = grad(sum(clip_grad(x) * w), x)
+    out ds = grad(sum(scale(x, s) * w), s)
+    out t = jvp(sum(cube(x)), x, v)
+    out h = grad(sum(grad(sum(clip_grad(x) * w), x) * v), w)
+    """, dict(x=_xc, w=_wc, v=_vc, s=_sc), dict(
+        y=_xc * _wc, dx=np.clip(_wc, -1, 1), ds=np.sum(_xc * _wc), t=np.sum(3 * _xc ** 2 * _vc),
+        h=np.where(np.abs(_wc) <= 1, _vc, 0.0)))
 _xg, _Wg, _Vg, _mg = rn(2, 4), rn(4, 3) * .5, rn(4, 3), rn(3, 4)
 
 
@@ -674,6 +691,10 @@ ERRORS = [  # id, source, line, column, words of the message
      3, 19, "both renamed and indexed"),
     ("out_takes_the_name_of_a_new_value", "dim a = 2\nparam W[a]\nout W\nout W' = W * 2\nupdate W = W + 1\n",
      4, 5, "takes the name under which the update of 'W' is returned"),
+    ("custom_vjp_tuple_arity", "dim n = 3\ninput x[n], s\nfn f(a, b) = a * b with vjp(g) = g * b\nout y = f(x, s)\n",
+     3, 34, "gives 1 derivative, it needs a tuple of 2"),
+    ("custom_vjp_extra_edge", "dim n = 3\ninput x[n], s\nfn f(a, b) = a * b with vjp(g) = (g * b, g * a)\nout y = f(x, s)\n",
+     3, 42, "has edge 'n', which 'b' lacks"),
     ("float_gather_ids", "dim v = 5, n = 3\ninput E[v]\ninput ids: f64[n]\nout y = E[v = ids]\n", 4, 15,
      "'ids' is a float tensor"),
     ("complex_output_needs_cotangent", "dim n = 3\ninput z: c64[n]\nout g = grad(sum(z * z), z)\n", 3, 9,

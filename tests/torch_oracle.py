@@ -15,6 +15,10 @@ derivative is taken with `create_graph=True`, so derivatives nest.
   batch: one vjp per index of them, stacked.
 - `jvp(f, x, dx)`: the double-vjp trick (`u` a dummy cotangent; `g = vjp(f, x, u)` is
   linear in `u`, and `jvp = vjp(g, u, dx)`); extra edges of `dx` batch as for vjp.
+- `custom` (a call with its own `with vjp(g)` rule): a `torch.autograd.Function` whose
+  value is the body's and whose backward evaluates the rule with `g` bound, in torch
+  ops on the forward tensors, so a second derivative differentiates the rule as tgc
+  does. A jvp through one is refused: the double-vjp trick needs a rule linear in `g`.
 
 Conventions of LANGUAGE.md section 8 that torch's own kernels do not share are written
 out explicitly: two-argument `max`/`min` select with `where(a >= b, a, b)` so a tie sends
@@ -35,7 +39,7 @@ import torch
 from tgc.ir.interp import EvalError, bind_dims, check_inputs
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_eval
-from tgc.ir.values import Value, topo_order
+from tgc.ir.values import Value, custom_parts, primal_order, topo_order
 
 F64 = torch.float64
 
@@ -61,10 +65,18 @@ class _Eval:
         """`a` (axes = v.edges) with size-1 axes inserted so its axes are `edges`."""
         return a.reshape([self.sizes[e] if e in v.edges else 1 for e in edges])
 
-    def run(self, roots: list[Value]) -> dict[int, torch.Tensor]:
-        vals: dict[int, torch.Tensor] = {}
-        for v in topo_order(roots):
-            ops = [vals[id(o)] for o in v.operands]
+    def run(self, roots: list[Value], vals: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """The values of `roots` (those in `vals` are known); a custom call's rules are
+        evaluated only by its backward pass."""
+        vals = {} if vals is None else vals
+        for v in primal_order(roots):
+            if id(v) in vals:
+                continue
+            if v.op == "custom":
+                self.run(custom_parts(v)[1], vals)  # its arguments, which its body may not read
+            ops = [vals[id(o)] for o in (v.operands[:1 + v.attrs[1]] if v.op == "custom" else v.operands)]
+            if v.op == "custom":
+                ops.append(vals)
             out = OPS[v.op](self, v, ops)
             if v.dtype != "i32" and out.dtype != F64:
                 out = out.to(F64)
@@ -269,6 +281,10 @@ def _jvp(ev: _Eval, v: Value, ops):
     extra = [e for e in tv.edges if e not in xv.edges]
     abi = [perm.index(i) for i in range(len(perm))]  # sorted edges -> ABI order
 
+    if any(w.op == "custom" for w in topo_order([fv])):
+        raise NotImplementedError("the torch oracle's jvp (a double vjp) needs rules linear in the "
+                                  "cotangent, which a custom vjp rule need not be")
+
     def core(dx: torch.Tensor) -> torch.Tensor:
         # double vjp: g(u) = u^T df/dx is linear in u, and d(g . dx)/du = (df/dx) dx
         u = torch.zeros_like(f, requires_grad=True)
@@ -282,7 +298,43 @@ def _jvp(ev: _Eval, v: Value, ops):
     return _batched(ev, ops[2], tv.edges, extra, core, fv.edges, v.edges)
 
 
+class _CustomVjp(torch.autograd.Function):
+    """Value: the body's. Backward: the call's vjp rule, evaluated with its cotangent slot
+    bound to `g`, from the forward tensors (graph-connected, so it differentiates again)."""
+
+    @staticmethod
+    def forward(ctx, ev, v, vals, y, *args):
+        ctx.ev, ctx.v, ctx.vals = ev, v, vals
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ev, v, vals = ctx.ev, ctx.v, ctx.vals
+        _, args, vjps, _ = custom_parts(v)
+        grads = []
+        for a, rule in zip(args, vjps):
+            local = dict(vals)
+            for w in topo_order([rule], stop=local):
+                if w.op == "slot" and w.attrs[0] == v.attrs[2]:
+                    local[id(w)] = g
+            d = ev.run([rule], local)[id(rule)]
+            grads.append(None if a.dtype == "i32" else ev.expand(d, rule, a.edges).expand(ev.shape(a.edges)))
+        return (None, None, None, None, *grads)
+
+
+def _custom(ev: _Eval, v: Value, ops):
+    if not v.attrs[2]:
+        raise NotImplementedError(f"the torch oracle differentiates '{v.attrs[0]}' only by its vjp rule")
+    vals = ops[-1]
+    return _CustomVjp.apply(ev, v, vals, *ops[:-1])
+
+
+def _slot(ev: _Eval, v: Value, ops):
+    raise AssertionError(f"oracle bug: the placeholder '{v.attrs[0]}' is evaluated outside its rule")
+
+
 OPS: dict[str, Callable] = {
+    "custom": _custom, "slot": _slot,
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
     "rename": _rename, "stop": lambda ev, v, ops: ops[0].detach(),

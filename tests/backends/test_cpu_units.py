@@ -85,6 +85,26 @@ def test_a_child_that_dies_is_tried_again_without_the_vectorizers(monkeypatch):
     assert llvm_env.emit_objects(texts, 2, jobs=2) == [emit(t, 2, vectorize=False) for t in texts]
 
 
+def test_a_child_that_fails_without_crashing_llvm_is_compiled_here_with_the_same_settings(monkeypatch):
+    """A child that raised (or was killed from outside) says nothing about LLVM: this
+    process compiles the module itself, vectorized as asked, so the code is the one a
+    process without fork makes (never the unvectorized fallback)."""
+    _, low, opts = lowered(MLP, "f32")
+    texts = codegen.generate_units(low, opts, units=2)
+    parent, emit = os.getpid(), llvm_env.emit_object
+    seen = []
+
+    def child_raises(text, *args, vectorize=True, **kw):
+        if os.getpid() != parent:
+            raise MemoryError("the child ran out")
+        seen.append(vectorize)
+        return emit(text, *args, vectorize=vectorize, **kw)
+
+    monkeypatch.setattr(llvm_env, "emit_object", child_raises)
+    assert llvm_env.emit_objects(texts, 2, jobs=2) == [emit(t, 2) for t in texts]
+    assert seen == [True, True]
+
+
 def test_a_module_llvm_cannot_compile_at_all_is_an_error_not_an_abort(monkeypatch):
     _, low, opts = lowered(MLP, "f32")
     texts = codegen.generate_units(low, opts, units=2)
@@ -212,4 +232,4 @@ def test_a_child_compiles_while_another_thread_holds_the_flags_lock():
     finally:
         release.set()
         t.join()
-    assert got["obj"] == llvm_env.emit_object(texts[1], 2)
+    assert got["obj"] == (llvm_env.emit_object(texts[1], 2), False)

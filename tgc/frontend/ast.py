@@ -15,7 +15,10 @@ the elaborator decides what they denote.
     EdgeSpec(name: str, dim: str | None)            `i` or `i: n`; also dim_loc (the
         Loc of `n`, or None), keyword-only and ignored by `==` like loc
     FnDef(name: str, edge_params: tuple[Name, ...], params: tuple[Param, ...],
-          body: tuple[Bind, ...], result: Expr)     `= expr` form: body ()
+          body: tuple[Bind, ...], result: Expr, rules: tuple[Rule, ...])
+        `= expr` form: body (); rules () when the function gives no derivative
+    Rule(kind: str, binders: tuple[Name, ...], exprs: tuple[Expr, ...], tuple_form: bool)
+        `with vjp(g) = e` / `with vjp(g) = (e1, e2)` / `with jvp(dx, dy) = e`
     Param(name: str, default: Expr | None)
     Import(path: str)                               the string without its quotes
     Bind(name: str, expr: Expr)
@@ -126,7 +129,19 @@ class FnDef(Node):
     params: tuple
     body: tuple
     result: object
+    rules: tuple = ()
     variadic: bool = False  # `fn f[e...]`: the last edge parameter collects extra edge arguments
+
+
+@dataclass(frozen=True)
+class Rule(Node):
+    """`with vjp(g) = expr` (or a tuple `(dx, dy)`, one per parameter) or
+    `with jvp(dx, dy) = expr`: a function's own derivative. kind "vjp" | "jvp"."""
+
+    kind: str
+    binders: tuple
+    exprs: tuple
+    tuple_form: bool = False
 
 
 @dataclass(frozen=True)

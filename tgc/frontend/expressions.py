@@ -69,6 +69,7 @@ class Elaborator:
         self.cx = Complex(module, dtype)  # builds complex values from real parts
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
+        self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
         # the modules of calls and edge operations import this one: theirs are found here once
         from tgc.frontend.builtins import call_builtin
         from tgc.frontend.edgeops import apply_edge_ops

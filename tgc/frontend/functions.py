@@ -4,6 +4,13 @@ A body sees its parameters, its own bindings, its edge parameters, the program's
 dims and edges, and the functions visible where it was written; local names
 shadow global ones. Functions are not recursive: a cycle in the call graph is an
 error at the call that closes it.
+
+A function may give its own derivative (`with vjp(g) = ...`, `with jvp(dx, ...) =
+...`): a clause sees what the result sees plus its own variables. At each call the
+clauses are elaborated with the actual arguments, over `slot` placeholders for the
+cotangent and tangents, their edges checked against the arguments' and the result's,
+and the call's value becomes a `custom` value that carries them (see
+`tgc.ir.values.custom`); the adjoint and tangent passes apply them.
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ def _calls(node) -> list[ast.Call]:
 
 
 def _body_nodes(d: ast.FnDef) -> list:
-    return [p.default for p in d.params if p.default is not None] + [b.expr for b in d.body] + [d.result]
+    return ([p.default for p in d.params if p.default is not None] + [b.expr for b in d.body] + [d.result]
+            + [e for r in d.rules for e in r.exprs])
 
 
 def check_recursion(fns: dict[str, FnInfo], names: list[str]) -> None:
@@ -78,6 +86,38 @@ def check_definition(d: ast.FnDef) -> None:
             raise CompileError(f"'{name}' is already defined in function '{d.name}'", item.loc,
                                [Diagnostic("note", "first defined here", seen[name].loc)])
         seen[name] = item
+    for r in d.rules:
+        _check_rule(d, r, seen)
+
+
+def _check_rule(d: ast.FnDef, r: ast.Rule, seen: dict[str, object]) -> None:
+    """A rule's variables are new names, one cotangent for a vjp and one tangent per
+    parameter for a jvp; a vjp gives one derivative per parameter (a tuple for several)."""
+    n = len(d.params)
+    if n == 0:
+        raise CompileError(f"'{d.name}' has no parameters: there is nothing for its {r.kind} to differentiate", r.loc)
+    for b in r.binders:
+        if b.id in PRIMITIVES:
+            raise CompileError(f"'{b.id}' is a built-in function and cannot name a {r.kind} variable", b.loc)
+        if b.id in seen:
+            raise CompileError(f"'{b.id}' is already defined in function '{d.name}'", b.loc,
+                               [Diagnostic("note", "first defined here", seen[b.id].loc)])
+    names = ", ".join(p.name for p in d.params)
+    if r.kind == "vjp":
+        if len(r.binders) != 1:
+            raise CompileError(f"a vjp clause takes one variable, the cotangent of the result "
+                               f"(`with vjp(g) = ...`), not {len(r.binders)}", r.binders[1].loc)
+        if len(r.exprs) != n:
+            what = f"a tuple of {n} (one per parameter: {names})" if n > 1 else f"one (for '{names}')"
+            raise CompileError(f"the vjp of '{d.name}' gives {len(r.exprs)} derivative{'s' * (len(r.exprs) != 1)}, "
+                               f"it needs {what}", r.exprs[0].loc)
+    else:
+        if len(r.binders) != n:
+            raise CompileError(f"the jvp of '{d.name}' takes {n} tangent{'s' * (n != 1)}, one per parameter "
+                               f"({names}), not {len(r.binders)}", r.loc)
+        if r.tuple_form:
+            raise CompileError(f"a jvp clause gives one expression, the tangent of the result, "
+                               f"not a tuple", r.exprs[0].loc)
 
 
 def check_names(d: ast.FnDef, fns, kinds) -> None:
@@ -92,6 +132,8 @@ def check_names(d: ast.FnDef, fns, kinds) -> None:
     for i, b in enumerate(d.body):
         scopes.append((b.expr, params | {x.name for x in d.body[:i]}))
     scopes.append((d.result, params | {b.name for b in d.body}))
+    for r in d.rules:
+        scopes += [(e, params | {b.name for b in d.body} | {b.id for b in r.binders}) for e in r.exprs]
     for node, local in scopes:
         for use in _value_uses(node):
             if isinstance(use, ast.Call):
@@ -190,4 +232,42 @@ def inline_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
             values[p.name] = el.expr(p.default, inner)
     for b in d.body:
         values[b.name] = el.expr(b.expr, inner)
-    return el.expr(d.result, inner)
+    y = el.expr(d.result, inner)
+    return _with_rules(el, node, d, inner, y) if d.rules else y
+
+
+def _with_rules(el: Elaborator, call: ast.Call, d: ast.FnDef, inner: Ctx, y: V.Value) -> V.Value:
+    """The call's value `y` with the function's own derivative rules, elaborated for
+    this call's arguments over fresh placeholders; each rule's edges are checked."""
+    el.custom_calls += 1
+    k = el.custom_calls
+    args = [inner.values[p.name] for p in d.params]
+    vjps = jvp = None
+    ct, tans = "", ()
+    for r in d.rules:
+        if r.kind == "vjp":
+            g = r.binders[0].id
+            ct = f"{d.name}.{g}.{k}"
+            ctx = _with_values(inner, {g: V.slot(ct, y.dtype, y.edges, loc=r.binders[0].loc)})
+            vjps = []
+            for p, a, e in zip(d.params, args, r.exprs):
+                v = el.fexpr(e, ctx)
+                extra = sorted(set(v.edges) - set(a.edges))
+                if extra:
+                    raise el.error(f"the derivative for '{p.name}' in the vjp of '{d.name}' has edge '{extra[0]}', "
+                                   f"which '{p.name}' lacks (its edges: [{', '.join(a.edges)}])", e, ctx)
+                vjps.append(v)
+        else:
+            tans = tuple(f"{d.name}.{b.id}.{k}" for b in r.binders)
+            ctx = _with_values(inner, {b.id: V.slot(t, y.dtype, a.edges, loc=b.loc)
+                                       for b, t, a in zip(r.binders, tans, args)})
+            jvp = el.fexpr(r.exprs[0], ctx)
+            extra = sorted(set(jvp.edges) - set(y.edges))
+            if extra:
+                raise el.error(f"the jvp of '{d.name}' has edge '{extra[0]}', which its result lacks "
+                               f"(the result's edges: [{', '.join(y.edges)}])", r.exprs[0], ctx)
+    return el.build(call, inner, V.custom, y, args, vjps, jvp, d.name, ct, tans)
+
+
+def _with_values(ctx: Ctx, extra: dict[str, V.Value]) -> Ctx:
+    return Ctx({**ctx.values, **extra}, ctx.edges, ctx.fns, ctx.stack, ctx.call_locs)

@@ -672,11 +672,14 @@ class _Builder:
     def _fn_def(self, kids, loc):
         loc = self._from_token(kids[0], loc)
         parts = {k.kind: k for k in kids if isinstance(k, _Part)}
-        body, result = parts["block"].value if "block" in parts else ((), kids[-1])
+        rules = tuple(k.value for k in kids if isinstance(k, _Part) and k.kind == "rule")
+        plain = [k for k in kids if not isinstance(k, (_Part, Token))]
+        body, result = parts["block"].value if "block" in parts else ((), plain[-1])
         edges, variadic = parts["fn_edges"].value if "fn_edges" in parts else ((), False)
         params = parts["params"].value if "params" in parts else ()
         _check_unique([e.id for e in edges], [e.loc for e in edges], "edge parameter")
-        return ast.FnDef(str(kids[0]), edges, params, body, result, variadic, loc=loc)
+        _check_unique([r.kind for r in rules], [r.loc for r in rules], "derivative rule")
+        return ast.FnDef(str(kids[0]), edges, params, body, result, rules=rules, variadic=variadic, loc=loc)
 
     def _fn_edges(self, kids, loc):
         """[e1, e2, ...] or [e1, e2...]: the edge parameters, and whether the last collects
@@ -684,6 +687,21 @@ class _Builder:
         variadic = kids[-1].type == "ELLIPSIS"
         names = kids[:-1] if variadic else kids
         return _Part("fn_edges", (tuple(self._name(k) for k in names), variadic), loc)
+
+    def _fn_rule(self, kids, loc):
+        kind = str(kids[0])
+        if kind not in ("vjp", "jvp"):
+            raise CompileError(f"unknown derivative rule '{kind}': a function gives `with vjp(g) = ...` "
+                               "or `with jvp(dx, ...) = ...`", self._tok_loc(kids[0]))
+        binders = tuple(self._name(k) for k in kids[1:] if type(k) is Token and k.type == "NAME")
+        _check_unique([b.id for b in binders], [b.loc for b in binders], f"{kind} variable")
+        value = kids[-1]
+        tuple_form = isinstance(value, _Part)
+        exprs = value.value if tuple_form else (value,)
+        return _Part("rule", ast.Rule(kind, binders, exprs, tuple_form, loc=loc), loc)
+
+    def _rule_tuple(self, kids, loc):
+        return _Part("tuple", tuple(kids), loc)
 
     def _params(self, kids, loc):
         _check_unique([p.name for p in kids], [p.loc for p in kids], "parameter")

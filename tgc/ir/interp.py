@@ -20,7 +20,7 @@ from tgc.ir.complex_io import complex_outputs, pairs_inputs
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
-from tgc.ir.values import Value, topo_order
+from tgc.ir.values import Value, primal_order
 
 NP_DTYPES = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 
@@ -109,9 +109,9 @@ class _Eval:
 
     def run(self, roots: list[Value]) -> dict[int, np.ndarray]:
         vals: dict[int, np.ndarray] = {}
-        for v in topo_order(roots):
+        for v in primal_order(roots):  # a custom value's derivative rules are not evaluated
             self.check_size(v)
-            ops = [_wide(vals[id(o)]) for o in v.operands]
+            ops = [_wide(vals[id(o)]) for o in (v.operands[:1] if v.op == "custom" else v.operands)]
             try:
                 vals[id(v)] = np.asarray(OPS[v.op](self, v, ops)).astype(self.np_dtype(v), copy=False)
             except MemoryError:
@@ -306,11 +306,16 @@ def _not_differentiated(ev: _Eval, v: Value, ops):
     raise EvalError(f"'{v.op}' is not differentiated yet: run the adjoint and tangent passes first")
 
 
+def _slot(ev: _Eval, v: Value, ops):
+    raise EvalError(f"the placeholder '{v.attrs[0]}' of a custom derivative rule has no value")
+
+
 OPS: dict[str, Callable] = {
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
     "random": _random, "rename": _rename, "stop": lambda ev, v, ops: ops[0],
     "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
+    "custom": lambda ev, v, ops: ops[0], "slot": _slot,  # a custom call's value is its body's
 }
 
 

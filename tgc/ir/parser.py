@@ -152,6 +152,14 @@ def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, l
         return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
     if op == "stop":
         return V.stop(args[0], loc)
+    if op == "slot":
+        return V.slot(a.strip(), typ.dtype, typ.edges, loc)
+    if op == "custom":
+        fn, n, ct, tans = (p.strip() for p in a.split(";"))
+        n, tans = int(n), tuple(tans.split())
+        rest = args[1 + n:]
+        return V.custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
+                        fn, ct, tans, loc)
     if op == "random":
         a, _, draw = a.partition(" as ")
         kind, _, folds = a.partition(":")

@@ -37,6 +37,10 @@ def attr_text(v: Value) -> str:
         text = a[0] + (f": {', '.join(map(str, a[1]))}" if a[1] else "") + (f" as {a[2]}" if a[2] else "")
     elif v.op == "rename":
         text = ", ".join(f"{s} -> {d}" for s, d in a[0])
+    elif v.op == "slot":
+        text = a[0]
+    elif v.op == "custom":  # fn; argument count; cotangent slot ('' without vjp); tangent slots
+        text = f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}"
     else:
         return ""
     return f"[{text}]"

@@ -38,6 +38,16 @@ there is no axis order). The primitive ops and their attributes:
     grad      ()                 d f / d x          operands (f, x: arg)
     jvp       ()                 forward mode       operands (f, x: arg, dx)
     vjp       ()                 reverse mode       operands (f, x: arg, v)
+    slot      (name,)            a placeholder in a custom derivative rule: the
+                                 cotangent or a tangent the rule is applied to
+    custom    (fn, n, ct, tans)  a function call with its own derivative rules:
+                                 operands (y, a_1..a_n, [d_1..d_n], [t]); its value
+                                 is y (the body's value); d_i (over the slot named
+                                 `ct`, y's edges) is the cotangent of a_i, and t (over
+                                 the slots named `tans`, one per a_i) is y's tangent.
+                                 `ct` is '' without a vjp rule, `tans` () without a
+                                 jvp rule. Only adjoint/tangent read the rules; once
+                                 no grad/jvp/vjp is left the op is its value y.
 """
 from __future__ import annotations
 
@@ -66,6 +76,7 @@ MAP_ARITY = {
 REDUCE_KINDS = ("max", "min", "logsumexp")
 RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
+CUSTOM_OPS = ("custom", "slot")  # custom derivative rules (gone once no derivative is left)
 
 
 class IRError(ValueError):
@@ -352,10 +363,92 @@ def vjp(f: Value, x: Value, v: Value, loc: Loc | None = None) -> Value:
     return Value.make("vjp", (f, x, v), (), TensorType.of(f.dtype, set(x.edges) | extra), loc)
 
 
-def topo_order(roots: Iterable[Value]) -> list[Value]:
-    """Every value reachable from `roots`, operands before users, deterministic."""
+def slot(name: str, dtype: str, edges: Iterable[str], loc: Loc | None = None) -> Value:
+    """The placeholder `name` of a custom rule (a cotangent or a tangent)."""
+    if dtype not in FLOAT_DTYPES:
+        raise IRError(f"a rule's placeholder is float, not '{dtype}'")
+    return Value.make("slot", (), (name,), TensorType.of(dtype, edges), loc)
+
+
+def custom(y: Value, args: Sequence[Value], vjps: Sequence[Value] | None, jvp: Value | None,
+           fn: str, ct: str = "", tans: Sequence[str] = (), loc: Loc | None = None) -> Value:
+    """`y` (the value of a call of `fn` on `args`) with the call's own derivative rules:
+    `vjps[i]` the cotangent of args[i] in terms of the slot `ct` (y's edges), `jvp` the
+    tangent of y in terms of the slots `tans` (args[i]'s edges each). A rule may have
+    fewer edges than its target (it is broadcast), never an edge the target lacks."""
+    n = len(args)
+    if n < 1:
+        raise IRError("a custom derivative needs at least one argument")
+    if (vjps is None) != (not ct) or (jvp is None) != (not tans):
+        raise IRError("a custom rule and its placeholders come together")
+    if vjps is None and jvp is None:
+        raise IRError("a custom derivative needs a vjp or a jvp rule")
+    operands = [y, *args]
+    if vjps is not None:
+        if len(vjps) != n:
+            raise IRError(f"the vjp rule gives {len(vjps)} derivatives for {n} arguments")
+        for i, (d, a) in enumerate(zip(vjps, args)):
+            extra = sorted(set(d.edges) - set(a.edges))
+            if extra:
+                raise IRError(f"the vjp rule's derivative {i + 1} has edge '{extra[0]}', its argument does not")
+        operands += vjps
+    if jvp is not None:
+        if len(tans) != n:
+            raise IRError(f"the jvp rule has {len(tans)} tangents for {n} arguments")
+        extra = sorted(set(jvp.edges) - set(y.edges))
+        if extra:
+            raise IRError(f"the jvp rule has edge '{extra[0]}', the value does not")
+        operands.append(jvp)
+    return Value.make("custom", operands, (fn, n, ct, tuple(tans)), y.type, loc)
+
+
+def custom_parts(v: Value) -> tuple[Value, tuple[Value, ...], tuple[Value, ...] | None, Value | None]:
+    """(y, args, vjps or None, jvp or None) of a `custom` value."""
+    fn, n, ct, tans = v.attrs
+    y, args, rest = v.operands[0], v.operands[1:1 + n], v.operands[1 + n:]
+    vjps = rest[:n] if ct else None
+    jvp = rest[-1] if tans else None
+    return y, args, vjps, jvp
+
+
+def primal_order(roots: Iterable[Value]) -> list[Value]:
+    """`topo_order`, but a `custom` value's rules are not visited: what computing the
+    roots' values needs (a custom value is its first operand's value)."""
     order: list[Value] = []
     seen: set[int] = set()
+    for root in roots:
+        stack: list[tuple[Value, int]] = [(root, 0)]
+        while stack:
+            v, i = stack.pop()
+            if i == 0 and id(v) in seen:
+                continue
+            ops = v.operands[:1] if v.op == "custom" else v.operands
+            if i < len(ops):
+                stack.append((v, i + 1))
+                child = ops[i]
+                if id(child) not in seen:
+                    stack.append((child, 0))
+            else:
+                seen.add(id(v))
+                order.append(v)
+    return order
+
+
+def strip_custom(roots: Sequence[Value]) -> dict[int, Value]:
+    """id(old) -> replacement for every value `roots` need, each `custom` replaced by its
+    value (its first operand): the rules go, the values are unchanged (exact)."""
+    memo: dict[int, Value] = {}
+    for v in primal_order(roots):
+        memo[id(v)] = memo[id(v.operands[0])] if v.op == "custom" else \
+            rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+    return memo
+
+
+def topo_order(roots: Iterable[Value], stop: Iterable[int] = ()) -> list[Value]:
+    """Every value reachable from `roots`, operands before users, deterministic; the
+    values whose ids are in `stop`, and what lies beneath them only, are left out."""
+    order: list[Value] = []
+    seen: set[int] = set(stop)
     for root in roots:
         stack: list[tuple[Value, int]] = [(root, 0)]
         while stack:
@@ -404,7 +497,15 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),
     "vjp": lambda v, ops: vjp(*ops, loc=v.loc),
+    "custom": lambda v, ops: _rebuild_custom(v, ops),
 }
+
+
+def _rebuild_custom(v: Value, ops: tuple[Value, ...]) -> Value:
+    fn, n, ct, tans = v.attrs
+    rest = ops[1 + n:]
+    return custom(ops[0], ops[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
+                  fn, ct, tans, v.loc)
 
 
 def is_shift(v: Value) -> bool:

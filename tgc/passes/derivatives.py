@@ -17,6 +17,13 @@ infinite partial only through `mul0(ct, partial)`, exact 0 where `ct` is 0; an
 elementwise product is `mul00(ct, other)`, exact 0 where either is 0; `where`,
 `max` and `min` select with `where`, never multiply, so the branch not taken
 adds nothing. Composites (softmax, layernorm, ...) have no rules: they are inlined.
+
+Custom rules (`custom`, a call of a .tg function that gives its own `with vjp(g)` or
+`with jvp(dx, ...)`): the rule is the function's clause, kept as IR over `slot`
+placeholders, and `instantiate` substitutes the actual cotangent or tangents for the
+placeholders. The result is ordinary IR, so a second derivative differentiates the
+clause like any other code. A rule the function does not give is a located error
+naming the function and the rule.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from tgc.ir import values as V
+from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
 
@@ -225,6 +233,66 @@ RULES: dict[str, Rule] = {
     "pow": pointwise(lambda v, a, b: _mul0(b, _fn("pow", a, _minus1(b))),  # b a^(b-1), 0 where b = 0
                      lambda v, a, b: _mul0(v, _fn("log", a))),          # a^b log a, 0 where a^b = 0
 }
+
+
+# ---- custom rules (functions with their own derivative) ------------------------------
+
+def instantiate(rule: Value, slots: dict[str, Value], known: Iterable[Value] = ()) -> Value:
+    """`rule` with each slot named in `slots` replaced by its value.
+
+    A replacement may carry batch edges beyond the slot's own (a batch of cotangents or
+    tangents, always fresh edges): they propagate to every value that depends on it, and
+    a contraction keeps them (a new edge is never summed). Every other op re-derives its
+    type from its operands. Exact: the same ops on the substituted values. The values of
+    `known` hold no slot (a call's arguments and value, made before its rules), so the
+    walk stops there: it costs the clause and the body it reads, not the whole program."""
+    memo: dict[int, Value] = {id(k): k for k in known}
+    for v in topo_order([rule], stop=memo):
+        if v.op == "slot" and v.attrs[0] in slots:
+            memo[id(v)] = slots[v.attrs[0]]
+            continue
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if v.op == "contract" and ops != v.operands:
+            new = set().union(*(o.edges for o in ops)) - set().union(*(o.edges for o in v.operands))
+            memo[id(v)] = V.contract(ops, set(v.edges) | new, v.loc)
+        else:
+            memo[id(v)] = V.rebuild_same(v, ops)
+    return memo[id(rule)]
+
+
+def _missing(v: Value, rule: str, mode: str) -> CompileError:
+    fn = v.attrs[0]
+    given = "vjp" if v.attrs[2] else "jvp"
+    return CompileError(f"{mode} mode needs the {rule} of '{fn}', which gives only its own {given} "
+                        f"(add `with {rule}(...) = ...` to '{fn}', or differentiate in {'forward' if mode == 'reverse' else 'reverse'} mode)",
+                        v.loc)
+
+
+def _custom_vjp(v: Value, i: int, ct: Value) -> Value | None:
+    y, args, vjps, _ = V.custom_parts(v)
+    if vjps is None:
+        raise _missing(v, "vjp", "reverse")
+    return instantiate(vjps[i - 1], {v.attrs[2]: ct}, (y, *args))
+
+
+def _custom_jvp(v: Value, ts) -> Value | None:
+    y, args, _, jvp = V.custom_parts(v)
+    if jvp is None:
+        raise _missing(v, "jvp", "forward")
+    tans = {name: ts[1 + i] if ts[1 + i] is not None else V.const(0.0, a.dtype, a.edges)
+            for i, (name, a) in enumerate(zip(v.attrs[3], args))}
+    return instantiate(jvp, tans, (y, *args))
+
+
+class _CustomRule(Rule):
+    """The arguments (operands 1..n) carry the derivative; the body's value and the rules do not."""
+
+    def positions(self, v: Value) -> Sequence[int]:
+        return range(1, 1 + v.attrs[1])
+
+
+RULES["custom"] = _CustomRule((), _custom_vjp, _custom_jvp)
+RULES["slot"] = ZERO
 
 
 # ---- fused primitives of the stabilize pass ----------------------------------------------

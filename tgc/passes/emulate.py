@@ -26,7 +26,7 @@ from tgc.ir.module import Module
 from tgc.ir.values import TensorType, Value
 
 # ops whose value on f32 operands is always an f32 (a selection, a copy, a comparison)
-_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random"})
+_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random", "custom", "slot"})
 _EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32"})
 
 

@@ -181,7 +181,9 @@ def lower_module(module, options: Options, emit=None, stop_after: str = "plan") 
     if options.verify_each:
         from tgc.passes.manager import _Checker
         checker = _Checker(module, options.verify_seed)
-    current = module
+    from tgc.passes.rewrite import without_rules
+
+    current = without_rules(module)  # a pass list without normalize/simplify may leave them
     for name in LOWERING:
         current = stages[name].run(current, options)
         if checker:

@@ -10,7 +10,9 @@ A rule is a function `(ctx, v) -> Value | None` with its algebra in a comment; i
 may build with `ctx.c` (the canonical builders) and ask `ctx.facts` what a value
 provably is. Terminates when each rule strictly decreases a well-founded measure
 (each table states its measure); `MAX_STEPS` rewrites per value bound a rule that
-would not, so a bad rule costs optimization, never a hang.
+would not, so a bad rule costs optimization, never a hang. Once no grad/jvp/vjp is
+left, a call with its own derivative rules (`custom`) is first replaced by its value,
+so the rules never reach the optimizer's later passes or the backends.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from tgc.ir.module import Module
-from tgc.ir.values import DERIVATIVE_OPS, Value
+from tgc.ir.values import DERIVATIVE_OPS, Value, strip_custom
 from tgc.options import Options
 from tgc.passes.canon import Canon
 from tgc.passes.facts import Facts
@@ -103,7 +105,17 @@ class _Rewriter:
         return None
 
 
+def without_rules(module: Module) -> Module:
+    """The module with every custom derivative call replaced by its value, once no
+    grad/jvp/vjp is left to read the rules (exact: a call's value is its body's)."""
+    values = module.values()
+    if not any(v.op == "custom" for v in values) or any(v.op in DERIVATIVE_OPS for v in values):
+        return module
+    return module.replace_values(strip_custom(module.roots()))
+
+
 def rewrite(module: Module, table: Table, options: Options) -> Module:
+    module = without_rules(module)
     out = module.replace_values({})  # a copy: canonical renaming registers fresh edges in it
     values = module.values()
     users = Counter(id(o) for v in values for o in v.operands)

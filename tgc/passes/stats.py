@@ -29,7 +29,7 @@ from tgc.ir.sizes import size_estimate
 from tgc.ir.values import Value
 from tgc.passes.paths import contraction_cost, prod
 
-FREE = ("arg", "const", "size", "indicator", "rename", "stop")
+FREE = ("arg", "const", "size", "indicator", "rename", "stop", "custom", "slot")
 BYTES = {"f32": 4, "f64": 8, "i32": 4}
 
 

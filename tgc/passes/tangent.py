@@ -2,7 +2,9 @@
 
 Rewrites: `jvp(f, x, dx)` becomes the tangent of `f` along `dx`, built forward in
 topological order over the active values only (those of f's graph that depend on
-`x`), each tangent given by the value's rule in `tgc.passes.derivatives`. Extra
+`x`) whose tangent `f`'s reads, each tangent given by the value's rule in
+`tgc.passes.derivatives` (a custom call's tangent by its own jvp rule: its body is
+not differentiated). Extra
 edges of `dx` (a batch of tangents) are renamed to fresh edges while the rules run,
 so they never meet an edge of an intermediate value, and renamed back at the end.
 
@@ -30,8 +32,10 @@ def forward(f: Value, x: Value, dx: Value) -> Value | None:
     act = active_values(f, x)
     batch = set(dx.edges) - set(x.edges)
     tangents = {id(x): dx}
-    for v in topo_order([f]):
-        if id(v) not in act or id(v) in tangents:
+    order = topo_order([f])
+    needed = _needed(f, order)
+    for v in order:
+        if id(v) not in act or id(v) not in needed or id(v) in tangents:
             continue
         rule = rule_for(v)
         ts = [tangents.get(id(o)) if i in rule.positions(v) else None for i, o in enumerate(v.operands)]
@@ -39,6 +43,17 @@ def forward(f: Value, x: Value, dx: Value) -> Value | None:
         if t is not None:
             tangents[id(v)] = fit(t, set(v.edges) | batch)
     return tangents.get(id(f))
+
+
+def _needed(f: Value, order: list[Value]) -> set[int]:
+    """ids of the values whose tangent f's tangent reads: f, and the operands at the
+    derivative positions of needed values. A custom call's body and rules are not
+    needed (its tangent comes from its jvp rule), nor is anything only they use."""
+    needed = {id(f)}
+    for v in reversed(order):
+        if id(v) in needed:
+            needed.update(id(v.operands[i]) for i in rule_for(v).positions(v))
+    return needed
 
 
 def jvp_value(module: Module, f: Value, x: Value, dx: Value) -> Value:

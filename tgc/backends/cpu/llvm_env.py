@@ -223,9 +223,13 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
     children send their object code back through a pipe. llvmlite serializes every
     LLVM call of a process behind one lock, so threads cannot share the work;
     processes can. And LLVM's own assertions abort the process they run in (its loop
-    vectorizer asserts on some loops tgc generates): a child that dies is tried once
-    more without the vectorizers, and if that dies too, `LLVMCrash` is raised here,
-    where the caller reports it. The fork happens while this thread holds llvmlite's
+    vectorizer asserts on some loops tgc generates): a child that dies of such a signal
+    (abort, segfault, bus error, illegal instruction) is tried once more without the
+    vectorizers, and if that dies too, `LLVMCrash` is raised here, where the caller
+    reports it. A child that failed otherwise (a Python exception, or killed from
+    outside) says nothing about LLVM: this process compiles that module itself, with
+    the same settings, so the outcome (the code, or the real exception) is the one a
+    process without fork gets. The fork happens while this thread holds llvmlite's
     lock, so no other thread of the process is inside LLVM at that moment (a child
     never inherits LLVM mid-call). Without fork, this process compiles every module
     itself. Children are always reaped."""
@@ -257,9 +261,11 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
             if not children:
                 continue
             pid, fd, i, vec = children[0]
-            objs[i] = _collect(pid, fd)   # reaps the child
+            objs[i], crashed = _collect(pid, fd)   # reaps the child
             children.pop(0)
-            if objs[i] is None:
+            if objs[i] is None and not crashed:
+                objs[i] = emit_object(text(i), opt, prefer_512=prefer_512, vectorize=vec)
+            elif objs[i] is None:
                 if not vec:
                     raise LLVMCrash(f"LLVM crashed compiling part {i + 1} of {len(texts)} of the program, "
                                     "with and without vectorization")
@@ -350,14 +356,23 @@ def _fork_compile(text, index: int, opt: int, prefer_512: bool, vectorize: bool 
     return pid, read, index
 
 
-def _collect(pid: int, fd: int) -> bytes | None:
-    """The child's object code, or None if it did not finish cleanly."""
+def _collect(pid: int, fd: int) -> tuple[bytes | None, bool]:
+    """The child's object code (or None if it did not finish cleanly), and whether
+    it died of a signal that LLVM's own failures raise (an assertion's abort, a
+    segfault...), as opposed to a Python exception or a kill from outside."""
     try:
         with os.fdopen(fd, 'rb') as f:
             data = f.read()
     finally:
         _, status = os.waitpid(pid, 0)
-    return data if os.waitstatus_to_exitcode(status) == 0 and data else None
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0 and data:
+        return data, False
+    return None, -code in _CRASH_SIGNALS
+
+
+_CRASH_SIGNALS = frozenset(int(getattr(signal, n)) for n in ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
+                           if hasattr(signal, n))
 
 
 def _stop(pid: int, fd: int) -> None:
