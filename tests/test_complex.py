@@ -432,3 +432,18 @@ def test_torch_function_backward_with_complex_tensors():
     (((torch.exp(z2) * x2).abs() ** 2).sum() + (z2.abs() ** 2 * x2).sum()).backward()
     close(z.grad.numpy(), z2.grad.numpy(), "f64", "z.grad")
     close(x.grad.numpy(), x2.grad.numpy(), "f64", "x.grad")
+
+
+def test_a_custom_vjp_rule_on_complex_values_follows_the_same_convention():
+    """`with vjp(g) = ...` on a complex function: the rule gives torch's cotangent of the
+    argument (for z^2: g conj(2 z)), and the gradient equals the derived one."""
+    src = """dim n = 3
+input z: c128[n]
+fn sq(a) = a * a with vjp(g) = 2 * conj(a) * g
+out custom = grad(sum(abs(sq(z)) ^ 2), z)
+out derived = grad(sum(abs(z * z) ^ 2), z)
+"""
+    z = crandn(np.random.default_rng(12), 3)
+    for path, got in all_paths(src, {"z": z}, "f64"):
+        close(got["custom"], got["derived"], "f64", path)
+        close(got["derived"], 4 * np.abs(z) ** 2 * z, "f64", path)    # d|z|^4 = 4 |z|^2 z (torch's z.grad)
