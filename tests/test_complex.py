@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tgc
 from tgc import driver
@@ -114,6 +116,40 @@ def test_angle_and_log_in_every_quadrant_on_the_axes_and_at_zero():
         ok = (np.arange(15) != 4) & (abs(vals) < 1e150) & (abs(vals) > 1e-150)   # |z|^2 in range; log 0 below
         np.testing.assert_allclose(got["l"][ok].imag, np.log(vals[ok]).imag, rtol=4e-16, err_msg=path)
         assert got["l"][4].real == -np.inf and got["l"][4].imag == 0
+
+
+OPS = {   # .tg form and numpy reference of each step of a random program
+    "add": ("{a} + {b}", lambda a, b: a + b), "sub": ("{a} - {b}", lambda a, b: a - b),
+    "mul": ("{a} * {b}", lambda a, b: a * b), "div": ("{a} / ({b} + 3)", lambda a, b: a / (b + 3)),
+    "conj": ("conj({a}) * 0.5j", lambda a, b: np.conj(a) * 0.5j), "sq": ("{a} ^ 2 / 4", lambda a, b: a ** 2 / 4),
+    "exp": ("exp({a} / 4)", lambda a, b: np.exp(a / 4)), "re": ("real({a}) + {b}", lambda a, b: a.real + b),
+    "abs": ("abs({a}) * {b}", lambda a, b: abs(a) * b), "dot": ("({a} @ {b}) * {b}", lambda a, b: (a * b).sum() * b),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 9), st.integers(0, 9)), min_size=1,
+                max_size=8), st.integers(0, 2 ** 16))
+def test_random_complex_programs_agree_with_numpy(steps, seed):
+    """Random chains of complex operations (each step reads two earlier values): the
+    IR interpreter in f64 against numpy's complex128 arithmetic."""
+    rng = np.random.default_rng(seed)
+    vals = {"z": crandn(rng, 4), "w": crandn(rng, 4), "x": rng.standard_normal(4) + 0j}
+    lines = ["dim n = 4", "input z: c128[n]", "input w: c128[n]", "input x[n]"]
+    for i, (op, ia, ib) in enumerate(steps):
+        names = list(vals)
+        a, b = names[ia % len(names)], names[ib % len(names)]
+        form, ref = OPS[op]
+        lines.append(f"v{i} = {form.format(a=a, b=b)}")
+        vals[f"v{i}"] = ref(vals[a], vals[b])
+    last = f"v{len(steps) - 1}"
+    lines.append(f"out y = {last} + 0 * z")
+    m = compile_source("\n".join(lines) + "\n", "<random>", Options(dtype="f64"))
+    got = evaluate(driver.lower(m, Options(dtype="f64")).module,
+                   dict(z=vals["z"], w=vals["w"], x=vals["x"].real), dtype="f64")["y"]
+    want = vals[last] + 0 * vals["z"]
+    if np.all(np.isfinite(want)) and np.abs(want).max() < 1e100:
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * max(1.0, np.abs(want).max()))
 
 
 def test_ir_prints_and_reads_back_and_passes_verify_each():

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from tgc.frontend import ast
-from tgc.frontend.complexes import Complex, is_complex, power_literal
+from tgc.frontend.complexes import MAX_POWER, Complex, is_complex, power_literal
 from tgc.frontend.scope import FnInfo, Scope, describe
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
@@ -204,8 +204,9 @@ class Elaborator:
             return self.build(node, ctx, lambda loc: cx.div(a, b, loc))
         n = power_literal(node.rhs)
         if is_complex(b) or n is None:
-            raise self.error("a complex power takes an integer literal exponent (`z ^ 3`, `z ^ -2`); "
-                             "write exp(w * log(z)) for others", node.rhs if not is_complex(b) else node, ctx)
+            raise self.error("a complex power takes an integer literal exponent (`z ^ 3`, `z ^ -2`, at most "
+                             f"{MAX_POWER} in size); write exp(w * log(z)) for others",
+                             node.rhs if not is_complex(b) else node, ctx)
         return self.build(node, ctx, lambda loc: cx.power(a, n, loc))
 
     def _real_product(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
