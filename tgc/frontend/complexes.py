@@ -11,8 +11,11 @@ Everything after the front end -- the IR, differentiation, the optimizer, the IR
 lowered interpreters and the CPU backend -- sees only real values and works
 unchanged. Whatever acts on the other edges alone is already right for complex
 values: `+ -`, a real scale factor, `sum[e]`, renames, gathers, `where`, `stop`.
-This module builds the rest from real operations on the parts (`x` = real, `y` =
-imaginary):
+A real operand meeting a complex one in `+ -` or `where` is promoted (imaginary part
+0). This module builds the rest from real operations on the parts (`x` = real, `y` =
+imaginary), taken out by a contraction with the indicator [re.im = k] and put back
+together by `where([re.im = 0], re, im)` (a selection, so an inf or NaN in one part
+never reaches the other):
 
 - `a * b`, `a @ b` (both complex): (ar br - ai bi) + i (ar bi + ai br), each of the
   four products the same contraction as the real one (so `@` is four real GEMMs);
@@ -33,14 +36,16 @@ mul, add, exp, sin, cos, sqrt, log and div compose into them.
 
 `angle` has no real primitive (there is no atan). It is found by Newton's method on
 f(t) = x sin t - y cos t, whose root is atan2(y, x): a first guess within 0.005 of
-it (a rational approximation of atan on [0, 1] placed in its octant), then three
-steps. Each step multiplies the error e by about e^2/3 (f(t) = |z| sin(t - phi) has
-no second-order term), so the third starts below 1e-16 and gives the correctly
-rounded-to-a-few-ulps angle in f64 and f32. The guess and the first two steps are
+it (atan(t) ~ t (pi/4 + 0.273 (1 - t)) on [0, 1], placed in its octant), then three
+steps. Each step takes the error e to about e^3/3 (f(t) = |z| sin(t - phi) has no
+second-order term): 0.005, 4e-8, 2e-23, so the third starts at the rounding of f64
+(or f32) and the angle is within a few ulps. The guess and the first two steps are
 under `stop`: only the last step is differentiated, and at its converged start it
 gives exactly d angle = (x dy - y dx) / |z|^2. angle(0) is 0, as numpy says, and
-its derivative there 0, as torch's (the derivative of abs at 0 is 0 too). The
-loop is unrolled, three steps, so elaboration terminates.
+its derivative there 0, as torch's (the derivative of abs at 0 is 0 too).
+
+Termination: each operation builds a fixed number of values (the angle's loop is
+three unrolled steps; `z ^ n` at most 2 log2 |n| products, |n| <= MAX_POWER).
 """
 from __future__ import annotations
 
