@@ -310,6 +310,19 @@ def test_tgc_check_shows_the_error_with_its_caret_line(tmp_path):
     assert "out y = sqrt(z)\n" in r.output and "        ^" in r.output
 
 
+def test_a_real_array_for_a_complex_input_is_a_clear_error():
+    from tgc.ir.interp import EvalError
+
+    src = "dim n = 4\ninput z: c64[n]\nout y = z * 2\n"
+    with pytest.raises(EvalError, match=r"input 'z' is complex \(\[n\]\): pass a complex array"):
+        tgc.compile(src)(z=np.ones(4, np.float32))
+    m = compile_source(src, "<c>", Options())
+    with pytest.raises(EvalError, match="pass a complex array"):
+        evaluate(m, {"z": np.ones(4)}, dtype="f32")
+    pairs = np.arange(8, dtype=np.float32).reshape(4, 2)      # the float pairs themselves are taken
+    np.testing.assert_array_equal(tgc.compile(src)(z=pairs)["y"], 2 * (pairs[:, 0] + 1j * pairs[:, 1]))
+
+
 def test_unknown_dtype_lists_the_complex_types():
     with pytest.raises(CompileError, match="unknown dtype 'c32'; expected one of: .*c64, c128") as e:
         compile_source("input z: c32\n", "e.tg", Options())

@@ -53,11 +53,28 @@ def as_complex(a: np.ndarray) -> np.ndarray:
     return a.view(np.complex64 if a.dtype == np.float32 else np.complex128)[..., 0]
 
 
-def pairs_inputs(module, inputs: Mapping, dtype: str | None) -> dict:
-    """`inputs` with each complex argument's array as float pairs."""
+def not_pairs(name: str, a, order) -> str | None:
+    """Why `a` cannot be the complex argument `name` of edges `order` (parts edge
+    last): a real array without the trailing axis of 2; None when it can be."""
+    if isinstance(a, (complex, np.complexfloating)) or getattr(getattr(a, "dtype", None), "kind", "c") == "c":
+        return None
+    if np.ndim(a) == len(order) and np.shape(a)[-1:] == (2,):
+        return None
+    edges = ", ".join(order[:-1])
+    return (f"input '{name}' is complex ([{edges}]): pass a complex array, or its float pairs with a last "
+            f"axis of 2, not a real array of shape {np.shape(a)}")
+
+
+def pairs_inputs(module, inputs: Mapping, dtype: str | None, error=ValueError) -> dict:
+    """`inputs` with each complex argument's array as float pairs; `error` (raised
+    with the reason) for a real array where a complex one belongs."""
     names = complex_args(module)
     if not names:
         return dict(inputs)
+    for k in names & inputs.keys():
+        why = not_pairs(k, inputs[k], module.args[k].order)
+        if why:
+            raise error(why)
     return {k: as_pairs(v, dtype or module.args[k].dtype) if k in names else v for k, v in inputs.items()}
 
 

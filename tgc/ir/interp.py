@@ -325,7 +325,7 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
     missing = [n for n in module.args if n not in inputs]
     if missing:
         raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
-    inputs = pairs_inputs(module, inputs, dtype)   # complex arrays as float pairs (a view)
+    inputs = pairs_inputs(module, inputs, dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
     args = check_inputs(module, inputs, env, dtype)
     ev = _Eval(module, env, args, dtype)

@@ -60,7 +60,7 @@ def run_lowered(low: Lowered, inputs: Mapping[str, np.ndarray],
     """Run `low` on `inputs` (one array per argument, in ABI order); the outputs and the
     updates' new values, keyed as a compiled program's call keys them."""
     m = low.module
-    inputs = pairs_inputs(m, inputs, low.dtype)   # complex arrays as float pairs (a view)
+    inputs = pairs_inputs(m, inputs, low.dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(m, {k: v for k, v in inputs.items() if k in m.args}, dims)
     args = check_inputs(m, inputs, env, low.dtype)
     return complex_outputs(m, _Machine(low, env, args).run())

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results
+from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
 from tgc.ir.interp import EvalError, check_ids_fit
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
@@ -537,6 +537,10 @@ class Program:
         back as complex views of the float pairs."""
         if not isinstance(arrays, dict):
             arrays = dict(arrays)
+        for k in self._complex_args & arrays.keys():
+            why = not_pairs(k, arrays[k], self.module.args[k].order)
+            if why:
+                raise EvalError(why)
         pairs = {k: as_pairs(_dlpack_view(k, v), self.float_dtype) if k in self._complex_args else v
                  for k, v in arrays.items()}
         result = self._run_real(pairs, dims, updates)
