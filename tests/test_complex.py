@@ -258,6 +258,14 @@ def test_grad_emits_a_tg_program_over_the_float_pairs(tmp_path):
     np.testing.assert_allclose(grad[..., 0] + 1j * grad[..., 1], 2 * np.exp(2 * z.real), rtol=1e-12)
 
 
+def test_tgc_grad_of_a_complex_output_asks_for_a_cotangent(tmp_path):
+    src = tmp_path / "c.tg"
+    src.write_text("dim n = 3\ninput z: c64[n]\ninput s\nout y = sum(z) * s\n")
+    r = CliRunner().invoke(main, ["grad", str(src), "--wrt", "s", "--of", "y"])
+    assert r.exit_code == 1
+    assert "--of y: the output is complex; its derivative needs an explicit cotangent v" in r.output
+
+
 def test_tgc_run_reads_and_writes_complex_npz(tmp_path):
     src = tmp_path / "c.tg"
     src.write_text("dim n = 3\ninput z: c64[n]\nout y = z * 1j + conj(z)\nout r = abs(z)\n")
