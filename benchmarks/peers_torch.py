@@ -106,6 +106,26 @@ def conv2d(a, compiled):
     return step
 
 
+def gcn(a, compiled):
+    """index_add (scatter-add) and indexing (gather), as PyTorch Geometric's mean aggregation does."""
+    x, W1, W2 = _t(a["x"], True), _t(a["W1"], True), _t(a["W2"], True)
+    src, dst, dy = _t(a["src"]).long(), _t(a["dst"]).long(), _t(a["dy"])
+    n = x.shape[0]
+
+    def forward(x, W1, W2):
+        deg = torch.zeros(n, dtype=x.dtype).index_add_(0, dst, torch.ones(dst.shape[0], dtype=x.dtype))
+        inv = (1 / deg.clamp(min=1))[:, None]
+        h = torch.relu(torch.zeros(n, W1.shape[1], dtype=x.dtype).index_add(0, dst, (x @ W1)[src]) * inv)
+        return torch.zeros(n, W2.shape[1], dtype=x.dtype).index_add(0, dst, (h @ W2)[src]) * inv
+    fwd = _maybe_compile(forward, compiled)
+
+    def step():
+        y = fwd(x, W1, W2)
+        dx, dW1, dW2 = torch.autograd.grad(y, (x, W1, W2), dy)
+        return {"y": y, "dx": dx, "dW1": dW1, "dW2": dW2}
+    return step
+
+
 def _sgd_step(loss_fn, params, names, lr):
     def step():
         loss = loss_fn()
@@ -187,7 +207,7 @@ def _gpt_model(a, compiled, layers, heads):
 
 
 MAKERS = {"layernorm": layernorm, "gelu": gelu, "softmax": softmax, "hvp": hvp,
-          "conv1d": conv1d, "conv2d": conv2d, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
+          "conv1d": conv1d, "conv2d": conv2d, "gcn": gcn, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
 
 
 def make(workload, arrays, compiled):

@@ -153,6 +153,30 @@ def conv2d(a):
     return {"y": y, "dx": dx, "dK": dK}
 
 
+# --------------------------------------------------------------- GCN (message passing)
+
+def _segment_sum(values, ids, n):
+    """sum of the rows of `values` by destination id: np.add.at, one row per id."""
+    out = np.zeros((n,) + values.shape[1:], values.dtype)
+    np.add.at(out, ids, values)
+    return out
+
+
+def gcn(a):
+    """Two mean-aggregation graph convolutions (workloads/gcn.tg): y, and dx, dW1, dW2 of sum(y * dy)."""
+    x, src, dst, dy, W1, W2 = (a[k] for k in ("x", "src", "dst", "dy", "W1", "W2"))
+    n = x.shape[0]
+    inv = 1 / np.maximum(np.bincount(dst, minlength=n), 1).astype(x.dtype)[:, None]
+    a1 = _segment_sum((x @ W1)[src], dst, n) * inv
+    h = np.maximum(a1, 0)
+    y = _segment_sum((h @ W2)[src], dst, n) * inv
+    g = _segment_sum((dy * inv)[dst], src, n)             # d loss / d (h @ W2)
+    dW2 = h.T @ g
+    da = np.where(a1 > 0, g @ W2.T, 0) * inv
+    gx = _segment_sum(da[dst], src, n)                    # d loss / d (x @ W1)
+    return {"y": y, "dx": gx @ W1.T, "dW1": x.T @ gx, "dW2": dW2}
+
+
 # --------------------------------------------------------------- MLP training step
 
 MLP_PARAMS = ("W1", "b1", "W2", "b2", "W3", "b3")

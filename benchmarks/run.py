@@ -117,6 +117,21 @@ def _conv2d_inputs(b, ci, co, k, side):
     return make
 
 
+GCN = dict(nodes=4000, edges=40000, f=16)
+
+
+def _gcn_inputs(rng):
+    N, E, F = GCN["nodes"], GCN["edges"], GCN["f"]
+    return {"x": rng.standard_normal((N, F)).astype(F32), "dy": rng.standard_normal((N, F)).astype(F32),
+            "src": rng.integers(0, N, E).astype(np.int32), "dst": rng.integers(0, N, E).astype(np.int32),
+            "W1": (rng.standard_normal((F, F)) / 4).astype(F32), "W2": (rng.standard_normal((F, F)) / 4).astype(F32)}
+
+
+def _gcn_bytes():
+    """Each of the 4 gathers and 4 scatters reads and writes one edges x features f32 array."""
+    return 8 * 2 * GCN["edges"] * GCN["f"] * 4
+
+
 def load_wine():
     raw = np.loadtxt(HERE / "data" / "wine.csv", delimiter=",", skiprows=1)
     x, y = raw[:, :13], raw[:, 13:]
@@ -205,6 +220,8 @@ def cases():
                     ("flops", _conv_flops()), "<=24 ms", "abs", 24e-3))
     out.append(Case("conv2d", "16x32->64 32x32 k3", {"batch": 16}, _conv2d_inputs(16, 32, 64, 3, 32),
                     ("flops", _conv2d_flops()), "<=1x torch", "vs-torch", 1.0))
+    out.append(Case("gcn", "4000 nodes 40000 edges f16", {"nodes": GCN["nodes"], "edges": GCN["edges"]},
+                    _gcn_inputs, ("bw", _gcn_bytes()), "<=1x torch", "vs-torch", 1.0))
     out.append(Case("mlp", "178x13-64-64-3", {"batch": 178}, _mlp_inputs, ("flops", _mlp_flops()),
                     "<=60 us", "abs", 60e-6, updates=ref_numpy.MLP_PARAMS))
     out.append(Case("gpt", "3L 3H w48 64x11", {"batch": GPT["batch"]}, _gpt_inputs, ("flops", _gpt_flops()),
@@ -217,7 +234,7 @@ def cases():
 
 NUMPY = {"layernorm": ref_numpy.layernorm, "gelu": ref_numpy.gelu, "softmax": ref_numpy.softmax,
          "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step,
-         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d}
+         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d, "gcn": ref_numpy.gcn}
 
 
 # ============================================================ contenders

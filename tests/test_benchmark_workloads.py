@@ -47,3 +47,16 @@ def test_conv2d_reference_is_the_programs_values():
     want = ref_numpy.conv2d({k: v.copy() for k, v in arrays.items()})
     for k in ("y", "dx", "dK"):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+
+
+def test_gcn_reference_is_the_programs_values():
+    """The numpy GCN (np.add.at scatters, a hand-written backward) is what gcn.tg computes."""
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v
+              for k, v in run._gcn_inputs(np.random.default_rng(0)).items()}
+    got = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "gcn.tg"), dtype="f64")(
+        **{k: np.array(v, copy=True) for k, v in arrays.items()})
+    want = ref_numpy.gcn({k: np.array(v, copy=True) for k, v in arrays.items()})
+    for k, w in want.items():
+        np.testing.assert_allclose(got[k], w, rtol=1e-10, atol=1e-12, err_msg=k)

@@ -206,8 +206,18 @@ def _scatter(ev: _Eval, v: Value, ops):
     values = ev.expand(ops[0], ct, full).expand(shape)
     index = tuple(ev.expand(ops[1], ids, full).expand(shape) if e == edge else
                   _arange(ev, e, full).expand(shape) for e in v.edges)
-    out = torch.zeros(ev.shape(v.edges), dtype=F64)
-    return out.index_put(index, values, accumulate=True)
+    if v.attrs[1] == "sum":
+        out = torch.zeros(ev.shape(v.edges), dtype=F64)
+        return out.index_put(index, values, accumulate=True)
+    # a segment max/min: scatter_reduce over the flattened output, -inf/inf where empty
+    shape = ev.shape(v.edges)
+    flat = torch.zeros((), dtype=torch.int64)
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    fill = float("-inf") if v.attrs[1] == "max" else float("inf")
+    out = torch.full((int(torch.tensor(shape).prod()),), fill, dtype=F64)
+    out = out.scatter_reduce(0, flat.reshape(-1), values.reshape(-1), "amax" if v.attrs[1] == "max" else "amin")
+    return out.reshape(shape)
 
 
 def _rename(ev: _Eval, v: Value, ops):

@@ -4,8 +4,9 @@ Used by `tgc grad --emit tg` to show a derivative program in surface syntax. Eac
 non-trivial value becomes one binding; edges the compiler invented (`t.1`) get
 valid names and are declared as dims of the same size; IR forms without a direct
 surface form are spelled with primitives (`mul0(a, b)` as `where(a != 0, a * b, 0)`,
-a scatter-add as a contraction with a gathered indicator, a broadcast as a
-product with `[e = e]`).
+a scatter-add as a contraction with an integer indicator `[e = ids]`, a segment
+max/min as a `max`/`min` of a `where` masked by one, a broadcast as a product with
+`[e = e]`).
 """
 from __future__ import annotations
 
@@ -159,13 +160,17 @@ class _Writer:
         return f"{ops[0]}[{self.e(v.attrs[0])} = {ops[1]}]"
 
     def _scatter(self, v, ops):
-        ct, ids = v.operands
-        edge = v.attrs[0]
-        w = self.fresh(f"{self.e(edge)}_w")
-        self.lines.insert(self._dims_end(), f"dim {w} = {self.m.edges[edge]}")
+        """A scatter-add as a contraction with the integer indicator [edge = ids], a segment
+        max/min as the max/min of a `where` masked by it (docs/language.md, section 6)."""
+        ids = v.operands[1]
+        ind = f"[{self.e(v.attrs[0])} = {ops[1]}]"
         summed = [self.e(e) for e in ids.edges if e not in v.edges]
-        body = f"{ops[0]} * [{self.e(edge)} = {w}][{w} = {ops[1]}]"
-        return f"sum[{', '.join(summed)}]({body})" if summed else body
+        kind = v.attrs[1]
+        if kind != "sum":
+            body = f"where({ind}, {ops[0]}, {'-inf' if kind == 'max' else 'inf'})"
+        else:
+            body = f"{ops[0]} * {ind}"
+        return f"{kind}[{', '.join(summed)}]({body})" if summed else body
 
     def _dims_end(self) -> int:
         return sum(1 for line in self.lines if line.startswith("dim "))

@@ -121,7 +121,8 @@ class Elaborator:
 
     def float_value(self, v: V.Value, node, ctx: Ctx) -> V.Value:
         if v.dtype == "i32":
-            raise self.error("an integer (i32) tensor can only be used as gather indices", node, ctx)
+            raise self.error("an integer (i32) tensor can only be used as gather indices (x[node = ids]) "
+                             "or in an indicator ([node = ids])", node, ctx)
         return v
 
     def real_only(self, what: str, node, ctx: Ctx, *values: V.Value) -> None:
@@ -221,11 +222,59 @@ class Elaborator:
         return self.build(node, ctx, V.map_, COMPARE[node.op], a, b)
 
     def _Indicator(self, node: ast.Indicator, ctx: Ctx) -> V.Value:
+        ids = self.integer_indicator(node, ctx)
+        if ids is not None:
+            return ids
         rel = Relation(tuple(self.affine(t, ctx) for t in node.terms), tuple(node.ops))
         named = self.named_edges(node.terms, ctx)
         if not named:
             raise self.error("an indicator must name at least one edge", node, ctx)
         return self.spread(V.indicator(rel, self.dtype, loc=node.loc), named, node.loc)
+
+    def integer_indicator(self, node: ast.Indicator, ctx: Ctx) -> V.Value | None:
+        """`[node = ids]` (or `[ids = node]`) with `ids` an i32 tensor: 1 where node ==
+        ids[...], over `node` and the edges of ids. It is the scatter of ones along
+        `node` that keeps every edge of ids; the passes turn its contractions into
+        gathers and scatters (`tgc.passes.scatter`). None for any other indicator."""
+        if len(node.terms) != 2 or tuple(node.ops) != ("=",):
+            return None
+        names = [self._bare_name(t, ctx) for t in node.terms]
+        tensors = [i for i, n in enumerate(names) if n is not None and self._is_tensor(n, ctx)]
+        if not tensors:
+            return None
+        if len(tensors) == 2:
+            raise self.error("an indicator relates an edge to integer data: one side must be an edge",
+                             node, ctx)
+        i = tensors[0]
+        other = node.terms[1 - i]
+        if names[1 - i] is None:
+            raise self.error(f"an indicator with integer data '{names[i]}' relates it to one edge, "
+                             f"written alone (e.g. [node = {names[i]}])", other, ctx)
+        edge = self.edge(names[1 - i], other, ctx)
+        ids = self.expr(ast.Name(names[i], loc=node.terms[i].loc), ctx)
+        if ids.dtype != "i32":
+            raise self.error(f"an indicator's data must be an i32 tensor; '{names[i]}' is a float tensor "
+                             f"(declare it `input {names[i]}: i32[...]`)", node.terms[i], ctx)
+        if edge in ids.edges:
+            raise self.error(f"the indicator's edge '{names[1 - i]}' is also an edge of '{names[i]}'",
+                             other, ctx)
+        ones = V.const(1.0, self.dtype, ids.edges, loc=node.loc)
+        return self.build(node, ctx, V.scatter, ones, ids, edge, ids.edges)
+
+    @staticmethod
+    def _bare_name(t: ast.Affine, ctx: Ctx) -> str | None:
+        """The name an index expression is, when it is one name alone (coefficient 1)."""
+        if len(t.terms) != 1:
+            return None
+        term = t.terms[0]
+        if term.coef != 1 or term.size_of is not None or term.edge is None:
+            return None
+        return term.edge
+
+    def _is_tensor(self, name: str, ctx: Ctx) -> bool:
+        if name in ctx.edges:
+            return False
+        return name in ctx.values or self.scope.kinds.get(name) == "tensor"
 
     def named_edges(self, affines, ctx: Ctx) -> list[str]:
         """The edges index expressions name, in order, those with a 0 coefficient too."""

@@ -283,9 +283,14 @@ def _scatter(ev: _Eval, v: Value, ops):
     index = tuple(np.broadcast_to(ev.expand(ops[1], ids, full), shape) if e == edge else
                   np.arange(ev.sizes[e]).reshape([-1 if x == e else 1 for x in full])
                   for e in v.edges)
-    out = np.zeros([ev.sizes[e] for e in v.edges], dtype=values.dtype)
-    np.add.at(out, index, values)
+    kind = v.attrs[1]
+    out = np.full([ev.sizes[e] for e in v.edges], SCATTER_INIT[kind], dtype=values.dtype)
+    SCATTER_COMBINE[kind].at(out, index, values)   # maximum/minimum propagate NaN, as max does
     return out
+
+
+SCATTER_INIT = {"sum": 0.0, "max": -np.inf, "min": np.inf}
+SCATTER_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _random(ev: _Eval, v: Value, ops):
@@ -360,7 +365,7 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
 
 
 def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
-    """The smallest size among the edges this i32 input gathers along (or 1)."""
+    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
     bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
-              if v.op == "gather" and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
     return min(bounds) if bounds else 1

@@ -11,7 +11,9 @@ Backend-neutral: a program is a list of kernels over named buffers.
   reduced ones, `reduce` one of '' (no reduction), 'sum', 'max', 'min'. `body` and
   `epilogue` are expression trees (`Load`, `Const`, `Map`, ... below); `Acc` in the
   epilogue is the reduced value. A `scatter` kernel zeroes `out` and then adds
-  `body` into `out[index]`, whose index goes through gathered ids.
+  `body` into `out[index]`, whose index goes through gathered ids; with `reduce`
+  'max' or 'min' (a segment reduction) it fills `out` with -inf or inf and keeps
+  the maximum or minimum instead (NaN propagates).
 - A `GemmKernel` is `out[batch, m, n] = sum_k a[batch, m, k] * b[batch, k, n]`
   over edge groups; `a`/`b` are `View`s (a buffer seen through an edge renaming).
   With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
@@ -361,8 +363,8 @@ class LoopKernel:
 
     def text(self) -> str:
         head = f"loop %{self.out}[{_index_text(self.index)}]"
-        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce else ""
-        head += " +=" if self.scatter else " ="
+        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce and not self.scatter else ""
+        head += f" {self.reduce or '+'}=" if self.scatter else " ="
         body = f"{red} {expr_text(self.body)}"
         if self.epilogue is not None:
             body = f" {expr_text(self.epilogue)}  where acc ={body}"

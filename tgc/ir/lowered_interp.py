@@ -13,7 +13,8 @@ Semantics, as `tgc.ir.lowered` states them:
   `Mask` narrows where its operand is evaluated, a reduced loop's `bounds` narrow
   where its terms count, `reduce` is sum, max or min (NaN propagates), `maxshift`
   (NaNs skipped) or `logsumexp`, and the epilogue sees the reduced value as `Acc`;
-  a scatter kernel zeroes its output and adds every term at its gathered index;
+  a scatter kernel fills its output with 0 (its `reduce` empty: a scatter-add), -inf
+  (`max`) or inf (`min`) and combines every term into its gathered index;
 - a `LoopGroup` runs its members one after another for each index of its outer
   loops (a member in `regs` is an array over the outer edges here; with blocks,
   `#block` is the block of the first outer index, and a member summing over an
@@ -39,8 +40,9 @@ from typing import Mapping
 
 import numpy as np
 
-from tgc.ir.interp import MAP_FNS, NP_DTYPES, EvalError, bind_dims, check_inputs
 from tgc.ir.complex_io import complex_outputs, pairs_inputs
+from tgc.ir.interp import (MAP_FNS, NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
+                           check_inputs)
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf)
 from tgc.ir.philox import draw_numpy
@@ -186,14 +188,15 @@ class _Machine:
         out[tuple(full[1:])] = full[0].astype(out.dtype)
 
     def scatter(self, k: LoopKernel, vals: dict, active: np.ndarray, shape) -> None:
+        """Sums accumulate in float64 and round once; max/min are exact in any type."""
         out = self.arrays[k.out]
-        out[...] = 0
+        kind = k.reduce or "sum"
         value = np.broadcast_to(self.expr(k.body, vals, active), shape)
         idx = [np.broadcast_to(i, shape) for i in self.index(k.out, k.index, vals)]
         act = np.broadcast_to(active, shape)
         self.check_range(k.out, idx, act)
-        acc = np.zeros(out.shape, np.float64)
-        np.add.at(acc, tuple(i[act] for i in idx), value[act])
+        acc = np.full(out.shape, SCATTER_INIT[kind], np.float64)
+        SCATTER_COMBINE[kind].at(acc, tuple(i[act] for i in idx), value[act])
         out[...] = acc.astype(out.dtype)
 
     # ---------------------------------------------------------------- groups

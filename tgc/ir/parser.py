@@ -146,7 +146,9 @@ def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, l
     if op == "gather":
         return V.gather(args[0], args[1], a.strip(), loc)
     if op == "scatter":
-        return V.scatter(args[0], args[1], a.strip(), set(typ.edges) & set(args[1].edges), loc)
+        kind, _, edge = a.rpartition(":")
+        return V.scatter(args[0], args[1], edge.strip(), set(typ.edges) & set(args[1].edges), loc,
+                         kind.strip() or "sum")
     if op == "rename":
         pairs = [p.split("->") for p in a.split(",")]
         return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)

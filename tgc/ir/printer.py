@@ -25,8 +25,10 @@ def attr_text(v: Value) -> str:
     a = v.attrs
     if v.op == "const":
         text = repr(a[0])
-    elif v.op in ("size", "gather", "scatter", "map"):
+    elif v.op in ("size", "gather", "map"):
         text = a[0]
+    elif v.op == "scatter":   # a scatter-add is [edge], a segment reduction [kind: edge]
+        text = a[0] if a[1] == "sum" else f"{a[1]}: {a[0]}"
     elif v.op == "add":
         text = ", ".join(repr(c) for c in a[0])
     elif v.op == "reduce":

@@ -20,10 +20,13 @@ there is no axis order). The primitive ops and their attributes:
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
     gather    (edge,)            table[edge = ids[...]]: operands (table, ids:i32);
                                  edges shared by table and ids are matched
-    scatter   (edge,)            the transpose of gather: operands (ct, ids:i32); sums
+    scatter   (edge, kind)       the transpose of gather: operands (ct, ids:i32); combines
                                  ct into position ids[...] along `edge`; the result
                                  has (ct.edges - ids.edges) + edge, plus the edges of
-                                 ids its type keeps, which are matched as in gather
+                                 ids its type keeps, which are matched as in gather.
+                                 kind `sum` adds (0 where no id points: a scatter-add);
+                                 `max`/`min` take the extreme (-inf/inf where no id
+                                 points, NaN if any term is NaN: a segment reduction)
     random    (kind, folds, draw) a counter-based draw over the type's edges (tgc.ir.philox):
                                  kind 'rand' (uniform in [0, 1)) or 'randn' (standard
                                  normal); operand: the key, an i32 scalar argument;
@@ -74,6 +77,7 @@ MAP_ARITY = {
     "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
+SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
 CUSTOM_OPS = ("custom", "slot")  # custom derivative rules (gone once no derivative is left)
@@ -181,7 +185,7 @@ def _float_dtype(values: Sequence[Value]) -> str:
                 return first
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
-        raise IRError("integer (i32) tensors can only be used as gather indices")
+        raise IRError("integer (i32) tensors can only be used as gather or scatter indices")
     if len(dtypes) > 1:
         raise IRError(f"mixed float types {sorted(dtypes)}")
     return dtypes.pop()
@@ -262,8 +266,12 @@ def gather(table: Value, ids: Value, edge: str, loc: Loc | None = None) -> Value
     return Value.make("gather", (table, ids), (edge,), TensorType.of(dtype, rest + list(ids.edges)), loc)
 
 
-def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc | None = None) -> Value:
-    """result[edge = j, rest, keep] = sum over the other ids edges of ct where ids[...] == j."""
+def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc | None = None,
+            kind: str = "sum") -> Value:
+    """result[edge = j, rest, keep] = sum (or max, min: `kind`) over the other ids edges of
+    ct where ids[...] == j."""
+    if kind not in SCATTER_KINDS:
+        raise IRError(f"unknown scatter kind '{kind}'")
     if ids.dtype != "i32":
         raise IRError(f"scatter indices must be i32, not {ids.dtype}")
     if edge in ct.edges or edge in ids.edges:
@@ -273,7 +281,7 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
         raise IRError(f"scatter can keep only edges of the indices, not '{sorted(keep - set(ids.edges))[0]}'")
     dtype = _float_dtype([ct])
     rest = [e for e in ct.edges if e not in ids.edges]
-    return Value.make("scatter", (ct, ids), (edge,), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
+    return Value.make("scatter", (ct, ids), (edge, kind), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
 
 
 def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Iterable[str],
@@ -490,7 +498,8 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "map": lambda v, ops: map_(v.attrs[0], *ops, loc=v.loc),
     "reduce": lambda v, ops: reduce(v.attrs[0], ops[0], v.attrs[1], v.loc),
     "gather": lambda v, ops: gather(ops[0], ops[1], v.attrs[0], v.loc),
-    "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc),
+    "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc,
+                                      v.attrs[1]),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
     "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc, v.attrs[2]),
     "stop": lambda v, ops: stop(ops[0], v.loc),

@@ -179,6 +179,32 @@ def _matched(table: Value, ids: Value) -> set[str]:
     return set(table.edges) & set(ids.edges)
 
 
+def _segment_weights(v: Value) -> Value:
+    """A segment max/min: 1/count at each term attaining its segment's extreme, else 0
+    (ties share, as `_extreme_weights` of the dense `max[e](where([n = ids], x, -inf))`).
+    The extreme and the count are gathered back to the terms: O(terms), never a
+    segments x terms tensor."""
+    x, ids = v.operands
+    edge, keep = v.attrs[0], _matched(v, ids)
+    hit = _fn("eq", x, V.gather(v, ids, edge))
+    count = V.scatter(hit, ids, edge, keep)
+    return _fn("div", hit, V.gather(count, ids, edge))
+
+
+def _scatter_vjp(v: Value, ct: Value) -> Value:
+    """A scatter-add is transposed by a gather; a segment max/min sends each segment's
+    cotangent, gathered, to the terms that attain the extreme."""
+    back = V.gather(ct, v.operands[1], v.attrs[0])
+    return back if v.attrs[1] == "sum" else _mul0(back, _segment_weights(v))
+
+
+def _scatter_jvp(v: Value, t: Value) -> Value:
+    ids = v.operands[1]
+    if v.attrs[1] != "sum":
+        t = V.mul([t, _segment_weights(v)])
+    return V.scatter(t, ids, v.attrs[0], _matched(v, ids))
+
+
 def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
     """The jvp that sums `fn(v, i, t_i)` over the operands that have a tangent."""
     return lambda v, ts: total(fn(v, i, t) for i, t in enumerate(ts) if t is not None)
@@ -205,8 +231,7 @@ RULES: dict[str, Rule] = {
     # table[edge = ids]: transposed by scatter-add, and scatter by gather
     "gather": Rule((0,), lambda v, i, ct: V.scatter(ct, v.operands[1], v.attrs[0], _matched(*v.operands)),
                    lambda v, ts: V.gather(ts[0], v.operands[1], v.attrs[0])),
-    "scatter": Rule((0,), lambda v, i, ct: V.gather(ct, v.operands[1], v.attrs[0]),
-                    lambda v, ts: V.scatter(ts[0], v.operands[1], v.attrs[0], _matched(v, v.operands[1]))),
+    "scatter": Rule((0,), lambda v, i, ct: _scatter_vjp(v, ct), lambda v, ts: _scatter_jvp(v, ts[0])),
     # rename: the inverse rename
     "rename": Rule((0,), lambda v, i, ct: V.rename(ct, inverse(dict(v.attrs[0]))),
                    lambda v, ts: V.rename(ts[0], dict(v.attrs[0]))),

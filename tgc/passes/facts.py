@@ -164,6 +164,8 @@ class Facts:
         if v.op in ("rename", "stop", "gather"):
             return ops[0]
         if v.op == "scatter":
+            if v.attrs[1] != "sum":   # a segment max/min: -inf/inf where no id points
+                return False, None
             return fin, _meet(ops[0][1], NONNEG)
         return False, None
 

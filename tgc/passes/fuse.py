@@ -676,8 +676,10 @@ class _Fuser:
         loops = self.m.order_edges(set(ct.edges) | set(ids.edges))
         env = {e: Ix.var(e) for e in loops}
         index = tuple((e, Ix.of(self.idload(ids, env)) if e == edge else env[e]) for e in v.edges)
+        kind = v.attrs[1]
         return LoopKernel(out, index, tuple(loops), self.var_sizes(loops), self.expr(ct, env),
-                          scatter=True, note="scatter")
+                          "" if kind == "sum" else kind, scatter=True,
+                          note="scatter" if kind == "sum" else f"segment {kind}")
 
     def view(self, o: Value) -> View:
         base, mapping = peel(o)

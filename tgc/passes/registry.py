@@ -5,11 +5,12 @@ from tgc.passes.adjoint import Adjoint
 from tgc.passes.base import Pass
 from tgc.passes.factor import Factor
 from tgc.passes.normalize import Normalize
+from tgc.passes.scatter import Scatter
 from tgc.passes.simplify import Simplify
 from tgc.passes.stabilize import Stabilize
 from tgc.passes.tangent import Tangent
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor)}
+PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
@@ -19,8 +20,9 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product
-# as the source nests it).
-STRICT_PIPELINE: tuple[str, ...] = ("normalize", "adjoint", "tangent", "normalize")
+# as the source nests it); integer indicators as gathers and scatters (`scatter` is
+# normalize plus those exact re-indexings), before and after differentiating.
+STRICT_PIPELINE: tuple[str, ...] = ("normalize", "scatter", "adjoint", "tangent", "scatter")
 
 
 def pipeline(options) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from tgc.ir.values import Value
 from tgc.passes.products import split_product
 from tgc.passes.relations import in_range, is_delta, solve, substitute, truth
 from tgc.passes.rewrite import Ctx
+from tgc.passes.scatter import SCATTER
 
 
 def _zero(v: Value) -> Value:
@@ -316,8 +317,8 @@ SIMPLIFY = {
     "max": [extreme],
     "min": [extreme],
     "abs": [abs_],
-    "contract": [delta, idempotent, compose, cancel],
-    "reduce": [reduce_broadcast],
+    "contract": [delta, idempotent, compose, cancel, *SCATTER["contract"]],
+    "reduce": [reduce_broadcast, *SCATTER["reduce"]],
     "indicator": [indicator_truth],
     "stop": [drop_stop],
 }

@@ -16,7 +16,9 @@ that a product, is one llvm.fma (`fma_term`), never two rounded products in one 
   then the sum of exp(x - max)) and always runs in this mode;
 - memory mode (a reduced loop outside a kept one, e.g. summing rows of a row-major
   matrix): initialize `out`, combine into it in the nest, then apply the epilogue;
-- scatter: zero `out`, then add each element at its gathered position.
+- scatter: zero `out`, then add each element at its gathered position; a segment
+  max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines with
+  llvm.maximum/minimum (NaN-propagating, like `max[e]`).
 
 A group (`LoopGroup`) is one function: its outer loops (the first split between
 threads, by blocks when it has partial sums), and inside them each member's own
@@ -269,7 +271,7 @@ class LoopGen:
         register = not k.scatter and all(loops.index(r) > loops.index(v)
                                          for r in k.red if r in loops for v in kept)
         if k.scatter:
-            self.fill_zero()
+            self.fill(INIT[k.reduce or "sum"])
             self.nest(loops, vars, self.scatter_step)
         elif not k.reduce:
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
@@ -375,13 +377,16 @@ class LoopGen:
         self.store(vars, self.combine(self.load_out(vars), self.expr(self.k.body, vars)))
 
     def scatter_step(self, vars: dict) -> None:
+        if self.k.reduce:   # a segment max/min
+            self.store(vars, self.combine(self.load_out(vars), self.expr(self.k.body, vars)))
+            return
         self.store(vars, self.b.fadd(self.load_out(vars), self.expr(self.k.body, vars)))
 
-    def fill_zero(self) -> None:
+    def fill(self, value: float) -> None:
         out = self.low.buffers[self.k.out]
         n = self.f.count(out.edges)
         with for_range(self.b, I64(0), n, "z") as i:
-            self.b.store(self.const(0.0), self.b.gep(self.ptr[out.name], [i], source_etype=self.fp))
+            self.b.store(self.const(value), self.b.gep(self.ptr[out.name], [i], source_etype=self.fp))
 
     def logsumexp(self, vars: dict) -> ir.Value:
         """m + log(sum exp(x - m)), m = max x (0 when not finite: all -inf stays -inf)."""
