@@ -97,6 +97,7 @@ out g = z[n = ids]
 out s = z[n = n + 1] * [n < 4]
 out t = stop(z) - 1j * z[n -> k][k -> n]
 out r = max[n](real(z)) + sum[n](imag(z))
+out sc = z[n = ids] @ [n = ids]                   # a gather, then a scatter-add back
 """
     rng = np.random.default_rng(10)
     z, ids = crandn(rng, 5, dtype="f32"), np.array([4, 0, 2], np.int32)
@@ -105,6 +106,9 @@ out r = max[n](real(z)) + sum[n](imag(z))
         np.testing.assert_array_equal(got["s"], np.append(z[1:], 0), err_msg=path)
         close(got["t"], z - 1j * z, "f32", path)
         close(got["r"], z.real.max() + z.imag.sum(), "f32", path)
+        want = np.zeros(5, np.complex64)
+        np.add.at(want, ids, z[ids])
+        close(got["sc"], want, "f32", path)
 
 
 def test_angle_and_log_in_every_quadrant_on_the_axes_and_at_zero():
