@@ -115,6 +115,7 @@ UNARY = {  # fn: (domain of x, smooth enough for second order)
     "exp": (None, True), "log": (positive, True), "sqrt": (positive, True), "tanh": (None, True),
     "erf": (None, True), "sin": (None, True), "cos": (None, True), "abs": (away_from_zero, True),
     "sign": (away_from_zero, True), "sigmoid": (None, True), "softplus": (None, True),
+    "checkpoint": (None, True), "recompute": (None, True),  # identities (passes/remat.py)
 }
 BINARY = {  # fn: (domain of x, domain of y)
     "div": (None, away_from_zero), "pow": (positive, None), "max": (None, None), "min": (None, None),

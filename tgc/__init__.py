@@ -62,7 +62,10 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     type, "f32" or "f64". `dims` ({name: size}) fixes symbolic dims at build time;
     dims left symbolic are bound at each call from the inputs' shapes, so one build
     serves every batch size. `options` (an `Options`) sets everything else.
-    `backend` is "cpu" (the only one). Errors in the program raise `CompileError`.
+    `backend` is "cpu" (native code for this CPU), "cuda" (an NVIDIA GPU through
+    CuPy: docs/cuda.md) or "cuda-sim" (the CUDA module run on this CPU by an
+    emulator). Errors in the program raise `CompileError`; a backend that cannot
+    run here raises `tgc.backends.base.BackendUnavailable`.
 
     Compiled code is cached on disk (see the README), so compiling the same program
     again is fast.
@@ -72,15 +75,17 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
 
     from tgc.ir.module import Module
 
-    if backend != "cpu":
-        raise ValueError(f"backend '{backend}' is not available (have: cpu)")
+    from tgc.backends.base import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend '{backend}' is not available (have: {', '.join(BACKENDS)})")
     if dtype not in ("f32", "f64"):
         raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
     if isinstance(source, (bytes, bytearray)):
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
     if isinstance(source, Module):
-        return _build(source, dims, options, None)
+        return _build(source, dims, options, None, backend=backend)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
         path = os.fspath(source)
@@ -99,7 +104,7 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     else:
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
-    key = _source_key(kind, name, text, options)
+    key = _source_key(kind, name, text, options) if backend == "cpu" else None
     if key is not None:
         program = _cached(key, options)
         if program is not None:
@@ -118,7 +123,7 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
 
         loaded = elaborate_source(source, name, options)
         module, files = loaded.module, [f for f in loaded.files if f != name]
-    return _build(module, dims, options, key, files)
+    return _build(module, dims, options, key, files, backend)
 
 
 def _source_key(kind, name, text, options):
@@ -159,13 +164,17 @@ def _cached(key, options):
         return None
 
 
-def _build(module, dims, options, key, files=()):
+def _build(module, dims, options, key, files=(), backend="cpu"):
     from tgc import driver
     from tgc.runtime import cache
     from tgc.runtime.program import build_with_object
 
     module = driver.fix_dims(module, dims or {})
     opts = options.with_(dims=())
+    if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
+        from tgc.backends.cuda.runtime import build
+
+        return build(driver.lower(module, opts).module, opts, backend)
     program, obj = build_with_object(driver.lower(module, opts).module, opts)
     if key is not None:
         deps = cache.file_hashes(files)

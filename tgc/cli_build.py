@@ -12,8 +12,10 @@ from tgc.fsutil import write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 
-EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h"]
-SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h"}
+EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h", "cu", "ptx", "cubin"]
+SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
+          "cubin": ".cubin"}
+CUDA_EMITS = ("cu", "ptx", "cubin")
 
 
 def _defines(ctx, param, value):
@@ -51,9 +53,15 @@ def header_path(output: str) -> str:
               help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
-@click.option("--emit", type=click.Choice(EMIT_CHOICES), default="so", show_default=True,
-              help="so: shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
-                   "ir: tgc IR after the pipeline; h: the C header only.")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: native code for this machine; cuda: a CUDA module for NVIDIA GPUs and its JSON "
+                   "manifest beside it (OUT.json; docs/cuda.md).")
+@click.option("--emit", type=click.Choice(EMIT_CHOICES),
+              help="cpu: so (default): shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
+                   "ir: tgc IR after the pipeline; h: the C header only. cuda: cubin (default), ptx (both "
+                   "through nvcc) or cu (the CUDA C source).")
+@click.option("--arch", default="sm_90", show_default=True, metavar="SM",
+              help="With --target cuda: the GPU architecture nvcc compiles for.")
 @click.option("--blas", type=click.Choice(["none", "system", "numpy"]), default="none", show_default=True,
               help="The BLAS a .so links for its products (GEMMs). none: no BLAS; they run tgc's own "
                    "loops, or a BLAS the caller passes to NAME_init_blas (see NAME.h): the library "
@@ -71,7 +79,8 @@ def header_path(output: str) -> str:
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @FP_STRICT
 @handle_errors
-def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False) -> None:
+def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False,
+          target="cpu", arch="sm_90") -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -84,19 +93,28 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
       tgc build model.tg -o libmodel.so -MD -MP -D batch=32 -O3
       tgc build model.tg --emit asm -o model.s
       tgc build model.tg --blas=system -o libmodel.so   # links -lopenblas
+      tgc build model.tg --target cuda -o model.cubin   # also writes model.json
     """
     from tgc.backends.cpu import aot
     from tgc.backends.cpu.header import c_identifier
     from tgc.ir.printer import print_module
     from tgc.progress import status
 
+    emit = emit or ("cubin" if target == "cuda" else "so")
+    if (target == "cuda") != (emit in CUDA_EMITS):
+        raise click.BadParameter(f"--emit {emit} is not an output of --target {target}", param_hint="--emit")
     output = output or default_output(file, emit)
-    if output == "-" and emit in ("so", "obj"):
+    if output == "-" and emit in ("so", "obj", "cubin"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=driver.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
                       fp_strict=fp_strict, blas=blas)
     loaded = driver.load_program(file, options)
     header = header_path(output) if emit == "so" else None
+    if target == "cuda":   # the manifest, in the header's place
+        if output == "-":
+            raise click.BadParameter("--target cuda writes a manifest beside the output: give a file name",
+                                     param_hint="-o")
+        header = str(Path(output).with_suffix(".json"))
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
     if depfile and output == "-" and not (mf and mt):
         raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
@@ -113,6 +131,11 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         module = driver.lower(module, options).module
         if emit == "ir":
             files[output] = print_module(module).encode()
+        elif target == "cuda":
+            from tgc.backends.cuda import aot as cuda_aot
+
+            files[output], files[header] = cuda_aot.build(module, options, emit, arch)
+            header = None
         else:
             try:
                 files[output] = aot.build(module, options, emit, prefix, source)

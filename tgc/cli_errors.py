@@ -8,6 +8,7 @@ import traceback
 
 import click
 
+from tgc.backends.base import BackendUnavailable
 from tgc.ir.diag import CompileError, render
 from tgc.ir.interp import EvalError
 
@@ -53,7 +54,7 @@ def handle_errors(fn):
         except CompileError as e:
             report(e.diagnostics())
             sys.exit(EXIT_USER)
-        except EvalError as e:
+        except (EvalError, BackendUnavailable) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(EXIT_RUNTIME)
         except BrokenPipeError:  # the reader went away (`tgc ... | head`): stop quietly

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import sys
 import zipfile
 
 import click
@@ -279,6 +278,11 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
             click.echo(f"{100 * cycles / total:6.2f}%  k{i}: {text}", err=True)
 
 
+def _host(a):
+    """A result as a numpy array (a CuPy array of the cuda backend is copied to the host)."""
+    return a if isinstance(a, np.ndarray) or not hasattr(a, "get") else a.get()
+
+
 @click.command()
 @click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False),
@@ -295,7 +299,9 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
-@click.option("--backend", type=click.Choice(["interp", "cpu"]), default="interp", show_default=True)
+@click.option("--backend", type=click.Choice(["interp", "cpu", "cuda", "cuda-sim"]), default="interp",
+              show_default=True, help="interp (the reference interpreter), cpu (LLVM), cuda (an NVIDIA GPU "
+                                      "through CuPy) or cuda-sim (the CUDA kernels emulated on this CPU).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
@@ -305,10 +311,13 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
                    "each kernel's share of the time, the costliest first.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@click.option("--check-assumptions", "check_assumptions", is_flag=True,
+              help="Check every `assume` of FILE on the inputs before running (an error names the first that "
+                   "fails); without it nothing is checked.")
 @FP_STRICT
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
-        fp_strict=False, no_update=False) -> None:
+        fp_strict=False, no_update=False, check_assumptions=False) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -339,17 +348,29 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         module = driver.lower(driver.forward_only(full) if no_update else full, options).module
     onehot = cross_entropy_targets(file) if random_inputs else {}
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
+    if check_assumptions and module.facts:
+        from tgc.ir.assume import check_facts
+
+        with status("checking assumptions"):
+            check_facts(module, inputs, dims, dtype)
     if backend == "interp":
         with status("running (interpreter)"):
             results = evaluate(module, inputs, dtype=dtype, dims=dims)
     else:
-        from tgc.runtime import build
+        if backend == "cpu":
+            from tgc.runtime import build
 
-        with status("compiling (LLVM)"):
-            program = build(module, options)
+            with status("compiling (LLVM)"):
+                program = build(module, options)
+        else:
+            from tgc.backends.cuda.runtime import build as build_cuda
+
+            with status(f"compiling ({backend})"):
+                program = build_cuda(module, options, backend)
         call_dims = dict(options.dims) or None
         with status("running"):
-            results = in_float_type(program.run(dict(inputs), call_dims), dtype)
+            results = program.run(dict(inputs), call_dims)
+            results = in_float_type({k: _host(v) for k, v in results.items()}, dtype)
         if profile:
             with status(f"profiling ({profile} runs)"):
                 print_profile(program, inputs, call_dims, profile)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, size_str
+from tgc.ir.values import topo_order
 from tgc.options import Options
 from tgc.passes.manager import PipelineResult, run_pipeline
 
@@ -159,7 +160,8 @@ def fix_dims(module: Module, dims: dict[str, int]) -> Module:
         if d not in given and env.get(d) != n:
             have = f"is {env[d]}" if d in env else f"is derived from other dims ({size_str(module.dims[d])})"
             raise ValueError(f"dim '{d}' {have}, not {n}")
-    return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates))
+    return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates),
+                  list(module.facts))
 
 
 def read_args(module: Module) -> set[str]:
@@ -221,12 +223,15 @@ def drop_unread_args(module: Module, keep_dims: bool = True) -> Module:
         if name in read or (dims & needed) - carried:
             args[name] = a
             carried |= dims
-    return Module(dict(module.dims), dict(module.edges), args, list(module.outputs), list(module.updates))
+    facts = [f for f in module.facts   # a fact on a dropped argument goes with it
+             if all(v.attrs[0] in args for v in topo_order([f.lhs, f.rhs]) if v.op == "arg")]
+    return Module(dict(module.dims), dict(module.edges), args, list(module.outputs), list(module.updates), facts)
 
 
 def forward_only(module: Module) -> Module:
     """`module` without its updates and without the arguments only they read: the
     forward (evaluation) program. Values that only the updates needed are no longer
     reachable from any root, so the pipeline and the lowering never see them."""
-    pruned = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs), [])
+    pruned = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs), [],
+                    list(module.facts))
     return drop_unread_args(pruned)

@@ -11,8 +11,9 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   their first write to their last read (as `plan` assigns slots), the peak, and what
   is alive at the peak; arguments and outputs are the caller's arrays and are listed
   apart;
-- the save/recompute decisions (tgc keeps every value a later kernel reads: there is
-  no recomputation yet, and the report says so).
+- the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
+  the backward pass (`tgc.passes.remat`; `plan` runs each just before its first
+  reader); every other value a later kernel reads is kept.
 
 FLOPs count one per arithmetic operation of an expression, evaluated at every point
 of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
@@ -80,10 +81,23 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
         "peak": {"bytes": max(peak, 0), "kernel": peak_kernel,
                  "buffers": [{"name": n, "edges": list(low.buffers[n].edges), "dtype": low.buffers[n].dtype,
                               "bytes": nbytes(n), "from": first[n], "to": last[n]} for n in alive]},
-        "recompute": [],
-        "recompute_note": "every value a later kernel reads is kept: tgc has no recomputation yet "
-                          "(checkpoint and a memory budget are planned)",
+        "recompute": [{"kernel": k["index"], "text": k["text"]} for k, lk in zip(kernels, low.kernels)
+                      if lk.note == "recompute"],
+        "recompute_note": _recompute_note(low),
     }
+
+
+def _recompute_note(low: Lowered) -> str:
+    """The save/recompute decisions in words (passes/remat.py, plan's sinking)."""
+    again = [f"k{i}" for i, k in enumerate(low.kernels) if k.note == "recompute"]
+    if not again and any(v.op == "map" and v.attrs[0] == "recompute" for v in low.module.values()):
+        return ("checkpointed values are recomputed inside the backward kernels that read them "
+                "(cheap enough to inline); every other value a later kernel reads is kept")
+    if not again:
+        return ("no recomputation: every value a later kernel reads is kept "
+                "(checkpoint(x) makes the backward pass recompute x)")
+    return (f"{len(again)} kernels recompute checkpointed values for the backward pass, each just before "
+            f"its first reader ({', '.join(again)}); every other value a later kernel reads is kept")
 
 
 def _kind(k) -> str:

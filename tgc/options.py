@@ -34,6 +34,7 @@ class Options:
     time_passes: bool = False
     locs: bool = False                       # print loc(...) in IR dumps
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.passes.stats)
+    check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
@@ -50,6 +51,8 @@ class Options:
     profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
+    # CUDA backends (cuda, cuda-sim; docs/cuda.md)
+    cuda_row_min: int = 128                  # a reduction over at least this many elements per output runs one block per output (else one thread)
 
     def with_(self, **changes) -> "Options":
         """A copy with the given fields changed."""

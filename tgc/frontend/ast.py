@@ -24,6 +24,8 @@ the elaborator decides what they denote.
     Bind(name: str, expr: Expr)
     Out(name: str, order: tuple[Name, ...] | None, expr: Expr | None)
     Update(name: str, expr: Expr)
+    Assume(op: str, lhs: Expr, rhs: Expr)           op one of = < <= > >= != (`==` is `=`);
+        loc spans the relation, from LHS to RHS
   expressions (Expr)
     Num(value: int | float)                         int for `3`; float for `0.5`, `1e3`, `inf`
     Name(id: str)
@@ -166,6 +168,15 @@ class Update(Node):
 
     name: str
     expr: object
+
+
+@dataclass(frozen=True)
+class Assume(Node):
+    """`assume lhs op rhs`: a fact about the inputs, holding elementwise."""
+
+    op: str
+    lhs: object
+    rhs: object
 
 
 # ---- expressions ------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Calls of the language's primitives: elementwise functions, reductions,
-`where`, `stop`, `size`, the derivative operators `grad`, `jvp`, `vjp`, and the
-random draws `rand[e, ...](key)`, `randn[e, ...](key)` with keys `fold(key, n)`."""
+`where`, `stop`, `checkpoint`, `size`, the derivative operators `grad`, `jvp`, `vjp`,
+and the random draws `rand[e, ...](key)`, `randn[e, ...](key)` with keys `fold(key, n)`."""
 from __future__ import annotations
 
 from tgc.frontend import ast
@@ -8,7 +8,7 @@ from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, R
 from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
 from tgc.ir import values as V
 
-ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "size": (1,),
+ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,),
          **{f: (1,) for f in COMPLEX_FUNCTIONS}}
@@ -46,6 +46,8 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     args = [el.fexpr(a, ctx) for a in node.args]
     if node.fn == "stop":
         return V.stop(args[0], loc=node.loc)
+    if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/passes/remat.py)
+        return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in COMPLEX_FUNCTIONS or (node.fn in ON_COMPLEX and is_complex(args[0])):
         return _complex_function(el, node, args[0], ctx)
     if node.fn == "where":

@@ -21,7 +21,7 @@ from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, Loc
-from tgc.ir.module import Arg, Module, Output, Update
+from tgc.ir.module import Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, size_op, size_str
 from tgc.options import Options
 
@@ -66,6 +66,7 @@ class ProgramBuilder:
         self.import_stack: list[tuple[Path, Loc | None]] = []
         self.import_dirs = [Path(d).resolve() for d in options.import_dirs]
         self.imported: set[Path] = set()
+        self.sources: dict[str, str] = {}  # file name -> its text (an assume keeps its own)
 
     @functools.cached_property
     def ctx(self) -> Ctx:
@@ -79,6 +80,7 @@ class ProgramBuilder:
         """Imports first, then every function (hoisted and checked), then the rest in order."""
         program = parse(text, name)
         self.files.append(name)
+        self.sources[name] = text
         here = Path(name)
         for item in program.items:
             if isinstance(item, ast.Import):
@@ -300,6 +302,31 @@ class ProgramBuilder:
         if len(value.edges) < len(arg.order):
             value = V.contract([value], arg.order, loc=u.loc)
         self.m.updates.append(Update(u.name, value, u.loc))
+
+    def _Assume(self, a: ast.Assume, here: Path) -> None:
+        """A fact about the inputs: both sides are float expressions of the program's
+        arguments (no derivative), broadcast by edge name as in `lhs - rhs`."""
+        sides = [self.el.fexpr(a.lhs, self.ctx), self.el.fexpr(a.rhs, self.ctx)]
+        seen = V.topo_order(sides)
+        deriv = next((v for v in seen if v.op in V.DERIVATIVE_OPS), None)
+        if deriv is not None:
+            raise CompileError(f"an assumption is a fact about the inputs; it cannot take a derivative "
+                               f"('{deriv.op}')", deriv.loc or a.loc)
+        if not any(v.op == "arg" for v in seen):
+            raise CompileError("an assumption states a fact about the inputs, but this one reads no input, "
+                               "param or state", a.loc)
+        self.m.facts.append(Fact(a.op, sides[0], sides[1], self.source_text(a.loc), a.loc))
+
+    def source_text(self, loc: Loc) -> str:
+        """The program text that `loc` spans, its whitespace runs made one space."""
+        lines = self.sources.get(loc.file, "").splitlines()[loc.line - 1:loc.end_line or loc.line]
+        if not lines:
+            return ""
+        if loc.end_line and loc.end_col:
+            lines[-1] = lines[-1][:loc.end_col - 1]
+        lines[0] = lines[0][loc.col - 1:]
+        text = " ".join(" ".join(lines).split())
+        return text.replace('"', "'")
 
     def finish(self) -> Module:
         names = {o.name: o for o in self.m.outputs}

@@ -108,6 +108,8 @@ class _Writer:
             return f"where({ops[0]} != 0, {ops[0]} * {ops[1]}, 0)"
         if fn == "mul00":
             return f"where({ops[0]} != 0, where({ops[1]} != 0, {ops[0]} * {ops[1]}, 0), 0)"
+        if fn == "recompute":   # a backward recomputation's marker (passes/remat.py): its operand
+            return ops[0]
         return f"{fn}({', '.join(ops)})"
 
     def _reduce(self, v, ops):

@@ -318,7 +318,8 @@ def tables_json() -> str:
 # ---- syntax errors ------------------------------------------------------------
 
 _NAMED = {"NAME": "NAME", "NUMBER": "NUMBER", "STRING": "STRING", "_NL": "newline",
-          "$END": "end of input", "COMPARE": "comparison", "DECL_KIND": "'input'/'param'/'state'"}
+          "$END": "end of input", "COMPARE": "comparison", "DECL_KIND": "'input'/'param'/'state'",
+          "ASSUME": "'assume'"}
 _IGNORED = {"WS", "COMMENT"}
 
 
@@ -730,6 +731,13 @@ class _Builder:
 
     def _update(self, kids, loc):
         return ast.Update(str(kids[0]), kids[2], loc=self._from_token(kids[0], loc))
+
+    def _assume(self, kids, loc):
+        """`assume LHS REL RHS`, located at the relation (LHS to RHS), `==` read as `=`."""
+        lhs, op, rhs = kids
+        rel = "=" if str(op) in ("=", "==") else str(op)
+        where = Loc(loc.file, lhs.loc.line, lhs.loc.col, rhs.loc.end_line, rhs.loc.end_col)
+        return ast.Assume(rel, lhs, rhs, loc=where)
 
     def _edge_list(self, kids, loc):
         return _Part("edges", tuple(self._name(k) for k in kids), loc)

@@ -193,6 +193,8 @@ MAP_FNS: dict[str, Callable] = {
     "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
     "where": lambda c, a, b: np.where(c != 0, a, b),
     "round32": lambda x: np.asarray(x, np.float32).astype(np.float64),
+    "checkpoint": lambda x: x,
+    "recompute": lambda x: x,
 }
 
 
@@ -352,7 +354,8 @@ def _in_order(a: np.ndarray, edges: tuple[str, ...], order: tuple[str, ...]) -> 
 
 def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
                   dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range."""
+    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range,
+    then moved onto the program's simple declared facts (`tgc.ir.assume.satisfy`)."""
     rng = np.random.default_rng(seed)
     out = {}
     for a in module.args.values():
@@ -361,6 +364,10 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
             out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
         else:
             out[a.name] = rng.standard_normal(shape).astype(NP_DTYPES[dtype or a.dtype])
+    if module.facts:
+        from tgc.ir.assume import satisfy
+
+        satisfy(module, out)
     return out
 
 

@@ -41,6 +41,22 @@ class Update:
     loc: Loc | None = None
 
 
+# a fact's relation -> its name in the textual IR
+FACT_RELS = {"=": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
+
+
+@dataclass(frozen=True)
+class Fact:
+    """`assume lhs rel rhs`: a declared fact about the inputs, holding elementwise over
+    the union of both sides' edges. `text` is the relation as written (for messages).
+    Facts are not roots: nothing computes them unless asked to check them."""
+    rel: str  # = != < <= > >=
+    lhs: Value
+    rhs: Value
+    text: str
+    loc: Loc | None = None
+
+
 @dataclass
 class Module:
     dims: dict[str, Size | None] = field(default_factory=dict)  # None: symbolic, bound at call
@@ -48,6 +64,7 @@ class Module:
     args: dict[str, Arg] = field(default_factory=dict)
     outputs: list[Output] = field(default_factory=list)
     updates: list[Update] = field(default_factory=list)
+    facts: list[Fact] = field(default_factory=list)  # `assume` statements
 
     def size(self, edge: str) -> Size:
         """The edge's size: an int, or an expression of symbolic dims."""
@@ -75,7 +92,13 @@ class Module:
         """A copy whose outputs and updates map through `memo` (id(old) -> new)."""
         outs = [replace(o, value=memo.get(id(o.value), o.value)) for o in self.outputs]
         ups = [replace(u, value=memo.get(id(u.value), u.value)) for u in self.updates]
-        return Module(dict(self.dims), dict(self.edges), dict(self.args), outs, ups)
+        # the facts stay as declared: they read only arguments, which passes never change,
+        # and a rewrite that uses a fact (`sum[v](y) = 1`) must not rewrite the fact itself
+        return Module(dict(self.dims), dict(self.edges), dict(self.args), outs, ups, list(self.facts))
+
+    def fact_values(self) -> list[Value]:
+        """The values of the facts' sides (and what they read), operands first."""
+        return topo_order([v for f in self.facts for v in (f.lhs, f.rhs)])
 
     def fresh_edge(self, base: str, dim: str) -> str:
         """Register and return a new edge name of size `dim` that no one uses yet."""

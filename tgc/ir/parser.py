@@ -11,7 +11,7 @@ import re
 from tgc.ir import values as V
 from tgc.ir.affine import parse_relation
 from tgc.ir.diag import CompileError, Loc
-from tgc.ir.module import ARG_KINDS, Arg, Module, Output, Update
+from tgc.ir.module import ARG_KINDS, FACT_RELS, Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
 from tgc.ir.verify import VerifyError, check_value, verify
 
@@ -23,6 +23,9 @@ _VALUE = re.compile(rf"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[
                     r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
 _OUT = re.compile(rf"out\s+({NAME})\s*=\s*%({NAME}|\d+)\s*:\s*\[([^\]]*)\]$")
 _UPDATE = re.compile(rf"update\s+({NAME})\s*=\s*%({NAME}|\d+)$")
+_ASSUME = re.compile(rf"assume\[(\w+)\]\s*%({NAME}|\d+)\s*,\s*%({NAME}|\d+)\s*\"([^\"]*)\""
+                     r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
+_REL_OF = {name: rel for rel, name in FACT_RELS.items()}
 
 
 def _edge_list(text: str) -> list[str]:
@@ -52,7 +55,8 @@ class _Reader:
             if raw.startswith("// lowered"):
                 raise self.error("this is a dump of a lowering stage, which cannot be read back: "
                                  "only IR (dump-ir --after a pass of `tgc passes`) can")
-            line = raw.split("#", 1)[0].strip() if not raw.lstrip().startswith("%") else raw.strip()
+            keep = raw.lstrip().startswith(("%", "assume"))   # an assume's quoted text may hold '#'
+            line = raw.split("#", 1)[0].strip() if not keep else raw.strip()
             if line:
                 try:
                     self.statement(line)
@@ -69,7 +73,8 @@ class _Reader:
 
     def statement(self, line: str) -> None:
         for pattern, handler in ((_VALUE, self.value), (_DIM, self.dim), (_EDGE, self.edge),
-                                 (_ARG, self.arg), (_OUT, self.out), (_UPDATE, self.update)):
+                                 (_ARG, self.arg), (_OUT, self.out), (_UPDATE, self.update),
+                                 (_ASSUME, self.assume)):
             match = pattern.match(line)
             if match:
                 handler(*match.groups())
@@ -124,6 +129,13 @@ class _Reader:
         if target not in self.m.args:
             raise self.error(f"update of unknown argument '{target}'")
         self.m.updates.append(Update(target, self.ref(ref)))
+
+
+    def assume(self, rel: str, lhs: str, rhs: str, text: str, lfile, lline, lcol) -> None:
+        if rel not in _REL_OF:
+            raise self.error(f"unknown relation '{rel}' (known: {', '.join(_REL_OF)})")
+        loc = Loc(lfile, int(lline), int(lcol)) if lfile else None
+        self.m.facts.append(Fact(_REL_OF[rel], self.ref(lhs), self.ref(rhs), text, loc))
 
 
 def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, loc) -> V.Value:

@@ -8,6 +8,7 @@
     %1 = add[1.0, -1.0] %0, %b : f32[batch, hidden]
     out y = %1 : [batch, hidden]            # ABI order
     update W = %5
+    assume[eq] %6, %7 "sum[v](y) = 1"       # a declared fact: relation, sides, as written
 
 Values are numbered in a deterministic topological order; arguments are `%name`.
 `tgc.ir.parser.parse` reads this text back, and `print(parse(t)) == t`.
@@ -15,9 +16,9 @@ Values are numbered in a deterministic topological order; arguments are `%name`.
 from __future__ import annotations
 
 from tgc.ir.diag import Loc
-from tgc.ir.module import Module
+from tgc.ir.module import FACT_RELS, Module
 from tgc.ir.sizes import size_str
-from tgc.ir.values import Value
+from tgc.ir.values import Value, topo_order
 
 
 def attr_text(v: Value) -> str:
@@ -63,7 +64,8 @@ def print_module(m: Module, locs: bool = False) -> str:
         lines.append(f"{a.kind} {a.name} : {a.dtype}[{', '.join(a.order)}]")
     names: dict[int, str] = {}
     body: list[str] = []
-    for v in m.values():
+    values = topo_order(m.roots() + [x for f in m.facts for x in (f.lhs, f.rhs)]) if m.facts else m.values()
+    for v in values:
         if v.op == "arg":
             names[id(v)] = f"%{v.attrs[0]}"
             continue
@@ -75,10 +77,13 @@ def print_module(m: Module, locs: bool = False) -> str:
     if body:
         lines.append("")
         lines.extend(body)
-    if m.outputs or m.updates:
+    if m.outputs or m.updates or m.facts:
         lines.append("")
     for o in m.outputs:
         lines.append(f"out {o.name} = {names[id(o.value)]} : [{', '.join(o.order)}]")
     for u in m.updates:
         lines.append(f"update {u.target} = {names[id(u.value)]}")
+    for f in m.facts:
+        lines.append(f"assume[{FACT_RELS[f.rel]}] {names[id(f.lhs)]}, {names[id(f.rhs)]} \"{f.text}\""
+                     + (loc_text(f.loc) if locs else ""))
     return "\n".join(lines) + "\n"

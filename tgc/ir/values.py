@@ -75,6 +75,8 @@ MAP_ARITY = {
     "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
     "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
+    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; passes/remat.py)
+    "recompute": 1,  # x, read by a backward recomputation (passes/remat.py): keeps the copy apart
 }
 REDUCE_KINDS = ("max", "min", "logsumexp")
 SCATTER_KINDS = ("sum", "max", "min")

@@ -36,6 +36,7 @@ from tgc.ir.values import DERIVATIVE_OPS, Value, rebuild_same, topo_order
 from tgc.options import Options
 from tgc.passes.base import Pass
 from tgc.passes.derivatives import active_values, fit, fresh_edges, inverse, rule_for, total
+from tgc.passes.remat import rematerialize
 from tgc.passes.tangent import jvp_value
 
 
@@ -72,7 +73,7 @@ def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | No
             c = rule.vjp(v, i, ct) if id(o) in act else None
             if c is not None:
                 parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
-    return out
+    return rematerialize(f, out)
 
 
 def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str], ct=False) -> Value:

@@ -240,6 +240,9 @@ RULES: dict[str, Rule] = {
     "max": select(lambda v: _fn("ge", *v.operands), (0, 1)),
     "min": select(lambda v: _fn("le", *v.operands), (0, 1)),
     # mul0(a, b) = mul00(a, b) = a b: products
+    # checkpoint(x) and a recomputation's recompute(x) are x: the cotangent passes through
+    "checkpoint": Rule((0,), lambda v, i, ct: ct, lambda v, ts: ts[0]),
+    "recompute": Rule((0,), lambda v, i, ct: ct, lambda v, ts: ts[0]),
     "mul0": _PRODUCT,
     "mul00": _PRODUCT,
     # elementwise functions: their partial derivatives

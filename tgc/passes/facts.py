@@ -12,6 +12,11 @@ inputs beyond 1e19 (f32), which the rules do not promise to survive.
 `Facts.sign(v)`: "pos" (> 0), "nonneg" (>= 0) or None (unknown).
 `Facts.upper(v)`: an upper bound of v (inf when none is known).
 
+An argument is otherwise unknown in sign and range; the program's declared facts
+(`assume x > 0`, `assume y >= 0`, `assume p <= 1`; `tgc.ir.assume.arg_bounds`) give
+its sign and upper bound, which the rules may then use: they are exact for inputs
+where the facts hold.
+
 All are computed bottom-up once per value (a DAG walk), so they terminate.
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ _TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0
           "sigmoid", "softplus"}
 _ALWAYS_FINITE = {"lt", "le", "gt", "ge", "eq", "ne", "sign"}
 _POSITIVE = {"exp", "sigmoid", "softplus"}
+_IDENTITY = {"round32", "checkpoint", "recompute"}  # x's sign and bound (round32: to the nearest f32)
 
 
 def _meet(*signs: str | None) -> str | None:
@@ -47,8 +53,9 @@ def _meet(*signs: str | None) -> str | None:
 
 
 class Facts:
-    def __init__(self):
+    def __init__(self, bounds: dict[str, tuple[str | None, float]] | None = None):
         self._memo: dict[int, tuple[Value, bool, str | None, float]] = {}
+        self._args = bounds or {}  # argument name -> (sign, upper bound) from `assume`
 
     def _get(self, v: Value) -> tuple[bool, str | None, float]:
         hit = self._memo.get(id(v))
@@ -92,9 +99,11 @@ class Facts:
         his = [self._memo[id(o)][3] for o in v.operands]
         if v.op == "const":
             return v.attrs[0] if not math.isnan(v.attrs[0]) else INF
+        if v.op == "arg" and v.attrs[0] in self._args:
+            return self._args[v.attrs[0]][1]
         if v.op == "indicator" or (v.op == "random" and v.attrs[0] == "rand"):
             return 1.0   # rand is in [0, 1)
-        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] == "round32") or (v.op == "contract" and len(v.operands) == 1
+        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] in _IDENTITY) or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
         if v.op == "reduce":
@@ -170,8 +179,8 @@ class Facts:
         return False, None
 
     def _leaf(self, v: Value) -> tuple[bool, str | None]:
-        if v.op == "arg":  # inputs are finite; i32 ids are indices
-            return True, NONNEG if v.dtype == "i32" else None
+        if v.op == "arg":  # inputs are finite; i32 ids are indices; a float's sign is assumed or unknown
+            return True, NONNEG if v.dtype == "i32" else self._args.get(v.attrs[0], (None,))[0]
         if v.op == "const":
             x = v.attrs[0]
             return math.isfinite(x), POS if x > 0 else NONNEG if x == 0 else None
@@ -198,7 +207,7 @@ class Facts:
             return fin, POS
         if fn == "abs":
             return fin, NONNEG
-        if fn == "round32":
+        if fn in _IDENTITY:
             return ops[0]
         if fn in ("max", "where", "min", "mul0", "mul00"):
             return fin, self._select_sign(fn, signs)

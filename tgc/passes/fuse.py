@@ -50,7 +50,7 @@ Terminates: one visit per value (topological order), one upward walk per reducti
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgc.ir.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, smul)
@@ -80,15 +80,47 @@ class Fuse(Pass):
         return _Fuser(module, options).lower()
 
 
+IDENTITY_FNS = frozenset({"checkpoint", "recompute"})  # maps that are their operand (passes/remat.py)
+
+
+def is_identity(v: Value) -> bool:
+    """`stop(x)`, `checkpoint(x)`, `recompute(x)`: x itself, as far as lowering goes."""
+    return v.op == "stop" or (v.op == "map" and v.attrs[0] in IDENTITY_FNS)
+
+
 def peel(v: Value) -> tuple[Value, dict[str, str]]:
-    """Strip renames and stops: (base value, view edge -> base edge)."""
+    """Strip renames and identities (stop, recompute): (base value, view edge -> base edge)."""
     mapping = {e: e for e in v.edges}
-    while v.op in ("rename", "stop"):
+    while v.op == "rename" or is_identity(v):
         if v.op == "rename":
             back = {d: s for s, d in v.attrs[0]}
             mapping = {view: back.get(e, e) for view, e in mapping.items()}
         v = v.operands[0]
     return v, mapping
+
+
+def _kernel_writes(k) -> set[str]:
+    return k.writes() if hasattr(k, "writes") else {k.out}
+
+
+def sink_recomputation(kernels: list) -> None:
+    """Move each kernel that recomputes a checkpointed value for the backward pass (note
+    "recompute", see `tgc.passes.remat`) to just before its first reader, later ones
+    first so that a chain of copies moves together: a copy then lives only while the
+    backward reads it. A kernel moves past no kernel that writes a buffer it reads or
+    reads or writes one it writes, so every kernel still reads what it read before.
+    Terminates: one pass, each kernel moved at most once."""
+    for i in reversed(range(len(kernels))):
+        k = kernels[i]
+        if k.note != "recompute":
+            continue
+        writes, reads = _kernel_writes(k), k.buffers_read()
+        j = i + 1
+        while j < len(kernels) and not (kernels[j].buffers_read() & writes) \
+                and not (_kernel_writes(kernels[j]) & (reads | writes)):
+            j += 1
+        if j < len(kernels) and j > i + 1:
+            kernels.insert(j - 1, kernels.pop(i))
 
 
 class _Fuser:
@@ -231,7 +263,7 @@ class _Fuser:
         if id(v) in self.mat or v.op in ("const", "size", "indicator", "arg"):
             return 0
         own = 10 if (v.op == "map" and v.attrs[0] in EXPENSIVE) or v.op == "random" else 1
-        if v.op in ("rename", "stop"):
+        if v.op == "rename" or is_identity(v):
             own = 0
         if v.op in ("reduce", "scatter") or (v.op == "contract" and self.is_reduction(v)):
             return 100
@@ -271,11 +303,11 @@ class _Fuser:
         with several users that is not cheap to recompute is a leaf: `partition`
         gives it a buffer anyway (a max-pool's gradient, scattered back to the
         pixels, feeds both of a convolution's gradients)."""
-        if not top and (id(v) in self.mat or v.op not in ("contract", "rename", "stop")
+        if not top and (id(v) in self.mat or (v.op not in ("contract", "rename") and not is_identity(v))
                         or (v.op == "contract" and self.uses(v) > 1 and not self.recompute(v))):
             acc["leaves"].append((v, env))
             return True
-        if v.op == "stop":
+        if is_identity(v):
             return self.expand(v.operands[0], env, acc)
         if v.op == "rename":
             fwd = dict(v.attrs[0])
@@ -496,7 +528,7 @@ class _Fuser:
             return Const(v.attrs[0])
         if op == "size":
             return SizeOf(edge_size(self.m, v.attrs[0]))
-        if op == "stop":
+        if is_identity(v):
             return self.expr(v.operands[0], env)
         if op == "rename":
             fwd = dict(v.attrs[0])
@@ -582,13 +614,29 @@ class _Fuser:
         copies = self.homes()
         self.find_shifted_gemms()
         self.partition()
+        again = self.recomputed()
         for v in self.values:
             if id(v) in self.mat and v.op != "arg":
-                self.low.kernels.append(self.kernel(v))
+                k = self.kernel(v)
+                self.low.kernels.append(replace(k, note="recompute") if id(v) in again and not k.note else k)
+        sink_recomputation(self.low.kernels)
         self.low.kernels += [self.copy(dst, src) for dst, src in copies]
         self.low.kernels += [self.copy(target, src) for target, src in self._late]
         self.checks()
         return self.low
+
+    def recomputed(self) -> set[int]:
+        """ids of the backward's recomputed copies (passes/remat.py): values computed only
+        from `recompute(b)` markers and constants. `plan` runs their kernels as late as it
+        can, so that a copy lives only while the backward uses it."""
+        copies: set[int] = set()
+        for v in self.values:
+            if v.op == "map" and v.attrs[0] == "recompute":
+                copies.add(id(v))
+            elif v.op not in ("arg", "const", "size", "indicator") and \
+                    all(id(o) in copies or o.op in ("const", "size", "indicator") for o in v.operands):
+                copies.add(id(v))
+        return copies
 
     def homes(self) -> list[tuple[str, Value | str]]:
         """Buffers of outputs and updates; returns the (dst, source) copies still needed

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from tgc.ir.interp import bind_dims, evaluate, random_inputs
+from tgc.ir.interp import evaluate, random_inputs
 from tgc.ir.module import Module
 from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS

@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Lowered, matrix_form, rename_buffers, walk
+from tgc.ir.sizes import size_estimate
 from tgc.options import Options
 from tgc.passes.base import Pass
+from tgc.passes.fuse import sink_recomputation
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,9 @@ class Plan(Pass):
 
     def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
         out = low.staged("plan")
+        sink_recomputation(out.kernels)   # again: layout and group may have added kernels
         _updates_in_place(out)
-        _assign_slots(out)
+        _assign_slots(out, options.rep_size)
         return out
 
 
@@ -126,7 +129,17 @@ def _group_can_retarget(g: LoopGroup, target: str, tmp: str) -> bool:
     return True
 
 
-def _assign_slots(low: Lowered) -> None:
+def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
+    """Give each temporary a slot: a free slot that already holds buffers of its size,
+    else the free slot that grows least and, when none grows, the smallest that fits,
+    but never one over 4 times the buffer's size (a small long-lived buffer would keep
+    a large slot from the large buffers that follow); else a new slot. Sizes are
+    compared at symbolic dims of `rep_size`."""
+    env = {d: rep_size for d, s in low.module.dims.items() if s is None}
+
+    def est(size) -> int:
+        return size_estimate(size, env)
+
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, k in enumerate(low.kernels):
@@ -147,7 +160,10 @@ def _assign_slots(low: Lowered) -> None:
             size = low.nbytes(low.buffers[name])
             free = [s for s, o in enumerate(occupant) if o is None]
             same = [s for s in free if slots[s] == [size]]
-            s = (same or free or [None])[0]
+            need = est(size)
+            room = {s: max(map(est, slots[s]), default=0) for s in free}
+            fits = sorted((s for s in free if room[s] <= 4 * need), key=lambda s: (max(0, need - room[s]), room[s], s))
+            s = (same or fits or [None])[0]
             if s is None:
                 slots.append([])
                 occupant.append(None)

@@ -24,6 +24,7 @@ from tgc.ir.module import Module
 from tgc.ir.values import DERIVATIVE_OPS, Value, strip_custom
 from tgc.options import Options
 from tgc.passes.canon import Canon
+from tgc.ir.assume import arg_bounds
 from tgc.passes.facts import Facts
 from tgc.passes.relations import edge_sizes, static_env
 
@@ -123,7 +124,7 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
     for v in reversed(values):  # a rename is a view: its users use what it renames
         if v.op == "rename":
             users[id(v.operands[0])] += users[id(v)] - 1
-    ctx = Ctx(out, options, Canon(out, reassociate=not options.fp_strict))
+    ctx = Ctx(out, options, Canon(out, reassociate=not options.fp_strict), Facts(arg_bounds(out)))
     ctx.derivatives_left = any(v.op in DERIVATIVE_OPS for v in values)
     rw = _Rewriter(ctx, table, users)
     ctx.c.merge = None if ctx.derivatives_left or options.fp_strict else rw.single_use
@@ -136,7 +137,7 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
 def prune_edges(m: Module) -> Module:
     """Drop the generated edges (`stem.k`) that no live value, argument or size uses."""
     used = {e for a in m.args.values() for e in a.order}
-    for v in m.values():
+    for v in m.values() + m.fact_values():
         used.update(v.edges)
         if v.op == "size":
             used.add(v.attrs[0])

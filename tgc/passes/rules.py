@@ -8,7 +8,11 @@ Conditions use `ctx.facts` (finite, sign). A rule that holds only on a closed se
 (`x >= 0`) could change a derivative at its boundary, so it waits until no
 derivative is left to take (`ctx.derivatives_left`); so does dropping `stop`.
 
-Measure: every rule either removes an op (a map, an indicator, a factor, a stop)
+Declared facts (`assume`, `tgc.ir.assume`) enter through `ctx.facts` (the signs and
+bounds of arguments) and `assumed` (a value the program declares equal to a constant).
+
+Measure: every rule either removes an op (a map, an indicator, a factor, a stop, a
+value declared constant)
 or replaces it by ops of strictly lower rank in `tgc.passes.canon`'s sense (a power
 by a product, a division by a product with a reciprocal `1/b`, which no rule
 rewrites again), so rewriting terminates.
@@ -19,6 +23,8 @@ import math
 
 from tgc.ir import values as V
 from tgc.ir.values import Value
+from tgc.ir.assume import equalities
+from tgc.passes.canon import key
 from tgc.passes.products import split_product
 from tgc.passes.relations import in_range, is_delta, solve, substitute, truth
 from tgc.passes.rewrite import Ctx
@@ -301,12 +307,35 @@ def indicator_truth(ctx: Ctx, v: Value) -> Value | None:
     return None if t is None else V.const(1.0 if t else 0.0, v.dtype, v.edges)
 
 
+# checkpoint(x) = x                 (once no derivative is left to take: adjoint has made
+#                                   the backward read recomputed copies, passes/remat.py)
+def drop_checkpoint(ctx: Ctx, v: Value) -> Value | None:
+    return None if ctx.derivatives_left else v.operands[0]
+
+
 # stop(x) = x                       (once no derivative is left to take)
 def drop_stop(ctx: Ctx, v: Value) -> Value | None:
     return None if ctx.derivatives_left else v.operands[0]
 
 
+# e = c                             (a declared fact `assume e = c`, c a constant; once no
+#                                   derivative is left: the fact holds on the inputs, not
+#                                   around them, so it says nothing about a derivative)
+def assumed(ctx: Ctx, v: Value) -> Value | None:
+    if not ctx.module.facts or v.op == "const" or not _closed_ok(ctx):
+        return None
+    known = ctx.cache.get("assumed")
+    if known is None:
+        known = ctx.cache["assumed"] = {}
+        for side, c in equalities(ctx.module):
+            canon = V.rebuild([side], ctx.c.rebuild)[id(side)]
+            known[key(canon)] = c
+    c = known.get(key(v))
+    return None if c is None else V.const(c, v.dtype, v.edges)
+
+
 SIMPLIFY = {
+    "*": [assumed],
     "mul0": [mul0],
     "mul00": [mul00],
     "where": [where],
@@ -321,4 +350,5 @@ SIMPLIFY = {
     "reduce": [reduce_broadcast, *SCATTER["reduce"]],
     "indicator": [indicator_truth],
     "stop": [drop_stop],
+    "checkpoint": [drop_checkpoint],
 }

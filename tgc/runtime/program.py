@@ -258,17 +258,8 @@ class Program:
         self._ws_size = -1                  # usable bytes at _ws_addr
         self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
-        targets = {u.target for u in module.updates}
-        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
-                                  "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
-                       for a in module.args.values()]
-        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
-                        for o in module.outputs]
-        self._updates = [u.target for u in module.updates]
-        self._complex_args, self._complex_results = complex_args(module), complex_results(module)
-        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
+        self._signature(module)
         # fast path (see run): the inputs that bind the symbolic dims key the plans
-        self._names = tuple(s.name for s in self.inputs)
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
@@ -281,6 +272,21 @@ class Program:
         self._plans: dict = {}
         self._ws_addr = 0
         self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
+
+    def _signature(self, module: Module) -> None:
+        """What every backend's program takes and gives, from the module: the input
+        and output specs in ABI order, the update targets and their result keys."""
+        targets = {u.target for u in module.updates}
+        self._inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
+                                   "i32" if a.dtype == "i32" else self.dtype, a.name in targets)
+                        for a in module.args.values()]
+        self._outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), self.dtype)
+                         for o in module.outputs]
+        self._updates = [u.target for u in module.updates]
+        self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
+        self._names = tuple(s.name for s in self._inputs)
+        # complex arguments and results: passed as float pairs (tgc/ir/complex_io.py)
+        self._complex_args, self._complex_results = complex_args(module), complex_results(module)
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -555,6 +561,8 @@ class Program:
         return result
 
     def _run_real(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
+        if self.options.check_assumptions and self.module.facts:
+            self._check_facts(arrays, dims)
         if not updates and self._updates:
             return self._run_forward(arrays, dims)
         result = self._call(arrays, dims)
@@ -562,6 +570,14 @@ class Program:
             return result
         updated = set(self._update_keys.values())
         return {k: v if k in updated else v.astype(self.out_dtype) for k, v in result.items()}
+
+    def _check_facts(self, arrays: dict, dims: dict | None) -> None:
+        """With `Options.check_assumptions`: every declared fact on these inputs, before
+        anything runs (an EvalError names the first that fails; tgc.ir.assume)."""
+        from tgc.ir.assume import check_facts
+
+        given = {n: np.asarray(a) for n, a in arrays.items()}
+        check_facts(self.module, given, dims, self.dtype)
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
         extra = [n for n in arrays if n not in self._names]

@@ -64,6 +64,8 @@ def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | N
         return b.select(b.fcmp_unordered("!=", c, zero), x, y)
     if fn == "pow":
         return emit_pow(b, args[0], args[1], fp, const_exponent)
+    if fn in ("checkpoint", "recompute"):   # identities (passes/remat.py)
+        return args[0]
     if fn == "round32":   # to the nearest f32 and back (--fp-strict's f32 emulation)
         return b.fpext(b.fptrunc(args[0], ir.FloatType()), fp)
     if fn in ("sigmoid", "softplus"):

@@ -1,0 +1,61 @@
+"""`tgc build --target cuda`: the CUDA module (cu, ptx, cubin) and its JSON manifest,
+reproducible, with depfiles; wrong combinations are usage errors."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = ROOT / "examples" / "mlp.tg"
+
+
+def tgc(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tgc.cli", "build", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_cu_and_manifest_are_reproducible_and_describe_the_launches(tmp_path):
+    for name in ("a", "b"):
+        done = tgc(MLP, "--target", "cuda", "--emit", "cu", "-o", tmp_path / f"{name}.cu", "-MD", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a.cu").read_bytes() == (tmp_path / "b.cu").read_bytes()
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert "mlp.tg" in (tmp_path / "a.d").read_text()
+    source, man = (tmp_path / "a.cu").read_text(), json.loads((tmp_path / "a.json").read_text())
+    assert man["dims"] == ["batch"] and man["dtype"] == "f32" and man["block"] == 256
+    assert [a["name"] for a in man["args"]] == ["x", "y", "W1", "b1", "W2", "b2", "lr"]
+    assert [o["name"] for o in man["outputs"]] == ["loss", "correct", "probs"]
+    kernels = [x for x in man["launches"] if x["kind"] != "gemm"]
+    gemms = [x for x in man["launches"] if x["kind"] == "gemm"]
+    assert kernels and gemms
+    for x in kernels:
+        assert f'void __launch_bounds__(256) {x["kernel"]}(' in source
+        assert set(x["buffers"]) <= {b["name"] for b in man["buffers"]}
+    for b in man["buffers"]:
+        assert b["kind"] != "temp" or b["slot"] < len(man["workspace"]["slots"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
+def test_cubin_is_an_elf_with_every_kernel(tmp_path):
+    done = tgc(MLP, "--target", "cuda", "-o", tmp_path / "mlp.cubin", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    cubin = (tmp_path / "mlp.cubin").read_bytes()
+    assert cubin[:4] == b"\x7fELF"
+    man = json.loads((tmp_path / "mlp.json").read_text())
+    assert man["format"] == "cubin" and man["arch"] == "sm_90"
+    for x in man["launches"]:
+        if x["kind"] != "gemm":
+            assert x["kernel"].encode() in cubin
+
+
+def test_wrong_combinations_are_usage_errors(tmp_path):
+    done = tgc(MLP, "--target", "cuda", "--emit", "so", cwd=tmp_path)
+    assert done.returncode == 2 and "--emit so is not an output of --target cuda" in done.stderr
+    done = tgc(MLP, "--emit", "cubin", cwd=tmp_path)
+    assert done.returncode == 2 and "--emit cubin is not an output of --target cpu" in done.stderr
+    done = tgc(MLP, "--target", "cuda", "--emit", "cu", "-o", "-", cwd=tmp_path)
+    assert done.returncode == 2 and "manifest" in done.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,205 @@
+"""The cuda backend's host side (`runtime._CupyDevice`, `CudaProgram` with device
+arrays) without a GPU: a small stand-in for CuPy whose arrays are host memory and
+whose `RawModule` runs the module's kernels through the cuda-sim emulator, with the
+GPU's launch geometry (256 threads per block, up to 2112 blocks). What runs is the
+code a GPU call runs: device-array input handling (CuPy arrays, DLPack, numpy copied),
+updates in place on the caller's device arrays, the workspace, the kernel argument
+order, the error word, the cuBLAS calls' arguments (its stand-in executes the
+column-major semantics on the memory the pointers span). What it cannot show is
+NVRTC, the driver and cuBLAS themselves (tests/backends/test_cuda_gpu.py does, on
+a GPU)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.backends.cuda import gemm, runtime
+from tgc.ir.interp import EvalError
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++ with OpenMP")
+
+
+class ndarray(np.ndarray):
+    """A 'device' array: host memory; `.get()` copies it to a numpy array, `.data.ptr`
+    is its address (as CuPy's MemoryPointer)."""
+
+    def get(self):
+        return np.array(self, copy=True).view(np.ndarray)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def _dev(a) -> ndarray:
+    return np.asarray(a).view(ndarray)
+
+
+class _RawModule:
+    def __init__(self, code: str, options=()):
+        assert "--std=c++17" in options
+        self.lib = runtime._load_sim(code)
+        self.launches: list[tuple[str, int, int]] = []
+
+    def get_function(self, name: str):
+        fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                              ctypes.c_uint)(("tgc_launch_" + name, self.lib))
+
+        def launch(grid: tuple, block: tuple, args: tuple) -> None:
+            *bufs, err = [a for a in args if isinstance(a, np.ndarray)]
+            dims = [int(a) for a in args if isinstance(a, np.int64)]
+            assert all(isinstance(a, ndarray) for a in bufs + [err]), "every buffer is a device array"
+            assert len(bufs) + len(dims) + 1 == len(args)
+            self.launches.append((name, grid[0], block[0]))
+            ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
+            dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
+            fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+        return launch
+
+
+GEMM_CALLS: list = []
+
+
+def _gemm_strided_batched(dtype):
+    """cublas<t>gemmStridedBatched on host addresses: the column-major semantics of
+    `gemm.run_numpy` over the memory the pointers and leading dimensions span."""
+    ct = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+
+    def fn(handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):
+        assert handle == "handle" and ta in (0, 1) and tb in (0, 1)
+        assert ct.from_address(alpha).value == 1 and ct.from_address(beta).value == 0
+
+        def mem(ptr, rows, cols, ld, stride):
+            extent = stride * (batch - 1) + ld * (cols - 1) + rows
+            return np.ctypeslib.as_array((ct * extent).from_address(ptr))
+        a = mem(A, k, m, lda, sa) if ta else mem(A, m, k, lda, sa)
+        b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
+        c = mem(C, m, n, ldc, sc)
+        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch)
+        GEMM_CALLS.append(call)
+        gemm.run_numpy(call, a, b, c)
+    return fn
+
+
+def _fake_cupy() -> types.ModuleType:
+    cp = types.ModuleType("cupy")
+    cp.ndarray = ndarray
+    cp.asarray = lambda a, dtype=None: a if isinstance(a, ndarray) and dtype is None else _dev(np.array(a, dtype))
+    cp.ascontiguousarray = lambda a: a if a.flags.c_contiguous else _dev(np.ascontiguousarray(a))
+    cp.from_dlpack = lambda x: _dev(np.from_dlpack(x))
+    cp.empty = lambda shape, dtype: np.empty(shape, dtype).view(ndarray)
+    cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(ndarray)
+    cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
+    cp.matmul = lambda a, b: _dev(np.matmul(a, b))
+    cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
+        as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
+    cp.RawModule = _RawModule
+    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, setStream=lambda handle, stream: None,
+                                   sgemmStridedBatched=_gemm_strided_batched(np.float32),
+                                   dgemmStridedBatched=_gemm_strided_batched(np.float64))
+    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
+                                    device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
+                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    return cp
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    cp = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
+    GEMM_CALLS.clear()
+    return cp
+
+
+MLP = """\
+dim batch
+dim features = 8, hidden = 16
+input x[batch, features]
+param W[features, hidden]
+input lr
+y = tanh(x @ W)
+loss = sum(y * y)
+out loss
+out y
+update W = W - lr * grad(loss, W)
+"""
+
+
+def test_device_arrays_in_and_out_and_updates_in_place(cupy):
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    assert prog.backend == "cuda"
+    rng = np.random.default_rng(0)
+    x, W = rng.standard_normal((300, 8)), rng.standard_normal((8, 16))
+    W0 = W.copy()
+    dW = cupy.asarray(W)
+    got = prog(x=x, W=dW, lr=0.01)          # x: numpy, copied to the device
+    y = np.tanh(x @ W0)
+    assert isinstance(got["y"], ndarray) and isinstance(got["loss"], ndarray)
+    np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
+    np.testing.assert_allclose(float(got["loss"].get()), np.sum(y * y), rtol=1e-12)
+    assert got["W"] is dW
+    np.testing.assert_allclose(dW.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
+    assert len(GEMM_CALLS) == prog.gemm_counts["strided"] == 2   # x @ W and the gradient x^T @ dy, through cuBLAS
+    launches = prog._device.module.launches
+    assert launches and all(block == 256 for _, _, block in launches)
+    assert max(grid for _, grid, _ in launches) == -(-300 * 16 // 256)   # one thread per element of y
+
+
+def test_update_targets_must_be_device_arrays(cupy):
+    prog = tgc.compile(MLP, backend="cuda")
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(EvalError, match="'W' is updated in place: pass a device array"):
+        prog(x=x, W=np.ones((8, 16), np.float32), lr=0.1)
+    with pytest.raises(EvalError, match="'W' is updated in place: pass a C-contiguous f32 device array"):
+        prog(x=x, W=cupy.asarray(np.ones((8, 16))), lr=0.1)      # f64: a cast would be a copy
+    with pytest.raises(EvalError, match="input 'x' must be a float array"):
+        prog(x=cupy.asarray(np.ones((2, 8), np.int64)), W=cupy.asarray(np.ones((8, 16), np.float32)), lr=0.1)
+
+
+def test_dlpack_input_and_gather_error_word(cupy):
+    torch = pytest.importorskip("torch", reason="torch gives a DLPack tensor")
+    src = "dim b\ndim v = 10, e = 6\ninput ids: i32[b]\nparam E[v, e]\nout r = E[v = ids] * 2\n"
+    prog = tgc.compile(src, backend="cuda")
+    E = torch.arange(60, dtype=torch.float32).reshape(10, 6)
+    out = prog(ids=np.array([1, 9], np.int32), E=E)
+    np.testing.assert_array_equal(out["r"].get(), 2 * E.numpy()[[1, 9]])
+    with pytest.raises(EvalError, match=r"gather index out of range: 'ids'\[b=1\] = 10"):
+        prog(ids=np.array([1, 10], np.int32), E=E)
+    names = [n for n, _, _ in prog._device.module.launches]
+    assert names[-1].startswith("check")          # the error word stopped the call after the checks
+
+
+def test_without_cupy_the_error_is_clear(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)     # import cupy fails
+    with pytest.raises(tgc.backends.base.BackendUnavailable, match="CuPy is not installed"):
+        tgc.compile(MLP, backend="cuda")
+
+
+def test_attention_on_the_gpu_path_matches_interpreter(cupy):
+    """Batched GEMMs (batch and head, with a looped batch edge) through the cuBLAS
+    stand-in, and every kernel with the GPU's geometry."""
+    from pathlib import Path
+
+    from tgc import driver
+    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.options import Options
+
+    options = Options(dtype="f64")
+    path = Path(__file__).resolve().parents[2] / "examples/attention.tg"
+    module = driver.lower(driver.load(str(path), options), options).module
+    dims = {d: 3 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f64")
+    want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)
+    prog = tgc.compile(module, dtype="f64", backend="cuda")
+    got = prog.run({k: cupy.asarray(v.copy()) for k, v in inputs.items()}, dims)
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name].get(), ref, rtol=1e-9, atol=1e-9, err_msg=name)
+    assert prog.gemm_counts == {"strided": 18, "views": 0} and len(GEMM_CALLS) > 18   # looped calls

@@ -1,0 +1,2 @@
+"""The CUDA backend: CUDA C from the lowered program (`codegen`), run on a GPU
+through CuPy or on this CPU by the cuda-sim emulator (`runtime`); docs/cuda.md."""

@@ -1,0 +1,120 @@
+"""`tgc build --target cuda`: the CUDA module of a program as a file (`.cu` source,
+`.ptx` or `.cubin` through nvcc) and a JSON manifest beside it, from which a host
+program with the CUDA driver API can run it.
+
+The manifest says everything the Python runtime (`runtime.CudaProgram`) knows:
+the symbolic dims (kernel parameters, in order), the arguments and outputs (ABI
+order, shapes as size expressions of the dims), every buffer (kind, dtype, axis
+order, workspace slot), the workspace (slots of `max(sizes)` bytes, each at a
+256-byte aligned offset), the checks, and the launches in order: for a kernel, its
+name, its buffer parameters, its work items (a size expression; a grid-stride loop:
+any grid works, 256 threads per block), and for a reduction its one-block-per-output
+variant with the reduced size above which to use it; for a GEMM cell, its operands'
+views and edge groups (the host plans the strided batched cuBLAS call from the
+layouts, as `gemm.plan_looped` does). Every kernel's parameters are its buffers, then
+each dim as `long long`, then `int* err` (the error word: nonzero after the checks
+means the check of that number failed).
+
+The bytes depend only on the program, the options and nvcc's version (nvcc's output
+does not depend on the file's folder): builds are reproducible.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tgc import __version__
+from tgc.backends.base import BackendUnavailable
+from tgc.backends.cuda import codegen
+from tgc.backends.cuda.runtime import WS_ALIGN, lower
+from tgc.ir.lowered import Lowered
+from tgc.ir.module import Module
+from tgc.ir.sizes import size_str
+from tgc.options import Options
+
+EMITS = ("cu", "ptx", "cubin")
+
+
+def build(module: Module, options: Options, emit: str, arch: str = "sm_90") -> tuple[bytes, bytes]:
+    """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR pipeline."""
+    if options.fp_strict and options.dtype == "f32":
+        from tgc.passes.emulate import emulate_f32
+
+        module, options = emulate_f32(module), options.with_(dtype="f64")
+    low = lower(module, options)
+    cm = codegen.generate(low)
+    if emit == "cu":
+        data = cm.source.encode()
+    else:
+        data = _nvcc(cm.source, emit, arch, options.fp_strict)
+    return data, manifest(low, cm, emit, arch)
+
+
+def _nvcc(source: str, emit: str, arch: str, strict: bool) -> bytes:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise BackendUnavailable(f"--emit {emit} needs nvcc (the CUDA toolkit), which is not installed; "
+                                 f"--emit cu writes the CUDA source")
+    with tempfile.TemporaryDirectory(prefix="tgc-cuda-") as tmp:
+        cu, out = Path(tmp) / "module.cu", Path(tmp) / f"module.{emit}"
+        cu.write_text(source)
+        cmd = [nvcc, f"-{emit}", f"-arch={arch}", "--std=c++17"] + (["--fmad=false"] if strict else [])
+        done = subprocess.run(cmd + ["-o", str(out), str(cu)], capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["?"])[0]
+            if "arch" in done.stderr and "not defined" in done.stderr or "Unsupported gpu architecture" in done.stderr:
+                raise BackendUnavailable(f"nvcc does not know the architecture '{arch}': {first}")
+            raise RuntimeError(f"internal: the generated CUDA module does not compile:\n{done.stderr[-4000:]}")
+        return out.read_bytes()
+
+
+def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> bytes:
+    m = low.module
+    targets = {u.target for u in m.updates}
+
+    def spec(name: str, edges, kind: str, dtype: str, **extra) -> dict:
+        return {"name": name, "kind": kind, "dtype": dtype, "edges": list(edges),
+                "shape": [size_str(m.size(e)) for e in edges], **extra}
+
+    args = [spec(a.name, a.order, a.kind, "i32" if a.dtype == "i32" else low.dtype, updated=a.name in targets)
+            for a in m.args.values()]
+    outs = [spec(o.name, o.order, "output", low.dtype) for o in m.outputs]
+    buffers = []
+    for b in low.buffers.values():
+        order = b.order if b.order is not None else b.edges
+        entry = {"name": b.name, "kind": b.kind, "dtype": b.dtype, "order": list(order),
+                 "shape": [size_str(low.size(e)) for e in order]}
+        if b.kind in ("arg", "out"):
+            entry["index"] = b.index
+        if b.slot is not None:
+            entry["slot"] = b.slot
+        buffers.append(entry)
+    launches = []
+    for x in cm.launches:
+        if x.kind == "gemm":
+            k = x.gemm
+            launches.append({"kind": "gemm", "out": k.out,
+                             "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
+                             "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
+                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k)})
+            continue
+        entry = {"kind": x.kind, "kernel": x.name, "buffers": list(x.bufs),
+                 "items": " * ".join(f"({size_str(s)})" for s in x.total) or "1"}
+        if x.row:
+            entry["row_kernel"] = x.row
+            entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)
+        launches.append(entry)
+    doc = {
+        "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,
+        "dims": list(cm.dims), "block": codegen.BLOCK,
+        "kernel_params": "buffers (in each launch's order), then each dim as long long, then int* err",
+        "args": args, "outputs": outs, "buffers": buffers,
+        "workspace": {"align": WS_ALIGN, "slots": [[size_str(s) for s in sizes] for sizes in low.slots]},
+        "checks": [{"number": i + 1, "buffer": c.buf, "size": size_str(c.size), "note": c.note}
+                   for i, c in enumerate(low.checks)],
+        "launches": launches,
+    }
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()

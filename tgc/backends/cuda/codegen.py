@@ -1,0 +1,481 @@
+"""CUDA C from the lowered program: one module per program, one `__global__` kernel
+per loop kernel, and a launch list the host side runs in order.
+
+`generate(low)` takes a `Lowered` program after `plan` (built without loop groups:
+`Options.group_blocks == 0`, as `tgc.backends.cuda.runtime` lowers) and returns a
+`CudaModule`: the CUDA C text (the device header `tgc_ops.cuh` inlined, so it is one
+self-contained source for nvcc, NVRTC and the cuda-sim emulator) and its `Launch`es.
+
+What each kernel kind becomes (the meaning is `tgc.ir.lowered_interp`'s):
+
+- a `LoopKernel` is a grid-stride loop over the points of its kept (not reduced)
+  loops, the innermost fastest, so neighbouring threads write neighbouring elements
+  of a row-major output. Each thread reduces its point's reduced loops serially
+  (sum in double; max/min propagating NaN; maxshift skipping NaN; logsumexp as a
+  maxshift pass then a sum of exp(x - m) pass), each reduced loop over
+  [max(0, lower bounds...), min(size, upper bounds...)), then applies the epilogue
+  and stores. Every operation is in the program's float type, as on the CPU.
+- a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
+  for a segment max/min), then one thread per point combining its term with
+  `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
+  bit for bit) or a compare-and-swap max/min (`tgc_atomic_extreme`: exact, NaN kept).
+- indices (`Ix`: loop variables, gathered ids, floor divisions, with size
+  coefficients), masks, strides and padding are integer arithmetic in `long long`
+  on the buffers' row-major layouts; a `Mask` is a conditional, so its operand (and
+  its loads) is not evaluated outside it.
+- a `Check` is a kernel over the id buffer that writes the check's number into the
+  device error word (compare-and-swap from 0, launched in order: the first failing
+  check wins); the host reads the word once, after the checks, before any other work.
+- a `GemmKernel` without taps or shifts is a host-side call (`Launch.gemm`: a cuBLAS
+  strided batched GEMM on a GPU, numpy on the same strides under cuda-sim; `gemm.py`); one
+  with taps or shifts (a convolution) becomes a loop kernel summing over its `k` and
+  tap edges with the shifted reads masked to their ranges (`gemm_as_loop`), which is
+  the same sum: each call of the CPU's tap loop adds zeros where it clips.
+
+Exactness: the same operations in the same float type as the CPU backend, with the
+CUDA math library's transcendentals (a few ulps from the CPU's), reductions in a
+different order (sums in double), so results agree to the type's precision, not bit
+for bit. Generation walks the finite expression trees once: it terminates.
+Loop groups (`LoopGroup`) are refused: they are the CPU backend's cache blocking.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tgc.backends.base import BackendUnavailable
+from tgc.ir.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
+from tgc.ir.sizes import Size, SizeOp
+
+HEADER = Path(__file__).with_name("tgc_ops.cuh")
+C_TYPES = {"f32": "float", "f64": "double", "i32": "int"}
+FNS = {"exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "abs", "pow", "div", "sign", "max", "min",
+       "lt", "le", "gt", "ge", "eq", "ne", "where", "mul0", "mul00", "round32", "sigmoid", "softplus"}
+BLOCK = 256          # threads per block on a GPU
+
+
+class CudaUnsupported(BackendUnavailable):
+    """The lowered program has a form the CUDA backend does not compile (yet); the
+    message starts "not supported by the cuda backend yet: " (exit 3 from the CLI)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"not supported by the cuda backend yet: {what}")
+
+
+@dataclass
+class Launch:
+    """One step of a call, in order: a kernel launch (`kind` loop, zero or check) over
+    `total` work items (a size expression of the dims), or a host-side GEMM."""
+    kind: str                         # loop | zero | check | gemm
+    name: str = ""                    # the kernel's name in the module ('' for gemm)
+    bufs: tuple[str, ...] = ()        # buffer arguments, in the kernel's parameter order
+    total: tuple[Size, ...] = ()      # the work items: the product of these sizes
+    gemm: GemmKernel | None = None
+    index: int = -1                   # the lowered kernel (or check) it comes from
+    row: str = ""                     # a reduction's one-block-per-output variant (kernel name), if any
+    red: tuple[Size, ...] = ()        # the reduced loops' sizes (the row variant runs when their product is large)
+
+
+@dataclass
+class CudaModule:
+    source: str
+    launches: list[Launch] = field(default_factory=list)
+    dims: tuple[str, ...] = ()        # the dim parameters every kernel takes, in order
+    dtype: str = "f32"
+
+    def kernel_names(self) -> list[str]:
+        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row) if n]
+
+
+def generate(low: Lowered, prefix: str = "") -> CudaModule:
+    """The CUDA module of `low` (after `plan`, no loop groups); `prefix` starts every
+    kernel's name (modules of one float type with distinct prefixes can be
+    concatenated into one translation unit: the tests compile many at once)."""
+    return _Gen(low, prefix).run()
+
+
+def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
+    """`k` as a loop kernel: out[batch, m, n] = sum over k and taps of a * b, each
+    operand read at its (shifted) index and masked to its buffer's range."""
+    shifts = {(role, e): ix for role, e, ix in k.shifts}
+    out_edges = low.buffers[k.out].edges
+
+    def operand(role: str, view: View):
+        conds: list[Cond] = []
+        index = []
+        for v, b in view.edges:
+            ix = Ix.var(v)
+            if (role, v) in shifts:
+                ix = ix.plus(shifts[(role, v)])
+                conds += [Cond(ix, ">="), Cond(ix.plus_const(neg(low.size(b))), "<")]
+            index.append((b, ix))
+        load = Load(view.buf, tuple(sorted(index)))
+        return Mask(tuple(conds), load) if conds else load
+
+    loops = tuple(dict.fromkeys(list(out_edges) + list(k.k) + list(k.taps)))
+    red = tuple(v for v in loops if v not in out_edges)
+    sizes = {v: low.size(v) for v in loops}
+    return LoopKernel(out=k.out, index=tuple((e, Ix.var(e)) for e in out_edges), loops=loops, sizes=sizes,
+                      body=Mul((operand("a", k.a), operand("b", k.b))), reduce="sum", red=red, note=k.note)
+
+
+def _c_ident(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+class _Gen:
+    def __init__(self, low: Lowered, prefix: str = ""):
+        if low.dtype not in ("f32", "f64"):
+            raise CudaUnsupported(f"float type '{low.dtype}'")
+        self.low, self.prefix = low, prefix
+        self.T = C_TYPES[low.dtype]
+        self.dims = tuple(low.module.symbolic_dims())
+        self.dim_c = {d: f"d{i}" for i, d in enumerate(self.dims)}
+        self.parts: list[str] = []
+        self.launches: list[Launch] = []
+
+    # ------------------------------------------------------------ the module
+
+    def run(self) -> CudaModule:
+        low = self.low
+        for i, c in enumerate(low.checks):
+            self.check(i, c)
+        for i, k in enumerate(low.kernels):
+            if isinstance(k, LoopGroup):
+                raise CudaUnsupported("loop groups (lower with Options(group_blocks=0))")
+            if isinstance(k, GemmKernel):
+                if k.taps or k.shifts:
+                    self.loop(i, gemm_as_loop(low, k))
+                else:
+                    self.launches.append(Launch("gemm", gemm=k, index=i))
+                continue
+            self.loop(i, k)
+        head = [f"// generated by tgc (cuda backend): {len(self.launches)} launches, {low.dtype}",
+                f"typedef {self.T} tgc_t;", HEADER.read_text()]
+        sim = ["#ifdef TGC_CUDA_SIM", "// cuda-sim: one host entry per kernel (tgc/backends/cuda/sim.h)"]
+        for x in self.launches:
+            if x.kind == "gemm":
+                continue
+            args = [f"({self.buf_type(b, write=j == 0 and x.kind != 'check')}*)b[{j}]" for j, b in enumerate(x.bufs)]
+            args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
+            for name, launch in ((x.name, "TGC_SIM_LAUNCH_SERIAL"), (x.row, "TGC_SIM_LAUNCH")):
+                if name:   # the row variant needs a team per block: barriers and shuffles
+                    sim.append(f'extern "C" void tgc_launch_{name}(void* const* b, const long long* d, int* err, '
+                               f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {name}({', '.join(args)}));\n}}")
+        sim.append("#endif")
+        source = "\n".join(head + self.parts + sim) + "\n"
+        return CudaModule(source, self.launches, self.dims, low.dtype)
+
+    def buf_type(self, name: str, write: bool) -> str:
+        t = C_TYPES[self.low.buffers[name].dtype]
+        return t if write else f"const {t}"
+
+    def params(self, bufs: list[str], written: str | None) -> str:
+        ps = []
+        for j, b in enumerate(bufs):
+            t = C_TYPES[self.low.buffers[b].dtype]
+            ps.append(f"{t}* p{j}" if b == written else f"const {t}* __restrict__ p{j}")
+        ps += [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"]
+        return ", ".join(ps)
+
+    def kernel(self, name: str, params: str, body: list[str], note: str) -> None:
+        text = f"// {note}\n" if note else ""
+        text += (f'extern "C" __global__ void __launch_bounds__({BLOCK}) {name}({params}) {{\n'
+                 + "\n".join("    " + line for line in body) + "\n}")
+        self.parts.append(text)
+
+    # ------------------------------------------------------------ sizes and indices
+
+    def size(self, s: Size) -> str:
+        if isinstance(s, int):
+            return f"{s}LL"
+        if isinstance(s, str):
+            return self.dim_c[s]
+        assert isinstance(s, SizeOp)
+        return f"({self.size(s.lhs)} {s.op} {self.size(s.rhs)})"
+
+    def layout(self, name: str) -> list[tuple[str, str]]:
+        """(edge, stride expression) of a buffer's axes, outermost first (row-major)."""
+        b: Buffer = self.low.buffers[name]
+        order = b.order if b.order is not None else b.edges
+        out, stride = [], "1LL"
+        for e in reversed(order):
+            out.append((e, stride))
+            stride = f"{stride} * {self.size(self.low.size(e))}" if stride != "1LL" else self.size(self.low.size(e))
+        return list(reversed(out))
+
+    def offset(self, name: str, index, ctx: "_Ctx") -> str:
+        at = dict(index)
+        terms = []
+        for e, stride in self.layout(name):
+            ix = self.ix(at[e], ctx)
+            terms.append(ix if stride == "1LL" else f"({ix}) * ({stride})")
+        return " + ".join(terms) if terms else "0"
+
+    def ix(self, ix: Ix, ctx: "_Ctx") -> str:
+        parts = []
+        for atom, coef in ix.terms:
+            a = self.atom(atom, ctx)
+            parts.append(a if coef == 1 else f"{self.size(coef)} * {a}")
+        if ix.const != 0 or not parts:
+            parts.append(self.size(ix.const))
+        return "(" + " + ".join(parts) + ")"
+
+    def atom(self, a, ctx: "_Ctx") -> str:
+        if isinstance(a, str):
+            return ctx.var[a]
+        if isinstance(a, FloorDiv):
+            return f"tgc_floordiv({self.ix(a.num, ctx)}, {self.size(a.den)})"
+        assert isinstance(a, IdLoad)
+        return f"(long long){ctx.ptr(a.buf)}[{self.offset(a.buf, a.index, ctx)}]"
+
+    def cond(self, c: Cond, ctx: "_Ctx") -> str:
+        op = "==" if c.op == "=" else c.op
+        return f"{self.ix(c.ix, ctx)} {op} 0"
+
+    # ------------------------------------------------------------ expressions
+
+    def expr(self, e, ctx: "_Ctx") -> str:
+        T = "tgc_t"
+        if isinstance(e, Load):
+            v = f"{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]"
+            return v if self.low.buffers[e.buf].dtype == self.low.dtype else f"(({T}){v})"
+        if isinstance(e, Const):
+            return self.const(e.value)
+        if isinstance(e, SizeOf):
+            return f"(({T}){self.size(e.size)})"
+        if isinstance(e, Acc):
+            if ctx.acc is None:
+                raise CudaUnsupported("acc outside an epilogue")
+            return ctx.acc
+        if isinstance(e, Mask):
+            if not e.conds:
+                return self.expr(e.arg, ctx)
+            conds = " && ".join(f"({self.cond(c, ctx)})" for c in e.conds)
+            return f"(({conds}) ? {self.expr(e.arg, ctx)} : ({T})0)"
+        if isinstance(e, Add):
+            terms = []
+            for c, a in zip(e.coefs, e.args):
+                x = self.expr(a, ctx)
+                terms.append(x if c == 1 else f"{self.const(c)} * {x}")
+            return "(" + " + ".join(terms) + ")"
+        if isinstance(e, Mul):
+            return "(" + " * ".join(self.expr(a, ctx) for a in e.args) + ")"
+        if isinstance(e, Rand):   # Philox draws
+            raise CudaUnsupported(f"random draws ({e.kind}; the CPU backend and the interpreters run them)")
+        if isinstance(e, Map):
+            if e.fn not in FNS:
+                raise CudaUnsupported(f"elementwise function '{e.fn}'")
+            args = ", ".join(f"({T}){self.expr(a, ctx)}" for a in e.args)
+            return f"tgc_{e.fn}({args})"
+        raise CudaUnsupported(f"expression {e!r}")
+
+    def const(self, v: float) -> str:
+        if math.isnan(v):
+            return "((tgc_t)TGC_NAN)"
+        if math.isinf(v):
+            return "((tgc_t)TGC_INF)" if v > 0 else "(-(tgc_t)TGC_INF)"
+        return f"((tgc_t){float(v)!r})"
+
+    # ------------------------------------------------------------ kernels
+
+    def check(self, i: int, c) -> None:
+        name = f"{self.prefix}check{i}"
+        buf = self.low.buffers[c.buf]
+        sizes = tuple(self.low.size(e) for e in buf.edges)
+        total = " * ".join(self.size(s) for s in sizes) or "1LL"
+        body = [f"const long long n = {total};",
+                "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
+                "t += (long long)gridDim.x * blockDim.x) {",
+                "    long long id = p0[t];",
+                f"    if (id < 0 || id >= {self.size(c.size)}) atomicCAS(err, 0, {i + 1});",
+                "}"]
+        self.kernel(name, self.params([c.buf], None), body, f"check 0 <= %{c.buf} < ...")
+        self.launches.append(Launch("check", name, (c.buf,), sizes, index=i))
+
+    def loop(self, i: int, k: LoopKernel) -> None:
+        bufs = k.buffers_used()
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)})
+        kept = [v for v in k.loops if v not in k.red]
+        for j, v in enumerate(k.loops):
+            ctx.var[v] = f"i{j}"
+        note = (k.note or k.text().splitlines()[0]).replace("\n", " ")
+        if k.scatter:
+            out_sizes = tuple(self.low.size(e) for e in self.low.buffers[k.out].edges)
+            n = " * ".join(self.size(s) for s in out_sizes) or "1LL"
+            zero = [f"const long long n = {n};",
+                    "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
+                    f"t += (long long)gridDim.x * blockDim.x) p0[t] = {_SCATTER_INIT[k.reduce or 'sum']};"]
+            self.kernel(f"{self.prefix}k{i}_zero", self.params([k.out], k.out), zero, f"zero %{k.out} before the scatter")
+            self.launches.append(Launch("zero", f"{self.prefix}k{i}_zero", (k.out,), out_sizes, index=i))
+        sizes = [self.size(k.sizes[v]) for v in kept]
+        body = [f"const long long n = {' * '.join(sizes) or '1LL'};",
+                "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
+                "t += (long long)gridDim.x * blockDim.x) {"]
+        inner = []
+        if kept:
+            inner.append("long long r = t;")
+            for v, s in reversed(list(zip(kept, sizes))):
+                inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
+        store = f"p0[{self.offset(k.out, k.index, ctx)}]"
+        if k.scatter:
+            if k.red:
+                raise CudaUnsupported("a scatter kernel with reduced loops")
+            combine = {"sum": "atomicAdd", "max": "tgc_atomic_max", "min": "tgc_atomic_min"}[k.reduce or "sum"]
+            inner += self.guarded(k, kept, ctx, [f"{combine}(&{store}, {self.expr(k.body, ctx)});"])
+        elif not k.reduce:
+            inner.append(f"{store} = {self.expr(k.body, ctx)};")
+        else:
+            inner += self.reduction(k, ctx)
+            ctx.acc = "acc"
+            value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
+            inner.append(f"{store} = {value};")
+        body += ["    " + line for line in inner] + ["}"]
+        name = f"{self.prefix}k{i}"
+        self.kernel(name, self.params(bufs, k.out), body, note)
+        row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
+        self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
+                                    red=tuple(k.sizes[v] for v in k.red)))
+
+    def row_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> str:
+        """The reduction `k` with one block per output element (a grid-stride loop of
+        blocks over them): the block's threads share the reduced iterations, and
+        `tgc_block_reduce` combines their partials (shuffles, then shared memory)."""
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)})
+        for j, v in enumerate(k.loops):
+            ctx.var[v] = f"i{j}"
+        sizes = [self.size(k.sizes[v]) for v in kept]
+        red = [v for v in k.loops if v in k.red]
+        inner = []
+        if kept:
+            inner.append("long long r = t;")
+            for v, s in reversed(list(zip(kept, sizes))):
+                inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
+        for v in red:
+            lows, highs = k.bounds.get(v, ((), ()))
+            lo = "0LL"
+            for x in lows:
+                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+            hi = self.size(k.sizes[v])
+            for x in highs:
+                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            i = ctx.var[v]
+            inner.append(f"const long long {i}_lo = {lo}, {i}_n = max_ll({hi} - {i}_lo, 0LL);")
+        inner.append(f"const long long cnt = {' * '.join(ctx.var[v] + '_n' for v in red)};")
+
+        def over(stmts: list[str]) -> list[str]:
+            head = ["for (long long q = threadIdx.x; q < cnt; q += blockDim.x) {", "    long long rq = q;"]
+            for v in reversed(red):
+                i = ctx.var[v]
+                head.append(f"    const long long {i} = {i}_lo + rq % {i}_n; rq /= {i}_n;")
+            return head + ["    " + s for s in stmts] + ["}"]
+
+        x = self.expr(k.body, ctx)
+        shared = set()
+        if k.reduce == "sum":
+            inner += ["double sum = 0.0;"] + over([f"sum += (double){x};"])
+            inner += ["sum = tgc_block_reduce(sum, tgc_op_sum(), part_d);", "const tgc_t acc = (tgc_t)sum;"]
+            shared.add("double part_d[32];")
+        elif k.reduce in ("max", "min"):
+            better = "!(v <= m)" if k.reduce == "max" else "!(v >= m)"
+            init = "-(tgc_t)TGC_INF" if k.reduce == "max" else "(tgc_t)TGC_INF"
+            inner += [f"tgc_t m = {init};"] + over([f"const tgc_t v = {x};", f"if (m == m && ({better})) m = v;"])
+            inner += [f"const tgc_t acc = tgc_block_reduce(m, tgc_op_{k.reduce}(), part_t);"]
+            shared.add("tgc_t part_t[32];")
+        else:   # maxshift, logsumexp
+            inner += ["tgc_t m = -(tgc_t)TGC_INF;"] + over([f"const tgc_t v = {x};", "if (v > m) m = v;"])
+            inner += ["m = tgc_block_reduce(m, tgc_op_maxshift(), part_t);"]
+            shared.add("tgc_t part_t[32];")
+            if k.reduce == "maxshift":
+                inner.append("const tgc_t acc = m;")
+            else:
+                inner += ["if (!tgc_finite(m)) m = (tgc_t)0;", "double sum = 0.0;"]
+                inner += over([f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
+                inner += ["sum = tgc_block_reduce(sum, tgc_op_sum(), part_d);",
+                          "const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
+                shared.add("double part_d[32];")
+        ctx.acc = "acc"
+        value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
+        inner.append(f"if (threadIdx.x == 0) p0[{self.offset(k.out, k.index, ctx)}] = {value};")
+        body = [f"__shared__ {d}" for d in sorted(shared)]
+        body += [f"const long long n = {' * '.join(sizes) or '1LL'};",
+                 "for (long long t = blockIdx.x; t < n; t += gridDim.x) {"]
+        body += ["    " + line for line in inner] + ["}"]
+        self.kernel(name, self.params(bufs, k.out), body, note + " (one block per output)")
+        return name
+
+    def guarded(self, k: LoopKernel, loops, ctx: "_Ctx", stmts: list[str]) -> list[str]:
+        """`stmts` where every bounded loop variable among `loops` is within its bounds."""
+        conds = []
+        for v in loops:
+            lows, highs = k.bounds.get(v, ((), ()))
+            conds += [f"{ctx.var[v]} >= {self.ix(x, ctx)}" for x in lows]
+            conds += [f"{ctx.var[v]} < {self.ix(x, ctx)}" for x in highs]
+        if not conds:
+            return stmts
+        return [f"if ({' && '.join(conds)}) {{"] + ["    " + s for s in stmts] + ["}"]
+
+    def nest(self, k: LoopKernel, ctx: "_Ctx", stmts: list[str]) -> list[str]:
+        """`stmts` inside the reduced loops, each over its bounded range."""
+        red = [v for v in k.loops if v in k.red]
+        head, tail = [], []
+        for depth, v in enumerate(red):
+            pad = "    " * depth
+            lows, highs = k.bounds.get(v, ((), ()))
+            lo = "0LL"
+            for x in lows:
+                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+            hi = self.size(k.sizes[v])
+            for x in highs:
+                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            i = ctx.var[v]
+            head.append(f"{pad}for (long long {i} = {lo}, {i}_end = {hi}; {i} < {i}_end; ++{i}) {{")
+            tail.insert(0, f"{pad}}}")
+        pad = "    " * len(red)
+        return head + [pad + s for s in stmts] + tail
+
+    def reduction(self, k: LoopKernel, ctx: "_Ctx") -> list[str]:
+        x = self.expr(k.body, ctx)
+        if k.reduce == "sum":
+            return (["double sum = 0.0;"] + self.nest(k, ctx, [f"sum += (double){x};"])
+                    + ["const tgc_t acc = (tgc_t)sum;"])
+        if k.reduce in ("max", "min"):
+            better = "!(v <= m)" if k.reduce == "max" else "!(v >= m)"   # v NaN, or past m
+            init = "-(tgc_t)TGC_INF" if k.reduce == "max" else "(tgc_t)TGC_INF"
+            return ([f"tgc_t m = {init};"]
+                    + self.nest(k, ctx, [f"const tgc_t v = {x};", f"if (m == m && ({better})) m = v;"])
+                    + ["const tgc_t acc = m;"])
+        if k.reduce in ("maxshift", "logsumexp"):
+            out = ["tgc_t m = -(tgc_t)TGC_INF;"] + self.nest(k, ctx, [f"const tgc_t v = {x};", "if (v > m) m = v;"])
+            if k.reduce == "maxshift":
+                return out + ["const tgc_t acc = m;"]
+            out += ["if (!tgc_finite(m)) m = (tgc_t)0;", "double sum = 0.0;"]
+            out += self.nest(k, ctx, [f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
+            return out + ["const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
+        raise CudaUnsupported(f"reduction '{k.reduce}'")
+
+
+# what a scatter's output starts as: a sum's 0, a segment max's -inf, a segment min's inf
+_SCATTER_INIT = {"sum": "(tgc_t)0", "max": "-(tgc_t)TGC_INF", "min": "(tgc_t)TGC_INF"}
+
+
+def _row_ok(k: LoopKernel) -> bool:
+    """Whether the reduction `k` has a one-block-per-output form: its reduced loops'
+    bounds depend on the kept loops only (so their ranges are known before the
+    block shares them out)."""
+    if not k.reduce or k.scatter or not k.red or k.reduce not in ("sum", "max", "min", "maxshift", "logsumexp"):
+        return False
+    return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
+
+
+@dataclass
+class _Ctx:
+    ptrs: dict[str, str]
+    var: dict[str, str] = field(default_factory=dict)
+    acc: str | None = None
+
+    def ptr(self, buf: str) -> str:
+        return self.ptrs[buf]

@@ -1,0 +1,175 @@
+"""A lowered GEMM cell as one cuBLAS strided batched GEMM call, and that call run by
+numpy under cuda-sim.
+
+`plan(groups, operands, sizes)` describes `out[batch, m, n] = sum_k a[batch, m, k] * b[batch, k, n]`
+(`GemmKernel`, no taps or shifts) as the arguments of `cublas<t>gemmStridedBatched`
+(column-major, element strides): transpose flags, m/n/k, leading dimensions, batch
+strides and count. Each edge group (batch, m, n, k) must merge into one strided
+dimension in every operand that has it, with its edges in the same order (an
+operand lacking the whole batch group is broadcast with batch stride 0), and each
+matrix must have a unit stride on one of its two dimensions; a row-major output is
+computed as its transpose (`C^T = B^T A^T`), so the orientation of every operand is
+absorbed by a flag, never a copy. Otherwise `plan` returns None and the caller
+multiplies strided views (`matmul`, which may copy). `plan_looped` also tries
+looping over some batch edges around the call (fewest iterations first), for batch
+groups that do not merge (attention's batch and head with the sequence between them).
+
+`run_numpy(call, a, b, c)` executes the call's exact semantics on flat host arrays
+(every element addressed through the call's leading dimensions and strides), so the
+emulator checks the numbers a GPU would pass to cuBLAS. Exact: one product of the
+same operands (the summation order is numpy's or cuBLAS's). Planning is a fixed
+number of passes over at most four groups: it terminates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    transa: bool          # op(A) = A^T
+    transb: bool
+    m: int
+    n: int
+    k: int
+    a: str                # the buffer cuBLAS calls A (the lowered kernel's b when the output is row-major)
+    lda: int
+    stride_a: int
+    b: str
+    ldb: int
+    stride_b: int
+    ldc: int
+    stride_c: int
+    batch: int
+
+
+def _merge(group, strides: dict, sizes: dict) -> tuple[int, tuple[str, ...]] | None:
+    """(stride, edge order) of `group` as one dimension of a buffer with element
+    `strides` per edge: its edges nested without gaps, outermost first (size-1
+    edges go anywhere); None if they are not. An empty group: stride 0, ()."""
+    live = [e for e in group if sizes[e] != 1]
+    if not live:
+        return 0, ()
+    order = sorted(live, key=lambda e: -strides[e])
+    for outer, inner in zip(order, order[1:]):
+        if strides[outer] != strides[inner] * sizes[inner]:
+            return None
+    return strides[order[-1]], tuple(order)
+
+
+def plan_looped(k, operands: dict, sizes: dict) -> tuple[GemmCall, tuple[str, ...]] | None:
+    """The cuBLAS call of GEMM cell `k` and the batch edges looped around it (each
+    iteration offsets the three pointers), fewest iterations first; None if no
+    split of the batch group gives a call. `operands` maps 'a', 'b', 'out' to
+    (buffer name, {view edge: element stride}); `sizes` gives each edge's size.
+    (Attention's batch(batch, head) with `t` between them in memory: `batch` looped,
+    `head` the call's batch.)"""
+    from itertools import combinations
+
+    splits = [c for r in range(len(k.batch) + 1) for c in combinations(k.batch, r)]
+    splits.sort(key=lambda c: int(np.prod([sizes[e] for e in c], dtype=np.int64)))
+    for looped in splits:
+        rest = tuple(e for e in k.batch if e not in looped)
+        call = plan({"batch": rest, "m": k.m, "n": k.n, "k": k.k}, operands, sizes)
+        if call is not None:
+            return call, looped
+    return None
+
+
+def plan(groups: dict, operands: dict, sizes: dict) -> GemmCall | None:
+    """The cuBLAS call of `out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]` over the
+    edge `groups` ('batch', 'm', 'n', 'k'); operands and sizes as in `plan_looped`."""
+    count = {g: int(np.prod([sizes[e] for e in es], dtype=np.int64)) for g, es in groups.items()}
+    if min(count.values()) == 0:
+        return None
+    merged = {}
+    for role, gs in (("a", ("batch", "m", "k")), ("b", ("batch", "k", "n")), ("out", ("batch", "m", "n"))):
+        strides = operands[role][1]
+        for g in gs:
+            es = groups[g]
+            if g == "batch" and role != "out" and not any(e in strides for e in es):
+                merged[role, g] = (0, None)      # broadcast over the batch
+                continue
+            if not all(e in strides for e in es):
+                return None
+            got = _merge(es, strides, sizes)
+            if got is None:
+                return None
+            merged[role, g] = got
+    for g, roles in (("batch", ("a", "b", "out")), ("m", ("a", "out")), ("n", ("b", "out")), ("k", ("a", "b"))):
+        orders = {merged[r, g][1] for r in roles if merged[r, g][1] is not None}
+        if len(orders) > 1:
+            return None
+
+    def stride(role: str, g: str, other: str) -> int:
+        """The group's stride; a size-1 group takes one that makes the matrix valid."""
+        if count[g] != 1:
+            return merged[role, g][0]
+        s_other = merged[role, other][0] if count[other] != 1 else 1
+        return count[other] * s_other if s_other == 1 else 1
+
+    sam, sak = stride("a", "m", "k"), stride("a", "k", "m")
+    sbk, sbn = stride("b", "k", "n"), stride("b", "n", "k")
+    scm, scn = stride("out", "m", "n"), stride("out", "n", "m")
+    M, N, K = count["m"], count["n"], count["k"]
+
+    def operand(s_rows: int, s_cols: int, rows: int, cols: int):
+        """(transposed, ld) of a column-major op(X) = [rows, cols] at these strides."""
+        if s_rows == 1 and s_cols >= max(1, rows):
+            return False, s_cols
+        if s_cols == 1 and s_rows >= max(1, cols):
+            return True, s_rows
+        return None
+
+    if scn == 1 and scm >= max(1, N):      # row-major C: C^T[N, M] = op(B)[N, K] op(A)[K, M]
+        x, y = operand(sbn, sbk, N, K), operand(sak, sam, K, M)
+        if x is None or y is None:
+            return None
+        return GemmCall(x[0], y[0], N, M, K, "b", x[1], merged["b", "batch"][0], "a", y[1],
+                        merged["a", "batch"][0], scm, merged["out", "batch"][0], count["batch"])
+    if scm == 1 and scn >= max(1, M):      # column-major C[M, N] = op(A)[M, K] op(B)[K, N]
+        x, y = operand(sam, sak, M, K), operand(sbk, sbn, K, N)
+        if x is None or y is None:
+            return None
+        return GemmCall(x[0], y[0], M, N, K, "a", x[1], merged["a", "batch"][0], "b", y[1],
+                        merged["b", "batch"][0], scn, merged["out", "batch"][0], count["batch"])
+    return None
+
+
+def _matrix(flat: np.ndarray, rows: int, cols: int, trans: bool, ld: int, stride: int, batch: int) -> np.ndarray:
+    """op(X) of every batch as a [batch, rows, cols] view of a flat array (column-major)."""
+    s = flat.itemsize
+    st = (stride * s, ld * s, s) if trans else (stride * s, s, ld * s)
+    return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), st, writeable=False)
+
+
+def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offsets=(0, 0, 0)) -> None:
+    """`cublas<t>gemmStridedBatched(transa, transb, m, n, k, 1, A, lda, sA, B, ldb, sB, 0, C, ldc, sC)`
+    with numpy, on the flat memory of `a`, `b` (cuBLAS's A and B) and `c`, each from
+    its element offset."""
+    fa, fb, fc = (x.reshape(-1)[o:] for x, o in zip((a, b, c), offsets))
+    A = _matrix(fa, call.m, call.k, call.transa, call.lda, call.stride_a, call.batch)
+    B = _matrix(fb, call.k, call.n, call.transb, call.ldb, call.stride_b, call.batch)
+    s = fc.itemsize
+    C = np.lib.stride_tricks.as_strided(fc, (call.batch, call.m, call.n), (call.stride_c * s, s, call.ldc * s))
+    C[...] = np.matmul(A, B)
+
+
+def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
+    """The call through CuPy's cuBLAS bindings on the current stream (device arrays,
+    each from its element offset)."""
+    import cupy
+    from cupy.cuda import cublas
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    dt = c.dtype
+    one, zero = np.ones(1, dt), np.zeros(1, dt)
+    fn = cublas.sgemmStridedBatched if dt == np.float32 else cublas.dgemmStridedBatched
+    op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+    pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
+    fn(handle, op[call.transa], op[call.transb], call.m, call.n, call.k, one.ctypes.data,
+       pa, call.lda, call.stride_a, pb, call.ldb, call.stride_b, zero.ctypes.data,
+       pc, call.ldc, call.stride_c, call.batch)

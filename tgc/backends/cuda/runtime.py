@@ -1,0 +1,432 @@
+"""Programs of the CUDA backend: the generated module run on a GPU through CuPy
+(`backend="cuda"`), or on this CPU by the cuda-sim emulator (`backend="cuda-sim"`).
+
+`build(module, options, backend)` lowers the module (fuse, layout, plan; no loop
+groups, which are the CPU's cache blocking), generates one CUDA module
+(`codegen.generate`) and loads it on a `_Device`:
+
+- `_SimDevice` compiles the module text unchanged with the host C++ compiler and
+  the emulation header (`g++ -fopenmp -x c++ -O2 -shared -fPIC -include sim.h`),
+  caches the shared object on disk by content (`tgc.runtime.cache`'s directory,
+  checksummed), and loads it with ctypes; arrays are numpy's; numpy runs each GEMM
+  cell's strided batched call (`gemm.run_numpy`) in place of cuBLAS;
+- `_CupyDevice` loads the same text with `cupy.RawModule` (NVRTC; CuPy caches the
+  compiled module on disk by source, options and GPU architecture), keeps arrays on
+  the device, and runs GEMM cells through `cupy.cuda.cublas` (`gemm.run_cublas`).
+
+A call (`CudaProgram._run_checked`) is the same host orchestration for both: check
+and convert the inputs, bind the dims, allocate the outputs and one workspace (each
+`plan` slot at a 256-byte aligned offset), run the check kernels and read the device
+error word once (an out-of-range id raises `EvalError` before any other kernel runs,
+so nothing is written), then every launch in order with its geometry: a grid-stride
+loop over the launch's work items, `BLOCK` threads per block on a GPU and small
+grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
+at least `Options.cuda_row_min` elements per output runs its one-block-per-output
+variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator).
+
+Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
+out, updates in place). On a GPU, an input may be a CuPy array, anything with
+`__cuda_array_interface__` (zero-copy) or DLPack (`__dlpack__`, e.g. a torch CUDA
+tensor), or a numpy array (copied to the device); outputs are CuPy arrays; an
+update is written in place into the caller's device array (a numpy array or an
+array that had to be cast or copied is refused for an update target).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from tgc.backends.base import BackendUnavailable
+from tgc.backends.cuda import codegen, gemm
+from tgc.ir.interp import EvalError
+from tgc.ir.module import Module
+from tgc.ir.sizes import size_eval
+from tgc.options import Options
+from tgc.runtime.program import NP, Program
+
+SIM_HEADER = Path(__file__).with_name("sim.h")
+SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
+SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
+SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
+GPU_GRID = 132 * 16                  # at most this many blocks (grid-stride loops do the rest)
+WS_ALIGN = 256
+# the emulator's grid and block sizes are globals of each loaded library (a library is
+# shared by every program with the same module text): one emulated call at a time
+_SIM_LOCK = threading.Lock()
+BACKENDS = ("cuda", "cuda-sim")
+
+
+def build(module: Module, options: Options, backend: str) -> "CudaProgram":
+    """Lower `module` (after the IR pipeline), generate its CUDA module and load it
+    on the device `backend` names ("cuda" or "cuda-sim")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend '{backend}' is not a CUDA backend")
+    device = _CupyDevice() if backend == "cuda" else _SimDevice()
+    if options.fp_strict and options.dtype == "f32":
+        from tgc.passes.emulate import emulate_f32
+
+        program = build(emulate_f32(module), options.with_(dtype="f64"), backend)
+        program.out_dtype = np.dtype(np.float32)
+        program._origin = (module, options)
+        return program
+    opts = options.with_(group_blocks=0)
+    low = lower(module, opts)
+    cm = codegen.generate(low)
+    device.load(cm, opts)
+    return CudaProgram(module, options, low, cm, device)
+
+
+def lower(module: Module, options: Options):
+    """The lowered program the CUDA backend compiles: fuse, layout and plan, without
+    the CPU's loop groups (`group_blocks=0`)."""
+    from tgc.passes.plan import lower_module
+
+    return lower_module(module, options.with_(group_blocks=0))
+
+
+# ---------------------------------------------------------------- devices
+
+
+class _SimDevice:
+    """The emulator: numpy arrays, kernels compiled for this CPU from the same text."""
+    name = "cuda-sim"
+    xp = np
+
+    def load(self, cm: codegen.CudaModule, options: Options) -> None:
+        self.lib = _load_sim(cm.source)
+        self.fns = {}
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+        for name in cm.kernel_names():
+            self.fns[name] = proto(("tgc_launch_" + name, self.lib))
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def err_word(self):
+        return np.zeros(1, np.int32)
+
+    def read_err(self, err) -> int:
+        return int(err[0])
+
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+        block = SIM_ROW_BLOCK if row else SIM_BLOCK
+        grid = max(1, min(SIM_GRID, total if row else -(-total // block)))
+        ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+        dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
+        self.fns[name](ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid, block)
+
+    def to_host(self, a) -> np.ndarray:
+        return a
+
+
+class _CupyDevice:
+    """A GPU through CuPy: `cupy.RawModule` kernels, cuBLAS through `cupy.matmul`."""
+    name = "cuda"
+
+    def __init__(self):
+        try:
+            import cupy
+        except ImportError as e:
+            raise BackendUnavailable(f"backend 'cuda' needs CuPy and an NVIDIA GPU: CuPy is not installed ({e}); "
+                                     f"pip install -e '.[cuda]', or use backend 'cuda-sim'") from None
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001 -- CuPy's CUDARuntimeError and friends
+            raise BackendUnavailable(f"backend 'cuda' needs CuPy and an NVIDIA GPU: {e}") from None
+        if count < 1:
+            raise BackendUnavailable("backend 'cuda' needs CuPy and an NVIDIA GPU: no device found")
+        self.cp = self.xp = cupy
+
+    def load(self, cm: codegen.CudaModule, options: Options) -> None:
+        opts = ("--std=c++17",) + (("--fmad=false",) if options.fp_strict else ())
+        try:
+            self.module = self.cp.RawModule(code=cm.source, options=opts)
+            self.fns = {name: self.module.get_function(name) for name in cm.kernel_names()}
+        except Exception as e:  # noqa: BLE001 -- NVRTC or driver errors
+            raise BackendUnavailable(f"backend 'cuda' needs CuPy and an NVIDIA GPU: loading the module failed: {e}") \
+                from None
+
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype)
+
+    def err_word(self):
+        return self.cp.zeros(1, np.int32)
+
+    def read_err(self, err) -> int:
+        return int(err.get()[0])
+
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+        grid = max(1, min(GPU_GRID, total if row else -(-total // codegen.BLOCK)))
+        self.fns[name]((grid,), (codegen.BLOCK,), tuple(arrays) + tuple(np.int64(d) for d in dims) + (err,))
+
+    def to_host(self, a) -> np.ndarray:
+        return self.cp.asnumpy(a)
+
+
+# ---------------------------------------------------------------- the emulator's shared objects
+
+
+def _compiler() -> str:
+    for cxx in ("g++", "c++"):
+        path = shutil.which(cxx)
+        if path:
+            return path
+    raise BackendUnavailable("backend 'cuda-sim' needs a C++ compiler with OpenMP (g++): none found")
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+
+
+def _load_sim(source: str) -> ctypes.CDLL:
+    """The emulator's shared object for `source`: from the cache (by content: the
+    source, the header, the flags and the compiler's version) or compiled now."""
+    from tgc.runtime import cache
+
+    cxx = _compiler()
+    version = _compiler_version(cxx)
+    h = hashlib.sha256()
+    for part in (source, SIM_HEADER.read_text(), " ".join(SIM_FLAGS), version):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = h.hexdigest()
+    folder = cache.cache_dir()
+    if folder is not None:
+        so, digest = folder / f"cudasim-{key}.so", folder / f"cudasim-{key}.sha256"
+        try:
+            if (so.is_file() and not so.is_symlink() and digest.is_file()
+                    and hashlib.sha256(so.read_bytes()).hexdigest() == digest.read_text().strip()):
+                return ctypes.CDLL(str(so))
+        except OSError:
+            pass
+    with tempfile.TemporaryDirectory(prefix="tgc-cudasim-") as tmp:
+        cu, out = Path(tmp) / "module.cu", Path(tmp) / "module.so"
+        cu.write_text(source)
+        cmd = [cxx, *SIM_FLAGS, "-include", str(SIM_HEADER), "-DTGC_CUDA_SIM", str(cu), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"internal: the cuda-sim module does not compile:\n{done.stderr[-4000:]}")
+        data = out.read_bytes()
+        if folder is not None:
+            from tgc.fsutil import write_atomic
+
+            try:
+                write_atomic(folder / f"cudasim-{key}.so", data, mode=0o600, durable=False)
+                write_atomic(folder / f"cudasim-{key}.sha256", hashlib.sha256(data).hexdigest(), mode=0o600,
+                             durable=False)
+                return ctypes.CDLL(str(folder / f"cudasim-{key}.so"))
+            except OSError:
+                pass
+        return ctypes.CDLL(str(out))   # loaded before the folder goes: the mapping stays valid
+
+
+# ---------------------------------------------------------------- the program
+
+
+class CudaProgram(Program):
+    """A program of the cuda or cuda-sim backend: called like `Program` (same checks,
+    same result dict). `cuda_source` is the generated CUDA C module."""
+
+    def __init__(self, module: Module, options: Options, low, cm: codegen.CudaModule, device):
+        self.module, self.options, self.lowered = module, options, low
+        self._origin = (module, options)
+        self._forward: CudaProgram | None = None
+        self._forward_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cm, self._device = cm, device
+        self.backend = device.name
+        self.dtype = options.dtype
+        self._signature(module)
+        self._fast = False
+        self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
+        self.out_dtype: np.dtype | None = None
+
+    @property
+    def cuda_source(self) -> str:
+        return self._cm.source
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("<tgc.Program", f"<tgc.Program [{self.backend}]")
+
+    def without_updates(self) -> "Program":
+        if not self._updates:
+            return self
+        with self._forward_lock:
+            if self._forward is None:
+                from tgc import driver
+
+                module, options = self._origin
+                pruned = driver.lower(driver.forward_only(module), options).module
+                self._forward = build(pruned, options, self.backend)
+            return self._forward
+
+    def profile(self, reset: bool = False):
+        raise ValueError(f"profiling is not available on the {self.backend} backend")
+
+    @property
+    def llvm_ir(self) -> str:
+        raise ValueError(f"the {self.backend} backend generates CUDA C (cuda_source), not LLVM IR")
+
+    def _call(self, arrays: dict, dims: dict | None) -> dict:
+        return self._run_checked(arrays, dims)
+
+    def _prepare_device(self, given: dict) -> tuple[dict, dict]:
+        """The GPU's `_prepare`: device arrays in the program's dtypes, C-contiguous."""
+        cp = self._device.cp
+        names = [s.name for s in self.inputs]
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(names)})")
+        extra = [n for n in given if n not in names]
+        if extra:
+            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
+        arrays = {}
+        for s in self.inputs:
+            v = given[s.name]
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                v = np.asarray(v, NP[s.dtype])
+            if isinstance(v, cp.ndarray):
+                a = v
+            elif hasattr(v, "__cuda_array_interface__"):
+                a = cp.asarray(v)
+            elif hasattr(v, "__dlpack__") and not isinstance(v, np.ndarray):
+                a = cp.from_dlpack(v)
+            else:
+                a = None
+            if s.updated and a is None:
+                raise EvalError(f"'{s.name}' is updated in place: pass a device array (CuPy, "
+                                f"__cuda_array_interface__ or DLPack), not {type(v).__name__}")
+            if a is None:
+                host = self._convert(s, v)          # the CPU checks, then one copy to the device
+                a = cp.asarray(host)
+            if s.dtype == "i32" and a.dtype.kind not in "iu":
+                raise EvalError(f"input '{s.name}' holds ids (i32): pass integers, not {a.dtype}")
+            if s.dtype != "i32" and a.dtype.kind != "f":
+                raise EvalError(f"input '{s.name}' must be a float array ({s.dtype}), not {a.dtype}")
+            conv = cp.ascontiguousarray(a.astype(NP[s.dtype], copy=False))
+            if s.updated and conv is not a:
+                raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous {s.dtype} device array")
+            arrays[s.name] = conv
+        return arrays, {}
+
+    def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict:
+        dev, cm = self._device, self._cm
+        if dev.name == "cuda":
+            args, write_back = self._prepare_device(arrays)
+        else:
+            args, write_back = self._prepare(arrays)
+        env = self._bind(args, dims)
+        outs = {s.name: dev.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
+        with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
+            bufs = self._buffers(args, outs, env)
+            err = dev.err_word()
+            dvals = [env[d] for d in cm.dims]
+            launches = cm.launches
+            n_checks = sum(1 for x in launches if x.kind == "check")
+            for j, x in enumerate(launches):
+                if j == n_checks and n_checks:
+                    rc = dev.read_err(err)   # once per call, before anything is written
+                    if rc:
+                        host = {k: dev.to_host(v) for k, v in args.items()}
+                        raise self._check_error(rc, host, env)
+                if x.kind == "gemm":
+                    self._gemm(x.gemm, bufs, env)
+                    continue
+                total = 1
+                for s in x.total:
+                    total *= size_eval(s, env)
+                if total <= 0:
+                    continue
+                row = False
+                if x.row:
+                    red = 1
+                    for s in x.red:
+                        red *= size_eval(s, env)
+                    row = red >= self.options.cuda_row_min
+                dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
+            if n_checks == len(launches) and n_checks:
+                rc = dev.read_err(err)
+                if rc:
+                    raise self._check_error(rc, {k: dev.to_host(v) for k, v in args.items()}, env)
+        for name, original in write_back.items():
+            np.copyto(original, args[name], casting="unsafe")
+        result = dict(outs)
+        for target in self.updates:
+            result[self._update_keys[target]] = write_back.get(target, args[target])
+        return result
+
+    def _buffers(self, args: dict, outs: dict, env: dict) -> dict:
+        """Every buffer as a device array of its shape (buffer order): the arguments,
+        the outputs, and the temporaries over their slots in one workspace."""
+        low, dev = self.lowered, self._device
+        offsets, total = [], 0
+        for sizes in low.slots:
+            offsets.append(total)
+            need = max([size_eval(s, env) for s in sizes] + [1])
+            total += -(-need // WS_ALIGN) * WS_ALIGN
+        ws = dev.empty((max(total, 1),), np.uint8)
+        bufs = {}
+        for name, b in low.buffers.items():
+            order = b.order if b.order is not None else b.edges
+            shape = tuple(size_eval(low.size(e), env) for e in order)
+            if b.kind == "arg":
+                bufs[name] = args[name]
+            elif b.kind == "out":
+                bufs[name] = outs[self.module.outputs[b.index].name]
+            else:
+                count = int(np.prod(shape, dtype=np.int64))
+                dt = np.dtype(NP[b.dtype])
+                start = offsets[b.slot]
+                bufs[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
+        return bufs
+
+    def _gemm(self, k, bufs: dict, env: dict) -> None:
+        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
+        (`gemm.plan`: cuBLAS on a GPU, numpy on the same strides under cuda-sim) where
+        the layouts allow, else `matmul` on strided views of the buffers (an operand
+        without an edge is broadcast along it)."""
+        xp, low = self._device.xp, self.lowered
+        strided = xp.lib.stride_tricks.as_strided
+        size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
+
+        def strides(buf: str, rename: dict) -> dict:
+            arr = bufs[buf]
+            order = low.buffers[buf].order or low.buffers[buf].edges
+            by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
+            return {v: by_edge[b] for v, b in rename.items()}
+
+        out_edges = low.buffers[k.out].edges
+        operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
+                    "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
+        planned = gemm.plan_looped(k, operands, size)
+        if planned is not None:
+            call, looped = planned
+            self.gemm_counts["strided"] += 1
+            run = gemm.run_numpy if self._device.name == "cuda-sim" else gemm.run_cublas
+            roles = (call.a, call.b, "out")
+            for point in np.ndindex(*[size[e] for e in looped]):
+                offsets = tuple(sum(i * operands[r][1].get(e, 0) for e, i in zip(looped, point)) for r in roles)
+                run(call, *(bufs[operands[r][0]] for r in roles), offsets)
+            return
+        self.gemm_counts["views"] += 1
+
+        def view(buf: str, st: dict, axes: tuple) -> object:
+            isz = bufs[buf].itemsize
+            return strided(bufs[buf], [size[e] for e in axes], [st[e] * isz if e in st else 0 for e in axes])
+
+        prod = lambda es: int(np.prod([size[e] for e in es], dtype=np.int64))  # noqa: E731
+        bsz, msz, nsz, ksz = prod(k.batch), prod(k.m), prod(k.n), prod(k.k)
+        a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
+        b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
+        c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
+        c[...] = xp.matmul(a, b).reshape(c.shape)

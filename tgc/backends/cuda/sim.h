@@ -1,0 +1,112 @@
+// sim.h: the CUDA execution model on the CPU, for tgc's cuda-sim backend.
+//
+// A generated module (tgc.backends.cuda.codegen) is compiled unchanged with
+//   g++ -fopenmp -x c++ -O2 -shared -fPIC -include sim.h -DTGC_CUDA_SIM module.cu
+// Its kernels then run here as they would on a GPU, launch geometry included:
+// blocks run one after another; a launch that uses barriers or shuffles runs a
+// block's threads as an OpenMP team of blockDim threads (threadIdx from
+// omp_get_thread_num, __syncthreads an OpenMP barrier, __shared__ variables static,
+// a shuffle through a per-block exchange array between two barriers, valid when
+// the whole block calls it, as CUDA requires of a full-mask shuffle); a launch
+// without them (TGC_SIM_LAUNCH_SERIAL) runs a block's threads one after another,
+// which is the same for code with no barrier. Atomics are GCC __atomic builtins
+// (float and double add by compare-and-swap). Only the subset tgc generates is here.
+#ifndef TGC_CUDA_SIM_H
+#define TGC_CUDA_SIM_H
+#include <math.h>
+#include <string.h>
+#include <omp.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+
+struct tgc_dim3 { unsigned x, y, z; };
+static thread_local tgc_dim3 threadIdx = {0, 0, 0};
+static thread_local tgc_dim3 blockIdx = {0, 0, 0};
+static tgc_dim3 blockDim = {1, 1, 1};
+static tgc_dim3 gridDim = {1, 1, 1};
+
+static inline void __syncthreads() {
+#pragma omp barrier
+}
+
+// a shuffle: every thread of the block writes its value, all wait, each reads its source
+static double tgc_sim_exchange[1024];
+template <typename T> static inline T tgc_sim_shfl(T v, unsigned src) {
+    __syncthreads();
+    tgc_sim_exchange[threadIdx.x] = (double)v;
+    __syncthreads();
+    T r = (T)tgc_sim_exchange[src % blockDim.x];
+    __syncthreads();
+    return r;
+}
+template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
+    unsigned lane = threadIdx.x % width, base = threadIdx.x - lane;
+    return tgc_sim_shfl(v, base + ((lane ^ (unsigned)mask) % width));
+}
+template <typename T> static inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+    unsigned lane = threadIdx.x % width;
+    return tgc_sim_shfl(v, lane + delta < (unsigned)width ? threadIdx.x + delta : threadIdx.x);
+}
+
+static inline int atomicCAS(int* p, int expected, int desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
+static inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
+static inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long expected,
+                                           unsigned long long desired) {
+    __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+}
+static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+template <typename T, typename U> static inline T tgc_sim_atomic_fadd(T* p, T v) {
+    U old = __atomic_load_n((U*)p, __ATOMIC_SEQ_CST), want;
+    T f;
+    do {
+        memcpy(&f, &old, sizeof f);
+        T sum = f + v;
+        memcpy(&want, &sum, sizeof want);
+    } while (!__atomic_compare_exchange_n((U*)p, &old, want, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return f;
+}
+static inline float atomicAdd(float* p, float v) { return tgc_sim_atomic_fadd<float, unsigned>(p, v); }
+static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd<double, unsigned long long>(p, v); }
+
+#define __expf expf
+#define __logf logf
+
+// Run CALL as the kernel launch <<<G, B>>>: blocks in order, each block's threads as
+// an OpenMP team (kernels with barriers or shuffles) ...
+#define TGC_SIM_LAUNCH(G, B, CALL)                                        \
+    do {                                                                  \
+        gridDim.x = (unsigned)(G); blockDim.x = (unsigned)(B);            \
+        for (unsigned tgc_b = 0; tgc_b < gridDim.x; ++tgc_b) {            \
+            _Pragma("omp parallel num_threads(blockDim.x)")               \
+            {                                                             \
+                blockIdx.x = tgc_b;                                       \
+                threadIdx.x = (unsigned)omp_get_thread_num();             \
+                CALL;                                                     \
+            }                                                             \
+        }                                                                 \
+    } while (0)
+// ... or one thread after another (kernels with neither: the same result, faster)
+#define TGC_SIM_LAUNCH_SERIAL(G, B, CALL)                                 \
+    do {                                                                  \
+        gridDim.x = (unsigned)(G); blockDim.x = (unsigned)(B);            \
+        for (unsigned tgc_b = 0; tgc_b < gridDim.x; ++tgc_b) {            \
+            blockIdx.x = tgc_b;                                           \
+            for (unsigned tgc_t = 0; tgc_t < blockDim.x; ++tgc_t) {       \
+                threadIdx.x = tgc_t;                                      \
+                CALL;                                                     \
+            }                                                             \
+        }                                                                 \
+    } while (0)
+#endif

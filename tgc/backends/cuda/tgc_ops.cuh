@@ -1,0 +1,132 @@
+// tgc_ops.cuh: the elementwise semantics of tgc's lowered programs as CUDA device
+// functions, float and double. Inlined by tgc.backends.cuda.codegen into every
+// generated module (so a module is one self-contained source for nvcc, NVRTC and
+// the cuda-sim emulator). Each function is the one the CPU backend defines
+// (tgc/backends/cpu/elementwise.py) and the interpreters compute (tgc/ir/interp.py
+// MAP_FNS):
+//   max/min propagate NaN (llvm.maximum/minimum; numpy.maximum/minimum);
+//   comparisons give 1/0, NaN compares unequal (ne is the unordered one);
+//   where(c, a, b) takes a where c != 0 (NaN counts as true);
+//   mul0(a, b) is a*b but exactly 0 where a == 0, mul00 where either is 0;
+//   sigmoid and softplus go through e = exp(-|x|), which never overflows;
+//   pow is C pow (numpy.power on floats: 1 for y == 0, signed for a negative base
+//   with an integer exponent, NaN for a negative base with a fractional one);
+//   round32 rounds to the nearest float and back.
+// Transcendentals are the CUDA math library's (libm under cuda-sim): within a few
+// ulps of the CPU backend's own polynomials, not bit for bit.
+#ifndef TGC_OPS_CUH
+#define TGC_OPS_CUH
+
+#define TGC_DEV __device__ __forceinline__
+#ifdef __CUDACC__   /* nvcc and NVRTC (which has no __builtin_huge_val) */
+#define TGC_INF __longlong_as_double(0x7ff0000000000000ULL)
+#define TGC_NAN __longlong_as_double(0x7ff8000000000000ULL)
+#else               /* the cuda-sim emulator (g++) */
+#define TGC_INF __builtin_huge_val()
+#define TGC_NAN __builtin_nan("")
+#endif
+
+TGC_DEV float tgc_exp(float x) { return expf(x); }
+TGC_DEV double tgc_exp(double x) { return exp(x); }
+TGC_DEV float tgc_log(float x) { return logf(x); }
+TGC_DEV double tgc_log(double x) { return log(x); }
+TGC_DEV float tgc_sqrt(float x) { return sqrtf(x); }
+TGC_DEV double tgc_sqrt(double x) { return sqrt(x); }
+TGC_DEV float tgc_tanh(float x) { return tanhf(x); }
+TGC_DEV double tgc_tanh(double x) { return tanh(x); }
+TGC_DEV float tgc_sin(float x) { return sinf(x); }
+TGC_DEV double tgc_sin(double x) { return sin(x); }
+TGC_DEV float tgc_cos(float x) { return cosf(x); }
+TGC_DEV double tgc_cos(double x) { return cos(x); }
+TGC_DEV float tgc_erf(float x) { return erff(x); }
+TGC_DEV double tgc_erf(double x) { return erf(x); }
+TGC_DEV float tgc_abs(float x) { return fabsf(x); }
+TGC_DEV double tgc_abs(double x) { return fabs(x); }
+TGC_DEV float tgc_pow(float x, float y) { return powf(x, y); }
+TGC_DEV double tgc_pow(double x, double y) { return pow(x, y); }
+
+template <typename T> TGC_DEV T tgc_div(T a, T b) { return a / b; }
+template <typename T> TGC_DEV T tgc_sign(T x) { return x < T(0) ? T(-1) : (x > T(0) ? T(1) : x); }
+template <typename T> TGC_DEV T tgc_max(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    if (a == b) return signbit(a) ? b : a;   // +0 above -0, as llvm.maximum
+    return a > b ? a : b;
+}
+template <typename T> TGC_DEV T tgc_min(T a, T b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    if (a == b) return signbit(a) ? a : b;
+    return a < b ? a : b;
+}
+template <typename T> TGC_DEV T tgc_lt(T a, T b) { return a < b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_le(T a, T b) { return a <= b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_gt(T a, T b) { return a > b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_ge(T a, T b) { return a >= b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_eq(T a, T b) { return a == b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_ne(T a, T b) { return a != b ? T(1) : T(0); }
+template <typename T> TGC_DEV T tgc_where(T c, T a, T b) { return c != T(0) ? a : b; }
+template <typename T> TGC_DEV T tgc_mul0(T a, T b) { return a == T(0) ? T(0) : a * b; }
+template <typename T> TGC_DEV T tgc_mul00(T a, T b) { return (a == T(0) || b == T(0)) ? T(0) : a * b; }
+template <typename T> TGC_DEV T tgc_round32(T x) { return T((float)x); }
+template <typename T> TGC_DEV T tgc_sigmoid(T x) {
+    T e = tgc_exp(-tgc_abs(x));
+    T d = T(1) + e;
+    return x >= T(0) ? T(1) / d : e / d;
+}
+template <typename T> TGC_DEV T tgc_softplus(T x) {
+    T e = tgc_exp(-tgc_abs(x));
+    T u = T(1) + e;
+    T log1p = u == T(1) ? e : tgc_log(u) * e / (u - T(1));   // exact where u rounds to 1
+    return tgc_max(x, T(0)) + log1p;
+}
+// finite: x - x is 0 (NaN for inf and NaN)
+template <typename T> TGC_DEV bool tgc_finite(T x) { return x - x == T(0); }
+// floor division of integers (indices may be negative before a mask rejects them)
+TGC_DEV long long tgc_floordiv(long long a, long long b) {
+    long long q = a / b;
+    return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
+TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
+
+// A segment max/min's combine (a scatter with reduce max or min): compare-and-swap
+// on the element's bits until it holds the extreme. `!(v <= cur)` takes v where it is
+// larger or NaN, and a NaN already stored is kept: NaN propagates whatever the order
+// of the threads, as the CPU backend's and numpy's maximum/minimum do.
+template <typename T, typename U> TGC_DEV void tgc_atomic_extreme(T* p, T v, bool take_max) {
+    union { T f; U u; } cur, nxt;
+    cur.u = *(volatile U*)p;
+    nxt.f = v;
+    for (;;) {
+        bool better = take_max ? !(v <= cur.f) : !(v >= cur.f);
+        if (!better || cur.f != cur.f) return;
+        U seen = atomicCAS((U*)p, cur.u, nxt.u);
+        if (seen == cur.u) return;
+        cur.u = seen;
+    }
+}
+TGC_DEV void tgc_atomic_max(float* p, float v) { tgc_atomic_extreme<float, unsigned>(p, v, true); }
+TGC_DEV void tgc_atomic_max(double* p, double v) { tgc_atomic_extreme<double, unsigned long long>(p, v, true); }
+TGC_DEV void tgc_atomic_min(float* p, float v) { tgc_atomic_extreme<float, unsigned>(p, v, false); }
+TGC_DEV void tgc_atomic_min(double* p, double v) { tgc_atomic_extreme<double, unsigned long long>(p, v, false); }
+
+// Block reductions (one block per output row): a warp's lanes combine by shuffles,
+// then every thread combines the warps' partials from shared memory in warp order,
+// so each thread gets the same value, and the order (so the rounding) depends only on
+// blockDim. Every thread of the block must call it (blockDim a multiple of 32).
+struct tgc_op_sum { template <typename T> __device__ T operator()(T a, T b) const { return a + b; } };
+struct tgc_op_max { template <typename T> __device__ T operator()(T a, T b) const { return tgc_max(a, b); } };
+struct tgc_op_min { template <typename T> __device__ T operator()(T a, T b) const { return tgc_min(a, b); } };
+// maxshift's partials are never NaN (NaNs are skipped): the larger one
+struct tgc_op_maxshift { template <typename T> __device__ T operator()(T a, T b) const { return b > a ? b : a; } };
+template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    T r = part[0];
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) r = op(r, part[w]);
+    __syncthreads();   // part may be written again by the next reduction
+    return r;
+}
+#endif
