@@ -508,3 +508,14 @@ out derived = grad(sum(abs(z * z) ^ 2), z)
     for path, got in all_paths(src, {"z": z}, "f64"):
         close(got["custom"], got["derived"], "f64", path)
         close(got["derived"], 4 * np.abs(z) ** 2 * z, "f64", path)    # d|z|^4 = 4 |z|^2 z (torch's z.grad)
+
+
+def test_cuda_sim_backend_agrees_on_complex_values():
+    """The CUDA backend's module, run on this CPU (`cuda-sim`), sees the same float pairs."""
+    rng = np.random.default_rng(13)
+    z, w = crandn(rng, 6, dtype="f32"), crandn(rng, 6, dtype="f32")
+    x = rng.standard_normal(6).astype(np.float32)
+    want = numpy_elementwise(z.astype(complex), w.astype(complex), x.astype(float))
+    got = tgc.compile(ELEMENTWISE, backend="cuda-sim")(z=z, w=w, x=x)
+    for k, v in want.items():
+        close(got[k], v, "f32", f"cuda-sim: {k}")
