@@ -273,7 +273,7 @@ def test_fp_strict_keeps_bf16_bit_exact():
     ("dim n = 4\ninput x: bf8[i: n]\nout y = x", (2, 10), "unknown dtype 'bf8'"),
     ("dim n = 4\ninput ids: i32[i: n]\nout y = bf16(ids)", (3, 14), "i32"),
     ("dim n = 4\ninput x: bf16[i: n]\nout y = f16(x, x)", (3, 9), "'f16' takes 1 argument, got 2"),
-    ("dim n = 4\ninput x: bf16[i: n]\nout y = c64(x)", (3, 9), "unknown function 'c64'"),
+    ("dim n = 4\ninput z: c64[i: n]\nout y = f32(z)", (3, 9), "'f32' is not defined for complex values"),
 ])
 def test_errors_are_located(src, where, message):
     with pytest.raises(CompileError) as info:

@@ -596,6 +596,26 @@ case("s9_abi_order_rules", """
     """, dict(x=_xg.T, W=_Wh), dict(y=_xg, x=_xg, dW=(_gh := fd(lambda W: np.tanh(W @ _xg.T).sum(), _Wh)),
                                     dW2=_gh.T, dW3=_gh.T), FD)
 
+# ---- section 11: element types, complex values -------------------------------------------------------------
+_zc, _wc, _xc = rn(3) + 1j * rn(3), rn(3) + 1j * rn(3), rn(3)
+_Lc = lambda z: np.sum(np.abs(z * _wc) ** 2 + np.angle(z))   # noqa: E731
+case("s11_complex_values", """
+    dim n = 3
+    input z: c64[n]
+    input w: c128[n]
+    input x[n]
+    out a = 2j * z + (1 + 0.5j)
+    out b = real(z) - imag(w) + abs(z) + angle(w)
+    out c = conj(z) * w + c64(x) + c128(x) * 1j
+    out d = x + z                                  # mixed operands: the wider (complex) type
+    out g = grad(sum(abs(z * w) ^ 2 + angle(z)), z)
+    out v = vjp(z * w, z, w)
+    """, dict(z=_zc, w=_wc, x=_xc),
+     dict(a=2j * _zc + (1 + 0.5j), b=_zc.real - _wc.imag + abs(_zc) + np.angle(_wc),
+          c=np.conj(_zc) * _wc + _xc + 1j * _xc, d=_xc + _zc,
+          g=fd(lambda x: _Lc(x + 1j * _zc.imag), _zc.real) + 1j * fd(lambda y: _Lc(_zc.real + 1j * y), _zc.imag),
+          v=_wc * np.conj(_wc)), FD)
+
 
 # ---- running the cases ---------------------------------------------------------------------------------------
 
@@ -629,8 +649,8 @@ def run_case(tmp_path, name, backend, dtype):
 def test_program_matches_numpy(tmp_path, name, backend):
     got, expected, (rtol, atol) = run_case(tmp_path, name, backend, "f64")
     for key, want in expected.items():
-        want = np.asarray(want, dtype=np.float64)
-        assert got[key].dtype == np.float64, key
+        want = np.asarray(want, dtype=np.complex128 if np.iscomplexobj(want) else np.float64)
+        assert got[key].dtype == want.dtype, key
         assert got[key].shape == want.shape, key
         np.testing.assert_allclose(got[key], want, rtol=rtol, atol=atol, err_msg=key)
 
@@ -677,6 +697,10 @@ ERRORS = [  # id, source, line, column, words of the message
      3, 42, "has edge 'n', which 'b' lacks"),
     ("float_gather_ids", "dim v = 5, n = 3\ninput E[v]\ninput ids: f64[n]\nout y = E[v = ids]\n", 4, 15,
      "'ids' is a float tensor"),
+    ("complex_output_needs_cotangent", "dim n = 3\ninput z: c64[n]\nout g = grad(sum(z * z), z)\n", 3, 9,
+     "explicit cotangent"),
+    ("complex_comparison", "dim n = 3\ninput z: c64[n]\nout y = max[n](z)\n", 3, 9,
+     "not defined for complex values"),
 ]
 
 

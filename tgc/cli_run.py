@@ -15,6 +15,7 @@ from tgc.cli_flags import AUTOCAST, FP_STRICT
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array
+from tgc.ir.complex_io import RI
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, SizeError
@@ -256,6 +257,7 @@ def _random_dims(module: Module, arrays: dict[str, np.ndarray], dims: dict[str, 
 
 
 def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
+    edges = tuple(e for e in edges if e != RI)   # a complex array's axes: not its parts edge
     head = f"{name}[{', '.join(edges)}] {a.dtype} shape={tuple(a.shape)}"
     if a.size == 0:
         return head + " (empty)"

@@ -86,6 +86,7 @@ def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -
     """
     from tgc.ir import values as V
     from tgc.ir.affine import Affine, Relation
+    from tgc.ir.complex_io import RI
     from tgc.ir.module import Output
 
     scalars = [o.name for o in module.outputs if not o.value.edges]
@@ -98,6 +99,9 @@ def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -
     if of not in outputs:
         raise CompileError(f"--of {of}: no such output (outputs: {', '.join(outputs) or 'none'})")
     f = outputs[of].value
+    if RI in f.edges:
+        raise CompileError(f"--of {of}: the output is complex; its derivative needs an explicit cotangent v: "
+                           f"write vjp({of}, x, v) in the program")
     m = Module(dict(module.dims), dict(module.edges), dict(module.args))
     for name in wrt:
         arg = module.args.get(name)

@@ -11,6 +11,7 @@ pass without reading the source.
 from __future__ import annotations
 
 from tgc.ir.dtypes import LOW_FLOATS
+from tgc.ir.complex_io import RI, is_complex_order
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, size_str
 
@@ -25,12 +26,17 @@ def describe(module: Module, dtype: str) -> dict:
     targets = {u.target for u in module.updates}
 
     def tensor(name: str, order: tuple[str, ...], elem: str) -> dict:
+        cplx = is_complex_order(order)   # a complex array: its float pairs' last edge is not an axis
+        order = order[:-1] if cplx else order
         return {"name": name, "edges": list(order), "shape": [_size(module.size(e)) for e in order],
-                "dtype": elem if elem in ("i32", *LOW_FLOATS) else dtype}
+                "dtype": "i32" if elem == "i32" else ({"f32": "c64", "f64": "c128"}[dtype] if cplx
+                                                      else elem if elem in LOW_FLOATS else dtype)}
 
     seen = {e for a in module.args.values() for e in a.order} | {e for o in module.outputs for e in o.order}
     dims = []
     for d, s in module.dims.items():
+        if d == RI:
+            continue
         kind = "symbolic" if s is None else "fixed" if isinstance(s, int) else "derived"
         edges = [e for e, dim in module.edges.items() if dim == d and e != d and e in seen]
         dims.append({"name": d, "kind": kind, "size": None if s is None else _size(s), "edges": edges})

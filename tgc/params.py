@@ -34,6 +34,7 @@ from typing import Mapping
 import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.complex_io import as_complex, as_pairs, is_complex_order
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 
 META_KEY = "tgc"          # safetensors metadata key
@@ -107,6 +108,9 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
         want = low.get(spec.name, dtype)   # bf16/f16 params and states keep their type
         if isinstance(a, np.ndarray) and want in LOW_FLOATS and a.dtype == np.dtype("V2"):
             a = a.view(TYPES[want].numpy)   # numpy saves a bfloat16 array as raw 2-byte items
+        if is_complex_order(spec.edges) and isinstance(a, np.ndarray) and a.dtype.kind == "c":
+            a = as_pairs(a, dtype if a.dtype.itemsize == (8 if dtype == "f32" else 16) or cast else
+                         ("f32" if a.dtype == np.complex64 else "f64"))   # stored as float pairs, edge re.im
         if not isinstance(a, np.ndarray) or (a.dtype.kind != "f" and not is_low_array(a)):
             kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
             raise ParamsError(f"{where}: '{spec.name}' is {kind}, not a float array")
@@ -128,7 +132,9 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
         out[spec.name] = a
     for spec in specs:   # sizes that depend on dims bound by a later array
         _bind(spec.name, spec.edges, out[spec.name].shape, spec.shape, env)
-    return {n: np.array(round_to(a, low.get(n, dtype)), order="C", copy=True) for n, a in out.items()}
+    out = {n: np.array(round_to(a, low.get(n, dtype)), order="C", copy=True) for n, a in out.items()}
+    return {n: as_complex(a) if is_complex_order(s.edges) and where != "save_params" else a
+            for (n, a), s in zip(out.items(), specs)}
 
 
 def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarray]) -> None:

@@ -283,6 +283,13 @@ class Affine(Node):
 
 
 @dataclass(frozen=True)
+class Imag(Node):
+    """An imaginary literal, `2j` or `0.5j`: its value times the imaginary unit."""
+
+    value: float
+
+
+@dataclass(frozen=True)
 class Indicator(Node):
     """`[t0 op0 t1 op1 t2 ...]`: 1 where every link holds, else 0."""
 

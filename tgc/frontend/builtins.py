@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from tgc.frontend import ast
+from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, RI, is_complex
 from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
 from tgc.ir import values as V
 from tgc.ir.dtypes import FLOATS, LOW_FLOATS
@@ -12,7 +13,8 @@ from tgc.ir.dtypes import FLOATS, LOW_FLOATS
 ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,),
-         **{t: (1,) for t in FLOATS}}   # conversions: f32(x), f64(x), bf16(x), f16(x)
+         **{t: (1,) for t in FLOATS},   # conversions: f32(x), f64(x), bf16(x), f16(x)
+         **{f: (1,) for f in COMPLEX_FUNCTIONS}}
 RANDOM = ("rand", "randn")
 
 
@@ -50,8 +52,29 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/passes/remat.py)
         return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in FLOATS:   # f32/f64 name the program's float type, as declarations do
+        el.real_only(f"'{node.fn}'", node, ctx, args[0])
         return V.convert(args[0], node.fn if node.fn in LOW_FLOATS else el.dtype, loc=node.loc)
+    if node.fn in COMPLEX_FUNCTIONS or (node.fn in ON_COMPLEX and is_complex(args[0])):
+        return _complex_function(el, node, args[0], ctx)
+    if node.fn == "where":
+        el.real_only("the condition of 'where'", node.args[0], ctx, args[0])
+        if is_complex(args[1]) or is_complex(args[2]):
+            args = [args[0]] + [el.cx.promote(a, node.loc) for a in args[1:]]
+    else:
+        el.real_only(f"'{node.fn}'", node, ctx, *args)
     return el.build(node, ctx, V.map_, node.fn, *args)
+
+
+def _complex_function(el: Elaborator, node: ast.Call, z: V.Value, ctx: Ctx) -> V.Value:
+    """real imag conj angle c64 c128 of any float value; exp log abs of a complex one."""
+    cx, fn = el.cx, node.fn
+    if fn in ("c64", "c128"):
+        return cx.promote(z, node.loc)
+    if fn in ("real", "imag"):
+        if is_complex(z):
+            return cx.part(z, 0 if fn == "real" else 1, node.loc)
+        return z if fn == "real" else V.const(0.0, el.dtype, z.edges, loc=node.loc)
+    return el.build(node, ctx, getattr(cx, fn), z)
 
 
 def _size(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
@@ -66,6 +89,7 @@ def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         if node.edges is not None:
             raise el.error(f"two-argument '{node.fn}' is elementwise and takes no edges", node, ctx)
         a, b = (el.fexpr(x, ctx) for x in node.args)
+        el.real_only(f"'{node.fn}'", node, ctx, a, b)
         return el.build(node, ctx, V.map_, node.fn, a, b)
     x = el.fexpr(node.args[0], ctx)
     if node.edges is None:
@@ -82,7 +106,10 @@ def _reduction(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
                     raise el.error(f"edge '{e.id}' is listed twice", e, ctx)
                 edges.append(actual)
     if node.fn in ("max", "min"):
+        el.real_only(f"'{node.fn}'", node, ctx, x)
         return el.build(node, ctx, V.reduce, node.fn, x, edges) if edges else x
+    if node.edges is None:   # every edge but a complex value's parts
+        edges = [e for e in edges if e != RI]
     total = V.contract(factors(x), [e for e in x.edges if e not in edges], loc=node.loc)
     if node.fn == "sum" or not edges:
         return total
@@ -105,6 +132,9 @@ def _wrt(el: Elaborator, node, ctx: Ctx) -> V.Value:
 def _derivative(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     f = el.fexpr(node.args[0], ctx)
     x = _wrt(el, node.args[1], ctx)
+    if node.fn == "grad" and is_complex(f):
+        raise el.error("grad of a complex value: its derivative needs an explicit cotangent v, "
+                       "written vjp(f, x, v) (grad(L, x) is for a real L)", node, ctx)
     if node.fn == "grad":
         shared = sorted(set(f.edges) & set(x.edges))
         if shared:
@@ -112,6 +142,11 @@ def _derivative(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
                            f"'{shared[0]}'; rename one of them first", node, ctx)
         return el.build(node, ctx, V.grad, f, x)
     third = el.fexpr(node.args[2], ctx)
+    if is_complex(third) and not is_complex(x if node.fn == "jvp" else f):
+        what = f"the tangent of real '{x.attrs[0]}'" if node.fn == "jvp" else "the cotangent of a real function"
+        raise el.error(f"{what} must be real, not complex", node.args[2], ctx)
+    if is_complex(x if node.fn == "jvp" else f):   # a real (co)tangent of a complex value: imaginary part 0
+        third = el.cx.promote(third, node.loc)
     if node.fn == "jvp":
         missing = sorted(set(x.edges) - set(third.edges))
         if missing:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgc.frontend import ast
+from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.frontend.functions import check_definition, check_names, check_recursion
 from tgc.frontend.parser import gc_paused, parse, read_source
@@ -175,7 +176,7 @@ class ProgramBuilder:
         raise CompileError("a dim size is an integer expression of dims with + - * /", e.loc)
 
     def _TensorDecl(self, d: ast.TensorDecl, here: Path) -> None:
-        dtype = self.el.dtype if d.dtype in (None, "f32", "f64") else d.dtype
+        dtype = self.el.dtype if d.dtype in (None, "f32", "f64") + COMPLEX_DTYPES else d.dtype
         if dtype == "i32" and d.kind != "input":
             raise CompileError(f"a {d.kind} must be a float tensor; only inputs can be i32", d.loc)
         order = []
@@ -184,6 +185,8 @@ class ProgramBuilder:
             if edge in order:
                 raise CompileError(f"edge '{spec.name}' appears twice in '{d.name}'", spec.loc)
             order.append(edge)
+        if d.dtype in COMPLEX_DTYPES:   # interleaved parts: a last edge of size 2 (tgc/frontend/complexes.py)
+            order.append(ensure_edge(self.m))
         self.scope.declare(d.name, "tensor", d.loc)
         self.m.args[d.name] = Arg(d.name, d.kind, dtype, tuple(order), d.loc)
         self.scope.tensors[d.name] = V.arg(d.name, dtype, order, d.loc)
@@ -251,7 +254,7 @@ class ProgramBuilder:
         if grad is not None:
             x = self.m.args[grad.operands[1].attrs[0]]
             return self.m.order_edges(grad.operands[0].edges) + x.order
-        return self.m.order_edges(value.edges)
+        return abi_order(self.m, value.edges)
 
     def is_grad_call(self, e, value: V.Value) -> bool:
         """`e` is written `grad(f, x)`: its output order is x's declaration order."""
@@ -268,6 +271,8 @@ class ProgramBuilder:
             if edge in order:
                 raise CompileError(f"edge '{e.id}' is listed twice in the order of '{o.name}'", e.loc)
             order.append(edge)
+        if is_complex(value):   # the parts edge cannot be written: it is last
+            order.append(ensure_edge(self.m))
         missing = [e for e in self.m.order_edges(value.edges) if e not in order]
         if missing:
             raise CompileError(f"the order of output '{o.name}' misses edge '{missing[0]}' (its edges: [{have}])",
@@ -286,6 +291,10 @@ class ProgramBuilder:
         if any(up.target == u.name for up in self.m.updates):
             raise CompileError(f"'{u.name}' is updated twice", u.loc)
         value = self.el.fexpr(u.expr, self.ctx)
+        if is_complex(value) != is_complex(self.scope.tensors[u.name]):
+            if is_complex(value):
+                raise CompileError(f"the update of real '{u.name}' is complex: take real() of it", u.expr.loc)
+            value = self.el.cx.promote(value, u.loc)
         extra = [e for e in value.edges if e not in arg.order]
         if extra:
             raise CompileError(f"the update of '{u.name}' has edge '{extra[0]}', which '{u.name}' "

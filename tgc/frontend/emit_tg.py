@@ -44,7 +44,8 @@ class _Writer:
 
     def declarations(self) -> None:
         for d, s in self.m.dims.items():
-            self.lines.append(f"dim {d}" if s is None else f"dim {d} = {size_str(s)}")
+            # a name no source has (`re.im`, a complex value's parts edge) under its valid spelling
+            self.lines.append(f"dim {self.e(d)}" if s is None else f"dim {self.e(d)} = {size_str(s)}")
         declared = set(self.m.dims)
         for a in self.m.args.values():
             for edge in a.order:
@@ -57,7 +58,7 @@ class _Writer:
         for a in self.m.args.values():
             specs = []
             for edge in a.order:
-                specs.append(edge if edge in seen else f"{edge}: {self.m.edges[edge]}")
+                specs.append(self.e(edge) if edge in seen else f"{self.e(edge)}: {self.e(self.m.edges[edge])}")
                 seen.add(edge)
             dtype = f": {a.dtype}" if a.dtype in ("i32", *LOW_FLOATS) else ""
             edges = f"[{', '.join(specs)}]" if specs else ""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from tgc.frontend import ast
+from tgc.frontend.complexes import MAX_POWER, Complex, is_complex, power_literal
 from tgc.frontend.scope import FnInfo, Scope, describe
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
@@ -65,6 +66,7 @@ class Elaborator:
 
     def __init__(self, module: Module, scope: Scope, dtype: str):
         self.m, self.scope, self.dtype = module, scope, dtype
+        self.cx = Complex(module, dtype)  # builds complex values from real parts
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
@@ -123,6 +125,12 @@ class Elaborator:
                              "or in an indicator ([node = ids])", node, ctx)
         return v
 
+    def real_only(self, what: str, node, ctx: Ctx, *values: V.Value) -> None:
+        """A located error if any of `values` is complex: `what` takes real values only."""
+        if any(is_complex(v) for v in values):
+            raise self.error(f"{what} is not defined for complex values (take real(), imag() or abs() first)",
+                             node, ctx)
+
     def size_text(self, edge: str) -> str:
         s = self.m.size(edge)
         return str(s) if isinstance(s, int) else size_str(s)
@@ -161,6 +169,9 @@ class Elaborator:
                              "pass it as a parameter", node, ctx)
         raise self.error(f"unknown name '{node.id}'", node, ctx)
 
+    def _Imag(self, node: ast.Imag, ctx: Ctx) -> V.Value:
+        return self.cx.imag_const(node.value, node.loc)
+
     def _Neg(self, node: ast.Neg, ctx: Ctx) -> V.Value:
         if isinstance(node.x, ast.Num):
             return V.const(-float(node.x.value), self.dtype, loc=node.loc)
@@ -168,6 +179,8 @@ class Elaborator:
 
     def _BinOp(self, node: ast.BinOp, ctx: Ctx) -> V.Value:
         a, b = self.fexpr(node.lhs, ctx), self.fexpr(node.rhs, ctx)
+        if is_complex(a) or is_complex(b):
+            return self.complex_binop(node, a, b, ctx)
         if node.op in "+-":
             return self.build(node, ctx, V.add, [a, b], [1.0, 1.0 if node.op == "+" else -1.0])
         if node.op == "*":
@@ -177,8 +190,35 @@ class Elaborator:
             return self.build(node, ctx, V.contract, product_operands(a, b), keep)
         return self.build(node, ctx, V.map_, "div" if node.op == "/" else "pow", a, b)
 
+    def complex_binop(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
+        """`a op b` with a complex operand (the other is promoted where it matters)."""
+        cx, loc = self.cx, node.loc
+        if node.op in "+-":
+            return self.build(node, ctx, lambda loc: cx.add(a, b, 1.0 if node.op == "+" else -1.0, loc))
+        if node.op in "*@" and not (is_complex(a) and is_complex(b)):   # a real factor scales both parts
+            return self._real_product(node, a, b, ctx)
+        if node.op == "*":
+            return self.build(node, ctx, lambda loc: cx.mul(a, b, set(a.edges) | set(b.edges), loc))
+        if node.op == "@":
+            return self.build(node, ctx, lambda loc: cx.mul(a, b, set(a.edges) ^ set(b.edges), loc))
+        if node.op == "/":
+            return self.build(node, ctx, lambda loc: cx.div(a, b, loc))
+        n = power_literal(node.rhs)
+        if is_complex(b) or n is None:
+            raise self.error("a complex power takes an integer literal exponent (`z ^ 3`, `z ^ -2`, at most "
+                             f"{MAX_POWER} in size); write exp(w * log(z)) for others",
+                             node.rhs if not is_complex(b) else node, ctx)
+        return self.build(node, ctx, lambda loc: cx.power(a, n, loc))
+
+    def _real_product(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
+        if node.op == "*":
+            return self.build(node, ctx, V.mul, product_operands(a, b))
+        keep = set(a.edges) ^ set(b.edges)
+        return self.build(node, ctx, V.contract, product_operands(a, b), keep)
+
     def _Compare(self, node: ast.Compare, ctx: Ctx) -> V.Value:
         a, b = self.fexpr(node.lhs, ctx), self.fexpr(node.rhs, ctx)
+        self.real_only(f"comparison '{node.op}'", node, ctx, a, b)
         return self.build(node, ctx, V.map_, COMPARE[node.op], a, b)
 
     def _Indicator(self, node: ast.Indicator, ctx: Ctx) -> V.Value:

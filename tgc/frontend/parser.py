@@ -44,7 +44,7 @@ from tgc.frontend.ast import build
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
-DTYPES = ("i32", "f32", "f64", "bf16", "f16")
+DTYPES = ("i32", "f32", "f64", "bf16", "f16", "c64", "c128")
 
 
 def parse(text: str, filename: str) -> ast.Program:
@@ -573,6 +573,8 @@ class _Builder:
         """NUMBER: a leaf."""
         tok = c[0]
         loc = _loc(self.local.file, tok.line, tok.column, tok.end_line, tok.end_column)
+        if tok.value.endswith("j"):   # an imaginary literal, `2j`
+            return build(ast.Imag, {"value": float(_number_value(tok.value[:-1], loc)), "loc": loc})
         return build(ast.Num, {"value": _number_value(tok, loc), "loc": loc})
 
     def binop(self, c):

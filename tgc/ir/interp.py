@@ -16,6 +16,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from tgc.ir.complex_io import complex_outputs, pairs_inputs
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
@@ -342,6 +343,7 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
     missing = [n for n in module.args if n not in inputs]
     if missing:
         raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
+    inputs = pairs_inputs(module, inputs, dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
     args = check_inputs(module, inputs, env, dtype)
     ev = _Eval(module, env, args, dtype)
@@ -353,7 +355,7 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
     for u in module.updates:
         order = module.args[u.target].order
         result[module.update_key(u.target)] = _in_order(vals[id(u.value)], u.value.edges, order)
-    return result
+    return complex_outputs(module, result)
 
 
 def _in_order(a: np.ndarray, edges: tuple[str, ...], order: tuple[str, ...]) -> np.ndarray:

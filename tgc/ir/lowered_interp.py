@@ -40,6 +40,7 @@ from typing import Mapping
 
 import numpy as np
 
+from tgc.ir.complex_io import complex_outputs, pairs_inputs
 from tgc.ir.interp import (MAP_FNS, NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.ir.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
@@ -61,9 +62,10 @@ def run_lowered(low: Lowered, inputs: Mapping[str, np.ndarray],
     """Run `low` on `inputs` (one array per argument, in ABI order); the outputs and the
     updates' new values, keyed as a compiled program's call keys them."""
     m = low.module
+    inputs = pairs_inputs(m, inputs, low.dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(m, {k: v for k, v in inputs.items() if k in m.args}, dims)
     args = check_inputs(m, inputs, env, low.dtype)
-    return _Machine(low, env, args).run()
+    return complex_outputs(m, _Machine(low, env, args).run())
 
 
 class _Machine:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
 from tgc.ir.interp import EvalError, check_ids_fit
 from tgc.ir.lowered import Lowered
 from tgc.ir.module import Module
@@ -300,6 +301,8 @@ class Program:
         self._updates = [u.target for u in module.updates]
         self._update_keys = {u.target: module.update_key(u.target) for u in module.updates}
         self._names = tuple(s.name for s in self._inputs)
+        # complex arguments and results: passed as float pairs (tgc/ir/complex_io.py)
+        self._complex_args, self._complex_results = complex_args(module), complex_results(module)
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -554,6 +557,35 @@ class Program:
         """
         if not isinstance(updates, bool):
             raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
+        if self._complex_args or self._complex_results:
+            return self._run_complex(arrays, dims, updates)
+        return self._run_real(arrays, dims, updates)
+
+    def _run_complex(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
+        """A call with complex arguments or results (tgc/ir/complex_io.py): each complex
+        array goes in as float pairs, a view of the caller's (a copy only when its width
+        or layout differs, written back if it is updated), and complex results come
+        back as complex views of the float pairs."""
+        if not isinstance(arrays, dict):
+            arrays = dict(arrays)
+        for k in self._complex_args & arrays.keys():
+            why = not_pairs(k, arrays[k], self.module.args[k].order)
+            if why:
+                raise EvalError(why)
+        pairs = {k: as_pairs(_dlpack_view(k, v), self.float_dtype) if k in self._complex_args else v
+                 for k, v in arrays.items()}
+        result = self._run_real(pairs, dims, updates)
+        for k in self._complex_results & result.keys():
+            result[k] = as_complex(result[k])
+        for target in (self._updates if updates else ()):
+            given, key = arrays.get(target), self._update_keys[target]
+            if target in self._complex_args and isinstance(given, np.ndarray) and given.dtype.kind == "c":
+                if not np.shares_memory(given, result[key]):
+                    given[...] = result[key]
+                result[key] = given
+        return result
+
+    def _run_real(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
         if self.options.check_assumptions and self.module.facts:
             self._check_facts(arrays, dims)
         if not updates and self._updates:
