@@ -220,7 +220,7 @@ def cases():
                     ("flops", _conv_flops()), "<=24 ms", "abs", 24e-3))
     out.append(Case("conv2d", "16x32->64 32x32 k3", {"batch": 16}, _conv2d_inputs(16, 32, 64, 3, 32),
                     ("flops", _conv2d_flops()), "<=1x torch", "vs-torch", 1.0))
-    out.append(Case("gcn", "4000 nodes 40000 edges f16", {"nodes": GCN["nodes"], "edges": GCN["edges"]},
+    out.append(Case("gcn", "4000 nodes 40000 edges 16 feat", {"nodes": GCN["nodes"], "edges": GCN["edges"]},
                     _gcn_inputs, ("bw", _gcn_bytes()), "<=1x torch", "vs-torch", 1.0))
     out.append(Case("mlp", "178x13-64-64-3", {"batch": 178}, _mlp_inputs, ("flops", _mlp_flops()),
                     "<=60 us", "abs", 60e-6, updates=ref_numpy.MLP_PARAMS))
