@@ -221,7 +221,8 @@ def test_integer_indicator_ids_are_bounds_checked(tmp_path):
     inp["dst"] = DST_IDS.copy()
     inp["dst"][3] = 5
     for backend in BACKENDS:
-        fails(tmp_path, HEAD + "out s = msg @ [node = dst]\n", inp, backend, code=3)
+        out = fails(tmp_path, HEAD + "out s = msg @ [node = dst]\n", inp, backend, code=3)
+        assert "scatter index out of range" in out and "'dst'" in out, out
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -731,5 +731,6 @@ class Program:
         edges = self.module.args[check.buf].order
         where = ", ".join(f"{e}={i}" for e, i in zip(edges, pos))
         value = int(ids[pos]) if len(bad) else "?"
-        return EvalError(f"gather index out of range: '{check.buf}'[{where}] = {value}, "
+        kind = "scatter" if check.note.startswith("scatter") else "gather"   # what reads the ids
+        return EvalError(f"{kind} index out of range: '{check.buf}'[{where}] = {value}, "
                          f"but the {check.note} has size {n}; nothing was written")
