@@ -354,6 +354,10 @@ class Program:
 
         return describe(self._origin[0], self.float_dtype)
 
+    def _rebuild(self, module: Module, options: Options) -> "Program":
+        """A program of this backend for another module (the forward-only one)."""
+        return build(module, options)
+
     def without_updates(self) -> "Program":
         """The forward-only program: this one without its `update`s, without what only
         they computed, and without the arguments only they read (a learning rate,
@@ -367,7 +371,7 @@ class Program:
 
                 module, options = self._origin
                 pruned = driver.lower(driver.forward_only(module), options).module
-                self._forward = build(pruned, options)
+                self._forward = self._rebuild(pruned, options)
             return self._forward
 
     def _binding_inputs(self) -> tuple[int, ...] | None:

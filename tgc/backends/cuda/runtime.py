@@ -258,17 +258,8 @@ class CudaProgram(Program):
     def __repr__(self) -> str:
         return super().__repr__().replace("<tgc.Program", f"<tgc.Program [{self.backend}]")
 
-    def without_updates(self) -> "Program":
-        if not self._updates:
-            return self
-        with self._forward_lock:
-            if self._forward is None:
-                from tgc import driver
-
-                module, options = self._origin
-                pruned = driver.lower(driver.forward_only(module), options).module
-                self._forward = build(pruned, options, self.backend)
-            return self._forward
+    def _rebuild(self, module: Module, options: Options) -> "Program":
+        return build(module, options, self.backend)
 
     def profile(self, reset: bool = False):
         raise ValueError(f"profiling is not available on the {self.backend} backend")
