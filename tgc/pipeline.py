@@ -1,36 +1,41 @@
-"""The library entry points the CLI and the Python API share.
+"""The one place that loads, optimizes, lowers and compiles: the entry points that
+`tgc.compile`, `tgc.torch`, the command line (`run`, `build`, `info`, `explain`,
+`grad`, `dump-ir`) and a program's own `without_updates` share.
 
-`load(path, options)` reads a `.tg` program (front end) or a `.tgir` file (IR
-parser) into a module; `lower(module, options, emit)` runs the pass pipeline.
+- `load(path, options)` / `load_program`: a `.tg` program (front end) or a `.tgir`
+  file (IR parser) into a module; `load_source(source, options)` for anything
+  `tgc.compile` takes (a path, .tg text, IR text, a Module);
+- `lower(module, options, emit)`: the IR pass pipeline (optimization, autodiff);
+- `lower_module(module, options, backend)`: the lowering stages, with the backend's
+  own (`lowering(backend)` names them);
+- `compile_module(module, options, backend)`: a callable `Program` of a module after
+  the IR pipeline: lowered, compiled by the backend (`tgc.backends.base`), wrapped by
+  the neutral runtime (`tgc.runtime.program`); an f32 program under --fp-strict is
+  built as its f64 emulation here, for every backend;
+- `compile_source(source, backend, dtype, dims, options)`: all of it, with the
+  code cache's first level (what `tgc.compile` is).
 """
 from __future__ import annotations
 
-from tgc.ir.diag import CompileError, Loc
+from typing import TYPE_CHECKING
+
+from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.ir.values import topo_order
 from tgc.options import Options
 from tgc.manager import PipelineResult, run_pipeline
 
+if TYPE_CHECKING:
+    from tgc.frontend.elaborate import Elaborated
+
 
 def read_text(path: str) -> str:
-    """The file's text ('-' is stdin); unreadable or non-UTF-8 input is a located error."""
-    from tgc.fsutil import NotASource, read_source_bytes
+    """The file's text ('-' is stdin): `tgc.frontend.parser.read_source`, the one
+    reader of source files (byte order marks, NUL bytes, UTF-8 errors located)."""
+    from tgc.frontend.parser import read_source
 
-    try:
-        data = read_source_bytes(None if path == "-" else path)
-    except IsADirectoryError:
-        raise CompileError("is a directory, not a file", Loc(path, 1, 1)) from None
-    except NotASource as e:
-        raise CompileError(f"cannot read file: {e}", Loc(path, 1, 1)) from None
-    except OSError as e:
-        raise CompileError(f"cannot read file: {e.strerror or e}", Loc(path, 1, 1)) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise CompileError(f"invalid UTF-8 byte 0x{data[e.start]:02x}", Loc(path, line, col)) from None
+    return read_source(path)[0]
 
 
 def is_ir_file(path: str) -> bool:
@@ -52,16 +57,20 @@ def float_type(path: str, asked: str | None, text: str | None = None) -> str:
     return "f32"
 
 
-def load_program(path: str, options: Options) -> "Elaborated":
+def load_program(path: str, options: Options, text: str | None = None) -> "Elaborated":
     """Parse and check a `.tg` program ('-' is stdin), or read a `.tgir` module;
-    with the files it read and its warnings."""
+    with the files it read and its warnings. With `text`, `path` is only its name:
+    "<ir>" (IR text) or any other (.tg source text)."""
     from tgc.frontend.elaborate import Elaborated, elaborate_source
 
     name = "<stdin>" if path == "-" else path
-    if is_ir_file(path):
-        from tgc.ir.parser import parse_module  # only for .tgir input
+    if text is not None and path != "<ir>":
+        return elaborate_source(text, name, options)
+    if is_ir_file(path) or path == "<ir>":
+        from tgc.ir.parser import parse_module  # only for IR input
 
-        return Elaborated(parse_module(read_text(path), name), [] if path == "-" else [path])
+        return Elaborated(parse_module(read_text(path) if text is None else text, name),
+                          [] if path in ("-", "<ir>") else [path])
     if path == "-":
         return elaborate_source(read_text(path), name, options)
     from tgc.frontend.elaborate import elaborate_file
@@ -75,7 +84,162 @@ def load(path: str, options: Options) -> Module:
 
 
 def lower(module: Module, options: Options, emit=None) -> PipelineResult:
+    """The IR pass pipeline (`options.passes`, else the default) on `module`."""
     return run_pipeline(module, options, emit)
+
+
+def lowering(backend: str = "cpu") -> tuple[str, ...]:
+    """The lowering stages the backend named runs, in order (fuse, layout, its own, plan)."""
+    from tgc.backends.base import get_backend
+
+    return get_backend(backend).lowering()
+
+
+def lower_module(module: Module, options: Options, backend: str = "cpu", emit=None, stop_after: str = "plan"):
+    """The lowered program of `module` (after the IR pipeline) for `backend`: the
+    neutral stages and the backend's own (`tgc.lower.plan.lower_module`)."""
+    from tgc.backends.base import get_backend
+    from tgc.lower.plan import lower_module as run_stages
+
+    return run_stages(module, options, emit, stop_after, get_backend(backend).stage_passes())
+
+
+def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
+    """A callable `Program` of `module` (after the IR pipeline) on `backend`.
+
+    An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
+    it takes f32 arrays (updates are written back into them) and returns f32 outputs.
+    `artifacts` and `low`: a first-level cache hit's object files and lowered program."""
+    from tgc.backends.base import get_backend
+    from tgc.runtime.program import Program
+
+    be = get_backend(backend)
+
+    def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
+        return compile_module(lower(forward_only(module), options).module, options, backend)
+
+    if options.fp_strict and options.dtype == "f32":
+        from tgc.ir.emulate import emulate_f32
+
+        import numpy as np
+
+        program = compile_module(emulate_f32(module), options.with_(dtype="f64"), backend)
+        program.out_dtype = np.dtype(np.float32)
+        program._origin = (module, options)
+        program._build_forward = build_forward
+        return program
+    if low is None:
+        low = lower_module(module, options, backend)
+    kernels = be.compile(module, low, options, artifacts)
+    return Program(module, options, low, kernels, build_forward)
+
+
+def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu") -> dict:
+    """Compile `module` (after the IR pipeline) and run it once on `inputs`.
+    Symbolic dims come from the inputs' shapes, then from `options.dims`."""
+    program = compile_module(module, options, backend)
+    return program.run(dict(inputs), dict(options.dims) or None)
+
+
+def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, options: Options | None = None):
+    """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
+    (its docstring says what each argument is). The first-level cache (source ->
+    program, `tgc.backends.cache`) is looked up before anything is parsed, for a
+    backend whose `source_cache` says so (the CPU's)."""
+    import os
+
+    from tgc.backends.base import get_backend
+
+    be = get_backend(backend)
+    if dtype not in ("f32", "f64"):
+        raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
+    if options is not None and options.autocast not in (None, "bf16", "f16"):
+        raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
+    if isinstance(source, (bytes, bytearray)):
+        raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
+    options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
+    if isinstance(source, Module):
+        return _build(source, dims, options, None, (), be)
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+                                              and source.endswith((".tg", ".tgir"))):
+        path = os.fspath(source)
+        kind, name, text = ("ir" if is_ir_file(path) else "tg"), path, None
+        if path != "-":
+            try:  # keyed on the file's bytes; an unreadable file is reported by the loader below
+                import hashlib
+
+                from tgc.fsutil import read_source_bytes
+
+                text = "sha256:" + hashlib.sha256(read_source_bytes(path)).hexdigest()
+            except (OSError, ValueError):
+                pass
+    elif is_ir_text(source):
+        kind, name, text = "ir", "<ir>", source
+    else:
+        kind, name, text = "tg", "<source>", source
+    # the first-level cache: source -> program, before the front end and the passes
+    key = _source_key(kind, name, text, options, be) if be.source_cache else None
+    if key is not None:
+        program = _cached(key, options, be)
+        if program is not None:
+            return program
+    loaded = load_program(name, options, None if name not in ("<ir>", "<source>") else source)
+    return _build(loaded.module, dims, options, key, [f for f in loaded.files if f not in ("<ir>", "<source>")], be)
+
+
+def is_ir_text(source: str) -> bool:
+    """Whether `source` (text, not a path) is IR as `tgc dump-ir` prints it."""
+    import re
+
+    return re.search(r"^\s*(%\w+\s*=|out\s+\S+\s*=\s*%)", source, re.M) is not None
+
+
+def _source_key(kind, name, text, options, be):
+    if text is None:
+        return None
+    from tgc.backends import cache
+
+    if cache.cache_dir() is None or not cache.source_cacheable(options):
+        return None
+    try:
+        return cache.source_key(kind, name, text, options, be.cache_parts())
+    except Exception:  # noqa: BLE001 -- no key, no first-level cache
+        return None
+
+
+def _cached(key, options, be):
+    """The program of a first-level cache hit, or None. The entry's IR is lowered
+    again; its code is used only for the same lowered program."""
+    from tgc.backends import cache
+
+    hit = cache.lookup_program(key)
+    if hit is None:
+        return None
+    try:
+        from tgc.ir.parser import parse_module
+
+        opts = options.with_(dims=())
+        module = parse_module(hit.ir, "<cache>")
+        low = lower_module(module, opts, be.name)
+        if cache.lowered_digest(low) != hit.lowered_sha256:
+            return None
+        return compile_module(module, opts, be.name, artifacts=hit.objs, low=low)
+    except Exception:  # noqa: BLE001 -- a damaged entry: the full build runs
+        return None
+
+
+def _build(module, dims, options, key, files, be):
+    from tgc.backends import cache
+
+    module = fix_dims(module, dims or {})
+    opts = options.with_(dims=())
+    program = compile_module(lower(module, opts).module, opts, be.name)
+    objs = program._kernels.artifacts
+    if key is not None and objs is not None:
+        deps = cache.file_hashes(files)
+        if deps is not None:
+            cache.store_program(key, deps, program.module, program.lowered, objs)
+    return program
 
 
 def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -> Module:
@@ -131,14 +295,10 @@ def _fresh_output(m: Module, base: str) -> str:
 
 def fix_dims(module: Module, dims: dict[str, int]) -> Module:
     """A copy of `module` with the symbolic dims named in `dims` given fixed sizes."""
-    unknown = [d for d in dims if d not in module.dims]
-    if unknown:
-        raise ValueError(f"the program has no dim '{unknown[0]}'")
-    import numbers
-
-    for d, n in dims.items():
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
-            raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
+    for d, n in dims.items():   # a fixed or derived dim may be named with its own size (checked below)
+        why = module.dim_error(d, n, bind=False)
+        if why:
+            raise ValueError(why)
     given = {d: int(n) for d, n in dims.items() if module.dims[d] is None}
     new = dict(module.dims)
     new.update(given)

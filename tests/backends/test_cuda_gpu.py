@@ -37,7 +37,7 @@ PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/prog
 def test_program_matches_interpreter_on_the_gpu(path, dtype):
     import cupy
 
-    options = Options(dtype=dtype, cuda_row_min=16)   # the one-block-per-row reductions too
+    options = Options(dtype=dtype).with_(row_min=16)   # the one-block-per-row reductions too
     module = pipeline.lower(pipeline.load(str(path), options), options).module
     dims = {d: 40 for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), 0, dtype)

@@ -20,7 +20,7 @@ from tgc.ir.interp import EvalError, evaluate, random_inputs
 from tgc.lower.lowered import Load, LoopKernel
 from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.pipeline import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))

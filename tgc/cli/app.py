@@ -36,10 +36,9 @@ def _pass_list(ctx, param, value):
 
 
 def _pass_names(ctx, param, value):
-    from tgc.lower.plan import LOWERING
     from tgc.registry import PASSES
 
-    known = ("elaborate",) + tuple(PASSES) + LOWERING
+    known = ("elaborate",) + tuple(PASSES) + pipeline.lowering("cpu")
     names = set()
     for item in value or ():
         for n in item.split(","):
@@ -145,7 +144,7 @@ def main(debug: bool, color: str) -> None:
     """
     import warnings
 
-    from tgc.runtime.cache import CacheWarning
+    from tgc.backends.cache import CacheWarning
 
     shown = warnings.showwarning
 
@@ -232,9 +231,9 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
     result = lower(module, options, collect if after_all else _emit_to_stderr)
     if stage is not None or (after_all and after is None):
         from tgc.lower.lowered import print_lowered
-        from tgc.lower.plan import lower_module
 
-        low = lower_module(result.module, options, collect if after_all else _emit_to_stderr, stage or "plan")
+        low = pipeline.lower_module(result.module, options, "cpu", collect if after_all else _emit_to_stderr,
+                                    stage or "plan")
         text = print_lowered(low)
     else:
         text = render_module(result.module, fmt, locs)
@@ -243,8 +242,9 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
 
 def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
     """The IR passes to run for `--after`, and the lowering stage to stop at (or None)."""
-    from tgc.lower.plan import LOWERING
     from tgc.registry import PASSES, pipeline as pass_names
+
+    LOWERING = pipeline.lowering("cpu")
 
     names = pass_names(options)
     if after is None:
@@ -290,14 +290,15 @@ def opt(file, output, locs, **opts) -> None:
 def passes() -> None:
     """List every pass with its one-line description, the default pipeline, and the
     lowering stages that follow it for the CPU backend."""
-    from tgc.lower.plan import LOWERING
+    from tgc.backends.base import backend_names
     from tgc.registry import DEFAULT_PIPELINE, PASSES
 
     width = max(len(n) for n in PASSES)
     for name, cls in PASSES.items():
         click.echo(f"{name:<{width}}  {cls.summary()}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
-    click.echo(f"lowering (then, for a backend; dump-ir --after STAGE): {','.join(LOWERING)}")
+    for name in backend_names():
+        click.echo(f"lowering for {name} (then; dump-ir --after STAGE): {','.join(pipeline.lowering(name))}")
 
 
 from tgc.cli.build import build  # noqa: E402

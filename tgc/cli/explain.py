@@ -45,7 +45,6 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
       tgc explain examples/gpt.tg --timeline gpt-memory.svg
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
-    from tgc.lower.plan import lower_module
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
@@ -53,7 +52,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
     module = pipeline.load(file, options)
     check_dim_flags(module, dims)
     env = module.bind_dims({d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()})
-    low = lower_module(pipeline.lower(module, options).module, options)
+    low = pipeline.lower_module(pipeline.lower(module, options).module, options, "cpu")
     report = report_of(low, env)
     report["dims"] = {d: env[d] for d in module.symbolic_dims()}
     if timeline:

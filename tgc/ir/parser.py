@@ -11,7 +11,7 @@ import re
 from tgc.ir import values as V
 from tgc.ir.affine import parse_relation
 from tgc.ir.diag import CompileError, Loc
-from tgc.ir.module import ARG_KINDS, FACT_RELS, Arg, Fact, Module, Output, Update
+from tgc.ir.module import FACT_RELS, Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
 from tgc.ir.verify import VerifyError, check_value, verify
 

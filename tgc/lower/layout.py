@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tgc.lower.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Mask, View, group_run, matrix_form, walk)
+                            Mask, View, matrix_form, walk)
 from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass

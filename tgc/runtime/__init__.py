@@ -1,21 +1,9 @@
-"""Running compiled programs: build, validate inputs, call (see `program.py`)."""
+"""The neutral runtime: a compiled program as Python calls it (`program.Program`:
+signature, dims from shapes, input checks, updates, forward-only calls, complex and
+bf16/f16 arguments, for every backend), and the on-disk code cache (`cache`).
+Imports no backend: `tgc.pipeline` picks one and hands its kernels in."""
 from __future__ import annotations
 
-from typing import Mapping
+from tgc.runtime.program import Program, TensorSpec
 
-import numpy as np
-
-from tgc.ir.module import Module
-from tgc.options import Options
-from tgc.runtime.program import Program, TensorSpec, build
-
-__all__ = ["Program", "TensorSpec", "build", "run_compiled"]
-
-
-def run_compiled(module: Module, inputs: Mapping[str, np.ndarray], options: Options) -> dict[str, np.ndarray]:
-    """Compile `module` (after the IR pipeline) for the CPU and run it once on `inputs`.
-
-    Symbolic dims come from the inputs' shapes, then from `options.dims`.
-    """
-    program = build(module, options)
-    return program.run(dict(inputs), dict(options.dims) or None)
+__all__ = ["Program", "TensorSpec"]
