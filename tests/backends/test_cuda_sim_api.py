@@ -241,7 +241,7 @@ def test_unsupported_forms_are_a_clear_error():
     module = pipeline.lower(pipeline.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
     low = lower_module(module, Options())          # the CPU's lowering: with loop groups
     assert any(isinstance(k, LoopGroup) for k in low.kernels)
-    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: loop groups"):
+    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: LoopGroup kernels"):
         codegen.generate(low)
     src = "dim i = 4\ninput key: i32\ninput x[i]\nout y = x * rand[i](key)\n"
     with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: random draws \(rand;"):

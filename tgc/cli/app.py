@@ -289,7 +289,7 @@ def opt(file, output, locs, **opts) -> None:
 @main.command()
 def passes() -> None:
     """List every pass with its one-line description, the default pipeline, and the
-    lowering stages that follow it for the CPU backend."""
+    lowering stages that follow it for each backend (dump-ir --after lowers for the CPU)."""
     from tgc.backends.base import backend_names
     from tgc.registry import DEFAULT_PIPELINE, PASSES
 
@@ -298,7 +298,7 @@ def passes() -> None:
         click.echo(f"{name:<{width}}  {cls.summary()}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
     for name in backend_names():
-        click.echo(f"lowering for {name} (then; dump-ir --after STAGE): {','.join(pipeline.lowering(name))}")
+        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(pipeline.lowering(name))}")
 
 
 from tgc.cli.build import build  # noqa: E402

@@ -31,13 +31,16 @@ class EvalError(RuntimeError):
 
 
 def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
-              given: Mapping[str, int] | None = None, given_as: str = "--dim") -> dict[str, int]:
-    """Sizes of every dim: `given` (each checked: `Module.dim_error`), then symbolic
-    dims read off the input shapes (anything with a shape; every argument's), then
-    the derived ones. The one binder of the interpreters and the runtime; `given_as`
-    names where `given` came from in messages ("--dim", "dims=")."""
+              given: Mapping[str, int] | None = None, given_as: str = "--dim",
+              check_given: bool = False) -> dict[str, int]:
+    """Sizes of every dim: `given`, then symbolic dims read off the input shapes
+    (anything with a shape; every argument's), then the derived ones. The one binder
+    of the interpreters and the runtime; `given_as` names where `given` came from in
+    messages ("--dim", "dims="). With `check_given` (a caller's own dims=), each given
+    dim is checked (`Module.dim_error`); the interpreters' callers pass dims they
+    made (the pass checker's, say), which a pass may have made unused."""
     env: dict[str, int] = dict(given or {})
-    for d, n in env.items():
+    for d, n in env.items() if check_given else ():
         why = module.dim_error(d, n)
         if why:
             raise EvalError(f"{given_as}: {why}")

@@ -298,7 +298,7 @@ class Program:
     def _bind(self, arrays: dict, dims: dict | None) -> dict[str, int]:
         """Every dim's size (`tgc.ir.interp.bind_dims`, the interpreters' binder), then
         the sizes checked against the native limits and every input's full shape."""
-        env = bind_dims(self.module, arrays, dims, "dims=")
+        env = bind_dims(self.module, arrays, dims, "dims=", check_given=True)
         try:
             self._check_sizes(env)
         except SizeError as e:
