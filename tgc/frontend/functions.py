@@ -118,7 +118,7 @@ def _check_rule(d: ast.FnDef, r: ast.Rule, seen: dict[str, object]) -> None:
                                f"({names}), not {len(r.binders)}", r.loc)
         if r.tuple_form:
             raise CompileError(f"a jvp clause gives one expression, the tangent of the result, "
-                               f"not a tuple", r.exprs[0].loc)
+                               "not a tuple", r.exprs[0].loc)
 
 
 def check_names(d: ast.FnDef, fns, kinds) -> None:
