@@ -31,7 +31,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is the fuzzer's oracle: install torch to run these")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
 

@@ -29,7 +29,7 @@ from tgc.frontend.elaborate import elaborate_source
 from tgc.ir.diag import CompileError
 from tgc.options import Options
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = sorted([*ROOT.glob("examples/*.tg"), *ROOT.glob("tests/programs/good/*.tg")])
 MUTANTS = int(os.environ.get("FUZZ_FRONTEND_MUTANTS", "3000"))
 CLI_EVERY = 15   # every 15th mutant also through `tgc check`

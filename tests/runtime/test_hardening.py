@@ -10,7 +10,7 @@ import pytest
 
 import tgc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tgc_cli(*args, cwd=None, env=None, timeout=120):

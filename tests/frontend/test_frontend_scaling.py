@@ -22,7 +22,7 @@ from tgc.ir import diag
 from tgc.ir import values as V
 from tgc.options import Options
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import frontend  # noqa: E402  (benchmarks/frontend.py: the generated shapes)
 
 

@@ -38,7 +38,7 @@ import tgc
 from tgc.backends.cpu import aot, blas
 from tgc.cli import main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MLP = ROOT / "examples/mlp.tg"
 DRIVER = ROOT / "examples/c/mlp_main.c"
 CLEAN_ENV = {"PATH": "/usr/bin:/bin"}

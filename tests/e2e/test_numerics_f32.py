@@ -47,7 +47,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is a test oracle only: install torch==2.13.0 to run these")
 import torch.nn.functional as F  # noqa: E402
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 from numerics_util import BACKENDS, Case, compare, elementwise_err, normwise_err, ok, report  # noqa: E402

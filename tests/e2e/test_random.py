@@ -346,7 +346,7 @@ def test_a_training_step_with_dropout_compiles_and_agrees_with_the_interpreter()
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
 
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 WITH_DROPOUT = {   # example -> (replacements that add dropout to it), each must apply once
     "gpt.tg": [("x0 = wte[vocab = ids] + wpe", "input key: i32\nx0 = dropout[batch, t, c](wte[vocab = ids] + wpe, key, 0.1)"),
                ("xf = layernorm[c](x2,", "xf = layernorm[c](dropout[batch, t, c](x2, fold(key, 1), 0.1),")],

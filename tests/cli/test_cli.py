@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from tgc.cli import main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MLP = str(ROOT / "examples/mlp.tg")
 EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.tg"))
 

@@ -40,7 +40,7 @@ from tgc.ir.values import DERIVATIVE_OPS, topo_order  # noqa: E402
 from tgc.options import Options  # noqa: E402
 from tgc.manager import run_pipeline  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "tests") not in sys.path:
     sys.path.insert(0, str(ROOT / "tests"))
 import torch_oracle  # noqa: E402

@@ -20,7 +20,7 @@ from tgc.options import Options
 from tgc.ir.emulate import emulate_f32
 from tgc.manager import run_pipeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))[:20]
 STRICT = Options(dtype="f32", fp_strict=True)
 

@@ -16,7 +16,7 @@ from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 BAD = sorted((ROOT / "tests/programs/bad").glob("*.tg"))
 GOOD = sorted((ROOT / "tests/programs/good").glob("*.tg")) + sorted((ROOT / "examples").glob("*.tg"))
 HEADER = re.compile(r"#\s*ERROR\s+(\d+):(\d+):\s*(.+)")

@@ -62,7 +62,7 @@ def case(name, src, inputs, expected, tol=(1e-9, 1e-11), dims=()):
 FD = (1e-6, 1e-7)  # for references by finite differences
 
 # ---- section 1: the first program, verbatim ---------------------------------------------
-MLP = (Path(__file__).parent / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
+MLP = (Path(__file__).parents[1] / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
 _m = dict(x=rn(5, 13), y=np.eye(3)[[0, 2, 1, 1, 0]], W1=rn(13, 64) * .3, b1=rn(64), W2=rn(64, 3) * .3, b2=rn(3),
           lr=np.array(0.1))
 

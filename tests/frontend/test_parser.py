@@ -12,7 +12,7 @@ from tgc.frontend import ast as A
 from tgc.frontend.parser import MAX_DEPTH, parse, read_source
 from tgc.ir.diag import CompileError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def items(src: str) -> tuple:
@@ -51,7 +51,7 @@ a, b, c, d = N("a"), N("b"), N("c"), N("d")
 
 # ---- statements ---------------------------------------------------------------
 
-MLP = (Path(__file__).parent / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
+MLP = (Path(__file__).parents[1] / "programs/spec_section1_mlp.tg").read_text()  # LANGUAGE.md section 1
 
 
 def test_mlp_program():

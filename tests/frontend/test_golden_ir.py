@@ -12,7 +12,7 @@ from tgc.frontend import compile_file
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.tg"))
 GOLDEN = ROOT / "tests/golden/examples"
 

@@ -21,7 +21,7 @@ from tgc.frontend import compile_file
 from tgc.ir.interp import random_inputs
 from tgc.options import Options
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
 ALWAYS_PARALLEL = dict(parallel_min_work=1, parallel_min_work_warm=1,
                        gemm_parallel_min_flops=1, gemm_parallel_min_flops_warm=1)

@@ -14,7 +14,7 @@ from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.tg"))
 F64 = Options(dtype="f64")
 

@@ -18,7 +18,7 @@ from tgc.ir.interp import evaluate
 from tgc.options import Options
 from tgc.manager import run_pipeline
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MLP = ROOT / "examples/mlp.tg"
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

@@ -14,7 +14,7 @@ from tgc.cli import main
 from tgc.ir.interp import EvalError
 from tgc.ir.values import DERIVATIVE_OPS
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MLP = ROOT / "examples/mlp.tg"
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 import tgc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "workloads")]
 
 import make_gpt_adamw  # noqa: E402

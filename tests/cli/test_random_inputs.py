@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from tgc.cli import main
 from tgc.cli.run import cross_entropy_targets
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def test_cross_entropy_targets_are_found_in_the_source(tmp_path):

@@ -377,7 +377,7 @@ def test_loss_scaling_program_of_the_docs():
     overflowing scale reports `bad` and leaves W as it was."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "dtypes.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "dtypes.md").read_text()
     src = text.split("## Loss scaling")[1].split("```\n")[1]
     p = tgc.compile(src)
     rng = np.random.default_rng(4)
