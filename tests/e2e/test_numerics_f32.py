@@ -34,7 +34,7 @@ only has to be below float64's resolution of the output, 2^-52 * max|want|.
 
 A case also fails when PyTorch's f32 error is inf on every output (nothing compared).
 A failure prints every output's tgc_err and torch_err. Select one case with
-`pytest tests/test_numerics_f32.py -k <case id>`.
+`pytest tests/e2e/test_numerics_f32.py -k <case id>`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Golden IR for every example: the front end's output is checked in, and it reads back.
 
-Regenerate after an intended change with `TGC_UPDATE_GOLDEN=1 python3 -m pytest tests/test_golden_ir.py`
+Regenerate after an intended change with `TGC_UPDATE_GOLDEN=1 python3 -m pytest tests/frontend/test_golden_ir.py`
 and review the diff.
 """
 import os
