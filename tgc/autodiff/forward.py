@@ -8,7 +8,7 @@ not differentiated). Extra
 edges of `dx` (a batch of tangents) are renamed to fresh edges while the rules run,
 so they never meet an edge of an intermediate value, and renamed back at the end.
 
-Nesting: both this pass and `adjoint` run the one driver, `adjoint.resolve`, which
+Nesting: both this pass and `adjoint` run the one driver, `reverse.resolve`, which
 resolves the nodes of its kinds and every derivative node beneath them, innermost
 first; so a jvp of a grad works here, and a grad of a jvp in `adjoint`.
 
