@@ -107,6 +107,7 @@ def test_backward_reads_recomputed_copies():
     assert all(not (v.op == "map" and v.attrs[0] == "recompute") for v in topo_order([loss]))
 
 
+@pytest.mark.slow
 def test_values_and_gradients_are_unchanged_on_every_backend():
     plain, ck = (tgc.compile(residual(c), dtype="f64") for c in (False, True))
     inputs = _inputs(plain.module)
