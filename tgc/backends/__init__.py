@@ -2,4 +2,8 @@
 offers in `BACKENDS` (`base` finds them), plus what they share: the `Backend` and
 `Kernels` interfaces and the registry (`base`), and the on-disk code cache
 (`cache`, with `objfile`'s checks of cached object files). Backends never import
-each other, nor anything of a later stage (runtime, pipeline, cli)."""
+each other.
+
+Stage: after `tgc.lower` and `tgc.manager`, before `tgc.runtime`; a backend imports
+`tgc.ir`, `tgc.lower` (the lowered program it compiles, and the stages it adds to
+it), `tgc.opt`, `tgc.options` and the leaves; nothing of a later stage."""

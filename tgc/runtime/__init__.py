@@ -1,7 +1,10 @@
 """The neutral runtime: a compiled program as Python calls it (`program.Program`:
 signature, dims from shapes, input checks, updates, forward-only calls, complex and
-bf16/f16 arguments, for every backend), and the on-disk code cache (`cache`).
-Imports no backend: `tgc.pipeline` picks one and hands its kernels in."""
+bf16/f16 arguments, for every backend).
+
+Stage: after `tgc.backends`, before `tgc.pipeline`; imports `tgc.lower`, `tgc.ir`,
+the leaves and `tgc.info`, and no backend: `tgc.pipeline` picks one and hands its
+`Kernels` in (and the forward-only program's builder)."""
 from __future__ import annotations
 
 from tgc.runtime.program import Program, TensorSpec
