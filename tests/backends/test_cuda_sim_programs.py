@@ -60,4 +60,4 @@ def test_one_block_per_row_reductions_match_interpreter(path, dtype):
     options = Options(dtype=dtype, cuda=CudaOptions(row_min=1))
     module = pipeline.lower(pipeline.load(str(ROOT / path), options), options).module
     prog = compare(module, dtype, options=options)
-    assert any(x.row for x in prog._cm.launches)
+    assert any(x.row for x in prog.cuda_module.launches)

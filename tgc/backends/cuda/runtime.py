@@ -238,7 +238,13 @@ class CudaKernels(Kernels):
 
     @property
     def cuda_source(self) -> str:
+        """The generated CUDA C module (`Program.cuda_source`)."""
         return self._cm.source
+
+    @property
+    def cuda_module(self) -> codegen.CudaModule:
+        """The generated module with its launch list (`Program.cuda_module`)."""
+        return self._cm
 
     @property
     def llvm_ir(self) -> str:
