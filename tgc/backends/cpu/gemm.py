@@ -22,7 +22,9 @@ index: tasks enough, each one cblas call at the packed kernels' speed. Another i
 cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
 each of at least `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
 chunks accumulated in place only when P and Q cannot be cut), so a small product
-stays one call. When the whole product has at least `min_flops` flops (the caller
+stays one call, as does one of fewer than `options.gemm_parallel_min_flops` flops
+(it shares a region only while the workers still spin, and two calls on one thread
+pack their common operand twice). When the whole product has at least `min_flops` flops (the caller
 passes `options.gemm_parallel_min_flops`, or the `_warm` one; see codegen), and
 `options.threads != 1`, and the runtime gave GOMP_parallel, the tasks are shared
 among tgc's threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`);
