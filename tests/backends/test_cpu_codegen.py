@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+
+from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.runtime import build
@@ -280,6 +282,7 @@ MATMUL_A = {"ik": "i, k", "ki": "k, i"}
 MATMUL_B = {"kj": "k, j", "jk": "j, k"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a", MATMUL_A)
 @pytest.mark.parametrize("b", MATMUL_B)
 @pytest.mark.parametrize("c", ["i, j", "j, i"])
@@ -306,7 +309,7 @@ input B : f64[j, k]
 %0 = contract %A, %B : f64[i, j]
 out C = %0 : [j, i]
 """)
-    from tgc.ir.lowered import GemmKernel
+    from tgc.lower.lowered import GemmKernel
 
     assert [type(k) for k in prog.lowered.kernels] == [GemmKernel]
     assert_matches(prog, inputs_for(prog, {"i": 70}), "f64")
@@ -752,7 +755,7 @@ out dx2 = %5 : [b, t, c]
 
 
 def test_conv1d_forward_and_backward_as_gemms_on_shifted_views():
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     low = lower_module(parse_module(CONV_SHIFTED), Options(blas_min_flops=0))
     shifted = [k for k in low.kernels if getattr(k, "shifts", ())]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.runtime import build
@@ -67,6 +68,7 @@ B_ORDERS = ["b, k, j", "b, j, k", "j, k, b"]
 C_ORDERS = ["b, i, j", "b, j, i", "j, b, i"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 @pytest.mark.parametrize("a_order", A_ORDERS)
 @pytest.mark.parametrize("b_order", B_ORDERS)
@@ -103,6 +105,7 @@ def test_operand_without_the_batch_edge(dtype, b_order):
 @pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"),
                                     ("b, k, i", "b, j, k", "b, j, i"),
                                     ("i, b, k", "k, b, j", "b, i, j")])
+@pytest.mark.slow
 @pytest.mark.parametrize("threads, tiles", [(0, 2), (3, 64)])
 def test_large_gemm_parallel_tiles(dtype, orders, threads, tiles):
     """150 x 260 x 300 per batch index in `gemm_tiles` tiles, shared among the threads
@@ -186,17 +189,17 @@ def test_packs_b_names_the_helper_every_gemm_calls():
 
     import llvmlite.ir as ir
 
-    from tgc import driver
+    from tgc import pipeline
     from tgc.backends.cpu import gemm
     from tgc.backends.cpu.irutil import Frame
-    from tgc.ir.lowered import GemmKernel
-    from tgc.passes.plan import lower_module
+    from tgc.lower.lowered import GemmKernel
+    from tgc.lower.plan import lower_module
 
     root = Path(__file__).resolve().parents[2]
     seen = set()
     for path in sorted(glob.glob(str(root / "benchmarks" / "workloads" / "*.tg"))):
         opts = Options(dtype="f32")
-        low = lower_module(driver.lower(driver.load(path, opts), opts).module, opts)
+        low = lower_module(pipeline.lower(pipeline.load(path, opts), opts).module, opts)
         for i, k in enumerate(low.kernels):
             if isinstance(k, GemmKernel):
                 g = gemm.GemmGen(ir.Module(), low, k, f"k{i}", ir.FloatType(), opts)

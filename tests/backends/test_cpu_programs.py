@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
-from tgc.ir.interp import evaluate, random_inputs
+from tgc import pipeline
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
+
+from marks import heavy
 
 ROOT = Path(__file__).parent.parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
@@ -31,10 +34,10 @@ def compare(module, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
-@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", heavy(PROGRAMS), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
-    module = driver.lower(driver.load(str(path), options), options).module
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
     compare(module, dtype)
 
 
@@ -59,5 +62,5 @@ out t = jvp(f, x, u)
     options = Options(dtype="f64")
     from tgc.frontend import compile_source
 
-    module = driver.lower(compile_source(src, f"{fn}.tg", options), options).module
+    module = pipeline.lower(compile_source(src, f"{fn}.tg", options), options).module
     compare(module, "f64", seed=3)
