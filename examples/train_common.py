@@ -59,7 +59,8 @@ def compile_step(path: Path, args):
     first compile takes seconds; later runs find the code in tgc's cache)."""
     import tgc
     t = time.perf_counter()
-    program = tgc.compile(path, options=tgc.Options(threads=args.threads, autocast=getattr(args, "autocast", None)))
+    program = tgc.compile(path, options=tgc.Options(cpu=tgc.CpuOptions(threads=args.threads),
+                                                    autocast=getattr(args, "autocast", None)))
     print(f"compiled {path.name} in {seconds(time.perf_counter() - t)}")
     return program
 
