@@ -120,7 +120,8 @@ class Module:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
             return f"dim '{name}' = {n!r}: a size is a positive integer (at most 2^62)"
         if bind and self.dims[name] is not None and self.dims[name] != n:
-            return f"dim '{name}' is {size_str(self.dims[name])}, not a symbolic dim to bind to {n}"
+            why = "it has a fixed size" if isinstance(self.dims[name], int) else "it is derived from other dims"
+            return f"dim '{name}' is {size_str(self.dims[name])}, not a symbolic dim to bind to {n}: {why}"
         return None
 
     def bind_dims(self, known: Mapping[str, int]) -> dict[str, int]:
