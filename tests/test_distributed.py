@@ -195,20 +195,31 @@ def test_forward_only_is_local():
 # ---------------------------------------------------------------- MPI
 
 def _mpi_reason() -> str | None:
+    """Why the MPI tests cannot run here, or None. mpi4py is imported in a child (MPI_Init
+    is not for the test process)."""
     if shutil.which("mpirun") is None:
-        return "mpirun (OpenMPI) is not installed"
+        return "mpirun (OpenMPI) is not installed (apt-get install openmpi-bin libopenmpi-dev)"
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install -e '.[mpi]')"
+    r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
+                       timeout=120, env=_mpi_env())
+    if r.returncode != 0:
+        return f"mpi4py does not load its MPI library: {r.stderr.strip().splitlines()[-1:]}"
     return None
 
 
-needs_mpi = pytest.mark.skipif(_mpi_reason() is not None, reason=_mpi_reason() or "")
+def _mpi_env() -> dict:
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+
+
+MPI_REASON = _mpi_reason()
+needs_mpi = pytest.mark.skipif(MPI_REASON is not None, reason=MPI_REASON or "")
 SPECS = ["mlp", "mlp:det", "mlp13", "mlp13:det", "digits"]
 
 
 def _mpirun(n: int, out: Path) -> None:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env = _mpi_env()
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
            str(HERE / "distributed" / "mpi_train.py"), str(out), *SPECS, "--steps", str(STEPS)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
