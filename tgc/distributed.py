@@ -33,6 +33,7 @@ program's fixed order), so the step terminates whenever each rank makes the call
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -467,6 +468,8 @@ class DataParallel:
         self._sharded_args = {n: a for n, a in module.args.items() if any(module.edges[e] in dims for e in a.order)}
         self._synced = False
         self._signature = None
+        # seconds of the last call: phase 1 (gradients), the reduction (waits included), phase 2 (updates)
+        self.last_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._buckets = None   # [(names, flat buffer)], made on the first call for its shapes
 
     # ------------------------------------------------------------ description
@@ -478,11 +481,18 @@ class DataParallel:
 
     @property
     def outputs(self):
+        """The program's outputs (`TensorSpec`)."""
         return self._whole().outputs
 
     @property
     def updates(self) -> list[str]:
+        """The params and states a call updates in place (on every rank)."""
         return [u.target for u in self.module.updates]
+
+    @property
+    def float_dtype(self) -> str:
+        """The float type callers pass and get (f32 or f64)."""
+        return self.grads.float_dtype
 
     def _whole(self) -> "_Signature":
         if self._signature is None:
@@ -559,12 +569,16 @@ class DataParallel:
             self.broadcast(arrays)
             self._synced = True
         g = self.grads
+        t0 = time.perf_counter()
         first = g.run({n: arrays[n] for n in g._names if n in arrays}, dims)
+        t1 = time.perf_counter()
         rows = self._rows(arrays, dims)
         total, equal = self._counts(rows, first)
         reduced = self._reduce(first, rows, total, equal)
+        t2 = time.perf_counter()
         a = self.apply
         second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims)
+        self.last_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         result = {o.name: reduced.get(o.name, first[o.name]) for o in self.module.outputs}
         for u in self.module.updates:
             result[self.module.update_key(u.target)] = second[u.target]
