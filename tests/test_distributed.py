@@ -248,6 +248,20 @@ def test_mpi_ranks(tmp_path, n, warm_cache):
                 assert np.array_equal(ranks[0][k], local[0][k]), (spec, k)
 
 
+@needs_mpi
+def test_mpi_example_trains(tmp_path):
+    """`mpirun -n 2 python examples/train_sort_gpt.py --data-parallel`, a few steps."""
+    script = HERE.parent / "examples" / "train_sort_gpt.py"
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script),
+           "--data-parallel", "--quick", "--no-torch", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_mpi_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("data parallel: 2 processes") == 1          # rank 0 prints, rank 1 does not
+    assert "held-out exact-sequence accuracy after 12 steps" in proc.stdout
+    params = tgc.load_params(tmp_path / "params.safetensors", tgc.compile(script.with_suffix(".tg")))
+    assert float(params["step"]) == 12.0
+
+
 # ---------------------------------------------------------------- NCCL on cuda-sim
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
@@ -261,3 +275,29 @@ def test_nccl_path_on_cuda_sim(tmp_path, n):
 def test_nccl_communicator_needs_a_cuda_backend():
     with pytest.raises(ValueError, match="needs backend 'cuda'"):
         tgc.compile(cases.CASES["mlp"].path, data_parallel=D.local_group(1, "nccl")[0])
+
+
+def _nccl_gpu() -> bool:
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 -- no CuPy, no NCCL, no driver, no device
+        return False
+
+
+@pytest.mark.skipif(not _nccl_gpu(), reason="needs CuPy with NCCL and an NVIDIA GPU (benchmarks/gpu_check.sh runs it)")
+def test_nccl_on_a_gpu_single_rank():
+    """The NCCL path on a real GPU: one rank (NCCL over one device), the batch reduced
+    through ncclAllReduce, against single-process training on the CPU."""
+    import cupy
+    from cupy.cuda import nccl
+
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    case = cases.CASES["mlp13"]
+    step = tgc.compile(case.path, backend="cuda", data_parallel=comm)
+    state = {k: cupy.asarray(v) for k, v in case.init().items()}
+    for k in range(STEPS):
+        step(**step.shard_inputs(case.batch(k)), **case.scalars(k), **state)
+    got = {k: cupy.asnumpy(v) for k, v in state.items()}
+    _close(got, {k: v for k, v in _single("mlp13").items() if k != "losses"}, rtol=1e-4, atol=1e-5)

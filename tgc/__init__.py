@@ -116,8 +116,8 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     else:
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
-    key = _source_key(kind, name, text, options) if backend == "cpu" and data_parallel is None else None
-    if key is not None:
+    key = _source_key(kind, name, text, options) if backend == "cpu" else None
+    if key is not None and data_parallel is None:
         program = _cached(key, options)
         if program is not None:
             return program
@@ -186,7 +186,8 @@ def _build(module, dims, options, key, files=(), backend="cpu", data_parallel=No
     if data_parallel is not None:   # split at the gradient boundary before the pipeline
         from tgc.distributed import DataParallel
 
-        return DataParallel(module, data_parallel, opts, backend, **(dp_options or {}))
+        return DataParallel(module, data_parallel, opts, backend, **(dp_options or {}), cache_key=key,
+                            files=files)
     if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
         from tgc.backends.cuda.runtime import build
 

@@ -414,9 +414,25 @@ def run_ranks(n: int, fn, kind: str = "mpi", timeout: float = 600.0) -> list:
 
 # ---------------------------------------------------------------- the program
 
-def _build_program(module: Module, options: Options, backend: str):
+def _build_program(module: Module, options: Options, backend: str, key: str | None = None, files=()):
+    """One phase's program. On the CPU, with `key` (the source's first-level cache key
+    and the phase), it is looked up in and stored to tgc's program cache, as
+    `tgc.compile` does for a whole program: a hit skips the pass pipeline."""
     from tgc import driver
 
+    if backend == "cpu" and key is not None:
+        import tgc
+        from tgc.runtime import cache
+        from tgc.runtime.program import build_with_object
+
+        hit = tgc._cached(key, options)
+        if hit is not None:
+            return hit
+        program, obj = build_with_object(driver.lower(module, options).module, options)
+        deps = cache.file_hashes(files)
+        if deps is not None:
+            cache.store_program(key, deps, program.module, program.lowered, obj)
+        return program
     lowered = driver.lower(module, options).module
     if backend == "cpu":
         from tgc.runtime.program import build
@@ -425,6 +441,14 @@ def _build_program(module: Module, options: Options, backend: str):
     from tgc.backends.cuda.runtime import build
 
     return build(lowered, options, backend)
+
+
+def _phase_key(key: str | None, phase: str, shard: str) -> str | None:
+    if key is None:
+        return None
+    import hashlib
+
+    return hashlib.sha256(f"{key}\0data-parallel\0{phase}\0{shard}".encode()).hexdigest()
 
 
 class DataParallel:
@@ -442,7 +466,8 @@ class DataParallel:
     `run(..., updates=False)` is the forward-only call, on this rank alone."""
 
     def __init__(self, module: Module, comm, options: Options, backend: str = "cpu", shard: str = "batch",
-                 deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=()):
+                 deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), cache_key: str | None = None,
+                 files=()):
         self.module, self.options, self.backend, self.shard = module, options, backend, shard
         self.split = split_step(module, shard)
         self.engine = engine_for(comm, backend)
@@ -456,8 +481,9 @@ class DataParallel:
         if unknown:
             raise ValueError(f"sums: the program has no output '{unknown[0]}'")
         self.sums = frozenset(sums)
-        self.grads = _build_program(self.split.grads, options, backend)
-        self.apply = _build_program(self.split.apply, options, backend)
+        self._key, self._files = cache_key, tuple(files)
+        self.grads = _build_program(self.split.grads, options, backend, _phase_key(cache_key, "grads", shard), files)
+        self.apply = _build_program(self.split.apply, options, backend, _phase_key(cache_key, "apply", shard), files)
         self._forward = None
         self._lock = threading.Lock()
         dims = sharded_dims(module, shard)
@@ -544,7 +570,8 @@ class DataParallel:
         """The forward-only program (no updates, no gradients), run on this rank alone."""
         with self._lock:
             if self._forward is None:
-                self._forward = _build_program(self.split.forward, self.options, self.backend)
+                self._forward = _build_program(self.split.forward, self.options, self.backend,
+                                               _phase_key(self._key, "forward", self.shard), self._files)
             return self._forward
 
     def __call__(self, /, **arrays) -> dict:
