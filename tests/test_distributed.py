@@ -128,6 +128,18 @@ def test_replicated_gradient_stays_in_phase_2():
     assert any(v.op == "grad" for v in __import__("tgc").ir.values.topo_order([u.value for u in s.apply.updates]))
 
 
+def test_api_is_documented():
+    import inspect
+
+    for name, member in vars(D.DataParallel).items():
+        if name.startswith("_") and name != "__call__":
+            continue
+        doc = member.__doc__ if isinstance(member, property) else inspect.getdoc(member)
+        assert doc, name
+    for name in ("compile", "split_step", "local_group", "run_ranks", "DataParallel", "LocalComm", "LocalNcclComm"):
+        assert inspect.getdoc(getattr(D, name)), name
+
+
 def test_compile_keywords_need_data_parallel():
     with pytest.raises(TypeError, match="shard"):
         tgc.compile(cases.CASES["mlp"].path, shard="batch")
@@ -176,6 +188,20 @@ def test_shard_inputs_and_outputs():
     for xs, res in out:
         np.testing.assert_allclose(res["loss"], full, rtol=1e-6)
         np.testing.assert_allclose(res["r"], xs.sum(1), rtol=1e-6)
+
+
+def test_sums_are_summed_not_averaged():
+    src = BASE.replace("out loss", "out loss\nout s = sum(x)") + "update W = W - lr * grad(loss, W)"
+    x = np.arange(21, dtype=np.float32).reshape(7, 3)
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm, sums=("s",))
+        return step(**step.shard_inputs({"x": x}), W=np.ones(3, np.float32), lr=0.0)["s"]
+    lock = threading.Lock()
+    assert D.run_ranks(3, body) == [float(x.sum())] * 3
+    with pytest.raises(ValueError, match="no output 'nope'"):
+        tgc.compile(src, data_parallel=D.local_group(1)[0], sums=("nope",))
 
 
 def test_forward_only_is_local():

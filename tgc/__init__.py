@@ -17,6 +17,8 @@ The API:
 - `Options`: compiler settings (passes, threads, `fp_strict`, ...);
 - `save_params` / `load_params`: a program's params and states to and from
   safetensors or npz files, checked against the program on load;
+- `tgc.distributed`: data-parallel training steps over MPI or NCCL
+  (`compile(..., data_parallel=comm)`; docs/distributed.md);
 - errors: `CompileError` (the program is wrong), `EvalError` (a call's arrays are
   wrong), `ParamsError` (a parameter file does not fit).
 

@@ -575,6 +575,8 @@ class DataParallel:
             return self._forward
 
     def __call__(self, /, **arrays) -> dict:
+        """`step(x=..., W=..., lr=0.1)` is `step.run({...})`; `updates=False` makes the
+        forward-only call on this rank alone."""
         updates = True
         if "updates" in arrays and "updates" not in self.module.args:
             updates = arrays.pop("updates")
