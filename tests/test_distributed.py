@@ -108,6 +108,7 @@ out loss
     (BASE + "update W = W - lr * mean[batch](x)", "reads input 'x', which is split over the ranks"),
     (BASE.replace("dim batch", "dim batch = 4") + "update W = W - lr * grad(loss, W)", "dim 'batch' is fixed"),
     (BASE, "has no `update`"),
+    (BASE + "update W = W - lr * size(batch) * grad(loss, W)", "reads the size of dim 'batch'"),
     (BASE.replace("param W[f]", "param W[f]\nparam Q[batch]") + "update Q = Q", "param 'Q' has the split edge"),
 ])
 def test_split_refuses(src, message):
@@ -202,6 +203,26 @@ def test_sums_are_summed_not_averaged():
     assert D.run_ranks(3, body) == [float(x.sum())] * 3
     with pytest.raises(ValueError, match="no output 'nope'"):
         tgc.compile(src, data_parallel=D.local_group(1)[0], sums=("nope",))
+
+
+def test_results_are_not_overwritten_and_errors_are_clear():
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = case.init()
+        first = step(**step.shard_inputs(case.batch(0)), **state, lr=0.1)["loss"]
+        kept = float(first)
+        step(**step.shard_inputs(case.batch(1)), **state, lr=0.1)
+        assert float(first) == kept                       # a later call leaves an earlier result alone
+        with pytest.raises(tgc.EvalError, match="missing input 'lr'"):
+            step(**step.shard_inputs(case.batch(1)), **state)
+        with pytest.raises(tgc.EvalError, match="unexpected input 'z'"):
+            step(**step.shard_inputs(case.batch(1)), **state, lr=0.1, z=1.0)
+        return True
+    lock = threading.Lock()
+    assert D.run_ranks(2, body) == [True, True]
 
 
 def test_forward_only_is_local():

@@ -15,7 +15,8 @@ What it does (docs/distributed.md has the contract and the measurements):
   the same type. Both are ordinary modules, compiled by the ordinary pipeline. The cut
   is exact: phase 2 computes, from the same boundary values, what the updates computed
   (a value is never changed, only where it is materialized: the gradient becomes an
-  array of the program's float type, which the fused program may have kept in f64).
+  array of the program's float type, which the fused program may have computed in
+  another order or precision on its way into the update).
   It refuses (CompileError) an update that reads sharded data outside a derivative, or
   a boundary value that keeps the sharded edge: those cannot be averaged.
 - `DataParallel` runs phase 1 on this rank's rows, packs the boundary values and the
@@ -27,8 +28,10 @@ What it does (docs/distributed.md has the contract and the measurements):
   communicator (`cupy.cuda.nccl.NcclCommunicator`; cuda, cuda-sim). `local_group(n)`
   makes n in-process communicators of either kind (threads), for tests and debugging.
 
-Every collective is called in the same order on every rank (the buckets in the
-program's fixed order), so the step terminates whenever each rank makes the call.
+The allreduces start once phase 1 (one native call) has produced every gradient: they
+do not overlap the backward pass. Every collective is called in the same order on every
+rank (the buckets in the program's fixed order), and a call's argument errors are raised
+before the first one, so the step terminates whenever every rank makes the call.
 """
 from __future__ import annotations
 
@@ -82,7 +85,8 @@ def _names_in(s) -> set[str]:
 
 def split_step(module: Module, shard: str = "batch") -> Split:
     """Cut `module` (before the pass pipeline: its derivatives not yet expanded) at the
-    gradient boundary over the sharded dim `shard`. CompileError when it cannot."""
+    gradient boundary over the sharded dim `shard`. CompileError when it cannot.
+    Terminates: each walk visits every value of the finite DAG once."""
     from tgc.driver import drop_unread_args, forward_only
 
     if shard not in module.dims:
@@ -163,9 +167,11 @@ def split_step(module: Module, shard: str = "batch") -> Split:
     apply = drop_unread_args(apply, keep_dims=False)
     from tgc.driver import used_dims
 
-    # phase 2 never sees the split dims (checked above): they leave its module, so that
-    # a call binds no batch size it has no input for
-    assert not (used_dims(apply) & dims), "phase 2 uses a split dim"
+    # phase 2 must not see the split dims: they leave its module, so that a call binds no
+    # batch size it has no input for (each rank's is its own, not the global one)
+    if used_dims(apply) & dims:
+        raise CompileError(f"data parallel: an update reads the size of dim '{shard}' (or of a dim derived "
+                           f"from it) outside a gradient; on each rank it is that rank's rows, not the batch's")
     apply = Module({d: s for d, s in apply.dims.items() if d not in dims},
                    {e: d for e, d in apply.edges.items() if d not in dims}, apply.args, [], apply.updates,
                    [f for f in apply.facts if not (set(f.lhs.edges) | set(f.rhs.edges)) & {
@@ -594,6 +600,11 @@ class DataParallel:
         extra = [n for n in arrays if n not in self.module.args]
         if extra:
             raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
+        # before any communication: a rank that stops here leaves the others no collective to wait in
+        needed = set(self.grads._names) | (set(self.apply._names) - set(self.split.boundary))
+        missing = [n for n in self.module.args if n in needed and n not in arrays]
+        if missing:
+            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
         if not self._synced:
             self.broadcast(arrays)
             self._synced = True
@@ -606,9 +617,11 @@ class DataParallel:
         reduced = self._reduce(first, rows, total, equal)
         t2 = time.perf_counter()
         a = self.apply
-        second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims)
+        dims2 = {d: n for d, n in (dims or {}).items() if d in self.split.apply.dims} if dims else None
+        second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims2)
         self.last_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        result = {o.name: reduced.get(o.name, first[o.name]) for o in self.module.outputs}
+        # reduced outputs are views of the buckets, which the next call overwrites: copies
+        result = {o.name: reduced[o.name].copy() if o.name in reduced else first[o.name] for o in self.module.outputs}
         for u in self.module.updates:
             result[self.module.update_key(u.target)] = second[u.target]
         return result
