@@ -163,13 +163,13 @@ def compute_fit(repeats: int = 40) -> dict:
              for n in step.apply._names}
     apply_s = min(_timed(lambda: step.apply.run(args2)) for _ in range(repeats))
     grad_bytes = sum(int(first[n].nbytes) for n in step.split.boundary)
-    from tgc import driver
+    from tgc import pipeline
     from tgc.backends.cuda import codegen, runtime
 
     launches = 0
     for module in (step.split.grads, step.split.apply):
         opts = tgc.Options()
-        launches += len(codegen.generate(runtime.lower(driver.lower(module, opts).module, opts)).launches)
+        launches += len(codegen.generate(runtime.lower(pipeline.lower(module, opts).module, opts)).launches)
     return {"batches": xs, "phase1_s": ys, "c0_s": float(c0), "c1_s_per_seq": float(c1), "phase2_s": apply_s,
             "gradient_bytes": grad_bytes, "gpu_launches": launches}
 

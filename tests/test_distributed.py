@@ -68,10 +68,10 @@ def _close(got: dict, want: dict, rtol=2e-5, atol=2e-6) -> None:
 # ---------------------------------------------------------------- the split
 
 def _module(src_or_path: str):
-    from tgc import driver
+    from tgc import pipeline
 
     if src_or_path.endswith(".tg"):
-        return driver.load(src_or_path, tgc.Options())
+        return pipeline.load(src_or_path, tgc.Options())
     from tgc.frontend.elaborate import elaborate_source
 
     return elaborate_source(src_or_path, "<t>", tgc.Options()).module

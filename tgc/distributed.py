@@ -87,7 +87,7 @@ def split_step(module: Module, shard: str = "batch") -> Split:
     """Cut `module` (before the pass pipeline: its derivatives not yet expanded) at the
     gradient boundary over the sharded dim `shard`. CompileError when it cannot.
     Terminates: each walk visits every value of the finite DAG once."""
-    from tgc.driver import drop_unread_args, forward_only
+    from tgc.pipeline import drop_unread_args, forward_only
 
     if shard not in module.dims:
         have = ", ".join(module.dims) or "none"
@@ -165,7 +165,7 @@ def split_step(module: Module, shard: str = "batch") -> Split:
             raise CompileError(f"data parallel: the update of '{u.target}' reads input '{v.attrs[0]}', which is "
                                f"split over the ranks, outside a gradient: it cannot be averaged", u.loc)
     apply = drop_unread_args(apply, keep_dims=False)
-    from tgc.driver import used_dims
+    from tgc.pipeline import used_dims
 
     # phase 2 must not see the split dims: they leave its module, so that a call binds no
     # batch size it has no input for (each rank's is its own, not the global one)
@@ -424,7 +424,7 @@ def _build_program(module: Module, options: Options, backend: str, key: str | No
     """One phase's program. On the CPU, with `key` (the source's first-level cache key
     and the phase), it is looked up in and stored to tgc's program cache, as
     `tgc.compile` does for a whole program: a hit skips the pass pipeline."""
-    from tgc import driver
+    from tgc import pipeline
 
     if backend == "cpu" and key is not None:
         import tgc
@@ -434,12 +434,12 @@ def _build_program(module: Module, options: Options, backend: str, key: str | No
         hit = tgc._cached(key, options)
         if hit is not None:
             return hit
-        program, obj = build_with_object(driver.lower(module, options).module, options)
+        program, obj = build_with_object(pipeline.lower(module, options).module, options)
         deps = cache.file_hashes(files)
         if deps is not None:
             cache.store_program(key, deps, program.module, program.lowered, obj)
         return program
-    lowered = driver.lower(module, options).module
+    lowered = pipeline.lower(module, options).module
     if backend == "cpu":
         from tgc.runtime.program import build
 

@@ -1,0 +1,92 @@
+"""Reverse mode: the cotangent programs of `grad` and `vjp` (the `adjoint` pass runs
+them through `tgc.autodiff.driver`).
+
+Rewrites: `vjp(f, x, v)` becomes the cotangent of `x` when `f` is seeded with `v`:
+one cotangent per value, the sum (one `add`) of the contributions of all its
+consumers, propagated in reverse topological order over the active values only
+(on a path from `x` to `f`: constants and unrelated branches get no cotangent).
+Each contribution comes from the consumer's rule in `tgc.autodiff.rules`.
+`grad(f, x)` is the vjp seeded with 1 for a scalar `f`, else with the identity
+`[e = e.1] ...` over f's edges and fresh copies of them, renamed back at the end
+(the Jacobian). Extra edges of `v` (a batch of cotangents) are likewise renamed to
+fresh edges while the rules run, so they never meet an intermediate value's edge.
+The grads of one scalar `f` (all seeded with 1) share one sweep over the values
+active for any of their arguments: a value's cotangent is the same whichever
+argument asks, so n parameters cost one sweep, not n.
+
+Terminates: an expansion visits each value of a finite graph once and builds no
+derivative node.
+"""
+from __future__ import annotations
+
+
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.module import Module
+from tgc.ir.values import Value, topo_order
+from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for, total
+from tgc.autodiff.remat import rematerialize
+
+
+def reverse(f: Value, x: Value, seed: Value) -> Value | None:
+    """The cotangent of `x` when `f`'s cotangent is `seed` (None: exactly zero)."""
+    return reverse_many(f, [x], seed)[id(x)]
+
+
+def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | None]:
+    """id(x) -> the cotangent of x (None: exactly zero), for every x of `xs`, from one
+    sweep: a value's cotangent does not depend on which x is asked for, and the
+    activity of the union only adds values whose cotangents reach none of the others."""
+    act = active_values(f, xs)
+    want = {id(x) for x in xs}
+    out: dict[int, Value | None] = dict.fromkeys(want)
+    if id(f) not in act:
+        return out
+    batch = set(seed.edges) - set(f.edges)
+    parts: dict[int, list[Value]] = {id(f): [seed]}
+    left = len(want)
+    for v in reversed(topo_order([f])):
+        ct = total(parts.pop(id(v), ()))
+        if id(v) in want:  # every value after the last x in this order depends on none of them
+            out[id(v)] = ct
+            left -= 1
+            if not left:
+                break
+            continue
+        if ct is None:
+            continue
+        rule = rule_for(v)
+        for i in rule.positions(v):
+            o = v.operands[i]
+            c = rule.vjp(v, i, ct) if id(o) in act else None
+            if c is not None:
+                parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
+    return rematerialize(f, out)
+
+
+def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str], ct=False) -> Value:
+    """x's cotangent (`ct` when given, a `reverse` result) with the fresh edges renamed back."""
+    if ct is False:
+        ct = reverse(f, x, seed)
+    if ct is None:
+        ct = V.const(0.0, x.dtype, set(x.edges) | set(fresh.values()))
+    return V.convert(V.rename(ct, inverse(fresh)), x.dtype)   # a gradient has its variable's type
+
+
+def _identity(fresh: dict[str, str], dtype: str) -> Value:
+    """1 where every edge equals its fresh copy: the product of deltas [e = e.1]."""
+    deltas = [V.indicator(Relation((Affine.make({e: 1}), Affine.make({n: 1})), ("=",)), dtype)
+              for e, n in fresh.items()]
+    if not deltas:
+        return V.const(1.0, dtype)
+    return deltas[0] if len(deltas) == 1 else V.mul(deltas)
+
+
+def grad_value(module: Module, f: Value, x: Value) -> Value:
+    fresh = fresh_edges(module, f.edges)
+    return _pull(f, x, _identity(fresh, f.dtype), fresh)
+
+
+def vjp_value(module: Module, f: Value, x: Value, v: Value) -> Value:
+    fresh = fresh_edges(module, set(v.edges) - set(f.edges))
+    return _pull(f, x, V.rename(v, fresh), fresh)
