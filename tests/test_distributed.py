@@ -248,8 +248,11 @@ def _mpi_reason() -> str | None:
         return "mpirun (OpenMPI) is not installed (apt-get install openmpi-bin libopenmpi-dev)"
     if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install -e '.[mpi]')"
-    r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
-                       timeout=120, env=_mpi_env())
+    try:
+        r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
+                           timeout=120, env=_mpi_env())
+    except subprocess.TimeoutExpired:
+        return "mpi4py's MPI_Init did not return within 120 s"
     if r.returncode != 0:
         return f"mpi4py does not load its MPI library: {r.stderr.strip().splitlines()[-1:]}"
     return None
