@@ -6,7 +6,7 @@ and runs over 1, 2 and 3 ranks against single-process training on the whole batc
 - In-process ranks (`tgc.distributed.run_ranks`, threads): params identical on every
   rank, equal to single-process training within f32 tolerance; equal and unequal shards.
 - MPI: `mpirun -n 2` and `-n 3` (OpenMPI, mpi4py; skipped with a reason without them)
-  run `tests/distributed/mpi_train.py`: the ranks agree bit for bit, match single-process
+  run `tests/distributed_mpi_train.py`: the ranks agree bit for bit, match single-process
   training within f32 tolerance, and with `deterministic=True` (the gradients summed in
   rank order) match the in-process ranks bit for bit.
 - The NCCL path on cuda-sim with in-process NCCL-like communicators.
@@ -29,9 +29,9 @@ from tgc import distributed as D
 from tgc.ir.diag import CompileError
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "distributed"))
-import cases  # noqa: E402
-import mpi_train  # noqa: E402
+sys.path.insert(0, str(HERE))
+import distributed_cases as cases  # noqa: E402
+import distributed_mpi_train as mpi_train  # noqa: E402
 
 STEPS = 4
 
@@ -271,7 +271,7 @@ SPECS = ["mlp", "mlp:det", "mlp13", "mlp13:det", "digits"]
 def _mpirun(n: int, out: Path) -> None:
     env = _mpi_env()
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
-           str(HERE / "distributed" / "mpi_train.py"), str(out), *SPECS, "--steps", str(STEPS)]
+           str(HERE / "distributed_mpi_train.py"), str(out), *SPECS, "--steps", str(STEPS)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -298,6 +298,7 @@ def test_mpi_ranks(tmp_path, n, warm_cache):
                 assert np.array_equal(ranks[0][k], local[0][k]), (spec, k)
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_mpi_example_trains(tmp_path):
     """`mpirun -n 2 python examples/train_sort_gpt.py --data-parallel`, a few steps."""
