@@ -106,7 +106,7 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     else:
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
-    key = _source_key(kind, name, text, options) if backend == "cpu" else None
+    key = _source_key(kind, name, text, options) if backend == "cpu" and options.memory_budget is None else None
     if key is not None:
         program = _cached(key, options)
         if program is not None:
@@ -173,11 +173,21 @@ def _build(module, dims, options, key, files=(), backend="cpu"):
 
     module = driver.fix_dims(module, dims or {})
     opts = options.with_(dims=())
+    lowered = driver.lower(module, opts)
+    if lowered.memory is not None and not lowered.memory.met:
+        import warnings
+
+        from tgc.passes.budget import MemoryBudgetWarning
+
+        warnings.warn(lowered.memory.summary(), MemoryBudgetWarning, stacklevel=3)
     if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
         from tgc.backends.cuda.runtime import build
 
-        return build(driver.lower(module, opts).module, opts, backend)
-    program, obj = build_with_object(driver.lower(module, opts).module, opts)
+        program = build(lowered.module, opts, backend)
+        program.memory_plan = lowered.memory
+        return program
+    program, obj = build_with_object(lowered.module, opts)
+    program.memory_plan = lowered.memory
     if key is not None:
         deps = cache.file_hashes(files)
         if deps is not None:

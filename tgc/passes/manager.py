@@ -45,6 +45,7 @@ class PipelineResult:
     module: Module
     stats: list[PassStat] = field(default_factory=list)
     initial: ModuleStats | None = None  # with options.stats: the module before any pass
+    memory: object = None               # a tgc.passes.budget.MemoryPlan with options.memory_budget: what was recomputed (tgc.passes.budget)
 
 
 def parse_pass_list(text: str) -> tuple[str, ...]:

@@ -243,12 +243,17 @@ class Program:
     `plan()` give the optimized IR and the lowered plan as text. A call with
     `updates=False` skips the program's `update`s and whatever only they need.
     `tgc.save_params` and `tgc.load_params` write and read its params and states.
+    Built with `Options(memory_budget=BYTES)`, `memory_plan` says what the backward pass
+    recomputes to fit (`memory_plan.summary()`).
     """
 
     # bf16/f16 arguments and outputs by name (set per program in __init__; a backend's
     # program that shares this call path without them has none)
     low_types: dict[str, str] = {}
     _low_outs: dict[str, str] = {}
+    # with Options(memory_budget=...): what the planner chose (tgc.passes.budget.MemoryPlan:
+    # `summary()`, `as_dict()`); None without a budget
+    memory_plan = None
 
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
