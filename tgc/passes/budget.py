@@ -28,9 +28,11 @@ Sizes: the dims bound in `Options.dims`, each other symbolic dim at `Options.rep
 (64), as `tgc explain` takes them by default; the workspace scales with the batch, so a
 budget is for those sizes.
 
-Exact: `checkpoint` changes the schedule, never a value (remat's recomputation is the
-same operations on the same values), so results and derivatives are bit-for-bit those
-without a budget. Terminates: one differentiation, then at most 2 log2(n) + 2 trial
+Exact up to rounding: `checkpoint` and the order of the updates change the schedule,
+never an operation (remat's recomputation is the same operations on the same values;
+every update reads the values before the step), so results and derivatives are those
+without a budget; the lowering fuses the checkpointed program into other kernels, which
+may sum in another order (the tests see 1-ulp differences in f32). Terminates: one differentiation, then at most 2 log2(n) + 2 trial
 compilations of the finite pipeline for n candidates.
 """
 from __future__ import annotations
@@ -58,9 +60,10 @@ class Choice:
     what: str          # its operation, edges and source position
     bytes: int         # the saved bytes its recomputation frees (estimate, at the planner's sizes)
     flops: int         # the estimated FLOPs of recomputing it and what is recomputed with it
+    edges: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
-        return {"what": self.what, "bytes": self.bytes, "flops": self.flops}
+        return {"what": self.what, "bytes": self.bytes, "flops": self.flops, "edges": list(self.edges)}
 
 
 @dataclass
@@ -256,7 +259,7 @@ def _candidates(module: Module, options: Options, env: dict[str, int]) -> list[t
         (gain, work, _), (i, v) = max(scored, key=lambda t: (t[0][0] / max(t[0][1], 1), t[0][0], -t[0][2]))
         if gain <= 0:
             break
-        order.append((v, Choice(_describe(v), gain, work)))
+        order.append((v, Choice(_describe(v), gain, work, tuple(v.edges))))
         covered |= regions[id(v)]
         left = [it for it in left if it[1] is not v]
     return order
