@@ -1,28 +1,34 @@
-"""The memory budget planner: which saved values the backward pass recomputes so that
-the workspace fits `Options.memory_budget` bytes.
+"""The memory budget planner: which saved values the backward pass recomputes (and in
+which order the updates run) so that the workspace fits `Options.memory_budget` bytes.
 
 `lower_within_budget(module, options)` runs the pipeline as `run_pipeline` does, but
-stops before `adjoint` to choose checkpoints:
+stops before `adjoint` to decide:
 
-1. **Saved values.** It differentiates the module once (the `adjoint` pass) and
+1. **Order.** The step's kernels follow its roots depth first, so the update written
+   first has its gradient computed first, and with it everything that gradient needs.
+   When the budget is exceeded, the updates are also tried last-written first (as a
+   backward pass goes: usually the last layer's first), and the order with the smaller
+   workspace is kept. Every update reads the values before the step: no value changes.
+2. **Saved values.** It differentiates the module once (the `adjoint` pass) and
    collects the values of the differentiated functions (the primal graphs under
-   `grad`/`vjp`) that the derivative reads: what the forward pass must keep for the
-   backward. Leaves (arguments, constants, draws), integer and scalar values, and
-   values already inside a `checkpoint` are not candidates.
-2. **Ranking.** Each candidate is ranked by the bytes it holds (at the sizes below)
-   per FLOP of recomputing it (its own operation over its operands' points: an
-   estimate that ignores what recomputation below it costs), best first; ties go to
-   larger values, then to the program's order. Attention's probabilities are such a
-   candidate: a [query, key] matrix per head that a softmax makes from scores in a few
-   FLOPs per element, so they rank high.
-3. **Greedy choice.** The first k candidates are wrapped in `checkpoint(...)` (the
-   marker `tgc.passes.remat` reads in `adjoint`), the rest of the pipeline runs, and
-   the program is lowered (`plan`) to measure its workspace (the sum of its slots,
-   `tgc.explain`). k grows 1, 2, 4, ... until the workspace fits, then the smallest
-   fitting k between the last two is found by bisection. When even every candidate
-   does not fit, the k with the smallest workspace is kept and `MemoryPlan.met` is
-   False: the caller warns with the best workspace reached (a build still succeeds;
-   recomputation is the only trade this planner makes).
+   `grad`/`vjp`) that the derivative reads: what the forward pass keeps for the
+   backward. Leaves (arguments, constants, draws), integer and scalar values, and what
+   a written `checkpoint` already recomputes are not candidates.
+3. **Ranking.** `checkpoint(v)` recomputes v's region (`tgc.passes.remat.add_region`:
+   v and what exists only to compute it). A candidate frees the saved bytes in its
+   region (at the sizes below) and costs the FLOPs of its region (each operation over
+   its operands' points: an estimate); candidates are ranked greedily by bytes freed
+   per FLOP, each next one counting only bytes no earlier one frees. Attention's
+   probabilities are such a candidate: a [query, key] matrix per head that a softmax
+   makes from the scores in a few FLOPs per element.
+4. **Measured choice.** In rank order, each candidate is added to the chosen set
+   (wrapped in `checkpoint(...)`, the marker remat reads in `adjoint`) if the program
+   lowered with it (`plan`) has a smaller workspace (the sum of its slots, as
+   `tgc explain` reports it), until the workspace fits; a second pass looks at the
+   rest again (a choice changes what the others save). The estimate only orders the
+   trials: every kept choice lowered the measured workspace. When the budget is not
+   met, the smallest workspace found is kept and `MemoryPlan.met` is False: the
+   callers warn with the best workspace reached (the build still succeeds).
 
 Sizes: the dims bound in `Options.dims`, each other symbolic dim at `Options.rep_size`
 (64), as `tgc explain` takes them by default; the workspace scales with the batch, so a
@@ -32,8 +38,9 @@ Exact up to rounding: `checkpoint` and the order of the updates change the sched
 never an operation (remat's recomputation is the same operations on the same values;
 every update reads the values before the step), so results and derivatives are those
 without a budget; the lowering fuses the checkpointed program into other kernels, which
-may sum in another order (the tests see 1-ulp differences in f32). Terminates: one differentiation, then at most 2 log2(n) + 2 trial
-compilations of the finite pipeline for n candidates.
+may sum in another order (f32 results differ in the last bits). Terminates: one
+differentiation, then at most 2 + 2n trial compilations of the pipeline's rest for n
+candidates.
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ from tgc.ir.values import Value, topo_order
 from tgc.options import Options
 
 ITEMSIZE = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "i32": 4, "c64": 8, "c128": 16}
+PASSES = 2   # greedy passes over the ranked candidates
 NOT_CANDIDATES = ("arg", "const", "size", "indicator", "random", "slot", "fold")
 
 
@@ -165,12 +173,18 @@ class _Trials:
         best = self.workspace(())
         before = best if before is None else before
         chosen: tuple[int, ...] = ()
-        for i in range(len(self.candidates)):
-            if best <= budget:
+        for _ in range(PASSES):   # a choice changes what the others save: look again at the rest
+            progress = False
+            for i in range(len(self.candidates)):
+                if best <= budget:
+                    break
+                if i in chosen:
+                    continue
+                w = self.workspace(tuple(sorted(chosen + (i,))))
+                if w < best:
+                    chosen, best, progress = tuple(sorted(chosen + (i,))), w, True
+            if best <= budget or not progress:
                 break
-            w = self.workspace(chosen + (i,))
-            if w < best:
-                chosen, best = chosen + (i,), w
         result, after = self(chosen)
         dims = {d: self.env[d] for d in self.primal.symbolic_dims()}
         result.memory = MemoryPlan(budget, dims, before, after, after <= budget, len(self.candidates),
