@@ -4,7 +4,7 @@
 
 Compiles `workloads/gpt.tg` (f32, one thread, the batch symbolic as the file has it, sized
 `--batch` for the planner) without a budget, then with a budget of
-`--fraction` of that workspace (tgc/passes/budget.py), and prints for each the planned
+`--fraction` of that workspace (tgc/budget.py), and prints for each the planned
 workspace and the peak of live temporaries (`tgc explain`), the kernels, what the
 planner chose, and the minimum and median time per training step over `--calls` calls
 (lr = 0, so every call does the same work). The machine may be shared: repeat, and

@@ -1,4 +1,4 @@
-"""`--memory-budget` / `Options(memory_budget=...)` (tgc/passes/budget.py): the planner
+"""`--memory-budget` / `Options(memory_budget=...)` (tgc/budget.py): the planner
 recomputes saved values in the backward pass until the workspace fits, says what it
 chose, changes no value, and warns with the best it reached when nothing fits."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
-from tgc.passes.budget import MemoryBudgetWarning
+from tgc.budget import MemoryBudgetWarning
 
 FORMS = {"prelude": "attention[s, c2](q{i}, k{i}, v{i})",
          "written": "sum[s](softmax[s](dot[c2](q{i}, k{i}) / sqrt(size(c2))) * v{i})"}
@@ -36,7 +36,7 @@ def attention_stack(layers: int, form: str) -> str:
 
 
 def _plan(src: str, budget: int):
-    return driver.lower(compile_source(src, "a.tg", Options()), Options(memory_budget=budget)).memory
+    return pipeline.lower(compile_source(src, "a.tg", Options()), Options(memory_budget=budget)).memory
 
 
 def _inputs(src: str, batch: int = 64):
@@ -72,7 +72,7 @@ def test_a_budget_recomputes_attention_probabilities(form):
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
     # and the interpreter's, to rounding
     opts = Options(dtype="f64")
-    ref = evaluate(driver.lower(compile_source(src, "a.tg", opts), opts).module,
+    ref = evaluate(pipeline.lower(compile_source(src, "a.tg", opts), opts).module,
                    {k: np.asarray(v, np.float64) for k, v in _inputs(src).items()}, dtype="f64")
     np.testing.assert_allclose(want["loss"], ref["loss"], rtol=1e-4)
 
@@ -130,7 +130,7 @@ def test_command_line(tmp_path):
 
 
 def test_byte_counts():
-    from tgc.cli_flags import _Bytes
+    from tgc.cli.flags import _Bytes
 
     b = _Bytes()
     assert [b.convert(v, None, None) for v in ("6700000", "6.7M", "6.4MiB", "64k", "2Gi", "512B")] == \

@@ -12,9 +12,9 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   is alive at the peak; arguments and outputs are the caller's arrays and are listed
   apart;
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
-  the backward pass (`tgc.passes.remat`; `plan` runs each just before its first
+  the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
   reader); every other value a later kernel reads is kept. With a memory budget the
-  caller adds the planner's choices (`memory_budget`, `tgc.passes.budget`).
+  caller adds the planner's choices (`memory_budget`, `tgc.budget`).
 
 FLOPs count one per arithmetic operation of an expression, evaluated at every point
 of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
@@ -28,7 +28,7 @@ matplotlib when it is installed.
 """
 from __future__ import annotations
 
-from tgc.ir.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
+from tgc.lower.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
 from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
 
@@ -89,7 +89,7 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
 
 
 def _recompute_note(low: Lowered) -> str:
-    """The save/recompute decisions in words (passes/remat.py, plan's sinking)."""
+    """The save/recompute decisions in words (autodiff/remat.py, plan's sinking)."""
     again = [f"k{i}" for i, k in enumerate(low.kernels) if k.note == "recompute"]
     if not again and any(v.op == "map" and v.attrs[0] == "recompute" for v in low.module.values()):
         return ("checkpointed values are recomputed inside the backward kernels that read them "
@@ -181,7 +181,7 @@ def format_explain(report: dict, name: str) -> str:
                          f" (k{b['from']} .. k{b['to']})")
     lines.append(f"save/recompute: {report['recompute_note']}")
     budget = report.get("memory_budget")
-    if budget is not None:   # --memory-budget: what the planner chose (tgc.passes.budget)
+    if budget is not None:   # --memory-budget: what the planner chose (tgc.budget)
         lines.append(f"{budget['summary']}")
         lines += budget["lines"]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ class Options:
     says what it does. `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
-    autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.passes.autocast)
+    autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
     passes: tuple[str, ...] | None = None    # None: the default pipeline
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
@@ -34,10 +34,10 @@ class Options:
     print_ir_after_all: bool = False
     time_passes: bool = False
     locs: bool = False                       # print loc(...) in IR dumps
-    stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.passes.stats)
+    stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
-    memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.passes.budget); sizes: dims, else rep_size
+    memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.options import Options
@@ -35,7 +35,7 @@ def _inputs(key: int, dtype: str) -> dict:
 @pytest.mark.parametrize("key", [0, 12345, -7])
 def test_cuda_sim_draws_are_the_interpreters_and_cpus_bit_for_bit(dtype, key):
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(DRAWS, "<draws>", opts), opts).module
+    m = pipeline.lower(compile_source(DRAWS, "<draws>", opts), opts).module
     want = evaluate(m, _inputs(key, dtype), dtype=dtype)
     cpu = tgc.compile(DRAWS, dtype=dtype)(**_inputs(key, dtype))
     got = tgc.compile(DRAWS, dtype=dtype, backend="cuda-sim")(**_inputs(key, dtype))
@@ -50,7 +50,7 @@ def test_cuda_sim_draws_are_the_interpreters_and_cpus_bit_for_bit(dtype, key):
 def test_cuda_sim_fold_by_an_i32_input(dtype):
     """fold(key, n) with n an i32 input: a parameter of the draw's device function."""
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(FOLD_BY_INPUT, "<folds>", opts), opts).module
+    m = pipeline.lower(compile_source(FOLD_BY_INPUT, "<folds>", opts), opts).module
     x = np.random.default_rng(1).standard_normal((37, 5)).astype(dtype.replace("f", "float"))
     program = tgc.compile(FOLD_BY_INPUT, dtype=dtype, backend="cuda-sim")
     for step in (4, 0, -5, 2 ** 31 - 1):
@@ -99,7 +99,7 @@ def test_draw_functions_compile_for_sm90_without_warnings(dtype, src, tmp_path):
     from tgc.backends.cuda.runtime import lower
 
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(src, "<draws>", opts), opts).module
+    m = pipeline.lower(compile_source(src, "<draws>", opts), opts).module
     source = codegen.generate(lower(m, opts)).source
     assert source.count("__dmul_rn(") > 20   # float products spelled so that nvcc cannot fuse them
     cu = tmp_path / "draws.cu"
