@@ -184,10 +184,10 @@ def _build(module, dims, options, key, files=(), backend="cpu"):
         from tgc.backends.cuda.runtime import build
 
         program = build(lowered.module, opts, backend)
-        program.memory_plan = lowered.memory
+        program._memory_plan = lowered.memory
         return program
     program, obj = build_with_object(lowered.module, opts)
-    program.memory_plan = lowered.memory
+    program._memory_plan = lowered.memory
     if key is not None:
         deps = cache.file_hashes(files)
         if deps is not None:

@@ -251,9 +251,14 @@ class Program:
     # program that shares this call path without them has none)
     low_types: dict[str, str] = {}
     _low_outs: dict[str, str] = {}
-    # with Options(memory_budget=...): what the planner chose (tgc.budget.MemoryPlan:
-    # `summary()`, `as_dict()`); None without a budget
-    memory_plan = None
+    _memory_plan = None   # set by tgc.compile with Options(memory_budget=...)
+
+    @property
+    def memory_plan(self):
+        """With `Options(memory_budget=...)`: what the planner chose, a
+        `tgc.budget.MemoryPlan` (`summary()`, `lines()`, `as_dict()`: the workspace
+        before and after, the values recomputed, whether the budget is met); else None."""
+        return self._memory_plan
 
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
