@@ -14,7 +14,8 @@ import pytest
 import tgc
 from tgc import pipeline
 from tgc.frontend import compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
 from tgc.options import Options
 from tgc.budget import MemoryBudgetWarning
 
@@ -102,6 +103,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "tgc.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path):
     src = tmp_path / "a.tg"
     src.write_text(attention_stack(2, "prelude"))

@@ -218,7 +218,7 @@ def _workspace(module: Module, options: Options, env=None) -> int:
 
 def _candidates(module: Module, options: Options, env: dict[str, int]) -> list[tuple[Value, Choice]]:
     """The saved values (module docstring, step 1), ranked greedily (step 2)."""
-    from tgc.autodiff.reverse import Adjoint
+    from tgc.autodiff.driver import Adjoint
     from tgc.autodiff.remat import add_region
 
     derivs = [v for v in module.values() if v.op in ("grad", "vjp")]

@@ -19,7 +19,7 @@ from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.options import Options
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_random import DRAWS, FOLD_BY_INPUT, TRAIN, _optimized  # noqa: E402  (the CPU tests' programs)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
