@@ -47,6 +47,7 @@ class PipelineResult:
     module: Module
     stats: list[PassStat] = field(default_factory=list)
     initial: ModuleStats | None = None  # with options.stats: the module before any pass
+    memory: object = None               # with options.memory_budget: what was recomputed (a tgc.budget.MemoryPlan)
 
 
 def parse_pass_list(text: str) -> tuple[str, ...]:

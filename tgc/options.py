@@ -37,6 +37,7 @@ class Options:
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
+    memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     # CPU backend (lowering and code generation)
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread

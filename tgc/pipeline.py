@@ -75,6 +75,12 @@ def load(path: str, options: Options) -> Module:
 
 
 def lower(module: Module, options: Options, emit=None) -> PipelineResult:
+    """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
+    the workspace fits (tgc.budget: the result's `memory` says what)."""
+    if options.memory_budget is not None:
+        from tgc.budget import lower_within_budget
+
+        return lower_within_budget(module, options, emit)
     return run_pipeline(module, options, emit)
 
 

@@ -184,6 +184,11 @@ def _random(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
 def _fold(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     key = _key(el, node.args[0], ctx)
     n = node.args[1]
-    if not (isinstance(n, ast.Num) and float(n.value).is_integer() and 0 <= float(n.value) < 2 ** 31):
-        raise el.error("fold takes a key and an integer literal in [0, 2^31)", n, ctx)
-    return el.build(node, ctx, V.fold, key, int(float(n.value)))
+    if isinstance(n, ast.Num):
+        if not (float(n.value).is_integer() and 0 <= float(n.value) < 2 ** 31):
+            raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
+        return el.build(node, ctx, V.fold, key, int(float(n.value)))
+    v = el.expr(n, ctx)
+    if v.op != "arg" or v.dtype != "i32" or v.edges:
+        raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
+    return el.build(node, ctx, V.fold, key, v)

@@ -132,8 +132,8 @@ class _Writer:
 
     def _random(self, v, ops):
         key = ops[0]
-        for n in v.attrs[1]:
-            key = f"fold({key}, {n})"
+        for n in v.attrs[1]:   # an integer, or '$i': by the value of operand i (an i32 input)
+            key = f"fold({key}, {ops[int(n[1:])] if isinstance(n, str) else n})"
         return f"{v.attrs[0]}[{', '.join(self.e(e) for e in v.edges)}]({key})"
 
     def _indicator(self, v, ops):

@@ -311,7 +311,8 @@ def _random(ev: _Eval, v: Value, ops):
     shape = [ev.sizes[e] for e in v.edges]
     dtype = v.attrs[2] or ("f64" if ev.np_dtype(v) == np.float64 else "f32")   # bf16/f16: drawn in f32, rounded
     counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
-    return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), v.attrs[1], counters)
+    folds = tuple(np.int64(np.asarray(ops[int(n[1:])]).reshape(())) if isinstance(n, str) else n for n in v.attrs[1])
+    return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), folds, counters)
 
 
 def _rename(ev: _Eval, v: Value, ops):

@@ -177,7 +177,8 @@ def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, l
     if op == "random":
         a, _, draw = a.partition(" as ")
         kind, _, folds = a.partition(":")
-        return V.random(kind.strip(), args[0], [int(n) for n in folds.split(",") if n.strip()],
+        fs = [n.strip() for n in folds.split(",") if n.strip()]
+        return V.random(kind.strip(), args[0], [args[int(n[1:])] if n.startswith("$") else int(n) for n in fs],
                         typ.dtype, typ.edges, loc, draw.strip())
     if op in ("grad", "jvp", "vjp"):
         return getattr(V, op)(*args, loc=loc)

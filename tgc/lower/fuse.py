@@ -593,7 +593,9 @@ class _Fuser:
                                            0 if ix.const == 0 else smul(stride, ix.const)))
             stride = size_op("*", stride, edge_size(self.m, e))
         key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
-        return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
+        folds = tuple(Ix.of(IdLoad(v.operands[int(n[1:])].attrs[0], ())) if isinstance(n, str) else n
+                      for n in v.attrs[1])
+        return Rand(v.attrs[0], folds, key, counter, v.attrs[2])
 
     def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
         base, view = peel(ids)

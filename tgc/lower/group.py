@@ -396,7 +396,8 @@ def _subst(e, mapping: dict[str, Ix]):
     if isinstance(e, (Add, Mul, Map)):
         return replace(e, args=tuple(_subst(a, mapping) for a in e.args))
     if isinstance(e, Rand):
-        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping))
+        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping),
+                       folds=tuple(n.subst(mapping) if isinstance(n, Ix) else n for n in e.folds))
     return e
 
 

@@ -261,7 +261,9 @@ class _Machine:
             key = np.asarray(self.ix(e.key, vals), np.int64)
             counter = np.asarray(self.ix(e.counter, vals), np.int64)
             dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
-            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), e.folds, counter))
+            folds = tuple(n if isinstance(n, int) else np.int64(np.asarray(self.ix(n, vals)).reshape(-1)[0])
+                          for n in e.folds)
+            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), folds, counter))
         if isinstance(e, Mask):
             ok = True
             for c in e.conds:

@@ -229,10 +229,11 @@ class Acc:
 @dataclass(frozen=True)
 class Rand:
     """A Philox draw (tgc.ir.philox): `kind` ('rand' or 'randn') from the key `key` (an
-    index: the i32 key loaded as an `IdLoad`) folded with `folds`, at the 64-bit
-    `counter` (the element's row-major index over the draw's edges, sorted by name)."""
+    index: the i32 key loaded as an `IdLoad`) folded with `folds` (integers, or indices:
+    an i32 input's value loaded as an `IdLoad`), at the 64-bit `counter` (the element's
+    row-major index over the draw's edges, sorted by name)."""
     kind: str
-    folds: tuple[int, ...]
+    folds: tuple["int | Ix", ...]
     key: Ix
     counter: Ix
     draw: str = ""   # '' (the program's float type) or 'f32' (f32 draws in an f64 program)
@@ -356,7 +357,7 @@ class LoopKernel:
                 elif isinstance(node, Mask):
                     _ix_bufs((c.ix for c in node.conds), out)
                 elif isinstance(node, Rand):
-                    _ix_bufs((node.key, node.counter), out)
+                    _ix_bufs((node.key, node.counter, *(n for n in node.folds if isinstance(n, Ix))), out)
         _ix_bufs((ix for _, ix in self.index), out)
         _ix_bufs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
         return out
@@ -585,7 +586,8 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
         if isinstance(e, (Add, Mul, Map)):
             return replace(e, args=tuple(expr(a) for a in e.args))
         if isinstance(e, Rand):
-            return replace(e, key=ix(e.key), counter=ix(e.counter))
+            return replace(e, key=ix(e.key), counter=ix(e.counter),
+                           folds=tuple(ix(n) if isinstance(n, Ix) else n for n in e.folds))
         return e
 
     bounds = {v: (tuple(map(ix, lo)), tuple(map(ix, hi))) for v, (lo, hi) in k.bounds.items()}
