@@ -118,13 +118,8 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     else:
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
-<<<<<<< HEAD
-    key = _source_key(kind, name, text, options) if backend == "cpu" else None
-    if key is not None and data_parallel is None:
-=======
     key = _source_key(kind, name, text, options) if backend == "cpu" and options.memory_budget is None else None
-    if key is not None:
->>>>>>> mem
+    if key is not None and data_parallel is None:
         program = _cached(key, options)
         if program is not None:
             return program
@@ -190,13 +185,11 @@ def _build(module, dims, options, key, files=(), backend="cpu", data_parallel=No
 
     module = pipeline.fix_dims(module, dims or {})
     opts = options.with_(dims=())
-<<<<<<< HEAD
     if data_parallel is not None:   # split at the gradient boundary before the pipeline
         from tgc.distributed import DataParallel
 
         return DataParallel(module, data_parallel, opts, backend, **(dp_options or {}), cache_key=key,
                             files=files)
-=======
     lowered = pipeline.lower(module, opts)
     if lowered.memory is not None and not lowered.memory.met:
         import warnings
@@ -204,7 +197,6 @@ def _build(module, dims, options, key, files=(), backend="cpu", data_parallel=No
         from tgc.budget import MemoryBudgetWarning
 
         warnings.warn(lowered.memory.summary(), MemoryBudgetWarning, stacklevel=3)
->>>>>>> mem
     if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
         from tgc.backends.cuda.runtime import build
 
