@@ -90,7 +90,7 @@ def lower(module: Module, options: Options):
     the CPU's loop groups (`group_blocks=0`)."""
     from tgc.passes.plan import lower_module
 
-    return lower_module(module, options.with_(group_blocks=0))
+    return lower_module(module, options.with_(group_blocks=0, complex_gemm=False))
 
 
 # ---------------------------------------------------------------- devices
