@@ -113,16 +113,16 @@ def compile_one(path: str) -> None:
     """Cold compile of one file, in this process (the caller gives an empty cache)."""
     t0 = time.perf_counter()
     import tgc
-    from tgc import driver
+    from tgc import pipeline
     from tgc.options import Options
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
     t_import = time.perf_counter() - t0
     opts = Options()
     t0 = time.perf_counter()
-    module = driver.load(path, opts)
+    module = pipeline.load(path, opts)
     t_front = time.perf_counter() - t0
     t0 = time.perf_counter()
-    passed = driver.lower(module, opts).module
+    passed = pipeline.lower(module, opts).module
     t_passes = time.perf_counter() - t0
     t0 = time.perf_counter()
     low = lower_module(passed, opts)

@@ -107,14 +107,14 @@ def torch_outputs(case: Case, dtype) -> dict[str, np.ndarray]:
 def tgc_outputs(case: Case, backend: str) -> dict[str, np.ndarray]:
     inputs = case.f32_inputs()
     if backend == "interp":
-        from tgc import driver
+        from tgc import pipeline
         from tgc.frontend import compile_source
         from tgc.ir.interp import evaluate
         from tgc.options import Options
 
         opts = Options(dtype="f32")
         module = compile_source(case.src, f"<{case.id}>", opts)
-        lowered = driver.lower(module, opts).module
+        lowered = pipeline.lower(module, opts).module
         return evaluate(lowered, inputs, dtype="f32")
     import tgc
 

@@ -16,8 +16,8 @@ from tgc.ir.module import Module
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
-from tgc.passes.registry import DEFAULT_PIPELINE
+from tgc.manager import run_pipeline
+from tgc.registry import DEFAULT_PIPELINE
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"

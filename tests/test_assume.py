@@ -19,7 +19,7 @@ from tgc.cli import main
 from tgc.ir.assume import check_facts
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import EvalError, evaluate, random_inputs
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 

@@ -18,8 +18,8 @@ from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.ir.verify import verify
 from tgc.options import Options
-from tgc.passes.derivatives import RULES
-from tgc.passes.manager import run_pipeline
+from tgc.autodiff.rules import RULES
+from tgc.manager import run_pipeline
 from passes_util import central_difference, run_f64 as run
 
 PIPELINE = Options(passes=("normalize", "adjoint", "tangent"))
@@ -116,7 +116,7 @@ UNARY = {  # fn: (domain of x, smooth enough for second order)
     "exp": (None, True), "log": (positive, True), "sqrt": (positive, True), "tanh": (None, True),
     "erf": (None, True), "sin": (None, True), "cos": (None, True), "abs": (away_from_zero, True),
     "sign": (away_from_zero, True), "sigmoid": (None, True), "softplus": (None, True),
-    "checkpoint": (None, True), "recompute": (None, True),  # identities (passes/remat.py)
+    "checkpoint": (None, True), "recompute": (None, True),  # identities (autodiff/remat.py)
 }
 BINARY = {  # fn: (domain of x, domain of y)
     "div": (None, away_from_zero), "pow": (positive, None), "max": (None, None), "min": (None, None),

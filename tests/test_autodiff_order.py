@@ -11,7 +11,7 @@ from tgc.ir.parser import parse_module
 from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.verify import verify
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
+from tgc.manager import run_pipeline
 from passes_util import central_difference, run_f64 as run
 
 H = 1e-5

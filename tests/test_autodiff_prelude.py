@@ -12,7 +12,7 @@ import tgc.frontend
 from tgc.ir.interp import evaluate
 from tgc.ir.verify import verify
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
+from tgc.manager import run_pipeline
 from passes_util import central_difference, run_f64 as run
 
 if not hasattr(tgc.frontend, "compile_source"):

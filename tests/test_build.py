@@ -16,7 +16,7 @@ from tgc.cli import main
 from tgc.frontend import compile_file
 from tgc.ir.interp import evaluate
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
+from tgc.manager import run_pipeline
 
 ROOT = Path(__file__).parent.parent
 MLP = ROOT / "examples/mlp.tg"
@@ -152,7 +152,7 @@ def test_exit_codes(tmp_path, monkeypatch):
     np.savez(tmp_path / "in.npz", E=np.ones(3), ids=np.array([0, 7], np.int32))
     r = tgc("run", src, "--inputs", tmp_path / "in.npz")
     assert r.exit_code == 3 and "out of range" in r.output
-    from tgc import driver
+    from tgc import pipeline
 
     def crash(*a, **k):
         raise ZeroDivisionError("simulated bug")

@@ -1,5 +1,5 @@
 """`checkpoint(x)`: x, recomputed by the backward pass instead of kept (LANGUAGE.md
-section 11, "Checkpoints"; tgc/passes/remat.py).
+section 11, "Checkpoints"; tgc/autodiff/remat.py).
 
 Spec level: the form elaborates, prints and reads back, and its mistakes are errors.
 Values and derivatives are those without the checkpoint, on the IR interpreter, the
@@ -15,17 +15,17 @@ import pytest
 from click.testing import CliRunner
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.cli import main
 from tgc.explain import explain
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate, random_inputs
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 from passes_util import central_difference, optimize, tg
 
@@ -154,7 +154,7 @@ def test_fp_strict_keeps_values():
 
 def _report(src: str) -> dict:
     opts = Options()
-    low = lower_module(driver.lower(compile_source(src, "<t>", opts), opts).module, opts)
+    low = lower_module(pipeline.lower(compile_source(src, "<t>", opts), opts).module, opts)
     return explain(low, {})
 
 

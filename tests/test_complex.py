@@ -10,16 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.cli import main
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 from passes_util import optimize
 
 CDT = {"f32": np.complex64, "f64": np.complex128}
@@ -33,7 +33,7 @@ def crandn(rng, *shape, dtype="f64"):
 def all_paths(src: str, inputs: dict, dtype: str):
     """(name, result) of the IR interpreter, the lowered interpreter and the CPU backend."""
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(src, "<complex>", opts), opts).module
+    m = pipeline.lower(compile_source(src, "<complex>", opts), opts).module
     yield "interp", evaluate(m, {k: np.copy(v) for k, v in inputs.items()}, dtype=dtype)
     yield "lowered", run_lowered(lower_module(m, opts), {k: np.copy(v) for k, v in inputs.items()})
     yield "cpu", tgc.compile(src, dtype=dtype)(**{k: np.copy(v) for k, v in inputs.items()})
@@ -149,7 +149,7 @@ def test_random_complex_programs_agree_with_numpy(steps, seed):
     last = f"v{len(steps) - 1}"
     lines.append(f"out y = {last} + 0 * z")
     m = compile_source("\n".join(lines) + "\n", "<random>", Options(dtype="f64"))
-    got = evaluate(driver.lower(m, Options(dtype="f64")).module,
+    got = evaluate(pipeline.lower(m, Options(dtype="f64")).module,
                    dict(z=vals["z"], w=vals["w"], x=vals["x"].real), dtype="f64")["y"]
     want = vals[last] + 0 * vals["z"]
     if np.all(np.isfinite(want)) and np.abs(want).max() < 1e100:
@@ -257,7 +257,7 @@ def test_grad_emits_a_tg_program_over_the_float_pairs(tmp_path):
     emitted = compile_source(r.output, "<emitted>", Options(dtype="f64"))
     z = np.array([1 + 2j, -0.5j, 0.25], complex)
     pairs = np.stack([z.real, z.imag], -1)
-    got = evaluate(driver.lower(emitted, Options(dtype="f64")).module, {"z": pairs}, dtype="f64")
+    got = evaluate(pipeline.lower(emitted, Options(dtype="f64")).module, {"z": pairs}, dtype="f64")
     grad = [v for k, v in got.items() if k != "L"][0]
     np.testing.assert_allclose(grad[..., 0] + 1j * grad[..., 1], 2 * np.exp(2 * z.real), rtol=1e-12)
 

@@ -1,4 +1,4 @@
-"""Complex products as one cgemm/zgemm cell (tgc/passes/complex_gemm.py): which
+"""Complex products as one cgemm/zgemm cell (tgc/lower/complex_gemm.py): which
 products lowering recognizes (the forward's, the adjoint's, conjugated operands), and
 their values and gradients against numpy and torch.autograd on the IR interpreter, the
 lowered interpreter and the CPU backend; `--blas none` keeps four real products."""
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline as driver
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
-from tgc.ir.lowered import GemmKernel
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.lowered import GemmKernel
+from tgc.lower.interp import run_lowered
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 CDT = {"f32": np.complex64, "f64": np.complex128}
 TOL = {"f32": 2e-5, "f64": 1e-12}

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
-from tgc.passes.plan import lower_module
+from tgc.manager import run_pipeline
+from tgc.lower.plan import lower_module
 from passes_util import optimize
 
 H = 1e-6
@@ -33,7 +33,7 @@ def module(src: str, dtype: str = "f64"):
 
 def optimized(src: str, dtype: str = "f64"):
     opts = Options(dtype=dtype)
-    return driver.lower(module(src, dtype), opts).module, opts
+    return pipeline.lower(module(src, dtype), opts).module, opts
 
 
 def interp(src: str, inputs: dict, dtype: str = "f64") -> dict:
@@ -307,7 +307,7 @@ def test_ir_round_trip_and_verify_each():
 def test_a_pass_list_without_simplify_still_lowers():
     m = module(STE)
     opts = Options(dtype="f64", passes=("adjoint",))
-    mod = driver.lower(m, opts).module
+    mod = pipeline.lower(m, opts).module
     assert any(v.op == "custom" for v in mod.values())
     x, t = rng.standard_normal(6), rng.standard_normal(6)
     got = run_lowered(lower_module(mod, opts), {"x": x, "t": t})
@@ -329,7 +329,7 @@ def error_of(src: str, passes: bool = False) -> str:
     with pytest.raises(CompileError) as e:
         m = module(src)
         if passes:
-            driver.lower(m, Options(dtype="f64"))
+            pipeline.lower(m, Options(dtype="f64"))
     return str(e.value)
 
 

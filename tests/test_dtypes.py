@@ -1,4 +1,4 @@
-"""Element types bf16 and f16 (tgc.ir.dtypes, tgc.passes.lowp): storage in bf16/f16,
+"""Element types bf16 and f16 (tgc.ir.dtypes, tgc.ir.lowp): storage in bf16/f16,
 arithmetic in f32 rounded once per value, promotion, conversions, gradients' types,
 runtime I/O of ml_dtypes arrays, and the agreement of the IR interpreter, the lowered
 interpreter and the CPU backend (bit for bit where the f32 computation is
@@ -18,12 +18,12 @@ from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.dtypes import promote, round_to
 from tgc.ir.interp import EvalError, evaluate
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
-from tgc.passes.plan import lower_module
+from tgc.manager import run_pipeline
+from tgc.lower.plan import lower_module
 
 BF16 = ml_dtypes.bfloat16
 NP = {"bf16": np.dtype(BF16), "f16": np.dtype(np.float16)}
@@ -318,7 +318,7 @@ def mlp_inputs(seed=0):
 
 @pytest.mark.parametrize("t", ["bf16", "f16"])
 def test_autocast_converts_matrix_products_only(t):
-    from tgc.passes.autocast import is_matmul
+    from tgc.opt.autocast import is_matmul
 
     m = pipeline(MLP, autocast=t)
     gemms = [v for v in m.values() if is_matmul(v)]

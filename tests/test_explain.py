@@ -7,20 +7,20 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tgc import driver
+from tgc import pipeline
 from tgc.cli import main
 from tgc.explain import explain
 from tgc.frontend import compile_source
-from tgc.ir.lowered import GemmKernel
+from tgc.lower.lowered import GemmKernel
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def lowered(src: str):
     opts = Options()
-    return lower_module(driver.lower(compile_source(src, "<t>", opts), opts).module, opts)
+    return lower_module(pipeline.lower(compile_source(src, "<t>", opts), opts).module, opts)
 
 
 def run(*args):

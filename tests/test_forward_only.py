@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.cli import main
 from tgc.ir.interp import EvalError
 from tgc.ir.values import DERIVATIVE_OPS
@@ -108,16 +108,16 @@ def test_states_and_f64_and_fp_strict():
 
 
 def test_forward_only_drops_only_what_the_updates_read():
-    module = driver.load(str(MLP), tgc.Options())
-    pruned = driver.forward_only(module)
+    module = pipeline.load(str(MLP), tgc.Options())
+    pruned = pipeline.forward_only(module)
     assert pruned.updates == [] and list(pruned.args) == ["x", "y", "W1", "b1", "W2", "b2"]
     # an argument nothing reads but which alone gives a used symbolic dim its size stays
     src = "dim n\ninput a[n]\ninput lr\nparam w[n]\nout z = 0 * a\nupdate w = w - lr\n"
     from tgc.frontend.elaborate import elaborate_source
 
     m = elaborate_source(src, "<t>", tgc.Options()).module
-    m = driver.lower(m, tgc.Options()).module
-    assert list(driver.forward_only(m).args) in (["a"], ["a", "w"])
+    m = pipeline.lower(m, tgc.Options()).module
+    assert list(pipeline.forward_only(m).args) in (["a"], ["a", "w"])
 
 
 def test_cli_no_update(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 import tgc
 from passes_util import body, optimize, tg
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.options import Options
@@ -19,7 +19,7 @@ from tgc.options import Options
 def both(src: str, inputs: dict, dtype: str = "f32") -> list[dict]:
     """Outputs of the optimized program on the interpreter and on the CPU build."""
     opts = Options(dtype=dtype)
-    lowered = driver.lower(compile_source(src, "<test>", opts), opts).module
+    lowered = pipeline.lower(compile_source(src, "<test>", opts), opts).module
     cpu = tgc.compile(src, dtype=dtype)
     return [evaluate(lowered, {k: v.copy() for k, v in inputs.items()}, dtype=dtype),
             cpu(**{k: v.copy() for k, v in inputs.items()})]
@@ -244,7 +244,7 @@ def test_the_reported_cpu_nan_program_agrees_with_the_interpreter_on_normal_inpu
     Expressions now compute the same bits in every kernel (an FMA is chosen from the
     expression alone, not left to LLVM's contraction)."""
     opts = Options(dtype=dtype)
-    lowered = driver.lower(compile_source(ITEM7, "<item7>", opts), opts).module
+    lowered = pipeline.lower(compile_source(ITEM7, "<item7>", opts), opts).module
     cpu = tgc.compile(ITEM7, dtype=dtype)
     shapes = {a.name: tuple(4 if e in ("chan", "tok") else 3 for e in a.order) for a in lowered.args.values()}
     for seed in range(40):

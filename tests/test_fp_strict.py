@@ -1,7 +1,7 @@
 """--fp-strict: no algebra, reassociation or FMA; the CPU build gives the bits of the
 reference interpreter on the unoptimized program (derivatives resolved, nothing else).
 
-For f32 the CPU runs the f64 emulation of `tgc.passes.emulate` (every value rounded to
+For f32 the CPU runs the f64 emulation of `tgc.ir.emulate` (every value rounded to
 f32, as the interpreter rounds each op's float64 result), so the outputs are the same
 bits. For f64 the ops and their order are the source's; transcendental functions and
 BLAS sums are other libraries' than numpy's, so they agree to rounding, not to the bit.
@@ -13,12 +13,12 @@ import pytest
 
 import tgc
 from passes_util import body, tg
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
-from tgc.passes.emulate import emulate_f32
-from tgc.passes.manager import run_pipeline
+from tgc.ir.emulate import emulate_f32
+from tgc.manager import run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))[:20]
@@ -29,7 +29,7 @@ def _strict_ir(src_or_path, dtype="f32"):
     opts = STRICT.with_(dtype=dtype)
     m = (compile_file(str(src_or_path), opts) if isinstance(src_or_path, Path)
          else compile_source(src_or_path, "<test>", opts))
-    return driver.lower(m, opts).module
+    return pipeline.lower(m, opts).module
 
 
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.stem)

@@ -9,7 +9,7 @@ the slice runs in-process (forked children are several times slower there).
 
 - `test_slice`: programs of seeds 0..SLICE-1, each on the float64 torch oracle and on
   the float64 backends (the interpreter after the default pipeline, the CPU build, and
-  the CPU's lowered program run by `tgc.ir.lowered_interp`);
+  the CPU's lowered program run by `tgc.lower.interp`);
   those with no step that float32 rounding could flip (`harness.f32_comparable`) also on
   the float32 ones, to a looser bound.
 - `test_regression`: every program in `tests/fuzz/regressions/` (each a shrunk

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tgc import driver
+from tgc import pipeline
 from tgc.cli import main
 from tgc.frontend import compile_file, compile_source
 from tgc.frontend.emit_tg import emit_tg
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
+from tgc.manager import run_pipeline
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.tg"))
@@ -46,7 +46,7 @@ def test_grad_command_emits_a_checkable_equivalent_program(mode, tmp_path):
     generated = compile_file(str(out), F64)
     assert "lr" not in generated.args
     original = compile_file(str(ROOT / "examples/mlp.tg"), F64)
-    reference = run_pipeline(driver.gradient_module(original, ["W1"], None, "rev"), F64).module
+    reference = run_pipeline(pipeline.gradient_module(original, ["W1"], None, "rev"), F64).module
     inputs, dims, want = values(reference)
     got = evaluate(generated, {k: inputs[k] for k in generated.args}, dtype="f64", dims=dims)
     np.testing.assert_allclose(got["dW1"], want["dW1"], rtol=1e-10, atol=1e-12)

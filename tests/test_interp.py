@@ -162,8 +162,8 @@ def test_a_value_too_big_for_memory_is_an_error_not_numpys():
                        "out s = sum(exp(z * z[a -> e, c -> f]))\n", "<t>", Options())
     with _pytest.raises(EvalError, match=r"value over \[a, c.*elements"):
         evaluate(m, {"x": np.zeros(70000, np.float32)})
-    from tgc import driver
+    from tgc import pipeline
 
-    lowered = driver.lower(m, Options()).module   # computes the 4-edge value first
+    lowered = pipeline.lower(m, Options()).module   # computes the 4-edge value first
     with _pytest.raises(EvalError, match=r"\[a, c, e, f\] has 24010000000000000000 elements: more than 2\^62"):
         evaluate(lowered, {"x": np.zeros(70000, np.float32)})

@@ -6,8 +6,8 @@ from passes_util import GOLDEN, body, ops, optimize, tg
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.frontend import compile_file
 from tgc.options import Options
-from tgc.passes.registry import DEFAULT_PIPELINE
-from tgc.passes.stats import module_stats
+from tgc.registry import DEFAULT_PIPELINE
+from tgc.opt.stats import module_stats
 
 FACTOR = ("normalize", "factor")
 
@@ -97,7 +97,7 @@ def test_many_factors_sharing_one_edge_are_multiplied_first_then_summed(monkeypa
     searches are greedy."""
     import opt_einsum
 
-    from tgc.passes.paths import MAX_DP, find_path
+    from tgc.opt.paths import MAX_DP, find_path
 
     def no_dp(*args, optimize=None, **kw):
         assert optimize != "dp" or len(args) - 1 <= MAX_DP, "dp over too many operands"

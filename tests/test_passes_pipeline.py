@@ -7,7 +7,7 @@ import pytest
 from passes_util import ROOT, optimize, same_values
 from tgc.frontend import compile_file
 from tgc.options import Options
-from tgc.passes.registry import DEFAULT_PIPELINE
+from tgc.registry import DEFAULT_PIPELINE
 
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 

@@ -3,7 +3,7 @@ import numpy as np
 
 from passes_util import body, ops, optimize, tg, tgir
 from tgc.ir.interp import evaluate
-from tgc.passes.registry import DEFAULT_PIPELINE
+from tgc.registry import DEFAULT_PIPELINE
 
 SIMPLIFY = ("simplify",)
 

@@ -5,7 +5,7 @@ import pytest
 
 from passes_util import body, ops, optimize, same_values, tg, tgir
 from tgc.ir.interp import evaluate
-from tgc.passes.registry import DEFAULT_PIPELINE
+from tgc.registry import DEFAULT_PIPELINE
 
 STABILIZE = ("normalize", "stabilize")
 

@@ -8,8 +8,8 @@ from tgc.cli import main
 from tgc.frontend import compile_file
 from tgc.ir.values import DERIVATIVE_OPS, topo_order
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
-from tgc.passes.stats import module_stats
+from tgc.manager import run_pipeline
+from tgc.opt.stats import module_stats
 
 
 def test_cost_model():

@@ -14,7 +14,7 @@ from tgc.frontend import compile_file
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
-from tgc.passes.manager import run_pipeline
+from tgc.manager import run_pipeline
 
 ROOT = Path(__file__).parent.parent
 BAD = sorted((ROOT / "tests/programs/bad").glob("*.tg"))

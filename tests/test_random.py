@@ -20,19 +20,19 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate, random_inputs
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.philox import draw_numpy, philox_block
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.facts import Facts
-from tgc.passes.manager import run_pipeline
-from tgc.passes.plan import lower_module
+from tgc.opt.facts import Facts
+from tgc.manager import run_pipeline
+from tgc.lower.plan import lower_module
 
 N = 100_000
 F = 0xFFFFFFFF
@@ -153,7 +153,7 @@ out d = dropout[i, j](x, key, 0.5)                # x / (1 - p) = 2 x: exact in 
 
 def _all_paths(source: str, dtype: str, inputs: dict):
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(source, "<draws>", opts), opts).module
+    m = pipeline.lower(compile_source(source, "<draws>", opts), opts).module
     yield "interp", evaluate(m, {k: np.copy(v) for k, v in inputs.items()}, dtype=dtype)
     for stage in ("fuse", "layout", "group", "plan"):
         low = lower_module(m, opts, stop_after=stage)
@@ -194,7 +194,7 @@ def test_fp_strict_draws_are_the_interpreters(dtype):
         assert got[k].dtype == want[k].dtype
         np.testing.assert_array_equal(got[k], want[k])
     if dtype == "f32":
-        from tgc.passes.emulate import emulate_f32
+        from tgc.ir.emulate import emulate_f32
         text = print_module(emulate_f32(m))
         assert "random[rand as f32] %key : f64[i, j]" in text and "round32" not in text
         assert print_module(parse_module(text)) == text

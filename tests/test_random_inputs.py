@@ -7,7 +7,7 @@ import numpy as np
 from click.testing import CliRunner
 
 from tgc.cli import main
-from tgc.cli_run import cross_entropy_targets
+from tgc.cli.run import cross_entropy_targets
 
 ROOT = Path(__file__).parent.parent
 

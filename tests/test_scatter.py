@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import EvalError, evaluate
-from tgc.ir.lowered_interp import run_lowered
+from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 from numerics_util import Case, compare as compare_f32, report
 from passes_util import central_difference, optimize
 
@@ -76,7 +76,7 @@ def numpy_reference(a):
 def backends(source, dtype, a):
     """The outputs of `source` on the three evaluators, by name."""
     opts = Options(dtype=dtype)
-    m = driver.lower(compile_source(source, "<scatter>", opts), opts).module
+    m = pipeline.lower(compile_source(source, "<scatter>", opts), opts).module
     out = {"interp": evaluate(m, {k: v.copy() for k, v in a.items()}, dtype=dtype),
            "lowered": run_lowered(lower_module(m, opts), {k: v.copy() for k, v in a.items()}),
            "cpu": tgc.compile(source, dtype=dtype).run({k: v.copy() for k, v in a.items()})}
@@ -197,7 +197,7 @@ out dh = grad(sum(y * y), h)
 @pytest.mark.parametrize("strict", [False, True])
 def test_segment_softmax_has_no_nodes_by_edges_buffer(strict):
     opts = Options(dtype="f32", fp_strict=strict)
-    m = driver.lower(compile_source(SOFTMAX, "<softmax>", opts), opts).module
+    m = pipeline.lower(compile_source(SOFTMAX, "<softmax>", opts), opts).module
     assert not [v for v in m.values() if _mixed(v)]
     low = lower_module(m, opts)
     assert not [b for b in low.buffers.values() if {"n", "m"} <= set(b.edges)]
@@ -227,7 +227,7 @@ def test_ids_out_of_range_are_refused_naming_the_input():
     bad = inputs()
     bad["dst"][4] = N
     opts = Options(dtype="f64")
-    m = driver.lower(compile_source(PROGRAM, "<scatter>", opts), opts).module
+    m = pipeline.lower(compile_source(PROGRAM, "<scatter>", opts), opts).module
     with pytest.raises(EvalError, match="'dst'"):
         evaluate(m, bad, dtype="f64")
     with pytest.raises(EvalError, match="'dst'"):
@@ -359,11 +359,11 @@ out l = sum(max[m](where([n = dst], msg, -inf)) * x) + sum(min[m](where([n = dst
 out d = grad(sum((msg @ [n = dst]) * x) + l, msg)
 """
     opts = Options(dtype="f64")
-    m = driver.lower(compile_source(src, "<emit>", opts), opts).module
+    m = pipeline.lower(compile_source(src, "<emit>", opts), opts).module
     text = emit_tg(m)
     assert "where([n = dst], msg, -inf)" in text and "where([n = dst], msg, inf)" in text
     assert "* [n = dst]" in text
-    again = driver.lower(compile_source(text, "<emitted>", opts), opts).module
+    again = pipeline.lower(compile_source(text, "<emitted>", opts), opts).module
     a = inputs(4)
     a["dst"] = np.array([0, 1, 1, 3, 3, 3, 0, 1, 4, 2, 5], np.int32)
     a = {k: a[k] for k in ("msg", "x", "dst")}

@@ -152,10 +152,10 @@ def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):
     import numpy as np
 
     emb = str(ROOT / "examples/embedding.tg")
-    from tgc import driver
+    from tgc import pipeline
     from tgc.options import Options
 
-    m = driver.load(emb, Options())
+    m = pipeline.load(emb, Options())
     ids = [a for a in m.args.values() if a.dtype == "i32"][0]
     dims = {d: 4 for d in m.symbolic_dims()}
     want = tuple(int(m.size(e)) if isinstance(m.size(e), int) else dims[m.edges[e]] for e in ids.order)

@@ -38,7 +38,7 @@ from tgc.ir.interp import evaluate, random_inputs  # noqa: E402
 from tgc.ir.module import Module, Output  # noqa: E402
 from tgc.ir.values import DERIVATIVE_OPS, topo_order  # noqa: E402
 from tgc.options import Options  # noqa: E402
-from tgc.passes.manager import run_pipeline  # noqa: E402
+from tgc.manager import run_pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "tests") not in sys.path:
@@ -213,7 +213,7 @@ TIES = {
     "min[n](-x)": ("min[n](-x)", [0.0, -0.5, -0.5, 0.0]),
 }
 
-# These caught a regression in an uncommitted normalize (tgc/passes/canon.py sorted the
+# These caught a regression in an uncommitted normalize (tgc/opt/canon.py sorted the
 # operands of max/min as commutative, so `grad(relu(x), x)` at x = 0 gave 1), fixed since.
 
 

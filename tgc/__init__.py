@@ -111,10 +111,10 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
         program = _cached(key, options)
         if program is not None:
             return program
-    from tgc import driver
+    from tgc import pipeline
 
     if name not in ("<ir>", "<source>"):    # a file (or stdin)
-        loaded = driver.load_program(name, options)
+        loaded = pipeline.load_program(name, options)
         module, files = loaded.module, list(loaded.files)
     elif kind == "ir":
         from tgc.ir.parser import parse_module
@@ -153,7 +153,7 @@ def _cached(key, options):
         return None
     try:
         from tgc.ir.parser import parse_module
-        from tgc.passes.plan import lower_module
+        from tgc.lower.plan import lower_module
         from tgc.runtime.program import from_cached_object
 
         opts = options.with_(dims=())
@@ -167,17 +167,17 @@ def _cached(key, options):
 
 
 def _build(module, dims, options, key, files=(), backend="cpu"):
-    from tgc import driver
+    from tgc import pipeline
     from tgc.runtime import cache
     from tgc.runtime.program import build_with_object
 
-    module = driver.fix_dims(module, dims or {})
+    module = pipeline.fix_dims(module, dims or {})
     opts = options.with_(dims=())
     if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
         from tgc.backends.cuda.runtime import build
 
-        return build(driver.lower(module, opts).module, opts, backend)
-    program, obj = build_with_object(driver.lower(module, opts).module, opts)
+        return build(pipeline.lower(module, opts).module, opts, backend)
+    program, obj = build_with_object(pipeline.lower(module, opts).module, opts)
     if key is not None:
         deps = cache.file_hashes(files)
         if deps is not None:

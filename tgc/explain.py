@@ -12,7 +12,7 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   is alive at the peak; arguments and outputs are the caller's arrays and are listed
   apart;
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
-  the backward pass (`tgc.passes.remat`; `plan` runs each just before its first
+  the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
   reader); every other value a later kernel reads is kept.
 
 FLOPs count one per arithmetic operation of an expression, evaluated at every point
@@ -27,7 +27,7 @@ matplotlib when it is installed.
 """
 from __future__ import annotations
 
-from tgc.ir.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
+from tgc.lower.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
 from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
 
@@ -88,7 +88,7 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
 
 
 def _recompute_note(low: Lowered) -> str:
-    """The save/recompute decisions in words (passes/remat.py, plan's sinking)."""
+    """The save/recompute decisions in words (autodiff/remat.py, plan's sinking)."""
     again = [f"k{i}" for i, k in enumerate(low.kernels) if k.note == "recompute"]
     if not again and any(v.op == "map" and v.attrs[0] == "recompute" for v in low.module.values()):
         return ("checkpointed values are recomputed inside the backward kernels that read them "

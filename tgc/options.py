@@ -21,7 +21,7 @@ class Options:
     says what it does. `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
-    autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.passes.autocast)
+    autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
     passes: tuple[str, ...] | None = None    # None: the default pipeline
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
@@ -34,7 +34,7 @@ class Options:
     print_ir_after_all: bool = False
     time_passes: bool = False
     locs: bool = False                       # print loc(...) in IR dumps
-    stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.passes.stats)
+    stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     # CPU backend (lowering and code generation)
@@ -49,7 +49,7 @@ class Options:
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
     blas: str = "numpy"                      # GEMMs' BLAS: "numpy" (numpy's OpenBLAS; tgc build links it with a RUNPATH into its venv), "system" (tgc build links the system CBLAS; the JIT uses numpy's) or "none" (generated loops, unless a library's caller passes a BLAS to NAME_init); backends/cpu/aot.py
-    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy"; passes/complex_gemm.py)
+    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy"; lower/complex_gemm.py)
     profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups

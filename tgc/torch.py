@@ -129,13 +129,13 @@ def _vjp_names(program: Program) -> dict[str, str]:
 
 def _build_vjp(program: Program) -> Program:
     """Compile sum over outputs of vjp(output, x, g_output), for every float argument x."""
-    from tgc import driver
+    from tgc import pipeline
     from tgc.ir import values as V
     from tgc.ir.module import Arg, Module, Output
     from tgc.runtime.program import build
 
     module, options = program._origin
-    forward = driver.forward_only(module)
+    forward = pipeline.forward_only(module)
     names = _vjp_names(program)
     m = Module(dict(module.dims), dict(module.edges), dict(module.args))
     cot = {}
@@ -149,4 +149,4 @@ def _build_vjp(program: Program) -> Program:
         terms = [V.vjp(o.value, x, cot[o.name]) for o in forward.outputs if o.value.dtype != "i32"]
         if terms:
             m.outputs.append(Output(f"d_{a.name}", terms[0] if len(terms) == 1 else V.add(terms), a.order))
-    return build(driver.lower(m, options).module, options)
+    return build(pipeline.lower(m, options).module, options)

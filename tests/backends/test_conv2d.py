@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate, random_inputs
-from tgc.ir.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
+from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -91,7 +91,7 @@ def _fixed(text: str, batch: int) -> str:
 
 def _lowered(text: str, dtype: str = "f32"):
     options = Options(dtype=dtype)
-    module = driver.lower(compile_source(text, "<test>", options), options).module
+    module = pipeline.lower(compile_source(text, "<test>", options), options).module
     return lower_module(module, options)
 
 
@@ -185,7 +185,7 @@ def test_convolution_matches_the_interpreter(which, blas):
     text = which.read_text()
     m = compile_source(text, str(which), Options(dtype="f64"))
     inputs = _conv_inputs(which, 3, "f64")
-    want = evaluate(driver.lower(m, Options(dtype="f64")).module, {k: v.copy() for k, v in inputs.items()},
+    want = evaluate(pipeline.lower(m, Options(dtype="f64")).module, {k: v.copy() for k, v in inputs.items()},
                     dtype="f64", dims={"batch": 3})
     for source in (text, _fixed(text, 3)):
         prog = tgc.compile(source, dtype="f64", options=Options(blas=blas))
@@ -290,7 +290,7 @@ def test_strided_convolution_matches_torch_and_the_interpreter():
     y = F.conv2d(tx, tK, stride=2, padding=1)
     dx, dK = torch.autograd.grad(y, (tx, tK), torch.tensor(dy))
     m = compile_source(STRIDED, "<test>", Options(dtype="f64"))
-    want = evaluate(driver.lower(m, Options(dtype="f64")).module, {"x": x, "dy": dy, "K": K}, dtype="f64",
+    want = evaluate(pipeline.lower(m, Options(dtype="f64")).module, {"x": x, "dy": dy, "K": K}, dtype="f64",
                     dims={"batch": 3})
     got = tgc.compile(STRIDED, dtype="f64")(x=x, dy=dy, K=K)
     for name, ref in (("y", y), ("dx", dx), ("dK", dK)):

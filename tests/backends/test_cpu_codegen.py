@@ -306,7 +306,7 @@ input B : f64[j, k]
 %0 = contract %A, %B : f64[i, j]
 out C = %0 : [j, i]
 """)
-    from tgc.ir.lowered import GemmKernel
+    from tgc.lower.lowered import GemmKernel
 
     assert [type(k) for k in prog.lowered.kernels] == [GemmKernel]
     assert_matches(prog, inputs_for(prog, {"i": 70}), "f64")
@@ -752,7 +752,7 @@ out dx2 = %5 : [b, t, c]
 
 
 def test_conv1d_forward_and_backward_as_gemms_on_shifted_views():
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     low = lower_module(parse_module(CONV_SHIFTED), Options(blas_min_flops=0))
     shifted = [k for k in low.kernels if getattr(k, "shifts", ())]

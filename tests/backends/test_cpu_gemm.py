@@ -186,17 +186,17 @@ def test_packs_b_names_the_helper_every_gemm_calls():
 
     import llvmlite.ir as ir
 
-    from tgc import driver
+    from tgc import pipeline
     from tgc.backends.cpu import gemm
     from tgc.backends.cpu.irutil import Frame
-    from tgc.ir.lowered import GemmKernel
-    from tgc.passes.plan import lower_module
+    from tgc.lower.lowered import GemmKernel
+    from tgc.lower.plan import lower_module
 
     root = Path(__file__).resolve().parents[2]
     seen = set()
     for path in sorted(glob.glob(str(root / "benchmarks" / "workloads" / "*.tg"))):
         opts = Options(dtype="f32")
-        low = lower_module(driver.lower(driver.load(path, opts), opts).module, opts)
+        low = lower_module(pipeline.lower(pipeline.load(path, opts), opts).module, opts)
         for i, k in enumerate(low.kernels):
             if isinstance(k, GemmKernel):
                 g = gemm.GemmGen(ir.Module(), low, k, f"k{i}", ir.FloatType(), opts)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
 
@@ -34,7 +34,7 @@ def compare(module, dtype, seed=0):
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
-    module = driver.lower(driver.load(str(path), options), options).module
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
     compare(module, dtype)
 
 
@@ -59,5 +59,5 @@ out t = jvp(f, x, u)
     options = Options(dtype="f64")
     from tgc.frontend import compile_source
 
-    module = driver.lower(compile_source(src, f"{fn}.tg", options), options).module
+    module = pipeline.lower(compile_source(src, f"{fn}.tg", options), options).module
     compare(module, "f64", seed=3)

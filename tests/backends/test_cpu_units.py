@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.backends.cpu import codegen, llvm_env
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "benchmarks" / "workloads" / "gpt.tg"
@@ -22,7 +22,7 @@ MLP = ROOT / "benchmarks" / "workloads" / "mlp.tg"   # two units as well, and qu
 
 def lowered(path, dtype="f64"):
     opts = Options(dtype=dtype)
-    module = driver.lower(driver.load(str(path), opts), opts).module
+    module = pipeline.lower(pipeline.load(str(path), opts), opts).module
     return module, lower_module(module, opts), opts
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tgc import driver
+from tgc import pipeline
 from tgc.backends.cuda import codegen
 from tgc.backends.cuda.runtime import lower
 from tgc.options import Options
@@ -34,7 +34,7 @@ def test_every_program_compiles_for_sm90_without_warnings(dtype, tmp_path):
     programs = PROGRAMS if dtype == "f32" else [p for p in PROGRAMS if p.name in F64_PROGRAMS]
     assert len(programs) >= len(F64_PROGRAMS)
     for i, path in enumerate(programs):
-        module = driver.lower(driver.load(str(path), options), options).module
+        module = pipeline.lower(pipeline.load(str(path), options), options).module
         cm = codegen.generate(lower(module, options), prefix=f"p{i}_")
         sources.append(f"// {path.name}\n{cm.source}")
         kernels += len(cm.kernel_names())
@@ -75,7 +75,7 @@ def test_modules_compile_with_nvrtc_as_cupy_would(dtype):
     options = Options(dtype=dtype)
     for name in ("examples/gpt.tg", "tests/programs/good/014_gather.tg", "tests/programs/good/016_functions.tg",
                  "tests/programs/good/039_conv2d_pool.tg"):
-        module = driver.lower(driver.load(str(ROOT / name), options), options).module
+        module = pipeline.lower(pipeline.load(str(ROOT / name), options), options).module
         source = codegen.generate(lower(module, options)).source
         prog = ctypes.c_void_p()
         assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"module.cu", 0, None, None) == 0

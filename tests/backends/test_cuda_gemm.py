@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tgc.backends.cuda import gemm
-from tgc.ir.lowered import GemmKernel, View
+from tgc.lower.lowered import GemmKernel, View
 
 
 def _strides(a: np.ndarray, axes: str) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.ir.interp import EvalError, evaluate, random_inputs
 from tgc.options import Options
 
@@ -38,7 +38,7 @@ def test_program_matches_interpreter_on_the_gpu(path, dtype):
     import cupy
 
     options = Options(dtype=dtype, cuda_row_min=16)   # the one-block-per-row reductions too
-    module = driver.lower(driver.load(str(path), options), options).module
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
     dims = {d: 40 for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), 0, dtype)
     want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)

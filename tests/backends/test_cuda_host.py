@@ -188,13 +188,13 @@ def test_attention_on_the_gpu_path_matches_interpreter(cupy):
     stand-in, and every kernel with the GPU's geometry."""
     from pathlib import Path
 
-    from tgc import driver
+    from tgc import pipeline
     from tgc.ir.interp import evaluate, random_inputs
     from tgc.options import Options
 
     options = Options(dtype="f64")
     path = Path(__file__).resolve().parents[2] / "examples/attention.tg"
-    module = driver.lower(driver.load(str(path), options), options).module
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
     dims = {d: 3 for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), 0, "f64")
     want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import runtime
 from tgc.ir.interp import EvalError
@@ -125,7 +125,7 @@ def test_prelude_functions_and_their_derivatives():
         lines += [f"f_{fn} = {call}", f"out f_{fn}", f"out g_{fn} = grad(sum(f_{fn} * f_{fn}), x)",
                   f"out t_{fn} = jvp(f_{fn}, x, u)"]
     options = Options(dtype="f64")
-    module = driver.lower(compile_source("\n".join(lines) + "\n", "prelude.tg", options), options).module
+    module = pipeline.lower(compile_source("\n".join(lines) + "\n", "prelude.tg", options), options).module
     compare(module, "f64", seed=3)
 
 
@@ -235,10 +235,10 @@ def test_unknown_backend_lists_the_backends():
 
 def test_unsupported_forms_are_a_clear_error():
     from tgc.backends.cuda import codegen
-    from tgc.ir.lowered import LoopGroup
-    from tgc.passes.plan import lower_module
+    from tgc.lower.lowered import LoopGroup
+    from tgc.lower.plan import lower_module
 
-    module = driver.lower(driver.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
+    module = pipeline.lower(pipeline.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
     low = lower_module(module, Options())          # the CPU's lowering: with loop groups
     assert any(isinstance(k, LoopGroup) for k in low.kernels)
     with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: loop groups"):

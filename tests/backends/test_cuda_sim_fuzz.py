@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.options import Options
 
@@ -38,7 +38,7 @@ def _no_disk_cache():
 
 def _check(text: str, dims: dict, name: str) -> None:
     options = Options(dtype="f64")
-    module = driver.lower(compile_source(text, name, options), options).module
+    module = pipeline.lower(compile_source(text, name, options), options).module
     compare(module, "f64", dims=dims)
 
 

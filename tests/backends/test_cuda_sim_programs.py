@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
 
@@ -41,7 +41,7 @@ def compare(module, dtype, seed=0, options=None, dims=None):
 @pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
-    module = driver.lower(driver.load(str(path), options), options).module
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
     prog = compare(module, dtype)
     assert prog.gemm_counts["views"] == 0    # every GEMM cell ran as strided batched calls
 
@@ -57,6 +57,6 @@ def test_one_block_per_row_reductions_match_interpreter(path, dtype):
     """With `cuda_row_min=1` every reduction that has the form runs one block per output
     (an OpenMP team under the emulator: shuffles, shared memory, barriers)."""
     options = Options(dtype=dtype, cuda_row_min=1)
-    module = driver.lower(driver.load(str(ROOT / path), options), options).module
+    module = pipeline.lower(pipeline.load(str(ROOT / path), options), options).module
     prog = compare(module, dtype, options=options)
     assert any(x.row for x in prog._cm.launches)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.options import Options
@@ -76,7 +76,7 @@ def test_any_subset_of_dims_fixed(name, subset):
     source, m = _module(name)
     sizes = {d: SIZE for d in m.symbolic_dims()}
     inputs = random_inputs(m, m.bind_dims(sizes), 0, "f64")
-    want = evaluate(driver.lower(m, Options(dtype="f64")).module, inputs, dtype="f64", dims=sizes)
+    want = evaluate(pipeline.lower(m, Options(dtype="f64")).module, inputs, dtype="f64", dims=sizes)
     prog = tgc.compile(source, dtype="f64", dims={d: SIZE for d in subset})
     got = prog.run({k: v.copy() for k, v in inputs.items()}, {d: SIZE for d in sizes if d not in subset} or None)
     for k in want:
@@ -96,10 +96,10 @@ def test_a_derived_dim_may_be_named_with_its_size_and_only_that():
 def test_a_gemm_operand_repeated_along_an_edge_is_not_given_to_blas():
     """dy summed over t and repeated along head was a GEMM operand whose buffer lacks
     `head`: layout failed with `tuple.index(x): x not in tuple` (unless b was fixed)."""
-    from tgc.ir.lowered import GemmKernel
-    from tgc.passes.plan import lower_module
+    from tgc.lower.lowered import GemmKernel
+    from tgc.lower.plan import lower_module
 
-    m = driver.lower(compile_source(HEAD_MERGE, "<t>", Options()), Options()).module
+    m = pipeline.lower(compile_source(HEAD_MERGE, "<t>", Options()), Options()).module
     low = lower_module(m, Options())
     for k in low.kernels:
         if isinstance(k, GemmKernel):

@@ -12,7 +12,7 @@ import pytest
 
 import tgc
 from tgc.ir.interp import evaluate, random_inputs
-from tgc.ir.lowered import LoopGroup, LoopKernel
+from tgc.lower.lowered import LoopGroup, LoopKernel
 from tgc.options import Options
 
 LAYERNORM = """
@@ -123,7 +123,7 @@ def test_a_reader_of_a_sum_over_rows_waits_for_it():
     prog = build(SUM_THEN_SCALE, "f64")
     kernels = prog.lowered.kernels
     (zi,) = [i for i, k in enumerate(kernels) if isinstance(k, LoopKernel) and k.out == "z"]
-    from tgc.ir.lowered import Load, walk
+    from tgc.lower.lowered import Load, walk
 
     summed = next(n.buf for n in walk(kernels[zi].body) if isinstance(n, Load) and n.buf != "x")  # z = x * s
     (si,) = [i for i, k in enumerate(kernels) if isinstance(k, LoopKernel) and k.out == summed]
@@ -194,7 +194,7 @@ def test_a_bounded_sum_is_not_split_and_keeps_its_bounds():
 def test_a_softmax_takes_one_exp_per_element():
     """logsumexp then exp(x - lse) become max, e = exp(x - max) in a scratch row, its
     sum, and e * (1/sum): no logsumexp is left and exactly one exp is."""
-    from tgc.ir.lowered import Map, walk
+    from tgc.lower.lowered import Map, walk
 
     prog = build(SOFTMAX, "f32")
     (g,) = groups(prog)
@@ -322,7 +322,7 @@ def test_a_logsumexp_read_besides_its_softmax_is_still_written_with_one_exp_per_
     never written (its buffer was dropped for the softmax form). Now it is written as
     max + log(sum), from the one exp per element, with the logsumexp's own values on
     rows with +inf, NaN, -inf and all -inf."""
-    from tgc.ir.lowered import Map, walk
+    from tgc.lower.lowered import Map, walk
 
     prog = build(LSE_KEPT[case], dtype, threads=2, parallel_min_work=1)
     exps = [n for g in groups(prog) for m in g.members for n in walk(m.body)
@@ -347,7 +347,7 @@ def test_the_rows_loop_of_a_group_vectorized_over_rows_asks_for_masked_last_rows
     loop with every exp and log of the rows inlined once more: the MLP's cross-entropy
     group took 74 -> 30 ms to compile); a group over long rows does not."""
     from tgc.backends.cpu import codegen
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     def text(source):
         prog = build(source, "f64")

@@ -1,4 +1,4 @@
-"""The numpy interpreter of the lowered program (`tgc.ir.lowered_interp`).
+"""The numpy interpreter of the lowered program (`tgc.lower.interp`).
 
 Every example and benchmark workload, lowered to each stage (fuse, layout, group,
 plan), runs to the IR interpreter's values; the interpreter flags what no correct
@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tgc import driver
+from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import EvalError, evaluate, random_inputs
-from tgc.ir.lowered import Load, LoopKernel
-from tgc.ir.lowered_interp import LoweredError, run_lowered
+from tgc.lower.lowered import Load, LoopKernel
+from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
@@ -29,7 +29,7 @@ STAGES = ("fuse", "layout", "group", "plan")
 
 def optimized(source: str, name: str, dtype: str):
     opts = Options(dtype=dtype)
-    return driver.lower(compile_source(source, name, opts), opts).module, opts
+    return pipeline.lower(compile_source(source, name, opts), opts).module, opts
 
 
 def compare(got: dict, want: dict, dtype: str) -> None:
@@ -135,19 +135,19 @@ def test_the_interpreter_depends_on_no_backend():
     """It reads the lowered program, the elementwise functions' numpy definitions, the
     random draws' definition (tgc.ir.philox) and the views of complex arrays as float
     pairs at the call's boundary (tgc.ir.complex_io) only."""
-    import tgc.ir.lowered_interp as li
+    import tgc.lower.interp as li
 
     tree = ast.parse(Path(li.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "typing", "numpy", "tgc.ir.interp", "tgc.ir.lowered", "tgc.ir.sizes",
+    assert imported <= {"__future__", "typing", "numpy", "tgc.ir.interp", "tgc.lower.lowered", "tgc.ir.sizes",
                         "tgc.ir.philox", "tgc.ir.complex_io"}, imported
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtype, monkeypatch):
-    from tgc.passes.manager import PassError
-    from tgc.passes.plan import Plan
+    from tgc.manager import PassError
+    from tgc.lower.plan import Plan
 
     path = ROOT / "examples" / "mlp.tg"
     m, opts = optimized(path.read_text(), str(path), dtype)

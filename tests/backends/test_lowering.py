@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 
-from tgc.ir.lowered import GemmKernel, LoopKernel, print_lowered
+from tgc.lower.lowered import GemmKernel, LoopKernel, print_lowered
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.passes.plan import lower_module
+from tgc.lower.plan import lower_module
 
 
 def lower(text: str, stop_after: str = "plan", **opts):
@@ -183,7 +183,7 @@ def test_adam_moments_and_parameter_are_written_in_place_by_their_group():
 
     import tgc
     from tgc.ir.interp import evaluate, random_inputs
-    from tgc.ir.lowered import LoopGroup
+    from tgc.lower.lowered import LoopGroup
 
     prog = tgc.compile(ADAM_MLP, dtype="f64")
     group = next(k for k in prog.lowered.kernels if isinstance(k, LoopGroup) and

@@ -4,11 +4,11 @@ The oracle is `tests/torch_oracle.py` on the *elaborated* module (before any pas
 float64 torch tensors, every `grad`/`jvp`/`vjp` by torch.autograd, so it shares
 neither tgc's optimization passes nor its derivative rules. The systems under test:
 
-- `interp-f64`: `tgc.driver.lower` (the whole default pipeline) in float64, then the
+- `interp-f64`: `tgc.pipeline.lower` (the whole default pipeline) in float64, then the
   numpy reference interpreter;
 - `cpu-f64`: `tgc.compile(text, backend="cpu", dtype="f64")`, native code;
 - `lowered-f64`: the CPU backend's lowered program (after `plan`), run kernel by kernel
-  by the numpy lowered-program interpreter (`tgc.ir.lowered_interp`): the lowering
+  by the numpy lowered-program interpreter (`tgc.lower.interp`): the lowering
   stages checked apart from code generation;
 - `interp-f32`, `cpu-f32`, `lowered-f32`: the same in float32, against the float64 oracle with a
   looser bound (reported separately: float32 rounding can flip a comparison, a sign
@@ -105,21 +105,21 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
     np_t = np.float64 if dtype == "f64" else np.float32
     ins = {k: (v.astype(np_t) if v.dtype.kind == "f" else v.copy()) for k, v in inputs.items()}
     if kind == "interp":
-        from tgc import driver
+        from tgc import pipeline
         from tgc.frontend import compile_source
         from tgc.ir.interp import evaluate
 
         m = compile_source(text, "<fuzz>", Options(dtype=dtype))
-        low = driver.lower(m, Options(dtype=dtype)).module
+        low = pipeline.lower(m, Options(dtype=dtype)).module
         return evaluate(low, ins, dtype=dtype, dims=dims)
     if kind == "lowered":   # the CPU's lowered program, run by the numpy lowered-program interpreter
-        from tgc import driver
+        from tgc import pipeline
         from tgc.frontend import compile_source
-        from tgc.ir.lowered_interp import run_lowered
-        from tgc.passes.plan import lower_module
+        from tgc.lower.interp import run_lowered
+        from tgc.lower.plan import lower_module
 
         opts = Options(dtype=dtype)
-        low = lower_module(driver.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)
+        low = lower_module(pipeline.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)
         return run_lowered(low, ins, dims)
     if kind == "cpu":
         import tgc

@@ -49,7 +49,7 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     args = [el.fexpr(a, ctx) for a in node.args]
     if node.fn == "stop":
         return V.stop(args[0], loc=node.loc)
-    if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/passes/remat.py)
+    if node.fn == "checkpoint":   # x, recomputed by the backward pass (tgc/autodiff/remat.py)
         return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in FLOATS:   # f32/f64 name the program's float type, as declarations do
         el.real_only(f"'{node.fn}'", node, ctx, args[0])

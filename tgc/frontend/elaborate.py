@@ -336,7 +336,7 @@ class ProgramBuilder:
             if key != u.target and key in names:
                 raise CompileError(f"output '{key}' takes the name under which the update of '{u.target}' is "
                                    f"returned (output '{u.target}' holds its value before the step)", names[key].loc)
-        from tgc.passes.lowp import explicit_rounding, has_low
+        from tgc.ir.lowp import explicit_rounding, has_low
 
         if has_low(self.m):   # bf16/f16 ops: computed in the float type, then converted (rounded)
             self.m = explicit_rounding(self.m)

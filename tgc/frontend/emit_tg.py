@@ -115,7 +115,7 @@ class _Writer:
             return f"where({ops[0]} != 0, {ops[0]} * {ops[1]}, 0)"
         if fn == "mul00":
             return f"where({ops[0]} != 0, where({ops[1]} != 0, {ops[0]} * {ops[1]}, 0), 0)"
-        if fn == "recompute":   # a backward recomputation's marker (passes/remat.py): its operand
+        if fn == "recompute":   # a backward recomputation's marker (autodiff/remat.py): its operand
             return ops[0]
         if fn in CONVERSIONS:   # to_bf16(x) is spelled bf16(x)
             return f"{CONVERSIONS[fn]}({ops[0]})"

@@ -235,7 +235,7 @@ class Elaborator:
         """`[node = ids]` (or `[ids = node]`) with `ids` an i32 tensor: 1 where node ==
         ids[...], over `node` and the edges of ids. It is the scatter of ones along
         `node` that keeps every edge of ids; the passes turn its contractions into
-        gathers and scatters (`tgc.passes.scatter`). None for any other indicator."""
+        gathers and scatters (`tgc.opt.scatter`). None for any other indicator."""
         if len(node.terms) != 2 or tuple(node.ops) != ("=",):
             return None
         names = [self._bare_name(t, ctx) for t in node.terms]

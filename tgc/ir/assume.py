@@ -8,7 +8,7 @@ by the rounding of the side it replaced, e.g. of `sum[v](y)` from 1).
 
 - `arg_bounds(module)`: for each argument, the sign and upper bound that its facts
   give (`x > 0`, `y >= 0`, `p <= 1`, and the mirrored `0 < x`): the input to
-  `tgc.passes.facts.Facts`.
+  `tgc.opt.facts.Facts`.
 - `equalities(module)`: the facts `side = constant` (and `constant = side`), whose
   side simplify may replace by the constant (`sum[v](y) = 1`).
 - `satisfy(module, inputs, env)`: seeded random inputs moved onto the facts that name

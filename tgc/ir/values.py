@@ -76,8 +76,8 @@ MAP_ARITY = {
     "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
     "where": 3,
     "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
-    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; passes/remat.py)
-    "recompute": 1,  # x, read by a backward recomputation (passes/remat.py): keeps the copy apart
+    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; autodiff/remat.py)
+    "recompute": 1,  # x, read by a backward recomputation (autodiff/remat.py): keeps the copy apart
     **{fn: 1 for fn in CONVERSIONS},  # to_bf16 .. to_f64: x converted to that type (the result's type)
     **{fn: 1 for fn in ROUNDINGS},    # round_bf16, round_f16: x rounded to bf16/f16, kept in x's type
 }
@@ -190,7 +190,7 @@ def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
     """The type of an op on `values`: their promoted type (tgc.ir.dtypes.promote);
     for a bf16/f16 one, its compute type (f32) unless the op is `exact` (its result
     is one of its operands' values or 0/1). The front end rounds a bf16/f16
-    expression's result explicitly (`to_bf16`, tgc.passes.lowp.explicit_rounding), so
+    expression's result explicitly (`to_bf16`, tgc.ir.lowp.explicit_rounding), so
     the optimizer never adds a rounding: the values it creates are f32."""
     t = _promoted(values)
     return t if exact or t not in LOW_FLOATS else TYPES[t].compute

@@ -265,7 +265,7 @@ def file_hashes(paths) -> list[tuple[str, str]] | None:
 
 def lowered_digest(lowered) -> str:
     """The hash of a lowered program's text, which a first-level hit must reproduce."""
-    from tgc.ir.lowered import print_lowered
+    from tgc.lower.lowered import print_lowered
 
     return hashlib.sha256(print_lowered(lowered).encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -50,7 +50,7 @@ import numpy as np
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
 from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
 from tgc.ir.interp import EvalError, check_ids_fit
-from tgc.ir.lowered import Lowered
+from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval, size_eval_checked, size_str
 from tgc.options import Options
@@ -152,12 +152,12 @@ def build(module: Module, options: Options) -> "Program":
 def build_with_object(module: Module, options: Options) -> tuple["Program", tuple[bytes, ...]]:
     """The program and its object files (which `from_object` loads again).
 
-    An f32 program under --fp-strict runs as its f64 emulation (`tgc.passes.emulate`):
+    An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
     it takes f32 arrays (updates are written back into them) and returns f32 outputs."""
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     if options.fp_strict and options.dtype == "f32":
-        from tgc.passes.emulate import emulate_f32
+        from tgc.ir.emulate import emulate_f32
 
         program, objs = build_with_object(emulate_f32(module), options.with_(dtype="f64"))
         program.out_dtype = np.dtype(np.float32)
@@ -279,7 +279,7 @@ class Program:
         # arrays for the fast path, as `_convert` does for the checked one
         self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
                                  if not s.shape and not s.updated and s.dtype != "i32")
-        # bf16/f16 arguments and outputs (tgc.passes.lowp): the compiled code holds them
+        # bf16/f16 arguments and outputs (tgc.ir.lowp): the compiled code holds them
         # in the program's float type; calls convert them on the way in and out
         self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
         self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
@@ -343,7 +343,7 @@ class Program:
     def plan(self) -> str:
         """The lowered program as text: buffers, workspace slots and kernels (what
         `tgc dump-ir --after plan` prints)."""
-        from tgc.ir.lowered import print_lowered
+        from tgc.lower.lowered import print_lowered
 
         return print_lowered(self.lowered)
 
@@ -367,10 +367,10 @@ class Program:
             return self
         with self._forward_lock:
             if self._forward is None:
-                from tgc import driver
+                from tgc import pipeline
 
                 module, options = self._origin
-                pruned = driver.lower(driver.forward_only(module), options).module
+                pruned = pipeline.lower(pipeline.forward_only(module), options).module
                 self._forward = self._rebuild(pruned, options)
             return self._forward
 

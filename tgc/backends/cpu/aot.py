@@ -21,7 +21,7 @@ helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
 - "numpy": numpy's bundled OpenBLAS (ILP64 `scipy_cblas_[sd]gemm64_`, found at build
   time), with a RUNPATH into that Python environment: the library loads only while
   that environment exists. The generated code then assumes a BLAS in the table.
-  Only this build computes a complex product with cgemm/zgemm (`passes/complex_gemm.py`):
+  Only this build computes a complex product with cgemm/zgemm (`lower/complex_gemm.py`):
   the table's two complex entries are numpy's, whatever BLAS the caller passes
   (`PREFIX_init_blas` takes real GEMMs only); the other builds compute it as four real
   products.
@@ -56,7 +56,7 @@ class BuildError(RuntimeError):
 def llvm_text(module: Module, options: Options, prefix: str) -> str:
     """Unoptimized LLVM IR of the whole program, exports named `PREFIX_*`."""
     from tgc.backends.cpu import codegen
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     text = codegen.generate(lower_module(module, options), options)
     for name in EXPORTS:

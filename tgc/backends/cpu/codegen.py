@@ -51,7 +51,7 @@ from tgc.backends.cpu import fntable, sizecheck
 from tgc.backends.cpu.gemm import GemmGen, loops_kernel, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
-from tgc.ir.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
+from tgc.lower.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
 

@@ -12,7 +12,7 @@ integer or +-0.5 constant exponent is multiplications/sqrt; otherwise
 `exp(y * log|x|)`, signed for negative x with an integer y, NaN for negative x with
 a fractional y, and 1 for y == 0 (numpy's `power` on floats). `round32(x)` rounds
 an f64 to the nearest f32 and back; `round_bf16(x)`/`round_f16(x)` round x (through
-f32) to the nearest bfloat16/half and back (bf16/f16 values, `tgc.passes.lowp`).
+f32) to the nearest bfloat16/half and back (bf16/f16 values, `tgc.ir.lowp`).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | N
         return b.select(b.fcmp_unordered("!=", c, zero), x, y)
     if fn == "pow":
         return emit_pow(b, args[0], args[1], fp, const_exponent)
-    if fn in ("checkpoint", "recompute"):   # identities (passes/remat.py)
+    if fn in ("checkpoint", "recompute"):   # identities (autodiff/remat.py)
         return args[0]
     if fn == "round32":   # to the nearest f32 and back (--fp-strict's f32 emulation)
         return b.fpext(b.fptrunc(args[0], ir.FloatType()), fp)

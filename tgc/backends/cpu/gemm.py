@@ -67,7 +67,7 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
-from tgc.ir.lowered import GemmKernel, Lowered, matrix_form
+from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
 
 # Capacity (elements) of the stack buffer a small tile's B' is packed into when its

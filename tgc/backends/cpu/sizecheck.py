@@ -22,7 +22,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu.irutil import optimize_not
-from tgc.ir.lowered import Lowered
+from tgc.lower.lowered import Lowered
 from tgc.ir.sizes import MAX_SIZE, Size, SizeOp
 
 ERR_SIZE, ERR_NULL = -3, -4

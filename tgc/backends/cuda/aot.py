@@ -30,7 +30,7 @@ from tgc import __version__
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import codegen
 from tgc.backends.cuda.runtime import WS_ALIGN, lower
-from tgc.ir.lowered import Lowered
+from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_str
 from tgc.options import Options
@@ -41,7 +41,7 @@ EMITS = ("cu", "ptx", "cubin")
 def build(module: Module, options: Options, emit: str, arch: str = "sm_90") -> tuple[bytes, bytes]:
     """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR pipeline."""
     if options.fp_strict and options.dtype == "f32":
-        from tgc.passes.emulate import emulate_f32
+        from tgc.ir.emulate import emulate_f32
 
         module, options = emulate_f32(module), options.with_(dtype="f64")
     low = lower(module, options)

@@ -6,7 +6,7 @@ per loop kernel, and a launch list the host side runs in order.
 `CudaModule`: the CUDA C text (the device header `tgc_ops.cuh` inlined, so it is one
 self-contained source for nvcc, NVRTC and the cuda-sim emulator) and its `Launch`es.
 
-What each kernel kind becomes (the meaning is `tgc.ir.lowered_interp`'s):
+What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
 
 - a `LoopKernel` is a grid-stride loop over the points of its kept (not reduced)
   loops, the innermost fastest, so neighbouring threads write neighbouring elements
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
-from tgc.ir.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
+from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
 from tgc.ir.sizes import Size, SizeOp
 

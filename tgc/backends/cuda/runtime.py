@@ -72,7 +72,7 @@ def build(module: Module, options: Options, backend: str) -> "CudaProgram":
         raise ValueError(f"backend '{backend}' is not a CUDA backend")
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
     if options.fp_strict and options.dtype == "f32":
-        from tgc.passes.emulate import emulate_f32
+        from tgc.ir.emulate import emulate_f32
 
         program = build(emulate_f32(module), options.with_(dtype="f64"), backend)
         program.out_dtype = np.dtype(np.float32)
@@ -88,7 +88,7 @@ def build(module: Module, options: Options, backend: str) -> "CudaProgram":
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backend compiles: fuse, layout and plan, without
     the CPU's loop groups (`group_blocks=0`)."""
-    from tgc.passes.plan import lower_module
+    from tgc.lower.plan import lower_module
 
     return lower_module(module, options.with_(group_blocks=0, complex_gemm=False))
 

@@ -1,0 +1,77 @@
+"""tangent: forward mode. Resolves every `jvp(f, x, dx)` into f's tangent program.
+
+Rewrites: `jvp(f, x, dx)` becomes the tangent of `f` along `dx`, built forward in
+topological order over the active values only (those of f's graph that depend on
+`x`) whose tangent `f`'s reads, each tangent given by the value's rule in
+`tgc.autodiff.rules` (a custom call's tangent by its own jvp rule: its body is
+not differentiated). Extra
+edges of `dx` (a batch of tangents) are renamed to fresh edges while the rules run,
+so they never meet an edge of an intermediate value, and renamed back at the end.
+
+Nesting: both this pass and `adjoint` run the one driver, `adjoint.resolve`, which
+resolves the nodes of its kinds and every derivative node beneath them, innermost
+first; so a jvp of a grad works here, and a grad of a jvp in `adjoint`.
+
+Terminates: one visit per value of f's finite graph per jvp node, and the driver
+visits each node of the finite module once; the rules build no derivative nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tgc.ir import values as V
+from tgc.ir.module import Module
+from tgc.ir.values import Value, topo_order
+from tgc.options import Options
+from tgc.ir.passes import Pass
+from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for
+
+
+def forward(f: Value, x: Value, dx: Value) -> Value | None:
+    """The tangent of `f` when `x` moves along `dx` (None: exactly zero)."""
+    act = active_values(f, x)
+    batch = set(dx.edges) - set(x.edges)
+    tangents = {id(x): dx}
+    order = topo_order([f])
+    needed = _needed(f, order)
+    for v in order:
+        if id(v) not in act or id(v) not in needed or id(v) in tangents:
+            continue
+        rule = rule_for(v)
+        ts = [tangents.get(id(o)) if i in rule.positions(v) else None for i, o in enumerate(v.operands)]
+        t = rule.jvp(v, ts) if any(t is not None for t in ts) else None
+        if t is not None:
+            tangents[id(v)] = fit(t, set(v.edges) | batch)
+    return tangents.get(id(f))
+
+
+def _needed(f: Value, order: list[Value]) -> set[int]:
+    """ids of the values whose tangent f's tangent reads: f, and the operands at the
+    derivative positions of needed values. A custom call's body and rules are not
+    needed (its tangent comes from its jvp rule), nor is anything only they use."""
+    needed = {id(f)}
+    for v in reversed(order):
+        if id(v) in needed:
+            needed.update(id(v.operands[i]) for i in rule_for(v).positions(v))
+    return needed
+
+
+def jvp_value(module: Module, f: Value, x: Value, dx: Value) -> Value:
+    """The value of `jvp(f, x, dx)`; registers fresh batch edges in `module`."""
+    fresh = fresh_edges(module, set(dx.edges) - set(x.edges))
+    t = forward(f, x, V.rename(dx, fresh))
+    if t is None:
+        t = V.const(0.0, f.dtype, set(f.edges) | set(fresh.values()))
+    return V.convert(V.rename(t, inverse(fresh)), f.dtype)   # a tangent has its function's type
+
+
+@dataclass(frozen=True)
+class Tangent(Pass):
+    """Forward mode: jvp -> tangent programs (and any derivative beneath them)."""
+
+    name = "tangent"
+
+    def run(self, module: Module, options: Options) -> Module:
+        from tgc.autodiff.reverse import resolve  # the shared driver (it imports this module)
+
+        return resolve(module, ("jvp",))

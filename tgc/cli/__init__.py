@@ -1,0 +1,5 @@
+"""The `tgc` command line (`tgc.cli.app`): thin click commands over the library,
+one module per command family, with one error boundary (`tgc.cli.errors`)."""
+from tgc.cli.app import main
+
+__all__ = ["main"]

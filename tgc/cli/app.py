@@ -1,0 +1,314 @@
+"""The `tgc` command line: thin click commands over the library.
+
+Exit status: 0 success, 1 errors in the user's program, 2 usage errors,
+3 runtime errors in `tgc run`, 4 internal compiler errors.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import click
+
+import tgc
+from tgc import pipeline
+from tgc.fsutil import write_atomic
+from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
+from tgc.cli.flags import AUTOCAST, FP_STRICT
+from tgc.ir.diag import CompileError
+from tgc.ir.printer import print_module
+from tgc.options import Options
+
+def _emit_to_stderr(banner: str, text: str) -> None:
+    click.echo(f"// ----- {banner} -----", err=True)
+    click.echo(text, err=True, nl=False)
+
+
+def _pass_list(ctx, param, value):
+    if value is None:
+        return None
+    from tgc.manager import parse_pass_list
+
+    try:
+        return parse_pass_list(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _pass_names(ctx, param, value):
+    from tgc.lower.plan import LOWERING
+    from tgc.registry import PASSES
+
+    known = ("elaborate",) + tuple(PASSES) + LOWERING
+    names = set()
+    for item in value or ():
+        for n in item.split(","):
+            n = n.strip()
+            if n and n not in known:
+                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})")
+            if n:
+                names.add(n)
+    return frozenset(names)
+
+
+def pipeline_options(fn):
+    """The flags every command that runs passes shares; they become one Options."""
+    decorators = [
+        click.option("-p", "--passes", callback=_pass_list, metavar="LIST",
+                     help="Comma-separated passes to run instead of the default pipeline."),
+        click.option("--dtype", type=click.Choice(["f32", "f64"]),
+                     help="The program's float type (default: f32, or a .tgir file's own)."),
+        click.option("--print-ir-before", "print_before", multiple=True, callback=_pass_names,
+                     metavar="PASS", help="Print the IR to stderr before PASS."),
+        click.option("--print-ir-after", "print_after", multiple=True, callback=_pass_names,
+                     metavar="PASS", help="Print the IR to stderr after PASS."),
+        click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
+        click.option("--verify-each", is_flag=True,
+                     help="Check after every pass that the program's values did not change (float64), "
+                          "and after every lowering stage (fuse, layout, group, plan) by running the "
+                          "lowered program with the numpy lowered-program interpreter."),
+        click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
+        FP_STRICT,
+        AUTOCAST,
+        click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+                     help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
+        click.option("--stats", is_flag=True,
+                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to stderr."),
+    ]
+    for d in reversed(decorators):
+        fn = d(fn)
+    return fn
+
+
+def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=frozenset(),
+                 print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, import_dirs=(),
+                 fp_strict=False, autocast=None, **extra) -> Options:
+    return Options(dtype=dtype or "f32", passes=passes, import_dirs=tuple(import_dirs), fp_strict=fp_strict,
+                   autocast=autocast,
+                   print_ir_before=print_before,
+                   print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
+                   verify_each=verify_each, time_passes=time_passes, stats=stats, **extra)
+
+
+def render_module(module, fmt: str, locs: bool) -> str:
+    from tgc.ir.export import to_dot, to_json
+
+    return {"text": lambda: print_module(module, locs), "dot": lambda: to_dot(module),
+            "json": lambda: to_json(module)}[fmt]()
+
+
+def lower(module, options: Options, emit):
+    """Run the pipeline; with --time-passes, print the table to stderr."""
+    result = pipeline.lower(module, options, emit)
+    if options.time_passes:
+        click.echo(format_pass_times(result.stats), err=True, nl=False)
+    if options.stats:
+        from tgc.opt.stats import format_table
+
+        rows = [("input", result.initial)] + [(s.name, s.cost) for s in result.stats]
+        click.echo(format_table(rows), err=True, nl=False)
+    return result
+
+
+def format_pass_times(stats) -> str:
+    total = sum(s.seconds for s in stats) or 1e-12
+    lines = ["===-------------------------------------------------------===",
+             "                    tgc pass execution timing",
+             "===-------------------------------------------------------===",
+             f"  {'time (ms)':>10} {'%':>6}  {'ops before':>10} {'ops after':>10}  pass"]
+    for s in stats:
+        lines.append(f"  {s.seconds * 1e3:10.3f} {100 * s.seconds / total:5.1f}%  {s.ops_before:10d} {s.ops_after:10d}  {s.name}")
+    lines.append(f"  {total * 1e3:10.3f} 100.0%  {'':10} {'':10}  total")
+    return "\n".join(lines) + "\n"
+
+
+def write_output(path: str | None, text: str) -> None:
+    if path in (None, "-"):
+        click.echo(text, nl=False)
+    else:
+        write_atomic(path, text)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(tgc.__version__, prog_name="tgc")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors (also TGC_DEBUG=1).")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Colour diagnostics (auto: on a terminal, unless NO_COLOR is set).")
+def main(debug: bool, color: str) -> None:
+    """tgc: compile tensor programs over named edges.
+
+    \b
+    Examples:
+      tgc check examples/mlp.tg
+      tgc dump-ir examples/mlp.tg --after elaborate
+      tgc run examples/mlp.tg --random-inputs
+    """
+    import warnings
+
+    from tgc.runtime.cache import CacheWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, *args, **kwargs):   # tgc's own warnings as one plain line
+        if issubclass(category, CacheWarning):
+            click.echo(f"warning: {message}", err=True)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=SOURCE)
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("-Werror", "werror", is_flag=True, help="Treat warnings as errors.")
+@click.option("-w", "no_warnings", is_flag=True, help="Print no warnings.")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@handle_errors
+def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, import_dirs=()) -> None:
+    """Parse and check FILES; print nothing when they are correct.
+
+    Warnings (unused inputs and bindings) go to stderr; with -Werror they fail the check.
+
+    \b
+    Example:
+      tgc check examples/mlp.tg examples/gpt.tg
+    """
+    from tgc.frontend.parser import gc_paused
+
+    failed = False
+    with gc_paused():   # each program is freed once its warnings are out: the collector would find nothing
+        for path in files:
+            try:
+                warnings = pipeline.load_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
+            except CompileError as e:
+                report(e.diagnostics())
+                failed = True
+                continue
+            if not no_warnings or werror:
+                report([replace(w, severity="error") if werror else w for w in warnings])
+            failed = failed or (werror and bool(warnings))
+    if failed:
+        sys.exit(EXIT_USER)
+
+
+@main.command("dump-ir")
+@click.argument("file", type=SOURCE)
+@click.option("--after", "after", metavar="PASS",
+              help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
+                   "or a lowering stage (fuse, layout, group, plan).")
+@click.option("--after-all", is_flag=True,
+              help="Print the IR after the front end, after every pass and after every lowering stage.")
+@click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
+              help="text: the IR (readable back by `tgc opt`); dot: Graphviz of the tensor network; json: for tools.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@pipeline_options
+@handle_errors
+def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
+    """Print FILE's IR after the pipeline (or after one pass).
+
+    \b
+    Examples:
+      tgc dump-ir examples/mlp.tg --after elaborate
+      tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
+      tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
+    """
+    options = make_options(**opts, locs=locs)
+    names, stage = _stages_until(after, options)
+    if fmt != "text" and (after_all or stage is not None):
+        why = "--after-all" if after_all else f"--after {stage} (a lowering stage)"
+        raise click.BadParameter(f"--format {fmt} prints one module of IR, not with {why}", param_hint="--format")
+    module = pipeline.load(file, options)
+    chunks: list[str] = []
+
+    def collect(banner: str, text: str) -> None:
+        chunks.append(f"// ----- {banner} -----\n{text}")
+
+    if after_all:
+        collect("IR after elaborate", print_module(module, locs))
+    options = options.with_(passes=names, print_ir_after_all=after_all or options.print_ir_after_all)
+    result = lower(module, options, collect if after_all else _emit_to_stderr)
+    if stage is not None or (after_all and after is None):
+        from tgc.lower.lowered import print_lowered
+        from tgc.lower.plan import lower_module
+
+        low = lower_module(result.module, options, collect if after_all else _emit_to_stderr, stage or "plan")
+        text = print_lowered(low)
+    else:
+        text = render_module(result.module, fmt, locs)
+    write_output(output, "".join(chunks) if after_all else text)
+
+
+def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
+    """The IR passes to run for `--after`, and the lowering stage to stop at (or None)."""
+    from tgc.lower.plan import LOWERING
+    from tgc.registry import PASSES, pipeline as pass_names
+
+    names = pass_names(options)
+    if after is None:
+        return tuple(names), None
+    if after == "elaborate":
+        return (), None
+    if after in LOWERING:
+        return tuple(names), after
+    known = ", ".join(("elaborate",) + tuple(PASSES) + LOWERING)
+    if after not in PASSES:
+        raise click.BadParameter(f"unknown pass '{after}' (known: {known})", param_hint="--after")
+    if after not in names:
+        raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(names)})", param_hint="--after")
+    return tuple(names[: names.index(after) + 1]), None
+
+
+@main.command()
+@click.argument("file", type=SOURCE)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
+@pipeline_options
+@handle_errors
+def opt(file, output, locs, **opts) -> None:
+    """Read IR (a .tgir file, or - for stdin), run passes, print IR.
+
+    Without -p it runs the default pipeline (`tgc passes` lists it); with an
+    empty pass list (-p '') it only parses, verifies and reprints.
+
+    \b
+    Example:
+      tgc opt mlp.tgir -p adjoint,simplify -o mlp.opt.tgir
+    """
+    from tgc.ir.parser import parse_module
+
+    text = pipeline.read_text(file)
+    options = make_options(**{**opts, "dtype": pipeline.float_type(file, opts.get("dtype"), text)}, locs=locs)
+    module = parse_module(text, "<stdin>" if file == "-" else file)
+    result = lower(module, options, _emit_to_stderr)
+    write_output(output, print_module(result.module, locs))
+
+
+@main.command()
+def passes() -> None:
+    """List every pass with its one-line description, the default pipeline, and the
+    lowering stages that follow it for the CPU backend."""
+    from tgc.lower.plan import LOWERING
+    from tgc.registry import DEFAULT_PIPELINE, PASSES
+
+    width = max(len(n) for n in PASSES)
+    for name, cls in PASSES.items():
+        click.echo(f"{name:<{width}}  {cls.summary()}")
+    click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
+    click.echo(f"lowering (then, for a backend; dump-ir --after STAGE): {','.join(LOWERING)}")
+
+
+from tgc.cli.build import build  # noqa: E402
+from tgc.cli.grad import grad  # noqa: E402
+from tgc.cli.explain import explain  # noqa: E402
+from tgc.cli.info import info  # noqa: E402
+from tgc.cli.run import run  # noqa: E402
+
+main.add_command(run)
+main.add_command(grad)
+main.add_command(build)
+main.add_command(info)
+main.add_command(explain)
+

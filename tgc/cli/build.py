@@ -1,0 +1,171 @@
+"""`tgc build`: native artifacts for Makefile-driven builds (gcc-style flags)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from tgc import pipeline
+from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.flags import AUTOCAST, FP_STRICT
+from tgc.fsutil import write_all_atomic
+from tgc.ir.sizes import MAX_SIZE
+from tgc.options import Options
+
+EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h", "cu", "ptx", "cubin"]
+SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
+          "cubin": ".cubin"}
+CUDA_EMITS = ("cu", "ptx", "cubin")
+
+
+def _defines(ctx, param, value):
+    out = {}
+    for item in value:
+        name, sep, n = item.partition("=")
+        if not sep or not n.strip().isdigit() or int(n) <= 0:
+            raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
+        if int(n) > MAX_SIZE:
+            raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
+        out[name.strip()] = int(n)
+    return out
+
+
+def default_output(source: str, emit: str) -> str:
+    stem = Path(source).stem if source != "-" else "a"
+    return f"lib{stem}.so" if emit == "so" else stem + SUFFIX[emit]
+
+
+def header_path(output: str) -> str:
+    """`libmlp.so` -> `mlp.h` beside it."""
+    from tgc.backends.cpu.header import c_identifier
+
+    return str(Path(output).with_name(c_identifier(output) + ".h"))
+
+
+@click.command()
+@click.argument("file", type=SOURCE)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file (default: libNAME.so, NAME.o, ...).")
+@click.option("-O0", "opt_level", flag_value=0, help="No optimization.")
+@click.option("-O1", "opt_level", flag_value=1)
+@click.option("-O2", "opt_level", flag_value=2, default=True, help="Optimize (default).")
+@click.option("-O3", "opt_level", flag_value=3)
+@click.option("-D", "defines", multiple=True, callback=_defines, metavar="NAME=N",
+              help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
+@click.option("--dtype", type=click.Choice(["f32", "f64"]),
+              help="The float type (default: f32, or a .tgir file's own).")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: native code for this machine; cuda: a CUDA module for NVIDIA GPUs and its JSON "
+                   "manifest beside it (OUT.json; docs/cuda.md).")
+@click.option("--emit", type=click.Choice(EMIT_CHOICES),
+              help="cpu: so (default): shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
+                   "ir: tgc IR after the pipeline; h: the C header only. cuda: cubin (default), ptx (both "
+                   "through nvcc) or cu (the CUDA C source).")
+@click.option("--arch", default="sm_90", show_default=True, metavar="SM",
+              help="With --target cuda: the GPU architecture nvcc compiles for.")
+@click.option("--blas", type=click.Choice(["none", "system", "numpy"]), default="none", show_default=True,
+              help="The BLAS a .so links for its products (GEMMs). none: no BLAS; they run tgc's own "
+                   "loops, or a BLAS the caller passes to NAME_init_blas (see NAME.h): the library "
+                   "needs only libc and libgomp, so it runs wherever it is copied (the default, for "
+                   "that). system: the system's CBLAS (-lopenblas, -lcblas or -lblas; Debian/Ubuntu: "
+                   "libopenblas-dev), a NEEDED entry found in the system's library path. numpy: numpy's "
+                   "bundled OpenBLAS, through a RUNPATH into this Python environment: the library fails "
+                   "to load once that environment moves or goes.")
+@click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
+@click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
+@click.option("-MT", "mt", multiple=True, metavar="TARGET",
+              help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")
+@click.option("-MP", "mp", is_flag=True, help="Add a phony target for every dependency.")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@FP_STRICT
+@AUTOCAST
+@handle_errors
+def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False,
+          autocast=None, target="cpu", arch="sm_90") -> None:
+    """Compile FILE to native code for this machine's CPU.
+
+    Every output is written atomically: a failed or interrupted build leaves no
+    new file, and an older one untouched. The same inputs and flags give
+    byte-identical outputs.
+
+    \b
+    Examples:
+      tgc build examples/mlp.tg -o libmlp.so          # also writes mlp.h
+      tgc build model.tg -o libmodel.so -MD -MP -D batch=32 -O3
+      tgc build model.tg --emit asm -o model.s
+      tgc build model.tg --blas=system -o libmodel.so   # links -lopenblas
+      tgc build model.tg --target cuda -o model.cubin   # also writes model.json
+    """
+    from tgc.backends.cpu import aot
+    from tgc.backends.cpu.header import c_identifier
+    from tgc.ir.printer import print_module
+    from tgc.progress import status
+
+    emit = emit or ("cubin" if target == "cuda" else "so")
+    if (target == "cuda") != (emit in CUDA_EMITS):
+        raise click.BadParameter(f"--emit {emit} is not an output of --target {target}", param_hint="--emit")
+    output = output or default_output(file, emit)
+    if output == "-" and emit in ("so", "obj", "cubin"):
+        raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
+    options = Options(dtype=pipeline.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
+                      fp_strict=fp_strict, blas=blas, autocast=autocast)
+    loaded = pipeline.load_program(file, options)
+    header = header_path(output) if emit == "so" else None
+    if target == "cuda":   # the manifest, in the header's place
+        if output == "-":
+            raise click.BadParameter("--target cuda writes a manifest beside the output: give a file name",
+                                     param_hint="-o")
+        header = str(Path(output).with_suffix(".json"))
+    depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
+    if depfile and output == "-" and not (mf and mt):
+        raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
+    _check_distinct([(what, p) for what, p in (("the output", output), ("the header", header),
+                                               ("the depfile", depfile)) if p and p != "-"], loaded.files)
+    try:
+        module = pipeline.fix_dims(loaded.module, defines)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="-D") from None
+    prefix = c_identifier(output)
+    source = Path(file).name
+    files: dict[str, bytes] = {}
+    with status("compiling"):
+        module = pipeline.lower(module, options).module
+        if emit == "ir":
+            files[output] = print_module(module).encode()
+        elif target == "cuda":
+            from tgc.backends.cuda import aot as cuda_aot
+
+            files[output], files[header] = cuda_aot.build(module, options, emit, arch)
+            header = None
+        else:
+            try:
+                files[output] = aot.build(module, options, emit, prefix, source)
+            except aot.NoSystemBlas as e:
+                raise click.BadParameter(str(e), param_hint="--blas") from None
+        if header:
+            files[header] = aot.build(module, options, "h", prefix, source)
+    if depfile:
+        from tgc.depfile import compiler_dependencies, format_depfile
+
+        deps = _on_disk(loaded.files) + compiler_dependencies(not pipeline.is_ir_file(file))
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
+    if output == "-":
+        click.echo(files.pop("-").decode(), nl=False)
+    write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})
+
+
+def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:
+    """No two outputs, and no output and source, are one file (gcc refuses the same)."""
+    import os
+
+    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in _on_disk(sources)}
+    for what, path in files:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise click.BadParameter(f"{what} '{path}' would overwrite {seen[real]}", param_hint="-o/-MF")
+        seen[real] = f"{what} '{path}'"
+
+
+def _on_disk(files: list[str]) -> list[str]:
+    """The files a program was read from, without standard input."""
+    return [f for f in files if f not in ("-", "<stdin>")]

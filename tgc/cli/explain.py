@@ -1,0 +1,77 @@
+"""`tgc explain`: a compiled step's kernels, FLOPs, bytes, workspace and peak memory."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import click
+
+from tgc import pipeline
+from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.run import _dim_binding, check_dim_flags
+from tgc.fsutil import write_atomic
+from tgc.options import Options
+
+DEFAULT_DIM = 64
+
+
+@click.command()
+@click.argument("file", type=SOURCE)
+@click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
+              help=f"Size of a symbolic dim (repeatable; each one not given is {DEFAULT_DIM}).")
+@click.option("--dtype", type=click.Choice(["f32", "f64"]),
+              help="The float type (default: f32, or a .tgir file's own).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: a report for people; json: one object for tools.")
+@click.option("--timeline", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also draw the live temporaries per kernel: FILE.svg, or FILE.png (needs matplotlib).")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@handle_errors
+def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
+    """Explain what FILE's compiled step does: its kernels in order with FLOPs and
+    bytes, the workspace and its slots, the temporaries alive during each kernel, the
+    peak and what is alive at it, and the save/recompute decisions.
+
+    Sizes are those of the dims given with --dim (the others: 64). FLOPs count each
+    arithmetic operation once (an exp is one); bytes count each buffer a kernel reads
+    or writes once.
+
+    \b
+    Examples:
+      tgc explain examples/gpt.tg --dim batch=64
+      tgc explain examples/mlp.tg --format json
+      tgc explain examples/gpt.tg --timeline gpt-memory.svg
+    """
+    from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
+    from tgc.lower.plan import lower_module
+
+    if timeline and not timeline.endswith((".svg", ".png")):
+        raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
+    options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs))
+    module = pipeline.load(file, options)
+    check_dim_flags(module, dims)
+    env = module.bind_dims({d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()})
+    low = lower_module(pipeline.lower(module, options).module, options)
+    report = report_of(low, env)
+    report["dims"] = {d: env[d] for d in module.symbolic_dims()}
+    if timeline:
+        title = os.path.basename(file)
+        if timeline.endswith(".svg"):
+            write_atomic(timeline, timeline_svg(report, title))
+        else:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise click.UsageError("--timeline FILE.png needs matplotlib (pip install matplotlib); "
+                                       "FILE.svg needs nothing") from None
+            with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(timeline))) as tmp:
+                path = os.path.join(tmp, "timeline.png")
+                timeline_png(report, title, path)
+                with open(path, "rb") as f:
+                    write_atomic(timeline, f.read())
+    if fmt == "json":
+        click.echo(json.dumps({"file": file, **report}, indent=2))
+    else:
+        click.echo(format_explain(report, file), nl=False)

@@ -1,0 +1,50 @@
+"""`tgc grad`: print the derivative program of a .tg file."""
+from __future__ import annotations
+
+import click
+
+from tgc import pipeline
+from tgc.cli.errors import SOURCE, handle_errors
+from tgc.fsutil import write_atomic
+from tgc.ir.printer import print_module
+from tgc.options import Options
+
+
+@click.command()
+@click.argument("file", type=SOURCE)
+@click.option("--wrt", multiple=True, required=True, metavar="NAME",
+              help="Differentiate with respect to this input, param or state (repeatable).")
+@click.option("--of", "of", metavar="OUTPUT", help="The output to differentiate (default: the only scalar one).")
+@click.option("--mode", type=click.Choice(["rev", "fwd"]), default="rev", show_default=True,
+              help="Reverse mode (adjoint) or forward mode (tangent).")
+@click.option("--emit", type=click.Choice(["tg", "ir"]), default="tg", show_default=True,
+              help="tg: .tg source that `tgc check` accepts; ir: the textual IR.")
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@handle_errors
+def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
+    """Print the derivative of an output of FILE with respect to --wrt.
+
+    The derivative is derived symbolically and optimized by the default pipeline;
+    each result is named dNAME and has NAME's edges (plus the output's, for a Jacobian).
+    Arguments the derivative does not read are left out (one that alone gives a
+    symbolic dim its size stays), so the result passes `tgc check -Werror`.
+
+    \b
+    Examples:
+      tgc grad examples/mlp.tg --wrt W1
+      tgc grad examples/mlp.tg --wrt W1 --wrt b1 --emit ir
+      tgc grad examples/layernorm.tg --of loss --wrt x --mode fwd
+    """
+    from tgc.frontend.emit_tg import emit_tg
+
+    options = Options(dtype=dtype, import_dirs=tuple(import_dirs))
+    module = pipeline.gradient_module(pipeline.load(file, options), list(dict.fromkeys(wrt)), of, mode)
+    module = pipeline.drop_unread_args(pipeline.lower(module, options).module)
+    text = emit_tg(module) if emit == "tg" else print_module(module)
+    if output in (None, "-"):
+        click.echo(text, nl=False)
+    else:
+        write_atomic(output, text)

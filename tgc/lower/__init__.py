@@ -1,0 +1,6 @@
+"""Lowering: the optimized IR to the lowered program of kernels and buffers that every
+backend compiles (`lowered`), in stages `fuse`, `layout`, `group` and `plan`, with the
+lowered program's numpy interpreter (`interp`), the oracle for backends' kernels.
+
+Stage: after `tgc.autodiff`, before `tgc.backends`.
+"""

@@ -1,0 +1,798 @@
+"""fuse: partition the module's value DAG into kernels (the first lowering stage).
+
+Module -> `Lowered` (tgc.lower.lowered). Every value is either *materialized* (a
+buffer: arguments, outputs, update values, reductions, GEMM operands, scatters,
+values with several consumers unless they are cheap to recompute (see
+`recompute`), and expensive values a consumer would recompute over a broadcast) or *inlined* into the
+expression tree of the kernel that consumes it. So a chain of elementwise ops and
+reductions reads its inputs once:
+
+- GEMM cells: two-operand contractions whose edges split into batch / M / N / K
+  groups, all of M, N, K present and (when sizes are known) at least
+  `options.blas_min_flops` flops; their operands are materialized buffers, seen
+  through renames. An indicator, or a product of indicators only (`index_only`),
+  is never an operand: it is index arithmetic, and as a buffer it would be a dense
+  0/1 tensor over all its edges (six, for a 2-D convolution's window relation).
+- GEMMs on shifted views (`tap_gemm`): a contraction whose two factors are read
+  through indicators as `edge + shift(short edges)` (a convolution, its input and
+  kernel gradients) becomes a loop over the short edges (taps) of GEMM calls on
+  shifted views, each edge's range clipped to the input (no im2col copy); single-use
+  inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`). Indicators are
+  solved for the longest summed edges first, so the taps are the short ones, with
+  fixed sizes as with symbolic ones. A clipped edge may share its group with others
+  (`(h, w)` of a 2-D image shifted along `h`): `layout` keeps the group where the
+  clipped edge is outermost in every buffer, so its range is one run of the merged
+  group, and splits it into loops of calls otherwise. Two clipped edges in one group
+  (a 2-D window on both image edges) are no strided matrix: the window is then a
+  loop kernel's output (im2col) and the product a plain GEMM. A shift that only
+  splits an edge (`c2 = hd + 16*head`, every index in bounds: `exact_split`) is left
+  to a copy into the split edges and one plain GEMM.
+- Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
+  `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
+  gathers (indexed loads), and indicators (index arithmetic, `tgc.lower.indexing`:
+  substitutions and bounds, never dense 0/1 tensors). The indicators of a product's
+  inlined factors (a padded window `x[h = ho + kh - 1]`) mask the product as a
+  whole, as its own indicators do (`masked_product`): a term one indicator zeroes is
+  zero, so this is the contraction's value, and `layout` can then turn the conditions
+  into loop bounds. A reduction with a single elementwise consumer of the same edges
+  becomes that kernel's `epilogue`.
+- Scatters: zero the output, then add each element at its gathered position.
+- Random draws (`random`) are leaves like indicators: a `Rand` computed from the
+  loop indices (its counter, the row-major index over its own edges) and the key,
+  so a draw fused into any kernel, in any loop order, has the same value.
+
+Outputs are computed into the caller's output buffers; update values into
+temporaries copied into their targets at the very end (after every read of the
+old values; `plan` writes them in place where that is safe).
+
+Terminates: one visit per value (topological order), one upward walk per reduction.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, smul)
+from tgc.ir.sizes import size_op
+from tgc.ir.diag import CompileError
+from tgc.ir.module import Module
+from tgc.ir.values import Value
+from tgc.options import Options
+from tgc.ir.passes import Pass
+from tgc.lower import complex_gemm
+from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
+
+EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
+ELEMENTWISE = frozenset({"add", "map", "stop"})
+
+
+class FuseError(ValueError):
+    """The module holds something no kernel can compute (e.g. an undifferentiated grad)."""
+
+
+@dataclass(frozen=True)
+class Fuse(Pass):
+    """Partition the DAG into kernels: GEMM cells and fused loop nests."""
+
+    name = "fuse"
+
+    def run(self, module: Module, options: Options) -> Lowered:  # type: ignore[override]
+        return _Fuser(module, options).lower()
+
+
+IDENTITY_FNS = frozenset({"checkpoint", "recompute"})  # maps that are their operand (autodiff/remat.py)
+
+
+def is_identity(v: Value) -> bool:
+    """`stop(x)`, `checkpoint(x)`, `recompute(x)`: x itself, as far as lowering goes."""
+    return v.op == "stop" or (v.op == "map" and v.attrs[0] in IDENTITY_FNS)
+
+
+def peel(v: Value) -> tuple[Value, dict[str, str]]:
+    """Strip renames and identities (stop, recompute): (base value, view edge -> base edge)."""
+    mapping = {e: e for e in v.edges}
+    while v.op == "rename" or is_identity(v):
+        if v.op == "rename":
+            back = {d: s for s, d in v.attrs[0]}
+            mapping = {view: back.get(e, e) for view, e in mapping.items()}
+        v = v.operands[0]
+    return v, mapping
+
+
+def _kernel_writes(k) -> set[str]:
+    return k.writes() if hasattr(k, "writes") else {k.out}
+
+
+def sink_recomputation(kernels: list) -> None:
+    """Move each kernel that recomputes a checkpointed value for the backward pass (note
+    "recompute", see `tgc.autodiff.remat`) to just before its first reader, later ones
+    first so that a chain of copies moves together: a copy then lives only while the
+    backward reads it. A kernel moves past no kernel that writes a buffer it reads or
+    reads or writes one it writes, so every kernel still reads what it read before.
+    Terminates: one pass, each kernel moved at most once."""
+    for i in reversed(range(len(kernels))):
+        k = kernels[i]
+        if k.note != "recompute":
+            continue
+        writes, reads = _kernel_writes(k), k.buffers_read()
+        j = i + 1
+        while j < len(kernels) and not (kernels[j].buffers_read() & writes) \
+                and not (_kernel_writes(kernels[j]) & (reads | writes)):
+            j += 1
+        if j < len(kernels) and j > i + 1:
+            kernels.insert(j - 1, kernels.pop(i))
+
+
+class _Fuser:
+    def __init__(self, m: Module, options: Options):
+        self.m, self.opt = m, options
+        self.values = m.values()
+        for v in self.values:
+            if v.op in ("grad", "jvp", "vjp"):
+                raise CompileError(f"'{v.op}' is left in the program, which cannot be lowered: a pass list "
+                                   f"(-p) without the adjoint and tangent passes", v.loc)
+        self.users: dict[int, set[int]] = {id(v): set() for v in self.values}
+        for v in self.values:
+            for o in v.operands:
+                self.users[id(o)].add(id(v))
+        self.by_id = {id(v): v for v in self.values}
+        self.root_uses = Counter(id(v) for v in m.roots())
+        self.low = Lowered(m, options.dtype)
+        self.mat: dict[int, str] = {}      # id(value) -> buffer
+        self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
+        self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`tap_gemm`)
+        self.cgemms: dict[int, dict] = {}   # id(value) -> the complex product it is (`complex_gemm`)
+        self.folded: set[int] = set()      # reductions computed inside a shifted GEMM
+        self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
+        self.acc_of: int | None = None
+        self._reduction: dict[int, bool] = {}
+        self._cost: dict[int, int] = {}
+
+    # ------------------------------------------------------------ classification
+
+    def uses(self, v: Value) -> int:
+        return len(self.users[id(v)]) + self.root_uses[id(v)]
+
+    def is_reduction(self, v: Value) -> bool:
+        if v.op == "reduce":
+            return True
+        if v.op != "contract":
+            return False
+        if id(v) not in self._reduction:
+            env = {e: Ix.var(e) for e in v.edges}
+            sol = self.solve(v, env, "?")
+            self._reduction[id(v)] = bool(sol[1].remaining)
+        return self._reduction[id(v)]
+
+    def summed(self, v: Value) -> list[str]:
+        edges = {e for o in v.operands for e in o.edges} - set(v.edges)
+        return list(self.m.order_edges(edges))
+
+    def parts(self, v: Value) -> tuple[list[Value], list]:
+        """A contraction's factors and indicator relations, nested pure products flattened."""
+        factors, rels = [], []
+        for o in v.operands:
+            if id(o) in self.mat:
+                factors.append(o)
+            elif o.op == "indicator":
+                rels.append(o.attrs[0])
+            elif o.op == "contract" and all(set(x.edges) <= set(o.edges) for x in o.operands):
+                f, r = self.parts(o)
+                factors += f
+                rels += r
+            else:
+                factors.append(o)
+        return factors, rels
+
+    def solve(self, v: Value, env: dict[str, Ix], prefix: str):
+        """Substitute the summed edges that indicators determine. The longest are
+        eliminated first (`long_first`): what stays a loop is the short edge, so
+        `sum_{kw, wo} [w = wo + kw - 1] g[wo, kw]` loops over 3 taps, not 32 positions.
+        Where that leaves loops, a link may also determine an edge it scales (stride
+        2: `h = 2*ho + kh - 1` gives `ho = (h + 1 - kh) / 2` where that divides), if
+        that leaves shorter loops (`indexing.solve_conds`)."""
+        factors, rels = self.parts(v)
+        summed = self.summed(v)
+        names = {e: prefix + e for e in self.long_first(summed)}
+        full = dict(env)
+        full.update({e: Ix.var(p) for e, p in names.items()})
+        sizes = {p: edge_size(self.m, e) for e, p in names.items()}
+        sol = solve(self.m, rels, full, names, sizes)
+        if sol.remaining:
+            other = solve(self.m, rels, full, names, sizes, divide=True)
+            if self.loop_volume(other.remaining, sizes) < self.loop_volume(sol.remaining, sizes):
+                sol = other
+        left = set(sol.remaining)   # the loops in the edges' order, whatever the elimination's
+        sol.remaining = [names[e] for e in summed if names[e] in left]
+        for e, p in names.items():
+            full[e] = sol.sol.get(p, Ix.var(p))
+        return factors, sol, full
+
+    def loop_volume(self, places, sizes) -> int:
+        """Iterations of loops over `places` (a symbolic size at `options.rep_size`)."""
+        n = 1
+        for p in places:
+            n *= sizes[p] if isinstance(sizes[p], int) else self.opt.rep_size
+        return n
+
+    def long_first(self, edges) -> list[str]:
+        """`edges` by decreasing size (a symbolic one counts as longest; ties keep their order)."""
+        def key(e):
+            n = edge_size(self.m, e)
+            return -n if isinstance(n, int) else -(1 << 40)
+        return sorted(edges, key=key)
+
+    def gemm_groups(self, v: Value):
+        if v.op != "contract" or len(v.operands) != 2 or not self.is_reduction(v):
+            return None
+        a, b = (peel(o)[0] for o in v.operands)
+        if self.index_only(a) or self.index_only(b):
+            return None   # an indicator (or a product of them) is index arithmetic, never a dense matrix
+        if self.broadcast_edges(a) or self.broadcast_edges(b):
+            return None   # an operand stored without the edges it repeats along is no BLAS matrix
+        A, B, C = set(v.operands[0].edges), set(v.operands[1].edges), set(v.edges)
+        if C - (A | B) or (A - B - C) or (B - A - C):
+            return None
+        groups = [self.m.order_edges(g) for g in (A & B & C, (A & C) - B, (B & C) - A, (A & B) - C)]
+        if not all(groups[1:]):
+            return None
+        flops = 2
+        for e in A | B:
+            s = edge_size(self.m, e)
+            flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
+        if flops is not None and flops < self.opt.blas_min_flops:
+            return None
+        return tuple(groups)
+
+    def index_only(self, v: Value) -> bool:
+        """`v` is an indicator or a product of indicators (seen through renames): a
+        relation over its edges, which loads inline as index arithmetic and a mask.
+        Materializing one would write a dense 0/1 tensor over all of its edges."""
+        v = peel(v)[0]
+        if v.op == "indicator":
+            return True
+        return (v.op == "contract" and id(v) not in self.mat
+                and all(self.index_only(o) for o in v.operands))
+
+    def cost(self, v: Value) -> int:
+        """Work to recompute `v` inline from materialized values (loads cost nothing)."""
+        if id(v) not in self._cost:
+            self._cost[id(v)] = min(100, self._cost_of(v))
+        return self._cost[id(v)]
+
+    def _cost_of(self, v: Value) -> int:
+        if id(v) in self.mat or v.op in ("const", "size", "indicator", "arg"):
+            return 0
+        own = 10 if (v.op == "map" and v.attrs[0] in EXPENSIVE) or v.op == "random" else 1
+        if v.op == "rename" or is_identity(v):
+            own = 0
+        if v.op in ("reduce", "scatter") or (v.op == "contract" and self.is_reduction(v)):
+            return 100
+        return own + sum(self.cost(o) for o in v.operands)
+
+    def recompute(self, v: Value) -> bool:
+        """Inline a value with several users into each: trivially cheap, or one
+        vectorized transcendental over what its two users read anyway (softmax's
+        exp(x - max) is computed twice rather than written and read back)."""
+        cost = self.cost(v)
+        return cost <= 2 or (cost <= 11 and self.uses(v) == 2 and not self.broadcast_by_user(v))
+
+    def broadcast_by_user(self, v: Value) -> bool:
+        for u in self.users[id(v)]:
+            user = self.by_id[u]
+            space = set(user.edges).union(*(o.edges for o in user.operands))
+            if space - set(v.edges):
+                return True
+        return False
+
+    # ------------------------------------------------------------ GEMMs on shifted views
+
+    def find_shifted_gemms(self) -> None:
+        """Contractions that are a loop of GEMMs on shifted views: a convolution
+        `sum_{c,k} x[b, c, t = s + k - 2] * W[o, c, k]` is, for each tap k, a GEMM
+        (o <- c) on x shifted by k - 2 with the range of s clipped to the input."""
+        for v in reversed(self.values):
+            if v.op == "contract" and id(v) not in self.folded and self.is_reduction(v):
+                spec = self.tap_gemm(v)
+                if spec is not None:
+                    self.shifted[id(v)] = spec
+                    self.folded |= spec["folded"]
+
+    def find_complex_gemms(self) -> None:
+        """Values that are a complex product (`complex_gemm.match`) become one complex
+        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS
+        only, hence `blas` "numpy"). The real products and parts they were built of are
+        then computed only where something else still reads them: the values no longer
+        reachable from the program's roots are dropped (`folded`), and the use counts
+        are taken again without them."""
+        if not self.opt.complex_gemm or self.opt.blas != "numpy" or self.opt.dtype not in ("f32", "f64"):
+            return
+        for v in self.values:
+            if id(v) in self.folded or id(v) in self.shifted:
+                continue
+            spec = complex_gemm.match(v, self.gemm_groups)
+            if spec is not None:
+                self.cgemms[id(v)] = spec
+        if not self.cgemms:
+            return
+        live: set[int] = set()
+        stack = list(self.m.roots())
+        while stack:
+            v = stack.pop()
+            if id(v) in live:
+                continue
+            live.add(id(v))
+            spec = self.cgemms.get(id(v))
+            stack += [spec["a"][0], spec["b"][0]] if spec else list(v.operands)
+        for v in self.values:
+            if id(v) not in live:
+                self.folded.add(id(v))
+                self.cgemms.pop(id(v), None)
+        self.users = {id(v): set() for v in self.values}
+        for v in self.values:
+            if id(v) in live:
+                spec = self.cgemms.get(id(v))
+                for o in ([spec["a"][0], spec["b"][0]] if spec else v.operands):
+                    self.users[id(o)].add(id(v))
+        self._reduction.clear()
+        self._cost.clear()
+
+    def expand(self, v: Value, env: dict[str, Ix], acc: dict, top: bool = False) -> bool:
+        """Collect the leaf factors of a product of index transforms and single-use
+        reductions (summed edges become placeholders, indicators links). A product
+        with several users that is not cheap to recompute is a leaf: `partition`
+        gives it a buffer anyway (a max-pool's gradient, scattered back to the
+        pixels, feeds both of a convolution's gradients)."""
+        if not top and (id(v) in self.mat or (v.op not in ("contract", "rename") and not is_identity(v))
+                        or (v.op == "contract" and self.uses(v) > 1 and not self.recompute(v))):
+            acc["leaves"].append((v, env))
+            return True
+        if is_identity(v):
+            return self.expand(v.operands[0], env, acc)
+        if v.op == "rename":
+            fwd = dict(v.attrs[0])
+            x = v.operands[0]
+            return self.expand(x, {e: env[fwd.get(e, e)] for e in x.edges}, acc)
+        if not top and self.is_reduction(v):
+            if self.uses(v) != 1 or self.root_uses[id(v)] or id(v) in self.folded:
+                acc["leaves"].append((v, env))
+                return True
+            acc["folded"].add(id(v))
+        full = dict(env)
+        for e in self.summed(v):
+            if e in acc["sizes"]:
+                return False
+            acc["sizes"][e] = edge_size(self.m, e)
+            acc["places"].append(e)
+            full[e] = Ix.var(e)
+        for o in v.operands:
+            if o.op == "indicator":
+                acc["links"] += relation_conds(self.m, o.attrs[0], full)
+            elif not self.expand(o, {e: full[e] for e in o.edges}, acc):
+                return False
+        return True
+
+    def tap_gemm(self, v: Value) -> dict | None:
+        sizes = {e: edge_size(self.m, e) for e in v.edges}
+        acc = {"leaves": [], "links": [], "places": [], "sizes": sizes, "folded": set()}
+        if not self.expand(v, {e: Ix.var(e) for e in v.edges}, acc, top=True):
+            return None
+        leaves = acc["leaves"]
+        if len(leaves) != 2 or not acc["links"]:
+            return None
+        for leaf, _ in leaves:
+            if leaf.dtype == "i32" or leaf.op in ("const", "size", "indicator") or self.broadcast_edges(leaf):
+                return None
+        # eliminate long edges first: the short ones (taps) stay loops
+        places = self.long_first(acc["places"])
+        sol = solve_conds(acc["links"], places, sizes)
+        idx = [{e: env[e].subst(sol.sol) for e in leaf.edges} for leaf, env in leaves]
+        kept, summed = list(v.edges), list(sol.remaining)
+
+        def big(u):
+            return sizes[u] if isinstance(sizes[u], int) else 1 << 40
+
+        outer: set[str] = set()
+        for d in idx:
+            for ix in d.values():
+                if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):
+                    return None
+                if len(ix.terms) >= 2:
+                    mains = [a for a, c in ix.terms if c == 1]
+                    if not mains:
+                        return None
+                    outer |= {a for a, _ in ix.terms} - {max(mains, key=big)}
+        views: list[dict[str, str]] = []
+        shifts, clipped = [], set()
+        for role, (leaf, _), d in zip("ab", leaves, idx):
+            edges: dict[str, str] = {}
+            for e, ix in d.items():
+                inner = [(a, c) for a, c in ix.terms if a not in outer]
+                if len(inner) > 1 or (inner and inner[0][1] != 1):
+                    return None
+                u = inner[0][0] if inner else ix.as_var()
+                if u is None or u in edges:
+                    return None
+                rest = Ix(tuple(t for t in ix.terms if t[0] != u), ix.const)
+                if rest != Ix():
+                    shifts.append((role, u, rest))
+                    clipped.add(u)
+                elif inner and edge_size(self.m, e) != sizes[u]:
+                    return None
+                edges[u] = e
+            views.append(edges)
+        if not shifts or all(self.exact_split(views["ab".index(r)][u], u, rest, sizes) for r, u, rest in shifts):
+            return None
+        A, B = set(views[0]), set(views[1])
+        if any(u not in A | B | outer for u in kept) or any(u not in outer and not (u in A and u in B) for u in summed):
+            return None
+        order = self.m.order_edges
+        batch = {u for u in kept if u in outer or (u in A and u in B)}
+        groups = [[u for u in kept if u not in batch and u in A], [u for u in kept if u not in batch and u in B],
+                  [u for u in summed if u not in outer]]
+        taps = {u for u in summed if u in outer}
+        if any(len(clipped & set(g)) > 1 for g in groups):
+            return None   # two clipped edges in one group: no strided matrix (a 2-D window)
+        if clipped & (batch | taps) or not all(groups):
+            return None
+        expected = set()
+        for (role, u, rest) in shifts:
+            leaf_edges = views["ab".index(role)]
+            ix = Ix.var(u).plus(rest)
+            size = edge_size(self.m, leaf_edges[u])
+            expected |= {Cond(ix, ">="), Cond(ix.plus_const(neg(size)), "<")}
+        conds = simplify_conds(sol.conds, sizes)
+        if conds is None or any(c not in expected for c in conds):
+            return None
+        flops = 2
+        for s in (sizes[u] for g in groups for u in g):
+            flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
+        if flops is not None and flops < self.opt.blas_min_flops:
+            return None
+        key = order
+        return {"leaves": [leaf for leaf, _ in leaves], "folded": acc["folded"],
+                "views": [tuple(sorted(d.items())) for d in views],
+                "groups": (key(batch), key(groups[0]), key(groups[1]), key(groups[2])),
+                "taps": key(taps), "shifts": tuple(shifts)}
+
+    def exact_split(self, e: str, u: str, rest: Ix, sizes: dict) -> bool:
+        """Whether reading buffer edge `e` at `u + rest` only splits `e` in two, as
+        `c2 = hd + 16*head` splits 48 channels into 3 heads of 16: every index is in
+        bounds, so the operand is better copied into the split edges once (a loop
+        kernel) and the product is one plain GEMM, than run as a loop of GEMMs over
+        `head` (GPT's 12 head projections: 23-35 us each as 3 calls of 704 x 16 x 48,
+        14-19 us as one 704 x 48 x 48 product after a copy of 2304 weights)."""
+        if rest.const != 0 or len(rest.terms) != 1:
+            return False
+        (h, coef), = rest.terms
+        nu, nh, ne = sizes.get(u), sizes.get(h), edge_size(self.m, e)
+        return all(isinstance(x, int) for x in (nu, nh, ne, coef)) and coef == nu and ne == nu * nh
+
+    # ------------------------------------------------------------ partition
+
+    def broadcast_edges(self, v: Value) -> set[str]:
+        """Result edges of a reduction that no operand has: it is the same along them."""
+        if v.op != "contract" or not self.is_reduction(v):
+            return set()
+        return set(v.edges) - {e for o in v.operands for e in o.edges}
+
+    def materialize(self, v: Value) -> None:
+        """Give `v` a buffer (a reduction's without its broadcast edges: loads repeat it)."""
+        if id(v) not in self.mat:
+            name = self.low.fresh("t")
+            edges = tuple(e for e in v.edges if e not in self.broadcast_edges(v))
+            self.low.buffers[name] = Buffer(name, self.dtype_of(v), edges, "temp")
+            self.mat[id(v)] = name
+            self._cost.clear()
+
+    def dtype_of(self, v: Value) -> str:
+        return "i32" if v.dtype == "i32" else self.opt.dtype
+
+    def partition(self) -> None:
+        for v in self.values:
+            if id(v) in self.folded:
+                continue
+            if id(v) in self.shifted:
+                self.materialize(v)
+                for leaf in self.shifted[id(v)]["leaves"]:
+                    self.materialize(leaf)
+                continue
+            if id(v) in self.cgemms:
+                self.materialize(v)
+                for base, _ in (self.cgemms[id(v)]["a"], self.cgemms[id(v)]["b"]):
+                    if base.op != "arg":
+                        self.materialize(base)
+                continue
+            if id(v) in self.mat:
+                pass
+            elif v.op == "scatter" or self.is_reduction(v) or self.root_uses[id(v)]:
+                self.materialize(v)
+            elif self.uses(v) > 1 and not self.recompute(v):
+                self.materialize(v)
+            elif self.cost(v) >= 10 and self.broadcast_by_user(v):
+                self.materialize(v)
+            groups = self.gemm_groups(v)
+            if groups is not None:
+                self.gemms[id(v)] = groups
+                for o in v.operands:
+                    base = peel(o)[0]
+                    if base.op != "arg":
+                        self.materialize(base)
+        self.settle()
+        for v in self.values:
+            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms | self.shifted.keys() | self.cgemms.keys():
+                self.try_absorb(v)
+
+    def settle(self) -> None:
+        """Materializing a product can hide an indicator from a contraction that was
+        classified as an index transform: such a contraction becomes a reduction
+        and is materialized too (monotone, so this ends)."""
+        changed = True
+        while changed:
+            self._reduction.clear()
+            changed = False
+            for v in self.values:
+                if id(v) not in self.mat and id(v) not in self.folded and self.is_reduction(v):
+                    self.materialize(v)
+                    changed = True
+
+    def try_absorb(self, r: Value) -> None:
+        """Make `r` the reduction of the elementwise kernel that consumes it, if any."""
+        if self.uses(r) != 1 or self.root_uses[id(r)] or self.broadcast_edges(r):
+            return
+        u = self.by_id[next(iter(self.users[id(r)]))]
+        while True:
+            elementwise = u.op in ELEMENTWISE or (
+                u.op == "contract" and not self.is_reduction(u) and not self.summed(u))
+            if not elementwise or u.edges != r.edges or id(u) in self.absorb:
+                return
+            if id(u) in self.mat:
+                break
+            if self.uses(u) != 1:
+                return
+            u = self.by_id[next(iter(self.users[id(u)]))]
+        if u.op == "scatter" or id(u) in self.gemms or id(u) in self.shifted or id(u) in self.cgemms \
+                or self.is_reduction(u):
+            return
+        buf = self.mat.pop(id(r))
+        del self.low.buffers[buf]
+        self.absorb[id(u)] = r
+
+    # ------------------------------------------------------------ expressions
+
+    def expr(self, v: Value, env: dict[str, Ix]):
+        if id(v) == self.acc_of:
+            return Acc()
+        if id(v) in self.mat:
+            buf = self.mat[id(v)]
+            return Load(buf, tuple((e, env[e]) for e in self.low.buffers[buf].edges))
+        return self.define(v, env)
+
+    def define(self, v: Value, env: dict[str, Ix]):
+        """The expression computing `v` itself (its operands inlined or loaded)."""
+        op = v.op
+        if op == "const":
+            return Const(v.attrs[0])
+        if op == "size":
+            return SizeOf(edge_size(self.m, v.attrs[0]))
+        if is_identity(v):
+            return self.expr(v.operands[0], env)
+        if op == "rename":
+            fwd = dict(v.attrs[0])
+            x = v.operands[0]
+            return self.expr(x, {e: env[fwd.get(e, e)] for e in x.edges})
+        if op == "add":
+            return Add(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
+        if op == "map":
+            return Map(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
+        if op == "indicator":
+            return self.mask(relation_conds(self.m, v.attrs[0], env), Const(1.0))
+        if op == "random":
+            return self.random(v, env)
+        if op == "gather":
+            table, ids = v.operands
+            tenv = {e: env[e] for e in table.edges if e != v.attrs[0]}
+            tenv[v.attrs[0]] = Ix.of(self.idload(ids, env))
+            return self.expr(table, tenv)
+        if op == "contract":
+            factors, sol, full = self.solve(v, env, "?")
+            if sol.remaining:
+                raise FuseError(f"internal: a reduction was inlined ({v})")
+            return self.masked_product(sol.conds, factors, full)
+        raise FuseError(f"internal: cannot inline '{op}'")
+
+    def product(self, factors: list[Value], env: dict[str, Ix]):
+        exprs = tuple(e for e in (self.expr(f, env) for f in factors) if e != Const(1.0))
+        return exprs[0] if len(exprs) == 1 else (Mul(exprs) if exprs else Const(1.0))
+
+    def masked_product(self, conds, factors: list[Value], env: dict[str, Ix]):
+        """The product of `factors` under the contraction's own conditions `conds`, with
+        the conditions of masked factors (views through indicators, `x[h = ho + kh - 1]`
+        inlined) taken out to the top: a term that one factor's indicator zeroes is zero
+        in the contraction as a whole (the same reading as the contraction's own
+        indicators), and a mask at the top is one `layout` can turn into loop bounds."""
+        e = self.product(factors, env)
+        conds = list(conds)
+        if isinstance(e, Mul) and any(isinstance(a, Mask) for a in e.args):
+            args = []
+            for a in e.args:
+                while isinstance(a, Mask):
+                    conds += [c for c in a.conds if c not in conds]
+                    a = a.arg
+                args.append(a)
+            e = Mul(tuple(args))
+        return self.mask(conds, e)
+
+    def mask(self, conds, e):
+        sizes = {x: edge_size(self.m, x) for c in conds for x in c.ix.vars() if x in self.m.edges}
+        kept = simplify_conds(conds, sizes)
+        if kept is None:
+            return Const(0.0)
+        return Mask(tuple(kept), e) if kept else e
+
+    def random(self, v: Value, env: dict[str, Ix]) -> Rand:
+        """A draw, computed from the loop indices: its counter is the row-major index
+        over the draw's own edges (sorted by name), whatever loops compute it."""
+        counter, stride = Ix(), 1
+        for e in reversed(v.edges):
+            ix = env[e]
+            counter = counter.plus(Ix.make([(a, smul(stride, c)) for a, c in ix.terms],
+                                           0 if ix.const == 0 else smul(stride, ix.const)))
+            stride = size_op("*", stride, edge_size(self.m, e))
+        key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
+        return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
+
+    def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
+        base, view = peel(ids)
+        if base.op != "arg":
+            raise FuseError("gather indices must come from an i32 input")
+        index = {view[e]: env[e] for e in ids.edges}
+        return IdLoad(base.attrs[0], tuple(sorted(index.items())))
+
+    # ------------------------------------------------------------ kernels
+
+    def lower(self) -> Lowered:
+        for i, (name, a) in enumerate(self.m.args.items()):
+            dtype = "i32" if a.dtype == "i32" else self.opt.dtype
+            self.low.buffers[name] = Buffer(name, dtype, tuple(sorted(a.order)), "arg", i, a.order)
+        for v in self.values:
+            if v.op == "arg":
+                self.mat[id(v)] = v.attrs[0]
+        copies = self.homes()
+        self.find_shifted_gemms()
+        self.find_complex_gemms()
+        self.partition()
+        again = self.recomputed()
+        for v in self.values:
+            if id(v) in self.mat and v.op != "arg":
+                k = self.kernel(v)
+                self.low.kernels.append(replace(k, note="recompute") if id(v) in again and not k.note else k)
+        sink_recomputation(self.low.kernels)
+        self.low.kernels += [self.copy(dst, src) for dst, src in copies]
+        self.low.kernels += [self.copy(target, src) for target, src in self._late]
+        self.checks()
+        return self.low
+
+    def recomputed(self) -> set[int]:
+        """ids of the backward's recomputed copies (autodiff/remat.py): values computed only
+        from `recompute(b)` markers and constants. `plan` runs their kernels as late as it
+        can, so that a copy lives only while the backward uses it."""
+        copies: set[int] = set()
+        for v in self.values:
+            if v.op == "map" and v.attrs[0] == "recompute":
+                copies.add(id(v))
+            elif v.op not in ("arg", "const", "size", "indicator") and \
+                    all(id(o) in copies or o.op in ("const", "size", "indicator") for o in v.operands):
+                copies.add(id(v))
+        return copies
+
+    def homes(self) -> list[tuple[str, Value | str]]:
+        """Buffers of outputs and updates; returns the (dst, source) copies still needed
+        (a source is a value, or the name of the buffer holding one)."""
+        copies: list[tuple[str, Value | str]] = []
+        for i, o in enumerate(self.m.outputs):
+            if o.value.dtype == "i32":
+                raise FuseError(f"output '{o.name}' is an integer tensor; the CPU backend computes floats")
+            name = o.name if o.name not in self.low.buffers else self.low.fresh(o.name + ".")
+            self.low.buffers[name] = Buffer(name, self.opt.dtype, o.value.edges, "out", i, o.order)
+            if o.value.op == "arg" or id(o.value) in self.mat:
+                copies.append((name, o.value))
+            else:
+                self.mat[id(o.value)] = name
+        self._late: list[tuple[str, Value | str]] = []
+        for u in self.m.updates:
+            v = u.value
+            if v.op == "arg" or id(v) not in self.mat:
+                tmp = self.low.fresh("t")
+                self.low.buffers[tmp] = Buffer(tmp, self.opt.dtype, v.edges, "temp",
+                                               prefer=self.m.args[u.target].order)
+                if v.op == "arg":
+                    copies.append((tmp, v))
+                else:
+                    self.mat[id(v)] = tmp
+                self._late.append((u.target, tmp))
+            else:
+                self._late.append((u.target, self.mat[id(v)]))
+        return copies
+
+    def copy(self, dst: str, src: Value | str) -> LoopKernel:
+        edges = self.low.buffers[dst].edges
+        index = tuple((e, Ix.var(e)) for e in edges)
+        body = Load(src, index) if isinstance(src, str) else self.expr(src, dict(index))
+        note = f"update {dst}" if self.low.buffers[dst].kind == "arg" else "copy"
+        return LoopKernel(dst, index, edges, self.var_sizes(edges), body, note=note)
+
+    def var_sizes(self, edges) -> dict:
+        return {e: edge_size(self.m, e) for e in edges}
+
+    def kernel(self, v: Value):
+        out = self.mat[id(v)]
+        if id(v) in self.shifted:
+            spec = self.shifted[id(v)]
+            a, b = (View(self.mat[id(leaf)], edges) for leaf, edges in zip(spec["leaves"], spec["views"]))
+            return GemmKernel(out, a, b, *spec["groups"], taps=spec["taps"], shifts=spec["shifts"],
+                              note="GEMMs on shifted views")
+        if id(v) in self.cgemms:
+            spec = self.cgemms[id(v)]
+            a, b = (View(self.mat[id(base)], tuple(sorted(mapping.items()))) for base, mapping in (spec["a"], spec["b"]))
+            return GemmKernel(out, a, b, *spec["groups"], cplx=spec["conj"], alpha=spec["alpha"],
+                              note="complex product")
+        if id(v) in self.gemms:
+            batch, m, n, k = self.gemms[id(v)]
+            a, b = (self.view(o) for o in v.operands)
+            return GemmKernel(out, a, b, batch, m, n, k)
+        ident = {e: Ix.var(e) for e in v.edges}
+        index = tuple(ident.items())
+        if v.op == "scatter":
+            return self.scatter_kernel(v, out)
+        if self.is_reduction(v):
+            body, red, kind, env = self.reduction(v)
+            kept = self.low.buffers[out].edges
+            index = tuple((e, ident[e]) for e in kept)
+            loops = tuple(kept) + tuple(red)
+            return LoopKernel(out, index, loops, self.var_sizes(loops), body, kind, tuple(red))
+        r = self.absorb.get(id(v))
+        if r is None:
+            return LoopKernel(out, index, v.edges, self.var_sizes(v.edges), self.define(v, ident))
+        body, red, kind, env = self.reduction(r)
+        self.acc_of = id(r)
+        epilogue = self.define(v, ident)
+        self.acc_of = None
+        loops = tuple(v.edges) + tuple(red)
+        return LoopKernel(out, index, loops, self.var_sizes(loops), body, kind, tuple(red), epilogue)
+
+    def reduction(self, r: Value):
+        """(body, reduced loop variables, kind) of a reduction over identity kept indices."""
+        ident = {e: Ix.var(e) for e in r.edges}
+        if r.op == "reduce":
+            x = r.operands[0]
+            env = {e: Ix.var(e) for e in x.edges}
+            return self.expr(x, env), list(r.attrs[1]), r.attrs[0], env
+        factors, sol, full = self.solve(r, ident, "")
+        return self.masked_product(sol.conds, factors, full), sol.remaining, "sum", full
+
+    def scatter_kernel(self, v: Value, out: str) -> LoopKernel:
+        ct, ids = v.operands
+        edge = v.attrs[0]
+        loops = self.m.order_edges(set(ct.edges) | set(ids.edges))
+        env = {e: Ix.var(e) for e in loops}
+        index = tuple((e, Ix.of(self.idload(ids, env)) if e == edge else env[e]) for e in v.edges)
+        kind = v.attrs[1]
+        return LoopKernel(out, index, tuple(loops), self.var_sizes(loops), self.expr(ct, env),
+                          "" if kind == "sum" else kind, scatter=True,
+                          note="scatter" if kind == "sum" else f"segment {kind}")
+
+    def view(self, o: Value) -> View:
+        base, mapping = peel(o)
+        return View(self.mat[id(base)], tuple(sorted(mapping.items())))
+
+    def checks(self) -> None:
+        seen = set()
+        for v in self.values:
+            if v.op in ("gather", "scatter"):
+                base, _ = peel(v.operands[1])
+                key = (base.attrs[0], edge_size(self.m, v.attrs[0]))
+                if key not in seen:
+                    seen.add(key)
+                    self.low.checks.append(Check(key[0], key[1], f"{v.op} along '{v.attrs[0]}'"))

@@ -1,0 +1,402 @@
+"""group: run neighbouring loop kernels inside shared outer loops (`LoopGroup`).
+
+`Lowered` (after `layout`) -> `Lowered`. `fuse` gives one loop nest per materialized
+value, so a layernorm's backward is nine kernels that each stream the whole
+[rows, d] input from memory. Kernels that follow one another and all start with the
+same kept loops (`rows`) become one group: for each row every member runs its own
+inner loops, so the row is read from memory once and stays in cache for the rest.
+
+A kernel joins the group before it when:
+- both are loop kernels (not scatters, not the final copies of updates) that write
+  their whole output at the identity index, and the longest common prefix of their
+  loops (same variables, same extents), kept in every member, is not empty;
+- every read of a buffer an earlier member wrote is at the same outer index (the
+  outer variables themselves), so at that index the value is complete.
+A member may also sum over the first outer variable (a parameter gradient
+`dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
+of outer indices (`options.group_blocks` blocks, threads take whole blocks), zeroed
+before the group and added up after it, in block order.
+
+Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
+`exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per element,
+not two); a logsumexp that is also an output, or read otherwise, is then written as
+max + log(sum). Then a temporary that only later members read becomes:
+- a register (`regs`) when its edges are exactly the outer variables (a row's mean);
+- inlined into its readers when it is elementwise and cheap (`x - mean`), so it is
+  never written;
+- otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
+  group then runs in blocks): rewritten for each outer index, it stays in cache and
+  the full tensor is never written to memory.
+
+Terminates: one pass over the kernels; `exp_once` replaces each logsumexp once (its
+members are no logsumexp); inlining removes one member per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
+                            Map, Mask, Mul, Rand, walk)
+from tgc.options import Options
+from tgc.ir.passes import Pass
+
+EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
+INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined producer has
+BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
+
+
+@dataclass(frozen=True)
+class Group(Pass):
+    """Fuse neighbouring loop kernels that share outer loops into groups."""
+
+    name = "group"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+        out = low.staged("group")
+        if options.group_blocks < 1:
+            return out
+        out.kernels = []
+        _Grouper(low, out, options).run()
+        return out
+
+
+def _identity(k: LoopKernel) -> bool:
+    return all(ix == Ix.var(e) for e, ix in k.index) and not k.scatter
+
+
+def _loads(k: LoopKernel):
+    roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+    for r in roots:
+        for n in walk(r):
+            if isinstance(n, Load):
+                yield n
+
+
+def _outer_of(k: LoopKernel, partial_ok: bool) -> list[str]:
+    """The loops of `k` that can be outer loops of a group, outermost first: kept
+    ones, or (only the very first, for a sum) reduced ones."""
+    out = []
+    for i, v in enumerate(k.loops):
+        if v in k.red:
+            if not (i == 0 and partial_ok and k.reduce == "sum") or v in k.bounds:
+                break
+        out.append(v)
+    return out
+
+
+class _Grouper:
+    def __init__(self, low: Lowered, out: Lowered, options: Options):
+        self.low, self.out, self.opt = low, out, options
+        self.readers: dict[str, set[int]] = {}
+        for i, k in enumerate(low.kernels):
+            for b in k.buffers_read():
+                self.readers.setdefault(b, set()).add(i)
+
+    def groupable(self, k) -> bool:
+        return (isinstance(k, LoopKernel) and _identity(k) and k.loops != ()
+                and self.low.buffers[k.out].kind != "arg")
+
+    def run(self) -> None:
+        members: list[int] = []
+        for i, k in enumerate(self.low.kernels):
+            if members and self.groupable(k) and self.outer(members + [i]):
+                members.append(i)
+                continue
+            self.flush(members)
+            members = [i] if self.groupable(k) else []
+            if not members:
+                self.out.kernels.append(k)
+        self.flush(members)
+
+    # ------------------------------------------------------------ membership
+
+    def outer(self, members: list[int]) -> tuple[str, ...]:
+        """The group's outer loops, or () when these kernels cannot form one."""
+        ks = [self.low.kernels[i] for i in members]
+        prefix = _outer_of(ks[0], True)
+        for k in ks[1:]:
+            mine = _outer_of(k, True)
+            n = 0
+            while n < min(len(prefix), len(mine)) and prefix[n] == mine[n] \
+                    and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
+                n += 1
+            prefix = prefix[:n]
+        # only the first outer loop may be summed over (a partial), and then by a sum
+        while prefix and any(v in k.red for k in ks for v in prefix[1:]):
+            prefix = prefix[:-1]
+        if not prefix:
+            return ()
+        written: dict[str, LoopKernel] = {}
+        for k in ks:
+            for ld in _loads(k):
+                w = written.get(ld.buf)
+                if w is not None and (self.partial(w, prefix) or
+                                      any(dict(ld.index).get(v) != Ix.var(v) for v in prefix)):
+                    return ()
+            written[k.out] = k
+        return tuple(prefix)
+
+    @staticmethod
+    def partial(k: LoopKernel, outer) -> bool:
+        return outer[0] in k.red
+
+    # ------------------------------------------------------------ finishing a group
+
+    def flush(self, members: list[int]) -> None:
+        if not members:
+            return
+        ks = [self.low.kernels[i] for i in members]
+        if len(ks) == 1:
+            self.out.kernels.append(ks[0])
+            return
+        outer = self.outer(members)
+        outside = set(range(len(self.low.kernels))) - set(members)
+        bufs = self.out.buffers
+        for k in list(ks):
+            if k.reduce == "logsumexp":
+                ks = self.exp_once(k, ks, keep=bufs[k.out].kind != "temp"
+                                   or bool(self.readers.get(k.out, set()) & outside), outside=outside)
+        local = [k.out for k in ks if not self.partial(k, outer) and bufs[k.out].kind == "temp"
+                 and not (self.readers.get(k.out, set()) & outside)]
+        regs: list[str] = []
+        for name in local:
+            k = next(m for m in ks if m.out == name)
+            if set(bufs[name].edges) == set(outer):
+                regs.append(name)
+            elif not k.reduce and _cheap(k.body) and k is not ks[-1]:
+                ks = [m for m in ks if m is not k]
+                ks = [_inline(m, k) for m in ks]
+                del self.out.buffers[name]
+        for name in regs:
+            del self.out.buffers[name]
+        scratch = [name for name in local if name not in regs and name in self.out.buffers]
+        for name in scratch:
+            ks = self.make_scratch(name, outer, ks)
+        before, after = [], []
+        if any(self.partial(k, outer) for k in ks):
+            ks = [self.make_partial(k, outer, before, after) if self.partial(k, outer) else k for k in ks]
+        sizes = {v: ks[0].sizes[v] for v in outer}
+        self.out.kernels += _together(before)
+        if len(ks) == 1 and not after:
+            self.out.kernels.append(ks[0])
+        else:
+            blocked = bool(after or scratch)
+            self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
+                                              blocks=self.opt.group_blocks if blocked else 0))
+        self.out.kernels += _together(after)
+
+    def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool, outside: set[int]) -> list[LoopKernel]:
+        """A softmax computes exp twice per element: in `lse = logsumexp[d](B)` and in
+        `exp(B - lse)` where it is read. When members read `lse` in such an exp, the
+        members become `m = max[d] B` (0 where not finite, as in the logsumexp
+        itself), `e = exp(B - m)` (stored once: a scratch row), `s = sum[d] e`, and
+        each such exp `e * (1/s)`: one exp per element. When `lse` is also read
+        otherwise, or outside the group, or is an output (`keep`), it is still
+        written, as `m + log(s)`, after the sum."""
+        hits = []
+
+        def match(e) -> bool:
+            if not (isinstance(e, Map) and e.fn == "exp" and isinstance(e.args[0], Add)):
+                return False
+            add = e.args[0]
+            if len(add.args) != 2 or sorted(add.coefs) != [-1.0, 1.0]:
+                return False
+            i = add.coefs.index(-1.0)
+            other = add.args[1 - i]
+            return add.args[i] == Load(lse.out, lse.index) and other == lse.body
+
+        for m in ks:
+            exps = 0 if m is lse else sum(1 for n in _walk_kernel(m) if match(n))
+            loads = 0 if m is lse else sum(1 for n in _walk_kernel(m) if isinstance(n, Load) and n.buf == lse.out)
+            keep = keep or loads != exps
+            if not exps:
+                continue
+            if set(m.loops[:len(lse.loops)]) != set(lse.loops) or m.reduce:   # any order inside
+                return ks
+            hits.append(m)
+        if not hits or lse.epilogue is not None:
+            return ks
+        low, dst = self.out, self.out.buffers[hits[0].out]
+        full = tuple(sorted(((e, Ix.var(e)) for e in dst.edges), key=lambda t: t[0]))
+        if tuple(sorted(dst.edges)) != tuple(sorted(set(dict(lse.index)) | set(lse.red))):
+            return ks
+        names = {}
+        for stem, edges, order in (("m", lse.index, None), ("e", full, dst.order), ("s", lse.index, None)):
+            names[stem] = low.fresh(stem)
+            edge_names = tuple(e for e, _ in edges)
+            low.buffers[names[stem]] = Buffer(names[stem], dst.dtype, tuple(sorted(edge_names)), "temp",
+                                              order=order or low.buffers[lse.out].order)
+        m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
+        sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}
+        finite = Map("where", (Map("lt", (Map("abs", (Acc(),)), Const(float("inf")))), Acc(), Const(0.0)))
+        shift = _shifted_by_its_max(lse, ks)
+        if shift is not None:  # its max is 0 (or the row is NaN): exp(B) needs no shift
+            del low.buffers[names["m"]]
+            new = [LoopKernel(names["e"], full, lse.loops, sizes, Map("exp", (lse.body,)), note="softmax: exp once")]
+            if keep:
+                m_load = Const(0.0)
+        else:
+            new = [replace(lse, out=names["m"], reduce="maxshift", epilogue=finite, note="softmax: max"),
+                   LoopKernel(names["e"], full, lse.loops, sizes,
+                              Map("exp", (Add((1.0, -1.0), (lse.body, m_load)),)), note="softmax: exp once")]
+        new.append(replace(lse, out=names["s"], reduce="sum", body=e_load, note="softmax: sum"))
+        if keep:
+            kept = tuple(v for v in lse.loops if v not in lse.red)
+            new.append(LoopKernel(lse.out, lse.index, kept, {v: lse.sizes[v] for v in kept},
+                                  Add((1.0, 1.0), (Map("log", (s_load,)), m_load)), note="logsumexp"))
+        else:
+            del low.buffers[lse.out]
+        scaled = Mul((e_load, Map("div", (Const(1.0), s_load))))
+        out = []
+        for k in ks:
+            if k is lse:
+                out += new
+            elif k in hits:
+                out.append(_map_kernel(k, lambda e: scaled if match(e) else None))
+            else:
+                out.append(k)
+        if shift is not None and self.only_shifts(shift.out, new[0], out, outside):
+            out = [replace(k, reduce="maxshift") if k is shift else k for k in out]
+        return out
+
+    def only_shifts(self, m: str, exps: LoopKernel, ks: list[LoopKernel], outside: set[int]) -> bool:
+        """Whether max M, a temp read nowhere outside the group, is read only by `exps`,
+        e = exp(B - M): then it may skip NaNs (maxshift, llvm.maxnum, which LLVM
+        vectorizes better than the NaN-propagating llvm.maximum), with the same
+        outputs. A NaN in a row of B makes its e NaN there, so s = sum e is NaN, and e
+        reaches everything only through s (as e * (1/s), or log s); an infinite row
+        has the same M either way, and exp(B - M) is 1 at both signed zeros."""
+        if self.out.buffers[m].kind != "temp" or self.readers.get(m, set()) & outside:
+            return False
+        return all(k is exps or not any(isinstance(n, Load) and n.buf == m for n in _walk_kernel(k)) for k in ks)
+
+    def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
+        """Members writing and reading `name` (one outer index at a time) through a
+        scratch row per block instead: [#block, inner edges] (a block is one thread's,
+        in order, so the row is rewritten for each outer index and stays in cache)."""
+        low = self.out
+        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        old = low.buffers.pop(name)
+        new = low.fresh("r")
+        order = (BLOCK_EDGE,) + tuple(e for e in old.order if e not in outer)
+        low.buffers[new] = Buffer(new, old.dtype, tuple(sorted(order)), "temp", order=order)
+
+        def index(ix):
+            kept = tuple((e, i) for e, i in ix if e not in outer)
+            return tuple(sorted(((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + kept, key=lambda t: t[0]))
+
+        def visit(e):
+            return Load(new, index(e.index)) if isinstance(e, Load) and e.buf == name else None
+
+        out = []
+        for k in ks:
+            k = _map_kernel(k, visit)
+            if k.out == name:
+                k = replace(k, out=new, index=index(k.index), note="scratch row")
+            out.append(k)
+        return out
+
+    def make_partial(self, k: LoopKernel, outer, before: list, after: list) -> LoopKernel:
+        """`k` adding into its block's row of a partial buffer; the zeroing kernel
+        goes to `before`, the kernel adding the rows into `k.out` to `after`."""
+        low = self.out
+        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        dst = low.buffers[k.out]
+        name = low.fresh("p")
+        order = (BLOCK_EDGE,) + dst.order
+        low.buffers[name] = Buffer(name, dst.dtype, tuple(sorted(order)), "temp", order=order)
+        kept = tuple(e for e, _ in k.index)
+        full = ((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + k.index
+        loops = (BLOCK_EDGE,) + tuple(v for v in dst.order)
+        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.group_blocks}
+        index = tuple(sorted(full, key=lambda t: t[0]))
+        before.append(LoopKernel(name, index, loops, sizes, Const(0.0), note="zero partial sums"))
+        after.append(LoopKernel(k.out, k.index, loops[1:] + loops[:1], sizes, Load(name, index), "sum", (BLOCK_EDGE,),
+                                k.epilogue, note="add partial sums"))
+        return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> LoopKernel | None:
+    """The member writing M when `lse` is logsumexp[E](B - M) with M = max[E](B): B - M
+    has the maximum 0 (the prelude's shifted softmax), or is NaN where M is not finite."""
+    e = lse.body
+    if not (isinstance(e, Add) and sorted(e.coefs) == [-1.0, 1.0]):
+        return None
+    b, m = e.args if e.coefs == (1.0, -1.0) else e.args[::-1]
+    if not isinstance(m, Load):
+        return None
+    return next((k for k in ks if k.out == m.buf and k.reduce in ("max", "maxshift") and k.body == b
+                 and k.epilogue is None and set(k.loops) == set(lse.loops) and set(k.red) == set(lse.red)
+                 and m.index == k.index), None)
+
+
+def _together(ks: list[LoopKernel]) -> list:
+    """Kernels over the same kept loops (the zeroing, or the adding up, of several
+    partial sums) as one group: one function instead of one each."""
+    if len(ks) < 2:
+        return ks
+    kept = [tuple(v for v in k.loops if v not in k.red) for k in ks]
+    if len(set(kept)) != 1 or not kept[0] or any(k.loops[:len(kept[0])] != kept[0] for k in ks) \
+            or len({tuple(k.sizes[v] for v in kept[0]) for k in ks}) != 1:
+        return ks
+    return [LoopGroup(kept[0], {v: ks[0].sizes[v] for v in kept[0]}, tuple(ks))]
+
+
+def _walk_kernel(k: LoopKernel):
+    yield from walk(k.body)
+    if k.epilogue is not None:
+        yield from walk(k.epilogue)
+
+
+def _cheap(e) -> bool:
+    """Few cheap operations (recomputed by each reader instead of stored)."""
+    nodes = list(walk(e))
+    ops = [n for n in nodes if isinstance(n, (Add, Mul, Map))]
+    return (len(ops) <= INLINE_MAX_OPS and not any(isinstance(n, Map) and n.fn in EXPENSIVE for n in ops)
+            and not any(isinstance(n, (Mask, Rand)) for n in nodes))
+
+
+def _inline(reader: LoopKernel, producer: LoopKernel) -> LoopKernel:
+    """`reader` with its loads of `producer.out` replaced by the producer's
+    expression at the loaded index."""
+    def visit(e):
+        if isinstance(e, Load) and e.buf == producer.out:
+            at = dict(e.index)
+            return _subst(producer.body, {v: at[v] for v, _ in producer.index})
+        return None
+
+    return _map_kernel(reader, visit)
+
+
+def _map_expr(e, visit):
+    """`e` with each node for which `visit` returns an expression replaced by it (the
+    others rebuilt around their rewritten operands)."""
+    new = visit(e)
+    if new is not None:
+        return new
+    if isinstance(e, (Add, Mul, Map)):
+        return replace(e, args=tuple(_map_expr(a, visit) for a in e.args))
+    if isinstance(e, Mask):
+        return Mask(e.conds, _map_expr(e.arg, visit))
+    return e
+
+
+def _map_kernel(k: LoopKernel, visit) -> LoopKernel:
+    """`k` with `_map_expr` applied to its body and epilogue."""
+    return replace(k, body=_map_expr(k.body, visit),
+                   epilogue=None if k.epilogue is None else _map_expr(k.epilogue, visit))
+
+
+def _subst(e, mapping: dict[str, Ix]):
+    """`e` with loop variables replaced by indices."""
+    if isinstance(e, Load):
+        return Load(e.buf, tuple((edge, ix.subst(mapping)) for edge, ix in e.index))
+    if isinstance(e, Mask):
+        return Mask(tuple(Cond(c.ix.subst(mapping), c.op) for c in e.conds), _subst(e.arg, mapping))
+    if isinstance(e, (Add, Mul, Map)):
+        return replace(e, args=tuple(_subst(a, mapping) for a in e.args))
+    if isinstance(e, Rand):
+        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping))
+    return e
+
+

@@ -1,0 +1,215 @@
+"""plan: in-place updates, liveness, and buffer reuse in one workspace.
+
+`Lowered` -> `Lowered`. Kernels keep the topological order `fuse` gave them (update
+copies last, so every read of an old parameter value happens before it is
+overwritten). Then:
+
+- An update computed into a temporary and copied into its target at the end is
+  written straight into the target when nothing from its producing kernel on reads
+  the target's old value (the producer may, if it is elementwise and reads the
+  target only at the very element it writes: `W - lr * dW` runs in place); later
+  readers of the temporary then read the target.
+- Temporaries get workspace slots by liveness (first write .. last read, both
+  inclusive, so a kernel never reads and writes one slot): a slot is reused by a
+  later buffer once its occupant is dead, preferring a slot of the same byte size.
+  A slot's size is the max of its buffers' sizes — expressions of the symbolic
+  dims, so the workspace size is known from the dims before the call.
+
+Terminates: one pass over the kernels for each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Lowered, matrix_form, rename_buffers, walk
+from tgc.ir.sizes import size_estimate
+from tgc.options import Options
+from tgc.ir.passes import Pass
+from tgc.lower.fuse import sink_recomputation
+
+
+@dataclass(frozen=True)
+class Plan(Pass):
+    """Write updates in place where safe; assign workspace slots by liveness."""
+
+    name = "plan"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+        out = low.staged("plan")
+        sink_recomputation(out.kernels)   # again: layout and group may have added kernels
+        _updates_in_place(out)
+        _assign_slots(out, options.rep_size)
+        return out
+
+
+def _reads(k) -> set[str]:
+    return k.buffers_read()
+
+
+def _writes(k) -> set[str]:
+    return k.writes() if isinstance(k, LoopGroup) else {k.out}
+
+
+def _updates_in_place(low: Lowered) -> None:
+    """An update target's new value is written straight into it (no temporary and no
+    final copy) where nothing reads the old value after the temporary's producer.
+    The conditions of one target do not depend on another's renaming (each names its
+    own temporary and target), so every kernel's reads and writes are computed once
+    and all renamings are applied in one pass (GPT's 40 targets: 87 -> 11 ms)."""
+    kernels = low.kernels
+    reads = [_reads(k) for k in kernels]
+    writes = [_writes(k) for k in kernels]
+    mapping: dict[str, str] = {}
+    copies: set[int] = set()
+    for i, c in enumerate(kernels):
+        if not isinstance(c, LoopKernel) or low.buffers[c.out].kind != "arg":
+            continue
+        target = c.out
+        if not isinstance(c.body, Load) or low.buffers[c.body.buf].kind != "temp" or c.body.buf in mapping:
+            continue
+        tmp = c.body.buf
+        writers = [j for j, w in enumerate(writes) if tmp in w]
+        if len(writers) != 1:
+            continue
+        w = writers[0]
+        later = range(w + 1, len(kernels))
+        gemm_reads = any(isinstance(kernels[j], GemmKernel) and tmp in reads[j] for j in later)
+        if any(tmp in reads[j] for j in range(w)) or \
+                (gemm_reads and low.buffers[tmp].order != low.buffers[target].order):
+            continue
+        if any(target in reads[j] for j in later if j != i) or not _can_retarget(low, kernels[w], target, tmp):
+            continue
+        # the new value lives in the target from its producer on: later readers use it
+        mapping[tmp] = target
+        copies.add(i)
+    if mapping:
+        low.kernels = [rename_buffers(k, mapping) for i, k in enumerate(kernels) if i not in copies]
+        for tmp in mapping:
+            del low.buffers[tmp]
+
+
+def _can_retarget(low: Lowered, p, target: str, tmp: str) -> bool:
+    """Whether kernel `p`, which writes `tmp`, may write it into `target` instead."""
+    if isinstance(p, LoopGroup):
+        return _group_can_retarget(p, target, tmp)
+    if isinstance(p, GemmKernel):
+        form = matrix_form(low.buffers[target].order, p.m, p.n)
+        return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]
+    if target not in _reads(p):
+        return True
+    if p.reduce or p.scatter or p.epilogue is not None:
+        return False
+    # a float target is read through loads only (ids are i32): each must be of the
+    # element being written
+    loads = [n for n in walk(p.body) if isinstance(n, Load) and n.buf == target]
+    return all(n.index == p.index for n in loads)
+
+
+def _group_can_retarget(g: LoopGroup, target: str, tmp: str) -> bool:
+    """A group's member writing `tmp` may write `target` instead when no member after
+    it reads `target`, and every member up to it reads `target` only at the element
+    that member writes (its own index; the writer itself as a plain elementwise
+    member): members run in order for each iteration of the shared outer loops, whose
+    indices these loads fix, so each old element is read before it is overwritten and
+    no iteration reads another's (AdamW's moments and parameter, one elementwise group:
+    three copies back gone)."""
+    writer = next((j for j, m in enumerate(g.members) if m.out == tmp), None)
+    if writer is None:
+        return False
+    at = g.members[writer].index
+    for j, m in enumerate(g.members):
+        nodes = list(walk(m.body)) + (list(walk(m.epilogue)) if m.epilogue is not None else [])
+        loads = [n for n in nodes if isinstance(n, Load) and n.buf == target]
+        if not loads:
+            continue
+        if j > writer or (j == writer and (m.reduce or m.scatter or m.epilogue is not None)):
+            return False
+        if any(n.index != at for n in loads):
+            return False
+    return True
+
+
+def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
+    """Give each temporary a slot: a free slot that already holds buffers of its size,
+    else the free slot that grows least and, when none grows, the smallest that fits,
+    but never one over 4 times the buffer's size (a small long-lived buffer would keep
+    a large slot from the large buffers that follow); else a new slot. Sizes are
+    compared at symbolic dims of `rep_size`."""
+    env = {d: rep_size for d, s in low.module.dims.items() if s is None}
+
+    def est(size) -> int:
+        return size_estimate(size, env)
+
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, k in enumerate(low.kernels):
+        for name in k.buffers_used():  # a list: the slots do not depend on set order
+            if low.buffers[name].kind == "temp":
+                first.setdefault(name, i)
+                last[name] = i
+    for name, b in low.buffers.items():
+        if b.kind == "temp" and name not in first:
+            raise ValueError(f"internal: temporary '{name}' is never used")
+    slots: list[list] = []          # sizes per slot
+    occupant: list[str | None] = []
+    for i, k in enumerate(low.kernels):
+        for s, name in enumerate(occupant):
+            if name is not None and last[name] < i:
+                occupant[s] = None
+        for name in sorted((n for n, f in first.items() if f == i), key=lambda n: list(first).index(n)):
+            size = low.nbytes(low.buffers[name])
+            free = [s for s, o in enumerate(occupant) if o is None]
+            same = [s for s in free if slots[s] == [size]]
+            need = est(size)
+            room = {s: max(map(est, slots[s]), default=0) for s in free}
+            fits = sorted((s for s in free if room[s] <= 4 * need), key=lambda s: (max(0, need - room[s]), room[s], s))
+            s = (same or fits or [None])[0]
+            if s is None:
+                slots.append([])
+                occupant.append(None)
+                s = len(slots) - 1
+            if size not in slots[s]:
+                slots[s].append(size)
+            occupant[s] = name
+            low.buffers[name].slot = s
+    low.slots = [tuple(s) for s in slots]
+
+
+LOWERING = ("fuse", "layout", "group", "plan")
+
+
+def lower_module(module, options: Options, emit=None, stop_after: str = "plan") -> Lowered:
+    """Run the lowering stages after the IR pipeline: fuse, layout, group, plan.
+
+    `emit(banner, text)` receives the lowered form after each stage that
+    `options.print_ir_after` names (or every stage with `print_ir_after_all`);
+    `stop_after` ends early (what `tgc dump-ir --after fuse|layout` prints). With
+    `options.verify_each`, the lowered program after each stage is run by the numpy
+    lowered-program interpreter and compared with the module's values.
+    """
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.fuse import Fuse
+    from tgc.lower.group import Group
+    from tgc.lower.layout import Layout
+
+    from tgc.ir.lowp import emulate_low, has_low
+
+    if has_low(module):   # bf16/f16 values: held in the program's float type, each rounded
+        module = emulate_low(module, options.dtype)
+    stages = {"fuse": Fuse(), "layout": Layout(), "group": Group(), "plan": Plan()}
+    checker = None
+    if options.verify_each:
+        from tgc.manager import _Checker
+        checker = _Checker(module, options.verify_seed)
+    from tgc.opt.rewrite import without_rules
+
+    current = without_rules(module)  # a pass list without normalize/simplify may leave them
+    for name in LOWERING:
+        current = stages[name].run(current, options)
+        if checker:
+            checker.check_lowered(current, name)
+        if emit and (options.print_ir_after_all or name in options.print_ir_after):
+            emit(f"IR after {name}", print_lowered(current))
+        if name == stop_after:
+            break
+    return current

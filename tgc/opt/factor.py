@@ -1,0 +1,186 @@
+"""factor: n-ary contractions -> pairwise ones in the order of least cost; common factors out.
+
+Rewrites, in two phases:
+
+1. Un-distribution (on the canonical form): terms of a sum that share factors
+   have them taken out, `x @ A + x @ B -> x @ (A + B)`, when that costs fewer
+   FLOPs (`tgc.opt.stats`'s model, each contraction at its best order) --
+   never when it would build a larger tensor that costs more.
+2. Ordering: every contraction of three or more operands becomes a tree of
+   pairwise contractions in the order `tgc.opt.paths` finds (opt_einsum,
+   memory-bounded: no intermediate larger than the largest dense operand or the
+   result; indicators costed as index arithmetic). Consecutive products that sum
+   nothing stay one elementwise product, which `fuse` runs as one loop. Each
+   pairwise contraction computes under canonical edge names, so the same
+   sub-contraction built for two consumers is one value.
+
+Symbolic dims are costed at `Options.rep_size` (64 by default). The output is
+the one non-canonical form in the pipeline: `normalize` would merge the pairwise
+contractions again, so `factor` runs last.
+
+Terminates: un-distribution strictly lowers the cost of the sum it rewrites (and
+the canonical rewriting around it terminates); ordering visits each value once
+and each path step removes an operand.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tgc.ir import values as V
+from tgc.ir.module import Module
+from tgc.ir.values import Value, rebuild, topo_order
+from tgc.options import Options
+from tgc.ir.passes import Pass
+from tgc.opt.canon import Canon, sort_key
+from tgc.opt.paths import find_path, memory_limit
+from tgc.opt.rewrite import Ctx, prune_edges, rewrite
+from tgc.opt.stats import is_index, prod, rep_sizes, value_flops
+
+
+def _factors(t: Value) -> list[Value]:
+    return list(t.operands) if t.op == "contract" else [t]
+
+
+def _leaves(factors) -> list[tuple[frozenset[str], bool]]:
+    return [(frozenset(f.edges), is_index(f)) for f in factors]
+
+
+# ---- phase 1: common factors out of sums -----------------------------------------------------
+
+def _minus(bag: list[Value], take: list[Value]) -> list[Value]:
+    rest = list(bag)
+    for t in take:
+        rest.remove(t)
+    return rest
+
+
+def _common(bags: list[list[Value]]) -> list[Value]:
+    common = list(bags[0])
+    for bag in bags[1:]:
+        left = list(bag)
+        common = [f for f in common if f in left and not left.remove(f)]
+    return common
+
+
+def _roles_agree(common, terms) -> bool:
+    """Every edge of the common factors is kept in all the terms or summed in all."""
+    for e in set().union(*(f.edges for f in common)):
+        if len({e in t.edges for t in terms}) > 1:
+            return False
+    return True
+
+
+def _undistributed(ctx: Ctx, common, terms, coefs) -> Value:
+    edges = set().union(*(f.edges for f in common))
+    inner = []
+    for t in terms:
+        rest = _minus(_factors(t), common)
+        keep = (set(t.edges) | edges) & set().union(*(f.edges for f in rest)) if rest else set()
+        inner.append(ctx.c.contract(rest, keep) if rest else V.const(1.0, t.dtype))
+    total = ctx.c.add(inner, coefs)
+    if total.op == "add":  # settled now, so that the cost weighed is the cost of the result
+        total = undistribute(ctx, total) or total
+    return ctx.c.contract(common + [total], set().union(*(t.edges for t in terms)))
+
+
+def _cost(v: Value, sizes) -> int:
+    """Cost of v's own op, a contraction at its best order (its operands given)."""
+    if v.op == "contract":
+        return value_flops(v, sizes)
+    if v.op == "add":
+        return max(1, len(v.operands) - 1) * prod(v.edges, sizes)
+    return 0
+
+
+def _new_cost(v: Value, sizes, known: set[int]) -> int:
+    """Cost of the values v needs that are not in `known` (ids) yet."""
+    if id(v) in known:
+        return 0
+    known.add(id(v))
+    return _cost(v, sizes) + sum(_new_cost(o, sizes, known) for o in v.operands)
+
+
+# sum_k c_k (F R_k) = F (sum_k c_k R_k)   (F: factors the terms share; only when cheaper)
+def undistribute(ctx: Ctx, v: Value) -> Value | None:
+    if "sizes" not in ctx.cache:
+        values = ctx.module.values()
+        ctx.cache.update(sizes=rep_sizes(ctx.module, ctx.options.rep_size),
+                         users=Counter(id(o) for x in values for o in x.operands))
+    sizes, users = ctx.cache["sizes"], ctx.cache["users"]
+    known = None  # ids of what exists already (v's graph), found on first need
+    terms, coefs = list(v.operands), list(v.attrs[0])
+    best = None
+    for o in sorted({id(f): f for t in terms for f in _factors(t)}.values(), key=sort_key):
+        group = [k for k, t in enumerate(terms) if o in _factors(t)]
+        common = [f for f in _common([_factors(terms[k]) for k in group]) if f.edges]  # scalars: no gain
+        if len(group) < 2 or not common or not _roles_agree(common, [terms[k] for k in group]):
+            continue
+        new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
+        dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
+        old = sum(_cost(t, sizes) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        if known is None:
+            known = {id(x) for x in topo_order([v])}
+        saving = old - _new_cost(new, sizes, set(known))
+        if saving > 0 and (best is None or saving > best[0]):
+            best = (saving, group, new)
+    if best is None:
+        return None
+    _, group, new = best
+    rest = [k for k in range(len(terms)) if k not in group]
+    return ctx.c.add([terms[k] for k in rest] + [new], [coefs[k] for k in rest] + [1.0])
+
+
+# ---- phase 2: pairwise order ----------------------------------------------------------------
+
+def _presum(c: Canon, ops: tuple[Value, ...], keep: set[str]) -> list[Value]:
+    """Each dense operand summed first over the edges no other operand (or the result) has."""
+    out = []
+    for k, o in enumerate(ops):
+        others = keep.union(*(x.edges for j, x in enumerate(ops) if j != k))
+        private = set(o.edges) - others
+        out.append(c.contract([o], set(o.edges) - private) if private and not is_index(o) else o)
+    return out
+
+
+def _split(c: Canon, sizes, v: Value, ops: tuple[Value, ...]) -> Value:
+    if v.op != "contract" or len(ops) < 2:
+        return V.rebuild_same(v, ops)
+    keep = set(v.edges)
+    ops = _presum(c, ops, keep)
+    carried = set().union(*(o.edges for o in ops))
+    if len(ops) == 2:
+        return c.broadcast(c.contract(ops, keep & carried), keep)
+    leaves = _leaves(ops)
+    path = find_path(leaves, keep & carried, sizes, memory_limit(leaves, keep & carried, sizes))
+    live: list[tuple[Value, list[Value] | None]] = [(o, None) for o in ops]  # (value, its elementwise factors)
+    for step in path:
+        picked = [live[i] for i in step]
+        for i in sorted(step, reverse=True):
+            del live[i]
+        later = keep.union(*(x.edges for x, _ in live))
+        union = set().union(*(x.edges for x, _ in picked))
+        out = union & later
+        elementwise = out == union
+        factors = [f for x, fs in picked for f in (fs if elementwise and fs else [x])]
+        live.append((c.contract(factors, out), factors if elementwise else None))
+    return c.broadcast(live[0][0], keep)
+
+
+def order_contractions(module: Module, options: Options) -> Module:
+    out = module.replace_values({})
+    c = Canon(out, merge=None)  # pairwise contractions stay pairwise
+    sizes = rep_sizes(out, options.rep_size)
+    memo = rebuild(out.roots(), lambda v, ops: _split(c, sizes, v, ops))
+    return prune_edges(out.replace_values(memo))
+
+
+@dataclass(frozen=True)
+class Factor(Pass):
+    """Contractions -> pairwise in the cheapest memory-bounded order; common factors out."""
+
+    name = "factor"
+
+    def run(self, module: Module, options: Options) -> Module:
+        module = rewrite(module, {"add": [undistribute]}, options)
+        return order_contractions(module, options)

@@ -1,1 +1,0 @@
-"""IR-to-IR passes and the pass manager. Passes import `tgc.ir` only."""
