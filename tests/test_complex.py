@@ -3,6 +3,8 @@ the IR interpreter, the lowered interpreter and the CPU backend against each oth
 the IR's text round trip, `--verify-each`, `tgc run` with npz files, and the errors."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -22,6 +24,7 @@ from tgc.options import Options
 from tgc.lower.plan import lower_module
 from passes_util import optimize
 
+SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}
 TOL = {"f32": 2e-5, "f64": 1e-12}
 
@@ -31,12 +34,15 @@ def crandn(rng, *shape, dtype="f64"):
 
 
 def all_paths(src: str, inputs: dict, dtype: str):
-    """(name, result) of the IR interpreter, the lowered interpreter and the CPU backend."""
+    """(name, result) of the IR interpreter, the lowered interpreter, the CPU backend and,
+    where g++ is (the emulator compiles with it), the CUDA backend under cuda-sim."""
     opts = Options(dtype=dtype)
     m = pipeline.lower(compile_source(src, "<complex>", opts), opts).module
     yield "interp", evaluate(m, {k: np.copy(v) for k, v in inputs.items()}, dtype=dtype)
     yield "lowered", run_lowered(lower_module(m, opts), {k: np.copy(v) for k, v in inputs.items()})
     yield "cpu", tgc.compile(src, dtype=dtype)(**{k: np.copy(v) for k, v in inputs.items()})
+    if SIM:   # the CUDA backend's generated code, run on this CPU by the emulator
+        yield "cuda-sim", tgc.compile(src, backend="cuda-sim", dtype=dtype)(**{k: np.copy(v) for k, v in inputs.items()})
 
 
 def close(got, want, dtype, what=""):

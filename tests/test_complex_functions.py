@@ -3,6 +3,8 @@ the branch cut, tiny and large parts) on the IR interpreter, the lowered interpr
 and the CPU backend, and their conjugate-Wirtinger gradients against torch.autograd."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from tgc.lower.interp import run_lowered
 from tgc.lower.plan import lower_module
 from tgc.options import Options
 
+SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}
 TOL = {"f32": 3e-6, "f64": 4e-15}
 
@@ -39,6 +42,8 @@ def paths(src, inputs, dtype):
     yield "interp", evaluate(m, dict(inputs), dtype=dtype)
     yield "lowered", run_lowered(lower_module(m, opts), dict(inputs))
     yield "cpu", tgc.compile(src, dtype=dtype)(**inputs)
+    if SIM:   # the CUDA backend's generated code under the emulator
+        yield "cuda-sim", tgc.compile(src, backend="cuda-sim", dtype=dtype)(**inputs)
 
 
 def rel_close(got, ref, tol):

@@ -4,6 +4,8 @@ their values and gradients against numpy and torch.autograd on the IR interprete
 lowered interpreter and the CPU backend; `--blas none` keeps four real products."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from tgc.lower.interp import run_lowered
 from tgc.options import Options
 from tgc.lower.plan import lower_module
 
+SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}
 TOL = {"f32": 2e-5, "f64": 1e-12}
 
@@ -44,13 +47,9 @@ def all_paths(src, inputs, dtype, **opts):
     m, low = lowered(src, dtype=dtype, **opts)
     yield "interp", evaluate(m, dict(inputs), dtype=dtype)
     yield "lowered", run_lowered(low, dict(inputs))
-    yield "cpu", tgc.compile(src, dtype=dtype, options=o)(**inputs) if _takes_options() else \
-        tgc.compile(src, dtype=dtype)(**inputs)
-
-
-def _takes_options():
-    import inspect
-    return "options" in inspect.signature(tgc.compile).parameters
+    yield "cpu", tgc.compile(src, dtype=dtype, options=o)(**inputs)
+    if SIM:   # the CUDA backend (four real products there) under the emulator
+        yield "cuda-sim", tgc.compile(src, backend="cuda-sim", dtype=dtype)(**inputs)
 
 
 PRODUCT = """dim i, j, k
