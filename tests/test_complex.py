@@ -525,3 +525,15 @@ def test_cuda_sim_backend_agrees_on_complex_values():
     got = tgc.compile(ELEMENTWISE, backend="cuda-sim")(z=z, w=w, x=x)
     for k, v in want.items():
         close(got[k], v, "f32", f"cuda-sim: {k}")
+
+
+@pytest.mark.parametrize("declared,dtype,width", [("c64", "f64", np.complex128), ("c128", "f32", np.complex64),
+                                                  ("c64", "f32", np.complex64), ("c128", "f64", np.complex128)])
+def test_a_complex_declaration_has_the_programs_width(declared, dtype, width):
+    """As `f32`/`f64` declarations do, `c64`/`c128` name the complex type of the
+    program's float type (docs/language.md): the parts are f32 with --dtype f32 and
+    f64 with --dtype f64, whichever is written, and the caller gets that width back."""
+    z = np.array([1 + 1e-12j, -2.5 + 3j], np.complex128)
+    got = tgc.compile(f"dim n\ninput z: {declared}[n]\nout y = z * z\n", dtype=dtype)(z=z)["y"]
+    assert got.dtype == width
+    np.testing.assert_allclose(got, (z.astype(width) * z.astype(width)), rtol=TOL[dtype])
