@@ -40,7 +40,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tgc.ir.complex_io import complex_outputs, pairs_inputs
+from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (MAP_FNS, NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
@@ -223,7 +223,7 @@ class _Machine:
 
     def gemm(self, k: GemmKernel) -> None:
         shifts = {(role, e): ix for role, e, ix in k.shifts}
-        names = list(dict.fromkeys(k.batch + k.m + k.n + k.k + k.taps))
+        names = list(dict.fromkeys(k.batch + k.m + k.n + k.k + k.taps + ((RI,) if k.cplx else ())))
         letters = {v: chr(ord("a") + i) for i, v in enumerate(names)}
 
         def operand(role: str, view) -> tuple[np.ndarray, str]:
@@ -242,6 +242,14 @@ class _Machine:
         a, sa = operand("a", k.a)
         b, sb = operand("b", k.b)
         out_order = self.order[k.out]
+        if k.cplx is not None:   # float pairs (re.im last in `used`) as complex numbers
+            a, b = (x[..., 0] + 1j * x[..., 1] for x in (a.astype(np.float64), b.astype(np.float64)))
+            a, b = (np.conj(x) if c else x for x, c in zip((a, b), k.cplx))
+            out = [e for e in out_order if e != RI]
+            z = k.alpha * np.einsum(f"{sa[:-1]},{sb[:-1]}->{''.join(letters[e] for e in out)}", a, b)
+            result = np.moveaxis(np.stack([z.real, z.imag]), 0, list(out_order).index(RI))
+            self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
+            return
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)

@@ -409,9 +409,25 @@ class GemmKernel:
     # (shift: an index over batch and tap edges); each call clips the edge's range
     # to where every shifted index is in bounds (the rest of the sum is zeros)
     shifts: tuple[tuple[str, str, Ix], ...] = ()
+    # a complex product (cgemm/zgemm): None for a real one, else whether each operand
+    # is conjugated. Its three buffers hold float pairs along `re.im`, their innermost
+    # axis; both views map `re.im` to itself, and the groups never hold it. `alpha`
+    # scales the product (real).
+    cplx: tuple[bool, bool] | None = None
+    alpha: float = 1.0
 
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf}
+
+    def matrix_order(self, order: Sequence[str] | None) -> tuple[str, ...] | None:
+        """A buffer's (or view's) order as the matrix sees it: a complex product's
+        elements are the pairs, so its `re.im` axis, which must be the innermost, is
+        not a matrix axis (None when it is not innermost: no complex matrix)."""
+        if order is None or self.cplx is None:
+            return None if order is None else tuple(order)
+        if not order or order[-1] != "re.im":
+            return None
+        return tuple(order[:-1])
 
     def accumulates(self) -> bool:
         """`out` is zeroed, then every call adds into it."""
@@ -427,7 +443,11 @@ class GemmKernel:
             g += f" taps({', '.join(self.taps)})"
         for role, e, ix in self.shifts:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
-        return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+        if self.cplx is None:
+            return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+        a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
+        scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
+        return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
 
 
 @dataclass

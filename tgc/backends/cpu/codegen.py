@@ -152,7 +152,8 @@ class _ModuleGen:
     def first_text(self) -> str:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
-        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
+        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
+                              and k.cplx is None}):
             small_kernel(self.mod, self.fp, packed=packed)
             if self.opt.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)

@@ -54,7 +54,8 @@ from tgc.ir.sizes import Size, SizeOp
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
 C_TYPES = {"f32": "float", "f64": "double", "i32": "int"}
 FNS = {"exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "abs", "pow", "div", "sign", "max", "min",
-       "lt", "le", "gt", "ge", "eq", "ne", "where", "mul0", "mul00", "round32", "sigmoid", "softplus"}
+       "lt", "le", "gt", "ge", "eq", "ne", "where", "mul0", "mul00", "round32", "round_bf16", "round_f16",
+       "sigmoid", "softplus"}
 BLOCK = 256          # threads per block on a GPU
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import codegen, gemm
+from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.interp import EvalError
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_eval
@@ -90,7 +91,7 @@ def lower(module: Module, options: Options):
     the CPU's loop groups (`group_blocks=0`)."""
     from tgc.lower.plan import lower_module
 
-    return lower_module(module, options.with_(group_blocks=0))
+    return lower_module(module, options.with_(group_blocks=0, complex_gemm=False))
 
 
 # ---------------------------------------------------------------- devices
@@ -247,6 +248,12 @@ class CudaProgram(Program):
         self.backend = device.name
         self.dtype = options.dtype
         self._signature(module)
+        # bf16/f16 arguments and outputs: held in the program's float type by the
+        # kernels (each rounding is a round_bf16/round_f16 in them), converted on the way
+        # in and out by the calls, as `Program` does
+        self.low_types = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
+        self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
+        self.low_types.update(self._low_outs)
         self._fast = False
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
         self.out_dtype: np.dtype | None = None

@@ -69,6 +69,40 @@ template <typename T> TGC_DEV T tgc_where(T c, T a, T b) { return c != T(0) ? a 
 template <typename T> TGC_DEV T tgc_mul0(T a, T b) { return a == T(0) ? T(0) : a * b; }
 template <typename T> TGC_DEV T tgc_mul00(T a, T b) { return (a == T(0) || b == T(0)) ? T(0) : a * b; }
 template <typename T> TGC_DEV T tgc_round32(T x) { return T((float)x); }
+// round_bf16 / round_f16: x through f32 to the nearest bfloat16 / half (ties to even)
+// and back, as the CPU backend (tgc/backends/cpu/elementwise.py) and the interpreters.
+// bf16: the f32 bits plus 0x7fff plus the lowest kept bit, cut to the top 16 (a carry
+// rounds up into the exponent, up to inf); NaN stays NaN, made quiet.
+TGC_DEV float tgc_bf16f(float f) {
+#ifdef __CUDACC__
+    unsigned u = __float_as_uint(f);
+#else
+    unsigned u;
+    memcpy(&u, &f, 4);
+#endif
+    u = (f != f) ? (u | 0x00400000u) : (u + 0x7fffu + ((u >> 16) & 1u));
+    u &= 0xffff0000u;
+#ifdef __CUDACC__
+    return __uint_as_float(u);
+#else
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+// half: the hardware conversion (cvt.rn.f16.f32 on a GPU, without cuda_fp16.h, which
+// NVRTC may not find; GCC's _Float16 under the emulator)
+TGC_DEV float tgc_f16f(float f) {
+#ifdef __CUDACC__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return (float)(_Float16)f;
+#endif
+}
+template <typename T> TGC_DEV T tgc_round_bf16(T x) { return T(tgc_bf16f((float)x)); }
+template <typename T> TGC_DEV T tgc_round_f16(T x) { return T(tgc_f16f((float)x)); }
 template <typename T> TGC_DEV T tgc_sigmoid(T x) {
     T e = tgc_exp(-tgc_abs(x));
     T d = T(1) + e;
