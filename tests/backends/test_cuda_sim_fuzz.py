@@ -42,6 +42,7 @@ def _check(text: str, dims: dict, name: str) -> None:
     compare(module, "f64", dims=dims)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(SLICE))
 def test_slice(seed):
     prog = generate(seed)
