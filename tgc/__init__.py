@@ -17,6 +17,8 @@ The API:
 - `Options`: compiler settings (passes, threads, `fp_strict`, ...);
 - `save_params` / `load_params`: a program's params and states to and from
   safetensors or npz files, checked against the program on load;
+- `tgc.distributed`: data-parallel training steps over MPI or NCCL
+  (`compile(..., data_parallel=comm)`; docs/distributed.md);
 - errors: `CompileError` (the program is wrong), `EvalError` (a call's arrays are
   wrong), `ParamsError` (a parameter file does not fit).
 
@@ -54,7 +56,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None):
+def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None, data_parallel=None,
+            **data_parallel_options):
     """Compile a program to native code for this CPU; returns a callable `Program`.
 
     `source`: a path to a `.tg` or `.tgir` file, `.tg` source text, IR text (as
@@ -66,6 +69,12 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     CuPy: docs/cuda.md) or "cuda-sim" (the CUDA module run on this CPU by an
     emulator). Errors in the program raise `CompileError`; a backend that cannot
     run here raises `tgc.backends.base.BackendUnavailable`.
+
+    `data_parallel` (an mpi4py communicator, or a CuPy NCCL communicator for "cuda")
+    makes a `tgc.distributed.DataParallel` step: the batch split over the ranks, the
+    gradients averaged, the updates run on every rank (docs/distributed.md). Its
+    keywords: `shard` (the split dim, "batch"), `deterministic` (sum in rank order),
+    `bucket_bytes`, `sums` (outputs summed, not averaged).
 
     Compiled code is cached on disk (see the README), so compiling the same program
     again is fast.
@@ -85,9 +94,12 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
         raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
     if isinstance(source, (bytes, bytearray)):
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
+    if data_parallel_options and data_parallel is None:
+        raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
     if isinstance(source, Module):
-        return _build(source, dims, options, None, backend=backend)
+        return _build(source, dims, options, None, backend=backend, data_parallel=data_parallel,
+                      dp_options=data_parallel_options)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
         path = os.fspath(source)
@@ -107,7 +119,7 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
     key = _source_key(kind, name, text, options) if backend == "cpu" else None
-    if key is not None:
+    if key is not None and data_parallel is None:
         program = _cached(key, options)
         if program is not None:
             return program
@@ -125,7 +137,7 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
 
         loaded = elaborate_source(source, name, options)
         module, files = loaded.module, [f for f in loaded.files if f != name]
-    return _build(module, dims, options, key, files, backend)
+    return _build(module, dims, options, key, files, backend, data_parallel, data_parallel_options)
 
 
 def _source_key(kind, name, text, options):
@@ -166,13 +178,18 @@ def _cached(key, options):
         return None
 
 
-def _build(module, dims, options, key, files=(), backend="cpu"):
+def _build(module, dims, options, key, files=(), backend="cpu", data_parallel=None, dp_options=None):
     from tgc import pipeline
     from tgc.runtime import cache
     from tgc.runtime.program import build_with_object
 
     module = pipeline.fix_dims(module, dims or {})
     opts = options.with_(dims=())
+    if data_parallel is not None:   # split at the gradient boundary before the pipeline
+        from tgc.distributed import DataParallel
+
+        return DataParallel(module, data_parallel, opts, backend, **(dp_options or {}), cache_key=key,
+                            files=files)
     if backend != "cpu":   # cuda, cuda-sim: their modules are cached by content where they load
         from tgc.backends.cuda.runtime import build
 
