@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from tgc.cli import main
@@ -74,6 +75,7 @@ def test_dot_and_json_pictures():
     assert all(op in ids for v in doc["values"] for op in v["operands"])
 
 
+@pytest.mark.slow
 def test_shell_completion_scripts():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for shell in ("bash", "zsh", "fish"):
