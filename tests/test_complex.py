@@ -19,7 +19,7 @@ from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 from passes_util import optimize
 
 CDT = {"f32": np.complex64, "f64": np.complex128}

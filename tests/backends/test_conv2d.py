@@ -21,7 +21,7 @@ from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate, random_inputs
 from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
 
 ROOT = Path(__file__).resolve().parent.parent.parent

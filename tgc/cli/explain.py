@@ -45,7 +45,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
       tgc explain examples/gpt.tg --timeline gpt-memory.svg
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
