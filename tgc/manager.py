@@ -5,8 +5,9 @@ One loop (`run_passes`) runs every pass, whatever its level (`Pass.takes`/`gives
 IR module, or the lowered program of `tgc.lower.lowered`): it checks that each pass
 reads what the one before it gives, prints the program before/after the passes
 `options` names through `emit` (banner, text), times each pass when asked, verifies
-the result (`tgc.ir.verify` for a module, `tgc.lower.verify` for a lowered program),
-and with `options.verify_each` compares values: a module is evaluated in float64 on
+the result (`tgc.ir.verify` after every IR pass; `tgc.lower.verify` after the last
+lowering stage of a list, and after every one with `options.verify_each`: it costs
+about a tenth of the lowering), and with `options.verify_each` compares values: a module is evaluated in float64 on
 seeded random inputs before and after every IR pass; a lowered program is run by the
 lowered-program interpreter (`tgc.lower.interp`) and compared with the module's
 values. It fails with the pass and the output whose value changed.
@@ -24,6 +25,7 @@ Terminates: one run of each pass in the list.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 import typing
@@ -96,6 +98,7 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
     return parts
 
 
+@functools.lru_cache(maxsize=None)
 def pass_fields(cls: type[Pass]) -> dict[str, Any]:
     """A pass's options: field name -> its type."""
     hints = typing.get_type_hints(cls)
@@ -123,6 +126,8 @@ def _value(cls: type[Pass], name: str, typ: Any, text: str):
 def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
     """'group{blocks=8}' -> ('group', {'blocks': 8}); unknown passes and fields raise
     PassListError listing the known ones."""
+    if text in PASSES:   # the common case: a plain name
+        return text, {}
     m = _SPEC.match(text)
     if not m:
         raise PassListError(f"cannot read pass '{text.strip()}' (a pass is NAME or NAME{{field=value,...}})")
@@ -288,10 +293,11 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             elif checker:
                 checker.check(ir, name)
         else:
-            try:
-                verify_lowered(ir)
-            except VerifyError as e:
-                raise PassError(f"lowering stage '{name}' made an invalid program: {e}") from None
+            if checker or p is passes[-1][1]:   # the structural check: after the last stage, or every one
+                try:
+                    verify_lowered(ir)
+                except VerifyError as e:
+                    raise PassError(f"lowering stage '{name}' made an invalid program: {e}") from None
             if checker:
                 checker.check_lowered(ir, name)
         if stats is not None and (options.time_passes or options.stats):

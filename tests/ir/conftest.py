@@ -1,4 +1,5 @@
-"""A lit-style collector: every `.tg`/`.tgir` file here with `RUN:` lines is a test.
+"""A lit-style collector: every `.tg`/`.tgir`/`.tgl` (lowered program) file here or in a
+folder below (`lowered/`) with `RUN:` lines is a test.
 
 Each `RUN:` line is a shell pipeline with `%s` (this file) substituted and `tgc`,
 `filecheck` and `not` (succeed only if the command fails) resolved to this Python;
@@ -20,7 +21,7 @@ RUN = re.compile(r"^\s*(?:#|//)\s*RUN:\s*(.*)$")
 
 
 def pytest_collect_file(parent, file_path: Path):
-    if file_path.suffix in (".tg", ".tgir") and "RUN:" in file_path.read_text(errors="replace"):
+    if file_path.suffix in (".tg", ".tgir", ".tgl") and "RUN:" in file_path.read_text(errors="replace"):
         return LitFile.from_parent(parent, path=file_path)
     return None
 

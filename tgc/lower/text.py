@@ -112,8 +112,9 @@ def _lark_message(e: UnexpectedInput) -> str:
     if isinstance(e, UnexpectedToken):
         tok = e.token
         what = "end of line" if tok.type == "_NL" else "end of input" if tok.type == "$END" else repr(str(tok))
-        expected = sorted(_readable(t) for t in e.expected if not t.startswith("_"))
-        return f"unexpected {what} in lowered program (expected {', '.join(expected[:8])})"
+        expected = sorted(_readable(t) for t in (e.accepts or e.expected) if not t.startswith(("_", "$")))
+        more = ", ..." if len(expected) > 10 else ""
+        return f"unexpected {what} in lowered program (expected {', '.join(expected[:10])}{more})"
     return str(e)
 
 
