@@ -297,9 +297,11 @@ class _Verifier:
     def expr(self, e, bound: set[str], defined: set[str], acc: bool) -> None:
         for node in walk(e):
             if isinstance(node, Load):
-                if node.buf not in self.low.buffers and node.buf not in defined:
-                    raise self.fail(f"reads undeclared buffer '%{node.buf}'")
                 if node.buf not in defined:
+                    if node.buf in self.group_regs():
+                        raise self.fail(f"reads register '%{node.buf}' before a member writes it")
+                    if node.buf not in self.low.buffers:
+                        raise self.fail(f"reads undeclared buffer '%{node.buf}'")
                     raise self.fail(f"reads '%{node.buf}' before anything writes it")
                 self.index(node.buf, node.index, bound, defined)
             elif isinstance(node, Mask):
