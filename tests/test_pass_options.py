@@ -141,3 +141,17 @@ def test_cli_verify_each_finds_a_lowered_program_that_computes_something_else(tm
     r = run("opt", str(path), "-p", "", "--verify-each")
     assert r.exit_code == 1
     assert "error: the lowered program changed the value of" in r.output
+
+
+def test_a_backend_gets_a_planned_program_or_a_clear_error():
+    opts = Options()
+    module = pipeline.lower(pipeline.load(MLP, opts), opts).module
+    with pytest.raises(PassListError, match="the lowering stages end with 'layout': a backend compiles a planned"):
+        lower_module(module, opts.with_(stages=("fuse", "layout")))
+    assert lower_module(module, opts.with_(stages=("fuse", "layout", "plan"))).stage == "plan"   # no groups
+
+
+def test_cli_a_pass_list_that_cannot_run_is_a_usage_error():
+    r = run("dump-ir", MLP, "-p", "normalize,layout")
+    assert r.exit_code == 2
+    assert "error: pass 'layout' needs a lowered program: run 'fuse' before it" in r.output

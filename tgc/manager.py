@@ -363,4 +363,7 @@ def lower_module(module: Module, options: Options, emit: Emit | None = None, sto
     low = run_lowering(module, options, emit, stages, stop_after).lowered
     if not isinstance(low, Lowered):
         raise PassListError("the lowering stages do not include 'fuse': the program is still IR")
+    if stop_after == "plan" and low.stage != "plan":
+        raise PassListError(f"the lowering stages end with '{low.stage}': a backend compiles a planned program "
+                            "(end the list with 'plan')")
     return low

@@ -1,5 +1,7 @@
 """Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout`,
-`group` and `plan` produce, and their text form (`tgc dump-ir --after fuse|layout|group|plan`).
+`group` and `plan` produce, and their text form (`print_lowered`, what `tgc dump-ir
+--after fuse|layout|group|plan` prints; `tgc.lower.text` reads it back, and
+`tgc.lower.verify` states the rules a program must keep).
 
 Backend-neutral: a program is a list of kernels over named buffers.
 
