@@ -27,13 +27,15 @@ lowering stage, and `parse_lowered` after reading text:
   the slot table and lists the buffer's byte size, and two temporaries alive at once
   (from first to last use) never share a slot; id checks are on i32 buffers.
 
-Sizes are compared as expressions (`tgc.ir.sizes`), so symbolic dims are compared by
-name: two sizes that are equal only for some dims count as different. It changes
-nothing. Terminates: one walk over the kernels and their expression trees.
+Sizes are expressions of the symbolic dims (`tgc.ir.sizes`); two that are not the same
+expression (`h * 5` and `h * e` with `e = 5`) are compared by their values at two
+bindings of the symbolic dims (and count as equal when the dims cannot be bound), so
+the check flags only sizes that differ. It changes nothing. Terminates: one walk over the kernels and their expression trees.
 """
 from __future__ import annotations
 
 from tgc.ir.interp import MAP_FNS
+from tgc.ir.sizes import SizeError, size_eval
 from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
                                Mask, Rand, walk)
 
@@ -61,6 +63,22 @@ class _Verifier:
 
     def fail(self, message: str) -> VerifyError:
         return VerifyError(message, self.k)
+
+    def same_size(self, a, b) -> bool:
+        if a == b:
+            return True
+        if not hasattr(self, "_envs"):
+            sym = self.low.module.symbolic_dims()
+            self._envs = []
+            for base in (7, 12):
+                try:
+                    self._envs.append(self.low.module.bind_dims({d: base + 2 * i for i, d in enumerate(sym)}))
+                except (SizeError, ValueError):
+                    pass
+        try:
+            return all(size_eval(a, env) == size_eval(b, env) for env in self._envs)
+        except (SizeError, KeyError):
+            return True
 
     def known_edge(self, e: str) -> bool:
         return e in self.low.edges or e in self.low.module.edges
@@ -189,7 +207,7 @@ class _Verifier:
                 raise self.fail(f"member {j} (%{m.out}) does not start with the group's loops "
                                 f"{', '.join(g.outer)}")
             for v in g.outer:
-                if v in m.sizes and m.sizes[v] != g.sizes[v]:
+                if v in m.sizes and not self.same_size(m.sizes[v], g.sizes[v]):
                     raise self.fail(f"member {j} (%{m.out}) runs '{v}' over {m.sizes[v]}, the group over "
                                     f"{g.sizes[v]}")
             scope = dict(g.sizes)
@@ -233,7 +251,7 @@ class _Verifier:
         if k.out in low.buffers:
             for e, ix in k.index:
                 v = ix.as_var()
-                if v is not None and v in k.sizes and not k.scatter and k.sizes[v] != low.size(e) \
+                if v is not None and v in k.sizes and not k.scatter and not self.same_size(k.sizes[v], low.size(e)) \
                         and v not in k.bounds:
                     raise self.fail(f"loop '{v}' runs over {k.sizes[v]} but writes edge '{e}' of "
                                     f"%{k.out}, of size {low.size(e)}")
@@ -276,7 +294,7 @@ class _Verifier:
                 raise self.fail(f"operand edge '{e}' is in none of the GEMM's groups")
         shifted = {e for _, e, _ in k.shifts}
         for e in set(a) & set(b):
-            if e not in shifted and low.size(a[e]) != low.size(b[e]):
+            if e not in shifted and not self.same_size(low.size(a[e]), low.size(b[e])):
                 raise self.fail(f"GEMM operands disagree on the size of '{e}': {low.size(a[e])} and {low.size(b[e])}")
         for role, e, ix in k.shifts:
             if role not in ("a", "b") or e not in (a if role == "a" else b):
