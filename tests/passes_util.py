@@ -1,4 +1,4 @@
-"""Helpers of the optimization tests (`tests/test_passes_*.py`): passes run with --verify-each.
+"""Helpers of the optimization tests (`tests/opt/test_passes_*.py`): passes run with --verify-each.
 
 `optimize(module, passes)` runs `passes` through `run_pipeline` with
 `Options(verify_each=True)` (the float64 interpreter before/after every pass on seeded
@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from tgc.frontend import compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.ir.module import Module
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module

@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.printer import print_module

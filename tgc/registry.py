@@ -2,7 +2,7 @@
 default lowering stages. Adding a pass is one line here."""
 from __future__ import annotations
 
-from tgc.autodiff.reverse import Adjoint
+from tgc.autodiff.driver import Adjoint, Tangent
 from tgc.opt.autocast import Autocast
 from tgc.ir.passes import Pass
 from tgc.opt.factor import Factor
@@ -10,7 +10,6 @@ from tgc.opt.normalize import Normalize
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
-from tgc.autodiff.forward import Tangent
 from tgc.lower.fuse import Fuse
 from tgc.lower.group import Group
 from tgc.lower.layout import Layout

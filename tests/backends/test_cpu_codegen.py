@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+
+from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.runtime import build
@@ -280,6 +282,7 @@ MATMUL_A = {"ik": "i, k", "ki": "k, i"}
 MATMUL_B = {"kj": "k, j", "jk": "j, k"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a", MATMUL_A)
 @pytest.mark.parametrize("b", MATMUL_B)
 @pytest.mark.parametrize("c", ["i, j", "j, i"])

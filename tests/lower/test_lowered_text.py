@@ -12,7 +12,7 @@ import pytest
 
 from tgc import pipeline
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import random_inputs
+from tgc.ir.inputs import random_inputs
 from tgc.ir.printer import print_module
 from tgc.lower.interp import run_lowered
 from tgc.lower.lowered import print_lowered

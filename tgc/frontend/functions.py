@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from tgc.frontend import ast
+from tgc.frontend.builtins import ARITY
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.frontend.scope import PRIMITIVES, FnInfo
 from tgc.ir import values as V
@@ -116,8 +117,8 @@ def _check_rule(d: ast.FnDef, r: ast.Rule, seen: dict[str, object]) -> None:
             raise CompileError(f"the jvp of '{d.name}' takes {n} tangent{'s' * (n != 1)}, one per parameter "
                                f"({names}), not {len(r.binders)}", r.loc)
         if r.tuple_form:
-            raise CompileError(f"a jvp clause gives one expression, the tangent of the result, "
-                               f"not a tuple", r.exprs[0].loc)
+            raise CompileError("a jvp clause gives one expression, the tangent of the result, "
+                               "not a tuple", r.exprs[0].loc)
 
 
 def check_names(d: ast.FnDef, fns, kinds) -> None:
@@ -125,8 +126,6 @@ def check_names(d: ast.FnDef, fns, kinds) -> None:
     is neither a parameter nor an earlier binding of the body, or an unknown function.
     Inlining finds the same at every call; this also covers functions never called.
     (Edge names are left to the calls: they may name edges of the calling program.)"""
-    from tgc.frontend.builtins import ARITY
-
     params = {p.name for p in d.params}
     scopes = [(p.default, params) for p in d.params if p.default is not None]
     for i, b in enumerate(d.body):

@@ -4,5 +4,6 @@ the one pass manager, `tgc.manager`, runs), with the lowered program's text (`te
 grammar `lowered.lark`: what `print_lowered` writes reads back), its verifier
 (`verify`) and its numpy interpreter (`interp`), the oracle for backends' kernels.
 
-Stage: after `tgc.autodiff`, before `tgc.backends`.
+Stage: after `tgc.autodiff`, before `tgc.manager` (which runs its stages) and
+`tgc.backends`; imports `tgc.ir` and `tgc.options`.
 """
