@@ -208,3 +208,35 @@ def test_packs_b_names_the_helper_every_gemm_calls():
                 assert gemm.packs_b(low, k) == (not b.col_unit), (path, i)
                 seen.add(gemm.packs_b(low, k))
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize("fixed", [("i", "j", "k"), ()])
+def test_a_product_below_the_parallel_threshold_is_one_cblas_call(monkeypatch, fixed):
+    """178 x 64 x 64 with B transposed (the wine MLP's backward product): 1.46 Mflop,
+    below `gemm_parallel_min_flops` (2^21), so one cblas call over every row, however
+    many threads (two calls would pack B twice); with the threshold below its flops it is
+    cut into `gemm_tiles` calls. Counted through a BLAS table whose sgemm logs each
+    call's m, n, k and passes it on; the values agree with numpy either way."""
+    import ctypes
+
+    from tgc.backends.cpu import blas
+
+    real = blas.gemm_addresses()
+    proto = blas.gemm_ctypes(ctypes.c_float)
+    forward = proto(real["sgemm"])
+    calls = []
+
+    def logged(*args):
+        calls.append(args[3:6])
+        forward(*args)
+
+    hook = proto(logged)
+    monkeypatch.setattr(blas, "gemm_addresses", lambda: {**real, "sgemm": ctypes.cast(hook, ctypes.c_void_p).value})
+    sizes = {"b": 1, "i": 178, "j": 64, "k": 64}
+    for threads in (1, 2):
+        calls.clear()
+        run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, threads=threads)
+        assert calls == [(178, 64, 64)]
+    calls.clear()
+    run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, gemm_parallel_min_flops=1 << 20, threads=1)
+    assert sorted(calls) == [(89, 64, 64), (89, 64, 64)]

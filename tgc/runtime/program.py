@@ -249,6 +249,8 @@ class Program:
     # program that shares this call path without them has none)
     low_types: dict[str, str] = {}
     _low_outs: dict[str, str] = {}
+    _out_dtype: np.dtype | None = None
+    _plain = False   # a call goes straight to `_call` (see `out_dtype`)
 
     def __init__(self, module: Module, options: Options, low: Lowered, jit):
         self.module, self.options, self.lowered = module, options, low
@@ -272,6 +274,7 @@ class Program:
         self._signature(module)
         # fast path (see run): the inputs that bind the symbolic dims key the plans
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
+        self._upd_results = tuple((self._update_keys[self._names[i]], i) for i in self._upd_idx)   # (result key, argument)
         self._out_names = tuple(s.name for s in self.outputs)
         self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
         self._key_idx = self._binding_inputs()
@@ -287,7 +290,24 @@ class Program:
         self._fast = self._run_objects is not None and self._key_idx is not None and not self.low_types
         self._plans: dict = {}
         self._ws_addr = 0
-        self.out_dtype: np.dtype | None = None   # --fp-strict f32: the f64 emulation's outputs as f32
+        self.out_dtype = None   # --fp-strict f32: the f64 emulation's outputs as f32
+
+    @property
+    def out_dtype(self) -> np.dtype | None:
+        """The dtype a call's outputs are converted to (f32 for the f64 emulation of an
+        f32 program under --fp-strict), or None: as computed."""
+        return self._out_dtype
+
+    @out_dtype.setter
+    def out_dtype(self, value: np.dtype | None) -> None:
+        # Setting it (in __init__, or after, by the --fp-strict build) also decides once
+        # whether a call may skip `run`'s per-call dispatch: no complex argument or
+        # result, no facts to check, no bf16/f16 or f32 conversion of the outputs. Then
+        # `_run_real` would only call `_call`. The wine MLP's step (benchmarks/run.py)
+        # ran 402 Python bytecodes per call through the dispatch, 324 without it.
+        self._out_dtype = value
+        self._plain = (value is None and not self._low_outs and not self._complex_args
+                       and not self._complex_results and not (self.options.check_assumptions and self.module.facts))
 
     def _signature(self, module: Module) -> None:
         """What every backend's program takes and gives, from the module: the input
@@ -412,6 +432,8 @@ class Program:
 
         `updates=False` makes the forward-only call (see `run`), unless the program
         has an argument named `updates` (use `run` then)."""
+        if self._plain and "updates" not in arrays:
+            return self._call(arrays, None)
         updates = True
         if "updates" in arrays and "updates" not in self._names:
             updates = arrays.pop("updates")
@@ -559,6 +581,8 @@ class Program:
         result holds the outputs only, equal to a full call's; arguments only the
         updates read may be left out, and no argument is written.
         """
+        if updates is True and self._plain:
+            return self._call(arrays, dims)
         if not isinstance(updates, bool):
             raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
         if self._complex_args or self._complex_results:
@@ -625,7 +649,8 @@ class Program:
             try:
                 vals = [arrays[n] for n in self._names]
                 for i, dt in self._scalar_idx:
-                    if type(vals[i]) in (float, int) or isinstance(vals[i], (np.floating, np.integer)):
+                    if type(vals[i]) is not np.ndarray and (type(vals[i]) in (float, int)
+                                                           or isinstance(vals[i], (np.floating, np.integer))):
                         vals[i] = np.array(vals[i], dt)
                 key = tuple([vals[i].shape for i in self._key_idx])
             except (KeyError, AttributeError, OverflowError):   # a huge int: the checked path explains
@@ -679,8 +704,8 @@ class Program:
             return None
         if rc > 0:
             raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
-        for i in self._upd_idx:
-            result[self._update_keys[self._names[i]]] = vals[i]
+        for key, i in self._upd_results:
+            result[key] = vals[i]
         return result
 
     @staticmethod

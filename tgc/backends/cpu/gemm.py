@@ -22,7 +22,9 @@ index: tasks enough, each one cblas call at the packed kernels' speed. Another i
 cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
 each of at least `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
 chunks accumulated in place only when P and Q cannot be cut), so a small product
-stays one call. When the whole product has at least `min_flops` flops (the caller
+stays one call, as does one of fewer than `options.gemm_parallel_min_flops` flops
+(it shares a region only while the workers still spin, and two calls on one thread
+pack their common operand twice). When the whole product has at least `min_flops` flops (the caller
 passes `options.gemm_parallel_min_flops`, or the `_warm` one; see codegen), and
 `options.threads != 1`, and the runtime gave GOMP_parallel, the tasks are shared
 among tgc's threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`);
@@ -279,14 +281,22 @@ class GemmGen:
         an element depends on where the call's edges cut its kernels). A product
         batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
         another is cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
-        that with shifts), each of at least `blas_tile_mnk`, so a small one stays whole."""
+        that with shifts), each of at least `blas_tile_mnk`, so a small one stays whole.
+        A product of fewer than `gemm_parallel_min_flops` flops (the threshold of a cold
+        region) stays whole too: it runs in a region only while the workers still spin
+        from another, and cut into tiles on one thread it repacks its uncut operand once
+        per cblas call (the wine MLP's 178 x 64 x 64 products with B transposed: 9.9 us
+        whole, 12.7 us in two calls; the whole step 5% slower)."""
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
+        mnk = b.mul(b.mul(P, Q), R)
         parts = max(1, self.opt.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts else 1)
-        share = b.sdiv(b.mul(b.mul(P, Q), R), I64(parts))
+        share = b.sdiv(mnk, I64(parts))
         small = I64(max(1, self.opt.blas_tile_mnk))
         tile = b.select(b.icmp_signed(">", share, small), share, small)
-        return b.select(many, I64(UNTILED), tile)
+        flops = b.mul(b.mul(b.mul(mnk, I64(2)), f.count(self.k.batch)), f.count(self.k.taps))
+        cold = b.icmp_signed("<", flops, I64(max(1, self.opt.gemm_parallel_min_flops)))
+        return b.select(b.or_(many, cold), I64(UNTILED), tile)
 
     def emit_par(self, work: ir.Function) -> ir.Function:
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
