@@ -28,7 +28,6 @@ RANK = {**{s: i for i, s in enumerate(STAGES)}, "registry": STAGES.index("manage
 LEAVES = {"options", "fsutil", "progress"}
 
 KNOWN = {
-    ("tgc.lower.plan", "tgc.manager"): "plan runs the lowering stages with its own pass loop",
     ("tgc.backends.cuda.runtime", "tgc.runtime.program"): "the CUDA program subclasses the runtime's Program",
     ("tgc.backends.cuda.runtime", "tgc.runtime"): "the CUDA program subclasses the runtime's Program",
     ("tgc.backends.cuda.runtime", "tgc.runtime.cache"): "the CUDA build keeps its modules in the runtime's cache",

@@ -165,7 +165,7 @@ def _cached(key, options):
         return None
     try:
         from tgc.ir.parser import parse_module
-        from tgc.lower.plan import lower_module
+        from tgc.manager import lower_module
         from tgc.runtime.program import from_cached_object
 
         opts = options.with_(dims=())

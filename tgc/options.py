@@ -22,7 +22,8 @@ class Options:
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
     autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
-    passes: tuple[str, ...] | None = None    # None: the default pipeline
+    passes: tuple[str, ...] | None = None    # IR passes, each 'name' or 'name{field=value,...}'; None: the default pipeline
+    stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, group, plan)
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)

@@ -22,7 +22,7 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
 
 ROOT = Path(__file__).resolve().parent.parent.parent

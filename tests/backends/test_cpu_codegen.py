@@ -755,7 +755,7 @@ out dx2 = %5 : [b, t, c]
 
 
 def test_conv1d_forward_and_backward_as_gemms_on_shifted_views():
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     low = lower_module(parse_module(CONV_SHIFTED), Options(blas_min_flops=0))
     shifted = [k for k in low.kernels if getattr(k, "shifts", ())]

@@ -193,7 +193,7 @@ def test_packs_b_names_the_helper_every_gemm_calls():
     from tgc.backends.cpu import gemm
     from tgc.backends.cpu.irutil import Frame
     from tgc.lower.lowered import GemmKernel
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     root = Path(__file__).resolve().parents[2]
     seen = set()

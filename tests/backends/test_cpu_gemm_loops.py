@@ -18,7 +18,7 @@ import tgc
 from tgc.backends.cpu import codegen
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 from tgc.runtime import build
 
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}

@@ -14,7 +14,7 @@ from tgc.backends.cpu import codegen, llvm_env
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "benchmarks" / "workloads" / "gpt.tg"

@@ -237,7 +237,7 @@ def test_unknown_backend_lists_the_backends():
 def test_unsupported_forms_are_a_clear_error():
     from tgc.backends.cuda import codegen
     from tgc.lower.lowered import LoopGroup
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     module = pipeline.lower(pipeline.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
     low = lower_module(module, Options())          # the CPU's lowering: with loop groups

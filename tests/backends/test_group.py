@@ -348,7 +348,7 @@ def test_the_rows_loop_of_a_group_vectorized_over_rows_asks_for_masked_last_rows
     loop with every exp and log of the rows inlined once more: the MLP's cross-entropy
     group took 74 -> 30 ms to compile); a group over long rows does not."""
     from tgc.backends.cpu import codegen
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     def text(source):
         prog = build(source, "f64")

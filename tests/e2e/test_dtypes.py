@@ -24,7 +24,7 @@ from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
 from tgc.manager import run_pipeline
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 
 BF16 = ml_dtypes.bfloat16
 NP = {"bf16": np.dtype(BF16), "f16": np.dtype(np.float16)}

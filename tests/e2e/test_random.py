@@ -33,7 +33,7 @@ from tgc.ir.printer import print_module
 from tgc.options import Options
 from tgc.opt.facts import Facts
 from tgc.manager import run_pipeline
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 
 N = 100_000
 F = 0xFFFFFFFF

@@ -116,7 +116,7 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         from tgc import pipeline
         from tgc.frontend import compile_source
         from tgc.lower.interp import run_lowered
-        from tgc.lower.plan import lower_module
+        from tgc.manager import lower_module
 
         opts = Options(dtype=dtype)
         low = lower_module(pipeline.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)

@@ -21,7 +21,7 @@ from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import Load, LoopKernel
 from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
@@ -163,6 +163,21 @@ def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtyp
         out.slots = [tuple(s for sizes in out.slots for s in sizes)]
         return out
 
-    monkeypatch.setattr(Plan, "run", one_slot)
+    monkeypatch.setattr(Plan, "run", one_slot)   # the verifier sees it, even without --verify-each
+    with pytest.raises(PassError, match="lowering stage 'plan' made an invalid program: .* share slot 0"):
+        lower_module(m, opts)
+
+    def doubled(self, low, options):   # a plan that doubles what the first loop kernel writes
+        from dataclasses import replace
+
+        from tgc.lower.lowered import Const, LoopKernel, Mul
+
+        out = run(self, low, options)
+        i = next(i for i, k in enumerate(out.kernels) if isinstance(k, LoopKernel) and not k.reduce)
+        out.kernels[i] = replace(out.kernels[i], body=Mul((out.kernels[i].body, Const(2.0))))
+        return out
+
+    monkeypatch.setattr(Plan, "run", doubled)
+    lower_module(m, opts)   # a valid program: only running it shows the change
     with pytest.raises(PassError, match="lowering stage 'plan' changed the value"):
         lower_module(m, opts.with_(verify_each=True))

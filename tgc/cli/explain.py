@@ -48,7 +48,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
       tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")

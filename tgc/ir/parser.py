@@ -53,8 +53,8 @@ class _Reader:
             text = text[1:]
         for self.line, raw in enumerate(text.splitlines(), 1):
             if raw.startswith("// lowered"):
-                raise self.error("this is a dump of a lowering stage, which cannot be read back: "
-                                 "only IR (dump-ir --after a pass of `tgc passes`) can")
+                raise self.error("this is a lowered program (a dump of a lowering stage), not IR: "
+                                 "`tgc opt` reads it; this command takes .tg source or IR")
             keep = raw.lstrip().startswith(("%", "assume"))   # an assume's quoted text may hold '#'
             line = raw.split("#", 1)[0].strip() if not keep else raw.strip()
             if line:

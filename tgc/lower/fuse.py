@@ -72,12 +72,13 @@ class FuseError(ValueError):
 
 
 @dataclass(frozen=True)
-class Fuse(Pass):
+class Fuse(Pass[Module, Lowered]):
     """Partition the DAG into kernels: GEMM cells and fused loop nests."""
 
     name = "fuse"
+    gives = "lowered"
 
-    def run(self, module: Module, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, module: Module, options: Options) -> Lowered:
         return _Fuser(module, options).lower()
 
 

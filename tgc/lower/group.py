@@ -46,12 +46,16 @@ BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the 
 
 
 @dataclass(frozen=True)
-class Group(Pass):
+class Group(Pass[Lowered, Lowered]):
     """Fuse neighbouring loop kernels that share outer loops into groups."""
 
     name = "group"
+    takes = gives = "lowered"
+    blocks: int | None = None   # blocks of a group's rows with partial sums (None: options.group_blocks; 0: no groups)
 
-    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        if self.blocks is not None:
+            options = options.with_(group_blocks=self.blocks)
         out = low.staged("group")
         if options.group_blocks < 1:
             return out

@@ -57,14 +57,16 @@ MIN_TAP_K = 256   # the shortest K left to each call when split K edges become t
 
 
 @dataclass(frozen=True)
-class Layout(Pass):
+class Layout(Pass[Lowered, Lowered]):
     """Choose buffer axis orders and loop orders; make GEMM operands BLAS-ready."""
 
     name = "layout"
+    takes = gives = "lowered"
+    rep_size: int | None = None   # a symbolic dim's size when ranking strides and groups (None: options.rep_size)
 
-    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("layout")
-        guess = options.rep_size  # a symbolic dim's size when ranking strides and groups
+        guess = options.rep_size if self.rep_size is None else self.rep_size
         _order_buffers(out, guess)
         _fix_gemms(out, guess)
         out.kernels = [_tighten(_order_loops(out, k, guess)) if isinstance(k, LoopKernel) else k

@@ -1,5 +1,7 @@
 """Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout`,
-`group` and `plan` produce, and their text form (`tgc dump-ir --after fuse|layout|group|plan`).
+`group` and `plan` produce, and their text form (`print_lowered`, what `tgc dump-ir
+--after fuse|layout|group|plan` prints; `tgc.lower.text` reads it back, and
+`tgc.lower.verify` states the rules a program must keep).
 
 Backend-neutral: a program is a list of kernels over named buffers.
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, Union
 
 from tgc.ir.module import Module
+from tgc.ir.printer import print_module
 from tgc.ir.sizes import Size, SizeOp, size_op, size_str
 
 # ---------------------------------------------------------------- indices
@@ -147,11 +150,13 @@ class Ix:
             body = str(a) if c == 1 else f"-{a}" if c == -1 else f"{_coef_text(c)}*{a}"
             parts.append(body)
         if self.const != 0 or not parts:
-            parts.append(_coef_text(self.const))
+            parts.append(str(self.const) if isinstance(self.const, int) else f"({size_str(self.const)})")
         return " + ".join(parts).replace("+ -", "- ")
 
 
 def _coef_text(c: Size) -> str:
+    """A term's coefficient: a symbolic constant term is always in parentheses (`x + (n)`),
+    so that a bare name is always a loop variable."""
     return str(c) if isinstance(c, (int, str)) else f"({size_str(c)})"
 
 
@@ -298,6 +303,8 @@ class Buffer:
         text = f"buffer %{self.name} : {self.dtype}[{', '.join(self.edges)}] {where}"
         if self.order is not None:
             text += f" order [{', '.join(self.order)}]"
+        if self.prefer is not None:
+            text += f" prefer [{', '.join(self.prefer)}]"
         if self.slot is not None:
             text += f" slot {self.slot}"
         return text
@@ -364,7 +371,8 @@ class LoopKernel:
 
     def text(self) -> str:
         head = f"loop %{self.out}[{_index_text(self.index)}]"
-        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce and not self.scatter else ""
+        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce and not self.scatter else \
+            f" sum[{', '.join(self.red)}]" if self.red else ""
         head += f" {self.reduce or '+'}=" if self.scatter else " ="
         body = f"{red} {expr_text(self.body)}"
         if self.epilogue is not None:
@@ -486,9 +494,14 @@ class LoopGroup:
         loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
         if self.blocks:
             loops += f" in {self.blocks} blocks"
-        head = f"group for {loops}" + (f"  reg {', '.join('%' + r for r in self.regs)}" if self.regs else "")
+        head = f"group for {loops}" + (f"  reg {', '.join(map(self._reg_text, self.regs))}" if self.regs else "")
         body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
         return head + (f"    # {self.note}" if self.note else "") + body
+
+    def _reg_text(self, r: str) -> str:
+        """A register with its edges (it has no buffer line): those of the member that writes it."""
+        writer = next((m for m in self.members if m.out == r), None)
+        return f"%{r}[{', '.join(e for e, _ in writer.index)}]" if writer else f"%{r}[]"
 
 
 Kernel = Union[LoopKernel, GemmKernel, LoopGroup]
@@ -538,8 +551,13 @@ class Lowered:
         return f"{stem}{n}"
 
 
-def print_lowered(low: Lowered) -> str:
+def print_lowered(low: Lowered, module: bool = True) -> str:
+    """The lowered program as text (`tgc.lower.text.parse_lowered` reads it back): the
+    header line, the edges lowering made, buffers, workspace slots, id checks, kernels,
+    and (with `module`) the IR module it was lowered from, which gives the dims, the
+    arguments, outputs and updates, and the values `--verify-each` compares with."""
     lines = [f"// lowered after {low.stage} ({low.dtype})"]
+    lines += [f"edge {e} = {size_str(s)}" for e, s in low.edges.items()]
     lines += [b.text() for b in low.buffers.values()]
     for i, sizes in enumerate(low.slots):
         lines.append(f"slot {i} : bytes max({', '.join(size_str(s) for s in sizes)})")
@@ -548,6 +566,8 @@ def print_lowered(low: Lowered) -> str:
         lines.append(f"check 0 <= %{c.buf} < {size_str(c.size)}" + (f"    # {c.note}" if c.note else ""))
     for i, k in enumerate(low.kernels):
         lines.append(f"k{i}: {k.text()}")
+    if module:
+        lines += ["", "module {", print_module(low.module).rstrip("\n"), "}"]
     return "\n".join(lines) + "\n"
 
 

@@ -154,7 +154,7 @@ def build_with_object(module: Module, options: Options) -> tuple["Program", tupl
 
     An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
     it takes f32 arrays (updates are written back into them) and returns f32 outputs."""
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     if options.fp_strict and options.dtype == "f32":
         from tgc.ir.emulate import emulate_f32

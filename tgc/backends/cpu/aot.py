@@ -56,7 +56,7 @@ class BuildError(RuntimeError):
 def llvm_text(module: Module, options: Options, prefix: str) -> str:
     """Unoptimized LLVM IR of the whole program, exports named `PREFIX_*`."""
     from tgc.backends.cpu import codegen
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     text = codegen.generate(lower_module(module, options), options)
     for name in EXPORTS:

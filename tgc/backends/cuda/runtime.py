@@ -89,7 +89,7 @@ def build(module: Module, options: Options, backend: str) -> "CudaProgram":
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backend compiles: fuse, layout and plan, without
     the CPU's loop groups (`group_blocks=0`)."""
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     return lower_module(module, options.with_(group_blocks=0, complex_gemm=False))
 
