@@ -210,7 +210,7 @@ def _sizes(module: Module, options: Options) -> dict[str, int]:
 def _workspace(module: Module, options: Options, env=None) -> int:
     """The workspace bytes of `module` lowered and planned (tgc.explain's sum of slots)."""
     from tgc.explain import explain
-    from tgc.lower.plan import lower_module
+    from tgc.manager import lower_module
 
     low = lower_module(module, options.with_(memory_budget=None))
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]

@@ -16,7 +16,7 @@ from tgc.ir.interp import evaluate
 from tgc.lower.lowered import GemmKernel
 from tgc.lower.interp import run_lowered
 from tgc.options import Options
-from tgc.lower.plan import lower_module
+from tgc.manager import lower_module
 
 SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}

@@ -21,6 +21,8 @@ Terminates: one parse, one walk of the tree.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -242,6 +244,17 @@ class _Builder:
     def reduction(self, t: Tree) -> tuple[str, tuple[str, ...]]:
         kind, names = t.children
         return str(kind), self.names(names)
+
+    def cgemm(self, t: Tree) -> GemmKernel:
+        """`cgemm %c = [alpha *] [conj(]a[)] @ [conj(]b[)] ...`: a complex product."""
+        children = list(t.children)
+        alpha = 1.0
+        if isinstance(children[1], Tree) and children[1].data == "alpha":
+            alpha = float(children.pop(1).children[0])
+        conj = tuple(children[i].data == "conj_view" for i in (1, 2))
+        children[1], children[2] = children[1].children[0], children[2].children[0]
+        real = self.gemm(Tree("gemm", children))
+        return replace(real, cplx=conj, alpha=alpha)
 
     def gemm(self, t: Tree) -> GemmKernel:
         buf, a, b, batch, m, n, k, *rest = t.children

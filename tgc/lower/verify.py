@@ -280,7 +280,8 @@ class _Verifier:
                 raise self.fail(f"the view {v} does not name every edge of '%{v.buf}' once")
         if k.out not in low.buffers:
             raise self.fail(f"writes undeclared buffer '%{k.out}'")
-        if sorted(k.batch + k.m + k.n) != list(low.buffers[k.out].edges):
+        pairs = ("re.im",) if k.cplx is not None else ()   # a complex product's float pairs
+        if sorted(k.batch + k.m + k.n + pairs) != list(low.buffers[k.out].edges):
             raise self.fail(f"a GEMM into '%{k.out}' over batch, m, n edges {', '.join(k.batch + k.m + k.n)}; "
                             f"the buffer has {', '.join(low.buffers[k.out].edges)}")
         a, b = dict(k.a.edges), dict(k.b.edges)
@@ -289,7 +290,7 @@ class _Verifier:
         for e in groups:
             if e not in a and e not in b and e not in shift_vars:
                 raise self.fail(f"GEMM edge '{e}' is in neither operand nor a shift")
-        for e in set(a) | set(b):
+        for e in (set(a) | set(b)) - set(pairs):   # the views map `re.im` to itself
             if e not in groups:
                 raise self.fail(f"operand edge '{e}' is in none of the GEMM's groups")
         shifted = {e for _, e, _ in k.shifts}
