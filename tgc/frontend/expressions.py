@@ -18,10 +18,11 @@ from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 from tgc.ir.module import Module
+from tgc.ir.ops import SURFACE_UNARY
 from tgc.ir.sizes import Size, size_op, size_str
 
 PRELUDE_FILE = str(Path(__file__).with_name("prelude.tg"))
-UNARY = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "abs", "sign")
+UNARY = SURFACE_UNARY   # the one-argument functions the language calls by name (tgc.ir.ops.FNS)
 COMPARE = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
 REDUCTIONS = ("sum", "mean", "max", "min")
 

@@ -40,6 +40,10 @@ TGC_DEV float tgc_cos(float x) { return cosf(x); }
 TGC_DEV double tgc_cos(double x) { return cos(x); }
 TGC_DEV float tgc_erf(float x) { return erff(x); }
 TGC_DEV double tgc_erf(double x) { return erf(x); }
+TGC_DEV float tgc_log1p(float x) { return log1pf(x); }
+TGC_DEV double tgc_log1p(double x) { return log1p(x); }
+TGC_DEV float tgc_expm1(float x) { return expm1f(x); }
+TGC_DEV double tgc_expm1(double x) { return expm1(x); }
 TGC_DEV float tgc_abs(float x) { return fabsf(x); }
 TGC_DEV double tgc_abs(double x) { return fabs(x); }
 TGC_DEV float tgc_pow(float x, float y) { return powf(x, y); }
