@@ -78,6 +78,7 @@ class Fn:
     numpy: Callable                   # float semantics on float64 arrays (NaN/inf as IEEE values)
     doc: str                          # what it computes, in a line
     surface: bool = False             # the language calls it by name: `name(x)` (docs/language.md)
+    infix: str = ""                   # the language's operator for it: `a / b`, `a < b` ('' if none)
     exact: bool = False               # its result is an operand's value or 0/1: it keeps a bf16/f16 type
     cost: str = "cheap"               # a key of COSTS
     identity: bool = False            # its value is its operand's (lowering drops it)
@@ -149,11 +150,12 @@ _FNS: list[Fn] = [
     Fn("sigmoid", 1, _sigmoid, "1 / (1 + e^-x), computed stably", sign="pos", bound=1.0),
     Fn("softplus", 1, _softplus, "log(1 + e^x), computed stably", sign="pos"),
     # binary arithmetic (the language's / and ^, and two-argument max/min)
-    Fn("div", 2, np.divide, "a / b", cost="light", finite="rule", sign="rule"),
-    Fn("pow", 2, _safe_pow, "a ^ b (numpy's power on floats)", cost="heavy", finite="rule", sign="rule"),
-    Fn("max", 2, np.maximum, "the larger (NaN if either is)", exact=True, sign="select"),
-    Fn("min", 2, np.minimum, "the smaller (NaN if either is)", exact=True, sign="select"),
-    *(Fn(n, 2, _CMP_NP[n], f"1 where a {_CMP_DOC[n]} b, else 0", exact=True, finite="always",
+    Fn("div", 2, np.divide, "a / b", infix="/", cost="light", finite="rule", sign="rule"),
+    Fn("pow", 2, _safe_pow, "a ^ b (numpy's power on floats)", infix="^", cost="heavy", finite="rule",
+       sign="rule"),
+    Fn("max", 2, np.maximum, "the larger (NaN if either is)", surface=True, exact=True, sign="select"),
+    Fn("min", 2, np.minimum, "the smaller (NaN if either is)", surface=True, exact=True, sign="select"),
+    *(Fn(n, 2, _CMP_NP[n], f"1 where a {_CMP_DOC[n]} b, else 0", infix=_CMP_DOC[n], exact=True, finite="always",
          sign="nonneg", bound=1.0) for n in _CMP_DOC),
     Fn("mul0", 2, lambda a, b: np.where(a == 0, 0, a * b),
        "a * b, but exactly 0 where a == 0 (the NaN-safe chain rule)", sign="select"),
@@ -191,6 +193,8 @@ EXPENSIVE = frozenset(f.name for f in _FNS if f.cost == "heavy")
 LIGHT = frozenset(f.name for f in _FNS if f.cost == "light")
 IDENTITY_FNS = frozenset(f.name for f in _FNS if f.identity)
 SURFACE_UNARY = tuple(f.name for f in _FNS if f.surface and f.arity == 1)   # `exp(x)`, ... in .tg
+SURFACE_ARITY = {f.name: f.arity for f in _FNS if f.surface}   # every function .tg calls by name
+INFIX = {f.name: f.infix for f in _FNS if f.infix}   # div: "/", pow: "^", lt: "<", ...
 VECMATH = tuple(f.name for f in _FNS if f.vecmath)
 NUMPY: dict[str, Callable] = {f.name: f.numpy for f in _FNS}
 

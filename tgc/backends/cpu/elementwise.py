@@ -1,7 +1,9 @@
-"""The IR's elementwise leaf functions (`map` fns) as LLVM instructions.
+"""The IR's elementwise leaf functions (`map` fns, `tgc.ir.ops.FNS`) as LLVM instructions.
 
-Transcendentals come from `vecmath` (straight-line IR, inlined, so loops that call
-them vectorize); the rest are single instructions or intrinsics. Comparisons give
+`EMITTERS` is the CPU's template per function, keyed by the names of `tgc.ir.ops`.
+Transcendentals (`Fn.vecmath`: exp log sqrt tanh erf sin cos log1p expm1) come from
+`vecmath` (straight-line IR, inlined, so loops that call them vectorize); the rest
+are single instructions or intrinsics. Comparisons give
 1.0/0.0; `max`/`min` propagate NaN like numpy (`llvm.maximum`/`llvm.minimum`);
 `where(c, a, b)` takes `a` where `c != 0` (NaN counts as true, as in numpy);
 `mul0(a, b)` is `a * b` but exactly 0 where `a == 0`, `mul00(a, b)` where either is. `sigmoid` and `softplus` go
