@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from tgc.frontend import compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.ir.module import Module
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module

@@ -18,7 +18,8 @@ import tgc
 from tgc.cli import main
 from tgc.ir.assume import check_facts
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module

@@ -157,7 +157,7 @@ def test_exit_codes(tmp_path, monkeypatch):
     def crash(*a, **k):
         raise ZeroDivisionError("simulated bug")
 
-    monkeypatch.setattr(driver, "lower", crash)
+    monkeypatch.setattr(pipeline, "lower", crash)
     r = tgc("build", MLP, "--emit", "ir", "-o", tmp_path / "z")
     assert r.exit_code == 4
     assert r.output.startswith("internal compiler error: ZeroDivisionError: simulated bug")

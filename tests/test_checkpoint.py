@@ -20,7 +20,8 @@ from tgc.cli import main
 from tgc.explain import explain
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module

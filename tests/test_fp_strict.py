@@ -15,7 +15,8 @@ import tgc
 from passes_util import body, tg
 from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.ir.emulate import emulate_f32
 from tgc.manager import run_pipeline

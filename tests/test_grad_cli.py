@@ -10,7 +10,8 @@ from tgc import pipeline
 from tgc.cli import main
 from tgc.frontend import compile_file, compile_source
 from tgc.frontend.emit_tg import emit_tg
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 

@@ -3,7 +3,8 @@
 import numpy as np
 
 from passes_util import GOLDEN, body, ops, optimize, tg
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.frontend import compile_file
 from tgc.options import Options
 from tgc.registry import DEFAULT_PIPELINE

@@ -12,7 +12,8 @@ import pytest
 
 from tgc.frontend import compile_file
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 

@@ -24,7 +24,8 @@ from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.philox import draw_numpy, philox_block

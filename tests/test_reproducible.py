@@ -18,7 +18,7 @@ import pytest
 
 import tgc
 from tgc.frontend import compile_file
-from tgc.ir.interp import random_inputs
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent

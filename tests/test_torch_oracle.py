@@ -34,7 +34,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is a test oracle only: install torch==2.13.0 to run these")
 
 from tgc.frontend import compile_file  # noqa: E402
-from tgc.ir.interp import evaluate, random_inputs  # noqa: E402
+from tgc.ir.interp import evaluate  # noqa: E402
+from tgc.ir.inputs import random_inputs
 from tgc.ir.module import Module, Output  # noqa: E402
 from tgc.ir.values import DERIVATIVE_OPS, topo_order  # noqa: E402
 from tgc.options import Options  # noqa: E402

@@ -14,7 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+
+from tgc.ir.inputs import random_inputs
 from tgc.ir.module import Module
 from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS

@@ -1,7 +1,7 @@
 """Every pass by name, and the default pipeline. Adding a pass is one line here."""
 from __future__ import annotations
 
-from tgc.autodiff.reverse import Adjoint
+from tgc.autodiff.driver import Adjoint, Tangent
 from tgc.opt.autocast import Autocast
 from tgc.ir.passes import Pass
 from tgc.opt.factor import Factor
@@ -9,7 +9,6 @@ from tgc.opt.normalize import Normalize
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
-from tgc.autodiff.forward import Tangent
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
                                                     Autocast)}

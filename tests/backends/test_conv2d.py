@@ -18,7 +18,8 @@ import pytest
 import tgc
 from tgc import pipeline
 from tgc.frontend import compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
 from tgc.options import Options
 from tgc.lower.plan import lower_module

@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+
+from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.runtime import build

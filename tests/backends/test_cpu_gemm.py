@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
 from tgc.runtime import build

@@ -11,7 +11,8 @@ import pytest
 import tgc
 from tgc import pipeline
 from tgc.backends.cpu import codegen, llvm_env
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.lower.plan import lower_module
 

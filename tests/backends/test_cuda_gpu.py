@@ -9,7 +9,8 @@ import pytest
 
 import tgc
 from tgc import pipeline
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
 

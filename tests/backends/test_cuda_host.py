@@ -189,7 +189,8 @@ def test_attention_on_the_gpu_path_matches_interpreter(cupy):
     from pathlib import Path
 
     from tgc import pipeline
-    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.ir.interp import evaluate
+    from tgc.ir.inputs import random_inputs
     from tgc.options import Options
 
     options = Options(dtype="f64")

@@ -13,7 +13,8 @@ import pytest
 import tgc
 from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.ir.interp import evaluate, random_inputs
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import LoopGroup, LoopKernel
 from tgc.options import Options
 

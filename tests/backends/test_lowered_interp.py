@@ -16,7 +16,8 @@ import pytest
 
 from tgc import pipeline
 from tgc.frontend import compile_source
-from tgc.ir.interp import EvalError, evaluate, random_inputs
+from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import Load, LoopKernel
 from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options

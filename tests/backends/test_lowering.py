@@ -182,7 +182,8 @@ def test_adam_moments_and_parameter_are_written_in_place_by_their_group():
     import numpy as np
 
     import tgc
-    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.ir.interp import evaluate
+    from tgc.ir.inputs import random_inputs
     from tgc.lower.lowered import LoopGroup
 
     prog = tgc.compile(ADAM_MLP, dtype="f64")
@@ -265,7 +266,8 @@ def test_a_gemm_result_is_written_as_the_gemm_reading_it_wants():
     import numpy as np
 
     import tgc
-    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.ir.interp import evaluate
+    from tgc.ir.inputs import random_inputs
 
     prog = tgc.compile(HEADS_THEN_WEIGHT_GRADIENT, dtype="f64")
     gemms = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
@@ -293,7 +295,8 @@ def test_a_weight_split_into_heads_is_copied_once_for_one_plain_gemm():
     import numpy as np
 
     import tgc
-    from tgc.ir.interp import evaluate, random_inputs
+    from tgc.ir.interp import evaluate
+    from tgc.ir.inputs import random_inputs
 
     prog = tgc.compile(HEAD_PROJECTION, dtype="f64")
     (gemm,) = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]

@@ -15,7 +15,7 @@ neither tgc's optimization passes nor its derivative rules. The systems under te
   or a `where` whose operand is zero in exact arithmetic; `f32_comparable` tells the
   programs free of such steps).
 
-All see the same seeded random inputs (`tgc.ir.interp.random_inputs`, ids in range).
+All see the same seeded random inputs (`tgc.ir.inputs.random_inputs`, ids in range).
 The error is norm-wise relative, `|got - want| / max(|want|, floor)` (Frobenius norms),
 and non-finite entries must agree exactly. The CPU program writes updates in place
 into the caller's arrays, so it is given copies.
@@ -133,7 +133,7 @@ def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int 
     """Run `text` on the oracle and on every backend; the report."""
     import torch_oracle
     from tgc.frontend import compile_source
-    from tgc.ir.interp import random_inputs
+    from tgc.ir.inputs import random_inputs
     from tgc.options import Options
 
     rep = Report(text)

@@ -1,6 +1,6 @@
 """Symbolic derivatives at compile time: the leaf primitives' rules (`rules`), reverse
-mode (`reverse`, the `adjoint` pass), forward mode (`forward`, the `tangent` pass) and
-rematerialization of `checkpoint` values (`remat`).
+mode (`reverse`), forward mode (`forward`), the driver both share with the passes
+`adjoint` and `tangent` (`driver`), and rematerialization of `checkpoint` values (`remat`).
 
 Stage: after `tgc.opt` (it builds with `tgc.opt.canon`), before `tgc.lower`.
 """

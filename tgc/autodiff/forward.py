@@ -1,4 +1,5 @@
-"""tangent: forward mode. Resolves every `jvp(f, x, dx)` into f's tangent program.
+"""Forward mode: the tangent program of `jvp(f, x, dx)` (the `tangent` pass runs it
+through `tgc.autodiff.driver`).
 
 Rewrites: `jvp(f, x, dx)` becomes the tangent of `f` along `dx`, built forward in
 topological order over the active values only (those of f's graph that depend on
@@ -8,22 +9,18 @@ not differentiated). Extra
 edges of `dx` (a batch of tangents) are renamed to fresh edges while the rules run,
 so they never meet an edge of an intermediate value, and renamed back at the end.
 
-Nesting: both this pass and `adjoint` run the one driver, `adjoint.resolve`, which
-resolves the nodes of its kinds and every derivative node beneath them, innermost
+Nesting: both `tangent` and `adjoint` run the one driver, `tgc.autodiff.driver.resolve`,
+which resolves the nodes of its kinds and every derivative node beneath them, innermost
 first; so a jvp of a grad works here, and a grad of a jvp in `adjoint`.
 
-Terminates: one visit per value of f's finite graph per jvp node, and the driver
-visits each node of the finite module once; the rules build no derivative nodes.
+Terminates: one visit per value of f's finite graph per jvp node; the rules build no
+derivative nodes.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from tgc.ir import values as V
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
-from tgc.options import Options
-from tgc.ir.passes import Pass
 from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for
 
 
@@ -63,15 +60,3 @@ def jvp_value(module: Module, f: Value, x: Value, dx: Value) -> Value:
     if t is None:
         t = V.const(0.0, f.dtype, set(f.edges) | set(fresh.values()))
     return V.convert(V.rename(t, inverse(fresh)), f.dtype)   # a tangent has its function's type
-
-
-@dataclass(frozen=True)
-class Tangent(Pass):
-    """Forward mode: jvp -> tangent programs (and any derivative beneath them)."""
-
-    name = "tangent"
-
-    def run(self, module: Module, options: Options) -> Module:
-        from tgc.autodiff.reverse import resolve  # the shared driver (it imports this module)
-
-        return resolve(module, ("jvp",))

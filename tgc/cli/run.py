@@ -14,6 +14,7 @@ from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, FP_STRICT
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
+from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array
 from tgc.ir.complex_io import RI
 from tgc.ir.interp import EvalError, evaluate
@@ -134,7 +135,7 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
             env = module.bind_dims(partial)
         except SizeError as e:
             raise EvalError(str(e)) from None
-        generated = interp.random_inputs(module, env, seed, dtype)
+        generated = make_random_inputs(module, env, seed, dtype)
         for name, edge in (onehot or {}).items():
             if name in generated and name not in arrays and edge in module.args[name].order:
                 generated[name] = _one_hot(generated[name], module.args[name].order.index(edge), seed)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
-from tgc.frontend.expressions import Ctx, Elaborator
-from tgc.frontend.functions import check_definition, check_names, check_recursion
+from tgc.frontend.builtins import call_builtin
+from tgc.frontend.edgeops import apply_edge_ops
+from tgc.frontend.expressions import Ctx, Elaborator, Forms
+from tgc.frontend.functions import check_definition, check_names, check_recursion, inline_call
 from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
@@ -54,11 +56,14 @@ def _prelude() -> dict[str, FnInfo]:
     return table
 
 
+FORMS = Forms(call_builtin, apply_edge_ops, inline_call)
+
+
 class ProgramBuilder:
     def __init__(self, options: Options):
         self.m = Module()
         self.scope = Scope()
-        self.el = Elaborator(self.m, self.scope, options.dtype)
+        self.el = Elaborator(self.m, self.scope, options.dtype, FORMS)
         self.fns: dict[str, FnInfo] = dict(_prelude())
         self.user_fns: list[str] = []
         self.grads: dict[str, V.Value] = {}  # bindings written `name = grad(f, x)`

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import MAX_POWER, Complex, is_complex, power_literal
@@ -63,21 +63,28 @@ def product_operands(a: V.Value, b: V.Value) -> list[V.Value]:
     return [a] + fb if len(fa) >= len(fb) else fa + [b]
 
 
+@dataclass(frozen=True)
+class Forms:
+    """The forms elaborated outside this module, which import it (builtin calls in
+    `builtins`, edge operations in `edgeops`, calls of `fn`s in `functions`): the
+    elaborator receives them from `tgc.frontend.elaborate`, so that no module of the
+    front end imports one that imports it back."""
+
+    call_builtin: Callable
+    edge_ops: Callable
+    inline_call: Callable
+
+
 class Elaborator:
     """Turns expression ASTs into IR values for one module."""
 
-    def __init__(self, module: Module, scope: Scope, dtype: str):
+    def __init__(self, module: Module, scope: Scope, dtype: str, forms: "Forms"):
         self.m, self.scope, self.dtype = module, scope, dtype
         self.cx = Complex(module, dtype)  # builds complex values from real parts
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
-        # the modules of calls and edge operations import this one: theirs are found here once
-        from tgc.frontend.builtins import call_builtin
-        from tgc.frontend.edgeops import apply_edge_ops
-        from tgc.frontend.functions import inline_call
-
-        self.call_builtin, self.edge_ops, self.inline_call = call_builtin, apply_edge_ops, inline_call
+        self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call
 
     # ---- helpers ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from tgc.frontend import ast
+from tgc.frontend.builtins import ARITY
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.frontend.scope import PRIMITIVES, FnInfo
 from tgc.ir import values as V
@@ -125,8 +126,6 @@ def check_names(d: ast.FnDef, fns, kinds) -> None:
     is neither a parameter nor an earlier binding of the body, or an unknown function.
     Inlining finds the same at every call; this also covers functions never called.
     (Edge names are left to the calls: they may name edges of the calling program.)"""
-    from tgc.frontend.builtins import ARITY
-
     params = {p.name for p in d.params}
     scopes = [(p.default, params) for p in d.params if p.default is not None]
     for i, b in enumerate(d.body):

@@ -320,30 +320,3 @@ def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | N
 def _in_order(a: np.ndarray, edges: tuple[str, ...], order: tuple[str, ...]) -> np.ndarray:
     """A fresh C-contiguous copy of `a` with its axes in `order` (0-d stays 0-d)."""
     return np.array(np.transpose(a, [edges.index(e) for e in order]), order="C", copy=True)
-
-
-def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
-                  dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range,
-    then moved onto the program's simple declared facts (`tgc.ir.assume.satisfy`)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for a in module.args.values():
-        shape = tuple(env[module.edges[e]] for e in a.order)
-        if a.dtype == "i32":
-            out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
-        else:
-            t = a.dtype if a.dtype in LOW_FLOATS else dtype or a.dtype   # bf16/f16 keep their type
-            out[a.name] = round_to(rng.standard_normal(shape), t)
-    if module.facts:
-        from tgc.ir.assume import satisfy
-
-        satisfy(module, out)
-    return out
-
-
-def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
-    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
-    bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
-              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
-    return min(bounds) if bounds else 1

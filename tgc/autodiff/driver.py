@@ -1,0 +1,89 @@
+"""The driver both derivative passes share: `adjoint` (reverse mode: every `grad` and
+`vjp`) and `tangent` (forward mode: every `jvp`) are `resolve` with their kinds.
+
+Rewrites: `resolve` walks the module in topological order and expands the derivative
+nodes of the pass's kinds *and every derivative node beneath them*, whatever their
+kind, with `tgc.autodiff.reverse` (grad, vjp) and `tgc.autodiff.forward` (jvp). An
+operand is rebuilt before its user, so each node is expanded after those inside it and
+its rules only ever see primitive ops. `adjoint` then `tangent` therefore leaves no
+derivative node: after `adjoint` no grad/vjp is left, and the jvps left have none
+beneath them. The grads of one scalar function (seeded with 1, no fresh edges) share
+one reverse sweep over all their arguments.
+
+Exact: a derivative node is replaced by its derivative program, built from the leaf
+rules (`tgc.autodiff.rules`); nothing else changes.
+
+Terminates: the driver visits each node of the finite module once, and each expansion
+terminates (see `reverse` and `forward`).
+
+Imports: rules < remat < forward < reverse < driver (no cycle).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from tgc.autodiff.forward import jvp_value
+from tgc.autodiff.reverse import _identity, _pull, grad_value, reverse_many, vjp_value
+from tgc.ir.module import Module
+from tgc.ir.passes import Pass
+from tgc.ir.values import DERIVATIVE_OPS, Value, rebuild_same, topo_order
+from tgc.options import Options
+
+EXPAND = {"grad": grad_value, "vjp": vjp_value, "jvp": jvp_value}
+
+
+def _to_resolve(roots: list[Value], kinds: Iterable[str]) -> set[int]:
+    """The derivative nodes of `kinds`, and every derivative node beneath them."""
+    tops = [v for v in topo_order(roots) if v.op in kinds]
+    return {id(v) for v in topo_order(tops) if v.op in DERIVATIVE_OPS}
+
+
+def resolve(module: Module, kinds: Iterable[str]) -> Module:
+    """The module with those derivative nodes expanded, innermost first.
+
+    The grads of one scalar function (seeded with 1, no fresh edges) share one
+    reverse sweep (`reverse_many`) over all their arguments: a program's gradients
+    with respect to many parameters cost one sweep, not one each."""
+    out = module.replace_values({})  # a copy: fresh edges are registered in it
+    values = topo_order(module.roots())
+    todo = _to_resolve(module.roots(), tuple(kinds))
+    wrt: dict[int, list[Value]] = {}  # id(f) as written -> the x of each grad(f, x) to expand
+    for v in values:
+        if id(v) in todo and v.op == "grad" and id(v.operands[1]) not in {id(x) for x in wrt.get(id(v.operands[0]), ())}:
+            wrt.setdefault(id(v.operands[0]), []).append(v.operands[1])
+    sweeps: dict[int, dict[int, Value | None]] = {}  # id(f) as written -> reverse_many's result
+    memo: dict[int, Value] = {}
+    for v in values:
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if id(v) not in todo:
+            memo[id(v)] = rebuild_same(v, ops)
+        elif v.op == "grad" and not ops[0].edges:
+            f, x = ops
+            cts = sweeps.get(id(v.operands[0]))
+            if cts is None:
+                cts = sweeps[id(v.operands[0])] = reverse_many(f, wrt[id(v.operands[0])], _identity({}, f.dtype))
+            memo[id(v)] = _pull(f, x, _identity({}, f.dtype), {}, cts[id(x)])
+        else:
+            memo[id(v)] = EXPAND[v.op](out, *ops)
+    return out.replace_values(memo)
+
+
+@dataclass(frozen=True)
+class Adjoint(Pass):
+    """Reverse mode: grad/vjp -> cotangent programs (and any derivative beneath them)."""
+
+    name = "adjoint"
+
+    def run(self, module: Module, options: Options) -> Module:
+        return resolve(module, ("grad", "vjp"))
+
+
+@dataclass(frozen=True)
+class Tangent(Pass):
+    """Forward mode: jvp -> tangent programs (and any derivative beneath them)."""
+
+    name = "tangent"
+
+    def run(self, module: Module, options: Options) -> Module:
+        return resolve(module, ("jvp",))

@@ -1,0 +1,42 @@
+"""Seeded random inputs of a module: what the tests, `--verify-each` and `tgc run
+--random-inputs` run a program on.
+
+Floats are standard normal (bf16/f16 inputs rounded to their type), ids uniform over
+the edges they index; then the values are moved onto the program's simple declared
+facts (`tgc.ir.assume.satisfy`), so that a program with `assume` runs on inputs that
+satisfy it.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from tgc.ir.assume import satisfy
+from tgc.ir.dtypes import LOW_FLOATS, round_to
+from tgc.ir.module import Arg, Module
+
+
+def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
+                  dtype: str | None = None) -> dict[str, np.ndarray]:
+    """Seeded random inputs of the right shapes: floats ~ N(0,1), ids uniform in range,
+    then moved onto the program's simple declared facts (`tgc.ir.assume.satisfy`)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for a in module.args.values():
+        shape = tuple(env[module.edges[e]] for e in a.order)
+        if a.dtype == "i32":
+            out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
+        else:
+            t = a.dtype if a.dtype in LOW_FLOATS else dtype or a.dtype   # bf16/f16 keep their type
+            out[a.name] = round_to(rng.standard_normal(shape), t)
+    if module.facts:
+        satisfy(module, out)
+    return out
+
+
+def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
+    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
+    bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
+              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+    return min(bounds) if bounds else 1
