@@ -89,10 +89,6 @@ class Fn:
     vecmath: bool = False             # the CPU backend has it in vector math (tgc.backends.cpu.vecmath)
     lowered_by: str = ""              # the stage that removes it before backends ('' if backends see it)
 
-    @property
-    def expensive(self) -> bool:
-        return self.cost == "heavy"
-
 
 def _safe_pow(a, b):
     with np.errstate(all="ignore"):
@@ -146,7 +142,9 @@ _FNS: list[Fn] = [
     Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg"),
     Fn("sign", 1, np.sign, "-1, 0 or 1 (NaN for NaN)", surface=True, exact=True, finite="always",
        bound=1.0),
-    # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably through exp(-|x|)
+    # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably through exp(-|x|). Cost class
+    # cheap: what fusion, grouping and the parallel threshold charged before this table
+    # (kept so that lowering is unchanged), though each computes an exp (and a log)
     Fn("sigmoid", 1, _sigmoid, "1 / (1 + e^-x), computed stably", sign="pos", bound=1.0),
     Fn("softplus", 1, _softplus, "log(1 + e^x), computed stably", sign="pos"),
     # binary arithmetic (the language's / and ^, and two-argument max/min)
