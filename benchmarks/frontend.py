@@ -10,7 +10,7 @@ run: on a busy machine the wall time grows with the other load, the CPU time les
 The target is under 10 s per shape at 10^5 statements on the 2-core reference machine:
 the front end's work per statement must not grow with the program (issue 19, item 5).
 `benchmarks/run.py --only check` runs the same rows. `SHAPES` is also what
-tests/test_frontend_scaling.py counts the front end's work on.
+tests/frontend/test_frontend_scaling.py counts the front end's work on.
 """
 from __future__ import annotations
 

@@ -1,14 +1,81 @@
-"""Fixtures shared by the tests: the optimization tests run every pass with --verify-each.
+"""What every test folder shares: the `verified` fixture and the lit-style collector.
 
-The helpers live in `passes_util` (importable by the test modules); `verified` is its
-`optimize`: run passes through `run_pipeline(..., Options(verify_each=True))`.
+- `verified`: the optimization tests run every pass with --verify-each. The helpers live
+  in `passes_util` (importable by every test module: pytest puts this folder, the one
+  of the rootdir's conftest, on sys.path); `verified` is its `optimize`: run passes
+  through `run_pipeline(..., Options(verify_each=True))`.
+- lit: every `.tg`/`.tgir` file under tests/ with `RUN:` lines is a test, kept beside
+  the Python tests of its stage (tests/frontend: diagnostics, tests/opt, tests/autodiff,
+  tests/lower: one pass's output). Each `RUN:` line is a shell pipeline with `%s` (this
+  file) substituted and `tgc`, `filecheck` and `not` (succeed only if the command fails,
+  `tests/not.py`) resolved to this Python; its `CHECK:` lines are matched by the PyPI
+  `filecheck` package. Files without `RUN:` (the program corpus, golden IR, fuzz
+  regressions) are data, not tests.
 """
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from passes_util import optimize
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT = Path(__file__).resolve().with_name("not.py")
+RUN = re.compile(r"^\s*(?:#|//)\s*RUN:\s*(.*)$")
 
 
 @pytest.fixture
 def verified():
     """`optimize(module, passes)`, every pass checked by the float64 interpreter."""
     return optimize
+
+
+def pytest_collect_file(parent, file_path: Path):
+    if file_path.suffix in (".tg", ".tgir") and "RUN:" in file_path.read_text(errors="replace"):
+        return LitFile.from_parent(parent, path=file_path)
+    return None
+
+
+class LitFile(pytest.File):
+    def collect(self):
+        yield LitItem.from_parent(self, name=self.path.name)
+
+
+def _substitute(command: str, path: Path) -> str:
+    py = shlex.quote(sys.executable)
+    command = command.replace("%s", shlex.quote(str(path)))
+    command = re.sub(r"(^|\|\s*|&&\s*)not\s+", r"\1" + f"{py} {shlex.quote(str(NOT))} ", command)
+    command = re.sub(r"(^|\s|\|)tgc\s", rf"\1{py} -m tgc.cli ", command)
+    command = re.sub(r"(^|\s|\|)filecheck\s", rf"\1{py} -m filecheck ", command)
+    return command
+
+
+class LitItem(pytest.Item):
+    def runtest(self):
+        lines = [m.group(1) for m in map(RUN.match, self.path.read_text().splitlines()) if m]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1")
+        for line in lines:
+            command = _substitute(line, self.path)
+            p = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True,
+                               cwd=self.path.parent, env=env)
+            if p.returncode != 0:
+                raise LitFailure(line, command, p.stdout + p.stderr)
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, LitFailure):
+            line, command, output = excinfo.value.args
+            return f"RUN: {line}\n$ {command}\n{output}"
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, 0, f"lit: {self.path.name}"
+
+
+class LitFailure(Exception):
+    pass

@@ -1,4 +1,4 @@
-"""Helpers of the f32 numerics suite (`tests/test_numerics_f32.py`).
+"""Helpers of the f32 numerics suite (`tests/e2e/test_numerics_f32.py`).
 
 A `Case` is a .tg program, deterministic inputs and a hand-written PyTorch reference.
 `compare(case, backend)` runs the reference in float64 (the wanted values) and in

@@ -1,4 +1,4 @@
-"""Helpers of the optimization tests (`tests/test_passes_*.py`): passes run with --verify-each.
+"""Helpers of the optimization tests (`tests/opt/test_passes_*.py`): passes run with --verify-each.
 
 `optimize(module, passes)` runs `passes` through `run_pipeline` with
 `Options(verify_each=True)` (the float64 interpreter before/after every pass on seeded

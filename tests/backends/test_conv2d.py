@@ -141,6 +141,7 @@ def test_no_indicator_is_materialized(which):
 
 @pytest.mark.parametrize("which, max_lines, max_kernels",
                          [(TINY, 8_000, 12), (TWO_LAYERS, 20_000, 32)], ids=["tiny", "two_layers"])
+@pytest.mark.slow
 def test_small_convolutions_are_little_code(which, max_lines, max_kernels):
     """Bounds with room (the tiny program is ~4,300 lines, the two layers ~9,500;
     before, 80,000 with one kernel of 19,000): what they catch is a blow-up, such as
@@ -177,6 +178,7 @@ def _conv_inputs(path: Path, batch: int, dtype, seed: int = 0) -> dict:
     return random_inputs(m, m.bind_dims({d: batch for d in m.symbolic_dims()}), seed, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blas", ["numpy", "none"])
 @pytest.mark.parametrize("which", [TINY, BENCH], ids=["tiny", "bench"])
 def test_convolution_matches_the_interpreter(which, blas):

@@ -406,6 +406,7 @@ def test_recycled_outputs_are_safe_across_threads():
     assert not bad
 
 
+@pytest.mark.slow
 def test_cli_run_profile_lists_kernels_and_keeps_the_results(tmp_path: Path):
     path = tmp_path / "mlp.tg"
     path.write_text(MLP)
@@ -434,6 +435,7 @@ out g = grad(mean[b](sum[d](tanh(x))), x)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_a_dim_bound_to_zero_is_refused_before_anything_runs(dtype, tmp_path: Path):
     """The optimizer's algebra assumes no edge is empty (a mean's gradient has 1/size;

@@ -282,6 +282,7 @@ MATMUL_A = {"ik": "i, k", "ki": "k, i"}
 MATMUL_B = {"kj": "k, j", "jk": "j, k"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("a", MATMUL_A)
 @pytest.mark.parametrize("b", MATMUL_B)
 @pytest.mark.parametrize("c", ["i, j", "j, i"])

@@ -68,6 +68,7 @@ B_ORDERS = ["b, k, j", "b, j, k", "j, k, b"]
 C_ORDERS = ["b, i, j", "b, j, i", "j, b, i"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 @pytest.mark.parametrize("a_order", A_ORDERS)
 @pytest.mark.parametrize("b_order", B_ORDERS)
@@ -104,6 +105,7 @@ def test_operand_without_the_batch_edge(dtype, b_order):
 @pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"),
                                     ("b, k, i", "b, j, k", "b, j, i"),
                                     ("i, b, k", "k, b, j", "b, i, j")])
+@pytest.mark.slow
 @pytest.mark.parametrize("threads, tiles", [(0, 2), (3, 64)])
 def test_large_gemm_parallel_tiles(dtype, orders, threads, tiles):
     """150 x 260 x 300 per batch index in `gemm_tiles` tiles, shared among the threads

@@ -56,6 +56,7 @@ def run_matmul(a_order, b_order, c_order, sizes, dtype, fixed=("b", "i", "j", "k
     close(got, np.einsum(spec, A.astype(np.float64), B.astype(np.float64)).astype(NP[dtype]), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 @pytest.mark.parametrize("a_order", ["b, i, k", "b, k, i"])
 @pytest.mark.parametrize("b_order", ["b, k, j", "b, j, k"])
@@ -67,6 +68,7 @@ def test_large_products_without_blas_every_layout(dtype, a_order, b_order, c_ord
     run_matmul(a_order, b_order, c_order, {"b": 2, "i": 150, "j": 261, "k": 300}, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_symbolic_sizes_and_many_tiles_without_blas(dtype):
     """Sizes known only at the call; 64 tiles on 3 threads cut R too (chunks that

@@ -11,6 +11,8 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
+from marks import heavy
+
 ROOT = Path(__file__).parent.parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 F32_RTOL, F32_ATOL = 2e-4, 2e-5  # relative to each output's scale; f32 sums accumulate in f32
@@ -32,7 +34,7 @@ def compare(module, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
-@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", heavy(PROGRAMS), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
     module = pipeline.lower(pipeline.load(str(path), options), options).module

@@ -52,6 +52,7 @@ def test_a_single_kernel_makes_at_most_two_units():
     assert len(codegen.generate_units(low, opts, units=1)) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [1, 2, 3])
 def test_gpt_in_units_matches_the_interpreter(jobs):
     prog = tgc.compile(GPT, dtype="f64", options=Options(compile_jobs=jobs))
@@ -143,6 +144,7 @@ def test_without_fork_this_process_compiles_every_unit(monkeypatch):
     assert llvm_env.emit_objects(texts, 2, jobs=2) == [llvm_env.emit_object(t, 2) for t in texts]
 
 
+@pytest.mark.slow
 def test_after_a_parallel_region_small_kernels_go_parallel_too():
     """With the warm thresholds at 1 and a window that never closes, every kernel
     after the first parallel region runs on the threads: the results still match."""
@@ -160,6 +162,7 @@ def test_after_a_parallel_region_small_kernels_go_parallel_too():
             np.testing.assert_allclose(value, want[name], rtol=1e-9, atol=1e-11, err_msg=name)
 
 
+@pytest.mark.slow
 def test_one_thread_has_no_warm_test():
     prog = tgc.compile(GPT, dtype="f64", options=Options(threads=1))
     assert "llvm.readcyclecounter" not in prog.llvm_ir

@@ -175,6 +175,7 @@ def specials(dtype):
 
 # ---------------------------------------------------------------- tests
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', vecmath.NAMES)
 def test_accuracy(kernels, name):
     x = np.concatenate([inputs(name, kernels.dtype), specials(kernels.dtype)])

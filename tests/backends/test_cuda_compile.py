@@ -26,6 +26,7 @@ F64_PROGRAMS = ["gpt.tg", "014_gather.tg", "016_functions.tg", "010_conv_stride_
                 "028_updates.tg", "019_softmax_family.tg"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc (the CUDA toolkit) is not installed")
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_every_program_compiles_for_sm90_without_warnings(dtype, tmp_path):

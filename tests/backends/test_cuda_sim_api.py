@@ -214,6 +214,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_cli_runs_cuda_sim_like_cpu(tmp_path):
     src = tmp_path / "m.tg"
     src.write_text(MLP)

@@ -10,6 +10,6 @@
 - `fuzz.shrink`: `shrink(program, failure)`, greedy reduction to a minimal program
   that still shows the same kind of disagreement.
 
-`scripts/fuzz` runs thousands of seeds; `tests/test_fuzz.py` runs a seeded slice and
+`scripts/fuzz` runs thousands of seeds; `tests/e2e/test_fuzz.py` runs a seeded slice and
 every saved regression in `tests/fuzz/regressions/`.
 """

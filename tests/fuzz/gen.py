@@ -5,7 +5,7 @@ set is exactly `E`, choosing a production (elementwise op, contraction, reductio
 rename, reindex, gather, indicator, prelude or user function, derivative) and asking
 for the operands' edge sets that make the result `E`. When no declared tensor has the
 edges a leaf needs, it declares a new input or param with them. So every program
-elaborates; `tests/test_fuzz.py` checks that it does, for many seeds.
+elaborates; `tests/e2e/test_fuzz.py` checks that it does, for many seeds.
 
 Covered (LANGUAGE.md sections 3-9): symbolic, literal and derived dims (`c / head`,
 `n - k + 1`, `p + q`), edge aliases `i: n`, input/param/state/scalar/i32 declarations,

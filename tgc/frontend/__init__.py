@@ -1,4 +1,7 @@
-"""The front end: .tg source text to a syntax tree (parser), then to IR (elaborator)."""
+"""The front end: .tg source text to a syntax tree (parser), then to IR (elaborator).
+
+Stage: after `tgc.ir`, before `tgc.opt`; imports `tgc.ir` and the leaves
+(`tgc.options`, `tgc.fsutil`) only."""
 from __future__ import annotations
 
 from tgc.ir.module import Module

@@ -136,7 +136,7 @@ class ProgramBuilder:
         try:
             self.file(text, name, top=False)
         except CompileError as e:
-            e.notes.append(Diagnostic("note", f"in the file imported here", item.loc))
+            e.notes.append(Diagnostic("note", "in the file imported here", item.loc))
             raise
         finally:
             self.import_stack.pop()

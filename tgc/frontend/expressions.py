@@ -201,7 +201,7 @@ class Elaborator:
 
     def complex_binop(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
         """`a op b` with a complex operand (the other is promoted where it matters)."""
-        cx, loc = self.cx, node.loc
+        cx = self.cx
         if node.op in "+-":
             return self.build(node, ctx, lambda loc: cx.add(a, b, 1.0 if node.op == "+" else -1.0, loc))
         if node.op in "*@" and not (is_complex(a) and is_complex(b)):   # a real factor scales both parts

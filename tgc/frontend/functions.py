@@ -117,8 +117,8 @@ def _check_rule(d: ast.FnDef, r: ast.Rule, seen: dict[str, object]) -> None:
             raise CompileError(f"the jvp of '{d.name}' takes {n} tangent{'s' * (n != 1)}, one per parameter "
                                f"({names}), not {len(r.binders)}", r.loc)
         if r.tuple_form:
-            raise CompileError(f"a jvp clause gives one expression, the tangent of the result, "
-                               f"not a tuple", r.exprs[0].loc)
+            raise CompileError("a jvp clause gives one expression, the tangent of the result, "
+                               "not a tuple", r.exprs[0].loc)
 
 
 def check_names(d: ast.FnDef, fns, kinds) -> None:

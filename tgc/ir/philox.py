@@ -15,7 +15,7 @@ bits: a value depends only on the key and on the element's counter.
   SC'11): a 4x32-bit counter and a 2x32-bit key, ten rounds of two 32x32->64-bit
   multiplies (0xD2511F53, 0xCD9E8D57), the key bumped by the Weyl increments
   (0x9E3779B9, 0xBB67AE85) between rounds. `philox` reproduces the published
-  known-answer vectors (tests/test_random.py).
+  known-answer vectors (tests/e2e/test_random.py).
 - **Keys.** An `i32` key `k` is the Philox key (k mod 2**32, 0). `fold(key, n)` is
   the first two words of Philox(counter = (n mod 2**32, n >> 32, 1, 0), key): word 2
   of a fold's counter is 1 and of a draw's 0, so no fold output is a draw's output

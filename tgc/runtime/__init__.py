@@ -1,4 +1,8 @@
-"""Running compiled programs: build, validate inputs, call (see `program.py`)."""
+"""Running compiled programs: build, validate inputs, call (see `program.py`).
+
+Stage: after `tgc.backends`, before `tgc.pipeline`; imports the backends, `tgc.lower`,
+`tgc.ir`, the leaves and `tgc.info` (which needs only the IR). Still crossing
+forward: `Program.without_updates()` compiles through `tgc.pipeline`."""
 from __future__ import annotations
 
 from typing import Mapping

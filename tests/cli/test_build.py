@@ -1,0 +1,187 @@
+"""`tgc build` and Makefile use: the .so and header from C and ctypes, depfiles,
+byte-identical outputs, atomic outputs, exit codes, and examples/Makefile."""
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tgc.cli import main
+from tgc.frontend import compile_file
+from tgc.ir.interp import evaluate
+from tgc.options import Options
+from tgc.manager import run_pipeline
+
+ROOT = Path(__file__).parents[2]
+MLP = ROOT / "examples/mlp.tg"
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def tgc(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def subprocess_tgc(*args, cwd=None, seed="0"):
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    return subprocess.run([sys.executable, "-m", "tgc.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+
+
+def mlp_inputs(batch: int) -> dict:
+    """The inputs examples/c/mlp_main.c builds, in numpy (float32, as C computes them)."""
+    def filled(n, scale, freq, phase):
+        return (scale * np.sin(freq * np.arange(n, dtype=np.float64) + phase)).astype(np.float32)
+    y = np.zeros((batch, 3), np.float32)
+    y[np.arange(batch), np.arange(batch) % 3] = 1
+    return {"x": filled(batch * 13, 1.0, 0.37, 0.1).reshape(batch, 13), "y": y,
+            "W1": filled(13 * 64, 0.3, 0.71, 0.2).reshape(13, 64), "b1": filled(64, 0.05, 0.13, 0.3),
+            "W2": filled(64 * 3, 0.3, 0.53, 0.4).reshape(64, 3), "b2": filled(3, 0.05, 1.1, 0.5),
+            "lr": np.float32(0.1)}
+
+
+def reference_step(inputs):
+    module = run_pipeline(compile_file(str(MLP), Options(dtype="f64")), Options(dtype="f64")).module
+    return evaluate(module, inputs, dtype="f64")
+
+
+@needs_cc
+def test_c_driver_uses_the_library_and_header(tmp_path):
+    r = tgc("build", MLP, "-o", tmp_path / "libmlp.so")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "mlp.h").exists()
+    exe = tmp_path / "mlp_main"
+    subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Werror", f"-I{tmp_path}", "-o", exe,
+                    ROOT / "examples/c/mlp_main.c", f"-L{tmp_path}", "-lmlp", f"-Wl,-rpath,{tmp_path}", "-lm"],
+                   check=True)
+    out = subprocess.run([exe, "5"], capture_output=True, text=True, check=True).stdout
+    step0 = dict(re.findall(r"(\w+(?:\[0\])?) ([-\d.e+]+)", out.splitlines()[0]))
+    want = reference_step(mlp_inputs(5))
+    assert float(step0["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
+    assert float(step0["probs_mean"]) == pytest.approx(float(want["probs"].mean()), rel=1e-5)
+    assert float(step0["W2[0]"]) == pytest.approx(float(want["W2"][0, 0]), rel=1e-5)
+    assert float(step0["b1[0]"]) == pytest.approx(float(want["b1"][0]), rel=1e-4, abs=1e-7)
+
+
+@needs_cc
+@pytest.mark.parametrize("blas", ["none", "numpy"])
+def test_shared_library_through_ctypes(tmp_path, blas):
+    assert tgc("build", MLP, "-o", tmp_path / "libmlp.so", "--dtype", "f64", f"--blas={blas}").exit_code == 0
+    lib = ctypes.CDLL(str(tmp_path / "libmlp.so"))
+    assert lib.mlp_init_default() == 0
+    inputs = {k: np.array(v, np.float64, order="C") for k, v in mlp_inputs(4).items()}
+    want = reference_step({k: v.copy() for k, v in inputs.items()})
+    dims = (ctypes.c_int64 * 1)(4)
+    order = ["x", "y", "W1", "b1", "W2", "b2", "lr"]
+    args = (ctypes.c_void_p * 7)(*[inputs[n].ctypes.data for n in order])
+    loss, correct, probs = np.zeros(()), np.zeros(4), np.zeros((4, 3))
+    outs = (ctypes.c_void_p * 3)(loss.ctypes.data, correct.ctypes.data, probs.ctypes.data)
+    lib.mlp_workspace_bytes.restype = ctypes.c_int64
+    ws = np.zeros(lib.mlp_workspace_bytes(dims) + 64, np.uint8)
+    addr = ws.ctypes.data + (-ws.ctypes.data) % 64
+    assert lib.mlp_run(dims, args, outs, ctypes.c_void_p(addr)) == 0
+    np.testing.assert_allclose(loss, want["loss"], rtol=1e-12)
+    np.testing.assert_allclose(probs, want["probs"], rtol=1e-12)
+    np.testing.assert_allclose(inputs["W1"], want["W1"], rtol=1e-12)  # updated in place
+
+
+@needs_cc
+def test_builds_are_byte_identical_across_processes(tmp_path):
+    for seed in ("1", "2"):
+        d = tmp_path / seed
+        d.mkdir()
+        for emit, name in (("so", "libgpt.so"), ("llvm", "gpt.ll"), ("asm", "gpt.s"), ("obj", "gpt.o"), ("ir", "gpt.tgir")):
+            p = subprocess_tgc("build", ROOT / "examples/gpt.tg", "--emit", emit, "-o", d / name, seed=seed)
+            assert p.returncode == 0, p.stderr
+    for f in sorted((tmp_path / "1").iterdir()):
+        assert f.read_bytes() == (tmp_path / "2" / f.name).read_bytes(), f.name
+
+
+def test_depfile_lists_nested_imports(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib/b.tg").write_text("fn twice(x) = 2 * x\n")
+    (tmp_path / "lib/a.tg").write_text('import "b.tg"\nfn four(x) = twice(twice(x))\n')
+    (tmp_path / "main model.tg").write_text('import "lib/a.tg"\ndim n = 3\ninput x[n]\nout y = four(x)\n')
+    r = tgc("build", tmp_path / "main model.tg", "--emit", "ir", "-o", tmp_path / "m.tgir", "-MD")
+    assert r.exit_code == 0, r.output
+    dep = (tmp_path / "m.d").read_text()
+    assert dep.startswith(f"{tmp_path}/m.tgir:")
+    assert "main\\ model.tg" in dep and "lib/a.tg" in dep and "lib/b.tg" in dep
+    assert "\nlib" not in dep.replace(str(tmp_path), "")  # no phony targets without -MP
+    r = tgc("build", tmp_path / "main model.tg", "--emit", "ir", "-o", tmp_path / "m.tgir",
+            "-MF", tmp_path / "deps.mk", "-MT", "custom", "-MP")
+    assert r.exit_code == 0
+    dep = (tmp_path / "deps.mk").read_text()
+    assert dep.startswith("custom:")
+    assert f"\n{tmp_path}/lib/a.tg:\n" in dep and f"\n{tmp_path}/lib/b.tg:\n" in dep
+
+
+def test_a_failed_build_leaves_no_output(tmp_path, monkeypatch):
+    from tgc.backends.cpu import aot
+
+    out = tmp_path / "libmlp.so"
+    out.write_bytes(b"older build")
+
+    def broken(*args, **kwargs):
+        raise aot.BuildError("linking failed: simulated")
+
+    monkeypatch.setattr(aot, "link_shared", broken)
+    r = tgc("build", MLP, "-o", out, "-MD")
+    assert r.exit_code == 4
+    assert out.read_bytes() == b"older build"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["libmlp.so"]  # no header, depfile or temp file
+
+
+def test_exit_codes(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.tg"
+    bad.write_text("dim n = 3\nout y = q\n")
+    assert tgc("build", bad, "--emit", "ir", "-o", tmp_path / "x.tgir").exit_code == 1
+    assert not (tmp_path / "x.tgir").exists()
+    assert tgc("build", MLP, "-D", "batch").exit_code == 2
+    assert tgc("build", MLP, "-D", "nodim=3", "--emit", "ir", "-o", tmp_path / "y").exit_code == 2
+    assert tgc("build", MLP, "--emit", "ir", "-D", "batch=4", "-o", tmp_path / "ok.tgir").exit_code == 0
+    assert "dim batch = 4" in (tmp_path / "ok.tgir").read_text()
+    src = tmp_path / "g.tg"
+    src.write_text("dim v = 3, n = 2\ninput E[v]\ninput ids: i32[n]\nout y[n] = E[v = ids]\n")
+    np.savez(tmp_path / "in.npz", E=np.ones(3), ids=np.array([0, 7], np.int32))
+    r = tgc("run", src, "--inputs", tmp_path / "in.npz")
+    assert r.exit_code == 3 and "out of range" in r.output
+    from tgc import pipeline
+
+    def crash(*a, **k):
+        raise ZeroDivisionError("simulated bug")
+
+    monkeypatch.setattr(pipeline, "lower", crash)
+    r = tgc("build", MLP, "--emit", "ir", "-o", tmp_path / "z")
+    assert r.exit_code == 4
+    assert r.output.startswith("internal compiler error: ZeroDivisionError: simulated bug")
+    assert "Traceback" not in r.output
+
+
+@needs_cc
+@needs_make
+def test_examples_makefile_builds_runs_and_rebuilds_only_dependents(tmp_path):
+    work = tmp_path / "examples"
+    shutil.copytree(ROOT / "examples", work, ignore=shutil.ignore_patterns("out"))
+    env = dict(os.environ, TGC=f"{sys.executable} -m tgc.cli")
+    make = ["make", "-C", str(work), f"TGC={sys.executable} -m tgc.cli"]
+    p = subprocess.run(make + ["-j4"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "step 1 loss" in p.stdout
+    built = sorted(f.name for f in (work / "out").glob("lib*.so"))
+    assert built == sorted(f"lib{p.stem}.so" for p in (ROOT / "examples").glob("*.tg"))
+    again = subprocess.run(make, capture_output=True, text=True, env=env)
+    assert "tgc.cli build" not in again.stdout
+    os.utime(work / "lib/transformer.tg")
+    again = subprocess.run(make, capture_output=True, text=True, env=env)
+    rebuilt = re.findall(r"build (\S+)\.tg", again.stdout)
+    importers = sorted(p.stem for p in work.glob("*.tg") if 'import "lib/transformer.tg"' in p.read_text())
+    assert "gpt" in importers and sorted(rebuilt) == importers, again.stdout
+    assert subprocess.run(make + ["clean"], capture_output=True).returncode == 0
+    assert not (work / "out").exists()

@@ -1,0 +1,126 @@
+"""The `tgc` command line, through click's runner and as a real subprocess."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from tgc.cli import main
+
+ROOT = Path(__file__).parents[2]
+MLP = str(ROOT / "examples/mlp.tg")
+EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.tg"))
+
+
+def tgc(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+def test_version_and_help_with_examples():
+    assert tgc("--version").output.startswith("tgc, version")
+    for cmd in ("check", "dump-ir", "opt", "run", "passes"):
+        r = tgc(cmd, "--help")
+        assert r.exit_code == 0
+        assert cmd == "passes" or "Example" in r.output
+
+
+def test_check_all_examples():
+    r = tgc("check", *EXAMPLES)
+    assert r.exit_code == 0, r.output
+    assert r.output == ""
+
+
+def test_check_error_is_located_with_exit_1(tmp_path):
+    bad = tmp_path / "bad.tg"
+    bad.write_text("dim n = 3\ninput x[n]\nout y = x + q\n")
+    r = tgc("check", str(bad))
+    assert r.exit_code == 1
+    assert f"{bad}:3:13: error: unknown name 'q'" in r.output
+    assert " out y = x + q" in r.output and "^" in r.output
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: Path(p).name)
+def test_dump_ir_round_trips_through_opt(example, tmp_path):
+    out = tmp_path / "a.tgir"
+    r = tgc("dump-ir", example, "-o", str(out))
+    assert r.exit_code == 0, r.output
+    r2 = tgc("opt", str(out), "-p", "")
+    assert r2.exit_code == 0, r2.output
+    assert r2.output == out.read_text()
+    r3 = tgc("dump-ir", example, "--after", "elaborate")
+    assert r3.exit_code == 0
+    assert tgc("opt", "-", "-p", "", input=r3.output).output == r3.output
+
+
+def test_dump_ir_after_all_and_print_ir_after():
+    r = tgc("dump-ir", MLP, "--after-all")
+    assert r.exit_code == 0
+    assert "// ----- IR after elaborate -----" in r.output
+    assert "// ----- IR after normalize -----" in r.output
+    r = CliRunner(mix_stderr=False).invoke(main, ["dump-ir", MLP, "--print-ir-after", "normalize"]) \
+        if "mix_stderr" in CliRunner.__init__.__code__.co_varnames else tgc("dump-ir", MLP, "--print-ir-after", "normalize")
+    assert "IR after normalize" in (r.stderr if hasattr(r, "stderr") and r.stderr_bytes is not None else r.output)
+
+
+def test_usage_errors_exit_2():
+    assert tgc("dump-ir", MLP, "--after", "nosuchpass").exit_code == 2
+    assert tgc("opt", "x.tgir", "-p", "nosuchpass").exit_code == 2
+    assert tgc("run", MLP, "--dim", "batch").exit_code == 2
+    assert tgc("frobnicate").exit_code == 2
+
+
+def test_passes_lists_the_default_pipeline():
+    r = tgc("passes")
+    assert "normalize" in r.output and "default pipeline:" in r.output
+    assert "lowering (then, for a backend; dump-ir --after STAGE): fuse,layout,group,plan" in r.output
+
+
+def test_run_writes_npz_in_abi_order(tmp_path):
+    out = tmp_path / "o.npz"
+    r = tgc("run", MLP, "--random-inputs", "--dim", "batch=5", "--dtype", "f64", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    with np.load(out) as f:
+        names = set(f.files)
+        assert f["loss"].shape == ()
+        assert f["W1"].shape == (13, 64)
+    assert {"loss", "W1", "b1", "W2", "b2"} <= names
+
+
+def test_run_prints_a_summary():
+    r = tgc("run", MLP, "--random-inputs")
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("loss[] float32 shape=()")
+
+
+def test_run_input_errors_exit_3(tmp_path):
+    src = tmp_path / "p.tg"
+    src.write_text("dim n\ninput a[n], b[n]\nout c = a + b\n")
+    np.save(tmp_path / "a.npy", np.ones(3))
+    np.save(tmp_path / "b.npy", np.ones(4))
+    r = tgc("run", str(src), "--input", f"a={tmp_path/'a.npy'}")
+    assert r.exit_code == 3 and "missing input 'b'" in r.output
+    r = tgc("run", str(src), "--input", f"a={tmp_path/'a.npy'}", "--input", f"b={tmp_path/'b.npy'}")
+    assert r.exit_code == 3 and "edge 'n'" in r.output
+
+
+def test_subprocess_exit_codes(tmp_path):
+    bad = tmp_path / "bad.tg"
+    bad.write_bytes(b"dim n = 3\n\xff\xfe\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "tgc.cli", "check", str(bad)], capture_output=True, text=True, env=env)
+    assert p.returncode == 1
+    assert f"{bad}:2:1: error:" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "tgc.cli", "check", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert p.returncode in (1, 2) and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("stage", ["fuse", "layout", "plan"])
+def test_dump_ir_after_lowering_stages(stage):
+    r = tgc("dump-ir", MLP, "--after", stage)
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"// lowered after {stage}")
+    assert "loop" in r.output or "gemm" in r.output

@@ -1,0 +1,62 @@
+"""The gpt_adamw benchmark workload: the .tg file is what its generator writes, and one
+step of it (float64, tgc's CPU build) is the numpy reference's AdamW step."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import tgc
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "workloads")]
+
+import make_gpt_adamw  # noqa: E402
+import ref_numpy  # noqa: E402
+
+
+def test_gpt_adamw_tg_is_generated_from_gpt_tg():
+    assert (ROOT / "benchmarks" / "workloads" / "gpt_adamw.tg").read_text() == make_gpt_adamw.generate(), \
+        "run python benchmarks/workloads/make_gpt_adamw.py"
+
+
+def test_one_gpt_adamw_step_is_the_reference_adamw_step():
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v
+              for k, v in run._gpt_adamw_inputs(np.random.default_rng(0)).items()}
+    arrays = {k: (v[:4] if k in ("ids", "targets") else v) for k, v in arrays.items()}   # batch 4
+    prog = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "gpt_adamw.tg"), dtype="f64")
+    got = prog(**{k: np.array(v, copy=True) for k, v in arrays.items()})
+    ref = {k: np.array(v, copy=True) for k, v in arrays.items()}
+    want = ref_numpy.gpt_adamw_step(ref)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-10)
+    for n in ref_numpy.gpt_param_names():
+        step = (got[n] - arrays[n]) / float(arrays["lr"])
+        np.testing.assert_allclose(step, (want[n] - arrays[n]) / float(arrays["lr"]), rtol=1e-6, atol=1e-8, err_msg=n)
+        np.testing.assert_allclose(got[f"m_{n}"], ref[f"m_{n}"], rtol=1e-9, atol=1e-14, err_msg=n)
+        np.testing.assert_allclose(got[f"v_{n}"], ref[f"v_{n}"], rtol=1e-9, atol=1e-18, err_msg=n)
+
+
+def test_conv2d_reference_is_the_programs_values():
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) for k, v in run._conv2d_inputs(2, 32, 64, 3, 32)(np.random.default_rng(0)).items()}
+    got = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "conv2d.tg"), dtype="f64")(**arrays)
+    want = ref_numpy.conv2d({k: v.copy() for k, v in arrays.items()})
+    for k in ("y", "dx", "dK"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-10, err_msg=k)
+
+
+def test_gcn_reference_is_the_programs_values():
+    """The numpy GCN (np.add.at scatters, a hand-written backward) is what gcn.tg computes."""
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v
+              for k, v in run._gcn_inputs(np.random.default_rng(0)).items()}
+    got = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "gcn.tg"), dtype="f64")(
+        **{k: np.array(v, copy=True) for k, v in arrays.items()})
+    want = ref_numpy.gcn({k: np.array(v, copy=True) for k, v in arrays.items()})
+    for k, w in want.items():
+        np.testing.assert_allclose(got[k], w, rtol=1e-10, atol=1e-12, err_msg=k)

@@ -1,0 +1,346 @@
+"""Hardening: no code from caches, sizes that overflow, special files, hostile
+inputs; each case is a clear error (or a refusal), never a crash or a traceback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tgc_cli(*args, cwd=None, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tgc.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+# ------------------------------------------------------------ the parser reads no cache file
+
+def test_parser_tables_are_current_and_loaded():
+    """The shipped tables are for this grammar (else `python -m tgc.frontend.parser`),
+    are what the parser uses, and parse like tables built from the grammar."""
+    import json
+
+    from lark import Lark
+
+    from tgc.frontend import parser
+
+    grammar = parser._grammar_path().read_text(encoding="utf-8")
+    tables = json.loads(parser._TABLES.read_text(encoding="utf-8"))
+    assert tables["grammar_sha256"] == parser._grammar_digest(grammar), \
+        "run `python -m tgc.frontend.parser` after changing the grammar"
+    shipped = parser._lark()
+    assert shipped.source_path == "<deserialized>" and not shipped.options.cache
+    fresh = Lark(grammar, postlex=parser._POSTLEX, transformer=parser._BUILDER, **parser._OPTIONS)
+    for path in sorted((ROOT / "examples").glob("*.tg")):
+        text = path.read_text()
+        parser._BUILDER.start_parse(str(path))
+        a = shipped.parse(text)
+        parser._BUILDER.start_parse(str(path))
+        assert fresh.parse(text) == a, path
+
+
+def test_check_reads_and_writes_nothing_in_the_temp_dir(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    planted = tmp / ".lark_cache_planted.tmp"
+    planted.write_bytes(b"not a pickle")
+    r = tgc_cli("check", ROOT / "examples" / "mlp.tg", env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == [planted.name]
+
+
+# ------------------------------------------------------------ sizes over 2^62
+
+HUGE = "dim a\ndim m = a*a*a*a\ndim b = m / (a*a*a)\ninput x[b]\nout s = sum(x)\n"
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_a_derived_size_over_2_62_is_exit_3(tmp_path, backend):
+    src = tmp_path / "huge.tg"
+    src.write_text(HUGE)
+    np.savez(tmp_path / "x.npz", x=np.ones(2_000_000, np.float32))
+    r = tgc_cli("run", src, "--inputs", tmp_path / "x.npz", "--dim", "a=2000000", "--backend", backend)
+    assert r.returncode == 3, r.stderr
+    assert "2^62" in r.stderr and "Traceback" not in r.stderr
+    np.savez(tmp_path / "y.npz", x=np.ones(40_000, np.float32))   # a^4 fits: the right sum
+    r = tgc_cli("run", src, "--inputs", tmp_path / "y.npz", "--dim", "a=40000", "--backend", backend)
+    assert r.returncode == 0 and "40000" in r.stdout, r.stderr
+
+
+def test_the_runtime_checks_every_size_at_bind_time():
+    prog = tgc.compile(HUGE)
+    with pytest.raises(tgc.ir.interp.EvalError, match="2\\^62"):
+        prog.run({"x": np.ones(3, np.float32)}, dims={"a": 2_000_000})
+    big = tgc.compile("dim n\ninput x[n]\ndim k = n * n * n\nout y = sum(x) * size(k)\n")
+    with pytest.raises(tgc.ir.interp.EvalError, match="2\\^62"):
+        big(x=np.ones(2_000_000, np.float32))
+    assert big(x=np.ones(4, np.float32))["y"] == 4 * 64
+
+
+@pytest.mark.parametrize("batch", ["4611686018427387904", "4611686018427387903", "99999999999999999999"])
+def test_a_huge_dim_on_the_command_line_is_exit_3(batch):
+    r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--random-inputs", "--dim", f"batch={batch}")
+    assert r.returncode in (2, 3), r.stderr
+    assert "Traceback" not in r.stderr and "internal compiler error" not in r.stderr
+
+
+def _build(tmp_path, source, name):
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler (cc)")
+    src = tmp_path / f"{name}.tg"
+    src.write_text(source)
+    r = tgc_cli("build", src, "-o", tmp_path / f"lib{name}.so", "--dtype", "f64")
+    assert r.returncode == 0, r.stderr
+    import ctypes
+
+    lib = ctypes.CDLL(str(tmp_path / f"lib{name}.so"))
+    assert getattr(lib, f"{name}_init_default")() == 0
+    getattr(lib, f"{name}_workspace_bytes").restype = ctypes.c_int64
+    return lib, (tmp_path / f"{name}.h").read_text()
+
+
+def test_the_c_abi_refuses_bad_dims_and_null_pointers(tmp_path):
+    import ctypes
+
+    lib, header = _build(tmp_path, "dim n\ninput x[n]\nt = exp(x) * x\nout y[n] = t / sum(t)\n", "m")
+    assert "M_ERR_SIZE (-3)" in header and "M_ERR_NULL (-4)" in header and "NULL" in header
+    ws_bytes, run = lib.m_workspace_bytes, lib.m_run
+    Dims = ctypes.c_int64 * 1
+    x, y = np.linspace(0, 1, 5), np.zeros(5)
+    args, outs = (ctypes.c_void_p * 1)(x.ctypes.data), (ctypes.c_void_p * 1)(y.ctypes.data)
+    ws = np.zeros(1 << 16, np.uint8)
+    w = ctypes.c_void_p(ws.ctypes.data + (-ws.ctypes.data) % 64)
+    assert 0 <= ws_bytes(Dims(5)) < 1 << 16
+    for bad in (0, -1, 2**62 + 1, 2**63 - 1, 2**61):   # 2^61 f64 elements: 2^64 bytes
+        assert ws_bytes(Dims(bad)) == -1, bad
+        assert run(Dims(bad), args, outs, w) == -3, bad
+    assert ws_bytes(None) == -1
+    assert run(None, args, outs, w) == -4
+    assert run(Dims(5), None, outs, w) == -4
+    assert run(Dims(5), args, None, w) == -4
+    assert run(Dims(5), (ctypes.c_void_p * 1)(None), outs, w) == -4
+    assert run(Dims(5), args, (ctypes.c_void_p * 1)(None), w) == -4
+    assert not y.any()                                     # nothing was written
+    assert run(Dims(5), args, outs, w) == 0
+    np.testing.assert_allclose(y, np.exp(x) * x / (np.exp(x) * x).sum())
+
+
+def test_the_c_abi_checks_derived_sizes(tmp_path):
+    import ctypes
+
+    lib, _ = _build(tmp_path, HUGE, "h")
+    x = np.ones(40_000)
+    args, out = (ctypes.c_void_p * 1)(x.ctypes.data), np.zeros(())
+    outs = (ctypes.c_void_p * 1)(out.ctypes.data)
+    dims = (ctypes.c_int64 * 1)
+    assert lib.h_workspace_bytes(dims(2_000_000)) == -1
+    assert lib.h_run(dims(2_000_000), args, outs, None) == -3
+    assert lib.h_run(dims(40_000), args, outs, None) == 0 and out == 40_000
+
+
+@pytest.mark.parametrize("dims", [{"a": 2_000_000}, {"a": 2.5}, {"a": "3"}, {"a": 0}, {"a": 2**62 + 1}])
+def test_dims_fixed_at_build_time_are_checked(dims):
+    with pytest.raises(ValueError, match="2\\^62|positive integer"):
+        tgc.compile(HUGE, dims=dims)
+
+
+def test_build_refuses_a_fixed_dim_whose_derived_size_overflows(tmp_path):
+    src = tmp_path / "huge.tg"
+    src.write_text(HUGE)
+    r = tgc_cli("build", src, "-D", "a=2000000", "-o", tmp_path / "libh.so")
+    assert r.returncode == 2 and "2^62" in r.stderr and not (tmp_path / "libh.so").exists()
+
+
+# ------------------------------------------------------------ -o: devices and FIFOs are written, never replaced
+
+def test_output_to_a_device_or_fifo_writes_into_it(tmp_path):
+    import stat
+    import threading
+
+    src = ROOT / "examples" / "mlp.tg"
+    null = tmp_path / "null"
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        os.symlink("/dev/null", null)
+    for cmd in (["dump-ir", src, "-o", null], ["build", src, "-o", null]):
+        r = tgc_cli(*cmd, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert stat.S_ISCHR(os.stat(null).st_mode), cmd
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    r = tgc_cli("dump-ir", src, "-o", fifo)
+    reader.join(60)
+    assert r.returncode == 0, r.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and got and got[0].startswith(b"dim batch")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "null", "null.h"]
+
+
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from tgc import fsutil
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil.os, "fsync", full)
+    target = tmp_path / "out.txt"
+    with pytest.raises(OSError) as e:
+        fsutil.write_atomic(target, "text")
+    assert e.value.filename == str(target) and e.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------ imports stay inside their folder (or -I)
+
+def test_imports_are_relative_and_confined(tmp_path):
+    lib = tmp_path / "lib"
+    sub = tmp_path / "proj" / "sub"
+    lib.mkdir()
+    sub.mkdir(parents=True)
+    (lib / "f.tg").write_text("fn twice(a) {\n  return a * 2\n}\n")
+    (sub / "g.tg").write_text("fn thrice(a) {\n  return a * 3\n}\n")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP SECRET first line\n")
+    main = tmp_path / "proj" / "main.tg"
+    for imp, ok in [('"sub/g.tg"', True), ('"../lib/f.tg"', False), (f'"{lib / "f.tg"}"', False),
+                    (f'"{secret}"', False), ('"../secret.txt"', False), ('"/etc/passwd"', False)]:
+        main.write_text(f"import {imp}\ndim n\ninput x[n]\nout y[n] = x\n")
+        r = tgc_cli("check", main)
+        assert (r.returncode == 0) == ok, (imp, r.stderr)
+        assert "SECRET" not in r.stderr and "root:" not in r.stderr, imp
+    main.write_text('import "f.tg"\ndim n\ninput x[n]\nout y[n] = twice(x)\n')
+    assert tgc_cli("check", main).returncode == 1
+    r = tgc_cli("check", "-I", lib, main)          # -I: another folder imports may come from
+    assert r.returncode == 0, r.stderr
+    main.write_text('import "../lib/f.tg"\ndim n\ninput x[n]\nout y[n] = twice(x)\n')
+    assert tgc_cli("check", "-I", lib, main).returncode == 0
+    r = tgc_cli("run", "-I", lib, main, "--random-inputs", "--dim", "n=3", "--backend", "cpu")
+    assert r.returncode == 0, r.stderr
+    link = sub / "escape.tg"                        # a link out of the folder is outside too
+    link.symlink_to(lib / "f.tg")
+    main.write_text('import "sub/escape.tg"\ndim n\n')
+    assert tgc_cli("check", main).returncode == 1
+
+
+# ------------------------------------------------------------ hostile inputs: exit 3 or 1, a message
+
+def test_a_truncated_npz_is_exit_3(tmp_path):
+    np.savez(tmp_path / "in.npz", x=np.ones((4, 13), np.float32))
+    data = (tmp_path / "in.npz").read_bytes()
+    for n in (0, 10, 300, len(data) - 20):
+        (tmp_path / "t.npz").write_bytes(data[:n])
+        r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--inputs", tmp_path / "t.npz")
+        assert r.returncode == 3 and "cannot read inputs" in r.stderr, (n, r.stderr)
+        r = tgc_cli("run", ROOT / "examples" / "mlp.tg", "--random-inputs", "--input", f"x={tmp_path / 't.npz'}")
+        assert r.returncode == 3 and "Traceback" not in r.stderr, (n, r.stderr)
+
+
+def test_sources_that_are_devices_fifos_or_huge_are_refused(tmp_path):
+    fifo = tmp_path / "p.tg"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo):
+        for cmd in (["check"], ["dump-ir"], ["run", "--random-inputs"]):
+            r = tgc_cli(*cmd, path, timeout=60)
+            assert r.returncode == 1 and "not a source file" in r.stderr, (cmd, path, r.stderr)
+    with pytest.raises(tgc.ir.diag.CompileError, match="FIFO"):
+        tgc.compile(str(fifo))
+    from tgc import fsutil
+
+    big = tmp_path / "big.tg"
+    big.write_text("# comment\n" * 20)
+    with pytest.raises(fsutil.NotASource, match="larger"):
+        fsutil.read_source_bytes(big, limit=100)
+
+
+def test_programs_free_their_machine_code():
+    import gc
+    import weakref
+
+    from tgc.backends.cpu import llvm_env
+
+    gc.collect()
+    before = len(llvm_env._LIVE_ENGINES)
+    refs = []
+    for i in range(20):
+        p = tgc.compile(f"dim n\ninput x[n]\nout y[n] = x * {i + 2}\n", options=tgc.options.Options(compile_jobs=1))
+        assert p(x=np.ones(2, np.float32))["y"].tolist() == [i + 2] * 2
+        refs.append(weakref.ref(p))
+    del p
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(llvm_env._LIVE_ENGINES) == before
+
+
+def test_stale_link_folders_are_removed(tmp_path, monkeypatch):
+    import tempfile
+    import time
+
+    from tgc.backends.cpu import aot
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old, new = tmp_path / "tgc-link-old", tmp_path / "tgc-link-new"
+    for d in (old, new):
+        d.mkdir()
+        (d / "model.o").write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    other = tmp_path / "unrelated"
+    other.mkdir()
+    os.utime(other, (0, 0))
+    aot.remove_stale_link_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tgc-link-new", "unrelated"]
+
+
+# ------------------------------------------------------------ concurrency
+
+def test_threads_share_one_program():
+    from concurrent.futures import ThreadPoolExecutor
+
+    prog = tgc.compile(ROOT / "examples" / "layernorm.tg")
+    names = [s.name for s in prog.inputs]
+    rng = np.random.default_rng(0)
+
+    def inputs(batch):
+        return {s.name: rng.standard_normal([batch if isinstance(n, str) else n for n in s.shape]).astype(np.float32)
+                if s.shape else np.float32(0.5) for s in prog.inputs}
+
+    cases = [inputs(b) for b in (1, 3, 8, 33, 3, 8) * 2]
+    want = [{k: v.copy() for k, v in prog(**{n: c[n].copy() for n in names}).items()} for c in cases]
+
+    def call(i):
+        c = cases[i % len(cases)]
+        got = prog(**{n: c[n].copy() for n in names})
+        return all(np.array_equal(got[k], want[i % len(cases)][k]) for k in got)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(call, range(400)))
+
+
+def test_processes_share_one_new_cache_dir(tmp_path):
+    d = tmp_path / "new" / "cache"                    # made by whichever process comes first
+    code = ("import numpy as np, tgc, sys; k = int(sys.argv[1]); "
+            "p = tgc.compile('dim n\\ninput x[n]\\nout y[n] = exp(x) * %d\\n' % (k % 3 + 2)); "
+            "print(float(p(x=np.ones(4, np.float32))['y'].sum()))")
+    env = {**os.environ, "TGC_CACHE_DIR": str(d)}
+    env.pop("TGC_CACHE", None)
+    for _ in range(2):                                # cold, then warm
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for k in range(9)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1][-500:] for o in outs]
+        for k, (out, err) in enumerate(outs):
+            assert float(out) == pytest.approx(4 * np.e * (k % 3 + 2), rel=1e-6)
+            assert "warning" not in err
+    assert len(list(d.rglob("*.prog"))) >= 3 and not list(d.rglob("*.tmp"))   # 3, unless tgc changed meanwhile
+    assert (d.stat().st_mode & 0o777) == 0o700

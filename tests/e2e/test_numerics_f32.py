@@ -1,0 +1,1022 @@
+"""f32 numerics: tgc's float32 results must not be much worse than PyTorch's.
+
+Each case is a .tg program of a common idiom (cancellation against constants, masks with
+big constants, softmax-family functions at large logits, norms of large-mean data, the
+tails of sigmoid/softplus/log-sigmoid, long sums, Hessian-vector products, an Adam step,
+second derivatives of activations, causal attention), deterministic inputs chosen to
+stress float32, and a PyTorch reference written by hand as a PyTorch user would
+(torch.softmax, F.log_softmax, F.layer_norm, autograd, torch.func, ...).
+
+For every case, every output and update, and every tgc backend (`numerics_util.BACKENDS`:
+the reference interpreter on the lowered f32 module, and the native CPU build):
+
+- the inputs are rounded to float32 once; all three computations read those values;
+- want      = the reference in torch float64;
+- torch_err = the error of the reference in torch float32 against want;
+- tgc_err   = the error of tgc's f32 output against want;
+- PASS when  tgc_err <= 10 * torch_err  or  tgc_err <= 1e-6.
+
+The error is norm-wise and relative: max|got - want| / max(max|want|, 1e-30). The floor
+1e-30 is deliberately tiny rather than scaled to the inputs: where the wanted value is
+exactly 0 (`3 * (a - b)` at a = b, the gradient of mse at its minimum), the measure is the
+absolute error times 1e30, so tgc must be exact there whenever PyTorch is (a rounding
+error of an input's ulp, which a scale-relative floor would accept, is what these cases
+are about). Non-finite values must agree exactly (the same infinity, or NaN); a NaN or
+inf where the wanted value is finite is an error of inf.
+
+Cases about the tails of an elementwise function (marked `elementwise=True`) compare
+element by element instead: each element's |got - want| / max(|want|, 1e-30) must pass
+the same rule against PyTorch's error on that element, because a norm-wise error hides
+a 1e-14 tail value next to a value of 1. One exception there: where PyTorch's formula
+gives exactly 0 in float64 and in float32 (sigmoid'(80) computed as s (1 - s), whose true
+value is 1.8e-35), the reference cannot tell a tiny true value from 0, and tgc's value
+only has to be below float64's resolution of the output, 2^-52 * max|want|.
+
+A case also fails when PyTorch's f32 error is inf on every output (nothing compared).
+A failure prints every output's tgc_err and torch_err. Select one case with
+`pytest tests/e2e/test_numerics_f32.py -k <case id>`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is a test oracle only: install torch==2.13.0 to run these")
+import torch.nn.functional as F  # noqa: E402
+
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+from numerics_util import BACKENDS, Case, compare, elementwise_err, normwise_err, ok, report  # noqa: E402
+
+# torch.func and F.gelu's double backward call torch.jit.script internally (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+CASES: list[Case] = []
+
+
+def case(id, src, inputs, elementwise=False):
+    """Decorator: register the reference function as a case."""
+    def register(ref):
+        CASES.append(Case(id, src, inputs, ref, elementwise))
+        return ref
+    return register
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def leaf(t):
+    """A fresh leaf that requires grad (the references differentiate their own copies)."""
+    return t.detach().clone().requires_grad_(True)
+
+
+def gradient(y, x, create_graph=False):
+    return torch.autograd.grad(y, x, create_graph=create_graph)[0]
+
+
+def d1_d2(f, x):
+    """f(x) and its first and second derivatives, elementwise (f acts elementwise)."""
+    x = leaf(x)
+    y = f(x)
+    g = gradient(y.sum(), x, create_graph=True)
+    h = gradient(g.sum(), x)
+    return y, g, h
+
+
+def causal(n):
+    return torch.tril(torch.ones(n, n, dtype=torch.bool))
+
+
+# ================================================================ cancellation against constants
+
+N8 = {"a": np.full(8, 1234.5677), "b": np.full(8, 1234.5677)}
+
+
+@case("cancel_exact_zero", """
+dim n = 8
+input a[n], b[n]
+d = 3 * (a - b)
+out d
+out ga = grad(sum(d * d), a)
+""", N8)
+def _(T):
+    a = leaf(T.a)
+    d = 3 * (a - T.b)
+    return {"d": d, "ga": gradient((d * d).sum(), a)}
+
+
+@case("offset_1e4_div3", """
+dim n = 64
+input x[n]
+y = (x - 1e4) / 3
+out y
+out gx = grad(sum(y * y), x)
+""", {"x": 1e4 + rng(1).standard_normal(64)})
+def _(T):
+    x = leaf(T.x)
+    y = (x - 1e4) / 3
+    return {"y": y, "gx": gradient((y * y).sum(), x)}
+
+
+@case("standardize_const", """
+dim b = 16, d = 8
+input x[b, d], w[b, d]
+z = (x - 1000) / 7
+out z[b, d]
+out gx[b, d] = grad(sum(z * w), x)
+""", {"x": 1000 + rng(2).standard_normal((16, 8)), "w": rng(3).standard_normal((16, 8))})
+def _(T):
+    x = leaf(T.x)
+    z = (x - 1000) / 7
+    return {"z": z, "gx": gradient((z * T.w).sum(), x)}
+
+
+_y = 1e3 + 10 * rng(4).standard_normal(32)
+
+
+@case("mse_grad_at_target", """
+dim n = 32
+input p[n], y[n]
+loss = mse(p, y)
+out loss
+out gp = grad(loss, p)
+""", {"p": _y.copy(), "y": _y.copy()})
+def _(T):
+    p = leaf(T.p)
+    loss = F.mse_loss(p, T.y)
+    return {"loss": loss, "gp": gradient(loss, p)}
+
+
+@case("mse_grad_near_target", """
+dim n = 32
+input p[n], y[n]
+loss = mse(p, y)
+out loss
+out gp = grad(loss, p)
+""", {"p": _y + 1e-2 * rng(5).standard_normal(32), "y": _y.copy()})
+def _(T):
+    p = leaf(T.p)
+    loss = F.mse_loss(p, T.y)
+    return {"loss": loss, "gp": gradient(loss, p)}
+
+
+# ================================================================ masks with big constants
+
+_scores = 3 * rng(6).standard_normal((8, 8))
+_w88 = rng(7).standard_normal((8, 8))
+
+
+@case("causal_softmax_1e9", """
+dim n = 8
+input scores[t: n, s: n], w[t: n, s: n]
+p = softmax[s](scores + ([s <= t] - 1) * 1e9)
+out p[t, s]
+out gs[t, s] = grad(sum(p * w), scores)
+""", {"scores": _scores, "w": _w88})
+def _(T):
+    s = leaf(T.scores)
+    mask = causal(8).to(s.dtype)
+    p = torch.softmax(s + (mask - 1) * 1e9, dim=-1)
+    return {"p": p, "gs": gradient((p * T.w).sum(), s)}
+
+
+_mask = (rng(8).random((4, 16)) < 0.6).astype(np.float64)
+_mask[:, 0] = 1
+
+
+@case("bert_mask_1e4", """
+dim b = 4, s = 16
+input scores[b, s], mask[b, s], w[b, s]
+p = softmax[s](scores - 1e4 * (1 - mask))
+out p[b, s]
+out gs[b, s] = grad(sum(p * w), scores)
+""", {"scores": 5 * rng(9).standard_normal((4, 16)), "mask": _mask, "w": rng(10).standard_normal((4, 16))})
+def _(T):
+    s = leaf(T.scores)
+    p = torch.softmax(s - 1e4 * (1 - T.mask), dim=-1)
+    return {"p": p, "gs": gradient((p * T.w).sum(), s)}
+
+
+@case("bert_mask_1e4_large_scores", """
+dim b = 4, s = 16
+input scores[b, s], mask[b, s], w[b, s]
+p = softmax[s](scores - 1e4 * (1 - mask))
+out p[b, s]
+out gs[b, s] = grad(sum(p * w), scores)
+""", {"scores": 100 + 20 * rng(11).standard_normal((4, 16)), "mask": _mask, "w": rng(12).standard_normal((4, 16))})
+def _(T):
+    s = leaf(T.scores)
+    p = torch.softmax(s - 1e4 * (1 - T.mask), dim=-1)
+    return {"p": p, "gs": gradient((p * T.w).sum(), s)}
+
+
+@case("masked_max_1e9", """
+dim b = 4, s = 16
+input x[b, s], mask[b, s]
+m = max[s](x * mask + (1 - mask) * -1e9)
+out m
+out gx[b, s] = grad(sum(m * m), x)
+""", {"x": 10 * rng(13).standard_normal((4, 16)), "mask": _mask})
+def _(T):
+    x = leaf(T.x)
+    m = (x * T.mask + (1 - T.mask) * -1e9).amax(dim=-1)
+    return {"m": m, "gx": gradient((m * m).sum(), x)}
+
+
+@case("masked_fill_1e9", """
+dim b = 4, s = 16
+input scores[b, s], mask[b, s], w[b, s]
+p = softmax[s](where(mask == 0, -1e9, scores))
+out p[b, s]
+out gs[b, s] = grad(sum(p * w), scores)
+""", {"scores": 5 * rng(14).standard_normal((4, 16)), "mask": _mask, "w": rng(15).standard_normal((4, 16))})
+def _(T):
+    s = leaf(T.scores)
+    p = torch.softmax(s.masked_fill(T.mask == 0, -1e9), dim=-1)
+    return {"p": p, "gs": gradient((p * T.w).sum(), s)}
+
+
+@case("masked_fill_neg_inf", """
+dim b = 4, s = 16
+input scores[b, s], mask[b, s], w[b, s]
+p = softmax[s](where(mask == 0, -inf, scores))
+out p[b, s]
+out gs[b, s] = grad(sum(p * w), scores)
+""", {"scores": 5 * rng(16).standard_normal((4, 16)), "mask": _mask, "w": rng(17).standard_normal((4, 16))})
+def _(T):
+    s = leaf(T.scores)
+    p = torch.softmax(s.masked_fill(T.mask == 0, float("-inf")), dim=-1)
+    return {"p": p, "gs": gradient((p * T.w).sum(), s)}
+
+
+@case("causal_log_softmax_1e9", """
+dim n = 8
+input scores[t: n, s: n], w[t: n, s: n]
+lp = log_softmax[s](scores + ([s <= t] - 1) * 1e9)
+out lpm[t, s] = lp * [s <= t]
+out gs[t, s] = grad(sum(lp * w * [s <= t]), scores)
+""", {"scores": _scores, "w": _w88})
+def _(T):
+    s = leaf(T.scores)
+    mask = causal(8).to(s.dtype)
+    lp = F.log_softmax(s + (mask - 1) * 1e9, dim=-1)
+    return {"lpm": lp * mask, "gs": gradient((lp * T.w * mask).sum(), s)}
+
+
+# ================================================================ softmax family at large logits
+
+_big1 = 1e4 + 10 * rng(18).random(16)
+_big2 = 1e4 + 10 * rng(19).random((4, 16))
+_w16 = rng(20).standard_normal(16)
+_w416 = rng(21).standard_normal((4, 16))
+
+
+@case("softmax_large", """
+dim c = 16
+input x[c], w[c]
+p = softmax[c](x)
+out p
+out gx = grad(sum(p * w), x)
+""", {"x": _big1, "w": _w16})
+def _(T):
+    x = leaf(T.x)
+    p = torch.softmax(x, dim=-1)
+    return {"p": p, "gx": gradient((p * T.w).sum(), x)}
+
+
+@case("softmax_large_batch", """
+dim b = 4, c = 16
+input x[b, c], w[b, c]
+p = softmax[c](x)
+out p[b, c]
+out gx[b, c] = grad(sum(p * w), x)
+""", {"x": _big2, "w": _w416})
+def _(T):
+    x = leaf(T.x)
+    p = torch.softmax(x, dim=-1)
+    return {"p": p, "gx": gradient((p * T.w).sum(), x)}
+
+
+@case("log_softmax_large", """
+dim c = 16
+input x[c], w[c]
+lp = log_softmax[c](x)
+out lp
+out gx = grad(sum(lp * w), x)
+""", {"x": _big1, "w": _w16})
+def _(T):
+    x = leaf(T.x)
+    lp = F.log_softmax(x, dim=-1)
+    return {"lp": lp, "gx": gradient((lp * T.w).sum(), x)}
+
+
+@case("log_softmax_large_batch", """
+dim b = 4, c = 16
+input x[b, c], w[b, c]
+lp = log_softmax[c](x)
+out lp[b, c]
+out gx[b, c] = grad(sum(lp * w), x)
+""", {"x": _big2, "w": _w416})
+def _(T):
+    x = leaf(T.x)
+    lp = F.log_softmax(x, dim=-1)
+    return {"lp": lp, "gx": gradient((lp * T.w).sum(), x)}
+
+
+@case("log_softmax_spread", """
+dim b = 4, c = 16
+input x[b, c], w[b, c]
+lp = log_softmax[c](x)
+out lp[b, c]
+out gx[b, c] = grad(sum(lp * w), x)
+""", {"x": 1e4 + 200 * rng(22).standard_normal((4, 16)), "w": _w416})
+def _(T):
+    x = leaf(T.x)
+    lp = F.log_softmax(x, dim=-1)
+    return {"lp": lp, "gx": gradient((lp * T.w).sum(), x)}
+
+
+@case("logsumexp_large", """
+dim c = 16
+input x[c]
+l = logsumexp[c](x)
+out l
+out gx = grad(l, x)
+""", {"x": _big1})
+def _(T):
+    x = leaf(T.x)
+    lse = torch.logsumexp(x, dim=-1)
+    return {"l": lse, "gx": gradient(lse, x)}
+
+
+@case("logsumexp_large_batch", """
+dim b = 4, c = 16
+input x[b, c], w[b]
+l = logsumexp[c](x)
+out l
+out gx[b, c] = grad(sum(l * w), x)
+""", {"x": _big2, "w": rng(23).standard_normal(4)})
+def _(T):
+    x = leaf(T.x)
+    lse = torch.logsumexp(x, dim=-1)
+    return {"l": lse, "gx": gradient((lse * T.w).sum(), x)}
+
+
+@case("logsumexp_neg_large", """
+dim b = 4, c = 16
+input x[b, c], w[b]
+l = logsumexp[c](x)
+out l
+out gx[b, c] = grad(sum(l * w), x)
+""", {"x": -1e4 + 10 * rng(24).random((4, 16)), "w": rng(25).standard_normal(4)})
+def _(T):
+    x = leaf(T.x)
+    lse = torch.logsumexp(x, dim=-1)
+    return {"l": lse, "gx": gradient((lse * T.w).sum(), x)}
+
+
+_labels = rng(26).integers(0, 16, 4)
+_onehot = np.eye(16)[_labels]
+
+
+@case("cross_entropy_large", """
+dim b = 4, c = 16
+input logits[b, c], y[b, c]
+loss = mean[b](cross_entropy[c](logits, y))
+out loss
+out gl[b, c] = grad(loss, logits)
+""", {"logits": _big2, "y": _onehot})
+def _(T):
+    x = leaf(T.logits)
+    loss = F.cross_entropy(x, T.y.argmax(dim=-1))
+    return {"loss": loss, "gl": gradient(loss, x)}
+
+
+@case("cross_entropy_confident", """
+dim b = 4, c = 16
+input logits[b, c], y[b, c]
+loss = mean[b](cross_entropy[c](logits, y))
+out loss
+out gl[b, c] = grad(loss, logits)
+""", {"logits": 1e3 + rng(27).standard_normal((4, 16)) + 12 * _onehot, "y": _onehot})
+def _(T):
+    x = leaf(T.logits)
+    loss = F.cross_entropy(x, T.y.argmax(dim=-1))
+    return {"loss": loss, "gl": gradient(loss, x)}
+
+
+@case("entropy_large", """
+dim b = 4, c = 16
+input x[b, c]
+h = -sum[c](softmax[c](x) * log_softmax[c](x))
+out h
+out gx[b, c] = grad(sum(h), x)
+""", {"x": 1e4 + 30 * rng(28).standard_normal((4, 16))})
+def _(T):
+    x = leaf(T.x)
+    h = -(torch.softmax(x, -1) * F.log_softmax(x, -1)).sum(-1)
+    return {"h": h, "gx": gradient(h.sum(), x)}
+
+
+@case("kl_div_large", """
+dim b = 4, c = 16
+input p[b, c], q[b, c]
+kl = sum(softmax[c](p) * (log_softmax[c](p) - log_softmax[c](q))) / size(b)
+out kl
+out gq[b, c] = grad(kl, q)
+""", {"p": 1e4 + 5 * rng(29).standard_normal((4, 16)), "q": 1e4 + 5 * rng(30).standard_normal((4, 16))})
+def _(T):
+    q = leaf(T.q)
+    kl = F.kl_div(F.log_softmax(q, -1), F.log_softmax(T.p, -1), log_target=True, reduction="batchmean")
+    return {"kl": kl, "gq": gradient(kl, q)}
+
+
+@case("bce_with_logits_large", """
+dim n = 16
+input z[n], y[n]
+loss = mean(softplus(z) - y * z)
+out loss
+out gz = grad(loss, z)
+""", {"z": np.array([30, -30, 40, -40, 50, -50, 80, -80, 90, -90, 100, -100, 20, -20, 35, -35.]),
+      "y": np.array([1., 0, 0, 1] * 4)})   # half confident and right, half confident and wrong
+def _(T):
+    z = leaf(T.z)
+    loss = F.binary_cross_entropy_with_logits(z, T.y)
+    return {"loss": loss, "gz": gradient(loss, z)}
+
+
+# ================================================================ where(): the branch not taken
+
+@case("where_exp_grad", """
+dim n = 8
+input x[n]
+s = sum(where(x < 30, exp(3 * x), 0))
+out s
+out gx = grad(s, x)
+""", {"x": np.array([40, 35, 30, 29, 10, 1, 0, -5.])})
+def _(T):
+    x = leaf(T.x)
+    # the double where a PyTorch user writes so the untaken exp(3 * 40) = inf gives no NaN
+    safe = torch.where(x < 30, x, torch.zeros_like(x))
+    s = torch.where(x < 30, torch.exp(3 * safe), torch.zeros_like(x)).sum()
+    return {"s": s, "gx": gradient(s, x)}
+
+
+# ================================================================ norms of large-mean data
+
+def _large_mean(seed, mean, shape):
+    r = rng(seed)
+    return mean * (1 + r.random((shape[0], 1))) + r.standard_normal(shape)
+
+
+_ln_src = """
+dim b = 4, d = 32
+input x[b, d], w[d], bias[d], ct[b, d]
+y = layernorm[d](x, w, bias)
+out y[b, d]
+out gx[b, d] = grad(sum(y * ct), x)
+out gw = grad(sum(y * ct), w)
+"""
+
+
+def _ln_ref(T):
+    x, w = leaf(T.x), leaf(T.w)
+    y = F.layer_norm(x, (32,), w, T.bias, eps=1e-5)
+    gx, gw = torch.autograd.grad((y * T.ct).sum(), (x, w))
+    return {"y": y, "gx": gx, "gw": gw}
+
+
+_ln_params = {"w": 1 + 0.1 * rng(31).standard_normal(32), "bias": 0.1 * rng(32).standard_normal(32),
+              "ct": rng(33).standard_normal((4, 32))}
+case("layernorm_mean1e3", _ln_src, {"x": _large_mean(34, 1e3, (4, 32)), **_ln_params})(_ln_ref)
+case("layernorm_mean1e4", _ln_src, {"x": _large_mean(35, 1e4, (4, 32)), **_ln_params})(_ln_ref)
+
+
+@case("rmsnorm_mean1e3", """
+dim b = 4, d = 32
+input x[b, d], w[d], ct[b, d]
+y = rmsnorm[d](x, w)
+out y[b, d]
+out gx[b, d] = grad(sum(y * ct), x)
+out gw = grad(sum(y * ct), w)
+""", {"x": _large_mean(36, 1e3, (4, 32)), "w": _ln_params["w"], "ct": _ln_params["ct"]})
+def _(T):
+    x, w = leaf(T.x), leaf(T.w)
+    y = F.rms_norm(x, (32,), w, eps=1e-5)
+    gx, gw = torch.autograd.grad((y * T.ct).sum(), (x, w))
+    return {"y": y, "gx": gx, "gw": gw}
+
+
+@case("rmsnorm_mean1e4", """
+dim b = 4, d = 32
+input x[b, d], w[d], ct[b, d]
+y = rmsnorm[d](x, w)
+out y[b, d]
+out gx[b, d] = grad(sum(y * ct), x)
+""", {"x": _large_mean(38, 1e4, (4, 32)), "w": _ln_params["w"], "ct": _ln_params["ct"]})
+def _(T):
+    x = leaf(T.x)
+    y = F.rms_norm(x, (32,), T.w, eps=1e-5)
+    return {"y": y, "gx": gradient((y * T.ct).sum(), x)}
+
+
+@case("std_mean1e4", """
+dim b = 4, d = 32
+input x[b, d]
+sd = sqrt(mean[d]((x - mean[d](x)) ^ 2))
+out sd
+out gx[b, d] = grad(sum(sd), x)
+""", {"x": _large_mean(37, 1e4, (4, 32))})
+def _(T):
+    x = leaf(T.x)
+    sd = x.std(dim=-1, correction=0)
+    return {"sd": sd, "gx": gradient(sd.sum(), x)}
+
+
+# ================================================================ tails of sigmoid, softplus, log-sigmoid
+
+TAILS = np.array([-100, -80, -30, -5, -0.5, 0, 0.5, 5, 30, 80, 100.])
+
+
+def _tail_outputs(f):
+    def ref(T):
+        y, g, h = d1_d2(f, T.x)
+        return {"y": y, "d1": g, "d2": h}
+    return ref
+
+
+def _tail_src(expr):
+    return f"""
+dim n = {len(TAILS)}
+input x[n]
+y = {expr}
+d1 = grad(sum(y), x)
+out y
+out d1
+out d2 = grad(sum(d1), x)
+"""
+
+
+case("sigmoid_tails", _tail_src("sigmoid(x)"), {"x": TAILS}, elementwise=True)(_tail_outputs(torch.sigmoid))
+# threshold above the points tested: the default (20) makes the float64 reference's
+# second derivative exactly 0 at x = 30 where the function's is 9.4e-14
+case("softplus_tails", _tail_src("softplus(x)"), {"x": TAILS}, elementwise=True)(
+    _tail_outputs(lambda x: F.softplus(x, threshold=50)))
+case("logsigmoid_tails", _tail_src("-softplus(-x)"), {"x": TAILS}, elementwise=True)(_tail_outputs(F.logsigmoid))
+case("log_of_sigmoid_tails", _tail_src("log(sigmoid(x))"), {"x": TAILS}, elementwise=True)(
+    _tail_outputs(F.logsigmoid))
+case("silu_tails", _tail_src("silu(x)"), {"x": TAILS}, elementwise=True)(_tail_outputs(F.silu))
+
+
+# ================================================================ log1p / expm1 written from primitives
+
+SMALL = np.array([1e-8, -1e-8, 3e-7, 1e-6, -1e-5, 1e-4, 1e-3, -1e-3, 0.01, 0.1])
+
+
+@case("log_1_plus_x_small", """
+dim n = 10
+input x[n]
+y = log(1 + x)
+out y
+out gx = grad(sum(y), x)
+""", {"x": SMALL}, elementwise=True)
+def _(T):
+    x = leaf(T.x)
+    y = torch.log(1 + x)
+    return {"y": y, "gx": gradient(y.sum(), x)}
+
+
+@case("exp_minus_1_small", """
+dim n = 10
+input x[n]
+y = exp(x) - 1
+out y
+out gx = grad(sum(y), x)
+""", {"x": SMALL}, elementwise=True)
+def _(T):
+    x = leaf(T.x)
+    y = torch.exp(x) - 1
+    return {"y": y, "gx": gradient(y.sum(), x)}
+
+
+# ================================================================ long sums
+
+M = 10 ** 6
+
+
+@case("sum_1e6_mixed", f"""
+dim n = {M}
+input x[n]
+out s = sum(x)
+out m = mean(x)
+""", {"x": 0.5 + rng(40).standard_normal(M)})
+def _(T):
+    return {"s": T.x.sum(), "m": T.x.mean()}
+
+
+@case("sum_1e6_point1", f"""
+dim n = {M}
+input x[n]
+out s = sum(x)
+out m = mean(x)
+""", {"x": np.full(M, 0.1)})
+def _(T):
+    return {"s": T.x.sum(), "m": T.x.mean()}
+
+
+@case("sum_1e6_constant_0_1", f"""
+dim n = {M}
+input dummy[n]
+out s = sum[n](0.1 + 0 * dummy)
+""", {"dummy": np.zeros(M)})
+def _(T):
+    return {"s": torch.full_like(T.dummy, 0.1).sum()}
+
+
+@case("dot_1e6", f"""
+dim n = {M}
+input a[n], b[n]
+out d = a @ b
+""", {"a": 1 + rng(41).random(M), "b": rng(42).standard_normal(M) + 0.1})
+def _(T):
+    return {"d": torch.dot(T.a, T.b)}
+
+
+@case("var_1e6_offset", f"""
+dim n = {M}
+input x[n]
+out v = mean((x - mean(x)) ^ 2)
+""", {"x": 100 + rng(43).standard_normal(M)})
+def _(T):
+    return {"v": T.x.var(correction=0)}
+
+
+# ================================================================ Hessian-vector products
+
+_mlp_in = {
+    "x": rng(50).standard_normal((8, 6)), "y": np.eye(4)[rng(51).integers(0, 4, 8)],
+    "W1": rng(52).standard_normal((6, 10)) / 2, "W2": rng(53).standard_normal((10, 4)) / 2,
+    "V": rng(54).standard_normal((6, 10)), "U": rng(55).standard_normal((10, 4)),
+}
+
+
+def _mlp_loss(x, y, W1, W2, act):
+    return F.cross_entropy(act(x @ W1) @ W2, y.argmax(-1))
+
+
+def _mlp_ref(act, wrt):
+    def ref(T):
+        loss_of = {"W1": lambda W: _mlp_loss(T.x, T.y, W, T.W2, act),
+                   "W2": lambda W: _mlp_loss(T.x, T.y, T.W1, W, act)}[wrt]
+        W, V = (T.W1, T.V) if wrt == "W1" else (T.W2, T.U)
+        g, hv = torch.func.jvp(torch.func.grad(loss_of), (W,), (V,))
+        return {"loss": loss_of(W), "g": g, "hv": hv}
+    return ref
+
+
+def _mlp_src(act, wrt, dir):
+    return f"""
+dim b = 8, f = 6, h = 10, c = 4
+input x[b, f], y[b, c], V[f, h], U[h, c]
+param W1[f, h], W2[h, c]
+loss = mean[b](cross_entropy[c]({act}(x @ W1) @ W2, y))
+g = grad(loss, {wrt})
+out loss
+out g
+out hv = grad(g @ {dir}, {wrt})
+"""
+
+
+case("hvp_mlp_tanh_W1", _mlp_src("tanh", "W1", "V"), _mlp_in)(_mlp_ref(torch.tanh, "W1"))
+case("hvp_mlp_gelu_W1", _mlp_src("gelu", "W1", "V"), _mlp_in)(
+    _mlp_ref(lambda z: F.gelu(z, approximate="tanh"), "W1"))
+case("hvp_mlp_softplus_W2", _mlp_src("softplus", "W2", "U"), _mlp_in)(_mlp_ref(F.softplus, "W2"))
+
+
+@case("hvp_softmax_ce_large", """
+dim b = 4, c = 16
+input x[b, c], y[b, c], v[b, c]
+loss = sum(cross_entropy[c](x, y))
+g = grad(loss, x)
+out g[b, c]
+out hv[b, c] = grad(g @ v, x)
+""", {"x": 1e3 + 5 * rng(56).standard_normal((4, 16)), "y": _onehot, "v": rng(57).standard_normal((4, 16))})
+def _(T):
+    def loss(x):
+        return F.cross_entropy(x, T.y.argmax(-1), reduction="sum")
+    g, hv = torch.func.jvp(torch.func.grad(loss), (T.x,), (T.v,))
+    return {"g": g, "hv": hv}
+
+
+@case("hvp_logsumexp_large_double_backward", """
+dim b = 4, c = 16
+input x[b, c], v[b, c]
+loss = sum(logsumexp[c](x))
+out hv[b, c] = grad(grad(loss, x) @ v, x)
+""", {"x": 1e4 + 10 * rng(58).random((4, 16)), "v": rng(59).standard_normal((4, 16))})
+def _(T):
+    x = leaf(T.x)
+    g = gradient(torch.logsumexp(x, -1).sum(), x, create_graph=True)
+    return {"hv": gradient((g * T.v).sum(), x)}
+
+
+# ================================================================ Adam, eps 1e-8, tiny gradients
+
+_ADAM_SRC = """
+dim d = 16
+input x[d], lr, bc1, bc2                # bias corrections 1 - 0.9^t, 1 - 0.999^t from the host
+param w[d]
+state m[d], v[d]
+loss = sum(w * x)
+g = grad(loss, w)
+m2 = 0.9 * m + 0.1 * g
+v2 = 0.999 * v + 0.001 * g * g
+step = lr * (m2 / bc1) / (sqrt(v2 / bc2) + 1e-8)
+out step
+update m = m2
+update v = v2
+update w = w - step
+"""
+
+
+def _adam_ref(T):
+    # torch.optim.Adam's single-tensor step, written out (amsgrad off, no weight decay);
+    # the bias corrections are the host's (Python floats there, f32 inputs here)
+    w = leaf(T.w)
+    g = gradient((w * T.x).sum(), w)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    m = T.m.lerp(g, 1 - beta1)
+    v = T.v * beta2 + (1 - beta2) * g * g
+    denom = v.sqrt() / T.bc2.sqrt() + eps
+    step = T.lr / T.bc1 * m / denom
+    return {"step": step, "m": m, "v": v, "w": w.detach() - step}
+
+
+def _adam_inputs(t, seed, fresh):
+    r = rng(seed)
+    return {"x": 1e-6 * r.standard_normal(16), "lr": np.array(1e-3),
+            "bc1": np.array(1 - 0.9 ** t), "bc2": np.array(1 - 0.999 ** t),
+            "w": 1e-3 * r.standard_normal(16),
+            "m": np.zeros(16) if fresh else 1e-7 * r.standard_normal(16),
+            "v": np.zeros(16) if fresh else 1e-13 * r.random(16)}
+
+
+case("adam_step1_tiny_grad", _ADAM_SRC, _adam_inputs(1, 60, True))(_adam_ref)
+case("adam_step10_tiny_grad", _ADAM_SRC, _adam_inputs(10, 61, False))(_adam_ref)
+
+
+@case("adam_capturable_step10_tiny_grad", """
+dim d = 16
+input x[d], lr, t                       # the step count in the graph: bias corrections in f32
+param w[d]
+state m[d], v[d]
+g = grad(sum(w * x), w)
+m2 = 0.9 * m + 0.1 * g
+v2 = 0.999 * v + 0.001 * g * g
+step = lr * (m2 / (1 - 0.9 ^ t)) / (sqrt(v2 / (1 - 0.999 ^ t)) + 1e-8)
+out step
+update m = m2
+update v = v2
+update w = w - step
+""", {**{k: v for k, v in _adam_inputs(10, 62, False).items() if k not in ("bc1", "bc2")}, "t": np.array(10.0)})
+def _(T):
+    # torch.optim.Adam(capturable=True)'s form: the step is a tensor, so are the corrections
+    w = leaf(T.w)
+    g = gradient((w * T.x).sum(), w)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    m = T.m.lerp(g, 1 - beta1)
+    v = T.v * beta2 + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1 ** T.t, 1 - beta2 ** T.t
+    denom = v.sqrt() / bc2.sqrt() + eps
+    step = T.lr / bc1 * m / denom
+    return {"step": step, "m": m, "v": v, "w": w.detach() - step}
+
+
+# ================================================================ second derivatives of activations
+
+ACT = np.array([-30, -10, -6, -3, -1, -0.5, 0.1, 0.5, 1, 3, 6, 10, 30.])
+
+
+def _act_src(expr, n=len(ACT)):
+    return f"""
+dim n = {n}
+input x[n]
+y = {expr}
+d1 = grad(sum(y), x)
+out y
+out d1
+out d2 = grad(sum(d1), x)
+"""
+
+
+def _func_d1_d2(f):
+    def ref(T):
+        df = torch.func.grad(lambda z: f(z))
+        d2f = torch.func.grad(df)
+        x = T.x
+        return {"y": f(x), "d1": torch.func.vmap(df)(x), "d2": torch.func.vmap(d2f)(x)}
+    return ref
+
+
+case("tanh_d2", _act_src("tanh(x)"), {"x": ACT}, elementwise=True)(_func_d1_d2(torch.tanh))
+# without x = +-10: there PyTorch's float64 gelu'' (its own double-backward formula) is
+# itself 1.7% off (-6.3709e-35 at x = -10, where 60-digit arithmetic gives -6.2639e-35,
+# as tgc does in f32), so it cannot judge tgc
+ACT_GELU = ACT[np.abs(ACT) != 10]
+case("gelu_tanh_d2", _act_src("gelu(x)", len(ACT_GELU)), {"x": ACT_GELU}, elementwise=True)(
+    _func_d1_d2(lambda z: F.gelu(z, approximate="tanh")))
+case("gelu_erf_d2", _act_src("gelu_erf(x)"), {"x": ACT}, elementwise=True)(_func_d1_d2(F.gelu))
+case("softplus_d2_moderate", _act_src("softplus(x)"), {"x": ACT}, elementwise=True)(
+    _func_d1_d2(lambda z: F.softplus(z, threshold=50)))   # threshold: see softplus_tails
+
+
+# ================================================================ causal attention at large scores
+
+@case("causal_attention_large_scores", """
+dim n = 8, e = 16
+input q[t: n, e], k[s: n, e], v[s: n, e], ct[t: n, e]
+p = softmax[s](where([s <= t], dot[e](q, k) / sqrt(size(e)), -inf))
+o = sum[s](p * v)
+out o[t, e]
+out gq[t, e] = grad(sum(o * ct), q)
+out gk[s, e] = grad(sum(o * ct), k)
+out gv[s, e] = grad(sum(o * ct), v)
+""", {"q": 3 * rng(70).standard_normal((8, 16)), "k": 3 * rng(71).standard_normal((8, 16)),
+      "v": rng(72).standard_normal((8, 16)), "ct": rng(73).standard_normal((8, 16))})
+def _(T):
+    q, k, v = leaf(T.q), leaf(T.k), leaf(T.v)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gq, gk, gv = torch.autograd.grad((o * T.ct).sum(), (q, k, v))
+    return {"o": o, "gq": gq, "gk": gk, "gv": gv}
+
+
+@case("causal_attention_heads_1e9_mask", """
+dim b = 2, h = 2, n = 8, e = 8
+input q[b, h, t: n, e], k[b, h, s: n, e], v[b, h, s: n, e], ct[b, h, t: n, e]
+scores = dot[e](q, k) / sqrt(size(e))
+p = softmax[s](scores - 1e9 * [s > t])
+o = sum[s](p * v)
+out o[b, h, t, e]
+out gq[b, h, t, e] = grad(sum(o * ct), q)
+out gk[b, h, s, e] = grad(sum(o * ct), k)
+""", {"q": 4 * rng(74).standard_normal((2, 2, 8, 8)), "k": 4 * rng(75).standard_normal((2, 2, 8, 8)),
+      "v": rng(76).standard_normal((2, 2, 8, 8)), "ct": rng(77).standard_normal((2, 2, 8, 8))})
+def _(T):
+    q, k = leaf(T.q), leaf(T.k)
+    scores = q @ k.transpose(-2, -1) / 8 ** 0.5
+    scores = scores.masked_fill(~causal(8), -1e9)
+    o = torch.softmax(scores, dim=-1) @ T.v
+    gq, gk = torch.autograd.grad((o * T.ct).sum(), (q, k))
+    return {"o": o, "gq": gq, "gk": gk}
+
+
+# ================================================================ the tests
+
+def test_enough_distinct_cases():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)), "case ids must be unique"
+    assert len(ids) >= 40
+
+
+def test_error_measure():
+    """The measure and the rule themselves: exact zeros demand exact zeros, NaN never passes."""
+    assert normwise_err(np.zeros(3), np.zeros(3)) == 0
+    assert normwise_err(np.array([0, 1e-4, 0]), np.zeros(3)) > 1e20
+    assert normwise_err(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == np.inf
+    assert normwise_err(np.array([np.inf, 1.0]), np.array([np.inf, 1.0])) == 0
+    assert normwise_err(np.array([1.0, 2.5]), np.array([1.0, 2.0])) == pytest.approx(0.25)
+    e = elementwise_err(np.array([1e-14, 1.0]), np.array([2e-14, 1.0]))
+    assert e[0] == pytest.approx(0.5) and e[1] == 0
+    assert ok(1e-7, 0.0) and ok(5e-5, 1e-5) and not ok(2e-4, 1e-5) and not ok(np.inf, 1e-3)
+
+
+# ================================================================ losses and similarities written out
+
+_z = (rng(40).standard_normal(32) * 3)
+_lab = (rng(41).random(32) > 0.5).astype(float)
+
+
+@case("bce_through_sigmoid", """
+dim n = 32
+input z[n], y[n]
+p = sigmoid(z)
+l = -mean(y * log(p) + (1 - y) * log(1 - p))
+out l
+out g = grad(l, z)
+""", {"z": _z, "y": _lab})
+def _(T):
+    z = leaf(T.z)
+    p = torch.sigmoid(z)
+    l = -(T.y * torch.log(p) + (1 - T.y) * torch.log(1 - p)).mean()
+    return {"l": l, "g": gradient(l, z)}
+
+
+@case("bce_with_logits", """
+dim n = 32
+input z[n], y[n]
+l = mean(y * softplus(-z) + (1 - y) * softplus(z))
+out l
+out g = grad(l, z)
+""", {"z": _z * 7, "y": _lab})
+def _(T):
+    z = leaf(T.z)
+    l = F.binary_cross_entropy_with_logits(z, T.y)
+    return {"l": l, "g": gradient(l, z)}
+
+
+_u, _v = rng(42).standard_normal((4, 16)), rng(43).standard_normal((4, 16))
+
+
+@case("cosine_similarity", """
+dim b = 4, d = 16
+input x[b, d], y[b, d]
+c = sum[d](x * y) / sqrt(sum[d](x * x) * sum[d](y * y))
+out c
+out g = grad(sum(c), x)
+""", {"x": _u, "y": _v})
+def _(T):
+    x = leaf(T.x)
+    c = (x * T.y).sum(-1) / torch.sqrt((x * x).sum(-1) * (T.y * T.y).sum(-1))
+    return {"c": c, "g": gradient(c.sum(), x)}
+
+
+@case("kl_divergence_close", """
+dim b = 4, d = 16
+input x[b, d], y[b, d]
+lp = log_softmax[d](x)
+l = sum(exp(lp) * (lp - log_softmax[d](y)))
+out l
+out g = grad(l, x)
+""", {"x": _u * 10, "y": _u * 10 + 0.01 * _v})
+def _(T):
+    x = leaf(T.x)
+    lp = F.log_softmax(x, -1)
+    l = (lp.exp() * (lp - F.log_softmax(T.y, -1))).sum()
+    return {"l": l, "g": gradient(l, x)}
+
+
+@case("huber", """
+dim n = 1000
+input a[n], b[n]
+d = a - b
+l = mean(where(abs(d) < 1, 0.5 * d * d, abs(d) - 0.5))
+out l
+out g = grad(l, a)
+""", {"a": 100 + rng(44).standard_normal(1000), "b": 100 + rng(45).standard_normal(1000) * 2})
+def _(T):
+    a = leaf(T.a)
+    l = F.huber_loss(a, T.b)
+    return {"l": l, "g": gradient(l, a)}
+
+
+@case("pixel_standardize", """
+dim b = 4, d = 16
+input x[b, d]
+out y = (x - 127.5) / 127.5
+""", {"x": rng(46).integers(0, 256, (4, 16)).astype(float)})
+def _(T):
+    return {"y": (T.x - 127.5) / 127.5}
+
+
+@case("causal_where_minus_inf", """
+dim t = 6, u = 6
+input s[t, u], w[t, u]
+p = softmax[u](where([u <= t], s, -inf))
+out p
+out g = grad(sum(p * w), s)
+""", {"s": rng(47).standard_normal((6, 6)) * 5, "w": rng(48).standard_normal((6, 6))})
+def _(T):
+    s = leaf(T.s)
+    p = torch.softmax(torch.where(torch.tril(torch.ones(6, 6, dtype=torch.bool)), s, float("-inf")), -1)
+    return {"p": p, "g": gradient((p * T.w).sum(), s)}
+
+
+# Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
+KNOWN_GAPS = {
+    "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
+                    "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
+                    "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
+    "entropy_large": "softmax and log_softmax of one x share their shifted logits d - lse(d), so reverse "
+                     "mode adds both branches' cotangents, -p - p*lsm, before the softmax backward; where "
+                     "p rounds to 1 the small p*lsm is lost, which PyTorch's separate backward kernels keep "
+                     "(the exact 1 - sum(p) = 0 of the log_softmax branch cancels there on its own)",
+}
+
+
+def _params():
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[c.id])]
+                         if c.id in KNOWN_GAPS else []) for c in CASES]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("c", _params())
+def test_f32_not_worse_than_torch(c, backend):
+    results = compare(c, backend)
+    text = report(c, backend, results)
+    assert not all(r.vacuous for r in results), f"PyTorch f32 is inf everywhere: nothing compared\n{text}"
+    assert all(r.passed for r in results), "tgc f32 is worse than 10x PyTorch f32\n" + text

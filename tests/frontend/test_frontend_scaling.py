@@ -1,0 +1,110 @@
+"""The front end's work grows linearly with the program (issue 19, item 5).
+
+Counted, not timed: the operands the elaborator hands to the IR builders (each
+`Value.make` costs time proportional to its operands), and the source files read to
+render a batch of diagnostics. A chain `v_i = v_(i-1) * 1.5` used to flatten every
+product into one contraction of i operands (n^2 / 2 operand slots for n statements),
+and every warning re-read and re-split the whole file. `benchmarks/frontend.py`
+times the same shapes at 10^5 statements.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tgc.cli import main
+from tgc.frontend import expressions
+from tgc.frontend.elaborate import elaborate_source
+from tgc.ir import diag
+from tgc.ir import values as V
+from tgc.options import Options
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import frontend  # noqa: E402  (benchmarks/frontend.py: the generated shapes)
+
+
+def operand_slots(text: str, monkeypatch) -> int:
+    """Operands passed to Value.make while elaborating `text` (the prelude included)."""
+    count = [0]
+    make = V.Value.make.__func__
+
+    def counting(cls, op, operands, *args, **kwargs):
+        count[0] += len(operands) + 1
+        return make(cls, op, operands, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(V.Value, "make", classmethod(counting))
+        elaborate_source(text, "scaling.tg", Options())
+    return count[0]
+
+
+@pytest.mark.parametrize("shape", sorted(frontend.SHAPES))
+def test_elaboration_work_is_linear_in_statements(shape, monkeypatch):
+    gen = frontend.SHAPES[shape]
+    base = operand_slots(gen(1), monkeypatch)
+    small, large = (operand_slots(gen(n), monkeypatch) - base for n in (400, 1600))
+    assert large <= 4.2 * small, (shape, small, large)   # 4x the statements: 4x the work, not 16x
+    assert large <= 200 * 1600, (shape, large)
+
+
+def test_long_product_chain_is_bounded_not_flattened():
+    n = 3 * expressions.MAX_FLAT_FACTORS
+    m = elaborate_source(frontend.chain_mul(n), "chain.tg", Options()).module
+    seen, todo, widest = set(), [o.value for o in m.outputs], 0
+    while todo:
+        v = todo.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.op == "contract":
+            widest = max(widest, len(v.operands))
+        todo.extend(v.operands)
+    assert widest == expressions.MAX_FLAT_FACTORS
+
+
+def test_short_products_are_still_one_contraction():
+    text = "input x\ny = x * 2.5 * x * 3.5\nz = y * x\nout z\n"
+    z = elaborate_source(text, "p.tg", Options()).module.outputs[0].value
+    assert z.op == "contract" and len(z.operands) == 5
+
+
+def test_warnings_read_the_source_once(tmp_path, monkeypatch):
+    path = tmp_path / "many.tg"
+    path.write_text(frontend.independent(300))
+    reads = []
+    real = diag._file_lines
+    monkeypatch.setattr(diag, "_file_lines", lambda file, sources: reads.append(file) or real(file, sources))
+    result = CliRunner().invoke(main, ["check", str(path)])
+    assert result.exit_code == 0
+    assert result.output.count("is never used") == 299
+    assert "y7 = x * 7.5" in result.output
+    assert reads == [str(path)]
+
+
+# LALR reductions per statement of each shape (the parser's work is mostly reductions):
+# the grammar gives an operand few unit reductions. They were 15, 16, 13, 19, 15 and 38.
+REDUCTIONS = {"chain-mul": 8, "chain-add": 8, "chain-matmul": 7, "chain-calls": 12, "independent": 8,
+              "wide-sum": 18}
+
+
+@pytest.mark.parametrize("shape", sorted(frontend.SHAPES))
+def test_reductions_per_statement(shape, monkeypatch):
+    from tgc.frontend import parser
+
+    callbacks = parser._lark().parser.parser.parser.callbacks   # lark's table: rule -> callback
+    count = [0]
+
+    def counted(f):
+        def g(children):
+            count[0] += 1
+            return f(children)
+        return g
+
+    monkeypatch.setattr(parser._lark().parser.parser.parser, "callbacks",
+                        {rule: counted(f) for rule, f in callbacks.items()})
+    n = 1000
+    parser.parse(frontend.SHAPES[shape](n), "shape.tg")
+    assert count[0] <= REDUCTIONS[shape] * n + 50, (shape, count[0] / n)   # + the declarations
