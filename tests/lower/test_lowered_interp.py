@@ -133,7 +133,7 @@ def test_shifted_gemm_operands_read_zeros_outside():
 
 
 def test_the_interpreter_depends_on_no_backend():
-    """It reads the lowered program, the elementwise functions' numpy definitions, the
+    """It reads the lowered program, the elementwise functions' numpy definitions (tgc.ir.ops), the
     random draws' definition (tgc.ir.philox) and the views of complex arrays as float
     pairs at the call's boundary (tgc.ir.complex_io) only."""
     import tgc.lower.interp as li
@@ -142,7 +142,7 @@ def test_the_interpreter_depends_on_no_backend():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "typing", "numpy", "tgc.ir.interp", "tgc.lower.lowered", "tgc.ir.sizes",
-                        "tgc.ir.philox", "tgc.ir.complex_io"}, imported
+                        "tgc.ir.philox", "tgc.ir.complex_io", "tgc.ir.ops"}, imported
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])

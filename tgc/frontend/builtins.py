@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, RI, is_complex
-from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
+from tgc.frontend.expressions import REDUCTIONS, Ctx, Elaborator, factors
 from tgc.ir import values as V
 from tgc.ir.dtypes import FLOATS, LOW_FLOATS
+from tgc.ir.ops import SURFACE_ARITY
 
-ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
+# the elementwise functions called by name (exp(x), where(c, a, b): tgc.ir.ops.FNS), then the rest
+ARITY = {**{f: (n,) for f, n in SURFACE_ARITY.items()}, "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,),
          **{t: (1,) for t in FLOATS},   # conversions: f32(x), f64(x), bf16(x), f16(x)

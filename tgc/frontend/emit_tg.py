@@ -16,9 +16,8 @@ from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS
 from tgc.ir.affine import Affine, join_signed
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeOp, size_str
+from tgc.ir.ops import INFIX   # the functions the language writes as operators
 from tgc.ir.values import Value
-
-INFIX = {"div": "/", "pow": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 
 class _Writer:

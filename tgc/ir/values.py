@@ -14,7 +14,7 @@ there is no axis order). The primitive ops and their attributes:
     contract  ()                 product of all operands, summed over every edge not
                                  in the result type; result edges no operand has are
                                  broadcast (repeated)
-    map       (fn,)              an elementwise leaf function (MAP_ARITY), broadcast
+    map       (fn,)              an elementwise leaf function (tgc.ir.ops.FNS), broadcast
     reduce    (kind, edges)      max, min or logsumexp (log sum exp, computed stably)
                                  over `edges`
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
@@ -64,26 +64,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from tgc.ir.affine import Relation
 from tgc.ir.diag import Loc
-from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, ROUNDINGS, TYPES, promote
+from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, TYPES, promote
+# each elementwise function's operand count, and those whose result keeps a bf16/f16
+# operand's type (a selection, a comparison's 0/1, a sign: `Fn.exact`), see _float_dtype
+from tgc.ir.ops import EXACT_FNS, MAP_ARITY  # noqa: F401 (re-exported)
 
 FLOAT_DTYPES = FLOATS          # bf16, f16, f32, f64 (tgc.ir.dtypes)
 DTYPES = FLOAT_DTYPES + ("i32",)
 
-MAP_ARITY = {
-    "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
-    "abs": 1, "sign": 1,
-    "sigmoid": 1, "softplus": 1,  # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably
-    "div": 2, "pow": 2, "max": 2, "min": 2,
-    "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
-    "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
-    "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
-    "where": 3,
-    "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
-    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; autodiff/remat.py)
-    "recompute": 1,  # x, read by a backward recomputation (autodiff/remat.py): keeps the copy apart
-    **{fn: 1 for fn in CONVERSIONS},  # to_bf16 .. to_f64: x converted to that type (the result's type)
-    **{fn: 1 for fn in ROUNDINGS},    # round_bf16, round_f16: x rounded to bf16/f16, kept in x's type
-}
 REDUCE_KINDS = ("max", "min", "logsumexp")
 SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
@@ -180,13 +168,6 @@ def _union(values: Iterable[Value]) -> set[str]:
     for v in values:
         out.update(v.type.edges)
     return out
-
-
-# elementwise functions whose result a bf16/f16 operand's type holds exactly (a
-# selection, a comparison's 0/1, a sign): they keep that type; every other op on
-# bf16/f16 operands computes in their compute type (f32), see _float_dtype
-EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32",
-                       "checkpoint", "recompute", *ROUNDINGS})
 
 
 def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:

@@ -57,13 +57,15 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel,
 from tgc.ir.sizes import size_op
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
+# the functions worth materializing (cost class heavy), and the maps that are their
+# operand (checkpoint, recompute: autodiff/remat.py), from tgc.ir.ops
+from tgc.ir.ops import EXPENSIVE, IDENTITY_FNS
 from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower import complex_gemm
 from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
 
-EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 ELEMENTWISE = frozenset({"add", "map", "stop"})
 
 
@@ -82,7 +84,6 @@ class Fuse(Pass[Module, Lowered]):
         return _Fuser(module, options).lower()
 
 
-IDENTITY_FNS = frozenset({"checkpoint", "recompute"})  # maps that are their operand (autodiff/remat.py)
 
 
 def is_identity(v: Value) -> bool:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, walk)
 from tgc.options import Options
+from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
 
-EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined producer has
 BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
 

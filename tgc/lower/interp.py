@@ -4,7 +4,7 @@
 `group` or `plan`) kernel by kernel, with numpy, and returns what a compiled
 program's call returns: every output, and every update's new value under the key
 `Module.update_key` gives it. It shares nothing with a backend but the lowered
-program itself and the elementwise functions' numpy definitions (`interp.MAP_FNS`),
+program itself and the elementwise functions' numpy definitions (`tgc.ir.ops.FNS`),
 so a backend's kernels can be compared with it kernel for kernel, and a lowering
 stage can be checked by running the program before and after it.
 
@@ -41,10 +41,11 @@ from typing import Mapping
 import numpy as np
 
 from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
-from tgc.ir.interp import (MAP_FNS, NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
+from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf)
+from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
 

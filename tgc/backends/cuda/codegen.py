@@ -53,9 +53,19 @@ from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
 C_TYPES = {"f32": "float", "f64": "double", "i32": "int"}
-FNS = {"exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "abs", "pow", "div", "sign", "max", "min",
-       "lt", "le", "gt", "ge", "eq", "ne", "where", "mul0", "mul00", "round32", "round_bf16", "round_f16",
-       "sigmoid", "softplus"}
+# The CUDA template per elementwise function of tgc.ir.ops.FNS: a C expression of the
+# arguments {0}, {1}, {2} (each already cast to the program's float type), calling the
+# device functions of tgc_ops.cuh. Functions missing here are refused (CudaUnsupported).
+TEMPLATES = {
+    **{fn: f"tgc_{fn}({{0}})" for fn in ("exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "log1p", "expm1",
+                                         "abs", "sign", "round32", "round_bf16", "round_f16",
+                                         "sigmoid", "softplus")},
+    **{fn: f"tgc_{fn}({{0}}, {{1}})" for fn in ("pow", "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne",
+                                                "mul0", "mul00")},
+    "where": "tgc_where({0}, {1}, {2})",
+}
+# functions of tgc.ir.ops.FNS not built here yet (none)
+NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
 
 
@@ -279,10 +289,9 @@ class _Gen:
             args += [self.ix(n, ctx) for n in e.folds if not isinstance(n, int)]
             return f"(({T}){self.draws[spec]}({', '.join(args)}))"
         if isinstance(e, Map):
-            if e.fn not in FNS:
+            if e.fn not in TEMPLATES:
                 raise CudaUnsupported(f"elementwise function '{e.fn}'")
-            args = ", ".join(f"({T}){self.expr(a, ctx)}" for a in e.args)
-            return f"tgc_{e.fn}({args})"
+            return TEMPLATES[e.fn].format(*(f"({T}){self.expr(a, ctx)}" for a in e.args))
         raise CudaUnsupported(f"expression {e!r}")
 
     def const(self, v: float) -> str:

@@ -1,9 +1,10 @@
 // tgc_ops.cuh: the elementwise semantics of tgc's lowered programs as CUDA device
 // functions, float and double. Inlined by tgc.backends.cuda.codegen into every
 // generated module (so a module is one self-contained source for nvcc, NVRTC and
-// the cuda-sim emulator). Each function is the one the CPU backend defines
-// (tgc/backends/cpu/elementwise.py) and the interpreters compute (tgc/ir/interp.py
-// MAP_FNS):
+// the cuda-sim emulator). Each function is one of tgc/ir/ops.py's FNS, as the CPU
+// backend defines it (tgc/backends/cpu/elementwise.py) and the interpreters compute
+// it (its numpy definition in tgc/ir/ops.py); codegen.TEMPLATES says which is called
+// for which name:
 //   max/min propagate NaN (llvm.maximum/minimum; numpy.maximum/minimum);
 //   comparisons give 1/0, NaN compares unequal (ne is the unordered one);
 //   where(c, a, b) takes a where c != 0 (NaN counts as true);
@@ -11,7 +12,9 @@
 //   sigmoid and softplus go through e = exp(-|x|), which never overflows;
 //   pow is C pow (numpy.power on floats: 1 for y == 0, signed for a negative base
 //   with an integer exponent, NaN for a negative base with a fractional one);
-//   round32 rounds to the nearest float and back.
+//   round32 rounds to the nearest float and back;
+//   log1p and expm1 are the math library's (log(1 + x) and exp(x) - 1, accurate at
+//   small x).
 // Transcendentals are the CUDA math library's (libm under cuda-sim): within a few
 // ulps of the CPU backend's own polynomials, not bit for bit.
 #ifndef TGC_OPS_CUH
@@ -40,6 +43,10 @@ TGC_DEV float tgc_cos(float x) { return cosf(x); }
 TGC_DEV double tgc_cos(double x) { return cos(x); }
 TGC_DEV float tgc_erf(float x) { return erff(x); }
 TGC_DEV double tgc_erf(double x) { return erf(x); }
+TGC_DEV float tgc_log1p(float x) { return log1pf(x); }
+TGC_DEV double tgc_log1p(double x) { return log1p(x); }
+TGC_DEV float tgc_expm1(float x) { return expm1f(x); }
+TGC_DEV double tgc_expm1(double x) { return expm1(x); }
 TGC_DEV float tgc_abs(float x) { return fabsf(x); }
 TGC_DEV double tgc_abs(double x) { return fabs(x); }
 TGC_DEV float tgc_pow(float x, float y) { return powf(x, y); }
