@@ -18,7 +18,7 @@ NAME = r"[A-Za-z_][\w'.]*"
 _DIM = re.compile(rf"dim\s+({NAME})(?:\s*=\s*(.+))?$")
 _EDGE = re.compile(rf"edge\s+({NAME})\s*:\s*({NAME})$")
 _ARG = re.compile(rf"(input|param|state)\s+({NAME})\s*:\s*(\w+)\[([^\]]*)\]$")
-_VALUE = re.compile(rf"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[([^\]]*)\]"
+_VALUE = re.compile(r"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[([^\]]*)\]"
                     r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
 _OUT = re.compile(rf"out\s+({NAME})\s*=\s*%({NAME}|\d+)\s*:\s*\[([^\]]*)\]$")
 _UPDATE = re.compile(rf"update\s+({NAME})\s*=\s*%({NAME}|\d+)$")
