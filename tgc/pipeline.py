@@ -5,12 +5,17 @@ parser) into a module; `lower(module, options, emit)` runs the pass pipeline.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.ir.values import topo_order
 from tgc.options import Options
 from tgc.manager import PipelineResult, run_pipeline
+
+if TYPE_CHECKING:   # the front end is imported where a program is loaded
+    from tgc.frontend.elaborate import Elaborated
 
 
 def read_text(path: str) -> str:

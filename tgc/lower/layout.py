@@ -47,7 +47,7 @@ from typing import Sequence
 
 from tgc.ir.complex_io import RI
 from tgc.lower.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Mask, View, group_run, matrix_form, walk)
+                            Mask, View, matrix_form, walk)
 from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass

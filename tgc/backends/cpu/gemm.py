@@ -177,7 +177,7 @@ class GemmGen:
     def operands(self, f: Frame, st):
         """(A', B', C' row stride) of the normalized product."""
         (ar, ac, a_inner), (br, bc, b_inner) = self.forms["a"], self.forms["b"]
-        sa, sb, sc = st["a"][0], st["b"][0], st["c"][0]
+        sa, sb = st["a"][0], st["b"][0]
         one = I64(1)
         # A[m, k], B[k, n]: strides of each group = stride of its innermost edge
         a_m, a_k = (sa[ar[-1]], one) if a_inner else (one, sa[ac[-1]])
