@@ -1,4 +1,4 @@
-"""A complex GEMM and its gradient: tgc (four real GEMMs, docs/complex.md) against
+"""A complex GEMM and its gradient: tgc (one cgemm/zgemm per product, docs/complex.md) against
 numpy's complex matmul (BLAS cgemm/zgemm) and, when present, eager PyTorch.
 
     python benchmarks/complex_gemm.py [--n 256] [--repeat 15] [--dtype f32]

@@ -26,8 +26,11 @@ fi
 echo "== tests ($BACKEND)"
 if [ "$BACKEND" = cuda ]; then
     timeout 240 "$PY" -m pytest -x -q -p no:cacheprovider tests/backends/test_cuda_gpu.py
+    # data parallel through NCCL with one rank (tgc.distributed)
+    timeout 60 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_distributed.py -k nccl_on_a_gpu
 else
     timeout 240 "$PY" -m pytest -x -q -p no:cacheprovider tests/backends/test_cuda_sim_api.py
+    timeout 60 "$PY" -m pytest -x -q -p no:cacheprovider tests/test_distributed.py -k nccl_path_on_cuda_sim
 fi
 echo "== benchmarks ($BACKEND)"
 timeout 200 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$([ "$BACKEND" = cuda ] && echo 7 || echo 3)"

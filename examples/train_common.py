@@ -54,14 +54,20 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
-def compile_step(path: Path, args):
+def compile_step(path: Path, args, data_parallel=None):
     """`tgc.compile(path)` with --threads (and --autocast), printing how long it took (a
-    first compile takes seconds; later runs find the code in tgc's cache)."""
+    first compile takes seconds; later runs find the code in tgc's cache). With
+    `data_parallel` (a communicator) the step's batch is split over its ranks
+    (tgc.distributed); only rank 0 prints."""
     import tgc
     t = time.perf_counter()
-    program = tgc.compile(path, options=tgc.Options(cpu=tgc.CpuOptions(threads=args.threads),
-                                                    autocast=getattr(args, "autocast", None)))
-    print(f"compiled {path.name} in {seconds(time.perf_counter() - t)}")
+    options = tgc.Options(cpu=tgc.CpuOptions(threads=args.threads), autocast=getattr(args, "autocast", None))
+    if data_parallel is None:
+        program = tgc.compile(path, options=options)
+    else:
+        program = tgc.compile(path, options=options, data_parallel=data_parallel)
+    if data_parallel is None or program.rank == 0:
+        print(f"compiled {path.name} in {seconds(time.perf_counter() - t)}")
     return program
 
 

@@ -20,6 +20,12 @@ a random quarter can hold out extreme sequences that the rest does not teach (se
 holds out all three sequences of six equal digits). Of seeds 0 to 7, six sorted every
 held-out sequence when this was written; seeds 3 and 7 missed one and two.
 
+With `--data-parallel`, under MPI (`mpirun -n 2 python examples/train_sort_gpt.py
+--data-parallel`; needs mpi4py: `pip install -e '.[mpi]'`), each of the N processes
+trains on its 64 / N rows of every batch and the gradients are averaged over the
+processes (tgc.distributed): the same training, the same batches, as one process; rank
+0 prints, evaluates and writes the outputs.
+
 Writes `params.safetensors` (parameters and the optimizer's state, loadable with
 `tgc.load_params`) and `training.png` (loss and accuracies) to `--out`. With PyTorch
 installed it also trains the same model with `torch.optim.AdamW` from the same
@@ -177,9 +183,25 @@ def torch_trainer(params: dict, dtype="float32"):
 # ---------------------------------------------------------------- the run
 
 def main(argv=None) -> int:
-    args = tc.parse(tc.parser("sort_gpt", __doc__, steps=600, quick_steps=12), argv)
+    p = tc.parser("sort_gpt", __doc__, steps=600, quick_steps=12)
+    p.add_argument("--data-parallel", action="store_true",
+                   help="split each batch over the MPI processes (run under mpirun; needs mpi4py)")
+    args = tc.parse(p, argv)
     train, held_out = split(args.seed)
-    program = tc.compile_step(TG, args)
+    comm = None
+    if args.data_parallel:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            p.error("--data-parallel needs mpi4py (pip install -e '.[mpi]') and an MPI library")
+        comm = MPI.COMM_WORLD
+    program = tc.compile_step(TG, args, data_parallel=comm)
+    lead = comm is None or program.rank == 0          # the process that prints and writes
+    if not lead:
+        return worker(program, args, train)
+    if comm is not None:
+        print(f"data parallel: {program.size} processes, {BATCH // program.size}-{-(-BATCH // program.size)} "
+              f"of each batch's {BATCH} sequences each, gradients averaged over them (MPI)")
     print(f"data: {len(train)} training sequences, {len(held_out)} held out")
 
     arrays = init(program, args.seed)
@@ -194,6 +216,8 @@ def main(argv=None) -> int:
     t_train = time.perf_counter()
     for i in range(args.steps):
         b = batch(train[batches[i]])
+        if comm is not None:
+            b = program.shard_inputs(b)
         t = time.perf_counter()
         result = program(**b, **arrays, lr=tc.scalar(learning_rate(i, args.steps)),
                          wd=tc.scalar(WEIGHT_DECAY))
@@ -223,10 +247,27 @@ def main(argv=None) -> int:
     def torch_twin():
         _, step, _ = torch_trainer(start)
         return lambda i: step(batch(train[batches[i]]), learning_rate(i, args.steps))
-    measured = tc.compare_with_torch(args, "AdamW", BATCH, 5 if args.quick else 50, torch_twin, losses, step_times)
+    if comm is None:
+        measured = tc.compare_with_torch(args, "AdamW", BATCH, 5 if args.quick else 50, torch_twin, losses,
+                                         step_times)
+    else:
+        measured = {"processes": program.size}
+        tc.note("data parallel: no PyTorch side-by-side (its twin runs in one process)")
     tc.save(args, program, arrays, "GPT (3 layers, 3 heads, width 48) sorting 6 digits, AdamW in .tg", losses,
             evals, {"held_out_accuracy": final, "held_out_accuracy_teacher_forced": forced, "solved_at": solved,
                     "wall_s": wall, "step_ms_median": 1e3 * float(np.median(step_times)), **measured})
+    return 0
+
+
+def worker(program, args, train: np.ndarray) -> int:
+    """A data-parallel process other than rank 0: the same batches and steps (its
+    shard of each), no printing, evaluation or files."""
+    arrays = init(program, args.seed)
+    rng = np.random.default_rng([args.seed, 2])
+    batches = [rng.integers(0, len(train), BATCH) for _ in range(args.steps)]
+    for i in range(args.steps):
+        b = program.shard_inputs(batch(train[batches[i]]))
+        program(**b, **arrays, lr=tc.scalar(learning_rate(i, args.steps)), wd=tc.scalar(WEIGHT_DECAY))
     return 0
 
 

@@ -4,9 +4,10 @@
   in `passes_util` (importable by every test module: pytest puts this folder, the one
   of the rootdir's conftest, on sys.path); `verified` is its `optimize`: run passes
   through `run_pipeline(..., Options(verify_each=True))`.
-- lit: every `.tg`/`.tgir` file under tests/ with `RUN:` lines is a test, kept beside
-  the Python tests of its stage (tests/frontend: diagnostics, tests/opt, tests/autodiff,
-  tests/lower: one pass's output). Each `RUN:` line is a shell pipeline with `%s` (this
+- lit: every `.tg`/`.tgir`/`.tgl` (lowered program) file under tests/ with `RUN:` lines
+  is a test, kept beside the Python tests of its stage (tests/frontend: diagnostics,
+  tests/opt, tests/autodiff, tests/lower: one pass's output, and `lowered_*.tgl`: stages
+  run from lowered text). Each `RUN:` line is a shell pipeline with `%s` (this
   file) substituted and `tgc`, `filecheck` and `not` (succeed only if the command fails,
   `tests/not.py`) resolved to this Python; its `CHECK:` lines are matched by the PyPI
   `filecheck` package. Files without `RUN:` (the program corpus, golden IR, fuzz
@@ -37,7 +38,7 @@ def verified():
 
 
 def pytest_collect_file(parent, file_path: Path):
-    if file_path.suffix in (".tg", ".tgir") and "RUN:" in file_path.read_text(errors="replace"):
+    if file_path.suffix in (".tg", ".tgir", ".tgl") and "RUN:" in file_path.read_text(errors="replace"):
         return LitFile.from_parent(parent, path=file_path)
     return None
 

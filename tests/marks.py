@@ -19,5 +19,8 @@ def _stem(p) -> str:
 
 
 def heavy(params, key=_stem) -> list:
-    """`params` with the heavy programs' cases marked slow (`key(p)` names a case's program)."""
-    return [pytest.param(p, marks=pytest.mark.slow) if key(p) in HEAVY_PROGRAMS else p for p in params]
+    """`params` with the heavy programs' cases marked slow (`key(p)` names a case's program;
+    a tuple is the values of several argnames)."""
+    def slow(p):
+        return pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow)
+    return [slow(p) if key(p) in HEAVY_PROGRAMS else p for p in params]

@@ -31,7 +31,6 @@ LEAVES = {"options", "fsutil", "progress"}
 LEAF_MODULES = {"tgc.backends.cpu.options", "tgc.backends.cuda.options"}
 
 KNOWN = {
-    ("tgc.lower.plan", "tgc.manager"): "plan runs the lowering stages with its own pass loop",
     ("tgc.backends.cuda.aot", "tgc"): "the version stamp `tgc.__version__` in the AOT manifest",
 }
 

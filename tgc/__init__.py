@@ -17,6 +17,8 @@ The API:
 - `Options`: compiler settings (passes, `fp_strict`, `cpu=CpuOptions(threads=...)`, ...);
 - `save_params` / `load_params`: a program's params and states to and from
   safetensors or npz files, checked against the program on load;
+- `tgc.distributed`: data-parallel training steps over MPI or NCCL
+  (`compile(..., data_parallel=comm)`; docs/distributed.md);
 - errors: `CompileError` (the program is wrong), `EvalError` (a call's arrays are
   wrong), `ParamsError` (a parameter file does not fit).
 
@@ -54,7 +56,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None):
+def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None, data_parallel=None,
+            **data_parallel_options):
     """Compile a program (by default to native code for this CPU); returns a callable `Program`.
 
     `source`: a path to a `.tg` or `.tgir` file, `.tg` source text, IR text (as
@@ -68,9 +71,15 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     Errors in the program raise `CompileError`; a backend that cannot run here
     raises `tgc.backends.base.BackendUnavailable`.
 
+    `data_parallel` (an mpi4py communicator, or a CuPy NCCL communicator for "cuda")
+    makes a `tgc.distributed.DataParallel` step: the batch split over the ranks, the
+    gradients averaged, the updates run on every rank (docs/distributed.md). Its
+    keywords: `shard` (the split dim, "batch"), `deterministic` (sum in rank order),
+    `bucket_bytes`, `sums` (outputs summed, not averaged).
+
     Compiled code is cached on disk (see the README), so compiling the same program
     again is fast.
     """
     from tgc import pipeline
 
-    return pipeline.compile_source(source, backend, dtype, dims, options)
+    return pipeline.compile_source(source, backend, dtype, dims, options, data_parallel, data_parallel_options)

@@ -13,7 +13,8 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   apart;
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
   the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
-  reader); every other value a later kernel reads is kept.
+  reader); every other value a later kernel reads is kept. With a memory budget the
+  caller adds the planner's choices (`memory_budget`, `tgc.budget`).
 
 FLOPs count one per arithmetic operation of an expression, evaluated at every point
 of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
@@ -179,6 +180,10 @@ def format_explain(report: dict, name: str) -> str:
             lines.append(f"  %{b['name']} {b['dtype']}[{', '.join(b['edges'])}] {human(b['bytes'], 'B')}"
                          f" (k{b['from']} .. k{b['to']})")
     lines.append(f"save/recompute: {report['recompute_note']}")
+    budget = report.get("memory_budget")
+    if budget is not None:   # --memory-budget: what the planner chose (tgc.budget)
+        lines.append(f"{budget['summary']}")
+        lines += budget["lines"]
     return "\n".join(lines) + "\n"
 
 

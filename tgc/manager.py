@@ -1,29 +1,51 @@
-"""The pass manager: runs a list of named passes, with dumps, timing and checks.
+"""The pass manager: runs a list of named passes on the IR and on the lowered program,
+with dumps, timing and checks.
 
-`run_pipeline(module, options, emit)` runs `options.passes` (or the default
-pipeline), printing IR before/after the passes `options` names through `emit`
-(banner, text), timing each pass when asked, and — with `options.verify_each` —
-evaluating the module before and after every pass in float64 on seeded random
-inputs, failing with the pass and output whose value changed.
+One loop (`run_passes`) runs every pass, whatever its level (`Pass.takes`/`gives`: the
+IR module, or the lowered program of `tgc.lower.lowered`): it checks that each pass
+reads what the one before it gives, prints the program before/after the passes
+`options` names through `emit` (banner, text), times each pass when asked, verifies
+the result (`tgc.ir.verify` after every IR pass; `tgc.lower.verify` after the last
+lowering stage of a list, and after every one with `options.verify_each`: it costs
+about a tenth of the lowering), and with `options.verify_each` compares values: a module is evaluated in float64 on
+seeded random inputs before and after every IR pass; a lowered program is run by the
+lowered-program interpreter (`tgc.lower.interp`) and compared with the module's
+values. It fails with the pass and the output whose value changed.
+
+`run_pipeline(module, options, emit)` runs the IR passes (`options.passes`, or the
+default pipeline); `run_lowering(program, options, emit)` the lowering stages
+(`options.stages`, or the stage list it is given: the backend's), from a module or
+from a lowered program read back from text (then only the stages after the one it
+was dumped after). A pass in a list may set its options (its dataclass fields) as in
+mlir-opt: `group{blocks=8}`; `parse_pass_list` reads such lists and says which
+passes and fields exist when one does not.
+
+Terminates: one run of each pass in the list.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from tgc.ir.interp import evaluate
-
 from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
 from tgc.ir.module import Module
+from tgc.ir.passes import Pass
 from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.dtypes import LOW_FLOATS, ROUNDINGS
 from tgc.ir.verify import verify
+from tgc.lower.lowered import Lowered, print_lowered
+from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
-from tgc.registry import PASSES, pipeline
+from tgc.registry import LOWERING, PASSES, pipeline, stages as stage_list
 from tgc.opt.stats import ModuleStats, module_stats
 
 Emit = Callable[[str, str], None]
@@ -47,15 +69,124 @@ class PipelineResult:
     module: Module
     stats: list[PassStat] = field(default_factory=list)
     initial: ModuleStats | None = None  # with options.stats: the module before any pass
+    memory: object = None               # with options.memory_budget: what was recomputed (a tgc.budget.MemoryPlan)
+
+
+class PassListError(ValueError):
+    """A pass list that names an unknown pass or field, or runs a pass on the wrong level."""
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\{(.*)\})?\s*$", re.S)
+
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """`text` split at `sep` outside braces."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth < 0:
+                raise PassListError(f"unbalanced '}}' in pass list '{text}'")
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise PassListError(f"unclosed '{{' in pass list '{text}'")
+    parts.append("".join(cur))
+    return parts
+
+
+@functools.lru_cache(maxsize=None)
+def pass_fields(cls: type[Pass]) -> dict[str, Any]:
+    """A pass's options: field name -> its type."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _value(cls: type[Pass], name: str, typ: Any, text: str):
+    args = typing.get_args(typ)
+    kinds = [a for a in args if a is not type(None)] if args else [typ]
+    if text.lower() == "none" and type(None) in args:
+        return None
+    for kind in kinds:
+        try:
+            if kind is bool:
+                if text.lower() in ("true", "1", "false", "0"):
+                    return text.lower() in ("true", "1")
+                continue
+            return kind(text)
+        except (TypeError, ValueError):
+            continue
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in kinds) + (" or none" if type(None) in args else "")
+    raise PassListError(f"pass '{cls.name}': option '{name}' takes {names}, not '{text}'")
+
+
+def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """'group{blocks=8}' -> ('group', {'blocks': 8}); unknown passes and fields raise
+    PassListError listing the known ones."""
+    if text in PASSES:   # the common case: a plain name
+        return text, {}
+    m = _SPEC.match(text)
+    if not m:
+        raise PassListError(f"cannot read pass '{text.strip()}' (a pass is NAME or NAME{{field=value,...}})")
+    name, body = m.group(1), m.group(2)
+    cls = PASSES.get(name)
+    if cls is None:
+        raise PassListError(f"unknown pass '{name}' (known: {', '.join(PASSES)})")
+    known = pass_fields(cls)
+    values: dict[str, Any] = {}
+    for item in _split_top(body or ""):
+        if not item.strip():
+            continue
+        key, eq, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not eq or not key:
+            raise PassListError(f"pass '{name}': cannot read option '{item.strip()}' (write field=value)")
+        if key not in known:
+            have = ", ".join(known) if known else "none"
+            raise PassListError(f"pass '{name}' has no option '{key}' (its options: {have})")
+        values[key] = _value(cls, key, known[key], val)
+    return name, values
+
+
+def spec_text(name: str, values: dict[str, Any]) -> str:
+    """The canonical spelling of a pass with options (fields in declaration order)."""
+    if not values:
+        return name
+    order = [f for f in pass_fields(PASSES[name]) if f in values]
+    return f"{name}{{{','.join(f'{k}={values[k]}' for k in order)}}}"
 
 
 def parse_pass_list(text: str) -> tuple[str, ...]:
-    """'a,b, c' -> ('a', 'b', 'c'); unknown names raise ValueError listing the known ones."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    for n in names:
-        if n not in PASSES:
-            raise ValueError(f"unknown pass '{n}' (known: {', '.join(PASSES)})")
-    return names
+    """'a, b{x=1}, c' -> ('a', 'b{x=1}', 'c'), each pass spelled canonically; unknown
+    passes or fields raise PassListError (a ValueError) listing the known ones."""
+    return tuple(spec_text(*parse_pass_spec(item)) for item in _split_top(text) if item.strip())
+
+
+def split_levels(specs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+    """A pass list as (IR passes, lowering stages or None when it names none); a module
+    pass after a lowering stage is an error."""
+    ir: list[str] = []
+    low: list[str] = []
+    for spec in specs:
+        name = parse_pass_spec(spec)[0]
+        if PASSES[name].takes == "module" and PASSES[name].gives == "module":
+            if low:
+                raise PassListError(f"pass '{name}' works on the IR: it cannot follow the lowering stage "
+                                    f"'{parse_pass_spec(low[-1])[0]}'")
+            ir.append(spec)
+        else:
+            low.append(spec)
+    return tuple(ir), (tuple(low) if low else None)
+
+
+def make_pass(spec: str) -> Pass:
+    name, values = parse_pass_spec(spec)
+    return PASSES[name](**values)
 
 
 def _op_count(m: Module) -> int:
@@ -116,30 +247,125 @@ class _Checker:
                                 f"(max abs difference {err:.3g})")
 
 
+def _size(ir) -> int:
+    """Ops of a module, kernels (group members counted) of a lowered program."""
+    if isinstance(ir, Module):
+        return _op_count(ir)
+    return sum(len(getattr(k, "members", (k,))) for k in ir.kernels)
+
+
+def _level(ir) -> str:
+    return "module" if isinstance(ir, Module) else "lowered"
+
+
+def _text(ir, options: Options) -> str:
+    """A dump for --print-ir-*: a lowered program without its module (the IR dumps
+    before it show that; `tgc dump-ir --after STAGE` prints it whole)."""
+    return print_module(ir, options.locs) if isinstance(ir, Module) else print_lowered(ir, module=False)
+
+
+def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None = None,
+               checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
+               measure: Callable = lambda ir: None):
+    """Run the passes `specs` names on `ir` (a Module or a Lowered), in order; the result.
+
+    Each pass must read the level the one before it gives (PassListError otherwise)."""
+    passes = [(parse_pass_spec(spec)[0], make_pass(spec)) for spec in specs]
+    level = _level(ir)
+    for name, p in passes:
+        if p.takes != level:
+            need = "a lowered program: run 'fuse' before it" if p.takes == "lowered" else \
+                "the IR module, and this program is already lowered"
+            raise PassListError(f"pass '{name}' needs {need}")
+        level = p.gives
+    for name, p in passes:
+        if emit and name in options.print_ir_before:
+            emit(f"IR before {name}", _text(ir, options))
+        before = _size(ir) if options.time_passes or options.stats else 0
+        start = time.perf_counter()
+        ir = p.run(ir, options)
+        seconds = time.perf_counter() - start
+        if isinstance(ir, Module):
+            try:
+                verify(ir)
+            except ValueError as e:
+                raise PassError(f"pass '{name}' produced invalid IR: {e}") from None
+            if checker and p.rounds:
+                checker.reference = checker.values(ir)   # rounds by design: later passes keep its values
+            elif checker:
+                checker.check(ir, name)
+        else:
+            if checker or p is passes[-1][1]:   # the structural check: after the last stage, or every one
+                try:
+                    verify_lowered(ir)
+                except VerifyError as e:
+                    raise PassError(f"lowering stage '{name}' made an invalid program: {e}") from None
+            if checker:
+                checker.check_lowered(ir, name)
+        if stats is not None and (options.time_passes or options.stats):
+            stats.append(PassStat(name, seconds, before, _size(ir), measure(ir)))
+        if emit and (options.print_ir_after_all or name in options.print_ir_after):
+            emit(f"IR after {name}", _text(ir, options))
+    return ir
+
+
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
-    names = pipeline(options)
+    """The IR passes `options` asks for (its list, or the default pipeline) on `module`."""
     result = PipelineResult(module)
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     measure = (lambda m: module_stats(m, options.rep_size)) if options.stats else (lambda m: None)
     result.initial = measure(module)
-    for name in names:
-        if emit and name in options.print_ir_before:
-            emit(f"IR before {name}", print_module(module, options.locs))
-        before = _op_count(module) if options.time_passes or options.stats else 0
-        start = time.perf_counter()
-        module = PASSES[name]().run(module, options)
-        seconds = time.perf_counter() - start
-        try:
-            verify(module)
-        except ValueError as e:
-            raise PassError(f"pass '{name}' produced invalid IR: {e}") from None
-        if checker and PASSES[name].rounds:
-            checker.reference = checker.values(module)   # rounds by design: later passes keep its values
-        elif checker:
-            checker.check(module, name)
-        if options.time_passes or options.stats:
-            result.stats.append(PassStat(name, seconds, before, _op_count(module), measure(module)))
-        if emit and (options.print_ir_after_all or name in options.print_ir_after):
-            emit(f"IR after {name}", print_module(module, options.locs))
-    result.module = module
+    result.module = run_passes(module, pipeline(options), options, emit, checker, result.stats, measure)
     return result
+
+
+@dataclass
+class LoweringResult:
+    lowered: Lowered
+    stats: list[PassStat] = field(default_factory=list)
+
+
+def run_lowering(program, options: Options, emit: Emit | None = None, stages: tuple[str, ...] = LOWERING,
+                 stop_after: str | None = None) -> LoweringResult:
+    """The lowering stages on `program`: a module (after the IR pipeline), or a lowered
+    program (read back from text: then the stages after the one it was dumped after).
+
+    The stages are `options.stages` if set, else `stages` (the backend's list); a
+    module's bf16/f16 values are first emulated in the program's float type, and
+    rewrite rules a pass list may have left are expanded. `stop_after` ends after
+    that stage (what `tgc dump-ir --after fuse|layout|group` prints). With
+    `options.verify_each`, the program after each stage is run by the numpy
+    lowered-program interpreter and compared with the module's values."""
+    names = stage_list(options, stages)
+    if isinstance(program, Module):
+        from tgc.ir.lowp import emulate_low, has_low
+        from tgc.opt.rewrite import without_rules
+
+        if has_low(program):   # bf16/f16 values: held in the program's float type, each rounded
+            program = emulate_low(program, options.dtype)
+        module = program = without_rules(program)  # a pass list without normalize/simplify may leave them
+    else:
+        module = program.module
+        if options.stages is None:   # the default stages that follow the one it was dumped after
+            done = [parse_pass_spec(n)[0] for n in names]
+            names = names[done.index(program.stage) + 1:] if program.stage in done else ()
+    if stop_after is not None:
+        plain = [parse_pass_spec(n)[0] for n in names]
+        if stop_after in plain:
+            names = names[: plain.index(stop_after) + 1]
+    checker = _Checker(module, options.verify_seed) if options.verify_each else None
+    result = LoweringResult(program)   # type: ignore[arg-type]  (a module until fuse has run)
+    result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats)
+    return result
+
+
+def lower_module(module: Module, options: Options, emit: Emit | None = None, stop_after: str = "plan",
+                 stages: tuple[str, ...] = LOWERING) -> Lowered:
+    """`module` (after the IR pipeline) lowered by the lowering stages up to `stop_after`."""
+    low = run_lowering(module, options, emit, stages, stop_after).lowered
+    if not isinstance(low, Lowered):
+        raise PassListError("the lowering stages do not include 'fuse': the program is still IR")
+    if stop_after == "plan" and low.stage != "plan":
+        raise PassListError(f"the lowering stages end with '{low.stage}': a backend compiles a planned program "
+                            "(end the list with 'plan')")
+    return low

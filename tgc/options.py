@@ -28,7 +28,8 @@ class Options:
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
     autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
-    passes: tuple[str, ...] | None = None    # None: the default pipeline
+    passes: tuple[str, ...] | None = None    # IR passes, each 'name' or 'name{field=value,...}'; None: the default pipeline
+    stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, its own: the CPU's group, plan)
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)
@@ -43,6 +44,7 @@ class Options:
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
+    memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
     cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)
 

@@ -12,8 +12,10 @@
   the IR pipeline: lowered, compiled by the backend (`tgc.backends.base`), wrapped by
   the neutral runtime (`tgc.runtime.program`); an f32 program under --fp-strict is
   built as its f64 emulation here, for every backend;
-- `compile_source(source, backend, dtype, dims, options)`: all of it, with the
-  code cache's first level (what `tgc.compile` is).
+- `compile_cached(module, options, backend, key)`: a module through the pipeline and
+  the backend, with the code cache's first level (a data-parallel phase's build);
+- `compile_source(source, backend, dtype, dims, options)`: all of it, from a source
+  (what `tgc.compile` is).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from tgc.ir.values import topo_order
 from tgc.options import Options
 from tgc.manager import PipelineResult, run_pipeline
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the front end is imported where a program is loaded
     from tgc.frontend.elaborate import Elaborated
 
 
@@ -84,7 +86,12 @@ def load(path: str, options: Options) -> Module:
 
 
 def lower(module: Module, options: Options, emit=None) -> PipelineResult:
-    """The IR pass pipeline (`options.passes`, else the default) on `module`."""
+    """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
+    the workspace fits (tgc.budget: the result's `memory` says what)."""
+    if options.memory_budget is not None:
+        from tgc.budget import lower_within_budget
+
+        return lower_within_budget(module, options, emit)
     return run_pipeline(module, options, emit)
 
 
@@ -97,11 +104,13 @@ def lowering(backend: str = "cpu") -> tuple[str, ...]:
 
 def lower_module(module: Module, options: Options, backend: str = "cpu", emit=None, stop_after: str = "plan"):
     """The lowered program of `module` (after the IR pipeline) for `backend`: the
-    neutral stages and the backend's own (`tgc.lower.plan.lower_module`)."""
+    neutral stages and the backend's own, run by the pass manager
+    (`tgc.manager.lower_module`; `options.stages` overrides the list)."""
     from tgc.backends.base import get_backend
-    from tgc.lower.plan import lower_module as run_stages
+    from tgc.manager import lower_module as run_stages
 
-    return run_stages(module, options, emit, stop_after, get_backend(backend).stage_passes())
+    be = get_backend(backend)
+    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering())
 
 
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
@@ -141,11 +150,13 @@ def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu")
     return program.run(dict(inputs), dict(options.dims) or None)
 
 
-def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, options: Options | None = None):
+def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, options: Options | None = None,
+                   data_parallel=None, data_parallel_options=None):
     """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
-    (its docstring says what each argument is). The first-level cache (source ->
-    program, `tgc.backends.cache`) is looked up before anything is parsed, for a
-    backend whose `source_cache` says so (the CPU's)."""
+    (its docstring says what each argument is); with a communicator `data_parallel`,
+    a `tgc.distributed.DataParallel` step. The first-level cache (source -> program,
+    `tgc.backends.cache`) is looked up before anything is parsed, for a backend whose
+    `source_cache` says so (the CPU's), and not under a memory budget."""
     import os
 
     from tgc.backends.base import get_backend
@@ -157,9 +168,12 @@ def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, 
         raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
     if isinstance(source, (bytes, bytearray)):
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
+    if data_parallel_options and data_parallel is None:
+        raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
     options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
+    dp = (data_parallel, dict(data_parallel_options or {}))
     if isinstance(source, Module):
-        return _build(source, dims, options, None, (), be)
+        return _build(source, dims, options, None, (), be, dp)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
         path = os.fspath(source)
@@ -178,13 +192,14 @@ def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, 
     else:
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
-    key = _source_key(kind, name, text, options, be) if be.source_cache else None
-    if key is not None:
+    key = _source_key(kind, name, text, options, be) if be.source_cache and options.memory_budget is None else None
+    if key is not None and data_parallel is None:
         program = _cached(key, options, be)
         if program is not None:
             return program
     loaded = load_program(name, options, None if name not in ("<ir>", "<source>") else source)
-    return _build(loaded.module, dims, options, key, [f for f in loaded.files if f not in ("<ir>", "<source>")], be)
+    return _build(loaded.module, dims, options, key, [f for f in loaded.files if f not in ("<ir>", "<source>")], be,
+                  dp)
 
 
 def is_ir_text(source: str) -> bool:
@@ -228,14 +243,43 @@ def _cached(key, options, be):
         return None
 
 
-def _build(module, dims, options, key, files, be):
-    from tgc.backends import cache
-
+def _build(module, dims, options, key, files, be, dp=(None, {})):
     module = fix_dims(module, dims or {})
     opts = options.with_(dims=())
-    program = compile_module(lower(module, opts).module, opts, be.name)
+    data_parallel, dp_options = dp
+    if data_parallel is not None:   # split at the gradient boundary before the pipeline
+        from tgc.distributed import DataParallel
+
+        return DataParallel(module, data_parallel, opts, be.name, **dp_options, cache_key=key, files=files)
+    return compile_cached(module, opts, be.name, key, files, lookup=False, stacklevel=5)
+
+
+def compile_cached(module: Module, options: Options, backend: str = "cpu", key: str | None = None, files=(),
+                   lookup: bool = True, stacklevel: int = 2):
+    """`module` (before the IR pipeline) through the pipeline and `backend`. With `key`
+    (a first-level cache key), a cached program is used if there is one, and the new
+    one is stored under it (`lookup=False`: the caller has looked already). Under a memory budget that cannot be met, a
+    `MemoryBudgetWarning` says what was done (`stacklevel` as `warnings.warn`'s, from
+    the caller of this function)."""
+    from tgc.backends import cache
+    from tgc.backends.base import get_backend
+
+    be = get_backend(backend)
+    if key is not None and be.source_cache and lookup:
+        hit = _cached(key, options, be)
+        if hit is not None:
+            return hit
+    lowered = lower(module, options)
+    if lowered.memory is not None and not lowered.memory.met:
+        import warnings
+
+        from tgc.budget import MemoryBudgetWarning
+
+        warnings.warn(lowered.memory.summary(), MemoryBudgetWarning, stacklevel=stacklevel + 1)
+    program = compile_module(lowered.module, options, be.name)
+    program._memory_plan = lowered.memory
     objs = program._kernels.artifacts
-    if key is not None and objs is not None:
+    if key is not None and be.source_cache and objs is not None:
         deps = cache.file_hashes(files)
         if deps is not None:
             cache.store_program(key, deps, program.module, program.lowered, objs)

@@ -106,6 +106,10 @@ def positive(shape, rng):
     return rng.uniform(0.5, 2.0, shape)
 
 
+def above_minus_one(shape, rng):
+    return rng.uniform(-0.9, 2.0, shape)
+
+
 def away_from_zero(shape, rng):
     return rng.choice([-1.0, 1.0], shape) * rng.uniform(0.3, 2.0, shape)
 
@@ -117,6 +121,7 @@ UNARY = {  # fn: (domain of x, smooth enough for second order)
     "erf": (None, True), "sin": (None, True), "cos": (None, True), "abs": (away_from_zero, True),
     "sign": (away_from_zero, True), "sigmoid": (None, True), "softplus": (None, True),
     "checkpoint": (None, True), "recompute": (None, True),  # identities (autodiff/remat.py)
+    "log1p": (above_minus_one, True), "expm1": (None, True),
 }
 BINARY = {  # fn: (domain of x, domain of y)
     "div": (None, away_from_zero), "pow": (positive, None), "max": (None, None), "min": (None, None),

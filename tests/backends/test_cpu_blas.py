@@ -20,13 +20,16 @@ def test_library_is_numpys_and_exports_ilp64_gemm():
     path = blas.openblas_path()
     assert 'openblas' in os.path.basename(path)
     addrs = blas.gemm_addresses()
-    assert {'sgemm', 'dgemm'} <= set(addrs) <= {'sgemm', 'dgemm', 'blas_get_threads', 'blas_set_threads'}
+    gemms = {'sgemm', 'dgemm', 'cgemm', 'zgemm'}
+    assert gemms <= set(addrs) <= gemms | {'blas_get_threads', 'blas_set_threads'}
     assert all(addrs.values())
     if shutil.which('nm'):
         out = subprocess.run(['nm', '-D', path], capture_output=True, text=True).stdout
         names = {line.split()[-1] for line in out.splitlines() if line.strip()}
         assert any(s in names for s in blas.SYMBOLS['sgemm'])
         assert any(s in names for s in blas.SYMBOLS['dgemm'])
+        assert any(s in names for s in blas.SYMBOLS['cgemm'])
+        assert any(s in names for s in blas.SYMBOLS['zgemm'])
 
 
 def call_gemm(dtype, a, b, c, ta, tb, alpha, beta):

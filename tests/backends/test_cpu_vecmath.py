@@ -27,6 +27,8 @@ BOUNDS = {
     ('sin', np.float32): 1.75, ('sin', np.float64): 1.75,
     ('cos', np.float32): 1.75, ('cos', np.float64): 1.75,
     ('sqrt', np.float32): 0.501, ('sqrt', np.float64): 0.501,
+    ('log1p', np.float32): 2.5, ('log1p', np.float64): 2.5,
+    ('expm1', np.float32): 2.5, ('expm1', np.float64): 2.5,
 }
 
 
@@ -100,7 +102,7 @@ def _erf_series(x):
 
 
 _NP = {'exp': np.exp, 'log': np.log, 'tanh': np.tanh, 'sin': np.sin, 'cos': np.cos,
-       'sqrt': np.sqrt, 'erf': _erf_series}
+       'sqrt': np.sqrt, 'erf': _erf_series, 'log1p': np.log1p, 'expm1': np.expm1}
 
 
 def reference(name, x):
@@ -151,6 +153,10 @@ def inputs(name, dtype, n=1_000_000, seed=0):
         'erf': rng.uniform(-7, 7, n),
         'sin': rng.uniform(-1e5, 1e5, n) if dtype == np.float32 else rng.uniform(-1e6, 1e6, n),
         'sqrt': _all_positive(dtype, n, rng),
+        # (-1, 1] uniformly, then the positive floats: log1p's accurate region and its tail
+        'log1p': np.concatenate([-rng.uniform(-1, 1, n // 2), _all_positive(dtype, n - n // 2, rng)]),
+        'expm1': rng.uniform(-110 if dtype == np.float32 else -750,
+                             90 if dtype == np.float32 else 712, n),
     }
     wide['cos'] = wide['sin']
     near0 = _random_bits(dtype, n // 4, f.minexp - f.nmant, 3, rng)

@@ -244,6 +244,3 @@ def test_unsupported_forms_are_a_clear_error():
     assert any(isinstance(k, LoopGroup) for k in low.kernels)
     with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: LoopGroup kernels"):
         codegen.generate(low)
-    src = "dim i = 4\ninput key: i32\ninput x[i]\nout y = x * rand[i](key)\n"
-    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: random draws \(rand;"):
-        tgc.compile(src, backend="cuda-sim")

@@ -25,6 +25,7 @@ from fuzz.nodes import parse_bind_comment  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 SLICE = 40
+QUICK = 8          # seeds below QUICK also run under `-m "not slow"`; the rest are marked slow
 REGRESSIONS = sorted((ROOT / "tests" / "fuzz" / "regressions").glob("*.tg"))
 
 
@@ -42,7 +43,7 @@ def _check(text: str, dims: dict, name: str) -> None:
     compare(module, "f64", dims=dims)
 
 
-@pytest.mark.parametrize("seed", range(SLICE))
+@pytest.mark.parametrize("seed", [s if s < QUICK else pytest.param(s, marks=pytest.mark.slow) for s in range(SLICE)])
 def test_slice(seed):
     prog = generate(seed)
     _check(prog.render(), prog.bind, f"seed{seed}.tg")

@@ -14,6 +14,8 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import CudaOptions, Options
 
+from marks import heavy
+
 ROOT = Path(__file__).parent.parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 F32_RTOL, F32_ATOL = 2e-4, 2e-5  # as the CPU backend's tests (tests/backends/test_cpu_programs.py)
@@ -39,7 +41,7 @@ def compare(module, dtype, seed=0, options=None, dims=None):
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
-@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", heavy(PROGRAMS), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_program_matches_interpreter(path, dtype):
     options = Options(dtype=dtype)
     module = pipeline.lower(pipeline.load(str(path), options), options).module
@@ -52,6 +54,7 @@ ROW_PROGRAMS = ["examples/layernorm.tg", "examples/attention.tg", "tests/program
                 "tests/programs/good/020_norms.tg", "tests/programs/good/032_masked_softmax.tg"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("path", ROW_PROGRAMS)
 def test_one_block_per_row_reductions_match_interpreter(path, dtype):

@@ -17,6 +17,8 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
+from marks import heavy
+
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 3
 
@@ -72,7 +74,7 @@ CASES = [(name, subset) for name in list(SOURCES) + [p.stem for p in FILES]
          for subset in _subsets(_module(name)[1].symbolic_dims())]
 
 
-@pytest.mark.parametrize("name,subset", CASES, ids=[f"{n}-{'+'.join(s)}" for n, s in CASES])
+@pytest.mark.parametrize("name,subset", heavy(CASES, key=lambda case: case[0]), ids=[f"{n}-{'+'.join(s)}" for n, s in CASES])
 def test_any_subset_of_dims_fixed(name, subset):
     source, m = _module(name)
     sizes = {d: SIZE for d in m.symbolic_dims()}

@@ -91,6 +91,7 @@ def test_shared_library_through_ctypes(tmp_path, blas):
     np.testing.assert_allclose(inputs["W1"], want["W1"], rtol=1e-12)  # updated in place
 
 
+@pytest.mark.slow
 @needs_cc
 def test_builds_are_byte_identical_across_processes(tmp_path):
     for seed in ("1", "2"):
@@ -164,6 +165,7 @@ def test_exit_codes(tmp_path, monkeypatch):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.slow
 @needs_cc
 @needs_make
 def test_examples_makefile_builds_runs_and_rebuilds_only_dependents(tmp_path):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tgc
 
@@ -21,6 +22,7 @@ def test_gpt_adamw_tg_is_generated_from_gpt_tg():
         "run python benchmarks/workloads/make_gpt_adamw.py"
 
 
+@pytest.mark.slow
 def test_one_gpt_adamw_step_is_the_reference_adamw_step():
     import run
 

@@ -3,6 +3,8 @@ the IR interpreter, the lowered interpreter and the CPU backend against each oth
 the IR's text round trip, `--verify-each`, `tgc run` with npz files, and the errors."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -22,6 +24,7 @@ from tgc.options import Options
 from tgc.pipeline import lower_module
 from passes_util import optimize
 
+SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}
 TOL = {"f32": 2e-5, "f64": 1e-12}
 
@@ -31,12 +34,15 @@ def crandn(rng, *shape, dtype="f64"):
 
 
 def all_paths(src: str, inputs: dict, dtype: str):
-    """(name, result) of the IR interpreter, the lowered interpreter and the CPU backend."""
+    """(name, result) of the IR interpreter, the lowered interpreter, the CPU backend and,
+    where g++ is (the emulator compiles with it), the CUDA backend under cuda-sim."""
     opts = Options(dtype=dtype)
     m = pipeline.lower(compile_source(src, "<complex>", opts), opts).module
     yield "interp", evaluate(m, {k: np.copy(v) for k, v in inputs.items()}, dtype=dtype)
     yield "lowered", run_lowered(lower_module(m, opts), {k: np.copy(v) for k, v in inputs.items()})
     yield "cpu", tgc.compile(src, dtype=dtype)(**{k: np.copy(v) for k, v in inputs.items()})
+    if SIM:   # the CUDA backend's generated code, run on this CPU by the emulator
+        yield "cuda-sim", tgc.compile(src, backend="cuda-sim", dtype=dtype)(**{k: np.copy(v) for k, v in inputs.items()})
 
 
 def close(got, want, dtype, what=""):
@@ -291,7 +297,7 @@ ERRORS = [
     ("out y = z < 1", "1:9", "comparison '<' is not defined for complex values"),
     ("out y = max[n](z)", "1:9", "'max' is not defined for complex values"),
     ("out y = max(z, x)", "1:9", "'max' is not defined for complex values"),
-    ("out y = sqrt(z)", "1:9", "'sqrt' is not defined for complex values"),
+    ("out y = erf(z)", "1:9", "'erf' is not defined for complex values"),
     ("out y = tanh(2j)", "1:9", "'tanh' is not defined for complex values"),
     ("out y = where(z, x, x)", "1:15", "the condition of 'where' is not defined for complex values"),
     ("out y = grad(sum(z * z), z)", "1:9", "needs an explicit cotangent v, written vjp(f, x, v)"),
@@ -315,11 +321,11 @@ def test_real_only_operations_on_complex_values_are_located_errors(line, where, 
 
 def test_tgc_check_shows_the_error_with_its_caret_line(tmp_path):
     src = tmp_path / "bad.tg"
-    src.write_text("dim n = 3\ninput z: c64[n]\nout y = sqrt(z)\n")
+    src.write_text("dim n = 3\ninput z: c64[n]\nout y = erf(z)\n")
     r = CliRunner().invoke(main, ["check", str(src)])     # click 8.2+: r.output holds stderr too
     assert r.exit_code == 1
-    assert f"{src}:3:9: error: 'sqrt' is not defined for complex values" in r.output
-    assert "out y = sqrt(z)\n" in r.output and "        ^" in r.output
+    assert f"{src}:3:9: error: 'erf' is not defined for complex values" in r.output
+    assert "out y = erf(z)\n" in r.output and "        ^" in r.output
 
 
 def test_a_real_array_for_a_complex_input_is_a_clear_error():
@@ -519,3 +525,15 @@ def test_cuda_sim_backend_agrees_on_complex_values():
     got = tgc.compile(ELEMENTWISE, backend="cuda-sim")(z=z, w=w, x=x)
     for k, v in want.items():
         close(got[k], v, "f32", f"cuda-sim: {k}")
+
+
+@pytest.mark.parametrize("declared,dtype,width", [("c64", "f64", np.complex128), ("c128", "f32", np.complex64),
+                                                  ("c64", "f32", np.complex64), ("c128", "f64", np.complex128)])
+def test_a_complex_declaration_has_the_programs_width(declared, dtype, width):
+    """As `f32`/`f64` declarations do, `c64`/`c128` name the complex type of the
+    program's float type (docs/language.md): the parts are f32 with --dtype f32 and
+    f64 with --dtype f64, whichever is written, and the caller gets that width back."""
+    z = np.array([1 + 1e-12j, -2.5 + 3j], np.complex128)
+    got = tgc.compile(f"dim n\ninput z: {declared}[n]\nout y = z * z\n", dtype=dtype)(z=z)["y"]
+    assert got.dtype == width
+    np.testing.assert_allclose(got, (z.astype(width) * z.astype(width)), rtol=TOL[dtype])

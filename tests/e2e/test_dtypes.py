@@ -6,6 +6,7 @@ exact-rounded). PyTorch's bf16/f16 arithmetic is the oracle where it is installe
 from __future__ import annotations
 
 import io
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -41,12 +42,19 @@ def pipeline(src: str, **options):
 
 def three_ways(src: str, inputs: dict, **options) -> tuple[dict, dict, dict]:
     """The IR interpreter's, the lowered interpreter's and the CPU backend's results on
-    the same optimized module."""
+    the same optimized module; the CUDA backend's under cuda-sim is checked against the
+    CPU's on the way (same types, values to a bf16/f16 ulp)."""
     opts = Options().with_(**options)
     m = pipeline(src, **options)
     ref = evaluate(m, inputs)
     low = run_lowered(lower_module(m, opts), inputs)
     got = tgc.compile(src, options=opts)(**{k: v.copy() for k, v in inputs.items()})
+    if shutil.which("g++") is not None:   # cuda-sim (its emulator compiles with g++)
+        sim = tgc.compile(src, backend="cuda-sim", options=opts)(**{k: v.copy() for k, v in inputs.items()})
+        for k, v in got.items():   # the same types; values to a bf16/f16 ulp (libm's transcendentals)
+            assert sim[k].dtype == v.dtype, (k, sim[k].dtype, v.dtype)
+            a, b = np.asarray(sim[k], np.float64), np.asarray(v, np.float64)
+            assert np.allclose(a, b, rtol=2 ** -7, atol=1e-6, equal_nan=True), (k, np.abs(a - b).max())
     return ref, low, got
 
 

@@ -56,6 +56,7 @@ def _run(script: str, *args: str, block: tuple[str, ...] = ()) -> subprocess.Com
 SCRIPTS = {"train_wine.py": (), "train_digits.py": ("sklearn",), "train_sort_gpt.py": ()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_quick_run_trains_and_writes_its_outputs(script, tmp_path):
     for needed in SCRIPTS[script]:
@@ -90,6 +91,7 @@ def test_quick_run_trains_and_writes_its_outputs(script, tmp_path):
         assert "note: PyTorch is not installed" in r.stdout
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(tmp_path):
     runs = []
     for out in ("a", "b"):
@@ -150,6 +152,7 @@ def _against_torch(module, program, arrays: dict, inputs: dict, torch_inputs: tu
             np.testing.assert_allclose(mine, theirs, rtol=rtol, atol=rtol * np.abs(theirs).max(), err_msg=k)
 
 
+@pytest.mark.slow
 def test_sort_gpt_adamw_step_is_torchs():
     pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
     m = _module("train_sort_gpt")
@@ -159,6 +162,7 @@ def test_sort_gpt_adamw_step_is_torchs():
     _against_torch(m, program, _start(program, 5), {**b, "lr": lr, "wd": m.WEIGHT_DECAY}, (b, lr))
 
 
+@pytest.mark.slow
 def test_digits_adam_step_is_torchs():
     pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
     m = _module("train_digits")

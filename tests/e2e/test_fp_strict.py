@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tgc
+from marks import heavy
 from passes_util import body, tg
 from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
@@ -33,7 +34,7 @@ def _strict_ir(src_or_path, dtype="f32"):
     return pipeline.lower(m, opts).module
 
 
-@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", heavy(PROGRAMS), ids=lambda p: p.stem)
 def test_the_cpu_build_gives_the_interpreters_bits_in_f32(path):
     m = _strict_ir(path)
     dims = {d: 3 for d in m.symbolic_dims()}
@@ -46,7 +47,7 @@ def test_the_cpu_build_gives_the_interpreters_bits_in_f32(path):
         np.testing.assert_array_equal(got[name], want[name], err_msg=f"{path.name}: {name}")
 
 
-@pytest.mark.parametrize("path", PROGRAMS[:8], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", heavy(PROGRAMS[:8]), ids=lambda p: p.stem)
 def test_f64_agrees_to_rounding(path):
     m = _strict_ir(path, "f64")
     dims = {d: 3 for d in m.symbolic_dims()}

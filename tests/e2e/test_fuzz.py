@@ -7,7 +7,7 @@ A regression runs in a forked child (`harness.check_isolated`), so a crash of th
 compiler (an LLVM assertion aborts the process) fails its test and not the session;
 the slice runs in-process (forked children are several times slower there).
 
-- `test_slice`: programs of seeds 0..SLICE-1, each on the float64 torch oracle and on
+- `test_slice`: programs of seeds 0..SLICE-1 (the first QUICK in the quick run), each on the float64 torch oracle and on
   the float64 backends (the interpreter after the default pipeline, the CPU build, and
   the CPU's lowered program run by `tgc.lower.interp`);
   those with no step that float32 rounding could flip (`harness.f32_comparable`) also on
@@ -40,6 +40,7 @@ from fuzz.gen import generate  # noqa: E402
 from fuzz.nodes import parse_bind_comment, parse_seed_comment  # noqa: E402
 
 SLICE = 300
+QUICK = 30         # seeds below QUICK also run under `-m "not slow"`; the rest are marked slow
 GENERATOR_SEEDS = 200
 REGRESSIONS = sorted((ROOT / "tests" / "fuzz" / "regressions").glob("*.tg"))
 
@@ -88,7 +89,7 @@ def test_generator_independent_of_hash_order():
     assert len(texts) == 1
 
 
-@pytest.mark.parametrize("seed", range(SLICE))
+@pytest.mark.parametrize("seed", [s if s < QUICK else pytest.param(s, marks=pytest.mark.slow) for s in range(SLICE)])
 def test_slice(seed):
     prog = generate(seed)
     text = prog.render()

@@ -204,6 +204,7 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------ imports stay inside their folder (or -I)
 
+@pytest.mark.slow
 def test_imports_are_relative_and_confined(tmp_path):
     lib = tmp_path / "lib"
     sub = tmp_path / "proj" / "sub"
@@ -236,6 +237,7 @@ def test_imports_are_relative_and_confined(tmp_path):
 
 # ------------------------------------------------------------ hostile inputs: exit 3 or 1, a message
 
+@pytest.mark.slow
 def test_a_truncated_npz_is_exit_3(tmp_path):
     np.savez(tmp_path / "in.npz", x=np.ones((4, 13), np.float32))
     data = (tmp_path / "in.npz").read_bytes()
@@ -247,6 +249,7 @@ def test_a_truncated_npz_is_exit_3(tmp_path):
         assert r.returncode == 3 and "Traceback" not in r.stderr, (n, r.stderr)
 
 
+@pytest.mark.slow
 def test_sources_that_are_devices_fifos_or_huge_are_refused(tmp_path):
     fifo = tmp_path / "p.tg"
     os.mkfifo(fifo)
@@ -327,6 +330,7 @@ def test_threads_share_one_program():
         assert all(pool.map(call, range(400)))
 
 
+@pytest.mark.slow
 def test_processes_share_one_new_cache_dir(tmp_path):
     d = tmp_path / "new" / "cache"                    # made by whichever process comes first
     code = ("import numpy as np, tgc, sys; k = int(sys.argv[1]); "

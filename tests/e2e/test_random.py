@@ -387,7 +387,9 @@ def test_examples_train_with_dropout(name):
     ("dim i = 3\ninput key: i32\nout y = rand(key) + size(i)\n", 3, 9, "needs the edges"),
     ("dim i = 3\ninput key: i32\nout y = randn[i, i](key)\n", 3, 18, "listed twice"),
     ("dim i = 3\ninput key: i32\nout y = rand[q](key)\n", 3, 14, "unknown edge"),
-    ("dim i = 3\ninput key: i32\ninput n: i32\nout y = rand[i](fold(key, n))\n", 4, 27, "integer literal"),
+    ("dim i = 3\ninput key: i32\ninput n: i32[i]\nout y = rand[i](fold(key, n))\n", 4, 27, "i32 scalar input"),
+    ("dim i = 3\ninput key: i32\ninput n\nout y = rand[i](fold(key, n))\n", 4, 27, "integer literal"),
+    ("dim i = 3\ninput key: i32\ninput n: i32\nout y = rand[i](fold(key, n)) + n\n", 4, 33, "integer"),
     ("dim i = 3\ninput key: i32\nout y = rand[i](fold(key, 0.5))\n", 3, 27, "integer literal"),
     ("dim i = 3\ninput key: i32\nout y = rand[i](key, key)\n", 3, 9, "takes 1 argument"),
     ("dim i = 3\ninput key: i32\nout y = rand[i](key) + key\n", 3, 24, "integer"),
@@ -420,3 +422,58 @@ def test_an_edge_parameter_with_several_edges_where_one_is_needed():
     with pytest.raises(CompileError) as e:
         compile_source(src, "t.tg")
     assert "stands for several edges" in str(e.value)
+
+
+FOLD_BY_INPUT = """\
+dim i = 37, j = 5
+input key: i32
+input step: i32
+input x[i, j]
+out u = rand[i, j](fold(key, step))         # n: an i32 input's value
+out w = rand[i, j](fold(key, 4))            # the same draw when step = 4
+out z = randn[j, i](fold(fold(key, 3), step))
+out d = dropout[i, j](x, fold(key, step), 0.5)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_fold_by_an_i32_input_on_every_path(dtype):
+    """fold(key, n) with n an i32 input is the fold by n's value: step = 4 draws what
+    fold(key, 4) draws, other steps other values; the interpreters and the CPU backend
+    agree bit for bit (negative n: its 32 bits, as for keys)."""
+    x = np.random.default_rng(0).standard_normal((37, 5)).astype(dtype.replace("f", "float"))
+    draws = {}
+    for step in (4, 0, 1, -5):
+        inputs = {"key": np.int32(9), "step": np.int32(step), "x": x}
+        results = list(_all_paths(FOLD_BY_INPUT, dtype, inputs))
+        name0, want = results[0]
+        for name, got in results[1:]:
+            for out in want:
+                np.testing.assert_array_equal(got[out], want[out], err_msg=f"{out}: {name} vs {name0}")
+        if step == 4:
+            np.testing.assert_array_equal(want["u"], want["w"])
+        draws[step] = want["u"]
+    w = philox_block((1, 0, 1, 0), (9, 0))[:2]
+    u = philox_block((0, 0, 0, 0), w)[0]
+    if dtype == "f32":
+        assert draws[1][0, 0] == np.float32((u >> 8) * 2.0 ** -24)   # fold(9, 1), counter 0
+    k = philox_block(((-5) & F, 0, 1, 0), (9, 0))[:2]
+    if dtype == "f32":
+        assert draws[-5][0, 0] == np.float32((philox_block((0, 0, 0, 0), k)[0] >> 8) * 2.0 ** -24)
+    assert len({d.tobytes() for d in draws.values()}) == 4
+
+
+def test_fold_by_an_input_round_trips_through_ir_text_and_tg():
+    opts = Options(dtype="f64")
+    m = pipeline.lower(compile_source(FOLD_BY_INPUT, "t.tg", opts), opts).module
+    text = print_module(m)
+    assert "random[randn: 3, $1] %key, %step" in text
+    assert print_module(parse_module(text)) == text
+    from tgc.frontend.emit_tg import emit_tg
+    tg = emit_tg(m)
+    assert "fold(fold(key, 3), step)" in tg
+    again = compile_source(tg, "again.tg", opts)
+    inputs = {"key": np.int32(2), "step": np.int32(7), "x": np.ones((37, 5))}
+    a, b = evaluate(m, inputs, dtype="f64"), evaluate(again, inputs, dtype="f64")
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

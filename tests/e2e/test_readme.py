@@ -51,6 +51,7 @@ def test_set_up_uses_a_venv_and_ci_runs_the_same_test_command():
     assert test in ci
 
 
+@pytest.mark.slow
 def test_the_first_set_up_command_runs():
     (setup,) = blocks(section("Set-up"), "sh")
     command = setup.strip().splitlines()[1].split("#")[0].split("&&")[1].strip()
@@ -59,6 +60,7 @@ def test_the_first_set_up_command_runs():
     assert "held-out exact-sequence accuracy after 600 steps: 100.0%" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="tgc build links with cc")
 def test_the_tour_runs_as_written_into_a_scratch_folder(tmp_path):
     (tour,) = blocks(section("A tour"), "sh")

@@ -21,6 +21,8 @@ from tgc.frontend import compile_file
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
+from marks import heavy
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
 ALWAYS_PARALLEL = dict(parallel_min_work=1, parallel_min_work_warm=1,
@@ -36,7 +38,7 @@ def _outputs(path: Path, threads: int, inputs: dict, dims: dict) -> list[dict]:
     return runs
 
 
-@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("path", heavy(PROGRAMS), ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_same_bits_on_1_2_and_3_threads(path):
     m = compile_file(str(path), Options())
     dims = {d: 37 for d in m.symbolic_dims()}

@@ -133,7 +133,7 @@ def test_shifted_gemm_operands_read_zeros_outside():
 
 
 def test_the_interpreter_depends_on_no_backend():
-    """It reads the lowered program, the elementwise functions' numpy definitions, the
+    """It reads the lowered program, the elementwise functions' numpy definitions (tgc.ir.ops), the
     random draws' definition (tgc.ir.philox) and the views of complex arrays as float
     pairs at the call's boundary (tgc.ir.complex_io) only."""
     import tgc.lower.interp as li
@@ -142,7 +142,7 @@ def test_the_interpreter_depends_on_no_backend():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "typing", "numpy", "tgc.ir.interp", "tgc.lower.lowered", "tgc.ir.sizes",
-                        "tgc.ir.philox", "tgc.ir.complex_io"}, imported
+                        "tgc.ir.philox", "tgc.ir.complex_io", "tgc.ir.ops"}, imported
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
@@ -163,6 +163,21 @@ def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtyp
         out.slots = [tuple(s for sizes in out.slots for s in sizes)]
         return out
 
-    monkeypatch.setattr(Plan, "run", one_slot)
+    monkeypatch.setattr(Plan, "run", one_slot)   # the verifier sees it, even without --verify-each
+    with pytest.raises(PassError, match="lowering stage 'plan' made an invalid program: .* share slot 0"):
+        lower_module(m, opts)
+
+    def doubled(self, low, options):   # a plan that doubles what the first loop kernel writes
+        from dataclasses import replace
+
+        from tgc.lower.lowered import Const, LoopKernel, Mul
+
+        out = run(self, low, options)
+        i = next(i for i, k in enumerate(out.kernels) if isinstance(k, LoopKernel) and not k.reduce)
+        out.kernels[i] = replace(out.kernels[i], body=Mul((out.kernels[i].body, Const(2.0))))
+        return out
+
+    monkeypatch.setattr(Plan, "run", doubled)
+    lower_module(m, opts)   # a valid program: only running it shows the change
     with pytest.raises(PassError, match="lowering stage 'plan' changed the value"):
         lower_module(m, opts.with_(verify_each=True))

@@ -43,7 +43,7 @@ def test_softmax_is_three_passes_over_x():
 
 def test_softmax_passes_run_per_row_with_max_and_sum_in_registers():
     low = lower(SOFTMAX)
-    assert kernel_lines(low) == ["k0: group for b < b  reg %t2, %t3"]
+    assert kernel_lines(low) == ["k0: group for b < b  reg %t2[b], %t3[b]"]
     assert not [b for b in low.buffers.values() if b.kind == "temp"]
 
 

@@ -307,6 +307,7 @@ def test_damage_with_a_valid_checksum_is_a_miss(cache_dir, kind, damage):
         json.loads(r.stdout) == pytest.approx([2 * np.e] * 2)
 
 
+@pytest.mark.slow
 def test_flipped_object_headers_never_crash(cache_dir):
     """Flip bits of an object file's ELF and section headers, checksum recomputed:
     each compile still gives the right result (the damage is refused, or loads and

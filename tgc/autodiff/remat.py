@@ -55,16 +55,21 @@ def regions(primal: list[Value], backward: list[Value]) -> set[int]:
     region: set[int] = set()
     for c in (v for v in primal if is_checkpoint(v)):
         region.add(id(c))
-        x = c.operands[0]
-        if x.op not in LEAVES:
-            region.add(id(x))
-        for v in reversed(topo_order([x])):   # users before operands
-            users = primal_users[id(v)]
-            if v.op in LEAVES or not any(u in region for u in users):   # a leaf, or below the boundary
-                continue
-            if all(u in region for u in users) or id(v) not in read_back:
-                region.add(id(v))
+        add_region(c.operands[0], primal_users, read_back, region)
     return region
+
+
+def add_region(x: Value, primal_users: dict[int, list[int]], read_back: set[int], region: set[int]) -> None:
+    """Add to `region` the ids of x and of the values below it that `checkpoint(x)`
+    recomputes (the module docstring's rule; `tgc.budget` asks it of candidates)."""
+    if x.op not in LEAVES:
+        region.add(id(x))
+    for v in reversed(topo_order([x])):   # users before operands
+        users = primal_users[id(v)]
+        if v.op in LEAVES or not any(u in region for u in users):   # a leaf, or below the boundary
+            continue
+        if all(u in region for u in users) or id(v) not in read_back:
+            region.add(id(v))
 
 
 def rematerialize(f: Value, cotangents: dict[int, Value | None]) -> dict[int, Value | None]:

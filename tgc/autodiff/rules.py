@@ -254,6 +254,8 @@ RULES: dict[str, Rule] = {
     # f32); the exact 4 s(2a) s(-2a) costs an exp and two divisions (gelu's backward 1.5x)
     "tanh": pointwise(lambda v, a: V.add([_c(v, 1.0), V.mul([v, v])], [1.0, -1.0])),
     "erf": pointwise(lambda v, a: V.mul([_c(v, _2_SQRT_PI), _fn("exp", V.mul([_c(v, -1.0), a, a]))])),
+    "log1p": pointwise(lambda v, a: _fn("div", _c(v, 1.0), V.add([_c(v, 1.0), a]))),  # 1/(1 + a)
+    "expm1": pointwise(lambda v, a: _fn("exp", a)),                     # exp(a); v + 1 would cancel for a << 0
     "sin": pointwise(lambda v, a: _fn("cos", a)),
     "cos": pointwise(lambda v, a: _neg(_fn("sin", a))),
     "abs": pointwise(lambda v, a: _fn("sign", a)),                      # sign, 0 at 0

@@ -12,7 +12,11 @@ A `Backend` says:
 - `name`;
 - `stages`: its own lowering stages (`Pass` classes on `Lowered`), run after the
   neutral `fuse` and `layout` and before `plan` (`lowering()` gives the names in
-  order; the CPU's `group` is one);
+  order; the CPU's `group` is one); `get_backend` registers them by name with the
+  pass registry (`tgc.registry.register_stage`), so that pass lists can name them;
+- `kernel_forms`: the text forms of its own kinds of kernel ({grammar rule: reader},
+  the CPU's `group`), registered with the lowered program's reader
+  (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
 - `compile(module, low, options)`: the executable kernels of a lowered program, an
   object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
   that it has bound, checked and allocated (`Kernels` below);
@@ -40,15 +44,17 @@ class Backend:
 
     name: str = ""
     stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
+    kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
     source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
 
     def lowering(self) -> tuple[str, ...]:
         """Every lowering stage's name, in the order they run."""
         return NEUTRAL_BEFORE + tuple(s.name for s in self.stages) + NEUTRAL_AFTER
 
-    def stage_passes(self) -> dict:
-        """Its own stages as {name: a Pass instance} (what the lowering runs)."""
-        return {s.name: s() for s in self.stages}
+    def lowering_options(self, options):
+        """The options its lowering runs with (a backend may switch off a neutral
+        stage's feature it cannot compile: CUDA, the complex GEMM cells)."""
+        return options
 
     def cache_parts(self) -> tuple[str, ...]:
         """What a compiled program depends on besides the IR and the options."""
@@ -134,5 +140,13 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend '{name}' is not available (have: {', '.join(backend_names())})")
     module, cls = where.split(":")
     backend = getattr(importlib.import_module(module), cls)()
+    from tgc.lower.text import register_kernel_form, register_stage_name
+    from tgc.registry import register_stage
+
+    for stage in backend.stages:
+        register_stage(stage)
+        register_stage_name(stage.name)
+    for rule, read in backend.kernel_forms.items():
+        register_kernel_form(rule, read)
     _LOADED[name] = backend
     return backend

@@ -274,10 +274,11 @@ def file_hashes(paths) -> list[tuple[str, str]] | None:
 
 
 def lowered_digest(lowered) -> str:
-    """The hash of a lowered program's text, which a first-level hit must reproduce."""
+    """The hash of a lowered program's text (without its module, which the first-level
+    key covers), which a first-level hit must reproduce."""
     from tgc.lower.lowered import print_lowered
 
-    return hashlib.sha256(print_lowered(lowered).encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(print_lowered(lowered, module=False).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ Exit status: 0 success, 1 errors in the user's program, 2 usage errors,
 from __future__ import annotations
 
 import sys
+import typing
 from dataclasses import replace
 
 import click
@@ -15,7 +16,7 @@ from tgc import pipeline
 from tgc.fsutil import write_atomic
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, FP_STRICT
-from tgc.ir.diag import CompileError
+from tgc.ir.diag import CompileError, Loc
 from tgc.ir.printer import print_module
 from tgc.options import Options
 
@@ -27,18 +28,22 @@ def _emit_to_stderr(banner: str, text: str) -> None:
 def _pass_list(ctx, param, value):
     if value is None:
         return None
-    from tgc.manager import parse_pass_list
+    from tgc.manager import parse_pass_list, split_levels
 
+    pipeline.lowering("cpu")   # loads the CPU backend, so that -p may name its own stage (group)
     try:
-        return parse_pass_list(value)
+        specs = parse_pass_list(value)
+        split_levels(specs)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    return specs
 
 
 def _pass_names(ctx, param, value):
     from tgc.registry import PASSES
 
-    known = ("elaborate",) + tuple(PASSES) + pipeline.lowering("cpu")
+    lowering = pipeline.lowering("cpu")   # loads the CPU backend: its own stages are named
+    known = ("elaborate",) + tuple(dict.fromkeys(tuple(PASSES) + lowering))
     names = set()
     for item in value or ():
         for n in item.split(","):
@@ -54,7 +59,10 @@ def pipeline_options(fn):
     """The flags every command that runs passes shares; they become one Options."""
     decorators = [
         click.option("-p", "--passes", callback=_pass_list, metavar="LIST",
-                     help="Comma-separated passes to run instead of the default pipeline."),
+                     help="Comma-separated passes to run instead of the default pipeline: IR passes, then "
+                          "lowering stages (these replace the default fuse,layout,group,plan where the list "
+                          "names any). A pass sets its options as PASS{field=value,...}, e.g. "
+                          "'group{blocks=8}'; `tgc passes` lists passes and options."),
         click.option("--dtype", type=click.Choice(["f32", "f64"]),
                      help="The program's float type (default: f32, or a .tgir file's own)."),
         click.option("--print-ir-before", "print_before", multiple=True, callback=_pass_names,
@@ -82,7 +90,13 @@ def pipeline_options(fn):
 def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=frozenset(),
                  print_ir_after_all=False, verify_each=False, time_passes=False, stats=False, import_dirs=(),
                  fp_strict=False, autocast=None, **extra) -> Options:
-    return Options(dtype=dtype or "f32", passes=passes, import_dirs=tuple(import_dirs), fp_strict=fp_strict,
+    """`passes` (a parsed -p list) splits into the IR passes and the lowering stages."""
+    stages = None
+    if passes is not None:
+        from tgc.manager import split_levels
+
+        passes, stages = split_levels(passes)
+    return Options(dtype=dtype or "f32", passes=passes, stages=stages, import_dirs=tuple(import_dirs), fp_strict=fp_strict,
                    autocast=autocast,
                    print_ir_before=print_before,
                    print_ir_after=print_after, print_ir_after_all=print_ir_after_all,
@@ -232,33 +246,47 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
     if stage is not None or (after_all and after is None):
         from tgc.lower.lowered import print_lowered
 
-        low = pipeline.lower_module(result.module, options, "cpu", collect if after_all else _emit_to_stderr,
-                                    stage or "plan")
+        low = lower_stages(result.module, options, collect if after_all else _emit_to_stderr, stage)
         text = print_lowered(low)
     else:
         text = render_module(result.module, fmt, locs)
     write_output(output, "".join(chunks) if after_all else text)
 
 
-def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
-    """The IR passes to run for `--after`, and the lowering stage to stop at (or None)."""
-    from tgc.registry import PASSES, pipeline as pass_names
+def lower_stages(program, options: Options, emit, stop_after: str | None = None):
+    """Run the lowering stages (with --time-passes, print their table to stderr)."""
+    from tgc.manager import run_lowering
 
-    LOWERING = pipeline.lowering("cpu")
+    result = run_lowering(program, options, emit, pipeline.lowering("cpu"), stop_after=stop_after)
+    if options.time_passes:
+        click.echo(format_pass_times(result.stats), err=True, nl=False)
+    return result.lowered
+
+
+def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
+    """The IR passes to run for `--after`, and the lowering stage to stop at (or None:
+    no lowering; without --after, the last stage when -p names lowering stages)."""
+    from tgc.manager import parse_pass_spec
+    from tgc.registry import PASSES, pipeline as pass_names, stages
 
     names = pass_names(options)
+    plain = [parse_pass_spec(n)[0] for n in names]
+    lowering = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering("cpu"))]
     if after is None:
-        return tuple(names), None
+        return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
         return (), None
-    if after in LOWERING:
-        return tuple(names), after
-    known = ", ".join(("elaborate",) + tuple(PASSES) + LOWERING)
+    known = ", ".join(("elaborate",) + tuple(PASSES))
     if after not in PASSES:
         raise click.BadParameter(f"unknown pass '{after}' (known: {known})", param_hint="--after")
-    if after not in names:
-        raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(names)})", param_hint="--after")
-    return tuple(names[: names.index(after) + 1]), None
+    if PASSES[after].gives == "lowered":
+        if after not in lowering:
+            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(lowering)})",
+                                     param_hint="--after")
+        return tuple(names), after
+    if after not in plain:
+        raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(plain)})", param_hint="--after")
+    return tuple(names[: plain.index(after) + 1]), None
 
 
 @main.command()
@@ -268,37 +296,81 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 @pipeline_options
 @handle_errors
 def opt(file, output, locs, **opts) -> None:
-    """Read IR (a .tgir file, or - for stdin), run passes, print IR.
+    """Read IR or a lowered program (a .tgir file, a `dump-ir --after STAGE` dump, or -
+    for stdin), run passes, print the result.
 
-    Without -p it runs the default pipeline (`tgc passes` lists it); with an
-    empty pass list (-p '') it only parses, verifies and reprints.
+    On IR, without -p it runs the default pipeline (`tgc passes` lists it); -p may end
+    with lowering stages, and the result is then the lowered program. On a lowered
+    program it runs the lowering stages -p names, or without -p the default ones after
+    the stage it was dumped after; it checks the program (`tgc.lower.verify`) and, with
+    --verify-each, runs it and every stage's result with the lowered-program interpreter
+    against its module's values. With an empty list (-p '') it only parses, verifies
+    and reprints.
 
     \b
-    Example:
+    Examples:
       tgc opt mlp.tgir -p adjoint,simplify -o mlp.opt.tgir
+      tgc dump-ir mlp.tg --after fuse | tgc opt - -p 'layout,group{blocks=4}' --verify-each
     """
     from tgc.ir.parser import parse_module
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import is_lowered_text, parse_lowered
 
     text = pipeline.read_text(file)
+    name = "<stdin>" if file == "-" else file
+    if is_lowered_text(text):
+        pipeline.lowering("cpu")   # loads the CPU backend: its `group` kernels read back
+        low = parse_lowered(text, name)
+        if opts.get("dtype") not in (None, low.dtype):
+            raise click.BadParameter(f"the lowered program is {low.dtype}", param_hint="--dtype")
+        options = make_options(**{**opts, "dtype": low.dtype}, locs=locs)
+        if options.passes:
+            raise click.BadParameter(f"pass '{options.passes[0]}' works on the IR; this is a lowered program",
+                                     param_hint="-p")
+        if opts.get("passes") is not None and options.stages is None:
+            options = options.with_(stages=())   # -p '': no stages
+        if options.verify_each:
+            from tgc.manager import PassError, _Checker
+
+            checker = _Checker(low.module, options.verify_seed)
+            if checker.reference is not None:
+                try:
+                    checker.check_lowered(low, "input")
+                except PassError as e:
+                    raise CompileError(str(e).replace("lowering stage 'input'", "the lowered program"),
+                                       Loc(name, 1, 1)) from None
+        write_output(output, print_lowered(lower_stages(low, options, _emit_to_stderr)))
+        return
     options = make_options(**{**opts, "dtype": pipeline.float_type(file, opts.get("dtype"), text)}, locs=locs)
-    module = parse_module(text, "<stdin>" if file == "-" else file)
+    module = parse_module(text, name)
     result = lower(module, options, _emit_to_stderr)
+    if options.stages is not None:
+        write_output(output, print_lowered(lower_stages(result.module, options, _emit_to_stderr)))
+        return
     write_output(output, print_module(result.module, locs))
 
 
 @main.command()
 def passes() -> None:
-    """List every pass with its one-line description, the default pipeline, and the
-    lowering stages that follow it for each backend (dump-ir --after lowers for the CPU)."""
+    """List every pass with its one-line description and options, the default
+    pipeline, and the lowering stages that follow it for each backend (dump-ir --after
+    lowers for the CPU)."""
     from tgc.backends.base import backend_names
+    from tgc.manager import pass_fields
     from tgc.registry import DEFAULT_PIPELINE, PASSES
+
+    lowerings = {name: pipeline.lowering(name) for name in backend_names()}   # each backend's stages are named
 
     width = max(len(n) for n in PASSES)
     for name, cls in PASSES.items():
         click.echo(f"{name:<{width}}  {cls.summary()}")
+        for field, typ in pass_fields(cls).items():
+            kind = " | ".join(getattr(t, "__name__", str(t)) for t in (typing.get_args(typ) or (typ,)))
+            kind = kind.replace("NoneType", "none")
+            click.echo(f"{'':<{width}}    {{{field}={kind}}}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
-    for name in backend_names():
-        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(pipeline.lowering(name))}")
+    for name, stages in lowerings.items():
+        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
 
 
 from tgc.cli.build import build  # noqa: E402

@@ -7,7 +7,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT
+from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
 from tgc.fsutil import write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
@@ -79,9 +79,10 @@ def header_path(output: str) -> str:
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @FP_STRICT
 @AUTOCAST
+@MEMORY_BUDGET
 @handle_errors
 def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False,
-          autocast=None, target="cpu", arch="sm_90") -> None:
+          autocast=None, target="cpu", arch="sm_90", memory_budget=None) -> None:
     """Compile FILE to native code for this machine's CPU.
 
     Every output is written atomically: a failed or interrupted build leaves no
@@ -108,7 +109,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     if output == "-" and emit in ("so", "obj", "cubin"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=pipeline.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
-                      fp_strict=fp_strict, autocast=autocast).with_(blas=blas)
+                      fp_strict=fp_strict, autocast=autocast,
+                      memory_budget=memory_budget).with_(blas=blas)
     loaded = pipeline.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     if target == "cuda":   # the manifest, in the header's place
@@ -129,7 +131,10 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     source = Path(file).name
     files: dict[str, bytes] = {}
     with status("compiling"):
-        module = pipeline.lower(module, options).module
+        lowered = pipeline.lower(module, options)
+        module = lowered.module
+    report_memory(lowered.memory)
+    with status("compiling"):
         if emit == "ir":
             files[output] = print_module(module).encode()
         elif target == "cuda":

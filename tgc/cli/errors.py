@@ -11,6 +11,7 @@ import click
 from tgc.backends.base import BackendUnavailable
 from tgc.ir.diag import CompileError, render
 from tgc.ir.interp import EvalError
+from tgc.manager import PassListError
 
 EXIT_USER, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERNAL = 1, 2, 3, 4
 
@@ -54,6 +55,9 @@ def handle_errors(fn):
         except CompileError as e:
             report(e.diagnostics())
             sys.exit(EXIT_USER)
+        except PassListError as e:   # a pass list that cannot run on this program (-p)
+            click.echo(f"error: {e}", err=True)
+            sys.exit(EXIT_USAGE)
         except (EvalError, BackendUnavailable) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(EXIT_RUNTIME)

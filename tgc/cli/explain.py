@@ -9,6 +9,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.flags import MEMORY_BUDGET
 from tgc.cli.run import _dim_binding, check_dim_flags
 from tgc.fsutil import write_atomic
 from tgc.options import Options
@@ -28,8 +29,9 @@ DEFAULT_DIM = 64
               help="Also draw the live temporaries per kernel: FILE.svg, or FILE.png (needs matplotlib).")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@MEMORY_BUDGET
 @handle_errors
-def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
+def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None) -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
     peak and what is alive at it, and the save/recompute decisions.
@@ -43,17 +45,25 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=()) -> None:
       tgc explain examples/gpt.tg --dim batch=64
       tgc explain examples/mlp.tg --format json
       tgc explain examples/gpt.tg --timeline gpt-memory.svg
+      tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
-    options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs))
+    options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs),
+                      memory_budget=memory_budget)
     module = pipeline.load(file, options)
     check_dim_flags(module, dims)
-    env = module.bind_dims({d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()})
-    low = pipeline.lower_module(pipeline.lower(module, options).module, options, "cpu")
+    sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
+    env = module.bind_dims(sizes)
+    lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
+    low = pipeline.lower_module(lowered.module, options, "cpu")
     report = report_of(low, env)
+    if lowered.memory is not None:
+        report["memory_budget"] = lowered.memory.as_dict()
+        report["memory_budget"]["summary"] = lowered.memory.summary()
+        report["memory_budget"]["lines"] = lowered.memory.lines()
     report["dims"] = {d: env[d] for d in module.symbolic_dims()}
     if timeline:
         title = os.path.basename(file)

@@ -12,3 +12,39 @@ AUTOCAST = click.option(
     "--autocast", type=click.Choice(["bf16", "f16"]), default=None,
     help="Mixed precision: matrix products on bf16/f16 operands with f32 accumulation; reductions, "
          "softmax, layernorm and losses stay f32 (docs/dtypes.md).")
+
+
+class _Bytes(click.ParamType):
+    """A byte count: 6700000, 6.7M (10^6), 6.4Mi or 6.4MiB (2^20); k/K, M, G, with i for powers of two."""
+
+    name = "BYTES"
+    SCALE = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kKmMgG]i?)?[bB]?\s*", str(value))
+        if not m:
+            self.fail(f"'{value}' is not a byte count (e.g. 6700000, 6.7M, 6.4MiB)", param, ctx)
+        n = int(float(m.group(1)) * self.SCALE[(m.group(2) or "").lower()])
+        if n <= 0:
+            self.fail("a memory budget is a positive number of bytes", param, ctx)
+        return n
+
+
+MEMORY_BUDGET = click.option(
+    "--memory-budget", "memory_budget", type=_Bytes(), default=None, metavar="BYTES",
+    help="Recompute saved values in the backward pass (and order the updates) so that the workspace fits "
+         "BYTES (6700000, 6.7M, 6.4MiB), at the dims given (others at 64); prints what it chose to stderr, "
+         "and a warning with the best reached when it cannot fit.")
+
+
+def report_memory(plan) -> None:
+    """The planner's choice on stderr: a note, or a warning when the budget is not met."""
+    if plan is None:
+        return
+    click.echo(f"{'note' if plan.met else 'warning'}: {plan.summary()}", err=True)
+    for line in plan.lines():
+        click.echo(line, err=True)

@@ -12,7 +12,7 @@ import numpy as np
 from tgc import pipeline
 from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT
+from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
@@ -322,9 +322,10 @@ def _host(a):
                    "fails); without it nothing is checked.")
 @FP_STRICT
 @AUTOCAST
+@MEMORY_BUDGET
 @handle_errors
 def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, profile, import_dirs=(),
-        fp_strict=False, no_update=False, check_assumptions=False, autocast=None) -> None:
+        fp_strict=False, no_update=False, check_assumptions=False, autocast=None, memory_budget=None) -> None:
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
@@ -349,10 +350,13 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
 
     dtype = pipeline.float_type(file, dtype)
     options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), import_dirs=tuple(import_dirs),
-                      fp_strict=fp_strict, autocast=autocast).with_(profile=bool(profile))
+                      fp_strict=fp_strict, autocast=autocast,
+                      memory_budget=memory_budget).with_(profile=bool(profile))
     with status("compiling"):
         full = pipeline.load(file, options)
-        module = pipeline.lower(pipeline.forward_only(full) if no_update else full, options).module
+        lowered = pipeline.lower(pipeline.forward_only(full) if no_update else full, options)
+        module = lowered.module
+    report_memory(lowered.memory)
     onehot = cross_entropy_targets(file) if random_inputs else {}
     inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
     if check_assumptions and module.facts:

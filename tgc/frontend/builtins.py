@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, RI, is_complex
-from tgc.frontend.expressions import REDUCTIONS, UNARY, Ctx, Elaborator, factors
+from tgc.frontend.expressions import REDUCTIONS, Ctx, Elaborator, factors
 from tgc.ir import values as V
 from tgc.ir.dtypes import FLOATS, LOW_FLOATS
+from tgc.ir.ops import SURFACE_ARITY
 
-ARITY = {**{f: (1,) for f in UNARY}, "where": (3,), "stop": (1,), "checkpoint": (1,), "size": (1,),
+# the elementwise functions called by name (exp(x), where(c, a, b): tgc.ir.ops.FNS), then the rest
+ARITY = {**{f: (n,) for f, n in SURFACE_ARITY.items()}, "stop": (1,), "checkpoint": (1,), "size": (1,),
          "grad": (2,), "jvp": (3,), "vjp": (3,), "sum": (1,), "mean": (1,),
          "max": (1, 2), "min": (1, 2), "rand": (1,), "randn": (1,), "fold": (2,),
          **{t: (1,) for t in FLOATS},   # conversions: f32(x), f64(x), bf16(x), f16(x)
@@ -184,6 +186,11 @@ def _random(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
 def _fold(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     key = _key(el, node.args[0], ctx)
     n = node.args[1]
-    if not (isinstance(n, ast.Num) and float(n.value).is_integer() and 0 <= float(n.value) < 2 ** 31):
-        raise el.error("fold takes a key and an integer literal in [0, 2^31)", n, ctx)
-    return el.build(node, ctx, V.fold, key, int(float(n.value)))
+    if isinstance(n, ast.Num):
+        if not (float(n.value).is_integer() and 0 <= float(n.value) < 2 ** 31):
+            raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
+        return el.build(node, ctx, V.fold, key, int(float(n.value)))
+    v = el.expr(n, ctx)
+    if v.op != "arg" or v.dtype != "i32" or v.edges:
+        raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
+    return el.build(node, ctx, V.fold, key, v)

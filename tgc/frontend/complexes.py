@@ -22,7 +22,10 @@ never reaches the other):
 - `a / b`: a conj(b) / (br^2 + bi^2); `z ^ n`: repeated squaring for an integer
   literal n (and 1 / z^-n for n < 0);
 - `conj`, `real`, `imag`; `abs z` = sqrt(x^2 + y^2); `exp z` = e^x (cos y + i sin y);
-  `log z` = log|z| + i angle(z); `angle z` = atan2(y, x) (below).
+  `log z` = log|z| + i angle(z); `angle z` = atan2(y, x) (below);
+- `sin z` = sin x cosh y + i cos x sinh y, `cos z` = cos x cosh y - i sin x sinh y
+  (cosh from two exps, sinh = cosh tanh: accurate near 0); `sqrt z` the principal
+  root by t = sqrt((|x| + |z|) / 2), then y / 2t for the other part (no cancellation).
 
 Exactness: every formula is the textbook one, evaluated in the program's float type,
 so results agree with numpy's complex arithmetic to rounding (a few ulps), not bit
@@ -60,7 +63,7 @@ from tgc.ir.module import Module
 COMPLEX_DTYPES = ("c64", "c128")
 # functions of complex values (besides the elementwise ones of UNARY they redefine)
 FUNCTIONS = ("real", "imag", "conj", "angle", "c64", "c128")
-ON_COMPLEX = ("exp", "log", "abs")  # UNARY functions that take complex values too
+ON_COMPLEX = ("exp", "log", "abs", "sqrt", "sin", "cos")  # UNARY functions that take complex values too
 MAX_POWER = 1 << 16          # the largest |n| of `z ^ n`
 
 
@@ -178,6 +181,44 @@ class Complex:
         e = V.map_("exp", x, loc=loc)
         return self.make(V.mul([e, V.map_("cos", y, loc=loc)], loc=loc),
                          V.mul([e, V.map_("sin", y, loc=loc)], loc=loc), loc)
+
+    def cosh_sinh(self, y: V.Value, loc) -> tuple[V.Value, V.Value]:
+        """cosh y = (e^y + e^-y) / 2 (no cancellation) and sinh y = cosh y tanh y, which
+        keeps sinh's relative accuracy near 0, where (e^y - e^-y) / 2 would cancel."""
+        e = V.map_("exp", y, loc=loc)
+        inv = V.map_("exp", V.add([y], [-1.0], loc=loc), loc=loc)
+        cosh = V.add([e, inv], [0.5, 0.5], loc=loc)
+        return cosh, V.mul([cosh, V.map_("tanh", y, loc=loc)], loc=loc)
+
+    def sin(self, z: V.Value, loc) -> V.Value:
+        """sin(x + iy) = sin x cosh y + i cos x sinh y."""
+        x, y = self.parts(z, loc)
+        ch, sh = self.cosh_sinh(y, loc)
+        return self.make(V.mul([V.map_("sin", x, loc=loc), ch], loc=loc),
+                         V.mul([V.map_("cos", x, loc=loc), sh], loc=loc), loc)
+
+    def cos(self, z: V.Value, loc) -> V.Value:
+        """cos(x + iy) = cos x cosh y - i sin x sinh y."""
+        x, y = self.parts(z, loc)
+        ch, sh = self.cosh_sinh(y, loc)
+        return self.make(V.mul([V.map_("cos", x, loc=loc), ch], loc=loc),
+                         V.add([V.mul([V.map_("sin", x, loc=loc), sh], loc=loc)], [-1.0], loc=loc), loc)
+
+    def sqrt(self, z: V.Value, loc) -> V.Value:
+        """The principal square root, without cancellation: t = sqrt((|x| + |z|) / 2),
+        then t + i y / 2t for x >= 0 and |y| / 2t + i (+-t, the sign of y) for x < 0
+        (the root with a real part >= 0, as numpy's). 0 at 0 (no division by t = 0)."""
+        x, y = self.parts(z, loc)
+        f = lambda *a: V.map_(*a, loc=loc)   # noqa: E731
+        r = self.abs(z, loc)
+        t = f("sqrt", V.add([f("abs", x), r], [0.5, 0.5], loc=loc))
+        zero = f("eq", t, self.c(0.0, loc))
+        other = f("where", zero, self.c(0.0, loc),
+                  f("div", y, V.add([t, zero], [2.0, 1.0], loc=loc)))   # y / 2t, 0 where t = 0
+        neg = f("lt", x, self.c(0.0, loc))
+        re = f("where", neg, f("abs", other), t)
+        im = f("where", neg, f("where", f("lt", y, self.c(0.0, loc)), V.add([t], [-1.0], loc=loc), t), other)
+        return self.make(re, im, loc)
 
     def log(self, z: V.Value, loc) -> V.Value:
         half = V.mul([V.const(0.5, self.dtype, loc=loc), V.map_("log", self.abs2(z, loc), loc=loc)], loc=loc)

@@ -16,9 +16,8 @@ from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS
 from tgc.ir.affine import Affine, join_signed
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeOp, size_str
+from tgc.ir.ops import INFIX   # the functions the language writes as operators
 from tgc.ir.values import Value
-
-INFIX = {"div": "/", "pow": "^", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 
 class _Writer:
@@ -132,8 +131,8 @@ class _Writer:
 
     def _random(self, v, ops):
         key = ops[0]
-        for n in v.attrs[1]:
-            key = f"fold({key}, {n})"
+        for n in v.attrs[1]:   # an integer, or '$i': by the value of operand i (an i32 input)
+            key = f"fold({key}, {ops[int(n[1:])] if isinstance(n, str) else n})"
         return f"{v.attrs[0]}[{', '.join(self.e(e) for e in v.edges)}]({key})"
 
     def _indicator(self, v, ops):

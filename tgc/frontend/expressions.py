@@ -18,11 +18,13 @@ from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 from tgc.ir.module import Module
+from tgc.ir.ops import INFIX, SURFACE_UNARY
 from tgc.ir.sizes import Size, size_op, size_str
 
 PRELUDE_FILE = str(Path(__file__).with_name("prelude.tg"))
-UNARY = ("exp", "log", "sqrt", "tanh", "erf", "sin", "cos", "abs", "sign")
-COMPARE = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
+UNARY = SURFACE_UNARY   # the one-argument functions the language calls by name (tgc.ir.ops.FNS)
+OPERATORS = {op: fn for fn, op in INFIX.items()}   # "/": "div", "^": "pow", "<": "lt", ... (tgc.ir.ops)
+COMPARE = {op: fn for op, fn in OPERATORS.items() if op not in "/^"}
 REDUCTIONS = ("sum", "mean", "max", "min")
 
 
@@ -195,7 +197,7 @@ class Elaborator:
         if node.op == "@":
             keep = set(a.edges) ^ set(b.edges)
             return self.build(node, ctx, V.contract, product_operands(a, b), keep)
-        return self.build(node, ctx, V.map_, "div" if node.op == "/" else "pow", a, b)
+        return self.build(node, ctx, V.map_, OPERATORS[node.op], a, b)
 
     def complex_binop(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
         """`a op b` with a complex operand (the other is promoted where it matters)."""

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 
 from tgc.frontend import ast
 from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.ops import SURFACE_UNARY
 from tgc.ir.values import Value
 
 PRIMITIVES = frozenset({
-    "sum", "mean", "max", "min", "exp", "log", "sqrt", "tanh", "erf", "sin", "cos",
-    "abs", "sign", "where", "stop", "size", "grad", "jvp", "vjp", "rand", "randn", "fold",
-})
+    "sum", "mean", "max", "min", *SURFACE_UNARY, "where", "stop", "size", "grad", "jvp", "vjp", "rand",
+    "randn", "fold",
+})   # the elementwise ones (exp, log, ...: tgc.ir.ops.SURFACE_UNARY) are defined with the IR's functions
 
 
 @dataclass

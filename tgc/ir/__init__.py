@@ -1,4 +1,5 @@
-"""The tensor IR: types, values, modules, text form, verifier and interpreter.
+"""The tensor IR: every op and elementwise function defined once (ops.py), types, values,
+modules, text form, verifier and interpreter.
 
 Stage: the first (ir < frontend < opt < autodiff < lower < manager/registry < backends <
 runtime < pipeline < cli); every later stage builds on it. It imports only the leaves

@@ -20,7 +20,8 @@ from tgc.ir.complex_io import complex_outputs, pairs_inputs
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
-from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, ROUNDINGS, TYPES, is_low_array, round_to
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.ops import NUMPY
 from tgc.ir.values import Value, primal_order
 
 NP_DTYPES = {n: t.numpy.type for n, t in TYPES.items()}   # bf16: ml_dtypes.bfloat16
@@ -195,56 +196,14 @@ def _letter(i: int) -> str:
     return "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]
 
 
-def _safe_pow(a, b):
-    with np.errstate(all="ignore"):
-        return np.power(a, b)
-
-
-MAP_FNS: dict[str, Callable] = {
-    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin, "cos": np.cos,
-    "abs": np.abs, "sign": np.sign,
-    "div": np.divide, "pow": _safe_pow, "max": np.maximum, "min": np.minimum,
-    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-    "eq": np.equal, "ne": np.not_equal,
-    "mul0": lambda a, b: np.where(a == 0, 0, a * b),
-    "mul00": lambda a, b: np.where((a == 0) | (b == 0), 0, a * b),
-    "where": lambda c, a, b: np.where(c != 0, a, b),
-    "round32": lambda x: np.asarray(x, np.float32).astype(np.float64),
-    "checkpoint": lambda x: x,
-    "recompute": lambda x: x,
-    # conversions: the value itself; the result's type rounds it (see _Eval.run)
-    **{fn: (lambda x: x) for fn in CONVERSIONS},
-    # round_bf16/round_f16: to the nearest bf16/f16 (through f32), held in the operand's type
-    **{fn: (lambda x, _t=t: round_to(x, _t).astype(np.asarray(x).dtype)) for fn, t in ROUNDINGS.items()},
-}
-
-
-def _sigmoid(x):
-    e = np.exp(-np.abs(x))  # never overflows
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e))
-
-
-def _softplus(x):
-    return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
+# each elementwise function's float semantics (tgc.ir.ops.FNS), shared with tgc.lower.interp
+MAP_FNS: dict[str, Callable] = NUMPY
 
 
 def _logsumexp(x, axis):
     m = np.max(x, axis=axis, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)  # all -inf stays -inf; an inf stays inf
     return np.log(np.sum(np.exp(x - m), axis=axis)) + np.squeeze(m, axis=axis)
-
-
-MAP_FNS["sigmoid"] = _sigmoid
-MAP_FNS["softplus"] = _softplus
-
-
-def _erf(x):
-    from math import erf
-
-    return np.vectorize(erf, otypes=[np.float64])(x)
-
-
-MAP_FNS["erf"] = _erf
 
 
 def _map(ev: _Eval, v: Value, ops):
@@ -321,7 +280,8 @@ def _random(ev: _Eval, v: Value, ops):
     shape = [ev.sizes[e] for e in v.edges]
     dtype = v.attrs[2] or ("f64" if ev.np_dtype(v) == np.float64 else "f32")   # bf16/f16: drawn in f32, rounded
     counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
-    return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), v.attrs[1], counters)
+    folds = tuple(np.int64(np.asarray(ops[int(n[1:])]).reshape(())) if isinstance(n, str) else n for n in v.attrs[1])
+    return draw_numpy(v.attrs[0], dtype, int(np.asarray(ops[0]).reshape(())), folds, counters)
 
 
 def _rename(ev: _Eval, v: Value, ops):

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import re
 
-from tgc.ir import values as V
-from tgc.ir.affine import parse_relation
+from tgc.ir import ops, values as V
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import FACT_RELS, Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
@@ -19,7 +18,7 @@ NAME = r"[A-Za-z_][\w'.]*"
 _DIM = re.compile(rf"dim\s+({NAME})(?:\s*=\s*(.+))?$")
 _EDGE = re.compile(rf"edge\s+({NAME})\s*:\s*({NAME})$")
 _ARG = re.compile(rf"(input|param|state)\s+({NAME})\s*:\s*(\w+)\[([^\]]*)\]$")
-_VALUE = re.compile(rf"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[([^\]]*)\]"
+_VALUE = re.compile(r"%(\w+)\s*=\s*(\w+)(?:\[([^\]]*)\])?\s*(.*?)\s*:\s*(\w+)\[([^\]]*)\]"
                     r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
 _OUT = re.compile(rf"out\s+({NAME})\s*=\s*%({NAME}|\d+)\s*:\s*\[([^\]]*)\]$")
 _UPDATE = re.compile(rf"update\s+({NAME})\s*=\s*%({NAME}|\d+)$")
@@ -53,8 +52,8 @@ class _Reader:
             text = text[1:]
         for self.line, raw in enumerate(text.splitlines(), 1):
             if raw.startswith("// lowered"):
-                raise self.error("this is a dump of a lowering stage, which cannot be read back: "
-                                 "only IR (dump-ir --after a pass of `tgc passes`) can")
+                raise self.error("this is a lowered program (a dump of a lowering stage), not IR: "
+                                 "`tgc opt` reads it; this command takes .tg source or IR")
             keep = raw.lstrip().startswith(("%", "assume"))   # an assume's quoted text may hold '#'
             line = raw.split("#", 1)[0].strip() if not keep else raw.strip()
             if line:
@@ -139,49 +138,7 @@ class _Reader:
 
 
 def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, loc) -> V.Value:
-    a = attrs or ""
-    if op == "const":
-        return V.const(float(a), typ.dtype, typ.edges, loc)
-    if op == "size":
-        return V.size(a.strip(), typ.dtype, loc)
-    if op == "indicator":
-        return V.indicator(parse_relation(a), typ.dtype, loc)
-    if op == "add":
-        return V.add(args, [float(c) for c in a.split(",")], loc)
-    if op == "contract":
-        return V.contract(args, typ.edges, loc)
-    if op == "map":
-        return V.map_(a.strip(), *args, loc=loc)
-    if op == "reduce":
-        kind, _, edges = a.partition(":")
-        return V.reduce(kind.strip(), args[0], _edge_list(edges), loc)
-    if op == "gather":
-        return V.gather(args[0], args[1], a.strip(), loc)
-    if op == "scatter":
-        kind, _, edge = a.rpartition(":")
-        return V.scatter(args[0], args[1], edge.strip(), set(typ.edges) & set(args[1].edges), loc,
-                         kind.strip() or "sum")
-    if op == "rename":
-        pairs = [p.split("->") for p in a.split(",")]
-        return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
-    if op == "stop":
-        return V.stop(args[0], loc)
-    if op == "slot":
-        return V.slot(a.strip(), typ.dtype, typ.edges, loc)
-    if op == "custom":
-        fn, n, ct, tans = (p.strip() for p in a.split(";"))
-        n, tans = int(n), tuple(tans.split())
-        rest = args[1 + n:]
-        return V.custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
-                        fn, ct, tans, loc)
-    if op == "random":
-        a, _, draw = a.partition(" as ")
-        kind, _, folds = a.partition(":")
-        return V.random(kind.strip(), args[0], [int(n) for n in folds.split(",") if n.strip()],
-                        typ.dtype, typ.edges, loc, draw.strip())
-    if op in ("grad", "jvp", "vjp"):
-        return getattr(V, op)(*args, loc=loc)
-    raise V.IRError(f"unknown op '{op}'")
+    return ops.parse_value(op, attrs, args, typ, loc)   # each op's text codec: tgc.ir.ops.OPS
 
 
 def parse_module(text: str, filename: str = "<ir>") -> Module:

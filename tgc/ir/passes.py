@@ -1,24 +1,34 @@
-"""What a pass is: a small named object that maps a module to a module.
+"""What a pass is: a small named object that maps a program to a program.
 
 A pass is a frozen dataclass subclassing `Pass`, with a class-level `name` and a
-one-line docstring; its fields are its options. `run` must be a pure function of
-the module (it may build new values; it never mutates values, which are shared).
+one-line docstring; its fields are its options (`-p 'group{blocks=8}'` sets them;
+`tgc passes` lists them). `run` must be a pure function of its input (it may build
+new values; it never mutates values, which are shared). `takes` and `gives` say
+which level it reads and writes: "module" (the IR) or "lowered" (the lowered
+program, `tgc.lower.lowered`); the pass manager (`tgc.manager`) runs both kinds, and
+checks that each pass of a list reads what the one before it gives.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
-from tgc.ir.module import Module
 from tgc.options import Options
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+LEVELS = ("module", "lowered")
 
 
 @dataclass(frozen=True)
-class Pass:
+class Pass(Generic[In, Out]):
     name: ClassVar[str] = ""
     rounds: ClassVar[bool] = False   # changes values by design (autocast): --verify-each re-bases after it
+    takes: ClassVar[str] = "module"  # the level it reads (LEVELS)
+    gives: ClassVar[str] = "module"  # the level it writes
 
-    def run(self, module: Module, options: Options) -> Module:
+    def run(self, ir: In, options: Options) -> Out:
         raise NotImplementedError
 
     @classmethod

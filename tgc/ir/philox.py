@@ -76,18 +76,25 @@ def philox(A, ctr, key):
     return c0, c1, c2, c3
 
 
-def derive_key(A, key, folds: tuple[int, ...]):
-    """The Philox key of an i32 key (a signed value of `A`) folded with `folds` in order."""
-    k = (A.and_(key, A.const(MASK32)), A.const(0))
+def derive_key(A, key, folds: tuple):
+    """The Philox key of an i32 key (a signed value of `A`) folded with `folds` in order:
+    each an integer literal (a Python int) or an i32 value of `A` (signed, as the key),
+    which folds as its 32 bits (n mod 2**32), as a literal in [0, 2**31) does."""
+    mask = A.const(MASK32)
+    k = (A.and_(key, mask), A.const(0))
     for n in folds:
-        w = philox(A, (A.const(n & MASK32), A.const((n >> 32) & MASK32), A.const(1), A.const(0)), k)
+        if isinstance(n, int):
+            lo, hi = A.const(n & MASK32), A.const((n >> 32) & MASK32)
+        else:
+            lo, hi = A.and_(n, mask), A.const(0)
+        w = philox(A, (lo, hi, A.const(1), A.const(0)), k)
         k = (w[0], w[1])
     return k
 
 
-def draw(A, kind: str, dtype: str, key, folds: tuple[int, ...], counter):
+def draw(A, kind: str, dtype: str, key, folds: tuple, counter):
     """The value of draw `kind` ('rand' or 'randn') at a 64-bit `counter` (a value of `A`),
-    as a float of `A` of `dtype` ('f32' or 'f64')."""
+    as a float of `A` of `dtype` ('f32' or 'f64'); `folds` as `derive_key` takes them."""
     k = derive_key(A, key, folds)
     mask = A.const(MASK32)
     w = philox(A, (A.and_(counter, mask), A.shr(counter, 32), A.const(0), A.const(0)), k)
@@ -216,11 +223,13 @@ def philox_block(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tu
     return tuple(int(w) for w in out)
 
 
-def draw_numpy(kind: str, dtype: str, key: int, folds: tuple[int, ...], counters: np.ndarray) -> np.ndarray:
-    """The draw at every counter of `counters` (an integer array of any shape)."""
+def draw_numpy(kind: str, dtype: str, key: int, folds: tuple, counters: np.ndarray) -> np.ndarray:
+    """The draw at every counter of `counters` (an integer array of any shape); `folds`
+    are ints, or numpy integers for folds by an i32 input's value (`fold(key, n)`)."""
     with np.errstate(all="ignore"):
         k = np.asarray(np.int64(key)).astype(np.uint64)
-        return draw(NUMPY, kind, dtype, k, tuple(folds), np.asarray(counters).astype(np.uint64))
+        fs = tuple(n if isinstance(n, int) else np.asarray(np.int64(n)).astype(np.uint64) for n in folds)
+        return draw(NUMPY, kind, dtype, k, fs, np.asarray(counters).astype(np.uint64))
 
 
 class _Counter:

@@ -15,6 +15,7 @@ Values are numbered in a deterministic topological order; arguments are `%name`.
 """
 from __future__ import annotations
 
+from tgc.ir import ops
 from tgc.ir.diag import Loc
 from tgc.ir.module import FACT_RELS, Module
 from tgc.ir.sizes import size_str
@@ -22,31 +23,8 @@ from tgc.ir.values import Value, topo_order
 
 
 def attr_text(v: Value) -> str:
-    """The bracketed attribute text of an op, '' when it has none."""
-    a = v.attrs
-    if v.op == "const":
-        text = repr(a[0])
-    elif v.op in ("size", "gather", "map"):
-        text = a[0]
-    elif v.op == "scatter":   # a scatter-add is [edge], a segment reduction [kind: edge]
-        text = a[0] if a[1] == "sum" else f"{a[1]}: {a[0]}"
-    elif v.op == "add":
-        text = ", ".join(repr(c) for c in a[0])
-    elif v.op == "reduce":
-        text = f"{a[0]}: {', '.join(a[1])}"
-    elif v.op == "indicator":
-        text = str(a[0])
-    elif v.op == "random":
-        text = a[0] + (f": {', '.join(map(str, a[1]))}" if a[1] else "") + (f" as {a[2]}" if a[2] else "")
-    elif v.op == "rename":
-        text = ", ".join(f"{s} -> {d}" for s, d in a[0])
-    elif v.op == "slot":
-        text = a[0]
-    elif v.op == "custom":  # fn; argument count; cotangent slot ('' without vjp); tangent slots
-        text = f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}"
-    else:
-        return ""
-    return f"[{text}]"
+    """The bracketed attribute text of an op, '' when it has none (`tgc.ir.ops.OPS`)."""
+    return ops.attr_text(v.op, v.attrs)
 
 
 def loc_text(loc: Loc | None) -> str:

@@ -14,7 +14,7 @@ there is no axis order). The primitive ops and their attributes:
     contract  ()                 product of all operands, summed over every edge not
                                  in the result type; result edges no operand has are
                                  broadcast (repeated)
-    map       (fn,)              an elementwise leaf function (MAP_ARITY), broadcast
+    map       (fn,)              an elementwise leaf function (tgc.ir.ops.FNS), broadcast
     reduce    (kind, edges)      max, min or logsumexp (log sum exp, computed stably)
                                  over `edges`
     indicator (relation,)        1.0 where the affine relation holds, else 0.0
@@ -29,12 +29,15 @@ there is no axis order). The primitive ops and their attributes:
                                  points, NaN if any term is NaN: a segment reduction)
     random    (kind, folds, draw) a counter-based draw over the type's edges (tgc.ir.philox):
                                  kind 'rand' (uniform in [0, 1)) or 'randn' (standard
-                                 normal); operand: the key, an i32 scalar argument;
-                                 folds: the integers `fold(key, n)` applied, in order;
+                                 normal); operands: the key, an i32 scalar argument,
+                                 then the i32 scalar arguments of folds by an input;
+                                 folds: the `fold(key, n)` applied, in order: an
+                                 integer n, or '$i' for the value of operand i;
                                  draw: '' (drawn in the computation's float type) or
                                  'f32' (f32 draws held in f64: --fp-strict's emulation)
     fold      (n,)               a key derived from a key (an i32 scalar argument or a
-                                 fold): only the front end builds it, and `random`
+                                 fold) and n (-1: by the value of operand 1, an i32
+                                 scalar argument): only the front end builds it, and `random`
                                  takes its chain apart into its folds at once
     rename    (pairs,)           edge renaming ((src, dst), ...)
     stop      ()                 identity with a zero derivative
@@ -61,26 +64,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from tgc.ir.affine import Relation
 from tgc.ir.diag import Loc
-from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, ROUNDINGS, TYPES, promote
+from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, TYPES, promote
+# each elementwise function's operand count, and those whose result keeps a bf16/f16
+# operand's type (a selection, a comparison's 0/1, a sign: `Fn.exact`), see _float_dtype
+from tgc.ir.ops import EXACT_FNS, MAP_ARITY  # noqa: F401 (re-exported)
 
 FLOAT_DTYPES = FLOATS          # bf16, f16, f32, f64 (tgc.ir.dtypes)
 DTYPES = FLOAT_DTYPES + ("i32",)
 
-MAP_ARITY = {
-    "exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "erf": 1, "sin": 1, "cos": 1,
-    "abs": 1, "sign": 1,
-    "sigmoid": 1, "softplus": 1,  # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably
-    "div": 2, "pow": 2, "max": 2, "min": 2,
-    "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
-    "mul0": 2,  # a * b, but exactly 0 where a == 0 (NaN-safe chain rule)
-    "mul00": 2,  # a * b, but exactly 0 where a == 0 or b == 0 (a guarded elementwise product)
-    "where": 3,
-    "round32": 1,  # x rounded to the nearest f32 (in an f64 program: --fp-strict's f32 emulation)
-    "checkpoint": 1,  # x, recomputed by the backward pass instead of kept (`checkpoint(x)`; autodiff/remat.py)
-    "recompute": 1,  # x, read by a backward recomputation (autodiff/remat.py): keeps the copy apart
-    **{fn: 1 for fn in CONVERSIONS},  # to_bf16 .. to_f64: x converted to that type (the result's type)
-    **{fn: 1 for fn in ROUNDINGS},    # round_bf16, round_f16: x rounded to bf16/f16, kept in x's type
-}
 REDUCE_KINDS = ("max", "min", "logsumexp")
 SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
@@ -176,13 +167,6 @@ def _union(values: Iterable[Value]) -> set[str]:
     for v in values:
         out.update(v.type.edges)
     return out
-
-
-# elementwise functions whose result a bf16/f16 operand's type holds exactly (a
-# selection, a comparison's 0/1, a sign): they keep that type; every other op on
-# bf16/f16 operands computes in their compute type (f32), see _float_dtype
-EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32",
-                       "checkpoint", "recompute", *ROUNDINGS})
 
 
 def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
@@ -316,33 +300,58 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
     return Value.make("scatter", (ct, ids), (edge, kind), TensorType.of(dtype, rest + sorted(keep) + [edge]), loc)
 
 
-def random(kind: str, key: Value, folds: Sequence[int], dtype: str, edges: Iterable[str],
+def _is_i32_scalar_arg(v: Value) -> bool:
+    return v.op == "arg" and v.dtype == "i32" and not v.edges
+
+
+def random(kind: str, key: Value, folds: Sequence[int | Value], dtype: str, edges: Iterable[str],
            loc: Loc | None = None, draw: str = "") -> Value:
-    """A draw of `kind` over `edges` from `key` (an i32 scalar argument) folded with `folds`.
+    """A draw of `kind` over `edges` from `key` (an i32 scalar argument) folded with `folds`,
+    each an integer or an i32 scalar argument (`fold(key, n)` by an input's value: an
+    operand after the key, named '$i' in the folds attribute, i its operand index).
     Deterministic: the same key, folds, kind and edges are one value (hash-consed)."""
     if kind not in RANDOM_KINDS:
         raise IRError(f"unknown random kind '{kind}'")
-    chain: list[int] = []
+    chain: list[int | Value] = []
     while key.op == "fold":
-        chain.append(key.attrs[0])
+        chain.append(key.operands[1] if len(key.operands) > 1 else key.attrs[0])
         key = key.operands[0]
-    folds = tuple(reversed(chain)) + tuple(folds)
-    if key.op != "arg" or key.dtype != "i32" or key.edges:
+    all_folds = tuple(reversed(chain)) + tuple(folds)
+    if not _is_i32_scalar_arg(key):
         raise IRError("a random key must be an i32 scalar input")
     if dtype not in FLOAT_DTYPES:
         raise IRError(f"random values are float, not '{dtype}'")
-    folds = tuple(int(n) for n in folds)
-    if any(not 0 <= n < 2 ** 31 for n in folds):
-        raise IRError("fold takes an integer in [0, 2^31)")
+    operands, attr = [key], []
+    for n in all_folds:
+        if isinstance(n, Value):
+            if not _is_i32_scalar_arg(n):
+                raise IRError("fold takes an integer literal or an i32 scalar input")
+            operands.append(n)
+            attr.append(f"${len(operands) - 1}")
+        elif not 0 <= int(n) < 2 ** 31:
+            raise IRError("fold takes an integer in [0, 2^31)")
+        else:
+            attr.append(int(n))
     if draw not in ("", "f32"):
         raise IRError(f"random draws are f32 or of the value's type, not '{draw}'")
-    return Value.make("random", (key,), (kind, folds, draw), TensorType.of(dtype, edges), loc)
+    return Value.make("random", tuple(operands), (kind, tuple(attr), draw), TensorType.of(dtype, edges), loc)
 
 
-def fold(key: Value, n: int, loc: Loc | None = None) -> Value:
-    """The key `fold(key, n)`: consumed by `random`, which folds it into its attributes."""
+def random_folds(v: Value) -> tuple[int | Value, ...]:
+    """The folds of the draw `v`: integers, and the i32 scalar arguments of folds by an
+    input's value (its '$i' attributes resolved to its operands)."""
+    return tuple(v.operands[int(n[1:])] if isinstance(n, str) else n for n in v.attrs[1])
+
+
+def fold(key: Value, n: int | Value, loc: Loc | None = None) -> Value:
+    """The key `fold(key, n)`, `n` an integer in [0, 2^31) or an i32 scalar argument:
+    consumed by `random`, which folds it into its attributes (and operands)."""
     if key.op not in ("arg", "fold") or key.dtype != "i32" or key.edges:
         raise IRError("fold takes an i32 scalar key")
+    if isinstance(n, Value):
+        if not _is_i32_scalar_arg(n):
+            raise IRError("fold takes an integer literal or an i32 scalar input")
+        return Value.make("fold", (key, n), (-1,), key.type, loc)
     if not 0 <= int(n) < 2 ** 31:
         raise IRError("fold takes an integer in [0, 2^31)")
     return Value.make("fold", (key,), (int(n),), key.type, loc)
@@ -534,7 +543,8 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "scatter": lambda v, ops: scatter(ops[0], ops[1], v.attrs[0], set(v.edges) & set(ops[1].edges), v.loc,
                                       v.attrs[1]),
     "rename": lambda v, ops: rename(ops[0], dict(v.attrs[0]), v.loc),
-    "random": lambda v, ops: random(v.attrs[0], ops[0], v.attrs[1], v.dtype, v.edges, v.loc, v.attrs[2]),
+    "random": lambda v, ops: random(v.attrs[0], ops[0], tuple(ops[int(n[1:])] if isinstance(n, str) else n
+                                                             for n in v.attrs[1]), v.dtype, v.edges, v.loc, v.attrs[2]),
     "stop": lambda v, ops: stop(ops[0], v.loc),
     "grad": lambda v, ops: grad(ops[0], ops[1], v.loc),
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),

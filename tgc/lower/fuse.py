@@ -57,12 +57,15 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel,
 from tgc.ir.sizes import size_op
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
+# the functions worth materializing (cost class heavy), and the maps that are their
+# operand (checkpoint, recompute: autodiff/remat.py), from tgc.ir.ops
+from tgc.ir.ops import EXPENSIVE, IDENTITY_FNS
 from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.ir.passes import Pass
+from tgc.lower import complex_gemm
 from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
 
-EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 ELEMENTWISE = frozenset({"add", "map", "stop"})
 
 
@@ -71,16 +74,16 @@ class FuseError(ValueError):
 
 
 @dataclass(frozen=True)
-class Fuse(Pass):
+class Fuse(Pass[Module, Lowered]):
     """Partition the DAG into kernels: GEMM cells and fused loop nests."""
 
     name = "fuse"
+    gives = "lowered"
 
-    def run(self, module: Module, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, module: Module, options: Options) -> Lowered:
         return _Fuser(module, options).lower()
 
 
-IDENTITY_FNS = frozenset({"checkpoint", "recompute"})  # maps that are their operand (autodiff/remat.py)
 
 
 def is_identity(v: Value) -> bool:
@@ -141,6 +144,7 @@ class _Fuser:
         self.mat: dict[int, str] = {}      # id(value) -> buffer
         self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
         self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`tap_gemm`)
+        self.cgemms: dict[int, dict] = {}   # id(value) -> the complex product it is (`complex_gemm`)
         self.folded: set[int] = set()      # reductions computed inside a shifted GEMM
         self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
         self.acc_of: int | None = None
@@ -296,6 +300,45 @@ class _Fuser:
                 if spec is not None:
                     self.shifted[id(v)] = spec
                     self.folded |= spec["folded"]
+
+    def find_complex_gemms(self) -> None:
+        """Values that are a complex product (`complex_gemm.match`) become one complex
+        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS
+        only, hence `blas` "numpy"). The real products and parts they were built of are
+        then computed only where something else still reads them: the values no longer
+        reachable from the program's roots are dropped (`folded`), and the use counts
+        are taken again without them."""
+        if not self.opt.cpu.complex_gemm or self.opt.cpu.blas != "numpy" or self.opt.dtype not in ("f32", "f64"):
+            return
+        for v in self.values:
+            if id(v) in self.folded or id(v) in self.shifted:
+                continue
+            spec = complex_gemm.match(v, self.gemm_groups)
+            if spec is not None:
+                self.cgemms[id(v)] = spec
+        if not self.cgemms:
+            return
+        live: set[int] = set()
+        stack = list(self.m.roots())
+        while stack:
+            v = stack.pop()
+            if id(v) in live:
+                continue
+            live.add(id(v))
+            spec = self.cgemms.get(id(v))
+            stack += [spec["a"][0], spec["b"][0]] if spec else list(v.operands)
+        for v in self.values:
+            if id(v) not in live:
+                self.folded.add(id(v))
+                self.cgemms.pop(id(v), None)
+        self.users = {id(v): set() for v in self.values}
+        for v in self.values:
+            if id(v) in live:
+                spec = self.cgemms.get(id(v))
+                for o in ([spec["a"][0], spec["b"][0]] if spec else v.operands):
+                    self.users[id(o)].add(id(v))
+        self._reduction.clear()
+        self._cost.clear()
 
     def expand(self, v: Value, env: dict[str, Ix], acc: dict, top: bool = False) -> bool:
         """Collect the leaf factors of a product of index transforms and single-use
@@ -457,6 +500,12 @@ class _Fuser:
                 for leaf in self.shifted[id(v)]["leaves"]:
                     self.materialize(leaf)
                 continue
+            if id(v) in self.cgemms:
+                self.materialize(v)
+                for base, _ in (self.cgemms[id(v)]["a"], self.cgemms[id(v)]["b"]):
+                    if base.op != "arg":
+                        self.materialize(base)
+                continue
             if id(v) in self.mat:
                 pass
             elif v.op == "scatter" or self.is_reduction(v) or self.root_uses[id(v)]:
@@ -474,7 +523,7 @@ class _Fuser:
                         self.materialize(base)
         self.settle()
         for v in self.values:
-            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms | self.shifted.keys():
+            if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms | self.shifted.keys() | self.cgemms.keys():
                 self.try_absorb(v)
 
     def settle(self) -> None:
@@ -505,7 +554,8 @@ class _Fuser:
             if self.uses(u) != 1:
                 return
             u = self.by_id[next(iter(self.users[id(u)]))]
-        if u.op == "scatter" or id(u) in self.gemms or id(u) in self.shifted or self.is_reduction(u):
+        if u.op == "scatter" or id(u) in self.gemms or id(u) in self.shifted or id(u) in self.cgemms \
+                or self.is_reduction(u):
             return
         buf = self.mat.pop(id(r))
         del self.low.buffers[buf]
@@ -593,7 +643,9 @@ class _Fuser:
                                            0 if ix.const == 0 else smul(stride, ix.const)))
             stride = size_op("*", stride, edge_size(self.m, e))
         key = Ix.of(IdLoad(v.operands[0].attrs[0], ()))
-        return Rand(v.attrs[0], v.attrs[1], key, counter, v.attrs[2])
+        folds = tuple(Ix.of(IdLoad(v.operands[int(n[1:])].attrs[0], ())) if isinstance(n, str) else n
+                      for n in v.attrs[1])
+        return Rand(v.attrs[0], folds, key, counter, v.attrs[2])
 
     def idload(self, ids: Value, env: dict[str, Ix]) -> IdLoad:
         base, view = peel(ids)
@@ -613,6 +665,7 @@ class _Fuser:
                 self.mat[id(v)] = v.attrs[0]
         copies = self.homes()
         self.find_shifted_gemms()
+        self.find_complex_gemms()
         self.partition()
         again = self.recomputed()
         for v in self.values:
@@ -684,6 +737,11 @@ class _Fuser:
             a, b = (View(self.mat[id(leaf)], edges) for leaf, edges in zip(spec["leaves"], spec["views"]))
             return GemmKernel(out, a, b, *spec["groups"], taps=spec["taps"], shifts=spec["shifts"],
                               note="GEMMs on shifted views")
+        if id(v) in self.cgemms:
+            spec = self.cgemms[id(v)]
+            a, b = (View(self.mat[id(base)], tuple(sorted(mapping.items()))) for base, mapping in (spec["a"], spec["b"]))
+            return GemmKernel(out, a, b, *spec["groups"], cplx=spec["conj"], alpha=spec["alpha"],
+                              note="complex product")
         if id(v) in self.gemms:
             batch, m, n, k = self.gemms[id(v)]
             a, b = (self.view(o) for o in v.operands)

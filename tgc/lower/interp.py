@@ -4,7 +4,7 @@
 `group` or `plan`) kernel by kernel, with numpy, and returns what a compiled
 program's call returns: every output, and every update's new value under the key
 `Module.update_key` gives it. It shares nothing with a backend but the lowered
-program itself and the elementwise functions' numpy definitions (`interp.MAP_FNS`),
+program itself and the elementwise functions' numpy definitions (`tgc.ir.ops.FNS`),
 so a backend's kernels can be compared with it kernel for kernel, and a lowering
 stage can be checked by running the program before and after it.
 
@@ -38,11 +38,12 @@ from typing import Mapping
 
 import numpy as np
 
-from tgc.ir.complex_io import complex_outputs, pairs_inputs
-from tgc.ir.interp import (MAP_FNS, NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
+from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
+from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf)
+from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
 
@@ -200,7 +201,7 @@ class _Machine:
 
     def gemm(self, k: GemmKernel) -> None:
         shifts = {(role, e): ix for role, e, ix in k.shifts}
-        names = list(dict.fromkeys(k.batch + k.m + k.n + k.k + k.taps))
+        names = list(dict.fromkeys(k.batch + k.m + k.n + k.k + k.taps + ((RI,) if k.cplx else ())))
         letters = {v: chr(ord("a") + i) for i, v in enumerate(names)}
 
         def operand(role: str, view) -> tuple[np.ndarray, str]:
@@ -219,6 +220,14 @@ class _Machine:
         a, sa = operand("a", k.a)
         b, sb = operand("b", k.b)
         out_order = self.order[k.out]
+        if k.cplx is not None:   # float pairs (re.im last in `used`) as complex numbers
+            a, b = (x[..., 0] + 1j * x[..., 1] for x in (a.astype(np.float64), b.astype(np.float64)))
+            a, b = (np.conj(x) if c else x for x, c in zip((a, b), k.cplx))
+            out = [e for e in out_order if e != RI]
+            z = k.alpha * np.einsum(f"{sa[:-1]},{sb[:-1]}->{''.join(letters[e] for e in out)}", a, b)
+            result = np.moveaxis(np.stack([z.real, z.imag]), 0, list(out_order).index(RI))
+            self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
+            return
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
@@ -238,7 +247,9 @@ class _Machine:
             key = np.asarray(self.ix(e.key, vals), np.int64)
             counter = np.asarray(self.ix(e.counter, vals), np.int64)
             dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
-            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), e.folds, counter))
+            folds = tuple(n if isinstance(n, int) else np.int64(np.asarray(self.ix(n, vals)).reshape(-1)[0])
+                          for n in e.folds)
+            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), folds, counter))
         if isinstance(e, Mask):
             ok = True
             for c in e.conds:

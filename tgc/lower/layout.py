@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from tgc.ir.complex_io import RI
 from tgc.lower.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Mask, View, matrix_form, walk)
 from tgc.ir.sizes import size_dims, size_estimate
@@ -56,14 +57,16 @@ MIN_TAP_K = 256   # the shortest K left to each call when split K edges become t
 
 
 @dataclass(frozen=True)
-class Layout(Pass):
+class Layout(Pass[Lowered, Lowered]):
     """Choose buffer axis orders and loop orders; make GEMM operands BLAS-ready."""
 
     name = "layout"
+    takes = gives = "lowered"
+    rep_size: int | None = None   # a symbolic dim's size when ranking strides and groups (None: options.rep_size)
 
-    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("layout")
-        guess = options.rep_size  # a symbolic dim's size when ranking strides and groups
+        guess = options.rep_size if self.rep_size is None else self.rep_size
         _order_buffers(out, guess)
         _fix_gemms(out, guess)
         out.kernels = [_tighten(_order_loops(out, k, guess)) if isinstance(k, LoopKernel) else k
@@ -80,12 +83,23 @@ def _order_buffers(low: Lowered, guess: int) -> None:
         if isinstance(k, GemmKernel):
             gemm_uses.setdefault(k.a.buf, (k, "a"))
             gemm_uses.setdefault(k.b.buf, (k, "b"))
+    complex_bufs = {b for k in low.kernels if isinstance(k, GemmKernel) and k.cplx is not None
+                    for b in (k.out, k.a.buf, k.b.buf)}
     for k in low.kernels:
         buf = low.buffers[k.out]
         if buf.order is not None:
             continue
         if buf.prefer is not None:
             buf.order = buf.prefer
+        elif isinstance(k, GemmKernel) and k.cplx is not None:
+            buf.order = _gemm_result_order(low, k, guess) + (RI,)
+            if buf.name in gemm_uses:
+                want = _gemm_operand_order(low, *gemm_uses[buf.name], buf.order)
+                other = gemm_uses[buf.name][0]
+                mine = _demote(k, k.matrix_order(want))
+                if other.matrix_order(want) is not None and k.matrix_order(want) is not None \
+                        and matrix_form(k.matrix_order(want), mine.m, mine.n) is not None:
+                    buf.order = want
         elif isinstance(k, GemmKernel):
             buf.order = _gemm_result_order(low, k, guess)
             if buf.name in gemm_uses:   # written as the GEMM that reads it wants, where it can be
@@ -97,11 +111,15 @@ def _order_buffers(low: Lowered, guess: int) -> None:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
             buf.order = _follow_loads(low, k, buf)
+        if buf.name in complex_bufs and RI in buf.order and buf.order[-1] != RI:
+            buf.order = tuple(e for e in buf.order if e != RI) + (RI,)   # a complex matrix's pairs
 
 
-def _view_order(low: Lowered, view: View) -> tuple[str, ...] | None:
+def _view_order(low: Lowered, view: View, k: GemmKernel | None = None) -> tuple[str, ...] | None:
+    """The view's order (as complex product `k`'s matrix sees it, when given)."""
     order = low.buffers[view.buf].order
-    return None if order is None else view.view_order(order)
+    order = None if order is None else view.view_order(order)
+    return order if k is None else k.matrix_order(order)
 
 
 def _pick(order: Sequence[str] | None, group: Sequence[str]) -> tuple[str, ...]:
@@ -116,7 +134,7 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
     """Batch edges, then the larger of the M and N groups, the smaller innermost (a
     [tokens, features] activation keeps its features contiguous whichever operand
     BLAS sees first; an M innermost is computed as C^T = B^T A^T)."""
-    va, vb = _view_order(low, k.a), _view_order(low, k.b)
+    va, vb = _view_order(low, k.a, k), _view_order(low, k.b, k)
     m, n = _pick(va, k.m), _pick(vb, k.n)
     env = {d: guess for d in low.module.symbolic_dims()}
     sym = set(low.module.symbolic_dims())
@@ -146,18 +164,21 @@ def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
 
 def _gemm_operand_order(low: Lowered, k: GemmKernel, role: str, load_order) -> tuple[str, ...]:
     view, other = (k.a, k.b) if role == "a" else (k.b, k.a)
-    vo = _view_order(low, other)
-    vc = low.buffers[k.out].order
+    vo = _view_order(low, other, k)
+    vc = k.matrix_order(low.buffers[k.out].order)
     k = _demote(k, vc)
+    if k.cplx is not None:   # the pairs stay innermost
+        load_order = tuple(e for e in load_order if e != RI)
     rows, cols = (k.m, k.k) if role == "a" else (k.k, k.n)
     by_c = (lambda g: _pick(vc, g)) if vc is not None else (lambda g: _pick(vo, g))
     want_rows = by_c(rows) if role == "a" else _pick(vo, rows)
     want_cols = _pick(vo, cols) if role == "a" else by_c(cols)
-    form = matrix_form(view.view_order(load_order), rows, cols)
+    tail = (RI,) if k.cplx is not None else ()
+    form = matrix_form(tuple(e for e in view.view_order(load_order + tail) if e not in tail), rows, cols)
     if form and form[0] == want_rows and form[1] == want_cols:
-        return load_order
+        return load_order + tail
     seq = _pick(vo, k.batch + k.taps) + want_rows + want_cols
-    return tuple(view.buf_edge(e) for e in seq if e in dict(view.edges))
+    return tuple(view.buf_edge(e) for e in seq if e in dict(view.edges)) + tail
 
 
 def _loads(k: LoopKernel) -> list[Load]:
@@ -207,6 +228,8 @@ def _fix_gemms(low: Lowered, guess: int) -> None:
 
 
 def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
+    if k.cplx is not None:
+        return _fix_complex_gemm(low, k)
     va, vb = _view_order(low, k.a), _view_order(low, k.b)
     vc = low.buffers[k.out].order
     k = _demote(k, vc)
@@ -228,6 +251,32 @@ def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
         out = low.fresh("t")
         low.buffers[out] = Buffer(out, low.dtype, low.buffers[k.out].edges, "temp",
                                   order=_pick(vc, k.batch) + m + n)
+        after.append(_copy(low, k.out, View(out, tuple((e, e) for e in low.buffers[out].edges))))
+    return before + [replace(k, a=a, b=b, out=out, m=m, n=n, k=kk)] + after
+
+
+def _fix_complex_gemm(low: Lowered, k: GemmKernel) -> list:
+    """`_fix_gemm` for a complex product (no taps or shifts): each buffer must hold its
+    matrix of pairs with `re.im` innermost; one that does not is copied into one that
+    does (the pairs stay together, so the copy moves whole complex numbers)."""
+    va, vb, vc = _view_order(low, k.a, k), _view_order(low, k.b, k), k.matrix_order(low.buffers[k.out].order)
+    k = _demote(k, vc)
+    fa = matrix_form(va, k.m, k.k) if va is not None else None
+    fb = matrix_form(vb, k.k, k.n) if vb is not None else None
+    fc = matrix_form(vc, k.m, k.n) if vc is not None else None
+    m = fc[0] if fc else fa[0] if fa else k.m
+    n = fc[1] if fc else fb[1] if fb else k.n
+    kk = fa[1] if fa else fb[0] if fb else k.k
+    before, after = [], []
+    a, b, out = k.a, k.b, k.out
+    if not fa or fa[:2] != (m, kk):
+        a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch)) + m + kk + (RI,), before)
+    if not fb or fb[:2] != (kk, n):
+        b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch)) + kk + n + (RI,), before)
+    if not fc or fc[:2] != (m, n):
+        out = low.fresh("t")
+        low.buffers[out] = Buffer(out, low.dtype, low.buffers[k.out].edges, "temp",
+                                  order=_pick(vc, k.batch) + m + n + (RI,))
         after.append(_copy(low, k.out, View(out, tuple((e, e) for e in low.buffers[out].edges))))
     return before + [replace(k, a=a, b=b, out=out, m=m, n=n, k=kk)] + after
 

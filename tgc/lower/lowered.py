@@ -1,6 +1,7 @@
 """Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout`,
-a backend's own stages (the CPU's `group`) and `plan` produce, and their text form
-(`tgc dump-ir --after fuse|layout|group|plan`).
+a backend's own stages (the CPU's `group`) and `plan` produce, and their
+text form (`print_lowered`, what `tgc dump-ir --after fuse|layout|group|plan` prints;
+`tgc.lower.text` reads it back, and `tgc.lower.verify` states the rules a program must keep).
 
 Backend-neutral: a program is a list of kernels over named buffers.
 
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, Union
 
 from tgc.ir.module import Module
+from tgc.ir.printer import print_module
 from tgc.ir.sizes import Size, SizeOp, size_op, size_str
 
 # ---------------------------------------------------------------- indices
@@ -153,11 +155,13 @@ class Ix:
             body = str(a) if c == 1 else f"-{a}" if c == -1 else f"{_coef_text(c)}*{a}"
             parts.append(body)
         if self.const != 0 or not parts:
-            parts.append(_coef_text(self.const))
+            parts.append(str(self.const) if isinstance(self.const, int) else f"({size_str(self.const)})")
         return " + ".join(parts).replace("+ -", "- ")
 
 
 def _coef_text(c: Size) -> str:
+    """A term's coefficient: a symbolic constant term is always in parentheses (`x + (n)`),
+    so that a bare name is always a loop variable."""
     return str(c) if isinstance(c, (int, str)) else f"({size_str(c)})"
 
 
@@ -235,10 +239,11 @@ class Acc:
 @dataclass(frozen=True)
 class Rand:
     """A Philox draw (tgc.ir.philox): `kind` ('rand' or 'randn') from the key `key` (an
-    index: the i32 key loaded as an `IdLoad`) folded with `folds`, at the 64-bit
-    `counter` (the element's row-major index over the draw's edges, sorted by name)."""
+    index: the i32 key loaded as an `IdLoad`) folded with `folds` (integers, or indices:
+    an i32 input's value loaded as an `IdLoad`), at the 64-bit `counter` (the element's
+    row-major index over the draw's edges, sorted by name)."""
     kind: str
-    folds: tuple[int, ...]
+    folds: tuple["int | Ix", ...]
     key: Ix
     counter: Ix
     draw: str = ""   # '' (the program's float type) or 'f32' (f32 draws in an f64 program)
@@ -303,6 +308,8 @@ class Buffer:
         text = f"buffer %{self.name} : {self.dtype}[{', '.join(self.edges)}] {where}"
         if self.order is not None:
             text += f" order [{', '.join(self.order)}]"
+        if self.prefer is not None:
+            text += f" prefer [{', '.join(self.prefer)}]"
         if self.slot is not None:
             text += f" slot {self.slot}"
         return text
@@ -365,14 +372,15 @@ class LoopKernel:
                 elif isinstance(node, Mask):
                     _ix_bufs((c.ix for c in node.conds), out)
                 elif isinstance(node, Rand):
-                    _ix_bufs((node.key, node.counter), out)
+                    _ix_bufs((node.key, node.counter, *(n for n in node.folds if isinstance(n, Ix))), out)
         _ix_bufs((ix for _, ix in self.index), out)
         _ix_bufs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
         return out
 
     def text(self) -> str:
         head = f"loop %{self.out}[{_index_text(self.index)}]"
-        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce and not self.scatter else ""
+        red = f" {self.reduce}[{', '.join(self.red)}]" if self.reduce and not self.scatter else \
+            f" sum[{', '.join(self.red)}]" if self.red else ""
         head += f" {self.reduce or '+'}=" if self.scatter else " ="
         body = f"{red} {expr_text(self.body)}"
         if self.epilogue is not None:
@@ -417,12 +425,28 @@ class GemmKernel:
     # (shift: an index over batch and tap edges); each call clips the edge's range
     # to where every shifted index is in bounds (the rest of the sum is zeros)
     shifts: tuple[tuple[str, str, Ix], ...] = ()
+    # a complex product (cgemm/zgemm): None for a real one, else whether each operand
+    # is conjugated. Its three buffers hold float pairs along `re.im`, their innermost
+    # axis; both views map `re.im` to itself, and the groups never hold it. `alpha`
+    # scales the product (real).
+    cplx: tuple[bool, bool] | None = None
+    alpha: float = 1.0
 
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf}
 
     def writes(self) -> set[str]:
         return {self.out}
+
+    def matrix_order(self, order: Sequence[str] | None) -> tuple[str, ...] | None:
+        """A buffer's (or view's) order as the matrix sees it: a complex product's
+        elements are the pairs, so its `re.im` axis, which must be the innermost, is
+        not a matrix axis (None when it is not innermost: no complex matrix)."""
+        if order is None or self.cplx is None:
+            return None if order is None else tuple(order)
+        if not order or order[-1] != "re.im":
+            return None
+        return tuple(order[:-1])
 
     def accumulates(self) -> bool:
         """`out` is zeroed, then every call adds into it."""
@@ -438,7 +462,11 @@ class GemmKernel:
             g += f" taps({', '.join(self.taps)})"
         for role, e, ix in self.shifts:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
-        return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+        if self.cplx is None:
+            return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+        a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
+        scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
+        return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
 
 
 Kernel = Union[LoopKernel, GemmKernel]   # a backend's own stage may add kinds of its own (the CPU's LoopGroup)
@@ -489,8 +517,13 @@ class Lowered:
         return f"{stem}{n}"
 
 
-def print_lowered(low: Lowered) -> str:
+def print_lowered(low: Lowered, module: bool = True) -> str:
+    """The lowered program as text (`tgc.lower.text.parse_lowered` reads it back): the
+    header line, the edges lowering made, buffers, workspace slots, id checks, kernels,
+    and (with `module`) the IR module it was lowered from, which gives the dims, the
+    arguments, outputs and updates, and the values `--verify-each` compares with."""
     lines = [f"// lowered after {low.stage} ({low.dtype})"]
+    lines += [f"edge {e} = {size_str(s)}" for e, s in low.edges.items()]
     lines += [b.text() for b in low.buffers.values()]
     for i, sizes in enumerate(low.slots):
         lines.append(f"slot {i} : bytes max({', '.join(size_str(s) for s in sizes)})")
@@ -499,6 +532,8 @@ def print_lowered(low: Lowered) -> str:
         lines.append(f"check 0 <= %{c.buf} < {size_str(c.size)}" + (f"    # {c.note}" if c.note else ""))
     for i, k in enumerate(low.kernels):
         lines.append(f"k{i}: {k.text()}")
+    if module:
+        lines += ["", "module {", print_module(low.module).rstrip("\n"), "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -556,7 +591,8 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
         if isinstance(e, (Add, Mul, Map)):
             return replace(e, args=tuple(expr(a) for a in e.args))
         if isinstance(e, Rand):
-            return replace(e, key=ix(e.key), counter=ix(e.counter))
+            return replace(e, key=ix(e.key), counter=ix(e.counter),
+                           folds=tuple(ix(n) if isinstance(n, Ix) else n for n in e.folds))
         return e
 
     bounds = {v: (tuple(map(ix, lo)), tuple(map(ix, hi))) for v, (lo, hi) in k.bounds.items()}

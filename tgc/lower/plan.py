@@ -29,16 +29,18 @@ from tgc.lower.fuse import sink_recomputation
 
 
 @dataclass(frozen=True)
-class Plan(Pass):
+class Plan(Pass[Lowered, Lowered]):
     """Write updates in place where safe; assign workspace slots by liveness."""
 
     name = "plan"
+    takes = gives = "lowered"
+    rep_size: int | None = None   # a symbolic dim's size when comparing slot sizes (None: options.rep_size)
 
-    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("plan")
         sink_recomputation(out.kernels)   # again: layout and group may have added kernels
         _updates_in_place(out)
-        _assign_slots(out, options.rep_size)
+        _assign_slots(out, options.rep_size if self.rep_size is None else self.rep_size)
         return out
 
 
@@ -149,41 +151,3 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
             occupant[s] = name
             low.buffers[name].slot = s
     low.slots = [tuple(s) for s in slots]
-
-
-def lower_module(module, options: Options, emit=None, stop_after: str = "plan", backend_stages=None) -> Lowered:
-    """Run the lowering stages after the IR pipeline: fuse, layout, the backend's own
-    stages (`backend_stages`, {name: Pass}, in order: the CPU's group), then plan.
-    `tgc.pipeline.lower_module` passes the stages of the backend it names.
-
-    `emit(banner, text)` receives the lowered form after each stage that
-    `options.print_ir_after` names (or every stage with `print_ir_after_all`);
-    `stop_after` ends early (what `tgc dump-ir --after fuse|layout` prints). With
-    `options.verify_each`, the lowered program after each stage is run by the numpy
-    lowered-program interpreter and compared with the module's values.
-    """
-    from tgc.lower.lowered import print_lowered
-    from tgc.lower.fuse import Fuse
-    from tgc.lower.layout import Layout
-
-    from tgc.ir.lowp import emulate_low, has_low
-
-    if has_low(module):   # bf16/f16 values: held in the program's float type, each rounded
-        module = emulate_low(module, options.dtype)
-    stages = {"fuse": Fuse(), "layout": Layout(), **(backend_stages or {}), "plan": Plan()}
-    checker = None
-    if options.verify_each:
-        from tgc.manager import _Checker
-        checker = _Checker(module, options.verify_seed)
-    from tgc.opt.rewrite import without_rules
-
-    current = without_rules(module)  # a pass list without normalize/simplify may leave them
-    for name, stage in stages.items():
-        current = stage.run(current, options)
-        if checker:
-            checker.check_lowered(current, name)
-        if emit and (options.print_ir_after_all or name in options.print_ir_after):
-            emit(f"IR after {name}", print_lowered(current))
-        if name == stop_after:
-            break
-    return current

@@ -347,7 +347,7 @@ class Canon:
         return V.map_(fn, *ops)
 
     def _fold_map(self, fn: str, ops: Sequence[Value]) -> Value:
-        from tgc.ir.interp import MAP_FNS
+        from tgc.ir.ops import NUMPY as MAP_FNS
 
         with np.errstate(all="ignore"):
             value = float(MAP_FNS[fn](*(np.float64(o.attrs[0]) for o in ops)))

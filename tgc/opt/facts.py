@@ -25,22 +25,14 @@ import math
 
 import numpy as np
 
+from tgc.ir.ops import FNS
 from tgc.ir.values import Value, is_shift
 
 POS, NONNEG = "pos", "nonneg"
 INF = math.inf
 # the largest argument whose exp is finite, per float type
 EXP_MAX = {"f32": math.log(float(np.finfo(np.float32).max)), "f64": math.log(float(np.finfo(np.float64).max))}
-# map fns bounded whatever their argument: fn -> upper bound
-_BOUNDED = {"tanh": 1.0, "erf": 1.0, "sin": 1.0, "cos": 1.0, "sign": 1.0, "sigmoid": 1.0,
-            "lt": 1.0, "le": 1.0, "gt": 1.0, "ge": 1.0, "eq": 1.0, "ne": 1.0}
-
-# map fns that are finite on finite arguments, and those finite on every argument
-_TOTAL = {"exp", "tanh", "erf", "sin", "cos", "abs", "sign", "max", "min", "mul0", "mul00", "where",
-          "sigmoid", "softplus"}
-_ALWAYS_FINITE = {"lt", "le", "gt", "ge", "eq", "ne", "sign"}
-_POSITIVE = {"exp", "sigmoid", "softplus"}
-_IDENTITY = {"round32", "checkpoint", "recompute"}  # x's sign and bound (round32: to the nearest f32)
+# each elementwise function's facts (finite, sign, bound) are its entry in tgc.ir.ops.FNS
 
 
 def _meet(*signs: str | None) -> str | None:
@@ -73,7 +65,7 @@ class Facts:
                 stack.pop()
                 fin, sign = self._compute(u)
                 hi = self._upper(u)
-                if u.op == "map" and u.attrs[0] == "exp":
+                if u.op == "map" and FNS[u.attrs[0]].finite == "overflow":   # exp: finite below its overflow
                     fin = fin and hi < INF
                 memo[id(u)] = (u, fin, sign, hi)
             hit = memo[id(v)]
@@ -103,7 +95,7 @@ class Facts:
             return self._args[v.attrs[0]][1]
         if v.op == "indicator" or (v.op == "random" and v.attrs[0] == "rand"):
             return 1.0   # rand is in [0, 1)
-        if v.op in ("rename", "stop", "gather") or (v.op == "map" and v.attrs[0] in _IDENTITY) or (v.op == "contract" and len(v.operands) == 1
+        if v.op in ("rename", "stop", "gather") or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
         if v.op == "reduce":
@@ -113,18 +105,31 @@ class Facts:
         if v.op == "contract" and set(v.edges) >= set().union(*(o.edges for o in v.operands)):
             return self._product_upper(v, his)
         if v.op == "map":
-            fn = v.attrs[0]
-            if fn in _BOUNDED:
-                return _BOUNDED[fn]
-            if fn == "exp":
-                return math.exp(his[0]) if his[0] <= EXP_MAX[v.dtype] else INF
-            if fn in ("max", "where"):
-                return max(his[-2:])
-            if fn == "min":
-                return min(his)
-            if fn == "log":
-                return math.log(his[0]) if 0 < his[0] < INF else INF
+            return self._map_upper(v, his)
         return INF
+
+    @staticmethod
+    def _map_upper(v: Value, his: list[float]) -> float:
+        """A function's bound (tgc.ir.ops: `bound`, or `increasing` applied to its
+        operand's bound; one that overflows (exp) only below EXP_MAX); a selection's
+        largest selected bound."""
+        fn = v.attrs[0]
+        f = FNS[fn]
+        if f.bound is not None:
+            return f.bound
+        if fn in ("max", "where"):
+            return max(his[-2:])
+        if fn == "min":
+            return min(his)
+        if f.increasing is None or his[0] == INF or math.isnan(his[0]):
+            return INF
+        if f.finite == "overflow" and not his[0] <= EXP_MAX.get(v.dtype, EXP_MAX["f32"]):
+            return INF
+        try:
+            hi = f.increasing(his[0])
+        except (ValueError, OverflowError):   # outside its domain (log of a bound <= 0)
+            return INF
+        return hi if not math.isnan(hi) else INF
 
     def _add_upper(self, v: Value, his: list[float]) -> float:
         """Sum of c * bound: an upper bound for c > 0, and for c < 0 when the term is >= 0
@@ -199,29 +204,23 @@ class Facts:
         return _meet(*(s for _, s in ops)) if ops else POS
 
     def _map(self, fn: str, v: Value, ops) -> tuple[bool, str | None]:
-        fin = all(f for f, _ in ops)
+        """Finite and sign of an elementwise function, as its entry in tgc.ir.ops says."""
+        f = FNS[fn]
+        fin = all(fi for fi, _ in ops)
         signs = [s for _, s in ops]
-        if fn in _ALWAYS_FINITE:
-            return True, NONNEG if fn != "sign" else None
-        if fn in _POSITIVE:
-            return fin, POS
-        if fn == "abs":
-            return fin, NONNEG
-        if fn in _IDENTITY:
-            return ops[0]
-        if fn in ("max", "where", "min", "mul0", "mul00"):
-            return fin, self._select_sign(fn, signs)
-        if fn in _TOTAL:
-            return fin, signs[0] if fn in ("tanh", "erf") and signs[0] else None
-        if fn == "sqrt":
-            return fin and signs[0] is not None, signs[0] if signs[0] else NONNEG
-        if fn == "log":
-            return fin and signs[0] == POS, None
-        if fn == "div":
-            return fin and signs[1] == POS, _meet(signs[0], signs[1]) if signs[1] == POS else None
-        if fn == "pow":
-            return self._pow(v, ops)
-        return False, None
+        if f.finite == "rule" or f.sign == "rule":
+            return self._div(signs, fin) if fn == "div" else self._pow(v, ops)
+        finite = {"always": True, "total": fin, "overflow": fin,   # overflow: bounded too, see _get
+                  "nonneg_arg": fin and signs[0] is not None, "pos_arg": fin and signs[0] == POS,
+                  "unknown": False}[f.finite]
+        if f.sign == "select":
+            return finite, self._select_sign(fn, signs)
+        return finite, {"pos": POS, "nonneg": NONNEG, "keep": signs[0] if signs else None,
+                        "keep_nonneg": signs[0] or NONNEG if signs else NONNEG, "none": None}[f.sign]
+
+    @staticmethod
+    def _div(signs, fin: bool) -> tuple[bool, str | None]:
+        return fin and signs[1] == POS, _meet(signs[0], signs[1]) if signs[1] == POS else None
 
     def _select_sign(self, fn: str, signs) -> str | None:
         if fn == "max":

@@ -105,10 +105,20 @@ class Program:
     `plan()` give the optimized IR and the lowered plan as text. A call with
     `updates=False` skips the program's `update`s and whatever only they need.
     `tgc.save_params` and `tgc.load_params` write and read its params and states.
+    Built with `Options(memory_budget=BYTES)`, `memory_plan` says what the backward pass
+    recomputes to fit (`memory_plan.summary()`).
     """
 
     _out_dtype: np.dtype | None = None
     _plain = False   # a call goes straight to `_call` (see `out_dtype`)
+    _memory_plan = None   # set by tgc.compile with Options(memory_budget=...)
+
+    @property
+    def memory_plan(self):
+        """With `Options(memory_budget=...)`: what the planner chose, a
+        `tgc.budget.MemoryPlan` (`summary()`, `lines()`, `as_dict()`: the workspace
+        before and after, the values recomputed, whether the budget is met); else None."""
+        return self._memory_plan
 
     def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None):
         self.module, self.options, self.lowered = module, options, low

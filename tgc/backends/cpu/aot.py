@@ -21,6 +21,10 @@ helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
 - "numpy": numpy's bundled OpenBLAS (ILP64 `scipy_cblas_[sd]gemm64_`, found at build
   time), with a RUNPATH into that Python environment: the library loads only while
   that environment exists. The generated code then assumes a BLAS in the table.
+  Only this build computes a complex product with cgemm/zgemm (`lower/complex_gemm.py`):
+  the table's two complex entries are numpy's, whatever BLAS the caller passes
+  (`PREFIX_init_blas` takes real GEMMs only); the other builds compute it as four real
+  products.
 
 Every `.so` links libgomp (GCC's OpenMP runtime, `libgomp.so.1` in the system's
 library path wherever GCC is; its threads are the ones tgc's parallel kernels run
@@ -132,11 +136,15 @@ TGC_GEMM_BY_DEFINITION(dgemm_by_definition, double)
 TGC_LP64_ADAPTER(sgemm_lp64, float, lp64_sgemm, sgemm_by_definition)
 TGC_LP64_ADAPTER(dgemm_lp64, double, lp64_dgemm, dgemm_by_definition)
 
+/* cgemm, zgemm (ILP64): numpy's with --blas=numpy, the only build whose code calls
+   them (complex products; NULL otherwise, whatever BLAS the caller passes) */
+{complex}
+
 int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,
                       void* set_threads) {{
-  void* table[8] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
-                    (void*)omp_get_num_threads, get_threads, set_threads,
-                    (void*)omp_get_max_threads}};
+  void* table[10] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
+                     (void*)omp_get_num_threads, get_threads, set_threads,
+                     (void*)omp_get_max_threads, complex_gemms[0], complex_gemms[1]}};
   if (BLAS_REQUIRED && (sgemm == NULL || dgemm == NULL)) return -1;
   if (int_bits == 64) {{
     table[0] = sgemm;
@@ -177,11 +185,20 @@ int32_t {p}_init_default(void) {{
 }
 
 
+COMPLEX_GEMMS = {
+    False: "static void* complex_gemms[2] = {NULL, NULL};",
+    True: """extern void scipy_cblas_cgemm64_(void);
+extern void scipy_cblas_zgemm64_(void);
+static void* complex_gemms[2] = {(void*)scipy_cblas_cgemm64_, (void*)scipy_cblas_zgemm64_};""",
+}
+
+
 def stub_source(prefix: str, blas: str) -> str:
     """The C source of a `.so`'s `PREFIX_init_blas` and `PREFIX_init_default`."""
     if blas not in BLAS_CHOICES:
         raise ValueError(f"unknown BLAS choice '{blas}' (one of {', '.join(BLAS_CHOICES)})")
-    return STUB.format(p=prefix, required=int(blas == "numpy"), default=DEFAULTS[blas].format(p=prefix))
+    return STUB.format(p=prefix, required=int(blas == "numpy"), default=DEFAULTS[blas].format(p=prefix),
+                       complex=COMPLEX_GEMMS[blas == "numpy"])
 
 
 class NoSystemBlas(BuildError):

@@ -1,16 +1,17 @@
 """The CPU backend as the registry sees it (`tgc.backends.base.Backend`): its own
-lowering stage `group` (cache blocking: `tgc.backends.cpu.group`), LLVM code
+lowering stage `group` (cache blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
 JIT-loaded in this process (`kernels.compile_kernels`), and cache keys that name
 the host CPU and its features."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
-from tgc.backends.cpu.group import Group
+from tgc.backends.cpu.group import Group, read_group
 
 
 class CpuBackend(Backend):
     name = "cpu"
     stages = (Group,)
+    kernel_forms = {"group": read_group}
     source_cache = True
 
     def cache_parts(self) -> tuple[str, ...]:

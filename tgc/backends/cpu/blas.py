@@ -30,6 +30,7 @@ import llvmlite.ir as ir
 
 ORDER_ROW_MAJOR, ORDER_COL_MAJOR = 101, 102
 NO_TRANS, TRANS = 111, 112
+CONJ_TRANS, CONJ_NO_TRANS = 113, 114   # CblasConjNoTrans is OpenBLAS's extension (numpy's has it)
 
 # ILP64 CBLAS symbol names, most specific first: numpy's scipy-openblas, then a
 # plain OpenBLAS built with the 64_ suffix. LP64 builds are not accepted (their
@@ -37,6 +38,9 @@ NO_TRANS, TRANS = 111, 112
 SYMBOLS = {
     'sgemm': ('scipy_cblas_sgemm64_', 'cblas_sgemm64_'),
     'dgemm': ('scipy_cblas_dgemm64_', 'cblas_dgemm64_'),
+    # complex (interleaved pairs); alpha and beta are passed by address
+    'cgemm': ('scipy_cblas_cgemm64_', 'cblas_cgemm64_'),
+    'zgemm': ('scipy_cblas_zgemm64_', 'cblas_zgemm64_'),
 }
 # OpenBLAS's (process-wide) thread count, which generated code sets to 1 for the
 # duration of a call (see codegen.py)
@@ -95,7 +99,7 @@ def _symbol(lib: ctypes.CDLL, names: tuple[str, ...]):
 
 
 def gemm_addresses() -> dict[str, int]:
-    """{'sgemm': address, 'dgemm': address} of the ILP64 CBLAS GEMMs, and of the
+    """{'sgemm': address, 'dgemm': address, 'cgemm', 'zgemm'} of the ILP64 CBLAS GEMMs, and of the
     thread-count get/set entries where the library has them."""
     lib = _library()
     out = {k: ctypes.cast(_symbol(lib, names), ctypes.c_void_p).value for k, names in SYMBOLS.items()}
@@ -111,6 +115,13 @@ def gemm_type(fp) -> ir.FunctionType:
     i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
     return ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, fp,
                                            ptr, i64, ptr, i64, fp, ptr, i64])
+
+
+def complex_gemm_type() -> ir.FunctionType:
+    """LLVM type of cblas_cgemm / cblas_zgemm (ILP64): alpha and beta are pointers."""
+    i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.PointerType()
+    return ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, ptr,
+                                           ptr, i64, ptr, i64, ptr, ptr, i64])
 
 
 def gemm_ctypes(fp_ctype) -> type:

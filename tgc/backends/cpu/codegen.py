@@ -53,18 +53,18 @@ from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_r
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
 from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
+from tgc.ir.ops import COSTS, FNS
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
 ALIGN = 64
 WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is updated
 # Op weights for the parallel threshold, relative to an add/mul (~0.1 ns an element
-# vectorized here): the polynomial functions (vecmath) and pow cost ~8; sqrt and div
-# are single vector instructions (vsqrtps, vdivps), ~2. (At weight 8 for div and sqrt,
-# layernorm 64x256 entered two parallel regions per call: 2-6 us each when idle, up to
-# milliseconds while another process holds a core.)
-HEAVY = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
-LIGHT = frozenset({"sqrt", "div"})
+# vectorized here): each elementwise function's cost class (tgc.ir.ops.COSTS): the
+# polynomial functions (vecmath) and pow cost ~8; sqrt and div are single vector
+# instructions (vsqrtps, vdivps), 1. (At weight 8 for div and sqrt, layernorm 64x256
+# entered two parallel regions per call: 2-6 us each when idle, up to milliseconds
+# while another process holds a core.)
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
 ENTRY_COST = 0  # compile cost (see compile_cost) of the entry points beyond their calls (each unit also generates and prints its own IR) ...
 CALL_COST = 0.5  # ... and of each kernel call in tgc_run
@@ -153,7 +153,8 @@ class _ModuleGen:
     def first_text(self) -> str:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
-        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)}):
+        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
+                              and k.cplx is None}):
             small_kernel(self.mod, self.fp, packed=packed)
             if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)
@@ -535,13 +536,13 @@ class _ModuleGen:
 
 
 def weight(k: LoopKernel) -> int:
-    """Work per iteration of the kernel's loops, in units of an add (see HEAVY)."""
+    """Work per iteration of the kernel's loops, in units of an add (tgc.ir.ops.COSTS)."""
     roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
     maps = [e.fn for r in roots for e in walk(r) if isinstance(e, Map)]
     if k.reduce == "logsumexp":  # an exp per element, and a second pass
         maps.append("exp")
     draws = [e for r in roots for e in walk(r) if isinstance(e, Rand)]   # Philox's ~100 integer ops, vectorized
-    return (1 + sum(8 if fn in HEAVY else 1 if fn in LIGHT else 0 for fn in maps)
+    return (1 + sum(COSTS[FNS[fn].cost] for fn in maps)
             + sum(8 if e.kind == "rand" else 24 for e in draws))
 
 

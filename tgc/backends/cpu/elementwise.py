@@ -1,7 +1,9 @@
-"""The IR's elementwise leaf functions (`map` fns) as LLVM instructions.
+"""The IR's elementwise leaf functions (`map` fns, `tgc.ir.ops.FNS`) as LLVM instructions.
 
-Transcendentals come from `vecmath` (straight-line IR, inlined, so loops that call
-them vectorize); the rest are single instructions or intrinsics. Comparisons give
+`EMITTERS` is the CPU's template per function, keyed by the names of `tgc.ir.ops`.
+Transcendentals (`Fn.vecmath`: exp log sqrt tanh erf sin cos log1p expm1) come from
+`vecmath` (straight-line IR, inlined, so loops that call them vectorize); the rest
+are single instructions or intrinsics. Comparisons give
 1.0/0.0; `max`/`min` propagate NaN like numpy (`llvm.maximum`/`llvm.minimum`);
 `where(c, a, b)` takes `a` where `c != 0` (NaN counts as true, as in numpy);
 `mul0(a, b)` is `a * b` but exactly 0 where `a == 0`, `mul00(a, b)` where either is. `sigmoid` and `softplus` go
@@ -19,8 +21,8 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu.vecmath import declare_math
+from tgc.ir.ops import VECMATH   # the functions tgc.backends.cpu.vecmath computes
 
-VECMATH = ("exp", "log", "tanh", "erf", "sin", "cos", "sqrt")
 CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 FLAGS = ("contract",)
 
@@ -36,47 +38,71 @@ def intrinsic(b: ir.IRBuilder, name: str, fp, nargs: int) -> ir.Function:
 
 
 def emit_map(b: ir.IRBuilder, fn: str, args: list, fp, const_exponent: float | None = None):
-    one, zero = ir.Constant(fp, 1.0), ir.Constant(fp, 0.0)
+    """The value of elementwise function `fn` (a name of tgc.ir.ops.FNS) on `args`;
+    `const_exponent`: pow's exponent when it is a constant."""
     if fn in VECMATH:
         return b.call(declare_math(b.module, fn, fp), args)
-    if fn in CMP:
-        op = CMP[fn]
+    emit = EMITTERS.get(fn)
+    if emit is None:
+        raise ValueError(f"no code for elementwise function '{fn}'")
+    return emit(b, args, fp, const_exponent)
+
+
+def _cmp(fn: str):
+    op = CMP[fn]
+
+    def emit(b: ir.IRBuilder, args, fp, _):
         c = b.fcmp_unordered(op, *args) if fn == "ne" else b.fcmp_ordered(op, *args)
-        return b.select(c, one, zero)
-    if fn == "abs":
-        return b.call(intrinsic(b, "fabs", fp, 1), args)
-    if fn == "sign":
-        x = args[0]
-        neg = b.select(b.fcmp_ordered("<", x, zero), ir.Constant(fp, -1.0), x)
-        return b.select(b.fcmp_ordered(">", x, zero), one, neg)
-    if fn == "div":
-        return b.fdiv(*args, flags=FLAGS)
-    if fn in ("max", "min"):
-        return b.call(intrinsic(b, "maximum" if fn == "max" else "minimum", fp, 2), args)
-    if fn == "mul0":
-        a, c = args
-        return b.select(b.fcmp_ordered("==", a, zero), zero, b.fmul(a, c, flags=FLAGS))
-    if fn == "mul00":
-        a, c = args
-        either = b.or_(b.fcmp_ordered("==", a, zero), b.fcmp_ordered("==", c, zero))
-        return b.select(either, zero, b.fmul(a, c, flags=FLAGS))
-    if fn == "where":
-        c, x, y = args
-        return b.select(b.fcmp_unordered("!=", c, zero), x, y)
-    if fn == "pow":
-        return emit_pow(b, args[0], args[1], fp, const_exponent)
-    if fn in ("checkpoint", "recompute"):   # identities (autodiff/remat.py)
-        return args[0]
-    if fn == "round32":   # to the nearest f32 and back (--fp-strict's f32 emulation)
-        return b.fpext(b.fptrunc(args[0], ir.FloatType()), fp)
-    if fn == "round_f16":   # through f32 to the nearest f16 (vcvtps2ph with F16C) and back
-        x = b.fptrunc(args[0], ir.FloatType()) if not isinstance(fp, ir.FloatType) else args[0]
-        return b.fpext(b.fptrunc(x, ir.HalfType()), fp)
-    if fn == "round_bf16":
-        return emit_round_bf16(b, args[0], fp)
-    if fn in ("sigmoid", "softplus"):
-        return (emit_sigmoid if fn == "sigmoid" else emit_softplus)(b, args[0], fp)
-    raise ValueError(f"no code for elementwise function '{fn}'")
+        return b.select(c, ir.Constant(fp, 1.0), ir.Constant(fp, 0.0))
+    return emit
+
+
+def _sign(b: ir.IRBuilder, args, fp, _):
+    x, zero = args[0], ir.Constant(fp, 0.0)
+    neg = b.select(b.fcmp_ordered("<", x, zero), ir.Constant(fp, -1.0), x)
+    return b.select(b.fcmp_ordered(">", x, zero), ir.Constant(fp, 1.0), neg)
+
+
+def _mul0(b: ir.IRBuilder, args, fp, _):
+    a, c = args
+    zero = ir.Constant(fp, 0.0)
+    return b.select(b.fcmp_ordered("==", a, zero), zero, b.fmul(a, c, flags=FLAGS))
+
+
+def _mul00(b: ir.IRBuilder, args, fp, _):
+    a, c = args
+    zero = ir.Constant(fp, 0.0)
+    either = b.or_(b.fcmp_ordered("==", a, zero), b.fcmp_ordered("==", c, zero))
+    return b.select(either, zero, b.fmul(a, c, flags=FLAGS))
+
+
+def _round_f16(b: ir.IRBuilder, args, fp, _):
+    """through f32 to the nearest f16 (vcvtps2ph with F16C) and back"""
+    x = b.fptrunc(args[0], ir.FloatType()) if not isinstance(fp, ir.FloatType) else args[0]
+    return b.fpext(b.fptrunc(x, ir.HalfType()), fp)
+
+
+# The CPU's template per elementwise function of tgc.ir.ops.FNS that no stage removes
+# before backends (the vector-math ones, `Fn.vecmath`, call tgc.backends.cpu.vecmath):
+# (builder, args, float type, pow's constant exponent or None) -> value.
+EMITTERS = {
+    "abs": lambda b, args, fp, _: b.call(intrinsic(b, "fabs", fp, 1), args),
+    "sign": _sign,
+    "sigmoid": lambda b, args, fp, _: emit_sigmoid(b, args[0], fp),
+    "softplus": lambda b, args, fp, _: emit_softplus(b, args[0], fp),
+    "div": lambda b, args, fp, _: b.fdiv(*args, flags=FLAGS),
+    "pow": lambda b, args, fp, k: emit_pow(b, args[0], args[1], fp, k),
+    "max": lambda b, args, fp, _: b.call(intrinsic(b, "maximum", fp, 2), args),
+    "min": lambda b, args, fp, _: b.call(intrinsic(b, "minimum", fp, 2), args),
+    **{fn: _cmp(fn) for fn in CMP},
+    "mul0": _mul0,
+    "mul00": _mul00,
+    "where": lambda b, args, fp, _: b.select(b.fcmp_unordered("!=", args[0], ir.Constant(fp, 0.0)), args[1], args[2]),
+    # to the nearest f32 and back (--fp-strict's f32 emulation)
+    "round32": lambda b, args, fp, _: b.fpext(b.fptrunc(args[0], ir.FloatType()), fp),
+    "round_f16": _round_f16,
+    "round_bf16": lambda b, args, fp, _: emit_round_bf16(b, args[0], fp),
+}
 
 
 def emit_round_bf16(b: ir.IRBuilder, x, fp):

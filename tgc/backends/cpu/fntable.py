@@ -16,6 +16,9 @@ into it. The runtime calls init once after loading (JIT engine or ``dlopen``ed
     5      blas_get_threads     i32 ()            (openblas_get_num_threads)
     6      blas_set_threads     void (i32)        (openblas_set_num_threads)
     7      omp_get_max_threads  i32 ()            (the team size of a region)
+    8      cgemm                void (i32, i32, i32, i64, i64, i64, ptr alpha,
+                                      ptr, i64, ptr, i64, ptr beta, ptr, i64)  (ILP64 CBLAS)
+    9      zgemm                the same (complex double)
 
 The module copies the pointers, so the Python-side array may be freed after init.
 Only fields a module calls need be non-null, but the array always has all N slots.
@@ -31,7 +34,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import blas
 
 FIELDS = ('sgemm', 'dgemm', 'gomp_parallel', 'omp_get_thread_num', 'omp_get_num_threads',
-          'blas_get_threads', 'blas_set_threads', 'omp_get_max_threads')
+          'blas_get_threads', 'blas_set_threads', 'omp_get_max_threads', 'cgemm', 'zgemm')
 GLOBAL = 'tgc.fntable'
 
 
@@ -47,6 +50,8 @@ def field_type(name: str) -> ir.FunctionType:
         'blas_get_threads': ir.FunctionType(i32, []),
         'blas_set_threads': ir.FunctionType(ir.VoidType(), [i32]),
         'omp_get_max_threads': ir.FunctionType(i32, []),
+        'cgemm': blas.complex_gemm_type(),
+        'zgemm': blas.complex_gemm_type(),
     }
     return types[name]
 

@@ -116,8 +116,9 @@ class _Operand:
 def _forms(low: Lowered, k: GemmKernel) -> dict:
     """Each operand's and the result's `matrix_form` (in its buffer's order)."""
     ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
-    va, vb = k.a.view_order(ab.order), k.b.view_order(bb.order)
-    fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(cb.order, k.m, k.n)
+    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order), cb.order))
+    fa, fb, fc = (matrix_form(o, r, c) if o is not None else None
+                  for o, r, c in ((va, k.m, k.k), (vb, k.k, k.n), (vc, k.m, k.n)))
     for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
         if form is None:
             raise ValueError(f"internal: GEMM {what} is not a matrix")
@@ -137,6 +138,8 @@ class GemmGen:
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
+        # a complex product (cgemm/zgemm) addresses, and strides over, whole pairs
+        self.elem = fp if k.cplx is None else ir.ArrayType(fp, 2)
         self.fn = define(mod, name, I32, [PTR] * 4 + [I64])
         optimize_not(self.fn)   # plans the tiles once per call: not worth LLVM's time
         self.bufs = {r: low.buffers[n] for r, n in (("a", k.a.buf), ("b", k.b.buf), ("c", k.out))}
@@ -160,11 +163,14 @@ class GemmGen:
         """Per role: (strides by view edge of the buffer, view edge -> buffer edge)."""
         k = self.k
         out = {}
+
+        def strides(order):   # a complex buffer's pairs axis is innermost: strides in pairs
+            return f.strides(order if k.cplx is None else order[:-1])
         for role, view in (("a", k.a), ("b", k.b)):
-            st = f.strides(self.bufs[role].order)
-            to_buf = dict(view.edges)
+            st = strides(self.bufs[role].order)
+            to_buf = {e: b for e, b in view.edges if b in st}
             out[role] = ({e: st[b] for e, b in to_buf.items()}, to_buf)
-        cst = f.strides(self.bufs["c"].order)
+        cst = strides(self.bufs["c"].order)
         out["c"] = (dict(cst), {e: e for e in self.bufs["c"].edges})
         return out
 
@@ -327,7 +333,7 @@ class GemmGen:
         st = self.views(f)
         A, B, c_p = self.operands(f, st)
         pl = self.tasks(f, b, *fn.args[6:9])
-        small = self.small_ok(b, pl, B)
+        small = self.small_ok(b, pl, B) if k.cplx is None else None
         with for_range(b, lo, hi, "task") as t:
             # decode: t = ((batch...) * n_p + ip) * n_q + iq
             iq = b.srem(t, pl["n_q"])
@@ -406,14 +412,17 @@ class GemmGen:
                     beta1 = ir.Constant(I1, 1)
                 xa = self.ptr(pa, [(r, A.col)])
                 xb = self.ptr(pb, [(r, B.row)])
-                with b.if_else(small) as (then, otherwise):
-                    with then:
-                        self.call_small(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
-                    with otherwise:
-                        self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+                if small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
+                    self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+                else:
+                    with b.if_else(small) as (then, otherwise):
+                        with then:
+                            self.call_small(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
+                        with otherwise:
+                            self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
 
     def ptr(self, base, parts):
-        return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=self.fp)
+        return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=self.elem)
 
     def smin(self, x, y):
         return self.b.select(self.b.icmp_signed("<", x, y), x, y)
@@ -474,12 +483,41 @@ class GemmGen:
         lda = A.row if A.col_unit else A.col
         tb = blas.NO_TRANS if B.col_unit else blas.TRANS
         ldb = B.row if B.col_unit else B.col
+        if self.k.cplx is not None:
+            self.call_complex(m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1)
+            return
         one = ir.Constant(self.fp, 1.0)
         beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
         name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
         ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
         fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
                                pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+
+    def call_complex(self, m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1):
+        """C'[m, n] (+)= alpha op(A')[m, kk] op(B')[kk, n] in pairs, row-major cblas
+        cgemm/zgemm; a conjugated operand is read with OpenBLAS's CblasConjNoTrans or
+        CblasConjTrans (the conjugation costs nothing). alpha and beta are passed by
+        address: constants of the module."""
+        b = self.b
+        conj = {"a": self.k.cplx[0], "b": self.k.cplx[1]}
+        ta = (blas.CONJ_NO_TRANS if ta == blas.NO_TRANS else blas.CONJ_TRANS) if conj[A.role] else ta
+        tb = (blas.CONJ_NO_TRANS if tb == blas.NO_TRANS else blas.CONJ_TRANS) if conj[B.role] else tb
+        alpha = self.pair_constant(self.k.alpha)
+        beta = b.select(beta1, self.pair_constant(1.0), self.pair_constant(0.0))
+        name = "cgemm" if isinstance(self.fp, ir.FloatType) else "zgemm"
+        ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
+        fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, alpha,
+                               pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+
+    def pair_constant(self, value: float):
+        """The address of a module constant holding the complex number `value` + 0i."""
+        name = f"tgc.complex.{'f32' if isinstance(self.fp, ir.FloatType) else 'f64'}.{value!r}"
+        g = self.mod.globals.get(name)
+        if g is None:
+            g = ir.GlobalVariable(self.mod, self.elem, name)
+            g.linkage, g.global_constant = "internal", True
+            g.initializer = ir.Constant(self.elem, [value, 0.0])
+        return g
 
     def call_large(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`

@@ -43,9 +43,9 @@ from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, rename_buffers, walk)
 from tgc.options import Options
+from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
 
-EXPENSIVE = frozenset({"exp", "log", "tanh", "erf", "sin", "cos", "pow"})
 INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined producer has
 BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
 
@@ -141,20 +141,57 @@ class LoopGroup:
         loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
         if self.blocks:
             loops += f" in {self.blocks} blocks"
-        head = f"group for {loops}" + (f"  reg {', '.join('%' + r for r in self.regs)}" if self.regs else "")
+        head = f"group for {loops}" + (f"  reg {', '.join(map(self._reg_text, self.regs))}" if self.regs else "")
         body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
         return head + (f"    # {self.note}" if self.note else "") + body
 
+    def _reg_text(self, r: str) -> str:
+        """A register with its edges (it has no buffer line): those of the member that writes it."""
+        writer = next((m for m in self.members if m.out == r), None)
+        return f"%{r}[{', '.join(e for e, _ in writer.index)}]" if writer else f"%{r}[]"
 
+
+
+
+def read_group(reader, t) -> LoopGroup:
+    """A `group for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
+    outer: list[str] = []
+    sizes: dict[str, Size] = {}
+    blocks, regs, note = 0, (), ""
+    members = []
+    for c in t.children:
+        if c.data == "outer":
+            outer.append(str(c.children[0]))
+            sizes[str(c.children[0])] = reader.size(c.children[1])
+        elif c.data == "blocks":
+            blocks = int(c.children[0])
+        elif c.data == "regs":
+            for r in c.children:
+                name = str(r.children[0])[1:]
+                if name in reader.low.buffers or name in reader.regs:
+                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
+                reader.regs[name] = reader.names(r.children[1])
+            regs = tuple(reader.regs)
+        elif c.data == "note":
+            note = reader.note(c)
+        else:
+            reader.meta_line = c.meta.line
+            members.append(reader.loop(c))
+    reader.regs = {}
+    return LoopGroup(tuple(outer), sizes, tuple(members), regs, blocks, note)
 
 
 @dataclass(frozen=True)
-class Group(Pass):
+class Group(Pass[Lowered, Lowered]):
     """Fuse neighbouring loop kernels that share outer loops into groups."""
 
     name = "group"
+    takes = gives = "lowered"
+    blocks: int | None = None   # blocks of a group's rows with partial sums (None: options.cpu.group_blocks; 0: no groups)
 
-    def run(self, low: Lowered, options: Options) -> Lowered:  # type: ignore[override]
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        if self.blocks is not None:
+            options = options.with_(group_blocks=self.blocks)
         out = low.staged("group")
         if options.cpu.group_blocks < 1:
             return out
@@ -499,7 +536,8 @@ def _subst(e, mapping: dict[str, Ix]):
     if isinstance(e, (Add, Mul, Map)):
         return replace(e, args=tuple(_subst(a, mapping) for a in e.args))
     if isinstance(e, Rand):
-        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping))
+        return replace(e, key=e.key.subst(mapping), counter=e.counter.subst(mapping),
+                       folds=tuple(n.subst(mapping) if isinstance(n, Ix) else n for n in e.folds))
     return e
 
 

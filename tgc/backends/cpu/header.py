@@ -153,7 +153,7 @@ def _init_section(prefix: str, blas: str) -> list[str]:
         "     0 sgemm and 1 dgemm, ILP64 as above; 2 GOMP_parallel, 3 omp_get_thread_num and",
         "     4 omp_get_num_threads (libgomp's; without 2 every kernel runs on the calling",
         "     thread); 5 get_threads and 6 set_threads as above; 7 omp_get_max_threads.",
-        f"   The library copies the pointers: the array may be freed after the call. */",
+        "   The library copies the pointers: the array may be freed after the call. */",
         f"void {p}_init(void* const* table);",
         f"int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,",
         f"        {' ' * len(p)}           void* set_threads);",

@@ -506,7 +506,8 @@ class LoopGen:
             return acc
         if isinstance(e, Rand):
             fp = ir.FloatType() if e.draw == "f32" else self.fp
-            value = emit_draw(b, e.kind, e.folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
+            folds = tuple(n if isinstance(n, int) else self.ix(n, vars) for n in e.folds)
+            value = emit_draw(b, e.kind, folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
             return value if fp == self.fp else b.fpext(value, self.fp)
         if isinstance(e, Mask):
             return self.mask(e, vars, acc)

@@ -96,7 +96,8 @@ class LLVMArith:
         return self.b.fptrunc(x, ir.FloatType()) if dtype == "f32" else x
 
 
-def emit_draw(b: ir.IRBuilder, kind: str, folds: tuple[int, ...], key, counter, fp):
-    """The draw at i64 `counter` from the i64 (sign-extended i32) `key`, as a value of `fp`."""
+def emit_draw(b: ir.IRBuilder, kind: str, folds: tuple, key, counter, fp):
+    """The draw at i64 `counter` from the i64 (sign-extended i32) `key`, as a value of `fp`;
+    `folds` are ints, or i64 values (an i32 input's, sign-extended: `fold(key, n)`)."""
     dtype = "f32" if isinstance(fp, ir.FloatType) else "f64"
     return philox.draw(LLVMArith(b), kind, dtype, key, folds, counter)

@@ -8,8 +8,17 @@ from __future__ import annotations
 from tgc.backends.base import Backend
 
 
+def lowering_options(options):
+    """The options the CUDA backends lower with: a complex product stays elementwise
+    loops (there is no complex GEMM cell on the GPU)."""
+    return options.with_(complex_gemm=False)
+
+
 class CudaBackend(Backend):
     name = "cuda"
+
+    def lowering_options(self, options):
+        return lowering_options(options)
 
     def compile(self, module, low, options, artifacts=None):
         from tgc.backends.cuda.runtime import compile_kernels

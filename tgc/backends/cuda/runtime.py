@@ -76,11 +76,12 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
 
 
 def lower(module: Module, options: Options):
-    """The lowered program the CUDA backends compile: fuse, layout and plan (no
-    stage of the CPU's)."""
-    from tgc.lower.plan import lower_module
+    """The lowered program the CUDA backends compile: the neutral stages fuse, layout
+    and plan (no stage of the CPU's), without complex GEMM cells (`lowering_options`)."""
+    from tgc.backends.cuda.backend import lowering_options
+    from tgc.manager import lower_module
 
-    return lower_module(module, options)
+    return lower_module(module, lowering_options(options))
 
 
 # ---------------------------------------------------------------- devices

@@ -83,6 +83,17 @@ static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd
 #define __expf expf
 #define __logf logf
 
+// IEEE double operations with their rounding named (Philox draws, backends/cuda/philox.py):
+// the plain operations here (SIM_FLAGS target no FMA, so nothing is contracted)
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dsub_rn(double a, double b) { return a - b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
+static inline double __dsqrt_rn(double a) { return sqrt(a); }
+static inline float __double2float_rn(double a) { return (float)a; }
+static inline long long __double_as_longlong(double a) { long long r; memcpy(&r, &a, sizeof r); return r; }
+static inline double __longlong_as_double(long long a) { double r; memcpy(&r, &a, sizeof r); return r; }
+
 // Run CALL as the kernel launch <<<G, B>>>: blocks in order, each block's threads as
 // an OpenMP team (kernels with barriers or shuffles) ...
 #define TGC_SIM_LAUNCH(G, B, CALL)                                        \

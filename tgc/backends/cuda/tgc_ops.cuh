@@ -1,9 +1,10 @@
 // tgc_ops.cuh: the elementwise semantics of tgc's lowered programs as CUDA device
 // functions, float and double. Inlined by tgc.backends.cuda.codegen into every
 // generated module (so a module is one self-contained source for nvcc, NVRTC and
-// the cuda-sim emulator). Each function is the one the CPU backend defines
-// (tgc/backends/cpu/elementwise.py) and the interpreters compute (tgc/ir/interp.py
-// MAP_FNS):
+// the cuda-sim emulator). Each function is one of tgc/ir/ops.py's FNS, as the CPU
+// backend defines it (tgc/backends/cpu/elementwise.py) and the interpreters compute
+// it (its numpy definition in tgc/ir/ops.py); codegen.TEMPLATES says which is called
+// for which name:
 //   max/min propagate NaN (llvm.maximum/minimum; numpy.maximum/minimum);
 //   comparisons give 1/0, NaN compares unequal (ne is the unordered one);
 //   where(c, a, b) takes a where c != 0 (NaN counts as true);
@@ -11,7 +12,9 @@
 //   sigmoid and softplus go through e = exp(-|x|), which never overflows;
 //   pow is C pow (numpy.power on floats: 1 for y == 0, signed for a negative base
 //   with an integer exponent, NaN for a negative base with a fractional one);
-//   round32 rounds to the nearest float and back.
+//   round32 rounds to the nearest float and back;
+//   log1p and expm1 are the math library's (log(1 + x) and exp(x) - 1, accurate at
+//   small x).
 // Transcendentals are the CUDA math library's (libm under cuda-sim): within a few
 // ulps of the CPU backend's own polynomials, not bit for bit.
 #ifndef TGC_OPS_CUH
@@ -40,6 +43,10 @@ TGC_DEV float tgc_cos(float x) { return cosf(x); }
 TGC_DEV double tgc_cos(double x) { return cos(x); }
 TGC_DEV float tgc_erf(float x) { return erff(x); }
 TGC_DEV double tgc_erf(double x) { return erf(x); }
+TGC_DEV float tgc_log1p(float x) { return log1pf(x); }
+TGC_DEV double tgc_log1p(double x) { return log1p(x); }
+TGC_DEV float tgc_expm1(float x) { return expm1f(x); }
+TGC_DEV double tgc_expm1(double x) { return expm1(x); }
 TGC_DEV float tgc_abs(float x) { return fabsf(x); }
 TGC_DEV double tgc_abs(double x) { return fabs(x); }
 TGC_DEV float tgc_pow(float x, float y) { return powf(x, y); }
@@ -69,6 +76,40 @@ template <typename T> TGC_DEV T tgc_where(T c, T a, T b) { return c != T(0) ? a 
 template <typename T> TGC_DEV T tgc_mul0(T a, T b) { return a == T(0) ? T(0) : a * b; }
 template <typename T> TGC_DEV T tgc_mul00(T a, T b) { return (a == T(0) || b == T(0)) ? T(0) : a * b; }
 template <typename T> TGC_DEV T tgc_round32(T x) { return T((float)x); }
+// round_bf16 / round_f16: x through f32 to the nearest bfloat16 / half (ties to even)
+// and back, as the CPU backend (tgc/backends/cpu/elementwise.py) and the interpreters.
+// bf16: the f32 bits plus 0x7fff plus the lowest kept bit, cut to the top 16 (a carry
+// rounds up into the exponent, up to inf); NaN stays NaN, made quiet.
+TGC_DEV float tgc_bf16f(float f) {
+#ifdef __CUDACC__
+    unsigned u = __float_as_uint(f);
+#else
+    unsigned u;
+    memcpy(&u, &f, 4);
+#endif
+    u = (f != f) ? (u | 0x00400000u) : (u + 0x7fffu + ((u >> 16) & 1u));
+    u &= 0xffff0000u;
+#ifdef __CUDACC__
+    return __uint_as_float(u);
+#else
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+// half: the hardware conversion (cvt.rn.f16.f32 on a GPU, without cuda_fp16.h, which
+// NVRTC may not find; GCC's _Float16 under the emulator)
+TGC_DEV float tgc_f16f(float f) {
+#ifdef __CUDACC__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return (float)(_Float16)f;
+#endif
+}
+template <typename T> TGC_DEV T tgc_round_bf16(T x) { return T(tgc_bf16f((float)x)); }
+template <typename T> TGC_DEV T tgc_round_f16(T x) { return T(tgc_f16f((float)x)); }
 template <typename T> TGC_DEV T tgc_sigmoid(T x) {
     T e = tgc_exp(-tgc_abs(x));
     T d = T(1) + e;

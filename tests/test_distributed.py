@@ -1,0 +1,354 @@
+"""Data-parallel training steps (tgc.distributed): the split at the gradient boundary,
+and runs over 1, 2 and 3 ranks against single-process training on the whole batch.
+
+- The split: which values cross the ranks, that phase 2 no longer has the batch, and
+  the errors for steps that cannot be split.
+- In-process ranks (`tgc.distributed.run_ranks`, threads): params identical on every
+  rank, equal to single-process training within f32 tolerance; equal and unequal shards.
+- MPI: `mpirun -n 2` and `-n 3` (OpenMPI, mpi4py; skipped with a reason without them)
+  run `tests/distributed_mpi_train.py`: the ranks agree bit for bit, match single-process
+  training within f32 tolerance, and with `deterministic=True` (the gradients summed in
+  rank order) match the in-process ranks bit for bit.
+- The NCCL path on cuda-sim with in-process NCCL-like communicators.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import distributed as D
+from tgc.ir.diag import CompileError
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import distributed_cases as cases  # noqa: E402
+import distributed_mpi_train as mpi_train  # noqa: E402
+
+STEPS = 4
+
+
+def _single(name: str, steps: int = STEPS) -> dict:
+    """Single-process training on the whole batch: the oracle."""
+    case = cases.CASES[name]
+    prog = tgc.compile(case.path, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
+    state = case.init()
+    losses = []
+    for k in range(steps):
+        losses.append(float(prog(**case.batch(k), **case.scalars(k), **state)[case.loss]))
+    return {"losses": np.array(losses), **state}
+
+
+def _local(n: int, spec: str, out: Path, kind: str = "mpi", backend: str = "cpu") -> list[dict]:
+    """The spec trained on n in-process ranks; each rank's npz."""
+    lock = threading.Lock()
+    D.run_ranks(n, lambda comm: mpi_train.run(comm, spec, out, STEPS, lock, backend), kind=kind)
+    return [dict(np.load(out / f"{spec}.rank{r}.npz")) for r in range(n)]
+
+
+def _same_on_every_rank(ranks: list[dict]) -> None:
+    for r in ranks[1:]:
+        for k in ranks[0]:
+            assert np.array_equal(r[k], ranks[0][k]), k
+
+
+def _close(got: dict, want: dict, rtol=2e-5, atol=2e-6) -> None:
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+# ---------------------------------------------------------------- the split
+
+def _module(src_or_path: str):
+    from tgc import pipeline
+
+    if src_or_path.endswith(".tg"):
+        return pipeline.load(src_or_path, tgc.Options())
+    from tgc.frontend.elaborate import elaborate_source
+
+    return elaborate_source(src_or_path, "<t>", tgc.Options()).module
+
+
+def test_split_mlp_crosses_the_gradients_only():
+    s = D.split_step(_module(cases.CASES["mlp"].path))
+    assert sorted(s.boundary) == ["d_W1", "d_W2", "d_b1", "d_b2"]
+    assert [o.name for o in s.grads.outputs] == ["loss", "correct", "probs", *s.boundary]
+    assert not s.grads.updates and not s.apply.outputs
+    assert "x" not in s.apply.args and "lr" in s.apply.args and "lr" not in s.grads.args
+    assert "batch" not in s.apply.dims            # phase 2 binds no batch size
+    assert {u.target for u in s.apply.updates} == {"W1", "b1", "W2", "b2"}
+
+
+def test_split_adam_keeps_state_only_updates_in_phase_2():
+    s = D.split_step(_module(cases.CASES["digits"].path))
+    assert "step" in {u.target for u in s.apply.updates}
+    assert len(s.boundary) == 6                   # K1, b1, K2, b2, W, b: one gradient each, read 3 times
+
+
+BASE = """
+dim batch
+dim f = 3
+input x[batch, f]
+param W[f]
+input lr
+loss = mean[batch](sum[f](x * W) ^ 2)
+out loss
+"""
+
+
+@pytest.mark.parametrize("src, message", [
+    (BASE + "update W = W - lr * mean[batch](x)", "reads input 'x', which is split over the ranks"),
+    (BASE.replace("dim batch", "dim batch = 4") + "update W = W - lr * grad(loss, W)", "dim 'batch' is fixed"),
+    (BASE, "has no `update`"),
+    (BASE + "update W = W - lr * size(batch) * grad(loss, W)", "reads the size of dim 'batch'"),
+    (BASE.replace("param W[f]", "param W[f]\nparam Q[batch]") + "update Q = Q", "param 'Q' has the split edge"),
+])
+def test_split_refuses(src, message):
+    with pytest.raises(CompileError, match=message):
+        D.split_step(_module(src))
+
+
+def test_split_needs_the_dim():
+    with pytest.raises(CompileError, match="no dim 'rows'"):
+        D.split_step(_module(BASE + "update W = W - lr * grad(loss, W)"), shard="rows")
+
+
+def test_replicated_gradient_stays_in_phase_2():
+    """A derivative of the params alone (a regularizer's) is computed on every rank."""
+    src = BASE + "reg = sum[f](W * W)\nupdate W = W - lr * (grad(loss, W) + grad(reg, W))"
+    s = D.split_step(_module(src))
+    assert s.boundary == ["d_W"]
+    assert any(v.op == "grad" for v in __import__("tgc").ir.values.topo_order([u.value for u in s.apply.updates]))
+
+
+def test_api_is_documented():
+    import inspect
+
+    for name, member in vars(D.DataParallel).items():
+        if name.startswith("_") and name != "__call__":
+            continue
+        doc = member.__doc__ if isinstance(member, property) else inspect.getdoc(member)
+        assert doc, name
+    for name in ("compile", "split_step", "local_group", "run_ranks", "DataParallel", "LocalComm", "LocalNcclComm"):
+        assert inspect.getdoc(getattr(D, name)), name
+
+
+def test_compile_keywords_need_data_parallel():
+    with pytest.raises(TypeError, match="shard"):
+        tgc.compile(cases.CASES["mlp"].path, shard="batch")
+
+
+def test_not_a_communicator():
+    with pytest.raises(TypeError, match="no communicator"):
+        tgc.compile(cases.CASES["mlp"].path, data_parallel=object())
+
+
+# ---------------------------------------------------------------- in-process ranks
+
+@pytest.mark.parametrize("name, n", [("mlp", 1), ("mlp", 2), ("mlp", 3), ("mlp13", 2), ("mlp13", 3), ("digits", 2)])
+def test_local_ranks_match_single_process(tmp_path, name, n):
+    ranks = _local(n, name, tmp_path)
+    _same_on_every_rank(ranks)
+    _close(ranks[0], _single(name))
+
+
+def test_one_rank_is_the_plain_step_bit_for_bit(tmp_path):
+    """With one rank nothing is reduced: the split step gives the fused step's bits on
+    the MLP (its gradients are f32 in both)."""
+    ranks = _local(1, "mlp", tmp_path)
+    want = _single("mlp")
+    for k in want:
+        assert np.array_equal(ranks[0][k], want[k]), k
+
+
+def test_shard_inputs_and_outputs():
+    """Each rank gets contiguous rows; the loss comes back averaged over the ranks (by
+    rows), the per-row outputs as this rank's rows."""
+    src = BASE.replace("out loss", "out loss\nout r[batch] = sum[f](x * W)") + "update W = W - lr * grad(loss, W)"
+    x = np.arange(15, dtype=np.float32).reshape(5, 3) / 10
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm)
+        mine = step.shard_inputs({"x": x})
+        W = np.ones(3, np.float32)
+        res = step(**mine, W=W, lr=0.0)
+        return mine["x"], res
+    lock = threading.Lock()
+    out = D.run_ranks(2, body)
+    assert np.array_equal(out[0][0], x[:2]) and np.array_equal(out[1][0], x[2:])
+    full = float(np.mean(x.sum(1) ** 2))
+    for xs, res in out:
+        np.testing.assert_allclose(res["loss"], full, rtol=1e-6)
+        np.testing.assert_allclose(res["r"], xs.sum(1), rtol=1e-6)
+
+
+def test_sums_are_summed_not_averaged():
+    src = BASE.replace("out loss", "out loss\nout s = sum(x)") + "update W = W - lr * grad(loss, W)"
+    x = np.arange(21, dtype=np.float32).reshape(7, 3)
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm, sums=("s",))
+        return step(**step.shard_inputs({"x": x}), W=np.ones(3, np.float32), lr=0.0)["s"]
+    lock = threading.Lock()
+    assert D.run_ranks(3, body) == [float(x.sum())] * 3
+    with pytest.raises(ValueError, match="no output 'nope'"):
+        tgc.compile(src, data_parallel=D.local_group(1)[0], sums=("nope",))
+
+
+def test_results_are_not_overwritten_and_errors_are_clear():
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = case.init()
+        first = step(**step.shard_inputs(case.batch(0)), **state, lr=0.1)["loss"]
+        kept = float(first)
+        step(**step.shard_inputs(case.batch(1)), **state, lr=0.1)
+        assert float(first) == kept                       # a later call leaves an earlier result alone
+        with pytest.raises(tgc.EvalError, match="missing input 'lr'"):
+            step(**step.shard_inputs(case.batch(1)), **state)
+        with pytest.raises(tgc.EvalError, match="unexpected input 'z'"):
+            step(**step.shard_inputs(case.batch(1)), **state, lr=0.1, z=1.0)
+        return True
+    lock = threading.Lock()
+    assert D.run_ranks(2, body) == [True, True]
+
+
+def test_forward_only_is_local():
+    def body(comm):
+        with lock:
+            step = tgc.compile(cases.CASES["mlp"].path, data_parallel=comm)
+        state = cases.CASES["mlp"].init()
+        b = cases.CASES["mlp"].batch(0)
+        return step(**b, **state, updates=False)["loss"]
+    lock = threading.Lock()
+    got = D.run_ranks(2, body)
+    plain = tgc.compile(cases.CASES["mlp"].path)
+    want = plain(**cases.CASES["mlp"].batch(0), **cases.CASES["mlp"].init(), updates=False)["loss"]
+    assert got[0] == got[1] == want
+
+
+# ---------------------------------------------------------------- MPI
+
+def _mpi_reason() -> str | None:
+    """Why the MPI tests cannot run here, or None. mpi4py is imported in a child (MPI_Init
+    is not for the test process)."""
+    if shutil.which("mpirun") is None:
+        return "mpirun (OpenMPI) is not installed (apt-get install openmpi-bin libopenmpi-dev)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install -e '.[mpi]')"
+    try:
+        r = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, text=True,
+                           timeout=120, env=_mpi_env())
+    except subprocess.TimeoutExpired:
+        return "mpi4py's MPI_Init did not return within 120 s"
+    if r.returncode != 0:
+        return f"mpi4py does not load its MPI library: {r.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def _mpi_env() -> dict:
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+
+
+MPI_REASON = _mpi_reason()
+needs_mpi = pytest.mark.skipif(MPI_REASON is not None, reason=MPI_REASON or "")
+SPECS = ["mlp", "mlp:det", "mlp13", "mlp13:det", "digits"]
+
+
+def _mpirun(n: int, out: Path) -> None:
+    env = _mpi_env()
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
+           str(HERE / "distributed_mpi_train.py"), str(out), *SPECS, "--steps", str(STEPS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def warm_cache():
+    """The programs compiled once here, so that the ranks find them in tgc's cache."""
+    for name in ("mlp", "digits"):
+        tgc.compile(cases.CASES[name].path, data_parallel=D.local_group(1)[0], options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_mpi_ranks(tmp_path, n, warm_cache):
+    _mpirun(n, tmp_path)
+    (tmp_path / "local").mkdir()
+    for spec in SPECS:
+        ranks = [dict(np.load(tmp_path / f"{spec}.rank{r}.npz")) for r in range(n)]
+        _same_on_every_rank(ranks)
+        _close(ranks[0], _single(spec.split(":")[0]))
+        if spec.endswith(":det"):    # the sum in rank order: the in-process ranks' bits
+            local = _local(n, spec, tmp_path / "local")
+            for k in local[0]:
+                assert np.array_equal(ranks[0][k], local[0][k]), (spec, k)
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_mpi_example_trains(tmp_path):
+    """`mpirun -n 2 python examples/train_sort_gpt.py --data-parallel`, a few steps."""
+    script = HERE.parent / "examples" / "train_sort_gpt.py"
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, str(script),
+           "--data-parallel", "--quick", "--no-torch", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_mpi_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("data parallel: 2 processes") == 1          # rank 0 prints, rank 1 does not
+    assert "held-out exact-sequence accuracy after 12 steps" in proc.stdout
+    params = tgc.load_params(tmp_path / "params.safetensors", tgc.compile(script.with_suffix(".tg")))
+    assert float(params["step"]) == 12.0
+
+
+# ---------------------------------------------------------------- NCCL on cuda-sim
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
+@pytest.mark.parametrize("n", [1, 2])
+def test_nccl_path_on_cuda_sim(tmp_path, n):
+    ranks = _local(n, "mlp13", tmp_path, kind="nccl", backend="cuda-sim")
+    _same_on_every_rank(ranks)
+    _close(ranks[0], _single("mlp13"), rtol=1e-4, atol=1e-5)
+
+
+def test_nccl_communicator_needs_a_cuda_backend():
+    with pytest.raises(ValueError, match="needs backend 'cuda'"):
+        tgc.compile(cases.CASES["mlp"].path, data_parallel=D.local_group(1, "nccl")[0])
+
+
+def _nccl_gpu() -> bool:
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 -- no CuPy, no NCCL, no driver, no device
+        return False
+
+
+@pytest.mark.skipif(not _nccl_gpu(), reason="needs CuPy with NCCL and an NVIDIA GPU (benchmarks/gpu_check.sh runs it)")
+def test_nccl_on_a_gpu_single_rank():
+    """The NCCL path on a real GPU: one rank (NCCL over one device), the batch reduced
+    through ncclAllReduce, against single-process training on the CPU."""
+    import cupy
+    from cupy.cuda import nccl
+
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    case = cases.CASES["mlp13"]
+    step = tgc.compile(case.path, backend="cuda", data_parallel=comm)
+    state = {k: cupy.asarray(v) for k, v in case.init().items()}
+    for k in range(STEPS):
+        step(**step.shard_inputs(case.batch(k)), **case.scalars(k), **state)
+    got = {k: cupy.asnumpy(v) for k, v in state.items()}
+    _close(got, {k: v for k, v in _single("mlp13").items() if k != "losses"}, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,705 @@
+"""Data-parallel training steps: one `.tg` step, its batch split over N processes.
+
+    from mpi4py import MPI
+    step = tgc.compile("model.tg", data_parallel=MPI.COMM_WORLD)    # shard="batch"
+    mine = step.shard_inputs({"x": x, "y": y})      # this rank's rows of a global batch
+    result = step(**mine, **params, lr=0.1)         # params updated in place, equal on every rank
+
+What it does (docs/distributed.md has the contract and the measurements):
+
+- `split_step` cuts the module, before the pass pipeline, at the gradient boundary:
+  the *boundary* values are the derivatives (`grad`, `vjp`, `jvp`) that the updates
+  read and that depend on the sharded data. Phase 1 (`Split.grads`) is the program
+  without its updates, with every boundary value as an extra output; phase 2
+  (`Split.apply`) is the updates alone, each boundary value replaced by an input of
+  the same type. Both are ordinary modules, compiled by the ordinary pipeline. The cut
+  is exact: phase 2 computes, from the same boundary values, what the updates computed
+  (a value is never changed, only where it is materialized: the gradient becomes an
+  array of the program's float type, which the fused program may have computed in
+  another order or precision on its way into the update).
+  It refuses (CompileError) an update that reads sharded data outside a derivative, or
+  a boundary value that keeps the sharded edge: those cannot be averaged.
+- `DataParallel` runs phase 1 on this rank's rows, packs the boundary values and the
+  outputs without the sharded edge (the loss, metrics) into flat buffers (buckets),
+  reduces them over the ranks, and runs phase 2 on the result on every rank. The
+  reduction is a mean weighted by rows (the full-batch gradient of a mean loss; see
+  docs/distributed.md), or a sum for outputs named in `sums`.
+- Engines: an mpi4py communicator (CPU and cuda-sim, numpy buffers) or a CuPy NCCL
+  communicator (`cupy.cuda.nccl.NcclCommunicator`; cuda, cuda-sim). `local_group(n)`
+  makes n in-process communicators of either kind (threads), for tests and debugging.
+
+The allreduces start once phase 1 (one native call) has produced every gradient: they
+do not overlap the backward pass. Every collective is called in the same order on every
+rank (the buckets in the program's fixed order), and a call's argument errors are raised
+before the first one, so the step terminates whenever every rank makes the call.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tgc.ir import values as V
+from tgc.ir.diag import CompileError
+from tgc.ir.module import Arg, Module, Output
+from tgc.options import Options
+
+BUCKET_BYTES = 1 << 22      # default bucket size: 4 MiB of gradients per allreduce
+
+
+# ---------------------------------------------------------------- the split
+
+@dataclass
+class Split:
+    """The two phases of a data-parallel step (see the module docstring)."""
+    grads: Module               # outputs + one output per boundary value; no updates
+    apply: Module               # the updates; one input per boundary value
+    boundary: list[str]         # the boundary values' names: outputs of `grads`, inputs of `apply`
+    forward: Module             # the forward-only program (no updates)
+
+
+def sharded_dims(module: Module, shard: str) -> set[str]:
+    """The dim `shard` and every dim whose size expression mentions it (`dim bt = batch * t`)."""
+    return {shard} | {d for d, s in module.dims.items()
+                      if s is not None and not isinstance(s, int) and shard in _names_in(s)}
+
+
+def _names_in(s) -> set[str]:
+    """Every string inside a size expression (dim names among them)."""
+    import dataclasses
+
+    found: set[str] = set()
+    stack = [s]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            found.add(x)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+    return found
+
+
+def split_step(module: Module, shard: str = "batch") -> Split:
+    """Cut `module` (before the pass pipeline: its derivatives not yet expanded) at the
+    gradient boundary over the sharded dim `shard`. CompileError when it cannot.
+    Terminates: each walk visits every value of the finite DAG once."""
+    from tgc.pipeline import drop_unread_args, forward_only
+
+    if shard not in module.dims:
+        have = ", ".join(module.dims) or "none"
+        raise CompileError(f"data parallel: the program has no dim '{shard}' to split over the ranks "
+                           f"(its dims: {have}); name it with shard=")
+    if module.dims[shard] is not None:
+        raise CompileError(f"data parallel: dim '{shard}' is fixed; it must be symbolic (`dim {shard}`), "
+                           f"so that each rank binds it to the rows it holds")
+    if not module.updates:
+        raise CompileError("data parallel: the program has no `update`; there is nothing to average")
+    dims = sharded_dims(module, shard)
+
+    def sharded(edges) -> bool:
+        return any(module.edges[e] in dims for e in edges)
+
+    data = {n for n, a in module.args.items() if sharded(a.order)}
+    for n in data:
+        if module.args[n].kind != "input":
+            raise CompileError(f"data parallel: {module.args[n].kind} '{n}' has the split edge of dim "
+                               f"'{shard}'; params and states are the same on every rank", module.args[n].loc)
+    # values that depend on the sharded data (the derivative ops' own operands count)
+    depends: dict[int, bool] = {}
+    for v in V.topo_order(module.roots()):
+        depends[id(v)] = (v.op == "arg" and v.attrs[0] in data) or any(depends[id(o)] for o in v.operands)
+
+    # the boundary: the first derivative on each path down from an update that depends on the data
+    boundary: dict[int, V.Value] = {}
+    seen: set[int] = set()
+    stack = [u.value for u in module.updates]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.op in V.DERIVATIVE_OPS and depends[id(v)]:
+            boundary[id(v)] = v
+            continue
+        stack.extend(v.operands)
+
+    taken = set(module.args) | set(module.edges) | set(module.dims) | {o.name for o in module.outputs}
+    names: dict[int, str] = {}
+    for v in sorted(boundary.values(), key=_boundary_rank(module)):
+        if sharded(v.edges):
+            raise CompileError(f"data parallel: a derivative the updates read keeps the split edge of dim "
+                               f"'{shard}' ({v.type}); only values summed or averaged over it can be reduced",
+                               v.loc)
+        base = "d_" + (v.operands[1].attrs[0] if v.op in ("grad", "vjp", "jvp") else "value")
+        name, n = base, 1
+        while name in taken:
+            name, n = f"{base}_{n}", n + 1
+        taken.add(name)
+        names[id(v)] = name
+
+    def order(v: V.Value) -> tuple[str, ...]:
+        x = v.operands[1]
+        own = [e for e in module.args[x.attrs[0]].order if e in v.edges]
+        return tuple(module.order_edges([e for e in v.edges if e not in own])) + tuple(own)
+
+    ordered = [boundary[k] for k in names]
+    grads = Module(dict(module.dims), dict(module.edges), dict(module.args),
+                   list(module.outputs) + [Output(names[id(v)], v, order(v)) for v in ordered], [],
+                   list(module.facts))
+    new_args = {names[id(v)]: Arg(names[id(v)], "input", v.dtype, order(v)) for v in ordered}
+    memo = V.rebuild([u.value for u in module.updates],
+                     lambda v, ops: V.arg(names[id(v)], v.dtype, v.edges) if id(v) in names
+                     else V.rebuild_same(v, ops))
+    from dataclasses import replace
+
+    updates = [replace(u, value=memo[id(u.value)]) for u in module.updates]
+    apply = Module(dict(module.dims), dict(module.edges), {**module.args, **new_args}, [], updates,
+                   list(module.facts))
+    for v in V.topo_order([u.value for u in updates]):
+        if v.op == "arg" and v.attrs[0] in data:
+            u = next(u for u in updates if v in V.topo_order([u.value]))
+            raise CompileError(f"data parallel: the update of '{u.target}' reads input '{v.attrs[0]}', which is "
+                               f"split over the ranks, outside a gradient: it cannot be averaged", u.loc)
+    apply = drop_unread_args(apply, keep_dims=False)
+    from tgc.pipeline import used_dims
+
+    # phase 2 must not see the split dims: they leave its module, so that a call binds no
+    # batch size it has no input for (each rank's is its own, not the global one)
+    if used_dims(apply) & dims:
+        raise CompileError(f"data parallel: an update reads the size of dim '{shard}' (or of a dim derived "
+                           f"from it) outside a gradient; on each rank it is that rank's rows, not the batch's")
+    apply = Module({d: s for d, s in apply.dims.items() if d not in dims},
+                   {e: d for e, d in apply.edges.items() if d not in dims}, apply.args, [], apply.updates,
+                   [f for f in apply.facts if not (set(f.lhs.edges) | set(f.rhs.edges)) & {
+                       e for e, d in module.edges.items() if d in dims}])
+    return Split(drop_unread_args(grads), apply, [names[id(v)] for v in ordered], forward_only(module))
+
+
+def _boundary_rank(module: Module):
+    """Boundary values in the order of their variables' declarations, the last first:
+    a backward pass produces the last layers' gradients first (as DDP's buckets)."""
+    rank = {n: i for i, n in enumerate(module.args)}
+
+    def key(v: V.Value):
+        x = v.operands[1].attrs[0]
+        return (-rank.get(x, 0), v.op, str(v.type))
+    return key
+
+
+# ---------------------------------------------------------------- engines
+
+class _Engine:
+    """The collectives a step needs, on arrays of the programs' array module."""
+    rank: int
+    size: int
+
+    def allreduce(self, buf) -> None:
+        """Sum `buf` over the ranks, in place (the same bits on every rank)."""
+        raise NotImplementedError
+
+    def allreduce_fixed(self, buf) -> None:
+        """Sum `buf` over the ranks in rank order, in place: gathered, then added
+        rank 0 first on every rank, whatever the library's algorithm."""
+        raise NotImplementedError
+
+    def broadcast(self, buf, root: int = 0) -> None:
+        raise NotImplementedError
+
+
+class MPIEngine(_Engine):
+    """An mpi4py communicator (or one with its methods: Get_rank, Get_size, Allreduce,
+    Allgather, Bcast) on numpy arrays."""
+    kind = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def allreduce(self, buf) -> None:
+        send = buf.copy()
+        self.comm.Allreduce(send, buf)
+
+    def allreduce_fixed(self, buf) -> None:
+        got = np.empty((self.size,) + buf.shape, buf.dtype)
+        self.comm.Allgather(buf, got)
+        buf[...] = got[0]
+        for r in range(1, self.size):
+            buf += got[r]
+
+    def broadcast(self, buf, root: int = 0) -> None:
+        self.comm.Bcast(buf, root=root)
+
+
+# NCCL's ABI constants (nccl.h): what cupy.cuda.nccl names NCCL_FLOAT32 ...
+NCCL_TYPES = {np.dtype(np.float32): 7, np.dtype(np.float64): 8, np.dtype(np.int32): 2}
+NCCL_SUM = 0
+
+
+class NCCLEngine(_Engine):
+    """A CuPy NCCL communicator (`cupy.cuda.nccl.NcclCommunicator`: rank_id, size,
+    allReduce, allGather, bcast on device pointers, queued on the current stream). On
+    cuda-sim the arrays are numpy's and the pointers host addresses (a fake
+    communicator from `local_group(n, "nccl")`)."""
+    kind = "nccl"
+
+    def __init__(self, comm, xp):
+        self.comm, self.xp = comm, xp
+        self.rank, self.size = comm.rank_id(), comm.size()
+
+    def _ptr(self, a) -> int:
+        return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+    def _stream(self) -> int:
+        if self.xp is np:
+            return 0
+        return self.xp.cuda.get_current_stream().ptr
+
+    def allreduce(self, buf) -> None:
+        self.comm.allReduce(self._ptr(buf), self._ptr(buf), buf.size, NCCL_TYPES[buf.dtype], NCCL_SUM, self._stream())
+
+    def allreduce_fixed(self, buf) -> None:
+        got = self.xp.empty((self.size,) + buf.shape, buf.dtype)
+        self.comm.allGather(self._ptr(buf), self._ptr(got), buf.size, NCCL_TYPES[buf.dtype], self._stream())
+        buf[...] = got[0]
+        for r in range(1, self.size):
+            buf += got[r]
+
+    def broadcast(self, buf, root: int = 0) -> None:
+        self.comm.bcast(self._ptr(buf), buf.size, NCCL_TYPES[buf.dtype], root, self._stream())
+
+
+def engine_for(comm, backend: str) -> _Engine:
+    """The engine for `comm` on `backend`: mpi4py-like or NCCL-like (by its methods)."""
+    if hasattr(comm, "allReduce") and hasattr(comm, "rank_id"):
+        if backend == "cpu":
+            raise ValueError("data_parallel: a NCCL communicator needs backend 'cuda' (or 'cuda-sim'); "
+                             "on the CPU pass an mpi4py communicator")
+        xp = np
+        if backend == "cuda":
+            import cupy as xp   # noqa: F811 -- the device's arrays
+        return NCCLEngine(comm, xp)
+    if hasattr(comm, "Allreduce") and hasattr(comm, "Get_rank"):
+        if backend == "cuda":
+            raise ValueError("data_parallel: backend 'cuda' reduces with NCCL: pass a "
+                             "cupy.cuda.nccl.NcclCommunicator, not an MPI communicator")
+        return MPIEngine(comm)
+    raise TypeError(f"data_parallel: {type(comm).__name__} is no communicator: pass an mpi4py communicator "
+                    f"(Get_rank, Get_size, Allreduce, Allgather, Bcast) or a CuPy NCCL communicator")
+
+
+# ---------------------------------------------------------------- in-process communicators
+
+class _Rendezvous:
+    """n threads meeting at each collective: each posts its buffer, then all read all."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def exchange(self, rank: int, value) -> list:
+        self.slots[rank] = value
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+
+class LocalComm:
+    """An mpi4py-like communicator between threads of this process (`local_group`).
+    Allreduce sums in rank order, so its results equal `allreduce_fixed`'s bit for bit."""
+
+    def __init__(self, rv: _Rendezvous, rank: int):
+        self._rv, self._rank = rv, rank
+
+    def Get_rank(self) -> int:
+        return self._rank
+
+    def Get_size(self) -> int:
+        return self._rv.n
+
+    def Allreduce(self, send, recv) -> None:
+        got = self._rv.exchange(self._rank, np.array(send, copy=True))
+        recv[...] = got[0]
+        for g in got[1:]:
+            recv += g
+
+    def Allgather(self, send, recv) -> None:
+        got = self._rv.exchange(self._rank, np.array(send, copy=True))
+        for r, g in enumerate(got):
+            recv[r] = g
+
+    def Bcast(self, buf, root: int = 0) -> None:
+        got = self._rv.exchange(self._rank, np.array(buf, copy=True))
+        buf[...] = got[root]
+
+
+_NCCL_NP = {v: k for k, v in NCCL_TYPES.items()}
+
+
+class LocalNcclComm:
+    """A NCCL-like communicator (cupy.cuda.nccl.NcclCommunicator's methods) between
+    threads of this process, on host pointers: the NCCL path on cuda-sim."""
+
+    def __init__(self, rv: _Rendezvous, rank: int):
+        self._rv, self._rank = rv, rank
+
+    def rank_id(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._rv.n
+
+    @staticmethod
+    def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
+        dt = _NCCL_NP[datatype]
+        import ctypes
+
+        return np.frombuffer((ctypes.c_char * (count * dt.itemsize)).from_address(ptr), dt)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
+        if op != NCCL_SUM:
+            raise ValueError("LocalNcclComm: only ncclSum")
+        got = self._rv.exchange(self._rank, self._view(sendbuf, count, datatype).copy())
+        out = self._view(recvbuf, count, datatype)
+        out[...] = got[0]
+        for g in got[1:]:
+            out += g
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
+        got = self._rv.exchange(self._rank, self._view(sendbuf, count, datatype).copy())
+        self._view(recvbuf, count * self._rv.n, datatype)[...] = np.concatenate(got)
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        view = self._view(buff, count, datatype)
+        got = self._rv.exchange(self._rank, view.copy())
+        view[...] = got[root]
+
+
+def local_group(n: int, kind: str = "mpi") -> list:
+    """n communicators between threads of this process, one per rank: mpi4py-like
+    (`kind="mpi"`) or NCCL-like (`"nccl"`, host pointers: for cuda-sim). Each rank's
+    calls must run in a thread of its own (`run_ranks`)."""
+    if n < 1:
+        raise ValueError("local_group: n >= 1")
+    rv = _Rendezvous(n)
+    cls = {"mpi": LocalComm, "nccl": LocalNcclComm}[kind]
+    return [cls(rv, r) for r in range(n)]
+
+
+def run_ranks(n: int, fn, kind: str = "mpi", timeout: float = 600.0) -> list:
+    """fn(comm) in n threads, one per rank of a `local_group`; their results in rank
+    order. The first exception raised by any rank is raised again here."""
+    comms = local_group(n, kind)
+    results: list = [None] * n
+    errors: list = []
+
+    def body(r):
+        try:
+            results[r] = fn(comms[r])
+        except BaseException as e:  # noqa: BLE001 -- reported to the caller
+            errors.append(e)
+            comms[r]._rv.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise first
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"run_ranks: a rank did not finish in {timeout} s")
+    return results
+
+
+# ---------------------------------------------------------------- the program
+
+def _build_program(module: Module, options: Options, backend: str, key: str | None = None, files=()):
+    """One phase's program. With `key` (the source's first-level cache key and the
+    phase), it is looked up in and stored to tgc's program cache where the backend
+    keeps one (the CPU), as `tgc.compile` does for a whole program: a hit skips the
+    pass pipeline."""
+    from tgc import pipeline
+
+    return pipeline.compile_cached(module, options, backend, key, files)
+
+
+def _phase_key(key: str | None, phase: str, shard: str) -> str | None:
+    if key is None:
+        return None
+    import hashlib
+
+    return hashlib.sha256(f"{key}\0data-parallel\0{phase}\0{shard}".encode()).hexdigest()
+
+
+class DataParallel:
+    """A training step whose batch is split over the ranks of a communicator.
+
+    Made by `tgc.compile(source, data_parallel=comm)` (or `compile` here). Each rank
+    calls it with its own rows of every input that has the split edge (`shard_inputs`
+    cuts them from a global batch) and the same other arguments; the params and states
+    are updated in place, to the same values on every rank. The first call broadcasts
+    every param and state it is given from rank 0 (`broadcast` does it again).
+
+    The result holds each output: averaged over the ranks (weighted by rows) when it
+    has no split edge (a loss), or summed when it is named in `sums`; this rank's own
+    rows when it has the split edge. Then each update's new value, as a plain call's.
+    `run(..., updates=False)` is the forward-only call, on this rank alone."""
+
+    def __init__(self, module: Module, comm, options: Options, backend: str = "cpu", shard: str = "batch",
+                 deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), cache_key: str | None = None,
+                 files=()):
+        self.module, self.options, self.backend, self.shard = module, options, backend, shard
+        self.split = split_step(module, shard)
+        self.engine = engine_for(comm, backend)
+        self.rank, self.size = self.engine.rank, self.engine.size
+        self.deterministic = bool(deterministic)
+        if bucket_bytes < 1:
+            raise ValueError("bucket_bytes: at least 1")
+        self.bucket_bytes = int(bucket_bytes)
+        outs = {o.name for o in module.outputs}
+        unknown = [s for s in sums if s not in outs]
+        if unknown:
+            raise ValueError(f"sums: the program has no output '{unknown[0]}'")
+        self.sums = frozenset(sums)
+        self._key, self._files = cache_key, tuple(files)
+        self.grads = _build_program(self.split.grads, options, backend, _phase_key(cache_key, "grads", shard), files)
+        self.apply = _build_program(self.split.apply, options, backend, _phase_key(cache_key, "apply", shard), files)
+        self._forward = None
+        self._lock = threading.Lock()
+        dims = sharded_dims(module, shard)
+        sharded = {o.name for o in module.outputs if any(module.edges[e] in dims for e in o.order)}
+        self.local_outputs = [o.name for o in module.outputs if o.name in sharded]
+        # what crosses the ranks, in a fixed order: the boundary values, then the outputs to reduce
+        self.reduced = list(self.split.boundary) + [o.name for o in module.outputs if o.name not in sharded]
+        self._sharded_args = {n: a for n, a in module.args.items() if any(module.edges[e] in dims for e in a.order)}
+        self._synced = False
+        self._signature = None
+        # seconds of the last call: phase 1 (gradients), the reduction (waits included), phase 2 (updates)
+        self.last_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._buckets = None   # [(names, flat buffer)], made on the first call for its shapes
+
+    # ------------------------------------------------------------ description
+
+    @property
+    def inputs(self):
+        """The arguments a call takes (the full program's; `TensorSpec`)."""
+        return self._whole().inputs
+
+    @property
+    def outputs(self):
+        """The program's outputs (`TensorSpec`)."""
+        return self._whole().outputs
+
+    @property
+    def updates(self) -> list[str]:
+        """The params and states a call updates in place (on every rank)."""
+        return [u.target for u in self.module.updates]
+
+    @property
+    def float_dtype(self) -> str:
+        """The float type callers pass and get (f32 or f64)."""
+        return self.grads.float_dtype
+
+    def _whole(self) -> "_Signature":
+        if self._signature is None:
+            self._signature = _Signature(self.module, self.grads.float_dtype)
+        return self._signature
+
+    def __repr__(self) -> str:
+        return (f"<tgc.distributed.DataParallel rank {self.rank} of {self.size} ({self.engine.kind}), "
+                f"split over '{self.shard}': {len(self.split.boundary)} gradients>")
+
+    # ------------------------------------------------------------ helpers for callers
+
+    def shard_rows(self, n: int) -> slice:
+        """This rank's rows of a global batch of `n` (contiguous, sizes differing by at most 1)."""
+        lo = self.rank * n // self.size
+        hi = (self.rank + 1) * n // self.size
+        return slice(lo, hi)
+
+    def shard_inputs(self, arrays: dict) -> dict:
+        """`arrays` with every input that has the split edge cut to this rank's rows
+        (along that edge's axis); the others as given."""
+        out = dict(arrays)
+        for name, a in self._sharded_args.items():
+            if name not in out:
+                continue
+            x = out[name]
+            axis = next(i for i, e in enumerate(a.order) if self.module.edges[e] == self.shard)
+            n = np.shape(x)[axis]
+            idx = [slice(None)] * np.ndim(x)
+            idx[axis] = self.shard_rows(n)
+            out[name] = x[tuple(idx)]
+        return out
+
+    def broadcast(self, arrays: dict) -> None:
+        """Every param and state in `arrays` set, in place, to rank 0's values."""
+        for name in sorted(arrays):
+            a = self.module.args.get(name)
+            if a is not None and a.kind in ("param", "state"):
+                x = arrays[name]
+                if not isinstance(x, (np.ndarray,)) and not hasattr(x, "__cuda_array_interface__"):
+                    raise TypeError(f"broadcast: '{name}' must be an array (it is written in place)")
+                if not x.flags.c_contiguous:
+                    raise TypeError(f"broadcast: '{name}' must be C-contiguous")
+                self.engine.broadcast(x.reshape(-1) if x.ndim else x.reshape(1))
+
+    # ------------------------------------------------------------ the call
+
+    def without_updates(self):
+        """The forward-only program (no updates, no gradients), run on this rank alone."""
+        with self._lock:
+            if self._forward is None:
+                self._forward = _build_program(self.split.forward, self.options, self.backend,
+                                               _phase_key(self._key, "forward", self.shard), self._files)
+            return self._forward
+
+    def __call__(self, /, **arrays) -> dict:
+        """`step(x=..., W=..., lr=0.1)` is `step.run({...})`; `updates=False` makes the
+        forward-only call on this rank alone."""
+        updates = True
+        if "updates" in arrays and "updates" not in self.module.args:
+            updates = arrays.pop("updates")
+        return self.run(arrays, updates=updates)
+
+    def run(self, arrays: dict, dims: dict | None = None, updates: bool = True) -> dict:
+        """One data-parallel step (see the class docstring); every rank must call it."""
+        from tgc.ir.interp import EvalError
+
+        if not isinstance(updates, bool):
+            raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
+        if not updates:
+            fwd = self.without_updates()
+            return fwd.run({n: arrays[n] for n in fwd._names if n in arrays}, dims)
+        extra = [n for n in arrays if n not in self.module.args]
+        if extra:
+            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
+        # before any communication: a rank that stops here leaves the others no collective to wait in
+        needed = set(self.grads._names) | (set(self.apply._names) - set(self.split.boundary))
+        missing = [n for n in self.module.args if n in needed and n not in arrays]
+        if missing:
+            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
+        if not self._synced:
+            self.broadcast(arrays)
+            self._synced = True
+        g = self.grads
+        t0 = time.perf_counter()
+        first = g.run({n: arrays[n] for n in g._names if n in arrays}, dims)
+        t1 = time.perf_counter()
+        rows = self._rows(arrays, dims)
+        total, equal = self._counts(rows, first)
+        reduced = self._reduce(first, rows, total, equal)
+        t2 = time.perf_counter()
+        a = self.apply
+        dims2 = {d: n for d, n in (dims or {}).items() if d in self.split.apply.dims} if dims else None
+        second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims2)
+        self.last_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        # reduced outputs are views of the buckets, which the next call overwrites: copies
+        result = {o.name: reduced[o.name].copy() if o.name in reduced else first[o.name] for o in self.module.outputs}
+        for u in self.module.updates:
+            result[self.module.update_key(u.target)] = second[u.target]
+        return result
+
+    def _rows(self, arrays: dict, dims: dict | None) -> int:
+        if dims and self.shard in dims:
+            return int(dims[self.shard])
+        for name, a in self._sharded_args.items():
+            if name in arrays:
+                axis = next((i for i, e in enumerate(a.order) if self.module.edges[e] == self.shard), None)
+                if axis is not None:
+                    return int(np.shape(arrays[name])[axis])
+        from tgc.ir.interp import EvalError
+
+        raise EvalError(f"no input gives the size of dim '{self.shard}': pass dims={{'{self.shard}': n}}")
+
+    def _counts(self, rows: int, like: dict) -> tuple[float, bool]:
+        """(the global rows, whether every rank holds as many): one small allreduce."""
+        xp = self.engine.xp if isinstance(self.engine, NCCLEngine) else np
+        c = xp.asarray([float(rows), float(rows) * rows], dtype=np.float64)
+        if self.size > 1:
+            self.engine.allreduce(c)
+        s, s2 = (float(x) for x in (c.get() if hasattr(c, "get") else c))
+        return s, self.size * s2 == s * s
+
+    def _reduce(self, first: dict, rows: int, total: float, equal: bool) -> dict:
+        """The reduced boundary values and outputs, as views of the flat buckets."""
+        if self._buckets is None or any(first[n].shape != shape for n, shape, _ in self._layout):
+            self._plan_buckets(first)
+        out = {}
+        for names, buf in self._buckets:
+            pos = 0
+            for n in names:
+                x = first[n]
+                view = buf[pos:pos + x.size]
+                if not equal and n not in self.sums:
+                    view[...] = x.reshape(-1) * (rows / total)
+                else:
+                    view[...] = x.reshape(-1)
+                pos += x.size
+            if self.size > 1:
+                (self.engine.allreduce_fixed if self.deterministic else self.engine.allreduce)(buf)
+            pos = 0
+            for n in names:
+                x = first[n]
+                view = buf[pos:pos + x.size]
+                if equal and n not in self.sums and self.size > 1:
+                    view /= self.size
+                out[n] = view.reshape(x.shape)
+                pos += x.size
+        return out
+
+    def _plan_buckets(self, first: dict) -> None:
+        """Flat buffers of at most `bucket_bytes` each (a larger value alone), per dtype,
+        the reduced values in their fixed order."""
+        xp = self.engine.xp if isinstance(self.engine, NCCLEngine) else np
+        self._layout = [(n, first[n].shape, first[n].dtype) for n in self.reduced]
+        buckets, cur, cur_bytes, cur_dt = [], [], 0, None
+        for n, shape, dt in self._layout:
+            if dt not in NCCL_TYPES or dt == np.dtype(np.int32):
+                raise TypeError(f"data parallel reduces f32/f64 values; '{n}' is {dt}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if cur and (dt != cur_dt or cur_bytes + nbytes > self.bucket_bytes):
+                buckets.append((cur, cur_dt))
+                cur, cur_bytes = [], 0
+            cur.append(n)
+            cur_bytes += nbytes
+            cur_dt = dt
+        if cur:
+            buckets.append((cur, cur_dt))
+        sizes = {n: int(np.prod(shape, dtype=np.int64)) for n, shape, _ in self._layout}
+        self._buckets = [(names, xp.empty(sum(sizes[n] for n in names), dt)) for names, dt in buckets]
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes reduced per step (after the first call)."""
+        return sum(int(b.nbytes) for _, b in (self._buckets or []))
+
+
+class _Signature:
+    """The argument and output specs of the whole program (without compiling it)."""
+
+    def __init__(self, module: Module, dtype: str):
+        from tgc.runtime.program import TensorSpec
+
+        targets = {u.target for u in module.updates}
+        self.inputs = [TensorSpec(a.name, a.kind, a.order, tuple(module.size(e) for e in a.order),
+                                  "i32" if a.dtype == "i32" else dtype, a.name in targets)
+                       for a in module.args.values()]
+        self.outputs = [TensorSpec(o.name, "output", o.order, tuple(module.size(e) for e in o.order), dtype)
+                        for o in module.outputs]
+
+
+def compile(source, comm, backend: str = "cpu", dtype: str = "f32", dims=None, options=None,
+            shard: str = "batch", deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=()):
+    """`tgc.compile(source, ..., data_parallel=comm)`: a `DataParallel` step."""
+    import tgc
+
+    return tgc.compile(source, backend=backend, dtype=dtype, dims=dims, options=options, data_parallel=comm,
+                       shard=shard, deterministic=deterministic, bucket_bytes=bucket_bytes, sums=sums)

@@ -1,0 +1,364 @@
+"""The lowered program's verifier: what every stage must leave true.
+
+`verify_lowered(low)` raises `VerifyError` (with the index of the kernel at fault, or
+None) when the program breaks one of these rules; the pass manager runs it after every
+lowering stage, and `parse_lowered` after reading text:
+
+- buffers: each declared once (a dict), with a known type, sorted known edges, an
+  `order` that permutes them, and the module's ABI: every argument the kernels use
+  is an `arg` buffer with the argument's position, type and edges, every output an
+  `out` buffer, and no two buffers share an ABI position;
+- edges: every edge a buffer, loop or GEMM names is the module's or one that
+  lowering made (`Lowered.edges`);
+- kernels read only defined buffers: arguments, buffers an earlier kernel wrote (a
+  group's member: also an earlier member's, and its registers), and a scatter's own
+  output; every output is written; only the targets of updates (params and states)
+  among the arguments are written;
+- loops are bound: every variable an index, mask, bound or draw uses is a loop of
+  its kernel (or an outer loop of its group, or `#block` in a blocked group), each
+  loop has a size, the reduced loops are loops, an index names exactly its buffer's
+  edges, `Acc` appears only in an epilogue of a reduction, a register is written by
+  one member and read only by later ones;
+- sizes are consistent: where an output index is a loop variable, the loop runs over
+  the whole edge (equal sizes); a GEMM's out buffer has the edges of its batch, m and n
+  groups and its operands' views agree on the sizes of the edges they share; a group's
+  outer loops are the first loops of every member, with the same sizes;
+- the workspace: after `plan` every temporary has a slot, each slot index lies inside
+  the slot table and lists the buffer's byte size, and two temporaries alive at once
+  (from first to last use) never share a slot; id checks are on i32 buffers.
+
+Sizes are expressions of the symbolic dims (`tgc.ir.sizes`); two that are not the same
+expression (`h * 5` and `h * e` with `e = 5`) are compared by their values at two
+bindings of the symbolic dims (and count as equal when the dims cannot be bound), so
+the check flags only sizes that differ. A group is any kernel with `members`,
+`outer` loops and `regs` (a backend's own kind: the CPU's `LoopGroup`, which this
+module does not import). It changes nothing. Terminates: one walk over the kernels and their expression trees.
+"""
+from __future__ import annotations
+
+from tgc.ir.interp import MAP_FNS
+from tgc.ir.sizes import SizeError, size_eval
+from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
+                               Mask, Rand, walk)
+
+BLOCK_EDGE = "#block"
+REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
+DTYPES = ("f32", "f64", "i32")
+
+
+
+def _is_group(k) -> bool:
+    """A loop group (a backend's own kind of kernel: members in shared outer loops)."""
+    return hasattr(k, "members") and hasattr(k, "outer")
+
+
+class VerifyError(ValueError):
+    """A broken lowered program; `kernel` is the index of the kernel at fault (or None)."""
+
+    def __init__(self, message: str, kernel: int | None = None):
+        super().__init__(message if kernel is None else f"k{kernel}: {message}")
+        self.kernel = kernel
+
+
+def verify_lowered(low: Lowered) -> None:
+    _Verifier(low).run()
+
+
+class _Verifier:
+    def __init__(self, low: Lowered):
+        self.low = low
+        self.k: int | None = None
+
+    def fail(self, message: str) -> VerifyError:
+        return VerifyError(message, self.k)
+
+    def same_size(self, a, b) -> bool:
+        if a == b:
+            return True
+        if not hasattr(self, "_envs"):
+            sym = self.low.module.symbolic_dims()
+            self._envs = []
+            for base in (7, 12):
+                try:
+                    self._envs.append(self.low.module.bind_dims({d: base + 2 * i for i, d in enumerate(sym)}))
+                except (SizeError, ValueError):
+                    pass
+        try:
+            return all(size_eval(a, env) == size_eval(b, env) for env in self._envs)
+        except (SizeError, KeyError):
+            return True
+
+    def known_edge(self, e: str) -> bool:
+        return e in self.low.edges or e in self.low.module.edges
+
+    # ---------------------------------------------------------------- the program
+
+    def run(self) -> None:
+        low = self.low
+        if low.dtype not in ("f32", "f64"):
+            raise self.fail(f"the program's float type is f32 or f64, not '{low.dtype}'")
+        self.buffers()
+        defined = {n for n, b in low.buffers.items() if b.kind == "arg"}
+        written: set[str] = set()
+        for self.k, k in enumerate(low.kernels):
+            if _is_group(k):
+                self.group(k, defined)
+                writes = k.writes()
+            elif isinstance(k, GemmKernel):
+                self.gemm(k, defined)
+                writes = {k.out}
+            else:
+                self.loop(k, defined, {}, set())
+                writes = {k.out}
+            for w in writes:
+                self.writable(w)
+            defined |= writes
+            written |= writes
+        self.k = None
+        for c in low.checks:
+            if c.buf not in low.buffers or low.buffers[c.buf].dtype != "i32":
+                raise self.fail(f"id check on '%{c.buf}', which is not an i32 buffer")
+        outs = {b.index: n for n, b in low.buffers.items() if b.kind == "out"}
+        for i, o in enumerate(low.module.outputs):
+            if outs.get(i) not in written:
+                raise self.fail(f"output '{o.name}' (out {i}) is never written")
+        self.slots()
+
+    def buffers(self) -> None:
+        low, m = self.low, self.low.module
+        seen: dict[tuple[str, int], str] = {}
+        for name, b in low.buffers.items():
+            if name != b.name:
+                raise self.fail(f"buffer '%{name}' is named '{b.name}'")
+            if b.dtype not in DTYPES:
+                raise self.fail(f"buffer '%{name}' has unknown type '{b.dtype}'")
+            if list(b.edges) != sorted(b.edges) or len(set(b.edges)) != len(b.edges):
+                raise self.fail(f"buffer '%{name}' lists its edges unsorted or twice: [{', '.join(b.edges)}]")
+            for e in b.edges:
+                if not self.known_edge(e):
+                    raise self.fail(f"buffer '%{name}' has unknown edge '{e}'")
+            for what, order in (("order", b.order), ("prefer", b.prefer)):
+                if order is not None and sorted(order) != list(b.edges):
+                    raise self.fail(f"buffer '%{name}' {what} [{', '.join(order)}] is not an order of its edges "
+                                    f"[{', '.join(b.edges)}]")
+            if b.kind not in ("arg", "out", "temp"):
+                raise self.fail(f"buffer '%{name}' has unknown kind '{b.kind}'")
+            if b.kind == "temp":
+                continue
+            key = (b.kind, b.index)
+            if key in seen:
+                raise self.fail(f"buffers '%{seen[key]}' and '%{name}' are both {b.kind} {b.index}")
+            seen[key] = name
+            if b.kind == "arg":
+                a = m.args.get(name)
+                if a is None or list(m.args).index(name) != b.index:
+                    raise self.fail(f"buffer '%{name}' is arg {b.index}, but the module's argument {b.index} is "
+                                    f"'{list(m.args)[b.index] if 0 <= b.index < len(m.args) else 'missing'}'")
+                expect = a.dtype if a.dtype == "i32" else b.dtype
+                if tuple(sorted(a.order)) != b.edges or b.dtype != expect:
+                    raise self.fail(f"buffer '%{name}' does not have the type of argument '{name}'")
+            else:
+                if not 0 <= b.index < len(m.outputs):
+                    raise self.fail(f"buffer '%{name}' is out {b.index}; the module has {len(m.outputs)} outputs")
+                o = m.outputs[b.index]
+                if tuple(sorted(o.order)) != b.edges:
+                    raise self.fail(f"buffer '%{name}' (out {b.index}) does not have the edges of output '{o.name}'")
+            if low.stage != "fuse" and b.order is None:
+                raise self.fail(f"buffer '%{name}' has no order after {low.stage}")
+
+    def writable(self, name: str) -> None:
+        b = self.low.buffers[name]
+        if b.kind == "arg" and name not in {u.target for u in self.low.module.updates}:
+            raise self.fail(f"writes argument '%{name}', which no update targets")
+
+    def slots(self) -> None:
+        low = self.low
+        live: dict[str, tuple[int, int]] = {}
+        for i, k in enumerate(low.kernels):
+            for name in k.buffers_used():
+                if name in low.buffers and low.buffers[name].kind == "temp":
+                    first, _ = live.get(name, (i, i))
+                    live[name] = (first, i)
+        by_slot: dict[int, list[str]] = {}
+        for name, b in low.buffers.items():
+            if b.slot is None:
+                if low.stage == "plan" and b.kind == "temp":
+                    raise self.fail(f"temporary '%{name}' has no workspace slot after plan")
+                continue
+            if b.kind != "temp":
+                raise self.fail(f"{b.kind} buffer '%{name}' has a workspace slot")
+            if not 0 <= b.slot < len(low.slots):
+                raise self.fail(f"buffer '%{name}' is in slot {b.slot}, outside the workspace's "
+                                f"{len(low.slots)} slots")
+            if low.nbytes(b) not in low.slots[b.slot]:
+                raise self.fail(f"slot {b.slot} does not list the size of '%{name}' ({low.nbytes(b)} bytes)")
+            by_slot.setdefault(b.slot, []).append(name)
+        for s, names in by_slot.items():
+            spans = sorted((live[n], n) for n in names if n in live)
+            for (a, na), (b, nb) in zip(spans, spans[1:]):
+                if b[0] <= a[1]:
+                    raise self.fail(f"'%{na}' and '%{nb}' share slot {s} while both are alive (k{b[0]})")
+
+    # ---------------------------------------------------------------- kernels
+
+    def group(self, g, defined: set[str]) -> None:
+        if g.blocks < 0:
+            raise self.fail(f"a group runs in {g.blocks} blocks")
+        for v in g.outer:
+            if v not in g.sizes:
+                raise self.fail(f"group loop '{v}' has no size")
+        regs: dict[str, int] = {}
+        for j, m in enumerate(g.members):
+            if not isinstance(m, LoopKernel):
+                raise self.fail("a group's members are loop kernels")
+            if tuple(m.loops[:len(g.outer)]) != tuple(g.outer) and not self.partial(g, m):
+                raise self.fail(f"member {j} (%{m.out}) does not start with the group's loops "
+                                f"{', '.join(g.outer)}")
+            for v in g.outer:
+                if v in m.sizes and not self.same_size(m.sizes[v], g.sizes[v]):
+                    raise self.fail(f"member {j} (%{m.out}) runs '{v}' over {m.sizes[v]}, the group over "
+                                    f"{g.sizes[v]}")
+            scope = dict(g.sizes)
+            if g.blocks:
+                scope[BLOCK_EDGE] = g.blocks
+            self.loop(m, defined, scope, set(regs))
+            if m.out in g.regs:
+                if m.out in regs:
+                    raise self.fail(f"register '%{m.out}' is written twice")
+                regs[m.out] = j
+            defined = defined | {m.out}
+        for r in g.regs:
+            if r not in regs:
+                raise self.fail(f"register '%{r}' is never written")
+
+    @staticmethod
+    def partial(g, m: LoopKernel) -> bool:
+        """A member summing over the first outer loop (into its block's row) runs it last."""
+        return bool(g.blocks) and bool(g.outer) and g.outer[0] in m.red and set(g.outer) <= set(m.loops)
+
+    def loop(self, k: LoopKernel, defined: set[str], outer: dict, regs: set[str]) -> None:
+        low = self.low
+        if k.reduce not in REDUCTIONS or (k.scatter and k.reduce not in ("", "max", "min")):
+            raise self.fail(f"unknown reduction '{k.reduce}'" + (" for a scatter" if k.scatter else ""))
+        for v in k.loops:
+            if v not in k.sizes:
+                raise self.fail(f"loop '{v}' has no size")
+        if len(set(k.loops)) != len(k.loops):
+            raise self.fail(f"a loop variable appears twice in {', '.join(k.loops)}")
+        for v in k.red:
+            if v not in k.loops:
+                raise self.fail(f"reduces over '{v}', which is not one of its loops")
+        if k.red and not k.reduce and not k.scatter:
+            raise self.fail("reduced loops without a reduction")
+        if k.epilogue is not None and not k.reduce:
+            raise self.fail("an epilogue without a reduction")
+        bound = set(k.loops) | set(outer)
+        if k.out not in low.buffers and k.out not in regs | set(self.group_regs()):
+            raise self.fail(f"writes undeclared buffer '%{k.out}'")
+        self.index(k.out, k.index, bound)
+        if k.out in low.buffers:
+            for e, ix in k.index:
+                v = ix.as_var()
+                if v is not None and v in k.sizes and not k.scatter and not self.same_size(k.sizes[v], low.size(e)) \
+                        and v not in k.bounds:
+                    raise self.fail(f"loop '{v}' runs over {k.sizes[v]} but writes edge '{e}' of "
+                                    f"%{k.out}, of size {low.size(e)}")
+        for v, (lo, hi) in k.bounds.items():
+            if v not in k.loops:
+                raise self.fail(f"bounds for '{v}', which is not one of its loops")
+            for ix in lo + hi:
+                self.ix(ix, bound, defined | regs)
+        can_read = defined | regs | ({k.out} if k.scatter or set(k.red) & set(outer) else set())
+        self.expr(k.body, bound, can_read, acc=False)
+        if k.epilogue is not None:
+            self.expr(k.epilogue, bound, can_read, acc=True)
+
+    def group_regs(self) -> list[str]:
+        k = self.low.kernels[self.k] if self.k is not None else None
+        return list(k.regs) if _is_group(k) else []
+
+    def gemm(self, k: GemmKernel, defined: set[str]) -> None:
+        low = self.low
+        for v in (k.a, k.b):
+            if v.buf not in low.buffers:
+                raise self.fail(f"reads undeclared buffer '%{v.buf}'")
+            if v.buf not in defined:
+                raise self.fail(f"reads '%{v.buf}' before anything writes it")
+            if sorted(b for _, b in v.edges) != list(low.buffers[v.buf].edges):
+                raise self.fail(f"the view {v} does not name every edge of '%{v.buf}' once")
+        if k.out not in low.buffers:
+            raise self.fail(f"writes undeclared buffer '%{k.out}'")
+        pairs = ("re.im",) if k.cplx is not None else ()   # a complex product's float pairs
+        if sorted(k.batch + k.m + k.n + pairs) != list(low.buffers[k.out].edges):
+            raise self.fail(f"a GEMM into '%{k.out}' over batch, m, n edges {', '.join(k.batch + k.m + k.n)}; "
+                            f"the buffer has {', '.join(low.buffers[k.out].edges)}")
+        a, b = dict(k.a.edges), dict(k.b.edges)
+        shift_vars = {v for _, _, ix in k.shifts for v in ix.vars()}
+        groups = set(k.batch + k.m + k.n + k.k + k.taps)
+        for e in groups:
+            if e not in a and e not in b and e not in shift_vars:
+                raise self.fail(f"GEMM edge '{e}' is in neither operand nor a shift")
+        for e in (set(a) | set(b)) - set(pairs):   # the views map `re.im` to itself
+            if e not in groups:
+                raise self.fail(f"operand edge '{e}' is in none of the GEMM's groups")
+        shifted = {e for _, e, _ in k.shifts}
+        for e in set(a) & set(b):
+            if e not in shifted and not self.same_size(low.size(a[e]), low.size(b[e])):
+                raise self.fail(f"GEMM operands disagree on the size of '{e}': {low.size(a[e])} and {low.size(b[e])}")
+        for role, e, ix in k.shifts:
+            if role not in ("a", "b") or e not in (a if role == "a" else b):
+                raise self.fail(f"a shift of {role}.{e}, which is no edge of that operand")
+            self.ix(ix, set(k.batch) | set(k.taps) | set(a) | set(b), defined)
+
+    # ---------------------------------------------------------------- expressions and indices
+
+    def index(self, buf: str, index, bound: set[str], defined: set[str] | None = None) -> None:
+        edges = [e for e, _ in index]
+        have = self.low.buffers[buf].edges if buf in self.low.buffers else None
+        if have is not None and tuple(edges) != have:
+            raise self.fail(f"an index of '%{buf}' over [{', '.join(edges)}]; the buffer's edges are "
+                            f"[{', '.join(have)}]")
+        for _, ix in index:
+            self.ix(ix, bound, defined)
+
+    def expr(self, e, bound: set[str], defined: set[str], acc: bool) -> None:
+        for node in walk(e):
+            if isinstance(node, Load):
+                if node.buf not in defined:
+                    if node.buf in self.group_regs():
+                        raise self.fail(f"reads register '%{node.buf}' before a member writes it")
+                    if node.buf not in self.low.buffers:
+                        raise self.fail(f"reads undeclared buffer '%{node.buf}'")
+                    raise self.fail(f"reads '%{node.buf}' before anything writes it")
+                self.index(node.buf, node.index, bound, defined)
+            elif isinstance(node, Mask):
+                for c in node.conds:
+                    if c.op not in ("=", "!=", "<", "<=", ">", ">="):
+                        raise self.fail(f"unknown comparison '{c.op}'")
+                    self.ix(c.ix, bound, defined)
+            elif isinstance(node, Acc) and not acc:
+                raise self.fail("'acc' outside the epilogue of a reduction")
+            elif isinstance(node, Map) and node.fn not in MAP_FNS:
+                raise self.fail(f"unknown function '{node.fn}'")
+            elif isinstance(node, Add) and len(node.coefs) != len(node.args):
+                raise self.fail(f"a sum of {len(node.args)} terms with {len(node.coefs)} coefficients")
+            elif isinstance(node, Rand):
+                if node.kind not in ("rand", "randn") or node.draw not in ("", "f32"):
+                    raise self.fail(f"unknown draw '{node.kind}'" + (f" as {node.draw}" if node.draw else ""))
+                self.ix(node.key, bound, defined)
+                self.ix(node.counter, bound, defined)
+
+    def ix(self, ix: Ix, bound: set[str], defined: set[str] | None) -> None:
+        for a, _ in ix.terms:
+            if isinstance(a, str):
+                if a not in bound:
+                    raise self.fail(f"index uses '{a}', which is not a loop here")
+            elif isinstance(a, IdLoad):
+                b = self.low.buffers.get(a.buf)
+                if b is None or b.dtype != "i32":
+                    raise self.fail(f"an id load from '%{a.buf}', which is not an i32 buffer")
+                if defined is not None and a.buf not in defined:
+                    raise self.fail(f"reads ids from '%{a.buf}' before anything writes it")
+                self.index(a.buf, a.index, bound, defined)
+            elif isinstance(a, FloorDiv):
+                self.ix(a.num, bound, defined)
