@@ -40,7 +40,7 @@ def main() -> None:
               "dz": rng.standard_normal(shape).astype(np.float32)}
     results = []
     for fact in ("", "assume sum[v](y) = 1"):
-        program = tgc.compile(SRC.format(b=a.batch, v=a.vocab, fact=fact), options=tgc.Options(threads=1))
+        program = tgc.compile(SRC.format(b=a.batch, v=a.vocab, fact=fact), options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
         ops = sum(1 for v in program.module.values() if v.op != "arg")
         results.append(program(**inputs)["hv"])
         times = []

@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     a = ap.parse_args()
     for c in ("", "checkpoint"):
-        program = tgc.compile(SRC.format(batch=a.batch, d=a.d, h=a.h, c=c), options=tgc.Options(threads=1))
+        program = tgc.compile(SRC.format(batch=a.batch, d=a.d, h=a.h, c=c), options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
         report = explain(program.lowered, {})
         rng = np.random.default_rng(0)
         arrays = {s.name: (rng.standard_normal(s.shape) * 0.1).astype(np.float32) for s in program.inputs}

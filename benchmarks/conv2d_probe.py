@@ -115,7 +115,7 @@ def compile_one(path: str) -> None:
     import tgc
     from tgc import pipeline
     from tgc.options import Options
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
     t_import = time.perf_counter() - t0
     opts = Options()
     t0 = time.perf_counter()

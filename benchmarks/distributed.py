@@ -6,7 +6,7 @@ processes, and the allreduce bandwidth over loopback (shared memory).
     python benchmarks/distributed.py --procs 1,2,4 --steps 100
 
 The step is the sorting GPT's AdamW step (`examples/train_sort_gpt.tg`), one process per
-rank, `Options(threads=1)`, through `tgc.compile(..., data_parallel=MPI.COMM_WORLD)`:
+rank, `Options(cpu=CpuOptions(threads=1))`, through `tgc.compile(..., data_parallel=MPI.COMM_WORLD)`:
 
 - strong scaling: a global batch of 64 sequences split over the processes;
 - weak scaling: 64 sequences on every process (a global batch of 64 x N).
@@ -51,7 +51,7 @@ def _worker(args) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     out: dict = {"procs": size}
     if args.what in ("steps", "all"):
-        step = tgc.compile(g.TG, options=tgc.Options(threads=1), data_parallel=comm)
+        step = tgc.compile(g.TG, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)), data_parallel=comm)
         train, _ = g.split(0)
         arrays = g.init(step, 0)
         rng = np.random.default_rng(1)
@@ -142,7 +142,7 @@ def compute_fit(repeats: int = 40) -> dict:
     import tgc
     from tgc import distributed as D
 
-    step = tgc.compile(g.TG, options=tgc.Options(threads=1), data_parallel=D.local_group(1)[0])
+    step = tgc.compile(g.TG, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)), data_parallel=D.local_group(1)[0])
     train, _ = g.split(0)
     arrays = g.init(step, 0)
     xs = [8, 16, 32, 64]

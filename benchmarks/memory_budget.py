@@ -51,7 +51,7 @@ def main() -> None:
     a = ap.parse_args()
     base = None
     for label in ("no budget", "budget"):
-        options = tgc.Options(threads=1, rep_size=a.batch)   # the batch stays symbolic; the planner sizes it so
+        options = tgc.Options(cpu=tgc.CpuOptions(threads=1), rep_size=a.batch)   # the batch stays symbolic; the planner sizes it so
         if label == "budget":
             options = options.with_(memory_budget=int(base * a.fraction))
         t = time.perf_counter()

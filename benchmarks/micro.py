@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tgc  # noqa: E402
-from tgc.options import Options  # noqa: E402
+from tgc.options import CpuOptions, Options  # noqa: E402
 
 
 def median_us(fn, calls: int, repeat: int) -> float:
@@ -40,8 +40,8 @@ def median_us(fn, calls: int, repeat: int) -> float:
 def region_overhead(repeat: int) -> str:
     src = "dim n\ninput x[n]\nout y = tanh(x) * 2\n"
     x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
-    serial = tgc.compile(src, dtype="f32", options=Options(threads=1))
-    parallel = tgc.compile(src, dtype="f32", options=Options(parallel_min_work=0, parallel_min_work_warm=0))
+    serial = tgc.compile(src, dtype="f32", options=Options(cpu=CpuOptions(threads=1)))
+    parallel = tgc.compile(src, dtype="f32", options=Options(cpu=CpuOptions(parallel_min_work=0, parallel_min_work_warm=0)))
     res = {}
     for label, prog in (("serial call", serial), ("parallel region", parallel)):
         for _ in range(200):

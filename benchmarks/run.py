@@ -277,8 +277,8 @@ class Tgc:
             try:
                 opts = None
                 if self.threads:
-                    from tgc.options import Options
-                    opts = Options(threads=self.threads)
+                    from tgc.options import CpuOptions, Options
+                    opts = Options(cpu=CpuOptions(threads=self.threads))
                 self.programs[key] = self.tgc.compile(str(WORK / f"{case.workload}.tg"), backend="cpu",
                                                       dtype="f32", dims=case.dims if self.specialize else None,
                                                       options=opts)

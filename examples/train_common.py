@@ -61,7 +61,7 @@ def compile_step(path: Path, args, data_parallel=None):
     (tgc.distributed); only rank 0 prints."""
     import tgc
     t = time.perf_counter()
-    options = tgc.Options(threads=args.threads, autocast=getattr(args, "autocast", None))
+    options = tgc.Options(cpu=tgc.CpuOptions(threads=args.threads), autocast=getattr(args, "autocast", None))
     if data_parallel is None:
         program = tgc.compile(path, options=options)
     else:

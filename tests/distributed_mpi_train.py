@@ -44,7 +44,7 @@ def run(comm, spec: str, out: Path, steps: int, lock=contextlib.nullcontext(), b
     case = cases.CASES[name]
     with lock:
         step: DataParallel = tgc.compile(case.path, data_parallel=comm, deterministic=mode == "det",
-                                         options=tgc.Options(threads=1), backend=backend)
+                                         options=tgc.Options(cpu=tgc.CpuOptions(threads=1)), backend=backend)
     state = case.init()
     if step.rank:
         for v in state.values():

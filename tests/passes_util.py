@@ -38,7 +38,7 @@ def optimize(module: Module, passes=DEFAULT_PIPELINE, seeds=(0, 1), **options) -
     """Run `passes` with --verify-each (once per seed given); the optimized module."""
     result = None
     for seed in seeds:
-        opts = Options(passes=tuple(passes), verify_each=True, verify_seed=seed, **options)
+        opts = Options(passes=tuple(passes), verify_each=True, verify_seed=seed).with_(**options)
         result = run_pipeline(module, opts).module
     return result
 

@@ -39,7 +39,7 @@ STEPS = 4
 def _single(name: str, steps: int = STEPS) -> dict:
     """Single-process training on the whole batch: the oracle."""
     case = cases.CASES[name]
-    prog = tgc.compile(case.path, options=tgc.Options(threads=1))
+    prog = tgc.compile(case.path, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
     state = case.init()
     losses = []
     for k in range(steps):
@@ -280,7 +280,7 @@ def _mpirun(n: int, out: Path) -> None:
 def warm_cache():
     """The programs compiled once here, so that the ranks find them in tgc's cache."""
     for name in ("mlp", "digits"):
-        tgc.compile(cases.CASES[name].path, data_parallel=D.local_group(1)[0], options=tgc.Options(threads=1))
+        tgc.compile(cases.CASES[name].path, data_parallel=D.local_group(1)[0], options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
 
 
 @needs_mpi

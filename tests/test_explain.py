@@ -13,7 +13,7 @@ from tgc.explain import explain
 from tgc.frontend import compile_source
 from tgc.lower.lowered import GemmKernel
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 ROOT = Path(__file__).resolve().parent.parent
 

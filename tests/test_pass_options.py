@@ -11,8 +11,11 @@ from click.testing import CliRunner
 from tgc import pipeline
 from tgc.cli import main
 from tgc.lower.text import parse_lowered
-from tgc.manager import PassListError, lower_module, make_pass, parse_pass_list, run_lowering, split_levels
+from tgc.manager import PassListError, make_pass, parse_pass_list, run_lowering, split_levels
+from tgc.pipeline import lower_module
 from tgc.options import Options
+
+CPU = pipeline.lowering("cpu")   # the CPU's lowering stages (loads the backend: `group` is named)
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.tg")
@@ -72,7 +75,7 @@ def test_lowering_stages_time_print_and_verify_through_the_manager():
                    print_ir_after=frozenset({"fuse", "plan"}))
     module = pipeline.lower(pipeline.load(MLP, opts), Options()).module
     seen = []
-    result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])))
+    result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])), CPU)
     assert [s.name for s in result.stats] == ["fuse", "layout", "group", "plan"]
     assert all(s.ops_after > 0 for s in result.stats)   # kernels after each stage
     assert seen == [("IR after fuse", "// lowered after fuse (f32)"), ("IR before group", "// lowered after layout (f32)"),
@@ -95,7 +98,8 @@ def test_cli_passes_lists_options():
     r = run("passes")
     assert r.exit_code == 0
     assert "group      Fuse neighbouring" in r.output and "{blocks=int | none}" in r.output
-    assert "lowering (then, for a backend; dump-ir --after STAGE): fuse,layout,group,plan" in r.output
+    assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,group,plan" in r.output
+    assert "lowering for cuda-sim (dump-ir --after STAGE): fuse,layout,plan" in r.output
 
 
 def test_cli_dump_ir_with_lowering_stages_in_p():

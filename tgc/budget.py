@@ -208,11 +208,12 @@ def _sizes(module: Module, options: Options) -> dict[str, int]:
 
 
 def _workspace(module: Module, options: Options, env=None) -> int:
-    """The workspace bytes of `module` lowered and planned (tgc.explain's sum of slots)."""
+    """The workspace bytes of `module` lowered and planned for the CPU, with its loop
+    groups' partial buffers (tgc.explain's sum of slots)."""
     from tgc.explain import explain
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
-    low = lower_module(module, options.with_(memory_budget=None))
+    low = lower_module(module, options.with_(memory_budget=None), "cpu")
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]
 
 

@@ -421,32 +421,13 @@ def run_ranks(n: int, fn, kind: str = "mpi", timeout: float = 600.0) -> list:
 # ---------------------------------------------------------------- the program
 
 def _build_program(module: Module, options: Options, backend: str, key: str | None = None, files=()):
-    """One phase's program. On the CPU, with `key` (the source's first-level cache key
-    and the phase), it is looked up in and stored to tgc's program cache, as
-    `tgc.compile` does for a whole program: a hit skips the pass pipeline."""
+    """One phase's program. With `key` (the source's first-level cache key and the
+    phase), it is looked up in and stored to tgc's program cache where the backend
+    keeps one (the CPU), as `tgc.compile` does for a whole program: a hit skips the
+    pass pipeline."""
     from tgc import pipeline
 
-    if backend == "cpu" and key is not None:
-        import tgc
-        from tgc.runtime import cache
-        from tgc.runtime.program import build_with_object
-
-        hit = tgc._cached(key, options)
-        if hit is not None:
-            return hit
-        program, obj = build_with_object(pipeline.lower(module, options).module, options)
-        deps = cache.file_hashes(files)
-        if deps is not None:
-            cache.store_program(key, deps, program.module, program.lowered, obj)
-        return program
-    lowered = pipeline.lower(module, options).module
-    if backend == "cpu":
-        from tgc.runtime.program import build
-
-        return build(lowered, options)
-    from tgc.backends.cuda.runtime import build
-
-    return build(lowered, options, backend)
+    return pipeline.compile_cached(module, options, backend, key, files)
 
 
 def _phase_key(key: str | None, phase: str, shard: str) -> str | None:

@@ -28,7 +28,7 @@ matplotlib when it is installed.
 """
 from __future__ import annotations
 
-from tgc.lower.lowered import Add, GemmKernel, LoopGroup, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
+from tgc.lower.lowered import Add, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
 from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
 
@@ -102,7 +102,7 @@ def _recompute_note(low: Lowered) -> str:
 
 
 def _kind(k) -> str:
-    return "group" if isinstance(k, LoopGroup) else "gemm" if isinstance(k, GemmKernel) else "loop"
+    return "gemm" if isinstance(k, GemmKernel) else "loop" if isinstance(k, LoopKernel) else k.kind
 
 
 def _flops(k, extent, edge_size) -> int:
@@ -111,7 +111,7 @@ def _flops(k, extent, edge_size) -> int:
         for e in k.batch + k.m + k.n + k.k + k.taps:
             n *= edge_size(e)
         return n
-    if isinstance(k, LoopGroup):
+    if hasattr(k, "members"):   # a loop group (the CPU backend's): members inside shared outer loops
         outer = 1
         for v in k.outer:
             outer *= extent(k, v)

@@ -1,11 +1,16 @@
 """The one typed options object that travels through the whole pipeline.
 
 Every stage reads what it needs from `Options`; nothing else configures the
-compiler (no module-level knobs). Tests switch a stage off by passing options.
+compiler (no module-level knobs). A backend's own settings are a dataclass in its
+folder (`tgc.backends.cpu.options.CpuOptions`, `tgc.backends.cuda.options.CudaOptions`),
+nested here as one field each; those modules import nothing. Tests switch a stage off by passing options.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+
+from tgc.backends.cpu.options import CpuOptions
+from tgc.backends.cuda.options import CudaOptions
 
 
 @dataclass(frozen=True)
@@ -13,17 +18,18 @@ class Options:
     """Compiler settings, passed as `tgc.compile(..., options=Options(...))`.
 
     Frozen: `options.with_(name=value)` makes a changed copy. The fields most callers
-    set: `fp_strict` (no algebra, reassociation or FMA), `threads` (worker threads;
-    0 every core, 1 none), `compile_jobs` (LLVM compiles in that many parts),
-    `opt_level`, `passes` (a pass list instead of the default pipeline; `tgc passes`
-    lists them) and `profile` (count cycles per kernel, `Program.profile()`). The
-    others tune the CPU backend's choices or print the IR; each field's comment below
-    says what it does. `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
+    set: `fp_strict` (no algebra, reassociation or FMA), `opt_level` and `passes` (a
+    pass list instead of the default pipeline; `tgc passes` lists them). Each
+    backend's code-generation settings sit in an object of its own: `cpu`, a
+    `CpuOptions` (`threads`, `compile_jobs`, `profile`, the BLAS and parallel
+    thresholds; `Options(cpu=CpuOptions(threads=1))`), and `cuda`, a `CudaOptions`.
+    Each field's comment says what it does. `dtype` and `dims` are set by
+    `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
     autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
     passes: tuple[str, ...] | None = None    # IR passes, each 'name' or 'name{field=value,...}'; None: the default pipeline
-    stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, group, plan)
+    stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, its own: the CPU's group, plan)
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)
@@ -39,25 +45,25 @@ class Options:
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
-    # CPU backend (lowering and code generation)
-    threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
-    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread
-    parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
-    warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
-    blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops
-    blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
-    gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
-    gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
-    gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
-    gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
-    blas: str = "numpy"                      # GEMMs' BLAS: "numpy" (numpy's OpenBLAS; tgc build links it with a RUNPATH into its venv), "system" (tgc build links the system CBLAS; the JIT uses numpy's) or "none" (generated loops, unless a library's caller passes a BLAS to NAME_init); backends/cpu/aot.py
-    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy"; lower/complex_gemm.py)
-    profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
-    compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
-    group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups
-    # CUDA backends (cuda, cuda-sim; docs/cuda.md)
-    cuda_row_min: int = 128                  # a reduction over at least this many elements per output runs one block per output (else one thread)
+    cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
+    cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)
 
     def with_(self, **changes) -> "Options":
-        """A copy with the given fields changed."""
+        """A copy with the given fields changed. A name that is not a field of `Options`
+        but of `CpuOptions` or `CudaOptions` changes that field of `cpu` or `cuda`:
+        `options.with_(threads=1)` is `options.with_(cpu=options.cpu.with_(threads=1))`."""
+        own = {f.name for f in fields(self)}
+        nested: dict[str, dict] = {}
+        for name in [n for n in changes if n not in own]:
+            for part in ("cpu", "cuda"):
+                if name in {f.name for f in fields(getattr(self, part))}:
+                    nested.setdefault(part, {})[name] = changes.pop(name)
+                    break
+            else:
+                raise TypeError(f"Options has no field '{name}' (nor have CpuOptions and CudaOptions)")
+        for part, values in nested.items():
+            changes[part] = replace(changes.get(part, getattr(self, part)), **values)
         return replace(self, **changes)
+
+
+__all__ = ["Options", "CpuOptions", "CudaOptions"]

@@ -1,13 +1,27 @@
-"""The library entry points the CLI and the Python API share.
+"""The one place that loads, optimizes, lowers and compiles: the entry points that
+`tgc.compile`, `tgc.torch`, the command line (`run`, `build`, `info`, `explain`,
+`grad`, `dump-ir`) and a program's own `without_updates` share.
 
-`load(path, options)` reads a `.tg` program (front end) or a `.tgir` file (IR
-parser) into a module; `lower(module, options, emit)` runs the pass pipeline.
+- `load(path, options)` / `load_program`: a `.tg` program (front end) or a `.tgir`
+  file (IR parser) into a module; `load_source(source, options)` for anything
+  `tgc.compile` takes (a path, .tg text, IR text, a Module);
+- `lower(module, options, emit)`: the IR pass pipeline (optimization, autodiff);
+- `lower_module(module, options, backend)`: the lowering stages, with the backend's
+  own (`lowering(backend)` names them);
+- `compile_module(module, options, backend)`: a callable `Program` of a module after
+  the IR pipeline: lowered, compiled by the backend (`tgc.backends.base`), wrapped by
+  the neutral runtime (`tgc.runtime.program`); an f32 program under --fp-strict is
+  built as its f64 emulation here, for every backend;
+- `compile_cached(module, options, backend, key)`: a module through the pipeline and
+  the backend, with the code cache's first level (a data-parallel phase's build);
+- `compile_source(source, backend, dtype, dims, options)`: all of it, from a source
+  (what `tgc.compile` is).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tgc.ir.diag import CompileError, Loc
+from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.ir.values import topo_order
@@ -19,23 +33,11 @@ if TYPE_CHECKING:   # the front end is imported where a program is loaded
 
 
 def read_text(path: str) -> str:
-    """The file's text ('-' is stdin); unreadable or non-UTF-8 input is a located error."""
-    from tgc.fsutil import NotASource, read_source_bytes
+    """The file's text ('-' is stdin): `tgc.frontend.parser.read_source`, the one
+    reader of source files (byte order marks, NUL bytes, UTF-8 errors located)."""
+    from tgc.frontend.parser import read_source
 
-    try:
-        data = read_source_bytes(None if path == "-" else path)
-    except IsADirectoryError:
-        raise CompileError("is a directory, not a file", Loc(path, 1, 1)) from None
-    except NotASource as e:
-        raise CompileError(f"cannot read file: {e}", Loc(path, 1, 1)) from None
-    except OSError as e:
-        raise CompileError(f"cannot read file: {e.strerror or e}", Loc(path, 1, 1)) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise CompileError(f"invalid UTF-8 byte 0x{data[e.start]:02x}", Loc(path, line, col)) from None
+    return read_source(path)[0]
 
 
 def is_ir_file(path: str) -> bool:
@@ -57,16 +59,20 @@ def float_type(path: str, asked: str | None, text: str | None = None) -> str:
     return "f32"
 
 
-def load_program(path: str, options: Options) -> "Elaborated":
+def load_program(path: str, options: Options, text: str | None = None) -> "Elaborated":
     """Parse and check a `.tg` program ('-' is stdin), or read a `.tgir` module;
-    with the files it read and its warnings."""
+    with the files it read and its warnings. With `text`, `path` is only its name:
+    "<ir>" (IR text) or any other (.tg source text)."""
     from tgc.frontend.elaborate import Elaborated, elaborate_source
 
     name = "<stdin>" if path == "-" else path
-    if is_ir_file(path):
-        from tgc.ir.parser import parse_module  # only for .tgir input
+    if text is not None and path != "<ir>":
+        return elaborate_source(text, name, options)
+    if is_ir_file(path) or path == "<ir>":
+        from tgc.ir.parser import parse_module  # only for IR input
 
-        return Elaborated(parse_module(read_text(path), name), [] if path == "-" else [path])
+        return Elaborated(parse_module(read_text(path) if text is None else text, name),
+                          [] if path in ("-", "<ir>") else [path])
     if path == "-":
         return elaborate_source(read_text(path), name, options)
     from tgc.frontend.elaborate import elaborate_file
@@ -87,6 +93,197 @@ def lower(module: Module, options: Options, emit=None) -> PipelineResult:
 
         return lower_within_budget(module, options, emit)
     return run_pipeline(module, options, emit)
+
+
+def lowering(backend: str = "cpu") -> tuple[str, ...]:
+    """The lowering stages the backend named runs, in order (fuse, layout, its own, plan)."""
+    from tgc.backends.base import get_backend
+
+    return get_backend(backend).lowering()
+
+
+def lower_module(module: Module, options: Options, backend: str = "cpu", emit=None, stop_after: str = "plan"):
+    """The lowered program of `module` (after the IR pipeline) for `backend`: the
+    neutral stages and the backend's own, run by the pass manager
+    (`tgc.manager.lower_module`; `options.stages` overrides the list)."""
+    from tgc.backends.base import get_backend
+    from tgc.manager import lower_module as run_stages
+
+    be = get_backend(backend)
+    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering())
+
+
+def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
+    """A callable `Program` of `module` (after the IR pipeline) on `backend`.
+
+    An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
+    it takes f32 arrays (updates are written back into them) and returns f32 outputs.
+    `artifacts` and `low`: a first-level cache hit's object files and lowered program."""
+    from tgc.backends.base import get_backend
+    from tgc.runtime.program import Program
+
+    be = get_backend(backend)
+
+    def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
+        return compile_module(lower(forward_only(module), options).module, options, backend)
+
+    if options.fp_strict and options.dtype == "f32":
+        from tgc.ir.emulate import emulate_f32
+
+        import numpy as np
+
+        program = compile_module(emulate_f32(module), options.with_(dtype="f64"), backend)
+        program.out_dtype = np.dtype(np.float32)
+        program._origin = (module, options)
+        program._build_forward = build_forward
+        return program
+    if low is None:
+        low = lower_module(module, options, backend)
+    kernels = be.compile(module, low, options, artifacts)
+    return Program(module, options, low, kernels, build_forward)
+
+
+def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu") -> dict:
+    """Compile `module` (after the IR pipeline) and run it once on `inputs`.
+    Symbolic dims come from the inputs' shapes, then from `options.dims`."""
+    program = compile_module(module, options, backend)
+    return program.run(dict(inputs), dict(options.dims) or None)
+
+
+def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, options: Options | None = None,
+                   data_parallel=None, data_parallel_options=None):
+    """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
+    (its docstring says what each argument is); with a communicator `data_parallel`,
+    a `tgc.distributed.DataParallel` step. The first-level cache (source -> program,
+    `tgc.backends.cache`) is looked up before anything is parsed, for a backend whose
+    `source_cache` says so (the CPU's), and not under a memory budget."""
+    import os
+
+    from tgc.backends.base import get_backend
+
+    be = get_backend(backend)
+    if dtype not in ("f32", "f64"):
+        raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
+    if options is not None and options.autocast not in (None, "bf16", "f16"):
+        raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
+    if isinstance(source, (bytes, bytearray)):
+        raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
+    if data_parallel_options and data_parallel is None:
+        raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
+    options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
+    dp = (data_parallel, dict(data_parallel_options or {}))
+    if isinstance(source, Module):
+        return _build(source, dims, options, None, (), be, dp)
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+                                              and source.endswith((".tg", ".tgir"))):
+        path = os.fspath(source)
+        kind, name, text = ("ir" if is_ir_file(path) else "tg"), path, None
+        if path != "-":
+            try:  # keyed on the file's bytes; an unreadable file is reported by the loader below
+                import hashlib
+
+                from tgc.fsutil import read_source_bytes
+
+                text = "sha256:" + hashlib.sha256(read_source_bytes(path)).hexdigest()
+            except (OSError, ValueError):
+                pass
+    elif is_ir_text(source):
+        kind, name, text = "ir", "<ir>", source
+    else:
+        kind, name, text = "tg", "<source>", source
+    # the first-level cache: source -> program, before the front end and the passes
+    key = _source_key(kind, name, text, options, be) if be.source_cache and options.memory_budget is None else None
+    if key is not None and data_parallel is None:
+        program = _cached(key, options, be)
+        if program is not None:
+            return program
+    loaded = load_program(name, options, None if name not in ("<ir>", "<source>") else source)
+    return _build(loaded.module, dims, options, key, [f for f in loaded.files if f not in ("<ir>", "<source>")], be,
+                  dp)
+
+
+def is_ir_text(source: str) -> bool:
+    """Whether `source` (text, not a path) is IR as `tgc dump-ir` prints it."""
+    import re
+
+    return re.search(r"^\s*(%\w+\s*=|out\s+\S+\s*=\s*%)", source, re.M) is not None
+
+
+def _source_key(kind, name, text, options, be):
+    if text is None:
+        return None
+    from tgc.backends import cache
+
+    if cache.cache_dir() is None or not cache.source_cacheable(options):
+        return None
+    try:
+        return cache.source_key(kind, name, text, options, be.cache_parts())
+    except Exception:  # noqa: BLE001 -- no key, no first-level cache
+        return None
+
+
+def _cached(key, options, be):
+    """The program of a first-level cache hit, or None. The entry's IR is lowered
+    again; its code is used only for the same lowered program."""
+    from tgc.backends import cache
+
+    hit = cache.lookup_program(key)
+    if hit is None:
+        return None
+    try:
+        from tgc.ir.parser import parse_module
+
+        opts = options.with_(dims=())
+        module = parse_module(hit.ir, "<cache>")
+        low = lower_module(module, opts, be.name)
+        if cache.lowered_digest(low) != hit.lowered_sha256:
+            return None
+        return compile_module(module, opts, be.name, artifacts=hit.objs, low=low)
+    except Exception:  # noqa: BLE001 -- a damaged entry: the full build runs
+        return None
+
+
+def _build(module, dims, options, key, files, be, dp=(None, {})):
+    module = fix_dims(module, dims or {})
+    opts = options.with_(dims=())
+    data_parallel, dp_options = dp
+    if data_parallel is not None:   # split at the gradient boundary before the pipeline
+        from tgc.distributed import DataParallel
+
+        return DataParallel(module, data_parallel, opts, be.name, **dp_options, cache_key=key, files=files)
+    return compile_cached(module, opts, be.name, key, files, lookup=False, stacklevel=5)
+
+
+def compile_cached(module: Module, options: Options, backend: str = "cpu", key: str | None = None, files=(),
+                   lookup: bool = True, stacklevel: int = 2):
+    """`module` (before the IR pipeline) through the pipeline and `backend`. With `key`
+    (a first-level cache key), a cached program is used if there is one, and the new
+    one is stored under it (`lookup=False`: the caller has looked already). Under a memory budget that cannot be met, a
+    `MemoryBudgetWarning` says what was done (`stacklevel` as `warnings.warn`'s, from
+    the caller of this function)."""
+    from tgc.backends import cache
+    from tgc.backends.base import get_backend
+
+    be = get_backend(backend)
+    if key is not None and be.source_cache and lookup:
+        hit = _cached(key, options, be)
+        if hit is not None:
+            return hit
+    lowered = lower(module, options)
+    if lowered.memory is not None and not lowered.memory.met:
+        import warnings
+
+        from tgc.budget import MemoryBudgetWarning
+
+        warnings.warn(lowered.memory.summary(), MemoryBudgetWarning, stacklevel=stacklevel + 1)
+    program = compile_module(lowered.module, options, be.name)
+    program._memory_plan = lowered.memory
+    objs = program._kernels.artifacts
+    if key is not None and be.source_cache and objs is not None:
+        deps = cache.file_hashes(files)
+        if deps is not None:
+            cache.store_program(key, deps, program.module, program.lowered, objs)
+    return program
 
 
 def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -> Module:
@@ -142,14 +339,10 @@ def _fresh_output(m: Module, base: str) -> str:
 
 def fix_dims(module: Module, dims: dict[str, int]) -> Module:
     """A copy of `module` with the symbolic dims named in `dims` given fixed sizes."""
-    unknown = [d for d in dims if d not in module.dims]
-    if unknown:
-        raise ValueError(f"the program has no dim '{unknown[0]}'")
-    import numbers
-
-    for d, n in dims.items():
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
-            raise ValueError(f"dim '{d}' = {n!r}: a size is a positive integer (at most 2^62)")
+    for d, n in dims.items():   # a fixed or derived dim may be named with its own size (checked below)
+        why = module.dim_error(d, n, bind=False)
+        if why:
+            raise ValueError(why)
     given = {d: int(n) for d, n in dims.items() if module.dims[d] is None}
     new = dict(module.dims)
     new.update(given)

@@ -1,5 +1,8 @@
 """Every pass by name (IR passes and lowering stages), the default pipeline, and the
-default lowering stages. Adding a pass is one line here."""
+neutral lowering stages. Adding a pass is one line here; a backend's own lowering
+stages (the CPU's `group`) are registered by the backend when it is loaded
+(`register_stage`, called by `tgc.backends.base.get_backend`), since this module
+may not import a backend (stage order)."""
 from __future__ import annotations
 
 from tgc.autodiff.driver import Adjoint, Tangent
@@ -11,12 +14,11 @@ from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
 from tgc.lower.fuse import Fuse
-from tgc.lower.group import Group
 from tgc.lower.layout import Layout
 from tgc.lower.plan import Plan
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Fuse, Layout, Group, Plan)}
+                                                    Autocast, Fuse, Layout, Plan)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
@@ -39,10 +41,25 @@ def pipeline(options) -> tuple[str, ...]:
     return names + ("autocast",) if options.autocast else names   # mixed precision: last
 
 
-# The lowering stages after the IR pipeline, in order: the module as kernels over buffers
-# (fuse), axis and loop orders (layout), loop groups (group), in-place updates and the
-# workspace (plan). A backend may run its own list (`Options.stages` overrides both).
-LOWERING: tuple[str, ...] = ("fuse", "layout", "group", "plan")
+# The neutral lowering stages after the IR pipeline, in order: the module as kernels
+# over buffers (fuse), axis and loop orders (layout), in-place updates and the workspace
+# (plan). A backend runs its own list (`Backend.lowering()`: the CPU adds `group` before
+# plan); `Options.stages` overrides both.
+LOWERING: tuple[str, ...] = ("fuse", "layout", "plan")
+
+
+def register_stage(cls: type[Pass]) -> None:
+    """Name a backend's own lowering stage, so that pass lists (`-p`, `Options.stages`)
+    can use it; registering the same class again changes nothing."""
+    known = PASSES.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"two passes are called '{cls.name}': {known.__module__} and {cls.__module__}")
+    if known is None:   # listed before plan, in the order the stages run
+        items = list(PASSES.items())
+        at = next((i for i, (n, _) in enumerate(items) if n == "plan"), len(items))
+        items.insert(at, (cls.name, cls))
+        PASSES.clear()
+        PASSES.update(items)
 
 
 def stages(options, default: tuple[str, ...] = LOWERING) -> tuple[str, ...]:

@@ -132,7 +132,6 @@ def _build_vjp(program: Program) -> Program:
     from tgc import pipeline
     from tgc.ir import values as V
     from tgc.ir.module import Arg, Module, Output
-    from tgc.runtime.program import build
 
     module, options = program._origin
     forward = pipeline.forward_only(module)
@@ -149,4 +148,4 @@ def _build_vjp(program: Program) -> Program:
         terms = [V.vjp(o.value, x, cot[o.name]) for o in forward.outputs if o.value.dtype != "i32"]
         if terms:
             m.outputs.append(Output(f"d_{a.name}", terms[0] if len(terms) == 1 else V.add(terms), a.order))
-    return build(pipeline.lower(m, options).module, options)
+    return pipeline.compile_module(pipeline.lower(m, options).module, options, program.backend)

@@ -21,7 +21,7 @@ from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
 from tgc.manager import run_pipeline
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 from passes_util import optimize
 
 H = 1e-6

@@ -20,9 +20,10 @@ from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.lower.lowered import GemmKernel, Load, LoopGroup, LoopKernel, Mask, walk
+from tgc.backends.cpu.group import LoopGroup
+from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Mask, walk
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -191,7 +192,7 @@ def test_convolution_matches_the_interpreter(which, blas):
     want = evaluate(pipeline.lower(m, Options(dtype="f64")).module, {k: v.copy() for k, v in inputs.items()},
                     dtype="f64", dims={"batch": 3})
     for source in (text, _fixed(text, 3)):
-        prog = tgc.compile(source, dtype="f64", options=Options(blas=blas))
+        prog = tgc.compile(source, dtype="f64", options=Options().with_(blas=blas))
         got = prog.run({k: v.copy() for k, v in inputs.items()}, None if source != text else {"batch": 3})
         for name, ref in want.items():
             scale = max(1.0, float(np.max(np.abs(ref))))

@@ -144,7 +144,7 @@ def test_cli_run_backend_cpu_matches_interp(tmp_path: Path):
 
 def test_run_compiled_takes_dims_from_options():
     from tgc.options import Options
-    from tgc.runtime import run_compiled
+    from tgc.pipeline import run_compiled
 
     m = parse_module("""
 dim n
@@ -239,17 +239,17 @@ out y = %0 : [b]
 
 
 def test_objects_entry_and_pointer_entry_agree():
-    from tgc.runtime import program as P
+    from tgc.backends.cpu import kernels as P
 
     prog = tgc.compile(UPD, dtype="f64")
     if P._LAYOUT is None:
         pytest.skip("this numpy's array layout is not the one the native argument checks know")
-    assert prog._run_objects is not None
+    assert prog._kernels._run_objects is not None
     assert "tgc_run_objects" not in tgc.compile(UPD, dtype="f64").llvm_ir   # AOT/IR text: tgc_run only
     rng = np.random.default_rng(1)
     results = []
-    for entry in (prog._run_objects, None):
-        prog._run_objects, prog._fast = entry, entry is not None
+    for entry in (prog._kernels._run_objects, None):
+        prog._kernels._run_objects, prog._fast = entry, entry is not None
         a, b = rng.standard_normal(6), rng.standard_normal(6)
         a0 = a.copy()
         y = prog(a=a, b=b)["y"]
@@ -263,7 +263,7 @@ def test_the_native_checks_take_the_fast_path_and_refuse_what_they_must():
     """After one checked call per shape, calls go straight to native code; anything
     it refuses (view, other dtype, read-only target, other shape, aliasing) takes the
     checked path, which converts, copies or explains, before anything is written."""
-    from tgc.runtime import program as P
+    from tgc.backends.cpu import kernels as P
 
     if P._LAYOUT is None:
         pytest.skip("this numpy's array layout is not the one the native argument checks know")
@@ -365,7 +365,7 @@ def test_small_outputs_are_new_every_call():
 def test_profile_counts_cycles_per_kernel():
     from tgc.options import Options
 
-    prog = tgc.compile(MLP, dtype="f64", options=Options(profile=True))
+    prog = tgc.compile(MLP, dtype="f64", options=Options().with_(profile=True))
     x, W = np.ones((4, 8)), np.full((8, 16), 0.1)
     for _ in range(3):
         prog(x=x, W=W.copy(), lr=0.1)
@@ -499,7 +499,7 @@ def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
     """A learning rate passed as a Python float (or int, or numpy scalar) is made a
     0-d array of the program's float type, so a training loop's calls stay on the
     native fast path; the values are those of a 0-d array."""
-    from tgc.runtime import program as P
+    from tgc.backends.cpu import kernels as P
 
     if P._LAYOUT is None:
         pytest.skip("this numpy's array layout is not the one the native argument checks know")

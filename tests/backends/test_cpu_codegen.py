@@ -16,13 +16,13 @@ from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.runtime import build
+from tgc.pipeline import compile_module as build
 
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 
 
 def compile_ir(text: str, dtype: str = "f64", **opts):
-    return build(parse_module(text), Options(dtype=dtype, **opts))
+    return build(parse_module(text), Options(dtype=dtype).with_(**opts))
 
 
 def inputs_for(prog, dims: dict, seed: int = 0, dtype: str = "f64", positive: tuple = ()):
@@ -755,9 +755,9 @@ out dx2 = %5 : [b, t, c]
 
 
 def test_conv1d_forward_and_backward_as_gemms_on_shifted_views():
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
-    low = lower_module(parse_module(CONV_SHIFTED), Options(blas_min_flops=0))
+    low = lower_module(parse_module(CONV_SHIFTED), Options().with_(blas_min_flops=0))
     shifted = [k for k in low.kernels if getattr(k, "shifts", ())]
     assert len(shifted) == 4, [k.text() for k in low.kernels]
     check(CONV_SHIFTED, [{"b": 2, "n": 9}, {"b": 1, "n": 2}, {"b": 3, "n": 1}], blas_min_flops=0)

@@ -20,14 +20,14 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.runtime import build
+from tgc.pipeline import compile_module as build
 
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 NP = {"f64": np.float64, "f32": np.float32}
 
 
 def compile_ir(text: str, dtype: str, **opts):
-    return build(parse_module(text), Options(dtype=dtype, **opts))
+    return build(parse_module(text), Options(dtype=dtype).with_(**opts))
 
 
 def close(got, want, dtype):
@@ -193,7 +193,7 @@ def test_packs_b_names_the_helper_every_gemm_calls():
     from tgc.backends.cpu import gemm
     from tgc.backends.cpu.irutil import Frame
     from tgc.lower.lowered import GemmKernel
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
     root = Path(__file__).resolve().parents[2]
     seen = set()

@@ -1,4 +1,4 @@
-"""GEMMs without BLAS (`Options(blas="none")`, what `tgc build`'s default libraries
+"""GEMMs without BLAS (`CpuOptions(blas="none")`, what `tgc build`'s default libraries
 run when their caller passes no BLAS): every tile too large for the small-tile
 loops runs the blocked loops (`gemm.loops_kernel`) instead of cblas.
 
@@ -18,8 +18,8 @@ import tgc
 from tgc.backends.cpu import codegen
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.manager import lower_module
-from tgc.runtime import build
+from tgc.pipeline import lower_module
+from tgc.pipeline import compile_module as build
 
 TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 NP = {"f64": np.float64, "f32": np.float32}
@@ -45,7 +45,7 @@ out C = %0 : [{c_order}]
 
 def run_matmul(a_order, b_order, c_order, sizes, dtype, fixed=("b", "i", "j", "k"), **opts):
     text = matmul_text(a_order, b_order, c_order, sizes, dtype, fixed)
-    prog = build(parse_module(text), Options(dtype=dtype, blas="none", **opts))
+    prog = build(parse_module(text), Options(dtype=dtype).with_(blas="none", **opts))
     rng = np.random.default_rng(0)
     shape = lambda order: tuple(sizes[e.strip()] for e in order.split(","))  # noqa: E731
     A = rng.standard_normal(shape(a_order)).astype(NP[dtype])
@@ -97,7 +97,7 @@ out dK = grad(loss, K)
 def test_convolution_without_blas(dtype):
     """Shifted operands (taps, clipped ranges, every task accumulating) through the
     blocked loops: a 1-D convolution and both its gradients."""
-    prog = tgc.compile(CONV, dtype=dtype, options=Options(blas="none"))
+    prog = tgc.compile(CONV, dtype=dtype, options=Options().with_(blas="none"))
     rng = np.random.default_rng(1)
     x, dy = (rng.standard_normal(s).astype(NP[dtype]) for s in ((2, 32, 600), (2, 24, 600)))
     K = rng.standard_normal((24, 32, 5)).astype(NP[dtype])
@@ -119,7 +119,7 @@ def test_only_the_builds_without_a_required_blas_have_the_loops():
     text = matmul_text("b, i, k", "b, j, k", "b, i, j", {}, "f32", fixed=())
     texts = {}
     for blas in ("numpy", "system", "none"):
-        opts = Options(blas=blas)
+        opts = Options().with_(blas=blas)
         texts[blas] = codegen.generate(lower_module(parse_module(text), opts), opts)
     assert "tgc.gemm.loops" not in texts["numpy"]
     for blas in ("system", "none"):

@@ -13,8 +13,8 @@ from tgc import pipeline
 from tgc.backends.cpu import codegen, llvm_env
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.options import CpuOptions, Options
+from tgc.pipeline import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT = ROOT / "benchmarks" / "workloads" / "gpt.tg"
@@ -55,7 +55,7 @@ def test_a_single_kernel_makes_at_most_two_units():
 @pytest.mark.slow
 @pytest.mark.parametrize("jobs", [1, 2, 3])
 def test_gpt_in_units_matches_the_interpreter(jobs):
-    prog = tgc.compile(GPT, dtype="f64", options=Options(compile_jobs=jobs))
+    prog = tgc.compile(GPT, dtype="f64", options=Options().with_(compile_jobs=jobs))
     arrays = {k: 0.2 * v if v.dtype != np.int32 else v
               for k, v in random_inputs(prog.module, {**prog.module.dims, "batch": 2}, seed=jobs, dtype="f64").items()}
     want = evaluate(prog.module, {k: v.copy() for k, v in arrays.items()}, dtype="f64")
@@ -148,8 +148,8 @@ def test_without_fork_this_process_compiles_every_unit(monkeypatch):
 def test_after_a_parallel_region_small_kernels_go_parallel_too():
     """With the warm thresholds at 1 and a window that never closes, every kernel
     after the first parallel region runs on the threads: the results still match."""
-    warm = Options(parallel_min_work=1, parallel_min_work_warm=1, gemm_parallel_min_flops_warm=1,
-                   warm_cycles=1 << 62)
+    warm = Options(cpu=CpuOptions(parallel_min_work=1, parallel_min_work_warm=1, gemm_parallel_min_flops_warm=1,
+                               warm_cycles=1 << 62))
     prog = tgc.compile(GPT, dtype="f64", options=warm)
     text = prog.llvm_ir
     assert "llvm.readcyclecounter" in text and "tgc.region_end" in text
@@ -164,7 +164,7 @@ def test_after_a_parallel_region_small_kernels_go_parallel_too():
 
 @pytest.mark.slow
 def test_one_thread_has_no_warm_test():
-    prog = tgc.compile(GPT, dtype="f64", options=Options(threads=1))
+    prog = tgc.compile(GPT, dtype="f64", options=Options().with_(threads=1))
     assert "llvm.readcyclecounter" not in prog.llvm_ir
 
 

@@ -11,7 +11,7 @@ import tgc
 from tgc import pipeline
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.options import Options
+from tgc.options import CudaOptions, Options
 
 
 def _why_not() -> str | None:
@@ -38,7 +38,7 @@ PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/prog
 def test_program_matches_interpreter_on_the_gpu(path, dtype):
     import cupy
 
-    options = Options(dtype=dtype, cuda_row_min=16)   # the one-block-per-row reductions too
+    options = Options(dtype=dtype, cuda=CudaOptions(row_min=16))   # the one-block-per-row reductions too
     module = pipeline.lower(pipeline.load(str(path), options), options).module
     dims = {d: 40 for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), 0, dtype)

@@ -1,4 +1,4 @@
-"""The cuda backend's host side (`runtime._CupyDevice`, `CudaProgram` with device
+"""The cuda backend's host side (`runtime._CupyDevice`, `CudaKernels` under the neutral `Program` with device
 arrays) without a GPU: a small stand-in for CuPy whose arrays are host memory and
 whose `RawModule` runs the module's kernels through the cuda-sim emulator, with the
 GPU's launch geometry (256 threads per block, up to 2112 blocks). What runs is the
@@ -148,7 +148,7 @@ def test_device_arrays_in_and_out_and_updates_in_place(cupy):
     assert got["W"] is dW
     np.testing.assert_allclose(dW.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
     assert len(GEMM_CALLS) == prog.gemm_counts["strided"] == 2   # x @ W and the gradient x^T @ dy, through cuBLAS
-    launches = prog._device.module.launches
+    launches = prog._kernels._device.module.launches
     assert launches and all(block == 256 for _, _, block in launches)
     assert max(grid for _, grid, _ in launches) == -(-300 * 16 // 256)   # one thread per element of y
 
@@ -173,7 +173,7 @@ def test_dlpack_input_and_gather_error_word(cupy):
     np.testing.assert_array_equal(out["r"].get(), 2 * E.numpy()[[1, 9]])
     with pytest.raises(EvalError, match=r"gather index out of range: 'ids'\[b=1\] = 10"):
         prog(ids=np.array([1, 10], np.int32), E=E)
-    names = [n for n, _, _ in prog._device.module.launches]
+    names = [n for n, _, _ in prog._kernels._device.module.launches]
     assert names[-1].startswith("check")          # the error word stopped the call after the checks
 
 

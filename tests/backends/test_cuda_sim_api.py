@@ -236,11 +236,11 @@ def test_unknown_backend_lists_the_backends():
 
 def test_unsupported_forms_are_a_clear_error():
     from tgc.backends.cuda import codegen
-    from tgc.lower.lowered import LoopGroup
-    from tgc.manager import lower_module
+    from tgc.backends.cpu.group import LoopGroup
+    from tgc.pipeline import lower_module
 
     module = pipeline.lower(pipeline.load(str(ROOT / "examples/layernorm.tg"), Options()), Options()).module
     low = lower_module(module, Options())          # the CPU's lowering: with loop groups
     assert any(isinstance(k, LoopGroup) for k in low.kernels)
-    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: loop groups"):
+    with pytest.raises(BackendUnavailable, match=r"^not supported by the cuda backend yet: LoopGroup kernels"):
         codegen.generate(low)

@@ -12,7 +12,7 @@ import tgc
 from tgc import pipeline
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.options import Options
+from tgc.options import CudaOptions, Options
 
 from marks import heavy
 
@@ -60,7 +60,7 @@ ROW_PROGRAMS = ["examples/layernorm.tg", "examples/attention.tg", "tests/program
 def test_one_block_per_row_reductions_match_interpreter(path, dtype):
     """With `cuda_row_min=1` every reduction that has the form runs one block per output
     (an OpenMP team under the emulator: shuffles, shared memory, barriers)."""
-    options = Options(dtype=dtype, cuda_row_min=1)
+    options = Options(dtype=dtype, cuda=CudaOptions(row_min=1))
     module = pipeline.lower(pipeline.load(str(ROOT / path), options), options).module
     prog = compare(module, dtype, options=options)
-    assert any(x.row for x in prog._cm.launches)
+    assert any(x.row for x in prog.cuda_module.launches)

@@ -100,7 +100,7 @@ def test_a_gemm_operand_repeated_along_an_edge_is_not_given_to_blas():
     """dy summed over t and repeated along head was a GEMM operand whose buffer lacks
     `head`: layout failed with `tuple.index(x): x not in tuple` (unless b was fixed)."""
     from tgc.lower.lowered import GemmKernel
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
     m = pipeline.lower(compile_source(HEAD_MERGE, "<t>", Options()), Options()).module
     low = lower_module(m, Options())

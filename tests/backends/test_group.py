@@ -13,7 +13,8 @@ import pytest
 import tgc
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.lower.lowered import LoopGroup, LoopKernel
+from tgc.backends.cpu.group import LoopGroup
+from tgc.lower.lowered import LoopKernel
 from tgc.options import Options
 
 LAYERNORM = """
@@ -72,7 +73,7 @@ TOL = {"f64": (1e-10, 1e-12), "f32": (2e-4, 2e-5)}
 
 
 def build(source: str, dtype: str, **opts):
-    return tgc.compile(source, backend="cpu", dtype=dtype, options=Options(**opts))
+    return tgc.compile(source, backend="cpu", dtype=dtype, options=Options().with_(**opts))
 
 
 def run_and_compare(prog, rows: int, d: int, dtype: str, seed: int = 0) -> dict:
@@ -348,7 +349,7 @@ def test_the_rows_loop_of_a_group_vectorized_over_rows_asks_for_masked_last_rows
     loop with every exp and log of the rows inlined once more: the MLP's cross-entropy
     group took 74 -> 30 ms to compile); a group over long rows does not."""
     from tgc.backends.cpu import codegen
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
     def text(source):
         prog = build(source, "f64")

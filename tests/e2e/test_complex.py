@@ -21,7 +21,7 @@ from tgc.lower.interp import run_lowered
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 from passes_util import optimize
 
 SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)

@@ -13,7 +13,7 @@ from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.lower.interp import run_lowered
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 from tgc.options import Options
 
 SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)

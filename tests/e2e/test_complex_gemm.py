@@ -16,7 +16,7 @@ from tgc.ir.interp import evaluate
 from tgc.lower.lowered import GemmKernel
 from tgc.lower.interp import run_lowered
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 SIM = shutil.which("g++") is not None   # cuda-sim compiles the CUDA module with g++ (OpenMP)
 CDT = {"f32": np.complex64, "f64": np.complex128}
@@ -28,7 +28,7 @@ def crandn(rng, *shape, dtype="f64"):
 
 
 def lowered(src: str, **opts):
-    o = Options(**opts)
+    o = Options().with_(**opts)
     m = driver.lower(compile_source(src, "<cgemm>", o), o).module
     return m, lower_module(m, o)
 

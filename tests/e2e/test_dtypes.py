@@ -24,7 +24,7 @@ from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
 from tgc.options import Options
 from tgc.manager import run_pipeline
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 BF16 = ml_dtypes.bfloat16
 NP = {"bf16": np.dtype(BF16), "f16": np.dtype(np.float16)}
@@ -35,7 +35,7 @@ def torch_or_skip():
 
 
 def pipeline(src: str, **options):
-    opts = Options(**options)
+    opts = Options().with_(**options)
     m = compile_source(src, "t.tg", opts)
     return run_pipeline(m, opts).module
 
@@ -44,7 +44,7 @@ def three_ways(src: str, inputs: dict, **options) -> tuple[dict, dict, dict]:
     """The IR interpreter's, the lowered interpreter's and the CPU backend's results on
     the same optimized module; the CUDA backend's under cuda-sim is checked against the
     CPU's on the way (same types, values to a bf16/f16 ulp)."""
-    opts = Options(**options)
+    opts = Options().with_(**options)
     m = pipeline(src, **options)
     ref = evaluate(m, inputs)
     low = run_lowered(lower_module(m, opts), inputs)

@@ -277,7 +277,7 @@ def test_programs_free_their_machine_code():
     before = len(llvm_env._LIVE_ENGINES)
     refs = []
     for i in range(20):
-        p = tgc.compile(f"dim n\ninput x[n]\nout y[n] = x * {i + 2}\n", options=tgc.options.Options(compile_jobs=1))
+        p = tgc.compile(f"dim n\ninput x[n]\nout y[n] = x * {i + 2}\n", options=tgc.Options(cpu=tgc.CpuOptions(compile_jobs=1)))
         assert p(x=np.ones(2, np.float32))["y"].tolist() == [i + 2] * 2
         refs.append(weakref.ref(p))
     del p

@@ -33,7 +33,7 @@ from tgc.ir.printer import print_module
 from tgc.options import Options
 from tgc.opt.facts import Facts
 from tgc.manager import run_pipeline
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 N = 100_000
 F = 0xFFFFFFFF
@@ -160,8 +160,8 @@ def _all_paths(source: str, dtype: str, inputs: dict):
         low = lower_module(m, opts, stop_after=stage)
         yield f"lowered after {stage}", run_lowered(low, {k: np.copy(v) for k, v in inputs.items()})
     for threads in (1, 4):
-        program = tgc.compile(source, dtype=dtype, options=Options(dtype=dtype, threads=threads,
-                                                                   parallel_min_work=1, parallel_min_work_warm=1))
+        program = tgc.compile(source, dtype=dtype, options=Options(dtype=dtype).with_(
+            threads=threads, parallel_min_work=1, parallel_min_work_warm=1))
         yield f"cpu, {threads} threads", program(**{k: np.copy(v) for k, v in inputs.items()})
 
 

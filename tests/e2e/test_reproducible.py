@@ -30,7 +30,7 @@ ALWAYS_PARALLEL = dict(parallel_min_work=1, parallel_min_work_warm=1,
 
 
 def _outputs(path: Path, threads: int, inputs: dict, dims: dict) -> list[dict]:
-    prog = tgc.compile(str(path), dtype="f32", options=Options(threads=threads, **ALWAYS_PARALLEL))
+    prog = tgc.compile(str(path), dtype="f32", options=Options().with_(threads=threads, **ALWAYS_PARALLEL))
     runs = []
     for _ in range(2):
         out = prog.run({k: v.copy() for k, v in inputs.items()}, dims or None)
@@ -60,7 +60,7 @@ def test_gemm_tiles_do_not_follow_the_thread_count():
     m = compile_file(str(src), Options())
     dims = {d: 2049 for d in m.symbolic_dims()}
     inputs = random_inputs(m, m.bind_dims(dims), 1, "f32")
-    outs = [tgc.compile(str(src), dtype="f32", options=Options(threads=t)).run(
+    outs = [tgc.compile(str(src), dtype="f32", options=Options().with_(threads=t)).run(
         {k: v.copy() for k, v in inputs.items()}, dims) for t in (1, 2, 3)]
     for name in outs[0]:
         for other in outs[1:]:

@@ -116,7 +116,7 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         from tgc import pipeline
         from tgc.frontend import compile_source
         from tgc.lower.interp import run_lowered
-        from tgc.manager import lower_module
+        from tgc.pipeline import lower_module
 
         opts = Options(dtype=dtype)
         low = lower_module(pipeline.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)
@@ -124,7 +124,7 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
     if kind == "cpu":
         import tgc
 
-        prog = tgc.compile(text, backend="cpu", dtype=dtype, options=Options(compile_jobs=1))
+        prog = tgc.compile(text, backend="cpu", dtype=dtype, options=Options().with_(compile_jobs=1))
         return prog.run(ins, dict(dims) or None)
     raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
 

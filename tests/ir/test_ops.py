@@ -161,7 +161,7 @@ def _check(got, dtype, tol_ulps):
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_values_and_gradients_on_the_interpreters(dtype):
     from tgc import pipeline
-    from tgc.manager import lower_module
+    from tgc.pipeline import lower_module
 
     opts = Options(dtype=dtype)
     m = pipeline.lower(compile_source(SOURCE, "<log1p>", opts), opts).module   # differentiated

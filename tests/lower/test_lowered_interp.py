@@ -21,7 +21,7 @@ from tgc.ir.inputs import random_inputs
 from tgc.lower.lowered import Load, LoopKernel
 from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))

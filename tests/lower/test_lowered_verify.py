@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from tgc import pipeline
-from tgc.lower.lowered import Acc, Const, GemmKernel, Ix, Load, LoopGroup, LoopKernel, Map, View
+from tgc.backends.cpu.group import LoopGroup
+from tgc.lower.lowered import Acc, Const, GemmKernel, Ix, Load, LoopKernel, Map, View
 from tgc.lower.verify import VerifyError, verify_lowered
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 from tgc.options import Options
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,11 +9,11 @@ import re
 from tgc.lower.lowered import GemmKernel, LoopKernel, print_lowered
 from tgc.ir.parser import parse_module
 from tgc.options import Options
-from tgc.manager import lower_module
+from tgc.pipeline import lower_module
 
 
 def lower(text: str, stop_after: str = "plan", **opts):
-    return lower_module(parse_module(text), Options(dtype="f32", **opts), stop_after=stop_after)
+    return lower_module(parse_module(text), Options(dtype="f32").with_(**opts), stop_after=stop_after)
 
 
 def kernel_lines(low) -> list[str]:
@@ -184,7 +184,7 @@ def test_adam_moments_and_parameter_are_written_in_place_by_their_group():
     import tgc
     from tgc.ir.interp import evaluate
     from tgc.ir.inputs import random_inputs
-    from tgc.lower.lowered import LoopGroup
+    from tgc.backends.cpu.group import LoopGroup
 
     prog = tgc.compile(ADAM_MLP, dtype="f64")
     group = next(k for k in prog.lowered.kernels if isinstance(k, LoopGroup) and

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.runtime import cache
+from tgc.backends import cache
 
 PROGRAM = "dim n\ninput x[n]\nout y[n] = exp(x) * 2\n"
 
@@ -134,7 +134,7 @@ def test_concurrent_builds_agree(cache_dir):
 
 
 def test_entries_hold_every_object_file(cache_dir):
-    tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=3))
+    tgc.compile(PROGRAM, options=tgc.options.Options().with_(compile_jobs=3))
     (entry,) = cache_dir.rglob("*.o")
     objs = cache.lookup(entry.name[:-2])
     assert objs and all(o.startswith(b"\x7fELF") for o in objs)
@@ -312,7 +312,7 @@ def test_flipped_object_headers_never_crash(cache_dir):
     """Flip bits of an object file's ELF and section headers, checksum recomputed:
     each compile still gives the right result (the damage is refused, or loads and
     works); none crashes or hangs the process (run in a forked child to see)."""
-    tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=1))
+    tgc.compile(PROGRAM, options=tgc.options.Options().with_(compile_jobs=1))
     for prog in cache_dir.rglob("*.prog"):
         prog.unlink()
     (entry,) = cache_dir.rglob("*.o")
@@ -330,7 +330,7 @@ def test_flipped_object_headers_never_crash(cache_dir):
         if pid == 0:
             code = 3
             try:
-                p = tgc.compile(PROGRAM, options=tgc.options.Options(compile_jobs=1))
+                p = tgc.compile(PROGRAM, options=tgc.options.Options().with_(compile_jobs=1))
                 y = p(x=np.ones(2, np.float32))["y"]
                 code = 0 if np.allclose(y, 2 * np.e) else 2
             finally:

@@ -1,6 +1,9 @@
-"""Code generators: one package per target. Backends never import each other.
+"""Backends: one folder per target (`cpu`, `cuda`), each declaring the backends it
+offers in `BACKENDS` (`base` finds them), plus what they share: the `Backend` and
+`Kernels` interfaces and the registry (`base`), and the on-disk code cache
+(`cache`, with `objfile`'s checks of cached object files). Backends never import
+each other.
 
 Stage: after `tgc.lower` and `tgc.manager`, before `tgc.runtime`; a backend imports
-`tgc.ir`, `tgc.lower` (the lowered program it compiles), `tgc.opt` and the leaves.
-Still crossing forward (to be removed): the CUDA program builds on
-`tgc.runtime.program` and its cache."""
+`tgc.ir`, `tgc.lower` (the lowered program it compiles, and the stages it adds to
+it), `tgc.opt`, `tgc.options` and the leaves; nothing of a later stage."""

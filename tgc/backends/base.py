@@ -1,16 +1,152 @@
-"""What every backend shares: the names `tgc.compile(..., backend=)` and `tgc run
---backend` accept, and the error a backend raises when it cannot run here.
+"""What every backend is: the `Backend` interface, the registry of backends by name,
+and the error a backend raises when it cannot run here.
 
-The backends: "cpu" (LLVM, `tgc.backends.cpu`), "cuda" (CuPy on an NVIDIA GPU) and
-"cuda-sim" (the same CUDA module run on this CPU by an emulator), both in
-`tgc.backends.cuda`. This module imports nothing heavy: the command line's error
-boundary uses it.
+A backend is a folder `tgc/backends/NAME/` whose `__init__.py` declares
+`BACKENDS = {"name": "module:Class", ...}` (strings, so that listing the backends
+imports no code generator). `backend_names()` finds every such folder;
+`get_backend(name)` imports the class on first use and keeps one instance. So a new
+backend needs only its folder: `tgc.compile(..., backend=)`, `tgc run --backend`
+and `tgc build --target` select through this registry.
+
+A `Backend` says:
+- `name`;
+- `stages`: its own lowering stages (`Pass` classes on `Lowered`), run after the
+  neutral `fuse` and `layout` and before `plan` (`lowering()` gives the names in
+  order; the CPU's `group` is one); `get_backend` registers them by name with the
+  pass registry (`tgc.registry.register_stage`), so that pass lists can name them;
+- `kernel_forms`: the text forms of its own kinds of kernel ({grammar rule: reader},
+  the CPU's `group`), registered with the lowered program's reader
+  (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
+- `compile(module, low, options)`: the executable kernels of a lowered program, an
+  object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
+  that it has bound, checked and allocated (`Kernels` below);
+- `cache_parts()`: what the code depends on besides the IR and the options (its
+  name; the CPU adds the host CPU's name and features), for the code cache's keys.
+
+This module imports nothing heavy: the command line's error boundary uses it.
 """
 from __future__ import annotations
 
-BACKENDS = ("cpu", "cuda", "cuda-sim")
+import importlib
+import pkgutil
+
+NEUTRAL_BEFORE = ("fuse", "layout")   # lowering stages every backend runs before its own
+NEUTRAL_AFTER = ("plan",)             # ... and after them
 
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot run on this machine (no CuPy, no GPU, no C++ compiler);
     the message says why. The command line exits with status 3 for it."""
+
+
+class Backend:
+    """One target. Subclasses set `name` and `stages` and define `compile`."""
+
+    name: str = ""
+    stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
+    kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
+    source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
+
+    def lowering(self) -> tuple[str, ...]:
+        """Every lowering stage's name, in the order they run."""
+        return NEUTRAL_BEFORE + tuple(s.name for s in self.stages) + NEUTRAL_AFTER
+
+    def lowering_options(self, options):
+        """The options its lowering runs with (a backend may switch off a neutral
+        stage's feature it cannot compile: CUDA, the complex GEMM cells)."""
+        return options
+
+    def cache_parts(self) -> tuple[str, ...]:
+        """What a compiled program depends on besides the IR and the options."""
+        return (self.name,)
+
+    def compile(self, module, low, options, artifacts=None) -> "Kernels":
+        """The executable kernels of `low` (lowered from `module`, the module after
+        the IR pipeline). `artifacts` are what an earlier compile left in
+        `Kernels.artifacts` (object files, from the cache); None: compile anew."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+
+class Kernels:
+    """A backend's compiled program as the neutral runtime calls it: "run these
+    kernels on these buffers". The runtime binds the signature, takes the dims from
+    the shapes, checks and converts the inputs, allocates the outputs (`empty`), and
+    handles updates, complex and bf16/f16 arguments; `run` runs every kernel.
+
+    Optional: `prepare` (inputs that live on a device), a fast path
+    (`fast_path`, `plan`, `run_fast`: the CPU's), `profile`, and any attribute
+    a program of the backend offers (`llvm_ir`, `cuda_source`, ...), which
+    `Program` forwards."""
+
+    backend: str = ""
+    artifacts: tuple | None = None   # what a later compile may reuse (cached object files)
+    fast_path: bool = False          # `plan` and `run_fast` exist and may be used
+
+    def prepare(self, program, given: dict):
+        """(arrays, write_back) for a call, or None: the runtime's host checks apply."""
+        return None
+
+    def empty(self, shape, dtype):
+        import numpy as np
+
+        return np.empty(shape, dtype)
+
+    def to_host(self, a):
+        return a
+
+    def run(self, args: dict, outs: dict, env: dict) -> int:
+        """Run every kernel: `args` and `outs` by name, `env` every dim's size.
+        Returns 0, or 1 + the index of the `Check` (lowered.checks) that failed;
+        then nothing was written."""
+        raise NotImplementedError
+
+    def profile(self, reset: bool = False):
+        raise ValueError(f"profiling is not available on the {self.backend} backend")
+
+
+_REGISTRY: dict[str, str] | None = None
+_LOADED: dict[str, Backend] = {}
+
+
+def _registry() -> dict[str, str]:
+    """{backend name: "module:Class"}, from every backend folder's `BACKENDS`."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        import tgc.backends as pkg
+
+        found: dict[str, str] = {}
+        for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+            if info.ispkg:
+                mod = importlib.import_module(f"tgc.backends.{info.name}")
+                found.update(getattr(mod, "BACKENDS", {}))
+        _REGISTRY = found
+    return _REGISTRY
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend's name: cpu, cuda, cuda-sim, and any other folder's."""
+    return tuple(_registry())
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`; ValueError when there is none."""
+    if name in _LOADED:
+        return _LOADED[name]
+    where = _registry().get(name) if isinstance(name, str) else None
+    if where is None:
+        raise ValueError(f"backend '{name}' is not available (have: {', '.join(backend_names())})")
+    module, cls = where.split(":")
+    backend = getattr(importlib.import_module(module), cls)()
+    from tgc.lower.text import register_kernel_form, register_stage_name
+    from tgc.registry import register_stage
+
+    for stage in backend.stages:
+        register_stage(stage)
+        register_stage_name(stage.name)
+    for rule, read in backend.kernel_forms.items():
+        register_kernel_form(rule, read)
+    _LOADED[name] = backend
+    return backend

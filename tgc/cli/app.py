@@ -30,6 +30,7 @@ def _pass_list(ctx, param, value):
         return None
     from tgc.manager import parse_pass_list, split_levels
 
+    pipeline.lowering("cpu")   # loads the CPU backend, so that -p may name its own stage (group)
     try:
         specs = parse_pass_list(value)
         split_levels(specs)
@@ -41,7 +42,8 @@ def _pass_list(ctx, param, value):
 def _pass_names(ctx, param, value):
     from tgc.registry import PASSES
 
-    known = ("elaborate",) + tuple(PASSES)
+    lowering = pipeline.lowering("cpu")   # loads the CPU backend: its own stages are named
+    known = ("elaborate",) + tuple(dict.fromkeys(tuple(PASSES) + lowering))
     names = set()
     for item in value or ():
         for n in item.split(","):
@@ -156,7 +158,7 @@ def main(debug: bool, color: str) -> None:
     """
     import warnings
 
-    from tgc.runtime.cache import CacheWarning
+    from tgc.backends.cache import CacheWarning
 
     shown = warnings.showwarning
 
@@ -255,7 +257,7 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None)
     """Run the lowering stages (with --time-passes, print their table to stderr)."""
     from tgc.manager import run_lowering
 
-    result = run_lowering(program, options, emit, stop_after=stop_after)
+    result = run_lowering(program, options, emit, pipeline.lowering("cpu"), stop_after=stop_after)
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
     return result.lowered
@@ -269,7 +271,7 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 
     names = pass_names(options)
     plain = [parse_pass_spec(n)[0] for n in names]
-    lowering = [parse_pass_spec(n)[0] for n in stages(options)]
+    lowering = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering("cpu"))]
     if after is None:
         return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
@@ -317,6 +319,7 @@ def opt(file, output, locs, **opts) -> None:
     text = pipeline.read_text(file)
     name = "<stdin>" if file == "-" else file
     if is_lowered_text(text):
+        pipeline.lowering("cpu")   # loads the CPU backend: its `group` kernels read back
         low = parse_lowered(text, name)
         if opts.get("dtype") not in (None, low.dtype):
             raise click.BadParameter(f"the lowered program is {low.dtype}", param_hint="--dtype")
@@ -350,9 +353,13 @@ def opt(file, output, locs, **opts) -> None:
 @main.command()
 def passes() -> None:
     """List every pass with its one-line description and options, the default
-    pipeline, and the lowering stages that follow it for the CPU backend."""
+    pipeline, and the lowering stages that follow it for each backend (dump-ir --after
+    lowers for the CPU)."""
+    from tgc.backends.base import backend_names
     from tgc.manager import pass_fields
-    from tgc.registry import DEFAULT_PIPELINE, LOWERING, PASSES
+    from tgc.registry import DEFAULT_PIPELINE, PASSES
+
+    lowerings = {name: pipeline.lowering(name) for name in backend_names()}   # each backend's stages are named
 
     width = max(len(n) for n in PASSES)
     for name, cls in PASSES.items():
@@ -362,7 +369,8 @@ def passes() -> None:
             kind = kind.replace("NoneType", "none")
             click.echo(f"{'':<{width}}    {{{field}={kind}}}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
-    click.echo(f"lowering (then, for a backend; dump-ir --after STAGE): {','.join(LOWERING)}")
+    for name, stages in lowerings.items():
+        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
 
 
 from tgc.cli.build import build  # noqa: E402

@@ -109,7 +109,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     if output == "-" and emit in ("so", "obj", "cubin"):
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=pipeline.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
-                      fp_strict=fp_strict, blas=blas, autocast=autocast, memory_budget=memory_budget)
+                      fp_strict=fp_strict, autocast=autocast,
+                      memory_budget=memory_budget).with_(blas=blas)
     loaded = pipeline.load_program(file, options)
     header = header_path(output) if emit == "so" else None
     if target == "cuda":   # the manifest, in the header's place
@@ -143,11 +144,12 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
             header = None
         else:
             try:
-                files[output] = aot.build(module, options, emit, prefix, source)
+                low = pipeline.lower_module(module, options, "cpu")
+                files[output] = aot.build(module, low, options, emit, prefix, source)
             except aot.NoSystemBlas as e:
                 raise click.BadParameter(str(e), param_hint="--blas") from None
         if header:
-            files[header] = aot.build(module, options, "h", prefix, source)
+            files[header] = aot.build(module, None, options, "h", prefix, source)
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile
 

@@ -48,7 +48,6 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
       tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
-    from tgc.manager import lower_module
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
@@ -59,7 +58,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
     env = module.bind_dims(sizes)
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
-    low = lower_module(lowered.module, options)
+    low = pipeline.lower_module(lowered.module, options, "cpu")
     report = report_of(low, env)
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()

@@ -10,6 +10,7 @@ import click
 import numpy as np
 
 from tgc import pipeline
+from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
 from tgc.fsutil import write_atomic
@@ -39,13 +40,11 @@ def _dim_binding(ctx, param, value):
 
 
 def check_dim_flags(module, dims: dict[str, int]) -> None:
-    """--dim names only symbolic dims of `module` (a usage error otherwise)."""
-    unknown = [d for d in dims if d not in module.dims]
-    if unknown:
-        raise click.BadParameter(f"the program has no dim '{unknown[0]}'", param_hint="--dim")
-    fixed = [d for d in dims if module.dims[d] is not None]
-    if fixed:
-        raise click.BadParameter(f"dim '{fixed[0]}' has a fixed size", param_hint="--dim")
+    """--dim names only symbolic dims of `module` (a usage error otherwise; `Module.dim_error`)."""
+    for d, n in dims.items():
+        why = module.dim_error(d, n)
+        if why:
+            raise click.BadParameter(why, param_hint="--dim")
 
 
 def _input_binding(ctx, param, value):
@@ -269,7 +268,7 @@ def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
 
 def print_profile(program, inputs: dict, dims, calls: int) -> None:
     """Run `program` `calls` more times and print each kernel's time per call (to
-    stderr): the cycles `Options(profile=True)` counts, scaled to the wall time."""
+    stderr): the cycles `CpuOptions(profile=True)` counts, scaled to the wall time."""
     import time
 
     program.profile(reset=True)
@@ -306,7 +305,7 @@ def _host(a):
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
               help="Bind a symbolic dim (repeatable).")
-@click.option("--backend", type=click.Choice(["interp", "cpu", "cuda", "cuda-sim"]), default="interp",
+@click.option("--backend", type=click.Choice(["interp", *backend_names()]), default="interp",
               show_default=True, help="interp (the reference interpreter), cpu (LLVM), cuda (an NVIDIA GPU "
                                       "through CuPy) or cuda-sim (the CUDA kernels emulated on this CPU).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
@@ -350,9 +349,9 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     from tgc.progress import status
 
     dtype = pipeline.float_type(file, dtype)
-    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), profile=bool(profile),
-                      import_dirs=tuple(import_dirs), fp_strict=fp_strict, autocast=autocast,
-                      memory_budget=memory_budget)
+    options = Options(dtype=dtype, dims=tuple(sorted(dims.items())), import_dirs=tuple(import_dirs),
+                      fp_strict=fp_strict, autocast=autocast,
+                      memory_budget=memory_budget).with_(profile=bool(profile))
     with status("compiling"):
         full = pipeline.load(file, options)
         lowered = pipeline.lower(pipeline.forward_only(full) if no_update else full, options)
@@ -369,16 +368,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         with status("running (interpreter)"):
             results = evaluate(module, inputs, dtype=dtype, dims=dims)
     else:
-        if backend == "cpu":
-            from tgc.runtime import build
-
-            with status("compiling (LLVM)"):
-                program = build(module, options)
-        else:
-            from tgc.backends.cuda.runtime import build as build_cuda
-
-            with status(f"compiling ({backend})"):
-                program = build_cuda(module, options, backend)
+        with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
+            program = pipeline.compile_module(module, options, backend)
         call_dims = dict(options.dims) or None
         with status("running"):
             results = program.run(dict(inputs), call_dims)

@@ -71,11 +71,6 @@ def is_complex(v: V.Value) -> bool:
     return RI in v.edges
 
 
-def complex_name(real_dtype: str) -> str:
-    """The complex type whose parts have `real_dtype`: f32 -> c64, f64 -> c128."""
-    return "c128" if real_dtype == "f64" else "c64"
-
-
 def ensure_edge(m: Module) -> str:
     """Register the parts edge (a dim of size 2) in `m`; its name."""
     if RI not in m.edges:

@@ -86,13 +86,15 @@ def gc_paused():
 
 
 def read_source(path) -> tuple[str, str]:
-    """(text, filename) of a .tg file; a located CompileError if it is unreadable,
-    a directory, binary (NUL bytes) or not UTF-8."""
+    """(text, filename) of a source file ('-': standard input, named <stdin>): the one
+    reader of .tg and .tgir files. A byte order mark is dropped; a located CompileError
+    if the file is unreadable, a directory, binary (NUL bytes) or not UTF-8."""
     from tgc.fsutil import NotASource, read_source_bytes
 
-    name = str(path)
+    stdin = str(path) == "-"
+    name = "<stdin>" if stdin else str(path)
     try:
-        data = read_source_bytes(path)
+        data = read_source_bytes(None if stdin else path)
     except IsADirectoryError:
         raise CompileError(f"'{name}' is a directory, not a source file", Loc(name, 1, 1)) from None
     except NotASource as e:

@@ -17,7 +17,6 @@ from typing import Mapping
 
 from tgc.ir.sizes import Size, SizeError, SizeOp, parse_size, size_eval, size_op, size_str
 
-REL_OPS = ("=", "!=", "<=", ">=", "<", ">")
 
 
 @dataclass(frozen=True)

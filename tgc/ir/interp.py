@@ -32,10 +32,20 @@ class EvalError(RuntimeError):
 
 
 def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
-              given: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Sizes of every dim: `given`, then symbolic dims read off the input shapes."""
+              given: Mapping[str, int] | None = None, given_as: str = "--dim",
+              check_given: bool = False) -> dict[str, int]:
+    """Sizes of every dim: `given`, then symbolic dims read off the input shapes
+    (anything with a shape; every argument's), then the derived ones. The one binder
+    of the interpreters and the runtime; `given_as` names where `given` came from in
+    messages ("--dim", "dims="). With `check_given` (a caller's own dims=), each given
+    dim is checked (`Module.dim_error`); the interpreters' callers pass dims they
+    made (the pass checker's, say), which a pass may have made unused."""
     env: dict[str, int] = dict(given or {})
-    where: dict[str, str] = {d: "--dim" for d in env}
+    for d, n in env.items() if check_given else ():
+        why = module.dim_error(d, n)
+        if why:
+            raise EvalError(f"{given_as}: {why}")
+    where: dict[str, str] = {d: given_as for d in env}
     for arg in module.args.values():
         shape = np.shape(inputs[arg.name])
         if len(shape) != len(arg.order):
@@ -53,7 +63,7 @@ def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
     try:
         return module.bind_dims(env)
     except UnboundDim as e:
-        raise EvalError(f"{e}: no input has it; pass its size explicitly") from None
+        raise EvalError(f"{e}: no input has it; pass its size with {given_as}") from None
     except SizeError as e:
         raise EvalError(str(e)) from None
 

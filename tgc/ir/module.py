@@ -14,7 +14,6 @@ from tgc.ir.diag import Loc
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval_checked, size_str
 from tgc.ir.values import Value, topo_order
 
-ARG_KINDS = ("input", "param", "state")
 
 
 @dataclass(frozen=True)
@@ -109,6 +108,21 @@ class Module:
         name = f"{stem}.{n}"
         self.edges[name] = dim
         return name
+
+    def dim_error(self, name: str, n, bind: bool = True) -> str | None:
+        """Why a caller may not give dim `name` the size `n` (None: it may): the one
+        check of a given dim (`dims=`, `--dim`, `-D`, `tgc.compile(dims=)`). With
+        `bind`, only a symbolic dim takes a size (a fixed or derived one only its own)."""
+        import numbers
+
+        if name not in self.dims:
+            return f"the program has no dim '{name}'"
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
+            return f"dim '{name}' = {n!r}: a size is a positive integer (at most 2^62)"
+        if bind and self.dims[name] is not None and self.dims[name] != n:
+            why = "it has a fixed size" if isinstance(self.dims[name], int) else "it is derived from other dims"
+            return f"dim '{name}' is {size_str(self.dims[name])}, not a symbolic dim to bind to {n}: {why}"
+        return None
 
     def bind_dims(self, known: Mapping[str, int]) -> dict[str, int]:
         """Sizes of every dim given the symbolic ones in `known`: UnboundDim if one is

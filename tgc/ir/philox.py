@@ -49,7 +49,6 @@ import numpy as np
 M0, M1 = 0xD2511F53, 0xCD9E8D57
 W0, W1 = 0x9E3779B9, 0xBB67AE85
 MASK32 = 0xFFFFFFFF
-KINDS = ("rand", "randn")
 
 # 2 atanh(s) = s * sum_k 2 z^k / (2k + 1), z = s^2 <= 0.0295: 12 terms reach 1e-19
 _LOG_COEFS = tuple(2.0 / (2 * k + 1) for k in range(12))

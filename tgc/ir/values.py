@@ -76,7 +76,6 @@ REDUCE_KINDS = ("max", "min", "logsumexp")
 SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
-CUSTOM_OPS = ("custom", "slot")  # custom derivative rules (gone once no derivative is left)
 
 
 class IRError(ValueError):

@@ -1,8 +1,10 @@
 """Lowering: the optimized IR to the lowered program of kernels and buffers that every
-backend compiles (`lowered`), in stages `fuse`, `layout`, `group` and `plan` (passes
-the one pass manager, `tgc.manager`, runs), with the lowered program's text (`text`,
-grammar `lowered.lark`: what `print_lowered` writes reads back), its verifier
-(`verify`) and its numpy interpreter (`interp`), the oracle for backends' kernels.
+backend compiles (`lowered`), in stages `fuse`, `layout`, then a backend's own (the
+CPU's `group`, in `tgc.backends.cpu`), then `plan` (passes the one pass manager,
+`tgc.manager`, runs), with the lowered program's text (`text`, grammar `lowered.lark`:
+what `print_lowered` writes reads back; a backend's own kind of kernel registers its
+form), its verifier (`verify`) and its numpy interpreter (`interp`), the oracle for
+backends' kernels (a backend's own kind of kernel runs through its `interpret` hook).
 
 Stage: after `tgc.autodiff`, before `tgc.manager` (which runs its stages) and
 `tgc.backends`; imports `tgc.ir` and `tgc.options`.

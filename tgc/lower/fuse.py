@@ -9,7 +9,7 @@ reductions reads its inputs once:
 
 - GEMM cells: two-operand contractions whose edges split into batch / M / N / K
   groups, all of M, N, K present and (when sizes are known) at least
-  `options.blas_min_flops` flops; their operands are materialized buffers, seen
+  `options.cpu.blas_min_flops` flops; their operands are materialized buffers, seen
   through renames. An indicator, or a product of indicators only (`index_only`),
   is never an operand: it is index arithmetic, and as a buffer it would be a dense
   0/1 tensor over all its edges (six, for a 2-D convolution's window relation).
@@ -243,7 +243,7 @@ class _Fuser:
         for e in A | B:
             s = edge_size(self.m, e)
             flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
-        if flops is not None and flops < self.opt.blas_min_flops:
+        if flops is not None and flops < self.opt.cpu.blas_min_flops:
             return None
         return tuple(groups)
 
@@ -308,7 +308,7 @@ class _Fuser:
         then computed only where something else still reads them: the values no longer
         reachable from the program's roots are dropped (`folded`), and the use counts
         are taken again without them."""
-        if not self.opt.complex_gemm or self.opt.blas != "numpy" or self.opt.dtype not in ("f32", "f64"):
+        if not self.opt.cpu.complex_gemm or self.opt.cpu.blas != "numpy" or self.opt.dtype not in ("f32", "f64"):
             return
         for v in self.values:
             if id(v) in self.folded or id(v) in self.shifted:
@@ -450,7 +450,7 @@ class _Fuser:
         flops = 2
         for s in (sizes[u] for g in groups for u in g):
             flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
-        if flops is not None and flops < self.opt.blas_min_flops:
+        if flops is not None and flops < self.opt.cpu.blas_min_flops:
             return None
         key = order
         return {"leaves": [leaf for leaf, _ in leaves], "folded": acc["folded"],

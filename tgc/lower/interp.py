@@ -15,12 +15,10 @@ Semantics, as `tgc.lower.lowered` states them:
   (NaNs skipped) or `logsumexp`, and the epilogue sees the reduced value as `Acc`;
   a scatter kernel fills its output with 0 (its `reduce` empty: a scatter-add), -inf
   (`max`) or inf (`min`) and combines every term into its gathered index;
-- a `LoopGroup` runs its members one after another for each index of its outer
-  loops (a member in `regs` is an array over the outer edges here; with blocks,
-  `#block` is the block of the first outer index, and a member summing over an
-  outer loop adds into its block's row). Without blocks, each member runs over all
-  the outer indices at once, one member after another: the same, as a member reads
-  what another writes only at the outer index it is at;
+- a kind of kernel that a backend's own stage adds runs through its own
+  `interpret(interp)` hook, which calls back `loop`, `eval_size`, `arrays`, `order`
+  and `fp` here (the CPU's `LoopGroup`: `tgc.backends.cpu.group`), so the oracle
+  runs CPU-grouped programs without knowing the CPU backend;
 - a `GemmKernel` is one contraction of its two views (shifted reads out of range
   are 0, as each call clips its range), summed over `k` and its taps;
 - a `Check` stops the call with `EvalError` before any kernel runs.
@@ -43,13 +41,12 @@ import numpy as np
 from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
-from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered,
+from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
 
-BLOCK_EDGE = "#block"   # the loop variable of a group's blocks (tgc.lower.group.BLOCK_EDGE)
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}
 
@@ -107,12 +104,12 @@ class _Machine:
                 raise EvalError(f"gather id {int(ids[bad].flat[0])} in '{c.buf}' is out of range [0, {n})")
         with np.errstate(all="ignore"):   # IEEE arithmetic: inf and NaN are values
             for k in self.low.kernels:
-                if isinstance(k, LoopGroup):
-                    self.group(k)
-                elif isinstance(k, GemmKernel):
+                if isinstance(k, GemmKernel):
                     self.gemm(k)
-                else:
+                elif isinstance(k, LoopKernel):
                     self.loop(k, {})
+                else:   # a backend's own kind of kernel says how it runs (the CPU's LoopGroup)
+                    k.interpret(self)
         m, result = self.low.module, {}
         outs = {b.index: b for b in self.low.buffers.values() if b.kind == "out"}
         for i, o in enumerate(m.outputs):
@@ -199,26 +196,6 @@ class _Machine:
         acc = np.full(out.shape, SCATTER_INIT[kind], np.float64)
         SCATTER_COMBINE[kind].at(acc, tuple(i[act] for i in idx), value[act])
         out[...] = acc.astype(out.dtype)
-
-    # ---------------------------------------------------------------- groups
-
-    def group(self, g: LoopGroup) -> None:
-        sizes = [self.eval_size(g.sizes[v]) for v in g.outer]
-        for r in g.regs:
-            self.arrays[r], self.order[r] = np.full(sizes, np.nan, self.fp), g.outer
-        try:
-            if not g.blocks:
-                for m in g.members:
-                    self.loop(m, {})
-                return
-            for point in np.ndindex(*sizes):
-                fixed = dict(zip(g.outer, point))
-                fixed[BLOCK_EDGE] = point[0] * g.blocks // max(sizes[0], 1)
-                for m in g.members:
-                    self.loop(m, fixed)
-        finally:
-            for r in g.regs:
-                del self.arrays[r], self.order[r]
 
     # ---------------------------------------------------------------- GEMMs
 

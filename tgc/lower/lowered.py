@@ -1,7 +1,7 @@
 """Lowered forms: the kernels, buffers and workspace plan that `fuse`, `layout`,
-`group` and `plan` produce, and their text form (`print_lowered`, what `tgc dump-ir
---after fuse|layout|group|plan` prints; `tgc.lower.text` reads it back, and
-`tgc.lower.verify` states the rules a program must keep).
+a backend's own stages (the CPU's `group`) and `plan` produce, and their
+text form (`print_lowered`, what `tgc dump-ir --after fuse|layout|group|plan` prints;
+`tgc.lower.text` reads it back, and `tgc.lower.verify` states the rules a program must keep).
 
 Backend-neutral: a program is a list of kernels over named buffers.
 
@@ -21,6 +21,11 @@ Backend-neutral: a program is a list of kernels over named buffers.
   With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
   `y[b, o, s] = sum_k W[k, o, c] @ x[b, c, s + k - 2]`, the range of `s` clipped
   per tap), accumulating into `out`.
+- A backend's own lowering stage may add kinds of kernel (the CPU's `group` adds
+  `tgc.backends.cpu.group.LoopGroup`). Neutral code reaches every kernel through
+  `buffers_read()`, `writes()`, `buffers_used()`, `text()`, and for a kind of its
+  own `renamed(mapping)`, `can_retarget(low, target, tmp)` (plan's in-place
+  updates) and `interpret(interp)` (the lowered interpreter).
 - A `Check` makes the program fail (nonzero status, before any write) when an id
   buffer holds a value outside `[0, size)`.
 
@@ -349,6 +354,9 @@ class LoopKernel:
         reads = self._reads()
         return set(reads) | ({self.out} if self.scatter else set())
 
+    def writes(self) -> set[str]:
+        return {self.out}
+
     def buffers_used(self) -> list[str]:
         """`out`, then every buffer read, in order of first appearance."""
         return list(dict.fromkeys([self.out, *self._reads()]))
@@ -427,6 +435,9 @@ class GemmKernel:
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf}
 
+    def writes(self) -> set[str]:
+        return {self.out}
+
     def matrix_order(self, order: Sequence[str] | None) -> tuple[str, ...] | None:
         """A buffer's (or view's) order as the matrix sees it: a complex product's
         elements are the pairs, so its `re.im` axis, which must be the innermost, is
@@ -458,53 +469,8 @@ class GemmKernel:
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
 
 
-@dataclass
-class LoopGroup:
-    """Loop kernels run one after another inside shared outer loops: for each index
-    of `outer` (loop variables every member keeps, outermost first), each member runs
-    its remaining loops with the outer ones fixed. A member reads what an earlier one
-    wrote only at the same outer index, so the rows a group works on stay in cache
-    (and its threads split the outermost loop). A member whose output is in `regs` is
-    kept in a register for the outer index (no buffer: it is read only by later
-    members, at that index).
+Kernel = Union[LoopKernel, GemmKernel]   # a backend's own stage may add kinds of its own (the CPU's LoopGroup)
 
-    With `blocks` > 0 the first outer loop runs in that many blocks (a loop variable
-    named like the block edge, `#block`; threads take whole blocks), and a member
-    may sum over the first outer variable: it adds into its block's row of a partial
-    buffer (zeroed by a kernel before the group and added up, in block order, by one
-    after it), so the result does not depend on how blocks were shared by threads."""
-    outer: tuple[str, ...]
-    sizes: dict[str, Size]
-    members: tuple[LoopKernel, ...]
-    regs: tuple[str, ...] = ()
-    blocks: int = 0
-    note: str = ""
-
-    def buffers_read(self) -> set[str]:
-        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
-
-    def writes(self) -> set[str]:
-        return {m.out for m in self.members} - set(self.regs)
-
-    def buffers_used(self) -> list[str]:
-        names = [b for m in self.members for b in m.buffers_used()]
-        return [b for b in dict.fromkeys(names) if b not in self.regs]
-
-    def text(self) -> str:
-        loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
-        if self.blocks:
-            loops += f" in {self.blocks} blocks"
-        head = f"group for {loops}" + (f"  reg {', '.join(map(self._reg_text, self.regs))}" if self.regs else "")
-        body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
-        return head + (f"    # {self.note}" if self.note else "") + body
-
-    def _reg_text(self, r: str) -> str:
-        """A register with its edges (it has no buffer line): those of the member that writes it."""
-        writer = next((m for m in self.members if m.out == r), None)
-        return f"%{r}[{', '.join(e for e, _ in writer.index)}]" if writer else f"%{r}[]"
-
-
-Kernel = Union[LoopKernel, GemmKernel, LoopGroup]
 
 
 @dataclass(frozen=True)
@@ -604,9 +570,8 @@ def matrix_form(order: Sequence[str], rows: Sequence[str], cols: Sequence[str]):
 
 def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
     """`k` reading (and writing) the buffers `mapping` names instead (same edges)."""
-    if isinstance(k, LoopGroup):
-        return replace(k, members=tuple(rename_buffers(m, mapping) for m in k.members),
-                       regs=tuple(mapping.get(r, r) for r in k.regs))
+    if not isinstance(k, (LoopKernel, GemmKernel)):   # a backend's own kind renames itself
+        return k.renamed(mapping)
     if isinstance(k, GemmKernel):
         def view(v: View) -> View:
             return View(mapping.get(v.buf, v.buf), v.edges)

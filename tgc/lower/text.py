@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import re
 from functools import lru_cache
+from typing import Callable
 from pathlib import Path
 
 from lark import Lark, Token, Tree
@@ -33,11 +34,28 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.parser import parse_module
 from tgc.ir.sizes import Size, SizeError, size_op
-from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
+from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                                LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, smul)
 
 HEADER = re.compile(r"^//\s*lowered after (\w+) \((\w+)\)\s*$")
-STAGES = ("fuse", "layout", "group", "plan")
+
+# A backend's own kinds of kernel (the CPU's loop group): its rule in `lowered.lark` ->
+# a function (walk, tree) -> the kernel, given the walk's helpers (`loop`, `size`,
+# `names`, `note`, `error`, the `regs` being read). The backend registers its forms when
+# it is loaded (`tgc.backends.base.get_backend`); this module imports no backend.
+KERNEL_FORMS: dict[str, Callable[["_Builder", Tree], object]] = {}
+
+
+def register_stage_name(name: str) -> None:
+    """A backend's own lowering stage, which a header line may name."""
+    if name not in STAGES:
+        STAGES.insert(len(STAGES) - 1, name)   # before plan
+
+
+def register_kernel_form(rule: str, read: Callable[["_Builder", Tree], object]) -> None:
+    """Read the kernels of grammar rule `rule` with `read` (a backend's own kind)."""
+    KERNEL_FORMS[rule] = read
+STAGES = ["fuse", "layout", "plan"]   # the neutral stages; a backend adds its own (register_stage_name)
 
 
 def is_lowered_text(text: str) -> bool:
@@ -200,6 +218,11 @@ class _Builder:
 
     def kernel(self, t: Tree):
         body = t.children[1]
+        if body.data in KERNEL_FORMS:
+            return KERNEL_FORMS[body.data](self, body)
+        if body.data not in ("loop", "gemm", "cgemm"):
+            raise self.error(f"a '{body.data}' kernel is a backend's own kind, and no loaded backend reads it "
+                             "(the CPU's: tgc.backends.base.get_backend('cpu'))", body)
         return getattr(self, body.data)(body)
 
     def loop(self, t: Tree) -> LoopKernel:
@@ -285,32 +308,6 @@ class _Builder:
             else:
                 pairs.append((str(e.children[1]), str(e.children[0])))
         return View(self.buffer_name(buf), tuple(pairs))
-
-    def group(self, t: Tree) -> LoopGroup:
-        outer: list[str] = []
-        sizes: dict[str, Size] = {}
-        blocks, regs, note = 0, (), ""
-        members = []
-        for c in t.children:
-            if c.data == "outer":
-                outer.append(str(c.children[0]))
-                sizes[str(c.children[0])] = self.size(c.children[1])
-            elif c.data == "blocks":
-                blocks = int(c.children[0])
-            elif c.data == "regs":
-                for r in c.children:
-                    name = str(r.children[0])[1:]
-                    if name in self.low.buffers or name in self.regs:
-                        raise self.error(f"register '%{name}' is also a buffer or another register", r.children[0])
-                    self.regs[name] = self.names(r.children[1])
-                regs = tuple(self.regs)
-            elif c.data == "note":
-                note = self.note(c)
-            else:
-                self.meta_line = c.meta.line
-                members.append(self.loop(c))
-        self.regs = {}
-        return LoopGroup(tuple(outer), sizes, tuple(members), regs, blocks, note)
 
     # ---------------------------------------------------------------- expressions
 

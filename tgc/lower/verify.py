@@ -30,18 +30,26 @@ lowering stage, and `parse_lowered` after reading text:
 Sizes are expressions of the symbolic dims (`tgc.ir.sizes`); two that are not the same
 expression (`h * 5` and `h * e` with `e = 5`) are compared by their values at two
 bindings of the symbolic dims (and count as equal when the dims cannot be bound), so
-the check flags only sizes that differ. It changes nothing. Terminates: one walk over the kernels and their expression trees.
+the check flags only sizes that differ. A group is any kernel with `members`,
+`outer` loops and `regs` (a backend's own kind: the CPU's `LoopGroup`, which this
+module does not import). It changes nothing. Terminates: one walk over the kernels and their expression trees.
 """
 from __future__ import annotations
 
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
-from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
+from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
                                Mask, Rand, walk)
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
 DTYPES = ("f32", "f64", "i32")
+
+
+
+def _is_group(k) -> bool:
+    """A loop group (a backend's own kind of kernel: members in shared outer loops)."""
+    return hasattr(k, "members") and hasattr(k, "outer")
 
 
 class VerifyError(ValueError):
@@ -93,7 +101,7 @@ class _Verifier:
         defined = {n for n, b in low.buffers.items() if b.kind == "arg"}
         written: set[str] = set()
         for self.k, k in enumerate(low.kernels):
-            if isinstance(k, LoopGroup):
+            if _is_group(k):
                 self.group(k, defined)
                 writes = k.writes()
             elif isinstance(k, GemmKernel):
@@ -193,7 +201,7 @@ class _Verifier:
 
     # ---------------------------------------------------------------- kernels
 
-    def group(self, g: LoopGroup, defined: set[str]) -> None:
+    def group(self, g, defined: set[str]) -> None:
         if g.blocks < 0:
             raise self.fail(f"a group runs in {g.blocks} blocks")
         for v in g.outer:
@@ -224,7 +232,7 @@ class _Verifier:
                 raise self.fail(f"register '%{r}' is never written")
 
     @staticmethod
-    def partial(g: LoopGroup, m: LoopKernel) -> bool:
+    def partial(g, m: LoopKernel) -> bool:
         """A member summing over the first outer loop (into its block's row) runs it last."""
         return bool(g.blocks) and bool(g.outer) and g.outer[0] in m.red and set(g.outer) <= set(m.loops)
 
@@ -267,7 +275,7 @@ class _Verifier:
 
     def group_regs(self) -> list[str]:
         k = self.low.kernels[self.k] if self.k is not None else None
-        return list(k.regs) if isinstance(k, LoopGroup) else []
+        return list(k.regs) if _is_group(k) else []
 
     def gemm(self, k: GemmKernel, defined: set[str]) -> None:
         low = self.low

@@ -1,114 +1,62 @@
-"""A compiled program in this process: lowering, LLVM, JIT, input checks, the call.
+"""A compiled program as Python calls it: the neutral runtime every backend shares.
 
-`build(module, options)` takes a module after the IR pipeline (no grad/jvp/vjp
-left), lowers it (fuse, layout, group, plan), generates LLVM IR (`tgc.backends.cpu`),
-JIT-compiles it and hands it the function table (numpy's OpenBLAS, libgomp).
+`tgc.pipeline.compile_module(module, options, backend)` lowers a module (after the
+IR pipeline) with the backend's stages, has the backend compile it
+(`tgc.backends.base.Backend.compile`, which returns its `Kernels`), and wraps that
+in a `Program`. The backend supplies only "run these kernels on these buffers"
+(`Kernels.run`) and, where it has one, a fast path; everything else is done here,
+once, for every backend:
 
 `Program(**arrays)` (or `.run(arrays, dims)`) checks every input before anything
-is written, then makes one native call:
+is written, then runs the kernels:
 
 - names: exactly the program's arguments;
 - dtypes: a float argument takes a float array of either width (the other width
   is cast, a copy) or a Python int/float; an i32 argument takes any integer array
   whose values fit in int32; anything else (bool, complex, objects, floats for ids)
-  is refused;
+  is refused; bf16/f16 arguments are rounded to their type; complex arguments and
+  results travel as float pairs (tgc/ir/complex_io.py);
 - layout: arrays that are not C-contiguous are copied (results are the same);
 - sizes: each axis must have its edge's size; a symbolic dim takes the size of the
   first array that has it, and every other array must agree (or pass `dims=`);
 - updates: a param or state with an `update` is written in place; it must be a
-  writable numpy array; if it had to be cast or copied, the new values are copied
-  back into the caller's array after the call. Another argument sharing memory
-  with an update target is copied first, so it is read with its old values;
-- gather ids out of range: an EvalError, and no output or update is written.
+  writable array; if it had to be cast or copied, the new values are copied back
+  into the caller's array after the call. Another argument sharing memory with an
+  update target is copied first, so it is read with its old values;
+- gather ids out of range: an EvalError, and no output or update is written;
+- `updates=False`: the forward-only program (`without_updates`, built once).
 
 Returns a dict: each output (a new array, ABI order), then each update target
-(the caller's array, now holding the new values). Large outputs are recycled: when
-a call's outputs total at least RECYCLE_BYTES, the program keeps them, and a later
-call with the same shapes writes into them again once nothing else refers to any of
-them (the caller dropped that result); otherwise it allocates new ones. Fresh
-memory costs a page fault per 4 KiB on its first write, which for a 4096 x 1024
-softmax was up to half of the call.
+(the caller's array, now holding the new values).
 
-The call's fast path (~2-4 us of Python instead of ~25): the dims, output shapes,
-workspace size and what each argument must be are computed once per combination of
-the shapes that bind the symbolic dims (`_Plan`); the native `tgc_run_objects` then
-checks every argument object itself (ndarray, dtype, C-contiguous, writable where
-updated, shape; updated buffers overlapping nothing else) and reads its data
-pointer. Anything it refuses, and every error message, goes through the checked path
-above, before anything is written.
+The fast path: after one checked call per combination of the shapes that bind the
+symbolic dims, the backend's `plan` for them is remembered (the CPU's: dims, output
+shapes, workspace and what each argument must be), and later calls with those
+shapes go straight to `run_fast` (the CPU's native call checks the argument objects
+itself); anything it refuses, and every error message, goes through the checked
+path above, before anything is written.
+
+Imports no backend: the pipeline picks one and hands its kernels in.
 """
 from __future__ import annotations
 
-import ctypes
 import sys
 import threading
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
 from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
-from tgc.ir.interp import EvalError, check_ids_fit
+from tgc.ir.interp import EvalError, bind_dims, check_ids_fit
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
-from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval, size_eval_checked, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
 from tgc.options import Options
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
-ALIGN = 64
+ALIGN = 64          # workspace slots are aligned to this (the size checks count it)
 PLANS = 64          # shape combinations remembered per program (fast path)
-RECYCLE_BYTES = 1 << 20   # outputs at least this large (per call) are recycled
-RECYCLE_KEPT = 2          # ... from up to this many earlier calls
-
-
-def _array_layout() -> tuple[int, ...] | None:
-    """Byte offsets in numpy's PyArrayObject of ob_type, data, nd, dimensions, descr
-    and flags (the C struct numpy has kept since 1.7), then of the item array in a
-    list object; checked here against the Python view of a few arrays, views and a
-    list; None where any disagrees (then every call takes the checked path)."""
-    head = object.__basicsize__              # PyObject_HEAD: ob_refcnt, ob_type
-    ptr = ctypes.sizeof(ctypes.c_void_p)
-    offsets = (ptr, head, head + ptr, head + 2 * ptr, head + 5 * ptr, head + 6 * ptr, head + ptr)
-    read_p, read_i = ctypes.c_void_p.from_address, ctypes.c_int.from_address
-    try:
-        base = np.arange(64, dtype=np.float64)
-        probes = [base, base[3:], base[5:9].reshape(2, 2), base[::2], np.zeros(0, np.float32),
-                  np.asarray(1.5, np.float32), np.empty((7, 3), np.int32)]
-        for a in probes:
-            addr = id(a)
-            dims = read_p(addr + offsets[3]).value
-            shape = tuple(ctypes.c_int64.from_address(dims + 8 * i).value for i in range(a.ndim)) if a.ndim else ()
-            if (read_p(addr + offsets[0]).value != id(type(a)) or (read_p(addr + offsets[1]).value or 0) !=
-                    (a.ctypes.data or 0) or read_i(addr + offsets[2]).value != a.ndim or shape != a.shape
-                    or read_p(addr + offsets[4]).value != id(a.dtype)
-                    or read_i(addr + offsets[5]).value != a.flags.num):
-                return None
-        items = read_p(id(probes) + offsets[6]).value
-        if [read_p(items + ptr * i).value for i in range(len(probes))] != list(map(id, probes)):
-            return None
-    except Exception:  # noqa: BLE001 -- any surprise: no fast path
-        return None
-    return offsets
-
-
-C_CONTIGUOUS, WRITEABLE = 0x1, 0x400     # NPY_ARRAY_* flag bits
-_LAYOUT = _array_layout()
-
-
-@dataclass
-class _Plan:
-    """What a call with one combination of the dim-binding shapes needs, computed once."""
-    env: dict
-    dim_values: object          # ctypes int64 array, the symbolic dims
-    ws_need: int
-    dims_addr: int
-    out_specs: list             # (shape, numpy dtype) per output
-    expect: object              # ctypes int64 array: what tgc_run_objects checks per argument
-    frame: object               # ctypes int64 array: tgc_run_objects' frame
-    frame_addr: int
-    recycle: bool = False       # outputs large enough to keep (RECYCLE_BYTES)
-    kept: list = field(default_factory=list)   # earlier calls' output lists, oldest first
 
 
 @dataclass(frozen=True)
@@ -144,92 +92,6 @@ def _dlpack_view(name: str, value):
                         f"pass a CPU tensor (detached from autograd), or a numpy array") from None
 
 
-def build(module: Module, options: Options) -> "Program":
-    """Lower, generate, JIT-compile and load `module` (after the IR pipeline)."""
-    return build_with_object(module, options)[0]
-
-
-def build_with_object(module: Module, options: Options) -> tuple["Program", tuple[bytes, ...]]:
-    """The program and its object files (which `from_object` loads again).
-
-    An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
-    it takes f32 arrays (updates are written back into them) and returns f32 outputs."""
-    from tgc.manager import lower_module
-
-    if options.fp_strict and options.dtype == "f32":
-        from tgc.ir.emulate import emulate_f32
-
-        program, objs = build_with_object(emulate_f32(module), options.with_(dtype="f64"))
-        program.out_dtype = np.dtype(np.float32)
-        program._origin = (module, options)
-        return program, objs
-
-    low = lower_module(module, options)
-    objs = _machine_code(module, low, options, cached=True)
-    if objs is not None:
-        try:
-            return from_cached_object(module, options, low, objs), objs
-        except Exception:  # noqa: BLE001 -- a cached entry that does not load is a miss
-            pass
-    objs = _machine_code(module, low, options, cached=False)
-    return from_object(module, options, low, objs), objs
-
-
-_LOADED: set[bytes] = set()        # digests of object sets this process has loaded safely
-_LOADED_LOCK = threading.Lock()
-
-
-def from_cached_object(module: Module, options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Program":
-    """`from_object` for object files read from the cache, which may be damaged in
-    ways no checksum sees: they are loaded (and `tgc_init` run) first in a forked child,
-    and only if that child survives, here. RuntimeError if it did not."""
-    import hashlib
-
-    digest = hashlib.sha256(b"".join(len(o).to_bytes(8, "little") + o for o in objs)).digest()
-    with _LOADED_LOCK:
-        known = digest in _LOADED
-    if not known:
-        from tgc.backends.cpu import blas, llvm_env, parallel
-
-        blas.gemm_addresses(), parallel.gomp_addresses()   # found once, here, not in every child
-        if llvm_env.survives_in_child(lambda: from_object(module, options, low, objs)) is False:
-            raise RuntimeError("cached object files do not load")
-    program = from_object(module, options, low, objs)
-    with _LOADED_LOCK:
-        _LOADED.add(digest)
-    return program
-
-
-def from_object(module: Module, options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Program":
-    """A program from its parts: the module after the IR pipeline, the lowered program,
-    and the object files generated for them (`build_with_object`)."""
-    from tgc.backends.cpu import blas, fntable, llvm_env, parallel
-
-    jit = llvm_env.jit_objects(objs)
-    gemms = blas.gemm_addresses() if options.blas != "none" else {}   # none: generated loops only
-    table = fntable.make_table({**gemms, **parallel.gomp_addresses()})
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
-    return Program(module, options, low, jit)
-
-
-def _machine_code(module: Module, low: Lowered, options: Options, cached: bool) -> tuple[bytes, ...] | None:
-    """The program's object files: `cached`, from the on-disk cache (None on a miss);
-    else freshly compiled (then cached), generated in as many units as `compile_jobs`
-    allows and compiled at once."""
-    from tgc.backends.cpu import codegen, llvm_env
-    from tgc.ir.printer import print_module
-    from tgc.runtime import cache
-
-    key = cache.cache_key(print_module(module), options, llvm_env.host_cpu())
-    if cached:
-        return cache.lookup(key)
-    jobs = options.compile_jobs or llvm_env.usable_cores()
-    first, rest = codegen.generate_units_first_last(low, options, objects_entry=True, units=jobs)
-    objs = tuple(llvm_env.emit_objects([first] + rest, max(options.opt_level, 1), jobs=jobs))
-    cache.store(key, objs)
-    return objs
-
-
 class Program:
     """A compiled program, callable from Python. Thread-safe; calls are serialized.
 
@@ -247,10 +109,6 @@ class Program:
     recomputes to fit (`memory_plan.summary()`).
     """
 
-    # bf16/f16 arguments and outputs by name (set per program in __init__; a backend's
-    # program that shares this call path without them has none)
-    low_types: dict[str, str] = {}
-    _low_outs: dict[str, str] = {}
     _out_dtype: np.dtype | None = None
     _plain = False   # a call goes straight to `_call` (see `out_dtype`)
     _memory_plan = None   # set by tgc.compile with Options(memory_budget=...)
@@ -262,31 +120,19 @@ class Program:
         before and after, the values recomputed, whether the budget is met); else None."""
         return self._memory_plan
 
-    def __init__(self, module: Module, options: Options, low: Lowered, jit):
+    def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None):
         self.module, self.options, self.lowered = module, options, low
+        self._kernels = kernels             # the backend's compiled program (`tgc.backends.base.Kernels`)
+        self.backend = kernels.backend
         self._origin = (module, options)    # what `without_updates` prunes and builds again
+        self._build_forward = build_forward  # () -> the forward-only program (the pipeline's; built once)
         self._forward: Program | None = None
         self._forward_lock = threading.Lock()
-        self._jit = jit  # keeps the code alive; freed with the program (nothing else holds its addresses)
-        weakref.finalize(self, jit.close)
-        vp, i64p = ctypes.c_void_p, ctypes.c_void_p
-        self._run = ctypes.CFUNCTYPE(ctypes.c_int32, i64p, vp, vp, vp)(jit.address("tgc_run"))
-        self._ws_bytes = ctypes.CFUNCTYPE(ctypes.c_int64, i64p)(jit.address("tgc_workspace_bytes"))
-        self._run_objects = None  # tgc_run_objects: checks the arrays and reads their pointers natively
-        if _LAYOUT is not None:
-            self._run_objects = ctypes.CFUNCTYPE(ctypes.c_int32, vp, ctypes.py_object)(jit.address("tgc_run_objects"))
-            self._layout = (ctypes.c_int64 * len(_LAYOUT))(*_LAYOUT)
-        self._lock = threading.Lock()
-        self._workspace = np.empty(0, np.uint8)
-        self._ws_size = -1                  # usable bytes at _ws_addr
-        self._ws_cell = ctypes.c_int64(0)   # the workspace's address, read through by every frame
         self.dtype = options.dtype
         self._signature(module)
         # fast path (see run): the inputs that bind the symbolic dims key the plans
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
         self._upd_results = tuple((self._update_keys[self._names[i]], i) for i in self._upd_idx)   # (result key, argument)
-        self._out_names = tuple(s.name for s in self.outputs)
-        self._out_dtypes = tuple(np.dtype(NP[s.dtype]) for s in self.outputs)
         self._key_idx = self._binding_inputs()
         # float scalars a caller may pass as Python numbers (a learning rate): made 0-d
         # arrays for the fast path, as `_convert` does for the checked one
@@ -297,9 +143,8 @@ class Program:
         self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
         self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
         self.low_types.update(self._low_outs)
-        self._fast = self._run_objects is not None and self._key_idx is not None and not self.low_types
+        self._fast = kernels.fast_path and self._key_idx is not None and not self.low_types
         self._plans: dict = {}
-        self._ws_addr = 0
         self.out_dtype = None   # --fp-strict f32: the f64 emulation's outputs as f32
 
     @property
@@ -384,10 +229,6 @@ class Program:
 
         return describe(self._origin[0], self.float_dtype)
 
-    def _rebuild(self, module: Module, options: Options) -> "Program":
-        """A program of this backend for another module (the forward-only one)."""
-        return build(module, options)
-
     def without_updates(self) -> "Program":
         """The forward-only program: this one without its `update`s, without what only
         they computed, and without the arguments only they read (a learning rate,
@@ -397,11 +238,9 @@ class Program:
             return self
         with self._forward_lock:
             if self._forward is None:
-                from tgc import pipeline
-
-                module, options = self._origin
-                pruned = pipeline.lower(pipeline.forward_only(module), options).module
-                self._forward = self._rebuild(pruned, options)
+                if self._build_forward is None:
+                    raise ValueError("this program was built without the pipeline: it cannot build its forward part")
+                self._forward = self._build_forward()
             return self._forward
 
     def _binding_inputs(self) -> tuple[int, ...] | None:
@@ -417,24 +256,21 @@ class Program:
 
     def profile(self, reset: bool = False) -> list[tuple[int, int, str]]:
         """(cycles, kernel index, the kernel's first line) per kernel, most cycles
-        first: the time-stamp-counter cycles each kernel took over every call so far
-        (compiled with `Options(profile=True)`; `reset` zeroes the counters)."""
-        if not self.options.profile:
-            raise ValueError("compile with Options(profile=True) to profile kernels")
-        kernels = self.lowered.kernels
-        addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
-        counts = (ctypes.c_int64 * max(len(kernels), 1)).from_address(addr)
-        out = sorted(((counts[i], i, k.text().splitlines()[0]) for i, k in enumerate(kernels)), reverse=True)
-        if reset:
-            ctypes.memset(addr, 0, ctypes.sizeof(counts))
-        return out
+        first, over every call so far (the CPU backend, compiled with
+        `Options(cpu=CpuOptions(profile=True))`; `reset` zeroes the counters)."""
+        return self._kernels.profile(reset)
 
     @property
     def llvm_ir(self) -> str:
-        """The LLVM IR text of this program (generated again on request)."""
-        from tgc.backends.cpu import codegen
+        """The LLVM IR text of this program (the CPU backend; generated again on request)."""
+        return self._kernels.llvm_ir
 
-        return codegen.generate(self.lowered, self.options)
+    def __getattr__(self, name: str):
+        """What a program of this backend offers besides (`cuda_source`, `gemm_counts`, ...)."""
+        kernels = self.__dict__.get("_kernels")
+        if name.startswith("_") or kernels is None or not hasattr(kernels, name):
+            raise AttributeError(f"'Program' object has no attribute '{name}'")
+        return getattr(kernels, name)
 
     def __call__(self, /, **arrays) -> dict[str, np.ndarray]:
         """Run the program once on `arrays` (one keyword per argument, by name):
@@ -452,7 +288,8 @@ class Program:
     def __repr__(self) -> str:
         ins = ", ".join(f"{s.name}[{', '.join(s.edges)}]" for s in self.inputs)
         outs = ", ".join(f"{s.name}[{', '.join(s.edges)}]" for s in self.outputs)
-        return f"<tgc.Program ({ins}) -> ({outs}) {self.dtype}>"
+        where = "" if self.backend == "cpu" else f" [{self.backend}]"
+        return f"<tgc.Program{where} ({ins}) -> ({outs}) {self.dtype}>"
 
     def __str__(self) -> str:
         """The program's interface, as `tgc info` prints it."""
@@ -492,32 +329,9 @@ class Program:
         return np.require(a, NP[spec.dtype], "C")
 
     def _bind(self, arrays: dict, dims: dict | None) -> dict[str, int]:
-        m = self.module
-        env: dict[str, int] = dict(dims or {})
-        for d, n in env.items():
-            if d not in m.dims:
-                raise EvalError(f"dims=: the program has no dim '{d}'")
-            if m.dims[d] is not None and m.dims[d] != n:   # fixed, or derived from other dims
-                raise EvalError(f"dims=: dim '{d}' is {size_str(m.dims[d])}, not a symbolic dim to bind to {n}")
-        src = {d: "dims=" for d in env}
-        for spec in self.inputs:
-            shape = arrays[spec.name].shape
-            if len(shape) != len(spec.edges):
-                raise EvalError(f"input '{spec.name}' has {len(shape)} axes, expected {len(spec.edges)} "
-                                f"([{', '.join(spec.edges)}])")
-            for e, n in zip(spec.edges, shape):
-                d = m.edges[e]
-                if m.dims[d] is None:
-                    if env.setdefault(d, int(n)) != n:
-                        raise EvalError(f"input '{spec.name}': edge '{e}' has size {n}, but dim '{d}' is "
-                                        f"{env[d]} (from {src[d]})")
-                    src.setdefault(d, f"input '{spec.name}'")
-        try:
-            env = m.bind_dims(env)
-        except UnboundDim as e:
-            raise EvalError(f"{e}: no input has it; pass its size with dims=") from None
-        except SizeError as e:
-            raise EvalError(str(e)) from None
+        """Every dim's size (`tgc.ir.interp.bind_dims`, the interpreters' binder), then
+        the sizes checked against the native limits and every input's full shape."""
+        env = bind_dims(self.module, arrays, dims, "dims=", check_given=True)
         try:
             self._check_sizes(env)
         except SizeError as e:
@@ -667,99 +481,39 @@ class Program:
                 return self._run_checked(arrays, dims)
             plan = self._plans.get(key)
             if plan is not None:
-                result = self._run_fast(vals, plan)
-                if result is not None:
+                rc, result = self._kernels.run_fast(vals, plan)
+                if rc == 0:
+                    for key, i in self._upd_results:
+                        result[key] = vals[i]
                     return result
+                if rc > 0:
+                    raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
         return self._run_checked(arrays, dims)
 
     def _remember(self, env: dict) -> None:
-        """The fast path's plan for these dims (`_Plan`), keyed by the binding shapes."""
-        sym = self.module.symbolic_dims()
-        dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
-        addr = ctypes.addressof(dim_values)
-        expect: list[int] = [len(self.inputs)]   # the count first: tgc_run_objects loops over it
-        shapes = []
-        for spec in self.inputs:
-            shape = [size_eval(x, env) for x in spec.shape]
-            dt = np.dtype(NP[spec.dtype])
-            mask = C_CONTIGUOUS | (WRITEABLE if spec.updated else 0)
-            expect += [id(np.ndarray), id(dt), mask, len(shape), int(np.prod(shape, dtype=np.int64)) * dt.itemsize]
-            expect += shape
-            shapes.append(tuple(shape))
-        table = (ctypes.c_int64 * max(len(expect), 1))(*expect)
-        frame = (ctypes.c_int64 * 4)(addr, ctypes.addressof(self._ws_cell), ctypes.addressof(self._layout),
-                                     ctypes.addressof(table))
-        outs = [(tuple(size_eval(x, env) for x in o.shape), dt) for o, dt in zip(self.outputs, self._out_dtypes)]
-        nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in outs)
-        plan = _Plan(env, dim_values, int(self._ws_bytes(addr)), addr, outs, table, frame, ctypes.addressof(frame),
-                     recycle=nbytes >= RECYCLE_BYTES)
+        """The backend's fast-path plan for these dims, keyed by the binding shapes."""
         if len(self._plans) >= PLANS:
             self._plans.clear()
-        self._plans[tuple(shapes[i] for i in self._key_idx)] = plan
-
-    def _run_fast(self, vals: list, plan: _Plan) -> dict[str, np.ndarray] | None:
-        with self._lock:
-            outs = self._recycled(plan) if plan.recycle else None
-            if outs is None:
-                outs = [np.empty(shape, dt) for shape, dt in plan.out_specs]
-            if self._ws_size < plan.ws_need:
-                self._workspace_addr(plan.ws_need)
-            rc = self._run_objects(plan.frame_addr, vals + outs)
-            # the result refers to the outputs before another call may look for free ones
-            result = dict(zip(self._out_names, outs))
-            if plan.recycle and rc == 0:
-                plan.kept.append(outs)
-                del plan.kept[:-RECYCLE_KEPT]
-        if rc < 0:
-            return None
-        if rc > 0:
-            raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
-        for key, i in self._upd_results:
-            result[key] = vals[i]
-        return result
-
-    @staticmethod
-    def _recycled(plan: _Plan) -> list | None:
-        """An earlier call's outputs that only `plan.kept` still refers to (taken out
-        of it), or None. Under the lock: nobody else can reach such an array."""
-        for i, outs in enumerate(plan.kept):
-            # references: the list `outs`, the loop variable, getrefcount's argument
-            if all(sys.getrefcount(a) == 3 for a in outs):
-                del plan.kept[i]
-                return outs
-        return None
+        key = tuple(tuple(size_eval(x, env) for x in self.inputs[i].shape) for i in self._key_idx)
+        self._plans[key] = self._kernels.plan(self, env)
 
     def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
-        args, write_back = self._prepare(arrays)
+        kernels = self._kernels
+        prepared = kernels.prepare(self, arrays)
+        args, write_back = prepared if prepared is not None else self._prepare(arrays)
         env = self._bind(args, dims)
         if dims is None and self._fast:
             self._remember(env)  # the next call with these shapes takes the fast path
-        sym = self.module.symbolic_dims()
-        dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
-        outs = {s.name: np.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
-        arg_ptrs = (ctypes.c_void_p * max(len(args), 1))(*[a.ctypes.data for a in args.values()])
-        out_ptrs = (ctypes.c_void_p * max(len(outs), 1))(*[a.ctypes.data for a in outs.values()])
-        with self._lock:
-            ws = self._workspace_addr(int(self._ws_bytes(ctypes.addressof(dim_values))))
-            rc = self._run(ctypes.addressof(dim_values), ctypes.addressof(arg_ptrs),
-                           ctypes.addressof(out_ptrs), ws)
+        outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
+        rc = kernels.run(args, outs, env)
         if rc != 0:
-            raise self._check_error(rc, args, env)
+            raise self._check_error(rc, {k: kernels.to_host(v) for k, v in args.items()}, env)
         for name, original in write_back.items():
             np.copyto(original, args[name], casting="unsafe")
         result = dict(outs)
         for target in self.updates:
             result[self._update_keys[target]] = write_back.get(target, args[target])
         return result
-
-    def _workspace_addr(self, need: int) -> int:
-        """The 64-byte aligned address of at least `need` scratch bytes (grown on demand)."""
-        if self._workspace.size < need + ALIGN:
-            self._workspace = np.empty(need + ALIGN, np.uint8)
-            addr = self._workspace.ctypes.data
-            self._ws_addr = self._ws_cell.value = addr + (-addr) % ALIGN
-            self._ws_size = need
-        return self._ws_addr
 
     def _check_error(self, rc: int, args: dict, env: dict) -> EvalError:
         check = self.lowered.checks[rc - 1]

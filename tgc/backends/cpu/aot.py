@@ -11,9 +11,9 @@ helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
   LP64 (32: the sizes of a call are passed as `int` by an adapter, and a call whose
   sizes do not fit an `int` is computed by its definition instead), plus libgomp's
   entries;
-- `PREFIX_init_default()`: `PREFIX_init_blas` with the BLAS `options.blas` linked.
+- `PREFIX_init_default()`: `PREFIX_init_blas` with the BLAS `options.cpu.blas` linked.
 
-`options.blas` decides what the `.so` links, and so what it needs to load:
+`options.cpu.blas` decides what the `.so` links, and so what it needs to load:
 
 - "none": no BLAS (the GEMMs run generated loops unless the caller passes one);
 - "system": the system CBLAS (`-lopenblas`, else `-lcblas`, else `-lblas`: a NEEDED
@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from tgc.ir.module import Module
+from tgc.lower.lowered import Lowered
 from tgc.options import Options
 
 EXPORTS = ("init", "run", "workspace_bytes")
@@ -53,12 +54,11 @@ class BuildError(RuntimeError):
     """The system toolchain (cc) failed to link the library."""
 
 
-def llvm_text(module: Module, options: Options, prefix: str) -> str:
-    """Unoptimized LLVM IR of the whole program, exports named `PREFIX_*`."""
+def llvm_text(low: Lowered, options: Options, prefix: str) -> str:
+    """Unoptimized LLVM IR of the whole lowered program, exports named `PREFIX_*`."""
     from tgc.backends.cpu import codegen
-    from tgc.manager import lower_module
 
-    text = codegen.generate(lower_module(module, options), options)
+    text = codegen.generate(low, options)
     for name in EXPORTS:
         text = re.sub(rf'@"?tgc_{name}"?(?![\w.])', f'@"{prefix}_{name}"', text)
     return text
@@ -274,18 +274,20 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "(nothing)"
 
 
-def build(module: Module, options: Options, emit: str, prefix: str, source: str) -> bytes:
-    """The bytes of one artifact kind (see EMITS) for a module after the IR pipeline."""
+def build(module: Module, low: Lowered | None, options: Options, emit: str, prefix: str, source: str) -> bytes:
+    """The bytes of one artifact kind (see EMITS) for a module after the IR pipeline
+    and its lowered program (`tgc.pipeline.lower_module(module, options, "cpu")`;
+    None for the header, which needs only the module)."""
     from tgc.backends.cpu import llvm_env
     from tgc.backends.cpu.header import make_header
 
     if emit == "h":
-        return make_header(module, prefix, options.dtype, source, options.blas).encode()
-    text = llvm_text(module, options, prefix)
+        return make_header(module, prefix, options.dtype, source, options.cpu.blas).encode()
+    text = llvm_text(low, options, prefix)
     opt = options.opt_level
     if emit == "llvm":
         return str(llvm_env.optimize(text, opt)).encode()
     if emit == "asm":
         return llvm_env.emit_asm(text, opt).encode()
     obj = llvm_env.emit_objects([text], opt)[0]   # in a child: an LLVM crash is an error, not an abort
-    return obj if emit == "obj" else link_shared(obj, prefix, options.blas)
+    return obj if emit == "obj" else link_shared(obj, prefix, options.cpu.blas)

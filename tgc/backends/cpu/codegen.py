@@ -37,7 +37,7 @@ Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
 program is generated in several units (`generate_units`). A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
 its work (iterations x op weight, known only at run time) reaches
-`options.parallel_min_work`.
+`options.cpu.parallel_min_work`.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ from tgc.backends.cpu import fntable, sizecheck
 from tgc.backends.cpu.gemm import GemmGen, loops_kernel, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
-from tgc.lower.lowered import GemmKernel, LoopGroup, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
+from tgc.backends.cpu.group import LoopGroup
+from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
 from tgc.ir.ops import COSTS, FNS
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
@@ -155,7 +156,7 @@ class _ModuleGen:
         for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
                               and k.cplx is None}):
             small_kernel(self.mod, self.fp, packed=packed)
-            if self.opt.blas != "numpy":   # large tiles without BLAS (see gemm.py)
+            if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
@@ -239,7 +240,7 @@ class _ModuleGen:
         return fn, (declare(name + ".par", ir.VoidType(), [PTR]) if self.has_par(k) else None)
 
     def has_par(self, k) -> bool:
-        return self.opt.threads != 1 and parallel_ok(k) and not self.always_serial(k)
+        return self.opt.cpu.threads != 1 and parallel_ok(k) and not self.always_serial(k)
 
     def always_serial(self, k) -> bool:
         """Whether the kernel's work is known here (no symbolic dim) and below the
@@ -254,7 +255,7 @@ class _ModuleGen:
                 total += weight
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
-        return total < min(self.opt.parallel_min_work, self.opt.parallel_min_work_warm)
+        return total < min(self.opt.cpu.parallel_min_work, self.opt.cpu.parallel_min_work_warm)
 
     def slot_sizes(self, f: Frame) -> list:
         out = []
@@ -292,11 +293,11 @@ class _ModuleGen:
         ptrs = self.buffer_ptrs(f, args, outs, ws)
         restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
         for i, (k, (kfn, par)) in enumerate(zip(self.low.kernels, kernels)):
-            start = self.now(b) if self.opt.profile else None
+            start = self.now(b) if self.opt.cpu.profile else None
             if isinstance(k, GemmKernel):
-                min_flops = self.threshold(b, self.opt.gemm_parallel_min_flops_warm, self.opt.gemm_parallel_min_flops)
+                min_flops = self.threshold(b, self.opt.cpu.gemm_parallel_min_flops_warm, self.opt.cpu.gemm_parallel_min_flops)
                 ran = b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)] + [min_flops])
-                if self.opt.threads != 1:
+                if self.opt.cpu.threads != 1:
                     b.call(self.helper("tgc.after_gemm"), [ran])
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
@@ -431,7 +432,7 @@ class _ModuleGen:
     # one, ~80 us when they have gone to sleep. So the threshold for going parallel is
     # lower right after a region: `tgc.region_end` holds the time-stamp counter at
     # the end of the program's last region, and a kernel that starts less than
-    # `options.warm_cycles` later uses the `_warm` threshold. (GPT's step: many
+    # `options.cpu.warm_cycles` later uses the `_warm` threshold. (GPT's step: many
     # small kernels between large ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are
     # all small, never starts a region and stays serial.) A counter that reads 0 (a
     # target without one) is never warm. Racing calls only blur a heuristic.
@@ -450,7 +451,7 @@ class _ModuleGen:
         return b.call(fn, [])
 
     def count_cycles(self, b: ir.IRBuilder, i: int, start) -> None:
-        """Add the cycles since `start` to kernel i's counter (`options.profile`:
+        """Add the cycles since `start` to kernel i's counter (`options.cpu.profile`:
         `tgc_profile()` returns the counters, one i64 per kernel)."""
         table = self.mod.globals.get("tgc.profile")
         if table is None:
@@ -484,14 +485,14 @@ class _ModuleGen:
         a = fn.args
         if name == "tgc.threshold":
             last = b.load_atomic(self.region_end(), "monotonic", 8, typ=I64)
-            recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.warm_cycles))
+            recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.cpu.warm_cycles))
             recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
             b.ret(b.select(recent, a[0], a[1]))
         elif name == "tgc.parallel_now":
             have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
             b.ret(b.and_(b.icmp_signed(">=", a[0], a[1]), have))
         elif name == "tgc.region":
-            fntable.call(b, "gomp_parallel", [a[0], a[1], I32(max(self.opt.threads, 0)), I32(0)])
+            fntable.call(b, "gomp_parallel", [a[0], a[1], I32(max(self.opt.cpu.threads, 0)), I32(0)])
             self.mark_region(b)
             b.ret_void()
         else:
@@ -505,7 +506,7 @@ class _ModuleGen:
 
     def threshold(self, b: ir.IRBuilder, warm: int, cold: int):
         """i64: `warm` when a region ended less than `warm_cycles` ago, else `cold`."""
-        if warm >= cold or self.opt.threads == 1:
+        if warm >= cold or self.opt.cpu.threads == 1:
             return I64(cold)
         return b.call(self.helper("tgc.threshold"), [I64(warm), I64(cold)])
 
@@ -524,7 +525,7 @@ class _ModuleGen:
             for s in sizes:
                 term = b.mul(term, f.size(s))
             work = b.add(work, term)
-        limit = self.threshold(b, self.opt.parallel_min_work_warm, self.opt.parallel_min_work)
+        limit = self.threshold(b, self.opt.cpu.parallel_min_work_warm, self.opt.cpu.parallel_min_work)
         big = b.call(self.helper("tgc.parallel_now"), [work, limit])
         with b.if_else(big) as (then, otherwise):
             with then:

@@ -19,14 +19,14 @@ run (OpenBLAS's value for an element depends on where a call's edges cut its
 kernels: 2 and 3 tiles of one product differed in the last bits). A product batched
 BATCH_TASKS times or more (a convolution over 32 signals) is one tile per batch
 index: tasks enough, each one cblas call at the packed kernels' speed. Another is
-cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
-each of at least `options.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
+cut into `options.cpu.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
+each of at least `options.cpu.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
 chunks accumulated in place only when P and Q cannot be cut), so a small product
-stays one call, as does one of fewer than `options.gemm_parallel_min_flops` flops
+stays one call, as does one of fewer than `options.cpu.gemm_parallel_min_flops` flops
 (it shares a region only while the workers still spin, and two calls on one thread
 pack their common operand twice). When the whole product has at least `min_flops` flops (the caller
-passes `options.gemm_parallel_min_flops`, or the `_warm` one; see codegen), and
-`options.threads != 1`, and the runtime gave GOMP_parallel, the tasks are shared
+passes `options.cpu.gemm_parallel_min_flops`, or the `_warm` one; see codegen), and
+`options.cpu.threads != 1`, and the runtime gave GOMP_parallel, the tasks are shared
 among tgc's threads (libgomp) in contiguous runs (`tgc.kN.par`, `parallel.py`);
 otherwise one thread runs them all (`tgc.kN.work(dims, a, b, c, lo, hi, tp, tq, tr)`).
 One big cblas call per thread runs OpenBLAS's packed kernels at their best (tgc_run
@@ -36,7 +36,7 @@ alone on one core runs an 88-row tile with B transposed at 80 GFLOP/s, a 352-row
 at 112. The default of 2 tiles fits the 2-core reference machine; more cores need
 more tiles (`gemm_tiles`), which changes the bits, as any option may.
 
-Small tiles. A tile of at most `options.gemm_loop_max_flops` flops is computed by a
+Small tiles. A tile of at most `options.cpu.gemm_loop_max_flops` flops is computed by a
 generated loop nest instead of a cblas call (`tgc.gemm.small.*`, shared by every
 kernel of the module): rows of C' in blocks of 4 (a last partial block reads its
 last row again and stores only its rows), columns in vectors of the host's widest
@@ -47,7 +47,7 @@ padded to whole vectors (larger tiles go to BLAS). Which path a tile takes is de
 at run time from the tile sizes (constants when the dims are fixed at build time, then
 LLVM drops the other).
 
-Without BLAS. With `options.blas` "system" or "none" (`tgc build`'s libraries, whose
+Without BLAS. With `options.cpu.blas` "system" or "none" (`tgc build`'s libraries, whose
 caller may put no BLAS in the function table; the JIT's table has none with "none"),
 a larger tile calls cblas only when the table has it, and otherwise the blocked loops
 (`tgc.gemm.loops.*`): the small-tile kernel over blocks of columns and chunks of K
@@ -252,7 +252,7 @@ class GemmGen:
         """The entry: plans the tiles once (one tile per batch index when it runs on
         one thread), then runs every task here or shares them out in a region."""
         work = self.emit_work()
-        par = self.emit_par(work) if self.opt.threads != 1 else None
+        par = self.emit_par(work) if self.opt.cpu.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
@@ -272,7 +272,7 @@ class GemmGen:
                 for i, v in enumerate(args + [pl["tasks"]] + tiles):
                     v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
                     b.store(v, b.gep(data, [I32(0), I32(i)]))
-                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.threads, 0)), I32(0)])
+                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.cpu.threads, 0)), I32(0)])
                 b.ret(I32(1))
         b.call(work, args + [I64(0), pl["tasks"]] + tiles)
         b.ret(I32(0))
@@ -286,7 +286,7 @@ class GemmGen:
         the result has the same bits on any number of threads (OpenBLAS's result for
         an element depends on where the call's edges cut its kernels). A product
         batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
-        another is cut into `options.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
+        another is cut into `options.cpu.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
         that with shifts), each of at least `blas_tile_mnk`, so a small one stays whole.
         A product of fewer than `gemm_parallel_min_flops` flops (the threshold of a cold
         region) stays whole too: it runs in a region only while the workers still spin
@@ -296,12 +296,12 @@ class GemmGen:
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         mnk = b.mul(b.mul(P, Q), R)
-        parts = max(1, self.opt.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts else 1)
+        parts = max(1, self.opt.cpu.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts else 1)
         share = b.sdiv(mnk, I64(parts))
-        small = I64(max(1, self.opt.blas_tile_mnk))
+        small = I64(max(1, self.opt.cpu.blas_tile_mnk))
         tile = b.select(b.icmp_signed(">", share, small), share, small)
         flops = b.mul(b.mul(b.mul(mnk, I64(2)), f.count(self.k.batch)), f.count(self.k.taps))
-        cold = b.icmp_signed("<", flops, I64(max(1, self.opt.gemm_parallel_min_flops)))
+        cold = b.icmp_signed("<", flops, I64(max(1, self.opt.cpu.gemm_parallel_min_flops)))
         return b.select(b.or_(many, cold), I64(UNTILED), tile)
 
     def emit_par(self, work: ir.Function) -> ir.Function:
@@ -362,7 +362,7 @@ class GemmGen:
     def small_ok(self, b, pl, B):
         """i1: the tiles go to the generated loops (not BLAS)."""
         mnk = b.mul(b.mul(pl["tp"], pl["tq"]), pl["tr"])
-        ok = b.icmp_signed("<=", b.mul(mnk, I64(2)), I64(self.opt.gemm_loop_max_flops))
+        ok = b.icmp_signed("<=", b.mul(mnk, I64(2)), I64(self.opt.cpu.gemm_loop_max_flops))
         if not B.col_unit:
             vl = I64(_vector_lanes(self.fp))   # the packed rows are padded to whole vectors
             padded = b.mul(self.ceil_div(b, pl["tq"], vl), vl)
@@ -520,10 +520,10 @@ class GemmGen:
         return g
 
     def call_large(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
-        """A tile too large for the small-tile loops: cblas, or with `options.blas`
+        """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`
         "system" or "none" (a built library, whose caller may give no BLAS), cblas
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
-        if self.opt.blas == "numpy":
+        if self.opt.cpu.blas == "numpy":
             self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
         b = self.b
@@ -638,7 +638,7 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
 
 def loops_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None) -> ir.Function:
     """void tgc.gemm.loops.<T>[.packed](the arguments of `small_kernel`): the same
-    product of any size, without BLAS (`options.blas` "none", or a library whose
+    product of any size, without BLAS (`options.cpu.blas` "none", or a library whose
     caller gave none). Columns in blocks of LOOP_COLS vectors and K in chunks that
     make one block of B' PACK_ELEMS elements (16 KiB of f32: it stays in L1 while
     every row of A' passes over it), each block one call of the small-tile kernel

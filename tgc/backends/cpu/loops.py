@@ -42,13 +42,13 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
-from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopGroup, LoopKernel, Lowered, Map,
+from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
                             Mask, Mul, Rand, SizeOf, walk)
 from tgc.backends.cpu.philox import emit_draw
 from tgc.ir.sizes import size_op
 from tgc.backends.cpu.llvm_env import has_feature
 from tgc.opt.canon import exact_scale
-from tgc.lower.group import BLOCK_EDGE as BLOCK
+from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
 SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate)

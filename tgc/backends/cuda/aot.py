@@ -2,7 +2,7 @@
 `.ptx` or `.cubin` through nvcc) and a JSON manifest beside it, from which a host
 program with the CUDA driver API can run it.
 
-The manifest says everything the Python runtime (`runtime.CudaProgram`) knows:
+The manifest says everything the Python runtime (`runtime.CudaKernels` under `tgc.runtime.program.Program`) knows:
 the symbolic dims (kernel parameters, in order), the arguments and outputs (ABI
 order, shapes as size expressions of the dims), every buffer (kind, dtype, axis
 order, workspace slot), the workspace (slots of `max(sizes)` bytes, each at a

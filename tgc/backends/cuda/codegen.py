@@ -1,8 +1,8 @@
 """CUDA C from the lowered program: one module per program, one `__global__` kernel
 per loop kernel, and a launch list the host side runs in order.
 
-`generate(low)` takes a `Lowered` program after `plan` (built without loop groups:
-`Options.group_blocks == 0`, as `tgc.backends.cuda.runtime` lowers) and returns a
+`generate(low)` takes a `Lowered` program after `plan` (lowered by the neutral
+stages only, as `tgc.backends.cuda.runtime` lowers) and returns a
 `CudaModule`: the CUDA C text (the device header `tgc_ops.cuh` inlined, so it is one
 self-contained source for nvcc, NVRTC and the cuda-sim emulator) and its `Launch`es.
 
@@ -36,18 +36,17 @@ Exactness: the same operations in the same float type as the CPU backend, with t
 CUDA math library's transcendentals (a few ulps from the CPU's), reductions in a
 different order (sums in double), so results agree to the type's precision, not bit
 for bit. Generation walks the finite expression trees once: it terminates.
-Loop groups (`LoopGroup`) are refused: they are the CPU backend's cache blocking.
+Kernels another backend's own stage made (the CPU's `LoopGroup`) are refused.
 """
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda.philox import device_function
-from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopGroup,
+from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
 from tgc.ir.sizes import Size, SizeOp
 
@@ -134,10 +133,6 @@ def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
                       body=Mul((operand("a", k.a), operand("b", k.b))), reduce="sum", red=red, note=k.note)
 
 
-def _c_ident(name: str) -> str:
-    return re.sub(r"\W", "_", name)
-
-
 class _Gen:
     def __init__(self, low: Lowered, prefix: str = ""):
         if low.dtype not in ("f32", "f64"):
@@ -157,8 +152,8 @@ class _Gen:
         for i, c in enumerate(low.checks):
             self.check(i, c)
         for i, k in enumerate(low.kernels):
-            if isinstance(k, LoopGroup):
-                raise CudaUnsupported("loop groups (lower with Options(group_blocks=0))")
+            if not isinstance(k, (LoopKernel, GemmKernel)):   # another backend's own kind (the CPU's groups)
+                raise CudaUnsupported(f"{type(k).__name__} kernels (another backend's own lowering stage)")
             if isinstance(k, GemmKernel):
                 if k.taps or k.shifts:
                     self.loop(i, gemm_as_loop(low, k))

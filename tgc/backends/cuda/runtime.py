@@ -1,27 +1,28 @@
-"""Programs of the CUDA backend: the generated module run on a GPU through CuPy
+"""Kernels of the CUDA backends: the generated module run on a GPU through CuPy
 (`backend="cuda"`), or on this CPU by the cuda-sim emulator (`backend="cuda-sim"`).
 
-`build(module, options, backend)` lowers the module (fuse, layout, plan; no loop
-groups, which are the CPU's cache blocking), generates one CUDA module
-(`codegen.generate`) and loads it on a `_Device`:
+`compile_kernels(low, options, backend)` takes the program lowered by the neutral
+stages (fuse, layout, plan; no loop groups, which are the CPU's own stage),
+generates one CUDA module (`codegen.generate`) and loads it on a `_Device`:
 
 - `_SimDevice` compiles the module text unchanged with the host C++ compiler and
   the emulation header (`g++ -fopenmp -x c++ -O2 -shared -fPIC -include sim.h`),
-  caches the shared object on disk by content (`tgc.runtime.cache`'s directory,
+  caches the shared object on disk by content (`tgc.backends.cache`'s directory,
   checksummed), and loads it with ctypes; arrays are numpy's; numpy runs each GEMM
   cell's strided batched call (`gemm.run_numpy`) in place of cuBLAS;
 - `_CupyDevice` loads the same text with `cupy.RawModule` (NVRTC; CuPy caches the
   compiled module on disk by source, options and GPU architecture), keeps arrays on
   the device, and runs GEMM cells through `cupy.cuda.cublas` (`gemm.run_cublas`).
 
-A call (`CudaProgram._run_checked`) is the same host orchestration for both: check
-and convert the inputs, bind the dims, allocate the outputs and one workspace (each
-`plan` slot at a 256-byte aligned offset), run the check kernels and read the device
-error word once (an out-of-range id raises `EvalError` before any other kernel runs,
-so nothing is written), then every launch in order with its geometry: a grid-stride
+The neutral runtime (`tgc.runtime.program.Program`) checks and converts the inputs,
+binds the dims and allocates the outputs (`CudaKernels.empty`); `CudaKernels.run` is
+the same orchestration for both devices: one workspace (each `plan` slot at a
+256-byte aligned offset), the check kernels, the device error word read once (an
+out-of-range id is the runtime's `EvalError` before any other kernel runs, so
+nothing is written), then every launch in order with its geometry: a grid-stride
 loop over the launch's work items, `BLOCK` threads per block on a GPU and small
 grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
-at least `Options.cuda_row_min` elements per output runs its one-block-per-output
+at least `CudaOptions.row_min` elements per output runs its one-block-per-output
 variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator).
 
 Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
@@ -45,14 +46,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tgc.backends.base import BackendUnavailable
+from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import codegen, gemm
-from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.interp import EvalError
-from tgc.ir.module import Module
 from tgc.ir.sizes import size_eval
+from tgc.ir.module import Module
 from tgc.options import Options
-from tgc.runtime.program import NP, Program
+
+NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 
 SIM_HEADER = Path(__file__).with_name("sim.h")
 SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
@@ -63,35 +64,24 @@ WS_ALIGN = 256
 # the emulator's grid and block sizes are globals of each loaded library (a library is
 # shared by every program with the same module text): one emulated call at a time
 _SIM_LOCK = threading.Lock()
-BACKENDS = ("cuda", "cuda-sim")
 
 
-def build(module: Module, options: Options, backend: str) -> "CudaProgram":
-    """Lower `module` (after the IR pipeline), generate its CUDA module and load it
-    on the device `backend` names ("cuda" or "cuda-sim")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend '{backend}' is not a CUDA backend")
+def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
+    """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
+    it on the device `backend` names ("cuda" or "cuda-sim")."""
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
-    if options.fp_strict and options.dtype == "f32":
-        from tgc.ir.emulate import emulate_f32
-
-        program = build(emulate_f32(module), options.with_(dtype="f64"), backend)
-        program.out_dtype = np.dtype(np.float32)
-        program._origin = (module, options)
-        return program
-    opts = options.with_(group_blocks=0)
-    low = lower(module, opts)
     cm = codegen.generate(low)
-    device.load(cm, opts)
-    return CudaProgram(module, options, low, cm, device)
+    device.load(cm, options)
+    return CudaKernels(low, options, cm, device)
 
 
 def lower(module: Module, options: Options):
-    """The lowered program the CUDA backend compiles: fuse, layout and plan, without
-    the CPU's loop groups (`group_blocks=0`)."""
+    """The lowered program the CUDA backends compile: the neutral stages fuse, layout
+    and plan (no stage of the CPU's), without complex GEMM cells (`lowering_options`)."""
+    from tgc.backends.cuda.backend import lowering_options
     from tgc.manager import lower_module
 
-    return lower_module(module, options.with_(group_blocks=0, complex_gemm=False))
+    return lower_module(module, lowering_options(options))
 
 
 # ---------------------------------------------------------------- devices
@@ -192,7 +182,7 @@ def _compiler_version(cxx: str) -> str:
 def _load_sim(source: str) -> ctypes.CDLL:
     """The emulator's shared object for `source`: from the cache (by content: the
     source, the header, the flags and the compiler's version) or compiled now."""
-    from tgc.runtime import cache
+    from tgc.backends import cache
 
     cxx = _compiler()
     version = _compiler_version(cxx)
@@ -234,54 +224,48 @@ def _load_sim(source: str) -> ctypes.CDLL:
 # ---------------------------------------------------------------- the program
 
 
-class CudaProgram(Program):
-    """A program of the cuda or cuda-sim backend: called like `Program` (same checks,
-    same result dict). `cuda_source` is the generated CUDA C module."""
+class CudaKernels(Kernels):
+    """The kernels of the cuda or cuda-sim backend, as the neutral runtime calls them
+    (`tgc.runtime.program.Program`: same checks, same result dict). `cuda_source` is
+    the generated CUDA C module."""
 
-    def __init__(self, module: Module, options: Options, low, cm: codegen.CudaModule, device):
-        self.module, self.options, self.lowered = module, options, low
-        self._origin = (module, options)
-        self._forward: CudaProgram | None = None
-        self._forward_lock = threading.Lock()
+    def __init__(self, low, options: Options, cm: codegen.CudaModule, device):
+        self.lowered, self.options = low, options
+        self.module = low.module
         self._lock = threading.Lock()
         self._cm, self._device = cm, device
         self.backend = device.name
-        self.dtype = options.dtype
-        self._signature(module)
-        # bf16/f16 arguments and outputs: held in the program's float type by the
-        # kernels (each rounding is a round_bf16/round_f16 in them), converted on the way
-        # in and out by the calls, as `Program` does
-        self.low_types = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
-        self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
-        self.low_types.update(self._low_outs)
-        self._fast = False
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
-        self.out_dtype: np.dtype | None = None
 
     @property
     def cuda_source(self) -> str:
+        """The generated CUDA C module (`Program.cuda_source`)."""
         return self._cm.source
 
-    def __repr__(self) -> str:
-        return super().__repr__().replace("<tgc.Program", f"<tgc.Program [{self.backend}]")
-
-    def _rebuild(self, module: Module, options: Options) -> "Program":
-        return build(module, options, self.backend)
-
-    def profile(self, reset: bool = False):
-        raise ValueError(f"profiling is not available on the {self.backend} backend")
+    @property
+    def cuda_module(self) -> codegen.CudaModule:
+        """The generated module with its launch list (`Program.cuda_module`)."""
+        return self._cm
 
     @property
     def llvm_ir(self) -> str:
         raise ValueError(f"the {self.backend} backend generates CUDA C (cuda_source), not LLVM IR")
 
-    def _call(self, arrays: dict, dims: dict | None) -> dict:
-        return self._run_checked(arrays, dims)
+    def prepare(self, program, given: dict):
+        """On a GPU: device arrays in the program's dtypes, C-contiguous (None under
+        cuda-sim: the runtime's host checks apply)."""
+        return self._prepare_device(program, given) if self._device.name == "cuda" else None
 
-    def _prepare_device(self, given: dict) -> tuple[dict, dict]:
+    def empty(self, shape, dtype):
+        return self._device.empty(shape, dtype)
+
+    def to_host(self, a):
+        return self._device.to_host(a)
+
+    def _prepare_device(self, program, given: dict) -> tuple[dict, dict]:
         """The GPU's `_prepare`: device arrays in the program's dtypes, C-contiguous."""
         cp = self._device.cp
-        names = [s.name for s in self.inputs]
+        names = [s.name for s in program.inputs]
         missing = [n for n in names if n not in given]
         if missing:
             raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(names)})")
@@ -289,7 +273,7 @@ class CudaProgram(Program):
         if extra:
             raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
         arrays = {}
-        for s in self.inputs:
+        for s in program.inputs:
             v = given[s.name]
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 v = np.asarray(v, NP[s.dtype])
@@ -305,7 +289,7 @@ class CudaProgram(Program):
                 raise EvalError(f"'{s.name}' is updated in place: pass a device array (CuPy, "
                                 f"__cuda_array_interface__ or DLPack), not {type(v).__name__}")
             if a is None:
-                host = self._convert(s, v)          # the CPU checks, then one copy to the device
+                host = program._convert(s, v)          # the CPU checks, then one copy to the device
                 a = cp.asarray(host)
             if s.dtype == "i32" and a.dtype.kind not in "iu":
                 raise EvalError(f"input '{s.name}' holds ids (i32): pass integers, not {a.dtype}")
@@ -317,14 +301,11 @@ class CudaProgram(Program):
             arrays[s.name] = conv
         return arrays, {}
 
-    def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict:
+    def run(self, args: dict, outs: dict, env: dict) -> int:
+        """Every launch in order; the check kernels first, and the device's error word
+        read once after them, before anything is written (its value is the runtime's
+        rc: 1 + the failed check)."""
         dev, cm = self._device, self._cm
-        if dev.name == "cuda":
-            args, write_back = self._prepare_device(arrays)
-        else:
-            args, write_back = self._prepare(arrays)
-        env = self._bind(args, dims)
-        outs = {s.name: dev.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
             bufs = self._buffers(args, outs, env)
             err = dev.err_word()
@@ -335,8 +316,7 @@ class CudaProgram(Program):
                 if j == n_checks and n_checks:
                     rc = dev.read_err(err)   # once per call, before anything is written
                     if rc:
-                        host = {k: dev.to_host(v) for k, v in args.items()}
-                        raise self._check_error(rc, host, env)
+                        return rc
                 if x.kind == "gemm":
                     self._gemm(x.gemm, bufs, env)
                     continue
@@ -350,18 +330,11 @@ class CudaProgram(Program):
                     red = 1
                     for s in x.red:
                         red *= size_eval(s, env)
-                    row = red >= self.options.cuda_row_min
+                    row = red >= self.options.cuda.row_min
                 dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
             if n_checks == len(launches) and n_checks:
-                rc = dev.read_err(err)
-                if rc:
-                    raise self._check_error(rc, {k: dev.to_host(v) for k, v in args.items()}, env)
-        for name, original in write_back.items():
-            np.copyto(original, args[name], casting="unsafe")
-        result = dict(outs)
-        for target in self.updates:
-            result[self._update_keys[target]] = write_back.get(target, args[target])
-        return result
+                return dev.read_err(err)
+        return 0
 
     def _buffers(self, args: dict, outs: dict, env: dict) -> dict:
         """Every buffer as a device array of its shape (buffer order): the arguments,

@@ -17,7 +17,7 @@ type one RuntimeDyld implements, and every symbol left undefined by one object
 defined by another or resolvable in this process. Anything else (another object
 format, another machine) is refused: a miss, and the program is compiled again.
 The machine code itself is not checked: the cache directory is private (see
-`tgc.runtime.cache`), so only damage, not another user, can change it.
+`tgc.backends.cache`), so only damage, not another user, can change it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""group: run neighbouring loop kernels inside shared outer loops (`LoopGroup`).
+"""group: the CPU backend's own lowering stage: run neighbouring loop kernels inside
+shared outer loops (`LoopGroup`, a kind of kernel only this backend has: it says
+itself how neutral code renames, retargets and interprets it).
 
 `Lowered` (after `layout`) -> `Lowered`. `fuse` gives one loop nest per materialized
 value, so a layernorm's backward is nine kernels that each stream the whole
@@ -14,7 +16,7 @@ A kernel joins the group before it when:
   outer variables themselves), so at that index the value is complete.
 A member may also sum over the first outer variable (a parameter gradient
 `dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
-of outer indices (`options.group_blocks` blocks, threads take whole blocks), zeroed
+of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
 before the group and added up after it, in block order.
 
 Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
@@ -35,8 +37,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopGroup, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, walk)
+import numpy as np
+
+from tgc.ir.sizes import Size, size_str
+from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
+                               Map, Mask, Mul, Rand, rename_buffers, walk)
 from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
@@ -45,19 +50,150 @@ INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined p
 BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
 
 
+@dataclass
+class LoopGroup:
+    """Loop kernels run one after another inside shared outer loops: for each index
+    of `outer` (loop variables every member keeps, outermost first), each member runs
+    its remaining loops with the outer ones fixed. A member reads what an earlier one
+    wrote only at the same outer index, so the rows a group works on stay in cache
+    (and its threads split the outermost loop). A member whose output is in `regs` is
+    kept in a register for the outer index (no buffer: it is read only by later
+    members, at that index).
+
+    With `blocks` > 0 the first outer loop runs in that many blocks (a loop variable
+    named like the block edge, `#block`; threads take whole blocks), and a member
+    may sum over the first outer variable: it adds into its block's row of a partial
+    buffer (zeroed by a kernel before the group and added up, in block order, by one
+    after it), so the result does not depend on how blocks were shared by threads."""
+    outer: tuple[str, ...]
+    sizes: dict[str, Size]
+    members: tuple[LoopKernel, ...]
+    regs: tuple[str, ...] = ()
+    blocks: int = 0
+    note: str = ""
+    kind = "group"             # what `tgc explain` calls it (a class attribute)
+
+    def buffers_read(self) -> set[str]:
+        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
+
+    def writes(self) -> set[str]:
+        return {m.out for m in self.members} - set(self.regs)
+
+    def buffers_used(self) -> list[str]:
+        names = [b for m in self.members for b in m.buffers_used()]
+        return [b for b in dict.fromkeys(names) if b not in self.regs]
+
+    def renamed(self, mapping) -> "LoopGroup":
+        """The group reading and writing the buffers `mapping` names instead."""
+        return replace(self, members=tuple(rename_buffers(m, mapping) for m in self.members),
+                       regs=tuple(mapping.get(r, r) for r in self.regs))
+
+    def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
+        """Whether the member writing `tmp` may write `target` instead (plan's
+        in-place updates): no member after it reads `target`, and every member up to
+        it reads `target` only at the element that member writes (its own index; the
+        writer itself as a plain elementwise member): members run in order for each
+        iteration of the shared outer loops, whose indices these loads fix, so each
+        old element is read before it is overwritten and no iteration reads
+        another's (AdamW's moments and parameter, one elementwise group: three
+        copies back gone)."""
+        writer = next((j for j, m in enumerate(self.members) if m.out == tmp), None)
+        if writer is None:
+            return False
+        at = self.members[writer].index
+        for j, m in enumerate(self.members):
+            nodes = list(walk(m.body)) + (list(walk(m.epilogue)) if m.epilogue is not None else [])
+            loads = [n for n in nodes if isinstance(n, Load) and n.buf == target]
+            if not loads:
+                continue
+            if j > writer or (j == writer and (m.reduce or m.scatter or m.epilogue is not None)):
+                return False
+            if any(n.index != at for n in loads):
+                return False
+        return True
+
+    def interpret(self, it) -> None:
+        """Run the group in the lowered interpreter `it` (`tgc.lower.interp`): its
+        members one after another for each index of the outer loops (a member in
+        `regs` is an array over the outer edges there; with blocks, `#block` is the
+        block of the first outer index, and a member summing over an outer loop
+        adds into its block's row). Without blocks, each member runs over all the
+        outer indices at once, one member after another: the same, as a member
+        reads what another writes only at the outer index it is at."""
+        sizes = [it.eval_size(self.sizes[v]) for v in self.outer]
+        for r in self.regs:
+            it.arrays[r], it.order[r] = np.full(sizes, np.nan, it.fp), self.outer
+        try:
+            if not self.blocks:
+                for m in self.members:
+                    it.loop(m, {})
+                return
+            for point in np.ndindex(*sizes):
+                fixed = dict(zip(self.outer, point))
+                fixed[BLOCK_EDGE] = point[0] * self.blocks // max(sizes[0], 1)
+                for m in self.members:
+                    it.loop(m, fixed)
+        finally:
+            for r in self.regs:
+                del it.arrays[r], it.order[r]
+
+    def text(self) -> str:
+        loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
+        if self.blocks:
+            loops += f" in {self.blocks} blocks"
+        head = f"group for {loops}" + (f"  reg {', '.join(map(self._reg_text, self.regs))}" if self.regs else "")
+        body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
+        return head + (f"    # {self.note}" if self.note else "") + body
+
+    def _reg_text(self, r: str) -> str:
+        """A register with its edges (it has no buffer line): those of the member that writes it."""
+        writer = next((m for m in self.members if m.out == r), None)
+        return f"%{r}[{', '.join(e for e, _ in writer.index)}]" if writer else f"%{r}[]"
+
+
+
+
+def read_group(reader, t) -> LoopGroup:
+    """A `group for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
+    outer: list[str] = []
+    sizes: dict[str, Size] = {}
+    blocks, regs, note = 0, (), ""
+    members = []
+    for c in t.children:
+        if c.data == "outer":
+            outer.append(str(c.children[0]))
+            sizes[str(c.children[0])] = reader.size(c.children[1])
+        elif c.data == "blocks":
+            blocks = int(c.children[0])
+        elif c.data == "regs":
+            for r in c.children:
+                name = str(r.children[0])[1:]
+                if name in reader.low.buffers or name in reader.regs:
+                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
+                reader.regs[name] = reader.names(r.children[1])
+            regs = tuple(reader.regs)
+        elif c.data == "note":
+            note = reader.note(c)
+        else:
+            reader.meta_line = c.meta.line
+            members.append(reader.loop(c))
+    reader.regs = {}
+    return LoopGroup(tuple(outer), sizes, tuple(members), regs, blocks, note)
+
+
 @dataclass(frozen=True)
 class Group(Pass[Lowered, Lowered]):
     """Fuse neighbouring loop kernels that share outer loops into groups."""
 
     name = "group"
     takes = gives = "lowered"
-    blocks: int | None = None   # blocks of a group's rows with partial sums (None: options.group_blocks; 0: no groups)
+    blocks: int | None = None   # blocks of a group's rows with partial sums (None: options.cpu.group_blocks; 0: no groups)
 
     def run(self, low: Lowered, options: Options) -> Lowered:
         if self.blocks is not None:
             options = options.with_(group_blocks=self.blocks)
         out = low.staged("group")
-        if options.group_blocks < 1:
+        if options.cpu.group_blocks < 1:
             return out
         out.kernels = []
         _Grouper(low, out, options).run()
@@ -186,7 +322,7 @@ class _Grouper:
         else:
             blocked = bool(after or scratch)
             self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
-                                              blocks=self.opt.group_blocks if blocked else 0))
+                                              blocks=self.opt.cpu.group_blocks if blocked else 0))
         self.out.kernels += _together(after)
 
     def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool, outside: set[int]) -> list[LoopKernel]:
@@ -279,7 +415,7 @@ class _Grouper:
         scratch row per block instead: [#block, inner edges] (a block is one thread's,
         in order, so the row is rewritten for each outer index and stays in cache)."""
         low = self.out
-        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        low.edges[BLOCK_EDGE] = self.opt.cpu.group_blocks
         old = low.buffers.pop(name)
         new = low.fresh("r")
         order = (BLOCK_EDGE,) + tuple(e for e in old.order if e not in outer)
@@ -304,7 +440,7 @@ class _Grouper:
         """`k` adding into its block's row of a partial buffer; the zeroing kernel
         goes to `before`, the kernel adding the rows into `k.out` to `after`."""
         low = self.out
-        low.edges[BLOCK_EDGE] = self.opt.group_blocks
+        low.edges[BLOCK_EDGE] = self.opt.cpu.group_blocks
         dst = low.buffers[k.out]
         name = low.fresh("p")
         order = (BLOCK_EDGE,) + dst.order
@@ -312,7 +448,7 @@ class _Grouper:
         kept = tuple(e for e, _ in k.index)
         full = ((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + k.index
         loops = (BLOCK_EDGE,) + tuple(v for v in dst.order)
-        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.group_blocks}
+        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.cpu.group_blocks}
         index = tuple(sorted(full, key=lambda t: t[0]))
         before.append(LoopKernel(name, index, loops, sizes, Const(0.0), note="zero partial sums"))
         after.append(LoopKernel(k.out, k.index, loops[1:] + loops[:1], sizes, Load(name, index), "sum", (BLOCK_EDGE,),

@@ -2,7 +2,7 @@
 
 A key hashes everything the machine code depends on: the module's IR text, every
 option that reaches code generation, tgc's own source (so a changed compiler never
-reuses old code), and the host CPU's name and features. Entries are object files,
+reuses old code), and the backend's key parts (for the CPU: its name, the host CPU's name and features). Entries are object files,
 written atomically (temp file + rename), so processes that build the same program
 at once never see a partial entry; an unreadable entry is rebuilt.
 
@@ -18,7 +18,7 @@ Nothing in the cache is code to Python: entries are a checksummed binary layout
 (magic, sha256, lengths) with JSON metadata, never pickles. Any damage is a miss
 and the full build runs: an entry is read only if it is a regular file (no FIFO,
 device or symlink) of at most `MAX_ENTRY` bytes whose checksum holds, and its object
-files must pass `tgc.runtime.objfile.check_objects` before LLVM loads them.
+files must pass `tgc.backends.objfile.check_objects` before LLVM loads them.
 
 Security: the directory is created 0700 (whatever the umask), and before every use
 it must be a real directory (not a symlink), owned by this user, and not writable
@@ -50,7 +50,15 @@ class CacheWarning(UserWarning):
 
 
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
-                          "locs", "verify_each", "verify_seed", "stats", "passes", "compile_jobs"})
+                          "locs", "verify_each", "verify_seed", "stats", "passes"})
+CPU_PRESENTATION = frozenset({"compile_jobs"})   # CpuOptions fields that do not change the code
+
+
+def _key_fields(options: Options) -> dict:
+    """The options the code depends on, as plain data (nested backend options too)."""
+    fields = {k: v for k, v in sorted(dataclasses.asdict(options).items()) if k not in PRESENTATION}
+    fields["cpu"] = {k: v for k, v in fields["cpu"].items() if k not in CPU_PRESENTATION}
+    return fields
 
 
 def cache_dir() -> Path | None:
@@ -130,10 +138,11 @@ def compiler_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(ir_text: str, options: Options, cpu: tuple[str, str]) -> str:
-    fields = {k: v for k, v in sorted(dataclasses.asdict(options).items()) if k not in PRESENTATION}
+def cache_key(ir_text: str, options: Options, target: tuple[str, ...]) -> str:
+    """The key of a module's code: `target` is the backend's own key parts
+    (`Backend.cache_parts()`: its name, and for the CPU the host CPU's name and features)."""
     h = hashlib.sha256()
-    for part in (compiler_digest(), repr(fields), cpu[0], cpu[1], ir_text):
+    for part in (compiler_digest(), repr(_key_fields(options)), *target, ir_text):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -168,7 +177,7 @@ def store(key: str, objs: tuple[bytes, ...]) -> None:
 
 
 def _objects_unfit(objs) -> bool:
-    from tgc.runtime.objfile import check_objects
+    from tgc.backends.objfile import check_objects
 
     return check_objects(objs) is not None
 
@@ -241,12 +250,13 @@ def source_cacheable(options: Options) -> bool:
     return not options.fp_strict and not any(getattr(options, f) for f in PRINTS)
 
 
-def source_key(kind: str, name: str, text: str, options: Options, cpu: tuple[str, str]) -> str:
+def source_key(kind: str, name: str, text: str, options: Options, target: tuple[str, ...]) -> str:
     """The first-level key: the source as given (kind: tg | ir; its file name, which
-    the module's locations carry), every option (dims included), tgc, the CPU."""
+    the module's locations carry), every option (dims included), tgc, and the
+    backend's key parts (`Backend.cache_parts()`)."""
     h = hashlib.sha256()
     for part in ("source", compiler_digest(), repr(sorted(dataclasses.asdict(options).items())),
-                 cpu[0], cpu[1], kind, name, text):
+                 *target, kind, name, text):
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
     return h.hexdigest()

@@ -1,0 +1,36 @@
+"""The CPU backend's code-generation settings, nested in `tgc.options.Options` as
+`options.cpu` (`Options(cpu=CpuOptions(threads=1))`).
+
+Plain data (no imports): the neutral options module nests it. Every tuned threshold
+of the CPU backend is a field here, none is a module-level constant. A field changes
+what code is generated (so it is part of the code cache's key), except `compile_jobs`,
+which only splits the work of compiling it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """How the CPU backend lowers and generates code; `with_(name=value)` copies."""
+
+    threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
+    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread
+    parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
+    warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
+    blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
+    blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
+    gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
+    gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
+    gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
+    gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
+    blas: str = "numpy"                      # GEMMs' BLAS: "numpy" (numpy's OpenBLAS; tgc build links it with a RUNPATH into its venv), "system" (tgc build links the system CBLAS; the JIT uses numpy's) or "none" (generated loops, unless a library's caller passes a BLAS to NAME_init); backends/cpu/aot.py
+    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy"; read by the fuse stage, lower/complex_gemm.py)
+    profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
+    compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
+    group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
+
+    def with_(self, **changes) -> "CpuOptions":
+        """A copy with the given fields changed."""
+        return replace(self, **changes)

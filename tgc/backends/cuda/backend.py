@@ -1,0 +1,30 @@
+"""The CUDA backends as the registry sees them (`tgc.backends.base.Backend`):
+"cuda" (a GPU through CuPy) and "cuda-sim" (the same module run on this CPU by an
+emulator). No stage of their own: they compile the neutrally lowered program. Their
+compiled modules are cached where they load (CuPy's cache, the emulator's shared
+objects by content), so `tgc.compile`'s first-level cache does not keep them."""
+from __future__ import annotations
+
+from tgc.backends.base import Backend
+
+
+def lowering_options(options):
+    """The options the CUDA backends lower with: a complex product stays elementwise
+    loops (there is no complex GEMM cell on the GPU)."""
+    return options.with_(complex_gemm=False)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def lowering_options(self, options):
+        return lowering_options(options)
+
+    def compile(self, module, low, options, artifacts=None):
+        from tgc.backends.cuda.runtime import compile_kernels
+
+        return compile_kernels(low, options, self.name)
+
+
+class CudaSimBackend(CudaBackend):
+    name = "cuda-sim"
