@@ -1,11 +1,13 @@
 """The CUDA backends as the registry sees them (`tgc.backends.base.Backend`):
 "cuda" (a GPU through CuPy) and "cuda-sim" (the same module run on this CPU by an
-emulator). No stage of their own: they compile the neutrally lowered program. Their
+emulator). Their own lowering stage is `rowgroup` (`tgc.backends.cuda.rows`: a row's
+reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
+from tgc.backends.cuda.rows import RowGroups, read_rowgroup
 
 
 def lowering_options(options):
@@ -16,6 +18,8 @@ def lowering_options(options):
 
 class CudaBackend(Backend):
     name = "cuda"
+    stages = (RowGroups,)
+    kernel_forms = {"rowgroup": read_rowgroup}
 
     def lowering_options(self, options):
         return lowering_options(options)

@@ -70,18 +70,20 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
     it on the device `backend` names ("cuda" or "cuda-sim")."""
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
-    cm = codegen.generate(low)
+    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
     device.load(cm, options)
     return CudaKernels(low, options, cm, device)
 
 
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
-    and plan (no stage of the CPU's), without complex GEMM cells (`lowering_options`)."""
-    from tgc.backends.cuda.backend import lowering_options
+    and plan with their own `rowgroup` between (no stage of the CPU's), without
+    complex GEMM cells (`lowering_options`)."""
+    from tgc.backends.base import get_backend
     from tgc.manager import lower_module
 
-    return lower_module(module, lowering_options(options))
+    be = get_backend("cuda-sim")
+    return lower_module(module, be.lowering_options(options), stages=be.lowering())
 
 
 # ---------------------------------------------------------------- devices
@@ -108,9 +110,9 @@ class _SimDevice:
     def read_err(self, err) -> int:
         return int(err[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool | str = False) -> None:
         block = SIM_ROW_BLOCK if row else SIM_BLOCK
-        grid = max(1, min(SIM_GRID, total if row else -(-total // block)))
+        grid = max(1, min(SIM_GRID, _blocks(total, block, row)))
         ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
         self.fns[name](ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid, block)
@@ -155,12 +157,20 @@ class _CupyDevice:
     def read_err(self, err) -> int:
         return int(err.get()[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
-        grid = max(1, min(GPU_GRID, total if row else -(-total // codegen.BLOCK)))
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool | str = False) -> None:
+        grid = max(1, min(GPU_GRID, _blocks(total, codegen.BLOCK, row)))
         self.fns[name]((grid,), (codegen.BLOCK,), tuple(arrays) + tuple(np.int64(d) for d in dims) + (err,))
 
     def to_host(self, a) -> np.ndarray:
         return self.cp.asnumpy(a)
+
+
+def _blocks(total: int, block: int, row: bool | str) -> int:
+    """The blocks that give each of `total` items its thread (`row` False), its block
+    (True: one block per output or row) or its warp ("warp": one warp per row)."""
+    if row == "warp":
+        return -(-total // max(1, block // 32))
+    return total if row else -(-total // block)
 
 
 # ---------------------------------------------------------------- the emulator's shared objects
@@ -324,6 +334,14 @@ class CudaKernels(Kernels):
                 for s in x.total:
                     total *= size_eval(s, env)
                 if total <= 0:
+                    continue
+                arrays = [bufs[b] for b in x.bufs]
+                if x.kind == "rows":   # a row group: a warp per row for short rows, else a block
+                    inner = 1
+                    for s in x.inner:
+                        inner *= size_eval(s, env)
+                    warp = inner <= self.options.cuda.warp_rows
+                    dev.launch(x.warp if warp else x.name, total, arrays, dvals, err, "warp" if warp else True)
                     continue
                 row = False
                 if x.row:

@@ -33,6 +33,8 @@ static tgc_dim3 gridDim = {1, 1, 1};
 static inline void __syncthreads() {
 #pragma omp barrier
 }
+// a warp's barrier: the team's (every thread of an emulated block reaches it as often)
+static inline void __syncwarp(unsigned = 0xffffffffu) { __syncthreads(); }
 
 // a shuffle: every thread of the block writes its value, all wait, each reads its source
 static double tgc_sim_exchange[1024];

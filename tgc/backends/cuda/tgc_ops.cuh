@@ -170,4 +170,20 @@ template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* par
     __syncthreads();   // part may be written again by the next reduction
     return r;
 }
+// Row groups (codegen's row-group kernels): `tpr` threads share a row, either the
+// whole block or one warp (32). tgc_row_reduce combines a value over the row's
+// threads: shuffles within the warp, then, for a block, the warps' partials in shared
+// memory in warp order; every thread of the row gets the same value. Every thread of
+// the block must call it, and tgc_row_sync, the same number of times.
+template <typename T, typename Op> TGC_DEV T tgc_row_reduce(T v, Op op, T* part, unsigned tpr) {
+    if (tpr == 32u) {
+        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+        return v;
+    }
+    return tgc_block_reduce(v, op, part);
+}
+TGC_DEV void tgc_row_sync(unsigned tpr) {
+    if (tpr == 32u) __syncwarp();
+    else __syncthreads();
+}
 #endif
