@@ -56,11 +56,69 @@ class _RawModule:
             dims = [int(a) for a in args if isinstance(a, np.int64)]
             assert all(isinstance(a, ndarray) for a in bufs + [err]), "every buffer is a device array"
             assert len(bufs) + len(dims) + 1 == len(args)
-            self.launches.append((name, grid[0], block[0]))
-            ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
-            dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
-            fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+
+            def run() -> None:
+                self.launches.append((name, grid[0], block[0]))
+                ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
+                dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
+                fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+            _on_stream(run)
         return launch
+
+
+# CUDA graphs (cupy.cuda.Stream.begin_capture / end_capture, Graph.launch): a capturing
+# stream records each launch and cuBLAS call (with the addresses it was given) instead
+# of running it; the graph replays the records in order.
+_STREAMS: list = []
+CAPTURED: list = []
+
+
+class _Graph:
+    def __init__(self, ops: list):
+        self.ops = ops
+
+    def launch(self, stream=None) -> None:
+        assert stream is not None and stream.ops is None, "replayed on a stream that is not capturing"
+        for op in self.ops:
+            op()
+
+
+class _Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False):
+        self.ptr, self.ops = (0 if null else id(self)), None
+
+    def __enter__(self):
+        _STREAMS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STREAMS.pop()
+
+    def begin_capture(self, mode=None) -> None:
+        assert self.ptr != 0, "cannot capture on the default (legacy) stream"
+        assert _STREAMS and _STREAMS[-1] is self and self.ops is None
+        self.ops = []
+
+    def end_capture(self) -> _Graph:
+        ops, self.ops = self.ops, None
+        CAPTURED.append(ops)
+        return _Graph(ops)
+
+
+_NULL_STREAM = _Stream(null=True)
+
+
+def _current_stream() -> _Stream:
+    return _STREAMS[-1] if _STREAMS else _NULL_STREAM
+
+
+def _on_stream(op) -> None:
+    """Run `op` now, or record it when the current stream is capturing."""
+    s = _current_stream()
+    if s.ops is not None:
+        s.ops.append(op)
+    else:
+        op()
 
 
 GEMM_CALLS: list = []
@@ -82,8 +140,11 @@ def _gemm_strided_batched(dtype):
         b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
         c = mem(C, m, n, ldc, sc)
         call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch)
-        GEMM_CALLS.append(call)
-        gemm.run_numpy(call, a, b, c)
+
+        def run() -> None:
+            GEMM_CALLS.append(call)
+            gemm.run_numpy(call, a, b, c)
+        _on_stream(run)
     return fn
 
 
@@ -105,7 +166,7 @@ def _fake_cupy() -> types.ModuleType:
                                    dgemmStridedBatched=_gemm_strided_batched(np.float64))
     cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
                                     device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
-                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+                                    get_current_stream=_current_stream, Stream=_Stream)
     return cp
 
 
@@ -116,6 +177,7 @@ def cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
     GEMM_CALLS.clear()
+    CAPTURED.clear()
     return cp
 
 
@@ -204,3 +266,43 @@ def test_attention_on_the_gpu_path_matches_interpreter(cupy):
     for name, ref in want.items():
         np.testing.assert_allclose(got[name].get(), ref, rtol=1e-9, atol=1e-9, err_msg=name)
     assert prog.gemm_counts == {"strided": 18, "views": 0} and len(GEMM_CALLS) > 18   # looped calls
+
+
+def test_a_call_is_captured_once_as_a_cuda_graph_and_replayed(cupy):
+    """A program without id checks: the first call with a binding of the dims captures
+    every launch (on a stream of its own) and replays it; later calls with the same
+    dims and updated array replay only, on new inputs; new dims capture again."""
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    rng = np.random.default_rng(1)
+    W = cupy.asarray(rng.standard_normal((8, 16)))
+    for step, batch in enumerate((5, 5, 5, 7, 5)):
+        x = rng.standard_normal((batch, 8))
+        W0 = W.get()
+        got = prog(x=cupy.asarray(x), W=W, lr=0.01)
+        y = np.tanh(x @ W0)
+        np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
+        np.testing.assert_allclose(float(got["loss"].get()), np.sum(y * y), rtol=1e-12)
+        np.testing.assert_allclose(W.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
+        assert got["W"] is W
+    assert prog._kernels.graph_counts == {"captures": 2, "replays": 5}     # batch 5 once, batch 7 once
+    assert len(CAPTURED) == 2 and all(CAPTURED)
+    # the outputs of one call are not overwritten by the next (the graph writes its own)
+    a = prog(x=cupy.asarray(np.ones((5, 8))), W=W, lr=0.0)["y"].get()
+    b = prog(x=cupy.asarray(np.zeros((5, 8))), W=W, lr=0.0)
+    assert not np.array_equal(a, b["y"].get()) and np.array_equal(b["y"].get(), np.zeros((5, 16)))
+    # a new updated array: its address is in the graph, so a new capture
+    prog(x=cupy.asarray(np.ones((5, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.0)
+    assert prog._kernels.graph_counts["captures"] == 3
+
+
+def test_graphs_off_and_programs_with_checks_launch_each_kernel(cupy):
+    from tgc.options import Options
+
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda", options=Options().with_(graphs=False))
+    prog(x=cupy.asarray(np.ones((3, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.1)
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and not CAPTURED
+    src = "dim b\ndim v = 10, e = 6\ninput ids: i32[b]\nparam E[v, e]\nout r = E[v = ids] * 2\n"
+    prog = tgc.compile(src, backend="cuda")
+    E = np.arange(60, dtype=np.float32).reshape(10, 6)
+    np.testing.assert_array_equal(prog(ids=np.array([1, 9], np.int32), E=cupy.asarray(E))["r"].get(), 2 * E[[1, 9]])
+    assert prog._kernels.graph_counts["captures"] == 0     # the error word is read between the checks and the rest

@@ -267,6 +267,8 @@ class _Gen:
     def expr(self, e, ctx: "_Ctx") -> str:
         T = "tgc_t"
         if isinstance(e, Load):
+            if e in ctx.vec:           # one component of a float4 load (vector_loop)
+                return f"{ctx.vec[e]}.{ctx.comp}"
             if e.buf in ctx.vals:      # a row group's value per row (the stage reads it at its own row only)
                 return ctx.vals[e.buf]
             if e.buf in ctx.cache and self.identity(e):   # a row group's element kept in registers
@@ -370,11 +372,76 @@ class _Gen:
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
             inner.append(f"{store} = {value};")
         body += ["    " + line for line in inner] + ["}"]
+        vec = self.vector_loop(k, ctx, kept, sizes) if not k.reduce and not k.scatter else None
+        if vec is not None:   # float4 loads and stores where the run-time sizes and addresses allow
+            cond, lines = vec
+            body = ([f"if ({cond}) {{"] + ["    " + line for line in lines] + ["} else {"]
+                    + ["    " + line for line in body] + ["}"])
         name = f"{self.prefix}k{i}"
         self.kernel(name, self.params(bufs, k.out), body, note)
         row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
         self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
                                     red=tuple(k.sizes[v] for v in k.red)))
+
+    def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
+        """The elementwise f32 kernel `k` four elements at a time: (the run-time
+        condition, the loop), or None. Each thread takes four neighbours along the
+        innermost loop, which must be the output's innermost (contiguous) edge; a load
+        that reads its buffer's innermost edge at that loop variable (and no other
+        edge at it, outside any mask) is one `float4` load, the others are evaluated
+        per element; the four results are one `float4` store. It runs when the
+        innermost size is a multiple of 4 (so four neighbours stay in one row and
+        every row starts 16 bytes after the last) and every such buffer's address is
+        16-byte aligned; else the scalar loop runs. The same operations on the same
+        elements: the results are the scalar loop's."""
+        low = self.low
+        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype != "f32":
+            return None
+        v_in = kept[-1]
+        out_last = self.layout(k.out)[-1][0]
+        at = dict(k.index)
+        if at.get(out_last) != Ix.var(v_in) or low.size(out_last) != k.sizes[v_in] \
+                or any(v_in in ix.vars() for e, ix in k.index if e != out_last):
+            return None
+        loads: list[Load] = []
+
+        def visit(e) -> None:
+            if isinstance(e, Mask):
+                return   # a masked load may lie outside its buffer next to its range
+            if isinstance(e, Load):
+                b = low.buffers[e.buf]
+                last = self.layout(e.buf)[-1][0]
+                ix = dict(e.index)
+                if (b.dtype == "f32" and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
+                        and not any(v_in in i.vars() for ed, i in e.index if ed != last) and e not in loads):
+                    loads.append(e)
+                return
+            for c in getattr(e, "args", ()):
+                visit(c)
+
+        visit(k.body)
+        ptrs = [ctx.ptr(k.out)] + list(dict.fromkeys(ctx.ptr(e.buf) for e in loads))
+        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+        base = ctx.var[v_in]
+        lines = [f"const long long n4 = ({' * '.join(sizes)}) / 4;",
+                 "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
+                 "t += (long long)gridDim.x * blockDim.x) {", "    long long r = t * 4;"]
+        lines.insert(0, "TGC_SIM_COUNT(0);")
+        for v, sz in reversed(list(zip(kept, sizes))):
+            lines.append(f"    const long long {ctx.var[v]} = r % {sz}; r /= {sz};")
+        names = {}
+        for j, e in enumerate(loads):
+            names[e] = f"l{j}"
+            lines.append(f"    const float4 l{j} = *reinterpret_cast<const float4*>("
+                         f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]);")
+        lines.append("    float4 o;")
+        for j, comp in enumerate("xyzw"):
+            c = _Ctx(ctx.ptrs, {**ctx.var, v_in: f"({base} + {j})"})
+            c.vec, c.comp = names, comp
+            lines.append(f"    o.{comp} = {self.expr(k.body, c)};")
+        lines.append(f"    *reinterpret_cast<float4*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
+        lines.append("}")
+        return cond, lines
 
     def row_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> str:
         """The reduction `k` with one block per output element (a grid-stride loop of
@@ -628,12 +695,12 @@ class _Gen:
             cnt = " * ".join(self.size(g.members[0].sizes[v]) for v in inner0)
             loop_body.append(f"const long long cnt = live ? {cnt} : 0LL;")
             loop_body.append(f"if ({cnt} <= {self.row_regs}LL * tpr) {{")
-            loop_body += ["    " + s for s in members(True)]
+            loop_body += ["    TGC_SIM_COUNT(1);"] + ["    " + s for s in members(True)]
             loop_body.append("} else {")
-            loop_body += ["    " + s for s in members(False)]
+            loop_body += ["    TGC_SIM_COUNT(2);"] + ["    " + s for s in members(False)]
             loop_body.append("}")
         else:
-            loop_body += members(False)
+            loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
         loop_body.append("tgc_row_sync(tpr);   // the next row's members may overwrite what this row's read")
         body = [f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body] + ["}"]
         params = self.params(bufs, set(writes))
@@ -758,6 +825,8 @@ class _Ctx:
     vals: dict[str, str] = field(default_factory=dict)    # buffer -> the C value holding it at this row (row groups)
     cache: dict[str, str] = field(default_factory=dict)   # buffer -> the register array holding this thread's elements
     loaded: set = field(default_factory=set)              # buffers read from memory (row groups: barriers)
+    vec: dict = field(default_factory=dict)               # Load -> the float4 holding it (vector_loop)
+    comp: str = ""                                        # the float4 component this expression computes
 
     def ptr(self, buf: str) -> str:
         return self.ptrs[buf]

@@ -61,6 +61,7 @@ SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
 SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
 GPU_GRID = 132 * 16                  # at most this many blocks (grid-stride loops do the rest)
 WS_ALIGN = 256
+GRAPHS_KEPT = 4                      # CUDA graphs kept per program (by dims and updated arrays)
 # the emulator's grid and block sizes are globals of each loaded library (a library is
 # shared by every program with the same module text): one emulated call at a time
 _SIM_LOCK = threading.Lock()
@@ -246,6 +247,8 @@ class CudaKernels(Kernels):
         self._cm, self._device = cm, device
         self.backend = device.name
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
+        self.graph_counts = {"captures": 0, "replays": 0}   # CUDA graphs captured and calls replayed (GPU)
+        self._graphs: dict = {}
 
     @property
     def cuda_source(self) -> str:
@@ -314,45 +317,102 @@ class CudaKernels(Kernels):
     def run(self, args: dict, outs: dict, env: dict) -> int:
         """Every launch in order; the check kernels first, and the device's error word
         read once after them, before anything is written (its value is the runtime's
-        rc: 1 + the failed check)."""
+        rc: 1 + the failed check). On a GPU, a program without checks runs as a CUDA
+        graph (`_run_graph`) when `CudaOptions.graphs` says so."""
         dev, cm = self._device, self._cm
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
+            launches = cm.launches
+            n_checks = sum(1 for x in launches if x.kind == "check")
+            if dev.name == "cuda" and self.options.cuda.graphs and not n_checks:
+                return self._run_graph(args, outs, env)
             bufs = self._buffers(args, outs, env)
             err = dev.err_word()
             dvals = [env[d] for d in cm.dims]
-            launches = cm.launches
-            n_checks = sum(1 for x in launches if x.kind == "check")
             for j, x in enumerate(launches):
                 if j == n_checks and n_checks:
                     rc = dev.read_err(err)   # once per call, before anything is written
                     if rc:
                         return rc
-                if x.kind == "gemm":
-                    self._gemm(x.gemm, bufs, env)
-                    continue
-                total = 1
-                for s in x.total:
-                    total *= size_eval(s, env)
-                if total <= 0:
-                    continue
-                arrays = [bufs[b] for b in x.bufs]
-                if x.kind == "rows":   # a row group: a warp per row for short rows, else a block
-                    inner = 1
-                    for s in x.inner:
-                        inner *= size_eval(s, env)
-                    warp = inner <= self.options.cuda.warp_rows
-                    dev.launch(x.warp if warp else x.name, total, arrays, dvals, err, "warp" if warp else True)
-                    continue
-                row = False
-                if x.row:
-                    red = 1
-                    for s in x.red:
-                        red *= size_eval(s, env)
-                    row = red >= self.options.cuda.row_min
-                dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
+                self._launch(x, bufs, err, dvals, env)
             if n_checks == len(launches) and n_checks:
                 return dev.read_err(err)
         return 0
+
+    def _launch(self, x: codegen.Launch, bufs: dict, err, dvals: list, env: dict) -> None:
+        """One step of the launch list with its run-time geometry."""
+        dev = self._device
+        if x.kind == "gemm":
+            self._gemm(x.gemm, bufs, env)
+            return
+        total = 1
+        for s in x.total:
+            total *= size_eval(s, env)
+        if total <= 0:
+            return
+        arrays = [bufs[b] for b in x.bufs]
+        if x.kind == "rows":   # a row group: a warp per row for short rows, else a block
+            inner = 1
+            for s in x.inner:
+                inner *= size_eval(s, env)
+            warp = inner <= self.options.cuda.warp_rows
+            dev.launch(x.warp if warp else x.name, total, arrays, dvals, err, "warp" if warp else True)
+            return
+        row = False
+        if x.row:
+            red = 1
+            for s in x.red:
+                red *= size_eval(s, env)
+            row = red >= self.options.cuda.row_min
+        dev.launch(x.row if row else x.name, total, arrays, dvals, err, row)
+
+    def _run_graph(self, args: dict, outs: dict, env: dict) -> int:
+        """The call as a CUDA graph: captured once per binding of the dims (and the
+        updated arrays, whose addresses the graph holds), then replayed: one launch
+        per call. The graph reads its own copies of the inputs that are not updated
+        and writes its own outputs, so each call copies the inputs in and the outputs
+        out (device to device, on the current stream, ordered with the replay); an
+        updated param is the caller's array, written in place by the graph itself.
+        Capture runs on a stream of its own (CUDA cannot capture the legacy default
+        stream; `cupy.cuda.Stream.begin_capture` / `end_capture`); the graph is
+        launched on the current stream. At most `GRAPHS_KEPT` graphs are kept."""
+        cp = self._device.cp
+        updated = {u.target for u in self.module.updates}
+        key = (tuple(sorted(env.items())),
+               tuple(sorted((n, a.data.ptr) for n, a in args.items() if n in updated)))
+        entry = self._graphs.pop(key, None)
+        if entry is None:
+            entry = self._capture(args, outs, env, updated)
+            self.graph_counts["captures"] += 1
+        self._graphs[key] = entry          # most recently used last
+        while len(self._graphs) > GRAPHS_KEPT:
+            self._graphs.pop(next(iter(self._graphs)))
+        graph, static_in, static_out, _keep = entry
+        for name, a in static_in.items():
+            a[...] = args[name]
+        graph.launch(stream=cp.cuda.get_current_stream())
+        for name, o in outs.items():
+            o[...] = static_out[name]
+        self.graph_counts["replays"] += 1
+        return 0
+
+    def _capture(self, args: dict, outs: dict, env: dict, updated: set) -> tuple:
+        """(graph, its input copies, its outputs, what it must keep alive): every
+        launch recorded on a capturing stream, nothing run yet."""
+        cp, dev = self._device.cp, self._device
+        static_in = {n: cp.empty(a.shape, a.dtype) for n, a in args.items() if n not in updated}
+        static_out = {n: cp.empty(o.shape, o.dtype) for n, o in outs.items()}
+        bufs = self._buffers({**args, **static_in}, static_out, env)   # the workspace too: allocated before capture
+        err = dev.err_word()
+        dvals = [env[d] for d in self._cm.dims]
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                for x in self._cm.launches:
+                    self._launch(x, bufs, err, dvals, env)
+            finally:
+                graph = stream.end_capture()
+        return graph, static_in, static_out, (bufs, err, stream)
 
     def _buffers(self, args: dict, outs: dict, env: dict) -> dict:
         """Every buffer as a device array of its shape (buffer order): the arguments,

@@ -25,6 +25,7 @@
 #define __launch_bounds__(...)
 
 struct tgc_dim3 { unsigned x, y, z; };
+struct alignas(16) float4 { float x, y, z, w; };
 static thread_local tgc_dim3 threadIdx = {0, 0, 0};
 static thread_local tgc_dim3 blockIdx = {0, 0, 0};
 static tgc_dim3 blockDim = {1, 1, 1};
@@ -81,6 +82,12 @@ template <typename T, typename U> static inline T tgc_sim_atomic_fadd(T* p, T v)
 }
 static inline float atomicAdd(float* p, float v) { return tgc_sim_atomic_fadd<float, unsigned>(p, v); }
 static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd<double, unsigned long long>(p, v); }
+
+// what ran (tests read them through tgc_sim_counters): 0 float4 loops, 1 row-group rows
+// held in registers, 2 row-group rows read from memory; TGC_SIM_COUNT is empty for nvcc
+static long long tgc_sim_counts[4];
+extern "C" long long* tgc_sim_counters() { return tgc_sim_counts; }
+#define TGC_SIM_COUNT(i) __atomic_fetch_add(&tgc_sim_counts[i], 1, __ATOMIC_RELAXED)
 
 #define __expf expf
 #define __logf logf

@@ -21,6 +21,9 @@
 #define TGC_OPS_CUH
 
 #define TGC_DEV __device__ __forceinline__
+#ifndef TGC_SIM_COUNT   /* the emulator counts which paths ran (sim.h); nothing on a GPU */
+#define TGC_SIM_COUNT(i) ((void)0)
+#endif
 #ifdef __CUDACC__   /* nvcc and NVRTC (which has no __builtin_huge_val) */
 #define TGC_INF __longlong_as_double(0x7ff0000000000000ULL)
 #define TGC_NAN __longlong_as_double(0x7ff8000000000000ULL)
@@ -128,6 +131,8 @@ TGC_DEV long long tgc_floordiv(long long a, long long b) {
     long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
+// whether a pointer is 16-byte aligned (the float4 loops' run-time condition)
+TGC_DEV bool tgc_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0ULL; }
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
 
