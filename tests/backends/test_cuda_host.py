@@ -126,20 +126,27 @@ GEMM_CALLS: list = []
 
 def _gemm_strided_batched(dtype):
     """cublas<t>gemmStridedBatched on host addresses: the column-major semantics of
-    `gemm.run_numpy` over the memory the pointers and leading dimensions span."""
-    ct = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+    `gemm.run_numpy` over the memory the pointers and leading dimensions span (t: s, d,
+    and the complex c, z, whose op may be the conjugate transpose, CUBLAS_OP_C)."""
+    dt = np.dtype(dtype)
+    part = ctypes.c_float if dt in (np.float32, np.complex64) else ctypes.c_double
+    per = 2 if dt.kind == "c" else 1
 
     def fn(handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):
-        assert handle == "handle" and ta in (0, 1) and tb in (0, 1)
-        assert ct.from_address(alpha).value == 1 and ct.from_address(beta).value == 0
+        assert handle == "handle" and ta in (0, 1, 2) and tb in (0, 1, 2)
+        assert per == 2 or 2 not in (ta, tb), "CUBLAS_OP_C is for complex GEMMs"
+        scalar = lambda ptr: np.ctypeslib.as_array((part * per).from_address(ptr)).view(dt)[0]  # noqa: E731
+        al, be = scalar(alpha), scalar(beta)
+        assert be == 0 and np.imag(al) == 0
 
         def mem(ptr, rows, cols, ld, stride):
             extent = stride * (batch - 1) + ld * (cols - 1) + rows
-            return np.ctypeslib.as_array((ct * extent).from_address(ptr))
+            return np.ctypeslib.as_array((part * (extent * per)).from_address(ptr)).view(dt)
         a = mem(A, k, m, lda, sa) if ta else mem(A, m, k, lda, sa)
         b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
         c = mem(C, m, n, ldc, sc)
-        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch)
+        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch,
+                             conja=ta == 2, conjb=tb == 2, alpha=float(np.real(al)))
 
         def run() -> None:
             GEMM_CALLS.append(call)
@@ -158,12 +165,15 @@ def _fake_cupy() -> types.ModuleType:
     cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(ndarray)
     cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
     cp.matmul = lambda a, b: _dev(np.matmul(a, b))
+    cp.conj = lambda a: _dev(np.conj(a))
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
     cp.RawModule = _RawModule
-    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, setStream=lambda handle, stream: None,
+    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, setStream=lambda handle, stream: None,
                                    sgemmStridedBatched=_gemm_strided_batched(np.float32),
-                                   dgemmStridedBatched=_gemm_strided_batched(np.float64))
+                                   dgemmStridedBatched=_gemm_strided_batched(np.float64),
+                                   cgemmStridedBatched=_gemm_strided_batched(np.complex64),
+                                   zgemmStridedBatched=_gemm_strided_batched(np.complex128))
     cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
                                     device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
                                     get_current_stream=_current_stream, Stream=_Stream)
@@ -306,3 +316,35 @@ def test_graphs_off_and_programs_with_checks_launch_each_kernel(cupy):
     E = np.arange(60, dtype=np.float32).reshape(10, 6)
     np.testing.assert_array_equal(prog(ids=np.array([1, 9], np.int32), E=cupy.asarray(E))["r"].get(), 2 * E[[1, 9]])
     assert prog._kernels.graph_counts["captures"] == 0     # the error word is read between the checks and the rest
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
+    """A complex product is one complex GEMM cell: cublasCgemm/Zgemm where cuBLAS can
+    read each operand (a conjugated one only transposed: CUBLAS_OP_C), else matmul on
+    conjugated complex views; the adjoint's products conjugate with CUBLAS_OP_C."""
+    cdt = np.complex64 if dtype == "f32" else np.complex128
+    rng = np.random.default_rng(3)
+    crandn = lambda *s: (rng.standard_normal(s) + 1j * rng.standard_normal(s)).astype(cdt)  # noqa: E731
+    tol = 2e-5 if dtype == "f32" else 1e-12
+    forms = {"a @ b": (lambda a, b: a @ b, 1), "(2 * a) @ b": (lambda a, b: 2 * a @ b, 1),
+             "conj(a) @ b": (lambda a, b: np.conj(a) @ b, 0), "a @ conj(b)": (lambda a, b: a @ np.conj(b), 0)}
+    for expr, (ref, strided) in forms.items():
+        prog = tgc.compile(f"dim i, j, k\ninput a: c64[i, j]\ninput b: c64[j, k]\nout c = {expr}\n",
+                           backend="cuda", dtype=dtype)
+        a, b = crandn(3, 5), crandn(5, 4)
+        GEMM_CALLS.clear()
+        got = prog(a=a, b=b)["c"]
+        got = got.get() if hasattr(got, "get") else got
+        assert np.abs(got - ref(a, b)).max() <= tol * max(1.0, np.abs(ref(a, b)).max()), expr
+        assert prog.gemm_counts == {"strided": strided, "views": 1 - strided} and len(GEMM_CALLS) == strided, expr
+    # a gradient through a complex product: its adjoint's products read conj(a), conj(b) transposed
+    src = "dim i, j, k\ninput a: c64[i, j]\nparam b: c64[j, k]\nloss = sum(abs(a @ b))\nout g = grad(loss, b)\n"
+    prog = tgc.compile(src, backend="cuda", dtype=dtype)
+    a, b = crandn(4, 3), crandn(3, 5)
+    GEMM_CALLS.clear()
+    got = prog(a=a, b=cupy.asarray(b))["g"]
+    got = got.get() if hasattr(got, "get") else got
+    cpu = tgc.compile(src, dtype=dtype)(a=a, b=b)["g"]
+    assert np.abs(got - cpu).max() <= 10 * tol * max(1.0, np.abs(cpu).max())
+    assert any(call.conja or call.conjb for call in GEMM_CALLS), "the adjoint's product conjugates in cuBLAS"

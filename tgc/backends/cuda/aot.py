@@ -99,7 +99,8 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
             launches.append({"kind": "gemm", "out": k.out,
                              "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
                              "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
-                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k)})
+                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
+                             **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {})})
             continue
         entry = {"kind": x.kind, "kernel": x.name, "buffers": list(x.bufs),
                  "items": " * ".join(f"({size_str(s)})" for s in x.total) or "1"}

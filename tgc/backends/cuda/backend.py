@@ -11,9 +11,9 @@ from tgc.backends.cuda.rows import RowGroups, read_rowgroup
 
 
 def lowering_options(options):
-    """The options the CUDA backends lower with: a complex product stays elementwise
-    loops (there is no complex GEMM cell on the GPU)."""
-    return options.with_(complex_gemm=False)
+    """The options the CUDA backends lower with: the given ones (a complex product is
+    one GEMM cell, `cublas<c|z>gemmStridedBatched` on a GPU: `gemm.py`)."""
+    return options
 
 
 class CudaBackend(Backend):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from dataclasses import replace
 import functools
 import hashlib
 import shutil
@@ -447,17 +448,31 @@ class CudaKernels(Kernels):
         xp, low = self._device.xp, self.lowered
         strided = xp.lib.stride_tricks.as_strided
         size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
+        cplx = k.cplx is not None
+        shaped = bufs
+        if cplx:   # float pairs along re.im (innermost): each buffer as a flat complex array
+            cdt = np.complex64 if low.dtype == "f32" else np.complex128
+            bufs = {b: shaped[b].reshape(-1).view(cdt) for b in (k.a.buf, k.b.buf, k.out)}
 
         def strides(buf: str, rename: dict) -> dict:
-            arr = bufs[buf]
+            arr = shaped[buf]
             order = low.buffers[buf].order or low.buffers[buf].edges
-            by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
-            return {v: by_edge[b] for v, b in rename.items()}
+            if cplx:
+                assert order[-1] == "re.im", "a complex GEMM cell's buffers hold pairs innermost"
+                by_edge = {e: s // (2 * arr.itemsize) for e, s in zip(order[:-1], arr.strides[:-1])}
+            else:
+                by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
+            return {v: by_edge[b] for v, b in rename.items() if b in by_edge}
 
         out_edges = low.buffers[k.out].edges
         operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
                     "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
         planned = gemm.plan_looped(k, operands, size)
+        if planned is not None and cplx:   # conjugation rides on cuBLAS's conjugate transpose
+            call, looped = planned
+            conj = {"a": k.cplx[0], "b": k.cplx[1]}
+            call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
+            planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
         if planned is not None:
             call, looped = planned
             self.gemm_counts["strided"] += 1
@@ -478,4 +493,8 @@ class CudaKernels(Kernels):
         a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
         b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
         c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
+        if cplx:
+            a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
+            c[...] = (k.alpha * xp.matmul(a, b)).reshape(c.shape)
+            return
         c[...] = xp.matmul(a, b).reshape(c.shape)
