@@ -8,6 +8,7 @@ block per row) and both paths (registers, memory); NaN and infinite entries
 propagate as the interpreter's do; and the groups make fewer kernels."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -150,7 +151,12 @@ def test_a_row_group_is_one_kernel_with_its_statistics_in_registers():
     # the row is read once: the register path loads x and dy at the row's start, and
     # stores only what another kernel reads (y, dx and the centred x for dw)
     src = ln_on.cuda_source
-    assert "tgc_row_reduce" in src and "__shfl_xor_sync" in src and "c_x[k] = p" in src
+    assert "tgc_row_reduce" in src and "__shfl_xor_sync" in src
+    assert len(re.findall(r"c_\d+\[k\] = p\d+\[", src)) == 4          # x, dy, w, b: loaded once per row
+    # the centred x (read by dw's kernel) and y, dx are stored; nothing else is
+    (body,) = [p for p in src.split("static __device__") if "_body(" in p and "TGC_SIM_COUNT(1)" in p]
+    cached = body.split("TGC_SIM_COUNT(1)")[1].split("TGC_SIM_COUNT(2)")[0]
+    assert len(re.findall(r"\bp\d+\[[^\]]*\] = val;", cached)) == 3
 
 
 def test_lowered_text_and_the_lowered_interpreter():

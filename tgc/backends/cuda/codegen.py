@@ -543,6 +543,8 @@ class _Gen:
         var = {v: f"v{j}" for j, v in enumerate(allv)}
         osizes = [self.size(g.sizes[v]) for v in outer]
         scalars = {m.out for m in g.members if set(dict(m.index)) == set(outer)}
+        # C names of the values a thread holds: s_N (a row's value), c_N (its elements)
+        cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
         reads_elsewhere = self._read_outside(i)
         inner0 = inner_loops(g.members[0], outer)
         uniform = all(set(inner_loops(m, outer)) == set(inner0)
@@ -557,7 +559,7 @@ class _Gen:
 
         def ctx_new(cache: dict) -> _Ctx:
             ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
-            ctx.vals = {s: f"s_{s}" for s in scalars}
+            ctx.vals = {s: f"s_{cid[s]}" for s in scalars}
             ctx.cache = dict(cache)
             return ctx
 
@@ -599,7 +601,7 @@ class _Gen:
             body: list[str] = []
             if cached:
                 later = {e.buf for m in g.members for e in _loads_of(m) if self.identity(e)}
-                cache = {m.out: f"c_{m.out}" for m in g.members
+                cache = {m.out: f"c_{cid[m.out]}" for m in g.members
                          if not m.reduce and m.out not in scalars and m.out in later}
                 pre = []
                 for m in g.members:
@@ -609,7 +611,7 @@ class _Gen:
                                 or not self.identity(e) or not (set(b.edges) & set(inner0))
                                 or not set(b.edges) <= set(outer) | set(inner0)):
                             continue
-                        cache[e.buf] = f"c_{e.buf}"
+                        cache[e.buf] = f"c_{cid[e.buf]}"
                         pre.append(e)
                 for c in cache.values():
                     body.append(f"tgc_t {c}[{self.row_regs}];")
@@ -654,9 +656,9 @@ class _Gen:
                         value = self.expr(m.epilogue, ctx) if m.epilogue is not None else "acc"
                     else:
                         value = self.expr(m.body, ctx)
-                    part.append(f"s_{m.out} = {value};")
+                    part.append(f"s_{cid[m.out]} = {value};")
                     if stored:
-                        part.append(f"if (lane == 0 && live) p{bufs.index(m.out)}[{store_ix}] = s_{m.out};")
+                        part.append(f"if (lane == 0 && live) p{bufs.index(m.out)}[{store_ix}] = s_{cid[m.out]};")
                 else:
                     stmts: list[str] = []
                     if m.reduce:
@@ -676,7 +678,7 @@ class _Gen:
                     body.append("tgc_row_sync(tpr);")
                 body.append(f"// {(m.note or m.text().splitlines()[0])[:100]}")
                 if m.out in scalars:
-                    body.append(f"tgc_t s_{m.out};")
+                    body.append(f"tgc_t s_{cid[m.out]};")
                 body += ["{"] + ["    " + s for s in part] + ["}"]
                 if stored and m.out not in scalars:
                     written_mem.add(m.out)

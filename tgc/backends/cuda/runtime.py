@@ -249,7 +249,7 @@ class CudaKernels(Kernels):
         self.backend = device.name
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
         self.graph_counts = {"captures": 0, "replays": 0}   # CUDA graphs captured and calls replayed (GPU)
-        self._graphs: dict = {}
+        self._graphs: dict | None = {}   # None: this program is never captured
 
     @property
     def cuda_source(self) -> str:
@@ -324,8 +324,10 @@ class CudaKernels(Kernels):
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
             launches = cm.launches
             n_checks = sum(1 for x in launches if x.kind == "check")
-            if dev.name == "cuda" and self.options.cuda.graphs and not n_checks:
-                return self._run_graph(args, outs, env)
+            if dev.name == "cuda" and self.options.cuda.graphs and not n_checks and self._graphs is not None:
+                rc = self._run_graph(args, outs, env)
+                if rc is not None:
+                    return rc
             bufs = self._buffers(args, outs, env)
             err = dev.err_word()
             dvals = [env[d] for d in cm.dims]
@@ -366,7 +368,7 @@ class CudaKernels(Kernels):
             row = red >= self.options.cuda.row_min
         dev.launch(x.row if row else x.name, total, arrays, dvals, err, row)
 
-    def _run_graph(self, args: dict, outs: dict, env: dict) -> int:
+    def _run_graph(self, args: dict, outs: dict, env: dict) -> int | None:
         """The call as a CUDA graph: captured once per binding of the dims (and the
         updated arrays, whose addresses the graph holds), then replayed: one launch
         per call. The graph reads its own copies of the inputs that are not updated
@@ -375,14 +377,23 @@ class CudaKernels(Kernels):
         updated param is the caller's array, written in place by the graph itself.
         Capture runs on a stream of its own (CUDA cannot capture the legacy default
         stream; `cupy.cuda.Stream.begin_capture` / `end_capture`); the graph is
-        launched on the current stream. At most `GRAPHS_KEPT` graphs are kept."""
+        launched on the current stream. At most `GRAPHS_KEPT` graphs are kept. A
+        program with a GEMM cell that runs on strided views (`matmul`, whose
+        temporaries the capture would hold without owning them) is not captured: None,
+        and from then on its calls launch each kernel."""
         cp = self._device.cp
         updated = {u.target for u in self.module.updates}
         key = (tuple(sorted(env.items())),
                tuple(sorted((n, a.data.ptr) for n, a in args.items() if n in updated)))
         entry = self._graphs.pop(key, None)
         if entry is None:
+            views = self.gemm_counts["views"]
             entry = self._capture(args, outs, env, updated)
+            if self.gemm_counts["views"] != views:
+                # a GEMM on strided views (matmul) allocates temporaries while it is
+                # captured, which CuPy's pool may hand out again: never replay those
+                self._graphs = None
+                return None
             self.graph_counts["captures"] += 1
         self._graphs[key] = entry          # most recently used last
         while len(self._graphs) > GRAPHS_KEPT:
