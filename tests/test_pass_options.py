@@ -33,7 +33,7 @@ def test_pass_lists_with_options():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("nope", r"unknown pass 'nope' \(known: normalize, .*fuse, layout, group, plan\)"),
+    ("nope", r"unknown pass 'nope' \(known: normalize, .*fuse, layout, group, (rowgroup, )?plan\)"),
     ("group{bogus=1}", r"pass 'group' has no option 'bogus' \(its options: blocks\)"),
     ("simplify{x=1}", r"pass 'simplify' has no option 'x' \(its options: none\)"),
     ("group{blocks=many}", r"pass 'group': option 'blocks' takes int or none, not 'many'"),

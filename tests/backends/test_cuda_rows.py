@@ -62,7 +62,8 @@ out db = grad(loss, b)
 # a row of a 3-d tensor (two outer loops) with a causal mask: rows of -inf entries
 CAUSAL = """
 dim b, t
-input x[b, t, t]
+dim s = t
+input x[b, t, s]
 out y[b, t, s] = softmax[s](where([s <= t], x, -inf))
 """
 

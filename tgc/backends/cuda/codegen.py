@@ -398,6 +398,8 @@ class _Gen:
         if low.dtype != "f32" or not kept or low.buffers[k.out].dtype != "f32":
             return None
         v_in = kept[-1]
+        if not self.layout(k.out):
+            return None
         out_last = self.layout(k.out)[-1][0]
         at = dict(k.index)
         if at.get(out_last) != Ix.var(v_in) or low.size(out_last) != k.sizes[v_in] \
@@ -410,6 +412,8 @@ class _Gen:
                 return   # a masked load may lie outside its buffer next to its range
             if isinstance(e, Load):
                 b = low.buffers[e.buf]
+                if not b.edges:
+                    return   # a scalar: read per element
                 last = self.layout(e.buf)[-1][0]
                 ix = dict(e.index)
                 if (b.dtype == "f32" and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]

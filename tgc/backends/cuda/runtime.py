@@ -387,11 +387,10 @@ class CudaKernels(Kernels):
                tuple(sorted((n, a.data.ptr) for n, a in args.items() if n in updated)))
         entry = self._graphs.pop(key, None)
         if entry is None:
-            views = self.gemm_counts["views"]
             entry = self._capture(args, outs, env, updated)
-            if self.gemm_counts["views"] != views:
-                # a GEMM on strided views (matmul) allocates temporaries while it is
-                # captured, which CuPy's pool may hand out again: never replay those
+            if entry is None:
+                # a GEMM on strided views (matmul) would allocate temporaries while it is
+                # captured, which CuPy's pool may hand out again: never capture those
                 self._graphs = None
                 return None
             self.graph_counts["captures"] += 1
@@ -407,13 +406,16 @@ class CudaKernels(Kernels):
         self.graph_counts["replays"] += 1
         return 0
 
-    def _capture(self, args: dict, outs: dict, env: dict, updated: set) -> tuple:
+    def _capture(self, args: dict, outs: dict, env: dict, updated: set) -> tuple | None:
         """(graph, its input copies, its outputs, what it must keep alive): every
-        launch recorded on a capturing stream, nothing run yet."""
+        launch recorded on a capturing stream, nothing run yet; None when a GEMM cell
+        has no strided batched call (it would run on views)."""
         cp, dev = self._device.cp, self._device
         static_in = {n: cp.empty(a.shape, a.dtype) for n, a in args.items() if n not in updated}
         static_out = {n: cp.empty(o.shape, o.dtype) for n, o in outs.items()}
         bufs = self._buffers({**args, **static_in}, static_out, env)   # the workspace too: allocated before capture
+        if any(x.kind == "gemm" and self._gemm_plan(x.gemm, bufs, env)[0] is None for x in self._cm.launches):
+            return None
         err = dev.err_word()
         dvals = [env[d] for d in self._cm.dims]
         stream = cp.cuda.Stream(non_blocking=True)
@@ -451,17 +453,18 @@ class CudaKernels(Kernels):
                 bufs[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
         return bufs
 
-    def _gemm(self, k, bufs: dict, env: dict) -> None:
-        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
-        (`gemm.plan`: cuBLAS on a GPU, numpy on the same strides under cuda-sim) where
-        the layouts allow, else `matmul` on strided views of the buffers (an operand
-        without an edge is broadcast along it)."""
-        xp, low = self._device.xp, self.lowered
-        strided = xp.lib.stride_tricks.as_strided
+    def _gemm_plan(self, k, bufs: dict, env: dict):
+        """(the strided batched call or None, the batch edges looped around it, the
+        operands' {view edge: element stride}, the arrays the call reads, the sizes)
+        of GEMM cell `k` on these buffers. A complex cell's arrays are its buffers seen
+        as flat complex arrays (float pairs along `re.im`, innermost), strides in pairs;
+        its conjugations ride on cuBLAS's conjugate transpose, so a conjugated operand
+        the call would read untransposed has no call."""
+        low = self.lowered
         size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
         cplx = k.cplx is not None
         shaped = bufs
-        if cplx:   # float pairs along re.im (innermost): each buffer as a flat complex array
+        if cplx:
             cdt = np.complex64 if low.dtype == "f32" else np.complex128
             bufs = {b: shaped[b].reshape(-1).view(cdt) for b in (k.a.buf, k.b.buf, k.out)}
 
@@ -479,11 +482,24 @@ class CudaKernels(Kernels):
         operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
                     "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
         planned = gemm.plan_looped(k, operands, size)
-        if planned is not None and cplx:   # conjugation rides on cuBLAS's conjugate transpose
+        if planned is not None and cplx:
             call, looped = planned
             conj = {"a": k.cplx[0], "b": k.cplx[1]}
             call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
             planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
+        call, looped = planned if planned is not None else (None, ())
+        return call, looped, operands, bufs, size
+
+    def _gemm(self, k, bufs: dict, env: dict) -> None:
+        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
+        (`_gemm_plan`, `gemm.plan`: cuBLAS on a GPU, numpy on the same strides under
+        cuda-sim) where the layouts allow, else `matmul` on strided views of the
+        buffers (an operand without an edge is broadcast along it)."""
+        xp = self._device.xp
+        strided = xp.lib.stride_tricks.as_strided
+        cplx = k.cplx is not None
+        call, looped, operands, bufs, size = self._gemm_plan(k, bufs, env)
+        planned = None if call is None else (call, looped)
         if planned is not None:
             call, looped = planned
             self.gemm_counts["strided"] += 1
