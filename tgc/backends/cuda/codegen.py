@@ -707,7 +707,6 @@ class _Gen:
             loop_body.append("}")
         else:
             loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
-        loop_body.append("tgc_row_sync(tpr);   // the next row's members may overwrite what this row's read")
         body = [f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body] + ["}"]
         params = self.params(bufs, set(writes))
         call = ", ".join([f"p{j}" for j in range(len(bufs))] + [self.dim_c[d] for d in self.dims] + ["err"])

@@ -56,6 +56,25 @@ template <typename T> static inline T __shfl_down_sync(unsigned, T v, unsigned d
     return tgc_sim_shfl(v, lane + delta < (unsigned)width ? threadIdx.x + delta : threadIdx.x);
 }
 
+// a warp's butterfly all-reduce, lane i combining op(v_i, v_(i^o)) for o = 16 .. 1 as
+// the shuffles of tgc_warp_allreduce do on a GPU: the same values, in one exchange
+// (two barriers) instead of fifteen; every thread of the block must call it
+template <typename T, typename Op> static inline T tgc_sim_warp_allreduce(T v, Op op) {
+    __syncthreads();
+    tgc_sim_exchange[threadIdx.x] = (double)v;
+    __syncthreads();
+    const unsigned base = threadIdx.x - threadIdx.x % 32;
+    T vals[32], next[32];
+    for (unsigned i = 0; i < 32; ++i) vals[i] = (T)tgc_sim_exchange[base + i];
+    for (unsigned o = 16; o > 0; o >>= 1) {
+        for (unsigned i = 0; i < 32; ++i) next[i] = op(vals[i], vals[i ^ o]);
+        memcpy(vals, next, sizeof vals);
+    }
+    T r = vals[threadIdx.x % 32];
+    __syncthreads();
+    return r;
+}
+
 static inline int atomicCAS(int* p, int expected, int desired) {
     __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
     return expected;

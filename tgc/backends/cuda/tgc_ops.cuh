@@ -166,8 +166,17 @@ struct tgc_op_max { template <typename T> __device__ T operator()(T a, T b) cons
 struct tgc_op_min { template <typename T> __device__ T operator()(T a, T b) const { return tgc_min(a, b); } };
 // maxshift's partials are never NaN (NaNs are skipped): the larger one
 struct tgc_op_maxshift { template <typename T> __device__ T operator()(T a, T b) const { return b > a ? b : a; } };
-template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+// a warp's lanes combined by xor shuffles (the emulator: the same butterfly, sim.h)
+template <typename T, typename Op> TGC_DEV T tgc_warp_allreduce(T v, Op op) {
+#ifdef TGC_CUDA_SIM
+    return tgc_sim_warp_allreduce(v, op);
+#else
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+    v = tgc_warp_allreduce(v, op);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
     __syncthreads();
     T r = part[0];
@@ -181,10 +190,7 @@ template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* par
 // memory in warp order; every thread of the row gets the same value. Every thread of
 // the block must call it, and tgc_row_sync, the same number of times.
 template <typename T, typename Op> TGC_DEV T tgc_row_reduce(T v, Op op, T* part, unsigned tpr) {
-    if (tpr == 32u) {
-        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-        return v;
-    }
+    if (tpr == 32u) return tgc_warp_allreduce(v, op);
     return tgc_block_reduce(v, op, part);
 }
 TGC_DEV void tgc_row_sync(unsigned tpr) {
