@@ -31,7 +31,7 @@ class CpuBackend(Backend):
         from tgc.manager import lower_module
 
         prefix = c_identifier(output)
-        low = None if emit == "h" else lower_module(module, options, self.name)
+        low = None if emit == "h" else lower_module(module, self.lowering_options(options), None, "plan", self.lowering())
         try:
             files = {output: aot.build(module, low, options, emit, prefix, source)}
         except aot.NoSystemBlas as e:
