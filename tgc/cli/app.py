@@ -80,7 +80,8 @@ def pipeline_options(fn):
         click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
-                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to stderr."),
+                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to "
+                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -260,6 +261,10 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None)
     result = run_lowering(program, options, emit, pipeline.lowering("cpu"), stop_after=stop_after)
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
+    if options.stats and result.stats:
+        from tgc.opt.stats import format_table
+
+        click.echo(format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
     return result.lowered
 
 
