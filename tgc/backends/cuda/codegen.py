@@ -15,6 +15,14 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   maxshift pass then a sum of exp(x - m) pass), each reduced loop over
   [max(0, lower bounds...), min(size, upper bounds...)), then applies the epilogue
   and stores. Every operation is in the program's float type, as on the CPU.
+- an elementwise f32 loop kernel whose innermost loop is its output's contiguous
+  edge also has a float4 loop (`vector_loop`: four neighbours per thread, one
+  16-byte load per operand read along its own contiguous edge, one 16-byte store),
+  taken when the run-time sizes and addresses allow, else the scalar loop;
+- a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
+  two variants, a block or a warp per row (`rowgroup`): each member in turn over
+  the row, reductions by warp shuffles and shared memory, a row's values in
+  registers, the row's elements in registers where it fits;
 - a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
   for a segment max/min), then one thread per point combining its term with
   `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
@@ -36,7 +44,8 @@ Exactness: the same operations in the same float type as the CPU backend, with t
 CUDA math library's transcendentals (a few ulps from the CPU's), reductions in a
 different order (sums in double), so results agree to the type's precision, not bit
 for bit. Generation walks the finite expression trees once: it terminates.
-Kernels another backend's own stage made (the CPU's `LoopGroup`) are refused.
+Kernels another backend's own stage made (the CPU's `LoopGroup`) are refused. A
+complex GEMM cell is a host-side call too (`cublas<c|z>gemmStridedBatched`).
 """
 from __future__ import annotations
 

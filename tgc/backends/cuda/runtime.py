@@ -23,7 +23,11 @@ nothing is written), then every launch in order with its geometry: a grid-stride
 loop over the launch's work items, `BLOCK` threads per block on a GPU and small
 grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
 at least `CudaOptions.row_min` elements per output runs its one-block-per-output
-variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator).
+variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator). A
+row group runs its warp-per-row kernel for rows of at most `CudaOptions.warp_rows`
+elements, else its block-per-row kernel. On a GPU a program without id checks is
+captured once per binding of the dims (and updated arrays) as a CUDA graph and
+replayed (`_run_graph`); complex GEMM cells are cgemm/zgemm calls.
 
 Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
 out, updates in place). On a GPU, an input may be a CuPy array, anything with
