@@ -470,7 +470,13 @@ class DataParallel:
     The result holds each output: averaged over the ranks (weighted by rows) when it
     has no split edge (a loss), or summed when it is named in `sums`; this rank's own
     rows when it has the split edge. Then each update's new value, as a plain call's.
-    `run(..., updates=False)` is the forward-only call, on this rank alone."""
+    `run(..., updates=False)` is the forward-only call, on this rank alone.
+
+    With `overlap` (default) and more than one bucket, each bucket is reduced while
+    phase 1 goes on (see the module docstring); the results are the same bits.
+    After a call: `last_times` (seconds of phase 1, of the reduction that phase 1 did
+    not hide, of phase 2), `last_overlapped`, `last_early_buckets` (buckets reduced
+    before phase 1 ended), `buckets`."""
 
     def __init__(self, module: Module, comm, options: Options, backend: str = "cpu", shard: str = "batch",
                  deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), overlap: bool = True,
@@ -510,8 +516,10 @@ class DataParallel:
         self._ready = self.grads.ready_after()      # {phase 1 output: the kernel that finishes it}
         self._worker: threading.Thread | None = None   # reduces the buckets while phase 1 runs
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # whether the last call overlapped its reduction with phase 1
+        # whether the last call overlapped its reduction with phase 1, and how many of its
+        # buckets were reduced before phase 1 ended
         self.last_overlapped = False
+        self.last_early_buckets = 0
 
     # ------------------------------------------------------------ description
 
@@ -625,6 +633,7 @@ class DataParallel:
         scale = None if equal else rows / total
         args1 = {n: arrays[n] for n in g._names if n in arrays}
         self.last_overlapped = self._overlaps()
+        self.last_early_buckets = 0
         if self.last_overlapped:
             first, t1 = self._overlapped(args1, dims, scale, equal)
         else:
@@ -744,11 +753,14 @@ class DataParallel:
                     self._pack(buckets[i], outs, scale)
                     handed.put(i)
 
+        ends: list[float] = []
+
         def reduce_handed() -> None:   # on the communication thread
             done: set[int] = set()
             try:
                 while (i := handed.get()) is not None:
                     self._finish(buckets[i], equal)
+                    ends.append(time.perf_counter())
                     done.add(i)
                 finished.put(("done", done))
             except BaseException as e:  # noqa: BLE001 -- raised on the step's thread
@@ -763,6 +775,7 @@ class DataParallel:
             how, what = finished.get()
         if how == "error":
             raise what
+        self.last_early_buckets = sum(1 for t in ends if t < t1)
         self._reduce_after(first, scale, equal, what)   # none left, unless the shapes changed
         return first, t1
 
