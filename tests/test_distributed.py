@@ -225,6 +225,37 @@ def test_one_process_and_one_bucket_take_the_single_call():
         tgc.compile(case.path, data_parallel=D.local_group(1)[0], overlap="yes")
 
 
+def test_new_shapes_plan_the_buckets_again():
+    """A gradient whose size follows a symbolic dim other than the batch's: a call with
+    another size finds the buckets unfit during phase 1, reduces after it with buckets
+    planned anew, and overlaps again on the next call; every result as without overlap."""
+    src = BASE.replace("dim f = 3", "dim f") + "update W = W - lr * grad(loss, W)"
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((8, f), dtype=np.float32) for f in (3, 3, 5, 5)]
+
+    def body(comm, overlap):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm, bucket_bytes=4, overlap=overlap)
+        got = []
+        for x in xs:
+            W = np.linspace(0.5, 1.5, x.shape[1], dtype=np.float32)
+            res = step(**step.shard_inputs({"x": x}), W=W, lr=0.1)
+            got.append((res["loss"], W.copy(), step.last_overlapped, len(step.buckets)))
+        return got
+    lock = threading.Lock()
+    over = D.run_ranks(2, lambda c: body(c, True))
+    serial = D.run_ranks(2, lambda c: body(c, False))
+    assert [g[2] for g in over[0]] == [False, True, True, True]    # the third call: unfit, reduced after
+    assert [g[3] for g in over[0]] == [2, 2, 2, 2]
+    for a, b in zip(over, serial):
+        for (la, Wa, _, _), (lb, Wb, _, _) in zip(a, b):
+            assert np.array_equal(la, lb) and np.array_equal(Wa, Wb)
+    x = xs[2]
+    W = np.linspace(0.5, 1.5, 5, dtype=np.float32)
+    g = 2 * (x @ W)[:, None] * x
+    np.testing.assert_allclose(over[0][2][1], W - 0.1 * g.mean(0), rtol=1e-5)
+
+
 def test_one_rank_is_the_plain_step_bit_for_bit(tmp_path):
     """With one rank nothing is reduced: the split step gives the fused step's bits on
     the MLP (its gradients are f32 in both)."""
