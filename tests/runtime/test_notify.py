@@ -123,8 +123,8 @@ def test_an_exception_in_fn_is_raised_after_the_call_and_cleared():
     assert told == [min(marks)]
 
 
-def test_bad_marks_and_forward_only_are_refused():
-    program = tgc.compile(GRADS)
+def test_bad_marks_and_forward_only_are_refused(grads):
+    program = grads
     with pytest.raises(ValueError, match="kernel 100000 does not exist"):
         program.run(arrays(), notify=({100000}, lambda i, outs: None))
     with pytest.raises(ValueError, match="full call"):

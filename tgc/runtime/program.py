@@ -443,6 +443,10 @@ class Program:
             raise ValueError("notify= needs a full call (updates=True)")
         marks, fn = notify
         marks = sorted({int(i) for i in marks})
+        n = len(self.lowered.kernels)
+        bad = [i for i in marks if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"notify: kernel {bad[0]} does not exist (the program has {n})")
         if self._kernels.notifies and self._plain:
             return self._call(arrays, dims, (marks, fn))
         result = self.run(arrays, dims)
