@@ -319,30 +319,60 @@ class CudaKernels(Kernels):
             arrays[s.name] = conv
         return arrays, {}
 
-    def run(self, args: dict, outs: dict, env: dict) -> int:
+    notifies = True
+
+    def run(self, args: dict, outs: dict, env: dict, notify=None) -> int:
         """Every launch in order; the check kernels first, and the device's error word
         read once after them, before anything is written (its value is the runtime's
-        rc: 1 + the failed check). On a GPU, a program without checks runs as a CUDA
-        graph (`_run_graph`) when `CudaOptions.graphs` says so."""
+        rc: 1 + the failed check). `notify = (marks, fn)`: fn(i, outs) for each marked
+        kernel i once every launch of kernels up to i is made (under cuda-sim: has
+        run; on a GPU: is queued on the current stream), before the next kernel's.
+        On a GPU, a call without checks and without `notify` runs as a CUDA graph
+        (`_run_graph`) when `CudaOptions.graphs` says so."""
         dev, cm = self._device, self._cm
+        pending = sorted(notify[0]) if notify is not None else []
+        failed: list = []
+
+        def tell(upto: int) -> None:   # every mark below `upto`, in order
+            while pending and pending[0] < upto:
+                i = pending.pop(0)
+                if not failed:
+                    try:
+                        notify[1](i, outs)
+                    except BaseException as e:  # noqa: BLE001 -- raised once the run is done, as the CPU's
+                        failed.append(e)
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
-            launches = cm.launches
-            n_checks = sum(1 for x in launches if x.kind == "check")
-            if dev.name == "cuda" and self.options.cuda.graphs and not n_checks and self._graphs is not None:
+            n_checks = sum(1 for x in cm.launches if x.kind == "check")
+            rc = None
+            if (dev.name == "cuda" and self.options.cuda.graphs and not n_checks and notify is None
+                    and self._graphs is not None):
                 rc = self._run_graph(args, outs, env)
-                if rc is not None:
+            if rc is None:
+                rc = self._launch_all(args, outs, env, tell)
+        if failed:
+            raise failed[0]
+        return rc
+
+    def _launch_all(self, args: dict, outs: dict, env: dict, tell) -> int:
+        dev, cm = self._device, self._cm
+        bufs = self._buffers(args, outs, env)
+        err = dev.err_word()
+        dvals = [env[d] for d in cm.dims]
+        launches = cm.launches
+        n_checks = sum(1 for x in launches if x.kind == "check")
+        for j, x in enumerate(launches):
+            if j == n_checks and n_checks:
+                rc = dev.read_err(err)   # once per call, before anything is written
+                if rc:
                     return rc
-            bufs = self._buffers(args, outs, env)
-            err = dev.err_word()
-            dvals = [env[d] for d in cm.dims]
-            for j, x in enumerate(launches):
-                if j == n_checks and n_checks:
-                    rc = dev.read_err(err)   # once per call, before anything is written
-                    if rc:
-                        return rc
-                self._launch(x, bufs, err, dvals, env)
-            if n_checks == len(launches) and n_checks:
-                return dev.read_err(err)
+            if x.kind != "check":
+                tell(x.index)
+            self._launch(x, bufs, err, dvals, env)
+        if n_checks == len(launches) and n_checks:
+            rc = dev.read_err(err)
+            if rc:
+                return rc
+        tell(len(self.lowered.kernels))
         return 0
 
     def _launch(self, x: codegen.Launch, bufs: dict, err, dvals: list, env: dict) -> None:
