@@ -9,7 +9,10 @@ contenders (`peers_torch.py`), with their tensors created on the device. Before
 timing, tgc's first call is compared with torch eager's (each common output within
 2e-3 * max|torch|); a row that disagrees prints WRONG and is not timed. A sample is
 the mean of enough calls to last 20 ms, bracketed by device synchronizations; the
-median of `--repeat` samples is printed. Under cuda-sim only the small rows and the
+median of `--repeat` samples is printed. On a GPU, tgc's calls replay a CUDA graph
+(`CudaOptions.graphs`); the `no graph` column times the same program launching each
+kernel, and `launches` counts the kernels and GEMM calls of one call without a
+graph (row groups make a softmax or layernorm row one of them). Under cuda-sim only the small rows and the
 MLP step run (the emulator runs each GPU thread one after another), torch runs on
 the CPU, and the times say nothing about a GPU: the mode exists to test this script.
 """
@@ -103,7 +106,8 @@ def main(argv=None):
         cases = [c for c in cases if c.workload in args.only.split(",")]
     bw = copy_bandwidth(xp, sync, args.repeat)
     print(f"device: {name}; copy bandwidth {bw / 1e9:.0f} GB/s; backend {args.backend}")
-    head = f"{'workload':<10} {'size':<20} {'tgc ms':>9} {'eager ms':>9} {'compile ms':>10}  {'tgc rate':>16}  status"
+    head = (f"{'workload':<10} {'size':<20} {'tgc ms':>9} {'no graph':>9} {'launches':>8} {'eager ms':>9} "
+            f"{'compile ms':>10}  {'tgc rate':>16}  status")
     print(head)
     print("-" * len(head))
     for case in cases:
@@ -137,11 +141,21 @@ def main(argv=None):
                             status = f"WRONG ({k})"
         if not status.startswith("WRONG"):
             times["tgc"] = timed(lambda: prog(**dev_arrays), sync, args.repeat)
+            if args.backend == "cuda":
+                from tgc.options import Options
+
+                plain = tgc.compile(str(run.WORK / f"{case.workload}.tg"), backend=args.backend, dtype="f32",
+                                    options=Options().with_(graphs=False))
+                times["nograph"] = timed(lambda: plain(**dev_arrays), sync, args.repeat)
+                if prog._kernels.graph_counts["replays"] == 0:
+                    status = "no graph (id checks)" if status == "ok" else status
+        launches = len(prog.cuda_module.launches)
         t = times.get("tgc")
         kind, amount = case.bound
         rate = "" if t is None else (f"{amount / t / 1e9:7.1f} GB/s ({amount / t / bw:4.0%})" if kind == "bw"
                                      else f"{amount / t / 1e9:7.1f} GFLOP/s")
-        print(f"{case.workload:<10} {case.size:<20} {fmt(t)} {fmt(times.get('eager'))} "
+        print(f"{case.workload:<10} {case.size:<20} {fmt(t)} {fmt(times.get('nograph'))} {launches:>8} "
+              f"{fmt(times.get('eager'))} "
               f"{fmt(times.get('compile')):>10}  {rate:>16}  {status}")
 
 

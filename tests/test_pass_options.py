@@ -33,7 +33,7 @@ def test_pass_lists_with_options():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("nope", r"unknown pass 'nope' \(known: normalize, .*fuse, layout, group, plan\)"),
+    ("nope", r"unknown pass 'nope' \(known: normalize, .*fuse, layout, group, (rowgroup, )?plan\)"),
     ("group{bogus=1}", r"pass 'group' has no option 'bogus' \(its options: blocks\)"),
     ("simplify{x=1}", r"pass 'simplify' has no option 'x' \(its options: none\)"),
     ("group{blocks=many}", r"pass 'group': option 'blocks' takes int or none, not 'many'"),
@@ -99,7 +99,7 @@ def test_cli_passes_lists_options():
     assert r.exit_code == 0
     assert "group      Fuse neighbouring" in r.output and "{blocks=int | none}" in r.output
     assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,group,plan" in r.output
-    assert "lowering for cuda-sim (dump-ir --after STAGE): fuse,layout,plan" in r.output
+    assert "lowering for cuda-sim (dump-ir --after STAGE): fuse,layout,rowgroup,plan" in r.output
 
 
 def test_cli_dump_ir_with_lowering_stages_in_p():

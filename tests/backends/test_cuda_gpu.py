@@ -64,3 +64,55 @@ def test_gather_error_on_the_gpu():
         prog(ids=cupy.asarray(np.array([1, 10], np.int32)), E=cupy.ones((10, 6), np.float32))
     out = prog(ids=np.array([1, 9], np.int32), E=np.ones((10, 6), np.float32))   # numpy: copied to the device
     assert isinstance(out["r"], cupy.ndarray) and float(out["r"].sum()) == 12.0
+
+
+def test_cuda_graph_replays_match_launching_each_kernel():
+    """The same program with and without CUDA graphs, over several calls (new inputs
+    each call, the param updated in place by the graph), batch sizes changing."""
+    import cupy
+
+    src = ROOT / "examples/mlp.tg"
+    options = Options(dtype="f32")
+    module = pipeline.lower(pipeline.load(str(src), options), options).module
+    graph = tgc.compile(module, dtype="f32", backend="cuda")
+    plain = tgc.compile(module, dtype="f32", backend="cuda", options=options.with_(graphs=False))
+    params = None       # the graph's param arrays: the same device arrays every step
+    for step, batch in enumerate((32, 32, 32, 17, 32)):
+        dims = {d: batch for d in module.symbolic_dims()}
+        inputs = random_inputs(module, module.bind_dims(dims), step, "f32")
+        if params is None:
+            params = {u.target: cupy.asarray(inputs[u.target]) for u in module.updates}
+        a = {k: params.get(k, None) if k in params else cupy.asarray(v) for k, v in inputs.items()}
+        b = {k: (params[k].copy() if k in params else cupy.asarray(v)) for k, v in inputs.items()}
+        ga, gb = graph.run(a, dims), plain.run(b, dims)
+        for k in gb:
+            np.testing.assert_allclose(cupy.asnumpy(ga[k]), cupy.asnumpy(gb[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+        for k in params:    # updated in place by the graph, as without it
+            assert ga[module.update_key(k)] is params[k]
+            np.testing.assert_allclose(cupy.asnumpy(params[k]), cupy.asnumpy(b[k]), rtol=1e-5, atol=1e-6)
+    assert graph._kernels.graph_counts == {"captures": 2, "replays": 5}   # batch 32 once, 17 once
+
+
+@pytest.mark.parametrize("warp_rows", [0, 10 ** 6])
+def test_row_groups_and_float4_on_the_gpu(warp_rows):
+    """Softmax and layernorm rows (forward and backward) as one kernel, a block or a
+    warp per row, rows in registers or re-read; an elementwise loop with float4."""
+    import cupy
+
+    rows_src = {"softmax": "dim rows, d\ninput x[rows, d]\ninput dy[rows, d]\ny = softmax[d](x)\nout y\n"
+                           "out dx = grad(sum(y * dy), x)\n",
+                "layernorm": "dim rows, d\ninput x[rows, d]\ninput dy[rows, d]\nparam w[d], b[d]\n"
+                             "y = layernorm[d](x, w, b)\nloss = sum(y * dy)\nout y\nout dx = grad(loss, x)\n"
+                             "out dw = grad(loss, w)\nout db = grad(loss, b)\n",
+                "float4": "dim rows, d\ninput x[rows, d]\nparam b[d]\nout y = tanh(x + b) * x\n"}
+    for name, src in rows_src.items():
+        prog = tgc.compile(src, backend="cuda", dtype="f32", options=Options().with_(warp_rows=warp_rows))
+        for d in (1, 31, 33, 256, 1000, 4096):
+            dims = {"rows": 37, "d": d}
+            inputs = random_inputs(prog.module, prog.module.bind_dims(dims), d, "f32")
+            want = evaluate(prog.module, {k: v.copy() for k, v in inputs.items()}, dtype="f64")
+            got = prog.run({k: cupy.asarray(v) for k, v in inputs.items()}, dims)
+            for k, ref in want.items():
+                scale = max(1.0, float(np.max(np.abs(ref))))
+                np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=2e-4, atol=2e-5 * scale,
+                                           err_msg=f"{name} {k} d={d}")

@@ -56,11 +56,69 @@ class _RawModule:
             dims = [int(a) for a in args if isinstance(a, np.int64)]
             assert all(isinstance(a, ndarray) for a in bufs + [err]), "every buffer is a device array"
             assert len(bufs) + len(dims) + 1 == len(args)
-            self.launches.append((name, grid[0], block[0]))
-            ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
-            dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
-            fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+
+            def run() -> None:
+                self.launches.append((name, grid[0], block[0]))
+                ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
+                dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
+                fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+            _on_stream(run)
         return launch
+
+
+# CUDA graphs (cupy.cuda.Stream.begin_capture / end_capture, Graph.launch): a capturing
+# stream records each launch and cuBLAS call (with the addresses it was given) instead
+# of running it; the graph replays the records in order.
+_STREAMS: list = []
+CAPTURED: list = []
+
+
+class _Graph:
+    def __init__(self, ops: list):
+        self.ops = ops
+
+    def launch(self, stream=None) -> None:
+        assert stream is not None and stream.ops is None, "replayed on a stream that is not capturing"
+        for op in self.ops:
+            op()
+
+
+class _Stream:
+    def __init__(self, null: bool = False, non_blocking: bool = False):
+        self.ptr, self.ops = (0 if null else id(self)), None
+
+    def __enter__(self):
+        _STREAMS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STREAMS.pop()
+
+    def begin_capture(self, mode=None) -> None:
+        assert self.ptr != 0, "cannot capture on the default (legacy) stream"
+        assert _STREAMS and _STREAMS[-1] is self and self.ops is None
+        self.ops = []
+
+    def end_capture(self) -> _Graph:
+        ops, self.ops = self.ops, None
+        CAPTURED.append(ops)
+        return _Graph(ops)
+
+
+_NULL_STREAM = _Stream(null=True)
+
+
+def _current_stream() -> _Stream:
+    return _STREAMS[-1] if _STREAMS else _NULL_STREAM
+
+
+def _on_stream(op) -> None:
+    """Run `op` now, or record it when the current stream is capturing."""
+    s = _current_stream()
+    if s.ops is not None:
+        s.ops.append(op)
+    else:
+        op()
 
 
 GEMM_CALLS: list = []
@@ -68,22 +126,32 @@ GEMM_CALLS: list = []
 
 def _gemm_strided_batched(dtype):
     """cublas<t>gemmStridedBatched on host addresses: the column-major semantics of
-    `gemm.run_numpy` over the memory the pointers and leading dimensions span."""
-    ct = ctypes.c_float if dtype == np.float32 else ctypes.c_double
+    `gemm.run_numpy` over the memory the pointers and leading dimensions span (t: s, d,
+    and the complex c, z, whose op may be the conjugate transpose, CUBLAS_OP_C)."""
+    dt = np.dtype(dtype)
+    part = ctypes.c_float if dt in (np.float32, np.complex64) else ctypes.c_double
+    per = 2 if dt.kind == "c" else 1
 
     def fn(handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):
-        assert handle == "handle" and ta in (0, 1) and tb in (0, 1)
-        assert ct.from_address(alpha).value == 1 and ct.from_address(beta).value == 0
+        assert handle == "handle" and ta in (0, 1, 2) and tb in (0, 1, 2)
+        assert per == 2 or 2 not in (ta, tb), "CUBLAS_OP_C is for complex GEMMs"
+        scalar = lambda ptr: np.ctypeslib.as_array((part * per).from_address(ptr)).view(dt)[0]  # noqa: E731
+        al, be = scalar(alpha), scalar(beta)
+        assert be == 0 and np.imag(al) == 0
 
         def mem(ptr, rows, cols, ld, stride):
             extent = stride * (batch - 1) + ld * (cols - 1) + rows
-            return np.ctypeslib.as_array((ct * extent).from_address(ptr))
+            return np.ctypeslib.as_array((part * (extent * per)).from_address(ptr)).view(dt)
         a = mem(A, k, m, lda, sa) if ta else mem(A, m, k, lda, sa)
         b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
         c = mem(C, m, n, ldc, sc)
-        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch)
-        GEMM_CALLS.append(call)
-        gemm.run_numpy(call, a, b, c)
+        call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch,
+                             conja=ta == 2, conjb=tb == 2, alpha=float(np.real(al)))
+
+        def run() -> None:
+            GEMM_CALLS.append(call)
+            gemm.run_numpy(call, a, b, c)
+        _on_stream(run)
     return fn
 
 
@@ -97,15 +165,18 @@ def _fake_cupy() -> types.ModuleType:
     cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(ndarray)
     cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
     cp.matmul = lambda a, b: _dev(np.matmul(a, b))
+    cp.conj = lambda a: _dev(np.conj(a))
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
     cp.RawModule = _RawModule
-    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, setStream=lambda handle, stream: None,
+    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, setStream=lambda handle, stream: None,
                                    sgemmStridedBatched=_gemm_strided_batched(np.float32),
-                                   dgemmStridedBatched=_gemm_strided_batched(np.float64))
+                                   dgemmStridedBatched=_gemm_strided_batched(np.float64),
+                                   cgemmStridedBatched=_gemm_strided_batched(np.complex64),
+                                   zgemmStridedBatched=_gemm_strided_batched(np.complex128))
     cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
                                     device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
-                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+                                    get_current_stream=_current_stream, Stream=_Stream)
     return cp
 
 
@@ -116,6 +187,7 @@ def cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
     GEMM_CALLS.clear()
+    CAPTURED.clear()
     return cp
 
 
@@ -204,3 +276,82 @@ def test_attention_on_the_gpu_path_matches_interpreter(cupy):
     for name, ref in want.items():
         np.testing.assert_allclose(got[name].get(), ref, rtol=1e-9, atol=1e-9, err_msg=name)
     assert prog.gemm_counts == {"strided": 18, "views": 0} and len(GEMM_CALLS) > 18   # looped calls
+
+
+def test_a_call_is_captured_once_as_a_cuda_graph_and_replayed(cupy):
+    """A program without id checks: the first call with a binding of the dims captures
+    every launch (on a stream of its own) and replays it; later calls with the same
+    dims and updated array replay only, on new inputs; new dims capture again."""
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    rng = np.random.default_rng(1)
+    W = cupy.asarray(rng.standard_normal((8, 16)))
+    for step, batch in enumerate((5, 5, 5, 7, 5)):
+        x = rng.standard_normal((batch, 8))
+        W0 = W.get()
+        got = prog(x=cupy.asarray(x), W=W, lr=0.01)
+        y = np.tanh(x @ W0)
+        np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
+        np.testing.assert_allclose(float(got["loss"].get()), np.sum(y * y), rtol=1e-12)
+        np.testing.assert_allclose(W.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
+        assert got["W"] is W
+    assert prog._kernels.graph_counts == {"captures": 2, "replays": 5}     # batch 5 once, batch 7 once
+    assert len(CAPTURED) == 2 and all(CAPTURED)
+    # the outputs of one call are not overwritten by the next (the graph writes its own)
+    a = prog(x=cupy.asarray(np.ones((5, 8))), W=W, lr=0.0)["y"].get()
+    b = prog(x=cupy.asarray(np.zeros((5, 8))), W=W, lr=0.0)
+    assert not np.array_equal(a, b["y"].get()) and np.array_equal(b["y"].get(), np.zeros((5, 16)))
+    # a new updated array: its address is in the graph, so a new capture
+    prog(x=cupy.asarray(np.ones((5, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.0)
+    assert prog._kernels.graph_counts["captures"] == 3
+
+
+def test_graphs_off_and_programs_with_checks_launch_each_kernel(cupy):
+    from tgc.options import Options
+
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda", options=Options().with_(graphs=False))
+    prog(x=cupy.asarray(np.ones((3, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.1)
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and not CAPTURED
+    src = "dim b\ndim v = 10, e = 6\ninput ids: i32[b]\nparam E[v, e]\nout r = E[v = ids] * 2\n"
+    prog = tgc.compile(src, backend="cuda")
+    E = np.arange(60, dtype=np.float32).reshape(10, 6)
+    np.testing.assert_array_equal(prog(ids=np.array([1, 9], np.int32), E=cupy.asarray(E))["r"].get(), 2 * E[[1, 9]])
+    assert prog._kernels.graph_counts["captures"] == 0     # the error word is read between the checks and the rest
+    # a GEMM on conjugated views (matmul's temporaries): captured once, found out, never replayed
+    prog = tgc.compile("dim i, j, k\ninput a: c64[i, j]\ninput b: c64[j, k]\nout c = conj(a) @ b\n", backend="cuda")
+    a = (np.arange(6) + 1j).reshape(2, 3).astype(np.complex64)
+    for _ in range(2):
+        c = prog(a=a, b=a.T.copy())["c"]
+        np.testing.assert_allclose(c.get() if hasattr(c, "get") else c, np.conj(a) @ a.T, rtol=1e-6)
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and prog._kernels._graphs is None
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
+    """A complex product is one complex GEMM cell: cublasCgemm/Zgemm where cuBLAS can
+    read each operand (a conjugated one only transposed: CUBLAS_OP_C), else matmul on
+    conjugated complex views; the adjoint's products conjugate with CUBLAS_OP_C."""
+    cdt = np.complex64 if dtype == "f32" else np.complex128
+    rng = np.random.default_rng(3)
+    crandn = lambda *s: (rng.standard_normal(s) + 1j * rng.standard_normal(s)).astype(cdt)  # noqa: E731
+    tol = 2e-5 if dtype == "f32" else 1e-12
+    forms = {"a @ b": (lambda a, b: a @ b, 1), "(2 * a) @ b": (lambda a, b: 2 * a @ b, 1),
+             "conj(a) @ b": (lambda a, b: np.conj(a) @ b, 0), "a @ conj(b)": (lambda a, b: a @ np.conj(b), 0)}
+    for expr, (ref, strided) in forms.items():
+        prog = tgc.compile(f"dim i, j, k\ninput a: c64[i, j]\ninput b: c64[j, k]\nout c = {expr}\n",
+                           backend="cuda", dtype=dtype)
+        a, b = crandn(3, 5), crandn(5, 4)
+        GEMM_CALLS.clear()
+        got = prog(a=a, b=b)["c"]
+        got = got.get() if hasattr(got, "get") else got
+        assert np.abs(got - ref(a, b)).max() <= tol * max(1.0, np.abs(ref(a, b)).max()), expr
+        assert prog.gemm_counts == {"strided": strided, "views": 1 - strided} and len(GEMM_CALLS) == strided, expr
+    # a gradient through a complex product: its adjoint's products read conj(a), conj(b) transposed
+    src = "dim i, j, k\ninput a: c64[i, j]\nparam b: c64[j, k]\nloss = sum(abs(a @ b))\nout g = grad(loss, b)\n"
+    prog = tgc.compile(src, backend="cuda", dtype=dtype)
+    a, b = crandn(4, 3), crandn(3, 5)
+    GEMM_CALLS.clear()
+    got = prog(a=a, b=cupy.asarray(b))["g"]
+    got = got.get() if hasattr(got, "get") else got
+    cpu = tgc.compile(src, dtype=dtype)(a=a, b=b)["g"]
+    assert np.abs(got - cpu).max() <= 10 * tol * max(1.0, np.abs(cpu).max())
+    assert any(call.conja or call.conjb for call in GEMM_CALLS), "the adjoint's product conjugates in cuBLAS"

@@ -55,12 +55,16 @@ ROW_PROGRAMS = ["examples/layernorm.tg", "examples/attention.tg", "tests/program
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("groups", [False, True], ids=["kernels", "rowgroups"])
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("path", ROW_PROGRAMS)
-def test_one_block_per_row_reductions_match_interpreter(path, dtype):
+def test_one_block_per_row_reductions_match_interpreter(path, dtype, groups):
     """With `cuda_row_min=1` every reduction that has the form runs one block per output
-    (an OpenMP team under the emulator: shuffles, shared memory, barriers)."""
-    options = Options(dtype=dtype, cuda=CudaOptions(row_min=1))
+    (an OpenMP team under the emulator: shuffles, shared memory, barriers); with row
+    groups, a row's reductions and consumers run as one kernel, a block per row where
+    the row is longer than `warp_rows` (1 here), else a warp."""
+    options = Options(dtype=dtype, cuda=CudaOptions(row_min=1, row_groups=groups, warp_rows=1 if groups else 256))
     module = pipeline.lower(pipeline.load(str(ROOT / path), options), options).module
     prog = compare(module, dtype, options=options)
-    assert any(x.row for x in prog.cuda_module.launches)
+    kinds = {"row" if x.row else x.kind for x in prog.cuda_module.launches}
+    assert ("rows" in kinds) if groups else ("row" in kinds and "rows" not in kinds)

@@ -1,5 +1,6 @@
 """`--backend` on the commands that lower (dump-ir, opt, explain): each backend's own
-lowering stages, from the registry; the CPU's `group` is not the CUDA backends'."""
+lowering stages, from the registry; the CPU's `group` is not the CUDA backends', whose
+own is `rowgroup`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,10 +21,10 @@ def test_dump_ir_lowers_with_the_backend_named():
     cuda = run("dump-ir", MLP, "--after", "plan", "--stats", "--backend", "cuda")
     assert cpu.exit_code == 0 and cuda.exit_code == 0, cpu.output + cuda.output
     stages = lambda r: [line.split()[-1] for line in r.stderr.splitlines()[-4:] if line.split()[0].isdigit()]
-    assert stages(cpu)[-2:] == ["group", "plan"] and "group" not in stages(cuda)
-    assert "group for" in cpu.stdout and "group for" not in cuda.stdout
+    assert stages(cpu)[-2:] == ["group", "plan"] and stages(cuda)[-2:] == ["rowgroup", "plan"]
+    assert ": group for" in cpu.stdout and ": group for" not in cuda.stdout and ": rowgroup for" in cuda.stdout
     bad = run("dump-ir", MLP, "--after", "group", "--backend", "cuda")
-    assert bad.exit_code == 2 and "lowering stage 'group' is not in the stages (fuse, layout, plan)" in bad.output
+    assert bad.exit_code == 2 and "lowering stage 'group' is not in the stages (fuse, layout, rowgroup, plan)" in bad.output
 
 
 def test_opt_continues_with_the_backend_named():
@@ -31,7 +32,7 @@ def test_opt_continues_with_the_backend_named():
     assert fused.exit_code == 0
     r = CliRunner().invoke(main, ["opt", "-", "--backend", "cuda"], input=fused.stdout)
     assert r.exit_code == 0, r.output
-    assert r.stdout.startswith("// lowered after plan") and "group for" not in r.stdout
+    assert r.stdout.startswith("// lowered after plan") and ": group for" not in r.stdout and ": rowgroup for" in r.stdout
 
 
 def test_explain_reports_the_program_the_backend_compiles():
@@ -39,4 +40,5 @@ def test_explain_reports_the_program_the_backend_compiles():
     cuda = run("explain", MLP, "--format", "json", "--backend", "cuda")
     assert cpu.exit_code == 0 and cuda.exit_code == 0
     assert '"kind": "group"' in cpu.stdout and '"kind": "group"' not in cuda.stdout
+    assert '"kind": "rowgroup"' in cuda.stdout
     assert run("explain", MLP, "--backend", "tpu").exit_code == 2

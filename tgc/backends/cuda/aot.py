@@ -47,7 +47,7 @@ def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
 
         module, options = emulate_f32(module), options.with_(dtype="f64")
     low = lower(module, options)
-    cm = codegen.generate(low)
+    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
     if emit == "cu":
         data = cm.source.encode()
     else:
@@ -101,10 +101,16 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
             launches.append({"kind": "gemm", "out": k.out,
                              "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
                              "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
-                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k)})
+                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
+                             **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {})})
             continue
         entry = {"kind": x.kind, "kernel": x.name, "buffers": list(x.bufs),
                  "items": " * ".join(f"({size_str(s)})" for s in x.total) or "1"}
+        if x.kind == "rows":
+            entry["items"] = " * ".join(f"({size_str(s)})" for s in x.total) or "1"
+            entry["warp_kernel"] = x.warp
+            entry["row_length"] = " * ".join(f"({size_str(s)})" for s in x.inner) or "1"
+            entry["writes"] = list(x.writes)
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)

@@ -1,21 +1,25 @@
 """The CUDA backends as the registry sees them (`tgc.backends.base.Backend`):
 "cuda" (a GPU through CuPy) and "cuda-sim" (the same module run on this CPU by an
-emulator). No stage of their own: they compile the neutrally lowered program. Their
+emulator). Their own lowering stage is `rowgroup` (`tgc.backends.cuda.rows`: a row's
+reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
+from tgc.backends.cuda.rows import RowGroups, read_rowgroup
 
 
 def lowering_options(options):
-    """The options the CUDA backends lower with: a complex product stays elementwise
-    loops (there is no complex GEMM cell on the GPU)."""
-    return options.with_(complex_gemm=False)
+    """The options the CUDA backends lower with: the given ones (a complex product is
+    one GEMM cell, `cublas<c|z>gemmStridedBatched` on a GPU: `gemm.py`)."""
+    return options
 
 
 class CudaBackend(Backend):
     name = "cuda"
+    stages = (RowGroups,)
+    kernel_forms = {"rowgroup": read_rowgroup}
     emits = ("cubin", "ptx", "cu")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:

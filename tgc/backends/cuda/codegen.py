@@ -15,6 +15,14 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   maxshift pass then a sum of exp(x - m) pass), each reduced loop over
   [max(0, lower bounds...), min(size, upper bounds...)), then applies the epilogue
   and stores. Every operation is in the program's float type, as on the CPU.
+- an elementwise f32 loop kernel whose innermost loop is its output's contiguous
+  edge also has a float4 loop (`vector_loop`: four neighbours per thread, one
+  16-byte load per operand read along its own contiguous edge, one 16-byte store),
+  taken when the run-time sizes and addresses allow, else the scalar loop;
+- a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
+  two variants, a block or a warp per row (`rowgroup`): each member in turn over
+  the row, reductions by warp shuffles and shared memory, a row's values in
+  registers, the row's elements in registers where it fits;
 - a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
   for a segment max/min), then one thread per point combining its term with
   `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
@@ -36,7 +44,8 @@ Exactness: the same operations in the same float type as the CPU backend, with t
 CUDA math library's transcendentals (a few ulps from the CPU's), reductions in a
 different order (sums in double), so results agree to the type's precision, not bit
 for bit. Generation walks the finite expression trees once: it terminates.
-Kernels another backend's own stage made (the CPU's `LoopGroup`) are refused.
+Kernels another backend's own stage made (the CPU's `LoopGroup`) are refused. A
+complex GEMM cell is a host-side call too (`cublas<c|z>gemmStridedBatched`).
 """
 from __future__ import annotations
 
@@ -46,8 +55,9 @@ from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda.philox import device_function
+from tgc.backends.cuda.rows import RowGroup, inner_loops
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, walk)
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
@@ -80,7 +90,7 @@ class CudaUnsupported(BackendUnavailable):
 class Launch:
     """One step of a call, in order: a kernel launch (`kind` loop, zero or check) over
     `total` work items (a size expression of the dims), or a host-side GEMM."""
-    kind: str                         # loop | zero | check | gemm
+    kind: str                         # loop | zero | check | rows | gemm
     name: str = ""                    # the kernel's name in the module ('' for gemm)
     bufs: tuple[str, ...] = ()        # buffer arguments, in the kernel's parameter order
     total: tuple[Size, ...] = ()      # the work items: the product of these sizes
@@ -88,6 +98,9 @@ class Launch:
     index: int = -1                   # the lowered kernel (or check) it comes from
     row: str = ""                     # a reduction's one-block-per-output variant (kernel name), if any
     red: tuple[Size, ...] = ()        # the reduced loops' sizes (the row variant runs when their product is large)
+    warp: str = ""                    # a row group's warp-per-row variant (kind rows; `name` is its block-per-row one)
+    inner: tuple[Size, ...] = ()      # a row group's row length (the warp variant runs when it is short)
+    writes: tuple[str, ...] = ()      # the buffers it writes, when more than its first (a row group)
 
 
 @dataclass
@@ -98,14 +111,16 @@ class CudaModule:
     dtype: str = "f32"
 
     def kernel_names(self) -> list[str]:
-        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row) if n]
+        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row, x.warp) if n]
 
 
-def generate(low: Lowered, prefix: str = "") -> CudaModule:
+def generate(low: Lowered, prefix: str = "", row_regs: int = 8) -> CudaModule:
     """The CUDA module of `low` (after `plan`, no loop groups); `prefix` starts every
     kernel's name (modules of one float type with distinct prefixes can be
-    concatenated into one translation unit: the tests compile many at once)."""
-    return _Gen(low, prefix).run()
+    concatenated into one translation unit: the tests compile many at once);
+    `row_regs`: how many of a row's elements a thread of a row group keeps in
+    registers (`CudaOptions.row_regs`)."""
+    return _Gen(low, prefix, row_regs).run()
 
 
 def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
@@ -134,7 +149,7 @@ def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
 
 
 class _Gen:
-    def __init__(self, low: Lowered, prefix: str = ""):
+    def __init__(self, low: Lowered, prefix: str = "", row_regs: int = 8):
         if low.dtype not in ("f32", "f64"):
             raise CudaUnsupported(f"float type '{low.dtype}'")
         self.low, self.prefix = low, prefix
@@ -144,6 +159,7 @@ class _Gen:
         self.parts: list[str] = []
         self.draws: dict[tuple, str] = {}   # (kind, dtype, folds) -> its device function (philox.py)
         self.launches: list[Launch] = []
+        self.row_regs = max(1, int(row_regs))
 
     # ------------------------------------------------------------ the module
 
@@ -152,6 +168,9 @@ class _Gen:
         for i, c in enumerate(low.checks):
             self.check(i, c)
         for i, k in enumerate(low.kernels):
+            if isinstance(k, RowGroup):
+                self.rowgroup(i, k)
+                continue
             if not isinstance(k, (LoopKernel, GemmKernel)):   # another backend's own kind (the CPU's groups)
                 raise CudaUnsupported(f"{type(k).__name__} kernels (another backend's own lowering stage)")
             if isinstance(k, GemmKernel):
@@ -170,9 +189,11 @@ class _Gen:
         for x in self.launches:
             if x.kind == "gemm":
                 continue
-            args = [f"({self.buf_type(b, write=j == 0 and x.kind != 'check')}*)b[{j}]" for j, b in enumerate(x.bufs)]
+            written = set(x.writes) if x.writes else ({x.bufs[0]} if x.kind != "check" else set())
+            args = [f"({self.buf_type(b, write=b in written)}*)b[{j}]" for j, b in enumerate(x.bufs)]
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
-            for name, launch in ((x.name, "TGC_SIM_LAUNCH_SERIAL"), (x.row, "TGC_SIM_LAUNCH")):
+            plain = "TGC_SIM_LAUNCH" if x.kind == "rows" else "TGC_SIM_LAUNCH_SERIAL"
+            for name, launch in ((x.name, plain), (x.row, "TGC_SIM_LAUNCH"), (x.warp, "TGC_SIM_LAUNCH")):
                 if name:   # the row variant needs a team per block: barriers and shuffles
                     sim.append(f'extern "C" void tgc_launch_{name}(void* const* b, const long long* d, int* err, '
                                f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {name}({', '.join(args)}));\n}}")
@@ -184,11 +205,14 @@ class _Gen:
         t = C_TYPES[self.low.buffers[name].dtype]
         return t if write else f"const {t}"
 
-    def params(self, bufs: list[str], written: str | None) -> str:
+    def params(self, bufs: list[str], written) -> str:
+        """The parameters of a kernel reading `bufs` and writing `written` (a buffer's
+        name, a set of them, or None)."""
+        written = {written} if isinstance(written, str) else set(written or ())
         ps = []
         for j, b in enumerate(bufs):
             t = C_TYPES[self.low.buffers[b].dtype]
-            ps.append(f"{t}* p{j}" if b == written else f"const {t}* __restrict__ p{j}")
+            ps.append(f"{t}* p{j}" if b in written else f"const {t}* __restrict__ p{j}")
         ps += [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"]
         return ", ".join(ps)
 
@@ -252,6 +276,13 @@ class _Gen:
     def expr(self, e, ctx: "_Ctx") -> str:
         T = "tgc_t"
         if isinstance(e, Load):
+            if e in ctx.vec:           # one component of a float4 load (vector_loop)
+                return f"{ctx.vec[e]}.{ctx.comp}"
+            if e.buf in ctx.vals:      # a row group's value per row (the stage reads it at its own row only)
+                return ctx.vals[e.buf]
+            if e.buf in ctx.cache and self.identity(e):   # a row group's element kept in registers
+                return f"{ctx.cache[e.buf]}[k]"
+            ctx.loaded.add(e.buf)
             v = f"{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]"
             return v if self.low.buffers[e.buf].dtype == self.low.dtype else f"(({T}){v})"
         if isinstance(e, Const):
@@ -350,11 +381,80 @@ class _Gen:
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
             inner.append(f"{store} = {value};")
         body += ["    " + line for line in inner] + ["}"]
+        vec = self.vector_loop(k, ctx, kept, sizes) if not k.reduce and not k.scatter else None
+        if vec is not None:   # float4 loads and stores where the run-time sizes and addresses allow
+            cond, lines = vec
+            body = ([f"if ({cond}) {{"] + ["    " + line for line in lines] + ["} else {"]
+                    + ["    " + line for line in body] + ["}"])
         name = f"{self.prefix}k{i}"
         self.kernel(name, self.params(bufs, k.out), body, note)
         row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
         self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
                                     red=tuple(k.sizes[v] for v in k.red)))
+
+    def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
+        """The elementwise f32 kernel `k` four elements at a time: (the run-time
+        condition, the loop), or None. Each thread takes four neighbours along the
+        innermost loop, which must be the output's innermost (contiguous) edge; a load
+        that reads its buffer's innermost edge at that loop variable (and no other
+        edge at it, outside any mask) is one `float4` load, the others are evaluated
+        per element; the four results are one `float4` store. It runs when the
+        innermost size is a multiple of 4 (so four neighbours stay in one row and
+        every row starts 16 bytes after the last) and every such buffer's address is
+        16-byte aligned; else the scalar loop runs. The same operations on the same
+        elements: the results are the scalar loop's."""
+        low = self.low
+        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype != "f32":
+            return None
+        v_in = kept[-1]
+        if not self.layout(k.out):
+            return None
+        out_last = self.layout(k.out)[-1][0]
+        at = dict(k.index)
+        if at.get(out_last) != Ix.var(v_in) or low.size(out_last) != k.sizes[v_in] \
+                or any(v_in in ix.vars() for e, ix in k.index if e != out_last):
+            return None
+        loads: list[Load] = []
+
+        def visit(e) -> None:
+            if isinstance(e, Mask):
+                return   # a masked load may lie outside its buffer next to its range
+            if isinstance(e, Load):
+                b = low.buffers[e.buf]
+                if not b.edges:
+                    return   # a scalar: read per element
+                last = self.layout(e.buf)[-1][0]
+                ix = dict(e.index)
+                if (b.dtype == "f32" and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
+                        and not any(v_in in i.vars() for ed, i in e.index if ed != last) and e not in loads):
+                    loads.append(e)
+                return
+            for c in getattr(e, "args", ()):
+                visit(c)
+
+        visit(k.body)
+        ptrs = [ctx.ptr(k.out)] + list(dict.fromkeys(ctx.ptr(e.buf) for e in loads))
+        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+        base = ctx.var[v_in]
+        lines = [f"const long long n4 = ({' * '.join(sizes)}) / 4;",
+                 "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
+                 "t += (long long)gridDim.x * blockDim.x) {", "    long long r = t * 4;"]
+        lines.insert(0, "TGC_SIM_COUNT(0);")
+        for v, sz in reversed(list(zip(kept, sizes))):
+            lines.append(f"    const long long {ctx.var[v]} = r % {sz}; r /= {sz};")
+        names = {}
+        for j, e in enumerate(loads):
+            names[e] = f"l{j}"
+            lines.append(f"    const float4 l{j} = *reinterpret_cast<const float4*>("
+                         f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]);")
+        lines.append("    float4 o;")
+        for j, comp in enumerate("xyzw"):
+            c = _Ctx(ctx.ptrs, {**ctx.var, v_in: f"({base} + {j})"})
+            c.vec, c.comp = names, comp
+            lines.append(f"    o.{comp} = {self.expr(k.body, c)};")
+        lines.append(f"    *reinterpret_cast<float4*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
+        lines.append("}")
+        return cond, lines
 
     def row_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> str:
         """The reduction `k` with one block per output element (a grid-stride loop of
@@ -423,6 +523,222 @@ class _Gen:
         self.kernel(name, self.params(bufs, k.out), body, note + " (one block per output)")
         return name
 
+    # ------------------------------------------------------------ row groups
+
+    def identity(self, e: Load) -> bool:
+        """Whether `e` reads its buffer at the loop variables named like its edges."""
+        return all(ix == Ix.var(b) for b, ix in e.index)
+
+    def rowgroup(self, i: int, g: RowGroup) -> None:
+        """One kernel for the row group `g` (`rows.py`), in two variants: one block per
+        row (`kI`) and one warp per row (`kI_warp`), the same body with `tpr` (threads
+        per row) blockDim.x or 32. For each row (a grid-stride loop over rows, the
+        same number of iterations for every thread, so barriers and shuffles are
+        reached by all), each member in turn: an elementwise member over the row's
+        elements strided by the threads; a member reducing to a value per row through
+        `tgc_row_reduce` (shuffles, then shared memory for a block), the value then in
+        a register of every thread (`s_NAME`), written by the row's first thread if
+        it has a buffer. A barrier (`tgc_row_sync`) comes before a member that reads
+        from memory what an earlier one wrote.
+
+        When every member runs over the same inner loops (with no bounds) and either
+        keeps them all or reduces them all (softmax, layernorm), a row of at most
+        `row_regs * tpr` elements is held in registers: thread `lane` keeps elements
+        lane + k * tpr, k < row_regs (`c_NAME[k]`), inputs read once at the row's
+        start, members' outputs stored only if read elsewhere; longer rows take the
+        path that reads and writes memory."""
+        low = self.low
+        name = f"{self.prefix}k{i}"
+        bufs = g.buffers_used()
+        writes = sorted(g.writes(), key=bufs.index)
+        outer = list(g.outer)
+        allv = list(dict.fromkeys(v for m in g.members for v in m.loops))
+        var = {v: f"v{j}" for j, v in enumerate(allv)}
+        osizes = [self.size(g.sizes[v]) for v in outer]
+        scalars = {m.out for m in g.members if set(dict(m.index)) == set(outer)}
+        # C names of the values a thread holds: s_N (a row's value), c_N (its elements)
+        cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
+        reads_elsewhere = self._read_outside(i)
+        inner0 = inner_loops(g.members[0], outer)
+        uniform = all(set(inner_loops(m, outer)) == set(inner0)
+                      and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
+                      and not (set(m.bounds) & set(inner0))
+                      and (set(m.red) == set(inner0) if m.reduce else not m.red)
+                      and (m.reduce or set(dict(m.index)) == set(outer) | set(inner0))
+                      for m in g.members) and bool(inner0)
+        red_member = next((m for m in g.members if m.reduce), g.members[0])
+        row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
+        shared: set[str] = set()
+
+        def ctx_new(cache: dict) -> _Ctx:
+            ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
+            ctx.vals = {s: f"s_{cid[s]}" for s in scalars}
+            ctx.cache = dict(cache)
+            return ctx
+
+        def reduce_stmts(m: LoopKernel, ctx: _Ctx, over) -> list[str]:
+            """`acc` of a member reducing to a value per row; `over(stmts)` runs
+            `stmts` over this thread's share of the reduced points."""
+            x = self.expr(m.body, ctx)
+            if m.reduce == "sum":
+                shared.add("double part_d[32];")
+                return (["double sum = 0.0;"] + over([f"sum += (double){x};"])
+                        + ["sum = tgc_row_reduce(sum, tgc_op_sum(), part_d, tpr);", "const tgc_t acc = (tgc_t)sum;"])
+            shared.add("tgc_t part_t[32];")
+            if m.reduce in ("max", "min"):
+                better = "!(v <= m)" if m.reduce == "max" else "!(v >= m)"
+                init = "-(tgc_t)TGC_INF" if m.reduce == "max" else "(tgc_t)TGC_INF"
+                return ([f"tgc_t m = {init};"] + over([f"const tgc_t v = {x};", f"if (m == m && ({better})) m = v;"])
+                        + [f"const tgc_t acc = tgc_row_reduce(m, tgc_op_{m.reduce}(), part_t, tpr);"])
+            out = ["tgc_t m = -(tgc_t)TGC_INF;"] + over([f"const tgc_t v = {x};", "if (v > m) m = v;"])
+            out += ["m = tgc_row_reduce(m, tgc_op_maxshift(), part_t, tpr);"]
+            if m.reduce == "maxshift":
+                return out + ["const tgc_t acc = m;"]
+            shared.add("double part_d[32];")
+            out += ["if (!tgc_finite(m)) m = (tgc_t)0;", "double sum = 0.0;"]
+            out += over([f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
+            return out + ["sum = tgc_row_reduce(sum, tgc_op_sum(), part_d, tpr);",
+                          "const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
+
+        def strided(loops: list[str], sizes: dict, stmts: list[str], cached: bool, count: str) -> list[str]:
+            """`stmts` over this thread's points of `loops` (the row's elements)."""
+            dec = _decompose([(var[v], "", self.size(sizes[v])) for v in loops], stmts)
+            if cached:
+                return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
+                         "    const long long q = (long long)lane + (long long)k * tpr;",
+                         f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
+            return ([f"for (long long q = lane; q < {count}; q += tpr) {{"] + ["    " + s for s in dec + stmts] + ["}"])
+
+        def members(cached: bool) -> list[str]:
+            cache = {}
+            body: list[str] = []
+            if cached:
+                later = {e.buf for m in g.members for e in _loads_of(m) if self.identity(e)}
+                cache = {m.out: f"c_{cid[m.out]}" for m in g.members
+                         if not m.reduce and m.out not in scalars and m.out in later}
+                pre = []
+                for m in g.members:
+                    for e in _loads_of(m):
+                        b = low.buffers.get(e.buf)
+                        if (e.buf in cache or e.buf in scalars or b is None or e.buf in g.writes()
+                                or not self.identity(e) or not (set(b.edges) & set(inner0))
+                                or not set(b.edges) <= set(outer) | set(inner0)):
+                            continue
+                        cache[e.buf] = f"c_{cid[e.buf]}"
+                        pre.append(e)
+                for c in cache.values():
+                    body.append(f"tgc_t {c}[{self.row_regs}];")
+                if pre:
+                    ctx = ctx_new({})
+                    loads = []
+                    for e in pre:
+                        loads.append(f"{cache[e.buf]}[k] = {self.expr(e, ctx)};")
+                    body += strided(list(inner0), g.members[0].sizes, loads, True, "cnt")
+            written_mem: set[str] = set()
+            for m in g.members:
+                ctx = ctx_new(cache)
+                inner = list(inner_loops(m, outer))
+                kept = [v for v in inner if v not in m.red]
+                store_ix = self.offset(m.out, m.index, ctx) if m.out in low.buffers else None
+                stored = m.out in low.buffers and (not cached or m.out not in cache or self._needs_store(g, m, i, reads_elsewhere))
+                part: list[str] = []
+                if m.out in scalars:
+                    if m.reduce:
+                        red = [v for v in m.loops if v in m.red]
+                        pre = []
+                        for v in red:
+                            lows, highs = m.bounds.get(v, ((), ()))
+                            lo = "0LL"
+                            for x in lows:
+                                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+                            hi = self.size(m.sizes[v])
+                            for x in highs:
+                                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+                            pre.append(f"const long long {var[v]}_lo = {lo}, {var[v]}_n = max_ll({hi} - {var[v]}_lo, 0LL);")
+                        cnt = " * ".join(f"{var[v]}_n" for v in red) or "1LL"
+
+                        def over(stmts, red=red, cnt=cnt):
+                            if cached:
+                                return strided(list(inner0), m.sizes, stmts, True, "cnt")
+                            dec = _decompose([(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
+                            head = [f"for (long long q = lane; q < (live ? {cnt} : 0LL); q += tpr) {{"]
+                            return head + ["    " + s for s in dec + stmts] + ["}"]
+
+                        part += ([] if cached else pre) + reduce_stmts(m, ctx, over)
+                        ctx.acc = "acc"
+                        value = self.expr(m.epilogue, ctx) if m.epilogue is not None else "acc"
+                    else:
+                        value = self.expr(m.body, ctx)
+                    part.append(f"s_{cid[m.out]} = {value};")
+                    if stored:
+                        part.append(f"if (lane == 0 && live) p{bufs.index(m.out)}[{store_ix}] = s_{cid[m.out]};")
+                else:
+                    stmts: list[str] = []
+                    if m.reduce:
+                        stmts += self.reduction(m, ctx)
+                        ctx.acc = "acc"
+                        value = self.expr(m.epilogue, ctx) if m.epilogue is not None else "acc"
+                    else:
+                        value = self.expr(m.body, ctx)
+                    stmts.append(f"const tgc_t val = {value};")
+                    if cached and m.out in cache:
+                        stmts.append(f"{cache[m.out]}[k] = val;")
+                    if stored:
+                        stmts.append(f"p{bufs.index(m.out)}[{store_ix}] = val;")
+                    count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
+                    part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
+                if ctx.loaded & written_mem:
+                    body.append("tgc_row_sync(tpr);")
+                body.append(f"// {(m.note or m.text().splitlines()[0])[:100]}")
+                if m.out in scalars:
+                    body.append(f"tgc_t s_{cid[m.out]};")
+                body += ["{"] + ["    " + s for s in part] + ["}"]
+                if stored and m.out not in scalars:
+                    written_mem.add(m.out)
+            return body
+
+        head = ["const unsigned lane = threadIdx.x % tpr, per = blockDim.x / tpr;",
+                f"const long long n = {' * '.join(osizes) or '1LL'};",
+                "for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
+                "    const long long t = base + threadIdx.x / tpr;",
+                "    const bool live = t < n;",
+                "    long long r = live ? t : base;"]
+        for v, s in reversed(list(zip(outer, osizes))):
+            head.append(f"    const long long {var[v]} = r % {s}; r /= {s};")
+        loop_body: list[str] = []
+        if uniform:
+            cnt = " * ".join(self.size(g.members[0].sizes[v]) for v in inner0)
+            loop_body.append(f"const long long cnt = live ? {cnt} : 0LL;")
+            loop_body.append(f"if ({cnt} <= {self.row_regs}LL * tpr) {{")
+            loop_body += ["    TGC_SIM_COUNT(1);"] + ["    " + s for s in members(True)]
+            loop_body.append("} else {")
+            loop_body += ["    TGC_SIM_COUNT(2);"] + ["    " + s for s in members(False)]
+            loop_body.append("}")
+        else:
+            loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
+        body = [f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body] + ["}"]
+        params = self.params(bufs, set(writes))
+        call = ", ".join([f"p{j}" for j in range(len(bufs))] + [self.dim_c[d] for d in self.dims] + ["err"])
+        note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
+        self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
+                          + "\n".join("    " + line for line in body) + "\n}")
+        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row")
+        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row")
+        self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
+                                    warp=name + "_warp", inner=row_len, writes=tuple(writes)))
+
+    def _read_outside(self, i: int) -> set[str]:
+        """The buffers a kernel other than the `i`th reads."""
+        return {b for j, k in enumerate(self.low.kernels) if j != i for b in k.buffers_read()}
+
+    def _needs_store(self, g: RowGroup, m: LoopKernel, i: int, outside: set[str]) -> bool:
+        """Whether a member's output kept in registers must be written too: it is not
+        a temporary, another kernel reads it, or a member reads it elsewhere than at
+        the element the thread holds."""
+        if self.low.buffers[m.out].kind != "temp" or m.out in outside:
+            return True
+        return any(e.buf == m.out and not self.identity(e) for k in g.members for e in _loads_of(k))
+
     def guarded(self, k: LoopKernel, loops, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` where every bounded loop variable among `loops` is within its bounds."""
         conds = []
@@ -487,11 +803,44 @@ def _row_ok(k: LoopKernel) -> bool:
     return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
 
 
+def _decompose(loops: list[tuple[str, str, str]], stmts: list[str]) -> list[str]:
+    """Statements splitting the flat index `q` into loop variables (name, offset
+    prefix, extent), innermost last, declaring only the variables `stmts` use."""
+    import re
+
+    text = "\n".join(stmts)
+    used = [bool(re.search(rf"\b{name}\b", text)) for name, _, _ in loops]
+    if not any(used):
+        return []
+    out = ["long long rq = q;"]
+    for j in reversed(range(len(loops))):
+        name, lo, n = loops[j]
+        line = f"const long long {name} = {lo}rq % {n};" if used[j] else ""
+        if any(used[:j]):
+            line += f" rq /= {n};"
+        if line:
+            out.append(line.strip())
+    return out
+
+
+def _loads_of(k: LoopKernel):
+    """Every `Load` of a loop kernel's body and epilogue."""
+    for root in [k.body] + ([k.epilogue] if k.epilogue is not None else []):
+        for n in walk(root):
+            if isinstance(n, Load):
+                yield n
+
+
 @dataclass
 class _Ctx:
     ptrs: dict[str, str]
     var: dict[str, str] = field(default_factory=dict)
     acc: str | None = None
+    vals: dict[str, str] = field(default_factory=dict)    # buffer -> the C value holding it at this row (row groups)
+    cache: dict[str, str] = field(default_factory=dict)   # buffer -> the register array holding this thread's elements
+    loaded: set = field(default_factory=set)              # buffers read from memory (row groups: barriers)
+    vec: dict = field(default_factory=dict)               # Load -> the float4 holding it (vector_loop)
+    comp: str = ""                                        # the float4 component this expression computes
 
     def ptr(self, buf: str) -> str:
         return self.ptrs[buf]

@@ -14,6 +14,13 @@ multiplies strided views (`matmul`, which may copy). `plan_looped` also tries
 looping over some batch edges around the call (fewest iterations first), for batch
 groups that do not merge (attention's batch and head with the sequence between them).
 
+A complex product (`GemmKernel.cplx`: float pairs along `re.im`, the innermost axis)
+is the same call on the buffers seen as complex arrays, with strides in pairs, a
+real scale `alpha`, and each conjugated operand read with cuBLAS's conjugate
+transpose (`cublas<c|z>gemmStridedBatched`); an operand that must be conjugated but
+is not transposed in the call (cuBLAS has no conjugate without transpose) is left to
+the caller's strided views.
+
 `run_numpy(call, a, b, c)` executes the call's exact semantics on flat host arrays
 (every element addressed through the call's leading dimensions and strides), so the
 emulator checks the numbers a GPU would pass to cuBLAS. Exact: one product of the
@@ -43,6 +50,9 @@ class GemmCall:
     ldc: int
     stride_c: int
     batch: int
+    conja: bool = False   # a complex product: op(A) conjugates (cuBLAS's CUBLAS_OP_C, with transa)
+    conjb: bool = False
+    alpha: float = 1.0    # a complex product's real scale
 
 
 def _merge(group, strides: dict, sizes: dict) -> tuple[int, tuple[str, ...]] | None:
@@ -152,9 +162,10 @@ def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offse
     fa, fb, fc = (x.reshape(-1)[o:] for x, o in zip((a, b, c), offsets))
     A = _matrix(fa, call.m, call.k, call.transa, call.lda, call.stride_a, call.batch)
     B = _matrix(fb, call.k, call.n, call.transb, call.ldb, call.stride_b, call.batch)
+    A, B = (np.conj(X) if conj else X for X, conj in ((A, call.conja), (B, call.conjb)))
     s = fc.itemsize
     C = np.lib.stride_tricks.as_strided(fc, (call.batch, call.m, call.n), (call.stride_c * s, s, call.ldc * s))
-    C[...] = np.matmul(A, B)
+    C[...] = np.matmul(A, B) if call.alpha == 1.0 else call.alpha * np.matmul(A, B)
 
 
 def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
@@ -166,10 +177,11 @@ def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     dt = c.dtype
-    one, zero = np.ones(1, dt), np.zeros(1, dt)
-    fn = cublas.sgemmStridedBatched if dt == np.float32 else cublas.dgemmStridedBatched
-    op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+    one, zero = np.full(1, call.alpha, dt), np.zeros(1, dt)
+    fn = {np.dtype(np.float32): cublas.sgemmStridedBatched, np.dtype(np.float64): cublas.dgemmStridedBatched,
+          np.dtype(np.complex64): cublas.cgemmStridedBatched, np.dtype(np.complex128): cublas.zgemmStridedBatched}[dt]
+    op = {(False, False): cublas.CUBLAS_OP_N, (True, False): cublas.CUBLAS_OP_T, (True, True): cublas.CUBLAS_OP_C}
     pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
-    fn(handle, op[call.transa], op[call.transb], call.m, call.n, call.k, one.ctypes.data,
+    fn(handle, op[call.transa, call.conja], op[call.transb, call.conjb], call.m, call.n, call.k, one.ctypes.data,
        pa, call.lda, call.stride_a, pb, call.ldb, call.stride_b, zero.ctypes.data,
        pc, call.ldc, call.stride_c, call.batch)

@@ -10,6 +10,10 @@ class CudaOptions:
     """How the CUDA backends launch kernels; `with_(name=value)` copies."""
 
     row_min: int = 128   # a reduction over at least this many elements per output runs one block per output (else one thread)
+    row_groups: bool = True   # the `rowgroup` stage: a row's reductions and their consumers as one kernel
+    warp_rows: int = 256      # a row group whose rows have at most this many elements runs a warp per row (else a block)
+    graphs: bool = True       # on a GPU, a call without id checks is captured once as a CUDA graph and replayed
+    row_regs: int = 8         # a row group keeps up to this many of a row's elements per thread in registers
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
 
     def with_(self, **changes) -> "CudaOptions":

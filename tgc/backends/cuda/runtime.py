@@ -23,7 +23,11 @@ nothing is written), then every launch in order with its geometry: a grid-stride
 loop over the launch's work items, `BLOCK` threads per block on a GPU and small
 grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
 at least `CudaOptions.row_min` elements per output runs its one-block-per-output
-variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator).
+variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator). A
+row group runs its warp-per-row kernel for rows of at most `CudaOptions.warp_rows`
+elements, else its block-per-row kernel. On a GPU a program without id checks is
+captured once per binding of the dims (and updated arrays) as a CUDA graph and
+replayed (`_run_graph`); complex GEMM cells are cgemm/zgemm calls.
 
 Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
 out, updates in place). On a GPU, an input may be a CuPy array, anything with
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from dataclasses import replace
 import functools
 import hashlib
 import shutil
@@ -61,6 +66,7 @@ SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
 SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
 GPU_GRID = 132 * 16                  # at most this many blocks (grid-stride loops do the rest)
 WS_ALIGN = 256
+GRAPHS_KEPT = 4                      # CUDA graphs kept per program (by dims and updated arrays)
 # the emulator's grid and block sizes are globals of each loaded library (a library is
 # shared by every program with the same module text): one emulated call at a time
 _SIM_LOCK = threading.Lock()
@@ -70,18 +76,20 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
     it on the device `backend` names ("cuda" or "cuda-sim")."""
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
-    cm = codegen.generate(low)
+    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
     device.load(cm, options)
     return CudaKernels(low, options, cm, device)
 
 
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
-    and plan (no stage of the CPU's), without complex GEMM cells (`lowering_options`)."""
-    from tgc.backends.cuda.backend import lowering_options
+    and plan with their own `rowgroup` between (no stage of the CPU's), without
+    complex GEMM cells (`lowering_options`)."""
+    from tgc.backends.base import get_backend
     from tgc.manager import lower_module
 
-    return lower_module(module, lowering_options(options))
+    be = get_backend("cuda-sim")
+    return lower_module(module, be.lowering_options(options), stages=be.lowering())
 
 
 # ---------------------------------------------------------------- devices
@@ -108,9 +116,9 @@ class _SimDevice:
     def read_err(self, err) -> int:
         return int(err[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool | str = False) -> None:
         block = SIM_ROW_BLOCK if row else SIM_BLOCK
-        grid = max(1, min(SIM_GRID, total if row else -(-total // block)))
+        grid = max(1, min(SIM_GRID, _blocks(total, block, row)))
         ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
         dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
         self.fns[name](ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid, block)
@@ -155,12 +163,20 @@ class _CupyDevice:
     def read_err(self, err) -> int:
         return int(err.get()[0])
 
-    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool = False) -> None:
-        grid = max(1, min(GPU_GRID, total if row else -(-total // codegen.BLOCK)))
+    def launch(self, name: str, total: int, arrays: list, dims: list[int], err, row: bool | str = False) -> None:
+        grid = max(1, min(GPU_GRID, _blocks(total, codegen.BLOCK, row)))
         self.fns[name]((grid,), (codegen.BLOCK,), tuple(arrays) + tuple(np.int64(d) for d in dims) + (err,))
 
     def to_host(self, a) -> np.ndarray:
         return self.cp.asnumpy(a)
+
+
+def _blocks(total: int, block: int, row: bool | str) -> int:
+    """The blocks that give each of `total` items its thread (`row` False), its block
+    (True: one block per output or row) or its warp ("warp": one warp per row)."""
+    if row == "warp":
+        return -(-total // max(1, block // 32))
+    return total if row else -(-total // block)
 
 
 # ---------------------------------------------------------------- the emulator's shared objects
@@ -236,6 +252,8 @@ class CudaKernels(Kernels):
         self._cm, self._device = cm, device
         self.backend = device.name
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
+        self.graph_counts = {"captures": 0, "replays": 0}   # CUDA graphs captured and calls replayed (GPU)
+        self._graphs: dict | None = {}   # None: this program is never captured
 
     @property
     def cuda_source(self) -> str:
@@ -308,7 +326,9 @@ class CudaKernels(Kernels):
         read once after them, before anything is written (its value is the runtime's
         rc: 1 + the failed check). `notify = (marks, fn)`: fn(i, outs) for each marked
         kernel i once every launch of kernels up to i is made (under cuda-sim: has
-        run; on a GPU: is queued on the current stream), before the next kernel's."""
+        run; on a GPU: is queued on the current stream), before the next kernel's.
+        On a GPU, a call without checks and without `notify` runs as a CUDA graph
+        (`_run_graph`) when `CudaOptions.graphs` says so."""
         dev, cm = self._device, self._cm
         pending = sorted(notify[0]) if notify is not None else []
         failed: list = []
@@ -322,7 +342,13 @@ class CudaKernels(Kernels):
                     except BaseException as e:  # noqa: BLE001 -- raised once the run is done, as the CPU's
                         failed.append(e)
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
-            rc = self._launch_all(args, outs, env, tell)
+            n_checks = sum(1 for x in cm.launches if x.kind == "check")
+            rc = None
+            if (dev.name == "cuda" and self.options.cuda.graphs and not n_checks and notify is None
+                    and self._graphs is not None):
+                rc = self._run_graph(args, outs, env)
+            if rc is None:
+                rc = self._launch_all(args, outs, env, tell)
         if failed:
             raise failed[0]
         return rc
@@ -341,27 +367,100 @@ class CudaKernels(Kernels):
                     return rc
             if x.kind != "check":
                 tell(x.index)
-            if x.kind == "gemm":
-                self._gemm(x.gemm, bufs, env)
-                continue
-            total = 1
-            for s in x.total:
-                total *= size_eval(s, env)
-            if total <= 0:
-                continue
-            row = False
-            if x.row:
-                red = 1
-                for s in x.red:
-                    red *= size_eval(s, env)
-                row = red >= self.options.cuda.row_min
-            dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
+            self._launch(x, bufs, err, dvals, env)
         if n_checks == len(launches) and n_checks:
             rc = dev.read_err(err)
             if rc:
                 return rc
         tell(len(self.lowered.kernels))
         return 0
+
+    def _launch(self, x: codegen.Launch, bufs: dict, err, dvals: list, env: dict) -> None:
+        """One step of the launch list with its run-time geometry."""
+        dev = self._device
+        if x.kind == "gemm":
+            self._gemm(x.gemm, bufs, env)
+            return
+        total = 1
+        for s in x.total:
+            total *= size_eval(s, env)
+        if total <= 0:
+            return
+        arrays = [bufs[b] for b in x.bufs]
+        if x.kind == "rows":   # a row group: a warp per row for short rows, else a block
+            inner = 1
+            for s in x.inner:
+                inner *= size_eval(s, env)
+            warp = inner <= self.options.cuda.warp_rows
+            dev.launch(x.warp if warp else x.name, total, arrays, dvals, err, "warp" if warp else True)
+            return
+        row = False
+        if x.row:
+            red = 1
+            for s in x.red:
+                red *= size_eval(s, env)
+            row = red >= self.options.cuda.row_min
+        dev.launch(x.row if row else x.name, total, arrays, dvals, err, row)
+
+    def _run_graph(self, args: dict, outs: dict, env: dict) -> int | None:
+        """The call as a CUDA graph: captured once per binding of the dims (and the
+        updated arrays, whose addresses the graph holds), then replayed: one launch
+        per call. The graph reads its own copies of the inputs that are not updated
+        and writes its own outputs, so each call copies the inputs in and the outputs
+        out (device to device, on the current stream, ordered with the replay); an
+        updated param is the caller's array, written in place by the graph itself.
+        Capture runs on a stream of its own (CUDA cannot capture the legacy default
+        stream; `cupy.cuda.Stream.begin_capture` / `end_capture`); the graph is
+        launched on the current stream. At most `GRAPHS_KEPT` graphs are kept. A
+        program with a GEMM cell that runs on strided views (`matmul`, whose
+        temporaries the capture would hold without owning them) is not captured: None,
+        and from then on its calls launch each kernel."""
+        cp = self._device.cp
+        updated = {u.target for u in self.module.updates}
+        key = (tuple(sorted(env.items())),
+               tuple(sorted((n, a.data.ptr) for n, a in args.items() if n in updated)))
+        entry = self._graphs.pop(key, None)
+        if entry is None:
+            entry = self._capture(args, outs, env, updated)
+            if entry is None:
+                # a GEMM on strided views (matmul) would allocate temporaries while it is
+                # captured, which CuPy's pool may hand out again: never capture those
+                self._graphs = None
+                return None
+            self.graph_counts["captures"] += 1
+        self._graphs[key] = entry          # most recently used last
+        while len(self._graphs) > GRAPHS_KEPT:
+            self._graphs.pop(next(iter(self._graphs)))
+        graph, static_in, static_out, _keep = entry
+        for name, a in static_in.items():
+            a[...] = args[name]
+        graph.launch(stream=cp.cuda.get_current_stream())
+        for name, o in outs.items():
+            o[...] = static_out[name]
+        self.graph_counts["replays"] += 1
+        return 0
+
+    def _capture(self, args: dict, outs: dict, env: dict, updated: set) -> tuple | None:
+        """(graph, its input copies, its outputs, what it must keep alive): every
+        launch recorded on a capturing stream, nothing run yet; None when a GEMM cell
+        has no strided batched call (it would run on views)."""
+        cp, dev = self._device.cp, self._device
+        static_in = {n: cp.empty(a.shape, a.dtype) for n, a in args.items() if n not in updated}
+        static_out = {n: cp.empty(o.shape, o.dtype) for n, o in outs.items()}
+        bufs = self._buffers({**args, **static_in}, static_out, env)   # the workspace too: allocated before capture
+        if any(x.kind == "gemm" and self._gemm_plan(x.gemm, bufs, env)[0] is None for x in self._cm.launches):
+            return None
+        err = dev.err_word()
+        dvals = [env[d] for d in self._cm.dims]
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                for x in self._cm.launches:
+                    self._launch(x, bufs, err, dvals, env)
+            finally:
+                graph = stream.end_capture()
+        return graph, static_in, static_out, (bufs, err, stream)
 
     def _buffers(self, args: dict, outs: dict, env: dict) -> dict:
         """Every buffer as a device array of its shape (buffer order): the arguments,
@@ -388,25 +487,53 @@ class CudaKernels(Kernels):
                 bufs[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
         return bufs
 
-    def _gemm(self, k, bufs: dict, env: dict) -> None:
-        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
-        (`gemm.plan`: cuBLAS on a GPU, numpy on the same strides under cuda-sim) where
-        the layouts allow, else `matmul` on strided views of the buffers (an operand
-        without an edge is broadcast along it)."""
-        xp, low = self._device.xp, self.lowered
-        strided = xp.lib.stride_tricks.as_strided
+    def _gemm_plan(self, k, bufs: dict, env: dict):
+        """(the strided batched call or None, the batch edges looped around it, the
+        operands' {view edge: element stride}, the arrays the call reads, the sizes)
+        of GEMM cell `k` on these buffers. A complex cell's arrays are its buffers seen
+        as flat complex arrays (float pairs along `re.im`, innermost), strides in pairs;
+        its conjugations ride on cuBLAS's conjugate transpose, so a conjugated operand
+        the call would read untransposed has no call."""
+        low = self.lowered
         size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
+        cplx = k.cplx is not None
+        shaped = bufs
+        if cplx:
+            cdt = np.complex64 if low.dtype == "f32" else np.complex128
+            bufs = {b: shaped[b].reshape(-1).view(cdt) for b in (k.a.buf, k.b.buf, k.out)}
 
         def strides(buf: str, rename: dict) -> dict:
-            arr = bufs[buf]
+            arr = shaped[buf]
             order = low.buffers[buf].order or low.buffers[buf].edges
-            by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
-            return {v: by_edge[b] for v, b in rename.items()}
+            if cplx:
+                assert order[-1] == "re.im", "a complex GEMM cell's buffers hold pairs innermost"
+                by_edge = {e: s // (2 * arr.itemsize) for e, s in zip(order[:-1], arr.strides[:-1])}
+            else:
+                by_edge = {e: s // arr.itemsize for e, s in zip(order, arr.strides)}
+            return {v: by_edge[b] for v, b in rename.items() if b in by_edge}
 
         out_edges = low.buffers[k.out].edges
         operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
                     "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
         planned = gemm.plan_looped(k, operands, size)
+        if planned is not None and cplx:
+            call, looped = planned
+            conj = {"a": k.cplx[0], "b": k.cplx[1]}
+            call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
+            planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
+        call, looped = planned if planned is not None else (None, ())
+        return call, looped, operands, bufs, size
+
+    def _gemm(self, k, bufs: dict, env: dict) -> None:
+        """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
+        (`_gemm_plan`, `gemm.plan`: cuBLAS on a GPU, numpy on the same strides under
+        cuda-sim) where the layouts allow, else `matmul` on strided views of the
+        buffers (an operand without an edge is broadcast along it)."""
+        xp = self._device.xp
+        strided = xp.lib.stride_tricks.as_strided
+        cplx = k.cplx is not None
+        call, looped, operands, bufs, size = self._gemm_plan(k, bufs, env)
+        planned = None if call is None else (call, looped)
         if planned is not None:
             call, looped = planned
             self.gemm_counts["strided"] += 1
@@ -427,4 +554,8 @@ class CudaKernels(Kernels):
         a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
         b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
         c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
+        if cplx:
+            a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
+            c[...] = (k.alpha * xp.matmul(a, b)).reshape(c.shape)
+            return
         c[...] = xp.matmul(a, b).reshape(c.shape)

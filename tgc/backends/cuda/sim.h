@@ -25,6 +25,7 @@
 #define __launch_bounds__(...)
 
 struct tgc_dim3 { unsigned x, y, z; };
+struct alignas(16) float4 { float x, y, z, w; };
 static thread_local tgc_dim3 threadIdx = {0, 0, 0};
 static thread_local tgc_dim3 blockIdx = {0, 0, 0};
 static tgc_dim3 blockDim = {1, 1, 1};
@@ -33,6 +34,8 @@ static tgc_dim3 gridDim = {1, 1, 1};
 static inline void __syncthreads() {
 #pragma omp barrier
 }
+// a warp's barrier: the team's (every thread of an emulated block reaches it as often)
+static inline void __syncwarp(unsigned = 0xffffffffu) { __syncthreads(); }
 
 // a shuffle: every thread of the block writes its value, all wait, each reads its source
 static double tgc_sim_exchange[1024];
@@ -51,6 +54,25 @@ template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int mask, i
 template <typename T> static inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
     unsigned lane = threadIdx.x % width;
     return tgc_sim_shfl(v, lane + delta < (unsigned)width ? threadIdx.x + delta : threadIdx.x);
+}
+
+// a warp's butterfly all-reduce, lane i combining op(v_i, v_(i^o)) for o = 16 .. 1 as
+// the shuffles of tgc_warp_allreduce do on a GPU: the same values, in one exchange
+// (two barriers) instead of fifteen; every thread of the block must call it
+template <typename T, typename Op> static inline T tgc_sim_warp_allreduce(T v, Op op) {
+    __syncthreads();
+    tgc_sim_exchange[threadIdx.x] = (double)v;
+    __syncthreads();
+    const unsigned base = threadIdx.x - threadIdx.x % 32;
+    T vals[32], next[32];
+    for (unsigned i = 0; i < 32; ++i) vals[i] = (T)tgc_sim_exchange[base + i];
+    for (unsigned o = 16; o > 0; o >>= 1) {
+        for (unsigned i = 0; i < 32; ++i) next[i] = op(vals[i], vals[i ^ o]);
+        memcpy(vals, next, sizeof vals);
+    }
+    T r = vals[threadIdx.x % 32];
+    __syncthreads();
+    return r;
 }
 
 static inline int atomicCAS(int* p, int expected, int desired) {
@@ -79,6 +101,12 @@ template <typename T, typename U> static inline T tgc_sim_atomic_fadd(T* p, T v)
 }
 static inline float atomicAdd(float* p, float v) { return tgc_sim_atomic_fadd<float, unsigned>(p, v); }
 static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd<double, unsigned long long>(p, v); }
+
+// what ran (tests read them through tgc_sim_counters): 0 float4 loops, 1 row-group rows
+// held in registers, 2 row-group rows read from memory; TGC_SIM_COUNT is empty for nvcc
+static long long tgc_sim_counts[4];
+extern "C" long long* tgc_sim_counters() { return tgc_sim_counts; }
+#define TGC_SIM_COUNT(i) __atomic_fetch_add(&tgc_sim_counts[i], 1, __ATOMIC_RELAXED)
 
 #define __expf expf
 #define __logf logf

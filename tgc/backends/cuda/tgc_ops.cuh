@@ -21,6 +21,9 @@
 #define TGC_OPS_CUH
 
 #define TGC_DEV __device__ __forceinline__
+#ifndef TGC_SIM_COUNT   /* the emulator counts which paths ran (sim.h); nothing on a GPU */
+#define TGC_SIM_COUNT(i) ((void)0)
+#endif
 #ifdef __CUDACC__   /* nvcc and NVRTC (which has no __builtin_huge_val) */
 #define TGC_INF __longlong_as_double(0x7ff0000000000000ULL)
 #define TGC_NAN __longlong_as_double(0x7ff8000000000000ULL)
@@ -128,6 +131,8 @@ TGC_DEV long long tgc_floordiv(long long a, long long b) {
     long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
+// whether a pointer is 16-byte aligned (the float4 loops' run-time condition)
+TGC_DEV bool tgc_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0ULL; }
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
 
@@ -161,13 +166,35 @@ struct tgc_op_max { template <typename T> __device__ T operator()(T a, T b) cons
 struct tgc_op_min { template <typename T> __device__ T operator()(T a, T b) const { return tgc_min(a, b); } };
 // maxshift's partials are never NaN (NaNs are skipped): the larger one
 struct tgc_op_maxshift { template <typename T> __device__ T operator()(T a, T b) const { return b > a ? b : a; } };
-template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+// a warp's lanes combined by xor shuffles (the emulator: the same butterfly, sim.h)
+template <typename T, typename Op> TGC_DEV T tgc_warp_allreduce(T v, Op op) {
+#ifdef TGC_CUDA_SIM
+    return tgc_sim_warp_allreduce(v, op);
+#else
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+template <typename T, typename Op> TGC_DEV T tgc_block_reduce(T v, Op op, T* part) {
+    v = tgc_warp_allreduce(v, op);
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
     __syncthreads();
     T r = part[0];
     for (unsigned w = 1; w < blockDim.x / 32; ++w) r = op(r, part[w]);
     __syncthreads();   // part may be written again by the next reduction
     return r;
+}
+// Row groups (codegen's row-group kernels): `tpr` threads share a row, either the
+// whole block or one warp (32). tgc_row_reduce combines a value over the row's
+// threads: shuffles within the warp, then, for a block, the warps' partials in shared
+// memory in warp order; every thread of the row gets the same value. Every thread of
+// the block must call it, and tgc_row_sync, the same number of times.
+template <typename T, typename Op> TGC_DEV T tgc_row_reduce(T v, Op op, T* part, unsigned tpr) {
+    if (tpr == 32u) return tgc_warp_allreduce(v, op);
+    return tgc_block_reduce(v, op, part);
+}
+TGC_DEV void tgc_row_sync(unsigned tpr) {
+    if (tpr == 32u) __syncwarp();
+    else __syncthreads();
 }
 #endif

@@ -1,0 +1,265 @@
+"""rowgroup: the CUDA backends' own lowering stage: a row's reductions and the
+elementwise kernels that consume them, over the same rows, become one kernel
+(`RowGroup`, a kind of kernel only these backends have: it says itself how neutral
+code renames and interprets it).
+
+`Lowered` (after `layout`) -> `Lowered`. `fuse` gives one loop nest per materialized
+value, so a softmax is a max, a logsumexp and an exp kernel, and a layernorm's
+forward and backward are seven kernels, each reading the row again from memory and
+each a launch of its own. Kernels that follow one another and all keep the same
+first loops (the `outer` loops: the rows) become one group, which the code generator
+(`codegen`) runs as one kernel: one block, or one warp for short rows, per row; each
+member in turn over the row's elements, its reductions combined by warp shuffles and
+shared memory; a row's statistics (mean, max, sum) in registers.
+
+A kernel joins the group before it when:
+- both are loop kernels (not scatters, not the final copies of updates) that write
+  their whole output at the identity index, and the longest common prefix of their
+  kept loops (same variables, same extents) is not empty;
+- every read of a buffer an earlier member wrote is at the same outer index (the
+  outer variables themselves): for that row the value is complete once the block
+  has passed the barrier after its writer;
+- a member that reduces to a value per row (no kept loop besides the outer ones)
+  has bounds on its reduced loops that depend on the outer loops only, as the
+  threads share those loops out before they start (a member that also keeps inner
+  loops reduces serially per element, with any bounds).
+A group has at least two members and at least one reduction. A member's output that
+is a temporary over exactly the outer edges, read by no kernel outside the group,
+becomes a register (`regs`: no buffer). Other temporaries stay buffers (the
+generated kernel may keep them in registers and skip the store when the row fits,
+but it keeps a path that writes and re-reads them).
+
+Exact: members run in their order for each row, and a member reads another's
+output only at its own row, where it is complete; the interpreter runs the members
+one after another over all rows, which computes the same values. Terminates: one
+pass over the kernels, each joining or ending one group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tgc.ir.passes import Pass
+from tgc.ir.sizes import Size, size_str
+from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, rename_buffers, walk
+from tgc.options import Options
+
+ROW_REDUCTIONS = ("sum", "max", "min", "maxshift", "logsumexp")
+
+
+@dataclass
+class RowGroup:
+    """Loop kernels run one after another for each index of the shared outer loops
+    `outer` (kept by every member, outermost first): each member runs its remaining
+    (inner) loops with the outer ones fixed, and reads what an earlier member wrote
+    only at that outer index. A member whose output is in `regs` has no buffer: its
+    value per outer index lives in a register and only later members read it."""
+    outer: tuple[str, ...]
+    sizes: dict[str, Size]
+    members: tuple[LoopKernel, ...]
+    regs: tuple[str, ...] = ()
+    note: str = ""
+    blocks = 0                 # (no partial sums: the verifier's groups may have blocks)
+    kind = "rowgroup"          # what `tgc explain` calls it
+
+    def buffers_read(self) -> set[str]:
+        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
+
+    def writes(self) -> set[str]:
+        return {m.out for m in self.members} - set(self.regs)
+
+    def buffers_used(self) -> list[str]:
+        names = [b for m in self.members for b in m.buffers_used()]
+        return [b for b in dict.fromkeys(names) if b not in self.regs]
+
+    def renamed(self, mapping) -> "RowGroup":
+        return replace(self, members=tuple(rename_buffers(m, mapping) for m in self.members),
+                       regs=tuple(mapping.get(r, r) for r in self.regs))
+
+    def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
+        """Never (plan keeps the copy into an updated buffer): the threads of a block
+        share a row's elements, so no order of reads before writes is promised."""
+        return False
+
+    def interpret(self, it) -> None:
+        """Run the group in the lowered interpreter `it`: each member over all the
+        outer indices at once, one member after another (the same values: a member
+        reads another's output only at its own outer index). A register is an array
+        over the outer edges while the group runs."""
+        sizes = [it.eval_size(self.sizes[v]) for v in self.outer]
+        for r in self.regs:
+            it.arrays[r], it.order[r] = np.full(sizes, np.nan, it.fp), self.outer
+        try:
+            for m in self.members:
+                it.loop(m, {})
+        finally:
+            for r in self.regs:
+                del it.arrays[r], it.order[r]
+
+    def text(self) -> str:
+        loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
+        regs = ", ".join(f"%{r}[{', '.join(self.outer_edges(r))}]" for r in self.regs)
+        regs = f"  reg {regs}" if regs else ""
+        body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
+        return f"rowgroup for {loops}{regs}" + (f"    # {self.note}" if self.note else "") + body
+
+    def outer_edges(self, r: str) -> tuple[str, ...]:
+        writer = next((m for m in self.members if m.out == r), None)
+        return tuple(e for e, _ in writer.index) if writer else ()
+
+
+def read_rowgroup(reader, t) -> RowGroup:
+    """A `rowgroup for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
+    outer: list[str] = []
+    sizes: dict[str, Size] = {}
+    regs, note, members = (), "", []
+    for c in t.children:
+        if c.data == "outer":
+            outer.append(str(c.children[0]))
+            sizes[str(c.children[0])] = reader.size(c.children[1])
+        elif c.data == "regs":
+            for r in c.children:
+                name = str(r.children[0])[1:]
+                if name in reader.low.buffers or name in reader.regs:
+                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
+                reader.regs[name] = reader.names(r.children[1])
+            regs = tuple(reader.regs)
+        elif c.data == "note":
+            note = reader.note(c)
+        else:
+            reader.meta_line = c.meta.line
+            members.append(reader.loop(c))
+    reader.regs = {}
+    return RowGroup(tuple(outer), sizes, tuple(members), regs, note)
+
+
+@dataclass(frozen=True)
+class RowGroups(Pass[Lowered, Lowered]):
+    """Fuse a row's reductions and their consumers into one kernel per group of rows."""
+
+    name = "rowgroup"
+    takes = gives = "lowered"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        out = low.staged("rowgroup")
+        if not options.cuda.row_groups:
+            return out
+        out.kernels = []
+        _Grouper(low, out).run()
+        return out
+
+
+def inner_loops(m: LoopKernel, outer) -> tuple[str, ...]:
+    return tuple(m.loops[len(outer):])
+
+
+def _loads(k: LoopKernel):
+    for root in [k.body] + ([k.epilogue] if k.epilogue is not None else []):
+        for n in walk(root):
+            if isinstance(n, Load):
+                yield n
+
+
+def _id_bufs(k: LoopKernel) -> set[str]:
+    """Buffers read as ids (inside indices, masks, bounds or draws)."""
+    out = set()
+    ixs = [ix for _, ix in k.index] + [ix for lo, hi in k.bounds.values() for ix in lo + hi]
+    for root in [k.body] + ([k.epilogue] if k.epilogue is not None else []):
+        for n in walk(root):
+            if isinstance(n, Load):
+                ixs += [ix for _, ix in n.index]
+            elif hasattr(n, "conds"):
+                ixs += [c.ix for c in n.conds]
+    while ixs:
+        ix = ixs.pop()
+        for atom, _ in ix.terms:
+            if isinstance(atom, IdLoad):
+                out.add(atom.buf)
+                ixs += [i for _, i in atom.index]
+            elif hasattr(atom, "num"):
+                ixs.append(atom.num)
+    return out
+
+
+class _Grouper:
+    def __init__(self, low: Lowered, out: Lowered):
+        self.low, self.out = low, out
+        self.readers: dict[str, set[int]] = {}
+        for i, k in enumerate(low.kernels):
+            for b in k.buffers_read():
+                self.readers.setdefault(b, set()).add(i)
+
+    def groupable(self, k) -> bool:
+        if not (isinstance(k, LoopKernel) and k.loops and not k.scatter
+                and all(ix == Ix.var(e) for e, ix in k.index) and self.low.buffers[k.out].kind != "arg"):
+            return False
+        return not k.reduce or k.reduce in ROW_REDUCTIONS
+
+    def run(self) -> None:
+        members: list[int] = []
+        for i, k in enumerate(self.low.kernels):
+            if members and self.groupable(k) and self.outer(members + [i]):
+                members.append(i)
+                continue
+            self.flush(members)
+            members = [i] if self.groupable(k) else []
+            if not members:
+                self.out.kernels.append(k)
+        self.flush(members)
+
+    def outer(self, members: list[int]) -> tuple[str, ...]:
+        """The group's outer loops, or () when these kernels cannot form one."""
+        ks = [self.low.kernels[i] for i in members]
+
+        def kept_prefix(k: LoopKernel) -> list[str]:
+            out = []
+            for v in k.loops:
+                if v in k.red:
+                    break
+                out.append(v)
+            return out
+
+        prefix = kept_prefix(ks[0])
+        for k in ks[1:]:
+            mine = kept_prefix(k)
+            n = 0
+            while n < min(len(prefix), len(mine)) and prefix[n] == mine[n] and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
+                n += 1
+            prefix = prefix[:n]
+        if not prefix:
+            return ()
+        written: set[str] = set()
+        for k in ks:
+            inner = set(inner_loops(k, prefix))
+            if k.reduce and not (inner - set(k.red)):   # a value per row: threads share the reduced loops
+                if any(ix.vars() & set(k.red) for lo, hi in k.bounds.values() for ix in lo + hi):
+                    return ()
+            if _id_bufs(k) & written:
+                return ()
+            for ld in _loads(k):
+                if ld.buf in written and any(dict(ld.index).get(v) != Ix.var(v) for v in prefix):
+                    return ()
+            written.add(k.out)
+        return tuple(prefix)
+
+    def flush(self, members: list[int]) -> None:
+        if not members:
+            return
+        ks = [self.low.kernels[i] for i in members]
+        if len(ks) < 2 or not any(k.reduce for k in ks):
+            self.out.kernels += ks
+            return
+        outer = self.outer(members)
+        outside = set(range(len(self.low.kernels))) - set(members)
+        bufs = self.out.buffers
+        regs = []
+        for k in ks:
+            b = bufs[k.out]
+            if b.kind == "temp" and set(b.edges) == set(outer) and not (self.readers.get(k.out, set()) & outside):
+                regs.append(k.out)
+        for r in regs:
+            del bufs[r]
+        notes = [k.note for k in ks if k.note]
+        self.out.kernels.append(RowGroup(outer, {v: ks[0].sizes[v] for v in outer}, tuple(ks), tuple(regs),
+                                         note="; ".join(dict.fromkeys(notes))[:80]))
