@@ -1,7 +1,8 @@
 """The CPU backend as the registry sees it (`tgc.backends.base.Backend`): its own
 lowering stage `group` (cache blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
-JIT-loaded in this process (`kernels.compile_kernels`), and cache keys that name
-the host CPU and its features."""
+JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
+the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
+with its C header, an object file, LLVM IR, assembly, or the header alone)."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
@@ -13,6 +14,31 @@ class CpuBackend(Backend):
     stages = (Group,)
     kernel_forms = {"group": read_group}
     source_cache = True
+    emits = ("so", "obj", "llvm", "asm", "h")
+
+    def companions(self, output: str, emit: str) -> dict[str, str]:
+        from pathlib import Path
+
+        from tgc.backends.cpu.header import c_identifier
+
+        if emit != "so":
+            return {}
+        return {"the header": str(Path(output).with_name(c_identifier(output) + ".h"))}   # libmlp.so -> mlp.h
+
+    def build(self, module, options, emit, output, source):
+        from tgc.backends.cpu import aot
+        from tgc.backends.cpu.header import c_identifier
+        from tgc.manager import lower_module
+
+        prefix = c_identifier(output)
+        low = None if emit == "h" else lower_module(module, self.lowering_options(options), None, "plan", self.lowering())
+        try:
+            files = {output: aot.build(module, low, options, emit, prefix, source)}
+        except aot.NoSystemBlas as e:
+            raise ValueError(f"--blas: {e}") from None
+        for path in self.companions(output, emit).values():
+            files[path] = aot.build(module, None, options, "h", prefix, source)
+        return files
 
     def cache_parts(self) -> tuple[str, ...]:
         from tgc.backends.cpu.kernels import cache_parts
