@@ -147,11 +147,16 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
     return _pick(va, k.batch) + (n + m if size(m) < size(n) else m + n)
 
 
+SHORT_READER_SUM = 8   # readers summing at most this many terms (kernel taps) vote in `_suit_readers`
+
+
 def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[str, ...]:
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
-    so that their innermost loop is contiguous in both. A 2-D convolution's input
+    so that their innermost loop is contiguous in both. Only when every reader is
+    elementwise or sums a few terms (at most SHORT_READER_SUM: kernel taps); a longer
+    sum (a softmax's) keeps the default order. A 2-D convolution's input
     gradient `dx[b, c, h, w] = sum[kw] t[b, c, h, kw, w - kw + 1]` then reads the
     GEMM's rows along `w` instead of with a stride of c x kw. BLAS computes either
     order (a transpose flag), so this changes no sum."""
@@ -165,6 +170,8 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[
     for r in low.kernels:
         if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
             continue
+        if any(not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM for v in r.red):
+            return order   # a longer sum (a softmax's) has its say in the default order
         out_order = low.buffers[r.out].order
         if not out_order:
             continue
