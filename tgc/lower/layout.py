@@ -12,6 +12,9 @@ temporary gets, in kernel order, the order that suits it best:
   it, the operand order that GEMM wants, if this one can write its matrices that
   way (batch edges may sit between the groups: rows then have a longer stride).
   GPT's attention products feed its weight gradients with no copy in between;
+  when only loop kernels read it, elementwise or summing a few taps, the order whose
+  innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
+  its partial along contiguous rows);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -23,7 +26,10 @@ the clipped range is then one run of the merged group); a K group an operand's
 order splits gives its outer edges to taps, loops of calls that add into the
 result, when at least MIN_TAP_K of K is left to each call (`_taps_for_split_k`: a
 2-D convolution's kernel gradient sums 16 images by 16 accumulating calls instead
-of copying its two operands, 4 MB and 19 MB, into transposed temporaries); an
+of copying its two operands, 4 MB and 19 MB, into transposed temporaries); a result
+whose fixed order (an argument's, an output's) makes BLAS write a matrix at least
+TALL times wider than tall, over a long sum, is computed the other way round into a
+temporary and copied (`_tall_result`: OpenBLAS runs tall matrices faster); an
 operand that still splits a group, or whose group order disagrees with the other
 buffer, gets a copy kernel into a temporary in the canonical form (the only copies
 this pass inserts). Each of these only moves edges between the groups and the
