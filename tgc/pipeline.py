@@ -80,6 +80,24 @@ def load_program(path: str, options: Options, text: str | None = None) -> "Elabo
     return elaborate_file(path, options)
 
 
+# The passes `check_program` runs after the front end: the derivatives (adjoint, tangent,
+# on the normalized module they take in every pipeline) are where a missing custom rule
+# (`forward mode needs the jvp of 'f'...`) is found.
+CHECK_PASSES: tuple[str, ...] = ("normalize", "adjoint", "tangent")
+
+
+def check_program(path: str, options: Options) -> "Elaborated":
+    """`load_program`, then the derivative passes (`CHECK_PASSES`), so that `tgc check`
+    reports every mistake a build would (a derivative a custom function does not give
+    is an error only once the derivative is taken). The result is the elaborated
+    program; the differentiated module is discarded (and costs a few ms)."""
+    from tgc.manager import run_passes
+
+    loaded = load_program(path, options)
+    run_passes(loaded.module, CHECK_PASSES, options)
+    return loaded
+
+
 def load(path: str, options: Options) -> Module:
     """The module of a `.tg` program or a `.tgir` file."""
     return load_program(path, options).module

@@ -42,6 +42,24 @@ def test_check_error_is_located_with_exit_1(tmp_path):
     assert " out y = x + q" in r.output and "^" in r.output
 
 
+@pytest.mark.parametrize("src, where, message", [
+    ("dim a = 3\ninput x[a]\nfn f(x) = x with jvp(d) = d\nout y[a] = grad(sum(f(x)), x)\n", "4:21",
+     "reverse mode needs the vjp of 'f', which gives only its own jvp"),
+    ("dim a = 3\ninput x[a]\nfn f(x) = x * x with vjp(g) = 3 * g\nout y = jvp(sum(f(x)), x, x)\n", "4:17",
+     "forward mode needs the jvp of 'f', which gives only its own vjp"),
+])
+def test_check_finds_a_missing_derivative_rule_as_a_build_does(tmp_path, src, where, message):
+    """A custom function's missing rule is found when the derivative is taken: `check`
+    takes the program's derivatives too, so it fails where `run` and `build` fail."""
+    bad = tmp_path / "bad.tg"
+    bad.write_text(src)
+    r = tgc("check", str(bad))
+    assert r.exit_code == 1, r.output
+    assert f"{bad}:{where}: error: {message}" in r.output
+    r = tgc("run", str(bad), "--random-inputs")
+    assert r.exit_code == 1 and f"{bad}:{where}: error: {message}" in r.output
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: Path(p).name)
 def test_dump_ir_round_trips_through_opt(example, tmp_path):
     out = tmp_path / "a.tgir"

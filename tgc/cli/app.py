@@ -204,7 +204,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
     with gc_paused():   # each program is freed once its warnings are out: the collector would find nothing
         for path in files:
             try:
-                warnings = pipeline.load_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
+                warnings = pipeline.check_program(path, Options(dtype=dtype, import_dirs=tuple(import_dirs))).warnings
             except CompileError as e:
                 report(e.diagnostics())
                 failed = True

@@ -3,7 +3,8 @@
 Module -> `Lowered` (tgc.lower.lowered). Every value is either *materialized* (a
 buffer: arguments, outputs, update values, reductions, GEMM operands, scatters,
 values with several consumers unless they are cheap to recompute (see
-`recompute`), and expensive values a consumer would recompute over a broadcast) or *inlined* into the
+`recompute`), expensive values a consumer would recompute over a broadcast, and values
+whose inlined expression would nest deeper than `MAX_INLINE_DEPTH`) or *inlined* into the
 expression tree of the kernel that consumes it. So a chain of elementwise ops and
 reductions reads its inputs once:
 
@@ -67,6 +68,11 @@ from tgc.lower import complex_gemm
 from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
 
 ELEMENTWISE = frozenset({"add", "map", "stop"})
+# The deepest expression tree a kernel inlines: a longer chain of single-use
+# elementwise values (`y1 = y0 * 2 + 1`, `y2 = y1 * 2 + 1`, ... over hundreds of
+# bindings) is cut into kernels that meet at a buffer, so that every later stage, which
+# walks expression trees recursively, stays far from Python's recursion limit.
+MAX_INLINE_DEPTH = 64
 
 
 class FuseError(ValueError):
@@ -150,6 +156,7 @@ class _Fuser:
         self.acc_of: int | None = None
         self._reduction: dict[int, bool] = {}
         self._cost: dict[int, int] = {}
+        self._depth: dict[int, int] = {}   # id(value) -> its inlined expression's depth (inline_depth)
 
     # ------------------------------------------------------------ classification
 
@@ -514,6 +521,8 @@ class _Fuser:
                 self.materialize(v)
             elif self.cost(v) >= 10 and self.broadcast_by_user(v):
                 self.materialize(v)
+            elif self.inline_depth(v) > MAX_INLINE_DEPTH:
+                self.materialize(v)
             groups = self.gemm_groups(v)
             if groups is not None:
                 self.gemms[id(v)] = groups
@@ -525,6 +534,17 @@ class _Fuser:
         for v in self.values:
             if id(v) in self.mat and self.is_reduction(v) and id(v) not in self.gemms | self.shifted.keys() | self.cgemms.keys():
                 self.try_absorb(v)
+
+    def inline_depth(self, v: Value) -> int:
+        """How deep `v`'s inlined expression tree is: 0 for a buffer or a leaf, else one
+        more than its deepest operand. Operands come first in `self.values` and their
+        depth only falls later (`settle` materializes more), so one lookup each."""
+        if id(v) in self.mat or not v.operands:
+            depth = 0
+        else:
+            depth = 1 + max(self._depth.get(id(o), 0) if id(o) not in self.mat else 0 for o in v.operands)
+        self._depth[id(v)] = depth
+        return depth
 
     def settle(self) -> None:
         """Materializing a product can hide an indicator from a contraction that was

@@ -466,8 +466,12 @@ class Program:
             why = not_pairs(k, arrays[k], self.module.args[k].order)
             if why:
                 raise EvalError(why)
-        pairs = {k: as_pairs(_dlpack_view(k, v), self.float_dtype) if k in self._complex_args else v
-                 for k, v in arrays.items()}
+        try:
+            pairs = {k: as_pairs(_dlpack_view(k, v), self.float_dtype) if k in self._complex_args else v
+                     for k, v in arrays.items()}
+        except MemoryError:   # a copy as float pairs (another width or layout): see _run_checked
+            raise EvalError("not enough memory for this call's arrays (are the inputs or dims too large?); "
+                            "nothing was written") from None
         result = self._run_real(pairs, dims, updates)
         for k in self._complex_results & result.keys():
             result[k] = as_complex(result[k])
@@ -542,13 +546,25 @@ class Program:
 
     def _run_checked(self, arrays: dict, dims: dict | None = None, notify=None) -> dict[str, np.ndarray]:
         kernels = self._kernels
-        prepared = kernels.prepare(self, arrays)
-        args, write_back = prepared if prepared is not None else self._prepare(arrays)
-        env = self._bind(args, dims)
-        if dims is None and self._fast:
-            self._remember(env)  # the next call with these shapes takes the fast path
-        outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype]) for s in self.outputs}
-        rc = kernels.run(args, outs, env) if notify is None else kernels.run(args, outs, env, notify)
+        try:
+            # Every allocation of a call happens here, before anything runs: the inputs'
+            # converted copies (a broadcast or strided view becomes a dense array), the
+            # outputs, the workspace (in kernels.run, before its first kernel). Sizes
+            # under 2^62 may still be more than the machine has: an EvalError, as for any
+            # other argument the call cannot take, and nothing was written.
+            prepared = kernels.prepare(self, arrays)
+            args, write_back = prepared if prepared is not None else self._prepare(arrays)
+            env = self._bind(args, dims)
+            if dims is None and self._fast:
+                self._remember(env)  # the next call with these shapes takes the fast path
+            outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype])
+                    for s in self.outputs}
+            rc = kernels.run(args, outs, env) if notify is None else kernels.run(args, outs, env, notify)
+        except MemoryError:
+            if notify is not None:   # it may be the callback's own, raised after the kernels ran
+                raise
+            raise EvalError("not enough memory for this call's arrays (are the inputs or dims too large?); "
+                            "nothing was written") from None
         if rc != 0:
             raise self._check_error(rc, {k: kernels.to_host(v) for k, v in args.items()}, env)
         for name, original in write_back.items():

@@ -1,0 +1,42 @@
+"""A call whose arrays do not fit in memory is an EvalError, never a MemoryError.
+
+Sizes under the 2^62 limit (tgc.ir.sizes) can still be more than any machine has:
+a broadcast view whose dense copy is that large, or outputs of that size from small
+inputs. The call refuses before anything runs, so nothing is written. The sizes here
+(hundreds of TiB) exceed a 64-bit process's address space, so the allocation fails at
+once on any machine, whatever its overcommit policy."""
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import EvalError
+
+
+def test_a_huge_broadcast_input_is_an_eval_error():
+    p = tgc.compile("dim batch\ndim f = 3\ninput x[batch, f]\nparam W[f]\nout s = sum(x @ W)\n"
+                    "update W = W * 2\n")
+    W = np.ones(3, np.float32)
+    huge = np.broadcast_to(np.float32(1), (2 ** 46, 3))   # 768 TiB once dense
+    with pytest.raises(EvalError, match="not enough memory.*nothing was written"):
+        p(x=huge, W=W)
+    assert np.array_equal(W, np.ones(3, np.float32))
+    r = p(x=np.ones((2, 3), np.float32), W=W)      # the program still works afterwards
+    assert float(r["s"]) == 6.0 and np.array_equal(W, np.full(3, 2, np.float32))
+
+
+def test_huge_outputs_from_small_inputs_are_an_eval_error():
+    p = tgc.compile("dim a\ninput x[a], y[b: a], z[c: a], w[d: a]\nout o[a, b, c, d] = x * y * z * w\n")
+    n = 2 ** 12                                  # o: 2^48 elements, 1 PiB
+    v = np.ones(n, np.float32)
+    with pytest.raises(EvalError, match="not enough memory"):
+        p(x=v, y=v, z=v, w=v)
+    small = np.arange(1, 3, dtype=np.float32)
+    o = p(x=small, y=small, z=small, w=small)["o"]
+    assert o.shape == (2, 2, 2, 2) and o[1, 1, 1, 1] == 16.0
+
+
+def test_a_huge_complex_input_is_an_eval_error():
+    p = tgc.compile("dim n\ninput z: c64[n]\nout s = real(sum(z))\n", dtype="f64")
+    huge = np.broadcast_to(np.complex64(1), (2 ** 45,))   # complex64 in: copied as f64 pairs, 512 TiB
+    with pytest.raises(EvalError, match="not enough memory"):
+        p(z=huge)
