@@ -300,3 +300,58 @@ def test_strided_convolution_matches_torch_and_the_interpreter():
     for name, ref in (("y", y), ("dx", dx), ("dK", dK)):
         np.testing.assert_allclose(got[name], ref.detach().numpy(), rtol=1e-10, atol=1e-10, err_msg=name)
         np.testing.assert_allclose(want[name], ref.detach().numpy(), rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_input_gradient_sum_reads_its_partial_contiguously():
+    """dx sums the kernel columns of the input gradient's GEMM partial
+    `t[b, c, h, kw, wo]` at `wo = w - kw + 1`. The partial is laid out with `wo`
+    innermost (the edge that dx's innermost edge `w` walks), so the sum's innermost
+    loop is contiguous in what it reads and what it writes; before, the partial had
+    `(cin, kw)` innermost and the sum read it with a stride of 96."""
+    low = _lowered(BENCH.read_text())
+    dx, = [k for k in _members(low) if k.out == "dx"]
+    inner = dx.loops[-1]
+    assert inner == "w", dx.text()
+    loads = [n for n in walk(dx.body) if isinstance(n, Load)]
+    assert loads
+    for load in loads:
+        order = low.buffers[load.buf].order
+        assert dict(load.index)[order[-1]].coef(inner) == 1, (load, order)
+
+
+def test_kernel_gradient_is_computed_as_a_tall_product():
+    """dK[cout, (cin, kh, kw)] in its output order is a 64 x 288 matrix summed over
+    16 x 1024 terms; BLAS computes it as 288 x 64 (OpenBLAS runs that shape faster)
+    into a temporary with `cout` innermost, and one copy writes dK."""
+    low = _lowered(BENCH.read_text())
+    gemm, = [k for k in low.kernels if isinstance(k, GemmKernel) and k.taps == ("batch",)]
+    assert gemm.out != "dK" and low.buffers[gemm.out].order[-1] == "cout"
+    writers = [k for k in _members(low) if k.out == "dK"]
+    assert len(writers) == 1 and "copy" in writers[0].note
+
+
+WEIGHT_GRADIENT = """
+dim n = {n}
+dim i = 16, o = 256
+input x[n, i]
+input g[n, o]
+out w = x @ g
+"""
+
+
+@pytest.mark.parametrize("n, tall", [(8192, True), (64, False)])
+def test_wide_result_is_computed_tall_only_over_long_sums(n, tall):
+    """`w[i, o] = sum_n x[n, i] g[n, o]` is 16 x 256 in its output order. Summed over
+    8192 terms it is computed as 256 x 16 into a temporary and copied (the copy is
+    nothing next to the product); over 64 terms (an MLP's weight gradient) BLAS writes
+    w itself. The values are numpy's either way."""
+    text = WEIGHT_GRADIENT.format(n=n)
+    low = _lowered(text)
+    gemm, = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    assert (gemm.out != "w") == tall
+    if tall:
+        assert low.buffers[gemm.out].order == ("o", "i")
+    rng = np.random.default_rng(4)
+    x, g = rng.standard_normal((n, 16)), rng.standard_normal((n, 256))
+    got = tgc.compile(text, dtype="f64")(x=x, g=g)["w"]
+    np.testing.assert_allclose(got, x.T @ g, rtol=1e-10, atol=1e-10 * n)

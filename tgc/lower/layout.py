@@ -12,6 +12,9 @@ temporary gets, in kernel order, the order that suits it best:
   it, the operand order that GEMM wants, if this one can write its matrices that
   way (batch edges may sit between the groups: rows then have a longer stride).
   GPT's attention products feed its weight gradients with no copy in between;
+  when only loop kernels read it, elementwise or summing a few taps, the order whose
+  innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
+  its partial along contiguous rows);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -23,7 +26,10 @@ the clipped range is then one run of the merged group); a K group an operand's
 order splits gives its outer edges to taps, loops of calls that add into the
 result, when at least MIN_TAP_K of K is left to each call (`_taps_for_split_k`: a
 2-D convolution's kernel gradient sums 16 images by 16 accumulating calls instead
-of copying its two operands, 4 MB and 19 MB, into transposed temporaries); an
+of copying its two operands, 4 MB and 19 MB, into transposed temporaries); a result
+whose fixed order (an argument's, an output's) makes BLAS write a matrix at least
+TALL times wider than tall, over a long sum, is computed the other way round into a
+temporary and copied (`_tall_result`: OpenBLAS runs tall matrices faster); an
 operand that still splits a group, or whose group order disagrees with the other
 buffer, gets a copy kernel into a temporary in the canonical form (the only copies
 this pass inserts). Each of these only moves edges between the groups and the
@@ -107,6 +113,8 @@ def _order_buffers(low: Lowered, guess: int) -> None:
                 mine = _demote(k, want)
                 if matrix_form(want, mine.m, mine.n) is not None:
                     buf.order = want
+            else:
+                buf.order = _suit_readers(low, k, buf.order)
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
@@ -143,6 +151,59 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
         return (math.prod(size_estimate(low.size(e), env) for e in g),
                 any(d in sym for e in g for d in size_dims(low.size(e))))
     return _pick(va, k.batch) + (n + m if size(m) < size(n) else m + n)
+
+
+SHORT_READER_SUM = 8   # readers summing at most this many terms (kernel taps) vote in `_suit_readers`
+
+
+def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[str, ...]:
+    """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
+    M and N either way round), the one whose innermost edge moves with the innermost
+    edge of what those readers write, where that is known (an output, an argument),
+    so that their innermost loop is contiguous in both. Only when every reader is
+    elementwise or sums a few terms (at most SHORT_READER_SUM: kernel taps); a longer
+    sum (a softmax's) keeps the default order. A 2-D convolution's input
+    gradient `dx[b, c, h, w] = sum[kw] t[b, c, h, kw, w - kw + 1]` then reads the
+    GEMM's rows along `w` instead of with a stride of c x kw. BLAS computes either
+    order (a transpose flag), so this changes no sum."""
+    nb = len(k.batch)
+    head, rest = order[:nb], order[nb:]
+    m = tuple(e for e in rest if e in k.m)
+    n = tuple(e for e in rest if e in k.n)
+    if rest != m + n and rest != n + m:
+        return order
+    votes = {"m": 0, "n": 0}
+    for r in low.kernels:
+        if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
+            continue
+        if any(not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM for v in r.red):
+            return order   # a longer sum (a softmax's) has its say in the default order
+        out_order = low.buffers[r.out].order
+        if not out_order:
+            continue
+        var = dict(r.index)[out_order[-1]].as_var()
+        if var is None:
+            continue
+        for load in _loads(r):
+            if load.buf != k.out:
+                continue
+            for e, ix in load.index:
+                if ix.coef(var) in (1, -1):
+                    for g, edges in (("m", m), ("n", n)):
+                        if edges and edges[-1] == e:
+                            votes[g] += 1
+    if votes["m"] == votes["n"]:
+        return order
+    inner, other = (m, n) if votes["m"] > votes["n"] else (n, m)
+    if rest[-len(inner):] == inner:
+        return order
+    clipped = {e for _, e, _ in k.shifts}
+    if any(e in clipped for e in other[1:]):
+        return order
+    # a clipped edge leads what stays of its group; the edges before it become batch
+    # edges (`_demote`), outside the other group
+    cut = next((i for i, e in enumerate(inner) if e in clipped), 0)
+    return head + inner[:cut] + other + inner[cut:]
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
@@ -247,12 +308,39 @@ def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
         a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch + k.taps)) + m + kk, before)
     if not fb or fb[:2] != (kk, n):
         b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch + k.taps)) + kk + n, before)
-    if not fc or fc[:2] != (m, n):
+    tall = fc is not None and _tall_result(low, k, fc, guess)
+    if not fc or fc[:2] != (m, n) or tall:
         out = low.fresh("t")
+        inner = (n + m if fc[2] else m + n) if tall else m + n
         low.buffers[out] = Buffer(out, low.dtype, low.buffers[k.out].edges, "temp",
-                                  order=_pick(vc, k.batch) + m + n)
+                                  order=_pick(vc, k.batch) + inner)
         after.append(_copy(low, k.out, View(out, tuple((e, e) for e in low.buffers[out].edges))))
     return before + [replace(k, a=a, b=b, out=out, m=m, n=n, k=kk)] + after
+
+
+TALL = 4              # a result whose columns outnumber its rows this many times ...
+TALL_MIN_K = 4096     # ... summed over at least this many terms is computed transposed
+
+
+def _tall_result(low: Lowered, k: GemmKernel, fc, guess: int) -> bool:
+    """Whether to compute the product into a temporary that holds its matrix the
+    other way round, then copy it into the result: when the result's order (an
+    argument's or output's, fixed) makes the matrix BLAS writes (C': rows by its
+    contiguous columns) at least TALL times wider than tall, and each element sums
+    TALL_MIN_K terms or more (over K and the taps), so the copy costs nothing next to
+    the product. numpy's OpenBLAS runs tall C' faster on the reference machine (one
+    thread, minimum of 300 calls): 64 x 288 x 1024 with B transposed at 130 GFLOP/s,
+    the same product as 288 x 64 at 177. A 2-D convolution's kernel gradient
+    `dK[cout, (cin, kh, kw)]` is such a product. Only the layout of the product
+    changes, not its sum."""
+    if low.buffers[k.out].kind == "temp" or k.shifts or k.cplx is not None:
+        return False
+    env = {d: guess for d in low.module.symbolic_dims()}
+
+    def size(g):
+        return math.prod(size_estimate(low.size(e), env) for e in g)
+    rows, cols = (fc[0], fc[1]) if fc[2] else (fc[1], fc[0])
+    return size(cols) >= TALL * size(rows) and size(k.k) * size(k.taps) >= TALL_MIN_K
 
 
 def _fix_complex_gemm(low: Lowered, k: GemmKernel) -> list:
