@@ -59,6 +59,12 @@ def table_key(v: Value) -> str:
     return v.attrs[0] if v.op == "map" else v.op
 
 
+def _unrenamed(v: Value) -> Value:
+    while v.op == "rename":
+        v = v.operands[0]
+    return v
+
+
 class _Rewriter:
     def __init__(self, ctx: Ctx, table: Table, users: Counter):
         self.ctx, self.table = ctx, table
@@ -68,8 +74,10 @@ class _Rewriter:
         self.users: Counter = Counter()  # id(new value) -> the uses of the old values it replaces
 
     def single_use(self, v: Value) -> bool:
-        """v replaces input values used once in all (or is new): merging it duplicates nothing."""
-        return self.users[id(v)] <= 1 and (v.op != "rename" or self.users[id(v.operands[0])] <= 1)
+        """v replaces input values used once in all (or is new): merging it duplicates
+        nothing. Uses are counted on the value under any renames (a rename is a view:
+        a value shared through two renamings of it is shared)."""
+        return self.users[id(_unrenamed(v))] <= 1
 
     def value(self, v: Value) -> Value:
         hit = self.memo.get(id(v))
@@ -82,7 +90,8 @@ class _Rewriter:
         self.busy.discard(id(v))
         self.memo[id(v)] = (v, w)
         self.memo.setdefault(id(w), (w, w))
-        self.users[id(w)] += self.old_users[id(v)]
+        if v.op != "rename":   # a rename's uses are already its operand's (rewrite)
+            self.users[id(_unrenamed(w))] += self.old_users[id(v)]
         return w
 
     def settle(self, w: Value) -> Value:
