@@ -60,7 +60,7 @@ def pipeline_options(fn):
     decorators = [
         click.option("-p", "--passes", callback=_pass_list, metavar="LIST",
                      help="Comma-separated passes to run instead of the default pipeline: IR passes, then "
-                          "lowering stages (these replace the default fuse,layout,group,plan where the list "
+                          "lowering stages (these replace the default fuse,layout,narrow,gemm_operands,group,plan where the list "
                           "names any). A pass sets its options as PASS{field=value,...}, e.g. "
                           "'group{blocks=8}'; `tgc passes` lists passes and options."),
         click.option("--dtype", type=click.Choice(["f32", "f64"]),

@@ -134,6 +134,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         lowered = pipeline.lower(module, options)
         module = lowered.module
     report_memory(lowered.memory)
+    low = None
     with status("compiling"):
         if emit == "ir":
             files[output] = print_module(module).encode()
@@ -149,7 +150,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
             except aot.NoSystemBlas as e:
                 raise click.BadParameter(str(e), param_hint="--blas") from None
         if header:
-            files[header] = aot.build(module, None, options, "h", prefix, source)
+            files[header] = aot.build(module, low, options, "h", prefix, source)
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile
 
