@@ -97,7 +97,7 @@ def test_cli_pass_option_errors_are_usage_errors():
 def test_cli_passes_lists_options():
     r = run("passes")
     assert r.exit_code == 0
-    assert "group      Fuse neighbouring" in r.output and "{blocks=int | none}" in r.output
+    assert "group          Fuse neighbouring" in r.output and "{blocks=int | none}" in r.output
     assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,narrow,gemm_operands,group,plan" in r.output
     assert "lowering for cuda-sim (dump-ir --after STAGE): fuse,layout,plan" in r.output
 
