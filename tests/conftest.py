@@ -4,6 +4,9 @@
   in `passes_util` (importable by every test module: pytest puts this folder, the one
   of the rootdir's conftest, on sys.path); `verified` is its `optimize`: run passes
   through `run_pipeline(..., Options(verify_each=True))`.
+- `slow`: tests marked slow are deselected unless `--run-slow` is given (the README's
+  and CI's whole run) or a `-m` expression chooses for itself (`-m slow`), so a plain
+  `python -m pytest` is the quick run.
 - lit: every `.tg`/`.tgir`/`.tgl` (lowered program) file under tests/ with `RUN:` lines
   is a test, kept beside the Python tests of its stage (tests/frontend: diagnostics,
   tests/opt, tests/autodiff, tests/lower: one pass's output, and `lowered_*.tgl`: stages
@@ -29,6 +32,30 @@ from passes_util import optimize
 ROOT = Path(__file__).resolve().parents[1]
 NOT = Path(__file__).resolve().with_name("not.py")
 RUN = re.compile(r"^\s*(?:#|//)\s*RUN:\s*(.*)$")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow: the whole suite, as the README and CI run it")
+
+
+def _slow_deselected(config) -> bool:
+    return not config.getoption("--run-slow") and not config.option.markexpr
+
+
+def pytest_report_header(config):
+    if _slow_deselected(config):
+        return "tests marked slow are deselected: --run-slow runs the whole suite"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _slow_deselected(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 Whole-program tests run every example; three of them (the two GPTs and the digits
 convolution net) take most of such a test's time, since their builds are an order of
 magnitude bigger than the rest. `heavy(params)` marks those cases `slow`, so that
-`pytest -m "not slow"` still runs every other example through the same test.
+the quick run (`pytest` without `--run-slow`) still runs every other example through the same test.
 """
 from __future__ import annotations
 

@@ -16,11 +16,8 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   reader); every other value a later kernel reads is kept. With a memory budget the
   caller adds the planner's choices (`memory_budget`, `tgc.budget`).
 
-FLOPs count one per arithmetic operation of an expression, evaluated at every point
-of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
-coefficient other than 1, an n-factor product n - 1 multiplications, an elementwise
-function one (an `exp` is one FLOP here, as in PyTorch's profiler), a reduction one
-per term; a GEMM is 2 m n k per batch index and tap.
+FLOPs are `tgc.lower.cost.kernel_flops`'s (one per arithmetic operation at every
+point of a loop nest; a GEMM is 2 m n k per batch index and tap).
 
 `format_explain` lays the report out as text; `timeline_svg` draws the live bytes per
 kernel as an SVG bar chart (no dependency), and `timeline_png` the same with
@@ -28,11 +25,12 @@ matplotlib when it is installed.
 """
 from __future__ import annotations
 
-from tgc.lower.lowered import Add, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
-from tgc.ir.philox import op_counts
+from tgc.lower.cost import kernel_flops
+from tgc.opt.stats import BYTES
+from tgc.lower.lowered import GemmKernel, LoopKernel, Lowered
 from tgc.ir.sizes import size_eval
 
-ITEMSIZE = {"f32": 4, "f64": 8, "i32": 4}
+ITEMSIZE = BYTES
 
 
 def explain(low: Lowered, env: dict[str, int]) -> dict:
@@ -57,7 +55,7 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
                 first.setdefault(name, i)
                 last[name] = i
         kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
-                        "flops": _flops(k, extent, lambda e: size_eval(low.size(e), env)),
+                        "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": sum(nbytes(n) for n in used)})
     live, at_peak, peak = [], [], -1
     for i in range(len(low.kernels)):
@@ -103,49 +101,6 @@ def _recompute_note(low: Lowered) -> str:
 
 def _kind(k) -> str:
     return "gemm" if isinstance(k, GemmKernel) else "loop" if isinstance(k, LoopKernel) else k.kind
-
-
-def _flops(k, extent, edge_size) -> int:
-    if isinstance(k, GemmKernel):
-        n = 2
-        for e in k.batch + k.m + k.n + k.k + k.taps:
-            n *= edge_size(e)
-        return n
-    if hasattr(k, "members"):   # a loop group (the CPU backend's): members inside shared outer loops
-        outer = 1
-        for v in k.outer:
-            outer *= extent(k, v)
-        return sum(_loop_flops(m, extent, skip=set(k.outer)) * outer for m in k.members)
-    return _loop_flops(k, extent, skip=set())
-
-
-def _loop_flops(k: LoopKernel, extent, skip: set[str]) -> int:
-    points = kept = 1
-    for v in k.loops:
-        if v in skip:
-            continue
-        points *= extent(k, v)
-        if v not in k.red:
-            kept *= extent(k, v)
-    body = _ops(k.body) + (1 if k.reduce else 0) + (2 if k.reduce == "logsumexp" else 0)
-    epilogue = _ops(k.epilogue) if k.epilogue is not None else 0
-    return points * body + kept * epilogue
-
-
-def _ops(e) -> int:
-    n = 0
-    for node in walk(e):
-        if isinstance(node, Add):
-            n += len(node.args) - 1 + sum(1 for c in node.coefs if c != 1)
-        elif isinstance(node, Mul):
-            n += len(node.args) - 1
-        elif isinstance(node, Map):
-            n += 1
-        elif isinstance(node, Mask):
-            n += len(node.conds)
-        elif isinstance(node, Rand):   # its float operations (Box-Muller's polynomials, the scaling)
-            n += op_counts(node.kind, "f64")[1]
-    return n
 
 
 def human(n: float, unit: str) -> str:

@@ -46,6 +46,7 @@ from tgc.lower.lowered import Lowered, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
 from tgc.registry import LOWERING, PASSES, pipeline, stages as stage_list
+from tgc.lower.cost import lowered_stats
 from tgc.opt.stats import ModuleStats, module_stats
 
 Emit = Callable[[str, str], None]
@@ -322,7 +323,7 @@ def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> 
 @dataclass
 class LoweringResult:
     lowered: Lowered
-    stats: list[PassStat] = field(default_factory=list)
+    stats: list[PassStat] = field(default_factory=list)   # with options.stats, each has the kernels' cost
 
 
 def run_lowering(program, options: Options, emit: Emit | None = None, stages: tuple[str, ...] = LOWERING,
@@ -355,7 +356,8 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
             names = names[: plain.index(stop_after) + 1]
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     result = LoweringResult(program)   # type: ignore[arg-type]  (a module until fuse has run)
-    result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats)
+    measure = (lambda low: lowered_stats(low, options.rep_size)) if options.stats else (lambda low: None)
+    result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure)
     return result
 
 

@@ -25,7 +25,7 @@ from fuzz.nodes import parse_bind_comment  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 SLICE = 40
-QUICK = 8          # seeds below QUICK also run under `-m "not slow"`; the rest are marked slow
+QUICK = 8          # seeds below QUICK also run in the quick run (without --run-slow); the rest are marked slow
 REGRESSIONS = sorted((ROOT / "tests" / "fuzz" / "regressions").glob("*.tg"))
 
 

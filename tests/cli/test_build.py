@@ -187,3 +187,34 @@ def test_examples_makefile_builds_runs_and_rebuilds_only_dependents(tmp_path):
     assert "gpt" in importers and sorted(rebuilt) == importers, again.stdout
     assert subprocess.run(make + ["clean"], capture_output=True).returncode == 0
     assert not (work / "out").exists()
+
+
+def test_build_targets_come_from_the_backend_registry(tmp_path, monkeypatch):
+    """`--target` chooses a backend by name: one more folder's backend with `emits`
+    is a build target, with its own artifact kinds and companion files, and nothing
+    in the command line names it."""
+    from tgc.backends import base
+
+    class Toy(base.Backend):
+        name = "toy"
+        emits = ("txt",)
+
+        def companions(self, output, emit):
+            return {"the notes": output + ".notes"}
+
+        def build(self, module, options, emit, output, source):
+            return {output: f"{source} as {emit}\n".encode(), output + ".notes": b"toy\n"}
+
+    monkeypatch.setattr(base, "_REGISTRY", {**base._registry(), "toy": "unused:Toy"})
+    monkeypatch.setitem(base._LOADED, "toy", Toy())
+    assert "toy" in base.build_targets() and "cuda-sim" not in base.build_targets()
+    out = tmp_path / "m.txt"
+    r = tgc("build", MLP, "--target", "toy", "-o", out, "-MD")
+    assert r.exit_code == 0, r.output
+    assert out.read_text() == "mlp.tg as txt\n"
+    assert (tmp_path / "m.txt.notes").read_text() == "toy\n" and (tmp_path / "m.d").exists()
+    r = tgc("build", MLP, "--target", "toy", "--emit", "so", "-o", tmp_path / "x.so")
+    assert r.exit_code == 2 and "--emit so is not an output of --target toy (it writes: txt, ir)" in r.output
+    r = tgc("build", MLP, "--target", "cuda-sim", "-o", tmp_path / "y")
+    assert r.exit_code == 2 and "'cuda-sim' is not one of" in r.output
+    assert not (tmp_path / "x.so").exists() and not (tmp_path / "y").exists()

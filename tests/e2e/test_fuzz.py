@@ -40,7 +40,7 @@ from fuzz.gen import generate  # noqa: E402
 from fuzz.nodes import parse_bind_comment, parse_seed_comment  # noqa: E402
 
 SLICE = 300
-QUICK = 30         # seeds below QUICK also run under `-m "not slow"`; the rest are marked slow
+QUICK = 30         # seeds below QUICK also run in the quick run (without --run-slow); the rest are marked slow
 GENERATOR_SEEDS = 200
 REGRESSIONS = sorted((ROOT / "tests" / "fuzz" / "regressions").glob("*.tg"))
 

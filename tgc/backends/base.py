@@ -21,7 +21,11 @@ A `Backend` says:
   object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
   that it has bound, checked and allocated (`Kernels` below);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
-  name; the CPU adds the host CPU's name and features), for the code cache's keys.
+  name; the CPU adds the host CPU's name and features), for the code cache's keys;
+- `emits` and `build(module, options, emit, output, source)`: the files `tgc build
+  --target NAME` writes (the CPU: a shared library and its C header, an object file,
+  LLVM IR or assembly; CUDA: a cubin, PTX or CUDA C and a JSON manifest). A backend
+  with no `emits` (cuda-sim) runs programs but builds nothing.
 
 This module imports nothing heavy: the command line's error boundary uses it.
 """
@@ -46,6 +50,7 @@ class Backend:
     stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
     kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
     source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
+    emits: tuple[str, ...] = ()      # the artifact kinds `tgc build --target NAME --emit` writes; the first is the default
 
     def lowering(self) -> tuple[str, ...]:
         """Every lowering stage's name, in the order they run."""
@@ -65,6 +70,18 @@ class Backend:
         the IR pipeline). `artifacts` are what an earlier compile left in
         `Kernels.artifacts` (object files, from the cache); None: compile anew."""
         raise NotImplementedError
+
+    def companions(self, output: str, emit: str) -> dict[str, str]:
+        """{what: path} of the files `build` writes beside `output` (a header, a
+        manifest), so that the command line can check them before compiling."""
+        return {}
+
+    def build(self, module, options, emit: str, output: str, source: str) -> dict[str, bytes]:
+        """The files of `tgc build --target NAME --emit EMIT -o OUTPUT` for `module`
+        after the IR pipeline: {path: bytes}, `output` first, then its companions.
+        `source` is the program's file name (for comments in what is written).
+        ValueError: a combination of flags this backend cannot write."""
+        raise ValueError(f"backend '{self.name}' builds no files (it runs programs in this process)")
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
@@ -129,6 +146,11 @@ def _registry() -> dict[str, str]:
 def backend_names() -> tuple[str, ...]:
     """Every backend's name: cpu, cuda, cuda-sim, and any other folder's."""
     return tuple(_registry())
+
+
+def build_targets() -> tuple[str, ...]:
+    """The backends `tgc build --target` can write files for (those with `emits`)."""
+    return tuple(name for name in backend_names() if get_backend(name).emits)
 
 
 def get_backend(name: str) -> Backend:

@@ -15,7 +15,7 @@ import tgc
 from tgc import pipeline
 from tgc.fsutil import write_atomic
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
-from tgc.cli.flags import AUTOCAST, FP_STRICT
+from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.printer import print_module
 from tgc.options import Options
@@ -30,7 +30,7 @@ def _pass_list(ctx, param, value):
         return None
     from tgc.manager import parse_pass_list, split_levels
 
-    pipeline.lowering("cpu")   # loads the CPU backend, so that -p may name its own stage (group)
+    _all_lowering_stages()   # loads the backends, so that -p may name their own stages (the CPU's group)
     try:
         specs = parse_pass_list(value)
         split_levels(specs)
@@ -42,7 +42,7 @@ def _pass_list(ctx, param, value):
 def _pass_names(ctx, param, value):
     from tgc.registry import PASSES
 
-    lowering = pipeline.lowering("cpu")   # loads the CPU backend: its own stages are named
+    lowering = _all_lowering_stages()
     known = ("elaborate",) + tuple(dict.fromkeys(tuple(PASSES) + lowering))
     names = set()
     for item in value or ():
@@ -55,6 +55,14 @@ def _pass_names(ctx, param, value):
     return frozenset(names)
 
 
+def _all_lowering_stages() -> tuple[str, ...]:
+    """Every backend's lowering stages, in order, each once (loads the backends, so that
+    their own stages are named)."""
+    from tgc.backends.base import backend_names
+
+    return tuple(dict.fromkeys(s for name in backend_names() for s in pipeline.lowering(name)))
+
+
 def pipeline_options(fn):
     """The flags every command that runs passes shares; they become one Options."""
     decorators = [
@@ -65,6 +73,7 @@ def pipeline_options(fn):
                           "'group{blocks=8}'; `tgc passes` lists passes and options."),
         click.option("--dtype", type=click.Choice(["f32", "f64"]),
                      help="The program's float type (default: f32, or a .tgir file's own)."),
+        BACKEND,
         click.option("--print-ir-before", "print_before", multiple=True, callback=_pass_names,
                      metavar="PASS", help="Print the IR to stderr before PASS."),
         click.option("--print-ir-after", "print_after", multiple=True, callback=_pass_names,
@@ -72,7 +81,7 @@ def pipeline_options(fn):
         click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
         click.option("--verify-each", is_flag=True,
                      help="Check after every pass that the program's values did not change (float64), "
-                          "and after every lowering stage (fuse, layout, group, plan) by running the "
+                          "and after every lowering stage (fuse, layout, narrow, gemm_operands, group, plan) by running the "
                           "lowered program with the numpy lowered-program interpreter."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
         FP_STRICT,
@@ -80,7 +89,8 @@ def pipeline_options(fn):
         click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
                      help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
-                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to stderr."),
+                     help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to "
+                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -210,7 +220,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
 @click.argument("file", type=SOURCE)
 @click.option("--after", "after", metavar="PASS",
               help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
-                   "or a lowering stage (fuse, layout, group, plan).")
+                   "or a lowering stage (fuse, layout, narrow, gemm_operands, group, plan).")
 @click.option("--after-all", is_flag=True,
               help="Print the IR after the front end, after every pass and after every lowering stage.")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
@@ -219,7 +229,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
 @pipeline_options
 @handle_errors
-def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
+def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) -> None:
     """Print FILE's IR after the pipeline (or after one pass).
 
     \b
@@ -227,9 +237,10 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
       tgc dump-ir examples/mlp.tg --after elaborate
       tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
       tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
+      tgc dump-ir examples/mlp.tg --after plan --backend cuda
     """
     options = make_options(**opts, locs=locs)
-    names, stage = _stages_until(after, options)
+    names, stage = _stages_until(after, options, backend)
     if fmt != "text" and (after_all or stage is not None):
         why = "--after-all" if after_all else f"--after {stage} (a lowering stage)"
         raise click.BadParameter(f"--format {fmt} prints one module of IR, not with {why}", param_hint="--format")
@@ -246,24 +257,31 @@ def dump_ir(file, after, after_all, locs, fmt, output, **opts) -> None:
     if stage is not None or (after_all and after is None):
         from tgc.lower.lowered import print_lowered
 
-        low = lower_stages(result.module, options, collect if after_all else _emit_to_stderr, stage)
+        low = lower_stages(result.module, options, collect if after_all else _emit_to_stderr, stage, backend)
         text = print_lowered(low)
     else:
         text = render_module(result.module, fmt, locs)
     write_output(output, "".join(chunks) if after_all else text)
 
 
-def lower_stages(program, options: Options, emit, stop_after: str | None = None):
-    """Run the lowering stages (with --time-passes, print their table to stderr)."""
+def lower_stages(program, options: Options, emit, stop_after: str | None = None, backend: str = "cpu"):
+    """Run `backend`'s lowering stages (with --time-passes or --stats, print their
+    tables to stderr)."""
+    from tgc.backends.base import get_backend
     from tgc.manager import run_lowering
 
-    result = run_lowering(program, options, emit, pipeline.lowering("cpu"), stop_after=stop_after)
+    be = get_backend(backend)
+    result = run_lowering(program, be.lowering_options(options), emit, be.lowering(), stop_after=stop_after)
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
+    if options.stats and result.stats:
+        from tgc.opt.stats import format_table
+
+        click.echo(format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
     return result.lowered
 
 
-def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...], str | None]:
+def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> tuple[tuple[str, ...], str | None]:
     """The IR passes to run for `--after`, and the lowering stage to stop at (or None:
     no lowering; without --after, the last stage when -p names lowering stages)."""
     from tgc.manager import parse_pass_spec
@@ -271,7 +289,7 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 
     names = pass_names(options)
     plain = [parse_pass_spec(n)[0] for n in names]
-    lowering = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering("cpu"))]
+    lowering = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering(backend))]
     if after is None:
         return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
@@ -295,7 +313,7 @@ def _stages_until(after: str | None, options: Options) -> tuple[tuple[str, ...],
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
 @pipeline_options
 @handle_errors
-def opt(file, output, locs, **opts) -> None:
+def opt(file, output, locs, backend="cpu", **opts) -> None:
     """Read IR or a lowered program (a .tgir file, a `dump-ir --after STAGE` dump, or -
     for stdin), run passes, print the result.
 
@@ -319,7 +337,7 @@ def opt(file, output, locs, **opts) -> None:
     text = pipeline.read_text(file)
     name = "<stdin>" if file == "-" else file
     if is_lowered_text(text):
-        pipeline.lowering("cpu")   # loads the CPU backend: its `group` kernels read back
+        _all_lowering_stages()   # loads the backends: their own kernels (the CPU's group) read back
         low = parse_lowered(text, name)
         if opts.get("dtype") not in (None, low.dtype):
             raise click.BadParameter(f"the lowered program is {low.dtype}", param_hint="--dtype")
@@ -339,13 +357,13 @@ def opt(file, output, locs, **opts) -> None:
                 except PassError as e:
                     raise CompileError(str(e).replace("lowering stage 'input'", "the lowered program"),
                                        Loc(name, 1, 1)) from None
-        write_output(output, print_lowered(lower_stages(low, options, _emit_to_stderr)))
+        write_output(output, print_lowered(lower_stages(low, options, _emit_to_stderr, backend=backend)))
         return
     options = make_options(**{**opts, "dtype": pipeline.float_type(file, opts.get("dtype"), text)}, locs=locs)
     module = parse_module(text, name)
     result = lower(module, options, _emit_to_stderr)
     if options.stages is not None:
-        write_output(output, print_lowered(lower_stages(result.module, options, _emit_to_stderr)))
+        write_output(output, print_lowered(lower_stages(result.module, options, _emit_to_stderr, backend=backend)))
         return
     write_output(output, print_module(result.module, locs))
 

@@ -1,6 +1,7 @@
 """`tgc build`: native artifacts for Makefile-driven builds (gcc-style flags)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -12,10 +13,27 @@ from tgc.fsutil import write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 
-EMIT_CHOICES = ["so", "obj", "llvm", "asm", "ir", "h", "cu", "ptx", "cubin"]
 SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
           "cubin": ".cubin"}
-CUDA_EMITS = ("cu", "ptx", "cubin")
+BINARY = ("so", "obj", "cubin")   # never to standard output
+
+
+class Targets(click.Choice):
+    """The backends that build files (`tgc.backends.base.build_targets`), listed when
+    asked for: `tgc --help` imports no backend."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self):
+        from tgc.backends.base import build_targets
+
+        return build_targets()
+
+    @choices.setter
+    def choices(self, value) -> None:
+        pass
 
 
 def _defines(ctx, param, value):
@@ -32,14 +50,7 @@ def _defines(ctx, param, value):
 
 def default_output(source: str, emit: str) -> str:
     stem = Path(source).stem if source != "-" else "a"
-    return f"lib{stem}.so" if emit == "so" else stem + SUFFIX[emit]
-
-
-def header_path(output: str) -> str:
-    """`libmlp.so` -> `mlp.h` beside it."""
-    from tgc.backends.cpu.header import c_identifier
-
-    return str(Path(output).with_name(c_identifier(output) + ".h"))
+    return f"lib{stem}.so" if emit == "so" else stem + SUFFIX.get(emit, "." + emit)
 
 
 @click.command()
@@ -53,15 +64,15 @@ def header_path(output: str) -> str:
               help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu: native code for this machine; cuda: a CUDA module for NVIDIA GPUs and its JSON "
-                   "manifest beside it (OUT.json; docs/cuda.md).")
-@click.option("--emit", type=click.Choice(EMIT_CHOICES),
-              help="cpu: so (default): shared library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; "
-                   "ir: tgc IR after the pipeline; h: the C header only. cuda: cubin (default), ptx (both "
-                   "through nvcc) or cu (the CUDA C source).")
+@click.option("--target", type=Targets(), default="cpu", show_default=True,
+              help="The backend to build for, by name. cpu: native code for this machine; cuda: a CUDA module "
+                   "for NVIDIA GPUs and its JSON manifest beside it (OUT.json; docs/cuda.md).")
+@click.option("--emit", metavar="KIND",
+              help="What to write. Any target: ir (tgc IR after the pipeline). cpu: so (default): shared "
+                   "library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; h: the C header only. "
+                   "cuda: cubin (default), ptx (both through nvcc) or cu (the CUDA C source).")
 @click.option("--arch", default="sm_90", show_default=True, metavar="SM",
-              help="With --target cuda: the GPU architecture nvcc compiles for.")
+              help="With --target cuda: the GPU architecture nvcc compiles for (CudaOptions.arch).")
 @click.option("--blas", type=click.Choice(["none", "system", "numpy"]), default="none", show_default=True,
               help="The BLAS a .so links for its products (GEMMs). none: no BLAS; they run tgc's own "
                    "loops, or a BLAS the caller passes to NAME_init_blas (see NAME.h): the library "
@@ -83,7 +94,7 @@ def header_path(output: str) -> str:
 @handle_errors
 def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, import_dirs=(), fp_strict=False,
           autocast=None, target="cpu", arch="sm_90", memory_budget=None) -> None:
-    """Compile FILE to native code for this machine's CPU.
+    """Compile FILE to native code: for this machine's CPU, or another --target.
 
     Every output is written atomically: a failed or interrupted build leaves no
     new file, and an older one untouched. The same inputs and flags give
@@ -97,60 +108,42 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
       tgc build model.tg --blas=system -o libmodel.so   # links -lopenblas
       tgc build model.tg --target cuda -o model.cubin   # also writes model.json
     """
-    from tgc.backends.cpu import aot
-    from tgc.backends.cpu.header import c_identifier
+    from tgc.backends.base import get_backend
     from tgc.ir.printer import print_module
     from tgc.progress import status
 
-    emit = emit or ("cubin" if target == "cuda" else "so")
-    if (target == "cuda") != (emit in CUDA_EMITS):
-        raise click.BadParameter(f"--emit {emit} is not an output of --target {target}", param_hint="--emit")
+    backend = get_backend(target)
+    emit = emit or backend.emits[0]
+    if emit not in backend.emits + ("ir",):
+        raise click.BadParameter(f"--emit {emit} is not an output of --target {target} "
+                                 f"(it writes: {', '.join(backend.emits + ('ir',))})", param_hint="--emit")
     output = output or default_output(file, emit)
-    if output == "-" and emit in ("so", "obj", "cubin"):
+    if output == "-" and emit in BINARY:
         raise click.BadParameter(f"a binary output (--emit {emit}) cannot go to standard output", param_hint="-o")
     options = Options(dtype=pipeline.float_type(file, dtype), opt_level=opt_level, import_dirs=tuple(import_dirs),
                       fp_strict=fp_strict, autocast=autocast,
-                      memory_budget=memory_budget).with_(blas=blas)
+                      memory_budget=memory_budget).with_(blas=blas, arch=arch)
     loaded = pipeline.load_program(file, options)
-    header = header_path(output) if emit == "so" else None
-    if target == "cuda":   # the manifest, in the header's place
-        if output == "-":
-            raise click.BadParameter("--target cuda writes a manifest beside the output: give a file name",
-                                     param_hint="-o")
-        header = str(Path(output).with_suffix(".json"))
+    with _flag_errors():
+        companions = {} if emit == "ir" else backend.companions(output, emit)
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
     if depfile and output == "-" and not (mf and mt):
         raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
-    _check_distinct([(what, p) for what, p in (("the output", output), ("the header", header),
-                                               ("the depfile", depfile)) if p and p != "-"], loaded.files)
+    _check_distinct([(what, p) for what, p in [("the output", output), *companions.items(), ("the depfile", depfile)]
+                     if p and p != "-"], loaded.files)
     try:
         module = pipeline.fix_dims(loaded.module, defines)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="-D") from None
-    prefix = c_identifier(output)
-    source = Path(file).name
-    files: dict[str, bytes] = {}
     with status("compiling"):
         lowered = pipeline.lower(module, options)
-        module = lowered.module
     report_memory(lowered.memory)
-    low = None
     with status("compiling"):
         if emit == "ir":
-            files[output] = print_module(module).encode()
-        elif target == "cuda":
-            from tgc.backends.cuda import aot as cuda_aot
-
-            files[output], files[header] = cuda_aot.build(module, options, emit, arch)
-            header = None
+            files = {output: print_module(lowered.module).encode()}
         else:
-            try:
-                low = pipeline.lower_module(module, options, "cpu")
-                files[output] = aot.build(module, low, options, emit, prefix, source)
-            except aot.NoSystemBlas as e:
-                raise click.BadParameter(str(e), param_hint="--blas") from None
-        if header:
-            files[header] = aot.build(module, low, options, "h", prefix, source)
+            with _flag_errors():
+                files = backend.build(lowered.module, options, emit, output, Path(file).name)
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile
 
@@ -159,6 +152,18 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     if output == "-":
         click.echo(files.pop("-").decode(), nl=False)
     write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})
+
+
+@contextmanager
+def _flag_errors():
+    """A backend's ValueError "--flag: why" (flags it cannot honour) as a usage error of that flag."""
+    try:
+        yield
+    except ValueError as e:
+        flag, sep, why = str(e).partition(": ")
+        if not (sep and flag.startswith("-") and " " not in flag):
+            raise
+        raise click.BadParameter(why, param_hint=flag) from None
 
 
 def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:

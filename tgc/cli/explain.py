@@ -9,7 +9,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import MEMORY_BUDGET
+from tgc.cli.flags import BACKEND, MEMORY_BUDGET
 from tgc.cli.run import _dim_binding, check_dim_flags
 from tgc.fsutil import write_atomic
 from tgc.options import Options
@@ -30,8 +30,9 @@ DEFAULT_DIM = 64
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @MEMORY_BUDGET
+@BACKEND
 @handle_errors
-def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None) -> None:
+def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None, backend="cpu") -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
     peak and what is alive at it, and the save/recompute decisions.
@@ -46,6 +47,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
       tgc explain examples/mlp.tg --format json
       tgc explain examples/gpt.tg --timeline gpt-memory.svg
       tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
+      tgc explain examples/mlp.tg --backend cuda     # the program the CUDA backend compiles
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
 
@@ -58,7 +60,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
     env = module.bind_dims(sizes)
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
-    low = pipeline.lower_module(lowered.module, options, "cpu")
+    low = pipeline.lower_module(lowered.module, options, backend)
     report = report_of(low, env)
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()

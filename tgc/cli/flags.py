@@ -48,3 +48,25 @@ def report_memory(plan) -> None:
     click.echo(f"{'note' if plan.met else 'warning'}: {plan.summary()}", err=True)
     for line in plan.lines():
         click.echo(line, err=True)
+
+
+class LoweringBackends(click.Choice):
+    """Every backend's name (`tgc.backends.base.backend_names`), listed when asked for."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self):
+        from tgc.backends.base import backend_names
+
+        return backend_names()
+
+    @choices.setter
+    def choices(self, value) -> None:
+        pass
+
+
+BACKEND = click.option("--backend", type=LoweringBackends(), default="cpu", show_default=True,
+                       help="Whose lowering stages run after the IR passes: the neutral fuse, layout and "
+                            "plan, with the backend's own between them (the CPU's group; `tgc passes`).")

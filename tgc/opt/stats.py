@@ -30,7 +30,7 @@ from tgc.ir.values import Value
 from tgc.opt.paths import contraction_cost, prod
 
 FREE = ("arg", "const", "size", "indicator", "rename", "stop", "custom", "slot")
-BYTES = {"f32": 4, "f64": 8, "i32": 4}
+BYTES = {"f32": 4, "f64": 8, "i32": 4, "bf16": 2, "f16": 2}
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,10 @@ def module_stats(m: Module, rep: int = 64) -> ModuleStats:
     return ModuleStats(len(values), flops, sum(mem), max(mem, default=0))
 
 
-def format_table(rows: Sequence[tuple[str, ModuleStats]]) -> str:
-    """One line per (stage, stats), for `tgc dump-ir --stats`."""
-    lines = [f"  {'ops':>7} {'FLOPs':>14} {'bytes':>14} {'largest':>12}  after"]
+def format_table(rows: Sequence[tuple[str, ModuleStats]], count: str = "ops") -> str:
+    """One line per (stage, stats), for `tgc dump-ir --stats`; `count` heads the first
+    column (the ops of a module, the kernels of a lowered program)."""
+    lines = [f"  {count:>7} {'FLOPs':>14} {'bytes':>14} {'largest':>12}  after"]
     for name, s in rows:
         lines.append(f"  {s.ops:7d} {s.flops:14,d} {s.bytes:14,d} {s.largest:12,d}  {name}")
     return "\n".join(lines) + "\n"

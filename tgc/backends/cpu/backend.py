@@ -2,8 +2,9 @@
 lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`),
 `gemm_operands` (bf16 GEMMs, or operands widened for BLAS) and `group` (cache
 blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
-JIT-loaded in this process (`kernels.compile_kernels`), and cache keys that name
-the host CPU and its features."""
+JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
+the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
+with its C header, an object file, LLVM IR, assembly, or the header alone)."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
@@ -17,6 +18,32 @@ class CpuBackend(Backend):
     stages = (Narrow, GemmOperands, Group)
     kernel_forms = {"group": read_group}
     source_cache = True
+    emits = ("so", "obj", "llvm", "asm", "h")
+
+    def companions(self, output: str, emit: str) -> dict[str, str]:
+        from pathlib import Path
+
+        from tgc.backends.cpu.header import c_identifier
+
+        if emit != "so":
+            return {}
+        return {"the header": str(Path(output).with_name(c_identifier(output) + ".h"))}   # libmlp.so -> mlp.h
+
+    def build(self, module, options, emit, output, source):
+        from tgc.backends.cpu import aot
+        from tgc.backends.cpu.header import c_identifier
+        from tgc.manager import lower_module
+
+        prefix = c_identifier(output)
+        # the header too: which bf16/f16 tensors are 2-byte arrays is the lowering's choice (narrow)
+        low = lower_module(module, self.lowering_options(options), None, "plan", self.lowering())
+        try:
+            files = {output: aot.build(module, low, options, emit, prefix, source)}
+        except aot.NoSystemBlas as e:
+            raise ValueError(f"--blas: {e}") from None
+        for path in self.companions(output, emit).values():
+            files[path] = aot.build(module, low, options, "h", prefix, source)
+        return files
 
     def cache_parts(self) -> tuple[str, ...]:
         from tgc.backends.cpu.kernels import cache_parts

@@ -38,8 +38,10 @@ from tgc.options import Options
 EMITS = ("cu", "ptx", "cubin")
 
 
-def build(module: Module, options: Options, emit: str, arch: str = "sm_90") -> tuple[bytes, bytes]:
-    """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR pipeline."""
+def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
+    """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR
+    pipeline, for the GPU architecture `options.cuda.arch`."""
+    arch = options.cuda.arch
     if options.fp_strict and options.dtype == "f32":
         from tgc.ir.emulate import emulate_f32
 

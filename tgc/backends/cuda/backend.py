@@ -16,6 +16,20 @@ def lowering_options(options):
 
 class CudaBackend(Backend):
     name = "cuda"
+    emits = ("cubin", "ptx", "cu")
+
+    def companions(self, output: str, emit: str) -> dict[str, str]:
+        from pathlib import Path
+
+        if output == "-":
+            raise ValueError("-o: --target cuda writes a manifest beside the output: give a file name")
+        return {"the manifest": str(Path(output).with_suffix(".json"))}
+
+    def build(self, module, options, emit, output, source):
+        from tgc.backends.cuda import aot
+
+        data, manifest = aot.build(module, options, emit)
+        return {output: data, self.companions(output, emit)["the manifest"]: manifest}
 
     def lowering_options(self, options):
         return lowering_options(options)
@@ -28,3 +42,4 @@ class CudaBackend(Backend):
 
 class CudaSimBackend(CudaBackend):
     name = "cuda-sim"
+    emits = ()   # the emulator runs programs; `--target cuda` builds the same module

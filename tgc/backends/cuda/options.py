@@ -10,6 +10,7 @@ class CudaOptions:
     """How the CUDA backends launch kernels; `with_(name=value)` copies."""
 
     row_min: int = 128   # a reduction over at least this many elements per output runs one block per output (else one thread)
+    arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
 
     def with_(self, **changes) -> "CudaOptions":
         """A copy with the given fields changed."""
