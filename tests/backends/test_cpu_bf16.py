@@ -359,3 +359,20 @@ def test_header_says_bf16_arguments_are_16_bit(tmp_path):
     assert "uint16_t" in line("ARG_X") and "bfloat16" in line("ARG_X")
     assert "uint16_t" in line("ARG_H") and "half" in line("ARG_H")
     assert "uint16_t" in line("OUT_Y") and "float" in line("OUT_S")
+
+
+def test_lowered_text_keeps_two_byte_buffers():
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import parse_lowered
+
+    opts = Options()
+    low = lower_module(optimized(CHAIN, opts), opts)
+    text = print_lowered(low)
+    assert "buffer %x : bf16[i, j] arg 0" in text and "buffer %h : f16[i, j] arg 2" in text
+    back = parse_lowered(text)
+    assert {n: b.dtype for n, b in back.buffers.items()} == {n: b.dtype for n, b in low.buffers.items()}
+    rng = np.random.default_rng(4)
+    inputs = {"x": low_values(rng, (64, 48), "bf16"), "s": low_values(rng, 48, "bf16"),
+              "h": low_values(rng, (64, 48), "f16")}
+    a, b = run_lowered(low, inputs), run_lowered(back, inputs)
+    assert all(same_bits(a[k], b[k]) for k in a)
