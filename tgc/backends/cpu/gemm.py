@@ -951,8 +951,8 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
                                                             ir.Constant(I1, 1)))
                     with packed:   # A's pairs for this block of rows first
                         _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair)
-                        steps(kp, lambda r, p: b.load(b.gep(apack, [b.add(I64(r * half), p)], source_etype=I32),
-                                                      typ=I32), "kp")
+                        steps(kp, lambda r, p: b.load(b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))],
+                                                            source_etype=I32), typ=I32), "kp")
                 for r in range(rows_n):
                     real = _splat(b, inside[r], mt)
                     for c in range(BF16_VECS):
@@ -964,27 +964,43 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
 
 
 def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair):
-    """Rows i0.. i0+3's pairs of A's K block into `apack` (row r's pair p at r * half + p):
-    when A's M is contiguous, the 4 rows of each K are one masked vector load (rows past
-    M read as zeros); else element by element."""
-    half, rows_n = BF16_DEPTH // 2, BF16_ROWS
+    """Rows i0.. i0+3's pairs of A's K block into `apack` (row r's pair p at p * 4 + r):
+    when A's M is contiguous, the 4 rows of each K are one vector load (masked, rows
+    past M reading as zeros, only for a last partial block of rows or the last odd K:
+    LLVM makes scattered scalar loads of a masked <4 x i16>) and each pair of K one
+    vector store; else element by element."""
+    rows_n = BF16_ROWS
+    i16 = ir.IntType(16)
     with b.if_else(b.icmp_signed("==", sam, I64(1))) as (columns, scattered):
         with columns:
             it4 = ir.VectorType(I32, rows_n)
             iota4 = ir.Constant(ir.VectorType(I64, rows_n), list(range(rows_n)))
             real = b.icmp_signed("<", iota4, _splat(b, b.sub(M, i0), ir.VectorType(I64, rows_n)))
-            with for_range(b, I64(0), kp, "av") as p:
+            whole = b.icmp_signed(">=", b.sub(M, i0), I64(rows_n))
+            plain = b.select(whole, b.sdiv(kd, I64(2)), I64(0))   # pairs read with plain loads
+
+            def store(p, v):
+                dst = b.gep(apack, [b.mul(p, I64(rows_n))], source_etype=I32)
+                b.store(v, b.bitcast(dst, it4.as_pointer()), align=16)
+
+            v4 = ir.VectorType(i16, rows_n)
+            with for_range(b, I64(0), plain, "aw") as p:
+                k = b.add(k0, b.mul(p, I64(2)))
+                lo = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), v4.as_pointer()),
+                            typ=v4, align=2)
+                hi = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(b.add(k, I64(1)), sak))], source_etype=i16),
+                                      v4.as_pointer()), typ=v4, align=2)
+                store(p, pair(b.zext(lo, it4), b.zext(hi, it4), it4))
+            with for_range(b, plain, kp, "av") as p:
                 k = b.add(k0, b.mul(p, I64(2)))
                 ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), ir.VectorType(I1, rows_n))
                 ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
                 hi_k = b.select(ok1, b.add(k, I64(1)), k)
-                lo = masked_i16(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=ir.IntType(16)), rows_n,
+                lo = masked_i16(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), rows_n,
                                 b.and_(real, ok0))
-                hi = masked_i16(b.gep(pa, [b.add(i0, b.mul(hi_k, sak))], source_etype=ir.IntType(16)), rows_n,
+                hi = masked_i16(b.gep(pa, [b.add(i0, b.mul(hi_k, sak))], source_etype=i16), rows_n,
                                 b.and_(real, _splat(b, ok1, ir.VectorType(I1, rows_n))))
-                v = pair(lo, hi, it4)
-                for r in range(rows_n):
-                    b.store(b.extract_element(v, I32(r)), b.gep(apack, [b.add(I64(r * half), p)], source_etype=I32))
+                store(p, pair(lo, hi, it4))
         with scattered:
             for r in range(rows_n):
                 arow = b.mul(rows[r], sam)
@@ -994,4 +1010,4 @@ def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16
                     ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
                     lo = element(pa, b.add(arow, b.mul(k, sak)), ok0)
                     hi = element(pa, b.add(arow, b.mul(b.add(k, I64(1)), sak)), ok1)
-                    b.store(pair(lo, hi), b.gep(apack, [b.add(I64(r * half), p)], source_etype=I32))
+                    b.store(pair(lo, hi), b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))], source_etype=I32))
