@@ -225,7 +225,7 @@ out y = max(x @ W + c, 0) * 2
 """
     rng = np.random.default_rng(3)
     x, W, c = (low_values(rng, s, "bf16") for s in ((64, 96), (96, 80), (80,)))
-    got = tgc.compile(src)(x=x, W=W, c=c)["y"]
+    got = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm_min_flops=0)))(x=x, W=W, c=c)["y"]
     T = lambda a: torch.from_numpy(a.astype(np.float32)).bfloat16()  # noqa: E731
     want = (torch.relu(T(x) @ T(W) + T(c)) * 2).float().numpy()
     assert got.dtype == BF16
@@ -281,7 +281,7 @@ def test_gemm_conversion_path_and_bf16_path_agree_with_f64(orders, sizes):
     np.testing.assert_allclose(got_off, want, rtol=1e-5, atol=1e-6 * scale)
     if not HAS_BF16:
         pytest.skip("this CPU has no avx512bf16: the vdpbf16ps path is checked by its assembly only")
-    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1)))
+    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1, bf16_gemm_min_flops=0)))
     assert any(isinstance(k, GemmKernel) and on.lowered.buffers[k.a.buf].dtype == "bf16"
                for k in on.lowered.kernels)
     assert "llvm.x86.avx512bf16.dpbf16ps.512" in on.llvm_ir
@@ -303,7 +303,7 @@ out c = f32(h) @ f32(w)
     want = np.einsum("bik,kj->bij", (2.0 * inputs["x"].astype(np.float64)) - inputs["x"].astype(np.float64),
                      inputs["w"].astype(np.float64))
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode)))
+        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
         np.testing.assert_allclose(p(**inputs)["c"], want, rtol=1e-5, atol=1e-4)
 
 
@@ -315,7 +315,7 @@ def test_bf16_gemm_code_for_sapphire_rapids_has_vdpbf16ps():
     from tgc.backends.cpu import codegen
 
     src = gemm_program(sizes=(64, 64, 64))
-    opts = Options(cpu=CpuOptions(bf16_gemm="on"))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0))
     low = lower_module(optimized(src, opts), opts)
     assert any(isinstance(k, GemmKernel) and low.buffers[k.a.buf].dtype == "bf16" for k in low.kernels)
     text = codegen.generate(low, opts)
@@ -340,7 +340,7 @@ def test_autocast_products_use_bf16_operands_and_match_the_conversion_path():
     a, b = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 48)).astype(np.float32)
     want = round_to(a, "bf16").astype(np.float64) @ round_to(b, "bf16").astype(np.float64)
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode)))
+        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
         np.testing.assert_allclose(p(a=a, b=b)["c"], want, rtol=1e-5, atol=1e-4)
         bf16_gemm = any(isinstance(k, GemmKernel) and p.lowered.buffers[k.a.buf].dtype == "bf16"
                         for k in p.lowered.kernels)
@@ -376,3 +376,17 @@ def test_lowered_text_keeps_two_byte_buffers():
               "h": low_values(rng, (64, 48), "f16")}
     a, b = run_lowered(low, inputs), run_lowered(back, inputs)
     assert all(same_bits(a[k], b[k]) for k in a)
+
+
+def test_small_bf16_products_run_sgemm_on_their_f32_values():
+    """Under `bf16_gemm_min_flops` (default 2^24) a product runs sgemm: its operands,
+    rounded temporaries that only GEMMs read, go back to f32 storage, no copy."""
+    src = "dim m = 64, k = 96, n = 48\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
+    p = tgc.compile(src, options=Options(autocast="bf16"))
+    gemms = [k for k in p.lowered.kernels if isinstance(k, GemmKernel)]
+    assert gemms and all(p.lowered.buffers[v.buf].dtype == "f32" for k in gemms for v in (k.a, k.b))
+    assert not any("widened" in getattr(k, "note", "") for k in p.lowered.kernels)
+    big = "dim m = 512, k = 256, n = 256\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
+    q = tgc.compile(big, options=Options(autocast="bf16"))
+    kinds = {q.lowered.buffers[k.a.buf].dtype for k in q.lowered.kernels if isinstance(k, GemmKernel)}
+    assert kinds == ({"bf16"} if HAS_BF16 else {"f32"})

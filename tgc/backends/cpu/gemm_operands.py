@@ -5,7 +5,9 @@ backend has two kinds of real GEMM:
 
 - the bf16 GEMM (`gemm.bf16_kernel`: AVX-512 BF16's `vdpbf16ps`, products of bf16
   pairs summed in f32), for a product of two bf16 operands in an f32 program, without
-  taps or shifts, when `options.cpu.bf16_gemm` allows it: "auto" where the host CPU
+  taps or shifts, of at least `options.cpu.bf16_gemm_min_flops` flops (its packing,
+  per call, costs more than it saves on small products), when `options.cpu.bf16_gemm`
+  allows it: "auto" where the host CPU
   reports `avx512bf16` (`llvm.get_host_cpu_features()`), "on" always (code for
   another CPU, e.g. a library built for Sapphire Rapids), "off" never. numpy's
   OpenBLAS exports no bf16 GEMM (`sbgemm`), so there is no BLAS path for it;
@@ -23,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.dtypes import LOW_FLOATS
+from tgc.ir.sizes import size_estimate
 from tgc.ir.passes import Pass
 from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, View
 from tgc.options import Options
@@ -55,7 +58,17 @@ def is_bf16_gemm(low: Lowered, k, options: Options) -> bool:
     """Whether GEMM `k` runs as a bf16 GEMM (see the module's docstring)."""
     return (isinstance(k, GemmKernel) and k.cplx is None and not k.taps and not k.shifts
             and low.dtype == "f32" and low.buffers[k.a.buf].dtype == "bf16"
-            and low.buffers[k.b.buf].dtype == "bf16" and bf16_gemms(options))
+            and low.buffers[k.b.buf].dtype == "bf16" and bf16_gemms(options)
+            and flops(low, k, options.rep_size) >= options.cpu.bf16_gemm_min_flops)
+
+
+def flops(low: Lowered, k: GemmKernel, rep: int) -> int:
+    """2 x batch x m x n x k of the product, symbolic dims taken at `rep`."""
+    env = {d: rep for d, s in low.module.dims.items() if s is None}
+    total = 2
+    for e in k.batch + k.m + k.n + k.k:
+        total *= size_estimate(low.size(e), env)
+    return total
 
 
 def widen_operands(low: Lowered, options: Options) -> None:
