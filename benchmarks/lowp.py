@@ -16,7 +16,8 @@ Rows:
 Each contender's samples are interleaved (A B C D A B C D ...); a sample is the mean of
 enough calls to last ~50 ms; the table gives the minimum and the median in ms. tgc's
 autocast rounds the products' operands to bf16, stores them in 2 bytes and runs its
-bf16 GEMM on them where the CPU has AVX-512 BF16 ("tgc autocast bf16"), or widens them
+bf16 GEMM on them where the CPU has AVX-512 BF16 and the product has at least 2^24
+flops ("tgc autocast bf16"; smaller products run sgemm on f32), or widens them
 to f32 for sgemm ("... sgemm": `CpuOptions(bf16_gemm="off")`, docs/dtypes.md);
 PyTorch's CPU autocast runs oneDNN bf16 GEMMs.
 """
