@@ -16,6 +16,13 @@ starts; it reports steps/s (rank 0's wall time), and the medians of the three pa
 a step (`DataParallel.last_times`), and rank 0's fastest and median step: phase 1 (forward and gradients), the reduction (the
 allreduces, and the wait for the slowest rank), phase 2 (the AdamW updates).
 
+The overlap run (`--overlap`, part of the default) compares, in the same processes and
+interleaved (rounds of `--steps` / 6 steps each, so that the machine's load falls on both
+alike), the step with its gradients in buckets of `--bucket-kib` KiB (default 64: the
+GPT's 340 KB make 6 buckets) reduced after phase 1 (`overlap=False`) and while phase 1
+runs (`overlap=True`), for the strong and the weak batch. "reduce ms" is then the
+reduction's exposed part: the time from the end of phase 1 to the last bucket's sum.
+
 The bandwidth run times `MPI.Allreduce` of float32 buffers from 4 KiB to 64 MiB and
 prints the bus bandwidth 2 (N - 1) / N x bytes / time (NCCL's convention: what each
 process moves through its link in a ring allreduce), from the fastest and the median of
@@ -76,6 +83,8 @@ def _worker(args) -> int:
                          "reduce_ms": med[1], "phase2_ms": med[2], "step_min_ms": 1e3 * min(times),
                          "step_median_ms": 1e3 * float(np.median(times))}
         out["gradient_bytes"] = step.gradient_bytes
+    if args.what in ("overlap", "all"):
+        out["overlap"] = _overlap_runs(args, comm, g, tgc, np)
     if args.what in ("bandwidth", "all") and size > 1:
         bw = {}
         for kib in (4, 64, 1024, 16384, 65536):
@@ -99,13 +108,61 @@ def _worker(args) -> int:
     return 0
 
 
-def _mpirun(n: int, what: str, steps: int) -> dict:
+def _overlap_runs(args, comm, g, tgc, np) -> dict:
+    """Steps with small buckets, reduced after phase 1 and while it runs, interleaved."""
+    size = comm.Get_size()
+    opts = tgc.Options(cpu=tgc.CpuOptions(threads=1))
+    steps = {flag: tgc.compile(g.TG, options=opts, data_parallel=comm, bucket_bytes=args.bucket_kib << 10,
+                               overlap=flag) for flag in (False, True)}
+    train, _ = g.split(0)
+    arrays = g.init(steps[False], 0)
+    lr, wd = g.tc.scalar(1e-4), g.tc.scalar(1.0)
+    rng = np.random.default_rng(2)
+    out = {}
+    for mode in ("strong", "weak"):
+        rows = 64 if mode == "strong" else 64 * size
+        batches = [g.batch(train[rng.integers(0, len(train), rows)]) for _ in range(8)]
+        for step in steps.values():
+            for i in range(5):
+                step(**step.shard_inputs(batches[i % 8]), **arrays, lr=lr, wd=wd)
+        per = max(1, args.steps // 6)
+        times = {False: [], True: []}
+        parts = {False: [], True: []}
+        wall = {False: 0.0, True: 0.0}
+        overlapped = {False: 0, True: 0}
+        early = {False: [], True: []}
+        for _ in range(6):
+            for flag, step in steps.items():
+                comm.Barrier()
+                t = time.perf_counter()
+                for i in range(per):
+                    t0 = time.perf_counter()
+                    step(**step.shard_inputs(batches[i % 8]), **arrays, lr=lr, wd=wd)
+                    times[flag].append(time.perf_counter() - t0)
+                    parts[flag].append(step.last_times)
+                    overlapped[flag] += step.last_overlapped
+                    early[flag].append(step.last_early_buckets)
+                wall[flag] += time.perf_counter() - t
+        out[mode] = {}
+        for flag in (False, True):
+            med = np.median(np.array(parts[flag]), axis=0) * 1e3
+            n = len(times[flag])
+            out[mode]["overlap" if flag else "serial"] = {
+                "global_batch": rows, "steps_per_s": n / wall[flag], "step_min_ms": 1e3 * min(times[flag]),
+                "step_median_ms": 1e3 * float(np.median(times[flag])), "phase1_ms": med[0], "reduce_ms": med[1],
+                "phase2_ms": med[2], "overlapped_steps": overlapped[flag], "steps": n,
+                "early_buckets_mean": float(np.mean(early[flag]))}
+    out["buckets"] = steps[True].buckets
+    return out
+
+
+def _mpirun(n: int, what: str, steps: int, bucket_kib: int = 64) -> dict:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         env.pop(k, None)
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, __file__,
-           "--worker", what, "--steps", str(steps)]
+           "--worker", what, "--steps", str(steps), "--bucket-kib", str(bucket_kib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -212,13 +269,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
     ap.add_argument("--json", type=Path, help="write every number here")
     ap.add_argument("--model-only", action="store_true", help="only the scaling model (no mpirun)")
-    ap.add_argument("--worker", choices=("steps", "bandwidth", "all"), help=argparse.SUPPRESS)
+    ap.add_argument("--bucket-kib", type=int, default=64, help="bucket size of the overlap run (default 64)")
+    ap.add_argument("--overlap-only", action="store_true", help="only the overlap run (no scaling model, bandwidth)")
+    ap.add_argument("--worker", choices=("steps", "bandwidth", "overlap", "all"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.what = args.worker
         return _worker(args)
     import platform
 
+    if args.overlap_only:
+        results = [_mpirun(int(n), "overlap", args.steps, args.bucket_kib) for n in args.procs.split(",")]
+        _print_overlap(results, args)
+        if args.json:
+            args.json.write_text(json.dumps({"load_average": os.getloadavg(), "steps": args.steps, "runs": results},
+                                            indent=1))
+        return 0
     fit = compute_fit()
     print(f"phase 1 of the GPT step, one process, one thread (fastest of 40): "
           + ", ".join(f"batch {b}: {1e3 * t:.2f} ms" for b, t in zip(fit["batches"], fit["phase1_s"]))
@@ -230,7 +296,7 @@ def main() -> int:
     print()
     if args.model_only:
         return 0
-    results = [_mpirun(int(n), "all", args.steps) for n in args.procs.split(",")]
+    results = [_mpirun(int(n), "all", args.steps, args.bucket_kib) for n in args.procs.split(",")]
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, load average "
           f"{load[0]:.1f} (other jobs share it); GPT AdamW step (examples/train_sort_gpt.tg), "
@@ -253,10 +319,32 @@ def main() -> int:
             size = f"{int(kib) // 1024} MiB" if int(kib) >= 1024 else f"{kib} KiB"
             print(f"| {r['procs']} | {size} | {b['us']:.0f} / {b['median_us']:.0f} us | "
                   f"{b['bus_GBps']:.2f} / {b['bus_GBps_median']:.2f} GB/s |")
+    print()
+    _print_overlap(results, args)
     if args.json:
         args.json.write_text(json.dumps({"load_average": load, "steps": args.steps, "runs": results, "fit": fit},
                                         indent=1))
     return 0
+
+
+def _print_overlap(results: list, args) -> None:
+    load = os.getloadavg()
+    first = next((r["overlap"]["buckets"] for r in results if r.get("overlap")), [])
+    print(f"overlap: buckets of {args.bucket_kib} KiB ({len(first)} per step, full after phase 1's kernels "
+          f"{', '.join(str(b[2]) for b in first)}), load average {load[0]:.1f}")
+    print()
+    print("| procs | scaling | global batch | reduction | steps/s | step min / median ms | phase 1 ms | "
+          "exposed reduce ms | phase 2 ms | buckets done before phase 1 ended |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for mode in ("strong", "weak"):
+            for which in ("serial", "overlap"):
+                m = r["overlap"][mode][which]
+                label = "after phase 1" if which == "serial" else \
+                    f"during phase 1 ({m['overlapped_steps']}/{m['steps']} steps)"
+                print(f"| {r['procs']} | {mode} | {m['global_batch']} | {label} | {m['steps_per_s']:.1f} | "
+                      f"{m['step_min_ms']:.2f} / {m['step_median_ms']:.2f} | {m['phase1_ms']:.2f} | "
+                      f"{m['reduce_ms']:.2f} | {m['phase2_ms']:.2f} | {m['early_buckets_mean']:.1f} |")
 
 
 if __name__ == "__main__":

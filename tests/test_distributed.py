@@ -10,6 +10,8 @@ and runs over 1, 2 and 3 ranks against single-process training on the whole batc
   training within f32 tolerance, and with `deterministic=True` (the gradients summed in
   rank order) match the in-process ranks bit for bit.
 - The NCCL path on cuda-sim with in-process NCCL-like communicators.
+- Overlap (small buckets, reduced while phase 1 runs) against `overlap=False`: the same
+  bits, in-process, under MPI and on cuda-sim.
 """
 from __future__ import annotations
 
@@ -160,6 +162,100 @@ def test_local_ranks_match_single_process(tmp_path, name, n):
     _close(ranks[0], _single(name))
 
 
+def _same_bits(a: dict, b: dict, skip=("overlapped",)) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k not in skip:
+            assert np.array_equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name, n", [("mlp", 2), ("mlp13", 3), ("digits", 2)])
+@pytest.mark.parametrize("det", ["", ":det"])
+def test_overlap_is_the_serial_path_bit_for_bit(tmp_path, name, n, det):
+    """Buckets of 1 KiB (several per step) reduced while phase 1 runs give the bits of
+    the same buckets reduced after it, on every rank."""
+    over = _local(n, f"{name}:small{det}", tmp_path)
+    serial = _local(n, f"{name}:small:serial{det}", tmp_path)
+    assert all(r["overlapped"] for r in over) and not any(r["overlapped"] for r in serial)
+    assert over[0]["buckets"] > 1
+    _same_on_every_rank(over)
+    for a, b in zip(over, serial):
+        _same_bits(a, b)
+    _close(over[0], _single(name))
+
+
+def test_buckets_fill_in_the_order_phase_1_finishes_them():
+    case = cases.CASES["digits"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm, bucket_bytes=1024)
+        state = case.init()
+        for k in range(2):
+            step(**step.shard_inputs(case.batch(k)), **case.scalars(k), **state)
+        return step
+    lock = threading.Lock()
+    step = D.run_ranks(2, body)[0]
+    ready = step.grads.ready_after()
+    buckets = step.buckets
+    assert len(buckets) > 1 and step.last_overlapped
+    assert [b[2] for b in buckets] == sorted(b[2] for b in buckets)     # reduced in the order they fill
+    for names, nbytes, at in buckets:
+        assert at == max(ready[n] for n in names)
+        assert nbytes <= 1024 or len(names) == 1
+    assert sorted(n for b in buckets for n in b[0]) == sorted(step.reduced)
+
+
+def test_one_process_and_one_bucket_take_the_single_call():
+    case = cases.CASES["mlp"]
+
+    def body(comm, **kw):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm, **kw)
+        state = case.init()
+        for k in range(2):
+            step(**step.shard_inputs(case.batch(k)), **case.scalars(k), **state)
+        return step.last_overlapped, len(step.buckets)
+    lock = threading.Lock()
+    assert D.run_ranks(1, lambda c: body(c, bucket_bytes=1024))[0][0] is False      # one process
+    assert D.run_ranks(2, lambda c: body(c))[0] == (False, 1)                          # one bucket
+    assert D.run_ranks(2, lambda c: body(c, bucket_bytes=1024, overlap=False))[0][0] is False
+    assert D.run_ranks(2, lambda c: body(c, bucket_bytes=1024))[0][0] is True
+    with pytest.raises(TypeError, match="overlap= takes True or False"):
+        tgc.compile(case.path, data_parallel=D.local_group(1)[0], overlap="yes")
+
+
+def test_new_shapes_plan_the_buckets_again():
+    """A gradient whose size follows a symbolic dim other than the batch's: a call with
+    another size finds the buckets unfit during phase 1, reduces after it with buckets
+    planned anew, and overlaps again on the next call; every result as without overlap."""
+    src = BASE.replace("dim f = 3", "dim f") + "update W = W - lr * grad(loss, W)"
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((8, f), dtype=np.float32) for f in (3, 3, 5, 5)]
+
+    def body(comm, overlap):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm, bucket_bytes=4, overlap=overlap)
+        got = []
+        for x in xs:
+            W = np.linspace(0.5, 1.5, x.shape[1], dtype=np.float32)
+            res = step(**step.shard_inputs({"x": x}), W=W, lr=0.1)
+            got.append((res["loss"], W.copy(), step.last_overlapped, len(step.buckets)))
+        return got
+    lock = threading.Lock()
+    over = D.run_ranks(2, lambda c: body(c, True))
+    serial = D.run_ranks(2, lambda c: body(c, False))
+    assert [g[2] for g in over[0]] == [False, True, True, True]    # the third call: unfit, reduced after
+    assert [g[3] for g in over[0]] == [2, 2, 2, 2]
+    for a, b in zip(over, serial):
+        for (la, Wa, _, _), (lb, Wb, _, _) in zip(a, b):
+            assert np.array_equal(la, lb) and np.array_equal(Wa, Wb)
+    x = xs[2]
+    W = np.linspace(0.5, 1.5, 5, dtype=np.float32)
+    g = 2 * (x @ W)[:, None] * x
+    np.testing.assert_allclose(over[0][2][1], W - 0.1 * g.mean(0), rtol=1e-5)
+
+
 def test_one_rank_is_the_plain_step_bit_for_bit(tmp_path):
     """With one rank nothing is reduced: the split step gives the fused step's bits on
     the MLP (its gradients are f32 in both)."""
@@ -265,7 +361,8 @@ def _mpi_env() -> dict:
 
 MPI_REASON = _mpi_reason()
 needs_mpi = pytest.mark.skipif(MPI_REASON is not None, reason=MPI_REASON or "")
-SPECS = ["mlp", "mlp:det", "mlp13", "mlp13:det", "digits"]
+SPECS = ["mlp", "mlp:det", "mlp13", "mlp13:det", "digits",
+         "mlp13:small", "mlp13:small:serial", "digits:small", "digits:small:serial"]
 
 
 def _mpirun(n: int, out: Path) -> None:
@@ -296,6 +393,11 @@ def test_mpi_ranks(tmp_path, n, warm_cache):
             local = _local(n, spec, tmp_path / "local")
             for k in local[0]:
                 assert np.array_equal(ranks[0][k], local[0][k]), (spec, k)
+        if spec.endswith(":small"):  # overlapped: MPI's own sums, the bits of the serial path's
+            serial = [dict(np.load(tmp_path / f"{spec}:serial.rank{r}.npz")) for r in range(n)]
+            assert all(r["overlapped"] and r["buckets"] > 1 for r in ranks), spec
+            for a, b in zip(ranks, serial):
+                _same_bits(a, b)
 
 
 @pytest.mark.slow
@@ -321,6 +423,18 @@ def test_nccl_path_on_cuda_sim(tmp_path, n):
     ranks = _local(n, "mlp13", tmp_path, kind="nccl", backend="cuda-sim")
     _same_on_every_rank(ranks)
     _close(ranks[0], _single("mlp13"), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
+def test_nccl_overlap_on_cuda_sim(tmp_path):
+    """cuda-sim's launches notify too: small buckets reduced while phase 1 runs, the
+    serial path's bits."""
+    over = _local(2, "mlp13:small", tmp_path, kind="nccl", backend="cuda-sim")
+    serial = _local(2, "mlp13:small:serial", tmp_path, kind="nccl", backend="cuda-sim")
+    assert all(r["overlapped"] for r in over) and over[0]["buckets"] > 1
+    for a, b in zip(over, serial):
+        _same_bits(a, b)
+    _close(over[0], _single("mlp13"), rtol=1e-4, atol=1e-5)
 
 
 def test_nccl_communicator_needs_a_cuda_backend():

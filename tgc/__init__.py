@@ -75,7 +75,8 @@ def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options
     makes a `tgc.distributed.DataParallel` step: the batch split over the ranks, the
     gradients averaged, the updates run on every rank (docs/distributed.md). Its
     keywords: `shard` (the split dim, "batch"), `deterministic` (sum in rank order),
-    `bucket_bytes`, `sums` (outputs summed, not averaged).
+    `bucket_bytes`, `sums` (outputs summed, not averaged), `overlap` (reduce each
+    bucket while the backward pass goes on; True).
 
     Compiled code is cached on disk (see the README), so compiling the same program
     again is fast.

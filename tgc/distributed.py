@@ -28,15 +28,30 @@ What it does (docs/distributed.md has the contract and the measurements):
   communicator (`cupy.cuda.nccl.NcclCommunicator`; cuda, cuda-sim). `local_group(n)`
   makes n in-process communicators of either kind (threads), for tests and debugging.
 
-The allreduces start once phase 1 (one native call) has produced every gradient: they
-do not overlap the backward pass. Every collective is called in the same order on every
-rank (the buckets in the program's fixed order), and a call's argument errors are raised
-before the first one, so the step terminates whenever every rank makes the call.
+Overlap: the buckets are filled in the order in which phase 1's kernels finish their
+values (`Program.ready_after`: the last layers' gradients first). With more than one
+bucket and more than one rank on a host engine (MPI, or NCCL on cuda-sim), phase 1's
+native call stops after the kernel that finishes a bucket (`Program.run`'s `notify`, a
+ctypes callback) just long enough to copy the bucket's values into it and hand it to the
+step's communication thread, which reduces the buckets in order, with the same blocking
+collective as the single-call path, while the kernels go on. So the sums are the same
+calls on the same buffers: the results equal the single-call path's bit for bit
+(tested), only the time differs. Otherwise (`overlap=False`, one bucket, one rank, a
+GPU's NCCL, an MPI without MPI_THREAD_SERIALIZED) phase 1 is one call and the buckets
+are reduced after it.
+
+Every collective is called in the same order on every rank (the row counts, then the
+buckets in their fixed order), by one thread at a time, and a call's argument errors
+are raised before the first one, so the step terminates whenever every rank makes the
+call. The communication thread ends when its phase 1 does: an exception on either side
+is raised by the step after both are done.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,6 +211,7 @@ class _Engine:
     """The collectives a step needs, on arrays of the programs' array module."""
     rank: int
     size: int
+    other_threads = True   # a thread other than MPI_Init's may call them (one at a time)
 
     def allreduce(self, buf) -> None:
         """Sum `buf` over the ranks, in place (the same bits on every rank)."""
@@ -218,6 +234,10 @@ class MPIEngine(_Engine):
     def __init__(self, comm):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if type(comm).__module__.startswith("mpi4py"):   # MPI_THREAD_SERIALIZED at least (mpi4py asks MULTIPLE)
+            from mpi4py import MPI
+
+            self.other_threads = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
     def allreduce(self, buf) -> None:
         send = buf.copy()
@@ -450,11 +470,17 @@ class DataParallel:
     The result holds each output: averaged over the ranks (weighted by rows) when it
     has no split edge (a loss), or summed when it is named in `sums`; this rank's own
     rows when it has the split edge. Then each update's new value, as a plain call's.
-    `run(..., updates=False)` is the forward-only call, on this rank alone."""
+    `run(..., updates=False)` is the forward-only call, on this rank alone.
+
+    With `overlap` (default) and more than one bucket, each bucket is reduced while
+    phase 1 goes on (see the module docstring); the results are the same bits.
+    After a call: `last_times` (seconds of phase 1, of the reduction that phase 1 did
+    not hide, of phase 2), `last_overlapped`, `last_early_buckets` (buckets reduced
+    before phase 1 ended), `buckets`."""
 
     def __init__(self, module: Module, comm, options: Options, backend: str = "cpu", shard: str = "batch",
-                 deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), cache_key: str | None = None,
-                 files=()):
+                 deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), overlap: bool = True,
+                 cache_key: str | None = None, files=()):
         self.module, self.options, self.backend, self.shard = module, options, backend, shard
         self.split = split_step(module, shard)
         self.engine = engine_for(comm, backend)
@@ -463,6 +489,9 @@ class DataParallel:
         if bucket_bytes < 1:
             raise ValueError("bucket_bytes: at least 1")
         self.bucket_bytes = int(bucket_bytes)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap= takes True or False, not {type(overlap).__name__}")
+        self.overlap = overlap
         outs = {o.name for o in module.outputs}
         unknown = [s for s in sums if s not in outs]
         if unknown:
@@ -483,7 +512,14 @@ class DataParallel:
         self._signature = None
         # seconds of the last call: phase 1 (gradients), the reduction (waits included), phase 2 (updates)
         self.last_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        self._buckets = None   # [(names, flat buffer)], made on the first call for its shapes
+        self._buckets: list[_Bucket] | None = None   # made on the first call, for its shapes
+        self._ready = self.grads.ready_after()      # {phase 1 output: the kernel that finishes it}
+        self._worker: threading.Thread | None = None   # reduces the buckets while phase 1 runs
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # whether the last call overlapped its reduction with phase 1, and how many of its
+        # buckets were reduced before phase 1 ended
+        self.last_overlapped = False
+        self.last_early_buckets = 0
 
     # ------------------------------------------------------------ description
 
@@ -590,17 +626,26 @@ class DataParallel:
             self.broadcast(arrays)
             self._synced = True
         g = self.grads
-        t0 = time.perf_counter()
-        first = g.run({n: arrays[n] for n in g._names if n in arrays}, dims)
-        t1 = time.perf_counter()
         rows = self._rows(arrays, dims)
-        total, equal = self._counts(rows, first)
-        reduced = self._reduce(first, rows, total, equal)
-        t2 = time.perf_counter()
+        tc = time.perf_counter()
+        total, equal = self._counts(rows)   # first: packing an unequal shard scales by rows / total
+        t0 = time.perf_counter()
+        scale = None if equal else rows / total
+        args1 = {n: arrays[n] for n in g._names if n in arrays}
+        self.last_overlapped = self._overlaps()
+        self.last_early_buckets = 0
+        if self.last_overlapped:
+            first, t1 = self._overlapped(args1, dims, scale, equal)
+        else:
+            first = g.run(args1, dims)
+            t1 = time.perf_counter()
+            self._reduce_after(first, scale, equal, set())
+        reduced = self._views(first)
+        t2 = max(time.perf_counter(), t1)
         a = self.apply
         dims2 = {d: n for d, n in (dims or {}).items() if d in self.split.apply.dims} if dims else None
         second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims2)
-        self.last_times = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        self.last_times = (t1 - t0, (t0 - tc) + (t2 - t1), time.perf_counter() - t2)
         # reduced outputs are views of the buckets, which the next call overwrites: copies
         result = {o.name: reduced[o.name].copy() if o.name in reduced else first[o.name] for o in self.module.outputs}
         for u in self.module.updates:
@@ -619,7 +664,7 @@ class DataParallel:
 
         raise EvalError(f"no input gives the size of dim '{self.shard}': pass dims={{'{self.shard}': n}}")
 
-    def _counts(self, rows: int, like: dict) -> tuple[float, bool]:
+    def _counts(self, rows: int) -> tuple[float, bool]:
         """(the global rows, whether every rank holds as many): one small allreduce."""
         xp = self.engine.xp if isinstance(self.engine, NCCLEngine) else np
         c = xp.asarray([float(rows), float(rows) * rows], dtype=np.float64)
@@ -628,38 +673,127 @@ class DataParallel:
         s, s2 = (float(x) for x in (c.get() if hasattr(c, "get") else c))
         return s, self.size * s2 == s * s
 
-    def _reduce(self, first: dict, rows: int, total: float, equal: bool) -> dict:
-        """The reduced boundary values and outputs, as views of the flat buckets."""
+    # ------------------------------------------------------------ the reduction
+    #
+    # Both paths reduce the same buckets with the same calls, in the same order: pack
+    # (`_pack`: a copy, scaled by rows / total for unequal shards), the collective and
+    # the division by the size (`_finish`). Only when `_pack` runs differs.
+
+    def _overlaps(self) -> bool:
+        """Whether this call reduces while phase 1 runs: asked for, buckets planned
+        (the first call plans them), more than one, more than one rank, an engine
+        whose collectives the host runs (not a GPU's stream) and that another thread
+        may call, kernels that notify."""
+        host = isinstance(self.engine, MPIEngine) or getattr(self.engine, "xp", None) is np
+        return (self.overlap and self.size > 1 and self._buckets is not None and len(self._buckets) > 1
+                and host and self.engine.other_threads and self.grads._kernels.notifies)
+
+    def _pack(self, bucket: "_Bucket", first: dict, scale: float | None) -> None:
+        pos = 0
+        for n in bucket.names:
+            x = first[n]
+            view = bucket.buf[pos:pos + x.size]
+            if scale is not None and n not in self.sums:
+                view[...] = x.reshape(-1) * scale
+            else:
+                view[...] = x.reshape(-1)
+            pos += x.size
+
+    def _finish(self, bucket: "_Bucket", equal: bool) -> None:
+        """The bucket summed over the ranks, then divided by their number (equal shards)."""
+        buf = bucket.buf
+        if self.size > 1:
+            (self.engine.allreduce_fixed if self.deterministic else self.engine.allreduce)(buf)
+            if equal:
+                pos = 0
+                for n, size in zip(bucket.names, bucket.sizes):
+                    if n not in self.sums:
+                        buf[pos:pos + size] /= self.size
+                    pos += size
+
+    def _reduce_after(self, first: dict, scale: float | None, equal: bool, done: set) -> None:
+        """Every bucket not in `done`, in order, from phase 1's finished outputs."""
         if self._buckets is None or any(first[n].shape != shape for n, shape, _ in self._layout):
             self._plan_buckets(first)
+            done = set()
+        for i, bucket in enumerate(self._buckets):
+            if i not in done:
+                self._pack(bucket, first, scale)
+                self._finish(bucket, equal)
+
+    def _views(self, first: dict) -> dict:
+        """The reduced values, as views of the buckets (shaped as phase 1's outputs)."""
         out = {}
-        for names, buf in self._buckets:
+        for bucket in self._buckets:
             pos = 0
-            for n in names:
-                x = first[n]
-                view = buf[pos:pos + x.size]
-                if not equal and n not in self.sums:
-                    view[...] = x.reshape(-1) * (rows / total)
-                else:
-                    view[...] = x.reshape(-1)
-                pos += x.size
-            if self.size > 1:
-                (self.engine.allreduce_fixed if self.deterministic else self.engine.allreduce)(buf)
-            pos = 0
-            for n in names:
-                x = first[n]
-                view = buf[pos:pos + x.size]
-                if equal and n not in self.sums and self.size > 1:
-                    view /= self.size
-                out[n] = view.reshape(x.shape)
-                pos += x.size
+            for n, size in zip(bucket.names, bucket.sizes):
+                out[n] = bucket.buf[pos:pos + size].reshape(first[n].shape)
+                pos += size
         return out
+
+    def _overlapped(self, args1: dict, dims, scale: float | None, equal: bool) -> tuple[dict, float]:
+        """Phase 1 on this thread, told (`notify`) after each kernel that fills a
+        bucket: it packs the bucket and hands it to the step's communication thread,
+        which reduces the buckets in order while the kernels go on. (phase 1's
+        outputs, when phase 1 ended)."""
+        buckets = self._buckets
+        at: dict[int, list[int]] = {}
+        for i, bucket in enumerate(buckets):
+            at.setdefault(bucket.ready, []).append(i)
+        layout = {n: shape for n, shape, _ in self._layout}
+        handed: queue.SimpleQueue = queue.SimpleQueue()     # bucket indices, in order; then None
+        finished: queue.SimpleQueue = queue.SimpleQueue()   # what the communication thread did
+        fits: list[bool] = []
+
+        def ready(kernel: int, outs: dict) -> None:   # the native call waits meanwhile
+            if not fits:   # the first time: do these shapes fit the buckets? (else: after phase 1)
+                fits.append(all(outs[n].shape == shape for n, shape in layout.items()))
+            if fits[0]:
+                for i in at[kernel]:
+                    self._pack(buckets[i], outs, scale)
+                    handed.put(i)
+
+        ends: list[float] = []
+
+        def reduce_handed() -> None:   # on the communication thread
+            done: set[int] = set()
+            try:
+                while (i := handed.get()) is not None:
+                    self._finish(buckets[i], equal)
+                    ends.append(time.perf_counter())
+                    done.add(i)
+                finished.put(("done", done))
+            except BaseException as e:  # noqa: BLE001 -- raised on the step's thread
+                finished.put(("error", e))
+        self._start_worker()
+        self._jobs.put(reduce_handed)
+        try:
+            first = self.grads.run(args1, dims, notify=(list(at), ready))
+            t1 = time.perf_counter()
+        finally:
+            handed.put(None)
+            how, what = finished.get()
+        if how == "error":
+            raise what
+        self.last_early_buckets = sum(1 for t in ends if t < t1)
+        self._reduce_after(first, scale, equal, what)   # none left, unless the shapes changed
+        return first, t1
+
+    def _start_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            jobs = self._jobs
+            self._worker = threading.Thread(target=_work, args=(jobs,), daemon=True, name="tgc-allreduce")
+            self._worker.start()
+            weakref.finalize(self, jobs.put, None)   # the thread ends with the step
 
     def _plan_buckets(self, first: dict) -> None:
         """Flat buffers of at most `bucket_bytes` each (a larger value alone), per dtype,
-        the reduced values in their fixed order."""
+        the reduced values in the order phase 1 finishes them (`ready_after`; ties in
+        `reduced`'s order): the last layers' gradients first."""
         xp = self.engine.xp if isinstance(self.engine, NCCLEngine) else np
-        self._layout = [(n, first[n].shape, first[n].dtype) for n in self.reduced]
+        end = len(self.grads.lowered.kernels) - 1
+        order = sorted(self.reduced, key=lambda n: (self._ready.get(n, end), self.reduced.index(n)))
+        self._layout = [(n, first[n].shape, first[n].dtype) for n in order]
         buckets, cur, cur_bytes, cur_dt = [], [], 0, None
         for n, shape, dt in self._layout:
             if dt not in NCCL_TYPES or dt == np.dtype(np.int32):
@@ -674,12 +808,38 @@ class DataParallel:
         if cur:
             buckets.append((cur, cur_dt))
         sizes = {n: int(np.prod(shape, dtype=np.int64)) for n, shape, _ in self._layout}
-        self._buckets = [(names, xp.empty(sum(sizes[n] for n in names), dt)) for names, dt in buckets]
+        self._buckets = [_Bucket(names, [sizes[n] for n in names], xp.empty(sum(sizes[n] for n in names), dt),
+                                 max(self._ready.get(n, end) for n in names)) for names, dt in buckets]
+
+    @property
+    def buckets(self) -> list[tuple[list[str], int, int]]:
+        """The buckets (after the first call), in the order they are reduced: (the
+        values in it, its bytes, the phase 1 kernel after which it is full)."""
+        return [(list(b.names), int(b.buf.nbytes), b.ready) for b in (self._buckets or [])]
 
     @property
     def gradient_bytes(self) -> int:
         """Bytes reduced per step (after the first call)."""
-        return sum(int(b.nbytes) for _, b in (self._buckets or []))
+        return sum(int(b.buf.nbytes) for b in (self._buckets or []))
+
+
+@dataclass
+class _Bucket:
+    """One flat buffer of reduced values."""
+    names: list[str]
+    sizes: list[int]       # elements of each value
+    buf: object            # the flat buffer (numpy, or CuPy's on a GPU)
+    ready: int             # phase 1's kernel after which every value in it is final
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+    """A DataParallel's communication thread: runs each job it is given; None ends it."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        del job   # a finished job's closure must not keep its step alive (the step ends the thread)
 
 
 class _Signature:
@@ -697,9 +857,11 @@ class _Signature:
 
 
 def compile(source, comm, backend: str = "cpu", dtype: str = "f32", dims=None, options=None,
-            shard: str = "batch", deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=()):
+            shard: str = "batch", deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(),
+            overlap: bool = True):
     """`tgc.compile(source, ..., data_parallel=comm)`: a `DataParallel` step."""
     import tgc
 
     return tgc.compile(source, backend=backend, dtype=dtype, dims=dims, options=options, data_parallel=comm,
-                       shard=shard, deterministic=deterministic, bucket_bytes=bucket_bytes, sums=sums)
+                       shard=shard, deterministic=deterministic, bucket_bytes=bucket_bytes, sums=sums,
+                       overlap=overlap)

@@ -101,6 +101,7 @@ class Kernels:
     backend: str = ""
     artifacts: tuple | None = None   # what a later compile may reuse (cached object files)
     fast_path: bool = False          # `plan` and `run_fast` exist and may be used
+    notifies: bool = False           # `run` (and `run_fast`) take `notify` (see `run`)
 
     def prepare(self, program, given: dict):
         """(arrays, write_back) for a call, or None: the runtime's host checks apply."""
@@ -114,10 +115,18 @@ class Kernels:
     def to_host(self, a):
         return a
 
-    def run(self, args: dict, outs: dict, env: dict) -> int:
+    def run(self, args: dict, outs: dict, env: dict, notify=None) -> int:
         """Run every kernel: `args` and `outs` by name, `env` every dim's size.
         Returns 0, or 1 + the index of the `Check` (lowered.checks) that failed;
-        then nothing was written."""
+        then nothing was written.
+
+        With `notifies`, `notify = (marks, fn)` asks for `fn(i, outs)` on the calling
+        thread as soon as kernel i (an index into `lowered.kernels`, one of `marks`)
+        has run, before the next kernel starts: whatever kernels up to i wrote is
+        there to read (on a device: queued on the current stream, to be ordered
+        after on it). An exception in fn is raised once the run has finished. A
+        backend without `notifies` is given no `notify` (`Program.run` calls the
+        marks after the whole run instead)."""
         raise NotImplementedError
 
     def profile(self, reset: bool = False):

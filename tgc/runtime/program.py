@@ -407,7 +407,21 @@ class Program:
 
     # ------------------------------------------------------------ the call
 
-    def run(self, arrays: dict, dims: dict | None = None, updates: bool = True) -> dict[str, np.ndarray]:
+    def ready_after(self) -> dict[str, int]:
+        """{output name: the index of the last kernel that writes it} (kernels in
+        `lowered.kernels` order, the order a call runs them): after that kernel the
+        output holds its final value. `run(..., notify=)` can be told then."""
+        low = self.lowered
+        buffer = {b.index: name for name, b in low.buffers.items() if b.kind == "out"}
+        last: dict[str, int] = {}
+        for i, k in enumerate(low.kernels):
+            for w in k.writes():
+                last[w] = i
+        end = len(low.kernels) - 1
+        return {o.name: last.get(buffer.get(j, ""), end) for j, o in enumerate(self.outputs)}
+
+    def run(self, arrays: dict, dims: dict | None = None, updates: bool = True,
+            notify=None) -> dict[str, np.ndarray]:
         """Run the program once; returns {name: array}.
 
         `arrays` maps every argument's name (see `inputs`) to an array whose axes are
@@ -426,7 +440,18 @@ class Program:
         the updates need: it runs `without_updates()` (compiled on first use). Its
         result holds the outputs only, equal to a full call's; arguments only the
         updates read may be left out, and no argument is written.
+
+        `notify = (marks, fn)`: `fn(i, outputs)` is called, on this thread, for each
+        kernel index i in `marks` (see `ready_after`), with the outputs by name: on a
+        backend that `notifies` (the CPU's, cuda-sim's) right after kernel i ran,
+        while the later kernels still wait; on others, and when the outputs are
+        converted after the call (f32 under --fp-strict, bf16/f16 or complex
+        outputs), after the whole call, in order. Either way, once an output's last
+        kernel (`ready_after`) has run, fn sees its final value. An exception in fn
+        is raised after the call. With `updates=True` only.
         """
+        if notify is not None:
+            return self._run_notifying(arrays, dims, updates, notify)
         if updates is True and self._plain:
             return self._call(arrays, dims)
         if not isinstance(updates, bool):
@@ -434,6 +459,23 @@ class Program:
         if self._complex_args or self._complex_results:
             return self._run_complex(arrays, dims, updates)
         return self._run_real(arrays, dims, updates)
+
+    def _run_notifying(self, arrays: dict, dims: dict | None, updates: bool, notify) -> dict[str, np.ndarray]:
+        if updates is not True:
+            raise ValueError("notify= needs a full call (updates=True)")
+        marks, fn = notify
+        marks = sorted({int(i) for i in marks})
+        n = len(self.lowered.kernels)
+        bad = [i for i in marks if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"notify: kernel {bad[0]} does not exist (the program has {n})")
+        if self._kernels.notifies and self._plain:
+            return self._call(arrays, dims, (marks, fn))
+        result = self.run(arrays, dims)
+        outs = {s.name: result[s.name] for s in self.outputs}
+        for i in marks:
+            fn(i, outs)
+        return result
 
     def _run_complex(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
         """A call with complex arguments or results (tgc/ir/complex_io.py): each complex
@@ -487,7 +529,7 @@ class Program:
         forward = self.without_updates()
         return forward.run({n: arrays[n] for n in forward._names if n in arrays}, dims)
 
-    def _call(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
+    def _call(self, arrays: dict, dims: dict | None, notify=None) -> dict[str, np.ndarray]:
         # The fast path: the plan for the shapes that bind the dims, then one native
         # call that checks every argument itself; what it refuses (it then ran
         # nothing), and every error message, goes through the checked path.
@@ -500,17 +542,18 @@ class Program:
                         vals[i] = np.array(vals[i], dt)
                 key = tuple([vals[i].shape for i in self._key_idx])
             except (KeyError, AttributeError, OverflowError):   # a huge int: the checked path explains
-                return self._run_checked(arrays, dims)
+                return self._run_checked(arrays, dims, notify)
             plan = self._plans.get(key)
             if plan is not None:
-                rc, result = self._kernels.run_fast(vals, plan)
+                rc, result = self._kernels.run_fast(vals, plan) if notify is None else \
+                    self._kernels.run_fast(vals, plan, notify)
                 if rc == 0:
                     for key, i in self._upd_results:
                         result[key] = vals[i]
                     return result
                 if rc > 0:
                     raise self._check_error(rc, dict(zip(self._names, vals)), plan.env)
-        return self._run_checked(arrays, dims)
+        return self._run_checked(arrays, dims, notify)
 
     def _remember(self, env: dict) -> None:
         """The backend's fast-path plan for these dims, keyed by the binding shapes."""
@@ -519,7 +562,7 @@ class Program:
         key = tuple(tuple(size_eval(x, env) for x in self.inputs[i].shape) for i in self._key_idx)
         self._plans[key] = self._kernels.plan(self, env)
 
-    def _run_checked(self, arrays: dict, dims: dict | None = None) -> dict[str, np.ndarray]:
+    def _run_checked(self, arrays: dict, dims: dict | None = None, notify=None) -> dict[str, np.ndarray]:
         kernels = self._kernels
         prepared = kernels.prepare(self, arrays)
         args, write_back = prepared if prepared is not None else self._prepare(arrays)
@@ -528,7 +571,7 @@ class Program:
             self._remember(env)  # the next call with these shapes takes the fast path
         outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), self.element_dtype(s))
                 for s in self.outputs}
-        rc = kernels.run(args, outs, env)
+        rc = kernels.run(args, outs, env) if notify is None else kernels.run(args, outs, env, notify)
         if rc != 0:
             raise self._check_error(rc, {k: kernels.to_host(v) for k, v in args.items()}, env)
         for name, original in write_back.items():

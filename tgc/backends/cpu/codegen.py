@@ -34,6 +34,11 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         (nothing run) when an argument is not that (another type, dtype, shape, or
         without a flag, e.g. C-contiguous), -2 when an updated argument's bytes
         overlap another argument's; else as tgc_run.
+    void    tgc_set_notify(void (*fn)(int32_t), const uint8_t* marks)
+        only with `objects_entry=True` too: while `marks` is set (not NULL), tgc_run
+        calls fn(i) right after kernel i returns whenever marks[i] != 0 (one byte per
+        kernel); NULL clears it. The runtime sets it for one call (`CpuKernels.run`'s
+        `notify`: a data-parallel step starts each bucket's allreduce there).
 
 Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
 program is generated in several units (`generate_units`). A kernel whose outermost
@@ -307,10 +312,43 @@ class _ModuleGen:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
             if start is not None:
                 self.count_cycles(b, i, start)
+            if self.objects_entry:
+                b.call(self.notify_fn(), [I32(i)])
         if restore is not None:
             restore()
         b.ret(I32(0))
         f.finish()
+        return fn
+
+    def notify_fn(self) -> ir.Function:
+        """`tgc.notify(i)`, called after kernel i (the JIT's code only: `objects_entry`):
+        when `tgc_set_notify(fn, marks)` has set a marks table and `marks[i]` is not 0,
+        it calls `fn(i)`. The runtime sets both for one call (`CpuKernels.run`'s
+        `notify`) and clears them after; unset, it is two loads and a branch."""
+        fn = self.mod.globals.get("tgc.notify")
+        if fn is not None:
+            return fn
+        slots = []
+        for name in ("tgc.notify.fn", "tgc.notify.marks"):
+            g = ir.GlobalVariable(self.mod, PTR, name)
+            g.linkage = "internal"
+            g.initializer = ir.Constant(PTR, None)
+            slots.append(g)
+        setter = define(self.mod, "tgc_set_notify", ir.VoidType(), [PTR, PTR], internal=False)
+        b = ir.IRBuilder(setter.append_basic_block("entry"))
+        b.store(setter.args[0], slots[0])
+        b.store(setter.args[1], slots[1])
+        b.ret_void()
+        fn = define(self.mod, "tgc.notify", ir.VoidType(), [I32])
+        fn.attributes.add("noinline")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        marks = b.load(slots[1], typ=PTR)
+        with b.if_then(b.icmp_unsigned("!=", marks, ir.Constant(PTR, None)), likely=False):
+            mark = b.load(b.gep(marks, [b.sext(fn.args[0], I64)], source_etype=ir.IntType(8)), typ=ir.IntType(8))
+            with b.if_then(b.icmp_unsigned("!=", mark, ir.IntType(8)(0))):
+                target = b.load(slots[0], typ=ir.FunctionType(ir.VoidType(), [I32]).as_pointer())
+                b.call(target, [fn.args[0]])
+        b.ret_void()
         return fn
 
     @staticmethod

@@ -20,10 +20,17 @@ total at least RECYCLE_BYTES, the plan keeps them, and a later call with the sam
 shapes writes into them again once nothing else refers to any of them (the caller
 dropped that result); fresh memory costs a page fault per 4 KiB on its first write,
 which for a 4096 x 1024 softmax was up to half of the call.
+
+Both calls take `notify = (marks, fn)` (`Kernels.run`): the marks go to the code's
+`tgc_set_notify` as one byte per kernel, with a ctypes callback that the native
+`tgc_run` calls after each marked kernel. ctypes released the GIL for the native
+call; the callback takes it again only for fn, on the calling thread, so the rest of
+the call runs without it (a data-parallel step reduces its buckets meanwhile).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 import weakref
@@ -193,6 +200,11 @@ class CpuKernels(Kernels):
             self._run_objects = ctypes.CFUNCTYPE(ctypes.c_int32, vp, ctypes.py_object)(jit.address("tgc_run_objects"))
             self._layout = (ctypes.c_int64 * len(_LAYOUT))(*_LAYOUT)
         self.fast_path = self._run_objects is not None
+        try:   # tgc_set_notify (codegen): callbacks after marked kernels, for `notify`
+            self._set_notify = ctypes.CFUNCTYPE(None, vp, vp)(jit.address("tgc_set_notify"))
+        except KeyError:
+            self._set_notify = None
+        self.notifies = self._set_notify is not None
         self._lock = threading.Lock()
         self._workspace = np.empty(0, np.uint8)
         self._ws_size = -1                  # usable bytes at _ws_addr
@@ -202,15 +214,47 @@ class CpuKernels(Kernels):
 
     # ------------------------------------------------------------ the checked call
 
-    def run(self, args: dict, outs: dict, env: dict) -> int:
+    def run(self, args: dict, outs: dict, env: dict, notify=None) -> int:
         sym = self._sym
         dim_values = (ctypes.c_int64 * max(len(sym), 1))(*[env[d] for d in sym])
         arg_ptrs = (ctypes.c_void_p * max(len(args), 1))(*[a.ctypes.data for a in args.values()])
         out_ptrs = (ctypes.c_void_p * max(len(outs), 1))(*[a.ctypes.data for a in outs.values()])
         with self._lock:
             ws = self._workspace_addr(int(self._ws_bytes(ctypes.addressof(dim_values))))
-            return self._run(ctypes.addressof(dim_values), ctypes.addressof(arg_ptrs),
-                             ctypes.addressof(out_ptrs), ws)
+            call = functools.partial(self._run, ctypes.addressof(dim_values), ctypes.addressof(arg_ptrs),
+                                     ctypes.addressof(out_ptrs), ws)
+            return call() if notify is None else self._notifying(call, notify, outs)
+
+    def _notifying(self, call, notify, outs: dict) -> int:
+        """`call()` (one native run, under the lock) with `tgc_set_notify` set for it:
+        `notify = (marks, fn)` has fn(i, outs) called on this thread right after each
+        kernel i in `marks`; cleared after. Native code cannot take a Python exception:
+        the callback keeps the first one, and it is raised here once the run returns."""
+        marks, fn = notify
+        n = max(len(self.lowered.kernels), 1)
+        table = (ctypes.c_uint8 * n)()
+        for i in marks:
+            if not 0 <= i < len(self.lowered.kernels):
+                raise ValueError(f"notify: kernel {i} does not exist (the program has {len(self.lowered.kernels)})")
+            table[i] = 1
+        failed: list = []
+
+        def after(i: int) -> None:
+            if failed:
+                return
+            try:
+                fn(i, outs)
+            except BaseException as e:  # noqa: BLE001 -- raised again below, after the native call
+                failed.append(e)
+        cb = ctypes.CFUNCTYPE(None, ctypes.c_int32)(after)
+        self._set_notify(ctypes.cast(cb, ctypes.c_void_p), ctypes.addressof(table))
+        try:
+            rc = call()
+        finally:
+            self._set_notify(None, None)
+        if failed:
+            raise failed[0]
+        return rc
 
     def _workspace_addr(self, need: int) -> int:
         """The 64-byte aligned address of at least `need` scratch bytes (grown on demand)."""
@@ -244,16 +288,20 @@ class CpuKernels(Kernels):
         return _Plan(env, dim_values, int(self._ws_bytes(addr)), addr, outs, table, frame, ctypes.addressof(frame),
                      tuple(o.name for o in program.outputs), recycle=nbytes >= RECYCLE_BYTES)
 
-    def run_fast(self, vals: list, plan: "_Plan") -> tuple[int, dict | None]:
+    def run_fast(self, vals: list, plan: "_Plan", notify=None) -> tuple[int, dict | None]:
         """(rc, the outputs by name): rc 0 ran; > 0 a check failed (nothing written);
-        < 0 the native checks refused an argument (nothing ran)."""
+        < 0 the native checks refused an argument (nothing ran). `notify` as `run`'s."""
         with self._lock:
             outs = self._recycled(plan) if plan.recycle else None
             if outs is None:
                 outs = [np.empty(shape, dt) for shape, dt in plan.out_specs]
             if self._ws_size < plan.ws_need:
                 self._workspace_addr(plan.ws_need)
-            rc = self._run_objects(plan.frame_addr, vals + outs)
+            if notify is None:
+                rc = self._run_objects(plan.frame_addr, vals + outs)
+            else:
+                call = functools.partial(self._run_objects, plan.frame_addr, vals + outs)
+                rc = self._notifying(call, notify, dict(zip(plan.out_names, outs)))
             # the result refers to the outputs before another call may look for free ones
             result = dict(zip(plan.out_names, outs))
             if plan.recycle and rc == 0:

@@ -301,39 +301,66 @@ class CudaKernels(Kernels):
             arrays[s.name] = conv
         return arrays, {}
 
-    def run(self, args: dict, outs: dict, env: dict) -> int:
+    notifies = True
+
+    def run(self, args: dict, outs: dict, env: dict, notify=None) -> int:
         """Every launch in order; the check kernels first, and the device's error word
         read once after them, before anything is written (its value is the runtime's
-        rc: 1 + the failed check)."""
+        rc: 1 + the failed check). `notify = (marks, fn)`: fn(i, outs) for each marked
+        kernel i once every launch of kernels up to i is made (under cuda-sim: has
+        run; on a GPU: is queued on the current stream), before the next kernel's."""
         dev, cm = self._device, self._cm
+        pending = sorted(notify[0]) if notify is not None else []
+        failed: list = []
+
+        def tell(upto: int) -> None:   # every mark below `upto`, in order
+            while pending and pending[0] < upto:
+                i = pending.pop(0)
+                if not failed:
+                    try:
+                        notify[1](i, outs)
+                    except BaseException as e:  # noqa: BLE001 -- raised once the run is done, as the CPU's
+                        failed.append(e)
         with self._lock, (_SIM_LOCK if dev.name == "cuda-sim" else contextlib.nullcontext()):
-            bufs = self._buffers(args, outs, env)
-            err = dev.err_word()
-            dvals = [env[d] for d in cm.dims]
-            launches = cm.launches
-            n_checks = sum(1 for x in launches if x.kind == "check")
-            for j, x in enumerate(launches):
-                if j == n_checks and n_checks:
-                    rc = dev.read_err(err)   # once per call, before anything is written
-                    if rc:
-                        return rc
-                if x.kind == "gemm":
-                    self._gemm(x.gemm, bufs, env)
-                    continue
-                total = 1
-                for s in x.total:
-                    total *= size_eval(s, env)
-                if total <= 0:
-                    continue
-                row = False
-                if x.row:
-                    red = 1
-                    for s in x.red:
-                        red *= size_eval(s, env)
-                    row = red >= self.options.cuda.row_min
-                dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
-            if n_checks == len(launches) and n_checks:
-                return dev.read_err(err)
+            rc = self._launch_all(args, outs, env, tell)
+        if failed:
+            raise failed[0]
+        return rc
+
+    def _launch_all(self, args: dict, outs: dict, env: dict, tell) -> int:
+        dev, cm = self._device, self._cm
+        bufs = self._buffers(args, outs, env)
+        err = dev.err_word()
+        dvals = [env[d] for d in cm.dims]
+        launches = cm.launches
+        n_checks = sum(1 for x in launches if x.kind == "check")
+        for j, x in enumerate(launches):
+            if j == n_checks and n_checks:
+                rc = dev.read_err(err)   # once per call, before anything is written
+                if rc:
+                    return rc
+            if x.kind != "check":
+                tell(x.index)
+            if x.kind == "gemm":
+                self._gemm(x.gemm, bufs, env)
+                continue
+            total = 1
+            for s in x.total:
+                total *= size_eval(s, env)
+            if total <= 0:
+                continue
+            row = False
+            if x.row:
+                red = 1
+                for s in x.red:
+                    red *= size_eval(s, env)
+                row = red >= self.options.cuda.row_min
+            dev.launch(x.row if row else x.name, total, [bufs[b] for b in x.bufs], dvals, err, row)
+        if n_checks == len(launches) and n_checks:
+            rc = dev.read_err(err)
+            if rc:
+                return rc
+        tell(len(self.lowered.kernels))
         return 0
 
     def _buffers(self, args: dict, outs: dict, env: dict) -> dict:
