@@ -4,6 +4,10 @@
     python benchmarks/lowp.py --quick    # 5 samples
 
 Rows:
+- `matmul`: one product C = A @ B of 1024 x 1024 bf16 matrices (f32 result): tgc with
+  bf16 inputs (`out c = f32(a) @ f32(b)`), by the bf16 GEMM (`vdpbf16ps`, where the CPU
+  has AVX-512 BF16) and by the conversion path (`bf16_gemm="off"`: widened, then
+  sgemm), against tgc's f32 product and PyTorch's f32 and bf16 ones.
 - `gemm`: one training step of a wide two-layer MLP (batch 512, 1024 -> 1024 -> 16,
   tanh, cross-entropy, SGD): GEMM-bound (forward and backward products are ~99% of
   its flops).
@@ -11,9 +15,11 @@ Rows:
 
 Each contender's samples are interleaved (A B C D A B C D ...); a sample is the mean of
 enough calls to last ~50 ms; the table gives the minimum and the median in ms. tgc's
-autocast rounds the products' operands to bf16 and runs the f32 GEMM on them (this
-CPU path has no bf16 GEMM kernel, docs/dtypes.md), so it measures the cost of the
-conversions; PyTorch's CPU autocast runs oneDNN bf16 GEMMs.
+autocast rounds the products' operands to bf16, stores them in 2 bytes and runs its
+bf16 GEMM on them where the CPU has AVX-512 BF16 and the product has at least 2^24
+flops ("tgc autocast bf16"; smaller products run sgemm on f32), or widens them
+to f32 for sgemm ("... sgemm": `CpuOptions(bf16_gemm="off")`, docs/dtypes.md);
+PyTorch's CPU autocast runs oneDNN bf16 GEMMs.
 """
 from __future__ import annotations
 
@@ -43,6 +49,29 @@ out loss
 update W1 = W1 - lr * grad(loss, W1)
 update W2 = W2 - lr * grad(loss, W2)
 """
+
+
+MATMUL_TG = """
+dim m = 1024, k = 1024, n = 1024
+input a: bf16[i: m, kk: k]
+input b: bf16[kk, j: n]
+out c = f32(a) @ f32(b)
+"""
+
+
+def matmul_inputs(rng):
+    import ml_dtypes
+
+    return {"a": rng.standard_normal((1024, 1024), np.float32).astype(ml_dtypes.bfloat16),
+            "b": rng.standard_normal((1024, 1024), np.float32).astype(ml_dtypes.bfloat16)}
+
+
+def torch_matmul(inputs, dtype):
+    import torch
+
+    a = torch.from_numpy(inputs["a"].astype(np.float32)).to(dtype)
+    b = torch.from_numpy(inputs["b"].astype(np.float32)).to(dtype)
+    return lambda: a @ b
 
 
 def gemm_inputs(rng):
@@ -91,19 +120,41 @@ def sample(fn, ms=50.0):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", default="gemm,gpt")
+    p.add_argument("--only", default="matmul,gemm,gpt")
     args = p.parse_args(argv)
     repeat = 5 if args.quick else 15
     rng = np.random.default_rng(0)
     rows = []
+    sgemm = tgc.Options().cpu.with_(bf16_gemm="off")
     for row in args.only.split(","):
-        if row == "gemm":
+        contenders = {}
+        if row == "matmul":
+            inputs = matmul_inputs(rng)
+            f32 = {k: v.astype(np.float32) for k, v in inputs.items()}
+            for name, src, opts, given in (
+                    ("tgc f32", MATMUL_TG.replace("bf16", "f32").replace("f32(a) @ f32(b)", "a @ b"),
+                     tgc.Options(), f32),
+                    ("tgc bf16", MATMUL_TG, tgc.Options(), inputs),
+                    ("tgc bf16 sgemm", MATMUL_TG, tgc.Options(cpu=sgemm), inputs)):
+                prog = tgc.compile(src, options=opts)
+                contenders[name] = lambda prog=prog, given=given: prog(**given)
+            try:
+                import torch
+
+                torch.set_num_threads(2)
+                contenders["torch f32"] = torch_matmul(inputs, torch.float32)
+                contenders["torch bf16"] = torch_matmul(inputs, torch.bfloat16)
+            except ImportError:
+                pass
+            src = None
+        elif row == "gemm":
             src, inputs = GEMM_TG, gemm_inputs(rng)
         else:
             src, inputs = gpt_setup(rng)
-        contenders = {}
-        for name, ac in (("tgc f32", None), ("tgc autocast bf16", "bf16")):
-            prog = tgc.compile(src, options=tgc.Options(autocast=ac))
+        for name, opts in (() if src is None else
+                           (("tgc f32", tgc.Options()), ("tgc autocast bf16", tgc.Options(autocast="bf16")),
+                            ("tgc autocast bf16 sgemm", tgc.Options(autocast="bf16", cpu=sgemm)))):
+            prog = tgc.compile(src, options=opts)
             own = {k: np.copy(v) for k, v in inputs.items()}
             contenders[name] = lambda prog=prog, own=own: prog(**own)
         if row == "gemm":

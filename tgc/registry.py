@@ -15,10 +15,11 @@ from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
 from tgc.lower.fuse import Fuse
 from tgc.lower.layout import Layout
+from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Fuse, Layout, Plan)}
+                                                    Autocast, Fuse, Layout, Narrow, Plan)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards

@@ -72,6 +72,11 @@ def round_to(a, name: str) -> np.ndarray:
     return a.astype(t.numpy, copy=False)
 
 
+def itemsize(name: str) -> int:
+    """Bytes per element of a buffer of type `name` (bf16/f16: 2)."""
+    return TYPES[name].bits // 8
+
+
 def is_low_array(a) -> str | None:
     """The low float type name an array holds (bf16 or f16), or None."""
     dt = getattr(a, "dtype", None)

@@ -18,11 +18,12 @@ bf16/f16 is rounded" survives any fusion.
 Ops whose result a bf16/f16 already holds (an argument, a selection, a copy, a
 comparison, max/min) are not rounded again; constants are rounded once here. A
 conversion to bf16/f16 is a rounding; a conversion to the program's float type is
-the value itself (a bf16/f16 value is held exactly in f32 and f64). The runtime
-(`tgc.runtime.program`) converts bf16/f16 arguments (ml_dtypes.bfloat16 and
-np.float16 arrays) to `fp` on the way in and rounded outputs back on the way out, so
-that storage in the caller's memory is bf16/f16 while the compiled kernels hold
-`fp`. Terminates: one visit per value, in topological order.
+the value itself (a bf16/f16 value is held exactly in f32 and f64). Where values are
+stored is lowering's business: `tgc.lower.narrow` gives 2-byte buffers to the bf16/f16
+arguments and to the values computed elementwise and rounded (a backend that runs it,
+the CPU's, then reads and writes bf16/f16 elements); every other buffer holds `fp`, and
+the runtime (`tgc.runtime.program`) converts a bf16/f16 argument or output whose buffer
+holds `fp` on the way in and out. Terminates: one visit per value, in topological order.
 """
 from __future__ import annotations
 
@@ -88,14 +89,20 @@ def explicit_rounding(module: Module) -> Module:
 def emulate_low(module: Module, fp: str) -> Module:
     """The module whose bf16/f16 values are held in `fp` (f32 or f64), each rounded.
     f32 and f64 values are left as they are: lowering holds every float in `fp` (an IR
-    module's f32/f64 types name the program's float type, as declarations do)."""
+    module's f32/f64 types name the program's float type, as declarations do). The
+    arguments keep their declared types: an op reading a bf16 argument has type `fp`
+    (the IR's ops on bf16 operands have their compute type already), and a backend
+    that stores bf16 arguments in 2-byte buffers widens each element as it loads it."""
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
             continue
-        if v.dtype not in LOW_FLOATS:   # i32; f32/f64: the program's float type (lowering holds them in fp)
+        if v.dtype not in LOW_FLOATS or v.op == "arg":
+            # i32; f32/f64: the program's float type (lowering holds them in fp); a bf16/f16
+            # argument keeps its type: its buffer may hold 2-byte elements (tgc.lower.narrow),
+            # and every op reading it is computed in fp (its result type), as in the source
             memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
             continue
         attrs = v.attrs
@@ -106,5 +113,8 @@ def emulate_low(module: Module, fp: str) -> Module:
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
         memo[id(v)] = new if _exact(v) else V.map_(f"round_{v.dtype}", new)
     out = module.replace_values(memo)
-    out.args = {n: replace(a, dtype=fp) if a.dtype in LOW_FLOATS else a for n, a in module.args.items()}
+    # an output's declared type, where its value is now held in fp (`tgc.lower.narrow`
+    # may then store it in 2 bytes; an f32 output holding bf16 values stays f32)
+    out.outputs = [replace(o, low=old.value.dtype) if old.value.dtype in LOW_FLOATS else o
+                   for o, old in zip(out.outputs, module.outputs)]
     return out

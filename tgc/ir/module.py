@@ -31,6 +31,7 @@ class Output:
     value: Value
     order: tuple[str, ...]  # ABI order
     loc: Loc | None = None
+    low: str | None = None  # bf16/f16: the declared type of an output whose value `emulate_low` holds in floats
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class _Machine:
             dtype = NP_DTYPES[buf.dtype]
             if buf.kind == "arg":
                 have = low.module.args[name].order
-                self.arrays[name] = np.array(np.transpose(args[name], [have.index(e) for e in order]), order="C")
+                self.arrays[name] = np.array(np.transpose(args[name], [have.index(e) for e in order]), dtype,
+                                             order="C")   # a bf16 argument in a float buffer: widened
             elif buf.slot is not None:
                 count = int(np.prod(shape, dtype=np.int64))
                 self.arrays[name] = np.frombuffer(slots[buf.slot], dtype, count).reshape(shape)
@@ -117,7 +118,8 @@ class _Machine:
             result[o.name] = self._in_order(buf.name, o.order)
         for u in m.updates:
             result[m.update_key(u.target)] = self._in_order(u.target, m.args[u.target].order)
-        return result
+        return {k: v.astype(self.fp) if v.dtype.kind == "V" or v.dtype.itemsize == 2 else v   # bf16/f16 buffers
+                for k, v in result.items()}
 
     def _in_order(self, name: str, order) -> np.ndarray:
         a, have = self.arrays[name], self.order[name]
@@ -282,6 +284,9 @@ class _Machine:
             raise LoweredError(f"a load of %{buf} out of range where no mask guards it")
         clipped = tuple(np.clip(i, 0, max(n - 1, 0)) for i, n in zip(full, arr.shape))
         x = arr[clipped] if arr.size else np.zeros(ok.shape, arr.dtype)
+        if arr.dtype != self.fp and arr.dtype.kind != "i":   # a bf16/f16 buffer: widened (exact)
+            x = np.asarray(x).astype(self.fp)
+            arr = x
         return np.where(ok, x, arr.dtype.type(0)) if outside_zero or not ok.all() else x
 
     def round(self, x) -> np.ndarray:

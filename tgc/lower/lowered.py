@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence, Union
 
+from tgc.ir.dtypes import itemsize
 from tgc.ir.module import Module
 from tgc.ir.printer import print_module
 from tgc.ir.sizes import Size, SizeOp, size_op, size_str
@@ -295,7 +296,7 @@ def expr_text(e: Expr) -> str:
 @dataclass
 class Buffer:
     name: str
-    dtype: str                      # f32 | f64 | i32
+    dtype: str                      # f32 | f64 | i32, or bf16 | f16: 2-byte elements (tgc.lower.narrow)
     edges: tuple[str, ...]          # sorted
     kind: str                       # arg | out | temp
     index: int = -1                 # position in the args / outputs ABI lists
@@ -505,7 +506,7 @@ class Lowered:
         return [self.size(e) for e in edges]
 
     def nbytes(self, buf: Buffer) -> Size:
-        total: Size = 8 if buf.dtype == "f64" else 4
+        total: Size = itemsize(buf.dtype)
         for s in self.sizes(buf.edges):
             total = size_op("*", total, s)
         return total

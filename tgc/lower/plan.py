@@ -79,6 +79,8 @@ def _updates_in_place(low: Lowered) -> None:
         if any(tmp in reads[j] for j in range(w)) or \
                 (gemm_reads and low.buffers[tmp].order != low.buffers[target].order):
             continue
+        if low.buffers[tmp].dtype != low.buffers[target].dtype:   # a bf16 target, a float temporary
+            continue   # (the value of a reduction, rounded): its writer may not store partial values there
         if any(target in reads[j] for j in later if j != i) or not _can_retarget(low, kernels[w], target, tmp):
             continue
         # the new value lives in the target from its producer on: later readers use it

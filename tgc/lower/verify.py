@@ -25,7 +25,10 @@ lowering stage, and `parse_lowered` after reading text:
   outer loops are the first loops of every member, with the same sizes;
 - the workspace: after `plan` every temporary has a slot, each slot index lies inside
   the slot table and lists the buffer's byte size, and two temporaries alive at once
-  (from first to last use) never share a slot; id checks are on i32 buffers.
+  (from first to last use) never share a slot; id checks are on i32 buffers;
+- 2-byte buffers (bf16, f16: `tgc.lower.narrow`): an argument's is the argument's
+  declared type, and none is written by a reduction, a scatter or a GEMM (their
+  partial values would be rounded).
 
 Sizes are expressions of the symbolic dims (`tgc.ir.sizes`); two that are not the same
 expression (`h * 5` and `h * e` with `e = 5`) are compared by their values at two
@@ -43,7 +46,8 @@ from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load,
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
-DTYPES = ("f32", "f64", "i32")
+DTYPES = ("f32", "f64", "i32", "bf16", "f16")
+NARROW = ("bf16", "f16")   # 2-byte elements: written only as whole values (tgc.lower.narrow)
 
 
 
@@ -154,8 +158,9 @@ class _Verifier:
                 if a is None or list(m.args).index(name) != b.index:
                     raise self.fail(f"buffer '%{name}' is arg {b.index}, but the module's argument {b.index} is "
                                     f"'{list(m.args)[b.index] if 0 <= b.index < len(m.args) else 'missing'}'")
-                expect = a.dtype if a.dtype == "i32" else b.dtype
-                if tuple(sorted(a.order)) != b.edges or b.dtype != expect:
+                expect = (a.dtype,) if a.dtype == "i32" else (a.dtype, low.dtype) if a.dtype in NARROW \
+                    else (low.dtype,)
+                if tuple(sorted(a.order)) != b.edges or b.dtype not in expect:
                     raise self.fail(f"buffer '%{name}' does not have the type of argument '{name}'")
             else:
                 if not 0 <= b.index < len(m.outputs):
@@ -238,6 +243,9 @@ class _Verifier:
 
     def loop(self, k: LoopKernel, defined: set[str], outer: dict, regs: set[str]) -> None:
         low = self.low
+        if k.out in low.buffers and low.buffers[k.out].dtype in NARROW and (k.reduce or k.scatter):
+            raise self.fail(f"a {'scatter' if k.scatter else 'reduction'} writes '%{k.out}', a "
+                            f"{low.buffers[k.out].dtype} buffer (its partial values would be rounded)")
         if k.reduce not in REDUCTIONS or (k.scatter and k.reduce not in ("", "max", "min")):
             raise self.fail(f"unknown reduction '{k.reduce}'" + (" for a scatter" if k.scatter else ""))
         for v in k.loops:
@@ -288,6 +296,8 @@ class _Verifier:
                 raise self.fail(f"the view {v} does not name every edge of '%{v.buf}' once")
         if k.out not in low.buffers:
             raise self.fail(f"writes undeclared buffer '%{k.out}'")
+        if low.buffers[k.out].dtype in NARROW:
+            raise self.fail(f"a GEMM writes '%{k.out}', a {low.buffers[k.out].dtype} buffer")
         pairs = ("re.im",) if k.cplx is not None else ()   # a complex product's float pairs
         if sorted(k.batch + k.m + k.n + pairs) != list(low.buffers[k.out].edges):
             raise self.fail(f"a GEMM into '%{k.out}' over batch, m, n edges {', '.join(k.batch + k.m + k.n)}; "

@@ -30,7 +30,7 @@ from tgc.ir.values import Value
 from tgc.opt.paths import contraction_cost, prod
 
 FREE = ("arg", "const", "size", "indicator", "rename", "stop", "custom", "slot")
-BYTES = {"f32": 4, "f64": 8, "i32": 4}
+BYTES = {"f32": 4, "f64": 8, "i32": 4, "bf16": 2, "f16": 2}
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, round_to
 from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
 from tgc.ir.interp import EvalError, bind_dims, check_ids_fit
 from tgc.lower.lowered import Lowered
@@ -138,12 +138,26 @@ class Program:
         # arrays for the fast path, as `_convert` does for the checked one
         self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
                                  if not s.shape and not s.updated and s.dtype != "i32")
-        # bf16/f16 arguments and outputs (tgc.ir.lowp): the compiled code holds them
-        # in the program's float type; calls convert them on the way in and out
+        # bf16/f16 arguments and outputs (tgc.ir.lowp): those whose buffer holds 2-byte
+        # elements (`tgc.lower.narrow`: the CPU backend's bf16/f16 arguments, and outputs
+        # computed elementwise) are passed as ml_dtypes.bfloat16 / np.float16 arrays,
+        # without a copy; the others are held in the program's float type, and calls
+        # convert them on the way in and out
         self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
-        self._low_outs = {o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS}
-        self.low_types.update(self._low_outs)
-        self._fast = kernels.fast_path and self._key_idx is not None and not self.low_types
+        self._store: dict[str, np.dtype] = {}   # argument or output name -> its 2-byte element type
+        for b in low.buffers.values():
+            if b.dtype in LOW_FLOATS and b.kind in ("arg", "out"):
+                name = b.name if b.kind == "arg" else module.outputs[b.index].name
+                self._store[name] = TYPES[b.dtype].numpy
+        self._low_outs = {o.name: o.value.dtype for o in module.outputs
+                          if o.value.dtype in LOW_FLOATS and o.name not in self._store}
+        self.low_types.update({o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS})
+        # the native fast path checks each argument's dtype: a bf16/f16 one must be stored
+        # as such (and not a scalar, which a Python number may give); a bf16/f16 output
+        # held in floats is converted after the call (`_run_real`), as on the checked path
+        low_args = [s for s in self._inputs if s.name in self.low_types]
+        self._fast = (kernels.fast_path and self._key_idx is not None
+                      and all(s.shape and s.name in self._store for s in low_args))
         self._plans: dict = {}
         self.out_dtype = None   # --fp-strict f32: the f64 emulation's outputs as f32
 
@@ -196,6 +210,12 @@ class Program:
     def updates(self) -> list[str]:
         """The params and states that a call updates in place, in `update` order."""
         return self._updates
+
+    def element_dtype(self, spec: TensorSpec) -> np.dtype:
+        """The numpy dtype of the array the compiled code reads (an argument) or writes
+        (an output) for `spec`: ml_dtypes.bfloat16 / np.float16 where the CPU backend
+        stores 2-byte elements, else the spec's own."""
+        return np.dtype(self._store.get(spec.name, NP[spec.dtype]))
 
     @property
     def float_dtype(self) -> str:
@@ -306,7 +326,8 @@ class Program:
         try:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and spec.dtype != "i32":
                 if spec.name in self.low_types:   # a Python number for a bf16/f16 scalar: rounded to it
-                    return np.asarray(round_to(float(value), self.low_types[spec.name]), NP[spec.dtype])
+                    return np.asarray(round_to(float(value), self.low_types[spec.name]),
+                                      self._store.get(spec.name, NP[spec.dtype]))
                 return np.asarray(value, NP[spec.dtype])
             a = np.asarray(value)
         except (ValueError, OverflowError, TypeError) as e:   # a ragged list, a huge Python int
@@ -315,13 +336,14 @@ class Program:
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
             check_ids_fit(spec.name, a)
-        elif spec.name in self.low_types:   # bf16/f16: rounded to it, then held in the program's type
+        elif spec.name in self.low_types:   # bf16/f16: rounded to it (a bf16 array for a bf16 argument: as it is)
+            low = self.low_types[spec.name]
             if a.dtype.kind != "f" and not is_low_array(a):
-                raise EvalError(f"input '{spec.name}' must be a float array ({self.low_types[spec.name]}), "
-                                f"not {a.dtype}")
+                raise EvalError(f"input '{spec.name}' must be a float array ({low}), not {a.dtype}")
             if spec.updated and not a.flags.writeable:
                 raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
-            return np.require(round_to(a, self.low_types[spec.name]), NP[spec.dtype], "C")
+            a = a if is_low_array(a) == low else round_to(a, low)
+            return np.require(a, self._store.get(spec.name, NP[spec.dtype]), "C")   # 2-byte buffer, or widened
         elif a.dtype.kind != "f":
             raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
         if spec.updated and not a.flags.writeable:
@@ -350,7 +372,7 @@ class Program:
         for e in low.edges:
             size_eval_checked(low.size(e), env, f"edge '{e}'")
         for b in low.buffers.values():
-            check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, 8 if b.dtype == "f64" else 4)
+            check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, itemsize(b.dtype))
         total = 0
         for sizes in low.slots:
             total += max(size_eval_checked(s, env, "the workspace") for s in sizes) + ALIGN
@@ -492,7 +514,7 @@ class Program:
         if self.out_dtype is None and not self._low_outs:
             return result
         updated = set(self._update_keys.values())
-        low = self._low_outs   # bf16/f16 outputs: rounded already, so exact in their type
+        low = self._low_outs   # bf16/f16 outputs held in floats: rounded already, so exact in their type
         return {k: v if k in updated else v.astype(TYPES[low[k]].numpy) if k in low
                 else v.astype(self.out_dtype) if self.out_dtype is not None else v for k, v in result.items()}
 
@@ -557,7 +579,7 @@ class Program:
             env = self._bind(args, dims)
             if dims is None and self._fast:
                 self._remember(env)  # the next call with these shapes takes the fast path
-            outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), NP[s.dtype])
+            outs = {s.name: kernels.empty(tuple(size_eval(x, env) for x in s.shape), self.element_dtype(s))
                     for s in self.outputs}
             rc = kernels.run(args, outs, env) if notify is None else kernels.run(args, outs, env, notify)
         except MemoryError:

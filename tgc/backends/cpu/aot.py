@@ -276,13 +276,14 @@ def _last_line(text: str) -> str:
 
 def build(module: Module, low: Lowered | None, options: Options, emit: str, prefix: str, source: str) -> bytes:
     """The bytes of one artifact kind (see EMITS) for a module after the IR pipeline
-    and its lowered program (`tgc.pipeline.lower_module(module, options, "cpu")`;
-    None for the header, which needs only the module)."""
+    and its lowered program (`tgc.pipeline.lower_module(module, options, "cpu")`; for
+    the header, it says which bf16/f16 arguments and outputs are 2-byte arrays, and
+    may be None: then they are taken as floats)."""
     from tgc.backends.cpu import llvm_env
     from tgc.backends.cpu.header import make_header
 
     if emit == "h":
-        return make_header(module, prefix, options.dtype, source, options.cpu.blas).encode()
+        return make_header(module, prefix, options.dtype, source, options.cpu.blas, low).encode()
     text = llvm_text(low, options, prefix)
     opt = options.opt_level
     if emit == "llvm":

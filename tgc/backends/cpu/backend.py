@@ -1,17 +1,21 @@
 """The CPU backend as the registry sees it (`tgc.backends.base.Backend`): its own
-lowering stage `group` (cache blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
+lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`),
+`gemm_operands` (bf16 GEMMs, or operands widened for BLAS) and `group` (cache
+blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
 JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
 the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
 with its C header, an object file, LLVM IR, assembly, or the header alone)."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
+from tgc.backends.cpu.gemm_operands import GemmOperands
 from tgc.backends.cpu.group import Group, read_group
+from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Group,)
+    stages = (Narrow, GemmOperands, Group)
     kernel_forms = {"group": read_group}
     source_cache = True
     emits = ("so", "obj", "llvm", "asm", "h")
@@ -31,13 +35,14 @@ class CpuBackend(Backend):
         from tgc.manager import lower_module
 
         prefix = c_identifier(output)
-        low = None if emit == "h" else lower_module(module, self.lowering_options(options), None, "plan", self.lowering())
+        # the header too: which bf16/f16 tensors are 2-byte arrays is the lowering's choice (narrow)
+        low = lower_module(module, self.lowering_options(options), None, "plan", self.lowering())
         try:
             files = {output: aot.build(module, low, options, emit, prefix, source)}
         except aot.NoSystemBlas as e:
             raise ValueError(f"--blas: {e}") from None
         for path in self.companions(output, emit).values():
-            files[path] = aot.build(module, None, options, "h", prefix, source)
+            files[path] = aot.build(module, low, options, "h", prefix, source)
         return files
 
     def cache_parts(self) -> tuple[str, ...]:

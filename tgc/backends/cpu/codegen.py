@@ -12,9 +12,11 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
     int32_t tgc_run(const int64_t* dims, void* const* args, void* const* outs, void* workspace)
         dims:  the symbolic dims, in declaration order (`Module.symbolic_dims()`);
         args:  one pointer per argument, in declaration order, each row-major in its
-               ABI axis order (floats of the program's type; ids int32); updates are
+               ABI axis order (floats of the program's type; ids int32; bf16/f16
+               arguments 2-byte elements: bf16 bits, IEEE half); updates are
                written into them after every read of their old values;
-        outs:  one pointer per output, row-major in its ABI order;
+        outs:  one pointer per output, row-major in its ABI order (floats, or 2-byte
+               elements where `narrow` gave the output a bf16/f16 buffer);
         workspace: tgc_workspace_bytes(dims) bytes, 64-byte aligned.
         Returns 0, or k > 0 when the k-th id check failed (an id out of range): then
         nothing has been written, since every check runs before the first kernel;
@@ -53,7 +55,7 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
-from tgc.backends.cpu.gemm import GemmGen, loops_kernel, packs_b, small_kernel
+from tgc.backends.cpu.gemm import GemmGen, bf16_kernel, loops_kernel, packs_b, small_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
@@ -159,13 +161,15 @@ class _ModuleGen:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
         for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
-                              and k.cplx is None}):
+                              and k.cplx is None and self.low.buffers[k.a.buf].dtype != "bf16"}):
             small_kernel(self.mod, self.fp, packed=packed)
             if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)
+        if any(isinstance(k, GemmKernel) and self.low.buffers[k.a.buf].dtype == "bf16" for k in self.low.kernels):
+            bf16_kernel(self.mod)   # bf16 products (gemm_operands kept both operands bf16)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
-                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.")) and not fn.is_declaration:
+                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16")) and not fn.is_declaration:
                     fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))

@@ -121,6 +121,44 @@ def emit_round_bf16(b: ir.IRBuilder, x, fp):
     return r if isinstance(fp, ir.FloatType) else b.fpext(r, fp)
 
 
+# ---------------------------------------------------------------- 2-byte storage (tgc.lower.narrow)
+
+I16 = ir.IntType(16)
+
+
+def storage_type(dtype: str, fp):
+    """The LLVM type of one element of a buffer of type `dtype` in a program whose float
+    type is `fp`: bf16 as its 16 bits (i16), f16 as `half`, floats as `fp`, ids as i32."""
+    return {"bf16": I16, "f16": ir.HalfType(), "i32": ir.IntType(32)}.get(dtype, fp)
+
+
+def widen(b: ir.IRBuilder, x, dtype: str, fp):
+    """A loaded element of a `dtype` buffer as a value of `fp`, exactly: bf16's 16 bits
+    are the top half of the f32 with the same value (zext, shl 16, bitcast); f16 is
+    `fpext` (F16C's vcvtph2ps)."""
+    if dtype == "bf16":
+        i32 = ir.IntType(32)
+        f = b.bitcast(b.shl(b.zext(x, i32), ir.Constant(i32, 16)), ir.FloatType())
+        return f if isinstance(fp, ir.FloatType) else b.fpext(f, fp)
+    if dtype == "f16":
+        return b.fpext(x, fp)
+    return x
+
+
+def narrow_to(b: ir.IRBuilder, x, dtype: str, fp):
+    """A value of `fp` as an element of a `dtype` buffer. `tgc.lower.narrow` lets only
+    values already of that type (rounded by round_bf16/round_f16, or loaded from such a
+    buffer) reach a 2-byte buffer, so this is exact: bf16 keeps the top 16 bits of the
+    f32 (its low 16 are zero; a NaN keeps its quiet bit), f16 is `fptrunc`."""
+    if dtype == "bf16":
+        i32 = ir.IntType(32)
+        f = x if isinstance(fp, ir.FloatType) else b.fptrunc(x, ir.FloatType())
+        return b.trunc(b.lshr(b.bitcast(f, i32), ir.Constant(i32, 16)), I16)
+    if dtype == "f16":
+        return b.fptrunc(x, ir.HalfType())
+    return x
+
+
 def _ipow(b: ir.IRBuilder, x, n: int, fp):
     """x**n for a small integer n by repeated squaring."""
     result, base, k = None, x, abs(n)

@@ -53,6 +53,11 @@ a larger tile calls cblas only when the table has it, and otherwise the blocked 
 (`tgc.gemm.loops.*`): the small-tile kernel over blocks of columns and chunks of K
 that fit its pack buffer. With "numpy" (the JIT's default) the code is as above.
 
+bf16 products. A product of two bf16 buffers (the `gemm_operands` stage keeps them
+bf16 only where the CPU has AVX-512 BF16, or `options.cpu.bf16_gemm` is "on") makes
+the same tasks and tiles, each tile one call of `bf16_kernel` (`vdpbf16ps`, f32
+sums) instead of cblas: numpy's OpenBLAS exports no bf16 GEMM (`sbgemm`).
+
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
 tap offsets the shifted operand and clips the shifted edge's range to where every
 index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
@@ -140,6 +145,14 @@ class GemmGen:
         self.opt = options
         # a complex product (cgemm/zgemm) addresses, and strides over, whole pairs
         self.elem = fp if k.cplx is None else ir.ArrayType(fp, 2)
+        # a bf16 product (`gemm_operands` chose it): bf16 operands (their 16 bits), f32 C
+        self.bf16 = all(low.buffers[n].dtype == "bf16" for n in (k.a.buf, k.b.buf))
+        self.op_elem = ir.IntType(16) if self.bf16 else self.elem
+        kinds = {low.buffers[n].dtype for n in (k.a.buf, k.b.buf)}
+        if kinds - {low.dtype} and not (self.bf16 and low.dtype == "f32" and k.cplx is None
+                                        and not k.taps and not k.shifts):
+            raise ValueError(f"internal: a GEMM on {'/'.join(sorted(kinds))} operands in an {low.dtype} program "
+                             "(the gemm_operands stage widens them)")
         self.fn = define(mod, name, I32, [PTR] * 4 + [I64])
         optimize_not(self.fn)   # plans the tiles once per call: not worth LLVM's time
         self.bufs = {r: low.buffers[n] for r, n in (("a", k.a.buf), ("b", k.b.buf), ("c", k.out))}
@@ -333,7 +346,7 @@ class GemmGen:
         st = self.views(f)
         A, B, c_p = self.operands(f, st)
         pl = self.tasks(f, b, *fn.args[6:9])
-        small = self.small_ok(b, pl, B) if k.cplx is None else None
+        small = self.small_ok(b, pl, B) if k.cplx is None and not self.bf16 else None
         with for_range(b, lo, hi, "task") as t:
             # decode: t = ((batch...) * n_p + ip) * n_q + iq
             iq = b.srem(t, pl["n_q"])
@@ -396,8 +409,8 @@ class GemmGen:
             shift_off[role] = parts
         c_parts = [(vars[e], st["c"][0][e]) for e in k.batch]
         with b.if_then(nonempty):
-            pa = self.ptr(ptrs[A.role], shift_off[A.role] + [(ps, A.row)])
-            pb = self.ptr(ptrs[B.role], shift_off[B.role] + [(qs, B.col)])
+            pa = self.ptr(ptrs[A.role], shift_off[A.role] + [(ps, A.row)], self.op_elem)
+            pb = self.ptr(ptrs[B.role], shift_off[B.role] + [(qs, B.col)], self.op_elem)
             pc = self.ptr(ptrs["c"], c_parts + [(ps, c_p), (qs, I64(1))])
             m, n = b.sub(pe, ps), b.sub(qe, qs)
             kk = self.smax(b, b.sub(re, rs), I64(0))
@@ -410,9 +423,12 @@ class GemmGen:
                 beta1 = b.icmp_signed(">", j, I64(0))
                 if k.accumulates():
                     beta1 = ir.Constant(I1, 1)
-                xa = self.ptr(pa, [(r, A.col)])
-                xb = self.ptr(pb, [(r, B.row)])
-                if small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
+                xa = self.ptr(pa, [(r, A.col)], self.op_elem)
+                xb = self.ptr(pb, [(r, B.row)], self.op_elem)
+                if self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
+                    self.b.call(bf16_kernel(self.mod, home=self.home),
+                                [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
+                elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
                     self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
                 else:
                     with b.if_else(small) as (then, otherwise):
@@ -421,8 +437,8 @@ class GemmGen:
                         with otherwise:
                             self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
 
-    def ptr(self, base, parts):
-        return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=self.elem)
+    def ptr(self, base, parts, etype=None):
+        return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=etype or self.elem)
 
     def smin(self, x, y):
         return self.b.select(self.b.icmp_signed("<", x, y), x, y)
@@ -747,3 +763,251 @@ def _masked_intrinsics(mod, fp, vl):
                                 ir.FunctionType(vt, [vt, vt, vt]))):
         out.append(mod.globals.get(name) or ir.Function(mod, ty, name))
     return out
+
+
+# ---------------------------------------------------------------- bf16 products (AVX-512 BF16)
+
+BF16_ROWS = 4      # rows of C' per register block of the bf16 kernel ...
+BF16_VECS = 4      # ... by this many vectors of 16 f32 columns (16 accumulators)
+BF16_DEPTH = 256   # K per packed block (even): B' block of 128 pairs x 64 columns, 32 KiB
+
+
+class _BFloat(ir.types.Type):
+    """LLVM's `bfloat` (llvmlite has no such type): only the vectors the dot-product
+    intrinsic takes are ever made of it, by bitcasts from i32 pairs."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def _dpbf16ps(mod: ir.Module) -> ir.Function:
+    """`<16 x float> llvm.x86.avx512bf16.dpbf16ps.512(acc, <32 x bfloat> a, <32 x bfloat> b)`:
+    per f32 lane j, acc + a[2j] * b[2j] + a[2j+1] * b[2j+1] (`vdpbf16ps`; the products
+    are exact in f32, the sums rounded to nearest even; inputs and result below f32's
+    normal range are taken as zero, as the instruction does)."""
+    name = "llvm.x86.avx512bf16.dpbf16ps.512"
+    if name in mod.globals:
+        return mod.globals[name]
+    pairs = ir.VectorType(_BFloat(), 32)
+    fv = ir.VectorType(ir.FloatType(), 16)
+    return ir.Function(mod, ir.FunctionType(fv, [fv, pairs, pairs]), name)
+
+
+def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
+    """void tgc.gemm.bf16(i64 M, i64 N, i64 K, i16* A, i64 sAm, i64 sAk, i16* B, i64 sBk,
+    i64 sBn, float* C, i64 ldc, i32 accumulate): C[M, N] (+)= A[M, K] B[K, N] for bf16 A
+    and B (their 16 bits; any strides, in elements) and f32 C with N contiguous, summed
+    in f32 by `vdpbf16ps` (AVX-512 BF16).
+
+    Columns in blocks of BF16_VECS x 16 and K in blocks of BF16_DEPTH. Each block of B
+    is packed into a stack buffer as pairs (B[k, j], B[k+1, j]), one 32-bit lane per
+    column (zeros past K and N; vector loads when B's columns are contiguous). Then
+    for every block of BF16_ROWS rows the K pairs run with 16 vector accumulators:
+    each step broadcasts a row's pair (A[i, k], A[i, k+1]) and takes one `vdpbf16ps`
+    per vector, i.e. two K steps of 16 multiply-adds. A row's pairs are read straight
+    from A when its K is contiguous (a last odd K alone), else packed for the block
+    first (vector loads of the 4 rows when its M is contiguous). A K block after the
+    first adds into C; rows past M read row M - 1 (or zeros) and store nothing. Each
+    element of C is one sum over K, in pairs, in K's order. One function per program
+    (like `small_kernel`)."""
+    name = "tgc.gemm.bf16"
+    if name in mod.globals:
+        return mod.globals[name]
+    if home is not None and home is not mod:
+        return export(bf16_kernel(home), mod)
+    i16, f32 = ir.IntType(16), ir.FloatType()
+    vl, cols, half, rows_n = 16, BF16_VECS * 16, BF16_DEPTH // 2, BF16_ROWS
+    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
+    fn.attributes.add("noinline")
+    M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
+    for a in (pa, pb, pc):
+        a.add_attribute("noalias")
+    entry = ir.IRBuilder(fn.append_basic_block("entry"))
+    bpack = entry.alloca(I32, size=I64(half * cols), name="bpack")
+    apack = entry.alloca(I32, size=I64(half * rows_n), name="apack")
+    bpack.align = apack.align = 64
+    vt, it, mt = ir.VectorType(f32, vl), ir.VectorType(I32, vl), ir.VectorType(I1, vl)
+    pairs = ir.VectorType(_BFloat(), 32)
+    accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(BF16_VECS)] for r in range(rows_n)]
+    body = fn.append_basic_block("body")
+    b = ir.IRBuilder(body)
+    dot = _dpbf16ps(mod)
+    load_fn, store_fn, _ = _masked_intrinsics(mod, f32, vl)
+    zero_v = ir.Constant(vt, [0.0] * vl)
+    iota = ir.Constant(ir.VectorType(I64, vl), list(range(vl)))
+    align = I32(4)
+
+    def smin(x, y):
+        return b.select(b.icmp_signed("<", x, y), x, y)
+
+    def element(ptr, index, ok):
+        """zext(ptr[index]) as i32 where `ok`, else 0 (loaded only where ok)."""
+        safe = b.select(ok, index, I64(0))
+        v = b.load(b.gep(ptr, [safe], source_etype=i16), typ=i16)
+        return b.select(ok, b.zext(v, I32), I32(0))
+
+    def pair(lo, hi, typ=I32):
+        return b.or_(lo, b.shl(hi, ir.Constant(typ, 16) if typ == I32 else _splat(b, I32(16), typ)))
+
+    def masked_i16(ptr, n, mask):
+        """<n x i16> at ptr, zeros where the mask is off, widened to <n x i32>."""
+        vt16 = ir.VectorType(i16, n)
+        fname = f"llvm.masked.load.v{n}i16.p0"
+        f = mod.globals.get(fname) or ir.Function(
+            mod, ir.FunctionType(vt16, [PTR, I32, ir.VectorType(I1, n), vt16]), fname)
+        v = b.call(f, [ptr, I32(2), mask, ir.Constant(vt16, [0] * n)])
+        return b.zext(v, ir.VectorType(I32, n))
+
+    accumulate = b.icmp_signed("!=", acc, I32(0))
+    chunks = b.sdiv(b.add(K, I64(BF16_DEPTH - 1)), I64(BF16_DEPTH))
+    chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
+    a_direct = b.icmp_signed("==", sak, I64(1))
+    with for_range(b, I64(0), b.sdiv(b.add(N, I64(cols - 1)), I64(cols)), "bj") as jb:
+        j0 = b.mul(jb, I64(cols))
+        width = smin(I64(cols), b.sub(N, j0))
+        masks = []
+        for c in range(BF16_VECS):
+            left = b.sub(width, I64(c * vl))
+            masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+        with for_range(b, I64(0), chunks, "bk") as kb:
+            k0 = b.mul(kb, I64(BF16_DEPTH))
+            kd = smin(I64(BF16_DEPTH), b.sub(K, k0))
+            kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
+            kp = b.sdiv(b.add(kd, I64(1)), I64(2))
+            full = b.sdiv(kd, I64(2))
+            odd = b.icmp_signed("!=", b.srem(kd, I64(2)), I64(0))
+            add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
+
+            # B's block as pairs, every column of the block (zeros past N and K)
+            with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, strided):
+                with contiguous:
+                    with for_range(b, I64(0), kp, "pv") as p:
+                        k = b.add(k0, b.mul(p, I64(2)))
+                        ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), mt)
+                        ok1 = _splat(b, b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd), mt)
+                        for c in range(BF16_VECS):
+                            at = b.add(j0, I64(c * vl))
+                            lo = masked_i16(b.gep(pb, [b.add(b.mul(k, sbk), at)], source_etype=i16), vl,
+                                            b.and_(masks[c], ok0))
+                            hi_k = b.select(b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd), b.add(k, I64(1)), k)
+                            hi = masked_i16(b.gep(pb, [b.add(b.mul(hi_k, sbk), at)], source_etype=i16), vl,
+                                            b.and_(masks[c], ok1))
+                            dst = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
+                            b.store(pair(lo, hi, it), b.bitcast(dst, it.as_pointer()), align=64)
+                with strided:
+                    with for_range(b, I64(0), kp, "pp") as p:
+                        k = b.add(k0, b.mul(p, I64(2)))
+                        ok0 = b.icmp_signed("<", b.mul(p, I64(2)), kd)
+                        ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
+                        with for_range(b, I64(0), I64(cols), "pj") as j:
+                            inside = b.icmp_signed("<", j, width)
+                            col = b.mul(b.add(j0, j), sbn)
+                            lo = element(pb, b.add(b.mul(k, sbk), col), b.and_(ok0, inside))
+                            hi = element(pb, b.add(b.mul(b.add(k, I64(1)), sbk), col), b.and_(ok1, inside))
+                            b.store(pair(lo, hi), b.gep(bpack, [b.add(b.mul(p, I64(cols)), j)], source_etype=I32))
+            init_mask = _splat(b, add_c, mt)
+            with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows_n - 1)), I64(rows_n)), "bi") as ib:
+                i0 = b.mul(ib, I64(rows_n))
+                last = b.sub(M, I64(1))
+                rows = [b.add(i0, I64(r)) for r in range(rows_n)]
+                inside = [b.icmp_signed("<", i, M) for i in rows]
+                rows = [b.select(x, i, last) for x, i in zip(inside, rows)]
+                crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rows]
+                for r in range(rows_n):
+                    for c in range(BF16_VECS):
+                        at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
+                        b.store(b.call(load_fn, [at, align, b.and_(masks[c], init_mask), zero_v]), accs[r][c])
+
+                def steps(count, a_of, name):
+                    """`count` pair steps from pair 0: a_of(r, p) is row r's pair p (i32)."""
+                    with for_range(b, I64(0), count, name, unroll=False) as p:
+                        step(p, a_of)
+
+                def step(p, a_of):
+                    bv = []
+                    for c in range(BF16_VECS):
+                        at = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
+                        bv.append(b.bitcast(b.load(b.bitcast(at, it.as_pointer()), typ=it, align=64), pairs))
+                    for r in range(rows_n):
+                        av = b.bitcast(_splat(b, a_of(r, p), it), pairs)
+                        for c in range(BF16_VECS):
+                            b.store(b.call(dot, [b.load(accs[r][c], typ=vt), av, bv[c]]), accs[r][c])
+
+                arow = [b.mul(i, sam) for i in rows]
+                with b.if_else(a_direct) as (direct, packed):
+                    with direct:   # A's K contiguous: each pair is one 32-bit load
+                        def a_pair(r, p):
+                            at = b.gep(pa, [b.add(arow[r], b.add(k0, b.mul(p, I64(2))))], source_etype=i16)
+                            return b.load(b.bitcast(at, I32.as_pointer()), typ=I32, align=2)
+                        steps(full, a_pair, "kd")
+                        with b.if_then(odd):   # the last K of an odd block, alone (B's pair ends in 0)
+                            step(full, lambda r, p: element(pa, b.add(arow[r], b.add(k0, b.sub(kd, I64(1)))),
+                                                            ir.Constant(I1, 1)))
+                    with packed:   # A's pairs for this block of rows first
+                        _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair)
+                        steps(kp, lambda r, p: b.load(b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))],
+                                                            source_etype=I32), typ=I32), "kp")
+                for r in range(rows_n):
+                    real = _splat(b, inside[r], mt)
+                    for c in range(BF16_VECS):
+                        at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
+                        b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
+    b.ret_void()
+    entry.branch(body)
+    return fn
+
+
+def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair):
+    """Rows i0.. i0+3's pairs of A's K block into `apack` (row r's pair p at p * 4 + r):
+    when A's M is contiguous, the 4 rows of each K are one vector load (masked, rows
+    past M reading as zeros, only for a last partial block of rows or the last odd K:
+    LLVM makes scattered scalar loads of a masked <4 x i16>) and each pair of K one
+    vector store; else element by element."""
+    rows_n = BF16_ROWS
+    i16 = ir.IntType(16)
+    with b.if_else(b.icmp_signed("==", sam, I64(1))) as (columns, scattered):
+        with columns:
+            it4 = ir.VectorType(I32, rows_n)
+            iota4 = ir.Constant(ir.VectorType(I64, rows_n), list(range(rows_n)))
+            real = b.icmp_signed("<", iota4, _splat(b, b.sub(M, i0), ir.VectorType(I64, rows_n)))
+            whole = b.icmp_signed(">=", b.sub(M, i0), I64(rows_n))
+            plain = b.select(whole, b.sdiv(kd, I64(2)), I64(0))   # pairs read with plain loads
+
+            def store(p, v):
+                dst = b.gep(apack, [b.mul(p, I64(rows_n))], source_etype=I32)
+                b.store(v, b.bitcast(dst, it4.as_pointer()), align=16)
+
+            v4 = ir.VectorType(i16, rows_n)
+            with for_range(b, I64(0), plain, "aw") as p:
+                k = b.add(k0, b.mul(p, I64(2)))
+                lo = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), v4.as_pointer()),
+                            typ=v4, align=2)
+                hi = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(b.add(k, I64(1)), sak))], source_etype=i16),
+                                      v4.as_pointer()), typ=v4, align=2)
+                store(p, pair(b.zext(lo, it4), b.zext(hi, it4), it4))
+            with for_range(b, plain, kp, "av") as p:
+                k = b.add(k0, b.mul(p, I64(2)))
+                ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), ir.VectorType(I1, rows_n))
+                ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
+                hi_k = b.select(ok1, b.add(k, I64(1)), k)
+                lo = masked_i16(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), rows_n,
+                                b.and_(real, ok0))
+                hi = masked_i16(b.gep(pa, [b.add(i0, b.mul(hi_k, sak))], source_etype=i16), rows_n,
+                                b.and_(real, _splat(b, ok1, ir.VectorType(I1, rows_n))))
+                store(p, pair(lo, hi, it4))
+        with scattered:
+            for r in range(rows_n):
+                arow = b.mul(rows[r], sam)
+                with for_range(b, I64(0), kp, "ap") as p:
+                    k = b.add(k0, b.mul(p, I64(2)))
+                    ok0 = b.icmp_signed("<", b.mul(p, I64(2)), kd)
+                    ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
+                    lo = element(pa, b.add(arow, b.mul(k, sak)), ok0)
+                    hi = element(pa, b.add(arow, b.mul(b.add(k, I64(1)), sak)), ok1)
+                    b.store(pair(lo, hi), b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))], source_etype=I32))

@@ -364,7 +364,7 @@ class _Grouper:
         for stem, edges, order in (("m", lse.index, None), ("e", full, dst.order), ("s", lse.index, None)):
             names[stem] = low.fresh(stem)
             edge_names = tuple(e for e, _ in edges)
-            low.buffers[names[stem]] = Buffer(names[stem], dst.dtype, tuple(sorted(edge_names)), "temp",
+            low.buffers[names[stem]] = Buffer(names[stem], low.dtype, tuple(sorted(edge_names)), "temp",
                                               order=order or low.buffers[lse.out].order)
         m_load, s_load, e_load = (Load(names[x], lse.index if x != "e" else full) for x in "mse")
         sizes = {**lse.sizes, **{e: hits[0].sizes[e] for e, _ in full}}

@@ -1,7 +1,8 @@
 """The C header of an ahead-of-time build: prototypes, the ABI of every argument
 and output (edges in ABI order, dims, dtype), error codes, and the init call.
 
-Deterministic: the text depends only on the module and the names chosen.
+Deterministic: the text depends only on the module, its lowered program (which
+bf16/f16 tensors are 2-byte arrays) and the names chosen.
 """
 from __future__ import annotations
 
@@ -13,11 +14,29 @@ from tgc.ir.sizes import size_str
 C_TYPES = {"f32": "float", "f64": "double", "i32": "int32_t"}
 
 
-def _low_note(elem: str, dtype: str) -> str:
-    """bf16/f16 arguments and outputs cross the C ABI in the float type (docs/dtypes.md)."""
+def _low_note(elem: str, dtype: str, stored: str | None) -> str:
+    """How a bf16/f16 argument or output crosses the C ABI (docs/dtypes.md): as 2-byte
+    elements where its buffer holds them (`stored`), else in the float type."""
     if elem not in ("bf16", "f16"):
         return ""
+    if stored == "bf16":
+        return " (bfloat16: each element's 16 bits, the top half of the f32 with its value)"
+    if stored == "f16":
+        return " (IEEE half precision bits, _Float16)"
     return f" ({elem} values held in {C_TYPES[dtype]}: pass them rounded to {elem}; outputs come rounded)"
+
+
+def _stored(low, kind: str, index: int) -> str | None:
+    """bf16/f16 when the lowered program's buffer for that argument or output holds
+    2-byte elements (tgc.lower.narrow), else None."""
+    for b in (low.buffers.values() if low is not None else ()):
+        if b.kind == kind and b.index == index and b.dtype in ("bf16", "f16"):
+            return b.dtype
+    return None
+
+
+def _c_type(elem: str, dtype: str, stored: str | None) -> str:
+    return "uint16_t" if stored else C_TYPES[elem if elem == "i32" else dtype]
 
 
 def c_identifier(name: str) -> str:
@@ -40,8 +59,9 @@ def _shape(module: Module, order) -> str:
     return "[" + ", ".join(parts) + "] row-major"
 
 
-def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str) -> str:
-    """The header of a library built with `tgc build --blas=blas` (see `aot.py`)."""
+def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str, low=None) -> str:
+    """The header of a library built with `tgc build --blas=blas` (see `aot.py`) from
+    `module` lowered to `low` (which says where bf16/f16 tensors are 2-byte arrays)."""
     guard = f"TGC_{prefix.upper()}_H"
     float_t = C_TYPES[dtype]
     dims = module.symbolic_dims()
@@ -56,13 +76,16 @@ def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str)
     lines += [f"#define {prefix.upper()}_NUM_DIMS {len(dims)}", "", "/* Arguments, the `args` array, in this order: */"]
     for i, a in enumerate(module.args.values()):
         updated = " (updated in place after the step)" if any(u.target == a.name for u in module.updates) else ""
+        stored = _stored(low, "arg", i)
         lines.append(f"#define {prefix.upper()}_ARG_{_macro(a.name)} {i}  /* {a.kind} {a.name}: "
-                     f"{C_TYPES[a.dtype if a.dtype == 'i32' else dtype]} {_shape(module, a.order)}{updated}"
-                     f"{_low_note(a.dtype, dtype)} */")
+                     f"{_c_type(a.dtype, dtype, stored)} {_shape(module, a.order)}{updated}"
+                     f"{_low_note(a.dtype, dtype, stored)} */")
     lines += [f"#define {prefix.upper()}_NUM_ARGS {len(module.args)}", "", "/* Outputs, the `outs` array, in this order: */"]
     for i, o in enumerate(module.outputs):
-        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: {float_t} {_shape(module, o.order)}"
-                     f"{_low_note(o.value.dtype, dtype)} */")
+        stored = _stored(low, "out", i)
+        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: "
+                     f"{_c_type('f32', dtype, stored)} {_shape(module, o.order)}"
+                     f"{_low_note(o.value.dtype, dtype, stored)} */")
     lines += [
         f"#define {prefix.upper()}_NUM_OUTS {len(module.outputs)}", "",
         f"/* Return codes of {prefix}_run: 0 success; k > 0: the k-th gather index check failed",

@@ -276,14 +276,14 @@ class CpuKernels(Kernels):
         expect: list[int] = [len(program.inputs)]   # the count first: tgc_run_objects loops over it
         for spec in program.inputs:
             shape = [size_eval(x, env) for x in spec.shape]
-            dt = np.dtype(NP[spec.dtype])
+            dt = program.element_dtype(spec)   # bf16/f16 arguments: 2-byte arrays (tgc.lower.narrow)
             mask = C_CONTIGUOUS | (WRITEABLE if spec.updated else 0)
             expect += [id(np.ndarray), id(dt), mask, len(shape), int(np.prod(shape, dtype=np.int64)) * dt.itemsize]
             expect += shape
         table = (ctypes.c_int64 * max(len(expect), 1))(*expect)
         frame = (ctypes.c_int64 * 4)(addr, ctypes.addressof(self._ws_cell), ctypes.addressof(self._layout),
                                      ctypes.addressof(table))
-        outs = [(tuple(size_eval(x, env) for x in o.shape), np.dtype(NP[o.dtype])) for o in program.outputs]
+        outs = [(tuple(size_eval(x, env) for x in o.shape), program.element_dtype(o)) for o in program.outputs]
         nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in outs)
         return _Plan(env, dim_values, int(self._ws_bytes(addr)), addr, outs, table, frame, ctypes.addressof(frame),
                      tuple(o.name for o in program.outputs), recycle=nbytes >= RECYCLE_BYTES)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic
+from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
                             Mask, Mul, Rand, SizeOf, walk)
@@ -424,8 +424,10 @@ class LoopGen:
     def fill(self, value: float) -> None:
         out = self.low.buffers[self.k.out]
         n = self.f.count(out.edges)
+        et = storage_type(out.dtype, self.fp)
         with for_range(self.b, I64(0), n, "z") as i:
-            self.b.store(self.const(value), self.b.gep(self.ptr[out.name], [i], source_etype=self.fp))
+            self.b.store(narrow_to(self.b, self.const(value), out.dtype, self.fp),
+                         self.b.gep(self.ptr[out.name], [i], source_etype=et))
 
     def logsumexp(self, vars: dict) -> ir.Value:
         """m + log(sum exp(x - m)), m = max x (0 when not finite: all -inf stays -inf)."""
@@ -461,10 +463,19 @@ class LoopGen:
         if self.k.out in self.reg_names:
             self.regs[self.k.out] = value
             return
-        self.b.store(value, self.address(self.k.out, self.k.index, vars, self.fp))
+        dtype = self.low.buffers[self.k.out].dtype   # a bf16/f16 buffer: stored narrowed (exact)
+        et = storage_type(dtype, self.fp)
+        self.b.store(narrow_to(self.b, value, dtype, self.fp), self.address(self.k.out, self.k.index, vars, et))
+
+    def load_buf(self, buf: str, index, vars: dict):
+        """An element of `buf` as a value of the program's float type (a bf16/f16
+        element widened, exactly)."""
+        dtype = self.low.buffers[buf].dtype
+        et = storage_type(dtype, self.fp)
+        return widen(self.b, self.b.load(self.address(buf, index, vars, et), typ=et), dtype, self.fp)
 
     def load_out(self, vars: dict):
-        return self.b.load(self.address(self.k.out, self.k.index, vars, self.fp), typ=self.fp)
+        return self.load_buf(self.k.out, self.k.index, vars)
 
     def ix(self, ix: Ix, vars: dict):
         b = self.b
@@ -497,7 +508,7 @@ class LoopGen:
         if isinstance(e, Load):
             if e.buf in self.regs:
                 return self.regs[e.buf]
-            return b.load(self.address(e.buf, e.index, vars, self.fp), typ=self.fp)
+            return self.load_buf(e.buf, e.index, vars)
         if isinstance(e, Const):
             return self.const(e.value)
         if isinstance(e, SizeOf):
