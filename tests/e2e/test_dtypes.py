@@ -217,7 +217,8 @@ def test_runtime_takes_and_returns_bf16_arrays_and_updates_them_in_place():
     assert same_bits(W, ref["W"]) and same_bits(out["l"], ref["l"])
     assert not same_bits(W, W0)
     # an f32 array for a bf16 input is rounded to bf16 on the way in
-    x32 = x.astype(np.float32) + np.float32(2**-12)
+    x32 = x.astype(np.float32) * np.float32(1 + 2**-11)   # within half a bf16 ulp of x: rounds to x
+    assert same_bits(x32.astype(NP["bf16"]), x)
     W1 = W0.astype(np.float32)
     out32 = p(x=x32, W=W1, lr=0.1)
     assert same_bits(W1, ref["W"]) and same_bits(out32["l"], ref["l"])
@@ -466,3 +467,20 @@ def test_a_gradient_keeps_its_variables_type_when_simplify_moves_the_rounding():
     for got in three_ways(src, inputs):
         assert same_bits(got["g"], want)
     assert tgc.compile(src)(**inputs)["g"].dtype == BF16
+
+
+@pytest.mark.parametrize("low", ["bf16", "f16"])
+def test_a_conversion_converts_the_rounded_value(low):
+    """`f32(x * x)` with a bf16/f16 `x` is the product rounded to bf16/f16, then
+    widened: an f32 value (it was once the unrounded f32 product, rounded again after
+    the conversion and returned as bf16), and a sum of it accumulates the rounded
+    products in f32."""
+    src = f"dim i = 3, j = 4\ninput x: {low}[i, j]\nout s = f32(x * x)\nout r = sum[j](f32(x * x))\n"
+    x = (np.arange(12).reshape(3, 4) * 1.37).astype(NP[low])
+    square = (x.astype(np.float32) ** 2).astype(NP[low]).astype(np.float32)
+    for run in (lambda: evaluate(compile_source(src, "t.tg", Options()), {"x": x}),
+                lambda: tgc.compile(src)(x=x)):
+        out = run()
+        assert out["s"].dtype == np.float32 and out["r"].dtype == np.float32
+        np.testing.assert_array_equal(out["s"], square)
+        np.testing.assert_allclose(out["r"], square.sum(1), rtol=1e-6)

@@ -55,7 +55,9 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in FLOATS:   # f32/f64 name the program's float type, as declarations do
         el.real_only(f"'{node.fn}'", node, ctx, args[0])
-        return V.convert(args[0], node.fn if node.fn in LOW_FLOATS else el.dtype, loc=node.loc)
+        from tgc.ir.lowp import rounded
+
+        return V.convert(rounded(args[0]), node.fn if node.fn in LOW_FLOATS else el.dtype, loc=node.loc)
     if node.fn in COMPLEX_FUNCTIONS or (node.fn in ON_COMPLEX and is_complex(args[0])):
         return _complex_function(el, node, args[0], ctx)
     if node.fn == "where":

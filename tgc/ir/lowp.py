@@ -61,28 +61,48 @@ def _convert(x: Value, target: str, fp: str) -> Value:
     return x   # to the program's float type (to_f64 in an f32 program names it too)
 
 
+def language_type(v: Value) -> str | None:
+    """The bf16/f16 type the language gives `v` where its IR type is the compute type
+    (an op on bf16/f16 operands), else None. Constants are weak (`x * 0.1` is bf16 for
+    a bf16 `x`)."""
+    if v.op not in _ROUNDED_OPS or (v.op == "map" and v.attrs[0] in CONVERSIONS):
+        return None
+    floats = [o for o in v.operands if o.dtype != "i32"]
+    strong = [o.dtype for o in floats if o.op not in ("const", "size")] or [o.dtype for o in floats]
+    lang = strong[0] if strong else v.dtype
+    for d in strong[1:]:
+        lang = promote(lang, d)
+    return lang if lang in LOW_FLOATS and v.dtype != lang else None
+
+
+def rounded(v: Value) -> Value:
+    """`v` rounded to its language type, where that is bf16/f16 and its IR type is the
+    compute type (what `explicit_rounding` makes of it); else `v`. A conversion in the
+    source (`f32(x * x)`) converts this value, not the unrounded product."""
+    lang = language_type(v)
+    return V.map_(f"to_{lang}", v, loc=v.loc) if lang else v
+
+
 def explicit_rounding(module: Module) -> Module:
     """The module with each bf16/f16 expression's rounding made explicit.
 
     An op on bf16/f16 operands computes in f32 (`tgc.ir.values`: its IR type is the
     compute type); in the language, its result has the operands' promoted type, so
     the front end follows each such op whose promoted type is bf16/f16 with
-    `to_bf16`/`to_f16`. The optimizer then sees where values are rounded and adds
-    no rounding: the values it creates (a reciprocal, a partial product, a
-    derivative) are f32. Constants are weak (`x * 0.1` is bf16 for a bf16 `x`)."""
+    `to_bf16`/`to_f16` (`rounded`). The optimizer then sees where values are rounded
+    and adds no rounding: the values it creates (a reciprocal, a partial product, a
+    derivative) are f32. A rounding the front end already made explicit (a
+    conversion's operand) is not repeated: rounding twice to one type is rounding once."""
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
+        if (v.op == "map" and v.attrs[0] in CONVERSIONS and ops[0].op == "map"
+                and ops[0].attrs[0] == v.attrs[0] and v.operands[0] is ops[0].operands[0]):
+            memo[id(v)] = ops[0]   # to_T(y) of a y already followed by to_T: that rounding
+            continue
         new = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
-        if v.op in _ROUNDED_OPS and not (v.op == "map" and v.attrs[0] in CONVERSIONS):
-            floats = [o for o in ops if o.dtype != "i32"]
-            strong = [o.dtype for o in floats if o.op not in ("const", "size")] or [o.dtype for o in floats]
-            lang = strong[0] if strong else v.dtype
-            for d in strong[1:]:
-                lang = promote(lang, d)
-            if lang in LOW_FLOATS and new.dtype != lang:
-                new = V.map_(f"to_{lang}", new, loc=v.loc)
-        memo[id(v)] = new
+        lang = language_type(new)
+        memo[id(v)] = V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
     return module.replace_values(memo)
 
 
