@@ -42,6 +42,7 @@ import numpy as np
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, rename_buffers, walk)
+from tgc.lower.grouping import Grouper
 from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
@@ -224,29 +225,14 @@ def _outer_of(k: LoopKernel, partial_ok: bool) -> list[str]:
     return out
 
 
-class _Grouper:
+class _Grouper(Grouper):
     def __init__(self, low: Lowered, out: Lowered, options: Options):
-        self.low, self.out, self.opt = low, out, options
-        self.readers: dict[str, set[int]] = {}
-        for i, k in enumerate(low.kernels):
-            for b in k.buffers_read():
-                self.readers.setdefault(b, set()).add(i)
+        super().__init__(low, out)
+        self.opt = options
 
     def groupable(self, k) -> bool:
         return (isinstance(k, LoopKernel) and _identity(k) and k.loops != ()
                 and self.low.buffers[k.out].kind != "arg")
-
-    def run(self) -> None:
-        members: list[int] = []
-        for i, k in enumerate(self.low.kernels):
-            if members and self.groupable(k) and self.outer(members + [i]):
-                members.append(i)
-                continue
-            self.flush(members)
-            members = [i] if self.groupable(k) else []
-            if not members:
-                self.out.kernels.append(k)
-        self.flush(members)
 
     # ------------------------------------------------------------ membership
 

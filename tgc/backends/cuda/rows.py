@@ -43,6 +43,7 @@ import numpy as np
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, rename_buffers, walk
+from tgc.lower.grouping import Grouper
 from tgc.options import Options
 
 ROW_REDUCTIONS = ("sum", "max", "min", "maxshift", "logsumexp")
@@ -182,31 +183,13 @@ def _id_bufs(k: LoopKernel) -> set[str]:
     return out
 
 
-class _Grouper:
-    def __init__(self, low: Lowered, out: Lowered):
-        self.low, self.out = low, out
-        self.readers: dict[str, set[int]] = {}
-        for i, k in enumerate(low.kernels):
-            for b in k.buffers_read():
-                self.readers.setdefault(b, set()).add(i)
+class _Grouper(Grouper):
 
     def groupable(self, k) -> bool:
         if not (isinstance(k, LoopKernel) and k.loops and not k.scatter
                 and all(ix == Ix.var(e) for e, ix in k.index) and self.low.buffers[k.out].kind != "arg"):
             return False
         return not k.reduce or k.reduce in ROW_REDUCTIONS
-
-    def run(self) -> None:
-        members: list[int] = []
-        for i, k in enumerate(self.low.kernels):
-            if members and self.groupable(k) and self.outer(members + [i]):
-                members.append(i)
-                continue
-            self.flush(members)
-            members = [i] if self.groupable(k) else []
-            if not members:
-                self.out.kernels.append(k)
-        self.flush(members)
 
     def outer(self, members: list[int]) -> tuple[str, ...]:
         """The group's outer loops, or () when these kernels cannot form one."""
