@@ -6,10 +6,60 @@ A stage subclasses `Grouper` with `groupable(kernel)` (may it join a group at al
 `outer(members)` (the loops the members share, or () when they cannot form one) and
 `flush(members)` (append the group, or the members alone, to `out`). Terminates: one
 pass over the kernels; `readers` (buffer -> the kernels that read it) is what a
-stage's `flush` asks to decide which members' buffers another kernel still needs."""
+stage's `flush` asks to decide which members' buffers another kernel still needs.
+
+`MemberGroup` is what such a stage's kernel kind shares (the CPU's `LoopGroup`,
+CUDA's `RowGroup`): member loop kernels inside shared outer loops, some members'
+outputs held in registers (`regs`) rather than buffers."""
 from __future__ import annotations
 
-from tgc.lower.lowered import Lowered
+from dataclasses import replace
+
+import numpy as np
+
+from tgc.lower.lowered import Lowered, rename_buffers
+
+
+class MemberGroup:
+    """The buffer queries, renaming and interpretation of a kernel made of member loop
+    kernels (`members`) inside shared outer loops (`outer`, sized by `sizes`), where a
+    member whose output is in `regs` has no buffer. Mixed into a dataclass with those
+    fields."""
+
+    def buffers_read(self) -> set[str]:
+        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
+
+    def writes(self) -> set[str]:
+        return {m.out for m in self.members} - set(self.regs)
+
+    def buffers_used(self) -> list[str]:
+        names = [b for m in self.members for b in m.buffers_used()]
+        return [b for b in dict.fromkeys(names) if b not in self.regs]
+
+    def renamed(self, mapping):
+        """The group reading and writing the buffers `mapping` names instead."""
+        return replace(self, members=tuple(rename_buffers(m, mapping) for m in self.members),
+                       regs=tuple(mapping.get(r, r) for r in self.regs))
+
+    def interpret(self, it) -> None:
+        """Run the group in the lowered interpreter `it` (`tgc.lower.interp`): a
+        register is an array over the outer edges while the group runs, and the
+        members run as `run_members` says."""
+        sizes = [it.eval_size(self.sizes[v]) for v in self.outer]
+        for r in self.regs:
+            it.arrays[r], it.order[r] = np.full(sizes, np.nan, it.fp), self.outer
+        try:
+            self.run_members(it, sizes)
+        finally:
+            for r in self.regs:
+                del it.arrays[r], it.order[r]
+
+    def run_members(self, it, sizes: list[int]) -> None:
+        """Each member over all the outer indices at once, one member after another:
+        the same values as the kernel's order, as a member reads what another writes
+        only at the outer index it is at."""
+        for m in self.members:
+            it.loop(m, {})
 
 
 class Grouper:

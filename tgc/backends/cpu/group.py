@@ -41,8 +41,8 @@ import numpy as np
 
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
-                               Map, Mask, Mul, Rand, rename_buffers, walk)
-from tgc.lower.grouping import Grouper
+                               Map, Mask, Mul, Rand, walk)
+from tgc.lower.grouping import Grouper, MemberGroup
 from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
@@ -52,7 +52,7 @@ BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the 
 
 
 @dataclass
-class LoopGroup:
+class LoopGroup(MemberGroup):
     """Loop kernels run one after another inside shared outer loops: for each index
     of `outer` (loop variables every member keeps, outermost first), each member runs
     its remaining loops with the outer ones fixed. A member reads what an earlier one
@@ -73,21 +73,6 @@ class LoopGroup:
     blocks: int = 0
     note: str = ""
     kind = "group"             # what `tgc explain` calls it (a class attribute)
-
-    def buffers_read(self) -> set[str]:
-        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
-
-    def writes(self) -> set[str]:
-        return {m.out for m in self.members} - set(self.regs)
-
-    def buffers_used(self) -> list[str]:
-        names = [b for m in self.members for b in m.buffers_used()]
-        return [b for b in dict.fromkeys(names) if b not in self.regs]
-
-    def renamed(self, mapping) -> "LoopGroup":
-        """The group reading and writing the buffers `mapping` names instead."""
-        return replace(self, members=tuple(rename_buffers(m, mapping) for m in self.members),
-                       regs=tuple(mapping.get(r, r) for r in self.regs))
 
     def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
         """Whether the member writing `tmp` may write `target` instead (plan's
@@ -113,30 +98,18 @@ class LoopGroup:
                 return False
         return True
 
-    def interpret(self, it) -> None:
-        """Run the group in the lowered interpreter `it` (`tgc.lower.interp`): its
-        members one after another for each index of the outer loops (a member in
-        `regs` is an array over the outer edges there; with blocks, `#block` is the
-        block of the first outer index, and a member summing over an outer loop
-        adds into its block's row). Without blocks, each member runs over all the
-        outer indices at once, one member after another: the same, as a member
-        reads what another writes only at the outer index it is at."""
-        sizes = [it.eval_size(self.sizes[v]) for v in self.outer]
-        for r in self.regs:
-            it.arrays[r], it.order[r] = np.full(sizes, np.nan, it.fp), self.outer
-        try:
-            if not self.blocks:
-                for m in self.members:
-                    it.loop(m, {})
-                return
-            for point in np.ndindex(*sizes):
-                fixed = dict(zip(self.outer, point))
-                fixed[BLOCK_EDGE] = point[0] * self.blocks // max(sizes[0], 1)
-                for m in self.members:
-                    it.loop(m, fixed)
-        finally:
-            for r in self.regs:
-                del it.arrays[r], it.order[r]
+    def run_members(self, it, sizes: list[int]) -> None:
+        """With blocks, the members one after another for each index of the outer
+        loops (`#block` is the block of the first outer index, and a member summing
+        over an outer loop adds into its block's row); without, as `MemberGroup`."""
+        if not self.blocks:
+            super().run_members(it, sizes)
+            return
+        for point in np.ndindex(*sizes):
+            fixed = dict(zip(self.outer, point))
+            fixed[BLOCK_EDGE] = point[0] * self.blocks // max(sizes[0], 1)
+            for m in self.members:
+                it.loop(m, fixed)
 
     def text(self) -> str:
         loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)

@@ -36,21 +36,19 @@ pass over the kernels, each joining or ending one group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-import numpy as np
+from dataclasses import dataclass
 
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
-from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, rename_buffers, walk
-from tgc.lower.grouping import Grouper
+from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, walk
+from tgc.lower.grouping import Grouper, MemberGroup
 from tgc.options import Options
 
 ROW_REDUCTIONS = ("sum", "max", "min", "maxshift", "logsumexp")
 
 
 @dataclass
-class RowGroup:
+class RowGroup(MemberGroup):
     """Loop kernels run one after another for each index of the shared outer loops
     `outer` (kept by every member, outermost first): each member runs its remaining
     (inner) loops with the outer ones fixed, and reads what an earlier member wrote
@@ -64,39 +62,10 @@ class RowGroup:
     blocks = 0                 # (no partial sums: the verifier's groups may have blocks)
     kind = "rowgroup"          # what `tgc explain` calls it
 
-    def buffers_read(self) -> set[str]:
-        return {b for m in self.members for b in m.buffers_read()} - set(self.regs)
-
-    def writes(self) -> set[str]:
-        return {m.out for m in self.members} - set(self.regs)
-
-    def buffers_used(self) -> list[str]:
-        names = [b for m in self.members for b in m.buffers_used()]
-        return [b for b in dict.fromkeys(names) if b not in self.regs]
-
-    def renamed(self, mapping) -> "RowGroup":
-        return replace(self, members=tuple(rename_buffers(m, mapping) for m in self.members),
-                       regs=tuple(mapping.get(r, r) for r in self.regs))
-
     def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
         """Never (plan keeps the copy into an updated buffer): the threads of a block
         share a row's elements, so no order of reads before writes is promised."""
         return False
-
-    def interpret(self, it) -> None:
-        """Run the group in the lowered interpreter `it`: each member over all the
-        outer indices at once, one member after another (the same values: a member
-        reads another's output only at its own outer index). A register is an array
-        over the outer edges while the group runs."""
-        sizes = [it.eval_size(self.sizes[v]) for v in self.outer]
-        for r in self.regs:
-            it.arrays[r], it.order[r] = np.full(sizes, np.nan, it.fp), self.outer
-        try:
-            for m in self.members:
-                it.loop(m, {})
-        finally:
-            for r in self.regs:
-                del it.arrays[r], it.order[r]
 
     def text(self) -> str:
         loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
