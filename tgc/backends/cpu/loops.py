@@ -43,7 +43,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
-                            Mask, Mul, Rand, SizeOf, walk)
+                            Mask, Mul, Rand, SizeOf, walk, wide_sum)
 from tgc.backends.cpu.philox import emit_draw
 from tgc.ir.sizes import size_op
 from tgc.backends.cpu.llvm_env import has_feature
@@ -523,6 +523,8 @@ class LoopGen:
         if isinstance(e, Mask):
             return self.mask(e, vars, acc)
         if isinstance(e, Add):
+            if not self.strict and self.fp == ir.FloatType() and wide_sum(e, "f32"):
+                return self.wide_add(e, vars, acc)
             k = None if self.strict else fma_term(e)
             if k is not None:
                 return self.fused_add(e, k, vars, acc)
@@ -557,6 +559,29 @@ class LoopGen:
             else:
                 total = b.fadd(total, b.fmul(self.const(c), a))
         return total
+
+    def wide_add(self, e: Add, vars: dict, acc):
+        """An f32 sum of several terms in f64, rounded once (`lowered.wide_sum`): each
+        term widened (a product's factors before they are multiplied), scaled and added
+        in f64, so its value does not depend on the order of its terms."""
+        b, wide = self.b, ir.DoubleType()
+        total = None
+        for c, a in zip(e.coefs, e.args):
+            if isinstance(a, Mul):
+                factors = [self.expr(x, vars, acc) for x in a.args]
+                term = None
+                for i in factor_order(a.args):
+                    f = b.fpext(factors[i], wide)
+                    term = f if term is None else b.fmul(term, f)
+            else:
+                term = b.fpext(self.expr(a, vars, acc), wide)
+            if total is not None and c in (1.0, -1.0):
+                total = b.fadd(total, term) if c == 1.0 else b.fsub(total, term)
+                continue
+            if c != 1.0:
+                term = b.fmul(ir.Constant(wide, c), term)
+            total = term if total is None else b.fadd(total, term)
+        return b.fptrunc(total, self.fp)
 
     def fused_add(self, e: Add, k: int, vars: dict, acc):
         """`e` with its term k, c * m1 * ... * mn, as one FMA: fma(c * m1 * ... * m(n-1),
