@@ -328,8 +328,8 @@ class LoopGen:
             self.sum_flags, self.fused_term = saved
         elif register:
             self.nest(kept, vars, self.reduce_in_register)
-        elif self.wide_memory_sum(loops, kept) is not None:
-            self.reduce_in_wide_scratch(loops, kept, vars)
+        elif self.wide_memory_sum(loops) is not None:
+            self.reduce_in_wide_scratch(loops, vars)
         else:
             self.nest(kept, vars, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
             self.nest(loops, vars, self.reduce_in_memory)
@@ -417,7 +417,7 @@ class LoopGen:
             value = self.expr(k.epilogue, vars, value)
         self.store(vars, value)
 
-    def wide_memory_sum(self, loops: list[str], kept: list[str]) -> list[str] | None:
+    def wide_memory_sum(self, loops: list[str]) -> list[str] | None:
         """For an f32 sum in memory mode (a reduced loop outside a kept one: summing the
         rows of a row-major matrix, a bias gradient's sum over the batch), the kept loops
         inside its first reduced loop, when their elements (known sizes, at most
@@ -435,13 +435,13 @@ class LoopGen:
             n *= self.k.sizes[v]
         return inner if 0 < n <= WIDE_SCRATCH else None
 
-    def reduce_in_wide_scratch(self, loops: list[str], kept: list[str], vars: dict) -> None:
+    def reduce_in_wide_scratch(self, loops: list[str], vars: dict) -> None:
         """Memory mode with an f64 accumulator: for each index of the kept loops outside
         the first reduced one, a scratch row over the kept loops inside it is zeroed,
         the terms are added into it in f64, and each element is rounded once into `out`
         (then the epilogue). Loop order and memory order are those of memory mode."""
         b, wide = self.b, ir.DoubleType()
-        inner = self.wide_memory_sum(loops, kept)
+        inner = self.wide_memory_sum(loops)
         first = next(i for i, v in enumerate(loops) if v in self.k.red)
         n = 1
         for v in inner:
