@@ -55,6 +55,7 @@ from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
 SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate)
 WIDE_SCRATCH = 4096   # the most elements of an f32 memory-mode sum's f64 scratch row (`wide_memory_sum`)
+SHORT_ROWS = SHORT_SUM // 64   # ... used beyond this many rows (as f32 lanes carry at most this many terms)
 
 
 def kernel_buffers(k: LoopKernel | LoopGroup) -> list[str]:
@@ -329,12 +330,30 @@ class LoopGen:
         elif register:
             self.nest(kept, vars, self.reduce_in_register)
         elif self.wide_memory_sum(loops) is not None:
-            self.reduce_in_wide_scratch(loops, vars)
+            rows = 1
+            for v in k.red:
+                if v in loops:
+                    rows = size_op("*", rows, k.sizes[v])
+            if isinstance(rows, int):
+                (self.reduce_in_wide_scratch if rows > SHORT_ROWS else self.memory_mode)(loops, vars)
+            else:   # a symbolic number of rows: both, and the length picks one
+                long = self.b.icmp_signed(">", self.f.size(rows), I64(SHORT_ROWS))
+                with self.b.if_else(long) as (then, otherwise):
+                    with then:
+                        self.reduce_in_wide_scratch(loops, vars)
+                    with otherwise:
+                        self.memory_mode(loops, vars)
         else:
-            self.nest(kept, vars, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
-            self.nest(loops, vars, self.reduce_in_memory)
-            if k.epilogue is not None:
-                self.nest(kept, vars, lambda vs: self.store(vs, self.expr(k.epilogue, vs, self.load_out(vs))))
+            self.memory_mode(loops, vars)
+
+    def memory_mode(self, loops: list[str], vars: dict) -> None:
+        """Initialize `out`, combine every term into it, then apply the epilogue."""
+        k = self.k
+        kept = [v for v in loops if v not in k.red]
+        self.nest(kept, vars, lambda vs: self.store(vs, self.const(INIT[k.reduce])))
+        self.nest(loops, vars, self.reduce_in_memory)
+        if k.epilogue is not None:
+            self.nest(kept, vars, lambda vs: self.store(vs, self.expr(k.epilogue, vs, self.load_out(vs))))
 
     def nest(self, loops: list[str], vars: dict, leaf) -> None:
         if not loops:
@@ -423,7 +442,9 @@ class LoopGen:
         inside its first reduced loop, when their elements (known sizes, at most
         WIDE_SCRATCH) fit an f64 scratch row on the stack; else None. Added into the f32
         output, each element took one rounding per row, and the error grew with the rows
-        (1e-5 relative for 1e5 rows, PyTorch's pairwise sum 1e-7)."""
+        (1e-5 relative for 1e5 rows, PyTorch's pairwise sum 1e-7). The scratch row is
+        used beyond SHORT_ROWS rows (at run time for a symbolic count): up to there the
+        f32 output adds as many terms as a lane of a short register-mode sum does."""
         if self.strict or self.k.reduce != "sum" or self.fp != ir.FloatType():
             return None
         first = next(i for i, v in enumerate(loops) if v in self.k.red)
