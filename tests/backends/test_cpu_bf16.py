@@ -226,7 +226,7 @@ out y = max(x @ W + c, 0) * 2
 """
     rng = np.random.default_rng(3)
     x, W, c = (low_values(rng, s, "bf16") for s in ((64, 96), (96, 80), (80,)))
-    got = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm_min_flops=0)))(x=x, W=W, c=c)["y"]
+    got = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))(x=x, W=W, c=c)["y"]
     T = lambda a: torch.from_numpy(a.astype(np.float32)).bfloat16()  # noqa: E731
     want = (torch.relu(T(x) @ T(W) + T(c)) * 2).float().numpy()
     assert got.dtype == BF16
@@ -285,7 +285,7 @@ def test_gemm_conversion_path_and_bf16_path_agree_with_f64(orders, sizes):
     np.testing.assert_allclose(got_off, want, rtol=1e-5, atol=1e-6 * scale)
     if not HAS_BF16:
         pytest.skip("this CPU has no avx512bf16: the vdpbf16ps path is checked by its assembly only")
-    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1, bf16_gemm_min_flops=0)))
+    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
     assert any(isinstance(k, GemmKernel) and on.lowered.buffers[k.a.buf].dtype == "bf16"
                for k in on.lowered.kernels)
     assert "llvm.x86.avx512bf16.dpbf16ps.512" in on.llvm_ir
@@ -307,7 +307,7 @@ out c = f32(h) @ f32(w)
     want = np.einsum("bik,kj->bij", (2.0 * inputs["x"].astype(np.float64)) - inputs["x"].astype(np.float64),
                      inputs["w"].astype(np.float64))
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
+        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
         np.testing.assert_allclose(p(**inputs)["c"], want, rtol=1e-5, atol=1e-4)
 
 
@@ -319,7 +319,7 @@ def test_bf16_gemm_code_for_sapphire_rapids_has_vdpbf16ps():
     from tgc.backends.cpu import codegen
 
     src = gemm_program(sizes=(64, 64, 64))
-    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
     low = lower_module(optimized(src, opts), opts)
     assert any(isinstance(k, GemmKernel) and low.buffers[k.a.buf].dtype == "bf16" for k in low.kernels)
     text = codegen.generate(low, opts)
@@ -344,7 +344,7 @@ def test_autocast_products_use_bf16_operands_and_match_the_conversion_path():
     a, b = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 48)).astype(np.float32)
     want = round_to(a, "bf16").astype(np.float64) @ round_to(b, "bf16").astype(np.float64)
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
+        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
         np.testing.assert_allclose(p(a=a, b=b)["c"], want, rtol=1e-5, atol=1e-4)
         bf16_gemm = any(isinstance(k, GemmKernel) and bf16_product(p.lowered, k) for k in p.lowered.kernels)
         assert bf16_gemm == (mode == "auto" and HAS_BF16)
@@ -420,7 +420,7 @@ def autocast_mlp_inputs(rng):
 
 
 def rounding_opts(rounds: bool, mode: str = "auto") -> Options:
-    return Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, blas_min_flops=1,
+    return Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1, blas_min_flops=1,
                                                    bf16_gemm_rounds=rounds))
 
 
@@ -497,9 +497,20 @@ def test_verifier_refuses_rounding_a_bf16_operand():
     from dataclasses import replace
 
     src = gemm_program(sizes=(64, 64, 64))
-    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
     low = lower_module(optimized(src, opts), opts)
     i = next(i for i, k in enumerate(low.kernels) if isinstance(k, GemmKernel))
     low.kernels[i] = replace(low.kernels[i], rounded=(True, False))
     with pytest.raises(VerifyError, match="round_bf16"):
         verify_lowered(low)
+
+
+def test_bf16_gemms_only_for_products_summed_over_enough_elements():
+    """`bf16_gemm_min_k` (64): a product summed over fewer elements runs sgemm, however
+    many FLOPs it has (GPT's K = 48 products were slower as bf16 GEMMs)."""
+    def kinds(k):
+        src = f"dim m = 704, k = {k}, n = 192\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
+        opts = Options(autocast="bf16", cpu=CpuOptions(bf16_gemm="on"))
+        low = lower_module(optimized(src, opts), opts)
+        return {bf16_product(low, g) for g in low.kernels if isinstance(g, GemmKernel)}
+    assert kinds(48) == {False} and kinds(192) == {True}

@@ -67,7 +67,8 @@ def is_bf16_gemm(low: Lowered, k, options: Options) -> bool:
     return (isinstance(k, GemmKernel) and k.cplx is None and not k.taps and not k.shifts
             and low.dtype == "f32" and all(low.buffers[v.buf].dtype == "bf16" or r for v, r in zip((k.a, k.b), k.rounded))
             and bf16_gemms(options)
-            and flops(low, k, options.rep_size) >= options.cpu.bf16_gemm_min_flops)
+            and flops(low, k, options.rep_size) >= options.cpu.bf16_gemm_min_flops
+            and depth(low, k, options.rep_size) >= options.cpu.bf16_gemm_min_k)
 
 
 def flops(low: Lowered, k: GemmKernel, rep: int) -> int:
@@ -145,6 +146,15 @@ def read_rounded_sources(low: Lowered, options: Options) -> None:
             dropped.add(w)
             del low.buffers[name]
     low.kernels = [k for i, k in enumerate(kernels) if i not in dropped]
+
+
+def depth(low: Lowered, k: GemmKernel, rep: int) -> int:
+    """The product's K: its summed edges' sizes multiplied, symbolic dims taken at `rep`."""
+    env = {d: rep for d, s in low.module.dims.items() if s is None}
+    total = 1
+    for e in k.k:
+        total *= size_estimate(low.size(e), env)
+    return total
 
 
 def widen_operands(low: Lowered, options: Options) -> None:
