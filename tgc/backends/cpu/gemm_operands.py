@@ -5,8 +5,9 @@ backend has two kinds of real GEMM:
 
 - the bf16 GEMM (`gemm.bf16_kernel`: AVX-512 BF16's `vdpbf16ps`, products of bf16
   pairs summed in f32), for a product of two bf16 operands in an f32 program, without
-  taps or shifts, of at least `options.cpu.bf16_gemm_min_flops` flops (its packing,
-  per call, costs more than it saves on small products), when `options.cpu.bf16_gemm`
+  taps or shifts, of at least `options.cpu.bf16_gemm_min_flops` flops summed over at
+  least `options.cpu.bf16_gemm_min_k` elements (its packing, per call, costs more than
+  it saves on small or shallow products), when `options.cpu.bf16_gemm`
   allows it: "auto" where the host CPU
   reports `avx512bf16` (`llvm.get_host_cpu_features()`), "on" always (code for
   another CPU, e.g. a library built for Sapphire Rapids), "off" never. numpy's
@@ -17,8 +18,9 @@ A bf16 GEMM may also read an f32 buffer and round it as it packs it (`GemmKernel
 `round_bf16(%W[...])` in the lowered text): where an operand is a temporary that one
 loop fills with the rounding of a whole f32 buffer (autocast's `to_bf16` of a weight,
 an input or a GEMM's result) and only bf16 GEMMs read it, they read the f32 buffer
-instead and the loop and its 2-byte copy go (`read_rounded_sources`;
-`options.cpu.bf16_gemm_rounds`). The GEMMs multiply the same bf16 values.
+instead and the loop and its 2-byte copy go (`read_rounded_sources`, with
+`options.cpu.bf16_gemm_rounds`; off by default: measured slower, docs/dtypes.md). The
+GEMMs multiply the same bf16 values.
 
 For the second kind, each bf16/f16 operand is made a float one: a temporary that only
 such GEMMs read goes back to the float type (its writer then stores the rounded values
