@@ -40,7 +40,6 @@ from typing import Mapping
 import numpy as np
 
 from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
-from tgc.ir.dtypes import round_to
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
@@ -223,7 +222,7 @@ class _Machine:
 
         a, sa = operand("a", k.a)
         b, sb = operand("b", k.b)
-        a, b = (round_to(x, "bf16") if r else x for x, r in zip((a, b), k.rounded))   # f32 -> bf16, as read
+        a, b = (MAP_FNS["round_bf16"](x) if r else x for x, r in zip((a, b), k.rounded))   # to bf16, as read
         out_order = self.order[k.out]
         if k.cplx is not None:   # float pairs (re.im last in `used`) as complex numbers
             a, b = (x[..., 0] + 1j * x[..., 1] for x in (a.astype(np.float64), b.astype(np.float64)))
