@@ -514,3 +514,24 @@ def test_bf16_gemms_only_for_products_summed_over_enough_elements():
         low = lower_module(optimized(src, opts), opts)
         return {bf16_product(low, g) for g in low.kernels if isinstance(g, GemmKernel)}
     assert kinds(48) == {False} and kinds(192) == {True}
+
+
+def test_transposed_bf16_operand_is_gathered_by_pairs_in_the_assembly():
+    """B with K contiguous (`w[j, k]`): its (k, k+1) pairs are 32-bit words gathered 16
+    columns at a time (`vpgatherqd`: 64-bit addresses, 8 lanes per instruction), in code
+    compiled for Sapphire Rapids."""
+    import llvmlite.binding as llvm
+
+    from tgc.backends.cpu import codegen
+
+    src = gemm_program("i, k", "j, k", sizes=(64, 64, 64))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
+    low = lower_module(optimized(src, opts), opts)
+    assert any(isinstance(k, GemmKernel) and bf16_product(low, k) for k in low.kernels)
+    text = codegen.generate(low, opts)
+    assert "llvm.masked.gather.v16i32" in text
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(cpu="sapphirerapids", opt=2)
+    asm = tm.emit_assembly(llvm.parse_assembly(text))
+    assert "vpgatherqd" in asm and "vdpbf16ps" in asm
