@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from tgc.ir.dtypes import narrower
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_str
 
@@ -15,9 +16,10 @@ C_TYPES = {"f32": "float", "f64": "double", "i32": "int32_t"}
 
 
 def _low_note(elem: str, dtype: str, stored: str | None) -> str:
-    """How a bf16/f16 argument or output crosses the C ABI (docs/dtypes.md): as 2-byte
-    elements where its buffer holds them (`stored`), else in the float type."""
-    if elem not in ("bf16", "f16"):
+    """How a bf16/f16 argument or output (or an f32 one of an f64 program) crosses the
+    C ABI (docs/dtypes.md): as 2-byte elements where its buffer holds them (`stored`),
+    else in the float type."""
+    if elem not in narrower(dtype):
         return ""
     if stored == "bf16":
         return " (bfloat16: each element's 16 bits, the top half of the f32 with its value)"
