@@ -166,10 +166,15 @@ def emulate_low(module: Module, fp: str) -> Module:
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
+        elif v.op == "add" and v.dtype == "f32":   # an f32 sum's coefficients are f32 (as the interpreter's)
+            attrs = (tuple(float(round_to(c, "f32")) for c in v.attrs[0]),)
         elif v.op == "random" and fp == "f64":
             attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type, or f32), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
-        exact = _exact(v) or (v.op == "random" and v.dtype == "f32")
+        # a selection's value is one of its operands' (exact), unless an operand is a number
+        # of a wider type (weak: `where(c, x, 0.1)` of an f32 x, made by the optimizer's folding)
+        exact = ((_exact(v) and not any(o.op == "const" and o.dtype != v.dtype for o in v.operands))
+                 or (v.op == "random" and v.dtype == "f32"))
         memo[id(v)] = new if exact else V.map_(rounding(v.dtype), new)
     out = module.replace_values(memo)
     # an output's declared type, where its value is now held in fp (`tgc.lower.narrow`
