@@ -174,10 +174,7 @@ def _size(ev: _Eval, v: Value, ops):
 
 def _add(ev: _Eval, v: Value, ops):
     total = np.zeros([ev.sizes[e] for e in v.edges], dtype=np.float64 if v.dtype in LOW_FLOATS else ev.np_dtype(v))
-    coefs = v.attrs[0]
-    if total.dtype == np.float32:   # an f32 sum's coefficients are f32 numbers, as its constants are
-        coefs = [float(np.float32(c)) for c in coefs]
-    for c, o, a in zip(coefs, v.operands, ops):
+    for c, o, a in zip(v.attrs[0], v.operands, ops):
         total = total + c * ev.expand(a, o, v.edges)
     return total
 

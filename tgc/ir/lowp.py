@@ -166,8 +166,6 @@ def emulate_low(module: Module, fp: str) -> Module:
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
-        elif v.op == "add" and v.dtype == "f32":   # an f32 sum's coefficients are f32 (as the interpreter's)
-            attrs = (tuple(float(round_to(c, "f32")) for c in v.attrs[0]),)
         elif v.op == "random" and fp == "f64":
             attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type, or f32), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
