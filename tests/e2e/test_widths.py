@@ -360,3 +360,17 @@ def test_random_mixed_width_programs_agree_bit_for_bit(seed):
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-13, atol=1e-13 * scale, err_msg=src)
             np.testing.assert_allclose(low[k], ref[k], rtol=1e-13, atol=1e-13 * scale, err_msg=src)
     assert any(ref[k].dtype == np.float32 for k in ref) or seed != 0
+
+
+def test_save_and_load_params_keep_f32_and_c64_in_an_f64_program(tmp_path):
+    p = tgc.compile("dim n = 3\nparam W: f32[n]\nparam U: c64[n]\nparam V[n]\nout y = real(U) * W + V\n",
+                    dtype="f64")
+    params = {"W": np.array([0.1, 2, -3], np.float32), "U": np.array([1 + 2j, -3j, 0.5], np.complex64),
+              "V": np.array([0.1, 0.2, 0.3])}
+    tgc.save_params(tmp_path / "p.npz", p, params)
+    back = tgc.load_params(tmp_path / "p.npz", p)
+    assert {k: v.dtype for k, v in back.items()} == {"W": np.float32, "U": np.complex64, "V": np.float64}
+    for k, v in params.items():
+        np.testing.assert_array_equal(back[k], v)
+    np.testing.assert_array_equal(p(**back)["y"], (params["U"].real * params["W"]).astype(np.float64)
+                                  + params["V"])
