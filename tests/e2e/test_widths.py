@@ -374,3 +374,15 @@ def test_save_and_load_params_keep_f32_and_c64_in_an_f64_program(tmp_path):
         np.testing.assert_array_equal(back[k], v)
     np.testing.assert_array_equal(p(**back)["y"], (params["U"].real * params["W"]).astype(np.float64)
                                   + params["V"])
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="cuda-sim's emulator compiles with g++")
+def test_cuda_sim_gives_the_cpu_backends_bits():
+    """The CUDA backend's code (run on this CPU by cuda-sim) sees the same emulation."""
+    rng = np.random.default_rng(1)
+    inputs = {"x": f32_values(rng, 256), "y": f32_values(rng, 256), "z": rng.standard_normal(256)}
+    cpu = tgc.compile(ELEMENTWISE, dtype="f64")(**inputs)
+    sim = tgc.compile(ELEMENTWISE, backend="cuda-sim", dtype="f64")(**inputs)
+    for k, v in cpu.items():
+        got = np.asarray(sim[k])
+        assert got.dtype == v.dtype and same_bits(got, v), k
