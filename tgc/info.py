@@ -10,7 +10,7 @@ pass without reading the source.
 """
 from __future__ import annotations
 
-from tgc.ir.dtypes import LOW_FLOATS
+from tgc.ir.dtypes import narrower
 from tgc.ir.complex_io import RI, is_complex_order
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, size_str
@@ -22,15 +22,20 @@ def _size(s: Size) -> int | str:
 
 def describe(module: Module, dtype: str) -> dict:
     """The interface of `module` whose floats are `dtype` (f32 or f64); bf16/f16
-    arguments and outputs are listed as such."""
+    arguments and outputs are listed as such, and so are f32 (and c64) ones of an f64
+    program."""
     targets = {u.target for u in module.updates}
 
     def tensor(name: str, order: tuple[str, ...], elem: str) -> dict:
+        width = at(elem) if elem != "i32" else elem
         cplx = is_complex_order(order)   # a complex array: its float pairs' last edge is not an axis
         order = order[:-1] if cplx else order
         return {"name": name, "edges": list(order), "shape": [_size(module.size(e)) for e in order],
-                "dtype": "i32" if elem == "i32" else ({"f32": "c64", "f64": "c128"}[dtype] if cplx
-                                                      else elem if elem in LOW_FLOATS else dtype)}
+                "dtype": "i32" if elem == "i32" else ({"f32": "c64", "f64": "c128"}[width] if cplx
+                                                      else width)}
+
+    def at(elem: str) -> str:   # the type a caller sees: a narrower declared type, else the program's
+        return elem if elem in narrower(dtype) else dtype
 
     seen = {e for a in module.args.values() for e in a.order} | {e for o in module.outputs for e in o.order}
     dims = []
@@ -44,7 +49,8 @@ def describe(module: Module, dtype: str) -> dict:
                  for i, a in enumerate(module.args.values())]
     outputs = [{"position": i, **tensor(o.name, o.order, o.value.dtype)} for i, o in enumerate(module.outputs)]
     updates = [{"target": u.target, "result": module.update_key(u.target), "kind": module.args[u.target].kind,
-                **{k: v for k, v in tensor(u.target, module.args[u.target].order, "f").items() if k != "name"}}
+                **{k: v for k, v in tensor(u.target, module.args[u.target].order, module.args[u.target].dtype).items()
+                   if k != "name"}}
                for u in module.updates]
     return {"dtype": dtype, "dims": dims, "arguments": arguments, "outputs": outputs, "updates": updates}
 

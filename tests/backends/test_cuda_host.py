@@ -331,13 +331,14 @@ def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
     read each operand (a conjugated one only transposed: CUBLAS_OP_C), else matmul on
     conjugated complex views; the adjoint's products conjugate with CUBLAS_OP_C."""
     cdt = np.complex64 if dtype == "f32" else np.complex128
+    c = "c64" if dtype == "f32" else "c128"   # c64 holds complex64 values in an f64 program too
     rng = np.random.default_rng(3)
     crandn = lambda *s: (rng.standard_normal(s) + 1j * rng.standard_normal(s)).astype(cdt)  # noqa: E731
     tol = 2e-5 if dtype == "f32" else 1e-12
     forms = {"a @ b": (lambda a, b: a @ b, 1), "(2 * a) @ b": (lambda a, b: 2 * a @ b, 1),
              "conj(a) @ b": (lambda a, b: np.conj(a) @ b, 0), "a @ conj(b)": (lambda a, b: a @ np.conj(b), 0)}
     for expr, (ref, strided) in forms.items():
-        prog = tgc.compile(f"dim i, j, k\ninput a: c64[i, j]\ninput b: c64[j, k]\nout c = {expr}\n",
+        prog = tgc.compile(f"dim i, j, k\ninput a: {c}[i, j]\ninput b: {c}[j, k]\nout c = {expr}\n",
                            backend="cuda", dtype=dtype)
         a, b = crandn(3, 5), crandn(5, 4)
         GEMM_CALLS.clear()
@@ -346,7 +347,7 @@ def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
         assert np.abs(got - ref(a, b)).max() <= tol * max(1.0, np.abs(ref(a, b)).max()), expr
         assert prog.gemm_counts == {"strided": strided, "views": 1 - strided} and len(GEMM_CALLS) == strided, expr
     # a gradient through a complex product: its adjoint's products read conj(a), conj(b) transposed
-    src = "dim i, j, k\ninput a: c64[i, j]\nparam b: c64[j, k]\nloss = sum(abs(a @ b))\nout g = grad(loss, b)\n"
+    src = f"dim i, j, k\ninput a: {c}[i, j]\nparam b: {c}[j, k]\nloss = sum(abs(a @ b))\nout g = grad(loss, b)\n"
     prog = tgc.compile(src, backend="cuda", dtype=dtype)
     a, b = crandn(4, 3), crandn(3, 5)
     GEMM_CALLS.clear()

@@ -172,9 +172,10 @@ def test_lowered_text_and_the_lowered_interpreter():
         assert "rowgroup for" in text
         assert print_lowered(parse_lowered(text)) == text
         dims = {"rows": 4, "d": 9} if "rows" in module.dims else {"b": 2, "t": 5}
-        x = random_inputs(module, module.bind_dims(dims), 3, "f64")
-        want = evaluate(module, x, dtype="f64")
-        low64 = lower(module, options.with_(dtype="f64"))
+        module64 = tgc.compile(source, backend="cpu", dtype="f64").module   # f64 values (an f32 module's
+        x = random_inputs(module64, module64.bind_dims(dims), 3, "f64")     # are f32 at any width)
+        want = evaluate(module64, x, dtype="f64")
+        low64 = lower(module64, options.with_(dtype="f64"))
         got = run_lowered(low64, x)
         for k, w in want.items():
             np.testing.assert_allclose(got[k], w, rtol=1e-12, atol=1e-12)

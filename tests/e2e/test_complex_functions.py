@@ -36,7 +36,13 @@ def points():
     return np.array([complex(x, y) for x in xs for y in xs])
 
 
+def wide(src, dtype):
+    """`src` with complex data of the program's width (`c64` is complex64 in an f64 program)."""
+    return src.replace(": c64[", ": c128[") if dtype == "f64" else src
+
+
 def paths(src, inputs, dtype):
+    src = wide(src, dtype)
     opts = Options(dtype=dtype)
     m = pipeline.lower(compile_source(src, "<cfun>", opts), opts).module
     yield "interp", evaluate(m, dict(inputs), dtype=dtype)
@@ -68,14 +74,14 @@ def test_values_match_numpy(dtype):
 def test_sqrt_takes_the_principal_root_on_the_negative_axis():
     z = np.array([-4 + 0j, -4 + 1e-300j, -4 - 1e-300j, 0j], np.complex128)
     z[0] = complex(-4.0, -0.0)   # -0 counts as +0 (numpy's root would be -2j)
-    r = tgc.compile(SRC, dtype="f64")(z=z)["s"]
+    r = tgc.compile(wide(SRC, "f64"), dtype="f64")(z=z)["s"]
     np.testing.assert_allclose(r, [2j, 2j, -2j, 0], atol=1e-15)
     assert (r.real >= 0).all()
 
 
 def test_sin_and_cos_keep_the_relative_accuracy_of_a_tiny_imaginary_part():
     z = np.array([0.5 + 1e-12j, 2 - 3e-9j], np.complex128)
-    r = tgc.compile(SRC, dtype="f64")(z=z)
+    r = tgc.compile(wide(SRC, "f64"), dtype="f64")(z=z)
     np.testing.assert_allclose(r["si"].imag, np.sin(z).imag, rtol=1e-14)
     np.testing.assert_allclose(r["co"].imag, np.cos(z).imag, rtol=1e-14)
 

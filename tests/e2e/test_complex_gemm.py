@@ -27,7 +27,13 @@ def crandn(rng, *shape, dtype="f64"):
     return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(CDT[dtype])
 
 
+def wide(src: str, dtype: str) -> str:
+    """`src` with complex data of the program's width (`c64` is complex64 in an f64 program)."""
+    return src.replace(": c64[", ": c128[") if dtype == "f64" else src
+
+
 def lowered(src: str, **opts):
+    src = wide(src, opts.get("dtype", "f32"))
     o = Options().with_(**opts)
     m = driver.lower(compile_source(src, "<cgemm>", o), o).module
     return m, lower_module(m, o)
@@ -43,6 +49,7 @@ def close(x, ref, dtype):
 
 
 def all_paths(src, inputs, dtype, **opts):
+    src = wide(src, dtype)
     o = Options(dtype=dtype, **opts)
     m, low = lowered(src, dtype=dtype, **opts)
     yield "interp", evaluate(m, dict(inputs), dtype=dtype)
@@ -173,7 +180,7 @@ def test_built_library_computes_the_complex_product(tmp_path, blas):
     from tgc.cli import main
 
     src = tmp_path / "cm.tg"
-    src.write_text(PRODUCT.format(expr="conj(a) @ b").replace("dim i, j, k", "dim i = 40, j = 70, k = 30"))
+    src.write_text(wide(PRODUCT.format(expr="conj(a) @ b"), "f64").replace("dim i, j, k", "dim i = 40, j = 70, k = 30"))
     r = CliRunner().invoke(main, ["build", str(src), "-o", str(tmp_path / "libcm.so"), "--dtype", "f64",
                                   f"--blas={blas}"])
     assert r.exit_code == 0, r.output

@@ -601,7 +601,7 @@ _zc, _wc, _xc = rn(3) + 1j * rn(3), rn(3) + 1j * rn(3), rn(3)
 _Lc = lambda z: np.sum(np.abs(z * _wc) ** 2 + np.angle(z))   # noqa: E731
 case("s11_complex_values", """
     dim n = 3
-    input z: c64[n]
+    input z: c128[n]
     input w: c128[n]
     input x[n]
     out a = 2j * z + (1 + 0.5j)

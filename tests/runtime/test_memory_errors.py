@@ -36,7 +36,7 @@ def test_huge_outputs_from_small_inputs_are_an_eval_error():
 
 
 def test_a_huge_complex_input_is_an_eval_error():
-    p = tgc.compile("dim n\ninput z: c64[n]\nout s = real(sum(z))\n", dtype="f64")
+    p = tgc.compile("dim n\ninput z: c128[n]\nout s = real(sum(z))\n", dtype="f64")
     huge = np.broadcast_to(np.complex64(1), (2 ** 45,))   # complex64 in: copied as f64 pairs, 512 TiB
     with pytest.raises(EvalError, match="not enough memory"):
         p(z=huge)

@@ -16,7 +16,7 @@ from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
-from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
 from tgc.ir.complex_io import RI
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
@@ -231,12 +231,21 @@ def cross_entropy_targets(path: str) -> dict[str, str]:
     return found
 
 
-def in_float_type(results: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """Every float result in the program's float type: the compiled program writes an
-    update back into the caller's array, which may be of the other float width. bf16/f16
-    results stay what they are."""
-    want = interp.NP_DTYPES[dtype]
-    return {k: a.astype(want, copy=False) if a.dtype.kind == "f" and not is_low_array(a) else a
+def in_float_type(results: dict[str, np.ndarray], dtype: str, module: Module | None = None) -> dict[str, np.ndarray]:
+    """Every float result in its declared type (with `module`: an f32 output or update
+    target of an f64 program is f32), else the program's float type: the compiled program
+    writes an update back into the caller's array, which may be of the other float width.
+    bf16/f16 results stay what they are."""
+    declared: dict[str, str] = {}
+    if module is not None:
+        declared = {o.name: o.value.dtype for o in module.outputs}
+        declared.update({module.update_key(u.target): module.args[u.target].dtype for u in module.updates})
+
+    def want(k):
+        t = declared.get(k, dtype)
+        return interp.NP_DTYPES[t if t in narrower(dtype) and t in interp.NP_DTYPES else dtype]
+
+    return {k: a.astype(want(k), copy=False) if a.dtype.kind == "f" and not is_low_array(a) else a
             for k, a in results.items()}
 
 
@@ -366,14 +375,15 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
             check_facts(module, inputs, dims, dtype)
     if backend == "interp":
         with status("running (interpreter)"):
-            results = evaluate(module, inputs, dtype=dtype, dims=dims)
+            # an f32 program's floats are all f32; an f64 one's keep their types (f32 declarations)
+            results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
     else:
         with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
             program = pipeline.compile_module(module, options, backend)
         call_dims = dict(options.dims) or None
         with status("running"):
             results = program.run(dict(inputs), call_dims)
-            results = in_float_type({k: _host(v) for k, v in results.items()}, dtype)
+            results = in_float_type({k: _host(v) for k, v in results.items()}, dtype, module)
         if profile:
             with status(f"profiling ({profile} runs)"):
                 print_profile(program, inputs, call_dims, profile)

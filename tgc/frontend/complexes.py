@@ -92,15 +92,16 @@ class Complex:
 
     # ---- parts ---------------------------------------------------------------------
 
-    def unit(self, k: int, loc) -> V.Value:
-        """The indicator [re.im = k]: 1 at part k, 0 at the other."""
+    def unit(self, k: int, loc, dtype: str | None = None) -> V.Value:
+        """The indicator [re.im = k]: 1 at part k, 0 at the other; of type `dtype` (the
+        parts' width: c64 values in an f64 program have f32 parts), else the program's."""
         ensure_edge(self.m)
         rel = Relation((Affine.make([(RI, 1)]), Affine.make([], k)), ("=",))
-        return V.indicator(rel, self.dtype, loc=loc)
+        return V.indicator(rel, dtype or self.dtype, loc=loc)
 
     def part(self, z: V.Value, k: int, loc) -> V.Value:
         """The real (k = 0) or imaginary (k = 1) part of a complex value."""
-        return V.contract([z, self.unit(k, loc)], [e for e in z.edges if e != RI], loc=loc)
+        return V.contract([z, self.unit(k, loc, z.dtype)], [e for e in z.edges if e != RI], loc=loc)
 
     def parts(self, z: V.Value, loc) -> tuple[V.Value, V.Value]:
         return self.part(z, 0, loc), self.part(z, 1, loc)
@@ -109,8 +110,11 @@ class Complex:
         """re + i im (a missing part is 0): where([re.im = 0], re, im), which selects,
         so an inf or NaN in one part stays out of the other (a product with the
         indicators would make inf * 0 = NaN there)."""
-        zero = V.const(0.0, self.dtype, loc=loc)
-        return V.map_("where", self.unit(0, loc), zero if re is None else re, zero if im is None else im, loc=loc)
+        given = [p for p in (re, im) if p is not None]
+        dtype = V.promoted(given) if given else self.dtype   # the parts' width
+        zero = V.const(0.0, dtype, loc=loc)
+        return V.map_("where", self.unit(0, loc, dtype), zero if re is None else re, zero if im is None else im,
+                      loc=loc)
 
     def promote(self, v: V.Value, loc) -> V.Value:
         """`v` as a complex value: itself if complex, else v + 0i."""
@@ -143,7 +147,7 @@ class Complex:
     def conj(self, z: V.Value, loc) -> V.Value:
         if not is_complex(z):
             return z
-        sign = V.add([self.unit(0, loc), self.unit(1, loc)], [1.0, -1.0], loc=loc)
+        sign = V.add([self.unit(0, loc, z.dtype), self.unit(1, loc, z.dtype)], [1.0, -1.0], loc=loc)
         return V.mul([z, sign], loc=loc)
 
     def div(self, a: V.Value, b: V.Value, loc) -> V.Value:
@@ -157,7 +161,7 @@ class Complex:
     def power(self, z: V.Value, n: int, loc) -> V.Value:
         """z ^ n for an integer n, by repeated squaring (at most 2 log2 |n| products)."""
         if n == 0:
-            return self.make(V.const(1.0, self.dtype, [e for e in z.edges if e != RI], loc=loc), None, loc)
+            return self.make(V.const(1.0, z.dtype, [e for e in z.edges if e != RI], loc=loc), None, loc)
         result, base, k = None, z, abs(n)
         while True:
             if k & 1:
@@ -167,7 +171,7 @@ class Complex:
                 break
             base = self.mul(base, base, base.edges, loc)
         if n < 0:
-            one = self.make(V.const(1.0, self.dtype, loc=loc), None, loc)
+            one = self.make(V.const(1.0, z.dtype, loc=loc), None, loc)
             result = self.div(one, result, loc)
         return result
 

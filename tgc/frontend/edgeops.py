@@ -82,5 +82,6 @@ def _reindex(el: Elaborator, x: V.Value, item: ast.Reindex, mapping: dict[str, s
         target = fresh
     rel = Relation((Affine.make([(target, 1)]), aff), ("=",))
     keep = [e for e in x.edges if e != target] + list(aff.edges())
-    out = V.contract([x, V.indicator(rel, el.dtype, loc=item.loc)], keep, loc=item.loc)
+    ind = V.indicator(rel, "f32" if x.dtype == "f32" else el.dtype, loc=item.loc)   # keeps an f32 x f32
+    out = V.contract([x, ind], keep, loc=item.loc)
     return el.spread(out, el.named_edges([affine], ctx), item.loc)

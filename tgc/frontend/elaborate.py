@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
+from tgc.ir.dtypes import at_width
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
 from tgc.frontend.expressions import Ctx, Elaborator, Forms
@@ -182,7 +183,10 @@ class ProgramBuilder:
         raise CompileError("a dim size is an integer expression of dims with + - * /", e.loc)
 
     def _TensorDecl(self, d: ast.TensorDecl, here: Path) -> None:
-        dtype = self.el.dtype if d.dtype in (None, "f32", "f64") + COMPLEX_DTYPES else d.dtype
+        # a float type at most the program's width (f32 in an f64 program is f32; f64 in an
+        # f32 program is f32); a complex one's parts likewise (c64: f32 parts)
+        named = {"c64": "f32", "c128": "f64"}.get(d.dtype, d.dtype)
+        dtype = self.el.dtype if named is None else named if named == "i32" else at_width(named, self.el.dtype)
         if dtype == "i32" and d.kind != "input":
             raise CompileError(f"a {d.kind} must be a float tensor; only inputs can be i32", d.loc)
         order = []
@@ -359,10 +363,12 @@ class ProgramBuilder:
             if key != u.target and key in names:
                 raise CompileError(f"output '{key}' takes the name under which the update of '{u.target}' is "
                                    f"returned (output '{u.target}' holds its value before the step)", names[key].loc)
-        from tgc.ir.lowp import explicit_rounding, has_low
+        from tgc.ir.lowp import explicit_rounding, has_low, narrow_constants
 
         if has_low(self.m):   # bf16/f16 ops: computed in the float type, then converted (rounded)
             self.m = explicit_rounding(self.m)
+        if self.el.dtype == "f64":   # numbers in f32 operations are f32 (as in an f32 program)
+            self.m = narrow_constants(self.m)
         return self.m
 
     def warnings(self) -> list[Diagnostic]:

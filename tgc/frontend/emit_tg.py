@@ -54,12 +54,15 @@ class _Writer:
                 self.lines.append(f"dim {self.e(edge)} = {dim}")
                 declared.add(edge)
         seen = set(self.m.dims) | {e for e in self.m.edges if e not in _arg_edges(self.m)}
+        # an f64 program's f32 arguments keep their type (in an f32 program every float is f32)
+        typed = ("i32", *LOW_FLOATS) + (("f32",) if any(a.dtype == "f64" for a in self.m.args.values())
+                                         or any(v.dtype == "f64" for v in self.m.values()) else ())
         for a in self.m.args.values():
             specs = []
             for edge in a.order:
                 specs.append(self.e(edge) if edge in seen else f"{self.e(edge)}: {self.e(self.m.edges[edge])}")
                 seen.add(edge)
-            dtype = f": {a.dtype}" if a.dtype in ("i32", *LOW_FLOATS) else ""
+            dtype = f": {a.dtype}" if a.dtype in typed else ""
             edges = f"[{', '.join(specs)}]" if specs else ""
             self.lines.append(f"{a.kind} {a.name}{dtype}{edges}")
 

@@ -81,6 +81,7 @@ class Elaborator:
     def __init__(self, module: Module, scope: Scope, dtype: str, forms: "Forms"):
         self.m, self.scope, self.dtype = module, scope, dtype
         self.cx = Complex(module, dtype)  # builds complex values from real parts
+        self.literals: dict[int, tuple[V.Value, bool]] = {}   # id -> (value, is_literal): literal_width
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
@@ -201,6 +202,7 @@ class Elaborator:
 
     def complex_binop(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
         """`a op b` with a complex operand (the other is promoted where it matters)."""
+        a, b = self.literal_width(a, b)
         cx = self.cx
         if node.op in "+-":
             return self.build(node, ctx, lambda loc: cx.add(a, b, 1.0 if node.op == "+" else -1.0, loc))
@@ -218,6 +220,35 @@ class Elaborator:
                              f"{MAX_POWER} in size); write exp(w * log(z)) for others",
                              node.rhs if not is_complex(b) else node, ctx)
         return self.build(node, ctx, lambda loc: cx.power(a, n, loc))
+
+    def literal_width(self, a: V.Value, b: V.Value) -> tuple[V.Value, V.Value]:
+        """`a` and `b`, a number written in the program (`2j`, `1 + 0.5j`: no argument in
+        it) converted to the other operand's narrower float type: like a real number, a
+        complex one does not widen (`z * 2j` is c64 for a c64 `z` in an f64 program)."""
+        la, lb = self.is_literal(a), self.is_literal(b)
+        if la != lb:
+            lit, other = (a, b) if la else (b, a)
+            if other.dtype == "f32" and lit.dtype == "f64":
+                lit = V.const(lit.attrs[0], "f32", lit.edges, loc=lit.loc) if lit.op == "const" \
+                    else V.convert(lit, "f32", loc=lit.loc)
+                return (lit, b) if la else (a, lit)
+        return a, b
+
+    def is_literal(self, v: V.Value) -> bool:
+        """Whether `v` reads no argument and draws nothing (a number the program writes)."""
+        memo, stack = self.literals, [v]
+        while stack:
+            u = stack[-1]
+            if id(u) in memo:
+                stack.pop()
+                continue
+            pending = [o for o in u.operands if id(o) not in memo] if u.op not in ("arg", "random") else []
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            memo[id(u)] = (u, u.op not in ("arg", "random") and all(memo[id(o)][1] for o in u.operands))
+        return memo[id(v)][1]
 
     def _real_product(self, node: ast.BinOp, a: V.Value, b: V.Value, ctx: Ctx) -> V.Value:
         if node.op == "*":

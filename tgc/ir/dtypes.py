@@ -9,6 +9,12 @@ field's low-precision types work. `rank` orders the floats for promotion; two
 different types of the same rank (f16 and bf16: neither holds the other) promote to
 the next wider type, f32. A new family (complex) adds rows here.
 
+A program has one float type `fp` (`--dtype`: f32 or f64), the width its buffers
+hold. A narrower declared type is honoured: bf16 and f16 in any program, and f32 in
+an f64 program (`narrower(fp)`): such a value is computed in the program's type and
+rounded to its own (`tgc.ir.lowp`). A wider one has the program's width (`at_width`:
+f64 in an f32 program is f32, as f32 programs compute in f32).
+
 numpy has no bfloat16: `ml_dtypes.bfloat16` (the type JAX uses) stands for it.
 """
 from __future__ import annotations
@@ -48,6 +54,24 @@ LOW_FLOATS = tuple(n for n, t in TYPES.items() if t.low)          # ('bf16', 'f1
 FLOATS = tuple(n for n, t in TYPES.items() if t.is_float)
 CONVERSIONS = {f"to_{n}": n for n in FLOATS}                      # the map fns that convert
 ROUNDINGS = {f"round_{n}": n for n in LOW_FLOATS}                 # round to n, held in the compute type
+
+
+def narrower(fp: str) -> tuple[str, ...]:
+    """The float types a program of float type `fp` holds rounded in `fp`: bf16 and f16,
+    and f32 in an f64 program."""
+    return LOW_FLOATS + (("f32",) if fp == "f64" else ())
+
+
+def at_width(name: str, fp: str) -> str:
+    """The type a declaration or conversion naming float type `name` has in a program
+    of float type `fp`: `name`, capped at `fp` (f64 in an f32 program is f32)."""
+    return fp if TYPES[name].rank > TYPES[fp].rank else name
+
+
+def rounding(name: str) -> str:
+    """The map fn that rounds a value held in a wider float to type `name`, kept in
+    the wider type: round_bf16, round_f16, or round32 (f32 held in f64)."""
+    return "round32" if name == "f32" else f"round_{name}"
 
 
 def promote(a: str, b: str) -> str:

@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from tgc.ir.assume import satisfy
-from tgc.ir.dtypes import LOW_FLOATS, round_to
+from tgc.ir.dtypes import narrower, round_to
 from tgc.ir.module import Arg, Module
 
 
@@ -28,7 +28,8 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
         if a.dtype == "i32":
             out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
         else:
-            t = a.dtype if a.dtype in LOW_FLOATS else dtype or a.dtype   # bf16/f16 keep their type
+            # bf16/f16 keep their type, and f32 in an f64 program (tgc.ir.dtypes.narrower)
+            t = a.dtype if a.dtype in narrower(dtype or a.dtype) else dtype or a.dtype
             out[a.name] = round_to(rng.standard_normal(shape), t)
     if module.facts:
         satisfy(module, out)

@@ -1,4 +1,14 @@
-"""emulate_low: bf16/f16 values as values of the program's float type, each rounded.
+"""emulate_low: bf16/f16 values (and f32 ones in an f64 program) as values of the
+program's float type, each rounded.
+
+f32 values in an f64 program (`input x: f32[n]` with `--dtype f64`, `f32(e)`) are
+emulated exactly as bf16/f16 ones are, by the same code: `tgc.ir.dtypes.narrower(fp)`
+names the types held rounded in `fp`, and `round32` is f32's rounding. An op on f32
+operands has IR type f32 (f32 computes in itself); held in f64 it is the f64 result
+rounded to f32, which the interpreter computes too (float64, rounded to the value's
+type), so the two agree bit for bit on every correctly rounded operation (+ - * /
+sqrt and conversions: f64 has more than twice f32's precision, so rounding the f64
+result again gives the f32 one) and to the last f32 bit elsewhere.
 
 A value of type bf16 or f16 means: its op computed in f32 (the compute type,
 `tgc.ir.dtypes`) and rounded once to bf16/f16 (to nearest, ties to even). The
@@ -30,7 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tgc.ir import values as V
-from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, promote, round_to
+from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, narrower, promote, round_to, rounding
 from tgc.ir.module import Module
 from tgc.ir.values import TensorType, Value
 
@@ -38,10 +48,36 @@ _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"}
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
-def has_low(module: Module) -> bool:
-    """Whether any value or argument of the module is bf16 or f16."""
-    return (any(a.dtype in LOW_FLOATS for a in module.args.values())
-            or any(v.dtype in LOW_FLOATS for v in module.values()))
+def has_low(module: Module, fp: str = "f32") -> bool:
+    """Whether any value or argument of the module is of a type narrower than `fp` (bf16,
+    f16; f32 too when `fp` is f64)."""
+    held = narrower(fp)
+    return (any(a.dtype in held for a in module.args.values())
+            or any(v.dtype in held for v in module.values()))
+
+
+_WEAK_IN = frozenset({"add", "contract", "map", "reduce", "scatter"})
+
+
+def narrow_constants(module: Module) -> Module:
+    """The f64 module with every number that an f32 operation reads made an f32 constant:
+    in an f64 program, `x * 0.1` for an f32 `x` is f32 (a number is weak, section 11 of
+    the language) and is computed, as in an f32 program and as PyTorch computes a float32
+    tensor times a Python number, with 0.1 rounded to f32 (`V.const` of type f32; the
+    interpreter and `emulate_low` round its value). Terminates: one visit per value."""
+    memo: dict[int, Value] = {}
+    changed = False
+    for v in module.values():
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if v.dtype == "f32" and v.op in _WEAK_IN:
+            ops = tuple(V.const(o.attrs[0], "f32", o.edges, loc=o.loc) if o.op == "const" and o.dtype == "f64"
+                        else o for o in ops)
+        if ops != v.operands:
+            changed = True
+            memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc)
+        else:
+            memo[id(v)] = v
+    return module.replace_values(memo) if changed else module
 
 
 def _exact(v: Value) -> bool:
@@ -53,12 +89,10 @@ def _exact(v: Value) -> bool:
 
 
 def _convert(x: Value, target: str, fp: str) -> Value:
-    """`x` (already emulated, held in `fp`) converted to `target`."""
-    if target in LOW_FLOATS:
-        return V.map_(f"round_{target}", x)
-    if target == "f32" and fp == "f64":
-        return V.map_("round32", x)
-    return x   # to the program's float type (to_f64 in an f32 program names it too)
+    """`x` (already emulated, held in `fp`) converted to `target`: rounded to a type
+    narrower than `fp`, else the value itself (to the program's float type; `to_f64`
+    in an f32 program names it too)."""
+    return V.map_(rounding(target), x) if target in narrower(fp) else x
 
 
 def language_type(v: Value) -> str | None:
@@ -107,34 +141,42 @@ def explicit_rounding(module: Module) -> Module:
 
 
 def emulate_low(module: Module, fp: str) -> Module:
-    """The module whose bf16/f16 values are held in `fp` (f32 or f64), each rounded.
-    f32 and f64 values are left as they are: lowering holds every float in `fp` (an IR
-    module's f32/f64 types name the program's float type, as declarations do). The
-    arguments keep their declared types: an op reading a bf16 argument has type `fp`
-    (the IR's ops on bf16 operands have their compute type already), and a backend
-    that stores bf16 arguments in 2-byte buffers widens each element as it loads it."""
+    """The module whose values of a type narrower than `fp` (bf16/f16; f32 in an f64
+    program) are held in `fp` (f32 or f64), each rounded. Values of type `fp` are left as
+    they are, and so is an f64 value in an f32 program (lowering holds it in `fp`: f64 has
+    the width of an f32 program there). The arguments keep their declared types: an op
+    reading a bf16 argument has type `fp` (the IR's ops on bf16 operands have their
+    compute type already), and a backend that stores bf16 arguments in 2-byte buffers
+    widens each element as it loads it; an f32 argument of an f64 program is held in
+    f64 (the runtime rounds the caller's values to f32 as it converts them)."""
+    held = narrower(fp)
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
             continue
-        if v.dtype not in LOW_FLOATS or v.op == "arg":
-            # i32; f32/f64: the program's float type (lowering holds them in fp); a bf16/f16
-            # argument keeps its type: its buffer may hold 2-byte elements (tgc.lower.narrow),
-            # and every op reading it is computed in fp (its result type), as in the source
+        if v.dtype not in held or v.op == "arg":
+            # i32; the program's float type (an f64 value of an f32 program too: lowering
+            # holds every float in fp); a bf16/f16 argument keeps its type: its buffer may
+            # hold 2-byte elements (tgc.lower.narrow), and every op reading it is computed
+            # in fp (its result type), as in the source
             memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
             continue
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
         elif v.op == "random" and fp == "f64":
-            attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type), then rounded
+            attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type, or f32), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
-        memo[id(v)] = new if _exact(v) else V.map_(f"round_{v.dtype}", new)
+        # a selection's value is one of its operands' (exact), unless an operand is a number
+        # of a wider type (weak: `where(c, x, 0.1)` of an f32 x, made by the optimizer's folding)
+        exact = ((_exact(v) and not any(o.op == "const" and o.dtype != v.dtype for o in v.operands))
+                 or (v.op == "random" and v.dtype == "f32"))
+        memo[id(v)] = new if exact else V.map_(rounding(v.dtype), new)
     out = module.replace_values(memo)
     # an output's declared type, where its value is now held in fp (`tgc.lower.narrow`
-    # may then store it in 2 bytes; an f32 output holding bf16 values stays f32)
-    out.outputs = [replace(o, low=old.value.dtype) if old.value.dtype in LOW_FLOATS else o
+    # may then store a bf16/f16 one in 2 bytes; an f32 output holding bf16 values stays f32)
+    out.outputs = [replace(o, low=old.value.dtype) if old.value.dtype in held else o
                    for o, old in zip(out.outputs, module.outputs)]
     return out

@@ -179,6 +179,11 @@ def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
     return t if exact or t not in LOW_FLOATS else TYPES[t].compute
 
 
+def promoted(values: Sequence[Value]) -> str:
+    """The promoted float type of `values` (constants and sizes weak; see `_promoted`)."""
+    return _promoted(values)
+
+
 def _promoted(values: Sequence[Value]) -> str:
     if values:   # the common case first: one float type
         first = values[0].type.dtype

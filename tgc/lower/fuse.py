@@ -310,12 +310,13 @@ class _Fuser:
 
     def find_complex_gemms(self) -> None:
         """Values that are a complex product (`complex_gemm.match`) become one complex
-        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS
-        only, hence `blas` "numpy"). The real products and parts they were built of are
+        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS,
+        or the system CBLAS's through `tgc build`'s LP64 adapter; `blas` "numpy" or
+        "system", not "none"). The real products and parts they were built of are
         then computed only where something else still reads them: the values no longer
         reachable from the program's roots are dropped (`folded`), and the use counts
         are taken again without them."""
-        if not self.opt.cpu.complex_gemm or self.opt.cpu.blas != "numpy" or self.opt.dtype not in ("f32", "f64"):
+        if not self.opt.cpu.complex_gemm or self.opt.cpu.blas == "none" or self.opt.dtype not in ("f32", "f64"):
             return
         for v in self.values:
             if id(v) in self.folded or id(v) in self.shifted:

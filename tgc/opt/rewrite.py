@@ -150,10 +150,11 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
 
 def _keep_type(old: Value, new: Value) -> Value:
     """`new`, converted to `old`'s bf16/f16 type where a rule moved the rounding
-    inward and left an f32 value (a broadcast of a bf16 value computes in f32): an
-    output or update keeps the type the program gave it. Exact: `new` equals `old`,
-    which holds values of that type, so the conversion changes no value."""
-    if old.dtype == new.dtype or old.dtype not in LOW_FLOATS:
+    inward and left an f32 value (a broadcast of a bf16 value computes in f32), or to
+    f32 where it left an f64 value in an f64 program: an output or update keeps the
+    type the program gave it. Exact: `new` equals `old`, which holds values of that
+    type, so the conversion changes no value."""
+    if old.dtype == new.dtype or old.dtype not in LOW_FLOATS + ("f32",):
         return new
     return V.map_(f"to_{old.dtype}", new, loc=old.loc)
 

@@ -14,8 +14,9 @@ is written, then runs the kernels:
 - dtypes: a float argument takes a float array of either width (the other width
   is cast, a copy) or a Python int/float; an i32 argument takes any integer array
   whose values fit in int32; anything else (bool, complex, objects, floats for ids)
-  is refused; bf16/f16 arguments are rounded to their type; complex arguments and
-  results travel as float pairs (tgc/ir/complex_io.py);
+  is refused; bf16/f16 arguments, and f32 ones of an f64 program, are rounded to
+  their type; complex arguments and results travel as float pairs
+  (tgc/ir/complex_io.py), of each one's width (c64: float32 pairs);
 - layout: arrays that are not C-contiguous are copied (results are the same);
 - sizes: each axis must have its edge's size; a symbolic dim takes the size of the
   first array that has it, and every other array must agree (or pass `dims=`);
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, round_to
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, narrower, round_to
 from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
 from tgc.ir.interp import EvalError, bind_dims, check_ids_fit
 from tgc.lower.lowered import Lowered
@@ -143,15 +144,17 @@ class Program:
         # computed elementwise) are passed as ml_dtypes.bfloat16 / np.float16 arrays,
         # without a copy; the others are held in the program's float type, and calls
         # convert them on the way in and out
-        self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in LOW_FLOATS}
+        # f32 arguments and outputs of an f64 program likewise (held in f64, rounded; tgc.ir.lowp)
+        held = narrower(self.dtype)
+        self.low_types: dict[str, str] = {a.name: a.dtype for a in module.args.values() if a.dtype in held}
         self._store: dict[str, np.dtype] = {}   # argument or output name -> its 2-byte element type
         for b in low.buffers.values():
             if b.dtype in LOW_FLOATS and b.kind in ("arg", "out"):
                 name = b.name if b.kind == "arg" else module.outputs[b.index].name
                 self._store[name] = TYPES[b.dtype].numpy
         self._low_outs = {o.name: o.value.dtype for o in module.outputs
-                          if o.value.dtype in LOW_FLOATS and o.name not in self._store}
-        self.low_types.update({o.name: o.value.dtype for o in module.outputs if o.value.dtype in LOW_FLOATS})
+                          if o.value.dtype in held and o.name not in self._store}
+        self.low_types.update({o.name: o.value.dtype for o in module.outputs if o.value.dtype in held})
         # the native fast path checks each argument's dtype: a bf16/f16 one must be stored
         # as such (and not a scalar, which a Python number may give); a bf16/f16 output
         # held in floats is converted after the call (`_run_real`), as on the checked path
@@ -489,8 +492,8 @@ class Program:
             if why:
                 raise EvalError(why)
         try:
-            pairs = {k: as_pairs(_dlpack_view(k, v), self.float_dtype) if k in self._complex_args else v
-                     for k, v in arrays.items()}
+            pairs = {k: as_pairs(_dlpack_view(k, v), self.low_types.get(k, self.float_dtype))
+                     if k in self._complex_args else v for k, v in arrays.items()}
         except MemoryError:   # a copy as float pairs (another width or layout): see _run_checked
             raise EvalError("not enough memory for this call's arrays (are the inputs or dims too large?); "
                             "nothing was written") from None
@@ -514,7 +517,7 @@ class Program:
         if self.out_dtype is None and not self._low_outs:
             return result
         updated = set(self._update_keys.values())
-        low = self._low_outs   # bf16/f16 outputs held in floats: rounded already, so exact in their type
+        low = self._low_outs   # bf16/f16 (f32) outputs held in floats: rounded already, so exact in their type
         return {k: v if k in updated else v.astype(TYPES[low[k]].numpy) if k in low
                 else v.astype(self.out_dtype) if self.out_dtype is not None else v for k, v in result.items()}
 

@@ -10,7 +10,12 @@ helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
   caller's CBLAS, ILP64 (`int_bits` 64: the table's own signature, given as is) or
   LP64 (32: the sizes of a call are passed as `int` by an adapter, and a call whose
   sizes do not fit an `int` is computed by its definition instead), plus libgomp's
-  entries;
+  entries; complex products use the complex GEMMs the library links (below);
+- `PREFIX_init_blas_complex(int_bits, conj_no_trans, sgemm, dgemm, cgemm, zgemm,
+  get_threads, set_threads)`: the same with the caller's cgemm and zgemm too (same
+  `int_bits`, the same LP64 adapter and fallback; `conj_no_trans` 1 says they take
+  OpenBLAS's CblasConjNoTrans, else such a call is computed by its definition; NULL:
+  every complex product by its definition);
 - `PREFIX_init_default()`: `PREFIX_init_blas` with the BLAS `options.cpu.blas` linked.
 
 `options.cpu.blas` decides what the `.so` links, and so what it needs to load:
@@ -18,13 +23,14 @@ helpers, compiled from C (`STUB`) with the system `cc`, that fill that table:
 - "none": no BLAS (the GEMMs run generated loops unless the caller passes one);
 - "system": the system CBLAS (`-lopenblas`, else `-lcblas`, else `-lblas`: a NEEDED
   entry on a library in the system's search path, no RUNPATH), LP64 as Debian's;
+  its cblas_cgemm/cblas_zgemm through the LP64 adapter (CblasConjNoTrans passed on
+  only to OpenBLAS, which has it);
 - "numpy": numpy's bundled OpenBLAS (ILP64 `scipy_cblas_[sd]gemm64_`, found at build
   time), with a RUNPATH into that Python environment: the library loads only while
   that environment exists. The generated code then assumes a BLAS in the table.
-  Only this build computes a complex product with cgemm/zgemm (`lower/complex_gemm.py`):
-  the table's two complex entries are numpy's, whatever BLAS the caller passes
-  (`PREFIX_init_blas` takes real GEMMs only); the other builds compute it as four real
-  products.
+
+A complex product becomes one cgemm/zgemm call (`lower/complex_gemm.py`) in the
+"numpy" and "system" builds; "none" computes it as four real products.
 
 Every `.so` links libgomp (GCC's OpenMP runtime, `libgomp.so.1` in the system's
 library path wherever GCC is; its threads are the ones tgc's parallel kernels run
@@ -69,7 +75,8 @@ SYSTEM_LIBRARIES = ("openblas", "cblas", "blas")   # tried in this order by --bl
 
 # C, compiled into every .so. {p}: the prefix; {required}: 1 when the generated code
 # calls the table's BLAS unconditionally (--blas=numpy). ORDER/TRANS values are CBLAS's.
-STUB = r"""#include <limits.h>
+STUB = r"""#include <complex.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -136,29 +143,105 @@ TGC_GEMM_BY_DEFINITION(dgemm_by_definition, double)
 TGC_LP64_ADAPTER(sgemm_lp64, float, lp64_sgemm, sgemm_by_definition)
 TGC_LP64_ADAPTER(dgemm_lp64, double, lp64_dgemm, dgemm_by_definition)
 
-/* cgemm, zgemm (ILP64): numpy's with --blas=numpy, the only build whose code calls
-   them (complex products; NULL otherwise, whatever BLAS the caller passes) */
+/* Complex products (cgemm, zgemm): alpha and beta point to a complex number, A, B and C
+   hold interleaved parts (C99's float complex), transposes may also be CblasConjTrans
+   = 113 and CblasConjNoTrans = 114 (OpenBLAS's extension: the operand conjugated). */
+#define TGC_COMPLEX_GEMM_BY_DEFINITION(NAME, T, CONJ)                                     \
+  static void NAME(int32_t order, int32_t ta, int32_t tb, int64_t m, int64_t n, int64_t k, \
+                   const void* alpha_, const void* a_, int64_t lda, const void* b_,         \
+                   int64_t ldb, const void* beta_, void* c_, int64_t ldc) {{                 \
+    const T* a = (const T*)a_;                                                            \
+    const T* b = (const T*)b_;                                                            \
+    T* c = (T*)c_;                                                                        \
+    T alpha = *(const T*)alpha_, beta = *(const T*)beta_;                                 \
+    if (order == 102) {{                                                                  \
+      NAME(101, tb, ta, n, m, k, alpha_, b_, ldb, a_, lda, beta_, c_, ldc);                \
+      return;                                                                             \
+    }}                                                                                    \
+    for (int64_t i = 0; i < m; i++)                                                       \
+      for (int64_t j = 0; j < n; j++) {{                                                  \
+        T s = 0;                                                                          \
+        for (int64_t p = 0; p < k; p++) {{                                                \
+          T x = (ta == 111 || ta == 114) ? a[i * lda + p] : a[p * lda + i];               \
+          T y = (tb == 111 || tb == 114) ? b[p * ldb + j] : b[j * ldb + p];               \
+          if (ta == 113 || ta == 114) x = CONJ(x);                                        \
+          if (tb == 113 || tb == 114) y = CONJ(y);                                        \
+          s += x * y;                                                                     \
+        }}                                                                                \
+        c[i * ldc + j] = (beta == 0 ? (T)0 : beta * c[i * ldc + j]) + alpha * s;         \
+      }}                                                                                  \
+  }}
+TGC_COMPLEX_GEMM_BY_DEFINITION(cgemm_by_definition, float complex, conjf)
+TGC_COMPLEX_GEMM_BY_DEFINITION(zgemm_by_definition, double complex, conj)
+
+typedef void (*ilp64_complex_gemm_t)(int32_t, int32_t, int32_t, int64_t, int64_t, int64_t, const void*,
+                                     const void*, int64_t, const void*, int64_t, const void*, void*, int64_t);
+typedef void (*lp64_complex_gemm_t)(int, int, int, int, int, int, const void*, const void*, int,
+                                    const void*, int, const void*, void*, int);
+
+/* The caller's cgemm (zgemm) behind the table's ILP64 signature: an LP64 one gets int
+   sizes, and a call it cannot take (sizes over an int, or CblasConjNoTrans when the
+   caller did not say that its BLAS knows it) is computed by the definition. */
+#define TGC_COMPLEX_ADAPTER(NAME, FALLBACK)                                               \
+  static ilp64_complex_gemm_t NAME##_ilp64;                                               \
+  static lp64_complex_gemm_t NAME##_lp64;                                                 \
+  static int NAME##_conj_no_trans;                                                        \
+  static void NAME(int32_t order, int32_t ta, int32_t tb, int64_t m, int64_t n, int64_t k, \
+                   const void* alpha, const void* a, int64_t lda, const void* b,            \
+                   int64_t ldb, const void* beta, void* c, int64_t ldc) {{                   \
+    int known = NAME##_conj_no_trans || (ta != 114 && tb != 114);                         \
+    if (known && NAME##_ilp64)                                                            \
+      NAME##_ilp64(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);          \
+    else if (known && NAME##_lp64 && lp64_fits(m, n, k, lda, ldb, ldc))                   \
+      NAME##_lp64(order, ta, tb, (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, \
+                  beta, c, (int)ldc);                                                     \
+    else                                                                                  \
+      FALLBACK(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);              \
+  }}
+TGC_COMPLEX_ADAPTER(cgemm_adapted, cgemm_by_definition)
+TGC_COMPLEX_ADAPTER(zgemm_adapted, zgemm_by_definition)
+
+/* The complex GEMMs the library links, for {p}_init_blas and {p}_init_default:
+   numpy's (ILP64, with CblasConjNoTrans) with --blas=numpy, the system CBLAS's (LP64)
+   with --blas=system, none with --blas=none (whose code makes no complex call). */
 {complex}
 
-int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,
-                      void* set_threads) {{
+static int32_t init_table(int32_t int_bits, void* sgemm, void* dgemm, int32_t complex_bits,
+                          int32_t conj_no_trans, void* cgemm, void* zgemm, void* get_threads,
+                          void* set_threads) {{
   void* table[10] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
                      (void*)omp_get_num_threads, get_threads, set_threads,
-                     (void*)omp_get_max_threads, complex_gemms[0], complex_gemms[1]}};
+                     (void*)omp_get_max_threads, (void*)cgemm_adapted, (void*)zgemm_adapted}};
   if (BLAS_REQUIRED && (sgemm == NULL || dgemm == NULL)) return -1;
+  if ((int_bits != 32 && int_bits != 64) || (complex_bits != 32 && complex_bits != 64)) return -1;
   if (int_bits == 64) {{
     table[0] = sgemm;
     table[1] = dgemm;
-  }} else if (int_bits == 32) {{
+  }} else {{
     lp64_sgemm = (lp64_sgemm_t)sgemm;
     lp64_dgemm = (lp64_dgemm_t)dgemm;
     table[0] = sgemm ? (void*)sgemm_lp64 : NULL;
     table[1] = dgemm ? (void*)dgemm_lp64 : NULL;
-  }} else {{
-    return -1;
   }}
+  cgemm_adapted_ilp64 = complex_bits == 64 ? (ilp64_complex_gemm_t)cgemm : NULL;
+  zgemm_adapted_ilp64 = complex_bits == 64 ? (ilp64_complex_gemm_t)zgemm : NULL;
+  cgemm_adapted_lp64 = complex_bits == 32 ? (lp64_complex_gemm_t)cgemm : NULL;
+  zgemm_adapted_lp64 = complex_bits == 32 ? (lp64_complex_gemm_t)zgemm : NULL;
+  cgemm_adapted_conj_no_trans = zgemm_adapted_conj_no_trans = conj_no_trans != 0;
   {p}_init(table);
   return 0;
+}}
+
+int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,
+                      void* set_threads) {{
+  return init_table(int_bits, sgemm, dgemm, LINKED_COMPLEX_BITS, LINKED_CONJ_NO_TRANS, LINKED_CGEMM,
+                    LINKED_ZGEMM, get_threads, set_threads);
+}}
+
+int32_t {p}_init_blas_complex(int32_t int_bits, int32_t conj_no_trans, void* sgemm, void* dgemm,
+                              void* cgemm, void* zgemm, void* get_threads, void* set_threads) {{
+  return init_table(int_bits, sgemm, dgemm, int_bits, conj_no_trans, cgemm, zgemm, get_threads,
+                    set_threads);
 }}
 
 {default}
@@ -186,19 +269,36 @@ int32_t {p}_init_default(void) {{
 
 
 COMPLEX_GEMMS = {
-    False: "static void* complex_gemms[2] = {NULL, NULL};",
-    True: """extern void scipy_cblas_cgemm64_(void);
+    "none": """#define LINKED_COMPLEX_BITS 64
+#define LINKED_CONJ_NO_TRANS 1
+#define LINKED_CGEMM NULL
+#define LINKED_ZGEMM NULL""",
+    # TGC_CONJ_NO_TRANS: 1 when the library linked is OpenBLAS (link_shared says so)
+    "system": """#ifndef TGC_CONJ_NO_TRANS
+#define TGC_CONJ_NO_TRANS 0
+#endif
+extern void cblas_cgemm(void);
+extern void cblas_zgemm(void);
+#define LINKED_COMPLEX_BITS 32
+#define LINKED_CONJ_NO_TRANS TGC_CONJ_NO_TRANS
+#define LINKED_CGEMM ((void*)cblas_cgemm)
+#define LINKED_ZGEMM ((void*)cblas_zgemm)""",
+    "numpy": """extern void scipy_cblas_cgemm64_(void);
 extern void scipy_cblas_zgemm64_(void);
-static void* complex_gemms[2] = {(void*)scipy_cblas_cgemm64_, (void*)scipy_cblas_zgemm64_};""",
+#define LINKED_COMPLEX_BITS 64
+#define LINKED_CONJ_NO_TRANS 1
+#define LINKED_CGEMM ((void*)scipy_cblas_cgemm64_)
+#define LINKED_ZGEMM ((void*)scipy_cblas_zgemm64_)""",
 }
 
 
 def stub_source(prefix: str, blas: str) -> str:
-    """The C source of a `.so`'s `PREFIX_init_blas` and `PREFIX_init_default`."""
+    """The C source of a `.so`'s `PREFIX_init_blas`, `PREFIX_init_blas_complex` and
+    `PREFIX_init_default`."""
     if blas not in BLAS_CHOICES:
         raise ValueError(f"unknown BLAS choice '{blas}' (one of {', '.join(BLAS_CHOICES)})")
     return STUB.format(p=prefix, required=int(blas == "numpy"), default=DEFAULTS[blas].format(p=prefix),
-                       complex=COMPLEX_GEMMS[blas == "numpy"])
+                       complex=COMPLEX_GEMMS[blas])
 
 
 class NoSystemBlas(BuildError):
@@ -246,8 +346,8 @@ def link_shared(obj: bytes, prefix: str, blas: str) -> bytes:
         env = {**os.environ, "SOURCE_DATE_EPOCH": "0", "LC_ALL": "C"}   # C: the linker's messages are read
         if blas == "system":
             tried = []
-            for name in SYSTEM_LIBRARIES:
-                cmd = base + [f"-l{name}"] + tail
+            for name in SYSTEM_LIBRARIES:   # OpenBLAS's cgemm/zgemm take CblasConjNoTrans (its extension)
+                cmd = base + (["-DTGC_CONJ_NO_TRANS=1"] if name == "openblas" else []) + [f"-l{name}"] + tail
                 p = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
                 if p.returncode == 0:
                     return so.read_bytes()

@@ -446,7 +446,7 @@ class GemmGen:
                     rounds = (self.rounds[A.role], self.rounds[B.role])
                     self.b.call(bf16_kernel(self.mod, home=self.home, rounds=rounds),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
-                elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
+                elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy" or "system")
                     self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
                 else:
                     with b.if_else(small) as (then, otherwise):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from tgc.ir.dtypes import narrower
 from tgc.ir.module import Module
 from tgc.ir.sizes import size_str
 
@@ -15,9 +16,10 @@ C_TYPES = {"f32": "float", "f64": "double", "i32": "int32_t"}
 
 
 def _low_note(elem: str, dtype: str, stored: str | None) -> str:
-    """How a bf16/f16 argument or output crosses the C ABI (docs/dtypes.md): as 2-byte
-    elements where its buffer holds them (`stored`), else in the float type."""
-    if elem not in ("bf16", "f16"):
+    """How a bf16/f16 argument or output (or an f32 one of an f64 program) crosses the
+    C ABI (docs/dtypes.md): as 2-byte elements where its buffer holds them (`stored`),
+    else in the float type."""
+    if elem not in narrower(dtype):
         return ""
     if stored == "bf16":
         return " (bfloat16: each element's 16 bits, the top half of the f32 with its value)"
@@ -112,11 +114,18 @@ _DEFAULT = {
              "   products none, and they run tgc's own loops, unless a BLAS is passed to _init_blas."],
     "system": ["This library links the system's CBLAS (built with --blas=system: a NEEDED entry on",
                "   libopenblas, libcblas or libblas, found in the system's library path when it loads),",
-               "   LP64 (cblas_sgemm/cblas_dgemm with int sizes), and OpenBLAS's thread count when it",
-               "   has one."],
+               "   LP64 (cblas_sgemm/cblas_dgemm with int sizes; complex products cblas_cgemm/cblas_zgemm),",
+               "   and OpenBLAS's thread count when it has one."],
     "numpy": ["This library links numpy's bundled OpenBLAS (built with --blas=numpy), found through",
               "   a RUNPATH into the Python environment that built it: it loads only while that",
               "   environment exists. Its products need a BLAS: sgemm and dgemm must not be NULL."],
+}
+
+
+_COMPLEX_USE = {   # where a library's code makes complex GEMM calls (lower/complex_gemm.py)
+    "none": "this build computes complex products as real ones and calls neither",
+    "system": "each complex product of this build is one call",
+    "numpy": "each complex product of this build is one call",
 }
 
 
@@ -172,14 +181,30 @@ def _init_section(prefix: str, blas: str) -> list[str]:
         "                     (void*)scipy_openblas_get_num_threads64_,",
         "                     (void*)scipy_openblas_set_num_threads64_);",
         "",
-        f"   {p}_init(table): the function table itself, 8 pointers in this order (NULL: none):",
+        f"   {p}_init_blas_complex(int_bits, conj_no_trans, sgemm, dgemm, cgemm, zgemm, get_threads,",
+        "   set_threads): the same, with the caller's complex GEMMs too (" + _COMPLEX_USE[blas] + "):",
+        "     void f(int order, int transa, int transb, M, N, K, const void* alpha, const void* a,",
+        "            lda, const void* b, ldb, const void* beta, void* c, ldc)",
+        "   sizes of int_bits as above (LP64 adapted likewise), alpha and beta pointing to one",
+        "   complex number, transposes 111, 112, 113 (CblasConjTrans) and, if conj_no_trans is 1,",
+        "   114 (CblasConjNoTrans, OpenBLAS's extension; with 0 such calls are computed by their",
+        "   definition). NULL: every complex product by its definition. E.g. Debian's OpenBLAS:",
+        f"       {p}_init_blas_complex(32, 1, (void*)cblas_sgemm, (void*)cblas_dgemm,",
+        "                             (void*)cblas_cgemm, (void*)cblas_zgemm,",
+        "                             (void*)openblas_get_num_threads, (void*)openblas_set_num_threads);",
+        f"   {p}_init_blas gives the complex GEMMs this library links (above; none: by definition).",
+        "",
+        f"   {p}_init(table): the function table itself, 10 pointers in this order (NULL: none):",
         "     0 sgemm and 1 dgemm, ILP64 as above; 2 GOMP_parallel, 3 omp_get_thread_num and",
         "     4 omp_get_num_threads (libgomp's; without 2 every kernel runs on the calling",
-        "     thread); 5 get_threads and 6 set_threads as above; 7 omp_get_max_threads.",
+        "     thread); 5 get_threads and 6 set_threads as above; 7 omp_get_max_threads;",
+        "     8 cgemm and 9 zgemm, ILP64 with CblasConjNoTrans (needed where complex products are).",
         "   The library copies the pointers: the array may be freed after the call. */",
         f"void {p}_init(void* const* table);",
         f"int32_t {p}_init_blas(int32_t int_bits, void* sgemm, void* dgemm, void* get_threads,",
         f"        {' ' * len(p)}           void* set_threads);",
+        f"int32_t {p}_init_blas_complex(int32_t int_bits, int32_t conj_no_trans, void* sgemm, void* dgemm,",
+        f"        {' ' * len(p)}                   void* cgemm, void* zgemm, void* get_threads, void* set_threads);",
         f"int32_t {p}_init_default(void);",
         "",
     ]

@@ -26,7 +26,7 @@ class CpuOptions:
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
     blas: str = "numpy"                      # GEMMs' BLAS: "numpy" (numpy's OpenBLAS; tgc build links it with a RUNPATH into its venv), "system" (tgc build links the system CBLAS; the JIT uses numpy's) or "none" (generated loops, unless a library's caller passes a BLAS to NAME_init); backends/cpu/aot.py
-    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy"; read by the fuse stage, lower/complex_gemm.py)
+    complex_gemm: bool = True                # a complex product becomes one cgemm/zgemm cell on the interleaved pairs (with blas "numpy" or "system"; read by the fuse stage, lower/complex_gemm.py)
     profile: bool = False                    # count time-stamp-counter cycles per kernel (Program.profile())
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     bf16_gemm: str = "auto"                  # products of two bf16 operands: "auto" (vdpbf16ps where the host reports avx512bf16), "on" (always: code for another CPU), "off" (widened to f32, then sgemm); backends/cpu/gemm_operands.py
