@@ -212,7 +212,10 @@ class ProgramBuilder:
         count = 1
         for s in sizes:
             count *= s
-        if count * (TYPES[dtype].bits // 8) > MAX_SIZE:
+        bits = TYPES[dtype].bits    # an f32 value of an f64 program has an f64 buffer (docs/dtypes.md)
+        if TYPES[dtype].is_float and not TYPES[dtype].low:
+            bits = max(bits, TYPES[self.el.dtype].bits)
+        if count * (bits // 8) > MAX_SIZE:
             shape = " x ".join(str(s) for s in sizes)
             raise CompileError(f"{what} would take more than 2^62 bytes ({shape} {dtype} elements; "
                                f"the size limit)", loc)
