@@ -61,7 +61,10 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKern
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
-C_TYPES = {"f32": "float", "f64": "double", "i32": "int"}
+# a buffer's element type in C; bf16 and f16 buffers (`narrow`) hold their 16 bits,
+# loaded with tgc_ld_bf16/tgc_ld_f16 and stored with tgc_st_bf16/tgc_st_f16 (tgc_ops.cuh)
+C_TYPES = {"f32": "float", "f64": "double", "i32": "int", "bf16": "unsigned short", "f16": "unsigned short"}
+LOW = ("bf16", "f16")
 # The CUDA template per elementwise function of tgc.ir.ops.FNS: a C expression of the
 # arguments {0}, {1}, {2} (each already cast to the program's float type), calling the
 # device functions of tgc_ops.cuh. Functions missing here are refused (CudaUnsupported).
@@ -201,6 +204,15 @@ class _Gen:
         source = "\n".join(head + self.parts + sim) + "\n"
         return CudaModule(source, self.launches, self.dims, low.dtype)
 
+    def store(self, buf: str, ptr: str, offset: str, value: str) -> str:
+        """The C statement storing `value` at element `offset` of `buf` (pointer
+        `ptr`): a 2-byte buffer's element narrowed (the value is one of its type, so
+        exactly)."""
+        dtype = self.low.buffers[buf].dtype
+        if dtype in LOW:
+            value = f"tgc_st_{dtype}((float)({value}))"
+        return f"{ptr}[{offset}] = {value};"
+
     def buf_type(self, name: str, write: bool) -> str:
         t = C_TYPES[self.low.buffers[name].dtype]
         return t if write else f"const {t}"
@@ -284,7 +296,10 @@ class _Gen:
                 return f"{ctx.cache[e.buf]}[k]"
             ctx.loaded.add(e.buf)
             v = f"{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]"
-            return v if self.low.buffers[e.buf].dtype == self.low.dtype else f"(({T}){v})"
+            dtype = self.low.buffers[e.buf].dtype
+            if dtype in LOW:           # a 2-byte element, widened exactly
+                return f"(({T})tgc_ld_{dtype}({v}))"
+            return v if dtype == self.low.dtype else f"(({T}){v})"
         if isinstance(e, Const):
             return self.const(e.value)
         if isinstance(e, SizeOf):
@@ -367,19 +382,20 @@ class _Gen:
             inner.append("long long r = t;")
             for v, s in reversed(list(zip(kept, sizes))):
                 inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
-        store = f"p0[{self.offset(k.out, k.index, ctx)}]"
+        at = self.offset(k.out, k.index, ctx)
+        store = f"p0[{at}]"
         if k.scatter:
             if k.red:
                 raise CudaUnsupported("a scatter kernel with reduced loops")
             combine = {"sum": "atomicAdd", "max": "tgc_atomic_max", "min": "tgc_atomic_min"}[k.reduce or "sum"]
             inner += self.guarded(k, kept, ctx, [f"{combine}(&{store}, {self.expr(k.body, ctx)});"])
         elif not k.reduce:
-            inner.append(f"{store} = {self.expr(k.body, ctx)};")
+            inner.append(self.store(k.out, "p0", at, self.expr(k.body, ctx)))
         else:
             inner += self.reduction(k, ctx)
             ctx.acc = "acc"
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
-            inner.append(f"{store} = {value};")
+            inner.append(self.store(k.out, "p0", at, value))
         body += ["    " + line for line in inner] + ["}"]
         vec = self.vector_loop(k, ctx, kept, sizes) if not k.reduce and not k.scatter else None
         if vec is not None:   # float4 loads and stores where the run-time sizes and addresses allow
@@ -515,7 +531,7 @@ class _Gen:
                 shared.add("double part_d[32];")
         ctx.acc = "acc"
         value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
-        inner.append(f"if (threadIdx.x == 0) p0[{self.offset(k.out, k.index, ctx)}] = {value};")
+        inner.append("if (threadIdx.x == 0) " + self.store(k.out, "p0", self.offset(k.out, k.index, ctx), value))
         body = [f"__shared__ {d}" for d in sorted(shared)]
         body += [f"const long long n = {' * '.join(sizes) or '1LL'};",
                  "for (long long t = blockIdx.x; t < n; t += gridDim.x) {"]
@@ -671,7 +687,8 @@ class _Gen:
                         value = self.expr(m.body, ctx)
                     part.append(f"s_{cid[m.out]} = {value};")
                     if stored:
-                        part.append(f"if (lane == 0 && live) p{bufs.index(m.out)}[{store_ix}] = s_{cid[m.out]};")
+                        part.append("if (lane == 0 && live) "
+                                    + self.store(m.out, f"p{bufs.index(m.out)}", store_ix, f"s_{cid[m.out]}"))
                 else:
                     stmts: list[str] = []
                     if m.reduce:
@@ -684,7 +701,7 @@ class _Gen:
                     if cached and m.out in cache:
                         stmts.append(f"{cache[m.out]}[k] = val;")
                     if stored:
-                        stmts.append(f"p{bufs.index(m.out)}[{store_ix}] = val;")
+                        stmts.append(self.store(m.out, f"p{bufs.index(m.out)}", store_ix, "val"))
                     count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
                     part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
                 if ctx.loaded & written_mem:
