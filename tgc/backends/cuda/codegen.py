@@ -487,13 +487,7 @@ class _Gen:
             for v, s in reversed(list(zip(kept, sizes))):
                 inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
         for v in red:
-            lows, highs = k.bounds.get(v, ((), ()))
-            lo = "0LL"
-            for x in lows:
-                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-            hi = self.size(k.sizes[v])
-            for x in highs:
-                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
             inner.append(f"const long long {i}_lo = {lo}, {i}_n = max_ll({hi} - {i}_lo, 0LL);")
         inner.append(f"const long long cnt = {' * '.join(ctx.var[v] + '_n' for v in red)};")
@@ -663,13 +657,7 @@ class _Gen:
                         red = [v for v in m.loops if v in m.red]
                         pre = []
                         for v in red:
-                            lows, highs = m.bounds.get(v, ((), ()))
-                            lo = "0LL"
-                            for x in lows:
-                                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-                            hi = self.size(m.sizes[v])
-                            for x in highs:
-                                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+                            lo, hi = self.red_range(m, v, ctx)
                             pre.append(f"const long long {var[v]}_lo = {lo}, {var[v]}_n = max_ll({hi} - {var[v]}_lo, 0LL);")
                         cnt = " * ".join(f"{var[v]}_n" for v in red) or "1LL"
 
@@ -767,19 +755,26 @@ class _Gen:
             return stmts
         return [f"if ({' && '.join(conds)}) {{"] + ["    " + s for s in stmts] + ["}"]
 
+    def red_range(self, k: LoopKernel, v: str, ctx: "_Ctx") -> tuple[str, str]:
+        """(first, end) C expressions of reduced loop `v` of `k`: [max(0, its lower
+        bounds...), min(its size, its upper bounds...)). Loops, one-block-per-output
+        reductions and row-group members share it."""
+        lows, highs = k.bounds.get(v, ((), ()))
+        lo = "0LL"
+        for x in lows:
+            lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+        hi = self.size(k.sizes[v])
+        for x in highs:
+            hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+        return lo, hi
+
     def nest(self, k: LoopKernel, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` inside the reduced loops, each over its bounded range."""
         red = [v for v in k.loops if v in k.red]
         head, tail = [], []
         for depth, v in enumerate(red):
             pad = "    " * depth
-            lows, highs = k.bounds.get(v, ((), ()))
-            lo = "0LL"
-            for x in lows:
-                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-            hi = self.size(k.sizes[v])
-            for x in highs:
-                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
             head.append(f"{pad}for (long long {i} = {lo}, {i}_end = {hi}; {i} < {i}_end; ++{i}) {{")
             tail.insert(0, f"{pad}}}")

@@ -382,8 +382,8 @@ class CudaKernels(Kernels):
         if a.dtype == want:
             conv = dev.cp.ascontiguousarray(a)
         elif a.dtype.kind != "f":
-            raise EvalError(f"input '{s.name}' must be a float array ({'bf16' if store == BF16 else 'f16'}"
-                            f" or uint16 bfloat16 bits), not {a.dtype}")
+            what = "bf16, or uint16 bfloat16 bits" if store == BF16 else "f16"
+            raise EvalError(f"input '{s.name}' must be a float array ({what}), not {a.dtype}")
         elif store == BF16:
             conv = dev.bf16_bits(a)
         else:
