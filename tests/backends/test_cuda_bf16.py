@@ -339,3 +339,42 @@ def test_two_byte_modules_compile_for_sm90_without_warnings(tmp_path):
     done = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "--Werror", "all-warnings", "-o",
                            str(tmp_path / "lowp.cubin"), str(cu)], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr[-3000:]
+
+
+def _libnvrtc():
+    """NVRTC (CuPy's compiler): the `nvidia-cuda-nvrtc` wheel's library on sys.path, or the system's."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    for entry in sys.path:
+        lib = Path(entry) / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+        if lib.is_file():
+            return ctypes.CDLL(str(lib))
+    found = ctypes.util.find_library("nvrtc")
+    return ctypes.CDLL(found) if found else None
+
+
+@pytest.mark.skipif(_libnvrtc() is None, reason="NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+def test_two_byte_modules_compile_with_nvrtc():
+    """The runtime's compiler has no cuda_bf16.h / cuda_fp16.h on its own: the 2-byte
+    loads and stores use none, and compile there with an empty log."""
+    import ctypes
+
+    from tgc import pipeline
+
+    nvrtc = _libnvrtc()
+    for src, opts in [(CHAIN, Options()), (PRODUCTS, Options()), (ROOT / "examples/mlp.tg", Options(autocast="f16"))]:
+        module = (pipeline.lower(pipeline.load(str(src), opts), opts).module if isinstance(src, Path)
+                  else optimized(src, opts))
+        source = codegen.generate(lower(module, opts)).source
+        prog = ctypes.c_void_p()
+        assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"module.cu", 0, None, None) == 0
+        flags = [b"--std=c++17", b"-arch=sm_90"]
+        rc = nvrtc.nvrtcCompileProgram(prog, len(flags), (ctypes.c_char_p * len(flags))(*flags))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        assert rc == 0 and not log.value.strip(), log.value.decode()[:2000]
