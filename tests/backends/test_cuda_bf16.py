@@ -125,6 +125,54 @@ def test_chain_on_cuda_sim_matches_the_f32_buffers_bit_for_bit(regs):
     assert got["y"].dtype == BF16 and got["g"].dtype == F16
 
 
+VECTOR = """
+dim r, d
+input x: bf16[r, d]
+input s: bf16[d]
+input h: f16[r, d]
+input z[r, d]
+out y = x * s + x
+out g = h * h
+out w = f32(x) * z
+"""
+
+
+def _counters(prog):
+    import ctypes
+
+    fn = prog._kernels._device.lib.tgc_sim_counters
+    fn.restype = ctypes.POINTER(ctypes.c_longlong)
+    return fn()
+
+
+def test_two_byte_buffers_take_the_vector_loop_where_aligned():
+    """bf16/f16 operands and outputs along the contiguous edge: one 8-byte ushort4 load
+    or store of four elements (widened, narrowed per element), where the row length is
+    a multiple of 4 and the addresses are 8-byte aligned; else the scalar loop. The
+    same bits either way, and as with f32 buffers."""
+    prog = tgc.compile(VECTOR, backend="cuda-sim", options=Options().with_(row_groups=False))
+    wide = tgc.compile(VECTOR, backend="cuda-sim", options=Options().with_(row_groups=False, stages=wide_stages()))
+    src = prog.cuda_source
+    assert "reinterpret_cast<const ushort4*>" in src and "reinterpret_cast<ushort4*>" in src
+    assert "tgc_aligned8(" in src and "const float4 l" in src
+    rng = np.random.default_rng(7)
+    runs = {}
+    for rows, d, offset in ((3, 8, False), (3, 8, True), (3, 7, False)):
+        big = low_values(rng, rows * d + 1, "bf16")
+        x = (big[1:] if offset else big[:-1].copy()).reshape(rows, d)   # 2 bytes past 8: misaligned
+        ins = {"x": x, "s": low_values(rng, d, "bf16"), "h": low_values(rng, (rows, d), "f16"),
+               "z": rng.standard_normal((rows, d)).astype(np.float32)}
+        c = _counters(prog)
+        c[0] = 0
+        got = prog(**ins)
+        runs[rows, d, offset] = c[0]     # threads that ran a vector loop
+        want = wide(**ins)
+        for k in want:
+            assert got[k].dtype == want[k].dtype and same_bits(got[k], want[k]), (k, rows, d, offset)
+    # aligned: the three kernels; x misaligned: only g = h * h; rows of 7: none
+    assert runs[3, 8, False] > runs[3, 8, True] > 0 and runs[3, 7, False] == 0, runs
+
+
 def random_program(rng) -> str:
     leaves = ["x", "y", "z", "u"]
     ops = ["{a} + {b}", "{a} * {b}", "{a} - {b}", "{a} / ({b} * {b} + 1)", "max({a}, {b})",
@@ -326,7 +374,7 @@ def test_two_byte_modules_compile_for_sm90_without_warnings(tmp_path):
     from tgc import pipeline
 
     sources = []
-    for i, (src, opts) in enumerate([(CHAIN, Options()), (PRODUCTS, Options()),
+    for i, (src, opts) in enumerate([(CHAIN, Options()), (PRODUCTS, Options()), (VECTOR, Options()),
                                      (ROOT / "examples/gpt.tg", Options(autocast="bf16")),
                                      (ROOT / "examples/mlp.tg", Options(autocast="f16"))]):
         module = (pipeline.lower(pipeline.load(str(src), opts), opts).module if isinstance(src, Path)
@@ -364,7 +412,8 @@ def test_two_byte_modules_compile_with_nvrtc():
     from tgc import pipeline
 
     nvrtc = _libnvrtc()
-    for src, opts in [(CHAIN, Options()), (PRODUCTS, Options()), (ROOT / "examples/mlp.tg", Options(autocast="f16"))]:
+    for src, opts in [(CHAIN, Options()), (PRODUCTS, Options()), (VECTOR, Options()),
+                      (ROOT / "examples/mlp.tg", Options(autocast="f16"))]:
         module = (pipeline.lower(pipeline.load(str(src), opts), opts).module if isinstance(src, Path)
                   else optimized(src, opts))
         source = codegen.generate(lower(module, opts)).source

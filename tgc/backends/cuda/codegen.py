@@ -15,10 +15,11 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   maxshift pass then a sum of exp(x - m) pass), each reduced loop over
   [max(0, lower bounds...), min(size, upper bounds...)), then applies the epilogue
   and stores. Every operation is in the program's float type, as on the CPU.
-- an elementwise f32 loop kernel whose innermost loop is its output's contiguous
-  edge also has a float4 loop (`vector_loop`: four neighbours per thread, one
-  16-byte load per operand read along its own contiguous edge, one 16-byte store),
-  taken when the run-time sizes and addresses allow, else the scalar loop;
+- an elementwise loop kernel of an f32 program whose innermost loop is its output's
+  contiguous edge also has a float4 loop (`vector_loop`: four neighbours per thread,
+  one 16-byte load per operand read along its own contiguous edge, one 16-byte store;
+  8-byte `ushort4` ones for bf16/f16 buffers), taken when the run-time sizes and
+  addresses allow, else the scalar loop;
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
@@ -65,6 +66,8 @@ HEADER = Path(__file__).with_name("tgc_ops.cuh")
 # loaded with tgc_ld_bf16/tgc_ld_f16 and stored with tgc_st_bf16/tgc_st_f16 (tgc_ops.cuh)
 C_TYPES = {"f32": "float", "f64": "double", "i32": "int", "bf16": "unsigned short", "f16": "unsigned short"}
 LOW = ("bf16", "f16")
+# the vector type of four elements and its alignment, per buffer type (vector_loop)
+VEC = {"f32": ("float4", 16), "bf16": ("ushort4", 8), "f16": ("ushort4", 8)}
 # The CUDA template per elementwise function of tgc.ir.ops.FNS: a C expression of the
 # arguments {0}, {1}, {2} (each already cast to the program's float type), calling the
 # device functions of tgc_ops.cuh. Functions missing here are refused (CudaUnsupported).
@@ -288,8 +291,10 @@ class _Gen:
     def expr(self, e, ctx: "_Ctx") -> str:
         T = "tgc_t"
         if isinstance(e, Load):
-            if e in ctx.vec:           # one component of a float4 load (vector_loop)
-                return f"{ctx.vec[e]}.{ctx.comp}"
+            if e in ctx.vec:           # one component of a float4 (ushort4) load (vector_loop)
+                dtype = self.low.buffers[e.buf].dtype
+                v = f"{ctx.vec[e]}.{ctx.comp}"
+                return f"(({T})tgc_ld_{dtype}({v}))" if dtype in LOW else v
             if e.buf in ctx.vals:      # a row group's value per row (the stage reads it at its own row only)
                 return ctx.vals[e.buf]
             if e.buf in ctx.cache and self.identity(e):   # a row group's element kept in registers
@@ -409,18 +414,20 @@ class _Gen:
                                     red=tuple(k.sizes[v] for v in k.red)))
 
     def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
-        """The elementwise f32 kernel `k` four elements at a time: (the run-time
-        condition, the loop), or None. Each thread takes four neighbours along the
-        innermost loop, which must be the output's innermost (contiguous) edge; a load
-        that reads its buffer's innermost edge at that loop variable (and no other
-        edge at it, outside any mask) is one `float4` load, the others are evaluated
-        per element; the four results are one `float4` store. It runs when the
-        innermost size is a multiple of 4 (so four neighbours stay in one row and
-        every row starts 16 bytes after the last) and every such buffer's address is
-        16-byte aligned; else the scalar loop runs. The same operations on the same
-        elements: the results are the scalar loop's."""
+        """The elementwise kernel `k` of an f32 program four elements at a time: (the
+        run-time condition, the loop), or None. Each thread takes four neighbours along
+        the innermost loop, which must be the output's innermost (contiguous) edge; a
+        load that reads its buffer's innermost edge at that loop variable (and no other
+        edge at it, outside any mask) is one `float4` load (a bf16/f16 buffer's: one
+        8-byte `ushort4`, each element then widened), the others are evaluated per
+        element; the four results are one `float4` store (`ushort4` of narrowed
+        values into a 2-byte buffer). It runs when the innermost size is a multiple of
+        4 (so four neighbours stay in one row and every row starts 16, or 8, bytes
+        after the last) and every such buffer's address is 16-byte (8-byte) aligned;
+        else the scalar loop runs. The same operations on the same elements: the
+        results are the scalar loop's."""
         low = self.low
-        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype != "f32":
+        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype not in VEC:
             return None
         v_in = kept[-1]
         if not self.layout(k.out):
@@ -441,7 +448,7 @@ class _Gen:
                     return   # a scalar: read per element
                 last = self.layout(e.buf)[-1][0]
                 ix = dict(e.index)
-                if (b.dtype == "f32" and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
+                if (b.dtype in VEC and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
                         and not any(v_in in i.vars() for ed, i in e.index if ed != last) and e not in loads):
                     loads.append(e)
                 return
@@ -449,8 +456,9 @@ class _Gen:
                 visit(c)
 
         visit(k.body)
-        ptrs = [ctx.ptr(k.out)] + list(dict.fromkeys(ctx.ptr(e.buf) for e in loads))
-        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+        ptrs = dict.fromkeys([(ctx.ptr(k.out), k.out)] + [(ctx.ptr(e.buf), e.buf) for e in loads])
+        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"]
+                           + [f"tgc_aligned{VEC[low.buffers[b].dtype][1]}({p})" for p, b in ptrs])
         base = ctx.var[v_in]
         lines = [f"const long long n4 = ({' * '.join(sizes)}) / 4;",
                  "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
@@ -461,14 +469,19 @@ class _Gen:
         names = {}
         for j, e in enumerate(loads):
             names[e] = f"l{j}"
-            lines.append(f"    const float4 l{j} = *reinterpret_cast<const float4*>("
+            vt = VEC[low.buffers[e.buf].dtype][0]
+            lines.append(f"    const {vt} l{j} = *reinterpret_cast<const {vt}*>("
                          f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]);")
-        lines.append("    float4 o;")
+        out_type = low.buffers[k.out].dtype
+        vt = VEC[out_type][0]
+        lines.append(f"    {vt} o;")
         for j, comp in enumerate("xyzw"):
             c = _Ctx(ctx.ptrs, {**ctx.var, v_in: f"({base} + {j})"})
             c.vec, c.comp = names, comp
-            lines.append(f"    o.{comp} = {self.expr(k.body, c)};")
-        lines.append(f"    *reinterpret_cast<float4*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
+            value = self.expr(k.body, c)
+            value = f"tgc_st_{out_type}((float)({value}))" if out_type in LOW else value
+            lines.append(f"    o.{comp} = {value};")
+        lines.append(f"    *reinterpret_cast<{vt}*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
         lines.append("}")
         return cond, lines
 

@@ -181,8 +181,9 @@ TGC_DEV long long tgc_floordiv(long long a, long long b) {
     long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-// whether a pointer is 16-byte aligned (the float4 loops' run-time condition)
+// whether a pointer is 16-byte (8-byte) aligned: the float4 (ushort4) loops' run-time condition
 TGC_DEV bool tgc_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0ULL; }
+TGC_DEV bool tgc_aligned8(const void* p) { return ((unsigned long long)p & 7ULL) == 0ULL; }
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
 
