@@ -441,3 +441,27 @@ def test_bf16_buffers_and_gemm_ex_on_the_gpu_path(cupy):
     assert np.array_equal(got["y"].get(), want["y"].view(np.uint16))
     with pytest.raises(EvalError, match="updated in place"):
         prog(x=dx, W=_dev(np.asarray(w, np.float32)), lr=0.5)
+
+
+def test_bf16_program_replays_as_a_cuda_graph_and_takes_torch_bf16_through_dlpack(cupy):
+    """The bf16 program captured once and replayed (the GemmEx call recorded in the
+    graph), the param's uint16 bits updated in place by the replay; a torch bf16
+    tensor for a bf16 input comes in through DLPack as its 16 bits."""
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch", reason="a torch bf16 tensor is this test's input")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((256, 16)).astype(ml_dtypes.bfloat16)
+    w = (0.5 * rng.standard_normal((16, 16))).astype(ml_dtypes.bfloat16)
+    sim = tgc.compile(SGD_BF16, backend="cuda-sim")
+    prog = tgc.compile(SGD_BF16, backend="cuda")
+    w_sim, dw = w.copy(), _dev(w.copy().view(np.uint16))
+    xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    for step in range(3):
+        want = sim(x=x, W=w_sim, lr=0.25)
+        got = prog(x=xt if step else _dev(x.view(np.uint16)), W=dw, lr=0.25)
+        assert got["W"] is dw
+        for k in ("y", "s", "W", "loss"):
+            assert np.array_equal(got[k].get(), want[k].view(np.uint16)), (k, step)
+    assert prog._kernels.graph_counts == {"captures": 1, "replays": 3}
+    assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
