@@ -1,6 +1,7 @@
 """bf16/f16 on the CUDA backends: 2-byte buffers (the neutral `narrow` stage), kernels
 that widen on load and narrow on store (`tgc_ld_bf16`/`tgc_st_bf16`, ... in
-tgc_ops.cuh), and GEMM cells on two bf16 (or two f16) operands as
+tgc_ops.cuh; four at a time as ushort4 in the vector loops; row groups with their rows
+in registers or not), and GEMM cells on two bf16 (or two f16) operands as
 `cublasGemmStridedBatchedEx` calls with f32 output and compute (`cublas_operands`,
 `gemm.ex_types`; numpy on the widened operands under cuda-sim).
 
@@ -55,6 +56,14 @@ def optimized(src: str, opts: Options):
 def same_bits(a, b) -> bool:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+def _counters(prog):
+    import ctypes
+
+    fn = prog._kernels._device.lib.tgc_sim_counters
+    fn.restype = ctypes.POINTER(ctypes.c_longlong)
+    return fn()
 
 
 def low_values(rng, shape, t):
@@ -114,7 +123,11 @@ def test_chain_on_cuda_sim_matches_the_f32_buffers_bit_for_bit(regs):
     opts = Options().with_(row_regs=regs)
     narrow = tgc.compile(CHAIN, backend="cuda-sim", options=opts)
     wide = tgc.compile(CHAIN, backend="cuda-sim", options=opts.with_(stages=wide_stages()))
+    assert any(type(k).__name__ == "RowGroup" for k in narrow.lowered.kernels)
+    c = _counters(narrow)
+    c[1] = c[2] = 0
     got, want = narrow(**inputs), wide(**inputs)
+    assert (c[1] > 0, c[2] > 0) == ((True, False) if regs == 8 else (False, True))   # rows in registers, or not
     ref = evaluate(optimized(CHAIN, opts), inputs)
     for k in want:
         assert got[k].dtype == want[k].dtype == ref[k].dtype, k
@@ -135,14 +148,6 @@ out y = x * s + x
 out g = h * h
 out w = f32(x) * z
 """
-
-
-def _counters(prog):
-    import ctypes
-
-    fn = prog._kernels._device.lib.tgc_sim_counters
-    fn.restype = ctypes.POINTER(ctypes.c_longlong)
-    return fn()
 
 
 def test_two_byte_buffers_take_the_vector_loop_where_aligned():
