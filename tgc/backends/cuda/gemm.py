@@ -186,7 +186,8 @@ def _matrix(flat: np.ndarray, rows: int, cols: int, trans: bool, ld: int, stride
 def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offsets=(0, 0, 0)) -> None:
     """`cublas<t>gemmStridedBatched(transa, transb, m, n, k, 1, A, lda, sA, B, ldb, sB, 0, C, ldc, sC)`
     with numpy, on the flat memory of `a`, `b` (cuBLAS's A and B) and `c`, each from
-    its element offset."""
+    its element offset; a GemmEx call (`call.atype`): bf16/f16 A and B widened to f32,
+    products and sums in f32."""
     fa, fb, fc = (x.reshape(-1)[o:] for x, o in zip((a, b, c), offsets))
     A = _matrix(fa, call.m, call.k, call.transa, call.lda, call.stride_a, call.batch)
     B = _matrix(fb, call.k, call.n, call.transb, call.ldb, call.stride_b, call.batch)
@@ -200,7 +201,8 @@ def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offse
 
 def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
     """The call through CuPy's cuBLAS bindings on the current stream (device arrays,
-    each from its element offset)."""
+    each from its element offset): `<t>gemmStridedBatched`, or `gemmStridedBatchedEx`
+    with `ex_types` for bf16/f16 inputs."""
     import cupy
     from cupy.cuda import cublas
 
