@@ -2,8 +2,10 @@
 # The device check of the cuda backend, for a machine with an NVIDIA GPU (issue 15):
 # installs CuPy (cupy-cuda13x) and a CUDA build of torch if missing, runs the cuda
 # tests against the interpreter, then the benchmark rows on the device against torch
-# eager and torch.compile, and prints one table (benchmarks/gpu_bench.py).
-# Budget: under 8 minutes on an H200 (tests <= 4 min, benchmarks <= 3 min).
+# eager and torch.compile, and prints one table (benchmarks/gpu_bench.py), then the
+# mixed precision rows: bf16 GEMMs (cublasGemmStridedBatchedEx) and the GPT step under
+# --autocast bf16 against f32 (benchmarks/gpu_lowp.py).
+# Budget: under 9 minutes on an H200 (tests <= 4 min, benchmarks <= 4 min).
 #
 #   benchmarks/gpu_check.sh          # on the GPU machine, from the repository root
 #   benchmarks/gpu_check.sh --sim    # no GPU: the same steps on cuda-sim (small rows)
@@ -34,3 +36,5 @@ else
 fi
 echo "== benchmarks ($BACKEND)"
 timeout 200 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$([ "$BACKEND" = cuda ] && echo 7 || echo 3)"
+echo "== mixed precision ($BACKEND)"
+timeout 150 "$PY" benchmarks/gpu_lowp.py --backend "$BACKEND" --repeat "$([ "$BACKEND" = cuda ] && echo 7 || echo 1)"

@@ -116,3 +116,48 @@ def test_row_groups_and_float4_on_the_gpu(warp_rows):
                 scale = max(1.0, float(np.max(np.abs(ref))))
                 np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=2e-4, atol=2e-5 * scale,
                                            err_msg=f"{name} {k} d={d}")
+
+
+def test_bf16_gemm_ex_and_two_byte_buffers_on_the_gpu():
+    """bf16 and f16 products as cublasGemmStridedBatchedEx (f32 output and compute)
+    against float64 products of the same values; declared bf16 elementwise work in
+    2-byte buffers (uint16 bits in, uint16 bits out) with cuda-sim's bits."""
+    import cupy
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    for t, dt, view in (("bf16", ml_dtypes.bfloat16, np.uint16), ("f16", np.float16, np.float16)):
+        src = f"dim m = 384, k = 1024, n = 200\ninput a: {t}[i: m, kk: k]\ninput b: {t}[kk, j: n]\nout c = f32(a) @ f32(b)\n"
+        a, b = rng.standard_normal((384, 1024)).astype(dt), rng.standard_normal((1024, 200)).astype(dt)
+        prog = tgc.compile(src, backend="cuda")
+        got = cupy.asnumpy(prog(a=cupy.asarray(a.view(view)), b=cupy.asarray(b.view(view)))["c"])
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert got.dtype == np.float32
+        assert np.all(np.abs(got - a64 @ b64) <= 1024 * 2.0 ** -22 * (np.abs(a64) @ np.abs(b64))), t
+    src = "dim n = 300, m = 97\ninput x: bf16[i: n, j: m]\ninput s: bf16[j]\nout y = exp(x * s) - x\nout r = sum[j](f32(x))\n"
+    x, s = rng.standard_normal((300, 97)).astype(ml_dtypes.bfloat16), rng.standard_normal(97).astype(ml_dtypes.bfloat16)
+    want = tgc.compile(src, backend="cuda-sim")(x=x, s=s)
+    got = tgc.compile(src, backend="cuda")(x=cupy.asarray(x.view(np.uint16)), s=cupy.asarray(s.view(np.uint16)))
+    assert got["y"].dtype == np.uint16 and got["r"].dtype == np.uint16   # bfloat16 bits
+    y, r = (cupy.asnumpy(got[k]).view(ml_dtypes.bfloat16).astype(np.float64) for k in ("y", "r"))
+    np.testing.assert_allclose(y, np.asarray(want["y"], np.float64), rtol=2.0 ** -7, atol=1e-6)   # exp: a few ulps
+    np.testing.assert_allclose(r, np.asarray(want["r"], np.float64), rtol=2.0 ** -7, atol=1e-3)
+
+
+def test_autocast_gpt_step_on_the_gpu_matches_the_cpu():
+    """examples/gpt.tg under --autocast bf16: GemmEx products on 2-byte operands on the
+    GPU, sgemm on the same rounded operands on the CPU."""
+    import cupy
+
+    from tgc.options import CpuOptions
+
+    options = Options(autocast="bf16", cpu=CpuOptions(bf16_gemm="off"))
+    module = pipeline.lower(pipeline.load(str(ROOT / "examples/gpt.tg"), options), options).module
+    dims = {d: 16 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f32")
+    want = tgc.compile(ROOT / "examples/gpt.tg", options=options).run({k: v.copy() for k, v in inputs.items()}, dims)
+    prog = tgc.compile(ROOT / "examples/gpt.tg", backend="cuda", options=options)
+    got = prog.run({k: cupy.asarray(v) for k, v in inputs.items()}, dims)
+    for k, ref in want.items():
+        scale = max(1.0, float(np.max(np.abs(ref))))
+        np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=2.0 ** -6, atol=2.0 ** -6 * scale, err_msg=k)

@@ -155,6 +155,39 @@ def _gemm_strided_batched(dtype):
     return fn
 
 
+EX_ARGS: list = []
+
+
+def _gemm_strided_batched_ex(handle, ta, tb, m, n, k, alpha, A, atype, lda, sa, B, btype, ldb, sb, beta, C, ctype,
+                             ldc, sc, batch, compute, algo):
+    """cublasGemmStridedBatchedEx on host addresses, for the types tgc passes (bf16 or
+    f16 inputs: CUDA_R_16BF 14, CUDA_R_16F 2; f32 output CUDA_R_32F 0 and alpha/beta;
+    CUBLAS_COMPUTE_32F 68), with `gemm.run_numpy`'s semantics."""
+    import ml_dtypes
+
+    assert handle == "handle" and ta in (0, 1) and tb in (0, 1) and algo == -1
+    names = {14: "bf16", 2: "f16"}
+    dts = {14: np.dtype(ml_dtypes.bfloat16), 2: np.dtype(np.float16)}
+    al = np.ctypeslib.as_array((ctypes.c_float * 1).from_address(alpha))[0]
+    be = np.ctypeslib.as_array((ctypes.c_float * 1).from_address(beta))[0]
+    assert al == 1 and be == 0
+
+    def mem(ptr, rows, cols, ld, stride, part, dt):
+        extent = stride * (batch - 1) + ld * (cols - 1) + rows
+        return np.ctypeslib.as_array((part * extent).from_address(ptr)).view(dt)
+    a = mem(A, k, m, lda, sa, ctypes.c_uint16, dts[atype]) if ta else mem(A, m, k, lda, sa, ctypes.c_uint16, dts[atype])
+    b = mem(B, n, k, ldb, sb, ctypes.c_uint16, dts[btype]) if tb else mem(B, k, n, ldb, sb, ctypes.c_uint16, dts[btype])
+    c = mem(C, m, n, ldc, sc, ctypes.c_float, np.float32)
+    call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch,
+                         atype=names[atype], btype=names[btype])
+
+    def run() -> None:
+        GEMM_CALLS.append(call)
+        EX_ARGS.append((atype, btype, ctype, compute))
+        gemm.run_numpy(call, a, b, c)
+    _on_stream(run)
+
+
 def _fake_cupy() -> types.ModuleType:
     cp = types.ModuleType("cupy")
     cp.ndarray = ndarray
@@ -166,6 +199,7 @@ def _fake_cupy() -> types.ModuleType:
     cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
     cp.matmul = lambda a, b: _dev(np.matmul(a, b))
     cp.conj = lambda a: _dev(np.conj(a))
+    cp.where = lambda c, a, b: _dev(np.where(c, a, b))
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
     cp.RawModule = _RawModule
@@ -173,7 +207,8 @@ def _fake_cupy() -> types.ModuleType:
                                    sgemmStridedBatched=_gemm_strided_batched(np.float32),
                                    dgemmStridedBatched=_gemm_strided_batched(np.float64),
                                    cgemmStridedBatched=_gemm_strided_batched(np.complex64),
-                                   zgemmStridedBatched=_gemm_strided_batched(np.complex128))
+                                   zgemmStridedBatched=_gemm_strided_batched(np.complex128),
+                                   gemmStridedBatchedEx=_gemm_strided_batched_ex)
     cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
                                     device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
                                     get_current_stream=_current_stream, Stream=_Stream)
@@ -187,6 +222,7 @@ def cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
     GEMM_CALLS.clear()
+    EX_ARGS.clear()
     CAPTURED.clear()
     return cp
 
@@ -356,3 +392,77 @@ def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
     cpu = tgc.compile(src, dtype=dtype)(a=a, b=b)["g"]
     assert np.abs(got - cpu).max() <= 10 * tol * max(1.0, np.abs(cpu).max())
     assert any(call.conja or call.conjb for call in GEMM_CALLS), "the adjoint's product conjugates in cuBLAS"
+
+
+SGD_BF16 = """\
+dim n = 256, c = 16
+input x: bf16[b: n, i: c]
+param W: bf16[i, o: c]
+input lr
+y = tanh(x @ W)
+loss = mean[b](sum[o](f32(y) * f32(y)))
+out y
+out loss
+out s = bf16(sum[o](f32(y)))
+update W = W - lr * grad(loss, W)
+"""
+
+
+def test_bf16_buffers_and_gemm_ex_on_the_gpu_path(cupy):
+    """bf16 arguments as uint16 bits on the device (no conversion; an updated one
+    written in place), a float device array rounded to bf16 on the device, bf16
+    outputs as uint16 bits, and the product as cublasGemmStridedBatchedEx with bf16
+    inputs, f32 output and CUBLAS_COMPUTE_32F: the bits cuda-sim computes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 16)).astype(ml_dtypes.bfloat16)
+    w = (0.5 * rng.standard_normal((16, 16))).astype(ml_dtypes.bfloat16)
+    sim = tgc.compile(SGD_BF16, backend="cuda-sim")
+    w_sim = w.copy()
+    want = sim(x=x, W=w_sim, lr=0.5)
+    prog = tgc.compile(SGD_BF16, backend="cuda", options=tgc.Options().with_(graphs=False))
+    assert prog.lowered.buffers["x"].dtype == "bf16" and prog.lowered.buffers["y"].dtype == "bf16"
+    dx, dw = _dev(x.view(np.uint16)), _dev(w.view(np.uint16))
+    got = prog(x=dx, W=dw, lr=0.5)
+    assert got["W"] is dw and got["y"].dtype == np.uint16 and got["s"].dtype == np.uint16
+    for k in ("y", "s", "W", "loss"):   # every one bf16 (loss: the mean's result rounded), as bits
+        assert want[k].dtype == ml_dtypes.bfloat16 and got[k].dtype == np.uint16, k
+        assert np.array_equal(got[k].get(), want[k].view(np.uint16)), k
+    # x @ W: GemmEx; the gradient x^T g with g f32 (the cotangent of an f32 product) is
+    # sgemm on x widened by a copy kernel
+    assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
+    assert {(c.atype, c.btype) for c in GEMM_CALLS} == {("bf16", "bf16"), ("", "")}
+    assert any(k.note == "bf16 widened for cuBLAS" for k in prog.lowered.kernels if hasattr(k, "note"))
+    # a float device array for a bf16 argument: rounded on the device, as the host rounds it
+    xf = rng.standard_normal((256, 16)).astype(np.float32)
+    xf[0, :3] = [np.nan, np.inf, 3.0e38]
+    got = prog(x=_dev(xf), W=_dev(w.copy().view(np.uint16)), lr=0.0)
+    want = sim(x=xf, W=w.copy(), lr=0.0)
+    assert np.array_equal(got["y"].get(), want["y"].view(np.uint16))
+    with pytest.raises(EvalError, match="updated in place"):
+        prog(x=dx, W=_dev(np.asarray(w, np.float32)), lr=0.5)
+
+
+def test_bf16_program_replays_as_a_cuda_graph_and_takes_torch_bf16_through_dlpack(cupy):
+    """The bf16 program captured once and replayed (the GemmEx call recorded in the
+    graph), the param's uint16 bits updated in place by the replay; a torch bf16
+    tensor for a bf16 input comes in through DLPack as its 16 bits."""
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch", reason="a torch bf16 tensor is this test's input")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((256, 16)).astype(ml_dtypes.bfloat16)
+    w = (0.5 * rng.standard_normal((16, 16))).astype(ml_dtypes.bfloat16)
+    sim = tgc.compile(SGD_BF16, backend="cuda-sim")
+    prog = tgc.compile(SGD_BF16, backend="cuda")
+    w_sim, dw = w.copy(), _dev(w.copy().view(np.uint16))
+    xt = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    for step in range(3):
+        want = sim(x=x, W=w_sim, lr=0.25)
+        got = prog(x=xt if step else _dev(x.view(np.uint16)), W=dw, lr=0.25)
+        assert got["W"] is dw
+        for k in ("y", "s", "W", "loss"):
+            assert np.array_equal(got[k].get(), want[k].view(np.uint16)), (k, step)
+    assert prog._kernels.graph_counts == {"captures": 1, "replays": 3}
+    assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)

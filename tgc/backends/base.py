@@ -115,6 +115,14 @@ class Kernels:
     def to_host(self, a):
         return a
 
+    def as_low(self, a, dtype: str):
+        """An output held in floats whose values are of the narrower type `dtype` (bf16,
+        f16, or f32 in an f64 program: rounded already), as an array of that type
+        (exact); a device backend gives its own array of it."""
+        from tgc.ir.dtypes import TYPES
+
+        return a.astype(TYPES[dtype].numpy)
+
     def run(self, args: dict, outs: dict, env: dict, notify=None) -> int:
         """Run every kernel: `args` and `outs` by name, `env` every dim's size.
         Returns 0, or 1 + the index of the `Check` (lowered.checks) that failed;

@@ -19,20 +19,22 @@ and f64), and a store narrows a value that is already of the buffer's type, so n
 value changes: the stage is exact. A reduction's or a scatter's output, and a GEMM's,
 keeps the float type, since partial sums pass through it (`tgc.lower.verify` checks
 that no such kernel writes a 2-byte buffer). Which buffers a GEMM may read as bf16 is
-the backend's choice (the CPU's `gemm_operands` stage).
+the backend's choice (the CPU's `gemm_operands` stage, CUDA's `cublas_operands`);
+both then make the other GEMMs' 2-byte operands float ones with `widen_gemm_operands`
+below (exact: widening changes no value).
 
-Backends that run it: the CPU (its stage list); a backend without it sees only
-buffers of the program's float type, and the runtime converts bf16/f16 arguments and
-outputs at the call. Terminates: one visit of each buffer and of each kernel, in
-order (a copy's source is written before it).
+Backends that run it: the CPU and the CUDA backends (their stage lists); a backend
+without it sees only buffers of the program's float type, and the runtime converts
+bf16/f16 arguments and outputs at the call. Terminates: one visit of each buffer and
+of each kernel, in order (a copy's source is written before it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgc.ir.dtypes import LOW_FLOATS, ROUNDINGS
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Load, LoopKernel, Lowered, Map, Mask
+from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mask, View
 from tgc.options import Options
 
 
@@ -80,3 +82,44 @@ def narrow(low: Lowered) -> None:
         t = value_type(low, k.body)
         if t is not None and (b.kind == "temp" or m.outputs[b.index].low == t):
             b.dtype = t
+
+
+def widen_gemm_operands(low: Lowered, keep: set[int], why: str) -> None:
+    """In place: every bf16/f16 operand of a GEMM whose index is not in `keep` (the
+    GEMMs that read 2-byte operands as they are) made a float one. A temporary that
+    only such GEMMs read goes back to the float type (its writer then stores the
+    rounded values as floats); any other (an argument, or a temporary that loops or a
+    kept GEMM also read) is widened by a copy kernel (note "<type> widened for
+    <why>") into a new float temporary placed before the first GEMM that reads it.
+    Exact: values do not change. Terminates: one visit of each kernel."""
+    narrow_reads: dict[str, list[int]] = {}   # narrow buffer -> the float GEMMs reading it
+    readers: dict[str, set[int]] = {}
+    for i, k in enumerate(low.kernels):
+        for r in k.buffers_read():
+            readers.setdefault(r, set()).add(i)
+        if isinstance(k, GemmKernel) and i not in keep:
+            for v in (k.a, k.b):
+                if low.buffers[v.buf].dtype in LOW_FLOATS:
+                    narrow_reads.setdefault(v.buf, []).append(i)
+    copies: dict[int, list[LoopKernel]] = {}
+    mapping: dict[str, str] = {}
+    for name, gemms in narrow_reads.items():
+        buf = low.buffers[name]
+        if buf.kind == "temp" and readers[name] == set(gemms):
+            buf.dtype = low.dtype   # its writer stores the (rounded) values as floats
+            continue
+        wide = low.fresh("w")
+        low.buffers[wide] = Buffer(wide, low.dtype, buf.edges, "temp", order=buf.order)
+        index = tuple((e, Ix.var(e)) for e in buf.edges)
+        sizes = {e: low.size(e) for e in buf.edges}
+        copies.setdefault(min(gemms), []).append(
+            LoopKernel(wide, index, tuple(buf.order or buf.edges), sizes, Load(name, index), note=f"{buf.dtype} widened for {why}"))
+        mapping[name] = wide
+    kernels = []
+    for i, k in enumerate(low.kernels):
+        kernels += copies.get(i, [])
+        if isinstance(k, GemmKernel) and i not in keep and (k.a.buf in mapping or k.b.buf in mapping):
+            k = replace(k, a=View(mapping.get(k.a.buf, k.a.buf), k.a.edges),
+                        b=View(mapping.get(k.b.buf, k.b.buf), k.b.edges))
+        kernels.append(k)
+    low.kernels = kernels

@@ -516,9 +516,10 @@ class Program:
         result = self._call(arrays, dims)
         if self.out_dtype is None and not self._low_outs:
             return result
-        updated = set(self._update_keys.values())
+        # updated params and outputs stored in 2 bytes (`narrow`) are of their type already
+        updated = set(self._update_keys.values()) | self._store.keys()
         low = self._low_outs   # bf16/f16 (f32) outputs held in floats: rounded already, so exact in their type
-        return {k: v if k in updated else v.astype(TYPES[low[k]].numpy) if k in low
+        return {k: v if k in updated else self._kernels.as_low(v, low[k]) if k in low
                 else v.astype(self.out_dtype) if self.out_dtype is not None else v for k, v in result.items()}
 
     def _check_facts(self, arrays: dict, dims: dict | None) -> None:

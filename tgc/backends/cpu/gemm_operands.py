@@ -27,16 +27,17 @@ such GEMMs read goes back to the float type (its writer then stores the rounded 
 in f32, as without `narrow`); any other (an argument, or a temporary that loops or a
 bf16 GEMM also read) is widened by a copy kernel into a new float temporary placed
 before the first GEMM that reads it. Values do not change (widening is exact), so the
-stage is exact; it terminates after one visit of each kernel.
+stage is exact; it terminates after one visit of each kernel. The widening itself is
+neutral (`tgc.lower.narrow.widen_gemm_operands`, which CUDA's `cublas_operands` uses too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.sizes import size_estimate
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, View
+from tgc.lower.lowered import GemmKernel, Ix, Load, LoopKernel, Lowered, Map, View
+from tgc.lower.narrow import widen_gemm_operands
 from tgc.options import Options
 
 
@@ -160,36 +161,6 @@ def depth(low: Lowered, k: GemmKernel, rep: int) -> int:
 
 
 def widen_operands(low: Lowered, options: Options) -> None:
-    """In place: every bf16/f16 operand of a GEMM that is not a bf16 GEMM, made float."""
-    bf16 = {i for i, k in enumerate(low.kernels) if is_bf16_gemm(low, k, options)}
-    narrow_reads: dict[str, list[int]] = {}   # narrow buffer -> the float GEMMs reading it
-    readers: dict[str, set[int]] = {}
-    for i, k in enumerate(low.kernels):
-        for r in k.buffers_read():
-            readers.setdefault(r, set()).add(i)
-        if isinstance(k, GemmKernel) and i not in bf16:
-            for v in (k.a, k.b):
-                if low.buffers[v.buf].dtype in LOW_FLOATS:
-                    narrow_reads.setdefault(v.buf, []).append(i)
-    copies: dict[int, list[LoopKernel]] = {}
-    mapping: dict[str, str] = {}
-    for name, gemms in narrow_reads.items():
-        buf = low.buffers[name]
-        if buf.kind == "temp" and readers[name] == set(gemms):
-            buf.dtype = low.dtype   # its writer stores the (rounded) values as floats
-            continue
-        wide = low.fresh("w")
-        low.buffers[wide] = Buffer(wide, low.dtype, buf.edges, "temp", order=buf.order)
-        index = tuple((e, Ix.var(e)) for e in buf.edges)
-        sizes = {e: low.size(e) for e in buf.edges}
-        copies.setdefault(min(gemms), []).append(
-            LoopKernel(wide, index, tuple(buf.order), sizes, Load(name, index), note=f"{buf.dtype} widened for BLAS"))
-        mapping[name] = wide
-    kernels = []
-    for i, k in enumerate(low.kernels):
-        kernels += copies.get(i, [])
-        if isinstance(k, GemmKernel) and i not in bf16 and (k.a.buf in mapping or k.b.buf in mapping):
-            k = replace(k, a=View(mapping.get(k.a.buf, k.a.buf), k.a.edges),
-                        b=View(mapping.get(k.b.buf, k.b.buf), k.b.edges))
-        kernels.append(k)
-    low.kernels = kernels
+    """In place: every bf16/f16 operand of a GEMM that is not a bf16 GEMM, made float
+    (`tgc.lower.narrow.widen_gemm_operands`)."""
+    widen_gemm_operands(low, {i for i, k in enumerate(low.kernels) if is_bf16_gemm(low, k, options)}, "BLAS")

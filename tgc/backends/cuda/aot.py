@@ -11,7 +11,10 @@ name, its buffer parameters, its work items (a size expression; a grid-stride lo
 any grid works, 256 threads per block), and for a reduction its one-block-per-output
 variant with the reduced size above which to use it; for a GEMM cell, its operands'
 views and edge groups (the host plans the strided batched cuBLAS call from the
-layouts, as `gemm.plan_looped` does). Every kernel's parameters are its buffers, then
+layouts, as `gemm.plan_looped` does); a cell on two bf16 or two f16 operands has
+`ex`: their types, the f32 output and `CUBLAS_COMPUTE_32F` of its
+`cublasGemmStridedBatchedEx` call. bf16/f16 buffers (and arguments and outputs held
+in them) have dtype bf16 or f16: 16-bit elements (bfloat16 bits, IEEE half). Every kernel's parameters are its buffers, then
 each dim as `long long`, then `int* err` (the error word: nonzero after the checks
 means the check of that number failed).
 
@@ -81,9 +84,11 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
         return {"name": name, "kind": kind, "dtype": dtype, "edges": list(edges),
                 "shape": [size_str(m.size(e)) for e in edges], **extra}
 
-    args = [spec(a.name, a.order, a.kind, "i32" if a.dtype == "i32" else low.dtype, updated=a.name in targets)
+    out_type = {b.index: b.dtype for b in low.buffers.values() if b.kind == "out"}
+    args = [spec(a.name, a.order, a.kind, low.buffers[a.name].dtype if a.name in low.buffers
+                 else "i32" if a.dtype == "i32" else low.dtype, updated=a.name in targets)
             for a in m.args.values()]
-    outs = [spec(o.name, o.order, "output", low.dtype) for o in m.outputs]
+    outs = [spec(o.name, o.order, "output", out_type.get(j, low.dtype)) for j, o in enumerate(m.outputs)]
     buffers = []
     for b in low.buffers.values():
         order = b.order if b.order is not None else b.edges
@@ -102,7 +107,10 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
                              "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
                              "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
                              "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
-                             **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {})})
+                             **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {}),
+                             **({"ex": {"a": ta, "b": tb, "out": "f32", "compute": "CUBLAS_COMPUTE_32F"}}
+                                if (ta := low.buffers[k.a.buf].dtype) in ("bf16", "f16")
+                                and (tb := low.buffers[k.b.buf].dtype) else {})})
             continue
         entry = {"kind": x.kind, "kernel": x.name, "buffers": list(x.bufs),
                  "items": " * ".join(f"({size_str(s)})" for s in x.total) or "1"}

@@ -1,13 +1,18 @@
 """The CUDA backends as the registry sees them (`tgc.backends.base.Backend`):
 "cuda" (a GPU through CuPy) and "cuda-sim" (the same module run on this CPU by an
-emulator). Their own lowering stage is `rowgroup` (`tgc.backends.cuda.rows`: a row's
+emulator). Their lowering stages are the neutral `narrow` (bf16/f16 values in 2-byte
+buffers: `tgc.lower.narrow`), then their own `cublas_operands` (which GEMM cells run
+as `cublasGemmStridedBatchedEx` on 2-byte operands, the others' widened:
+`tgc.backends.cuda.operands`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
 reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
+from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.rows import RowGroups, read_rowgroup
+from tgc.lower.narrow import Narrow
 
 
 def lowering_options(options):
@@ -18,7 +23,7 @@ def lowering_options(options):
 
 class CudaBackend(Backend):
     name = "cuda"
-    stages = (RowGroups,)
+    stages = (Narrow, CublasOperands, RowGroups)
     kernel_forms = {"rowgroup": read_rowgroup}
     emits = ("cubin", "ptx", "cu")
 

@@ -15,10 +15,11 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   maxshift pass then a sum of exp(x - m) pass), each reduced loop over
   [max(0, lower bounds...), min(size, upper bounds...)), then applies the epilogue
   and stores. Every operation is in the program's float type, as on the CPU.
-- an elementwise f32 loop kernel whose innermost loop is its output's contiguous
-  edge also has a float4 loop (`vector_loop`: four neighbours per thread, one
-  16-byte load per operand read along its own contiguous edge, one 16-byte store),
-  taken when the run-time sizes and addresses allow, else the scalar loop;
+- an elementwise loop kernel of an f32 program whose innermost loop is its output's
+  contiguous edge also has a float4 loop (`vector_loop`: four neighbours per thread,
+  one 16-byte load per operand read along its own contiguous edge, one 16-byte store;
+  8-byte `ushort4` ones for bf16/f16 buffers), taken when the run-time sizes and
+  addresses allow, else the scalar loop;
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
@@ -61,7 +62,12 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKern
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
-C_TYPES = {"f32": "float", "f64": "double", "i32": "int"}
+# a buffer's element type in C; bf16 and f16 buffers (`narrow`) hold their 16 bits,
+# loaded with tgc_ld_bf16/tgc_ld_f16 and stored with tgc_st_bf16/tgc_st_f16 (tgc_ops.cuh)
+C_TYPES = {"f32": "float", "f64": "double", "i32": "int", "bf16": "unsigned short", "f16": "unsigned short"}
+LOW = ("bf16", "f16")
+# the vector type of four elements and its alignment, per buffer type (vector_loop)
+VEC = {"f32": ("float4", 16), "bf16": ("ushort4", 8), "f16": ("ushort4", 8)}
 # The CUDA template per elementwise function of tgc.ir.ops.FNS: a C expression of the
 # arguments {0}, {1}, {2} (each already cast to the program's float type), calling the
 # device functions of tgc_ops.cuh. Functions missing here are refused (CudaUnsupported).
@@ -201,6 +207,15 @@ class _Gen:
         source = "\n".join(head + self.parts + sim) + "\n"
         return CudaModule(source, self.launches, self.dims, low.dtype)
 
+    def store(self, buf: str, ptr: str, offset: str, value: str) -> str:
+        """The C statement storing `value` at element `offset` of `buf` (pointer
+        `ptr`): a 2-byte buffer's element narrowed (the value is one of its type, so
+        exactly)."""
+        dtype = self.low.buffers[buf].dtype
+        if dtype in LOW:
+            value = f"tgc_st_{dtype}((float)({value}))"
+        return f"{ptr}[{offset}] = {value};"
+
     def buf_type(self, name: str, write: bool) -> str:
         t = C_TYPES[self.low.buffers[name].dtype]
         return t if write else f"const {t}"
@@ -276,15 +291,20 @@ class _Gen:
     def expr(self, e, ctx: "_Ctx") -> str:
         T = "tgc_t"
         if isinstance(e, Load):
-            if e in ctx.vec:           # one component of a float4 load (vector_loop)
-                return f"{ctx.vec[e]}.{ctx.comp}"
+            if e in ctx.vec:           # one component of a float4 (ushort4) load (vector_loop)
+                dtype = self.low.buffers[e.buf].dtype
+                v = f"{ctx.vec[e]}.{ctx.comp}"
+                return f"(({T})tgc_ld_{dtype}({v}))" if dtype in LOW else v
             if e.buf in ctx.vals:      # a row group's value per row (the stage reads it at its own row only)
                 return ctx.vals[e.buf]
             if e.buf in ctx.cache and self.identity(e):   # a row group's element kept in registers
                 return f"{ctx.cache[e.buf]}[k]"
             ctx.loaded.add(e.buf)
             v = f"{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]"
-            return v if self.low.buffers[e.buf].dtype == self.low.dtype else f"(({T}){v})"
+            dtype = self.low.buffers[e.buf].dtype
+            if dtype in LOW:           # a 2-byte element, widened exactly
+                return f"(({T})tgc_ld_{dtype}({v}))"
+            return v if dtype == self.low.dtype else f"(({T}){v})"
         if isinstance(e, Const):
             return self.const(e.value)
         if isinstance(e, SizeOf):
@@ -382,19 +402,20 @@ class _Gen:
             inner.append("long long r = t;")
             for v, s in reversed(list(zip(kept, sizes))):
                 inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
-        store = f"p0[{self.offset(k.out, k.index, ctx)}]"
+        at = self.offset(k.out, k.index, ctx)
+        store = f"p0[{at}]"
         if k.scatter:
             if k.red:
                 raise CudaUnsupported("a scatter kernel with reduced loops")
             combine = {"sum": "atomicAdd", "max": "tgc_atomic_max", "min": "tgc_atomic_min"}[k.reduce or "sum"]
             inner += self.guarded(k, kept, ctx, [f"{combine}(&{store}, {self.expr(k.body, ctx)});"])
         elif not k.reduce:
-            inner.append(f"{store} = {self.expr(k.body, ctx)};")
+            inner.append(self.store(k.out, "p0", at, self.expr(k.body, ctx)))
         else:
             inner += self.reduction(k, ctx)
             ctx.acc = "acc"
             value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
-            inner.append(f"{store} = {value};")
+            inner.append(self.store(k.out, "p0", at, value))
         body += ["    " + line for line in inner] + ["}"]
         vec = self.vector_loop(k, ctx, kept, sizes) if not k.reduce and not k.scatter else None
         if vec is not None:   # float4 loads and stores where the run-time sizes and addresses allow
@@ -408,18 +429,20 @@ class _Gen:
                                     red=tuple(k.sizes[v] for v in k.red)))
 
     def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
-        """The elementwise f32 kernel `k` four elements at a time: (the run-time
-        condition, the loop), or None. Each thread takes four neighbours along the
-        innermost loop, which must be the output's innermost (contiguous) edge; a load
-        that reads its buffer's innermost edge at that loop variable (and no other
-        edge at it, outside any mask) is one `float4` load, the others are evaluated
-        per element; the four results are one `float4` store. It runs when the
-        innermost size is a multiple of 4 (so four neighbours stay in one row and
-        every row starts 16 bytes after the last) and every such buffer's address is
-        16-byte aligned; else the scalar loop runs. The same operations on the same
-        elements: the results are the scalar loop's."""
+        """The elementwise kernel `k` of an f32 program four elements at a time: (the
+        run-time condition, the loop), or None. Each thread takes four neighbours along
+        the innermost loop, which must be the output's innermost (contiguous) edge; a
+        load that reads its buffer's innermost edge at that loop variable (and no other
+        edge at it, outside any mask) is one `float4` load (a bf16/f16 buffer's: one
+        8-byte `ushort4`, each element then widened), the others are evaluated per
+        element; the four results are one `float4` store (`ushort4` of narrowed
+        values into a 2-byte buffer). It runs when the innermost size is a multiple of
+        4 (so four neighbours stay in one row and every row starts 16, or 8, bytes
+        after the last) and every such buffer's address is 16-byte (8-byte) aligned;
+        else the scalar loop runs. The same operations on the same elements: the
+        results are the scalar loop's."""
         low = self.low
-        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype != "f32":
+        if low.dtype != "f32" or not kept or low.buffers[k.out].dtype not in VEC:
             return None
         v_in = kept[-1]
         if not self.layout(k.out):
@@ -440,7 +463,7 @@ class _Gen:
                     return   # a scalar: read per element
                 last = self.layout(e.buf)[-1][0]
                 ix = dict(e.index)
-                if (b.dtype == "f32" and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
+                if (b.dtype in VEC and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
                         and not any(v_in in i.vars() for ed, i in e.index if ed != last) and e not in loads):
                     loads.append(e)
                 return
@@ -448,8 +471,9 @@ class _Gen:
                 visit(c)
 
         visit(k.body)
-        ptrs = [ctx.ptr(k.out)] + list(dict.fromkeys(ctx.ptr(e.buf) for e in loads))
-        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+        ptrs = dict.fromkeys([(ctx.ptr(k.out), k.out)] + [(ctx.ptr(e.buf), e.buf) for e in loads])
+        cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"]
+                           + [f"tgc_aligned{VEC[low.buffers[b].dtype][1]}({p})" for p, b in ptrs])
         base = ctx.var[v_in]
         lines = [f"const long long n4 = ({' * '.join(sizes)}) / 4;",
                  "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
@@ -460,14 +484,19 @@ class _Gen:
         names = {}
         for j, e in enumerate(loads):
             names[e] = f"l{j}"
-            lines.append(f"    const float4 l{j} = *reinterpret_cast<const float4*>("
+            vt = VEC[low.buffers[e.buf].dtype][0]
+            lines.append(f"    const {vt} l{j} = *reinterpret_cast<const {vt}*>("
                          f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]);")
-        lines.append("    float4 o;")
+        out_type = low.buffers[k.out].dtype
+        vt = VEC[out_type][0]
+        lines.append(f"    {vt} o;")
         for j, comp in enumerate("xyzw"):
             c = _Ctx(ctx.ptrs, {**ctx.var, v_in: f"({base} + {j})"})
             c.vec, c.comp = names, comp
-            lines.append(f"    o.{comp} = {self.expr(k.body, c)};")
-        lines.append(f"    *reinterpret_cast<float4*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
+            value = self.expr(k.body, c)
+            value = f"tgc_st_{out_type}((float)({value}))" if out_type in LOW else value
+            lines.append(f"    o.{comp} = {value};")
+        lines.append(f"    *reinterpret_cast<{vt}*>(&p0[{self.offset(k.out, k.index, ctx)}]) = o;")
         lines.append("}")
         return cond, lines
 
@@ -486,13 +515,7 @@ class _Gen:
             for v, s in reversed(list(zip(kept, sizes))):
                 inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
         for v in red:
-            lows, highs = k.bounds.get(v, ((), ()))
-            lo = "0LL"
-            for x in lows:
-                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-            hi = self.size(k.sizes[v])
-            for x in highs:
-                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
             inner.append(f"const long long {i}_lo = {lo}, {i}_n = max_ll({hi} - {i}_lo, 0LL);")
         inner.append(f"const long long cnt = {' * '.join(ctx.var[v] + '_n' for v in red)};")
@@ -530,7 +553,7 @@ class _Gen:
                 shared.add("double part_d[32];")
         ctx.acc = "acc"
         value = self.expr(k.epilogue, ctx) if k.epilogue is not None else "acc"
-        inner.append(f"if (threadIdx.x == 0) p0[{self.offset(k.out, k.index, ctx)}] = {value};")
+        inner.append("if (threadIdx.x == 0) " + self.store(k.out, "p0", self.offset(k.out, k.index, ctx), value))
         body = [f"__shared__ {d}" for d in sorted(shared)]
         body += [f"const long long n = {' * '.join(sizes) or '1LL'};",
                  "for (long long t = blockIdx.x; t < n; t += gridDim.x) {"]
@@ -662,13 +685,7 @@ class _Gen:
                         red = [v for v in m.loops if v in m.red]
                         pre = []
                         for v in red:
-                            lows, highs = m.bounds.get(v, ((), ()))
-                            lo = "0LL"
-                            for x in lows:
-                                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-                            hi = self.size(m.sizes[v])
-                            for x in highs:
-                                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+                            lo, hi = self.red_range(m, v, ctx)
                             pre.append(f"const long long {var[v]}_lo = {lo}, {var[v]}_n = max_ll({hi} - {var[v]}_lo, 0LL);")
                         cnt = " * ".join(f"{var[v]}_n" for v in red) or "1LL"
 
@@ -686,7 +703,8 @@ class _Gen:
                         value = self.expr(m.body, ctx)
                     part.append(f"s_{cid[m.out]} = {value};")
                     if stored:
-                        part.append(f"if (lane == 0 && live) p{bufs.index(m.out)}[{store_ix}] = s_{cid[m.out]};")
+                        part.append("if (lane == 0 && live) "
+                                    + self.store(m.out, f"p{bufs.index(m.out)}", store_ix, f"s_{cid[m.out]}"))
                 else:
                     stmts: list[str] = []
                     if m.reduce:
@@ -699,7 +717,7 @@ class _Gen:
                     if cached and m.out in cache:
                         stmts.append(f"{cache[m.out]}[k] = val;")
                     if stored:
-                        stmts.append(f"p{bufs.index(m.out)}[{store_ix}] = val;")
+                        stmts.append(self.store(m.out, f"p{bufs.index(m.out)}", store_ix, "val"))
                     count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
                     part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
                 if ctx.loaded & written_mem:
@@ -765,19 +783,26 @@ class _Gen:
             return stmts
         return [f"if ({' && '.join(conds)}) {{"] + ["    " + s for s in stmts] + ["}"]
 
+    def red_range(self, k: LoopKernel, v: str, ctx: "_Ctx") -> tuple[str, str]:
+        """(first, end) C expressions of reduced loop `v` of `k`: [max(0, its lower
+        bounds...), min(its size, its upper bounds...)). Loops, one-block-per-output
+        reductions and row-group members share it."""
+        lows, highs = k.bounds.get(v, ((), ()))
+        lo = "0LL"
+        for x in lows:
+            lo = f"max_ll({lo}, {self.ix(x, ctx)})"
+        hi = self.size(k.sizes[v])
+        for x in highs:
+            hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+        return lo, hi
+
     def nest(self, k: LoopKernel, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` inside the reduced loops, each over its bounded range."""
         red = [v for v in k.loops if v in k.red]
         head, tail = [], []
         for depth, v in enumerate(red):
             pad = "    " * depth
-            lows, highs = k.bounds.get(v, ((), ()))
-            lo = "0LL"
-            for x in lows:
-                lo = f"max_ll({lo}, {self.ix(x, ctx)})"
-            hi = self.size(k.sizes[v])
-            for x in highs:
-                hi = f"min_ll({hi}, {self.ix(x, ctx)})"
+            lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
             head.append(f"{pad}for (long long {i} = {lo}, {i}_end = {hi}; {i} < {i}_end; ++{i}) {{")
             tail.insert(0, f"{pad}}}")

@@ -21,11 +21,22 @@ transpose (`cublas<c|z>gemmStridedBatched`); an operand that must be conjugated 
 is not transposed in the call (cuBLAS has no conjugate without transpose) is left to
 the caller's strided views.
 
+A product of two bf16 (or two f16) buffers into an f32 one (the `cublas_operands`
+stage keeps those: `operands.py`) is the same call with its input type named
+(`GemmCall.atype`/`btype`): `cublasGemmStridedBatchedEx` with `CUDA_R_16BF` (or
+`CUDA_R_16F`) inputs, a `CUDA_R_32F` output and `CUBLAS_COMPUTE_32F`, f32 `alpha` and
+`beta` (`ex_types` gives the four codes).
+
 `run_numpy(call, a, b, c)` executes the call's exact semantics on flat host arrays
 (every element addressed through the call's leading dimensions and strides), so the
 emulator checks the numbers a GPU would pass to cuBLAS. Exact: one product of the
-same operands (the summation order is numpy's or cuBLAS's). Planning is a fixed
-number of passes over at most four groups: it terminates.
+same operands (the summation order is numpy's or cuBLAS's). For a GemmEx call it
+widens the bf16/f16 operands to f32 (exact) and multiplies in f32 (numpy's sgemm):
+with CUBLAS_COMPUTE_32F cuBLAS forms each product of two bf16/f16 values exactly in
+f32 (8 + 8 or 11 + 11 significant bits fit f32's 24) and sums in f32, so both compute
+the same exact products summed in f32, in their own orders: a faithful oracle to f32
+summation rounding (an f64 product rounded once would be more exact than the device).
+Planning is a fixed number of passes over at most four groups: it terminates.
 """
 from __future__ import annotations
 
@@ -53,6 +64,23 @@ class GemmCall:
     conja: bool = False   # a complex product: op(A) conjugates (cuBLAS's CUBLAS_OP_C, with transa)
     conjb: bool = False
     alpha: float = 1.0    # a complex product's real scale
+    atype: str = ""       # A's element type as stored when it is bf16 or f16 (a GemmEx call), else ""
+    btype: str = ""
+
+
+# cudaDataType_t (library_types.h) and cublasComputeType_t / cublasGemmAlgo_t (cublas_api.h)
+# codes of the GemmEx calls (CuPy's runtime module names some, not CUDA_R_16BF)
+CUDA_R = {"f32": 0, "f64": 1, "f16": 2, "bf16": 14}
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+def ex_types(call: GemmCall) -> tuple[int, int, int, int] | None:
+    """(Atype, Btype, Ctype, computeType) of a GemmEx call (bf16/f16 inputs, f32
+    output, f32 compute), or None for a plain <t>gemmStridedBatched call."""
+    if not call.atype:
+        return None
+    return CUDA_R[call.atype], CUDA_R[call.btype], CUDA_R["f32"], CUBLAS_COMPUTE_32F
 
 
 def _merge(group, strides: dict, sizes: dict) -> tuple[int, tuple[str, ...]] | None:
@@ -158,11 +186,14 @@ def _matrix(flat: np.ndarray, rows: int, cols: int, trans: bool, ld: int, stride
 def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offsets=(0, 0, 0)) -> None:
     """`cublas<t>gemmStridedBatched(transa, transb, m, n, k, 1, A, lda, sA, B, ldb, sB, 0, C, ldc, sC)`
     with numpy, on the flat memory of `a`, `b` (cuBLAS's A and B) and `c`, each from
-    its element offset."""
+    its element offset; a GemmEx call (`call.atype`): bf16/f16 A and B widened to f32,
+    products and sums in f32."""
     fa, fb, fc = (x.reshape(-1)[o:] for x, o in zip((a, b, c), offsets))
     A = _matrix(fa, call.m, call.k, call.transa, call.lda, call.stride_a, call.batch)
     B = _matrix(fb, call.k, call.n, call.transb, call.ldb, call.stride_b, call.batch)
     A, B = (np.conj(X) if conj else X for X, conj in ((A, call.conja), (B, call.conjb)))
+    if call.atype:   # GemmEx: bf16/f16 operands widened to f32 (exact), products and sums in f32
+        A, B = A.astype(np.float32), B.astype(np.float32)
     s = fc.itemsize
     C = np.lib.stride_tricks.as_strided(fc, (call.batch, call.m, call.n), (call.stride_c * s, s, call.ldc * s))
     C[...] = np.matmul(A, B) if call.alpha == 1.0 else call.alpha * np.matmul(A, B)
@@ -170,7 +201,8 @@ def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offse
 
 def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
     """The call through CuPy's cuBLAS bindings on the current stream (device arrays,
-    each from its element offset)."""
+    each from its element offset): `<t>gemmStridedBatched`, or `gemmStridedBatchedEx`
+    with `ex_types` for bf16/f16 inputs."""
     import cupy
     from cupy.cuda import cublas
 
@@ -178,10 +210,18 @@ def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     dt = c.dtype
     one, zero = np.full(1, call.alpha, dt), np.zeros(1, dt)
+    pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
+    op = {(False, False): cublas.CUBLAS_OP_N, (True, False): cublas.CUBLAS_OP_T, (True, True): cublas.CUBLAS_OP_C}
+    ex = ex_types(call)
+    if ex is not None:   # bf16/f16 inputs, f32 output and compute (tensor cores)
+        atype, btype, ctype, compute = ex
+        cublas.gemmStridedBatchedEx(handle, op[call.transa, False], op[call.transb, False], call.m, call.n, call.k,
+                                    one.ctypes.data, pa, atype, call.lda, call.stride_a, pb, btype, call.ldb,
+                                    call.stride_b, zero.ctypes.data, pc, ctype, call.ldc, call.stride_c, call.batch,
+                                    compute, CUBLAS_GEMM_DEFAULT)
+        return
     fn = {np.dtype(np.float32): cublas.sgemmStridedBatched, np.dtype(np.float64): cublas.dgemmStridedBatched,
           np.dtype(np.complex64): cublas.cgemmStridedBatched, np.dtype(np.complex128): cublas.zgemmStridedBatched}[dt]
-    op = {(False, False): cublas.CUBLAS_OP_N, (True, False): cublas.CUBLAS_OP_T, (True, True): cublas.CUBLAS_OP_C}
-    pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
     fn(handle, op[call.transa, call.conja], op[call.transb, call.conjb], call.m, call.n, call.k, one.ctypes.data,
        pa, call.lda, call.stride_a, pb, call.ldb, call.stride_b, zero.ctypes.data,
        pc, call.ldc, call.stride_c, call.batch)

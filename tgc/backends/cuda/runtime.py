@@ -29,12 +29,23 @@ elements, else its block-per-row kernel. On a GPU a program without id checks is
 captured once per binding of the dims (and updated arrays) as a CUDA graph and
 replayed (`_run_graph`); complex GEMM cells are cgemm/zgemm calls.
 
+bf16/f16 buffers (the `narrow` stage) are 2-byte arrays: `ml_dtypes.bfloat16` and
+`np.float16` under cuda-sim (the caller's arrays, passed without a copy, as on the
+CPU), `uint16` holding the bfloat16 bits and `float16` on a GPU (CuPy has no bfloat16
+type). GEMM cells on two bf16 or two f16 operands are `cublasGemmStridedBatchedEx`
+calls (`gemm.ex_types`; numpy on the widened operands under cuda-sim).
+
 Inputs and outputs: under cuda-sim, as the CPU backend's `Program` (numpy in and
 out, updates in place). On a GPU, an input may be a CuPy array, anything with
 `__cuda_array_interface__` (zero-copy) or DLPack (`__dlpack__`, e.g. a torch CUDA
 tensor), or a numpy array (copied to the device); outputs are CuPy arrays; an
 update is written in place into the caller's device array (a numpy array or an
-array that had to be cast or copied is refused for an update target).
+array that had to be cast or copied is refused for an update target). A bf16 argument
+takes a CuPy `uint16` array of bfloat16 bits as it is (a torch bf16 tensor through
+DLPack is seen so), or any float array, rounded to bf16 on the device (a copy; refused
+for an update target); a bf16 output is a CuPy `uint16` array of bfloat16 bits
+(`cupy.asnumpy(y).view(ml_dtypes.bfloat16)` on the host; `torch.from_dlpack(y).view(
+torch.bfloat16)`). f16 ones are CuPy `float16` arrays.
 """
 from __future__ import annotations
 
@@ -53,12 +64,14 @@ import numpy as np
 
 from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import codegen, gemm
+from tgc.ir.dtypes import LOW_FLOATS, TYPES
 from tgc.ir.interp import EvalError
 from tgc.ir.sizes import size_eval
 from tgc.ir.module import Module
 from tgc.options import Options
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
+BF16 = np.dtype(TYPES["bf16"].numpy)   # ml_dtypes.bfloat16
 
 SIM_HEADER = Path(__file__).with_name("sim.h")
 SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
@@ -110,6 +123,14 @@ class _SimDevice:
     def empty(self, shape, dtype):
         return np.empty(shape, dtype)
 
+    def np_type(self, dtype: str) -> np.dtype:
+        """The array type of a buffer of element type `dtype` (bf16: ml_dtypes')."""
+        return np.dtype(TYPES[dtype].numpy if dtype in LOW_FLOATS else NP[dtype])
+
+    def widen(self, x):
+        """A 2-byte array's values as f32 (exact)."""
+        return x.astype(np.float32)
+
     def err_word(self):
         return np.zeros(1, np.int32)
 
@@ -155,7 +176,25 @@ class _CupyDevice:
                 from None
 
     def empty(self, shape, dtype):
-        return self.cp.empty(shape, dtype)
+        return self.cp.empty(shape, np.uint16 if np.dtype(dtype) == BF16 else dtype)
+
+    def np_type(self, dtype: str) -> np.dtype:
+        """The array type of a buffer of element type `dtype`: bf16 as uint16 bits."""
+        return np.dtype(np.uint16 if dtype == "bf16" else np.float16 if dtype == "f16" else NP[dtype])
+
+    def widen(self, x):
+        """A 2-byte array's values as f32 (exact): bf16 bits shifted to the top of an f32."""
+        if x.dtype == np.uint16:
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32)
+
+    def bf16_bits(self, a):
+        """A float device array rounded to bfloat16 (through f32, nearest even; NaN kept
+        a quiet NaN, as `tgc_bf16f`), as its uint16 bits."""
+        f = self.cp.ascontiguousarray(a.astype(np.float32))
+        u = f.view(np.uint32)
+        r = self.cp.where(f != f, u | np.uint32(0x00400000), u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))
+        return (r >> 16).astype(np.uint16)
 
     def err_word(self):
         return self.cp.zeros(1, np.int32)
@@ -277,6 +316,14 @@ class CudaKernels(Kernels):
     def empty(self, shape, dtype):
         return self._device.empty(shape, dtype)
 
+    def as_low(self, a, dtype: str):
+        """An output held in floats whose values are of the narrower type `dtype` (bf16,
+        f16, or f32 in an f64 program), as an array of that type (exact): on a GPU, bf16
+        as uint16 bits."""
+        if self._device.name == "cuda" and dtype == "bf16":
+            return self._device.bf16_bits(a)
+        return a.astype(TYPES[dtype].numpy)
+
     def to_host(self, a):
         return self._device.to_host(a)
 
@@ -293,8 +340,13 @@ class CudaKernels(Kernels):
         arrays = {}
         for s in program.inputs:
             v = given[s.name]
+            store = program._store.get(s.name)      # a 2-byte buffer's type (`narrow`), or None
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 v = np.asarray(v, NP[s.dtype])
+            if str(getattr(v, "dtype", "")) == "torch.bfloat16" and hasattr(v, "__dlpack__"):
+                import sys   # CuPy's DLPack has no bfloat16: the same memory as int16 bits
+
+                v = cp.from_dlpack(v.view(sys.modules["torch"].int16)).view(np.uint16)
             if isinstance(v, cp.ndarray):
                 a = v
             elif hasattr(v, "__cuda_array_interface__"):
@@ -308,7 +360,10 @@ class CudaKernels(Kernels):
                                 f"__cuda_array_interface__ or DLPack), not {type(v).__name__}")
             if a is None:
                 host = program._convert(s, v)          # the CPU checks, then one copy to the device
-                a = cp.asarray(host)
+                a = cp.asarray(host.view(np.uint16) if host.dtype == BF16 else host)
+            if store is not None:                      # a bf16/f16 buffer: 2-byte elements
+                arrays[s.name] = self._narrow_arg(s, a, np.dtype(store))
+                continue
             if s.dtype == "i32" and a.dtype.kind not in "iu":
                 raise EvalError(f"input '{s.name}' holds ids (i32): pass integers, not {a.dtype}")
             if s.dtype != "i32" and a.dtype.kind != "f":
@@ -318,6 +373,26 @@ class CudaKernels(Kernels):
                 raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous {s.dtype} device array")
             arrays[s.name] = conv
         return arrays, {}
+
+    def _narrow_arg(self, s, a, store: np.dtype):
+        """A bf16/f16 argument's device array: bf16 as uint16 bits (a uint16 array is
+        taken as such bits), f16 as float16; any other float array rounded through f32
+        (a copy, refused for an update target)."""
+        dev = self._device
+        want = np.dtype(np.uint16) if store == BF16 else np.dtype(np.float16)
+        if a.dtype == want:
+            conv = dev.cp.ascontiguousarray(a)
+        elif a.dtype.kind != "f":
+            what = "bf16, or uint16 bfloat16 bits" if store == BF16 else "f16"
+            raise EvalError(f"input '{s.name}' must be a float array ({what}), not {a.dtype}")
+        elif store == BF16:
+            conv = dev.bf16_bits(a)
+        else:
+            conv = dev.cp.ascontiguousarray(a.astype(np.float32).astype(np.float16))
+        if s.updated and conv is not a:
+            raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous device array of its type "
+                            f"({'uint16 bfloat16 bits' if store == BF16 else 'float16'})")
+        return conv
 
     notifies = True
 
@@ -482,7 +557,7 @@ class CudaKernels(Kernels):
                 bufs[name] = outs[self.module.outputs[b.index].name]
             else:
                 count = int(np.prod(shape, dtype=np.int64))
-                dt = np.dtype(NP[b.dtype])
+                dt = dev.np_type(b.dtype)
                 start = offsets[b.slot]
                 bufs[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
         return bufs
@@ -522,6 +597,10 @@ class CudaKernels(Kernels):
             call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
             planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
         call, looped = planned if planned is not None else (None, ())
+        if call is not None and not cplx:   # bf16/f16 operands (`cublas_operands` kept them): a GemmEx call
+            types = {r: low.buffers[operands[r][0]].dtype for r in ("a", "b")}
+            if types["a"] in LOW_FLOATS:
+                call = replace(call, atype=types[call.a], btype=types[call.b])
         return call, looped, operands, bufs, size
 
     def _gemm(self, k, bufs: dict, env: dict) -> None:
@@ -554,6 +633,8 @@ class CudaKernels(Kernels):
         a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
         b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
         c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
+        if self.lowered.buffers[k.a.buf].dtype in LOW_FLOATS:   # a GemmEx cell's operands: f32 products and sums
+            a, b = self._device.widen(a), self._device.widen(b)
         if cplx:
             a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
             c[...] = (k.alpha * xp.matmul(a, b)).reshape(c.shape)

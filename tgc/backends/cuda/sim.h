@@ -26,6 +26,7 @@
 
 struct tgc_dim3 { unsigned x, y, z; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) ushort4 { unsigned short x, y, z, w; };   // four bf16/f16 elements
 static thread_local tgc_dim3 threadIdx = {0, 0, 0};
 static thread_local tgc_dim3 blockIdx = {0, 0, 0};
 static tgc_dim3 blockDim = {1, 1, 1};

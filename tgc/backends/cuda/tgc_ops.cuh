@@ -111,6 +111,56 @@ TGC_DEV float tgc_f16f(float f) {
     return (float)(_Float16)f;
 #endif
 }
+// 2-byte buffers (tgc/lower/narrow.py): a bf16 or f16 element is stored as its 16 bits
+// (unsigned short; no cuda_bf16.h / cuda_fp16.h, which NVRTC may not find). A load
+// widens it exactly to f32: bf16 as its bits shifted to the top of an f32
+// (__bfloat162float), f16 by cvt.f32.f16 (__half2float). A store narrows with
+// round-to-nearest-even (__float2bfloat16_rn, __float2half_rn), NaN kept a quiet NaN:
+// the value stored is one the kernel has just rounded to that type, so the store is
+// exact. Under the emulator: the same bit operations, and GCC's _Float16.
+TGC_DEV float tgc_ld_bf16(unsigned short h) {
+    const unsigned u = ((unsigned)h) << 16;
+#ifdef __CUDACC__
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+TGC_DEV unsigned short tgc_st_bf16(float f) {
+    f = tgc_bf16f(f);
+#ifdef __CUDACC__
+    const unsigned u = __float_as_uint(f);
+#else
+    unsigned u;
+    memcpy(&u, &f, 4);
+#endif
+    return (unsigned short)(u >> 16);
+}
+TGC_DEV float tgc_ld_f16(unsigned short h) {
+#ifdef __CUDACC__
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+#endif
+}
+TGC_DEV unsigned short tgc_st_f16(float f) {
+#ifdef __CUDACC__
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    const _Float16 x = (_Float16)f;
+    unsigned short h;
+    memcpy(&h, &x, 2);
+    return h;
+#endif
+}
 template <typename T> TGC_DEV T tgc_round_bf16(T x) { return T(tgc_bf16f((float)x)); }
 template <typename T> TGC_DEV T tgc_round_f16(T x) { return T(tgc_f16f((float)x)); }
 template <typename T> TGC_DEV T tgc_sigmoid(T x) {
@@ -131,8 +181,9 @@ TGC_DEV long long tgc_floordiv(long long a, long long b) {
     long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-// whether a pointer is 16-byte aligned (the float4 loops' run-time condition)
+// whether a pointer is 16-byte (8-byte) aligned: the float4 (ushort4) loops' run-time condition
 TGC_DEV bool tgc_aligned16(const void* p) { return ((unsigned long long)p & 15ULL) == 0ULL; }
+TGC_DEV bool tgc_aligned8(const void* p) { return ((unsigned long long)p & 7ULL) == 0ULL; }
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
 
