@@ -55,7 +55,8 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
-from tgc.backends.cpu.gemm import GemmGen, bf16_kernel, loops_kernel, packs_b, small_kernel
+from tgc.backends.cpu.gemm import GemmGen, bf16_kernel, loops_kernel, packs_b, small_kernel, uses_own_gemm
+from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
@@ -167,9 +168,11 @@ class _ModuleGen:
                 loops_kernel(self.mod, self.fp, packed=packed)
         if any(isinstance(k, GemmKernel) and self.low.buffers[k.a.buf].dtype == "bf16" for k in self.low.kernels):
             bf16_kernel(self.mod)   # bf16 products (gemm_operands kept both operands bf16)
+        if any(isinstance(k, GemmKernel) and uses_own_gemm(self.low, k, self.opt) for k in self.low.kernels):
+            own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
-                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16")) and not fn.is_declaration:
+                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16", "tgc.gemm.own.")) and not fn.is_declaration:
                     fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))

@@ -73,6 +73,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
+from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
 from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
@@ -94,6 +95,23 @@ UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or mo
 # (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
 TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
+
+
+def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options) -> bool:
+    """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
+    than cblas: a real f32 product of f32 operands, `options.cpu.own_gemm` "on", or
+    "auto" where the host has AVX-512 (the kernel's 16-lane vectors). Its tiles then
+    go to it when A' (the normalized product's left operand) has its K contiguous."""
+    mode = options.cpu.own_gemm
+    if mode == "off" or k.cplx is not None or low.dtype != "f32":
+        return False
+    if any(low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
+        return False
+    if mode == "auto":
+        from tgc.backends.cpu.llvm_env import has_feature
+
+        return has_feature("avx512f")
+    return True
 
 
 def _control(fn: ir.Function) -> None:
@@ -165,6 +183,9 @@ class GemmGen:
         else:
             self.P, self.Q = fc[1], fc[0]
         self.R = fa[1]
+        # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
+        a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
+        self.own = uses_own_gemm(low, k, options) and a_k_unit
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
@@ -539,6 +560,9 @@ class GemmGen:
         """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`
         "system" or "none" (a built library, whose caller may give no BLAS), cblas
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
+        if self.own:
+            self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+            return
         if self.opt.cpu.blas == "numpy":
             self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
@@ -549,6 +573,11 @@ class GemmGen:
                 self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             with missing:
                 self.call_small(m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=True)
+
+    def call_own(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """C'[m, n] (+)= A'[m, kk] B'[kk, n] by tgc's own f32 kernel (A''s K contiguous)."""
+        fn = own_kernel(self.mod, home=self.home)
+        self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, self.b.zext(beta1, I32)])
 
     def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=False):
         kernel = loops_kernel if blocked else small_kernel

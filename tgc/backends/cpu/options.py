@@ -31,6 +31,7 @@ class CpuOptions:
     compile_jobs: int = 0                    # LLVM compiles the program in this many parts at once (forked processes); 0: one per usable core
     bf16_gemm: str = "auto"                  # products of two bf16 operands: "auto" (vdpbf16ps where the host reports avx512bf16), "on" (always: code for another CPU), "off" (widened to f32, then sgemm); backends/cpu/gemm_operands.py
     bf16_gemm_min_flops: int = 1 << 24       # ... for products of at least these flops (symbolic dims at rep_size); smaller ones run sgemm on f32 (GPT's 704 x 48 x 192 products were slower as bf16 GEMMs: packing per call)
+    own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
 
     def with_(self, **changes) -> "CpuOptions":
