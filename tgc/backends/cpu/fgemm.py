@@ -33,33 +33,159 @@ def kernel_name(rows: int, vecs: int) -> str:
     return f"tgc.gemm.own.f32.b{rows}.v{vecs}"
 
 
+class Window:
+    """The window operand of an implicit GEMM (implicit.py) as the own kernel packs it:
+    the normalized product's `role` operand ('a': A'[rows, K], 'b': B'[K, cols]) is the
+    matrix [row group, column group] (edges in the window's order; the column group
+    is contiguous, its last edge `run`) of `source[index]` masked by `conds`. The
+    kernel gets the source pointer already moved to the batch and tap indices; the
+    rest of the index (`coefs`: elements per unit of each row and column edge, `const`)
+    and the conditions (which use no batch or tap edge) are evaluated here."""
+
+    def __init__(self, role: str, rows: tuple, cols: tuple, source_order: tuple, index: dict, conds: tuple):
+        self.role, self.rows, self.cols = role, tuple(rows), tuple(cols)
+        self.source_order, self.index, self.conds = tuple(source_order), dict(index), tuple(conds)
+        self.run = self.cols[-1]
+
+    def setup(self, f):
+        """Entry-block values: each row/column edge's size and source stride, the constant offset."""
+        st = f.strides(self.source_order)
+        e = f.entry
+        self.size = {v: f.edge_size(v) for v in self.rows + self.cols}
+        self.coef = {}
+        for v in self.rows + self.cols:
+            total = I64(0)
+            for edge, ix in self.index.items():
+                c = ix.coef(v)
+                if c != 0:
+                    total = e.add(total, e.mul(st[edge], f.size(c)))
+            self.coef[v] = total
+        const = I64(0)
+        for edge, ix in self.index.items():
+            const = e.add(const, e.mul(st[edge], f.size(ix.const)))
+        self.const = const
+        self.cond_const = [f.size(c.ix.const) for c in self.conds]
+
+    def split(self, b, index, edges):
+        """The values of `edges` (outermost first) at flat index `index`."""
+        out = {}
+        for v in reversed(edges):
+            n = self.size[v]
+            out[v] = b.srem(index, n)
+            index = b.sdiv(index, n)
+        return out
+
+    def part(self, b, vals):
+        """(source offset, each condition's value) of the edges in `vals`."""
+        off = I64(0)
+        for v, x in vals.items():
+            off = b.add(off, b.mul(x, self.coef[v]))
+        cs = []
+        for c in self.conds:
+            t = I64(0)
+            for v, x in vals.items():
+                k = c.ix.coef(v)
+                if k != 0:
+                    t = b.add(t, b.mul(x, I64(k)))
+            cs.append(t)
+        return off, cs
+
+
+def _fill(b, win, src, row, col0, length, dst, tmp):
+    """dst[0:length] = the window's row `row`, columns col0.. (zeros where a condition
+    fails): the column range is cut into segments along `run` (each a run of the
+    source's innermost edge), each copied by masked 16-lane loads and stores."""
+    from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
+
+    f32 = ir.FloatType()
+    vt, it = ir.VectorType(f32, VL), ir.VectorType(I64, VL)
+    load_fn, store_fn, _ = _masked_intrinsics(b.module, f32, VL)
+    iota = ir.Constant(it, list(range(VL)))
+    zero_v = ir.Constant(vt, [0.0] * VL)
+    rvals = win.split(b, row, win.rows)
+    roff, rcs = win.part(b, rvals)
+    roff = b.add(roff, win.const)
+    o_ptr, pos_ptr = tmp
+    b.store(I64(0), o_ptr)
+    fn = b.function
+    head, body, done = (fn.append_basic_block(n) for n in ("seg.head", "seg.body", "seg.done"))
+    b.branch(head)
+    b.position_at_end(head)
+    o = b.load(o_ptr, typ=I64)
+    b.cbranch(b.icmp_signed("<", o, length), body, done)
+    b.position_at_end(body)
+    cvals = win.split(b, b.add(col0, o), win.cols)
+    run_at = cvals[win.run]
+    left = b.sub(length, o)
+    room = b.sub(win.size[win.run], run_at)
+    seg = b.select(b.icmp_signed("<", room, left), room, left)
+    coff, ccs = win.part(b, cvals)
+    base = b.add(roff, coff)
+    scal = []   # each condition's value at the segment's first element
+    for rc, cc, k0 in zip(rcs, ccs, win.cond_const):
+        scal.append(b.add(b.add(rc, cc), k0))
+    with for_range(b, I64(0), b.sdiv(b.add(seg, I64(VL - 1)), I64(VL)), "sv") as t:
+        lane0 = b.mul(t, I64(VL))
+        lanes = b.add(_splat(b, lane0, it), iota)
+        inside = b.icmp_signed("<", lanes, _splat(b, seg, it))
+        ok = inside
+        for c, v in zip(win.conds, scal):
+            k = c.ix.coef(win.run)
+            val = _splat(b, v, it) if k == 0 else b.add(_splat(b, v, it), b.mul(lanes, _splat(b, I64(k), it)))
+            ok = b.and_(ok, b.icmp_signed(c.op, val, ir.Constant(it, [0] * VL)))
+        at = b.gep(src, [b.add(base, lane0)], source_etype=f32)
+        x = b.call(load_fn, [at, I32(4), ok, zero_v])
+        b.call(store_fn, [x, b.gep(dst, [b.add(o, lane0)], source_etype=f32), I32(4), inside])
+    b.store(b.add(o, seg), o_ptr)
+    b.branch(head)
+    b.position_at_end(done)
+
+
 def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | None = None,
-               depth: int = OWN_DEPTH) -> ir.Function:
+               depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
+               frame=None) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
     one function per program and shape, defined in `home` (default `mod`) and declared
-    in `mod` when that is another unit of the program."""
+    in `mod` when that is another unit of the program. With `window` (an implicit
+    GEMM's own copy, named `name`; `frame(fn, dims)` makes its `Frame`) it takes
+    three more arguments, `i64* dims, i64 row0, i64 col0`, and packs the window
+    operand, whose pointer is its source's, at rows row0.. and columns col0.. of the
+    window matrix."""
     from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
 
-    name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}")
-    if name in mod.globals:
-        return mod.globals[name]
-    if home is not None and home is not mod:
-        return export(own_kernel(home, rows, vecs, depth=depth), mod)
+    if window is None:
+        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}")
+        if name in mod.globals:
+            return mod.globals[name]
+        if home is not None and home is not mod:
+            return export(own_kernel(home, rows, vecs, depth=depth), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
-    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
+    extra = [PTR, I64, I64] if window is not None else []
+    fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32] + extra)
     fn.attributes.add("noinline")
-    M, N, K, pa, sam, _sak, pb, sbk, sbn, pc, ldc, acc = fn.args
+    M, N, K, pa, sam, _sak, pb, sbk, sbn, pc, ldc, acc = fn.args[:12]
     for a in (pa, pb, pc):
         a.add_attribute("noalias")
-    entry = ir.IRBuilder(fn.append_basic_block("entry"))
+    if window is not None:
+        fr = frame(fn, fn.args[12])
+        entry, b = fr.entry, fr.b
+        row0, col0 = fn.args[13], fn.args[14]
+        window.setup(fr)
+    else:
+        entry = ir.IRBuilder(fn.append_basic_block("entry"))
+        body = fn.append_basic_block("body")
+        b = ir.IRBuilder(body)
     bpack = entry.alloca(f32, size=I64(depth * cols), name="bpack")
     bpack.align = 64
+    apack = None
+    if window is not None and window.role == "a":
+        apack = entry.alloca(f32, size=I64(depth * rows), name="apack")
+        apack.align = 64
+    tmp = (entry.alloca(I64, name="seg.o"), entry.alloca(I64, name="seg.pos")) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
-    body = fn.append_basic_block("body")
-    b = ir.IRBuilder(body)
     load_fn, store_fn, fma_fn = _masked_intrinsics(mod, f32, VL)
     gather = _gather_intrinsic(mod, f32, VL)
     zero_v = ir.Constant(vt, [0.0] * VL)
@@ -82,28 +208,17 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
             kd = smin(I64(depth), b.sub(K, k0))
             kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
             add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
-            # B's block: one packed row of `cols` floats per K (zeros past N)
-            with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, strided):
-                with contiguous:
-                    with for_range(b, I64(0), kd, "pv") as p:
-                        src = b.gep(pb, [b.add(b.mul(b.add(k0, p), sbk), j0)], source_etype=f32)
-                        dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                        for c in range(vecs):
-                            v = b.call(load_fn, [b.gep(src, [I64(c * VL)], source_etype=f32), align,
-                                                 masks[c], zero_v])
-                            b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                    align=64)
-                with strided:
-                    base = b.ptrtoint(pb, I64)
-                    with for_range(b, I64(0), kd, "pg") as p:
-                        row = b.add(base, b.mul(b.add(b.mul(b.add(k0, p), sbk), b.mul(j0, sbn)), I64(4)))
-                        dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                        for c in range(vecs):
-                            at = b.add(row, b.mul(b.mul(sbn, I64(4 * c * VL)), I64(1)))
-                            ptrs = b.inttoptr(b.add(_splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
-                            v = b.call(gather, [ptrs, align, masks[c], zero_v])
-                            b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                    align=64)
+            if window is not None and window.role == "b":
+                # the window's block: each packed row zeroed, then filled from the source
+                with for_range(b, I64(0), kd, "pw") as p:
+                    dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                    for c in range(vecs):
+                        b.store(zero_v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                                align=64)
+                    _fill(b, window, pb, b.add(row0, b.add(k0, p)), b.add(col0, j0), width, dst, tmp)
+            else:
+                _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
+                        zero_v, it, vt)
             init_mask = _splat(b, add_c, mt)
             with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
                 i0 = b.mul(ib, I64(rows))
@@ -112,7 +227,14 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
                 inside = [b.icmp_signed("<", i, M) for i in rix]
                 rix = [b.select(x, i, last) for x, i in zip(inside, rix)]
                 crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rix]
-                arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
+                if apack is not None:   # the window's rows of this block, packed from the source
+                    arow = []
+                    for r in range(rows):
+                        dst = b.gep(apack, [I64(r * depth)], source_etype=f32)
+                        _fill(b, window, pa, b.add(row0, rix[r]), b.add(col0, k0), kd, dst, tmp)
+                        arow.append(dst)
+                else:
+                    arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
                 for r in range(rows):
                     for c in range(vecs):
                         at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
@@ -131,5 +253,35 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
                         at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
                         b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
     b.ret_void()
-    entry.branch(body)
+    if window is not None:
+        fr.finish()
+    else:
+        entry.branch(body)
     return fn
+
+
+def _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather, zero_v, it, vt):
+    """B's block: one packed row of `cols` floats per K (zeros past N): masked vector
+    loads when B's columns are contiguous, gathers when not."""
+    from tgc.backends.cpu.gemm import _splat
+
+    f32 = ir.FloatType()
+    align = I32(4)
+    with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, strided):
+        with contiguous:
+            with for_range(b, I64(0), kd, "pv") as p:
+                src = b.gep(pb, [b.add(b.mul(b.add(k0, p), sbk), j0)], source_etype=f32)
+                dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                for c in range(vecs):
+                    v = b.call(load_fn, [b.gep(src, [I64(c * VL)], source_etype=f32), align, masks[c], zero_v])
+                    b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)
+        with strided:
+            base = b.ptrtoint(pb, I64)
+            with for_range(b, I64(0), kd, "pg") as p:
+                row = b.add(base, b.mul(b.add(b.mul(b.add(k0, p), sbk), b.mul(j0, sbn)), I64(4)))
+                dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                for c in range(vecs):
+                    at = b.add(row, b.mul(sbn, I64(4 * c * VL)))
+                    ptrs = b.inttoptr(b.add(_splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
+                    v = b.call(gather, [ptrs, align, masks[c], zero_v])
+                    b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)

@@ -73,7 +73,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
-from tgc.backends.cpu.fgemm import own_kernel
+from tgc.backends.cpu.fgemm import Window, own_kernel
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
 from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
@@ -157,7 +157,11 @@ def packs_b(low: Lowered, k: GemmKernel) -> bool:
 
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
-                 options: Options, home: ir.Module | None = None):
+                 options: Options, home: ir.Module | None = None, implicit=None):
+        if implicit is not None:   # an implicit GEMM (implicit.py): its window buffer, never allocated
+            low = low.staged(low.stage)
+            low.buffers[implicit.window] = implicit.buffer(low.dtype)
+        self.implicit = implicit
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
@@ -186,10 +190,29 @@ class GemmGen:
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
         a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
         self.own = uses_own_gemm(low, k, options) and a_k_unit
+        self.window = None
+        if implicit is not None:
+            self.window = self.window_of(implicit)
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
                 raise ValueError(f"internal: shifted GEMM edge '{e}' is not the outermost of its group")
+
+    def window_of(self, implicit):
+        """The implicit GEMM's window as the normalized product's operand (fgemm.Window)."""
+        role = implicit.role()
+        norm = ("a" if role == "a" else "b") if not self.flip else ("b" if role == "a" else "a")
+        rows, cols = (self.P, self.R) if norm == "a" else (self.R, self.Q)
+        order = implicit.order
+        for group in (rows, cols):
+            if tuple(e for e in order if e in group) != tuple(group):
+                raise ValueError(f"internal: implicit window order {order} does not hold group {group} as is")
+        if not self.own or cols[-1] != order[-1]:
+            raise ValueError("internal: an implicit GEMM's window must be the own kernel's contiguous operand")
+        load = implicit.load()
+        conds = implicit.gather.body.conds if load is not implicit.gather.body else ()
+        src = self.low.buffers[load.buf]
+        return Window(norm, rows, cols, tuple(src.order), dict(load.index), conds)
 
     # ------------------------------------------------------------ shapes
 
@@ -367,7 +390,7 @@ class GemmGen:
         st = self.views(f)
         A, B, c_p = self.operands(f, st)
         pl = self.tasks(f, b, *fn.args[6:9])
-        small = self.small_ok(b, pl, B) if k.cplx is None and not self.bf16 else None
+        small = self.small_ok(b, pl, B) if k.cplx is None and not self.bf16 and self.window is None else None
         with for_range(b, lo, hi, "task") as t:
             # decode: t = ((batch...) * n_p + ip) * n_q + iq
             iq = b.srem(t, pl["n_q"])
@@ -428,10 +451,23 @@ class GemmGen:
             parts = [(vars[e], strides[e]) for e in k.batch + k.taps if e in strides]
             parts += [(self.ix(ix, vars), strides[e]) for r, e, ix in k.shifts if r == role]
             shift_off[role] = parts
+        win = self.window
+        if win is not None:   # the window's pointer is its source's, moved to the batch and tap indices
+            role = self.implicit.role()
+            src = self.f.strides(win.source_order)
+            parts = []
+            for e in k.batch + k.taps:
+                if e in st[role][0]:
+                    for edge, ix in win.index.items():
+                        c = ix.coef(e)
+                        if c != 0:
+                            parts.append((b.mul(vars[e], self.f.size(c)), src[edge]))
+            shift_off[role] = parts
         c_parts = [(vars[e], st["c"][0][e]) for e in k.batch]
         with b.if_then(nonempty):
-            pa = self.ptr(ptrs[A.role], shift_off[A.role] + [(ps, A.row)], self.op_elem)
-            pb = self.ptr(ptrs[B.role], shift_off[B.role] + [(qs, B.col)], self.op_elem)
+            wa, wb = (win is not None and win.role == "a"), (win is not None and win.role == "b")
+            pa = self.ptr(ptrs[A.role], shift_off[A.role] + ([] if wa else [(ps, A.row)]), self.op_elem)
+            pb = self.ptr(ptrs[B.role], shift_off[B.role] + ([] if wb else [(qs, B.col)]), self.op_elem)
             pc = self.ptr(ptrs["c"], c_parts + [(ps, c_p), (qs, I64(1))])
             m, n = b.sub(pe, ps), b.sub(qe, qs)
             kk = self.smax(b, b.sub(re, rs), I64(0))
@@ -444,9 +480,14 @@ class GemmGen:
                 beta1 = b.icmp_signed(">", j, I64(0))
                 if k.accumulates():
                     beta1 = ir.Constant(I1, 1)
-                xa = self.ptr(pa, [(r, A.col)], self.op_elem)
-                xb = self.ptr(pb, [(r, B.row)], self.op_elem)
-                if self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
+                xa = pa if wa else self.ptr(pa, [(r, A.col)], self.op_elem)
+                xb = pb if wb else self.ptr(pb, [(r, B.row)], self.op_elem)
+                if win is not None:   # the window packed from its source: row0, col0 of its matrix
+                    row0, col0 = (ps, r) if wa else (r, qs)
+                    self.b.call(self.window_kernel(),
+                                [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32),
+                                 self.f.fn.args[0], row0, col0])
+                elif self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
                     self.b.call(bf16_kernel(self.mod, home=self.home),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
                 elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
@@ -578,6 +619,15 @@ class GemmGen:
         """C'[m, n] (+)= A'[m, kk] B'[kk, n] by tgc's own f32 kernel (A''s K contiguous)."""
         fn = own_kernel(self.mod, home=self.home)
         self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, self.b.zext(beta1, I32)])
+
+    def window_kernel(self) -> ir.Function:
+        """This implicit GEMM's own copy of the own kernel, packing its window."""
+        name = self.name + ".own"
+        if name not in self.mod.globals:
+            module, edges = self.low.module, self.low.edges
+            own_kernel(self.mod, window=self.window, name=name,
+                       frame=lambda fn, dims: Frame(fn, module, dims, edges))
+        return self.mod.globals[name]
 
     def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=False):
         kernel = loops_kernel if blocked else small_kernel
