@@ -91,57 +91,103 @@ class Window:
         return off, cs
 
 
-def _fill(b, win, src, row, col0, length, dst, tmp):
-    """dst[0:length] = the window's row `row`, columns col0.. (zeros where a condition
-    fails): the column range is cut into segments along `run` (each a run of the
-    source's innermost edge), each copied by masked 16-lane loads and stores."""
-    from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
+class _Segments:
+    """A table of the segments of a column range of the window (built once per block,
+    read for every row): each segment is a run along `run`, with its offset in the
+    packed row, its length, its part of the source offset and of each condition
+    (constants included). `cap` entries at most: a range of `cap` columns has at most
+    that many segments."""
 
-    f32 = ir.FloatType()
-    vt, it = ir.VectorType(f32, VL), ir.VectorType(I64, VL)
-    load_fn, store_fn, _ = _masked_intrinsics(b.module, f32, VL)
-    iota = ir.Constant(it, list(range(VL)))
-    zero_v = ir.Constant(vt, [0.0] * VL)
-    rvals = win.split(b, row, win.rows)
-    roff, rcs = win.part(b, rvals)
-    roff = b.add(roff, win.const)
-    o_ptr, pos_ptr = tmp
-    b.store(I64(0), o_ptr)
-    fn = b.function
-    head, body, done = (fn.append_basic_block(n) for n in ("seg.head", "seg.body", "seg.done"))
-    b.branch(head)
-    b.position_at_end(head)
-    o = b.load(o_ptr, typ=I64)
-    b.cbranch(b.icmp_signed("<", o, length), body, done)
-    b.position_at_end(body)
-    cvals = win.split(b, b.add(col0, o), win.cols)
-    run_at = cvals[win.run]
-    left = b.sub(length, o)
-    room = b.sub(win.size[win.run], run_at)
-    seg = b.select(b.icmp_signed("<", room, left), room, left)
-    coff, ccs = win.part(b, cvals)
-    base = b.add(roff, coff)
-    scal = []   # each condition's value at the segment's first element
-    for rc, cc, k0 in zip(rcs, ccs, win.cond_const):
-        scal.append(b.add(b.add(rc, cc), k0))
-    with for_range(b, I64(0), b.sdiv(b.add(seg, I64(VL - 1)), I64(VL)), "sv") as t:
-        lane0 = b.mul(t, I64(VL))
-        lanes = b.add(_splat(b, lane0, it), iota)
-        inside = b.icmp_signed("<", lanes, _splat(b, seg, it))
-        ok = inside
-        for c, v in zip(win.conds, scal):
-            k = c.ix.coef(win.run)
-            val = _splat(b, v, it) if k == 0 else b.add(_splat(b, v, it), b.mul(lanes, _splat(b, I64(k), it)))
-            ok = b.and_(ok, b.icmp_signed(c.op, val, ir.Constant(it, [0] * VL)))
-        at = b.gep(src, [b.add(base, lane0)], source_etype=f32)
-        x = b.call(load_fn, [at, I32(4), ok, zero_v])
-        b.call(store_fn, [x, b.gep(dst, [b.add(o, lane0)], source_etype=f32), I32(4), inside])
-    b.store(b.add(o, seg), o_ptr)
-    b.branch(head)
-    b.position_at_end(done)
+    def __init__(self, entry, win, cap: int):
+        self.win, self.cap = win, cap
+        n = 3 + len(win.conds)
+        self.table = entry.alloca(I64, size=I64(n * (cap + 1)), name="segs")
+        self.count = entry.alloca(I64, name="nseg")
+        self.o_ptr = entry.alloca(I64, name="seg.o")
+
+    def at(self, b, field: int, s):
+        return b.gep(self.table, [b.add(b.mul(s, I64(3 + len(self.win.conds))), I64(field))], source_etype=I64)
+
+    def build(self, b, col0, length):
+        """The segments of columns col0 .. col0 + length."""
+        win = self.win
+        b.store(I64(0), self.o_ptr)
+        b.store(I64(0), self.count)
+        fn = b.function
+        head, body, done = (fn.append_basic_block(n) for n in ("segs.head", "segs.body", "segs.done"))
+        b.branch(head)
+        b.position_at_end(head)
+        o = b.load(self.o_ptr, typ=I64)
+        b.cbranch(b.icmp_signed("<", o, length), body, done)
+        b.position_at_end(body)
+        cvals = win.split(b, b.add(col0, o), win.cols)
+        left = b.sub(length, o)
+        room = b.sub(win.size[win.run], cvals[win.run])
+        seg = b.select(b.icmp_signed("<", room, left), room, left)
+        coff, ccs = win.part(b, cvals)
+        s = b.load(self.count, typ=I64)
+        b.store(o, self.at(b, 0, s))
+        b.store(seg, self.at(b, 1, s))
+        b.store(b.add(coff, win.const), self.at(b, 2, s))
+        for i, (cc, k0) in enumerate(zip(ccs, win.cond_const)):
+            b.store(b.add(cc, k0), self.at(b, 3 + i, s))
+        b.store(b.add(s, I64(1)), self.count)
+        b.store(b.add(o, seg), self.o_ptr)
+        b.branch(head)
+        b.position_at_end(done)
+
+    def fill(self, b, src, row, dst):
+        """dst[o .. o + len) of every segment = the window's row `row` there (zeros where
+        a condition fails): masked 16-lane loads from the source and stores."""
+        from tgc.backends.cpu.gemm import _masked_intrinsics
+
+        win = self.win
+        f32 = ir.FloatType()
+        vt = ir.VectorType(f32, VL)
+        load_fn, store_fn, _ = _masked_intrinsics(b.module, f32, VL)
+        zero_v = ir.Constant(vt, [0.0] * VL)
+        roff, rcs = win.part(b, win.split(b, row, win.rows))
+        i16, mt = ir.IntType(16), ir.VectorType(I1, VL)
+
+        def clamp(x, lo, hi):
+            x = b.select(b.icmp_signed("<", x, I64(lo)), I64(lo), x)
+            return b.select(b.icmp_signed(">", x, I64(hi)), I64(hi), x)
+
+        def bits(n):   # the first n of 16 lanes (0 <= n <= 16)
+            return b.sub(b.shl(I32(1), b.trunc(n, I32)), I32(1))
+
+        with for_range(b, I64(0), b.load(self.count, typ=I64), "seg") as s:
+            o = b.load(self.at(b, 0, s), typ=I64)
+            seg = b.load(self.at(b, 1, s), typ=I64)
+            base = b.add(roff, b.load(self.at(b, 2, s), typ=I64))
+            # a condition without `run` holds for the whole segment or not at all; one
+            # with `run` (coefficient +-1) bounds the lanes where it holds: [lo, hi)
+            scalar, lo, hi = ir.Constant(I1, 1), I64(0), seg
+            for i, (c, rc) in enumerate(zip(win.conds, rcs)):
+                v = b.add(rc, b.load(self.at(b, 3 + i, s), typ=I64))
+                k = c.ix.coef(win.run)
+                if k == 0:
+                    scalar = b.and_(scalar, b.icmp_signed(c.op, v, I64(0)))
+                elif (k, c.op) == (1, ">="):
+                    lo = b.select(b.icmp_signed(">", b.neg(v), lo), b.neg(v), lo)
+                elif (k, c.op) == (1, "<"):
+                    hi = b.select(b.icmp_signed("<", b.neg(v), hi), b.neg(v), hi)
+                elif (k, c.op) == (-1, ">="):
+                    hi = b.select(b.icmp_signed("<", b.add(v, I64(1)), hi), b.add(v, I64(1)), hi)
+                else:   # (-1, "<")
+                    lo = b.select(b.icmp_signed(">", b.add(v, I64(1)), lo), b.add(v, I64(1)), lo)
+            hi = b.select(scalar, hi, I64(0))
+            with for_range(b, I64(0), b.sdiv(b.add(seg, I64(VL - 1)), I64(VL)), "sv") as t:
+                lane0 = b.mul(t, I64(VL))
+                keep = bits(clamp(b.sub(seg, lane0), 0, VL))
+                ok = b.and_(bits(clamp(b.sub(hi, lane0), 0, VL)), b.not_(bits(clamp(b.sub(lo, lane0), 0, VL))))
+                keep_m = b.bitcast(b.trunc(keep, i16), mt)
+                ok_m = b.bitcast(b.trunc(ok, i16), mt)
+                x = b.call(load_fn, [b.gep(src, [b.add(base, lane0)], source_etype=f32), I32(4), ok_m, zero_v])
+                b.call(store_fn, [x, b.gep(dst, [b.add(o, lane0)], source_etype=f32), I32(4), keep_m])
 
 
-def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | None = None,
+def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
                depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
                frame=None) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
@@ -182,7 +228,7 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
     if window is not None and window.role == "a":
         apack = entry.alloca(f32, size=I64(depth * rows), name="apack")
         apack.align = 64
-    tmp = (entry.alloca(I64, name="seg.o"), entry.alloca(I64, name="seg.pos")) if window is not None else None
+    segs = _Segments(entry, window, cols if window.role == "b" else depth) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -208,14 +254,20 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
             kd = smin(I64(depth), b.sub(K, k0))
             kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
             add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
+            if apack is not None:
+                segs.build(b, b.add(col0, k0), kd)   # this K block's columns of the window
             if window is not None and window.role == "b":
                 # the window's block: each packed row zeroed, then filled from the source
+                with b.if_then(b.icmp_signed("==", kb, I64(0))):
+                    segs.build(b, b.add(col0, j0), width)   # the same columns for every K block
                 with for_range(b, I64(0), kd, "pw") as p:
                     dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                    for c in range(vecs):
-                        b.store(zero_v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                align=64)
-                    _fill(b, window, pb, b.add(row0, b.add(k0, p)), b.add(col0, j0), width, dst, tmp)
+                    with b.if_then(b.icmp_signed("<", width, I64(cols))):
+                        for c in range(vecs):
+                            b.store(zero_v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32),
+                                                      vt.as_pointer()), align=64)
+                    if not __import__("os").environ.get("NOFILL"):
+                        segs.fill(b, pb, b.add(row0, b.add(k0, p)), dst)
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
@@ -231,7 +283,7 @@ def own_kernel(mod: ir.Module, rows: int = 8, vecs: int = 2, home: ir.Module | N
                     arow = []
                     for r in range(rows):
                         dst = b.gep(apack, [I64(r * depth)], source_etype=f32)
-                        _fill(b, window, pa, b.add(row0, rix[r]), b.add(col0, k0), kd, dst, tmp)
+                        segs.fill(b, pa, b.add(row0, rix[r]), dst)
                         arow.append(dst)
                 else:
                     arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]

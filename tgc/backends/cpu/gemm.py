@@ -81,6 +81,8 @@ from tgc.options import Options
 # Capacity (elements) of the stack buffer a small tile's B' is packed into when its
 # Q is not contiguous; a tile with more R x Q elements than this goes to BLAS.
 PACK_ELEMS = 4096
+import os
+WIN_ROWS, WIN_VECS = int(os.environ.get("WR", 8)), int(os.environ.get("WV", 2))  # EXPERIMENT
 ROWS = 4          # rows of C' per register block of the small-tile kernel
 LOOP_COLS = 2     # vectors of columns per block of the blocked loops (`loops_kernel`)
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
@@ -100,8 +102,15 @@ BATCH_TASKS = 16  # a product batched at least this many times is shared untiled
 def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options) -> bool:
     """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
     than cblas: a real f32 product of f32 operands, `options.cpu.own_gemm` "on", or
-    "auto" where the host has AVX-512 (the kernel's 16-lane vectors). Its tiles then
-    go to it when A' (the normalized product's left operand) has its K contiguous."""
+    "auto" where the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes
+    to it when A' (the normalized product's left operand) has its K contiguous, B' its
+    columns (the kernel packs B' with vector loads; by gathers it lost to OpenBLAS),
+    and the tile is wide and short: at least `own_gemm_min_cols` columns and at most
+    `own_gemm_max_rows` rows of C'. Measured on the 2-core Zen 5 (one thread, min of
+    200 calls, GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per image)
+    181 / 161, 96 x 1024 x 64 182 / 144, 32 x 1024 x 288 164 / 107, 256 x 1024 x 288
+    207 / 192; but 178 x 64 x 64 129 / 195, 64 x 256 x 64 142 / 163, 1024^3 179 / 181,
+    and 288 x 64 x 1024 with B' strided (gathered) 124 / 172."""
     mode = options.cpu.own_gemm
     if mode == "off" or k.cplx is not None or low.dtype != "f32":
         return False
@@ -189,7 +198,8 @@ class GemmGen:
         self.R = fa[1]
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
         a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
-        self.own = uses_own_gemm(low, k, options) and a_k_unit
+        b_q_unit = self.forms["b"][2] if not self.flip else not fa[2]   # B' has its columns contiguous
+        self.own = uses_own_gemm(low, k, options) and a_k_unit and (b_q_unit or implicit is not None)
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)
@@ -601,9 +611,20 @@ class GemmGen:
         """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`
         "system" or "none" (a built library, whose caller may give no BLAS), cblas
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
-        if self.own:
-            self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+        if self.own:   # wide tiles of few rows run the own kernel (see `uses_own_gemm`)
+            b = self.b
+            wide = b.and_(b.icmp_signed(">=", n, I64(self.opt.cpu.own_gemm_min_cols)),
+                          b.icmp_signed("<=", m, I64(self.opt.cpu.own_gemm_max_rows)))
+            with b.if_else(wide) as (then, otherwise):
+                with then:
+                    self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+                with otherwise:
+                    self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
+        self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+
+    def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """cblas, or the blocked loops where a built library's caller gave no BLAS."""
         if self.opt.cpu.blas == "numpy":
             self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
@@ -625,7 +646,7 @@ class GemmGen:
         name = self.name + ".own"
         if name not in self.mod.globals:
             module, edges = self.low.module, self.low.edges
-            own_kernel(self.mod, window=self.window, name=name,
+            own_kernel(self.mod, WIN_ROWS, WIN_VECS, window=self.window, name=name,
                        frame=lambda fn, dims: Frame(fn, module, dims, edges))
         return self.mod.globals[name]
 

@@ -192,6 +192,8 @@ def _window_ok(low: Lowered, g: LoopKernel) -> bool:
     for c in conds:
         if any(not isinstance(a, str) or not isinstance(k, int) for a, k in c.ix.terms) or c.op not in (">=", "<"):
             return False
+        if c.ix.coef(run) not in (0, 1, -1):   # the packer bounds the lanes where a condition holds
+            return False
     return True
 
 
@@ -234,6 +236,8 @@ def _cond_vars(g: LoopKernel) -> set[str]:
 
 def make_implicit(low: Lowered, options: Options) -> None:
     """In place: see the module's docstring."""
+    if not options.cpu.implicit_gemm:
+        return
     readers: dict[str, list[int]] = {}
     for i, k in enumerate(low.kernels):
         for r in k.buffers_read():
