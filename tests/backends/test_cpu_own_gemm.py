@@ -106,6 +106,9 @@ def test_kernel_sums_each_element_in_k_order_with_fused_multiply_adds(kernels):
     assert np.array_equal(C, acc)
 
 
+# the own kernel for every large tile, whatever its shape (the defaults keep it to wide, short ones)
+EVERY_TILE = dict(own_gemm_min_cols=1, own_gemm_max_rows=1 << 40, own_gemm_max_b_bytes=1 << 60)
+
 MATMUL = """
 dim b = 2
 dim i = {i}
@@ -122,21 +125,24 @@ out C = %0 : [{c}]
                                     ("b, k, i", "b, k, j", "b, j, i"), ("b, k, i", "b, j, k", "b, i, j")])
 @pytest.mark.parametrize("sizes", [(150, 260, 300), (67, 33, 1000), (300, 17, 70)])
 def test_products_with_own_gemm_match_numpy(orders, sizes):
-    """Every operand order (A' with K contiguous runs the own kernel, the others cblas),
-    tiles cut on two threads, against numpy in float64."""
+    """Every operand order (A' with K contiguous and B' with its columns contiguous runs
+    the own kernel, the others cblas), tiles cut on two threads, against numpy in
+    float64; the own kernel is in the code of the first order."""
     from tgc.ir.parser import parse_module
     from tgc.pipeline import compile_module
 
     a, b_, c = orders
     i, j, k = sizes
     prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
-                          Options(dtype="f32").with_(own_gemm="on", threads=2))
+                          Options(dtype="f32").with_(own_gemm="on", threads=2, **EVERY_TILE))
     rng = np.random.default_rng(0)
     n = {"b": 2, "i": i, "j": j, "k": k}
     shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
     A = rng.standard_normal(shape(a), dtype=np.float32)
     B = rng.standard_normal(shape(b_), dtype=np.float32)
     got = prog.run({"A": A, "B": B})["C"]
+    if orders[0] == "b, i, k" and orders[1] == "b, k, j":
+        assert "call void @tgc.gemm.own.f32" in prog.llvm_ir or "call void @\"tgc.gemm.own.f32" in prog.llvm_ir
     sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
     want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
@@ -163,16 +169,18 @@ out dK = grad(loss, K)
 """
 
 
+@pytest.mark.parametrize("implicit", [False, True])
 @pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv2d_odd"])
-def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, tmp_path):
-    """Values and both gradients of the benchmark convolutions (at a small batch) and
-    of an odd-sized padded 2-D one, own kernel against the f64 interpreter and against
-    the cblas path; on 1 and 2 threads the own kernel gives the same bits."""
+def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implicit, tmp_path):
+    """Values and both gradients of the benchmark convolutions (at batch 18: one tile
+    per signal or image) and of an odd-sized padded 2-D one, own kernel (and implicit
+    GEMMs) against the f64 interpreter and against the cblas path; on 1 and 2 threads
+    the same bits."""
     if case == "conv2d":
-        path, sizes = ROOT / "benchmarks/workloads/conv2d.tg", {"x": (3, 32, 32, 32), "dy": (3, 64, 32, 32),
+        path, sizes = ROOT / "benchmarks/workloads/conv2d.tg", {"x": (18, 32, 32, 32), "dy": (18, 64, 32, 32),
                                                                  "K": (64, 32, 3, 3)}
     elif case == "conv1d":
-        path, sizes = ROOT / "benchmarks/workloads/conv1d.tg", {"x": (3, 64, 200), "dy": (3, 64, 200),
+        path, sizes = ROOT / "benchmarks/workloads/conv1d.tg", {"x": (18, 64, 600), "dy": (18, 64, 600),
                                                                  "K": (64, 64, 5)}
     else:
         path = tmp_path / "odd.tg"
@@ -181,7 +189,8 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, tmp_pa
     arrays, off = conv_arrays(path, sizes)
     results = {}
     for threads in (1, 2):
-        prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="on", threads=threads))
+        prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=implicit,
+                                                                         threads=threads))
         assert "tgc.gemm.own" in prog.llvm_ir
         results[threads] = prog(**{k: v.copy() for k, v in arrays.items()})
     base = off(**{k: v.copy() for k, v in arrays.items()})
@@ -197,14 +206,14 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, tmp_pa
 
 
 def test_own_gemm_off_calls_cblas_only():
-    """`own_gemm="off"` generates no own kernel; "on" sends the benchmark conv2d's
-    three products to it: the input gradient's (the shared kernel) and the two that
+    """`own_gemm="off"` generates no own kernel (and no implicit GEMM); "on" with
+    `implicit_gemm` sends the benchmark conv2d's three products to it: the input gradient's (the shared kernel) and the two that
     read the window (each its own copy, packing the window: implicit.py)."""
     import re
 
     path = str(ROOT / "benchmarks/workloads/conv2d.tg")
-    off = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="off"))
-    on = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="on"))
+    off = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="off", implicit_gemm=True))
+    on = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))
     assert "tgc.gemm.own" not in off.llvm_ir and ".own" not in off.llvm_ir
     assert re.search(r"call void @\"?tgc\.gemm\.own\.f32", on.llvm_ir)
     assert len(re.findall(r'define [^\n]*@"tgc\.k\d+\.own"', on.llvm_ir)) == 2
@@ -237,14 +246,14 @@ out dK = grad(loss, K)
 
 
 def test_conv2d_windows_are_packed_not_stored():
-    """With the own kernel, the benchmark conv2d's window (9x the image) is no buffer:
+    """With implicit GEMMs, the benchmark conv2d's window (9x the image) is no buffer:
     two implicit GEMMs (y and dK) pack it from x, and the im2col loop is gone; the
-    workspace drops from 25.2 MB to the input gradient's partial. With it off, the
-    plan keeps the copy."""
+    workspace drops from 25.2 MB to the input gradient's partial. Without (the
+    default: measured slower), the plan keeps the copy."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
     text = (ROOT / "benchmarks/workloads/conv2d.tg").read_text()
-    on, off = lowered(text, own_gemm="on"), lowered(text, own_gemm="off")
+    on, off = lowered(text, own_gemm="on", implicit_gemm=True), lowered(text, own_gemm="on")
     imp = [k for k in on.kernels if isinstance(k, ImplicitGemm)]
     assert len(imp) == 2 and {k.source for k in imp} == {"x"}
     outs = {k.gemm.out for k in imp}
@@ -274,7 +283,7 @@ def test_implicit_plan_reads_back_verifies_and_interprets():
     from tgc.lower.text import parse_lowered
     from tgc.lower.verify import VerifyError, verify_lowered
 
-    low = lowered(PADDED_5X5, "f32", own_gemm="on")   # the own kernel is f32's
+    low = lowered(PADDED_5X5, "f32", own_gemm="on", implicit_gemm=True)   # the own kernel is f32's
     text = print_lowered(low)
     assert "implicit %" in text
     back = parse_lowered(text)
@@ -306,12 +315,13 @@ def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
     window packed by both implicit products (y: B', dK: A')."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
-    assert sum(isinstance(k, ImplicitGemm) for k in lowered(PADDED_5X5, own_gemm="on").kernels) == 2
+    assert sum(isinstance(k, ImplicitGemm) for k in lowered(PADDED_5X5, own_gemm="on", implicit_gemm=True).kernels) == 2
     rng = np.random.default_rng(6)
     arrays = {"x": rng.standard_normal((17, 24, 15, 21), dtype=np.float32),
               "dy": rng.standard_normal((17, 40, 15, 21), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
-    prog = tgc.compile(PADDED_5X5, options=Options(dtype="f32").with_(own_gemm="on", threads=threads))
+    prog = tgc.compile(PADDED_5X5, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True,
+                                                                      threads=threads))
     got = prog(**{k: v.copy() for k, v in arrays.items()})
     opts = Options(dtype="f64")
     module = pipeline.lower(compile_source(PADDED_5X5, "<test>", opts), opts).module
@@ -328,13 +338,14 @@ def test_strided_window_stays_a_copy():
 
     src = PADDED_5X5.replace("dim ho = h, wo = w", "dim ho = 8, wo = 11").replace(
         "w = wo + kw - 2", "w = 2*wo + kw - 2").replace("h = ho + kh - 2", "h = 2*ho + kh - 2")
-    low = lowered(src, own_gemm="on")
+    low = lowered(src, own_gemm="on", implicit_gemm=True)
     assert not any(isinstance(k, ImplicitGemm) for k in low.kernels)
     rng = np.random.default_rng(7)
     arrays = {"x": rng.standard_normal((3, 24, 15, 21), dtype=np.float32),
               "dy": rng.standard_normal((3, 40, 8, 11), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
-    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on"))(**{k: v.copy() for k, v in arrays.items()})
+    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))(
+        **{k: v.copy() for k, v in arrays.items()})
     opts = Options(dtype="f64")
     module = pipeline.lower(compile_source(src, "<test>", opts), opts).module
     want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")

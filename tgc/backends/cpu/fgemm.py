@@ -179,12 +179,13 @@ class _Segments:
             hi = b.select(scalar, hi, I64(0))
             with for_range(b, I64(0), b.sdiv(b.add(seg, I64(VL - 1)), I64(VL)), "sv") as t:
                 lane0 = b.mul(t, I64(VL))
-                keep = bits(clamp(b.sub(seg, lane0), 0, VL))
                 ok = b.and_(bits(clamp(b.sub(hi, lane0), 0, VL)), b.not_(bits(clamp(b.sub(lo, lane0), 0, VL))))
-                keep_m = b.bitcast(b.trunc(keep, i16), mt)
                 ok_m = b.bitcast(b.trunc(ok, i16), mt)
                 x = b.call(load_fn, [b.gep(src, [b.add(base, lane0)], source_etype=f32), I32(4), ok_m, zero_v])
-                b.call(store_fn, [x, b.gep(dst, [b.add(o, lane0)], source_etype=f32), I32(4), keep_m])
+                # a whole-vector store: lanes past the segment (zeros) land where a later
+                # segment or row is written, or in the buffer's slack. A masked store
+                # here made every later load wait for it (the packing took 3x longer)
+                b.store(x, b.bitcast(b.gep(dst, [b.add(o, lane0)], source_etype=f32), vt.as_pointer()), align=4)
 
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
@@ -222,11 +223,11 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         entry = ir.IRBuilder(fn.append_basic_block("entry"))
         body = fn.append_basic_block("body")
         b = ir.IRBuilder(body)
-    bpack = entry.alloca(f32, size=I64(depth * cols), name="bpack")
+    bpack = entry.alloca(f32, size=I64(depth * cols + VL), name="bpack")   # slack: see _Segments.fill
     bpack.align = 64
     apack = None
     if window is not None and window.role == "a":
-        apack = entry.alloca(f32, size=I64(depth * rows), name="apack")
+        apack = entry.alloca(f32, size=I64(depth * rows + VL), name="apack")
         apack.align = 64
     segs = _Segments(entry, window, cols if window.role == "b" else depth) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
@@ -266,8 +267,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                         for c in range(vecs):
                             b.store(zero_v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32),
                                                       vt.as_pointer()), align=64)
-                    if not __import__("os").environ.get("NOFILL"):
-                        segs.fill(b, pb, b.add(row0, b.add(k0, p)), dst)
+                    segs.fill(b, pb, b.add(row0, b.add(k0, p)), dst)
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
@@ -319,11 +319,17 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, l
 
     f32 = ir.FloatType()
     align = I32(4)
+    prefetch = b.module.globals.get("llvm.prefetch.p0") or ir.Function(
+        b.module, ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32]), "llvm.prefetch.p0")
     with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, strided):
         with contiguous:
             with for_range(b, I64(0), kd, "pv") as p:
                 src = b.gep(pb, [b.add(b.mul(b.add(k0, p), sbk), j0)], source_etype=f32)
                 dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                # the same row's next block of columns, read when the next block is packed:
+                # asked for now (rows a page or more apart defeat the hardware's prefetchers)
+                for c in range(vecs):
+                    b.call(prefetch, [b.gep(src, [I64(cols + c * VL)], source_etype=f32), I32(0), I32(2), I32(1)])
                 for c in range(vecs):
                     v = b.call(load_fn, [b.gep(src, [I64(c * VL)], source_etype=f32), align, masks[c], zero_v])
                     b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)

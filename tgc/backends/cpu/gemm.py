@@ -81,8 +81,6 @@ from tgc.options import Options
 # Capacity (elements) of the stack buffer a small tile's B' is packed into when its
 # Q is not contiguous; a tile with more R x Q elements than this goes to BLAS.
 PACK_ELEMS = 4096
-import os
-WIN_ROWS, WIN_VECS = int(os.environ.get("WR", 8)), int(os.environ.get("WV", 2))  # EXPERIMENT
 ROWS = 4          # rows of C' per register block of the small-tile kernel
 LOOP_COLS = 2     # vectors of columns per block of the blocked loops (`loops_kernel`)
 MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
@@ -106,11 +104,17 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options) -> bool:
     to it when A' (the normalized product's left operand) has its K contiguous, B' its
     columns (the kernel packs B' with vector loads; by gathers it lost to OpenBLAS),
     and the tile is wide and short: at least `own_gemm_min_cols` columns and at most
-    `own_gemm_max_rows` rows of C'. Measured on the 2-core Zen 5 (one thread, min of
-    200 calls, GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per image)
-    181 / 161, 96 x 1024 x 64 182 / 144, 32 x 1024 x 288 164 / 107, 256 x 1024 x 288
-    207 / 192; but 178 x 64 x 64 129 / 195, 64 x 256 x 64 142 / 163, 1024^3 179 / 181,
-    and 288 x 64 x 1024 with B' strided (gathered) 124 / 172."""
+    `own_gemm_max_rows` rows of C', and B' of at most `own_gemm_max_b_bytes` (it then
+    stays in L2 while its blocks are packed; OpenBLAS streams a larger one better).
+    Measured on the 2-core Zen 5 (one thread, min of 200 calls of one product, its
+    operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
+    image) 181 / 161, 96 x 1024 x 64 182 / 144, 32 x 1024 x 288 164 / 107, 256 x 1024
+    x 288 207 / 192; but 178 x 64 x 64 129 / 195, 64 x 256 x 64 142 / 163, 1024^3 179 /
+    181, and 288 x 64 x 1024 with B' strided (gathered) 124 / 172. Inside conv2d, whose
+    output product reads a 1.2 MB window per image from memory, OpenBLAS was faster
+    (min Mcycles over 100 calls, one thread: 11.1 against 12.9 with the own kernel's
+    prefetches, 14.1 without); its input-gradient product (256 KB of dy per call) 10.5
+    against 9.9."""
     mode = options.cpu.own_gemm
     if mode == "off" or k.cplx is not None or low.dtype != "f32":
         return False
@@ -613,8 +617,9 @@ class GemmGen:
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
         if self.own:   # wide tiles of few rows run the own kernel (see `uses_own_gemm`)
             b = self.b
-            wide = b.and_(b.icmp_signed(">=", n, I64(self.opt.cpu.own_gemm_min_cols)),
-                          b.icmp_signed("<=", m, I64(self.opt.cpu.own_gemm_max_rows)))
+            o = self.opt.cpu
+            wide = b.and_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), b.icmp_signed("<=", m, I64(o.own_gemm_max_rows)))
+            wide = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
             with b.if_else(wide) as (then, otherwise):
                 with then:
                     self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
@@ -646,7 +651,7 @@ class GemmGen:
         name = self.name + ".own"
         if name not in self.mod.globals:
             module, edges = self.low.module, self.low.edges
-            own_kernel(self.mod, WIN_ROWS, WIN_VECS, window=self.window, name=name,
+            own_kernel(self.mod, window=self.window, name=name,
                        frame=lambda fn, dims: Frame(fn, module, dims, edges))
         return self.mod.globals[name]
 

@@ -33,8 +33,9 @@ class CpuOptions:
     bf16_gemm_min_flops: int = 1 << 24       # ... for products of at least these flops (symbolic dims at rep_size); smaller ones run sgemm on f32 (GPT's 704 x 48 x 192 products were slower as bf16 GEMMs: packing per call)
     own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas)
     own_gemm_min_cols: int = 512             # ... for tiles of at least this many columns of C' (the normalized product) ...
-    own_gemm_max_rows: int = 256             # ... and at most this many rows (wide, short tiles: convolutions' channels x positions)
-    implicit_gemm: bool = True              # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py)
+    own_gemm_max_rows: int = 256             # ... and at most this many rows (wide, short tiles: convolutions' channels x positions) ...
+    own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
+    implicit_gemm: bool = False              # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, but measured slower, so off
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
 
     def with_(self, **changes) -> "CpuOptions":
