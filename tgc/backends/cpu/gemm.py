@@ -97,7 +97,7 @@ TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
 
-def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options) -> bool:
+def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
     """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
     than cblas: a real f32 product of f32 operands, `options.cpu.own_gemm` "on", or
     "auto" where the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes
@@ -118,13 +118,29 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options) -> bool:
     mode = options.cpu.own_gemm
     if mode == "off" or k.cplx is not None or low.dtype != "f32":
         return False
-    if any(low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
+    if any(low.buffers.get(n) is None or low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
         return False
-    if mode == "auto":
-        from tgc.backends.cpu.llvm_env import has_feature
+    if window:   # an implicit GEMM (implicit.py checks its operands): any shape
+        return mode == "on" or _has_avx512()
+    f = _forms(low, k)
+    flip = not f["c"][2]
+    a_k_unit = f["a"][2] if not flip else not f["b"][2]
+    b_q_unit = f["b"][2] if not flip else not f["a"][2]
+    if not (a_k_unit and b_q_unit):
+        return False
+    cols = 1   # C' columns, when all their sizes are fixed: fewer than the bound never run it
+    for e in (f["c"][1] if not flip else f["c"][0]):
+        s = low.size(e)
+        cols = cols * s if isinstance(s, int) and cols is not None else None
+    if cols is not None and cols < options.cpu.own_gemm_min_cols:
+        return False
+    return mode == "on" or _has_avx512()
 
-        return has_feature("avx512f")
-    return True
+
+def _has_avx512() -> bool:
+    from tgc.backends.cpu.llvm_env import has_feature
+
+    return has_feature("avx512f")
 
 
 def _control(fn: ir.Function) -> None:
@@ -203,7 +219,8 @@ class GemmGen:
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
         a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
         b_q_unit = self.forms["b"][2] if not self.flip else not fa[2]   # B' has its columns contiguous
-        self.own = uses_own_gemm(low, k, options) and a_k_unit and (b_q_unit or implicit is not None)
+        self.own = uses_own_gemm(low, k, options, window=implicit is not None) and a_k_unit \
+            and (b_q_unit or implicit is not None)
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)

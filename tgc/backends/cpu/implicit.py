@@ -205,7 +205,7 @@ def _reader_ok(low: Lowered, k, window: str, g: LoopKernel, options: Options) ->
         return False
     if (k.a.buf == window) == (k.b.buf == window) or k.shifts or k.out == window:
         return False
-    if not uses_own_gemm(low, k, options):
+    if not uses_own_gemm(low, k, options, window=True):
         return False
     role = "a" if k.a.buf == window else "b"
     view = k.a if role == "a" else k.b
