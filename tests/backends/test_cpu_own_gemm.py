@@ -156,7 +156,7 @@ def conv_arrays(path, sizes, seed=1):
 
 CONV2D_ODD = """
 dim batch
-dim cin = 32, cout = 64, h = 17, w = 23, kh = 3, kw = 3
+dim cin = 32, cout = 64, h = 23, w = 29, kh = 3, kw = 3
 dim ho = h, wo = w
 input  x[batch, cin, h, w]
 input  dy[batch, cout, ho, wo]
@@ -185,7 +185,7 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implic
     else:
         path = tmp_path / "odd.tg"
         path.write_text(CONV2D_ODD)
-        sizes = {"x": (18, 32, 17, 23), "dy": (18, 64, 17, 23), "K": (64, 32, 3, 3)}
+        sizes = {"x": (18, 32, 23, 29), "dy": (18, 64, 23, 29), "K": (64, 32, 3, 3)}
     arrays, off = conv_arrays(path, sizes)
     results = {}
     for threads in (1, 2):
