@@ -89,6 +89,24 @@ def test_a_huge_dim_on_the_command_line_is_exit_3(batch):
     assert "Traceback" not in r.stderr and "internal compiler error" not in r.stderr
 
 
+@pytest.mark.parametrize("source, line, col, what", [
+    ("dim n = 4611686018427387904\ninput x[n]\nout y = x * 2\n", 2, 7, "input 'x'"),
+    ("dim n = 2305843009213693952\nparam w: f64[n]\nout y = w * 2\n", 2, 7, "param 'w'"),
+    ("dim n = 3037000500\ninput x[n]\ninput y[m: n]\nout z = x * y\n", 4, 5, "output 'z'"),
+])
+def test_a_tensor_of_fixed_sizes_over_2_62_bytes_is_a_source_error(tmp_path, source, line, col, what):
+    """No call could run such a tensor, so `tgc check` reports it where it is declared
+    (before, check passed and every run failed with exit 3)."""
+    src = tmp_path / "huge.tg"
+    src.write_text(source)
+    r = tgc_cli("check", src)
+    assert r.returncode == 1, r.stderr
+    assert f"huge.tg:{line}:{col}: error: {what} would take more than 2^62 bytes" in r.stderr
+    ok = tmp_path / "ok.tg"   # 2^60 f32 elements: exactly 2^62 bytes, which fits
+    ok.write_text("dim n = 1152921504606846976\ninput x[n]\nout y = x * 2\n")
+    assert tgc_cli("check", ok).returncode == 0
+
+
 def _build(tmp_path, source, name):
     import shutil
 

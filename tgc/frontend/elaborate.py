@@ -23,6 +23,7 @@ from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.dtypes import TYPES
 from tgc.ir.module import Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, size_op, size_str
 from tgc.options import Options
@@ -192,9 +193,25 @@ class ProgramBuilder:
             order.append(edge)
         if d.dtype in COMPLEX_DTYPES:   # interleaved parts: a last edge of size 2 (tgc/frontend/complexes.py)
             order.append(ensure_edge(self.m))
+        self.check_fixed_bytes(f"{d.kind} '{d.name}'", order, dtype, d.loc)
         self.scope.declare(d.name, "tensor", d.loc)
         self.m.args[d.name] = Arg(d.name, d.kind, dtype, tuple(order), d.loc)
         self.scope.tensors[d.name] = V.arg(d.name, dtype, order, d.loc)
+
+    def check_fixed_bytes(self, what: str, edges, dtype: str, loc: Loc | None) -> None:
+        """A tensor whose every edge has a fixed size must fit the size limit (2^62
+        bytes, the one the runtime enforces on each call): otherwise no call could
+        ever run, so it is the source's error, reported where the tensor is declared."""
+        sizes = [self.m.size(e) for e in edges]
+        if not all(isinstance(s, int) for s in sizes):
+            return
+        count = 1
+        for s in sizes:
+            count *= s
+        if count * (TYPES[dtype].bits // 8) > MAX_SIZE:
+            shape = " x ".join(str(s) for s in sizes)
+            raise CompileError(f"{what} would take more than 2^62 bytes ({shape} {dtype} elements; "
+                               f"the size limit)", loc)
 
     def edge_spec(self, spec: ast.EdgeSpec) -> str:
         if spec.dim is None:
@@ -250,6 +267,7 @@ class ProgramBuilder:
             self.scope.tensors[o.name] = value
         if value.dtype == "i32":
             raise CompileError("outputs are float tensors; an i32 tensor cannot be an output", o.loc)
+        self.check_fixed_bytes(f"output '{o.name}'", value.edges, value.dtype, o.loc)
         self.m.outputs.append(Output(o.name, value, self.output_order(o, value), o.loc))
 
     def output_order(self, o: ast.Out, value: V.Value) -> tuple[str, ...]:
