@@ -1,5 +1,5 @@
 """The generated f32 GEMM (AVX-512): tgc's own register-blocked kernel for the tiles
-that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `use_own`).
+that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm.uses_own_gemm`).
 
     void tgc.gemm.own.f32.bR.vV(i64 M, i64 N, i64 K, float* A, i64 sAm, i64 sAk,
                                 float* B, i64 sBk, i64 sBn, float* C, i64 ldc, i32 accumulate)
@@ -12,7 +12,14 @@ contiguous, gathers when not), so the inner loop reads it with aligned whole-vec
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in
 registers: each step loads the V vectors of the packed row and, per row, broadcasts
 A[i, k] and takes V fused multiply-adds. A K block after the first adds into C; rows
-past M read row M - 1 and store nothing (as `bf16_kernel` does).
+past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V = 4 x 4 by
+default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5).
+
+An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
+(`Window`) from the window's source instead of reading a stored buffer: B' block by
+block as above, or A''s rows for each block of R rows, each row segment by segment
+(`_Segments`); it takes `i64* dims, i64 row0, i64 col0` more (the dims for sizes,
+where in the window matrix the tile starts).
 
 Exact as a GEMM may be: each element of C is one f32 sum over K in K's order, fused
 multiply-adds (a contraction's sum may be reassociated and contracted, and this one
