@@ -39,7 +39,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tgc.ir.passes import Pass
-from tgc.ir.sizes import Size
 from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, matrix_form, rename_buffers
 from tgc.options import Options
 
