@@ -276,7 +276,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                                                       vt.as_pointer()), align=64)
                     segs.fill(b, pb, b.add(row0, b.add(k0, p)), dst)
             else:
-                _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
+                _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
             init_mask = _splat(b, add_c, mt)
             with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
@@ -319,9 +319,11 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     return fn
 
 
-def _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, load_fn, gather, zero_v, it, vt):
+def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather, zero_v,
+            it, vt):
     """B's block: one packed row of `cols` floats per K (zeros past N): masked vector
-    loads when B's columns are contiguous, gathers when not."""
+    loads when B's columns are contiguous, transposed 16 x 16 squares when its K is,
+    gathers otherwise."""
     from tgc.backends.cpu.gemm import _splat
 
     f32 = ir.FloatType()
@@ -341,12 +343,55 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, cols, vecs, masks, bpack, lane_bytes, l
                     v = b.call(load_fn, [b.gep(src, [I64(c * VL)], source_etype=f32), align, masks[c], zero_v])
                     b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)
         with strided:
-            base = b.ptrtoint(pb, I64)
-            with for_range(b, I64(0), kd, "pg") as p:
-                row = b.add(base, b.mul(b.add(b.mul(b.add(k0, p), sbk), b.mul(j0, sbn)), I64(4)))
-                dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                for c in range(vecs):
-                    at = b.add(row, b.mul(sbn, I64(4 * c * VL)))
-                    ptrs = b.inttoptr(b.add(_splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
-                    v = b.call(gather, [ptrs, align, masks[c], zero_v])
-                    b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)
+            with b.if_else(b.icmp_signed("==", sbk, I64(1))) as (transposed, scattered):
+                with transposed:
+                    _pack_transposed(b, pb, sbn, k0, kd, j0, width, cols, vecs, bpack, load_fn, zero_v, vt)
+                with scattered:
+                    base = b.ptrtoint(pb, I64)
+                    with for_range(b, I64(0), kd, "pg") as p:
+                        row = b.add(base, b.mul(b.add(b.mul(b.add(k0, p), sbk), b.mul(j0, sbn)), I64(4)))
+                        dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                        for c in range(vecs):
+                            at = b.add(row, b.mul(sbn, I64(4 * c * VL)))
+                            ptrs = b.inttoptr(b.add(_splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
+                            v = b.call(gather, [ptrs, align, masks[c], zero_v])
+                            b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                                    align=64)
+
+
+def _transpose16(b, rows):
+    """The 16 x 16 transpose of 16 vectors of 16 lanes: four rounds of interleaving
+    row m with row m + 8 (lanes 0-7 of each, then 8-15) transpose a 2^4 square."""
+    lo = ir.Constant(ir.VectorType(I32, VL), [x for i in range(8) for x in (i, i + VL)])
+    hi = ir.Constant(ir.VectorType(I32, VL), [x for i in range(8, 16) for x in (i, i + VL)])
+    for _ in range(4):
+        out = []
+        for m in range(8):
+            out += [b.shuffle_vector(rows[m], rows[m + 8], lo), b.shuffle_vector(rows[m], rows[m + 8], hi)]
+        rows = out
+    return rows
+
+
+def _pack_transposed(b, pb, sbn, k0, kd, j0, width, cols, vecs, bpack, load_fn, zero_v, vt):
+    """B's block when its K is contiguous (B' = a row-major matrix transposed): for
+    each 16 columns and 16 K, 16 masked vector loads along K, a transpose in
+    registers, 16 whole-vector stores of packed rows (gathers, 16 lines each, were
+    slower than OpenBLAS's packing)."""
+    from tgc.backends.cpu.gemm import _splat
+
+    f32 = ir.FloatType()
+    it = ir.VectorType(I64, VL)
+    iota = ir.Constant(it, list(range(VL)))
+    with for_range(b, I64(0), b.sdiv(b.add(kd, I64(VL - 1)), I64(VL)), "pt") as t:
+        kk0 = b.mul(t, I64(VL))
+        kmask = b.icmp_signed("<", iota, _splat(b, b.sub(kd, kk0), it))
+        for c in range(vecs):
+            rows = []
+            for i in range(VL):
+                col = c * VL + i
+                inside = _splat(b, b.icmp_signed("<", I64(col), width), ir.VectorType(I1, VL))
+                at = b.gep(pb, [b.add(b.add(k0, kk0), b.mul(b.add(j0, I64(col)), sbn))], source_etype=f32)
+                rows.append(b.call(load_fn, [at, I32(4), b.and_(kmask, inside), zero_v]))
+            for kk, v in enumerate(_transpose16(b, rows)):
+                dst = b.gep(bpack, [b.add(b.mul(b.add(kk0, I64(kk)), I64(cols)), I64(c * VL))], source_etype=f32)
+                b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)

@@ -74,6 +74,8 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import Window, own_kernel
+
+OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
 from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
@@ -99,22 +101,23 @@ BATCH_TASKS = 16  # a product batched at least this many times is shared untiled
 
 def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
     """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
-    than cblas: a real f32 product of f32 operands, `options.cpu.own_gemm` "on", or
-    "auto" where the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes
-    to it when A' (the normalized product's left operand) has its K contiguous, B' its
-    columns (the kernel packs B' with vector loads; by gathers it lost to OpenBLAS),
-    and the tile is wide and short: at least `own_gemm_min_cols` columns and at most
-    `own_gemm_max_rows` rows of C', and B' of at most `own_gemm_max_b_bytes` (it then
-    stays in L2 while its blocks are packed; OpenBLAS streams a larger one better).
+    than cblas: a real f32 product of f32 operands whose A' (the normalized product's
+    left operand) has its K contiguous, `options.cpu.own_gemm` "on", or "auto" where
+    the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes to it when
+    it has at least `own_gemm_min_cols` columns of C', or sums at least
+    `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
+    narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
+    while its blocks are packed; OpenBLAS streams a larger one from memory better).
     Measured on the 2-core Zen 5 (one thread, min of 200 calls of one product, its
     operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
-    image) 181 / 161, 96 x 1024 x 64 182 / 144, 32 x 1024 x 288 164 / 107, 256 x 1024
-    x 288 207 / 192; but 178 x 64 x 64 129 / 195, 64 x 256 x 64 142 / 163, 1024^3 179 /
-    181, and 288 x 64 x 1024 with B' strided (gathered) 124 / 172. Inside conv2d, whose
-    output product reads a 1.2 MB window per image from memory, OpenBLAS was faster
-    (min Mcycles over 100 calls, one thread: 11.1 against 12.9 with the own kernel's
-    prefetches, 14.1 without); its input-gradient product (256 KB of dy per call) 10.5
-    against 9.9."""
+    image) 183 / 166, 96 x 1024 x 64 182 / 144, 288 x 64 x 1024 with B' transposed
+    (conv2d's kernel gradient) 207-220 / 179-193, 178 x 64 x 1024 199 / 160, 178 x
+    192 x 256 202 / 172; but with 64 terms 178 x 64 x 64 133 / 202, 64 x 192 x 64
+    130 / 205, and 1024^3 179 / 181. Inside conv2d, whose output product reads a
+    1.2 MB window per image from memory, OpenBLAS was faster (11.1 against 12.9
+    Mcycles), hence the bound on B'. What the layout fixes (contiguity; C' columns
+    and K of fixed size) is checked here, so a program whose products can never run
+    the kernel does not compile it; the tile sizes at run time."""
     mode = options.cpu.own_gemm
     if mode == "off" or k.cplx is not None or low.dtype != "f32":
         return False
@@ -124,15 +127,20 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
         return mode == "on" or _has_avx512()
     f = _forms(low, k)
     flip = not f["c"][2]
-    a_k_unit = f["a"][2] if not flip else not f["b"][2]
-    b_q_unit = f["b"][2] if not flip else not f["a"][2]
-    if not (a_k_unit and b_q_unit):
+    if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
         return False
-    cols = 1   # C' columns, when all their sizes are fixed: fewer than the bound never run it
-    for e in (f["c"][1] if not flip else f["c"][0]):
-        s = low.size(e)
-        cols = cols * s if isinstance(s, int) and cols is not None else None
-    if cols is not None and cols < options.cpu.own_gemm_min_cols:
+
+    def fixed(edges):
+        n = 1
+        for e in edges:
+            s = low.size(e)
+            if not isinstance(s, int):
+                return None
+            n *= s
+        return n
+    cols, depth = fixed(f["c"][1] if not flip else f["c"][0]), fixed(f["a"][1])
+    if cols is not None and cols < options.cpu.own_gemm_min_cols and (
+            cols < OWN_COLS or depth is not None and depth < options.cpu.own_gemm_min_depth):
         return False
     return mode == "on" or _has_avx512()
 
@@ -218,9 +226,7 @@ class GemmGen:
         self.R = fa[1]
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
         a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
-        b_q_unit = self.forms["b"][2] if not self.flip else not fa[2]   # B' has its columns contiguous
-        self.own = uses_own_gemm(low, k, options, window=implicit is not None) and a_k_unit \
-            and (b_q_unit or implicit is not None)
+        self.own = uses_own_gemm(low, k, options, window=implicit is not None) and a_k_unit
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)
@@ -632,10 +638,11 @@ class GemmGen:
         """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`
         "system" or "none" (a built library, whose caller may give no BLAS), cblas
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
-        if self.own:   # wide tiles of few rows run the own kernel (see `uses_own_gemm`)
+        if self.own:   # deep or wide tiles whose B' fits in L2 run the own kernel (see `uses_own_gemm`)
             b = self.b
             o = self.opt.cpu
-            wide = b.and_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), b.icmp_signed("<=", m, I64(o.own_gemm_max_rows)))
+            deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
+            wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
             wide = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
             with b.if_else(wide) as (then, otherwise):
                 with then:
