@@ -2,6 +2,7 @@
 
     python benchmarks/lowp.py            # both rows, 15 samples each (min and median reported)
     python benchmarks/lowp.py --quick    # 5 samples
+    python benchmarks/lowp.py --threads 1 --only gemm,gpt --repeat 25   # one thread (less noise when loaded)
 
 Rows:
 - `matmul`: one product C = A @ B of 1024 x 1024 bf16 matrices (f32 result): tgc with
@@ -16,8 +17,9 @@ Rows:
 Each contender's samples are interleaved (A B C D A B C D ...); a sample is the mean of
 enough calls to last ~50 ms; the table gives the minimum and the median in ms. tgc's
 autocast rounds the products' operands to bf16, stores them in 2 bytes and runs its
-bf16 GEMM on them where the CPU has AVX-512 BF16 and the product has at least 2^24
-flops ("tgc autocast bf16"; smaller products run sgemm on f32), or widens them
+bf16 GEMM on them where the CPU has AVX-512 BF16 and the product has at least 2^20
+flops summed over at least 64 elements ("tgc autocast bf16"; other products run sgemm
+on f32), or widens them
 to f32 for sgemm ("... sgemm": `CpuOptions(bf16_gemm="off")`, docs/dtypes.md);
 PyTorch's CPU autocast runs oneDNN bf16 GEMMs.
 """
@@ -117,15 +119,62 @@ def sample(fn, ms=50.0):
             return t / n * 1e3
 
 
+def kernel_rows(only: str, calls: int) -> None:
+    """The `gemm` and `gpt` rows as time-stamp-counter cycles per kernel
+    (`Program.profile()`), one thread, f32 and autocast bf16 compiled side by side and
+    called in turn `calls` times; each kernel's minimum over the calls, summed, split
+    into GEMMs, rounding loops (a loop whose whole body is `round_bf16` of a load) and
+    the rest. Less noisy than times on a loaded machine: a kernel's minimum is taken
+    over calls in the same minutes for every contender."""
+    import re
+
+    rng = np.random.default_rng(0)
+    print(f"| row | contender | all kernels Mcyc | GEMMs | rounding loops | other | kernels |   (min of {calls} calls)")
+    print("|---|---|---|---|---|---|---|")
+    for row in only.split(","):
+        if row == "matmul":
+            continue
+        src, inputs = (GEMM_TG, gemm_inputs(rng)) if row == "gemm" else gpt_setup(rng)
+        progs = {}
+        for name, extra in (("tgc f32", {}), ("tgc autocast bf16", {"autocast": "bf16"})):
+            cpu = tgc.Options().cpu.with_(threads=1, profile=True)
+            prog = tgc.compile(src, options=tgc.Options(cpu=cpu, **extra))
+            own = {k: np.copy(v) for k, v in inputs.items()}
+            prog(**own)
+            prog.profile(reset=True)
+            progs[name] = (prog, own, {})
+        for _ in range(calls):
+            for prog, own, best in progs.values():
+                prog(**own)
+                for cycles, i, line in prog.profile(reset=True):
+                    best[i] = (min(best.get(i, (cycles, line))[0], cycles), line)
+        for name, (_, _, best) in progs.items():
+            split = {"gemm": 0, "round": 0, "other": 0}
+            for cycles, line in best.values():
+                kind = ("gemm" if line.startswith("gemm") else
+                        "round" if re.fullmatch(r"loop %\w+\[[^\]]*\] = round_bf16\(%\w+\[[^\]]*\]\)", line) else "other")
+                split[kind] += cycles
+            total = sum(split.values())
+            print(f"| {row} | {name} | {total / 1e6:.2f} | {split['gemm'] / 1e6:.2f} | {split['round'] / 1e6:.2f} "
+                  f"| {split['other'] / 1e6:.2f} | {len(best)} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", default="matmul,gemm,gpt")
+    p.add_argument("--threads", type=int, default=2, help="threads of tgc and torch (default 2)")
+    p.add_argument("--repeat", type=int, default=None, help="samples per contender (default 15, 5 with --quick)")
+    p.add_argument("--kernels", action="store_true",
+                   help="per-kernel cycles instead of times (gemm and gpt rows, one thread; see kernel_rows)")
     args = p.parse_args(argv)
-    repeat = 5 if args.quick else 15
+    repeat = args.repeat or (5 if args.quick else 15)
+    if args.kernels:
+        return kernel_rows(args.only, args.repeat or 40)
     rng = np.random.default_rng(0)
     rows = []
-    sgemm = tgc.Options().cpu.with_(bf16_gemm="off")
+    cpu = tgc.Options().cpu.with_(threads=args.threads)
+    sgemm = cpu.with_(bf16_gemm="off")
     for row in args.only.split(","):
         contenders = {}
         if row == "matmul":
@@ -133,15 +182,15 @@ def main(argv=None):
             f32 = {k: v.astype(np.float32) for k, v in inputs.items()}
             for name, src, opts, given in (
                     ("tgc f32", MATMUL_TG.replace("bf16", "f32").replace("f32(a) @ f32(b)", "a @ b"),
-                     tgc.Options(), f32),
-                    ("tgc bf16", MATMUL_TG, tgc.Options(), inputs),
+                     tgc.Options(cpu=cpu), f32),
+                    ("tgc bf16", MATMUL_TG, tgc.Options(cpu=cpu), inputs),
                     ("tgc bf16 sgemm", MATMUL_TG, tgc.Options(cpu=sgemm), inputs)):
                 prog = tgc.compile(src, options=opts)
                 contenders[name] = lambda prog=prog, given=given: prog(**given)
             try:
                 import torch
 
-                torch.set_num_threads(2)
+                torch.set_num_threads(args.threads)
                 contenders["torch f32"] = torch_matmul(inputs, torch.float32)
                 contenders["torch bf16"] = torch_matmul(inputs, torch.bfloat16)
             except ImportError:
@@ -152,7 +201,7 @@ def main(argv=None):
         else:
             src, inputs = gpt_setup(rng)
         for name, opts in (() if src is None else
-                           (("tgc f32", tgc.Options()), ("tgc autocast bf16", tgc.Options(autocast="bf16")),
+                           (("tgc f32", tgc.Options(cpu=cpu)), ("tgc autocast bf16", tgc.Options(cpu=cpu, autocast="bf16")),
                             ("tgc autocast bf16 sgemm", tgc.Options(autocast="bf16", cpu=sgemm)))):
             prog = tgc.compile(src, options=opts)
             own = {k: np.copy(v) for k, v in inputs.items()}
@@ -161,7 +210,7 @@ def main(argv=None):
             try:
                 import torch
 
-                torch.set_num_threads(2)
+                torch.set_num_threads(args.threads)
                 contenders["torch f32"] = torch_gemm(inputs, False)
                 contenders["torch autocast bf16"] = torch_gemm(inputs, True)
             except ImportError:

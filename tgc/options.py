@@ -28,6 +28,7 @@ class Options:
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
     autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
+    autocast_min_flops: int = 0              # ... only products of at least these FLOPs (as tgc explain counts them; symbolic dims at rep_size); smaller ones keep their operands
     passes: tuple[str, ...] | None = None    # IR passes, each 'name' or 'name{field=value,...}'; None: the default pipeline
     stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, its own: the CPU's group, plan)
     opt_level: int = 2                       # -O0..-O3

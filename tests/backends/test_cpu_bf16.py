@@ -18,13 +18,14 @@ import pytest
 from click.testing import CliRunner
 
 import tgc
+from tgc.backends.cpu.gemm import bf16_product
 from tgc.backends.cpu.llvm_env import has_feature
 from tgc.backends.cpu.options import CpuOptions
 from tgc.frontend import compile_source
 from tgc.ir.dtypes import round_to
 from tgc.ir.interp import evaluate
 from tgc.lower.interp import run_lowered
-from tgc.lower.lowered import GemmKernel, LoopKernel
+from tgc.lower.lowered import GemmKernel, LoopKernel, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.manager import run_pipeline
 from tgc.options import Options
@@ -225,7 +226,7 @@ out y = max(x @ W + c, 0) * 2
 """
     rng = np.random.default_rng(3)
     x, W, c = (low_values(rng, s, "bf16") for s in ((64, 96), (96, 80), (80,)))
-    got = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm_min_flops=0)))(x=x, W=W, c=c)["y"]
+    got = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))(x=x, W=W, c=c)["y"]
     T = lambda a: torch.from_numpy(a.astype(np.float32)).bfloat16()  # noqa: E731
     want = (torch.relu(T(x) @ T(W) + T(c)) * 2).float().numpy()
     assert got.dtype == BF16
@@ -265,6 +266,9 @@ def f64_product(src, inputs):
     (("k, i", "j, k"), (16, 130, 600)),    # transposed operands, K over one block of 256
     (("i, k", "k, j"), (300, 200, 256)),   # large enough to be cut into tiles on threads
     (("i, k", "k, j"), (5, 3, 1)),         # K = 1
+    (("i, k", "j, k"), (37, 50, 257)),     # B's K contiguous (pairs gathered), K odd past a block
+    (("k, i", "k, j"), (300, 70, 45)),     # A's M contiguous: more rows than a packed panel
+    (("k, i", "j, k"), (520, 33, 301)),    # both transposed (a weight gradient's x^T dy), 3 panels
 ])
 def test_gemm_conversion_path_and_bf16_path_agree_with_f64(orders, sizes):
     src = gemm_program(*orders, sizes=sizes)
@@ -281,7 +285,7 @@ def test_gemm_conversion_path_and_bf16_path_agree_with_f64(orders, sizes):
     np.testing.assert_allclose(got_off, want, rtol=1e-5, atol=1e-6 * scale)
     if not HAS_BF16:
         pytest.skip("this CPU has no avx512bf16: the vdpbf16ps path is checked by its assembly only")
-    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1, bf16_gemm_min_flops=0)))
+    on = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm="auto", blas_min_flops=1, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
     assert any(isinstance(k, GemmKernel) and on.lowered.buffers[k.a.buf].dtype == "bf16"
                for k in on.lowered.kernels)
     assert "llvm.x86.avx512bf16.dpbf16ps.512" in on.llvm_ir
@@ -303,7 +307,7 @@ out c = f32(h) @ f32(w)
     want = np.einsum("bik,kj->bij", (2.0 * inputs["x"].astype(np.float64)) - inputs["x"].astype(np.float64),
                      inputs["w"].astype(np.float64))
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
+        p = tgc.compile(src, options=Options(cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
         np.testing.assert_allclose(p(**inputs)["c"], want, rtol=1e-5, atol=1e-4)
 
 
@@ -315,7 +319,7 @@ def test_bf16_gemm_code_for_sapphire_rapids_has_vdpbf16ps():
     from tgc.backends.cpu import codegen
 
     src = gemm_program(sizes=(64, 64, 64))
-    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
     low = lower_module(optimized(src, opts), opts)
     assert any(isinstance(k, GemmKernel) and low.buffers[k.a.buf].dtype == "bf16" for k in low.kernels)
     text = codegen.generate(low, opts)
@@ -340,10 +344,9 @@ def test_autocast_products_use_bf16_operands_and_match_the_conversion_path():
     a, b = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((96, 48)).astype(np.float32)
     want = round_to(a, "bf16").astype(np.float64) @ round_to(b, "bf16").astype(np.float64)
     for mode in ("off", "auto"):
-        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0)))
+        p = tgc.compile(src, options=Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1)))
         np.testing.assert_allclose(p(a=a, b=b)["c"], want, rtol=1e-5, atol=1e-4)
-        bf16_gemm = any(isinstance(k, GemmKernel) and p.lowered.buffers[k.a.buf].dtype == "bf16"
-                        for k in p.lowered.kernels)
+        bf16_gemm = any(isinstance(k, GemmKernel) and bf16_product(p.lowered, k) for k in p.lowered.kernels)
         assert bf16_gemm == (mode == "auto" and HAS_BF16)
 
 
@@ -385,8 +388,150 @@ def test_small_bf16_products_run_sgemm_on_their_f32_values():
     p = tgc.compile(src, options=Options(autocast="bf16"))
     gemms = [k for k in p.lowered.kernels if isinstance(k, GemmKernel)]
     assert gemms and all(p.lowered.buffers[v.buf].dtype == "f32" for k in gemms for v in (k.a, k.b))
+    assert not any(bf16_product(p.lowered, k) for k in gemms)
     assert not any("widened" in getattr(k, "note", "") for k in p.lowered.kernels)
     big = "dim m = 512, k = 256, n = 256\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
     q = tgc.compile(big, options=Options(autocast="bf16"))
-    kinds = {q.lowered.buffers[k.a.buf].dtype for k in q.lowered.kernels if isinstance(k, GemmKernel)}
-    assert kinds == ({"bf16"} if HAS_BF16 else {"f32"})
+    kinds = {bf16_product(q.lowered, k) for k in q.lowered.kernels if isinstance(k, GemmKernel)}
+    assert kinds == {HAS_BF16}
+
+
+# ---- bf16 GEMMs that round their f32 operands as they pack them ---------------------------
+
+AUTOCAST_MLP = """
+dim batch = 96, features = 160, hidden = 130, classes = 8
+input x[batch, features]
+input y[batch, classes]
+param W1[features, hidden]
+param W2[hidden, classes]
+input lr
+loss = mean[batch](cross_entropy[classes](tanh(x @ W1) @ W2, y))
+out loss
+update W1 = W1 - lr * grad(loss, W1)
+update W2 = W2 - lr * grad(loss, W2)
+"""
+
+
+def autocast_mlp_inputs(rng):
+    return {"x": rng.standard_normal((96, 160)).astype(np.float32),
+            "y": np.eye(8, dtype=np.float32)[rng.integers(0, 8, 96)],
+            "W1": (rng.standard_normal((160, 130)) * 0.1).astype(np.float32),
+            "W2": (rng.standard_normal((130, 8)) * 0.1).astype(np.float32), "lr": np.float32(0.1)}
+
+
+def rounding_opts(rounds: bool, mode: str = "auto") -> Options:
+    return Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=mode, bf16_gemm_min_flops=0, bf16_gemm_min_k=1, blas_min_flops=1,
+                                                   bf16_gemm_rounds=rounds))
+
+
+def test_autocast_gemms_read_the_f32_weights_and_inputs_rounding_as_they_pack():
+    """`--autocast bf16`: the weights' and the input's roundings are no loops of their own
+    (the bf16 GEMMs read the f32 buffers, `round_bf16(%W1[...])` in the lowered text);
+    the step has the bits of the lowering that stores the rounded copies."""
+    m = optimized(AUTOCAST_MLP, rounding_opts(True, "on"))
+    low = lower_module(m, rounding_opts(True, "on"))
+    old = lower_module(m, rounding_opts(False, "on"))
+    rounded = {v.buf for k in low.kernels if isinstance(k, GemmKernel)
+               for v, r in zip((k.a, k.b), k.rounded) if r}
+    assert {"x", "W1", "W2"} <= rounded
+    whole = [k for k in low.kernels if isinstance(k, LoopKernel) and "round_bf16(%W1" in k.text()]
+    assert not whole and any("round_bf16(%W1" in k.text() for k in old.kernels)
+    assert len(low.kernels) < len(old.kernels)
+    assert "= round_bf16(%W1[" in print_lowered(low) or "@ round_bf16(%W1[" in print_lowered(low)
+    verify_lowered(low)
+    # the lowered interpreter: the same bits as the rounded copies (bf16 values, f64 sums)
+    inputs = autocast_mlp_inputs(np.random.default_rng(3))
+    a = run_lowered(low, {k: np.copy(v) for k, v in inputs.items()})
+    b = run_lowered(old, {k: np.copy(v) for k, v in inputs.items()})
+    assert all(same_bits(a[k], b[k]) for k in b)
+    # and its text reads back
+    from tgc.lower.text import parse_lowered
+
+    back = parse_lowered(print_lowered(low))
+    assert [k.rounded for k in back.kernels if isinstance(k, GemmKernel)] == \
+        [k.rounded for k in low.kernels if isinstance(k, GemmKernel)]
+    c = run_lowered(back, {k: np.copy(v) for k, v in inputs.items()})
+    assert all(same_bits(a[k], c[k]) for k in a)
+    if not HAS_BF16:
+        pytest.skip("this CPU has no avx512bf16: the rounding packs are checked on the lowered program only")
+    got = tgc.compile(AUTOCAST_MLP, options=rounding_opts(True))(**{k: np.copy(v) for k, v in inputs.items()})
+    want = tgc.compile(AUTOCAST_MLP, options=rounding_opts(False))(**{k: np.copy(v) for k, v in inputs.items()})
+    for k in want:   # the same bf16 values in the same vdpbf16ps sums: the same bits
+        assert same_bits(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("orders", [("i, k", "k, j"), ("k, i", "j, k"), ("i, k", "j, k"), ("k, i", "k, j")])
+def test_bf16_gemm_rounding_f32_operands_gives_the_bits_of_rounded_copies(orders):
+    """Every packing path (rows or K of A contiguous; N or K of B contiguous; K odd; edge
+    rows and columns) on f32 operands with NaN, inf, ties and values that round up into
+    the exponent: the product of the rounded-as-packed operands has the bits of the
+    product of rounded copies."""
+    sizes = (37, 70, 263)
+    src = gemm_program(*orders, sizes=sizes).replace("bf16", "f32").replace("f32(a) @ f32(w)", "a @ w")
+    rng = np.random.default_rng(11)
+    p0 = tgc.compile(src)
+    inputs = {}
+    for s_ in p0.inputs:
+        x = (rng.standard_normal(tuple(int(v) for v in s_.shape)) * 4).astype(np.float32)
+        flat = x.reshape(-1)
+        flat[:7] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4028235e38, -(1 + 2 ** -9 + 2 ** -20), 2 ** -130, -0.0, np.nan]
+        inputs[s_.name] = x
+    m = optimized(src, rounding_opts(True, "on"))
+    low, old = lower_module(m, rounding_opts(True, "on")), lower_module(m, rounding_opts(False, "on"))
+    assert any(isinstance(k, GemmKernel) and all(k.rounded) for k in low.kernels)
+    if not HAS_BF16:
+        pytest.skip("this CPU has no avx512bf16")
+    got = tgc.compile(src, options=rounding_opts(True))(**inputs)["c"]
+    want = tgc.compile(src, options=rounding_opts(False))(**inputs)["c"]
+    assert same_bits(got, want)
+    # and the values: f64 sums of the bf16-rounded operands, where those are finite
+    ref = np.asarray(f64_product(src.replace("input a: f32", "input a: bf16").replace("input w: f32", "input w: bf16")
+                                 .replace("a @ w", "f32(a) @ f32(w)"),
+                                 {k: round_to(v, "bf16") for k, v in inputs.items()}))
+    fin = np.isfinite(ref)
+    assert fin.sum() > 0.5 * ref.size and np.isnan(got[~fin]).sum() + np.isinf(got[~fin]).sum() == (~fin).sum()
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-3)
+
+
+def test_verifier_refuses_rounding_a_bf16_operand():
+    from dataclasses import replace
+
+    src = gemm_program(sizes=(64, 64, 64))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
+    low = lower_module(optimized(src, opts), opts)
+    i = next(i for i, k in enumerate(low.kernels) if isinstance(k, GemmKernel))
+    low.kernels[i] = replace(low.kernels[i], rounded=(True, False))
+    with pytest.raises(VerifyError, match="round_bf16"):
+        verify_lowered(low)
+
+
+def test_bf16_gemms_only_for_products_summed_over_enough_elements():
+    """`bf16_gemm_min_k` (64): a product summed over fewer elements runs sgemm, however
+    many FLOPs it has (GPT's K = 48 products were slower as bf16 GEMMs)."""
+    def kinds(k):
+        src = f"dim m = 704, k = {k}, n = 192\ninput a[m, k]\ninput b[k, n]\nout c[m, n] = a @ b"
+        opts = Options(autocast="bf16", cpu=CpuOptions(bf16_gemm="on"))
+        low = lower_module(optimized(src, opts), opts)
+        return {bf16_product(low, g) for g in low.kernels if isinstance(g, GemmKernel)}
+    assert kinds(48) == {False} and kinds(192) == {True}
+
+
+def test_transposed_bf16_operand_is_gathered_by_pairs_in_the_assembly():
+    """B with K contiguous (`w[j, k]`): its (k, k+1) pairs are 32-bit words gathered 16
+    columns at a time (`vpgatherqd`: 64-bit addresses, 8 lanes per instruction), in code
+    compiled for Sapphire Rapids."""
+    import llvmlite.binding as llvm
+
+    from tgc.backends.cpu import codegen
+
+    src = gemm_program("i, k", "j, k", sizes=(64, 64, 64))
+    opts = Options(cpu=CpuOptions(bf16_gemm="on", bf16_gemm_min_flops=0, bf16_gemm_min_k=1))
+    low = lower_module(optimized(src, opts), opts)
+    assert any(isinstance(k, GemmKernel) and bf16_product(low, k) for k in low.kernels)
+    text = codegen.generate(low, opts)
+    assert "llvm.masked.gather.v16i32" in text
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(cpu="sapphirerapids", opt=2)
+    asm = tm.emit_assembly(llvm.parse_assembly(text))
+    assert "vpgatherqd" in asm and "vdpbf16ps" in asm

@@ -344,6 +344,33 @@ def test_autocast_converts_matrix_products_only(t):
     assert not any(v.dtype == t for v in pipeline(MLP).values())    # off by default
 
 
+def test_autocast_min_flops_keeps_small_products_in_f32():
+    """`autocast_min_flops`: only products of at least that many FLOPs (as `tgc explain`
+    counts them) take bf16 operands; above every product, the program is the f32 one."""
+    from tgc.opt.autocast import is_matmul
+    from tgc.opt.stats import rep_sizes, value_flops
+
+    def converted(m):
+        return [v for v in m.values() if is_matmul(v)
+                and any(o.op == "map" and o.attrs[0] == "to_bf16" for o in v.operands)]
+    every = pipeline(MLP, autocast="bf16")
+    sizes = rep_sizes(every, 64)
+    flops = sorted({value_flops(v, sizes) for v in converted(every)})
+    assert len(flops) >= 2
+    some = pipeline(MLP, autocast="bf16", autocast_min_flops=flops[-1])
+    sizes = rep_sizes(some, 64)
+    assert converted(some) and all(value_flops(v, sizes) >= flops[-1] for v in converted(some))
+    assert len(converted(some)) < len(converted(every))
+    none = pipeline(MLP, autocast="bf16", autocast_min_flops=flops[-1] + 1)
+    assert not converted(none) and not any(v.dtype == "bf16" for v in none.values())
+    inputs = mlp_inputs()
+    got = tgc.compile(MLP, options=Options(autocast="bf16", autocast_min_flops=1 << 40))(
+        **{k: np.copy(v) for k, v in inputs.items()})
+    want = tgc.compile(MLP)(**{k: np.copy(v) for k, v in inputs.items()})
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+
+
 def test_autocast_step_close_to_f32_and_interpreter_agrees():
     inputs = mlp_inputs()
     f32 = tgc.compile(MLP)(**{k: np.copy(v) for k, v in inputs.items()})

@@ -20,7 +20,8 @@ Semantics, as `tgc.lower.lowered` states them:
   and `fp` here (the CPU's `LoopGroup`: `tgc.backends.cpu.group`), so the oracle
   runs CPU-grouped programs without knowing the CPU backend;
 - a `GemmKernel` is one contraction of its two views (shifted reads out of range
-  are 0, as each call clips its range), summed over `k` and its taps;
+  are 0, as each call clips its range), summed over `k` and its taps; an operand
+  marked `rounded` is rounded to bf16 as it is read;
 - a `Check` stops the call with `EvalError` before any kernel runs.
 
 Each operation (a sum's term and total, a product, a function, a reduction) is
@@ -221,6 +222,7 @@ class _Machine:
 
         a, sa = operand("a", k.a)
         b, sb = operand("b", k.b)
+        a, b = (MAP_FNS["round_bf16"](x) if r else x for x, r in zip((a, b), k.rounded))   # to bf16, as read
         out_order = self.order[k.out]
         if k.cplx is not None:   # float pairs (re.im last in `used`) as complex numbers
             a, b = (x[..., 0] + 1j * x[..., 1] for x in (a.astype(np.float64), b.astype(np.float64)))

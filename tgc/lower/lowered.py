@@ -432,6 +432,9 @@ class GemmKernel:
     # scales the product (real).
     cplx: tuple[bool, bool] | None = None
     alpha: float = 1.0
+    # whether each operand (a, b) is rounded to bf16 as it is read (a backend's bf16
+    # GEMM packing an f32 buffer: no rounded copy is stored); its buffer holds f32
+    rounded: tuple[bool, bool] = (False, False)
 
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf}
@@ -464,7 +467,8 @@ class GemmKernel:
         for role, e, ix in self.shifts:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
         if self.cplx is None:
-            return f"gemm %{self.out} = {self.a} @ {self.b}  {g}" + (f"    # {self.note}" if self.note else "")
+            a, b = (f"round_bf16({x})" if r else str(x) for x, r in zip((self.a, self.b), self.rounded))
+            return f"gemm %{self.out} = {a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
         a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
         scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")

@@ -275,12 +275,14 @@ class _Builder:
         if isinstance(children[1], Tree) and children[1].data == "alpha":
             alpha = float(children.pop(1).children[0])
         conj = tuple(children[i].data == "conj_view" for i in (1, 2))
-        children[1], children[2] = children[1].children[0], children[2].children[0]
+        children[1], children[2] = Tree("gview", [children[1].children[0]]), Tree("gview", [children[2].children[0]])
         real = self.gemm(Tree("gemm", children))
         return replace(real, cplx=conj, alpha=alpha)
 
     def gemm(self, t: Tree) -> GemmKernel:
-        buf, a, b, batch, m, n, k, *rest = t.children
+        buf, ga, gb, batch, m, n, k, *rest = t.children
+        rounded = tuple(g.data == "rounded_view" for g in (ga, gb))
+        a, b = ga.children[0], gb.children[0]
         taps: tuple[str, ...] = ()
         shifts = []
         note = ""
@@ -297,7 +299,7 @@ class _Builder:
             else:
                 note = self.note(r)
         return GemmKernel(self.buffer_name(buf), self.view(a), self.view(b), self.names(batch), self.names(m),
-                          self.names(n), self.names(k), note, taps, tuple(shifts))
+                          self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded)
 
     def view(self, t: Tree) -> View:
         buf, *edges = t.children

@@ -298,6 +298,9 @@ class _Verifier:
                 raise self.fail(f"reads '%{v.buf}' before anything writes it")
             if sorted(b for _, b in v.edges) != list(low.buffers[v.buf].edges):
                 raise self.fail(f"the view {v} does not name every edge of '%{v.buf}' once")
+        for v, r in zip((k.a, k.b), k.rounded):
+            if r and (k.cplx is not None or low.buffers[v.buf].dtype != "f32"):
+                raise self.fail(f"round_bf16 of '%{v.buf}', which is not a real f32 buffer")
         if k.out not in low.buffers:
             raise self.fail(f"writes undeclared buffer '%{k.out}'")
         if low.buffers[k.out].dtype in NARROW:

@@ -7,7 +7,10 @@ non-indicator operands are converted (`to_bf16`/`to_f16`: rounded to nearest eve
 the product itself stays f32 (a contraction on bf16/f16 operands computes and
 accumulates in f32, `tgc.ir.values`). Everything else, elementwise products summed
 (a loss's `sum(targets * logp)`), reductions, softmax, layernorm, losses, updates,
-stays as it was, in the program's float type.
+stays as it was, in the program's float type. With `Options.autocast_min_flops`,
+products of fewer FLOPs (as `tgc explain` counts them, symbolic dims at `rep_size`)
+keep their operands too: on a CPU, rounding the operands of a small product costs
+more than its bf16 GEMM saves (the default, 0, converts every matrix product).
 
 The pass runs last in the pipeline, after the derivatives are formed, so the
 backward pass's matrix products (x^T dy, dy W^T) are converted as the forward ones
@@ -26,6 +29,7 @@ from tgc.ir.module import Module
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.options import Options
 from tgc.ir.passes import Pass
+from tgc.opt.stats import rep_sizes, value_flops
 
 _KEEP_OPS = ("const", "size", "indicator")
 
@@ -45,12 +49,14 @@ def is_matmul(v: Value) -> bool:
     return False
 
 
-def autocast(module: Module, dtype: str) -> Module:
-    """The module with every matrix product's operands converted to `dtype`."""
+def autocast(module: Module, dtype: str, min_flops: int = 0, rep: int = 64) -> Module:
+    """The module with every matrix product of at least `min_flops` FLOPs (symbolic
+    dims at `rep`) getting its operands converted to `dtype`."""
+    sizes = rep_sizes(module, rep)
     memo: dict[int, Value] = {}
     for v in topo_order(module.roots()):
         ops = tuple(memo[id(o)] for o in v.operands)
-        if is_matmul(v):
+        if is_matmul(v) and (min_flops <= 0 or value_flops(v, sizes) >= min_flops):
             ops = tuple(o if o.op in _KEEP_OPS or o.dtype == "i32" else V.convert(o, dtype, loc=o.loc)
                         for o in ops)
             memo[id(v)] = V.convert(V.contract(ops, v.edges, v.loc), v.dtype)   # stays f32 (or f64)
@@ -69,4 +75,4 @@ class Autocast(Pass):
     def run(self, module: Module, options: Options) -> Module:
         if not options.autocast:
             return module
-        return autocast(module, options.autocast)
+        return autocast(module, options.autocast, options.autocast_min_flops, options.rep_size)

@@ -55,7 +55,8 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
-from tgc.backends.cpu.gemm import GemmGen, bf16_kernel, loops_kernel, packs_b, small_kernel, uses_own_gemm
+from tgc.backends.cpu.gemm import (GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b,
+                                  small_kernel, uses_own_gemm)
 from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
@@ -165,12 +166,13 @@ class _ModuleGen:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
         for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
-                              and k.cplx is None and self.low.buffers[k.a.buf].dtype != "bf16"}):
+                              and k.cplx is None and not bf16_product(self.low, k)}):
             small_kernel(self.mod, self.fp, packed=packed)
             if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)
-        if any(isinstance(k, GemmKernel) and self.low.buffers[k.a.buf].dtype == "bf16" for k in self.low.kernels):
-            bf16_kernel(self.mod)   # bf16 products (gemm_operands kept both operands bf16)
+        for rounds in sorted(set().union(*(bf16_kinds(self.low, k) for k in self.low.kernels
+                                           if isinstance(k, GemmKernel)))):
+            bf16_kernel(self.mod, rounds=rounds)   # bf16 products (gemm_operands chose them)
         if any(isinstance(k, GemmKernel) and uses_own_gemm(self.low, k, self.opt) for k in self.low.kernels):
             own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if len(self.mods) > 1:   # the other units call them

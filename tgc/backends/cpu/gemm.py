@@ -123,6 +123,8 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
         return False
     if any(low.buffers.get(n) is None or low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
         return False
+    if any(k.rounded):   # a bf16 GEMM rounding f32 operands as it packs (gemm_operands)
+        return False
     if window:   # an implicit GEMM (implicit.py checks its operands): any shape
         return mode == "on" or _has_avx512()
     f = _forms(low, k)
@@ -185,6 +187,20 @@ def _forms(low: Lowered, k: GemmKernel) -> dict:
     return {"a": fa, "b": fb, "c": fc}
 
 
+def bf16_product(low: Lowered, k: GemmKernel) -> bool:
+    """Whether `k` is a bf16 product (the `gemm_operands` stage chose it): each operand
+    a bf16 buffer, or an f32 one rounded to bf16 as it is read (`k.rounded`)."""
+    return k.cplx is None and all(low.buffers[v.buf].dtype == "bf16" or r for v, r in zip((k.a, k.b), k.rounded))
+
+
+def bf16_kinds(low: Lowered, k: GemmKernel) -> set[tuple[bool, bool]]:
+    """The bf16 kernels (`rounds` per operand of the normalized product) `k` calls."""
+    if not bf16_product(low, k):
+        return set()
+    flip = not _forms(low, k)["c"][2]
+    return {tuple(reversed(k.rounded)) if flip else tuple(k.rounded)}
+
+
 def packs_b(low: Lowered, k: GemmKernel) -> bool:
     """Whether the product's small tiles pack B' (its columns are not contiguous):
     which small-tile helper it calls (see `GemmGen.operands`)."""
@@ -204,9 +220,12 @@ class GemmGen:
         self.opt = options
         # a complex product (cgemm/zgemm) addresses, and strides over, whole pairs
         self.elem = fp if k.cplx is None else ir.ArrayType(fp, 2)
-        # a bf16 product (`gemm_operands` chose it): bf16 operands (their 16 bits), f32 C
-        self.bf16 = all(low.buffers[n].dtype == "bf16" for n in (k.a.buf, k.b.buf))
-        self.op_elem = ir.IntType(16) if self.bf16 else self.elem
+        # a bf16 product (`gemm_operands` chose it): bf16 operands (their 16 bits) or f32
+        # ones rounded as they are packed, f32 C
+        self.bf16 = bf16_product(low, k)
+        self.elems = {r: (ir.IntType(16) if low.buffers[v.buf].dtype == "bf16" else self.elem)
+                      for r, v in (("a", k.a), ("b", k.b))}
+        self.rounds = dict(zip("ab", k.rounded))
         kinds = {low.buffers[n].dtype for n in (k.a.buf, k.b.buf)}
         if kinds - {low.dtype} and not (self.bf16 and low.dtype == "f32" and k.cplx is None
                                         and not k.taps and not k.shifts):
@@ -503,8 +522,8 @@ class GemmGen:
         c_parts = [(vars[e], st["c"][0][e]) for e in k.batch]
         with b.if_then(nonempty):
             wa, wb = (win is not None and win.role == "a"), (win is not None and win.role == "b")
-            pa = self.ptr(ptrs[A.role], shift_off[A.role] + ([] if wa else [(ps, A.row)]), self.op_elem)
-            pb = self.ptr(ptrs[B.role], shift_off[B.role] + ([] if wb else [(qs, B.col)]), self.op_elem)
+            pa = self.ptr(ptrs[A.role], shift_off[A.role] + ([] if wa else [(ps, A.row)]), self.elems[A.role])
+            pb = self.ptr(ptrs[B.role], shift_off[B.role] + ([] if wb else [(qs, B.col)]), self.elems[B.role])
             pc = self.ptr(ptrs["c"], c_parts + [(ps, c_p), (qs, I64(1))])
             m, n = b.sub(pe, ps), b.sub(qe, qs)
             kk = self.smax(b, b.sub(re, rs), I64(0))
@@ -517,15 +536,16 @@ class GemmGen:
                 beta1 = b.icmp_signed(">", j, I64(0))
                 if k.accumulates():
                     beta1 = ir.Constant(I1, 1)
-                xa = pa if wa else self.ptr(pa, [(r, A.col)], self.op_elem)
-                xb = pb if wb else self.ptr(pb, [(r, B.row)], self.op_elem)
+                xa = pa if wa else self.ptr(pa, [(r, A.col)], self.elems[A.role])
+                xb = pb if wb else self.ptr(pb, [(r, B.row)], self.elems[B.role])
                 if win is not None:   # the window packed from its source: row0, col0 of its matrix
                     row0, col0 = (ps, r) if wa else (r, qs)
                     self.b.call(self.window_kernel(),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32),
                                  self.f.fn.args[0], row0, col0])
                 elif self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
-                    self.b.call(bf16_kernel(self.mod, home=self.home),
+                    rounds = (self.rounds[A.role], self.rounds[B.role])
+                    self.b.call(bf16_kernel(self.mod, home=self.home, rounds=rounds),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
                 elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy")
                     self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
@@ -899,6 +919,7 @@ def _masked_intrinsics(mod, fp, vl):
 BF16_ROWS = 4      # rows of C' per register block of the bf16 kernel ...
 BF16_VECS = 4      # ... by this many vectors of 16 f32 columns (16 accumulators)
 BF16_DEPTH = 256   # K per packed block (even): B' block of 128 pairs x 64 columns, 32 KiB
+BF16_PANEL = 256   # rows of A' packed at a time (per K block): 256 x 128 pairs, 128 KiB
 
 
 class _BFloat(ir.types.Type):
@@ -928,28 +949,33 @@ def _dpbf16ps(mod: ir.Module) -> ir.Function:
     return ir.Function(mod, ir.FunctionType(fv, [fv, pairs, pairs]), name)
 
 
-def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
-    """void tgc.gemm.bf16(i64 M, i64 N, i64 K, i16* A, i64 sAm, i64 sAk, i16* B, i64 sBk,
+def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[bool, bool] = (False, False)
+                ) -> ir.Function:
+    """void tgc.gemm.bf16[.ra][.rb](i64 M, i64 N, i64 K, T* A, i64 sAm, i64 sAk, T* B, i64 sBk,
     i64 sBn, float* C, i64 ldc, i32 accumulate): C[M, N] (+)= A[M, K] B[K, N] for bf16 A
-    and B (their 16 bits; any strides, in elements) and f32 C with N contiguous, summed
-    in f32 by `vdpbf16ps` (AVX-512 BF16).
+    and B and f32 C with N contiguous (any strides, in elements), summed in f32 by
+    `vdpbf16ps` (AVX-512 BF16). An operand is bf16 (its 16 bits), or, where `rounds`
+    says so (`.ra`, `.rb`), f32 rounded to bf16 as it is packed (to nearest even, NaN
+    kept quiet: `elementwise.emit_round_bf16`'s bits), so no rounded copy is stored.
 
-    Columns in blocks of BF16_VECS x 16 and K in blocks of BF16_DEPTH. Each block of B
-    is packed into a stack buffer as pairs (B[k, j], B[k+1, j]), one 32-bit lane per
-    column (zeros past K and N; vector loads when B's columns are contiguous). Then
-    for every block of BF16_ROWS rows the K pairs run with 16 vector accumulators:
-    each step broadcasts a row's pair (A[i, k], A[i, k+1]) and takes one `vdpbf16ps`
-    per vector, i.e. two K steps of 16 multiply-adds. A row's pairs are read straight
-    from A when its K is contiguous (a last odd K alone), else packed for the block
-    first (vector loads of the 4 rows when its M is contiguous). A K block after the
-    first adds into C; rows past M read row M - 1 (or zeros) and store nothing. Each
-    element of C is one sum over K, in pairs, in K's order. One function per program
-    (like `small_kernel`)."""
-    name = "tgc.gemm.bf16"
+    Rows in panels of BF16_PANEL and K in blocks of BF16_DEPTH; per panel and K block,
+    A's pairs (A[i, k], A[i, k+1]) are packed once for all the panel's rows (one 32-bit
+    lane per row and pair: vector loads of 4 rows when A's M is contiguous), then for
+    every block of BF16_VECS x 16 columns B's block is packed as pairs (B[k, j], B[k+1, j])
+    (vector loads when B's N is contiguous, i32 gathers of whole pairs when its K is,
+    else element by element; zeros past K and N) and every block of BF16_ROWS rows of
+    the panel runs the K pairs with 16 vector accumulators: each step broadcasts a
+    row's pair and takes one `vdpbf16ps` per vector, i.e. two K steps of 16
+    multiply-adds. A bf16 A whose K is contiguous is not packed (its pairs are 32-bit
+    loads; the panel is then all of M). A K block after the first adds into C; rows
+    past M read row M - 1 (or zeros) and store nothing. Each element of C is one sum
+    over K, in pairs, in K's order, whatever the strides. One function per program
+    and kind (like `small_kernel`)."""
+    name = "tgc.gemm.bf16" + (".ra" if rounds[0] else "") + (".rb" if rounds[1] else "")
     if name in mod.globals:
         return mod.globals[name]
     if home is not None and home is not mod:
-        return export(bf16_kernel(home), mod)
+        return export(bf16_kernel(home, rounds=rounds), mod)
     i16, f32 = ir.IntType(16), ir.FloatType()
     vl, cols, half, rows_n = 16, BF16_VECS * 16, BF16_DEPTH // 2, BF16_ROWS
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
@@ -959,8 +985,8 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
         a.add_attribute("noalias")
     entry = ir.IRBuilder(fn.append_basic_block("entry"))
     bpack = entry.alloca(I32, size=I64(half * cols), name="bpack")
-    apack = entry.alloca(I32, size=I64(half * rows_n), name="apack")
-    bpack.align = apack.align = 64
+    apanel = entry.alloca(I32, size=I64(half * BF16_PANEL), name="apanel")
+    bpack.align = apanel.align = 64
     vt, it, mt = ir.VectorType(f32, vl), ir.VectorType(I32, vl), ir.VectorType(I1, vl)
     pairs = ir.VectorType(_BFloat(), 32)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(BF16_VECS)] for r in range(rows_n)]
@@ -971,39 +997,28 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
     zero_v = ir.Constant(vt, [0.0] * vl)
     iota = ir.Constant(ir.VectorType(I64, vl), list(range(vl)))
     align = I32(4)
+    ops_a = _Bf16Operand(b, mod, rounds[0])
+    ops_b = _Bf16Operand(b, mod, rounds[1])
 
     def smin(x, y):
         return b.select(b.icmp_signed("<", x, y), x, y)
 
-    def element(ptr, index, ok):
-        """zext(ptr[index]) as i32 where `ok`, else 0 (loaded only where ok)."""
-        safe = b.select(ok, index, I64(0))
-        v = b.load(b.gep(ptr, [safe], source_etype=i16), typ=i16)
-        return b.select(ok, b.zext(v, I32), I32(0))
-
-    def pair(lo, hi, typ=I32):
-        return b.or_(lo, b.shl(hi, ir.Constant(typ, 16) if typ == I32 else _splat(b, I32(16), typ)))
-
-    def masked_i16(ptr, n, mask):
-        """<n x i16> at ptr, zeros where the mask is off, widened to <n x i32>."""
-        vt16 = ir.VectorType(i16, n)
-        fname = f"llvm.masked.load.v{n}i16.p0"
-        f = mod.globals.get(fname) or ir.Function(
-            mod, ir.FunctionType(vt16, [PTR, I32, ir.VectorType(I1, n), vt16]), fname)
-        v = b.call(f, [ptr, I32(2), mask, ir.Constant(vt16, [0] * n)])
-        return b.zext(v, ir.VectorType(I32, n))
-
     accumulate = b.icmp_signed("!=", acc, I32(0))
     chunks = b.sdiv(b.add(K, I64(BF16_DEPTH - 1)), I64(BF16_DEPTH))
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
-    a_direct = b.icmp_signed("==", sak, I64(1))
-    with for_range(b, I64(0), b.sdiv(b.add(N, I64(cols - 1)), I64(cols)), "bj") as jb:
-        j0 = b.mul(jb, I64(cols))
-        width = smin(I64(cols), b.sub(N, j0))
-        masks = []
-        for c in range(BF16_VECS):
-            left = b.sub(width, I64(c * vl))
-            masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+    a_direct = ir.Constant(I1, 0) if rounds[0] else b.icmp_signed("==", sak, I64(1))
+    panel = b.select(a_direct, b.select(b.icmp_signed("<", M, I64(1)), I64(1), M), I64(BF16_PANEL))
+    last = b.sub(M, I64(1))
+    with for_range(b, I64(0), b.sdiv(b.add(M, b.sub(panel, I64(1))), panel), "bm") as mb:
+        r0 = b.mul(mb, panel)
+        blocks = b.sdiv(b.add(smin(panel, b.sub(M, r0)), I64(rows_n - 1)), I64(rows_n))
+
+        def block_rows(ib):
+            i0 = b.add(r0, b.mul(ib, I64(rows_n)))
+            rows = [b.add(i0, I64(r)) for r in range(rows_n)]
+            inside = [b.icmp_signed("<", i, M) for i in rows]
+            return i0, [b.select(x, i, last) for x, i in zip(inside, rows)], inside
+
         with for_range(b, I64(0), chunks, "bk") as kb:
             k0 = b.mul(kb, I64(BF16_DEPTH))
             kd = smin(I64(BF16_DEPTH), b.sub(K, k0))
@@ -1012,24 +1027,195 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
             full = b.sdiv(kd, I64(2))
             odd = b.icmp_signed("!=", b.srem(kd, I64(2)), I64(0))
             add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
-
-            # B's block as pairs, every column of the block (zeros past N and K)
-            with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, strided):
-                with contiguous:
-                    with for_range(b, I64(0), kp, "pv") as p:
-                        k = b.add(k0, b.mul(p, I64(2)))
-                        ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), mt)
-                        ok1 = _splat(b, b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd), mt)
+            with b.if_then(b.not_(a_direct)):   # the panel's pairs of A, once per K block
+                with for_range(b, I64(0), blocks, "pa") as ib:
+                    i0, rows, _ = block_rows(ib)
+                    dst = b.gep(apanel, [b.mul(ib, I64(half * rows_n))], source_etype=I32)
+                    _pack_a(b, ops_a, pa, sam, sak, dst, k0, kd, kp, i0, M, rows)
+            with for_range(b, I64(0), b.sdiv(b.add(N, I64(cols - 1)), I64(cols)), "bj") as jb:
+                j0 = b.mul(jb, I64(cols))
+                width = smin(I64(cols), b.sub(N, j0))
+                masks = []
+                for c in range(BF16_VECS):
+                    left = b.sub(width, I64(c * vl))
+                    masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+                _pack_b(b, ops_b, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks, cols)
+                init_mask = _splat(b, add_c, mt)
+                with for_range(b, I64(0), blocks, "bi") as ib:
+                    i0, rows, inside = block_rows(ib)
+                    crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rows]
+                    for r in range(rows_n):
                         for c in range(BF16_VECS):
-                            at = b.add(j0, I64(c * vl))
-                            lo = masked_i16(b.gep(pb, [b.add(b.mul(k, sbk), at)], source_etype=i16), vl,
-                                            b.and_(masks[c], ok0))
-                            hi_k = b.select(b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd), b.add(k, I64(1)), k)
-                            hi = masked_i16(b.gep(pb, [b.add(b.mul(hi_k, sbk), at)], source_etype=i16), vl,
-                                            b.and_(masks[c], ok1))
-                            dst = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
-                            b.store(pair(lo, hi, it), b.bitcast(dst, it.as_pointer()), align=64)
-                with strided:
+                            at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
+                            b.store(b.call(load_fn, [at, align, b.and_(masks[c], init_mask), zero_v]), accs[r][c])
+
+                    def steps(count, a_of, name):
+                        """`count` pair steps from pair 0: a_of(r, p) is row r's pair p (i32)."""
+                        with for_range(b, I64(0), count, name, unroll=False) as p:
+                            step(p, a_of)
+
+                    def step(p, a_of):
+                        bv = []
+                        for c in range(BF16_VECS):
+                            at = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
+                            bv.append(b.bitcast(b.load(b.bitcast(at, it.as_pointer()), typ=it, align=64), pairs))
+                        for r in range(rows_n):
+                            av = b.bitcast(_splat(b, a_of(r, p), it), pairs)
+                            for c in range(BF16_VECS):
+                                b.store(b.call(dot, [b.load(accs[r][c], typ=vt), av, bv[c]]), accs[r][c])
+
+                    arow = [b.mul(i, sam) for i in rows]
+                    with b.if_else(a_direct) as (direct, packed):
+                        with direct:   # a bf16 A with K contiguous: each pair is one 32-bit load
+                            def a_pair(r, p):
+                                at = b.gep(pa, [b.add(arow[r], b.add(k0, b.mul(p, I64(2))))], source_etype=i16)
+                                return b.load(b.bitcast(at, I32.as_pointer()), typ=I32, align=2)
+                            steps(full, a_pair, "kd")
+                            with b.if_then(odd):   # the last K of an odd block, alone (B's pair ends in 0)
+                                step(full, lambda r, p: ops_a.element(
+                                    pa, b.add(arow[r], b.add(k0, b.sub(kd, I64(1)))), ir.Constant(I1, 1)))
+                        with packed:   # from the panel
+                            src = b.gep(apanel, [b.mul(ib, I64(half * rows_n))], source_etype=I32)
+                            steps(kp, lambda r, p: b.load(b.gep(src, [b.add(b.mul(p, I64(rows_n)), I64(r))],
+                                                                source_etype=I32), typ=I32), "kp")
+                    for r in range(rows_n):
+                        real = _splat(b, inside[r], mt)
+                        for c in range(BF16_VECS):
+                            at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
+                            b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
+    b.ret_void()
+    entry.branch(body)
+    return fn
+
+
+class _Bf16Operand:
+    """Reads of one operand of the bf16 kernel as bf16 bits in i32 lanes (zero
+    extended): a bf16 operand's 16 bits, or an f32 operand's value rounded to bf16
+    (`rounds`), with the rounding of `elementwise.emit_round_bf16` (the f32 bits plus
+    0x7fff plus the lowest kept bit; NaN made quiet), on scalars or vectors."""
+
+    def __init__(self, b, mod, rounds: bool):
+        self.b, self.mod, self.rounds = b, mod, rounds
+        self.etype = ir.FloatType() if rounds else ir.IntType(16)
+        self.size = 4 if rounds else 2
+
+    def bits(self, x):
+        """bf16 bits (i32 lanes) of the f32 value(s) x, rounded to nearest even."""
+        b = self.b
+        n = x.type.count if isinstance(x.type, ir.VectorType) else None
+        i32 = I32 if n is None else ir.VectorType(I32, n)
+
+        def k(v):
+            return ir.Constant(I32, v) if n is None else ir.Constant(i32, [v] * n)
+        bits = b.bitcast(x, i32)
+        lsb = b.and_(b.lshr(bits, k(16)), k(1))
+        up = b.add(b.add(bits, k(0x7FFF)), lsb)
+        kept = b.select(b.fcmp_unordered("uno", x, x), b.or_(bits, k(0x00400000)), up)
+        return b.lshr(kept, k(16))
+
+    def element(self, ptr, index, ok):
+        """Element `index` as bf16 bits in an i32 where `ok`, else 0 (read only where ok)."""
+        b = self.b
+        safe = b.select(ok, index, I64(0))
+        v = b.load(b.gep(ptr, [safe], source_etype=self.etype), typ=self.etype)
+        v = self.bits(v) if self.rounds else b.zext(v, I32)
+        return b.select(ok, v, I32(0))
+
+    def vector(self, ptr, n, mask=None):
+        """<n x i32>: n consecutive elements' bf16 bits (zeros where `mask` is off;
+        a plain load without one)."""
+        b = self.b
+        vt = ir.VectorType(self.etype, n)
+        zero = ir.Constant(vt, [0.0] * n if self.rounds else [0] * n)
+        if mask is None:
+            v = b.load(b.bitcast(ptr, vt.as_pointer()), typ=vt, align=self.size)
+        else:
+            tag = f"v{n}f32" if self.rounds else f"v{n}i16"
+            fname = f"llvm.masked.load.{tag}.p0"
+            f = self.mod.globals.get(fname) or ir.Function(
+                self.mod, ir.FunctionType(vt, [PTR, I32, ir.VectorType(I1, n), vt]), fname)
+            v = b.call(f, [ptr, I32(self.size), mask, zero])
+        return self.bits(v) if self.rounds else b.zext(v, ir.VectorType(I32, n))
+
+    def gather(self, ptrs, mask, wide=False):
+        """<16 x i32> gathered at `ptrs`: with `wide`, a bf16 operand's whole pairs
+        (32 bits: the element and the next); else one element's bf16 bits."""
+        b = self.b
+        n = 16
+        et = I32 if wide else self.etype
+        vt = ir.VectorType(et, n)
+        tag = "i32" if et == I32 else ("f32" if self.rounds else "i16")
+        name = f"llvm.masked.gather.v{n}{tag}.v{n}p0"
+        ty = ir.FunctionType(vt, [ir.VectorType(PTR, n), I32, ir.VectorType(I1, n), vt])
+        f = self.mod.globals.get(name) or ir.Function(self.mod, ty, name)
+        zero = ir.Constant(vt, [0.0] * n if et == ir.FloatType() else [0] * n)
+        v = b.call(f, [ptrs, I32(2 if wide else self.size), mask, zero])
+        if wide:
+            return v
+        return self.bits(v) if self.rounds else b.zext(v, ir.VectorType(I32, n))
+
+
+def _pair(b, lo, hi):
+    """lo | hi << 16 (i32 or vectors of i32)."""
+    n = lo.type.count if isinstance(lo.type, ir.VectorType) else None
+    sixteen = I32(16) if n is None else ir.Constant(ir.VectorType(I32, n), [16] * n)
+    return b.or_(lo, b.shl(hi, sixteen))
+
+
+def _pack_b(b, op, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks, cols):
+    """B's block of pairs (B[k0 + 2p, j], B[k0 + 2p + 1, j]) into `bpack` (pair p of
+    column j at p * cols + j; zeros past N and K): vector loads when B's N is
+    contiguous; when its K is, a bf16 B's pairs are 32-bit words (one i32 gather per
+    16 columns) and an f32 B's two elements two gathers; else element by element."""
+    vl = 16
+    it, i64v = ir.VectorType(I32, vl), ir.VectorType(I64, vl)
+    mt = ir.VectorType(I1, vl)
+
+    def dst(p, c):
+        at = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
+        return b.bitcast(at, it.as_pointer())
+
+    with b.if_else(b.icmp_signed("==", sbn, I64(1))) as (contiguous, other):
+        with contiguous:
+            with for_range(b, I64(0), kp, "pv") as p:
+                k = b.add(k0, b.mul(p, I64(2)))
+                ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), mt)
+                in1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
+                ok1 = _splat(b, in1, mt)
+                hi_k = b.select(in1, b.add(k, I64(1)), k)
+                for c in range(len(masks)):
+                    at = b.add(j0, I64(c * vl))
+                    lo = op.vector(b.gep(pb, [b.add(b.mul(k, sbk), at)], source_etype=op.etype), vl,
+                                   b.and_(masks[c], ok0))
+                    hi = op.vector(b.gep(pb, [b.add(b.mul(hi_k, sbk), at)], source_etype=op.etype), vl,
+                                   b.and_(masks[c], ok1))
+                    b.store(_pair(b, lo, hi), dst(p, c), align=64)
+        with other:
+            with b.if_else(b.icmp_signed("==", sbk, I64(1))) as (kcontig, scattered):
+                with kcontig:   # a transposed B (a weight gradient's x^T dy): gathers along N
+                    iota = ir.Constant(i64v, list(range(vl)))
+                    base = b.ptrtoint(pb, I64)
+                    lanes = []
+                    for c in range(len(masks)):
+                        colv = b.add(_splat(b, b.add(j0, I64(c * vl)), i64v), iota)
+                        lanes.append(b.mul(colv, _splat(b, b.mul(sbn, I64(op.size)), i64v)))
+
+                    def ptrs(k, c):
+                        row = b.add(base, b.mul(k, I64(op.size)))
+                        return b.inttoptr(b.add(_splat(b, row, i64v), lanes[c]), ir.VectorType(PTR, vl))
+                    with for_range(b, I64(0), full, "pg") as p:
+                        k = b.add(k0, b.mul(p, I64(2)))
+                        for c, m in enumerate(masks):
+                            if op.rounds:
+                                v = _pair(b, op.gather(ptrs(k, c), m), op.gather(ptrs(b.add(k, I64(1)), c), m))
+                            else:
+                                v = op.gather(ptrs(k, c), m, wide=True)
+                            b.store(v, dst(p, c), align=64)
+                    with b.if_then(odd):   # the last K alone: nothing read past it
+                        k = b.add(k0, b.mul(full, I64(2)))
+                        for c, m in enumerate(masks):
+                            b.store(op.gather(ptrs(k, c), m), dst(full, c), align=64)
+                with scattered:
                     with for_range(b, I64(0), kp, "pp") as p:
                         k = b.add(k0, b.mul(p, I64(2)))
                         ok0 = b.icmp_signed("<", b.mul(p, I64(2)), kd)
@@ -1037,69 +1223,19 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None) -> ir.Function:
                         with for_range(b, I64(0), I64(cols), "pj") as j:
                             inside = b.icmp_signed("<", j, width)
                             col = b.mul(b.add(j0, j), sbn)
-                            lo = element(pb, b.add(b.mul(k, sbk), col), b.and_(ok0, inside))
-                            hi = element(pb, b.add(b.mul(b.add(k, I64(1)), sbk), col), b.and_(ok1, inside))
-                            b.store(pair(lo, hi), b.gep(bpack, [b.add(b.mul(p, I64(cols)), j)], source_etype=I32))
-            init_mask = _splat(b, add_c, mt)
-            with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows_n - 1)), I64(rows_n)), "bi") as ib:
-                i0 = b.mul(ib, I64(rows_n))
-                last = b.sub(M, I64(1))
-                rows = [b.add(i0, I64(r)) for r in range(rows_n)]
-                inside = [b.icmp_signed("<", i, M) for i in rows]
-                rows = [b.select(x, i, last) for x, i in zip(inside, rows)]
-                crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rows]
-                for r in range(rows_n):
-                    for c in range(BF16_VECS):
-                        at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
-                        b.store(b.call(load_fn, [at, align, b.and_(masks[c], init_mask), zero_v]), accs[r][c])
-
-                def steps(count, a_of, name):
-                    """`count` pair steps from pair 0: a_of(r, p) is row r's pair p (i32)."""
-                    with for_range(b, I64(0), count, name, unroll=False) as p:
-                        step(p, a_of)
-
-                def step(p, a_of):
-                    bv = []
-                    for c in range(BF16_VECS):
-                        at = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
-                        bv.append(b.bitcast(b.load(b.bitcast(at, it.as_pointer()), typ=it, align=64), pairs))
-                    for r in range(rows_n):
-                        av = b.bitcast(_splat(b, a_of(r, p), it), pairs)
-                        for c in range(BF16_VECS):
-                            b.store(b.call(dot, [b.load(accs[r][c], typ=vt), av, bv[c]]), accs[r][c])
-
-                arow = [b.mul(i, sam) for i in rows]
-                with b.if_else(a_direct) as (direct, packed):
-                    with direct:   # A's K contiguous: each pair is one 32-bit load
-                        def a_pair(r, p):
-                            at = b.gep(pa, [b.add(arow[r], b.add(k0, b.mul(p, I64(2))))], source_etype=i16)
-                            return b.load(b.bitcast(at, I32.as_pointer()), typ=I32, align=2)
-                        steps(full, a_pair, "kd")
-                        with b.if_then(odd):   # the last K of an odd block, alone (B's pair ends in 0)
-                            step(full, lambda r, p: element(pa, b.add(arow[r], b.add(k0, b.sub(kd, I64(1)))),
-                                                            ir.Constant(I1, 1)))
-                    with packed:   # A's pairs for this block of rows first
-                        _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair)
-                        steps(kp, lambda r, p: b.load(b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))],
-                                                            source_etype=I32), typ=I32), "kp")
-                for r in range(rows_n):
-                    real = _splat(b, inside[r], mt)
-                    for c in range(BF16_VECS):
-                        at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
-                        b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
-    b.ret_void()
-    entry.branch(body)
-    return fn
+                            lo = op.element(pb, b.add(b.mul(k, sbk), col), b.and_(ok0, inside))
+                            hi = op.element(pb, b.add(b.mul(b.add(k, I64(1)), sbk), col), b.and_(ok1, inside))
+                            b.store(_pair(b, lo, hi), b.gep(bpack, [b.add(b.mul(p, I64(cols)), j)],
+                                                            source_etype=I32))
 
 
-def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16, pair):
+def _pack_a(b, op, pa, sam, sak, apack, k0, kd, kp, i0, M, rows):
     """Rows i0.. i0+3's pairs of A's K block into `apack` (row r's pair p at p * 4 + r):
     when A's M is contiguous, the 4 rows of each K are one vector load (masked, rows
     past M reading as zeros, only for a last partial block of rows or the last odd K:
     LLVM makes scattered scalar loads of a masked <4 x i16>) and each pair of K one
-    vector store; else element by element."""
+    vector store; when its K is, a row's pairs are read along K; else element by element."""
     rows_n = BF16_ROWS
-    i16 = ir.IntType(16)
     with b.if_else(b.icmp_signed("==", sam, I64(1))) as (columns, scattered):
         with columns:
             it4 = ir.VectorType(I32, rows_n)
@@ -1112,24 +1248,19 @@ def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16
                 dst = b.gep(apack, [b.mul(p, I64(rows_n))], source_etype=I32)
                 b.store(v, b.bitcast(dst, it4.as_pointer()), align=16)
 
-            v4 = ir.VectorType(i16, rows_n)
+            def at(k):
+                return b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=op.etype)
             with for_range(b, I64(0), plain, "aw") as p:
                 k = b.add(k0, b.mul(p, I64(2)))
-                lo = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), v4.as_pointer()),
-                            typ=v4, align=2)
-                hi = b.load(b.bitcast(b.gep(pa, [b.add(i0, b.mul(b.add(k, I64(1)), sak))], source_etype=i16),
-                                      v4.as_pointer()), typ=v4, align=2)
-                store(p, pair(b.zext(lo, it4), b.zext(hi, it4), it4))
+                store(p, _pair(b, op.vector(at(k), rows_n), op.vector(at(b.add(k, I64(1))), rows_n)))
             with for_range(b, plain, kp, "av") as p:
                 k = b.add(k0, b.mul(p, I64(2)))
                 ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), ir.VectorType(I1, rows_n))
                 ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
                 hi_k = b.select(ok1, b.add(k, I64(1)), k)
-                lo = masked_i16(b.gep(pa, [b.add(i0, b.mul(k, sak))], source_etype=i16), rows_n,
-                                b.and_(real, ok0))
-                hi = masked_i16(b.gep(pa, [b.add(i0, b.mul(hi_k, sak))], source_etype=i16), rows_n,
-                                b.and_(real, _splat(b, ok1, ir.VectorType(I1, rows_n))))
-                store(p, pair(lo, hi, it4))
+                lo = op.vector(at(k), rows_n, b.and_(real, ok0))
+                hi = op.vector(at(hi_k), rows_n, b.and_(real, _splat(b, ok1, ir.VectorType(I1, rows_n))))
+                store(p, _pair(b, lo, hi))
         with scattered:
             for r in range(rows_n):
                 arow = b.mul(rows[r], sam)
@@ -1137,6 +1268,7 @@ def _pack_a(b, pa, sam, sak, apack, k0, kd, kp, i0, M, rows, element, masked_i16
                     k = b.add(k0, b.mul(p, I64(2)))
                     ok0 = b.icmp_signed("<", b.mul(p, I64(2)), kd)
                     ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
-                    lo = element(pa, b.add(arow, b.mul(k, sak)), ok0)
-                    hi = element(pa, b.add(arow, b.mul(b.add(k, I64(1)), sak)), ok1)
-                    b.store(pair(lo, hi), b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))], source_etype=I32))
+                    lo = op.element(pa, b.add(arow, b.mul(k, sak)), ok0)
+                    hi = op.element(pa, b.add(arow, b.mul(b.add(k, I64(1)), sak)), ok1)
+                    b.store(_pair(b, lo, hi), b.gep(apack, [b.add(b.mul(p, I64(rows_n)), I64(r))],
+                                                    source_etype=I32))
