@@ -195,6 +195,43 @@ out y = %0 : [{', '.join(keep)}]
 """, [{"b": 1}, {"b": 21}])
 
 
+
+@pytest.mark.parametrize("d", [16, 33, 5000])
+def test_f32_column_sums_accumulate_in_f64(d):
+    """A sum over a row-major tensor's rows (memory mode: the reduced loop outside the
+    kept one, as in a bias gradient) adds into an f64 scratch row and rounds each sum
+    once: added into the f32 output, 10^5 rows of values in [0, 1) were 1e-5 off,
+    PyTorch's pairwise sum 1e-7. Beyond WIDE_SCRATCH kept elements (d = 5000) the f32
+    output still accumulates (the values here only check that it stays correct)."""
+    import tgc
+    from tgc.options import CpuOptions
+
+    n = 100_000 if d <= 33 else 512
+    x = np.random.default_rng(d).random((n, d)).astype(np.float32)
+    src = f"dim n, d = {d}, g = 3\ninput x[n, d], w[g]\nout s = sum[n](x)\nout m[g, d] = mean[n](x) * w\n"
+    w = np.array([1.0, -2.0, 0.5], np.float32)
+    prog = tgc.compile(src, dtype="f32", options=Options(cpu=CpuOptions(threads=1)))
+    got = prog(x=x, w=w)
+    want = x.astype(np.float64).sum(0)
+    tol = 2e-7 if d <= 33 else 2e-5
+    np.testing.assert_allclose(got["s"], want, rtol=tol)
+    np.testing.assert_allclose(got["m"], (want / n)[None, :] * w[:, None], rtol=tol)
+
+
+
+@pytest.mark.xfail(strict=True, reason="normalize merges a * (b * c) into one product whose factors are "
+                   "in canonical order, and the CPU multiplies them in f32 in that order: (a * b) * c "
+                   "overflows at a = b = 1e20, c = 1e-20, where the source's b * c does not (PyTorch: 1e20). "
+                   "Widening products of three or more factors to f64, as sums are (lowered.wide_sum), "
+                   "would cost the hot loops of layernorm's backward their f32 vectors")
+def test_f32_product_reordered_does_not_overflow():
+    import tgc
+
+    prog = tgc.compile("dim n = 8\ninput a[n], b[n], c[n]\nout y = a * (b * c)\n", dtype="f32")
+    x = {k: np.full(8, v, np.float32) for k, v in (("a", 1e20), ("b", 1e20), ("c", 1e-20))}
+    np.testing.assert_allclose(prog(**x)["y"], np.full(8, 1e20), rtol=1e-6)
+
+
 def test_sigmoid_softplus_extremes():
     prog = compile_ir("""
 dim d = 9

@@ -996,6 +996,41 @@ def _(T):
     return {"p": p, "g": gradient((p * T.w).sum(), s)}
 
 
+
+# ================================================================ sums whose terms the canonical form reorders
+
+_big = 1e4 + np.round(rng(49).standard_normal(64), 2)
+
+
+@case("nested_difference_plus_small", """
+dim n = 64
+input a[n], b[n], c[n]
+y = a + (b - c)
+out y
+out gb = grad(sum(y * y), b)
+""", {"a": 1e-2 * rng(50).standard_normal(64), "b": _big + 1e-3 * rng(51).standard_normal(64), "c": _big})
+def _(T):
+    # flattened to add[1, 1, -1](a, b, c), whose term order is canonical, not the source's:
+    # summed in f32 as a + b - c, a was lost to the rounding of a + b (error 2e-2)
+    b = leaf(T.b)
+    y = T.a + (b - T.c)
+    return {"y": y, "gb": gradient((y * y).sum(), b)}
+
+
+@case("residual_of_differences", """
+dim b = 8, d = 32
+input x[b, d], u[b, d], v[b, d], w[d]
+h = x + 0.5 * (u - v) + w
+out h
+out gw = grad(sum(h * h), w)
+""", {"x": 1e-3 * rng(52).standard_normal((8, 32)), "u": 3e3 + rng(53).standard_normal((8, 32)),
+      "v": 3e3 + rng(54).standard_normal((8, 32)), "w": 1e-3 * rng(55).standard_normal(32)})
+def _(T):
+    w = leaf(T.w)
+    h = T.x + 0.5 * (T.u - T.v) + w
+    return {"h": h, "gw": gradient((h * h).sum(), w)}
+
+
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
 KNOWN_GAPS = {
     "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "

@@ -181,3 +181,52 @@ def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtyp
     lower_module(m, opts)   # a valid program: only running it shows the change
     with pytest.raises(PassError, match="lowering stage 'plan' changed the value"):
         lower_module(m, opts.with_(verify_each=True))
+
+
+WIDE_SOURCE = """
+dim n = 64
+input a[n], b[n], c[n], d[n]
+out y = a + (b - c)
+out z = a * d + 3 * (b - c) - a
+"""
+
+
+def _wide_inputs():
+    rng = np.random.default_rng(0)
+    big = (1e4 + np.round(rng.standard_normal(64), 2)).astype(np.float32)
+    return {"a": (1e-2 * rng.standard_normal(64)).astype(np.float32),
+            "b": (big + np.float32(1e-3) * rng.standard_normal(64).astype(np.float32)).astype(np.float32),
+            "c": big, "d": rng.standard_normal(64).astype(np.float32)}
+
+
+def _wide_want(x):
+    a, b, c, d = (x[k].astype(np.float64) for k in "abcd")
+    return {"y": (a + (b - c)).astype(np.float32), "z": (a * d + 3 * (b - c) - a).astype(np.float32)}
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+def test_an_f32_sum_of_several_terms_is_computed_in_f64_whatever_its_order(backend):
+    """`a + (b - c)` is flattened to add[1, 1, -1](a, b, c), in the canonical order of
+    its terms, not the source's; summed in f32 as a + b - c, with b and c near 1e4,
+    a (near 1e-2) was lost to the rounding of a + b (2e-2 relative). Every executor
+    computes an f32 sum of three or more terms in f64 and rounds it once
+    (`lowered.wide_sum`), so each gives the correctly rounded result here."""
+    import shutil
+
+    import tgc
+    from tgc.lower.lowered import Add, walk, wide_sum
+
+    m, opts = optimized(WIDE_SOURCE, "<wide>", "f32")
+    low = lower_module(m, opts)
+    kernels = [k for g in low.kernels for k in getattr(g, "members", (g,)) if isinstance(k, LoopKernel)]
+    adds = [e for k in kernels for e in walk(k.body) if isinstance(e, Add)]
+    assert any(wide_sum(e, "f32") for e in adds) and not any(wide_sum(e, "f64") for e in adds)
+    x = _wide_inputs()
+    if backend == "lowered":
+        got = run_lowered(low, {k: v.copy() for k, v in x.items()})
+    else:
+        if backend == "cuda-sim" and shutil.which("g++") is None:
+            pytest.skip("cuda-sim needs g++ with OpenMP")
+        got = tgc.compile(WIDE_SOURCE, backend=backend, dtype="f32")(**{k: v.copy() for k, v in x.items()})
+    for k, w in _wide_want(x).items():
+        np.testing.assert_array_equal(np.asarray(got[k]), w, err_msg=k)

@@ -43,7 +43,7 @@ from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, SizeOf)
+                            Map, Mask, Mul, Rand, SizeOf, wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
@@ -259,6 +259,15 @@ class _Machine:
             for c in e.conds:
                 ok = ok & _CMP[c.op](self.ix(c.ix, vals), 0)
             return np.where(ok, self.expr(e.arg, vals, active & ok, acc), self.fp(0))
+        if isinstance(e, Add) and wide_sum(e, "f32" if self.fp == np.float32 else "f64"):
+            total = np.float64(0)   # in float64, a product's factors widened, rounded once
+            for c, a in zip(e.coefs, e.args):
+                factors = a.args if isinstance(a, Mul) else (a,)
+                term = np.float64(1)
+                for f in factors:
+                    term = term * np.asarray(self.expr(f, vals, active, acc), np.float64)
+                total = total + (term if c == 1 else c * term)
+            return self.round(total)
         args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
         if isinstance(e, Add):   # c0 a0 + c1 a1 + ..., each scaled term and partial sum rounded
             total = None

@@ -215,6 +215,23 @@ class Add:
     args: tuple["Expr", ...]
 
 
+WIDE_SUM = 3   # an f32 `Add` of at least this many terms is computed in f64 (`wide_sum`)
+
+
+def wide_sum(e: Add, dtype: str) -> bool:
+    """Whether the sum `e` of a program of float type `dtype` is computed in f64 and
+    rounded once, by every backend: an f32 sum of at least WIDE_SUM terms, each widened
+    (a product's factors before they are multiplied, so a product of two f32 values
+    is exact) and scaled in f64. The canonical form orders a flattened sum's terms
+    (not the source: `a + (b - c)` becomes `add[1, 1, -1](a, b, c)`); summed in f32,
+    its error is relative to its largest partial sum, which depends on that order (with
+    b, c near 1e4 and a near 1e-2, a + b - c lost a, where PyTorch's b - c is exact).
+    In f64 the error stays below f32's rounding of the result unless the terms cancel
+    to 2^-29 of their size. A sum of two terms rounds once in f32 already. Chosen from
+    the expression alone, so an expression has the same bits in every kernel."""
+    return dtype == "f32" and len(e.args) >= WIDE_SUM
+
+
 @dataclass(frozen=True)
 class Mul:
     args: tuple["Expr", ...]

@@ -57,7 +57,7 @@ from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.rows import RowGroup, inner_loops
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, walk)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, walk, wide_sum)
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
@@ -299,6 +299,8 @@ class _Gen:
             conds = " && ".join(f"({self.cond(c, ctx)})" for c in e.conds)
             return f"(({conds}) ? {self.expr(e.arg, ctx)} : ({T})0)"
         if isinstance(e, Add):
+            if wide_sum(e, self.low.dtype):
+                return self.wide_add(e, ctx)
             terms = []
             for c, a in zip(e.coefs, e.args):
                 x = self.expr(a, ctx)
@@ -319,6 +321,19 @@ class _Gen:
                 raise CudaUnsupported(f"elementwise function '{e.fn}'")
             return TEMPLATES[e.fn].format(*(f"({T}){self.expr(a, ctx)}" for a in e.args))
         raise CudaUnsupported(f"expression {e!r}")
+
+    def wide_add(self, e: Add, ctx: "_Ctx") -> str:
+        """An f32 sum of several terms in double, rounded once (`lowered.wide_sum`): a
+        product's factors widened before they are multiplied, so its value does not
+        depend on the order of its terms."""
+        terms = []
+        for c, a in zip(e.coefs, e.args):
+            if isinstance(a, Mul):
+                x = "(" + " * ".join(f"(double){self.expr(f, ctx)}" for f in a.args) + ")"
+            else:
+                x = f"(double){self.expr(a, ctx)}"
+            terms.append(x if c == 1 else f"{float(c)!r} * {x}")
+        return "((tgc_t)(" + " + ".join(terms) + "))"
 
     def const(self, v: float) -> str:
         if math.isnan(v):
