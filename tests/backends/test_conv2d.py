@@ -21,6 +21,7 @@ from tgc.frontend import compile_source
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.backends.cpu.group import LoopGroup
+from tgc.backends.cpu.implicit import ImplicitGemm
 from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Mask, walk
 from tgc.options import Options
 from tgc.pipeline import lower_module
@@ -95,6 +96,12 @@ def _lowered(text: str, dtype: str = "f32"):
     options = Options(dtype=dtype)
     module = pipeline.lower(compile_source(text, "<test>", options), options).module
     return lower_module(module, options)
+
+
+def _gemms(low) -> list[GemmKernel]:
+    """The products: GEMM kernels, and those of implicit GEMMs (their window packed from x)."""
+    return [k.gemm if isinstance(k, ImplicitGemm) else k for k in low.kernels
+            if isinstance(k, (GemmKernel, ImplicitGemm))]
 
 
 def _members(low):
@@ -234,13 +241,14 @@ def test_benchmark_convolution_matches_torch():
 
 
 def test_benchmark_convolution_runs_as_gemms_without_copies():
-    """y: the windows (im2col) and one GEMM per image; dx: one GEMM per image and
+    """y: the windows (im2col, or packed from x by implicit GEMMs where the own
+    kernel runs) and one GEMM per image; dx: one GEMM per image and
     kernel row on dy shifted by rows, whole rows per call (the clipped edge h is the
     outer edge of the group (h, w)), then a sum over the kernel columns; dK: the
     windows again, one call per image adding into dK. Neither dy nor the windows are
     copied into a transposed temporary."""
     low = _lowered(BENCH.read_text())
-    gemms = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    gemms = _gemms(low)
     assert len(gemms) == 3
     shifted = [g for g in gemms if g.shifts]
     assert len(shifted) == 1
@@ -254,7 +262,7 @@ def test_benchmark_convolution_runs_as_gemms_without_copies():
 
 def _gemm_shapes(low) -> list[tuple]:
     return [(k.batch, k.m, k.n, k.k, k.taps, tuple((r, e, str(ix)) for r, e, ix in k.shifts))
-            for k in low.kernels if isinstance(k, GemmKernel)]
+            for k in _gemms(low)]
 
 
 @pytest.mark.parametrize("path, batch", [(BENCH, 16), (CONV1D, 32)], ids=["conv2d", "conv1d"])
@@ -324,7 +332,7 @@ def test_kernel_gradient_is_computed_as_a_tall_product():
     16 x 1024 terms; BLAS computes it as 288 x 64 (OpenBLAS runs that shape faster)
     into a temporary with `cout` innermost, and one copy writes dK."""
     low = _lowered(BENCH.read_text())
-    gemm, = [k for k in low.kernels if isinstance(k, GemmKernel) and k.taps == ("batch",)]
+    gemm, = [k for k in _gemms(low) if k.taps == ("batch",)]
     assert gemm.out != "dK" and low.buffers[gemm.out].order[-1] == "cout"
     writers = [k for k in _members(low) if k.out == "dK"]
     assert len(writers) == 1 and "copy" in writers[0].note

@@ -241,7 +241,7 @@ def test_stages_print_after_each():
     lower_module(parse_module(SOFTMAX), Options(print_ir_after_all=True),
                  emit=lambda banner, text: seen.append((banner, text)))
     assert [b for b, _ in seen] == ["IR after fuse", "IR after layout", "IR after narrow",
-                                    "IR after gemm_operands", "IR after group", "IR after plan"]
+                                    "IR after gemm_operands", "IR after implicit", "IR after group", "IR after plan"]
     temps = lambda text: [l for l in text.splitlines() if l.startswith("buffer") and " temp" in l]
     assert temps(seen[0][1]) and all("order" not in l for l in temps(seen[0][1]))  # fuse: no layout yet
     assert all("order" in l and "slot" not in l for l in temps(seen[1][1]))

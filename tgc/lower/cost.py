@@ -25,6 +25,8 @@ def kernel_flops(k, extent, edge_size) -> int:
         for e in k.batch + k.m + k.n + k.k + k.taps:
             n *= edge_size(e)
         return n
+    if hasattr(k, "flops"):     # a backend's own kind that counts itself (the CPU's ImplicitGemm)
+        return k.flops(extent, edge_size)
     if hasattr(k, "members"):   # a loop group (the CPU backend's): members inside shared outer loops
         outer = 1
         for v in k.outer:

@@ -35,7 +35,8 @@ expression (`h * 5` and `h * e` with `e = 5`) are compared by their values at tw
 bindings of the symbolic dims (and count as equal when the dims cannot be bound), so
 the check flags only sizes that differ. A group is any kernel with `members`,
 `outer` loops and `regs` (a backend's own kind: the CPU's `LoopGroup`, which this
-module does not import). It changes nothing. Terminates: one walk over the kernels and their expression trees.
+module does not import). A kind with a `verify(verifier, defined)` method checks itself
+through this verifier's `loop` and `gemm` (the CPU's `ImplicitGemm`). It changes nothing. Terminates: one walk over the kernels and their expression trees.
 """
 from __future__ import annotations
 
@@ -107,6 +108,9 @@ class _Verifier:
         for self.k, k in enumerate(low.kernels):
             if _is_group(k):
                 self.group(k, defined)
+                writes = k.writes()
+            elif hasattr(k, "verify"):   # a backend's own kind that checks itself (the CPU's ImplicitGemm)
+                k.verify(self, defined)
                 writes = k.writes()
             elif isinstance(k, GemmKernel):
                 self.gemm(k, defined)

@@ -1,6 +1,7 @@
 """The CPU backend as the registry sees it (`tgc.backends.base.Backend`): its own
 lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`),
-`gemm_operands` (bf16 GEMMs, or operands widened for BLAS) and `group` (cache
+`gemm_operands` (bf16 GEMMs, or operands widened for BLAS), `implicit` (GEMMs that
+pack a gather copy's window from its source: `tgc.backends.cpu.implicit`) and `group` (cache
 blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
 JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
 the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
@@ -10,13 +11,14 @@ from __future__ import annotations
 from tgc.backends.base import Backend
 from tgc.backends.cpu.gemm_operands import GemmOperands
 from tgc.backends.cpu.group import Group, read_group
+from tgc.backends.cpu.implicit import Implicit, read_implicit
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Group)
-    kernel_forms = {"group": read_group}
+    stages = (Narrow, GemmOperands, Implicit, Group)
+    kernel_forms = {"group": read_group, "implicit": read_implicit}
     source_cache = True
     emits = ("so", "obj", "llvm", "asm", "h")
 

@@ -55,10 +55,13 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
-from tgc.backends.cpu.gemm import GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b, small_kernel
+from tgc.backends.cpu.gemm import (GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b,
+                                  small_kernel, uses_own_gemm)
+from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
+from tgc.backends.cpu.implicit import ImplicitGemm
 from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
 from tgc.ir.ops import COSTS, FNS
 from tgc.ir.sizes import size_eval
@@ -120,6 +123,8 @@ def compile_cost(k) -> int:
     known length, unrolled and vectorized in several copies)."""
     if isinstance(k, GemmKernel):   # the entry is not optimized, nor an unbatched work function
         return (14 if k.batch else 8) + 26 * len(k.taps)
+    if isinstance(k, ImplicitGemm):   # the GEMM and its own copy of the f32 kernel
+        return compile_cost(k.gemm) + 40
     members = k.members if isinstance(k, LoopGroup) else (k,)
     blocked = isinstance(k, LoopGroup) and k.blocks > 1
     return 10 + 4 * len(members) + 2 * sum(len(m.loops) for m in members) + 70 * blocked
@@ -168,9 +173,11 @@ class _ModuleGen:
         for rounds in sorted(set().union(*(bf16_kinds(self.low, k) for k in self.low.kernels
                                            if isinstance(k, GemmKernel)))):
             bf16_kernel(self.mod, rounds=rounds)   # bf16 products (gemm_operands chose them)
+        if any(isinstance(k, GemmKernel) and uses_own_gemm(self.low, k, self.opt) for k in self.low.kernels):
+            own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
-                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16")) and not fn.is_declaration:
+                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16", "tgc.gemm.own.")) and not fn.is_declaration:
                     fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))
@@ -232,6 +239,8 @@ class _ModuleGen:
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
             return GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None
+        if isinstance(k, ImplicitGemm):
+            return GemmGen(mod, self.low, k.gemm, name, self.fp, self.opt, home=self.mod, implicit=k).emit(), None
         fn = LoopGen(mod, self.low, k, name, self.fp, self.opt.fp_strict).emit()
         par = emit_parallel_body(mod, self.low, k, fn, name + ".par") if self.has_par(k) else None
         return fn, par
@@ -244,7 +253,7 @@ class _ModuleGen:
             fn.linkage = "hidden"
             return fn
         name = f"tgc.k{i}"
-        if isinstance(k, GemmKernel):
+        if isinstance(k, (GemmKernel, ImplicitGemm)):
             return declare(name, I32, [PTR] * 4 + [I64]), None
         fn = declare(name, ir.VoidType(), [PTR] * (1 + len(kernel_buffers(k))) + [I64, I64])
         return fn, (declare(name + ".par", ir.VoidType(), [PTR]) if self.has_par(k) else None)
@@ -304,9 +313,12 @@ class _ModuleGen:
         restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
         for i, (k, (kfn, par)) in enumerate(zip(self.low.kernels, kernels)):
             start = self.now(b) if self.opt.cpu.profile else None
-            if isinstance(k, GemmKernel):
+            if isinstance(k, (GemmKernel, ImplicitGemm)):
+                g = k.gemm if isinstance(k, ImplicitGemm) else k
+                names = [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source
+                         for n in (g.a.buf, g.b.buf, g.out)]   # an implicit GEMM's window: its source
                 min_flops = self.threshold(b, self.opt.cpu.gemm_parallel_min_flops_warm, self.opt.cpu.gemm_parallel_min_flops)
-                ran = b.call(kfn, [dims] + [ptrs[n] for n in (k.a.buf, k.b.buf, k.out)] + [min_flops])
+                ran = b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops])
                 if self.opt.cpu.threads != 1:
                     b.call(self.helper("tgc.after_gemm"), [ran])
             else:

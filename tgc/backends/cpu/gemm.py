@@ -73,6 +73,9 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
+from tgc.backends.cpu.fgemm import Window, own_kernel
+
+OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
 from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
@@ -94,6 +97,60 @@ UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or mo
 # (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
 TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
+
+
+def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
+    """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
+    than cblas: a real f32 product of f32 operands whose A' (the normalized product's
+    left operand) has its K contiguous, `options.cpu.own_gemm` "on", or "auto" where
+    the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes to it when
+    it has at least `own_gemm_min_cols` columns of C', or sums at least
+    `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
+    narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
+    while its blocks are packed; OpenBLAS streams a larger one from memory better).
+    Measured on the 2-core Zen 5 (one thread, min of 200 calls of one product, its
+    operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
+    image) 183 / 166, 96 x 1024 x 64 182 / 144, 288 x 64 x 1024 with B' transposed
+    (conv2d's kernel gradient) 207-220 / 179-193, 178 x 64 x 1024 199 / 160, 178 x
+    192 x 256 202 / 172; but with 64 terms 178 x 64 x 64 133 / 202, 64 x 192 x 64
+    130 / 205, and 1024^3 179 / 181. Inside conv2d, whose output product reads a
+    1.2 MB window per image from memory, OpenBLAS was faster (11.1 against 12.9
+    Mcycles), hence the bound on B'. What the layout fixes (contiguity; C' columns
+    and K of fixed size) is checked here, so a program whose products can never run
+    the kernel does not compile it; the tile sizes at run time."""
+    mode = options.cpu.own_gemm
+    if mode == "off" or k.cplx is not None or low.dtype != "f32":
+        return False
+    if any(low.buffers.get(n) is None or low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
+        return False
+    if any(k.rounded):   # a bf16 GEMM rounding f32 operands as it packs (gemm_operands)
+        return False
+    if window:   # an implicit GEMM (implicit.py checks its operands): any shape
+        return mode == "on" or _has_avx512()
+    f = _forms(low, k)
+    flip = not f["c"][2]
+    if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
+        return False
+
+    def fixed(edges):
+        n = 1
+        for e in edges:
+            s = low.size(e)
+            if not isinstance(s, int):
+                return None
+            n *= s
+        return n
+    cols, depth = fixed(f["c"][1] if not flip else f["c"][0]), fixed(f["a"][1])
+    if cols is not None and cols < options.cpu.own_gemm_min_cols and (
+            cols < OWN_COLS or depth is not None and depth < options.cpu.own_gemm_min_depth):
+        return False
+    return mode == "on" or _has_avx512()
+
+
+def _has_avx512() -> bool:
+    from tgc.backends.cpu.llvm_env import has_feature
+
+    return has_feature("avx512f")
 
 
 def _control(fn: ir.Function) -> None:
@@ -153,7 +210,11 @@ def packs_b(low: Lowered, k: GemmKernel) -> bool:
 
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
-                 options: Options, home: ir.Module | None = None):
+                 options: Options, home: ir.Module | None = None, implicit=None):
+        if implicit is not None:   # an implicit GEMM (implicit.py): its window buffer, never allocated
+            low = low.staged(low.stage)
+            low.buffers[implicit.window] = implicit.buffer(low.dtype)
+        self.implicit = implicit
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
@@ -182,10 +243,32 @@ class GemmGen:
         else:
             self.P, self.Q = fc[1], fc[0]
         self.R = fa[1]
+        # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
+        a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
+        self.own = uses_own_gemm(low, k, options, window=implicit is not None) and a_k_unit
+        self.window = None
+        if implicit is not None:
+            self.window = self.window_of(implicit)
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
                 raise ValueError(f"internal: shifted GEMM edge '{e}' is not the outermost of its group")
+
+    def window_of(self, implicit):
+        """The implicit GEMM's window as the normalized product's operand (fgemm.Window)."""
+        role = implicit.role()
+        norm = ("a" if role == "a" else "b") if not self.flip else ("b" if role == "a" else "a")
+        rows, cols = (self.P, self.R) if norm == "a" else (self.R, self.Q)
+        order = implicit.order
+        for group in (rows, cols):
+            if tuple(e for e in order if e in group) != tuple(group):
+                raise ValueError(f"internal: implicit window order {order} does not hold group {group} as is")
+        if not self.own or cols[-1] != order[-1]:
+            raise ValueError("internal: an implicit GEMM's window must be the own kernel's contiguous operand")
+        load = implicit.load()
+        conds = implicit.gather.body.conds if load is not implicit.gather.body else ()
+        src = self.low.buffers[load.buf]
+        return Window(norm, rows, cols, tuple(src.order), dict(load.index), conds)
 
     # ------------------------------------------------------------ shapes
 
@@ -363,7 +446,7 @@ class GemmGen:
         st = self.views(f)
         A, B, c_p = self.operands(f, st)
         pl = self.tasks(f, b, *fn.args[6:9])
-        small = self.small_ok(b, pl, B) if k.cplx is None and not self.bf16 else None
+        small = self.small_ok(b, pl, B) if k.cplx is None and not self.bf16 and self.window is None else None
         with for_range(b, lo, hi, "task") as t:
             # decode: t = ((batch...) * n_p + ip) * n_q + iq
             iq = b.srem(t, pl["n_q"])
@@ -424,10 +507,23 @@ class GemmGen:
             parts = [(vars[e], strides[e]) for e in k.batch + k.taps if e in strides]
             parts += [(self.ix(ix, vars), strides[e]) for r, e, ix in k.shifts if r == role]
             shift_off[role] = parts
+        win = self.window
+        if win is not None:   # the window's pointer is its source's, moved to the batch and tap indices
+            role = self.implicit.role()
+            src = self.f.strides(win.source_order)
+            parts = []
+            for e in k.batch + k.taps:
+                if e in st[role][0]:
+                    for edge, ix in win.index.items():
+                        c = ix.coef(e)
+                        if c != 0:
+                            parts.append((b.mul(vars[e], self.f.size(c)), src[edge]))
+            shift_off[role] = parts
         c_parts = [(vars[e], st["c"][0][e]) for e in k.batch]
         with b.if_then(nonempty):
-            pa = self.ptr(ptrs[A.role], shift_off[A.role] + [(ps, A.row)], self.elems[A.role])
-            pb = self.ptr(ptrs[B.role], shift_off[B.role] + [(qs, B.col)], self.elems[B.role])
+            wa, wb = (win is not None and win.role == "a"), (win is not None and win.role == "b")
+            pa = self.ptr(ptrs[A.role], shift_off[A.role] + ([] if wa else [(ps, A.row)]), self.elems[A.role])
+            pb = self.ptr(ptrs[B.role], shift_off[B.role] + ([] if wb else [(qs, B.col)]), self.elems[B.role])
             pc = self.ptr(ptrs["c"], c_parts + [(ps, c_p), (qs, I64(1))])
             m, n = b.sub(pe, ps), b.sub(qe, qs)
             kk = self.smax(b, b.sub(re, rs), I64(0))
@@ -440,9 +536,14 @@ class GemmGen:
                 beta1 = b.icmp_signed(">", j, I64(0))
                 if k.accumulates():
                     beta1 = ir.Constant(I1, 1)
-                xa = self.ptr(pa, [(r, A.col)], self.elems[A.role])
-                xb = self.ptr(pb, [(r, B.row)], self.elems[B.role])
-                if self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
+                xa = pa if wa else self.ptr(pa, [(r, A.col)], self.elems[A.role])
+                xb = pb if wb else self.ptr(pb, [(r, B.row)], self.elems[B.role])
+                if win is not None:   # the window packed from its source: row0, col0 of its matrix
+                    row0, col0 = (ps, r) if wa else (r, qs)
+                    self.b.call(self.window_kernel(),
+                                [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32),
+                                 self.f.fn.args[0], row0, col0])
+                elif self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
                     rounds = (self.rounds[A.role], self.rounds[B.role])
                     self.b.call(bf16_kernel(self.mod, home=self.home, rounds=rounds),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
@@ -557,6 +658,22 @@ class GemmGen:
         """A tile too large for the small-tile loops: cblas, or with `options.cpu.blas`
         "system" or "none" (a built library, whose caller may give no BLAS), cblas
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
+        if self.own:   # deep or wide tiles whose B' fits in L2 run the own kernel (see `uses_own_gemm`)
+            b = self.b
+            o = self.opt.cpu
+            deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
+            wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
+            wide = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
+            with b.if_else(wide) as (then, otherwise):
+                with then:
+                    self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+                with otherwise:
+                    self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+            return
+        self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+
+    def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """cblas, or the blocked loops where a built library's caller gave no BLAS."""
         if self.opt.cpu.blas == "numpy":
             self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
@@ -567,6 +684,20 @@ class GemmGen:
                 self.call_blas(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             with missing:
                 self.call_small(m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=True)
+
+    def call_own(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
+        """C'[m, n] (+)= A'[m, kk] B'[kk, n] by tgc's own f32 kernel (A''s K contiguous)."""
+        fn = own_kernel(self.mod, home=self.home)
+        self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, self.b.zext(beta1, I32)])
+
+    def window_kernel(self) -> ir.Function:
+        """This implicit GEMM's own copy of the own kernel, packing its window."""
+        name = self.name + ".own"
+        if name not in self.mod.globals:
+            module, edges = self.low.module, self.low.edges
+            own_kernel(self.mod, window=self.window, name=name,
+                       frame=lambda fn, dims: Frame(fn, module, dims, edges))
+        return self.mod.globals[name]
 
     def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=False):
         kernel = loops_kernel if blocked else small_kernel

@@ -1,0 +1,355 @@
+"""tgc's own f32 GEMM kernel (tgc/backends/cpu/fgemm.py) and the products that run it.
+
+The kernel alone, JIT-compiled, against numpy in float64 on sizes around its blocks
+(rows of the register block, vectors of 16 columns, the packed K depth), with B's
+columns contiguous and strided, and accumulating into C. Then whole programs with
+`options.cpu.own_gemm` "on": products in every operand order, convolutions (1-D and
+2-D, values and gradients) against the interpreter and the cblas path, the same bits
+on 1 and 2 threads, and which path the generated code calls.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import pipeline
+from tgc.frontend import compile_source
+from tgc.backends.cpu.llvm_env import has_feature
+from tgc.ir.interp import evaluate
+from tgc.lower.lowered import LoopKernel
+from tgc.options import Options
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not has_feature("avx512f"), reason="the own GEMM kernel needs AVX-512 (avx512f)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """(rows, vecs, depth) -> a ctypes function of the kernel with those blocks."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    made, keep = {}, []
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32)
+
+    def get(rows, vecs, depth):
+        if (rows, vecs, depth) not in made:
+            mod = ir.Module("own")
+            fn = own_kernel(mod, rows, vecs, depth=depth)
+            fn.linkage = "external"
+            jit = llvm_env.jit(str(mod))
+            keep.append(jit)
+            made[rows, vecs, depth] = proto(jit.address(fn.name))
+        return made[rows, vecs, depth]
+    yield get
+    for jit in keep:
+        jit.close()
+
+
+def call(fn, A, B, C, accumulate):
+    (M, K), N = A.shape, B.shape[1]
+    s = 4
+    fn(M, N, K, A.ctypes.data, A.strides[0] // s, 1, B.ctypes.data, B.strides[0] // s, B.strides[1] // s,
+       C.ctypes.data, C.strides[0] // s, accumulate)
+
+
+@pytest.mark.parametrize("blocks", [(8, 2, 256), (4, 4, 64), (6, 1, 16)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_against_numpy_around_its_blocks(kernels, blocks, transposed):
+    """Sizes at, below and above every block edge (rows past M read row M - 1 and
+    store nothing; columns past N and K past the depth are masked / zero-padded), a
+    C with a row stride wider than N, and C += A B."""
+    rows, vecs, depth = blocks
+    fn = kernels(rows, vecs, depth)
+    cols = 16 * vecs
+    rng = np.random.default_rng(rows * 100 + vecs)
+    for M in (1, rows - 1, rows, rows + 1, 3 * rows + 2):
+        for N in (1, 15, cols, cols + 1, 2 * cols + 17):
+            for K in (0, 1, depth - 1, depth, depth + 3):
+                if M < 1:
+                    continue
+                A = rng.standard_normal((M, K + 3), dtype=np.float32)[:, 1:K + 1]   # row stride K + 3
+                B = (rng.standard_normal((N, K), dtype=np.float32).T if transposed
+                     else rng.standard_normal((K, N), dtype=np.float32))
+                big = np.full((M, N + 5), 7.0, np.float32)
+                C = big[:, :N]
+                want = A.astype(np.float64) @ B.astype(np.float64)
+                call(fn, A, B, C, 0)
+                np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+                assert (big[:, N:] == 7.0).all()   # nothing past N
+                call(fn, A, B, C, 1)
+                np.testing.assert_allclose(C, 2 * want, rtol=1e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_kernel_sums_each_element_in_k_order_with_fused_multiply_adds(kernels):
+    """The kernel's value for an element is fma(a_k, b_k, acc) over k in order,
+    across packed blocks too (a block after the first adds into C): compared bit for
+    bit with that sum done in numpy (float32 rounding of fma through float64, which is
+    exact for one product plus one addend)."""
+    fn = kernels(4, 2, 16)
+    rng = np.random.default_rng(3)
+    M, N, K = 5, 40, 37
+    A = rng.standard_normal((M, K), dtype=np.float32)
+    B = rng.standard_normal((K, N), dtype=np.float32)
+    C = np.zeros((M, N), np.float32)
+    call(fn, A, B, C, 0)
+    acc = np.zeros((M, N), np.float32)
+    for k in range(K):
+        acc = (acc.astype(np.float64) + np.outer(A[:, k].astype(np.float64), B[k].astype(np.float64))).astype(np.float32)
+    assert np.array_equal(C, acc)
+
+
+# the own kernel for every large tile, whatever its shape (the defaults keep it to wide, short ones)
+EVERY_TILE = dict(own_gemm_min_cols=1, own_gemm_max_b_bytes=1 << 60)
+
+MATMUL = """
+dim b = 2
+dim i = {i}
+dim j = {j}
+dim k = {k}
+input A : f32[{a}]
+input B : f32[{b_}]
+%0 = contract %A, %B : f32[b, i, j]
+out C = %0 : [{c}]
+"""
+
+
+@pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"), ("b, i, k", "b, j, k", "b, i, j"),
+                                    ("b, k, i", "b, k, j", "b, j, i"), ("b, k, i", "b, j, k", "b, i, j")])
+@pytest.mark.parametrize("sizes", [(150, 260, 300), (67, 33, 1000), (300, 17, 70)])
+def test_products_with_own_gemm_match_numpy(orders, sizes):
+    """Every operand order (A' with K contiguous runs the own kernel, B' packed with
+    vector loads or, its K contiguous, by 16 x 16 transposes; the others cblas), tiles
+    cut on two threads, against numpy in float64; the own kernel is in the code of
+    the first two orders."""
+    from tgc.ir.parser import parse_module
+    from tgc.pipeline import compile_module
+
+    a, b_, c = orders
+    i, j, k = sizes
+    prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
+                          Options(dtype="f32").with_(own_gemm="on", threads=2, **EVERY_TILE))
+    rng = np.random.default_rng(0)
+    n = {"b": 2, "i": i, "j": j, "k": k}
+    shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
+    A = rng.standard_normal(shape(a), dtype=np.float32)
+    B = rng.standard_normal(shape(b_), dtype=np.float32)
+    got = prog.run({"A": A, "B": B})["C"]
+    if orders[0] == "b, i, k" and orders[2] == "b, i, j":
+        assert "call void @tgc.gemm.own.f32" in prog.llvm_ir or "call void @\"tgc.gemm.own.f32" in prog.llvm_ir
+    sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
+    want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def conv_arrays(path, sizes, seed=1):
+    rng = np.random.default_rng(seed)
+    prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="off"))
+    return {t.name: rng.standard_normal(tuple(sizes[t.name]), dtype=np.float32) for t in prog.inputs}, prog
+
+
+CONV2D_ODD = """
+dim batch
+dim cin = 32, cout = 64, h = 23, w = 29, kh = 3, kw = 3
+dim ho = h, wo = w
+input  x[batch, cin, h, w]
+input  dy[batch, cout, ho, wo]
+param  K[cout, cin, kh, kw]
+y    = x[h = ho + kh - 1, w = wo + kw - 1] @ K
+loss = sum(y * dy)
+out y[batch, cout, ho, wo]
+out dx = grad(loss, x)
+out dK = grad(loss, K)
+"""
+
+
+@pytest.mark.parametrize("implicit", [False, True])
+@pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv2d_odd"])
+def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implicit, tmp_path):
+    """Values and both gradients of the benchmark convolutions (at batch 18: one tile
+    per signal or image) and of an odd-sized padded 2-D one, own kernel (and implicit
+    GEMMs) against the f64 interpreter and against the cblas path; on 1 and 2 threads
+    the same bits."""
+    if case == "conv2d":
+        path, sizes = ROOT / "benchmarks/workloads/conv2d.tg", {"x": (18, 32, 32, 32), "dy": (18, 64, 32, 32),
+                                                                 "K": (64, 32, 3, 3)}
+    elif case == "conv1d":
+        path, sizes = ROOT / "benchmarks/workloads/conv1d.tg", {"x": (18, 64, 600), "dy": (18, 64, 600),
+                                                                 "K": (64, 64, 5)}
+    else:
+        path = tmp_path / "odd.tg"
+        path.write_text(CONV2D_ODD)
+        sizes = {"x": (18, 32, 23, 29), "dy": (18, 64, 23, 29), "K": (64, 32, 3, 3)}
+    arrays, off = conv_arrays(path, sizes)
+    results = {}
+    for threads in (1, 2):
+        prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=implicit,
+                                                                         threads=threads))
+        assert "tgc.gemm.own" in prog.llvm_ir
+        results[threads] = prog(**{k: v.copy() for k, v in arrays.items()})
+    base = off(**{k: v.copy() for k, v in arrays.items()})
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(path.read_text(), str(path), opts), opts).module
+    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
+    for name in ("y", "dx", "dK"):
+        w = np.asarray(want[name])
+        scale = np.abs(w).max()
+        for got in (results[1][name], base[name]):
+            np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5 * scale)
+        assert np.array_equal(results[1][name], results[2][name]), name
+
+
+def test_own_gemm_off_calls_cblas_only():
+    """`own_gemm="off"` generates no own kernel (and no implicit GEMM); "on" with
+    `implicit_gemm` sends the benchmark conv2d's three products to it: the input gradient's (the shared kernel) and the two that
+    read the window (each its own copy, packing the window: implicit.py)."""
+    import re
+
+    path = str(ROOT / "benchmarks/workloads/conv2d.tg")
+    off = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="off", implicit_gemm=True))
+    on = tgc.compile(path, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))
+    assert "tgc.gemm.own" not in off.llvm_ir and ".own" not in off.llvm_ir
+    assert re.search(r"call void @\"?tgc\.gemm\.own\.f32", on.llvm_ir)
+    assert len(re.findall(r'define [^\n]*@"tgc\.k\d+\.own"', on.llvm_ir)) == 2
+
+
+# ---------------------------------------------------------------- implicit GEMMs (implicit.py)
+
+
+def lowered(source: str, dtype: str = "f32", **opts):
+    from tgc.pipeline import lower_module
+
+    options = Options(dtype=dtype).with_(**opts)
+    module = pipeline.lower(compile_source(source, "<test>", options), options).module
+    return lower_module(module, options)
+
+
+PADDED_5X5 = """
+dim batch
+dim cin = 24, cout = 40, h = 15, w = 21, kh = 5, kw = 5
+dim ho = h, wo = w
+input  x[batch, cin, h, w]
+input  dy[batch, cout, ho, wo]
+param  K[cout, cin, kh, kw]
+y    = x[h = ho + kh - 2, w = wo + kw - 2] @ K
+loss = sum(y * dy)
+out y[batch, cout, ho, wo]
+out dx = grad(loss, x)
+out dK = grad(loss, K)
+"""
+
+
+def test_conv2d_windows_are_packed_not_stored():
+    """With implicit GEMMs, the benchmark conv2d's window (9x the image) is no buffer:
+    two implicit GEMMs (y and dK) pack it from x, and the im2col loop is gone; the
+    workspace drops from 25.2 MB to the input gradient's partial. Without (the
+    default: measured slower), the plan keeps the copy."""
+    from tgc.backends.cpu.implicit import ImplicitGemm
+
+    text = (ROOT / "benchmarks/workloads/conv2d.tg").read_text()
+    on, off = lowered(text, own_gemm="on", implicit_gemm=True), lowered(text, own_gemm="on")
+    imp = [k for k in on.kernels if isinstance(k, ImplicitGemm)]
+    assert len(imp) == 2 and {k.source for k in imp} == {"x"}
+    outs = {k.gemm.out for k in imp}
+    assert "y" in outs and len(outs) == 2   # y, and dK's product (summed over the batch: taps)
+    assert any(k.gemm.taps == ("batch",) for k in imp)
+    assert not any(isinstance(k, LoopKernel) and k.out == imp[0].window for k in on.kernels)
+    assert imp[0].window not in on.buffers
+    assert not any(isinstance(k, ImplicitGemm) for k in off.kernels)
+    assert any(isinstance(k, LoopKernel) and len(off.buffers[k.out].edges) == 6 for k in off.kernels)
+    env = {"batch": 16}
+    bytes_on, bytes_off = (sum(explain_slot(low, env)) for low in (on, off))
+    assert bytes_on < bytes_off / 3
+
+
+def explain_slot(low, env):
+    from tgc.ir.sizes import size_eval
+
+    return [max(size_eval(s, env) for s in sizes) for sizes in low.slots]
+
+
+def test_implicit_plan_reads_back_verifies_and_interprets():
+    """The lowered text of an implicit GEMM reads back to the same program; the
+    verifier accepts it and refuses a window that is also a buffer; the lowered
+    interpreter (gather, then the product) gives the f64 values."""
+    from tgc.lower.interp import run_lowered
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import parse_lowered
+    from tgc.lower.verify import VerifyError, verify_lowered
+
+    low = lowered(PADDED_5X5, "f32", own_gemm="on", implicit_gemm=True)   # the own kernel is f32's
+    text = print_lowered(low)
+    assert "implicit %" in text
+    back = parse_lowered(text)
+    assert print_lowered(back) == text
+    verify_lowered(back)
+    rng = np.random.default_rng(5)
+    arrays = {"x": rng.standard_normal((2, 24, 15, 21)), "dy": rng.standard_normal((2, 40, 15, 21)),
+              "K": rng.standard_normal((40, 24, 5, 5))}
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(PADDED_5X5, "<test>", opts), opts).module
+    want = evaluate(module, dict(arrays), dtype="f64")
+    got = run_lowered(back, {k: v.astype(np.float32) for k, v in arrays.items()})
+    for name in ("y", "dx", "dK"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5 * np.abs(want[name]).max())
+    window = next(k for k in back.kernels if hasattr(k, "window")).window
+    bad = back.staged(back.stage)
+    bad.buffers[window] = next(k for k in back.kernels if hasattr(k, "window")).buffer("f32")
+    bad.buffers[window].slot = 0
+    with pytest.raises(VerifyError, match="also a buffer"):
+        verify_lowered(bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
+    """A 5 x 5 kernel with padding 2 on a 15 x 21 image, 24 -> 40 channels (windows cut
+    at both ends of rows and columns; 21-wide rows, so the segments of a packed block
+    start anywhere in an image row and cross rows; blocks of rows and columns with
+    partial edges): values and gradients against the f64 interpreter, with the
+    window packed by both implicit products (y: B', dK: A')."""
+    from tgc.backends.cpu.implicit import ImplicitGemm
+
+    assert sum(isinstance(k, ImplicitGemm) for k in lowered(PADDED_5X5, own_gemm="on", implicit_gemm=True).kernels) == 2
+    rng = np.random.default_rng(6)
+    arrays = {"x": rng.standard_normal((17, 24, 15, 21), dtype=np.float32),
+              "dy": rng.standard_normal((17, 40, 15, 21), dtype=np.float32),
+              "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
+    prog = tgc.compile(PADDED_5X5, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True,
+                                                                      threads=threads))
+    got = prog(**{k: v.copy() for k, v in arrays.items()})
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(PADDED_5X5, "<test>", opts), opts).module
+    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
+    for name in ("y", "dx", "dK"):
+        w = np.asarray(want[name])
+        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+
+
+def test_strided_window_stays_a_copy():
+    """A stride-2 window reads x's columns two apart: the packer's runs need one
+    element per step, so the copy stays (and the values are right)."""
+    from tgc.backends.cpu.implicit import ImplicitGemm
+
+    src = PADDED_5X5.replace("dim ho = h, wo = w", "dim ho = 8, wo = 11").replace(
+        "w = wo + kw - 2", "w = 2*wo + kw - 2").replace("h = ho + kh - 2", "h = 2*ho + kh - 2")
+    low = lowered(src, own_gemm="on", implicit_gemm=True)
+    assert not any(isinstance(k, ImplicitGemm) for k in low.kernels)
+    rng = np.random.default_rng(7)
+    arrays = {"x": rng.standard_normal((3, 24, 15, 21), dtype=np.float32),
+              "dy": rng.standard_normal((3, 40, 8, 11), dtype=np.float32),
+              "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
+    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))(
+        **{k: v.copy() for k, v in arrays.items()})
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(src, "<test>", opts), opts).module
+    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
+    for name in ("y", "dx", "dK"):
+        w = np.asarray(want[name])
+        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)

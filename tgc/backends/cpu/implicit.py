@@ -1,0 +1,261 @@
+"""implicit: the CPU backend's lowering stage that turns a gather copy feeding GEMMs
+(im2col: a 2-D convolution's window buffer) into implicit GEMMs. Off unless
+`options.cpu.implicit_gemm`: it saves the window's memory (the conv2d benchmark's
+workspace 25.2 -> 6.4 MB) but measured slower than the copy and OpenBLAS
+(docs/optimization.md, "Implicit GEMMs").
+
+`Lowered` -> `Lowered`, after `gemm_operands`. `fuse` makes a 2-D convolution's
+window `x[h = ho + kh - 1, w = wo + kw - 1]` a loop kernel writing a buffer
+[batch, cin, ho, kh, kw, wo] (9x the image: 18.9 MB for the conv2d benchmark) that
+two GEMMs then read (the output and the kernel gradient). Here each such GEMM
+becomes an `ImplicitGemm` holding the copy's loop (`gather`) and the product
+(`gemm`): the code never writes the buffer; tgc's own f32 kernel (fgemm.py) packs
+each block of the window operand straight from the copy's source, masked where the
+copy's conditions say zero (the padding), so the big buffer and its write and two
+reads disappear, and the product's K (cin x kh x kw) sums in one register tile.
+The copy kernel goes when every reader of its buffer became implicit.
+
+A copy `g` qualifies when it writes a temporary with no reduction, scatter,
+epilogue or bounds, at the identity index over exactly its loops, in the program's
+f32, its body a load of an f32 buffer at affine indices, masked or not; every reader
+of its buffer is a real f32 GEMM without taps or shifts on that buffer that reads it
+once and may run the own kernel (`gemm.uses_own_gemm`), whose window operand is the
+normalized product's B' with its columns contiguous or its A' with its K contiguous
+(as `layout` stores the window buffer for BLAS); the source's innermost edge is read
+at `run + c + ...` (`run`: the buffer's innermost loop) and no other source edge or
+batch/tap edge of the product enters the index of `run` or the conditions in a way the
+packer cannot follow: the source index of `run` steps by one element per element of
+`run`, the conditions use no batch or tap edge of the product. Anything else stays
+as it is.
+
+Exact: the values are those of the copy followed by the product (the interpreter runs
+exactly that); only the order of the product's sum may change, as a contraction's
+may. Terminates: one pass over the kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tgc.ir.passes import Pass
+from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, matrix_form, rename_buffers
+from tgc.options import Options
+
+
+@dataclass
+class ImplicitGemm:
+    """A GEMM one of whose operands is the output of a gather loop (`gather`), which is
+    never stored: the product's code packs that operand's blocks from the gather's
+    source. `order` is the axis order the window buffer would have had (the product
+    reads the operand as that matrix). Runs as the gather followed by the product."""
+    gather: LoopKernel
+    gemm: GemmKernel
+    order: tuple[str, ...]
+    note: str = ""
+    kind = "implicit"          # what `tgc explain` calls it (a class attribute)
+
+    @property
+    def window(self) -> str:
+        return self.gather.out
+
+    @property
+    def source(self) -> str:
+        return self.load().buf
+
+    def load(self) -> Load:
+        body = self.gather.body
+        return body.arg if isinstance(body, Mask) else body
+
+    def role(self) -> str:
+        return "a" if self.gemm.a.buf == self.window else "b"
+
+    def buffers_read(self) -> set[str]:
+        return (self.gather.buffers_read() | self.gemm.buffers_read()) - {self.window}
+
+    def writes(self) -> set[str]:
+        return {self.gemm.out}
+
+    def buffers_used(self) -> list[str]:
+        names = [b for b in self.gemm.buffers_used() if b != self.window] + [self.source]
+        return list(dict.fromkeys(names))
+
+    def renamed(self, mapping):
+        keep = {k: v for k, v in mapping.items() if k != self.window}
+        return replace(self, gather=rename_buffers(self.gather, keep), gemm=rename_buffers(self.gemm, keep))
+
+    def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
+        """Never written in place of an update (plan's retargeting): conservative."""
+        return False
+
+    def buffer(self, dtype: str) -> Buffer:
+        """The window buffer the product reads (never allocated)."""
+        return Buffer(self.window, dtype, tuple(sorted(self.order)), "temp", order=self.order)
+
+    def flops(self, extent, edge_size) -> int:
+        n = 2
+        for e in self.gemm.batch + self.gemm.m + self.gemm.n + self.gemm.k + self.gemm.taps:
+            n *= edge_size(e)
+        return n
+
+    def interpret(self, it) -> None:
+        """The gather into a window array, then the product, then the array is dropped."""
+        shape = [it.size(e) for e in self.order]
+        it.arrays[self.window], it.order[self.window] = np.full(shape, np.nan, it.fp), self.order
+        try:
+            it.loop(self.gather, {})
+            it.gemm(self.gemm)
+        finally:
+            del it.arrays[self.window], it.order[self.window]
+
+    def verify(self, verifier, defined: set[str]) -> None:
+        """The gather as a loop kernel and the product as a GEMM, with the window
+        declared while they are checked."""
+        low = verifier.low
+        if self.window in low.buffers:
+            raise verifier.fail(f"the implicit window '%{self.window}' is also a buffer")
+        if sorted(self.order) != sorted(e for e, _ in self.gather.index):
+            raise verifier.fail(f"the implicit window's order {', '.join(self.order)} does not name its edges")
+        low.buffers[self.window] = self.buffer(low.dtype)
+        try:
+            verifier.loop(self.gather, defined, {}, set())
+            verifier.gemm(self.gemm, defined | {self.window})
+        finally:
+            del low.buffers[self.window]
+
+    def text(self) -> str:
+        head = f"implicit %{self.window} order [{', '.join(self.order)}]" + (f"    # {self.note}" if self.note else "")
+        gather = self.gather.text().replace("\n      for", "\n          for")
+        return f"{head}\n    {gather}\n    {self.gemm.text()}"
+
+
+def read_implicit(reader, t) -> ImplicitGemm:
+    """An `implicit ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
+    buf, order_t, *rest = t.children
+    name = str(buf)[1:]
+    if name in reader.low.buffers:
+        raise reader.error(f"the implicit window '%{name}' is also a buffer", buf)
+    order = reader.names(order_t)
+    note = ""
+    kernels = []
+    for c in rest:
+        if c.data == "note":
+            note = reader.note(c)
+        else:
+            kernels.append(c)
+    reader.low.buffers[name] = Buffer(name, reader.low.dtype, tuple(sorted(order)), "temp", order=order)
+    try:
+        reader.meta_line = kernels[0].meta.line
+        gather = reader.loop(kernels[0])
+        reader.meta_line = kernels[1].meta.line
+        gemm = reader.gemm(kernels[1])
+    finally:
+        del reader.low.buffers[name]
+    return ImplicitGemm(gather, gemm, order, note)
+
+
+@dataclass(frozen=True)
+class Implicit(Pass[Lowered, Lowered]):
+    """GEMMs reading a gather copy's output pack it from the copy's source."""
+
+    name = "implicit"
+    takes = gives = "lowered"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        out = low.staged("implicit")
+        make_implicit(out, options)
+        return out
+
+
+def _window_ok(low: Lowered, g: LoopKernel) -> bool:
+    """Whether loop kernel `g` is a gather copy the packer can read (see the module)."""
+    if g.reduce or g.scatter or g.epilogue is not None or g.bounds or low.dtype != "f32":
+        return False
+    buf = low.buffers.get(g.out)
+    if buf is None or buf.kind != "temp" or buf.dtype != "f32" or buf.order is None:
+        return False
+    if tuple(buf.order) != tuple(g.loops) or any(ix != Ix.var(e) for e, ix in g.index):
+        return False
+    body = g.body
+    conds = body.conds if isinstance(body, Mask) else ()
+    load = body.arg if isinstance(body, Mask) else body
+    if not isinstance(load, Load) or low.buffers[load.buf].dtype != "f32" or low.buffers[load.buf].order is None:
+        return False
+    run = g.loops[-1]
+    src = low.buffers[load.buf]
+    index = dict(load.index)
+    for e, ix in index.items():
+        if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):
+            return False
+        if e != src.order[-1] and run in ix.vars():
+            return False
+    if index[src.order[-1]].coef(run) != 1:
+        return False
+    for c in conds:
+        if any(not isinstance(a, str) or not isinstance(k, int) for a, k in c.ix.terms) or c.op not in (">=", "<"):
+            return False
+        if c.ix.coef(run) not in (0, 1, -1):   # the packer bounds the lanes where a condition holds
+            return False
+    return True
+
+
+def _reader_ok(low: Lowered, k, window: str, g: LoopKernel, options: Options) -> bool:
+    from tgc.backends.cpu.gemm import uses_own_gemm
+
+    if not isinstance(k, GemmKernel) or k.cplx is not None or k.taps and any(
+            t in _cond_vars(g) for t in k.taps):
+        return False
+    if (k.a.buf == window) == (k.b.buf == window) or k.shifts or k.out == window:
+        return False
+    if not uses_own_gemm(low, k, options, window=True):
+        return False
+    role = "a" if k.a.buf == window else "b"
+    view = k.a if role == "a" else k.b
+    if any(v != e for v, e in view.edges):
+        return False    # the product sees the window's own edges (renames: not needed so far)
+    if any(e in _cond_vars(g) for e in k.batch):
+        return False
+    order = tuple(low.buffers[window].order)
+    fa = matrix_form(order if role == "a" else low.buffers[k.a.buf].order, k.m, k.k)
+    fb = matrix_form(order if role == "b" else low.buffers[k.b.buf].order, k.k, k.n)
+    fc = matrix_form(low.buffers[k.out].order, k.m, k.n)
+    if None in (fa, fb, fc):
+        return False
+    flip = not fc[2]
+    # the normalized product's A' must have K contiguous (the own kernel's broadcasts)
+    a_k_unit = fa[2] if not flip else not fb[2]
+    if not a_k_unit:
+        return False
+    if not flip:   # window = A (A' rows, K contiguous) or B (B' rows, N contiguous)
+        return fa[2] if role == "a" else fb[2]
+    # flipped: A' = B^T, B' = A^T
+    return (not fb[2]) if role == "b" else (not fa[2])
+
+
+def _cond_vars(g: LoopKernel) -> set[str]:
+    return {v for c in (g.body.conds if isinstance(g.body, Mask) else ()) for v in c.ix.vars()}
+
+
+def make_implicit(low: Lowered, options: Options) -> None:
+    """In place: see the module's docstring."""
+    if not options.cpu.implicit_gemm:
+        return
+    readers: dict[str, list[int]] = {}
+    for i, k in enumerate(low.kernels):
+        for r in k.buffers_read():
+            readers.setdefault(r, []).append(i)
+    replaced: dict[int, ImplicitGemm] = {}
+    dropped: set[int] = set()
+    for i, g in enumerate(low.kernels):
+        if not isinstance(g, LoopKernel) or not _window_ok(low, g):
+            continue
+        users = readers.get(g.out, [])
+        if not users or any(j in replaced for j in users) or not all(_reader_ok(low, low.kernels[j], g.out, g, options) for j in users):
+            continue
+        for j in users:
+            replaced[j] = ImplicitGemm(g, low.kernels[j], tuple(low.buffers[g.out].order),
+                                       note="window packed from its source")
+        dropped.add(i)
+        del low.buffers[g.out]
+    if replaced:
+        low.kernels = [replaced.get(j, k) for j, k in enumerate(low.kernels) if j not in dropped]
