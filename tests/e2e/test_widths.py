@@ -386,3 +386,36 @@ def test_cuda_sim_gives_the_cpu_backends_bits():
     for k, v in cpu.items():
         got = np.asarray(sim[k])
         assert got.dtype == v.dtype and same_bits(got, v), k
+
+
+def test_a_type_wider_than_the_program_warns_where_it_is_named(tmp_path):
+    """An f32 program holds f64 and c128 declarations and conversions at its own width;
+    `tgc check` warns at each place (once) and says how to keep the width."""
+    import subprocess
+    import sys
+
+    def tgc_cli(*args):
+        return subprocess.run([sys.executable, "-m", "tgc.cli", *map(str, args)], capture_output=True, text=True,
+                              cwd=tmp_path)
+
+    src = tmp_path / "w.tg"
+    src.write_text("dim n = 3\ninput a: f64[n]\ninput b[n]\ninput z: c128[n]\n"
+                   "fn twice(v) = f64(v) + f64(v)\n"
+                   "out y = a + twice(b) + twice(b * 2) + real(c128(b)) + real(z)\n")
+    r = tgc_cli("check", "w.tg")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "warning:" in line]
+    assert lines == [
+        "w.tg:2:7: warning: input 'a': f64 is wider than this program's float type f32: it holds f32 values "
+        "(compile with --dtype f64 to keep its width)",
+        "w.tg:4:7: warning: input 'z': c128 is wider than this program's float type f32: it holds c64 values "
+        "(compile with --dtype f64 to keep its width)",
+        "w.tg:5:15: warning: 'f64(...)' is wider than this program's float type f32: it holds f32 values "
+        "(compile with --dtype f64 to keep its width)",
+        "w.tg:5:24: warning: 'f64(...)' is wider than this program's float type f32: it holds f32 values "
+        "(compile with --dtype f64 to keep its width)",   # each place once, though twice is called twice
+        "w.tg:6:44: warning: 'c128(...)' is wider than this program's float type f32: it holds c64 values "
+        "(compile with --dtype f64 to keep its width)",
+    ], r.stderr
+    r = tgc_cli("check", "w.tg", "--dtype", "f64")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

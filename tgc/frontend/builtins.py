@@ -8,7 +8,7 @@ from tgc.frontend import ast
 from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, RI, is_complex
 from tgc.frontend.expressions import REDUCTIONS, Ctx, Elaborator, factors
 from tgc.ir import values as V
-from tgc.ir.dtypes import FLOATS, at_width
+from tgc.ir.dtypes import FLOATS
 from tgc.ir.ops import SURFACE_ARITY
 
 # the elementwise functions called by name (exp(x), where(c, a, b): tgc.ir.ops.FNS), then the rest
@@ -57,7 +57,7 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         el.real_only(f"'{node.fn}'", node, ctx, args[0])
         from tgc.ir.lowp import rounded
 
-        return V.convert(rounded(args[0]), at_width(node.fn, el.dtype), loc=node.loc)
+        return V.convert(rounded(args[0]), el.width(node.fn, node.loc, f"'{node.fn}(...)'"), loc=node.loc)
     if node.fn in COMPLEX_FUNCTIONS or (node.fn in ON_COMPLEX and is_complex(args[0])):
         return _complex_function(el, node, args[0], ctx)
     if node.fn == "where":
@@ -73,7 +73,8 @@ def _complex_function(el: Elaborator, node: ast.Call, z: V.Value, ctx: Ctx) -> V
     """real imag conj angle c64 c128 of any float value; exp log abs of a complex one."""
     cx, fn = el.cx, node.fn
     if fn in ("c64", "c128"):   # parts of the width named, at most the program's
-        return cx.promote(V.convert(z, at_width("f32" if fn == "c64" else "f64", el.dtype), loc=node.loc), node.loc)
+        part = el.width("f32" if fn == "c64" else "f64", node.loc, f"'{fn}(...)'", complex_=True)
+        return cx.promote(V.convert(z, part, loc=node.loc), node.loc)
     if fn in ("real", "imag"):
         if is_complex(z):
             return cx.part(z, 0 if fn == "real" else 1, node.loc)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from tgc.frontend import ast
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
-from tgc.ir.dtypes import at_width
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
 from tgc.frontend.expressions import Ctx, Elaborator, Forms
@@ -186,7 +185,8 @@ class ProgramBuilder:
         # a float type at most the program's width (f32 in an f64 program is f32; f64 in an
         # f32 program is f32); a complex one's parts likewise (c64: f32 parts)
         named = {"c64": "f32", "c128": "f64"}.get(d.dtype, d.dtype)
-        dtype = self.el.dtype if named is None else named if named == "i32" else at_width(named, self.el.dtype)
+        dtype = (self.el.dtype if named is None else named if named == "i32"
+                 else self.el.width(named, d.loc, f"{d.kind} '{d.name}': {d.dtype}", d.dtype in COMPLEX_DTYPES))
         if dtype == "i32" and d.kind != "input":
             raise CompileError(f"a {d.kind} must be a float tensor; only inputs can be i32", d.loc)
         order = []
@@ -375,7 +375,7 @@ class ProgramBuilder:
         return self.m
 
     def warnings(self) -> list[Diagnostic]:
-        """Inputs and bindings that nothing reads."""
+        """Inputs and bindings that nothing reads; types named wider than the program's."""
         out = []
         outputs = {o.name for o in self.m.outputs}
         for name, kind in self.scope.kinds.items():
@@ -384,7 +384,7 @@ class ProgramBuilder:
             arg = self.m.args.get(name)
             what = f"{arg.kind} '{name}'" if arg else f"'{name}'"
             out.append(Diagnostic("warning", f"{what} is never used", self.scope.locs[name]))
-        return out
+        return out + self.el.capped
 
 
 def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:

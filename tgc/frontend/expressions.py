@@ -17,6 +17,7 @@ from tgc.frontend.scope import FnInfo, Scope, describe
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.dtypes import at_width
 from tgc.ir.module import Module
 from tgc.ir.ops import INFIX, SURFACE_UNARY
 from tgc.ir.sizes import Size, size_op, size_str
@@ -85,9 +86,25 @@ class Elaborator:
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
+        self.capped: list[Diagnostic] = []   # warnings: a type named wider than the program's (`at_width`)
         self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call
 
     # ---- helpers ------------------------------------------------------------------
+
+    def width(self, named: str, loc, what: str, complex_: bool = False) -> str:
+        """The float type `named` (a complex type's parts when `complex_`) has in this
+        program (`at_width`); a type wider than the program's float type holds the
+        program's width, which a warning says (once per place)."""
+        got = at_width(named, self.dtype)
+        if got != named:
+            held = {"f32": "c64", "f64": "c128"}[got] if complex_ else got
+            warning = Diagnostic("warning", f"{what} is wider than this program's float type {self.dtype}: "
+                                            f"it holds {held} values (compile with --dtype {named} to keep "
+                                            f"its width)", loc)
+            if warning not in self.capped:
+                self.capped.append(warning)
+        return got
+
 
     def error(self, message: str, node, ctx: Ctx | None = None, notes=()) -> CompileError:
         """A located error; inside the prelude, located at the user's call instead."""
