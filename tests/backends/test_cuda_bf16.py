@@ -333,12 +333,16 @@ def test_autocast_examples_on_cuda_sim_match_the_cpu(name, low, ex_calls):
     ref = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dims=dims)
     for k in want:
         g, w, r = (np.asarray(x, np.float64) for x in (got[k], want[k], ref[k]))
-        scale = max(1.0, np.abs(w).max())
-        # the same rounded operands, f32 sums in other orders: an operand rounded the other
-        # way now and then (one bf16/f16 ulp) moves a result by about that much
+        scale = max(1.0, np.abs(r).max())
+        # cuda-sim multiplies the rounded operands as the interpreter does (numpy, f32):
+        # element by element, up to f32 sums in another order
         tol = 2.0 ** -6 if low == "bf16" else 2.0 ** -9
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale, err_msg=k)
         np.testing.assert_allclose(g, r, rtol=tol, atol=tol * scale, err_msg=k)
+        # the CPU's sgemm sums in another order, so now and then a value rounds to the other
+        # bf16/f16 neighbour before a product (GPT, batch 6: 40 of 2112 logits move); the
+        # backward pass spreads such a flip over whole gradients (a layernorm weight's,
+        # summed over a few rows, by up to 3% in norm), so the CPU is compared in norm
+        assert np.linalg.norm(g - w) <= 4 * tol * max(np.linalg.norm(w), 1e-30), k
 
 
 def _sort_gpt():
