@@ -10,7 +10,8 @@ stage's `flush` asks to decide which members' buffers another kernel still needs
 
 `MemberGroup` is what such a stage's kernel kind shares (the CPU's `LoopGroup`,
 CUDA's `RowGroup`): member loop kernels inside shared outer loops, some members'
-outputs held in registers (`regs`) rather than buffers."""
+outputs held in registers (`regs`) rather than buffers; `read_member_parts` reads the
+parts of its lowered text that every such kind shares."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -90,3 +91,32 @@ class Grouper:
             if not members:
                 self.out.kernels.append(k)
         self.flush(members)
+
+
+def read_member_parts(reader, t, extra: tuple[str, ...] = ()):
+    """The parts a `MemberGroup` kernel's lowered text gives (`reader`: `tgc.lower.text`'s
+    walk of its children): (outer loops, their sizes, members, registers, note, and the
+    children named in `extra` by name, which the kernel kind reads itself)."""
+    outer: list[str] = []
+    sizes: dict = {}
+    regs, note, members, extras = (), "", [], {}
+    for c in t.children:
+        if c.data == "outer":
+            outer.append(str(c.children[0]))
+            sizes[str(c.children[0])] = reader.size(c.children[1])
+        elif c.data in extra:
+            extras[c.data] = c
+        elif c.data == "regs":
+            for r in c.children:
+                name = str(r.children[0])[1:]
+                if name in reader.low.buffers or name in reader.regs:
+                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
+                reader.regs[name] = reader.names(r.children[1])
+            regs = tuple(reader.regs)
+        elif c.data == "note":
+            note = reader.note(c)
+        else:
+            reader.meta_line = c.meta.line
+            members.append(reader.loop(c))
+    reader.regs = {}
+    return tuple(outer), sizes, tuple(members), regs, note, extras

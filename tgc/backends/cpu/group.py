@@ -42,7 +42,7 @@ import numpy as np
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, walk)
-from tgc.lower.grouping import Grouper, MemberGroup
+from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
 from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
@@ -129,30 +129,9 @@ class LoopGroup(MemberGroup):
 
 def read_group(reader, t) -> LoopGroup:
     """A `group for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
-    outer: list[str] = []
-    sizes: dict[str, Size] = {}
-    blocks, regs, note = 0, (), ""
-    members = []
-    for c in t.children:
-        if c.data == "outer":
-            outer.append(str(c.children[0]))
-            sizes[str(c.children[0])] = reader.size(c.children[1])
-        elif c.data == "blocks":
-            blocks = int(c.children[0])
-        elif c.data == "regs":
-            for r in c.children:
-                name = str(r.children[0])[1:]
-                if name in reader.low.buffers or name in reader.regs:
-                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
-                reader.regs[name] = reader.names(r.children[1])
-            regs = tuple(reader.regs)
-        elif c.data == "note":
-            note = reader.note(c)
-        else:
-            reader.meta_line = c.meta.line
-            members.append(reader.loop(c))
-    reader.regs = {}
-    return LoopGroup(tuple(outer), sizes, tuple(members), regs, blocks, note)
+    outer, sizes, members, regs, note, extras = read_member_parts(reader, t, ("blocks",))
+    blocks = int(extras["blocks"].children[0]) if "blocks" in extras else 0
+    return LoopGroup(outer, sizes, members, regs, blocks, note)
 
 
 @dataclass(frozen=True)

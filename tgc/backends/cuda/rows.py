@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, walk
-from tgc.lower.grouping import Grouper, MemberGroup
+from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
 from tgc.options import Options
 
 ROW_REDUCTIONS = ("sum", "max", "min", "maxshift", "logsumexp")
@@ -81,27 +81,8 @@ class RowGroup(MemberGroup):
 
 def read_rowgroup(reader, t) -> RowGroup:
     """A `rowgroup for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
-    outer: list[str] = []
-    sizes: dict[str, Size] = {}
-    regs, note, members = (), "", []
-    for c in t.children:
-        if c.data == "outer":
-            outer.append(str(c.children[0]))
-            sizes[str(c.children[0])] = reader.size(c.children[1])
-        elif c.data == "regs":
-            for r in c.children:
-                name = str(r.children[0])[1:]
-                if name in reader.low.buffers or name in reader.regs:
-                    raise reader.error(f"register '%{name}' is also a buffer or another register", r.children[0])
-                reader.regs[name] = reader.names(r.children[1])
-            regs = tuple(reader.regs)
-        elif c.data == "note":
-            note = reader.note(c)
-        else:
-            reader.meta_line = c.meta.line
-            members.append(reader.loop(c))
-    reader.regs = {}
-    return RowGroup(tuple(outer), sizes, tuple(members), regs, note)
+    outer, sizes, members, regs, note, _ = read_member_parts(reader, t)
+    return RowGroup(outer, sizes, members, regs, note)
 
 
 @dataclass(frozen=True)
