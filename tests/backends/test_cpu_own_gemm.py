@@ -249,12 +249,12 @@ out dK = grad(loss, K)
 def test_conv2d_windows_are_packed_not_stored():
     """With implicit GEMMs, the benchmark conv2d's window (9x the image) is no buffer:
     two implicit GEMMs (y and dK) pack it from x, and the im2col loop is gone; the
-    workspace drops from 25.2 MB to the input gradient's partial. Without (the
-    default: measured slower), the plan keeps the copy."""
+    workspace drops from 25.2 MB to the input gradient's partial. Implicit GEMMs are
+    the default; with `implicit_gemm=False` the plan keeps the copy."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
     text = (ROOT / "benchmarks/workloads/conv2d.tg").read_text()
-    on, off = lowered(text, own_gemm="on", implicit_gemm=True), lowered(text, own_gemm="on")
+    on, off = lowered(text, own_gemm="on"), lowered(text, own_gemm="on", implicit_gemm=False)
     imp = [k for k in on.kernels if isinstance(k, ImplicitGemm)]
     assert len(imp) == 2 and {k.source for k in imp} == {"x"}
     outs = {k.gemm.out for k in imp}
@@ -330,6 +330,42 @@ def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
     for name in ("y", "dx", "dK"):
         w = np.asarray(want[name])
         np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+
+
+def _against_f64(src, arrays, **opts):
+    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", **opts))(**arrays)
+    f64 = Options(dtype="f64")
+    module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
+    want = evaluate(module, {k: np.asarray(v, np.float64) for k, v in arrays.items()}, dtype="f64")
+    for name in ("y", "dx", "dK"):
+        w = np.asarray(want[name])
+        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["9x9 kernel", "misaligned x", "aligned x"])
+def test_implicit_packer_masks_and_line_offsets(case):
+    """The packer's paths (fgemm._Lanes): a 9 x 9 kernel has 81 row classes, more
+    than the table holds masks for, so each row compares its conditions; the 5 x 5
+    kernel's 25 classes load their masks. Each run of 16 floats is read from the two
+    aligned lines that hold it: an x that starts 4 bytes past a 64-byte line moves
+    every run's offset into its lines (and a run that starts on a line has none)."""
+    from tgc.backends.cpu.implicit import ImplicitGemm
+
+    src = PADDED_5X5
+    if case == "9x9 kernel":
+        src = src.replace("kh = 5, kw = 5", "kh = 9, kw = 9").replace("kh - 2", "kh - 4").replace("kw - 2", "kw - 4")
+    assert sum(isinstance(k, ImplicitGemm) for k in lowered(src, own_gemm="on").kernels) == 2
+    rng = np.random.default_rng(8)
+    k = 9 if case == "9x9 kernel" else 5
+    n = 3 * 24 * 15 * 21
+    buf = np.empty(n + 32, np.float32)
+    at = (-buf.ctypes.data // 4) % 16 + (1 if case == "misaligned x" else 0)
+    x = buf[at:at + n].reshape(3, 24, 15, 21)
+    x[...] = rng.standard_normal(x.shape)
+    assert (x.ctypes.data % 64 == 4) == (case == "misaligned x")
+    arrays = {"x": x, "dy": rng.standard_normal((3, 40, 15, 21), dtype=np.float32),
+              "K": rng.standard_normal((40, 24, k, k), dtype=np.float32)}
+    _against_f64(src, arrays)
 
 
 def test_strided_window_stays_a_copy():

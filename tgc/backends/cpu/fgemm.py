@@ -18,7 +18,7 @@ default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5)
 An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
 (`Window`) from the window's source instead of reading a stored buffer: B' block by
 block as above, or A''s rows for each block of R rows, each row segment by segment
-(`_Segments`); it takes `i64* dims, i64 row0, i64 col0` more (the dims for sizes,
+(`_Lanes`); it takes `i64* dims, i64 row0, i64 col0` more (the dims for sizes,
 where in the window matrix the tile starts).
 
 Exact as a GEMM may be: each element of C is one f32 sum over K in K's order, fused
@@ -29,11 +29,13 @@ never depend on the thread count. Terminates: counted loops over sizes.
 from __future__ import annotations
 
 import llvmlite.ir as ir
+import numpy as np
 
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, define, export, for_range
 
 VL = 16            # f32 lanes of a 512-bit vector
 OWN_DEPTH = 256    # K per packed block of B
+MASK_CLASSES = 64  # the most row classes whose masks a window's table holds (_Lanes)
 
 
 def kernel_name(rows: int, vecs: int) -> str:
@@ -98,101 +100,221 @@ class Window:
         return off, cs
 
 
-class _Segments:
-    """A table of the segments of a column range of the window (built once per block,
-    read for every row): each segment is a run along `run`, with its offset in the
-    packed row, its length, its part of the source offset and of each condition
-    (constants included). `cap` entries at most: a range of `cap` columns has at most
-    that many segments."""
+def _step(b, digits, sizes):
+    """The next index of a split (allocas `digits`, outermost first, of edges of
+    `sizes`): the innermost digit steps; one that reaches its size wraps to 0 and
+    carries into the one outside it."""
+    carry = ir.Constant(I1, 1)
+    for d, n in reversed(list(zip(digits, sizes))):
+        x1 = b.add(b.load(d, typ=I64), b.zext(carry, I64))
+        wrap = b.icmp_signed("==", x1, n)
+        b.store(b.select(wrap, I64(0), x1), d)
+        carry = b.and_(carry, wrap)
+
+
+class _Lanes:
+    """A table of a column range of the window (built once per range, read for every
+    row it packs): for each vector of 16 columns, each lane's part of the source
+    offset and of each condition (constants included), whether the lane is inside
+    the range, and whether the vector's lanes are consecutive in the source (then one
+    masked load reads it; otherwise a masked gather does). A row then costs its own
+    part of the offset and conditions, and per vector a compare per condition, a load
+    and a store: no division and no data-dependent branch per element. Condition
+    values are i32 lanes (`implicit._window_ok` bounds them). `cap` columns at most.
+
+    When the row edges that enter the conditions (a convolution's kh and kw) have
+    fixed sizes whose product (the row classes) is at most MASK_CLASSES, the table
+    also holds each vector's mask for every row class: a row then loads its masks
+    instead of comparing (rows of one class have the same conditions' row part)."""
 
     def __init__(self, entry, win, cap: int):
-        self.win, self.cap = win, cap
-        n = 3 + len(win.conds)
-        self.table = entry.alloca(I64, size=I64(n * (cap + 1)), name="segs")
-        self.count = entry.alloca(I64, name="nseg")
-        self.o_ptr = entry.alloca(I64, name="seg.o")
+        self.win, self.nv = win, -(-cap // VL)
+        nc = len(win.conds)
+        self.class_edges = [v for v in win.rows if any(c.ix.coef(v) != 0 for c in win.conds)]
+        sizes = [win.size[v] for v in self.class_edges]
+        self.class_sizes = [x.constant for x in sizes] if all(isinstance(x, ir.Constant) for x in sizes) else None
+        self.classes = int(np.prod(self.class_sizes)) if self.class_sizes is not None and win.conds else 0
+        if not 0 < self.classes <= MASK_CLASSES:
+            self.classes = 0
+        if self.classes:
+            self.masks = entry.alloca(ir.IntType(16), size=I64(self.classes * self.nv), name="lane.masks")
+        self.off = entry.alloca(I64, size=I64(self.nv * VL), name="lane.off")
+        self.conds = entry.alloca(I32, size=I64(max(1, nc) * self.nv * VL), name="lane.cond")
+        self.valid = entry.alloca(ir.IntType(16), size=I64(self.nv), name="lane.valid")
+        self.contig = entry.alloca(I1, size=I64(self.nv), name="lane.contig")
+        self.digits = [entry.alloca(I64, name=f"lane.{v}") for v in win.cols]
+        for a in (self.off, self.conds):
+            a.align = 64
 
-    def at(self, b, field: int, s):
-        return b.gep(self.table, [b.add(b.mul(s, I64(3 + len(self.win.conds))), I64(field))], source_etype=I64)
-
-    def build(self, b, col0, length):
-        """The segments of columns col0 .. col0 + length."""
+    def build(self, b, col0, length, vectors):
+        """The table of columns col0 .. col0 + length, `vectors` (an i64, at least
+        length / 16 rounded up) vectors of it; lanes past `length` are masked. Per
+        vector, the first lane's column is split once (divisions), the others step
+        like an odometer."""
         win = self.win
-        b.store(I64(0), self.o_ptr)
-        b.store(I64(0), self.count)
-        fn = b.function
-        head, body, done = (fn.append_basic_block(n) for n in ("segs.head", "segs.body", "segs.done"))
-        b.branch(head)
-        b.position_at_end(head)
-        o = b.load(self.o_ptr, typ=I64)
-        b.cbranch(b.icmp_signed("<", o, length), body, done)
-        b.position_at_end(body)
-        cvals = win.split(b, b.add(col0, o), win.cols)
-        left = b.sub(length, o)
-        room = b.sub(win.size[win.run], cvals[win.run])
-        seg = b.select(b.icmp_signed("<", room, left), room, left)
-        coff, ccs = win.part(b, cvals)
-        s = b.load(self.count, typ=I64)
-        b.store(o, self.at(b, 0, s))
-        b.store(seg, self.at(b, 1, s))
-        b.store(b.add(coff, win.const), self.at(b, 2, s))
-        for i, (cc, k0) in enumerate(zip(ccs, win.cond_const)):
-            b.store(b.add(cc, k0), self.at(b, 3 + i, s))
-        b.store(b.add(s, I64(1)), self.count)
-        b.store(b.add(o, seg), self.o_ptr)
-        b.branch(head)
-        b.position_at_end(done)
+        with for_range(b, I64(0), vectors, "lv") as v:
+            first = b.mul(v, I64(VL))
+            split = win.split(b, b.add(col0, first), win.cols)
+            for c, d in zip(win.cols, self.digits):
+                b.store(split[c], d)
+            off0 = None
+            contig, valid = ir.Constant(I1, 1), ir.Constant(ir.IntType(16), 0)
+            for lane in range(VL):
+                vals = {c: b.load(d, typ=I64) for c, d in zip(win.cols, self.digits)}
+                off, cs = win.part(b, vals)
+                off = b.add(off, win.const)
+                inside = b.icmp_signed("<", b.add(first, I64(lane)), length)
+                at = b.add(first, I64(lane))
+                b.store(off, b.gep(self.off, [at], source_etype=I64))
+                for i, (cc, k0) in enumerate(zip(cs, win.cond_const)):
+                    slot = b.add(b.mul(b.add(b.mul(v, I64(len(win.conds))), I64(i)), I64(VL)), I64(lane))
+                    b.store(b.trunc(b.add(cc, k0), I32), b.gep(self.conds, [slot], source_etype=I32))
+                if lane == 0:
+                    off0 = off
+                else:   # a lane outside the range is masked: it does not break the run
+                    step = b.icmp_signed("==", off, b.add(off0, I64(lane)))
+                    contig = b.and_(contig, b.or_(step, b.not_(inside)))
+                valid = b.or_(valid, b.select(inside, ir.Constant(ir.IntType(16), 1 << lane),
+                                              ir.Constant(ir.IntType(16), 0)))
+                _step(b, self.digits, [win.size[c] for c in win.cols])   # the next column
+            b.store(valid, b.gep(self.valid, [v], source_etype=ir.IntType(16)))
+            b.store(contig, b.gep(self.contig, [v], source_etype=I1))
+        if self.classes:
+            with for_range(b, I64(0), I64(self.classes), "lc") as c:
+                rcs = self.class_parts(b, c)
+                with for_range(b, I64(0), vectors, "lm") as v:
+                    ok = self.compare(b, rcs, v)
+                    b.store(b.bitcast(ok, ir.IntType(16)), self.mask_at(b, c, v))
 
-    def fill(self, b, src, row, dst):
-        """dst[o .. o + len) of every segment = the window's row `row` there (zeros where
-        a condition fails): masked 16-lane loads from the source and stores."""
-        from tgc.backends.cpu.gemm import _masked_intrinsics
+    def class_parts(self, b, c):
+        """Each condition's row part for row class `c` (a mixed-radix index of the
+        class edges)."""
+        vals = {}
+        for v, n in reversed(list(zip(self.class_edges, self.class_sizes))):
+            vals[v] = b.srem(c, I64(n))
+            c = b.sdiv(c, I64(n))
+        return self.win.part(b, vals)[1]
+
+    def row_class(self, b, split):
+        """The row class of a row (its digits `split`)."""
+        c = I64(0)
+        for v, n in zip(self.class_edges, self.class_sizes):
+            c = b.add(b.mul(c, I64(n)), split[v])
+        return c
+
+    def mask_at(self, b, c, v):
+        return b.gep(self.masks, [b.add(b.mul(c, I64(self.nv)), v)], source_etype=ir.IntType(16))
+
+    def compare(self, b, rcs, v):
+        """<16 x i1>: the lanes of vector `v` inside the range where every condition
+        holds, for a row whose conditions' row parts are `rcs`."""
+        from tgc.backends.cpu.gemm import _splat
 
         win = self.win
+        i32v = ir.VectorType(I32, VL)
+        ok = b.bitcast(b.load(b.gep(self.valid, [v], source_etype=ir.IntType(16)), typ=ir.IntType(16)),
+                       ir.VectorType(I1, VL))
+        zero_i = ir.Constant(i32v, [0] * VL)
+        for i, (c, rc) in enumerate(zip(win.conds, rcs)):
+            slot = b.mul(b.add(b.mul(v, I64(len(win.conds))), I64(i)), I64(VL))
+            cv = b.load(b.bitcast(b.gep(self.conds, [slot], source_etype=I32), i32v.as_pointer()), typ=i32v, align=64)
+            t = b.add(cv, _splat(b, b.trunc(rc, I32), i32v))
+            ok = b.and_(ok, b.icmp_signed(c.op, t, zero_i))
+        return ok
+
+    def row_digits(self, entry, b, row):
+        """Allocas holding row `row`'s split into the window's row edges (for `fill`)."""
+        digits = [entry.alloca(I64, name=f"row.{v}") for v in self.win.rows]
+        split = self.win.split(b, row, self.win.rows)
+        for v, d in zip(self.win.rows, digits):
+            b.store(split[v], d)
+        return digits
+
+    def step_row(self, b, digits):
+        """The digits of the next row: the innermost row edge steps, carrying outward."""
+        _step(b, digits, [self.win.size[v] for v in self.win.rows])
+
+    @staticmethod
+    def load_run(b, at, ok):
+        """16 consecutive floats at `at` where `ok` (zeros elsewhere), read as two
+        masked loads of the aligned 64-byte lines that hold them and one two-table
+        permute: a convolution window's runs start one float off the lines (kw - 1),
+        and a load across two lines cost about twice as much."""
+        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
+
         f32 = ir.FloatType()
-        vt = ir.VectorType(f32, VL)
-        load_fn, store_fn, _ = _masked_intrinsics(b.module, f32, VL)
+        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
+        i32v, i16 = ir.VectorType(I32, VL), ir.IntType(16)
+        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
+        name = "llvm.x86.avx512.vpermi2var.ps.512"
+        perm = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(vt, [vt, i32v, vt]), name)
         zero_v = ir.Constant(vt, [0.0] * VL)
-        roff, rcs = win.part(b, win.split(b, row, win.rows))
-        i16, mt = ir.IntType(16), ir.VectorType(I1, VL)
+        addr = b.ptrtoint(at, I64)
+        line = b.and_(addr, I64(-64))
+        shift = b.trunc(b.lshr(b.sub(addr, line), I64(2)), I32)     # 0 .. 15 floats into the line
+        bits = b.zext(b.bitcast(ok, i16), I32)
+        lo_ok = b.bitcast(b.trunc(b.shl(bits, shift), i16), mt)
+        hi_ok = b.bitcast(b.trunc(b.lshr(bits, b.sub(I32(VL), shift)), i16), mt)
+        lo = b.call(load_fn, [b.inttoptr(line, PTR), I32(64), lo_ok, zero_v])
+        hi = b.call(load_fn, [b.inttoptr(b.add(line, I64(64)), PTR), I32(64), hi_ok, zero_v])
+        idx = b.add(_splat(b, shift, i32v), ir.Constant(i32v, list(range(VL))))
+        return b.call(perm, [lo, idx, hi])
 
-        def clamp(x, lo, hi):
-            x = b.select(b.icmp_signed("<", x, I64(lo)), I64(lo), x)
-            return b.select(b.icmp_signed(">", x, I64(hi)), I64(hi), x)
+    def load_vector(self, b, src, roff, rcs, v, cls=None):
+        """The window's row (offset `roff`, condition parts `rcs`, row class `cls`
+        when the table has masks per class) at the table's vector `v`: 16 floats,
+        zeros where a condition fails."""
+        from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
 
-        def bits(n):   # the first n of 16 lanes (0 <= n <= 16)
-            return b.sub(b.shl(I32(1), b.trunc(n, I32)), I32(1))
+        f32 = ir.FloatType()
+        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
+        i64v = ir.VectorType(I64, VL)
+        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
+        gather = _gather_intrinsic(b.module, f32, VL)
+        zero_v = ir.Constant(vt, [0.0] * VL)
+        if cls is not None:
+            ok = b.bitcast(b.load(self.mask_at(b, cls, v), typ=ir.IntType(16)), mt)
+        else:
+            ok = self.compare(b, rcs, v)
+        first = b.mul(v, I64(VL))
+        with b.if_else(b.load(b.gep(self.contig, [v], source_etype=I1), typ=I1)) as (run, scattered):
+            with run:
+                at = b.gep(src, [b.add(roff, b.load(b.gep(self.off, [first], source_etype=I64), typ=I64))],
+                           source_etype=f32)
+                x_run = self.load_run(b, at, ok)
+                from_run = b.block
+            with scattered:
+                offs = b.load(b.bitcast(b.gep(self.off, [first], source_etype=I64), i64v.as_pointer()),
+                              typ=i64v, align=64)
+                base = _splat(b, b.ptrtoint(b.gep(src, [roff], source_etype=f32), I64), i64v)
+                ptrs = b.inttoptr(b.add(base, b.shl(offs, ir.Constant(i64v, [2] * VL))), ir.VectorType(PTR, VL))
+                x_gather = b.call(gather, [ptrs, I32(4), ok, zero_v])
+                from_gather = b.block
+        x = b.phi(vt)
+        x.add_incoming(x_run, from_run)
+        x.add_incoming(x_gather, from_gather)
+        return x
 
-        with for_range(b, I64(0), b.load(self.count, typ=I64), "seg") as s:
-            o = b.load(self.at(b, 0, s), typ=I64)
-            seg = b.load(self.at(b, 1, s), typ=I64)
-            base = b.add(roff, b.load(self.at(b, 2, s), typ=I64))
-            # a condition without `run` holds for the whole segment or not at all; one
-            # with `run` (coefficient +-1) bounds the lanes where it holds: [lo, hi)
-            scalar, lo, hi = ir.Constant(I1, 1), I64(0), seg
-            for i, (c, rc) in enumerate(zip(win.conds, rcs)):
-                v = b.add(rc, b.load(self.at(b, 3 + i, s), typ=I64))
-                k = c.ix.coef(win.run)
-                if k == 0:
-                    scalar = b.and_(scalar, b.icmp_signed(c.op, v, I64(0)))
-                elif (k, c.op) == (1, ">="):
-                    lo = b.select(b.icmp_signed(">", b.neg(v), lo), b.neg(v), lo)
-                elif (k, c.op) == (1, "<"):
-                    hi = b.select(b.icmp_signed("<", b.neg(v), hi), b.neg(v), hi)
-                elif (k, c.op) == (-1, ">="):
-                    hi = b.select(b.icmp_signed("<", b.add(v, I64(1)), hi), b.add(v, I64(1)), hi)
-                else:   # (-1, "<")
-                    lo = b.select(b.icmp_signed(">", b.add(v, I64(1)), lo), b.add(v, I64(1)), lo)
-            hi = b.select(scalar, hi, I64(0))
-            with for_range(b, I64(0), b.sdiv(b.add(seg, I64(VL - 1)), I64(VL)), "sv") as t:
-                lane0 = b.mul(t, I64(VL))
-                ok = b.and_(bits(clamp(b.sub(hi, lane0), 0, VL)), b.not_(bits(clamp(b.sub(lo, lane0), 0, VL))))
-                ok_m = b.bitcast(b.trunc(ok, i16), mt)
-                x = b.call(load_fn, [b.gep(src, [b.add(base, lane0)], source_etype=f32), I32(4), ok_m, zero_v])
-                # a whole-vector store: lanes past the segment (zeros) land where a later
-                # segment or row is written, or in the buffer's slack. A masked store
-                # here made every later load wait for it (the packing took 3x longer)
-                b.store(x, b.bitcast(b.gep(dst, [b.add(o, lane0)], source_etype=f32), vt.as_pointer()), align=4)
+    def fill(self, b, src, row, dst, vectors, digits=None):
+        """dst[0 .. 16 vectors) = the window's row `row` over the table's columns
+        (`vectors`: a Python int, unrolled, or an i64 count). With `digits` (allocas
+        holding the row's split, see `step_row`), no division."""
+        win = self.win
+        split = win.split(b, row, win.rows) if digits is None else {
+            v: b.load(d, typ=I64) for v, d in zip(win.rows, digits)}
+        roff, rcs = win.part(b, split)
+        cls = self.row_class(b, split) if self.classes else None
+        vt = ir.VectorType(ir.FloatType(), VL)
+
+        def at(v):
+            return b.bitcast(b.gep(dst, [b.mul(v, I64(VL))], source_etype=ir.FloatType()), vt.as_pointer())
+        if isinstance(vectors, int):   # every load, then every store
+            xs = [self.load_vector(b, src, roff, rcs, I64(v), cls) for v in range(vectors)]
+            for v, x in enumerate(xs):
+                b.store(x, at(I64(v)), align=64)
+        else:
+            with for_range(b, I64(0), vectors, "fv") as v:
+                b.store(self.load_vector(b, src, roff, rcs, v, cls), at(v), align=4)
 
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
@@ -230,13 +352,13 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         entry = ir.IRBuilder(fn.append_basic_block("entry"))
         body = fn.append_basic_block("body")
         b = ir.IRBuilder(body)
-    bpack = entry.alloca(f32, size=I64(depth * cols + VL), name="bpack")   # slack: see _Segments.fill
+    bpack = entry.alloca(f32, size=I64(depth * cols + VL), name="bpack")   # slack: see own_kernel's packing
     bpack.align = 64
     apack = None
     if window is not None and window.role == "a":
         apack = entry.alloca(f32, size=I64(depth * rows + VL), name="apack")
         apack.align = 64
-    segs = _Segments(entry, window, cols if window.role == "b" else depth) if window is not None else None
+    segs = _Lanes(entry, window, cols if window.role == "b" else depth) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -263,18 +385,17 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
             kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
             add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
             if apack is not None:
-                segs.build(b, b.add(col0, k0), kd)   # this K block's columns of the window
+                kvecs = b.sdiv(b.add(kd, I64(VL - 1)), I64(VL))
+                segs.build(b, b.add(col0, k0), kd, kvecs)   # this K block's columns of the window
             if window is not None and window.role == "b":
-                # the window's block: each packed row zeroed, then filled from the source
+                # the window's block, row by row from the source (zeros past the block's width)
                 with b.if_then(b.icmp_signed("==", kb, I64(0))):
-                    segs.build(b, b.add(col0, j0), width)   # the same columns for every K block
+                    segs.build(b, b.add(col0, j0), width, I64(vecs))   # the same columns for every K block
+                digits = segs.row_digits(entry, b, b.add(row0, k0))
                 with for_range(b, I64(0), kd, "pw") as p:
                     dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                    with b.if_then(b.icmp_signed("<", width, I64(cols))):
-                        for c in range(vecs):
-                            b.store(zero_v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32),
-                                                      vt.as_pointer()), align=64)
-                    segs.fill(b, pb, b.add(row0, b.add(k0, p)), dst)
+                    segs.fill(b, pb, None, dst, vecs, digits)
+                    segs.step_row(b, digits)
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
@@ -290,7 +411,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                     arow = []
                     for r in range(rows):
                         dst = b.gep(apack, [I64(r * depth)], source_etype=f32)
-                        segs.fill(b, pa, b.add(row0, rix[r]), dst)
+                        segs.fill(b, pa, b.add(row0, rix[r]), dst, kvecs)
                         arow.append(dst)
                 else:
                     arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]

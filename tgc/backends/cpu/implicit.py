@@ -1,7 +1,8 @@
 """implicit: the CPU backend's lowering stage that turns a gather copy feeding GEMMs
-(im2col: a 2-D convolution's window buffer) into implicit GEMMs. Off unless
-`options.cpu.implicit_gemm`: it saves the window's memory (the conv2d benchmark's
-workspace 25.2 -> 6.4 MB) but measured slower than the copy and OpenBLAS
+(im2col: a 2-D convolution's window buffer) into implicit GEMMs. On unless
+`options.cpu.implicit_gemm` is False: it saves the window's memory (the conv2d
+benchmark's workspace 25.2 -> 6.4 MB) and its write and two reads, and packing the
+window from the source (fgemm.py's `_Lanes`) costs less than the copy
 (docs/optimization.md, "Implicit GEMMs").
 
 `Lowered` -> `Lowered`, after `gemm_operands`. `fuse` makes a 2-D convolution's
@@ -196,7 +197,22 @@ def _window_ok(low: Lowered, g: LoopKernel) -> bool:
             return False
         if c.ix.coef(run) not in (0, 1, -1):   # the packer bounds the lanes where a condition holds
             return False
+        if not _fits_i32(low, c.ix):   # the packer's tables hold condition values as i32 lanes
+            return False
     return True
+
+
+def _fits_i32(low: Lowered, ix: Ix) -> bool:
+    """Whether every value of `ix` over its variables' fixed ranges is an i32."""
+    if not isinstance(ix.const, int):
+        return False
+    bound = abs(ix.const)
+    for v, k in ix.terms:
+        n = low.size(v)
+        if not isinstance(n, int):
+            return False
+        bound += abs(k) * max(n - 1, 0)
+    return bound < 1 << 30
 
 
 def _reader_ok(low: Lowered, k, window: str, g: LoopKernel, options: Options) -> bool:
