@@ -13,12 +13,14 @@ loads. Then for every block of R rows the K loop keeps R x V vector accumulators
 registers: each step loads the V vectors of the packed row and, per row, broadcasts
 A[i, k] and takes V fused multiply-adds. A K block after the first adds into C; rows
 past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V = 4 x 4 by
-default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5).
+default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5,
+except where N is 32 past a multiple of 64: a 64 x 288 x 1024 product with B
+transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is half empty).
 
 An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
 (`Window`) from the window's source instead of reading a stored buffer: B' block by
-block as above, or A''s rows for each block of R rows, each row segment by segment
-(`_Lanes`); it takes `i64* dims, i64 row0, i64 col0` more (the dims for sizes,
+block as above, or A''s rows for each block of R rows, each row vector by vector
+from a table of the block's columns (`_Lanes`); it takes `i64* dims, i64 row0, i64 col0` more (the dims for sizes,
 where in the window matrix the tile starts).
 
 Exact as a GEMM may be: each element of C is one f32 sum over K in K's order, fused
