@@ -102,6 +102,13 @@ class Window:
         return off, cs
 
 
+def _permute(mod):
+    """vpermi2ps: lane i of the result is lane idx[i] of the 32 lanes of (a, b)."""
+    vt, i32v = ir.VectorType(ir.FloatType(), VL), ir.VectorType(I32, VL)
+    name = "llvm.x86.avx512.vpermi2var.ps.512"
+    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(vt, [vt, i32v, vt]), name)
+
+
 def _step(b, digits, sizes):
     """The next index of a split (allocas `digits`, outermost first, of edges of
     `sizes`): the innermost digit steps; one that reaches its size wraps to 0 and
@@ -144,6 +151,9 @@ class _Lanes:
         self.conds = entry.alloca(I32, size=I64(max(1, nc) * self.nv * VL), name="lane.cond")
         self.valid = entry.alloca(ir.IntType(16), size=I64(self.nv), name="lane.valid")
         self.contig = entry.alloca(I1, size=I64(self.nv), name="lane.contig")
+        self.chain = entry.alloca(I1, name="lane.chain")
+        self.prev = (entry.alloca(ir.VectorType(ir.FloatType(), VL), name="run.line"),
+                     entry.alloca(I32, name="run.hi"))
         self.digits = [entry.alloca(I64, name=f"lane.{v}") for v in win.cols]
         for a in (self.off, self.conds):
             a.align = 64
@@ -181,6 +191,15 @@ class _Lanes:
                 _step(b, self.digits, [win.size[c] for c in win.cols])   # the next column
             b.store(valid, b.gep(self.valid, [v], source_etype=ir.IntType(16)))
             b.store(contig, b.gep(self.contig, [v], source_etype=I1))
+            # one run so far: this vector continues the last one's run (or has no lane)
+            before = b.select(b.icmp_signed(">", v, I64(0)), b.sub(first, I64(VL)), I64(0))
+            prev = b.load(b.gep(self.off, [before], source_etype=I64), typ=I64)
+            follows = b.or_(b.icmp_signed("==", v, I64(0)), b.icmp_signed("==", off0, b.add(prev, I64(VL))))
+            empty = b.icmp_signed("==", valid, ir.Constant(ir.IntType(16), 0))
+            ok = b.or_(empty, b.and_(contig, follows))
+            was = b.select(b.icmp_signed("==", v, I64(0)), ir.Constant(I1, 1), b.load(self.chain, typ=I1))
+            b.store(b.and_(was, ok), self.chain)
+        b.store(b.and_(b.load(self.chain, typ=I1), b.icmp_signed(">", vectors, I64(0))), self.chain)
         if self.classes:
             with for_range(b, I64(0), I64(self.classes), "lc") as c:
                 rcs = self.class_parts(b, c)
@@ -206,6 +225,13 @@ class _Lanes:
 
     def mask_at(self, b, c, v):
         return b.gep(self.masks, [b.add(b.mul(c, I64(self.nv)), v)], source_etype=ir.IntType(16))
+
+    def mask(self, b, rcs, v, cls):
+        """<16 x i1>: vector `v`'s lanes where the row's conditions hold (its class's
+        mask from the table, or compared)."""
+        if cls is not None:
+            return b.bitcast(b.load(self.mask_at(b, cls, v), typ=ir.IntType(16)), ir.VectorType(I1, VL))
+        return self.compare(b, rcs, v)
 
     def compare(self, b, rcs, v):
         """<16 x i1>: the lanes of vector `v` inside the range where every condition
@@ -248,8 +274,7 @@ class _Lanes:
         vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
         i32v, i16 = ir.VectorType(I32, VL), ir.IntType(16)
         load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
-        name = "llvm.x86.avx512.vpermi2var.ps.512"
-        perm = b.module.globals.get(name) or ir.Function(b.module, ir.FunctionType(vt, [vt, i32v, vt]), name)
+        perm = _permute(b.module)
         zero_v = ir.Constant(vt, [0.0] * VL)
         addr = b.ptrtoint(at, I64)
         line = b.and_(addr, I64(-64))
@@ -274,10 +299,7 @@ class _Lanes:
         load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
         gather = _gather_intrinsic(b.module, f32, VL)
         zero_v = ir.Constant(vt, [0.0] * VL)
-        if cls is not None:
-            ok = b.bitcast(b.load(self.mask_at(b, cls, v), typ=ir.IntType(16)), mt)
-        else:
-            ok = self.compare(b, rcs, v)
+        ok = self.mask(b, rcs, v, cls)
         first = b.mul(v, I64(VL))
         with b.if_else(b.load(b.gep(self.contig, [v], source_etype=I1), typ=I1)) as (run, scattered):
             with run:
@@ -310,13 +332,58 @@ class _Lanes:
 
         def at(v):
             return b.bitcast(b.gep(dst, [b.mul(v, I64(VL))], source_etype=ir.FloatType()), vt.as_pointer())
-        if isinstance(vectors, int):   # every load, then every store
-            xs = [self.load_vector(b, src, roff, rcs, I64(v), cls) for v in range(vectors)]
-            for v, x in enumerate(xs):
-                b.store(x, at(I64(v)), align=64)
-        else:
-            with for_range(b, I64(0), vectors, "fv") as v:
-                b.store(self.load_vector(b, src, roff, rcs, v, cls), at(v), align=4)
+        with b.if_else(b.load(self.chain, typ=I1)) as (one_run, vectorwise):
+            with one_run:
+                self.fill_run(b, src, roff, rcs, cls, at, vectors)
+            with vectorwise:
+                if isinstance(vectors, int):   # every load, then every store
+                    xs = [self.load_vector(b, src, roff, rcs, I64(v), cls) for v in range(vectors)]
+                    for v, x in enumerate(xs):
+                        b.store(x, at(I64(v)), align=64)
+                else:
+                    with for_range(b, I64(0), vectors, "fv") as v:
+                        b.store(self.load_vector(b, src, roff, rcs, v, cls), at(v), align=4)
+
+    def fill_run(self, b, src, roff, rcs, cls, at, vectors):
+        """`fill` when the table's vectors are one run in the source (`chain`: a
+        convolution's 64 columns are two adjacent image rows, its 256 K columns eight):
+        the run's aligned lines are each loaded once, with the lanes either of the
+        two vectors that share it needs (vector v takes a line's lanes from `shift`
+        on, vector v - 1 those below it), and each vector is one two-table permute of
+        its two lines. 5 line loads for 4 vectors, not 8."""
+        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
+
+        f32 = ir.FloatType()
+        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
+        i32v, i16 = ir.VectorType(I32, VL), ir.IntType(16)
+        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
+        perm = _permute(b.module)
+        zero_v = ir.Constant(vt, [0.0] * VL)
+        addr = b.ptrtoint(b.gep(src, [b.add(roff, b.load(self.off, typ=I64))], source_etype=f32), I64)
+        line0 = b.and_(addr, I64(-64))
+        shift = b.trunc(b.lshr(b.sub(addr, line0), I64(2)), I32)
+        idx = b.add(_splat(b, shift, i32v), ir.Constant(i32v, list(range(VL))))
+
+        def line(j, bits):
+            ptr = b.inttoptr(b.add(line0, b.mul(j, I64(64))), PTR)
+            return b.call(load_fn, [ptr, I32(64), b.bitcast(b.trunc(bits, i16), mt), zero_v])
+
+        def parts(v):   # (lanes of line v, lanes of line v + 1) vector v needs
+            ok = self.mask(b, rcs, v, cls)
+            bits = b.zext(b.bitcast(ok, i16), I32)
+            return b.shl(bits, shift), b.lshr(bits, b.sub(I32(VL), shift))
+        lo, hi = parts(I64(0))
+        b.store(line(I64(0), lo), self.prev[0])
+        b.store(hi, self.prev[1])
+        n = I64(vectors) if isinstance(vectors, int) else vectors
+        with for_range(b, I64(1), n, "rv") as v:
+            lo, hi = parts(v)
+            cur = line(v, b.or_(lo, b.load(self.prev[1], typ=I32)))
+            b.store(b.call(perm, [b.load(self.prev[0], typ=vt), idx, cur]), at(b.sub(v, I64(1))), align=4)
+            b.store(cur, self.prev[0])
+            b.store(hi, self.prev[1])
+        last = line(n, b.load(self.prev[1], typ=I32))
+        b.store(b.call(perm, [b.load(self.prev[0], typ=vt), idx, last]), at(b.sub(n, I64(1))), align=4)
 
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
