@@ -291,12 +291,10 @@ class _Lanes:
         """The window's row (offset `roff`, condition parts `rcs`, row class `cls`
         when the table has masks per class) at the table's vector `v`: 16 floats,
         zeros where a condition fails."""
-        from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
+        from tgc.backends.cpu.gemm import _gather_intrinsic, _splat
 
         f32 = ir.FloatType()
-        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
-        i64v = ir.VectorType(I64, VL)
-        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
+        vt, i64v = ir.VectorType(f32, VL), ir.VectorType(I64, VL)
         gather = _gather_intrinsic(b.module, f32, VL)
         zero_v = ir.Constant(vt, [0.0] * VL)
         ok = self.mask(b, rcs, v, cls)
@@ -468,7 +466,6 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
-            init_mask = _splat(b, add_c, mt)
             with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
                 i0 = b.mul(ib, I64(rows))
                 last = b.sub(M, I64(1))
@@ -484,10 +481,19 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                         arow.append(dst)
                 else:
                     arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
-                for r in range(rows):
-                    for c in range(vecs):
-                        at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
-                        b.store(b.call(load_fn, [at, align, b.and_(masks[c], init_mask), zero_v]), accs[r][c])
+                # the accumulators start from C only after the first K block (or when
+                # accumulating): a masked load with no lane set still reads C's lines
+                # (rows 4 KB apart miss the cache: a fifth of a convolution's product)
+                with b.if_else(add_c) as (from_c, from_zero):
+                    with from_c:
+                        for r in range(rows):
+                            for c in range(vecs):
+                                at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
+                                b.store(b.call(load_fn, [at, align, masks[c], zero_v]), accs[r][c])
+                    with from_zero:
+                        for r in range(rows):
+                            for c in range(vecs):
+                                b.store(zero_v, accs[r][c])
                 with for_range(b, I64(0), kd, "kk", unroll=False) as p:
                     src = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
                     bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),

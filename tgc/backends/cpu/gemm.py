@@ -1040,14 +1040,19 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
                     left = b.sub(width, I64(c * vl))
                     masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
                 _pack_b(b, ops_b, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks, cols)
-                init_mask = _splat(b, add_c, mt)
                 with for_range(b, I64(0), blocks, "bi") as ib:
                     i0, rows, inside = block_rows(ib)
                     crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rows]
-                    for r in range(rows_n):
-                        for c in range(BF16_VECS):
-                            at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
-                            b.store(b.call(load_fn, [at, align, b.and_(masks[c], init_mask), zero_v]), accs[r][c])
+                    with b.if_else(add_c) as (from_c, from_zero):   # as fgemm.own_kernel: no masked-off reads of C
+                        with from_c:
+                            for r in range(rows_n):
+                                for c in range(BF16_VECS):
+                                    at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
+                                    b.store(b.call(load_fn, [at, align, masks[c], zero_v]), accs[r][c])
+                        with from_zero:
+                            for r in range(rows_n):
+                                for c in range(BF16_VECS):
+                                    b.store(zero_v, accs[r][c])
 
                     def steps(count, a_of, name):
                         """`count` pair steps from pair 0: a_of(r, p) is row r's pair p (i32)."""
