@@ -6,7 +6,8 @@ that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm.uses_own_gemm
 
 C[M, N] (+)= A[M, K] B[K, N] with A's K and C's N contiguous (sAk is ignored: the
 caller only sends such tiles) and B of any strides. Columns in blocks of V vectors
-of 16, K in blocks of OWN_DEPTH. Each block of B is packed into a stack buffer, one
+of 16, K in even blocks of at most 5/4 OWN_DEPTH (a 288-deep convolution product is
+one block: no second pass over C). Each block of B is packed into a stack buffer, one
 row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N is
 contiguous, gathers when not), so the inner loop reads it with aligned whole-vector
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in
@@ -419,13 +420,16 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         entry = ir.IRBuilder(fn.append_basic_block("entry"))
         body = fn.append_basic_block("body")
         b = ir.IRBuilder(body)
-    bpack = entry.alloca(f32, size=I64(depth * cols + VL), name="bpack")   # slack: see own_kernel's packing
+    # K blocks: up to a quarter deeper than `depth` (whole vectors: the packs write
+    # K in steps of 16), as even as can be
+    span = depth + depth // 4 // VL * VL
+    bpack = entry.alloca(f32, size=I64(span * cols + VL), name="bpack")   # slack: see own_kernel's packing
     bpack.align = 64
     apack = None
     if window is not None and window.role == "a":
-        apack = entry.alloca(f32, size=I64(depth * rows + VL), name="apack")
+        apack = entry.alloca(f32, size=I64(span * rows + VL), name="apack")
         apack.align = 64
-    segs = _Lanes(entry, window, cols if window.role == "b" else depth) if window is not None else None
+    segs = _Lanes(entry, window, cols if window.role == "b" else span) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -439,16 +443,17 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         return b.select(b.icmp_signed("<", x, y), x, y)
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
-    chunks = b.sdiv(b.add(K, I64(depth - 1)), I64(depth))
+    chunks = b.sdiv(b.add(K, I64(span - 1)), I64(span))
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
+    step = b.sdiv(b.add(K, b.sub(chunks, I64(1))), chunks)     # K's blocks as even as can be
     lane_bytes = b.mul(_splat(b, b.mul(sbn, I64(4)), it), iota)
     with for_range(b, I64(0), b.sdiv(b.add(N, I64(cols - 1)), I64(cols)), "oj") as jb:
         j0 = b.mul(jb, I64(cols))
         width = smin(I64(cols), b.sub(N, j0))
         masks = [b.icmp_signed("<", iota, _splat(b, b.sub(width, I64(c * VL)), it)) for c in range(vecs)]
         with for_range(b, I64(0), chunks, "ok") as kb:
-            k0 = b.mul(kb, I64(depth))
-            kd = smin(I64(depth), b.sub(K, k0))
+            k0 = b.mul(kb, step)
+            kd = smin(step, b.sub(K, k0))
             kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
             add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
             if apack is not None:
@@ -476,7 +481,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                 if apack is not None:   # the window's rows of this block, packed from the source
                     arow = []
                     for r in range(rows):
-                        dst = b.gep(apack, [I64(r * depth)], source_etype=f32)
+                        dst = b.gep(apack, [I64(r * span)], source_etype=f32)
                         segs.fill(b, pa, b.add(row0, rix[r]), dst, kvecs)
                         arow.append(dst)
                 else:
