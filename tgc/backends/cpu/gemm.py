@@ -95,6 +95,9 @@ UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or mo
 # unpacked small-matrix kernel (68 GFLOP/s alone, against 54-61 for 32 x 32 or 32 x 64).
 # Taps without shifts keep one tile per thread: a 2-D convolution's kernel gradient
 # (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
+# Products the own kernel runs (fgemm.py) keep one tile per thread too: it packs B'
+# once per call, and 16 x 32 tiles left it 4 row blocks to share that with (conv1d's
+# kernel gradient on 2 threads: 16.3 -> 14.4 Mcycles).
 TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
@@ -400,7 +403,7 @@ class GemmGen:
         an element depends on where the call's edges cut its kernels). A product
         batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
         another is cut into `options.cpu.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
-        that with shifts), each of at least `blas_tile_mnk`, so a small one stays whole.
+        that with shifts, unless the own kernel runs it), each of at least `blas_tile_mnk`, so a small one stays whole.
         A product of fewer than `gemm_parallel_min_flops` flops (the threshold of a cold
         region) stays whole too: it runs in a region only while the workers still spin
         from another, and cut into tiles on one thread it repacks its uncut operand once
@@ -409,7 +412,7 @@ class GemmGen:
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         mnk = b.mul(b.mul(P, Q), R)
-        parts = max(1, self.opt.cpu.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts else 1)
+        parts = max(1, self.opt.cpu.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts and not self.own else 1)
         share = b.sdiv(mnk, I64(parts))
         small = I64(max(1, self.opt.cpu.blas_tile_mnk))
         tile = b.select(b.icmp_signed(">", share, small), share, small)
