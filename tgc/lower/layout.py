@@ -31,8 +31,11 @@ whose fixed order (an argument's, an output's) makes BLAS write a matrix at leas
 TALL times wider than tall, over a long sum, is computed the other way round into a
 temporary and copied (`_tall_result`: OpenBLAS runs tall matrices faster); an
 operand that still splits a group, or whose group order disagrees with the other
-buffer, gets a copy kernel into a temporary in the canonical form (the only copies
-this pass inserts). Each of these only moves edges between the groups and the
+buffer, gets a copy kernel into a temporary in the canonical form, or its transpose
+when the result is column-major (then the product is computed as C^T = B^T A^T, and
+B^T's K or A^T's M is contiguous: what tgc's own CPU kernel needs of its left
+operand; conv1d's input gradient 13.6 -> 11.2 Mcycles on 2 threads). These are the
+only copies this pass inserts. Each of these only moves edges between the groups and the
 loops around the calls, so every term of the product is still added exactly once.
 Finally each loop kernel's loops are ordered: the innermost is the variable with
 the cheapest strides over all accesses (stores weigh double, reductions win ties,
@@ -304,10 +307,15 @@ def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
     m, n, kk = (tuple(sorted(g, key=lambda e: e not in clipped)) for g in (m, n, kk))
     before, after = [], []
     a, b, out = k.a, k.b, k.out
+    # a copy holds its matrix the way the product reads it: when C is column-major
+    # (computed as C^T = B^T A^T), B^T's rows with K contiguous and A^T's with M
+    # (every GEMM reads either way; tgc's own CPU kernel needs its left operand's K
+    # contiguous: conv1d's input gradient)
+    flipped = fc is not None and not fc[2]
     if not fa or fa[:2] != (m, kk):
-        a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch + k.taps)) + m + kk, before)
+        a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch + k.taps)) + (kk + m if flipped else m + kk), before)
     if not fb or fb[:2] != (kk, n):
-        b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch + k.taps)) + kk + n, before)
+        b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch + k.taps)) + (n + kk if flipped else kk + n), before)
     tall = fc is not None and _tall_result(low, k, fc, guess)
     if not fc or fc[:2] != (m, n) or tall:
         out = low.fresh("t")
