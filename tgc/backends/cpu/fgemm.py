@@ -103,11 +103,66 @@ class Window:
         return off, cs
 
 
-def _permute(mod):
-    """vpermi2ps: lane i of the result is lane idx[i] of the 32 lanes of (a, b)."""
-    vt, i32v = ir.VectorType(ir.FloatType(), VL), ir.VectorType(I32, VL)
-    name = "llvm.x86.avx512.vpermi2var.ps.512"
-    return mod.globals.get(name) or ir.Function(mod, ir.FunctionType(vt, [vt, i32v, vt]), name)
+def start_accumulators(b, add_c, crow, accs, masks):
+    """Each register block's accumulators (allocas `accs[r][c]`): C's rows `crow`
+    (masked to the block's columns) when `add_c`, else zeros. A branch, not a load
+    with no lane set: that still reads C's lines (rows 4 KB apart miss the cache: a
+    fifth of a convolution's product)."""
+    from tgc.backends.cpu.gemm import _masked_intrinsics
+
+    vt = accs[0][0].allocated_type
+    lanes = vt.count
+    load_fn = _masked_intrinsics(b.module, vt.element, lanes)[0]
+    with b.if_else(add_c) as (from_c, from_zero):
+        with from_c:
+            for row, regs in zip(crow, accs):
+                for c, acc in enumerate(regs):
+                    at = b.gep(row, [I64(c * lanes)], source_etype=vt.element)
+                    b.store(b.call(load_fn, [at, I32(4), masks[c], ir.Constant(vt, [0.0] * lanes)]), acc)
+        with from_zero:
+            for regs in accs:
+                for acc in regs:
+                    b.store(ir.Constant(vt, [0.0] * lanes), acc)
+
+
+class _Lines:
+    """Floats from byte address `addr` on, read from the aligned 64-byte lines that
+    hold them: a vector of 16 that starts `shift` floats into line j is lanes shift..
+    of line j and 0..shift - 1 of line j + 1, one two-table permute (vpermi2ps). A
+    convolution window's runs start one float off the lines (kw - 1), and a load
+    across two lines cost about twice as much (conv2d's output product: 12.6 against
+    10.4 Mcycles with the loads forced onto lines)."""
+
+    def __init__(self, b, addr):
+        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
+
+        self.b = b
+        self.vt, self.mt = ir.VectorType(ir.FloatType(), VL), ir.VectorType(I1, VL)
+        i32v = ir.VectorType(I32, VL)
+        self.load_fn = _masked_intrinsics(b.module, ir.FloatType(), VL)[0]
+        name = "llvm.x86.avx512.vpermi2var.ps.512"
+        self.perm = b.module.globals.get(name) or ir.Function(
+            b.module, ir.FunctionType(self.vt, [self.vt, i32v, self.vt]), name)
+        self.line0 = b.and_(addr, I64(-64))
+        self.shift = b.trunc(b.lshr(b.sub(addr, self.line0), I64(2)), I32)   # 0 .. 15 floats into the line
+        self.idx = b.add(_splat(b, self.shift, i32v), ir.Constant(i32v, list(range(VL))))
+
+    def split(self, ok):
+        """(i32 lanes of the first line, of the second) that a vector's lanes `ok` need."""
+        b = self.b
+        bits = b.zext(b.bitcast(ok, ir.IntType(16)), I32)
+        return b.shl(bits, self.shift), b.lshr(bits, b.sub(I32(VL), self.shift))
+
+    def load(self, j, bits):
+        """Line j (i64) from the first, its lanes in `bits` (i32; zeros elsewhere)."""
+        b = self.b
+        ptr = b.inttoptr(b.add(self.line0, b.mul(j, I64(64))), PTR)
+        mask = b.bitcast(b.trunc(bits, ir.IntType(16)), self.mt)
+        return b.call(self.load_fn, [ptr, I32(64), mask, ir.Constant(self.vt, [0.0] * VL)])
+
+    def join(self, first, second):
+        """The vector that starts `shift` floats into line `first`."""
+        return self.b.call(self.perm, [first, self.idx, second])
 
 
 def _step(b, digits, sizes):
@@ -267,26 +322,10 @@ class _Lanes:
     def load_run(b, at, ok):
         """16 consecutive floats at `at` where `ok` (zeros elsewhere), read as two
         masked loads of the aligned 64-byte lines that hold them and one two-table
-        permute: a convolution window's runs start one float off the lines (kw - 1),
-        and a load across two lines cost about twice as much."""
-        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
-
-        f32 = ir.FloatType()
-        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
-        i32v, i16 = ir.VectorType(I32, VL), ir.IntType(16)
-        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
-        perm = _permute(b.module)
-        zero_v = ir.Constant(vt, [0.0] * VL)
-        addr = b.ptrtoint(at, I64)
-        line = b.and_(addr, I64(-64))
-        shift = b.trunc(b.lshr(b.sub(addr, line), I64(2)), I32)     # 0 .. 15 floats into the line
-        bits = b.zext(b.bitcast(ok, i16), I32)
-        lo_ok = b.bitcast(b.trunc(b.shl(bits, shift), i16), mt)
-        hi_ok = b.bitcast(b.trunc(b.lshr(bits, b.sub(I32(VL), shift)), i16), mt)
-        lo = b.call(load_fn, [b.inttoptr(line, PTR), I32(64), lo_ok, zero_v])
-        hi = b.call(load_fn, [b.inttoptr(b.add(line, I64(64)), PTR), I32(64), hi_ok, zero_v])
-        idx = b.add(_splat(b, shift, i32v), ir.Constant(i32v, list(range(VL))))
-        return b.call(perm, [lo, idx, hi])
+        permute (`_Lines`)."""
+        lines = _Lines(b, b.ptrtoint(at, I64))
+        lo, hi = lines.split(ok)
+        return lines.join(lines.load(I64(0), lo), lines.load(I64(1), hi))
 
     def load_vector(self, b, src, roff, rcs, v, cls=None):
         """The window's row (offset `roff`, condition parts `rcs`, row class `cls`
@@ -350,40 +389,21 @@ class _Lanes:
         two vectors that share it needs (vector v takes a line's lanes from `shift`
         on, vector v - 1 those below it), and each vector is one two-table permute of
         its two lines. 5 line loads for 4 vectors, not 8."""
-        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
-
-        f32 = ir.FloatType()
-        vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
-        i32v, i16 = ir.VectorType(I32, VL), ir.IntType(16)
-        load_fn, _, _ = _masked_intrinsics(b.module, f32, VL)
-        perm = _permute(b.module)
-        zero_v = ir.Constant(vt, [0.0] * VL)
-        addr = b.ptrtoint(b.gep(src, [b.add(roff, b.load(self.off, typ=I64))], source_etype=f32), I64)
-        line0 = b.and_(addr, I64(-64))
-        shift = b.trunc(b.lshr(b.sub(addr, line0), I64(2)), I32)
-        idx = b.add(_splat(b, shift, i32v), ir.Constant(i32v, list(range(VL))))
-
-        def line(j, bits):
-            ptr = b.inttoptr(b.add(line0, b.mul(j, I64(64))), PTR)
-            return b.call(load_fn, [ptr, I32(64), b.bitcast(b.trunc(bits, i16), mt), zero_v])
-
-        def parts(v):   # (lanes of line v, lanes of line v + 1) vector v needs
-            ok = self.mask(b, rcs, v, cls)
-            bits = b.zext(b.bitcast(ok, i16), I32)
-            return b.shl(bits, shift), b.lshr(bits, b.sub(I32(VL), shift))
-        lo, hi = parts(I64(0))
-        b.store(line(I64(0), lo), self.prev[0])
+        vt = ir.VectorType(ir.FloatType(), VL)
+        lines = _Lines(b, b.ptrtoint(b.gep(src, [b.add(roff, b.load(self.off, typ=I64))],
+                                           source_etype=ir.FloatType()), I64))
+        lo, hi = lines.split(self.mask(b, rcs, I64(0), cls))
+        b.store(lines.load(I64(0), lo), self.prev[0])
         b.store(hi, self.prev[1])
         n = I64(vectors) if isinstance(vectors, int) else vectors
         with for_range(b, I64(1), n, "rv") as v:
-            lo, hi = parts(v)
-            cur = line(v, b.or_(lo, b.load(self.prev[1], typ=I32)))
-            b.store(b.call(perm, [b.load(self.prev[0], typ=vt), idx, cur]), at(b.sub(v, I64(1))), align=4)
+            lo, hi = lines.split(self.mask(b, rcs, v, cls))
+            cur = lines.load(v, b.or_(lo, b.load(self.prev[1], typ=I32)))
+            b.store(lines.join(b.load(self.prev[0], typ=vt), cur), at(b.sub(v, I64(1))), align=4)
             b.store(cur, self.prev[0])
             b.store(hi, self.prev[1])
-        last = line(n, b.load(self.prev[1], typ=I32))
-        b.store(b.call(perm, [b.load(self.prev[0], typ=vt), idx, last]), at(b.sub(n, I64(1))), align=4)
-
+        last = lines.load(n, b.load(self.prev[1], typ=I32))
+        b.store(lines.join(b.load(self.prev[0], typ=vt), last), at(b.sub(n, I64(1))), align=4)
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
                depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
@@ -496,19 +516,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                         arow.append(dst)
                 else:
                     arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
-                # the accumulators start from C only after the first K block (or when
-                # accumulating): a masked load with no lane set still reads C's lines
-                # (rows 4 KB apart miss the cache: a fifth of a convolution's product)
-                with b.if_else(add_c) as (from_c, from_zero):
-                    with from_c:
-                        for r in range(rows):
-                            for c in range(vecs):
-                                at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
-                                b.store(b.call(load_fn, [at, align, masks[c], zero_v]), accs[r][c])
-                    with from_zero:
-                        for r in range(rows):
-                            for c in range(vecs):
-                                b.store(zero_v, accs[r][c])
+                start_accumulators(b, add_c, crow, accs, masks)
                 with for_range(b, I64(0), kd, "kk", unroll=False) as p:
                     src = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
                     bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),

@@ -73,7 +73,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
-from tgc.backends.cpu.fgemm import Window, own_kernel
+from tgc.backends.cpu.fgemm import Window, own_kernel, start_accumulators
 
 OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
@@ -996,8 +996,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
     body = fn.append_basic_block("body")
     b = ir.IRBuilder(body)
     dot = _dpbf16ps(mod)
-    load_fn, store_fn, _ = _masked_intrinsics(mod, f32, vl)
-    zero_v = ir.Constant(vt, [0.0] * vl)
+    _, store_fn, _ = _masked_intrinsics(mod, f32, vl)
     iota = ir.Constant(ir.VectorType(I64, vl), list(range(vl)))
     align = I32(4)
     ops_a = _Bf16Operand(b, mod, rounds[0])
@@ -1046,16 +1045,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
                 with for_range(b, I64(0), blocks, "bi") as ib:
                     i0, rows, inside = block_rows(ib)
                     crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rows]
-                    with b.if_else(add_c) as (from_c, from_zero):   # as fgemm.own_kernel: no masked-off reads of C
-                        with from_c:
-                            for r in range(rows_n):
-                                for c in range(BF16_VECS):
-                                    at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
-                                    b.store(b.call(load_fn, [at, align, masks[c], zero_v]), accs[r][c])
-                        with from_zero:
-                            for r in range(rows_n):
-                                for c in range(BF16_VECS):
-                                    b.store(zero_v, accs[r][c])
+                    start_accumulators(b, add_c, crow, accs, masks)
 
                     def steps(count, a_of, name):
                         """`count` pair steps from pair 0: a_of(r, p) is row r's pair p (i32)."""
