@@ -181,11 +181,14 @@ class _Lanes:
     """A table of a column range of the window (built once per range, read for every
     row it packs): for each vector of 16 columns, each lane's part of the source
     offset and of each condition (constants included), whether the lane is inside
-    the range, and whether the vector's lanes are consecutive in the source (then one
-    masked load reads it; otherwise a masked gather does). A row then costs its own
-    part of the offset and conditions, and per vector a compare per condition, a load
-    and a store: no division and no data-dependent branch per element. Condition
-    values are i32 lanes (`implicit._window_ok` bounds them). `cap` columns at most.
+    the range, and whether the vector's lanes are consecutive in the source (then its
+    two aligned lines are read and joined, `_Lines`; otherwise a masked gather reads
+    it), and whether all the vectors are one run (`chain`: each line is then read
+    once, `fill_run`). A row then costs its own part of the offset and conditions
+    (its edges stepped like an odometer), and per vector a compare per condition,
+    the loads and a store: no division and no data-dependent branch per element.
+    Condition values are i32 lanes (`implicit._window_ok` bounds them). `cap` columns
+    at most.
 
     When the row edges that enter the conditions (a convolution's kh and kw) have
     fixed sizes whose product (the row classes) is at most MASK_CLASSES, the table
