@@ -30,6 +30,7 @@ from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.manager import run_pipeline
 from tgc.options import Options
 from tgc.pipeline import lower_module, lowering
+from lowp_programs import CHAIN   # shared with the other backend's bf16 tests
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -61,17 +62,6 @@ def low_values(rng, shape, t):
 
 # ---- which buffers are 2-byte ------------------------------------------------------------
 
-CHAIN = """
-dim n = 64, m = 48
-input x: bf16[i: n, j: m]
-input s: bf16[j]
-input h: f16[i, j]
-a = x * s + x
-b = exp(a) * a
-out y = b - x
-out r = sum[j](f32(b))
-out g = h * h + f16(2)
-"""
 
 
 def test_bf16_values_computed_elementwise_are_stored_in_two_bytes():

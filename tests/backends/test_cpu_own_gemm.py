@@ -155,19 +155,27 @@ def conv_arrays(path, sizes, seed=1):
     return {t.name: rng.standard_normal(tuple(sizes[t.name]), dtype=np.float32) for t in prog.inputs}, prog
 
 
-CONV2D_ODD = """
+def conv2d_source(cin, cout, h, w, k, pad, stride=1, out=None):
+    """A padded 2-D convolution (y, dx, dK) of a k x k kernel; `out`: the output's
+    (ho, wo) when strided."""
+    ho, wo = out or ("h", "w")
+    s = f"{stride}*" if stride != 1 else ""
+    return f"""
 dim batch
-dim cin = 32, cout = 64, h = 23, w = 29, kh = 3, kw = 3
-dim ho = h, wo = w
+dim cin = {cin}, cout = {cout}, h = {h}, w = {w}, kh = {k}, kw = {k}
+dim ho = {ho}, wo = {wo}
 input  x[batch, cin, h, w]
 input  dy[batch, cout, ho, wo]
 param  K[cout, cin, kh, kw]
-y    = x[h = ho + kh - 1, w = wo + kw - 1] @ K
+y    = x[h = {s}ho + kh - {pad}, w = {s}wo + kw - {pad}] @ K
 loss = sum(y * dy)
 out y[batch, cout, ho, wo]
 out dx = grad(loss, x)
 out dK = grad(loss, K)
 """
+
+
+CONV2D_ODD = conv2d_source(32, 64, 23, 29, 3, 1)
 
 
 @pytest.mark.parametrize("implicit", [False, True])
@@ -231,19 +239,7 @@ def lowered(source: str, dtype: str = "f32", **opts):
     return lower_module(module, options)
 
 
-PADDED_5X5 = """
-dim batch
-dim cin = 24, cout = 40, h = 15, w = 21, kh = 5, kw = 5
-dim ho = h, wo = w
-input  x[batch, cin, h, w]
-input  dy[batch, cout, ho, wo]
-param  K[cout, cin, kh, kw]
-y    = x[h = ho + kh - 2, w = wo + kw - 2] @ K
-loss = sum(y * dy)
-out y[batch, cout, ho, wo]
-out dx = grad(loss, x)
-out dK = grad(loss, K)
-"""
+PADDED_5X5 = conv2d_source(24, 40, 15, 21, 5, 2)
 
 
 def test_conv2d_windows_are_packed_not_stored():
@@ -321,18 +317,12 @@ def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
     arrays = {"x": rng.standard_normal((17, 24, 15, 21), dtype=np.float32),
               "dy": rng.standard_normal((17, 40, 15, 21), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
-    prog = tgc.compile(PADDED_5X5, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True,
-                                                                      threads=threads))
-    got = prog(**{k: v.copy() for k, v in arrays.items()})
-    opts = Options(dtype="f64")
-    module = pipeline.lower(compile_source(PADDED_5X5, "<test>", opts), opts).module
-    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
-    for name in ("y", "dx", "dK"):
-        w = np.asarray(want[name])
-        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+    _against_f64(PADDED_5X5, arrays, implicit_gemm=True, threads=threads)
 
 
 def _against_f64(src, arrays, **opts):
+    """y, dx and dK of `src` with the own kernel (and `opts`) against the f64 interpreter.
+    The arrays go in as they are (a copy would move a misaligned x onto a line)."""
     got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", **opts))(**arrays)
     f64 = Options(dtype="f64")
     module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
@@ -351,9 +341,7 @@ def test_implicit_packer_masks_and_line_offsets(case):
     every run's offset into its lines (and a run that starts on a line has none)."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
-    src = PADDED_5X5
-    if case == "9x9 kernel":
-        src = src.replace("kh = 5, kw = 5", "kh = 9, kw = 9").replace("kh - 2", "kh - 4").replace("kw - 2", "kw - 4")
+    src = conv2d_source(24, 40, 15, 21, 9, 4) if case == "9x9 kernel" else PADDED_5X5
     assert sum(isinstance(k, ImplicitGemm) for k in lowered(src, own_gemm="on").kernels) == 2
     rng = np.random.default_rng(8)
     k = 9 if case == "9x9 kernel" else 5
@@ -373,19 +361,11 @@ def test_strided_window_stays_a_copy():
     element per step, so the copy stays (and the values are right)."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
-    src = PADDED_5X5.replace("dim ho = h, wo = w", "dim ho = 8, wo = 11").replace(
-        "w = wo + kw - 2", "w = 2*wo + kw - 2").replace("h = ho + kh - 2", "h = 2*ho + kh - 2")
+    src = conv2d_source(24, 40, 15, 21, 5, 2, stride=2, out=(8, 11))
     low = lowered(src, own_gemm="on", implicit_gemm=True)
     assert not any(isinstance(k, ImplicitGemm) for k in low.kernels)
     rng = np.random.default_rng(7)
     arrays = {"x": rng.standard_normal((3, 24, 15, 21), dtype=np.float32),
               "dy": rng.standard_normal((3, 40, 8, 11), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
-    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))(
-        **{k: v.copy() for k, v in arrays.items()})
-    opts = Options(dtype="f64")
-    module = pipeline.lower(compile_source(src, "<test>", opts), opts).module
-    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
-    for name in ("y", "dx", "dK"):
-        w = np.asarray(want[name])
-        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=name)
+    _against_f64(src, arrays, implicit_gemm=True)

@@ -35,6 +35,7 @@ from tgc.ir.interp import evaluate
 from tgc.lower.lowered import GemmKernel, LoopKernel
 from tgc.manager import run_pipeline
 from tgc.options import Options
+from lowp_programs import CHAIN   # shared with the other backend's bf16 tests
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
@@ -89,17 +90,6 @@ def ex_calls(monkeypatch):
 
 # ---- storage: which buffers are 2-byte, and the generated C ----------------------------
 
-CHAIN = """
-dim n = 64, m = 48
-input x: bf16[i: n, j: m]
-input s: bf16[j]
-input h: f16[i, j]
-a = x * s + x
-b = exp(a) * a
-out y = b - x
-out r = sum[j](f32(b))
-out g = h * h + f16(2)
-"""
 
 
 def test_cuda_lowering_stores_bf16_values_in_two_bytes():
