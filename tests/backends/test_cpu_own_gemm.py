@@ -106,6 +106,54 @@ def test_kernel_sums_each_element_in_k_order_with_fused_multiply_adds(kernels):
     assert np.array_equal(C, acc)
 
 
+@pytest.mark.parametrize("blocks", [(4, 4, 64), (8, 2, 256)])
+def test_variants_form_equals_one_call_per_product_bit_for_bit(blocks):
+    """`own_kernel(variants=True)` runs several products on one packed B (a 1-D
+    convolution's kernel gradient, one per tap: gemm.shared_b_batch): product v is
+    C + c_off[v] += (A + a_off[v]) B over K in [k_lo[v], k_hi[v]). Each must have
+    the bits of the plain kernel called for it alone, including a last block of
+    columns the 4 x 4 kernel hands to the 8 x 2 one and K ranges cutting the packed
+    blocks; an empty range writes nothing."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    rows, vecs, depth = blocks
+    mod = ir.Module("own")
+    multi, plain = own_kernel(mod, rows, vecs, depth=depth, variants=True), own_kernel(mod, rows, vecs, depth=depth)
+    for fn in (multi, plain):
+        fn.linkage = "external"
+    jit = llvm_env.jit(str(mod))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    base = [i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32]
+    run_multi = ctypes.CFUNCTYPE(None, *base, i64, vp, vp, vp, vp)(jit.address(multi.name))
+    run_plain = ctypes.CFUNCTYPE(None, *base)(jit.address(plain.name))
+    rng = np.random.default_rng(7)
+    M, N, K = 9, 64 + 17, 300
+    A = rng.standard_normal((4 * M, K + 2), dtype=np.float32)     # product v: rows v*M.., row stride K + 2
+    B = rng.standard_normal((N, K), dtype=np.float32).T            # K contiguous: packed transposed
+    C0 = rng.standard_normal((4, M, N + 3), dtype=np.float32)      # product v: block v, row stride N + 3
+    ranges = [(0, K), (5, 133), (200, 200), (37, K - 1)]            # the third is empty
+    a_off = np.array([v * M * (K + 2) + v for v in range(4)], np.int64)
+    c_off = np.array([v * M * (N + 3) for v in range(4)], np.int64)
+    lo, hi = (np.array(x, np.int64) for x in zip(*ranges))
+    C = C0.copy()
+    run_multi(M, N, K, A.ctypes.data, K + 2, 1, B.ctypes.data, 1, K, C.ctypes.data, N + 3, 1,
+              4, a_off.ctypes.data, c_off.ctypes.data, lo.ctypes.data, hi.ctypes.data)
+    want = C0.copy()
+    for v, (k0, k1) in enumerate(ranges):
+        if k1 > k0:
+            run_plain(M, N, k1 - k0, A.ctypes.data + 4 * int(a_off[v] + k0), K + 2, 1, B.ctypes.data + 4 * k0, 1, K,
+                      want.ctypes.data + 4 * int(c_off[v]), N + 3, 1)
+    assert np.array_equal(C, want)
+    assert np.array_equal(C[2], C0[2])
+    a1 = A[M:2 * M, 1:K + 1][:, 5:133].astype(np.float64)   # product 1: A + a_off[1], K 5..133
+    ref = C0[1][:, :N] + a1 @ B[5:133].astype(np.float64)
+    np.testing.assert_allclose(C[1][:, :N], ref, rtol=1e-5, atol=1e-4)
+    jit.close()
+
+
 # the own kernel for every large tile, whatever its shape (the defaults keep it to wide, short ones)
 EVERY_TILE = dict(own_gemm_min_cols=1, own_gemm_max_b_bytes=1 << 60)
 
@@ -201,6 +249,8 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implic
         prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=implicit,
                                                                          threads=threads))
         assert "tgc.gemm.own" in prog.llvm_ir
+        # conv1d's kernel gradient runs its 5 taps' products on one packed B' (gemm.shared_b_batch)
+        assert ("tgc.gemm.own.f32.b4.v4.multi" in prog.llvm_ir) == (case == "conv1d")
         results[threads] = prog(**{k: v.copy() for k, v in arrays.items()})
     base = off(**{k: v.copy() for k, v in arrays.items()})
     opts = Options(dtype="f64")
@@ -212,6 +262,24 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implic
         for got in (results[1][name], base[name]):
             np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5 * scale)
         assert np.array_equal(results[1][name], results[2][name]), name
+
+
+def test_shared_b_batch_takes_the_taps_the_packed_operand_does_not_read():
+    """conv1d's kernel gradient (batch k, the tap: dy shifted by k, x read whole as
+    B') shares B' along k; its output product (B' = x shifted by the tap) and its
+    input gradient (batched 32 times: one task per signal) share nothing; nor does
+    a product whose batch size is symbolic."""
+    from tgc.backends.cpu.gemm import shared_b_batch
+    from tgc.lower.lowered import GemmKernel
+
+    src = (ROOT / "benchmarks/workloads/conv1d.tg").read_text()
+    opts = Options(dtype="f32").with_(own_gemm="on")
+    low = lowered(src, own_gemm="on")
+    gemms = {k.out: k for k in low.kernels if isinstance(k, GemmKernel)}
+    shared = {out: shared_b_batch(low, k, opts) for out, k in gemms.items()}
+    assert shared == {"y": (), "dx": (), next(o for o in gemms if o not in ("y", "dx")): ("k",)}
+    symbolic = lowered(src.replace("klen = 5", "klen"), own_gemm="on")
+    assert not any(shared_b_batch(symbolic, k, opts) for k in symbolic.kernels if isinstance(k, GemmKernel))
 
 
 def test_own_gemm_off_calls_cblas_only():

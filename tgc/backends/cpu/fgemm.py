@@ -18,6 +18,10 @@ default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5,
 except where N is 32 past a multiple of 64: a 64 x 288 x 1024 product with B
 transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is half empty).
 
+The `.multi` form takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more:
+nv products sharing B (offsets into A and C, a range of K each), every block of B
+packed once for all of them (`gemm.shared_b_batch` says which products).
+
 An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
 (`Window`) from the window's source instead of reading a stored buffer: B' block by
 block as above, or A''s rows for each block of R rows, each row vector by vector
@@ -410,25 +414,32 @@ class _Lanes:
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
                depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
-               frame=None) -> ir.Function:
+               frame=None, variants: bool = False) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
     one function per program and shape, defined in `home` (default `mod`) and declared
     in `mod` when that is another unit of the program. With `window` (an implicit
     GEMM's own copy, named `name`; `frame(fn, dims)` makes its `Frame`) it takes
     three more arguments, `i64* dims, i64 row0, i64 col0`, and packs the window
     operand, whose pointer is its source's, at rows row0.. and columns col0.. of the
-    window matrix."""
+    window matrix. With `variants` (`tgc.gemm.own.f32.bR.vV.multi`) it takes
+    `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more: nv products that
+    share B, product v being C + c_off[v] += (A + a_off[v]) B over K in
+    [k_lo[v], k_hi[v]) (offsets in elements); each block of B is packed once for
+    all of them. A product adds into C from its first K block unless `accumulate`
+    is 0, and one with an empty range writes nothing."""
     from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
 
     if window is None:
-        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}")
+        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".multi" if variants else "")
         if name in mod.globals:
             return mod.globals[name]
         if home is not None and home is not mod:
-            return export(own_kernel(home, rows, vecs, depth=depth), mod)
+            return export(own_kernel(home, rows, vecs, depth=depth, variants=variants), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
     extra = [PTR, I64, I64] if window is not None else []
+    if variants:
+        extra = [I64, PTR, PTR, PTR, PTR]
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32] + extra)
     fn.attributes.add("noinline")
     M, N, K, pa, sam, _sak, pb, sbk, sbn, pc, ldc, acc = fn.args[:12]
@@ -465,6 +476,42 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     def smin(x, y):
         return b.select(b.icmp_signed("<", x, y), x, y)
 
+    def smax(x, y):
+        return b.select(b.icmp_signed(">", x, y), x, y)
+
+    def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks):
+        """Every block of `rows` rows: C's block (+)= A's rows times the packed
+        rows p0..p1 of B's block (K k0 + p0 .. k0 + p1)."""
+        with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
+            i0 = b.mul(ib, I64(rows))
+            last = b.sub(M, I64(1))
+            rix = [b.add(i0, I64(r)) for r in range(rows)]
+            inside = [b.icmp_signed("<", i, M) for i in rix]
+            rix = [b.select(x, i, last) for x, i in zip(inside, rix)]
+            crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rix]
+            if apack is not None:   # the window's rows of this block, packed from the source
+                arow = []
+                for r in range(rows):
+                    dst = b.gep(apack, [I64(r * span)], source_etype=f32)
+                    segs.fill(b, pa, b.add(row0, rix[r]), dst, kvecs)
+                    arow.append(dst)
+            else:
+                arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
+            start_accumulators(b, add_c, crow, accs, masks)
+            with for_range(b, p0, p1, "kk", unroll=False) as p:
+                src = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                             typ=vt, align=64) for c in range(vecs)]
+                for r in range(rows):
+                    av = _splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
+                    for c in range(vecs):
+                        b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+            for r in range(rows):
+                real = _splat(b, inside[r], mt)
+                for c in range(vecs):
+                    at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
+                    b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
+
     accumulate = b.icmp_signed("!=", acc, I32(0))
     chunks = b.sdiv(b.add(K, I64(span - 1)), I64(span))
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
@@ -476,7 +523,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
-        fn_narrow = own_kernel(mod, 8, 2, depth=depth)
+        fn_narrow = own_kernel(mod, 8, 2, depth=depth, variants=variants)
         tail = b.sub(N, b.mul(b.sub(panels, I64(1)), I64(cols)))
         narrow = b.and_(b.icmp_signed(">", N, I64(0)), b.icmp_signed("<=", tail, I64(cols // 2)))
         panels = b.select(narrow, b.sub(panels, I64(1)), panels)
@@ -504,40 +551,22 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
-            with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
-                i0 = b.mul(ib, I64(rows))
-                last = b.sub(M, I64(1))
-                rix = [b.add(i0, I64(r)) for r in range(rows)]
-                inside = [b.icmp_signed("<", i, M) for i in rix]
-                rix = [b.select(x, i, last) for x, i in zip(inside, rix)]
-                crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rix]
-                if apack is not None:   # the window's rows of this block, packed from the source
-                    arow = []
-                    for r in range(rows):
-                        dst = b.gep(apack, [I64(r * span)], source_etype=f32)
-                        segs.fill(b, pa, b.add(row0, rix[r]), dst, kvecs)
-                        arow.append(dst)
-                else:
-                    arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
-                start_accumulators(b, add_c, crow, accs, masks)
-                with for_range(b, I64(0), kd, "kk", unroll=False) as p:
-                    src = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                    bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                 typ=vt, align=64) for c in range(vecs)]
-                    for r in range(rows):
-                        av = _splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
-                        for c in range(vecs):
-                            b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
-                for r in range(rows):
-                    real = _splat(b, inside[r], mt)
-                    for c in range(vecs):
-                        at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
-                        b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
+            if variants:   # each product's part of this K block, from the one packed block
+                nv, offs = fn.args[12], fn.args[13:17]
+                with for_range(b, I64(0), nv, "ov") as v:
+                    a_off, c_off, lo, hi = (b.load(b.gep(x, [v], source_etype=I64), typ=I64) for x in offs)
+                    p0 = b.sub(smax(k0, lo), k0)
+                    p1 = b.sub(smin(b.add(k0, kd), hi), k0)
+                    with b.if_then(b.icmp_signed("<", p0, p1)):
+                        row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
+                                   p0, p1, b.or_(accumulate, b.icmp_signed(">", k0, lo)), j0, k0, masks)
+            else:
+                row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks)
     if narrow is not None:
         with b.if_then(narrow):
             j0 = b.mul(panels, I64(cols))
             b.call(fn_narrow, [M, b.sub(N, j0), K, pa, sam, _sak, b.gep(pb, [b.mul(j0, sbn)], source_etype=f32),
-                               sbk, sbn, b.gep(pc, [j0], source_etype=f32), ldc, acc])
+                               sbk, sbn, b.gep(pc, [j0], source_etype=f32), ldc, acc] + list(fn.args[12:]))
     b.ret_void()
     if window is not None:
         fr.finish()

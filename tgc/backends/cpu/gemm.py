@@ -58,6 +58,12 @@ bf16 only where the CPU has AVX-512 BF16, or `options.cpu.bf16_gemm` is "on") ma
 the same tasks and tiles, each tile one call of `bf16_kernel` (`vdpbf16ps`, f32
 sums) instead of cblas: numpy's OpenBLAS exports no bf16 GEMM (`sbgemm`).
 
+Shared B'. An accumulating product that the own kernel runs, batched fewer than
+BATCH_TASKS times along edges its B' does not read (`shared_b_batch`: a 1-D
+convolution's kernel gradient, batched by the tap, which shifts only A' along K),
+makes tasks of the other batch edges and tiles only; each of its calls runs the
+products of every index of those edges on one packed B' (fgemm's `.multi` form).
+
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
 tap offsets the shifted operand and clips the shifted edge's range to where every
 index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
@@ -69,6 +75,8 @@ of `out`, then every call adds into it (beta = 1). Taps without shifts (a K edge
 that an operand's order splits, looped outside the calls) accumulate the same way.
 """
 from __future__ import annotations
+
+import itertools
 
 import llvmlite.ir as ir
 
@@ -97,7 +105,8 @@ UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or mo
 # (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
 # Products the own kernel runs (fgemm.py) keep one tile per thread too: it packs B'
 # once per call, and 16 x 32 tiles left it 4 row blocks to share that with (conv1d's
-# kernel gradient on 2 threads: 16.3 -> 14.4 Mcycles).
+# kernel gradient on 2 threads: 16.3 -> 14.4 Mcycles; 14.7 -> 9.3 with its 5 taps'
+# products sharing each packed B', `shared_b_batch`).
 TAP_TILES_PER_THREAD = 4
 BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
@@ -211,6 +220,39 @@ def packs_b(low: Lowered, k: GemmKernel) -> bool:
     return f["a"][2] if not f["c"][2] else not f["b"][2]
 
 
+def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, ...]:
+    """The batch edges of an accumulating product whose tasks each take the whole of,
+    so that one call of the own kernel (`own_kernel(variants=True)`) runs the
+    products along them on one packed B': the edges B' does not depend on (not in
+    its buffer, not in its shifts), where every shift they move clips K (never a
+    tile's rows or columns), the batch has fixed sizes and fewer than BATCH_TASKS
+    indices (a product tiled by rows and columns), and the own kernel may run it.
+    A 1-D convolution's kernel gradient (5 taps of 64 x 64 x 1024 per signal,
+    the input transposed as B') packed each signal 5 times, 40% of its time on one
+    thread. The sums keep their order (each element is one chain of fused
+    multiply-adds in K's order however K is cut), so the bits do not change."""
+    if not k.accumulates() or not uses_own_gemm(low, k, options):
+        return ()
+    f = _forms(low, k)
+    packed = "b" if f["c"][2] else "a"    # B' of the normalized product
+    view = k.b if packed == "b" else k.a
+    order = low.buffers[view.buf].order
+    reads = {ve for ve, be in view.edges if be in order}
+    reads |= {atom for role, _, ix in k.shifts if role == packed for atom, _ in ix.terms}
+    edges = tuple(e for e in k.batch if e not in reads)
+    if not edges:
+        return ()
+    if any(e != f["a"][1][0] and any(atom in edges for atom, _ in ix.terms) for _, e, ix in k.shifts):
+        return ()
+    count = 1
+    for e in k.batch:
+        size = low.size(e)
+        if not isinstance(size, int):
+            return ()
+        count *= size
+    return edges if count < BATCH_TASKS else ()
+
+
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
                  options: Options, home: ir.Module | None = None, implicit=None):
@@ -252,6 +294,9 @@ class GemmGen:
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)
+        # batch edges each task takes whole, for one call of the own kernel per tap
+        self.shared = shared_b_batch(low, k, options) if implicit is None and self.own else ()
+        self.task_batch = tuple(e for e in k.batch if e not in self.shared)
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
@@ -359,7 +404,7 @@ class GemmGen:
         """The plan for tiles of tp x tq x tr: sizes, tiles per row and column, tasks."""
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         n_p, n_q = self.ceil_div(b, P, tp), self.ceil_div(b, Q, tq)
-        tasks = b.mul(b.mul(f.count(self.k.batch), n_p), n_q)
+        tasks = b.mul(b.mul(f.count(self.task_batch), n_p), n_q)
         return dict(P=P, Q=Q, R=R, tp=tp, tq=tq, tr=tr, n_p=n_p, n_q=n_q, tasks=tasks)
 
     # ------------------------------------------------------------ entry
@@ -457,7 +502,7 @@ class GemmGen:
             ip = b.srem(rest, pl["n_p"])
             rest = b.sdiv(rest, pl["n_p"])
             vars = {}
-            for e in reversed(k.batch):
+            for e in reversed(self.task_batch):
                 n = f.edge_size(e)
                 vars[e] = b.srem(rest, n)
                 rest = b.sdiv(rest, n)
@@ -466,11 +511,13 @@ class GemmGen:
             p1 = self.smin(b.add(p0, pl["tp"]), pl["P"])
             q1 = self.smin(b.add(q0, pl["tq"]), pl["Q"])
             if k.accumulates():
-                cbase = self.ptr(ptrs["c"], [(vars[e], st["c"][0][e]) for e in k.batch])
-                self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)
+                def zero(v):
+                    cbase = self.ptr(ptrs["c"], [(v[e], st["c"][0][e]) for e in k.batch])
+                    self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)
+                self.nest(list(self.shared), vars, zero)
             tile = (p0, p1, q0, q1)
-            self.nest(list(k.taps), vars,
-                      lambda v: self.leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
+            leaf = self.leaf_shared if self.shared else self.leaf
+            self.nest(list(k.taps), vars, lambda v: leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
         b.ret_void()
         f.finish()
         return fn
@@ -487,29 +534,40 @@ class GemmGen:
 
     # ------------------------------------------------------------ one task, one tap
 
-    def leaf(self, vars, tile, pl, st, ptrs, A, B, c_p, small):
-        b, k = self.b, self.k
-        lo, hi, ok = self.clip(vars)
+    def ranges(self, tile, pl, lo, hi):
+        """The tile's (P, Q, R) ranges cut to the clipped edges' ranges `lo`..`hi`."""
+        b = self.b
         p0, p1, q0, q1 = tile
-        r0, r1 = I64(0), pl["R"]
         # the clipped edge's range cuts its group's range; it is the group's outermost
         # edge, so its range times the other edges' extent is one run of the group
-        ranges = {"P": [p0, p1], "Q": [q0, q1], "R": [r0, r1]}
+        ranges = {"P": [p0, p1], "Q": [q0, q1], "R": [I64(0), pl["R"]]}
         for e in lo:
             g = next(g for g in ("P", "Q", "R") if getattr(self, g)[:1] == (e,))
             inner = self.f.count(getattr(self, g)[1:])
-            start, end = b.mul(lo[e], inner), b.mul(self.hi[e], inner)
+            start, end = b.mul(lo[e], inner), b.mul(hi[e], inner)
             ranges[g] = [self.smax(b, ranges[g][0], start), self.smin(ranges[g][1], end)]
-        (ps, pe), (qs, qe), (rs, re) = ranges["P"], ranges["Q"], ranges["R"]
-        nonempty = b.and_(b.icmp_signed("<", ps, pe), b.icmp_signed("<", qs, qe))
-        if ok is not None:
-            nonempty = b.and_(nonempty, ok)
-        shift_off = {}
-        for role in ("a", "b"):
+        return ranges["P"], ranges["Q"], ranges["R"]
+
+    def shift_offsets(self, vars, st, roles=("a", "b")):
+        """Per role, the (index, stride) parts of its pointer at the batch and tap
+        indices `vars` (shifts included)."""
+        k = self.k
+        out = {}
+        for role in roles:
             strides = st[role][0]
             parts = [(vars[e], strides[e]) for e in k.batch + k.taps if e in strides]
             parts += [(self.ix(ix, vars), strides[e]) for r, e, ix in k.shifts if r == role]
-            shift_off[role] = parts
+            out[role] = parts
+        return out
+
+    def leaf(self, vars, tile, pl, st, ptrs, A, B, c_p, small):
+        b, k = self.b, self.k
+        lo, hi, ok = self.clip(vars)
+        (ps, pe), (qs, qe), (rs, re) = self.ranges(tile, pl, lo, hi)
+        nonempty = b.and_(b.icmp_signed("<", ps, pe), b.icmp_signed("<", qs, qe))
+        if ok is not None:
+            nonempty = b.and_(nonempty, ok)
+        shift_off = self.shift_offsets(vars, st)
         win = self.window
         if win is not None:   # the window's pointer is its source's, moved to the batch and tap indices
             role = self.implicit.role()
@@ -559,6 +617,59 @@ class GemmGen:
                         with otherwise:
                             self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
 
+    def leaf_shared(self, vars, tile, pl, st, ptrs, A, B, c_p, small):
+        """One task's tap with the `shared` batch edges taken whole: where the tile runs
+        the own kernel, one call for every index of them, on one packed B' (each
+        index's K range cut to where the shifts it moves are in bounds); elsewhere
+        `leaf` per index."""
+        b, k = self.b, self.k
+        p0, p1, q0, q1 = tile
+        multi = b.and_(b.not_(small), self.own_tile(self.smin(pl["tr"], pl["R"]), b.sub(q1, q0)))
+        moved = [s for s in k.shifts if any(atom in self.shared for atom, _ in s[2].terms)]
+        fixed = [s for s in k.shifts if s not in moved]
+        sizes = [self.low.size(e) for e in self.shared]
+        indices = list(itertools.product(*(range(n) for n in sizes)))
+        with b.if_else(multi) as (then, otherwise):
+            with otherwise:
+                self.nest(list(self.shared), vars, lambda v: self.leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
+            with then:
+                lo, hi, ok = self.clip(vars, fixed)
+                (ps, pe), (qs, qe), (rs, re) = self.ranges(tile, pl, lo, hi)
+                nonempty = b.and_(b.icmp_signed("<", ps, pe), b.icmp_signed("<", qs, qe))
+                if ok is not None:
+                    nonempty = b.and_(nonempty, ok)
+                with b.if_then(nonempty):
+                    self.call_shared(vars, tile, pl, st, ptrs, A, B, c_p, (ps, pe, qs, qe, rs, re), moved, indices)
+
+    def call_shared(self, vars, tile, pl, st, ptrs, A, B, c_p, box, moved, indices):
+        """`leaf_shared`'s calls of the own kernel's `variants` form, one per R chunk."""
+        b, k = self.b, self.k
+        ps, pe, qs, qe, rs, re = box
+        offs = [self.f.alloca(ir.ArrayType(I64, len(indices)), name) for name in ("a_off", "c_off", "k_lo", "k_hi")]
+        pb = self.ptr(ptrs[B.role], self.shift_offsets(vars, st, (B.role,))[B.role] + [(qs, B.col)],
+                      self.elems[B.role])
+        kk = self.smax(b, b.sub(re, rs), I64(0))
+        chunks = self.ceil_div(b, kk, pl["tr"])
+        chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)
+        with for_range(b, I64(0), chunks, "chunk") as j:
+            r = b.add(rs, b.mul(j, pl["tr"]))
+            kc = self.smax(b, self.smin(pl["tr"], b.sub(re, r)), I64(0))
+            for i, index in enumerate(indices):
+                at = {**vars, **{e: I64(x) for e, x in zip(self.shared, index)}}
+                lo, hi, _ = self.clip(at, moved)
+                _, _, (hs, he) = self.ranges(tile, pl, lo, hi)
+                k_lo = self.smin(self.smax(b, b.sub(self.smax(b, hs, rs), r), I64(0)), kc)
+                k_hi = self.smin(self.smax(b, b.sub(self.smin(he, re), r), I64(0)), kc)
+                a_off = offset(b, self.shift_offsets(at, st, (A.role,))[A.role] + [(ps, A.row), (r, A.col)])
+                c_off = offset(b, [(at[e], st["c"][0][e]) for e in k.batch] + [(ps, c_p), (qs, I64(1))])
+                for arr, v in zip(offs, (a_off, c_off, k_lo, k_hi)):
+                    b.store(v, b.gep(arr, [I32(0), I32(i)]))
+            fn = own_kernel(self.mod, home=self.home, variants=True)
+            ptrs_v = [b.gep(arr, [I32(0), I32(0)]) for arr in offs]
+            b.call(fn, [b.sub(pe, ps), b.sub(qe, qs), kc, ptrs[A.role], A.row, A.col,
+                        self.ptr(pb, [(r, B.row)], self.elems[B.role]), B.row, B.col, ptrs["c"], c_p, I32(1),
+                        I64(len(indices))] + ptrs_v)
+
     def ptr(self, base, parts, etype=None):
         return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=etype or self.elem)
 
@@ -579,23 +690,23 @@ class GemmGen:
             row = b.gep(base, [b.add(b.mul(p, ld), q0)], source_etype=self.fp)
             b.call(memset, [row, ir.IntType(8)(0), b.mul(b.sub(q1, q0), width), ir.Constant(I1, 0)])
 
-    def clip(self, vars):
-        """Per clipped edge, the start of its range where every shifted index is in
-        bounds (`self.hi` gets the end); `ok`: all ranges nonempty (None: no clips)."""
+    def clip(self, vars, shifts=None):
+        """Per clipped edge, the range [lo, hi) where every shifted index (of `shifts`,
+        default all) is in bounds; `ok`: all ranges nonempty (None: no clips)."""
         b, k = self.b, self.k
-        lo, self.hi, ok = {}, {}, None
-        for role, e, ix in k.shifts:
+        lo, hi, ok = {}, {}, None
+        for role, e, ix in (k.shifts if shifts is None else shifts):
             view = dict(k.a.edges if role == "a" else k.b.edges)
             sh = self.ix(ix, vars)
             l0 = b.sub(I64(0), sh)
             h0 = b.sub(self.f.edge_size(view[e]), sh)
-            l1, h1 = lo.get(e, I64(0)), self.hi.get(e, self.f.edge_size(e))
+            l1, h1 = lo.get(e, I64(0)), hi.get(e, self.f.edge_size(e))
             lo[e] = b.select(b.icmp_signed(">", l0, l1), l0, l1)
-            self.hi[e] = b.select(b.icmp_signed("<", h0, h1), h0, h1)
+            hi[e] = b.select(b.icmp_signed("<", h0, h1), h0, h1)
         for e in lo:
-            bit = b.icmp_signed("<", lo[e], self.hi[e])
+            bit = b.icmp_signed("<", lo[e], hi[e])
             ok = bit if ok is None else b.and_(ok, bit)
-        return lo, self.hi, ok
+        return lo, hi, ok
 
     def ix(self, ix, vars):
         b = self.b
@@ -663,17 +774,21 @@ class GemmGen:
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
         if self.own:   # deep or wide tiles whose B' fits in L2 run the own kernel (see `uses_own_gemm`)
             b = self.b
-            o = self.opt.cpu
-            deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
-            wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
-            wide = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
-            with b.if_else(wide) as (then, otherwise):
+            with b.if_else(self.own_tile(kk, n)) as (then, otherwise):
                 with then:
                     self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
                 with otherwise:
                     self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
             return
         self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
+
+    def own_tile(self, kk, n):
+        """i1: a tile of n columns summing kk terms runs the own kernel: deep or wide,
+        and its B' fits in L2 (see `uses_own_gemm`)."""
+        b, o = self.b, self.opt.cpu
+        deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
+        wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
+        return b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """cblas, or the blocked loops where a built library's caller gave no BLAS."""
