@@ -56,13 +56,14 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def compile(source, backend: str = "cpu", dtype: str = "f32", dims=None, options=None, data_parallel=None,
+def compile(source, backend: str = "cpu", dtype: str | None = None, dims=None, options=None, data_parallel=None,
             **data_parallel_options):
     """Compile a program (by default to native code for this CPU); returns a callable `Program`.
 
     `source`: a path to a `.tg` or `.tgir` file, `.tg` source text, IR text (as
     `tgc dump-ir` prints it), or a `tgc.ir.module.Module`. `dtype` is the float
-    type, "f32" or "f64". `dims` ({name: size}) fixes symbolic dims at build time;
+    type, "f32" or "f64" (default: the options' `dtype`, f32 unless set there).
+    `dims` ({name: size}, default: the options' `dims`) fixes symbolic dims at build time;
     dims left symbolic are bound at each call from the inputs' shapes, so one build
     serves every batch size. `options` (an `Options`) sets everything else.
     `backend` is "cpu" (native code for this CPU), "cuda" (an NVIDIA GPU through

@@ -856,7 +856,7 @@ class _Signature:
                         for o in module.outputs]
 
 
-def compile(source, comm, backend: str = "cpu", dtype: str = "f32", dims=None, options=None,
+def compile(source, comm, backend: str = "cpu", dtype: str | None = None, dims=None, options=None,
             shard: str = "batch", deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(),
             overlap: bool = True):
     """`tgc.compile(source, ..., data_parallel=comm)`: a `DataParallel` step."""

@@ -168,7 +168,7 @@ def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu")
     return program.run(dict(inputs), dict(options.dims) or None)
 
 
-def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, options: Options | None = None,
+def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=None, options: Options | None = None,
                    data_parallel=None, data_parallel_options=None):
     """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
     (its docstring says what each argument is); with a communicator `data_parallel`,
@@ -180,6 +180,8 @@ def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, 
     from tgc.backends.base import get_backend
 
     be = get_backend(backend)
+    if dtype is None:   # the options' float type (f32 by default)
+        dtype = options.dtype if options is not None else "f32"
     if dtype not in ("f32", "f64"):
         raise ValueError(f"dtype '{dtype}': the float type is 'f32' or 'f64'")
     if options is not None and options.autocast not in (None, "bf16", "f16"):
@@ -188,7 +190,9 @@ def compile_source(source, backend: str = "cpu", dtype: str = "f32", dims=None, 
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
     if data_parallel_options and data_parallel is None:
         raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
-    options = (options or Options()).with_(dtype=dtype, dims=tuple(sorted((dims or {}).items())))
+    options = options or Options()
+    options = options.with_(dtype=dtype, dims=tuple(sorted(dims.items())) if dims is not None else options.dims)
+    dims = dict(options.dims) or None
     dp = (data_parallel, dict(data_parallel_options or {}))
     if isinstance(source, Module):
         return _build(source, dims, options, None, (), be, dp)

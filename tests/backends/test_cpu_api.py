@@ -77,6 +77,21 @@ def test_dims_fixed_at_build_time():
         tgc.compile(MLP, dims={"nope": 4})
 
 
+def test_the_options_dtype_and_dims_hold_unless_the_arguments_say_otherwise():
+    """`compile(src, options=Options(dtype="f64", dims=...))` builds an f64 program with
+    those dims (the `dtype` and `dims` arguments default to the options'); an explicit
+    argument overrides them."""
+    from tgc import Options
+
+    opts = Options(dtype="f64", dims=(("batch", 4),))
+    prog = tgc.compile(MLP, options=opts)
+    assert prog.inputs[0].shape == (4, 8) and prog.inputs[0].dtype == "f64"
+    out = prog(x=np.ones((4, 8)), W=np.ones((8, 16)), lr=0.1)
+    assert out["y"].dtype == np.float64
+    prog = tgc.compile(MLP, dtype="f32", dims={"batch": 3}, options=opts)
+    assert prog.inputs[0].shape == (3, 8) and prog.inputs[0].dtype == "f32"
+
+
 def test_ids_dtypes():
     prog = tgc.compile("""
 dim b
