@@ -154,6 +154,60 @@ def test_variants_form_equals_one_call_per_product_bit_for_bit(blocks):
     jit.close()
 
 
+@pytest.mark.parametrize("depth", [256, 64])
+def test_taps_form_sums_every_tap_in_one_call(depth):
+    """`own_kernel(taps=True)` (gemm.taps_in_one_call): C = the sum over taps t of
+    (A + a_off[t]) (B + b_off[t]) over t's columns [q_lo, q_hi) and K [k_lo, k_hi),
+    every element written (zeros where no tap reaches). With one K block (depth 256)
+    each element is the chain tap by tap, so it has the bits of the plain kernel
+    called once per tap on its clipped ranges, adding into C; with K cut into
+    blocks (depth 64: three taps share a block's buffer, 16 K each) the values
+    against numpy."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    mod = ir.Module("own")
+    taps, plain = own_kernel(mod, depth=depth, taps=True), own_kernel(mod, depth=depth)
+    for fn in (taps, plain):
+        fn.linkage = "external"
+    jit = llvm_env.jit(str(mod))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    base = [i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32]
+    run_taps = ctypes.CFUNCTYPE(None, *base, i64, *[vp] * 6)(jit.address(taps.name))
+    run_plain = ctypes.CFUNCTYPE(None, *base)(jit.address(plain.name))
+    rng = np.random.default_rng(11)
+    M, N, K, ld = 9, 64 + 40, 40, 120
+    A = rng.standard_normal((3, M, K), dtype=np.float32)           # tap t: A[t]
+    B = rng.standard_normal((K, ld + 4), dtype=np.float32)          # tap t: B's columns from 2 t
+    spans = [(3, N), (0, N - 7), (20, 30)]                           # columns per tap
+    ks = [(0, K), (5, 33), (0, 0)]                                   # K per tap; the last adds nothing
+    a_off = np.array([t * M * K for t in range(3)], np.int64)
+    b_off = np.array([2 * t for t in range(3)], np.int64)
+    q_lo, q_hi = (np.array(x, np.int64) for x in zip(*spans))
+    k_lo, k_hi = (np.array(x, np.int64) for x in zip(*ks))
+    C = np.full((M, N + 5), 7.0, np.float32)
+    run_taps(M, N, K, A.ctypes.data, K, 1, B.ctypes.data, ld + 4, 1, C.ctypes.data, N + 5, 0, 3,
+             *(x.ctypes.data for x in (a_off, b_off, q_lo, q_hi, k_lo, k_hi)))
+    assert (C[:, N:] == 7.0).all()
+    want = np.zeros((M, N))
+    for t in range(3):
+        (c0, c1), (k0, k1) = spans[t], ks[t]
+        want[:, c0:c1] += A[t][:, k0:k1].astype(np.float64) @ B[k0:k1, 2 * t + c0:2 * t + c1].astype(np.float64)
+    np.testing.assert_allclose(C[:, :N], want, rtol=1e-5, atol=1e-4)
+    if depth == 256:
+        chain = np.zeros((M, N + 5), np.float32)
+        for t in range(3):
+            (c0, c1), (k0, k1) = spans[t], ks[t]
+            if k1 > k0:
+                run_plain(M, c1 - c0, k1 - k0, A[t].ctypes.data + 4 * k0, K, 1,
+                          B.ctypes.data + 4 * (k0 * (ld + 4) + 2 * t + c0), ld + 4, 1,
+                          chain.ctypes.data + 4 * c0, N + 5, 1)
+        assert np.array_equal(C[:, :N], chain[:, :N])
+    jit.close()
+
+
 # the own kernel for every large tile, whatever its shape (the defaults keep it to wide, short ones)
 EVERY_TILE = dict(own_gemm_min_cols=1, own_gemm_max_b_bytes=1 << 60)
 
@@ -249,8 +303,10 @@ def test_convolutions_with_own_gemm_match_the_interpreter_and_cblas(case, implic
         prog = tgc.compile(str(path), options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=implicit,
                                                                          threads=threads))
         assert "tgc.gemm.own" in prog.llvm_ir
-        # conv1d's kernel gradient runs its 5 taps' products on one packed B' (gemm.shared_b_batch)
+        # conv1d's kernel gradient runs its 5 taps' products on one packed B' (gemm.shared_b_batch);
+        # conv1d's output and input gradient and conv2d's input gradient all taps in one call
         assert ("tgc.gemm.own.f32.b4.v4.multi" in prog.llvm_ir) == (case == "conv1d")
+        assert "tgc.gemm.own.f32.b4.v4.taps" in prog.llvm_ir
         results[threads] = prog(**{k: v.copy() for k, v in arrays.items()})
     base = off(**{k: v.copy() for k, v in arrays.items()})
     opts = Options(dtype="f64")
@@ -280,6 +336,25 @@ def test_shared_b_batch_takes_the_taps_the_packed_operand_does_not_read():
     assert shared == {"y": (), "dx": (), next(o for o in gemms if o not in ("y", "dx")): ("k",)}
     symbolic = lowered(src.replace("klen = 5", "klen"), own_gemm="on")
     assert not any(shared_b_batch(symbolic, k, opts) for k in symbolic.kernels if isinstance(k, GemmKernel))
+
+
+def test_taps_in_one_call_where_shifts_move_b_columns_or_k():
+    """conv1d's output (x shifted along its columns) and input gradient (dy shifted,
+    B' after the flip) run all 5 taps in one call; its kernel gradient shares B'
+    instead; with the taps' count symbolic, none does. conv2d's input gradient (3
+    taps) does too."""
+    from tgc.backends.cpu.gemm import taps_in_one_call
+    from tgc.lower.lowered import GemmKernel
+
+    opts = Options(dtype="f32").with_(own_gemm="on")
+    src = (ROOT / "benchmarks/workloads/conv1d.tg").read_text()
+    low = lowered(src, own_gemm="on")
+    got = {k.out: taps_in_one_call(low, k, opts) for k in low.kernels if isinstance(k, GemmKernel)}
+    assert got.pop("y") and got.pop("dx") and not any(got.values())
+    low = lowered(src.replace("klen = 5", "klen"), own_gemm="on")
+    assert not any(taps_in_one_call(low, k, opts) for k in low.kernels if isinstance(k, GemmKernel))
+    low = lowered((ROOT / "benchmarks/workloads/conv2d.tg").read_text(), own_gemm="on", implicit_gemm=True)
+    assert [taps_in_one_call(low, k, opts) for k in low.kernels if isinstance(k, GemmKernel)] == [True]
 
 
 def test_own_gemm_off_calls_cblas_only():

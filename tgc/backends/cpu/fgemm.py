@@ -20,7 +20,10 @@ transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is ha
 
 The `.multi` form takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more:
 nv products sharing B (offsets into A and C, a range of K each), every block of B
-packed once for all of them (`gemm.shared_b_batch` says which products).
+packed once for all of them (`gemm.shared_b_batch` says which products). The
+`.taps` form takes `i64 nt, i64* a_off, i64* b_off, i64* q_lo, i64* q_hi, i64* k_lo,
+i64* k_hi` more: C = the sum over nt taps, each with its own A and B, columns and K
+(`gemm.taps_in_one_call`); the accumulators stay in registers across the taps.
 
 An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
 (`Window`) from the window's source instead of reading a stored buffer: B' block by
@@ -414,7 +417,7 @@ class _Lanes:
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
                depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
-               frame=None, variants: bool = False) -> ir.Function:
+               frame=None, variants: bool = False, taps: bool = False) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
     one function per program and shape, defined in `home` (default `mod`) and declared
     in `mod` when that is another unit of the program. With `window` (an implicit
@@ -426,20 +429,30 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     share B, product v being C + c_off[v] += (A + a_off[v]) B over K in
     [k_lo[v], k_hi[v]) (offsets in elements); each block of B is packed once for
     all of them. A product adds into C from its first K block unless `accumulate`
-    is 0, and one with an empty range writes nothing."""
+    is 0, and one with an empty range writes nothing. With `taps`
+    (`tgc.gemm.own.f32.bR.vV.taps`) it takes `i64 nt, i64* a_off, i64* b_off,
+    i64* q_lo, i64* q_hi, i64* k_lo, i64* k_hi` more: C (+)= the sum over t < nt of
+    (A + a_off[t]) (B + b_off[t]), tap t over its columns [q_lo[t], q_hi[t]) and
+    its K [k_lo[t], k_hi[t]) (zeros elsewhere), B's columns contiguous (sBn = 1):
+    the taps' blocks of B are packed side by side and each block of rows keeps its
+    accumulators in registers across all of them (C is read and written once per K
+    block, not once per tap)."""
     from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
 
     if window is None:
-        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".multi" if variants else "")
+        name = (kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".multi" if variants else "")
+                + (".taps" if taps else ""))
         if name in mod.globals:
             return mod.globals[name]
         if home is not None and home is not mod:
-            return export(own_kernel(home, rows, vecs, depth=depth, variants=variants), mod)
+            return export(own_kernel(home, rows, vecs, depth=depth, variants=variants, taps=taps), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
     extra = [PTR, I64, I64] if window is not None else []
     if variants:
         extra = [I64, PTR, PTR, PTR, PTR]
+    if taps:
+        extra = [I64] + [PTR] * 6
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32] + extra)
     fn.attributes.add("noinline")
     M, N, K, pa, sam, _sak, pb, sbk, sbn, pc, ldc, acc = fn.args[:12]
@@ -479,9 +492,11 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     def smax(x, y):
         return b.select(b.icmp_signed(">", x, y), x, y)
 
-    def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks):
+    def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
-        rows p0..p1 of B's block (K k0 + p0 .. k0 + p1)."""
+        rows p0..p1 of B's block (K k0 + p0 .. k0 + p1); with `tap_parts`, a
+        function of the builder that yields each tap's (A, packed block, p0, p1),
+        the sum over the taps."""
         with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
             i0 = b.mul(ib, I64(rows))
             last = b.sub(M, I64(1))
@@ -498,14 +513,21 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
             else:
                 arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
             start_accumulators(b, add_c, crow, accs, masks)
-            with for_range(b, p0, p1, "kk", unroll=False) as p:
-                src = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                             typ=vt, align=64) for c in range(vecs)]
-                for r in range(rows):
-                    av = _splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
-                    for c in range(vecs):
-                        b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+
+            def fmas(arow, packed, p0, p1):
+                with for_range(b, p0, p1, "kk", unroll=False) as p:
+                    src = b.gep(packed, [b.mul(p, I64(cols))], source_etype=f32)
+                    bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                                 typ=vt, align=64) for c in range(vecs)]
+                    for r in range(rows):
+                        av = _splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
+                        for c in range(vecs):
+                            b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+            if tap_parts is None:
+                fmas(arow, bpack, p0, p1)
+            else:
+                for a_t, packed, t0, t1 in tap_parts():
+                    fmas([b.gep(a_t, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix], packed, t0, t1)
             for r in range(rows):
                 real = _splat(b, inside[r], mt)
                 for c in range(vecs):
@@ -513,13 +535,18 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                     b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
-    chunks = b.sdiv(b.add(K, I64(span - 1)), I64(span))
+    block = I64(span)
+    if taps:   # the taps' blocks side by side in the buffer: K blocks of span / nt (whole vectors)
+        nt, tap_args = fn.args[12], fn.args[13:19]
+        block = b.mul(b.sdiv(b.sdiv(I64(span), nt), I64(VL)), I64(VL))
+        block = b.select(b.icmp_signed("<", block, I64(VL)), I64(VL), block)
+    chunks = b.sdiv(b.add(K, b.sub(block, I64(1))), block)
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
     step = b.sdiv(b.add(K, b.sub(chunks, I64(1))), chunks)     # K's blocks as even as can be
     lane_bytes = b.mul(_splat(b, b.mul(sbn, I64(4)), it), iota)
     panels = b.sdiv(b.add(N, I64(cols - 1)), I64(cols))
     narrow = None
-    if window is None and vecs == 4 and rows == 4:
+    if window is None and vecs == 4 and rows == 4 and not taps:
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
@@ -548,10 +575,15 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                     dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
                     segs.fill(b, pb, None, dst, vecs, digits)
                     segs.step_row(b, digits)
+            elif taps:
+                parts = _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn,
+                                   zero_v, it, vt)
             else:
                 _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                         zero_v, it, vt)
-            if variants:   # each product's part of this K block, from the one packed block
+            if taps:
+                row_blocks(pa, pc, None, None, add_c, j0, k0, masks, tap_parts=parts)
+            elif variants:   # each product's part of this K block, from the one packed block
                 nv, offs = fn.args[12], fn.args[13:17]
                 with for_range(b, I64(0), nv, "ov") as v:
                     a_off, c_off, lo, hi = (b.load(b.gep(x, [v], source_etype=I64), typ=I64) for x in offs)
@@ -613,6 +645,59 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_b
                             v = b.call(gather, [ptrs, align, masks[c], zero_v])
                             b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
                                     align=64)
+
+
+def _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn, zero_v, it, vt):
+    """The taps form's packing: each tap's rows of this K block that its K range
+    holds, at bpack + t * block * cols, lanes outside its columns zero (masked
+    loads, B's columns contiguous). Returns `tap_parts` for `row_blocks`: a
+    function yielding, per tap (a loop over nt), (A + a_off[t], its packed
+    block, its first and last packed row)."""
+    from tgc.backends.cpu.gemm import _splat
+
+    f32 = ir.FloatType()
+    iota = ir.Constant(it, list(range(VL)))
+    a_off, b_off, q_lo, q_hi, k_lo, k_hi = tap_args
+
+    def at(arr, t):
+        return b.load(b.gep(arr, [t], source_etype=I64), typ=I64)
+
+    def rows_of(t):
+        p0 = b.sub(_max(b, k0, at(k_lo, t)), k0)
+        p1 = b.sub(_min(b, b.add(k0, kd), at(k_hi, t)), k0)
+        return p0, _max(b, p0, p1)
+
+    with for_range(b, I64(0), nt, "tp") as t:
+        p0, p1 = rows_of(t)
+        lo = _max(b, at(q_lo, t), I64(0))
+        hi = _min(b, at(q_hi, t), N)
+        masks = []
+        for c in range(vecs):
+            col = b.add(_splat(b, b.add(j0, I64(c * VL)), it), iota)
+            masks.append(b.and_(b.icmp_signed(">=", col, _splat(b, lo, it)), b.icmp_signed("<", col, _splat(b, hi, it))))
+        src0 = b.gep(pb, [b.add(at(b_off, t), j0)], source_etype=f32)
+        dst0 = b.gep(bpack, [b.mul(b.mul(t, block), I64(cols))], source_etype=f32)
+        with for_range(b, p0, p1, "tq") as p:
+            src = b.gep(src0, [b.mul(b.add(k0, p), sbk)], source_etype=f32)
+            dst = b.gep(dst0, [b.mul(p, I64(cols))], source_etype=f32)
+            for c in range(vecs):
+                v = b.call(load_fn, [b.gep(src, [I64(c * VL)], source_etype=f32), I32(4), masks[c], zero_v])
+                b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()), align=64)
+
+    def parts():
+        with for_range(b, I64(0), nt, "tf") as t:
+            p0, p1 = rows_of(t)
+            yield (b.gep(pa, [at(a_off, t)], source_etype=f32),
+                   b.gep(bpack, [b.mul(b.mul(t, block), I64(cols))], source_etype=f32), p0, p1)
+    return parts
+
+
+def _min(b, x, y):
+    return b.select(b.icmp_signed("<", x, y), x, y)
+
+
+def _max(b, x, y):
+    return b.select(b.icmp_signed(">", x, y), x, y)
 
 
 def _transpose16(b, rows):

@@ -64,6 +64,11 @@ convolution's kernel gradient, batched by the tap, which shifts only A' along K)
 makes tasks of the other batch edges and tiles only; each of its calls runs the
 products of every index of those edges on one packed B' (fgemm's `.multi` form).
 
+All taps in one call. A product whose taps have fixed sizes and whose shifts move
+only B''s columns or K (`taps_in_one_call`: a convolution's output, or its input
+gradient after the flip) makes, for a tile the own kernel runs, one call of its
+`.taps` form for all taps: C is written once, never zeroed first.
+
 Taps and shifts (GEMMs on shifted views). The task also loops over the taps; each
 tap offsets the shifted operand and clips the shifted edge's range to where every
 index is in bounds (the rest of the sum is zeros); the tile's range is cut to that.
@@ -253,6 +258,36 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     return edges if count < BATCH_TASKS else ()
 
 
+MAX_TAPS = 16   # the most taps the own kernel's taps form takes in one call
+
+
+def taps_in_one_call(low: Lowered, k: GemmKernel, options: Options) -> bool:
+    """Whether the own kernel may run all taps of product `k` in one call (its
+    `taps` form: each block of rows keeps its accumulators across the taps, so C is
+    read and written once, not once per tap, and never zeroed first): a product
+    the own kernel may run, with at most MAX_TAPS taps of fixed sizes, B''s
+    columns contiguous, every shift moving B''s columns or K (never A''s rows, which
+    the kernel reads in place), and not one `shared_b_batch` takes. A 1-D
+    convolution's output (5 taps of 64 terms) and a 2-D one's input gradient (3)."""
+    if not k.taps or not uses_own_gemm(low, k, options) or shared_b_batch(low, k, options):
+        return False
+    f = _forms(low, k)
+    flip = not f["c"][2]
+    if not (f["b"][2] if not flip else not f["a"][2]):   # B' has its columns contiguous
+        return False
+    packed = "b" if not flip else "a"
+    cols = f["c"][1] if not flip else f["c"][0]
+    if any(not (role == packed and e == cols[0] or e == f["a"][1][0]) for role, e, _ in k.shifts):
+        return False
+    count = 1
+    for e in k.taps:
+        size = low.size(e)
+        if not isinstance(size, int):
+            return False
+        count *= size
+    return count <= MAX_TAPS
+
+
 class GemmGen:
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
                  options: Options, home: ir.Module | None = None, implicit=None):
@@ -297,6 +332,8 @@ class GemmGen:
         # batch edges each task takes whole, for one call of the own kernel per tap
         self.shared = shared_b_batch(low, k, options) if implicit is None and self.own else ()
         self.task_batch = tuple(e for e in k.batch if e not in self.shared)
+        # all taps in one call of the own kernel's taps form
+        self.tapped = implicit is None and self.own and taps_in_one_call(low, k, options)
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
@@ -510,14 +547,24 @@ class GemmGen:
             q0 = b.mul(iq, pl["tq"])
             p1 = self.smin(b.add(p0, pl["tp"]), pl["P"])
             q1 = self.smin(b.add(q0, pl["tq"]), pl["Q"])
-            if k.accumulates():
-                def zero(v):
-                    cbase = self.ptr(ptrs["c"], [(v[e], st["c"][0][e]) for e in k.batch])
-                    self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)
-                self.nest(list(self.shared), vars, zero)
             tile = (p0, p1, q0, q1)
-            leaf = self.leaf_shared if self.shared else self.leaf
-            self.nest(list(k.taps), vars, lambda v: leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
+
+            def each_tap():
+                if k.accumulates():
+                    def zero(v):
+                        cbase = self.ptr(ptrs["c"], [(v[e], st["c"][0][e]) for e in k.batch])
+                        self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)
+                    self.nest(list(self.shared), vars, zero)
+                leaf = self.leaf_shared if self.shared else self.leaf
+                self.nest(list(k.taps), vars, lambda v: leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
+            if self.tapped:   # the tile runs the own kernel: all taps in one call
+                with b.if_else(b.and_(b.not_(small), self.own_tile(pl["R"], b.sub(q1, q0)))) as (one, many):
+                    with one:
+                        self.call_taps(vars, tile, pl, st, ptrs, A, B, c_p)
+                    with many:
+                        each_tap()
+            else:
+                each_tap()
         b.ret_void()
         f.finish()
         return fn
@@ -669,6 +716,31 @@ class GemmGen:
             b.call(fn, [b.sub(pe, ps), b.sub(qe, qs), kc, ptrs[A.role], A.row, A.col,
                         self.ptr(pb, [(r, B.row)], self.elems[B.role]), B.row, B.col, ptrs["c"], c_p, I32(1),
                         I64(len(indices))] + ptrs_v)
+
+    def call_taps(self, vars, tile, pl, st, ptrs, A, B, c_p):
+        """The tile's sum over every tap in one call of the own kernel's taps form
+        (`taps_in_one_call`): per tap, its A' and B' offsets and the columns and K
+        where its shifts are in bounds."""
+        b, k = self.b, self.k
+        p0, p1, q0, q1 = tile
+        indices = list(itertools.product(*(range(self.low.size(e)) for e in k.taps)))
+        offs = [self.f.alloca(ir.ArrayType(I64, len(indices)), name)
+                for name in ("a_off", "b_off", "q_lo", "q_hi", "k_lo", "k_hi")]
+        for i, index in enumerate(indices):
+            at = {**vars, **{e: I64(x) for e, x in zip(k.taps, index)}}
+            lo, hi, ok = self.clip(at)
+            _, (qs, qe), (rs, re) = self.ranges(tile, pl, lo, hi)
+            if ok is not None:   # a tap whose shifts leave nothing in bounds adds nothing
+                rs, re = b.select(ok, rs, I64(0)), b.select(ok, re, I64(0))
+            sh = self.shift_offsets(at, st)
+            values = (offset(b, sh[A.role] + [(p0, A.row)]), offset(b, sh[B.role] + [(q0, B.col)]),
+                      b.sub(qs, q0), b.sub(qe, q0), rs, re)
+            for arr, v in zip(offs, values):
+                b.store(v, b.gep(arr, [I32(0), I32(i)]))
+        pc = self.ptr(ptrs["c"], [(vars[e], st["c"][0][e]) for e in k.batch] + [(p0, c_p), (q0, I64(1))])
+        fn = own_kernel(self.mod, home=self.home, taps=True)
+        b.call(fn, [b.sub(p1, p0), b.sub(q1, q0), pl["R"], ptrs[A.role], A.row, A.col, ptrs[B.role], B.row, B.col,
+                    pc, c_p, I32(0), I64(len(indices))] + [b.gep(arr, [I32(0), I32(0)]) for arr in offs])
 
     def ptr(self, base, parts, etype=None):
         return self.b.gep(base, [offset(self.b, parts)], inbounds=True, source_etype=etype or self.elem)
