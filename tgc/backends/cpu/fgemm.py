@@ -46,6 +46,7 @@ from tgc.backends.cpu.irutil import I1, I32, I64, PTR, define, export, for_range
 VL = 16            # f32 lanes of a 512-bit vector
 OWN_DEPTH = 256    # K per packed block of B
 MASK_CLASSES = 64  # the most row classes whose masks a window's table holds (_Lanes)
+MAX_TAPS = 16      # the most taps the `.taps` form takes in one call (its buffer holds 16 K of each)
 
 
 def kernel_name(rows: int, vecs: int) -> str:
@@ -470,7 +471,8 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     # K blocks: up to a quarter deeper than `depth` (whole vectors: the packs write
     # K in steps of 16), as even as can be
     span = depth + depth // 4 // VL * VL
-    bpack = entry.alloca(f32, size=I64(span * cols + VL), name="bpack")   # slack: see own_kernel's packing
+    rows_held = max(span, VL * MAX_TAPS) if taps else span
+    bpack = entry.alloca(f32, size=I64(rows_held * cols + VL), name="bpack")   # slack: see own_kernel's packing
     bpack.align = 64
     apack = None
     if window is not None and window.role == "a":
@@ -487,10 +489,10 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     align = I32(4)
 
     def smin(x, y):
-        return b.select(b.icmp_signed("<", x, y), x, y)
+        return _min(b, x, y)
 
     def smax(x, y):
-        return b.select(b.icmp_signed(">", x, y), x, y)
+        return _max(b, x, y)
 
     def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
@@ -536,9 +538,9 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
     block = I64(span)
-    if taps:   # the taps' blocks side by side in the buffer: K blocks of span / nt (whole vectors)
+    if taps:   # the taps' blocks side by side in the buffer: K blocks of rows_held / nt (whole vectors)
         nt, tap_args = fn.args[12], fn.args[13:19]
-        block = b.mul(b.sdiv(b.sdiv(I64(span), nt), I64(VL)), I64(VL))
+        block = b.mul(b.sdiv(b.sdiv(I64(rows_held), nt), I64(VL)), I64(VL))
         block = b.select(b.icmp_signed("<", block, I64(VL)), I64(VL), block)
     chunks = b.sdiv(b.add(K, b.sub(block, I64(1))), block)
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)

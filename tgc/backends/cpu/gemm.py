@@ -86,7 +86,7 @@ import itertools
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
-from tgc.backends.cpu.fgemm import Window, own_kernel, start_accumulators
+from tgc.backends.cpu.fgemm import MAX_TAPS, Window, own_kernel, start_accumulators
 
 OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
@@ -239,7 +239,7 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     if not k.accumulates() or not uses_own_gemm(low, k, options):
         return ()
     f = _forms(low, k)
-    packed = "b" if f["c"][2] else "a"    # B' of the normalized product
+    packed = _packed_role(f)
     view = k.b if packed == "b" else k.a
     order = low.buffers[view.buf].order
     reads = {ve for ve, be in view.edges if be in order}
@@ -249,16 +249,16 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
         return ()
     if any(e != f["a"][1][0] and any(atom in edges for atom, _ in ix.terms) for _, e, ix in k.shifts):
         return ()
-    count = 1
-    for e in k.batch:
-        size = low.size(e)
-        if not isinstance(size, int):
-            return ()
-        count *= size
-    return edges if count < BATCH_TASKS else ()
+    count = _fixed_count(low, k.batch)
+    return edges if count is not None and count < BATCH_TASKS else ()
 
 
-MAX_TAPS = 16   # the most taps the own kernel's taps form takes in one call
+def _packed_role(forms: dict) -> str:
+    """The operand ('a' | 'b') that is B' of the normalized product (A^T when C
+    holds M innermost)."""
+    return "b" if forms["c"][2] else "a"
+
+
 
 
 def taps_in_one_call(low: Lowered, k: GemmKernel, options: Options) -> bool:
@@ -275,17 +275,23 @@ def taps_in_one_call(low: Lowered, k: GemmKernel, options: Options) -> bool:
     flip = not f["c"][2]
     if not (f["b"][2] if not flip else not f["a"][2]):   # B' has its columns contiguous
         return False
-    packed = "b" if not flip else "a"
+    packed = _packed_role(f)
     cols = f["c"][1] if not flip else f["c"][0]
     if any(not (role == packed and e == cols[0] or e == f["a"][1][0]) for role, e, _ in k.shifts):
         return False
+    count = _fixed_count(low, k.taps)
+    return count is not None and count <= MAX_TAPS
+
+
+def _fixed_count(low: Lowered, edges) -> int | None:
+    """The number of indices of `edges`, or None when a size is symbolic."""
     count = 1
-    for e in k.taps:
+    for e in edges:
         size = low.size(e)
         if not isinstance(size, int):
-            return False
+            return None
         count *= size
-    return count <= MAX_TAPS
+    return count
 
 
 class GemmGen:
