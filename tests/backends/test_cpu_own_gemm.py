@@ -338,6 +338,54 @@ def test_shared_b_batch_takes_the_taps_the_packed_operand_does_not_read():
     assert not any(shared_b_batch(symbolic, k, opts) for k in symbolic.kernels if isinstance(k, GemmKernel))
 
 
+CONV1D = """
+dim batch
+dim len{len}
+dim cin = {cin}, cout = {cout}, klen = {k}
+input  x[batch, cin, t: len]
+input  dy[batch, cout, s: len]
+param  K[cout, cin, k: klen]
+y    = x[t = s + {dil}*k - {pad}] @ K
+loss = sum(y * dy)
+out y[batch, cout, s]
+out dx = grad(loss, x)
+out dK = grad(loss, K)
+"""
+
+
+@pytest.mark.parametrize("shape", [
+    dict(batch=3, cin=8, cout=12, n=300, k=3, pad=1, dil=1),     # padded both sides
+    dict(batch=2, cin=5, cout=7, n=83, k=4, pad=0, dil=1),       # zeros past the end only
+    dict(batch=3, cin=6, cout=9, n=70, k=3, pad=3, dil=2),       # dilated
+    dict(batch=2, cin=4, cout=30, n=6, k=3, pad=9, dil=1, len=""),   # symbolic len, every tap out of bounds
+    dict(batch=17, cin=3, cout=20, n=40, k=5, pad=2, dil=1),     # batched 17 times: a task per signal
+])
+def test_shifted_products_in_every_form_match_the_interpreter(shape):
+    """1-D convolutions whose products run the own kernel for every tile (no small
+    tiles, no size bounds): the taps form (output, input gradient), the shared-B'
+    form (kernel gradient) and the plain calls, at odd sizes, with taps partly or
+    wholly out of bounds, against the f64 interpreter; 1 and 2 threads the same bits."""
+    batch = shape.pop("batch")
+    src = CONV1D.format(**{"len": f" = {shape['n']}", **shape})
+    rng = np.random.default_rng(5)
+    arrays = {"x": rng.standard_normal((batch, shape["cin"], shape["n"]), dtype=np.float32),
+              "dy": rng.standard_normal((batch, shape["cout"], shape["n"]), dtype=np.float32),
+              "K": rng.standard_normal((shape["cout"], shape["cin"], shape["k"]), dtype=np.float32)}
+    every = dict(own_gemm="on", gemm_loop_max_flops=0, **EVERY_TILE)
+    got = {}
+    for threads in (1, 2):
+        prog = tgc.compile(src, options=Options(dtype="f32").with_(threads=threads, **every))
+        got[threads] = prog(**arrays)
+    assert ".taps" in prog.llvm_ir
+    f64 = Options(dtype="f64")
+    module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
+    want = evaluate(module, {k: v.astype(np.float64) for k, v in arrays.items()}, dtype="f64")
+    for name in ("y", "dx", "dK"):
+        w = np.asarray(want[name])
+        np.testing.assert_allclose(got[1][name], w, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(w).max()), err_msg=name)
+        assert np.array_equal(got[1][name], got[2][name]), name
+
+
 def test_taps_in_one_call_where_shifts_move_b_columns_or_k():
     """conv1d's output (x shifted along its columns) and input gradient (dy shifted,
     B' after the flip) run all 5 taps in one call; its kernel gradient shares B'
