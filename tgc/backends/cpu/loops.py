@@ -236,7 +236,13 @@ class LoopGen:
         self.sum_flags: tuple = ()
         self.fused_term = None   # the body whose last product may fuse into the accumulation
         self.bufs = kernel_buffers(k)
-        fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64])
+        # hidden, not internal: LLVM would otherwise propagate the constant range [0, n)
+        # of a program whose only caller is serial (one thread) into the function, and
+        # a sum it may reassociate (a reduction's `reassoc`) then took another order
+        # than the same function called by threads (the bits of a 1-D convolution's
+        # input gradient differed between 1 and 2 threads)
+        fn = define(mod, name, ir.VoidType(), [PTR] * (1 + len(self.bufs)) + [I64, I64], internal=False)
+        fn.linkage = "hidden"
         for a in fn.args[: 1 + len(self.bufs)]:
             a.add_attribute("noalias")
         fn.attributes.add("noinline")  # optimized once, not again in each caller
