@@ -88,11 +88,29 @@ def test_kernel_against_numpy_around_its_blocks(kernels, blocks, transposed):
                 np.testing.assert_allclose(C, 2 * want, rtol=1e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
 
 
-def test_kernel_sums_each_element_in_k_order_with_fused_multiply_adds(kernels):
-    """The kernel's value for an element is fma(a_k, b_k, acc) over k in order,
-    across packed blocks too (a block after the first adds into C): compared bit for
-    bit with that sum done in numpy (float32 rounding of fma through float64, which is
-    exact for one product plus one addend)."""
+def k_blocks(K, depth, taps=0):
+    """The own kernel's K blocks for K terms (fgemm.own_kernel: even blocks of at most
+    5/4 `depth` in whole vectors; the taps form shares its buffer among `taps`)."""
+    span = depth + depth // 4 // 16 * 16
+    if taps:
+        span = max(16, max(span, 16 * 16) // taps // 16 * 16)
+    chunks = max(1, -(-K // span))
+    step = -(-K // chunks)
+    return [(j * step, min(K, (j + 1) * step)) for j in range(chunks)]
+
+
+def fma_chain(acc, A, B):
+    """acc after fma(A[:, k], B[k], acc) for k in order, element by element (float32
+    rounding of each step done in float64: exact for one product plus one addend)."""
+    for k in range(A.shape[1]):
+        acc = (acc.astype(np.float64) + np.outer(A[:, k].astype(np.float64), B[k].astype(np.float64))).astype(np.float32)
+    return acc
+
+
+def test_kernel_sums_each_k_block_in_order_with_fused_multiply_adds(kernels):
+    """The kernel's value for an element: per K block, fma(a_k, b_k, s) over the
+    block's k in order from s = 0, then C + s (the first block of a call that does
+    not accumulate stores s): compared bit for bit with those sums done in numpy."""
     fn = kernels(4, 2, 16)
     rng = np.random.default_rng(3)
     M, N, K = 5, 40, 37
@@ -100,20 +118,29 @@ def test_kernel_sums_each_element_in_k_order_with_fused_multiply_adds(kernels):
     B = rng.standard_normal((K, N), dtype=np.float32)
     C = np.zeros((M, N), np.float32)
     call(fn, A, B, C, 0)
-    acc = np.zeros((M, N), np.float32)
-    for k in range(K):
-        acc = (acc.astype(np.float64) + np.outer(A[:, k].astype(np.float64), B[k].astype(np.float64))).astype(np.float32)
-    assert np.array_equal(C, acc)
+    blocks = k_blocks(K, 16)
+    assert len(blocks) == 3
+    want = None
+    for k0, k1 in blocks:
+        part = fma_chain(np.zeros((M, N), np.float32), A[:, k0:k1], B[k0:k1])
+        want = part if want is None else want + part
+    assert np.array_equal(C, want)
+    C2 = C.copy()
+    call(fn, A, B, C2, 1)   # accumulating: every block adds into C
+    again = C.copy()
+    for k0, k1 in blocks:
+        again = again + fma_chain(np.zeros((M, N), np.float32), A[:, k0:k1], B[k0:k1])
+    assert np.array_equal(C2, again)
 
 
 @pytest.mark.parametrize("blocks", [(4, 4, 64), (8, 2, 256)])
-def test_variants_form_equals_one_call_per_product_bit_for_bit(blocks):
+def test_variants_form_runs_each_product_over_its_own_k(blocks):
     """`own_kernel(variants=True)` runs several products on one packed B (a 1-D
     convolution's kernel gradient, one per tap: gemm.shared_b_batch): product v is
-    C + c_off[v] += (A + a_off[v]) B over K in [k_lo[v], k_hi[v]). Each must have
-    the bits of the plain kernel called for it alone, including a last block of
-    columns the 4 x 4 kernel hands to the 8 x 2 one and K ranges cutting the packed
-    blocks; an empty range writes nothing."""
+    C + c_off[v] += (A + a_off[v]) B over K in [k_lo[v], k_hi[v]), each of the
+    call's K blocks cut to that range. Bit for bit against those sums done in
+    numpy, including a last block of columns the 4 x 4 kernel hands to the 8 x 2
+    one and ranges cutting the blocks; an empty range writes nothing."""
     import llvmlite.ir as ir
 
     from tgc.backends.cpu import llvm_env
@@ -121,14 +148,12 @@ def test_variants_form_equals_one_call_per_product_bit_for_bit(blocks):
 
     rows, vecs, depth = blocks
     mod = ir.Module("own")
-    multi, plain = own_kernel(mod, rows, vecs, depth=depth, variants=True), own_kernel(mod, rows, vecs, depth=depth)
-    for fn in (multi, plain):
-        fn.linkage = "external"
+    multi = own_kernel(mod, rows, vecs, depth=depth, variants=True)
+    multi.linkage = "external"
     jit = llvm_env.jit(str(mod))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     base = [i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32]
     run_multi = ctypes.CFUNCTYPE(None, *base, i64, vp, vp, vp, vp)(jit.address(multi.name))
-    run_plain = ctypes.CFUNCTYPE(None, *base)(jit.address(plain.name))
     rng = np.random.default_rng(7)
     M, N, K = 9, 64 + 17, 300
     A = rng.standard_normal((4 * M, K + 2), dtype=np.float32)     # product v: rows v*M.., row stride K + 2
@@ -141,44 +166,43 @@ def test_variants_form_equals_one_call_per_product_bit_for_bit(blocks):
     C = C0.copy()
     run_multi(M, N, K, A.ctypes.data, K + 2, 1, B.ctypes.data, 1, K, C.ctypes.data, N + 3, 1,
               4, a_off.ctypes.data, c_off.ctypes.data, lo.ctypes.data, hi.ctypes.data)
-    want = C0.copy()
-    for v, (k0, k1) in enumerate(ranges):
-        if k1 > k0:
-            run_plain(M, N, k1 - k0, A.ctypes.data + 4 * int(a_off[v] + k0), K + 2, 1, B.ctypes.data + 4 * k0, 1, K,
-                      want.ctypes.data + 4 * int(c_off[v]), N + 3, 1)
-    assert np.array_equal(C, want)
-    assert np.array_equal(C[2], C0[2])
-    a1 = A[M:2 * M, 1:K + 1][:, 5:133].astype(np.float64)   # product 1: A + a_off[1], K 5..133
-    ref = C0[1][:, :N] + a1 @ B[5:133].astype(np.float64)
-    np.testing.assert_allclose(C[1][:, :N], ref, rtol=1e-5, atol=1e-4)
     jit.close()
+    assert depth == 256 or len(k_blocks(K, depth)) > 1   # depth 64: ranges cut the blocks
+    for v, (r0, r1) in enumerate(ranges):
+        flat = A.reshape(-1)   # product v's rows (the last one's last element is past A: never read)
+        a = np.stack([np.pad(flat[s:s + K], (0, K - len(flat[s:s + K]))) for s in a_off[v] + (K + 2) * np.arange(M)])
+        want = C0[v][:, :N].copy()
+        for k0, k1 in k_blocks(K, depth):
+            k0, k1 = max(k0, r0), min(k1, r1)
+            if k0 < k1:
+                want = want + fma_chain(np.zeros((M, N), np.float32), a[:, k0:k1], B[k0:k1])
+        assert np.array_equal(C[v][:, :N], want), v
+        assert np.array_equal(C[v][:, N:], C0[v][:, N:])
+    assert np.array_equal(C[2], C0[2])
 
 
 @pytest.mark.parametrize("depth", [256, 64])
 def test_taps_form_sums_every_tap_in_one_call(depth):
     """`own_kernel(taps=True)` (gemm.taps_in_one_call): C = the sum over taps t of
     (A + a_off[t]) (B + b_off[t]) over t's columns [q_lo, q_hi) and K [k_lo, k_hi),
-    every element written (zeros where no tap reaches). With one K block (depth 256)
-    each element is the chain tap by tap, so it has the bits of the plain kernel
-    called once per tap on its clipped ranges, adding into C; with K cut into
-    blocks (depth 64: three taps share a block's buffer, 16 K each) the values
-    against numpy."""
+    every element written (zeros where no tap reaches). Per K block (the taps share
+    the block's buffer) the element is one chain of fused multiply-adds, tap by tap,
+    from zero, then added to C: bit for bit against that in numpy, with one block
+    (depth 256) and three (depth 64)."""
     import llvmlite.ir as ir
 
     from tgc.backends.cpu import llvm_env
     from tgc.backends.cpu.fgemm import own_kernel
 
     mod = ir.Module("own")
-    taps, plain = own_kernel(mod, depth=depth, taps=True), own_kernel(mod, depth=depth)
-    for fn in (taps, plain):
-        fn.linkage = "external"
+    taps = own_kernel(mod, depth=depth, taps=True)
+    taps.linkage = "external"
     jit = llvm_env.jit(str(mod))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     base = [i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32]
     run_taps = ctypes.CFUNCTYPE(None, *base, i64, *[vp] * 6)(jit.address(taps.name))
-    run_plain = ctypes.CFUNCTYPE(None, *base)(jit.address(plain.name))
     rng = np.random.default_rng(11)
-    M, N, K, ld = 9, 64 + 40, 40, 120
+    M, N, K, ld = 9, 64 + 40, 40 if depth == 256 else 200, 120
     A = rng.standard_normal((3, M, K), dtype=np.float32)           # tap t: A[t]
     B = rng.standard_normal((K, ld + 4), dtype=np.float32)          # tap t: B's columns from 2 t
     spans = [(3, N), (0, N - 7), (20, 30)]                           # columns per tap
@@ -190,22 +214,22 @@ def test_taps_form_sums_every_tap_in_one_call(depth):
     C = np.full((M, N + 5), 7.0, np.float32)
     run_taps(M, N, K, A.ctypes.data, K, 1, B.ctypes.data, ld + 4, 1, C.ctypes.data, N + 5, 0, 3,
              *(x.ctypes.data for x in (a_off, b_off, q_lo, q_hi, k_lo, k_hi)))
-    assert (C[:, N:] == 7.0).all()
-    want = np.zeros((M, N))
-    for t in range(3):
-        (c0, c1), (k0, k1) = spans[t], ks[t]
-        want[:, c0:c1] += A[t][:, k0:k1].astype(np.float64) @ B[k0:k1, 2 * t + c0:2 * t + c1].astype(np.float64)
-    np.testing.assert_allclose(C[:, :N], want, rtol=1e-5, atol=1e-4)
-    if depth == 256:
-        chain = np.zeros((M, N + 5), np.float32)
-        for t in range(3):
-            (c0, c1), (k0, k1) = spans[t], ks[t]
-            if k1 > k0:
-                run_plain(M, c1 - c0, k1 - k0, A[t].ctypes.data + 4 * k0, K, 1,
-                          B.ctypes.data + 4 * (k0 * (ld + 4) + 2 * t + c0), ld + 4, 1,
-                          chain.ctypes.data + 4 * c0, N + 5, 1)
-        assert np.array_equal(C[:, :N], chain[:, :N])
     jit.close()
+    assert (C[:, N:] == 7.0).all()
+    blocks = k_blocks(K, depth, taps=3)
+    assert len(blocks) == (1 if depth == 256 else 3)
+    want = None
+    for k0, k1 in blocks:
+        part = np.zeros((M, N), np.float32)
+        for t in range(3):
+            (c0, c1), (r0, r1) = spans[t], ks[t]
+            b_t = np.zeros((K, N), np.float32)
+            b_t[:, c0:c1] = B[:, 2 * t + c0:2 * t + c1]
+            lo, hi = max(k0, r0), min(k1, r1)
+            if lo < hi:
+                part = fma_chain(part, A[t][:, lo:hi], b_t[lo:hi])
+        want = part if want is None else want + part
+    assert np.array_equal(C[:, :N], want)
 
 
 # the own kernel for every large tile, whatever its shape (the defaults keep it to wide, short ones)

@@ -234,8 +234,8 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     indices (a product tiled by rows and columns), and the own kernel may run it.
     A 1-D convolution's kernel gradient (5 taps of 64 x 64 x 1024 per signal,
     the input transposed as B') packed each signal 5 times, 40% of its time on one
-    thread. The sums keep their order (each element is one chain of fused
-    multiply-adds in K's order however K is cut), so the bits do not change."""
+    thread. Each call's K blocks are cut to each product's range, so where they
+    fall depends on the sizes only, never on the thread count."""
     if not k.accumulates() or not uses_own_gemm(low, k, options):
         return ()
     f = _forms(low, k)
