@@ -387,3 +387,22 @@ def test_a_max_read_only_as_the_shift_of_one_exp_skips_nans_with_the_same_values
         finite = np.abs(w[np.isfinite(w)])
         scale = max(1.0, float(finite.max())) if finite.size else 1.0
         np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_a_group_over_long_rows_asks_for_the_next_row_of_what_it_streams(dtype):
+    """A one-loop group prefetches the next row of each buffer it reads at its row
+    (a layernorm's x and dy; `LoopGen.prefetch_next`), for rows of at least 1 KiB:
+    the values (rows of 1024 and 300, the last row prefetching past the end) still
+    match the interpreter on 1 and 2 threads."""
+    from tgc.backends.cpu import codegen
+    from tgc.pipeline import lower_module
+
+    opts = Options(dtype=dtype)
+    text = codegen.generate(lower_module(build(LAYERNORM, dtype).module, opts), opts)
+    group_fn = [f for f in text.split("\ndefine ") if "llvm.prefetch" in f]
+    assert len(group_fn) == 1 and group_fn[0].count("call void @\"llvm.prefetch.p0\"") == 2   # x and dy
+    for threads in (1, 2):
+        prog = build(LAYERNORM, dtype, threads=threads, parallel_min_work=1)
+        for rows, d in ((37, 1024), (5, 300)):
+            run_and_compare(prog, rows, d, dtype, seed=rows)

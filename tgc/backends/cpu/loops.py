@@ -52,6 +52,9 @@ from tgc.backends.cpu.llvm_env import has_feature
 from tgc.opt.canon import exact_scale
 from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
 
+PREFETCH_ROW_BYTES = 16384     # the most of a group's next row asked for, per buffer ...
+PREFETCH_MIN_ROW_BYTES = 1024  # ... and rows shorter than this not at all (consecutive rows share pages)
+
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
 SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate)
 WIDE_SCRATCH = 4096   # the most elements of an f32 memory-mode sum's f64 scratch row (`wide_memory_sum`)
@@ -271,7 +274,11 @@ class LoopGen:
         then each member."""
         b, first = self.b, g.outer[0]
 
+        streams = self.next_row_streams(g)
+
         def members(vars: dict) -> None:
+            for buf in streams:
+                self.prefetch_next(buf, vars[first])
             for m in g.members:
                 self.member(m, vars)
 
@@ -293,6 +300,51 @@ class LoopGen:
                     n1 = self.f.size(g.sizes[rows[1]])
                     vars = {first: b.sdiv(i, n1), rows[1]: b.srem(i, n1)}
                 self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
+
+    def next_row_streams(self, g: LoopGroup) -> list[str]:
+        """The buffers a one-loop group reads row by row from memory: read by some
+        member at `[row, ...]` with `row` its outer variable leading the buffer's
+        order, and written by none (a layernorm's x and dy)."""
+        if len(g.outer) != 1:
+            return []
+        row = Ix.var(g.outer[0])
+        written = {m.out for m in g.members}
+        out = []
+        for m in g.members:
+            for root in [m.body] + ([m.epilogue] if m.epilogue is not None else []):
+                for node in walk(root):
+                    buf = self.low.buffers.get(node.buf) if isinstance(node, Load) and node.buf in self.ptr else None
+                    order = buf.order if buf is not None else ()   # (registers are no buffers)
+                    if (order and node.buf not in written and node.buf not in out
+                            and dict(node.index).get(order[0]) == row):
+                        out.append(node.buf)
+        return out
+
+    def prefetch_next(self, buf: str, row) -> None:
+        """Ask for the next row of `buf` (its first PREFETCH_ROW_BYTES; none when a row
+        is shorter than PREFETCH_MIN_ROW_BYTES) while this one is worked on: a long row
+        starts a new page, where the hardware's prefetchers stop, so without this the
+        first member that reads a row waits for memory. A layernorm's forward and
+        backward over 4096 x 1024 (the group reads x and dy; minimum Mcycles of 60
+        calls, both builds alternated in one process): 11.85 -> 9.91 on one thread,
+        7.09 -> 6.39 on two; softmax 6.12 -> 5.55 and hvp 4.62 -> 4.21 on two."""
+        b = self.b
+        order = self.low.buffers[buf].order
+        et = storage_type(self.low.buffers[buf].dtype, self.fp)
+        width = et.width // 8 if isinstance(et, ir.IntType) else (4 if isinstance(et, ir.FloatType) else 8)
+        per_line = 64 // width
+        stride = self.f.strides(order)[order[0]]
+        count = b.select(b.icmp_signed("<", stride, I64(PREFETCH_ROW_BYTES // width)), stride,
+                         I64(PREFETCH_ROW_BYTES // width))
+        base = b.gep(self.ptr[buf], [b.mul(b.add(row, I64(1)), stride)], source_etype=et)
+        fn = self.b.module.globals.get("llvm.prefetch.p0") or ir.Function(
+            self.b.module, ir.FunctionType(ir.VoidType(), [PTR, ir.IntType(32), ir.IntType(32), ir.IntType(32)]),
+            "llvm.prefetch.p0")
+        lines = b.sdiv(b.add(count, I64(per_line - 1)), I64(per_line))
+        lines = b.select(b.icmp_signed("<", stride, I64(PREFETCH_MIN_ROW_BYTES // width)), I64(0), lines)
+        with for_range(b, I64(0), lines, "pf", unroll=False) as i:
+            at = b.gep(base, [b.mul(i, I64(per_line))], source_etype=et)
+            b.call(fn, [at, ir.IntType(32)(0), ir.IntType(32)(3), ir.IntType(32)(1)])
 
     def plain_nest(self, loops: list[str], sizes, vars: dict, leaf) -> None:
         if not loops:
