@@ -139,8 +139,8 @@ def test_variants_form_runs_each_product_over_its_own_k(blocks):
     convolution's kernel gradient, one per tap: gemm.shared_b_batch): product v is
     C + c_off[v] += (A + a_off[v]) B over K in [k_lo[v], k_hi[v]), each of the
     call's K blocks cut to that range. Bit for bit against those sums done in
-    numpy, including a last block of columns the 4 x 4 kernel hands to the 8 x 2
-    one and ranges cutting the blocks; an empty range writes nothing."""
+    numpy, including a last, part-filled block of columns and ranges cutting the
+    blocks; an empty range writes nothing."""
     import llvmlite.ir as ir
 
     from tgc.backends.cpu import llvm_env

@@ -560,11 +560,11 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     lane_bytes = b.mul(_splat(b, b.mul(sbn, I64(4)), it), iota)
     panels = b.sdiv(b.add(N, I64(cols - 1)), I64(cols))
     narrow = None
-    if window is None and vecs == 4 and rows == 4 and not taps:
+    if window is None and vecs == 4 and rows == 4 and not taps and not variants:   # (the forms: one function each)
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
-        fn_narrow = own_kernel(mod, 8, 2, depth=depth, variants=variants)
+        fn_narrow = own_kernel(mod, 8, 2, depth=depth)
         tail = b.sub(N, b.mul(b.sub(panels, I64(1)), I64(cols)))
         narrow = b.and_(b.icmp_signed(">", N, I64(0)), b.icmp_signed("<=", tail, I64(cols // 2)))
         panels = b.select(narrow, b.sub(panels, I64(1)), panels)
