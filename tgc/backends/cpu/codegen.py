@@ -56,7 +56,7 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, sizecheck
 from tgc.backends.cpu.gemm import (GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b,
-                                   shared_b_batch, small_kernel, taps_in_one_call, uses_own_gemm)
+                                   small_kernel, taps_in_one_call, uses_own_gemm)
 from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
@@ -175,8 +175,6 @@ class _ModuleGen:
             bf16_kernel(self.mod, rounds=rounds)   # bf16 products (gemm_operands chose them)
         if any(isinstance(k, GemmKernel) and uses_own_gemm(self.low, k, self.opt) for k in self.low.kernels):
             own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
-        if any(isinstance(k, GemmKernel) and shared_b_batch(self.low, k, self.opt) for k in self.low.kernels):
-            own_kernel(self.mod, variants=True)   # its form for products sharing B' (gemm.shared_b_batch)
         if any(isinstance(k, GemmKernel) and taps_in_one_call(self.low, k, self.opt) for k in self.low.kernels):
             own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm.taps_in_one_call)
         if len(self.mods) > 1:   # the other units call them

@@ -2,7 +2,8 @@
 that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm.uses_own_gemm`).
 
     void tgc.gemm.own.f32.bR.vV(i64 M, i64 N, i64 K, float* A, i64 sAm, i64 sAk,
-                                float* B, i64 sBk, i64 sBn, float* C, i64 ldc, i32 accumulate)
+                                float* B, i64 sBk, i64 sBn, float* C, i64 ldc, i32 accumulate,
+                                i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi)
 
 C[M, N] (+)= A[M, K] B[K, N] with A's K and C's N contiguous (sAk is ignored: the
 caller only sends such tiles) and B of any strides. Columns in blocks of V vectors
@@ -18,9 +19,10 @@ default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5,
 except where N is 32 past a multiple of 64: a 64 x 288 x 1024 product with B
 transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is half empty).
 
-The `.multi` form takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more:
-nv products sharing B (offsets into A and C, a range of K each), every block of B
-packed once for all of them (`gemm.shared_b_batch` says which products). The
+The kernel takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more: nv
+products sharing B (offsets into A and C, a range of K each; a plain product is one
+of them), every block of B packed once for all of them (`gemm.shared_b_batch` says
+which products share one). The
 `.taps` form takes `i64 nt, i64* a_off, i64* b_off, i64* q_lo, i64* q_hi, i64* k_lo,
 i64* k_hi` more: C = the sum over nt taps, each with its own A and B, columns and K
 (`gemm.taps_in_one_call`); the accumulators stay in registers across the taps.
@@ -422,19 +424,20 @@ class _Lanes:
 
 def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
                depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
-               frame=None, variants: bool = False, taps: bool = False) -> ir.Function:
+               frame=None, taps: bool = False) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
     one function per program and shape, defined in `home` (default `mod`) and declared
     in `mod` when that is another unit of the program. With `window` (an implicit
     GEMM's own copy, named `name`; `frame(fn, dims)` makes its `Frame`) it takes
     three more arguments, `i64* dims, i64 row0, i64 col0`, and packs the window
     operand, whose pointer is its source's, at rows row0.. and columns col0.. of the
-    window matrix. With `variants` (`tgc.gemm.own.f32.bR.vV.multi`) it takes
-    `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more: nv products that
-    share B, product v being C + c_off[v] += (A + a_off[v]) B over K in
-    [k_lo[v], k_hi[v]) (offsets in elements); each block of B is packed once for
-    all of them. A product adds into C from its first K block unless `accumulate`
-    is 0, and one with an empty range writes nothing. With `taps`
+    window matrix. Without either it takes `i64 nv, i64* a_off, i64* c_off,
+    i64* k_lo, i64* k_hi` more: nv products that share B, product v being
+    C + c_off[v] (+)= (A + a_off[v]) B over K in [k_lo[v], k_hi[v]) (offsets in
+    elements; one product (0, 0, 0, K) is the plain C (+)= A B); each block of B is
+    packed once for all of them. A product adds into C from its first K block
+    unless `accumulate` is 0; one with an empty range writes nothing when it
+    accumulates, zeros when not. With `taps`
     (`tgc.gemm.own.f32.bR.vV.taps`) it takes `i64 nt, i64* a_off, i64* b_off,
     i64* q_lo, i64* q_hi, i64* k_lo, i64* k_hi` more: C (+)= the sum over t < nt of
     (A + a_off[t]) (B + b_off[t]), tap t over its columns [q_lo[t], q_hi[t]) and
@@ -445,15 +448,15 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
 
     if window is None:
-        name = (kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".multi" if variants else "")
-                + (".taps" if taps else ""))
+        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".taps" if taps else "")
         if name in mod.globals:
             return mod.globals[name]
         if home is not None and home is not mod:
-            return export(own_kernel(home, rows, vecs, depth=depth, variants=variants, taps=taps), mod)
+            return export(own_kernel(home, rows, vecs, depth=depth, taps=taps), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
     extra = [PTR, I64, I64] if window is not None else []
+    variants = window is None and not taps   # the products sharing B (one, for a plain product)
     if variants:
         extra = [I64, PTR, PTR, PTR, PTR]
     if taps:
@@ -560,7 +563,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     lane_bytes = b.mul(_splat(b, b.mul(sbn, I64(4)), it), iota)
     panels = b.sdiv(b.add(N, I64(cols - 1)), I64(cols))
     narrow = None
-    if window is None and vecs == 4 and rows == 4 and not taps and not variants:   # (the forms: one function each)
+    if window is None and vecs == 4 and rows == 4 and not taps:
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
@@ -603,10 +606,11 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                     a_off, c_off, lo, hi = (b.load(b.gep(x, [v], source_etype=I64), typ=I64) for x in offs)
                     p0 = b.sub(smax(k0, lo), k0)
                     p1 = b.sub(smin(b.add(k0, kd), hi), k0)
-                    with b.if_then(b.icmp_signed("<", p0, p1)):
+                    adds = b.or_(accumulate, b.icmp_signed(">", k0, lo))
+                    with b.if_then(b.or_(b.icmp_signed("<", p0, p1), b.not_(adds))):   # (K = 0 writes zeros)
                         row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
-                                   p0, p1, b.or_(accumulate, b.icmp_signed(">", k0, lo)), j0, k0, masks)
-            else:
+                                   p0, _max(b, p0, p1), adds, j0, k0, masks)
+            else:   # an implicit GEMM's copy
                 row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks)
     if narrow is not None:
         with b.if_then(narrow):

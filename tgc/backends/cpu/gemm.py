@@ -62,7 +62,7 @@ Shared B'. An accumulating product that the own kernel runs, batched fewer than
 BATCH_TASKS times along edges its B' does not read (`shared_b_batch`: a 1-D
 convolution's kernel gradient, batched by the tap, which shifts only A' along K),
 makes tasks of the other batch edges and tiles only; each of its calls runs the
-products of every index of those edges on one packed B' (fgemm's `.multi` form).
+products of every index of those edges on one packed B'.
 
 All taps in one call. A product whose taps have fixed sizes and whose shifts move
 only B''s columns or K (`taps_in_one_call`: a convolution's output, or its input
@@ -227,7 +227,7 @@ def packs_b(low: Lowered, k: GemmKernel) -> bool:
 
 def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, ...]:
     """The batch edges of an accumulating product whose tasks each take the whole of,
-    so that one call of the own kernel (`own_kernel(variants=True)`) runs the
+    so that one call of the own kernel (fgemm: products sharing B) runs the
     products along them on one packed B': the edges B' does not depend on (not in
     its buffer, not in its shifts), where every shift they move clips K (never a
     tile's rows or columns), the batch has fixed sizes and fewer than BATCH_TASKS
@@ -695,7 +695,8 @@ class GemmGen:
                     self.call_shared(vars, tile, pl, st, ptrs, A, B, c_p, (ps, pe, qs, qe, rs, re), moved, indices)
 
     def call_shared(self, vars, tile, pl, st, ptrs, A, B, c_p, box, moved, indices):
-        """`leaf_shared`'s calls of the own kernel's `variants` form, one per R chunk."""
+        """`leaf_shared`'s calls of the own kernel, one per R chunk, each for every
+        product of the shared edges."""
         b, k = self.b, self.k
         ps, pe, qs, qe, rs, re = box
         offs = [self.f.alloca(ir.ArrayType(I64, len(indices)), name) for name in ("a_off", "c_off", "k_lo", "k_hi")]
@@ -717,7 +718,7 @@ class GemmGen:
                 c_off = offset(b, [(at[e], st["c"][0][e]) for e in k.batch] + [(ps, c_p), (qs, I64(1))])
                 for arr, v in zip(offs, (a_off, c_off, k_lo, k_hi)):
                     b.store(v, b.gep(arr, [I32(0), I32(i)]))
-            fn = own_kernel(self.mod, home=self.home, variants=True)
+            fn = own_kernel(self.mod, home=self.home)
             ptrs_v = [b.gep(arr, [I32(0), I32(0)]) for arr in offs]
             b.call(fn, [b.sub(pe, ps), b.sub(qe, qs), kc, ptrs[A.role], A.row, A.col,
                         self.ptr(pb, [(r, B.row)], self.elems[B.role]), B.row, B.col, ptrs["c"], c_p, I32(1),
@@ -882,9 +883,15 @@ class GemmGen:
                 self.call_small(m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=True)
 
     def call_own(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
-        """C'[m, n] (+)= A'[m, kk] B'[kk, n] by tgc's own f32 kernel (A''s K contiguous)."""
+        """C'[m, n] (+)= A'[m, kk] B'[kk, n] by tgc's own f32 kernel (A''s K contiguous):
+        the one product (0, 0, 0, kk) of its products sharing B."""
+        b = self.b
+        one = [self.f.alloca(ir.ArrayType(I64, 1), name) for name in ("a_off", "c_off", "k_lo", "k_hi")]
+        for arr, v in zip(one, (I64(0), I64(0), I64(0), kk)):
+            b.store(v, b.gep(arr, [I32(0), I32(0)]))
         fn = own_kernel(self.mod, home=self.home)
-        self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, self.b.zext(beta1, I32)])
+        b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, b.zext(beta1, I32), I64(1)]
+               + [b.gep(arr, [I32(0), I32(0)]) for arr in one])
 
     def window_kernel(self) -> ir.Function:
         """This implicit GEMM's own copy of the own kernel, packing its window."""
