@@ -148,16 +148,7 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     flip = not f["c"][2]
     if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
         return False
-
-    def fixed(edges):
-        n = 1
-        for e in edges:
-            s = low.size(e)
-            if not isinstance(s, int):
-                return None
-            n *= s
-        return n
-    cols, depth = fixed(f["c"][1] if not flip else f["c"][0]), fixed(f["a"][1])
+    cols, depth = _fixed_count(low, f["c"][1] if not flip else f["c"][0]), _fixed_count(low, f["a"][1])
     if cols is not None and cols < options.cpu.own_gemm_min_cols and (
             cols < OWN_COLS or depth is not None and depth < options.cpu.own_gemm_min_depth):
         return False
