@@ -440,14 +440,14 @@ def run_ranks(n: int, fn, kind: str = "mpi", timeout: float = 600.0) -> list:
 
 # ---------------------------------------------------------------- the program
 
-def _build_program(module: Module, options: Options, backend: str, key: str | None = None, files=()):
+def _build_program(module: Module, options: Options, backend: str, key: str | None = None, reads=None):
     """One phase's program. With `key` (the source's first-level cache key and the
     phase), it is looked up in and stored to tgc's program cache where the backend
     keeps one (the CPU), as `tgc.compile` does for a whole program: a hit skips the
     pass pipeline."""
     from tgc import pipeline
 
-    return pipeline.compile_cached(module, options, backend, key, files)
+    return pipeline.compile_cached(module, options, backend, key, reads)
 
 
 def _phase_key(key: str | None, phase: str, shard: str) -> str | None:
@@ -480,7 +480,7 @@ class DataParallel:
 
     def __init__(self, module: Module, comm, options: Options, backend: str = "cpu", shard: str = "batch",
                  deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(), overlap: bool = True,
-                 cache_key: str | None = None, files=()):
+                 cache_key: str | None = None, reads=None):
         self.module, self.options, self.backend, self.shard = module, options, backend, shard
         self.split = split_step(module, shard)
         self.engine = engine_for(comm, backend)
@@ -497,9 +497,9 @@ class DataParallel:
         if unknown:
             raise ValueError(f"sums: the program has no output '{unknown[0]}'")
         self.sums = frozenset(sums)
-        self._key, self._files = cache_key, tuple(files)
-        self.grads = _build_program(self.split.grads, options, backend, _phase_key(cache_key, "grads", shard), files)
-        self.apply = _build_program(self.split.apply, options, backend, _phase_key(cache_key, "apply", shard), files)
+        self._key, self._reads = cache_key, reads
+        self.grads = _build_program(self.split.grads, options, backend, _phase_key(cache_key, "grads", shard), reads)
+        self.apply = _build_program(self.split.apply, options, backend, _phase_key(cache_key, "apply", shard), reads)
         self._forward = None
         self._lock = threading.Lock()
         dims = sharded_dims(module, shard)
@@ -594,7 +594,7 @@ class DataParallel:
         with self._lock:
             if self._forward is None:
                 self._forward = _build_program(self.split.forward, self.options, self.backend,
-                                               _phase_key(self._key, "forward", self.shard), self._files)
+                                               _phase_key(self._key, "forward", self.shard), self._reads)
             return self._forward
 
     def __call__(self, /, **arrays) -> dict:

@@ -71,8 +71,8 @@ def load_program(path: str, options: Options, text: str | None = None) -> "Elabo
     if is_ir_file(path) or path == "<ir>":
         from tgc.ir.parser import parse_module  # only for IR input
 
-        return Elaborated(parse_module(read_text(path) if text is None else text, name),
-                          [] if path in ("-", "<ir>") else [path])
+        text = read_text(path) if text is None else text
+        return Elaborated(parse_module(text, name), [] if path in ("-", "<ir>") else [path], texts={name: text})
     if path == "-":
         return elaborate_source(read_text(path), name, options)
     from tgc.frontend.elaborate import elaborate_file
@@ -195,7 +195,7 @@ def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=
     dims = dict(options.dims) or None
     dp = (data_parallel, dict(data_parallel_options or {}))
     if isinstance(source, Module):
-        return _build(source, dims, options, None, (), be, dp)
+        return _build(source, dims, options, None, None, be, dp)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
         path = os.fspath(source)
@@ -220,8 +220,12 @@ def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=
         if program is not None:
             return program
     loaded = load_program(name, options, None if name not in ("<ir>", "<source>") else source)
-    return _build(loaded.module, dims, options, key, [f for f in loaded.files if f not in ("<ir>", "<source>")], be,
-                  dp)
+    reads = None
+    if key is not None:
+        from tgc.backends.cache import Reads
+
+        reads = Reads.of(loaded)
+    return _build(loaded.module, dims, options, key, reads, be, dp)
 
 
 def is_ir_text(source: str) -> bool:
@@ -239,7 +243,12 @@ def _source_key(kind, name, text, options, be):
     if cache.cache_dir() is None or not cache.source_cacheable(options):
         return None
     try:
-        return cache.source_key(kind, name, text, options, be.cache_parts())
+        folders = ()
+        if kind == "tg":   # where its imports are looked for, resolved as this compile resolves them
+            from tgc.frontend import import_folders
+
+            folders = tuple(str(f) for f in import_folders(name, options.import_dirs))
+        return cache.source_key(kind, name, text, options, be.cache_parts(), folders)
     except Exception:  # noqa: BLE001 -- no key, no first-level cache
         return None
 
@@ -265,22 +274,23 @@ def _cached(key, options, be):
         return None
 
 
-def _build(module, dims, options, key, files, be, dp=(None, {})):
+def _build(module, dims, options, key, reads, be, dp=(None, {})):
     module = fix_dims(module, dims or {})
     opts = options.with_(dims=())
     data_parallel, dp_options = dp
     if data_parallel is not None:   # split at the gradient boundary before the pipeline
         from tgc.distributed import DataParallel
 
-        return DataParallel(module, data_parallel, opts, be.name, **dp_options, cache_key=key, files=files)
-    return compile_cached(module, opts, be.name, key, files, lookup=False, stacklevel=5)
+        return DataParallel(module, data_parallel, opts, be.name, **dp_options, cache_key=key, reads=reads)
+    return compile_cached(module, opts, be.name, key, reads, lookup=False, stacklevel=5)
 
 
-def compile_cached(module: Module, options: Options, backend: str = "cpu", key: str | None = None, files=(),
+def compile_cached(module: Module, options: Options, backend: str = "cpu", key: str | None = None, reads=None,
                    lookup: bool = True, stacklevel: int = 2):
     """`module` (before the IR pipeline) through the pipeline and `backend`. With `key`
-    (a first-level cache key), a cached program is used if there is one, and the new
-    one is stored under it (`lookup=False`: the caller has looked already). Under a memory budget that cannot be met, a
+    (a first-level cache key) and `reads` (the files its source read, `cache.Reads`), a
+    cached program is used if there is one, and the new one is stored under it
+    (`lookup=False`: the caller has looked already). Under a memory budget that cannot be met, a
     `MemoryBudgetWarning` says what was done (`stacklevel` as `warnings.warn`'s, from
     the caller of this function)."""
     from tgc.backends import cache
@@ -301,10 +311,8 @@ def compile_cached(module: Module, options: Options, backend: str = "cpu", key: 
     program = compile_module(lowered.module, options, be.name)
     program._memory_plan = lowered.memory
     objs = program._kernels.artifacts
-    if key is not None and be.source_cache and objs is not None:
-        deps = cache.file_hashes(files)
-        if deps is not None:
-            cache.store_program(key, deps, program.module, program.lowered, objs)
+    if key is not None and reads is not None and be.source_cache and objs is not None:
+        cache.store_program(key, reads, program.module, program.lowered, objs)
     return program
 
 

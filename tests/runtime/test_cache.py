@@ -114,6 +114,96 @@ def test_source_level_entry_checks_imports(cache_dir, tmp_path, monkeypatch):
     assert tgc.compile(src / "main.tg")(x=x)["y"].tolist() == [3, 3, 3]
 
 
+MAIN = 'import "lib.tg"\ndim n\ninput x[n]\nout y[n] = f(x)\n'
+
+
+def _lib(factor):
+    return f"fn f(a) {{\n  return a * {factor}\n}}\n"
+
+
+def _folder(root, name, factor, main=MAIN):
+    """A folder holding `main` (by default MAIN, importing lib.tg) and a lib.tg whose f scales by `factor`."""
+    d = root / name
+    d.mkdir()
+    (d / "main.tg").write_text(main)
+    (d / "lib.tg").write_text(_lib(factor))
+    return d
+
+
+def _y(source, **kwargs):
+    return tgc.compile(source, **kwargs)(x=np.ones(2, np.float32))["y"].tolist()
+
+
+def _no_front_end(monkeypatch):
+    import tgc.frontend.elaborate as elaborate
+
+    def boom(*args, **kwargs):
+        raise AssertionError("front end ran on a hit")
+
+    monkeypatch.setattr(elaborate, "elaborate_source", boom)
+
+
+def test_same_relative_name_in_two_folders_is_two_programs(cache_dir, tmp_path, monkeypatch):
+    a, b = _folder(tmp_path, "a", 2), _folder(tmp_path, "b", 1000)
+    for _ in range(2):   # each folder's program, every time (the second round from the cache)
+        monkeypatch.chdir(a)
+        assert _y("main.tg") == [2, 2]
+        monkeypatch.chdir(b)
+        assert _y("main.tg") == [1000, 1000]
+        assert _y(Path("main.tg")) == [1000, 1000]
+        assert _y(MAIN) == [1000, 1000]       # source text: its imports resolve in the working directory
+    _no_front_end(monkeypatch)                 # and the second compile in a folder is a hit
+    assert _y("main.tg") == [1000, 1000]
+
+
+def test_import_changed_between_compiles_in_one_folder(cache_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(_folder(tmp_path, "a", 2))
+    assert _y("main.tg") == [2, 2]
+    Path("lib.tg").write_text(_lib(3))
+    assert _y("main.tg") == [3, 3]
+    Path("lib.tg").write_text(_lib(2))
+    assert _y("main.tg") == [2, 2]
+
+
+def test_relative_import_folder_resolves_in_the_working_directory(cache_dir, tmp_path, monkeypatch):
+    main = tmp_path / "main.tg"
+    main.write_text(MAIN)
+    for name, factor in (("a", 2), ("b", 1000)):
+        (tmp_path / name / "inc").mkdir(parents=True)
+        (tmp_path / name / "inc" / "lib.tg").write_text(_lib(factor))
+    options = tgc.options.Options(import_dirs=("inc",))
+    for _ in range(2):
+        monkeypatch.chdir(tmp_path / "a")
+        assert _y(main, options=options) == [2, 2]
+        monkeypatch.chdir(tmp_path / "b")
+        assert _y(main, options=options) == [1000, 1000]
+
+
+def test_a_file_appearing_where_an_import_looks_first_is_a_miss(cache_dir, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.tg").write_text(MAIN)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "lib.tg").write_text(_lib(2))
+    options = tgc.options.Options(import_dirs=(str(tmp_path / "inc"),))
+    assert _y(src / "main.tg", options=options) == [2, 2]
+    (src / "lib.tg").write_text(_lib(5))        # beside the importing file: looked at first
+    assert _y(src / "main.tg", options=options) == [5, 5]
+
+
+def test_cli_same_relative_name_in_two_folders(cache_dir, tmp_path):
+    np.save(tmp_path / "x.npy", np.ones(2, np.float32))
+    for name, factor in (("a", 2), ("b", 1000)) * 2:
+        d = tmp_path / name
+        if not d.exists():
+            _folder(tmp_path, name, factor)
+        r = subprocess.run([sys.executable, "-m", "tgc.cli", "run", "main.tg", "--backend", "cpu", "--input",
+                            f"x={tmp_path / 'x.npy'}", "-o", "out.npz"], cwd=d, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TGC_CACHE_DIR": str(cache_dir)})
+        assert r.returncode == 0, r.stderr
+        assert np.load(d / "out.npz")["y"].tolist() == [factor, factor]
+
+
 def test_disabled(cache_dir, monkeypatch):
     monkeypatch.setenv("TGC_CACHE", "off")
     tgc.compile(PROGRAM)
@@ -219,7 +309,7 @@ def test_entries_hold_no_pickle(cache_dir):
     n = len(cache.PROGRAM_MAGIC) + 65
     size = int.from_bytes(data[n:n + 8], "little")
     meta = json.loads(data[n + 8:n + 8 + size])        # the metadata is JSON
-    assert set(meta) == {"deps", "ir", "lowered_sha256"}
+    assert set(meta) == {"deps", "absent", "ir", "lowered_sha256"}
     assert b"pickle" not in Path(cache.__file__).read_bytes().replace(b"never pickles", b"")
 
 
@@ -230,7 +320,7 @@ def test_a_hit_whose_ir_lowers_differently_is_a_miss(cache_dir):
     hit = cache.lookup_program(key)
     other = hit.ir.replace("2", "3")                    # valid IR, another program
     assert other != hit.ir
-    meta = json.dumps({"deps": [], "ir": other, "lowered_sha256": hit.lowered_sha256}).encode()
+    meta = json.dumps({"deps": [], "absent": [], "ir": other, "lowered_sha256": hit.lowered_sha256}).encode()
     cache._write(cache_dir, key, ".prog", cache.PROGRAM_MAGIC,
                  len(meta).to_bytes(8, "little") + meta + cache._pack(hit.objs))
     assert tgc.compile(PROGRAM)(x=np.ones(2, np.float32))["y"].tolist() == pytest.approx([2 * np.e] * 2)

@@ -7,12 +7,17 @@ written atomically (temp file + rename), so processes that build the same progra
 at once never see a partial entry; an unreadable entry is rebuilt.
 
 A first level, looked up before anything is parsed (`tgc.compile`), maps the
-source text itself (with its name, the options, the dims, tgc's source and the CPU)
-to what a `Program` needs: the module after the IR pipeline as IR text, a hash of
-the lowered program made from it, and the object code. A hit parses the IR, lowers
-it again (milliseconds) and uses the code only if the lowered program hashes the
-same. An entry also lists the files the program imported with their hashes; a
-changed import is a miss.
+source text itself (with its name, the folders its imports are looked for in as
+this compile resolves them, the options, the dims, tgc's source and the CPU) to what
+a `Program` needs: the module after the IR pipeline as IR text, a hash of the
+lowered program made from it, and the object code. A hit parses the IR, lowers it
+again (milliseconds) and uses the code only if the lowered program hashes the same.
+An entry also lists what the front end read (`Reads`): every file by absolute path
+with the hash of the text it read, and every path an import looked at first and
+found no file at. A file whose text differs now, or a file that appeared where an
+import looks first, is a miss. Those files are read as the front end reads sources
+(regular files, bounded: `tgc.fsutil.read_source_bytes`), so a FIFO or device put in
+an import's place is a miss at once, never a wait.
 
 Nothing in the cache is code to Python: entries are a checksummed binary layout
 (magic, sha256, lengths) with JSON metadata, never pickles. Any damage is a miss
@@ -250,27 +255,65 @@ def source_cacheable(options: Options) -> bool:
     return not options.fp_strict and not any(getattr(options, f) for f in PRINTS)
 
 
-def source_key(kind: str, name: str, text: str, options: Options, target: tuple[str, ...]) -> str:
+def source_key(kind: str, name: str, text: str, options: Options, target: tuple[str, ...],
+               folders: tuple[str, ...] = ()) -> str:
     """The first-level key: the source as given (kind: tg | ir; its file name, which
-    the module's locations carry), every option (dims included), tgc, and the
+    the module's locations carry), the folders its imports are looked for in, as this
+    compile resolves them (`tgc.frontend.import_folders`: a relative name means other
+    files in another working directory), every option (dims included), tgc, and the
     backend's key parts (`Backend.cache_parts()`)."""
     h = hashlib.sha256()
     for part in ("source", compiler_digest(), repr(sorted(dataclasses.asdict(options).items())),
-                 *target, kind, name, text):
+                 *target, kind, name, text, repr(tuple(folders))):
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\0")
     return h.hexdigest()
 
 
-def file_hashes(paths) -> list[tuple[str, str]] | None:
-    """(path, sha256 of its bytes) per file; None if one cannot be read."""
-    out = []
-    for path in paths:
-        try:
-            out.append((str(path), hashlib.sha256(Path(path).read_bytes()).hexdigest()))
-        except OSError:
-            return None
-    return out
+def text_digest(text: str) -> str:
+    """The digest of a source's text as the front end read it."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+def file_digest(path: str) -> str | None:
+    """`text_digest` of the file's text now, read as the front end reads a source
+    (`tgc.fsutil.read_source_bytes`: a regular file, bounded, never blocking on a FIFO);
+    None if it cannot be. The text of valid UTF-8 encodes back to the same bytes, so
+    the bytes after a byte order mark are hashed; bytes that are not UTF-8 differ from
+    every text's (a miss, then the front end's located error)."""
+    from tgc.fsutil import read_source_bytes
+
+    try:
+        data = read_source_bytes(path)
+    except (OSError, ValueError):
+        return None
+    return hashlib.sha256(data[len(BOM):] if data.startswith(BOM) else data).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What the front end read to build a program: each file (an absolute path) with
+    `text_digest` of its text, and the paths an import looked at first and found no
+    file at (a file there would change what the import means)."""
+    files: tuple[tuple[str, str], ...] = ()
+    absent: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, loaded) -> "Reads":
+        """The reads of an `Elaborated` program (names of text given in memory, such as
+        "<source>", are left out: the first-level key holds that text)."""
+        files = tuple((os.path.abspath(f), text_digest(loaded.texts[f])) for f in loaded.files if f in loaded.texts
+                      and not (f.startswith("<") and f.endswith(">")))
+        return cls(files, tuple(dict.fromkeys(os.path.abspath(p) for p in loaded.absent)))
+
+    def hold(self) -> bool:
+        """Whether a compile now would read the same: every file's text is the same and
+        no file has appeared where an import looked first."""
+        return all(file_digest(p) == h for p, h in self.files) and \
+            not any(os.path.isfile(p) for p in self.absent)
 
 
 def lowered_digest(lowered) -> str:
@@ -300,19 +343,19 @@ def lookup_program(key: str) -> ProgramEntry | None:
     n = int.from_bytes(body[:8], "little")
     try:
         meta = json.loads(body[8:8 + n].decode("utf-8"))
-        deps = [(str(p), str(h)) for p, h in meta["deps"]]
+        reads = Reads(tuple((str(p), str(h)) for p, h in meta["deps"]), tuple(str(p) for p in meta["absent"]))
         ir, digest = meta["ir"], meta["lowered_sha256"]
         if not isinstance(ir, str) or not isinstance(digest, str):
             return None
     except (ValueError, KeyError, TypeError):
         return None
     objs = _unpack(body[8 + n:])
-    if objs is None or file_hashes(p for p, _ in deps) != deps or _objects_unfit(objs):
+    if objs is None or not reads.hold() or _objects_unfit(objs):
         return None
     return ProgramEntry(ir, digest, objs)
 
 
-def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: tuple[bytes, ...]) -> None:
+def store_program(key: str, reads: Reads, module, lowered, obj: tuple[bytes, ...]) -> None:
     """Save a program under `key` (checksummed, atomically); silently skipped on failure."""
     d = cache_dir()
     if d is None:
@@ -320,7 +363,7 @@ def store_program(key: str, deps: list[tuple[str, str]], module, lowered, obj: t
     try:
         from tgc.ir.printer import print_module
 
-        meta = json.dumps({"deps": deps, "ir": print_module(module, locs=True),
+        meta = json.dumps({"deps": reads.files, "absent": reads.absent, "ir": print_module(module, locs=True),
                            "lowered_sha256": lowered_digest(lowered)}).encode("utf-8")
         _write(d, key, ".prog", PROGRAM_MAGIC, len(meta).to_bytes(8, "little") + meta + _pack(obj))
     except Exception:  # noqa: BLE001 -- unprintable, read-only or full: the next build only costs its time

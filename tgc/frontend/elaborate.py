@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tgc.frontend import ast
+from tgc.frontend import ast, import_folders
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
@@ -36,6 +36,8 @@ class Elaborated:
     module: Module
     files: list[str] = field(default_factory=list)  # the program's file and every import
     warnings: list[Diagnostic] = field(default_factory=list)
+    texts: dict[str, str] = field(default_factory=dict)  # each of `files`: the text read from it
+    absent: list[str] = field(default_factory=list)  # paths an import looked at first and found no file at
 
 
 def _shorten(text: str, limit: int = 80) -> str:
@@ -70,9 +72,10 @@ class ProgramBuilder:
         self.grads: dict[str, V.Value] = {}  # bindings written `name = grad(f, x)`
         self.files: list[str] = []
         self.import_stack: list[tuple[Path, Loc | None]] = []
-        self.import_dirs = [Path(d).resolve() for d in options.import_dirs]
+        self.import_dirs = tuple(options.import_dirs)
         self.imported: set[Path] = set()
         self.sources: dict[str, str] = {}  # file name -> its text (an assume keeps its own)
+        self.absent: list[str] = []   # paths an import looked at before the file it found
 
     @functools.cached_property
     def ctx(self) -> Ctx:
@@ -112,9 +115,11 @@ class ProgramBuilder:
         line of another kind of file."""
         if not item.path.endswith(".tg"):
             raise CompileError(f"cannot import '{item.path}': imports name .tg files", item.loc)
-        bases = [here.parent.resolve()] + self.import_dirs
         try:   # a name the OS refuses (too long, a NUL, a loop of links) is the user's error
-            path = next((b / item.path for b in bases if (b / item.path).is_file()), here.parent / item.path)
+            bases = import_folders(here, self.import_dirs)
+            looked = [b / item.path for b in bases]
+            found = next((i for i, p in enumerate(looked) if p.is_file()), None)
+            path = here.parent / item.path if found is None else looked[found]
             key = path.resolve()
         except (OSError, ValueError, RuntimeError) as e:   # RuntimeError: pathlib's symlink loop
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -127,6 +132,7 @@ class ProgramBuilder:
         if key in chain or key == Path(self.files[0]).resolve():
             names = " -> ".join(str(p.name) for p in [Path(self.files[0])] + chain + [key])
             raise CompileError(f"import cycle: {names}", item.loc)
+        self.absent += [str(p) for p in looked[:found or 0]]
         if key in self.imported:
             return
         if not path.is_file():
@@ -395,7 +401,7 @@ def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
         with gc_paused():
             b = ProgramBuilder(options)
             b.file(text, filename, top=True)
-            return Elaborated(b.finish(), b.files, b.warnings())
+            return Elaborated(b.finish(), b.files, b.warnings(), {f: b.sources[f] for f in b.files}, b.absent)
     finally:
         sys.setrecursionlimit(limit)
 
