@@ -15,6 +15,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, durable: bool = True,
@@ -56,7 +57,29 @@ MAX_SOURCE = 256 << 20   # bytes: the most a source file (or stdin) may hold
 
 
 class NotASource(ValueError):
-    """A path that names no readable source: a device, FIFO or socket, or too large."""
+    """A path that names no file tgc may read (a source, an array or parameter file):
+    a device, FIFO or socket, or a source too large."""
+
+
+def open_regular(path: str | os.PathLike, what: str = "a regular file") -> BinaryIO:
+    """`path` opened for reading, if it names a regular file (through links). A FIFO,
+    device or socket raises NotASource at once ("a FIFO, not `what`"), never waiting
+    for a writer or reading without end; a directory raises IsADirectoryError; OSError
+    otherwise. The one check of every file tgc reads."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or \
+                stat.S_ISBLK(mode) else "not a regular file"
+            raise NotASource(f"{kind}, not {what}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_source_bytes(path: str | os.PathLike | None, limit: int = MAX_SOURCE) -> bytes:
@@ -66,18 +89,8 @@ def read_source_bytes(path: str | os.PathLike | None, limit: int = MAX_SOURCE) -
     if path is None:
         data = sys.stdin.buffer.read(limit + 1)
     else:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(21, "Is a directory", str(path))
-            if not stat.S_ISREG(mode):
-                kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or \
-                    stat.S_ISBLK(mode) else "not a regular file"
-                raise NotASource(f"{kind}, not a source file (pipe a program to standard input with '-')")
-            data = read_at_most(fd, limit + 1)
-        finally:
-            os.close(fd)
+        with open_regular(path, "a source file (pipe a program to standard input with '-')") as f:
+            data = read_at_most(f.fileno(), limit + 1)
     if len(data) > limit:
         raise NotASource(f"larger than {limit >> 20} MiB, the most a source may hold")
     return data

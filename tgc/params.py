@@ -33,6 +33,7 @@ from typing import Mapping
 
 import numpy as np
 
+from tgc.fsutil import NotASource, open_regular
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
 from tgc.ir.complex_io import as_complex, as_pairs, is_complex_order
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
@@ -178,17 +179,20 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
     fmt = _format(path)
     name = os.fspath(path)
     try:
-        if fmt == "safetensors":
-            import safetensors
+        with open_regular(name, f"a {fmt} file") as fh:   # a FIFO or device is refused, never waited on
+            if fmt == "safetensors":
+                import safetensors
 
-            with safetensors.safe_open(name, framework="numpy") as f:
-                meta_text = (f.metadata() or {}).get(META_KEY)
-                arrays = {k: f.get_tensor(k) for k in f.keys()}
-        else:
-            with np.load(name, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
-            member = arrays.pop(NPZ_MEMBER, None)
-            meta_text = str(member) if member is not None and member.dtype.kind == "U" else None
+                with safetensors.safe_open(name, framework="numpy") as f:   # it opens by name (and maps)
+                    meta_text = (f.metadata() or {}).get(META_KEY)
+                    arrays = {k: f.get_tensor(k) for k in f.keys()}
+            else:
+                with np.load(fh, allow_pickle=False) as data:
+                    arrays = {k: data[k] for k in data.files}
+                member = arrays.pop(NPZ_MEMBER, None)
+                meta_text = str(member) if member is not None and member.dtype.kind == "U" else None
+    except NotASource as e:
+        raise ParamsError(f"cannot read '{name}': {e}") from None
     except OSError as e:
         raise ParamsError(f"cannot read '{name}': {e.strerror or e}") from None
     except (ValueError, EOFError, zipfile.BadZipFile, AttributeError) as e:

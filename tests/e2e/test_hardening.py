@@ -286,6 +286,33 @@ def test_sources_that_are_devices_fifos_or_huge_are_refused(tmp_path):
         fsutil.read_source_bytes(big, limit=100)
 
 
+def test_inputs_and_params_that_are_fifos_or_devices_are_refused(tmp_path):
+    """--inputs, --input and load_params refuse a FIFO or a device at once, naming the
+    file (each is run in a child with a timeout, so that a wait fails the test)."""
+    prog = tmp_path / "p.tg"
+    prog.write_text("dim n\ninput x[n]\nparam w[n]\nout y[n] = x * w\n")
+    specials = []
+    for suffix in (".npz", ".npy", ".safetensors"):
+        os.mkfifo(tmp_path / f"fifo{suffix}")
+        (tmp_path / f"zero{suffix}").symlink_to("/dev/zero")
+        specials += [(tmp_path / f"fifo{suffix}", "FIFO"), (tmp_path / f"zero{suffix}", "device")]
+    for path, kind in specials:
+        for args in (["--inputs", path], ["--input", f"x={path}", "--random-inputs"]):
+            r = tgc_cli("run", prog, "--backend", "interp", *args, timeout=60)
+            assert r.returncode == 3 and kind in r.stderr and str(path) in r.stderr, (args, r.stderr)
+            assert "Traceback" not in r.stderr
+        if path.suffix == ".npy":
+            continue
+        code = ("import tgc\n"
+                "p = tgc.compile(%r)\n"
+                "try:\n"
+                "    tgc.load_params(%r, p)\n"
+                "except tgc.ParamsError as e:\n"
+                "    print(e)\n" % (str(prog), str(path)))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and kind in r.stdout and str(path) in r.stdout, (path, r.stdout, r.stderr)
+
+
 def test_programs_free_their_machine_code():
     import gc
     import weakref

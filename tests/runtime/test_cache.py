@@ -191,6 +191,29 @@ def test_a_file_appearing_where_an_import_looks_first_is_a_miss(cache_dir, tmp_p
     assert _y(src / "main.tg", options=options) == [5, 5]
 
 
+@pytest.mark.parametrize("swap", ["fifo", "dev-zero"])
+def test_an_import_replaced_by_a_fifo_or_device_is_an_error_at_once(cache_dir, tmp_path, swap):
+    """The entry's imports are read as the front end reads sources: a FIFO is never
+    opened for a writer and a device never read to its (missing) end."""
+    d = _folder(tmp_path, "a", 2)
+    assert _y(d / "main.tg") == [2, 2]
+    (d / "lib.tg").unlink()
+    if swap == "fifo":
+        os.mkfifo(d / "lib.tg")
+    else:
+        (d / "lib.tg").symlink_to("/dev/zero")
+    code = ("import resource, tgc\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "try:\n"
+            "    tgc.compile(%r)\n"
+            "except tgc.CompileError as e:\n"
+            "    print(e)\n" % str(d / "main.tg"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TGC_CACHE_DIR": str(cache_dir)})
+    assert r.returncode == 0, r.stderr
+    assert "lib.tg" in r.stdout
+
+
 def test_cli_same_relative_name_in_two_folders(cache_dir, tmp_path):
     np.save(tmp_path / "x.npy", np.ones(2, np.float32))
     for name, factor in (("a", 2), ("b", 1000)) * 2:

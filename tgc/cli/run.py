@@ -13,7 +13,7 @@ from tgc import pipeline
 from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
-from tgc.fsutil import write_atomic
+from tgc.fsutil import NotASource, open_regular, write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
@@ -59,8 +59,9 @@ def _input_binding(ctx, param, value):
 
 def _load_array(path: str, what: str) -> np.ndarray:
     try:
-        data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        with open_regular(path, "an .npy file") as f:
+            data = np.load(f, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:   # ValueError: NotASource too
         raise EvalError(f"cannot read {what} from '{path}': {e}") from None
     if not isinstance(data, np.ndarray):  # an .npz archive
         data.close()
@@ -79,19 +80,26 @@ def _load_archive(path: str) -> dict[str, np.ndarray]:
         except ParamsError as e:
             raise EvalError(str(e)) from None
     try:
-        data = np.load(path, allow_pickle=False)
+        f = open_regular(path, "an .npz archive")
     except OSError as e:
         raise EvalError(f"cannot read inputs from '{path}': {e.strerror or e}") from None
-    except (ValueError, EOFError, zipfile.BadZipFile):   # numpy's guess at the format ("pickled data") misleads
-        raise EvalError(f"cannot read inputs from '{path}': not an .npz archive of arrays") from None
-    if isinstance(data, np.ndarray):
-        raise EvalError(f"cannot read inputs from '{path}': one .npy array, not an .npz archive "
-                        "(pass one array with --input NAME=FILE.npy)")
-    try:
-        with data:
-            arrays = {k: data[k] for k in data.files}
-    except Exception as e:  # noqa: BLE001 -- numpy raises many kinds for a damaged member
-        raise EvalError(f"cannot read inputs from '{path}': a damaged .npz archive ({e})") from None
+    except NotASource as e:
+        raise EvalError(f"cannot read inputs from '{path}': {e}") from None
+    with f:
+        try:
+            data = np.load(f, allow_pickle=False)
+        except OSError as e:
+            raise EvalError(f"cannot read inputs from '{path}': {e.strerror or e}") from None
+        except (ValueError, EOFError, zipfile.BadZipFile):   # numpy's guess at the format ("pickled data") misleads
+            raise EvalError(f"cannot read inputs from '{path}': not an .npz archive of arrays") from None
+        if isinstance(data, np.ndarray):
+            raise EvalError(f"cannot read inputs from '{path}': one .npy array, not an .npz archive "
+                            "(pass one array with --input NAME=FILE.npy)")
+        try:
+            with data:
+                arrays = {k: data[k] for k in data.files}
+        except Exception as e:  # noqa: BLE001 -- numpy raises many kinds for a damaged member
+            raise EvalError(f"cannot read inputs from '{path}': a damaged .npz archive ({e})") from None
     bad = [k for k, a in arrays.items() if not isinstance(a, np.ndarray)]
     if bad:
         raise EvalError(f"cannot read inputs from '{path}': member '{bad[0]}' is not an array")
