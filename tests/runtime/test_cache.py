@@ -332,7 +332,7 @@ def test_entries_hold_no_pickle(cache_dir):
     n = len(cache.PROGRAM_MAGIC) + 65
     size = int.from_bytes(data[n:n + 8], "little")
     meta = json.loads(data[n + 8:n + 8 + size])        # the metadata is JSON
-    assert set(meta) == {"deps", "absent", "ir", "lowered_sha256"}
+    assert set(meta) == {"key", "deps", "absent", "ir", "lowered_sha256"}
     assert b"pickle" not in Path(cache.__file__).read_bytes().replace(b"never pickles", b"")
 
 
@@ -343,10 +343,61 @@ def test_a_hit_whose_ir_lowers_differently_is_a_miss(cache_dir):
     hit = cache.lookup_program(key)
     other = hit.ir.replace("2", "3")                    # valid IR, another program
     assert other != hit.ir
-    meta = json.dumps({"deps": [], "absent": [], "ir": other, "lowered_sha256": hit.lowered_sha256}).encode()
+    meta = json.dumps({"key": key, "deps": [], "absent": [], "ir": other,
+                       "lowered_sha256": hit.lowered_sha256}).encode()
     cache._write(cache_dir, key, ".prog", cache.PROGRAM_MAGIC,
                  len(meta).to_bytes(8, "little") + meta + cache._pack(hit.objs))
     assert tgc.compile(PROGRAM)(x=np.ones(2, np.float32))["y"].tolist() == pytest.approx([2 * np.e] * 2)
+
+
+# ------------------------------------------------------------ entries name their program
+
+OTHER = PROGRAM.replace("* 2", "* 3")
+
+
+def _two_programs(cache_dir):
+    """Compile PROGRAM and OTHER; their (object key, .prog path) pairs."""
+    keys = []
+    for source in (PROGRAM, OTHER):
+        before = set(cache_dir.rglob("*"))
+        tgc.compile(source)
+        new = set(cache_dir.rglob("*")) - before
+        (o,) = [p for p in new if p.suffix == ".o"]
+        (prog,) = [p for p in new if p.suffix == ".prog"]
+        keys.append((o.stem, prog))
+    return keys
+
+
+def _y_of_program():
+    return tgc.compile(PROGRAM)(x=np.ones(2, np.float32))["y"].tolist()
+
+
+def test_swapped_object_entries_are_recompiled(cache_dir):
+    """Each entry's objects carry their program's fingerprint: another program's code
+    under a key, with its checksum recomputed, is refused and the program compiled."""
+    (key_a, _), (key_b, _) = _two_programs(cache_dir)
+    objs_a, objs_b = cache.lookup(key_a), cache.lookup(key_b)
+    cache.store(key_a, objs_b)
+    cache.store(key_b, objs_a)
+    for prog in cache_dir.rglob("*.prog"):      # so that the object entries are looked up
+        prog.unlink()
+    assert _y_of_program() == pytest.approx([2 * np.e] * 2)
+    assert cache.lookup(key_a) == objs_a          # rebuilt under its key
+    assert tgc.compile(OTHER)(x=np.ones(2, np.float32))["y"].tolist() == pytest.approx([3 * np.e] * 2)
+
+
+def test_swapped_program_entries_are_recompiled(cache_dir):
+    (key_a, prog_a), (key_b, prog_b) = _two_programs(cache_dir)
+    objs_b = cache.lookup(key_b)
+
+    def with_objs_of_b(body):   # the entry's own metadata, the other program's code
+        n = 8 + int.from_bytes(body[:8], "little")
+        return body[:n] + cache._pack(objs_b)
+
+    _rewrite(prog_a, with_objs_of_b, cache.PROGRAM_MAGIC)
+    assert _y_of_program() == pytest.approx([2 * np.e] * 2)
+    prog_a.write_bytes(prog_b.read_bytes())      # the other program's whole entry, under this key
+    assert _y_of_program() == pytest.approx([2 * np.e] * 2)
 
 
 # ------------------------------------------------------------ damage of any kind is a miss

@@ -28,7 +28,19 @@ files must pass `tgc.backends.objfile.check_objects` before LLVM loads them.
 Security: the directory is created 0700 (whatever the umask), and before every use
 it must be a real directory (not a symlink), owned by this user, and not writable
 by group or others; otherwise the cache is not used at all and one warning says why.
-So only this user can place code in it.
+So only this user can place code in it. That check is the protection; what follows
+is defence in depth against damage and mix-ups, not against a writer of the directory:
+- the checksum (sha256 of the body) catches a torn or damaged entry (a crash, a full
+  disk, flipped bits); anyone can recompute it, so it proves nothing about who wrote it;
+- each entry names its program: the object code's `tgc_fingerprint` is its key (read
+  as data after loading, before any of its code runs: `cpu.kernels.from_object`), and
+  a first-level entry's metadata holds its own key. Another program's code under a
+  key (entries swapped, copied or renamed, checksums recomputed) is a miss and the
+  program is compiled again;
+- neither is a signature: code written to pass both (a recomputed fingerprint and
+  checksum, say with a patched `tgc_run`) is loaded and run. The child-process load
+  (`from_cached_object`) runs only `tgc_init`, so it catches objects that do not load
+  or initialize, not wrong code.
 
 Location: `$TGC_CACHE_DIR`, else `$XDG_CACHE_HOME/tgc`, else `~/.cache/tgc`;
 `TGC_CACHE=off` disables it.
@@ -345,6 +357,8 @@ def lookup_program(key: str) -> ProgramEntry | None:
         meta = json.loads(body[8:8 + n].decode("utf-8"))
         reads = Reads(tuple((str(p), str(h)) for p, h in meta["deps"]), tuple(str(p) for p in meta["absent"]))
         ir, digest = meta["ir"], meta["lowered_sha256"]
+        if meta["key"] != key:   # an entry names its own key: one stored under another name is a miss
+            return None
         if not isinstance(ir, str) or not isinstance(digest, str):
             return None
     except (ValueError, KeyError, TypeError):
@@ -363,7 +377,8 @@ def store_program(key: str, reads: Reads, module, lowered, obj: tuple[bytes, ...
     try:
         from tgc.ir.printer import print_module
 
-        meta = json.dumps({"deps": reads.files, "absent": reads.absent, "ir": print_module(module, locs=True),
+        meta = json.dumps({"key": key, "deps": reads.files, "absent": reads.absent,
+                           "ir": print_module(module, locs=True),
                            "lowered_sha256": lowered_digest(lowered)}).encode("utf-8")
         _write(d, key, ".prog", PROGRAM_MAGIC, len(meta).to_bytes(8, "little") + meta + _pack(obj))
     except Exception:  # noqa: BLE001 -- unprintable, read-only or full: the next build only costs its time

@@ -39,6 +39,11 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         calls fn(i) right after kernel i returns whenever marks[i] != 0 (one byte per
         kernel); NULL clears it. The runtime sets it for one call (`CpuKernels.run`'s
         `notify`: a data-parallel step starts each bucket's allreduce there).
+    const char tgc_fingerprint[64]
+        only with a `fingerprint` (the JIT's code): the code cache's key of the
+        program the code was compiled for, as 64 hex digits; the runtime reads it
+        (data, no code runs) and refuses code whose fingerprint is not the program's
+        (`kernels.from_object`).
 
 Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
 program is generated in several units (`generate_units`). A kernel whose outermost
@@ -102,17 +107,35 @@ def generate_units(low: Lowered, options: Options, objects_entry: bool = False,
 
 
 def generate_units_first_last(low: Lowered, options: Options, objects_entry: bool = False,
-                              units: int = 1):
+                              units: int = 1, fingerprint: str | None = None):
     """`generate_units` as functions, one per unit, that each make its text: (the
     first's, the others'). Each makes only its own unit's kernels (the first declares
     the others'), so the processes of `llvm_env.emit_objects` share the Python work
     of generating and printing IR as well as LLVM's (the MLP: 36 ms of kernels were
-    generated before the fork)."""
+    generated before the fork). With `fingerprint`, the first unit defines
+    `tgc_fingerprint` (see the module docstring)."""
     if low.stage != "plan":
         raise ValueError(f"code generation needs the planned program, not the one after '{low.stage}'")
     gen = _ModuleGen(low, options, objects_entry, units)
+    if fingerprint is not None:
+        define_fingerprint(gen.mod, fingerprint)
     gen.emit_table()
     return gen.first_text, [functools.partial(gen.unit_text, u) for u in range(1, len(gen.mods))]
+
+
+FINGERPRINT = "tgc_fingerprint"
+FINGERPRINT_BYTES = 64
+
+
+def define_fingerprint(mod: ir.Module, fingerprint: str) -> None:
+    """`const char tgc_fingerprint[64]`: the program's cache key (64 hex digits)."""
+    data = fingerprint.encode("ascii")
+    if len(data) != FINGERPRINT_BYTES:
+        raise ValueError(f"a fingerprint is {FINGERPRINT_BYTES} characters, not {len(data)}")
+    typ = ir.ArrayType(ir.IntType(8), FINGERPRINT_BYTES)
+    g = ir.GlobalVariable(mod, typ, FINGERPRINT)
+    g.global_constant = True
+    g.initializer = ir.Constant(typ, bytearray(data))
 
 
 def compile_cost(k) -> int:

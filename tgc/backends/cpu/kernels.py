@@ -6,7 +6,11 @@ and checked.
 compiles it into object files (from the code cache when it has them: `_machine_code`),
 JIT-loads them and hands them the function table (numpy's OpenBLAS, libgomp).
 Object files read from the cache are first loaded in a forked child
-(`from_cached_object`), as they may be damaged in ways no checksum sees.
+(`from_cached_object`), as they may be damaged in ways no checksum sees. The code
+names the program it was compiled for: its `tgc_fingerprint` is the code cache's key
+of the module, options and CPU (`tgc.backends.cache.cache_key`), and code whose
+fingerprint is not the program's key is refused before anything in it runs (an
+entry that holds another program's code is a miss, and the program is compiled).
 
 `CpuKernels.run` is the checked call: one native `tgc_run(dims, args, outs,
 workspace)`. The fast path (~2-4 us of Python instead of ~25): `plan` computes once
@@ -106,26 +110,31 @@ class _Plan:
 def compile_kernels(module: Module, low: Lowered, options: Options, objs=None) -> "CpuKernels":
     """The kernels of `low`: from `objs` (object files a first-level cache entry
     holds), else from the code cache, else compiled now (and cached)."""
+    from tgc.backends import cache
+    from tgc.ir.printer import print_module
+
+    key = cache.cache_key(print_module(module), options, cache_parts())
     if objs is not None:
-        return from_cached_object(options, low, objs)
-    objs = _machine_code(module, low, options, cached=True)
+        return from_cached_object(options, low, objs, key)
+    objs = cache.lookup(key)
     if objs is not None:
         try:
-            return from_cached_object(options, low, objs)
-        except Exception:  # noqa: BLE001 -- a cached entry that does not load is a miss
+            return from_cached_object(options, low, objs, key)
+        except Exception:  # noqa: BLE001 -- a cached entry that does not load, or is another program's: a miss
             pass
-    objs = _machine_code(module, low, options, cached=False)
-    return from_object(options, low, objs)
+    objs = _machine_code(low, options, key)
+    return from_object(options, low, objs, key)
 
 
 _LOADED: set[bytes] = set()        # digests of object sets this process has loaded safely
 _LOADED_LOCK = threading.Lock()
 
 
-def from_cached_object(options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "CpuKernels":
+def from_cached_object(options: Options, low: Lowered, objs: tuple[bytes, ...], key: str) -> "CpuKernels":
     """`from_object` for object files read from the cache, which may be damaged in
     ways no checksum sees: they are loaded (and `tgc_init` run) first in a forked child,
-    and only if that child survives, here. RuntimeError if it did not."""
+    and only if that child survives, here. RuntimeError if it did not, or if their
+    fingerprint is not `key`."""
     import hashlib
 
     digest = hashlib.sha256(b"".join(len(o).to_bytes(8, "little") + o for o in objs)).digest()
@@ -135,19 +144,26 @@ def from_cached_object(options: Options, low: Lowered, objs: tuple[bytes, ...]) 
         from tgc.backends.cpu import blas, llvm_env, parallel
 
         blas.gemm_addresses(), parallel.gomp_addresses()   # found once, here, not in every child
-        if llvm_env.survives_in_child(lambda: from_object(options, low, objs)) is False:
+        if llvm_env.survives_in_child(lambda: from_object(options, low, objs, key)) is False:
             raise RuntimeError("cached object files do not load")
-    kernels = from_object(options, low, objs)
+    kernels = from_object(options, low, objs, key)
     with _LOADED_LOCK:
         _LOADED.add(digest)
     return kernels
 
 
-def from_object(options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "CpuKernels":
-    """The kernels from their object files: JIT-loaded, `tgc_init` given the function table."""
+def from_object(options: Options, low: Lowered, objs: tuple[bytes, ...], key: str) -> "CpuKernels":
+    """The kernels from their object files: JIT-loaded, their fingerprint checked to be
+    `key` (RuntimeError if not, before any of their code runs), `tgc_init` given the
+    function table."""
     from tgc.backends.cpu import blas, fntable, llvm_env, parallel
 
     jit = llvm_env.jit_objects(objs)
+    found = _fingerprint(jit)
+    if found != key.encode("ascii"):
+        jit.close()
+        raise RuntimeError(f"the object files are another program's (fingerprint {found[:16]!r}..., "
+                           f"not {key[:16]}...)")
     gemms = blas.gemm_addresses() if options.cpu.blas != "none" else {}   # none: generated loops only
     table = fntable.make_table({**gemms, **parallel.gomp_addresses()})
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
@@ -156,19 +172,24 @@ def from_object(options: Options, low: Lowered, objs: tuple[bytes, ...]) -> "Cpu
     return kernels
 
 
-def _machine_code(module: Module, low: Lowered, options: Options, cached: bool) -> tuple[bytes, ...] | None:
-    """The program's object files: `cached`, from the on-disk cache (None on a miss);
-    else freshly compiled (then cached), generated in as many units as
+def _fingerprint(jit) -> bytes:
+    """The loaded code's `tgc_fingerprint`, read as data (b"" when it has none)."""
+    from tgc.backends.cpu.codegen import FINGERPRINT, FINGERPRINT_BYTES
+
+    addr = jit.engine.get_global_value_address(FINGERPRINT)
+    return ctypes.string_at(addr, FINGERPRINT_BYTES) if addr else b""
+
+
+def _machine_code(low: Lowered, options: Options, key: str) -> tuple[bytes, ...]:
+    """The program's object files, compiled now with the fingerprint `key` (the code
+    cache's key) and cached under it: generated in as many units as
     `options.cpu.compile_jobs` allows and compiled at once."""
     from tgc.backends.cpu import codegen, llvm_env
-    from tgc.ir.printer import print_module
     from tgc.backends import cache
 
-    key = cache.cache_key(print_module(module), options, cache_parts())
-    if cached:
-        return cache.lookup(key)
     jobs = options.cpu.compile_jobs or llvm_env.usable_cores()
-    first, rest = codegen.generate_units_first_last(low, options, objects_entry=True, units=jobs)
+    first, rest = codegen.generate_units_first_last(low, options, objects_entry=True, units=jobs,
+                                                     fingerprint=key)
     objs = tuple(llvm_env.emit_objects([first] + rest, max(options.opt_level, 1), jobs=jobs))
     cache.store(key, objs)
     return objs
