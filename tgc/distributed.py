@@ -33,18 +33,27 @@ values (`Program.ready_after`: the last layers' gradients first). With more than
 bucket and more than one rank on a host engine (MPI, or NCCL on cuda-sim), phase 1's
 native call stops after the kernel that finishes a bucket (`Program.run`'s `notify`, a
 ctypes callback) just long enough to copy the bucket's values into it and hand it to the
-step's communication thread, which reduces the buckets in order, with the same blocking
+step's communication thread, which reduces the buckets in order, with the same
 collective as the single-call path, while the kernels go on. So the sums are the same
 calls on the same buffers: the results equal the single-call path's bit for bit
 (tested), only the time differs. Otherwise (`overlap=False`, one bucket, one rank, a
 GPU's NCCL, an MPI without MPI_THREAD_SERIALIZED) phase 1 is one call and the buckets
 are reduced after it.
 
-Every collective is called in the same order on every rank (the row counts, then the
-buckets in their fixed order), by one thread at a time, and a call's argument errors
-are raised before the first one, so the step terminates whenever every rank makes the
-call. The communication thread ends when its phase 1 does: an exception on either side
-is raised by the step after both are done.
+Every collective is called in the same order on every rank (the agreement, then the
+first call's broadcast, then the buckets in their fixed order), by one thread at a time.
+Before the first, each rank checks its call as the phases' programs would
+(`Program.check`: names, dtypes, shapes, sizes, ids), and the ranks exchange one record
+each (`_Record`, one allgather): whether the call is fine or why not, the rows, a
+fingerprint of the compiled step, the sizes of the dims that are not split. A call that
+is wrong on any rank, or steps that differ, raise on every rank before any data is sent
+or any param written (the failing rank's own error; EvalError naming it elsewhere), so
+the next call runs on every rank. The communication thread ends when its phase 1 does:
+an exception on either side is raised by the step after both are done.
+
+A rank that dies or hangs: each MPI collective is nonblocking, polled until it completes
+or `Options.collective_timeout` seconds pass; then DataParallelError, and the step runs
+no more (a collective cannot be called off). NCCL's are not bounded (not built).
 """
 from __future__ import annotations
 
@@ -650,7 +659,7 @@ class DataParallel:
         self._buckets: list[_Bucket] | None = None   # made on the first call, for its shapes
         self._ready = self.grads.ready_after()      # {phase 1 output: the kernel that finishes it}
         self._fingerprint = self._program_fingerprint()
-        self._standins: dict = {}   # stand-ins for the boundary values in phase 2's check, by shape
+        self._standins: dict = {}   # phase 1's sizes -> stand-ins for the boundary values in phase 2's check
         self._broken: str | None = None   # why no further step can run (collectives out of step)
         self._worker: threading.Thread | None = None   # reduces the buckets while phase 1 runs
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -854,19 +863,19 @@ class DataParallel:
         if dims is not None and not isinstance(dims, dict):
             raise TypeError(f"dims= takes a dict of sizes, not {type(dims).__name__}")
         env1 = self.grads.check({n: arrays[n] for n in self.grads._names}, dims)
-        specs = {s.name: s for s in self.grads.outputs}
-        args2 = {}
-        for n in self.apply._names:
-            if n in self.split.boundary:
-                shape = tuple(size_eval(x, env1) for x in specs[n].shape)
-                if shape not in self._standins:
-                    self._standins[shape] = np.empty(shape, np.float32 if self.float_dtype == "f32" else np.float64)
-                args2[n] = self._standins[shape]
-            else:
-                args2[n] = arrays[n]
-        env2 = self.apply.check(args2, self._dims2(dims))
-        fixed = {**{d: n for d, n in env1.items() if d not in self._split_dims}, **env2}
+        key1 = tuple(env1.items())
+        standins = self._standins.get(key1)
+        if standins is None:   # once per sizes: arrays of the boundary values' shapes
+            specs = {s.name: s for s in self.grads.outputs}
+            dt = np.float32 if self.float_dtype == "f32" else np.float64
+            standins = {n: np.empty(tuple(size_eval(x, env1) for x in specs[n].shape), dt) for n in self.split.boundary}
+            if len(self._standins) >= 64:
+                self._standins.clear()
+            self._standins[key1] = standins
+        env2 = self.apply.check({n: standins[n] if n in standins else arrays[n] for n in self.apply._names},
+                                self._dims2(dims))
         rows = env1[self.shard] if self.shard in env1 else self._rows(arrays, dims)
+        fixed = {**{d: n for d, n in env1.items() if d not in self._split_dims}, **env2}
         return int(rows), ", ".join(f"{d}={n}" for d, n in sorted(fixed.items()))
 
     def _program_fingerprint(self) -> bytes:
