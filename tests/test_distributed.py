@@ -484,6 +484,28 @@ def test_a_rank_that_stops_makes_the_others_fail_in_time():
     assert 0.5 <= waited < 10
 
 
+def test_broadcast_checks_that_the_ranks_send_the_same_params():
+    """`step.broadcast` with other names on rank 1: EvalError on both ranks, nothing
+    sent; with the same names, rank 0's values (an f64 array on rank 1 included)."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = {k: v + comm.Get_rank() for k, v in case.init().items()}
+        with pytest.raises(tgc.EvalError, match=r"broadcast different params or shapes: rank 0 W1\(13, 64\), W2.*, rank 1 W1\(13, 64\);"):
+            step.broadcast(state if comm.Get_rank() == 0 else {"W1": state["W1"]})
+        if comm.Get_rank() == 1:
+            state["b2"] = state["b2"].astype(np.float64)
+        step.broadcast(state)
+        return state
+    lock = threading.Lock()
+    r0, r1 = D.run_ranks(2, body, timeout=120)
+    assert r1["b2"].dtype == np.float64
+    for k, v in case.init().items():
+        assert np.array_equal(r0[k], v) and np.array_equal(r1[k], v), k
+
+
 def test_collective_timeout_is_checked():
     with pytest.raises(ValueError, match="collective_timeout: seconds"):
         tgc.compile(cases.CASES["mlp"].path, data_parallel=D.local_group(1)[0],

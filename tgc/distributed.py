@@ -737,7 +737,7 @@ class DataParallel:
             what = ", ".join(f"{n}{tuple(np.shape(arrays[n]))}" for n in names)
         except Exception as e:  # noqa: BLE001 -- told to every rank, then raised
             error, what = e, ""
-        self._agree(0, "the params " + what, error)
+        self._agree(0, what, error, "broadcast different params or shapes")
         self._broadcast(arrays, names)
 
     def _broadcast(self, arrays: dict, names: list[str]) -> None:
@@ -898,13 +898,14 @@ class DataParallel:
             h.update(b"\0")
         return h.digest()[:16]
 
-    def _agree(self, rows: int, what: str, error: BaseException | None) -> tuple[list[int], bool]:
+    def _agree(self, rows: int, what: str, error: BaseException | None,
+               differ: str = "bind different sizes to the dims that are not split") -> tuple[list[int], bool]:
         """One allgather of every rank's record (`_Record`): whether its call is fine
         (else why not), its rows, whether it must still broadcast the params, the
         program's fingerprint and `what` (the dims' sizes). Raises on every rank,
         before any other collective, when a rank's call is wrong (its own error there,
         EvalError naming it elsewhere), when the programs differ (DataParallelError)
-        or when the ranks' `what` differ (EvalError). Else (each rank's rows, whether
+        or when the ranks' `what` differ (EvalError: the ranks `differ`). Else (each rank's rows, whether
         to broadcast the params now: when any rank has not yet)."""
         from tgc.ir.interp import EvalError
 
@@ -929,9 +930,8 @@ class DataParallel:
                     f"the same; no rank ran this step")
         for r, rec in enumerate(records):
             if rec.text != records[0].text:
-                raise EvalError(f"data parallel: the ranks bind different sizes to the dims that are not split: "
-                                f"rank 0 {records[0].text or 'none'}, rank {r} {rec.text or 'none'}; no rank ran "
-                                f"this step, no param was written")
+                raise EvalError(f"data parallel: the ranks {differ}: rank 0 {records[0].text or 'none'}, "
+                                f"rank {r} {rec.text or 'none'}; no rank sent or wrote anything")
         return [rec.rows for rec in records], any(rec.sync for rec in records)
 
     def _rows(self, arrays: dict, dims: dict | None) -> int:
