@@ -506,6 +506,28 @@ def test_broadcast_checks_that_the_ranks_send_the_same_params():
         assert np.array_equal(r0[k], v) and np.array_equal(r1[k], v), k
 
 
+def test_a_first_call_that_cannot_take_rank_0s_params_raises_on_every_rank():
+    """The first call writes rank 0's params into every rank's arrays: a read-only one
+    on rank 1 is refused before the ranks agree (not half-way through the broadcasts)."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = case.init()
+        if comm.Get_rank() == 1:
+            state["b2"].flags.writeable = False
+        try:
+            step(**step.shard_inputs(case.batch(0)), **case.scalars(0), **state)
+        except (TypeError, tgc.EvalError) as e:
+            return type(e).__name__, str(e)
+    lock = threading.Lock()
+    (k0, m0), (k1, m1) = D.run_ranks(2, body, timeout=120)
+    assert (k0, k1) == ("EvalError", "TypeError")
+    assert m1 == "'b2' must be a writable array: the broadcast sets it to rank 0's value in place, not ndarray (read-only)"
+    assert m0.startswith("data parallel: rank 1 cannot run this step: TypeError: " + m1)
+
+
 def test_collective_timeout_is_checked():
     with pytest.raises(ValueError, match="collective_timeout: seconds"):
         tgc.compile(cases.CASES["mlp"].path, data_parallel=D.local_group(1)[0],

@@ -730,10 +730,7 @@ class DataParallel:
         names = [n for n in sorted(arrays) if n in self.module.args and self.module.args[n].kind in ("param", "state")]
         error = None
         try:
-            for name in names:
-                x = arrays[name]
-                if not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
-                    raise TypeError(f"broadcast: '{name}' must be an array (it is written in place)")
+            _check_writable(arrays, names)
             what = ", ".join(f"{n}{tuple(np.shape(arrays[n]))}" for n in names)
         except Exception as e:  # noqa: BLE001 -- told to every rank, then raised
             error, what = e, ""
@@ -862,6 +859,8 @@ class DataParallel:
             raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
         if dims is not None and not isinstance(dims, dict):
             raise TypeError(f"dims= takes a dict of sizes, not {type(dims).__name__}")
+        if not self._synced:
+            _check_writable(arrays, self._params)
         env1 = self.grads.check({n: arrays[n] for n in self.grads._names}, dims)
         key1 = tuple(env1.items())
         standins = self._standins.get(key1)
@@ -1094,6 +1093,17 @@ class DataParallel:
     def gradient_bytes(self) -> int:
         """Bytes reduced per step (after the first call)."""
         return sum(int(b.buf.nbytes) for b in (self._buckets or []))
+
+
+def _check_writable(arrays: dict, names) -> None:
+    """TypeError unless each of `names` is an array this rank may write (a broadcast
+    sets it in place): checked before the ranks agree, as a write that fails half-way
+    through the broadcasts would leave them out of step."""
+    for name in names:
+        x = arrays[name]
+        if not (isinstance(x, np.ndarray) and x.flags.writeable) and not hasattr(x, "__cuda_array_interface__"):
+            raise TypeError(f"'{name}' must be a writable array: the broadcast sets it to rank 0's value in place, "
+                            f"not {type(x).__name__}" + (" (read-only)" if isinstance(x, np.ndarray) else ""))
 
 
 RECORD_BYTES = 256   # one rank's record in the agreement before each step
