@@ -1,8 +1,8 @@
 """Run under mpirun -n 2 by tests/test_distributed.py: data-parallel steps with one rank at fault.
 
-    mpirun -n 2 python tests/distributed_mpi_faults.py CASE OUT_DIR
+    mpirun -n 2 --enable-recovery python tests/distributed_mpi_faults.py OUT_DIR CASE...
 
-CASE is one of:
+The CASEs run in the order given (`killed` last: it ends rank 1); each is one of:
 
 - `bad-batch`: the MLP case for STEPS steps; at step BAD rank 1 passes a batch of the
   wrong shape and catches the EvalError, as a loop that skips a bad batch would, and
@@ -10,8 +10,8 @@ CASE is one of:
 - `mismatch`: rank 1 compiles another program (a param of another size) than rank 0,
   and both call the step once.
 - `killed`: rank 1 kills itself (SIGKILL) before step KILLED; rank 0 makes the call with
-  `Options(collective_timeout=TIMEOUT)` (run it with `mpirun --enable-recovery`, so that
-  mpirun lets rank 0 live on, as when a node is lost).
+  `Options(collective_timeout=TIMEOUT)` (`mpirun --enable-recovery` lets rank 0 live on,
+  as when a node is lost).
 
 Each surviving rank writes OUT_DIR/CASE.rank{R}.json: the errors its calls raised
 (type and message), how long the failed call took, and its params after the steps.
@@ -50,8 +50,13 @@ update W = W - lr * grad(loss, W)
 def main() -> int:
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    case, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        run(MPI.COMM_WORLD, case, out)
+    return 0
+
+
+def run(comm, case: str, out: Path) -> None:
     rank = comm.Get_rank()
     report = {"errors": [], "seconds": None}
     if case == "bad-batch":
@@ -69,7 +74,6 @@ def main() -> int:
         raise SystemExit(f"unknown case {case}")
     report["params"] = {k: v.tolist() for k, v in state.items()}
     (out / f"{case}.rank{rank}.json").write_text(json.dumps(report))
-    return 0
 
 
 def _train(comm, report: dict, bad_at=None, kill_at=None, stop_on_error=False, options=OPTIONS) -> dict:

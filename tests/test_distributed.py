@@ -12,6 +12,9 @@ and runs over 1, 2 and 3 ranks against single-process training on the whole batc
 - The NCCL path on cuda-sim with in-process NCCL-like communicators.
 - Overlap (small buckets, reduced while phase 1 runs) against `overlap=False`: the same
   bits, in-process, under MPI and on cuda-sim.
+- One rank at fault, in-process and under `mpirun -n 2` (`tests/distributed_mpi_faults.py`):
+  a bad call raises on every rank with nothing written and the next call runs; steps
+  that differ refuse; a rank that dies makes the other fail after the timeout.
 """
 from __future__ import annotations
 
@@ -599,30 +602,38 @@ def test_mpi_ranks(tmp_path, n, warm_cache):
                 _same_bits(a, b)
 
 
-def _mpirun_faults(case: str, out: Path, *flags: str) -> dict:
-    """`tests/distributed_mpi_faults.py CASE` under `mpirun -n 2`: each surviving rank's
-    report. A hang fails the test after 120 s."""
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", *flags, sys.executable,
-           str(HERE / "distributed_mpi_faults.py"), case, str(out)]
+FAULTS = ["bad-batch", "mismatch", "killed"]
+
+
+@pytest.fixture(scope="module")
+def fault_reports(tmp_path_factory, warm_cache) -> tuple[Path, str]:
+    """`tests/distributed_mpi_faults.py` with every case, under `mpirun -n 2
+    --enable-recovery` (one run: the killed rank last). A hang fails after 120 s."""
+    out = tmp_path_factory.mktemp("faults")
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", "--enable-recovery", sys.executable,
+           str(HERE / "distributed_mpi_faults.py"), str(out), *FAULTS]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_mpi_env())
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"mpirun {case}: the ranks hung ({(e.stdout or b'')[-2000:]!r})")
-    reports = {}
-    for r in range(2):
-        path = out / f"{case}.rank{r}.json"
-        if path.exists():
-            reports[r] = json.loads(path.read_text())
-    assert reports, proc.stdout[-3000:] + proc.stderr[-3000:]
+        pytest.fail(f"mpirun: the ranks hung ({(e.stdout or b'')[-2000:]!r})")
+    return out, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _reports(fault_reports, case: str) -> dict:
+    """Each surviving rank's report of `case`."""
+    out, log = fault_reports
+    reports = {r: json.loads((out / f"{case}.rank{r}.json").read_text())
+               for r in range(2) if (out / f"{case}.rank{r}.json").exists()}
+    assert reports, log
     return reports
 
 
 @needs_mpi
-def test_mpi_a_bad_batch_on_one_rank_is_skipped_on_every_rank(tmp_path, warm_cache):
+def test_mpi_a_bad_batch_on_one_rank_is_skipped_on_every_rank(fault_reports):
     """Rank 1 passes a batch one feature short and catches the EvalError, as a loop
     that skips bad batches does: rank 0 raises EvalError too (naming rank 1 and why),
     no param is written, and the next steps run on both ranks in step."""
-    reports = _mpirun_faults("bad-batch", tmp_path)
+    reports = _reports(fault_reports, "bad-batch")
     (kind0, msg0), = reports[0]["errors"]
     (kind1, msg1), = reports[1]["errors"]
     assert kind0 == kind1 == "EvalError"
@@ -634,10 +645,10 @@ def test_mpi_a_bad_batch_on_one_rank_is_skipped_on_every_rank(tmp_path, warm_cac
 
 
 @needs_mpi
-def test_mpi_ranks_with_different_programs_refuse_the_step(tmp_path):
+def test_mpi_ranks_with_different_programs_refuse_the_step(fault_reports):
     """Rank 1 compiled a program whose param has another size: both ranks raise
     DataParallelError before anything is sent, and keep their params."""
-    reports = _mpirun_faults("mismatch", tmp_path)
+    reports = _reports(fault_reports, "mismatch")
     for r in range(2):
         (kind, msg), = reports[r]["errors"]
         assert kind == "DataParallelError" and "rank 1 compiled another step than rank 0" in msg
@@ -645,11 +656,11 @@ def test_mpi_ranks_with_different_programs_refuse_the_step(tmp_path):
 
 
 @needs_mpi
-def test_mpi_a_killed_rank_makes_the_other_fail_in_time(tmp_path, warm_cache):
+def test_mpi_a_killed_rank_makes_the_other_fail_in_time(fault_reports):
     """Rank 1 is killed (SIGKILL) between two steps; mpirun --enable-recovery lets rank 0
     live on (as when a node is lost). Rank 0's next step raises DataParallelError after
     the 3 s of Options.collective_timeout, instead of waiting forever."""
-    reports = _mpirun_faults("killed", tmp_path, "--enable-recovery")
+    reports = _reports(fault_reports, "killed")
     assert list(reports) == [0]
     (kind, msg), = reports[0]["errors"]
     assert kind == "DataParallelError" and "waited 3 s for the other ranks" in msg
