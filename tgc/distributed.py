@@ -660,6 +660,9 @@ class DataParallel:
         self._ready = self.grads.ready_after()      # {phase 1 output: the kernel that finishes it}
         self._fingerprint = self._program_fingerprint()
         self._standins: dict = {}   # phase 1's sizes -> stand-ins for the boundary values in phase 2's check
+        # the arguments a call gives, and the signatures of calls checked: (rows, dims, their sizes, targets)
+        self._call_specs = [s for s in self.inputs if s.name in self._needed]
+        self._calls: dict = {}
         self._broken: str | None = None   # why no further step can run (collectives out of step)
         self._worker: threading.Thread | None = None   # reduces the buckets while phase 1 runs
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -848,9 +851,22 @@ class DataParallel:
         text: every rank must bind the same). EvalError or TypeError says what is wrong."""
         from tgc.ir.interp import EvalError
         from tgc.ir.sizes import size_eval
+        from tgc.runtime.program import call_key
 
         if not isinstance(arrays, dict):
             raise TypeError(f"a data-parallel step takes a dict of arrays, not {type(arrays).__name__}")
+        # a call with the signature of one checked before (the same names, shapes, dtypes,
+        # layouts and update targets): only what depends on the values is checked again
+        key = (call_key(self._call_specs, arrays, dims) if len(arrays) == len(self._call_specs)
+               and not self.options.check_assumptions else None)
+        hit = self._calls.get(key) if key is not None else None
+        if hit is not None and all(r() is not None for r in hit[4]):
+            rows, text, env1, env2, _ = hit
+            self.grads.check_ids(arrays, env1)
+            self.apply.check_ids(arrays, env2)
+            if not self._synced:
+                _check_writable(arrays, self._params)
+            return rows, text
         extra = [n for n in arrays if n not in self.module.args]
         if extra:
             raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
@@ -873,9 +889,14 @@ class DataParallel:
             self._standins[key1] = standins
         env2 = self.apply.check({n: standins[n] if n in standins else arrays[n] for n in self.apply._names},
                                 self._dims2(dims))
-        rows = env1[self.shard] if self.shard in env1 else self._rows(arrays, dims)
+        rows = int(env1[self.shard] if self.shard in env1 else self._rows(arrays, dims))
         fixed = {**{d: n for d, n in env1.items() if d not in self._split_dims}, **env2}
-        return int(rows), ", ".join(f"{d}={n}" for d, n in sorted(fixed.items()))
+        text = ", ".join(f"{d}={n}" for d, n in sorted(fixed.items()))
+        if key is not None:
+            if len(self._calls) >= 64:
+                self._calls.clear()
+            self._calls[key] = (rows, text, env1, env2, [weakref.ref(arrays[n]) for n in self.updates])
+        return rows, text
 
     def _program_fingerprint(self) -> bytes:
         """What every rank's step must share for their collectives to match: both

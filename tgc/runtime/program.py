@@ -94,6 +94,31 @@ def _dlpack_view(name: str, value):
                         f"pass a CPU tensor (detached from autograd), or a numpy array") from None
 
 
+def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
+    """What the checks of a call that depend only on its arguments' signature depend
+    on, or None (then they must all run): each of `inputs`' shape, dtype and strides,
+    each update target's identity (whether targets share memory) and writability, and
+    `dims`. Only numpy arrays (not subclasses) and scalars, and Python floats, have
+    one; i32 arguments only as int32 arrays (other integers' values are checked to fit)."""
+    try:
+        key = [tuple(sorted((str(d), int(n)) for d, n in dims.items())) if dims else ()]
+    except (TypeError, ValueError, AttributeError):   # the full check explains
+        return None
+    for s in inputs:
+        v = arrays.get(s.name)
+        t = type(v)
+        if t is float and s.dtype != "i32":
+            key.append(float)
+        elif t is np.ndarray and (s.dtype != "i32" or v.dtype == np.int32):
+            key.append((v.shape, v.dtype, v.strides, id(v), v.flags.writeable) if s.updated
+                       else (v.shape, v.dtype, v.strides))
+        elif isinstance(v, np.generic) and not s.updated and (s.dtype != "i32" or t is np.int32):
+            key.append(t)
+        else:
+            return None
+    return tuple(key)
+
+
 class Program:
     """A compiled program, callable from Python. Thread-safe; calls are serialized.
 
@@ -444,37 +469,24 @@ class Program:
                 if len(self._checked) >= PLANS:
                     self._checked.clear()
                 self._checked[key] = (env, [weakref.ref(arrays[n]) for n in self._updates])
+        self.check_ids(args, env)
+        return dict(env)
+
+    def check_ids(self, arrays: dict, env: dict) -> None:
+        """`check`'s check of the gather and scatter ids in `arrays` (by argument name;
+        others ignored), for the dims' sizes `env`: an EvalError names the first out
+        of range."""
         for i, c in enumerate(self.lowered.checks):
-            ids = args[c.buf]
+            ids = arrays[c.buf]
             ids = ids if isinstance(ids, np.ndarray) else np.asarray(self._kernels.to_host(ids))
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size_eval(c.size, env)):
                 raise self._check_error(i + 1, {c.buf: ids}, env)
-        return dict(env)
 
     def _check_key(self, arrays: dict, dims: dict | None):
-        """What `check`'s signature-only checks depend on, or None (then they all run):
-        each argument's shape, dtype and strides, each update target's identity
-        (whether targets share memory) and writability, and `dims`. Only numpy arrays
-        (not subclasses) and scalars, and Python floats, have one; i32 arguments only
-        as int32 arrays (other integers' values are checked to fit)."""
+        """What `check`'s signature-only checks depend on (`call_key`), or None."""
         if len(arrays) != len(self._names) or self._complex_args:
             return None
-        try:
-            key = [tuple(sorted((str(d), int(n)) for d, n in dims.items())) if dims else ()]
-        except (TypeError, ValueError, AttributeError):   # the full check explains
-            return None
-        for s, v in zip(self._inputs, map(arrays.get, self._names)):
-            t = type(v)
-            if t is float and s.dtype != "i32":
-                key.append(float)
-            elif t is np.ndarray and (s.dtype != "i32" or v.dtype == np.int32):
-                key.append((v.shape, v.dtype, v.strides, id(v), v.flags.writeable) if s.updated
-                           else (v.shape, v.dtype, v.strides))
-            elif isinstance(v, np.generic) and not s.updated and (s.dtype != "i32" or t is np.int32):
-                key.append(t)
-            else:
-                return None
-        return tuple(key)
+        return call_key(self._inputs, arrays, dims)
 
     # ------------------------------------------------------------ the call
 
