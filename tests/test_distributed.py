@@ -12,15 +12,20 @@ and runs over 1, 2 and 3 ranks against single-process training on the whole batc
 - The NCCL path on cuda-sim with in-process NCCL-like communicators.
 - Overlap (small buckets, reduced while phase 1 runs) against `overlap=False`: the same
   bits, in-process, under MPI and on cuda-sim.
+- One rank at fault, in-process and under `mpirun -n 2` (`tests/distributed_mpi_faults.py`):
+  a bad call raises on every rank with nothing written and the next call runs; steps
+  that differ refuse; a rank that dies makes the other fail after the timeout.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -335,6 +340,203 @@ def test_forward_only_is_local():
     assert got[0] == got[1] == want
 
 
+# ---------------------------------------------------------------- one rank at fault
+
+def _single_on(name: str, steps) -> dict:
+    """Single-process training on the whole batches of `steps` only (the others skipped)."""
+    case = cases.CASES[name]
+    prog = tgc.compile(case.path, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
+    state = case.init()
+    for k in steps:
+        prog(**case.batch(k), **case.scalars(k), **state)
+    return state
+
+
+@pytest.mark.parametrize("bad", ["x", "lr"])
+def test_a_bad_call_on_one_rank_raises_on_every_rank(bad):
+    """Rank 1's call is wrong once (a batch one feature short: phase 1's input; a
+    learning rate that is not a scalar: phase 2's) and the loop skips it: every rank
+    raises, none writes a param, and the following steps go on in step, as training
+    on the other batches."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm, options=tgc.Options(cpu=tgc.CpuOptions(threads=1)))
+        state = case.init()
+        errors = []
+        for k in range(4):
+            mine = {**step.shard_inputs(case.batch(k)), **case.scalars(k)}
+            if k == 1 and step.rank == 1:
+                mine[bad] = mine["x"][:, :-1] if bad == "x" else np.full(2, 0.1, np.float32)
+            before = {n: v.copy() for n, v in state.items()}
+            try:
+                step(**mine, **state)
+            except tgc.EvalError as e:
+                errors.append((k, str(e)))
+                assert all(np.array_equal(state[n], before[n]) for n in state)     # nothing written
+        return errors, state
+    lock = threading.Lock()
+    (errors0, state0), (errors1, state1) = D.run_ranks(2, body, timeout=120)
+    assert [k for k, _ in errors0] == [k for k, _ in errors1] == [1]
+    want = "has shape (6, 12), expected (6, 13)" if bad == "x" else "input 'lr' has 1 axes, expected 0"
+    assert errors1[0][1].startswith(f"input '{bad}'") and want in errors1[0][1]      # its own error
+    assert errors0[0][1].startswith("data parallel: rank 1 cannot run this step: ") and want in errors0[0][1]
+    assert "no param was written" in errors0[0][1]
+    _same_on_every_rank([state0, state1])
+    _close(state0, _single_on("mlp", [0, 2, 3]))
+
+
+GATHER = """
+dim batch
+dim v = 5
+input ids: i32[batch]
+param E[v]
+input lr
+loss = mean[batch](E[v = ids] ^ 2)
+out loss
+update E = E - lr * grad(loss, E)
+"""
+
+
+def test_an_id_out_of_range_on_one_rank_raises_on_every_rank():
+    """The ids are checked before any communication too (Program.check)."""
+    def body(comm):
+        with lock:
+            step = tgc.compile(GATHER, data_parallel=comm)
+        E = np.arange(5, dtype=np.float32)
+        got = []
+        for k, ids in enumerate(([0, 1, 2, 3], [0, 1, 2, 7], [4, 4, 4, 4])):
+            try:
+                step(**step.shard_inputs({"ids": np.array(ids, np.int32)}), E=E, lr=0.1)
+                got.append(E.copy())
+            except tgc.EvalError as e:
+                got.append(str(e))
+        return got
+    lock = threading.Lock()
+    r0, r1 = D.run_ranks(2, body, timeout=120)
+    assert "rank 1 cannot run this step: gather index out of range: 'ids'[batch=1] = 7" in r0[1]
+    assert r1[1].startswith("gather index out of range")
+    E = np.arange(5, dtype=np.float32)
+    for ids in ([0, 1, 2, 3], [4, 4, 4, 4]):
+        g = np.zeros(5)
+        np.add.at(g, ids, 2 * E[ids] / 4)
+        E = (E - 0.1 * g).astype(np.float32)
+    for r in (r0, r1):
+        np.testing.assert_allclose(r[2], E, rtol=1e-6)
+
+
+def test_ranks_with_different_programs_refuse_the_step():
+    """A param of another size on rank 1: both ranks raise DataParallelError before
+    the first call's broadcast (which would have sent 3 values to a rank expecting 4)."""
+    def body(comm):
+        f = 3 + comm.Get_rank()
+        with lock:
+            step = tgc.compile(BASE.replace("dim f = 3", f"dim f = {f}") + "update W = W - lr * grad(loss, W)",
+                               data_parallel=comm)
+        W = np.full(f, 0.5 + comm.Get_rank(), np.float32)
+        with pytest.raises(D.DataParallelError, match="rank 1 compiled another step than rank 0"):
+            step(x=np.ones((2, f), np.float32), W=W, lr=0.1)
+        return W
+    lock = threading.Lock()
+    W0, W1 = D.run_ranks(2, body, timeout=120)
+    assert np.all(W0 == 0.5) and np.all(W1 == 1.5)
+
+
+def test_ranks_binding_other_sizes_refuse_the_step():
+    """A dim that is not split must have one size on every rank (the gradients' size
+    follows it): a call where they differ raises on every rank; the next one runs."""
+    src = BASE.replace("dim f = 3", "dim f") + "update W = W - lr * grad(loss, W)"
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(src, data_parallel=comm)
+        f = 3 + 2 * comm.Get_rank()
+        with pytest.raises(tgc.EvalError, match="bind different sizes .* rank 0 f=3, rank 1 f=5"):
+            step(x=np.ones((2, f), np.float32), W=np.ones(f, np.float32), lr=0.1)
+        W = np.ones(4, np.float32)
+        return step(x=np.ones((2, 4), np.float32), W=W, lr=0.1)["loss"], W
+    lock = threading.Lock()
+    (l0, W0), (l1, W1) = D.run_ranks(2, body, timeout=120)
+    assert l0 == l1 == 16.0 and np.array_equal(W0, W1)
+    np.testing.assert_allclose(W0, 1 - 0.1 * 8, rtol=1e-6)    # d loss / d W = 2 * 4 * x
+
+
+def test_a_rank_that_stops_makes_the_others_fail_in_time():
+    """Rank 1 stops calling after one step: rank 0's next step raises DataParallelError
+    after `Options.collective_timeout`, and every later call at once."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm, options=tgc.Options(collective_timeout=0.5))
+        state = case.init()
+        step(**step.shard_inputs(case.batch(0)), **case.scalars(0), **state)
+        if comm.Get_rank() == 1:
+            return None
+        start = time.monotonic()
+        with pytest.raises(D.DataParallelError, match=r"rank 0 waited 0.5 s for the other ranks .*"
+                                                      r"Options.collective_timeout"):
+            step(**step.shard_inputs(case.batch(1)), **case.scalars(1), **state)
+        waited = time.monotonic() - start
+        with pytest.raises(D.DataParallelError, match="cannot run again"):
+            step(**step.shard_inputs(case.batch(1)), **case.scalars(1), **state)
+        return waited
+    lock = threading.Lock()
+    waited, _ = D.run_ranks(2, body, timeout=120)
+    assert 0.5 <= waited < 10
+
+
+def test_broadcast_checks_that_the_ranks_send_the_same_params():
+    """`step.broadcast` with other names on rank 1: EvalError on both ranks, nothing
+    sent; with the same names, rank 0's values (an f64 array on rank 1 included)."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = {k: v + comm.Get_rank() for k, v in case.init().items()}
+        with pytest.raises(tgc.EvalError, match=r"broadcast different params or shapes: rank 0 W1\(13, 64\), W2.*, rank 1 W1\(13, 64\);"):
+            step.broadcast(state if comm.Get_rank() == 0 else {"W1": state["W1"]})
+        if comm.Get_rank() == 1:
+            state["b2"] = state["b2"].astype(np.float64)
+        step.broadcast(state)
+        return state
+    lock = threading.Lock()
+    r0, r1 = D.run_ranks(2, body, timeout=120)
+    assert r1["b2"].dtype == np.float64
+    for k, v in case.init().items():
+        assert np.array_equal(r0[k], v) and np.array_equal(r1[k], v), k
+
+
+def test_a_first_call_that_cannot_take_rank_0s_params_raises_on_every_rank():
+    """The first call writes rank 0's params into every rank's arrays: a read-only one
+    on rank 1 is refused before the ranks agree (not half-way through the broadcasts)."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = case.init()
+        if comm.Get_rank() == 1:
+            state["b2"].flags.writeable = False
+        try:
+            step(**step.shard_inputs(case.batch(0)), **case.scalars(0), **state)
+        except (TypeError, tgc.EvalError) as e:
+            return type(e).__name__, str(e)
+    lock = threading.Lock()
+    (k0, m0), (k1, m1) = D.run_ranks(2, body, timeout=120)
+    assert (k0, k1) == ("EvalError", "TypeError")
+    assert m1 == "'b2' must be a writable array: the broadcast sets it to rank 0's value in place, not ndarray (read-only)"
+    assert m0.startswith("data parallel: rank 1 cannot run this step: TypeError: " + m1)
+
+
+def test_collective_timeout_is_checked():
+    with pytest.raises(ValueError, match="collective_timeout: seconds"):
+        tgc.compile(cases.CASES["mlp"].path, data_parallel=D.local_group(1)[0],
+                    options=tgc.Options(collective_timeout=0))
+
+
 # ---------------------------------------------------------------- MPI
 
 def _mpi_reason() -> str | None:
@@ -398,6 +600,71 @@ def test_mpi_ranks(tmp_path, n, warm_cache):
             assert all(r["overlapped"] and r["buckets"] > 1 for r in ranks), spec
             for a, b in zip(ranks, serial):
                 _same_bits(a, b)
+
+
+FAULTS = ["bad-batch", "mismatch", "killed"]
+
+
+@pytest.fixture(scope="module")
+def fault_reports(tmp_path_factory, warm_cache) -> tuple[Path, str]:
+    """`tests/distributed_mpi_faults.py` with every case, under `mpirun -n 2
+    --enable-recovery` (one run: the killed rank last). A hang fails after 120 s."""
+    out = tmp_path_factory.mktemp("faults")
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", "--enable-recovery", sys.executable,
+           str(HERE / "distributed_mpi_faults.py"), str(out), *FAULTS]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_mpi_env())
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mpirun: the ranks hung ({(e.stdout or b'')[-2000:]!r})")
+    return out, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _reports(fault_reports, case: str) -> dict:
+    """Each surviving rank's report of `case`."""
+    out, log = fault_reports
+    reports = {r: json.loads((out / f"{case}.rank{r}.json").read_text())
+               for r in range(2) if (out / f"{case}.rank{r}.json").exists()}
+    assert reports, log
+    return reports
+
+
+@needs_mpi
+def test_mpi_a_bad_batch_on_one_rank_is_skipped_on_every_rank(fault_reports):
+    """Rank 1 passes a batch one feature short and catches the EvalError, as a loop
+    that skips bad batches does: rank 0 raises EvalError too (naming rank 1 and why),
+    no param is written, and the next steps run on both ranks in step."""
+    reports = _reports(fault_reports, "bad-batch")
+    (kind0, msg0), = reports[0]["errors"]
+    (kind1, msg1), = reports[1]["errors"]
+    assert kind0 == kind1 == "EvalError"
+    assert msg1 == "input 'x' has shape (6, 12), expected (6, 13) ([batch=6, features=13])"
+    assert msg0.startswith("data parallel: rank 1 cannot run this step: " + msg1)
+    params = [{k: np.array(v, np.float32) for k, v in reports[r]["params"].items()} for r in range(2)]
+    _same_on_every_rank(params)
+    _close(params[0], _single_on("mlp", [0, 2, 3]))
+
+
+@needs_mpi
+def test_mpi_ranks_with_different_programs_refuse_the_step(fault_reports):
+    """Rank 1 compiled a program whose param has another size: both ranks raise
+    DataParallelError before anything is sent, and keep their params."""
+    reports = _reports(fault_reports, "mismatch")
+    for r in range(2):
+        (kind, msg), = reports[r]["errors"]
+        assert kind == "DataParallelError" and "rank 1 compiled another step than rank 0" in msg
+        assert reports[r]["params"]["W"] == [0.5 * (1 + r)] * (3 + r)
+
+
+@needs_mpi
+def test_mpi_a_killed_rank_makes_the_other_fail_in_time(fault_reports):
+    """Rank 1 is killed (SIGKILL) between two steps; mpirun --enable-recovery lets rank 0
+    live on (as when a node is lost). Rank 0's next step raises DataParallelError after
+    the 3 s of Options.collective_timeout, instead of waiting forever."""
+    reports = _reports(fault_reports, "killed")
+    assert list(reports) == [0]
+    (kind, msg), = reports[0]["errors"]
+    assert kind == "DataParallelError" and "waited 3 s for the other ranks" in msg
+    assert 3.0 <= reports[0]["seconds"] < 30
 
 
 @pytest.mark.slow

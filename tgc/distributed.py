@@ -33,18 +33,27 @@ values (`Program.ready_after`: the last layers' gradients first). With more than
 bucket and more than one rank on a host engine (MPI, or NCCL on cuda-sim), phase 1's
 native call stops after the kernel that finishes a bucket (`Program.run`'s `notify`, a
 ctypes callback) just long enough to copy the bucket's values into it and hand it to the
-step's communication thread, which reduces the buckets in order, with the same blocking
+step's communication thread, which reduces the buckets in order, with the same
 collective as the single-call path, while the kernels go on. So the sums are the same
 calls on the same buffers: the results equal the single-call path's bit for bit
 (tested), only the time differs. Otherwise (`overlap=False`, one bucket, one rank, a
 GPU's NCCL, an MPI without MPI_THREAD_SERIALIZED) phase 1 is one call and the buckets
 are reduced after it.
 
-Every collective is called in the same order on every rank (the row counts, then the
-buckets in their fixed order), by one thread at a time, and a call's argument errors
-are raised before the first one, so the step terminates whenever every rank makes the
-call. The communication thread ends when its phase 1 does: an exception on either side
-is raised by the step after both are done.
+Every collective is called in the same order on every rank (the agreement, then the
+first call's broadcast, then the buckets in their fixed order), by one thread at a time.
+Before the first, each rank checks its call as the phases' programs would
+(`Program.check`: names, dtypes, shapes, sizes, ids), and the ranks exchange one record
+each (`_Record`, one allgather): whether the call is fine or why not, the rows, a
+fingerprint of the compiled step, the sizes of the dims that are not split. A call that
+is wrong on any rank, or steps that differ, raise on every rank before any data is sent
+or any param written (the failing rank's own error; EvalError naming it elsewhere), so
+the next call runs on every rank. The communication thread ends when its phase 1 does:
+an exception on either side is raised by the step after both are done.
+
+A rank that dies or hangs: each MPI collective is nonblocking, polled until it completes
+or `Options.collective_timeout` seconds pass; then DataParallelError, and the step runs
+no more (a collective cannot be called off). NCCL's are not bounded (not built).
 """
 from __future__ import annotations
 
@@ -207,10 +216,21 @@ def _boundary_rank(module: Module):
 
 # ---------------------------------------------------------------- engines
 
+class DataParallelError(RuntimeError):
+    """The ranks cannot run steps together: they hold different programs, or a
+    collective waited longer than `Options.collective_timeout` for the other ranks
+    (one died or hangs), after which their collectives are out of step for good."""
+
+
 class _Engine:
-    """The collectives a step needs, on arrays of the programs' array module."""
+    """The collectives a step needs, on arrays of the programs' array module (`xp`).
+    Each waits at most `timeout` seconds for the other ranks (None: forever) where the
+    communicator has nonblocking collectives; then DataParallelError."""
     rank: int
     size: int
+    xp = np
+    timeout: float | None = None
+    out_of_step: str | None = None   # why no collective can be called again (one timed out)
     other_threads = True   # a thread other than MPI_Init's may call them (one at a time)
 
     def allreduce(self, buf) -> None:
@@ -220,42 +240,86 @@ class _Engine:
     def allreduce_fixed(self, buf) -> None:
         """Sum `buf` over the ranks in rank order, in place: gathered, then added
         rank 0 first on every rank, whatever the library's algorithm."""
+        got = self.allgather(buf)
+        buf[...] = got[0]
+        for r in range(1, self.size):
+            buf += got[r]
+
+    def allgather(self, buf):
+        """Every rank's `buf`, in rank order: an array of shape (size, *buf.shape)."""
         raise NotImplementedError
 
     def broadcast(self, buf, root: int = 0) -> None:
         raise NotImplementedError
 
+    def _timed_out(self, what: str) -> DataParallelError:
+        """The error of a collective that waited `timeout` seconds: remembered in
+        `out_of_step`, as the collective cannot be called off."""
+        self.out_of_step = (f"data parallel: rank {self.rank} waited {self.timeout:g} s for the other ranks in "
+                            f"{what} (Options.collective_timeout): a rank has died or hangs")
+        return DataParallelError(self.out_of_step + ". The ranks' collectives are out of step; this communicator "
+                                 "cannot be used for another step: end the job (comm.Abort())")
+
 
 class MPIEngine(_Engine):
     """An mpi4py communicator (or one with its methods: Get_rank, Get_size, Allreduce,
-    Allgather, Bcast) on numpy arrays."""
+    Allgather, Bcast, and Iallreduce, Iallgather, Ibcast for the timeout) on numpy
+    arrays. With the nonblocking collectives, each is polled (`Request.Test`) until it
+    completes or `timeout` passes; without them, each blocks until it completes."""
     kind = "mpi"
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, timeout: float | None = None):
+        self.comm, self.timeout = comm, timeout
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.nonblocking = all(hasattr(comm, m) for m in ("Iallreduce", "Iallgather", "Ibcast"))
         if type(comm).__module__.startswith("mpi4py"):   # MPI_THREAD_SERIALIZED at least (mpi4py asks MULTIPLE)
             from mpi4py import MPI
 
             self.other_threads = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
+    def _wait(self, request, what: str, *buffers) -> None:
+        """Until `request` completes (each Test lets MPI progress it): polled at once
+        for the first millisecond, then with pauses growing to 1 ms (which let other
+        threads run); DataParallelError after `timeout` seconds. A request given up
+        keeps its `buffers` for good: MPI may still write them."""
+        if self.timeout is None:
+            request.Wait()
+            return
+        start = time.monotonic()
+        pause = 0.0
+        while not request.Test():
+            waited = time.monotonic() - start
+            if waited > self.timeout:
+                self.abandoned = (request, buffers)
+                raise self._timed_out(what)
+            if waited > 1e-3:
+                pause = min(2 * pause or 1e-5, 1e-3)
+                time.sleep(pause)
+
     def allreduce(self, buf) -> None:
         send = buf.copy()
-        self.comm.Allreduce(send, buf)
+        if self.nonblocking:
+            self._wait(self.comm.Iallreduce(send, buf), f"an allreduce of {buf.size} values", send, buf)
+        else:
+            self.comm.Allreduce(send, buf)
 
-    def allreduce_fixed(self, buf) -> None:
+    def allgather(self, buf):
         got = np.empty((self.size,) + buf.shape, buf.dtype)
-        self.comm.Allgather(buf, got)
-        buf[...] = got[0]
-        for r in range(1, self.size):
-            buf += got[r]
+        if self.nonblocking:
+            self._wait(self.comm.Iallgather(buf, got), f"an allgather of {buf.size} values", buf, got)
+        else:
+            self.comm.Allgather(buf, got)
+        return got
 
     def broadcast(self, buf, root: int = 0) -> None:
-        self.comm.Bcast(buf, root=root)
+        if self.nonblocking:
+            self._wait(self.comm.Ibcast(buf, root=root), f"a broadcast of {buf.size} values", buf)
+        else:
+            self.comm.Bcast(buf, root=root)
 
 
 # NCCL's ABI constants (nccl.h): what cupy.cuda.nccl names NCCL_FLOAT32 ...
-NCCL_TYPES = {np.dtype(np.float32): 7, np.dtype(np.float64): 8, np.dtype(np.int32): 2}
+NCCL_TYPES = {np.dtype(np.float32): 7, np.dtype(np.float64): 8, np.dtype(np.int32): 2, np.dtype(np.uint8): 1}
 NCCL_SUM = 0
 
 
@@ -263,11 +327,13 @@ class NCCLEngine(_Engine):
     """A CuPy NCCL communicator (`cupy.cuda.nccl.NcclCommunicator`: rank_id, size,
     allReduce, allGather, bcast on device pointers, queued on the current stream). On
     cuda-sim the arrays are numpy's and the pointers host addresses (a fake
-    communicator from `local_group(n, "nccl")`)."""
+    communicator from `local_group(n, "nccl")`). Its collectives are queued and
+    waited for without a deadline: `timeout` does not bound them (ncclCommAbort on a
+    deadline is not built)."""
     kind = "nccl"
 
-    def __init__(self, comm, xp):
-        self.comm, self.xp = comm, xp
+    def __init__(self, comm, xp, timeout: float | None = None):
+        self.comm, self.xp, self.timeout = comm, xp, timeout
         self.rank, self.size = comm.rank_id(), comm.size()
 
     def _ptr(self, a) -> int:
@@ -281,19 +347,18 @@ class NCCLEngine(_Engine):
     def allreduce(self, buf) -> None:
         self.comm.allReduce(self._ptr(buf), self._ptr(buf), buf.size, NCCL_TYPES[buf.dtype], NCCL_SUM, self._stream())
 
-    def allreduce_fixed(self, buf) -> None:
+    def allgather(self, buf):
         got = self.xp.empty((self.size,) + buf.shape, buf.dtype)
         self.comm.allGather(self._ptr(buf), self._ptr(got), buf.size, NCCL_TYPES[buf.dtype], self._stream())
-        buf[...] = got[0]
-        for r in range(1, self.size):
-            buf += got[r]
+        return got
 
     def broadcast(self, buf, root: int = 0) -> None:
         self.comm.bcast(self._ptr(buf), buf.size, NCCL_TYPES[buf.dtype], root, self._stream())
 
 
-def engine_for(comm, backend: str) -> _Engine:
-    """The engine for `comm` on `backend`: mpi4py-like or NCCL-like (by its methods)."""
+def engine_for(comm, backend: str, timeout: float | None = None) -> _Engine:
+    """The engine for `comm` on `backend`: mpi4py-like or NCCL-like (by its methods),
+    its collectives waiting at most `timeout` seconds for the other ranks."""
     if hasattr(comm, "allReduce") and hasattr(comm, "rank_id"):
         if backend == "cpu":
             raise ValueError("data_parallel: a NCCL communicator needs backend 'cuda' (or 'cuda-sim'); "
@@ -301,12 +366,12 @@ def engine_for(comm, backend: str) -> _Engine:
         xp = np
         if backend == "cuda":
             import cupy as xp   # noqa: F811 -- the device's arrays
-        return NCCLEngine(comm, xp)
+        return NCCLEngine(comm, xp, timeout)
     if hasattr(comm, "Allreduce") and hasattr(comm, "Get_rank"):
         if backend == "cuda":
             raise ValueError("data_parallel: backend 'cuda' reduces with NCCL: pass a "
                              "cupy.cuda.nccl.NcclCommunicator, not an MPI communicator")
-        return MPIEngine(comm)
+        return MPIEngine(comm, timeout)
     raise TypeError(f"data_parallel: {type(comm).__name__} is no communicator: pass an mpi4py communicator "
                     f"(Get_rank, Get_size, Allreduce, Allgather, Bcast) or a CuPy NCCL communicator")
 
@@ -314,27 +379,89 @@ def engine_for(comm, backend: str) -> _Engine:
 # ---------------------------------------------------------------- in-process communicators
 
 class _Rendezvous:
-    """n threads meeting at each collective: each posts its buffer, then all read all."""
+    """n threads meeting at each collective. Each rank numbers its collectives in the
+    order it calls them; the k-th collective is complete once every rank has posted
+    its buffer for it, and is forgotten once every rank has read them all. `abort`
+    (a rank that failed, in `run_ranks`) makes every wait raise BrokenBarrierError."""
 
     def __init__(self, n: int):
         self.n = n
-        self.slots: list = [None] * n
-        self.barrier = threading.Barrier(n)
+        self.cond = threading.Condition()
+        self.rounds: dict[int, list] = {}   # k -> [the buffers by rank, how many posted, how many read]
+        self.broken = False
 
-    def exchange(self, rank: int, value) -> list:
-        self.slots[rank] = value
-        self.barrier.wait()
-        got = list(self.slots)
-        self.barrier.wait()
+    def post(self, k: int, rank: int, value) -> None:
+        with self.cond:
+            r = self.rounds.setdefault(k, [[None] * self.n, 0, 0])
+            r[0][rank] = value
+            r[1] += 1
+            self.cond.notify_all()
+
+    def complete(self, k: int) -> bool:
+        with self.cond:
+            if self.broken:
+                raise threading.BrokenBarrierError
+            return self.rounds[k][1] == self.n
+
+    def wait(self, k: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.broken or self.rounds[k][1] == self.n)
+
+    def take(self, k: int) -> list:
+        """Every rank's buffer of the complete collective k, in rank order."""
+        with self.cond:
+            r = self.rounds[k]
+            r[2] += 1
+            if r[2] == self.n:
+                del self.rounds[k]
+            return list(r[0])
+
+    def abort(self) -> None:
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
+class _LocalRequest:
+    """A nonblocking collective of a `LocalComm` (mpi4py's Request: Test, Wait)."""
+
+    def __init__(self, rv: _Rendezvous, k: int, finish):
+        self._rv, self._k, self._finish, self._done = rv, k, finish, False
+
+    def Test(self) -> bool:
+        if not self._done and self._rv.complete(self._k):
+            self._finish(self._rv.take(self._k))
+            self._done = True
+        return self._done
+
+    def Wait(self) -> None:
+        self._rv.wait(self._k)
+        if not self.Test():
+            raise threading.BrokenBarrierError
+
+
+class _LocalRank:
+    """One rank's end of a `_Rendezvous`: its collectives numbered in call order."""
+
+    def __init__(self, rv: _Rendezvous, rank: int):
+        self._rv, self._rank, self._calls = rv, rank, 0
+
+    def _start(self, value, finish) -> _LocalRequest:
+        k = self._calls
+        self._calls += 1
+        self._rv.post(k, self._rank, value)
+        return _LocalRequest(self._rv, k, finish)
+
+    def _exchange(self, value) -> list:
+        got: list = []
+        self._start(value, got.extend).Wait()
         return got
 
 
-class LocalComm:
-    """An mpi4py-like communicator between threads of this process (`local_group`).
-    Allreduce sums in rank order, so its results equal `allreduce_fixed`'s bit for bit."""
-
-    def __init__(self, rv: _Rendezvous, rank: int):
-        self._rv, self._rank = rv, rank
+class LocalComm(_LocalRank):
+    """An mpi4py-like communicator between threads of this process (`local_group`),
+    with mpi4py's blocking and nonblocking collectives. Allreduce sums in rank order,
+    so its results equal `allreduce_fixed`'s bit for bit."""
 
     def Get_rank(self) -> int:
         return self._rank
@@ -342,31 +469,40 @@ class LocalComm:
     def Get_size(self) -> int:
         return self._rv.n
 
+    def Iallreduce(self, send, recv) -> _LocalRequest:
+        def finish(got):
+            recv[...] = got[0]
+            for g in got[1:]:
+                np.add(recv, g, out=recv)
+        return self._start(np.array(send, copy=True), finish)
+
+    def Iallgather(self, send, recv) -> _LocalRequest:
+        def finish(got):
+            for r, g in enumerate(got):
+                recv[r] = g
+        return self._start(np.array(send, copy=True), finish)
+
+    def Ibcast(self, buf, root: int = 0) -> _LocalRequest:
+        def finish(got):
+            buf[...] = got[root]
+        return self._start(np.array(buf, copy=True), finish)
+
     def Allreduce(self, send, recv) -> None:
-        got = self._rv.exchange(self._rank, np.array(send, copy=True))
-        recv[...] = got[0]
-        for g in got[1:]:
-            recv += g
+        self.Iallreduce(send, recv).Wait()
 
     def Allgather(self, send, recv) -> None:
-        got = self._rv.exchange(self._rank, np.array(send, copy=True))
-        for r, g in enumerate(got):
-            recv[r] = g
+        self.Iallgather(send, recv).Wait()
 
     def Bcast(self, buf, root: int = 0) -> None:
-        got = self._rv.exchange(self._rank, np.array(buf, copy=True))
-        buf[...] = got[root]
+        self.Ibcast(buf, root).Wait()
 
 
 _NCCL_NP = {v: k for k, v in NCCL_TYPES.items()}
 
 
-class LocalNcclComm:
+class LocalNcclComm(_LocalRank):
     """A NCCL-like communicator (cupy.cuda.nccl.NcclCommunicator's methods) between
     threads of this process, on host pointers: the NCCL path on cuda-sim."""
-
-    def __init__(self, rv: _Rendezvous, rank: int):
-        self._rv, self._rank = rv, rank
 
     def rank_id(self) -> int:
         return self._rank
@@ -384,19 +520,19 @@ class LocalNcclComm:
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:
         if op != NCCL_SUM:
             raise ValueError("LocalNcclComm: only ncclSum")
-        got = self._rv.exchange(self._rank, self._view(sendbuf, count, datatype).copy())
+        got = self._exchange(self._view(sendbuf, count, datatype).copy())
         out = self._view(recvbuf, count, datatype)
         out[...] = got[0]
         for g in got[1:]:
             out += g
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
-        got = self._rv.exchange(self._rank, self._view(sendbuf, count, datatype).copy())
+        got = self._exchange(self._view(sendbuf, count, datatype).copy())
         self._view(recvbuf, count * self._rv.n, datatype)[...] = np.concatenate(got)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         view = self._view(buff, count, datatype)
-        got = self._rv.exchange(self._rank, view.copy())
+        got = self._exchange(view.copy())
         view[...] = got[root]
 
 
@@ -423,7 +559,7 @@ def run_ranks(n: int, fn, kind: str = "mpi", timeout: float = 600.0) -> list:
             results[r] = fn(comms[r])
         except BaseException as e:  # noqa: BLE001 -- reported to the caller
             errors.append(e)
-            comms[r]._rv.barrier.abort()
+            comms[r]._rv.abort()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
@@ -483,7 +619,11 @@ class DataParallel:
                  cache_key: str | None = None, reads=None):
         self.module, self.options, self.backend, self.shard = module, options, backend, shard
         self.split = split_step(module, shard)
-        self.engine = engine_for(comm, backend)
+        timeout = options.collective_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"Options.collective_timeout: seconds (> 0) or None, not {timeout!r}")
+        self.engine = engine_for(comm, backend, timeout)
         self.rank, self.size = self.engine.rank, self.engine.size
         self.deterministic = bool(deterministic)
         if bucket_bytes < 1:
@@ -508,12 +648,22 @@ class DataParallel:
         # what crosses the ranks, in a fixed order: the boundary values, then the outputs to reduce
         self.reduced = list(self.split.boundary) + [o.name for o in module.outputs if o.name not in sharded]
         self._sharded_args = {n: a for n, a in module.args.items() if any(module.edges[e] in dims for e in a.order)}
+        self._split_dims = dims
+        # the arguments a call must give, and the params and states its first call broadcasts
+        self._needed = set(self.grads._names) | (set(self.apply._names) - set(self.split.boundary))
+        self._params = [n for n in sorted(self._needed) if module.args[n].kind in ("param", "state")]
         self._synced = False
         self._signature = None
         # seconds of the last call: phase 1 (gradients), the reduction (waits included), phase 2 (updates)
         self.last_times: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self._buckets: list[_Bucket] | None = None   # made on the first call, for its shapes
         self._ready = self.grads.ready_after()      # {phase 1 output: the kernel that finishes it}
+        self._fingerprint = self._program_fingerprint()
+        self._standins: dict = {}   # phase 1's sizes -> stand-ins for the boundary values in phase 2's check
+        # the arguments a call gives, and the signatures of calls checked: (rows, dims, their sizes, targets)
+        self._call_specs = [s for s in self.inputs if s.name in self._needed]
+        self._calls: dict = {}
+        self._broken: str | None = None   # why no further step can run (collectives out of step)
         self._worker: threading.Thread | None = None   # reduces the buckets while phase 1 runs
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # whether the last call overlapped its reduction with phase 1, and how many of its
@@ -576,16 +726,32 @@ class DataParallel:
         return out
 
     def broadcast(self, arrays: dict) -> None:
-        """Every param and state in `arrays` set, in place, to rank 0's values."""
-        for name in sorted(arrays):
-            a = self.module.args.get(name)
-            if a is not None and a.kind in ("param", "state"):
-                x = arrays[name]
-                if not isinstance(x, (np.ndarray,)) and not hasattr(x, "__cuda_array_interface__"):
-                    raise TypeError(f"broadcast: '{name}' must be an array (it is written in place)")
-                if not x.flags.c_contiguous:
-                    raise TypeError(f"broadcast: '{name}' must be C-contiguous")
-                self.engine.broadcast(x.reshape(-1) if x.ndim else x.reshape(1))
+        """Every param and state in `arrays` set, in place, to rank 0's values. Every
+        rank must call it with the same names and shapes: the ranks check that they do
+        (one small collective) before anything is sent; EvalError on every rank if not."""
+        self._refuse_if_broken()
+        names = [n for n in sorted(arrays) if n in self.module.args and self.module.args[n].kind in ("param", "state")]
+        error = None
+        try:
+            _check_writable(arrays, names)
+            what = ", ".join(f"{n}{tuple(np.shape(arrays[n]))}" for n in names)
+        except Exception as e:  # noqa: BLE001 -- told to every rank, then raised
+            error, what = e, ""
+        self._agree(0, what, error, "broadcast different params or shapes")
+        self._broadcast(arrays, names)
+
+    def _broadcast(self, arrays: dict, names: list[str]) -> None:
+        """`names` (params and states, shapes agreed) sent from rank 0, each through an
+        array of the program's float type (the same bytes on every rank, whatever
+        dtype each rank passed), written back where it is not the caller's own."""
+        xp = self.engine.xp
+        dt = np.float32 if self.float_dtype == "f32" else np.float64
+        for name in names:
+            x = arrays[name]
+            buf = xp.ascontiguousarray(x, dtype=np.int32 if self.module.args[name].dtype == "i32" else dt)
+            self.engine.broadcast(buf.reshape(-1))
+            if buf is not x:
+                x[...] = buf
 
     # ------------------------------------------------------------ the call
 
@@ -606,29 +772,44 @@ class DataParallel:
         return self.run(arrays, updates=updates)
 
     def run(self, arrays: dict, dims: dict | None = None, updates: bool = True) -> dict:
-        """One data-parallel step (see the class docstring); every rank must call it."""
-        from tgc.ir.interp import EvalError
+        """One data-parallel step (see the class docstring); every rank must call it.
 
+        Each rank checks its call (`_check_call`) before any communication, then the
+        ranks exchange one small record each (`_agree`): whether the call is fine,
+        the rows, the program's fingerprint and the dims. A call that is wrong on any
+        rank raises on every rank (EvalError, naming the rank and why) before any
+        data is sent or any param written, so the next call runs on every rank."""
         if not isinstance(updates, bool):
             raise TypeError(f"updates= takes True or False, not {type(updates).__name__}")
         if not updates:
             fwd = self.without_updates()
             return fwd.run({n: arrays[n] for n in fwd._names if n in arrays}, dims)
-        extra = [n for n in arrays if n not in self.module.args]
-        if extra:
-            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
-        # before any communication: a rank that stops here leaves the others no collective to wait in
-        needed = set(self.grads._names) | (set(self.apply._names) - set(self.split.boundary))
-        missing = [n for n in self.module.args if n in needed and n not in arrays]
-        if missing:
-            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
-        if not self._synced:
-            self.broadcast(arrays)
+        self._refuse_if_broken()
+        tc = time.perf_counter()
+        error = rows = None
+        try:
+            rows, dims_text = self._check_call(arrays, dims)
+        except Exception as e:  # noqa: BLE001 -- told to every rank, then raised
+            error, dims_text = e, ""
+        sizes, sync = self._agree(rows or 0, dims_text, error)
+        try:
+            return self._step(arrays, dims, sizes, sync, tc)
+        except BaseException as e:
+            # a rank that fails after the agreement leaves the others in a collective it
+            # will not join (they time out): no step can run again on this communicator
+            if self.engine.out_of_step is None:
+                self._broken = f"data parallel: rank {self.rank} failed during a step ({type(e).__name__}: {e})"
+            raise
+
+    def _step(self, arrays: dict, dims: dict | None, sizes: list[int], sync: bool, tc: float) -> dict:
+        """The step, once every rank has agreed to run it: the first call's broadcast,
+        phase 1, the reduction, phase 2."""
+        if sync:
+            self._broadcast(arrays, self._params)
             self._synced = True
         g = self.grads
-        rows = self._rows(arrays, dims)
-        tc = time.perf_counter()
-        total, equal = self._counts(rows)   # first: packing an unequal shard scales by rows / total
+        total, equal = float(sum(sizes)), all(n == sizes[0] for n in sizes)
+        rows = sizes[self.rank]
         t0 = time.perf_counter()
         scale = None if equal else rows / total
         args1 = {n: arrays[n] for n in g._names if n in arrays}
@@ -643,14 +824,135 @@ class DataParallel:
         reduced = self._views(first)
         t2 = max(time.perf_counter(), t1)
         a = self.apply
-        dims2 = {d: n for d, n in (dims or {}).items() if d in self.split.apply.dims} if dims else None
-        second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, dims2)
+        second = a.run({n: reduced[n] if n in reduced else arrays[n] for n in a._names}, self._dims2(dims))
         self.last_times = (t1 - t0, (t0 - tc) + (t2 - t1), time.perf_counter() - t2)
         # reduced outputs are views of the buckets, which the next call overwrites: copies
         result = {o.name: reduced[o.name].copy() if o.name in reduced else first[o.name] for o in self.module.outputs}
         for u in self.module.updates:
             result[self.module.update_key(u.target)] = second[u.target]
         return result
+
+    def _dims2(self, dims: dict | None) -> dict | None:
+        """`dims` without the split ones (phase 2 has none of them)."""
+        return {d: n for d, n in dims.items() if d in self.split.apply.dims} if dims else None
+
+    def _refuse_if_broken(self) -> None:
+        why = self._broken or self.engine.out_of_step
+        if why is not None:
+            raise DataParallelError(why + "; the ranks' collectives are out of step: this step cannot run again, "
+                                    "end the job (comm.Abort())")
+
+    # ------------------------------------------------------------ checking and agreeing
+
+    def _check_call(self, arrays: dict, dims: dict | None) -> tuple[int, str]:
+        """This rank's call checked as both phases' programs check theirs, without
+        running anything (`Program.check`; phase 2 with stand-ins of the boundary
+        values' shapes): (this rank's rows, the sizes of the dims that are not split, as
+        text: every rank must bind the same). EvalError or TypeError says what is wrong."""
+        from tgc.ir.interp import EvalError
+        from tgc.ir.sizes import size_eval
+        from tgc.runtime.program import call_key
+
+        if not isinstance(arrays, dict):
+            raise TypeError(f"a data-parallel step takes a dict of arrays, not {type(arrays).__name__}")
+        # a call with the signature of one checked before (the same names, shapes, dtypes,
+        # layouts and update targets): only what depends on the values is checked again
+        key = (call_key(self._call_specs, arrays, dims) if len(arrays) == len(self._call_specs)
+               and not self.options.check_assumptions else None)
+        hit = self._calls.get(key) if key is not None else None
+        if hit is not None and all(r() is not None for r in hit[4]):
+            rows, text, env1, env2, _ = hit
+            self.grads.check_ids(arrays, env1)
+            self.apply.check_ids(arrays, env2)
+            if not self._synced:
+                _check_writable(arrays, self._params)
+            return rows, text
+        extra = [n for n in arrays if n not in self.module.args]
+        if extra:
+            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
+        missing = [n for n in self.module.args if n in self._needed and n not in arrays]
+        if missing:
+            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
+        if dims is not None and not isinstance(dims, dict):
+            raise TypeError(f"dims= takes a dict of sizes, not {type(dims).__name__}")
+        if not self._synced:
+            _check_writable(arrays, self._params)
+        env1 = self.grads.check({n: arrays[n] for n in self.grads._names}, dims)
+        key1 = tuple(env1.items())
+        standins = self._standins.get(key1)
+        if standins is None:   # once per sizes: arrays of the boundary values' shapes
+            specs = {s.name: s for s in self.grads.outputs}
+            dt = np.float32 if self.float_dtype == "f32" else np.float64
+            standins = {n: np.empty(tuple(size_eval(x, env1) for x in specs[n].shape), dt) for n in self.split.boundary}
+            if len(self._standins) >= 64:
+                self._standins.clear()
+            self._standins[key1] = standins
+        env2 = self.apply.check({n: standins[n] if n in standins else arrays[n] for n in self.apply._names},
+                                self._dims2(dims))
+        rows = int(env1[self.shard] if self.shard in env1 else self._rows(arrays, dims))
+        fixed = {**{d: n for d, n in env1.items() if d not in self._split_dims}, **env2}
+        text = ", ".join(f"{d}={n}" for d, n in sorted(fixed.items()))
+        if key is not None:
+            if len(self._calls) >= 64:
+                self._calls.clear()
+            self._calls[key] = (rows, text, env1, env2, [weakref.ref(arrays[n]) for n in self.updates])
+        return rows, text
+
+    def _program_fingerprint(self) -> bytes:
+        """What every rank's step must share for their collectives to match: both
+        phases' modules, the float type, the split dim, the reduced values in their
+        bucket order, the bucket size, the sums, `deterministic`, the number of ranks
+        and the params the first call broadcasts. (The optimizations and the backend
+        may differ: they change no buffer.)"""
+        import hashlib
+
+        from tgc.ir.printer import print_module
+
+        end = len(self.grads.lowered.kernels) - 1
+        order = sorted(self.reduced, key=lambda n: (self._ready.get(n, end), self.reduced.index(n)))
+        h = hashlib.sha256()
+        for part in (print_module(self.split.grads), print_module(self.split.apply), self.float_dtype, self.shard,
+                     repr(order), str(self.bucket_bytes), repr(sorted(self.sums)), str(self.deterministic),
+                     str(self.size), repr(self._params)):
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        return h.digest()[:16]
+
+    def _agree(self, rows: int, what: str, error: BaseException | None,
+               differ: str = "bind different sizes to the dims that are not split") -> tuple[list[int], bool]:
+        """One allgather of every rank's record (`_Record`): whether its call is fine
+        (else why not), its rows, whether it must still broadcast the params, the
+        program's fingerprint and `what` (the dims' sizes). Raises on every rank,
+        before any other collective, when a rank's call is wrong (its own error there,
+        EvalError naming it elsewhere), when the programs differ (DataParallelError)
+        or when the ranks' `what` differ (EvalError: the ranks `differ`). Else (each rank's rows, whether
+        to broadcast the params now: when any rank has not yet)."""
+        from tgc.ir.interp import EvalError
+
+        why = "" if error is None else (str(error) if isinstance(error, EvalError) else
+                                        f"{type(error).__name__}: {error}")
+        mine = _Record(error is None, rows, not self._synced, self._fingerprint, what if error is None else why)
+        got = self.engine.allgather(self.engine.xp.asarray(mine.pack())) if self.size > 1 else mine.pack()[None]
+        records = [_Record.unpack(bytes(np.asarray(g.get() if hasattr(g, "get") else g))) for g in got]
+        failed = [r for r, rec in enumerate(records) if not rec.ok]
+        if failed:
+            if error is not None:
+                raise error
+            r = failed[0]
+            more = f" (and {', '.join(f'rank {q}' for q in failed[1:])})" if failed[1:] else ""
+            raise EvalError(f"data parallel: rank {r}{more} cannot run this step: {records[r].text}; "
+                            f"no rank ran it, no param was written")
+        for r, rec in enumerate(records):
+            if rec.fingerprint != records[0].fingerprint:
+                raise DataParallelError(
+                    f"data parallel: rank {r} compiled another step than rank 0 (its program, float type, split "
+                    f"dim, bucket_bytes, sums, deterministic or number of ranks differ): every rank must compile "
+                    f"the same; no rank ran this step")
+        for r, rec in enumerate(records):
+            if rec.text != records[0].text:
+                raise EvalError(f"data parallel: the ranks {differ}: rank 0 {records[0].text or 'none'}, "
+                                f"rank {r} {rec.text or 'none'}; no rank sent or wrote anything")
+        return [rec.rows for rec in records], any(rec.sync for rec in records)
 
     def _rows(self, arrays: dict, dims: dict | None) -> int:
         if dims and self.shard in dims:
@@ -663,15 +965,6 @@ class DataParallel:
         from tgc.ir.interp import EvalError
 
         raise EvalError(f"no input gives the size of dim '{self.shard}': pass dims={{'{self.shard}': n}}")
-
-    def _counts(self, rows: int) -> tuple[float, bool]:
-        """(the global rows, whether every rank holds as many): one small allreduce."""
-        xp = self.engine.xp if isinstance(self.engine, NCCLEngine) else np
-        c = xp.asarray([float(rows), float(rows) * rows], dtype=np.float64)
-        if self.size > 1:
-            self.engine.allreduce(c)
-        s, s2 = (float(x) for x in (c.get() if hasattr(c, "get") else c))
-        return s, self.size * s2 == s * s
 
     # ------------------------------------------------------------ the reduction
     #
@@ -796,7 +1089,7 @@ class DataParallel:
         self._layout = [(n, first[n].shape, first[n].dtype) for n in order]
         buckets, cur, cur_bytes, cur_dt = [], [], 0, None
         for n, shape, dt in self._layout:
-            if dt not in NCCL_TYPES or dt == np.dtype(np.int32):
+            if dt.kind != "f" or dt not in NCCL_TYPES:
                 raise TypeError(f"data parallel reduces f32/f64 values; '{n}' is {dt}")
             nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             if cur and (dt != cur_dt or cur_bytes + nbytes > self.bucket_bytes):
@@ -821,6 +1114,51 @@ class DataParallel:
     def gradient_bytes(self) -> int:
         """Bytes reduced per step (after the first call)."""
         return sum(int(b.buf.nbytes) for b in (self._buckets or []))
+
+
+def _check_writable(arrays: dict, names) -> None:
+    """TypeError unless each of `names` is an array this rank may write (a broadcast
+    sets it in place): checked before the ranks agree, as a write that fails half-way
+    through the broadcasts would leave them out of step."""
+    for name in names:
+        x = arrays[name]
+        if not (isinstance(x, np.ndarray) and x.flags.writeable) and not hasattr(x, "__cuda_array_interface__"):
+            raise TypeError(f"'{name}' must be a writable array: the broadcast sets it to rank 0's value in place, "
+                            f"not {type(x).__name__}" + (" (read-only)" if isinstance(x, np.ndarray) else ""))
+
+
+RECORD_BYTES = 256   # one rank's record in the agreement before each step
+
+
+@dataclass
+class _Record:
+    """What a rank tells the others before each step (`DataParallel._agree`), packed
+    into RECORD_BYTES bytes: 1 + 1 + 8 + 16 bytes, the text's length (2), then the
+    text in UTF-8 (the dims' sizes, or why the call is wrong), cut to fit."""
+    ok: bool
+    rows: int
+    sync: bool
+    fingerprint: bytes
+    text: str
+
+    def pack(self) -> np.ndarray:
+        import struct
+
+        head = struct.pack("<??q16s", self.ok, self.sync, self.rows, self.fingerprint)
+        room = RECORD_BYTES - len(head) - 2
+        text = self.text.encode("utf-8", "replace")
+        if len(text) > room:
+            text = text[:room - 3].decode("utf-8", "ignore").encode() + b"..."
+        body = head + struct.pack("<H", len(text)) + text
+        return np.frombuffer(body.ljust(RECORD_BYTES, b"\0"), np.uint8).copy()
+
+    @staticmethod
+    def unpack(data: bytes) -> "_Record":
+        import struct
+
+        ok, sync, rows, fp = struct.unpack_from("<??q16s", data)
+        n, = struct.unpack_from("<H", data, 26)
+        return _Record(ok, rows, sync, fp, data[28:28 + n].decode("utf-8", "replace"))
 
 
 @dataclass

@@ -45,6 +45,7 @@ class Options:
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
+    collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
     cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)

@@ -67,7 +67,7 @@ class CacheWarning(UserWarning):
 
 
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
-                          "locs", "verify_each", "verify_seed", "stats", "passes"})
+                          "locs", "verify_each", "verify_seed", "stats", "passes", "collective_timeout"})
 CPU_PRESENTATION = frozenset({"compile_jobs"})   # CpuOptions fields that do not change the code
 
 
