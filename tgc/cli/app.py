@@ -13,9 +13,9 @@ import click
 
 import tgc
 from tgc import pipeline
-from tgc.fsutil import write_atomic
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
+from tgc.cli.outputs import check_outputs, sources, write_output
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.printer import print_module
 from tgc.options import Options
@@ -145,13 +145,6 @@ def format_pass_times(stats) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_output(path: str | None, text: str) -> None:
-    if path in (None, "-"):
-        click.echo(text, nl=False)
-    else:
-        write_atomic(path, text)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(tgc.__version__, prog_name="tgc")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors (also TGC_DEBUG=1).")
@@ -244,7 +237,9 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
     if fmt != "text" and (after_all or stage is not None):
         why = "--after-all" if after_all else f"--after {stage} (a lowering stage)"
         raise click.BadParameter(f"--format {fmt} prints one module of IR, not with {why}", param_hint="--format")
-    module = pipeline.load(file, options)
+    loaded = pipeline.load_program(file, options)
+    check_outputs([("the output", output)], sources(loaded.files))
+    module = loaded.module
     chunks: list[str] = []
 
     def collect(banner: str, text: str) -> None:
@@ -334,6 +329,7 @@ def opt(file, output, locs, backend="cpu", **opts) -> None:
     from tgc.lower.lowered import print_lowered
     from tgc.lower.text import is_lowered_text, parse_lowered
 
+    check_outputs([("the output", output)], sources([file]))
     text = pipeline.read_text(file)
     name = "<stdin>" if file == "-" else file
     if is_lowered_text(text):

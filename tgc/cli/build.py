@@ -9,7 +9,8 @@ import click
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
-from tgc.fsutil import write_all_atomic
+from tgc.cli.outputs import check_outputs, sources
+from tgc.fsutil import is_special, write_all_atomic
 from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 
@@ -126,11 +127,14 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     loaded = pipeline.load_program(file, options)
     with _flag_errors():
         companions = {} if emit == "ir" else backend.companions(output, emit)
+    if output != "-" and is_special(output):   # /dev/null, a FIFO: nothing is written beside it
+        companions = {}
+        md = md and bool(mf)
     depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
     if depfile and output == "-" and not (mf and mt):
         raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
-    _check_distinct([(what, p) for what, p in [("the output", output), *companions.items(), ("the depfile", depfile)]
-                     if p and p != "-"], loaded.files)
+    check_outputs([("the output", output), *companions.items(), ("the depfile", depfile)], sources(loaded.files),
+                  hint="-o/-MF")
     try:
         module = pipeline.fix_dims(loaded.module, defines)
     except ValueError as e:
@@ -144,6 +148,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         else:
             with _flag_errors():
                 files = backend.build(lowered.module, options, emit, output, Path(file).name)
+            files = {path: data for path, data in files.items() if path == output or path in companions.values()}
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile
 
@@ -164,18 +169,6 @@ def _flag_errors():
         if not (sep and flag.startswith("-") and " " not in flag):
             raise
         raise click.BadParameter(why, param_hint=flag) from None
-
-
-def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:
-    """No two outputs, and no output and source, are one file (gcc refuses the same)."""
-    import os
-
-    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in _on_disk(sources)}
-    for what, path in files:
-        real = os.path.realpath(path)
-        if real in seen:
-            raise click.BadParameter(f"{what} '{path}' would overwrite {seen[real]}", param_hint="-o/-MF")
-        seen[real] = f"{what} '{path}'"
 
 
 def _on_disk(files: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ from tgc import pipeline
 from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
+from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
@@ -362,7 +363,10 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                       fp_strict=fp_strict, autocast=autocast,
                       memory_budget=memory_budget).with_(profile=bool(profile))
     with status("compiling"):
-        full = pipeline.load(file, options)
+        loaded = pipeline.load_program(file, options)
+        check_outputs([("the output", output)], [*sources(loaded.files), ("the inputs", npz),
+                                                 *((f"input '{k}'", v) for k, v in singles.items())])
+        full = loaded.module
         lowered = pipeline.lower(pipeline.forward_only(full) if no_update else full, options)
         module = lowered.module
     report_memory(lowered.memory)
