@@ -8,10 +8,9 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
+from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import is_special, write_all_atomic
-from tgc.ir.sizes import MAX_SIZE
 from tgc.options import Options
 
 SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
@@ -37,18 +36,6 @@ class Targets(click.Choice):
         pass
 
 
-def _defines(ctx, param, value):
-    out = {}
-    for item in value:
-        name, sep, n = item.partition("=")
-        if not sep or not n.strip().isdigit() or int(n) <= 0:
-            raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
-        if int(n) > MAX_SIZE:
-            raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
-        out[name.strip()] = int(n)
-    return out
-
-
 def default_output(source: str, emit: str) -> str:
     stem = Path(source).stem if source != "-" else "a"
     return f"lib{stem}.so" if emit == "so" else stem + SUFFIX.get(emit, "." + emit)
@@ -61,8 +48,7 @@ def default_output(source: str, emit: str) -> str:
 @click.option("-O1", "opt_level", flag_value=1)
 @click.option("-O2", "opt_level", flag_value=2, default=True, help="Optimize (default).")
 @click.option("-O3", "opt_level", flag_value=3)
-@click.option("-D", "defines", multiple=True, callback=_defines, metavar="NAME=N",
-              help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
+@dims_option("Fix a symbolic dim at build time; the code specializes to it", "defines")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("--target", type=Targets(), default="cpu", show_default=True,
@@ -138,7 +124,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     try:
         module = pipeline.fix_dims(loaded.module, defines)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-D") from None
+        raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):
         lowered = pipeline.lower(module, options)
     report_memory(lowered.memory)

@@ -12,7 +12,7 @@ import numpy as np
 from tgc import pipeline
 from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
+from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import write_atomic
 from tgc.ir import interp
@@ -21,31 +21,17 @@ from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
 from tgc.ir.complex_io import RI
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
-from tgc.ir.sizes import MAX_SIZE, SizeError
+from tgc.ir.sizes import SizeError
 
 DEFAULT_RANDOM_DIM = 4
 
 
-def _dim_binding(ctx, param, value):
-    out = {}
-    for item in value:
-        name, sep, n = item.partition("=")
-        if not sep or not name.strip() or not n.strip().lstrip("-").isdigit():
-            raise click.BadParameter(f"'{item}' is not NAME=N")
-        if int(n) <= 0:
-            raise click.BadParameter(f"'{item}': a size must be positive")
-        if int(n) > MAX_SIZE:
-            raise click.BadParameter(f"'{item}': a size must be at most 2^62")
-        out[name.strip()] = int(n)
-    return out
-
-
 def check_dim_flags(module, dims: dict[str, int]) -> None:
-    """--dim names only symbolic dims of `module` (a usage error otherwise; `Module.dim_error`)."""
+    """-D/--dim names only symbolic dims of `module` (a usage error otherwise; `Module.dim_error`)."""
     for d, n in dims.items():
         why = module.dim_error(d, n)
         if why:
-            raise click.BadParameter(why, param_hint="--dim")
+            raise click.BadParameter(why, param_hint=DIM_FLAGS)
 
 
 def _input_binding(ctx, param, value):
@@ -313,11 +299,11 @@ def _host(a):
               help="Forward only: apply no update, and compute nothing that only the updates need "
                    "(inputs that only they read may be left out).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
-@click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
-              help="Bind a symbolic dim (repeatable).")
-@click.option("--backend", type=click.Choice(["interp", *backend_names()]), default="interp",
-              show_default=True, help="interp (the reference interpreter), cpu (LLVM), cuda (an NVIDIA GPU "
-                                      "through CuPy) or cuda-sim (the CUDA kernels emulated on this CPU).")
+@dims_option("Bind a symbolic dim")
+@click.option("--backend", type=click.Choice([*backend_names(), "interp"]), default="cpu",
+              show_default=True, help="cpu (native code through LLVM, as every command compiles by default), "
+                                      "cuda (an NVIDIA GPU through CuPy), cuda-sim (the CUDA kernels emulated "
+                                      "on this CPU) or interp (the reference interpreter, numpy: slow).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
@@ -347,7 +333,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
       tgc run examples/mlp.tg --random-inputs --dim batch=32
       tgc run examples/mlp.tg --inputs data.npz -o result.npz
       tgc run examples/mlp.tg --inputs result.npz --input x=x.npy --input y=y.npy --no-update
-      tgc run examples/gpt.tg --random-inputs --backend cpu --profile 100
+      tgc run examples/gpt.tg --random-inputs --profile 100
+      tgc run examples/mlp.tg --random-inputs --backend interp   # the reference interpreter
     """
     from tgc.options import Options
 
