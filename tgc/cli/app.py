@@ -15,6 +15,7 @@ import tgc
 from tgc import pipeline
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
+from tgc.cli.interrupt import interrupted_exits
 from tgc.cli.outputs import check_outputs, sources, write_output
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.printer import print_module
@@ -145,7 +146,21 @@ def format_pass_times(stats) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(click.Group):
+    """tgc's group of commands: a Ctrl-C while click reads the flags (a flag's check
+    may load the backends) ends as one inside a command does, with "interrupted" and
+    status 130 (`tgc.cli.interrupt`), not click's "Aborted!" and status 1."""
+
+    def make_context(self, *args, **kwargs):
+        with interrupted_exits():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with interrupted_exits():
+            return super().invoke(ctx)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(tgc.__version__, prog_name="tgc")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors (also TGC_DEBUG=1).")
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
