@@ -17,7 +17,7 @@ from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
 from tgc.cli.interrupt import interrupted_exits
 from tgc.cli.outputs import check_outputs, sources, write_output
-from tgc.ir.diag import CompileError, Loc
+from tgc.ir.diag import CompileError, Loc, did_you_mean
 from tgc.ir.printer import print_module
 from tgc.options import Options
 
@@ -50,7 +50,7 @@ def _pass_names(ctx, param, value):
         for n in item.split(","):
             n = n.strip()
             if n and n not in known:
-                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})")
+                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})" + did_you_mean(n, known))
             if n:
                 names.add(n)
     return frozenset(names)
@@ -130,8 +130,17 @@ def lower(module, options: Options, emit):
         from tgc.opt.stats import format_table
 
         rows = [("input", result.initial)] + [(s.name, s.cost) for s in result.stats]
-        click.echo(format_table(rows), err=True, nl=False)
+        click.echo(stats_sizes(module, options.rep_size) + format_table(rows), err=True, nl=False)
     return result
+
+
+def stats_sizes(module, rep: int) -> str:
+    """The line above a --stats table: the sizes its FLOPs and bytes are counted at."""
+    symbolic = module.symbolic_dims()
+    if not symbolic:
+        return "sizes: the program's own (it has no symbolic dims)\n"
+    return (f"sizes: {', '.join(f'{d} = {rep}' for d in symbolic)} (a symbolic dim counts as {rep}, "
+            f"Options.rep_size; derived and fixed dims follow)\n")
 
 
 def format_pass_times(stats) -> str:
@@ -287,7 +296,8 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
     if options.stats and result.stats:
         from tgc.opt.stats import format_table
 
-        click.echo(format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
+        click.echo(stats_sizes(getattr(program, "module", program), options.rep_size)
+                   + format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
     return result.lowered
 
 
@@ -306,7 +316,8 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
         return (), None
     known = ", ".join(("elaborate",) + tuple(PASSES))
     if after not in PASSES:
-        raise click.BadParameter(f"unknown pass '{after}' (known: {known})", param_hint="--after")
+        raise click.BadParameter(f"unknown pass '{after}' (known: {known})"
+                                 + did_you_mean(after, ("elaborate", *PASSES)), param_hint="--after")
     if PASSES[after].gives == "lowered":
         if after not in lowering:
             raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(lowering)})",
