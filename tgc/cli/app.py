@@ -91,7 +91,8 @@ def pipeline_options(fn):
                      help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
                      help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to "
-                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries."),
+                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries. Counted at the "
+                          "sizes each table's first line gives (a symbolic dim at Options.rep_size, 64)."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
