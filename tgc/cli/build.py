@@ -68,7 +68,8 @@ def default_output(source: str, emit: str) -> str:
                    "libopenblas-dev), a NEEDED entry found in the system's library path. numpy: numpy's "
                    "bundled OpenBLAS, through a RUNPATH into this Python environment: the library fails "
                    "to load once that environment moves or goes.")
-@click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
+@click.option("-MD", "md", is_flag=True,
+              help="Write a depfile beside the output (OUT.d; none beside a device or FIFO, where -MF names one).")
 @click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
 @click.option("-MT", "mt", multiple=True, metavar="TARGET",
               help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")
@@ -85,7 +86,9 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
 
     Every output is written atomically: a failed or interrupted build leaves no
     new file, and an older one untouched. The same inputs and flags give
-    byte-identical outputs.
+    byte-identical outputs. A device or FIFO output (-o /dev/null) is written into,
+    with nothing beside it (no header, manifest or -MD depfile). No output may be a
+    file the build reads (-o naming the source, an import, by any path).
 
     \b
     Examples:
@@ -113,10 +116,10 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     loaded = pipeline.load_program(file, options)
     with _flag_errors():
         companions = {} if emit == "ir" else backend.companions(output, emit)
-    if output != "-" and is_special(output):   # /dev/null, a FIFO: nothing is written beside it
+    beside = output == "-" or not is_special(output)   # a device or FIFO (/dev/null): nothing goes beside it
+    if not beside:
         companions = {}
-        md = md and bool(mf)
-    depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
+    depfile = mf or (str(Path(output).with_suffix(".d")) if md and beside else None)
     if depfile and output == "-" and not (mf and mt):
         raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
     check_outputs([("the output", output), *companions.items(), ("the depfile", depfile)], sources(loaded.files),
