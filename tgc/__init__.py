@@ -26,16 +26,15 @@ The language is described in docs/language.md; the command line in `tgc --help`.
 """
 from __future__ import annotations
 
-from tgc.options import CpuOptions, CudaOptions, Options
-
 __version__ = "0.1.0"
 
 __all__ = ["compile", "Program", "TensorSpec", "Options", "CpuOptions", "CudaOptions", "save_params", "load_params",
            "CompileError", "EvalError", "ParamsError", "__version__"]
 
-# Names imported on first use, so that `import tgc` stays cheap (the command line
-# imports it for the version alone).
-_LAZY = {"Program": "tgc.runtime.program", "TensorSpec": "tgc.runtime.program",
+# Names imported on first use, so that `import tgc` imports nothing: the command line
+# (`tgc.cli.console`) handles Ctrl-C from its first line, and it runs after this.
+_LAZY = {"Options": "tgc.options", "CpuOptions": "tgc.options", "CudaOptions": "tgc.options",
+         "Program": "tgc.runtime.program", "TensorSpec": "tgc.runtime.program",
          "save_params": "tgc.params", "load_params": "tgc.params", "ParamsError": "tgc.params",
          "EvalError": "tgc.ir.interp", "CompileError": "tgc.ir.diag"}
 

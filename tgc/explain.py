@@ -113,11 +113,13 @@ def human(n: float, unit: str) -> str:
 
 def format_explain(report: dict, name: str) -> str:
     dims = ", ".join(f"{d} = {n}" for d, n in report["dims"].items()) or "no symbolic dims"
+    index = max([len(f"k{k['index']}") for k in report["kernels"]] + [4])   # the columns fit every row
+    kind = max([len(k["kind"]) for k in report["kernels"]] + [len("kind")])
     lines = [f"{name} ({report['dtype']}; {dims})", "", "kernels, in order:",
-             f"  {'#':>4}  {'kind':5}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}  what"]
+             f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}  what"]
     for k, live in zip(report["kernels"], report["live_bytes"]):
-        lines.append(f"  k{k['index']:<3}  {k['kind']:5}  {human(k['flops'], 'FLOP'):>10}  {human(k['bytes'], 'B'):>10}"
-                     f"  {human(live, 'B'):>11}  {k['text'][:90]}")
+        lines.append(f"  {'k' + str(k['index']):<{index}}  {k['kind']:<{kind}}  {human(k['flops'], 'FLOP'):>10}"
+                     f"  {human(k['bytes'], 'B'):>10}  {human(live, 'B'):>11}  {k['text'][:90]}")
     ws = report["workspace"]
     lines += ["", f"total: {len(report['kernels'])} kernels, {human(report['flops'], 'FLOP')}, "
               f"{human(report['bytes'], 'B')} of buffers touched (each once per kernel)",

@@ -32,7 +32,7 @@ def write_all_atomic(files: dict, durable: bool = True, write_special: bool = Tr
     temporary file is written before any is renamed, so a failure while writing
     (a full disk, an unwritable folder) leaves every target as it was."""
     temps: list[tuple[str, Path]] = []
-    special = {p: v for p, v in files.items() if write_special and _is_special(Path(p))}
+    special = {p: v for p, v in files.items() if write_special and is_special(p)}
     try:
         for path, (data, mode) in files.items():
             if path not in special:
@@ -108,14 +108,25 @@ def read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _is_special(path: Path) -> bool:
+def is_special(path: str | os.PathLike) -> bool:
     """Whether `path` (followed through links) exists and is neither a regular file
-    nor a directory."""
+    nor a directory: a device or FIFO, written into rather than replaced."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def file_identity(path: str | os.PathLike) -> tuple:
+    """What makes two paths one file: the device and inode of an existing file (so that
+    a hard link, a symlink or another spelling of the path is the same file), else
+    its absolute path with links resolved (a file still to be written)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("inode", st.st_dev, st.st_ino)
 
 
 def _write_through(path: Path, data: bytes | str) -> None:

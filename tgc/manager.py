@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tgc.ir.diag import did_you_mean
 from tgc.ir.inputs import random_inputs
 from tgc.ir.interp import evaluate
 from tgc.ir.module import Module
@@ -137,7 +138,7 @@ def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
     name, body = m.group(1), m.group(2)
     cls = PASSES.get(name)
     if cls is None:
-        raise PassListError(f"unknown pass '{name}' (known: {', '.join(PASSES)})")
+        raise PassListError(f"unknown pass '{name}' (known: {', '.join(PASSES)})" + did_you_mean(name, PASSES))
     known = pass_fields(cls)
     values: dict[str, Any] = {}
     for item in _split_top(body or ""):
@@ -149,7 +150,7 @@ def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
             raise PassListError(f"pass '{name}': cannot read option '{item.strip()}' (write field=value)")
         if key not in known:
             have = ", ".join(known) if known else "none"
-            raise PassListError(f"pass '{name}' has no option '{key}' (its options: {have})")
+            raise PassListError(f"pass '{name}' has no option '{key}' (its options: {have})" + did_you_mean(key, known))
         values[key] = _value(cls, key, known[key], val)
     return name, values
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tgc.ir.diag import CompileError
+from tgc.ir.diag import CompileError, did_you_mean
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.ir.values import topo_order
@@ -335,7 +335,8 @@ def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -
                                + (f" ({', '.join(scalars)})" if scalars else ""))
         of = scalars[0]
     if of not in outputs:
-        raise CompileError(f"--of {of}: no such output (outputs: {', '.join(outputs) or 'none'})")
+        raise CompileError(f"--of {of}: no such output (outputs: {', '.join(outputs) or 'none'})"
+                           + did_you_mean(of, outputs))
     f = outputs[of].value
     if RI in f.edges:
         raise CompileError(f"--of {of}: the output is complex; its derivative needs an explicit cotangent v: "
@@ -344,7 +345,8 @@ def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -
     for name in wrt:
         arg = module.args.get(name)
         if arg is None or arg.dtype == "i32":
-            raise CompileError(f"--wrt {name}: not a float input, param or state of the program")
+            raise CompileError(f"--wrt {name}: not a float input, param or state of the program" + did_you_mean(
+                name, [a.name for a in module.args.values() if a.dtype != "i32"]))
         x = V.arg(name, arg.dtype, arg.order)
         if set(f.edges) & set(x.edges):
             raise CompileError(f"--of {of} and --wrt {name} share an edge; rename one of them first")

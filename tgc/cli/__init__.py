@@ -1,7 +1,32 @@
 """The `tgc` command line (`tgc.cli.app`): thin click commands over the library,
 one module per command family, with one error boundary (`tgc.cli.errors`).
 
-Stage: the last; it may import every other part of tgc, and nothing imports it."""
-from tgc.cli.app import main
+`console()` is the `tgc` command itself (the console script and `python -m tgc.cli`):
+it installs the Ctrl-C handling (`tgc.cli.interrupt`) before it imports anything
+heavy, so this module imports nothing else; `main`, the click group, is imported on
+first use.
 
-__all__ = ["main"]
+Stage: the last; it may import every other part of tgc, and nothing imports it."""
+
+__all__ = ["console", "main"]
+
+
+def console() -> None:
+    """Run the `tgc` command line on `sys.argv`: a Ctrl-C at any moment, while
+    importing too, ends it with "interrupted" and status 130."""
+    from tgc.cli.interrupt import install, interrupted_exits
+
+    install()
+    with interrupted_exits():
+        from tgc.cli.app import main
+
+        main()
+
+
+def __getattr__(name: str):
+    """`main`, the click group of every command (imported on first use)."""
+    if name == "main":
+        from tgc.cli.app import main
+
+        return main
+    raise AttributeError(f"module 'tgc.cli' has no attribute {name!r}")

@@ -1,4 +1,4 @@
 """`python -m tgc.cli`: the `tgc` command."""
-from tgc.cli.app import main
+from tgc.cli import console
 
-main()
+console()

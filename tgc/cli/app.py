@@ -13,10 +13,11 @@ import click
 
 import tgc
 from tgc import pipeline
-from tgc.fsutil import write_atomic
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
-from tgc.ir.diag import CompileError, Loc
+from tgc.cli.interrupt import interrupted_exits
+from tgc.cli.outputs import check_outputs, sources, write_output
+from tgc.ir.diag import CompileError, Loc, did_you_mean
 from tgc.ir.printer import print_module
 from tgc.options import Options
 
@@ -49,7 +50,7 @@ def _pass_names(ctx, param, value):
         for n in item.split(","):
             n = n.strip()
             if n and n not in known:
-                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})")
+                raise click.BadParameter(f"unknown pass '{n}' (known: {', '.join(known)})" + did_you_mean(n, known))
             if n:
                 names.add(n)
     return frozenset(names)
@@ -90,7 +91,8 @@ def pipeline_options(fn):
                      help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder)."),
         click.option("--stats", is_flag=True,
                      help="Print ops, FLOPs, bytes of intermediates and the largest one after each pass to "
-                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries."),
+                          "stderr; after each lowering stage, its kernels, FLOPs and temporaries. Counted at the "
+                          "sizes each table's first line gives (a symbolic dim at Options.rep_size, 64)."),
     ]
     for d in reversed(decorators):
         fn = d(fn)
@@ -129,8 +131,17 @@ def lower(module, options: Options, emit):
         from tgc.opt.stats import format_table
 
         rows = [("input", result.initial)] + [(s.name, s.cost) for s in result.stats]
-        click.echo(format_table(rows), err=True, nl=False)
+        click.echo(stats_sizes(module, options.rep_size) + format_table(rows), err=True, nl=False)
     return result
+
+
+def stats_sizes(module, rep: int) -> str:
+    """The line above a --stats table: the sizes its FLOPs and bytes are counted at."""
+    symbolic = module.symbolic_dims()
+    if not symbolic:
+        return "sizes: the program's own (it has no symbolic dims)\n"
+    return (f"sizes: {', '.join(f'{d} = {rep}' for d in symbolic)} (a symbolic dim counts as {rep}, "
+            f"Options.rep_size; derived and fixed dims follow)\n")
 
 
 def format_pass_times(stats) -> str:
@@ -145,14 +156,21 @@ def format_pass_times(stats) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_output(path: str | None, text: str) -> None:
-    if path in (None, "-"):
-        click.echo(text, nl=False)
-    else:
-        write_atomic(path, text)
+class Commands(click.Group):
+    """tgc's group of commands: a Ctrl-C while click reads the flags (a flag's check
+    may load the backends) ends as one inside a command does, with "interrupted" and
+    status 130 (`tgc.cli.interrupt`), not click's "Aborted!" and status 1."""
+
+    def make_context(self, *args, **kwargs):
+        with interrupted_exits():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with interrupted_exits():
+            return super().invoke(ctx)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(tgc.__version__, prog_name="tgc")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for internal errors (also TGC_DEBUG=1).")
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
@@ -244,7 +262,9 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
     if fmt != "text" and (after_all or stage is not None):
         why = "--after-all" if after_all else f"--after {stage} (a lowering stage)"
         raise click.BadParameter(f"--format {fmt} prints one module of IR, not with {why}", param_hint="--format")
-    module = pipeline.load(file, options)
+    loaded = pipeline.load_program(file, options)
+    check_outputs([("the output", output)], sources(loaded.files))
+    module = loaded.module
     chunks: list[str] = []
 
     def collect(banner: str, text: str) -> None:
@@ -277,7 +297,8 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
     if options.stats and result.stats:
         from tgc.opt.stats import format_table
 
-        click.echo(format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
+        click.echo(stats_sizes(getattr(program, "module", program), options.rep_size)
+                   + format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
     return result.lowered
 
 
@@ -296,7 +317,8 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
         return (), None
     known = ", ".join(("elaborate",) + tuple(PASSES))
     if after not in PASSES:
-        raise click.BadParameter(f"unknown pass '{after}' (known: {known})", param_hint="--after")
+        raise click.BadParameter(f"unknown pass '{after}' (known: {known})"
+                                 + did_you_mean(after, ("elaborate", *PASSES)), param_hint="--after")
     if PASSES[after].gives == "lowered":
         if after not in lowering:
             raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(lowering)})",
@@ -334,6 +356,7 @@ def opt(file, output, locs, backend="cpu", **opts) -> None:
     from tgc.lower.lowered import print_lowered
     from tgc.lower.text import is_lowered_text, parse_lowered
 
+    check_outputs([("the output", output)], sources([file]))
     text = pipeline.read_text(file)
     name = "<stdin>" if file == "-" else file
     if is_lowered_text(text):

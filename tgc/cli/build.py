@@ -8,9 +8,9 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
-from tgc.fsutil import write_all_atomic
-from tgc.ir.sizes import MAX_SIZE
+from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
+from tgc.cli.outputs import check_outputs, sources
+from tgc.fsutil import is_special, write_all_atomic
 from tgc.options import Options
 
 SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
@@ -36,18 +36,6 @@ class Targets(click.Choice):
         pass
 
 
-def _defines(ctx, param, value):
-    out = {}
-    for item in value:
-        name, sep, n = item.partition("=")
-        if not sep or not n.strip().isdigit() or int(n) <= 0:
-            raise click.BadParameter(f"'{item}' is not NAME=N with N > 0")
-        if int(n) > MAX_SIZE:
-            raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
-        out[name.strip()] = int(n)
-    return out
-
-
 def default_output(source: str, emit: str) -> str:
     stem = Path(source).stem if source != "-" else "a"
     return f"lib{stem}.so" if emit == "so" else stem + SUFFIX.get(emit, "." + emit)
@@ -60,8 +48,7 @@ def default_output(source: str, emit: str) -> str:
 @click.option("-O1", "opt_level", flag_value=1)
 @click.option("-O2", "opt_level", flag_value=2, default=True, help="Optimize (default).")
 @click.option("-O3", "opt_level", flag_value=3)
-@click.option("-D", "defines", multiple=True, callback=_defines, metavar="NAME=N",
-              help="Fix a symbolic dim at build time; the code specializes to it (repeatable).")
+@dims_option("Fix a symbolic dim at build time; the code specializes to it", "defines")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("--target", type=Targets(), default="cpu", show_default=True,
@@ -81,7 +68,8 @@ def default_output(source: str, emit: str) -> str:
                    "libopenblas-dev), a NEEDED entry found in the system's library path. numpy: numpy's "
                    "bundled OpenBLAS, through a RUNPATH into this Python environment: the library fails "
                    "to load once that environment moves or goes.")
-@click.option("-MD", "md", is_flag=True, help="Write a depfile beside the output (OUT.d).")
+@click.option("-MD", "md", is_flag=True,
+              help="Write a depfile beside the output (OUT.d; none beside a device or FIFO, where -MF names one).")
 @click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
 @click.option("-MT", "mt", multiple=True, metavar="TARGET",
               help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")
@@ -98,7 +86,9 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
 
     Every output is written atomically: a failed or interrupted build leaves no
     new file, and an older one untouched. The same inputs and flags give
-    byte-identical outputs.
+    byte-identical outputs. A device or FIFO output (-o /dev/null) is written into,
+    with nothing beside it (no header, manifest or -MD depfile). No output may be a
+    file the build reads (-o naming the source, an import, by any path).
 
     \b
     Examples:
@@ -126,15 +116,18 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     loaded = pipeline.load_program(file, options)
     with _flag_errors():
         companions = {} if emit == "ir" else backend.companions(output, emit)
-    depfile = (mf or str(Path(output).with_suffix(".d"))) if md or mf else None
+    beside = output == "-" or not is_special(output)   # a device or FIFO (/dev/null): nothing goes beside it
+    if not beside:
+        companions = {}
+    depfile = mf or (str(Path(output).with_suffix(".d")) if md and beside else None)
     if depfile and output == "-" and not (mf and mt):
         raise click.BadParameter("a depfile of an output to standard output needs -MF and -MT", param_hint="-o")
-    _check_distinct([(what, p) for what, p in [("the output", output), *companions.items(), ("the depfile", depfile)]
-                     if p and p != "-"], loaded.files)
+    check_outputs([("the output", output), *companions.items(), ("the depfile", depfile)], sources(loaded.files),
+                  hint="-o/-MF")
     try:
         module = pipeline.fix_dims(loaded.module, defines)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-D") from None
+        raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):
         lowered = pipeline.lower(module, options)
     report_memory(lowered.memory)
@@ -144,6 +137,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         else:
             with _flag_errors():
                 files = backend.build(lowered.module, options, emit, output, Path(file).name)
+            files = {path: data for path, data in files.items() if path == output or path in companions.values()}
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile
 
@@ -164,18 +158,6 @@ def _flag_errors():
         if not (sep and flag.startswith("-") and " " not in flag):
             raise
         raise click.BadParameter(why, param_hint=flag) from None
-
-
-def _check_distinct(files: list[tuple[str, str]], sources: list[str]) -> None:
-    """No two outputs, and no output and source, are one file (gcc refuses the same)."""
-    import os
-
-    seen: dict[str, str] = {os.path.realpath(s): f"the source '{s}'" for s in _on_disk(sources)}
-    for what, path in files:
-        real = os.path.realpath(path)
-        if real in seen:
-            raise click.BadParameter(f"{what} '{path}' would overwrite {seen[real]}", param_hint="-o/-MF")
-        seen[real] = f"{what} '{path}'"
 
 
 def _on_disk(files: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import traceback
 import click
 
 from tgc.backends.base import BackendUnavailable
+from tgc.cli import interrupt
 from tgc.ir.diag import CompileError, render
 from tgc.ir.interp import EvalError
 from tgc.manager import PassListError
@@ -65,8 +66,8 @@ def handle_errors(fn):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_USER)
         except KeyboardInterrupt:   # the conventional status of a process stopped by SIGINT
-            click.echo("interrupted", err=True)
-            sys.exit(130)
+            click.echo(interrupt.MESSAGE, err=True)
+            sys.exit(interrupt.EXIT_INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except OSError as e:  # a file the command was asked to write or read

@@ -9,8 +9,9 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import BACKEND, MEMORY_BUDGET
-from tgc.cli.run import _dim_binding, check_dim_flags
+from tgc.cli.flags import BACKEND, MEMORY_BUDGET, dims_option
+from tgc.cli.outputs import check_outputs, sources
+from tgc.cli.run import check_dim_flags
 from tgc.fsutil import write_atomic
 from tgc.options import Options
 
@@ -19,8 +20,7 @@ DEFAULT_DIM = 64
 
 @click.command()
 @click.argument("file", type=SOURCE)
-@click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
-              help=f"Size of a symbolic dim (repeatable; each one not given is {DEFAULT_DIM}).")
+@dims_option(f"Size of a symbolic dim (each one not given is {DEFAULT_DIM})")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
@@ -55,7 +55,9 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
     options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs),
                       memory_budget=memory_budget)
-    module = pipeline.load(file, options)
+    loaded = pipeline.load_program(file, options)
+    check_outputs([("the timeline", timeline)], sources(loaded.files), hint="--timeline")
+    module = loaded.module
     check_dim_flags(module, dims)
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
     env = module.bind_dims(sizes)

@@ -14,6 +14,34 @@ AUTOCAST = click.option(
          "softmax, layernorm and losses stay f32 (docs/dtypes.md).")
 
 
+def _dim_bindings(ctx, param, value) -> dict[str, int]:
+    """NAME=N items as {name: size}; a usage error for anything else."""
+    from tgc.ir.sizes import MAX_SIZE
+
+    out = {}
+    for item in value:
+        name, sep, n = item.partition("=")
+        if not sep or not name.strip() or not n.strip().lstrip("-").isdigit():
+            raise click.BadParameter(f"'{item}' is not NAME=N")
+        if int(n) <= 0:
+            raise click.BadParameter(f"'{item}': a size must be positive")
+        if int(n) > MAX_SIZE:
+            raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
+        out[name.strip()] = int(n)
+    return out
+
+
+DIM_FLAGS = "-D/--dim"   # how errors name the option
+
+
+def dims_option(help: str, name: str = "dims"):
+    """The option that sizes symbolic dims, the same in every command that takes one:
+    `-D NAME=N` (as `tgc build`, after gcc's -D) or `--dim NAME=N`, repeatable; the
+    command gets {name: size} as `name`."""
+    return click.option("-D", "--dim", name, multiple=True, callback=_dim_bindings, metavar="NAME=N",
+                        help=help + " (repeatable; -D NAME=N or --dim NAME=N).")
+
+
 class _Bytes(click.ParamType):
     """A byte count: 6700000, 6.7M (10^6), 6.4Mi or 6.4MiB (2^20); k/K, M, G, with i for powers of two."""
 

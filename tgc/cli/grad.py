@@ -5,7 +5,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.fsutil import write_atomic
+from tgc.cli.outputs import check_outputs, sources, write_output
 from tgc.ir.printer import print_module
 from tgc.options import Options
 
@@ -41,10 +41,9 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
     from tgc.frontend.emit_tg import emit_tg
 
     options = Options(dtype=dtype, import_dirs=tuple(import_dirs))
-    module = pipeline.gradient_module(pipeline.load(file, options), list(dict.fromkeys(wrt)), of, mode)
+    loaded = pipeline.load_program(file, options)
+    check_outputs([("the output", output)], sources(loaded.files))
+    module = pipeline.gradient_module(loaded.module, list(dict.fromkeys(wrt)), of, mode)
     module = pipeline.drop_unread_args(pipeline.lower(module, options).module)
     text = emit_tg(module) if emit == "tg" else print_module(module)
-    if output in (None, "-"):
-        click.echo(text, nl=False)
-    else:
-        write_atomic(output, text)
+    write_output(output, text)

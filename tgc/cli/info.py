@@ -7,6 +7,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.flags import DIM_FLAGS, dims_option
 from tgc.options import Options
 
 
@@ -16,8 +17,7 @@ from tgc.options import Options
               help="text: tables for people; json: one object for tools.")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
-@click.option("-D", "defines", multiple=True, metavar="NAME=N",
-              help="Fix a symbolic dim, as `tgc build -D` does (repeatable).")
+@dims_option("Fix a symbolic dim, as `tgc build -D` does", "defines")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
 @handle_errors
@@ -35,16 +35,14 @@ def info(file, fmt, dtype, defines, import_dirs=()) -> None:
       tgc info examples/gpt.tg --format json
       tgc info examples/mlp.tg -D batch=32
     """
-    from tgc.cli.build import _defines
     from tgc.info import describe, format_info
 
-    fixed = _defines(None, None, defines)
     options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs))
     module = pipeline.load(file, options)
     try:
-        module = pipeline.fix_dims(module, fixed)
+        module = pipeline.fix_dims(module, defines)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="-D") from None
+        raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     data = describe(module, options.dtype)
     if fmt == "json":
         click.echo(json.dumps({"file": file, **data}, indent=2))

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import zipfile
+from contextlib import contextmanager
 
 import click
 
@@ -12,39 +14,27 @@ import numpy as np
 from tgc import pipeline
 from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, FP_STRICT, MEMORY_BUDGET, report_memory
+from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
+from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import NotASource, open_regular, write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
 from tgc.ir.complex_io import RI
+from tgc.ir.diag import did_you_mean
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
-from tgc.ir.sizes import MAX_SIZE, SizeError
+from tgc.ir.sizes import SizeError
 
 DEFAULT_RANDOM_DIM = 4
 
 
-def _dim_binding(ctx, param, value):
-    out = {}
-    for item in value:
-        name, sep, n = item.partition("=")
-        if not sep or not name.strip() or not n.strip().lstrip("-").isdigit():
-            raise click.BadParameter(f"'{item}' is not NAME=N")
-        if int(n) <= 0:
-            raise click.BadParameter(f"'{item}': a size must be positive")
-        if int(n) > MAX_SIZE:
-            raise click.BadParameter(f"'{item}': a size must be at most 2^62")
-        out[name.strip()] = int(n)
-    return out
-
-
 def check_dim_flags(module, dims: dict[str, int]) -> None:
-    """--dim names only symbolic dims of `module` (a usage error otherwise; `Module.dim_error`)."""
+    """-D/--dim names only symbolic dims of `module` (a usage error otherwise; `Module.dim_error`)."""
     for d, n in dims.items():
         why = module.dim_error(d, n)
         if why:
-            raise click.BadParameter(why, param_hint="--dim")
+            raise click.BadParameter(why, param_hint=DIM_FLAGS)
 
 
 def _input_binding(ctx, param, value):
@@ -120,9 +110,11 @@ def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.
 
 def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], random: bool,
                   seed: int, dims: dict[str, int], dtype: str, full: Module | None = None,
-                  onehot: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """The arrays to call `module` with, and its symbolic dims: the --inputs archive,
-    then each --input, then (with `random`) seeded data for whatever is missing.
+                  onehot: dict[str, str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, int], dict[str, str]]:
+    """The arrays to call `module` with, its symbolic dims, and the file each array
+    read from a file came from: the --inputs archive, then each --input, then (with
+    `random`) seeded data for whatever is missing. A name the program does not take is
+    an error naming its file and the closest argument.
 
     `full` is the program before `--no-update` pruned it (default: `module`). Archive
     keys that name its outputs are skipped with a note, so that `-o` of one run can
@@ -130,10 +122,17 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
     is the input `T`. `onehot` ({input: edge}) names the inputs that random data
     fills with one-hot rows along the edge (cross-entropy targets)."""
     arrays: dict[str, np.ndarray] = {}
+    origins: dict[str, str] = {}
     if npz:
         arrays.update(_inputs_from_archive(module, full or module, npz, _load_archive(npz)))
+        origins.update(dict.fromkeys(arrays, npz))
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
+        origins[name] = path
+    for name in arrays:
+        if name not in module.args:
+            raise EvalError(f"{origins[name]}: unexpected input '{name}' (the program takes: "
+                            f"{', '.join(module.args)})" + did_you_mean(name, module.args))
     arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
     check_dim_flags(module, dims)
     if random:
@@ -149,7 +148,20 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
         for name, a in generated.items():
             arrays.setdefault(name, a)
         dims = {d: partial[d] for d in module.symbolic_dims()}
-    return arrays, dims
+    return arrays, dims, origins
+
+
+@contextmanager
+def naming_files(origins: dict[str, str]):
+    """An EvalError about an input (`input 'NAME' ...`, as every backend words it) that
+    was read from a file names the file too."""
+    try:
+        yield
+    except EvalError as e:
+        found = re.search(r"\binput '([^']+)'", str(e))
+        if found is None or found.group(1) not in origins:
+            raise
+        raise EvalError(f"{origins[found.group(1)]}: {e}") from None
 
 
 def _inputs_from_archive(module: Module, full: Module, path: str, arrays: dict[str, np.ndarray]) -> dict:
@@ -320,11 +332,11 @@ def _host(a):
               help="Forward only: apply no update, and compute nothing that only the updates need "
                    "(inputs that only they read may be left out).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
-@click.option("--dim", "dims", multiple=True, callback=_dim_binding, metavar="NAME=N",
-              help="Bind a symbolic dim (repeatable).")
-@click.option("--backend", type=click.Choice(["interp", *backend_names()]), default="interp",
-              show_default=True, help="interp (the reference interpreter), cpu (LLVM), cuda (an NVIDIA GPU "
-                                      "through CuPy) or cuda-sim (the CUDA kernels emulated on this CPU).")
+@dims_option("Bind a symbolic dim")
+@click.option("--backend", type=click.Choice([*backend_names(), "interp"]), default="cpu",
+              show_default=True, help="cpu (native code through LLVM, as every command compiles by default), "
+                                      "cuda (an NVIDIA GPU through CuPy), cuda-sim (the CUDA kernels emulated "
+                                      "on this CPU) or interp (the reference interpreter, numpy: slow).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
@@ -354,7 +366,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
       tgc run examples/mlp.tg --random-inputs --dim batch=32
       tgc run examples/mlp.tg --inputs data.npz -o result.npz
       tgc run examples/mlp.tg --inputs result.npz --input x=x.npy --input y=y.npy --no-update
-      tgc run examples/gpt.tg --random-inputs --backend cpu --profile 100
+      tgc run examples/gpt.tg --random-inputs --profile 100
+      tgc run examples/mlp.tg --random-inputs --backend interp   # the reference interpreter
     """
     from tgc.options import Options
 
@@ -370,31 +383,35 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                       fp_strict=fp_strict, autocast=autocast,
                       memory_budget=memory_budget).with_(profile=bool(profile))
     with status("compiling"):
-        full = pipeline.load(file, options)
+        loaded = pipeline.load_program(file, options)
+        check_outputs([("the output", output)], [*sources(loaded.files), ("the inputs", npz),
+                                                 *((f"input '{k}'", v) for k, v in singles.items())])
+        full = loaded.module
         lowered = pipeline.lower(pipeline.forward_only(full) if no_update else full, options)
         module = lowered.module
     report_memory(lowered.memory)
     onehot = cross_entropy_targets(file) if random_inputs else {}
-    inputs, dims = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
-    if check_assumptions and module.facts:
-        from tgc.ir.assume import check_facts
+    inputs, dims, origins = gather_inputs(module, npz, singles, random_inputs, seed, dims, dtype, full, onehot)
+    with naming_files(origins):
+        if check_assumptions and module.facts:
+            from tgc.ir.assume import check_facts
 
-        with status("checking assumptions"):
-            check_facts(module, inputs, dims, dtype)
-    if backend == "interp":
-        with status("running (interpreter)"):
-            # an f32 program's floats are all f32; an f64 one's keep their types (f32 declarations)
-            results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
-    else:
-        with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
-            program = pipeline.compile_module(module, options, backend)
-        call_dims = dict(options.dims) or None
-        with status("running"):
-            results = program.run(dict(inputs), call_dims)
-            results = in_float_type({k: _host(v) for k, v in results.items()}, dtype, module)
-        if profile:
-            with status(f"profiling ({profile} runs)"):
-                print_profile(program, inputs, call_dims, profile)
+            with status("checking assumptions"):
+                check_facts(module, inputs, dims, dtype)
+        if backend == "interp":
+            with status("running (interpreter)"):
+                # an f32 program's floats are all f32; an f64 one's keep their types (f32 declarations)
+                results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
+        else:
+            with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
+                program = pipeline.compile_module(module, options, backend)
+            call_dims = dict(options.dims) or None
+            with status("running"):
+                results = program.run(dict(inputs), call_dims)
+                results = in_float_type({k: _host(v) for k, v in results.items()}, dtype, module)
+            if profile:
+                with status(f"profiling ({profile} runs)"):
+                    print_profile(program, inputs, call_dims, profile)
     if output:
         buf = io.BytesIO()
         np.savez(buf, **results)

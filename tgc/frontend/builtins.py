@@ -8,6 +8,7 @@ from tgc.frontend import ast
 from tgc.frontend.complexes import FUNCTIONS as COMPLEX_FUNCTIONS, ON_COMPLEX, RI, is_complex
 from tgc.frontend.expressions import REDUCTIONS, Ctx, Elaborator, factors
 from tgc.ir import values as V
+from tgc.ir.diag import did_you_mean
 from tgc.ir.dtypes import FLOATS
 from tgc.ir.ops import SURFACE_ARITY
 
@@ -36,7 +37,7 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         kind = el.scope.kinds.get(node.fn)
         if kind in ("tensor", "edge", "dim") or node.fn in ctx.values:
             raise el.error(f"'{node.fn}' is not a function", node, ctx)
-        raise el.error(f"unknown function '{node.fn}'", node, ctx)
+        raise el.error(f"unknown function '{node.fn}'" + did_you_mean(node.fn, [*ARITY, *ctx.fns]), node, ctx)
     _check_shape(el, node, ctx)
     if node.fn == "size":
         return _size(el, node, ctx)

@@ -22,7 +22,7 @@ from tgc.frontend.functions import check_definition, check_names, check_recursio
 from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
-from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.diag import CompileError, Diagnostic, Loc, did_you_mean
 from tgc.ir.dtypes import TYPES
 from tgc.ir.module import Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, size_op, size_str
@@ -173,7 +173,7 @@ class ProgramBuilder:
             return e.value
         if isinstance(e, ast.Name):
             if e.id not in self.m.edges:
-                raise CompileError(f"unknown dim '{e.id}'", e.loc)
+                raise CompileError(f"unknown dim '{e.id}'" + did_you_mean(e.id, self.m.edges), e.loc)
             return self.m.size(e.id)
         if isinstance(e, ast.BinOp) and e.op in "+-*/":
             a, b = self.dim_size(e.lhs), self.dim_size(e.rhs)
@@ -230,10 +230,12 @@ class ProgramBuilder:
         if spec.dim is None:
             if spec.name not in self.m.edges:
                 raise CompileError(f"unknown edge '{spec.name}' (declare it with `dim {spec.name}` "
-                                   f"or give its size as `{spec.name}: DIM`)", spec.loc)
+                                   f"or give its size as `{spec.name}: DIM`)" + did_you_mean(spec.name, self.m.edges),
+                                   spec.loc)
             return spec.name
         if spec.dim not in self.m.edges:
-            raise CompileError(f"unknown dim '{spec.dim}'", spec.dim_loc or spec.loc)
+            raise CompileError(f"unknown dim '{spec.dim}'" + did_you_mean(spec.dim, self.m.edges),
+                               spec.dim_loc or spec.loc)
         dim = self.m.edges[spec.dim]
         if spec.name in self.m.edges:
             if self.m.size(spec.name) != self.m.size(spec.dim):
@@ -271,7 +273,7 @@ class ProgramBuilder:
                 if kind:
                     what = {"edge": "an edge", "dim": "a dim (an edge)", "fn": "a function"}[kind]
                     raise CompileError(f"'{o.name}' is {what}, not a tensor: only tensors can be outputs", o.loc)
-                raise CompileError(f"unknown name '{o.name}'", o.loc)
+                raise CompileError(f"unknown name '{o.name}'" + did_you_mean(o.name, self.scope.tensors), o.loc)
             value = self.scope.tensors[o.name]
             self.el.used.add(o.name)
         else:
@@ -319,7 +321,8 @@ class ProgramBuilder:
         arg = self.m.args.get(u.name)
         if arg is None:
             kind = self.scope.kinds.get(u.name)
-            what = f"'{u.name}' is not a param or state" if kind else f"unknown name '{u.name}'"
+            what = f"'{u.name}' is not a param or state" if kind else f"unknown name '{u.name}'" + did_you_mean(
+                u.name, [a.name for a in self.m.args.values() if a.kind != "input"])
             raise CompileError(f"cannot update: {what}", u.loc)
         if arg.kind == "input":
             raise CompileError(f"cannot update input '{u.name}': only params and states are updated", u.loc,

@@ -16,7 +16,7 @@ from tgc.frontend.complexes import MAX_POWER, Complex, is_complex, power_literal
 from tgc.frontend.scope import FnInfo, Scope, describe
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
-from tgc.ir.diag import CompileError, Diagnostic, Loc
+from tgc.ir.diag import CompileError, Diagnostic, Loc, did_you_mean
 from tgc.ir.dtypes import at_width
 from tgc.ir.module import Module
 from tgc.ir.ops import INFIX, SURFACE_UNARY
@@ -135,7 +135,7 @@ class Elaborator:
             kind = self.scope.kinds.get(name)
             if kind in ("tensor", "fn") or name in ctx.values:
                 raise self.error(f"'{name}' is {describe(kind or 'tensor')}, not an edge", node, ctx)
-            raise self.error(f"unknown edge '{name}'", node, ctx)
+            raise self.error(f"unknown edge '{name}'" + did_you_mean(name, [*self.m.edges, *ctx.edges]), node, ctx)
         return actual
 
     def edge_names(self, name: str, node, ctx: Ctx) -> list[str]:
@@ -194,7 +194,7 @@ class Elaborator:
         if kind == "tensor" and ctx.stack:
             raise self.error(f"'{node.id}' is not visible inside function '{ctx.stack[-1]}': "
                              "pass it as a parameter", node, ctx)
-        raise self.error(f"unknown name '{node.id}'", node, ctx)
+        raise self.error(f"unknown name '{node.id}'" + did_you_mean(node.id, ctx.values), node, ctx)
 
     def _Imag(self, node: ast.Imag, ctx: Ctx) -> V.Value:
         return self.cx.imag_const(node.value, node.loc)
@@ -366,7 +366,7 @@ class Elaborator:
         actual = ctx.edges.get(name, name)
         if actual in self.m.edges:
             return self.m.size(actual)
-        raise self.error(f"unknown dim or edge '{name}'", node, ctx)
+        raise self.error(f"unknown dim or edge '{name}'" + did_you_mean(name, [*self.m.edges, *ctx.edges]), node, ctx)
 
     def affine(self, node: ast.Affine, ctx: Ctx) -> Affine:
         terms: list[tuple[str, Size]] = []

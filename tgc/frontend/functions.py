@@ -21,7 +21,7 @@ from tgc.frontend.builtins import ARITY
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.frontend.scope import PRIMITIVES, FnInfo
 from tgc.ir import values as V
-from tgc.ir.diag import CompileError, Diagnostic
+from tgc.ir.diag import CompileError, Diagnostic, did_you_mean
 
 
 def _children(node):
@@ -137,12 +137,12 @@ def check_names(d: ast.FnDef, fns, kinds) -> None:
         for use in _value_uses(node):
             if isinstance(use, ast.Call):
                 if use.fn not in fns and use.fn not in ARITY:
-                    raise CompileError(f"unknown function '{use.fn}'", use.loc)
+                    raise CompileError(f"unknown function '{use.fn}'" + did_you_mean(use.fn, [*fns, *ARITY]), use.loc)
             elif use.id not in local:
-                raise CompileError(_not_local(use.id, d.name, kinds.get(use.id), use.id in fns), use.loc)
+                raise CompileError(_not_local(use.id, d.name, kinds.get(use.id), use.id in fns, local), use.loc)
 
 
-def _not_local(name: str, fn: str, kind: str | None, is_fn: bool) -> str:
+def _not_local(name: str, fn: str, kind: str | None, is_fn: bool, local=()) -> str:
     """The message the elaborator gives for a name a body cannot see (see Elaborator._Name)."""
     if kind in ("edge", "dim"):
         return f"'{name}' is an edge, not a tensor (use size({name}) for its size)"
@@ -150,7 +150,7 @@ def _not_local(name: str, fn: str, kind: str | None, is_fn: bool) -> str:
         return f"'{name}' is a function; call it with arguments"
     if kind == "tensor":
         return f"'{name}' is not visible inside function '{fn}': pass it as a parameter"
-    return f"unknown name '{name}'"
+    return f"unknown name '{name}'" + did_you_mean(name, local)
 
 
 def _value_uses(node):

@@ -123,3 +123,13 @@ class CompileError(Exception):
     def format(self, sources: dict[str, str] | None = None, color: bool = False) -> str:
         lines: dict[str, list[str] | None] = {}
         return "\n".join(render(d, sources, color, lines) for d in self.diagnostics())
+
+
+def did_you_mean(name: str, known) -> str:
+    """"; did you mean 'x'?" for the name of `known` (any iterable of names) closest
+    to the misspelt `name` (difflib's ratio of at least 0.6), or "" when none is close."""
+    import difflib
+
+    candidates = sorted({k for k in known if isinstance(k, str) and k != name})
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""

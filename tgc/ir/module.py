@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
-from tgc.ir.diag import Loc
+from tgc.ir.diag import Loc, did_you_mean
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval_checked, size_str
 from tgc.ir.values import Value, topo_order
 
@@ -117,7 +117,7 @@ class Module:
         import numbers
 
         if name not in self.dims:
-            return f"the program has no dim '{name}'"
+            return f"the program has no dim '{name}'" + did_you_mean(name, self.dims)
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
             return f"dim '{name}' = {n!r}: a size is a positive integer (at most 2^62)"
         if bind and self.dims[name] is not None and self.dims[name] != n:

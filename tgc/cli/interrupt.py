@@ -1,0 +1,67 @@
+"""Ctrl-C: every `tgc` command ends with "interrupted" on stderr and exit status 130
+(the status of a process that SIGINT stopped), never with a traceback.
+
+`install()` runs first in the `tgc` command (`tgc.cli.console`), before the heavy
+imports, and replaces Python's SIGINT handler: while a module is being imported, a
+KeyboardInterrupt would surface as another error (numpy turns one raised inside its
+import into an ImportError) or leave a module half-initialized, so the process exits
+at once; nothing is being written then (outputs are written atomically, and no import
+happens while a temporary file is open). Anywhere else it raises KeyboardInterrupt as
+Python's handler does, so that `finally` clauses and `tgc.fsutil`'s clean-up run,
+and `interrupted_exits` (around the whole command line) or `tgc.cli.errors.handle_errors`
+(around each command) turns it into the message and the status. Only `os`, `signal` and
+`sys` are imported here.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+
+EXIT_INTERRUPTED = 130
+MESSAGE = "interrupted"
+
+
+def install() -> None:
+    """Handle SIGINT as the module docstring says (from the main thread)."""
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _on_sigint(signum, frame) -> None:
+    if _importing(frame):
+        exit_now()
+    raise KeyboardInterrupt
+
+
+def _importing(frame) -> bool:
+    """Whether an import is in progress in `frame` or a frame that called it."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def exit_now() -> None:
+    """Print the message and end the process with the interrupted status, running
+    nothing else (what was printed is flushed first)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 -- a closed or broken stream: nothing to keep
+            pass
+    try:
+        os.write(2, f"{MESSAGE}\n".encode())
+    finally:
+        os._exit(EXIT_INTERRUPTED)
+
+
+@contextlib.contextmanager
+def interrupted_exits():
+    """A KeyboardInterrupt inside becomes the message on stderr and SystemExit(130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(MESSAGE, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
