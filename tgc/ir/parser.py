@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from tgc.ir import ops, values as V
+from tgc.ir.dtypes import TYPES
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import FACT_RELS, Arg, Fact, Module, Output, Update
 from tgc.ir.sizes import SizeError, parse_size
@@ -92,8 +93,14 @@ class _Reader:
     def arg(self, kind: str, name: str, dtype: str, edges: str) -> None:
         order = tuple(_edge_list(edges))
         self.check_edges(order)
+        self.dtype(dtype)
         self.m.args[name] = Arg(name, kind, dtype, order)
         self.env[name] = V.arg(name, dtype, order)
+
+    def dtype(self, name: str) -> str:
+        if name not in TYPES:
+            raise self.error(f"unknown type '{name}' (known: {', '.join(TYPES)})")
+        return name
 
     def check_edges(self, edges) -> None:
         for e in edges:
@@ -105,7 +112,7 @@ class _Reader:
             raise self.error(f"value '%{name}' is defined twice")
         loc = Loc(lfile, int(lline), int(lcol)) if lfile else None
         args = [self.ref(o.strip().lstrip("%")) for o in operands.split(",") if o.strip()]
-        typ = V.TensorType.of(dtype, _edge_list(edges))
+        typ = V.TensorType.of(self.dtype(dtype), _edge_list(edges))
         self.check_edges(typ.edges)
         v = _build(op, attrs, args, typ, loc)
         if v.type != typ:
