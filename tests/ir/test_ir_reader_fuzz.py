@@ -63,6 +63,9 @@ out y = %t2 : [batch]
 
 
 @pytest.mark.parametrize("edit, message", [
+    (("dim features = 4", "dim features = map"), "dim 'features' = map uses 'map', which is not a dim declared"),
+    (("dim features = 4", "dim features = batch * nan"), "uses 'nan', which is not a dim declared"),
+    (("dim features = 4", "dim batch = 4"), "'batch' is declared twice"),
     (("%t1 = map[exp] %x : f32", "%t1 = map[exp] %x : c64"), "unknown type 'c64'"),
     (("%t1 = map[exp] %x : f32", "%t1 = map[exp] %x : bool"), "unknown type 'bool'"),
     (("input x : f32", "input x : batch"), "unknown type 'batch'"),

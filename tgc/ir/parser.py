@@ -12,7 +12,7 @@ from tgc.ir import ops, values as V
 from tgc.ir.dtypes import TYPES
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import FACT_RELS, Arg, Fact, Module, Output, Update
-from tgc.ir.sizes import SizeError, parse_size
+from tgc.ir.sizes import SizeError, parse_size, size_dims
 from tgc.ir.verify import VerifyError, check_value, verify
 
 NAME = r"[A-Za-z_][\w'.]*"
@@ -82,12 +82,20 @@ class _Reader:
         raise self.error(f"cannot parse IR line: {line}")
 
     def dim(self, name: str, size: str | None) -> None:
-        self.m.dims[name] = None if size is None else parse_size(size)
+        if name in self.m.edges:
+            raise self.error(f"'{name}' is declared twice")
+        value = None if size is None else parse_size(size)
+        unknown = [d for d in size_dims(value) if d not in self.m.dims] if value is not None else []
+        if unknown:
+            raise self.error(f"dim '{name}' = {size} uses '{unknown[0]}', which is not a dim declared before it")
+        self.m.dims[name] = value
         self.m.edges[name] = name
 
     def edge(self, name: str, dim: str) -> None:
         if dim not in self.m.dims:
             raise self.error(f"edge '{name}' has unknown dim '{dim}'")
+        if name in self.m.edges:
+            raise self.error(f"'{name}' is declared twice")
         self.m.edges[name] = dim
 
     def arg(self, kind: str, name: str, dtype: str, edges: str) -> None:
