@@ -18,7 +18,8 @@ names say which axis is which); the dtype is the program's float type, or the
 argument's own for bf16/f16 ones (`cast=True` converts another float type); and each axis has its edge's size (a symbolic dim takes
 one size across the file). A file without the description (written by another tool)
 is checked by names, dtypes and shapes in ABI order alone. Any mismatch raises
-`ParamsError`, naming the array and what differs.
+`ParamsError`, naming the array and what differs; so does a description of another
+shape than the one `save_params` writes (checked once, as the file is read).
 
 The arrays returned are fresh, writable and C-contiguous: a call can update them in
 place.
