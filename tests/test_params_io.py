@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,61 @@ def test_mismatches_are_refused(prog, tmp_path):
             tgc.load_params(tmp_path / name, prog)
     with pytest.raises(ParamsError, match="no array for 'm'"):
         tgc.save_params(tmp_path / "s.npz", prog, {"W": p["W"], "b": p["b"]})
+
+
+GOOD_TENSORS = {"W": {"kind": "param", "edges": ["h", "k"]}, "b": {"kind": "param", "edges": ["k"]},
+                "m": {"kind": "state", "edges": ["h", "k"]}}
+MALFORMED_DESCRIPTIONS = [
+    ("[1, 2]", "a JSON array, not an object"),
+    ("null", "a JSON null, not an object"),
+    ("3.5", "a JSON number, not an object"),
+    ('"text"', "a JSON string, not an object"),
+    ("{", "not JSON"),
+    ("[" * 100000, "not JSON"),
+    ({"dtype": "f32", "tensors": GOOD_TENSORS}, 'no "version"'),
+    ({"version": 1, "tensors": GOOD_TENSORS}, 'no "dtype"'),
+    ({"version": 1, "dtype": "f32"}, 'no "tensors"'),
+    ({"version": "1", "dtype": "f32", "tensors": GOOD_TENSORS}, '"version" is a JSON string'),
+    ({"version": True, "dtype": "f32", "tensors": GOOD_TENSORS}, '"version" is a JSON boolean'),
+    ({"version": 2, "dtype": "f32", "tensors": GOOD_TENSORS}, "format version 2, this tgc reads version 1"),
+    ({"version": 1, "dtype": None, "tensors": GOOD_TENSORS}, '"dtype" is a JSON null'),
+    ({"version": 1, "dtype": "f32", "tensors": []}, '"tensors" is a JSON array'),
+    ({"version": 1, "dtype": "f32", "tensors": None}, '"tensors" is a JSON null'),
+    ({**GOOD_TENSORS, "W": ["h", "k"]}, "the entry for 'W' is a JSON array, not an object"),
+    ({**GOOD_TENSORS, "W": "h,k"}, "the entry for 'W' is a JSON string"),
+    ({**GOOD_TENSORS, "W": None}, "the entry for 'W' is a JSON null"),
+    ({**GOOD_TENSORS, "W": 7}, "the entry for 'W' is a JSON number"),
+    ({**GOOD_TENSORS, "W": {"kind": "param"}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": "hk"}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": ["h", 3]}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": [["h"], "k"]}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": [None, "k"]}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": {"h": 0}}}, "the entry for 'W' needs \"edges\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": ["h", "h"]}}, "lists edge 'h' twice"),
+    ({**GOOD_TENSORS, "W": {"edges": ["h", "k"]}}, "the entry for 'W' needs \"kind\""),
+    ({**GOOD_TENSORS, "W": {"kind": ["param"], "edges": ["h", "k"]}}, "the entry for 'W' needs \"kind\""),
+    ({**GOOD_TENSORS, "W": {"kind": "input", "edges": ["h", "k"]}}, "the entry for 'W' needs \"kind\""),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": ["h"]}}, "'W' has edges [h]"),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": ["h", "k", "h2"]}}, "'W' has edges [h, k, h2]"),
+    ({**GOOD_TENSORS, "W": {"kind": "param", "edges": []}}, "'W' has edges []"),
+]
+
+
+@pytest.mark.parametrize("description, message", MALFORMED_DESCRIPTIONS)
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_malformed_description_is_a_params_error(prog, tmp_path, suffix, description, message):
+    if isinstance(description, dict) and "tensors" not in description and "version" not in description:
+        description = {"version": 1, "dtype": "f32", "tensors": description}   # a tensors table alone
+    text = description if isinstance(description, str) else json.dumps(description)
+    path = tmp_path / f"p{suffix}"
+    if suffix == ".safetensors":
+        import safetensors.numpy
+
+        safetensors.numpy.save_file(params(), str(path), metadata={"tgc": text})
+    else:
+        np.savez(path, **params(), **{NPZ_MEMBER: np.array(text)})
+    with pytest.raises(ParamsError, match=re.escape(message)):
+        tgc.load_params(path, prog)
 
 
 def test_symbolic_dims_must_agree_within_a_file(tmp_path):

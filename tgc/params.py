@@ -18,7 +18,8 @@ names say which axis is which); the dtype is the program's float type, or the
 argument's own for bf16/f16 ones (`cast=True` converts another float type); and each axis has its edge's size (a symbolic dim takes
 one size across the file). A file without the description (written by another tool)
 is checked by names, dtypes and shapes in ABI order alone. Any mismatch raises
-`ParamsError`, naming the array and what differs.
+`ParamsError`, naming the array and what differs; so does a description of another
+shape than the one `save_params` writes (checked once, as the file is read).
 
 The arrays returned are fresh, writable and C-contiguous: a call can update them in
 place.
@@ -117,10 +118,13 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
             raise ParamsError(f"{where}: '{spec.name}' is {kind}, not a float array")
         entry = recorded.get(spec.name)
         if entry is not None:
-            edges = tuple(entry.get("edges", ()))
-            if sorted(edges) != sorted(spec.edges) or len(edges) != a.ndim:
+            edges = tuple(entry["edges"])
+            if sorted(edges) != sorted(spec.edges):
                 raise ParamsError(f"{where}: '{spec.name}' has edges [{', '.join(edges)}], the program's are "
                                   f"[{', '.join(spec.edges)}]")
+            if len(edges) != a.ndim:
+                raise ParamsError(f"{where}: '{spec.name}' has {a.ndim} axes, but the file's description "
+                                  f"lists {len(edges)} edges [{', '.join(edges)}]")
             if entry.get("kind", spec.kind) != spec.kind:
                 raise ParamsError(f"{where}: '{spec.name}' was saved as a {entry['kind']}, the program's is a {spec.kind}")
             if edges != spec.edges:   # the same edges in another order: into the ABI order
@@ -199,15 +203,54 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
         raise ParamsError(f"cannot read '{name}': not a {fmt} file ({e})") from None
     except Exception as e:  # noqa: BLE001 -- safetensors' own error type for a damaged file
         raise ParamsError(f"cannot read '{name}': a damaged {fmt} file ({e})") from None
-    meta = None
-    if meta_text is not None:
-        try:
-            meta = json.loads(meta_text)
-        except ValueError:
-            raise ParamsError(f"cannot read '{name}': its tgc description is not JSON") from None
-        if not isinstance(meta, dict) or not isinstance(meta.get("tensors", {}), dict):
-            raise ParamsError(f"cannot read '{name}': its tgc description is malformed")
-    return arrays, meta
+    return arrays, None if meta_text is None else _description(meta_text, name)
+
+
+def _description(text, name: str) -> dict:
+    """tgc's description of a file's arrays, parsed from its JSON and checked against
+    the one shape `_describe` writes: {"version": int, "dtype": str, "tensors": {array:
+    {"kind": "param" | "state", "edges": [distinct str, ...]}}}. Everything after
+    reading relies on that shape; anything else is a `ParamsError` naming what is wrong."""
+    def bad(what: str) -> ParamsError:
+        return ParamsError(f"cannot read '{name}': its tgc description is malformed ({what})")
+
+    if not isinstance(text, str):
+        raise bad("not a string")
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ParamsError(f"cannot read '{name}': its tgc description is not JSON") from None
+    if not isinstance(meta, dict):
+        raise bad(f"a JSON {_json_kind(meta)}, not an object")
+    for key, kind in (("version", int), ("dtype", str), ("tensors", dict)):
+        if key not in meta:
+            raise bad(f"no \"{key}\"")
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            raise bad(f"\"{key}\" is a JSON {_json_kind(meta[key])}")
+    if meta["version"] != FORMAT_VERSION:
+        raise ParamsError(f"cannot read '{name}': its tgc description has format version {meta['version']}, "
+                          f"this tgc reads version {FORMAT_VERSION}")
+    for array, entry in meta["tensors"].items():
+        if not isinstance(entry, dict):
+            raise bad(f"the entry for '{array}' is a JSON {_json_kind(entry)}, not an object")
+        if entry.get("kind") not in ("param", "state"):
+            raise bad(f"the entry for '{array}' needs \"kind\": \"param\" or \"state\"")
+        edges = entry.get("edges")
+        if not isinstance(edges, list) or not all(isinstance(e, str) for e in edges):
+            raise bad(f"the entry for '{array}' needs \"edges\": a list of edge names")
+        twice = next((e for i, e in enumerate(edges) if e in edges[:i]), None)
+        if twice is not None:
+            raise bad(f"the entry for '{array}' lists edge '{twice}' twice")
+    return meta
+
+
+def _json_kind(value) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    for kind, name in ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"),
+                       (list, "array"), (dict, "object")):
+        if isinstance(value, kind):
+            return name
+    return "null"
 
 
 def load_params(path: str | os.PathLike, program, cast: bool = False) -> dict[str, np.ndarray]:

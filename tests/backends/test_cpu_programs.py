@@ -18,8 +18,8 @@ PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/prog
 F32_RTOL, F32_ATOL = 2e-4, 2e-5  # relative to each output's scale; f32 sums accumulate in f32
 
 
-def compare(module, dtype, seed=0):
-    dims = {d: 5 for d in module.symbolic_dims()}
+def compare(module, dtype, seed=0, dims=None):
+    dims = {d: 5 for d in module.symbolic_dims()} if dims is None else dims
     inputs = random_inputs(module, module.bind_dims(dims), seed, dtype)
     want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f64", dims=dims)
     prog = tgc.compile(module, dtype=dtype)

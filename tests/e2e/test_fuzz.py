@@ -133,7 +133,7 @@ def test_shrinker_reduces_a_planted_disagreement(monkeypatch):
     text = small.render()
     assert "tanh(" in text
     assert len(text.splitlines()) < len(prog.render().splitlines())
-    assert len(text.splitlines()) <= 8, text
+    assert len([line for line in text.splitlines() if not line.startswith("dim ")]) <= 6, text   # dims: as the edges need
     again = harness.check(text, small.bind, ("interp-f64",), small.seed)
     assert again.failures() and again.failures()[0].kind == "mismatch"
 

@@ -24,7 +24,8 @@ form (`u * u + c`, `exp(u)`, ...), divisors are bounded away from zero, a real p
 has a positive base, `exp` and `sin` see bounded arguments (a rough magnitude bound,
 `Node.scale`, is tracked), and kinked functions (`abs`, `relu`, two-argument
 `max`/`min`) get an offset where their operand may hold exact zeros (`Node.sparse`:
-padding, masks, steps), so no derivative is taken at a kink. Sizes are 1..6.
+padding, masks, steps), so no derivative is taken at a kink. Sizes are 1..6; about one
+dim in seven has size 1 (`ONE`), the head split and the window may too.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from fuzz.nodes import Decl, Fn, Node, Program, Stmt, bin_, call, eops, name, ne
 
 MAX_ELEMS = 48          # a generated value has at most this many elements
 MAX_EDGES = 3
+ONE = 0.15              # the chance that a dim has size 1
 BOUND = 4.0             # beyond this estimated magnitude, squash before exp/sin/pow
 
 
@@ -69,16 +71,16 @@ class Gen:
     def setup_dims(self):
         r = self.r
         for d in r.sample(["b", "n"], r.choice([0, 1, 1, 2])):
-            n = r.randint(2, 4)
+            n = self.dim_of(2, 4)
             self.dims.append((d, None))
             self.dim_size[d], self.dim_key[d], self.bind[d] = n, d, n
         lits = r.sample(["p", "q", "r"], r.randint(2, 3))
         for d in lits:
-            n = r.randint(2, 5)
+            n = self.dim_of(2, 5)
             self.dims.append((d, str(n)))
             self.dim_size[d], self.dim_key[d] = n, n
         if r.random() < 0.35:   # c = head * hd, written hd = c / head
-            head, hd = r.choice([(2, 2), (2, 3), (3, 2)])
+            head, hd = r.choice([(2, 2), (2, 3), (3, 2), (1, 4), (4, 1), (1, 1)])
             self.dims.append(("c", str(head * hd)))
             self.dims.append(("head", str(head)))
             self.dims.append(("hd", "c / head"))
@@ -86,8 +88,10 @@ class Gen:
                 self.dim_size[d], self.dim_key[d] = n, n
             self.split = ("c", "head", "hd")
         if r.random() < 0.35:   # o = L - k + 1, the valid positions of a window
-            base = r.choice([d for d, _ in self.dims if self.dim_size[d] >= 2])
-            k = r.randint(2, max(2, min(3, self.dim_size[base])))
+            base = r.choice([d for d, _ in self.dims])
+            k = self.dim_of(2, max(2, min(3, self.dim_size[base])))
+            if base not in self.bind:
+                k = min(k, self.dim_size[base])   # a fixed dim of size 1 takes windows of 1
             if base in self.bind and self.bind[base] < k:
                 self.bind[base] = self.dim_size[base] = k
             self.dims.append(("k", str(k)))
@@ -110,6 +114,11 @@ class Gen:
                     e = names.pop(0)
                     self.aliases[e] = d
                     self.edge_dim[e] = d
+
+    def dim_of(self, lo: int, hi: int) -> int:
+        """A dim's size: one of lo..hi, or 1 (an edge of size 1: a batch of one, one head,
+        a kernel of size 1) with probability ONE."""
+        return 1 if self.r.random() < ONE else self.r.randint(lo, hi)
 
     def size(self, e: str) -> int:
         return self.dim_size[self.edge_dim[e]]

@@ -262,6 +262,10 @@ def _parse_rename(a, args, typ, loc):
 def _parse_custom(a, args, typ, loc):
     fn, n, ct, tans = (p.strip() for p in a.split(";"))
     n, tans = int(n), tuple(tans.split())
+    want = 1 + n + (n if ct else 0) + (1 if tans else 0)
+    if n < 0 or len(args) != want:
+        raise _V().IRError(f"'custom' with {n} arguments{', a vjp' if ct else ''}{', a jvp' if tans else ''} "
+                           f"takes {max(want, 1)} operands, not {len(args)}")
     rest = args[1 + n:]
     return _V().custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
                        fn, ct, tans, loc)
@@ -332,4 +336,6 @@ def parse_value(op: str, attrs: str | None, args: list, typ, loc):
     o = OPS.get(op)
     if o is None or o.parse is None:
         raise _V().IRError(f"unknown op '{op}'")
+    if o.arity is not None and len(args) != o.arity:
+        raise _V().IRError(f"'{op}' takes {o.arity} operand{'s' if o.arity != 1 else ''}, not {len(args)}")
     return o.parse(attrs or "", args, typ, loc)

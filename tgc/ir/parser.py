@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 
 from tgc.ir import ops, values as V
+from tgc.ir.dtypes import TYPES
 from tgc.ir.diag import CompileError, Loc
 from tgc.ir.module import FACT_RELS, Arg, Fact, Module, Output, Update
-from tgc.ir.sizes import SizeError, parse_size
+from tgc.ir.sizes import SizeError, parse_size, size_dims
 from tgc.ir.verify import VerifyError, check_value, verify
 
 NAME = r"[A-Za-z_][\w'.]*"
@@ -81,19 +82,33 @@ class _Reader:
         raise self.error(f"cannot parse IR line: {line}")
 
     def dim(self, name: str, size: str | None) -> None:
-        self.m.dims[name] = None if size is None else parse_size(size)
+        if name in self.m.edges:
+            raise self.error(f"'{name}' is declared twice")
+        value = None if size is None else parse_size(size)
+        unknown = [d for d in size_dims(value) if d not in self.m.dims] if value is not None else []
+        if unknown:
+            raise self.error(f"dim '{name}' = {size} uses '{unknown[0]}', which is not a dim declared before it")
+        self.m.dims[name] = value
         self.m.edges[name] = name
 
     def edge(self, name: str, dim: str) -> None:
         if dim not in self.m.dims:
             raise self.error(f"edge '{name}' has unknown dim '{dim}'")
+        if name in self.m.edges:
+            raise self.error(f"'{name}' is declared twice")
         self.m.edges[name] = dim
 
     def arg(self, kind: str, name: str, dtype: str, edges: str) -> None:
         order = tuple(_edge_list(edges))
         self.check_edges(order)
+        self.dtype(dtype)
         self.m.args[name] = Arg(name, kind, dtype, order)
         self.env[name] = V.arg(name, dtype, order)
+
+    def dtype(self, name: str) -> str:
+        if name not in TYPES:
+            raise self.error(f"unknown type '{name}' (known: {', '.join(TYPES)})")
+        return name
 
     def check_edges(self, edges) -> None:
         for e in edges:
@@ -105,7 +120,7 @@ class _Reader:
             raise self.error(f"value '%{name}' is defined twice")
         loc = Loc(lfile, int(lline), int(lcol)) if lfile else None
         args = [self.ref(o.strip().lstrip("%")) for o in operands.split(",") if o.strip()]
-        typ = V.TensorType.of(dtype, _edge_list(edges))
+        typ = V.TensorType.of(self.dtype(dtype), _edge_list(edges))
         self.check_edges(typ.edges)
         v = _build(op, attrs, args, typ, loc)
         if v.type != typ:

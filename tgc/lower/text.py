@@ -412,13 +412,13 @@ class _Builder:
 
     def size(self, t) -> Size:
         if isinstance(t, Token):   # a lone INT or NAME (`?` rules inline single children)
-            return int(t) if t.type == "INT" else str(t)
+            return int(t) if t.type == "INT" else self.dim(t)
         d, c = t.data, t.children
         try:
             if d == "int_size":
                 return int(c[0])
             if d == "name_size":
-                return str(c[0])
+                return self.dim(c[0])
             if d == "negsize":
                 return size_op("-", 0, self.size(c[0]))
             if d == "binop":
@@ -426,6 +426,13 @@ class _Builder:
         except SizeError as e:
             raise self.error(str(e), t) from None
         raise self.error(f"internal: unknown size '{d}'", t)
+
+    def dim(self, tok: Token) -> str:
+        """A size's name: one of the module's dims (what sizes are made of)."""
+        if str(tok) not in self.low.module.dims:
+            raise self.error(f"unknown dim '{tok}' in a size (the module's dims: "
+                             f"{', '.join(self.low.module.dims) or 'none'})", tok)
+        return str(tok)
 
     def names(self, t: Tree) -> tuple[str, ...]:
         return tuple(str(x) for x in t.children)
