@@ -511,7 +511,8 @@ def test_bad_dims_dtypes_and_values_are_clear_errors():
 
 
 def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
-    """A learning rate passed as a Python float (or int, or numpy scalar) is made a
+    """A learning rate passed as a Python float (or int, or numpy scalar, or 0-d array
+    of another float type: torch's autograd wrapper passes float64 ones) is made a
     0-d array of the program's float type, so a training loop's calls stay on the
     native fast path; the values are those of a 0-d array."""
     from tgc.backends.cpu import kernels as P
@@ -526,7 +527,7 @@ def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
     x = np.arange(4, dtype=np.float32)
     w = np.zeros(4, np.float32)
     prog(x=x, lr=np.array(0.5, np.float32), w=w)
-    for lr in (0.5, 1, np.float32(0.25), np.float64(0.125)):
+    for lr in (0.5, 1, np.float32(0.25), np.float64(0.125), np.array(0.0625), np.array(2.0, np.float16)):
         before = w.copy()
         y = prog(x=x, lr=lr, w=w)["y"]
         assert y == np.float32(np.dot(before, x))

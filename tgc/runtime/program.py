@@ -76,6 +76,20 @@ class TensorSpec:
     updated: bool = False       # a param/state written by `update`
 
 
+def _as_scalar(value, dtype: np.dtype):
+    """A read-only float scalar for the fast path: a Python or numpy number, or a 0-d
+    float array of another type, as a 0-d array of `dtype`; anything else as it is
+    (the native checks take it or send the call to the checked path)."""
+    kind = type(value)
+    if kind is np.ndarray:
+        if value.ndim == 0 and value.dtype != dtype and value.dtype.kind == "f":
+            return value.astype(dtype)
+        return value
+    if kind in (float, int) or isinstance(value, (np.floating, np.integer)):
+        return np.array(value, dtype)
+    return value
+
+
 def _dlpack_view(name: str, value):
     """A CPU array that is not numpy's but speaks DLPack (a torch CPU tensor) as a
     numpy array over the same memory, so that an update writes into it; others as given.
@@ -135,8 +149,9 @@ class Program:
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
         self._upd_results = tuple((self._update_keys[self._names[i]], i) for i in self._upd_idx)   # (result key, argument)
         self._key_idx = self._binding_inputs()
-        # float scalars a caller may pass as Python numbers (a learning rate): made 0-d
-        # arrays for the fast path, as `_convert` does for the checked one
+        # float scalars a caller may pass as Python numbers or 0-d arrays of the other
+        # width (a learning rate; `np.asarray(0.1)` is float64): made 0-d arrays of the
+        # program's type for the fast path, as `_convert` does for the checked one
         self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
                                  if not s.shape and not s.updated and s.dtype != "i32")
         # bf16/f16 arguments and outputs (tgc.ir.lowp): those whose buffer holds 2-byte
@@ -545,9 +560,7 @@ class Program:
             try:
                 vals = [arrays[n] for n in self._names]
                 for i, dt in self._scalar_idx:
-                    if type(vals[i]) is not np.ndarray and (type(vals[i]) in (float, int)
-                                                           or isinstance(vals[i], (np.floating, np.integer))):
-                        vals[i] = np.array(vals[i], dt)
+                    vals[i] = _as_scalar(vals[i], dt)
                 key = tuple([vals[i].shape for i in self._key_idx])
             except (KeyError, AttributeError, OverflowError):   # a huge int: the checked path explains
                 return self._run_checked(arrays, dims, notify)
