@@ -11,19 +11,22 @@ once, for every backend:
 is written, then runs the kernels:
 
 - names: exactly the program's arguments;
-- dtypes: a float argument takes a float array of either width (the other width
-  is cast, a copy) or a Python int/float; an i32 argument takes any integer array
-  whose values fit in int32; anything else (bool, complex, objects, floats for ids)
-  is refused; bf16/f16 arguments, and f32 ones of an f64 program, are rounded to
+- dtypes (docs/dtypes.md, "What a call takes"): a float argument that is only read
+  takes a float array of any width (converted to its type, a copy) or a Python or
+  numpy number; an i32 argument takes any integer array whose values fit in int32;
+  anything else (bool, integers for floats, complex, objects, floats for ids) is
+  refused; bf16/f16 arguments, and f32 ones of an f64 program, are rounded to
   their type; complex arguments and results travel as float pairs
   (tgc/ir/complex_io.py), of each one's width (c64: float32 pairs);
 - layout: arrays that are not C-contiguous are copied (results are the same);
 - sizes: each axis must have its edge's size; a symbolic dim takes the size of the
   first array that has it, and every other array must agree (or pass `dims=`);
 - updates: a param or state with an `update` is written in place; it must be a
-  writable array; if it had to be cast or copied, the new values are copied back
-  into the caller's array after the call. Another argument sharing memory with an
-  update target is copied first, so it is read with its old values;
+  writable array of its declared type (`declared_dtype`: a converted copy would
+  receive the update, not the caller's array); if its layout had to be copied, the
+  new values are copied back into the caller's array after the call. Another
+  argument sharing memory with an update target is copied first, so it is read with
+  its old values;
 - gather ids out of range: an EvalError, and no output or update is written;
 - `updates=False`: the forward-only program (`without_updates`, built once).
 
@@ -48,8 +51,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, narrower, round_to
-from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
-from tgc.ir.interp import EvalError, bind_dims, check_ids_fit
+from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF, as_complex, as_pairs, complex_args, complex_results, not_pairs
+from tgc.ir.interp import EvalError, bind_dims, check_ids_fit, check_updated_dtype
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
@@ -235,6 +238,14 @@ class Program:
         stores 2-byte elements, else the spec's own."""
         return np.dtype(self._store.get(spec.name, NP[spec.dtype]))
 
+    def declared_dtype(self, spec: TensorSpec) -> np.dtype:
+        """The numpy dtype of `spec`'s declared element type: float32 or float64 (the
+        program's float type, f32 under --fp-strict's f64 emulation, or an f32 declaration
+        in an f64 program), ml_dtypes.bfloat16, float16 or int32. An updated argument
+        must be an array of it (`check_updated_dtype`)."""
+        name = "i32" if spec.dtype == "i32" else self.low_types.get(spec.name, self.float_dtype)
+        return np.dtype(TYPES[name].numpy)
+
     @property
     def float_dtype(self) -> str:
         """The float type callers pass and get (f32 or f64). An f32 program built with
@@ -350,6 +361,8 @@ class Program:
             a = np.asarray(value)
         except (ValueError, OverflowError, TypeError) as e:   # a ragged list, a huge Python int
             raise EvalError(f"input '{spec.name}' is not an array of numbers: {e}") from None
+        if spec.updated and spec.name not in self._complex_args:   # float pairs: see _run_complex
+            check_updated_dtype(spec.name, a.dtype, self.declared_dtype(spec))
         if spec.dtype == "i32":
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
@@ -362,7 +375,7 @@ class Program:
                 raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
             a = a if is_low_array(a) == low else round_to(a, low)
             return np.require(a, self._store.get(spec.name, NP[spec.dtype]), "C")   # 2-byte buffer, or widened
-        elif a.dtype.kind != "f":
+        elif a.dtype.kind != "f" and not is_low_array(a):
             raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
         if spec.updated and not a.flags.writeable:
             raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
@@ -443,8 +456,9 @@ class Program:
         """Run the program once; returns {name: array}.
 
         `arrays` maps every argument's name (see `inputs`) to an array whose axes are
-        its edges in ABI order (a Python number for a scalar). Float arguments take
-        float arrays of either width; i32 arguments take integers. `dims` binds
+        its edges in ABI order (a Python number for a scalar). Float arguments that
+        are only read take float arrays of any width (converted); an updated one must
+        be of its declared type (`declared_dtype`); i32 arguments take integers. `dims` binds
         symbolic dims that no argument's shape gives. Everything is checked before
         anything runs (an `EvalError` says what is wrong).
 
@@ -506,6 +520,10 @@ class Program:
             why = not_pairs(k, arrays[k], self.module.args[k].order)
             if why:
                 raise EvalError(why)
+            given = _dlpack_view(k, arrays[k])
+            if k in self._update_keys and isinstance(given, np.ndarray):   # complex, or its float pairs
+                width = self.low_types.get(k, self.float_dtype)
+                check_updated_dtype(k, given.dtype, np.dtype((COMPLEX_OF if given.dtype.kind == "c" else FLOAT_OF)[width]))
         try:
             pairs = {k: as_pairs(_dlpack_view(k, v), self.low_types.get(k, self.float_dtype))
                      if k in self._complex_args else v for k, v in arrays.items()}
