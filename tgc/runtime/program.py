@@ -512,8 +512,9 @@ class Program:
     def _run_complex(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
         """A call with complex arguments or results (tgc/ir/complex_io.py): each complex
         array goes in as float pairs, a view of the caller's (a copy only when its width
-        or layout differs, written back if it is updated), and complex results come
-        back as complex views of the float pairs."""
+        or layout differs; an updated one must have its declared width, and a copy of
+        its layout is written back), and complex results come back as complex views of
+        the float pairs."""
         if not isinstance(arrays, dict):
             arrays = dict(arrays)
         for k in self._complex_args & arrays.keys():
