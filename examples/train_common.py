@@ -72,9 +72,8 @@ def compile_step(path: Path, args, data_parallel=None):
 
 
 def scalar(value: float) -> np.ndarray:
-    """`value` as a 0-d float32 array. A call whose arguments are all arrays of the
-    program's types takes tgc's fast path (a Python number is converted on a slower,
-    checked path, which costs a fraction of a millisecond per call)."""
+    """`value` as a 0-d float32 array, the steps' scalar type. (A Python number would
+    do as well: a call converts a scalar argument on its native fast path.)"""
     return np.asarray(value, np.float32)
 
 

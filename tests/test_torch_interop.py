@@ -88,3 +88,31 @@ def test_argument_names_are_checked():
         f(x=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(TypeError, match="unexpected argument 'z'"):
         f(x=torch.zeros(3), W=torch.zeros(3, 4), z=1)
+
+
+def test_a_python_float_learning_rate_keeps_both_passes_on_the_fast_path():
+    """The README's `f(x=xt, y=yt, lr=0.1, ...)`: the float reaches the backward program
+    as a float64 0-d array, which the fast path converts as it does a Python number;
+    after one checked call per program, every step is one native call each way."""
+    from tgc.backends.cpu import kernels as P
+
+    if P._LAYOUT is None:
+        pytest.skip("this numpy's array layout is not the one the native argument checks know")
+    f = tgc_torch.function(tgc.compile(str(ROOT / "examples" / "mlp.tg")))
+    checked = []
+    for program in (f.forward_program, f.vjp_program()):
+        inner = program._run_checked
+        program._run_checked = lambda *a, _inner=inner, **k: checked.append(1) or _inner(*a, **k)
+    arrs = {k: torch.tensor(v, dtype=torch.float32) for k, v in mlp_arrays(f.program).items()}
+    params = ("W1", "b1", "W2", "b2")
+    for k in params:
+        arrs[k].requires_grad_(True)
+    arrs["lr"] = 0.1
+    grads = []
+    for _ in range(3):
+        f(**arrs)["loss"].backward()
+        grads.append(arrs["W1"].grad.clone())
+        for k in params:
+            arrs[k].grad = None
+    assert len(checked) == 2
+    assert all(torch.equal(g, grads[0]) for g in grads)

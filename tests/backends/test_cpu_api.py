@@ -227,10 +227,11 @@ def test_fast_path_outputs_fresh_and_conversions_agree():
     assert y1 is not y2 and not np.shares_memory(y1, y2)
     np.testing.assert_array_equal(y1, 2 * np.ones(4))
     # cast (f32 -> f64) and strided inputs take the checked path: same results
-    a32, a = np.zeros(4, np.float32), np.zeros(4)
+    a1, a = np.zeros(4), np.zeros(4)
     b = np.ones(8)[::2]
-    np.testing.assert_array_equal(prog(a=a32, b=b)["y"], prog(a=a, b=np.ones(4))["y"])
-    np.testing.assert_array_equal(a32, a)
+    np.testing.assert_array_equal(prog(a=a1, b=b)["y"], prog(a=a, b=np.ones(4))["y"])
+    np.testing.assert_array_equal(prog(a=a1, b=np.ones(4, np.float32))["y"], prog(a=a, b=np.ones(4))["y"])
+    np.testing.assert_array_equal(a1, a)
 
 
 def test_fast_path_ids_out_of_range_write_nothing():
@@ -479,11 +480,13 @@ def test_update_targets_sharing_memory_are_refused_before_any_write():
     prog = tgc.compile("dim n = 4\nparam a[n], b[n]\nout s = sum(a * b)\nupdate a = a + b\nupdate b = a - b\n")
     z = np.arange(4, dtype=np.float32)
     buf = np.arange(6, dtype=np.float32)
+    wide = np.arange(8, dtype=np.float32)   # a strided view: copied, each copy written back
     for _ in range(2):   # the checked path, then the fast path's refusal falls back to it
-        for a, b in ((z, z), (buf[0:4], buf[2:6]), (z.astype(np.float64),) * 2):
+        for a, b in ((z, z), (buf[0:4], buf[2:6]), (wide[::2],) * 2):
             with pytest.raises(EvalError, match="update targets 'a' and 'b' share memory"):
                 prog(a=a, b=b)
         assert np.array_equal(z, np.arange(4)) and np.array_equal(buf, np.arange(6))
+        assert np.array_equal(wide, np.arange(8))
         prog(a=np.ones(4, np.float32), b=np.ones(4, np.float32))
 
 
@@ -511,7 +514,8 @@ def test_bad_dims_dtypes_and_values_are_clear_errors():
 
 
 def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
-    """A learning rate passed as a Python float (or int, or numpy scalar) is made a
+    """A learning rate passed as a Python float (or int, or numpy scalar, or 0-d array
+    of another float type: torch's autograd wrapper passes float64 ones) is made a
     0-d array of the program's float type, so a training loop's calls stay on the
     native fast path; the values are those of a 0-d array."""
     from tgc.backends.cpu import kernels as P
@@ -526,7 +530,7 @@ def test_a_python_number_for_a_scalar_input_takes_the_fast_path():
     x = np.arange(4, dtype=np.float32)
     w = np.zeros(4, np.float32)
     prog(x=x, lr=np.array(0.5, np.float32), w=w)
-    for lr in (0.5, 1, np.float32(0.25), np.float64(0.125)):
+    for lr in (0.5, 1, np.float32(0.25), np.float64(0.125), np.array(0.0625), np.array(2.0, np.float16)):
         before = w.copy()
         y = prog(x=x, lr=lr, w=w)["y"]
         assert y == np.float32(np.dot(before, x))

@@ -266,8 +266,10 @@ def test_update_targets_must_be_device_arrays(cupy):
     x = np.ones((2, 8), np.float32)
     with pytest.raises(EvalError, match="'W' is updated in place: pass a device array"):
         prog(x=x, W=np.ones((8, 16), np.float32), lr=0.1)
-    with pytest.raises(EvalError, match="'W' is updated in place: pass a C-contiguous f32 device array"):
+    with pytest.raises(EvalError, match="'W' is updated in place, so it must be float32, not float64"):
         prog(x=x, W=cupy.asarray(np.ones((8, 16))), lr=0.1)      # f64: a cast would be a copy
+    with pytest.raises(EvalError, match="'W' is updated in place: pass a C-contiguous f32 device array"):
+        prog(x=x, W=cupy.asarray(np.ones((8, 32), np.float32))[:, ::2], lr=0.1)   # a strided view
     with pytest.raises(EvalError, match="input 'x' must be a float array"):
         prog(x=cupy.asarray(np.ones((2, 8), np.int64)), W=cupy.asarray(np.ones((8, 16), np.float32)), lr=0.1)
 

@@ -69,14 +69,18 @@ def test_updates_in_place_forward_only_and_batch_sizes():
     assert set(fwd) == {"loss", "y"} and np.array_equal(W, W1)
 
 
-def test_f32_update_of_an_f64_array_is_written_back():
+def test_an_f64_array_is_read_as_f32_but_not_updated_as_one():
+    """docs/dtypes.md, "What a call takes": as on the CPU."""
     prog = tgc.compile(MLP, dtype="f32", backend="cuda-sim")
-    x, W = np.ones((2, 8), np.float32), np.full((8, 16), 0.1)
-    W0 = W.copy()
-    got = prog(x=x, W=W, lr=0.5)
-    assert got["W"] is W and W.dtype == np.float64 and not np.allclose(W, W0)
-    cpu = tgc.compile(MLP, dtype="f32")(x=x, W=W0.copy(), lr=0.5)
-    np.testing.assert_allclose(W, cpu["W"], rtol=1e-5)
+    x, W = np.ones((2, 8)), np.full((8, 16), 0.1)
+    with pytest.raises(EvalError, match="'W' is updated in place, so it must be float32, not float64"):
+        prog(x=x, W=W, lr=0.5)
+    assert np.all(W == 0.1)
+    W32 = W.astype(np.float32)
+    got = prog(x=x, W=W32, lr=0.5)
+    assert got["W"] is W32 and not np.allclose(W32, 0.1)
+    cpu = tgc.compile(MLP, dtype="f32")(x=x, W=W.astype(np.float32), lr=0.5)
+    np.testing.assert_allclose(W32, cpu["W"], rtol=1e-5)
 
 
 def test_gather_out_of_range_is_reported_and_nothing_is_written():

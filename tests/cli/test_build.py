@@ -179,14 +179,67 @@ def test_examples_makefile_builds_runs_and_rebuilds_only_dependents(tmp_path):
     built = sorted(f.name for f in (work / "out").glob("lib*.so"))
     assert built == sorted(f"lib{p.stem}.so" for p in (ROOT / "examples").glob("*.tg"))
     again = subprocess.run(make, capture_output=True, text=True, env=env)
-    assert "tgc.cli build" not in again.stdout
+    assert "tgc.cli build" not in again.stdout and "Nothing to be done" in again.stdout, again.stdout
     os.utime(work / "lib/transformer.tg")
     again = subprocess.run(make, capture_output=True, text=True, env=env)
     rebuilt = re.findall(r"build (\S+)\.tg", again.stdout)
     importers = sorted(p.stem for p in work.glob("*.tg") if 'import "lib/transformer.tg"' in p.read_text())
     assert "gpt" in importers and sorted(rebuilt) == importers, again.stdout
     assert subprocess.run(make + ["clean"], capture_output=True).returncode == 0
-    assert not (work / "out").exists()
+    assert not list((work / "out").iterdir())
+
+
+FAKE_TGC = """#!/bin/sh
+# `tgc build SRC -o out/libNAME.so ...`: the library, its header and its depfile
+out=$4; name=$(basename "$out" .so); name=${name#lib}
+sleep 0.1
+echo library > "$out"; echo header > "$(dirname "$out")/$name.h"; echo "$out: $2" > "${out%.so}.d"
+"""
+FAKE_CC = """#!/bin/sh
+# `cc ... -o out/mlp_main ...`: a driver that prints what the real one does
+while [ "$1" != "-o" ]; do shift; done
+printf '#!/bin/sh\\necho step 1 loss 1.0\\n' > "$2" && chmod +x "$2"
+"""
+SLOW_RM = "#!/bin/sh\nsleep 1\nexec rm -f \"$@\"\n"
+
+
+@needs_make
+def test_examples_makefile_clean_keeps_training_outputs_and_clean_all_runs_in_order(tmp_path):
+    """examples/Makefile with stand-ins for tgc and cc (the rules, not the compiler):
+    `clean` removes the build products only, not the training scripts' out/NAME/;
+    `make clean all -j4` cleans before any build starts (a slow rm would otherwise
+    delete what the parallel builds wrote); the driver's run is a file, so a second
+    make has nothing to do."""
+    work = tmp_path / "examples"
+    shutil.copytree(ROOT / "examples", work, ignore=shutil.ignore_patterns("out"))
+    tools = {}
+    for name, text in (("tgc", FAKE_TGC), ("cc", FAKE_CC), ("rm", SLOW_RM)):
+        tools[name] = tmp_path / f"fake-{name}"
+        tools[name].write_text(text)
+        tools[name].chmod(0o755)
+    make = ["make", "-C", str(work), f"TGC={tools['tgc']}", f"CC={tools['cc']}", f"RM={tools['rm']}"]
+    kept = work / "out/train_sort_gpt/params.safetensors"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("trained")
+
+    def run(*goals):
+        p = subprocess.run(make + list(goals), capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    def products():
+        return sorted(f.name for f in (work / "out").iterdir() if f.is_file())
+
+    assert "step 1 loss" in run("-j4")
+    built = products()
+    libs = sorted(f"lib{p.stem}.so" for p in work.glob("*.tg"))
+    assert set(libs) <= set(built) and "mlp_main.txt" in built and "mlp.h" in built
+    assert "Nothing to be done for 'all'" in run()
+    run("clean")
+    assert products() == [] and kept.read_text() == "trained"
+    run("clean", "all", "-j4")
+    assert products() == built and kept.read_text() == "trained"
+    assert "Nothing to be done for 'all'" in run()
 
 
 def test_build_targets_come_from_the_backend_registry(tmp_path, monkeypatch):

@@ -231,9 +231,10 @@ update z = z - lr * grad(loss, z)
     result = tgc.compile(src)(z=z, t=t, lr=0.25)
     assert result["z"] is z
     np.testing.assert_allclose(z, z0 - 0.25 * 2 * (z0 - t), rtol=1e-6)   # torch's z.grad = 2 (z - t)
-    z128 = z0.astype(np.complex128)     # another width: converted, then written back
-    tgc.compile(src)(z=z128, t=t, lr=0.5)
-    np.testing.assert_allclose(z128, t, rtol=1e-6)
+    z128 = z0.astype(np.complex128)     # another width: refused (a converted copy would take the update)
+    with pytest.raises(tgc.EvalError, match="'z' is updated in place, so it must be complex64, not complex128"):
+        tgc.compile(src)(z=z128, t=t.astype(np.complex128), lr=0.5)
+    np.testing.assert_array_equal(z128, z0)
 
 
 @pytest.mark.parametrize("fp_strict", [False, True])

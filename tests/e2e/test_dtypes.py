@@ -221,9 +221,12 @@ def test_runtime_takes_and_returns_bf16_arrays_and_updates_them_in_place():
     # an f32 array for a bf16 input is rounded to bf16 on the way in
     x32 = x.astype(np.float32) * np.float32(1 + 2**-11)   # within half a bf16 ulp of x: rounds to x
     assert same_bits(x32.astype(NP["bf16"]), x)
-    W1 = W0.astype(np.float32)
-    out32 = p(x=x32, W=W1, lr=0.1)
-    assert same_bits(W1, ref["W"]) and same_bits(out32["l"], ref["l"])
+    out32 = p(x=x32, W=W0.copy(), lr=0.1)
+    assert same_bits(out32["W"], ref["W"]) and same_bits(out32["l"], ref["l"])
+    W1 = W0.astype(np.float32)        # but an updated bf16 param must be a bf16 array
+    with pytest.raises(EvalError, match="'W' is updated in place, so it must be bfloat16, not float32"):
+        p(x=x32, W=W1, lr=0.1)
+    assert same_bits(W1, W0)
     with pytest.raises(EvalError, match="float array"):
         p(x=np.arange(8, dtype=np.complex64), W=W, lr=0.1)
 

@@ -20,7 +20,7 @@ from tgc.fsutil import NotASource, open_regular, write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
-from tgc.ir.complex_io import RI
+from tgc.ir.complex_io import COMPLEX_OF, RI
 from tgc.ir.diag import did_you_mean
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
@@ -97,14 +97,22 @@ def _load_archive(path: str) -> dict[str, np.ndarray]:
 
 
 def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.ndarray:
-    """Integer or boolean data (saved by numpy as such) for a float input, as floats of the
-    program's type, so that every backend accepts what the interpreter accepts; raw 2-byte
-    items (what `np.savez` makes of an ml_dtypes.bfloat16 array) for a bf16/f16 input, as it."""
+    """File data for a float input as an array of its declared type (float32 or float64,
+    the program's type or f32 in an f64 program; bf16, f16; complex of that width):
+    integers, booleans and floats of another width are converted (a file has no
+    caller's array for an update to write into, so updated params are converted too),
+    and raw 2-byte items (what `np.savez` makes of an ml_dtypes.bfloat16 array) for a
+    bf16/f16 input are viewed as it. Every backend then takes what the interpreter takes."""
     arg = module.args.get(name)
-    if arg is not None and arg.dtype in LOW_FLOATS and a.dtype == np.dtype("V2"):
+    if arg is None or arg.dtype == "i32":
+        return a
+    if arg.dtype in LOW_FLOATS and a.dtype == np.dtype("V2"):
         return a.view(TYPES[arg.dtype].numpy)   # numpy saves a bfloat16 array as raw 2-byte items
-    if arg is not None and arg.dtype != "i32" and a.dtype.kind in "iub":
-        return a.astype(interp.NP_DTYPES[dtype])
+    width = arg.dtype if arg.dtype in narrower(dtype) else dtype
+    if a.dtype.kind == "c" and width in COMPLEX_OF:
+        return a.astype(COMPLEX_OF[width], copy=False)
+    if a.dtype.kind in "fiub" or is_low_array(a):
+        return a.astype(TYPES[width].numpy, copy=False)
     return a
 
 

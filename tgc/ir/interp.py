@@ -89,6 +89,16 @@ def check_ids_fit(name: str, a: np.ndarray) -> None:
         raise EvalError(f"input '{name}': ids do not fit in int32")
 
 
+def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | None = None) -> None:
+    """An argument that an `update` writes in place must be an array of its own element
+    type `want` (`what` names it where that is not numpy's name): arguments that are
+    only read are converted, but a converted copy of an updated one would receive the
+    new values instead of the caller's array."""
+    if given != want:
+        raise EvalError(f"'{name}' is updated in place, so it must be {what or np.dtype(want).name}, "
+                        f"not {given} (only arguments that are only read are converted)")
+
+
 def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.ndarray:
     want = tuple(env[module.edges[e]] for e in arg.order)
     if a.shape != want:

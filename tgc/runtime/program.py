@@ -11,19 +11,22 @@ once, for every backend:
 is written, then runs the kernels:
 
 - names: exactly the program's arguments;
-- dtypes: a float argument takes a float array of either width (the other width
-  is cast, a copy) or a Python int/float; an i32 argument takes any integer array
-  whose values fit in int32; anything else (bool, complex, objects, floats for ids)
-  is refused; bf16/f16 arguments, and f32 ones of an f64 program, are rounded to
+- dtypes (docs/dtypes.md, "What a call takes"): a float argument that is only read
+  takes a float array of any width (converted to its type, a copy) or a Python or
+  numpy number; an i32 argument takes any integer array whose values fit in int32;
+  anything else (bool, integers for floats, complex, objects, floats for ids) is
+  refused; bf16/f16 arguments, and f32 ones of an f64 program, are rounded to
   their type; complex arguments and results travel as float pairs
   (tgc/ir/complex_io.py), of each one's width (c64: float32 pairs);
 - layout: arrays that are not C-contiguous are copied (results are the same);
 - sizes: each axis must have its edge's size; a symbolic dim takes the size of the
   first array that has it, and every other array must agree (or pass `dims=`);
 - updates: a param or state with an `update` is written in place; it must be a
-  writable array; if it had to be cast or copied, the new values are copied back
-  into the caller's array after the call. Another argument sharing memory with an
-  update target is copied first, so it is read with its old values;
+  writable array of its declared type (`declared_dtype`: a converted copy would
+  receive the update, not the caller's array); if its layout had to be copied, the
+  new values are copied back into the caller's array after the call. Another
+  argument sharing memory with an update target is copied first, so it is read with
+  its old values;
 - gather ids out of range: an EvalError, and no output or update is written;
 - `updates=False`: the forward-only program (`without_updates`, built once).
 
@@ -49,8 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, narrower, round_to
-from tgc.ir.complex_io import as_complex, as_pairs, complex_args, complex_results, not_pairs
-from tgc.ir.interp import EvalError, bind_dims, check_ids_fit
+from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF, as_complex, as_pairs, complex_args, complex_results, not_pairs
+from tgc.ir.interp import EvalError, bind_dims, check_ids_fit, check_updated_dtype
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
@@ -75,6 +78,20 @@ class TensorSpec:
     shape: tuple[Size, ...]     # an int, or a symbolic size expression per axis
     dtype: str                  # f32 | f64 | i32
     updated: bool = False       # a param/state written by `update`
+
+
+def _as_scalar(value, dtype: np.dtype):
+    """A read-only float scalar for the fast path: a Python or numpy number, or a 0-d
+    float array of another type, as a 0-d array of `dtype`; anything else as it is
+    (the native checks take it or send the call to the checked path)."""
+    kind = type(value)
+    if kind is np.ndarray:
+        if value.ndim == 0 and value.dtype != dtype and value.dtype.kind == "f":
+            return value.astype(dtype)
+        return value
+    if kind in (float, int) or isinstance(value, (np.floating, np.integer)):
+        return np.array(value, dtype)
+    return value
 
 
 def _dlpack_view(name: str, value):
@@ -161,8 +178,9 @@ class Program:
         self._upd_idx = tuple(i for i, s in enumerate(self.inputs) if s.updated)
         self._upd_results = tuple((self._update_keys[self._names[i]], i) for i in self._upd_idx)   # (result key, argument)
         self._key_idx = self._binding_inputs()
-        # float scalars a caller may pass as Python numbers (a learning rate): made 0-d
-        # arrays for the fast path, as `_convert` does for the checked one
+        # float scalars a caller may pass as Python numbers or 0-d arrays of the other
+        # width (a learning rate; `np.asarray(0.1)` is float64): made 0-d arrays of the
+        # program's type for the fast path, as `_convert` does for the checked one
         self._scalar_idx = tuple((i, np.dtype(NP[s.dtype])) for i, s in enumerate(self.inputs)
                                  if not s.shape and not s.updated and s.dtype != "i32")
         # bf16/f16 arguments and outputs (tgc.ir.lowp): those whose buffer holds 2-byte
@@ -246,6 +264,14 @@ class Program:
         (an output) for `spec`: ml_dtypes.bfloat16 / np.float16 where the CPU backend
         stores 2-byte elements, else the spec's own."""
         return np.dtype(self._store.get(spec.name, NP[spec.dtype]))
+
+    def declared_dtype(self, spec: TensorSpec) -> np.dtype:
+        """The numpy dtype of `spec`'s declared element type: float32 or float64 (the
+        program's float type, f32 under --fp-strict's f64 emulation, or an f32 declaration
+        in an f64 program), ml_dtypes.bfloat16, float16 or int32. An updated argument
+        must be an array of it (`check_updated_dtype`)."""
+        name = "i32" if spec.dtype == "i32" else self.low_types.get(spec.name, self.float_dtype)
+        return np.dtype(TYPES[name].numpy)
 
     @property
     def float_dtype(self) -> str:
@@ -362,6 +388,8 @@ class Program:
             a = np.asarray(value)
         except (ValueError, OverflowError, TypeError) as e:   # a ragged list, a huge Python int
             raise EvalError(f"input '{spec.name}' is not an array of numbers: {e}") from None
+        if spec.updated and spec.name not in self._complex_args:   # float pairs: see _run_complex
+            check_updated_dtype(spec.name, a.dtype, self.declared_dtype(spec))
         if spec.dtype == "i32":
             if a.dtype.kind not in "iu":
                 raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
@@ -374,7 +402,7 @@ class Program:
                 raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
             a = a if is_low_array(a) == low else round_to(a, low)
             return np.require(a, self._store.get(spec.name, NP[spec.dtype]), "C")   # 2-byte buffer, or widened
-        elif a.dtype.kind != "f":
+        elif a.dtype.kind != "f" and not is_low_array(a):
             raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
         if spec.updated and not a.flags.writeable:
             raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
@@ -508,8 +536,9 @@ class Program:
         """Run the program once; returns {name: array}.
 
         `arrays` maps every argument's name (see `inputs`) to an array whose axes are
-        its edges in ABI order (a Python number for a scalar). Float arguments take
-        float arrays of either width; i32 arguments take integers. `dims` binds
+        its edges in ABI order (a Python number for a scalar). Float arguments that
+        are only read take float arrays of any width (converted); an updated one must
+        be of its declared type (`declared_dtype`); i32 arguments take integers. `dims` binds
         symbolic dims that no argument's shape gives. Everything is checked before
         anything runs (an `EvalError` says what is wrong).
 
@@ -563,14 +592,19 @@ class Program:
     def _run_complex(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
         """A call with complex arguments or results (tgc/ir/complex_io.py): each complex
         array goes in as float pairs, a view of the caller's (a copy only when its width
-        or layout differs, written back if it is updated), and complex results come
-        back as complex views of the float pairs."""
+        or layout differs; an updated one must have its declared width, and a copy of
+        its layout is written back), and complex results come back as complex views of
+        the float pairs."""
         if not isinstance(arrays, dict):
             arrays = dict(arrays)
         for k in self._complex_args & arrays.keys():
             why = not_pairs(k, arrays[k], self.module.args[k].order)
             if why:
                 raise EvalError(why)
+            given = _dlpack_view(k, arrays[k])
+            if k in self._update_keys and isinstance(given, np.ndarray):   # complex, or its float pairs
+                width = self.low_types.get(k, self.float_dtype)
+                check_updated_dtype(k, given.dtype, np.dtype((COMPLEX_OF if given.dtype.kind == "c" else FLOAT_OF)[width]))
         try:
             pairs = {k: as_pairs(_dlpack_view(k, v), self.low_types.get(k, self.float_dtype))
                      if k in self._complex_args else v for k, v in arrays.items()}
@@ -625,9 +659,7 @@ class Program:
             try:
                 vals = [arrays[n] for n in self._names]
                 for i, dt in self._scalar_idx:
-                    if type(vals[i]) is not np.ndarray and (type(vals[i]) in (float, int)
-                                                           or isinstance(vals[i], (np.floating, np.integer))):
-                        vals[i] = np.array(vals[i], dt)
+                    vals[i] = _as_scalar(vals[i], dt)
                 key = tuple([vals[i].shape for i in self._key_idx])
             except (KeyError, AttributeError, OverflowError):   # a huge int: the checked path explains
                 return self._run_checked(arrays, dims, notify)

@@ -65,7 +65,7 @@ import numpy as np
 from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import codegen, gemm
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
-from tgc.ir.interp import EvalError
+from tgc.ir.interp import EvalError, check_updated_dtype
 from tgc.ir.sizes import size_eval
 from tgc.ir.module import Module
 from tgc.options import Options
@@ -368,6 +368,8 @@ class CudaKernels(Kernels):
                 raise EvalError(f"input '{s.name}' holds ids (i32): pass integers, not {a.dtype}")
             if s.dtype != "i32" and a.dtype.kind != "f":
                 raise EvalError(f"input '{s.name}' must be a float array ({s.dtype}), not {a.dtype}")
+            if s.updated:   # the very buffer the kernels write: of the program's type
+                check_updated_dtype(s.name, a.dtype, np.dtype(NP[s.dtype]))
             conv = cp.ascontiguousarray(a.astype(NP[s.dtype], copy=False))
             if s.updated and conv is not a:
                 raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous {s.dtype} device array")
@@ -380,6 +382,8 @@ class CudaKernels(Kernels):
         (a copy, refused for an update target)."""
         dev = self._device
         want = np.dtype(np.uint16) if store == BF16 else np.dtype(np.float16)
+        if s.updated:
+            check_updated_dtype(s.name, a.dtype, want, "a uint16 array of bfloat16 bits" if store == BF16 else None)
         if a.dtype == want:
             conv = dev.cp.ascontiguousarray(a)
         elif a.dtype.kind != "f":

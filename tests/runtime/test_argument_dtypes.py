@@ -1,0 +1,156 @@
+"""The one rule for argument dtypes (docs/dtypes.md, "What a call takes"), on every
+backend: an argument that is only read is converted to its declared type (any float
+width, a Python number for a scalar); one that an `update` writes in place must already
+be of its declared type, and is refused before anything runs; integers and booleans are
+not floats. Each message names the argument, the dtype given and the one needed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import tgc
+from tgc.cli import main
+from tgc.ir.interp import EvalError, evaluate
+from tgc.options import Options
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["cpu", "cuda-sim"]
+STEP = """dim n = 4
+input x[n], lr
+param w[n]
+state v[n]
+out y = sum[n](w * x)
+update w = w - lr * x
+update v = v + x
+"""
+
+
+def arrays(dtype=np.float32):
+    return dict(x=np.arange(4, dtype=dtype), lr=0.5, w=np.ones(4, np.float32), v=np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("given", [np.float64, np.float16, ml_dtypes.bfloat16])
+def test_an_updated_param_or_state_of_another_float_type_is_refused(backend, given):
+    prog = tgc.compile(STEP, backend=backend)
+    for target in ("w", "v"):
+        args = arrays()
+        args[target] = args[target].astype(given)
+        before = {k: np.array(a, copy=True) for k, a in args.items() if k in ("w", "v")}
+        want = f"'{target}' is updated in place, so it must be float32, not {np.dtype(given).name}"
+        with pytest.raises(EvalError, match=want):
+            prog(**args)
+        for k, a in before.items():          # nothing was written, not even the other target
+            np.testing.assert_array_equal(args[k], a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("given", [np.float64, np.float16, ml_dtypes.bfloat16])
+def test_an_argument_only_read_is_converted_from_any_float_type(backend, given):
+    prog = tgc.compile(STEP, backend=backend)
+    want = prog(**arrays())
+    args = arrays(given)
+    args["lr"] = np.asarray(0.5, given)
+    got = prog(**args)
+    np.testing.assert_array_equal(got["y"], want["y"])
+    np.testing.assert_array_equal(got["w"], want["w"])
+    assert got["w"] is args["w"] and got["w"].dtype == np.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integers_and_booleans_are_not_floats_and_floats_are_not_ids(backend):
+    prog = tgc.compile(STEP, backend=backend)
+    for bad in (np.arange(4), np.ones(4, bool)):
+        with pytest.raises(EvalError, match=f"input 'x' must be a float array \\(f32\\), not {bad.dtype}"):
+            prog(**dict(arrays(), x=bad))
+    ids = tgc.compile("dim n = 3, v = 5\ninput E[v]\ninput k: i32[n]\nout y[n] = E[v = k]\n", backend=backend)
+    with pytest.raises(EvalError, match="input 'k' holds ids \\(i32\\): pass integers, not float32"):
+        ids(E=np.ones(5, np.float32), k=np.zeros(3, np.float32))
+    np.testing.assert_array_equal(ids(E=np.arange(5.0), k=np.array([4, 0, 1]))["y"], [4, 0, 1])   # int64 ids: fit
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_view_of_the_right_type_is_still_updated_through_a_copy(backend):
+    prog = tgc.compile(STEP, backend=backend)
+    wide = np.ones(8, np.float32)
+    w = wide[::2]                              # float32, not contiguous: the layout alone differs
+    prog(**dict(arrays(), w=w))
+    np.testing.assert_array_equal(wide[::2], 1 - 0.5 * np.arange(4))
+    np.testing.assert_array_equal(wide[1::2], 1)
+
+
+def test_the_declared_type_is_the_one_an_update_needs():
+    """An f64 program's params are float64, its f32 declarations float32; bf16/f16
+    params are ml_dtypes.bfloat16 / float16; --fp-strict emulates an f32 program in f64
+    but its params stay float32 to the caller."""
+    wide = tgc.compile(STEP, dtype="f64")
+    with pytest.raises(EvalError, match="'w' is updated in place, so it must be float64, not float32"):
+        wide(x=np.ones(4), lr=0.5, w=np.ones(4, np.float32), v=np.zeros(4))
+    mixed = tgc.compile(STEP.replace("param w[n]", "param w: f32[n]"), dtype="f64")
+    w = np.ones(4, np.float32)
+    mixed(x=np.arange(4.0), lr=0.5, w=w, v=np.zeros(4))
+    np.testing.assert_array_equal(w, 1 - 0.5 * np.arange(4))
+    with pytest.raises(EvalError, match="'w' is updated in place, so it must be float32, not float64"):
+        mixed(x=np.ones(4), lr=0.5, w=np.ones(4), v=np.zeros(4))
+    strict = tgc.compile(STEP, options=Options(fp_strict=True))
+    w = np.ones(4, np.float32)
+    strict(**dict(arrays(), w=w))
+    np.testing.assert_array_equal(w, 1 - 0.5 * np.arange(4))
+    with pytest.raises(EvalError, match="'w' is updated in place, so it must be float32, not float64"):
+        strict(**dict(arrays(), w=np.ones(4)))
+    low = tgc.compile(STEP.replace("param w[n]", "param w: bf16[n]"))
+    w = np.ones(4, ml_dtypes.bfloat16)
+    low(**dict(arrays(), w=w))
+    np.testing.assert_array_equal(w.astype(np.float32), 1 - 0.5 * np.arange(4))
+    with pytest.raises(EvalError, match="'w' is updated in place, so it must be bfloat16, not float32"):
+        low(**arrays())
+
+
+def test_a_complex_update_target_of_the_other_width_is_refused():
+    prog = tgc.compile("dim n = 4\nparam z: c64[n]\ninput w: c64[n]\nout p = z * w\nupdate z = z * 1j\n")
+    w = np.full(4, 2 - 1j, np.complex128)      # only read: converted to complex64
+    z = np.array([1 + 2j, 3, 4j, -1], np.complex64)
+    prog(z=z, w=w)
+    np.testing.assert_array_equal(z, np.array([1 + 2j, 3, 4j, -1], np.complex64) * 1j)
+    z128 = z.astype(np.complex128)
+    with pytest.raises(EvalError, match="'z' is updated in place, so it must be complex64, not complex128"):
+        prog(z=z128, w=w)
+    np.testing.assert_array_equal(z128, z)
+    with pytest.raises(EvalError, match="'z' is updated in place, so it must be float32, not float64"):
+        prog(z=np.zeros((4, 2)), w=w)         # float pairs of the other width
+
+
+def test_torch_tensors_follow_the_same_rule():
+    torch = pytest.importorskip("torch")
+    prog = tgc.compile(STEP)
+    w = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(EvalError, match="'w' is updated in place, so it must be float32, not float64"):
+        prog(x=torch.arange(4.0), lr=0.5, w=w, v=torch.zeros(4))
+    assert torch.equal(w, torch.ones(4, dtype=torch.float64))
+    got = prog(x=torch.arange(4, dtype=torch.float64), lr=0.5, w=torch.ones(4), v=torch.zeros(4))
+    np.testing.assert_array_equal(got["w"], 1 - 0.5 * np.arange(4))
+
+
+@pytest.mark.parametrize("backend", ["interp", *BACKENDS])
+def test_tgc_run_converts_file_data_to_the_declared_types_on_every_backend(tmp_path, backend):
+    """A file holds no caller's array: `tgc run` converts float64 data, updated params
+    included, and integers for a float input, to the declared types; every backend
+    then gives the interpreter's values."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "in.npz", x=rng.standard_normal((4, 13)), y=np.eye(3, dtype=np.int64)[[0, 1, 2, 0]],
+             W1=rng.standard_normal((13, 64)), b1=np.zeros(64), W2=rng.standard_normal((64, 3)),
+             b2=np.zeros(3, np.float16), lr=np.float64(0.01))
+    out = tmp_path / "out.npz"
+    r = CliRunner().invoke(main, ["run", str(ROOT / "examples/mlp.tg"), "--inputs", str(tmp_path / "in.npz"),
+                                  "--backend", backend, "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    got = np.load(out)
+    ref = evaluate(tgc.compile(str(ROOT / "examples/mlp.tg")).module,
+                                 {k: v for k, v in np.load(tmp_path / "in.npz").items()}, dtype="f32")
+    for k in ("loss", "W1", "b1", "W2", "b2"):
+        assert got[k].dtype == np.float32
+        np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-6)
