@@ -84,6 +84,11 @@ def copy_bandwidth(xp, sync, repeat):
     return 2 * a.nbytes / t
 
 
+def wanted(spec: str, workload: str) -> bool:
+    """Whether `--compile`'s value names the workload."""
+    return spec == "all" or workload in spec.split(",")
+
+
 def fmt(t):
     return "n/a" if t is None else f"{t * 1e3:9.3f}"
 
@@ -93,6 +98,9 @@ def main(argv=None):
     ap.add_argument("--backend", choices=["cuda", "cuda-sim"], default="cuda")
     ap.add_argument("--only", help="comma-separated workloads")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--compile", default="all",
+                    help="workloads timed under torch.compile too, comma-separated, 'all' or 'none' (each row "
+                         "compiles cold: tens of seconds)")
     args = ap.parse_args(argv)
     import tgc
 
@@ -124,7 +132,7 @@ def main(argv=None):
         if tt is not None:
             torch, dev, peers = tt
             for compiled in (False, True):
-                if compiled and args.backend == "cuda-sim":
+                if compiled and (args.backend == "cuda-sim" or not wanted(args.compile, case.workload)):
                     continue   # torch.compile on the CPU is not what this script measures
                 try:
                     step = peers.make(case.workload, run.copy_arrays(arrays), compiled)
@@ -156,7 +164,7 @@ def main(argv=None):
                                      else f"{amount / t / 1e9:7.1f} GFLOP/s")
         print(f"{case.workload:<10} {case.size:<20} {fmt(t)} {fmt(times.get('nograph'))} {launches:>8} "
               f"{fmt(times.get('eager'))} "
-              f"{fmt(times.get('compile')):>10}  {rate:>16}  {status}")
+              f"{fmt(times.get('compile')):>10}  {rate:>16}  {status}", flush=True)
 
 
 if __name__ == "__main__":

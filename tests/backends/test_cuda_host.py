@@ -32,6 +32,9 @@ class ndarray(np.ndarray):
     def get(self):
         return np.array(self, copy=True).view(np.ndarray)
 
+    def set(self, a) -> None:
+        self[...] = a
+
     @property
     def data(self):
         return types.SimpleNamespace(ptr=self.ctypes.data)
@@ -57,11 +60,14 @@ class _RawModule:
             assert all(isinstance(a, ndarray) for a in bufs + [err]), "every buffer is a device array"
             assert len(bufs) + len(dims) + 1 == len(args)
 
+            # the addresses, not the arrays, as a captured graph holds them
+            ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
+            dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
+            eptr = err.ctypes.data
+
             def run() -> None:
                 self.launches.append((name, grid[0], block[0]))
-                ptrs = (ctypes.c_void_p * max(len(bufs), 1))(*[a.ctypes.data for a in bufs])
-                dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
-                fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), err.ctypes.data, grid[0], block[0])
+                fn(ctypes.addressof(ptrs), ctypes.addressof(dvals), eptr, grid[0], block[0])
             _on_stream(run)
         return launch
 
@@ -119,6 +125,12 @@ def _on_stream(op) -> None:
         s.ops.append(op)
     else:
         op()
+
+
+def _memset_async(ptr: int, value: int, size: int, stream: int) -> None:
+    def run() -> None:
+        ctypes.memset(ptr, value, size)
+    _on_stream(run)
 
 
 GEMM_CALLS: list = []
@@ -209,7 +221,10 @@ def _fake_cupy() -> types.ModuleType:
                                    cgemmStridedBatched=_gemm_strided_batched(np.complex64),
                                    zgemmStridedBatched=_gemm_strided_batched(np.complex128),
                                    gemmStridedBatchedEx=_gemm_strided_batched_ex)
-    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), cublas=cublas,
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0,
+                                    getDeviceProperties=lambda i: {"multiProcessorCount": 132},
+                                    memsetAsync=_memset_async)
+    cp.cuda = types.SimpleNamespace(runtime=runtime, cublas=cublas,
                                     device=types.SimpleNamespace(get_cublas_handle=lambda: "handle"),
                                     get_current_stream=_current_stream, Stream=_Stream)
     return cp
@@ -281,8 +296,31 @@ def test_dlpack_input_and_gather_error_word(cupy):
     np.testing.assert_array_equal(out["r"].get(), 2 * E.numpy()[[1, 9]])
     with pytest.raises(EvalError, match=r"gather index out of range: 'ids'\[b=1\] = 10"):
         prog(ids=np.array([1, 10], np.int32), E=E)
+    assert prog._kernels.graph_counts["replays"] == 2     # checks and all, one graph per call
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_failed_gather_check_writes_nothing(cupy, graphs):
+    """Launching each kernel, the host reads the error word after the checks and stops;
+    in a CUDA graph every kernel after the checks sees the word and returns at once,
+    and the host reads it after the replay: either way the updated param is unchanged."""
+    from tgc.options import Options
+
+    src = ("dim b\ndim v = 10, e = 6\ninput ids: i32[b]\nparam E[v, e]\nout r = E[v = ids] * 2\n"
+           "update E = E + 1\n")
+    prog = tgc.compile(src, backend="cuda", options=Options().with_(graphs=graphs))
+    E = cupy.asarray(np.arange(60, dtype=np.float32).reshape(10, 6))
+    ids = cupy.asarray(np.array([1, 9], np.int32))
+    np.testing.assert_array_equal(prog(ids=ids, E=E)["r"].get(), 2 * np.arange(60).reshape(10, 6)[[1, 9]])
+    before = E.get()
+    ids[1] = 10
+    for _ in range(2):
+        with pytest.raises(EvalError, match=r"gather index out of range: 'ids'\[b=1\] = 10"):
+            prog(ids=ids, E=E)
+        np.testing.assert_array_equal(E.get(), before)
     names = [n for n, _, _ in prog._kernels._device.module.launches]
-    assert names[-1].startswith("check")          # the error word stopped the call after the checks
+    assert names[-1].startswith("check") != graphs    # launched one by one: the call stopped after the checks
+    assert (prog._kernels.graph_counts["captures"] > 0) == graphs
 
 
 def test_without_cupy_the_error_is_clear(monkeypatch):
@@ -315,50 +353,94 @@ def test_attention_on_the_gpu_path_matches_interpreter(cupy):
 
 
 def test_a_call_is_captured_once_as_a_cuda_graph_and_replayed(cupy):
-    """A program without id checks: the first call with a binding of the dims captures
-    every launch (on a stream of its own) and replays it; later calls with the same
-    dims and updated array replay only, on new inputs; new dims capture again."""
+    """A graph holds addresses: the first call with a binding of the dims and a set of
+    argument and output addresses captures every launch (on a stream of its own) and
+    replays it; a call with the same arrays, holding new values, replays it without a
+    copy; new dims capture again."""
     prog = tgc.compile(MLP, dtype="f64", backend="cuda")
     rng = np.random.default_rng(1)
     W = cupy.asarray(rng.standard_normal((8, 16)))
+    xs = {5: cupy.asarray(np.zeros((5, 8))), 7: cupy.asarray(np.zeros((7, 8)))}
     for step, batch in enumerate((5, 5, 5, 7, 5)):
         x = rng.standard_normal((batch, 8))
+        xs[batch][...] = x                   # new values in the same device array
         W0 = W.get()
-        got = prog(x=cupy.asarray(x), W=W, lr=0.01)
+        got = prog(x=xs[batch], W=W, lr=0.01)
         y = np.tanh(x @ W0)
         np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
         np.testing.assert_allclose(float(got["loss"].get()), np.sum(y * y), rtol=1e-12)
         np.testing.assert_allclose(W.get(), W0 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
         assert got["W"] is W
-    assert prog._kernels.graph_counts == {"captures": 2, "replays": 5}     # batch 5 once, batch 7 once
-    assert len(CAPTURED) == 2 and all(CAPTURED)
-    # the outputs of one call are not overwritten by the next (the graph writes its own)
-    a = prog(x=cupy.asarray(np.ones((5, 8))), W=W, lr=0.0)["y"].get()
+        del got                              # the outputs are dropped: the next call reuses them
+    counts = prog._kernels.graph_counts
+    assert counts["replays"] == 5 and counts["captures"] <= 3      # batch 5 (the first call's outputs: the
+    assert len(CAPTURED) == counts["captures"] and all(CAPTURED)   # neutral runtime's), batch 7
+    captures = counts["captures"]
+    for _ in range(3):
+        prog(x=xs[5], W=W, lr=0.01)
+    assert counts["captures"] == captures and counts["replays"] == 8   # same arrays: replays only
+    # an output held by the caller is not overwritten by the next call (it gets new outputs)
+    a = prog(x=cupy.asarray(np.ones((5, 8))), W=W, lr=0.0)["y"]
     b = prog(x=cupy.asarray(np.zeros((5, 8))), W=W, lr=0.0)
-    assert not np.array_equal(a, b["y"].get()) and np.array_equal(b["y"].get(), np.zeros((5, 16)))
-    # a new updated array: its address is in the graph, so a new capture
-    prog(x=cupy.asarray(np.ones((5, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.0)
-    assert prog._kernels.graph_counts["captures"] == 3
+    assert not np.array_equal(a.get(), b["y"].get()) and np.array_equal(b["y"].get(), np.zeros((5, 16)))
+    np.testing.assert_allclose(a.get(), np.tanh(np.ones((5, 8)) @ W.get()), rtol=1e-12)
 
 
-def test_graphs_off_and_programs_with_checks_launch_each_kernel(cupy):
+def test_a_replay_copies_nothing(cupy):
+    """A replay is one graph launch: no copy in or out but a host scalar's value (`lr`,
+    into a device scalar of the binding), no allocation."""
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    x, W = cupy.asarray(np.ones((6, 8))), cupy.asarray(np.full((8, 16), 0.1))
+    for _ in range(3):
+        prog(x=x, W=W, lr=0.0)
+    captured = len(CAPTURED)
+    launches = prog._kernels._device.module.launches
+    before, allocs = len(launches), []
+    empty = cupy.empty
+    cupy.empty = lambda shape, dtype: allocs.append(shape) or empty(shape, dtype)
+    copies = []
+    orig = ndarray.__setitem__
+    ndarray.__setitem__ = lambda self, k, v: copies.append(self.shape) or orig(self, k, v)
+    try:
+        for _ in range(4):
+            y = prog(x=x, W=W, lr=0.0)["y"]
+            del y
+    finally:
+        ndarray.__setitem__ = orig
+        cupy.empty = empty
+    assert copies == [()] * 4 and not allocs   # lr's value only; the dropped outputs are written again
+    kernels = sum(1 for x in prog.cuda_module.launches if x.kind != "gemm")
+    assert len(CAPTURED) == captured and len(launches) == before + 4 * kernels   # four replays, no capture
+
+
+def test_a_binding_whose_addresses_keep_changing_stops_capturing(cupy):
+    from tgc.backends.cuda.runtime import GRAPHS_KEPT
+
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    W = cupy.asarray(np.full((8, 16), 0.1))
+    held = []
+    for i in range(4 * GRAPHS_KEPT):
+        x = np.full((6, 8), float(i))
+        held.append(cupy.asarray(x))        # new arrays, all alive: new addresses every call
+        got = prog(x=held[-1], W=W, lr=0.0)
+        np.testing.assert_allclose(got["y"].get(), np.tanh(x @ W.get()), rtol=1e-12)
+        held.append(got)
+    assert prog._kernels.graph_counts["captures"] == 2 * GRAPHS_KEPT
+
+
+def test_graphs_off_and_views_gemms_launch_each_kernel(cupy):
     from tgc.options import Options
 
     prog = tgc.compile(MLP, dtype="f64", backend="cuda", options=Options().with_(graphs=False))
     prog(x=cupy.asarray(np.ones((3, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.1)
     assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and not CAPTURED
-    src = "dim b\ndim v = 10, e = 6\ninput ids: i32[b]\nparam E[v, e]\nout r = E[v = ids] * 2\n"
-    prog = tgc.compile(src, backend="cuda")
-    E = np.arange(60, dtype=np.float32).reshape(10, 6)
-    np.testing.assert_array_equal(prog(ids=np.array([1, 9], np.int32), E=cupy.asarray(E))["r"].get(), 2 * E[[1, 9]])
-    assert prog._kernels.graph_counts["captures"] == 0     # the error word is read between the checks and the rest
-    # a GEMM on conjugated views (matmul's temporaries): captured once, found out, never replayed
+    # a GEMM on conjugated views (matmul's temporaries): never captured
     prog = tgc.compile("dim i, j, k\ninput a: c64[i, j]\ninput b: c64[j, k]\nout c = conj(a) @ b\n", backend="cuda")
     a = (np.arange(6) + 1j).reshape(2, 3).astype(np.complex64)
     for _ in range(2):
         c = prog(a=a, b=a.T.copy())["c"]
         np.testing.assert_allclose(c.get() if hasattr(c, "get") else c, np.conj(a) @ a.T, rtol=1e-6)
-    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and prog._kernels._graphs is None
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0}
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
@@ -464,5 +546,5 @@ def test_bf16_program_replays_as_a_cuda_graph_and_takes_torch_bf16_through_dlpac
         assert got["W"] is dw
         for k in ("y", "s", "W", "loss"):
             assert np.array_equal(got[k].get(), want[k].view(np.uint16)), (k, step)
-    assert prog._kernels.graph_counts == {"captures": 1, "replays": 3}
+    assert prog._kernels.graph_counts["replays"] == 3   # a capture per new input array (x, then xt)
     assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
