@@ -7,10 +7,12 @@ CuPy whose kernels, cuBLAS calls and graph launches do nothing but count.
     python benchmarks/cuda_host.py --only gpt --calls 200
 
 For each row, with and without CUDA graphs (`CudaOptions.graphs`): microseconds of
-host time per call (the median of `--repeat` samples of `--calls` calls each, after
-warm-up calls that compile and capture), kernel launches, cuBLAS calls and graph
-launches per call, and device allocations per call besides the outputs (`cp.empty`
-and `cp.zeros` calls by the runtime). The stand-in's arrays are host memory, so a
+host time per call, as this thread's CPU time (`host us`: what a machine shared with
+other work does not inflate) and as wall time (the median of `--repeat` samples of
+`--calls` calls each, after warm-up calls that compile and capture); kernel launches,
+cuBLAS calls, graph launches and graph captures per call; device allocations per call
+(`cp.empty` and `cp.zeros` by the runtime, the outputs included: 0 once the dropped
+outputs are reused). The stand-in's arrays are host memory, so a
 device-to-device copy a call makes (`a[...] = b`) is a real memcpy here and shows in
 the time. What a GPU adds is not here: CuPy's own cost per kernel launch (a few
 microseconds each) and the driver's. Targets (issue 34): <= 1 ms per GPT step without
@@ -192,16 +194,16 @@ def measure(row: str, graphs: bool, calls: int = 100, repeat: int = 5) -> dict:
                        options=Options().with_(graphs=graphs))
     for _ in range(3):                   # compile, capture, settle
         prog(**dev)
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeat):
         COUNTS.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             prog(**dev)
-        samples.append((time.perf_counter() - t0) / calls)
+        cpu.append((time.thread_time() - c0) / calls)
+        wall.append((time.perf_counter() - t0) / calls)
     per = {k: getattr(COUNTS, k) / calls for k in ("launches", "gemms", "graphs", "allocs", "captured")}
-    outputs = len(prog.outputs)
-    return {"us": statistics.median(samples) * 1e6, **per, "outputs": outputs}
+    return {"us": statistics.median(cpu) * 1e6, "wall_us": statistics.median(wall) * 1e6, **per}
 
 
 def main(argv=None) -> None:
@@ -211,15 +213,16 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     rows = args.only.split(",") if args.only else ROWS
-    head = f"{'row':<22}{'graph':>6}{'host us':>10}{'launches':>10}{'cublas':>8}{'graph':>7}{'allocs':>8}{'outputs':>8}"
+    head = (f"{'row':<22}{'graph':>6}{'host us':>9}{'wall us':>9}{'launches':>9}{'cublas':>7}{'graphs':>7}"
+            f"{'captures':>9}{'allocs':>7}")
     print(head)
     print("-" * len(head))
     with installed():
         for row in rows:
             for graphs in (False, True):
                 m = measure(row, graphs, args.calls, args.repeat)
-                print(f"{row:<22}{'yes' if graphs else 'no':>6}{m['us']:>10.1f}{m['launches']:>10.1f}{m['gemms']:>8.1f}"
-                      f"{m['graphs']:>7.1f}{m['allocs'] - m['outputs']:>8.1f}{m['outputs']:>8}", flush=True)
+                print(f"{row:<22}{'yes' if graphs else 'no':>6}{m['us']:>9.1f}{m['wall_us']:>9.1f}{m['launches']:>9.1f}"
+                      f"{m['gemms']:>7.1f}{m['graphs']:>7.1f}{m['captured']:>9.2f}{m['allocs']:>7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ import ctypes
 from dataclasses import replace
 import functools
 import hashlib
+import operator
 import shutil
 import subprocess
 import sys
@@ -146,17 +147,18 @@ class _SimDevice:
     def gemm_stream(self) -> None:
         """(numpy runs the GEMM cells: no stream)"""
 
-    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err):
-        """`go(arrays)`: kernel `name` launched over `total` work items with the
-        emulator's geometry, the dims and the error word fixed."""
+    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple):
+        """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
+        items with the emulator's geometry, the dims and the error word fixed."""
         block = SIM_ROW_BLOCK if row else SIM_BLOCK
         grid = max(1, min(SIM_GRID, _blocks(total, block, row)))
         fn = self.fns[name]
         dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
         dptr, eptr = ctypes.addressof(dvals), err.ctypes.data
+        array = ctypes.c_void_p * max(len(names), 1)
 
-        def go(arrays: list, _keep=dvals) -> None:
-            ptrs = (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+        def go(bufs: dict, _keep=dvals) -> None:
+            ptrs = array(*[bufs[n].ctypes.data for n in names])
             fn(ctypes.addressof(ptrs), dptr, eptr, grid, block)
         return go
 
@@ -231,17 +233,26 @@ class _CupyDevice:
         """A host value copied into a device array of its shape and type."""
         dst.set(value)
 
-    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err):
-        """`go(arrays)`: kernel `name` launched over `total` work items, `BLOCK`
-        threads per block and at most `grid_max` blocks (grid-stride loops do the
-        rest), the dims and the error word fixed as the arguments' tail."""
+    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple):
+        """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
+        items, `BLOCK` threads per block and at most `grid_max` blocks (grid-stride
+        loops do the rest), the dims and the error word fixed as the arguments' tail."""
         grid = (max(1, min(self.grid_max, _blocks(total, codegen.BLOCK, row))),)
         block = (codegen.BLOCK,)
         fn = self.fns[name]
         tail = tuple(np.int64(d) for d in dims) + (err,)
+        if not names:
+            return lambda bufs: fn(grid, block, tail)
+        if len(names) == 1:
+            only = names[0]
 
-        def go(arrays: list) -> None:
-            fn(grid, block, (*arrays, *tail))
+            def go(bufs: dict) -> None:
+                fn(grid, block, (bufs[only], *tail))
+            return go
+        get = operator.itemgetter(*names)
+
+        def go(bufs: dict) -> None:
+            fn(grid, block, get(bufs) + tail)
         return go
 
     def to_host(self, a) -> np.ndarray:
@@ -333,17 +344,19 @@ class _Binding:
     CUDA graphs by the addresses of the arguments and outputs, and, for the fast
     path, the expected arguments and the outputs kept for reuse."""
     __slots__ = ("key", "env", "ws", "temps", "err", "dims", "capture", "steps", "checks", "graphs", "hits",
-                 "misses", "ins", "outs", "kept", "upd", "updated", "in_names", "checked_ptrs")
+                 "misses", "ins", "outs", "kept", "upd", "updated", "in_names", "checked_ptrs", "early_read", "scalars")
 
     def __init__(self, key: tuple, env: dict, ws, temps: dict, err, dims: list, capture: bool):
         self.key, self.env, self.ws, self.temps, self.err, self.dims = key, env, ws, temps, err, dims
         self.capture = capture          # calls run as CUDA graphs (GPU, `CudaOptions.graphs`, capturable steps)
         self.steps: list | None = None  # [(kernel index, or -1 for a check; fn(bufs))], made on the first call
         self.checks = 0                 # the first steps that are checks
+        self.early_read = False         # launching each kernel, the error word read right after the checks
         self.graphs: dict = {}          # argument and output addresses -> (graph, its capture stream)
         self.hits = self.misses = 0
         self.ins: list | None = None    # the fast path's (shape, strides, dtype, scalar slot) per input
         self.in_names: tuple = ()
+        self.scalars: tuple = ()        # (name, device scalar) of the 0-d inputs a host value may give
         self.upd: tuple = ()            # per input: updated in place
         self.updated = False
         self.checked_ptrs: list = []    # the last argument addresses found not to share an updated array's memory
@@ -568,7 +581,9 @@ class CudaKernels(Kernels):
             start = offsets[buf.slot]
             temps[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
-        return _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
+        b = _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
+        b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
+        return b
 
     def _bind_steps(self, b: "_Binding", bufs: dict) -> None:
         """Each launch of the list as a step for this binding: its kernel variant,
@@ -586,6 +601,7 @@ class CudaKernels(Kernels):
                     step = functools.partial(self._gemm, k, env=env)
                 elif has_checks and self.lowered.buffers[x.gemm.out].kind == "arg":
                     b.capture = False      # a GEMM writing an argument would not see a failed check
+                    b.early_read = True
                 steps.append((x.index, step))
                 continue
             total = 1
@@ -607,10 +623,7 @@ class CudaKernels(Kernels):
                         red *= size_eval(s, env)
                     row = red >= self.options.cuda.row_min
                 name = x.row if row else x.name
-            go = dev.launcher(name, total, row, b.dims, b.err)
-            names = x.bufs
-            steps.append((-1 if x.kind == "check" else x.index,
-                          lambda bufs, go=go, names=names: go([bufs[n] for n in names])))
+            steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs)))
         b.checks = sum(1 for index, _ in steps if index == -1)   # the first steps
         b.steps = steps
 
@@ -652,21 +665,29 @@ class CudaKernels(Kernels):
         return step
 
     def _launch_all(self, b: "_Binding", bufs: dict, tell=None) -> int:
-        """Every step, launched one by one; the error word read after the checks."""
+        """Every step, launched one by one. The error word is read once: after the
+        checks (the call stops there if one failed) under cuda-sim, for a call that
+        notifies, and where a GEMM writes an argument; else after the call, without
+        a wait in between (the kernels after a failed check write nothing)."""
         dev, steps, n = self._device, b.steps, b.checks
+        late = False
         if n:
             dev.clear_err(b.err)
-            for _, go in steps[:n]:
-                go(bufs)
-            rc = dev.read_err(b.err)   # once per call, before anything is written
-            if rc:
-                return rc
+            if tell is None and not b.early_read:
+                late = True
+            else:
+                for _, go in steps[:n]:
+                    go(bufs)
+                rc = dev.read_err(b.err)   # once per call, before anything is written
+                if rc:
+                    return rc
+                steps = steps[n:]
         dev.gemm_stream()
         if tell is None:
-            for _, go in steps[n:] if n else steps:
+            for _, go in steps:
                 go(bufs)
-            return 0
-        for index, go in steps[n:]:
+            return dev.read_err(b.err) if late else 0
+        for index, go in steps:
             tell(index)
             go(bufs)
         tell(len(self.lowered.kernels))
@@ -741,6 +762,7 @@ class CudaKernels(Kernels):
             b.upd = tuple(s.updated for s in program.inputs)
             b.updated = any(b.upd)
             b.in_names = tuple(s.name for s in program.inputs)
+            b.scalars = tuple((n, x[3]) for n, x in zip(b.in_names, ins) if x[3] is not None)
             b.outs = [(o.name, tuple(size_eval(x, env) for x in o.shape), program.element_dtype(o))
                       for o in program.outputs]
         return b
@@ -767,8 +789,8 @@ class CudaKernels(Kernels):
                 return -1, None
             b.checked_ptrs = ptrs
         args = dict(zip(b.in_names, vals))
-        for (shape, strides, dt, scalar), name in zip(b.ins, b.in_names):
-            if scalar is not None and not isinstance(args[name], nd):
+        for name, scalar in b.scalars:
+            if not isinstance(args[name], nd):
                 args[name] = scalar
         with self._lock:
             kept = self._recycled(b)
