@@ -127,6 +127,30 @@ def _on_stream(op) -> None:
         op()
 
 
+class CudaProducer:
+    """A DLPack producer whose memory is on a CUDA device (kDLCUDA), as a torch CUDA
+    tensor says; here host memory, which the stand-in's device shares. It records the
+    stream each export was asked for."""
+
+    def __init__(self, a: np.ndarray):
+        self.host, self.streams = a, []
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None):
+        self.streams.append(stream)
+        return self.host.__dlpack__()
+
+
+def _from_dlpack(x):
+    """cupy.from_dlpack: the consumer passes its current stream to the producer."""
+    if isinstance(x, CudaProducer):
+        x.__dlpack__(stream=_current_stream().ptr)
+        return _dev(x.host)
+    return _dev(np.from_dlpack(x))
+
+
 def _memset_async(ptr: int, value: int, size: int, stream: int) -> None:
     def run() -> None:
         ctypes.memset(ptr, value, size)
@@ -205,7 +229,7 @@ def _fake_cupy() -> types.ModuleType:
     cp.ndarray = ndarray
     cp.asarray = lambda a, dtype=None: a if isinstance(a, ndarray) and dtype is None else _dev(np.array(a, dtype))
     cp.ascontiguousarray = lambda a: a if a.flags.c_contiguous else _dev(np.ascontiguousarray(a))
-    cp.from_dlpack = lambda x: _dev(np.from_dlpack(x))
+    cp.from_dlpack = _from_dlpack
     cp.empty = lambda shape, dtype: np.empty(shape, dtype).view(ndarray)
     cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(ndarray)
     cp.asnumpy = lambda a: np.array(a, copy=True).view(np.ndarray)
@@ -321,6 +345,24 @@ def test_a_failed_gather_check_writes_nothing(cupy, graphs):
     names = [n for n, _, _ in prog._kernels._device.module.launches]
     assert names[-1] == "k1" and names[-3].startswith("check")    # every kernel ran, after the check
     assert (prog._kernels.graph_counts["captures"] > 0) == graphs
+
+
+def test_cuda_dlpack_producers_are_taken_on_the_current_stream(cupy):
+    """A DLPack producer on a CUDA device (a torch CUDA tensor) is taken without a
+    copy, its export asked for on the current stream, and written in place when it is
+    an update target; a CPU torch tensor that requires grad is detached and copied."""
+    torch = pytest.importorskip("torch", reason="a CPU tensor that requires grad is this test's input")
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    x, W = np.ones((3, 8)), np.full((8, 16), 0.25)
+    dW = CudaProducer(W.copy())
+    got = prog(x=CudaProducer(x), W=dW, lr=0.5)
+    y = np.tanh(x @ W)
+    np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
+    np.testing.assert_allclose(dW.host, W - 0.5 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)   # in place
+    assert dW.streams == [0]                      # the legacy default stream: the current one here
+    xt = torch.ones((3, 8), dtype=torch.float64, requires_grad=True)
+    got = prog(x=xt, W=cupy.asarray(W), lr=0.0)
+    np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
 
 
 def test_without_cupy_the_error_is_clear(monkeypatch):

@@ -71,6 +71,7 @@ from tgc.ir.interp import EvalError
 from tgc.ir.sizes import size_eval
 from tgc.ir.module import Module
 from tgc.options import Options
+from tgc.runtime.program import _dlpack_view
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 BF16 = np.dtype(TYPES["bf16"].numpy)   # ml_dtypes.bfloat16
@@ -259,6 +260,45 @@ class _CupyDevice:
         return self.cp.asnumpy(a)
 
 
+def _device_array(cp, v):
+    """A CuPy array of the device memory `v` holds (no copy), or None for host data.
+    DLPack first, on the current stream (CuPy's `from_dlpack` passes it, so the
+    producer's pending work is ordered before ours), for an object that says its
+    memory is on a CUDA device (`__dlpack_device__`: kDLCUDA 2, kDLCUDAManaged 13);
+    then `__cuda_array_interface__`. A torch tensor that requires grad is detached
+    first (both protocols refuse it); a torch bf16 tensor is taken as its int16 bits
+    (CuPy has no bfloat16), as uint16."""
+    if isinstance(v, np.ndarray):
+        return None
+    v = _detached(v)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor):
+        if v.dtype == torch.bfloat16:
+            v = v.view(torch.int16)
+            a = _device_array(cp, v)
+            return None if a is None else a.view(np.uint16)
+    try:
+        where = v.__dlpack_device__()[0] if hasattr(v, "__dlpack_device__") else None
+    except Exception:  # noqa: BLE001 -- a producer that cannot say: the other protocol, or host data
+        where = None
+    if where in (2, 13) and hasattr(v, "__dlpack__"):
+        return cp.from_dlpack(v)
+    try:
+        if hasattr(v, "__cuda_array_interface__"):
+            return cp.asarray(v)
+    except Exception:  # noqa: BLE001 -- an interface that refuses (a CPU tensor's raises)
+        pass
+    return None
+
+
+def _detached(v):
+    """A torch tensor that requires grad, detached (the same memory); others as given."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+        return v.detach()
+    return v
+
+
 def _sm_count(cupy) -> int:
     """The current device's multiprocessors (132 on an H100 or H200 SXM)."""
     try:
@@ -434,23 +474,12 @@ class CudaKernels(Kernels):
             store = program._store.get(s.name)      # a 2-byte buffer's type (`narrow`), or None
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 v = np.asarray(v, NP[s.dtype])
-            if str(getattr(v, "dtype", "")) == "torch.bfloat16" and hasattr(v, "__dlpack__"):
-                import sys   # CuPy's DLPack has no bfloat16: the same memory as int16 bits
-
-                v = cp.from_dlpack(v.view(sys.modules["torch"].int16)).view(np.uint16)
-            if isinstance(v, cp.ndarray):
-                a = v
-            elif hasattr(v, "__cuda_array_interface__"):
-                a = cp.asarray(v)
-            elif hasattr(v, "__dlpack__") and not isinstance(v, np.ndarray):
-                a = cp.from_dlpack(v)
-            else:
-                a = None
+            a = v if isinstance(v, cp.ndarray) else _device_array(cp, v)
             if s.updated and a is None:
                 raise EvalError(f"'{s.name}' is updated in place: pass a device array (CuPy, "
                                 f"__cuda_array_interface__ or DLPack), not {type(v).__name__}")
-            if a is None:
-                host = program._convert(s, v)          # the CPU checks, then one copy to the device
+            if a is None:                              # the CPU checks, then one copy to the device
+                host = program._convert(s, _dlpack_view(s.name, _detached(v)))
                 a = cp.asarray(host.view(np.uint16) if host.dtype == BF16 else host)
             if store is not None:                      # a bf16/f16 buffer: 2-byte elements
                 arrays[s.name] = self._narrow_arg(s, a, np.dtype(store))
