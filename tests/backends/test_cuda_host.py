@@ -590,3 +590,24 @@ def test_bf16_program_replays_as_a_cuda_graph_and_takes_torch_bf16_through_dlpac
             assert np.array_equal(got[k].get(), want[k].view(np.uint16)), (k, step)
     assert prog._kernels.graph_counts["replays"] == 3   # a capture per new input array (x, then xt)
     assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
+
+
+def test_host_benchmark_counts_one_graph_launch_and_no_allocation_per_call():
+    """benchmarks/cuda_host.py's stand-in (kernels and cuBLAS calls only counted): the
+    64x256 layernorm row launches its kernels one by one without a graph and is one
+    graph launch with one; after the warm-up neither captures nor allocates (the
+    dropped outputs are written again)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import cuda_host
+    finally:
+        sys.path.pop(0)
+    before = sys.modules.get("cupy")
+    with cuda_host.installed():
+        plain = cuda_host.measure("layernorm 64x256", graphs=False, calls=5, repeat=2)
+        graph = cuda_host.measure("layernorm 64x256", graphs=True, calls=5, repeat=2)
+    assert plain["launches"] == 3 and plain["graphs"] == 0 and plain["allocs"] == 0
+    assert graph["launches"] == 0 and graph["graphs"] == 1 and graph["allocs"] == 0 and graph["captured"] == 0
+    assert sys.modules.get("cupy") is before      # the stand-in is gone again
