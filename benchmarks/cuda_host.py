@@ -42,10 +42,10 @@ ROWS = ("gpt", "layernorm 4096x1024", "layernorm 64x256", "gelu 64x256", "softma
 class ndarray(np.ndarray):
     """A stand-in device array: host memory, `.data.ptr` its address, `.get()` a copy."""
 
-    def get(self):
+    def get(self, stream=None):
         return np.array(self, copy=True).view(np.ndarray)
 
-    def set(self, a) -> None:
+    def set(self, a, stream=None) -> None:
         self[...] = a
 
     @property

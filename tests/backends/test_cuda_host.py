@@ -29,10 +29,10 @@ class ndarray(np.ndarray):
     """A 'device' array: host memory; `.get()` copies it to a numpy array, `.data.ptr`
     is its address (as CuPy's MemoryPointer)."""
 
-    def get(self):
+    def get(self, stream=None):
         return np.array(self, copy=True).view(np.ndarray)
 
-    def set(self, a) -> None:
+    def set(self, a, stream=None) -> None:
         self[...] = a
 
     @property

@@ -220,7 +220,9 @@ class _CupyDevice:
         return self.cp.zeros(1, np.int32)
 
     def read_err(self, err) -> int:
-        return int(err.get()[0])
+        """The error word, copied on the current stream once the work before it is
+        done (the host waits here: once per call, for programs with checks)."""
+        return int(err.get(stream=self.cp.cuda.get_current_stream())[0])
 
     def clear_err(self, err) -> None:
         """The error word zeroed on the current stream (ordered with the launches)."""
@@ -231,8 +233,9 @@ class _CupyDevice:
         self.cp.cuda.cublas.setStream(self.cp.cuda.device.get_cublas_handle(), self.cp.cuda.get_current_stream().ptr)
 
     def put(self, dst, value) -> None:
-        """A host value copied into a device array of its shape and type."""
-        dst.set(value)
+        """A host value copied into a device array of its shape and type, on the
+        current stream (ordered after the work queued before it, no wait)."""
+        dst.set(value, stream=self.cp.cuda.get_current_stream())
 
     def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple):
         """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
