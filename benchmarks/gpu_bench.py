@@ -12,7 +12,9 @@ the mean of enough calls to last 20 ms, bracketed by device synchronizations; th
 median of `--repeat` samples is printed. On a GPU, tgc's calls replay a CUDA graph
 (`CudaOptions.graphs`); the `no graph` column times the same program launching each
 kernel, and `launches` counts the kernels and GEMM calls of one call without a
-graph (row groups make a softmax or layernorm row one of them). Under cuda-sim only the small rows and the
+graph (row groups make a softmax or layernorm row one of them). `--compile` names the
+rows also timed under torch.compile (each compiles cold: tens of seconds; gpu_check.sh
+times only the GPT step so). Under cuda-sim only the small rows and the
 MLP step run (the emulator runs each GPU thread one after another), torch runs on
 the CPU, and the times say nothing about a GPU: the mode exists to test this script.
 """
@@ -156,7 +158,7 @@ def main(argv=None):
                                     options=Options().with_(graphs=False))
                 times["nograph"] = timed(lambda: plain(**dev_arrays), sync, args.repeat)
                 if prog._kernels.graph_counts["replays"] == 0:
-                    status = "no graph (id checks)" if status == "ok" else status
+                    status = "no graph" if status == "ok" else status
         launches = len(prog.cuda_module.launches)
         t = times.get("tgc")
         kind, amount = case.bound
