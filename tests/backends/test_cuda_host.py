@@ -611,3 +611,26 @@ def test_host_benchmark_counts_one_graph_launch_and_no_allocation_per_call():
     assert plain["launches"] == 3 and plain["graphs"] == 0 and plain["allocs"] == 0
     assert graph["launches"] == 0 and graph["graphs"] == 1 and graph["allocs"] == 0 and graph["captured"] == 0
     assert sys.modules.get("cupy") is before      # the stand-in is gone again
+
+
+def test_looped_gemm_ex_offsets_count_two_byte_elements(cupy):
+    """Attention under --autocast bf16: GemmEx calls looped over a batch edge, each
+    operand's offset in its own element size (2 bytes for the bf16 operands, 4 for the
+    f32 output), as cuda-sim computes them."""
+    from pathlib import Path
+
+    from tgc import pipeline
+    from tgc.ir.inputs import random_inputs
+    from tgc.options import Options
+
+    options = Options(autocast="bf16")
+    path = Path(__file__).resolve().parents[2] / "examples/attention.tg"
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
+    dims = {d: 3 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f32")
+    want = tgc.compile(path, backend="cuda-sim", options=options).run({k: v.copy() for k, v in inputs.items()}, dims)
+    prog = tgc.compile(path, backend="cuda", options=options)
+    got = prog.run({k: cupy.asarray(v.copy()) for k, v in inputs.items()}, dims)
+    assert any(a for a in EX_ARGS) and any(c.batch > 0 for c in GEMM_CALLS)
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name].get(), ref, rtol=1e-5, atol=1e-6, err_msg=name)

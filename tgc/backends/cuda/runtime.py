@@ -672,8 +672,8 @@ class CudaKernels(Kernels):
                    for point in np.ndindex(*[size[e] for e in looped])]
         counts = self.gemm_counts
         if self._device.name == "cuda":
-            isz = views[names[2]].itemsize      # a complex cell's: the complex element's
-            byte_offsets = [tuple(o * isz for o in offs) for offs in offsets]
+            isz = [views[n].itemsize for n in names]   # a complex cell's: the complex element's; GemmEx: 2-byte A, B
+            byte_offsets = [tuple(o * i for o, i in zip(offs, isz)) for offs in offsets]
             fn = gemm.cublas_caller(call, views[names[2]].dtype)
             if len(byte_offsets) == 1 and byte_offsets[0] == (0, 0, 0):
                 def step(bufs: dict) -> None:
