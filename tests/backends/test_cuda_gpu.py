@@ -148,8 +148,9 @@ def test_bf16_gemm_ex_and_two_byte_buffers_on_the_gpu():
     x, s = rng.standard_normal((300, 97)).astype(ml_dtypes.bfloat16), rng.standard_normal(97).astype(ml_dtypes.bfloat16)
     want = tgc.compile(src, backend="cuda-sim")(x=x, s=s)
     got = tgc.compile(src, backend="cuda")(x=cupy.asarray(x.view(np.uint16)), s=cupy.asarray(s.view(np.uint16)))
-    assert got["y"].dtype == np.uint16 and got["r"].dtype == np.uint16   # bfloat16 bits
-    y, r = (cupy.asnumpy(got[k]).view(ml_dtypes.bfloat16).astype(np.float64) for k in ("y", "r"))
+    assert got["y"].dtype == np.uint16 and got["r"].dtype == np.float32   # bfloat16 bits; f32(x) summed
+    y = cupy.asnumpy(got["y"]).view(ml_dtypes.bfloat16).astype(np.float64)
+    r = cupy.asnumpy(got["r"]).astype(np.float64)
     np.testing.assert_allclose(y, np.asarray(want["y"], np.float64), rtol=2.0 ** -7, atol=1e-6)   # exp: a few ulps
     np.testing.assert_allclose(r, np.asarray(want["r"], np.float64), rtol=2.0 ** -7, atol=1e-3)
 
