@@ -366,6 +366,18 @@ def test_cuda_dlpack_producers_are_taken_on_the_current_stream(cupy):
     np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
 
 
+def test_assumptions_are_checked_on_device_arrays(cupy):
+    """`check_assumptions` reads the facts' inputs back from the device (a CuPy array,
+    a DLPack producer on a CUDA device) before anything runs."""
+    src = "dim b = 2, v = 3\ninput y[b, v]\ninput x[v]\nassume sum[v](y) = 1\nassume x > 0\nout r = sum[v](y) + x\n"
+    prog = tgc.compile(src, backend="cuda", options=tgc.Options(check_assumptions=True))
+    y = np.full((2, 3), 1 / 3, np.float32)
+    got = prog(y=CudaProducer(y.copy()), x=cupy.asarray(np.ones(3, np.float32)))
+    np.testing.assert_allclose(got["r"].get(), np.full((2, 3), 2.0), rtol=1e-6)
+    with pytest.raises(EvalError, match="x > 0"):
+        prog(y=CudaProducer(y.copy()), x=CudaProducer(np.array([1, 0, 1], np.float32)))
+
+
 def test_without_cupy_the_error_is_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)     # import cupy fails
     with pytest.raises(tgc.backends.base.BackendUnavailable, match="CuPy is not installed"):

@@ -527,7 +527,7 @@ class Program:
         anything runs (an EvalError names the first that fails; tgc.ir.assume)."""
         from tgc.ir.assume import check_facts
 
-        given = {n: np.asarray(a) for n, a in arrays.items()}
+        given = {n: np.asarray(self._kernels.to_host(a)) for n, a in arrays.items()}   # device arrays: read back
         check_facts(self.module, given, dims, self.dtype)
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:

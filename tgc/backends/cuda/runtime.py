@@ -260,6 +260,13 @@ class _CupyDevice:
         return go
 
     def to_host(self, a) -> np.ndarray:
+        """A copy on the host of a device array (CuPy's, or any the inputs may be:
+        DLPack on a CUDA device, `__cuda_array_interface__`); host data as given."""
+        if not isinstance(a, self.cp.ndarray):
+            d = _device_array(self.cp, a)
+            if d is None:
+                return a
+            a = d
         return self.cp.asnumpy(a)
 
 
