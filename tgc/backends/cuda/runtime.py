@@ -16,18 +16,24 @@ generates one CUDA module (`codegen.generate`) and loads it on a `_Device`:
 
 The neutral runtime (`tgc.runtime.program.Program`) checks and converts the inputs,
 binds the dims and allocates the outputs (`CudaKernels.empty`); `CudaKernels.run` is
-the same orchestration for both devices: one workspace (each `plan` slot at a
-256-byte aligned offset), the check kernels, the device error word read once (an
-out-of-range id is the runtime's `EvalError` before any other kernel runs, so
-nothing is written), then every launch in order with its geometry: a grid-stride
-loop over the launch's work items, `BLOCK` threads per block on a GPU and small
-grids under the emulator (`SIM_BLOCK`, `SIM_GRID`), which is slow. A reduction over
-at least `CudaOptions.row_min` elements per output runs its one-block-per-output
-variant (`codegen`'s `row` kernels; `SIM_ROW_BLOCK` threads under the emulator). A
-row group runs its warp-per-row kernel for rows of at most `CudaOptions.warp_rows`
-elements, else its block-per-row kernel. On a GPU a program without id checks is
-captured once per binding of the dims (and updated arrays) as a CUDA graph and
-replayed (`_run_graph`); complex GEMM cells are cgemm/zgemm calls.
+the same orchestration for both devices, on what a binding of the dims keeps
+(`_Binding`: one workspace, each `plan` slot at a 256-byte aligned offset; the error
+word; each launch as a step with its geometry and arguments fixed, each GEMM cell's
+call planned): the check kernels, then every launch in order, each a grid-stride loop
+over its work items, `BLOCK` threads per block and at most `GRID_PER_SM` blocks per
+multiprocessor on a GPU, small grids under the emulator (`SIM_BLOCK`, `SIM_GRID`),
+which is slow. The error word is read once: under cuda-sim right after the checks (an
+out-of-range id is the runtime's `EvalError` before any other kernel runs), on a GPU
+after the call, every kernel after the checks returning at once when a check failed,
+so nothing is written either way. A reduction over at least `CudaOptions.row_min`
+elements per output runs its one-block-per-output variant (`codegen`'s `row` kernels;
+`SIM_ROW_BLOCK` threads under the emulator). A row group runs its warp-per-row kernel
+for rows of at most `CudaOptions.warp_rows` elements, else its block-per-row kernel.
+On a GPU a call is captured once per binding and set of argument and output addresses
+as a CUDA graph and replayed without a copy (`_run_graph`); the neutral runtime's fast
+path (`plan`, `run_fast`) takes device arrays that match the binding without its
+general checks and reuses outputs the caller dropped; complex GEMM cells are
+cgemm/zgemm calls.
 
 bf16/f16 buffers (the `narrow` stage) are 2-byte arrays: `ml_dtypes.bfloat16` and
 `np.float16` under cuda-sim (the caller's arrays, passed without a copy, as on the
