@@ -531,6 +531,21 @@ def test_complex_products_through_cgemm_and_zgemm(cupy, dtype):
     assert any(call.conja or call.conjb for call in GEMM_CALLS), "the adjoint's product conjugates in cuBLAS"
 
 
+def test_complex_device_arrays_are_float_pairs_in_place(cupy):
+    """A complex device array goes in as float pairs over its memory (an updated one is
+    written in place) and complex results come back as complex device arrays."""
+    src = "dim i, j\nparam z: c64[i, j]\ninput s\nout w = z * s\nupdate z = conj(z)\n"
+    prog = tgc.compile(src, backend="cuda")
+    z0 = (np.arange(6) + 1j * np.arange(6, 12)).reshape(2, 3).astype(np.complex64)
+    z = cupy.asarray(z0.copy())
+    got = prog(z=z, s=2.0)
+    assert isinstance(got["w"], ndarray) and got["w"].dtype == np.complex64
+    np.testing.assert_allclose(got["w"].get(), 2 * z0, rtol=1e-6)
+    np.testing.assert_allclose(z.get(), np.conj(z0), rtol=1e-6)          # in place, in the caller's array
+    with pytest.raises(EvalError, match="'z' is updated in place: pass a C-contiguous complex64 device array"):
+        prog(z=cupy.asarray(z0.astype(np.complex128)), s=2.0)
+
+
 SGD_BF16 = """\
 dim n = 256, c = 16
 input x: bf16[b: n, i: c]

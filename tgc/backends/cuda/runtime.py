@@ -72,6 +72,7 @@ import numpy as np
 
 from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import codegen, gemm
+from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
 from tgc.ir.interp import EvalError
 from tgc.ir.sizes import size_eval
@@ -473,6 +474,31 @@ class CudaKernels(Kernels):
 
     def to_host(self, a):
         return self._device.to_host(a)
+
+    def device_pairs(self, name: str, value, dtype: str, updated: bool):
+        """On a GPU, a complex device array as float pairs over its memory (a copy only
+        when its width or layout differs, refused for an update target); a float device
+        array as given (pairs already); None for host data."""
+        if self._device.name != "cuda":
+            return None
+        cp = self._device.cp
+        a = value if isinstance(value, cp.ndarray) else _device_array(cp, value)
+        if a is None or a.dtype.kind != "c":
+            return a
+        want = np.dtype(COMPLEX_OF[dtype])
+        c = a if a.dtype == want and a.flags.c_contiguous else cp.ascontiguousarray(a.astype(want))
+        if updated and c is not a:
+            raise EvalError(f"'{name}' is updated in place: pass a C-contiguous {want.name} device array")
+        return c.reshape(c.shape + (1,)).view(FLOAT_OF[dtype])
+
+    def device_complex(self, a):
+        """On a GPU, a float-pairs device array as a complex view of its memory."""
+        if self._device.name != "cuda" or not isinstance(a, self._device.cp.ndarray):
+            return None
+        if a.dtype.kind == "c":
+            return a
+        a = self._device.cp.ascontiguousarray(a)
+        return a.view(np.complex64 if a.dtype == np.float32 else np.complex128)[..., 0]
 
     def _prepare_device(self, program, given: dict) -> tuple[dict, dict]:
         """The GPU's `_prepare`: device arrays in the program's dtypes, C-contiguous."""
