@@ -48,6 +48,10 @@ if ! "$PY" -c "import lark" 2>/dev/null; then
     fi
 fi
 "$PY" -c "import tgc, lark, click, llvmlite, numpy, opt_einsum, safetensors, ml_dtypes, pytest" || exit 1
+if ! command -v tgc >/dev/null; then   # the CLI too: this tree, installed without an index or build isolation
+    timeout 90 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+        || echo "gpu_check: tgc's command line is not installed (the tests and benchmarks import the tree)"
+fi
 
 BACKEND=cuda
 if [ "${1:-}" = "--sim" ]; then
