@@ -12,7 +12,9 @@ the mean of enough calls to last 20 ms, bracketed by device synchronizations; th
 median of `--repeat` samples is printed. On a GPU, tgc's calls replay a CUDA graph
 (`CudaOptions.graphs`); the `no graph` column times the same program launching each
 kernel, and `launches` counts the kernels and GEMM calls of one call without a
-graph (row groups make a softmax or layernorm row one of them). Under cuda-sim only the small rows and the
+graph (row groups make a softmax or layernorm row one of them). `--compile` names the
+rows also timed under torch.compile (each compiles cold: tens of seconds; gpu_check.sh
+times only the GPT step so). Under cuda-sim only the small rows and the
 MLP step run (the emulator runs each GPU thread one after another), torch runs on
 the CPU, and the times say nothing about a GPU: the mode exists to test this script.
 """
@@ -84,6 +86,11 @@ def copy_bandwidth(xp, sync, repeat):
     return 2 * a.nbytes / t
 
 
+def wanted(spec: str, workload: str) -> bool:
+    """Whether `--compile`'s value names the workload."""
+    return spec == "all" or workload in spec.split(",")
+
+
 def fmt(t):
     return "n/a" if t is None else f"{t * 1e3:9.3f}"
 
@@ -93,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--backend", choices=["cuda", "cuda-sim"], default="cuda")
     ap.add_argument("--only", help="comma-separated workloads")
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--compile", default="all",
+                    help="workloads timed under torch.compile too, comma-separated, 'all' or 'none' (each row "
+                         "compiles cold: tens of seconds)")
     args = ap.parse_args(argv)
     import tgc
 
@@ -124,7 +134,7 @@ def main(argv=None):
         if tt is not None:
             torch, dev, peers = tt
             for compiled in (False, True):
-                if compiled and args.backend == "cuda-sim":
+                if compiled and (args.backend == "cuda-sim" or not wanted(args.compile, case.workload)):
                     continue   # torch.compile on the CPU is not what this script measures
                 try:
                     step = peers.make(case.workload, run.copy_arrays(arrays), compiled)
@@ -148,7 +158,7 @@ def main(argv=None):
                                     options=Options().with_(graphs=False))
                 times["nograph"] = timed(lambda: plain(**dev_arrays), sync, args.repeat)
                 if prog._kernels.graph_counts["replays"] == 0:
-                    status = "no graph (id checks)" if status == "ok" else status
+                    status = "no graph" if status == "ok" else status
         launches = len(prog.cuda_module.launches)
         t = times.get("tgc")
         kind, amount = case.bound
@@ -156,7 +166,7 @@ def main(argv=None):
                                      else f"{amount / t / 1e9:7.1f} GFLOP/s")
         print(f"{case.workload:<10} {case.size:<20} {fmt(t)} {fmt(times.get('nograph'))} {launches:>8} "
               f"{fmt(times.get('eager'))} "
-              f"{fmt(times.get('compile')):>10}  {rate:>16}  {status}")
+              f"{fmt(times.get('compile')):>10}  {rate:>16}  {status}", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,16 @@ class Kernels:
     def to_host(self, a):
         return a
 
+    def device_pairs(self, name: str, value, dtype: str, updated: bool):
+        """A complex argument that lives on this backend's device, as float pairs of
+        `dtype` over its memory, or None: host data, which the runtime views itself
+        (`tgc.ir.complex_io.as_pairs`)."""
+        return None
+
+    def device_complex(self, a):
+        """A float-pairs result on this backend's device as a complex view, or None."""
+        return None
+
     def as_low(self, a, dtype: str):
         """An output held in floats whose values are of the narrower type `dtype` (bf16,
         f16, or f32 in an f64 program: rounded already), as an array of that type

@@ -606,14 +606,14 @@ class Program:
                 width = self.low_types.get(k, self.float_dtype)
                 check_updated_dtype(k, given.dtype, np.dtype((COMPLEX_OF if given.dtype.kind == "c" else FLOAT_OF)[width]))
         try:
-            pairs = {k: as_pairs(_dlpack_view(k, v), self.low_types.get(k, self.float_dtype))
-                     if k in self._complex_args else v for k, v in arrays.items()}
+            pairs = {k: self._pairs(k, v) if k in self._complex_args else v for k, v in arrays.items()}
         except MemoryError:   # a copy as float pairs (another width or layout): see _run_checked
             raise EvalError("not enough memory for this call's arrays (are the inputs or dims too large?); "
                             "nothing was written") from None
         result = self._run_real(pairs, dims, updates)
         for k in self._complex_results & result.keys():
-            result[k] = as_complex(result[k])
+            c = self._kernels.device_complex(result[k])
+            result[k] = as_complex(result[k]) if c is None else c
         for target in (self._updates if updates else ()):
             given, key = arrays.get(target), self._update_keys[target]
             if target in self._complex_args and isinstance(given, np.ndarray) and given.dtype.kind == "c":
@@ -621,6 +621,13 @@ class Program:
                     given[...] = result[key]
                 result[key] = given
         return result
+
+    def _pairs(self, name: str, value):
+        """A complex argument as float pairs: the backend's view of a device array, or
+        the host view of the caller's (a copy only when its width or layout differs)."""
+        dtype = self.low_types.get(name, self.float_dtype)
+        pairs = self._kernels.device_pairs(name, value, dtype, name in self._updates)
+        return as_pairs(_dlpack_view(name, value), dtype) if pairs is None else pairs
 
     def _run_real(self, arrays: dict, dims: dict | None, updates: bool) -> dict[str, np.ndarray]:
         if self.options.check_assumptions and self.module.facts:
@@ -641,7 +648,7 @@ class Program:
         anything runs (an EvalError names the first that fails; tgc.ir.assume)."""
         from tgc.ir.assume import check_facts
 
-        given = {n: np.asarray(a) for n, a in arrays.items()}
+        given = {n: np.asarray(self._kernels.to_host(a)) for n, a in arrays.items()}   # device arrays: read back
         check_facts(self.module, given, dims, self.dtype)
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:

@@ -34,7 +34,9 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   its loads) is not evaluated outside it.
 - a `Check` is a kernel over the id buffer that writes the check's number into the
   device error word (compare-and-swap from 0, launched in order: the first failing
-  check wins); the host reads the word once, after the checks, before any other work.
+  check wins); every other kernel of such a module returns at once when the word is
+  set, so nothing is written whether the host reads the word after the checks
+  (launching each kernel) or once after the whole call (a CUDA graph).
 - a `GemmKernel` without taps or shifts is a host-side call (`Launch.gemm`: a cuBLAS
   strided batched GEMM on a GPU, numpy on the same strides under cuda-sim; `gemm.py`); one
   with taps or shifts (a convolution) becomes a loop kernel summing over its `k` and
@@ -231,7 +233,13 @@ class _Gen:
         ps += [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"]
         return ", ".join(ps)
 
-    def kernel(self, name: str, params: str, body: list[str], note: str) -> None:
+    def kernel(self, name: str, params: str, body: list[str], note: str, check: bool = False) -> None:
+        """A `__global__` kernel. In a module with checks, every other kernel first
+        reads the error word and returns if a check failed: a call that runs every
+        launch without the host looking in between (a CUDA graph) writes nothing
+        then (the word is uniform, so a block's barriers are still reached by all)."""
+        if self.low.checks and not check:
+            body = ["if (*err) return;   // a check failed: nothing is written"] + body
         text = f"// {note}\n" if note else ""
         text += (f'extern "C" __global__ void __launch_bounds__({BLOCK}) {name}({params}) {{\n'
                  + "\n".join("    " + line for line in body) + "\n}")
@@ -375,7 +383,7 @@ class _Gen:
                 "    long long id = p0[t];",
                 f"    if (id < 0 || id >= {self.size(c.size)}) atomicCAS(err, 0, {i + 1});",
                 "}"]
-        self.kernel(name, self.params([c.buf], None), body, f"check 0 <= %{c.buf} < ...")
+        self.kernel(name, self.params([c.buf], None), body, f"check 0 <= %{c.buf} < ...", check=True)
         self.launches.append(Launch("check", name, (c.buf,), sizes, index=i))
 
     def loop(self, i: int, k: LoopKernel) -> None:

@@ -199,29 +199,46 @@ def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offse
     C[...] = np.matmul(A, B) if call.alpha == 1.0 else call.alpha * np.matmul(A, B)
 
 
-def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
-    """The call through CuPy's cuBLAS bindings on the current stream (device arrays,
-    each from its element offset): `<t>gemmStridedBatched`, or `gemmStridedBatchedEx`
-    with `ex_types` for bf16/f16 inputs."""
+def cublas_caller(call: GemmCall, dtype):
+    """`fn(pa, pb, pc)`: the call through CuPy's cuBLAS bindings on device addresses,
+    everything else (the handle, the function, the operations, `alpha` and `beta`)
+    fixed once: `<t>gemmStridedBatched`, or `gemmStridedBatchedEx` with `ex_types` for
+    bf16/f16 inputs. The stream is the handle's (`cublas.setStream`, set by the caller
+    once per call)."""
     import cupy
     from cupy.cuda import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    dt = c.dtype
+    dt = np.dtype(dtype)
     one, zero = np.full(1, call.alpha, dt), np.zeros(1, dt)
-    pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
+    pone, pzero = one.ctypes.data, zero.ctypes.data
     op = {(False, False): cublas.CUBLAS_OP_N, (True, False): cublas.CUBLAS_OP_T, (True, True): cublas.CUBLAS_OP_C}
     ex = ex_types(call)
+    m, n, k, batch = call.m, call.n, call.k, call.batch
+    lda, sa, ldb, sb, ldc, sc = call.lda, call.stride_a, call.ldb, call.stride_b, call.ldc, call.stride_c
     if ex is not None:   # bf16/f16 inputs, f32 output and compute (tensor cores)
         atype, btype, ctype, compute = ex
-        cublas.gemmStridedBatchedEx(handle, op[call.transa, False], op[call.transb, False], call.m, call.n, call.k,
-                                    one.ctypes.data, pa, atype, call.lda, call.stride_a, pb, btype, call.ldb,
-                                    call.stride_b, zero.ctypes.data, pc, ctype, call.ldc, call.stride_c, call.batch,
-                                    compute, CUBLAS_GEMM_DEFAULT)
-        return
+        ta, tb, fn = op[call.transa, False], op[call.transb, False], cublas.gemmStridedBatchedEx
+
+        def go(pa: int, pb: int, pc: int, _keep=(one, zero)) -> None:
+            fn(handle, ta, tb, m, n, k, pone, pa, atype, lda, sa, pb, btype, ldb, sb, pzero, pc, ctype, ldc, sc,
+               batch, compute, CUBLAS_GEMM_DEFAULT)
+        return go
     fn = {np.dtype(np.float32): cublas.sgemmStridedBatched, np.dtype(np.float64): cublas.dgemmStridedBatched,
           np.dtype(np.complex64): cublas.cgemmStridedBatched, np.dtype(np.complex128): cublas.zgemmStridedBatched}[dt]
-    fn(handle, op[call.transa, call.conja], op[call.transb, call.conjb], call.m, call.n, call.k, one.ctypes.data,
-       pa, call.lda, call.stride_a, pb, call.ldb, call.stride_b, zero.ctypes.data,
-       pc, call.ldc, call.stride_c, call.batch)
+    ta, tb = op[call.transa, call.conja], op[call.transb, call.conjb]
+
+    def go(pa: int, pb: int, pc: int, _keep=(one, zero)) -> None:
+        fn(handle, ta, tb, m, n, k, pone, pa, lda, sa, pb, ldb, sb, pzero, pc, ldc, sc, batch)
+    return go
+
+
+def run_cublas(call: GemmCall, a, b, c, offsets=(0, 0, 0)) -> None:
+    """The call through CuPy's cuBLAS bindings on the current stream (device arrays,
+    each from its element offset): `cublas_caller` once."""
+    import cupy
+    from cupy.cuda import cublas
+
+    cublas.setStream(cupy.cuda.device.get_cublas_handle(), cupy.cuda.get_current_stream().ptr)
+    pa, pb, pc = (x.data.ptr + o * x.itemsize for x, o in zip((a, b, c), offsets))
+    cublas_caller(call, c.dtype)(pa, pb, pc)
