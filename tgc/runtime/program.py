@@ -226,6 +226,33 @@ class Program:
         `fp_strict` runs as its f64 emulation, but takes and returns f32 arrays."""
         return "f32" if self.out_dtype == np.dtype(np.float32) else self.dtype
 
+    def init_state(self, dims: dict | None = None) -> dict[str, np.ndarray]:
+        """{name: a zero-filled array} for every `state` of the program (optimizer
+        moments, a step counter, the per-param states `m.wq` of a for block), each of
+        the shape and element type a call takes, fresh and writable: the states of a
+        first step. `dims` sizes the symbolic dims a state has (`{"d": 64}`); params
+        and inputs are the caller's to give.
+
+            state = program.init_state()
+            result = program(x=x, W=W, lr=0.1, **state)      # updates `state`'s arrays in place
+        """
+        env = {str(k): int(v) for k, v in (dims or {}).items()}
+        out = {}
+        for spec in self.inputs:
+            if spec.kind != "state":
+                continue
+            try:
+                shape = tuple(size_eval(s, env) for s in spec.shape)
+            except SizeError as e:
+                raise ValueError(f"init_state: state '{spec.name}' [{', '.join(spec.edges)}]: {e}; give its size "
+                                 f"as dims={{...}}") from None
+            if spec.name in self._complex_args:   # a complex array (its float pairs are the last axis)
+                out[spec.name] = np.zeros(shape[:-1], np.complex64 if self.float_dtype == "f32" else np.complex128)
+            else:
+                dtype = self._store.get(spec.name, NP["f32" if self.float_dtype == "f32" else spec.dtype])
+                out[spec.name] = np.zeros(shape, dtype)
+        return out
+
     def update_key(self, target: str) -> str:
         """The name under which a call's result holds the new value of `target`: the
         target's own, or `target'` when an output also has that name."""
