@@ -81,11 +81,9 @@ def init(program: tgc.Program, seed: int) -> dict[str, np.ndarray]:
     """minGPT's initialization: weights N(0, 0.02) (the residual projections
     0.02 / sqrt(2 * layers)), biases 0, LayerNorm scales 1; the optimizer's state 0."""
     rng = np.random.default_rng([seed, 1])
-    arrays = {}
+    arrays = program.init_state()          # the step counter and every m.NAME, v.NAME: zeros
     for spec in program.inputs:
-        if spec.kind == "state":
-            arrays[spec.name] = np.zeros(spec.shape, np.float32)
-        elif spec.kind == "param":
+        if spec.kind == "param":
             kind = spec.name.split("_", 1)[-1]                 # l2_wq -> wq, lnf_w -> w
             if spec.name.startswith("ln") or kind.startswith("ln"):   # LayerNorms: scale 1, shift 0
                 value = np.ones(spec.shape) if spec.name.endswith("_w") else np.zeros(spec.shape)

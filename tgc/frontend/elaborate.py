@@ -411,7 +411,11 @@ class ProgramBuilder:
             elif isinstance(item, ast.Bind):
                 local[item.name] = self.el.expr(item.expr, ctx)
             elif isinstance(item, ast.Update):
-                self._Update(dataclasses.replace(item, name=rename(item.name)), Path(), ctx)
+                target = rename(item.name)
+                if target != item.name and target not in self.m.args:
+                    raise CompileError(f"cannot update '{item.name}': it is '{target}' here, which is not declared "
+                                       f"(declare `state {item.name}` first in the for block)", item.loc)
+                self._Update(dataclasses.replace(item, name=target), Path(), ctx)
             elif isinstance(item, ast.Out):
                 o = dataclasses.replace(item, name=rename(item.name))
                 self._Out(o, Path(), ctx)

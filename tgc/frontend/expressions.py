@@ -211,6 +211,11 @@ class Elaborator:
         if kind == "tensor" and ctx.stack:
             raise self.error(f"'{node.id}' is not visible inside function '{ctx.stack[-1]}': "
                              "pass it as a parameter", node, ctx)
+        head, dot, var = node.id.rpartition(".")
+        if dot and not ctx.loops:
+            example = next((a.name for a in self.m.args.values() if a.kind == "param"), "w")
+            raise self.error(f"unknown name '{node.id}' (`{head}.{var}` stands for a per-param state inside "
+                             f"`for {var} in ...` only; elsewhere, name one in full: `{head}.{example}`)", node, ctx)
         raise self.error(f"unknown name '{node.id}'", node, ctx)
 
     # ---- for blocks: one instance per listed tensor ------------------------------------
