@@ -105,7 +105,10 @@ class Program:
     ABI order, shape, dtype); `print(program)` lists them, with the dims; `ir()` and
     `plan()` give the optimized IR and the lowered plan as text. A call with
     `updates=False` skips the program's `update`s and whatever only they need.
-    `tgc.save_params` and `tgc.load_params` write and read its params and states.
+    `tgc.save_params` and `tgc.load_params` write and read its params and states;
+    `init_state()` gives every state zero-filled (the optimizer's state of a first step).
+    A name that is no Python identifier (`m.wq`, a for block's state) is passed by
+    dict: `program.run({"m.wq": m, ...})` or `program(**arrays)`.
     Built with `Options(memory_budget=BYTES)`, `memory_plan` says what the backward pass
     recomputes to fit (`memory_plan.summary()`).
     """
