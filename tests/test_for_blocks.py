@@ -242,3 +242,13 @@ def test_for_is_reserved_and_in_is_not():
     program = tgc.compile("dim in = 2\ninput x[in]\nparam w[in]\nfor p in params { update p = p + x }\n"
                           "out y = sum[p in w](sum(p * x))\n")
     assert program.outputs[0].name == "y"
+
+
+def test_init_state_of_a_data_parallel_step():
+    MPI = pytest.importorskip("mpi4py.MPI")
+    step = tgc.compile(MODEL + SECTION_12 + "state unread[d]\n", data_parallel=MPI.COMM_SELF)
+    state = step.init_state()
+    assert list(state) == ["step", "m.wq", "v.wq", "m.bq", "v.bq", "m.wo", "v.wo", "unread"]
+    x, y, params = data()
+    step(x=x, y=y, lr=0.05, wd=0.0, **params, **state)
+    assert float(state["step"]) == 1 and np.abs(state["v.wo"]).max() > 0

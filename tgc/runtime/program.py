@@ -93,6 +93,27 @@ def _dlpack_view(name: str, value):
                         f"pass a CPU tensor (detached from autograd), or a numpy array") from None
 
 
+def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
+    """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
+    as a call takes it: complex for the `complex_names` (float pairs on their last axis),
+    the 2-byte type of those in `store`, else `float_dtype`; `dims` sizes symbolic dims."""
+    env = {str(k): int(v) for k, v in (dims or {}).items()}
+    out = {}
+    for spec in specs:
+        if spec.kind != "state":
+            continue
+        try:
+            shape = tuple(size_eval(s, env) for s in spec.shape)
+        except SizeError as e:
+            raise ValueError(f"init_state: state '{spec.name}' [{', '.join(spec.edges)}]: {e}; give its size "
+                             f"as dims={{...}}") from None
+        if spec.name in complex_names:
+            out[spec.name] = np.zeros(shape[:-1], np.complex64 if float_dtype == "f32" else np.complex128)
+        else:
+            out[spec.name] = np.zeros(shape, store.get(spec.name, NP[float_dtype]))
+    return out
+
+
 class Program:
     """A compiled program, callable from Python. Thread-safe; calls are serialized.
 
@@ -239,22 +260,7 @@ class Program:
             state = program.init_state()
             result = program(x=x, W=W, lr=0.1, **state)      # updates `state`'s arrays in place
         """
-        env = {str(k): int(v) for k, v in (dims or {}).items()}
-        out = {}
-        for spec in self.inputs:
-            if spec.kind != "state":
-                continue
-            try:
-                shape = tuple(size_eval(s, env) for s in spec.shape)
-            except SizeError as e:
-                raise ValueError(f"init_state: state '{spec.name}' [{', '.join(spec.edges)}]: {e}; give its size "
-                                 f"as dims={{...}}") from None
-            if spec.name in self._complex_args:   # a complex array (its float pairs are the last axis)
-                out[spec.name] = np.zeros(shape[:-1], np.complex64 if self.float_dtype == "f32" else np.complex128)
-            else:
-                dtype = self._store.get(spec.name, NP["f32" if self.float_dtype == "f32" else spec.dtype])
-                out[spec.name] = np.zeros(shape, dtype)
-        return out
+        return zero_states(self.inputs, self.float_dtype, self._complex_args, self._store, dims)
 
     def update_key(self, target: str) -> str:
         """The name under which a call's result holds the new value of `target`: the
