@@ -18,7 +18,7 @@ must be the right digit: both fail at the first wrong digit.) The run reports th
 first step at which every held-out sequence is sorted right. Not every seed gets there:
 a random quarter can hold out extreme sequences that the rest does not teach (seed 7
 holds out all three sequences of six equal digits). Of seeds 0 to 7, six sorted every
-held-out sequence when this was written; seeds 3 and 7 missed one and two.
+held-out sequence when this was written; seeds 3 and 7 missed one each.
 
 With `--data-parallel`, under MPI (`mpirun -n 2 python examples/train_sort_gpt.py
 --data-parallel`; needs mpi4py: `pip install -e '.[mpi]'`), each of the N processes
