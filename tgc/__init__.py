@@ -12,7 +12,7 @@ The API:
 
 - `compile(source, ...)` builds a `Program` (native code for this CPU, or another backend's);
 - `Program`: call it with one array per argument, by name; `inputs`, `outputs`,
-  `ir()`, `plan()`, `without_updates()`;
+  `ir()`, `plan()`, `without_updates()`, `init_state()` (every state, zero-filled);
 - `TensorSpec`: one argument or output (name, kind, edges in ABI order, shape, dtype);
 - `Options`: compiler settings (passes, `fp_strict`, `cpu=CpuOptions(threads=...)`, ...);
 - `save_params` / `load_params`: a program's params and states to and from

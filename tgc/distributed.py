@@ -693,6 +693,14 @@ class DataParallel:
         """The float type callers pass and get (f32 or f64)."""
         return self.grads.float_dtype
 
+    def init_state(self, dims: dict | None = None) -> dict:
+        """Every state of the step, zero-filled, as `Program.init_state` gives them (the
+        same on every rank)."""
+        from tgc.ir.complex_io import complex_args
+        from tgc.runtime.program import zero_states
+
+        return zero_states(self.inputs, self.float_dtype, complex_args(self.module), {}, dims)
+
     def _whole(self) -> "_Signature":
         if self._signature is None:
             self._signature = _Signature(self.module, self.grads.float_dtype)

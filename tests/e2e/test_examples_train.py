@@ -132,12 +132,21 @@ def _start(program, seed: int) -> dict:
             for s in program.inputs if s.kind in ("param", "state")}
 
 
+def _kind(program, name: str) -> str:
+    return next(s.kind for s in program.inputs if s.name == name)
+
+
+def _moment(arrays: dict, which: str, param: str) -> np.ndarray:
+    """A moment of `param`: `m.NAME` (declared by a for block) or `m_NAME` (written out)."""
+    return arrays[f"{which}.{param}"] if f"{which}.{param}" in arrays else arrays[f"{which}_{param}"]
+
+
 def _against_torch(module, program, arrays: dict, inputs: dict, torch_inputs: tuple, steps: int = 2,
                    rtol: float = 1e-9):
     """Take `steps` steps of `program` (float64) and of the script `module`'s PyTorch
     twin from the same `arrays` (params, zero states), then compare the losses, every
     parameter and both moments."""
-    params = {k: v for k, v in arrays.items() if not k.startswith(("m_", "v_")) and k != "step"}
+    params = {k: v for k, v in arrays.items() if _kind(program, k) == "param"}
     P, torch_step, opt = module.torch_trainer(params, dtype="float64")
     for _ in range(steps):
         want_loss = torch_step(*torch_inputs)
@@ -146,8 +155,8 @@ def _against_torch(module, program, arrays: dict, inputs: dict, torch_inputs: tu
     assert float(arrays["step"]) == steps
     for k, p in P.items():
         state = opt.state[p]
-        for mine, theirs in ((arrays[k], p), (arrays[f"m_{k}"], state["exp_avg"]),
-                             (arrays[f"v_{k}"], state["exp_avg_sq"])):
+        for mine, theirs in ((arrays[k], p), (_moment(arrays, "m", k), state["exp_avg"]),
+                             (_moment(arrays, "v", k), state["exp_avg_sq"])):
             theirs = theirs.detach().numpy()
             np.testing.assert_allclose(mine, theirs, rtol=rtol, atol=rtol * np.abs(theirs).max(), err_msg=k)
 

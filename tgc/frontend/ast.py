@@ -26,6 +26,9 @@ the elaborator decides what they denote.
     Update(name: str, expr: Expr)
     Assume(op: str, lhs: Expr, rhs: Expr)           op one of = < <= > >= != (`==` is `=`);
         loc spans the relation, from LHS to RHS
+    For(var: Name, names: tuple[Name, ...], body: tuple[Stmt, ...])
+        `for p in wq, wk { ... }`; names (Name("params"),) for `for p in params`;
+        body holds TensorDecl, Bind, Out and Update; loc starts at the variable
   expressions (Expr)
     Num(value: int | float)                         int for `3`; float for `0.5`, `1e3`, `inf`
     Name(id: str)
@@ -41,6 +44,8 @@ the elaborator decides what they denote.
     Reindex(edge: str, rhs: Expr)                   `t = s + k` or a gather `vocab = ids`
     Indicator(terms: tuple[Affine, ...], ops: tuple[str, ...])
         `[a op0 b op1 c]`, len(ops) == len(terms) - 1; ops = != < <= > >= (`==` is `=`)
+    Member(var: Name, names: tuple[Name, ...])     `[p in wq, wk]`
+    ListSum(var: Name, names: tuple[Name, ...], x: Expr)   `sum[p in params](x)`
   affine index expressions
     Affine(terms: tuple[AffineTerm, ...])           the sum of its terms
     AffineTerm(coef: int, size_of: str | None, edge: str | None)
@@ -179,6 +184,16 @@ class Assume(Node):
     rhs: object
 
 
+@dataclass(frozen=True)
+class For(Node):
+    """`for var in names { body }`: a template of statements, instantiated once per
+    listed tensor (`names` is `(Name("params"),)` for every param)."""
+
+    var: object
+    names: tuple
+    body: tuple
+
+
 # ---- expressions ------------------------------------------------------------
 
 
@@ -295,6 +310,24 @@ class Indicator(Node):
 
     terms: tuple
     ops: tuple
+
+
+@dataclass(frozen=True)
+class Member(Node):
+    """`[var in a, b]`: 1 in the instances of a for block (or list sum) for the
+    listed tensors, else 0."""
+
+    var: object
+    names: tuple
+
+
+@dataclass(frozen=True)
+class ListSum(Node):
+    """`sum[var in names](x)`: the scalar `x` added over the listed tensors."""
+
+    var: object
+    names: tuple
+    x: object
 
 
 _new = object.__new__

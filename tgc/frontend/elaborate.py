@@ -8,8 +8,11 @@ their calls. Every mistake is a located `CompileError`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 import sys
+from collections import ChainMap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from tgc.frontend import ast, import_folders
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
-from tgc.frontend.expressions import Ctx, Elaborator, Forms
+from tgc.frontend.expressions import Ctx, Elaborator, Forms, Loop
 from tgc.frontend.functions import check_definition, check_names, check_recursion, inline_call
 from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
@@ -76,6 +79,7 @@ class ProgramBuilder:
         self.imported: set[Path] = set()
         self.sources: dict[str, str] = {}  # file name -> its text (an assume keeps its own)
         self.absent: list[str] = []   # paths an import looked at before the file it found
+        self.unused_locals: list[Diagnostic] = []   # warnings: bindings of a for block never read
 
     @functools.cached_property
     def ctx(self) -> Ctx:
@@ -188,6 +192,11 @@ class ProgramBuilder:
         raise CompileError("a dim size is an integer expression of dims with + - * /", e.loc)
 
     def _TensorDecl(self, d: ast.TensorDecl, here: Path) -> None:
+        self.check_dotted(d.name, d.kind, d.loc)
+        if d.kind == "param" and self.el.every_param:
+            raise CompileError(f"param '{d.name}' is declared after a list 'params' that stands for every param "
+                               "declared before it: declare the params first", d.loc,
+                               [Diagnostic("note", "the list 'params' is here", self.el.every_param[0])])
         # a float type at most the program's width (f32 in an f64 program is f32; f64 in an
         # f32 program is f32); a complex one's parts likewise (c64: f32 parts)
         named = {"c64": "f32", "c128": "f64"}.get(d.dtype, d.dtype)
@@ -207,6 +216,14 @@ class ProgramBuilder:
         self.scope.declare(d.name, "tensor", d.loc)
         self.m.args[d.name] = Arg(d.name, d.kind, dtype, tuple(order), d.loc)
         self.scope.tensors[d.name] = V.arg(d.name, dtype, order, d.loc)
+
+    def check_dotted(self, name: str, kind: str, loc: Loc) -> None:
+        """A name `m.wq` declared outside a for block (as `tgc grad --emit tg` writes
+        the per-param states it reads) names a declared tensor after its '.'."""
+        head, dot, tail = name.rpartition(".")
+        if dot and tail not in self.m.args:
+            raise CompileError(f"'{kind} {name}' outside a for block: '{tail}' is no declared tensor (per-param "
+                               f"states are declared as `state {head}.p` inside `for p in LIST {{ ... }}`)", loc)
 
     def check_fixed_bytes(self, what: str, edges, dtype: str, loc: Loc | None) -> None:
         """A tensor whose every edge has a fixed size must fit the size limit (2^62
@@ -264,9 +281,12 @@ class ProgramBuilder:
         if self.is_grad_call(b.expr, value):
             self.grads[b.name] = value
 
-    def _Out(self, o: ast.Out, here: Path) -> None:
+    def _Out(self, o: ast.Out, here: Path, ctx: Ctx | None = None) -> None:
+        ctx = ctx or self.ctx
         if any(out.name == o.name for out in self.m.outputs):
             raise CompileError(f"output '{o.name}' is declared twice", o.loc)
+        if not ctx.loops and o.expr is not None:
+            self.check_dotted(o.name, "out", o.loc)
         if o.expr is None:
             if o.name not in self.scope.tensors:
                 kind = self.scope.kinds.get(o.name) or ("fn" if o.name in self.fns else None)
@@ -277,7 +297,7 @@ class ProgramBuilder:
             value = self.scope.tensors[o.name]
             self.el.used.add(o.name)
         else:
-            value = self.el.expr(o.expr, self.ctx)
+            value = self.el.expr(o.expr, ctx)
             self.scope.declare(o.name, "tensor", o.loc)
             self.scope.tensors[o.name] = value
         if value.dtype == "i32":
@@ -317,7 +337,8 @@ class ProgramBuilder:
                                o.order[0].loc if o.order else o.loc)
         return tuple(order)
 
-    def _Update(self, u: ast.Update, here: Path) -> None:
+    def _Update(self, u: ast.Update, here: Path, ctx: Ctx | None = None) -> None:
+        ctx = ctx or self.ctx
         arg = self.m.args.get(u.name)
         if arg is None:
             kind = self.scope.kinds.get(u.name)
@@ -329,7 +350,7 @@ class ProgramBuilder:
                                [Diagnostic("note", f"'{u.name}' is declared here", arg.loc)])
         if any(up.target == u.name for up in self.m.updates):
             raise CompileError(f"'{u.name}' is updated twice", u.loc)
-        value = self.el.fexpr(u.expr, self.ctx)
+        value = self.el.fexpr(u.expr, ctx)
         if is_complex(value) != is_complex(self.scope.tensors[u.name]):
             if is_complex(value):
                 raise CompileError(f"the update of real '{u.name}' is complex: take real() of it", u.expr.loc)
@@ -342,6 +363,82 @@ class ProgramBuilder:
             value = V.contract([value], arg.order, loc=u.loc)
         value = V.convert(value, arg.dtype, loc=u.loc)   # stored in the target's type (rounded)
         self.m.updates.append(Update(u.name, value, u.loc))
+
+    # ---- for blocks ------------------------------------------------------------------
+
+    def _For(self, f: ast.For, here: Path) -> None:
+        """`for p in LIST { ... }`: the body elaborated once per listed tensor, with `p`
+        standing for it. Its bindings are local to each instance; `state m.p` declares
+        the state `m.<tensor>` with the tensor's edges and dtype; `update` and `out`
+        name `p`, `m.p` or `o.p` (one target per instance)."""
+        names = self.el.tensor_list(f.var, f.names, self.ctx)
+        locals_: dict[str, Loc] = {}
+        for item in f.body:
+            self.check_local(item, f, locals_)
+        used_before = {n for n in locals_ if n in self.el.used}
+        for name in names:
+            local: dict[str, V.Value] = {}
+            ctx = Ctx(ChainMap(local, self.scope.tensors), {}, self.fns,
+                      loops={f.var.id: Loop(name, names)})
+            for item in f.body:
+                self.instance_statement(item, f, ctx, local)
+        for n, loc in locals_.items():   # bindings of the body that no instance reads
+            if n not in self.el.used and n not in used_before:
+                self.unused_locals.append(Diagnostic("warning", f"'{n}' is never used", loc))
+            if n not in used_before:
+                self.el.used.discard(n)
+
+    def check_local(self, item, f: ast.For, locals_: dict[str, Loc]) -> None:
+        """What a for block may hold: per-instance states `state m.p`, local bindings
+        with new names, and updates and outputs."""
+        var = f.var.id
+        if isinstance(item, ast.TensorDecl):
+            head, dot, tail = item.name.rpartition(".")
+            if item.kind != "state" or tail != var or not dot:
+                raise CompileError(f"a for block declares only per-instance states, `state NAME.{var}`; "
+                                   f"not {item.kind} '{item.name}'", item.loc)
+            if item.edges or item.dtype:
+                raise CompileError(f"'state {item.name}' has the edges and dtype of '{var}': give it none", item.loc)
+        elif isinstance(item, ast.Bind):
+            if item.name == var or item.name in self.scope.kinds or item.name in locals_:
+                where = locals_.get(item.name) or self.scope.locs.get(item.name)
+                notes = [Diagnostic("note", f"'{item.name}' was first declared here", where)] if where else []
+                raise CompileError(f"'{item.name}' is already declared: a binding in a for block takes a new name",
+                                   item.loc, notes)
+            locals_[item.name] = item.loc
+        elif isinstance(item, ast.Out):
+            if item.name.rpartition(".")[2] != var or "." not in item.name:
+                raise CompileError(f"an output in a for block is named per instance, `out NAME.{var} = ...`; "
+                                   f"not '{item.name}'", item.loc)
+
+    def instance_statement(self, item, f: ast.For, ctx: Ctx, local: dict[str, V.Value]) -> None:
+        """One statement of one instance of a for block."""
+        rename = functools.partial(self.el.instance_name, ctx=ctx)
+        try:
+            if isinstance(item, ast.TensorDecl):
+                self.instance_state(rename(item.name), ctx, item.loc)
+            elif isinstance(item, ast.Bind):
+                local[item.name] = self.el.expr(item.expr, ctx)
+            elif isinstance(item, ast.Update):
+                target = rename(item.name)
+                if target != item.name and target not in self.m.args:
+                    raise CompileError(f"cannot update '{item.name}': it is '{target}' here, which is not declared "
+                                       f"(declare `state {item.name}` first in the for block)", item.loc)
+                self._Update(dataclasses.replace(item, name=target), Path(), ctx)
+            elif isinstance(item, ast.Out):
+                o = dataclasses.replace(item, name=rename(item.name))
+                self._Out(o, Path(), ctx)
+        except CompileError as e:
+            current = ctx.loops[f.var.id].current
+            e.notes.append(Diagnostic("note", f"in the instance of the for block for '{current}'", f.loc))
+            raise
+
+    def instance_state(self, name: str, ctx: Ctx, loc: Loc) -> None:
+        """The state `m.wq` of one instance: the edges and dtype of its tensor."""
+        of = self.m.args[next(iter(ctx.loops.values())).current]
+        self.scope.declare(name, "tensor", loc)
+        self.m.args[name] = Arg(name, "state", of.dtype, of.order, loc)
+        self.scope.tensors[name] = V.arg(name, of.dtype, of.order, loc)
 
     def _Assume(self, a: ast.Assume, here: Path) -> None:
         """A fact about the inputs: both sides are float expressions of the program's
@@ -369,6 +466,8 @@ class ProgramBuilder:
         return text.replace('"', "'")
 
     def finish(self) -> Module:
+        self.check_c_names([(a.name, a.loc) for a in self.m.args.values()], "argument")
+        self.check_c_names([(o.name, o.loc) for o in self.m.outputs], "output")
         names = {o.name: o for o in self.m.outputs}
         for u in self.m.updates:   # the new value of an output's namesake is reported as `name'`
             key = self.m.update_key(u.target)
@@ -383,6 +482,21 @@ class ProgramBuilder:
             self.m = narrow_constants(self.m)
         return self.m
 
+    @staticmethod
+    def check_c_names(named: list[tuple[str, Loc | None]], what: str) -> None:
+        """No two arguments (or outputs) whose names are one identifier in C, where the
+        header writes every character but letters, digits and '_' as '_' (`m.wq` and
+        `m_wq` are both `m_wq`)."""
+        seen: dict[str, tuple[str, Loc | None]] = {}
+        for name, loc in named:
+            c = re.sub(r"[^A-Za-z0-9_]", "_", name)
+            if c in seen and seen[c][0] != name:
+                first, first_loc = seen[c]
+                notes = [Diagnostic("note", f"'{first}' is declared here", first_loc)] if first_loc else []
+                raise CompileError(f"{what} '{name}' and {what} '{first}' have one name in C, '{c}' (the "
+                                   f"header of `tgc build` writes '.' and \"'\" as '_'): rename one", loc, notes)
+            seen.setdefault(c, (name, loc))
+
     def warnings(self) -> list[Diagnostic]:
         """Inputs and bindings that nothing reads; types named wider than the program's."""
         out = []
@@ -393,7 +507,7 @@ class ProgramBuilder:
             arg = self.m.args.get(name)
             what = f"{arg.kind} '{name}'" if arg else f"'{name}'"
             out.append(Diagnostic("warning", f"{what} is never used", self.scope.locs[name]))
-        return out + self.el.capped
+        return out + self.unused_locals + self.el.capped
 
 
 def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:

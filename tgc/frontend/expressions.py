@@ -7,6 +7,7 @@ reindex is a contraction with an indicator, and function calls are inlined.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -30,14 +31,25 @@ REDUCTIONS = ("sum", "mean", "max", "min")
 
 
 @dataclass(frozen=True)
+class Loop:
+    """One instance of a `for p in LIST` block or of a `sum[p in LIST](x)`: the
+    tensor `p` stands for now, and every tensor of the list (what `[p in ...]` may name)."""
+
+    current: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Ctx:
-    """Where an expression is elaborated: the top level or an inlined function body."""
+    """Where an expression is elaborated: the top level, an instance of a for block
+    or an inlined function body."""
 
     values: Mapping[str, V.Value]
     edges: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)  # edge parameter -> actual edge(s)
     fns: Mapping[str, FnInfo] = field(default_factory=dict)
     stack: tuple[str, ...] = ()  # functions being inlined, outermost first
     call_locs: tuple[Loc, ...] = ()
+    loops: Mapping[str, Loop] = field(default_factory=dict)  # loop variable -> its instance
 
 
 MAX_FLAT_FACTORS = 32  # operands of one product the front end builds by flattening
@@ -87,6 +99,7 @@ class Elaborator:
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
         self.capped: list[Diagnostic] = []   # warnings: a type named wider than the program's (`at_width`)
+        self.every_param: list[Loc] = []   # where a list `params` was read (no param may be declared after)
         self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call
 
     # ---- helpers ------------------------------------------------------------------
@@ -182,6 +195,10 @@ class Elaborator:
         return V.const(float(node.value), self.dtype, loc=node.loc)
 
     def _Name(self, node: ast.Name, ctx: Ctx) -> V.Value:
+        if ctx.loops:
+            name = self.instance_name(node.id, ctx)
+            if name != node.id:
+                return self.tensor(name, node, ctx)
         if node.id in ctx.values:
             if not ctx.stack:
                 self.used.add(node.id)
@@ -194,7 +211,95 @@ class Elaborator:
         if kind == "tensor" and ctx.stack:
             raise self.error(f"'{node.id}' is not visible inside function '{ctx.stack[-1]}': "
                              "pass it as a parameter", node, ctx)
+        head, dot, var = node.id.rpartition(".")
+        if dot and not ctx.loops:
+            example = next((a.name for a in self.m.args.values() if a.kind == "param"), "w")
+            raise self.error(f"unknown name '{node.id}' (`{head}.{var}` stands for a per-param state inside "
+                             f"`for {var} in ...` only; elsewhere, name one in full: `{head}.{example}`)", node, ctx)
         raise self.error(f"unknown name '{node.id}'" + did_you_mean(node.id, ctx.values), node, ctx)
+
+    # ---- for blocks: one instance per listed tensor ------------------------------------
+
+    @staticmethod
+    def instance_name(name: str, ctx: Ctx) -> str:
+        """The tensor `name` denotes in this instance: a loop variable `p` the listed
+        tensor it stands for (`wq`), a name `m.p` the per-param state `m.wq`; any other
+        name itself."""
+        loop = ctx.loops.get(name)
+        if loop is not None:
+            return loop.current
+        head, dot, var = name.rpartition(".")
+        loop = ctx.loops.get(var) if dot else None
+        return f"{head}.{loop.current}" if loop is not None else name
+
+    def tensor(self, name: str, node, ctx: Ctx) -> V.Value:
+        """The declared tensor `name` that a loop variable or `m.p` denotes here."""
+        value = self.scope.tensors.get(name)
+        if value is None:
+            raise self.error(f"'{node.id}' is '{name}' here, which is not declared"
+                             + (f" (declare `state {node.id}` in the for block)" if "." in node.id else ""),
+                             node, ctx)
+        self.used.add(name)
+        return value
+
+    def tensor_list(self, var: ast.Name, names: tuple, ctx: Ctx) -> tuple[str, ...]:
+        """The tensors a `for` block or a `sum[p in ...]` ranges over: `params` (every
+        param declared so far), or listed params and states, each once."""
+        if var.id in ctx.loops:
+            raise self.error(f"'{var.id}' already ranges over a list here: name this variable otherwise", var, ctx)
+        kind = self.scope.kinds.get(var.id)
+        if kind is not None or var.id in ctx.values or "." in var.id:
+            raise self.error(f"the variable '{var.id}' of a list must be a new name; '{var.id}' is "
+                             f"{describe(kind or 'tensor')}", var, ctx)
+        if len(names) == 1 and names[0].id == "params" and "params" not in self.scope.kinds:
+            found = tuple(a.name for a in self.m.args.values() if a.kind == "param")
+            if not found:
+                raise self.error("the list 'params' is empty: no param is declared before it", names[0], ctx)
+            self.every_param.append(names[0].loc)
+            return found
+        out: list[str] = []
+        for n in names:
+            if n.id == "params" and "params" not in self.scope.kinds:
+                raise self.error("'params' stands for every param alone; list names otherwise", n, ctx)
+            arg = self.m.args.get(n.id)
+            if arg is None or arg.kind == "input":
+                kind = self.scope.kinds.get(n.id)
+                what = ("an input" if arg is not None else "a binding" if kind == "tensor"
+                        else describe(kind) if kind else "unknown")
+                raise self.error(f"a list ranges over params and states; '{n.id}' is {what}", n, ctx)
+            if n.id in out:
+                raise self.error(f"'{n.id}' is listed twice", n, ctx)
+            out.append(n.id)
+        return tuple(out)
+
+    def _Member(self, node: ast.Member, ctx: Ctx) -> V.Value:
+        loop = ctx.loops.get(node.var.id)
+        if loop is None:
+            raise self.error(f"'[{node.var.id} in ...]' is used outside a for block or sum over "
+                             f"'{node.var.id}'", node.var, ctx)
+        chosen = set()
+        for n in node.names:
+            if n.id not in loop.names:
+                raise self.error(f"'{n.id}' is not in the list that '{node.var.id}' ranges over "
+                                 f"({', '.join(loop.names)})", n, ctx)
+            chosen.add(n.id)
+        return V.const(1.0 if loop.current in chosen else 0.0, self.dtype, loc=node.loc)
+
+    def _ListSum(self, node: ast.ListSum, ctx: Ctx) -> V.Value:
+        if ctx.stack:
+            raise self.error("sum[p in LIST] reads the program's tensors: it cannot be used inside a function",
+                             node, ctx)
+        names = self.tensor_list(node.var, node.names, ctx)
+        terms = []
+        for name in names:
+            inner = dataclasses.replace(ctx, loops={**ctx.loops, node.var.id: Loop(name, names)})
+            v = self.fexpr(node.x, inner)
+            self.real_only("sum[p in LIST]", node, ctx, v)
+            if v.edges:
+                raise self.error(f"sum[{node.var.id} in ...] adds scalars, but its term for '{name}' has edges "
+                                 f"[{', '.join(v.edges)}]: reduce them (sum(...))", node.x, ctx)
+            terms.append(v)
+        return self.build(node, ctx, V.add, terms)
 
     def _Imag(self, node: ast.Imag, ctx: Ctx) -> V.Value:
         return self.cx.imag_const(node.value, node.loc)

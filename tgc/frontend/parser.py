@@ -319,7 +319,7 @@ def tables_json() -> str:
 
 # ---- syntax errors ------------------------------------------------------------
 
-_NAMED = {"NAME": "NAME", "NUMBER": "NUMBER", "STRING": "STRING", "_NL": "newline",
+_NAMED = {"NAME": "NAME", "DOTTED": "NAME.NAME", "NUMBER": "NUMBER", "STRING": "STRING", "_NL": "newline",
           "$END": "end of input", "COMPARE": "comparison", "DECL_KIND": "'input'/'param'/'state'",
           "ASSUME": "'assume'"}
 _IGNORED = {"WS", "COMMENT"}
@@ -412,6 +412,8 @@ def _accepted(e: UnexpectedInput) -> set[str]:
 def _friendly_expected(names: set[str]) -> list[str]:
     terms = {t.name: t for t in _lark().terminals}
     out = []
+    if "NAME" in names:   # `m.wq` (DOTTED) is a name too: one word for both
+        names = names - {"DOTTED"}
     for name in names - _IGNORED:
         if name in _NAMED:
             out.append(_NAMED[name])
@@ -453,7 +455,7 @@ class _Part:
 
 # Tokens that carry meaning; the others (keywords, punctuation, newlines) only
 # widen the span of the node they belong to.
-_KEEP = {"NAME", "NUMBER", "STRING", "COMPARE", "EQ", "ARROW", "PLUS", "MINUS",
+_KEEP = {"NAME", "DOTTED", "NUMBER", "STRING", "COMPARE", "EQ", "ARROW", "PLUS", "MINUS",
          "STAR", "SLASH", "AT", "CARET", "DECL_KIND", "ELLIPSIS"}
 
 
@@ -744,6 +746,22 @@ class _Builder:
     def _edge_list(self, kids, loc):
         return _Part("edges", tuple(self._name(k) for k in kids), loc)
 
+    def _for_block(self, kids, loc):
+        var, word, names = kids[:3]
+        self._expect_in(word)
+        body = []
+        for k in kids[3:]:
+            body.extend(k.value) if isinstance(k, _Part) else body.append(k)
+        return ast.For(self._name(var), names.value, tuple(body), loc=self._from_token(var, loc))
+
+    def _tensor_list(self, kids, loc):
+        return _Part("names", tuple(self._name(k) for k in kids), loc)
+
+    def _expect_in(self, word: Token) -> None:
+        if str(word) != "in":
+            raise CompileError(f"expected 'in' after the variable, not '{word}' "
+                               "(`for p in LIST`, `[p in LIST]`, `sum[p in LIST](x)`)", self._tok_loc(word))
+
     # -- expressions --
 
     def _name(self, tok: Token) -> ast.Name:
@@ -780,6 +798,19 @@ class _Builder:
         terms = tuple(ast.to_affine(k) for k in kids[0::2])
         ops = tuple("=" if str(op) == "==" else str(op) for op in kids[1::2])
         return ast.Indicator(terms, ops, loc=loc)
+
+    def _member(self, kids, loc):
+        var, word, names = kids
+        self._expect_in(word)
+        return ast.Member(self._name(var), names.value, loc=loc)
+
+    def _list_sum(self, kids, loc):
+        fn, var, word, names, x = kids
+        if str(fn) != "sum":
+            raise CompileError(f"'{fn}[{var} in ...]': only sum ranges over a list of tensors, "
+                               f"as sum[{var} in LIST](x)", self._tok_loc(fn))
+        self._expect_in(word)
+        return ast.ListSum(self._name(var), names.value, x, loc=loc)
 
     def _items(self, kids, loc):
         return _Part("items", tuple(kids), loc)

@@ -136,6 +136,27 @@ def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
     return tuple(key)
 
 
+def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
+    """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
+    as a call takes it: complex for the `complex_names` (float pairs on their last axis),
+    the 2-byte type of those in `store`, else `float_dtype`; `dims` sizes symbolic dims."""
+    env = {str(k): int(v) for k, v in (dims or {}).items()}
+    out = {}
+    for spec in specs:
+        if spec.kind != "state":
+            continue
+        try:
+            shape = tuple(size_eval(s, env) for s in spec.shape)
+        except SizeError as e:
+            raise ValueError(f"init_state: state '{spec.name}' [{', '.join(spec.edges)}]: {e}; give its size "
+                             f"as dims={{...}}") from None
+        if spec.name in complex_names:
+            out[spec.name] = np.zeros(shape[:-1], np.complex64 if float_dtype == "f32" else np.complex128)
+        else:
+            out[spec.name] = np.zeros(shape, store.get(spec.name, NP[float_dtype]))
+    return out
+
+
 class Program:
     """A compiled program, callable from Python. Thread-safe; calls are serialized.
 
@@ -148,7 +169,10 @@ class Program:
     ABI order, shape, dtype); `print(program)` lists them, with the dims; `ir()` and
     `plan()` give the optimized IR and the lowered plan as text. A call with
     `updates=False` skips the program's `update`s and whatever only they need.
-    `tgc.save_params` and `tgc.load_params` write and read its params and states.
+    `tgc.save_params` and `tgc.load_params` write and read its params and states;
+    `init_state()` gives every state zero-filled (the optimizer's state of a first step).
+    A name that is no Python identifier (`m.wq`, a for block's state) is passed by
+    dict: `program.run({"m.wq": m, ...})` or `program(**arrays)`.
     Built with `Options(memory_budget=BYTES)`, `memory_plan` says what the backward pass
     recomputes to fit (`memory_plan.summary()`).
     """
@@ -278,6 +302,18 @@ class Program:
         """The float type callers pass and get (f32 or f64). An f32 program built with
         `fp_strict` runs as its f64 emulation, but takes and returns f32 arrays."""
         return "f32" if self.out_dtype == np.dtype(np.float32) else self.dtype
+
+    def init_state(self, dims: dict | None = None) -> dict[str, np.ndarray]:
+        """{name: a zero-filled array} for every `state` of the program (optimizer
+        moments, a step counter, the per-param states `m.wq` of a for block), each of
+        the shape and element type a call takes, fresh and writable: the states of a
+        first step. `dims` sizes the symbolic dims a state has (`{"d": 64}`); params
+        and inputs are the caller's to give.
+
+            state = program.init_state()
+            result = program(x=x, W=W, lr=0.1, **state)      # updates `state`'s arrays in place
+        """
+        return zero_states(self.inputs, self.float_dtype, self._complex_args, self._store, dims)
 
     def update_key(self, target: str) -> str:
         """The name under which a call's result holds the new value of `target`: the
