@@ -40,6 +40,8 @@ class Ctx:
     call_locs: tuple[Loc, ...] = ()
 
 
+LOOPS = ("repeat", "scan")   # repeat[e](f, init, a1, ..., an), scan[e](...): tgc.frontend.functions
+
 MAX_FLAT_FACTORS = 32  # operands of one product the front end builds by flattening
 
 
@@ -74,6 +76,7 @@ class Forms:
     call_builtin: Callable
     edge_ops: Callable
     inline_call: Callable
+    loop_call: Callable   # repeat[e](f, ...) and scan[e](f, ...)
 
 
 class Elaborator:
@@ -88,6 +91,7 @@ class Elaborator:
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
         self.capped: list[Diagnostic] = []   # warnings: a type named wider than the program's (`at_width`)
         self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call
+        self.loop_call = forms.loop_call
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -355,6 +359,8 @@ class Elaborator:
         return self.edge_ops(self, node, ctx)
 
     def _Call(self, node: ast.Call, ctx: Ctx) -> V.Value:
+        if node.fn in LOOPS:
+            return self.loop_call(self, node, ctx)
         if node.fn in ctx.fns:
             return self.inline_call(self, node, ctx)
         return self.call_builtin(self, node, ctx)
