@@ -30,6 +30,7 @@ finite body, one sweep over it per result.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 from tgc.ir import values as V
@@ -87,6 +88,13 @@ def loop_vjp(v: Value, i: int, ct: Value) -> Value | None:
     return _backward(v, ct)[i]
 
 
+@lru_cache(maxsize=32)
+def _backward(v: Value, ct: Value) -> list[Value | None]:
+    """The cotangents of all of `v`'s operands: the rule asks once per operand, and
+    the loop is built once (values are hashed by identity; the cache holds a few)."""
+    return _build_backward(v, ct)
+
+
 def kept_carries(v: Value) -> list[Value]:
     """The carry each step of `v`'s loop starts from, stacked along its edge: the loop
     of the same body that also yields its incoming carries."""
@@ -96,7 +104,7 @@ def kept_carries(v: Value) -> list[Value]:
     return [V.loop(keep, edge, v.operands, len(body.results) + k, reverse) for k in range(nc)]
 
 
-def _backward(v: Value, ct: Value) -> list[Value | None]:
+def _build_backward(v: Value, ct: Value) -> list[Value | None]:
     body, edge, reverse, out = v.attrs
     nc, nx = body.carries, body.slices
     ops = v.operands
@@ -124,9 +132,10 @@ def _backward(v: Value, ct: Value) -> list[Value | None]:
     from tgc.autodiff.reverse import reverse_many   # reverse imports the rules, which import this
 
     for f, seed in seeds:
-        for p, c in zip(wrt, (reverse_many(f, wrt, seed)[id(p)] for p in wrt)):
-            if c is not None:
-                parts[id(p)].append(c)
+        cts = reverse_many(f, wrt, seed)
+        for p in wrt:
+            if cts[id(p)] is not None:
+                parts[id(p)].append(cts[id(p)])
 
     def cotangent(p: Value) -> Value | None:
         return (V.add(parts[id(p)]) if len(parts[id(p)]) > 1 else parts[id(p)][0]) if parts[id(p)] else None
