@@ -158,3 +158,26 @@ def test_compiled_symbolic_loop_needs_its_size():
     want = run(program(2, loop=False), ins)
     got = p(**{k: a.copy() for k, a in ins.items()})
     np.testing.assert_allclose(np.asarray(got["hv"]), want["hv"], rtol=1e-10, atol=1e-12)
+
+
+def test_emit_tg_writes_loops_as_loops():
+    from tgc.frontend.emit_tg import emit_tg
+
+    src = HEAD.format(layer="layer") + LOOP + "out y\nout hs\n"
+    m = elaborate_source(src, "<test>", Options(dtype="f64")).module
+    text = emit_tg(m)
+    assert "repeat[layer](step, " in text and "scan[layer](step_1, " in text and "fn step(" in text
+    again = elaborate_source(text, "<emitted>", Options(dtype="f64")).module
+    ins = inputs(3)
+    want, got = evaluate(m, ins, dtype="f64"), evaluate(again, ins, dtype="f64")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-14, err_msg=k)
+
+
+def test_emit_tg_names_a_loop_it_cannot_spell():
+    from tgc.frontend.emit_tg import emit_tg
+
+    src = HEAD.format(layer="layer") + LOOP + "out gw = grad(sum(y * y), w)\n"
+    m = module(src, passes=("normalize", "adjoint"))
+    with pytest.raises(tgc.CompileError, match="has no .tg form yet"):
+        emit_tg(m)
