@@ -114,7 +114,7 @@ def step_times(text: str, calls: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depths", default="2,32")
+    ap.add_argument("--depths", default="2,32", help="layer counts to compile cold ('' for none)")
     ap.add_argument("--width", type=int, default=48)
     ap.add_argument("--step-layers", type=int, default=6)
     ap.add_argument("--step-width", type=int, default=128)
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     result: dict = {"compile_s": {}}
-    for d in map(int, args.depths.split(",")):
+    for d in (int(x) for x in args.depths.split(",") if x):
         result["compile_s"][d] = cold_compile(source(d, args.width, loop=True))
         print(f"cold compile, {d} layers (repeat): {result['compile_s'][d]:.2f} s", flush=True)
     depths = sorted(result["compile_s"])

@@ -7,7 +7,10 @@ fixed size n (a literal dim, or one fixed by the caller's `dims=`) becomes n cop
 of its body, in the loop's order:
 
 - step i reads each stacked operand's slice `x[e = i]` (a contraction with the
-  indicator `[e = i]`) and each carry as the step before left it;
+  indicator `[e = i]`; for a loop's stacked result unrolled here, step i's value
+  itself, so that a derivative's steps, which read the carries the forward loop kept,
+  recompute exactly the forward's values, which hash-consing then shares) and each
+  carry as the step before left it;
 - a stacked result is the sum over i of step i's value times `[e = i]`;
 - the loop's carries are the last step's.
 
@@ -38,6 +41,22 @@ def _at(edge: str, i: int, dtype: str) -> Value:
     return V.indicator(Relation((Affine.make({edge: 1}), Affine.make({}, i)), ("=",)), dtype)
 
 
+class _Stacked:
+    """The per-step values of the stacked results this pass has built, by the result."""
+
+    def __init__(self):
+        self.steps: dict[int, tuple[Value, str, list[Value]]] = {}   # id -> (the value, its edge, steps)
+
+    def add(self, v: Value, edge: str, steps: list[Value]) -> None:
+        self.steps[id(v)] = (v, edge, steps)
+
+    def slice(self, x: Value, edge: str, i: int) -> Value:
+        found = self.steps.get(id(x))
+        if found is not None and found[1] == edge:
+            return found[2][i]
+        return _slice(x, edge, i)
+
+
 def _slice(x: Value, edge: str, i: int) -> Value:
     """x[edge = i]: x without `edge`, at index i."""
     if x.dtype == "i32":   # i32 ids are not multiplied: they are gathered by the step index
@@ -45,14 +64,14 @@ def _slice(x: Value, edge: str, i: int) -> Value:
     return V.contract([x, _at(edge, i, x.dtype)], [e for e in x.edges if e != edge])
 
 
-def _steps(v: Value, n: int) -> list[Value]:
+def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     """The outputs of `v`'s loop, unrolled over its n steps."""
     body, edge, reverse, _ = v.attrs
     ops = v.operands
     carry = list(ops[:body.carries])
-    ys: list[list[Value]] = [[] for _ in range(body.stacked)]
+    ys: list[list[tuple[int, Value]]] = [[] for _ in range(body.stacked)]   # (index, step's value)
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
-        args = carry + [_slice(o, edge, i) if body.role(k) == "slice" else o
+        args = carry + [stacked.slice(o, edge, i) if body.role(k) == "slice" else o
                         for k, o in enumerate(ops) if k >= body.carries]
         memo = {id(p): a for p, a in zip(body.params, args)}
         for u in topo_order(list(body.results)):
@@ -61,8 +80,14 @@ def _steps(v: Value, n: int) -> list[Value]:
         results = [memo[id(r)] for r in body.results]
         carry = results[:body.carries]
         for j, y in enumerate(results[body.carries:]):
-            ys[j].append(V.mul([y, _at(edge, i, y.dtype)]))
-    return carry + [V.add(parts) if len(parts) > 1 else parts[0] for parts in ys]
+            ys[j].append((i, y))
+    outs = list(carry)
+    for steps in ys:
+        parts = [V.mul([y, _at(edge, i, y.dtype)]) for i, y in steps]
+        out = V.add(parts) if len(parts) > 1 else parts[0]
+        stacked.add(out, edge, [y for _, y in sorted(steps, key=lambda t: t[0])])
+        outs.append(out)
+    return outs
 
 
 def fixed_loops(module: Module) -> list[Value]:
@@ -72,6 +97,7 @@ def fixed_loops(module: Module) -> list[Value]:
 
 def unroll(module: Module) -> Module:
     """`module` with every loop over an edge of known size unrolled."""
+    stacked = _Stacked()
     while fixed_loops(module):
         done: dict[tuple, list[Value]] = {}
         memo: dict[int, Value] = {}
@@ -81,7 +107,7 @@ def unroll(module: Module) -> Module:
             if isinstance(n, int):
                 key = (v.attrs[0], v.attrs[1], v.attrs[2]) + tuple(map(id, ops))
                 if key not in done:
-                    done[key] = _steps(V.rebuild_same(v, ops), n)
+                    done[key] = _steps(V.rebuild_same(v, ops), n, stacked)
                 memo[id(v)] = done[key][v.attrs[3]]
             else:
                 memo[id(v)] = rebuild_same(v, ops)
