@@ -181,3 +181,45 @@ def test_emit_tg_names_a_loop_it_cannot_spell():
     m = module(src, passes=("normalize", "adjoint"))
     with pytest.raises(tgc.CompileError, match="has no .tg form yet"):
         emit_tg(m)
+
+
+NESTED = """\
+dim layer = 2, sub = 3, c = 3
+input x[c]
+param w[layer, sub, c]
+fn inner(h, w) = tanh(h * w + 0.1)
+fn outer(h, w) = {inner} * 0.5 + h
+y = {outer}
+loss = sum(y * y)
+out loss
+out gw = grad(loss, w)
+out hv = jvp(grad(loss, x), w, w)
+"""
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_a_loop_inside_a_step(backend):
+    loops = NESTED.format(inner="repeat[sub](inner, h, w)", outer="repeat[layer](outer, x, w)")
+    plain = NESTED.format(inner="inner(inner(inner(h, w[sub = 0]), w[sub = 1]), w[sub = 2])",
+                          outer="outer(outer(x, w[layer = 0]), w[layer = 1])")
+    rng = np.random.default_rng(3)
+    ins = {"x": rng.standard_normal(3), "w": rng.standard_normal((2, 3, 3))}
+    want = run(plain, ins)
+    if backend == "interp":
+        got = run(loops, ins, passes=("normalize", "adjoint", "tangent", "simplify"))
+    else:
+        got = tgc.compile(loops, backend="cpu", dtype="f64")(**{k: a.copy() for k, a in ins.items()})
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+def test_tgc_run_binds_a_loop_dim_before_compiling(tmp_path):
+    from click.testing import CliRunner
+
+    from tgc.cli.app import main
+
+    path = tmp_path / "deep.tg"
+    path.write_text(program(2, symbolic=True))
+    res = CliRunner().invoke(main, ["run", str(path), "--random-inputs", "--dim", "layer=4", "--backend", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "gw[layer, c, c2]" in res.output and "shape=(4, 3, 3)" in res.output
