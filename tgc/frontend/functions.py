@@ -326,6 +326,5 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     if y.type != init.type:
         raise el.error(f"the step '{f.id}' returns {y.type}, but the carry is {init.type}: a step returns "
                        f"a value with its initial value's edges and type", node, ctx)
-    body = el.build(node, ctx, lambda *a, loc=None: V.loop_body(*a), params, [y] * (1 + (form == "scan")), 1,
-                    len(stacked))
+    body = V.loop_body(params, [y] * (1 + (form == "scan")), 1, len(stacked))   # the carry's type is checked
     return el.build(node, ctx, V.loop, body, e, args, 1 if form == "scan" else 0)
