@@ -340,6 +340,32 @@ def _custom(ev: _Eval, v: Value, ops):
     return _CustomVjp.apply(ev, v, vals, *ops[:-1])
 
 
+def _loop(ev: _Eval, v: Value, ops):
+    """Output `out` of the loop: the body run per index on torch tensors (so autograd
+    differentiates through the steps), all outputs computed once."""
+    body, edge, reverse, out = v.attrs
+    cache = ev.__dict__.setdefault("loops", {})
+    key = (body, edge, reverse) + tuple(map(id, v.operands))
+    if key not in cache:
+        n, nc = ev.sizes[edge], body.carries
+        axes = [o.edges.index(edge) if edge in o.edges else -1 for o in v.operands]
+        carry, stacked = list(ops[:nc]), [[] for _ in range(body.stacked)]
+        for i in (range(n - 1, -1, -1) if reverse else range(n)):
+            params = carry + [o.select(axes[k], i) if body.role(k) == "slice" else o
+                              for k, o in enumerate(ops) if k >= nc]
+            vals = ev.run(list(body.results), {id(p): t for p, t in zip(body.params, params)})
+            results = [vals[id(r)] for r in body.results]
+            carry = results[:nc]
+            for j, y in enumerate(results[nc:]):
+                stacked[j].append(y)
+        outs = list(carry)
+        for j, ys in enumerate(stacked):
+            r = body.results[nc + j]
+            outs.append(torch.stack(ys[::-1] if reverse else ys, dim=sorted(r.edges + (edge,)).index(edge)))
+        cache[key] = outs
+    return cache[key][out]
+
+
 def _slot(ev: _Eval, v: Value, ops):
     raise AssertionError(f"oracle bug: the placeholder '{v.attrs[0]}' is evaluated outside its rule")
 
@@ -349,7 +375,7 @@ OPS: dict[str, Callable] = {
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
     "rename": _rename, "stop": lambda ev, v, ops: ops[0].detach(),
-    "grad": _grad, "jvp": _jvp, "vjp": _vjp,
+    "grad": _grad, "jvp": _jvp, "vjp": _vjp, "loop": _loop,
 }
 
 

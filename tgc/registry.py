@@ -13,25 +13,28 @@ from tgc.opt.normalize import Normalize
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
+from tgc.opt.unroll import Unroll
 from tgc.lower.fuse import Fuse
 from tgc.lower.layout import Layout
 from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Fuse, Layout, Narrow, Plan)}
+                                                    Autocast, Unroll, Fuse, Layout, Narrow, Plan)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
 # hid; contraction order last (it leaves pairwise contractions that normalize would merge).
+# Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
+# no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "simplify", "stabilize", "factor")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product
 # as the source nests it); integer indicators as gathers and scatters (`scatter` is
 # normalize plus those exact re-indexings), before and after differentiating.
-STRICT_PIPELINE: tuple[str, ...] = ("normalize", "scatter", "adjoint", "tangent", "scatter")
+STRICT_PIPELINE: tuple[str, ...] = ("normalize", "scatter", "adjoint", "tangent", "unroll", "scatter")
 
 
 def pipeline(options) -> tuple[str, ...]:

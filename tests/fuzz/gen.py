@@ -16,7 +16,10 @@ concatenation), gathers with i32 ids, indicators (`[s <= t]`, `[i = j]`,
 `[t = s + k]`, merges), every prelude function, user functions (one-line and block
 forms, edge parameters, defaults, keyword arguments), `grad` of scalars and
 Jacobians, `jvp`, `vjp` (batched too), nested derivatives, `out` with and without an
-explicit ABI order, and `update`.
+explicit ABI order, and `update`; in about a quarter of the programs (chosen by a
+stream of their own, so the others are generated as before) `repeat[l](step, init,
+xs)` and `scan[l](...)` over a literal dim `l`, with a step function of the carry and
+one stacked argument.
 
 Values stay in smooth, well-defined domains at standard normal inputs, so the
 float64 answer is well defined and differentiable: `log` and `sqrt` see a positive
@@ -64,6 +67,8 @@ class Gen:
         self.deriv_nest = 0
         self.ties = self.r.random() < 0.15       # kinks and ties left in, at their conventions
         self.split = None                        # (c, head, hd) dims
+        self.loops = random.Random(seed * 7919 + 17).random() < 0.25   # repeat/scan in this program
+        self.step: str | None = None             # the step function of repeat/scan
         self.concat = None                       # (w, p, q) dims
 
     # ---- dims and edges -------------------------------------------------------------
@@ -279,8 +284,9 @@ class Gen:
             return self.leaf(E)
         prods = [(self.p_unary, 5), (self.p_binary, 6), (self.p_contract, 3), (self.p_reduce, 3),
                  (self.p_rename, 2), (self.p_reindex, 3), (self.p_gather, 1.5), (self.p_indicator, 2),
-                 (self.p_prelude, 3), (self.p_user, 1.5 if self.fns else 0), (self.p_deriv, 1.5),
-                 (self.p_leaf, 2), (self.p_masked, 1.5), (self.p_dup, 1.5)]
+                 (self.p_prelude, 3), (self.p_user, 1.5 if self.fn_meta else 0), (self.p_deriv, 1.5),
+                 (self.p_leaf, 2), (self.p_masked, 1.5), (self.p_dup, 1.5),
+                 (self.p_loop, 2 if self.step else 0)]   # last: a zero weight draws as before
         fns = [f for f, _ in prods]
         weights = [w for _, w in prods]
         for _ in range(8):
@@ -737,6 +743,32 @@ class Gen:
             self.fns.append(Fn(fname, ("e",) if has_e else (), plist, binds, body, block))
             self.fn_meta[fname] = (has_e, keeps, nparams, "s" if default else None, body.scale)
 
+    def make_step(self):
+        """The step of the loops: `fn sN(h, w) = tanh(BODY + (h + 0.5 * w))`, BODY elementwise in h
+        and w (w's edges a subset of h's), so the result has h's edges and is bounded;
+        and the literal loop dim `l`."""
+        n = self.r.randint(1, 3)
+        self.dims.append(("l", str(n)))
+        self.dim_size["l"], self.dim_key["l"] = n, n
+        self.edge_dim["l"] = "l"
+        leaves = [name("h", scale=1.0), name("w", scale=BOUND)]
+        body = bin_("+", self.bounded(self.fn_body(leaves, 2)), bin_("+", leaves[0], bin_("*", num(0.5), leaves[1])))
+        self.step = f"s{next(self.counter)}"
+        self.fns.append(Fn(self.step, (), [("h", None), ("w", None)], [], call("tanh", [body]), False))
+
+    def p_loop(self, E, d):
+        """repeat[l](step, init, xs) with E's edges, or scan[l](...) when E has `l`."""
+        r = self.r
+        carry = frozenset(E - {"l"})
+        sub = frozenset(e for e in sorted(carry) if r.random() < 0.6) | {"l"}
+        if not self.fits(sub):
+            return None
+        init = self.bounded(self.expr(carry, d - 1))
+        xs = self.bounded(self.expr(sub, d - 1))
+        form = "scan" if "l" in E else "repeat"
+        return call(form, [name(self.step), init, xs], ["l"], edges=E, scale=1.0,
+                    sparse=init.sparse or xs.sparse)
+
     def fn_body(self, leaves, depth) -> Node:
         r = self.r
         if depth <= 0:
@@ -768,7 +800,7 @@ class Gen:
 
     def p_user(self, E, d):
         r = self.r
-        fname = r.choice([f.name for f in self.fns])
+        fname = r.choice([f.name for f in self.fns if f.name in self.fn_meta])
         has_e, keeps, nreq, default, scale = self.fn_meta[fname]
         edge_args = None
         if has_e:
@@ -907,6 +939,8 @@ class Gen:
         for _ in range(r.randint(1, 3)):
             self.declare(r.choice(["input", "param", "param", "state"]), self.edge_set())
         self.make_fns()
+        if self.loops:
+            self.make_step()
         for i in range(r.randint(1, 5)):
             E = self.edge_set()
             node = self.expr(E, r.choice([1, 2, 2, 3, 3, 4]))

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
+from tgc.autodiff.loops import loop_jvp, loop_vjp
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
 from tgc.ir.dtypes import CONVERSIONS, ROUNDINGS
@@ -332,6 +333,19 @@ class _CustomRule(Rule):
 
 RULES["custom"] = _CustomRule((), _custom_vjp, _custom_jvp)
 RULES["slot"] = ZERO
+
+
+# ---- loops: the derivative of a loop is a loop (tgc.autodiff.loops) ------------------------
+
+class _LoopRule(Rule):
+    """Every float operand (initial carries, stacked slices, invariants) carries a derivative."""
+
+    def positions(self, v: Value) -> Sequence[int]:
+        return [i for i, o in enumerate(v.operands) if o.dtype != "i32"]
+
+
+RULES["loop"] = _LoopRule((), loop_vjp, loop_jvp)
+RULES["loopvar"] = ZERO   # a body's parameter: its derivative is the derivative loop's business
 
 
 # ---- fused primitives of the stabilize pass ----------------------------------------------

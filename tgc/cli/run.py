@@ -412,6 +412,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                 results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
         else:
             with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
+                if any(v.op == "loop" for v in module.values()):   # compiled loops need their trip counts
+                    module = pipeline.lower(pipeline.fix_dims(module, dims), options).module
                 program = pipeline.compile_module(module, options, backend)
             call_dims = dict(options.dims) or None
             with status("running"):

@@ -21,7 +21,7 @@ from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_co
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
 from tgc.frontend.expressions import Ctx, Elaborator, Forms, Loop
-from tgc.frontend.functions import check_definition, check_names, check_recursion, inline_call
+from tgc.frontend.functions import check_definition, check_names, check_recursion, inline_call, loop_call
 from tgc.frontend.parser import gc_paused, parse, read_source
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
@@ -62,7 +62,7 @@ def _prelude() -> dict[str, FnInfo]:
     return table
 
 
-FORMS = Forms(call_builtin, apply_edge_ops, inline_call)
+FORMS = Forms(call_builtin, apply_edge_ops, inline_call, loop_call)
 
 
 class ProgramBuilder:

@@ -52,6 +52,8 @@ class Ctx:
     loops: Mapping[str, Loop] = field(default_factory=dict)  # loop variable -> its instance
 
 
+LOOPS = ("repeat", "scan")   # repeat[e](f, init, a1, ..., an), scan[e](...): tgc.frontend.functions
+
 MAX_FLAT_FACTORS = 32  # operands of one product the front end builds by flattening
 
 
@@ -86,6 +88,7 @@ class Forms:
     call_builtin: Callable
     edge_ops: Callable
     inline_call: Callable
+    loop_call: Callable   # repeat[e](f, ...) and scan[e](f, ...)
 
 
 class Elaborator:
@@ -101,6 +104,7 @@ class Elaborator:
         self.capped: list[Diagnostic] = []   # warnings: a type named wider than the program's (`at_width`)
         self.every_param: list[Loc] = []   # where a list `params` was read (no param may be declared after)
         self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call
+        self.loop_call = forms.loop_call
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -460,6 +464,8 @@ class Elaborator:
         return self.edge_ops(self, node, ctx)
 
     def _Call(self, node: ast.Call, ctx: Ctx) -> V.Value:
+        if node.fn in LOOPS:
+            return self.loop_call(self, node, ctx)
         if node.fn in ctx.fns:
             return self.inline_call(self, node, ctx)
         return self.call_builtin(self, node, ctx)

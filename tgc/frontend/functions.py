@@ -18,7 +18,7 @@ import dataclasses
 
 from tgc.frontend import ast
 from tgc.frontend.builtins import ARITY
-from tgc.frontend.expressions import Ctx, Elaborator
+from tgc.frontend.expressions import LOOPS, Ctx, Elaborator
 from tgc.frontend.scope import PRIMITIVES, FnInfo
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, did_you_mean
@@ -136,8 +136,8 @@ def check_names(d: ast.FnDef, fns, kinds) -> None:
     for node, local in scopes:
         for use in _value_uses(node):
             if isinstance(use, ast.Call):
-                if use.fn not in fns and use.fn not in ARITY:
-                    raise CompileError(f"unknown function '{use.fn}'" + did_you_mean(use.fn, [*fns, *ARITY]), use.loc)
+                if use.fn not in fns and use.fn not in ARITY and use.fn not in LOOPS:
+                    raise CompileError(f"unknown function '{use.fn}'" + did_you_mean(use.fn, [*fns, *ARITY, *LOOPS]), use.loc)
             elif use.id not in local:
                 raise CompileError(_not_local(use.id, d.name, kinds.get(use.id), use.id in fns, local), use.loc)
 
@@ -164,7 +164,9 @@ def _value_uses(node):
             out.append(n)
         elif isinstance(n, ast.Call):
             out.append(n)
-            if n.fn != "size":
+            if n.fn in LOOPS:   # the first argument names the step function
+                stack.extend(reversed(list(n.args[1:])))
+            elif n.fn != "size":
                 stack.extend(reversed(list(n.args) + [k.value for k in n.kwargs]))
         elif isinstance(n, ast.EdgeOps):
             stack.append(n.x)
@@ -225,7 +227,15 @@ def inline_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     edges = _edge_args(el, node, d, ctx)
     given = _bind_args(el, node, d, ctx)
     values = {name: el.expr(arg, ctx) for name, arg in given.items()}
-    inner = Ctx(values, edges, info.visible, ctx.stack + (node.fn,), ctx.call_locs + (node.loc,))
+    return _inline(el, node, node.fn, values, edges, ctx)
+
+
+def _inline(el: Elaborator, node: ast.Call, fn: str, values: dict[str, V.Value], edges, ctx: Ctx) -> V.Value:
+    """The value of function `fn`'s body with its parameters bound to `values` (the
+    others take their defaults) and its edge parameters to `edges`."""
+    info = ctx.fns[fn]
+    d = info.defn
+    inner = Ctx(values, edges, info.visible, ctx.stack + (fn,), ctx.call_locs + (node.loc,))
     for p in d.params:
         if p.name not in values:
             values[p.name] = el.expr(p.default, inner)
@@ -270,3 +280,51 @@ def _with_rules(el: Elaborator, call: ast.Call, d: ast.FnDef, inner: Ctx, y: V.V
 
 def _with_values(ctx: Ctx, extra: dict[str, V.Value]) -> Ctx:
     return Ctx({**ctx.values, **extra}, ctx.edges, ctx.fns, ctx.stack, ctx.call_locs)
+
+
+def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
+    """`repeat[e](f, init, a1, ..., an)` and `scan[e](f, init, ...)`: one loop over `e`
+    (`tgc.ir.values.loop`) whose body is `f` elaborated once, over parameters that
+    stand for the carry and for each `ak` without `e`. `repeat` is the last carry,
+    `scan` every step's carry, stacked along `e`."""
+    form = node.fn
+    usage = f"{form}[e](f, init, a1, ..., an)"
+    if node.kwargs:
+        raise el.error(f"'{form}' takes no keyword arguments: {usage}", node.kwargs[0], ctx)
+    if not node.edges or len(node.edges) != 1:
+        raise el.error(f"'{form}' takes one edge, the edge it runs over: {usage}", node, ctx)
+    if len(node.args) < 2:
+        raise el.error(f"'{form}' takes a function, an initial value and stacked arguments: {usage}", node, ctx)
+    e = el.edge(node.edges[0].id, node.edges[0], ctx)
+    f = node.args[0]
+    if not isinstance(f, ast.Name) or f.id not in ctx.fns:
+        raise el.error(f"the first argument of '{form}' is the name of a function (fn), the step: {usage}", f, ctx)
+    d = ctx.fns[f.id].defn
+    if f.id in ctx.stack:
+        raise el.error(f"function '{f.id}' calls itself (functions are not recursive)", f, ctx)
+    if d.edge_params:
+        raise el.error(f"the step '{f.id}' of '{form}' takes edge parameters; a step takes tensors only", f, ctx)
+    args = [el.expr(a, ctx) for a in node.args[1:]]
+    required = [p for p in d.params if p.default is None]
+    if not len(required) <= len(args) <= len(d.params):
+        raise el.error(f"the step '{f.id}' takes {len(d.params)} argument{'s' * (len(d.params) != 1)} "
+                       f"(the carry, then one per stacked argument); '{form}' gives it {len(args)}", node, ctx)
+    init, stacked = args[0], args[1:]
+    if e in init.edges:
+        raise el.error(f"the initial value of '{form}' has the loop edge '{e}'; the carry has no loop edge",
+                       node.args[1], ctx)
+    for a, n in zip(stacked, node.args[2:]):
+        if a.dtype == "i32":
+            raise el.error(f"a stacked argument of '{form}' is i32: a step reads float slices only (for now)", n, ctx)
+        if e not in a.edges:
+            raise el.error(f"a stacked argument of '{form}' has no edge '{e}' (its edges: [{', '.join(a.edges)}]): "
+                           f"each step reads its slice along '{e}'", n, ctx)
+    params = [V.loopvar(0, init.dtype, init.edges)]
+    params += [V.loopvar(k, a.dtype, [x for x in a.edges if x != e]) for k, a in enumerate(stacked, 1)]
+    values = {p.name: v for p, v in zip(d.params, params)}
+    y = _inline(el, node, f.id, values, {}, ctx)
+    if y.type != init.type:
+        raise el.error(f"the step '{f.id}' returns {y.type}, but the carry is {init.type}: a step returns "
+                       f"a value with its initial value's edges and type", node, ctx)
+    body = V.loop_body(params, [y] * (1 + (form == "scan")), 1, len(stacked))   # the carry's type is checked
+    return el.build(node, ctx, V.loop, body, e, args, 1 if form == "scan" else 0)

@@ -14,7 +14,7 @@ from tgc.ir.values import Value
 
 PRIMITIVES = frozenset({
     "sum", "mean", "max", "min", *SURFACE_UNARY, "where", "stop", "size", "grad", "jvp", "vjp", "rand",
-    "randn", "fold",
+    "randn", "fold", "repeat", "scan",
 })   # the elementwise ones (exp, log, ...: tgc.ir.ops.SURFACE_UNARY) are defined with the IR's functions
 
 

@@ -122,6 +122,8 @@ class _Eval:
         self.m, self.env, self.args = module, env, args
         self.sizes = module.edge_sizes(env)
         self.float_dtype = float_dtype
+        self.params: list[np.ndarray] = []   # a loop body's parameters, while it runs
+        self.loops: dict[tuple, list[np.ndarray]] = {}   # a loop's outputs, computed once for all
 
     def np_dtype(self, v: Value):
         return NP_DTYPES[self.float_dtype if self.float_dtype and v.dtype in ("f32", "f64") else v.dtype]
@@ -304,6 +306,40 @@ def _not_differentiated(ev: _Eval, v: Value, ops):
     raise EvalError(f"'{v.op}' is not differentiated yet: run the adjoint and tangent passes first")
 
 
+def _loop(ev: _Eval, v: Value, ops):
+    """Output `out` of the loop: the body run once per index of the edge, in order
+    (downwards when `reverse`), each run on its own evaluator over the step's params."""
+    body, edge, reverse, out = v.attrs
+    key = (body, edge, reverse) + tuple(map(id, v.operands))
+    if key not in ev.loops:
+        ev.loops[key] = _run_loop(ev, v, ops)
+    return ev.loops[key][out]
+
+
+def _run_loop(ev: _Eval, v: Value, ops) -> list[np.ndarray]:
+    body, edge, reverse, _ = v.attrs
+    n = ev.sizes[edge]
+    axes = [o.edges.index(edge) if edge in o.edges else -1 for o in v.operands]
+    carry = list(ops[:body.carries])
+    stacked: list[list[np.ndarray]] = [[] for _ in range(body.stacked)]
+    for i in (range(n - 1, -1, -1) if reverse else range(n)):
+        step = _Eval(ev.m, ev.env, ev.args, ev.float_dtype)
+        step.params = carry + [np.take(a, i, axis=axes[k]) if body.role(k) == "slice" else a
+                               for k, a in enumerate(ops) if k >= body.carries]
+        vals = step.run(list(body.results))
+        results = [_wide(vals[id(r)]) for r in body.results]
+        carry = results[:body.carries]
+        for j, y in enumerate(results[body.carries:]):
+            stacked[j].append(y)
+    outs = list(carry)
+    for j, ys in enumerate(stacked):
+        r = body.results[body.carries + j]
+        if reverse:
+            ys = ys[::-1]
+        outs.append(np.stack(ys, axis=tuple(sorted(r.edges + (edge,))).index(edge)))
+    return outs
+
+
 def _slot(ev: _Eval, v: Value, ops):
     raise EvalError(f"the placeholder '{v.attrs[0]}' of a custom derivative rule has no value")
 
@@ -314,6 +350,7 @@ OPS: dict[str, Callable] = {
     "random": _random, "rename": _rename, "stop": lambda ev, v, ops: ops[0],
     "grad": _not_differentiated, "jvp": _not_differentiated, "vjp": _not_differentiated,
     "custom": lambda ev, v, ops: ops[0], "slot": _slot,  # a custom call's value is its body's
+    "loopvar": lambda ev, v, ops: ev.params[v.attrs[0]], "loop": _loop,
 }
 
 

@@ -320,6 +320,12 @@ _OPS: list[Op] = [
     # fn; argument count; cotangent slot ('' without vjp); tangent slots
     Op("custom", None, "(fn, n, ct, tans): a call with its own derivative rules",
        lambda a: f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}", _parse_custom),
+    Op("loopvar", 0, "(k,): parameter k of a loop body", lambda a: str(a[0]),
+       lambda a, args, typ, loc: _V().loopvar(int(a), typ.dtype, typ.edges, loc)),
+    # the body is written as a block before its first use (`body b0 ...`), named in the
+    # attributes: `loop[b0, edge, out]` or `loop[b0, edge, out, reverse]` (tgc.ir.printer)
+    Op("loop", None, "(body, edge, reverse, out): output `out` of a loop over `edge`",
+       lambda a: f"{a[1]}, {a[3]}" + (", reverse" if a[2] else ""), None),
 ]
 
 OPS: dict[str, Op] = {o.name: o for o in _OPS}

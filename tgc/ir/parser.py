@@ -25,6 +25,8 @@ _OUT = re.compile(rf"out\s+({NAME})\s*=\s*%({NAME}|\d+)\s*:\s*\[([^\]]*)\]$")
 _UPDATE = re.compile(rf"update\s+({NAME})\s*=\s*%({NAME}|\d+)$")
 _ASSUME = re.compile(rf"assume\[(\w+)\]\s*%({NAME}|\d+)\s*,\s*%({NAME}|\d+)\s*\"([^\"]*)\""
                      r"(?:\s+loc\((.*):(\d+):(\d+)\))?$")
+_BODY = re.compile(r"body\s+(\w+)\s+carries\s*=\s*(\d+)\s+slices\s*=\s*(\d+)\s*\{$")
+_YIELD = re.compile(r"yield\s+(.*)$")
 _REL_OF = {name: rel for rel, name in FACT_RELS.items()}
 
 
@@ -39,6 +41,8 @@ class _Reader:
         self.env: dict[str, V.Value] = {}
         self.line = 0
         self.lines: dict[int, int] = {}  # id(value) -> line that defined it
+        self.bodies: dict[str, V.LoopBody] = {}   # loop bodies read so far, by name
+        self.open: tuple | None = None   # the body being read: (name, carries, slices, outer env, results)
 
     def error(self, message: str, col: int = 1) -> CompileError:
         return CompileError(message, Loc(self.filename, self.line, col))
@@ -64,6 +68,8 @@ class _Reader:
                     if isinstance(e, CompileError):
                         raise
                     raise self.error(str(e)) from None
+        if self.open is not None:
+            raise self.error(f"body '{self.open[0]}' is not closed with '}}'")
         try:
             verify(self.m)
         except VerifyError as e:
@@ -72,14 +78,43 @@ class _Reader:
         return self.m
 
     def statement(self, line: str) -> None:
+        if self.open is not None:
+            self.body_statement(line)
+            return
         for pattern, handler in ((_VALUE, self.value), (_DIM, self.dim), (_EDGE, self.edge),
                                  (_ARG, self.arg), (_OUT, self.out), (_UPDATE, self.update),
-                                 (_ASSUME, self.assume)):
+                                 (_ASSUME, self.assume), (_BODY, self.body)):
             match = pattern.match(line)
             if match:
                 handler(*match.groups())
                 return
         raise self.error(f"cannot parse IR line: {line}")
+
+    def body(self, name: str, carries: str, slices: str) -> None:
+        if name in self.bodies:
+            raise self.error(f"body '{name}' is defined twice")
+        self.open = (name, int(carries), int(slices), self.env, None)
+        self.env = {}
+
+    def body_statement(self, line: str) -> None:
+        """A line inside a body block: a value, its `yield`, or the closing brace."""
+        name, carries, slices, outer, results = self.open
+        found = _YIELD.match(line)
+        if found:
+            refs = [self.ref(r.strip().lstrip("%")) for r in found.group(1).split(",") if r.strip()]
+            self.open = (name, carries, slices, outer, refs)
+        elif line == "}":
+            if results is None:
+                raise self.error(f"body '{name}' has no 'yield'")
+            params = sorted((v for v in self.env.values() if v.op == "loopvar"), key=lambda v: v.attrs[0])
+            self.bodies[name] = V.loop_body(params, results, carries, slices)
+            self.open, self.env = None, outer
+        elif _VALUE.match(line):
+            if results is not None:
+                raise self.error(f"a value after the 'yield' of body '{name}'")
+            self.value(*_VALUE.match(line).groups())
+        else:
+            raise self.error(f"cannot parse IR line in body '{name}': {line}")
 
     def dim(self, name: str, size: str | None) -> None:
         if name in self.m.edges:
@@ -122,7 +157,9 @@ class _Reader:
         args = [self.ref(o.strip().lstrip("%")) for o in operands.split(",") if o.strip()]
         typ = V.TensorType.of(self.dtype(dtype), _edge_list(edges))
         self.check_edges(typ.edges)
-        v = _build(op, attrs, args, typ, loc)
+        v = self.loop(attrs, args, loc) if op == "loop" else _build(op, attrs, args, typ, loc)
+        if v.op == "arg" and self.open is not None:
+            raise self.error("a loop body reads only its parameters (loopvar), not arguments")
         if v.type != typ:
             raise self.error(f"'{op}' gives type {v.type}, the text says {typ}")
         try:
@@ -131,6 +168,14 @@ class _Reader:
             raise self.error(str(e)) from None
         self.env[name] = v
         self.lines.setdefault(id(v), self.line)
+
+    def loop(self, attrs: str | None, args: list[V.Value], loc) -> V.Value:
+        parts = [p.strip() for p in (attrs or "").split(",")]
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "reverse") or not parts[2].isdigit():
+            raise self.error("a loop's attributes are [body, edge, output] or [body, edge, output, reverse]")
+        if parts[0] not in self.bodies:
+            raise self.error(f"unknown loop body '{parts[0]}'")
+        return V.loop(self.bodies[parts[0]], parts[1], args, int(parts[2]), len(parts) == 4, loc)
 
     def out(self, name: str, ref: str, order: str) -> None:
         v = self.ref(ref)

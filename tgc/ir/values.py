@@ -54,6 +54,16 @@ there is no axis order). The primitive ops and their attributes:
                                  `ct` is '' without a vjp rule, `tans` () without a
                                  jvp rule. Only adjoint/tangent read the rules; once
                                  no grad/jvp/vjp is left the op is its value y.
+    loopvar   (k,)               the k-th parameter of a loop body (`LoopBody`): only
+                                 a body's values read it
+    loop      (body, edge, reverse, out)
+                                 output `out` of a loop over `edge` (`LoopBody` says
+                                 what the operands are: carries' initial values,
+                                 stacked per-step inputs, loop-invariant inputs); the
+                                 loop's outputs are its carries' last values, then its
+                                 stacked per-step results (with `edge`); `reverse`
+                                 runs the indices downwards. Each output is its own
+                                 value; the loops of one body and operands are one loop
 """
 from __future__ import annotations
 
@@ -76,6 +86,7 @@ REDUCE_KINDS = ("max", "min", "logsumexp")
 SCATTER_KINDS = ("sum", "max", "min")
 RANDOM_KINDS = ("rand", "randn")
 DERIVATIVE_OPS = ("grad", "jvp", "vjp")
+LOOP_OPS = ("loop", "loopvar")
 
 
 class IRError(ValueError):
@@ -466,6 +477,88 @@ def custom_parts(v: Value) -> tuple[Value, tuple[Value, ...], tuple[Value, ...] 
     return y, args, vjps, jvp
 
 
+@dataclass(frozen=True)
+class LoopBody:
+    """One step of a loop: a closed graph over its parameters (`loopvar` values).
+
+    `params` are the step's inputs, in order: `carries` carried values (the value
+    before the step), `slices` per-step slices of stacked operands (without the loop
+    edge), then loop-invariant values. `results` are the carries' new values, in the
+    same order, then the per-step results the loop stacks along its edge. A body
+    reads nothing but its parameters; it is hash-consed like the values it holds
+    (equal bodies are equal), so two loops of one body and operands are one loop."""
+
+    params: tuple[Value, ...]
+    results: tuple[Value, ...]
+    carries: int
+    slices: int
+
+    @property
+    def invariants(self) -> int:
+        return len(self.params) - self.carries - self.slices
+
+    @property
+    def stacked(self) -> int:
+        """How many per-step results the loop stacks."""
+        return len(self.results) - self.carries
+
+    def role(self, k: int) -> str:
+        """What parameter (and operand) `k` is: 'carry', 'slice' or 'invariant'."""
+        return "carry" if k < self.carries else "slice" if k < self.carries + self.slices else "invariant"
+
+
+def loopvar(k: int, dtype: str, edges: Iterable[str], loc: Loc | None = None) -> Value:
+    """Parameter `k` of a loop body."""
+    if dtype not in DTYPES:
+        raise IRError(f"unknown dtype '{dtype}'")
+    return Value.make("loopvar", (), (int(k),), TensorType.of(dtype, edges), loc)
+
+
+def loop_body(params: Sequence[Value], results: Sequence[Value], carries: int, slices: int) -> LoopBody:
+    """A checked `LoopBody`: parameters numbered in order, carries typed alike."""
+    for k, p in enumerate(params):
+        if p.op != "loopvar" or p.attrs[0] != k:
+            raise IRError(f"parameter {k} of a loop body is not loopvar[{k}]")
+    if not 0 <= carries <= len(results) or carries + slices > len(params):
+        raise IRError("a loop body has more carries or slices than parameters and results")
+    for k in range(carries):
+        if results[k].type != params[k].type:
+            raise IRError(f"the loop's carry {k} changes type in a step: {params[k].type} becomes "
+                          f"{results[k].type}")
+    return LoopBody(tuple(params), tuple(results), carries, slices)
+
+
+def loop(body: LoopBody, edge: str, operands: Sequence[Value], out: int = 0, reverse: bool = False,
+         loc: Loc | None = None) -> Value:
+    """Output `out` of the loop of `body` over `edge` on `operands` (see LoopBody)."""
+    if len(operands) != len(body.params):
+        raise IRError(f"the loop's body takes {len(body.params)} operands, got {len(operands)}")
+    for k, (o, p) in enumerate(zip(operands, body.params)):
+        role = body.role(k)
+        if role == "slice" and edge not in o.edges:
+            raise IRError(f"the loop's stacked operand {k - body.carries + 1} lacks the loop edge '{edge}' "
+                          f"(its edges: [{', '.join(o.edges)}])")
+        want = [e for e in o.edges if e != edge] if role == "slice" else list(o.edges)
+        if role != "slice" and edge in o.edges:
+            raise IRError(f"the loop's {role} operand {k} has the loop edge '{edge}'")
+        if o.dtype != p.dtype or tuple(want) != p.edges:
+            raise IRError(f"the loop's operand {k} ({role}) has type {o.type}, its body parameter {p.type}")
+    for r in body.results:
+        if edge in r.edges:
+            raise IRError(f"a loop body's result has the loop edge '{edge}'")
+    if not 0 <= out < len(body.results):
+        raise IRError(f"the loop has {len(body.results)} outputs, not an output {out}")
+    r = body.results[out]
+    edges = r.edges if out < body.carries else r.edges + (edge,)
+    return Value.make("loop", operands, (body, edge, bool(reverse), int(out)), TensorType.of(r.dtype, edges), loc)
+
+
+def loop_output(v: Value, out: int) -> Value:
+    """Output `out` of the loop that `v` (a loop value) is an output of."""
+    body, edge, reverse, _ = v.attrs
+    return loop(body, edge, v.operands, out, reverse, v.loc)
+
+
 def primal_order(roots: Iterable[Value]) -> list[Value]:
     """`topo_order`, but a `custom` value's rules are not visited: what computing the
     roots' values needs (a custom value is its first operand's value)."""
@@ -555,6 +648,7 @@ BUILDERS: dict[str, Callable[[Value, tuple[Value, ...]], Value]] = {
     "jvp": lambda v, ops: jvp(*ops, loc=v.loc),
     "vjp": lambda v, ops: vjp(*ops, loc=v.loc),
     "custom": lambda v, ops: _rebuild_custom(v, ops),
+    "loop": lambda v, ops: loop(v.attrs[0], v.attrs[1], ops, v.attrs[3], v.attrs[2], v.loc),
 }
 
 

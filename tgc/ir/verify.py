@@ -4,14 +4,16 @@
 - a rename maps an edge to one of the same size;
 - arguments match their declarations; outputs list exactly their value's edges;
 - an update targets a param or state and has its edges and dtype;
-- after differentiation (`derivatives=False`) no grad/jvp/vjp node is left.
+- after differentiation (`derivatives=False`) no grad/jvp/vjp node is left;
+- a loop's edge is declared, and its body reads only its own parameters (no
+  argument), with every edge declared, checked like the module's values.
 
 Types themselves are re-derived by the builders, so they are right by construction.
 """
 from __future__ import annotations
 
 from tgc.ir.module import Module
-from tgc.ir.values import DERIVATIVE_OPS, Value
+from tgc.ir.values import DERIVATIVE_OPS, Value, topo_order
 
 
 class VerifyError(ValueError):
@@ -42,6 +44,19 @@ def check_value(m: Module, v: Value, derivatives: bool) -> None:
         raise VerifyError(f"size of undeclared edge '{v.attrs[0]}'", v)
     elif v.op in DERIVATIVE_OPS and not derivatives:
         raise VerifyError(f"'{v.op}' left after differentiation", v)
+    elif v.op == "loop":
+        if v.attrs[1] not in m.edges:
+            raise VerifyError(f"loop over undeclared edge '{v.attrs[1]}'", v)
+        _check_body(m, v.attrs[0], derivatives)
+
+
+def _check_body(m: Module, body, derivatives: bool) -> None:
+    for u in topo_order(list(body.results)):
+        if u.op == "arg":
+            raise VerifyError(f"a loop body reads argument '{u.attrs[0]}'; it reads only its parameters", u)
+        if u.op in DERIVATIVE_OPS:
+            raise VerifyError(f"a loop body holds '{u.op}': derivatives inside a loop's step are not supported", u)
+        check_value(m, u, derivatives)
 
 
 def verify(m: Module, derivatives: bool = True) -> None:

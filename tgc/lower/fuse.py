@@ -87,7 +87,20 @@ class Fuse(Pass[Module, Lowered]):
     gives = "lowered"
 
     def run(self, module: Module, options: Options) -> Lowered:
+        check_no_loops(module)
         return _Fuser(module, options).lower()
+
+
+def check_no_loops(module: Module) -> None:
+    """A located error for a loop left to lower: the lowered program has no loop form
+    yet, so a loop runs compiled only once `unroll` has its trip count."""
+    for v in module.values():
+        if v.op == "loop":
+            edge = v.attrs[1]
+            dim = module.edges[edge]
+            raise CompileError(f"a loop over '{edge}', whose size is symbolic, runs only in the reference "
+                               f"interpreter for now: compiled code needs its size when it is built "
+                               f"(dims={{'{dim}': N}} in tgc.compile, --dim {dim}=N on the command line)", v.loc)
 
 
 

@@ -13,6 +13,12 @@ provably is. Terminates when each rule strictly decreases a well-founded measure
 would not, so a bad rule costs optimization, never a hang. Once no grad/jvp/vjp is
 left, a call with its own derivative rules (`custom`) is first replaced by its value,
 so the rules never reach the optimizer's later passes or the backends.
+
+Loop bodies are rewritten too, each once (whatever its trip count), before the values
+that use them: a body is rewritten as a module of its own whose outputs are its
+results, with the outer module's knowledge of what is left to differentiate (a `stop`
+or a custom rule inside a body stays while a derivative outside may read it). A body
+whose results would change type is kept as it is (a carry keeps its type).
 """
 from __future__ import annotations
 
@@ -117,17 +123,59 @@ class _Rewriter:
         return None
 
 
-def without_rules(module: Module) -> Module:
+def without_rules(module: Module, derivatives_outside: bool = False) -> Module:
     """The module with every custom derivative call replaced by its value, once no
     grad/jvp/vjp is left to read the rules (exact: a call's value is its body's)."""
     values = module.values()
-    if not any(v.op == "custom" for v in values) or any(v.op in DERIVATIVE_OPS for v in values):
+    if (not any(v.op == "custom" for v in values) or derivatives_outside
+            or any(v.op in DERIVATIVE_OPS for v in values)):
         return module
     return module.replace_values(strip_custom(module.roots()))
 
 
+def _rewrite_bodies(module: Module, table: Table, options: Options, derivatives: bool) -> Module:
+    """`module` (a copy, whose edge table takes the bodies' new edges) with every loop
+    body rewritten once."""
+    values = module.values()
+    if not any(v.op == "loop" for v in values):
+        return module
+    bodies: dict[V.LoopBody, V.LoopBody] = {}
+    memo: dict[int, Value] = {}
+    for v in values:
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if v.op == "loop":
+            body = v.attrs[0]
+            if body not in bodies:
+                bodies[body] = _rewrite_body(module, body, table, options, derivatives)
+            memo[id(v)] = V.loop(bodies[body], v.attrs[1], ops, v.attrs[3], v.attrs[2], v.loc)
+        else:
+            memo[id(v)] = V.rebuild_same(v, ops)
+    return module.replace_values(memo)
+
+
+def _rewrite_body(module: Module, body: V.LoopBody, table: Table, options: Options,
+                  derivatives: bool) -> V.LoopBody:
+    from tgc.ir.module import Output
+
+    sub = Module(dict(module.dims), dict(module.edges), {},
+                 [Output(f"r{k}", r, r.edges) for k, r in enumerate(body.results)])
+    new = _rewrite(sub, table, options, derivatives)
+    results = [o.value for o in new.outputs]
+    if any(r.type != o.type for r, o in zip(results, body.results)):
+        return body
+    for e, d in new.edges.items():
+        module.edges.setdefault(e, d)
+    return V.loop_body(body.params, results, body.carries, body.slices)
+
+
 def rewrite(module: Module, table: Table, options: Options) -> Module:
-    module = without_rules(module)
+    return _rewrite(module, table, options, False)
+
+
+def _rewrite(module: Module, table: Table, options: Options, derivatives_outside: bool) -> Module:
+    derivatives = derivatives_outside or any(v.op in DERIVATIVE_OPS for v in module.values())
+    module = _rewrite_bodies(module.replace_values({}), table, options, derivatives)
+    module = without_rules(module, derivatives_outside)
     out = module.replace_values({})  # a copy: canonical renaming registers fresh edges in it
     values = module.values()
     users = Counter(id(o) for v in values for o in v.operands)
@@ -136,7 +184,7 @@ def rewrite(module: Module, table: Table, options: Options) -> Module:
         if v.op == "rename":
             users[id(v.operands[0])] += users[id(v)] - 1
     ctx = Ctx(out, options, Canon(out, reassociate=not options.fp_strict), Facts(arg_bounds(out)))
-    ctx.derivatives_left = any(v.op in DERIVATIVE_OPS for v in values)
+    ctx.derivatives_left = derivatives_outside or any(v.op in DERIVATIVE_OPS for v in values)
     rw = _Rewriter(ctx, table, users)
     ctx.c.merge = None if ctx.derivatives_left or options.fp_strict else rw.single_use
     for v in values:
@@ -162,7 +210,15 @@ def _keep_type(old: Value, new: Value) -> Value:
 def prune_edges(m: Module) -> Module:
     """Drop the generated edges (`stem.k`) that no live value, argument or size uses."""
     used = {e for a in m.args.values() for e in a.order}
-    for v in m.values() + m.fact_values():
+    values = m.values() + m.fact_values()
+    bodies = {v.attrs[0] for v in values if v.op == "loop"}
+    seen = set(bodies)
+    while bodies:   # what a loop's body uses is used (and what the loops inside it use)
+        inner = V.topo_order([r for b in bodies for r in b.results])
+        values += inner
+        bodies = {v.attrs[0] for v in inner if v.op == "loop"} - seen
+        seen |= bodies
+    for v in values:
         used.update(v.edges)
         if v.op == "size":
             used.add(v.attrs[0])

@@ -1,0 +1,143 @@
+"""Cold compile time by depth, and step time of `repeat` against the unrolled program.
+
+    python benchmarks/loops.py [--depths 2,32] [--width 48] [--step-layers 6] [--step-width 128] [--calls 10]
+
+The model is the sorting GPT's shape (pre-LayerNorm blocks: causal attention with heads
+of 16, a GELU MLP of 4x the width; token and positional embeddings, a final LayerNorm
+and a linear head; one SGD step of every param), its blocks' params stacked on a
+`layer` edge and applied with `repeat[layer](block, ...)`. Compile time is one
+`tgc.compile` (CPU backend, f32) with an empty code cache in a fresh process; the
+ratio of the deepest to the shallowest is what the loop form is for. The step time
+compares the loop form with the same model written out layer by layer. The machine
+is shared: repeat, and read minima.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HEAD = """dim batch = 8, n = 6, t = 2 * n - 1, s = t, vocab = 3
+dim c = {width}, head = {heads}, hd = c / head, ff = 4 * c
+dim layer = {layers}
+input ids: i32[batch, t], target: i32[batch, t]
+input lr
+param wte[vocab, c], wpe[t, c], lnf_w[c], lnf_b[c], lm_head[c, vocab]
+fn block(x, ln1_w, ln1_b, wq, wk, wv, wo, ln2_w, ln2_b, wfc, bfc, wproj, bproj) {{
+  y = layernorm[c](x, ln1_w, ln1_b)
+  qh = (y @ wq)[c2 = hd*head + hd]
+  kh = (y @ wk)[c2 = hd*head + hd, t -> s]
+  vh = (y @ wv)[c2 = hd*head + hd, t -> s]
+  p = softmax[s](dot[hd](qh, kh) / sqrt(size(hd)) - 1e9 * [s > t])
+  a = x + (sum[s](p * vh) @ [c2 = hd*head + hd]) @ wo
+  h = gelu(layernorm[c](a, ln2_w, ln2_b) @ wfc + bfc)
+  return a + h @ wproj + bproj
+}}
+"""
+KINDS = [("ln1_w", "c"), ("ln1_b", "c"), ("wq", "c, c2: c"), ("wk", "c, c2"), ("wv", "c, c2"),
+         ("wo", "c2, c"), ("ln2_w", "c"), ("ln2_b", "c"), ("wfc", "c, ff"), ("bfc", "ff"),
+         ("wproj", "ff, c"), ("bproj", "c")]
+TAIL = """logits = layernorm[c](x, lnf_w, lnf_b) @ lm_head
+loss = mean[batch, t](cross_entropy[vocab](logits, [vocab = target]))
+out loss
+"""
+
+
+def source(layers: int, width: int, loop: bool) -> str:
+    heads = width // 16
+    text = HEAD.format(width=width, heads=heads, layers=layers)
+    names = [k for k, _ in KINDS]
+    if loop:
+        text += "".join(f"param {k}[layer, {e}]\n" for k, e in KINDS)
+        text += "x0 = wte[vocab = ids] + wpe\n"
+        text += f"x = repeat[layer](block, x0, {', '.join(names)})\n"
+        params = names
+    else:
+        params = []
+        for i in range(layers):
+            for k, e in KINDS:
+                e = e.replace("c2: c", "c2") if i or not e.endswith("c2: c") else e
+                text += f"param l{i}_{k}[{e}]\n"
+                params.append(f"l{i}_{k}")
+        text += "x0 = wte[vocab = ids] + wpe\n"
+        prev = "x0"
+        for i in range(layers):
+            text += f"x{i + 1} = block({prev}, {', '.join(f'l{i}_{k}' for k in names)})\n"
+            prev = f"x{i + 1}"
+        text += f"x = {prev}\n"
+        if "c2: c" not in text:
+            raise AssertionError("the edge c2 is declared nowhere")
+    text += TAIL
+    for p in params + ["wte", "wpe", "lnf_w", "lnf_b", "lm_head"]:
+        text += f"update {p} = {p} - lr * grad(loss, {p})\n"
+    return text
+
+
+def cold_compile(text: str) -> float:
+    """Seconds of one tgc.compile in a fresh process with an empty code cache."""
+    with tempfile.TemporaryDirectory() as cache, tempfile.NamedTemporaryFile("w", suffix=".tg") as f:
+        f.write(text)
+        f.flush()
+        code = ("import sys, time, tgc; t = time.perf_counter(); "
+                "tgc.compile(sys.argv[1], backend='cpu', dtype='f32'); print(time.perf_counter() - t)")
+        out = subprocess.run([sys.executable, "-c", code, f.name], capture_output=True, text=True, check=True,
+                             env={**os.environ, "TGC_CACHE_DIR": cache})
+        return float(out.stdout.strip().splitlines()[-1])
+
+
+def step_times(text: str, calls: int) -> list[float]:
+    import tgc
+
+    prog = tgc.compile(text, backend="cpu", dtype="f32")
+    rng = np.random.default_rng(0)
+    m = prog.module
+    args = {}
+    for name, a in m.args.items():
+        shape = [int(m.size(e)) for e in a.order]
+        args[name] = (rng.integers(0, 3, shape).astype(np.int32) if a.dtype == "i32"
+                      else (rng.standard_normal(shape) * 0.05).astype(np.float32))
+    args["lr"] = np.float32(1e-3)
+    prog(**args)
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        prog(**args)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", default="2,32", help="layer counts to compile cold ('' for none)")
+    ap.add_argument("--width", type=int, default=48)
+    ap.add_argument("--step-layers", type=int, default=6)
+    ap.add_argument("--step-width", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--json", help="also write the numbers here")
+    args = ap.parse_args()
+    result: dict = {"compile_s": {}}
+    for d in (int(x) for x in args.depths.split(",") if x):
+        result["compile_s"][d] = cold_compile(source(d, args.width, loop=True))
+        print(f"cold compile, {d} layers (repeat): {result['compile_s'][d]:.2f} s", flush=True)
+    depths = sorted(result["compile_s"])
+    if len(depths) > 1:
+        print(f"ratio {depths[-1]} / {depths[0]} layers: {result['compile_s'][depths[-1]] / result['compile_s'][depths[0]]:.2f}")
+    for loop in (True, False):
+        ts = step_times(source(args.step_layers, args.step_width, loop), args.calls)
+        key = "repeat" if loop else "unrolled"
+        result[key] = ts
+        print(f"step, {args.step_layers} layers of width {args.step_width}, {key}: "
+              f"min {min(ts) * 1e3:.2f} ms, median {sorted(ts)[len(ts) // 2] * 1e3:.2f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
