@@ -437,7 +437,7 @@ def test_cli_run_profile_lists_kernels_and_keeps_the_results(tmp_path: Path):
     shares = [float(line.split("%")[0]) for line in lines[1:]]
     assert shares and abs(sum(shares) - 100) < 0.1 and shares == sorted(shares, reverse=True)
     assert all(re.search(r"k\d+: (gemm|loop|group)", line) for line in lines[1:])
-    refused = subprocess.run(cmd + ["--profile", "3"], capture_output=True, text=True, cwd=root)
+    refused = subprocess.run(cmd + ["--backend", "interp", "--profile", "3"], capture_output=True, text=True, cwd=root)
     assert refused.returncode == 2 and "--profile needs --backend cpu" in refused.stderr
 
 

@@ -656,7 +656,7 @@ update b = %a
     np.testing.assert_array_equal(got["s"], np.arange(5.0) * 11)
 
 
-def test_update_of_other_float_width_is_written_back():
+def test_update_of_other_float_width_is_refused_not_copied():
     text = """
 dim n = 4
 param a : f64[n]
@@ -665,9 +665,13 @@ param a : f64[n]
 update a = %1
 """
     prog = compile_ir(text, "f32")
-    a = np.zeros(4)  # float64 into an f32 program: cast, then copied back
-    prog(a=a)
-    np.testing.assert_array_equal(a, np.ones(4))
+    a = np.zeros(4)  # float64 into an f32 program's updated param: a copy would lose the update's precision
+    with pytest.raises(EvalError, match="'a' is updated in place, so it must be float32, not float64"):
+        prog(a=a)
+    np.testing.assert_array_equal(a, np.zeros(4))   # nothing written
+    a32 = np.zeros(4, np.float32)
+    prog(a=a32)
+    np.testing.assert_array_equal(a32, np.ones(4, np.float32))
 
 
 # ---------------------------------------------------------------- API behaviour

@@ -12,6 +12,7 @@ each argument's ABI order) and returns one array per output and per update
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Mapping
 
 import numpy as np
@@ -87,6 +88,23 @@ def check_ids_fit(name: str, a: np.ndarray) -> None:
     """Integer ids must fit in int32 (the type gathers index with): never wrapped."""
     if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
         raise EvalError(f"input '{name}': ids do not fit in int32")
+
+
+def dlpack_view(name: str, value):
+    """A CPU array that is not numpy's but speaks DLPack (a torch CPU tensor) as a
+    numpy array over the same memory, so that an update writes into it; others as given.
+    A torch bfloat16 tensor, which numpy's DLPack import refuses, is viewed as int16
+    through DLPack and then as ml_dtypes.bfloat16 (still no copy)."""
+    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
+        return value
+    try:
+        if str(getattr(value, "dtype", "")) == "torch.bfloat16" and "torch" in sys.modules:
+            # numpy's DLPack has no bfloat16: the same memory as int16, viewed as ml_dtypes'
+            return np.from_dlpack(value.view(sys.modules["torch"].int16)).view(TYPES["bf16"].numpy)
+        return np.from_dlpack(value)
+    except (RuntimeError, BufferError, TypeError, ValueError) as e:
+        raise EvalError(f"input '{name}': {type(value).__name__} does not give its memory to numpy ({e}); "
+                        f"pass a CPU tensor (detached from autograd), or a numpy array") from None
 
 
 def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | None = None) -> None:

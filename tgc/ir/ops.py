@@ -275,6 +275,10 @@ def _parse_random(a, args, typ, loc):
     a, _, draw = a.partition(" as ")
     kind, _, folds = a.partition(":")
     fs = [n.strip() for n in folds.split(",") if n.strip()]   # `$i`: fold by operand i (an i32 input)
+    by_input = [int(n[1:]) for n in fs if n.startswith("$") and n[1:].isdigit()]
+    if not args or sorted(by_input) != list(range(1, len(args))):
+        raise _V().IRError(f"'random' takes its key and one operand per '$i' fold ({1 + len(by_input)}), "
+                           f"not {len(args)}")
     return _V().random(kind.strip(), args[0], [args[int(n[1:])] if n.startswith("$") else int(n) for n in fs],
                        typ.dtype, typ.edges, loc, draw.strip())
 
@@ -305,7 +309,7 @@ _OPS: list[Op] = [
        lambda a, args, typ, loc: _V().gather(args[0], args[1], a.strip(), loc)),
     Op("scatter", 2, "(edge, kind): gather's transpose (sum) or a segment max/min", _scatter_text,
        _parse_scatter),
-    Op("random", 1, "(kind, folds, draw): a counter-based draw", _random_text, _parse_random),
+    Op("random", None, "(kind, folds, draw): a counter-based draw", _random_text, _parse_random),
     Op("fold", 1, "(n,): a key derived from a key (only the front end builds it; never printed)", _no_text,
        None),
     Op("rename", 1, "(pairs,): edge renaming", lambda a: ", ".join(f"{s} -> {d}" for s, d in a[0]),

@@ -44,7 +44,6 @@ Imports no backend: the pipeline picks one and hands its kernels in.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, narrower, round_to
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF, as_complex, as_pairs, complex_args, complex_results, not_pairs
-from tgc.ir.interp import EvalError, bind_dims, check_ids_fit, check_updated_dtype
+from tgc.ir.interp import EvalError, bind_dims, check_ids_fit, check_updated_dtype, dlpack_view as _dlpack_view
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
@@ -92,23 +91,6 @@ def _as_scalar(value, dtype: np.dtype):
     if kind in (float, int) or isinstance(value, (np.floating, np.integer)):
         return np.array(value, dtype)
     return value
-
-
-def _dlpack_view(name: str, value):
-    """A CPU array that is not numpy's but speaks DLPack (a torch CPU tensor) as a
-    numpy array over the same memory, so that an update writes into it; others as given.
-    A torch bfloat16 tensor, which numpy's DLPack import refuses, is viewed as int16
-    through DLPack and then as ml_dtypes.bfloat16 (still no copy)."""
-    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
-        return value
-    try:
-        if str(getattr(value, "dtype", "")) == "torch.bfloat16" and "torch" in sys.modules:
-            # numpy's DLPack has no bfloat16: the same memory as int16, viewed as ml_dtypes'
-            return np.from_dlpack(value.view(sys.modules["torch"].int16)).view(TYPES["bf16"].numpy)
-        return np.from_dlpack(value)
-    except (RuntimeError, BufferError, TypeError, ValueError) as e:
-        raise EvalError(f"input '{name}': {type(value).__name__} does not give its memory to numpy ({e}); "
-                        f"pass a CPU tensor (detached from autograd), or a numpy array") from None
 
 
 def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):

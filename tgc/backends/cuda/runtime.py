@@ -74,11 +74,10 @@ from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import codegen, gemm
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
-from tgc.ir.interp import EvalError, check_updated_dtype
+from tgc.ir.interp import EvalError, check_updated_dtype, dlpack_view
 from tgc.ir.sizes import size_eval
 from tgc.ir.module import Module
 from tgc.options import Options
-from tgc.runtime.program import _dlpack_view
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 BF16 = np.dtype(TYPES["bf16"].numpy)   # ml_dtypes.bfloat16
@@ -521,7 +520,7 @@ class CudaKernels(Kernels):
                 raise EvalError(f"'{s.name}' is updated in place: pass a device array (CuPy, "
                                 f"__cuda_array_interface__ or DLPack), not {type(v).__name__}")
             if a is None:                              # the CPU checks, then one copy to the device
-                host = program._convert(s, _dlpack_view(s.name, _detached(v)))
+                host = program._convert(s, dlpack_view(s.name, _detached(v)))
                 a = cp.asarray(host.view(np.uint16) if host.dtype == BF16 else host)
             if store is not None:                      # a bf16/f16 buffer: 2-byte elements
                 arrays[s.name] = self._narrow_arg(s, a, np.dtype(store))
