@@ -13,7 +13,9 @@ lowered-program interpreter (`tgc.lower.interp`) and compared with the module's
 values. It fails with the pass and the output whose value changed.
 
 `run_pipeline(module, options, emit)` runs the IR passes (`options.passes`, or the
-default pipeline); `run_lowering(program, options, emit)` the lowering stages
+default pipeline); `run_target(module, options, emit)` the target passes after them
+(the program a backend compiles: under --fp-strict, an f32 program's f64 emulation,
+and the float type it gives); `run_lowering(program, options, emit)` the lowering stages
 (`options.stages`, or the stage list it is given: the backend's), from a module or
 from a lowered program read back from text (then only the stages after the one it
 was dumped after). A pass in a list may set its options (its dataclass fields) as in
@@ -46,7 +48,7 @@ from tgc.ir.verify import verify
 from tgc.lower.lowered import Lowered, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
-from tgc.registry import LOWERING, PASSES, pipeline, stages as stage_list
+from tgc.registry import LOWERING, PASSES, PREPARE, pipeline, stages as stage_list, target as target_passes
 from tgc.lower.cost import lowered_stats
 from tgc.opt.stats import ModuleStats, module_stats
 
@@ -274,6 +276,14 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
     """Run the passes `specs` names on `ir` (a Module or a Lowered), in order; the result.
 
     Each pass must read the level the one before it gives (PassListError otherwise)."""
+    return _run_passes(ir, specs, options, emit, checker, stats, measure)[0]
+
+
+def _run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None = None,
+                checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
+                measure: Callable = lambda ir: None):
+    """`run_passes`, and the options the result is of: a pass that changes the float type
+    (`Pass.float_type`) has the passes after it run with the new one."""
     passes = [(parse_pass_spec(spec)[0], make_pass(spec)) for spec in specs]
     level = _level(ir)
     for name, p in passes:
@@ -287,8 +297,11 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             emit(f"IR before {name}", _text(ir, options))
         before = _size(ir) if options.time_passes or options.stats else 0
         start = time.perf_counter()
+        dtype = p.float_type(options)
         ir = p.run(ir, options)
         seconds = time.perf_counter() - start
+        if dtype != options.dtype:
+            options = options.with_(dtype=dtype)
         if isinstance(ir, Module):
             try:
                 verify(ir)
@@ -310,7 +323,7 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             stats.append(PassStat(name, seconds, before, _size(ir), measure(ir)))
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", _text(ir, options))
-    return ir
+    return ir, options
 
 
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
@@ -331,23 +344,21 @@ class LoweringResult:
 
 def run_lowering(program, options: Options, emit: Emit | None = None, stages: tuple[str, ...] = LOWERING,
                  stop_after: str | None = None) -> LoweringResult:
-    """The lowering stages on `program`: a module (after the IR pipeline), or a lowered
-    program (read back from text: then the stages after the one it was dumped after).
+    """The lowering stages on `program`: a module (after the IR pipeline and the target
+    passes), or a lowered program (read back from text: then the stages after the one
+    it was dumped after).
 
-    The stages are `options.stages` if set, else `stages` (the backend's list); a
-    module's bf16/f16 values are first emulated in the program's float type, and
-    rewrite rules a pass list may have left are expanded. `stop_after` ends after
-    that stage (what `tgc dump-ir --after fuse|layout|group` prints). With
-    `options.verify_each`, the program after each stage is run by the numpy
-    lowered-program interpreter and compared with the module's values."""
+    The stages are `options.stages` if set, else `stages` (the backend's list); on a
+    module, the passes of `tgc.registry.PREPARE` run first whatever the list is
+    (bf16/f16 values emulated in the program's float type, rewrite rules a pass list
+    may have left expanded). `stop_after` ends after that stage or pass (what `tgc
+    dump-ir --after fuse|layout|group` prints). With `options.verify_each`, the
+    program after each stage is run by the numpy lowered-program interpreter and
+    compared with the module's values."""
     names = stage_list(options, stages)
     if isinstance(program, Module):
-        from tgc.ir.lowp import emulate_low, has_low
-        from tgc.opt.rewrite import without_rules
-
-        if has_low(program, options.dtype):   # bf16/f16 (f32 in f64) values: held in the float type, rounded
-            program = emulate_low(program, options.dtype)
-        module = program = without_rules(program)  # a pass list without normalize/simplify may leave them
+        module = program
+        names = PREPARE + tuple(names)
     else:
         module = program.module
         if options.stages is None:   # the default stages that follow the one it was dumped after
@@ -362,6 +373,14 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
     measure = (lambda low: lowered_stats(low, options.rep_size)) if options.stats else (lambda low: None)
     result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure)
     return result
+
+
+def run_target(module: Module, options: Options, emit: Emit | None = None) -> tuple[Module, Options]:
+    """The program a backend compiles, from `module` after the IR pipeline: the target
+    passes (`tgc.registry.target`: under --fp-strict, an f32 program's f64 emulation),
+    and the options to lower and compile it with (its float type)."""
+    checker = _Checker(module, options.verify_seed) if options.verify_each else None
+    return _run_passes(module, target_passes(options), options, emit, checker)
 
 
 def lower_module(module: Module, options: Options, emit: Emit | None = None, stop_after: str = "plan",
