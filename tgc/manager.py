@@ -270,21 +270,23 @@ def _text(ir, options: Options) -> str:
     return print_module(ir, options.locs) if isinstance(ir, Module) else print_lowered(ir, module=False)
 
 
-def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None = None,
+def run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
                checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
                measure: Callable = lambda ir: None):
     """Run the passes `specs` names on `ir` (a Module or a Lowered), in order; the result.
+    A spec is a pass's text (`group{blocks=8}`) or a `Pass` object.
 
     Each pass must read the level the one before it gives (PassListError otherwise)."""
     return _run_passes(ir, specs, options, emit, checker, stats, measure)[0]
 
 
-def _run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None = None,
+def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
                 checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
                 measure: Callable = lambda ir: None):
     """`run_passes`, and the options the result is of: a pass that changes the float type
     (`Pass.float_type`) has the passes after it run with the new one."""
-    passes = [(parse_pass_spec(spec)[0], make_pass(spec)) for spec in specs]
+    passes = [(spec.name, spec) if isinstance(spec, Pass) else (parse_pass_spec(spec)[0], make_pass(spec))
+              for spec in specs]
     level = _level(ir)
     for name, p in passes:
         if p.takes != level:

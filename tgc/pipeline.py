@@ -160,7 +160,9 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     be = get_backend(backend)
 
     def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
-        return compile_module(lower(forward_only(module), options).module, options, backend)
+        from tgc.manager import run_passes
+
+        return compile_module(lower(run_passes(module, ("forward_only",), options), options).module, options, backend)
 
     compiled, opts = target(module, options)
     if low is None:
@@ -267,7 +269,7 @@ def _fixed(module: Module, options: Options, key=None, reads=None) -> Source:
     from tgc.manager import run_passes
     from tgc.opt.dims import FixDims
 
-    module = run_passes(module, (FixDims.given(dict(options.dims)),), options)
+    module = run_passes(module, (FixDims.of(dict(options.dims)),), options)
     return Source(None, module, options.with_(dims=()), key, reads)
 
 

@@ -100,6 +100,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     """
     from tgc.backends.base import get_backend
     from tgc.ir.printer import print_module
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
     from tgc.progress import status
 
     backend = get_backend(target)
@@ -125,7 +127,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     check_outputs([("the output", output), *companions.items(), ("the depfile", depfile)], sources(loaded.files),
                   hint="-o/-MF")
     try:
-        module = pipeline.fix_dims(loaded.module, defines)
+        module = run_passes(loaded.module, (FixDims.of(defines),), options)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):

@@ -28,10 +28,10 @@ class FixDims(Pass[Module, Module]):
     name = "fix_dims"
     sizes: str = ""   # NAME=SIZE pairs, separated by spaces
 
-    @staticmethod
-    def given(dims: dict[str, int]) -> str:
-        """The pass spec that fixes `dims` (for the pass manager)."""
-        return f"fix_dims{{sizes={' '.join(f'{d}={n}' for d, n in dims.items())}}}" if dims else "fix_dims"
+    @classmethod
+    def of(cls, dims: dict[str, int]) -> "FixDims":
+        """The pass that fixes `dims` ({name: size})."""
+        return cls(" ".join(f"{d}={n}" for d, n in dims.items()))
 
     def dims(self) -> dict[str, int]:
         out: dict[str, int] = {}
