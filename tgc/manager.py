@@ -372,7 +372,8 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
             names = names[: plain.index(stop_after) + 1]
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     result = LoweringResult(program)   # type: ignore[arg-type]  (a module until fuse has run)
-    measure = (lambda low: lowered_stats(low, options.rep_size)) if options.stats else (lambda low: None)
+    measure = (lambda low: lowered_stats(low, options.rep_size) if isinstance(low, Lowered) else None) \
+        if options.stats else (lambda low: None)   # kernels' costs (the IR table counts the module's ops)
     result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure)
     return result
 

@@ -305,7 +305,8 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
         from tgc.opt.stats import format_table
 
         click.echo(stats_sizes(getattr(program, "module", program), options.rep_size)
-                   + format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
+                   + format_table([(s.name, s.cost) for s in result.stats if s.cost is not None], count="kernels"),
+                   err=True, nl=False)
     return result.lowered
 
 

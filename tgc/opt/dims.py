@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tgc.ir.module import Module
+from tgc.ir.module import Module, size_error
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import MAX_SIZE, size_str
 from tgc.options import Options
@@ -30,8 +30,14 @@ class FixDims(Pass[Module, Module]):
 
     @classmethod
     def of(cls, dims: dict[str, int]) -> "FixDims":
-        """The pass that fixes `dims` ({name: size})."""
-        return cls(" ".join(f"{d}={n}" for d, n in dims.items()))
+        """The pass that fixes `dims` ({name: size}); ValueError for a size that is not
+        a positive integer (a caller's `dims=`: its text would not say so)."""
+        for d, n in dims.items():
+            spaced = any(c.isspace() or c == "=" for c in str(d))   # no dim's name: its text would not read back
+            why = f"the program has no dim '{d}'" if spaced else size_error(d, n)
+            if why:
+                raise ValueError(why)
+        return cls(" ".join(f"{d}={int(n)}" for d, n in dims.items()))
 
     def dims(self) -> dict[str, int]:
         out: dict[str, int] = {}
