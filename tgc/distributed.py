@@ -68,6 +68,7 @@ import numpy as np
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Arg, Module, Output
+from tgc.opt.prune import drop_unread_args, forward_only, used_dims
 from tgc.options import Options
 
 BUCKET_BYTES = 1 << 22      # default bucket size: 4 MiB of gradients per allreduce
@@ -111,8 +112,6 @@ def split_step(module: Module, shard: str = "batch") -> Split:
     """Cut `module` (before the pass pipeline: its derivatives not yet expanded) at the
     gradient boundary over the sharded dim `shard`. CompileError when it cannot.
     Terminates: each walk visits every value of the finite DAG once."""
-    from tgc.opt.prune import drop_unread_args, forward_only
-
     if shard not in module.dims:
         have = ", ".join(module.dims) or "none"
         raise CompileError(f"data parallel: the program has no dim '{shard}' to split over the ranks "
@@ -189,8 +188,6 @@ def split_step(module: Module, shard: str = "batch") -> Split:
             raise CompileError(f"data parallel: the update of '{u.target}' reads input '{v.attrs[0]}', which is "
                                f"split over the ranks, outside a gradient: it cannot be averaged", u.loc)
     apply = drop_unread_args(apply, keep_dims=False)
-    from tgc.opt.prune import used_dims
-
     # phase 2 must not see the split dims: they leave its module, so that a call binds no
     # batch size it has no input for (each rank's is its own, not the global one)
     if used_dims(apply) & dims:
