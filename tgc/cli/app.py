@@ -275,10 +275,11 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
     options = options.with_(passes=names, print_ir_after_all=after_all or options.print_ir_after_all)
     result = lower(module, options, collect if after_all else _emit_to_stderr)
     if stage is not None or (after_all and after is None):
+        from tgc.ir.module import Module
         from tgc.lower.lowered import print_lowered
 
         low = lower_stages(result.module, options, collect if after_all else _emit_to_stderr, stage, backend)
-        text = print_lowered(low) if not isinstance(low, type(result.module)) else render_module(low, fmt, locs)
+        text = render_module(low, fmt, locs) if isinstance(low, Module) else print_lowered(low)   # --after emulate_low
     else:
         text = render_module(result.module, fmt, locs)
     write_output(output, "".join(chunks) if after_all else text)
@@ -407,7 +408,7 @@ def passes() -> None:
     lowers for the CPU)."""
     from tgc.backends.base import backend_names
     from tgc.manager import pass_fields
-    from tgc.registry import DEFAULT_PIPELINE, PASSES, PREPARE, STRICT_PIPELINE
+    from tgc.registry import DEFAULT_PIPELINE, PASSES, PREPARE, STRICT_PIPELINE, target
 
     lowerings = {name: pipeline.lowering(name) for name in backend_names()}   # each backend's stages are named
 
@@ -420,7 +421,8 @@ def passes() -> None:
             click.echo(f"{'':<{width}}    {{{field}={kind}}}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
     click.echo(f"strict pipeline (--fp-strict): {','.join(STRICT_PIPELINE)}")
-    click.echo("target, after the pipeline (--fp-strict, an f32 program): emulate_f32")
+    click.echo(f"target, after the pipeline (--fp-strict, an f32 program): "
+               f"{','.join(target(Options(dtype='f32', fp_strict=True)))}")
     click.echo(f"before every lowering: {','.join(PREPARE)}")
     for name, stages in lowerings.items():
         click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
