@@ -319,8 +319,8 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
 
     names = pass_names(options)
     plain = [parse_pass_spec(n)[0] for n in names]
-    lowering = list(target(options)) + list(PREPARE) + [parse_pass_spec(n)[0]
-                                                        for n in stages(options, pipeline.lowering(backend))]
+    stage_names = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering(backend))]
+    lowering = list(target(options)) + list(PREPARE) + stage_names   # what runs after the IR pipeline, in order
     if after is None:
         return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
@@ -331,7 +331,7 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
                                  + did_you_mean(after, ("elaborate", *PASSES)), param_hint="--after")
     if PASSES[after].gives == "lowered" or (after in lowering and after not in plain):
         if after not in lowering:
-            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(lowering)})",
+            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(stage_names)})",
                                      param_hint="--after")
         return tuple(names), after
     if after not in plain:
