@@ -77,7 +77,8 @@ def test_lowering_stages_time_print_and_verify_through_the_manager():
     module = pipeline.lower(pipeline.load(MLP, opts), Options()).module
     seen = []
     result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])), CPU)
-    assert [s.name for s in result.stats] == ["fuse", "layout", "narrow", "gemm_operands", "implicit", "group", "plan"]
+    assert [s.name for s in result.stats] == ["emulate_low", "without_rules", "fuse", "layout", "narrow",
+                                              "gemm_operands", "implicit", "group", "plan"]
     assert all(s.ops_after > 0 for s in result.stats)   # kernels after each stage
     assert seen == [("IR after fuse", "// lowered after fuse (f32)"), ("IR before group", "// lowered after implicit (f32)"),
                     ("IR after plan", "// lowered after plan (f32)")]

@@ -81,6 +81,12 @@ def compile(source, backend: str = "cpu", dtype: str | None = None, dims=None, o
     Compiled code is cached on disk (see the README), so compiling the same program
     again is fast.
     """
+    if data_parallel is not None:   # wraps programs the pipeline compiles, from outside
+        from tgc.distributed import data_parallel_step
+
+        return data_parallel_step(source, data_parallel, backend, dtype, dims, options, **data_parallel_options)
+    if data_parallel_options:
+        raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
     from tgc import pipeline
 
-    return pipeline.compile_source(source, backend, dtype, dims, options, data_parallel, data_parallel_options)
+    return pipeline.compile_source(source, backend, dtype, dims, options)

@@ -210,10 +210,12 @@ def _sizes(module: Module, options: Options) -> dict[str, int]:
 def _workspace(module: Module, options: Options, env=None) -> int:
     """The workspace bytes of `module` lowered and planned for the CPU, with its loop
     groups' partial buffers (tgc.explain's sum of slots)."""
+    from tgc.backends.base import get_backend
     from tgc.explain import explain
-    from tgc.pipeline import lower_module
+    from tgc.manager import lower_module
 
-    low = lower_module(module, options.with_(memory_budget=None), "cpu")
+    be = get_backend("cpu")
+    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering())
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]
 
 

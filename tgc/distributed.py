@@ -68,6 +68,7 @@ import numpy as np
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Arg, Module, Output
+from tgc.opt.prune import drop_unread_args, forward_only, used_dims
 from tgc.options import Options
 
 BUCKET_BYTES = 1 << 22      # default bucket size: 4 MiB of gradients per allreduce
@@ -111,8 +112,6 @@ def split_step(module: Module, shard: str = "batch") -> Split:
     """Cut `module` (before the pass pipeline: its derivatives not yet expanded) at the
     gradient boundary over the sharded dim `shard`. CompileError when it cannot.
     Terminates: each walk visits every value of the finite DAG once."""
-    from tgc.pipeline import drop_unread_args, forward_only
-
     if shard not in module.dims:
         have = ", ".join(module.dims) or "none"
         raise CompileError(f"data parallel: the program has no dim '{shard}' to split over the ranks "
@@ -189,8 +188,6 @@ def split_step(module: Module, shard: str = "batch") -> Split:
             raise CompileError(f"data parallel: the update of '{u.target}' reads input '{v.attrs[0]}', which is "
                                f"split over the ranks, outside a gradient: it cannot be averaged", u.loc)
     apply = drop_unread_args(apply, keep_dims=False)
-    from tgc.pipeline import used_dims
-
     # phase 2 must not see the split dims: they leave its module, so that a call binds no
     # batch size it has no input for (each rank's is its own, not the global one)
     if used_dims(apply) & dims:
@@ -1206,8 +1203,17 @@ def compile(source, comm, backend: str = "cpu", dtype: str | None = None, dims=N
             shard: str = "batch", deterministic: bool = False, bucket_bytes: int = BUCKET_BYTES, sums=(),
             overlap: bool = True):
     """`tgc.compile(source, ..., data_parallel=comm)`: a `DataParallel` step."""
-    import tgc
+    return data_parallel_step(source, comm, backend, dtype, dims, options, shard=shard, deterministic=deterministic,
+                              bucket_bytes=bucket_bytes, sums=sums, overlap=overlap)
 
-    return tgc.compile(source, backend=backend, dtype=dtype, dims=dims, options=options, data_parallel=comm,
-                       shard=shard, deterministic=deterministic, bucket_bytes=bucket_bytes, sums=sums,
-                       overlap=overlap)
+
+def data_parallel_step(source, comm, backend: str = "cpu", dtype: str | None = None, dims=None, options=None,
+                       **keywords) -> "DataParallel":
+    """The `DataParallel` step of anything `tgc.compile` takes (the arguments as its;
+    `keywords` are DataParallel's): the source loaded with its dims fixed by the
+    pipeline (`tgc.pipeline.load_source`), split here at the gradient boundary, and
+    each phase compiled by the pipeline (`_build_program`)."""
+    from tgc import pipeline
+
+    src = pipeline.load_source(source, backend, dtype, dims, options, lookup=False)
+    return DataParallel(src.module, comm, src.options, backend, **keywords, cache_key=src.key, reads=src.reads)

@@ -13,7 +13,9 @@ lowered-program interpreter (`tgc.lower.interp`) and compared with the module's
 values. It fails with the pass and the output whose value changed.
 
 `run_pipeline(module, options, emit)` runs the IR passes (`options.passes`, or the
-default pipeline); `run_lowering(program, options, emit)` the lowering stages
+default pipeline); `run_target(module, options, emit)` the target passes after them
+(the program a backend compiles: under --fp-strict, an f32 program's f64 emulation,
+and the float type it gives); `run_lowering(program, options, emit)` the lowering stages
 (`options.stages`, or the stage list it is given: the backend's), from a module or
 from a lowered program read back from text (then only the stages after the one it
 was dumped after). A pass in a list may set its options (its dataclass fields) as in
@@ -46,7 +48,7 @@ from tgc.ir.verify import verify
 from tgc.lower.lowered import Lowered, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
-from tgc.registry import LOWERING, PASSES, pipeline, stages as stage_list
+from tgc.registry import LOWERING, PASSES, PREPARE, pipeline, stages as stage_list, target as target_passes
 from tgc.lower.cost import lowered_stats
 from tgc.opt.stats import ModuleStats, module_stats
 
@@ -268,13 +270,23 @@ def _text(ir, options: Options) -> str:
     return print_module(ir, options.locs) if isinstance(ir, Module) else print_lowered(ir, module=False)
 
 
-def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None = None,
+def run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
                checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
                measure: Callable = lambda ir: None):
     """Run the passes `specs` names on `ir` (a Module or a Lowered), in order; the result.
+    A spec is a pass's text (`group{blocks=8}`) or a `Pass` object.
 
     Each pass must read the level the one before it gives (PassListError otherwise)."""
-    passes = [(parse_pass_spec(spec)[0], make_pass(spec)) for spec in specs]
+    return _run_passes(ir, specs, options, emit, checker, stats, measure)[0]
+
+
+def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
+                checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
+                measure: Callable = lambda ir: None):
+    """`run_passes`, and the options the result is of: a pass that changes the float type
+    (`Pass.float_type`) has the passes after it run with the new one."""
+    passes = [(spec.name, spec) if isinstance(spec, Pass) else (parse_pass_spec(spec)[0], make_pass(spec))
+              for spec in specs]
     level = _level(ir)
     for name, p in passes:
         if p.takes != level:
@@ -287,8 +299,11 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             emit(f"IR before {name}", _text(ir, options))
         before = _size(ir) if options.time_passes or options.stats else 0
         start = time.perf_counter()
+        dtype = p.float_type(options)
         ir = p.run(ir, options)
         seconds = time.perf_counter() - start
+        if dtype != options.dtype:
+            options = options.with_(dtype=dtype)
         if isinstance(ir, Module):
             try:
                 verify(ir)
@@ -310,7 +325,7 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             stats.append(PassStat(name, seconds, before, _size(ir), measure(ir)))
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", _text(ir, options))
-    return ir
+    return ir, options
 
 
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
@@ -331,23 +346,21 @@ class LoweringResult:
 
 def run_lowering(program, options: Options, emit: Emit | None = None, stages: tuple[str, ...] = LOWERING,
                  stop_after: str | None = None) -> LoweringResult:
-    """The lowering stages on `program`: a module (after the IR pipeline), or a lowered
-    program (read back from text: then the stages after the one it was dumped after).
+    """The lowering stages on `program`: a module (after the IR pipeline and the target
+    passes), or a lowered program (read back from text: then the stages after the one
+    it was dumped after).
 
-    The stages are `options.stages` if set, else `stages` (the backend's list); a
-    module's bf16/f16 values are first emulated in the program's float type, and
-    rewrite rules a pass list may have left are expanded. `stop_after` ends after
-    that stage (what `tgc dump-ir --after fuse|layout|group` prints). With
-    `options.verify_each`, the program after each stage is run by the numpy
-    lowered-program interpreter and compared with the module's values."""
+    The stages are `options.stages` if set, else `stages` (the backend's list); on a
+    module, the passes of `tgc.registry.PREPARE` run first whatever the list is
+    (bf16/f16 values emulated in the program's float type, rewrite rules a pass list
+    may have left expanded). `stop_after` ends after that stage or pass (what `tgc
+    dump-ir --after fuse|layout|group` prints). With `options.verify_each`, the
+    program after each stage is run by the numpy lowered-program interpreter and
+    compared with the module's values."""
     names = stage_list(options, stages)
     if isinstance(program, Module):
-        from tgc.ir.lowp import emulate_low, has_low
-        from tgc.opt.rewrite import without_rules
-
-        if has_low(program, options.dtype):   # bf16/f16 (f32 in f64) values: held in the float type, rounded
-            program = emulate_low(program, options.dtype)
-        module = program = without_rules(program)  # a pass list without normalize/simplify may leave them
+        module = program
+        names = PREPARE + tuple(names)
     else:
         module = program.module
         if options.stages is None:   # the default stages that follow the one it was dumped after
@@ -359,9 +372,18 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
             names = names[: plain.index(stop_after) + 1]
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     result = LoweringResult(program)   # type: ignore[arg-type]  (a module until fuse has run)
-    measure = (lambda low: lowered_stats(low, options.rep_size)) if options.stats else (lambda low: None)
+    measure = (lambda low: lowered_stats(low, options.rep_size) if isinstance(low, Lowered) else None) \
+        if options.stats else (lambda low: None)   # kernels' costs (the IR table counts the module's ops)
     result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure)
     return result
+
+
+def run_target(module: Module, options: Options, emit: Emit | None = None) -> tuple[Module, Options]:
+    """The program a backend compiles, from `module` after the IR pipeline: the target
+    passes (`tgc.registry.target`: under --fp-strict, an f32 program's f64 emulation),
+    and the options to lower and compile it with (its float type)."""
+    checker = _Checker(module, options.verify_seed) if options.verify_each else None
+    return _run_passes(module, target_passes(options), options, emit, checker)
 
 
 def lower_module(module: Module, options: Options, emit: Emit | None = None, stop_after: str = "plan",

@@ -3,28 +3,34 @@
 `grad`, `dump-ir`) and a program's own `without_updates` share.
 
 - `load(path, options)` / `load_program`: a `.tg` program (front end) or a `.tgir`
-  file (IR parser) into a module; `load_source(source, options)` for anything
-  `tgc.compile` takes (a path, .tg text, IR text, a Module);
+  file (IR parser) into a module; `load_source(source, backend, dtype, dims,
+  options)` for anything `tgc.compile` takes (a path, .tg text, IR text, a Module),
+  with its dims fixed, or a first-level cache hit;
 - `lower(module, options, emit)`: the IR pass pipeline (optimization, autodiff);
 - `lower_module(module, options, backend)`: the lowering stages, with the backend's
   own (`lowering(backend)` names them);
+- `target(module, options)`: the program a backend compiles, after the IR pipeline:
+  the target passes (an f32 program under --fp-strict is its f64 emulation), for
+  `compile_module` and `tgc build` alike;
 - `compile_module(module, options, backend)`: a callable `Program` of a module after
-  the IR pipeline: lowered, compiled by the backend (`tgc.backends.base`), wrapped by
-  the neutral runtime (`tgc.runtime.program`); an f32 program under --fp-strict is
-  built as its f64 emulation here, for every backend;
+  the IR pipeline: its target, lowered, compiled by the backend (`tgc.backends.base`),
+  wrapped by the neutral runtime (`tgc.runtime.program`);
 - `compile_cached(module, options, backend, key)`: a module through the pipeline and
-  the backend, with the code cache's first level (a data-parallel phase's build);
+  the backend, with the code cache's first level (a data-parallel phase's build:
+  `tgc.distributed` wraps compiled programs from outside; the pipeline knows nothing
+  of processes);
 - `compile_source(source, backend, dtype, dims, options)`: all of it, from a source
   (what `tgc.compile` is).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tgc.ir.diag import CompileError, did_you_mean
+from tgc.autodiff.gradient import gradient_module  # noqa: F401 (the entry points' transforms, as functions)
 from tgc.ir.module import Module
-from tgc.ir.sizes import MAX_SIZE, size_str
-from tgc.ir.values import topo_order
+from tgc.opt.dims import fix_dims  # noqa: F401
+from tgc.opt.prune import drop_unread_args, forward_only, read_args, used_dims  # noqa: F401
 from tgc.options import Options
 from tgc.manager import PipelineResult, run_pipeline
 
@@ -113,6 +119,16 @@ def lower(module: Module, options: Options, emit=None) -> PipelineResult:
     return run_pipeline(module, options, emit)
 
 
+def target(module: Module, options: Options, emit=None) -> tuple[Module, Options]:
+    """The program a backend compiles from `module` after the IR pipeline, and the
+    options to lower and compile it with: the target passes (`tgc.registry.target`;
+    under --fp-strict, an f32 program's f64 emulation). `tgc.compile` and `tgc build`
+    both go through here, so a built library computes what a compiled program does."""
+    from tgc.manager import run_target
+
+    return run_target(module, options, emit)
+
+
 def lowering(backend: str = "cpu") -> tuple[str, ...]:
     """The lowering stages the backend named runs, in order (fuse, layout, its own, plan)."""
     from tgc.backends.base import get_backend
@@ -132,7 +148,8 @@ def lower_module(module: Module, options: Options, backend: str = "cpu", emit=No
 
 
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
-    """A callable `Program` of `module` (after the IR pipeline) on `backend`.
+    """A callable `Program` of `module` (after the IR pipeline) on `backend`: the
+    target passes (`target`), the lowering, the backend's code.
 
     An f32 program under --fp-strict runs as its f64 emulation (`tgc.ir.emulate`):
     it takes f32 arrays (updates are written back into them) and returns f32 outputs.
@@ -143,22 +160,21 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     be = get_backend(backend)
 
     def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
-        return compile_module(lower(forward_only(module), options).module, options, backend)
+        from tgc.manager import run_passes
 
-    if options.fp_strict and options.dtype == "f32":
-        from tgc.ir.emulate import emulate_f32
+        return compile_module(lower(run_passes(module, ("forward_only",), options), options).module, options, backend)
 
+    compiled, opts = target(module, options)
+    if low is None:
+        low = lower_module(compiled, opts, backend)
+    kernels = be.compile(compiled, low, opts, artifacts)
+    program = Program(compiled, opts, low, kernels, build_forward)
+    if opts.dtype != options.dtype:   # the f64 emulation of an f32 program: f32 arrays in and out
         import numpy as np
 
-        program = compile_module(emulate_f32(module), options.with_(dtype="f64"), backend)
         program.out_dtype = np.dtype(np.float32)
         program._origin = (module, options)
-        program._build_forward = build_forward
-        return program
-    if low is None:
-        low = lower_module(module, options, backend)
-    kernels = be.compile(module, low, options, artifacts)
-    return Program(module, options, low, kernels, build_forward)
+    return program
 
 
 def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu") -> dict:
@@ -168,13 +184,36 @@ def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu")
     return program.run(dict(inputs), dict(options.dims) or None)
 
 
-def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=None, options: Options | None = None,
-                   data_parallel=None, data_parallel_options=None):
+def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=None, options: Options | None = None):
     """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
-    (its docstring says what each argument is); with a communicator `data_parallel`,
-    a `tgc.distributed.DataParallel` step. The first-level cache (source -> program,
-    `tgc.backends.cache`) is looked up before anything is parsed, for a backend whose
-    `source_cache` says so (the CPU's), and not under a memory budget."""
+    (its docstring says what each argument is). The first-level cache (source ->
+    program, `tgc.backends.cache`) is looked up before anything is parsed, for a
+    backend whose `source_cache` says so (the CPU's), and not under a memory budget."""
+    src = load_source(source, backend, dtype, dims, options)
+    if src.program is not None:
+        return src.program
+    return compile_cached(src.module, src.options, backend, src.key, src.reads, lookup=False, stacklevel=3)
+
+
+@dataclass
+class Source:
+    """What `load_source` read: `program`, a first-level cache hit (then nothing else
+    was read), or the `module` with the dims the call fixed (`fix_dims`), the
+    `options` to build it with (their `dims` empty), the source's cache key and the
+    files it read (`key`, `reads`: None where the source is not cached)."""
+    program: object = None
+    module: Module | None = None
+    options: Options | None = None
+    key: str | None = None
+    reads: object = None
+
+
+def load_source(source, backend: str = "cpu", dtype: str | None = None, dims=None, options: Options | None = None,
+                lookup: bool = True) -> Source:
+    """Anything `tgc.compile` takes (a path, .tg text, IR text, a Module; the arguments
+    as its), checked and loaded, with its dims fixed, for `backend`; with `lookup`,
+    a first-level cache hit instead when there is one. A data-parallel step
+    (`tgc.distributed`) starts from here too, with `lookup=False`."""
     import os
 
     from tgc.backends.base import get_backend
@@ -188,14 +227,10 @@ def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=
         raise ValueError(f"autocast '{options.autocast}': mixed precision is 'bf16' or 'f16' (or None)")
     if isinstance(source, (bytes, bytearray)):
         raise TypeError("source: a path, .tg or IR text (str), or a Module; not bytes (decode it first)")
-    if data_parallel_options and data_parallel is None:
-        raise TypeError(f"compile() got an unexpected keyword argument '{next(iter(data_parallel_options))}'")
     options = options or Options()
     options = options.with_(dtype=dtype, dims=tuple(sorted(dims.items())) if dims is not None else options.dims)
-    dims = dict(options.dims) or None
-    dp = (data_parallel, dict(data_parallel_options or {}))
     if isinstance(source, Module):
-        return _build(source, dims, options, None, None, be, dp)
+        return _fixed(source, options)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                               and source.endswith((".tg", ".tgir"))):
         path = os.fspath(source)
@@ -215,17 +250,27 @@ def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=
         kind, name, text = "tg", "<source>", source
     # the first-level cache: source -> program, before the front end and the passes
     key = _source_key(kind, name, text, options, be) if be.source_cache and options.memory_budget is None else None
-    if key is not None and data_parallel is None:
+    if key is not None and lookup:
         program = _cached(key, options, be)
         if program is not None:
-            return program
+            return Source(program)
     loaded = load_program(name, options, None if name not in ("<ir>", "<source>") else source)
     reads = None
     if key is not None:
         from tgc.backends.cache import Reads
 
         reads = Reads.of(loaded)
-    return _build(loaded.module, dims, options, key, reads, be, dp)
+    return _fixed(loaded.module, options, key, reads)
+
+
+def _fixed(module: Module, options: Options, key=None, reads=None) -> Source:
+    """The source's module with the dims `options` names fixed (`fix_dims`, run by the
+    pass manager), and the options to build it with."""
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
+
+    module = run_passes(module, (FixDims.of(dict(options.dims)),), options)
+    return Source(None, module, options.with_(dims=()), key, reads)
 
 
 def is_ir_text(source: str) -> bool:
@@ -245,7 +290,7 @@ def _source_key(kind, name, text, options, be):
     try:
         folders = ()
         if kind == "tg":   # where its imports are looked for, resolved as this compile resolves them
-            from tgc.frontend import import_folders
+            from tgc.frontend.folders import import_folders
 
             folders = tuple(str(f) for f in import_folders(name, options.import_dirs))
         return cache.source_key(kind, name, text, options, be.cache_parts(), folders)
@@ -272,17 +317,6 @@ def _cached(key, options, be):
         return compile_module(module, opts, be.name, artifacts=hit.objs, low=low)
     except Exception:  # noqa: BLE001 -- a damaged entry: the full build runs
         return None
-
-
-def _build(module, dims, options, key, reads, be, dp=(None, {})):
-    module = fix_dims(module, dims or {})
-    opts = options.with_(dims=())
-    data_parallel, dp_options = dp
-    if data_parallel is not None:   # split at the gradient boundary before the pipeline
-        from tgc.distributed import DataParallel
-
-        return DataParallel(module, data_parallel, opts, be.name, **dp_options, cache_key=key, reads=reads)
-    return compile_cached(module, opts, be.name, key, reads, lookup=False, stacklevel=5)
 
 
 def compile_cached(module: Module, options: Options, backend: str = "cpu", key: str | None = None, reads=None,
@@ -314,160 +348,3 @@ def compile_cached(module: Module, options: Options, backend: str = "cpu", key: 
     if key is not None and reads is not None and be.source_cache and objs is not None:
         cache.store_program(key, reads, program.module, program.lowered, objs)
     return program
-
-
-def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -> Module:
-    """A module whose outputs are d(of)/d(x) for each x in `wrt` (still underived).
-
-    `of` defaults to the only scalar output. Reverse mode uses `grad`; forward mode
-    seeds `jvp` with an identity over fresh copies of x's edges, then renames back.
-    """
-    from tgc.ir import values as V
-    from tgc.ir.affine import Affine, Relation
-    from tgc.ir.complex_io import RI
-    from tgc.ir.module import Output
-
-    scalars = [o.name for o in module.outputs if not o.value.edges]
-    outputs = {o.name: o for o in module.outputs}
-    if of is None:
-        if len(scalars) != 1:
-            raise CompileError(f"--of is needed: the program has {len(scalars)} scalar outputs"
-                               + (f" ({', '.join(scalars)})" if scalars else ""))
-        of = scalars[0]
-    if of not in outputs:
-        raise CompileError(f"--of {of}: no such output (outputs: {', '.join(outputs) or 'none'})"
-                           + did_you_mean(of, outputs))
-    f = outputs[of].value
-    if RI in f.edges:
-        raise CompileError(f"--of {of}: the output is complex; its derivative needs an explicit cotangent v: "
-                           f"write vjp({of}, x, v) in the program")
-    m = Module(dict(module.dims), dict(module.edges), dict(module.args))
-    for name in wrt:
-        arg = module.args.get(name)
-        if arg is None or arg.dtype == "i32":
-            raise CompileError(f"--wrt {name}: not a float input, param or state of the program" + did_you_mean(
-                name, [a.name for a in module.args.values() if a.dtype != "i32"]))
-        x = V.arg(name, arg.dtype, arg.order)
-        if set(f.edges) & set(x.edges):
-            raise CompileError(f"--of {of} and --wrt {name} share an edge; rename one of them first")
-        if mode == "rev":
-            value = V.grad(f, x)
-        else:
-            copies = {e: m.fresh_edge(e, m.edges[e]) for e in x.edges}
-            seed = V.mul([V.indicator(Relation((Affine.make([(e, 1)]), Affine.make([(c, 1)])), ("=",)), f.dtype)
-                          for e, c in copies.items()]) if copies else V.const(1.0, f.dtype)
-            value = V.rename(V.jvp(f, x, seed), {c: e for e, c in copies.items()})
-        m.outputs.append(Output(_fresh_output(m, f"d{name}"), value, tuple(module.order_edges(f.edges)) + arg.order))
-    return m
-
-
-def _fresh_output(m: Module, base: str) -> str:
-    taken = set(m.args) | set(m.edges) | {o.name for o in m.outputs}
-    name, n = base, 1
-    while name in taken:
-        name, n = f"{base}_{n}", n + 1
-    return name
-
-
-def fix_dims(module: Module, dims: dict[str, int]) -> Module:
-    """A copy of `module` with the symbolic dims named in `dims` given fixed sizes."""
-    for d, n in dims.items():   # a fixed or derived dim may be named with its own size (checked below)
-        why = module.dim_error(d, n, bind=False)
-        if why:
-            raise ValueError(why)
-    given = {d: int(n) for d, n in dims.items() if module.dims[d] is None}
-    new = dict(module.dims)
-    new.update(given)
-    from tgc.ir.sizes import SizeError, UnboundDim, size_eval_checked
-
-    env = {d: n for d, n in new.items() if isinstance(n, int)}
-    for d, s in new.items():   # a derived dim these sizes fix is fixed too (and must fit)
-        if s is not None and not isinstance(s, int):
-            try:
-                env[d] = size_eval_checked(s, env, f"dim '{d}'")
-            except UnboundDim:
-                continue
-            except SizeError as e:
-                raise ValueError(str(e)) from None
-            if not 0 < env[d] <= MAX_SIZE:
-                raise ValueError(f"dim '{d}' is {env[d]}: a size is a positive integer (at most 2^62)")
-            new[d] = env[d]
-    for d, n in dims.items():   # a fixed or derived dim may be named with the size it has
-        if d not in given and env.get(d) != n:
-            have = f"is {env[d]}" if d in env else f"is derived from other dims ({size_str(module.dims[d])})"
-            raise ValueError(f"dim '{d}' {have}, not {n}")
-    return Module(new, dict(module.edges), dict(module.args), list(module.outputs), list(module.updates),
-                  list(module.facts))
-
-
-def read_args(module: Module) -> set[str]:
-    """The arguments some output or update reads."""
-    return {v.attrs[0] for v in module.values() if v.op == "arg"}
-
-
-def used_dims(module: Module) -> set[str]:
-    """The dims the outputs and updates depend on: those of every edge their values,
-    attributes (reductions, reindexing, sizes) and ABI orders mention, and the dims
-    those are derived from. Over-approximates: any name in an attribute counts."""
-    import dataclasses
-
-    found: set[str] = set()
-
-    def walk(x) -> None:
-        if isinstance(x, str):
-            if x in module.edges:
-                found.add(module.edges[x])
-            elif x in module.dims:
-                found.add(x)
-        elif isinstance(x, (tuple, list, frozenset, set)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for k, y in x.items():
-                walk(k)
-                walk(y)
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                walk(getattr(x, f.name))
-
-    for v in module.values():
-        walk(v.edges)
-        walk(v.attrs)
-    walk([o.order for o in module.outputs])
-    walk([module.args[u.target].order for u in module.updates])
-    todo = list(found)
-    while todo:
-        s = module.dims.get(todo.pop())
-        if s is not None and not isinstance(s, int):
-            before = set(found)
-            walk(s)
-            todo += list(found - before)
-    return found
-
-
-def drop_unread_args(module: Module, keep_dims: bool = True) -> Module:
-    """A copy of `module` without the arguments that nothing reads.
-
-    With `keep_dims`, an unread argument stays when it is the only one to carry a
-    symbolic dim that the program uses (a call binds that dim from its shape)."""
-    read = read_args(module)
-    needed = used_dims(module) if keep_dims else set()
-    carried = {module.edges[e] for n in read for e in module.args[n].order if module.dims[module.edges[e]] is None}
-    args = {}
-    for name, a in module.args.items():
-        dims = {module.edges[e] for e in a.order if module.dims[module.edges[e]] is None}
-        if name in read or (dims & needed) - carried:
-            args[name] = a
-            carried |= dims
-    facts = [f for f in module.facts   # a fact on a dropped argument goes with it
-             if all(v.attrs[0] in args for v in topo_order([f.lhs, f.rhs]) if v.op == "arg")]
-    return Module(dict(module.dims), dict(module.edges), args, list(module.outputs), list(module.updates), facts)
-
-
-def forward_only(module: Module) -> Module:
-    """`module` without its updates and without the arguments only they read: the
-    forward (evaluation) program. Values that only the updates needed are no longer
-    reachable from any root, so the pipeline and the lowering never see them."""
-    pruned = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs), [],
-                    list(module.facts))
-    return drop_unread_args(pruned)

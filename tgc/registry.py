@@ -6,8 +6,14 @@ may not import a backend (stage order)."""
 from __future__ import annotations
 
 from tgc.autodiff.driver import Adjoint, Tangent
+from tgc.autodiff.gradient import GradientModule
 from tgc.opt.autocast import Autocast
+from tgc.ir.emulate import EmulateF32
+from tgc.ir.lowp import EmulateLow
 from tgc.ir.passes import Pass
+from tgc.opt.dims import FixDims
+from tgc.opt.expand_rules import WithoutRules
+from tgc.opt.prune import DropUnreadArgs, ForwardOnly
 from tgc.opt.factor import Factor
 from tgc.opt.normalize import Normalize
 from tgc.opt.scatter import Scatter
@@ -20,7 +26,9 @@ from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Unroll, Fuse, Layout, Narrow, Plan)}
+                                                    Autocast, Unroll, FixDims, ForwardOnly, GradientModule,
+                                                    DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
+                                                    Fuse, Layout, Narrow, Plan)}
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
@@ -44,6 +52,20 @@ def pipeline(options) -> tuple[str, ...]:
     names = STRICT_PIPELINE if options.fp_strict else DEFAULT_PIPELINE
     return names + ("autocast",) if options.autocast else names   # mixed precision: last
 
+
+def target(options) -> tuple[str, ...]:
+    """The passes between the IR pipeline and the lowering that make the program a
+    backend compiles, for `tgc.compile` and `tgc build` alike: under --fp-strict, an
+    f32 program's f64 emulation (`emulate_f32`, whose result is an f64 program: the
+    lowering and the code run in f64, and give the interpreter's bits)."""
+    return ("emulate_f32",) if options.fp_strict and options.dtype == "f32" else ()
+
+
+# What every lowering runs on the module first, whatever its stage list (`-p` or
+# `Options.stages` included): bf16/f16 values held in the float type (`emulate_low`),
+# custom derivative rules expanded (`without_rules`; a pass list without normalize may
+# leave them).
+PREPARE: tuple[str, ...] = ("emulate_low", "without_rules")
 
 # The neutral lowering stages after the IR pipeline, in order: the module as kernels
 # over buffers (fuse), axis and loop orders (layout), in-place updates and the workspace

@@ -39,6 +39,16 @@ def test_cu_and_manifest_are_reproducible_and_describe_the_launches(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
+def test_a_strict_f32_build_is_the_emulation_tgc_compile_runs(tmp_path):
+    """--fp-strict f32: the CUDA module is built from the target pass's f64 emulation
+    (`emulate_f32`, run by the pipeline for every backend), as the CPU's is."""
+    done = tgc(MLP, "--target", "cuda", "--emit", "cu", "--fp-strict", "-o", tmp_path / "s.cu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    man = json.loads((tmp_path / "s.json").read_text())
+    assert man["dtype"] == "f64" and {a["dtype"] for a in man["args"]} == {"f64"}
+    assert (tmp_path / "s.cu").read_text().count("tgc_round32(") > 1   # used, beside its definition
+
+
 def test_cubin_is_an_elf_with_every_kernel(tmp_path):
     done = tgc(MLP, "--target", "cuda", "-o", tmp_path / "mlp.cubin", cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -6,6 +6,8 @@ f32, as the interpreter rounds each op's float64 result), so the outputs are the
 bits. For f64 the ops and their order are the source's; transcendental functions and
 BLAS sums are other libraries' than numpy's, so they agree to rounding, not to the bit.
 """
+import ctypes
+import re
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +119,60 @@ def test_the_command_line_flag(tmp_path):
         np.testing.assert_array_equal(outs["cpu"][name], a, err_msg=name)
     r = CliRunner().invoke(main, ["dump-ir", str(ROOT / "examples/mlp.tg"), "--fp-strict", "--after", "normalize"])
     assert r.exit_code == 0 and "grad" in r.output   # the first normalize of the strict pipeline
+
+
+# Where the f32 build and the interpreter part: transcendentals (tgc's own polynomials
+# against numpy's float64 ones, rounded once) and a long sum; and an update in place.
+STRICT_BUILD = """\
+dim n = 257
+input a[n], b[n]
+param w[n]
+out y[n] = tanh(a) * exp(b) + log(1 + a * a)
+out s = sum[n](exp(a) * b)
+update w = w - 0.1 * sigmoid(a) * b
+"""
+
+C_FLOATS = {"float": np.float32, "double": np.float64}
+
+
+def _abi(header: str, prefix: str, kind: str) -> list[tuple[str, type]]:
+    """(name, numpy type) of each argument (kind ARG) or output (OUT) in ABI order, as
+    the generated header's comments declare them."""
+    found = re.findall(rf"#define {prefix.upper()}_{kind}_\w+ (\d+)\s+/\* (?:\w+ )?(\w+): (\w+) ", header)
+    return [(name, C_FLOATS[ctype]) for _, name, ctype in sorted(found, key=lambda f: int(f[0]))]
+
+
+def test_a_strict_built_library_gives_the_interpreters_bits(tmp_path):
+    """`tgc build --fp-strict` of an f32 program runs the pipeline `tgc.compile` runs (its
+    f64 emulation): the library, called through ctypes with the ABI its header declares,
+    returns the reference interpreter's bits, as the compiled program does."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    src = tmp_path / "strict.tg"
+    src.write_text(STRICT_BUILD)
+    result = CliRunner().invoke(main, ["build", str(src), "--fp-strict", "-o", str(tmp_path / "libstrict.so")])
+    assert result.exit_code == 0, result.output
+    m = _strict_ir(src)
+    inputs = random_inputs(m, m.bind_dims({}), 3, "f32")
+    want = evaluate(m, {k: v.copy() for k, v in inputs.items()}, dtype="f32")
+    header = (tmp_path / "strict.h").read_text()
+    args = {name: np.ascontiguousarray(inputs[name], dtype) for name, dtype in _abi(header, "strict", "ARG")}
+    outs = {name: np.zeros(want[name].shape, dtype) for name, dtype in _abi(header, "strict", "OUT")}
+    assert list(args) == ["a", "b", "w"] and list(outs) == ["y", "s"]
+    lib = ctypes.CDLL(str(tmp_path / "libstrict.so"))
+    assert lib.strict_init_default() == 0
+    lib.strict_workspace_bytes.restype = ctypes.c_int64
+    ws = np.zeros(lib.strict_workspace_bytes((ctypes.c_int64 * 1)(0)) + 64, np.uint8)
+    status = lib.strict_run((ctypes.c_int64 * 1)(0), (ctypes.c_void_p * 3)(*[a.ctypes.data for a in args.values()]),
+                            (ctypes.c_void_p * 2)(*[o.ctypes.data for o in outs.values()]),
+                            ctypes.c_void_p(ws.ctypes.data + (-ws.ctypes.data) % 64))
+    assert status == 0
+    for name in ("y", "s"):
+        np.testing.assert_array_equal(outs[name].astype(np.float32), want[name], err_msg=name)
+        np.testing.assert_array_equal(outs[name], outs[name].astype(np.float32), err_msg=f"{name}: not an f32 value")
+    np.testing.assert_array_equal(args["w"].astype(np.float32), want["w"], err_msg="w (updated in place)")
+    compiled = tgc.compile(str(src), options=STRICT).run({k: v.copy() for k, v in inputs.items()})
+    for name in ("y", "s"):
+        np.testing.assert_array_equal(compiled[name], want[name], err_msg=f"tgc.compile: {name}")

@@ -240,12 +240,16 @@ def test_stages_print_after_each():
     seen = []
     lower_module(parse_module(SOFTMAX), Options(print_ir_after_all=True),
                  emit=lambda banner, text: seen.append((banner, text)))
-    assert [b for b, _ in seen] == ["IR after fuse", "IR after layout", "IR after narrow",
+    assert [b for b, _ in seen] == ["IR after emulate_low", "IR after without_rules", "IR after fuse",
+                                    "IR after layout", "IR after narrow",
                                     "IR after gemm_operands", "IR after implicit", "IR after group", "IR after plan"]
+    assert seen[0][1].startswith("dim ")   # emulate_low and without_rules: still the IR module
+    stages = dict(seen)
     temps = lambda text: [l for l in text.splitlines() if l.startswith("buffer") and " temp" in l]
-    assert temps(seen[0][1]) and all("order" not in l for l in temps(seen[0][1]))  # fuse: no layout yet
-    assert all("order" in l and "slot" not in l for l in temps(seen[1][1]))
-    assert all("slot" in l for l in temps(seen[-1][1]))
+    fused = temps(stages["IR after fuse"])
+    assert fused and all("order" not in l for l in fused)  # fuse: no layout yet
+    assert all("order" in l and "slot" not in l for l in temps(stages["IR after layout"]))
+    assert all("slot" in l for l in temps(stages["IR after plan"]))
 
 
 HEADS_THEN_WEIGHT_GRADIENT = """

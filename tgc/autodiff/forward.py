@@ -21,6 +21,7 @@ from __future__ import annotations
 from tgc.ir import values as V
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
+from tgc.autodiff.loops import loop_jvp
 from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for
 
 
@@ -36,7 +37,7 @@ def forward(f: Value, x: Value, dx: Value) -> Value | None:
             continue
         rule = rule_for(v)
         ts = [tangents.get(id(o)) if i in rule.positions(v) else None for i, o in enumerate(v.operands)]
-        t = rule.jvp(v, ts) if any(t is not None for t in ts) else None
+        t = None if all(t is None for t in ts) else loop_jvp(v, ts, forward) if v.op == "loop" else rule.jvp(v, ts)
         if t is not None:
             tangents[id(v)] = fit(t, set(v.edges) | batch)
     return tangents.get(id(f))

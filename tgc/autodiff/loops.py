@@ -21,6 +21,9 @@ Forward mode (`loop_jvp`): one loop that carries (C, dC), reads (X, dX) and (P, 
 for the operands with a tangent, and whose body adds to B the tangent program of
 each result (`tgc.autodiff.forward`).
 
+The sweeps are passed in by the drivers that meet a loop (`tgc.autodiff.reverse`,
+`tgc.autodiff.forward`), which import this module: it imports neither.
+
 Both derivative loops are ordinary loops of primitive ops, so a derivative of a
 derivative (an HVP through a `repeat`) applies these rules again.
 
@@ -83,16 +86,18 @@ def _slice_type(o: Value, edge: str) -> list[str]:
 
 # ---- reverse mode ---------------------------------------------------------------------
 
-def loop_vjp(v: Value, i: int, ct: Value) -> Value | None:
-    """The cotangent of operand `i` of loop output `v` whose cotangent is `ct`."""
-    return _backward(v, ct)[i]
+def loop_vjp(v: Value, i: int, ct: Value, reverse_many) -> Value | None:
+    """The cotangent of operand `i` of loop output `v` whose cotangent is `ct`;
+    `reverse_many` is the reverse sweep that called it (`tgc.autodiff.reverse`), run
+    on the body."""
+    return _backward(v, ct, reverse_many)[i]
 
 
 @lru_cache(maxsize=32)
-def _backward(v: Value, ct: Value) -> list[Value | None]:
+def _backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
     """The cotangents of all of `v`'s operands: the rule asks once per operand, and
     the loop is built once (values are hashed by identity; the cache holds a few)."""
-    return _build_backward(v, ct)
+    return _build_backward(v, ct, reverse_many)
 
 
 def kept_carries(v: Value) -> list[Value]:
@@ -104,7 +109,7 @@ def kept_carries(v: Value) -> list[Value]:
     return [V.loop(keep, edge, v.operands, len(body.results) + k, reverse) for k in range(nc)]
 
 
-def _build_backward(v: Value, ct: Value) -> list[Value | None]:
+def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
     body, edge, reverse, out = v.attrs
     nc, nx = body.carries, body.slices
     ops = v.operands
@@ -129,8 +134,6 @@ def _build_backward(v: Value, ct: Value) -> list[Value | None]:
         seeds.append((results[out], y_ct))
     wrt = [p for p in primal if _float(p)]
     parts: dict[int, list[Value]] = {id(p): [] for p in wrt}
-    from tgc.autodiff.reverse import reverse_many   # reverse imports the rules, which import this
-
     for f, seed in seeds:
         cts = reverse_many(f, wrt, seed)
         for p in wrt:
@@ -163,10 +166,10 @@ def _build_backward(v: Value, ct: Value) -> list[Value | None]:
 
 # ---- forward mode ---------------------------------------------------------------------
 
-def loop_jvp(v: Value, ts: Sequence[Value | None]) -> Value | None:
-    """The tangent of loop output `v` given its operands' tangents `ts` (None: 0)."""
-    from tgc.autodiff.forward import forward   # forward imports the rules, which import this
-
+def loop_jvp(v: Value, ts: Sequence[Value | None], forward) -> Value | None:
+    """The tangent of loop output `v` given its operands' tangents `ts` (None: 0);
+    `forward` is the tangent sweep that called it (`tgc.autodiff.forward`), run on the
+    body."""
     body, edge, reverse, out = v.attrs
     nc, nx = body.carries, body.slices
     ops = v.operands

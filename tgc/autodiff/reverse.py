@@ -24,6 +24,7 @@ from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
+from tgc.autodiff.loops import loop_vjp
 from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for, total
 from tgc.autodiff.remat import rematerialize
 
@@ -58,7 +59,8 @@ def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | No
         rule = rule_for(v)
         for i in rule.positions(v):
             o = v.operands[i]
-            c = rule.vjp(v, i, ct) if id(o) in act else None
+            c = None if id(o) not in act else loop_vjp(v, i, ct, reverse_many) if v.op == "loop" \
+                else rule.vjp(v, i, ct)
             if c is not None:
                 parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
     return rematerialize(f, out)

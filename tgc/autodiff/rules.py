@@ -31,7 +31,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from tgc.autodiff.loops import loop_jvp, loop_vjp
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError
 from tgc.ir.dtypes import CONVERSIONS, ROUNDINGS
@@ -338,13 +337,19 @@ RULES["slot"] = ZERO
 # ---- loops: the derivative of a loop is a loop (tgc.autodiff.loops) ------------------------
 
 class _LoopRule(Rule):
-    """Every float operand (initial carries, stacked slices, invariants) carries a derivative."""
+    """Every float operand (initial carries, stacked slices, invariants) carries a
+    derivative; the derivative loops are built by `tgc.autodiff.loops`, which the
+    sweeps call themselves (they pass themselves in, for the body)."""
 
     def positions(self, v: Value) -> Sequence[int]:
         return [i for i, o in enumerate(v.operands) if o.dtype != "i32"]
 
 
-RULES["loop"] = _LoopRule((), loop_vjp, loop_jvp)
+def _by_sweep(*args):
+    raise AssertionError("a loop's derivative is built by tgc.autodiff.loops, called by the sweep")
+
+
+RULES["loop"] = _LoopRule((), _by_sweep, _by_sweep)
 RULES["loopvar"] = ZERO   # a body's parameter: its derivative is the derivative loop's business
 
 

@@ -78,7 +78,9 @@ class Backend:
 
     def build(self, module, options, emit: str, output: str, source: str) -> dict[str, bytes]:
         """The files of `tgc build --target NAME --emit EMIT -o OUTPUT` for `module`
-        after the IR pipeline: {path: bytes}, `output` first, then its companions.
+        after the IR pipeline and the target passes (`tgc.pipeline.target`, which also
+        gives the `options` it is built with: under --fp-strict an f32 program is its
+        f64 emulation): {path: bytes}, `output` first, then its companions.
         `source` is the program's file name (for comments in what is written).
         ValueError: a combination of flags this backend cannot write."""
         raise ValueError(f"backend '{self.name}' builds no files (it runs programs in this process)")

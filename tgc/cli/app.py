@@ -275,10 +275,11 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
     options = options.with_(passes=names, print_ir_after_all=after_all or options.print_ir_after_all)
     result = lower(module, options, collect if after_all else _emit_to_stderr)
     if stage is not None or (after_all and after is None):
+        from tgc.ir.module import Module
         from tgc.lower.lowered import print_lowered
 
         low = lower_stages(result.module, options, collect if after_all else _emit_to_stderr, stage, backend)
-        text = print_lowered(low)
+        text = render_module(low, fmt, locs) if isinstance(low, Module) else print_lowered(low)   # --after emulate_low
     else:
         text = render_module(result.module, fmt, locs)
     write_output(output, "".join(chunks) if after_all else text)
@@ -288,9 +289,16 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
     """Run `backend`'s lowering stages (with --time-passes or --stats, print their
     tables to stderr)."""
     from tgc.backends.base import get_backend
+    from tgc.ir.module import Module
     from tgc.manager import run_lowering
+    from tgc.registry import target
 
     be = get_backend(backend)
+    if isinstance(program, Module):   # the program a backend compiles (--fp-strict f32: its f64 emulation)
+        names = target(options)
+        program, options = pipeline.target(program, options, emit)
+        if stop_after in names:
+            return program
     result = run_lowering(program, be.lowering_options(options), emit, be.lowering(), stop_after=stop_after)
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
@@ -298,7 +306,8 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
         from tgc.opt.stats import format_table
 
         click.echo(stats_sizes(getattr(program, "module", program), options.rep_size)
-                   + format_table([(s.name, s.cost) for s in result.stats], count="kernels"), err=True, nl=False)
+                   + format_table([(s.name, s.cost) for s in result.stats if s.cost is not None], count="kernels"),
+                   err=True, nl=False)
     return result.lowered
 
 
@@ -306,11 +315,12 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
     """The IR passes to run for `--after`, and the lowering stage to stop at (or None:
     no lowering; without --after, the last stage when -p names lowering stages)."""
     from tgc.manager import parse_pass_spec
-    from tgc.registry import PASSES, pipeline as pass_names, stages
+    from tgc.registry import PASSES, PREPARE, pipeline as pass_names, stages, target
 
     names = pass_names(options)
     plain = [parse_pass_spec(n)[0] for n in names]
-    lowering = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering(backend))]
+    stage_names = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering(backend))]
+    lowering = list(target(options)) + list(PREPARE) + stage_names   # what runs after the IR pipeline, in order
     if after is None:
         return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
@@ -319,9 +329,9 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
     if after not in PASSES:
         raise click.BadParameter(f"unknown pass '{after}' (known: {known})"
                                  + did_you_mean(after, ("elaborate", *PASSES)), param_hint="--after")
-    if PASSES[after].gives == "lowered":
+    if PASSES[after].gives == "lowered" or (after in lowering and after not in plain):
         if after not in lowering:
-            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(lowering)})",
+            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(stage_names)})",
                                      param_hint="--after")
         return tuple(names), after
     if after not in plain:
@@ -398,7 +408,7 @@ def passes() -> None:
     lowers for the CPU)."""
     from tgc.backends.base import backend_names
     from tgc.manager import pass_fields
-    from tgc.registry import DEFAULT_PIPELINE, PASSES
+    from tgc.registry import DEFAULT_PIPELINE, PASSES, PREPARE, STRICT_PIPELINE, target
 
     lowerings = {name: pipeline.lowering(name) for name in backend_names()}   # each backend's stages are named
 
@@ -410,6 +420,10 @@ def passes() -> None:
             kind = kind.replace("NoneType", "none")
             click.echo(f"{'':<{width}}    {{{field}={kind}}}")
     click.echo(f"\ndefault pipeline: {','.join(DEFAULT_PIPELINE)}")
+    click.echo(f"strict pipeline (--fp-strict): {','.join(STRICT_PIPELINE)}")
+    click.echo(f"target, after the pipeline (--fp-strict, an f32 program): "
+               f"{','.join(target(Options(dtype='f32', fp_strict=True)))}")
+    click.echo(f"before every lowering: {','.join(PREPARE)}")
     for name, stages in lowerings.items():
         click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
 

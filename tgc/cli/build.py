@@ -100,6 +100,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     """
     from tgc.backends.base import get_backend
     from tgc.ir.printer import print_module
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
     from tgc.progress import status
 
     backend = get_backend(target)
@@ -125,7 +127,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     check_outputs([("the output", output), *companions.items(), ("the depfile", depfile)], sources(loaded.files),
                   hint="-o/-MF")
     try:
-        module = pipeline.fix_dims(loaded.module, defines)
+        module = run_passes(loaded.module, (FixDims.of(defines),), options)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):
@@ -135,8 +137,9 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         if emit == "ir":
             files = {output: print_module(lowered.module).encode()}
         else:
+            compiled, opts = pipeline.target(lowered.module, options)   # what tgc.compile compiles
             with _flag_errors():
-                files = backend.build(lowered.module, options, emit, output, Path(file).name)
+                files = backend.build(compiled, opts, emit, output, Path(file).name)
             files = {path: data for path, data in files.items() if path == output or path in companions.values()}
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile

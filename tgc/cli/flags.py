@@ -5,8 +5,9 @@ import click
 
 FP_STRICT = click.option(
     "--fp-strict", "fp_strict", is_flag=True,
-    help="No algebra, reassociation or FMA: every op as the source orders it (the default pipeline "
-         "becomes normalize,adjoint,tangent,normalize; an f32 program run by tgc gives the interpreter's bits).")
+    help="No algebra, reassociation or FMA: every op as the source orders it (the strict pipeline, "
+         "`tgc passes`). An f32 program runs as its f64 emulation, run or built, and gives the interpreter's "
+         "bits; a library built so takes and returns double arrays (its header says so).")
 
 AUTOCAST = click.option(
     "--autocast", type=click.Choice(["bf16", "f16"]), default=None,

@@ -36,11 +36,13 @@ def info(file, fmt, dtype, defines, import_dirs=()) -> None:
       tgc info examples/mlp.tg -D batch=32
     """
     from tgc.info import describe, format_info
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
 
     options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs))
     module = pipeline.load(file, options)
     try:
-        module = pipeline.fix_dims(module, defines)
+        module = run_passes(module, (FixDims.of(defines),), options)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     data = describe(module, options.dtype)

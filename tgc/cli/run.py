@@ -377,6 +377,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
       tgc run examples/gpt.tg --random-inputs --profile 100
       tgc run examples/mlp.tg --random-inputs --backend interp   # the reference interpreter
     """
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
     from tgc.options import Options
 
     if output == "-":
@@ -395,7 +397,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         check_outputs([("the output", output)], [*sources(loaded.files), ("the inputs", npz),
                                                  *((f"input '{k}'", v) for k, v in singles.items())])
         full = loaded.module
-        lowered = pipeline.lower(pipeline.forward_only(full) if no_update else full, options)
+        lowered = pipeline.lower(run_passes(full, ("forward_only",), options) if no_update else full, options)
         module = lowered.module
     report_memory(lowered.memory)
     onehot = cross_entropy_targets(file) if random_inputs else {}
@@ -413,7 +415,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         else:
             with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
                 if any(v.op == "loop" for v in module.values()):   # compiled loops need their trip counts
-                    module = pipeline.lower(pipeline.fix_dims(module, dims), options).module
+                    module = pipeline.lower(run_passes(module, (FixDims.of(dims),), options), options).module
                 program = pipeline.compile_module(module, options, backend)
             call_dims = dict(options.dims) or None
             with status("running"):

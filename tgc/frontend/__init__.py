@@ -4,8 +4,7 @@ Stage: after `tgc.ir`, before `tgc.opt`; imports `tgc.ir` and the leaves
 (`tgc.options`, `tgc.fsutil`) only."""
 from __future__ import annotations
 
-from pathlib import Path
-
+from tgc.frontend.folders import import_folders  # noqa: F401 (part of the front end's interface)
 from tgc.ir.module import Module
 from tgc.options import Options
 
@@ -22,10 +21,3 @@ def compile_file(path: str, options: Options | None = None) -> Module:
     from tgc.frontend.elaborate import elaborate_file
 
     return elaborate_file(path, options or Options()).module
-
-
-def import_folders(filename: str | Path, import_dirs=()) -> list[Path]:
-    """The folders an import in the file `filename` is looked for in, in order: the
-    file's own folder, then each -I folder; a relative name resolves against the
-    working directory (so the same name may mean other files elsewhere)."""
-    return [Path(filename).parent.resolve()] + [Path(d).resolve() for d in import_dirs]

@@ -16,7 +16,8 @@ from collections import ChainMap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tgc.frontend import ast, import_folders
+from tgc.frontend import ast
+from tgc.frontend.folders import import_folders
 from tgc.frontend.complexes import COMPLEX_DTYPES, abi_order, ensure_edge, is_complex
 from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops

@@ -14,16 +14,26 @@ an exact result lies within an f64 ulp of a point halfway between two floats.
 Arguments become f64 (the runtime converts the caller's f32 arrays and writes
 updates back; outputs are rounded values, returned as f32). Terminates: one visit
 per value.
+
+As a pass (`EmulateF32`, `emulate_f32`), it is the target pass that --fp-strict runs
+on an f32 program after the IR pipeline, for every backend and for `tgc build` alike
+(`tgc.registry.target`): what it gives is the program a backend compiles, of float
+type f64 (`Pass.float_type`), so the lowering and the code run in f64. It changes
+values by design (each rounded to f32, as the interpreter rounds): --verify-each
+compares the passes after it with its result (`rounds`). On an f64 program it
+changes nothing.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from tgc.ir import values as V
 from tgc.ir.module import Module
+from tgc.ir.passes import Pass
 from tgc.ir.values import TensorType, Value
+from tgc.options import Options
 
 # ops whose value on f32 operands is always an f32 (a selection, a copy, a comparison)
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random", "custom", "slot"})
@@ -52,3 +62,17 @@ def emulate_f32(module: Module) -> Module:
     out = module.replace_values(memo)
     out.args = {n: replace(a, dtype="f64") if a.dtype == "f32" else a for n, a in module.args.items()}
     return out
+
+
+@dataclass(frozen=True)
+class EmulateF32(Pass[Module, Module]):
+    """An f32 program as its f64 emulation: every value rounded to f32 (--fp-strict)."""
+
+    name = "emulate_f32"
+    rounds = True
+
+    def run(self, module: Module, options: Options) -> Module:
+        return emulate_f32(module) if options.dtype == "f32" else module
+
+    def float_type(self, options: Options) -> str:
+        return "f64" if options.dtype == "f32" else options.dtype

@@ -34,15 +34,22 @@ arguments and to the values computed elementwise and rounded (a backend that run
 the CPU's, then reads and writes bf16/f16 elements); every other buffer holds `fp`, and
 the runtime (`tgc.runtime.program`) converts a bf16/f16 argument or output whose buffer
 holds `fp` on the way in and out. Terminates: one visit per value, in topological order.
+
+As a pass (`EmulateLow`, `emulate_low`), it is the first step of every lowering
+(`tgc.registry.PREPARE`, run on the module before `fuse` whatever the stage list):
+it changes no value the interpreter gives (the roundings it writes are the ones the
+value types stand for), and a module without such values is returned as it is.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tgc.ir import values as V
 from tgc.ir.dtypes import CONVERSIONS, LOW_FLOATS, narrower, promote, round_to, rounding
 from tgc.ir.module import Module
+from tgc.ir.passes import Pass
 from tgc.ir.values import TensorType, Value
+from tgc.options import Options
 
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
@@ -180,3 +187,13 @@ def emulate_low(module: Module, fp: str) -> Module:
     out.outputs = [replace(o, low=old.value.dtype) if old.value.dtype in held else o
                    for o, old in zip(out.outputs, module.outputs)]
     return out
+
+
+@dataclass(frozen=True)
+class EmulateLow(Pass[Module, Module]):
+    """bf16/f16 values (and f32 ones of an f64 program) held in the float type, rounded."""
+
+    name = "emulate_low"
+
+    def run(self, module: Module, options: Options) -> Module:
+        return emulate_low(module, options.dtype) if has_low(module, options.dtype) else module

@@ -57,6 +57,15 @@ class Fact:
     loc: Loc | None = None
 
 
+
+def size_error(name: str, n) -> str | None:
+    """Why `n` is not a size a caller may give dim `name` (None: it is one)."""
+    import numbers
+
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
+        return f"dim '{name}' = {n!r}: a size is a positive integer (at most 2^62)"
+    return None
+
 @dataclass
 class Module:
     dims: dict[str, Size | None] = field(default_factory=dict)  # None: symbolic, bound at call
@@ -114,12 +123,10 @@ class Module:
         """Why a caller may not give dim `name` the size `n` (None: it may): the one
         check of a given dim (`dims=`, `--dim`, `-D`, `tgc.compile(dims=)`). With
         `bind`, only a symbolic dim takes a size (a fixed or derived one only its own)."""
-        import numbers
-
         if name not in self.dims:
             return f"the program has no dim '{name}'" + did_you_mean(name, self.dims)
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 < n <= MAX_SIZE:
-            return f"dim '{name}' = {n!r}: a size is a positive integer (at most 2^62)"
+        if size_error(name, n):
+            return size_error(name, n)
         if bind and self.dims[name] is not None and self.dims[name] != n:
             why = "it has a fixed size" if isinstance(self.dims[name], int) else "it is derived from other dims"
             return f"dim '{name}' is {size_str(self.dims[name])}, not a symbolic dim to bind to {n}: {why}"

@@ -27,8 +27,9 @@ Adding an elementwise function is one `Fn` entry here, its derivative rule
 
 Nothing here computes anything at import beyond building the tables; the tables are
 finite, so every walk over them terminates. This module imports only numpy and
-`tgc.ir.dtypes` at the top; its text codecs call the builders of `tgc.ir.values`,
-imported when first used (values itself reads `FNS` for arities and types).
+`tgc.ir.dtypes`; its text codecs call the builders of `tgc.ir.values`, which the IR
+reader passes to them (values itself reads `FNS` for arities and types, so this
+module never imports it).
 """
 from __future__ import annotations
 
@@ -205,12 +206,6 @@ def backend_fns(lowered_before: bool = False) -> list[str]:
 # ---------------------------------------------------------------- IR ops
 
 
-def _V():
-    from tgc.ir import values   # values reads FNS at import: imported here, when first used
-
-    return values
-
-
 def _edges(text: str) -> list[str]:
     return [e.strip() for e in text.split(",") if e.strip()]
 
@@ -220,9 +215,9 @@ class Op:
     """One primitive op of the IR: its operands, attributes and text codec.
 
     `text(attrs)` is what the printer writes between the brackets ('' for none: no
-    brackets); `parse(text, args, type, loc)` rebuilds the value from that text, its
-    operands and its written type, through `tgc.ir.values`' builders (None: the text
-    cannot name this op)."""
+    brackets); `parse(V, text, args, type, loc)` rebuilds the value from that text, its
+    operands and its written type, through the builders `V` (`tgc.ir.values`; None:
+    the text cannot name this op)."""
 
     name: str
     arity: int | None                 # operand count (None: variable)
@@ -243,70 +238,70 @@ def _random_text(a: tuple) -> str:
     return a[0] + (f": {', '.join(map(str, a[1]))}" if a[1] else "") + (f" as {a[2]}" if a[2] else "")
 
 
-def _parse_scatter(a, args, typ, loc):
+def _parse_scatter(V, a, args, typ, loc):
     kind, _, edge = a.rpartition(":")
-    return _V().scatter(args[0], args[1], edge.strip(), set(typ.edges) & set(args[1].edges), loc,
+    return V.scatter(args[0], args[1], edge.strip(), set(typ.edges) & set(args[1].edges), loc,
                         kind.strip() or "sum")
 
 
-def _parse_reduce(a, args, typ, loc):
+def _parse_reduce(V, a, args, typ, loc):
     kind, _, edges = a.partition(":")
-    return _V().reduce(kind.strip(), args[0], _edges(edges), loc)
+    return V.reduce(kind.strip(), args[0], _edges(edges), loc)
 
 
-def _parse_rename(a, args, typ, loc):
+def _parse_rename(V, a, args, typ, loc):
     pairs = [p.split("->") for p in a.split(",")]
-    return _V().rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
+    return V.rename(args[0], {s.strip(): d.strip() for s, d in pairs}, loc)
 
 
-def _parse_custom(a, args, typ, loc):
+def _parse_custom(V, a, args, typ, loc):
     fn, n, ct, tans = (p.strip() for p in a.split(";"))
     n, tans = int(n), tuple(tans.split())
     want = 1 + n + (n if ct else 0) + (1 if tans else 0)
     if n < 0 or len(args) != want:
-        raise _V().IRError(f"'custom' with {n} arguments{', a vjp' if ct else ''}{', a jvp' if tans else ''} "
+        raise V.IRError(f"'custom' with {n} arguments{', a vjp' if ct else ''}{', a jvp' if tans else ''} "
                            f"takes {max(want, 1)} operands, not {len(args)}")
     rest = args[1 + n:]
-    return _V().custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
+    return V.custom(args[0], args[1:1 + n], rest[:n] if ct else None, rest[-1] if tans else None,
                        fn, ct, tans, loc)
 
 
-def _parse_random(a, args, typ, loc):
+def _parse_random(V, a, args, typ, loc):
     a, _, draw = a.partition(" as ")
     kind, _, folds = a.partition(":")
     fs = [n.strip() for n in folds.split(",") if n.strip()]   # `$i`: fold by operand i (an i32 input)
     by_input = [int(n[1:]) for n in fs if n.startswith("$") and n[1:].isdigit()]
     if not args or sorted(by_input) != list(range(1, len(args))):
-        raise _V().IRError(f"'random' takes its key and one operand per '$i' fold ({1 + len(by_input)}), "
-                           f"not {len(args)}")
-    return _V().random(kind.strip(), args[0], [args[int(n[1:])] if n.startswith("$") else int(n) for n in fs],
-                       typ.dtype, typ.edges, loc, draw.strip())
+        raise V.IRError(f"'random' takes its key and one operand per '$i' fold ({1 + len(by_input)}), "
+                        f"not {len(args)}")
+    return V.random(kind.strip(), args[0], [args[int(n[1:])] if n.startswith("$") else int(n) for n in fs],
+                    typ.dtype, typ.edges, loc, draw.strip())
 
 
-def _parse_indicator(a, args, typ, loc):
+def _parse_indicator(V, a, args, typ, loc):
     from tgc.ir.affine import parse_relation
 
-    return _V().indicator(parse_relation(a), typ.dtype, loc)
+    return V.indicator(parse_relation(a), typ.dtype, loc)
 
 
 _OPS: list[Op] = [
     Op("arg", 0, "(name,): an input, param or state", _no_text, None),   # written as %name
     Op("const", 0, "(value,): a float filled over the type's edges", lambda a: repr(a[0]),
-       lambda a, args, typ, loc: _V().const(float(a), typ.dtype, typ.edges, loc)),
+       lambda V, a, args, typ, loc: V.const(float(a), typ.dtype, typ.edges, loc)),
     Op("size", 0, "(edge,): the edge's size as a float scalar", lambda a: a[0],
-       lambda a, args, typ, loc: _V().size(a.strip(), typ.dtype, loc)),
+       lambda V, a, args, typ, loc: V.size(a.strip(), typ.dtype, loc)),
     Op("add", None, "(coefs,): sum of coef_i * operand_i", lambda a: ", ".join(repr(c) for c in a[0]),
-       lambda a, args, typ, loc: _V().add(args, [float(c) for c in a.split(",")], loc)),
+       lambda V, a, args, typ, loc: V.add(args, [float(c) for c in a.split(",")], loc)),
     Op("contract", None, "(): product of the operands summed over the edges not kept", _no_text,
-       lambda a, args, typ, loc: _V().contract(args, typ.edges, loc)),
+       lambda V, a, args, typ, loc: V.contract(args, typ.edges, loc)),
     Op("map", None, "(fn,): an elementwise function of FNS", lambda a: a[0],
-       lambda a, args, typ, loc: _V().map_(a.strip(), *args, loc=loc)),
+       lambda V, a, args, typ, loc: V.map_(a.strip(), *args, loc=loc)),
     Op("reduce", 1, "(kind, edges): max, min or logsumexp over edges",
        lambda a: f"{a[0]}: {', '.join(a[1])}", _parse_reduce),
     Op("indicator", 0, "(relation,): 1 where the affine relation holds, else 0", lambda a: str(a[0]),
        _parse_indicator),
     Op("gather", 2, "(edge,): table[edge = ids]", lambda a: a[0],
-       lambda a, args, typ, loc: _V().gather(args[0], args[1], a.strip(), loc)),
+       lambda V, a, args, typ, loc: V.gather(args[0], args[1], a.strip(), loc)),
     Op("scatter", 2, "(edge, kind): gather's transpose (sum) or a segment max/min", _scatter_text,
        _parse_scatter),
     Op("random", None, "(kind, folds, draw): a counter-based draw", _random_text, _parse_random),
@@ -315,17 +310,17 @@ _OPS: list[Op] = [
     Op("rename", 1, "(pairs,): edge renaming", lambda a: ", ".join(f"{s} -> {d}" for s, d in a[0]),
        _parse_rename),
     Op("stop", 1, "(): identity with a zero derivative", _no_text,
-       lambda a, args, typ, loc: _V().stop(args[0], loc)),
+       lambda V, a, args, typ, loc: V.stop(args[0], loc)),
     *(Op(n, k, "(): a derivative, until autodiff replaces it", _no_text,
-         lambda a, args, typ, loc, _n=n: getattr(_V(), _n)(*args, loc=loc))
+         lambda V, a, args, typ, loc, _n=n: getattr(V, _n)(*args, loc=loc))
       for n, k in (("grad", 2), ("jvp", 3), ("vjp", 3))),
     Op("slot", 0, "(name,): a custom derivative rule's placeholder", lambda a: a[0],
-       lambda a, args, typ, loc: _V().slot(a.strip(), typ.dtype, typ.edges, loc)),
+       lambda V, a, args, typ, loc: V.slot(a.strip(), typ.dtype, typ.edges, loc)),
     # fn; argument count; cotangent slot ('' without vjp); tangent slots
     Op("custom", None, "(fn, n, ct, tans): a call with its own derivative rules",
        lambda a: f"{a[0]}; {a[1]}; {a[2]}; {' '.join(a[3])}", _parse_custom),
     Op("loopvar", 0, "(k,): parameter k of a loop body", lambda a: str(a[0]),
-       lambda a, args, typ, loc: _V().loopvar(int(a), typ.dtype, typ.edges, loc)),
+       lambda V, a, args, typ, loc: V.loopvar(int(a), typ.dtype, typ.edges, loc)),
     # the body is written as a block before its first use (`body b0 ...`), named in the
     # attributes: `loop[b0, edge, out]` or `loop[b0, edge, out, reverse]` (tgc.ir.printer)
     Op("loop", None, "(body, edge, reverse, out): output `out` of a loop over `edge`",
@@ -341,11 +336,13 @@ def attr_text(op: str, attrs: tuple) -> str:
     return f"[{text}]" if text else ""
 
 
-def parse_value(op: str, attrs: str | None, args: list, typ, loc):
-    """The value `op[attrs] args : typ` of the text form, built through the typed builders."""
+def parse_value(V, op: str, attrs: str | None, args: list, typ, loc):
+    """The value `op[attrs] args : typ` of the text form, built through the typed
+    builders `V` (the module `tgc.ir.values`, which the reader passes: values reads
+    this module's tables at import, so this one never imports it)."""
     o = OPS.get(op)
     if o is None or o.parse is None:
-        raise _V().IRError(f"unknown op '{op}'")
+        raise V.IRError(f"unknown op '{op}'")
     if o.arity is not None and len(args) != o.arity:
-        raise _V().IRError(f"'{op}' takes {o.arity} operand{'s' if o.arity != 1 else ''}, not {len(args)}")
-    return o.parse(attrs or "", args, typ, loc)
+        raise V.IRError(f"'{op}' takes {o.arity} operand{'s' if o.arity != 1 else ''}, not {len(args)}")
+    return o.parse(V, attrs or "", args, typ, loc)

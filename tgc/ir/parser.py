@@ -198,7 +198,7 @@ class _Reader:
 
 
 def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, loc) -> V.Value:
-    return ops.parse_value(op, attrs, args, typ, loc)   # each op's text codec: tgc.ir.ops.OPS
+    return ops.parse_value(V, op, attrs, args, typ, loc)   # each op's text codec: tgc.ir.ops.OPS
 
 
 def parse_module(text: str, filename: str = "<ir>") -> Module:

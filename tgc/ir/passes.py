@@ -6,7 +6,10 @@ one-line docstring; its fields are its options (`-p 'group{blocks=8}'` sets them
 new values; it never mutates values, which are shared). `takes` and `gives` say
 which level it reads and writes: "module" (the IR) or "lowered" (the lowered
 program, `tgc.lower.lowered`); the pass manager (`tgc.manager`) runs both kinds, and
-checks that each pass of a list reads what the one before it gives.
+checks that each pass of a list reads what the one before it gives. A pass that
+gives a program of another float type than it reads (`emulate_f32`: an f32 program
+as its f64 emulation) says so with `float_type`; the passes after it, the lowering
+and the backend then run with that type.
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ class Pass(Generic[In, Out]):
 
     def run(self, ir: In, options: Options) -> Out:
         raise NotImplementedError
+
+    def float_type(self, options: Options) -> str:
+        """The float type of the program `run` gives, for one of type `options.dtype`."""
+        return options.dtype
 
     @classmethod
     def summary(cls) -> str:

@@ -47,7 +47,8 @@ from __future__ import annotations
 import llvmlite.ir as ir
 import numpy as np
 
-from tgc.backends.cpu.irutil import I1, I32, I64, PTR, define, export, for_range
+from tgc.backends.cpu.irutil import (I1, I32, I64, PTR, define, export, for_range, gather_intrinsic, masked_intrinsics,
+                                     splat)
 
 VL = 16            # f32 lanes of a 512-bit vector
 OWN_DEPTH = 256    # K per packed block of B
@@ -122,11 +123,9 @@ def start_accumulators(b, add_c, crow, accs, masks):
     (masked to the block's columns) when `add_c`, else zeros. A branch, not a load
     with no lane set: that still reads C's lines (rows 4 KB apart miss the cache: a
     fifth of a convolution's product)."""
-    from tgc.backends.cpu.gemm import _masked_intrinsics
-
     vt = accs[0][0].allocated_type
     lanes = vt.count
-    load_fn = _masked_intrinsics(b.module, vt.element, lanes)[0]
+    load_fn = masked_intrinsics(b.module, vt.element, lanes)[0]
     with b.if_else(add_c) as (from_c, from_zero):
         with from_c:
             for row, regs in zip(crow, accs):
@@ -148,18 +147,16 @@ class _Lines:
     10.4 Mcycles with the loads forced onto lines)."""
 
     def __init__(self, b, addr):
-        from tgc.backends.cpu.gemm import _masked_intrinsics, _splat
-
         self.b = b
         self.vt, self.mt = ir.VectorType(ir.FloatType(), VL), ir.VectorType(I1, VL)
         i32v = ir.VectorType(I32, VL)
-        self.load_fn = _masked_intrinsics(b.module, ir.FloatType(), VL)[0]
+        self.load_fn = masked_intrinsics(b.module, ir.FloatType(), VL)[0]
         name = "llvm.x86.avx512.vpermi2var.ps.512"
         self.perm = b.module.globals.get(name) or ir.Function(
             b.module, ir.FunctionType(self.vt, [self.vt, i32v, self.vt]), name)
         self.line0 = b.and_(addr, I64(-64))
         self.shift = b.trunc(b.lshr(b.sub(addr, self.line0), I64(2)), I32)   # 0 .. 15 floats into the line
-        self.idx = b.add(_splat(b, self.shift, i32v), ir.Constant(i32v, list(range(VL))))
+        self.idx = b.add(splat(b, self.shift, i32v), ir.Constant(i32v, list(range(VL))))
 
     def split(self, ok):
         """(i32 lanes of the first line, of the second) that a vector's lanes `ok` need."""
@@ -309,8 +306,6 @@ class _Lanes:
     def compare(self, b, rcs, v):
         """<16 x i1>: the lanes of vector `v` inside the range where every condition
         holds, for a row whose conditions' row parts are `rcs`."""
-        from tgc.backends.cpu.gemm import _splat
-
         win = self.win
         i32v = ir.VectorType(I32, VL)
         ok = b.bitcast(b.load(b.gep(self.valid, [v], source_etype=ir.IntType(16)), typ=ir.IntType(16)),
@@ -319,7 +314,7 @@ class _Lanes:
         for i, (c, rc) in enumerate(zip(win.conds, rcs)):
             slot = b.mul(b.add(b.mul(v, I64(len(win.conds))), I64(i)), I64(VL))
             cv = b.load(b.bitcast(b.gep(self.conds, [slot], source_etype=I32), i32v.as_pointer()), typ=i32v, align=64)
-            t = b.add(cv, _splat(b, b.trunc(rc, I32), i32v))
+            t = b.add(cv, splat(b, b.trunc(rc, I32), i32v))
             ok = b.and_(ok, b.icmp_signed(c.op, t, zero_i))
         return ok
 
@@ -348,11 +343,9 @@ class _Lanes:
         """The window's row (offset `roff`, condition parts `rcs`, row class `cls`
         when the table has masks per class) at the table's vector `v`: 16 floats,
         zeros where a condition fails."""
-        from tgc.backends.cpu.gemm import _gather_intrinsic, _splat
-
         f32 = ir.FloatType()
         vt, i64v = ir.VectorType(f32, VL), ir.VectorType(I64, VL)
-        gather = _gather_intrinsic(b.module, f32, VL)
+        gather = gather_intrinsic(b.module, f32, VL)
         zero_v = ir.Constant(vt, [0.0] * VL)
         ok = self.mask(b, rcs, v, cls)
         first = b.mul(v, I64(VL))
@@ -365,7 +358,7 @@ class _Lanes:
             with scattered:
                 offs = b.load(b.bitcast(b.gep(self.off, [first], source_etype=I64), i64v.as_pointer()),
                               typ=i64v, align=64)
-                base = _splat(b, b.ptrtoint(b.gep(src, [roff], source_etype=f32), I64), i64v)
+                base = splat(b, b.ptrtoint(b.gep(src, [roff], source_etype=f32), I64), i64v)
                 ptrs = b.inttoptr(b.add(base, b.shl(offs, ir.Constant(i64v, [2] * VL))), ir.VectorType(PTR, VL))
                 x_gather = b.call(gather, [ptrs, I32(4), ok, zero_v])
                 from_gather = b.block
@@ -445,8 +438,6 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     the taps' blocks of B are packed side by side and each block of rows keeps its
     accumulators in registers across all of them (C is read and written once per K
     block, not once per tap)."""
-    from tgc.backends.cpu.gemm import _gather_intrinsic, _masked_intrinsics, _splat
-
     if window is None:
         name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".taps" if taps else "")
         if name in mod.globals:
@@ -489,8 +480,8 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
-    load_fn, store_fn, fma_fn = _masked_intrinsics(mod, f32, VL)
-    gather = _gather_intrinsic(mod, f32, VL)
+    load_fn, store_fn, fma_fn = masked_intrinsics(mod, f32, VL)
+    gather = gather_intrinsic(mod, f32, VL)
     zero_v = ir.Constant(vt, [0.0] * VL)
     iota = ir.Constant(it, list(range(VL)))
     align = I32(4)
@@ -531,7 +522,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                     bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
                                  typ=vt, align=64) for c in range(vecs)]
                     for r in range(rows):
-                        av = _splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
+                        av = splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
                         for c in range(vecs):
                             b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
             if tap_parts is None:
@@ -545,7 +536,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
                         for r in range(rows):
                             for c in range(vecs):
                                 at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
-                                keep = b.and_(masks[c], _splat(b, inside[r], mt))
+                                keep = b.and_(masks[c], splat(b, inside[r], mt))
                                 v = b.load(accs[r][c], typ=vt)
                                 if adds:
                                     v = b.fadd(b.call(load_fn, [at, align, keep, zero_v]), v)
@@ -560,7 +551,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     chunks = b.sdiv(b.add(K, b.sub(block, I64(1))), block)
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
     step = b.sdiv(b.add(K, b.sub(chunks, I64(1))), chunks)     # K's blocks as even as can be
-    lane_bytes = b.mul(_splat(b, b.mul(sbn, I64(4)), it), iota)
+    lane_bytes = b.mul(splat(b, b.mul(sbn, I64(4)), it), iota)
     panels = b.sdiv(b.add(N, I64(cols - 1)), I64(cols))
     narrow = None
     if window is None and vecs == 4 and rows == 4 and not taps:
@@ -574,7 +565,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     with for_range(b, I64(0), panels, "oj") as jb:
         j0 = b.mul(jb, I64(cols))
         width = smin(I64(cols), b.sub(N, j0))
-        masks = [b.icmp_signed("<", iota, _splat(b, b.sub(width, I64(c * VL)), it)) for c in range(vecs)]
+        masks = [b.icmp_signed("<", iota, splat(b, b.sub(width, I64(c * VL)), it)) for c in range(vecs)]
         with for_range(b, I64(0), chunks, "ok") as kb:
             k0 = b.mul(kb, step)
             kd = smin(step, b.sub(K, k0))
@@ -630,8 +621,6 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_b
     """B's block: one packed row of `cols` floats per K (zeros past N): masked vector
     loads when B's columns are contiguous, transposed 16 x 16 squares when its K is,
     gathers otherwise."""
-    from tgc.backends.cpu.gemm import _splat
-
     f32 = ir.FloatType()
     align = I32(4)
     prefetch = b.module.globals.get("llvm.prefetch.p0") or ir.Function(
@@ -659,7 +648,7 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_b
                         dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
                         for c in range(vecs):
                             at = b.add(row, b.mul(sbn, I64(4 * c * VL)))
-                            ptrs = b.inttoptr(b.add(_splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
+                            ptrs = b.inttoptr(b.add(splat(b, at, it), lane_bytes), ir.VectorType(PTR, VL))
                             v = b.call(gather, [ptrs, align, masks[c], zero_v])
                             b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
                                     align=64)
@@ -671,8 +660,6 @@ def _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_
     loads, B's columns contiguous). Returns `tap_parts` for `row_blocks`: a
     function yielding, per tap (a loop over nt), (A + a_off[t], its packed
     block, its first and last packed row)."""
-    from tgc.backends.cpu.gemm import _splat
-
     f32 = ir.FloatType()
     iota = ir.Constant(it, list(range(VL)))
     a_off, b_off, q_lo, q_hi, k_lo, k_hi = tap_args
@@ -691,8 +678,8 @@ def _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_
         hi = _min(b, at(q_hi, t), N)
         masks = []
         for c in range(vecs):
-            col = b.add(_splat(b, b.add(j0, I64(c * VL)), it), iota)
-            masks.append(b.and_(b.icmp_signed(">=", col, _splat(b, lo, it)), b.icmp_signed("<", col, _splat(b, hi, it))))
+            col = b.add(splat(b, b.add(j0, I64(c * VL)), it), iota)
+            masks.append(b.and_(b.icmp_signed(">=", col, splat(b, lo, it)), b.icmp_signed("<", col, splat(b, hi, it))))
         src0 = b.gep(pb, [b.add(at(b_off, t), j0)], source_etype=f32)
         dst0 = b.gep(bpack, [b.mul(b.mul(t, block), I64(cols))], source_etype=f32)
         with for_range(b, p0, p1, "tq") as p:
@@ -736,19 +723,17 @@ def _pack_transposed(b, pb, sbn, k0, kd, j0, width, cols, vecs, bpack, load_fn, 
     each 16 columns and 16 K, 16 masked vector loads along K, a transpose in
     registers, 16 whole-vector stores of packed rows (gathers, 16 lines each, were
     slower than OpenBLAS's packing)."""
-    from tgc.backends.cpu.gemm import _splat
-
     f32 = ir.FloatType()
     it = ir.VectorType(I64, VL)
     iota = ir.Constant(it, list(range(VL)))
     with for_range(b, I64(0), b.sdiv(b.add(kd, I64(VL - 1)), I64(VL)), "pt") as t:
         kk0 = b.mul(t, I64(VL))
-        kmask = b.icmp_signed("<", iota, _splat(b, b.sub(kd, kk0), it))
+        kmask = b.icmp_signed("<", iota, splat(b, b.sub(kd, kk0), it))
         for c in range(vecs):
             rows = []
             for i in range(VL):
                 col = c * VL + i
-                inside = _splat(b, b.icmp_signed("<", I64(col), width), ir.VectorType(I1, VL))
+                inside = splat(b, b.icmp_signed("<", I64(col), width), ir.VectorType(I1, VL))
                 at = b.gep(pb, [b.add(b.add(k0, kk0), b.mul(b.add(j0, I64(col)), sbn))], source_etype=f32)
                 rows.append(b.call(load_fn, [at, I32(4), b.and_(kmask, inside), zero_v]))
             for kk, v in enumerate(_transpose16(b, rows)):

@@ -89,7 +89,8 @@ from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import MAX_TAPS, Window, own_kernel, start_accumulators
 
 OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
-from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, export, for_range, offset, optimize_not
+from tgc.backends.cpu.irutil import (I1, I32, I64, PTR, Frame, define, export, for_range, gather_intrinsic,
+                                     masked_intrinsics, offset, optimize_not, splat)
 from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
 
@@ -936,9 +937,9 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(2)] for r in range(ROWS)]
     iota = ir.Constant(ir.VectorType(I64, vl), [i for i in range(vl)])
     accumulate = b.icmp_signed("!=", acc, I32(0))
-    acc_mask = _splat(b, accumulate, mt)
+    acc_mask = splat(b, accumulate, mt)
     zero_v = ir.Constant(vt, [0.0] * vl)
-    load_fn, store_fn, fma_fn = _masked_intrinsics(mod, fp, vl)
+    load_fn, store_fn, fma_fn = masked_intrinsics(mod, fp, vl)
     align = I32(4 if isinstance(fp, ir.FloatType) else 8)
 
     def block(i0, j0, nc):
@@ -949,11 +950,11 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
         masks = []
         for c in range(nc):
             left = b.sub(N, b.add(j0, I64(c * vl)))
-            masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+            masks.append(b.icmp_signed("<", iota, splat(b, left, ir.VectorType(I64, vl))))
         last = b.sub(M, I64(1))
         rows = [b.add(i0, I64(r)) for r in range(ROWS)]
         inside = [b.icmp_signed("<", i, M) for i in rows]
-        real = [_splat(b, x, mt) for x in inside]
+        real = [splat(b, x, mt) for x in inside]
         rows = [b.select(x, i, last) for x, i in zip(inside, rows)]
         crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=fp) for i in rows]
         for r in range(ROWS):
@@ -970,7 +971,7 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
                   for c in range(nc)]
             for r in range(ROWS):
                 a = b.load(b.gep(arow[r], [b.mul(kk, sak)], source_etype=fp), typ=fp)
-                av = _splat(b, a, vt)
+                av = splat(b, a, vt)
                 for c in range(nc):
                     b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
         for r in range(ROWS):
@@ -1065,14 +1066,14 @@ def _packed_kernel(mod, fp, name, direct):
     iota = ir.Constant(it, list(range(vl)))
     base = b.ptrtoint(pb, I64)
     zero = ir.Constant(vt, [0.0] * vl)
-    gather = _gather_intrinsic(mod, fp, vl)
+    gather = gather_intrinsic(mod, fp, vl)
     with for_range(b, I64(0), chunks, "pc") as jc:
-        cols = b.add(_splat(b, b.mul(jc, I64(vl)), it), iota)
-        mask = b.icmp_signed("<", cols, _splat(b, N, it))
-        lanes = b.mul(cols, _splat(b, b.mul(sbn, size), it))
+        cols = b.add(splat(b, b.mul(jc, I64(vl)), it), iota)
+        mask = b.icmp_signed("<", cols, splat(b, N, it))
+        lanes = b.mul(cols, splat(b, b.mul(sbn, size), it))
         with for_range(b, I64(0), K, "pk") as kk:
             row = b.add(base, b.mul(b.mul(kk, sbk), size))
-            ptrs = b.inttoptr(b.add(_splat(b, row, it), lanes), ir.VectorType(PTR, vl))
+            ptrs = b.inttoptr(b.add(splat(b, row, it), lanes), ir.VectorType(PTR, vl))
             v = b.call(gather, [ptrs, I32(elem), mask, zero])
             dst = b.gep(buf, [b.add(b.mul(kk, ldp), b.mul(jc, I64(vl)))], source_etype=fp)
             b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
@@ -1080,32 +1081,6 @@ def _packed_kernel(mod, fp, name, direct):
     b.ret_void()
     entry.branch(body)
     return fn
-
-
-def _gather_intrinsic(mod, fp, vl):
-    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
-    vt = ir.VectorType(fp, vl)
-    name = f"llvm.masked.gather.v{vl}{tag}.v{vl}p0"
-    ty = ir.FunctionType(vt, [ir.VectorType(PTR, vl), I32, ir.VectorType(I1, vl), vt])
-    return mod.globals.get(name) or ir.Function(mod, ty, name)
-
-
-def _splat(b, x, vt):
-    undef = ir.Constant(vt, ir.Undefined)
-    v = b.insert_element(undef, x, I32(0))
-    return b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
-
-
-def _masked_intrinsics(mod, fp, vl):
-    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
-    vt, mt = ir.VectorType(fp, vl), ir.VectorType(I1, vl)
-    names = (f"llvm.masked.load.v{vl}{tag}.p0", f"llvm.masked.store.v{vl}{tag}.p0", f"llvm.fma.v{vl}{tag}")
-    out = []
-    for name, ty in zip(names, (ir.FunctionType(vt, [PTR, I32, mt, vt]),
-                                ir.FunctionType(ir.VoidType(), [vt, PTR, I32, mt]),
-                                ir.FunctionType(vt, [vt, vt, vt]))):
-        out.append(mod.globals.get(name) or ir.Function(mod, ty, name))
-    return out
 
 
 # ---------------------------------------------------------------- bf16 products (AVX-512 BF16)
@@ -1187,7 +1162,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
     body = fn.append_basic_block("body")
     b = ir.IRBuilder(body)
     dot = _dpbf16ps(mod)
-    _, store_fn, _ = _masked_intrinsics(mod, f32, vl)
+    _, store_fn, _ = masked_intrinsics(mod, f32, vl)
     iota = ir.Constant(ir.VectorType(I64, vl), list(range(vl)))
     align = I32(4)
     ops_a = _Bf16Operand(b, mod, rounds[0])
@@ -1231,7 +1206,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
                 masks = []
                 for c in range(BF16_VECS):
                     left = b.sub(width, I64(c * vl))
-                    masks.append(b.icmp_signed("<", iota, _splat(b, left, ir.VectorType(I64, vl))))
+                    masks.append(b.icmp_signed("<", iota, splat(b, left, ir.VectorType(I64, vl))))
                 _pack_b(b, ops_b, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks, cols)
                 with for_range(b, I64(0), blocks, "bi") as ib:
                     i0, rows, inside = block_rows(ib)
@@ -1249,7 +1224,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
                             at = b.gep(bpack, [b.add(b.mul(p, I64(cols)), I64(c * vl))], source_etype=I32)
                             bv.append(b.bitcast(b.load(b.bitcast(at, it.as_pointer()), typ=it, align=64), pairs))
                         for r in range(rows_n):
-                            av = b.bitcast(_splat(b, a_of(r, p), it), pairs)
+                            av = b.bitcast(splat(b, a_of(r, p), it), pairs)
                             for c in range(BF16_VECS):
                                 b.store(b.call(dot, [b.load(accs[r][c], typ=vt), av, bv[c]]), accs[r][c])
 
@@ -1268,7 +1243,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
                             steps(kp, lambda r, p: b.load(b.gep(src, [b.add(b.mul(p, I64(rows_n)), I64(r))],
                                                                 source_etype=I32), typ=I32), "kp")
                     for r in range(rows_n):
-                        real = _splat(b, inside[r], mt)
+                        real = splat(b, inside[r], mt)
                         for c in range(BF16_VECS):
                             at = b.gep(crow[r], [I64(c * vl)], source_etype=f32)
                             b.call(store_fn, [b.load(accs[r][c], typ=vt), at, align, b.and_(masks[c], real)])
@@ -1368,9 +1343,9 @@ def _pack_b(b, op, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks,
         with contiguous:
             with for_range(b, I64(0), kp, "pv") as p:
                 k = b.add(k0, b.mul(p, I64(2)))
-                ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), mt)
+                ok0 = splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), mt)
                 in1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
-                ok1 = _splat(b, in1, mt)
+                ok1 = splat(b, in1, mt)
                 hi_k = b.select(in1, b.add(k, I64(1)), k)
                 for c in range(len(masks)):
                     at = b.add(j0, I64(c * vl))
@@ -1386,12 +1361,12 @@ def _pack_b(b, op, pb, sbk, sbn, bpack, k0, kd, kp, full, odd, j0, width, masks,
                     base = b.ptrtoint(pb, I64)
                     lanes = []
                     for c in range(len(masks)):
-                        colv = b.add(_splat(b, b.add(j0, I64(c * vl)), i64v), iota)
-                        lanes.append(b.mul(colv, _splat(b, b.mul(sbn, I64(op.size)), i64v)))
+                        colv = b.add(splat(b, b.add(j0, I64(c * vl)), i64v), iota)
+                        lanes.append(b.mul(colv, splat(b, b.mul(sbn, I64(op.size)), i64v)))
 
                     def ptrs(k, c):
                         row = b.add(base, b.mul(k, I64(op.size)))
-                        return b.inttoptr(b.add(_splat(b, row, i64v), lanes[c]), ir.VectorType(PTR, vl))
+                        return b.inttoptr(b.add(splat(b, row, i64v), lanes[c]), ir.VectorType(PTR, vl))
                     with for_range(b, I64(0), full, "pg") as p:
                         k = b.add(k0, b.mul(p, I64(2)))
                         for c, m in enumerate(masks):
@@ -1429,7 +1404,7 @@ def _pack_a(b, op, pa, sam, sak, apack, k0, kd, kp, i0, M, rows):
         with columns:
             it4 = ir.VectorType(I32, rows_n)
             iota4 = ir.Constant(ir.VectorType(I64, rows_n), list(range(rows_n)))
-            real = b.icmp_signed("<", iota4, _splat(b, b.sub(M, i0), ir.VectorType(I64, rows_n)))
+            real = b.icmp_signed("<", iota4, splat(b, b.sub(M, i0), ir.VectorType(I64, rows_n)))
             whole = b.icmp_signed(">=", b.sub(M, i0), I64(rows_n))
             plain = b.select(whole, b.sdiv(kd, I64(2)), I64(0))   # pairs read with plain loads
 
@@ -1444,11 +1419,11 @@ def _pack_a(b, op, pa, sam, sak, apack, k0, kd, kp, i0, M, rows):
                 store(p, _pair(b, op.vector(at(k), rows_n), op.vector(at(b.add(k, I64(1))), rows_n)))
             with for_range(b, plain, kp, "av") as p:
                 k = b.add(k0, b.mul(p, I64(2)))
-                ok0 = _splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), ir.VectorType(I1, rows_n))
+                ok0 = splat(b, b.icmp_signed("<", b.mul(p, I64(2)), kd), ir.VectorType(I1, rows_n))
                 ok1 = b.icmp_signed("<", b.add(b.mul(p, I64(2)), I64(1)), kd)
                 hi_k = b.select(ok1, b.add(k, I64(1)), k)
                 lo = op.vector(at(k), rows_n, b.and_(real, ok0))
-                hi = op.vector(at(hi_k), rows_n, b.and_(real, _splat(b, ok1, ir.VectorType(I1, rows_n))))
+                hi = op.vector(at(hi_k), rows_n, b.and_(real, splat(b, ok1, ir.VectorType(I1, rows_n))))
                 store(p, _pair(b, lo, hi))
         with scattered:
             for r in range(rows_n):

@@ -160,3 +160,32 @@ def offset(b: ir.IRBuilder, parts: Sequence[tuple]):
         term = ix if (isinstance(stride, ir.Constant) and stride.constant == 1) else b.mul(ix, stride, flags=["nsw"])
         total = term if total is None else b.add(total, term, flags=["nsw"])
     return total if total is not None else I64(0)
+
+
+def gather_intrinsic(mod, fp, vl):
+    """`llvm.masked.gather` of `vl` lanes of `fp` (declared in `mod` once)."""
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    vt = ir.VectorType(fp, vl)
+    name = f"llvm.masked.gather.v{vl}{tag}.v{vl}p0"
+    ty = ir.FunctionType(vt, [ir.VectorType(PTR, vl), I32, ir.VectorType(I1, vl), vt])
+    return mod.globals.get(name) or ir.Function(mod, ty, name)
+
+
+def splat(b, x, vt):
+    """The vector of type `vt` with `x` in every lane."""
+    undef = ir.Constant(vt, ir.Undefined)
+    v = b.insert_element(undef, x, I32(0))
+    return b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, vt.count), [0] * vt.count))
+
+
+def masked_intrinsics(mod, fp, vl):
+    """(masked load, masked store, fma) of `vl` lanes of `fp` (declared in `mod` once)."""
+    tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
+    vt, mt = ir.VectorType(fp, vl), ir.VectorType(I1, vl)
+    names = (f"llvm.masked.load.v{vl}{tag}.p0", f"llvm.masked.store.v{vl}{tag}.p0", f"llvm.fma.v{vl}{tag}")
+    out = []
+    for name, ty in zip(names, (ir.FunctionType(vt, [PTR, I32, mt, vt]),
+                                ir.FunctionType(ir.VoidType(), [vt, PTR, I32, mt]),
+                                ir.FunctionType(vt, [vt, vt, vt]))):
+        out.append(mod.globals.get(name) or ir.Function(mod, ty, name))
+    return out

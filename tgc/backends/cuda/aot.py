@@ -43,12 +43,10 @@ EMITS = ("cu", "ptx", "cubin")
 
 def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
     """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR
-    pipeline, for the GPU architecture `options.cuda.arch`."""
+    pipeline and the target passes (`tgc.pipeline.target`: under --fp-strict, an f32
+    program is its f64 emulation, and `options` say f64), for the GPU architecture
+    `options.cuda.arch`."""
     arch = options.cuda.arch
-    if options.fp_strict and options.dtype == "f32":
-        from tgc.ir.emulate import emulate_f32
-
-        module, options = emulate_f32(module), options.with_(dtype="f64")
     low = lower(module, options)
     cm = codegen.generate(low, row_regs=options.cuda.row_regs)
     if emit == "cu":
