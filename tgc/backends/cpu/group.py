@@ -29,6 +29,9 @@ max + log(sum). Then a temporary that only later members read becomes:
 - otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
+A group never has more block rows than outer indices for its blocks to divide
+(`#block = min(32, batch)`), so neither a scratch row nor a partial sum is ever
+larger than its block's share of the tensor.
 
 Terminates: one pass over the kernels; `exp_once` replaces each logsumexp once (its
 members are no logsumexp); inlining removes one member per step.
@@ -357,8 +360,8 @@ class _Grouper(Grouper):
         divide (the first outer loop's extent when a member sums over it, else all
         outer loops'; `min(32, batch)` when that is symbolic), so that a block's scratch
         row or partial sum is never larger than its share of the tensor it stands for
-        (with 32 rows for one (batch, head) of attention, a [#block, s, t] scratch was
-        32 times the scores). The threads never use more blocks than this
+        (32 rows for one (batch, head) of attention would hold 32 copies of its [s, t]
+        scores). The threads never use more blocks than this
         (`loops.split_count`: at most one per index of the rows they divide)."""
         rows = outer[:1] if any(self.partial(k, outer) for k in ks) else outer
         n: Size = 1
