@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from tgc import pipeline
 from tgc.cli import main
+from tgc.ir.sizes import size_str
 from tgc.lower.text import parse_lowered
 from tgc.manager import PassListError, make_pass, parse_pass_list, run_lowering, split_levels
 from tgc.pipeline import lower_module
@@ -65,8 +66,9 @@ def test_group_blocks_as_a_pass_option():
     opts = Options()
     module = pipeline.lower(pipeline.load(LAYERNORM, opts), opts).module
     low = lower_module(module, opts.with_(stages=("fuse", "layout", "group{blocks=4}", "plan")))
-    assert low.edges["#block"] == 4
-    assert lower_module(module, opts).edges["#block"] == 32    # the default: Options.group_blocks
+    # block rows: the option's count, never more than the rows they divide (symbolic here)
+    assert size_str(low.edges["#block"]) == "min(4, rows)"
+    assert size_str(lower_module(module, opts).edges["#block"]) == "min(32, rows)"   # Options.group_blocks
     none = lower_module(module, opts.with_(stages=("fuse", "layout", "group{blocks=0}", "plan")))
     assert "#block" not in none.edges
 
@@ -108,7 +110,7 @@ def test_cli_dump_ir_with_lowering_stages_in_p():
     ir = ",".join(("normalize", "stabilize", "adjoint", "tangent", "simplify", "stabilize", "factor"))
     r = run("dump-ir", LAYERNORM, "-p", ir + ",fuse,layout,group{blocks=2},plan", "--time-passes")
     assert r.exit_code == 0, r.output
-    assert r.stdout.startswith("// lowered after plan (f32)\nedge #block = 2\n")
+    assert r.stdout.startswith("// lowered after plan (f32)\nedge #block = min(2, rows)\n")
     assert "  group{blocks=2}\n" not in r.stderr and "  group\n" in r.stderr and "  plan\n" in r.stderr
 
 

@@ -406,3 +406,47 @@ def test_a_group_over_long_rows_asks_for_the_next_row_of_what_it_streams(dtype):
         prog = build(LAYERNORM, dtype, threads=threads, parallel_min_work=1)
         for rows, d in ((37, 1024), (5, 300)):
             run_and_compare(prog, rows, d, dtype, seed=rows)
+
+
+def _one_head_attention(t: int, batch: str = "batch") -> str:
+    """examples/attention.tg with one head of 64 over `t` positions (and its gradients),
+    masked with a finite -1e9."""
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "examples" / "attention.tg").read_text()
+    return (src.replace("dim t = 11", f"dim t = {t}").replace("dim c = 48, head = 3", "dim c = 64, head = 1")
+            .replace("dim batch\n", f"dim {batch}\n").replace("\nout probs", "\n# out probs")
+            .replace("scores, -inf)", "scores, -1e9)"))
+
+
+@pytest.mark.parametrize("batch", ["batch", "batch = 1"], ids=["symbolic", "known"])
+def test_a_block_row_is_never_larger_than_its_share_of_the_tensor(batch, tmp_path):
+    # one (batch, head) of attention: its [s, t] softmax was a scratch row per block,
+    # [#block, s, t] (32 times the scores: a 36 MB peak at t = 512, 9 GB at 8192);
+    # now at most as many block rows as rows, so the peak is a few [s, t] tensors
+    import json
+
+    from click.testing import CliRunner
+    from tgc.cli import main
+
+    t = 512
+    src = tmp_path / "attention.tg"
+    src.write_text(_one_head_attention(t, batch))
+    r = CliRunner().invoke(main, ["explain", str(src), "--dim", "batch=1", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    peak = json.loads(r.stdout)["peak"]
+    matrix = 4 * t * t   # bytes of one [s, t] tensor
+    assert all(b["bytes"] <= matrix for b in peak["buffers"]), peak
+    assert peak["bytes"] <= 4 * matrix
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 40])
+def test_attention_with_fewer_rows_than_blocks_matches_the_interpreter(batch):
+    prog = build(_one_head_attention(8).replace("dim c = 64, head = 1", "dim c = 8, head = 1"), "f64",
+                 threads=2, parallel_min_work=1)
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({"batch": batch}), batch, "f64")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+    got = prog(**x)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-11, atol=1e-12, err_msg=name)

@@ -15,6 +15,9 @@ from tgc.ir.sizes import SizeError, parse_size, size_eval, size_str
     ("a - (b - c)", {"a": 5, "b": 3, "c": 1}, 3),
     ("a * (b + c)", {"a": 2, "b": 3, "c": 4}, 14),
     ("12 / 4", {}, 3),
+    ("min(32, batch * 2)", {"batch": 3}, 6),
+    ("min(32, batch) * d", {"batch": 64, "d": 2}, 64),
+    ("min(4, 9)", {}, 4),
 ])
 def test_size_eval_and_round_trip(text, env, value):
     s = parse_size(text)

@@ -1,7 +1,8 @@
 """Size expressions: the integer arithmetic of dims.
 
 A size is an `int`, the name of a dim (`str`), or a `SizeOp` combining two sizes with
-`+ - * /` (`/` must divide exactly). Literal sub-expressions are folded when built,
+`+ - * /` (`/` must divide exactly) or `min` (lowering's: a count of blocks that is
+never more than the rows they divide, `min(32, batch)`). Literal sub-expressions are folded when built,
 so a size that does not mention a symbolic dim is always a plain `int`.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ class UnboundDim(SizeError):
 
 @dataclass(frozen=True)
 class SizeOp:
-    op: str  # one of + - * /
+    op: str  # one of + - * / min
     lhs: "Size"
     rhs: "Size"
 
@@ -32,6 +33,8 @@ MAX_SIZE = 2**62  # sizes, their products and their index arithmetic are int64 i
 
 
 def _apply(op: str, a: int, b: int) -> int:
+    if op == "min":
+        return min(a, b)
     if op == "+":
         return a + b
     if op == "-":
@@ -49,6 +52,8 @@ def size_op(op: str, a: Size, b: Size) -> Size:
     """Build `a op b`, folding literals and the identities x+0, x*1, x/1."""
     if isinstance(a, int) and isinstance(b, int):
         return _apply(op, a, b)
+    if op == "min":
+        return a if a == b else SizeOp(op, a, b)
     if op in "+-" and b == 0:
         return a
     if op == "+" and a == 0:
@@ -120,16 +125,18 @@ def size_str(s: Size, parent: int = 0, right: bool = False) -> str:
         return str(s) if s >= 0 or parent == 0 else f"({s})"
     if isinstance(s, str):
         return s
+    if s.op == "min":
+        return f"min({size_str(s.lhs)}, {size_str(s.rhs)})"
     p = _PREC[s.op]
     text = f"{size_str(s.lhs, p)} {s.op} {size_str(s.rhs, p, True)}"
     return f"({text})" if p < parent or (p == parent and right) else text
 
 
 def parse_size(text: str) -> Size:
-    """Parse the text `size_str` writes: ints, names, + - * / and parentheses."""
+    """Parse the text `size_str` writes: ints, names, + - * /, min(a, b) and parentheses."""
     import re
 
-    toks = re.findall(r"\d+|[A-Za-z_][A-Za-z0-9_'.]*|[-+*/()]|\S", text)
+    toks = re.findall(r"\d+|[A-Za-z_][A-Za-z0-9_'.]*|[-+*/(),]|\S", text)
     pos = 0
 
     def peek() -> str | None:
@@ -153,6 +160,15 @@ def parse_size(text: str) -> Size:
             return size_op("-", 0, atom())
         if t.isdigit():
             return int(t)
+        if t == "min" and peek() == "(":
+            take()
+            a = expr(1)
+            if take() != ",":
+                raise SizeError(f"expected ',' in size expression '{text}'")
+            b = expr(1)
+            if take() != ")":
+                raise SizeError(f"expected ')' in size expression '{text}'")
+            return size_op("min", a, b)
         if re.match(r"[A-Za-z_]", t):
             return t
         raise SizeError(f"unexpected '{t}' in size expression '{text}'")

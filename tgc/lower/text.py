@@ -421,6 +421,8 @@ class _Builder:
                 return self.dim(c[0])
             if d == "negsize":
                 return size_op("-", 0, self.size(c[0]))
+            if d == "minsize":
+                return size_op("min", self.size(c[0]), self.size(c[1]))
             if d == "binop":
                 return size_op(str(c[1]), self.size(c[0]), self.size(c[2]))
         except SizeError as e:

@@ -29,6 +29,9 @@ max + log(sum). Then a temporary that only later members read becomes:
 - otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
+A group never has more block rows than outer indices for its blocks to divide
+(`#block = min(32, batch)`), so neither a scratch row nor a partial sum is ever
+larger than its block's share of the tensor.
 
 Terminates: one pass over the kernels; `exp_once` replaces each logsumexp once (its
 members are no logsumexp); inlining removes one member per step.
@@ -39,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tgc.ir.sizes import Size, size_str
+from tgc.ir.sizes import Size, size_op, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, walk)
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
@@ -107,7 +110,8 @@ class LoopGroup(MemberGroup):
             return
         for point in np.ndindex(*sizes):
             fixed = dict(zip(self.outer, point))
-            fixed[BLOCK_EDGE] = point[0] * self.blocks // max(sizes[0], 1)
+            blocks = min(self.blocks, sizes[0])   # never more than the block rows (group.block_rows)
+            fixed[BLOCK_EDGE] = point[0] * blocks // max(sizes[0], 1)
             for m in self.members:
                 it.loop(m, fixed)
 
@@ -247,12 +251,14 @@ class _Grouper(Grouper):
                 del self.out.buffers[name]
         for name in regs:
             del self.out.buffers[name]
+        rows = self.block_rows(outer, ks)
         scratch = [name for name in local if name not in regs and name in self.out.buffers]
         for name in scratch:
-            ks = self.make_scratch(name, outer, ks)
+            ks = self.make_scratch(name, outer, ks, rows)
         before, after = [], []
         if any(self.partial(k, outer) for k in ks):
-            ks = [self.make_partial(k, outer, before, after) if self.partial(k, outer) else k for k in ks]
+            ks = [self.make_partial(k, outer, before, after, rows) if self.partial(k, outer) else k
+                  for k in ks]
         sizes = {v: ks[0].sizes[v] for v in outer}
         self.out.kernels += _together(before)
         if len(ks) == 1 and not after:
@@ -260,7 +266,7 @@ class _Grouper(Grouper):
         else:
             blocked = bool(after or scratch)
             self.out.kernels.append(LoopGroup(outer, sizes, tuple(ks), tuple(regs),
-                                              blocks=self.opt.cpu.group_blocks if blocked else 0))
+                                              blocks=_at_most(self.opt.cpu.group_blocks, rows) if blocked else 0))
         self.out.kernels += _together(after)
 
     def exp_once(self, lse: LoopKernel, ks: list[LoopKernel], keep: bool, outside: set[int]) -> list[LoopKernel]:
@@ -348,20 +354,46 @@ class _Grouper(Grouper):
             return False
         return all(k is exps or not any(isinstance(n, Load) and n.buf == m for n in _walk_kernel(k)) for k in ks)
 
-    def make_scratch(self, name: str, outer, ks: list[LoopKernel]) -> list[LoopKernel]:
+    def block_rows(self, outer, ks: list[LoopKernel]) -> Size:
+        """How many block rows a scratch or partial buffer of a group over `outer` has:
+        `options.cpu.group_blocks`, but never more than the outer indices the blocks
+        divide (the first outer loop's extent when a member sums over it, else all
+        outer loops'; `min(32, batch)` when that is symbolic), so that a block's scratch
+        row or partial sum is never larger than its share of the tensor it stands for
+        (32 rows for one (batch, head) of attention would hold 32 copies of its [s, t]
+        scores). The threads never use more blocks than this
+        (`loops.split_count`: at most one per index of the rows they divide)."""
+        rows = outer[:1] if any(self.partial(k, outer) for k in ks) else outer
+        n: Size = 1
+        for v in rows:
+            n = size_op("*", n, ks[0].sizes[v])
+        cap = self.opt.cpu.group_blocks
+        return max(1, min(cap, n)) if isinstance(n, int) else size_op("min", cap, n)
+
+    def block_edge(self, rows: Size) -> str:
+        """The edge of `rows` block rows (declared in the lowered program): `#block`
+        for the first count a group needs, `#block.N` for each other. The group's
+        block variable is `#block` either way."""
+        taken = {e: n for e, n in self.out.edges.items() if e == BLOCK_EDGE or e.startswith(BLOCK_EDGE + ".")}
+        edge = next((e for e, n in taken.items() if n == rows), None) \
+            or (f"{BLOCK_EDGE}.{len(taken)}" if taken else BLOCK_EDGE)
+        self.out.edges[edge] = rows
+        return edge
+
+    def make_scratch(self, name: str, outer, ks: list[LoopKernel], rows: Size) -> list[LoopKernel]:
         """Members writing and reading `name` (one outer index at a time) through a
         scratch row per block instead: [#block, inner edges] (a block is one thread's,
         in order, so the row is rewritten for each outer index and stays in cache)."""
         low = self.out
-        low.edges[BLOCK_EDGE] = self.opt.cpu.group_blocks
+        edge = self.block_edge(rows)
         old = low.buffers.pop(name)
         new = low.fresh("r")
-        order = (BLOCK_EDGE,) + tuple(e for e in old.order if e not in outer)
+        order = (edge,) + tuple(e for e in old.order if e not in outer)
         low.buffers[new] = Buffer(new, old.dtype, tuple(sorted(order)), "temp", order=order)
 
         def index(ix):
             kept = tuple((e, i) for e, i in ix if e not in outer)
-            return tuple(sorted(((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + kept, key=lambda t: t[0]))
+            return tuple(sorted(((edge, Ix.var(BLOCK_EDGE)),) + kept, key=lambda t: t[0]))
 
         def visit(e):
             return Load(new, index(e.index)) if isinstance(e, Load) and e.buf == name else None
@@ -374,24 +406,29 @@ class _Grouper(Grouper):
             out.append(k)
         return out
 
-    def make_partial(self, k: LoopKernel, outer, before: list, after: list) -> LoopKernel:
+    def make_partial(self, k: LoopKernel, outer, before: list, after: list, rows: Size) -> LoopKernel:
         """`k` adding into its block's row of a partial buffer; the zeroing kernel
         goes to `before`, the kernel adding the rows into `k.out` to `after`."""
         low = self.out
-        low.edges[BLOCK_EDGE] = self.opt.cpu.group_blocks
+        edge = self.block_edge(rows)
         dst = low.buffers[k.out]
         name = low.fresh("p")
-        order = (BLOCK_EDGE,) + dst.order
+        order = (edge,) + dst.order
         low.buffers[name] = Buffer(name, dst.dtype, tuple(sorted(order)), "temp", order=order)
         kept = tuple(e for e, _ in k.index)
-        full = ((BLOCK_EDGE, Ix.var(BLOCK_EDGE)),) + k.index
+        full = ((edge, Ix.var(BLOCK_EDGE)),) + k.index
         loops = (BLOCK_EDGE,) + tuple(v for v in dst.order)
-        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: self.opt.cpu.group_blocks}
+        sizes = {**{e: k.sizes[e] for e in kept}, BLOCK_EDGE: rows}
         index = tuple(sorted(full, key=lambda t: t[0]))
         before.append(LoopKernel(name, index, loops, sizes, Const(0.0), note="zero partial sums"))
         after.append(LoopKernel(k.out, k.index, loops[1:] + loops[:1], sizes, Load(name, index), "sum", (BLOCK_EDGE,),
                                 k.epilogue, note="add partial sums"))
         return replace(k, out=name, index=index, epilogue=None, note="partial sums")
+
+
+def _at_most(blocks: int, rows: Size) -> int:
+    """A group's block count: `blocks`, or `rows` when that is a smaller known count."""
+    return min(blocks, rows) if isinstance(rows, int) else blocks
 
 
 def _shifted_by_its_max(lse: LoopKernel, ks: list[LoopKernel]) -> LoopKernel | None:

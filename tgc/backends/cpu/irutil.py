@@ -79,7 +79,10 @@ class Frame:
                 value = self.size(d)
         else:
             lhs, rhs = self.size(s.lhs), self.size(s.rhs)
-            value = {"+": e.add, "-": e.sub, "*": e.mul, "/": e.sdiv}[s.op](lhs, rhs)
+            if s.op == "min":
+                value = e.select(e.icmp_signed("<", lhs, rhs), lhs, rhs)
+            else:
+                value = {"+": e.add, "-": e.sub, "*": e.mul, "/": e.sdiv}[s.op](lhs, rhs)
         self._sizes[s] = value
         return value
 

@@ -101,6 +101,8 @@ def _sizes_ok(mod: ir.Module, low: Lowered) -> ir.Function:
         return v
 
     def arith(op: str, x, y) -> ir.Value:
+        if op == "min":
+            return b.select(b.icmp_signed("<", x, y), x, y)
         if op == "/":
             zero, minus_one = b.icmp_signed("==", y, I64(0)), b.icmp_signed("==", y, I64(-1))
             flag(zero)

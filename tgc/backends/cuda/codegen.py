@@ -253,6 +253,9 @@ class _Gen:
         if isinstance(s, str):
             return self.dim_c[s]
         assert isinstance(s, SizeOp)
+        if s.op == "min":
+            a, b = self.size(s.lhs), self.size(s.rhs)
+            return f"({a} < {b} ? {a} : {b})"
         return f"({self.size(s.lhs)} {s.op} {self.size(s.rhs)})"
 
     def layout(self, name: str) -> list[tuple[str, str]]:
