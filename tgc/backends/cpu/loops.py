@@ -26,7 +26,8 @@ A group (`LoopGroup`) is one function: its outer loops (the first split between
 threads, by blocks when it has partial sums), and inside them each member's own
 loops in one of the shapes above, with the outer variables fixed; a member in
 `regs` leaves its value in a register for the members after it; a partial member
-adds into its block's row without initializing it.
+adds into its block's row without initializing it (an f32 sum over a block of more
+than SHORT_ROWS rows adds into an f64 scratch row first, `wide_partials`).
 
 Loops of at most UNROLL known iterations are unrolled, from the innermost out, while
 the copies of the body stay within UNROLL_COPIES (`unrolled`): the loop around
@@ -41,6 +42,7 @@ operand that loads nothing (a causal mask's 1.0) is a select, which vectorizes.
 from __future__ import annotations
 
 import llvmlite.ir as ir
+import numpy as np
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
@@ -256,6 +258,7 @@ class LoopGen:
         self.lo, self.hi = fn.args[-2], fn.args[-1]
         self.split = () if isinstance(k, LoopGroup) else split_loops(k)
         self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
+        self.wide_rows: dict = {}   # a blocked group's partial members summed in f64 (`wide_partials`)
         self.regs: dict[str, ir.Value] = {}
 
     # ------------------------------------------------------------ nest
@@ -290,9 +293,13 @@ class LoopGen:
             return
         rows = blocked_loops(g)
         n, nb = blocked_extent(self.f, g), split_count(self.f, g)
-        with for_range(b, self.lo, self.hi, BLOCK) as blk:
-            start = b.sdiv(b.mul(blk, n), nb)
-            end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
+        wide = self.wide_partials(g)
+
+        def block(blk, start, end, wide_rows: dict) -> None:
+            self.wide_rows = wide_rows
+            for m, row, inner in wide_rows.values():
+                self.k = m
+                self.nest(inner, {BLOCK: blk}, lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
             with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g)) as i:
                 if len(rows) == 1:
                     vars = {first: i}
@@ -300,6 +307,57 @@ class LoopGen:
                     n1 = self.f.size(g.sizes[rows[1]])
                     vars = {first: b.sdiv(i, n1), rows[1]: b.srem(i, n1)}
                 self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
+            for m, row, inner in wide_rows.values():   # each element rounded once into the block's row
+                self.k = m
+                self.nest(inner, {BLOCK: blk}, lambda vs: self.store(vs, b.fadd(
+                    self.load_out(vs), b.fptrunc(b.load(row(vs), typ=ir.DoubleType()), self.fp))))
+            self.wide_rows = {}
+
+        with for_range(b, self.lo, self.hi, BLOCK) as blk:
+            start = b.sdiv(b.mul(blk, n), nb)
+            end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
+            if not wide:
+                block(blk, start, end, {})
+            else:   # (LLVM folds the branch for a known number of rows)
+                long = b.icmp_signed(">", b.sub(end, start), I64(SHORT_ROWS))
+                with b.if_else(long) as (then, otherwise):
+                    with then:
+                        block(blk, start, end, wide)
+                    with otherwise:
+                        block(blk, start, end, {})
+
+    def wide_partials(self, g: LoopGroup) -> dict:
+        """The members of a blocked group that add an f32 sum over its rows into their
+        block's row of a partial buffer, when their kept elements (known sizes, at most
+        WIDE_SCRATCH) fit an f64 scratch row on the stack: id(member) -> (the member, the
+        address of an element's f64 accumulator given the loop variables, its kept loops).
+        Added into the f32 partial row, each element took one rounding per row of its
+        block, and a lane of the vectorized rows loop carried rows / 32 / lanes terms
+        (a sum of 10^6 squares sharing the loop with another sum: 1.9e-5 relative,
+        PyTorch 1.6e-7); in f64 each is rounded once. Used for blocks of more than
+        SHORT_ROWS rows, as `reduce_in_wide_scratch` is."""
+        if self.strict or self.fp != ir.FloatType():
+            return {}
+        out = {}
+        for m in g.members:
+            if m.reduce != "sum" or not set(m.red) & set(g.outer) or m.out in self.reg_names:
+                continue
+            inner = [v for v in m.loops if v not in m.red]   # outer ones too (a bias gradient's d)
+            sizes = [m.sizes[v] for v in inner]
+            if not all(isinstance(n, int) for n in sizes) or not 0 < int(np.prod(sizes)) <= WIDE_SCRATCH:
+                continue
+            row = self.f.entry.alloca(ir.DoubleType(), size=I64(int(np.prod(sizes))), name="wide.partial")
+            out[id(m)] = (m, self.scratch_slot(m, inner, row), inner)
+        return out
+
+    def scratch_slot(self, m: LoopKernel, inner: list[str], row):
+        """vars -> the address in `row` (row-major over `inner`, m's known sizes)."""
+        def slot(vs):
+            off = I64(0)
+            for v in inner:
+                off = self.b.add(self.b.mul(off, I64(m.sizes[v]), flags=["nsw"]), vs[v], flags=["nsw"])
+            return self.b.gep(row, [off], inbounds=True, source_etype=ir.DoubleType())
+        return slot
 
     def next_row_streams(self, g: LoopGroup) -> list[str]:
         """The buffers a one-loop group reads row by row from memory: read by some
@@ -376,6 +434,14 @@ class LoopGen:
             self.nest(loops, vars, self.scatter_step)
         elif not k.reduce:
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
+        elif set(k.red) & set(vars) and id(k) in self.wide_rows:  # a partial sum, in f64 for the block
+            row = self.wide_rows[id(k)][1]
+            saved = self.sum_flags, self.fused_term
+            self.sum_flags, self.fused_term = ("reassoc", "contract"), k.body
+            self.nest(loops, vars, lambda vs: self.b.store(self.b.fadd(
+                self.b.load(row(vs), typ=ir.DoubleType()), self.b.fpext(self.expr(k.body, vs), ir.DoubleType()),
+                flags=self.sum_flags), row(vs)))
+            self.sum_flags, self.fused_term = saved
         elif set(k.red) & set(vars):  # a partial sum: add into the block's row
             saved = self.sum_flags, self.fused_term
             if k.reduce == "sum" and not self.strict:
