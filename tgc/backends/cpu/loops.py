@@ -298,10 +298,12 @@ class LoopGen:
         wide = self.wide_partials(g)
 
         def block(blk, start, end, wide_rows: dict) -> None:
+            # (the whole scratch row is zeroed and added, whatever bounds the member's loops have)
             self.wide_rows = wide_rows
             for m, row, inner in wide_rows.values():
                 self.k = m
-                self.nest(inner, {BLOCK: blk}, lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
+                self.plain_nest(inner, m.sizes, {BLOCK: blk},
+                                lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
             with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g)) as i:
                 if len(rows) == 1:
                     vars = {first: i}
@@ -311,7 +313,7 @@ class LoopGen:
                 self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
             for m, row, inner in wide_rows.values():   # each element rounded once into the block's row
                 self.k = m
-                self.nest(inner, {BLOCK: blk}, lambda vs: self.store(vs, b.fadd(
+                self.plain_nest(inner, m.sizes, {BLOCK: blk}, lambda vs: self.store(vs, b.fadd(
                     self.load_out(vs), b.fptrunc(b.load(row(vs), typ=ir.DoubleType()), self.fp))))
             self.wide_rows = {}
 
