@@ -156,7 +156,8 @@ def compare(case: Case, backend: str) -> list[Result]:
             unresolved = (w == 0) & (t == 0) & (np.abs(g) <= resolution)
             ge = np.where(unresolved, 0.0, ge)
             good = ok(ge, te)
-            slack = np.where(good, -np.inf, ge - FACTOR * te)   # the worst failing element, else the
+            with np.errstate(invalid="ignore"):   # inf - inf where both are inf: a passing element
+                slack = np.where(good, -np.inf, ge - FACTOR * te)   # the worst failing element, else the
             i = int(np.argmax(slack)) if (~good).any() else int(np.argmax(ge))  # largest tgc error
             idx = np.unravel_index(i, w.shape) if w.ndim else ()
             where = (f"at {tuple(int(j) for j in idx)}: want {w.flat[i]:.9g}, tgc {g.flat[i]:.9g}, "

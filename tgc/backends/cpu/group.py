@@ -17,7 +17,8 @@ A kernel joins the group before it when:
 A member may also sum over the first outer variable (a parameter gradient
 `dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
 of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
-before the group and added up after it, in block order.
+before the group and added up after it, in block order (the CPU adds an f32 sum's rows of
+a long block in f64, rounded once into the block's row: `loops.LoopGen.wide_partials`).
 
 Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
 `exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per element,

@@ -11,7 +11,8 @@ that a product, is one llvm.fma (`fma_term`), never two rounded products in one 
 - register mode (every reduced loop inside every kept loop): an accumulator that
   LLVM keeps in registers (vectorized with `reassoc` on the combining fadd — the
   only fast-math flag besides `contract`, which allows FMA; neither under
-  --fp-strict; an f32 sum accumulates in f64), then the epilogue,
+  --fp-strict; a long f32 sum accumulates in f64, a short one in f32 lanes over
+  chunks whose sums are added in f64), then the epilogue,
   then one store; `logsumexp` makes two passes over the reduced loops (the max,
   then the sum of exp(x - max)) and always runs in this mode;
 - memory mode (a reduced loop outside a kept one, e.g. summing rows of a row-major
@@ -26,7 +27,8 @@ A group (`LoopGroup`) is one function: its outer loops (the first split between
 threads, by blocks when it has partial sums), and inside them each member's own
 loops in one of the shapes above, with the outer variables fixed; a member in
 `regs` leaves its value in a register for the members after it; a partial member
-adds into its block's row without initializing it.
+adds into its block's row without initializing it (an f32 sum over a block of more
+than SHORT_ROWS rows adds into an f64 scratch row first, `wide_partials`).
 
 Loops of at most UNROLL known iterations are unrolled, from the innermost out, while
 the copies of the body stay within UNROLL_COPIES (`unrolled`): the loop around
@@ -41,6 +43,7 @@ operand that loads nothing (a causal mask's 1.0) is a select, which vectorizes.
 from __future__ import annotations
 
 import llvmlite.ir as ir
+import numpy as np
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
@@ -56,7 +59,8 @@ PREFETCH_ROW_BYTES = 16384     # the most of a group's next row asked for, per b
 PREFETCH_MIN_ROW_BYTES = 1024  # ... and rows shorter than this not at all (consecutive rows share pages)
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
-SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate)
+SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate) ...
+SUM_CHUNK = 256    # ... over chunks of this many iterations of their innermost loop (`chunked_sum`)
 WIDE_SCRATCH = 4096   # the most elements of an f32 memory-mode sum's f64 scratch row (`wide_memory_sum`)
 SHORT_ROWS = SHORT_SUM // 64   # ... used beyond this many rows (as f32 lanes carry at most this many terms)
 
@@ -256,6 +260,7 @@ class LoopGen:
         self.lo, self.hi = fn.args[-2], fn.args[-1]
         self.split = () if isinstance(k, LoopGroup) else split_loops(k)
         self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
+        self.wide_rows: dict = {}   # a blocked group's partial members summed in f64 (`wide_partials`)
         self.regs: dict[str, ir.Value] = {}
 
     # ------------------------------------------------------------ nest
@@ -290,9 +295,15 @@ class LoopGen:
             return
         rows = blocked_loops(g)
         n, nb = blocked_extent(self.f, g), split_count(self.f, g)
-        with for_range(b, self.lo, self.hi, BLOCK) as blk:
-            start = b.sdiv(b.mul(blk, n), nb)
-            end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
+        wide = self.wide_partials(g)
+
+        def block(blk, start, end, wide_rows: dict) -> None:
+            # (the whole scratch row is zeroed and added, whatever bounds the member's loops have)
+            self.wide_rows = wide_rows
+            for m, row, inner in wide_rows.values():
+                self.k = m
+                self.plain_nest(inner, m.sizes, {BLOCK: blk},
+                                lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
             with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g)) as i:
                 if len(rows) == 1:
                     vars = {first: i}
@@ -300,6 +311,57 @@ class LoopGen:
                     n1 = self.f.size(g.sizes[rows[1]])
                     vars = {first: b.sdiv(i, n1), rows[1]: b.srem(i, n1)}
                 self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
+            for m, row, inner in wide_rows.values():   # each element rounded once into the block's row
+                self.k = m
+                self.plain_nest(inner, m.sizes, {BLOCK: blk}, lambda vs: self.store(vs, b.fadd(
+                    self.load_out(vs), b.fptrunc(b.load(row(vs), typ=ir.DoubleType()), self.fp))))
+            self.wide_rows = {}
+
+        with for_range(b, self.lo, self.hi, BLOCK) as blk:
+            start = b.sdiv(b.mul(blk, n), nb)
+            end = b.sdiv(b.mul(b.add(blk, I64(1)), n), nb)
+            if not wide:
+                block(blk, start, end, {})
+            else:   # (LLVM folds the branch for a known number of rows)
+                long = b.icmp_signed(">", b.sub(end, start), I64(SHORT_ROWS))
+                with b.if_else(long) as (then, otherwise):
+                    with then:
+                        block(blk, start, end, wide)
+                    with otherwise:
+                        block(blk, start, end, {})
+
+    def wide_partials(self, g: LoopGroup) -> dict:
+        """The members of a blocked group that add an f32 sum over its rows into their
+        block's row of a partial buffer, when their kept elements (known sizes, at most
+        WIDE_SCRATCH) fit an f64 scratch row on the stack: id(member) -> (the member, the
+        address of an element's f64 accumulator given the loop variables, its kept loops).
+        Added into the f32 partial row, each element took one rounding per row of its
+        block, and a lane of the vectorized rows loop carried rows / 32 / lanes terms
+        (a sum of 10^6 squares sharing the loop with another sum: 1.9e-5 relative,
+        PyTorch 1.6e-7); in f64 each is rounded once. Used for blocks of more than
+        SHORT_ROWS rows, as `reduce_in_wide_scratch` is."""
+        if self.strict or self.fp != ir.FloatType():
+            return {}
+        out = {}
+        for m in g.members:
+            if m.reduce != "sum" or not set(m.red) & set(g.outer) or m.out in self.reg_names:
+                continue
+            inner = [v for v in m.loops if v not in m.red]   # outer ones too (a bias gradient's d)
+            sizes = [m.sizes[v] for v in inner]
+            if not all(isinstance(n, int) for n in sizes) or not 0 < int(np.prod(sizes)) <= WIDE_SCRATCH:
+                continue
+            row = self.f.entry.alloca(ir.DoubleType(), size=I64(int(np.prod(sizes))), name="wide.partial")
+            out[id(m)] = (m, self.scratch_slot(m, inner, row), inner)
+        return out
+
+    def scratch_slot(self, m: LoopKernel, inner: list[str], row):
+        """vars -> the address in `row` (row-major over `inner`, m's known sizes)."""
+        def slot(vs):
+            off = I64(0)
+            for v in inner:
+                off = self.b.add(self.b.mul(off, I64(m.sizes[v]), flags=["nsw"]), vs[v], flags=["nsw"])
+            return self.b.gep(row, [off], inbounds=True, source_etype=ir.DoubleType())
+        return slot
 
     def next_row_streams(self, g: LoopGroup) -> list[str]:
         """The buffers a one-loop group reads row by row from memory: read by some
@@ -376,6 +438,14 @@ class LoopGen:
             self.nest(loops, vars, self.scatter_step)
         elif not k.reduce:
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
+        elif set(k.red) & set(vars) and id(k) in self.wide_rows:  # a partial sum, in f64 for the block
+            row = self.wide_rows[id(k)][1]
+            saved = self.sum_flags, self.fused_term
+            self.sum_flags, self.fused_term = ("reassoc", "contract"), k.body
+            self.nest(loops, vars, lambda vs: self.b.store(self.b.fadd(
+                self.b.load(row(vs), typ=ir.DoubleType()), self.b.fpext(self.expr(k.body, vs), ir.DoubleType()),
+                flags=self.sum_flags), row(vs)))
+            self.sum_flags, self.fused_term = saved
         elif set(k.red) & set(vars):  # a partial sum: add into the block's row
             saved = self.sum_flags, self.fused_term
             if k.reduce == "sum" and not self.strict:
@@ -421,21 +491,24 @@ class LoopGen:
         if self.split and v == self.split[0]:
             self.split_nest(self.split, loops[len(self.split):], vars, leaf)
             return
-        n = self.k.sizes[v]
-        lows, highs = self.k.bounds.get(v, ((), ()))
         if unrolled(self.k, v):
-            for i in range(n):  # unrolled, so that the loop around it is innermost for LLVM
+            for i in range(self.k.sizes[v]):  # unrolled, so that the loop around it is innermost for LLVM
                 self.nest(loops[1:], {**vars, v: I64(i)}, leaf)
             return
-        lo, hi = I64(0), self.f.size(n)
+        with for_range(self.b, *self.extent(v, vars), v) as i:
+            self.nest(loops[1:], {**vars, v: i}, leaf)
+
+    def extent(self, v: str, vars: dict) -> tuple:
+        """[lo, hi) of loop `v` given the variables outside it (its bounds applied)."""
+        lows, highs = self.k.bounds.get(v, ((), ()))
+        lo, hi = I64(0), self.f.size(self.k.sizes[v])
         for ix in lows:
             x = self.ix(ix, vars)
             lo = self.b.select(self.b.icmp_signed(">", x, lo), x, lo)
         for ix in highs:
             x = self.ix(ix, vars)
             hi = self.b.select(self.b.icmp_signed("<", x, hi), x, hi)
-        with for_range(self.b, lo, hi, v) as i:
-            self.nest(loops[1:], {**vars, v: i}, leaf)
+        return lo, hi
 
     def accumulate(self, kind: str, vars: dict, term) -> ir.Value:
         """Reduce `term(vars)` over the reduced loops into a register; its value.
@@ -444,8 +517,9 @@ class LoopGen:
         f32, each of LLVM's vector lanes carries n / lanes terms, and the error grows
         with n (3e-3 relative for 10^7 values of 0.1); in f64 it stays below f32's
         rounding of the result for any length that fits in memory. A sum of at most
-        SHORT_SUM terms (a row of a layernorm) keeps f32 lanes, at most SHORT_SUM / 64
-        terms each: f64 lanes made a 64 x 256 layernorm 1.8x slower. With a symbolic
+        SHORT_SUM terms (a row of a layernorm) keeps f32 lanes (f64 lanes made a 64 x 256
+        layernorm 1.8x slower), over chunks of SUM_CHUNK iterations of its innermost
+        loop when that is a loop LLVM vectorizes (`chunked_sum`). With a symbolic
         length, both loops are generated and the length picks one."""
         b = self.b
         red = [v for v in self.k.loops if v in self.k.red and v not in vars]
@@ -454,16 +528,65 @@ class LoopGen:
         n = 1
         for v in red:
             n = size_op("*", n, self.k.sizes[v])
+        chunked = not self.strict and bool(red) and not unrolled(self.k, red[-1])
         if isinstance(n, int):
-            return self._accumulate(kind, vars, term, red, self.fp if n <= SHORT_SUM else ir.DoubleType())
+            if n > SHORT_SUM:
+                return self._accumulate(kind, vars, term, red, ir.DoubleType())
+            if chunked and n > SUM_CHUNK:
+                return self.chunked_sum(vars, term, red)
+            return self._accumulate(kind, vars, term, red, self.fp)
         result = self.f.alloca(self.fp, "sum")
         short = b.icmp_signed("<=", self.f.size(n), I64(SHORT_SUM))
         with b.if_else(short) as (then, otherwise):
             with then:
-                b.store(self._accumulate(kind, vars, term, red, self.fp), result)
+                b.store(self.chunked_sum(vars, term, red) if chunked else
+                        self._accumulate(kind, vars, term, red, self.fp), result)
             with otherwise:
                 b.store(self._accumulate(kind, vars, term, red, ir.DoubleType()), result)
         return b.load(result)
+
+    def chunked_sum(self, vars: dict, term, red: list[str]) -> ir.Value:
+        """A short f32 sum in f32 lanes over chunks of SUM_CHUNK iterations of its
+        innermost loop, each chunk's sum added into an f64 accumulator, rounded once at
+        the end: a lane then carries at most SUM_CHUNK / lanes terms (8 with AVX2's
+        4 x 8 lanes) wherever the sum is long. One chain of f32 lanes over all of a
+        4096-term sum carried 128 terms each, and 4096 values of 0.1 summed 7e-7 off
+        (PyTorch 4e-8); the chunk's horizontal add costs little next to its 256 terms."""
+        b, wide = self.b, ir.DoubleType()
+        total = self.f.alloca(wide, "acc.wide")
+        b.store(ir.Constant(wide, 0.0), total)
+
+        v = red[-1]
+
+        def chunk(vs, start, end):
+            acc = self.f.alloca(self.fp, "acc")
+            b.store(ir.Constant(self.fp, 0.0), acc)
+            saved = self.sum_flags, self.fused_term
+            self.sum_flags, self.fused_term = ("reassoc", "contract"), self.k.body
+            with for_range(b, start, end, v) as i:
+                b.store(self.combine(b.load(acc), term({**vs, v: i}), "sum"), acc)
+            self.sum_flags, self.fused_term = saved
+            b.store(b.fadd(b.load(total), b.fpext(b.load(acc), wide)), total)
+
+        def rows(vs):
+            n = self.k.sizes[v]
+            if isinstance(n, int) and not any(self.k.bounds.get(v, ((), ()))):
+                # known trip counts, which LLVM vectorizes without a remainder loop
+                with for_range(b, I64(0), I64(n // SUM_CHUNK), f"{v}.chunk", unroll=False) as c:
+                    start = b.mul(c, I64(SUM_CHUNK), flags=["nsw"])
+                    chunk(vs, start, b.add(start, I64(SUM_CHUNK), flags=["nsw"]))
+                if n % SUM_CHUNK:
+                    chunk(vs, I64(n - n % SUM_CHUNK), I64(n))
+                return
+            lo, hi = self.extent(v, vs)
+            count = b.sdiv(b.add(b.sub(hi, lo), I64(SUM_CHUNK - 1)), I64(SUM_CHUNK))
+            with for_range(b, I64(0), count, f"{v}.chunk", unroll=False) as c:
+                start = b.add(lo, b.mul(c, I64(SUM_CHUNK), flags=["nsw"]), flags=["nsw"])
+                end = b.add(start, I64(SUM_CHUNK), flags=["nsw"])
+                chunk(vs, start, b.select(b.icmp_signed("<", end, hi), end, hi))
+
+        self.nest(red[:-1], vars, rows)
+        return b.fptrunc(b.load(total), self.fp)
 
     def _accumulate(self, kind: str, vars: dict, term, red: list[str], acc_type) -> ir.Value:
         b = self.b
