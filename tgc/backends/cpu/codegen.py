@@ -294,12 +294,8 @@ class _ModuleGen:
         threshold: then it gets no parallel body and no run-time test (less code for
         LLVM to compile: small fixed-size kernels, e.g. an MLP's weight updates)."""
         env = {d: s for d, s in self.low.module.dims.items() if isinstance(s, int)}
-        total = 0
         try:
-            for weight, sizes in work_terms(k):
-                for s in sizes:
-                    weight *= size_eval(s, env)
-                total += weight
+            total = kernel_work(k, env)
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
         return total < min(self.opt.cpu.parallel_min_work, self.opt.cpu.parallel_min_work_warm)
@@ -613,6 +609,46 @@ def work_terms(k) -> list[tuple[int, list]]:
         if len(sizes) > 1:
             out.append((ROW_COST, sizes[:-1]))
     return out
+
+
+def kernel_work(k, env: dict) -> int:
+    """The work of loop kernel (or group) `k` at the dims `env` (`work_terms`)."""
+    total = 0
+    for weight, sizes in work_terms(k):
+        for s in sizes:
+            weight *= size_eval(s, env)
+        total += weight
+    return total
+
+
+SERIAL, PARALLEL, PARALLEL_WARM = "serial", "parallel", "parallel when warm"
+
+
+def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
+    """How kernel `k` is run at the dims `env` (every dim bound), as the generated code
+    decides it: SERIAL (one thread: too small to gain from threads even right after
+    another region, a loop that cannot be split, or `threads=1`), PARALLEL (in a region
+    on every thread) or PARALLEL_WARM (in a region only right after another one, while
+    the workers still spin: `warm_cycles`). On a loaded machine a kernel of either
+    parallel kind may still run serially (the lag, `parallel.py`). `tgc explain`
+    shows it per kernel."""
+    cpu = options.cpu
+    if cpu.threads == 1:
+        return SERIAL
+    if isinstance(k, (GemmKernel, ImplicitGemm)):
+        g = k.gemm if isinstance(k, ImplicitGemm) else k
+        amount = 2
+        for e in g.batch + g.m + g.n + g.k + g.taps:
+            amount *= size_eval(low.size(e), env)
+        warm, cold = cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops
+    elif parallel_ok(k):
+        amount = kernel_work(k, env)
+        warm, cold = cpu.parallel_min_work_warm, cpu.parallel_min_work
+    else:
+        return SERIAL
+    if amount >= cold:
+        return PARALLEL
+    return PARALLEL_WARM if amount >= warm else SERIAL
 
 
 def kernel_key(low: Lowered, k) -> tuple:
