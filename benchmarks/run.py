@@ -736,9 +736,11 @@ def wait_idle(limit_s, window_s=3.0, idle=0.05):
         print(f"# waiting for idle CPUs (other processes: {100 * frac:.0f}%)", flush=True)
 
 
-def _spin(stop):
-    while not stop.is_set():
-        pass
+def _spin(stop, parent):
+    """Spin until `stop` is set or the parent process is gone (killed: no stop comes)."""
+    while not stop.is_set() and os.getppid() == parent:
+        for _ in range(100_000):
+            pass
 
 
 class BusyProcesses:
@@ -753,7 +755,7 @@ class BusyProcesses:
             import multiprocessing
             ctx = multiprocessing.get_context("spawn")   # no copy of this process's threads or libraries
             self.stop = ctx.Event()
-            self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(self.n)]
+            self.procs = [ctx.Process(target=_spin, args=(self.stop, os.getpid()), daemon=True) for _ in range(self.n)]
             for p in self.procs:
                 p.start()
         return self
