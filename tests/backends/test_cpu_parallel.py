@@ -173,3 +173,14 @@ def test_without_contention_memory_no_lag_is_kept():
     from tgc.backends.cpu.options import CpuOptions
     text = str(region_module(CpuOptions(contention_memory_cycles=0)))
     assert parallel.LAG not in text and parallel.REGION_END in text
+
+
+def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
+    """A lag of 10^6 cycles is held 50 x 10^6 cycles (`contention_memory_lags`), however
+    short `contention_memory_cycles`: the region that measures it again costs ~one lag."""
+    from tgc.backends.cpu.options import CpuOptions
+    _jm, fns = region_compiled(gomp, CpuOptions(contention_memory_cycles=1000, contention_memory_lags=50))
+    fns['set_lag'](10 ** 6, 10 ** 7)
+    assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
+    fns['set_lag'](10 ** 6, 10 ** 9)
+    assert fns['threshold'](10, 20, 3) == 20

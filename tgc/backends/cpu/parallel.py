@@ -37,8 +37,9 @@ another process holds starts only when the scheduler gives it a time slice, mill
 later. So every region is timed (`region_fn`): its overhead is its time less the
 calling thread's own share of the work, and what exceeds the cost expected of a
 region (`CpuOptions.cold_region_cycles` when the workers had gone to sleep) is the
-*lag*. Until `CpuOptions.contention_memory_cycles` have passed, a kernel runs in a
-region only if its serial time is at least twice the lag: threads save at most half
+*lag*. Until `CpuOptions.contention_memory_cycles` have passed (or
+`contention_memory_lags` times the lag, if longer), a kernel runs in a region only if
+its serial time is at least twice the lag: threads save at most half
 of it on two cores (`threshold_fn`; serial time from the kernel's work at
 `loop_work_per_cycle`, or a GEMM's flops at `gemm_flops_per_cycle`). On a loaded
 machine the lag is milliseconds and a step runs serially, but for one region now
@@ -157,6 +158,16 @@ def _smax(b: ir.IRBuilder, x, y):
     return b.select(b.icmp_signed(">", x, y), x, y)
 
 
+def _held_lag(b: ir.IRBuilder, home: ir.Module, cpu, t):
+    """(i1 held, i64 lag) at time `t`: a lag is held `contention_memory_cycles`, or
+    `contention_memory_lags` times itself if longer: a region that measures it again
+    costs about one lag, so such regions take at most a small share of the time."""
+    at = b.load_atomic(_state(home, LAG_AT), "monotonic", 8, typ=I64)
+    lag = b.load_atomic(_state(home, LAG), "monotonic", 8, typ=I64)
+    hold = _smax(b, I64(cpu.contention_memory_cycles), b.mul(lag, I64(max(cpu.contention_memory_lags, 0))))
+    return b.icmp_unsigned("<", b.sub(t, at), hold), lag
+
+
 def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
     """`void tgc.region(ptr body, ptr data)`: run `body(data)` on every thread of a
     libgomp team, then note when it ended and update the lag (module docstring).
@@ -203,8 +214,8 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         expected = b.select(slept, I64(cpu.cold_region_cycles), I64(0))
         excess = _smax(b, b.sub(overhead, expected), I64(0))
         lag, at = _state(home, LAG), _state(home, LAG_AT)
-        held = b.icmp_unsigned("<", b.sub(t0, b.load_atomic(at, "monotonic", 8, typ=I64)), I64(cpu.contention_memory_cycles))
-        old = b.select(held, b.load_atomic(lag, "monotonic", 8, typ=I64), I64(0))
+        held, old = _held_lag(b, home, cpu, t0)
+        old = b.select(held, old, I64(0))
         # up at once, down by halves: one quick region among slow ones does not clear it
         new = _smax(b, excess, b.ashr(b.add(old, excess), I64(1)))
         b.store_atomic(new, lag, "monotonic", 8)
@@ -231,9 +242,7 @@ def threshold_fn(home: ir.Module, cpu) -> ir.Function:
     recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
     least = b.select(recent, warm, cold)
     if cpu.contention_memory_cycles > 0:
-        at = b.load_atomic(_state(home, LAG_AT), "monotonic", 8, typ=I64)
-        held = b.icmp_unsigned("<", b.sub(t, at), I64(cpu.contention_memory_cycles))
-        lag = b.load_atomic(_state(home, LAG), "monotonic", 8, typ=I64)
+        held, lag = _held_lag(b, home, cpu, t)
         floor = b.select(held, b.mul(b.mul(lag, I64(2)), per_cycle), I64(0))
         least = _smax(b, least, floor)
     b.ret(least)
