@@ -5,7 +5,9 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
 
 - the kernels in execution order, each with its FLOPs and the bytes of the distinct
   buffers it reads and writes (each counted once per kernel: a lower bound of its
-  memory traffic, exact for kernels that stream each operand once);
+  memory traffic, exact for kernels that stream each operand once), and, given the
+  CPU backend's options, whether it runs serially or in a parallel region
+  (`tgc.backends.cpu.codegen.thread_plan`);
 - the workspace: its slots and their bytes, and which temporaries share each slot;
 - memory over time: before each kernel, the bytes of the temporaries alive from
   their first write to their last read (as `plan` assigns slots), the peak, and what
