@@ -17,7 +17,7 @@ class CpuOptions:
 
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
     # A kernel too small to gain from threads runs on one thread (`tgc explain` shows which do, column "threads"):
-    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms: the cost model's units, ~0.1 ns each) below which a kernel runs on one thread: ~50 us, below the ~80 us of waking sleeping workers
+    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms: the cost model's units, ~0.1 ns each) below which a kernel runs on one thread (~50 us of serial time; tuned by measurement)
     parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
     warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
     # Contention (backends/cpu/parallel.py): each region's overhead (its time less the calling thread's own share) beyond
