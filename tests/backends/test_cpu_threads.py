@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import tgc
-from tgc.backends.cpu.codegen import PARALLEL, PARALLEL_WARM, SERIAL
+from tgc.backends.cpu.codegen import PARALLEL, SERIAL
 from tgc.cli import main as cli_main
 from tgc.ir.inputs import random_inputs
 from tgc.options import CpuOptions, Options
