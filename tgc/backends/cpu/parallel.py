@@ -216,8 +216,9 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         lag, at = _state(home, LAG), _state(home, LAG_AT)
         held, old = _held_lag(b, home, cpu, t0)
         old = b.select(held, old, I64(0))
-        # up at once, down by halves: one quick region among slow ones does not clear it
-        new = _smax(b, excess, b.ashr(b.add(old, excess), I64(1)))
+        # up at once, down by an eighth of the difference: quick regions among slow ones
+        # do not clear it (a lag no region renews is forgotten after its hold instead)
+        new = _smax(b, excess, b.sub(old, b.ashr(b.sub(old, excess), I64(3))))
         b.store_atomic(new, lag, "monotonic", 8)
         b.store_atomic(t1, at, "monotonic", 8)
     b.ret_void()
