@@ -224,12 +224,20 @@ def gpt_param_names(layers=GPT_LAYERS):
     return ["wte", "wpe"] + [f"l{i}_{p}" for i in range(1, layers + 1) for p in GPT_LAYER] + ["lnf_w", "lnf_b"]
 
 
-def gpt_step(a):
+def gpt_step(a, layers=GPT_LAYERS, heads=GPT_HEADS):
     """One SGD step of the GPT (benchmarks/workloads/gpt.tg); updates `a` in place."""
-    loss, grads = gpt_loss_and_grads(a)
+    loss, grads = gpt_loss_and_grads(a, layers, heads)
     for nm, gv in grads.items():
         a[nm] -= a["lr"] * gv
-    return {"loss": loss, **{nm: a[nm] for nm in gpt_param_names()}}
+    return {"loss": loss, **{nm: a[nm] for nm in gpt_param_names(layers)}}
+
+
+GPT_SMALL = dict(layers=1, heads=4)   # benchmarks/workloads/gpt_small.tg
+
+
+def gpt_small_step(a):
+    """One SGD step of the 1-layer GPT of width 64 (benchmarks/workloads/gpt_small.tg)."""
+    return gpt_step(a, **GPT_SMALL)
 
 
 ADAMW = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -249,19 +257,19 @@ def gpt_adamw_step(a):
     return {"loss": loss, **{nm: a[nm] for nm in gpt_param_names()}}
 
 
-def gpt_loss_and_grads(a):
+def gpt_loss_and_grads(a, layers=GPT_LAYERS, heads=GPT_HEADS):
     """(loss, {param: gradient}) of the GPT's next-token cross-entropy."""
     ids, targets = a["ids"], a["targets"]
     wte, wpe = a["wte"], a["wpe"]
     B, T = ids.shape
     V, C = wte.shape
-    H = GPT_HEADS
+    H = heads
     hd = C // H
     M = B * T
     dt = wte.dtype
     scale = 1.0 / np.sqrt(hd)
     causal = np.triu(np.ones((T, T), bool), 1)                        # True where s > t
-    L = [{p: a[f"l{i}_{p}"] for p in GPT_LAYER} for i in range(1, GPT_LAYERS + 1)]
+    L = [{p: a[f"l{i}_{p}"] for p in GPT_LAYER} for i in range(1, layers + 1)]
 
     def heads(z):                                                      # [M, C] -> [B, H, T, hd]
         return z.reshape(B, T, H, hd).transpose(0, 2, 1, 3)
@@ -305,7 +313,7 @@ def gpt_loss_and_grads(a):
     grads = {"wte": dlog.T @ xf}
     dxf = dlog @ wte
     dx, grads["lnf_w"], grads["lnf_b"] = _ln_bwd(dxf, a["lnf_w"], lnf)
-    for i in range(GPT_LAYERS, 0, -1):
+    for i in range(layers, 0, -1):
         p = L[i - 1]
         h, ln1, q, k, v, pr, o, xa, h2, ln2, z, g, t, z2 = caches[i - 1]
         G = {}

@@ -1,7 +1,7 @@
 """tgc benchmarks: every workload against numpy, PyTorch and JAX, side by side, in one process.
 
     python benchmarks/run.py [--quick] [--only NAME[,NAME...]] [--repeat N] [--json out.json]
-                             [--specialize] [--threads N] [--wait-idle S] [--no-compile-times]
+                             [--specialize] [--threads N] [--wait-idle S] [--no-compile-times] [--load N]
 
 For each row the contenders (tgc cpu f32, hand-written numpy, torch eager, torch.compile,
 jax.jit when installed) are first checked against a float64 numpy reference, then timed
@@ -75,9 +75,11 @@ class Case:
     inputs: object                  # rng -> {name: array}
     bound: tuple                    # ("bw", bytes) or ("flops", flops)
     target: str                     # the project's target, as printed
-    kind: str                       # "large-elementwise" | "small" | "abs" | "vs-torch"
-    target_s: float = 0.0           # for kind "abs"/"small": the time to meet; "vs-torch": the most tgc/torch
+    kind: str                       # "large-elementwise" | "small" | "abs" | "vs-torch" | "vs-one-thread"
+    target_s: float = 0.0           # for kind "abs"/"small": the time to meet; "vs-torch": the most tgc/torch;
+                                    # "vs-one-thread": the most tgc / (tgc on one thread)
     updates: tuple = ()             # update targets (compared as (new - old) / lr)
+    only: tuple = ()                # the contenders of this row (default: all)
 
 
 def _rows_inputs(rows, d, *, extra=()):
@@ -152,7 +154,7 @@ def _mlp_inputs(rng):
 GPT = dict(batch=64, t=11, vocab=64, c=48, heads=3, layers=3)
 
 
-def _gpt_inputs(rng):
+def _gpt_inputs(rng, GPT=GPT):
     B, T, V, C = GPT["batch"], GPT["t"], GPT["vocab"], GPT["c"]
     a = {"ids": rng.integers(0, V, (B, T)).astype(np.int32),
          "targets": rng.integers(0, V, (B, T)).astype(np.int32), "lr": np.asarray(0.1, F32)}
@@ -167,6 +169,13 @@ def _gpt_inputs(rng):
         else:
             a[n] = (0.1 * rng.standard_normal(shapes[kind])).astype(F32)
     return a
+
+
+GPT_SMALL = dict(batch=8, t=16, vocab=64, c=64, heads=4, layers=1)   # workloads/gpt_small.tg
+
+
+def _gpt_small_inputs(rng):
+    return _gpt_inputs(rng, GPT_SMALL)
 
 
 ADAMW_STEP = 10   # the gpt_adamw row's moments and bias corrections are those of step 10
@@ -185,7 +194,7 @@ def _gpt_adamw_inputs(rng):
     return a
 
 
-def _gpt_flops():
+def _gpt_flops(GPT=GPT):
     B, T, V, C, L = GPT["batch"], GPT["t"], GPT["vocab"], GPT["c"], GPT["layers"]
     M = B * T
     per_layer = 2 * M * C * 3 * C + 2 * 2 * B * T * T * C + 2 * M * C * C + 2 * 2 * M * C * 4 * C
@@ -206,7 +215,8 @@ def _conv2d_flops(b=16, ci=32, co=64, k=3, side=32):
     return 3 * 2 * b * co * ci * k * k * side * side
 
 
-def cases():
+def cases(load=0):
+    """The rows; `load`: the busy processes `--load` runs (the gpt_small row's target)."""
     big = ("large-elementwise", "<=1.5x bw, 2x t.compile")
     out = []
     for w, extra in (("layernorm", ("w", "b")), ("gelu", ()), ("softmax", ())):
@@ -229,12 +239,19 @@ def cases():
     out.append(Case("gpt_adamw", "3L 3H w48 64x11", {"batch": GPT["batch"]}, _gpt_adamw_inputs,
                     ("flops", _gpt_flops()), "<=0.5x torch", "vs-torch", 0.5,
                     updates=tuple(ref_numpy.gpt_param_names(GPT["layers"]))))
+    # A step whose kernels are all too small to gain from threads, on default threads against one thread: not
+    # slower on a quiet machine, at most 3x under --load (other processes oversubscribing the cores).
+    out.append(Case("gpt_small", "1L 4H w64 8x16" + (f" load {load}" if load else ""), {"batch": GPT_SMALL["batch"]},
+                    _gpt_small_inputs, ("flops", _gpt_flops(GPT_SMALL)),
+                    "<=3x 1 thread" if load else "<=1x 1 thread", "vs-one-thread", 3.0 if load else 1.0,
+                    updates=tuple(ref_numpy.gpt_param_names(GPT_SMALL["layers"])), only=("tgc", "tgc 1 thread")))
     return out
 
 
 NUMPY = {"layernorm": ref_numpy.layernorm, "gelu": ref_numpy.gelu, "softmax": ref_numpy.softmax,
          "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step,
-         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d, "gcn": ref_numpy.gcn}
+         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d, "gcn": ref_numpy.gcn,
+         "gpt_small": ref_numpy.gpt_small_step}
 
 
 # ============================================================ contenders
@@ -295,9 +312,13 @@ class Tgc:
         return lambda: prog(**arrays)
 
 
-def contenders(args, tg, torch_ok, jax_ok):
-    """[(name, maker(case, arrays) -> step)] in table order."""
-    out = [("tgc", tg.make), ("numpy", lambda case, a: (lambda: NUMPY[case.workload](a)))]
+def contenders(args, tg, torch_ok, jax_ok, one_thread=None):
+    """[(name, maker(case, arrays) -> step)] in table order; `one_thread`: tgc on one thread
+    (a Tgc), for the rows that compare against it."""
+    out = [("tgc", tg.make)]
+    if one_thread is not None:
+        out.append(("tgc 1 thread", one_thread.make))
+    out.append(("numpy", lambda case, a: (lambda: NUMPY[case.workload](a))))
     if torch_ok:
         import peers_torch
         out.append(("torch", lambda case, a: peers_torch.make(case.workload, a, False)))
@@ -557,6 +578,8 @@ def run_case(case, makers, args, bounds, tg):
            "compile_s": {}, "max_rel_err": {}}
     steps = {}
     for name, maker in makers:
+        if case.only and name not in case.only:
+            continue
         try:
             t0 = time.perf_counter()
             step = maker(case, copy_arrays(base))
@@ -598,6 +621,9 @@ def target_met(case, row):
     if case.kind == "vs-torch":   # target_s: the most tgc may take, as a multiple of torch eager
         te = row["median_s"].get("torch")
         return None if te is None else t <= case.target_s * te
+    if case.kind == "vs-one-thread":
+        t1 = row["median_s"].get("tgc 1 thread")
+        return None if t1 is None else t <= case.target_s * t1
     if case.kind != "large-elementwise":
         return t <= case.target_s
     near_bound = t <= 1.5 * row["bound_s"]
@@ -637,8 +663,9 @@ def rate(row, t):
 
 
 def print_table(rows, names, bounds):
-    head = ["workload", "size"] + names + ["tgc/numpy", "tgc/torch", "tgc/t.compile", "tgc/bound", "tgc rate",
-                                           "others", "target", "met"]
+    one = "tgc 1 thread" in names
+    head = ["workload", "size"] + names + ["tgc/numpy", "tgc/torch", "tgc/t.compile"] + ["tgc/1 thread"] * one + [
+        "tgc/bound", "tgc rate", "others", "target", "met"]
     lines = []
     notes = []
     for r in rows:
@@ -651,8 +678,9 @@ def print_table(rows, names, bounds):
                 c = "n/a [" + str(len(notes)) + "]" if c.startswith("n/a") else "WRONG [" + str(len(notes)) + "]"
             cells.append(c)
         t = m.get("tgc")
-        cells += [fmt_ratio(t, m.get("numpy")), fmt_ratio(t, m.get("torch")), fmt_ratio(t, m.get("torch.compile")),
-                  f"{r['tgc_over_bound']:.2f}x {r['bound_kind']}" if r.get("tgc_over_bound") else "-",
+        cells += [fmt_ratio(t, m.get("numpy")), fmt_ratio(t, m.get("torch")), fmt_ratio(t, m.get("torch.compile"))]
+        cells += [fmt_ratio(t, m.get("tgc 1 thread"))] * one
+        cells += [                  f"{r['tgc_over_bound']:.2f}x {r['bound_kind']}" if r.get("tgc_over_bound") else "-",
                   rate(r, t),
                   f"{100 * r['other_load']:.0f}%" if r.get("other_load") is not None else "-",
                   r["target"], {True: "yes", False: "NO", None: "?"}[r["target_met"]]]
@@ -708,6 +736,40 @@ def wait_idle(limit_s, window_s=3.0, idle=0.05):
         print(f"# waiting for idle CPUs (other processes: {100 * frac:.0f}%)", flush=True)
 
 
+def _spin(stop, parent):
+    """Spin until `stop` is set or the parent process is gone (killed: no stop comes)."""
+    while not stop.is_set() and os.getppid() == parent:
+        for _ in range(100_000):
+            pass
+
+
+class BusyProcesses:
+    """`n` processes that each spin on a core for as long as the block runs (--load): a
+    machine whose cores other programs oversubscribe."""
+
+    def __init__(self, n):
+        self.n, self.procs, self.stop = n, [], None
+
+    def __enter__(self):
+        if self.n > 0:
+            import multiprocessing
+            ctx = multiprocessing.get_context("spawn")   # no copy of this process's threads or libraries
+            self.stop = ctx.Event()
+            self.procs = [ctx.Process(target=_spin, args=(self.stop, os.getpid()), daemon=True) for _ in range(self.n)]
+            for p in self.procs:
+                p.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stop is not None:
+            self.stop.set()
+            for p in self.procs:
+                p.join(5)
+                if p.is_alive():
+                    p.terminate()
+        return False
+
+
 # ============================================================ main
 
 def main(argv=None):
@@ -732,6 +794,9 @@ def main(argv=None):
                     help="first wait up to S seconds for other processes to leave the CPUs idle")
     ap.add_argument("--threads", type=int, help="threads for every contender (default: torch 2, the others "
                     "every core); 1 gives steadier numbers while another process holds a core")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="run N busy processes (each spinning on a core) while the rows are timed: a machine "
+                         "oversubscribed by other programs (the gpt_small row's target is then <=3x one thread)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-jax", action="store_true")
     args = ap.parse_args(argv)
@@ -774,27 +839,33 @@ def main(argv=None):
     print(f"# bounds: triad {bounds['triad_GBps']:.1f} GB/s (numpy, {bounds['triad_variant']}), "
           f"sgemm {bounds['sgemm_GFLOPs']:.0f} GFLOP/s (numpy float32 2048^3)", flush=True)
 
-    tg = Tgc(args.specialize, args.threads)
-    makers = contenders(args, tg, torch_ok, jax_ok)
-    names = [n for n, _ in makers]
+    if args.load < 0:
+        ap.error("--load must be 0 or more")
     unknown = (only or set()) - set(NUMPY) - {"compile", "check"}
     if unknown:
         ap.error(f"--only: unknown workload(s) {', '.join(sorted(unknown))}")
-    selected = [c for c in cases() if only is None or c.workload in only]
+    selected = [c for c in cases(args.load) if only is None or c.workload in only]
+    tg = Tgc(args.specialize, args.threads)
+    one_thread = Tgc(args.specialize, 1) if any("tgc 1 thread" in c.only for c in selected) else None
+    makers = contenders(args, tg, torch_ok, jax_ok, one_thread)
+    names = [n for n, _ in makers]
     rows = []
-    for case in selected:
-        t0 = time.perf_counter()
-        try:
-            row = run_case(case, makers, args, bounds, tg)
-        except Exception as e:   # noqa: BLE001 — e.g. the reference itself failed: report, go on
-            traceback.print_exc()
-            row = {"workload": case.workload, "size": case.size, "target": case.target, "median_s": {},
-                   "compile_s": {}, "status": {n: f"n/a (harness: {short_error(e)})" for n in names},
-                   "bound_kind": case.bound[0], "tgc_over_bound": None, "target_met": None}
-        rows.append(row)
-        print(f"  {case.workload} {case.size}: " + ", ".join(
-            f"{n} {fmt_t(row['median_s'][n]) if n in row['median_s'] else row['status'].get(n)}" for n in names)
-            + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    with BusyProcesses(args.load):
+        if args.load:
+            print(f"# --load {args.load}: {args.load} busy processes run while the rows are timed", flush=True)
+        for case in selected:
+            t0 = time.perf_counter()
+            try:
+                row = run_case(case, makers, args, bounds, tg)
+            except Exception as e:   # noqa: BLE001 — e.g. the reference itself failed: report, go on
+                traceback.print_exc()
+                row = {"workload": case.workload, "size": case.size, "target": case.target, "median_s": {},
+                       "compile_s": {}, "status": {n: f"n/a (harness: {short_error(e)})" for n in names},
+                       "bound_kind": case.bound[0], "tgc_over_bound": None, "target_met": None}
+            rows.append(row)
+            print(f"  {case.workload} {case.size}: " + ", ".join(
+                f"{n} {fmt_t(row['median_s'][n]) if n in row['median_s'] else row['status'].get(n)}" for n in names
+                if n in row["status"]) + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     ctimes = []
     if not args.no_compile_times and (only is None or "compile" in only):
@@ -830,8 +901,8 @@ def main(argv=None):
     print(f"\n# total {total:.0f} s; other processes used "
           + (f"{100 * busy:.0f}% of the CPUs meanwhile" if busy is not None else "? of the CPUs")
           + ("" if busy is None or busy <= 0.05 else
-             " -- NOISY: multi-threaded calls stall while another process holds a core; rerun when idle"
-             + ("" if args.threads == 1 else " or with --threads 1")))
+             f" (--load {args.load}'s busy processes among them)" if args.load else
+             " -- NOISY: other processes took time slices from the timed calls; rerun when idle"))
     if inductor_cache:
         shutil.rmtree(inductor_cache, ignore_errors=True)
     if args.json:
@@ -839,7 +910,7 @@ def main(argv=None):
             json.dump({"command": cmd, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "machine": info, "bounds": bounds, "rows": rows, "compile": ctimes, "check": checks,
                        "repeat": args.repeat, "sample_ms": args.sample_ms, "specialize": args.specialize,
-                       "threads": args.threads, "blocked": args.blocked, "total_s": total, "other_load": busy}, f, indent=1, default=str)
+                       "threads": args.threads, "load": args.load, "blocked": args.blocked, "total_s": total, "other_load": busy}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

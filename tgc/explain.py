@@ -5,7 +5,9 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
 
 - the kernels in execution order, each with its FLOPs and the bytes of the distinct
   buffers it reads and writes (each counted once per kernel: a lower bound of its
-  memory traffic, exact for kernels that stream each operand once);
+  memory traffic, exact for kernels that stream each operand once), and, given the
+  CPU backend's options, whether it runs serially or in a parallel region
+  (`tgc.backends.cpu.codegen.thread_plan`);
 - the workspace: its slots and their bytes, and which temporaries share each slot;
 - memory over time: before each kernel, the bytes of the temporaries alive from
   their first write to their last read (as `plan` assigns slots), the peak, and what
@@ -33,8 +35,10 @@ from tgc.ir.sizes import size_eval
 ITEMSIZE = BYTES
 
 
-def explain(low: Lowered, env: dict[str, int]) -> dict:
-    """The report of the planned program `low` at the dims `env` (every symbolic dim bound)."""
+def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
+    """The report of the planned program `low` at the dims `env` (every symbolic dim bound).
+    With the CPU backend's `options` (`tgc.options.Options`), each kernel also says
+    whether it runs on one thread or in a parallel region (`threads`)."""
     size = {e: size_eval(low.size(e), env) for b in low.buffers.values() for e in b.edges}
 
     def nbytes(name: str) -> int:
@@ -57,6 +61,9 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
         kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": sum(nbytes(n) for n in used)})
+        if options is not None:
+            from tgc.backends.cpu.codegen import thread_plan
+            kernels[-1]["threads"] = thread_plan(low, k, {**_fixed_dims(low), **env}, options)
     live, at_peak, peak = [], [], -1
     for i in range(len(low.kernels)):
         alive = sorted((n for n in first if first[n] <= i <= last[n]), key=lambda n: (-nbytes(n), n))
@@ -84,6 +91,10 @@ def explain(low: Lowered, env: dict[str, int]) -> dict:
                       if lk.note == "recompute"],
         "recompute_note": _recompute_note(low),
     }
+
+
+def _fixed_dims(low: Lowered) -> dict:
+    return {d: s for d, s in low.module.dims.items() if isinstance(s, int)}
 
 
 def _recompute_note(low: Lowered) -> str:
@@ -115,12 +126,19 @@ def format_explain(report: dict, name: str) -> str:
     dims = ", ".join(f"{d} = {n}" for d, n in report["dims"].items()) or "no symbolic dims"
     index = max([len(f"k{k['index']}") for k in report["kernels"]] + [4])   # the columns fit every row
     kind = max([len(k["kind"]) for k in report["kernels"]] + [len("kind")])
+    threads = all("threads" in k for k in report["kernels"]) and report["kernels"]
+    width = max([len(k["threads"]) for k in report["kernels"]] + [len("threads")]) if threads else 0
+    column = (lambda text: f"  {text:<{width}}") if threads else (lambda text: "")
     lines = [f"{name} ({report['dtype']}; {dims})", "", "kernels, in order:",
-             f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}  what"]
+             f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}"
+             f"{column('threads')}  what"]
     for k, live in zip(report["kernels"], report["live_bytes"]):
         lines.append(f"  {'k' + str(k['index']):<{index}}  {k['kind']:<{kind}}  {human(k['flops'], 'FLOP'):>10}"
-                     f"  {human(k['bytes'], 'B'):>10}  {human(live, 'B'):>11}  {k['text'][:90]}")
+                     f"  {human(k['bytes'], 'B'):>10}  {human(live, 'B'):>11}{column(k.get('threads', ''))}"
+                     f"  {k['text'][:90]}")
     ws = report["workspace"]
+    if threads:
+        lines += ["", _threads_note(report["kernels"])]
     lines += ["", f"total: {len(report['kernels'])} kernels, {human(report['flops'], 'FLOP')}, "
               f"{human(report['bytes'], 'B')} of buffers touched (each once per kernel)",
               f"caller's arrays: arguments {human(report['arguments_bytes'], 'B')}, "
@@ -142,6 +160,16 @@ def format_explain(report: dict, name: str) -> str:
         lines.append(f"{budget['summary']}")
         lines += budget["lines"]
     return "\n".join(lines) + "\n"
+
+
+def _threads_note(kernels: list) -> str:
+    """The thread plan in words: how many kernels run serially, how many may run in a
+    parallel region (each kernel that does is one region)."""
+    count = {t: sum(k["threads"] == t for k in kernels) for t in ("serial", "parallel", "parallel when warm")}
+    return (f"threads: {count['serial']} kernels serial (too small to gain from threads), {count['parallel']} parallel, "
+            f"{count['parallel when warm']} parallel only right after another region (CpuOptions.parallel_min_work, "
+            "gemm_parallel_min_flops and their _warm forms); while other processes hold the cores, "
+            "parallel kernels run serially too (CpuOptions.contention_memory_cycles)")
 
 
 def timeline_svg(report: dict, title: str) -> str:

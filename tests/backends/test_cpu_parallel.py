@@ -92,3 +92,95 @@ def test_above_threshold_splits_contiguously(gomp):
     if cores > 1:
         assert len(np.unique(out)) > 1
 
+
+
+# ------------------------------------------------------------ timed regions and the lag
+
+def region_module(cpu) -> ir.Module:
+    """`run(data)` as `tid_module`'s, but through `parallel.region_fn`; `threshold(warm,
+    cold, per_cycle)` through `parallel.threshold_fn`; `set_lag(lag, age)` stores a lag
+    measured `age` cycles ago; `state(i)` reads region_end (0), lag (1), lag_at (2)."""
+    module = tid_module(threshold=1)
+    body = module.globals['body']
+    region = parallel.region_fn(module, module, cpu)
+    thr = parallel.threshold_fn(module, cpu)
+    run = ir.Function(module, ir.FunctionType(ir.VoidType(), [ir.PointerType()]), 'run_region')
+    b = ir.IRBuilder(run.append_basic_block('entry'))
+    b.call(region, [body, run.args[0]])
+    b.ret_void()
+    names = (parallel.REGION_END, parallel.LAG, parallel.LAG_AT)
+    fn = ir.Function(module, ir.FunctionType(I64, [I64] * 3), 'threshold')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    b.ret(b.call(thr, list(fn.args)))
+    if parallel.LAG not in module.globals:   # contention_memory_cycles=0
+        return module
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64, I64]), 'set_lag')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    b.store(fn.args[0], module.globals[parallel.LAG])
+    b.store(b.sub(parallel.now(b), fn.args[1]), module.globals[parallel.LAG_AT])
+    b.ret_void()
+    fn = ir.Function(module, ir.FunctionType(I64, [I64]), 'state')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    out = I64(0)
+    for i, name in enumerate(names):
+        v = b.load(module.globals[name], typ=I64)
+        out = b.select(b.icmp_signed('==', fn.args[0], I64(i)), v, out)
+    b.ret(out)
+    return module
+
+
+def region_compiled(gomp, cpu):
+    jm = llvm_env.jit(str(region_module(cpu)))
+    table = fntable.make_table(gomp)
+    INIT(jm.address('tgc_init'))(ctypes.addressof(table))
+    f = ctypes.CFUNCTYPE
+    return jm, {'run': RUN(jm.address('run_region')),
+                'threshold': f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(jm.address('threshold')),
+                'set_lag': f(None, ctypes.c_int64, ctypes.c_int64)(jm.address('set_lag')),
+                'state': f(ctypes.c_int64, ctypes.c_int64)(jm.address('state'))}
+
+
+def test_a_held_lag_raises_the_threshold_to_twice_the_serial_time_it_costs(gomp):
+    """While a lag is held, a kernel runs in a region only if its serial time (its
+    work at `per_cycle` units a cycle) is at least twice the lag; a lag older than
+    `contention_memory_cycles` is forgotten, and none before the first region."""
+    from tgc.backends.cpu.options import CpuOptions
+    cpu = CpuOptions(contention_memory_cycles=1 << 40)
+    _jm, fns = region_compiled(gomp, cpu)
+    assert fns['threshold'](10, 20, 3) == 20               # no region yet: cold, no lag
+    fns['set_lag'](1000, 0)
+    assert fns['threshold'](10, 20, 3) == 2 * 1000 * 3
+    assert fns['threshold'](10, 10 ** 9, 3) == 10 ** 9     # a higher threshold stands
+    fns['set_lag'](1000, 1 << 41)                          # measured longer ago than the memory
+    assert fns['threshold'](10, 20, 3) == 20
+
+
+def test_a_region_runs_the_body_on_every_thread_and_notes_its_time(gomp):
+    from tgc.backends.cpu.options import CpuOptions
+    _jm, fns = region_compiled(gomp, CpuOptions())
+    assert fns['state'](0) == 0 and fns['state'](2) == 0
+    out = np.full(100_001, -1, dtype=np.int64)
+    data = (ctypes.c_int64 * 2)(out.ctypes.data, out.size)
+    fns['run'](ctypes.addressof(data))
+    assert (out >= 0).all() and (np.diff(out) >= 0).all()
+    if len(os.sched_getaffinity(0)) > 1:
+        assert len(np.unique(out)) > 1
+    assert fns['state'](0) != 0 and fns['state'](2) != 0   # the end noted, the lag measured
+    assert fns['state'](1) >= 0
+
+
+def test_without_contention_memory_no_lag_is_kept():
+    from tgc.backends.cpu.options import CpuOptions
+    text = str(region_module(CpuOptions(contention_memory_cycles=0)))
+    assert parallel.LAG not in text and parallel.REGION_END in text
+
+
+def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
+    """A lag of 10^6 cycles is held 50 x 10^6 cycles (`contention_memory_lags`), however
+    short `contention_memory_cycles`: the region that measures it again costs ~one lag."""
+    from tgc.backends.cpu.options import CpuOptions
+    _jm, fns = region_compiled(gomp, CpuOptions(contention_memory_cycles=1000, contention_memory_lags=50))
+    fns['set_lag'](10 ** 6, 10 ** 7)
+    assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
+    fns['set_lag'](10 ** 6, 10 ** 9)
+    assert fns['threshold'](10, 20, 3) == 20

@@ -149,7 +149,7 @@ def test_after_a_parallel_region_small_kernels_go_parallel_too():
     """With the warm thresholds at 1 and a window that never closes, every kernel
     after the first parallel region runs on the threads: the results still match."""
     warm = Options(cpu=CpuOptions(parallel_min_work=1, parallel_min_work_warm=1, gemm_parallel_min_flops_warm=1,
-                               warm_cycles=1 << 62))
+                               warm_cycles=1 << 62, contention_memory_cycles=0))
     prog = tgc.compile(GPT, dtype="f64", options=warm)
     text = prog.llvm_ir
     assert "llvm.readcyclecounter" in text and "tgc.region_end" in text

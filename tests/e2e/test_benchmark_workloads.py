@@ -62,3 +62,27 @@ def test_gcn_reference_is_the_programs_values():
     want = ref_numpy.gcn({k: np.array(v, copy=True) for k, v in arrays.items()})
     for k, w in want.items():
         np.testing.assert_allclose(got[k], w, rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_one_gpt_small_step_is_the_reference_sgd_step():
+    """The gpt_small row's workload (1 layer, 4 heads, width 64) and its numpy reference."""
+    import run
+
+    arrays = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v
+              for k, v in run._gpt_small_inputs(np.random.default_rng(0)).items()}
+    prog = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "gpt_small.tg"), dtype="f64")
+    got = prog(**{k: np.array(v, copy=True) for k, v in arrays.items()})
+    want = ref_numpy.gpt_small_step({k: np.array(v, copy=True) for k, v in arrays.items()})
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-10)
+    for n in ref_numpy.gpt_param_names(ref_numpy.GPT_SMALL["layers"]):
+        np.testing.assert_allclose(got[n], want[n], rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+def test_load_processes_run_for_the_block_and_stop_after_it():
+    import run
+
+    with run.BusyProcesses(2) as busy:
+        assert len(busy.procs) == 2 and all(p.is_alive() for p in busy.procs)
+    assert not any(p.is_alive() for p in busy.procs)
+    with run.BusyProcesses(0) as none:
+        assert none.procs == []

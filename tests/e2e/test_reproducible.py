@@ -26,7 +26,8 @@ from marks import heavy
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
 ALWAYS_PARALLEL = dict(parallel_min_work=1, parallel_min_work_warm=1,
-                       gemm_parallel_min_flops=1, gemm_parallel_min_flops_warm=1)
+                       gemm_parallel_min_flops=1, gemm_parallel_min_flops_warm=1,
+                       contention_memory_cycles=0)   # nor does a loaded machine keep them serial
 
 
 def _outputs(path: Path, threads: int, inputs: dict, dims: dict) -> list[dict]:

@@ -35,7 +35,9 @@ DEFAULT_DIM = 64
 def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None, backend="cpu") -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
-    peak and what is alive at it, and the save/recompute decisions.
+    peak and what is alive at it, and the save/recompute decisions. On the CPU, each
+    kernel's threads: serial (too small to gain from threads), parallel, or parallel
+    only right after another parallel region.
 
     Sizes are those of the dims given with --dim (the others: 64). FLOPs count each
     arithmetic operation once (an exp is one); bytes count each buffer a kernel reads
@@ -63,7 +65,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
     env = module.bind_dims(sizes)
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
     low = pipeline.lower_module(lowered.module, options, backend)
-    report = report_of(low, env)
+    report = report_of(low, env, options if backend == "cpu" else None)
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()

@@ -59,7 +59,7 @@ from dataclasses import replace
 
 import llvmlite.ir as ir
 
-from tgc.backends.cpu import fntable, sizecheck
+from tgc.backends.cpu import fntable, parallel, sizecheck
 from tgc.backends.cpu.gemm import (GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b,
                                    small_kernel, taps_in_one_call, uses_own_gemm)
 from tgc.backends.cpu.fgemm import own_kernel
@@ -200,9 +200,12 @@ class _ModuleGen:
             own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if any(isinstance(k, GemmKernel) and taps_in_one_call(self.low, k, self.opt) for k in self.low.kernels):
             own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm.taps_in_one_call)
+        if self.opt.cpu.threads != 1:   # GEMMs in every unit run their regions through it
+            parallel.region_fn(self.mod, self.mod, self.opt.cpu)
         if len(self.mods) > 1:   # the other units call them
             for fn in self.mod.functions:
-                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16", "tgc.gemm.own.")) and not fn.is_declaration:
+                if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16", "tgc.gemm.own.")) and not fn.is_declaration \
+                        or fn.name == parallel.REGION:
                     fn.linkage = "hidden"
         kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
         return str(self.emit_entry(kernels))
@@ -291,12 +294,8 @@ class _ModuleGen:
         threshold: then it gets no parallel body and no run-time test (less code for
         LLVM to compile: small fixed-size kernels, e.g. an MLP's weight updates)."""
         env = {d: s for d, s in self.low.module.dims.items() if isinstance(s, int)}
-        total = 0
         try:
-            for weight, sizes in work_terms(k):
-                for s in sizes:
-                    weight *= size_eval(s, env)
-                total += weight
+            total = kernel_work(k, env)
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
         return total < min(self.opt.cpu.parallel_min_work, self.opt.cpu.parallel_min_work_warm)
@@ -342,10 +341,10 @@ class _ModuleGen:
                 g = k.gemm if isinstance(k, ImplicitGemm) else k
                 names = [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source
                          for n in (g.a.buf, g.b.buf, g.out)]   # an implicit GEMM's window: its source
-                min_flops = self.threshold(b, self.opt.cpu.gemm_parallel_min_flops_warm, self.opt.cpu.gemm_parallel_min_flops)
-                ran = b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops])
-                if self.opt.cpu.threads != 1:
-                    b.call(self.helper("tgc.after_gemm"), [ran])
+                cpu = self.opt.cpu
+                min_flops = self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
+                                           cpu.gemm_flops_per_cycle)
+                b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops])
             else:
                 self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
             if start is not None:
@@ -510,25 +509,15 @@ class _ModuleGen:
     #
     # A parallel region costs 1-3 us while libgomp's workers still spin from the last
     # one, ~80 us when they have gone to sleep. So the threshold for going parallel is
-    # lower right after a region: `tgc.region_end` holds the time-stamp counter at
-    # the end of the program's last region, and a kernel that starts less than
-    # `options.cpu.warm_cycles` later uses the `_warm` threshold. (GPT's step: many
-    # small kernels between large ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are
-    # all small, never starts a region and stays serial.) A counter that reads 0 (a
-    # target without one) is never warm. Racing calls only blur a heuristic.
-
-    def region_end(self) -> ir.GlobalVariable:
-        g = self.mod.globals.get("tgc.region_end")
-        if g is None:
-            g = ir.GlobalVariable(self.mod, I64, "tgc.region_end")
-            g.linkage = "internal"
-            g.initializer = I64(0)
-        return g
+    # lower right after a region: `tgc.region` notes the time-stamp counter at the end
+    # of each region, and a kernel that starts less than `options.cpu.warm_cycles`
+    # later uses the `_warm` threshold. (GPT's step: many small kernels between large
+    # ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are all small, never starts a
+    # region and stays serial.) While other processes hold the cores, the measured lag
+    # of a region raises both (`parallel.py`: contention).
 
     def now(self, b: ir.IRBuilder):
-        fn = self.mod.globals.get("llvm.readcyclecounter") or ir.Function(
-            self.mod, ir.FunctionType(I64, []), "llvm.readcyclecounter")
-        return b.call(fn, [])
+        return parallel.now(b)
 
     def count_cycles(self, b: ir.IRBuilder, i: int, start) -> None:
         """Add the cycles since `start` to kernel i's counter (`options.cpu.profile`:
@@ -544,51 +533,32 @@ class _ModuleGen:
         slot = b.gep(table, [I32(0), I32(i)], inbounds=True)
         b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), start)), slot)
 
-    # tgc_run calls these small helpers (defined once, never inlined) around every
-    # kernel rather than holding their code once per kernel: GPT's first unit, with
-    # tgc_run, took 1.06 -> 0.92 s to compile (its tgc_run: 4569 -> 3001 lines of IR).
+    # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
+    # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding
+    # their code once per kernel: GPT's first unit, with tgc_run, took 1.06 -> 0.92 s to
+    # compile (its tgc_run: 4569 -> 3001 lines of IR).
 
-    def helper(self, name: str) -> ir.Function:
-        """`tgc.threshold(warm, cold)`: the threshold in force now;
-        `tgc.parallel_now(work, limit)`: whether a kernel of this much work runs in a
-        region (the runtime gave libgomp and work reaches limit); `tgc.region(body,
-        data)`: run body on every thread, note the time; `tgc.after_gemm(ran)`: note
-        the time if a GEMM ran a region."""
-        fn = self.mod.globals.get(name)
+    def parallel_now(self) -> ir.Function:
+        """`i1 tgc.parallel_now(work, limit)`: whether a kernel of this much work runs
+        in a region (the runtime gave libgomp and work reaches limit)."""
+        fn = self.mod.globals.get("tgc.parallel_now")
         if fn is not None:
             return fn
-        sig = {"tgc.threshold": (I64, [I64, I64]), "tgc.parallel_now": (ir.IntType(1), [I64, I64]),
-               "tgc.region": (ir.VoidType(), [PTR, PTR]), "tgc.after_gemm": (ir.VoidType(), [I32])}[name]
-        fn = define(self.mod, name, *sig)
+        fn = define(self.mod, "tgc.parallel_now", ir.IntType(1), [I64, I64])
         fn.attributes.add("noinline")
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        a = fn.args
-        if name == "tgc.threshold":
-            last = b.load_atomic(self.region_end(), "monotonic", 8, typ=I64)
-            recent = b.icmp_unsigned("<", b.sub(self.now(b), last), I64(self.opt.cpu.warm_cycles))
-            recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
-            b.ret(b.select(recent, a[0], a[1]))
-        elif name == "tgc.parallel_now":
-            have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
-            b.ret(b.and_(b.icmp_signed(">=", a[0], a[1]), have))
-        elif name == "tgc.region":
-            fntable.call(b, "gomp_parallel", [a[0], a[1], I32(max(self.opt.cpu.threads, 0)), I32(0)])
-            self.mark_region(b)
-            b.ret_void()
-        else:
-            with b.if_then(b.icmp_signed("!=", a[0], I32(0))):
-                self.mark_region(b)
-            b.ret_void()
+        have = b.icmp_unsigned("!=", fntable_slot(b, "gomp_parallel"), ir.Constant(PTR, None))
+        b.ret(b.and_(b.icmp_signed(">=", fn.args[0], fn.args[1]), have))
         return fn
 
-    def mark_region(self, b: ir.IRBuilder) -> None:
-        b.store_atomic(self.now(b), self.region_end(), "monotonic", 8)
-
-    def threshold(self, b: ir.IRBuilder, warm: int, cold: int):
-        """i64: `warm` when a region ended less than `warm_cycles` ago, else `cold`."""
-        if warm >= cold or self.opt.cpu.threads == 1:
+    def threshold(self, b: ir.IRBuilder, warm: int, cold: int, per_cycle: int):
+        """i64: the least work (GEMM: flops) that runs in a region now: `warm` when a
+        region ended less than `warm_cycles` ago, else `cold`, and at least twice the
+        measured lag at `per_cycle` units a cycle (`parallel.threshold_fn`)."""
+        cpu = self.opt.cpu
+        if self.opt.cpu.threads == 1 or (warm >= cold and cpu.contention_memory_cycles <= 0):
             return I64(cold)
-        return b.call(self.helper("tgc.threshold"), [I64(warm), I64(cold)])
+        return b.call(parallel.threshold_fn(self.mod, cpu), [I64(warm), I64(cold), I64(max(per_cycle, 0))])
 
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
@@ -605,11 +575,12 @@ class _ModuleGen:
             for s in sizes:
                 term = b.mul(term, f.size(s))
             work = b.add(work, term)
-        limit = self.threshold(b, self.opt.cpu.parallel_min_work_warm, self.opt.cpu.parallel_min_work)
-        big = b.call(self.helper("tgc.parallel_now"), [work, limit])
+        cpu = self.opt.cpu
+        limit = self.threshold(b, cpu.parallel_min_work_warm, cpu.parallel_min_work, cpu.loop_work_per_cycle)
+        big = b.call(self.parallel_now(), [work, limit])
         with b.if_else(big) as (then, otherwise):
             with then:
-                b.call(self.helper("tgc.region"), [par, data])
+                b.call(parallel.region_fn(self.mod, self.mod, cpu), [par, data])
             with otherwise:
                 b.call(kfn, call_args + [I64(0), n])
 
@@ -638,6 +609,46 @@ def work_terms(k) -> list[tuple[int, list]]:
         if len(sizes) > 1:
             out.append((ROW_COST, sizes[:-1]))
     return out
+
+
+def kernel_work(k, env: dict) -> int:
+    """The work of loop kernel (or group) `k` at the dims `env` (`work_terms`)."""
+    total = 0
+    for weight, sizes in work_terms(k):
+        for s in sizes:
+            weight *= size_eval(s, env)
+        total += weight
+    return total
+
+
+SERIAL, PARALLEL, PARALLEL_WARM = "serial", "parallel", "parallel when warm"
+
+
+def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
+    """How kernel `k` is run at the dims `env` (every dim bound), as the generated code
+    decides it: SERIAL (one thread: too small to gain from threads even right after
+    another region, a loop that cannot be split, or `threads=1`), PARALLEL (in a region
+    on every thread) or PARALLEL_WARM (in a region only right after another one, while
+    the workers still spin: `warm_cycles`). On a loaded machine a kernel of either
+    parallel kind may still run serially (the lag, `parallel.py`). `tgc explain`
+    shows it per kernel."""
+    cpu = options.cpu
+    if cpu.threads == 1:
+        return SERIAL
+    if isinstance(k, (GemmKernel, ImplicitGemm)):
+        g = k.gemm if isinstance(k, ImplicitGemm) else k
+        amount = 2
+        for e in g.batch + g.m + g.n + g.k + g.taps:
+            amount *= size_eval(low.size(e), env)
+        warm, cold = cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops
+    elif parallel_ok(k):
+        amount = kernel_work(k, env)
+        warm, cold = cpu.parallel_min_work_warm, cpu.parallel_min_work
+    else:
+        return SERIAL
+    if amount >= cold:
+        return PARALLEL
+    return PARALLEL_WARM if amount >= warm else SERIAL
 
 
 def kernel_key(low: Lowered, k) -> tuple:

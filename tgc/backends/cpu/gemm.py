@@ -468,7 +468,7 @@ class GemmGen:
                 for i, v in enumerate(args + [pl["tasks"]] + tiles):
                     v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
                     b.store(v, b.gep(data, [I32(0), I32(i)]))
-                fntable.call(b, "gomp_parallel", [par, data, I32(max(self.opt.cpu.threads, 0)), I32(0)])
+                b.call(parallel.region_fn(self.mod, self.home, self.opt.cpu), [par, data])
                 b.ret(I32(1))
         b.call(work, args + [I64(0), pl["tasks"]] + tiles)
         b.ret(I32(0))

@@ -16,9 +16,19 @@ class CpuOptions:
     """How the CPU backend lowers and generates code; `with_(name=value)` copies."""
 
     threads: int = 0                         # worker threads for large loops; 0: every core, 1: none
-    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms) below which a kernel runs on one thread
+    # A kernel too small to gain from threads runs on one thread (`tgc explain` shows which do, column "threads"):
+    parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms: the cost model's units, ~0.1 ns each) below which a kernel runs on one thread (~50 us of serial time; tuned by measurement)
     parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
     warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
+    # Contention (backends/cpu/parallel.py): each region's overhead (its time less the calling thread's own share) beyond
+    # what a region costs is its lag, milliseconds while other processes hold the cores. While the lag is held, a kernel
+    # runs in a region only if its serial time, estimated from its work, is at least twice the lag (two threads save at
+    # most half of it); every kernel under that runs serially. The estimate, in time-stamp-counter cycles:
+    loop_work_per_cycle: int = 3             # units of work (see parallel_min_work) a loop kernel does per cycle on one thread (an add or mul per element ~0.1 ns, vectorized)
+    gemm_flops_per_cycle: int = 16           # flops a GEMM does per cycle on one thread (the small products of a step; large ones do more)
+    cold_region_cycles: int = 300_000        # the expected overhead of a region whose workers had gone to sleep (a futex wake-up, ~80 us), not counted as lag
+    contention_memory_cycles: int = 250_000_000  # a measured lag is held this long (~0.1 s), then a region measures it again; 0: no lag (every kernel over its threshold runs in a region)
+    contention_memory_lags: int = 50         # ... or this many times the lag, if longer: the region that measures it again costs about one lag (2% of the time)
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas

@@ -27,7 +27,23 @@ us, f32 exp over n elements, serial -> parallel):
     GOMP_SPINCOUNT=1e4   3.5 -> 3.0   32 -> 17      6596 -> 6219
     libgomp default      3.5 -> 2.7   30 -> 16      5914 -> 7148
 (libgomp's default spins 300,000 iterations, which PLATFORM.md saw cost 8 ms per
-region under contention; ``OMP_WAIT_POLICY=active`` cost 0.5 ms here.)
+region under contention; ``OMP_WAIT_POLICY=active`` cost 0.5 ms here.) A process that
+loaded libgomp before tgc (``import torch`` first: its wheel ships ``libgomp.so.1``)
+keeps that library's settings; ``GOMP_SPINCOUNT=10000`` in the environment then gives
+the same bounded spin.
+
+Contention: a region waits for every thread of its team, and a worker whose core
+another process holds starts only when the scheduler gives it a time slice, milliseconds
+later. So every region is timed (`region_fn`): its overhead is its time less the
+calling thread's own share of the work, and what exceeds the cost expected of a
+region (`CpuOptions.cold_region_cycles` when the workers had gone to sleep) is the
+*lag*. Until `CpuOptions.contention_memory_cycles` have passed (or
+`contention_memory_lags` times the lag, if longer), a kernel runs in a region only if
+its serial time is at least twice the lag: threads save at most half
+of it on two cores (`threshold_fn`; serial time from the kernel's work at
+`loop_work_per_cycle`, or a GEMM's flops at `gemm_flops_per_cycle`). On a loaded
+machine the lag is milliseconds and a step runs serially, but for one region now
+and then that measures the lag again once the memory has run out.
 """
 
 import ctypes
@@ -37,6 +53,7 @@ import os
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable
+from tgc.backends.cpu.irutil import I32, I64, PTR, define, export, optimize_not
 
 LIBGOMP = 'libgomp.so.1'
 # table field -> libgomp symbol
@@ -108,3 +125,126 @@ def parallel_for(builder: ir.IRBuilder, body: ir.Function, data, n, threshold: i
             fntable.call(builder, 'gomp_parallel', [body, data, i32(num_threads), i32(0)])
         with otherwise:
             builder.call(body, [data])
+
+
+# ------------------------------------------------------------ regions, timed
+#
+# The state lives in the program's first unit (`home`): the time-stamp counter at the
+# end of the last region (`REGION_END`, for the warm threshold), the lag and when it
+# was measured. Racing calls only blur a heuristic. A counter that reads 0 (a target
+# without one) is never warm and measures no lag.
+
+REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at"
+REGION, REGION_RUN, THRESHOLD = "tgc.region", "tgc.region.run", "tgc.threshold"
+
+
+def _state(home: ir.Module, name: str) -> ir.GlobalVariable:
+    g = home.globals.get(name)
+    if g is None:
+        g = ir.GlobalVariable(home, I64, name)
+        g.linkage = "internal"
+        g.initializer = I64(0)
+    return g
+
+
+def now(b: ir.IRBuilder):
+    """i64: the time-stamp counter."""
+    fn = b.module.globals.get("llvm.readcyclecounter") or ir.Function(
+        b.module, ir.FunctionType(I64, []), "llvm.readcyclecounter")
+    return b.call(fn, [])
+
+
+def _smax(b: ir.IRBuilder, x, y):
+    return b.select(b.icmp_signed(">", x, y), x, y)
+
+
+def _held_lag(b: ir.IRBuilder, home: ir.Module, cpu, t):
+    """(i1 held, i64 lag) at time `t`: a lag is held `contention_memory_cycles`, or
+    `contention_memory_lags` times itself if longer: a region that measures it again
+    costs about one lag, so such regions take at most a small share of the time."""
+    at = b.load_atomic(_state(home, LAG_AT), "monotonic", 8, typ=I64)
+    lag = b.load_atomic(_state(home, LAG), "monotonic", 8, typ=I64)
+    hold = _smax(b, I64(cpu.contention_memory_cycles), b.mul(lag, I64(max(cpu.contention_memory_lags, 0))))
+    return b.icmp_unsigned("<", b.sub(t, at), hold), lag
+
+
+def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
+    """`void tgc.region(ptr body, ptr data)`: run `body(data)` on every thread of a
+    libgomp team, then note when it ended and update the lag (module docstring).
+    Defined once in `home` (the first unit) and, when `mod` is another unit,
+    declared there (hidden: the first unit defines it whenever the program has
+    several units and threads, `codegen`)."""
+    if REGION in mod.globals:
+        return mod.globals[REGION]
+    if home is not mod:
+        return export(region_fn(home, home, cpu), mod)
+    state_t = ir.LiteralStructType([PTR, PTR, I64])   # body, data, the calling thread's cycles in body
+    run = define(home, REGION_RUN, ir.VoidType(), [PTR])
+    optimize_not(run)   # a few loads and one call per thread
+    b = ir.IRBuilder(run.append_basic_block("entry"))
+    st = run.args[0]
+    body = b.load(b.gep(st, [I32(0), I32(0)], source_etype=state_t), typ=body_type().as_pointer())
+    data = b.load(b.gep(st, [I32(0), I32(1)], source_etype=state_t), typ=PTR)
+    first = b.icmp_signed("==", fntable.call(b, "omp_get_thread_num", []), I32(0))
+    with b.if_else(first) as (then, otherwise):
+        with then:
+            t0 = now(b)
+            b.call(body, [data])
+            b.store(b.sub(now(b), t0), b.gep(st, [I32(0), I32(2)], source_etype=state_t))
+        with otherwise:
+            b.call(body, [data])
+    b.ret_void()
+
+    fn = define(home, REGION, ir.VoidType(), [PTR, PTR])
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    st = b.alloca(state_t)
+    for i, v in enumerate((fn.args[0], fn.args[1], I64(0))):
+        b.store(v, b.gep(st, [I32(0), I32(i)]))
+    end = _state(home, REGION_END)
+    t0 = now(b)
+    last = b.load_atomic(end, "monotonic", 8, typ=I64)
+    fntable.call(b, "gomp_parallel", [run, st, I32(max(cpu.threads, 0)), I32(0)])
+    t1 = now(b)
+    b.store_atomic(t1, end, "monotonic", 8)
+    if cpu.contention_memory_cycles > 0:
+        own = b.load(b.gep(st, [I32(0), I32(2)]))
+        overhead = b.sub(b.sub(t1, t0), own)
+        slept = b.or_(b.icmp_unsigned(">=", b.sub(t0, last), I64(cpu.warm_cycles)), b.icmp_unsigned("==", last, I64(0)))
+        expected = b.select(slept, I64(cpu.cold_region_cycles), I64(0))
+        excess = _smax(b, b.sub(overhead, expected), I64(0))
+        lag, at = _state(home, LAG), _state(home, LAG_AT)
+        held, old = _held_lag(b, home, cpu, t0)
+        old = b.select(held, old, I64(0))
+        # up at once, down by an eighth of the difference: quick regions among slow ones
+        # do not clear it (a lag no region renews is forgotten after its hold instead)
+        new = _smax(b, excess, b.sub(old, b.ashr(b.sub(old, excess), I64(3))))
+        b.store_atomic(new, lag, "monotonic", 8)
+        b.store_atomic(t1, at, "monotonic", 8)
+    b.ret_void()
+    return fn
+
+
+def threshold_fn(home: ir.Module, cpu) -> ir.Function:
+    """`i64 tgc.threshold(i64 warm, i64 cold, i64 per_cycle)`: the least work (or GEMM
+    flops) of a kernel that runs in a region now: `warm` if a region ended less than
+    `cpu.warm_cycles` ago, else `cold`; and at least twice the lag in the kernel's
+    unit (`per_cycle` units of work a cycle) while the lag is held."""
+    fn = home.globals.get(THRESHOLD)
+    if fn is not None:
+        return fn
+    fn = define(home, THRESHOLD, I64, [I64, I64, I64])
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    warm, cold, per_cycle = fn.args
+    t = now(b)
+    last = b.load_atomic(_state(home, REGION_END), "monotonic", 8, typ=I64)
+    recent = b.icmp_unsigned("<", b.sub(t, last), I64(cpu.warm_cycles))
+    recent = b.and_(recent, b.icmp_unsigned("!=", last, I64(0)))
+    least = b.select(recent, warm, cold)
+    if cpu.contention_memory_cycles > 0:
+        held, lag = _held_lag(b, home, cpu, t)
+        floor = b.select(held, b.mul(b.mul(lag, I64(2)), per_cycle), I64(0))
+        least = _smax(b, least, floor)
+    b.ret(least)
+    return fn
