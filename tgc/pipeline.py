@@ -145,6 +145,9 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
         return compile_module(lower(forward_only(module), options).module, options, backend)
 
+    def build_specialized(dims):   # `Program`'s specializations: the module with these dims fixed
+        return compile_module(fix_dims(module, dims), options, backend)
+
     if options.fp_strict and options.dtype == "f32":
         from tgc.ir.emulate import emulate_f32
 
@@ -158,7 +161,7 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     if low is None:
         low = lower_module(module, options, backend)
     kernels = be.compile(module, low, options, artifacts)
-    return Program(module, options, low, kernels, build_forward)
+    return Program(module, options, low, kernels, build_forward, build_specialized)
 
 
 def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu") -> dict:

@@ -1,0 +1,199 @@
+"""Programs specialized to the sizes they are called with.
+
+A program whose dims are symbolic serves every shape: its kernels read the sizes at
+run time, and the lowering plans them for sizes it does not know (cost models take
+`Options.rep_size`; a GEMM kernel's choice between tgc's own and the BLAS, and the
+implicit convolution GEMM that depends on it, are left to run time). The same program
+with those dims fixed is planned and compiled for the real sizes. So a program keeps,
+beside its generic code, a table of specializations, one per shape signature (the
+symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
+
+- each call looks its signature up (a dict lookup); a specialized one runs the
+  program built for it, with its own checks and fast path;
+- otherwise the generic program runs, and the call is counted and timed for its
+  signature. The signature is specialized once it has been called at least
+  `Options.specialize_calls` times (default 2: never a shape seen once) and its
+  calls have spent at least `Options.specialize_seconds` in the generic program
+  (default 0.25 s; compiling a specialization takes 0.3-2 s on the 2-core machine).
+  It is the rent-or-buy rule: the compile is paid only once the generic code has
+  cost time of its order, so a signature that stops being called right after wastes
+  at most about as much as it had already spent, and a signature seen once, or whose
+  calls take microseconds (which fixed sizes barely speed up), never pays for one. `specialize_calls=0`: never specialize;
+  `specialize_seconds=0`: on the `specialize_calls`-th call;
+- at most `Options.specialize_max` signatures are specialized per program (their
+  code stays loaded); later ones run the generic program.
+
+A specialization is the module after the IR pipeline with those dims fixed
+(`tgc.pipeline.fix_dims`), lowered and compiled again: the same operations in the
+same order, planned for fixed sizes, so its results differ from the generic
+program's only as two plans of one program may (docs/optimization.md, the numerics
+contract), and its machine code is kept in the on-disk code cache like any program's
+(`tgc.backends.cache`): a later process compiles nothing for a signature it has seen.
+A call the specialized program refuses (an argument of another shape or type: an
+EvalError, nothing written) is run again by the generic program, whose checks give
+the message. A specialization that cannot be built (or does not take the same
+arguments) is recorded (`Variant.refused`), and its signature runs generic code.
+
+`Program.variants()` lists the signatures seen, `Program.last_variant` says which
+program the calling thread's last call ran. Thread-safe: the table is read without a
+lock; counting and building take one, so one signature is built once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from tgc.ir.interp import EvalError
+
+SIGNATURES = 256    # signatures counted per program before the unspecialized ones are forgotten
+
+
+@dataclass
+class Variant:
+    """One shape signature a program was called with (`Program.variants()`).
+
+    `dims` gives the symbolic dims' sizes; `calls` and `seconds` the calls the generic
+    program ran with them and the time they took; `program` the specialized program
+    once built (None: the generic one runs), `compile_seconds` what building it took;
+    `refused` why it will not be specialized (None: it may be, or it is)."""
+    dims: dict[str, int]
+    calls: int = 0
+    seconds: float = 0.0
+    program: object = None
+    compile_seconds: float | None = None
+    refused: str | None = None
+
+    @property
+    def specialized(self) -> bool:
+        return self.program is not None
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{d}={n}" for d, n in self.dims.items())
+        state = (f"specialized ({self.compile_seconds:.2f} s to build)" if self.program is not None
+                 else f"generic (refused: {self.refused})" if self.refused else "generic")
+        return f"<Variant {dims}: {state}; {self.calls} generic calls, {self.seconds:.3g} s>"
+
+
+class Specializations:
+    """The specializations of one generic program (see the module docstring).
+
+    `build(dims)` compiles the program with the symbolic dims in `dims` fixed (the
+    pipeline's); `locate` gives, for each symbolic dim, the first argument and axis
+    that carries it, or None for a dim only `dims=` gives."""
+
+    def __init__(self, program, build, options):
+        self.program, self.build = program, build
+        self.calls, self.seconds, self.most = options.specialize_calls, options.specialize_seconds, \
+            options.specialize_max
+        module = program.module
+        self.dims = tuple(module.symbolic_dims())
+        self.locate = tuple(_carrier(program, d) for d in self.dims)
+        self.table: dict[tuple, Variant] = {}
+        self.built = 0
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    @classmethod
+    def of(cls, program, build, options) -> "Specializations | None":
+        """The table for `program`, or None: no symbolic dims, no builder, or
+        specialization off (`specialize_calls=0`)."""
+        if build is None or options.specialize_calls <= 0 or options.specialize_max <= 0 \
+                or not program.module.symbolic_dims():
+            return None
+        return cls(program, build, options)
+
+    def key(self, arrays: dict, dims: dict | None):
+        """The call's signature, or None when its arguments do not give one (then the
+        generic program runs, and its checks explain what is wrong)."""
+        try:
+            key = tuple([arrays[a].shape[i] if a is not None else dims[i] for a, i in self.locate])
+            if dims:
+                key += (tuple(sorted(dims.items())),)
+            hash(key)
+        except (KeyError, AttributeError, IndexError, TypeError):
+            return None
+        return key
+
+    def call(self, arrays: dict, dims: dict | None, run_generic):
+        """Run one call: the specialized program of its signature, else
+        `run_generic(arrays, dims)`, counted and timed for the signature."""
+        key = self.key(arrays, dims)
+        variant = self.table.get(key) if key is not None else None
+        refused = None
+        if variant is not None and variant.program is not None:
+            self.local.last = variant
+            try:
+                return variant.program._call_here(arrays, None)
+            except EvalError as e:   # refused before anything was written: the generic checks explain
+                refused = e
+        self.local.last = None
+        if key is None:
+            return run_generic(arrays, dims)
+        start = time.perf_counter()
+        result = run_generic(arrays, dims)
+        spent = time.perf_counter() - start
+        with self.lock:
+            if refused is not None:   # the generic program took what its specialization refused
+                variant.program, variant.refused = None, f"it refused a call the generic program ran: {refused}"
+            variant = self.table.get(key)
+            if variant is None:
+                if len(self.table) >= SIGNATURES:
+                    self.table = {k: v for k, v in self.table.items() if v.program is not None}
+                variant = self.table[key] = Variant({d: int(n) for d, n in zip(self.dims, key)})
+            variant.calls += 1
+            variant.seconds += spent
+            if self._due(variant):
+                self._specialize(variant)
+        return result
+
+    def _due(self, variant: Variant) -> bool:
+        return (variant.program is None and variant.refused is None and variant.calls >= self.calls
+                and variant.seconds >= self.seconds and self.built < self.most)
+
+    def _specialize(self, variant: Variant) -> None:
+        """Build `variant`'s program (under the lock), or record why not."""
+        start = time.perf_counter()
+        try:
+            program = self.build(dict(variant.dims))
+        except Exception as e:  # noqa: BLE001 -- the generic program serves the signature
+            variant.refused = f"building it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return
+        program.out_dtype = self.program.out_dtype   # --fp-strict's f64 emulation takes f32 arrays
+        why = _differs(self.program, program)
+        if why:
+            variant.refused = why
+            return
+        variant.compile_seconds = time.perf_counter() - start
+        variant.program = program
+        self.built += 1
+
+    def variants(self) -> list[Variant]:
+        with self.lock:
+            return [replace(v) for v in self.table.values()]
+
+    def last(self) -> Variant | None:
+        return getattr(self.local, "last", None)
+
+
+def _carrier(program, dim: str) -> tuple[str | None, int | str]:
+    """(argument name, axis) of the first argument with an edge of `dim`, or
+    (None, dim): no argument carries it (a call gives it with `dims=`)."""
+    m = program.module
+    for spec in program.inputs:
+        for axis, e in enumerate(spec.edges):
+            if m.edges[e] == dim:
+                return spec.name, axis
+    return None, dim
+
+
+def _differs(generic, special) -> str | None:
+    """Why `special` cannot stand in for `generic` in a call (it takes or gives other
+    names, or stores other arguments or outputs in 2 bytes), or None."""
+    for what in ("_names", "_store", "_low_outs", "_update_keys", "_complex_args", "_complex_results",
+                 "float_dtype"):
+        if getattr(generic, what) != getattr(special, what):
+            return f"the specialized program's {what.strip('_').replace('_', ' ')} differ"
+    if [s.name for s in generic.outputs] != [s.name for s in special.outputs]:
+        return "the specialized program's outputs differ"
+    return None
