@@ -115,7 +115,13 @@ def format_explain(report: dict, name: str) -> str:
     dims = ", ".join(f"{d} = {n}" for d, n in report["dims"].items()) or "no symbolic dims"
     index = max([len(f"k{k['index']}") for k in report["kernels"]] + [4])   # the columns fit every row
     kind = max([len(k["kind"]) for k in report["kernels"]] + [len("kind")])
-    lines = [f"{name} ({report['dtype']}; {dims})", "", "kernels, in order:",
+    lines = [f"{name} ({report['dtype']}; {dims})"]
+    if report.get("program") == "generic":
+        lines.append("program: generic, for every size (calls repeated with these sizes run its specialization: "
+                     "--specialized)")
+    elif report.get("program") == "specialized":
+        lines.append("program: specialized to these sizes (what calls repeated with them run)")
+    lines += ["", "kernels, in order:",
              f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}  what"]
     for k, live in zip(report["kernels"], report["live_bytes"]):
         lines.append(f"  {'k' + str(k['index']):<{index}}  {k['kind']:<{kind}}  {human(k['flops'], 'FLOP'):>10}"

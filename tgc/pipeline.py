@@ -161,7 +161,7 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     if low is None:
         low = lower_module(module, options, backend)
     kernels = be.compile(module, low, options, artifacts)
-    return Program(module, options, low, kernels, build_forward, build_specialized)
+    return Program(module, options, low, kernels, build_forward, build_specialized if be.specializes else None)
 
 
 def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu") -> dict:

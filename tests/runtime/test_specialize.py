@@ -219,3 +219,51 @@ def test_the_specialization_comes_from_the_disk_cache_in_a_new_process(cache_dir
     assert built == "2" and specialized == "True"   # the generic program and one specialization
     again = run()
     assert again == ["0", "True", loss]             # both from the cache: nothing compiled
+
+
+CONV_SIZES = ["--dim", "nb=16", "--dim", "cin=32", "--dim", "cout=64", "--dim", "hh=32", "--dim", "ww=32"]
+
+
+def test_explain_says_which_program_it_explains():
+    import json
+
+    from click.testing import CliRunner
+
+    from tgc.cli.app import main
+
+    generic = CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES])
+    special = CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES, "--specialized"])
+    assert generic.exit_code == 0 and special.exit_code == 0, generic.output + special.output
+    assert generic.output.splitlines()[1].startswith("program: generic")
+    assert special.output.splitlines()[1].startswith("program: specialized to these sizes")
+    data = json.loads(CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES, "--specialized",
+                                                "--format", "json"]).output)
+    assert data["program"] == "specialized" and data["dims"]["cin"] == 32
+
+
+def test_the_specialization_plans_for_its_sizes():
+    # Where tgc's own GEMM kernel runs (forced here: lowering only, nothing runs), fixed
+    # sizes let the convolution's products pack the im2col window from the images
+    # (`implicit`) instead of storing it: what the specialization gains on such a host.
+    from tgc import pipeline
+    from tgc.explain import explain
+    from tgc.options import CpuOptions
+
+    options = Options(cpu=CpuOptions(own_gemm="on"))
+    module = pipeline.lower(pipeline.load(str(CONV2D), options), options).module
+    sizes = {"nb": 16, "cin": 32, "cout": 64, "hh": 32, "ww": 32}
+    reports = [explain(pipeline.lower_module(m, options), module.bind_dims(sizes))
+               for m in (module, pipeline.fix_dims(module, sizes))]
+    kinds = [[k["kind"] for k in r["kernels"]] for r in reports]
+    assert "implicit" not in kinds[0] and kinds[1].count("implicit") == 2
+    assert reports[1]["workspace"]["bytes"] < reports[0]["workspace"]["bytes"] / 3
+
+
+def test_a_profiled_program_is_not_specialized(cache_dir):
+    from tgc.options import CpuOptions
+
+    program = tgc.compile(STEP, options=EAGER.with_(cpu=CpuOptions(profile=True)))
+    x, W = np.ones((2, 3), np.float32), np.zeros((3, 4), np.float32)
+    for _ in range(3):
+        program(x=x, W=W, lr=0.1)
+    assert program.variants() == [] and program.last_variant is None

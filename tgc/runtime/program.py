@@ -377,7 +377,7 @@ class Program:
         the generic program ran with them and their time, and the program specialized
         to them (`program`, `specialized`) once built, or why it will not be
         (`refused`). Empty for a program without symbolic dims, or with
-        `Options(specialize_calls=0)`. The rule: docs/runtime.md, "Specialized sizes"."""
+        `Options(specialize_calls=0)`. The rule: docs/optimization.md, "Specialized sizes"."""
         return [] if self._variants is None else self._variants.variants()
 
     @property

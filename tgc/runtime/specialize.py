@@ -96,10 +96,12 @@ class Specializations:
 
     @classmethod
     def of(cls, program, build, options) -> "Specializations | None":
-        """The table for `program`, or None: no symbolic dims, no builder, or
-        specialization off (`specialize_calls=0`)."""
+        """The table for `program`, or None: no symbolic dims, no builder (a backend
+        that does not specialize), specialization off (`specialize_calls=0`), or a
+        program that counts cycles per kernel (`CpuOptions(profile=True)`: its
+        `profile()` counts every call)."""
         if build is None or options.specialize_calls <= 0 or options.specialize_max <= 0 \
-                or not program.module.symbolic_dims():
+                or options.cpu.profile or not program.module.symbolic_dims():
             return None
         return cls(program, build, options)
 
