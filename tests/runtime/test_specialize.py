@@ -267,3 +267,22 @@ def test_a_profiled_program_is_not_specialized(cache_dir):
     for _ in range(3):
         program(x=x, W=W, lr=0.1)
     assert program.variants() == [] and program.last_variant is None
+
+
+def test_a_dim_given_by_dims_is_part_of_the_signature(cache_dir):
+    from tgc.ir.parser import parse_module
+
+    module = parse_module("""
+dim n
+input s : f32[]
+%0 = size[n] : f32[]
+%1 = add[1.0, 1.0] %0, %s : f32[]
+%2 = contract %1 : f32[n]
+out y = %2 : [n]
+""")
+    program = tgc.compile(module, options=EAGER)
+    for n in (3, 3, 3, 4, 4, 4):
+        got = program.run({"s": 0.5}, dims={"n": n})
+        np.testing.assert_array_equal(got["y"], evaluate(module, {"s": np.float32(0.5)}, dims={"n": n})["y"])
+    assert program.last_variant is not None and program.last_variant.dims == {"n": 4}
+    assert [v.dims for v in program.variants() if v.specialized] == [{"n": 3}, {"n": 4}]

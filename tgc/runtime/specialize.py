@@ -79,16 +79,17 @@ class Specializations:
     """The specializations of one generic program (see the module docstring).
 
     `build(dims)` compiles the program with the symbolic dims in `dims` fixed (the
-    pipeline's); `locate` gives, for each symbolic dim, the first argument and axis
-    that carries it, or None for a dim only `dims=` gives."""
+    pipeline's); `locate` gives, for each symbolic dim an argument carries
+    (`carried`), the first such argument and axis; the others only `dims=` gives."""
 
     def __init__(self, program, build, options):
         self.program, self.build = program, build
         self.calls, self.seconds, self.most = options.specialize_calls, options.specialize_seconds, \
             options.specialize_max
         module = program.module
-        self.dims = tuple(module.symbolic_dims())
-        self.locate = tuple(_carrier(program, d) for d in self.dims)
+        found = {d: _carrier(program, d) for d in module.symbolic_dims()}
+        self.carried = tuple(d for d, c in found.items() if c is not None)
+        self.locate = tuple(found[d] for d in self.carried)
         self.table: dict[tuple, Variant] = {}
         self.built = 0
         self.lock = threading.Lock()
@@ -105,23 +106,16 @@ class Specializations:
             return None
         return cls(program, build, options)
 
-    def key(self, arrays: dict, dims: dict | None):
-        """The call's signature, or None when its arguments do not give one (then the
-        generic program runs, and its checks explain what is wrong)."""
-        try:
-            key = tuple([arrays[a].shape[i] if a is not None else dims[i] for a, i in self.locate])
-            if dims:
-                key += (tuple(sorted(dims.items())),)
-            hash(key)
-        except (KeyError, AttributeError, IndexError, TypeError):
-            return None
-        return key
-
     def call(self, arrays: dict, dims: dict | None, run_generic):
         """Run one call: the specialized program of its signature, else
         `run_generic(arrays, dims)`, counted and timed for the signature."""
-        key = self.key(arrays, dims)
-        variant = self.table.get(key) if key is not None else None
+        try:   # the signature: the carried dims' sizes (then dims=); none when the arguments give none
+            key = tuple([arrays[a].shape[i] for a, i in self.locate])
+            if dims is not None:
+                key += (tuple(sorted(dims.items())),)
+            variant = self.table.get(key)
+        except (KeyError, AttributeError, IndexError, TypeError):   # the generic checks explain
+            key = variant = None
         refused = None
         if variant is not None and variant.program is not None:
             self.local.last = variant
@@ -142,12 +136,19 @@ class Specializations:
             if variant is None:
                 if len(self.table) >= SIGNATURES:
                     self.table = {k: v for k, v in self.table.items() if v.program is not None}
-                variant = self.table[key] = Variant({d: int(n) for d, n in zip(self.dims, key)})
+                variant = self.table[key] = Variant(self._sizes(key))
             variant.calls += 1
             variant.seconds += spent
             if self._due(variant):
                 self._specialize(variant)
         return result
+
+    def _sizes(self, key: tuple) -> dict[str, int]:
+        """The symbolic dims' sizes of a signature that a generic call bound: those the
+        arguments carry, then those given by `dims=`."""
+        sizes = {d: int(n) for d, n in zip(self.carried, key)}
+        given = dict(key[len(self.carried)]) if len(key) > len(self.carried) else {}
+        return {**sizes, **{str(d): int(n) for d, n in given.items() if d not in sizes}}
 
     def _due(self, variant: Variant) -> bool:
         return (variant.program is None and variant.refused is None and variant.calls >= self.calls
@@ -178,15 +179,15 @@ class Specializations:
         return getattr(self.local, "last", None)
 
 
-def _carrier(program, dim: str) -> tuple[str | None, int | str]:
-    """(argument name, axis) of the first argument with an edge of `dim`, or
-    (None, dim): no argument carries it (a call gives it with `dims=`)."""
+def _carrier(program, dim: str) -> tuple[str, int] | None:
+    """(argument name, axis) of the first argument with an edge of `dim`, or None: no
+    argument carries it (a call gives it with `dims=`)."""
     m = program.module
     for spec in program.inputs:
         for axis, e in enumerate(spec.edges):
             if m.edges[e] == dim:
                 return spec.name, axis
-    return None, dim
+    return None
 
 
 def _differs(generic, special) -> str | None:
