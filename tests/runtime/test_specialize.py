@@ -286,3 +286,22 @@ out y = %2 : [n]
         np.testing.assert_array_equal(got["y"], evaluate(module, {"s": np.float32(0.5)}, dims={"n": n})["y"])
     assert program.last_variant is not None and program.last_variant.dims == {"n": 4}
     assert [v.dims for v in program.variants() if v.specialized] == [{"n": 3}, {"n": 4}]
+
+
+def test_the_specialization_lowers_as_the_sizes_fixed_in_the_source():
+    # conv2d_sym.tg with conv2d.tg's edge names: specialized to conv2d.tg's sizes, the
+    # same kernels as conv2d.tg (its sizes fixed in the file, the batch by dims=)
+    import re
+
+    from tgc import pipeline
+
+    options = Options()
+    text = re.sub(r"\bnb\b", "batch", CONV2D.read_text())
+    text = re.sub(r"\bhh\b", "h", re.sub(r"\bww\b", "w", text))
+
+    def kernels(source, dims):
+        module = pipeline.lower(pipeline.load_program("<source>", options, source).module, options).module
+        return [k.text() for k in pipeline.lower_module(pipeline.fix_dims(module, dims), options).kernels]
+
+    fixed = CONV2D.with_name("conv2d.tg").read_text()
+    assert kernels(text, {"batch": 16, "cin": 32, "cout": 64, "h": 32, "w": 32}) == kernels(fixed, {"batch": 16})
