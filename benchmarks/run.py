@@ -299,9 +299,9 @@ class Tgc:
 
     def settle(self, case, step, budget_s=10.0):
         """Call `step` until its program runs the one specialized to the row's sizes
-        (tgc.runtime.specialize: built once the sizes' generic calls have taken
-        `Options.specialize_seconds`), so that the samples time what a long run runs;
-        at most `budget_s`. Returns what the last call ran: "specialized" or "generic"."""
+        (tgc.runtime.specialize: built once the sizes' generic calls have done
+        `Options.specialize_work` FLOPs plus bytes), so that the samples time what a
+        long run runs; at most `budget_s`. Returns what the last call ran: "specialized" or "generic"."""
         prog, _ = self.program(case)
         if not hasattr(prog, "variants"):   # a tgc without specialization
             return "generic"

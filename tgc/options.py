@@ -47,7 +47,7 @@ class Options:
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...
-    specialize_seconds: float = 0.25         # ... and once its calls spent this long in the generic program (tgc.runtime.specialize; docs/optimization.md)
+    specialize_work: int = 1 << 31           # ... and once those calls did this many FLOPs plus bytes (tgc explain's count; tgc.runtime.specialize; docs/optimization.md)
     specialize_max: int = 8                  # ... for at most this many signatures per program (later ones run the generic program)
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)

@@ -1,6 +1,6 @@
 """Programs specialized to the sizes they are called with (tgc.runtime.specialize):
 one per shape signature, by the rule of `Options.specialize_calls` and
-`specialize_seconds`, with the generic program's results, from the on-disk cache in
+`specialize_work`, with the generic program's results, from the on-disk cache in
 a later process, and correct under threads."""
 import os
 import subprocess
@@ -29,7 +29,7 @@ out loss
 update W = W - lr * grad(loss, W)
 """
 
-EAGER = Options(specialize_seconds=0)        # specialize a signature on its second call
+EAGER = Options(specialize_work=0)           # specialize a signature on its second call
 NEVER = Options(specialize_calls=0)          # the generic program only
 
 
@@ -90,13 +90,14 @@ def test_a_shape_seen_once_runs_the_generic_program(cache_dir):
         [({"b": b, "d": 5, "h": 6}, 1, False) for b in (2, 3, 4)]
 
 
-def test_calls_cheaper_than_the_time_rule_stay_generic(cache_dir):
-    program = tgc.compile(STEP, options=Options(specialize_seconds=3600))
+def test_calls_that_did_less_work_than_the_rule_stay_generic(cache_dir):
+    program = tgc.compile(STEP, options=Options(specialize_work=1 << 40))
     x, W = np.ones((2, 3), np.float32), np.zeros((3, 4), np.float32)
     for _ in range(5):
         program(x=x, W=W, lr=0.1)
     [v] = program.variants()
     assert v.calls == 5 and not v.specialized and v.refused is None and program.last_variant is None
+    assert v.work > 0   # reckoned at the second call: FLOPs plus bytes of one call
 
 
 def test_at_most_specialize_max_signatures(cache_dir):
@@ -196,7 +197,7 @@ REUSE = textwrap.dedent("""
     built = []
     compile_objects = kernels._machine_code
     kernels._machine_code = lambda *a: built.append(1) or compile_objects(*a)
-    program = tgc.compile(sys.argv[1], options=Options(specialize_seconds=0))
+    program = tgc.compile(sys.argv[1], options=Options(specialize_work=0))
     x, W = np.ones((3, 4), np.float32), np.full((4, 5), 0.5, np.float32)
     for _ in range(3):
         loss = program(x=x, W=W, lr=0.1)["loss"]

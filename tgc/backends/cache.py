@@ -67,7 +67,7 @@ class CacheWarning(UserWarning):
 
 
 # options a call reads, not the compiler: neither key holds them
-RUNTIME = frozenset({"collective_timeout", "specialize_calls", "specialize_seconds", "specialize_max"})
+RUNTIME = frozenset({"collective_timeout", "specialize_calls", "specialize_work", "specialize_max"})
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
                           "locs", "verify_each", "verify_seed", "stats", "passes"}) | RUNTIME
 CPU_PRESENTATION = frozenset({"compile_jobs"})   # CpuOptions fields that do not change the code

@@ -10,16 +10,21 @@ symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
 
 - each call looks its signature up (a dict lookup); a specialized one runs the
   program built for it, with its own checks and fast path;
-- otherwise the generic program runs, and the call is counted and timed for its
-  signature. The signature is specialized once it has been called at least
-  `Options.specialize_calls` times (default 2: never a shape seen once) and its
-  calls have spent at least `Options.specialize_seconds` in the generic program
-  (default 0.25 s; compiling a specialization takes 0.3-2 s on the 2-core machine).
-  It is the rent-or-buy rule: the compile is paid only once the generic code has
-  cost time of its order, so a signature that stops being called right after wastes
-  at most about as much as it had already spent, and a signature seen once, or whose
-  calls take microseconds (which fixed sizes barely speed up), never pays for one. `specialize_calls=0`: never specialize;
-  `specialize_seconds=0`: on the `specialize_calls`-th call;
+- otherwise the generic program runs, and the call is counted for its signature.
+  The signature is specialized once it has been called at least
+  `Options.specialize_calls` times (default 2: never a shape seen once) and those
+  calls have done at least `Options.specialize_work` FLOPs plus bytes moved (default
+  2^31; per call as `tgc explain` counts them at those sizes: `tgc.explain`, reckoned
+  once per signature, at its `specialize_calls`-th call). Compiling a specialization
+  takes 0.3-2 s on the 2-core machine, and 2^31 units are roughly 0.1-0.5 s of its
+  kernels (10-20 GFLOP/s, 4 GB/s): the compile is paid once the generic calls have
+  done work of its order (the rent-or-buy rule: a signature that stops being called
+  right after wastes at most about as much as it had already cost), and a step of
+  microseconds, which fixed sizes barely speed up, pays for one only after
+  thousands of calls. The work is counted, not timed, so the choice does not depend
+  on the machine's load: the same calls specialize at the same call in every run.
+  `specialize_calls=0`: never specialize; `specialize_work=0`: on the
+  `specialize_calls`-th call;
 - at most `Options.specialize_max` signatures are specialized per program (their
   code stays loaded); later ones run the generic program.
 
@@ -53,13 +58,14 @@ SIGNATURES = 256    # signatures counted per program before the unspecialized on
 class Variant:
     """One shape signature a program was called with (`Program.variants()`).
 
-    `dims` gives the symbolic dims' sizes; `calls` and `seconds` the calls the generic
-    program ran with them and the time they took; `program` the specialized program
-    once built (None: the generic one runs), `compile_seconds` what building it took;
-    `refused` why it will not be specialized (None: it may be, or it is)."""
+    `dims` gives the symbolic dims' sizes; `calls` the calls the generic program ran
+    with them; `work` the FLOPs plus bytes of one such call (`tgc explain`'s count;
+    None until reckoned); `program` the specialized program once built (None: the
+    generic one runs), `compile_seconds` what building it took; `refused` why it will
+    not be specialized (None: it may be, or it is)."""
     dims: dict[str, int]
     calls: int = 0
-    seconds: float = 0.0
+    work: int | None = None
     program: object = None
     compile_seconds: float | None = None
     refused: str | None = None
@@ -72,7 +78,8 @@ class Variant:
         dims = ", ".join(f"{d}={n}" for d, n in self.dims.items())
         state = (f"specialized ({self.compile_seconds:.2f} s to build)" if self.program is not None
                  else f"generic (refused: {self.refused})" if self.refused else "generic")
-        return f"<Variant {dims}: {state}; {self.calls} generic calls, {self.seconds:.3g} s>"
+        work = "" if self.work is None else f" of {self.work:.3g} FLOPs + bytes"
+        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}>"
 
 
 class Specializations:
@@ -84,8 +91,7 @@ class Specializations:
 
     def __init__(self, program, build, options):
         self.program, self.build = program, build
-        self.calls, self.seconds, self.most = options.specialize_calls, options.specialize_seconds, \
-            options.specialize_max
+        self.calls, self.work, self.most = options.specialize_calls, options.specialize_work, options.specialize_max
         module = program.module
         found = {d: _carrier(program, d) for d in module.symbolic_dims()}
         self.carried = tuple(d for d, c in found.items() if c is not None)
@@ -124,11 +130,9 @@ class Specializations:
             except EvalError as e:   # refused before anything was written: the generic checks explain
                 refused = e
         self.local.last = None
-        if key is None:
-            return run_generic(arrays, dims)
-        start = time.perf_counter()
         result = run_generic(arrays, dims)
-        spent = time.perf_counter() - start
+        if key is None:
+            return result
         with self.lock:
             if refused is not None:   # the generic program took what its specialization refused
                 variant.program, variant.refused = None, f"it refused a call the generic program ran: {refused}"
@@ -138,7 +142,6 @@ class Specializations:
                     self.table = {k: v for k, v in self.table.items() if v.program is not None}
                 variant = self.table[key] = Variant(self._sizes(key))
             variant.calls += 1
-            variant.seconds += spent
             if self._due(variant):
                 self._specialize(variant)
         return result
@@ -151,8 +154,19 @@ class Specializations:
         return {**sizes, **{str(d): int(n) for d, n in given.items() if d not in sizes}}
 
     def _due(self, variant: Variant) -> bool:
-        return (variant.program is None and variant.refused is None and variant.calls >= self.calls
-                and variant.seconds >= self.seconds and self.built < self.most)
+        if variant.program is not None or variant.refused is not None or variant.calls < self.calls \
+                or self.built >= self.most:
+            return False
+        if variant.work is None:
+            variant.work = self._work(variant.dims)
+        return variant.calls * variant.work >= self.work
+
+    def _work(self, dims: dict[str, int]) -> int:
+        """The FLOPs plus bytes of one generic call at these sizes (`tgc explain`'s)."""
+        from tgc.explain import explain
+
+        report = explain(self.program.lowered, self.program.module.bind_dims(dims))
+        return int(report["flops"]) + int(report["bytes"])
 
     def _specialize(self, variant: Variant) -> None:
         """Build `variant`'s program (under the lock), or record why not."""
