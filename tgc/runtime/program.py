@@ -40,6 +40,11 @@ shapes go straight to `run_fast` (the CPU's native call checks the argument obje
 itself); anything it refuses, and every error message, goes through the checked
 path above, before anything is written.
 
+Specialized sizes (`tgc.runtime.specialize`): a program with symbolic dims keeps one
+program per shape signature that its calls have repeated enough
+(`Options.specialize_calls`, `specialize_work`), compiled with those sizes fixed;
+`_call` looks the signature up and runs it (`variants()`, `last_variant`).
+
 Imports no backend: the pipeline picks one and hands its kernels in.
 """
 from __future__ import annotations
@@ -374,7 +379,8 @@ class Program:
     def variants(self) -> list:
         """The shape signatures this program was called with, each a
         `tgc.runtime.specialize.Variant`: the symbolic dims' sizes (`dims`), the calls
-        the generic program ran with them and their time, and the program specialized
+        the generic program ran with them and the work of one (`work`, FLOPs plus
+        bytes, once reckoned), and the program specialized
         to them (`program`, `specialized`) once built, or why it will not be
         (`refused`). Empty for a program without symbolic dims, or with
         `Options(specialize_calls=0)`. The rule: docs/optimization.md, "Specialized sizes"."""
