@@ -1,13 +1,16 @@
 """2-D convolution probe: cold compile times and step times against PyTorch eager.
 
     python benchmarks/conv2d_probe.py compile FILE.tg...   # cold compile, split by stage
-    python benchmarks/conv2d_probe.py run [--batch 16] [--rounds 5]
+    python benchmarks/conv2d_probe.py run [--batch 16] [--rounds 5] [--only NAME,...] [--spin-only]
 
 `compile`: for each file, in a fresh process with an empty cache, the front end, the
 IR passes, the lowering stages and code generation with LLVM, and the lines of LLVM
 IR. `run`: benchmarks/workloads/conv2d.tg (batch x 32 -> 64 channels, 32 x 32, 3 x 3,
-padding 1: y, dx and dK) with a symbolic batch and with the batch fixed in the file,
-against torch.nn.functional.conv2d and autograd (float32). Every contender runs in a
+padding 1: y, dx and dK) with a symbolic batch (`tgc`), with the batch fixed in the file
+(`tgc-fixed`), and benchmarks/workloads/conv2d_sym.tg, every size symbolic
+(`tgc-symbolic`: timed once the runtime runs its specialization to these sizes, when it
+has one; tgc.runtime.specialize), against torch.nn.functional.conv2d and autograd
+(float32). Every contender runs in a
 process of its own, once with its own defaults and once with GOMP_SPINCOUNT=10000
 for all (libgomp's default spinning helps or hurts with the machine's load); the
 processes take turns `--rounds` times, and each reports the time per call of
@@ -34,6 +37,8 @@ for _v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
 
 HERE = Path(__file__).resolve().parent
 CONV2D = HERE / "workloads" / "conv2d.tg"
+CONV2D_SYM = HERE / "workloads" / "conv2d_sym.tg"
+NAMES = ("tgc", "tgc-fixed", "tgc-symbolic", "torch")
 
 
 def _inputs(batch: int):
@@ -77,19 +82,29 @@ def worker(name: str, batch: int, count: int) -> None:
             return torch.autograd.grad(y, (x, K), dy)
     else:
         import tgc
-        prog = tgc.compile(str(CONV2D) if name == "tgc" else _fixed_source(batch))
+        source = {"tgc": str(CONV2D), "tgc-symbolic": str(CONV2D_SYM)}.get(name) or _fixed_source(batch)
+        prog = tgc.compile(source)
 
         def step():
             return prog(**a)
+        if name == "tgc-symbolic" and hasattr(prog, "variants"):
+            t0 = time.perf_counter()   # calls until the specialization runs (at most 20 s)
+            while prog.last_variant is None and time.perf_counter() - t0 < 20 and \
+                    not any(v.refused for v in prog.variants()):
+                step()
+            print(f"{name}: {prog.variants()}", file=sys.stderr)
     print(json.dumps(_samples(step, count)))
 
 
 def run(args) -> None:
-    names = ["tgc", "tgc-fixed", "torch"]
+    names = [n for n in NAMES if args.only is None or n in args.only.split(",")]
     # libgomp's spinning: each process's own default, and GOMP_SPINCOUNT=10000 for all
     # (tgc's runtime default; benchmarks/run.py's setting), which favours neither
     settings = {"default": {}, "spin 10000": {"GOMP_SPINCOUNT": "10000"}}
+    if args.spin_only:
+        del settings["default"]
     samples = {(n, s): [] for s in settings for n in names}
+    notes: dict[str, list[str]] = {}   # what a contender's last process said (tgc-symbolic: its variants)
     with tempfile.TemporaryDirectory() as cache:   # each tgc program compiles once, then hits
         for _ in range(args.rounds):
             for s, extra in settings.items():
@@ -97,16 +112,20 @@ def run(args) -> None:
                 env.update(extra, TGC_CACHE_DIR=cache)
                 for n in names:
                     cmd = [sys.executable, __file__, "worker", n, str(args.batch), str(args.samples)]
-                    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-                    samples[n, s] += json.loads(out.strip().splitlines()[-1])
+                    done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+                    samples[n, s] += json.loads(done.stdout.strip().splitlines()[-1])
+                    notes[n] = [line for line in done.stderr.splitlines() if line.startswith(f"{n}: ")]
     print(f"conv2d {args.batch} x 32 -> 64, 32 x 32, 3 x 3, padding 1 (y, dx, dK), f32; "
           f"{args.rounds} rounds x {args.samples} samples per contender and setting")
     for s in settings:
-        base = min(samples["torch", s])
+        base = min(samples["torch", s]) if "torch" in names else None
         for n in names:
             t = samples[n, s]
-            print(f"  {s:10s} {n:10s} min {min(t) * 1e3:7.2f} ms  median {statistics.median(t) * 1e3:7.2f} ms  "
-                  f"min / torch min {min(t) / base:5.2f}")
+            ratio = f"  min / torch min {min(t) / base:5.2f}" if base else ""
+            print(f"  {s:10s} {n:12s} min {min(t) * 1e3:7.2f} ms  median {statistics.median(t) * 1e3:7.2f} ms{ratio}")
+    for lines in notes.values():
+        for line in lines:
+            print(f"  {line}")
 
 
 def compile_one(path: str) -> None:
@@ -146,6 +165,8 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=16)
     r.add_argument("--rounds", type=int, default=5)
     r.add_argument("--samples", type=int, default=3)
+    r.add_argument("--only", help="comma-separated contenders: " + ", ".join(NAMES))
+    r.add_argument("--spin-only", action="store_true", help="only the GOMP_SPINCOUNT=10000 setting")
     w = sub.add_parser("worker")
     w.add_argument("name")
     w.add_argument("batch", type=int)

@@ -230,6 +230,8 @@ def cases(load=0):
                     ("flops", _conv_flops()), "<=1x torch", "vs-torch", 1.0))
     out.append(Case("conv2d", "16x32->64 32x32 k3", {"batch": 16}, _conv2d_inputs(16, 32, 64, 3, 32),
                     ("flops", _conv2d_flops()), "<=1x torch", "vs-torch", 1.0))
+    out.append(Case("conv2d_sym", "16x32->64 32x32 k3", {"nb": 16, "cin": 32, "cout": 64, "hh": 32, "ww": 32},
+                    _conv2d_inputs(16, 32, 64, 3, 32), ("flops", _conv2d_flops()), "<=0.8x torch", "vs-torch", 0.8))
     out.append(Case("gcn", "4000 nodes 40000 edges 16 feat", {"nodes": GCN["nodes"], "edges": GCN["edges"]},
                     _gcn_inputs, ("bw", _gcn_bytes()), "<=1x torch", "vs-torch", 1.0))
     out.append(Case("mlp", "178x13-64-64-3", {"batch": 178}, _mlp_inputs, ("flops", _mlp_flops()),
@@ -250,8 +252,8 @@ def cases(load=0):
 
 NUMPY = {"layernorm": ref_numpy.layernorm, "gelu": ref_numpy.gelu, "softmax": ref_numpy.softmax,
          "hvp": ref_numpy.hvp, "conv1d": ref_numpy.conv1d, "mlp": ref_numpy.mlp_step, "gpt": ref_numpy.gpt_step,
-         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d, "gcn": ref_numpy.gcn,
-         "gpt_small": ref_numpy.gpt_small_step}
+         "gpt_adamw": ref_numpy.gpt_adamw_step, "conv2d": ref_numpy.conv2d, "conv2d_sym": ref_numpy.conv2d,
+         "gcn": ref_numpy.gcn, "gpt_small": ref_numpy.gpt_small_step}
 
 
 # ============================================================ contenders
@@ -310,6 +312,21 @@ class Tgc:
     def make(self, case, arrays):
         prog, _ = self.program(case)
         return lambda: prog(**arrays)
+
+    def settle(self, case, step, budget_s=10.0):
+        """Call `step` until its program runs the one specialized to the row's sizes
+        (tgc.runtime.specialize: built once the sizes' generic calls have done
+        `Options.specialize_work` FLOPs plus bytes), so that the samples time what a
+        long run runs; at most `budget_s`. Returns what the last call ran: "specialized" or "generic"."""
+        prog, _ = self.program(case)
+        if not hasattr(prog, "variants"):   # a tgc without specialization
+            return "generic"
+        t0 = time.perf_counter()
+        while prog.last_variant is None and time.perf_counter() - t0 < budget_s:
+            step()
+            if any(v.refused for v in prog.variants()):
+                break
+        return "generic" if prog.last_variant is None else "specialized"
 
 
 def contenders(args, tg, torch_ok, jax_ok, one_thread=None):
@@ -593,6 +610,8 @@ def run_case(case, makers, args, bounds, tg):
                 row["compile_s"][name] = first
             if name == "tgc" and tg.fresh:
                 row["compile_s"][name] = tg.program(case)[1]
+            if name == "tgc":
+                row["tgc_variant"] = tg.settle(case, step)
             steps[name] = step                              # a training step goes on from its first step
             row["status"][name] = "ok"
         except Exception as e:   # noqa: BLE001 — one contender failing must not stop the others

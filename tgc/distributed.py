@@ -577,10 +577,12 @@ def _build_program(module: Module, options: Options, backend: str, key: str | No
     """One phase's program. With `key` (the source's first-level cache key and the
     phase), it is looked up in and stored to tgc's program cache where the backend
     keeps one (the CPU), as `tgc.compile` does for a whole program: a hit skips the
-    pass pipeline."""
+    pass pipeline. Not specialized to the sizes it is called with
+    (tgc.runtime.specialize): each rank's time rule could switch at another step,
+    and a product planned otherwise may round otherwise, so the replicas would drift."""
     from tgc import pipeline
 
-    return pipeline.compile_cached(module, options, backend, key, reads)
+    return pipeline.compile_cached(module, options.with_(specialize_calls=0), backend, key, reads)
 
 
 def _phase_key(key: str | None, phase: str, shard: str) -> str | None:

@@ -129,9 +129,15 @@ def format_explain(report: dict, name: str) -> str:
     threads = all("threads" in k for k in report["kernels"]) and report["kernels"]
     width = max([len(k["threads"]) for k in report["kernels"]] + [len("threads")]) if threads else 0
     column = (lambda text: f"  {text:<{width}}") if threads else (lambda text: "")
-    lines = [f"{name} ({report['dtype']}; {dims})", "", "kernels, in order:",
-             f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}"
-             f"{column('threads')}  what"]
+    lines = [f"{name} ({report['dtype']}; {dims})"]
+    if report.get("program") == "generic":
+        lines.append("program: generic, for every size (calls repeated with these sizes run its specialization: "
+                     "--specialized)")
+    elif report.get("program") == "specialized":
+        lines.append("program: specialized to these sizes (what calls repeated with them run)")
+    lines += ["", "kernels, in order:",
+              f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}"
+              f"{column('threads')}  what"]
     for k, live in zip(report["kernels"], report["live_bytes"]):
         lines.append(f"  {'k' + str(k['index']):<{index}}  {k['kind']:<{kind}}  {human(k['flops'], 'FLOP'):>10}"
                      f"  {human(k['bytes'], 'B'):>10}  {human(live, 'B'):>11}{column(k.get('threads', ''))}"

@@ -46,6 +46,9 @@ class Options:
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
+    specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...
+    specialize_work: int = 1 << 31           # ... and once those calls did this many FLOPs plus bytes (tgc explain's count; tgc.runtime.specialize; docs/optimization.md)
+    specialize_max: int = 8                  # ... for at most this many signatures per program (later ones run the generic program)
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
     cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)

@@ -164,11 +164,16 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
 
         return compile_module(lower(run_passes(module, ("forward_only",), options), options).module, options, backend)
 
+    def build_specialized(dims):   # `Program`'s specializations: the module with these dims fixed
+        return compile_module(fix_dims(module, dims), options, backend)
+
     compiled, opts = target(module, options)
     if low is None:
         low = lower_module(compiled, opts, backend)
     kernels = be.compile(compiled, low, opts, artifacts)
-    program = Program(compiled, opts, low, kernels, build_forward)
+    # an emulated (--fp-strict f32) program is not specialized: its calls convert arrays first
+    specialize = build_specialized if be.specializes and opts.dtype == options.dtype else None
+    program = Program(compiled, opts, low, kernels, build_forward, specialize)
     if opts.dtype != options.dtype:   # the f64 emulation of an f32 program: f32 arrays in and out
         import numpy as np
 

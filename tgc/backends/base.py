@@ -20,6 +20,9 @@ A `Backend` says:
 - `compile(module, low, options)`: the executable kernels of a lowered program, an
   object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
   that it has bound, checked and allocated (`Kernels` below);
+- `specializes`: whether a program of symbolic dims also compiles itself for the
+  sizes it is called with again and again (`tgc.runtime.specialize`; the CPU's,
+  whose compiles take a second or two, are cached on disk);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
   name; the CPU adds the host CPU's name and features), for the code cache's keys;
 - `emits` and `build(module, options, emit, output, source)`: the files `tgc build
@@ -50,6 +53,7 @@ class Backend:
     stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
     kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
     source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
+    specializes: bool = False        # whether its programs compile themselves for the sizes they are called with (tgc.runtime.specialize)
     emits: tuple[str, ...] = ()      # the artifact kinds `tgc build --target NAME --emit` writes; the first is the default
 
     def lowering(self) -> tuple[str, ...]:

@@ -66,8 +66,10 @@ class CacheWarning(UserWarning):
     """The cache directory is unsafe to use (so it is not used)."""
 
 
+# options a call reads, not the compiler: neither key holds them
+RUNTIME = frozenset({"collective_timeout", "specialize_calls", "specialize_work", "specialize_max"})
 PRESENTATION = frozenset({"print_ir_before", "print_ir_after", "print_ir_after_all", "time_passes",
-                          "locs", "verify_each", "verify_seed", "stats", "passes", "collective_timeout"})
+                          "locs", "verify_each", "verify_seed", "stats", "passes"}) | RUNTIME
 CPU_PRESENTATION = frozenset({"compile_jobs"})   # CpuOptions fields that do not change the code
 
 
@@ -272,10 +274,11 @@ def source_key(kind: str, name: str, text: str, options: Options, target: tuple[
     """The first-level key: the source as given (kind: tg | ir; its file name, which
     the module's locations carry), the folders its imports are looked for in, as this
     compile resolves them (`tgc.frontend.import_folders`: a relative name means other
-    files in another working directory), every option (dims included), tgc, and the
-    backend's key parts (`Backend.cache_parts()`)."""
+    files in another working directory), every option but those only a call reads
+    (`RUNTIME`; dims included), tgc, and the backend's key parts (`Backend.cache_parts()`)."""
     h = hashlib.sha256()
-    for part in ("source", compiler_digest(), repr(sorted(dataclasses.asdict(options).items())),
+    chosen = sorted((k, v) for k, v in dataclasses.asdict(options).items() if k not in RUNTIME)
+    for part in ("source", compiler_digest(), repr(chosen),
                  *target, kind, name, text, repr(tuple(folders))):
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\0")

@@ -29,10 +29,15 @@ DEFAULT_DIM = 64
               help="Also draw the live temporaries per kernel: FILE.svg, or FILE.png (needs matplotlib).")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
+@click.option("--specialized", is_flag=True,
+              help="Explain the program that calls with these sizes run once the runtime has specialized "
+                   "the program to them (its symbolic dims fixed; docs/optimization.md, \"Specialized sizes\"). "
+                   "Default: the generic program, which serves every size.")
 @MEMORY_BUDGET
 @BACKEND
 @handle_errors
-def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None, backend="cpu") -> None:
+def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False, memory_budget=None,
+            backend="cpu") -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
     peak and what is alive at it, and the save/recompute decisions. On the CPU, each
@@ -50,6 +55,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
       tgc explain examples/gpt.tg --timeline gpt-memory.svg
       tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
       tgc explain examples/mlp.tg --backend cuda     # the program the CUDA backend compiles
+      tgc explain examples/gpt.tg --dim batch=64 --specialized   # what repeated calls of that size run
     """
     from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
 
@@ -64,8 +70,12 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
     env = module.bind_dims(sizes)
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
-    low = pipeline.lower_module(lowered.module, options, backend)
+    # the runtime's specialization (tgc.runtime.specialize): the optimized module with its dims fixed
+    optimized = pipeline.fix_dims(lowered.module, sizes) if specialized else lowered.module
+    low = pipeline.lower_module(optimized, options, backend)
     report = report_of(low, env, options if backend == "cpu" else None)
+    if sizes:
+        report["program"] = "specialized" if specialized else "generic"
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()

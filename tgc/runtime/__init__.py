@@ -1,6 +1,7 @@
 """The neutral runtime: a compiled program as Python calls it (`program.Program`:
 signature, dims from shapes, input checks, updates, forward-only calls, complex and
-bf16/f16 arguments, for every backend).
+bf16/f16 arguments, for every backend; `specialize`: the programs it compiles for
+the sizes it is called with again and again).
 
 Stage: after `tgc.backends`, before `tgc.pipeline`; imports `tgc.lower`, `tgc.ir`,
 the leaves and `tgc.info`, and no backend: `tgc.pipeline` picks one and hands its

@@ -40,6 +40,11 @@ shapes go straight to `run_fast` (the CPU's native call checks the argument obje
 itself); anything it refuses, and every error message, goes through the checked
 path above, before anything is written.
 
+Specialized sizes (`tgc.runtime.specialize`): a program with symbolic dims keeps one
+program per shape signature that its calls have repeated enough
+(`Options.specialize_calls`, `specialize_work`), compiled with those sizes fixed;
+`_call` looks the signature up and runs it (`variants()`, `last_variant`).
+
 Imports no backend: the pipeline picks one and hands its kernels in.
 """
 from __future__ import annotations
@@ -57,6 +62,7 @@ from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
 from tgc.options import Options
+from tgc.runtime.specialize import Specializations
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 ALIGN = 64          # workspace slots are aligned to this (the size checks count it)
@@ -170,7 +176,8 @@ class Program:
         before and after, the values recomputed, whether the budget is met); else None."""
         return self._memory_plan
 
-    def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None):
+    def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None,
+                 build_specialized=None):
         self.module, self.options, self.lowered = module, options, low
         self._kernels = kernels             # the backend's compiled program (`tgc.backends.base.Kernels`)
         self.backend = kernels.backend
@@ -213,6 +220,9 @@ class Program:
                       and all(s.shape and s.name in self._store for s in low_args))
         self._plans: dict = {}
         self._checked: dict = {}   # `check`'s signatures that passed -> their dims
+        # programs with the symbolic dims fixed, per shape signature (tgc.runtime.specialize);
+        # `build_specialized(dims)` is the pipeline's
+        self._variants = Specializations.of(self, build_specialized, options)
         self.out_dtype = None   # --fp-strict f32: the f64 emulation's outputs as f32
 
     @property
@@ -347,6 +357,24 @@ class Program:
                 return None
             found.append(i)
         return tuple(sorted(set(found)))
+
+    def variants(self) -> list:
+        """The shape signatures this program was called with, each a
+        `tgc.runtime.specialize.Variant`: the symbolic dims' sizes (`dims`), the calls
+        the generic program ran with them and the work of one (`work`, FLOPs plus
+        bytes, once reckoned), and the program specialized
+        to them (`program`, `specialized`) once built, or why it will not be
+        (`refused`). Empty for a program without symbolic dims, or with
+        `Options(specialize_calls=0)`. The rule: docs/optimization.md, "Specialized sizes"."""
+        return [] if self._variants is None else self._variants.variants()
+
+    @property
+    def last_variant(self):
+        """What the calling thread's last call of this program ran: the `Variant` of
+        its signature when that call ran the program specialized to its sizes, None
+        when it ran this (generic) program. A call with `updates=False` runs
+        `without_updates()`, which says what it ran."""
+        return None if self._variants is None else self._variants.last()
 
     def profile(self, reset: bool = False) -> list[tuple[int, int, str]]:
         """(cycles, kernel index, the kernel's first line) per kernel, most cycles
@@ -677,6 +705,14 @@ class Program:
         return forward.run({n: arrays[n] for n in forward._names if n in arrays}, dims)
 
     def _call(self, arrays: dict, dims: dict | None, notify=None) -> dict[str, np.ndarray]:
+        # A signature specialized to its sizes runs its own program (tgc.runtime.specialize);
+        # a notified call runs this one, whose kernels the marks count
+        variants = self._variants
+        if variants is not None and notify is None:
+            return variants.call(arrays, dims, self._call_here)
+        return self._call_here(arrays, dims, notify)
+
+    def _call_here(self, arrays: dict, dims: dict | None, notify=None) -> dict[str, np.ndarray]:
         # The fast path: the plan for the shapes that bind the dims, then one native
         # call that checks every argument itself; what it refuses (it then ran
         # nothing), and every error message, goes through the checked path.

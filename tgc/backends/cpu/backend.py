@@ -20,6 +20,7 @@ class CpuBackend(Backend):
     stages = (Narrow, GemmOperands, Implicit, Group)
     kernel_forms = {"group": read_group, "implicit": read_implicit}
     source_cache = True
+    specializes = True
     emits = ("so", "obj", "llvm", "asm", "h")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:

@@ -1,0 +1,308 @@
+"""Programs specialized to the sizes they are called with (tgc.runtime.specialize):
+one per shape signature, by the rule of `Options.specialize_calls` and
+`specialize_work`, with the generic program's results, from the on-disk cache in
+a later process, and correct under threads."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import EvalError, evaluate
+from tgc.options import Options
+
+CONV2D = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "conv2d_sym.tg"
+
+STEP = """
+dim b, d, h
+input x[b, d]
+param W[d, h]
+input lr
+y = tanh(x @ W)
+loss = sum(y * y)
+out loss
+update W = W - lr * grad(loss, W)
+"""
+
+EAGER = Options(specialize_work=0)           # specialize a signature on its second call
+NEVER = Options(specialize_calls=0)          # the generic program only
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TGC_CACHE", raising=False)
+    return tmp_path
+
+
+def conv_inputs(rng, nb, cin, cout, side):
+    return {"x": rng.standard_normal((nb, cin, side, side)).astype(np.float32),
+            "dy": rng.standard_normal((nb, cout, side, side)).astype(np.float32),
+            "K": (rng.standard_normal((cout, cin, 3, 3)) / np.sqrt(9 * cin)).astype(np.float32)}
+
+
+def assert_close(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        scale = max(float(np.abs(want[k]).max()), 1.0)
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-5 * scale, err_msg=k)
+
+
+def test_two_shapes_two_specializations_with_the_generic_results(cache_dir):
+    rng = np.random.default_rng(0)
+    program = tgc.compile(str(CONV2D), options=EAGER)
+    generic = tgc.compile(str(CONV2D), options=NEVER)
+    module = generic.module
+    for sizes in ((2, 3, 4, 5), (3, 2, 5, 7)):
+        a = conv_inputs(rng, *sizes)
+        want = generic(**a)
+        exact = evaluate(module, a, dtype="f64")
+        first = program(**a)
+        assert program.last_variant is None    # a first call runs the generic program
+        second = program(**a)
+        assert program.last_variant is None    # so does the second, then its signature is specialized
+        third = program(**a)
+        assert program.last_variant is not None and program.last_variant.specialized
+        assert program.last_variant.dims == dict(zip(("nb", "cin", "cout", "hh", "ww"), sizes[:3] + sizes[3:] * 2))
+        for got in (first, second, third):
+            assert_close(got, want)
+            assert_close(got, {k: v.astype(np.float32) for k, v in exact.items()})
+    variants = program.variants()
+    assert [v.specialized for v in variants] == [True, True]
+    assert [v.calls for v in variants] == [2, 2]
+    assert [v.program.module.symbolic_dims() for v in variants] == [[], []]   # every dim fixed
+    assert generic.variants() == [] and generic.last_variant is None
+
+
+def test_a_shape_seen_once_runs_the_generic_program(cache_dir):
+    rng = np.random.default_rng(1)
+    program = tgc.compile(STEP, options=EAGER)
+    for b in (2, 3, 4):
+        W = np.full((5, 6), 0.1, np.float32)
+        program(x=rng.standard_normal((b, 5)).astype(np.float32), W=W, lr=0.1)
+        assert program.last_variant is None
+    assert [(v.dims, v.calls, v.specialized) for v in program.variants()] == \
+        [({"b": b, "d": 5, "h": 6}, 1, False) for b in (2, 3, 4)]
+
+
+def test_calls_that_did_less_work_than_the_rule_stay_generic(cache_dir):
+    program = tgc.compile(STEP, options=Options(specialize_work=1 << 40))
+    x, W = np.ones((2, 3), np.float32), np.zeros((3, 4), np.float32)
+    for _ in range(5):
+        program(x=x, W=W, lr=0.1)
+    [v] = program.variants()
+    assert v.calls == 5 and not v.specialized and v.refused is None and program.last_variant is None
+    assert v.work > 0   # reckoned at the second call: FLOPs plus bytes of one call
+
+
+def test_at_most_specialize_max_signatures(cache_dir):
+    program = tgc.compile(STEP, options=EAGER.with_(specialize_max=1))
+    W = np.zeros((3, 4), np.float32)
+    for b in (2, 3):
+        for _ in range(3):
+            program(x=np.ones((b, 3), np.float32), W=W, lr=0.1)
+    assert [v.specialized for v in program.variants()] == [True, False]
+
+
+def test_updates_and_forward_calls_match_the_generic_program(cache_dir):
+    rng = np.random.default_rng(2)
+    program, generic = tgc.compile(STEP, options=EAGER), tgc.compile(STEP, options=NEVER)
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    W0 = (0.3 * rng.standard_normal((5, 6))).astype(np.float32)
+    W, Wg = W0.copy(), W0.copy()
+    for _ in range(4):
+        got, want = program(x=x, W=W, lr=0.05), generic(x=x, W=Wg, lr=0.05)
+        assert got["W"] is W   # the caller's array, updated in place
+        np.testing.assert_allclose(W, Wg, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    assert program.last_variant is not None
+    for _ in range(3):
+        fwd = program.run({"x": x, "W": W}, updates=False)
+    np.testing.assert_allclose(fwd["loss"], generic.run({"x": x, "W": W}, updates=False)["loss"], rtol=1e-5)
+    assert program.without_updates().last_variant is not None
+
+
+def test_fp_strict_specializations_take_f32_arrays(cache_dir):
+    program = tgc.compile(STEP, options=EAGER.with_(fp_strict=True))
+    generic = tgc.compile(STEP, options=NEVER.with_(fp_strict=True))
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    W, Wg = np.full((4, 2), 0.25, np.float32), np.full((4, 2), 0.25, np.float32)
+    for _ in range(3):
+        got, want = program(x=x, W=W, lr=0.1), generic(x=x, W=Wg, lr=0.1)
+    assert program.last_variant is not None and got["loss"].dtype == np.float32
+    np.testing.assert_array_equal(W, Wg)
+    np.testing.assert_array_equal(got["loss"], want["loss"])
+
+
+def test_a_call_the_specialization_refuses_gets_the_generic_message(cache_dir):
+    rng = np.random.default_rng(3)
+    program, generic = tgc.compile(str(CONV2D), options=EAGER), tgc.compile(str(CONV2D), options=NEVER)
+    a = conv_inputs(rng, 2, 3, 4, 5)
+    for _ in range(3):
+        program(**a)
+    assert program.last_variant is not None
+    bad = dict(a, dy=a["dy"][:, :, :4])       # x binds the signature; dy disagrees
+    with pytest.raises(EvalError) as want:
+        generic(**bad)
+    with pytest.raises(EvalError) as got:
+        program(**bad)
+    assert str(got.value) == str(want.value)
+    program(**a)
+    assert program.last_variant is not None and program.variants()[0].refused is None
+
+
+def test_threads_share_the_specializations(cache_dir):
+    rng = np.random.default_rng(4)
+    program, generic = tgc.compile(STEP, options=EAGER), tgc.compile(STEP, options=NEVER)
+    shapes = [(3, 4), (5, 4), (2, 6)]
+    data = {s: (rng.standard_normal(s).astype(np.float32), (0.2 * rng.standard_normal((s[1], 7))).astype(np.float32))
+            for s in shapes}
+    want = {}
+    for s, (x, W) in data.items():
+        W1 = W.copy()
+        want[s] = (generic(x=x, W=W1, lr=0.01)["loss"], W1)
+    errors = []
+
+    def work(i):
+        try:
+            for n in range(24):
+                s = shapes[(i + n) % len(shapes)]
+                x, W = data[s]
+                W1 = W.copy()
+                loss = program(x=x, W=W1, lr=0.01)["loss"]
+                if abs(float(loss) - float(want[s][0])) > 1e-5 * abs(float(want[s][0])) or \
+                        not np.allclose(W1, want[s][1], rtol=1e-6, atol=1e-7):
+                    errors.append((s, float(loss), float(want[s][0])))
+        except Exception as e:   # noqa: BLE001 -- reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted((v.dims["b"], v.dims["d"]) for v in program.variants() if v.specialized) == sorted(shapes)
+
+
+REUSE = textwrap.dedent("""
+    import sys, numpy as np, tgc
+    from tgc.backends.cpu import kernels
+    from tgc.options import Options
+    built = []
+    compile_objects = kernels._machine_code
+    kernels._machine_code = lambda *a: built.append(1) or compile_objects(*a)
+    program = tgc.compile(sys.argv[1], options=Options(specialize_work=0))
+    x, W = np.ones((3, 4), np.float32), np.full((4, 5), 0.5, np.float32)
+    for _ in range(3):
+        loss = program(x=x, W=W, lr=0.1)["loss"]
+    print(len(built), program.last_variant is not None, repr(float(loss)))
+""")
+
+
+def test_the_specialization_comes_from_the_disk_cache_in_a_new_process(cache_dir, tmp_path):
+    source = tmp_path / "step.tg"
+    source.write_text(STEP)
+    env = {**os.environ, "TGC_CACHE_DIR": str(cache_dir / "cache")}
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", REUSE, str(source)], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    built, specialized, loss = run()
+    assert built == "2" and specialized == "True"   # the generic program and one specialization
+    again = run()
+    assert again == ["0", "True", loss]             # both from the cache: nothing compiled
+
+
+CONV_SIZES = ["--dim", "nb=16", "--dim", "cin=32", "--dim", "cout=64", "--dim", "hh=32", "--dim", "ww=32"]
+
+
+def test_explain_says_which_program_it_explains():
+    import json
+
+    from click.testing import CliRunner
+
+    from tgc.cli.app import main
+
+    generic = CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES])
+    special = CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES, "--specialized"])
+    assert generic.exit_code == 0 and special.exit_code == 0, generic.output + special.output
+    assert generic.output.splitlines()[1].startswith("program: generic")
+    assert special.output.splitlines()[1].startswith("program: specialized to these sizes")
+    data = json.loads(CliRunner().invoke(main, ["explain", str(CONV2D), *CONV_SIZES, "--specialized",
+                                                "--format", "json"]).output)
+    assert data["program"] == "specialized" and data["dims"]["cin"] == 32
+
+
+def test_the_specialization_plans_for_its_sizes():
+    # Where tgc's own GEMM kernel runs (forced here: lowering only, nothing runs), fixed
+    # sizes let the convolution's products pack the im2col window from the images
+    # (`implicit`) instead of storing it: what the specialization gains on such a host.
+    from tgc import pipeline
+    from tgc.explain import explain
+    from tgc.options import CpuOptions
+
+    options = Options(cpu=CpuOptions(own_gemm="on"))
+    module = pipeline.lower(pipeline.load(str(CONV2D), options), options).module
+    sizes = {"nb": 16, "cin": 32, "cout": 64, "hh": 32, "ww": 32}
+    reports = [explain(pipeline.lower_module(m, options), module.bind_dims(sizes))
+               for m in (module, pipeline.fix_dims(module, sizes))]
+    kinds = [[k["kind"] for k in r["kernels"]] for r in reports]
+    assert "implicit" not in kinds[0] and kinds[1].count("implicit") == 2
+    assert reports[1]["workspace"]["bytes"] < reports[0]["workspace"]["bytes"] / 3
+
+
+def test_a_profiled_program_is_not_specialized(cache_dir):
+    from tgc.options import CpuOptions
+
+    program = tgc.compile(STEP, options=EAGER.with_(cpu=CpuOptions(profile=True)))
+    x, W = np.ones((2, 3), np.float32), np.zeros((3, 4), np.float32)
+    for _ in range(3):
+        program(x=x, W=W, lr=0.1)
+    assert program.variants() == [] and program.last_variant is None
+
+
+def test_a_dim_given_by_dims_is_part_of_the_signature(cache_dir):
+    from tgc.ir.parser import parse_module
+
+    module = parse_module("""
+dim n
+input s : f32[]
+%0 = size[n] : f32[]
+%1 = add[1.0, 1.0] %0, %s : f32[]
+%2 = contract %1 : f32[n]
+out y = %2 : [n]
+""")
+    program = tgc.compile(module, options=EAGER)
+    for n in (3, 3, 3, 4, 4, 4):
+        got = program.run({"s": 0.5}, dims={"n": n})
+        np.testing.assert_array_equal(got["y"], evaluate(module, {"s": np.float32(0.5)}, dims={"n": n})["y"])
+    assert program.last_variant is not None and program.last_variant.dims == {"n": 4}
+    assert [v.dims for v in program.variants() if v.specialized] == [{"n": 3}, {"n": 4}]
+
+
+def test_the_specialization_lowers_as_the_sizes_fixed_in_the_source():
+    # conv2d_sym.tg with conv2d.tg's edge names: specialized to conv2d.tg's sizes, the
+    # same kernels as conv2d.tg (its sizes fixed in the file, the batch by dims=)
+    import re
+
+    from tgc import pipeline
+
+    options = Options()
+    text = re.sub(r"\bnb\b", "batch", CONV2D.read_text())
+    text = re.sub(r"\bhh\b", "h", re.sub(r"\bww\b", "w", text))
+
+    def kernels(source, dims):
+        module = pipeline.lower(pipeline.load_program("<source>", options, source).module, options).module
+        return [k.text() for k in pipeline.lower_module(pipeline.fix_dims(module, dims), options).kernels]
+
+    fixed = CONV2D.with_name("conv2d.tg").read_text()
+    assert kernels(text, {"batch": 16, "cin": 32, "cout": 64, "h": 32, "w": 32}) == kernels(fixed, {"batch": 16})

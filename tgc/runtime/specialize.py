@@ -1,0 +1,216 @@
+"""Programs specialized to the sizes they are called with.
+
+A program whose dims are symbolic serves every shape: its kernels read the sizes at
+run time, and the lowering plans them for sizes it does not know (cost models take
+`Options.rep_size`; a GEMM kernel's choice between tgc's own and the BLAS, and the
+implicit convolution GEMM that depends on it, are left to run time). The same program
+with those dims fixed is planned and compiled for the real sizes. So a program keeps,
+beside its generic code, a table of specializations, one per shape signature (the
+symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
+
+- each call looks its signature up (a dict lookup); a specialized one runs the
+  program built for it, with its own checks and fast path;
+- otherwise the generic program runs, and the call is counted for its signature.
+  The signature is specialized once it has been called at least
+  `Options.specialize_calls` times (default 2: never a shape seen once) and those
+  calls have done at least `Options.specialize_work` FLOPs plus bytes moved (default
+  2^31; per call as `tgc explain` counts them at those sizes: `tgc.explain`, reckoned
+  once per signature, at its `specialize_calls`-th call). Compiling a specialization
+  takes 0.3-2 s on the 2-core machine, and 2^31 units are roughly 0.1-0.5 s of its
+  kernels (10-20 GFLOP/s, 4 GB/s): the compile is paid once the generic calls have
+  done work of its order (the rent-or-buy rule: a signature that stops being called
+  right after wastes at most about as much as it had already cost), and a step of
+  microseconds, which fixed sizes barely speed up, pays for one only after
+  thousands of calls. The work is counted, not timed, so the choice does not depend
+  on the machine's load: the same calls specialize at the same call in every run.
+  `specialize_calls=0`: never specialize; `specialize_work=0`: on the
+  `specialize_calls`-th call;
+- at most `Options.specialize_max` signatures are specialized per program (their
+  code stays loaded); later ones run the generic program.
+
+A specialization is the module after the IR pipeline with those dims fixed
+(`tgc.pipeline.fix_dims`), lowered and compiled again: the same operations in the
+same order, planned for fixed sizes, so its results differ from the generic
+program's only as two plans of one program may (docs/optimization.md, the numerics
+contract), and its machine code is kept in the on-disk code cache like any program's
+(`tgc.backends.cache`): a later process compiles nothing for a signature it has seen.
+A call the specialized program refuses (an argument of another shape or type: an
+EvalError, nothing written) is run again by the generic program, whose checks give
+the message. A specialization that cannot be built (or does not take the same
+arguments) is recorded (`Variant.refused`), and its signature runs generic code.
+
+`Program.variants()` lists the signatures seen, `Program.last_variant` says which
+program the calling thread's last call ran. Thread-safe: the table is read without a
+lock; counting and building take one, so one signature is built once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from tgc.ir.interp import EvalError
+
+SIGNATURES = 256    # signatures counted per program before the unspecialized ones are forgotten
+
+
+@dataclass
+class Variant:
+    """One shape signature a program was called with (`Program.variants()`).
+
+    `dims` gives the symbolic dims' sizes; `calls` the calls the generic program ran
+    with them; `work` the FLOPs plus bytes of one such call (`tgc explain`'s count;
+    None until reckoned); `program` the specialized program once built (None: the
+    generic one runs), `compile_seconds` what building it took; `refused` why it will
+    not be specialized (None: it may be, or it is)."""
+    dims: dict[str, int]
+    calls: int = 0
+    work: int | None = None
+    program: object = None
+    compile_seconds: float | None = None
+    refused: str | None = None
+
+    @property
+    def specialized(self) -> bool:
+        return self.program is not None
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{d}={n}" for d, n in self.dims.items())
+        state = (f"specialized ({self.compile_seconds:.2f} s to build)" if self.program is not None
+                 else f"generic (refused: {self.refused})" if self.refused else "generic")
+        work = "" if self.work is None else f" of {self.work:.3g} FLOPs + bytes"
+        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}>"
+
+
+class Specializations:
+    """The specializations of one generic program (see the module docstring).
+
+    `build(dims)` compiles the program with the symbolic dims in `dims` fixed (the
+    pipeline's); `locate` gives, for each symbolic dim an argument carries
+    (`carried`), the first such argument and axis; the others only `dims=` gives."""
+
+    def __init__(self, program, build, options):
+        self.program, self.build = program, build
+        self.calls, self.work, self.most = options.specialize_calls, options.specialize_work, options.specialize_max
+        module = program.module
+        found = {d: _carrier(program, d) for d in module.symbolic_dims()}
+        self.carried = tuple(d for d, c in found.items() if c is not None)
+        self.locate = tuple(found[d] for d in self.carried)
+        self.table: dict[tuple, Variant] = {}
+        self.built = 0
+        self.lock = threading.Lock()
+        self.local = threading.local()
+
+    @classmethod
+    def of(cls, program, build, options) -> "Specializations | None":
+        """The table for `program`, or None: no symbolic dims, no builder (a backend
+        that does not specialize), specialization off (`specialize_calls=0`), or a
+        program that counts cycles per kernel (`CpuOptions(profile=True)`: its
+        `profile()` counts every call)."""
+        if build is None or options.specialize_calls <= 0 or options.specialize_max <= 0 \
+                or options.cpu.profile or not program.module.symbolic_dims():
+            return None
+        return cls(program, build, options)
+
+    def call(self, arrays: dict, dims: dict | None, run_generic):
+        """Run one call: the specialized program of its signature, else
+        `run_generic(arrays, dims)`, counted and timed for the signature."""
+        try:   # the signature: the carried dims' sizes (then dims=); none when the arguments give none
+            key = tuple([arrays[a].shape[i] for a, i in self.locate])
+            if dims is not None:
+                key += (tuple(sorted(dims.items())),)
+            variant = self.table.get(key)
+        except (KeyError, AttributeError, IndexError, TypeError):   # the generic checks explain
+            key = variant = None
+        refused = None
+        if variant is not None and variant.program is not None:
+            self.local.last = variant
+            try:
+                return variant.program._call_here(arrays, None)
+            except EvalError as e:   # refused before anything was written: the generic checks explain
+                refused = e
+        self.local.last = None
+        result = run_generic(arrays, dims)
+        if key is None:
+            return result
+        with self.lock:
+            if refused is not None:   # the generic program took what its specialization refused
+                variant.program, variant.refused = None, f"it refused a call the generic program ran: {refused}"
+            variant = self.table.get(key)
+            if variant is None:
+                if len(self.table) >= SIGNATURES:
+                    self.table = {k: v for k, v in self.table.items() if v.program is not None}
+                variant = self.table[key] = Variant(self._sizes(key))
+            variant.calls += 1
+            if self._due(variant):
+                self._specialize(variant)
+        return result
+
+    def _sizes(self, key: tuple) -> dict[str, int]:
+        """The symbolic dims' sizes of a signature that a generic call bound: those the
+        arguments carry, then those given by `dims=`."""
+        sizes = {d: int(n) for d, n in zip(self.carried, key)}
+        given = dict(key[len(self.carried)]) if len(key) > len(self.carried) else {}
+        return {**sizes, **{str(d): int(n) for d, n in given.items() if d not in sizes}}
+
+    def _due(self, variant: Variant) -> bool:
+        if variant.program is not None or variant.refused is not None or variant.calls < self.calls \
+                or self.built >= self.most:
+            return False
+        if variant.work is None:
+            variant.work = self._work(variant.dims)
+        return variant.calls * variant.work >= self.work
+
+    def _work(self, dims: dict[str, int]) -> int:
+        """The FLOPs plus bytes of one generic call at these sizes (`tgc explain`'s)."""
+        from tgc.explain import explain
+
+        report = explain(self.program.lowered, self.program.module.bind_dims(dims))
+        return int(report["flops"]) + int(report["bytes"])
+
+    def _specialize(self, variant: Variant) -> None:
+        """Build `variant`'s program (under the lock), or record why not."""
+        start = time.perf_counter()
+        try:
+            program = self.build(dict(variant.dims))
+        except Exception as e:  # noqa: BLE001 -- the generic program serves the signature
+            variant.refused = f"building it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return
+        program.out_dtype = self.program.out_dtype   # --fp-strict's f64 emulation takes f32 arrays
+        why = _differs(self.program, program)
+        if why:
+            variant.refused = why
+            return
+        variant.compile_seconds = time.perf_counter() - start
+        variant.program = program
+        self.built += 1
+
+    def variants(self) -> list[Variant]:
+        with self.lock:
+            return [replace(v) for v in self.table.values()]
+
+    def last(self) -> Variant | None:
+        return getattr(self.local, "last", None)
+
+
+def _carrier(program, dim: str) -> tuple[str, int] | None:
+    """(argument name, axis) of the first argument with an edge of `dim`, or None: no
+    argument carries it (a call gives it with `dims=`)."""
+    m = program.module
+    for spec in program.inputs:
+        for axis, e in enumerate(spec.edges):
+            if m.edges[e] == dim:
+                return spec.name, axis
+    return None
+
+
+def _differs(generic, special) -> str | None:
+    """Why `special` cannot stand in for `generic` in a call (it takes or gives other
+    names, or stores other arguments or outputs in 2 bytes), or None."""
+    for what in ("_names", "_store", "_low_outs", "_update_keys", "_complex_args", "_complex_results",
+                 "float_dtype"):
+        if getattr(generic, what) != getattr(special, what):
+            return f"the specialized program's {what.strip('_').replace('_', ' ')} differ"
+    if [s.name for s in generic.outputs] != [s.name for s in special.outputs]:
+        return "the specialized program's outputs differ"
+    return None
