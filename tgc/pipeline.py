@@ -171,8 +171,7 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     if low is None:
         low = lower_module(compiled, opts, backend)
     kernels = be.compile(compiled, low, opts, artifacts)
-    # an emulated (--fp-strict f32) program is not specialized: its calls convert arrays first
-    specialize = build_specialized if be.specializes and opts.dtype == options.dtype else None
+    specialize = build_specialized if be.specializes else None
     program = Program(compiled, opts, low, kernels, build_forward, specialize)
     if opts.dtype != options.dtype:   # the f64 emulation of an f32 program: f32 arrays in and out
         import numpy as np
