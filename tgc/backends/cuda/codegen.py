@@ -84,6 +84,11 @@ TEMPLATES = {
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
+# a row group's blocks per multiprocessor that its registers must allow (launch bounds:
+# at most 65536 / (256 * this) registers a thread, 80 in f32, 128 in f64): ptxas then
+# fits a row held in registers (`row_regs`) there without spilling, where left to
+# itself it chose 128 in f32 (two blocks) and spilled the f64 warp variant
+ROW_MIN_BLOCKS = {"f32": 1, "f64": 1}
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
 COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
@@ -253,15 +258,18 @@ class _Gen:
         ps += [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"]
         return ", ".join(ps)
 
-    def kernel(self, name: str, params: str, body: list[str], note: str, check: bool = False) -> None:
+    def kernel(self, name: str, params: str, body: list[str], note: str, check: bool = False,
+               min_blocks: int = 0) -> None:
         """A `__global__` kernel. In a module with checks, every other kernel first
         reads the error word and returns if a check failed: a call that runs every
         launch without the host looking in between (a CUDA graph) writes nothing
-        then (the word is uniform, so a block's barriers are still reached by all)."""
+        then (the word is uniform, so a block's barriers are still reached by all).
+        `min_blocks`: the blocks per multiprocessor its registers must allow."""
         if self.low.checks and not check:
             body = ["if (*err) return;   // a check failed: nothing is written"] + body
         text = f"// {note}\n" if note else ""
-        text += (f'extern "C" __global__ void __launch_bounds__({BLOCK}) {name}({params}) {{\n'
+        bounds = f"{BLOCK}, {min_blocks}" if min_blocks else f"{BLOCK}"
+        text += (f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({params}) {{\n'
                  + "\n".join("    " + line for line in body) + "\n}")
         self.parts.append(text)
 
@@ -638,7 +646,7 @@ class _Gen:
         body = [f"__shared__ double part_c[{BLOCK // 32}][TGC_COL_TILE];"] + geometry
         body += ["const long long len = (nred + chunks - 1) / chunks;   // rows per chunk",
                  "const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;",
-                 f"const bool vec = {cond};",
+                 *([f"const bool vec = {cond};"] if vector else []),
                  "for (long long item = blockIdx.x; item < tiles * chunks; item += gridDim.x) {",
                  "    const long long tile = item % tiles, chunk = item / tiles;",
                  "    const long long q0 = chunk * len, q1 = min_ll(q0 + len, nred);",
@@ -770,6 +778,7 @@ class _Gen:
                       for m in g.members) and bool(inner0)
         red_member = next((m for m in g.members if m.reduce), g.members[0])
         row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
+        group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
         shared: set[str] = set()
 
         def ctx_new(cache: dict) -> _Ctx:
@@ -805,11 +814,40 @@ class _Gen:
         def strided(loops: list[str], sizes: dict, stmts: list[str], cached: bool, count: str) -> list[str]:
             """`stmts` over this thread's points of `loops` (the row's elements)."""
             dec = _decompose([(var[v], "", self.size(sizes[v])) for v in loops], stmts)
-            if cached:
+            if cached:   # register k holds element G * (lane + k / G * tpr) + k % G (less than row_regs * tpr)
                 return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
-                         "    const long long q = (long long)lane + (long long)k * tpr;",
+                         f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};",
                          f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
             return ([f"for (long long q = lane; q < {count}; q += tpr) {{"] + ["    " + s for s in dec + stmts] + ["}"])
+
+        def preload(pre: list[Load], cache: dict) -> list[str]:
+            """The row's elements of the inputs `pre` into registers; in an f32 program
+            whose row is one loop, with the registers in groups of 4 neighbours, the
+            inputs read along it as one float4 load per group where the row length is
+            a multiple of 4 and their addresses are 16-byte aligned."""
+            ctx = ctx_new({})
+            scalar = strided(list(inner0), g.members[0].sizes,
+                             [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre], True, "cnt")
+            v = inner0[0]
+            wide = [e for e in pre if group == 4 and len(inner0) == 1 and low.dtype == "f32"
+                    and low.buffers[e.buf].dtype == "f32" and self.along(e, v, g.members[0].sizes[v])]
+            if not wide:
+                return scalar
+            rest = strided(list(inner0), g.members[0].sizes,
+                           [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre if e not in wide], True, "cnt")
+            ptrs = dict.fromkeys(ctx.ptr(e.buf) for e in wide)
+            addr = [f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]" for e in wide]
+            lines = []
+            for j, (e, a) in enumerate(zip(wide, addr)):
+                lines.append(f"const float4 l{j} = *reinterpret_cast<const float4*>({a});")
+                lines += [f"{cache[e.buf]}[4 * m + {c}] = l{j}.{comp};" for c, comp in enumerate("xyzw")]
+            dec = _decompose([(var[v], "", self.size(g.members[0].sizes[v]))], addr)
+            vec = (["TGC_SIM_COUNT(5);", "#pragma unroll", f"for (int m = 0; m < {self.row_regs // 4}; ++m) {{",
+                    "    const int q = 4 * ((int)lane + m * (int)tpr);", "    if (q < cnt) {"]
+                   + ["        " + x for x in dec + lines] + ["    }", "}"] + (rest if len(wide) < len(pre) else []))
+            cond = " && ".join([f"{self.size(g.members[0].sizes[v])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+            return ([f"if ({cond}) {{"] + ["    " + x for x in vec] + ["} else {"]
+                    + ["    " + x for x in scalar] + ["}"])
 
         def members(cached: bool) -> list[str]:
             cache = {}
@@ -831,11 +869,7 @@ class _Gen:
                 for c in cache.values():
                     body.append(f"tgc_t {c}[{self.row_regs}];")
                 if pre:
-                    ctx = ctx_new({})
-                    loads = []
-                    for e in pre:
-                        loads.append(f"{cache[e.buf]}[k] = {self.expr(e, ctx)};")
-                    body += strided(list(inner0), g.members[0].sizes, loads, True, "cnt")
+                    body += preload(pre, cache)
             written_mem: set[str] = set()
             for m in g.members:
                 ctx = ctx_new(cache)
@@ -917,8 +951,9 @@ class _Gen:
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                           + "\n".join("    " + line for line in body) + "\n}")
-        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row")
-        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row")
+        bounds = ROW_MIN_BLOCKS[low.dtype]
+        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
+        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
         self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
                                     warp=name + "_warp", inner=row_len, writes=tuple(writes)))
 

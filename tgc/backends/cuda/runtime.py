@@ -655,9 +655,9 @@ class CudaKernels(Kernels):
             dt = dev.np_type(buf.dtype)
             start = offsets[buf.slot]
             temps[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
-        scratch = max([self._col_chunks(x, env)[1] for x in self._cm.launches] + [0])
-        if scratch:   # the column sums' chunk partials (one scratch: their launches run one after another)
-            temps[codegen.COL_SCRATCH] = dev.empty((scratch,), np.float64)
+        cols = [self._col_chunks(x, env) for x in self._cm.launches]
+        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
+            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
         b = _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
         b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
@@ -721,8 +721,8 @@ class CudaKernels(Kernels):
     def _col_chunks(self, x: codegen.Launch, env: dict) -> tuple[int, int]:
         """(chunks, scratch doubles) of a launch that runs as a column sum with these
         dims (its reductions over at least `CudaOptions.row_min` points per output,
-        as for the one-block-per-output variant it replaces), else (0, 0)."""
-        if not x.col or self._reduced(x, env) < self.options.cuda.row_min:
+        as for the one-block-per-output variant it replaces; `CudaOptions.column_tiles`), else (0, 0)."""
+        if not x.col or not self.options.cuda.column_tiles or self._reduced(x, env) < self.options.cuda.row_min:
             return 0, 0
         ncols = 1
         for s in x.total:
