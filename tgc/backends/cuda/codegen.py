@@ -84,11 +84,11 @@ TEMPLATES = {
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
-# a row group's blocks per multiprocessor that its registers must allow (launch bounds:
-# at most 65536 / (256 * this) registers a thread, 80 in f32, 128 in f64): ptxas then
-# fits a row held in registers (`row_regs`) there without spilling, where left to
-# itself it chose 128 in f32 (two blocks) and spilled the f64 warp variant
-ROW_MIN_BLOCKS = {"f32": 1, "f64": 1}
+# the blocks per multiprocessor a row group's launch bounds ask for: one, so ptxas may
+# give a thread up to 255 registers for the row it holds (`row_regs`); left to itself it
+# capped some variants at 128 and spilled (ptxas -v, sm_90: the f64 layernorm's warp
+# variant, the GPT's attention and layernorm groups at 80)
+ROW_MIN_BLOCKS = 1
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
 COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
@@ -951,7 +951,7 @@ class _Gen:
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                           + "\n".join("    " + line for line in body) + "\n}")
-        bounds = ROW_MIN_BLOCKS[low.dtype]
+        bounds = ROW_MIN_BLOCKS
         self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
         self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
         self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
