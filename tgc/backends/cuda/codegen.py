@@ -20,6 +20,11 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   one 16-byte load per operand read along its own contiguous edge, one 16-byte store;
   8-byte `ushort4` ones for bf16/f16 buffers), taken when the run-time sizes and
   addresses allow, else the scalar loop;
+- a column sum (`out[c] = sum[rows] ...` read along its contiguous edge: a bias or
+  weight gradient) also has a tiled form (`col_loop`): a block per tile of 128
+  columns and chunk of rows, lanes over columns (float4 where allowed), warps over
+  rows, the chunks' partials added in chunk order by a second kernel: coalesced, and
+  the same bits on every run;
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
@@ -623,8 +628,8 @@ class _Gen:
         scalar += ["#pragma unroll", "for (int j = 0; j < 4; ++j) part_c[warp][lane + 32 * j] = sums[j];"]
         # the float4 path: lane takes columns tile * TILE + 4 * lane + j
         loads = self.vector_loads(k, v_in) if low.dtype == "f32" else []
-        cond = "false"
         vector: list[str] = []
+        cond = ""
         if loads:
             ptrs = dict.fromkeys((ctx.ptr(e.buf), e.buf) for e in loads)
             cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"]
