@@ -7,15 +7,17 @@
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root (carry build/gpu-wheels)
 #   benchmarks/gpu_check.sh --sim      # no GPU: the same parts on cuda-sim (small rows), to test this script
 #
-# Parts, each under its own timeout (they add up to 420 s), each going on past a failing
+# Parts, each under its own timeout (they add up to 440 s), each going on past a failing
 # test; every benchmark row is printed as soon as it is measured:
 #   1. tests/backends/test_cuda_gpu.py without its conformance test (graphs, gather error,
 #      row groups and float4, bf16/f16 GemmEx, the autocast GPT step), and NCCL with one rank;
 #   2. the conformance: every example and tests/programs/good program, f32 and f64, on the
 #      device against the interpreter (pytest-xdist workers where it is installed);
 #   3. benchmarks/gpu_bench.py: the benchmark rows against torch eager (no torch.compile);
-#   4. benchmarks/gpu_lowp.py: bf16 GEMMs and the autocast GPT step;
-#   5. torch.compile for the GPT step alone (one cold compile; last, so a slow compile
+#   4. benchmarks/gpu_columns.py: column sums (bias and weight gradients) as column tiles and
+#      as one block per output, layernorm rows up to 4096, against torch; same bits per run;
+#   5. benchmarks/gpu_lowp.py: bf16 GEMMs and the autocast GPT step;
+#   6. torch.compile for the GPT step alone (one cold compile; last, so a slow compile
 #      costs nothing else).
 # The summary line at the end names the parts that failed or ran out of time.
 set -uo pipefail
@@ -85,7 +87,8 @@ else
         -k test_program_matches_interpreter
 fi
 REPEAT=$([ "$BACKEND" = cuda ] && echo 5 || echo 1)
-part benchmarks 110 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$REPEAT" --compile none
+part benchmarks 100 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$REPEAT" --compile none
+part columns 30 "$PY" benchmarks/gpu_columns.py --backend "$BACKEND" --repeat "$REPEAT"
 part lowp 50 "$PY" benchmarks/gpu_lowp.py --backend "$BACKEND" --repeat "$REPEAT"
 if [ "$BACKEND" = cuda ]; then
     part torch.compile 55 "$PY" benchmarks/gpu_bench.py --backend cuda --repeat "$REPEAT" --only gpt --compile gpt

@@ -128,6 +128,27 @@ def test_row_groups_and_float4_on_the_gpu(warp_rows):
                                            err_msg=f"{name} {k} d={d}")
 
 
+def test_column_sums_on_the_gpu_are_the_same_bits_every_call():
+    """Bias and weight gradients as column tiles (float4 and per-element paths, one
+    chunk and many) against the interpreter, and two calls bitwise equal."""
+    import cupy
+
+    src = "dim rows, d\ninput dy[rows, d]\ninput x[rows, d]\nout db[d] = sum[rows](dy)\nout dw[d] = sum[rows](dy * x)\n"
+    prog = tgc.compile(src, backend="cuda", dtype="f32")
+    assert all(x.col for x in prog.cuda_module.launches if x.kind == "loop")
+    for rows, d in ((200, 1), (130, 3), (4096, 1024), (1000, 129), (65536, 64)):
+        dims = {"rows": rows, "d": d}
+        inputs = random_inputs(prog.module, prog.module.bind_dims(dims), rows + d, "f32")
+        want = evaluate(prog.module, {k: v.copy() for k, v in inputs.items()}, dtype="f64")
+        dev = {k: cupy.asarray(v) for k, v in inputs.items()}
+        first = {k: cupy.asnumpy(v) for k, v in prog.run(dev, dims).items()}
+        again = {k: cupy.asnumpy(v) for k, v in prog.run(dev, dims).items()}
+        for k, ref in want.items():
+            scale = max(1.0, float(np.max(np.abs(ref))))
+            np.testing.assert_allclose(first[k], ref, rtol=2e-5, atol=2e-6 * scale, err_msg=f"{k} at {dims}")
+            assert first[k].tobytes() == again[k].tobytes(), (k, dims)
+
+
 def test_bf16_gemm_ex_and_two_byte_buffers_on_the_gpu():
     """bf16 and f16 products as cublasGemmStridedBatchedEx (f32 output and compute)
     against float64 products of the same values; declared bf16 elementwise work in

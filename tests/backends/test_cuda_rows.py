@@ -226,3 +226,35 @@ def test_every_program_reads_back_and_runs_in_the_lowered_interpreter_after_rowg
     got = run_lowered(low, {k: np.copy(v) for k, v in inputs.items()}, dims)
     for k, w in want.items():
         np.testing.assert_allclose(got[k], w, rtol=1e-9, atol=1e-9 * max(1.0, float(np.nanmax(np.abs(w)))), err_msg=k)
+
+
+def test_rows_in_registers_load_float4_where_sizes_and_addresses_allow():
+    """A row of an f32 layernorm held in registers is read one float4 per group of 4
+    neighbours when its length is a multiple of 4 and its inputs are 16-byte aligned
+    (the emulator's counter 5), else element by element into the same registers: the
+    same bits either way."""
+    import ctypes
+
+    prog = build(LAYERNORM, "f32")
+    fn = prog._kernels._device.lib.tgc_sim_counters
+    fn.restype = ctypes.POINTER(ctypes.c_longlong)
+    count = fn()
+    assert "reinterpret_cast<const float4*>" in prog.cuda_source.split("_body(")[1]
+    for d, want_vec in ((40, True), (33, False), (4, True)):
+        count[5] = 0
+        compare(prog, {"rows": 5, "d": d}, "f32", seed=d)
+        assert (count[5] > 0) == want_vec, d
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal(5 * 40 + 1).astype(np.float32)
+    x = dict(x=big[:-1].copy().reshape(5, 40), dy=rng.standard_normal((5, 40)).astype(np.float32),
+             w=rng.standard_normal(40).astype(np.float32), b=rng.standard_normal(40).astype(np.float32))
+    count[5] = 0
+    aligned = prog(**{k: np.copy(v) for k, v in x.items()})
+    assert count[5] > 0
+    shifted = big[1:].reshape(5, 40)     # 4 bytes into its memory: element by element
+    shifted[...] = x["x"]
+    count[5] = 0
+    other = prog(**dict(x, x=shifted))
+    assert count[5] == 0
+    for k in aligned:
+        assert aligned[k].tobytes() == other[k].tobytes(), k

@@ -120,6 +120,15 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)
+        if x.col:
+            entry["column_kernels"] = {
+                "tiles": x.col, "sum": x.col_sum, "tile": codegen.COL_TILE,
+                "chunks": f"max(1, min(ceil(reduced / {codegen.COL_ROWS}), ceil({codegen.COL_BLOCKS} / "
+                          f"ceil(items / {codegen.COL_TILE}))))",
+                "grid": "ceil(items / tile) * chunks blocks (or fewer: a grid-stride loop); the runtime takes "
+                        "these instead of row_kernel when reduced >= 128 (CudaOptions.row_min)",
+                "scratch": "chunks * items doubles, the parameter after the buffers; "
+                           "the sum kernel (a thread per item) runs after the tiles when chunks > 1"}
         launches.append(entry)
     doc = {
         "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,

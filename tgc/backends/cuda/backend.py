@@ -3,7 +3,8 @@
 emulator). Their lowering stages are the neutral `narrow` (bf16/f16 values in 2-byte
 buffers: `tgc.lower.narrow`), then their own `cublas_operands` (which GEMM cells run
 as `cublasGemmStridedBatchedEx` on 2-byte operands, the others' widened:
-`tgc.backends.cuda.operands`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
+`tgc.backends.cuda.operands`), `inline_elementwise` (an elementwise temporary computed
+again in its readers: `tgc.backends.cuda.inline`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
 reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from tgc.backends.base import Backend
 from tgc.backends.cuda.operands import CublasOperands
+from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import RowGroups, read_rowgroup
 from tgc.lower.narrow import Narrow
 
@@ -23,7 +25,7 @@ def lowering_options(options):
 
 class CudaBackend(Backend):
     name = "cuda"
-    stages = (Narrow, CublasOperands, RowGroups)
+    stages = (Narrow, CublasOperands, InlineElementwise, RowGroups)
     kernel_forms = {"rowgroup": read_rowgroup}
     emits = ("cubin", "ptx", "cu")
 

@@ -20,6 +20,11 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   one 16-byte load per operand read along its own contiguous edge, one 16-byte store;
   8-byte `ushort4` ones for bf16/f16 buffers), taken when the run-time sizes and
   addresses allow, else the scalar loop;
+- a column sum (`out[c] = sum[rows] ...` read along its contiguous edge: a bias or
+  weight gradient) also has a tiled form (`col_loop`): a block per tile of 128
+  columns and chunk of rows, lanes over columns (float4 where allowed), warps over
+  rows, the chunks' partials added in chunk order by a second kernel: coalesced, and
+  the same bits on every run;
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
@@ -84,6 +89,22 @@ TEMPLATES = {
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
+# the blocks per multiprocessor a row group's launch bounds ask for: one, so ptxas may
+# give a thread up to 255 registers for the row it holds (`row_regs`); left to itself it
+# capped some variants at 128 and spilled (ptxas -v, sm_90: the f64 layernorm's warp
+# variant, the GPT's attention and layernorm groups at 80)
+ROW_MIN_BLOCKS = 1
+# a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
+COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
+COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
+
+
+def col_chunks(nred: int, ncols: int) -> int:
+    """The chunks of rows a column sum over `nred` rows into `ncols` columns is split
+    into (`tgc_col_chunks` of tgc_ops.cuh: the same formula): at least COL_ROWS rows
+    per chunk, about COL_BLOCKS blocks in all; a function of the sizes only."""
+    tiles = -(-ncols // COL_TILE)
+    return max(1, min(-(-nred // COL_ROWS), -(-COL_BLOCKS // max(tiles, 1))))
 
 
 class CudaUnsupported(BackendUnavailable):
@@ -109,6 +130,8 @@ class Launch:
     warp: str = ""                    # a row group's warp-per-row variant (kind rows; `name` is its block-per-row one)
     inner: tuple[Size, ...] = ()      # a row group's row length (the warp variant runs when it is short)
     writes: tuple[str, ...] = ()      # the buffers it writes, when more than its first (a row group)
+    col: str = ""                     # a column sum's tiled variant (`col_loop`): partials per chunk of rows
+    col_sum: str = ""                 # ... and the kernel adding its chunks' partials in order (when more than one)
 
 
 @dataclass
@@ -119,7 +142,7 @@ class CudaModule:
     dtype: str = "f32"
 
     def kernel_names(self) -> list[str]:
-        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row, x.warp) if n]
+        return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row, x.warp, x.col, x.col_sum) if n]
 
 
 def generate(low: Lowered, prefix: str = "", row_regs: int = 8) -> CudaModule:
@@ -200,11 +223,15 @@ class _Gen:
             written = set(x.writes) if x.writes else ({x.bufs[0]} if x.kind != "check" else set())
             args = [f"({self.buf_type(b, write=b in written)}*)b[{j}]" for j, b in enumerate(x.bufs)]
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
+            tail = [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
+            scratch = args[:len(x.bufs)] + [f"(double*)b[{len(x.bufs)}]"] + tail
             plain = "TGC_SIM_LAUNCH" if x.kind == "rows" else "TGC_SIM_LAUNCH_SERIAL"
-            for name, launch in ((x.name, plain), (x.row, "TGC_SIM_LAUNCH"), (x.warp, "TGC_SIM_LAUNCH")):
-                if name:   # the row variant needs a team per block: barriers and shuffles
+            for name, launch, call in ((x.name, plain, args), (x.row, "TGC_SIM_LAUNCH", args),
+                                       (x.warp, "TGC_SIM_LAUNCH", args), (x.col, "TGC_SIM_LAUNCH", scratch),
+                                       (x.col_sum, "TGC_SIM_LAUNCH_SERIAL", scratch)):
+                if name:   # the row and column variants need a team per block: barriers and shuffles
                     sim.append(f'extern "C" void tgc_launch_{name}(void* const* b, const long long* d, int* err, '
-                               f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {name}({', '.join(args)}));\n}}")
+                               f"unsigned grid, unsigned block) {{\n    {launch}(grid, block, {name}({', '.join(call)}));\n}}")
         sim.append("#endif")
         source = "\n".join(head + self.parts + sim) + "\n"
         return CudaModule(source, self.launches, self.dims, low.dtype)
@@ -222,26 +249,32 @@ class _Gen:
         t = C_TYPES[self.low.buffers[name].dtype]
         return t if write else f"const {t}"
 
-    def params(self, bufs: list[str], written) -> str:
+    def params(self, bufs: list[str], written, scratch: bool = False) -> str:
         """The parameters of a kernel reading `bufs` and writing `written` (a buffer's
-        name, a set of them, or None)."""
+        name, a set of them, or None); `scratch`: then the chunk partials of a column
+        sum (`col_loop`)."""
         written = {written} if isinstance(written, str) else set(written or ())
         ps = []
         for j, b in enumerate(bufs):
             t = C_TYPES[self.low.buffers[b].dtype]
             ps.append(f"{t}* p{j}" if b in written else f"const {t}* __restrict__ p{j}")
+        if scratch:
+            ps.append("double* __restrict__ part")
         ps += [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"]
         return ", ".join(ps)
 
-    def kernel(self, name: str, params: str, body: list[str], note: str, check: bool = False) -> None:
+    def kernel(self, name: str, params: str, body: list[str], note: str, check: bool = False,
+               min_blocks: int = 0) -> None:
         """A `__global__` kernel. In a module with checks, every other kernel first
         reads the error word and returns if a check failed: a call that runs every
         launch without the host looking in between (a CUDA graph) writes nothing
-        then (the word is uniform, so a block's barriers are still reached by all)."""
+        then (the word is uniform, so a block's barriers are still reached by all).
+        `min_blocks`: the blocks per multiprocessor its registers must allow."""
         if self.low.checks and not check:
             body = ["if (*err) return;   // a check failed: nothing is written"] + body
         text = f"// {note}\n" if note else ""
-        text += (f'extern "C" __global__ void __launch_bounds__({BLOCK}) {name}({params}) {{\n'
+        bounds = f"{BLOCK}, {min_blocks}" if min_blocks else f"{BLOCK}"
+        text += (f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({params}) {{\n'
                  + "\n".join("    " + line for line in body) + "\n}")
         self.parts.append(text)
 
@@ -410,9 +443,7 @@ class _Gen:
                 "t += (long long)gridDim.x * blockDim.x) {"]
         inner = []
         if kept:
-            inner.append("long long r = t;")
-            for v, s in reversed(list(zip(kept, sizes))):
-                inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
+            inner += _split("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
         at = self.offset(k.out, k.index, ctx)
         store = f"p0[{at}]"
         if k.scatter:
@@ -436,8 +467,9 @@ class _Gen:
         name = f"{self.prefix}k{i}"
         self.kernel(name, self.params(bufs, k.out), body, note)
         row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
+        col = self.col_loop(name + "_col", k, bufs, kept, note) if row and self.column_sum(k, kept) else ("", "")
         self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
-                                    red=tuple(k.sizes[v] for v in k.red)))
+                                    red=tuple(k.sizes[v] for v in k.red), col=col[0], col_sum=col[1]))
 
     def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
         """The elementwise kernel `k` of an f32 program four elements at a time: (the
@@ -463,35 +495,16 @@ class _Gen:
         if at.get(out_last) != Ix.var(v_in) or low.size(out_last) != k.sizes[v_in] \
                 or any(v_in in ix.vars() for e, ix in k.index if e != out_last):
             return None
-        loads: list[Load] = []
-
-        def visit(e) -> None:
-            if isinstance(e, Mask):
-                return   # a masked load may lie outside its buffer next to its range
-            if isinstance(e, Load):
-                b = low.buffers[e.buf]
-                if not b.edges:
-                    return   # a scalar: read per element
-                last = self.layout(e.buf)[-1][0]
-                ix = dict(e.index)
-                if (b.dtype in VEC and ix.get(last) == Ix.var(v_in) and low.size(last) == k.sizes[v_in]
-                        and not any(v_in in i.vars() for ed, i in e.index if ed != last) and e not in loads):
-                    loads.append(e)
-                return
-            for c in getattr(e, "args", ()):
-                visit(c)
-
-        visit(k.body)
+        loads = self.vector_loads(k, v_in)
         ptrs = dict.fromkeys([(ctx.ptr(k.out), k.out)] + [(ctx.ptr(e.buf), e.buf) for e in loads])
         cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"]
                            + [f"tgc_aligned{VEC[low.buffers[b].dtype][1]}({p})" for p, b in ptrs])
         base = ctx.var[v_in]
         lines = [f"const long long n4 = ({' * '.join(sizes)}) / 4;",
                  "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
-                 "t += (long long)gridDim.x * blockDim.x) {", "    long long r = t * 4;"]
+                 "t += (long long)gridDim.x * blockDim.x) {"]
         lines.insert(0, "TGC_SIM_COUNT(0);")
-        for v, sz in reversed(list(zip(kept, sizes))):
-            lines.append(f"    const long long {ctx.var[v]} = r % {sz}; r /= {sz};")
+        lines += ["    " + x for x in _split("r", "t * 4", [(ctx.var[v], "", sz) for v, sz in zip(kept, sizes)])]
         names = {}
         for j, e in enumerate(loads):
             names[e] = f"l{j}"
@@ -511,6 +524,165 @@ class _Gen:
         lines.append("}")
         return cond, lines
 
+    def along(self, e: Load, v: str, size: Size) -> bool:
+        """Whether `e` reads its buffer's innermost (contiguous) edge at loop variable
+        `v` (of extent `size`, the edge's) and no other edge at `v`: neighbouring
+        values of `v` read neighbouring elements."""
+        b = self.low.buffers[e.buf]
+        if not b.edges:
+            return False
+        last = self.layout(e.buf)[-1][0]
+        return (dict(e.index).get(last) == Ix.var(v) and self.low.size(last) == size
+                and not any(v in i.vars() for ed, i in e.index if ed != last))
+
+    def vector_loads(self, k: LoopKernel, v: str) -> list[Load]:
+        """The loads of `k`'s body that read four neighbours along loop `v` as one
+        vector (`along` it, of a type with a vector, outside any mask: a masked load
+        may lie outside its buffer next to its range)."""
+        loads: list[Load] = []
+
+        def visit(e) -> None:
+            if isinstance(e, Mask):
+                return
+            if isinstance(e, Load):
+                if self.low.buffers[e.buf].dtype in VEC and self.along(e, v, k.sizes[v]) and e not in loads:
+                    loads.append(e)
+                return
+            for c in getattr(e, "args", ()):
+                visit(c)
+
+        visit(k.body)
+        return loads
+
+    def column_sum(self, k: LoopKernel, kept: list[str]) -> bool:
+        """Whether the reduction `k` is a column sum (a bias or weight gradient,
+        `out[c] = sum[rows] ...`) that `col_loop` reads coalesced: a sum, over reduced
+        loops without bounds, whose innermost kept loop is its output's contiguous
+        edge, read along by at least one load and crossed by none (every load that
+        varies with it reads neighbouring elements: the threads of a warp take
+        neighbouring columns)."""
+        if k.reduce != "sum" or not kept or k.scatter or set(k.bounds) & set(k.red) or not self.layout(k.out):
+            return False
+        v_in = kept[-1]
+        out_last = self.layout(k.out)[-1][0]
+        if dict(k.index).get(out_last) != Ix.var(v_in) or self.low.size(out_last) != k.sizes[v_in]:
+            return False
+        varying = [e for e in _loads_of(k) if any(v_in in ix.vars() for _, ix in e.index)]
+        if k.epilogue is not None and any(set(k.red) & ix.vars() for e in walk(k.epilogue)
+                                          if isinstance(e, Load) for _, ix in e.index):
+            return False
+        return bool(varying) and all(self.along(e, v_in, k.sizes[v_in]) for e in varying)
+
+    def col_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> tuple[str, str]:
+        """The column sum `k` (`column_sum`) as two kernels: (`name`, `name`_sum).
+
+        `name`: a block per (tile, chunk): a tile of COL_TILE neighbouring columns (the
+        flat index of the kept loops) and a chunk of the reduced points (`col_chunks`
+        of them, a function of the sizes only). Warp `w` of the block sums rows
+        w, w + warps, ... of its chunk for the tile's columns, in double: a warp's
+        32 lanes read 32 neighbouring columns of a row (coalesced), or, in an f32
+        program where the innermost size is a multiple of 4 and the buffers read
+        along it are 16-byte aligned, 4 neighbours each with one float4 load. The
+        warps' partials are added in warp order through shared memory; the block
+        writes its chunk's partial per column to the scratch `part` (or, with one
+        chunk, the result). Both paths add the same values in the same order.
+        `name`_sum: one thread per column adds the chunks' partials in chunk order,
+        then the epilogue, and stores. So every addition's order is fixed by the
+        sizes and the block size: the same bits on every run."""
+        low = self.low
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)})
+        for j, v in enumerate(k.loops):
+            ctx.var[v] = f"i{j}"
+        red = [v for v in k.loops if v in k.red]
+        sizes = [self.size(k.sizes[v]) for v in kept]
+        v_in = kept[-1]
+        geometry = [f"const long long ncols = {' * '.join(sizes)}, nred = {' * '.join(self.size(k.sizes[v]) for v in red)};",
+                    "const long long tiles = (ncols + TGC_COL_TILE - 1) / TGC_COL_TILE;",
+                    "const long long chunks = tgc_col_chunks(nred, tiles);"]
+
+        def split(flat: str, names: dict) -> list[str]:
+            return _split("r", flat, [(names[v], "", sz) for v, sz in zip(kept, sizes)])
+
+        def finish(total: str) -> list[str]:
+            """The column `c`'s result from its sum `total`: epilogue, store."""
+            c = _Ctx(ctx.ptrs, dict(ctx.var))
+            c.acc = "acc"
+            value = self.expr(k.epilogue, c) if k.epilogue is not None else "acc"
+            return (["{"] + ["    " + line for line in split("c", ctx.var)]
+                    + [f"    const tgc_t acc = (tgc_t)({total});",
+                       "    " + self.store(k.out, "p0", self.offset(k.out, k.index, c), value), "}"])
+
+        rows = (["for (long long q = q0 + warp; q < q1; q += warps) {"]
+                + ["    " + s for s in _decompose([(ctx.var[v], "", self.size(k.sizes[v])) for v in red],
+                                                  [self.expr(k.body, ctx)])])
+        # the scalar path: lane takes columns tile * TILE + lane + 32 * j, j < 4
+        scalar = ["const long long c0 = tile * TGC_COL_TILE + lane;"]
+        per = {v: f"{ctx.var[v]}_k" for v in kept}
+        for v in kept:
+            scalar.append(f"long long {per[v]}[4];")
+        scalar += ["#pragma unroll", "for (int j = 0; j < 4; ++j) {"]
+        scalar += ["    " + x for x in _split("r", "c0 + 32 * j < ncols ? c0 + 32 * j : 0LL",
+                                              [(f"{per[v]}[j]", "", sz) for v, sz in zip(kept, sizes)], decl="")]
+        scalar.append("}")
+        c = _Ctx(ctx.ptrs, {**ctx.var, **{v: f"{per[v]}[j]" for v in kept}})
+        x = self.expr(k.body, c)
+        scalar += rows + ["    #pragma unroll", "    for (int j = 0; j < 4; ++j)",
+                                         f"        if (c0 + 32 * j < ncols) sums[j] += (double){x};", "}"]
+        scalar += ["#pragma unroll", "for (int j = 0; j < 4; ++j) part_c[warp][lane + 32 * j] = sums[j];"]
+        # the float4 path: lane takes columns tile * TILE + 4 * lane + j
+        loads = self.vector_loads(k, v_in) if low.dtype == "f32" else []
+        vector: list[str] = []
+        cond = ""
+        if loads:
+            ptrs = dict.fromkeys((ctx.ptr(e.buf), e.buf) for e in loads)
+            cond = " && ".join([f"{self.size(k.sizes[v_in])} % 4 == 0"]
+                               + [f"tgc_aligned{VEC[low.buffers[b].dtype][1]}({p})" for p, b in ptrs])
+            vector = ["const long long c4 = tile * TGC_COL_TILE + 4 * (long long)lane;", "if (c4 < ncols) {"]
+            vector += ["    " + s for s in split("c4", ctx.var) + rows]
+            names = {}
+            for j, e in enumerate(loads):
+                names[e] = f"l{j}"
+                vt = VEC[low.buffers[e.buf].dtype][0]
+                vector.append(f"        const {vt} l{j} = *reinterpret_cast<const {vt}*>("
+                              f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]);")
+            for j, comp in enumerate("xyzw"):
+                cv = _Ctx(ctx.ptrs, {**ctx.var, v_in: f"({ctx.var[v_in]} + {j})"})
+                cv.vec, cv.comp = names, comp
+                vector.append(f"        sums[{j}] += (double){self.expr(k.body, cv)};")
+            vector += ["    }", "}", "#pragma unroll",
+                       "for (int j = 0; j < 4; ++j) part_c[warp][4 * lane + j] = sums[j];"]
+        body = [f"__shared__ double part_c[{BLOCK // 32}][TGC_COL_TILE];"] + geometry
+        body += ["const long long len = (nred + chunks - 1) / chunks;   // rows per chunk",
+                 "const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;",
+                 *([f"const bool vec = {cond};"] if vector else []),
+                 "for (long long item = blockIdx.x; item < tiles * chunks; item += gridDim.x) {",
+                 "    const long long tile = item % tiles, chunk = item / tiles;",
+                 "    const long long q0 = chunk * len, q1 = min_ll(q0 + len, nred);",
+                 "    double sums[4] = {0.0, 0.0, 0.0, 0.0};"]
+        if vector:
+            body += ["    if (vec) {", "        TGC_SIM_COUNT(3);"] + ["        " + s for s in vector] + ["    } else {"]
+            body += ["        TGC_SIM_COUNT(4);"] + ["        " + s for s in scalar] + ["    }"]
+        else:
+            body += ["    TGC_SIM_COUNT(4);"] + ["    " + s for s in scalar]
+        body += ["    __syncthreads();",
+                 "    for (unsigned s = threadIdx.x; s < (unsigned)TGC_COL_TILE; s += blockDim.x) {",
+                 "        const long long c = tile * TGC_COL_TILE + s;",
+                 "        if (c >= ncols) continue;",
+                 "        double total = part_c[0][s];",
+                 "        for (unsigned w = 1; w < warps; ++w) total += part_c[w][s];",
+                 "        if (chunks > 1) { part[chunk * ncols + c] = total; continue; }"]
+        body += ["        " + s for s in finish("total")]
+        body += ["    }", "    __syncthreads();   // part_c is written again for the next item", "}"]
+        params = self.params(bufs, k.out, scratch=True)
+        self.kernel(name, params, body, note + " (column tiles, partials per chunk of rows)")
+        total = geometry + ["for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < ncols; "
+                            "c += (long long)gridDim.x * blockDim.x) {",
+                            "    double total = part[c];",
+                            "    for (long long h = 1; h < chunks; ++h) total += part[h * ncols + c];"]
+        total += ["    " + s for s in finish("total")] + ["}"]
+        self.kernel(name + "_sum", params, total, note + " (the chunks' partials, in order)")
+        return name, name + "_sum"
+
     def row_loop(self, name: str, k: LoopKernel, bufs: list[str], kept: list[str], note: str) -> str:
         """The reduction `k` with one block per output element (a grid-stride loop of
         blocks over them): the block's threads share the reduced iterations, and
@@ -522,9 +694,7 @@ class _Gen:
         red = [v for v in k.loops if v in k.red]
         inner = []
         if kept:
-            inner.append("long long r = t;")
-            for v, s in reversed(list(zip(kept, sizes))):
-                inner.append(f"const long long {ctx.var[v]} = r % {s}; r /= {s};")
+            inner += _split("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
         for v in red:
             lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
@@ -532,10 +702,9 @@ class _Gen:
         inner.append(f"const long long cnt = {' * '.join(ctx.var[v] + '_n' for v in red)};")
 
         def over(stmts: list[str]) -> list[str]:
-            head = ["for (long long q = threadIdx.x; q < cnt; q += blockDim.x) {", "    long long rq = q;"]
-            for v in reversed(red):
-                i = ctx.var[v]
-                head.append(f"    const long long {i} = {i}_lo + rq % {i}_n; rq /= {i}_n;")
+            head = ["for (long long q = threadIdx.x; q < cnt; q += blockDim.x) {"]
+            head += ["    " + x for x in _split("rq", "q", [(ctx.var[v], f"{ctx.var[v]}_lo + ", f"{ctx.var[v]}_n")
+                                                            for v in red])]
             return head + ["    " + s for s in stmts] + ["}"]
 
         x = self.expr(k.body, ctx)
@@ -617,6 +786,7 @@ class _Gen:
                       for m in g.members) and bool(inner0)
         red_member = next((m for m in g.members if m.reduce), g.members[0])
         row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
+        group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
         shared: set[str] = set()
 
         def ctx_new(cache: dict) -> _Ctx:
@@ -652,11 +822,40 @@ class _Gen:
         def strided(loops: list[str], sizes: dict, stmts: list[str], cached: bool, count: str) -> list[str]:
             """`stmts` over this thread's points of `loops` (the row's elements)."""
             dec = _decompose([(var[v], "", self.size(sizes[v])) for v in loops], stmts)
-            if cached:
+            if cached:   # register k holds element G * (lane + k / G * tpr) + k % G (less than row_regs * tpr)
                 return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
-                         "    const long long q = (long long)lane + (long long)k * tpr;",
+                         f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};",
                          f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
             return ([f"for (long long q = lane; q < {count}; q += tpr) {{"] + ["    " + s for s in dec + stmts] + ["}"])
+
+        def preload(pre: list[Load], cache: dict) -> list[str]:
+            """The row's elements of the inputs `pre` into registers; in an f32 program
+            whose row is one loop, with the registers in groups of 4 neighbours, the
+            inputs read along it as one float4 load per group where the row length is
+            a multiple of 4 and their addresses are 16-byte aligned."""
+            ctx = ctx_new({})
+            scalar = strided(list(inner0), g.members[0].sizes,
+                             [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre], True, "cnt")
+            v = inner0[0]
+            wide = [e for e in pre if group == 4 and len(inner0) == 1 and low.dtype == "f32"
+                    and low.buffers[e.buf].dtype == "f32" and self.along(e, v, g.members[0].sizes[v])]
+            if not wide:
+                return scalar
+            rest = strided(list(inner0), g.members[0].sizes,
+                           [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre if e not in wide], True, "cnt")
+            ptrs = dict.fromkeys(ctx.ptr(e.buf) for e in wide)
+            addr = [f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]" for e in wide]
+            lines = []
+            for j, (e, a) in enumerate(zip(wide, addr)):
+                lines.append(f"const float4 l{j} = *reinterpret_cast<const float4*>({a});")
+                lines += [f"{cache[e.buf]}[4 * m + {c}] = l{j}.{comp};" for c, comp in enumerate("xyzw")]
+            dec = _decompose([(var[v], "", self.size(g.members[0].sizes[v]))], addr)
+            vec = (["TGC_SIM_COUNT(5);", "#pragma unroll", f"for (int m = 0; m < {self.row_regs // 4}; ++m) {{",
+                    "    const int q = 4 * ((int)lane + m * (int)tpr);", "    if (q < cnt) {"]
+                   + ["        " + x for x in dec + lines] + ["    }", "}"] + (rest if len(wide) < len(pre) else []))
+            cond = " && ".join([f"{self.size(g.members[0].sizes[v])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
+            return ([f"if ({cond}) {{"] + ["    " + x for x in vec] + ["} else {"]
+                    + ["    " + x for x in scalar] + ["}"])
 
         def members(cached: bool) -> list[str]:
             cache = {}
@@ -678,11 +877,7 @@ class _Gen:
                 for c in cache.values():
                     body.append(f"tgc_t {c}[{self.row_regs}];")
                 if pre:
-                    ctx = ctx_new({})
-                    loads = []
-                    for e in pre:
-                        loads.append(f"{cache[e.buf]}[k] = {self.expr(e, ctx)};")
-                    body += strided(list(inner0), g.members[0].sizes, loads, True, "cnt")
+                    body += preload(pre, cache)
             written_mem: set[str] = set()
             for m in g.members:
                 ctx = ctx_new(cache)
@@ -745,10 +940,8 @@ class _Gen:
                 f"const long long n = {' * '.join(osizes) or '1LL'};",
                 "for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
                 "    const long long t = base + threadIdx.x / tpr;",
-                "    const bool live = t < n;",
-                "    long long r = live ? t : base;"]
-        for v, s in reversed(list(zip(outer, osizes))):
-            head.append(f"    const long long {var[v]} = r % {s}; r /= {s};")
+                "    const bool live = t < n;"]
+        head += ["    " + x for x in _split("r", "live ? t : base", [(var[v], "", s) for v, s in zip(outer, osizes)])]
         loop_body: list[str] = []
         if uniform:
             cnt = " * ".join(self.size(g.members[0].sizes[v]) for v in inner0)
@@ -766,8 +959,9 @@ class _Gen:
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                           + "\n".join("    " + line for line in body) + "\n}")
-        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row")
-        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row")
+        bounds = ROW_MIN_BLOCKS
+        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
+        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
         self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
                                     warp=name + "_warp", inner=row_len, writes=tuple(writes)))
 
@@ -866,11 +1060,23 @@ def _decompose(loops: list[tuple[str, str, str]], stmts: list[str]) -> list[str]
     out = ["long long rq = q;"]
     for j in reversed(range(len(loops))):
         name, lo, n = loops[j]
-        line = f"const long long {name} = {lo}rq % {n};" if used[j] else ""
+        line = f"const long long {name} = {lo}rq{f' % {n}' if j else ''};" if used[j] else ""
         if any(used[:j]):
             line += f" rq /= {n};"
         if line:
             out.append(line.strip())
+    return out
+
+
+def _split(r: str, flat: str, loops: list[tuple[str, str, str]], decl: str = "const long long ") -> list[str]:
+    """Statements splitting the flat index `flat` (less than the product of the
+    extents) into loop variables (name, offset prefix, extent), outermost first,
+    through the variable `r`: the outermost is what remains, with no remainder.
+    `decl` declares each name ('' assigns existing ones)."""
+    out = [f"long long {r} = {flat};"]
+    for j in reversed(range(len(loops))):
+        name, lo, n = loops[j]
+        out.append(f"{decl}{name} = {lo}{r}{f' % {n}; {r} /= {n};' if j else ';'}")
     return out
 
 

@@ -14,6 +14,8 @@ class CudaOptions:
     warp_rows: int = 256      # a row group whose rows have at most this many elements runs a warp per row (else a block)
     graphs: bool = True       # on a GPU, a call without id checks is captured once as a CUDA graph and replayed
     row_regs: int = 8         # a row group keeps up to this many of a row's elements per thread in registers
+    column_tiles: bool = True  # a column sum of at least row_min rows runs as column tiles (else one block per output)
+    inline_elementwise: bool = True   # the `inline_elementwise` stage: an elementwise temporary computed where read
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
 
     def with_(self, **changes) -> "CudaOptions":

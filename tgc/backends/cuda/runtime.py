@@ -654,6 +654,9 @@ class CudaKernels(Kernels):
             dt = dev.np_type(buf.dtype)
             start = offsets[buf.slot]
             temps[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
+        cols = [self._col_chunks(x, env) for x in self._cm.launches]
+        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
+            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
         b = _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
         b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
@@ -690,16 +693,41 @@ class CudaKernels(Kernels):
                 warp = inner <= self.options.cuda.warp_rows
                 name, row = (x.warp, "warp") if warp else (x.name, True)
             else:
+                chunks, _ = self._col_chunks(x, env)
+                if chunks:   # a column sum: tiles of columns, partials per chunk of rows, added in order
+                    names = x.bufs + (codegen.COL_SCRATCH,)
+                    blocks = -(-total // codegen.COL_TILE) * chunks    # one per (tile, chunk)
+                    steps.append((x.index, dev.launcher(x.col, blocks, True, b.dims, b.err, names)))
+                    if chunks > 1:
+                        steps.append((x.index, dev.launcher(x.col_sum, total, False, b.dims, b.err, names)))
+                    continue
                 row = False
                 if x.row:
-                    red = 1
-                    for s in x.red:
-                        red *= size_eval(s, env)
-                    row = red >= self.options.cuda.row_min
+                    row = self._reduced(x, env) >= self.options.cuda.row_min
                 name = x.row if row else x.name
             steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs)))
         b.checks = sum(1 for index, _ in steps if index == -1)   # the first steps
         b.steps = steps
+
+    @staticmethod
+    def _reduced(x: codegen.Launch, env: dict) -> int:
+        """The reduced points per output of a reduction's launch."""
+        red = 1
+        for s in x.red:
+            red *= size_eval(s, env)
+        return red
+
+    def _col_chunks(self, x: codegen.Launch, env: dict) -> tuple[int, int]:
+        """(chunks, scratch doubles) of a launch that runs as a column sum with these
+        dims (its reductions over at least `CudaOptions.row_min` points per output,
+        as for the one-block-per-output variant it replaces; `CudaOptions.column_tiles`), else (0, 0)."""
+        if not x.col or not self.options.cuda.column_tiles or self._reduced(x, env) < self.options.cuda.row_min:
+            return 0, 0
+        ncols = 1
+        for s in x.total:
+            ncols *= size_eval(s, env)
+        chunks = codegen.col_chunks(self._reduced(x, env), ncols)
+        return chunks, (chunks * ncols if chunks > 1 else 0)
 
     def _gemm_step(self, k, bufs: dict, env: dict):
         """GEMM cell `k` as a step `fn(bufs)` for this binding (its strided batched

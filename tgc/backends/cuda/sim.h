@@ -104,8 +104,9 @@ static inline float atomicAdd(float* p, float v) { return tgc_sim_atomic_fadd<fl
 static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd<double, unsigned long long>(p, v); }
 
 // what ran (tests read them through tgc_sim_counters): 0 float4 loops, 1 row-group rows
-// held in registers, 2 row-group rows read from memory; TGC_SIM_COUNT is empty for nvcc
-static long long tgc_sim_counts[4];
+// held in registers, 2 row-group rows read from memory, 3 column-sum tiles read with
+// float4 loads, 4 column-sum tiles read per element; TGC_SIM_COUNT is empty for nvcc
+static long long tgc_sim_counts[8];
 extern "C" long long* tgc_sim_counters() { return tgc_sim_counts; }
 #define TGC_SIM_COUNT(i) __atomic_fetch_add(&tgc_sim_counts[i], 1, __ATOMIC_RELAXED)
 

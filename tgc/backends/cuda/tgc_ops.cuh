@@ -187,6 +187,21 @@ TGC_DEV bool tgc_aligned8(const void* p) { return ((unsigned long long)p & 7ULL)
 TGC_DEV long long max_ll(long long a, long long b) { return a > b ? a : b; }
 TGC_DEV long long min_ll(long long a, long long b) { return a < b ? a : b; }
 
+// Column reductions (codegen's `col` kernels: out[c] = sum over rows of x[row, c]):
+// a block takes a tile of TGC_COL_TILE neighbouring columns and one chunk of the
+// rows; its partials are combined over the chunks in chunk order. The number of
+// chunks is a function of the sizes alone (codegen.col_chunks is the same formula),
+// so the order of every addition, and the result, is the same on every run.
+#define TGC_COL_TILE 128LL
+#define TGC_COL_ROWS 64LL       // at least this many rows per chunk
+#define TGC_COL_BLOCKS 1024LL   // about this many blocks (tiles x chunks) when the rows allow
+TGC_DEV long long tgc_col_chunks(long long nred, long long tiles) {
+    const long long by_rows = (nred + TGC_COL_ROWS - 1) / TGC_COL_ROWS;
+    const long long by_blocks = (TGC_COL_BLOCKS + tiles - 1) / (tiles > 0 ? tiles : 1LL);
+    const long long c = by_rows < by_blocks ? by_rows : by_blocks;
+    return c < 1 ? 1LL : c;
+}
+
 // A segment max/min's combine (a scatter with reduce max or min): compare-and-swap
 // on the element's bits until it holds the extreme. `!(v <= cur)` takes v where it is
 // larger or NaN, and a NaN already stored is kept: NaN propagates whatever the order
