@@ -43,7 +43,7 @@ from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.dtypes import LOW_FLOATS, ROUNDINGS
 from tgc.ir.verify import verify
-from tgc.lower.lowered import Lowered, print_lowered
+from tgc.lower.lowered import Lowered, StepLoop, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
 from tgc.registry import LOWERING, PASSES, pipeline, stages as stage_list
@@ -287,7 +287,7 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
             emit(f"IR before {name}", _text(ir, options))
         before = _size(ir) if options.time_passes or options.stats else 0
         start = time.perf_counter()
-        ir = p.run(ir, options)
+        ir = _run_one(p, ir, options)
         seconds = time.perf_counter() - start
         if isinstance(ir, Module):
             try:
@@ -311,6 +311,17 @@ def run_passes(ir, specs: tuple[str, ...], options: Options, emit: Emit | None =
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", _text(ir, options))
     return ir
+
+
+def _run_one(p, ir, options: Options):
+    """Pass `p` on `ir`; a lowering stage on a lowered program runs on every loop's step
+    first (innermost first: `plan` gives the enclosing program the steps' slots)."""
+    if p.takes == "lowered" and any(isinstance(k, StepLoop) for k in ir.kernels):
+        from dataclasses import replace
+
+        ir = replace(ir, kernels=[replace(k, step=_run_one(p, k.step, options)) if isinstance(k, StepLoop) else k
+                                  for k in ir.kernels])
+    return p.run(ir, options)
 
 
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:
