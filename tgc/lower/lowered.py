@@ -547,10 +547,9 @@ class StepLoop:
         way = "reverse " if self.reverse else ""
         head = (f"steps {way}over {self.edge} < {size_str(self.trip)} carries {self.carries}"
                 f" args({', '.join(map(str, self.args))}) outs({', '.join(map(str, self.outs))})"
-                f" slots from {self.slot_base} {{")
+                f" slots from {self.slot_base} {{" + (f"    # {self.note}" if self.note else ""))
         inner = print_lowered(self.step).rstrip("\n").split("\n")
-        return "\n".join([head] + ["    " + line if line else "" for line in inner] + ["  }"]) + \
-            (f"    # {self.note}" if self.note else "")
+        return "\n".join([head] + ["    " + line if line else "" for line in inner] + ["  }"])
 
 
 def step_loops(low: "Lowered"):
