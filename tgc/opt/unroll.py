@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgc.ir import values as V
+from tgc.ir.diag import CompileError
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
@@ -144,8 +145,22 @@ class Unroll(Pass):
 
     def run(self, module: Module, options: Options) -> Module:
         limit = None if self.all else options.unroll_max_ops
-        if not fixed_loops(module, limit):
-            return module
-        from tgc.opt.rewrite import rewrite
+        if fixed_loops(module, limit):
+            from tgc.opt.rewrite import rewrite
 
-        return rewrite(unroll(module, limit), {}, options)
+            module = rewrite(unroll(module, limit), {}, options)
+        if self.all:
+            check_no_loops(module)
+        return module
+
+
+def check_no_loops(module: Module) -> None:
+    """A located error for a loop left for a backend that runs no loops: its trip count
+    is symbolic, and only a size given at build time unrolls it."""
+    for v in module.values():
+        if v.op == "loop":
+            edge = v.attrs[1]
+            dim = module.edges[edge]
+            raise CompileError(f"a loop over '{edge}', whose size is symbolic, runs on this backend only "
+                               f"unrolled, which needs its size when it is built "
+                               f"(dims={{'{dim}': N}} in tgc.compile, --dim {dim}=N on the command line)", v.loc)
