@@ -1,0 +1,189 @@
+"""Loops in the lowered program (`StepLoop`, tgc.lower.steps): the text form and its
+reading back, the verifier, the lowered interpreter and the CPU backend against the IR
+interpreter for `repeat`, `scan` and their derivatives, symbolic trip counts, and the
+unroll cost model (`Options.unroll_max_ops`)."""
+import numpy as np
+import pytest
+
+import tgc
+from tgc.ir.interp import evaluate
+from tgc.lower.interp import run_lowered
+from tgc.lower.lowered import StepLoop, print_lowered, step_loops
+from tgc.lower.text import parse_lowered
+from tgc.options import Options
+from tgc.pipeline import compile_module, lower_module
+
+from test_loops import inputs, module, program
+
+LOOPS = Options(dtype="f64", unroll_max_ops=0)   # every loop stays a loop
+
+
+def lowered(n, symbolic=False, stop_after="plan", **opts):
+    m = module(program(n, symbolic=symbolic), unroll_max_ops=0)
+    return m, lower_module(m, LOOPS.with_(**opts), "cpu", stop_after=stop_after)
+
+
+def close(got, want):
+    assert set(want) <= set(got)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_lowered_interpreter_runs_loops_and_their_derivatives(n):
+    m, low = lowered(n)
+    assert any(isinstance(k, StepLoop) for k in low.kernels)
+    ins = inputs(n)
+    want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+    close(run_lowered(low, {k: a.copy() for k, a in ins.items()}), want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_cpu_runs_loops_and_their_derivatives(n):
+    m, _ = lowered(n)
+    ins = inputs(n)
+    want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+    prog = compile_module(m, LOOPS, "cpu")
+    assert any(isinstance(k, StepLoop) for k in prog.lowered.kernels)
+    close(prog.run({k: a.copy() for k, a in ins.items()}), want)
+
+
+def test_one_program_serves_any_depth():
+    """A symbolic trip count: one compiled program, the depth read from the inputs."""
+    m, low = lowered(2, symbolic=True)
+    prog = compile_module(m, LOOPS, "cpu")
+    for n in (1, 3, 6):
+        ins = inputs(n, seed=n)
+        want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+        close(prog.run({k: a.copy() for k, a in ins.items()}), want)
+        close(run_lowered(low, {k: a.copy() for k, a in ins.items()}), want)
+
+
+def test_code_does_not_grow_with_the_trip_count():
+    def shape(n):
+        _, low = lowered(n)
+        return [type(k).__name__ for k in low.kernels], sum(len(l.step.kernels) for _, l in step_loops(low))
+
+    assert shape(2) == shape(12)
+
+
+@pytest.mark.parametrize("stage", ["fuse", "layout", "group", "plan"])
+def test_loops_read_back_after_every_stage(stage):
+    m, low = lowered(3, stop_after=stage)
+    text = print_lowered(low)
+    back = parse_lowered(text)
+    assert print_lowered(back) == text
+    if stage == "plan":
+        ins = inputs(3)
+        want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+        close(run_lowered(back, {k: a.copy() for k, a in ins.items()}), want)
+
+
+SMALL = """\
+dim layer = 4, c = 3
+input x[c]
+param w[layer, c]
+fn cell(h, w) = tanh(h * w)
+out y = repeat[layer](cell, x, w)
+out hs = scan[layer](cell, x, w)
+"""
+
+GOLDEN = """\
+// lowered after fuse (f64)
+buffer %x : f64[c] arg 0 order [c]
+buffer %w : f64[c, layer] arg 1 order [layer, c]
+buffer %c2 : f64[c] temp order [c]
+buffer %n3 : f64[c] temp order [c]
+buffer %c4 : f64[c] temp order [c]
+buffer %n5 : f64[c] temp order [c]
+buffer %y6 : f64[c, layer] temp order [layer, c]
+buffer %y : f64[c] out 0 order [c]
+buffer %hs : f64[c, layer] out 1 order [layer, c]
+
+k0: loop %c2[c] = %x[c]
+      for c < 3    # copy
+k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3) slots from 0 {    # repeat
+    // lowered after fuse (f64)
+    buffer %p0 : f64[c] arg 0 order [c]
+    buffer %p1 : f64[c] arg 1 order [c]
+    buffer %r0 : f64[c] out 0 order [c]
+
+    k0: loop %r0[c] = tanh(mul(%p0[c], %p1[c]))
+          for c < 3
+
+    module {
+    dim layer = 4
+    dim c = 3
+    input p0 : f64[c]
+    input p1 : f64[c]
+
+    %0 = contract %p0, %p1 : f64[c]
+    %1 = map[tanh] %0 : f64[c]
+
+    out r0 = %1 : [c]
+    }
+  }
+k2: loop %c4[c] = %x[c]
+      for c < 3    # copy
+k3: steps over layer < 4 carries 1 args(%c4, %w[i]) outs(%n5, %y6[i]) slots from 0 {    # scan
+    // lowered after fuse (f64)
+    buffer %p0 : f64[c] arg 0 order [c]
+    buffer %p1 : f64[c] arg 1 order [c]
+    buffer %r0 : f64[c] out 0 order [c]
+    buffer %r1 : f64[c] out 1 order [c]
+
+    k0: loop %r0[c] = tanh(mul(%p0[c], %p1[c]))
+          for c < 3
+    k1: loop %r1[c] = %r0[c]
+          for c < 3    # copy
+
+    module {
+    dim layer = 4
+    dim c = 3
+    input p0 : f64[c]
+    input p1 : f64[c]
+
+    %0 = contract %p0, %p1 : f64[c]
+    %1 = map[tanh] %0 : f64[c]
+
+    out r0 = %1 : [c]
+    out r1 = %1 : [c]
+    }
+  }
+k4: loop %y[c] = %c2[c]
+      for c < 3    # copy
+k5: loop %hs[c, layer] = %y6[c, layer]
+      for c < 3, layer < 4    # copy
+"""
+
+
+def test_golden_text_of_a_loop():
+    options = LOOPS.with_(dtype="f64")
+    m = module(SMALL, unroll_max_ops=0)
+    low = lower_module(m, options, "cpu", stop_after="fuse")
+    assert print_lowered(low, module=False) == GOLDEN
+    ins = {"x": np.array([0.3, -0.5, 0.9]), "w": np.linspace(-1, 1, 12).reshape(4, 3)}
+    prog = compile_module(m, options, "cpu")
+    close(prog.run(dict(ins)), evaluate(m, dict(ins), dtype="f64"))
+
+
+def test_verifier_rejects_a_slice_of_an_unstacked_buffer():
+    _, low = lowered(2, stop_after="fuse")
+    text = print_lowered(low)
+    head = next(line for line in text.splitlines() if " steps " in line and "[i]" in line)
+    broken = text.replace(head, head.replace("[i]", "", 1), 1)
+    with pytest.raises(tgc.CompileError, match=r"bound to '%\w+' \[[^]]*\], not \["):
+        parse_lowered(broken, "broken.tgl")
+
+
+def test_a_short_loop_is_unrolled_and_a_long_one_is_not():
+    def loops(**opts):
+        m = module(program(3), **opts)
+        return sum(1 for v in m.values() if v.op == "loop")
+
+    assert loops() == 0                       # 3 steps of a small cell: under the default limit
+    assert loops(unroll_max_ops=0) > 0        # kept: the backend runs the loop
+    src = SMALL
+    options = Options(dtype="f64")
+    prog = tgc.compile(src, dtype="f64", options=options.with_(unroll_max_ops=0))
+    assert any(isinstance(k, StepLoop) for k in prog.lowered.kernels)
