@@ -94,38 +94,13 @@ buffer %x : f64[c] arg 0 order [c]
 buffer %w : f64[c, layer] arg 1 order [layer, c]
 buffer %c2 : f64[c] temp order [c]
 buffer %n3 : f64[c] temp order [c]
-buffer %c4 : f64[c] temp order [c]
-buffer %n5 : f64[c] temp order [c]
-buffer %y6 : f64[c, layer] temp order [layer, c]
+buffer %y4 : f64[c, layer] temp order [layer, c]
 buffer %y : f64[c] out 0 order [c]
 buffer %hs : f64[c, layer] out 1 order [layer, c]
 
 k0: loop %c2[c] = %x[c]
       for c < 3    # copy
-k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3) slots from 0 {    # repeat
-    // lowered after fuse (f64)
-    buffer %p0 : f64[c] arg 0 order [c]
-    buffer %p1 : f64[c] arg 1 order [c]
-    buffer %r0 : f64[c] out 0 order [c]
-
-    k0: loop %r0[c] = tanh(mul(%p0[c], %p1[c]))
-          for c < 3
-
-    module {
-    dim layer = 4
-    dim c = 3
-    input p0 : f64[c]
-    input p1 : f64[c]
-
-    %0 = contract %p0, %p1 : f64[c]
-    %1 = map[tanh] %0 : f64[c]
-
-    out r0 = %1 : [c]
-    }
-  }
-k2: loop %c4[c] = %x[c]
-      for c < 3    # copy
-k3: steps over layer < 4 carries 1 args(%c4, %w[i]) outs(%n5, %y6[i]) slots from 0 {    # scan
+k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3, %y4[i]) slots from 0 {    # scan
     // lowered after fuse (f64)
     buffer %p0 : f64[c] arg 0 order [c]
     buffer %p1 : f64[c] arg 1 order [c]
@@ -150,9 +125,9 @@ k3: steps over layer < 4 carries 1 args(%c4, %w[i]) outs(%n5, %y6[i]) slots from
     out r1 = %1 : [c]
     }
   }
-k4: loop %y[c] = %c2[c]
+k2: loop %y[c] = %c2[c]
       for c < 3    # copy
-k5: loop %hs[c, layer] = %y6[c, layer]
+k3: loop %hs[c, layer] = %y4[c, layer]
       for c < 3, layer < 4    # copy
 """
 
@@ -177,13 +152,19 @@ def test_verifier_rejects_a_slice_of_an_unstacked_buffer():
 
 
 def test_a_short_loop_is_unrolled_and_a_long_one_is_not():
-    def loops(**opts):
-        m = module(program(3), **opts)
-        return sum(1 for v in m.values() if v.op == "loop")
+    """The cost model: n steps of s ops are unrolled when n * s <= unroll_max_ops."""
+    from tgc.frontend.elaborate import elaborate_source
+    from tgc.opt.unroll import step_ops
 
-    assert loops() == 0                       # 3 steps of a small cell: under the default limit
-    assert loops(unroll_max_ops=0) > 0        # kept: the backend runs the loop
-    src = SMALL
-    options = Options(dtype="f64")
-    prog = tgc.compile(src, dtype="f64", options=options.with_(unroll_max_ops=0))
+    raw = elaborate_source(SMALL, "<test>", Options(dtype="f64")).module
+    n_ops = max(4 * step_ops(v) for v in raw.values() if v.op == "loop")
+
+    def loops(limit):
+        return sum(1 for v in module(SMALL, unroll_max_ops=limit).values() if v.op == "loop")
+
+    assert loops(64) == 0 and loops(n_ops) == 0   # 4 steps of a 2-op cell: unrolled by default
+    assert loops(n_ops - 1) > 0 and loops(0) > 0  # kept: the backend runs the loop
+    prog = tgc.compile(SMALL, dtype="f64", options=Options(unroll_max_ops=0))
     assert any(isinstance(k, StepLoop) for k in prog.lowered.kernels)
+    ins = {"x": np.array([0.3, -0.5, 0.9]), "w": np.linspace(-1, 1, 12).reshape(4, 3)}
+    close(prog(**ins), tgc.compile(SMALL, dtype="f64")(**ins))

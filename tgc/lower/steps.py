@@ -53,7 +53,29 @@ class StepLowering:
         for v in fuser.values:
             if v.op == "loop":
                 self.groups.setdefault(loop_key(v), []).append(v)
+        self.merge_extended()
+        self.group_of = {id(v): key for key, vs in self.groups.items() for v in vs}
         self.plans: dict[tuple, dict] = {}
+        self.emitted: set[tuple] = set()
+
+    def merge_extended(self) -> None:
+        """A loop whose body another loop of the same operands extends (the same
+        parameters and carries, the same first results, more stacked ones: the forward
+        loop reverse mode builds to keep a `repeat`'s carries) runs once: the shorter
+        loop's outputs are the longer one's."""
+        for key, vs in list(self.groups.items()):
+            body = vs[0].attrs[0]
+            for other, ws in self.groups.items():
+                o = ws[0].attrs[0]
+                if other is key or other[1:] != key[1:] or o is body or len(o.results) <= len(body.results) \
+                        or (o.carries, o.slices) != (body.carries, body.slices) \
+                        or len(o.params) != len(body.params) \
+                        or any(p is not q for p, q in zip(o.params, body.params)) \
+                        or any(r is not q for r, q in zip(o.results, body.results)):
+                    continue
+                ws.extend(vs)
+                del self.groups[key]
+                break
 
     def prepare(self) -> None:
         """Buffers for every loop's results; the loop values are materialized there."""
@@ -125,10 +147,12 @@ class StepLowering:
         return Module(dict(m.dims), dict(m.edges), args, outputs)
 
     def kernels(self, v: Value) -> list:
-        """The kernels of `v`'s loop (its copies in, the loop), at its first output."""
-        key = loop_key(v)
-        if v is not self.groups[key][0]:
+        """The kernels of `v`'s loop (its copies in, the loop), at the first of its
+        outputs that the partition reaches."""
+        key = self.group_of[id(v)]
+        if key in self.emitted:
             return []
+        self.emitted.add(key)
         from tgc.lower.fuse import _Fuser
 
         plan = self.plans[key]
