@@ -47,7 +47,7 @@ evaluated there: its loads may be out of range).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence, Union
+from typing import ClassVar, Mapping, Sequence, Union
 
 from tgc.ir.dtypes import itemsize
 from tgc.ir.module import Module
@@ -513,6 +513,7 @@ class Bind:
 
 @dataclass
 class StepLoop:
+    kind: ClassVar[str] = "steps"   # what `tgc explain` calls it
     edge: str                       # the loop edge (its stacked buffers' outermost axis)
     trip: Size                      # how many steps
     reverse: bool                   # steps run for i = trip - 1, ..., 0
@@ -540,8 +541,16 @@ class StepLoop:
     def can_retarget(self, low: "Lowered", target: str, tmp: str) -> bool:
         return False
 
-    def step_slot(self, s: int) -> int:
-        return self.slot_base + s
+    def flops(self, extent, edge_size) -> int:
+        """Every step's FLOPs (`tgc.lower.cost`): the step's edges lowering made have sizes
+        of their own."""
+        from tgc.lower.cost import kernel_flops
+
+        def size(e: str) -> int:
+            own = self.step.edges.get(e)
+            return own if isinstance(own, int) else edge_size(e)
+
+        return edge_size(self.edge) * sum(kernel_flops(k, extent, size) for k in self.step.kernels)
 
     def text(self) -> str:
         way = "reverse " if self.reverse else ""

@@ -14,9 +14,11 @@ at them:
   own): a copy kernel fills `C` with the initial value first, and `C` holds the
   loop's result at the end;
 - each stacked operand a buffer with the loop edge outermost (step i reads the
-  slice at offset i); an argument of the program stored that way is bound as it
-  is, any other operand is copied in first;
-- each loop-invariant operand: an argument of the program as it is, else a copy;
+  slice at offset i); an argument of the program stored that way, or another
+  loop's result (stored so: the carries a forward loop keeps for the backward one),
+  is bound as it is, any other operand is copied in first;
+- each loop-invariant operand: an argument of the program or another loop's result
+  as it is, else a copy;
 - each stacked result a buffer with the loop edge outermost, step i writing its
   slice.
 
@@ -104,13 +106,18 @@ class StepLowering:
             role = body.role(k)
             dtype = self.f.dtype_of(p)
             inner = self.order(p.edges)
+            order = ((edge,) + inner) if role == "slice" else inner
             if o.op == "arg" and role != "carry":
                 have = self.f.m.args[o.attrs[0]].order
                 if role == "invariant" or (have and have[0] == edge):
                     args.append(Bind(o.attrs[0], role == "slice"))
                     arg_orders.append(tuple(have[1:]) if role == "slice" else tuple(have))
                     continue
-            order = ((edge,) + inner) if role == "slice" else inner
+            held = self.f.mat.get(id(o))
+            if role != "carry" and held is not None and self.f.low.buffers[held].order == order:
+                args.append(Bind(held, role == "slice"))   # another loop's result, stored as this one reads it
+                arg_orders.append(inner)
+                continue
             buf = self.temp("c" if role == "carry" else "s" if role == "slice" else "w", dtype, order)
             copies.append((buf, o))
             args.append(Bind(buf, role == "slice"))
