@@ -38,6 +38,9 @@ reductions reads its inputs once:
   into loop bounds. A reduction with a single elementwise consumer of the same edges
   becomes that kernel's `epilogue`.
 - Scatters: zero the output, then add each element at its gathered position.
+- Loops over an edge (`loop` values, `repeat`/`scan` and their derivatives) become
+  `StepLoop`s (`tgc.lower.steps`): the body is lowered as a program of its own, and
+  the loop's operands and results are buffers, so fusion stops at the loop.
 - Random draws (`random`) are leaves like indicators: a `Rand` computed from the
   loop indices (its counter, the row-major index over its own edges) and the key,
   so a draw fused into any kernel, in any loop order, has the same value.

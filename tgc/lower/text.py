@@ -7,6 +7,10 @@ made, buffer declarations, workspace slots, id checks, the kernels (`k0: ...`), 
 `--verify-each` compares a lowering stage with). The rest is parsed by lark's LALR
 parser over `lowered.lark`; a tree walk then builds the kernels.
 
+A loop's step (`StepLoop`) is a whole program, written as the block indented under
+its `steps ... {` line and closed by the line `  }`; it is taken out and read as a
+program (its lines keep their numbers) before the grammar sees the rest.
+
 An index is written without its buffer edges (`%x[b, i + 1]`): they are the buffer's
 declared edges (sorted), or a group register's (`reg %t3[rows]`). So the walk reads
 declarations first, then kernels. `parse_lowered(print_lowered(low))` equals `low`
