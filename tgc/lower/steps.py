@@ -145,8 +145,9 @@ class StepLowering:
         memo: dict[int, Value] = {}
         for k, (p, order) in enumerate(zip(body.params, arg_orders)):
             name = f"p{k}"
-            args[name] = Arg(name, "input", p.dtype, order)
-            memo[id(p)] = V.arg(name, p.dtype, p.edges)
+            held = p.dtype if p.dtype in ("i32", self.f.opt.dtype) else self.f.opt.dtype   # a bf16 value: in floats
+            args[name] = Arg(name, "input", held, order)
+            memo[id(p)] = V.convert(V.arg(name, held, p.edges), p.dtype)
         for u in topo_order(list(body.results)):
             if id(u) not in memo:
                 memo[id(u)] = rebuild_same(u, tuple(memo[id(o)] for o in u.operands))

@@ -210,6 +210,11 @@ class _Verifier:
                 if buf.edges != tuple(sorted(want)):
                     raise self.fail(f"the loop's {what} {j} is bound to '%{b.buf}' [{', '.join(buf.edges)}], "
                                     f"not [{', '.join(sorted(want))}]")
+                held = step.buffers.get(list(step.module.args)[j] if what == "argument" else "", None)
+                if what == "output":
+                    held = next((x for x in step.buffers.values() if x.kind == "out" and x.index == j), None)
+                if held is not None and held.dtype != buf.dtype:
+                    raise self.fail(f"the loop's {what} {j} is {held.dtype}, bound to '%{b.buf}' of type {buf.dtype}")
                 if buf.order is not None and low.stage != "fuse" and buf.order != want:
                     raise self.fail(f"the loop's {what} {j} is bound to '%{b.buf}' in order "
                                     f"[{', '.join(buf.order)}], not [{', '.join(want)}]")
