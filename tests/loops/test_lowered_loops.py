@@ -168,3 +168,13 @@ def test_a_short_loop_is_unrolled_and_a_long_one_is_not():
     assert any(isinstance(k, StepLoop) for k in prog.lowered.kernels)
     ins = {"x": np.array([0.3, -0.5, 0.9]), "w": np.linspace(-1, 1, 12).reshape(4, 3)}
     close(prog(**ins), tgc.compile(SMALL, dtype="f64")(**ins))
+
+
+def test_autocast_loop_agrees_with_the_unrolled_program():
+    """bf16 matrix products inside a step: the loop's buffers stay in the float type."""
+    ins = {k: a.astype(np.float32) for k, a in inputs(3).items()}
+    src = program(3)
+    got, want = (tgc.compile(src, dtype="f32", options=Options(autocast="bf16", unroll_max_ops=limit))(**ins)
+                 for limit in (0, 10**9))
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-2, atol=2e-2, err_msg=k)
