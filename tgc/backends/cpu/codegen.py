@@ -46,7 +46,11 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         (`kernels.from_object`).
 
 Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
-program is generated in several units (`generate_units`). A kernel whose outermost
+program is generated in several units (`generate_units`). A loop over an edge
+(`StepLoop`) is an LLVM loop in `tgc_run` around the calls of its step's kernels,
+which are compiled once like any other (`leaf_kernels`): the stacked buffers'
+pointers advance by the step's offset, each carry's new value is copied into the
+carry after the step, and the step's temporaries are in its own workspace slots. A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
 its work (iterations x op weight, known only at run time) reaches
 `options.cpu.parallel_min_work`.
@@ -403,12 +407,12 @@ class _ModuleGen:
             for sk in step.kernels:
                 self.call_kernel(f, sk, sub, inner, ws, offsets, base)
             for c in range(k.carries):
-                buf = self.low_buffer(step, k, c)
+                buf = self.carry_buffer(step, c)
                 nbytes = b.mul(f.count(buf.edges), I64(itemsize(buf.dtype)))
                 b.call(self.memcpy(), [ptrs[k.args[c].buf], ptrs[k.outs[c].buf], nbytes, ir.IntType(1)(0)])
 
     @staticmethod
-    def low_buffer(step: Lowered, k: StepLoop, c: int):
+    def carry_buffer(step: Lowered, c: int):
         """The step's argument buffer of carry `c`."""
         return step.buffers[list(step.module.args)[c]]
 
