@@ -178,3 +178,21 @@ def test_autocast_loop_agrees_with_the_unrolled_program():
                  for limit in (0, 10**9))
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=2e-2, atol=2e-2, err_msg=k)
+
+
+def test_a_loop_inside_a_step_runs_as_nested_loops():
+    from test_loops import NESTED, run
+
+    loops = NESTED.format(inner="repeat[sub](inner, h, w)", outer="repeat[layer](outer, x, w)")
+    plain = NESTED.format(inner="inner(inner(inner(h, w[sub = 0]), w[sub = 1]), w[sub = 2])",
+                          outer="outer(outer(x, w[layer = 0]), w[layer = 1])")
+    rng = np.random.default_rng(3)
+    ins = {"x": rng.standard_normal(3), "w": rng.standard_normal((2, 3, 3))}
+    want = run(plain, ins)
+    m = module(loops, unroll_max_ops=0)
+    low = lower_module(m, LOOPS, "cpu")
+    nested = [l for p, l in step_loops(low) if p is not low]
+    assert nested, "a loop inside a step"
+    assert print_lowered(parse_lowered(print_lowered(low))) == print_lowered(low)
+    close(run_lowered(low, {k: a.copy() for k, a in ins.items()}), want)
+    close(compile_module(m, LOOPS, "cpu").run({k: a.copy() for k, a in ins.items()}), want)
