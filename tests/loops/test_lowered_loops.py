@@ -196,3 +196,32 @@ def test_a_loop_inside_a_step_runs_as_nested_loops():
     assert print_lowered(parse_lowered(print_lowered(low))) == print_lowered(low)
     close(run_lowered(low, {k: a.copy() for k, a in ins.items()}), want)
     close(compile_module(m, LOOPS, "cpu").run({k: a.copy() for k, a in ins.items()}), want)
+
+
+@pytest.mark.parametrize("seed", [5, 15, 26, 27])
+def test_fuzzed_loops_run_as_loops_on_the_cpu(seed):
+    """The fuzzer's programs with repeat/scan (the first seeds that have one), every loop
+    kept: the CPU against the IR interpreter (seeds whose loops the optimizer keeps)."""
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from fuzz.gen import generate
+    from tgc.frontend import compile_source
+    from tgc.ir.inputs import random_inputs
+    from tgc.pipeline import lower
+
+    prog = generate(seed)
+    text = prog.render()
+    assert "repeat[" in text or "scan[" in text
+    m = lower(compile_source(text, "<fuzz>", LOOPS), LOOPS).module
+    assert any(v.op == "loop" for v in m.values())
+    dims = dict(prog.bind)
+    env = m.bind_dims(dims) if dims else {d: s for d, s in m.dims.items() if isinstance(s, int)}
+    ins = random_inputs(m, env, seed)
+    want = evaluate(m, {k: v.copy() for k, v in ins.items()}, dtype="f64", dims=dims)
+    got = compile_module(m, LOOPS, "cpu").run({k: v.copy() for k, v in ins.items()}, dims or None)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-8, atol=1e-10, err_msg=k)
