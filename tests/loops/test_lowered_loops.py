@@ -225,3 +225,31 @@ def test_fuzzed_loops_run_as_loops_on_the_cpu(seed):
     got = compile_module(m, LOOPS, "cpu").run({k: v.copy() for k, v in ins.items()}, dims or None)
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-8, atol=1e-10, err_msg=k)
+
+
+ATTENTION = """\
+dim layer = 3, b = 4, t = 5, s = t, c = 32, c2 = c
+input x[b, t, c]
+param wq[layer, c, c2], wk[layer, c, c2]
+fn block(h, wq, wk) {
+  p = softmax[s](dot[c2](h @ wq, (h @ wk)[t -> s]))
+  return sum[s](p * h[t -> s])
+}
+y = repeat[layer](block, x, wq, wk)
+out loss = sum(y * y)
+"""
+
+
+def test_a_steps_matrix_products_are_pairwise():
+    """A kept loop's body has its contractions ordered as the program's are (`factor`):
+    the attention scores are products of two factors over one summed edge each (GEMMs
+    at sizes BLAS takes), not one 4-factor sum over c, c2 and c.1."""
+    from tgc.lower.lowered import LoopKernel
+
+    m = module(ATTENTION, unroll_max_ops=0)
+    low = lower_module(m, LOOPS, "cpu", stop_after="fuse")
+    steps = [l.step for _, l in step_loops(low)]
+    assert steps
+    for s in steps:
+        assert all(len(k.red) <= 1 for k in s.kernels if isinstance(k, LoopKernel)), \
+            [k.text().splitlines()[0] for k in s.kernels]
