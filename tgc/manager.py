@@ -45,7 +45,7 @@ from tgc.ir.printer import print_module
 from tgc.ir.values import DERIVATIVE_OPS
 from tgc.ir.dtypes import LOW_FLOATS, ROUNDINGS
 from tgc.ir.verify import verify
-from tgc.lower.lowered import Lowered, print_lowered
+from tgc.lower.lowered import Lowered, StepLoop, print_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
 from tgc.registry import LOWERING, PASSES, PREPARE, pipeline, stages as stage_list, target as target_passes
@@ -300,7 +300,7 @@ def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
         before = _size(ir) if options.time_passes or options.stats else 0
         start = time.perf_counter()
         dtype = p.float_type(options)
-        ir = p.run(ir, options)
+        ir = _run_one(p, ir, options)
         seconds = time.perf_counter() - start
         if dtype != options.dtype:
             options = options.with_(dtype=dtype)
@@ -326,6 +326,17 @@ def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
         if emit and (options.print_ir_after_all or name in options.print_ir_after):
             emit(f"IR after {name}", _text(ir, options))
     return ir, options
+
+
+def _run_one(p, ir, options: Options):
+    """Pass `p` on `ir`; a lowering stage on a lowered program runs on every loop's step
+    first (innermost first: `plan` gives the enclosing program the steps' slots)."""
+    if p.takes == "lowered" and any(isinstance(k, StepLoop) for k in ir.kernels):
+        from dataclasses import replace
+
+        ir = replace(ir, kernels=[replace(k, step=_run_one(p, k.step, options)) if isinstance(k, StepLoop) else k
+                                  for k in ir.kernels])
+    return p.run(ir, options)
 
 
 def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> PipelineResult:

@@ -38,6 +38,9 @@ reductions reads its inputs once:
   into loop bounds. A reduction with a single elementwise consumer of the same edges
   becomes that kernel's `epilogue`.
 - Scatters: zero the output, then add each element at its gathered position.
+- Loops over an edge (`loop` values, `repeat`/`scan` and their derivatives) become
+  `StepLoop`s (`tgc.lower.steps`): the body is lowered as a program of its own, and
+  the loop's operands and results are buffers, so fusion stops at the loop.
 - Random draws (`random`) are leaves like indicators: a `Rand` computed from the
   loop indices (its counter, the row-major index over its own edges) and the key,
   so a draw fused into any kernel, in any loop order, has the same value.
@@ -65,6 +68,7 @@ from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower import complex_gemm
+from tgc.lower.steps import StepLowering
 from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
 
 ELEMENTWISE = frozenset({"add", "map", "stop"})
@@ -87,20 +91,7 @@ class Fuse(Pass[Module, Lowered]):
     gives = "lowered"
 
     def run(self, module: Module, options: Options) -> Lowered:
-        check_no_loops(module)
         return _Fuser(module, options).lower()
-
-
-def check_no_loops(module: Module) -> None:
-    """A located error for a loop left to lower: the lowered program has no loop form
-    yet, so a loop runs compiled only once `unroll` has its trip count."""
-    for v in module.values():
-        if v.op == "loop":
-            edge = v.attrs[1]
-            dim = module.edges[edge]
-            raise CompileError(f"a loop over '{edge}', whose size is symbolic, runs only in the reference "
-                               f"interpreter for now: compiled code needs its size when it is built "
-                               f"(dims={{'{dim}': N}} in tgc.compile, --dim {dim}=N on the command line)", v.loc)
 
 
 
@@ -170,6 +161,7 @@ class _Fuser:
         self._reduction: dict[int, bool] = {}
         self._cost: dict[int, int] = {}
         self._depth: dict[int, int] = {}   # id(value) -> its inlined expression's depth (inline_depth)
+        self.steps = StepLowering(self)   # loops over an edge: `StepLoop`s (tgc.lower.steps)
 
     # ------------------------------------------------------------ classification
 
@@ -697,13 +689,16 @@ class _Fuser:
         for v in self.values:
             if v.op == "arg":
                 self.mat[id(v)] = v.attrs[0]
+        self.steps.prepare()
         copies = self.homes()
         self.find_shifted_gemms()
         self.find_complex_gemms()
         self.partition()
         again = self.recomputed()
         for v in self.values:
-            if id(v) in self.mat and v.op != "arg":
+            if v.op == "loop":
+                self.low.kernels += self.steps.kernels(v)
+            elif id(v) in self.mat and v.op != "arg":
                 k = self.kernel(v)
                 self.low.kernels.append(replace(k, note="recompute") if id(v) in again and not k.note else k)
         sink_recomputation(self.low.kernels)

@@ -43,7 +43,7 @@ from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, SizeOf, wide_sum)
+                            Map, Mask, Mul, Rand, SizeOf, StepLoop, wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
@@ -104,14 +104,7 @@ class _Machine:
             bad = (ids < 0) | (ids >= n)
             if bad.any():
                 raise EvalError(f"gather id {int(ids[bad].flat[0])} in '{c.buf}' is out of range [0, {n})")
-        with np.errstate(all="ignore"):   # IEEE arithmetic: inf and NaN are values
-            for k in self.low.kernels:
-                if isinstance(k, GemmKernel):
-                    self.gemm(k)
-                elif isinstance(k, LoopKernel):
-                    self.loop(k, {})
-                else:   # a backend's own kind of kernel says how it runs (the CPU's LoopGroup)
-                    k.interpret(self)
+        self.run_kernels()
         m, result = self.low.module, {}
         outs = {b.index: b for b in self.low.buffers.values() if b.kind == "out"}
         for i, o in enumerate(m.outputs):
@@ -121,6 +114,35 @@ class _Machine:
             result[m.update_key(u.target)] = self._in_order(u.target, m.args[u.target].order)
         return {k: v.astype(self.fp) if v.dtype.kind == "V" or v.dtype.itemsize == 2 else v   # bf16/f16 buffers
                 for k, v in result.items()}
+
+    def run_kernels(self) -> None:
+        with np.errstate(all="ignore"):   # IEEE arithmetic: inf and NaN are values
+            for k in self.low.kernels:
+                if isinstance(k, GemmKernel):
+                    self.gemm(k)
+                elif isinstance(k, LoopKernel):
+                    self.loop(k, {})
+                elif isinstance(k, StepLoop):
+                    self.steps(k)
+                else:   # a backend's own kind of kernel says how it runs (the CPU's LoopGroup)
+                    k.interpret(self)
+
+    def steps(self, k: StepLoop) -> None:
+        """The loop: its step, a program of its own, on the bound buffers (a stacked
+        one's slice at the step's index), then the carries' new values copied back."""
+        n = self.eval_size(k.trip)
+        step = k.step
+        outs = {b.index: b.name for b in step.buffers.values() if b.kind == "out"}
+        for i in (range(n - 1, -1, -1) if k.reverse else range(n)):
+            args = {name: self.arrays[b.buf][i] if b.stacked else self.arrays[b.buf]
+                    for name, b in zip(step.module.args, k.args)}
+            inner = _Machine(step, self.env, args)
+            inner.run_kernels()
+            for j, b in enumerate(k.outs):
+                dst = self.arrays[b.buf]
+                (dst[i] if b.stacked else dst)[...] = inner.arrays[outs[j]]
+            for c in range(k.carries):
+                self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
 
     def _in_order(self, name: str, order) -> np.ndarray:
         a, have = self.arrays[name], self.order[name]

@@ -56,7 +56,7 @@ from typing import Sequence
 
 from tgc.ir.complex_io import RI
 from tgc.lower.lowered import (Buffer, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Mask, View, matrix_form, walk)
+                            Mask, StepLoop, View, matrix_form, walk)
 from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass
@@ -95,6 +95,8 @@ def _order_buffers(low: Lowered, guess: int) -> None:
     complex_bufs = {b for k in low.kernels if isinstance(k, GemmKernel) and k.cplx is not None
                     for b in (k.out, k.a.buf, k.b.buf)}
     for k in low.kernels:
+        if isinstance(k, StepLoop):   # a loop's buffers have the orders its step was built for
+            continue
         buf = low.buffers[k.out]
         if buf.order is not None:
             continue

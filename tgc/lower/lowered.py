@@ -26,6 +26,15 @@ Backend-neutral: a program is a list of kernels over named buffers.
   `buffers_read()`, `writes()`, `buffers_used()`, `text()`, and for a kind of its
   own `renamed(mapping)`, `can_retarget(low, target, tmp)` (plan's in-place
   updates) and `interpret(interp)` (the lowered interpreter).
+- A `StepLoop` runs a loop over an edge (`repeat`, `scan`): `step`, a lowered program
+  of its own, compiled once, runs `trip` times (the index i counts down with
+  `reverse`). Each of its arguments and outputs is bound to a buffer of the enclosing
+  program: a stacked one (the loop edge outermost in its order) at offset i times the
+  slice, the others whole. After each step, output k < `carries` (the carry's new
+  value) is copied into the buffer argument k is bound to (the carry); so a step
+  never writes what it reads, and the last step leaves the result in the carry's
+  buffer. The step's temporaries live in the enclosing workspace, from slot
+  `slot_base` on (`plan`).
 - A `Check` makes the program fail (nonzero status, before any write) when an id
   buffer holds a value outside `[0, size)`.
 
@@ -38,7 +47,7 @@ evaluated there: its loads may be out of range).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence, Union
+from typing import ClassVar, Mapping, Sequence, Union
 
 from tgc.ir.dtypes import itemsize
 from tgc.ir.module import Module
@@ -489,6 +498,76 @@ class GemmKernel:
         a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
         scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Bind:
+    """What a step's argument or output is in the enclosing program: buffer `buf`, or,
+    `stacked`, its slice at the step's index along the loop edge (its outermost axis)."""
+    buf: str
+    stacked: bool = False
+
+    def __str__(self) -> str:
+        return f"%{self.buf}" + ("[i]" if self.stacked else "")
+
+
+@dataclass
+class StepLoop:
+    kind: ClassVar[str] = "steps"   # what `tgc explain` calls it
+    edge: str                       # the loop edge (its stacked buffers' outermost axis)
+    trip: Size                      # how many steps
+    reverse: bool                   # steps run for i = trip - 1, ..., 0
+    step: "Lowered"                 # one step: its args and outputs are `args` and `outs`
+    args: tuple[Bind, ...]          # per step argument (ABI index)
+    outs: tuple[Bind, ...]          # per step output (ABI index)
+    carries: int                    # outs[k] is copied into args[k].buf after each step, k < carries
+    note: str = ""
+    slot_base: int = 0              # the step's slot s is the enclosing program's slot_base + s
+
+    def buffers_read(self) -> set[str]:
+        return {b.buf for b in self.args}
+
+    def writes(self) -> set[str]:
+        return {b.buf for b in self.outs} | {b.buf for b in self.args[:self.carries]}
+
+    def buffers_used(self) -> list[str]:
+        return list(dict.fromkeys([b.buf for b in self.outs] + [b.buf for b in self.args]))
+
+    def renamed(self, mapping: Mapping[str, str]) -> "StepLoop":
+        def bind(b: Bind) -> Bind:
+            return Bind(mapping.get(b.buf, b.buf), b.stacked)
+        return replace(self, args=tuple(map(bind, self.args)), outs=tuple(map(bind, self.outs)))
+
+    def can_retarget(self, low: "Lowered", target: str, tmp: str) -> bool:
+        return False
+
+    def flops(self, extent, edge_size) -> int:
+        """Every step's FLOPs (`tgc.lower.cost`): the step's edges lowering made have sizes
+        of their own."""
+        from tgc.lower.cost import kernel_flops
+
+        def size(e: str) -> int:
+            own = self.step.edges.get(e)
+            return own if isinstance(own, int) else edge_size(e)
+
+        return edge_size(self.edge) * sum(kernel_flops(k, extent, size) for k in self.step.kernels)
+
+    def text(self) -> str:
+        way = "reverse " if self.reverse else ""
+        head = (f"steps {way}over {self.edge} < {size_str(self.trip)} carries {self.carries}"
+                f" args({', '.join(map(str, self.args))}) outs({', '.join(map(str, self.outs))})"
+                f" slots from {self.slot_base} {{" + (f"    # {self.note}" if self.note else ""))
+        inner = print_lowered(self.step).rstrip("\n").split("\n")
+        return "\n".join([head] + ["    " + line if line else "" for line in inner] + ["  }"])
+
+
+def step_loops(low: "Lowered"):
+    """Every `StepLoop` of `low` and of the steps inside it, outermost first, with the
+    program it belongs to: (program, loop)."""
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            yield low, k
+            yield from step_loops(k.step)
 
 
 Kernel = Union[LoopKernel, GemmKernel]   # a backend's own stage may add kinds of its own (the CPU's LoopGroup)

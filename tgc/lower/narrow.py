@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from tgc.ir.dtypes import LOW_FLOATS, ROUNDINGS
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mask, View
+from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mask, StepLoop, View
 from tgc.options import Options
 
 
@@ -73,8 +73,9 @@ def narrow(low: Lowered) -> None:
     for k in low.kernels:
         for w in k.writes():
             writers[w] = writers.get(w, 0) + 1
+    bound = {b.buf for k in low.kernels if isinstance(k, StepLoop) for b in k.args + k.outs}   # a step's types
     for k in low.kernels:
-        if not isinstance(k, LoopKernel) or k.reduce or k.scatter or k.epilogue is not None:
+        if not isinstance(k, LoopKernel) or k.reduce or k.scatter or k.epilogue is not None or k.out in bound:
             continue
         b = low.buffers[k.out]
         if b.kind == "arg" or writers[k.out] != 1 or b.dtype != low.dtype:

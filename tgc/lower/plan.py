@@ -19,9 +19,9 @@ Terminates: one pass over the kernels for each step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Lowered, matrix_form, rename_buffers, walk
+from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Lowered, StepLoop, matrix_form, rename_buffers, walk
 from tgc.ir.sizes import size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass
@@ -41,7 +41,20 @@ class Plan(Pass[Lowered, Lowered]):
         sink_recomputation(out.kernels)   # again: layout and group may have added kernels
         _updates_in_place(out)
         _assign_slots(out, options.rep_size if self.rep_size is None else self.rep_size)
+        _step_slots(out)
         return out
+
+
+def _step_slots(low: Lowered) -> None:
+    """Each loop's step (planned already) gets slots of its own after the program's: a
+    step's temporaries live while the loop runs, which no other kernel overlaps."""
+    kernels = []
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            k = replace(k, slot_base=len(low.slots))
+            low.slots = low.slots + list(k.step.slots)
+        kernels.append(k)
+    low.kernels = kernels
 
 
 def _reads(k) -> set[str]:

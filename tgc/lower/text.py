@@ -7,6 +7,10 @@ made, buffer declarations, workspace slots, id checks, the kernels (`k0: ...`), 
 `--verify-each` compares a lowering stage with). The rest is parsed by lark's LALR
 parser over `lowered.lark`; a tree walk then builds the kernels.
 
+A loop's step (`StepLoop`) is a whole program, written as the block indented under
+its `steps ... {` line and closed by the line `  }`; it is taken out and read as a
+program (its lines keep their numbers) before the grammar sees the rest.
+
 An index is written without its buffer edges (`%x[b, i + 1]`): they are the buffer's
 declared edges (sorted), or a group register's (`reg %t3[rows]`). So the walk reads
 declarations first, then kernels. `parse_lowered(print_lowered(low))` equals `low`
@@ -35,7 +39,8 @@ from tgc.ir.diag import CompileError, Loc
 from tgc.ir.parser import parse_module
 from tgc.ir.sizes import Size, SizeError, size_op
 from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
-                               LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, smul)
+                               LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, smul)
+from tgc.lower.lowered import Bind
 
 HEADER = re.compile(r"^//\s*lowered after (\w+) \((\w+)\)\s*$")
 
@@ -73,7 +78,7 @@ def parse_lowered(text: str, filename: str = "<lowered>", verify: bool = True) -
     """The `Lowered` program `text` spells; CompileError (located) on any mistake."""
     if text.startswith("\ufeff"):
         text = text[1:]
-    lines = text.splitlines()
+    lines, steps = _take_steps(text.splitlines(), filename)
     head = [(i, m) for i, m in ((i, HEADER.match(line)) for i, line in enumerate(lines)) if m]
     if not head:
         raise CompileError("not a lowered program: it needs the line '// lowered after STAGE (f32|f64)'",
@@ -93,6 +98,7 @@ def parse_lowered(text: str, filename: str = "<lowered>", verify: bool = True) -
         raise CompileError(_lark_message(e), Loc(filename, e.line if e.line > 0 else len(lines), max(e.column, 1))) \
             from None
     builder = _Builder(filename, module, dtype, stage)
+    builder.steps_read = steps
     low = builder.build(tree)
     if verify:
         from tgc.lower.verify import VerifyError, verify_lowered
@@ -105,6 +111,30 @@ def parse_lowered(text: str, filename: str = "<lowered>", verify: bool = True) -
     return low
 
 
+STEPS_HEAD = re.compile(r"^k[0-9]+:\s*steps\b.*\{\s*(#.*)?$")
+
+
+def _take_steps(lines: list[str], filename: str) -> tuple[list[str], dict[int, Lowered]]:
+    """The lines with each loop's step (the block indented under a `steps` line, up to
+    its line `  }`) blanked, and the steps read as programs, by the index of their
+    `steps` line. A step's lines keep their numbers (its errors are located in the file)."""
+    out, steps = list(lines), {}
+    i = 0
+    while i < len(lines):
+        if not STEPS_HEAD.match(lines[i]):
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "  }"), None)
+        if end is None:
+            raise CompileError("a loop's step is not closed by a line '  }'", Loc(filename, i + 1, 1))
+        inner = [""] * (i + 1) + [line[4:] if line.startswith("    ") else line.strip() for line in lines[i + 1:end]]
+        steps[i] = parse_lowered("\n".join(inner) + "\n", filename, verify=False)
+        for j in range(i + 1, end + 1):
+            out[j] = ""
+        i = end + 1
+    return out, steps
+
+
 def _split_module(lines: list[str], filename: str) -> tuple[str, str]:
     """(the module block's IR text, the rest), each with the other's lines blanked, so
     that line numbers stay those of the file."""
@@ -112,7 +142,7 @@ def _split_module(lines: list[str], filename: str) -> tuple[str, str]:
     if start is None:
         raise CompileError("a lowered program needs its module: a 'module {' ... '}' block of IR",
                            Loc(filename, len(lines) or 1, 1))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].strip() == "}"), None)
+    end = next((i for i in range(len(lines) - 1, start, -1) if lines[i].strip() == "}"), None)   # its loop bodies close too
     if end is None:
         raise CompileError("the 'module {' block is not closed by a line '}'", Loc(filename, start + 1, 1))
     inside = set(range(start, end + 1))
@@ -220,10 +250,30 @@ class _Builder:
         body = t.children[1]
         if body.data in KERNEL_FORMS:
             return KERNEL_FORMS[body.data](self, body)
-        if body.data not in ("loop", "gemm", "cgemm"):
+        if body.data not in ("loop", "gemm", "cgemm", "steps"):
             raise self.error(f"a '{body.data}' kernel is a backend's own kind, and no loaded backend reads it "
                              "(the CPU's: tgc.backends.base.get_backend('cpu'))", body)
         return getattr(self, body.data)(body)
+
+    def steps(self, t: Tree) -> StepLoop:
+        way, edge, trip, carries, args, outs, base, note = (
+            t.children if len(t.children) == 8 else [None, *t.children])
+        if way is not None and str(way) != "reverse":
+            raise self.error(f"a loop's steps run forward, or 'reverse', not '{way}'", way)
+        step = self.steps_read.get(t.meta.line - 1)
+        if step is None:
+            raise self.error("a loop needs its step: a lowered program indented under this line", t)
+        return StepLoop(str(edge), self.size(trip), way is not None, step, self.binds(args), self.binds(outs),
+                        int(carries), self.note(note), int(base))
+
+    def binds(self, t: Tree) -> tuple[Bind, ...]:
+        out = []
+        for b in t.children:
+            buf, *at = b.children
+            if at and str(at[0]) != "i":
+                raise self.error(f"a stacked buffer is read at the step's index, written '[i]', not '[{at[0]}]'", at[0])
+            out.append(Bind(self.buffer_name(buf), bool(at)))
+        return tuple(out)
 
     def loop(self, t: Tree) -> LoopKernel:
         buf, ixs, rhs, loops, note = t.children

@@ -43,7 +43,7 @@ from __future__ import annotations
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
 from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
-                               Mask, Rand, walk)
+                               Mask, Rand, StepLoop, walk)
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
@@ -115,6 +115,9 @@ class _Verifier:
             elif isinstance(k, GemmKernel):
                 self.gemm(k, defined)
                 writes = {k.out}
+            elif isinstance(k, StepLoop):
+                self.steps(k, defined)
+                writes = k.writes()
             else:
                 self.loop(k, defined, {}, set())
                 writes = {k.out}
@@ -174,6 +177,53 @@ class _Verifier:
                     raise self.fail(f"buffer '%{name}' (out {b.index}) does not have the edges of output '{o.name}'")
             if low.stage != "fuse" and b.order is None:
                 raise self.fail(f"buffer '%{name}' has no order after {low.stage}")
+
+    def steps(self, k: StepLoop, defined: set[str]) -> None:
+        """A loop: its step is a valid program, and each of its arguments and outputs is
+        bound to a buffer of the same type and order (with the loop edge outermost where
+        stacked); the carries are read whole and written whole."""
+        low, step = self.low, k.step
+        if not self.known_edge(k.edge):
+            raise self.fail(f"loop over unknown edge '{k.edge}'")
+        if not self.same_size(k.trip, low.size(k.edge)):
+            raise self.fail(f"loop over '{k.edge}' runs {k.trip} steps, not the edge's size")
+        try:
+            verify_lowered(step)
+        except VerifyError as e:
+            raise self.fail(f"in the loop's step: {e}") from None
+        if step.stage != low.stage:
+            raise self.fail(f"the loop's step is lowered after '{step.stage}', the program after '{low.stage}'")
+        args = list(step.module.args.values())
+        outs = step.module.outputs
+        if len(k.args) != len(args) or len(k.outs) != len(outs):
+            raise self.fail(f"the loop binds {len(k.args)} arguments and {len(k.outs)} outputs; its step has "
+                            f"{len(args)} and {len(outs)}")
+        if not 0 <= k.carries <= min(len(args), len(outs)):
+            raise self.fail(f"the loop has {k.carries} carries, more than its step's arguments or outputs")
+        for what, binds, orders in (("argument", k.args, [a.order for a in args]),
+                                    ("output", k.outs, [o.order for o in outs])):
+            for j, (b, order) in enumerate(zip(binds, orders)):
+                if b.buf not in low.buffers:
+                    raise self.fail(f"the loop's {what} {j} is bound to unknown buffer '%{b.buf}'")
+                buf = low.buffers[b.buf]
+                want = ((k.edge,) if b.stacked else ()) + tuple(order)
+                if buf.edges != tuple(sorted(want)):
+                    raise self.fail(f"the loop's {what} {j} is bound to '%{b.buf}' [{', '.join(buf.edges)}], "
+                                    f"not [{', '.join(sorted(want))}]")
+                held = step.buffers.get(list(step.module.args)[j] if what == "argument" else "", None)
+                if what == "output":
+                    held = next((x for x in step.buffers.values() if x.kind == "out" and x.index == j), None)
+                if held is not None and held.dtype != buf.dtype:
+                    raise self.fail(f"the loop's {what} {j} is {held.dtype}, bound to '%{b.buf}' of type {buf.dtype}")
+                if buf.order is not None and low.stage != "fuse" and buf.order != want:
+                    raise self.fail(f"the loop's {what} {j} is bound to '%{b.buf}' in order "
+                                    f"[{', '.join(buf.order)}], not [{', '.join(want)}]")
+                if what == "argument" and b.buf not in defined:
+                    raise self.fail(f"reads '%{b.buf}' before anything writes it")
+                if j < k.carries and b.stacked:
+                    raise self.fail(f"the loop's carry {j} is bound to a stacked slice")
+        if low.stage == "plan" and k.slot_base + len(step.slots) > len(low.slots):
+            raise self.fail(f"the loop's step slots from {k.slot_base} lie outside the workspace")
 
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]

@@ -34,7 +34,7 @@ from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.opt.canon import Canon, sort_key
 from tgc.opt.paths import find_path, memory_limit
-from tgc.opt.rewrite import Ctx, prune_edges, rewrite
+from tgc.opt.rewrite import Ctx, map_bodies, prune_edges, rewrite
 from tgc.opt.stats import is_index, prod, rep_sizes, value_flops
 
 
@@ -183,4 +183,10 @@ class Factor(Pass):
 
     def run(self, module: Module, options: Options) -> Module:
         module = rewrite(module, {"add": [undistribute]}, options)
-        return order_contractions(module, options)
+        return _ordered(module, options)
+
+
+def _ordered(module: Module, options: Options) -> Module:
+    """`order_contractions` on `module` and on every loop's step (a loop that stays one
+    is lowered from its body: its products need their order as much)."""
+    return order_contractions(map_bodies(module, lambda sub: _ordered(sub, options)), options)

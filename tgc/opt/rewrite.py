@@ -136,9 +136,17 @@ def without_rules(module: Module, derivatives_outside: bool = False) -> Module:
 def _rewrite_bodies(module: Module, table: Table, options: Options, derivatives: bool) -> Module:
     """`module` (a copy, whose edge table takes the bodies' new edges) with every loop
     body rewritten once."""
+    return map_bodies(module, lambda sub: _rewrite(sub, table, options, derivatives))
+
+
+def map_bodies(module: Module, fn) -> Module:
+    """`module` (a copy, whose edge table takes the bodies' new edges) with every loop
+    body mapped once by `fn`, a module -> module pass run on a module whose outputs
+    are the body's results (a body whose results would change type is kept)."""
     values = module.values()
     if not any(v.op == "loop" for v in values):
         return module
+    module = module.replace_values({})
     bodies: dict[V.LoopBody, V.LoopBody] = {}
     memo: dict[int, Value] = {}
     for v in values:
@@ -146,20 +154,19 @@ def _rewrite_bodies(module: Module, table: Table, options: Options, derivatives:
         if v.op == "loop":
             body = v.attrs[0]
             if body not in bodies:
-                bodies[body] = _rewrite_body(module, body, table, options, derivatives)
+                bodies[body] = _map_body(module, body, fn)
             memo[id(v)] = V.loop(bodies[body], v.attrs[1], ops, v.attrs[3], v.attrs[2], v.loc)
         else:
             memo[id(v)] = V.rebuild_same(v, ops)
     return module.replace_values(memo)
 
 
-def _rewrite_body(module: Module, body: V.LoopBody, table: Table, options: Options,
-                  derivatives: bool) -> V.LoopBody:
+def _map_body(module: Module, body: V.LoopBody, fn) -> V.LoopBody:
     from tgc.ir.module import Output
 
     sub = Module(dict(module.dims), dict(module.edges), {},
                  [Output(f"r{k}", r, r.edges) for k, r in enumerate(body.results)])
-    new = _rewrite(sub, table, options, derivatives)
+    new = fn(sub)
     results = [o.value for o in new.outputs]
     if any(r.type != o.type for r, o in zip(results, body.results)):
         return body

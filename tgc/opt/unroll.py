@@ -1,10 +1,17 @@
-"""unroll: a loop whose trip count is known becomes its steps, in canonical form.
+"""unroll: a short loop whose trip count is known becomes its steps, in canonical form.
 
-The backends run no loop yet: this pass is how a program with `repeat` or `scan`
-reaches them. It runs after the derivative passes, so the loop and its derivative
-loops are what autodiff built (`tgc.autodiff.loops`); each loop over an edge of
-fixed size n (a literal dim, or one fixed by the caller's `dims=`) becomes n copies
-of its body, in the loop's order:
+A loop that stays reaches the backends as a loop (`tgc.lower.steps`: its step is
+compiled once); unrolling it instead costs compile time and code in proportion to
+its trip count, and gains fusion across the steps. The cost model is one rule: a
+loop over an edge of fixed size n (a literal dim, or one fixed by the caller's
+`dims=`) whose step holds s ops is unrolled when n * s <= `options.unroll_max_ops`
+(a small cell over a few steps; a transformer block over its layers stays a loop).
+A backend that runs no loops has every loop of fixed size unrolled before it
+lowers (`tgc.pipeline.lower_module`).
+
+It runs after the derivative passes, so the loop and its derivative loops are what
+autodiff built (`tgc.autodiff.loops`); each loop it unrolls becomes n copies of its
+body, in the loop's order:
 
 - step i reads each stacked operand's slice `x[e = i]` (a contraction with the
   indicator `[e = i]`; for a loop's stacked result unrolled here, step i's value
@@ -14,9 +21,8 @@ of its body, in the loop's order:
 - a stacked result is the sum over i of step i's value times `[e = i]`;
 - the loop's carries are the last step's.
 
-Loops inside a body are unrolled with it (the pass repeats until none of known size
-is left). A loop over a symbolic edge stays: the reference interpreter runs it, and
-lowering reports it (`tgc.lower.fuse`). The unrolled module is normalized (the
+Loops inside a body are unrolled with it (the pass repeats until none it should
+unroll is left). A loop over a symbolic edge stays. The unrolled module is normalized (the
 canonical form the later passes expect of their input).
 
 Exact: each step computes the body's ops on the values the loop would give it, and
@@ -29,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgc.ir import values as V
+from tgc.ir.diag import CompileError
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
@@ -90,20 +97,33 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     return outs
 
 
-def fixed_loops(module: Module) -> list[Value]:
-    """The loops of `module` whose edge has a known size."""
-    return [v for v in module.values() if v.op == "loop" and isinstance(module.size(v.attrs[1]), int)]
+def step_ops(v: Value) -> int:
+    """How many ops one step of loop `v` computes."""
+    return len(topo_order(list(v.attrs[0].results)))
 
 
-def unroll(module: Module) -> Module:
-    """`module` with every loop over an edge of known size unrolled."""
+def fixed_loops(module: Module, max_ops: int | None = None) -> list[Value]:
+    """The loops of `module` whose edge has a known size n (and, with `max_ops`, whose n
+    steps hold at most that many ops)."""
+    out = []
+    for v in module.values():
+        n = module.size(v.attrs[1]) if v.op == "loop" else None
+        if isinstance(n, int) and (max_ops is None or n * step_ops(v) <= max_ops):
+            out.append(v)
+    return out
+
+
+def unroll(module: Module, max_ops: int | None = None) -> Module:
+    """`module` with every loop over an edge of known size unrolled (with `max_ops`:
+    those `fixed_loops` names)."""
     stacked = _Stacked()
-    while fixed_loops(module):
+    while fixed_loops(module, max_ops):
         done: dict[tuple, list[Value]] = {}
         memo: dict[int, Value] = {}
+        chosen = {id(v) for v in fixed_loops(module, max_ops)}
         for v in module.values():
             ops = tuple(memo[id(o)] for o in v.operands)
-            n = module.size(v.attrs[1]) if v.op == "loop" else None
+            n = module.size(v.attrs[1]) if id(v) in chosen else None
             if isinstance(n, int):
                 key = (v.attrs[0], v.attrs[1], v.attrs[2]) + tuple(map(id, ops))
                 if key not in done:
@@ -117,13 +137,30 @@ def unroll(module: Module) -> Module:
 
 @dataclass(frozen=True)
 class Unroll(Pass):
-    """Loops of known trip count -> their steps (what the backends run), normalized."""
+    """Short loops of known trip count -> their steps, normalized (`all`: every loop
+    of known trip count, for a backend that runs no loops)."""
 
     name = "unroll"
+    all: bool = False
 
     def run(self, module: Module, options: Options) -> Module:
-        if not fixed_loops(module):
-            return module
-        from tgc.opt.rewrite import rewrite
+        limit = None if self.all else options.unroll_max_ops
+        if fixed_loops(module, limit):
+            from tgc.opt.rewrite import rewrite
 
-        return rewrite(unroll(module), {}, options)
+            module = rewrite(unroll(module, limit), {}, options)
+        if self.all:
+            check_no_loops(module)
+        return module
+
+
+def check_no_loops(module: Module) -> None:
+    """A located error for a loop left for a backend that runs no loops: its trip count
+    is symbolic, and only a size given at build time unrolls it."""
+    for v in module.values():
+        if v.op == "loop":
+            edge = v.attrs[1]
+            dim = module.edges[edge]
+            raise CompileError(f"a loop over '{edge}', whose size is symbolic, runs on this backend only "
+                               f"unrolled, which needs its size when it is built "
+                               f"(dims={{'{dim}': N}} in tgc.compile, --dim {dim}=N on the command line)", v.loc)

@@ -46,7 +46,11 @@ Native ABI (C linkage; the same for the JIT and a linked .so):
         (`kernels.from_object`).
 
 Kernels are internal functions (`loops.py`, `gemm.py`), or hidden ones when the
-program is generated in several units (`generate_units`). A kernel whose outermost
+program is generated in several units (`generate_units`). A loop over an edge
+(`StepLoop`) is an LLVM loop in `tgc_run` around the calls of its step's kernels,
+which are compiled once like any other (`leaf_kernels`): the stacked buffers'
+pointers advance by the step's offset, each carry's new value is copied into the
+carry after the step, and the step's temporaries are in its own workspace slots. A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
 its work (iterations x op weight, known only at run time) reaches
 `options.cpu.parallel_min_work`.
@@ -67,7 +71,8 @@ from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_r
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
 from tgc.backends.cpu.implicit import ImplicitGemm
-from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, rename_buffers, walk
+from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, StepLoop, rename_buffers, walk
+from tgc.ir.dtypes import itemsize
 from tgc.ir.ops import COSTS, FNS
 from tgc.ir.sizes import size_eval
 from tgc.options import Options
@@ -157,7 +162,9 @@ class _ModuleGen:
     def __init__(self, low: Lowered, options: Options, objects_entry: bool = False, units: int = 1):
         self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
-        self.keys = [kernel_key(low, k) for k in low.kernels]
+        self.flat = list(leaf_kernels(low))   # (program, kernel): the steps' kernels too, each compiled once
+        self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())),)
+                     for p, k in self.flat]   # (a step's own edges, e.g. its groups' blocks, may differ)
         units = self.assign_units(max(1, units))
         self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
         self.mod = self.mods[0]
@@ -167,10 +174,10 @@ class _ModuleGen:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
         self.unit: dict = {}
         costs: dict = {}
-        for key, k in zip(self.keys, self.low.kernels):
+        for key, (_, k) in zip(self.keys, self.flat):
             costs.setdefault(key, compile_cost(k))
-        gemms = any(isinstance(k, GemmKernel) for k in self.low.kernels)
-        load = [ENTRY_COST + CALL_COST * len(self.low.kernels) + TILE_COST * gemms] + [0] * (units - 1)
+        gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
+        load = [ENTRY_COST + CALL_COST * len(self.flat) + TILE_COST * gemms] + [0] * (units - 1)
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
             u = load.index(min(load))
             self.unit[key] = u
@@ -188,17 +195,17 @@ class _ModuleGen:
     def first_text(self) -> str:
         """The first unit: the GEMM tile helpers every unit calls, its kernels (the
         others' declared), the entry points."""
-        for packed in sorted({packs_b(self.low, k) for k in self.low.kernels if isinstance(k, GemmKernel)
-                              and k.cplx is None and not bf16_product(self.low, k)}):
+        for packed in sorted({packs_b(p, k) for p, k in self.flat if isinstance(k, GemmKernel)
+                              and k.cplx is None and not bf16_product(p, k)}):
             small_kernel(self.mod, self.fp, packed=packed)
             if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
                 loops_kernel(self.mod, self.fp, packed=packed)
-        for rounds in sorted(set().union(*(bf16_kinds(self.low, k) for k in self.low.kernels
+        for rounds in sorted(set().union(*(bf16_kinds(p, k) for p, k in self.flat
                                            if isinstance(k, GemmKernel)))):
             bf16_kernel(self.mod, rounds=rounds)   # bf16 products (gemm_operands chose them)
-        if any(isinstance(k, GemmKernel) and uses_own_gemm(self.low, k, self.opt) for k in self.low.kernels):
+        if any(isinstance(k, GemmKernel) and uses_own_gemm(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
-        if any(isinstance(k, GemmKernel) and taps_in_one_call(self.low, k, self.opt) for k in self.low.kernels):
+        if any(isinstance(k, GemmKernel) and taps_in_one_call(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm.taps_in_one_call)
         if self.opt.cpu.threads != 1:   # GEMMs in every unit run their regions through it
             parallel.region_fn(self.mod, self.mod, self.opt.cpu)
@@ -207,17 +214,17 @@ class _ModuleGen:
                 if fn.name.startswith(("tgc.gemm.small.", "tgc.gemm.loops.", "tgc.gemm.bf16", "tgc.gemm.own.")) and not fn.is_declaration \
                         or fn.name == parallel.REGION:
                     fn.linkage = "hidden"
-        kernels = [self.kernel_fns(i, k) for i, k in enumerate(self.low.kernels)]
+        kernels = [self.kernel_fns(i, p, k) for i, (p, k) in enumerate(self.flat)]
         return str(self.emit_entry(kernels))
 
     def unit_text(self, u: int) -> str:
         """Unit u > 0: its kernels, defined with hidden visibility."""
         done = set()
-        for i, k in enumerate(self.low.kernels):
+        for i, (p, k) in enumerate(self.flat):
             key = self.keys[i]
             if self.unit[key] == u and key not in done:
                 done.add(key)
-                for fn in self.define_kernel(i, k):
+                for fn in self.define_kernel(i, p, k):
                     if fn is not None:
                         fn.linkage = "hidden"
         return str(self.mods[u])
@@ -251,26 +258,27 @@ class _ModuleGen:
         f.finish()
         return fn
 
-    def kernel_fns(self, i: int, k):
+    def kernel_fns(self, i: int, p: Lowered, k):
         """The kernel's function (and parallel body) as the first unit sees them:
         defined there, or declared when another unit defines them. Structurally
         equal kernels — the same computation on other buffers, e.g. in another
         layer — share one."""
         key = self.keys[i]
         if key not in self.done:
-            self.done[key] = self.define_kernel(i, k) if self.unit[key] == 0 else self.declare_kernel(i, k)
+            self.done[key] = self.define_kernel(i, p, k) if self.unit[key] == 0 else self.declare_kernel(i, k)
         return self.done[key]
 
-    def define_kernel(self, i: int, k):
-        """(function, parallel body or None), defined in the kernel's unit."""
+    def define_kernel(self, i: int, p: Lowered, k):
+        """(function, parallel body or None), defined in the kernel's unit; `p` is the
+        program the kernel belongs to (the whole one, or a loop's step)."""
         mod = self.mods[self.unit[self.keys[i]]]
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
-            return GemmGen(mod, self.low, k, name, self.fp, self.opt, home=self.mod).emit(), None
+            return GemmGen(mod, p, k, name, self.fp, self.opt, home=self.mod).emit(), None
         if isinstance(k, ImplicitGemm):
-            return GemmGen(mod, self.low, k.gemm, name, self.fp, self.opt, home=self.mod, implicit=k).emit(), None
-        fn = LoopGen(mod, self.low, k, name, self.fp, self.opt.fp_strict).emit()
-        par = emit_parallel_body(mod, self.low, k, fn, name + ".par") if self.has_par(k) else None
+            return GemmGen(mod, p, k.gemm, name, self.fp, self.opt, home=self.mod, implicit=k).emit(), None
+        fn = LoopGen(mod, p, k, name, self.fp, self.opt.fp_strict).emit()
+        par = emit_parallel_body(mod, p, k, fn, name + ".par") if self.has_par(k) else None
         return fn, par
 
     def declare_kernel(self, i: int, k):
@@ -333,20 +341,13 @@ class _ModuleGen:
             bad = b.call(check, [dims, self.arg_ptr(b, args, self.low.buffers[c.buf].index)])
             with b.if_then(b.icmp_signed("!=", bad, I32(0)), likely=False):
                 b.ret(I32(i + 1))
-        ptrs = self.buffer_ptrs(f, args, outs, ws)
-        restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for k in self.low.kernels) else None
-        for i, (k, (kfn, par)) in enumerate(zip(self.low.kernels, kernels)):
+        offsets = self.slot_offsets(f)
+        ptrs = self.buffer_ptrs(f, args, outs, ws, offsets)
+        restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for _, k in self.flat) else None
+        fns = iter(kernels)
+        for i, k in enumerate(self.low.kernels):
             start = self.now(b) if self.opt.cpu.profile else None
-            if isinstance(k, (GemmKernel, ImplicitGemm)):
-                g = k.gemm if isinstance(k, ImplicitGemm) else k
-                names = [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source
-                         for n in (g.a.buf, g.b.buf, g.out)]   # an implicit GEMM's window: its source
-                cpu = self.opt.cpu
-                min_flops = self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
-                                           cpu.gemm_flops_per_cycle)
-                b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops])
-            else:
-                self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+            self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
             if start is not None:
                 self.count_cycles(b, i, start)
             if self.objects_entry:
@@ -355,6 +356,70 @@ class _ModuleGen:
             restore()
         b.ret(I32(0))
         f.finish()
+        return fn
+
+    def call_kernel(self, f: Frame, k, fns, ptrs: dict, ws, offsets: list, base: int) -> None:
+        """Run kernel `k` on the buffers `ptrs` (by name); `fns` yields the functions of
+        the leaf kernels in `leaf_kernels` order; a loop's step uses slots from `base`."""
+        b = f.b
+        if isinstance(k, StepLoop):
+            self.call_steps(f, k, fns, ptrs, ws, offsets, base)
+            return
+        kfn, par = next(fns)
+        dims = f.dims_ptr
+        if isinstance(k, (GemmKernel, ImplicitGemm)):
+            g = k.gemm if isinstance(k, ImplicitGemm) else k
+            names = [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source
+                     for n in (g.a.buf, g.b.buf, g.out)]   # an implicit GEMM's window: its source
+            cpu = self.opt.cpu
+            min_flops = self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
+                                       cpu.gemm_flops_per_cycle)
+            b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops])
+        else:
+            self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+
+    def call_steps(self, f: Frame, k: StepLoop, fns, ptrs: dict, ws, offsets: list, base: int) -> None:
+        """A loop over an edge: one LLVM loop whose body calls the step's kernels (each
+        compiled once) with the stacked buffers' pointers advanced by the step's
+        offset, then copies the carries' new values into the carries."""
+        b, step = f.b, k.step
+        trip = f.size(k.trip)
+        base = base + k.slot_base
+        step_fns = [next(fns) for _ in leaf_kernels(step)]
+        binds = list(zip(step.module.args, k.args)) + \
+            [(b_.name, bind) for j, bind in enumerate(k.outs)
+             for b_ in step.buffers.values() if b_.kind == "out" and b_.index == j]
+        with for_range(b, I64(0), trip, f"step.{k.edge}", unroll=False) as i:
+            at = b.sub(b.sub(trip, I64(1)), i) if k.reverse else i
+            inner = {}
+            for name, bind in binds:
+                ptr = ptrs[bind.buf]
+                if bind.stacked:
+                    sb = step.buffers[name]
+                    stride = f.entry.mul(f.count(sb.edges), I64(itemsize(sb.dtype)))
+                    ptr = b.gep(ptr, [b.mul(at, stride)], source_etype=ir.IntType(8))
+                inner[name] = ptr
+            for name, sb in step.buffers.items():
+                if sb.kind == "temp":
+                    inner[name] = b.gep(ws, [offsets[base + sb.slot]], source_etype=ir.IntType(8))
+            sub = iter(step_fns)
+            for sk in step.kernels:
+                self.call_kernel(f, sk, sub, inner, ws, offsets, base)
+            for c in range(k.carries):
+                buf = self.carry_buffer(step, c)
+                nbytes = b.mul(f.count(buf.edges), I64(itemsize(buf.dtype)))
+                b.call(self.memcpy(), [ptrs[k.args[c].buf], ptrs[k.outs[c].buf], nbytes, ir.IntType(1)(0)])
+
+    @staticmethod
+    def carry_buffer(step: Lowered, c: int):
+        """The step's argument buffer of carry `c`."""
+        return step.buffers[list(step.module.args)[c]]
+
+    def memcpy(self) -> ir.Function:
+        name = "llvm.memcpy.p0.p0.i64"
+        fn = self.mod.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.mod, ir.FunctionType(ir.VoidType(), [PTR, PTR, I64, ir.IntType(1)]), name)
         return fn
 
     def notify_fn(self) -> ir.Function:
@@ -489,12 +554,15 @@ class _ModuleGen:
     def arg_ptr(self, b: ir.IRBuilder, array, index: int):
         return b.load(b.gep(array, [I64(index)], source_etype=PTR), typ=PTR)
 
-    def buffer_ptrs(self, f: Frame, args, outs, ws) -> dict:
-        b = f.b
+    def slot_offsets(self, f: Frame) -> list:
         offsets, at = [], I64(0)
         for s in self.slot_sizes(f):
             offsets.append(at)
             at = f.entry.add(at, s)
+        return offsets
+
+    def buffer_ptrs(self, f: Frame, args, outs, ws, offsets) -> dict:
+        b = f.b
         ptrs = {}
         for name, buf in self.low.buffers.items():
             if buf.kind == "arg":
@@ -649,6 +717,16 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
     if amount >= cold:
         return PARALLEL
     return PARALLEL_WARM if amount >= warm else SERIAL
+
+
+def leaf_kernels(low: Lowered):
+    """(program, kernel) for every kernel that is compiled: the program's, and in a
+    loop, its step's (recursively), in the order the program runs them first."""
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            yield from leaf_kernels(k.step)
+        else:
+            yield low, k
 
 
 def kernel_key(low: Lowered, k) -> tuple:

@@ -1,0 +1,174 @@
+"""Loops over an edge in the lowered program: how `fuse` lowers a `loop` value
+(`repeat`, `scan`, their derivative loops) to a `StepLoop` (tgc.lower.lowered).
+
+The loop's body becomes a module of its own, the step: each body parameter an
+argument, each result an output, every axis order fixed here. It is lowered like
+any program (`fuse` now, the later stages by the pass manager, which runs every
+stage on the steps first: `tgc.manager`), so its kernels are compiled once,
+whatever the trip count. In the enclosing program the loop gets buffers whose
+orders are fixed here too (layout keeps an order it finds set), and fusion stops
+at them:
+
+- each carry a buffer `C` the loop reads as the step's argument and writes after
+  each step from the step's output `N` (the carry's new value, a buffer of its
+  own): a copy kernel fills `C` with the initial value first, and `C` holds the
+  loop's result at the end;
+- each stacked operand a buffer with the loop edge outermost (step i reads the
+  slice at offset i); an argument of the program stored that way, or another
+  loop's result (stored so: the carries a forward loop keeps for the backward one),
+  is bound as it is, any other operand is copied in first;
+- each loop-invariant operand: an argument of the program or another loop's result
+  as it is, else a copy;
+- each stacked result a buffer with the loop edge outermost, step i writing its
+  slice.
+
+The copies cost one pass over an operand per call (the stacked params: once
+per step's slice), against the steps' work on the same values.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tgc.ir import values as V
+from tgc.ir.module import Arg, Module, Output
+from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.lower.indexing import edge_size
+from tgc.lower.lowered import Bind, Buffer, StepLoop
+
+if TYPE_CHECKING:
+    from tgc.lower.fuse import _Fuser
+
+
+def loop_key(v: Value) -> tuple:
+    """The loop a `loop` value is an output of: its body, edge, direction and operands."""
+    body, edge, reverse, _ = v.attrs
+    return (body, edge, reverse) + tuple(map(id, v.operands))
+
+
+class StepLowering:
+    """The loops of a module being fused: their buffers (made before the rest of the
+    partition, so that a loop's results are buffers), then their kernels."""
+
+    def __init__(self, fuser: "_Fuser"):
+        self.f = fuser
+        self.groups: dict[tuple, list[Value]] = {}
+        for v in fuser.values:
+            if v.op == "loop":
+                self.groups.setdefault(loop_key(v), []).append(v)
+        self.merge_extended()
+        self.group_of = {id(v): key for key, vs in self.groups.items() for v in vs}
+        self.plans: dict[tuple, dict] = {}
+        self.emitted: set[tuple] = set()
+
+    def merge_extended(self) -> None:
+        """A loop whose body another loop of the same operands extends (the same
+        parameters and carries, the same first results, more stacked ones: the forward
+        loop reverse mode builds to keep a `repeat`'s carries) runs once: the shorter
+        loop's outputs are the longer one's."""
+        for key, vs in list(self.groups.items()):
+            body = vs[0].attrs[0]
+            for other, ws in self.groups.items():
+                o = ws[0].attrs[0]
+                if other is key or other[1:] != key[1:] or o is body or len(o.results) <= len(body.results) \
+                        or (o.carries, o.slices) != (body.carries, body.slices) \
+                        or len(o.params) != len(body.params) \
+                        or any(p is not q for p, q in zip(o.params, body.params)) \
+                        or any(r is not q for r, q in zip(o.results, body.results)):
+                    continue
+                ws.extend(vs)
+                del self.groups[key]
+                break
+
+    def prepare(self) -> None:
+        """Buffers for every loop's results; the loop values are materialized there."""
+        for key, vs in self.groups.items():
+            self.plans[key] = self.plan(vs[0])
+            outs = self.plans[key]["results"]
+            for v in vs:
+                self.f.mat[id(v)] = outs[v.attrs[3]]
+
+    def order(self, edges) -> tuple[str, ...]:
+        return tuple(self.f.m.order_edges(edges))
+
+    def temp(self, stem: str, dtype: str, order: tuple[str, ...]) -> str:
+        low = self.f.low
+        name = low.fresh(stem)
+        low.buffers[name] = Buffer(name, dtype, tuple(sorted(order)), "temp", order=order)
+        return name
+
+    def plan(self, v: Value) -> dict:
+        body, edge, reverse, _ = v.attrs
+        ops = v.operands
+        args: list[Bind] = []
+        arg_orders: list[tuple[str, ...]] = []
+        copies: list[tuple[str, Value]] = []   # (buffer, operand) copied in before the loop
+        for k, (o, p) in enumerate(zip(ops, body.params)):
+            role = body.role(k)
+            dtype = self.f.dtype_of(p)
+            inner = self.order(p.edges)
+            order = ((edge,) + inner) if role == "slice" else inner
+            if o.op == "arg" and role != "carry":
+                have = self.f.m.args[o.attrs[0]].order
+                if role == "invariant" or (have and have[0] == edge):
+                    args.append(Bind(o.attrs[0], role == "slice"))
+                    arg_orders.append(tuple(have[1:]) if role == "slice" else tuple(have))
+                    continue
+            held = self.f.mat.get(id(o))
+            if role != "carry" and held is not None and self.f.low.buffers[held].order == order:
+                args.append(Bind(held, role == "slice"))   # another loop's result, stored as this one reads it
+                arg_orders.append(inner)
+                continue
+            buf = self.temp("c" if role == "carry" else "s" if role == "slice" else "w", dtype, order)
+            copies.append((buf, o))
+            args.append(Bind(buf, role == "slice"))
+            arg_orders.append(inner)
+        outs: list[Bind] = []
+        results: list[str] = []
+        for j, r in enumerate(body.results):
+            dtype = self.f.dtype_of(r)
+            inner = self.order(r.edges)
+            if j < body.carries:
+                outs.append(Bind(self.temp("n", dtype, inner)))
+                results.append(args[j].buf)
+            else:
+                buf = self.temp("y", dtype, (edge,) + inner)
+                outs.append(Bind(buf, True))
+                results.append(buf)
+        step = self.step_module(body, arg_orders, [self.order(r.edges) for r in body.results])
+        return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
+                "step": step, "edge": edge, "reverse": reverse, "carries": body.carries}
+
+    def step_module(self, body: V.LoopBody, arg_orders, out_orders) -> Module:
+        """The step as a module: parameter k is argument `p<k>`, result j output `r<j>`."""
+        m = self.f.m
+        args = {}
+        memo: dict[int, Value] = {}
+        for k, (p, order) in enumerate(zip(body.params, arg_orders)):
+            name = f"p{k}"
+            held = p.dtype if p.dtype in ("i32", self.f.opt.dtype) else self.f.opt.dtype   # a bf16 value: in floats
+            args[name] = Arg(name, "input", held, order)
+            memo[id(p)] = V.convert(V.arg(name, held, p.edges), p.dtype)
+        for u in topo_order(list(body.results)):
+            if id(u) not in memo:
+                memo[id(u)] = rebuild_same(u, tuple(memo[id(o)] for o in u.operands))
+        outputs = [Output(f"r{j}", memo[id(r)], order) for j, (r, order) in enumerate(zip(body.results, out_orders))]
+        return Module(dict(m.dims), dict(m.edges), args, outputs)
+
+    def kernels(self, v: Value) -> list:
+        """The kernels of `v`'s loop (its copies in, the loop), at the first of its
+        outputs that the partition reaches."""
+        key = self.group_of[id(v)]
+        if key in self.emitted:
+            return []
+        self.emitted.add(key)
+        from tgc.lower.fuse import _Fuser
+
+        plan = self.plans[key]
+        out = [self.f.copy(buf, o) for buf, o in plan["copies"]]
+        step = _Fuser(plan["step"], self.f.opt).lower()
+        trip = edge_size(self.f.m, plan["edge"])
+        out.append(StepLoop(plan["edge"], trip, plan["reverse"], step, plan["args"], plan["outs"],
+                            plan["carries"], note="repeat" if plan["carries"] and len(plan["outs"]) == plan["carries"]
+                            else "scan"))
+        return out
+
