@@ -15,8 +15,10 @@ from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 
+from marks import sized_by_themselves
+
 ROOT = Path(__file__).parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.tg"))
+EXAMPLES = sorted(sized_by_themselves((ROOT / "examples").glob("*.tg")))
 F64 = Options(dtype="f64")
 
 
