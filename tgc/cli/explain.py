@@ -49,7 +49,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
       tgc explain benchmarks/workloads/gpt.tg --memory-budget 6.7M
       tgc explain examples/mlp.tg --backend cuda     # the program the CUDA backend compiles
     """
-    from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
+    from tgc.explain import explain as report_of, format_explain, loop_steps, timeline_png, timeline_svg
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
@@ -64,6 +64,10 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), memory_budget=None
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
     low = pipeline.lower_module(lowered.module, options, backend)
     report = report_of(low, env)
+    if any(v.op == "loop" for v in module.values()):   # what each step keeps for the backward pass
+        derived = pipeline.lower(module, options.with_(passes=("normalize", "adjoint", "tangent"),
+                                                       memory_budget=None)).module
+        report["loops"] = loop_steps(derived, env, not any(v.op == "loop" for v in lowered.module.values()))
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()
