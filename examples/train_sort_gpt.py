@@ -53,12 +53,14 @@ LR, MIN_LR, WARMUP = 1e-3, 1e-4, 100
 WEIGHT_DECAY = 1.0     # strong: the model has no dropout (minGPT: 0.1, with dropout 0.1)
 BETAS, EPS = (0.9, 0.95), 1e-8                  # as the .tg file's adam_m, adam_v, adamw
 MATRICES = ("wq", "wk", "wv", "wo", "wfc", "wproj")
+BLOCK = ("ln1_w", "ln1_b", "wq", "wk", "wv", "wo", "ln2_w", "ln2_b", "wfc", "bfc", "wproj", "bproj")
+"""A block's params, as the .tg file declares them: each is stacked on `layer`."""
 
 
 def decayed(name: str) -> bool:
     """Whether weight decay applies to a parameter: the matrices of the blocks and the
     head (the .tg file passes `wd` to their updates, 0 to the others)."""
-    return name == "lm_head" or name.split("_", 1)[-1] in MATRICES
+    return name == "lm_head" or name in MATRICES
 
 
 def split(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,22 +79,32 @@ def batch(seqs: np.ndarray) -> dict[str, np.ndarray]:
             "sorted": np.ascontiguousarray(s, dtype=np.int32)}
 
 
+def initial(name: str, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+    """minGPT's initialization of one parameter (of one block, for a block's): weights
+    N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 * layers)), biases 0,
+    LayerNorm scales 1."""
+    if name.startswith("ln"):                                # LayerNorms: scale 1, shift 0
+        return np.ones(shape) if name.endswith("_w") else np.zeros(shape)
+    if name in ("bfc", "bproj"):
+        return np.zeros(shape)
+    std = 0.02 / np.sqrt(2 * LAYERS) if name in ("wo", "wproj") else 0.02
+    return std * rng.standard_normal(shape)
+
+
 def init(program: tgc.Program, seed: int) -> dict[str, np.ndarray]:
-    """minGPT's initialization: weights N(0, 0.02) (the residual projections
-    0.02 / sqrt(2 * layers)), biases 0, LayerNorm scales 1; the optimizer's state 0."""
+    """The initial params (`initial`) and the optimizer's state (zeros). The blocks'
+    params are drawn block by block, block 1's, then block 2's, ..., as a model with
+    one module per block draws them, and stacked on `layer`."""
     rng = np.random.default_rng([seed, 1])
     arrays = program.init_state()          # the step counter and every m.NAME, v.NAME: zeros
-    for spec in program.inputs:
-        if spec.kind == "param":
-            kind = spec.name.split("_", 1)[-1]                 # l2_wq -> wq, lnf_w -> w
-            if spec.name.startswith("ln") or kind.startswith("ln"):   # LayerNorms: scale 1, shift 0
-                value = np.ones(spec.shape) if spec.name.endswith("_w") else np.zeros(spec.shape)
-            elif kind in ("bfc", "bproj"):
-                value = np.zeros(spec.shape)
-            else:
-                std = 0.02 / np.sqrt(2 * LAYERS) if kind in ("wo", "wproj") else 0.02
-                value = std * rng.standard_normal(spec.shape)
-            arrays[spec.name] = value.astype(np.float32)
+    params = [s for s in program.inputs if s.kind == "param"]
+    block = [s for s in params if s.name in BLOCK]
+    for spec in params:
+        if spec.name not in BLOCK:
+            arrays[spec.name] = initial(spec.name, spec.shape, rng).astype(np.float32)
+        elif spec is block[0]:             # every block's params at once, in declaration order
+            layers = [{b.name: initial(b.name, b.shape[1:], rng) for b in block} for _ in range(LAYERS)]
+            arrays.update({b.name: np.stack([l[b.name] for l in layers]).astype(np.float32) for b in block})
     return arrays
 
 
@@ -140,13 +152,13 @@ def teacher_forced_accuracy(program: tgc.Program, params: dict, seqs: np.ndarray
 
 def torch_loss(P: dict, ids, targets):
     """The model of train_sort_gpt.tg in PyTorch, parameters by the same names and in
-    the same layout (x @ W, heads split head-major): the mean cross-entropy of the
-    predicting positions."""
+    the same layout (x @ W, heads split head-major, a block's params stacked on a first
+    axis): the mean cross-entropy of the predicting positions."""
     import torch.nn.functional as F
     B = ids.shape[0]
     x = P["wte"][ids.long()] + P["wpe"]
-    for layer in range(1, LAYERS + 1):
-        p = {k.split("_", 1)[1]: v for k, v in P.items() if k.startswith(f"l{layer}_")}
+    for layer in range(LAYERS):
+        p = {k: P[k][layer] for k in BLOCK}                 # the block's slice of the stacked params
         h = F.layer_norm(x, (C,), p["ln1_w"], p["ln1_b"])
         q, k, v = ((h @ p[w]).view(B, T, HEADS, C // HEADS).transpose(1, 2) for w in ("wq", "wk", "wv"))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)

@@ -79,3 +79,44 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     assert r.exit_code == 2 and "no dim 'nope'" in r.output
     r = run(ROOT / "examples" / "mlp.tg", "--dim", "hidden=3")
     assert r.exit_code == 2 and "fixed size" in r.output
+
+
+DEEP = """\
+dim layer{size}, b = 2, c = 3, c2 = 3
+input x[b, c]
+param w[layer, c, c2]
+fn block(h, w) = tanh(sum[c](h * w))[c2 -> c] * 0.9 + h * 0.1
+y = repeat[layer](block, x, w)
+out loss = sum(y * y)
+{grad}"""
+
+
+def test_a_differentiated_loop_says_what_each_step_keeps(tmp_path):
+    path = tmp_path / "deep.tg"
+    path.write_text(DEEP.format(size=" = 3", grad="out gw = grad(loss, w)\n"))
+    r = run(path)
+    assert r.exit_code == 0, r.output
+    # the CPU unrolls the loop: the steps' values are the forward pass's own
+    assert "loop over 'layer' (3 steps): unrolled for this backend" in r.output
+    assert "keep each step's incoming carry (f32[b, c], 72 B in all)" in r.output     # 3 steps x 2 x 3 x 4 B
+    loops = json.loads(run(path, "--format", "json").output)["loops"]
+    assert [(lp["edge"], lp["steps"], lp["unrolled"], [k["bytes"] for k in lp["kept"]]) for lp in loops] \
+        == [("layer", 3, True, [72])]
+    path.write_text(DEEP.format(size=" = 3", grad=""))                # no derivative: nothing kept
+    r = run(path)
+    assert r.exit_code == 0 and "loop over" not in r.output
+
+
+def test_a_loop_run_as_a_loop_keeps_its_carries_and_recomputes_the_rest():
+    from tgc.explain import format_explain, loop_steps
+
+    options = Options(dtype="f64", passes=("normalize", "adjoint", "tangent"))
+    derived = pipeline.lower(compile_source(DEEP.format(size="", grad="out gw = grad(loss, w)\n"), "<t>", options),
+                             options).module
+    assert any(v.op == "loop" and v.attrs[2] for v in derived.values())   # the reverse loop
+    loops = loop_steps(derived, derived.bind_dims({"layer": 5}), unrolled=False)
+    assert len(loops) == 1 and loops[0]["steps"] == 5 and loops[0]["recomputed_values"] > 0
+    assert [k["bytes"] for k in loops[0]["kept"]] == [5 * 2 * 3 * 8]
+    report = explain(lowered("dim n = 2\ninput x[n]\nout y = x * 2\n"), {}) | {"loops": loops}
+    assert ("loop over 'layer' (5 steps): the backward pass keeps each step's incoming carry (f64[b, c], "
+            "240 B in all) and recomputes the step's other") in format_explain(report, "deep.tg")

@@ -16,7 +16,12 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
   the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
   reader); every other value a later kernel reads is kept. With a memory budget the
-  caller adds the planner's choices (`memory_budget`, `tgc.budget`).
+  caller adds the planner's choices (`memory_budget`, `tgc.budget`);
+- per differentiated loop (`repeat`, `scan`), what each step keeps for the backward
+  pass (`loop_steps`): the reverse loop of `tgc.autodiff.loops` keeps each step's
+  incoming carries and recomputes the rest of the step from them. A loop the backend
+  unrolls (`unroll`) is a program written out: its steps' values are the forward
+  pass's own, and the backward pass keeps them as it keeps any value.
 
 FLOPs are `tgc.lower.cost.kernel_flops`'s (one per arithmetic operation at every
 point of a loop nest; a GEMM is 2 m n k per batch index and tap).
@@ -31,6 +36,7 @@ from tgc.lower.cost import kernel_flops
 from tgc.opt.stats import BYTES
 from tgc.lower.lowered import GemmKernel, LoopKernel, Lowered
 from tgc.ir.sizes import size_eval
+from tgc.ir.values import topo_order
 
 ITEMSIZE = BYTES
 
@@ -97,6 +103,51 @@ def _fixed_dims(low: Lowered) -> dict:
     return {d: s for d, s in low.module.dims.items() if isinstance(s, int)}
 
 
+def loop_steps(derived, env: dict[str, int], unrolled: bool) -> list[dict]:
+    """What each step of every differentiated loop of `derived` (the program after its
+    derivatives, before `unroll`) keeps for the backward pass, at the dims `env`: the
+    incoming carries (`tgc.autodiff.loops.kept_carries`: a loop output that stacks a
+    body's carry parameter), their bytes over all steps, and how many values of the
+    step are recomputed from them. `unrolled`: the backend runs the loops unrolled."""
+    loops: dict[tuple, dict] = {}
+    for v in derived.values():
+        if v.op != "loop":
+            continue
+        body, edge, _, out = v.attrs
+        if out < body.carries or not any(body.results[out] is q for q in body.params[:body.carries]):
+            continue
+        key = (id(body), edge, tuple(id(o) for o in v.operands))
+        steps = size_eval(derived.size(edge), env)
+        entry = loops.setdefault(key, {
+            "edge": edge, "steps": steps, "unrolled": unrolled, "kept": [],
+            "recomputed_values": sum(1 for w in topo_order(list(body.results)) if w.op != "loopvar")})
+        n = ITEMSIZE[v.dtype]
+        for e in v.edges:
+            n *= size_eval(derived.size(e), env)
+        entry["kept"].append({"edges": list(v.edges), "dtype": v.dtype, "bytes": n})
+    return list(loops.values())
+
+
+def _loop_lines(loops: list[dict]) -> list[str]:
+    """`loop_steps`'s report in words."""
+    lines = []
+    for lp in loops:
+        carry = ", ".join(f"{k['dtype']}[{', '.join(e for e in k['edges'] if e != lp['edge'])}]" for k in lp["kept"])
+        kept = sum(k["bytes"] for k in lp["kept"])
+        head = f"  loop over '{lp['edge']}' ({lp['steps']} steps): "
+        if lp["unrolled"]:
+            lines.append(head + "unrolled for this backend, so each step's values are the forward pass's and "
+                         "the backward pass keeps them as it keeps any value (checkpoint(x) in the step "
+                         f"recomputes x); run as a loop it would keep each step's incoming carry ({carry}, "
+                         f"{human(kept, 'B')} in all) and recompute the step's other "
+                         f"{lp['recomputed_values']} values")
+        else:
+            lines.append(head + f"the backward pass keeps each step's incoming carry ({carry}, "
+                         f"{human(kept, 'B')} in all) and recomputes the step's other "
+                         f"{lp['recomputed_values']} values from it")
+    return lines
+
+
 def _recompute_note(low: Lowered) -> str:
     """The save/recompute decisions in words (autodiff/remat.py, plan's sinking)."""
     again = [f"k{i}" for i, k in enumerate(low.kernels) if k.note == "recompute"]
@@ -161,6 +212,7 @@ def format_explain(report: dict, name: str) -> str:
             lines.append(f"  %{b['name']} {b['dtype']}[{', '.join(b['edges'])}] {human(b['bytes'], 'B')}"
                          f" (k{b['from']} .. k{b['to']})")
     lines.append(f"save/recompute: {report['recompute_note']}")
+    lines += _loop_lines(report.get("loops", []))
     budget = report.get("memory_budget")
     if budget is not None:   # --memory-budget: what the planner chose (tgc.budget)
         lines.append(f"{budget['summary']}")

@@ -19,8 +19,10 @@ from tgc.backends.cuda import codegen
 from tgc.backends.cuda.runtime import lower
 from tgc.options import Options
 
+from marks import sized_by_themselves
+
 ROOT = Path(__file__).parent.parent.parent
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
+PROGRAMS = sorted(sized_by_themselves((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 NVCC = shutil.which("nvcc")
 F64_PROGRAMS = ["gpt.tg", "014_gather.tg", "016_functions.tg", "010_conv_stride_pad.tg", "039_conv2d_pool.tg",
                 "028_updates.tg", "019_softmax_family.tg"]

@@ -13,6 +13,8 @@ from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import CudaOptions, Options
 
+from marks import sized_by_themselves
+
 
 def _why_not() -> str | None:
     try:
@@ -30,7 +32,7 @@ def _why_not() -> str | None:
 REASON = _why_not()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 ROOT = Path(__file__).parent.parent.parent
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
+PROGRAMS = sorted(sized_by_themselves((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])

@@ -26,6 +26,8 @@ from tgc.lower.lowered import print_lowered
 from tgc.lower.text import parse_lowered
 from tgc.options import Options
 
+from marks import sized_by_themselves
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
 SOFTMAX = """
@@ -198,7 +200,7 @@ def test_manifest_names_both_variants():
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL = sorted(str(p.relative_to(ROOT)) for p in
-             list((ROOT / "examples").glob("*.tg")) + list((ROOT / "benchmarks" / "workloads").glob("*.tg")))
+             list(sized_by_themselves((ROOT / "examples").glob("*.tg"))) + list((ROOT / "benchmarks" / "workloads").glob("*.tg")))
 
 
 @pytest.mark.parametrize("path", ALL)

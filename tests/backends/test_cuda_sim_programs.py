@@ -14,10 +14,10 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import CudaOptions, Options
 
-from marks import heavy
+from marks import heavy, sized_by_themselves
 
 ROOT = Path(__file__).parent.parent.parent
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
+PROGRAMS = sized_by_themselves(sorted((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "tests/programs/good").glob("*.tg"))
 F32_RTOL, F32_ATOL = 2e-4, 2e-5  # as the CPU backend's tests (tests/backends/test_cpu_programs.py)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")

@@ -17,7 +17,7 @@ from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
-from marks import heavy
+from marks import heavy, sized_by_themselves
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 3
@@ -53,7 +53,7 @@ out dv = grad(loss, v)
 out dWo = grad(loss, Wo)
 """
 SOURCES = {"alias": ALIAS, "conv1d_dx": CONV1D_DX, "conv2d": CONV2D, "head_merge": HEAD_MERGE}
-FILES = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/fuzz/regressions").glob("*.tg"))
+FILES = sized_by_themselves(sorted((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "tests/fuzz/regressions").glob("*.tg"))
 
 
 def _module(name: str):

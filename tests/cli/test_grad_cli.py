@@ -15,8 +15,10 @@ from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 from tgc.manager import run_pipeline
 
+from marks import sized_by_themselves
+
 ROOT = Path(__file__).parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.tg"))
+EXAMPLES = sorted(sized_by_themselves((ROOT / "examples").glob("*.tg")))
 F64 = Options(dtype="f64")
 
 
@@ -74,3 +76,38 @@ def test_grad_ir_output_and_of_errors(tmp_path):
     assert r.exit_code == 0 and "out dw[n]" in r.output
     r = CliRunner().invoke(main, ["grad", str(src), "--wrt", "nope", "--of", "b"])
     assert r.exit_code == 1 and "--wrt nope" in r.output
+
+
+DEEP = """\
+dim layer{size}, b = 2, c = 3, c2 = 3
+input x[b, c]
+param w[layer, c, c2]
+fn block(h, w) = tanh(sum[c](h * w))[c2 -> c] * 0.9 + h * 0.1
+y = repeat[layer](block, x, w)
+out loss = sum(y * y)
+"""
+
+
+def test_grad_of_a_loop_prints_the_reverse_loop(tmp_path):
+    """Over a symbolic dim the derivative of a `repeat` is a loop run backwards: `--emit
+    ir` prints it as one (a body block and a `reverse` loop) and the text reads back to
+    the gradient of the loop written out; `--emit tg` says the .tg form is missing
+    (the language's loops carry one value; the reverse loop carries more)."""
+    from tgc.ir.parser import parse_module
+
+    path = tmp_path / "deep.tg"
+    path.write_text(DEEP.format(size=""))
+    r = CliRunner().invoke(main, ["grad", str(path), "--wrt", "w", "--emit", "ir", "--dtype", "f64"])
+    assert r.exit_code == 0, r.output
+    assert "body b0 carries=1" in r.output and ", reverse] " in r.output and "out dw = " in r.output
+    got = parse_module(r.output)
+    written_out = compile_source(DEEP.format(size=" = 4").replace(
+        "y = repeat[layer](block, x, w)",
+        "y = block(block(block(block(x, w[layer = 0]), w[layer = 1]), w[layer = 2]), w[layer = 3])"), "out.tg", F64)
+    want = run_pipeline(pipeline.gradient_module(written_out, ["w"], None, "rev"), F64).module
+    inputs, dims, expected = values(want)
+    np.testing.assert_allclose(evaluate(got, inputs, dtype="f64", dims={"layer": 4})["dw"], expected["dw"],
+                               rtol=1e-12, atol=1e-14)
+    r = CliRunner().invoke(main, ["grad", str(path), "--wrt", "w"])
+    assert r.exit_code == 1 and "has no .tg form yet" in r.output and "--emit ir" in r.output
+    assert "Traceback" not in r.output

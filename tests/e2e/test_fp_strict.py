@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tgc
-from marks import heavy
+from marks import heavy, sized_by_themselves
 from passes_util import body, tg
 from tgc import pipeline
 from tgc.frontend import compile_file, compile_source
@@ -25,7 +25,7 @@ from tgc.ir.emulate import emulate_f32
 from tgc.manager import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "tests/programs/good").glob("*.tg"))[:20]
+PROGRAMS = sized_by_themselves(sorted((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "tests/programs/good").glob("*.tg"))[:20]
 STRICT = Options(dtype="f32", fp_strict=True)
 
 

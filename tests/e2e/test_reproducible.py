@@ -21,10 +21,10 @@ from tgc.frontend import compile_file
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
 
-from marks import heavy
+from marks import heavy, sized_by_themselves
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
+PROGRAMS = sized_by_themselves(sorted((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
 ALWAYS_PARALLEL = dict(parallel_min_work=1, parallel_min_work_warm=1,
                        gemm_parallel_min_flops=1, gemm_parallel_min_flops_warm=1,
                        contention_memory_cycles=0)   # nor does a loaded machine keep them serial

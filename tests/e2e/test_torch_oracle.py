@@ -63,9 +63,13 @@ PROGRAMS = [p for p in sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT /
             if _uses_derivatives(p)]
 
 # Outputs skipped on purpose, with the reason: (program file name, output name) -> reason.
-# None so far: no program has a deliberate tie or kink under a derivative, and the
-# random points avoid the measure-zero ones (relu at 0, ties in max).
-SKIP: dict[tuple[str, str], str] = {}
+# No program has a deliberate tie or kink under a derivative, and the random points
+# avoid the measure-zero ones (relu at 0, ties in max); a derivative that is zero up to
+# rounding has no relative error to compare.
+SKIP: dict[tuple[str, str], str] = {
+    ("gpt2.tg", "_grad11"): "the gradient of the key bias bk is zero up to rounding: it shifts every key's "
+                            "score for a query by the same amount, which the softmax over s ignores",
+}
 
 # Known disagreements between tgc and torch: (program file name, output name) -> reason.
 XFAIL: dict[tuple[str, str], str] = {}

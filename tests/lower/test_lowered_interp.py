@@ -23,8 +23,10 @@ from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
 from tgc.pipeline import lower_module
 
+from marks import sized_by_themselves
+
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAMS = sorted((ROOT / "examples").glob("*.tg")) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
+PROGRAMS = sorted(sized_by_themselves((ROOT / "examples").glob("*.tg"))) + sorted((ROOT / "benchmarks" / "workloads").glob("*.tg"))
 STAGES = ("fuse", "layout", "group", "plan")
 
 

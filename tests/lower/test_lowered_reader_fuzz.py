@@ -18,6 +18,8 @@ from reader_mutations import check_opt, dump, mutants, runner
 from tgc import pipeline
 from tgc.cli import main
 
+from marks import sized_by_themselves
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = """dim rows, d = 8, h = 4, n = 5
 input x[rows, d], W[d, h]
@@ -28,7 +30,7 @@ out z[rows, h] = softmax[h](x @ W + b)
 out s[rows, d] = x[d = d - 1] * x
 out g[n, d] = x[rows = ids]
 """
-EVERY = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.tg")
+EVERY = sorted(str(p.relative_to(ROOT)) for p in sized_by_themselves((ROOT / "examples").glob("*.tg"))
                if p.stem not in ("gpt", "train_sort_gpt", "train_digits"))
 
 

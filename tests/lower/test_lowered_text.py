@@ -21,11 +21,13 @@ from tgc.manager import run_lowering
 from tgc.pipeline import lower_module
 from tgc.options import Options
 
+from marks import sized_by_themselves
+
 CPU = pipeline.lowering("cpu")   # the CPU's lowering stages (loads the backend: `group` is named)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = sorted(str(p.relative_to(ROOT)) for p in
-                  list((ROOT / "examples").glob("*.tg")) + list((ROOT / "benchmarks" / "workloads").glob("*.tg")))
+                  list(sized_by_themselves((ROOT / "examples").glob("*.tg"))) + list((ROOT / "benchmarks" / "workloads").glob("*.tg")))
 
 
 def same(a, b) -> list[str]:

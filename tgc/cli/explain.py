@@ -57,7 +57,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
       tgc explain examples/mlp.tg --backend cuda     # the program the CUDA backend compiles
       tgc explain examples/gpt.tg --dim batch=64 --specialized   # what repeated calls of that size run
     """
-    from tgc.explain import explain as report_of, format_explain, timeline_png, timeline_svg
+    from tgc.explain import explain as report_of, format_explain, loop_steps, timeline_png, timeline_svg
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
@@ -76,6 +76,11 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     report = report_of(low, env, options if backend == "cpu" else None)
     if sizes:
         report["program"] = "specialized" if specialized else "generic"
+    if any(v.op == "loop" for v in module.values()):   # what each step keeps for the backward pass
+        derived = pipeline.lower(module, options.with_(passes=("normalize", "adjoint", "tangent"),
+                                                       memory_budget=None)).module
+        unrolled = backend != "cpu" or not any(v.op == "loop" for v in lowered.module.values())   # cuda unrolls
+        report["loops"] = loop_steps(derived, env, unrolled)
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()
