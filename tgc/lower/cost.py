@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
-from tgc.lower.lowered import Add, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand, walk
+from tgc.lower.lowered import Add, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand, StepLoop, walk
 from tgc.opt.stats import BYTES, ModuleStats, rep_sizes
 
 
@@ -25,6 +25,12 @@ def kernel_flops(k, extent, edge_size) -> int:
         for e in k.batch + k.m + k.n + k.k + k.taps:
             n *= edge_size(e)
         return n
+    if isinstance(k, StepLoop):   # every step's: the step's edges lowering made have sizes of their own
+        def size(e: str) -> int:
+            own = k.step.edges.get(e)
+            return own if isinstance(own, int) else edge_size(e)
+
+        return edge_size(k.edge) * sum(kernel_flops(s, extent, size) for s in k.step.kernels)
     if hasattr(k, "flops"):     # a backend's own kind that counts itself (the CPU's ImplicitGemm)
         return k.flops(extent, edge_size)
     if hasattr(k, "members"):   # a loop group (the CPU backend's): members inside shared outer loops

@@ -541,17 +541,6 @@ class StepLoop:
     def can_retarget(self, low: "Lowered", target: str, tmp: str) -> bool:
         return False
 
-    def flops(self, extent, edge_size) -> int:
-        """Every step's FLOPs (`tgc.lower.cost`): the step's edges lowering made have sizes
-        of their own."""
-        from tgc.lower.cost import kernel_flops
-
-        def size(e: str) -> int:
-            own = self.step.edges.get(e)
-            return own if isinstance(own, int) else edge_size(e)
-
-        return edge_size(self.edge) * sum(kernel_flops(k, extent, size) for k in self.step.kernels)
-
     def text(self) -> str:
         way = "reverse " if self.reverse else ""
         head = (f"steps {way}over {self.edge} < {size_str(self.trip)} carries {self.carries}"

@@ -27,16 +27,11 @@ per step's slice), against the steps' work on the same values.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tgc.ir import values as V
 from tgc.ir.module import Arg, Module, Output
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.lower.indexing import edge_size
 from tgc.lower.lowered import Bind, Buffer, StepLoop
-
-if TYPE_CHECKING:
-    from tgc.lower.fuse import _Fuser
 
 
 def loop_key(v: Value) -> tuple:
@@ -49,7 +44,7 @@ class StepLowering:
     """The loops of a module being fused: their buffers (made before the rest of the
     partition, so that a loop's results are buffers), then their kernels."""
 
-    def __init__(self, fuser: "_Fuser"):
+    def __init__(self, fuser):   # the `tgc.lower.fuse` fuser lowering the module
         self.f = fuser
         self.groups: dict[tuple, list[Value]] = {}
         for v in fuser.values:
@@ -161,11 +156,9 @@ class StepLowering:
         if key in self.emitted:
             return []
         self.emitted.add(key)
-        from tgc.lower.fuse import _Fuser
-
         plan = self.plans[key]
         out = [self.f.copy(buf, o) for buf, o in plan["copies"]]
-        step = _Fuser(plan["step"], self.f.opt).lower()
+        step = type(self.f)(plan["step"], self.f.opt).lower()   # the step lowered as a program of its own
         trip = edge_size(self.f.m, plan["edge"])
         out.append(StepLoop(plan["edge"], trip, plan["reverse"], step, plan["args"], plan["outs"],
                             plan["carries"], note="repeat" if plan["carries"] and len(plan["outs"]) == plan["carries"]
