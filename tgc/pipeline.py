@@ -352,3 +352,24 @@ def compile_cached(module: Module, options: Options, backend: str = "cpu", key: 
     if key is not None and reads is not None and be.source_cache and objs is not None:
         cache.store_program(key, reads, program.module, program.lowered, objs)
     return program
+
+
+def tg_source(module: Module, options: Options) -> str:
+    """`module` as .tg source (`tgc grad --emit tg`): its loops as loops where the
+    language has their form; when one has none (a derivative's loop carrying several
+    values), the loops of known size unrolled first (`unroll{all=true}`), so that only a
+    loop over a symbolic edge is an error."""
+    from tgc.frontend.emit_tg import emit_tg
+    from tgc.ir.diag import CompileError
+    from tgc.manager import run_passes
+
+    try:
+        return emit_tg(module)
+    except CompileError as missing:
+        if not any(v.op == "loop" for v in module.values()):
+            raise
+        try:
+            unrolled = run_passes(module, ("unroll{all=true}",), options)
+        except CompileError:   # a loop over a symbolic edge: the missing form is the error
+            raise missing from None
+    return emit_tg(unrolled)

@@ -9,7 +9,6 @@ from click.testing import CliRunner
 from tgc import pipeline
 from tgc.cli import main
 from tgc.frontend import compile_file, compile_source
-from tgc.frontend.emit_tg import emit_tg
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.options import Options
@@ -31,7 +30,7 @@ def values(module, seed=0):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_emitted_tg_computes_the_same(path):
     module = run_pipeline(compile_file(str(path), F64), F64).module
-    again = compile_source(emit_tg(module), "generated.tg", F64)
+    again = compile_source(pipeline.tg_source(module, F64), "generated.tg", F64)
     inputs, dims, want = values(module)
     got = evaluate(again, inputs, dtype="f64", dims=dims)
     for name in want:

@@ -39,7 +39,6 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
       tgc grad examples/layernorm.tg --of loss --wrt x --mode fwd
     """
     from tgc.autodiff.gradient import GradientModule
-    from tgc.frontend.emit_tg import emit_tg
     from tgc.manager import run_passes
 
     options = Options(dtype=dtype, import_dirs=tuple(import_dirs))
@@ -47,5 +46,6 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
     check_outputs([("the output", output)], sources(loaded.files))
     module = run_passes(loaded.module, (GradientModule(" ".join(dict.fromkeys(wrt)), of, mode),), options)
     module = run_passes(pipeline.lower(module, options).module, ("drop_unread_args",), options)
-    text = emit_tg(module) if emit == "tg" else print_module(module)
+    text = pipeline.tg_source(module, options) if emit == "tg" else print_module(module)
     write_output(output, text)
+
