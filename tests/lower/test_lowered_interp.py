@@ -49,8 +49,21 @@ def test_every_program_at_every_lowering_stage_runs_to_the_interpreters_values(p
     m, opts = optimized(path.read_text(), str(path), dtype)
     x = random_inputs(m, m.bind_dims({d: 3 for d in m.symbolic_dims()}), 0, dtype)
     want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
-    stages = STAGES if dtype == "f64" else ("plan",)
-    for stage in stages:
+    if dtype == "f32":   # summation orders differ: each within 10x the interpreter's own error
+        wide = {k: v.astype(np.float64) if v.dtype == np.float32 else np.copy(v) for k, v in x.items()}
+        truth = evaluate(m, wide, dtype="f64")
+        got = run_lowered(lower_module(m, opts), {k: np.copy(v) for k, v in x.items()})
+        assert set(got) == set(want)
+        for k, w in want.items():
+            real = np.isfinite(truth[k])   # where the exact step is a number (random AdamW states make NaNs)
+            np.testing.assert_array_equal(np.isfinite(got[k]), real, err_msg=k)
+            t = truth[k][real]
+            scale = max(1.0, float(np.max(np.abs(t), initial=0.0)))
+            own = float(np.max(np.abs(np.asarray(w)[real] - t), initial=0.0))
+            err = float(np.max(np.abs(np.asarray(got[k])[real] - t), initial=0.0))
+            assert err <= 10 * own + 2e-5 * scale, (k, err, own)
+        return
+    for stage in STAGES:
         low = lower_module(m, opts, stop_after=stage)
         compare(run_lowered(low, {k: np.copy(v) for k, v in x.items()}), want, dtype)
 

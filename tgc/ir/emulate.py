@@ -36,7 +36,8 @@ from tgc.ir.values import TensorType, Value
 from tgc.options import Options
 
 # ops whose value on f32 operands is always an f32 (a selection, a copy, a comparison)
-_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random", "custom", "slot"})
+_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "random", "custom", "slot",
+                        "loopvar"})
 _EXACT_FNS = frozenset({"max", "min", "abs", "sign", "where", "lt", "le", "gt", "ge", "eq", "ne", "round32"})
 
 
@@ -50,15 +51,16 @@ def _exact(v: Value) -> bool:
 
 def emulate_f32(module: Module) -> Module:
     """The f64 module whose values are the f32 module's, each rounded to f32."""
-    memo: dict[int, Value] = {}
-    for v in module.values():
-        ops = tuple(memo[id(o)] for o in v.operands)
+    def emulated(v: Value, ops: tuple[Value, ...]) -> Value:
         attrs = (float(np.float32(v.attrs[0])),) if v.op == "const" else v.attrs
         if v.op == "random" and v.dtype == "f32":
             attrs = attrs[:2] + ("f32",)   # f32 draws, held exactly in f64
         dtype = "f64" if v.dtype == "f32" else v.dtype
         new = Value.make(v.op, ops, attrs, TensorType(dtype, v.edges), v.loc)
-        memo[id(v)] = new if dtype != "f64" or _exact(v) else V.map_("round32", new)
+        return new if dtype != "f64" or _exact(v) else V.map_("round32", new)
+
+    memo: dict[int, Value] = {}
+    V.rebuild_through_loops(module.values(), emulated, memo)   # every loop's step too
     out = module.replace_values(memo)
     out.args = {n: replace(a, dtype="f64") if a.dtype == "f32" else a for n, a in module.args.items()}
     return out

@@ -51,16 +51,26 @@ from tgc.ir.passes import Pass
 from tgc.ir.values import TensorType, Value
 from tgc.options import Options
 
-_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop"})
+_EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "loopvar"})
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
 def has_low(module: Module, fp: str = "f32") -> bool:
-    """Whether any value or argument of the module is of a type narrower than `fp` (bf16,
-    f16; f32 too when `fp` is f64)."""
+    """Whether any value (in a loop's step too) or argument of the module is of a type
+    narrower than `fp` (bf16, f16; f32 too when `fp` is f64), or converts to one."""
     held = narrower(fp)
-    return (any(a.dtype in held for a in module.args.values())
-            or any(v.dtype in held for v in module.values()))
+
+    def low(values, seen: set) -> bool:
+        for v in values:
+            if v.dtype in held or (v.op == "map" and CONVERSIONS.get(v.attrs[0]) in held):
+                return True
+            if v.op == "loop" and id(v.attrs[0]) not in seen:   # a loop's step too
+                seen.add(id(v.attrs[0]))
+                if low(V.topo_order(v.attrs[0].results), seen):
+                    return True
+        return False
+
+    return any(a.dtype in held for a in module.args.values()) or low(module.values(), set())
 
 
 _WEAK_IN = frozenset({"add", "contract", "map", "reduce", "scatter"})
@@ -157,19 +167,16 @@ def emulate_low(module: Module, fp: str) -> Module:
     widens each element as it loads it; an f32 argument of an f64 program is held in
     f64 (the runtime rounds the caller's values to f32 as it converts them)."""
     held = narrower(fp)
-    memo: dict[int, Value] = {}
-    for v in module.values():
-        ops = tuple(memo[id(o)] for o in v.operands)
+
+    def emulated(v: Value, ops: tuple[Value, ...]) -> Value:
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
-            memo[id(v)] = _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
-            continue
+            return _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
         if v.dtype not in held or v.op == "arg":
             # i32; the program's float type (an f64 value of an f32 program too: lowering
             # holds every float in fp); a bf16/f16 argument keeps its type: its buffer may
             # hold 2-byte elements (tgc.lower.narrow), and every op reading it is computed
             # in fp (its result type), as in the source
-            memo[id(v)] = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
-            continue
+            return Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
         attrs = v.attrs
         if v.op == "const":
             attrs = (float(round_to(v.attrs[0], v.dtype)),)
@@ -180,7 +187,10 @@ def emulate_low(module: Module, fp: str) -> Module:
         # of a wider type (weak: `where(c, x, 0.1)` of an f32 x, made by the optimizer's folding)
         exact = ((_exact(v) and not any(o.op == "const" and o.dtype != v.dtype for o in v.operands))
                  or (v.op == "random" and v.dtype == "f32"))
-        memo[id(v)] = new if exact else V.map_(rounding(v.dtype), new)
+        return new if exact else V.map_(rounding(v.dtype), new)
+
+    memo: dict[int, Value] = {}
+    V.rebuild_through_loops(module.values(), emulated, memo)   # every loop's step too
     out = module.replace_values(memo)
     # an output's declared type, where its value is now held in fp (`tgc.lower.narrow`
     # may then store a bf16/f16 one in 2 bytes; an f32 output holding bf16 values stays f32)

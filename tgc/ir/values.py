@@ -625,6 +625,34 @@ def rebuild(roots: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Val
     return memo
 
 
+def rebuild_through_loops(values: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Value],
+                          memo: dict[int, Value], bodies: dict | None = None) -> None:
+    """Fill `memo[id(v)]` for each of `values` (operands first) with `fn(v, its new
+    operands)`; a loop's body is rebuilt the same way first (its `loopvar` parameters
+    through `fn` too, once per body), so that a per-value transform (a type emulation)
+    reaches every step. A loop whose rebuilt body no longer fits its operands or its
+    carries (`IRError`) keeps its old body."""
+    bodies = {} if bodies is None else bodies
+    for v in values:
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if v.op != "loop":
+            memo[id(v)] = fn(v, ops)
+            continue
+        body = v.attrs[0]
+        if body not in bodies:
+            inner: dict[int, Value] = {}
+            rebuild_through_loops(topo_order(list(body.params) + list(body.results)), fn, inner, bodies)
+            try:
+                bodies[body] = loop_body([inner[id(p)] for p in body.params], [inner[id(r)] for r in body.results],
+                                         body.carries, body.slices)
+            except IRError:
+                bodies[body] = body
+        try:
+            memo[id(v)] = loop(bodies[body], v.attrs[1], ops, v.attrs[3], v.attrs[2], v.loc)
+        except IRError:
+            memo[id(v)] = loop(body, v.attrs[1], ops, v.attrs[3], v.attrs[2], v.loc)
+
+
 def rebuild_same(v: Value, operands: tuple[Value, ...]) -> Value:
     """`v` with new operands, its op and attributes unchanged (types re-derived)."""
     if operands == v.operands:
