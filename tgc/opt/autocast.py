@@ -29,6 +29,7 @@ from tgc.ir.module import Module
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.options import Options
 from tgc.ir.passes import Pass
+from tgc.opt.rewrite import map_bodies
 from tgc.opt.stats import rep_sizes, value_flops
 
 _KEEP_OPS = ("const", "size", "indicator")
@@ -51,7 +52,8 @@ def is_matmul(v: Value) -> bool:
 
 def autocast(module: Module, dtype: str, min_flops: int = 0, rep: int = 64) -> Module:
     """The module with every matrix product of at least `min_flops` FLOPs (symbolic
-    dims at `rep`) getting its operands converted to `dtype`."""
+    dims at `rep`) getting its operands converted to `dtype`, in every loop's step too."""
+    module = map_bodies(module, lambda step: autocast(step, dtype, min_flops, rep))
     sizes = rep_sizes(module, rep)
     memo: dict[int, Value] = {}
     for v in topo_order(module.roots()):
