@@ -176,3 +176,27 @@ def report(case: Case, backend: str, results: list[Result]) -> str:
         lines.append(f"  {'ok  ' if r.passed else 'FAIL'} {r.name}: tgc_err {r.tgc_err:.3g}, "
                      f"torch_err {r.torch_err:.3g}" + (f"  {r.where}" if r.where else ""))
     return "\n".join(lines)
+
+
+def case_registry(cases: list) -> Callable:
+    """`case(id, src, inputs, elementwise=False)`: a decorator that registers its reference
+    function as a `Case` in `cases`."""
+    def case(id, src, inputs, elementwise=False):
+        def register(ref):
+            cases.append(Case(id, src, inputs, ref, elementwise))
+            return ref
+        return register
+    return case
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+def assert_not_worse_than_torch(case: Case, backend: str) -> None:
+    """tgc's f32 outputs of `case` on `backend` within 10x PyTorch f32's error (`ok`),
+    something compared."""
+    results = compare(case, backend)
+    text = report(case, backend, results)
+    assert not all(r.vacuous for r in results), f"PyTorch f32 is inf everywhere: nothing compared\n{text}"
+    assert all(r.passed for r in results), "tgc f32 is worse than 10x PyTorch f32\n" + text

@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-from numerics_util import BACKENDS, Case, compare, elementwise_err, normwise_err, ok, report  # noqa: E402
+from numerics_util import BACKENDS, Case, assert_not_worse_than_torch, case_registry, elementwise_err, normwise_err, ok, rng  # noqa: E402
 
 # torch.func and F.gelu's double backward call torch.jit.script internally (torch 2.13)
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -58,16 +58,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated
 CASES: list[Case] = []
 
 
-def case(id, src, inputs, elementwise=False):
-    """Decorator: register the reference function as a case."""
-    def register(ref):
-        CASES.append(Case(id, src, inputs, ref, elementwise))
-        return ref
-    return register
-
-
-def rng(seed):
-    return np.random.default_rng(seed)
+case = case_registry(CASES)
 
 
 def leaf(t):
@@ -1051,7 +1042,4 @@ def _params():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("c", _params())
 def test_f32_not_worse_than_torch(c, backend):
-    results = compare(c, backend)
-    text = report(c, backend, results)
-    assert not all(r.vacuous for r in results), f"PyTorch f32 is inf everywhere: nothing compared\n{text}"
-    assert all(r.passed for r in results), "tgc f32 is worse than 10x PyTorch f32\n" + text
+    assert_not_worse_than_torch(c, backend)

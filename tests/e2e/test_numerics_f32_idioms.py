@@ -32,23 +32,14 @@ import torch.nn.functional as F  # noqa: E402
 TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-from numerics_util import BACKENDS, Case, compare, report  # noqa: E402
+from numerics_util import BACKENDS, Case, assert_not_worse_than_torch, case_registry, compare, rng  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 CASES: list[Case] = []
 
 
-def case(id, src, inputs, elementwise=False):
-    """Decorator: register the reference function as a case."""
-    def register(ref):
-        CASES.append(Case(id, src, inputs, ref, elementwise))
-        return ref
-    return register
-
-
-def rng(seed):
-    return np.random.default_rng(seed)
+case = case_registry(CASES)
 
 
 def normal(seed, shape, scale=1.0, mean=0.0):
@@ -489,10 +480,7 @@ def test_distinct_case_ids():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
 def test_f32_idiom_not_worse_than_torch(c, backend):
-    results = compare(c, backend)
-    text = report(c, backend, results)
-    assert not all(r.vacuous for r in results), f"PyTorch f32 is inf everywhere: nothing compared\n{text}"
-    assert all(r.passed for r in results), "tgc f32 is worse than 10x PyTorch f32\n" + text
+    assert_not_worse_than_torch(c, backend)
 
 
 def _table(backends):
