@@ -17,13 +17,17 @@ Two tables, read by every stage that needs to know something about an op:
   has a vector-math implementation (`tgc.backends.cpu.vecmath`), or which stage
   removes it before any backend sees it.
 
-Each backend keeps its own small table of expression templates keyed by these names
-(`tgc.backends.cpu.elementwise.EMITTERS`, `tgc.backends.cuda.codegen.TEMPLATES`),
-and a test checks that every function here has a template in every backend or is
-removed before backends (`lowered_by`) or is listed as not built there yet.
+The backends' elementwise tables are read from here. The CUDA one
+(`tgc.backends.cuda.codegen.TEMPLATES`) is derived by rule: every function that reaches
+backends calls the device function `tgc_{name}` of `tgc_ops.cuh`. The CPU emits a
+vector-math function (`Fn.vecmath`) through `tgc.backends.cpu.vecmath` and the others
+through `tgc.backends.cpu.elementwise.EMITTERS`. A test checks that every function here
+is built by every backend, removed before backends (`lowered_by`), or listed as not
+built there yet.
 
 Adding an elementwise function is one `Fn` entry here, its derivative rule
-(`tgc.autodiff.rules.RULES`) and one template per backend.
+(`tgc.autodiff.rules.RULES`), its CPU emitter (an `EMITTERS` entry, or the vector-math
+table) and its `tgc_{name}` device function in `tgc_ops.cuh`.
 
 Nothing here computes anything at import beyond building the tables; the tables are
 finite, so every walk over them terminates. This module imports only numpy and
