@@ -17,13 +17,18 @@ Two tables, read by every stage that needs to know something about an op:
   has a vector-math implementation (`tgc.backends.cpu.vecmath`), or which stage
   removes it before any backend sees it.
 
-Each backend keeps its own small table of expression templates keyed by these names
-(`tgc.backends.cpu.elementwise.EMITTERS`, `tgc.backends.cuda.codegen.TEMPLATES`),
-and a test checks that every function here has a template in every backend or is
-removed before backends (`lowered_by`) or is listed as not built there yet.
+The backends' elementwise tables are read from here. The CUDA one
+(`tgc.backends.cuda.codegen.TEMPLATES`) is derived by rule: every function that reaches
+backends calls the device function `tgc_{name}` of `tgc_ops.cuh`. The CPU emits a
+vector-math function (`Fn.vecmath`) through `tgc.backends.cpu.vecmath` and the others
+through `tgc.backends.cpu.elementwise.EMITTERS`, whose entries for a function
+with an `intrinsic` are derived from it. A test checks that every function here
+is built by every backend, removed before backends (`lowered_by`), or listed as not
+built there yet.
 
 Adding an elementwise function is one `Fn` entry here, its derivative rule
-(`tgc.autodiff.rules.RULES`) and one template per backend.
+(`tgc.autodiff.rules.RULES`), its CPU emitter (an `EMITTERS` entry, or the vector-math
+table) and its `tgc_{name}` device function in `tgc_ops.cuh`.
 
 Nothing here computes anything at import beyond building the tables; the tables are
 finite, so every walk over them terminates. This module imports only numpy and
@@ -88,6 +93,7 @@ class Fn:
     bound: float | None = None        # an upper bound whatever the operand
     increasing: Callable | None = None  # a non-decreasing scalar function: the bound of f(x) is f(bound x)
     vecmath: bool = False             # the CPU backend has it in vector math (tgc.backends.cpu.vecmath)
+    intrinsic: str = ""               # the LLVM intrinsic `llvm.<name>` the CPU calls for it ('' if none)
     lowered_by: str = ""              # the stage that removes it before backends ('' if backends see it)
 
 
@@ -140,7 +146,7 @@ _FNS: list[Fn] = [
     Fn("expm1", 1, np.expm1, "e^x - 1, accurate for small x", surface=True, cost="heavy",
        finite="overflow", sign="keep", increasing=math.expm1, vecmath=True),
     # simple functions
-    Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg"),
+    Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg", intrinsic="fabs"),
     Fn("sign", 1, np.sign, "-1, 0 or 1 (NaN for NaN)", surface=True, exact=True, finite="always",
        bound=1.0),
     # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably through exp(-|x|). Cost class
@@ -152,8 +158,10 @@ _FNS: list[Fn] = [
     Fn("div", 2, np.divide, "a / b", infix="/", cost="light", finite="rule", sign="rule"),
     Fn("pow", 2, _safe_pow, "a ^ b (numpy's power on floats)", infix="^", cost="heavy", finite="rule",
        sign="rule"),
-    Fn("max", 2, np.maximum, "the larger (NaN if either is)", surface=True, exact=True, sign="select"),
-    Fn("min", 2, np.minimum, "the smaller (NaN if either is)", surface=True, exact=True, sign="select"),
+    Fn("max", 2, np.maximum, "the larger (NaN if either is)", surface=True, exact=True, sign="select",
+       intrinsic="maximum"),
+    Fn("min", 2, np.minimum, "the smaller (NaN if either is)", surface=True, exact=True, sign="select",
+       intrinsic="minimum"),
     *(Fn(n, 2, _CMP_NP[n], f"1 where a {_CMP_DOC[n]} b, else 0", infix=_CMP_DOC[n], exact=True, finite="always",
          sign="nonneg", bound=1.0) for n in _CMP_DOC),
     Fn("mul0", 2, lambda a, b: np.where(a == 0, 0, a * b),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from tgc.backends.cpu.vecmath import declare_math
-from tgc.ir.ops import VECMATH   # the functions tgc.backends.cpu.vecmath computes
+from tgc.ir.ops import FNS, VECMATH   # the functions tgc.backends.cpu.vecmath computes
 
 CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 FLAGS = ("contract",)
@@ -83,18 +83,21 @@ def _round_f16(b: ir.IRBuilder, args, fp, _):
     return b.fpext(b.fptrunc(x, ir.HalfType()), fp)
 
 
+def _call_intrinsic(name: str, nargs: int):
+    return lambda b, args, fp, _: b.call(intrinsic(b, name, fp, nargs), args)
+
+
 # The CPU's template per elementwise function of tgc.ir.ops.FNS that no stage removes
 # before backends (the vector-math ones, `Fn.vecmath`, call tgc.backends.cpu.vecmath):
 # (builder, args, float type, pow's constant exponent or None) -> value.
 EMITTERS = {
-    "abs": lambda b, args, fp, _: b.call(intrinsic(b, "fabs", fp, 1), args),
+    # the functions tgc.ir.ops names an LLVM intrinsic for (abs: fabs, max: maximum, ...)
+    **{f.name: _call_intrinsic(f.intrinsic, f.arity) for f in FNS.values() if f.intrinsic},
     "sign": _sign,
     "sigmoid": lambda b, args, fp, _: emit_sigmoid(b, args[0], fp),
     "softplus": lambda b, args, fp, _: emit_softplus(b, args[0], fp),
     "div": lambda b, args, fp, _: b.fdiv(*args, flags=FLAGS),
     "pow": lambda b, args, fp, k: emit_pow(b, args[0], args[1], fp, k),
-    "max": lambda b, args, fp, _: b.call(intrinsic(b, "maximum", fp, 2), args),
-    "min": lambda b, args, fp, _: b.call(intrinsic(b, "minimum", fp, 2), args),
     **{fn: _cmp(fn) for fn in CMP},
     "mul0": _mul0,
     "mul00": _mul00,

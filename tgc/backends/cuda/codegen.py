@@ -66,6 +66,7 @@ from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.rows import RowGroup, inner_loops
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, walk, wide_sum)
+from tgc.ir.ops import FNS
 from tgc.ir.sizes import Size, SizeOp
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
@@ -75,17 +76,12 @@ C_TYPES = {"f32": "float", "f64": "double", "i32": "int", "bf16": "unsigned shor
 LOW = ("bf16", "f16")
 # the vector type of four elements and its alignment, per buffer type (vector_loop)
 VEC = {"f32": ("float4", 16), "bf16": ("ushort4", 8), "f16": ("ushort4", 8)}
-# The CUDA template per elementwise function of tgc.ir.ops.FNS: a C expression of the
-# arguments {0}, {1}, {2} (each already cast to the program's float type), calling the
-# device functions of tgc_ops.cuh. Functions missing here are refused (CudaUnsupported).
-TEMPLATES = {
-    **{fn: f"tgc_{fn}({{0}})" for fn in ("exp", "log", "sqrt", "tanh", "sin", "cos", "erf", "log1p", "expm1",
-                                         "abs", "sign", "round32", "round_bf16", "round_f16",
-                                         "sigmoid", "softplus")},
-    **{fn: f"tgc_{fn}({{0}}, {{1}})" for fn in ("pow", "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne",
-                                                "mul0", "mul00")},
-    "where": "tgc_where({0}, {1}, {2})",
-}
+# The CUDA template per elementwise function of tgc.ir.ops.FNS, derived by rule: every
+# function that reaches backends (no `lowered_by`) is the device function `tgc_{name}`
+# of tgc_ops.cuh applied to its arguments {0}, {1}, ... (each already cast to the
+# program's float type). Functions missing here are refused (CudaUnsupported).
+TEMPLATES = {f.name: f"tgc_{f.name}({', '.join(f'{{{i}}}' for i in range(f.arity))})"
+             for f in FNS.values() if not f.lowered_by}
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
