@@ -19,13 +19,14 @@ def close(got, want, rtol, atol):
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=rtol, atol=atol, err_msg=k)
 
 
+@pytest.mark.parametrize("dtype,rtol,atol", [("f64", 1e-9, 1e-11), ("f32", 1e-4, 1e-5)])
 @pytest.mark.parametrize("n", [1, 3])
-def test_cuda_sim_runs_loops_and_their_derivatives_f64(n):
+def test_cuda_sim_runs_loops_and_their_derivatives(n, dtype, rtol, atol):
     m = module(program(n), unroll_max_ops=0)
     ins = inputs(n)
     want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    prog = compile_module(m, Options(dtype="f64", unroll_max_ops=0), "cuda-sim")
-    close(prog.run({k: a.copy() for k, a in ins.items()}), want, 1e-9, 1e-11)
+    prog = compile_module(m, Options(dtype=dtype, unroll_max_ops=0), "cuda-sim")
+    close(prog.run({k: a.copy() for k, a in ins.items()}), want, rtol, atol)
 
 
 @pytest.mark.xfail(strict=True, reason="cuda unrolls every loop: no StepLoop launch loop yet (issue 31 item 3)")
