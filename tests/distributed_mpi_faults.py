@@ -53,6 +53,11 @@ def main() -> int:
     out = Path(sys.argv[1])
     for case in sys.argv[2:]:
         run(MPI.COMM_WORLD, case, out)
+    if "killed" in sys.argv[2:]:
+        # a peer is dead: MPI_Finalize at exit may wait for it forever; the reports are written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
