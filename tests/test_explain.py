@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from tgc import pipeline
 from tgc.cli import main
 from tgc.explain import explain
 from tgc.frontend import compile_source
-from tgc.lower.lowered import GemmKernel
+from tgc.lower.lowered import GemmKernel, StepLoop
 from tgc.options import Options
 from tgc.pipeline import lower_module
 
@@ -120,3 +121,22 @@ def test_a_loop_run_as_a_loop_keeps_its_carries_and_recomputes_the_rest():
     report = explain(lowered("dim n = 2\ninput x[n]\nout y = x * 2\n"), {}) | {"loops": loops}
     assert ("loop over 'layer' (5 steps): the backward pass keeps each step's incoming carry (f64[b, c], "
             "240 B in all) and recomputes the step's other") in format_explain(report, "deep.tg")
+
+
+def test_a_loop_kernel_has_a_thread_plan_and_its_steps_temporaries_count_in_the_peak(tmp_path):
+    # a wide step: its temporaries (the [b, c2] product and its tanh) outweigh the carries
+    src = DEEP.replace("b = 2, c = 3, c2 = 3", "b = 64, c = 256, c2 = 256").format(
+        size="", grad="out gw = grad(loss, w)\n")
+    low = lowered(src)
+    steps = [i for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)]
+    assert steps, "the symbolic-size loop runs as a loop"
+    report = explain(low, low.module.bind_dims({"layer": 4}), Options())
+    for i in steps:
+        row = report["kernels"][i]
+        assert row["threads"] in ("serial", "parallel", "parallel when warm")
+        assert row["step_peak"] > 0 and report["live_bytes"][i] >= row["step_peak"]
+    path = tmp_path / "deep.tg"
+    path.write_text(src)
+    r = run(path, "-D", "layer=4")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^ +k\d+ +steps .* steps reverse over layer", r.output, re.M | re.S), r.output

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from tgc.lower.cost import kernel_flops
 from tgc.opt.stats import BYTES
-from tgc.lower.lowered import GemmKernel, LoopKernel, Lowered
+from tgc.lower.lowered import GemmKernel, LoopKernel, Lowered, StepLoop
 from tgc.ir.sizes import size_eval
 from tgc.ir.values import topo_order
 
@@ -68,12 +68,13 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": sum(nbytes(n) for n in used)})
         if options is not None:
-            from tgc.backends.cpu.codegen import thread_plan
-            kernels[-1]["threads"] = thread_plan(low, k, {**_fixed_dims(low), **env}, options)
+            kernels[-1]["threads"] = _threads(low, k, {**_fixed_dims(low), **env}, options)
+        if isinstance(k, StepLoop):   # the step's own temporaries live while it runs
+            kernels[-1]["step_peak"] = explain(k.step, env)["peak"]["bytes"]
     live, at_peak, peak = [], [], -1
     for i in range(len(low.kernels)):
         alive = sorted((n for n in first if first[n] <= i <= last[n]), key=lambda n: (-nbytes(n), n))
-        total = sum(nbytes(n) for n in alive)
+        total = sum(nbytes(n) for n in alive) + kernels[i].get("step_peak", 0)
         live.append(total)
         if total > peak:
             peak, at_peak = total, [(i, alive)]
@@ -97,6 +98,15 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                       if lk.note == "recompute"],
         "recompute_note": _recompute_note(low),
     }
+
+
+def _threads(low: Lowered, k, env: dict, options) -> str:
+    """`thread_plan` of kernel `k`; for a loop, parallel when any kernel of its step is."""
+    from tgc.backends.cpu.codegen import PARALLEL, SERIAL, leaf_kernels, thread_plan
+    if not isinstance(k, StepLoop):
+        return thread_plan(low, k, env, options)
+    plans = {thread_plan(p, lk, env, options) for p, lk in leaf_kernels(k.step)}
+    return PARALLEL if PARALLEL in plans else SERIAL if plans <= {SERIAL} else sorted(plans - {SERIAL})[0]
 
 
 def _fixed_dims(low: Lowered) -> dict:
