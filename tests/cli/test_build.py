@@ -162,7 +162,9 @@ def test_exit_codes(tmp_path, monkeypatch):
     r = tgc("build", MLP, "--emit", "ir", "-o", tmp_path / "z")
     assert r.exit_code == 4
     assert r.output.startswith("internal compiler error: ZeroDivisionError: simulated bug")
-    assert "Traceback" not in r.output
+    assert "Traceback" not in r.output and "`tgc --debug ...`" in r.output   # a flag that exists
+    r = tgc("--debug", "build", MLP, "--emit", "ir", "-o", tmp_path / "z")
+    assert r.exit_code == 4 and "Traceback" in r.output
 
 
 @pytest.mark.slow

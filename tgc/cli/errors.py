@@ -85,7 +85,7 @@ def handle_errors(fn):
                 traceback.print_exc()
             first = (str(e).splitlines() or [""])[0]
             click.echo(f"internal compiler error: {type(e).__name__}: {first}", err=True)
-            click.echo("hint: rerun with --debug (or TGC_DEBUG=1) for the traceback, "
+            click.echo("hint: rerun as `tgc --debug ...` (or with TGC_DEBUG=1) for the traceback, "
                        "and report it with the input file", err=True)
             sys.exit(EXIT_INTERNAL)
 
