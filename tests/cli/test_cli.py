@@ -83,6 +83,15 @@ def test_dump_ir_after_all_and_print_ir_after():
     assert "IR after normalize" in (r.stderr if hasattr(r, "stderr") and r.stderr_bytes is not None else r.output)
 
 
+def test_dump_ir_fixes_dims_as_build_does():
+    r = tgc("dump-ir", MLP, "-D", "batch=7")
+    assert r.exit_code == 0, r.output
+    assert "dim batch = 7" in r.output.splitlines()
+    assert "dim batch = 7" not in tgc("dump-ir", MLP).output
+    r = tgc("dump-ir", MLP, "-D", "nosuchdim=2")
+    assert r.exit_code == 2 and "no dim 'nosuchdim'" in r.output
+
+
 def test_usage_errors_exit_2():
     assert tgc("dump-ir", MLP, "--after", "nosuchpass").exit_code == 2
     assert tgc("opt", "x.tgir", "-p", "nosuchpass").exit_code == 2

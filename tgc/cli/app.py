@@ -14,7 +14,7 @@ import click
 import tgc
 from tgc import pipeline
 from tgc.cli.errors import EXIT_USER, SOURCE, handle_errors, report
-from tgc.cli.flags import AUTOCAST, BACKEND, FP_STRICT
+from tgc.cli.flags import AUTOCAST, BACKEND, DIM_FLAGS, FP_STRICT, dims_option
 from tgc.cli.interrupt import interrupted_exits
 from tgc.cli.outputs import check_outputs, sources, write_output
 from tgc.ir.diag import CompileError, Loc, did_you_mean
@@ -245,9 +245,10 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "json"]), default="text", show_default=True,
               help="text: the IR (readable back by `tgc opt`); dot: Graphviz of the tensor network; json: for tools.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
+@dims_option("Fix a symbolic dim first, as `tgc build -D` does", "defines")
 @pipeline_options
 @handle_errors
-def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) -> None:
+def dump_ir(file, after, after_all, locs, fmt, output, defines=(), backend="cpu", **opts) -> None:
     """Print FILE's IR after the pipeline (or after one pass).
 
     \b
@@ -256,7 +257,11 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
       tgc dump-ir examples/mlp.tg --after adjoint -o mlp.tgir
       tgc dump-ir examples/mlp.tg --format dot | dot -Tsvg > mlp.svg
       tgc dump-ir examples/mlp.tg --after plan --backend cuda
+      tgc dump-ir examples/gpt2.tg --after plan -D layer=2 -D head=2 -D hd=16 -D t=16 -D vocab=50
     """
+    from tgc.manager import run_passes
+    from tgc.opt.dims import FixDims
+
     options = make_options(**opts, locs=locs)
     names, stage = _stages_until(after, options, backend)
     if fmt != "text" and (after_all or stage is not None):
@@ -265,6 +270,11 @@ def dump_ir(file, after, after_all, locs, fmt, output, backend="cpu", **opts) ->
     loaded = pipeline.load_program(file, options)
     check_outputs([("the output", output)], sources(loaded.files))
     module = loaded.module
+    if defines:
+        try:
+            module = run_passes(module, (FixDims.of(defines),), options)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     chunks: list[str] = []
 
     def collect(banner: str, text: str) -> None:
