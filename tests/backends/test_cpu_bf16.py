@@ -1,5 +1,5 @@
 """bf16/f16 storage in the CPU backend's kernels (tgc/lower/narrow.py) and its GEMMs
-on bf16 operands (tgc/backends/cpu/gemm_operands.py, gemm.bf16_kernel).
+on bf16 operands (tgc/backends/cpu/gemm_operands.py, gemm_bf16.bf16_kernel).
 
 The invariant of storage: a 2-byte buffer holds only values of its type, so storing
 them narrow and widening them on load changes no bit. The oracle is the same program
@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 import tgc
-from tgc.backends.cpu.gemm import bf16_product
+from tgc.backends.cpu.gemm_dispatch import bf16_product
 from tgc.backends.cpu.llvm_env import has_feature
 from tgc.backends.cpu.options import CpuOptions
 from tgc.frontend import compile_source

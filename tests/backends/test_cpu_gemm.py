@@ -183,14 +183,14 @@ def test_convolution_shifted_gemms(dtype, sizes):
 
 def test_packs_b_names_the_helper_every_gemm_calls():
     """The first unit makes the small-tile helpers before any GEMM is generated
-    (`gemm.packs_b`); it must name the one `GemmGen` calls, for every layout."""
+    (`gemm_dispatch.packs_b`); it must name the one `GemmGen` calls, for every layout."""
     import glob
     from pathlib import Path
 
     import llvmlite.ir as ir
 
     from tgc import pipeline
-    from tgc.backends.cpu import gemm
+    from tgc.backends.cpu import gemm, gemm_dispatch
     from tgc.backends.cpu.irutil import Frame
     from tgc.lower.lowered import GemmKernel
     from tgc.pipeline import lower_module
@@ -205,8 +205,8 @@ def test_packs_b_names_the_helper_every_gemm_calls():
                 g = gemm.GemmGen(ir.Module(), low, k, f"k{i}", ir.FloatType(), opts)
                 f = Frame(g.fn, low.module, g.fn.args[0], low.edges)
                 _, b, _ = g.operands(f, g.views(f))
-                assert gemm.packs_b(low, k) == (not b.col_unit), (path, i)
-                seen.add(gemm.packs_b(low, k))
+                assert gemm_dispatch.packs_b(low, k) == (not b.col_unit), (path, i)
+                seen.add(gemm_dispatch.packs_b(low, k))
     assert seen == {True, False}
 
 

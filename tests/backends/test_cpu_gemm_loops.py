@@ -1,6 +1,6 @@
 """GEMMs without BLAS (`CpuOptions(blas="none")`, what `tgc build`'s default libraries
 run when their caller passes no BLAS): every tile too large for the small-tile
-loops runs the blocked loops (`gemm.loops_kernel`) instead of cblas.
+loops runs the blocked loops (`gemm_small.loops_kernel`) instead of cblas.
 
 The JIT passes no BLAS in its function table with "none", so a product that still
 called cblas would jump to a null pointer: these runs show the loops cover every

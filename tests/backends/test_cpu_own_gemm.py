@@ -139,7 +139,7 @@ def test_kernel_sums_each_k_block_in_order_with_fused_multiply_adds(kernels):
 @pytest.mark.parametrize("blocks", [(4, 4, 64), (8, 2, 256)])
 def test_variants_form_runs_each_product_over_its_own_k(blocks):
     """The own kernel runs several products on one packed B (a 1-D
-    convolution's kernel gradient, one per tap: gemm.shared_b_batch): product v is
+    convolution's kernel gradient, one per tap: gemm_dispatch.shared_b_batch): product v is
     C + c_off[v] += (A + a_off[v]) B over K in [k_lo[v], k_hi[v]), each of the
     call's K blocks cut to that range. Bit for bit against those sums done in
     numpy, including a last block of columns the 4 x 4 kernel hands to the 8 x 2
@@ -186,7 +186,7 @@ def test_variants_form_runs_each_product_over_its_own_k(blocks):
 
 @pytest.mark.parametrize("depth", [256, 64])
 def test_taps_form_sums_every_tap_in_one_call(depth):
-    """`own_kernel(taps=True)` (gemm.taps_in_one_call): C = the sum over taps t of
+    """`own_kernel(taps=True)` (gemm_dispatch.taps_in_one_call): C = the sum over taps t of
     (A + a_off[t]) (B + b_off[t]) over t's columns [q_lo, q_hi) and K [k_lo, k_hi),
     every element written (zeros where no tap reaches). Per K block (the taps share
     the block's buffer) the element is one chain of fused multiply-adds, tap by tap,
@@ -350,7 +350,7 @@ def test_shared_b_batch_takes_the_taps_the_packed_operand_does_not_read():
     B') shares B' along k; its output product (B' = x shifted by the tap) and its
     input gradient (batched 32 times: one task per signal) share nothing; nor does
     a product whose batch size is symbolic."""
-    from tgc.backends.cpu.gemm import shared_b_batch
+    from tgc.backends.cpu.gemm_dispatch import shared_b_batch
     from tgc.lower.lowered import GemmKernel
 
     src = (ROOT / "benchmarks/workloads/conv1d.tg").read_text()
@@ -416,7 +416,7 @@ def test_taps_in_one_call_where_shifts_move_b_columns_or_k():
     B' after the flip) run all 5 taps in one call; its kernel gradient shares B'
     instead; with the taps' count symbolic, none does. conv2d's input gradient (3
     taps) does too."""
-    from tgc.backends.cpu.gemm import taps_in_one_call
+    from tgc.backends.cpu.gemm_dispatch import taps_in_one_call
     from tgc.lower.lowered import GemmKernel
 
     opts = Options(dtype="f32").with_(own_gemm="on")

@@ -64,8 +64,10 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, parallel, sizecheck
-from tgc.backends.cpu.gemm import (GemmGen, bf16_kernel, bf16_kinds, bf16_product, loops_kernel, packs_b,
-                                   small_kernel, taps_in_one_call, uses_own_gemm)
+from tgc.backends.cpu.gemm import GemmGen
+from tgc.backends.cpu.gemm_bf16 import bf16_kernel
+from tgc.backends.cpu.gemm_dispatch import bf16_kinds, bf16_product, packs_b, taps_in_one_call, uses_own_gemm
+from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel
 from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count

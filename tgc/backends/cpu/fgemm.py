@@ -1,5 +1,5 @@
 """The generated f32 GEMM (AVX-512): tgc's own register-blocked kernel for the tiles
-that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm.uses_own_gemm`).
+that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm_dispatch.uses_own_gemm`).
 
     void tgc.gemm.own.f32.bR.vV(i64 M, i64 N, i64 K, float* A, i64 sAm, i64 sAk,
                                 float* B, i64 sBk, i64 sBn, float* C, i64 ldc, i32 accumulate,
@@ -21,11 +21,11 @@ transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is ha
 
 The kernel takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more: nv
 products sharing B (offsets into A and C, a range of K each; a plain product is one
-of them), every block of B packed once for all of them (`gemm.shared_b_batch` says
+of them), every block of B packed once for all of them (`gemm_dispatch.shared_b_batch` says
 which products share one). The
 `.taps` form takes `i64 nt, i64* a_off, i64* b_off, i64* q_lo, i64* q_hi, i64* k_lo,
 i64* k_hi` more: C = the sum over nt taps, each with its own A and B, columns and K
-(`gemm.taps_in_one_call`); the accumulators stay in registers across the taps.
+(`gemm_dispatch.taps_in_one_call`); the accumulators stay in registers across the taps.
 
 An implicit GEMM (implicit.py) gets its own copy, which packs its window operand
 (`Window`) from the window's source instead of reading a stored buffer: B' block by

@@ -3,7 +3,7 @@
 After `narrow` (tgc/lower/narrow.py), a GEMM may read a bf16 or f16 buffer. The CPU
 backend has two kinds of real GEMM:
 
-- the bf16 GEMM (`gemm.bf16_kernel`: AVX-512 BF16's `vdpbf16ps`, products of bf16
+- the bf16 GEMM (`gemm_bf16.bf16_kernel`: AVX-512 BF16's `vdpbf16ps`, products of bf16
   pairs summed in f32), for a product of two bf16 operands in an f32 program, without
   taps or shifts, of at least `options.cpu.bf16_gemm_min_flops` flops summed over at
   least `options.cpu.bf16_gemm_min_k` elements (its packing, per call, costs more than
@@ -108,7 +108,7 @@ def read_rounded_sources(low: Lowered, options: Options) -> None:
     and S's order is a matrix for the GEMM; the rounding kernel and the temporary go.
     The GEMMs multiply the same bf16 values, so the stage stays exact; it saves the
     rounding loop's pass over S and the stores and loads of its 2-byte copy."""
-    from tgc.backends.cpu.gemm import _forms
+    from tgc.backends.cpu.gemm_dispatch import operand_forms
 
     if not options.cpu.bf16_gemm_rounds:
         return
@@ -139,7 +139,7 @@ def read_rounded_sources(low: Lowered, options: Options) -> None:
             k = replace(k, a=View(src, k.a.edges) if k.a.buf == name else k.a,
                         b=View(src, k.b.edges) if k.b.buf == name else k.b, rounded=rounded)
             try:
-                _forms(low, k)
+                operand_forms(low, k)
             except ValueError:   # S's order is no matrix for this product
                 break
             new[j] = k

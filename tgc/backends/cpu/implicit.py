@@ -20,7 +20,7 @@ A copy `g` qualifies when it writes a temporary with no reduction, scatter,
 epilogue or bounds, at the identity index over exactly its loops, in the program's
 f32, its body a load of an f32 buffer at affine indices, masked or not; every reader
 of its buffer is a real f32 GEMM without taps or shifts on that buffer that reads it
-once and may run the own kernel (`gemm.uses_own_gemm`), whose window operand is the
+once and may run the own kernel (`gemm_dispatch.uses_own_gemm`), whose window operand is the
 normalized product's B' with its columns contiguous or its A' with its K contiguous
 (as `layout` stores the window buffer for BLAS); the source's innermost edge is read
 at `run + c + ...` (`run`: the buffer's innermost loop) and no other source edge or
@@ -216,7 +216,7 @@ def _fits_i32(low: Lowered, ix: Ix) -> bool:
 
 
 def _reader_ok(low: Lowered, k, window: str, g: LoopKernel, options: Options) -> bool:
-    from tgc.backends.cpu.gemm import uses_own_gemm
+    from tgc.backends.cpu.gemm_dispatch import uses_own_gemm
 
     if not isinstance(k, GemmKernel) or k.cplx is not None or k.taps and any(
             t in _cond_vars(g) for t in k.taps):

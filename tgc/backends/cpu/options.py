@@ -43,7 +43,7 @@ class CpuOptions:
     bf16_gemm_min_flops: int = 1 << 20       # ... for products of at least these flops (symbolic dims at rep_size); smaller ones run sgemm on f32 (the kernel's packing, per call, costs more than it saves)
     bf16_gemm_min_k: int = 64                # ... and summed over at least this many elements (symbolic dims at rep_size): GPT's 704 x 192 x 48 products (K = 48) took 0.37 Mcycles as bf16 GEMMs, 0.20 with sgemm; its K = 192 and K = 704 ones 0.12-0.18 against 0.21-0.30
     bf16_gemm_rounds: bool = False           # a bf16 GEMM reads an operand that is a whole f32 buffer rounded to bf16 (autocast's weights, inputs, products) from the f32 buffer, rounding as it packs, instead of a rounded 2-byte copy written by a loop of its own (backends/cpu/gemm_operands.py); off: on the MLP benchmark its f32 gathers made the forward GEMM 15.5 Mcycles against 11.0 after a rounding loop of 0.3
-    own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas); gemm.uses_own_gemm
+    own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas); gemm_dispatch.uses_own_gemm
     own_gemm_min_depth: int = 256            # ... for tiles summing at least this many terms ...
     own_gemm_min_cols: int = 512             # ... or with at least this many columns of C' (the normalized product) ...
     own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)

@@ -1,0 +1,164 @@
+"""Which kernel a GEMM cell's tiles may run, decided from the lowered program and the
+options before any code is generated: tgc's own f32 kernel (`uses_own_gemm`,
+fgemm.py), the bf16 kernel (`bf16_product`, `bf16_kinds`: gemm_bf16.py), the packing
+small-tile helper (`packs_b`: gemm_small.py), one call of the own kernel for the
+products of a batch sharing B' (`shared_b_batch`) or for all taps (`taps_in_one_call`;
+both gemm_taps.py). `GemmGen` (gemm.py) makes the calls these allow, and codegen
+compiles only the kernels they name. `operand_forms` reads each operand's and the
+result's matrix form, which every decision starts from.
+"""
+from __future__ import annotations
+
+from tgc.backends.cpu.fgemm import MAX_TAPS
+from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
+from tgc.options import Options
+
+OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
+BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
+
+
+def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
+    """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
+    than cblas: a real f32 product of f32 operands whose A' (the normalized product's
+    left operand) has its K contiguous, `options.cpu.own_gemm` "on", or "auto" where
+    the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes to it when
+    it has at least `own_gemm_min_cols` columns of C', or sums at least
+    `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
+    narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
+    while its blocks are packed; OpenBLAS streams a larger one from memory better).
+    Measured on the 2-core Zen 5 (one thread, min of 200 calls of one product, its
+    operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
+    image) 183 / 166, 96 x 1024 x 64 182 / 144, 288 x 64 x 1024 with B' transposed
+    (conv2d's kernel gradient) 207-220 / 179-193, 178 x 64 x 1024 199 / 160, 178 x
+    192 x 256 202 / 172; but with 64 terms 178 x 64 x 64 133 / 202, 64 x 192 x 64
+    130 / 205, and 1024^3 179 / 181. Inside conv2d, whose output product reads a
+    1.2 MB window per image from memory, OpenBLAS was faster (11.1 against 12.9
+    Mcycles), hence the bound on B'. What the layout fixes (contiguity; C' columns
+    and K of fixed size) is checked here, so a program whose products can never run
+    the kernel does not compile it; the tile sizes at run time."""
+    mode = options.cpu.own_gemm
+    if mode == "off" or k.cplx is not None or low.dtype != "f32":
+        return False
+    if any(low.buffers.get(n) is None or low.buffers[n].dtype != "f32" for n in (k.a.buf, k.b.buf)):
+        return False
+    if any(k.rounded):   # a bf16 GEMM rounding f32 operands as it packs (gemm_operands)
+        return False
+    if window:   # an implicit GEMM (implicit.py checks its operands): any shape
+        return mode == "on" or _has_avx512()
+    f = operand_forms(low, k)
+    flip = not f["c"][2]
+    if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
+        return False
+    cols, depth = _fixed_count(low, f["c"][1] if not flip else f["c"][0]), _fixed_count(low, f["a"][1])
+    if cols is not None and cols < options.cpu.own_gemm_min_cols and (
+            cols < OWN_COLS or depth is not None and depth < options.cpu.own_gemm_min_depth):
+        return False
+    return mode == "on" or _has_avx512()
+
+
+def _has_avx512() -> bool:
+    from tgc.backends.cpu.llvm_env import has_feature
+
+    return has_feature("avx512f")
+
+
+def operand_forms(low: Lowered, k: GemmKernel) -> dict:
+    """Each operand's and the result's `matrix_form` (in its buffer's order)."""
+    ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
+    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order), cb.order))
+    fa, fb, fc = (matrix_form(o, r, c) if o is not None else None
+                  for o, r, c in ((va, k.m, k.k), (vb, k.k, k.n), (vc, k.m, k.n)))
+    for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
+        if form is None:
+            raise ValueError(f"internal: GEMM {what} is not a matrix")
+    return {"a": fa, "b": fb, "c": fc}
+
+
+def bf16_product(low: Lowered, k: GemmKernel) -> bool:
+    """Whether `k` is a bf16 product (the `gemm_operands` stage chose it): each operand
+    a bf16 buffer, or an f32 one rounded to bf16 as it is read (`k.rounded`)."""
+    return k.cplx is None and all(low.buffers[v.buf].dtype == "bf16" or r for v, r in zip((k.a, k.b), k.rounded))
+
+
+def bf16_kinds(low: Lowered, k: GemmKernel) -> set[tuple[bool, bool]]:
+    """The bf16 kernels (`rounds` per operand of the normalized product) `k` calls."""
+    if not bf16_product(low, k):
+        return set()
+    flip = not operand_forms(low, k)["c"][2]
+    return {tuple(reversed(k.rounded)) if flip else tuple(k.rounded)}
+
+
+def packs_b(low: Lowered, k: GemmKernel) -> bool:
+    """Whether the product's small tiles pack B' (its columns are not contiguous):
+    which small-tile helper it calls (see `GemmGen.operands`)."""
+    f = operand_forms(low, k)
+    return f["a"][2] if not f["c"][2] else not f["b"][2]
+
+
+def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, ...]:
+    """The batch edges of an accumulating product whose tasks each take the whole of,
+    so that one call of the own kernel (fgemm: products sharing B) runs the
+    products along them on one packed B': the edges B' does not depend on (not in
+    its buffer, not in its shifts), where every shift they move clips K (never a
+    tile's rows or columns), the batch has fixed sizes and fewer than BATCH_TASKS
+    indices (a product tiled by rows and columns), and the own kernel may run it.
+    Without it, a 1-D convolution's kernel gradient (5 taps of 64 x 64 x 1024 per
+    signal, the input transposed as B') packs each signal 5 times, 40% of its time on
+    one thread. Each call's K blocks are cut to each product's range, so where they
+    fall depends on the sizes only, never on the thread count."""
+    if not k.accumulates() or not uses_own_gemm(low, k, options):
+        return ()
+    f = operand_forms(low, k)
+    packed = _packed_role(f)
+    view = k.b if packed == "b" else k.a
+    order = low.buffers[view.buf].order
+    reads = {ve for ve, be in view.edges if be in order}
+    reads |= {atom for role, _, ix in k.shifts if role == packed for atom, _ in ix.terms}
+    edges = tuple(e for e in k.batch if e not in reads)
+    if not edges:
+        return ()
+    if any(e != f["a"][1][0] and any(atom in edges for atom, _ in ix.terms) for _, e, ix in k.shifts):
+        return ()
+    count = _fixed_count(low, k.batch)
+    return edges if count is not None and count < BATCH_TASKS else ()
+
+
+def _packed_role(forms: dict) -> str:
+    """The operand ('a' | 'b') that is B' of the normalized product (A^T when C
+    holds M innermost)."""
+    return "b" if forms["c"][2] else "a"
+
+
+
+
+def taps_in_one_call(low: Lowered, k: GemmKernel, options: Options) -> bool:
+    """Whether the own kernel may run all taps of product `k` in one call (its
+    `taps` form: each block of rows keeps its accumulators across the taps, so C is
+    read and written once, not once per tap, and never zeroed first): a product
+    the own kernel may run, with at most MAX_TAPS taps of fixed sizes, B''s
+    columns contiguous, every shift moving B''s columns or K (never A''s rows, which
+    the kernel reads in place), and not one `shared_b_batch` takes. A 1-D
+    convolution's output (5 taps of 64 terms) and a 2-D one's input gradient (3)."""
+    if not k.taps or not uses_own_gemm(low, k, options) or shared_b_batch(low, k, options):
+        return False
+    f = operand_forms(low, k)
+    flip = not f["c"][2]
+    if not (f["b"][2] if not flip else not f["a"][2]):   # B' has its columns contiguous
+        return False
+    packed = _packed_role(f)
+    cols = f["c"][1] if not flip else f["c"][0]
+    if any(not (role == packed and e == cols[0] or e == f["a"][1][0]) for role, e, _ in k.shifts):
+        return False
+    count = _fixed_count(low, k.taps)
+    return count is not None and count <= MAX_TAPS
+
+
+def _fixed_count(low: Lowered, edges) -> int | None:
+    """The number of indices of `edges`, or None when a size is symbolic."""
+    count = 1
+    for e in edges:
+        size = low.size(e)
+        if not isinstance(size, int):
+            return None
+        count *= size
+    return count
