@@ -90,7 +90,7 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
 ENTRY_COST = 0  # compile cost (see compile_cost) of the entry points beyond their calls (each unit also generates and prints its own IR) ...
 CALL_COST = 0.5  # ... and of each kernel call in tgc_run
-TILE_COST = 100  # the GEMM tile helpers (gemm.small_kernel), compiled with the entry points
+TILE_COST = 100  # the GEMM tile helpers (gemm_small.small_kernel), compiled with the entry points
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
@@ -208,7 +208,7 @@ class _ModuleGen:
         if any(isinstance(k, GemmKernel) and uses_own_gemm(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if any(isinstance(k, GemmKernel) and taps_in_one_call(p, k, self.opt) for p, k in self.flat):
-            own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm.taps_in_one_call)
+            own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm_dispatch.taps_in_one_call)
         if self.opt.cpu.threads != 1:   # GEMMs in every unit run their regions through it
             parallel.region_fn(self.mod, self.mod, self.opt.cpu)
         if len(self.mods) > 1:   # the other units call them
