@@ -71,3 +71,32 @@ def test_a_loop_inside_a_step_on_cuda_sim():
     nested = [x for x in p.cuda_module.launches if x.kind == "steps" and any(y.kind == "steps" for y in x.body)]
     assert nested, "a step with a loop inside"
     close(p(**{k: a.copy() for k, a in ins.items()}), run(plain, ins), 1e-12, 1e-14)
+
+
+@pytest.mark.slow
+def test_sorting_gpt_training_step_on_cuda_sim_matches_the_interpreter():
+    """examples/train_sort_gpt.tg (its blocks a `repeat`, the gradient a reverse loop),
+    one AdamW step on cuda-sim: the loss, logits, new params and optimizer states as the
+    IR interpreter computes them."""
+    import importlib.util
+    from pathlib import Path
+
+    from tgc import pipeline
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("example_train_sort_gpt", root / "examples" / "train_sort_gpt.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    tg, opts = root / "examples" / "train_sort_gpt.tg", Options(dtype="f64")
+    sim = tgc.compile(tg, backend="cuda-sim", options=opts)
+    assert any(x.kind == "steps" for x in sim.cuda_module.launches)
+    params = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in ex.init(sim, 0).items()}
+    train, _ = ex.split(0)
+    args = {**ex.batch(train[np.random.default_rng(0).integers(0, len(train), 4)]),
+            "lr": np.float64(3e-3), "wd": np.float64(0.1)}
+    module = pipeline.lower(pipeline.load(str(tg), opts), opts).module
+    want = evaluate(module, {**args, **{k: v.copy() for k, v in params.items()}}, dtype="f64")
+    got = sim(**args, **params)
+    assert set(want) <= set(got)
+    for k, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[k]), w, rtol=1e-9, atol=1e-12 * max(1.0, np.abs(w).max()), err_msg=k)

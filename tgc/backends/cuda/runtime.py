@@ -442,6 +442,7 @@ class CudaKernels(Kernels):
         self._arg_bufs = tuple((n, n) for n, b in low.buffers.items() if b.kind == "arg")
         self._out_bufs = tuple((n, module.outputs[b.index].name) for n, b in low.buffers.items() if b.kind == "out")
         self._in_names = tuple(module.args)
+        self._loops = any(x.kind == "steps" for x in cm.launches)   # loops over an edge: host launch loops
         self._out_names = tuple(o.name for o in module.outputs)
 
     @property
@@ -869,12 +870,20 @@ class CudaKernels(Kernels):
         (more misses than hits after `2 * GRAPHS_KEPT` captures) stops capturing
         (None: its calls launch each kernel). Capture runs on a stream of its own
         (CUDA cannot capture the legacy default stream); the graph is launched on the
-        current stream."""
+        current stream. A program with loops whose capture fails launches each kernel
+        from then on (the loops' capture is checked on the host stand-in only, not on
+        a GPU yet)."""
         if b.misses >= 2 * GRAPHS_KEPT and b.misses > b.hits:
             b.capture = False
             return None
         b.misses += 1
-        entry = self._capture(b, bufs)
+        try:
+            entry = self._capture(b, bufs)
+        except Exception:  # noqa: BLE001 -- the driver's or CuPy's refusal
+            if not self._loops:
+                raise
+            b.capture = False   # a program with loops (checked on the stand-in only): launched kernel by kernel
+            return None
         self.graph_counts["captures"] += 1
         b.graphs[key] = entry
         while len(b.graphs) > GRAPHS_KEPT:   # the least recently captured goes
