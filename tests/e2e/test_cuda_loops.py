@@ -100,3 +100,27 @@ def test_sorting_gpt_training_step_on_cuda_sim_matches_the_interpreter():
     assert set(want) <= set(got)
     for k, w in want.items():
         np.testing.assert_allclose(np.asarray(got[k]), w, rtol=1e-9, atol=1e-12 * max(1.0, np.abs(w).max()), err_msg=k)
+
+
+SCALARS = """\
+dim layer = 4
+input x
+param w[layer]
+fn f(h, w) = tanh(h * w + 0.5)
+y = repeat[layer](f, x, w)
+hs = scan[layer](f, x, w)
+loss = y * y + sum(hs)
+out loss
+out hs
+out gw = grad(loss, w)
+out gx = grad(loss, x)
+"""
+
+
+def test_scalar_carries_and_slices_on_cuda_sim():
+    """A step whose carry, stacked param and stacked result are scalars (0-d slices)."""
+    ins = {"x": np.array(0.3), "w": np.array([0.5, -1.2, 0.8, 1.5])}
+    p = tgc.compile(SCALARS, backend="cuda-sim", options=Options(dtype="f64", unroll_max_ops=0))
+    assert any(x.kind == "steps" for x in p.cuda_module.launches)
+    want = evaluate(module(SCALARS), {k: a.copy() for k, a in ins.items()}, dtype="f64")
+    close(p(**{k: a.copy() for k, a in ins.items()}), want, 1e-12, 1e-14)

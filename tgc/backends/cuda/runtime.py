@@ -758,7 +758,7 @@ class CudaKernels(Kernels):
         def views(bufs: dict, i: int) -> dict:
             d = dict(temps)
             for n, bind in binds:
-                d[n] = bufs[bind.buf][i] if bind.stacked else bufs[bind.buf]
+                d[n] = bufs[bind.buf][i, ...] if bind.stacked else bufs[bind.buf]   # a view, a 0-d one too
             return d
         body = [go for _, go in self._bind(b, x.body, step, views(bufs, 0), base, inner_kinds)]
         carry = [go for _, go in self._bind(b, x.carry, low, bufs, base - k.slot_base, kinds)]
