@@ -29,6 +29,8 @@ def test_cuda_sim_runs_loops_and_their_derivatives(n, dtype, rtol, atol):
     ins = inputs(n)
     want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
     prog = compile_module(m, Options(dtype=dtype, unroll_max_ops=0), "cuda-sim")
+    loops = [x for x in prog.cuda_module.launches if x.kind == "steps"]
+    assert {x.loop.reverse for x in loops} == {False, True}   # forward loops and the gradients' reverse ones
     close(prog.run({k: a.copy() for k, a in ins.items()}), want, rtol, atol)
 
 
