@@ -678,22 +678,24 @@ class CudaKernels(Kernels):
         are the first steps."""
         low = self.lowered
         kinds = {n: buf.kind for n, buf in low.buffers.items()}
-        steps = self._bind(b, self._cm.launches, low, bufs, 0, kinds)
+        steps = self._bind(b, self._cm.launches, low, bufs, 0, kinds, b.temps)
         b.checks = sum(1 for index, _ in steps if index == -1)   # the first steps
         b.steps = steps
 
-    def _bind(self, b: "_Binding", launches: list, low, bufs: dict, base: int, kinds: dict) -> list:
+    def _bind(self, b: "_Binding", launches: list, low, bufs: dict, base: int, kinds: dict, fixed: dict) -> list:
         """[(kernel index, or -1 for a check; fn(bufs))]: each launch of `launches` (of
         program `low`: the whole program, or a loop's step whose slots start at `base`)
         with its kernel variant, geometry and dims' arguments fixed (`launcher`), a
         GEMM cell's strided call and its offsets planned once (`_gemm_plan`), a loop
         as a host loop over its steps (`_steps_fn`); `bufs` (this call's) give the
-        layouts; `kinds`: what each buffer is in the whole program (arg, out, temp)."""
+        layouts; `kinds`: what each buffer is in the whole program (arg, out, temp);
+        `fixed`: the buffers whose arrays are the binding's (the workspace's views), the
+        same in every call."""
         dev, env, steps = self._device, b.env, []
         has_checks = bool(self.lowered.checks)
         for x in launches:
             if x.kind == "steps":
-                go = self._steps_fn(b, x, low, bufs, base, kinds)
+                go = self._steps_fn(b, x, low, bufs, base, kinds, fixed)
                 if go is not None:
                     steps.append((x.index, go))
                 continue
@@ -734,13 +736,15 @@ class CudaKernels(Kernels):
             steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs)))
         return steps
 
-    def _steps_fn(self, b: "_Binding", x: codegen.Launch, low, bufs: dict, base: int, kinds: dict):
+    def _steps_fn(self, b: "_Binding", x: codegen.Launch, low, bufs: dict, base: int, kinds: dict, fixed: dict):
         """A loop over an edge as one step `fn(bufs)` (None when it has no steps): for
         each index i (counting down for a reverse loop), the step's launches (bound once,
         `_bind`) on its temporaries (its own workspace slots) and the bound buffers, a
         stacked one as its slice i (the loop edge is its outermost axis: a view at
         i times the slice's size), then the carries' copy kernels. The trip count
-        is fixed by the binding's dims, so a CUDA graph holds the whole loop."""
+        is fixed by the binding's dims, so a CUDA graph holds the whole loop. The
+        slices of the buffers in `fixed` are made once per binding; the others' (the
+        call's arguments and outputs) at each step."""
         k, step = x.loop, x.loop.step
         trip = size_eval(k.trip, b.env)
         if trip <= 0:
@@ -755,13 +759,22 @@ class CudaKernels(Kernels):
         inner_kinds = {n: buf.kind for n, buf in step.buffers.items()}
         inner_kinds.update({n: kinds.get(bind.buf, "temp") for n, bind in binds})
 
-        def views(bufs: dict, i: int) -> dict:
+        def view(a, bind, i: int):
+            return a[i, ...] if bind.stacked else a   # a view, a 0-d one too
+        per_step = []   # index -> the step's temporaries and its slices of the binding's buffers
+        for i in range(trip):
             d = dict(temps)
-            for n, bind in binds:
-                d[n] = bufs[bind.buf][i, ...] if bind.stacked else bufs[bind.buf]   # a view, a 0-d one too
+            d.update({n: view(fixed[bind.buf], bind, i) for n, bind in binds if bind.buf in fixed})
+            per_step.append(d)
+        varying = [(n, bind) for n, bind in binds if bind.buf not in fixed]
+
+        def views(bufs: dict, i: int) -> dict:
+            d = dict(per_step[i])
+            for n, bind in varying:
+                d[n] = view(bufs[bind.buf], bind, i)
             return d
-        body = [go for _, go in self._bind(b, x.body, step, views(bufs, 0), base, inner_kinds)]
-        carry = [go for _, go in self._bind(b, x.carry, low, bufs, base - k.slot_base, kinds)]
+        body = [go for _, go in self._bind(b, x.body, step, views(bufs, 0), base, inner_kinds, temps)]
+        carry = [go for _, go in self._bind(b, x.carry, low, bufs, base - k.slot_base, kinds, fixed)]
         order = range(trip - 1, -1, -1) if k.reverse else range(trip)
 
         def go(bufs: dict) -> None:
