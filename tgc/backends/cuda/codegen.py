@@ -120,8 +120,9 @@ class CudaUnsupported(BackendUnavailable):
 @dataclass
 class Launch:
     """One step of a call, in order: a kernel launch (`kind` loop, zero or check) over
-    `total` work items (a size expression of the dims), or a host-side GEMM."""
-    kind: str                         # loop | zero | check | rows | gemm
+    `total` work items (a size expression of the dims), a host-side GEMM, or a loop over
+    an edge run by the host (`kind` steps: `loop`, `body`, `carry`)."""
+    kind: str                         # loop | zero | check | rows | gemm | steps
     name: str = ""                    # the kernel's name in the module ('' for gemm)
     bufs: tuple[str, ...] = ()        # buffer arguments, in the kernel's parameter order
     total: tuple[Size, ...] = ()      # the work items: the product of these sizes
