@@ -360,7 +360,7 @@ def test_sorting_gpt_trains_alike_on_cuda_sim_and_cpu_under_autocast(ex_calls):
         got, want = sim(**args, **p_sim), cpu(**args, **p_cpu)
         assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=2e-3), step
     # the forward products run as GemmEx on bf16 buffers; in the backward of the
-    # layers' loop (unrolled for CUDA), a product fed by a fused reduction reads an f32
+    # layers' loop (its step), a product fed by a fused reduction reads an f32
     # buffer (`narrow` keeps a reduction's output wide), so sgemm runs it on widened
     # operands: the same values, another cuBLAS call
     flops = lambda calls: sum(2 * c.m * c.n * c.k * c.batch for c in calls)

@@ -70,3 +70,23 @@ def test_wrong_combinations_are_usage_errors(tmp_path):
     done = tgc(MLP, "--target", "cuda", "--emit", "cu", "-o", "-", cwd=tmp_path)
     assert done.returncode == 2 and "manifest" in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_manifest_describes_a_loop_as_a_host_loop_over_its_step(tmp_path):
+    """A loop over an edge is one `steps` entry: the step's buffers and launches (its
+    kernels in the module once) and the carries' copy kernels."""
+    src = tmp_path / "deep.tg"
+    src.write_text("dim layer, c = 4\ninput x[c]\nparam w[layer, c]\nfn f(h, w) = tanh(h * w)\n"
+                   "y = repeat[layer](f, x, w)\nout y\n")
+    done = tgc(src, "--target", "cuda", "--emit", "cu", "-o", tmp_path / "deep.cu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    source, man = (tmp_path / "deep.cu").read_text(), json.loads((tmp_path / "deep.json").read_text())
+    loop = next(x for x in man["launches"] if x["kind"] == "steps")
+    assert loop["edge"] == "layer" and loop["trip"] == "layer" and not loop["reverse"] and loop["carries"] == 1
+    assert [a["stacked"] for a in loop["args"]] == [False, True]
+    names = {b["name"] for b in man["buffers"]}
+    assert {a["buffer"] for a in loop["args"] + loop["outs"]} <= names
+    for x in loop["step"]["launches"] + loop["carry"]:
+        assert re.search(rf'void __launch_bounds__\(256(, 1)?\) {x["kernel"]}\(', source)
+    assert set(loop["step"]["launches"][0]["buffers"]) <= {b["name"] for b in loop["step"]["buffers"]}
+    assert set(loop["carry"][0]["buffers"]) <= names

@@ -665,3 +665,65 @@ def test_looped_gemm_ex_offsets_count_two_byte_elements(cupy):
     for name, ref in want.items():
         np.testing.assert_allclose(got[name].get(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
 
+
+
+DEEP = """\
+dim batch, layer
+dim c = 8, c2 = 8
+input x[batch, c]
+param w[layer, c, c2]
+input lr
+fn block(h, w) = tanh(h @ w)[c2 = c] * 0.5 + h
+y = repeat[layer](block, x, w)
+loss = sum(y * y)
+out loss
+out y
+update w = w - lr * grad(loss, w)
+"""
+
+
+def test_a_loop_runs_as_a_launch_loop_and_replays_as_one_graph(cupy):
+    """A loop over an edge (and its reverse loop in the gradient) on the GPU path: the
+    step's kernels and its GEMM (a strided call at the slice's address) launched for
+    each index, the carries copied by kernels; the call with a binding of the dims is
+    captured once, the host loop unrolled into the graph (its trip count is the
+    binding's), and replayed; another depth is another binding."""
+    prog = tgc.compile(DEEP, dtype="f64", backend="cuda")
+    assert any(x.kind == "steps" for x in prog.cuda_module.launches)
+    sim = tgc.compile(DEEP, dtype="f64", backend="cuda-sim")
+    rng = np.random.default_rng(7)
+    for depth in (3, 2):
+        x = cupy.asarray(rng.standard_normal((5, 8)))
+        w0 = 0.3 * rng.standard_normal((depth, 8, 8))
+        w, w_sim = cupy.asarray(w0.copy()), w0.copy()
+        for step in range(3):
+            want = sim(x=x.get(), w=w_sim, lr=0.05)
+            got = prog(x=x, w=w, lr=0.05)
+            assert got["w"] is w
+            for k in ("loss", "y", "w"):
+                np.testing.assert_allclose(got[k].get(), want[k], rtol=1e-12, atol=1e-12, err_msg=(k, depth, step))
+            del got
+    counts = prog._kernels.graph_counts
+    assert counts["captures"] >= 2 and counts["replays"] == 6
+    assert len(CAPTURED[0]) > len(CAPTURED[-1])   # depth 3's graph holds more launches than depth 2's
+    assert prog.gemm_counts["strided"] > 0
+
+
+def test_a_loop_program_whose_capture_fails_launches_each_kernel(cupy, monkeypatch):
+    """A capture refused for a program with loops: that binding launches kernel by
+    kernel from then on, with the same results."""
+    def refuse(self):
+        self.ops = None
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(_Stream, "end_capture", refuse)
+    prog = tgc.compile(DEEP, dtype="f64", backend="cuda")
+    sim = tgc.compile(DEEP, dtype="f64", backend="cuda-sim")
+    rng = np.random.default_rng(8)
+    x, w0 = rng.standard_normal((4, 8)), 0.3 * rng.standard_normal((2, 8, 8))
+    w, w_sim = cupy.asarray(w0.copy()), w0.copy()
+    for _ in range(2):
+        want = sim(x=x, w=w_sim, lr=0.1)
+        got = prog(x=cupy.asarray(x), w=w, lr=0.1)
+        for k in ("loss", "y", "w"):
+            np.testing.assert_allclose(got[k].get(), want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0}

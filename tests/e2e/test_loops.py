@@ -1,6 +1,6 @@
 """Loops over an edge (`repeat`, `scan`): values and every derivative mode against the
 hand-unrolled program, finite differences and PyTorch; symbolic trip counts; the text
-form; the compiled backends (through `unroll`)."""
+form; the compiled backends (a loop kept: its step compiled once)."""
 import numpy as np
 import pytest
 
@@ -139,7 +139,7 @@ def test_loop_text_reads_back():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda-sim"])
-def test_compiled_backends_run_loops_unrolled(backend):
+def test_compiled_backends_run_loops(backend):
     n = 3
     ins = inputs(n)
     want = run(program(n, loop=False), ins)
@@ -149,10 +149,10 @@ def test_compiled_backends_run_loops_unrolled(backend):
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-10, atol=1e-12, err_msg=k)
 
 
-def test_compiled_symbolic_loop_needs_its_size_on_cuda():
+def test_compiled_symbolic_loop_with_its_size_fixed_on_cuda():
+    """`dims=` fixes the loop's size at build time (the symbolic loop itself runs on cuda-sim
+    too: tests/e2e/test_cuda_loops.py)."""
     src = program(2, symbolic=True)
-    with pytest.raises(tgc.CompileError, match="symbolic, runs on this backend only unrolled"):
-        tgc.compile(src, backend="cuda-sim", dtype="f64")
     p = tgc.compile(src, backend="cuda-sim", dtype="f64", dims={"layer": 2})
     ins = inputs(2)
     want = run(program(2, loop=False), ins)

@@ -79,7 +79,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     if any(v.op == "loop" for v in module.values()):   # what each step keeps for the backward pass
         derived = pipeline.lower(module, options.with_(passes=("normalize", "adjoint", "tangent"),
                                                        memory_budget=None)).module
-        unrolled = backend != "cpu" or not any(v.op == "loop" for v in lowered.module.values())   # cuda unrolls
+        unrolled = not any(v.op == "loop" for v in lowered.module.values())   # (the cost model unrolled them)
         report["loops"] = loop_steps(derived, env, unrolled)
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()

@@ -28,6 +28,7 @@ per step's slice), against the steps' work on the same values.
 from __future__ import annotations
 
 from tgc.ir import values as V
+from tgc.ir.dtypes import narrower
 from tgc.ir.module import Arg, Module, Output
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.lower.indexing import edge_size
@@ -140,7 +141,10 @@ class StepLowering:
         memo: dict[int, Value] = {}
         for k, (p, order) in enumerate(zip(body.params, arg_orders)):
             name = f"p{k}"
-            held = p.dtype if p.dtype in ("i32", self.f.opt.dtype) else self.f.opt.dtype   # a bf16 value: in floats
+            # a value of a narrower type (bf16; f32 in an f64 program) is read from floats; one of a
+            # wider type (f64 in an f32 program) is declared so, held in the float type as any
+            low = p.dtype in narrower(self.f.opt.dtype)
+            held = self.f.opt.dtype if low else p.dtype
             args[name] = Arg(name, "input", held, order)
             memo[id(p)] = V.convert(V.arg(name, held, p.edges), p.dtype)
         for u in topo_order(list(body.results)):

@@ -13,7 +13,9 @@ variant with the reduced size above which to use it; for a GEMM cell, its operan
 views and edge groups (the host plans the strided batched cuBLAS call from the
 layouts, as `gemm.plan_looped` does); a cell on two bf16 or two f16 operands has
 `ex`: their types, the f32 output and `CUBLAS_COMPUTE_32F` of its
-`cublasGemmStridedBatchedEx` call. bf16/f16 buffers (and arguments and outputs held
+`cublasGemmStridedBatchedEx` call; for a loop over an edge (kind steps), its trip count, direction,
+bound buffers, the step's buffers and launches and the carries' copy launches, which the
+host runs for each index. bf16/f16 buffers (and arguments and outputs held
 in them) have dtype bf16 or f16: 16-bit elements (bfloat16 bits, IEEE half). Every kernel's parameters are its buffers, then
 each dim as `long long`, then `int* err` (the error word: nonzero after the checks
 means the check of that number failed).
@@ -87,6 +89,24 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
                  else "i32" if a.dtype == "i32" else low.dtype, updated=a.name in targets)
             for a in m.args.values()]
     outs = [spec(o.name, o.order, "output", out_type.get(j, low.dtype)) for j, o in enumerate(m.outputs)]
+    buffers = _buffers(low)
+    launches = _launches(low, cm.launches)
+    doc = {
+        "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,
+        "dims": list(cm.dims), "block": codegen.BLOCK,
+        "kernel_params": "buffers (in each launch's order), then each dim as long long, then int* err",
+        "args": args, "outputs": outs, "buffers": buffers,
+        "workspace": {"align": WS_ALIGN, "slots": [[size_str(s) for s in sizes] for sizes in low.slots]},
+        "checks": [{"number": i + 1, "buffer": c.buf, "size": size_str(c.size), "note": c.note}
+                   for i, c in enumerate(low.checks)],
+        "launches": launches,
+    }
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _buffers(low: Lowered) -> list[dict]:
+    """Every buffer of `low` (the program or a loop's step): kind, dtype, axis order and
+    shape, and its ABI index or workspace slot."""
     buffers = []
     for b in low.buffers.values():
         order = b.order if b.order is not None else b.edges
@@ -97,18 +117,38 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
         if b.slot is not None:
             entry["slot"] = b.slot
         buffers.append(entry)
-    launches = []
-    for x in cm.launches:
+    return buffers
+
+
+def _launches(low: Lowered, launches: list) -> list[dict]:
+    """The manifest's entries of `launches` (of program `low`: the whole program, or a
+    loop's step, whose buffers and slots are its own)."""
+    out = []
+    for x in launches:
+        if x.kind == "steps":
+            k, step = x.loop, x.loop.step
+            outs = sorted((b for b in step.buffers.values() if b.kind == "out"), key=lambda b: b.index)
+            out.append({
+                "kind": "steps", "edge": k.edge, "trip": size_str(k.trip), "reverse": k.reverse,
+                "run": "for i in 0 .. trip - 1 (trip - 1 .. 0 when reverse): the step's launches on its own "
+                       "buffers (args, outputs: the bound buffers, a stacked one at i * the slice's bytes; "
+                       "temps: slot_base + slot of the enclosing program's workspace), then the carry launches",
+                "args": [{"step": n, "buffer": b.buf, "stacked": b.stacked} for n, b in zip(step.module.args, k.args)],
+                "outs": [{"step": sb.name, "buffer": b.buf, "stacked": b.stacked} for sb, b in zip(outs, k.outs)],
+                "carries": k.carries, "slot_base": k.slot_base,
+                "step": {"buffers": _buffers(step), "launches": _launches(step, x.body)},
+                "carry": _launches(low, x.carry)})
+            continue
         if x.kind == "gemm":
             k = x.gemm
-            launches.append({"kind": "gemm", "out": k.out,
-                             "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
-                             "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
-                             "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
-                             **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {}),
-                             **({"ex": {"a": ta, "b": tb, "out": "f32", "compute": "CUBLAS_COMPUTE_32F"}}
-                                if (ta := low.buffers[k.a.buf].dtype) in ("bf16", "f16")
-                                and (tb := low.buffers[k.b.buf].dtype) else {})})
+            out.append({"kind": "gemm", "out": k.out,
+                        "a": {"buffer": k.a.buf, "edges": {v: b for v, b in k.a.edges}},
+                        "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
+                        "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
+                        **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {}),
+                        **({"ex": {"a": ta, "b": tb, "out": "f32", "compute": "CUBLAS_COMPUTE_32F"}}
+                           if (ta := low.buffers[k.a.buf].dtype) in ("bf16", "f16")
+                           and (tb := low.buffers[k.b.buf].dtype) else {})})
             continue
         entry = {"kind": x.kind, "kernel": x.name, "buffers": list(x.bufs),
                  "items": " * ".join(f"({size_str(s)})" for s in x.total) or "1"}
@@ -129,15 +169,5 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
                         "these instead of row_kernel when reduced >= 128 (CudaOptions.row_min)",
                 "scratch": "chunks * items doubles, the parameter after the buffers; "
                            "the sum kernel (a thread per item) runs after the tiles when chunks > 1"}
-        launches.append(entry)
-    doc = {
-        "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,
-        "dims": list(cm.dims), "block": codegen.BLOCK,
-        "kernel_params": "buffers (in each launch's order), then each dim as long long, then int* err",
-        "args": args, "outputs": outs, "buffers": buffers,
-        "workspace": {"align": WS_ALIGN, "slots": [[size_str(s) for s in sizes] for sizes in low.slots]},
-        "checks": [{"number": i + 1, "buffer": c.buf, "size": size_str(c.size), "note": c.note}
-                   for i, c in enumerate(low.checks)],
-        "launches": launches,
-    }
-    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+        out.append(entry)
+    return out

@@ -42,11 +42,6 @@ class CudaBackend(Backend):
         data, manifest = aot.build(module, options, emit)
         return {output: data, self.companions(output, emit)["the manifest"]: manifest}
 
-    def lowering(self) -> tuple[str, ...]:
-        """Every loop is unrolled first: the CUDA backends run no `StepLoop` (a loop's
-        step compiled once: the CPU's), so a loop needs its trip count when it is built."""
-        return ("unroll{all=true}",) + super().lowering()
-
     def lowering_options(self, options):
         return lowering_options(options)
 

@@ -19,7 +19,8 @@ binds the dims and allocates the outputs (`CudaKernels.empty`); `CudaKernels.run
 the same orchestration for both devices, on what a binding of the dims keeps
 (`_Binding`: one workspace, each `plan` slot at a 256-byte aligned offset; the error
 word; each launch as a step with its geometry and arguments fixed, each GEMM cell's
-call planned): the check kernels, then every launch in order, each a grid-stride loop
+call planned; a loop over an edge as a host loop over its steps, `_steps_fn`): the
+check kernels, then every launch in order, each a grid-stride loop
 over its work items, `BLOCK` threads per block and at most `GRID_PER_SM` blocks per
 multiprocessor on a GPU, small grids under the emulator (`SIM_BLOCK`, `SIM_GRID`),
 which is slow. The error word is read once: under cuda-sim right after the checks (an
@@ -399,11 +400,13 @@ class _Binding:
     with its geometry and arguments fixed, each GEMM cell's call planned), the
     CUDA graphs by the addresses of the arguments and outputs, and, for the fast
     path, the expected arguments and the outputs kept for reuse."""
-    __slots__ = ("key", "env", "ws", "temps", "err", "dims", "capture", "steps", "checks", "graphs", "hits",
-                 "misses", "ins", "outs", "kept", "upd", "updated", "in_names", "checked_ptrs", "early_read", "scalars")
+    __slots__ = ("key", "env", "ws", "offsets", "temps", "err", "dims", "capture", "steps", "checks", "graphs",
+                 "hits", "misses", "ins", "outs", "kept", "upd", "updated", "in_names", "checked_ptrs", "early_read",
+                 "scalars")
 
-    def __init__(self, key: tuple, env: dict, ws, temps: dict, err, dims: list, capture: bool):
+    def __init__(self, key: tuple, env: dict, ws, offsets: list, temps: dict, err, dims: list, capture: bool):
         self.key, self.env, self.ws, self.temps, self.err, self.dims = key, env, ws, temps, err, dims
+        self.offsets = offsets          # each workspace slot's byte offset (a loop's step's slots too)
         self.capture = capture          # calls run as CUDA graphs (GPU, `CudaOptions.graphs`, capturable steps)
         self.steps: list | None = None  # [(kernel index, or -1 for a check; fn(bufs))], made on the first call
         self.checks = 0                 # the first steps that are checks
@@ -439,6 +442,7 @@ class CudaKernels(Kernels):
         self._arg_bufs = tuple((n, n) for n, b in low.buffers.items() if b.kind == "arg")
         self._out_bufs = tuple((n, module.outputs[b.index].name) for n, b in low.buffers.items() if b.kind == "out")
         self._in_names = tuple(module.args)
+        self._loops = any(x.kind == "steps" for x in cm.launches)   # loops over an edge: host launch loops
         self._out_names = tuple(o.name for o in module.outputs)
 
     @property
@@ -644,6 +648,19 @@ class CudaKernels(Kernels):
             need = max([size_eval(s, env) for s in sizes] + [1])
             total += -(-need // WS_ALIGN) * WS_ALIGN
         ws = dev.empty((max(total, 1),), np.uint8)
+        temps = self._temps(low, env, ws, offsets, 0)
+        cols = [self._col_chunks(x, env) for x in codegen.all_launches(self._cm.launches)]
+        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
+            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
+        graphs = dev.name == "cuda" and self.options.cuda.graphs
+        b = _Binding(key, dict(env), ws, offsets, temps, dev.err_word(), [env[d] for d in self._cm.dims],
+                     capture=graphs)
+        b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
+        return b
+
+    def _temps(self, low, env: dict, ws, offsets: list, base: int) -> dict:
+        """The temporaries of `low` (the program, or a loop's step whose slots start at
+        `base`) as views of the workspace, in their axis orders."""
         temps = {}
         for name, buf in low.buffers.items():
             if buf.kind in ("arg", "out"):
@@ -651,32 +668,43 @@ class CudaKernels(Kernels):
             order = buf.order if buf.order is not None else buf.edges
             shape = tuple(size_eval(low.size(e), env) for e in order)
             count = int(np.prod(shape, dtype=np.int64))
-            dt = dev.np_type(buf.dtype)
-            start = offsets[buf.slot]
+            dt = self._device.np_type(buf.dtype)
+            start = offsets[base + buf.slot]
             temps[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
-        cols = [self._col_chunks(x, env) for x in self._cm.launches]
-        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
-            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
-        graphs = dev.name == "cuda" and self.options.cuda.graphs
-        b = _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
-        b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
-        return b
+        return temps
 
     def _bind_steps(self, b: "_Binding", bufs: dict) -> None:
-        """Each launch of the list as a step for this binding: its kernel variant,
-        geometry and dims' arguments fixed (`launcher`), a GEMM cell's strided call
-        and its offsets planned once (`_gemm_plan`); `bufs` (this call's) give the
-        layouts."""
+        """Each launch of the list as a step for this binding (`_bind`); the checks
+        are the first steps."""
+        low = self.lowered
+        kinds = {n: buf.kind for n, buf in low.buffers.items()}
+        steps = self._bind(b, self._cm.launches, low, bufs, 0, kinds, b.temps)
+        b.checks = sum(1 for index, _ in steps if index == -1)   # the first steps
+        b.steps = steps
+
+    def _bind(self, b: "_Binding", launches: list, low, bufs: dict, base: int, kinds: dict, fixed: dict) -> list:
+        """[(kernel index, or -1 for a check; fn(bufs))]: each launch of `launches` (of
+        program `low`: the whole program, or a loop's step whose slots start at `base`)
+        with its kernel variant, geometry and dims' arguments fixed (`launcher`), a
+        GEMM cell's strided call and its offsets planned once (`_gemm_plan`), a loop
+        as a host loop over its steps (`_steps_fn`); `bufs` (this call's) give the
+        layouts; `kinds`: what each buffer is in the whole program (arg, out, temp);
+        `fixed`: the buffers whose arrays are the binding's (the workspace's views), the
+        same in every call."""
         dev, env, steps = self._device, b.env, []
         has_checks = bool(self.lowered.checks)
-        for x in self._cm.launches:
+        for x in launches:
+            if x.kind == "steps":
+                go = self._steps_fn(b, x, low, bufs, base, kinds, fixed)
+                if go is not None:
+                    steps.append((x.index, go))
+                continue
             if x.kind == "gemm":
-                step = self._gemm_step(x.gemm, bufs, env)
+                step = self._gemm_step(x.gemm, bufs, env, low)
                 if step is None:
                     b.capture = False      # matmul on views: temporaries the capture would hold without owning
-                    k = x.gemm
-                    step = functools.partial(self._gemm, k, env=env)
-                elif has_checks and self.lowered.buffers[x.gemm.out].kind == "arg":
+                    step = functools.partial(self._gemm, x.gemm, env=env, low=low)
+                elif has_checks and kinds.get(x.gemm.out) == "arg":
                     b.capture = False      # a GEMM writing an argument would not see a failed check
                     b.early_read = True
                 steps.append((x.index, step))
@@ -706,8 +734,57 @@ class CudaKernels(Kernels):
                     row = self._reduced(x, env) >= self.options.cuda.row_min
                 name = x.row if row else x.name
             steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs)))
-        b.checks = sum(1 for index, _ in steps if index == -1)   # the first steps
-        b.steps = steps
+        return steps
+
+    def _steps_fn(self, b: "_Binding", x: codegen.Launch, low, bufs: dict, base: int, kinds: dict, fixed: dict):
+        """A loop over an edge as one step `fn(bufs)` (None when it has no steps): for
+        each index i (counting down for a reverse loop), the step's launches (bound once,
+        `_bind`) on its temporaries (its own workspace slots) and the bound buffers, a
+        stacked one as its slice i (the loop edge is its outermost axis: a view at
+        i times the slice's size), then the carries' copy kernels. The trip count
+        is fixed by the binding's dims, so a CUDA graph holds the whole loop. The
+        slices of the buffers in `fixed` are made once per binding; the others' (the
+        call's arguments and outputs) at each step."""
+        k, step = x.loop, x.loop.step
+        trip = size_eval(k.trip, b.env)
+        if trip <= 0:
+            return None
+        base = base + k.slot_base
+        outs = {buf.index: n for n, buf in step.buffers.items() if buf.kind == "out"}
+        binds = [(n, bind) for n, bind in zip(step.module.args, k.args)] + \
+            [(outs[j], bind) for j, bind in enumerate(k.outs)]
+        temps = self._temps(step, b.env, b.ws, b.offsets, base)
+        if codegen.COL_SCRATCH in bufs:
+            temps[codegen.COL_SCRATCH] = bufs[codegen.COL_SCRATCH]
+        inner_kinds = {n: buf.kind for n, buf in step.buffers.items()}
+        inner_kinds.update({n: kinds.get(bind.buf, "temp") for n, bind in binds})
+
+        def view(a, bind, i: int):
+            return a[i, ...] if bind.stacked else a   # a view, a 0-d one too
+        per_step = []   # index -> the step's temporaries and its slices of the binding's buffers
+        for i in range(trip):
+            d = dict(temps)
+            d.update({n: view(fixed[bind.buf], bind, i) for n, bind in binds if bind.buf in fixed})
+            per_step.append(d)
+        varying = [(n, bind) for n, bind in binds if bind.buf not in fixed]
+
+        def views(bufs: dict, i: int) -> dict:
+            d = dict(per_step[i])
+            for n, bind in varying:
+                d[n] = view(bufs[bind.buf], bind, i)
+            return d
+        body = [go for _, go in self._bind(b, x.body, step, views(bufs, 0), base, inner_kinds, temps)]
+        carry = [go for _, go in self._bind(b, x.carry, low, bufs, base - k.slot_base, kinds, fixed)]
+        order = range(trip - 1, -1, -1) if k.reverse else range(trip)
+
+        def go(bufs: dict) -> None:
+            for i in order:
+                d = views(bufs, i)
+                for fn in body:
+                    fn(d)
+                for fn in carry:
+                    fn(bufs)
+        return go
 
     @staticmethod
     def _reduced(x: codegen.Launch, env: dict) -> int:
@@ -729,11 +806,11 @@ class CudaKernels(Kernels):
         chunks = codegen.col_chunks(self._reduced(x, env), ncols)
         return chunks, (chunks * ncols if chunks > 1 else 0)
 
-    def _gemm_step(self, k, bufs: dict, env: dict):
+    def _gemm_step(self, k, bufs: dict, env: dict, low):
         """GEMM cell `k` as a step `fn(bufs)` for this binding (its strided batched
         call, the looped batch edges' offsets, the device's caller fixed), or None
         when it has no strided call (`_gemm` multiplies views then)."""
-        call, looped, operands, views, size = self._gemm_plan(k, bufs, env)
+        call, looped, operands, views, size = self._gemm_plan(k, bufs, env, low)
         if call is None:
             return None
         roles = (call.a, call.b, "out")
@@ -806,12 +883,20 @@ class CudaKernels(Kernels):
         (more misses than hits after `2 * GRAPHS_KEPT` captures) stops capturing
         (None: its calls launch each kernel). Capture runs on a stream of its own
         (CUDA cannot capture the legacy default stream); the graph is launched on the
-        current stream."""
+        current stream. A program with loops whose capture fails launches each kernel
+        from then on (the loops' capture is checked on the host stand-in only, not on
+        a GPU yet)."""
         if b.misses >= 2 * GRAPHS_KEPT and b.misses > b.hits:
             b.capture = False
             return None
         b.misses += 1
-        entry = self._capture(b, bufs)
+        try:
+            entry = self._capture(b, bufs)
+        except Exception:  # noqa: BLE001 -- the driver's or CuPy's refusal
+            if not self._loops:
+                raise
+            b.capture = False   # a program with loops (checked on the stand-in only): launched kernel by kernel
+            return None
         self.graph_counts["captures"] += 1
         b.graphs[key] = entry
         while len(b.graphs) > GRAPHS_KEPT:   # the least recently captured goes
@@ -936,14 +1021,14 @@ class CudaKernels(Kernels):
                 return kept
         return None
 
-    def _gemm_plan(self, k, bufs: dict, env: dict):
+    def _gemm_plan(self, k, bufs: dict, env: dict, low):
         """(the strided batched call or None, the batch edges looped around it, the
         operands' {view edge: element stride}, the arrays the call reads, the sizes)
         of GEMM cell `k` on these buffers. A complex cell's arrays are its buffers seen
         as flat complex arrays (float pairs along `re.im`, innermost), strides in pairs;
         its conjugations ride on cuBLAS's conjugate transpose, so a conjugated operand
-        the call would read untransposed has no call."""
-        low = self.lowered
+        the call would read untransposed has no call. `low`: the program (or loop's
+        step) the cell is in."""
         size = {e: size_eval(low.size(e), env) for e in k.batch + k.m + k.n + k.k}
         cplx = k.cplx is not None
         shaped = bufs
@@ -977,7 +1062,7 @@ class CudaKernels(Kernels):
                 call = replace(call, atype=types[call.a], btype=types[call.b])
         return call, looped, operands, bufs, size
 
-    def _gemm(self, k, bufs: dict, env: dict) -> None:
+    def _gemm(self, k, bufs: dict, env: dict, low) -> None:
         """out[batch, m, n] = a[batch, m, k] @ b[batch, k, n]: one strided batched GEMM
         (`_gemm_plan`, `gemm.plan`: cuBLAS on a GPU, numpy on the same strides under
         cuda-sim) where the layouts allow, else `matmul` on strided views of the
@@ -985,7 +1070,7 @@ class CudaKernels(Kernels):
         xp = self._device.xp
         strided = xp.lib.stride_tricks.as_strided
         cplx = k.cplx is not None
-        call, looped, operands, bufs, size = self._gemm_plan(k, bufs, env)
+        call, looped, operands, bufs, size = self._gemm_plan(k, bufs, env, low)
         planned = None if call is None else (call, looped)
         if planned is not None:
             call, looped = planned
@@ -1007,7 +1092,7 @@ class CudaKernels(Kernels):
         a = view(k.a.buf, operands["a"][1], k.batch + k.m + k.k).reshape(bsz, msz, ksz)
         b = view(k.b.buf, operands["b"][1], k.batch + k.k + k.n).reshape(bsz, ksz, nsz)
         c = view(k.out, operands["out"][1], k.batch + k.m + k.n)
-        if self.lowered.buffers[k.a.buf].dtype in LOW_FLOATS:   # a GemmEx cell's operands: f32 products and sums
+        if low.buffers[k.a.buf].dtype in LOW_FLOATS:   # a GemmEx cell's operands: f32 products and sums
             a, b = self._device.widen(a), self._device.widen(b)
         if cplx:
             a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
