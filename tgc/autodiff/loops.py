@@ -258,6 +258,49 @@ def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
     return result
 
 
+def _extends(longer: LoopBody, body: LoopBody) -> bool:
+    """`longer` is `body` with more stacked results: the same parameters and carries,
+    the same first results."""
+    return (len(longer.results) > len(body.results) and (longer.carries, longer.slices) == (body.carries, body.slices)
+            and len(longer.params) == len(body.params)
+            and all(p is q for p, q in zip(longer.params, body.params))
+            and all(r is q for r, q in zip(longer.results, body.results)))
+
+
+def one_forward_loop(module):
+    """`module` with each output of a loop that another loop of the same operands extends
+    (the forward loop reverse mode builds to keep what each step keeps) read from the
+    longer loop: one loop, run once, whose body the later passes rewrite as one (two
+    bodies rewritten apart would no longer be one the prefix of the other). The same
+    steps on the same operands: the same values."""
+    groups: dict[tuple, dict[int, LoopBody]] = {}
+    for v in topo_order(module.roots()):
+        if v.op == "loop":
+            body, edge, reverse, _ = v.attrs
+            groups.setdefault((edge, reverse) + tuple(map(id, v.operands)), {})[id(body)] = body
+    longest: dict[tuple, LoopBody] = {}
+    for key, bodies in groups.items():
+        for body in bodies.values():
+            best = body
+            for other in bodies.values():
+                if len(other.results) > len(best.results) and _extends(other, body):
+                    best = other
+            if best is not body:
+                longest[key + (id(body),)] = best
+    if not longest:
+        return module
+
+    def fn(v: Value, ops: tuple[Value, ...]) -> Value:
+        if v.op == "loop":
+            body, edge, reverse, out = v.attrs
+            best = longest.get((edge, reverse) + tuple(map(id, v.operands)) + (id(body),))
+            if best is not None:
+                return V.loop(best, edge, ops, out, reverse, loc=v.loc)
+        return rebuild_same(v, ops)
+
+    return module.replace_values(V.rebuild(module.roots(), fn))
+
+
 # ---- forward mode ---------------------------------------------------------------------
 
 def loop_jvp(v: Value, ts: Sequence[Value | None], forward) -> Value | None:
