@@ -111,3 +111,16 @@ def test_a_checkpoint_in_the_body_applies_per_step(tmp_path):
     b = tgc.compile(CHECKPOINTED, backend="cpu", options=Options(dtype="f64"))(**{k: v.copy() for k, v in ins.items()})
     for k in ("loss", "gw1", "gb1", "gw2", "gx"):
         np.testing.assert_allclose(np.asarray(b[k]), np.asarray(a[k]), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_the_forward_steps_run_once():
+    """The primal loop and the forward loop that stacks what each step keeps are one loop
+    (`tgc.autodiff.loops.one_forward_loop`), through every later pass."""
+    from tgc.lower.lowered import StepLoop
+    from tgc.pipeline import lower_module
+
+    src = MLP.format(z="gelu(layernorm[c](h, 1, 0) @ w1 + b1)")   # a body the later passes rewrite
+    options = Options(dtype="f64", unroll_max_ops=0)   # no loop unrolled
+    low = lower_module(pipeline.lower(compile_source(src, "mlp.tg", options), options).module, options)
+    loops = [k for k in low.kernels if isinstance(k, StepLoop)]
+    assert sorted(k.reverse for k in loops) == [False, True]
