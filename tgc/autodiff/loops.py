@@ -123,7 +123,6 @@ class StepPlan(NamedTuple):
     kept: tuple[Value, ...]      # the step's values each step keeps (in the forward body's terms)
     recomputed: int              # the step's values the backward step computes again
     back: LoopBody               # the backward step
-    batch: frozenset             # the cotangent's extra edges
 
 
 def step_plan(v: Value, reverse_many) -> StepPlan:
@@ -220,7 +219,7 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
     back = V.loop_body(final.values, _substitute(roots, mapping), nc + len(float_invs),
                        len(kept_carries) + len(stand) + nx + stacked_ct)
     forward = _substitute(kept, {id(new): old for new, old in zip(primal, body.params)})
-    return StepPlan(tuple(kept_carries), tuple(forward), recomputed, back, batch)
+    return StepPlan(tuple(kept_carries), tuple(forward), recomputed, back)
 
 
 def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
