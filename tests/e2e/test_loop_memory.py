@@ -124,3 +124,28 @@ def test_the_forward_steps_run_once():
     low = lower_module(pipeline.lower(compile_source(src, "mlp.tg", options), options).module, options)
     loops = [k for k in low.kernels if isinstance(k, StepLoop)]
     assert sorted(k.reverse for k in loops) == [False, True]
+
+
+def test_every_derivative_is_the_same_when_the_steps_keep_only_their_carries():
+    """tests/e2e/test_loops.py's program (a repeat and a scan; grad, jvp, an HVP) with
+    every loop's steps checkpointed, as the planner chooses under a budget."""
+    from tests.e2e.test_loops import inputs, program
+    from tgc.budget import _with_checkpoints
+    from tgc.ir.interp import evaluate
+
+    options = Options(dtype="f64", passes=("normalize",))
+    primal = pipeline.lower(compile_source(program(3), "<t>", options), options).module
+    loops = [v for v in primal.values() if v.op == "loop"]
+    assert loops
+    rest = Options(dtype="f64", passes=("adjoint", "tangent"))
+    keep = pipeline.lower(primal, rest).module
+    chosen = _with_checkpoints(primal, loops)
+    plans = loop_steps(chosen, {}, unrolled=False)
+    assert plans and all(lp["keep"] == "carries" for lp in plans)
+    assert any(lp["keep"] == "values" for lp in loop_steps(primal, {}, unrolled=False))
+    carries = pipeline.lower(chosen, rest).module
+    ins = inputs(3)
+    a = evaluate(keep, {k: v.copy() for k, v in ins.items()}, dtype="f64")
+    b = evaluate(carries, {k: v.copy() for k, v in ins.items()}, dtype="f64")
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-11, atol=1e-12, err_msg=k)
