@@ -8,8 +8,8 @@ and a linear head; one SGD step of every param), its blocks' params stacked on a
 `layer` edge and applied with `repeat[layer](block, ...)`. Compile time is one
 `tgc.compile` (CPU backend, f32) with an empty code cache in a fresh process; the
 ratio of the deepest to the shallowest is what the loop form is for. The step time
-compares the loop form with the same model written out layer by layer. The machine
-is shared: repeat, and read minima.
+compares the loop form with the same model written out layer by layer, their calls
+interleaved. The machine is shared: repeat, and read medians and minima.
 """
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def cold_compile(text: str) -> float:
         return float(out.stdout.strip().splitlines()[-1])
 
 
-def step_times(text: str, calls: int) -> list[float]:
+def prepared(text: str):
+    """The compiled CPU program of `text` (f32) and arguments for it, called once."""
     import tgc
 
     prog = tgc.compile(text, backend="cpu", dtype="f32")
@@ -104,12 +105,24 @@ def step_times(text: str, calls: int) -> list[float]:
                       else (rng.standard_normal(shape) * 0.05).astype(np.float32))
     args["lr"] = np.float32(1e-3)
     prog(**args)
-    times = []
+    return prog, args
+
+
+def step_times(texts: dict[str, str], calls: int) -> dict[str, list[float]]:
+    """Seconds of each call of each program, the programs' calls interleaved (a load
+    that comes and goes on a shared machine falls on both alike)."""
+    progs = {key: prepared(text) for key, text in texts.items()}
+    times: dict[str, list[float]] = {key: [] for key in texts}
     for _ in range(calls):
-        t = time.perf_counter()
-        prog(**args)
-        times.append(time.perf_counter() - t)
+        for key, (prog, args) in progs.items():
+            t = time.perf_counter()
+            prog(**args)
+            times[key].append(time.perf_counter() - t)
     return times
+
+
+def median(ts: list[float]) -> float:
+    return sorted(ts)[len(ts) // 2]
 
 
 def main() -> None:
@@ -128,12 +141,14 @@ def main() -> None:
     depths = sorted(result["compile_s"])
     if len(depths) > 1:
         print(f"ratio {depths[-1]} / {depths[0]} layers: {result['compile_s'][depths[-1]] / result['compile_s'][depths[0]]:.2f}")
-    for loop in (True, False):
-        ts = step_times(source(args.step_layers, args.step_width, loop), args.calls)
-        key = "repeat" if loop else "unrolled"
+    times = step_times({key: source(args.step_layers, args.step_width, loop)
+                        for key, loop in (("repeat", True), ("unrolled", False))}, args.calls)
+    for key, ts in times.items():
         result[key] = ts
         print(f"step, {args.step_layers} layers of width {args.step_width}, {key}: "
-              f"min {min(ts) * 1e3:.2f} ms, median {sorted(ts)[len(ts) // 2] * 1e3:.2f} ms", flush=True)
+              f"min {min(ts) * 1e3:.2f} ms, median {median(ts) * 1e3:.2f} ms", flush=True)
+    print(f"repeat / unrolled: {median(times['repeat']) / median(times['unrolled']):.2f} (medians), "
+          f"{min(times['repeat']) / min(times['unrolled']):.2f} (minima)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -99,25 +99,37 @@ def test_a_differentiated_loop_says_what_each_step_keeps(tmp_path):
     assert r.exit_code == 0, r.output
     # the CPU unrolls the loop: the steps' values are the forward pass's own
     assert "loop over 'layer' (3 steps): unrolled for this backend" in r.output
-    assert "keep each step's incoming carry (f32[b, c], 72 B in all)" in r.output     # 3 steps x 2 x 3 x 4 B
+    # as a loop: the carry f32[b, c] and tanh's f32[b, c2] per step, 3 steps x 2 x 3 x 4 B each
+    assert "keep each step's incoming carry (f32[b, c]) and 1 values each step computes (144 B in all)" in r.output
     loops = json.loads(run(path, "--format", "json").output)["loops"]
-    assert [(lp["edge"], lp["steps"], lp["unrolled"], [k["bytes"] for k in lp["kept"]]) for lp in loops] \
-        == [("layer", 3, True, [72])]
+    assert [(lp["edge"], lp["steps"], lp["unrolled"], lp["keep"], [k["bytes"] for k in lp["kept"]])
+            for lp in loops] == [("layer", 3, True, "values", [72, 72])]
     path.write_text(DEEP.format(size=" = 3", grad=""))                # no derivative: nothing kept
     r = run(path)
     assert r.exit_code == 0 and "loop over" not in r.output
 
 
-def test_a_loop_run_as_a_loop_keeps_its_carries_and_recomputes_the_rest():
+def test_a_loop_run_as_a_loop_keeps_what_its_backward_step_reads_or_only_its_carries():
+    from tgc.budget import _with_checkpoints
     from tgc.explain import format_explain, loop_steps
 
-    options = Options(dtype="f64", passes=("normalize", "adjoint", "tangent"))
-    derived = pipeline.lower(compile_source(DEEP.format(size="", grad="out gw = grad(loss, w)\n"), "<t>", options),
-                             options).module
-    assert any(v.op == "loop" and v.attrs[2] for v in derived.values())   # the reverse loop
-    loops = loop_steps(derived, derived.bind_dims({"layer": 5}), unrolled=False)
-    assert len(loops) == 1 and loops[0]["steps"] == 5 and loops[0]["recomputed_values"] > 0
-    assert [k["bytes"] for k in loops[0]["kept"]] == [5 * 2 * 3 * 8]
+    options = Options(dtype="f64", passes=("normalize",))
+    primal = pipeline.lower(compile_source(DEEP.format(size="", grad="out gw = grad(loss, w)\n"), "<t>", options),
+                            options).module
+    env = primal.bind_dims({"layer": 5})
+    loops = loop_steps(primal, env, unrolled=False)   # by default: the carry and tanh's value, per step
+    assert len(loops) == 1 and loops[0]["steps"] == 5 and loops[0]["keep"] == "values"
+    assert [(k["what"], k["bytes"]) for k in loops[0]["kept"]] == [("carry", 5 * 2 * 3 * 8), ("tanh", 5 * 2 * 3 * 8)]
+    assert loops[0]["bytes"] == 480 and loops[0]["recomputed_values"] == 0
+    report = explain(lowered("dim n = 2\ninput x[n]\nout y = x * 2\n"), {}) | {"loops": loops}
+    assert ("loop over 'layer' (5 steps): the backward pass keeps each step's incoming carry (f64[b, c]) and "
+            "1 values each step computes (480 B in all) and recomputes 0 of the step's values") \
+        in format_explain(report, "deep.tg")
+    # the memory planner's other choice: the step's results checkpointed, only the carry kept
+    loop = next(v for v in primal.values() if v.op == "loop")
+    loops = loop_steps(_with_checkpoints(primal, [loop]), env, unrolled=False)
+    assert loops[0]["keep"] == "carries" and [k["bytes"] for k in loops[0]["kept"]] == [240]
+    assert loops[0]["recomputed_values"] > 0
     report = explain(lowered("dim n = 2\ninput x[n]\nout y = x * 2\n"), {}) | {"loops": loops}
     assert ("loop over 'layer' (5 steps): the backward pass keeps each step's incoming carry (f64[b, c], "
             "240 B in all) and recomputes the step's other") in format_explain(report, "deep.tg")
@@ -133,7 +145,7 @@ def test_a_loop_kernel_has_a_thread_plan_and_its_steps_temporaries_count_in_the_
     report = explain(low, low.module.bind_dims({"layer": 4}), Options())
     for i in steps:
         row = report["kernels"][i]
-        assert row["threads"] in ("serial", "parallel", "parallel when warm")
+        assert row["threads"] == "per step kernel"
         assert row["step_peak"] > 0 and report["live_bytes"][i] >= row["step_peak"]
     path = tmp_path / "deep.tg"
     path.write_text(src)

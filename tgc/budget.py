@@ -29,6 +29,14 @@ stops before `adjoint` to decide:
    trials: every kept choice lowered the measured workspace. When the budget is not
    met, the smallest workspace found is kept and `MemoryPlan.met` is False: the
    callers warn with the best workspace reached (the build still succeeds).
+5. **Loops.** The reverse loop of a `repeat`/`scan` keeps, by default, every value
+   of each step that the backward step reads (`tgc.autodiff.loops`), stacked over
+   the steps. Each differentiated loop that keeps such values is a candidate too,
+   ranked first (a loop's saved values are per step, so they grow with its length):
+   keep only each step's incoming carries and recompute the step in the backward
+   loop (its body's results checkpointed, `tgc.autodiff.loops.checkpointed`). It is
+   measured and kept like any candidate; `checkpoint` written inside a body applies
+   per step in either form.
 
 Sizes: the dims bound in `Options.dims`, each other symbolic dim at `Options.rep_size`
 (64), as `tgc explain` takes them by default; the workspace scales with the batch, so a
@@ -86,6 +94,7 @@ class MemoryPlan:
     chosen: list[Choice] = field(default_factory=list)
     trials: int = 0                  # programs compiled to measure
     reversed_updates: bool = False   # the step computes the updates last-written first (a smaller workspace)
+    primal: Module | None = None     # the program before its derivatives, the chosen checkpoints in it
 
     def as_dict(self) -> dict:
         return {"budget": self.budget, "dims": self.dims, "before": self.before, "after": self.after,
@@ -159,10 +168,13 @@ class _Trials:
         from tgc.manager import run_pipeline
 
         if chosen not in self.tried:
-            m = _with_checkpoints(self.primal, [self.candidates[i][0] for i in chosen]) if chosen else self.primal
+            m = self.chosen_module(chosen)
             result = run_pipeline(m, self.rest, self.emit if not chosen else None)
             self.tried[chosen] = (result, _workspace(result.module, self.options, self.env))
         return self.tried[chosen]
+
+    def chosen_module(self, chosen: tuple[int, ...]) -> Module:
+        return _with_checkpoints(self.primal, [self.candidates[i][0] for i in chosen]) if chosen else self.primal
 
     def workspace(self, chosen: tuple[int, ...]) -> int:
         return self(chosen)[1]
@@ -189,7 +201,8 @@ class _Trials:
         dims = {d: self.env[d] for d in self.primal.symbolic_dims()}
         result.memory = MemoryPlan(budget, dims, before, after, after <= budget, len(self.candidates),
                                    [self.candidates[i][1] for i in chosen], trials=len(self.tried),
-                                   reversed_updates=self.reversed_updates)
+                                   reversed_updates=self.reversed_updates,
+                                   primal=self.chosen_module(chosen))
         return result
 
 
@@ -279,7 +292,37 @@ def _candidates(module: Module, options: Options, env: dict[str, int]) -> list[t
         order.append((v, Choice(_describe(v), gain, work, tuple(v.edges))))
         covered |= regions[id(v)]
         left = [it for it in left if it[1] is not v]
-    return order
+    return _loop_candidates(primal, lambda e: env[module.edges[e]], size, flops) + order
+
+
+def _loop_candidates(primal: list[Value], extent, size, flops) -> list[tuple[Value, Choice]]:
+    """One candidate per differentiated loop whose reverse loop keeps values of its steps:
+    keep only the incoming carries and recompute each step (`tgc.autodiff.loops.checkpointed`).
+    It frees the kept values' bytes over all steps and costs the step's FLOPs per step."""
+    from tgc.autodiff.loops import step_plan
+    from tgc.autodiff.reverse import reverse_many
+
+    out, seen = [], set()
+    for v in primal:
+        if v.op != "loop" or _loop_key(v) in seen:
+            continue
+        seen.add(_loop_key(v))
+        body, edge, _, _ = v.attrs
+        plan = step_plan(v, reverse_many)
+        if not plan.kept:
+            continue
+        steps = extent(edge)
+        freed = steps * sum(size(w) * ITEMSIZE.get(w.dtype, 4) for w in plan.kept)
+        work = steps * sum(flops(w) for w in topo_order(list(body.results)) if w.op not in NOT_CANDIDATES + ("loopvar",))
+        where = f" at {v.loc}" if v.loc is not None else ""
+        out.append((v, Choice(f"the steps of the loop over '{edge}'{where} (keep only the carries)", freed, work,
+                              (edge,))))
+    return out
+
+
+def _loop_key(v: Value) -> tuple:
+    body, edge, reverse, _ = v.attrs
+    return (body, edge, reverse) + tuple(map(id, v.operands))
 
 
 def _describe(v: Value) -> str:
@@ -289,10 +332,18 @@ def _describe(v: Value) -> str:
 
 
 def _with_checkpoints(module: Module, chosen: list[Value]) -> Module:
-    """`module` with every reader of a chosen value reading `checkpoint(value)` instead."""
-    ids = {id(v) for v in chosen}
+    """`module` with every reader of a chosen value reading `checkpoint(value)` instead; a
+    chosen loop's steps with their results checkpointed (the reverse loop keeps only the
+    carries and recomputes each step)."""
+    from tgc.autodiff.loops import checkpointed
+
+    ids = {id(v) for v in chosen if v.op != "loop"}
+    loops = {_loop_key(v) for v in chosen if v.op == "loop"}
 
     def fn(v: Value, ops: tuple[Value, ...]) -> Value:
+        if v.op == "loop" and _loop_key(v) in loops:   # every output of a chosen loop: its steps recomputed
+            body, edge, reverse, out = v.attrs
+            return V.loop(checkpointed(body), edge, ops, out, reverse, loc=v.loc)
         new = V.rebuild_same(v, ops) if any(a is not b for a, b in zip(ops, v.operands)) else v
         return V.map_("checkpoint", new, loc=v.loc) if id(v) in ids else new
 

@@ -18,8 +18,10 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   reader); every other value a later kernel reads is kept. With a memory budget the
   caller adds the planner's choices (`memory_budget`, `tgc.budget`);
 - per differentiated loop (`repeat`, `scan`), what each step keeps for the backward
-  pass (`loop_steps`): the reverse loop of `tgc.autodiff.loops` keeps each step's
-  incoming carries and recomputes the rest of the step from them. A loop the backend
+  pass (`loop_steps`): the reverse loop of `tgc.autodiff.loops` keeps what the
+  backward step reads (the incoming carries and the step's values), or, where the
+  memory planner chose it (or the step's results are checkpointed), only the incoming
+  carries, recomputing the step from them; with the bytes that costs. A loop the backend
   unrolls (`unroll`) is a program written out: its steps' values are the forward
   pass's own, and the backward pass keeps them as it keeps any value.
 
@@ -68,7 +70,8 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": sum(nbytes(n) for n in used)})
         if options is not None:
-            kernels[-1]["threads"] = _threads(low, k, {**_fixed_dims(low), **env}, options)
+            from tgc.backends.cpu.codegen import thread_plan
+            kernels[-1]["threads"] = thread_plan(low, k, {**_fixed_dims(low), **env}, options)
         if isinstance(k, StepLoop):   # the step's own temporaries live while it runs
             kernels[-1]["step_peak"] = explain(k.step, env)["peak"]["bytes"]
     live, at_peak, peak = [], [], -1
@@ -100,41 +103,47 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     }
 
 
-def _threads(low: Lowered, k, env: dict, options) -> str:
-    """`thread_plan` of kernel `k`; for a loop, parallel when any kernel of its step is."""
-    from tgc.backends.cpu.codegen import PARALLEL, SERIAL, leaf_kernels, thread_plan
-    if not isinstance(k, StepLoop):
-        return thread_plan(low, k, env, options)
-    plans = {thread_plan(p, lk, env, options) for p, lk in leaf_kernels(k.step)}
-    return PARALLEL if PARALLEL in plans else SERIAL if plans <= {SERIAL} else sorted(plans - {SERIAL})[0]
-
-
 def _fixed_dims(low: Lowered) -> dict:
     return {d: s for d, s in low.module.dims.items() if isinstance(s, int)}
 
 
-def loop_steps(derived, env: dict[str, int], unrolled: bool) -> list[dict]:
-    """What each step of every differentiated loop of `derived` (the program after its
-    derivatives, before `unroll`) keeps for the backward pass, at the dims `env`: the
-    incoming carries (`tgc.autodiff.loops.kept_carries`: a loop output that stacks a
-    body's carry parameter), their bytes over all steps, and how many values of the
-    step are recomputed from them. `unrolled`: the backend runs the loops unrolled."""
+def loop_steps(module, env: dict[str, int], unrolled: bool) -> list[dict]:
+    """What each step of every differentiated loop of `module` (the program before its
+    derivatives: `grad`/`vjp` values still in it) keeps for the backward pass, at the
+    dims `env`: the reverse loop's plan (`tgc.autodiff.loops.step_plan`): the incoming
+    carries it keeps, the step's values it keeps (both stacked over the steps, with
+    their bytes in all), and how many of the step's values it computes again. `keep`
+    is "carries" when only carries are kept (the step is recomputed: the memory
+    planner's choice under a budget, or a `checkpoint` of the step's results), else
+    "values". `unrolled`: the backend runs the loops unrolled."""
+    from tgc.autodiff.loops import step_plan
+    from tgc.autodiff.reverse import reverse_many
+
+    under = [v.operands[0] for v in module.values() if v.op in ("grad", "vjp")]
     loops: dict[tuple, dict] = {}
-    for v in derived.values():
+
+    def nbytes(dtype: str, edges) -> int:
+        n = ITEMSIZE[dtype]
+        for e in edges:
+            n *= size_eval(module.size(e), env)
+        return n
+
+    for v in topo_order(under):
         if v.op != "loop":
             continue
-        body, edge, _, out = v.attrs
-        if out < body.carries or not any(body.results[out] is q for q in body.params[:body.carries]):
+        body, edge, reverse, _ = v.attrs
+        key = (body, edge, reverse, tuple(id(o) for o in v.operands))
+        if key in loops:
             continue
-        key = (id(body), edge, tuple(id(o) for o in v.operands))
-        steps = size_eval(derived.size(edge), env)
-        entry = loops.setdefault(key, {
-            "edge": edge, "steps": steps, "unrolled": unrolled, "kept": [],
-            "recomputed_values": sum(1 for w in topo_order(list(body.results)) if w.op != "loopvar")})
-        n = ITEMSIZE[v.dtype]
-        for e in v.edges:
-            n *= size_eval(derived.size(e), env)
-        entry["kept"].append({"edges": list(v.edges), "dtype": v.dtype, "bytes": n})
+        plan = step_plan(v, reverse_many)
+        steps = size_eval(module.size(edge), env)
+        kept = [{"what": "carry", "edges": list(body.params[k].edges), "dtype": body.params[k].dtype,
+                 "bytes": steps * nbytes(body.params[k].dtype, body.params[k].edges)} for k in plan.carries]
+        kept += [{"what": w.attrs[0] if w.op in ("map", "reduce") else w.op, "edges": list(w.edges),
+                  "dtype": w.dtype, "bytes": steps * nbytes(w.dtype, w.edges)} for w in plan.kept]
+        loops[key] = {"edge": edge, "steps": steps, "unrolled": unrolled,
+                      "keep": "values" if plan.kept else "carries", "kept": kept,
+                      "bytes": sum(k["bytes"] for k in kept), "recomputed_values": plan.recomputed}
     return list(loops.values())
 
 
@@ -142,19 +151,24 @@ def _loop_lines(loops: list[dict]) -> list[str]:
     """`loop_steps`'s report in words."""
     lines = []
     for lp in loops:
-        carry = ", ".join(f"{k['dtype']}[{', '.join(e for e in k['edges'] if e != lp['edge'])}]" for k in lp["kept"])
-        kept = sum(k["bytes"] for k in lp["kept"])
         head = f"  loop over '{lp['edge']}' ({lp['steps']} steps): "
+        carries = [k for k in lp["kept"] if k["what"] == "carry"]
+        carry = ", ".join(f"{k['dtype']}[{', '.join(k['edges'])}]" for k in carries)
+
+        def plan(keep: str, recompute: str) -> str:
+            if lp["keep"] == "carries":
+                return (f"{keep} each step's incoming carry ({carry}, {human(lp['bytes'], 'B')} in all) and "
+                        f"{recompute} the step's other {lp['recomputed_values']} values from it")
+            what = ([f"each step's incoming carry ({carry})"] if carries else []) \
+                + [f"{len(lp['kept']) - len(carries)} values each step computes"]
+            return (f"{keep} {' and '.join(what)} ({human(lp['bytes'], 'B')} in all) and {recompute} "
+                    f"{lp['recomputed_values']} of the step's values")
         if lp["unrolled"]:
             lines.append(head + "unrolled for this backend, so each step's values are the forward pass's and "
                          "the backward pass keeps them as it keeps any value (checkpoint(x) in the step "
-                         f"recomputes x); run as a loop it would keep each step's incoming carry ({carry}, "
-                         f"{human(kept, 'B')} in all) and recompute the step's other "
-                         f"{lp['recomputed_values']} values")
+                         f"recomputes x); run as a loop it would {plan('keep', 'recompute')}")
         else:
-            lines.append(head + f"the backward pass keeps each step's incoming carry ({carry}, "
-                         f"{human(kept, 'B')} in all) and recomputes the step's other "
-                         f"{lp['recomputed_values']} values from it")
+            lines.append(head + f"the backward pass {plan('keeps', 'recomputes')}")
     return lines
 
 

@@ -11,7 +11,9 @@ beneath them. The grads of one scalar function (seeded with 1, no fresh edges) s
 one reverse sweep over all their arguments.
 
 Exact: a derivative node is replaced by its derivative program, built from the leaf
-rules (`tgc.autodiff.rules`); nothing else changes.
+rules (`tgc.autodiff.rules`); a loop that the forward loop of a reverse loop extends is
+read from that loop (`tgc.autodiff.loops.one_forward_loop`: the same steps, computed
+once); nothing else changes.
 
 Terminates: the driver visits each node of the finite module once, and each expansion
 terminates (see `reverse` and `forward`).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from tgc.autodiff.forward import jvp_value
+from tgc.autodiff.loops import one_forward_loop
 from tgc.autodiff.reverse import _identity, _pull, grad_value, reverse_many, vjp_value
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
@@ -66,7 +69,7 @@ def resolve(module: Module, kinds: Iterable[str]) -> Module:
             memo[id(v)] = _pull(f, x, _identity({}, f.dtype), {}, cts[id(x)])
         else:
             memo[id(v)] = EXPAND[v.op](out, *ops)
-    return out.replace_values(memo)
+    return one_forward_loop(out.replace_values(memo))
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,24 @@ results: new carries C' and per-step results Y) runs, for each index in order,
 `C <- C'(C, X[e = i], P)` and records `Y(C, X[e = i], P)` at `e = i`.
 
 Reverse mode (`loop_vjp`), for a cotangent `ct` of one output:
-- a forward loop of the same body that also stacks each step's incoming carries
-  (the values the backward steps read: carries are kept, the rest of a step is
-  recomputed from them);
-- a loop over the indices in the other order whose carries are the cotangents of
-  C (starting at `ct` for a carry output, else 0) and running sums of the
-  cotangents of P, whose slices are the kept carries, X and the stacked `ct` (for a
-  stacked output), and whose body is the reverse sweep (`tgc.autodiff.reverse`) of
-  B at those values: it gives the step's cotangents of C (the next carries), of P
-  (added to the sums) and of X (stacked: the cotangent of the stacked operand).
+- the backward step (`_plan`): the reverse sweep (`tgc.autodiff.reverse`) of B for
+  the cotangents of the new carries and, for a stacked output, of the step's result;
+  it gives the step's cotangents of C (the next carries), of P (added to running
+  sums) and of X (stacked). The values of the step it reads (less what a
+  `checkpoint` in B recomputes, `tgc.autodiff.remat.regions`; less parameters and
+  leaves) are kept: the backward step reads them as parameters, as it reads the
+  incoming carries it still needs;
+- a forward loop of the same body that also stacks those kept values per step (the
+  lowering runs it as the loop it extends: `tgc.lower.steps`);
+- a loop over the indices in the other order whose carries are the cotangents of C
+  (starting at `ct` for a carry output, else 0) and the running sums, whose slices
+  are the kept values, X and the stacked `ct` (for a stacked output), and whose body
+  is the backward step.
 Its outputs are the cotangents of every operand, one loop for all of them (the
 builders hash-cons: the rule called for each operand builds the same loop).
+Keeping everything the backward step reads is the default; `checkpointed(B)` (the
+memory planner's other choice, `tgc.budget`) checkpoints B's results, so the
+backward step keeps only the incoming carries and recomputes the step from them.
 
 Forward mode (`loop_jvp`): one loop that carries (C, dC), reads (X, dX) and (P, dP)
 for the operands with a tangent, and whose body adds to B the tangent program of
@@ -34,8 +41,9 @@ finite body, one sweep over it per result.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+from tgc.autodiff.remat import is_checkpoint, regions
 from tgc.ir import values as V
 from tgc.ir.values import LoopBody, Value, rebuild_same, topo_order
 
@@ -100,31 +108,67 @@ def _backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
     return _build_backward(v, ct, reverse_many)
 
 
-def kept_carries(v: Value) -> list[Value]:
-    """The carry each step of `v`'s loop starts from, stacked along its edge: the loop
-    of the same body that also yields its incoming carries."""
-    body, edge, reverse, _ = v.attrs
-    nc = body.carries
-    keep = V.loop_body(body.params, body.results + body.params[:nc], nc, body.slices)
-    return [V.loop(keep, edge, v.operands, len(body.results) + k, reverse) for k in range(nc)]
+def checkpointed(body: LoopBody) -> LoopBody:
+    """`body` with each float result read as `checkpoint(result)`: its reverse loop keeps
+    only the carries each step starts from and recomputes the rest of the step (the
+    memory planner's choice under a budget, `tgc.budget`)."""
+    results = [r if not _float(r) or (r.op == "map" and r.attrs[0] == "checkpoint")
+               else V.map_("checkpoint", r, loc=r.loc) for r in body.results]
+    return V.loop_body(body.params, results, body.carries, body.slices)
 
 
-def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
-    body, edge, reverse, out = v.attrs
+class StepPlan(NamedTuple):
+    """What the reverse loop of a loop reads from its forward steps."""
+    carries: tuple[int, ...]     # the carries whose incoming value each step keeps
+    kept: tuple[Value, ...]      # the step's values each step keeps (in the forward body's terms)
+    recomputed: int              # the step's values the backward step computes again
+    back: LoopBody               # the backward step
+
+
+def step_plan(v: Value, reverse_many) -> StepPlan:
+    """The plan of the reverse loop of `v`'s loop for a cotangent of `v`'s type (what
+    `tgc explain` and the memory planner report)."""
+    body, edge, _, out = v.attrs
+    ct = V.const(0.0, v.dtype, set(v.edges))
+    return _plan(body, edge, out, ct.dtype, ct.edges, frozenset(), reverse_many)
+
+
+KEPT_NOT = ("loopvar", "const", "size", "indicator")
+_STAND = 1 << 30   # numbers of the stand-in parameters while a backward step is built
+
+
+def _read_back(primal: list[Value], roots: list[Value]) -> list[Value]:
+    """The values of `primal` (a step's graph, operands first) that the backward step
+    (`roots`) reads, other than parameters and leaves and what a `checkpoint` in the
+    step has it recompute (`tgc.autodiff.remat.regions`)."""
+    in_primal = {id(p) for p in primal}
+    backward = topo_order(roots)
+    read = {id(r) for r in roots}
+    for w in backward:
+        if id(w) not in in_primal:
+            read.update(id(o) for o in w.operands)
+    region = regions(primal, backward) if any(is_checkpoint(p) for p in primal) else set()
+    return [p for p in primal if id(p) in read and id(p) not in region and p.op not in KEPT_NOT]
+
+
+@lru_cache(maxsize=64)
+def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, batch: frozenset,
+          reverse_many) -> StepPlan:
+    """The backward step of `body` for a cotangent of output `out` (`ct_dtype`,
+    `ct_edges`; `batch`: its edges beyond the output's), and what it keeps."""
     nc, nx = body.carries, body.slices
-    ops = v.operands
-    carries, slices, invariants = ops[:nc], ops[nc:nc + nx], ops[nc + nx:]
-    batch = set(ct.edges) - set(v.edges)
+    carries, slices = body.params[:nc], body.params[nc:nc + nx]
+    invariants = body.params[nc + nx:]
     stacked_ct = out >= nc
     float_slices = [j for j, x in enumerate(slices) if _float(x)]
     float_invs = [j for j, b in enumerate(invariants) if _float(b)]
 
-    ps = _Params()
+    ps = _Params()   # stand-ins first, numbered for the final body below
     g_carry = [ps.add(c.dtype, set(c.edges) | batch) for c in carries]
     g_inv = [ps.add(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
     c_in = [ps.add(c.dtype, c.edges) for c in carries]
-    x_in = [ps.add(x.dtype, _slice_type(x, edge)) for x in slices]
-    y_ct = ps.add(ct.dtype, _slice_type(ct, edge)) if stacked_ct else None
+    x_in = [ps.add(x.dtype, x.edges) for x in slices]
+    y_ct = ps.add(ct_dtype, [e for e in ct_edges if e != edge]) if stacked_ct else None
     p_in = [ps.add(b.dtype, b.edges) for b in invariants]
 
     primal = list(c_in) + list(x_in) + list(p_in)
@@ -147,21 +191,113 @@ def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
     new_inv = [V.convert(V.add([g, _fitted(cotangent(p_in[j]), g, set())]), g.dtype)
                for g, j in zip(g_inv, float_invs)]
     d_slices = [_fitted(cotangent(x_in[j]), x_in[j], batch) for j in float_slices]
-    back = V.loop_body(ps.values, new_carry + new_inv + d_slices, nc + len(float_invs),
-                       nc + nx + stacked_ct)
+    roots = new_carry + new_inv + d_slices
+
+    # keep what the backward step reads (less what a checkpoint recomputes); read it as parameters
+    graph = topo_order(results)
+    kept = [k for k in _read_back(graph, roots) if edge not in k.edges]
+    stand = [V.loopvar(_STAND + j, k.dtype, k.edges) for j, k in enumerate(kept)]
+    roots = _substitute(roots, {id(k): s for k, s in zip(kept, stand)})
+    used = {id(w) for w in topo_order(roots)}
+    kept_carries = [k for k in range(nc) if id(c_in[k]) in used]
+    again = {id(w) for w in graph if w.op not in KEPT_NOT}   # the step's values, and the copies `checkpoint` has recomputed
+    recomputed = 0
+    for w in topo_order(roots):
+        if w.op == "map" and w.attrs[0] == "recompute" or id(w) in again:
+            again.add(id(w))
+        elif w.operands and all(id(o) in again or o.op in KEPT_NOT for o in w.operands) \
+                and any(id(o) in again for o in w.operands):
+            again.add(id(w))
+        else:
+            continue
+        recomputed += w.op not in KEPT_NOT and not (w.op == "map" and w.attrs[0] == "recompute")
+
+    final = _Params()
+    order = (g_carry + g_inv + [c_in[k] for k in kept_carries] + stand + x_in
+             + ([y_ct] if stacked_ct else []) + p_in)
+    mapping = {id(p): final.add(p.dtype, p.edges) for p in order}
+    back = V.loop_body(final.values, _substitute(roots, mapping), nc + len(float_invs),
+                       len(kept_carries) + len(stand) + nx + stacked_ct)
+    forward = _substitute(kept, {id(new): old for new, old in zip(primal, body.params)})
+    return StepPlan(tuple(kept_carries), tuple(forward), recomputed, back)
+
+
+def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
+    body, edge, reverse, out = v.attrs
+    nc, nx = body.carries, body.slices
+    ops = v.operands
+    carries, slices, invariants = ops[:nc], ops[nc:nc + nx], ops[nc + nx:]
+    batch = frozenset(set(ct.edges) - set(v.edges))
+    stacked_ct = out >= nc
+    float_slices = [j for j, x in enumerate(slices) if _float(x)]
+    float_invs = [j for j, b in enumerate(invariants) if _float(b)]
+    plan = _plan(body, edge, out, ct.dtype, ct.edges, batch, reverse_many)
+
+    # the forward loop that also stacks what each step keeps (lowering runs it with `v`'s)
+    stacked = [body.params[k] for k in plan.carries] + list(plan.kept)
+    extra = [r for r in stacked if not any(r is q for q in body.results[nc:])]
+    keep = V.loop_body(body.params, body.results + tuple(extra), nc, nx)
+
+    def kept(r: Value) -> Value:
+        at = next((m for m in range(nc, len(body.results)) if body.results[m] is r), None)
+        at = len(body.results) + extra.index(r) if at is None else at
+        return V.loop(keep, edge, ops, at, reverse)
 
     start = [_zero(c.dtype, set(c.edges) | batch) for c in carries]
     if not stacked_ct:
-        start[out] = _fitted(ct, carries[out], batch)
+        start[out] = _fitted(ct, carries[out], set(batch))
     operands = (start + [_zero(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
-                + kept_carries(v) + list(slices) + ([V.convert(ct, ct.dtype)] if stacked_ct else [])
+                + [kept(r) for r in stacked] + list(slices) + ([V.convert(ct, ct.dtype)] if stacked_ct else [])
                 + list(invariants))
-    outs = lambda k: V.loop(back, edge, operands, k, not reverse)   # noqa: E731
+    outs = lambda k: V.loop(plan.back, edge, operands, k, not reverse)   # noqa: E731
     result: list[Value | None] = [outs(k) for k in range(nc)]
     result += [outs(nc + len(float_invs) + float_slices.index(j)) if j in float_slices else None
                for j in range(nx)]
     result += [outs(nc + float_invs.index(j)) if j in float_invs else None for j in range(len(invariants))]
     return result
+
+
+def _extends(longer: LoopBody, body: LoopBody) -> bool:
+    """`longer` is `body` with more stacked results: the same parameters and carries,
+    the same first results."""
+    return (len(longer.results) > len(body.results) and (longer.carries, longer.slices) == (body.carries, body.slices)
+            and len(longer.params) == len(body.params)
+            and all(p is q for p, q in zip(longer.params, body.params))
+            and all(r is q for r, q in zip(longer.results, body.results)))
+
+
+def one_forward_loop(module):
+    """`module` with each output of a loop that another loop of the same operands extends
+    (the forward loop reverse mode builds to keep what each step keeps) read from the
+    longer loop: one loop, run once, whose body the later passes rewrite as one (two
+    bodies rewritten apart would no longer be one the prefix of the other). The same
+    steps on the same operands: the same values."""
+    groups: dict[tuple, dict[int, LoopBody]] = {}
+    for v in topo_order(module.roots()):
+        if v.op == "loop":
+            body, edge, reverse, _ = v.attrs
+            groups.setdefault((edge, reverse) + tuple(map(id, v.operands)), {})[id(body)] = body
+    longest: dict[tuple, LoopBody] = {}
+    for key, bodies in groups.items():
+        for body in bodies.values():
+            best = body
+            for other in bodies.values():
+                if len(other.results) > len(best.results) and _extends(other, body):
+                    best = other
+            if best is not body:
+                longest[key + (id(body),)] = best
+    if not longest:
+        return module
+
+    def fn(v: Value, ops: tuple[Value, ...]) -> Value:
+        if v.op == "loop":
+            body, edge, reverse, out = v.attrs
+            best = longest.get((edge, reverse) + tuple(map(id, v.operands)) + (id(body),))
+            if best is not None:
+                return V.loop(best, edge, ops, out, reverse, loc=v.loc)
+        return rebuild_same(v, ops)
+
+    return module.replace_values(V.rebuild(module.roots(), fn))
 
 
 # ---- forward mode ---------------------------------------------------------------------

@@ -77,10 +77,10 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     if sizes:
         report["program"] = "specialized" if specialized else "generic"
     if any(v.op == "loop" for v in module.values()):   # what each step keeps for the backward pass
-        derived = pipeline.lower(module, options.with_(passes=("normalize", "adjoint", "tangent"),
-                                                       memory_budget=None)).module
+        primal = lowered.memory.primal if lowered.memory is not None and lowered.memory.primal is not None \
+            else pipeline.lower(module, options.with_(passes=("normalize",), memory_budget=None)).module
         unrolled = not any(v.op == "loop" for v in lowered.module.values())   # (the cost model unrolled them)
-        report["loops"] = loop_steps(derived, env, unrolled)
+        report["loops"] = loop_steps(primal, env, unrolled)   # the planner's choice where it made one
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()

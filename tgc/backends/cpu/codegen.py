@@ -692,6 +692,7 @@ def kernel_work(k, env: dict) -> int:
 
 
 SERIAL, PARALLEL, PARALLEL_WARM = "serial", "parallel", "parallel when warm"
+STEPS = "per step kernel"   # a loop over an edge: each kernel of its step decides
 
 
 def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
@@ -701,10 +702,13 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
     on every thread) or PARALLEL_WARM (in a region only right after another one, while
     the workers still spin: `warm_cycles`). On a loaded machine a kernel of either
     parallel kind may still run serially (the lag, `parallel.py`). `tgc explain`
-    shows it per kernel."""
+    shows it per kernel; a loop over an edge (`StepLoop`) is STEPS: each kernel of its
+    step decides for itself."""
     cpu = options.cpu
     if cpu.threads == 1:
         return SERIAL
+    if isinstance(k, StepLoop):
+        return STEPS
     if isinstance(k, (GemmKernel, ImplicitGemm)):
         g = k.gemm if isinstance(k, ImplicitGemm) else k
         amount = 2
