@@ -63,13 +63,11 @@ from tgc.options import Options
 _ELEMENTWISE = ("add", "map", "contract", "reduce", "rename", "stop")
 
 
-def _numel(v: Value, sizes: dict) -> int | None:
+def _numel(v: Value, sizes: dict) -> int:
+    """How many elements `v` has (`sizes`: every edge's, symbolic ones estimated)."""
     n = 1
     for e in v.edges:
-        s = sizes.get(e)
-        if not isinstance(s, int):
-            return None
-        n *= s
+        n *= sizes[e]
     return n
 
 
@@ -116,7 +114,7 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
             continue
         member.add(id(v))
         for o in v.operands:
-            if _along(o, edge) and (_numel(o, sizes) or 0) >= big and id(o) not in member:
+            if _along(o, edge) and _numel(o, sizes) >= big and id(o) not in member:
                 stack.append(o)
     # down, in order: a value along `edge` that reads the region and nothing computed from it
     tainted: set[int] = set()   # outside the region, computed from it
@@ -127,11 +125,11 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
         dirty = any(id(o) in tainted for o in v.operands)
         if reads and not dirty and _along(v, edge):
             ups = [o for o in v.operands if id(o) not in member and _along(o, edge)
-                   and (_numel(o, sizes) or 0) >= big]
+                   and _numel(o, sizes) >= big]
             if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
                 for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
                     for x in topo_order([u]):
-                        if _along(x, edge) and (_numel(x, sizes) or 0) >= big:
+                        if _along(x, edge) and _numel(x, sizes) >= big:
                             member.add(id(x))
                 member.add(id(v))
                 continue
@@ -166,7 +164,7 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
             seen.add(id(o))
             stacked_u.append(o)
     for o in stacked_u:
-        if (_numel(o, sizes) or 0) >= big:
+        if _numel(o, sizes) >= big:
             return None
     for v in members:
         for o in v.operands:
@@ -181,6 +179,8 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
                 masks.append(o)
             continue
         (slices if edge in o.edges else invariants).append(o)
+    if any(_numel(x, sizes) >= big for x in slices + invariants):
+        return None   # a large operand read whole, or copied as blocks: nothing gained
     return _Region(edge, members, carries, stacked_u, slices, invariants, masks)
 
 
@@ -203,7 +203,9 @@ class _Streamer:
         self.m = module
         self.block = options.stream_block
         self.big = options.stream_min_elements
-        self.sizes = {e: module.size(e) for e in module.edges}
+        self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
+        # the sizes the thresholds read: a symbolic dim counts as `rep_size`, as in every cost model
+        self.est = {e: n if isinstance(n, int) else options.rep_size for e, n in self.sizes.items()}
 
     def new_edge(self, base: str, n: int) -> str:
         """A fresh dim of size n and its edge, named after `base`."""
@@ -214,12 +216,13 @@ class _Streamer:
         self.m.dims[name] = n
         self.m.edges[name] = name
         self.sizes[name] = n
+        self.est[name] = n
         return name
 
     def seeds(self, order: list[Value], skip: set[int]) -> list[Value]:
         out = [v for v in order if v.op in _ELEMENTWISE and id(v) not in skip
-               and (_numel(v, self.sizes) or 0) >= self.big]
-        return sorted(out, key=lambda v: -_numel(v, self.sizes))
+               and _numel(v, self.est) >= self.big]
+        return sorted(out, key=lambda v: -_numel(v, self.est))
 
     def edges_of(self, seed: Value) -> list[str]:
         b = self.block
@@ -232,7 +235,7 @@ class _Streamer:
         roots = self.m.roots()
         for seed in self.seeds(order, skip):
             for edge in self.edges_of(seed):
-                r = _region(order, roots, seed, edge, self.sizes, self.big)
+                r = _region(order, roots, seed, edge, self.est, self.big)
                 if r is not None and all(self.maskable(m, edge) for m in r.masks):
                     return self.build(order, r)
             skip.add(id(seed))
