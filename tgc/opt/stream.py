@@ -100,9 +100,9 @@ def _carry_kind(v: Value, edge: str) -> str | None:
     return None
 
 
-def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, sizes: dict, big: int) -> _Region | None:
+def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large) -> _Region | None:
     """The values computed in a loop over blocks of `edge` around `seed`, or None when
-    a large value would be left outside as a stacked result."""
+    a large value (`large(v)`) would be left outside, as an operand or a stacked result."""
     member: set[int] = set()
     pos = {id(v): i for i, v in enumerate(order)}
 
@@ -114,7 +114,7 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
             continue
         member.add(id(v))
         for o in v.operands:
-            if _along(o, edge) and _numel(o, sizes) >= big and id(o) not in member:
+            if _along(o, edge) and large(o) and id(o) not in member:
                 stack.append(o)
     # down, in order: a value along `edge` that reads the region and nothing computed from it
     tainted: set[int] = set()   # outside the region, computed from it
@@ -125,11 +125,11 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
         dirty = any(id(o) in tainted for o in v.operands)
         if reads and not dirty and _along(v, edge):
             ups = [o for o in v.operands if id(o) not in member and _along(o, edge)
-                   and _numel(o, sizes) >= big]
+                   and large(o)]
             if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
                 for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
                     for x in topo_order([u]):
-                        if _along(x, edge) and _numel(x, sizes) >= big:
+                        if _along(x, edge) and large(x):
                             member.add(id(x))
                 member.add(id(v))
                 continue
@@ -164,7 +164,7 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
             seen.add(id(o))
             stacked_u.append(o)
     for o in stacked_u:
-        if _numel(o, sizes) >= big:
+        if large(o):
             return None
     for v in members:
         for o in v.operands:
@@ -179,7 +179,7 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, size
                 masks.append(o)
             continue
         (slices if edge in o.edges else invariants).append(o)
-    if any(_numel(x, sizes) >= big for x in slices + invariants):
+    if any(large(x) for x in slices + invariants):
         return None   # a large operand read whole, or copied as blocks: nothing gained
     return _Region(edge, members, carries, stacked_u, slices, invariants, masks)
 
@@ -224,6 +224,13 @@ class _Streamer:
                and _numel(v, self.est) >= self.big]
         return sorted(out, key=lambda v: -_numel(v, self.est))
 
+    def large(self, v: Value, seed: Value) -> bool:
+        """Whether `v` is of the seed's scale: over the threshold, and more than 1/8 of the
+        seed (a [t, s] bias beside the [t, s] scores is; a [t, hd] query beside them is not
+        once s > 8 hd)."""
+        n = _numel(v, self.est)
+        return n >= self.big and 8 * n > _numel(seed, self.est)
+
     def edges_of(self, seed: Value) -> list[str]:
         b = self.block
         ok = [e for e in seed.edges if isinstance(self.sizes.get(e), int) and self.sizes[e] >= 2 * b
@@ -235,7 +242,7 @@ class _Streamer:
         roots = self.m.roots()
         for seed in self.seeds(order, skip):
             for edge in self.edges_of(seed):
-                r = _region(order, roots, seed, edge, self.est, self.big)
+                r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is not None and all(self.maskable(m, edge) for m in r.masks):
                     return self.build(order, r)
             skip.add(id(seed))
@@ -385,8 +392,14 @@ class Stream(Pass):
     weights, forward and backward, block by block; reductions over the edge as carries)."""
 
     name = "stream"
+    block: int | None = None          # the block size (default: options.stream_block)
+    min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
 
     def run(self, module: Module, options: Options) -> Module:
+        if self.block is not None:
+            options = options.with_(stream_block=self.block)
+        if self.min_elements is not None:
+            options = options.with_(stream_min_elements=self.min_elements)
         if options.fp_strict or options.stream_block <= 0:
             return module
         return stream(module, options)
