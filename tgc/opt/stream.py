@@ -72,23 +72,29 @@ def _numel(v: Value, sizes: dict) -> int:
 
 
 def _along(v: Value, edge: str) -> bool:
-    """Whether `v` keeps `edge` and reads its operands at the same index along it."""
-    if edge not in v.edges or v.op not in _ELEMENTWISE:
-        return False
-    if v.op == "rename":
-        return all(edge not in p for p in v.attrs[0])
-    return True
+    """Whether `v` keeps `edge` and reads its operands at one index along it."""
+    return v.op in _ELEMENTWISE and edge in v.edges
+
+
+def _down(v: Value, edge: str) -> str:
+    """The name in `v` of its operands' edge `edge` (a rename may change it)."""
+    return dict(v.attrs[0]).get(edge, edge) if v.op == "rename" else edge
+
+
+def _up(v: Value, edge: str) -> str:
+    """The name in `v`'s operands of its edge `edge`."""
+    return {b: a for a, b in v.attrs[0]}.get(edge, edge) if v.op == "rename" else edge
 
 
 @dataclass
 class _Region:
-    edge: str
+    edge: dict[int, str]          # id(value) -> its name of the streamed edge (members, leaves that have it, carries)
     members: list[Value]          # operands first
-    carries: list[Value]          # reductions over `edge` of members: sums and max/min
+    carries: list[Value]          # reductions over the edge of members: sums and max/min
     stacked: list[Value]          # members read outside the region
-    slices: list[Value]           # operands from outside with `edge`
-    invariants: list[Value]       # operands from outside without `edge`
-    masks: list[Value]            # indicators that name `edge`
+    slices: list[Value]           # operands from outside with the edge
+    invariants: list[Value]       # operands from outside without it
+    masks: list[Value]            # indicators that name it
 
 
 def _carry_kind(v: Value, edge: str) -> str | None:
@@ -103,85 +109,88 @@ def _carry_kind(v: Value, edge: str) -> str | None:
 def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large) -> _Region | None:
     """The values computed in a loop over blocks of `edge` around `seed`, or None when
     a large value (`large(v)`) would be left outside, as an operand or a stacked result."""
-    member: set[int] = set()
+    se: dict[int, str] = {}       # members: their name of the edge
     pos = {id(v): i for i, v in enumerate(order)}
 
-    # up: the seed's large operands along `edge`, and theirs
-    stack = [seed]
-    while stack:
-        v = stack.pop()
-        if id(v) in member:
-            continue
-        member.add(id(v))
-        for o in v.operands:
-            if _along(o, edge) and large(o) and id(o) not in member:
-                stack.append(o)
-    # down, in order: a value along `edge` that reads the region and nothing computed from it
+    def grow_up(v: Value, e: str) -> None:   # v and its large operands along the edge, and theirs
+        stack = [(v, e)]
+        while stack:
+            v, e = stack.pop()
+            if id(v) in se:
+                continue
+            se[id(v)] = e
+            eo = _up(v, e)
+            for o in v.operands:
+                if id(o) not in se and _along(o, eo) and large(o):
+                    stack.append((o, eo))
+
+    grow_up(seed, edge)
+    # down, in order: a value along the edge that reads the region and nothing computed from it
     tainted: set[int] = set()   # outside the region, computed from it
     for v in order[pos[id(seed)] + 1:]:
-        if id(v) in member:
+        if id(v) in se:
             continue
-        reads = any(id(o) in member for o in v.operands)
+        reads = [o for o in v.operands if id(o) in se]
         dirty = any(id(o) in tainted for o in v.operands)
-        if reads and not dirty and _along(v, edge):
-            ups = [o for o in v.operands if id(o) not in member and _along(o, edge)
-                   and large(o)]
+        names = {_down(v, se[id(o)]) for o in reads}
+        if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
+            e = names.pop()
+            eo = _up(v, e)
+            ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
             if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
                 for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
-                    for x in topo_order([u]):
-                        if _along(x, edge) and large(x):
-                            member.add(id(x))
-                member.add(id(v))
+                    grow_up(u, eo)
+                grow_up(v, e)
                 continue
         if reads or dirty:
             tainted.add(id(v))
-    members = [v for v in order if id(v) in member]
-    # a member must not read a value computed from the region (added upward above)
-    for v in members:
-        for o in v.operands:
-            if id(o) in tainted:
-                return None
-    carries, stacked, outside = [], [], {}
-    for v in order:
-        if id(v) in member:
-            continue
-        if any(id(o) in member for o in v.operands):
-            kind = _carry_kind(v, edge)
-            if kind is not None and not any(id(o) in tainted and id(o) not in member for o in v.operands):
-                carries.append(v)
-                for o in v.operands:
-                    if id(o) not in member:
-                        outside[id(o)] = o
-            else:
-                for o in v.operands:
-                    if id(o) in member:
-                        stacked.append(o)
-    stacked += [v for v in roots if id(v) in member]
-    seen: set[int] = set()
-    stacked_u = []
-    for o in stacked:
-        if id(o) not in seen:
-            seen.add(id(o))
-            stacked_u.append(o)
-    for o in stacked_u:
-        if large(o):
+    members = [v for v in order if id(v) in se]
+    for v in members:   # a member must not read a value computed from the region
+        if any(id(o) in tainted for o in v.operands):
             return None
-    for v in members:
+    carries, stacked, outside = [], [], {}
+    leaf: dict[int, str | None] = {}
+    reduced: dict[int, str] = {}   # carries: the name of the edge they reduce
+
+    def read(v: Value, e: str) -> bool:   # v's operands from outside, with their name of the edge
         for o in v.operands:
-            if id(o) not in member:
+            if id(o) not in se:
+                name = e if e in o.edges else None
+                if leaf.setdefault(id(o), name) != name:
+                    return False
                 outside[id(o)] = o
+        return True
+
+    for v in order:
+        if id(v) in se or not any(id(o) in se for o in v.operands):
+            continue
+        names = {se[id(o)] for o in v.operands if id(o) in se}
+        kind = _carry_kind(v, next(iter(names))) if len(names) == 1 and v.op != "rename" else None
+        if kind is not None and not any(id(o) in tainted for o in v.operands) and read(v, next(iter(names))):
+            carries.append(v)
+            reduced[id(v)] = names.pop()
+        else:
+            stacked += [o for o in v.operands if id(o) in se]
+    stacked += [v for v in roots if id(v) in se]
+    stacked = list({id(o): o for o in stacked}.values())
+    if any(large(o) for o in stacked):
+        return None
+    for v in members:
+        if not read(v, _up(v, se[id(v)])):
+            return None
     slices, invariants, masks = [], [], []
     for o in sorted(outside.values(), key=lambda x: pos[id(x)]):
-        if o.op in ("const", "size"):
+        if leaf[id(o)] is not None:
+            se[id(o)] = leaf[id(o)]
+        if o.op in ("const", "size") or (o.op == "indicator" and leaf[id(o)] is None):
             continue
         if o.op == "indicator":
-            if edge in o.edges:
-                masks.append(o)
-            continue
-        (slices if edge in o.edges else invariants).append(o)
+            masks.append(o)
+        else:
+            (slices if leaf[id(o)] is not None else invariants).append(o)
     if any(large(x) for x in slices + invariants):
         return None   # a large operand read whole, or copied as blocks: nothing gained
-    return _Region(edge, members, carries, stacked_u, slices, invariants, masks)
+    return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
 def _split(x: Value, edge: str, ec: str, eb: str, block: int) -> Value:
@@ -243,8 +252,9 @@ class _Streamer:
         for seed in self.seeds(order, skip):
             for edge in self.edges_of(seed):
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
-                if r is not None and all(self.maskable(m, edge) for m in r.masks):
-                    return self.build(order, r)
+                if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
+                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks):
+                    return self.build(order, r, edge)
             skip.add(id(seed))
         return None
 
@@ -286,33 +296,32 @@ class _Streamer:
             plan.append(("piece", (r, V.indicator(at, ind.dtype), sorted(e for e, _ in w_terms))))
         return pieces, plan
 
-    def build(self, order: list[Value], r: _Region) -> Module:
-        edge, b = r.edge, self.block
+    def build(self, order: list[Value], r: _Region, edge: str) -> Module:
+        b = self.block
         n = self.sizes[edge]
         ec = self.new_edge(edge, b)
         eb = self.new_edge(edge, n // b)
-        ren = {edge: ec}
 
-        def body_type(v: Value) -> tuple[str, list[str]]:
-            return v.dtype, [ren.get(e, e) for e in v.edges]
+        def step_edges(v: Value, e: str | None = None) -> list[str]:   # v's edges in a step
+            e = r.edge.get(id(v)) if e is None else e
+            return [ec if x == e else x for x in v.edges]
 
         masks = []
         for ind in r.masks:
-            pieces, plan = self.mask(ind, edge, ec, eb)
+            pieces, plan = self.mask(ind, r.edge[id(ind)], ec, eb)
             masks.append((ind, pieces, plan))
         # operands and parameters: carries, slices (inputs, then mask pieces), invariants
         params: list[Value] = []
         operands: list[Value] = []
-        kinds = [_carry_kind(v, edge) for v in r.carries]
+        kinds = [_carry_kind(v, r.edge[id(v)]) for v in r.carries]
         for v, kind in zip(r.carries, kinds):
             init = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[kind]
             operands.append(V.const(init, v.dtype, v.edges))
             params.append(V.loopvar(len(params), v.dtype, v.edges))
         inner: dict[int, Value] = {}
         for x in r.slices:
-            operands.append(_split(x, edge, ec, eb, b))
-            dt, es = body_type(x)
-            p = V.loopvar(len(params), dt, es)
+            operands.append(_split(x, r.edge[id(x)], ec, eb, b))
+            p = V.loopvar(len(params), x.dtype, step_edges(x))
             params.append(p)
             inner[id(x)] = p
         piece_params = []
@@ -346,7 +355,10 @@ class _Streamer:
         for v in r.members:
             ops = tuple(read(o) for o in v.operands)
             if v.op == "contract":
-                inner[id(v)] = V.contract(ops, [ren.get(e, e) for e in v.edges], v.loc)
+                inner[id(v)] = V.contract(ops, step_edges(v), v.loc)
+            elif v.op == "rename":   # the streamed edge is the step's block edge on both sides
+                pairs = {a: c for a, c in v.attrs[0] if c != r.edge[id(v)]}
+                inner[id(v)] = V.rename(ops[0], pairs, v.loc) if pairs else ops[0]
             else:
                 inner[id(v)] = rebuild_same(v, ops)
         results = []
@@ -356,7 +368,7 @@ class _Streamer:
                 part = V.contract(ops, v.edges, v.loc)
                 results.append(V.add([p, part]))
             else:
-                part = V.reduce(kind, ops[0], [ren.get(e, e) for e in v.attrs[1]], v.loc)
+                part = V.reduce(kind, ops[0], [ec if x == r.edge[id(v)] else x for x in v.attrs[1]], v.loc)
                 results.append(V.map_(kind, p, part))
         for v in r.stacked:
             results.append(inner[id(v)])
@@ -366,7 +378,7 @@ class _Streamer:
             memo[id(v)] = V.loop(body, eb, operands, i)
         for j, v in enumerate(r.stacked):
             out = V.loop(body, eb, operands, len(r.carries) + j)
-            memo[id(v)] = _join(out, edge, ec, eb, b)
+            memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
         for v in order:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
