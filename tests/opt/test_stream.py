@@ -98,7 +98,29 @@ out dq[t, hd] = grad(loss, q)
 out dk[s, hd] = grad(loss, k)
 """
 
-PROGRAMS = {"attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
+# examples/attention.tg's layer: projections in and out, keys renamed from the positions
+LAYER = """
+dim batch = 2, t = 32, c = 4, head = 2, hd = c / head
+dim s = t
+input x[batch, t, c]
+input dy[batch, t, c]
+param Wq[c, c2: c], Wk[c, c2], Wv[c, c2]
+param Wo[c2, c]
+qh = (x @ Wq)[c2 = hd*head + hd]
+kh = (x @ Wk)[c2 = hd*head + hd, t -> s]
+vh = (x @ Wv)[c2 = hd*head + hd, t -> s]
+p = softmax[s](where([s <= t], sum[hd](qh * kh) / sqrt(size(hd)), -inf))
+y = (sum[s](p * vh) @ [c2 = hd*head + hd]) @ Wo
+out y[batch, t, c]
+loss = sum(y * dy)
+out dx = grad(loss, x)
+out dWq = grad(loss, Wq)
+out dWk = grad(loss, Wk)
+out dWv = grad(loss, Wv)
+out dWo = grad(loss, Wo)
+"""
+
+PROGRAMS = {"layer": LAYER, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
 
 
 def optimized(src: str, dtype: str, **opts):
