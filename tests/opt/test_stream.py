@@ -212,3 +212,12 @@ def test_peak_grows_linearly_with_length():
     small, large = peak(256), peak(512)
     assert 1.5 * small <= large <= 2.5 * small, (small, large)
     assert large < 2 * 512 * 512 * 4   # less than one [head, t, s] f32 matrix
+
+
+@pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
+def test_cuda_sim_matches_torch(dtype, tol):
+    """The streamed attention on the CUDA module's emulator (its loops unrolled there)."""
+    import tgc
+
+    want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
+    close(tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON))(**inputs(ATTENTION, dtype)), want, tol)
