@@ -120,7 +120,10 @@ out dWv = grad(loss, Wv)
 out dWo = grad(loss, Wo)
 """
 
-PROGRAMS = {"layer": LAYER, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
+# a sliding window: a chain of two links that both name t
+WINDOW = MASKED.replace("[s + 4 <= t]", "[t - 8 <= s <= t]")
+
+PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
 
 
 def optimized(src: str, dtype: str, **opts):

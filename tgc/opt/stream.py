@@ -43,10 +43,14 @@ added across blocks: a reassociation of those sums (docs/optimization.md's contr
 allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing by
 indicators selects exact values.
 
-Terminates: each round moves at least the seed (a value of the top-level DAG over the
-threshold) into a loop body whose values are smaller than the threshold's share
-(B/N of the seed), and the pass never looks inside bodies; the top level has finitely
-many large values, and a round that finds no valid edge for a seed marks it and goes on.
+Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
+4 MB at t = s = 8192 in f32, and growing quadratically beyond.
+
+Terminates: each round moves at least its seed (a large add, map, contraction, ...
+of the top level) into a loop body, which the pass never looks inside, and adds to the
+top level only values that are no seeds (a loop, indicators, constants) or small ones
+(slices and stacked results are checked small); a seed with no valid edge is skipped.
+So each round leaves one large value fewer to try.
 """
 from __future__ import annotations
 
@@ -271,9 +275,11 @@ class _Streamer:
                 return False
         return True
 
-    def mask(self, ind: Value, edge: str, ec: str, eb: str) -> tuple[list[Value], Value]:
-        """The stacked pieces of indicator `ind` and its value in the step as a function of
-        parameters (returned as a builder over the pieces' parameters)."""
+    def mask(self, ind: Value, edge: str, ec: str, eb: str) -> tuple[list[Value], list[tuple]]:
+        """Indicator `ind` (naming `edge`) for a loop over blocks `eb` of `ec`: the stacked
+        indicators `G[eb, r]` the loop takes (one per link that names `edge`), and per link
+        how the step computes it: ("plain", the link's own indicator) or ("piece", (r, the
+        reindex [r = w' - min w'], the edges it keeps)), applied to G's slice."""
         rel: Relation = ind.attrs[0]
         b = self.block
         pieces, plan = [], []
@@ -281,7 +287,7 @@ class _Streamer:
             d = rel.exprs[i].plus(rel.exprs[i + 1], -1)
             c = d.coef(edge)
             if c == 0:
-                link = Relation((rel.exprs[i].renamed({}), rel.exprs[i + 1]), (op,))
+                link = Relation((rel.exprs[i], rel.exprs[i + 1]), (op,))
                 plan.append(("plain", V.indicator(link, ind.dtype)))
                 continue
             w_terms = [(e, k) for e, k in d.terms if e != edge] + [(ec, c)]
