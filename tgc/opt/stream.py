@@ -27,7 +27,9 @@ computed one block of `E` at a time:
   relation that names `E` (`c*E + w op 0`, w affine in the other edges), a small
   stacked indicator `G[Eb, r] = [c*B*Eb + r + min(w') op 0]` over a fresh edge r
   holding the range of `w' = c*Ec + w`, read in the step at `r = w' - min(w')` (an
-  exact reindex): the step sees its block's mask without an `|E| * |s|` matrix.
+  exact reindex; a link with c < 0 is negated first, so that r grows with Ec: the
+  step reads G with stride 1 along its block): the step sees its block's mask
+  without an `|E| * |s|` matrix.
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -65,6 +67,9 @@ from tgc.options import Options
 
 # ops a value may have to be computed one block of E at a time (when it keeps E)
 _ELEMENTWISE = ("add", "map", "contract", "reduce", "rename", "stop")
+
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "=": "=", "!=": "!="}   # a op b <=> -a FLIP[op] -b
 
 
 def _numel(v: Value, sizes: dict) -> int:
@@ -290,6 +295,8 @@ class _Streamer:
                 link = Relation((rel.exprs[i], rel.exprs[i + 1]), (op,))
                 plan.append(("plain", V.indicator(link, ind.dtype)))
                 continue
+            if c < 0:   # oriented so that r grows with the block's index (a read with stride 1 along it)
+                d, c, op = d.scaled(-1), -c, _FLIP[op]
             w_terms = [(e, k) for e, k in d.terms if e != edge] + [(ec, c)]
             lo, hi = d.const, d.const
             for e, k in w_terms:
