@@ -224,3 +224,26 @@ def test_cuda_sim_matches_torch(dtype, tol):
 
     want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
     close(tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON))(**inputs(ATTENTION, dtype)), want, tol)
+
+
+def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
+    """`tgc explain` on the benchmark's attention at t = 1024 (the default threshold met):
+    one loop of steps, in a parallel region, whose note and the save/recompute line say it
+    streams t in blocks; the peak counts the step's own temporaries."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    path = tmp_path / "attention.tg"
+    path.write_text(ATTENTION.replace("head = 2, t = 32, hd = 2", "head = 4, t = 1024, hd = 16"))
+    r = CliRunner().invoke(main, ["explain", str(path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    report = json.loads(r.output)
+    steps = [k for k in report["kernels"] if k["kind"] == "steps"]
+    assert len(steps) == 1 and steps[0]["threads"] == "parallel"
+    assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
+        report["recompute_note"]
+    assert any("/" in b["name"] for b in report["peak"]["buffers"])   # a step's temporary, named after its loop
+    assert report["peak"]["bytes"] < 4 * 1024 * 1024 * 4 / 2   # under half of one [head, t, s] f32 matrix
