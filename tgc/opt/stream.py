@@ -226,13 +226,19 @@ class _Streamer:
         self.est = {e: n if isinstance(n, int) else options.rep_size for e, n in self.sizes.items()}
 
     def new_edge(self, base: str, n: int) -> str:
-        """A fresh dim of size n and its edge, named after `base`."""
+        """A fresh dim of size n and its edge, named after `base` and declared right after
+        it when it is an edge (declaration order breaks ties in layout: a block of t is
+        ordered as t was, before s, and s stays the contiguous axis of a [t, s] block)."""
         stem, k = base.split(".")[0], 1
         while f"{stem}.{k}" in self.m.edges or f"{stem}.{k}" in self.m.dims:
             k += 1
         name = f"{stem}.{k}"
         self.m.dims[name] = n
-        self.m.edges[name] = name
+        edges = list(self.m.edges.items())
+        at = max((i + 1 for i, (e, _) in enumerate(edges) if e.split(".")[0] == stem), default=len(edges))
+        edges.insert(at, (name, name))
+        self.m.edges.clear()
+        self.m.edges.update(edges)
         self.sizes[name] = n
         self.est[name] = n
         return name
