@@ -69,12 +69,12 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                         "bytes": sum(nbytes(n) for n in used)})
         if options is not None:
             kernels[-1]["threads"] = _threads(low, k, {**_fixed_dims(low), **env}, options)
-    # a loop's step holds its own temporaries while the loop runs: they add to the loop kernel's
-    inner = {i: explain(k.step, env) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)}
+        if isinstance(k, StepLoop):   # the step's own temporaries live while it runs
+            kernels[-1]["step_peak"] = explain(k.step, env)["peak"]["bytes"]
     live, at_peak, peak = [], [], -1
     for i in range(len(low.kernels)):
         alive = sorted((n for n in first if first[n] <= i <= last[n]), key=lambda n: (-nbytes(n), n))
-        total = sum(nbytes(n) for n in alive) + (inner[i]["peak"]["bytes"] if i in inner else 0)
+        total = sum(nbytes(n) for n in alive) + kernels[i].get("step_peak", 0)
         live.append(total)
         if total > peak:
             peak, at_peak = total, [(i, alive)]
@@ -93,9 +93,7 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
         "live_bytes": live,
         "peak": {"bytes": max(peak, 0), "kernel": peak_kernel,
                  "buffers": [{"name": n, "edges": list(low.buffers[n].edges), "dtype": low.buffers[n].dtype,
-                              "bytes": nbytes(n), "from": first[n], "to": last[n]} for n in alive]
-                 + ([{**b, "name": f"k{peak_kernel}/{b['name']}", "from": peak_kernel, "to": peak_kernel}
-                     for b in inner[peak_kernel]["peak"]["buffers"]] if peak_kernel in inner else [])},
+                              "bytes": nbytes(n), "from": first[n], "to": last[n]} for n in alive]},
         "recompute": [{"kernel": k["index"], "text": k["text"]} for k, lk in zip(kernels, low.kernels)
                       if lk.note == "recompute"],
         "recompute_note": _recompute_note(low),
@@ -103,14 +101,12 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
 
 
 def _threads(low: Lowered, k, env: dict, options) -> str:
-    """How kernel `k` runs (`tgc.backends.cpu.codegen.thread_plan`); a loop of steps: in a
-    parallel region where one of its step's kernels is."""
-    from tgc.backends.cpu.codegen import PARALLEL, SERIAL, thread_plan
-
-    if isinstance(k, StepLoop):
-        plans = [_threads(k.step, s, env, options) for s in k.step.kernels]
-        return PARALLEL if PARALLEL in plans else max(plans, default=SERIAL)
-    return thread_plan(low, k, env, options)
+    """`thread_plan` of kernel `k`; for a loop, parallel when any kernel of its step is."""
+    from tgc.backends.cpu.codegen import PARALLEL, SERIAL, leaf_kernels, thread_plan
+    if not isinstance(k, StepLoop):
+        return thread_plan(low, k, env, options)
+    plans = {thread_plan(p, lk, env, options) for p, lk in leaf_kernels(k.step)}
+    return PARALLEL if PARALLEL in plans else SERIAL if plans <= {SERIAL} else sorted(plans - {SERIAL})[0]
 
 
 def _fixed_dims(low: Lowered) -> dict:
