@@ -227,8 +227,8 @@ class _Streamer:
 
     def new_edge(self, base: str, n: int) -> str:
         """A fresh dim of size n and its edge, named after `base` and declared right after
-        it when it is an edge (declaration order breaks ties in layout: a block of t is
-        ordered as t was, before s, and s stays the contiguous axis of a [t, s] block)."""
+        the edges of that stem (declaration order is layout's tie-break: the step's
+        carries over [s, hd] then keep the order the unstreamed sums had)."""
         stem, k = base.split(".")[0], 1
         while f"{stem}.{k}" in self.m.edges or f"{stem}.{k}" in self.m.dims:
             k += 1
