@@ -178,6 +178,12 @@ def _recompute_note(low: Lowered) -> str:
     if not again and any(v.op == "map" and v.attrs[0] == "recompute" for v in low.module.values()):
         return ("checkpointed values are recomputed inside the backward kernels that read them "
                 "(cheap enough to inline); every other value a later kernel reads is kept")
+    from tgc.ir.sizes import size_str
+
+    streams = [f"k{i} {k.note} ({size_str(k.trip)} steps)" for i, k in enumerate(low.kernels)
+               if isinstance(k, StepLoop) and k.note.startswith("streams")]
+    if streams:   # tgc.opt.stream: each block's values recomputed from the inputs, forward and backward alike
+        return "recompute by blocks: " + "; ".join(streams)
     if not again:
         return ("no recomputation: every value a later kernel reads is kept "
                 "(checkpoint(x) makes the backward pass recompute x)")

@@ -45,6 +45,8 @@ class Options:
     stats: bool = False                      # measure ops, FLOPs, bytes after every pass (tgc.opt.stats)
     check_assumptions: bool = False          # check every `assume` on each call's inputs (EvalError when one fails; tgc.ir.assume)
     unroll_max_ops: int = 64                 # a loop of known trip count n is unrolled when n times its step's op count is at most this; else it stays a loop, compiled once (tgc.opt.unroll)
+    stream_block: int = 64                   # a cluster of large values over a long edge runs in a loop over blocks of this many indices (0: never; tgc.opt.stream) ...
+    stream_min_elements: int = 1 << 22       # ... when one of its values has at least this many elements
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...

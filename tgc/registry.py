@@ -19,6 +19,7 @@ from tgc.opt.normalize import Normalize
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
+from tgc.opt.stream import Stream
 from tgc.opt.unroll import Unroll
 from tgc.lower.fuse import Fuse
 from tgc.lower.layout import Layout
@@ -26,7 +27,7 @@ from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
 
 PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Unroll, FixDims, ForwardOnly, GradientModule,
+                                                    Autocast, Unroll, Stream, FixDims, ForwardOnly, GradientModule,
                                                     DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
                                                     Fuse, Layout, Narrow, Plan)}
 
@@ -36,7 +37,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent
 # Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
 # no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "stream")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product

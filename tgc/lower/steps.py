@@ -132,7 +132,8 @@ class StepLowering:
                 results.append(buf)
         step = self.step_module(body, arg_orders, [self.order(r.edges) for r in body.results])
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
-                "step": step, "edge": edge, "reverse": reverse, "carries": body.carries}
+                "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
+                "note": _note(v, body)}
 
     def step_module(self, body: V.LoopBody, arg_orders, out_orders) -> Module:
         """The step as a module: parameter k is argument `p<k>`, result j output `r<j>`."""
@@ -165,7 +166,29 @@ class StepLowering:
         step = type(self.f)(plan["step"], self.f.opt).lower()   # the step lowered as a program of its own
         trip = edge_size(self.f.m, plan["edge"])
         out.append(StepLoop(plan["edge"], trip, plan["reverse"], step, plan["args"], plan["outs"],
-                            plan["carries"], note="repeat" if plan["carries"] and len(plan["outs"]) == plan["carries"]
-                            else "scan"))
+                            plan["carries"], note=plan["note"]))
         return out
+
+
+def split_edge(o: Value, edge: str) -> tuple[str, str] | None:
+    """(E, Ec) when `o` is an operand split along a loop over `edge` as `E = Ec + B*edge`
+    (a contraction with that indicator: `tgc.opt.stream`'s blocks), else None."""
+    if o.op != "contract" or len(o.operands) != 2 or o.operands[1].op != "indicator":
+        return None
+    rel = o.operands[1].attrs[0]
+    if rel.ops != ("=",) or len(rel.exprs[0].terms) != 1 or edge not in rel.exprs[1].edges():
+        return None
+    inner = [e for e in rel.exprs[1].edges() if e != edge]
+    return (rel.exprs[0].terms[0][0], inner[0]) if len(inner) == 1 else None
+
+
+def _note(v: Value, body: V.LoopBody) -> str:
+    """What the loop is, for `tgc explain`: a `repeat`, a `scan`, or blocks of an edge."""
+    edge = v.attrs[1]
+    for k, o in enumerate(v.operands):
+        split = split_edge(o, edge) if body.role(k) == "slice" else None
+        if split is not None:
+            return (f"streams {split[0]} in blocks of {split[1]}: each step recomputes its block's values "
+                    f"from the inputs, reductions over {split[0]} carried")
+    return "repeat" if body.carries and body.stacked == 0 else "scan"
 

@@ -1,0 +1,248 @@
+"""stream: softmax-then-contract clusters run as loops over blocks of an edge, forward and
+backward (tgc.opt.stream). Each program is checked with its gradients against the same
+program without the pass (the interpreter, f64: 1e-10) and against PyTorch's autograd
+(tests/torch_oracle.py) in f64 and f32, on the interpreter and the CPU; the peak of
+`tgc explain` grows linearly with the length. The golden IR is tests/opt/stream.tgir."""
+import numpy as np
+import pytest
+
+from tgc import pipeline
+from tgc.frontend import compile_source
+from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
+from tgc.options import Options
+
+torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
+
+ON = dict(stream_block=4, stream_min_elements=200)
+OFF = dict(stream_block=0)
+
+ATTENTION = """
+dim head = 2, t = 32, hd = 2
+dim s = t
+input q[head, t, hd]
+input k[head, s, hd]
+input v[head, s, hd]
+input dy[head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
+y = sum[s](p * v)
+out y[head, t, hd]
+loss = sum(y * dy)
+out dq[head, t, hd] = grad(loss, q)
+out dk[head, s, hd] = grad(loss, k)
+out dv[head, s, hd] = grad(loss, v)
+"""
+
+CROSS = """
+dim head = 2, t = 16, s = 32, hd = 2
+input q[head, t, hd]
+input k[head, s, hd]
+input v[head, s, hd]
+input dy[head, t, hd]
+p = softmax[s](sum[hd](q * k) / sqrt(size(hd)))
+y = sum[s](p * v)
+out y[head, t, hd]
+loss = sum(y * dy)
+out dq[head, t, hd] = grad(loss, q)
+out dk[head, s, hd] = grad(loss, k)
+out dv[head, s, hd] = grad(loss, v)
+"""
+
+BIAS = """
+dim head = 2, t = 32, hd = 2
+dim s = t
+input q[head, t, hd]
+input k[head, s, hd]
+input v[head, s, hd]
+input bias[head, s]
+input dy[head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)) + bias, -1e9))
+y = sum[s](p * v)
+out y[head, t, hd]
+loss = sum(y * dy)
+out dq[head, t, hd] = grad(loss, q)
+out dk[head, s, hd] = grad(loss, k)
+out dv[head, s, hd] = grad(loss, v)
+out dbias[head, s] = grad(loss, bias)
+"""
+
+# a memory read by softmax weights over its slots n, one row per item b (no attention names)
+POOLING = """
+dim b = 16, n = 24, d = 2, c = 2
+input u[b, d]
+input z[n, d]
+input m[n, c]
+input dy[b, c]
+w = softmax[n](2 * sum[d](u * z))
+pooled = sum[n](w * m)
+out pooled[b, c]
+loss = sum(pooled * dy)
+out du[b, d] = grad(loss, u)
+out dz[n, d] = grad(loss, z)
+out dm[n, c] = grad(loss, m)
+"""
+
+# rows t < 4 see no key at all
+MASKED = """
+dim t = 32, hd = 2
+dim s = t
+input q[t, hd]
+input k[s, hd]
+input v[s, hd]
+input dy[t, hd]
+p = softmax[s](where([s + 4 <= t], sum[hd](q * k), -1e9))
+y = sum[s](p * v)
+out y[t, hd]
+loss = sum(y * dy)
+out dq[t, hd] = grad(loss, q)
+out dk[s, hd] = grad(loss, k)
+"""
+
+# examples/attention.tg's layer: projections in and out, keys renamed from the positions
+LAYER = """
+dim batch = 2, t = 32, c = 4, head = 2, hd = c / head
+dim s = t
+input x[batch, t, c]
+input dy[batch, t, c]
+param Wq[c, c2: c], Wk[c, c2], Wv[c, c2]
+param Wo[c2, c]
+qh = (x @ Wq)[c2 = hd*head + hd]
+kh = (x @ Wk)[c2 = hd*head + hd, t -> s]
+vh = (x @ Wv)[c2 = hd*head + hd, t -> s]
+p = softmax[s](where([s <= t], sum[hd](qh * kh) / sqrt(size(hd)), -inf))
+y = (sum[s](p * vh) @ [c2 = hd*head + hd]) @ Wo
+out y[batch, t, c]
+loss = sum(y * dy)
+out dx = grad(loss, x)
+out dWq = grad(loss, Wq)
+out dWk = grad(loss, Wk)
+out dWv = grad(loss, Wv)
+out dWo = grad(loss, Wo)
+"""
+
+# a sliding window: a chain of two links that both name t
+WINDOW = MASKED.replace("[s + 4 <= t]", "[t - 8 <= s <= t]")
+
+PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
+
+
+def optimized(src: str, dtype: str, **opts):
+    options = Options(dtype=dtype, **opts)
+    return pipeline.lower(compile_source(src, "<stream>", options), options).module
+
+
+def loops(module) -> int:
+    """How many loops (each loop value is one of a loop's outputs)."""
+    from tgc.lower.steps import loop_key
+
+    return len({loop_key(v) for v in module.values() if v.op == "loop"})
+
+
+def inputs(src: str, dtype: str = "f64") -> dict:
+    m = compile_source(src, "<stream>", Options(dtype="f64"))
+    return {k: v.astype(np.float32 if dtype == "f32" else np.float64)
+            for k, v in random_inputs(m, m.bind_dims({}), 0, "f64").items()}
+
+
+def close(got: dict, want: dict, tol: float) -> None:
+    for name, w in want.items():
+        scale = float(np.max(np.abs(w), initial=1e-30))
+        np.testing.assert_allclose(np.asarray(got[name], np.float64), w, rtol=0, atol=tol * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_interpreter_f64_matches_unstreamed_and_torch(name):
+    src = PROGRAMS[name]
+    streamed, plain = optimized(src, "f64", **ON), optimized(src, "f64", **OFF)
+    assert loops(streamed) == 1 and loops(plain) == 0
+    x = inputs(src)
+    got, want = evaluate(streamed, x, dtype="f64"), evaluate(plain, x, dtype="f64")
+    close(got, want, 1e-10)
+    close(got, torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), x), 1e-10)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_cpu_f32_and_f64_match_torch(name):
+    import tgc
+
+    src = PROGRAMS[name]
+    want = torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), inputs(src))
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        prog = tgc.compile(src, "cpu", dtype, options=Options(**ON))
+        assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
+        close(prog(**inputs(src, dtype)), want, tol)
+
+
+def test_fully_masked_rows_as_unstreamed():
+    """Rows whose keys are all masked give what the program without the pass gives (the
+    -1e9 scores' uniform weights), in f32 on the CPU too."""
+    import tgc
+
+    x = inputs(MASKED)
+    got = evaluate(optimized(MASKED, "f64", **ON), x, dtype="f64")
+    want = evaluate(optimized(MASKED, "f64", **OFF), x, dtype="f64")
+    np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
+    close(got, want, 1e-12)
+    x32 = inputs(MASKED, "f32")
+    on = tgc.compile(MASKED, "cpu", "f32", options=Options(**ON))(**x32)
+    off = tgc.compile(MASKED, "cpu", "f32", options=Options(**OFF))(**x32)
+    close(on, {k: np.asarray(v, np.float64) for k, v in off.items()}, 1e-5)
+
+
+def test_fp_strict_keeps_the_matrices():
+    strict = optimized(ATTENTION, "f64", fp_strict=True, **ON)
+    assert loops(strict) == 0
+
+
+def test_small_programs_stay():
+    """Under the threshold (the default's 4M elements) nothing is streamed."""
+    assert loops(optimized(ATTENTION, "f64")) == 0
+
+
+def peak(t: int) -> int:
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    src = ATTENTION.replace("t = 32, hd = 2", f"t = {t}, hd = 16")
+    options = Options(stream_block=32, stream_min_elements=1 << 14)
+    module = optimized(src, "f32", stream_block=32, stream_min_elements=1 << 14)
+    assert loops(module) == 1
+    return explain(lower_module(module, options), {})["peak"]["bytes"]
+
+
+def test_peak_grows_linearly_with_length():
+    """Doubling t (and s) doubles the peak of live temporaries: O(t * d), no [t, s] matrix."""
+    small, large = peak(256), peak(512)
+    assert 1.5 * small <= large <= 2.5 * small, (small, large)
+    assert large < 2 * 512 * 512 * 4   # less than one [head, t, s] f32 matrix
+
+
+@pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
+def test_cuda_sim_matches_torch(dtype, tol):
+    """The streamed attention on the CUDA module's emulator (its loops unrolled there)."""
+    import tgc
+
+    want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
+    close(tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON))(**inputs(ATTENTION, dtype)), want, tol)
+
+
+def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
+    """`tgc explain` on the benchmark's attention at t = 1024 (the default threshold met):
+    one loop of steps, in a parallel region, whose note and the save/recompute line say it
+    streams t in blocks; the peak (with the step's own temporaries) is under a [t, s] matrix."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    path = tmp_path / "attention.tg"
+    path.write_text(ATTENTION.replace("head = 2, t = 32, hd = 2", "head = 4, t = 1024, hd = 16"))
+    r = CliRunner().invoke(main, ["explain", str(path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    report = json.loads(r.output)
+    steps = [k for k in report["kernels"] if k["kind"] == "steps"]
+    assert len(steps) == 1 and steps[0]["threads"] == "parallel"
+    assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
+        report["recompute_note"]
+    assert report["peak"]["bytes"] < 4 * 1024 * 1024 * 4 / 2   # under half of one [head, t, s] f32 matrix

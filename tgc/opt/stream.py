@@ -1,0 +1,437 @@
+"""stream: a large cluster of values over a long edge becomes a loop over blocks of it.
+
+What it rewrites. A program whose largest values span two long edges, such as the
+`[.., t, s]` scores, weights and their cotangents of attention with its gradients
+(after autodiff and the algebra passes, forward and backward are one DAG), keeps
+whole `|t| * |s|` matrices. This pass picks such a value (the seed: at least
+`options.stream_min_elements` elements, every size known) and one of its edges `E`
+of fixed size N, split as `E = Ec + B*Eb` (B = `options.stream_block`, dividing N,
+N >= 2B), and moves into one `loop` over `Eb` the region of values that can be
+computed one block of `E` at a time:
+
+- the region grows from the seed through every value that keeps `E` and reads it
+  elementwise along `E` (add, map, rename, stop, a contraction or a reduction that
+  keeps `E`): down to its users, and up to its operands that are themselves large;
+  a value that reads, besides the region, something computed from the region
+  outside it (a reduction of the region over `E`) stays out: it needs the whole loop
+  first;
+- an operand read from outside is a stacked slice when it has `E` (reindexed to
+  `[Eb, Ec, ..]` once, an O(its size) copy; a large one is in the region, so slices
+  are small), else a loop-invariant (the `[s, hd]` keys and values);
+- a reduction over `E` of region values (a contraction summing `E`, a max or min
+  over `E`) is a carry: each step adds its block's partial sum (or takes the max);
+  the contraction over the other edges of the block is the step's own;
+- a region value read outside the region is a stacked result, reindexed back to `E`
+  (the `[t, hd]` outputs and per-row statistics);
+- an indicator that names `E` (the causal mask `[s <= t]`) becomes, per link of its
+  relation that names `E` (`c*E + w op 0`, w affine in the other edges), a small
+  stacked indicator `G[Eb, r] = [c*B*Eb + r + min(w') op 0]` over a fresh edge r
+  holding the range of `w' = c*Ec + w`, read in the step at `r = w' - min(w')` (an
+  exact reindex; a link with c < 0 is negated first, so that r grows with Ec: the
+  step reads G with stride 1 along its block): the step sees its block's mask
+  without an `|E| * |s|` matrix.
+
+The edge `E` is chosen among the seed's: one whose region leaves no large value
+outside as a stacked result (the key edge of attention does: the weights need the
+row max first, a reduction over it; the query edge does not: every reduction over
+`s` lies inside one step, and dk, dv are sums over `t`, carries), the longest first.
+The step then holds `[.., B, s]` blocks: the peak is O(B * |s|) per head instead of
+O(|t| * |s|), and the probabilities are computed block by block, forward and backward
+alike, from the inputs of the region.
+
+Exact? Every value of a step is the op the program had, on the same elements; only
+the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
+added across blocks: a reassociation of those sums (docs/optimization.md's contract
+allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing by
+indicators selects exact values.
+
+Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
+4 MB at t = s = 8192 in f32, and growing quadratically beyond.
+
+Terminates: each round moves at least its seed (a large add, map, contraction, ...
+of the top level) into a loop body, which the pass never looks inside, and adds to the
+top level only values that are no seeds (a loop, indicators, constants) or small ones
+(slices and stacked results are checked small); a seed with no valid edge is skipped.
+So each round leaves one large value fewer to try.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.module import Module
+from tgc.ir.passes import Pass
+from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.options import Options
+
+# ops a value may have to be computed one block of E at a time (when it keeps E)
+_ELEMENTWISE = ("add", "map", "contract", "reduce", "rename", "stop")
+
+
+_FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "=": "=", "!=": "!="}   # a op b <=> -a FLIP[op] -b
+
+
+def _numel(v: Value, sizes: dict) -> int:
+    """How many elements `v` has (`sizes`: every edge's, symbolic ones estimated)."""
+    n = 1
+    for e in v.edges:
+        n *= sizes[e]
+    return n
+
+
+def _along(v: Value, edge: str) -> bool:
+    """Whether `v` keeps `edge` and reads its operands at one index along it."""
+    return v.op in _ELEMENTWISE and edge in v.edges
+
+
+def _down(v: Value, edge: str) -> str:
+    """The name in `v` of its operands' edge `edge` (a rename may change it)."""
+    return dict(v.attrs[0]).get(edge, edge) if v.op == "rename" else edge
+
+
+def _up(v: Value, edge: str) -> str:
+    """The name in `v`'s operands of its edge `edge`."""
+    return {b: a for a, b in v.attrs[0]}.get(edge, edge) if v.op == "rename" else edge
+
+
+@dataclass
+class _Region:
+    edge: dict[int, str]          # id(value) -> its name of the streamed edge (members, leaves that have it, carries)
+    members: list[Value]          # operands first
+    carries: list[Value]          # reductions over the edge of members: sums and max/min
+    stacked: list[Value]          # members read outside the region
+    slices: list[Value]           # operands from outside with the edge
+    invariants: list[Value]       # operands from outside without it
+    masks: list[Value]            # indicators that name it
+
+
+def _carry_kind(v: Value, edge: str) -> str | None:
+    """How a reduction of region values over `edge` combines across blocks."""
+    if v.op == "contract" and edge not in v.edges:
+        return "sum"
+    if v.op == "reduce" and edge in v.attrs[1] and v.attrs[0] in ("max", "min"):
+        return v.attrs[0]
+    return None
+
+
+def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large) -> _Region | None:
+    """The values computed in a loop over blocks of `edge` around `seed`, or None when
+    a large value (`large(v)`) would be left outside, as an operand or a stacked result."""
+    se: dict[int, str] = {}       # members: their name of the edge
+    pos = {id(v): i for i, v in enumerate(order)}
+
+    def grow_up(v: Value, e: str) -> None:   # v and its large operands along the edge, and theirs
+        stack = [(v, e)]
+        while stack:
+            v, e = stack.pop()
+            if id(v) in se:
+                continue
+            se[id(v)] = e
+            eo = _up(v, e)
+            for o in v.operands:
+                if id(o) not in se and _along(o, eo) and large(o):
+                    stack.append((o, eo))
+
+    grow_up(seed, edge)
+    # down, in order: a value along the edge that reads the region and nothing computed from it
+    tainted: set[int] = set()   # outside the region, computed from it
+    for v in order[pos[id(seed)] + 1:]:
+        if id(v) in se:
+            continue
+        reads = [o for o in v.operands if id(o) in se]
+        dirty = any(id(o) in tainted for o in v.operands)
+        names = {_down(v, se[id(o)]) for o in reads}
+        if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
+            e = names.pop()
+            eo = _up(v, e)
+            ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
+            if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
+                for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
+                    grow_up(u, eo)
+                grow_up(v, e)
+                continue
+        if reads or dirty:
+            tainted.add(id(v))
+    members = [v for v in order if id(v) in se]
+    for v in members:   # a member must not read a value computed from the region
+        if any(id(o) in tainted for o in v.operands):
+            return None
+    carries, stacked, outside = [], [], {}
+    leaf: dict[int, str | None] = {}
+    reduced: dict[int, str] = {}   # carries: the name of the edge they reduce
+
+    def read(v: Value, e: str) -> bool:   # v's operands from outside, with their name of the edge
+        for o in v.operands:
+            if id(o) not in se:
+                name = e if e in o.edges else None
+                if leaf.setdefault(id(o), name) != name:
+                    return False
+                outside[id(o)] = o
+        return True
+
+    for v in order:
+        if id(v) in se or not any(id(o) in se for o in v.operands):
+            continue
+        names = {se[id(o)] for o in v.operands if id(o) in se}
+        kind = _carry_kind(v, next(iter(names))) if len(names) == 1 and v.op != "rename" else None
+        if kind is not None and not any(id(o) in tainted for o in v.operands) and read(v, next(iter(names))):
+            carries.append(v)
+            reduced[id(v)] = names.pop()
+        else:
+            stacked += [o for o in v.operands if id(o) in se]
+    stacked += [v for v in roots if id(v) in se]
+    stacked = list({id(o): o for o in stacked}.values())
+    if any(large(o) for o in stacked):
+        return None
+    for v in members:
+        if not read(v, _up(v, se[id(v)])):
+            return None
+    slices, invariants, masks = [], [], []
+    for o in sorted(outside.values(), key=lambda x: pos[id(x)]):
+        if leaf[id(o)] is not None:
+            se[id(o)] = leaf[id(o)]
+        if o.op in ("const", "size") or (o.op == "indicator" and leaf[id(o)] is None):
+            continue
+        if o.op == "indicator":
+            masks.append(o)
+        else:
+            (slices if leaf[id(o)] is not None else invariants).append(o)
+    if any(large(x) for x in slices + invariants):
+        return None   # a large operand read whole, or copied as blocks: nothing gained
+    return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
+
+
+def _split(x: Value, edge: str, ec: str, eb: str, block: int) -> Value:
+    """x over `edge` as [eb, ec]: x[edge = ec + block*eb] (an exact reindex)."""
+    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block})), ("=",))
+    keep = [e for e in x.edges if e != edge] + [ec, eb]
+    return V.contract([x, V.indicator(rel, x.dtype)], keep)
+
+
+def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
+    """y over [eb, ec] back over `edge`."""
+    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block})), ("=",))
+    keep = [e for e in y.edges if e not in (ec, eb)] + [edge]
+    return V.contract([y, V.indicator(rel, y.dtype)], keep)
+
+
+class _Streamer:
+    def __init__(self, module: Module, options: Options):
+        self.m = module
+        self.block = options.stream_block
+        self.big = options.stream_min_elements
+        self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
+        # the sizes the thresholds read: a symbolic dim counts as `rep_size`, as in every cost model
+        self.est = {e: n if isinstance(n, int) else options.rep_size for e, n in self.sizes.items()}
+
+    def new_edge(self, base: str, n: int) -> str:
+        """A fresh dim of size n and its edge, named after `base` and declared right after
+        the edges of that stem (declaration order is layout's tie-break; so placed, the
+        step's carry updates took about a third of the cycles they took with the block
+        edges declared last, in a profile of the benchmark's attention at t = 2048)."""
+        stem, k = base.split(".")[0], 1
+        while f"{stem}.{k}" in self.m.edges or f"{stem}.{k}" in self.m.dims:
+            k += 1
+        name = f"{stem}.{k}"
+        self.m.dims[name] = n
+        edges = list(self.m.edges.items())
+        at = max((i + 1 for i, (e, _) in enumerate(edges) if e.split(".")[0] == stem), default=len(edges))
+        edges.insert(at, (name, name))
+        self.m.edges.clear()
+        self.m.edges.update(edges)
+        self.sizes[name] = n
+        self.est[name] = n
+        return name
+
+    def seeds(self, order: list[Value], skip: set[int]) -> list[Value]:
+        out = [v for v in order if v.op in _ELEMENTWISE and id(v) not in skip
+               and _numel(v, self.est) >= self.big]
+        return sorted(out, key=lambda v: -_numel(v, self.est))
+
+    def large(self, v: Value, seed: Value) -> bool:
+        """Whether `v` is of the seed's scale: over the threshold, and more than 1/8 of the
+        seed (a [t, s] bias beside the [t, s] scores is; a [t, hd] query beside them is not
+        once s > 8 hd)."""
+        n = _numel(v, self.est)
+        return n >= self.big and 8 * n > _numel(seed, self.est)
+
+    def edges_of(self, seed: Value) -> list[str]:
+        b = self.block
+        ok = [e for e in seed.edges if isinstance(self.sizes.get(e), int) and self.sizes[e] >= 2 * b
+              and self.sizes[e] % b == 0]
+        return sorted(ok, key=lambda e: (-self.sizes[e], e))
+
+    def round(self, skip: set[int]) -> Module | None:
+        order = self.m.values()
+        roots = self.m.roots()
+        for seed in self.seeds(order, skip):
+            for edge in self.edges_of(seed):
+                r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
+                if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
+                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks):
+                    return self.build(order, r, edge)
+            skip.add(id(seed))
+        return None
+
+    def maskable(self, ind: Value, edge: str) -> bool:
+        """Whether every link of indicator `ind` that names `edge` has integer
+        coefficients and ranges (what `mask` needs)."""
+        rel: Relation = ind.attrs[0]
+        for i in range(len(rel.ops)):
+            d = rel.exprs[i].plus(rel.exprs[i + 1], -1)
+            if d.coef(edge) == 0:
+                continue
+            if not isinstance(d.const, int) or any(not isinstance(k, int) or not isinstance(self.sizes.get(e), int)
+                                                   for e, k in d.terms):
+                return False
+        return True
+
+    def mask(self, ind: Value, edge: str, ec: str, eb: str) -> tuple[list[Value], list[tuple]]:
+        """Indicator `ind` (naming `edge`) for a loop over blocks `eb` of `ec`: the stacked
+        indicators `G[eb, r]` the loop takes (one per link that names `edge`), and per link
+        how the step computes it: ("plain", the link's own indicator) or ("piece", (r, the
+        reindex [r = w' - min w'], the edges it keeps)), applied to G's slice."""
+        rel: Relation = ind.attrs[0]
+        b = self.block
+        pieces, plan = [], []
+        for i, op in enumerate(rel.ops):
+            d = rel.exprs[i].plus(rel.exprs[i + 1], -1)
+            c = d.coef(edge)
+            if c == 0:
+                link = Relation((rel.exprs[i], rel.exprs[i + 1]), (op,))
+                plan.append(("plain", V.indicator(link, ind.dtype)))
+                continue
+            if c < 0:   # oriented so that r grows with the block's index (a read with stride 1 along it)
+                d, c, op = d.scaled(-1), -c, _FLIP[op]
+            w_terms = [(e, k) for e, k in d.terms if e != edge] + [(ec, c)]
+            lo, hi = d.const, d.const
+            for e, k in w_terms:
+                n = self.sizes[e]
+                lo, hi = lo + min(0, k * (n - 1)), hi + max(0, k * (n - 1))
+            r = self.new_edge("r", hi - lo + 1)
+            g = Relation((Affine.make({eb: c * b, r: 1}, lo), Affine.make({}, 0)), (op,))
+            pieces.append(V.indicator(g, ind.dtype))
+            at = Relation((Affine.make({r: 1}), Affine.make(w_terms, d.const - lo)), ("=",))
+            plan.append(("piece", (r, V.indicator(at, ind.dtype), sorted(e for e, _ in w_terms))))
+        return pieces, plan
+
+    def build(self, order: list[Value], r: _Region, edge: str) -> Module:
+        b = self.block
+        n = self.sizes[edge]
+        ec = self.new_edge(edge, b)
+        eb = self.new_edge(edge, n // b)
+
+        def step_edges(v: Value, e: str | None = None) -> list[str]:   # v's edges in a step
+            e = r.edge.get(id(v)) if e is None else e
+            return [ec if x == e else x for x in v.edges]
+
+        masks = []
+        for ind in r.masks:
+            pieces, plan = self.mask(ind, r.edge[id(ind)], ec, eb)
+            masks.append((ind, pieces, plan))
+        # operands and parameters: carries, slices (inputs, then mask pieces), invariants
+        params: list[Value] = []
+        operands: list[Value] = []
+        kinds = [_carry_kind(v, r.edge[id(v)]) for v in r.carries]
+        for v, kind in zip(r.carries, kinds):
+            init = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[kind]
+            operands.append(V.const(init, v.dtype, v.edges))
+            params.append(V.loopvar(len(params), v.dtype, v.edges))
+        inner: dict[int, Value] = {}
+        for x in r.slices:
+            operands.append(_split(x, r.edge[id(x)], ec, eb, b))
+            p = V.loopvar(len(params), x.dtype, step_edges(x))
+            params.append(p)
+            inner[id(x)] = p
+        piece_params = []
+        for ind, pieces, plan in masks:
+            ps = []
+            for g in pieces:
+                operands.append(g)
+                p = V.loopvar(len(params), g.dtype, [e for e in g.edges if e != eb])
+                params.append(p)
+                ps.append(p)
+            piece_params.append(ps)
+        n_slices = len(params) - len(r.carries)
+        for x in r.invariants:
+            operands.append(x)
+            p = V.loopvar(len(params), x.dtype, x.edges)
+            params.append(p)
+            inner[id(x)] = p
+        for (ind, pieces, plan), ps in zip(masks, piece_params):
+            parts, it = [], iter(ps)
+            for kind, what in plan:
+                if kind == "plain":
+                    parts.append(what)
+                else:
+                    _, at, keep = what
+                    parts.append(V.contract([next(it), at], keep))
+            inner[id(ind)] = parts[0] if len(parts) == 1 else V.mul(parts)
+
+        def read(o: Value) -> Value:   # an operand in the step: a member, a parameter, or nullary
+            return inner.get(id(o), o)
+
+        for v in r.members:
+            ops = tuple(read(o) for o in v.operands)
+            if v.op == "contract":
+                inner[id(v)] = V.contract(ops, step_edges(v), v.loc)
+            elif v.op == "rename":   # the streamed edge is the step's block edge on both sides
+                pairs = {a: c for a, c in v.attrs[0] if c != r.edge[id(v)]}
+                inner[id(v)] = V.rename(ops[0], pairs, v.loc) if pairs else ops[0]
+            else:
+                inner[id(v)] = rebuild_same(v, ops)
+        results = []
+        for v, kind, p in zip(r.carries, kinds, params):
+            ops = [read(o) for o in v.operands]
+            if kind == "sum":
+                part = V.contract(ops, v.edges, v.loc)
+                results.append(V.add([p, part]))
+            else:
+                part = V.reduce(kind, ops[0], [ec if x == r.edge[id(v)] else x for x in v.attrs[1]], v.loc)
+                results.append(V.map_(kind, p, part))
+        for v in r.stacked:
+            results.append(inner[id(v)])
+        body = V.loop_body(params, results, len(r.carries), n_slices)
+        memo: dict[int, Value] = {}
+        for i, v in enumerate(r.carries):
+            memo[id(v)] = V.loop(body, eb, operands, i)
+        for j, v in enumerate(r.stacked):
+            out = V.loop(body, eb, operands, len(r.carries) + j)
+            memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
+        for v in order:
+            if id(v) not in memo:
+                memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+        return self.m.replace_values(memo)
+
+
+def stream(module: Module, options: Options) -> Module:
+    """`module` with every large cluster it can stream moved into a loop over blocks."""
+    skip: set[int] = set()
+    m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
+               list(module.updates), list(module.facts))
+    while True:
+        st = _Streamer(m, options)
+        out = st.round(skip)
+        if out is None:
+            return m
+        m = out
+
+
+@dataclass(frozen=True)
+class Stream(Pass):
+    """Large values over a long edge -> a loop over blocks of it (attention's scores and
+    weights, forward and backward, block by block; reductions over the edge as carries)."""
+
+    name = "stream"
+    block: int | None = None          # the block size (default: options.stream_block)
+    min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
+
+    def run(self, module: Module, options: Options) -> Module:
+        if self.block is not None:
+            options = options.with_(stream_block=self.block)
+        if self.min_elements is not None:
+            options = options.with_(stream_min_elements=self.min_elements)
+        if options.fp_strict or options.stream_block <= 0:
+            return module
+        return stream(module, options)
