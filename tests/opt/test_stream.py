@@ -242,7 +242,7 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
 
     report = json.loads(r.output)
     steps = [k for k in report["kernels"] if k["kind"] == "steps"]
-    assert len(steps) == 1 and steps[0]["threads"] == "parallel"
+    assert len(steps) == 1 and steps[0]["threads"] == "per step kernel"
     assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
         report["recompute_note"]
     assert report["peak"]["bytes"] < 4 * 1024 * 1024 * 4 / 2   # under half of one [head, t, s] f32 matrix
