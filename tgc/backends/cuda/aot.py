@@ -48,7 +48,7 @@ def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
     `options.cuda.arch`."""
     arch = options.cuda.arch
     low = lower(module, options)
-    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
+    cm = codegen.generate(low, cuda=options.cuda)
     if emit == "cu":
         data = cm.source.encode()
     else:
@@ -117,6 +117,12 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
             entry["warp_kernel"] = x.warp
             entry["row_length"] = " * ".join(f"({size_str(s)})" for s in x.inner) or "1"
             entry["writes"] = list(x.writes)
+        if x.slots:
+            entry["column_partials"] = {
+                "slots": f"min(ceil(items / {x.slots[3]}), ceil({x.slots[4]} / columns))",
+                "columns": " * ".join(f"({size_str(s)})" for s in x.slots[1]) or "1",
+                "scratch": f"{x.slots[2]} * slots * columns doubles ('{codegen.COL_SCRATCH}', the last buffer); the "
+                           "next launch adds them"}
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)

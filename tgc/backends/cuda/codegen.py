@@ -63,11 +63,12 @@ from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda.philox import device_function
-from tgc.backends.cuda.rows import RowGroup, inner_loops
+from tgc.backends.cuda.options import CudaOptions
+from tgc.backends.cuda.rows import RowGroup, column_member, inner_loops
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, walk, wide_sum)
 from tgc.ir.ops import FNS
-from tgc.ir.sizes import Size, SizeOp
+from tgc.ir.sizes import Size, SizeOp, size_eval
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
 # a buffer's element type in C; bf16 and f16 buffers (`narrow`) hold their 16 bits,
@@ -93,6 +94,15 @@ ROW_MIN_BLOCKS = 1
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
 COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
+
+
+def row_slots(nrows: int, ncols: int, slot_rows: int, slot_elems: int) -> int:
+    """The slots of rows a row group's fused column sums deal `nrows` rows to, for
+    `ncols` columns (`tgc_row_slots` of tgc_ops.cuh: the same formula;
+    `CudaOptions.row_slot_rows`, `row_slot_elems`): a function of the sizes only."""
+    by_rows = -(-nrows // max(1, slot_rows))
+    by_elems = -(-slot_elems // ncols) if ncols > 0 else by_rows
+    return min(by_rows, by_elems)
 
 
 def col_chunks(nred: int, ncols: int) -> int:
@@ -128,6 +138,19 @@ class Launch:
     writes: tuple[str, ...] = ()      # the buffers it writes, when more than its first (a row group)
     col: str = ""                     # a column sum's tiled variant (`col_loop`): partials per chunk of rows
     col_sum: str = ""                 # ... and the kernel adding its chunks' partials in order (when more than one)
+    # a row group with column sums: (rows' sizes, columns' sizes, column sums, slot_rows,
+    # slot_elems) of its partials in the scratch (`scratch`)
+    slots: tuple = ()
+
+    def scratch(self, env: dict) -> int:
+        """The doubles of scratch (COL_SCRATCH) this launch writes with these dims: a row
+        group's column partials, a slot row per column sum (0 if none)."""
+        if not self.slots:
+            return 0
+        rows, cols, count, slot_rows, slot_elems = self.slots
+        nrows = math.prod(size_eval(x, env) for x in rows)
+        ncols = math.prod(size_eval(x, env) for x in cols)
+        return count * ncols * row_slots(nrows, ncols, slot_rows, slot_elems)
 
 
 @dataclass
@@ -141,13 +164,12 @@ class CudaModule:
         return [n for x in self.launches if x.kind != "gemm" for n in (x.name, x.row, x.warp, x.col, x.col_sum) if n]
 
 
-def generate(low: Lowered, prefix: str = "", row_regs: int = 8) -> CudaModule:
+def generate(low: Lowered, prefix: str = "", cuda: CudaOptions | None = None) -> CudaModule:
     """The CUDA module of `low` (after `plan`, no loop groups); `prefix` starts every
     kernel's name (modules of one float type with distinct prefixes can be
     concatenated into one translation unit: the tests compile many at once);
-    `row_regs`: how many of a row's elements a thread of a row group keeps in
-    registers (`CudaOptions.row_regs`)."""
-    return _Gen(low, prefix, row_regs).run()
+    `cuda`: the settings the kernels are shaped by (`row_regs`, `row_slot_rows`, ...)."""
+    return _Gen(low, prefix, cuda or CudaOptions()).run()
 
 
 def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
@@ -176,7 +198,7 @@ def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
 
 
 class _Gen:
-    def __init__(self, low: Lowered, prefix: str = "", row_regs: int = 8):
+    def __init__(self, low: Lowered, prefix: str, cuda: CudaOptions):
         if low.dtype not in ("f32", "f64"):
             raise CudaUnsupported(f"float type '{low.dtype}'")
         self.low, self.prefix = low, prefix
@@ -186,7 +208,8 @@ class _Gen:
         self.parts: list[str] = []
         self.draws: dict[tuple, str] = {}   # (kind, dtype, folds) -> its device function (philox.py)
         self.launches: list[Launch] = []
-        self.row_regs = max(1, int(row_regs))
+        self.cuda = cuda
+        self.row_regs = max(1, int(cuda.row_regs))
 
     # ------------------------------------------------------------ the module
 
@@ -217,7 +240,8 @@ class _Gen:
             if x.kind == "gemm":
                 continue
             written = set(x.writes) if x.writes else ({x.bufs[0]} if x.kind != "check" else set())
-            args = [f"({self.buf_type(b, write=b in written)}*)b[{j}]" for j, b in enumerate(x.bufs)]
+            args = [("(double*)" if b == COL_SCRATCH else f"({self.buf_type(b, write=b in written)}*)") + f"b[{j}]"
+                    for j, b in enumerate(x.bufs)]
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             tail = [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             scratch = args[:len(x.bufs)] + [f"(double*)b[{len(x.bufs)}]"] + tail
@@ -760,12 +784,25 @@ class _Gen:
         `row_regs * tpr` elements is held in registers: thread `lane` keeps elements
         lane + k * tpr, k < row_regs (`c_NAME[k]`), inputs read once at the row's
         start, members' outputs stored only if read elsewhere; longer rows take the
-        path that reads and writes memory."""
+        path that reads and writes memory.
+
+        A column member (`rows.column_member`: `db[c] = sum[rows] ...`) is summed
+        while the row is in hand: the rows are dealt to slots (`row_slots`, a
+        function of the sizes: slot s takes rows s, s + slots, ... in order), a
+        row's thread adds its elements' terms to its columns' partials in double
+        (registers when the row is held in registers, else the slot's partial row in
+        the scratch `part`), and the slot's partial row is written to `part`; a
+        second kernel (`kI_cols`, one thread per column) adds the slots' partials in
+        slot order, applies the epilogue and stores. The same order of additions on
+        both paths, every run and every GPU."""
         low = self.low
         name = f"{self.prefix}k{i}"
         bufs = g.buffers_used()
         writes = sorted(g.writes(), key=bufs.index)
         outer = list(g.outer)
+        cols = [m for m in g.members if column_member(m, outer, g.sizes)]
+        col_outs = {m.out for m in cols}
+        row_writes = [w for w in writes if w not in col_outs]
         allv = list(dict.fromkeys(v for m in g.members for v in m.loops))
         var = {v: f"v{j}" for j, v in enumerate(allv)}
         osizes = [self.size(g.sizes[v]) for v in outer]
@@ -774,13 +811,16 @@ class _Gen:
         cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
         reads_elsewhere = self._read_outside(i)
         inner0 = inner_loops(g.members[0], outer)
-        uniform = all(set(inner_loops(m, outer)) == set(inner0)
+        if any(inner_loops(m, outer) != inner0 or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0)
+               for m in cols):
+            raise CudaUnsupported("a row group's column sum over other loops than its first member's")
+        uniform = all(m in cols or set(inner_loops(m, outer)) == set(inner0)
                       and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
                       and not (set(m.bounds) & set(inner0))
                       and (set(m.red) == set(inner0) if m.reduce else not m.red)
                       and (m.reduce or set(dict(m.index)) == set(outer) | set(inner0))
                       for m in g.members) and bool(inner0)
-        red_member = next((m for m in g.members if m.reduce), g.members[0])
+        red_member = next((m for m in g.members if m.reduce and m not in cols), g.members[0])
         row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
         group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
         shared: set[str] = set()
@@ -878,6 +918,19 @@ class _Gen:
             for m in g.members:
                 ctx = ctx_new(cache)
                 inner = list(inner_loops(m, outer))
+                if m in cols:   # a column sum: this row's terms added to the slot's partials
+                    j = cols.index(m)
+                    x = self.expr(m.body, ctx)
+                    if cached:
+                        part = strided(list(inner0), m.sizes, [f"cp_{j}[k] += (double){x};"], True, "cnt")
+                    else:
+                        part = strided(inner, m.sizes, [f"part[{j}LL * S * ncols + s * ncols + q] += (double){x};"],
+                                       False, "(live ? ncols : 0LL)")
+                    if ctx.loaded & written_mem:
+                        body.append("tgc_row_sync(tpr);")
+                    body.append(f"// {(m.note or m.text().splitlines()[0])[:100]} (this row's column partials)")
+                    body += ["{"] + ["    " + x for x in part] + ["}"]
+                    continue
                 kept = [v for v in inner if v not in m.red]
                 store_ix = self.offset(m.out, m.index, ctx) if m.out in low.buffers else None
                 stored = m.out in low.buffers and (not cached or m.out not in cache or self._needs_store(g, m, i, reads_elsewhere))
@@ -933,10 +986,29 @@ class _Gen:
             return body
 
         head = ["const unsigned lane = threadIdx.x % tpr, per = blockDim.x / tpr;",
-                f"const long long n = {' * '.join(osizes) or '1LL'};",
-                "for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
-                "    const long long t = base + threadIdx.x / tpr;",
-                "    const bool live = t < n;"]
+                f"const long long n = {' * '.join(osizes) or '1LL'};"]
+        if cols:
+            head += [f"const long long ncols = {' * '.join(self.size(g.members[0].sizes[v]) for v in inner0)};",
+                     f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, "
+                     f"{self.cuda.row_slot_elems}LL);   // slots of rows, a partial row each per column sum",
+                     f"const bool fits = {'true' if uniform else 'false'} && ncols <= {self.row_regs}LL * tpr;"
+                     "   // the partials in registers",
+                     "for (long long sbase = (long long)blockIdx.x * per; sbase < S; sbase += (long long)gridDim.x * per) {",
+                     "    const long long s = sbase + threadIdx.x / tpr;",
+                     "    const bool slive = s < S;"]
+            for j in range(len(cols)):
+                if uniform:
+                    head += [f"    double cp_{j}[{self.row_regs}];", "    #pragma unroll",
+                             f"    for (int k = 0; k < {self.row_regs}; ++k) cp_{j}[k] = 0.0;"]
+                head += [f"    if (!fits && slive) for (long long q = lane; q < ncols; q += tpr) "
+                         f"part[{j}LL * S * ncols + s * ncols + q] = 0.0;"]
+            head += ["    for (long long base = sbase; base < n; base += S) {   // the slot's rows, in order",
+                     "    const long long t = base + threadIdx.x / tpr;",
+                     "    const bool live = slive && t < n;"]
+        else:
+            head += ["for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
+                     "    const long long t = base + threadIdx.x / tpr;",
+                     "    const bool live = t < n;"]
         head += ["    " + x for x in _split("r", "live ? t : base", [(var[v], "", s) for v, s in zip(outer, osizes)])]
         loop_body: list[str] = []
         if uniform:
@@ -949,17 +1021,63 @@ class _Gen:
             loop_body.append("}")
         else:
             loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
-        body = [f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body] + ["}"]
-        params = self.params(bufs, set(writes))
-        call = ", ".join([f"p{j}" for j in range(len(bufs))] + [self.dim_c[d] for d in self.dims] + ["err"])
+        tail = ["}"]
+        if cols:   # the slot's partials, from registers, after its last row
+            tail = ["}", "if (fits && slive) {", "    TGC_SIM_COUNT(6);"]
+            for j in range(len(cols)):
+                tail += ["    #pragma unroll", f"    for (int k = 0; k < {self.row_regs}; ++k) {{",
+                         f"        const long long q = {group} * ((long long)lane + k / {group} * (long long)tpr) + k % {group};",
+                         f"        if (q < ncols) part[{j}LL * S * ncols + s * ncols + q] = cp_{j}[k];", "    }"]
+            tail += ["} else if (slive) {", "    TGC_SIM_COUNT(7);", "}", "}"]
+            if not uniform:
+                tail = ["}", "if (slive) TGC_SIM_COUNT(7);", "}"]
+        body = ([f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body]
+                + ["    " + s for s in tail[:-1]] + tail[-1:])
+        params = self.params(bufs, set(row_writes), scratch=bool(cols))
+        call = ", ".join([f"p{j}" for j in range(len(bufs))] + (["part"] if cols else [])
+                         + [self.dim_c[d] for d in self.dims] + ["err"])
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                           + "\n".join("    " + line for line in body) + "\n}")
         bounds = ROW_MIN_BLOCKS
         self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
         self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
-        self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
-                                    warp=name + "_warp", inner=row_len, writes=tuple(writes)))
+        scratch = (COL_SCRATCH,) if cols else ()
+        inner_sizes = tuple(g.members[0].sizes[v] for v in inner0)
+        self.launches.append(Launch("rows", name, tuple(bufs) + scratch, tuple(g.sizes[v] for v in outer), index=i,
+                                    warp=name + "_warp", inner=row_len, writes=tuple(row_writes),
+                                    slots=(tuple(g.sizes[v] for v in outer), inner_sizes, len(cols),
+                                           self.cuda.row_slot_rows, self.cuda.row_slot_elems) if cols else ()))
+        if cols:
+            self.row_columns(name + "_cols", i, g, cols, bufs, list(inner0), var, osizes)
+
+    def row_columns(self, name: str, i: int, g: RowGroup, cols: list[LoopKernel], bufs: list[str],
+                    inner0: list[str], var: dict, osizes: list[str]) -> None:
+        """The kernel adding a row group's column partials (`rowgroup`): one thread per
+        column, the slots' partials in slot order, in double; then each column sum's
+        epilogue and store."""
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
+        sizes = [self.size(g.members[0].sizes[v]) for v in inner0]
+        body = [f"const long long n = {' * '.join(osizes) or '1LL'}, ncols = {' * '.join(sizes)};",
+                f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, {self.cuda.row_slot_elems}LL);",
+                "for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < ncols; "
+                "c += (long long)gridDim.x * blockDim.x) {"]
+        body += ["    " + x for x in _split("r", "c", [(var[v], "", sz) for v, sz in zip(inner0, sizes)])]
+        for j, m in enumerate(cols):
+            c = _Ctx(ctx.ptrs, dict(var))
+            c.acc = "acc"
+            value = self.expr(m.epilogue, c) if m.epilogue is not None else "acc"
+            body += ["    {", "        double total = 0.0;",
+                     f"        for (long long h = 0; h < S; ++h) total += part[{j}LL * S * ncols + h * ncols + c];",
+                     "        const tgc_t acc = (tgc_t)total;",
+                     "        " + self.store(m.out, f"p{bufs.index(m.out)}", self.offset(m.out, m.index, c), value),
+                     "    }"]
+        body.append("}")
+        outs = {m.out for m in cols}
+        self.kernel(name, self.params(bufs, outs, scratch=True), body,
+                    "row group's column sums: the slots' partials, in order")
+        self.launches.append(Launch("loop", name, tuple(bufs) + (COL_SCRATCH,),
+                                    tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs))))
 
     def _read_outside(self, i: int) -> set[str]:
         """The buffers a kernel other than the `i`th reads."""

@@ -16,6 +16,20 @@ class CudaOptions:
     row_regs: int = 8         # a row group keeps up to this many of a row's elements per thread in registers
     column_tiles: bool = True  # a column sum of at least row_min rows runs as column tiles (else one block per output)
     inline_elementwise: bool = True   # the `inline_elementwise` stage: an elementwise temporary computed where read
+    # The `rowgroup` stage also takes a column sum over the group's rows (a bias or weight
+    # gradient: `db[d] = sum[rows](dy)`), accumulated while the row is in hand instead of
+    # by column tiles that read the rows again.
+    row_columns: bool = True
+    # A fused column sum's rows are dealt to slots (slot s: rows s, s + slots, ...), one
+    # partial row of doubles per slot, the slots' partials added in slot order by a
+    # second kernel (the same bits on every run and every GPU). There are
+    # min(ceil(rows / row_slot_rows), ceil(row_slot_elems / columns)) slots: at least
+    # `row_slot_rows` rows per slot, so the partials (written and read once) are at most
+    # 1/row_slot_rows of the rows' size, and at most about `row_slot_elems` partial
+    # elements per column sum (16 MiB of doubles), which still leaves 512 slots, each a
+    # block, for rows of 4096.
+    row_slot_rows: int = 8
+    row_slot_elems: int = 1 << 21
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
 
     def with_(self, **changes) -> "CudaOptions":

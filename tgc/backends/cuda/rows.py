@@ -23,6 +23,14 @@ A kernel joins the group before it when:
   has bounds on its reduced loops that depend on the outer loops only, as the
   threads share those loops out before they start (a member that also keeps inner
   loops reduces serially per element, with any bounds).
+A column sum over the group's rows (`out[c] = sum[outer](...)`: a bias or weight
+gradient, `column_member`) joins the group too, after its row members, when it runs
+over the outer loops then exactly the first member's inner loops (same variables,
+same extents, no bounds), its epilogue reads no outer loop, and it reads what a member
+wrote only at the outer index: it is a member the kernel accumulates while the row
+is in hand (a partial per slot of rows, the slots' partials added in a fixed order by
+a second kernel: codegen's `rowgroup`), instead of a kernel reading the rows again.
+No later member reads its output (complete only after every row).
 A group has at least two members and at least one reduction. A member's output that
 is a temporary over exactly the outer edges, read by no kernel outside the group,
 becomes a register (`regs`: no buffer). Other temporaries stay buffers (the
@@ -31,7 +39,9 @@ but it keeps a path that writes and re-reads them).
 
 Exact: members run in their order for each row, and a member reads another's
 output only at its own row, where it is complete; the interpreter runs the members
-one after another over all rows, which computes the same values. Terminates: one
+one after another over all rows, which computes the same values (a column member's
+sum over all rows included; the generated kernel adds its terms in another order, in
+double, as the column tiles it replaces do). Terminates: one
 pass over the kernels, each joining or ending one group.
 """
 from __future__ import annotations
@@ -97,12 +107,29 @@ class RowGroups(Pass[Lowered, Lowered]):
         if not options.cuda.row_groups:
             return out
         out.kernels = []
-        _Grouper(low, out).run()
+        _Grouper(low, out, options.cuda.row_columns).run()
         return out
 
 
 def inner_loops(m: LoopKernel, outer) -> tuple[str, ...]:
     return tuple(m.loops[len(outer):])
+
+
+def column_member(m: LoopKernel, outer, sizes: dict) -> bool:
+    """Whether `m` is a column sum over the rows `outer` (of extents `sizes`): a sum
+    whose loops start with the outer ones (same extents), which it reduces and no
+    other, with no bounds, and an epilogue that reads no outer loop."""
+    n = len(outer)
+    if not (n and m.reduce == "sum" and not m.scatter and not m.bounds and tuple(m.loops[:n]) == tuple(outer)
+            and set(m.red) == set(outer) and len(m.loops) > n):
+        return False
+    if any(m.sizes[v] != sizes[v] for v in outer):
+        return False
+    if m.epilogue is not None:
+        for e in walk(m.epilogue):
+            if isinstance(e, Load) and any(ix.vars() & set(outer) for _, ix in e.index):
+                return False
+    return True
 
 
 def _loads(k: LoopKernel):
@@ -135,6 +162,10 @@ def _id_bufs(k: LoopKernel) -> set[str]:
 
 class _Grouper(Grouper):
 
+    def __init__(self, low: Lowered, out: Lowered, columns: bool):
+        super().__init__(low, out)
+        self.columns = columns
+
     def groupable(self, k) -> bool:
         if not (isinstance(k, LoopKernel) and k.loops and not k.scatter
                 and all(ix == Ix.var(e) for e, ix in k.index) and self.low.buffers[k.out].kind != "arg"):
@@ -153,8 +184,13 @@ class _Grouper(Grouper):
                 out.append(v)
             return out
 
-        prefix = kept_prefix(ks[0])
-        for k in ks[1:]:
+        # column sums (no kept prefix: their first loop is reduced) come after the row members
+        nrows = next((j for j, k in enumerate(ks) if not kept_prefix(k)), len(ks))
+        rows, cols = ks[:nrows], ks[nrows:]
+        if not rows or any(kept_prefix(k) for k in cols) or (cols and not self.columns):
+            return ()
+        prefix = kept_prefix(rows[0])
+        for k in rows[1:]:
             mine = kept_prefix(k)
             n = 0
             while n < min(len(prefix), len(mine)) and prefix[n] == mine[n] and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
@@ -162,8 +198,23 @@ class _Grouper(Grouper):
             prefix = prefix[:n]
         if not prefix:
             return ()
+        inner0 = inner_loops(rows[0], prefix)
+        for k in cols:
+            if not column_member(k, prefix, ks[0].sizes) or inner_loops(k, prefix) != inner0 \
+                    or any(k.sizes[v] != rows[0].sizes[v] for v in inner0):
+                return ()
+            if {c.out for c in cols} & k.buffers_read():    # complete only after every row
+                return ()
         written: set[str] = set()
-        for k in ks:
+        for j, k in enumerate(ks):
+            if j >= nrows:
+                if _id_bufs(k) & written:
+                    return ()
+                for ld in _loads(k):
+                    if ld.buf in written and any(dict(ld.index).get(v) != Ix.var(v) for v in prefix):
+                        return ()
+                written.add(k.out)
+                continue
             inner = set(inner_loops(k, prefix))
             if k.reduce and not (inner - set(k.red)):   # a value per row: threads share the reduced loops
                 if any(ix.vars() & set(k.red) for lo, hi in k.bounds.values() for ix in lo + hi):

@@ -100,7 +100,7 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
     it on the device `backend` names ("cuda" or "cuda-sim")."""
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
-    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
+    cm = codegen.generate(low, cuda=options.cuda)
     device.load(cm, options)
     return CudaKernels(low, options, cm, device)
 
@@ -655,8 +655,9 @@ class CudaKernels(Kernels):
             start = offsets[buf.slot]
             temps[name] = ws[start:start + count * dt.itemsize].view(dt).reshape(shape)
         cols = [self._col_chunks(x, env) for x in self._cm.launches]
-        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
-            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
+        rows = [x.scratch(env) for x in self._cm.launches if x.slots]   # row groups' column partials
+        if any(chunks for chunks, _ in cols) or rows:   # the column sums' partials (one scratch: they run in turn)
+            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols), *rows),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
         b = _Binding(key, dict(env), ws, temps, dev.err_word(), [env[d] for d in self._cm.dims], capture=graphs)
         b.early_read = dev.name == "cuda-sim"   # (reading it costs nothing there, and the rest need not run)
