@@ -969,12 +969,20 @@ class _Gen:
                     else:
                         value = self.expr(m.body, ctx)
                     stmts.append(f"const tgc_t val = {value};")
-                    if cached and m.out in cache:
-                        stmts.append(f"{cache[m.out]}[k] = val;")
-                    if stored:
+                    wide = cached and stored and self.wide_store(g, m, inner0, group)
+                    held = cache.get(m.out) if cached else None
+                    if wide and held is None:   # the row's values, for the float4 stores after
+                        held = f"o_{cid[m.out]}"
+                        part.append(f"tgc_t {held}[{self.row_regs}];")
+                    if held is not None:
+                        stmts.append(f"{held}[k] = val;")
+                    if stored and not wide:
                         stmts.append(self.store(m.out, f"p{bufs.index(m.out)}", store_ix, "val"))
                     count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
                     part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
+                    if wide:
+                        part += self.row_stores(m, f"p{bufs.index(m.out)}", held, ctx, var[inner0[0]],
+                                                self.size(m.sizes[inner0[0]]), group)
                 if ctx.loaded & written_mem:
                     body.append("tgc_row_sync(tpr);")
                 body.append(f"// {(m.note or m.text().splitlines()[0])[:100]}")
@@ -1078,6 +1086,34 @@ class _Gen:
                     "row group's column sums: the slots' partials, in order")
         self.launches.append(Launch("loop", name, tuple(bufs) + (COL_SCRATCH,),
                                     tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs))))
+
+    def wide_store(self, g: RowGroup, m: LoopKernel, inner0, group: int) -> bool:
+        """Whether a row group member's output, held in registers, can be stored four
+        neighbours at a time (`row_stores`): an f32 program and buffer, a row of one
+        loop, registers in groups of 4, the output's contiguous edge along that loop."""
+        if group != 4 or len(inner0) != 1 or self.low.dtype != "f32" or self.low.buffers[m.out].dtype != "f32":
+            return False
+        v = inner0[0]
+        return self.along(Load(m.out, m.index), v, m.sizes[v])
+
+    def row_stores(self, m: LoopKernel, ptr: str, held: str, ctx: "_Ctx", v: str, size: str, group: int) -> list[str]:
+        """The stores of a row group member's values `held` (register k: element
+        4 * (lane + k / 4 * tpr) + k % 4 of the row, loop variable `v` of extent
+        `size`): one float4 per group of 4 where the row length is a multiple of 4
+        and the output 16-byte aligned (every row then starts aligned), else one
+        element at a time. The same values either way."""
+        at = self.offset(m.out, m.index, ctx)
+        dec = _decompose([(v, "", size)], [at])
+        vec = ["TGC_SIM_COUNT(8);", "#pragma unroll", f"for (int g4 = 0; g4 < {self.row_regs // group}; ++g4) {{",
+               "    const int q = 4 * ((int)lane + g4 * (int)tpr);", "    if (q < cnt) {"]
+        vec += ["        " + x for x in dec]
+        vec += ["        float4 o4;"] + [f"        o4.{c} = {held}[4 * g4 + {j}];" for j, c in enumerate("xyzw")]
+        vec += [f"        *reinterpret_cast<float4*>(&{ptr}[{at}]) = o4;", "    }", "}"]
+        one = ["#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
+               f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};", "    if (q < cnt) {"]
+        one += ["        " + x for x in dec] + [f"        {ptr}[{at}] = {held}[k];", "    }", "}"]
+        return ([f"if ({size} % 4 == 0 && tgc_aligned16({ptr})) {{"] + ["    " + x for x in vec] + ["} else {"]
+                + ["    " + x for x in one] + ["}"])
 
     def _read_outside(self, i: int) -> set[str]:
         """The buffers a kernel other than the `i`th reads."""

@@ -30,7 +30,23 @@ class CudaOptions:
     # block, for rows of 4096.
     row_slot_rows: int = 8
     row_slot_elems: int = 1 << 21
+    # A block-per-row launch of a row group (rows longer than `warp_rows`) takes
+    # `row_block(length)` threads: the fewest power of two from `row_block_min` to
+    # `row_block_max` whose threads hold the row in registers (`row_regs` elements
+    # each), so a row of 1024 runs 128 threads (8 elements each, more blocks per
+    # multiprocessor) and one of 4096 the most, `row_block_max` (at most the launch
+    # bounds' 256 threads, `codegen.BLOCK`).
+    row_block_min: int = 64
+    row_block_max: int = 256
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
+
+    def row_block(self, length: int) -> int:
+        """The threads of a block-per-row launch for rows of `length` elements (above):
+        a power of two, at least a warp (32), at most `row_block_max` (or 32)."""
+        block = 32
+        while 2 * block <= self.row_block_max and (block < self.row_block_min or block * self.row_regs < length):
+            block *= 2
+        return block
 
     def with_(self, **changes) -> "CudaOptions":
         """A copy with the given fields changed."""
