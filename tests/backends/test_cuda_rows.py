@@ -163,6 +163,10 @@ def test_a_row_group_is_one_kernel_with_its_statistics_in_registers():
     assert len(re.findall(r"reinterpret_cast<float4\*>\(&p\d+\[", cached)) == 2         # float4 stores
     assert len(re.findall(r"\bp\d+\[[^\]]*\] = [oc]_\d+\[k\];", cached)) == 2       # (or one at a time)
     assert not re.findall(r"\bp\d+\[[^\]]*\] = val;", cached)
+    # the path through memory steps a 32-bit index over the row where its length allows
+    memory = body.split("TGC_SIM_COUNT(2)")[1]
+    narrow, wide = memory.count("for (int q = (int)lane; q < (int)c; q += (int)tpr)"), memory.count("for (long long q")
+    assert narrow == wide > 0 and "int rq = q;" in memory
 
 
 def test_lowered_text_and_the_lowered_interpreter():

@@ -862,7 +862,19 @@ class _Gen:
                 return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
                          f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};",
                          f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
-            return ([f"for (long long q = lane; q < {count}; q += tpr) {{"] + ["    " + s for s in dec + stmts] + ["}"])
+            return spread(count, [(var[v], "", self.size(sizes[v])) for v in loops], stmts)
+
+        def spread(count: str, loops: list, stmts: list[str]) -> list[str]:
+            """`stmts` over this thread's share of `count` points (q = lane, lane + tpr,
+            ...) split into `loops` (`_decompose`): in 32-bit indices when the count
+            allows (the row's index and its split, no 64-bit `%`), else in 64-bit."""
+            def loop(narrow: bool) -> list[str]:
+                head = (f"for (int q = (int)lane; q < (int)c; q += (int)tpr) {{" if narrow
+                        else "for (long long q = lane; q < c; q += tpr) {")
+                return [head] + ["    " + x for x in _decompose(loops, stmts, narrow) + stmts] + ["}"]
+            return (["{", f"    const long long c = {count};", "    if (c <= 2147483647LL - 1024LL) {   // q + tpr stays an int"]
+                    + ["        " + x for x in loop(True)] + ["    } else {"]
+                    + ["        " + x for x in loop(False)] + ["    }", "}"])
 
         def preload(pre: list[Load], cache: dict) -> list[str]:
             """The row's elements of the inputs `pre` into registers; in an f32 program
@@ -947,9 +959,8 @@ class _Gen:
                         def over(stmts, red=red, cnt=cnt):
                             if cached:
                                 return strided(list(inner0), m.sizes, stmts, True, "cnt")
-                            dec = _decompose([(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
-                            head = [f"for (long long q = lane; q < (live ? {cnt} : 0LL); q += tpr) {{"]
-                            return head + ["    " + s for s in dec + stmts] + ["}"]
+                            return spread(f"(live ? {cnt} : 0LL)",
+                                          [(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
 
                         part += ([] if cached else pre) + reduce_stmts(m, ctx, over)
                         ctx.acc = "acc"
@@ -1198,18 +1209,20 @@ def _row_ok(k: LoopKernel) -> bool:
     return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
 
 
-def _decompose(loops: list[tuple[str, str, str]], stmts: list[str]) -> list[str]:
+def _decompose(loops: list[tuple[str, str, str]], stmts: list[str], narrow: bool = False) -> list[str]:
     """Statements splitting the flat index `q` into loop variables (name, offset
-    prefix, extent), innermost last, declaring only the variables `stmts` use."""
+    prefix, extent), innermost last, declaring only the variables `stmts` use;
+    `narrow`: in 32-bit arithmetic (`q` and every extent below 2^31)."""
     import re
 
     text = "\n".join(stmts)
     used = [bool(re.search(rf"\b{name}\b", text)) for name, _, _ in loops]
     if not any(used):
         return []
-    out = ["long long rq = q;"]
+    out = ["int rq = q;" if narrow else "long long rq = q;"]
     for j in reversed(range(len(loops))):
         name, lo, n = loops[j]
+        n = f"(int)({n})" if narrow else n
         line = f"const long long {name} = {lo}rq{f' % {n}' if j else ''};" if used[j] else ""
         if any(used[:j]):
             line += f" rq /= {n};"
