@@ -78,6 +78,50 @@ def run(prog, dims: dict, dtype: str, seed: int = 0) -> tuple[dict, int, int]:
     return got, c[6], c[7]
 
 
+def test_column_sums_move_up_to_the_group_that_reads_their_rows():
+    """In the GPT's training step the bias and layernorm gradients come after every GEMM
+    of the backward pass; each joins the nearest earlier row group that reads or writes
+    the rows it sums (at most `row_columns_max` per group), moved past kernels that
+    neither write what it reads nor touch its output; its loops become the group's."""
+    from pathlib import Path
+
+    from tgc import pipeline
+    from tgc.backends.cuda.runtime import lower
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "gpt.tg"
+    o = Options(dtype="f32")
+    module = pipeline.lower(pipeline.load(str(path), o), o).module
+    on, off = lower(module, o), lower(module, o.with_(cuda=CudaOptions(row_columns=False)))
+    joined = {}
+    for n, k in enumerate(on.kernels):
+        if isinstance(k, RowGroup):
+            cols = [m for m in k.members if column_member(m, k.outer, k.sizes)]
+            assert len(cols) <= CudaOptions().row_columns_max
+            for m in cols:
+                assert m.loops[:len(k.outer)] == k.outer
+                reads_rows = {ld.buf for ld in walk_loads(m) if set(dict(ld.index)) >= set(k.outer)}
+                assert reads_rows & (k.buffers_read() | k.writes()), m.out
+                joined[m.out] = k.members[0].out
+    assert len(joined) >= 10, joined
+    # each moved past kernels that write nothing it reads and do not touch its output
+    where = {(k.members[0] if isinstance(k, RowGroup) else k).out: n for n, k in enumerate(off.kernels)
+             if isinstance(k, RowGroup) or hasattr(k, "out")}
+    for out, first in joined.items():
+        group, was = where[first], where[out]
+        col = off.kernels[was]
+        assert group < was
+        for k in off.kernels[group + 1:was]:
+            assert not (k.writes() & col.buffers_read()) and out not in k.writes() | k.buffers_read()
+    assert len(codegen.generate(on).launches) < len(codegen.generate(off).launches)
+
+
+def walk_loads(m):
+    from tgc.lower.lowered import Load, walk
+
+    for root in [m.body] + ([m.epilogue] if m.epilogue is not None else []):
+        yield from (e for e in walk(root) if isinstance(e, Load))
+
+
 def test_the_backward_is_one_row_group_and_its_partials():
     on, off = build(LAYERNORM, "f32"), build(LAYERNORM, "f32", row_columns=False)
     assert [(x.kind, x.name) for x in on.cuda_module.launches] == [("rows", "k0"), ("loop", "k0_cols")]

@@ -811,10 +811,10 @@ class _Gen:
         cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
         reads_elsewhere = self._read_outside(i)
         inner0 = inner_loops(g.members[0], outer)
-        if any(inner_loops(m, outer) != inner0 or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0)
-               for m in cols):
+        if any(sorted(v for v in m.loops if v not in m.red) != sorted(inner0)
+               or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0) for m in cols):
             raise CudaUnsupported("a row group's column sum over other loops than its first member's")
-        uniform = all(m in cols or set(inner_loops(m, outer)) == set(inner0)
+        uniform = all(any(m is c for c in cols) or set(inner_loops(m, outer)) == set(inner0)
                       and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
                       and not (set(m.bounds) & set(inner0))
                       and (set(m.red) == set(inner0) if m.reduce else not m.red)
@@ -936,7 +936,8 @@ class _Gen:
                     if cached:
                         part = strided(list(inner0), m.sizes, [f"cp_{j}[k] += (double){x};"], True, "cnt")
                     else:
-                        part = strided(inner, m.sizes, [f"part[{j}LL * S * ncols + s * ncols + q] += (double){x};"],
+                        part = strided(list(inner0), m.sizes,
+                                       [f"part[{j}LL * S * ncols + s * ncols + q] += (double){x};"],
                                        False, "(live ? ncols : 0LL)")
                     if ctx.loaded & written_mem:
                         body.append("tgc_row_sync(tpr);")

@@ -20,6 +20,7 @@ class CudaOptions:
     # gradient: `db[d] = sum[rows](dy)`), accumulated while the row is in hand instead of
     # by column tiles that read the rows again.
     row_columns: bool = True
+    row_columns_max: int = 4   # ... at most this many per row group (each keeps row_regs doubles a thread)
     # A fused column sum's rows are dealt to slots (slot s: rows s, s + slots, ...), one
     # partial row of doubles per slot, the slots' partials added in slot order by a
     # second kernel (the same bits on every run and every GPU). There are

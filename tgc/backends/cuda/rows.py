@@ -23,15 +23,20 @@ A kernel joins the group before it when:
   has bounds on its reduced loops that depend on the outer loops only, as the
   threads share those loops out before they start (a member that also keeps inner
   loops reduces serially per element, with any bounds).
-A column sum over the group's rows (`out[c] = sum[outer](...)`: a bias or weight
-gradient, `column_member`) joins the group too, after its row members, when it runs
-over the outer loops then exactly the first member's inner loops (same variables,
-same extents, no bounds), its epilogue reads no outer loop, and it reads what a member
-wrote only at the outer index: it is a member the kernel accumulates while the row
-is in hand (a partial per slot of rows, the slots' partials added in a fixed order by
-a second kernel: codegen's `rowgroup`), instead of a kernel reading the rows again.
-No later member reads its output (complete only after every row).
-A group has at least two members and at least one reduction. A member's output that
+A group has at least two members and at least one reduction.
+
+Then a column sum over a group's rows (`out[c] = sum[outer](...)`: a bias or weight
+gradient, `column_member`) joins the nearest group before it that it can join: a sum
+over exactly the group's outer loops and its first member's inner loops (same
+extents, no bounds), with an epilogue that reads no outer loop, that reads what the
+group wrote only at the outer index (where the row is complete) and no register of it;
+and it moves up to the group: no kernel in between writes a buffer it reads, or reads
+or writes its output. The group must read or write rows the sum reads (so the sum
+costs no more reads), and have fewer than `CudaOptions.row_columns_max` column sums
+(each keeps `row_regs` doubles a thread in registers). The kernel then sums it while the row is in hand (a partial per
+slot of rows, the slots' partials added in a fixed order by a second kernel: codegen's
+`rowgroup`) instead of a kernel reading the rows again; a temporary over the outer
+edges that only the group reads now becomes a register (`CudaOptions.row_columns`). A member's output that
 is a temporary over exactly the outer edges, read by no kernel outside the group,
 becomes a register (`regs`: no buffer). Other temporaries stay buffers (the
 generated kernel may keep them in registers and skip the store when the row fits,
@@ -40,13 +45,15 @@ but it keeps a path that writes and re-reads them).
 Exact: members run in their order for each row, and a member reads another's
 output only at its own row, where it is complete; the interpreter runs the members
 one after another over all rows, which computes the same values (a column member's
-sum over all rows included; the generated kernel adds its terms in another order, in
-double, as the column tiles it replaces do). Terminates: one
-pass over the kernels, each joining or ending one group.
+sum over all rows included: the generated kernel adds its terms in another order, in
+double, as the column tiles it replaces do). A column sum moved up reads the same
+values (nothing in between writes them) and nothing in between sees its output.
+Terminates: one pass over the kernels, each joining or ending one group; then one
+pass over the kernels, each column sum joining at most one group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
@@ -107,7 +114,9 @@ class RowGroups(Pass[Lowered, Lowered]):
         if not options.cuda.row_groups:
             return out
         out.kernels = []
-        _Grouper(low, out, options.cuda.row_columns).run()
+        _Grouper(low, out).run()
+        if options.cuda.row_columns:
+            join_columns(out, options.cuda.row_columns_max)
         return out
 
 
@@ -117,11 +126,10 @@ def inner_loops(m: LoopKernel, outer) -> tuple[str, ...]:
 
 def column_member(m: LoopKernel, outer, sizes: dict) -> bool:
     """Whether `m` is a column sum over the rows `outer` (of extents `sizes`): a sum
-    whose loops start with the outer ones (same extents), which it reduces and no
-    other, with no bounds, and an epilogue that reads no outer loop."""
-    n = len(outer)
-    if not (n and m.reduce == "sum" and not m.scatter and not m.bounds and tuple(m.loops[:n]) == tuple(outer)
-            and set(m.red) == set(outer) and len(m.loops) > n):
+    over exactly the outer loops (same extents) that keeps others, with no bounds and
+    an epilogue that reads no outer loop."""
+    if not (outer and isinstance(m, LoopKernel) and m.reduce == "sum" and not m.scatter and not m.bounds
+            and set(m.red) == set(outer) and len(m.loops) > len(outer)):
         return False
     if any(m.sizes[v] != sizes[v] for v in outer):
         return False
@@ -130,6 +138,67 @@ def column_member(m: LoopKernel, outer, sizes: dict) -> bool:
             if isinstance(e, Load) and any(ix.vars() & set(outer) for _, ix in e.index):
                 return False
     return True
+
+
+def join_columns(low: Lowered, most: int) -> None:
+    """Each column sum of `low.kernels` into the nearest row group before it that it
+    can join and move up to, that reads or writes the rows it sums, and that has fewer
+    than `most` column sums (the module docstring), in place."""
+    ks = low.kernels
+    j = 0
+    while j < len(ks):
+        c = ks[j]
+        if isinstance(c, LoopKernel) and c.reduce == "sum" and low.buffers[c.out].kind != "arg":
+            for i in range(j - 1, -1, -1):
+                k = ks[i]
+                if isinstance(k, RowGroup) and _joins(k, c) and _columns(k) < most:
+                    del ks[j]
+                    ks[i] = _grown(low, k, c, i)
+                    j -= 1
+                    break
+                if k.writes() & c.buffers_read() or c.out in k.writes() or c.out in k.buffers_read():
+                    break
+        j += 1
+
+
+def _columns(g: RowGroup) -> int:
+    return sum(1 for m in g.members if column_member(m, g.outer, g.sizes))
+
+
+def _joins(g: RowGroup, c: LoopKernel) -> bool:
+    """Whether the column sum `c` can be a member of `g`, after its members, and reads
+    rows the group reads or writes."""
+    if not column_member(c, g.outer, g.sizes):
+        return False
+    rows = {ld.buf for ld in _loads(c) if any(ix.vars() & set(g.outer) for _, ix in ld.index)}
+    if not rows & (g.buffers_read() | g.writes()):
+        return False
+    inner0 = inner_loops(g.members[0], g.outer)
+    kept = [v for v in c.loops if v not in c.red]
+    if set(kept) != set(inner0) or len(kept) != len(inner0) or any(c.sizes[v] != g.members[0].sizes[v] for v in kept):
+        return False
+    written = {m.out for m in g.members}
+    if c.out in written or c.out in g.buffers_read() or _id_bufs(c) & written:
+        return False
+    if set(g.regs) & c.buffers_read():
+        return False
+    return all(dict(ld.index).get(v) == Ix.var(v) for ld in _loads(c) if ld.buf in written for v in g.outer)
+
+
+def _grown(low: Lowered, g: RowGroup, c: LoopKernel, at: int) -> RowGroup:
+    """`g` (the `at`th kernel) with the column sum `c` as its last member, its loops
+    the outer ones then the group's inner ones (the same loops: its sum is over the
+    same points); a member's output that is a temporary over the outer edges, which no
+    other kernel reads now, becomes a register."""
+    members = g.members + (replace(c, loops=tuple(g.outer) + inner_loops(g.members[0], g.outer)),)
+    others = {b for n, k in enumerate(low.kernels) if n != at for b in k.buffers_read()}
+    regs = list(g.regs)
+    for m in members:
+        b = low.buffers.get(m.out)
+        if b is not None and b.kind == "temp" and set(b.edges) == set(g.outer) and m.out not in others:
+            regs.append(m.out)
+            del low.buffers[m.out]
+    return RowGroup(g.outer, g.sizes, members, tuple(regs), g.note)
 
 
 def _loads(k: LoopKernel):
@@ -162,10 +231,6 @@ def _id_bufs(k: LoopKernel) -> set[str]:
 
 class _Grouper(Grouper):
 
-    def __init__(self, low: Lowered, out: Lowered, columns: bool):
-        super().__init__(low, out)
-        self.columns = columns
-
     def groupable(self, k) -> bool:
         if not (isinstance(k, LoopKernel) and k.loops and not k.scatter
                 and all(ix == Ix.var(e) for e, ix in k.index) and self.low.buffers[k.out].kind != "arg"):
@@ -184,13 +249,8 @@ class _Grouper(Grouper):
                 out.append(v)
             return out
 
-        # column sums (no kept prefix: their first loop is reduced) come after the row members
-        nrows = next((j for j, k in enumerate(ks) if not kept_prefix(k)), len(ks))
-        rows, cols = ks[:nrows], ks[nrows:]
-        if not rows or any(kept_prefix(k) for k in cols) or (cols and not self.columns):
-            return ()
-        prefix = kept_prefix(rows[0])
-        for k in rows[1:]:
+        prefix = kept_prefix(ks[0])
+        for k in ks[1:]:
             mine = kept_prefix(k)
             n = 0
             while n < min(len(prefix), len(mine)) and prefix[n] == mine[n] and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
@@ -198,23 +258,8 @@ class _Grouper(Grouper):
             prefix = prefix[:n]
         if not prefix:
             return ()
-        inner0 = inner_loops(rows[0], prefix)
-        for k in cols:
-            if not column_member(k, prefix, ks[0].sizes) or inner_loops(k, prefix) != inner0 \
-                    or any(k.sizes[v] != rows[0].sizes[v] for v in inner0):
-                return ()
-            if {c.out for c in cols} & k.buffers_read():    # complete only after every row
-                return ()
         written: set[str] = set()
-        for j, k in enumerate(ks):
-            if j >= nrows:
-                if _id_bufs(k) & written:
-                    return ()
-                for ld in _loads(k):
-                    if ld.buf in written and any(dict(ld.index).get(v) != Ix.var(v) for v in prefix):
-                        return ()
-                written.add(k.out)
-                continue
+        for k in ks:
             inner = set(inner_loops(k, prefix))
             if k.reduce and not (inner - set(k.red)):   # a value per row: threads share the reduced loops
                 if any(ix.vars() & set(k.red) for lo, hi in k.bounds.values() for ix in lo + hi):
