@@ -195,3 +195,17 @@ def test_f32_within_ten_times_torch_f32():
     for k in want:
         mine, theirs = normwise_err(got[k], want[k]), normwise_err(torch32[k], want[k])
         assert ok(mine, theirs), (k, mine, theirs)
+
+
+def test_the_manifest_describes_the_partials_and_the_block():
+    import json
+
+    from tgc.backends.cuda import aot
+
+    module = tgc.compile(LAYERNORM, backend="cpu").module
+    _, doc = aot.build(module, Options(), "cu")
+    rows, cols = json.loads(doc)["launches"]
+    assert rows["kind"] == "rows" and cols["kind"] == "loop" and cols["kernel"] == "k0_cols"
+    assert rows["buffers"][-1] == cols["buffers"][-1] == codegen.COL_SCRATCH
+    assert rows["column_partials"]["columns"] == "(d)" and "2 * slots * columns" in rows["column_partials"]["scratch"]
+    assert "t * 8 >= row_length" in rows["kernel_block"]

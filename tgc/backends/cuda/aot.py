@@ -32,6 +32,7 @@ from pathlib import Path
 from tgc import __version__
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import codegen
+from tgc.backends.cuda.options import CudaOptions
 from tgc.backends.cuda.runtime import WS_ALIGN, lower
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
@@ -53,7 +54,7 @@ def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
         data = cm.source.encode()
     else:
         data = _nvcc(cm.source, emit, arch, options.fp_strict)
-    return data, manifest(low, cm, emit, arch)
+    return data, manifest(low, cm, emit, arch, options.cuda)
 
 
 def _nvcc(source: str, emit: str, arch: str, strict: bool) -> bytes:
@@ -74,7 +75,8 @@ def _nvcc(source: str, emit: str, arch: str, strict: bool) -> bytes:
         return out.read_bytes()
 
 
-def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> bytes:
+def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str, cuda: CudaOptions | None = None) -> bytes:
+    cuda = cuda or CudaOptions()
     m = low.module
     targets = {u.target for u in m.updates}
 
@@ -116,6 +118,9 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
             entry["items"] = " * ".join(f"({size_str(s)})" for s in x.total) or "1"
             entry["warp_kernel"] = x.warp
             entry["row_length"] = " * ".join(f"({size_str(s)})" for s in x.inner) or "1"
+            entry["kernel_block"] = (f"threads of `kernel`: the fewest power of two t >= 32 with t >= "
+                                     f"{cuda.row_block_min} and t * {cuda.row_regs} >= row_length, at most the "
+                                     f"largest power of two <= {cuda.row_block_max} (CudaOptions.row_block)")
             entry["writes"] = list(x.writes)
         if x.slots:
             entry["column_partials"] = {
