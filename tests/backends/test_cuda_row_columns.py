@@ -209,3 +209,33 @@ def test_the_manifest_describes_the_partials_and_the_block():
     assert rows["buffers"][-1] == cols["buffers"][-1] == codegen.COL_SCRATCH
     assert rows["column_partials"]["columns"] == "(d)" and "2 * slots * columns" in rows["column_partials"]["scratch"]
     assert "t * 8 >= row_length" in rows["kernel_block"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
+def test_the_gpt_step_compiles_without_spills(tmp_path):
+    """`ptxas -v` for sm_90 on the GPT workload's f32 module (its layernorm backward
+    groups hold up to `row_columns_max` column sums' partials in registers): no kernel
+    spills or keeps a stack frame (about a minute of nvcc)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from tgc import pipeline
+    from tgc.backends.cuda.runtime import lower
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "gpt.tg"
+    o = Options(dtype="f32")
+    low = lower(pipeline.lower(pipeline.load(str(path), o), o).module, o)
+    assert any(isinstance(k, RowGroup) and sum(column_member(m, k.outer, k.sizes) for m in k.members) >= 3
+               for k in low.kernels)
+    cu = tmp_path / "gpt.cu"
+    cu.write_text(codegen.generate(low).source)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-Xptxas", "-v", str(cu), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kernels = re.findall(r"Function properties for (\w+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads", r.stderr)
+    assert len(kernels) > 100 and any(k.endswith("_cols") for k, *_ in kernels)
+    bad = [(k, frame, st, ld) for k, frame, st, ld in kernels if (frame, st, ld) != ("0", "0", "0")]
+    assert not bad, bad
