@@ -207,7 +207,9 @@ def test_the_manifest_describes_the_partials_and_the_block():
     rows, cols = json.loads(doc)["launches"]
     assert rows["kind"] == "rows" and cols["kind"] == "loop" and cols["kernel"] == "k0_cols"
     assert rows["buffers"][-1] == cols["buffers"][-1] == codegen.COL_SCRATCH
-    assert rows["column_partials"]["columns"] == "(d)" and "2 * slots * columns" in rows["column_partials"]["scratch"]
+    assert rows["column_partials"] == cols["column_partials"]
+    assert rows["column_partials"]["columns"] == "(d)" and rows["column_partials"]["rows"] == "(rows)"
+    assert "2 * slots * columns" in rows["column_partials"]["scratch"]
     assert "t * 8 >= row_length" in rows["kernel_block"]
 
 

@@ -122,12 +122,13 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str, cuda: C
                                      f"{cuda.row_block_min} and t * {cuda.row_regs} >= row_length, at most the "
                                      f"largest power of two <= {cuda.row_block_max} (CudaOptions.row_block)")
             entry["writes"] = list(x.writes)
-        if x.slots:
+        if x.slots:   # a row group's column sums: its launch writes the partials, its `_cols` launch adds them
             entry["column_partials"] = {
-                "slots": f"min(ceil(items / {x.slots[3]}), ceil({x.slots[4]} / columns))",
+                "rows": " * ".join(f"({size_str(s)})" for s in x.slots[0]) or "1",
                 "columns": " * ".join(f"({size_str(s)})" for s in x.slots[1]) or "1",
-                "scratch": f"{x.slots[2]} * slots * columns doubles ('{codegen.COL_SCRATCH}', the last buffer); the "
-                           "next launch adds them"}
+                "slots": f"min(ceil(rows / {x.slots[3]}), ceil({x.slots[4]} / columns))",
+                "scratch": f"{x.slots[2]} * slots * columns doubles ('{codegen.COL_SCRATCH}', the last buffer), "
+                           "written by the row group's launch and added in slot order by the next, its _cols kernel"}
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)

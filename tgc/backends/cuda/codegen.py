@@ -28,7 +28,9 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
-  registers, the row's elements in registers where it fits;
+  registers, the row's elements in registers where it fits; its column sums (bias
+  and weight gradients that joined it) as a partial row per slot of rows, added in
+  slot order by one more kernel (`row_columns`);
 - a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
   for a segment max/min), then one thread per point combining its term with
   `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
@@ -801,6 +803,7 @@ class _Gen:
         writes = sorted(g.writes(), key=bufs.index)
         outer = list(g.outer)
         cols = [m for m in g.members if column_member(m, outer, g.sizes)]
+        col_ids = [id(m) for m in cols]
         col_outs = {m.out for m in cols}
         row_writes = [w for w in writes if w not in col_outs]
         allv = list(dict.fromkeys(v for m in g.members for v in m.loops))
@@ -814,13 +817,13 @@ class _Gen:
         if any(sorted(v for v in m.loops if v not in m.red) != sorted(inner0)
                or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0) for m in cols):
             raise CudaUnsupported("a row group's column sum over other loops than its first member's")
-        uniform = all(any(m is c for c in cols) or set(inner_loops(m, outer)) == set(inner0)
+        uniform = all(id(m) in col_ids or set(inner_loops(m, outer)) == set(inner0)
                       and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
                       and not (set(m.bounds) & set(inner0))
                       and (set(m.red) == set(inner0) if m.reduce else not m.red)
                       and (m.reduce or set(dict(m.index)) == set(outer) | set(inner0))
                       for m in g.members) and bool(inner0)
-        red_member = next((m for m in g.members if m.reduce and m not in cols), g.members[0])
+        red_member = next((m for m in g.members if m.reduce and id(m) not in col_ids), g.members[0])
         row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
         group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
         shared: set[str] = set()
@@ -930,8 +933,8 @@ class _Gen:
             for m in g.members:
                 ctx = ctx_new(cache)
                 inner = list(inner_loops(m, outer))
-                if m in cols:   # a column sum: this row's terms added to the slot's partials
-                    j = cols.index(m)
+                if id(m) in col_ids:   # a column sum: this row's terms added to the slot's partials
+                    j = col_ids.index(id(m))
                     x = self.expr(m.body, ctx)
                     if cached:
                         part = strided(list(inner0), m.sizes, [f"cp_{j}[k] += (double){x};"], True, "cnt")
@@ -1064,15 +1067,15 @@ class _Gen:
         self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
         scratch = (COL_SCRATCH,) if cols else ()
         inner_sizes = tuple(g.members[0].sizes[v] for v in inner0)
+        slots = (tuple(g.sizes[v] for v in outer), inner_sizes, len(cols), self.cuda.row_slot_rows,
+                 self.cuda.row_slot_elems) if cols else ()
         self.launches.append(Launch("rows", name, tuple(bufs) + scratch, tuple(g.sizes[v] for v in outer), index=i,
-                                    warp=name + "_warp", inner=row_len, writes=tuple(row_writes),
-                                    slots=(tuple(g.sizes[v] for v in outer), inner_sizes, len(cols),
-                                           self.cuda.row_slot_rows, self.cuda.row_slot_elems) if cols else ()))
+                                    warp=name + "_warp", inner=row_len, writes=tuple(row_writes), slots=slots))
         if cols:
-            self.row_columns(name + "_cols", i, g, cols, bufs, list(inner0), var, osizes)
+            self.row_columns(name + "_cols", i, g, cols, bufs, list(inner0), var, osizes, slots)
 
     def row_columns(self, name: str, i: int, g: RowGroup, cols: list[LoopKernel], bufs: list[str],
-                    inner0: list[str], var: dict, osizes: list[str]) -> None:
+                    inner0: list[str], var: dict, osizes: list[str], slots: tuple) -> None:
         """The kernel adding a row group's column partials (`rowgroup`): one thread per
         column, the slots' partials in slot order, in double; then each column sum's
         epilogue and store."""
@@ -1097,7 +1100,8 @@ class _Gen:
         self.kernel(name, self.params(bufs, outs, scratch=True), body,
                     "row group's column sums: the slots' partials, in order")
         self.launches.append(Launch("loop", name, tuple(bufs) + (COL_SCRATCH,),
-                                    tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs))))
+                                    tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs)),
+                                    slots=slots))
 
     def wide_store(self, g: RowGroup, m: LoopKernel, inner0, group: int) -> bool:
         """Whether a row group member's output, held in registers, can be stored four
