@@ -27,8 +27,8 @@ class CudaOptions:
     # min(ceil(rows / row_slot_rows), ceil(row_slot_elems / columns)) slots: at least
     # `row_slot_rows` rows per slot, so the partials (written and read once) are at most
     # 1/row_slot_rows of the rows' size, and at most about `row_slot_elems` partial
-    # elements per column sum (16 MiB of doubles), which still leaves 512 slots, each a
-    # block, for rows of 4096.
+    # elements per column sum (16 MiB of doubles), which still leaves 512 slots (each a
+    # block) for rows of 4096 elements.
     row_slot_rows: int = 8
     row_slot_elems: int = 1 << 21
     # A block-per-row launch of a row group (rows longer than `warp_rows`) takes

@@ -23,24 +23,26 @@ A kernel joins the group before it when:
   has bounds on its reduced loops that depend on the outer loops only, as the
   threads share those loops out before they start (a member that also keeps inner
   loops reduces serially per element, with any bounds).
-A group has at least two members and at least one reduction.
-
-Then a column sum over a group's rows (`out[c] = sum[outer](...)`: a bias or weight
-gradient, `column_member`) joins the nearest group before it that it can join: a sum
-over exactly the group's outer loops and its first member's inner loops (same
-extents, no bounds), with an epilogue that reads no outer loop, that reads what the
-group wrote only at the outer index (where the row is complete) and no register of it;
-and it moves up to the group: no kernel in between writes a buffer it reads, or reads
-or writes its output. The group must read or write rows the sum reads (so the sum
-costs no more reads), and have fewer than `CudaOptions.row_columns_max` column sums
-(each keeps `row_regs` doubles a thread in registers). The kernel then sums it while the row is in hand (a partial per
-slot of rows, the slots' partials added in a fixed order by a second kernel: codegen's
-`rowgroup`) instead of a kernel reading the rows again; a temporary over the outer
-edges that only the group reads now becomes a register (`CudaOptions.row_columns`). A member's output that
+A group has at least two members and at least one reduction. A member's output that
 is a temporary over exactly the outer edges, read by no kernel outside the group,
 becomes a register (`regs`: no buffer). Other temporaries stay buffers (the
 generated kernel may keep them in registers and skip the store when the row fits,
 but it keeps a path that writes and re-reads them).
+
+Then (`CudaOptions.row_columns`, `join_columns`) a column sum over a group's rows
+(`out[c] = sum[outer](...)`: a bias or weight gradient, `column_member`) joins the
+nearest group before it that it can join, as its last member, its loops the outer
+ones then the group's inner ones: a sum over exactly the group's outer loops and its
+first member's inner loops (same extents, no bounds), with an epilogue that reads no
+outer loop, that reads what the group wrote only at the outer index (where the row is
+complete) and no register of it; the group reads or writes rows the sum reads (so the
+sum costs no more reads) and has fewer than `CudaOptions.row_columns_max` column sums
+(each keeps `row_regs` doubles a thread in registers); and the sum moves up to the
+group: no kernel in between writes a buffer it reads, or reads or writes its output.
+The kernel then sums it while the row is in hand (a partial per slot of rows, the
+slots' partials added in a fixed order by a second kernel: codegen's `rowgroup`)
+instead of a kernel reading the rows again; a temporary over the outer edges that now
+only the group reads becomes a register.
 
 Exact: members run in their order for each row, and a member reads another's
 output only at its own row, where it is complete; the interpreter runs the members
