@@ -151,16 +151,22 @@ def test_a_row_group_is_one_kernel_with_its_statistics_in_registers():
     ln_on, ln_off = build(LAYERNORM, "f32"), build(LAYERNORM, "f32", row_groups=False)
     n_on = len(ln_on.cuda_module.launches)
     n_off = len(ln_off.cuda_module.launches)
-    assert n_on == 3 and n_off == 9                            # the row group, then dw and db (sums over rows)
+    assert n_on == 2 and n_off == 9     # the row group (dw and db summed in it), then their slots' partials added
     # the row is read once: the register path loads x and dy at the row's start, and
-    # stores only what another kernel reads (y, dx and the centred x for dw)
+    # stores only what another kernel reads (y, dx)
     src = ln_on.cuda_source
     assert "tgc_row_reduce" in src and "__shfl_xor_sync" in src
     assert len(re.findall(r"c_\d+\[k\] = p\d+\[", src)) == 4          # x, dy, w, b: loaded once per row
-    # the centred x (read by dw's kernel) and y, dx are stored; nothing else is
+    # y and dx are stored; nothing else is (the centred x dw reads is in registers)
     (body,) = [p for p in src.split("static __device__") if "_body(" in p and "TGC_SIM_COUNT(1)" in p]
     cached = body.split("TGC_SIM_COUNT(1)")[1].split("TGC_SIM_COUNT(2)")[0]
-    assert len(re.findall(r"\bp\d+\[[^\]]*\] = val;", cached)) == 3
+    assert len(re.findall(r"reinterpret_cast<float4\*>\(&p\d+\[", cached)) == 2         # float4 stores
+    assert len(re.findall(r"\bp\d+\[[^\]]*\] = [oc]_\d+\[k\];", cached)) == 2       # (or one at a time)
+    assert not re.findall(r"\bp\d+\[[^\]]*\] = val;", cached)
+    # the path through memory steps a 32-bit index over the row where its length allows
+    memory = body.split("TGC_SIM_COUNT(2)")[1]
+    narrow, wide = memory.count("for (int q = (int)lane; q < (int)c; q += (int)tpr)"), memory.count("for (long long q")
+    assert narrow == wide > 0 and "int rq = q;" in memory
 
 
 def test_lowered_text_and_the_lowered_interpreter():
@@ -234,7 +240,8 @@ def test_rows_in_registers_load_float4_where_sizes_and_addresses_allow():
     """A row of an f32 layernorm held in registers is read one float4 per group of 4
     neighbours when its length is a multiple of 4 and its inputs are 16-byte aligned
     (the emulator's counter 5), else element by element into the same registers: the
-    same bits either way."""
+    same bits either way. Its outputs (y, dx) are stored one float4 per group of 4
+    under the same condition on the length and the output's address (counter 8)."""
     import ctypes
 
     prog = build(LAYERNORM, "f32")
@@ -243,9 +250,9 @@ def test_rows_in_registers_load_float4_where_sizes_and_addresses_allow():
     count = fn()
     assert "reinterpret_cast<const float4*>" in prog.cuda_source.split("_body(")[1]
     for d, want_vec in ((40, True), (33, False), (4, True)):
-        count[5] = 0
+        count[5] = count[8] = 0
         compare(prog, {"rows": 5, "d": d}, "f32", seed=d)
-        assert (count[5] > 0) == want_vec, d
+        assert (count[5] > 0) == want_vec and (count[8] > 0) == want_vec, d   # float4 loads, float4 stores
     rng = np.random.default_rng(1)
     big = rng.standard_normal(5 * 40 + 1).astype(np.float32)
     x = dict(x=big[:-1].copy().reshape(5, 40), dy=rng.standard_normal((5, 40)).astype(np.float32),
@@ -260,3 +267,28 @@ def test_rows_in_registers_load_float4_where_sizes_and_addresses_allow():
     assert count[5] == 0
     for k in aligned:
         assert aligned[k].tobytes() == other[k].tobytes(), k
+
+
+def test_the_block_of_a_row_follows_its_length(monkeypatch):
+    """A block-per-row launch takes `CudaOptions.row_block(length)` threads: 64 for a
+    row of 300, 128 for 1024, 256 from 1025 on; under cuda-sim at most its 64, so a
+    `row_block_max` of 32 (one warp per block) shows the launch follows it."""
+    from tgc.backends.cuda import runtime
+    from tgc.backends.cuda.options import CudaOptions
+
+    rule = CudaOptions()
+    assert [rule.row_block(n) for n in (257, 512, 513, 1024, 1025, 4096)] == [64, 64, 128, 128, 256, 256]
+    assert CudaOptions(row_regs=4).row_block(1024) == 256 and CudaOptions(row_block_max=100).row_block(4096) == 64
+    seen = []
+    launcher = runtime._SimDevice.launcher
+
+    def spy(self, name, total, row, dims, err, names, threads=0):
+        seen.append((name, threads))
+        return launcher(self, name, total, row, dims, err, names, threads)
+
+    monkeypatch.setattr(runtime._SimDevice, "launcher", spy)
+    for block_max, want in ((32, 32), (256, 256)):
+        prog = build(LAYERNORM, "f32", cuda=CudaOptions(warp_rows=0, row_block_max=block_max))
+        seen.clear()
+        compare(prog, {"rows": 9, "d": 1500}, "f32", seed=block_max)
+        assert ("k0", want) in seen, seen

@@ -34,6 +34,7 @@ from pathlib import Path
 from tgc import __version__
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import codegen
+from tgc.backends.cuda.options import CudaOptions
 from tgc.backends.cuda.runtime import WS_ALIGN, lower
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
@@ -50,12 +51,12 @@ def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
     `options.cuda.arch`."""
     arch = options.cuda.arch
     low = lower(module, options)
-    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
+    cm = codegen.generate(low, cuda=options.cuda)
     if emit == "cu":
         data = cm.source.encode()
     else:
         data = _nvcc(cm.source, emit, arch, options.fp_strict)
-    return data, manifest(low, cm, emit, arch)
+    return data, manifest(low, cm, emit, arch, options.cuda)
 
 
 def _nvcc(source: str, emit: str, arch: str, strict: bool) -> bytes:
@@ -76,7 +77,8 @@ def _nvcc(source: str, emit: str, arch: str, strict: bool) -> bytes:
         return out.read_bytes()
 
 
-def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> bytes:
+def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str, cuda: CudaOptions | None = None) -> bytes:
+    cuda = cuda or CudaOptions()
     m = low.module
     targets = {u.target for u in m.updates}
 
@@ -90,7 +92,7 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str) -> byte
             for a in m.args.values()]
     outs = [spec(o.name, o.order, "output", out_type.get(j, low.dtype)) for j, o in enumerate(m.outputs)]
     buffers = _buffers(low)
-    launches = _launches(low, cm.launches)
+    launches = _launches(low, cm.launches, cuda)
     doc = {
         "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,
         "dims": list(cm.dims), "block": codegen.BLOCK,
@@ -120,9 +122,10 @@ def _buffers(low: Lowered) -> list[dict]:
     return buffers
 
 
-def _launches(low: Lowered, launches: list) -> list[dict]:
+def _launches(low: Lowered, launches: list, cuda: CudaOptions) -> list[dict]:
     """The manifest's entries of `launches` (of program `low`: the whole program, or a
-    loop's step, whose buffers and slots are its own)."""
+    loop's step, whose buffers and slots are its own; `cuda`: the settings the kernels
+    were generated with)."""
     out = []
     for x in launches:
         if x.kind == "steps":
@@ -136,8 +139,8 @@ def _launches(low: Lowered, launches: list) -> list[dict]:
                 "args": [{"step": n, "buffer": b.buf, "stacked": b.stacked} for n, b in zip(step.module.args, k.args)],
                 "outs": [{"step": sb.name, "buffer": b.buf, "stacked": b.stacked} for sb, b in zip(outs, k.outs)],
                 "carries": k.carries, "slot_base": k.slot_base,
-                "step": {"buffers": _buffers(step), "launches": _launches(step, x.body)},
-                "carry": _launches(low, x.carry)})
+                "step": {"buffers": _buffers(step), "launches": _launches(step, x.body, cuda)},
+                "carry": _launches(low, x.carry, cuda)})
             continue
         if x.kind == "gemm":
             k = x.gemm
@@ -156,7 +159,17 @@ def _launches(low: Lowered, launches: list) -> list[dict]:
             entry["items"] = " * ".join(f"({size_str(s)})" for s in x.total) or "1"
             entry["warp_kernel"] = x.warp
             entry["row_length"] = " * ".join(f"({size_str(s)})" for s in x.inner) or "1"
+            entry["kernel_block"] = (f"threads of `kernel`: the fewest power of two t >= 32 with t >= "
+                                     f"{cuda.row_block_min} and t * {cuda.row_regs} >= row_length, at most the "
+                                     f"largest power of two <= {cuda.row_block_max} (CudaOptions.row_block)")
             entry["writes"] = list(x.writes)
+        if x.slots:   # a row group's column sums: its launch writes the partials, its `_cols` launch adds them
+            entry["column_partials"] = {
+                "rows": " * ".join(f"({size_str(s)})" for s in x.slots[0]) or "1",
+                "columns": " * ".join(f"({size_str(s)})" for s in x.slots[1]) or "1",
+                "slots": f"min(ceil(rows / {x.slots[3]}), ceil({x.slots[4]} / columns))",
+                "scratch": f"{x.slots[2]} * slots * columns doubles ('{codegen.COL_SCRATCH}', the last buffer), "
+                           "written by the row group's launch and added in slot order by the next, its _cols kernel"}
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)

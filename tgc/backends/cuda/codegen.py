@@ -28,7 +28,9 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
   two variants, a block or a warp per row (`rowgroup`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
-  registers, the row's elements in registers where it fits;
+  registers, the row's elements in registers where it fits; its column sums (bias
+  and weight gradients that joined it) as a partial row per slot of rows, added in
+  slot order by one more kernel (`row_columns`);
 - a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
   for a segment max/min), then one thread per point combining its term with
   `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
@@ -68,12 +70,13 @@ from pathlib import Path
 
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda.philox import device_function
-from tgc.backends.cuda.rows import RowGroup, inner_loops
+from tgc.backends.cuda.options import CudaOptions
+from tgc.backends.cuda.rows import RowGroup, column_member, inner_loops
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, neg, walk,
                             wide_sum)
 from tgc.ir.ops import FNS
-from tgc.ir.sizes import Size, SizeOp
+from tgc.ir.sizes import Size, SizeOp, size_eval
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
 # a buffer's element type in C; bf16 and f16 buffers (`narrow`) hold their 16 bits,
@@ -99,6 +102,15 @@ ROW_MIN_BLOCKS = 1
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
 COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
+
+
+def row_slots(nrows: int, ncols: int, slot_rows: int, slot_elems: int) -> int:
+    """The slots of rows a row group's fused column sums deal `nrows` rows to, for
+    `ncols` columns (`tgc_row_slots` of tgc_ops.cuh: the same formula;
+    `CudaOptions.row_slot_rows`, `row_slot_elems`): a function of the sizes only."""
+    by_rows = -(-nrows // max(1, slot_rows))
+    by_elems = -(-slot_elems // ncols) if ncols > 0 else by_rows
+    return min(by_rows, by_elems)
 
 
 def col_chunks(nred: int, ncols: int) -> int:
@@ -139,6 +151,20 @@ class Launch:
     body: list["Launch"] = field(default_factory=list)    # kind steps: its step's launches (the step's buffers)
     carry: list["Launch"] = field(default_factory=list)   # kind steps: copies of the carries, after each step
 
+    # a row group with column sums: (rows' sizes, columns' sizes, column sums, slot_rows,
+    # slot_elems) of its partials in the scratch (`scratch`)
+    slots: tuple = ()
+
+    def scratch(self, env: dict) -> int:
+        """The doubles of scratch (COL_SCRATCH) this launch writes with these dims: a row
+        group's column partials, a slot row per column sum (0 if none)."""
+        if not self.slots:
+            return 0
+        rows, cols, count, slot_rows, slot_elems = self.slots
+        nrows = math.prod(size_eval(x, env) for x in rows)
+        ncols = math.prod(size_eval(x, env) for x in cols)
+        return count * ncols * row_slots(nrows, ncols, slot_rows, slot_elems)
+
 
 def all_launches(launches: list[Launch]):
     """Every launch of the list and of the loops' steps and carry copies in it."""
@@ -161,13 +187,12 @@ class CudaModule:
                 for n in (x.name, x.row, x.warp, x.col, x.col_sum) if n]
 
 
-def generate(low: Lowered, prefix: str = "", row_regs: int = 8) -> CudaModule:
+def generate(low: Lowered, prefix: str = "", cuda: CudaOptions | None = None) -> CudaModule:
     """The CUDA module of `low` (after `plan`, no loop groups); `prefix` starts every
     kernel's name (modules of one float type with distinct prefixes can be
     concatenated into one translation unit: the tests compile many at once);
-    `row_regs`: how many of a row's elements a thread of a row group keeps in
-    registers (`CudaOptions.row_regs`)."""
-    return _Gen(low, prefix, row_regs).run()
+    `cuda`: the settings the kernels are shaped by (`row_regs`, `row_slot_rows`, ...)."""
+    return _Gen(low, prefix, cuda or CudaOptions()).run()
 
 
 def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
@@ -200,13 +225,14 @@ class _Gen:
     its own (`parent`: the enclosing program's), whose kernels join the same module
     (the same text, draws, dims and error word; names under a prefix of their own)."""
 
-    def __init__(self, low: Lowered, prefix: str = "", row_regs: int = 8, parent: "_Gen | None" = None):
+    def __init__(self, low: Lowered, prefix: str, cuda: CudaOptions, parent: "_Gen | None" = None):
         if low.dtype not in ("f32", "f64"):
             raise CudaUnsupported(f"float type '{low.dtype}'")
         self.low, self.prefix = low, prefix
         self.T = C_TYPES[low.dtype]
         self.launches: list[Launch] = []
-        self.row_regs = max(1, int(row_regs))
+        self.cuda = cuda
+        self.row_regs = max(1, int(cuda.row_regs))
         self.root = parent is None
         if parent is None:
             self.dims = tuple(low.module.symbolic_dims())
@@ -268,7 +294,8 @@ class _Gen:
             if x.kind == "gemm":
                 continue
             written = set(x.writes) if x.writes else ({x.bufs[0]} if x.kind != "check" else set())
-            args = [f"({self.buf_type(b, write=b in written)}*)b[{j}]" for j, b in enumerate(x.bufs)]
+            args = [("(double*)" if b == COL_SCRATCH else f"({self.buf_type(b, write=b in written)}*)") + f"b[{j}]"
+                    for j, b in enumerate(x.bufs)]
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             tail = [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             scratch = args[:len(x.bufs)] + [f"(double*)b[{len(x.bufs)}]"] + tail
@@ -286,7 +313,7 @@ class _Gen:
         names under `<prefix>s<i>_`), run by the host for every index with the stacked
         buffers' slices; then a copy kernel per carry (`outs[c]` into `args[c].buf`,
         in this program's buffers)."""
-        inner = _Gen(k.step, f"{self.prefix}s{i}_", self.row_regs, parent=self)
+        inner = _Gen(k.step, f"{self.prefix}s{i}_", self.cuda, parent=self)
         inner.emit()
         here = len(self.launches)
         for c in range(k.carries):
@@ -830,12 +857,26 @@ class _Gen:
         `row_regs * tpr` elements is held in registers: thread `lane` keeps elements
         lane + k * tpr, k < row_regs (`c_NAME[k]`), inputs read once at the row's
         start, members' outputs stored only if read elsewhere; longer rows take the
-        path that reads and writes memory."""
+        path that reads and writes memory.
+
+        A column member (`rows.column_member`: `db[c] = sum[rows] ...`) is summed
+        while the row is in hand: the rows are dealt to slots (`row_slots`, a
+        function of the sizes: slot s takes rows s, s + slots, ... in order), a
+        row's thread adds its elements' terms to its columns' partials in double
+        (registers when the row is held in registers, else the slot's partial row in
+        the scratch `part`), and the slot's partial row is written to `part`; a
+        second kernel (`kI_cols`, one thread per column) adds the slots' partials in
+        slot order, applies the epilogue and stores. The same order of additions on
+        both paths, every run and every GPU."""
         low = self.low
         name = f"{self.prefix}k{i}"
         bufs = g.buffers_used()
         writes = sorted(g.writes(), key=bufs.index)
         outer = list(g.outer)
+        cols = [m for m in g.members if column_member(m, outer, g.sizes)]
+        col_ids = [id(m) for m in cols]
+        col_outs = {m.out for m in cols}
+        row_writes = [w for w in writes if w not in col_outs]
         allv = list(dict.fromkeys(v for m in g.members for v in m.loops))
         var = {v: f"v{j}" for j, v in enumerate(allv)}
         osizes = [self.size(g.sizes[v]) for v in outer]
@@ -844,13 +885,16 @@ class _Gen:
         cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
         reads_elsewhere = self._read_outside(i)
         inner0 = inner_loops(g.members[0], outer)
-        uniform = all(set(inner_loops(m, outer)) == set(inner0)
+        if any(sorted(v for v in m.loops if v not in m.red) != sorted(inner0)
+               or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0) for m in cols):
+            raise CudaUnsupported("a row group's column sum over other loops than its first member's")
+        uniform = all(id(m) in col_ids or set(inner_loops(m, outer)) == set(inner0)
                       and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
                       and not (set(m.bounds) & set(inner0))
                       and (set(m.red) == set(inner0) if m.reduce else not m.red)
                       and (m.reduce or set(dict(m.index)) == set(outer) | set(inner0))
                       for m in g.members) and bool(inner0)
-        red_member = next((m for m in g.members if m.reduce), g.members[0])
+        red_member = next((m for m in g.members if m.reduce and id(m) not in col_ids), g.members[0])
         row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
         group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
         shared: set[str] = set()
@@ -892,7 +936,19 @@ class _Gen:
                 return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
                          f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};",
                          f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
-            return ([f"for (long long q = lane; q < {count}; q += tpr) {{"] + ["    " + s for s in dec + stmts] + ["}"])
+            return spread(count, [(var[v], "", self.size(sizes[v])) for v in loops], stmts)
+
+        def spread(count: str, loops: list, stmts: list[str]) -> list[str]:
+            """`stmts` over this thread's share of `count` points (q = lane, lane + tpr,
+            ...) split into `loops` (`_decompose`): in 32-bit indices when the count
+            allows (the row's index and its split, no 64-bit `%`), else in 64-bit."""
+            def loop(narrow: bool) -> list[str]:
+                head = (f"for (int q = (int)lane; q < (int)c; q += (int)tpr) {{" if narrow
+                        else "for (long long q = lane; q < c; q += tpr) {")
+                return [head] + ["    " + x for x in _decompose(loops, stmts, narrow) + stmts] + ["}"]
+            return (["{", f"    const long long c = {count};", "    if (c <= 2147483647LL - 1024LL) {   // q + tpr stays an int"]
+                    + ["        " + x for x in loop(True)] + ["    } else {"]
+                    + ["        " + x for x in loop(False)] + ["    }", "}"])
 
         def preload(pre: list[Load], cache: dict) -> list[str]:
             """The row's elements of the inputs `pre` into registers; in an f32 program
@@ -948,6 +1004,20 @@ class _Gen:
             for m in g.members:
                 ctx = ctx_new(cache)
                 inner = list(inner_loops(m, outer))
+                if id(m) in col_ids:   # a column sum: this row's terms added to the slot's partials
+                    j = col_ids.index(id(m))
+                    x = self.expr(m.body, ctx)
+                    if cached:
+                        part = strided(list(inner0), m.sizes, [f"cp_{j}[k] += (double){x};"], True, "cnt")
+                    else:
+                        part = strided(list(inner0), m.sizes,
+                                       [f"part[{j}LL * S * ncols + s * ncols + q] += (double){x};"],
+                                       False, "(live ? ncols : 0LL)")
+                    if ctx.loaded & written_mem:
+                        body.append("tgc_row_sync(tpr);")
+                    body.append(f"// {(m.note or m.text().splitlines()[0])[:100]} (this row's column partials)")
+                    body += ["{"] + ["    " + x for x in part] + ["}"]
+                    continue
                 kept = [v for v in inner if v not in m.red]
                 store_ix = self.offset(m.out, m.index, ctx) if m.out in low.buffers else None
                 stored = m.out in low.buffers and (not cached or m.out not in cache or self._needs_store(g, m, i, reads_elsewhere))
@@ -964,9 +1034,8 @@ class _Gen:
                         def over(stmts, red=red, cnt=cnt):
                             if cached:
                                 return strided(list(inner0), m.sizes, stmts, True, "cnt")
-                            dec = _decompose([(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
-                            head = [f"for (long long q = lane; q < (live ? {cnt} : 0LL); q += tpr) {{"]
-                            return head + ["    " + s for s in dec + stmts] + ["}"]
+                            return spread(f"(live ? {cnt} : 0LL)",
+                                          [(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
 
                         part += ([] if cached else pre) + reduce_stmts(m, ctx, over)
                         ctx.acc = "acc"
@@ -986,12 +1055,20 @@ class _Gen:
                     else:
                         value = self.expr(m.body, ctx)
                     stmts.append(f"const tgc_t val = {value};")
-                    if cached and m.out in cache:
-                        stmts.append(f"{cache[m.out]}[k] = val;")
-                    if stored:
+                    wide = cached and stored and self.wide_store(g, m, inner0, group)
+                    held = cache.get(m.out) if cached else None
+                    if wide and held is None:   # the row's values, for the float4 stores after
+                        held = f"o_{cid[m.out]}"
+                        part.append(f"tgc_t {held}[{self.row_regs}];")
+                    if held is not None:
+                        stmts.append(f"{held}[k] = val;")
+                    if stored and not wide:
                         stmts.append(self.store(m.out, f"p{bufs.index(m.out)}", store_ix, "val"))
                     count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
                     part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
+                    if wide:
+                        part += self.row_stores(m, f"p{bufs.index(m.out)}", held, ctx, var[inner0[0]],
+                                                self.size(m.sizes[inner0[0]]), group)
                 if ctx.loaded & written_mem:
                     body.append("tgc_row_sync(tpr);")
                 body.append(f"// {(m.note or m.text().splitlines()[0])[:100]}")
@@ -1003,10 +1080,29 @@ class _Gen:
             return body
 
         head = ["const unsigned lane = threadIdx.x % tpr, per = blockDim.x / tpr;",
-                f"const long long n = {' * '.join(osizes) or '1LL'};",
-                "for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
-                "    const long long t = base + threadIdx.x / tpr;",
-                "    const bool live = t < n;"]
+                f"const long long n = {' * '.join(osizes) or '1LL'};"]
+        if cols:
+            head += [f"const long long ncols = {' * '.join(self.size(g.members[0].sizes[v]) for v in inner0)};",
+                     f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, "
+                     f"{self.cuda.row_slot_elems}LL);   // slots of rows, a partial row each per column sum",
+                     f"const bool fits = {'true' if uniform else 'false'} && ncols <= {self.row_regs}LL * tpr;"
+                     "   // the partials in registers",
+                     "for (long long sbase = (long long)blockIdx.x * per; sbase < S; sbase += (long long)gridDim.x * per) {",
+                     "    const long long s = sbase + threadIdx.x / tpr;",
+                     "    const bool slive = s < S;"]
+            for j in range(len(cols)):
+                if uniform:
+                    head += [f"    double cp_{j}[{self.row_regs}];", "    #pragma unroll",
+                             f"    for (int k = 0; k < {self.row_regs}; ++k) cp_{j}[k] = 0.0;"]
+                head += [f"    if (!fits && slive) for (long long q = lane; q < ncols; q += tpr) "
+                         f"part[{j}LL * S * ncols + s * ncols + q] = 0.0;"]
+            head += ["    for (long long base = sbase; base < n; base += S) {   // the slot's rows, in order",
+                     "    const long long t = base + threadIdx.x / tpr;",
+                     "    const bool live = slive && t < n;"]
+        else:
+            head += ["for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
+                     "    const long long t = base + threadIdx.x / tpr;",
+                     "    const bool live = t < n;"]
         head += ["    " + x for x in _split("r", "live ? t : base", [(var[v], "", s) for v, s in zip(outer, osizes)])]
         loop_body: list[str] = []
         if uniform:
@@ -1019,17 +1115,92 @@ class _Gen:
             loop_body.append("}")
         else:
             loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
-        body = [f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body] + ["}"]
-        params = self.params(bufs, set(writes))
-        call = ", ".join([f"p{j}" for j in range(len(bufs))] + [self.dim_c[d] for d in self.dims] + ["err"])
+        tail = ["}"]
+        if cols:   # the slot's partials, from registers, after its last row
+            tail = ["}", "if (fits && slive) {", "    TGC_SIM_COUNT(6);"]
+            for j in range(len(cols)):
+                tail += ["    #pragma unroll", f"    for (int k = 0; k < {self.row_regs}; ++k) {{",
+                         f"        const long long q = {group} * ((long long)lane + k / {group} * (long long)tpr) + k % {group};",
+                         f"        if (q < ncols) part[{j}LL * S * ncols + s * ncols + q] = cp_{j}[k];", "    }"]
+            tail += ["} else if (slive) {", "    TGC_SIM_COUNT(7);", "}", "}"]
+            if not uniform:
+                tail = ["}", "if (slive) TGC_SIM_COUNT(7);", "}"]
+        body = ([f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body]
+                + ["    " + s for s in tail[:-1]] + tail[-1:])
+        params = self.params(bufs, set(row_writes), scratch=bool(cols))
+        call = ", ".join([f"p{j}" for j in range(len(bufs))] + (["part"] if cols else [])
+                         + [self.dim_c[d] for d in self.dims] + ["err"])
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                           + "\n".join("    " + line for line in body) + "\n}")
         bounds = ROW_MIN_BLOCKS
         self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
         self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
-        self.launches.append(Launch("rows", name, tuple(bufs), tuple(g.sizes[v] for v in outer), index=i,
-                                    warp=name + "_warp", inner=row_len, writes=tuple(writes)))
+        scratch = (COL_SCRATCH,) if cols else ()
+        inner_sizes = tuple(g.members[0].sizes[v] for v in inner0)
+        slots = (tuple(g.sizes[v] for v in outer), inner_sizes, len(cols), self.cuda.row_slot_rows,
+                 self.cuda.row_slot_elems) if cols else ()
+        self.launches.append(Launch("rows", name, tuple(bufs) + scratch, tuple(g.sizes[v] for v in outer), index=i,
+                                    warp=name + "_warp", inner=row_len, writes=tuple(row_writes), slots=slots))
+        if cols:
+            self.row_columns(name + "_cols", i, g, cols, bufs, list(inner0), var, osizes, slots)
+
+    def row_columns(self, name: str, i: int, g: RowGroup, cols: list[LoopKernel], bufs: list[str],
+                    inner0: list[str], var: dict, osizes: list[str], slots: tuple) -> None:
+        """The kernel adding a row group's column partials (`rowgroup`): one thread per
+        column, the slots' partials in slot order, in double; then each column sum's
+        epilogue and store."""
+        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
+        sizes = [self.size(g.members[0].sizes[v]) for v in inner0]
+        body = [f"const long long n = {' * '.join(osizes) or '1LL'}, ncols = {' * '.join(sizes)};",
+                f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, {self.cuda.row_slot_elems}LL);",
+                "for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < ncols; "
+                "c += (long long)gridDim.x * blockDim.x) {"]
+        body += ["    " + x for x in _split("r", "c", [(var[v], "", sz) for v, sz in zip(inner0, sizes)])]
+        for j, m in enumerate(cols):
+            c = _Ctx(ctx.ptrs, dict(var))
+            c.acc = "acc"
+            value = self.expr(m.epilogue, c) if m.epilogue is not None else "acc"
+            body += ["    {", "        double total = 0.0;",
+                     f"        for (long long h = 0; h < S; ++h) total += part[{j}LL * S * ncols + h * ncols + c];",
+                     "        const tgc_t acc = (tgc_t)total;",
+                     "        " + self.store(m.out, f"p{bufs.index(m.out)}", self.offset(m.out, m.index, c), value),
+                     "    }"]
+        body.append("}")
+        outs = {m.out for m in cols}
+        self.kernel(name, self.params(bufs, outs, scratch=True), body,
+                    "row group's column sums: the slots' partials, in order")
+        self.launches.append(Launch("loop", name, tuple(bufs) + (COL_SCRATCH,),
+                                    tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs)),
+                                    slots=slots))
+
+    def wide_store(self, g: RowGroup, m: LoopKernel, inner0, group: int) -> bool:
+        """Whether a row group member's output, held in registers, can be stored four
+        neighbours at a time (`row_stores`): an f32 program and buffer, a row of one
+        loop, registers in groups of 4, the output's contiguous edge along that loop."""
+        if group != 4 or len(inner0) != 1 or self.low.dtype != "f32" or self.low.buffers[m.out].dtype != "f32":
+            return False
+        v = inner0[0]
+        return self.along(Load(m.out, m.index), v, m.sizes[v])
+
+    def row_stores(self, m: LoopKernel, ptr: str, held: str, ctx: "_Ctx", v: str, size: str, group: int) -> list[str]:
+        """The stores of a row group member's values `held` (register k: element
+        4 * (lane + k / 4 * tpr) + k % 4 of the row, loop variable `v` of extent
+        `size`): one float4 per group of 4 where the row length is a multiple of 4
+        and the output 16-byte aligned (every row then starts aligned), else one
+        element at a time. The same values either way."""
+        at = self.offset(m.out, m.index, ctx)
+        dec = _decompose([(v, "", size)], [at])
+        vec = ["TGC_SIM_COUNT(8);", "#pragma unroll", f"for (int g4 = 0; g4 < {self.row_regs // group}; ++g4) {{",
+               "    const int q = 4 * ((int)lane + g4 * (int)tpr);", "    if (q < cnt) {"]
+        vec += ["        " + x for x in dec]
+        vec += ["        float4 o4;"] + [f"        o4.{c} = {held}[4 * g4 + {j}];" for j, c in enumerate("xyzw")]
+        vec += [f"        *reinterpret_cast<float4*>(&{ptr}[{at}]) = o4;", "    }", "}"]
+        one = ["#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
+               f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};", "    if (q < cnt) {"]
+        one += ["        " + x for x in dec] + [f"        {ptr}[{at}] = {held}[k];", "    }", "}"]
+        return ([f"if ({size} % 4 == 0 && tgc_aligned16({ptr})) {{"] + ["    " + x for x in vec] + ["} else {"]
+                + ["    " + x for x in one] + ["}"])
 
     def _read_outside(self, i: int) -> set[str]:
         """The buffers a kernel other than the `i`th reads."""
@@ -1114,18 +1285,20 @@ def _row_ok(k: LoopKernel) -> bool:
     return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
 
 
-def _decompose(loops: list[tuple[str, str, str]], stmts: list[str]) -> list[str]:
+def _decompose(loops: list[tuple[str, str, str]], stmts: list[str], narrow: bool = False) -> list[str]:
     """Statements splitting the flat index `q` into loop variables (name, offset
-    prefix, extent), innermost last, declaring only the variables `stmts` use."""
+    prefix, extent), innermost last, declaring only the variables `stmts` use;
+    `narrow`: in 32-bit arithmetic (`q` and every extent below 2^31)."""
     import re
 
     text = "\n".join(stmts)
     used = [bool(re.search(rf"\b{name}\b", text)) for name, _, _ in loops]
     if not any(used):
         return []
-    out = ["long long rq = q;"]
+    out = ["int rq = q;" if narrow else "long long rq = q;"]
     for j in reversed(range(len(loops))):
         name, lo, n = loops[j]
+        n = f"(int)({n})" if narrow else n
         line = f"const long long {name} = {lo}rq{f' % {n}' if j else ''};" if used[j] else ""
         if any(used[:j]):
             line += f" rq /= {n};"

@@ -16,7 +16,38 @@ class CudaOptions:
     row_regs: int = 8         # a row group keeps up to this many of a row's elements per thread in registers
     column_tiles: bool = True  # a column sum of at least row_min rows runs as column tiles (else one block per output)
     inline_elementwise: bool = True   # the `inline_elementwise` stage: an elementwise temporary computed where read
+    # The `rowgroup` stage also takes a column sum over the group's rows (a bias or weight
+    # gradient: `db[d] = sum[rows](dy)`), accumulated while the row is in hand instead of
+    # by column tiles that read the rows again.
+    row_columns: bool = True
+    row_columns_max: int = 4   # ... at most this many per row group (each keeps row_regs doubles a thread)
+    # A fused column sum's rows are dealt to slots (slot s: rows s, s + slots, ...), one
+    # partial row of doubles per slot, the slots' partials added in slot order by a
+    # second kernel (the same bits on every run and every GPU). There are
+    # min(ceil(rows / row_slot_rows), ceil(row_slot_elems / columns)) slots: at least
+    # `row_slot_rows` rows per slot, so the partials (written and read once) are at most
+    # 1/row_slot_rows of the rows' size, and at most about `row_slot_elems` partial
+    # elements per column sum (16 MiB of doubles), which still leaves 512 slots (each a
+    # block) for rows of 4096 elements.
+    row_slot_rows: int = 8
+    row_slot_elems: int = 1 << 21
+    # A block-per-row launch of a row group (rows longer than `warp_rows`) takes
+    # `row_block(length)` threads: the fewest power of two from `row_block_min` to
+    # `row_block_max` whose threads hold the row in registers (`row_regs` elements
+    # each), so a row of 1024 runs 128 threads (8 elements each, more blocks per
+    # multiprocessor) and one of 4096 the most, `row_block_max` (at most the launch
+    # bounds' 256 threads, `codegen.BLOCK`).
+    row_block_min: int = 64
+    row_block_max: int = 256
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
+
+    def row_block(self, length: int) -> int:
+        """The threads of a block-per-row launch for rows of `length` elements (above):
+        a power of two, at least a warp (32), at most `row_block_max` (or 32)."""
+        block = 32
+        while 2 * block <= self.row_block_max and (block < self.row_block_min or block * self.row_regs < length):
+            block *= 2
+        return block
 
     def with_(self, **changes) -> "CudaOptions":
         """A copy with the given fields changed."""

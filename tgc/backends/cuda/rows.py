@@ -29,14 +29,33 @@ becomes a register (`regs`: no buffer). Other temporaries stay buffers (the
 generated kernel may keep them in registers and skip the store when the row fits,
 but it keeps a path that writes and re-reads them).
 
+Then (`CudaOptions.row_columns`, `join_columns`) a column sum over a group's rows
+(`out[c] = sum[outer](...)`: a bias or weight gradient, `column_member`) joins the
+nearest group before it that it can join, as its last member, its loops the outer
+ones then the group's inner ones: a sum over exactly the group's outer loops and its
+first member's inner loops (same extents, no bounds), with an epilogue that reads no
+outer loop, that reads what the group wrote only at the outer index (where the row is
+complete) and no register of it; the group reads or writes rows the sum reads (so the
+sum costs no more reads) and has fewer than `CudaOptions.row_columns_max` column sums
+(each keeps `row_regs` doubles a thread in registers); and the sum moves up to the
+group: no kernel in between writes a buffer it reads, or reads or writes its output.
+The kernel then sums it while the row is in hand (a partial per slot of rows, the
+slots' partials added in a fixed order by a second kernel: codegen's `rowgroup`)
+instead of a kernel reading the rows again; a temporary over the outer edges that now
+only the group reads becomes a register.
+
 Exact: members run in their order for each row, and a member reads another's
 output only at its own row, where it is complete; the interpreter runs the members
-one after another over all rows, which computes the same values. Terminates: one
-pass over the kernels, each joining or ending one group.
+one after another over all rows, which computes the same values (a column member's
+sum over all rows included: the generated kernel adds its terms in another order, in
+double, as the column tiles it replaces do). A column sum moved up reads the same
+values (nothing in between writes them) and nothing in between sees its output.
+Terminates: one pass over the kernels, each joining or ending one group; then one
+pass over the kernels, each column sum joining at most one group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
@@ -98,11 +117,90 @@ class RowGroups(Pass[Lowered, Lowered]):
             return out
         out.kernels = []
         _Grouper(low, out).run()
+        if options.cuda.row_columns:
+            join_columns(out, options.cuda.row_columns_max)
         return out
 
 
 def inner_loops(m: LoopKernel, outer) -> tuple[str, ...]:
     return tuple(m.loops[len(outer):])
+
+
+def column_member(m: LoopKernel, outer, sizes: dict) -> bool:
+    """Whether `m` is a column sum over the rows `outer` (of extents `sizes`): a sum
+    over exactly the outer loops (same extents) that keeps others, with no bounds and
+    an epilogue that reads no outer loop."""
+    if not (outer and isinstance(m, LoopKernel) and m.reduce == "sum" and not m.scatter and not m.bounds
+            and set(m.red) == set(outer) and len(m.loops) > len(outer)):
+        return False
+    if any(m.sizes[v] != sizes[v] for v in outer):
+        return False
+    if m.epilogue is not None:
+        for e in walk(m.epilogue):
+            if isinstance(e, Load) and any(ix.vars() & set(outer) for _, ix in e.index):
+                return False
+    return True
+
+
+def join_columns(low: Lowered, most: int) -> None:
+    """Each column sum of `low.kernels` into the nearest row group before it that it
+    can join and move up to, that reads or writes the rows it sums, and that has fewer
+    than `most` column sums (the module docstring), in place."""
+    ks = low.kernels
+    j = 0
+    while j < len(ks):
+        c = ks[j]
+        if isinstance(c, LoopKernel) and c.reduce == "sum" and low.buffers[c.out].kind != "arg":
+            for i in range(j - 1, -1, -1):
+                k = ks[i]
+                if isinstance(k, RowGroup) and _joins(k, c) and _columns(k) < most:
+                    del ks[j]
+                    ks[i] = _grown(low, k, c, i)
+                    j -= 1
+                    break
+                if k.writes() & c.buffers_read() or c.out in k.writes() or c.out in k.buffers_read():
+                    break
+        j += 1
+
+
+def _columns(g: RowGroup) -> int:
+    return sum(1 for m in g.members if column_member(m, g.outer, g.sizes))
+
+
+def _joins(g: RowGroup, c: LoopKernel) -> bool:
+    """Whether the column sum `c` can be a member of `g`, after its members, and reads
+    rows the group reads or writes."""
+    if not column_member(c, g.outer, g.sizes):
+        return False
+    rows = {ld.buf for ld in _loads(c) if any(ix.vars() & set(g.outer) for _, ix in ld.index)}
+    if not rows & (g.buffers_read() | g.writes()):
+        return False
+    inner0 = inner_loops(g.members[0], g.outer)
+    kept = [v for v in c.loops if v not in c.red]
+    if set(kept) != set(inner0) or len(kept) != len(inner0) or any(c.sizes[v] != g.members[0].sizes[v] for v in kept):
+        return False
+    written = {m.out for m in g.members}
+    if c.out in written or c.out in g.buffers_read() or _id_bufs(c) & written:
+        return False
+    if set(g.regs) & c.buffers_read():
+        return False
+    return all(dict(ld.index).get(v) == Ix.var(v) for ld in _loads(c) if ld.buf in written for v in g.outer)
+
+
+def _grown(low: Lowered, g: RowGroup, c: LoopKernel, at: int) -> RowGroup:
+    """`g` (the `at`th kernel) with the column sum `c` as its last member, its loops
+    the outer ones then the group's inner ones (the same loops: its sum is over the
+    same points); a member's output that is a temporary over the outer edges, which no
+    other kernel reads now, becomes a register."""
+    members = g.members + (replace(c, loops=tuple(g.outer) + inner_loops(g.members[0], g.outer)),)
+    others = {b for n, k in enumerate(low.kernels) if n != at for b in k.buffers_read()}
+    regs = list(g.regs)
+    for m in members:
+        b = low.buffers.get(m.out)
+        if b is not None and b.kind == "temp" and set(b.edges) == set(g.outer) and m.out not in others:
+            regs.append(m.out)
+            del low.buffers[m.out]
+    return RowGroup(g.outer, g.sizes, members, tuple(regs), g.note)
 
 
 def _loads(k: LoopKernel):

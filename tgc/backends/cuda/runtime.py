@@ -29,7 +29,8 @@ after the call, every kernel after the checks returning at once when a check fai
 so nothing is written either way. A reduction over at least `CudaOptions.row_min`
 elements per output runs its one-block-per-output variant (`codegen`'s `row` kernels;
 `SIM_ROW_BLOCK` threads under the emulator). A row group runs its warp-per-row kernel
-for rows of at most `CudaOptions.warp_rows` elements, else its block-per-row kernel.
+for rows of at most `CudaOptions.warp_rows` elements, else its block-per-row kernel with
+`CudaOptions.row_block(length)` threads.
 On a GPU a call is captured once per binding and set of argument and output addresses
 as a CUDA graph and replayed without a copy (`_run_graph`); the neutral runtime's fast
 path (`plan`, `run_fast`) takes device arrays that match the binding without its
@@ -101,7 +102,7 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
     it on the device `backend` names ("cuda" or "cuda-sim")."""
     device = _CupyDevice() if backend == "cuda" else _SimDevice()
-    cm = codegen.generate(low, row_regs=options.cuda.row_regs)
+    cm = codegen.generate(low, cuda=options.cuda)
     device.load(cm, options)
     return CudaKernels(low, options, cm, device)
 
@@ -155,10 +156,12 @@ class _SimDevice:
     def gemm_stream(self) -> None:
         """(numpy runs the GEMM cells: no stream)"""
 
-    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple):
+    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple,
+                 threads: int = 0):
         """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
-        items with the emulator's geometry, the dims and the error word fixed."""
-        block = SIM_ROW_BLOCK if row else SIM_BLOCK
+        items with the emulator's geometry (`threads`: a block-per-row launch's block
+        size, at most the emulator's), the dims and the error word fixed."""
+        block = min(threads, SIM_ROW_BLOCK) if threads else SIM_ROW_BLOCK if row else SIM_BLOCK
         grid = max(1, min(SIM_GRID, _blocks(total, block, row)))
         fn = self.fns[name]
         dvals = (ctypes.c_longlong * max(len(dims), 1))(*dims)
@@ -244,12 +247,15 @@ class _CupyDevice:
         current stream (ordered after the work queued before it, no wait)."""
         dst.set(value, stream=self.cp.cuda.get_current_stream())
 
-    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple):
+    def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple,
+                 threads: int = 0):
         """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
-        items, `BLOCK` threads per block and at most `grid_max` blocks (grid-stride
-        loops do the rest), the dims and the error word fixed as the arguments' tail."""
-        grid = (max(1, min(self.grid_max, _blocks(total, codegen.BLOCK, row))),)
-        block = (codegen.BLOCK,)
+        items, `BLOCK` threads per block (or `threads`: a block-per-row launch's) and at
+        most `grid_max` blocks (grid-stride loops do the rest), the dims and the error
+        word fixed as the arguments' tail."""
+        threads = min(threads, codegen.BLOCK) if threads else codegen.BLOCK
+        grid = (max(1, min(self.grid_max, _blocks(total, threads, row))),)
+        block = (threads,)
         fn = self.fns[name]
         tail = tuple(np.int64(d) for d in dims) + (err,)
         if not names:
@@ -650,8 +656,9 @@ class CudaKernels(Kernels):
         ws = dev.empty((max(total, 1),), np.uint8)
         temps = self._temps(low, env, ws, offsets, 0)
         cols = [self._col_chunks(x, env) for x in codegen.all_launches(self._cm.launches)]
-        if any(chunks for chunks, _ in cols):   # the column sums' chunk partials (one scratch: they run in turn)
-            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols)),), np.float64)
+        rows = [x.scratch(env) for x in codegen.all_launches(self._cm.launches) if x.slots]   # row groups' column partials
+        if any(chunks for chunks, _ in cols) or rows:   # the column sums' partials (one scratch: they run in turn)
+            temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols), *rows),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
         b = _Binding(key, dict(env), ws, offsets, temps, dev.err_word(), [env[d] for d in self._cm.dims],
                      capture=graphs)
@@ -720,6 +727,7 @@ class CudaKernels(Kernels):
                     inner *= size_eval(s, env)
                 warp = inner <= self.options.cuda.warp_rows
                 name, row = (x.warp, "warp") if warp else (x.name, True)
+                threads = 0 if warp else self.options.cuda.row_block(inner)   # the block fits the row
             else:
                 chunks, _ = self._col_chunks(x, env)
                 if chunks:   # a column sum: tiles of columns, partials per chunk of rows, added in order
@@ -729,11 +737,11 @@ class CudaKernels(Kernels):
                     if chunks > 1:
                         steps.append((x.index, dev.launcher(x.col_sum, total, False, b.dims, b.err, names)))
                     continue
-                row = False
+                row, threads = False, 0
                 if x.row:
                     row = self._reduced(x, env) >= self.options.cuda.row_min
                 name = x.row if row else x.name
-            steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs)))
+            steps.append((-1 if x.kind == "check" else x.index, dev.launcher(name, total, row, b.dims, b.err, x.bufs, threads)))
         return steps
 
     def _steps_fn(self, b: "_Binding", x: codegen.Launch, low, bufs: dict, base: int, kinds: dict, fixed: dict):

@@ -105,8 +105,11 @@ static inline double atomicAdd(double* p, double v) { return tgc_sim_atomic_fadd
 
 // what ran (tests read them through tgc_sim_counters): 0 float4 loops, 1 row-group rows
 // held in registers, 2 row-group rows read from memory, 3 column-sum tiles read with
-// float4 loads, 4 column-sum tiles read per element; TGC_SIM_COUNT is empty for nvcc
-static long long tgc_sim_counts[8];
+// float4 loads, 4 column-sum tiles read per element, 5 row-group rows read with float4
+// loads, 6 row-group column partials kept in registers, 7 ... in memory (per slot),
+// 8 row-group rows stored with float4 stores;
+// TGC_SIM_COUNT is empty for nvcc
+static long long tgc_sim_counts[16];
 extern "C" long long* tgc_sim_counters() { return tgc_sim_counts; }
 #define TGC_SIM_COUNT(i) __atomic_fetch_add(&tgc_sim_counts[i], 1, __ATOMIC_RELAXED)
 

@@ -202,6 +202,17 @@ TGC_DEV long long tgc_col_chunks(long long nred, long long tiles) {
     return c < 1 ? 1LL : c;
 }
 
+// A row group's column sums (codegen's `rowgroup`): rows dealt to slots (slot s: rows
+// s, s + slots, ...), one partial row per slot, the slots' partials added in slot
+// order; the number of slots is a function of the sizes and the settings alone
+// (codegen.row_slots is the same formula): at least `slot_rows` rows per slot, at
+// most about `slot_elems` partials per column sum.
+TGC_DEV long long tgc_row_slots(long long nrows, long long ncols, long long slot_rows, long long slot_elems) {
+    const long long by_rows = (nrows + slot_rows - 1) / slot_rows;
+    const long long by_elems = ncols > 0 ? (slot_elems + ncols - 1) / ncols : by_rows;
+    return by_rows < by_elems ? by_rows : by_elems;
+}
+
 // A segment max/min's combine (a scatter with reduce max or min): compare-and-swap
 // on the element's bits until it holds the extreme. `!(v <= cur)` takes v where it is
 // larger or NaN, and a NaN already stored is kept: NaN propagates whatever the order
