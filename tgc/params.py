@@ -35,7 +35,7 @@ from typing import Mapping
 import numpy as np
 
 from tgc.fsutil import NotASource, open_regular
-from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to, type_of_numpy
 from tgc.ir.complex_io import as_complex, as_pairs, is_complex_order
 from tgc.ir.sizes import Size, SizeError, UnboundDim, size_eval, size_str
 
@@ -129,7 +129,7 @@ def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict |
                 raise ParamsError(f"{where}: '{spec.name}' was saved as a {entry['kind']}, the program's is a {spec.kind}")
             if edges != spec.edges:   # the same edges in another order: into the ABI order
                 a = np.transpose(a, [edges.index(e) for e in spec.edges])
-        have = next((n for n, t in TYPES.items() if t.numpy == a.dtype), str(a.dtype))
+        have = type_of_numpy(a.dtype) or str(a.dtype)
         if have != want and not cast:
             what = f"the program's '{spec.name}' is {want}" if want != dtype else f"the program's float type is {dtype}"
             raise ParamsError(f"{where}: '{spec.name}' is {have}, {what} (cast=True converts)")
@@ -160,7 +160,7 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
         raise ParamsError(f"save_params: no array for {', '.join(repr(n) for n in missing)}")
     checked = _checked(program, chosen, True, None, "save_params")
     meta = _describe(program, specs)
-    bf16 = [n for n, a in checked.items() if a.dtype == TYPES["bf16"].numpy]
+    bf16 = [n for n, a in checked.items() if type_of_numpy(a.dtype) == "bf16"]
     if fmt == "safetensors" and bf16:
         raise ParamsError(f"save_params: '{bf16[0]}' is bf16, which safetensors' numpy reader cannot read "
                           f"back: save bf16 parameters to an .npz")

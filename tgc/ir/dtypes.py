@@ -19,19 +19,35 @@ numpy has no bfloat16: `ml_dtypes.bfloat16` (the type JAX uses) stands for it.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
+
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype:
+    """numpy's dtype of that name; "bfloat16" is ml_dtypes', imported on first use
+    (the import costs a second: a program without bf16 never pays it)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 @dataclass(frozen=True)
 class ElemType:
     name: str
-    numpy: np.dtype        # how a caller's array holds it
+    numpy_name: str        # numpy's name of the dtype a caller's array holds it in
     compute: str           # the type its arithmetic is computed in
     bits: int
     rank: int              # promotion order among floats (0: not a float)
+
+    @property
+    def numpy(self) -> np.dtype:
+        """How a caller's array holds it (bf16: ml_dtypes.bfloat16)."""
+        return _numpy_dtype(self.numpy_name)
 
     @property
     def is_float(self) -> bool:
@@ -44,11 +60,11 @@ class ElemType:
 
 
 TYPES: dict[str, ElemType] = {t.name: t for t in (
-    ElemType("bf16", np.dtype(ml_dtypes.bfloat16), "f32", 16, 1),
-    ElemType("f16", np.dtype(np.float16), "f32", 16, 1),
-    ElemType("f32", np.dtype(np.float32), "f32", 32, 2),
-    ElemType("f64", np.dtype(np.float64), "f64", 64, 3),
-    ElemType("i32", np.dtype(np.int32), "i32", 32, 0),
+    ElemType("bf16", "bfloat16", "f32", 16, 1),
+    ElemType("f16", "float16", "f32", 16, 1),
+    ElemType("f32", "float32", "f32", 32, 2),
+    ElemType("f64", "float64", "f64", 64, 3),
+    ElemType("i32", "int32", "i32", 32, 0),
 )}
 LOW_FLOATS = tuple(n for n, t in TYPES.items() if t.low)          # ('bf16', 'f16')
 FLOATS = tuple(n for n, t in TYPES.items() if t.is_float)
@@ -103,8 +119,27 @@ def itemsize(name: str) -> int:
 
 def is_low_array(a) -> str | None:
     """The low float type name an array holds (bf16 or f16), or None."""
-    dt = getattr(a, "dtype", None)
-    for n in LOW_FLOATS:
-        if dt == TYPES[n].numpy:
-            return n
-    return None
+    return type_of_numpy(getattr(a, "dtype", None), LOW_FLOATS)
+
+
+def type_of_numpy(dtype, names=tuple(TYPES)) -> str | None:
+    """The name among `names` of the element type numpy's `dtype` holds, or None (by
+    the dtype's name: an array that is no bfloat16 array needs no ml_dtypes)."""
+    name = getattr(dtype, "name", None)
+    return next((n for n in names if TYPES[n].numpy_name == name), None)
+
+
+class _ScalarTypes(Mapping):
+    """{type name: numpy's scalar type} (bf16: ml_dtypes.bfloat16, imported when read)."""
+
+    def __getitem__(self, name: str):
+        return TYPES[name].numpy.type
+
+    def __iter__(self):
+        return iter(TYPES)
+
+    def __len__(self) -> int:
+        return len(TYPES)
+
+
+SCALAR_TYPES = _ScalarTypes()

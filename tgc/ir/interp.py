@@ -21,11 +21,11 @@ from tgc.ir.complex_io import complex_outputs, pairs_inputs
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
-from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, round_to
+from tgc.ir.dtypes import LOW_FLOATS, SCALAR_TYPES, TYPES, is_low_array, round_to
 from tgc.ir.ops import NUMPY
 from tgc.ir.values import Value, primal_order
 
-NP_DTYPES = {n: t.numpy.type for n, t in TYPES.items()}   # bf16: ml_dtypes.bfloat16
+NP_DTYPES = SCALAR_TYPES   # {type name: numpy scalar type}; bf16: ml_dtypes.bfloat16
 
 
 class EvalError(RuntimeError):
