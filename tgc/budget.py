@@ -227,12 +227,13 @@ def _workspace(module: Module, options: Options, backend: str, env=None) -> int:
     """The workspace bytes of `module` lowered and planned as `backend` lowers it (its
     own stages: the CPU's loop groups' partial buffers, CUDA's row groups), as
     tgc.explain sums its slots."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.explain import explain
     from tgc.manager import lower_module
 
     be = get_backend(backend)
-    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering())
+    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering(),
+                       known=pass_registry())
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]
 
 

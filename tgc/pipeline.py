@@ -141,11 +141,11 @@ def lower_module(module: Module, options: Options, backend: str = "cpu", emit=No
     """The lowered program of `module` (after the IR pipeline) for `backend`: the
     neutral stages and the backend's own, run by the pass manager
     (`tgc.manager.lower_module`; `options.stages` overrides the list)."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module as run_stages
 
     be = get_backend(backend)
-    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering())
+    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering(), pass_registry())
 
 
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):

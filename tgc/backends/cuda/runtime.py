@@ -110,11 +110,11 @@ def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
     and plan with their own `rowgroup` between (no stage of the CPU's), without
     complex GEMM cells (`lowering_options`)."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module
 
     be = get_backend("cuda-sim")
-    return lower_module(module, be.lowering_options(options), stages=be.lowering())
+    return lower_module(module, be.lowering_options(options), stages=be.lowering(), known=pass_registry())
 
 
 # ---------------------------------------------------------------- devices
