@@ -87,8 +87,8 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 # polynomial functions (vecmath) and pow cost ~8; sqrt and div are single vector
 # instructions (vsqrtps, vdivps), 1. (At weight 8 for div and sqrt, layernorm 64x256
 # entered two parallel regions per call: 2-6 us each when idle, up to milliseconds
-# while another process holds a core.)
-# (An entry into a kernel's innermost loop weighs `CpuOptions.row_entry_work` more.)
+# while another process holds a core.) Each entry into a kernel's innermost loop weighs
+# `CpuOptions.row_entry_work` more (`work_terms`).
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:

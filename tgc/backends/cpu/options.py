@@ -1,8 +1,9 @@
 """The CPU backend's code-generation settings, nested in `tgc.options.Options` as
 `options.cpu` (`Options(cpu=CpuOptions(threads=1))`).
 
-Plain data (no imports): the neutral options module nests it. Every tuned threshold
-of the CPU backend is a field here, none is a module-level constant. A field changes
+Plain data (no imports): the neutral options module nests it. Every tuned number of
+the CPU backend is a field here, not a module-level constant (one is left to move:
+group.py's `INLINE_MAX_OPS`). A field changes
 what code is generated (so it is part of the code cache's key), except `compile_jobs`,
 which only splits the work of compiling it, and `recycle_min_bytes` and `recycle_kept`,
 which the runtime reads. docs/optimization.md ("Tuned numbers") gives the measurement
