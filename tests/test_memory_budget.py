@@ -50,6 +50,23 @@ def _inputs(src: str, batch: int = 64):
     return x
 
 
+def test_the_planner_measures_with_the_chosen_backends_lowering():
+    """The workspace the planner measures is the one the backend compiled for plans
+    (its own stages: the CPU's loop groups, CUDA's row groups), as `tgc explain
+    --backend` reports it; the two backends' differ on this program."""
+    from tgc.explain import explain
+
+    m = compile_source(attention_stack(2, "prelude"), "a.tg", Options())
+    plain = pipeline.lower(m, Options()).module
+    measured = {}
+    for backend in ("cpu", "cuda-sim"):
+        plan = pipeline.lower(m, Options(memory_budget=1 << 40), backend=backend).memory
+        low = pipeline.lower_module(plain, Options(), backend)
+        assert plan.before == explain(low, plain.bind_dims(plan.dims))["workspace"]["bytes"], backend
+        measured[backend] = plan.before
+    assert measured["cpu"] != measured["cuda-sim"]
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_a_budget_recomputes_attention_probabilities(form):
     src = attention_stack(2, form)

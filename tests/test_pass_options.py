@@ -4,12 +4,15 @@ and `tgc opt` on lowered text."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from tgc import pipeline
+from tgc.backends.base import pass_registry
 from tgc.cli import main
 from tgc.ir.sizes import size_str
 from tgc.lower.text import parse_lowered
@@ -17,7 +20,8 @@ from tgc.manager import PassListError, make_pass, parse_pass_list, run_lowering,
 from tgc.pipeline import lower_module
 from tgc.options import Options
 
-CPU = pipeline.lowering("cpu")   # the CPU's lowering stages (loads the backend: `group` is named)
+CPU = pipeline.lowering("cpu")   # the CPU's lowering stages
+ALL = pass_registry()   # every pass, every backend's stages included
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.tg")
@@ -25,10 +29,10 @@ LAYERNORM = str(ROOT / "benchmarks" / "workloads" / "layernorm.tg")
 
 
 def test_pass_lists_with_options():
-    assert parse_pass_list("normalize, group{blocks = 8},plan{rep_size=16}") == \
+    assert parse_pass_list("normalize, group{blocks = 8},plan{rep_size=16}", ALL) == \
         ("normalize", "group{blocks=8}", "plan{rep_size=16}")
-    assert make_pass("group{blocks=8}").blocks == 8
-    assert make_pass("group{blocks=none}").blocks is None
+    assert make_pass("group{blocks=8}", ALL).blocks == 8
+    assert make_pass("group{blocks=none}", ALL).blocks is None
     assert make_pass("layout").rep_size is None
     assert split_levels(("normalize", "fuse", "layout")) == (("normalize",), ("fuse", "layout"))
     assert split_levels(("normalize",)) == (("normalize",), None)
@@ -44,12 +48,32 @@ def test_pass_lists_with_options():
 ])
 def test_pass_list_errors_list_what_exists(text, message):
     with pytest.raises(PassListError, match=message):
-        parse_pass_list(text)
+        parse_pass_list(text, ALL)
+
+
+def test_the_registry_is_built_once_whatever_was_loaded_before():
+    """Every backend's stages are in `pass_registry()` in a fresh process that loaded no
+    backend, in the same order as here (loading the backends in another order changes
+    nothing), and the table is one object; the neutral table has none of them and
+    cannot be changed."""
+    from tgc.registry import PASSES
+
+    code = ("from tgc.backends.base import pass_registry; from tgc.manager import parse_pass_list; "
+            "print(','.join(pass_registry())); print(parse_pass_list('group{blocks=8}', pass_registry()))")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=ROOT).stdout.split("\n")
+    assert fresh[0] == ",".join(ALL) and fresh[1] == "('group{blocks=8}',)"
+    assert pass_registry() is ALL and list(ALL).index("group") < list(ALL).index("plan")
+    assert "group" not in PASSES and "rowgroup" not in PASSES
+    with pytest.raises(TypeError):
+        PASSES["group"] = ALL["group"]   # type: ignore[index]
+    with pytest.raises(PassListError, match="unknown pass 'group'"):
+        parse_pass_list("group")   # the neutral table (the default) names no backend's stage
 
 
 def test_a_module_pass_after_a_lowering_stage_is_an_error():
     with pytest.raises(PassListError, match="pass 'simplify' works on the IR: it cannot follow the lowering stage 'fuse'"):
-        split_levels(parse_pass_list("fuse,simplify"))
+        split_levels(parse_pass_list("fuse,simplify", ALL), ALL)
 
 
 def test_each_pass_reads_what_the_one_before_gives():
@@ -78,7 +102,8 @@ def test_lowering_stages_time_print_and_verify_through_the_manager():
                    print_ir_after=frozenset({"fuse", "plan"}))
     module = pipeline.lower(pipeline.load(MLP, opts), Options()).module
     seen = []
-    result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])), CPU)
+    result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])), CPU,
+                          known=ALL)
     assert [s.name for s in result.stats] == ["emulate_low", "without_rules", "fuse", "layout", "narrow",
                                               "gemm_operands", "implicit", "group", "plan"]
     assert all(s.ops_after > 0 for s in result.stats)   # kernels after each stage

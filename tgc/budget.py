@@ -1,8 +1,9 @@
 """The memory budget planner: which saved values the backward pass recomputes (and in
 which order the updates run) so that the workspace fits `Options.memory_budget` bytes.
 
-`lower_within_budget(module, options)` runs the pipeline as `run_pipeline` does, but
-stops before `adjoint` to decide:
+`lower_within_budget(module, options, backend=)` runs the pipeline as `run_pipeline`
+does, but stops before `adjoint` to decide (measuring each trial with the lowering of
+the backend the program is compiled for: its stages and `lowering_options`):
 
 1. **Order.** The step's kernels follow its roots depth first, so the update written
    first has its gradient computed first, and with it everything that gradient needs.
@@ -126,23 +127,24 @@ class MemoryPlan:
         return [f"  recompute {c.what}: {human(c.bytes, 'B')}, ~{human(c.flops, 'FLOP')}" for c in self.chosen]
 
 
-def lower_within_budget(module: Module, options: Options, emit=None):
-    """`run_pipeline(module, options)` with checkpoints chosen for `options.memory_budget`:
-    its PipelineResult, with `memory` set to the `MemoryPlan`."""
+def lower_within_budget(module: Module, options: Options, emit=None, backend: str = "cpu"):
+    """`run_pipeline(module, options)` with checkpoints chosen for `options.memory_budget`,
+    each trial's workspace measured as `backend` lowers it: its PipelineResult, with
+    `memory` set to the `MemoryPlan`."""
     from tgc.manager import run_pipeline
     from tgc.registry import pipeline
 
     names = pipeline(options)
     plain = options.with_(memory_budget=None)
     if "adjoint" not in names or not any(v.op in ("grad", "vjp") for v in module.values()):
-        return _Trials(module, [], plain, options, emit).plan(options.memory_budget)
+        return _Trials(module, [], plain, options, emit, backend).plan(options.memory_budget)
     cut = names.index("adjoint")
     head = run_pipeline(module, plain.with_(passes=names[:cut]), emit)
     rest = plain.with_(passes=names[cut:])
-    trials = _Trials(head.module, [], rest, options, emit)
+    trials = _Trials(head.module, [], rest, options, emit, backend)
     before = trials.workspace(())
     if before > options.memory_budget and len(head.module.updates) > 1:
-        reordered = _Trials(_updates_reversed(head.module), [], rest, options, emit, reversed_updates=True)
+        reordered = _Trials(_updates_reversed(head.module), [], rest, options, emit, backend, reversed_updates=True)
         if reordered.workspace(()) < trials.workspace(()):
             trials = reordered
     trials.candidates = _candidates(trials.primal, options, trials.env)
@@ -157,9 +159,10 @@ class _Trials:
     `candidates`) checkpointed, and the workspace of each such program, each set
     compiled once."""
 
-    def __init__(self, primal: Module, candidates: list, rest: Options, options: Options, emit,
+    def __init__(self, primal: Module, candidates: list, rest: Options, options: Options, emit, backend: str,
                  reversed_updates: bool = False):
         self.primal, self.candidates, self.rest, self.options, self.emit = primal, candidates, rest, options, emit
+        self.backend = backend
         self.reversed_updates = reversed_updates
         self.env = _sizes(primal, options)
         self.tried: dict[tuple[int, ...], tuple] = {}
@@ -170,7 +173,7 @@ class _Trials:
         if chosen not in self.tried:
             m = self.chosen_module(chosen)
             result = run_pipeline(m, self.rest, self.emit if not chosen else None)
-            self.tried[chosen] = (result, _workspace(result.module, self.options, self.env))
+            self.tried[chosen] = (result, _workspace(result.module, self.options, self.backend, self.env))
         return self.tried[chosen]
 
     def chosen_module(self, chosen: tuple[int, ...]) -> Module:
@@ -220,15 +223,17 @@ def _sizes(module: Module, options: Options) -> dict[str, int]:
     return module.bind_dims({d: given.get(d, options.rep_size) for d in module.symbolic_dims()})
 
 
-def _workspace(module: Module, options: Options, env=None) -> int:
-    """The workspace bytes of `module` lowered and planned for the CPU, with its loop
-    groups' partial buffers (tgc.explain's sum of slots)."""
-    from tgc.backends.base import get_backend
+def _workspace(module: Module, options: Options, backend: str, env=None) -> int:
+    """The workspace bytes of `module` lowered and planned as `backend` lowers it (its
+    own stages: the CPU's loop groups' partial buffers, CUDA's row groups), as
+    tgc.explain sums its slots."""
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.explain import explain
     from tgc.manager import lower_module
 
-    be = get_backend("cpu")
-    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering())
+    be = get_backend(backend)
+    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering(),
+                       known=pass_registry())
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]
 
 

@@ -32,7 +32,7 @@ import re
 import time
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -129,19 +129,21 @@ def _value(cls: type[Pass], name: str, typ: Any, text: str):
     raise PassListError(f"pass '{cls.name}': option '{name}' takes {names}, not '{text}'")
 
 
-def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
-    """'group{blocks=8}' -> ('group', {'blocks': 8}); unknown passes and fields raise
-    PassListError listing the known ones."""
-    if text in PASSES:   # the common case: a plain name
+def parse_pass_spec(text: str, known: Mapping[str, type[Pass]] = PASSES) -> tuple[str, dict[str, Any]]:
+    """'group{blocks=8}' -> ('group', {'blocks': 8}), reading names from `known` (the
+    neutral passes by default; `tgc.backends.base.pass_registry()` has every
+    backend's stages too); unknown passes and fields raise PassListError listing the
+    known ones."""
+    if text in known:   # the common case: a plain name
         return text, {}
     m = _SPEC.match(text)
     if not m:
         raise PassListError(f"cannot read pass '{text.strip()}' (a pass is NAME or NAME{{field=value,...}})")
     name, body = m.group(1), m.group(2)
-    cls = PASSES.get(name)
+    cls = known.get(name)
     if cls is None:
-        raise PassListError(f"unknown pass '{name}' (known: {', '.join(PASSES)})" + did_you_mean(name, PASSES))
-    known = pass_fields(cls)
+        raise PassListError(f"unknown pass '{name}' (known: {', '.join(known)})" + did_you_mean(name, known))
+    fields = pass_fields(cls)
     values: dict[str, Any] = {}
     for item in _split_top(body or ""):
         if not item.strip():
@@ -150,47 +152,49 @@ def parse_pass_spec(text: str) -> tuple[str, dict[str, Any]]:
         key, val = key.strip(), val.strip()
         if not eq or not key:
             raise PassListError(f"pass '{name}': cannot read option '{item.strip()}' (write field=value)")
-        if key not in known:
-            have = ", ".join(known) if known else "none"
-            raise PassListError(f"pass '{name}' has no option '{key}' (its options: {have})" + did_you_mean(key, known))
-        values[key] = _value(cls, key, known[key], val)
+        if key not in fields:
+            have = ", ".join(fields) if fields else "none"
+            raise PassListError(f"pass '{name}' has no option '{key}' (its options: {have})" + did_you_mean(key, fields))
+        values[key] = _value(cls, key, fields[key], val)
     return name, values
 
 
-def spec_text(name: str, values: dict[str, Any]) -> str:
+def spec_text(name: str, values: dict[str, Any], known: Mapping[str, type[Pass]] = PASSES) -> str:
     """The canonical spelling of a pass with options (fields in declaration order)."""
     if not values:
         return name
-    order = [f for f in pass_fields(PASSES[name]) if f in values]
+    order = [f for f in pass_fields(known[name]) if f in values]
     return f"{name}{{{','.join(f'{k}={values[k]}' for k in order)}}}"
 
 
-def parse_pass_list(text: str) -> tuple[str, ...]:
+def parse_pass_list(text: str, known: Mapping[str, type[Pass]] = PASSES) -> tuple[str, ...]:
     """'a, b{x=1}, c' -> ('a', 'b{x=1}', 'c'), each pass spelled canonically; unknown
-    passes or fields raise PassListError (a ValueError) listing the known ones."""
-    return tuple(spec_text(*parse_pass_spec(item)) for item in _split_top(text) if item.strip())
+    passes or fields (names read from `known`, as `parse_pass_spec` does) raise
+    PassListError (a ValueError) listing the known ones."""
+    return tuple(spec_text(*parse_pass_spec(item, known), known) for item in _split_top(text) if item.strip())
 
 
-def split_levels(specs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+def split_levels(specs: tuple[str, ...], known: Mapping[str, type[Pass]] = PASSES
+                 ) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     """A pass list as (IR passes, lowering stages or None when it names none); a module
     pass after a lowering stage is an error."""
     ir: list[str] = []
     low: list[str] = []
     for spec in specs:
-        name = parse_pass_spec(spec)[0]
-        if PASSES[name].takes == "module" and PASSES[name].gives == "module":
+        name = parse_pass_spec(spec, known)[0]
+        if known[name].takes == "module" and known[name].gives == "module":
             if low:
                 raise PassListError(f"pass '{name}' works on the IR: it cannot follow the lowering stage "
-                                    f"'{parse_pass_spec(low[-1])[0]}'")
+                                    f"'{parse_pass_spec(low[-1], known)[0]}'")
             ir.append(spec)
         else:
             low.append(spec)
     return tuple(ir), (tuple(low) if low else None)
 
 
-def make_pass(spec: str) -> Pass:
-    name, values = parse_pass_spec(spec)
-    return PASSES[name](**values)
+def make_pass(spec: str, known: Mapping[str, type[Pass]] = PASSES) -> Pass:
+    name, values = parse_pass_spec(spec, known)
+    return known[name](**values)
 
 
 def _op_count(m: Module) -> int:
@@ -272,20 +276,20 @@ def _text(ir, options: Options) -> str:
 
 def run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
                checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
-               measure: Callable = lambda ir: None):
+               measure: Callable = lambda ir: None, known: Mapping[str, type[Pass]] = PASSES):
     """Run the passes `specs` names on `ir` (a Module or a Lowered), in order; the result.
-    A spec is a pass's text (`group{blocks=8}`) or a `Pass` object.
+    A spec is a pass's text (`group{blocks=8}`, a name in `known`) or a `Pass` object.
 
     Each pass must read the level the one before it gives (PassListError otherwise)."""
-    return _run_passes(ir, specs, options, emit, checker, stats, measure)[0]
+    return _run_passes(ir, specs, options, emit, checker, stats, measure, known)[0]
 
 
 def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
                 checker: "_Checker | None" = None, stats: list[PassStat] | None = None,
-                measure: Callable = lambda ir: None):
+                measure: Callable = lambda ir: None, known: Mapping[str, type[Pass]] = PASSES):
     """`run_passes`, and the options the result is of: a pass that changes the float type
     (`Pass.float_type`) has the passes after it run with the new one."""
-    passes = [(spec.name, spec) if isinstance(spec, Pass) else (parse_pass_spec(spec)[0], make_pass(spec))
+    passes = [(spec.name, spec) if isinstance(spec, Pass) else (parse_pass_spec(spec, known)[0], make_pass(spec, known))
               for spec in specs]
     level = _level(ir)
     for name, p in passes:
@@ -356,7 +360,7 @@ class LoweringResult:
 
 
 def run_lowering(program, options: Options, emit: Emit | None = None, stages: tuple[str, ...] = LOWERING,
-                 stop_after: str | None = None) -> LoweringResult:
+                 stop_after: str | None = None, known: Mapping[str, type[Pass]] = PASSES) -> LoweringResult:
     """The lowering stages on `program`: a module (after the IR pipeline and the target
     passes), or a lowered program (read back from text: then the stages after the one
     it was dumped after).
@@ -365,7 +369,9 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
     module, the passes of `tgc.registry.PREPARE` run first whatever the list is
     (bf16/f16 values emulated in the program's float type, rewrite rules a pass list
     may have left expanded). `stop_after` ends after that stage or pass (what `tgc
-    dump-ir --after fuse|layout|group` prints). With `options.verify_each`, the
+    dump-ir --after fuse|layout|group` prints). Stage names are read from `known`
+    (the caller gives `tgc.backends.base.pass_registry()` for a backend's own
+    stages). With `options.verify_each`, the
     program after each stage is run by the numpy lowered-program interpreter and
     compared with the module's values."""
     names = stage_list(options, stages)
@@ -375,17 +381,17 @@ def run_lowering(program, options: Options, emit: Emit | None = None, stages: tu
     else:
         module = program.module
         if options.stages is None:   # the default stages that follow the one it was dumped after
-            done = [parse_pass_spec(n)[0] for n in names]
+            done = [parse_pass_spec(n, known)[0] for n in names]
             names = names[done.index(program.stage) + 1:] if program.stage in done else ()
     if stop_after is not None:
-        plain = [parse_pass_spec(n)[0] for n in names]
+        plain = [parse_pass_spec(n, known)[0] for n in names]
         if stop_after in plain:
             names = names[: plain.index(stop_after) + 1]
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     result = LoweringResult(program)   # type: ignore[arg-type]  (a module until fuse has run)
     measure = (lambda low: lowered_stats(low, options.rep_size) if isinstance(low, Lowered) else None) \
         if options.stats else (lambda low: None)   # kernels' costs (the IR table counts the module's ops)
-    result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure)
+    result.lowered = run_passes(program, tuple(names), options, emit, checker, result.stats, measure, known)
     return result
 
 
@@ -398,9 +404,10 @@ def run_target(module: Module, options: Options, emit: Emit | None = None) -> tu
 
 
 def lower_module(module: Module, options: Options, emit: Emit | None = None, stop_after: str = "plan",
-                 stages: tuple[str, ...] = LOWERING) -> Lowered:
-    """`module` (after the IR pipeline) lowered by the lowering stages up to `stop_after`."""
-    low = run_lowering(module, options, emit, stages, stop_after).lowered
+                 stages: tuple[str, ...] = LOWERING, known: Mapping[str, type[Pass]] = PASSES) -> Lowered:
+    """`module` (after the IR pipeline) lowered by the lowering stages up to `stop_after`
+    (names read from `known`, as `run_lowering` does)."""
+    low = run_lowering(module, options, emit, stages, stop_after, known).lowered
     if not isinstance(low, Lowered):
         raise PassListError("the lowering stages do not include 'fuse': the program is still IR")
     if stop_after == "plan" and low.stage != "plan":

@@ -109,13 +109,14 @@ def load(path: str, options: Options) -> Module:
     return load_program(path, options).module
 
 
-def lower(module: Module, options: Options, emit=None) -> PipelineResult:
+def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> PipelineResult:
     """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
-    the workspace fits (tgc.budget: the result's `memory` says what)."""
+    the workspace `backend`'s lowering plans fits (tgc.budget: the result's `memory` says
+    what)."""
     if options.memory_budget is not None:
         from tgc.budget import lower_within_budget
 
-        return lower_within_budget(module, options, emit)
+        return lower_within_budget(module, options, emit, backend)
     return run_pipeline(module, options, emit)
 
 
@@ -140,11 +141,11 @@ def lower_module(module: Module, options: Options, backend: str = "cpu", emit=No
     """The lowered program of `module` (after the IR pipeline) for `backend`: the
     neutral stages and the backend's own, run by the pass manager
     (`tgc.manager.lower_module`; `options.stages` overrides the list)."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module as run_stages
 
     be = get_backend(backend)
-    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering())
+    return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering(), pass_registry())
 
 
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
@@ -162,7 +163,8 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
     def build_forward():   # `Program.without_updates`: the same pipeline on the pruned module
         from tgc.manager import run_passes
 
-        return compile_module(lower(run_passes(module, ("forward_only",), options), options).module, options, backend)
+        return compile_module(lower(run_passes(module, ("forward_only",), options), options, backend=backend).module,
+                              options, backend)
 
     def build_specialized(dims):   # `Program`'s specializations: the module with these dims fixed
         return compile_module(fix_dims(module, dims), options, backend)
@@ -339,7 +341,7 @@ def compile_cached(module: Module, options: Options, backend: str = "cpu", key: 
         hit = _cached(key, options, be)
         if hit is not None:
             return hit
-    lowered = lower(module, options)
+    lowered = lower(module, options, backend=be.name)
     if lowered.memory is not None and not lowered.memory.met:
         import warnings
 

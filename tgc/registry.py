@@ -1,9 +1,16 @@
-"""Every pass by name (IR passes and lowering stages), the default pipeline, and the
-neutral lowering stages. Adding a pass is one line here; a backend's own lowering
-stages (the CPU's `group`) are registered by the backend when it is loaded
-(`register_stage`, called by `tgc.backends.base.get_backend`), since this module
-may not import a backend (stage order)."""
+"""Every neutral pass by name (IR passes and lowering stages), the default pipeline,
+and the neutral lowering stages. Adding a pass is one line here.
+
+`PASSES` is fixed when this module is imported and never changes. A backend's own
+lowering stages (the CPU's `group`) are not in it, since this module may not import a
+backend (stage order): `tgc.backends.base.pass_registry()` is every pass, these and
+every backend's stages, built once; the pass manager's functions take the table to
+read names from (`known=`, default `PASSES`), and the pipeline and the command line
+give it that one."""
 from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
 
 from tgc.autodiff.driver import Adjoint, Tangent
 from tgc.autodiff.gradient import GradientModule
@@ -26,10 +33,10 @@ from tgc.lower.layout import Layout
 from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter,
-                                                    Autocast, Unroll, Stream, FixDims, ForwardOnly, GradientModule,
-                                                    DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
-                                                    Fuse, Layout, Narrow, Plan)}
+PASSES: Mapping[str, type[Pass]] = MappingProxyType({
+    p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
+                        FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
+                        Fuse, Layout, Narrow, Plan)})
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
@@ -75,18 +82,20 @@ PREPARE: tuple[str, ...] = ("emulate_low", "without_rules")
 LOWERING: tuple[str, ...] = ("fuse", "layout", "plan")
 
 
-def register_stage(cls: type[Pass]) -> None:
-    """Name a backend's own lowering stage, so that pass lists (`-p`, `Options.stages`)
-    can use it; registering the same class again changes nothing."""
-    known = PASSES.get(cls.name)
-    if known is not None and known is not cls:
-        raise ValueError(f"two passes are called '{cls.name}': {known.__module__} and {cls.__module__}")
-    if known is None:   # listed before plan, in the order the stages run
-        items = list(PASSES.items())
-        at = next((i for i, (n, _) in enumerate(items) if n == "plan"), len(items))
-        items.insert(at, (cls.name, cls))
-        PASSES.clear()
-        PASSES.update(items)
+def with_stages(stages) -> Mapping[str, type[Pass]]:
+    """`PASSES` and the backends' own lowering stages `stages` (Pass classes, in the
+    order they run), listed before plan; the same class named twice counts once, two
+    classes of one name are an error."""
+    own: dict[str, type[Pass]] = {}
+    for cls in stages:
+        known = PASSES.get(cls.name) or own.get(cls.name)
+        if known is not None and known is not cls:
+            raise ValueError(f"two passes are called '{cls.name}': {known.__module__} and {cls.__module__}")
+        if known is None:
+            own[cls.name] = cls
+    items = list(PASSES.items())
+    at = next((i for i, (n, _) in enumerate(items) if n == "plan"), len(items))
+    return MappingProxyType(dict(items[:at] + list(own.items()) + items[at:]))
 
 
 def stages(options, default: tuple[str, ...] = LOWERING) -> tuple[str, ...]:

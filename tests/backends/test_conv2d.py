@@ -25,7 +25,10 @@ from tgc.backends.cpu.implicit import ImplicitGemm
 from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Mask, walk
 from tgc.options import Options
 from tgc.pipeline import lower_module
-from tgc.backends.cpu.loops import UNROLL_COPIES, unrolled
+from tgc.backends.cpu.loops import unrolled
+from tgc.backends.cpu.options import CpuOptions
+
+CPU = CpuOptions()   # the defaults the program is lowered and generated with
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 TINY = ROOT / "tests" / "programs" / "good" / "039_conv2d_pool.tg"
@@ -164,7 +167,7 @@ def test_small_convolutions_are_little_code(which, max_lines, max_kernels):
 def _unrolled_copies(k: LoopKernel) -> int:
     copies = 1
     for v in k.loops:
-        if unrolled(k, v):
+        if unrolled(k, v, CPU):
             copies *= k.sizes[v]
     return copies
 
@@ -176,9 +179,9 @@ def test_nested_short_loops_unroll_within_the_budget():
     pools = [k for k in _members(low) if {"ph", "pw", "qh", "qw"} <= set(k.loops)]
     assert pools
     for k in pools:
-        assert 1 < _unrolled_copies(k) <= UNROLL_COPIES, k.text()
+        assert 1 < _unrolled_copies(k) <= CPU.unroll_copies, k.text()
     for k in _members(low):
-        assert _unrolled_copies(k) <= UNROLL_COPIES, k.text()
+        assert _unrolled_copies(k) <= CPU.unroll_copies, k.text()
 
 
 def _conv_inputs(path: Path, batch: int, dtype, seed: int = 0) -> dict:

@@ -239,7 +239,7 @@ def test_f32_column_sums_accumulate_in_f64(d):
     """A sum over a row-major tensor's rows (memory mode: the reduced loop outside the
     kept one, as in a bias gradient) adds into an f64 scratch row and rounds each sum
     once: added into the f32 output, 10^5 rows of values in [0, 1) were 1e-5 off,
-    PyTorch's pairwise sum 1e-7. Beyond WIDE_SCRATCH kept elements (d = 5000) the f32
+    PyTorch's pairwise sum 1e-7. Beyond `CpuOptions.wide_scratch` kept elements (d = 5000) the f32
     output still accumulates (the values here only check that it stays correct)."""
     import tgc
     from tgc.options import CpuOptions

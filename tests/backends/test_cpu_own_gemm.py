@@ -19,6 +19,7 @@ import tgc
 from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.backends.cpu.llvm_env import has_feature
+from tgc.backends.cpu.options import CpuOptions
 from tgc.ir.interp import evaluate
 from tgc.lower.lowered import LoopKernel
 from tgc.options import Options
@@ -43,7 +44,7 @@ def kernels():
     def get(rows, vecs, depth):
         if (rows, vecs, depth) not in made:
             mod = ir.Module("own")
-            fn = own_kernel(mod, rows, vecs, depth=depth)
+            fn = own_kernel(mod, CpuOptions(), rows, vecs, depth=depth)
             fn.linkage = "external"
             jit = llvm_env.jit(str(mod))
             keep.append(jit)
@@ -151,7 +152,7 @@ def test_variants_form_runs_each_product_over_its_own_k(blocks):
 
     rows, vecs, depth = blocks
     mod = ir.Module("own")
-    multi = own_kernel(mod, rows, vecs, depth=depth)
+    multi = own_kernel(mod, CpuOptions(), rows, vecs, depth=depth)
     multi.linkage = "external"
     jit = llvm_env.jit(str(mod))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
@@ -198,7 +199,7 @@ def test_taps_form_sums_every_tap_in_one_call(depth):
     from tgc.backends.cpu.fgemm import own_kernel
 
     mod = ir.Module("own")
-    taps = own_kernel(mod, depth=depth, taps=True)
+    taps = own_kernel(mod, CpuOptions(), depth=depth, taps=True)
     taps.linkage = "external"
     jit = llvm_env.jit(str(mod))
     i64, vp = ctypes.c_int64, ctypes.c_void_p

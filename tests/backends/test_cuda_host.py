@@ -471,18 +471,17 @@ def test_a_replay_copies_nothing(cupy):
 
 
 def test_a_binding_whose_addresses_keep_changing_stops_capturing(cupy):
-    from tgc.backends.cuda.runtime import GRAPHS_KEPT
-
     prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    kept = prog.options.cuda.graphs_kept
     W = cupy.asarray(np.full((8, 16), 0.1))
     held = []
-    for i in range(4 * GRAPHS_KEPT):
+    for i in range(4 * kept):
         x = np.full((6, 8), float(i))
         held.append(cupy.asarray(x))        # new arrays, all alive: new addresses every call
         got = prog(x=held[-1], W=W, lr=0.0)
         np.testing.assert_allclose(got["y"].get(), np.tanh(x @ W.get()), rtol=1e-12)
         held.append(got)
-    assert prog._kernels.graph_counts["captures"] == 2 * GRAPHS_KEPT
+    assert prog._kernels.graph_counts["captures"] == 2 * kept
 
 
 def test_graphs_off_and_views_gemms_launch_each_kernel(cupy):

@@ -169,7 +169,7 @@ def test_a_short_first_loop_is_split_with_the_next(threads):
     from tgc.backends.cpu.loops import split_loops
 
     prog = build(HEADS, "f64", threads=threads, parallel_min_work=1)
-    assert {split_loops(k) for k in prog.lowered.kernels} == {("head", "b")}
+    assert {split_loops(k, prog.options.cpu) for k in prog.lowered.kernels} == {("head", "b")}
     for rows in (1, 5, 33):
         m = prog.module
         x = random_inputs(m, m.bind_dims({"b": rows, "d": 7}), rows, "f64")
@@ -186,7 +186,7 @@ def test_a_bounded_sum_is_not_split_and_keeps_its_bounds():
 
     prog = tgc.compile("dim p = 5, q = p\ninput scores[p, q]\nout s = [q = p + 1] @ scores[q -> p, p -> q]\n",
                        dtype="f64")
-    assert [split_loops(k) for k in prog.lowered.kernels] == [()]
+    assert [split_loops(k, prog.options.cpu) for k in prog.lowered.kernels] == [()]
     memory = np.full(100, 1e6)
     scores = memory[:25].reshape(5, 5)
     scores[:] = np.arange(25.0).reshape(5, 5)
@@ -230,14 +230,16 @@ out g = grad(sum(cross_entropy[c](x, y)), x)
 
 
 def test_a_group_over_short_rows_is_vectorized_over_them_and_its_blocks_match():
-    from tgc.backends.cpu.loops import MIN_VECTOR_BLOCK_ROWS, rows_vectorized
+    from tgc.backends.cpu.loops import rows_vectorized
 
     prog = build(CROSS_ENTROPY, "f64", threads=2, parallel_min_work=1)
+    cpu = prog.options.cpu
     blocked = [g for g in groups(prog) if g.blocks]
-    assert blocked and all(rows_vectorized(g) for g in blocked)
-    assert not any(rows_vectorized(g) for g in groups(build(LAYERNORM, "f64")))
+    assert blocked and all(rows_vectorized(g, cpu) for g in blocked)
+    assert not any(rows_vectorized(g, cpu) for g in groups(build(LAYERNORM, "f64")))
     m = prog.module
-    for rows in (1, MIN_VECTOR_BLOCK_ROWS - 1, MIN_VECTOR_BLOCK_ROWS, 3 * MIN_VECTOR_BLOCK_ROWS + 5):
+    block = cpu.group_min_vector_block_rows
+    for rows in (1, block - 1, block, 3 * block + 5):
         x = random_inputs(m, m.bind_dims({"rows": rows}), rows, "f64")
         want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
         got = prog(**x)
@@ -255,7 +257,7 @@ def test_blocks_of_a_short_first_loop_take_the_next_loop_too(threads):
 
     prog = build(HEAD_SOFTMAX, "f64", threads=threads, parallel_min_work=1)
     blocked = [g for g in groups(prog) if g.blocks]
-    assert blocked and all(blocked_loops(g) == ("head", "b") for g in blocked)
+    assert blocked and all(blocked_loops(g, prog.options.cpu) == ("head", "b") for g in blocked)
     m = prog.module
     for rows in (1, 2, 11, 40):
         x = random_inputs(m, m.bind_dims({"b": rows}), rows, "f64")
@@ -269,7 +271,7 @@ def test_blocks_stay_on_the_first_loop_when_it_is_summed_over():
     prog = build("dim b\ndim head = 3, d = 5\ninput x[head, b, d]\nout s[b, d] = sum[head](tanh(x))\n"
                  "out y[head, b, d] = tanh(x) * 2\n", "f64", threads=2, parallel_min_work=1)
     partial = [g for g in groups(prog) if g.blocks and any("head" in m.red for m in g.members)]
-    assert partial and all(blocked_loops(g) == ("head",) for g in partial)
+    assert partial and all(blocked_loops(g, prog.options.cpu) == ("head",) for g in partial)
     m = prog.module
     x = random_inputs(m, m.bind_dims({"b": 9}), 1, "f64")
     want = evaluate(m, dict(x), dtype="f64")

@@ -12,8 +12,10 @@ A `Backend` says:
 - `name`;
 - `stages`: its own lowering stages (`Pass` classes on `Lowered`), run after the
   neutral `fuse` and `layout` and before `plan` (`lowering()` gives the names in
-  order; the CPU's `group` is one); `get_backend` registers them by name with the
-  pass registry (`tgc.registry.register_stage`), so that pass lists can name them;
+  order; the CPU's `group` is one); `pass_registry()` is every pass by name, the
+  neutral ones (`tgc.registry.PASSES`) and every backend's stages, built once, so
+  that a pass list (`-p`, `Options.stages`) may name any of them whichever backends
+  were loaded before;
 - `kernel_forms`: the text forms of its own kinds of kernel ({grammar rule: reader},
   the CPU's `group`), registered with the lowered program's reader
   (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
@@ -34,6 +36,7 @@ This module imports nothing heavy: the command line's error boundary uses it.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -196,12 +199,20 @@ def get_backend(name: str) -> Backend:
     module, cls = where.split(":")
     backend = getattr(importlib.import_module(module), cls)()
     from tgc.lower.text import register_kernel_form, register_stage_name
-    from tgc.registry import register_stage
 
     for stage in backend.stages:
-        register_stage(stage)
         register_stage_name(stage.name)
     for rule, read in backend.kernel_forms.items():
         register_kernel_form(rule, read)
     _LOADED[name] = backend
     return backend
+
+
+@functools.cache
+def pass_registry():
+    """Every pass by name: the neutral ones (`tgc.registry.PASSES`) and every
+    backend's own lowering stages (before plan, in the backends' order), built once
+    (loading every backend). The pass manager reads pass lists with it."""
+    from tgc.registry import with_stages
+
+    return with_stages(stage for name in backend_names() for stage in get_backend(name).stages)

@@ -29,22 +29,21 @@ def _emit_to_stderr(banner: str, text: str) -> None:
 def _pass_list(ctx, param, value):
     if value is None:
         return None
+    from tgc.backends.base import pass_registry
     from tgc.manager import parse_pass_list, split_levels
 
-    _all_lowering_stages()   # loads the backends, so that -p may name their own stages (the CPU's group)
-    try:
-        specs = parse_pass_list(value)
-        split_levels(specs)
+    try:   # -p may name every backend's own stages (the CPU's group)
+        specs = parse_pass_list(value, pass_registry())
+        split_levels(specs, pass_registry())
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     return specs
 
 
 def _pass_names(ctx, param, value):
-    from tgc.registry import PASSES
+    from tgc.backends.base import pass_registry
 
-    lowering = _all_lowering_stages()
-    known = ("elaborate",) + tuple(dict.fromkeys(tuple(PASSES) + lowering))
+    known = ("elaborate",) + tuple(pass_registry())
     names = set()
     for item in value or ():
         for n in item.split(","):
@@ -105,9 +104,10 @@ def make_options(passes=None, dtype=None, print_before=frozenset(), print_after=
     """`passes` (a parsed -p list) splits into the IR passes and the lowering stages."""
     stages = None
     if passes is not None:
+        from tgc.backends.base import pass_registry
         from tgc.manager import split_levels
 
-        passes, stages = split_levels(passes)
+        passes, stages = split_levels(passes, pass_registry())
     return Options(dtype=dtype or "f32", passes=passes, stages=stages, import_dirs=tuple(import_dirs), fp_strict=fp_strict,
                    autocast=autocast,
                    print_ir_before=print_before,
@@ -298,7 +298,7 @@ def dump_ir(file, after, after_all, locs, fmt, output, defines=(), backend="cpu"
 def lower_stages(program, options: Options, emit, stop_after: str | None = None, backend: str = "cpu"):
     """Run `backend`'s lowering stages (with --time-passes or --stats, print their
     tables to stderr)."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.ir.module import Module
     from tgc.manager import run_lowering
     from tgc.registry import target
@@ -309,7 +309,8 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
         program, options = pipeline.target(program, options, emit)
         if stop_after in names:
             return program
-    result = run_lowering(program, be.lowering_options(options), emit, be.lowering(), stop_after=stop_after)
+    result = run_lowering(program, be.lowering_options(options), emit, be.lowering(), stop_after=stop_after,
+                          known=pass_registry())
     if options.time_passes:
         click.echo(format_pass_times(result.stats), err=True, nl=False)
     if options.stats and result.stats:
@@ -324,22 +325,24 @@ def lower_stages(program, options: Options, emit, stop_after: str | None = None,
 def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> tuple[tuple[str, ...], str | None]:
     """The IR passes to run for `--after`, and the lowering stage to stop at (or None:
     no lowering; without --after, the last stage when -p names lowering stages)."""
+    from tgc.backends.base import pass_registry
     from tgc.manager import parse_pass_spec
-    from tgc.registry import PASSES, PREPARE, pipeline as pass_names, stages, target
+    from tgc.registry import PREPARE, pipeline as pass_names, stages, target
 
+    known_passes = pass_registry()
     names = pass_names(options)
-    plain = [parse_pass_spec(n)[0] for n in names]
-    stage_names = [parse_pass_spec(n)[0] for n in stages(options, pipeline.lowering(backend))]
+    plain = [parse_pass_spec(n, known_passes)[0] for n in names]
+    stage_names = [parse_pass_spec(n, known_passes)[0] for n in stages(options, pipeline.lowering(backend))]
     lowering = list(target(options)) + list(PREPARE) + stage_names   # what runs after the IR pipeline, in order
     if after is None:
         return tuple(names), (lowering[-1] if options.stages and lowering else None)
     if after == "elaborate":
         return (), None
-    known = ", ".join(("elaborate",) + tuple(PASSES))
-    if after not in PASSES:
+    known = ", ".join(("elaborate",) + tuple(known_passes))
+    if after not in known_passes:
         raise click.BadParameter(f"unknown pass '{after}' (known: {known})"
-                                 + did_you_mean(after, ("elaborate", *PASSES)), param_hint="--after")
-    if PASSES[after].gives == "lowered" or (after in lowering and after not in plain):
+                                 + did_you_mean(after, ("elaborate", *known_passes)), param_hint="--after")
+    if known_passes[after].gives == "lowered" or (after in lowering and after not in plain):
         if after not in lowering:
             raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(stage_names)})",
                                      param_hint="--after")
@@ -416,14 +419,15 @@ def passes() -> None:
     """List every pass with its one-line description and options, the default
     pipeline, and the lowering stages that follow it for each backend (dump-ir --after
     lowers for the CPU)."""
-    from tgc.backends.base import backend_names
+    from tgc.backends.base import backend_names, pass_registry
     from tgc.manager import pass_fields
-    from tgc.registry import DEFAULT_PIPELINE, PASSES, PREPARE, STRICT_PIPELINE, target
+    from tgc.registry import DEFAULT_PIPELINE, PREPARE, STRICT_PIPELINE, target
 
-    lowerings = {name: pipeline.lowering(name) for name in backend_names()}   # each backend's stages are named
+    known_passes = pass_registry()   # every backend's stages too
+    lowerings = {name: pipeline.lowering(name) for name in backend_names()}
 
-    width = max(len(n) for n in PASSES)
-    for name, cls in PASSES.items():
+    width = max(len(n) for n in known_passes)
+    for name, cls in known_passes.items():
         click.echo(f"{name:<{width}}  {cls.summary()}")
         for field, typ in pass_fields(cls).items():
             kind = " | ".join(getattr(t, "__name__", str(t)) for t in (typing.get_args(typ) or (typ,)))

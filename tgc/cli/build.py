@@ -131,7 +131,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):
-        lowered = pipeline.lower(module, options)
+        lowered = pipeline.lower(module, options, backend=target)
     report_memory(lowered.memory)
     with status("compiling"):
         if emit == "ir":

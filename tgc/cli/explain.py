@@ -69,7 +69,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     check_dim_flags(module, dims)
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
     env = module.bind_dims(sizes)
-    lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))))   # the budget's sizes
+    lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))), backend=backend)   # the budget's sizes
     # the runtime's specialization (tgc.runtime.specialize): the optimized module with its dims fixed
     optimized = pipeline.fix_dims(lowered.module, sizes) if specialized else lowered.module
     low = pipeline.lower_module(optimized, options, backend)

@@ -397,7 +397,9 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         check_outputs([("the output", output)], [*sources(loaded.files), ("the inputs", npz),
                                                  *((f"input '{k}'", v) for k, v in singles.items())])
         full = loaded.module
-        lowered = pipeline.lower(run_passes(full, ("forward_only",), options) if no_update else full, options)
+        planned_for = "cpu" if backend == "interp" else backend   # the interpreter runs the CPU's plan
+        lowered = pipeline.lower(run_passes(full, ("forward_only",), options) if no_update else full, options,
+                                 backend=planned_for)
         module = lowered.module
     report_memory(lowered.memory)
     onehot = cross_entropy_targets(file) if random_inputs else {}
@@ -415,7 +417,8 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         else:
             with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
                 if any(v.op == "loop" for v in module.values()):   # compiled loops need their trip counts
-                    module = pipeline.lower(run_passes(module, (FixDims.of(dims),), options), options).module
+                    module = pipeline.lower(run_passes(module, (FixDims.of(dims),), options), options,
+                                            backend=backend).module
                 program = pipeline.compile_module(module, options, backend)
             call_dims = dict(options.dims) or None
             with status("running"):

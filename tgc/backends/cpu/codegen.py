@@ -73,6 +73,7 @@ from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_r
 from tgc.backends.cpu.loops import LoopGen, emit_parallel_body, kernel_buffers, parallel_ok, split_count
 from tgc.backends.cpu.group import LoopGroup
 from tgc.backends.cpu.implicit import ImplicitGemm
+from tgc.backends.cpu.options import CpuOptions
 from tgc.lower.lowered import GemmKernel, Lowered, LoopKernel, Map, Rand, StepLoop, rename_buffers, walk
 from tgc.ir.dtypes import itemsize
 from tgc.ir.ops import COSTS, FNS
@@ -86,11 +87,8 @@ WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is up
 # polynomial functions (vecmath) and pow cost ~8; sqrt and div are single vector
 # instructions (vsqrtps, vdivps), 1. (At weight 8 for div and sqrt, layernorm 64x256
 # entered two parallel regions per call: 2-6 us each when idle, up to milliseconds
-# while another process holds a core.)
-ROW_COST = 128   # an entry into a kernel's innermost loop, in the same units
-ENTRY_COST = 0  # compile cost (see compile_cost) of the entry points beyond their calls (each unit also generates and prints its own IR) ...
-CALL_COST = 0.5  # ... and of each kernel call in tgc_run
-TILE_COST = 100  # the GEMM tile helpers (gemm_small.small_kernel), compiled with the entry points
+# while another process holds a core.) Each entry into a kernel's innermost loop weighs
+# `CpuOptions.row_entry_work` more (`work_terms`).
 
 
 def generate(low: Lowered, options: Options, objects_entry: bool = False) -> str:
@@ -179,7 +177,9 @@ class _ModuleGen:
         for key, (_, k) in zip(self.keys, self.flat):
             costs.setdefault(key, compile_cost(k))
         gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
-        load = [ENTRY_COST + CALL_COST * len(self.flat) + TILE_COST * gemms] + [0] * (units - 1)
+        cpu = self.opt.cpu
+        load = ([cpu.entry_compile_cost + cpu.call_compile_cost * len(self.flat) + cpu.tile_compile_cost * gemms]
+                + [0] * (units - 1))
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
             u = load.index(min(load))
             self.unit[key] = u
@@ -199,16 +199,16 @@ class _ModuleGen:
         others' declared), the entry points."""
         for packed in sorted({packs_b(p, k) for p, k in self.flat if isinstance(k, GemmKernel)
                               and k.cplx is None and not bf16_product(p, k)}):
-            small_kernel(self.mod, self.fp, packed=packed)
+            small_kernel(self.mod, self.fp, packed, self.opt.cpu)
             if self.opt.cpu.blas != "numpy":   # large tiles without BLAS (see gemm.py)
-                loops_kernel(self.mod, self.fp, packed=packed)
+                loops_kernel(self.mod, self.fp, packed, self.opt.cpu)
         for rounds in sorted(set().union(*(bf16_kinds(p, k) for p, k in self.flat
                                            if isinstance(k, GemmKernel)))):
-            bf16_kernel(self.mod, rounds=rounds)   # bf16 products (gemm_operands chose them)
+            bf16_kernel(self.mod, self.opt.cpu, rounds=rounds)   # bf16 products (gemm_operands chose them)
         if any(isinstance(k, GemmKernel) and uses_own_gemm(p, k, self.opt) for p, k in self.flat):
-            own_kernel(self.mod)    # tgc's own f32 kernel for large tiles (fgemm.py)
+            own_kernel(self.mod, self.opt.cpu)    # tgc's own f32 kernel for large tiles (fgemm.py)
         if any(isinstance(k, GemmKernel) and taps_in_one_call(p, k, self.opt) for p, k in self.flat):
-            own_kernel(self.mod, taps=True)       # its form for all taps in one call (gemm_dispatch.taps_in_one_call)
+            own_kernel(self.mod, self.opt.cpu, taps=True)       # its form for all taps in one call (gemm_dispatch.taps_in_one_call)
         if self.opt.cpu.threads != 1:   # GEMMs in every unit run their regions through it
             parallel.region_fn(self.mod, self.mod, self.opt.cpu)
         if len(self.mods) > 1:   # the other units call them
@@ -279,8 +279,8 @@ class _ModuleGen:
             return GemmGen(mod, p, k, name, self.fp, self.opt, home=self.mod).emit(), None
         if isinstance(k, ImplicitGemm):
             return GemmGen(mod, p, k.gemm, name, self.fp, self.opt, home=self.mod, implicit=k).emit(), None
-        fn = LoopGen(mod, p, k, name, self.fp, self.opt.fp_strict).emit()
-        par = emit_parallel_body(mod, p, k, fn, name + ".par") if self.has_par(k) else None
+        fn = LoopGen(mod, p, k, name, self.fp, self.opt).emit()
+        par = emit_parallel_body(mod, p, k, fn, name + ".par", self.opt) if self.has_par(k) else None
         return fn, par
 
     def declare_kernel(self, i: int, k):
@@ -305,7 +305,7 @@ class _ModuleGen:
         LLVM to compile: small fixed-size kernels, e.g. an MLP's weight updates)."""
         env = {d: s for d, s in self.low.module.dims.items() if isinstance(s, int)}
         try:
-            total = kernel_work(k, env)
+            total = kernel_work(k, env, self.opt.cpu)
         except Exception:  # noqa: BLE001 -- a symbolic size: decided at run time
             return False
         return total < min(self.opt.cpu.parallel_min_work, self.opt.cpu.parallel_min_work_warm)
@@ -632,7 +632,7 @@ class _ModuleGen:
 
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
-        n = split_count(f, k)
+        n = split_count(f, k, self.opt.cpu)
         if par is None:
             b.call(kfn, call_args + [I64(0), n])
             return
@@ -640,7 +640,7 @@ class _ModuleGen:
         for i, a in enumerate(call_args):
             b.store(a, b.gep(data, [I32(0), I32(i)]))
         work = I64(0)
-        for weight, sizes in work_terms(k):
+        for weight, sizes in work_terms(k, self.opt.cpu):
             term = I64(weight)
             for s in sizes:
                 term = b.mul(term, f.size(s))
@@ -667,9 +667,9 @@ def weight(k: LoopKernel) -> int:
             + sum(8 if e.kind == "rand" else 24 for e in draws))
 
 
-def work_terms(k) -> list[tuple[int, list]]:
+def work_terms(k, cpu: CpuOptions) -> list[tuple[int, list]]:
     """(weight, loop extents) terms of the work of `k` (a group: of its members): each
-    iteration weighs `weight`, and each entry into the innermost loop ROW_COST more
+    iteration weighs `weight`, and each entry into the innermost loop `cpu.row_entry_work` more
     (its setup, masked tail and horizontal reduction: softmax rows of 11 elements
     cost ~10x what their element count says)."""
     out = []
@@ -677,14 +677,14 @@ def work_terms(k) -> list[tuple[int, list]]:
         sizes = [m.sizes[v] for v in m.loops]
         out.append((weight(m), sizes))
         if len(sizes) > 1:
-            out.append((ROW_COST, sizes[:-1]))
+            out.append((cpu.row_entry_work, sizes[:-1]))
     return out
 
 
-def kernel_work(k, env: dict) -> int:
+def kernel_work(k, env: dict, cpu: CpuOptions) -> int:
     """The work of loop kernel (or group) `k` at the dims `env` (`work_terms`)."""
     total = 0
-    for weight, sizes in work_terms(k):
+    for weight, sizes in work_terms(k, cpu):
         for s in sizes:
             weight *= size_eval(s, env)
         total += weight
@@ -716,7 +716,7 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
             amount *= size_eval(low.size(e), env)
         warm, cold = cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops
     elif parallel_ok(k):
-        amount = kernel_work(k, env)
+        amount = kernel_work(k, env, cpu)
         warm, cold = cpu.parallel_min_work_warm, cpu.parallel_min_work
     else:
         return SERIAL

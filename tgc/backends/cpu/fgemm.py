@@ -7,7 +7,7 @@ that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm_dispatch.uses
 
 C[M, N] (+)= A[M, K] B[K, N] with A's K and C's N contiguous (sAk is ignored: the
 caller only sends such tiles) and B of any strides. Columns in blocks of V vectors
-of 16, K in even blocks of at most 5/4 OWN_DEPTH (a 288-deep convolution product is
+of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (a 288-deep convolution product is
 one block: no second pass over C). Each block of B is packed into a stack buffer, one
 row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N is
 contiguous, gathers when not), so the inner loop reads it with aligned whole-vector
@@ -49,10 +49,9 @@ import numpy as np
 
 from tgc.backends.cpu.irutil import (I1, I32, I64, PTR, define, export, for_range, gather_intrinsic, masked_intrinsics,
                                      splat)
+from tgc.backends.cpu.options import CpuOptions
 
 VL = 16            # f32 lanes of a 512-bit vector
-OWN_DEPTH = 256    # K per packed block of B
-MASK_CLASSES = 64  # the most row classes whose masks a window's table holds (_Lanes)
 MAX_TAPS = 16      # the most taps the `.taps` form takes in one call (its buffer holds 16 K of each)
 
 
@@ -202,18 +201,18 @@ class _Lanes:
     at most.
 
     When the row edges that enter the conditions (a convolution's kh and kw) have
-    fixed sizes whose product (the row classes) is at most MASK_CLASSES, the table
+    fixed sizes whose product (the row classes) is at most `mask_classes`, the table
     also holds each vector's mask for every row class: a row then loads its masks
     instead of comparing (rows of one class have the same conditions' row part)."""
 
-    def __init__(self, entry, win, cap: int):
+    def __init__(self, entry, win, cap: int, mask_classes: int):
         self.win, self.nv = win, -(-cap // VL)
         nc = len(win.conds)
         self.class_edges = [v for v in win.rows if any(c.ix.coef(v) != 0 for c in win.conds)]
         sizes = [win.size[v] for v in self.class_edges]
         self.class_sizes = [x.constant for x in sizes] if all(isinstance(x, ir.Constant) for x in sizes) else None
         self.classes = int(np.prod(self.class_sizes)) if self.class_sizes is not None and win.conds else 0
-        if not 0 < self.classes <= MASK_CLASSES:
+        if not 0 < self.classes <= mask_classes:
             self.classes = 0
         if self.classes:
             self.masks = entry.alloca(ir.IntType(16), size=I64(self.classes * self.nv), name="lane.masks")
@@ -415,10 +414,13 @@ class _Lanes:
         last = lines.load(n, b.load(self.prev[1], typ=I32))
         b.store(lines.join(b.load(self.prev[0], typ=vt), last), at(b.sub(n, I64(1))), align=4)
 
-def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
-               depth: int = OWN_DEPTH, window: Window | None = None, name: str | None = None,
+def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
+               depth: int | None = None, window: Window | None = None, name: str | None = None,
                frame=None, taps: bool = False) -> ir.Function:
-    """The kernel (see the module's docstring) with `rows` x `vecs` register blocks;
+    """The kernel (see the module's docstring) with `rows` x `vecs` register blocks
+    and K blocks of about `depth` (default `cpu.own_gemm_depth`; another depth's kernel
+    is named with `.dDEPTH`); a window's mask table holds at most
+    `cpu.own_gemm_mask_classes` row classes (`_Lanes`);
     one function per program and shape, defined in `home` (default `mod`) and declared
     in `mod` when that is another unit of the program. With `window` (an implicit
     GEMM's own copy, named `name`; `frame(fn, dims)` makes its `Frame`) it takes
@@ -438,12 +440,13 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     the taps' blocks of B are packed side by side and each block of rows keeps its
     accumulators in registers across all of them (C is read and written once per K
     block, not once per tap)."""
+    depth = cpu.own_gemm_depth if depth is None else depth
     if window is None:
-        name = kernel_name(rows, vecs) + ("" if depth == OWN_DEPTH else f".d{depth}") + (".taps" if taps else "")
+        name = kernel_name(rows, vecs) + ("" if depth == cpu.own_gemm_depth else f".d{depth}") + (".taps" if taps else "")
         if name in mod.globals:
             return mod.globals[name]
         if home is not None and home is not mod:
-            return export(own_kernel(home, rows, vecs, depth=depth, taps=taps), mod)
+            return export(own_kernel(home, cpu, rows, vecs, depth=depth, taps=taps), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
     extra = [PTR, I64, I64] if window is not None else []
@@ -476,7 +479,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
     if window is not None and window.role == "a":
         apack = entry.alloca(f32, size=I64(span * rows + VL), name="apack")
         apack.align = 64
-    segs = _Lanes(entry, window, cols if window.role == "b" else span) if window is not None else None
+    segs = _Lanes(entry, window, cols if window.role == "b" else span, cpu.own_gemm_mask_classes) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -558,7 +561,7 @@ def own_kernel(mod: ir.Module, rows: int = 4, vecs: int = 4, home: ir.Module | N
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
-        fn_narrow = own_kernel(mod, 8, 2, depth=depth)
+        fn_narrow = own_kernel(mod, cpu, 8, 2, depth=depth)
         tail = b.sub(N, b.mul(b.sub(panels, I64(1)), I64(cols)))
         narrow = b.and_(b.icmp_signed(">", N, I64(0)), b.icmp_signed("<=", tail, I64(cols // 2)))
         panels = b.select(narrow, b.sub(panels, I64(1)), panels)

@@ -21,9 +21,9 @@ on the thread count or on whether this call runs in a region: every run makes th
 same cblas calls, so the result has the same bits on 1 or N threads and from run to
 run (OpenBLAS's value for an element depends on where a call's edges cut its
 kernels: 2 and 3 tiles of one product differed in the last bits). A product batched
-BATCH_TASKS times or more (a convolution over 32 signals) is one tile per batch
-index: tasks enough, each one cblas call at the packed kernels' speed. Another is
-cut into `options.cpu.gemm_tiles` tiles (TAP_TILES_PER_THREAD times as many with shifts),
+`options.cpu.gemm_batch_tasks` times or more (a convolution over 32 signals) is
+one tile per batch index: tasks enough, each one cblas call at the packed kernels' speed. Another is
+cut into `options.cpu.gemm_tiles` tiles (`options.cpu.gemm_tap_tiles` times as many with shifts),
 each of at least `options.cpu.blas_tile_mnk` multiply-adds (P x Q x R; R cut into
 chunks accumulated in place only when P and Q cannot be cut), so a small product
 stays one call, as does one of fewer than `options.cpu.gemm_parallel_min_flops` flops
@@ -47,29 +47,15 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import Window, own_kernel
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
-from tgc.backends.cpu.gemm_dispatch import (BATCH_TASKS, OWN_COLS, bf16_product, operand_forms, shared_b_batch,
+from tgc.backends.cpu.gemm_dispatch import (OWN_COLS, bf16_product, operand_forms, shared_b_batch,
                                             taps_in_one_call, uses_own_gemm)
-from tgc.backends.cpu.gemm_small import PACK_ELEMS, loops_kernel, small_kernel, vector_lanes
+from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel, vector_lanes
 from tgc.backends.cpu.gemm_taps import TapCalls
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.lower.lowered import GemmKernel, Lowered
 from tgc.options import Options
 
-MIN_TILE = 16     # tiles are not cut below this many rows or columns ...
-MIN_CHUNK = 64    # ... nor R chunks below this
-UNTILED = 1 << 62  # the tile limit of a product batched BATCH_TASKS times or more: one tile per batch index
-# A task of a product with shifts makes one accumulating cblas call per tap; there,
-# tiles 4x smaller than one per thread measured faster: conv1d's kernel gradient
-# (5 x 32 taps of 64 x 64 x 1024) took 11.9 ms in 2 tiles per batch index and 9.3 ms
-# in 8, whose 16 x 32 x 1024 calls (2^19 multiply-adds) OpenBLAS runs with its
-# unpacked small-matrix kernel (68 GFLOP/s alone, against 54-61 for 32 x 32 or 32 x 64).
-# Taps without shifts keep one tile per thread: a 2-D convolution's kernel gradient
-# (16 taps of 64 x 288 x 1024) took 39 Mcycles in 2 tiles, 60 in 8 (32 x 72 calls).
-# Products the own kernel runs (fgemm.py) keep one tile per thread too: it packs B'
-# once per call, and 16 x 32 tiles left it 4 row blocks to share that with (conv1d's
-# kernel gradient on 2 threads: 16.3 -> 14.4 Mcycles; 14.7 -> 9.3 with its 5 taps'
-# products sharing each packed B', `shared_b_batch`).
-TAP_TILES_PER_THREAD = 4
+UNTILED = 1 << 62  # the tile limit of a product batched `gemm_batch_tasks` times or more: one tile per batch index
 
 
 def _control(fn: ir.Function) -> None:
@@ -197,7 +183,8 @@ class GemmGen(TapCalls):
 
     def tiles(self, f: Frame, b: ir.IRBuilder, P, Q, R, limit):
         """Tile sizes (tp, tq, tr): halve the larger of tp and tq (not below
-        MIN_TILE), or when neither can be halved tr (not below MIN_CHUNK), until
+        `cpu.gemm_min_tile`), or when neither can be halved tr (not below
+        `cpu.gemm_min_chunk`), until
         tp * tq * tr <= limit. Rows and columns first, since only they make tasks
         (R chunks add up inside one task): a 48 x 48 weight gradient summed over 704
         rows, cut along R alone, would be one task, leaving its region's second thread
@@ -212,10 +199,10 @@ class GemmGen(TapCalls):
         for phi, init in ((tp, P), (tq, Q), (tr, R)):
             phi.add_incoming(init, pre)
         over = b.icmp_signed(">", b.mul(b.mul(tp, tq), tr), limit)
-        zero = I64(0)
-        hp = b.select(b.icmp_signed(">=", tp, I64(2 * MIN_TILE)), tp, zero)
-        hq = b.select(b.icmp_signed(">=", tq, I64(2 * MIN_TILE)), tq, zero)
-        hr = b.select(b.icmp_signed(">=", tr, I64(2 * MIN_CHUNK)), tr, zero)
+        zero, cpu = I64(0), self.opt.cpu
+        hp = b.select(b.icmp_signed(">=", tp, I64(2 * cpu.gemm_min_tile)), tp, zero)
+        hq = b.select(b.icmp_signed(">=", tq, I64(2 * cpu.gemm_min_tile)), tq, zero)
+        hr = b.select(b.icmp_signed(">=", tr, I64(2 * cpu.gemm_min_chunk)), tr, zero)
         pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">", hp, zero))
         pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">", hq, zero))
         best = b.select(pick_p, hp, b.select(pick_q, hq, hr))
@@ -289,18 +276,18 @@ class GemmGen(TapCalls):
         in a region: every run makes the same cblas calls (and small-tile loops), so
         the result has the same bits on any number of threads (OpenBLAS's result for
         an element depends on where the call's edges cut its kernels). A product
-        batched BATCH_TASKS times or more is one tile per batch index (tasks enough);
-        another is cut into `options.cpu.gemm_tiles` tiles (TAP_TILES_PER_THREAD times
+        batched `gemm_batch_tasks` times or more is one tile per batch index (tasks enough);
+        another is cut into `options.cpu.gemm_tiles` tiles (`gemm_tap_tiles` times
         that with shifts, unless the own kernel runs it), each of at least `blas_tile_mnk`, so a small one stays whole.
         A product of fewer than `gemm_parallel_min_flops` flops (the threshold of a cold
         region) stays whole too: it runs in a region only while the workers still spin
         from another, and cut into tiles on one thread it repacks its uncut operand once
         per cblas call (the wine MLP's 178 x 64 x 64 products with B transposed: 9.9 us
         whole, 12.7 us in two calls; the whole step 5% slower)."""
-        many = b.icmp_signed(">=", f.count(self.k.batch), I64(BATCH_TASKS))
+        many = b.icmp_signed(">=", f.count(self.k.batch), I64(self.opt.cpu.gemm_batch_tasks))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         mnk = b.mul(b.mul(P, Q), R)
-        parts = max(1, self.opt.cpu.gemm_tiles) * (TAP_TILES_PER_THREAD if self.k.shifts and not self.own else 1)
+        parts = max(1, self.opt.cpu.gemm_tiles) * (self.opt.cpu.gemm_tap_tiles if self.k.shifts and not self.own else 1)
         share = b.sdiv(mnk, I64(parts))
         small = I64(max(1, self.opt.cpu.blas_tile_mnk))
         tile = b.select(b.icmp_signed(">", share, small), share, small)
@@ -382,7 +369,7 @@ class GemmGen(TapCalls):
         if not B.col_unit:
             vl = I64(vector_lanes(self.fp))   # the packed rows are padded to whole vectors
             padded = b.mul(self.ceil_div(b, pl["tq"], vl), vl)
-            ok = b.and_(ok, b.icmp_signed("<=", b.mul(padded, pl["tr"]), I64(PACK_ELEMS)))
+            ok = b.and_(ok, b.icmp_signed("<=", b.mul(padded, pl["tr"]), I64(self.opt.cpu.gemm_pack_elems)))
         return ok
 
     # ------------------------------------------------------------ one task, one tap
@@ -433,7 +420,7 @@ class GemmGen(TapCalls):
                                  self.f.fn.args[0], row0, col0])
                 elif self.bf16:   # vdpbf16ps (no BLAS has a bf16 GEMM here)
                     rounds = (self.rounds[A.role], self.rounds[B.role])
-                    self.b.call(bf16_kernel(self.mod, home=self.home, rounds=rounds),
+                    self.b.call(bf16_kernel(self.mod, self.opt.cpu, home=self.home, rounds=rounds),
                                 [m, n, kc, xa, A.row, A.col, xb, B.row, B.col, pc, c_p, b.zext(beta1, I32)])
                 elif small is None:   # a complex product: always cgemm/zgemm (blas "numpy" or "system")
                     self.call_blas(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
@@ -551,7 +538,7 @@ class GemmGen(TapCalls):
         one = [self.f.alloca(ir.ArrayType(I64, 1), name) for name in ("a_off", "c_off", "k_lo", "k_hi")]
         for arr, v in zip(one, (I64(0), I64(0), I64(0), kk)):
             b.store(v, b.gep(arr, [I32(0), I32(0)]))
-        fn = own_kernel(self.mod, home=self.home)
+        fn = own_kernel(self.mod, self.opt.cpu, home=self.home)
         b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, b.zext(beta1, I32), I64(1)]
                + [b.gep(arr, [I32(0), I32(0)]) for arr in one])
 
@@ -560,13 +547,13 @@ class GemmGen(TapCalls):
         name = self.name + ".own"
         if name not in self.mod.globals:
             module, edges = self.low.module, self.low.edges
-            own_kernel(self.mod, window=self.window, name=name,
+            own_kernel(self.mod, self.opt.cpu, window=self.window, name=name,
                        frame=lambda fn, dims: Frame(fn, module, dims, edges))
         return self.mod.globals[name]
 
     def call_small(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1, blocked=False):
         kernel = loops_kernel if blocked else small_kernel
-        fn = kernel(self.mod, self.fp, packed=not B.col_unit, home=self.home)
+        fn = kernel(self.mod, self.fp, not B.col_unit, self.opt.cpu, home=self.home)
         self.b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc,
                          self.b.zext(beta1, I32)])
 

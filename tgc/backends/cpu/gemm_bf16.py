@@ -12,11 +12,10 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu.fgemm import start_accumulators
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, define, export, for_range, masked_intrinsics, splat
+from tgc.backends.cpu.options import CpuOptions
 
 BF16_ROWS = 4      # rows of C' per register block of the bf16 kernel ...
 BF16_VECS = 4      # ... by this many vectors of 16 f32 columns (16 accumulators)
-BF16_DEPTH = 256   # K per packed block (even): B' block of 128 pairs x 64 columns, 32 KiB
-BF16_PANEL = 256   # rows of A' packed at a time (per K block): 256 x 128 pairs, 128 KiB
 
 
 class _BFloat(ir.types.Type):
@@ -46,8 +45,8 @@ def _dpbf16ps(mod: ir.Module) -> ir.Function:
     return ir.Function(mod, ir.FunctionType(fv, [fv, pairs, pairs]), name)
 
 
-def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[bool, bool] = (False, False)
-                ) -> ir.Function:
+def bf16_kernel(mod: ir.Module, cpu: CpuOptions, home: ir.Module | None = None,
+                rounds: tuple[bool, bool] = (False, False)) -> ir.Function:
     """void tgc.gemm.bf16[.ra][.rb](i64 M, i64 N, i64 K, T* A, i64 sAm, i64 sAk, T* B, i64 sBk,
     i64 sBn, float* C, i64 ldc, i32 accumulate): C[M, N] (+)= A[M, K] B[K, N] for bf16 A
     and B and f32 C with N contiguous (any strides, in elements), summed in f32 by
@@ -55,7 +54,8 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
     says so (`.ra`, `.rb`), f32 rounded to bf16 as it is packed (to nearest even, NaN
     kept quiet: `elementwise.emit_round_bf16`'s bits), so no rounded copy is stored.
 
-    Rows in panels of BF16_PANEL and K in blocks of BF16_DEPTH; per panel and K block,
+    Rows in panels of `cpu.bf16_gemm_panel` and K in blocks of `cpu.bf16_gemm_depth`
+    (even); per panel and K block,
     A's pairs (A[i, k], A[i, k+1]) are packed once for all the panel's rows (one 32-bit
     lane per row and pair: vector loads of 4 rows when A's M is contiguous), then for
     every block of BF16_VECS x 16 columns B's block is packed as pairs (B[k, j], B[k+1, j])
@@ -72,9 +72,10 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
     if name in mod.globals:
         return mod.globals[name]
     if home is not None and home is not mod:
-        return export(bf16_kernel(home, rounds=rounds), mod)
+        return export(bf16_kernel(home, cpu, rounds=rounds), mod)
     i16, f32 = ir.IntType(16), ir.FloatType()
-    vl, cols, half, rows_n = 16, BF16_VECS * 16, BF16_DEPTH // 2, BF16_ROWS
+    depth, panel_rows = cpu.bf16_gemm_depth, cpu.bf16_gemm_panel
+    vl, cols, half, rows_n = 16, BF16_VECS * 16, depth // 2, BF16_ROWS
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
     fn.attributes.add("noinline")
     M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
@@ -82,7 +83,7 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
         a.add_attribute("noalias")
     entry = ir.IRBuilder(fn.append_basic_block("entry"))
     bpack = entry.alloca(I32, size=I64(half * cols), name="bpack")
-    apanel = entry.alloca(I32, size=I64(half * BF16_PANEL), name="apanel")
+    apanel = entry.alloca(I32, size=I64(half * panel_rows), name="apanel")
     bpack.align = apanel.align = 64
     vt, it, mt = ir.VectorType(f32, vl), ir.VectorType(I32, vl), ir.VectorType(I1, vl)
     pairs = ir.VectorType(_BFloat(), 32)
@@ -100,10 +101,10 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
         return b.select(b.icmp_signed("<", x, y), x, y)
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
-    chunks = b.sdiv(b.add(K, I64(BF16_DEPTH - 1)), I64(BF16_DEPTH))
+    chunks = b.sdiv(b.add(K, I64(depth - 1)), I64(depth))
     chunks = b.select(b.icmp_signed("<", chunks, I64(1)), I64(1), chunks)   # K = 0 still writes C (zeros)
     a_direct = ir.Constant(I1, 0) if rounds[0] else b.icmp_signed("==", sak, I64(1))
-    panel = b.select(a_direct, b.select(b.icmp_signed("<", M, I64(1)), I64(1), M), I64(BF16_PANEL))
+    panel = b.select(a_direct, b.select(b.icmp_signed("<", M, I64(1)), I64(1), M), I64(panel_rows))
     last = b.sub(M, I64(1))
     with for_range(b, I64(0), b.sdiv(b.add(M, b.sub(panel, I64(1))), panel), "bm") as mb:
         r0 = b.mul(mb, panel)
@@ -116,8 +117,8 @@ def bf16_kernel(mod: ir.Module, home: ir.Module | None = None, rounds: tuple[boo
             return i0, [b.select(x, i, last) for x, i in zip(inside, rows)], inside
 
         with for_range(b, I64(0), chunks, "bk") as kb:
-            k0 = b.mul(kb, I64(BF16_DEPTH))
-            kd = smin(I64(BF16_DEPTH), b.sub(K, k0))
+            k0 = b.mul(kb, I64(depth))
+            kd = smin(I64(depth), b.sub(K, k0))
             kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
             kp = b.sdiv(b.add(kd, I64(1)), I64(2))
             full = b.sdiv(kd, I64(2))

@@ -14,7 +14,6 @@ from tgc.lower.lowered import GemmKernel, Lowered, matrix_form
 from tgc.options import Options
 
 OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
-BATCH_TASKS = 16  # a product batched at least this many times is shared untiled (conv1d: 25.5 -> 21.3 ms)
 
 
 def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
@@ -100,8 +99,8 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     so that one call of the own kernel (fgemm: products sharing B) runs the
     products along them on one packed B': the edges B' does not depend on (not in
     its buffer, not in its shifts), where every shift they move clips K (never a
-    tile's rows or columns), the batch has fixed sizes and fewer than BATCH_TASKS
-    indices (a product tiled by rows and columns), and the own kernel may run it.
+    tile's rows or columns), the batch has fixed sizes and fewer than
+    `options.cpu.gemm_batch_tasks` indices (a product tiled by rows and columns), and the own kernel may run it.
     Without it, a 1-D convolution's kernel gradient (5 taps of 64 x 64 x 1024 per
     signal, the input transposed as B') packs each signal 5 times, 40% of its time on
     one thread. Each call's K blocks are cut to each product's range, so where they
@@ -120,7 +119,7 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     if any(e != f["a"][1][0] and any(atom in edges for atom, _ in ix.terms) for _, e, ix in k.shifts):
         return ()
     count = _fixed_count(low, k.batch)
-    return edges if count is not None and count < BATCH_TASKS else ()
+    return edges if count is not None and count < options.cpu.gemm_batch_tasks else ()
 
 
 def _packed_role(forms: dict) -> str:

@@ -7,7 +7,7 @@ kernel of the module): rows of C' in blocks of 4 (a last partial block reads its
 last row again and stores only its rows), columns in vectors of the host's widest
 SIMD (masked at the edge), the K loop accumulating 4 x 2 vectors in
 registers with fused multiply-adds. Q must be contiguous in B' too; when it is not,
-B' is first gathered (packed) into a stack buffer of `PACK_ELEMS` elements, its rows
+B' is first gathered (packed) into a stack buffer of `options.cpu.gemm_pack_elems` elements, its rows
 padded to whole vectors (larger tiles go to BLAS). Which path a tile takes is decided
 at run time from the tile sizes (constants when the dims are fixed at build time, then
 LLVM drops the other).
@@ -25,11 +25,9 @@ import llvmlite.ir as ir
 from tgc.backends.cpu.irutil import (I1, I32, I64, PTR, define, export, for_range, gather_intrinsic, masked_intrinsics,
                                      optimize_not, splat)
 
-# Capacity (elements) of the stack buffer a small tile's B' is packed into when its
-# Q is not contiguous; a tile with more R x Q elements than this goes to BLAS.
-PACK_ELEMS = 4096
+from tgc.backends.cpu.options import CpuOptions
+
 ROWS = 4          # rows of C' per register block of the small-tile kernel
-LOOP_COLS = 2     # vectors of columns per block of the blocked loops (`loops_kernel`)
 
 
 def vector_lanes(fp) -> int:
@@ -37,12 +35,12 @@ def vector_lanes(fp) -> int:
     return 16 if isinstance(fp, ir.FloatType) else 8
 
 
-def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None) -> ir.Function:
+def small_kernel(mod: ir.Module, fp, packed: bool, cpu: CpuOptions, home: ir.Module | None = None) -> ir.Function:
     """void tgc.gemm.small.<T>[.packed](i64 M, i64 N, i64 K, T* A, i64 sAm, i64 sAk,
     T* B, i64 sBk, i64 sBn, T* C, i64 ldc, i32 accumulate):
     C[M, N] (+)= A[M, K] B[K, N] with C's N contiguous; B's N contiguous (sBn is
     ignored) unless `packed` (then B is first copied into a stack buffer; K*N must
-    not exceed PACK_ELEMS). One function per program and kind: defined in `home`
+    not exceed `cpu.gemm_pack_elems`, the buffer's capacity: a larger tile goes to BLAS). One function per program and kind: defined in `home`
     (default `mod`) and, when that is another unit of the program, declared in
     `mod`."""
     tag = "f32" if isinstance(fp, ir.FloatType) else "f64"
@@ -50,9 +48,9 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     if name in mod.globals:
         return mod.globals[name]
     if home is not None and home is not mod:
-        return export(small_kernel(home, fp, packed), mod)
+        return export(small_kernel(home, fp, packed, cpu), mod)
     if packed:
-        return _packed_kernel(mod, fp, name, small_kernel(mod, fp, packed=False))
+        return _packed_kernel(mod, fp, name, small_kernel(mod, fp, False, cpu), cpu.gemm_pack_elems)
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
     fn.attributes.add("noinline")
     M, N, K, pa, sam, sak, pb, sbk, _sbn, pc, ldc, acc = fn.args
@@ -126,11 +124,11 @@ def small_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     return fn
 
 
-def loops_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None) -> ir.Function:
+def loops_kernel(mod: ir.Module, fp, packed: bool, cpu: CpuOptions, home: ir.Module | None = None) -> ir.Function:
     """void tgc.gemm.loops.<T>[.packed](the arguments of `small_kernel`): the same
     product of any size, without BLAS (`options.cpu.blas` "none", or a library whose
-    caller gave none). Columns in blocks of LOOP_COLS vectors and K in chunks that
-    make one block of B' PACK_ELEMS elements (16 KiB of f32: it stays in L1 while
+    caller gave none). Columns in blocks of `cpu.gemm_loop_cols` vectors and K in chunks
+    that make one block of B' `cpu.gemm_pack_elems` elements (16 KiB of f32: it stays in L1 while
     every row of A' passes over it), each block one call of the small-tile kernel
     on all the rows (the packed one gathers the block first); a chunk after the
     first accumulates. Each element of C' is still one sum over K in K's order, cut
@@ -140,15 +138,15 @@ def loops_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     if name in mod.globals:
         return mod.globals[name]
     if home is not None and home is not mod:
-        return export(loops_kernel(home, fp, packed), mod)
-    inner = small_kernel(mod, fp, packed)
+        return export(loops_kernel(home, fp, packed, cpu), mod)
+    inner = small_kernel(mod, fp, packed, cpu)
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32])
     fn.attributes.add("noinline")
     optimize_not(fn)   # loops around calls: not worth LLVM's time
     M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    cols = LOOP_COLS * vector_lanes(fp)
-    depth = PACK_ELEMS // cols
+    cols = cpu.gemm_loop_cols * vector_lanes(fp)
+    depth = cpu.gemm_pack_elems // cols
 
     def smin(x, y):
         return b.select(b.icmp_signed("<", x, y), x, y)
@@ -171,7 +169,7 @@ def loops_kernel(mod: ir.Module, fp, packed: bool, home: ir.Module | None = None
     return fn
 
 
-def _packed_kernel(mod, fp, name, direct):
+def _packed_kernel(mod, fp, name, direct, pack_elems: int):
     """B' (N strided) gathered a vector of columns at a time into a stack buffer whose
     rows are padded to whole vectors, then the direct kernel on it. Whole-vector
     stores matter: the kernel's vector loads follow at once, and after scalar stores
@@ -183,7 +181,7 @@ def _packed_kernel(mod, fp, name, direct):
     fn.attributes.add("noinline")
     M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args
     entry = ir.IRBuilder(fn.append_basic_block("entry"))
-    buf = entry.alloca(fp, size=I64(PACK_ELEMS), name="pack")
+    buf = entry.alloca(fp, size=I64(pack_elems), name="pack")
     buf.align = 64
     body = fn.append_basic_block("body")
     b = ir.IRBuilder(body)

@@ -13,7 +13,7 @@ of `out`, then every call adds into it (beta = 1). Taps without shifts (a K edge
 that an operand's order splits, looped outside the calls) accumulate the same way.
 
 Shared B'. An accumulating product that the own kernel runs, batched fewer than
-BATCH_TASKS times along edges its B' does not read (`shared_b_batch`: a 1-D
+`options.cpu.gemm_batch_tasks` times along edges its B' does not read (`shared_b_batch`: a 1-D
 convolution's kernel gradient, batched by the tap, which shifts only A' along K),
 makes tasks of the other batch edges and tiles only; each of its calls runs the
 products of every index of those edges on one packed B'.
@@ -113,7 +113,7 @@ class TapCalls:
                 c_off = offset(b, [(at[e], st["c"][0][e]) for e in k.batch] + [(ps, c_p), (qs, I64(1))])
                 for arr, v in zip(offs, (a_off, c_off, k_lo, k_hi)):
                     b.store(v, b.gep(arr, [I32(0), I32(i)]))
-            fn = own_kernel(self.mod, home=self.home)
+            fn = own_kernel(self.mod, self.opt.cpu, home=self.home)
             ptrs_v = [b.gep(arr, [I32(0), I32(0)]) for arr in offs]
             b.call(fn, [b.sub(pe, ps), b.sub(qe, qs), kc, ptrs[A.role], A.row, A.col,
                         self.ptr(pb, [(r, B.row)], self.elems[B.role]), B.row, B.col, ptrs["c"], c_p, I32(1),
@@ -140,7 +140,7 @@ class TapCalls:
             for arr, v in zip(offs, values):
                 b.store(v, b.gep(arr, [I32(0), I32(i)]))
         pc = self.ptr(ptrs["c"], [(vars[e], st["c"][0][e]) for e in k.batch] + [(p0, c_p), (q0, I64(1))])
-        fn = own_kernel(self.mod, home=self.home, taps=True)
+        fn = own_kernel(self.mod, self.opt.cpu, home=self.home, taps=True)
         b.call(fn, [b.sub(p1, p0), b.sub(q1, q0), pl["R"], ptrs[A.role], A.row, A.col, ptrs[B.role], B.row, B.col,
                     pc, c_p, I32(0), I64(len(indices))] + [b.gep(arr, [I32(0), I32(0)]) for arr in offs])
 

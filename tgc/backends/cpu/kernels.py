@@ -20,7 +20,8 @@ and what each argument must be (`_Plan`); then `run_fast` makes one native
 C-contiguous, writable where updated, shape; updated buffers overlapping nothing
 else) and reads its data pointer. What it refuses (it then ran nothing) goes
 through the runtime's checked path. Large outputs are recycled: when a call's outputs
-total at least RECYCLE_BYTES, the plan keeps them, and a later call with the same
+total at least `options.cpu.recycle_min_bytes`, the plan keeps them (from up to
+`recycle_kept` calls), and a later call with the same
 shapes writes into them again once nothing else refers to any of them (the caller
 dropped that result); fresh memory costs a page fault per 4 KiB on its first write,
 which for a 4096 x 1024 softmax was up to half of the call.
@@ -50,9 +51,6 @@ from tgc.options import Options
 
 NP = {"f32": np.float32, "f64": np.float64, "i32": np.int32}
 ALIGN = 64                # the workspace's alignment (the runtime's size checks count it per slot)
-PLANS = 64                # shape combinations remembered per program (fast path)
-RECYCLE_BYTES = 1 << 20   # outputs at least this large (per call) are recycled
-RECYCLE_KEPT = 2          # ... from up to this many earlier calls
 
 
 def _array_layout() -> tuple[int, ...] | None:
@@ -101,7 +99,7 @@ class _Plan:
     frame: object               # ctypes int64 array: tgc_run_objects' frame
     frame_addr: int
     out_names: tuple            # the outputs' names, in order
-    recycle: bool = False       # outputs large enough to keep (RECYCLE_BYTES)
+    recycle: bool = False       # outputs large enough to keep (`CpuOptions.recycle_min_bytes`)
     kept: list = field(default_factory=list)   # earlier calls' output lists, oldest first
 
 
@@ -307,7 +305,7 @@ class CpuKernels(Kernels):
         outs = [(tuple(size_eval(x, env) for x in o.shape), program.element_dtype(o)) for o in program.outputs]
         nbytes = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in outs)
         return _Plan(env, dim_values, int(self._ws_bytes(addr)), addr, outs, table, frame, ctypes.addressof(frame),
-                     tuple(o.name for o in program.outputs), recycle=nbytes >= RECYCLE_BYTES)
+                     tuple(o.name for o in program.outputs), recycle=nbytes >= self.options.cpu.recycle_min_bytes)
 
     def run_fast(self, vals: list, plan: "_Plan", notify=None) -> tuple[int, dict | None]:
         """(rc, the outputs by name): rc 0 ran; > 0 a check failed (nothing written);
@@ -327,7 +325,7 @@ class CpuKernels(Kernels):
             result = dict(zip(plan.out_names, outs))
             if plan.recycle and rc == 0:
                 plan.kept.append(outs)
-                del plan.kept[:-RECYCLE_KEPT]
+                del plan.kept[:-self.options.cpu.recycle_kept]
         return rc, result
 
     @staticmethod

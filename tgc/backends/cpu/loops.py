@@ -17,7 +17,7 @@ that a product, is one llvm.fma (`fma_term`), never two rounded products in one 
   then the sum of exp(x - max)) and always runs in this mode;
 - memory mode (a reduced loop outside a kept one, e.g. summing rows of a row-major
   matrix): initialize `out`, combine into it in the nest, then apply the epilogue; an
-  f32 sum whose kept elements inside the reduced loop are few enough (WIDE_SCRATCH)
+  f32 sum whose kept elements inside the reduced loop are few enough (`CpuOptions.wide_scratch`)
   adds into an f64 scratch row on the stack instead, rounded once into `out`;
 - scatter: zero `out`, then add each element at its gathered position; a segment
   max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines with
@@ -28,10 +28,11 @@ threads, by blocks when it has partial sums), and inside them each member's own
 loops in one of the shapes above, with the outer variables fixed; a member in
 `regs` leaves its value in a register for the members after it; a partial member
 adds into its block's row without initializing it (an f32 sum over a block of more
-than SHORT_ROWS rows adds into an f64 scratch row first, `wide_partials`).
+than `short_rows` rows adds into an f64 scratch row first, `wide_partials`).
 
-Loops of at most UNROLL known iterations are unrolled, from the innermost out, while
-the copies of the body stay within UNROLL_COPIES (`unrolled`): the loop around
+Loops of at most `CpuOptions.unroll_max` known iterations are unrolled, from the
+innermost out, while the copies of the body stay within `CpuOptions.unroll_copies`
+(`unrolled`): the loop around
 them is then the innermost one, which LLVM vectorizes. Each copy computes what one
 iteration did, in loop order, and which loops unroll depends on the kernel alone
 (never on the thread count).
@@ -54,15 +55,10 @@ from tgc.ir.sizes import size_op
 from tgc.backends.cpu.llvm_env import has_feature
 from tgc.opt.canon import exact_scale
 from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
-
-PREFETCH_ROW_BYTES = 16384     # the most of a group's next row asked for, per buffer ...
-PREFETCH_MIN_ROW_BYTES = 1024  # ... and rows shorter than this not at all (consecutive rows share pages)
+from tgc.backends.cpu.options import CpuOptions
+from tgc.options import Options
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
-SHORT_SUM = 4096   # f32 sums of at most this many terms keep f32 lanes (see LoopGen.accumulate) ...
-SUM_CHUNK = 256    # ... over chunks of this many iterations of their innermost loop (`chunked_sum`)
-WIDE_SCRATCH = 4096   # the most elements of an f32 memory-mode sum's f64 scratch row (`wide_memory_sum`)
-SHORT_ROWS = SHORT_SUM // 64   # ... used beyond this many rows (as f32 lanes carry at most this many terms)
 
 
 def kernel_buffers(k: LoopKernel | LoopGroup) -> list[str]:
@@ -75,18 +71,16 @@ def parallel_ok(k: LoopKernel | LoopGroup) -> bool:
     return bool(k.loops) and k.loops[0] not in k.red and not k.scatter
 
 
-SMALL_SPLIT = 8   # an outermost loop shorter than this is split together with the next
-UNROLL = 4        # a loop of at most this many iterations (known) is unrolled ...
-UNROLL_COPIES = 8   # ... while the short loops unrolled inside it make at most this many copies
-MIN_BLOCK_ROWS = 16  # the shortest block of a blocked group's outer loop ...
-MIN_VECTOR_BLOCK_ROWS = 64  # ... when that loop is the one vectorized (LLVM's main vector loop
-                            # takes 2 x 16 rows; with 16-row blocks an MLP's cross-entropy rows
-                            # all ran in its narrow epilogue)
+def short_rows(cpu: CpuOptions) -> int:
+    """The rows beyond which an f32 memory-mode sum goes through an f64 scratch row
+    (f32 lanes carry at most this many terms): `cpu.short_sum` // 64."""
+    return cpu.short_sum // 64
 
 
-def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
+def split_loops(k: LoopKernel | LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
     """The loops whose iterations threads share: the outermost, or the outermost two
-    as one range when the first is short (3 heads do not split well over 2 threads)
+    as one range when the first is short (under `cpu.loop_split_min`: 3 heads do not
+    split well over 2 threads)
     and the second is kept and not the vectorized innermost loop."""
     loops = k.outer if isinstance(k, LoopGroup) else k.loops
     if not loops or (isinstance(k, LoopGroup) and k.blocks):
@@ -95,7 +89,7 @@ def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
         return ()   # a sum's loop (with its bounds), a scatter's: never shared
     first = loops[:1]
     n = k.sizes[loops[0]]
-    if len(loops) < 2 or not isinstance(n, int) or n >= SMALL_SPLIT:
+    if len(loops) < 2 or not isinstance(n, int) or n >= cpu.loop_split_min:
         return first
     if isinstance(k, LoopGroup):
         inner = len(loops) >= 3 or all(len(m.loops) > len(loops) for m in k.members)
@@ -104,48 +98,49 @@ def split_loops(k: LoopKernel | LoopGroup) -> tuple[str, ...]:
     return tuple(loops[:2]) if ok else first
 
 
-def split_count(f: Frame, k: LoopKernel | LoopGroup):
+def split_count(f: Frame, k: LoopKernel | LoopGroup, cpu: CpuOptions):
     """The length of the range threads split (i64): the product of the split loops'
     extents, or a blocked group's blocks: `blocks`, fewer when the outer loop is
-    short (each block at least MIN_BLOCK_ROWS long, MIN_VECTOR_BLOCK_ROWS when the
+    short (each block at least `cpu.group_min_block_rows` long,
+    `cpu.group_min_vector_block_rows` when the
     rows are what LLVM vectorizes, so that its main vector loop runs; partial-sum rows
     past the last are zeros)."""
     if isinstance(k, LoopGroup) and k.blocks:
         b = f.entry
-        rows = MIN_VECTOR_BLOCK_ROWS if rows_vectorized(k) else MIN_BLOCK_ROWS
-        per = b.sdiv(blocked_extent(f, k), I64(rows))
+        rows = cpu.group_min_vector_block_rows if rows_vectorized(k, cpu) else cpu.group_min_block_rows
+        per = b.sdiv(blocked_extent(f, k, cpu), I64(rows))
         nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
         return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
     total = 1
-    for v in split_loops(k):
+    for v in split_loops(k, cpu):
         total = size_op("*", total, k.sizes[v])
     return f.size(total)
 
 
-def blocked_loops(g: LoopGroup) -> tuple[str, ...]:
+def blocked_loops(g: LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
     """The outer loops a blocked group's blocks divide, as one range: the first, or
     the first two when the first is short (3 heads: at most 3 blocks, so one thread
     ran a whole attention softmax) and no member sums over it (partial sums are per
     block of the first loop alone)."""
     first = g.outer[0]
     n = g.sizes[first]
-    if len(g.outer) > 1 and isinstance(n, int) and n < SMALL_SPLIT and \
+    if len(g.outer) > 1 and isinstance(n, int) and n < cpu.loop_split_min and \
             not any(first in m.red for m in g.members):
         return g.outer[:2]
     return g.outer[:1]
 
 
-def blocked_extent(f: Frame, g: LoopGroup):
+def blocked_extent(f: Frame, g: LoopGroup, cpu: CpuOptions):
     """i64: the length of the range a blocked group's blocks divide (`blocked_loops`)."""
     total = I64(1)
-    for v in blocked_loops(g):
+    for v in blocked_loops(g, cpu):
         total = f.entry.mul(total, f.size(g.sizes[v]))
     return total
 
 
-def unrolled(k: LoopKernel, v: str) -> bool:
-    """Whether `LoopGen.nest` unrolls loop `v` of `k`: a few known iterations, no
-    bounds, and within UNROLL_COPIES. Short loops are unrolled from the innermost out
+def unrolled(k: LoopKernel, v: str, cpu: CpuOptions) -> bool:
+    """Whether `LoopGen.nest` unrolls loop `v` of `k`: a few known iterations (at most
+    `cpu.unroll_max`), no bounds, and within `cpu.unroll_copies`. Short loops are unrolled from the innermost out
     while the product of their lengths (the copies of the innermost body) stays within
     it. Unrolled without a limit, nested short loops multiplied the code LLVM
     vectorizes: a 2x2 max-pool's gradient over 4 x 4 pooled positions (loops 4, 2, 4,
@@ -154,10 +149,10 @@ def unrolled(k: LoopKernel, v: str) -> bool:
     copies = 1
     for u in reversed(k.loops):
         n = k.sizes[u]
-        if not isinstance(n, int) or n > UNROLL or any(k.bounds.get(u, ((), ()))):
+        if not isinstance(n, int) or n > cpu.unroll_max or any(k.bounds.get(u, ((), ()))):
             continue
         copies *= n
-        if copies > UNROLL_COPIES:
+        if copies > cpu.unroll_copies:
             return False
         if u == v:
             return True
@@ -219,17 +214,17 @@ def factor_order(args) -> list[int]:
     return sorted(range(len(args)), key=lambda i: keys[i])
 
 
-def rows_vectorized(g: LoopGroup) -> bool:
+def rows_vectorized(g: LoopGroup, cpu: CpuOptions) -> bool:
     """Whether a group has one outer loop (its rows) and every loop inside it is
     unrolled, so that the rows loop is the one LLVM vectorizes."""
-    return len(g.outer) == 1 and all(unrolled(m, v) for m in g.members for v in m.loops if v not in g.outer)
+    return len(g.outer) == 1 and all(unrolled(m, v, cpu) for m in g.members for v in m.loops if v not in g.outer)
 
 
 class LoopGen:
     """One loop kernel, or a group of them inside shared outer loops, as a function."""
 
     def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp,
-                 strict: bool = False):
+                 options: Options):
         self.low, self.top, self.k, self.fp = low, k, k, fp
         # fast-math flags: none in expressions, so that one expression computes the same
         # bits in every kernel and loop that recomputes it (a max's gradient compares the
@@ -239,7 +234,8 @@ class LoopGen:
         # `contract` (the FMA of the last product into the sum) only on the accumulation
         # of a reduction loop LLVM vectorizes itself (`_accumulate`), or a partial sum
         # carried by a block's rows loop. None of these under --fp-strict
-        self.strict = strict
+        self.strict = options.fp_strict
+        self.cpu = options.cpu
         self.sum_flags: tuple = ()
         self.fused_term = None   # the body whose last product may fuse into the accumulation
         self.bufs = kernel_buffers(k)
@@ -258,7 +254,7 @@ class LoopGen:
         self.b = self.f.b
         self.ptr = dict(zip(self.bufs, fn.args[1:]))
         self.lo, self.hi = fn.args[-2], fn.args[-1]
-        self.split = () if isinstance(k, LoopGroup) else split_loops(k)
+        self.split = () if isinstance(k, LoopGroup) else split_loops(k, self.cpu)
         self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
         self.wide_rows: dict = {}   # a blocked group's partial members summed in f64 (`wide_partials`)
         self.regs: dict[str, ir.Value] = {}
@@ -288,13 +284,13 @@ class LoopGen:
                 self.member(m, vars)
 
         if not g.blocks:
-            split = split_loops(g)
+            split = split_loops(g, self.cpu)
             self.k = g  # the split loops' sizes
             self.split_nest(split, [], {},
                             lambda vs: self.plain_nest(list(g.outer[len(split):]), g.sizes, vs, members))
             return
-        rows = blocked_loops(g)
-        n, nb = blocked_extent(self.f, g), split_count(self.f, g)
+        rows = blocked_loops(g, self.cpu)
+        n, nb = blocked_extent(self.f, g, self.cpu), split_count(self.f, g, self.cpu)
         wide = self.wide_partials(g)
 
         def block(blk, start, end, wide_rows: dict) -> None:
@@ -304,7 +300,7 @@ class LoopGen:
                 self.k = m
                 self.plain_nest(inner, m.sizes, {BLOCK: blk},
                                 lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
-            with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g)) as i:
+            with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g, self.cpu)) as i:
                 if len(rows) == 1:
                     vars = {first: i}
                 else:
@@ -323,7 +319,7 @@ class LoopGen:
             if not wide:
                 block(blk, start, end, {})
             else:   # (LLVM folds the branch for a known number of rows)
-                long = b.icmp_signed(">", b.sub(end, start), I64(SHORT_ROWS))
+                long = b.icmp_signed(">", b.sub(end, start), I64(short_rows(self.cpu)))
                 with b.if_else(long) as (then, otherwise):
                     with then:
                         block(blk, start, end, wide)
@@ -333,13 +329,13 @@ class LoopGen:
     def wide_partials(self, g: LoopGroup) -> dict:
         """The members of a blocked group that add an f32 sum over its rows into their
         block's row of a partial buffer, when their kept elements (known sizes, at most
-        WIDE_SCRATCH) fit an f64 scratch row on the stack: id(member) -> (the member, the
+        `cpu.wide_scratch`) fit an f64 scratch row on the stack: id(member) -> (the member, the
         address of an element's f64 accumulator given the loop variables, its kept loops).
         Added into the f32 partial row, each element took one rounding per row of its
         block, and a lane of the vectorized rows loop carried rows / 32 / lanes terms
         (a sum of 10^6 squares sharing the loop with another sum: 1.9e-5 relative,
         PyTorch 1.6e-7); in f64 each is rounded once. Used for blocks of more than
-        SHORT_ROWS rows, as `reduce_in_wide_scratch` is."""
+        `short_rows` rows, as `reduce_in_wide_scratch` is."""
         if self.strict or self.fp != ir.FloatType():
             return {}
         out = {}
@@ -348,7 +344,7 @@ class LoopGen:
                 continue
             inner = [v for v in m.loops if v not in m.red]   # outer ones too (a bias gradient's d)
             sizes = [m.sizes[v] for v in inner]
-            if not all(isinstance(n, int) for n in sizes) or not 0 < int(np.prod(sizes)) <= WIDE_SCRATCH:
+            if not all(isinstance(n, int) for n in sizes) or not 0 < int(np.prod(sizes)) <= self.cpu.wide_scratch:
                 continue
             row = self.f.entry.alloca(ir.DoubleType(), size=I64(int(np.prod(sizes))), name="wide.partial")
             out[id(m)] = (m, self.scratch_slot(m, inner, row), inner)
@@ -383,8 +379,8 @@ class LoopGen:
         return out
 
     def prefetch_next(self, buf: str, row) -> None:
-        """Ask for the next row of `buf` (its first PREFETCH_ROW_BYTES; none when a row
-        is shorter than PREFETCH_MIN_ROW_BYTES) while this one is worked on: a long row
+        """Ask for the next row of `buf` (its first `cpu.prefetch_row_bytes`; none when a row
+        is shorter than `cpu.prefetch_min_row_bytes`) while this one is worked on: a long row
         starts a new page, where the hardware's prefetchers stop, so without this the
         first member that reads a row waits for memory. A layernorm's forward and
         backward over 4096 x 1024 (the group reads x and dy; minimum Mcycles of 60
@@ -396,14 +392,14 @@ class LoopGen:
         width = et.width // 8 if isinstance(et, ir.IntType) else (4 if isinstance(et, ir.FloatType) else 8)
         per_line = 64 // width
         stride = self.f.strides(order)[order[0]]
-        count = b.select(b.icmp_signed("<", stride, I64(PREFETCH_ROW_BYTES // width)), stride,
-                         I64(PREFETCH_ROW_BYTES // width))
+        count = b.select(b.icmp_signed("<", stride, I64(self.cpu.prefetch_row_bytes // width)), stride,
+                         I64(self.cpu.prefetch_row_bytes // width))
         base = b.gep(self.ptr[buf], [b.mul(b.add(row, I64(1)), stride)], source_etype=et)
         fn = self.b.module.globals.get("llvm.prefetch.p0") or ir.Function(
             self.b.module, ir.FunctionType(ir.VoidType(), [PTR, ir.IntType(32), ir.IntType(32), ir.IntType(32)]),
             "llvm.prefetch.p0")
         lines = b.sdiv(b.add(count, I64(per_line - 1)), I64(per_line))
-        lines = b.select(b.icmp_signed("<", stride, I64(PREFETCH_MIN_ROW_BYTES // width)), I64(0), lines)
+        lines = b.select(b.icmp_signed("<", stride, I64(self.cpu.prefetch_min_row_bytes // width)), I64(0), lines)
         with for_range(b, I64(0), lines, "pf", unroll=False) as i:
             at = b.gep(base, [b.mul(i, I64(per_line))], source_etype=et)
             b.call(fn, [at, ir.IntType(32)(0), ir.IntType(32)(3), ir.IntType(32)(1)])
@@ -463,9 +459,9 @@ class LoopGen:
                 if v in loops:
                     rows = size_op("*", rows, k.sizes[v])
             if isinstance(rows, int):
-                (self.reduce_in_wide_scratch if rows > SHORT_ROWS else self.memory_mode)(loops, vars)
+                (self.reduce_in_wide_scratch if rows > short_rows(self.cpu) else self.memory_mode)(loops, vars)
             else:   # a symbolic number of rows: both, and the length picks one
-                long = self.b.icmp_signed(">", self.f.size(rows), I64(SHORT_ROWS))
+                long = self.b.icmp_signed(">", self.f.size(rows), I64(short_rows(self.cpu)))
                 with self.b.if_else(long) as (then, otherwise):
                     with then:
                         self.reduce_in_wide_scratch(loops, vars)
@@ -491,7 +487,7 @@ class LoopGen:
         if self.split and v == self.split[0]:
             self.split_nest(self.split, loops[len(self.split):], vars, leaf)
             return
-        if unrolled(self.k, v):
+        if unrolled(self.k, v, self.cpu):
             for i in range(self.k.sizes[v]):  # unrolled, so that the loop around it is innermost for LLVM
                 self.nest(loops[1:], {**vars, v: I64(i)}, leaf)
             return
@@ -517,8 +513,8 @@ class LoopGen:
         f32, each of LLVM's vector lanes carries n / lanes terms, and the error grows
         with n (3e-3 relative for 10^7 values of 0.1); in f64 it stays below f32's
         rounding of the result for any length that fits in memory. A sum of at most
-        SHORT_SUM terms (a row of a layernorm) keeps f32 lanes (f64 lanes made a 64 x 256
-        layernorm 1.8x slower), over chunks of SUM_CHUNK iterations of its innermost
+        `cpu.short_sum` terms (a row of a layernorm) keeps f32 lanes (f64 lanes made a 64 x 256
+        layernorm 1.8x slower), over chunks of `cpu.sum_chunk` iterations of its innermost
         loop when that is a loop LLVM vectorizes (`chunked_sum`). With a symbolic
         length, both loops are generated and the length picks one."""
         b = self.b
@@ -528,15 +524,15 @@ class LoopGen:
         n = 1
         for v in red:
             n = size_op("*", n, self.k.sizes[v])
-        chunked = not self.strict and bool(red) and not unrolled(self.k, red[-1])
+        chunked = not self.strict and bool(red) and not unrolled(self.k, red[-1], self.cpu)
         if isinstance(n, int):
-            if n > SHORT_SUM:
+            if n > self.cpu.short_sum:
                 return self._accumulate(kind, vars, term, red, ir.DoubleType())
-            if chunked and n > SUM_CHUNK:
+            if chunked and n > self.cpu.sum_chunk:
                 return self.chunked_sum(vars, term, red)
             return self._accumulate(kind, vars, term, red, self.fp)
         result = self.f.alloca(self.fp, "sum")
-        short = b.icmp_signed("<=", self.f.size(n), I64(SHORT_SUM))
+        short = b.icmp_signed("<=", self.f.size(n), I64(self.cpu.short_sum))
         with b.if_else(short) as (then, otherwise):
             with then:
                 b.store(self.chunked_sum(vars, term, red) if chunked else
@@ -546,13 +542,13 @@ class LoopGen:
         return b.load(result)
 
     def chunked_sum(self, vars: dict, term, red: list[str]) -> ir.Value:
-        """A short f32 sum in f32 lanes over chunks of SUM_CHUNK iterations of its
+        """A short f32 sum in f32 lanes over chunks of `cpu.sum_chunk` iterations of its
         innermost loop, each chunk's sum added into an f64 accumulator, rounded once at
-        the end: a lane then carries at most SUM_CHUNK / lanes terms (8 with AVX2's
+        the end: a lane then carries at most `cpu.sum_chunk` / lanes terms (8 with AVX2's
         4 x 8 lanes) wherever the sum is long. One chain of f32 lanes over all of a
         4096-term sum carried 128 terms each, and 4096 values of 0.1 summed 7e-7 off
         (PyTorch 4e-8); the chunk's horizontal add costs little next to its 256 terms."""
-        b, wide = self.b, ir.DoubleType()
+        b, wide, chunk_len = self.b, ir.DoubleType(), self.cpu.sum_chunk
         total = self.f.alloca(wide, "acc.wide")
         b.store(ir.Constant(wide, 0.0), total)
 
@@ -572,17 +568,17 @@ class LoopGen:
             n = self.k.sizes[v]
             if isinstance(n, int) and not any(self.k.bounds.get(v, ((), ()))):
                 # known trip counts, which LLVM vectorizes without a remainder loop
-                with for_range(b, I64(0), I64(n // SUM_CHUNK), f"{v}.chunk", unroll=False) as c:
-                    start = b.mul(c, I64(SUM_CHUNK), flags=["nsw"])
-                    chunk(vs, start, b.add(start, I64(SUM_CHUNK), flags=["nsw"]))
-                if n % SUM_CHUNK:
-                    chunk(vs, I64(n - n % SUM_CHUNK), I64(n))
+                with for_range(b, I64(0), I64(n // chunk_len), f"{v}.chunk", unroll=False) as c:
+                    start = b.mul(c, I64(chunk_len), flags=["nsw"])
+                    chunk(vs, start, b.add(start, I64(chunk_len), flags=["nsw"]))
+                if n % chunk_len:
+                    chunk(vs, I64(n - n % chunk_len), I64(n))
                 return
             lo, hi = self.extent(v, vs)
-            count = b.sdiv(b.add(b.sub(hi, lo), I64(SUM_CHUNK - 1)), I64(SUM_CHUNK))
+            count = b.sdiv(b.add(b.sub(hi, lo), I64(chunk_len - 1)), I64(chunk_len))
             with for_range(b, I64(0), count, f"{v}.chunk", unroll=False) as c:
-                start = b.add(lo, b.mul(c, I64(SUM_CHUNK), flags=["nsw"]), flags=["nsw"])
-                end = b.add(start, I64(SUM_CHUNK), flags=["nsw"])
+                start = b.add(lo, b.mul(c, I64(chunk_len), flags=["nsw"]), flags=["nsw"])
+                end = b.add(start, I64(chunk_len), flags=["nsw"])
                 chunk(vs, start, b.select(b.icmp_signed("<", end, hi), end, hi))
 
         self.nest(red[:-1], vars, rows)
@@ -597,7 +593,7 @@ class LoopGen:
         else:
             step = lambda vs: b.store(self.combine(b.load(acc), term(vs), kind), acc)  # noqa: E731
         saved = self.sum_flags, self.fused_term
-        if kind == "sum" and not self.strict and not all(unrolled(self.k, v) for v in red):
+        if kind == "sum" and not self.strict and not all(unrolled(self.k, v, self.cpu) for v in red):
             # a reduction loop LLVM vectorizes: lanes (reassoc) and FMA (contract). An
             # unrolled one is not: the loop around it is, and there LLVM contracts and
             # reassociates the vector body and the scalar remainder differently, whose
@@ -621,10 +617,10 @@ class LoopGen:
         """For an f32 sum in memory mode (a reduced loop outside a kept one: summing the
         rows of a row-major matrix, a bias gradient's sum over the batch), the kept loops
         inside its first reduced loop, when their elements (known sizes, at most
-        WIDE_SCRATCH) fit an f64 scratch row on the stack; else None. Added into the f32
+        `cpu.wide_scratch`) fit an f64 scratch row on the stack; else None. Added into the f32
         output, each element took one rounding per row, and the error grew with the rows
         (1e-5 relative for 1e5 rows, PyTorch's pairwise sum 1e-7). The scratch row is
-        used beyond SHORT_ROWS rows (at run time for a symbolic count): up to there the
+        used beyond `short_rows` rows (at run time for a symbolic count): up to there the
         f32 output adds as many terms as a lane of a short register-mode sum does."""
         if self.strict or self.k.reduce != "sum" or self.fp != ir.FloatType():
             return None
@@ -635,7 +631,7 @@ class LoopGen:
             if not isinstance(self.k.sizes[v], int):
                 return None
             n *= self.k.sizes[v]
-        return inner if 0 < n <= WIDE_SCRATCH else None
+        return inner if 0 < n <= self.cpu.wide_scratch else None
 
     def reduce_in_wide_scratch(self, loops: list[str], vars: dict) -> None:
         """Memory mode with an f64 accumulator: for each index of the kept loops outside
@@ -883,7 +879,8 @@ class LoopGen:
         return phi
 
 
-def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, name: str) -> ir.Function:
+def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, name: str,
+                       options: Options) -> ir.Function:
     """`void name(ptr data)`, data = [dims, buffers...]: runs this thread's share of
     the kernel's split range (`split_count`, `parallel.thread_range`)."""
     from tgc.backends.cpu import parallel
@@ -895,7 +892,7 @@ def emit_parallel_body(mod: ir.Module, low: Lowered, k, kernel: ir.Function, nam
     e = f.entry
     ptrs = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(nbuf + 1)]
     f.dims_ptr = ptrs[0]
-    lo, hi = parallel.thread_range(f.b, split_count(f, k))
+    lo, hi = parallel.thread_range(f.b, split_count(f, k, options.cpu))
     f.b.call(kernel, ptrs + [lo, hi])
     f.b.ret_void()
     f.finish()

@@ -1,10 +1,13 @@
 """The CPU backend's code-generation settings, nested in `tgc.options.Options` as
 `options.cpu` (`Options(cpu=CpuOptions(threads=1))`).
 
-Plain data (no imports): the neutral options module nests it. Every tuned threshold
-of the CPU backend is a field here, none is a module-level constant. A field changes
+Plain data (no imports): the neutral options module nests it. Every tuned number of
+the CPU backend is a field here, not a module-level constant (one is left to move:
+group.py's `INLINE_MAX_OPS`). A field changes
 what code is generated (so it is part of the code cache's key), except `compile_jobs`,
-which only splits the work of compiling it.
+which only splits the work of compiling it, and `recycle_min_bytes` and `recycle_kept`,
+which the runtime reads. docs/optimization.md ("Tuned numbers") gives the measurement
+behind each tuned default.
 """
 from __future__ import annotations
 
@@ -49,6 +52,33 @@ class CpuOptions:
     own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (conv2d benchmark, 2 threads, with the own kernel's other changes of that stop: 18.5 -> 13.9-14.9 Mcycles of kernels)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
+    # Tuned numbers of the code generator (docs/optimization.md, "Tuned numbers", gives each one's measurement):
+    row_entry_work: int = 128                # work (parallel_min_work's units) of each entry into a kernel's innermost loop: its setup, masked tail and horizontal reduction (codegen.work_terms)
+    entry_compile_cost: int = 0              # estimated compile cost (codegen.compile_cost's ms) of the entry points beyond their kernel calls, when the program is split into units for compile_jobs ...
+    call_compile_cost: float = 0.5           # ... and of each kernel call in tgc_run ...
+    tile_compile_cost: int = 100             # ... and of the GEMM tile helpers (gemm_small), compiled with the entry points in the first unit
+    gemm_min_tile: int = 16                  # GEMM tiles are not cut below this many rows or columns of C' (gemm.GemmGen.tiles) ...
+    gemm_min_chunk: int = 64                 # ... nor below this many terms of K
+    gemm_tap_tiles: int = 4                  # a GEMM with shifts (convolution taps) that cblas runs is cut into this many times gemm_tiles tiles
+    gemm_batch_tasks: int = 16               # a GEMM batched at least this many times is one tile per batch index; a batch of fewer indices may share one packed B' in the own kernel (gemm_dispatch.shared_b_batch)
+    gemm_pack_elems: int = 4096              # elements of the stack buffer the small-tile GEMM loops pack B' into (gemm_small: 16 KiB of f32, in L1)
+    gemm_loop_cols: int = 2                  # vectors of columns per block of the blocked GEMM loops (gemm_small.loops_kernel)
+    bf16_gemm_depth: int = 256               # K per packed block of the bf16 kernel (even; gemm_bf16: a B' block of 128 pairs x 64 columns, 32 KiB)
+    bf16_gemm_panel: int = 256               # rows of A' the bf16 kernel packs at a time per K block (256 x 128 pairs, 128 KiB)
+    loop_split_min: int = 8                  # an outermost loop shorter than this is shared by threads together with the next (loops.split_loops, loops.blocked_loops)
+    unroll_max: int = 4                      # a loop of at most this many known iterations is unrolled ...
+    unroll_copies: int = 8                   # ... while the short loops unrolled inside it make at most this many copies of the body (loops.unrolled)
+    group_min_block_rows: int = 16           # the shortest block of a blocked loop group's outer loop ...
+    group_min_vector_block_rows: int = 64    # ... when that loop is the one LLVM vectorizes (its main vector loop takes 2 x 16 rows) (loops.split_count)
+    short_sum: int = 4096                    # an f32 sum of at most this many terms keeps f32 lanes (loops.LoopGen.accumulate); beyond short_sum // 64 rows a memory-mode sum goes through an f64 scratch row
+    sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum)
+    wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum)
+    prefetch_row_bytes: int = 16384          # the most bytes of a loop group's next row prefetched per buffer ...
+    prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
+    own_gemm_depth: int = 256                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it) ...
+    own_gemm_mask_classes: int = 64          # ... and the most row classes whose lane masks an implicit GEMM's window table holds (fgemm._Lanes)
+    recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
+    recycle_kept: int = 2                    # ... from up to this many earlier calls
 
     def with_(self, **changes) -> "CpuOptions":
         """A copy with the given fields changed."""

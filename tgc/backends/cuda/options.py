@@ -1,5 +1,6 @@
 """The CUDA backends' settings (cuda, cuda-sim; docs/cuda.md), nested in
-`tgc.options.Options` as `options.cuda`. Plain data, no imports."""
+`tgc.options.Options` as `options.cuda`. Plain data, no imports. docs/cuda.md
+("Tuned numbers") gives what each tuned default trades and its measurement."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -40,6 +41,10 @@ class CudaOptions:
     row_block_min: int = 64
     row_block_max: int = 256
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
+    grid_per_sm: int = 16     # on a GPU, a launch takes at most this many blocks per multiprocessor (grid-stride loops do the rest)
+    bindings_kept: int = 4    # bindings of the dims kept per program (runtime._Binding: workspace, steps, graphs), most recently used first
+    graphs_kept: int = 4      # CUDA graphs kept per binding (by the addresses of the arguments and outputs); a binding with more misses than hits after twice this many captures stops capturing
+    outputs_kept: int = 4     # output sets kept per binding, to be written again once the caller drops them
 
     def row_block(self, length: int) -> int:
         """The threads of a block-per-row launch for rows of `length` elements (above):

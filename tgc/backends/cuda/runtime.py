@@ -21,8 +21,8 @@ the same orchestration for both devices, on what a binding of the dims keeps
 word; each launch as a step with its geometry and arguments fixed, each GEMM cell's
 call planned; a loop over an edge as a host loop over its steps, `_steps_fn`): the
 check kernels, then every launch in order, each a grid-stride loop
-over its work items, `BLOCK` threads per block and at most `GRID_PER_SM` blocks per
-multiprocessor on a GPU, small grids under the emulator (`SIM_BLOCK`, `SIM_GRID`),
+over its work items, `BLOCK` threads per block and at most `CudaOptions.grid_per_sm`
+blocks per multiprocessor on a GPU, small grids under the emulator (`SIM_BLOCK`, `SIM_GRID`),
 which is slow. The error word is read once: under cuda-sim right after the checks (an
 out-of-range id is the runtime's `EvalError` before any other kernel runs), on a GPU
 after the call, every kernel after the checks returning at once when a check failed,
@@ -88,11 +88,7 @@ SIM_HEADER = Path(__file__).with_name("sim.h")
 SIM_FLAGS = ("-fopenmp", "-x", "c++", "-O2", "-shared", "-fPIC", "-w")
 SIM_BLOCK, SIM_GRID = 32, 4          # emulated launches: a few blocks of a warp
 SIM_ROW_BLOCK = 64                   # emulated one-block-per-row reductions: two warps (an OpenMP team)
-GRID_PER_SM = 16                     # at most this many blocks per multiprocessor (grid-stride loops do the rest)
 WS_ALIGN = 256
-BINDINGS_KEPT = 4                    # bindings of the dims kept per program (`_Binding`: workspace, steps, graphs)
-GRAPHS_KEPT = 4                      # CUDA graphs kept per binding (by the addresses of the arguments and outputs)
-OUTPUTS_KEPT = 4                     # output sets kept per binding for reuse once the caller drops them
 # the emulator's grid and block sizes are globals of each loaded library (a library is
 # shared by every program with the same module text): one emulated call at a time
 _SIM_LOCK = threading.Lock()
@@ -101,7 +97,7 @@ _SIM_LOCK = threading.Lock()
 def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     """Generate the CUDA module of `low` (lowered without the CPU's stages) and load
     it on the device `backend` names ("cuda" or "cuda-sim")."""
-    device = _CupyDevice() if backend == "cuda" else _SimDevice()
+    device = _CupyDevice(options) if backend == "cuda" else _SimDevice()
     cm = codegen.generate(low, cuda=options.cuda)
     device.load(cm, options)
     return CudaKernels(low, options, cm, device)
@@ -111,11 +107,11 @@ def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
     and plan with their own `rowgroup` between (no stage of the CPU's), without
     complex GEMM cells (`lowering_options`)."""
-    from tgc.backends.base import get_backend
+    from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module
 
     be = get_backend("cuda-sim")
-    return lower_module(module, be.lowering_options(options), stages=be.lowering())
+    return lower_module(module, be.lowering_options(options), stages=be.lowering(), known=pass_registry())
 
 
 # ---------------------------------------------------------------- devices
@@ -181,7 +177,7 @@ class _CupyDevice:
     """A GPU through CuPy: `cupy.RawModule` kernels, cuBLAS through `cupy.matmul`."""
     name = "cuda"
 
-    def __init__(self):
+    def __init__(self, options: Options):
         try:
             import cupy
         except ImportError as e:
@@ -194,7 +190,7 @@ class _CupyDevice:
         if count < 1:
             raise BackendUnavailable("backend 'cuda' needs CuPy and an NVIDIA GPU: no device found")
         self.cp = self.xp = cupy
-        self.grid_max = GRID_PER_SM * _sm_count(cupy)
+        self.grid_max = options.cuda.grid_per_sm * _sm_count(cupy)
 
     def load(self, cm: codegen.CudaModule, options: Options) -> None:
         opts = ("--std=c++17",) + (("--fmad=false",) if options.fp_strict else ())
@@ -634,13 +630,13 @@ class CudaKernels(Kernels):
 
     def _binding(self, env: dict) -> "_Binding":
         """What a call with these dims reuses (`_Binding`): made on the first call with
-        them, the `BINDINGS_KEPT` most recently used kept."""
+        them, the `CudaOptions.bindings_kept` most recently used kept."""
         key = tuple(sorted(env.items()))
         b = self._bindings.pop(key, None)
         if b is None:
             b = self._new_binding(key, env)
         self._bindings[key] = b            # most recently used last
-        while len(self._bindings) > BINDINGS_KEPT:
+        while len(self._bindings) > self.options.cuda.bindings_kept:
             self._bindings.pop(next(iter(self._bindings)))
         return b
 
@@ -887,14 +883,14 @@ class CudaKernels(Kernels):
         it is kept per binding and per the addresses of the call's arguments and
         outputs, and a replay copies nothing: a loop that passes the same arrays (or
         arrays CuPy's pool hands out again at the same addresses) replays one graph.
-        At most `GRAPHS_KEPT` per binding; a binding whose addresses keep changing
-        (more misses than hits after `2 * GRAPHS_KEPT` captures) stops capturing
+        At most `CudaOptions.graphs_kept` per binding; a binding whose addresses keep
+        changing (more misses than hits after twice that many captures) stops capturing
         (None: its calls launch each kernel). Capture runs on a stream of its own
         (CUDA cannot capture the legacy default stream); the graph is launched on the
         current stream. A program with loops whose capture fails launches each kernel
         from then on (the loops' capture is checked on the host stand-in only, not on
         a GPU yet)."""
-        if b.misses >= 2 * GRAPHS_KEPT and b.misses > b.hits:
+        if b.misses >= 2 * self.options.cuda.graphs_kept and b.misses > b.hits:
             b.capture = False
             return None
         b.misses += 1
@@ -907,7 +903,7 @@ class CudaKernels(Kernels):
             return None
         self.graph_counts["captures"] += 1
         b.graphs[key] = entry
-        while len(b.graphs) > GRAPHS_KEPT:   # the least recently captured goes
+        while len(b.graphs) > self.options.cuda.graphs_kept:   # the least recently captured goes
             b.graphs.pop(next(iter(b.graphs)))
         return self._replay(b, entry)
 
@@ -1002,7 +998,7 @@ class CudaKernels(Kernels):
             if rc:
                 return -1, None
             b.kept.append(kept)
-            del b.kept[:-OUTPUTS_KEPT]
+            del b.kept[:-self.options.cuda.outputs_kept]
             return 0, dict(kept[0])   # the caller's dict (the runtime adds the updated arrays to it)
 
     def _updates_share(self, b: "_Binding", vals: list) -> bool:

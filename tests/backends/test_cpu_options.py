@@ -1,0 +1,129 @@
+"""The CPU code generator's tuned numbers are `CpuOptions` fields (docs/optimization.md,
+"Tuned numbers"): each one reaches the generated LLVM IR through the options the
+generator is given, none is a module-level constant, and a program generated with
+other values still computes what the interpreter does."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import pipeline
+from tgc.backends.cpu.codegen import generate_units
+from tgc.backends.cpu.options import CpuOptions
+from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
+from tgc.options import Options
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOADS = ROOT / "benchmarks" / "workloads"
+OWN = Options().with_(own_gemm="on", bf16_gemm="on")   # the own kernels' code, whatever this host has
+BF16 = OWN.with_(autocast="bf16", bf16_gemm_min_flops=0, bf16_gemm_min_k=0)
+
+# (field, a value other than the default, the program whose code it changes, the options it is lowered with)
+REACHES = [
+    ("row_entry_work", 256, "layernorm", OWN),
+    ("group_min_block_rows", 32, "layernorm", OWN),
+    ("short_sum", 8192, "layernorm", OWN),
+    ("sum_chunk", 512, "layernorm", OWN),
+    ("prefetch_row_bytes", 32768, "layernorm", OWN),
+    ("prefetch_min_row_bytes", 2048, "layernorm", OWN),
+    ("entry_compile_cost", 7, "mlp", OWN),
+    ("call_compile_cost", 1.0, "mlp", OWN),
+    ("tile_compile_cost", 200, "mlp", OWN),
+    ("gemm_min_tile", 32, "mlp", OWN),
+    ("gemm_min_chunk", 128, "mlp", OWN),
+    ("gemm_batch_tasks", 32, "mlp", OWN),
+    ("gemm_pack_elems", 8192, "mlp", OWN),
+    ("gemm_loop_cols", 1, "mlp", Options().with_(blas="none")),
+    ("group_min_vector_block_rows", 128, "mlp", OWN),
+    ("unroll_max", 2, "mlp", OWN),
+    ("wide_scratch", 4, "mlp", OWN),
+    ("bf16_gemm_depth", 128, "mlp", BF16),
+    ("bf16_gemm_panel", 128, "mlp", BF16),
+    ("loop_split_min", 2, "conv1d", OWN),
+    ("gemm_tap_tiles", 1, "conv1d", Options().with_(own_gemm="off")),
+    ("own_gemm_depth", 512, "conv1d", OWN),
+    ("unroll_copies", 16, "conv2d", OWN),
+    ("own_gemm_mask_classes", 4, "conv2d", OWN),
+]
+
+
+@lru_cache(maxsize=None)
+def _lowered(name: str, options: Options):
+    m = pipeline.load_program(str(WORKLOADS / f"{name}.tg"), options).module
+    compiled, opts = pipeline.target(pipeline.lower(m, options).module, options)
+    return pipeline.lower_module(compiled, opts, "cpu"), opts
+
+
+def _ir_hash(name: str, options: Options, **changes) -> str:
+    low, opts = _lowered(name, options)   # the fields below are read by code generation only
+    text = "".join(generate_units(low, opts.with_(**changes), units=3))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("field, value, name, options", REACHES, ids=[r[0] for r in REACHES])
+def test_a_tuned_field_reaches_the_generated_code(field, value, name, options):
+    assert getattr(CpuOptions(), field) != value
+    assert _ir_hash(name, options, **{field: value}) != _ir_hash(name, options)
+
+
+def test_every_tuned_field_is_checked():
+    """Every field documented under "Tuned numbers" is in `REACHES` (the runtime's
+    `recycle_*` and those read by the lowering have tests of their own)."""
+    doc = (ROOT / "docs" / "optimization.md").read_text()
+    table = doc[doc.index("### Tuned numbers (`CpuOptions`)"):doc.index("## Known gaps")]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
+    assert named <= {f.name for f in dataclasses.fields(CpuOptions)}
+    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES}
+
+
+# Module-level numbers of the CPU backend that are not tuning choices: fixed by the
+# instruction set, a register block's shape, an ABI or a file format.
+STRUCTURAL = {
+    "aot.py": {"STALE_SECONDS"}, "codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES"},
+    "fgemm.py": {"VL", "MAX_TAPS"}, "gemm.py": {"UNTILED"}, "gemm_dispatch.py": {"OWN_COLS"},
+    "gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "gemm_small.py": {"ROWS"}, "kernels.py": {"ALIGN"},
+    "sizecheck.py": {"ALIGN"},
+    "group.py": {"INLINE_MAX_OPS"},   # not moved yet: docs/optimization.md, "Tuned numbers"
+}
+
+
+def test_no_tuned_number_is_a_module_constant():
+    found = {}
+    for path in sorted((ROOT / "tgc" / "backends" / "cpu").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                node.target if isinstance(node, ast.AnnAssign) else None
+            value = node.value if target is not None else None
+            if isinstance(target, ast.Name) and target.id.isupper() and isinstance(value, (ast.Constant, ast.BinOp)) \
+                    and isinstance(getattr(value, "value", 0), (int, float)) and not isinstance(
+                        getattr(value, "value", 0), bool):
+                if target.id not in STRUCTURAL.get(path.name, set()):
+                    found.setdefault(path.name, []).append(target.id)
+    assert not found, found
+
+
+def test_other_values_compute_the_same_program():
+    """The MLP step generated with other tuned numbers (smaller tiles, chunks, unrolling)
+    gives the interpreter's values."""
+    src = (WORKLOADS / "mlp.tg").read_text()
+    cpu = CpuOptions(gemm_min_tile=4, gemm_min_chunk=8, gemm_pack_elems=1024, sum_chunk=16, short_sum=64,
+                     unroll_max=2, unroll_copies=2, group_min_block_rows=2, group_min_vector_block_rows=4,
+                     loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1)
+    prog = tgc.compile(src, dtype="f64", options=Options(dtype="f64", cpu=cpu))
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({d: 37 for d in m.symbolic_dims()}), 5, "f64")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    assert want and set(want) <= set(got)
+    for name, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-10, atol=1e-12, err_msg=name)
