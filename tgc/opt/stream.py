@@ -275,13 +275,18 @@ class _Streamer:
         return None
 
     def maskable(self, ind: Value, edge: str) -> bool:
-        """Whether every link of indicator `ind` that names `edge` has integer
-        coefficients and ranges (what `mask` needs)."""
+        """Whether every link of indicator `ind` that names `edge` is an inequality (a
+        mask: causal, a window) with integer coefficients and ranges (what `mask`
+        needs). An equality naming `edge` is a reindex (a convolution's window `t = s + k
+        - 2`, a split): index arithmetic in the program as it is, which a block's stacked
+        indicator would turn into a dense product over the other side's edge."""
         rel: Relation = ind.attrs[0]
         for i in range(len(rel.ops)):
             d = rel.exprs[i].plus(rel.exprs[i + 1], -1)
             if d.coef(edge) == 0:
                 continue
+            if rel.ops[i] == "=":
+                return False
             if not isinstance(d.const, int) or any(not isinstance(k, int) or not isinstance(self.sizes.get(e), int)
                                                    for e, k in d.terms):
                 return False
