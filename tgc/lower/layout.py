@@ -14,7 +14,10 @@ temporary gets, in kernel order, the order that suits it best:
   GPT's attention products feed its weight gradients with no copy in between;
   when only loop kernels read it, elementwise or summing a few taps, the order whose
   innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
-  its partial along contiguous rows);
+  its partial along contiguous rows); when they sum its rows over the whole of one
+  group (a softmax over the key edge), that group innermost whatever the sizes
+  (`_summed_group`: a streamed attention step's `[64, s]` scores, as the unstreamed
+  `[t, s]` ones);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -178,6 +181,13 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[
     if rest != m + n and rest != n + m:
         return order
     votes = {"m": 0, "n": 0}
+    rows = _summed_group(low, k, m, n)
+    if rows is not None:
+        inner, other = (m, n) if rows == "m" else (n, m)
+        clipped = {e for _, e, _ in k.shifts}
+        if rest[-len(inner):] == inner or clipped & set(m + n):
+            return order
+        return head + other + inner
     for r in low.kernels:
         if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
             continue
@@ -209,6 +219,32 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[
     # edges (`_demote`), outside the other group
     cut = next((i for i, e in enumerate(inner) if e in clipped), 0)
     return head + inner[:cut] + other + inner[cut:]
+
+
+def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...]) -> str | None:
+    """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
+    over, each along its rows (a softmax's max, log-sum-exp and sums over the key
+    edge `s` of the `[t, s]` scores), when they agree on one: that group innermost
+    makes every such row contiguous, so the reductions run along memory, and the
+    CPU group stage keeps one row, not a block of columns, in its scratch (a
+    `[64, s]` block of scores in a streamed loop step is otherwise stored with its
+    short edge innermost, by size). None when no reader sums over a whole group of
+    more than SHORT_READER_SUM elements, or readers disagree."""
+    found = set()
+    for r in low.kernels:
+        if not isinstance(r, LoopKernel) or k.out not in r.buffers_read() or not r.red:
+            continue
+        long = {v for v in r.red if not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM}
+        if not long:
+            continue
+        for load in _loads(r):
+            if load.buf != k.out:
+                continue
+            summed = {e for e, ix in load.index if ix.as_var() in long}
+            for g, edges in (("m", m), ("n", n)):
+                if edges and set(edges) <= summed:
+                    found.add(g)
+    return found.pop() if len(found) == 1 else None
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
