@@ -194,8 +194,19 @@ def test_fp_strict_keeps_the_matrices():
     assert loops(strict) == 0
 
 
+def test_the_block_halves_to_divide_the_edge():
+    """t = 32 has no two blocks of 32: the block is halved to 16 while it stays at least
+    stream_block_min, and the streamed program computes what the plain one does."""
+    base = dict(stream_block=32, stream_min_elements=200)
+    streamed = optimized(ATTENTION, "f64", stream_block_min=8, **base)
+    assert loops(streamed) == 1 and streamed.dims["t.1"] == 16 and streamed.dims["t.2"] == 2
+    assert loops(optimized(ATTENTION, "f64", stream_block_min=32, **base)) == 0
+    x = inputs(ATTENTION)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
 def test_small_programs_stay():
-    """Under the threshold (the default's 4M elements) nothing is streamed."""
+    """Under the threshold (the default's 16M elements) nothing is streamed."""
     assert loops(optimized(ATTENTION, "f64")) == 0
 
 
