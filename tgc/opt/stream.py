@@ -47,7 +47,7 @@ allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing 
 indicators selects exact values.
 
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
-4 MB at t = s = 8192 in f32, and growing quadratically beyond.
+1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
 Terminates: each round moves at least its seed (a large add, map, contraction, ...
 of the top level) into a loop body, which the pass never looks inside, and adds to the
