@@ -194,8 +194,19 @@ def test_fp_strict_keeps_the_matrices():
     assert loops(strict) == 0
 
 
+def test_the_block_halves_to_divide_the_edge():
+    """t = 32 has no two blocks of 32: the block is halved to 16 while it stays at least
+    stream_block_min, and the streamed program computes what the plain one does."""
+    base = dict(stream_block=32, stream_min_elements=200)
+    streamed = optimized(ATTENTION, "f64", stream_block_min=8, **base)
+    assert loops(streamed) == 1 and streamed.dims["t.1"] == 16 and streamed.dims["t.2"] == 2
+    assert loops(optimized(ATTENTION, "f64", stream_block_min=32, **base)) == 0
+    x = inputs(ATTENTION)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
 def test_small_programs_stay():
-    """Under the threshold (the default's 4M elements) nothing is streamed."""
+    """Under the threshold (the default's 16M elements) nothing is streamed."""
     assert loops(optimized(ATTENTION, "f64")) == 0
 
 
@@ -257,7 +268,7 @@ def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
 
 
 def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
-    """`tgc explain` on the benchmark's attention at t = 1024 (the default threshold met):
+    """`tgc explain` on the benchmark's attention at t = 2048 (the default threshold met):
     one loop of steps, in a parallel region, whose note and the save/recompute line say it
     streams t in blocks; the peak (with the step's own temporaries) is under a [t, s] matrix."""
     from click.testing import CliRunner
@@ -265,7 +276,7 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
     from tgc.cli import main
 
     path = tmp_path / "attention.tg"
-    path.write_text(ATTENTION.replace("head = 2, t = 32, hd = 2", "head = 4, t = 1024, hd = 16"))
+    path.write_text(ATTENTION.replace("head = 2, t = 32, hd = 2", "head = 4, t = 2048, hd = 16"))
     r = CliRunner().invoke(main, ["explain", str(path), "--format", "json"])
     assert r.exit_code == 0, r.output
     import json
@@ -275,4 +286,5 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
     assert len(steps) == 1 and steps[0]["threads"] == "per step kernel"
     assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
         report["recompute_note"]
-    assert report["peak"]["bytes"] < 4 * 1024 * 1024 * 4 / 2   # under half of one [head, t, s] f32 matrix
+    # under one [head, t, s] f32 matrix (unstreamed: three); the step holds [head, 256, s] blocks
+    assert report["peak"]["bytes"] < 4 * 2048 * 2048 * 4

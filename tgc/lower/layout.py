@@ -14,7 +14,10 @@ temporary gets, in kernel order, the order that suits it best:
   GPT's attention products feed its weight gradients with no copy in between;
   when only loop kernels read it, elementwise or summing a few taps, the order whose
   innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
-  its partial along contiguous rows);
+  its partial along contiguous rows); when they sum its rows over the whole of one
+  group (a softmax over the key edge) and that group is the larger, it goes innermost
+  all the same (`_summed_group`: a streamed attention step's `[64, s]` scores, as the
+  unstreamed `[t, s]` ones);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -119,7 +122,7 @@ def _order_buffers(low: Lowered, guess: int) -> None:
                 if matrix_form(want, mine.m, mine.n) is not None:
                     buf.order = want
             else:
-                buf.order = _suit_readers(low, k, buf.order)
+                buf.order = _suit_readers(low, k, buf.order, guess)
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
@@ -161,7 +164,7 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
 SHORT_READER_SUM = 8   # readers summing at most this many terms (kernel taps) vote in `_suit_readers`
 
 
-def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[str, ...]:
+def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: int) -> tuple[str, ...]:
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
@@ -178,6 +181,13 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[
     if rest != m + n and rest != n + m:
         return order
     votes = {"m": 0, "n": 0}
+    rows = _summed_group(low, k, m, n, guess)
+    if rows is not None:
+        inner, other = (m, n) if rows == "m" else (n, m)
+        clipped = {e for _, e, _ in k.shifts}
+        if rest[-len(inner):] == inner or clipped & set(m + n):
+            return order
+        return head + other + inner
     for r in low.kernels:
         if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
             continue
@@ -209,6 +219,41 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...]) -> tuple[
     # edges (`_demote`), outside the other group
     cut = next((i for i, e in enumerate(inner) if e in clipped), 0)
     return head + inner[:cut] + other + inner[cut:]
+
+
+def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int) -> str | None:
+    """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
+    over, each along its rows (a softmax's max, log-sum-exp and sums over the key
+    edge `s` of the `[t, s]` scores), when they agree on one and it is the larger
+    group, which the size rule (`_gemm_result_order`) would put outside: that group
+    innermost makes every such row contiguous, so the reductions run along memory,
+    and the CPU group stage keeps one row, not a block of columns, in its scratch (a
+    `[64, s]` block of scores in a streamed loop step is otherwise stored with its
+    short edge innermost). A reader votes when it sums a whole group (of more than
+    SHORT_READER_SUM elements) and keeps the other: a full sum (a loss) has no rows.
+    None when none votes, they disagree, or the groups tie in size (the size rule's
+    order stays: GPT's `[t, t]` scores inside its layer loop)."""
+    env = {d: guess for d in low.module.symbolic_dims()}
+    size = {g: math.prod(size_estimate(low.size(e), env) for e in edges) for g, edges in (("m", m), ("n", n))}
+    found = set()
+    for r in low.kernels:
+        if not isinstance(r, LoopKernel) or k.out not in r.buffers_read() or not r.red:
+            continue
+        long = {v for v in r.red if not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM}
+        if not long:
+            continue
+        for load in _loads(r):
+            if load.buf != k.out:
+                continue
+            summed = {e for e, ix in load.index if ix.as_var() in long}
+            kept = {e for e, ix in load.index if ix.vars() and not set(ix.vars()) & set(r.red)}
+            for g, edges, other in (("m", m, n), ("n", n, m)):
+                if edges and set(edges) <= summed and set(other) <= kept:
+                    found.add(g)
+    if len(found) != 1:
+        return None
+    g = found.pop()
+    return g if size[g] > size["n" if g == "m" else "m"] else None
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:

@@ -5,9 +5,10 @@ What it rewrites. A program whose largest values span two long edges, such as th
 (after autodiff and the algebra passes, forward and backward are one DAG), keeps
 whole `|t| * |s|` matrices. This pass picks such a value (the seed: at least
 `options.stream_min_elements` elements, every size known) and one of its edges `E`
-of fixed size N, split as `E = Ec + B*Eb` (B = `options.stream_block`, dividing N,
-N >= 2B), and moves into one `loop` over `Eb` the region of values that can be
-computed one block of `E` at a time:
+of fixed size N, split as `E = Ec + B*Eb` (B = `options.stream_block`, or its half,
+quarter, ... down to `options.stream_block_min`: the largest dividing N with N >= 2B),
+and moves into one `loop` over `Eb` the region of values that can be computed one
+block of `E` at a time:
 
 - the region grows from the seed through every value that keeps `E` and reads it
   elementwise along `E` (add, map, rename, stop, a contraction or a reduction that
@@ -46,7 +47,7 @@ allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing 
 indicators selects exact values.
 
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
-4 MB at t = s = 8192 in f32, and growing quadratically beyond.
+1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
 Terminates: each round moves at least its seed (a large add, map, contraction, ...
 of the top level) into a loop body, which the pass never looks inside, and adds to the
@@ -219,7 +220,9 @@ def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
 class _Streamer:
     def __init__(self, module: Module, options: Options):
         self.m = module
-        self.block = options.stream_block
+        self.top = options.stream_block
+        self.least = options.stream_block_min
+        self.block = self.top             # the block of the edge being tried (`block_for`)
         self.big = options.stream_min_elements
         self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
         # the sizes the thresholds read: a symbolic dim counts as `rep_size`, as in every cost model
@@ -256,10 +259,18 @@ class _Streamer:
         n = _numel(v, self.est)
         return n >= self.big and 8 * n > _numel(seed, self.est)
 
+    def block_for(self, n: int) -> int | None:
+        """The block for an edge of size n: the largest of `stream_block`, its half, its
+        quarter, ... down to `stream_block_min` that divides n with two blocks at least."""
+        b, least = self.top, min(self.least, self.top)
+        while b >= least and b >= 1:
+            if n % b == 0 and n >= 2 * b:
+                return b
+            b //= 2
+        return None
+
     def edges_of(self, seed: Value) -> list[str]:
-        b = self.block
-        ok = [e for e in seed.edges if isinstance(self.sizes.get(e), int) and self.sizes[e] >= 2 * b
-              and self.sizes[e] % b == 0]
+        ok = [e for e in seed.edges if isinstance(self.sizes.get(e), int) and self.block_for(self.sizes[e])]
         return sorted(ok, key=lambda e: (-self.sizes[e], e))
 
     def round(self, skip: set[int]) -> Module | None:
@@ -267,6 +278,7 @@ class _Streamer:
         roots = self.m.roots()
         for seed in self.seeds(order, skip):
             for edge in self.edges_of(seed):
+                self.block = self.block_for(self.sizes[edge])
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks):
