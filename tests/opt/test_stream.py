@@ -288,3 +288,47 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
         report["recompute_note"]
     # under one [head, t, s] f32 matrix (unstreamed: three); the step holds [head, 256, s] blocks
     assert report["peak"]["bytes"] < 4 * 2048 * 2048 * 4
+
+
+# attention inside a loop over layers (a `repeat` body)
+LAYERS = """
+dim layer
+dim t = 64, hd = 4
+dim s = t
+input x[t, hd]
+param wk[layer, hd, hd2: hd]
+fn block(h, wk) {
+  k = (h @ wk)[hd2 -> hd, t -> s]
+  p = softmax[s](where([s <= t], sum[hd](h * k), -1e9))
+  return sum[s](p * h[t -> s]) * 0.5 + h
+}
+y = repeat[layer](block, x, wk)
+"""
+
+
+def nested_loops(module) -> int:
+    from tgc.ir.values import topo_order
+
+    return sum(1 for v in module.values() if v.op == "loop"
+               for w in topo_order(list(v.attrs[0].results)) if w.op == "loop")
+
+
+@pytest.mark.parametrize("grads", [False, True], ids=["forward", "gradients-under-a-budget"])
+def test_a_loop_body_streams(grads):
+    """A cluster inside a loop's step streams as a loop in the step. With gradients, the
+    reverse loop keeps each step's values unless the memory planner keeps only the
+    carries (a budget): then the forward and the reverse steps both stream."""
+    import tgc
+
+    src = LAYERS + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
+                    else "out y\n")
+    extra = dict(memory_budget=400_000) if grads else {}   # met by keeping only the carries
+    on, off = optimized(src, "f64", stream_block=16, stream_min_elements=1000, **extra), optimized(src, "f64", **OFF)
+    assert nested_loops(on) == (2 if grads else 1) and nested_loops(off) == 0
+    env = off.bind_dims({"layer": 3})
+    x = random_inputs(off, env, 0, "f64")
+    want = evaluate(off, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3})
+    close(evaluate(on, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3}), want, 1e-12)
+    prog = tgc.compile(src, "cpu", "f64", options=Options(dtype="f64", stream_block=16, stream_min_elements=1000,
+                                                          **extra))
+    close(prog(**{k: v.copy() for k, v in x.items()}), want, 1e-12)

@@ -170,6 +170,8 @@ def _map_body(module: Module, body: V.LoopBody, fn) -> V.LoopBody:
     results = [o.value for o in new.outputs]
     if any(r.type != o.type for r, o in zip(results, body.results)):
         return body
+    for d, n in new.dims.items():    # dims a pass declared for the body (stream's block edges)
+        module.dims.setdefault(d, n)
     for e, d in new.edges.items():
         module.edges.setdefault(e, d)
     return V.loop_body(body.params, results, body.carries, body.slices)

@@ -451,4 +451,7 @@ class Stream(Pass):
             options = options.with_(stream_min_elements=self.min_elements)
         if options.fp_strict or options.stream_block <= 0:
             return module
-        return stream(module, options)
+        from tgc.opt.rewrite import map_bodies
+
+        # a loop's step too (attention inside a `repeat` over layers): its body as a module
+        return map_bodies(stream(module, options), lambda body: stream(body, options))
