@@ -453,5 +453,7 @@ class Stream(Pass):
             return module
         from tgc.opt.rewrite import map_bodies
 
-        # a loop's step too (attention inside a `repeat` over layers): its body as a module
-        return map_bodies(stream(module, options), lambda body: stream(body, options))
+        # the program's loops' steps first (attention inside a `repeat` over layers: each
+        # body as a module, once), then the program itself; the loops this makes are not
+        # looked into again
+        return stream(map_bodies(module, lambda body: stream(body, options)), options)
