@@ -27,6 +27,8 @@ from tgc.ir.inputs import random_inputs
 from tgc.ir.interp import evaluate
 from tgc.options import Options
 
+from layer_programs import LAYERNORM
+
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 NVCC = shutil.which("nvcc")
 
@@ -143,18 +145,6 @@ def test_column_sums_are_the_same_bits_on_every_run_and_on_both_paths():
     assert first["dw"].tobytes() == other["dw"].tobytes()
 
 
-LAYERNORM = """
-dim rows, d
-input x[rows, d]
-input dy[rows, d]
-param w[d], b[d]
-y = layernorm[d](x, w, b)
-loss = sum(y * dy)
-out y
-out dx = grad(loss, x)
-out dw = grad(loss, w)
-out db = grad(loss, b)
-"""
 SOFTMAX = "dim rows, d\ninput x[rows, d]\ninput dy[rows, d]\ny = softmax[d](x)\nout y\nout dx = grad(sum(y * dy), x)\n"
 
 

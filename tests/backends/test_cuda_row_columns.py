@@ -27,21 +27,10 @@ from tgc.ir.interp import evaluate
 from tgc.options import Options
 
 from numerics_util import normwise_err, ok
+from layer_programs import LAYERNORM
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
-LAYERNORM = """
-dim rows, d
-input x[rows, d]
-input dy[rows, d]
-param w[d], b[d]
-y = layernorm[d](x, w, b)
-loss = sum(y * dy)
-out y
-out dx = grad(loss, x)
-out dw = grad(loss, w)
-out db = grad(loss, b)
-"""
 # a column mean (an epilogue after the sum) next to a row softmax
 SOFTMAX_MEAN = """
 dim rows, d

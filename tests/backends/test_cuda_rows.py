@@ -27,6 +27,7 @@ from tgc.lower.text import parse_lowered
 from tgc.options import Options
 
 from marks import sized_by_themselves
+from layer_programs import LAYERNORM
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 
@@ -49,18 +50,6 @@ out l = logsumexp[d](x)
 out dx = grad(sum(y * dy), x)
 """
 
-LAYERNORM = """
-dim rows, d
-input x[rows, d]
-input dy[rows, d]
-param w[d], b[d]
-y = layernorm[d](x, w, b)
-loss = sum(y * dy)
-out y
-out dx = grad(loss, x)
-out dw = grad(loss, w)
-out db = grad(loss, b)
-"""
 
 # a row of a 3-d tensor (two outer loops) with a causal mask: rows of -inf entries
 CAUSAL = """

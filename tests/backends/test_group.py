@@ -17,18 +17,8 @@ from tgc.backends.cpu.group import LoopGroup
 from tgc.lower.lowered import LoopKernel
 from tgc.options import Options
 
-LAYERNORM = """
-dim rows, d
-input x[rows, d]
-input dy[rows, d]
-param w[d], b[d]
-y = layernorm[d](x, w, b)
-loss = sum(y * dy)
-out y
-out dx = grad(loss, x)
-out dw = grad(loss, w)
-out db = grad(loss, b)
-"""
+from layer_programs import LAYERNORM
+
 
 # a bias gradient summed over rows next to elementwise work: outer loops (rows, d)
 TANH_BIAS = """

@@ -225,8 +225,11 @@ class _Streamer:
         self.block = self.top             # the block of the edge being tried (`block_for`)
         self.big = options.stream_min_elements
         self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
-        # the sizes the thresholds read: a symbolic dim counts as `rep_size`, as in every cost model
-        self.est = {e: n if isinstance(n, int) else options.rep_size for e, n in self.sizes.items()}
+        # the sizes the thresholds read: a symbolic dim counts as 1, its smallest size: one
+        # program serves every size, and at a small one the blocks' slices and stacked
+        # results cost more memory than the whole matrices they replace (a [batch, t, s]
+        # cluster streams when its [t, s] alone is large)
+        self.est = {e: n if isinstance(n, int) else 1 for e, n in self.sizes.items()}
 
     def new_edge(self, base: str, n: int) -> str:
         """A fresh dim of size n and its edge, named after `base` and declared right after
