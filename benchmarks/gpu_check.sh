@@ -7,17 +7,19 @@
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root (carry build/gpu-wheels)
 #   benchmarks/gpu_check.sh --sim      # no GPU: the same parts on cuda-sim (small rows), to test this script
 #
-# Parts, each under its own timeout (they add up to 440 s), each going on past a failing
+# Parts, each under its own timeout (they add up to 545 s), each going on past a failing
 # test; every benchmark row is printed as soon as it is measured:
 #   1. tests/backends/test_cuda_gpu.py without its conformance test (graphs, gather error,
-#      row groups and float4, bf16/f16 GemmEx, the autocast GPT step), and NCCL with one rank;
+#      row groups and float4, bf16/f16 GemmEx, the autocast GPT step, a `repeat` loop as a
+#      graph, streamed attention), and NCCL with one rank;
 #   2. the conformance: every example and tests/programs/good program, f32 and f64, on the
 #      device against the interpreter (pytest-xdist workers where it is installed);
 #   3. benchmarks/gpu_bench.py: the benchmark rows against torch eager (no torch.compile);
 #   4. benchmarks/gpu_columns.py: column sums (bias and weight gradients) as column tiles and
 #      as one block per output, layernorm rows up to 4096, against torch; same bits per run;
 #   5. benchmarks/gpu_lowp.py: bf16 GEMMs and the autocast GPT step;
-#   6. torch.compile for the GPT step alone (one cold compile; last, so a slow compile
+#   6. benchmarks/gpu_attention.py: causal attention, forward and backward, against torch SDPA;
+#   7. torch.compile for the GPT step alone (one cold compile; last, so a slow compile
 #      costs nothing else).
 # The summary line at the end names the parts that failed or ran out of time.
 set -uo pipefail
@@ -78,9 +80,9 @@ part() {   # part NAME SECONDS COMMAND...: runs it under a timeout, notes a fail
 }
 
 if [ "$BACKEND" = cuda ]; then
-    part tests 75 "${PYTEST[@]}" tests/backends/test_cuda_gpu.py -k "not matches_interpreter" \
+    part tests 120 "${PYTEST[@]}" tests/backends/test_cuda_gpu.py -k "not program_matches_interpreter" \
         tests/test_distributed.py::test_nccl_on_a_gpu_single_rank
-    part conformance 130 "${PYTEST[@]}" "${XDIST[@]}" tests/backends/test_cuda_gpu.py -k matches_interpreter
+    part conformance 130 "${PYTEST[@]}" "${XDIST[@]}" tests/backends/test_cuda_gpu.py -k program_matches_interpreter
 else
     part tests 75 "${PYTEST[@]}" tests/backends/test_cuda_sim_api.py tests/test_distributed.py::test_nccl_path_on_cuda_sim
     part conformance 130 "${PYTEST[@]}" "${XDIST[@]}" tests/backends/test_cuda_sim_programs.py \
@@ -90,6 +92,11 @@ REPEAT=$([ "$BACKEND" = cuda ] && echo 5 || echo 1)
 part benchmarks 100 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$REPEAT" --compile none
 part columns 30 "$PY" benchmarks/gpu_columns.py --backend "$BACKEND" --repeat "$REPEAT"
 part lowp 50 "$PY" benchmarks/gpu_lowp.py --backend "$BACKEND" --repeat "$REPEAT"
+if [ "$BACKEND" = cuda ]; then
+    part attention 60 "$PY" benchmarks/gpu_attention.py --repeat "$REPEAT"
+else
+    part attention 60 "$PY" benchmarks/gpu_attention.py --backend cuda-sim --rows 64 --repeat 1
+fi
 if [ "$BACKEND" = cuda ]; then
     part torch.compile 55 "$PY" benchmarks/gpu_bench.py --backend cuda --repeat "$REPEAT" --only gpt --compile gpt
 fi

@@ -195,3 +195,51 @@ def test_autocast_gpt_step_on_the_gpu_matches_the_cpu():
     for k, ref in want.items():
         scale = max(1.0, float(np.max(np.abs(ref))))
         np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=2.0 ** -6, atol=2.0 ** -6 * scale, err_msg=k)
+
+
+def test_a_loop_as_a_cuda_graph_matches_launching_each_kernel():
+    """examples/train_sort_gpt.tg (its layers a `repeat`, a host launch loop over their
+    steps) with and without CUDA graphs, three AdamW steps on the same device arrays: the
+    whole loop is captured once and replayed, and gives what launching each kernel gives."""
+    import cupy
+
+    path = ROOT / "examples/train_sort_gpt.tg"
+    options = Options(dtype="f32")
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
+    graph = tgc.compile(module, dtype="f32", backend="cuda")
+    plain = tgc.compile(module, dtype="f32", backend="cuda", options=options.with_(graphs=False))
+    assert any(x.kind == "steps" for x in graph.cuda_module.launches)
+    dims = {d: 16 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f32")
+    a = {k: cupy.asarray(v) for k, v in inputs.items()}
+    b = {k: cupy.asarray(v) for k, v in inputs.items()}
+    for step in range(3):
+        ga, gb = graph.run(a, dims), plain.run(b, dims)
+        for k in gb:
+            np.testing.assert_allclose(cupy.asnumpy(ga[k]), cupy.asnumpy(gb[k]), rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{k} at step {step}")
+        del ga, gb
+    counts = graph._kernels.graph_counts
+    assert counts["captures"] >= 1 and counts["replays"] == 3, counts
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_streamed_attention_on_the_gpu_matches_the_interpreter(dtype):
+    """tests/opt/test_stream.py's programs (attention, cross-attention, a bias, pooling, a
+    fully masked row, a window, a layer), streamed in blocks of 4 with their gradients:
+    the loop over blocks on the GPU against the unstreamed program in the interpreter."""
+    import cupy
+
+    streams = pytest.importorskip("opt.test_stream", reason="the stream tests need torch")
+    for name, src in sorted(streams.PROGRAMS.items()):
+        options = Options(dtype=dtype, **streams.ON)
+        prog = tgc.compile(src, backend="cuda", dtype=dtype, options=options)
+        assert any(x.kind == "steps" for x in prog.cuda_module.launches), name
+        plain = streams.optimized(src, "f64", **streams.OFF)
+        x = streams.inputs(src, dtype)
+        want = evaluate(plain, {k: np.asarray(v, np.float64) for k, v in x.items()}, dtype="f64")
+        got = prog(**{k: cupy.asarray(v) for k, v in x.items()})
+        tol = 1e-9 if dtype == "f64" else 2e-5
+        for k, ref in want.items():
+            scale = max(1.0, float(np.max(np.abs(ref))))
+            np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=0, atol=tol * scale, err_msg=f"{name} {k}")
