@@ -46,22 +46,28 @@ def _matmul_src(n: int, t: str) -> str:
 
 
 def _ex_counter():
-    """(counts, restore): GemmEx calls made through `gemm.run_cublas` / `run_numpy`."""
-    from tgc.backends.cuda import gemm
+    """(counts, restore): the GEMM cells of the next first call, and how many are
+    GemmEx calls (bf16/f16 operands): planned through `blas` on a GPU, run by
+    `gemm.run_numpy` under cuda-sim."""
+    from tgc.backends.cuda import blas, gemm
 
     counts = {"ex": 0, "calls": 0}
-    originals = (gemm.run_cublas, gemm.run_numpy)
+    owners = ((blas.DirectCublas, "caller"), (blas.CupyCublas, "caller"), (gemm, "run_numpy"))
+    originals = [getattr(o, n) for o, n in owners]
 
-    def wrap(fn):
-        def counted(call, *a, **kw):
+    def wrap(fn, method: bool):
+        def counted(*a, **kw):
+            call = a[1] if method else a[0]
             counts["calls"] += 1
             counts["ex"] += bool(call.atype)
-            return fn(call, *a, **kw)
+            return fn(*a, **kw)
         return counted
-    gemm.run_cublas, gemm.run_numpy = wrap(gemm.run_cublas), wrap(gemm.run_numpy)
+    for (o, n), fn in zip(owners, originals):
+        setattr(o, n, wrap(fn, o is not gemm))
 
     def restore():
-        gemm.run_cublas, gemm.run_numpy = originals
+        for (o, n), fn in zip(owners, originals):
+            setattr(o, n, fn)
     return counts, restore
 
 

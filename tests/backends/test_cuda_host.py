@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.backends.cuda import gemm, runtime
+from tgc.backends.cuda import blas, gemm, runtime
 from tgc.ir.interp import EvalError
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++ with OpenMP")
@@ -224,11 +224,48 @@ def _gemm_strided_batched_ex(handle, ta, tb, m, n, k, alpha, A, atype, lda, sa, 
     _on_stream(run)
 
 
+_GEMMS = {"sgemmStridedBatched": _gemm_strided_batched(np.float32),
+          "dgemmStridedBatched": _gemm_strided_batched(np.float64),
+          "cgemmStridedBatched": _gemm_strided_batched(np.complex64),
+          "zgemmStridedBatched": _gemm_strided_batched(np.complex128),
+          "gemmStridedBatchedEx": _gemm_strided_batched_ex}
+
+
+def _capturing(ptr: int) -> bool:
+    return any(s.ptr == ptr and s.ops is not None for s in _STREAMS)
+
+
+def _set_stream(handle, stream: int) -> None:
+    """As CuPy's binding: refused while the stream is being captured."""
+    if _capturing(stream):
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+
+
+def _refused_in_capture(fn):
+    """A CuPy binding: it sets the handle's stream to the current one first."""
+    def call(handle, *args):
+        _set_stream(handle, _current_stream().ptr)
+        return fn(handle, *args)
+    return call
+
+
+class _DirectCublas(blas.CupyCublas):
+    """`blas.DirectCublas`'s stand-in: the same calls, with no refusal while capturing."""
+    capturable = True
+
+    def __init__(self, cupy):
+        super().__init__(cupy)
+        self.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            cublas=types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, setStream=lambda h, s: None,
+                                         **_GEMMS),
+            device=cupy.cuda.device, get_current_stream=_current_stream))
+
+
 def _fake_cupy() -> types.ModuleType:
     cp = types.ModuleType("cupy")
     cp.ndarray = ndarray
     cp.asarray = lambda a, dtype=None: a if isinstance(a, ndarray) and dtype is None else _dev(np.array(a, dtype))
-    cp.ascontiguousarray = lambda a: a if a.flags.c_contiguous else _dev(np.ascontiguousarray(a))
+    cp.ascontiguousarray = lambda a: _dev(np.ascontiguousarray(a))   # as CuPy's: a 0-d array gets one axis
     cp.from_dlpack = _from_dlpack
     cp.empty = lambda shape, dtype: np.empty(shape, dtype).view(ndarray)
     cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(ndarray)
@@ -240,12 +277,8 @@ def _fake_cupy() -> types.ModuleType:
         as_strided=lambda a, shape, strides: np.lib.stride_tricks.as_strided(a, shape, strides).view(ndarray)))
     cp.ones = lambda shape, dtype=np.float64: np.ones(shape, dtype).view(ndarray)
     cp.RawModule = _RawModule
-    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, setStream=lambda handle, stream: None,
-                                   sgemmStridedBatched=_gemm_strided_batched(np.float32),
-                                   dgemmStridedBatched=_gemm_strided_batched(np.float64),
-                                   cgemmStridedBatched=_gemm_strided_batched(np.complex64),
-                                   zgemmStridedBatched=_gemm_strided_batched(np.complex128),
-                                   gemmStridedBatchedEx=_gemm_strided_batched_ex)
+    cublas = types.SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_OP_C=2, setStream=_set_stream,
+                                   **{name: _refused_in_capture(fn) for name, fn in _GEMMS.items()})
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0,
                                     getDeviceProperties=lambda i: {"multiProcessorCount": 132},
                                     memsetAsync=_memset_async)
@@ -261,6 +294,8 @@ def cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cp.cuda)
     monkeypatch.setitem(sys.modules, "cupy.cuda.cublas", cp.cuda.cublas)
+    direct = _DirectCublas(cp)   # the GPU's way (ctypes on tgc's own handle); CuPy's bindings: `cupy_bindings`
+    monkeypatch.setattr(blas, "for_device", lambda module: direct)
     GEMM_CALLS.clear()
     EX_ARGS.clear()
     CAPTURED.clear()
@@ -726,3 +761,37 @@ def test_a_loop_program_whose_capture_fails_launches_each_kernel(cupy, monkeypat
         for k in ("loss", "y", "w"):
             np.testing.assert_allclose(got[k].get(), want[k], rtol=1e-12, atol=1e-12, err_msg=k)
     assert prog._kernels.graph_counts == {"captures": 0, "replays": 0}
+
+
+def test_cupy_bindings_refuse_capture_so_gemm_programs_launch_each_kernel(cupy, monkeypatch):
+    """Where cuBLAS is reached through CuPy's bindings (they refuse any call while a
+    stream is captured), a program with GEMM cells is launched kernel by kernel, with
+    the same results; a scalar device array keeps its shape (no axis)."""
+    monkeypatch.setattr(blas, "for_device", lambda module: blas.CupyCublas(module))
+    prog = tgc.compile(MLP, dtype="f64", backend="cuda")
+    rng = np.random.default_rng(3)
+    x, W0 = rng.standard_normal((5, 8)), rng.standard_normal((8, 16))
+    W = cupy.asarray(W0.copy())
+    for _ in range(2):
+        W1 = W.get()
+        got = prog(x=cupy.asarray(x), W=W, lr=cupy.asarray(np.float64(0.01)))
+        y = np.tanh(x @ W1)
+        np.testing.assert_allclose(got["y"].get(), y, rtol=1e-12)
+        np.testing.assert_allclose(W.get(), W1 - 0.01 * (x.T @ (2 * y * (1 - y * y))), rtol=1e-10)
+    assert prog._kernels.graph_counts == {"captures": 0, "replays": 0} and not CAPTURED
+
+
+def test_a_capture_that_fails_launches_each_kernel_and_says_why(cupy, monkeypatch):
+    """Any refusal during a capture (here cuBLAS's): nothing ran, the call launches each
+    kernel instead, and the program says why (`graph_refusal`)."""
+    def refuse(*args):
+        raise RuntimeError("refused")
+    monkeypatch.setattr(_DirectCublas, "caller", lambda self, call, dtype: refuse)
+    prog = tgc.compile("dim n = 4\ninput x[n]\nout y = exp(x)\n", dtype="f64", backend="cuda")
+    np.testing.assert_allclose(prog(x=cupy.asarray(np.ones(4)))["y"].get(), np.full(4, np.e))   # no GEMM: captured
+    assert prog._kernels.graph_counts["captures"] == 1
+    mlp = tgc.compile(MLP, dtype="f64", backend="cuda")
+    with pytest.raises(RuntimeError, match="refused"):   # the GEMM itself refuses outside a capture too
+        mlp(x=cupy.asarray(np.ones((5, 8))), W=cupy.asarray(np.ones((8, 16))), lr=0.0)
+    assert mlp._kernels.graph_refusal == "RuntimeError: refused"
+    assert mlp._kernels.graph_counts["captures"] == 0

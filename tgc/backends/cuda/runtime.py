@@ -12,7 +12,7 @@ generates one CUDA module (`codegen.generate`) and loads it on a `_Device`:
   cell's strided batched call (`gemm.run_numpy`) in place of cuBLAS;
 - `_CupyDevice` loads the same text with `cupy.RawModule` (NVRTC; CuPy caches the
   compiled module on disk by source, options and GPU architecture), keeps arrays on
-  the device, and runs GEMM cells through `cupy.cuda.cublas` (`gemm.run_cublas`).
+  the device, and runs GEMM cells through cuBLAS (`blas`: ctypes on a handle of tgc's own, which a CUDA graph can capture).
 
 The neutral runtime (`tgc.runtime.program.Program`) checks and converts the inputs,
 binds the dims and allocates the outputs (`CudaKernels.empty`); `CudaKernels.run` is
@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 from tgc.backends.base import BackendUnavailable, Kernels
-from tgc.backends.cuda import codegen, gemm
+from tgc.backends.cuda import blas, codegen, gemm
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
 from tgc.ir.interp import EvalError, check_updated_dtype, dlpack_view
@@ -121,6 +121,7 @@ class _SimDevice:
     """The emulator: numpy arrays, kernels compiled for this CPU from the same text."""
     name = "cuda-sim"
     xp = np
+    gemm_capturable = True   # (nothing is captured here)
 
     def load(self, cm: codegen.CudaModule, options: Options) -> None:
         self.lib = _load_sim(cm.source)
@@ -217,7 +218,7 @@ class _CupyDevice:
     def bf16_bits(self, a):
         """A float device array rounded to bfloat16 (through f32, nearest even; NaN kept
         a quiet NaN, as `tgc_bf16f`), as its uint16 bits."""
-        f = self.cp.ascontiguousarray(a.astype(np.float32))
+        f = _contiguous(self.cp, a.astype(np.float32))
         u = f.view(np.uint32)
         r = self.cp.where(f != f, u | np.uint32(0x00400000), u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))
         return (r >> 16).astype(np.uint16)
@@ -234,9 +235,20 @@ class _CupyDevice:
         """The error word zeroed on the current stream (ordered with the launches)."""
         self.cp.cuda.runtime.memsetAsync(err.data.ptr, 0, err.nbytes, self.cp.cuda.get_current_stream().ptr)
 
+    @property
+    def blas(self):
+        """The process's way to cuBLAS (`blas.for_device`)."""
+        return blas.for_device(self.cp)
+
+    @property
+    def gemm_capturable(self) -> bool:
+        """Whether a CUDA graph can capture the GEMM cells' cuBLAS calls."""
+        return self.blas.capturable
+
     def gemm_stream(self) -> None:
-        """cuBLAS's handle set to the current stream (once per call, before its GEMMs)."""
-        self.cp.cuda.cublas.setStream(self.cp.cuda.device.get_cublas_handle(), self.cp.cuda.get_current_stream().ptr)
+        """cuBLAS's handle set to the current stream (once per call, before its GEMMs;
+        before a capture begins, on the capturing stream)."""
+        self.blas.set_stream(self.cp.cuda.get_current_stream().ptr)
 
     def put(self, dst, value) -> None:
         """A host value copied into a device array of its shape and type, on the
@@ -277,6 +289,12 @@ class _CupyDevice:
                 return a
             a = d
         return self.cp.asnumpy(a)
+
+
+def _contiguous(cp, a):
+    """`a` if it is C-contiguous, else a C-contiguous copy. (CuPy's `ascontiguousarray`
+    returns a 0-d array with one axis, as numpy's did: a scalar input must keep none.)"""
+    return a if a.flags.c_contiguous else cp.ascontiguousarray(a)
 
 
 def _device_array(cp, v):
@@ -437,7 +455,8 @@ class CudaKernels(Kernels):
         self._cm, self._device = cm, device
         self.backend = device.name
         self.gemm_counts = {"strided": 0, "views": 0}   # GEMM cells run as one strided batched call, or on views
-        self.graph_counts = {"captures": 0, "replays": 0}   # CUDA graphs captured and calls replayed (GPU)
+        self.graph_counts = {"captures": 0, "replays": 0}
+        self.graph_refusal: str | None = None   # why a capture failed (its binding then launches each kernel)   # CUDA graphs captured and calls replayed (GPU)
         self._bindings: dict = {}        # sorted dims -> _Binding, most recently used last
         # the buffers that are arguments or outputs, with the names the call's dicts use
         module = low.module
@@ -491,7 +510,7 @@ class CudaKernels(Kernels):
         if a is None or a.dtype.kind != "c":
             return a
         want = np.dtype(COMPLEX_OF[dtype])
-        c = a if a.dtype == want and a.flags.c_contiguous else cp.ascontiguousarray(a.astype(want))
+        c = a if a.dtype == want and a.flags.c_contiguous else _contiguous(cp, a.astype(want))
         if updated and c is not a:
             raise EvalError(f"'{name}' is updated in place: pass a C-contiguous {want.name} device array")
         return c.reshape(c.shape + (1,)).view(FLOAT_OF[dtype])
@@ -502,7 +521,7 @@ class CudaKernels(Kernels):
             return None
         if a.dtype.kind == "c":
             return a
-        a = self._device.cp.ascontiguousarray(a)
+        a = _contiguous(self._device.cp, a)
         return a.view(np.complex64 if a.dtype == np.float32 else np.complex128)[..., 0]
 
     def _prepare_device(self, program, given: dict) -> tuple[dict, dict]:
@@ -537,7 +556,7 @@ class CudaKernels(Kernels):
                 raise EvalError(f"input '{s.name}' must be a float array ({s.dtype}), not {a.dtype}")
             if s.updated:   # the very buffer the kernels write: of the program's type
                 check_updated_dtype(s.name, a.dtype, np.dtype(NP[s.dtype]))
-            conv = cp.ascontiguousarray(a.astype(NP[s.dtype], copy=False))
+            conv = _contiguous(cp, a.astype(NP[s.dtype], copy=False))
             if s.updated and conv is not a:
                 raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous {s.dtype} device array")
             arrays[s.name] = conv
@@ -552,14 +571,14 @@ class CudaKernels(Kernels):
         if s.updated:
             check_updated_dtype(s.name, a.dtype, want, "a uint16 array of bfloat16 bits" if store == BF16 else None)
         if a.dtype == want:
-            conv = dev.cp.ascontiguousarray(a)
+            conv = _contiguous(dev.cp, a)
         elif a.dtype.kind != "f":
             what = "bf16, or uint16 bfloat16 bits" if store == BF16 else "f16"
             raise EvalError(f"input '{s.name}' must be a float array ({what}), not {a.dtype}")
         elif store == BF16:
             conv = dev.bf16_bits(a)
         else:
-            conv = dev.cp.ascontiguousarray(a.astype(np.float32).astype(np.float16))
+            conv = _contiguous(dev.cp, a.astype(np.float32).astype(np.float16))
         if s.updated and conv is not a:
             raise EvalError(f"'{s.name}' is updated in place: pass a C-contiguous device array of its type "
                             f"({'uint16 bfloat16 bits' if store == BF16 else 'float16'})")
@@ -707,6 +726,8 @@ class CudaKernels(Kernels):
                 if step is None:
                     b.capture = False      # matmul on views: temporaries the capture would hold without owning
                     step = functools.partial(self._gemm, x.gemm, env=env, low=low)
+                elif not dev.gemm_capturable:
+                    b.capture = False      # CuPy's cuBLAS bindings refuse calls while a stream is captured
                 elif has_checks and kinds.get(x.gemm.out) == "arg":
                     b.capture = False      # a GEMM writing an argument would not see a failed check
                     b.early_read = True
@@ -825,7 +846,7 @@ class CudaKernels(Kernels):
         if self._device.name == "cuda":
             isz = [views[n].itemsize for n in names]   # a complex cell's: the complex element's; GemmEx: 2-byte A, B
             byte_offsets = [tuple(o * i for o, i in zip(offs, isz)) for offs in offsets]
-            fn = gemm.cublas_caller(call, views[names[2]].dtype)
+            fn = self._device.blas.caller(call, views[names[2]].dtype)
             if len(byte_offsets) == 1 and byte_offsets[0] == (0, 0, 0):
                 def step(bufs: dict) -> None:
                     counts["strided"] += 1
@@ -896,10 +917,9 @@ class CudaKernels(Kernels):
         b.misses += 1
         try:
             entry = self._capture(b, bufs)
-        except Exception:  # noqa: BLE001 -- the driver's or CuPy's refusal
-            if not self._loops:
-                raise
-            b.capture = False   # a program with loops (checked on the stand-in only): launched kernel by kernel
+        except Exception as e:  # noqa: BLE001 -- the driver's, cuBLAS's or CuPy's refusal: nothing ran
+            b.capture = False   # launched kernel by kernel from then on
+            self.graph_refusal = f"{type(e).__name__}: {e}"
             return None
         self.graph_counts["captures"] += 1
         b.graphs[key] = entry
@@ -923,9 +943,9 @@ class CudaKernels(Kernels):
         cp, dev = self._device.cp, self._device
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
+            dev.gemm_stream()   # (a cuBLAS handle's stream is not set while capturing)
             stream.begin_capture()
             try:
-                dev.gemm_stream()
                 for _, go in b.steps:
                     go(bufs)
             finally:
@@ -1079,7 +1099,7 @@ class CudaKernels(Kernels):
         if planned is not None:
             call, looped = planned
             self.gemm_counts["strided"] += 1
-            run = gemm.run_numpy if self._device.name == "cuda-sim" else gemm.run_cublas
+            run = gemm.run_numpy if self._device.name == "cuda-sim" else functools.partial(blas.run, self._device.blas)
             roles = (call.a, call.b, "out")
             for point in np.ndindex(*[size[e] for e in looped]):
                 offsets = tuple(sum(i * operands[r][1].get(e, 0) for e, i in zip(looped, point)) for r in roles)
