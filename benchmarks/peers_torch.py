@@ -207,7 +207,8 @@ def _gpt_model(a, compiled, layers, heads):
 
 
 MAKERS = {"layernorm": layernorm, "gelu": gelu, "softmax": softmax, "hvp": hvp,
-          "conv1d": conv1d, "conv2d": conv2d, "conv2d_sym": conv2d, "gcn": gcn, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw}
+          "conv1d": conv1d, "conv2d": conv2d, "conv2d_sym": conv2d, "gcn": gcn, "mlp": mlp, "gpt": gpt, "gpt_adamw": gpt_adamw,
+          "gpt_small": lambda a, compiled: gpt(a, compiled, layers=1, heads=4)}   # workloads/gpt_small.tg
 
 
 def make(workload, arrays, compiled):

@@ -178,18 +178,16 @@ def test_bf16_gemm_ex_and_two_byte_buffers_on_the_gpu():
     np.testing.assert_allclose(r, np.asarray(want["r"], np.float64), rtol=2.0 ** -7, atol=1e-3)
 
 
-def test_autocast_gpt_step_on_the_gpu_matches_the_cpu():
+def test_autocast_gpt_step_on_the_gpu_matches_the_interpreter():
     """examples/gpt.tg under --autocast bf16: GemmEx products on 2-byte operands on the
-    GPU, sgemm on the same rounded operands on the CPU."""
+    GPU, against the interpreter on the same rounded operands (f32)."""
     import cupy
 
-    from tgc.options import CpuOptions
-
-    options = Options(autocast="bf16", cpu=CpuOptions(bf16_gemm="off"))
+    options = Options(autocast="bf16")
     module = pipeline.lower(pipeline.load(str(ROOT / "examples/gpt.tg"), options), options).module
     dims = {d: 16 for d in module.symbolic_dims()}
     inputs = random_inputs(module, module.bind_dims(dims), 0, "f32")
-    want = tgc.compile(ROOT / "examples/gpt.tg", options=options).run({k: v.copy() for k, v in inputs.items()}, dims)
+    want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f32", dims=dims)
     prog = tgc.compile(ROOT / "examples/gpt.tg", backend="cuda", options=options)
     got = prog.run({k: cupy.asarray(v) for k, v in inputs.items()}, dims)
     for k, ref in want.items():
@@ -200,7 +198,10 @@ def test_autocast_gpt_step_on_the_gpu_matches_the_cpu():
 def test_a_loop_as_a_cuda_graph_matches_launching_each_kernel():
     """examples/train_sort_gpt.tg (its layers a `repeat`, a host launch loop over their
     steps) with and without CUDA graphs, three AdamW steps on the same device arrays: the
-    whole loop is captured once and replayed, and gives what launching each kernel gives."""
+    whole loop is captured once and replayed, and gives what launching each kernel gives
+    (cuBLAS may pick other kernels inside a capture: the first step's outputs agree to
+    f32 rounding; AdamW's m / sqrt(v) magnifies a gradient's last bits where it is
+    near zero, so the params after a step agree to 1e-3)."""
     import cupy
 
     path = ROOT / "examples/train_sort_gpt.tg"
@@ -216,7 +217,8 @@ def test_a_loop_as_a_cuda_graph_matches_launching_each_kernel():
     for step in range(3):
         ga, gb = graph.run(a, dims), plain.run(b, dims)
         for k in gb:
-            np.testing.assert_allclose(cupy.asnumpy(ga[k]), cupy.asnumpy(gb[k]), rtol=1e-4, atol=1e-5,
+            tol = (1e-4, 1e-5) if step == 0 else (1e-3, 1e-4)
+            np.testing.assert_allclose(cupy.asnumpy(ga[k]), cupy.asnumpy(gb[k]), rtol=tol[0], atol=tol[1],
                                        err_msg=f"{k} at step {step}")
         del ga, gb
     counts = graph._kernels.graph_counts
