@@ -908,9 +908,8 @@ class CudaKernels(Kernels):
         changing (more misses than hits after twice that many captures) stops capturing
         (None: its calls launch each kernel). Capture runs on a stream of its own
         (CUDA cannot capture the legacy default stream); the graph is launched on the
-        current stream. A program with loops whose capture fails launches each kernel
-        from then on (the loops' capture is checked on the host stand-in only, not on
-        a GPU yet)."""
+        current stream. A binding whose capture fails (nothing ran) launches each
+        kernel from then on; `graph_refusal` says why."""
         if b.misses >= 2 * self.options.cuda.graphs_kept and b.misses > b.hits:
             b.capture = False
             return None
