@@ -7,7 +7,7 @@
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root (carry build/gpu-wheels)
 #   benchmarks/gpu_check.sh --sim      # no GPU: the same parts on cuda-sim (small rows), to test this script
 #
-# Parts, each under its own timeout (they add up to 580 s), each going on past a failing
+# Parts, each under its own timeout (they add up to 670 s: the last may be cut by the call's limit), each going on past a failing
 # test; every benchmark row is printed as soon as it is measured:
 #   1. tests/backends/test_cuda_gpu.py without its conformance test (graphs, gather error,
 #      row groups and float4, bf16/f16 GemmEx, the autocast GPT step, a `repeat` loop as a
@@ -87,6 +87,10 @@ else
     part tests 75 "${PYTEST[@]}" tests/backends/test_cuda_sim_api.py tests/test_distributed.py::test_nccl_path_on_cuda_sim
     part conformance 130 "${PYTEST[@]}" "${XDIST[@]}" tests/backends/test_cuda_sim_programs.py \
         -k test_program_matches_interpreter
+fi
+if [ "$BACKEND" = cuda ]; then   # the CPU backend on that machine's CPU (AVX-512, 16 cores: paths this one lacks)
+    part cpu 90 "${PYTEST[@]}" "${XDIST[@]}" tests/backends/test_cpu_bf16.py tests/backends/test_cpu_own_gemm.py \
+        tests/backends/test_cpu_vecmath.py tests/backends/test_cpu_programs.py
 fi
 REPEAT=$([ "$BACKEND" = cuda ] && echo 5 || echo 1)
 part benchmarks 100 "$PY" benchmarks/gpu_bench.py --backend "$BACKEND" --repeat "$REPEAT" --compile none

@@ -525,3 +525,28 @@ def test_transposed_bf16_operand_is_gathered_by_pairs_in_the_assembly():
     tm = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(cpu="sapphirerapids", opt=2)
     asm = tm.emit_assembly(llvm.parse_assembly(text))
     assert "vpgatherqd" in asm and "vdpbf16ps" in asm
+
+
+@pytest.mark.parametrize("bf16_gemm", ["off", "auto"])
+def test_autocast_gpt_step_matches_the_interpreter(bf16_gemm):
+    """examples/gpt.tg under --autocast bf16 (a whole SGD step) on the CPU
+    against the interpreter on the same lowered program. On the H200 machine's CPU
+    (AVX-512) this step once gave a NaN loss with `bf16_gemm="off"`: the check for
+    any machine the suite runs on."""
+    from pathlib import Path
+
+    from tgc import pipeline
+    from tgc.ir.inputs import random_inputs
+    from tgc.options import Options
+
+    path = Path(__file__).parent.parent.parent / "examples/gpt.tg"
+    options = Options(autocast="bf16", cpu=CpuOptions(bf16_gemm=bf16_gemm))
+    module = pipeline.lower(pipeline.load(str(path), options), options).module
+    dims = {d: 16 for d in module.symbolic_dims()}
+    inputs = random_inputs(module, module.bind_dims(dims), 0, "f32")
+    want = evaluate(module, {k: v.copy() for k, v in inputs.items()}, dtype="f32", dims=dims)
+    got = tgc.compile(path, options=options).run({k: v.copy() for k, v in inputs.items()}, dims)
+    for k, ref in want.items():
+        assert np.all(np.isfinite(got[k])), k
+        scale = max(1.0, float(np.max(np.abs(ref))))
+        np.testing.assert_allclose(got[k], ref, rtol=2.0 ** -6, atol=2.0 ** -6 * scale, err_msg=k)
