@@ -525,17 +525,6 @@ out derived = grad(sum(abs(z * z) ^ 2), z)
         close(got["derived"], 4 * np.abs(z) ** 2 * z, "f64", path)    # d|z|^4 = 4 |z|^2 z (torch's z.grad)
 
 
-def test_cuda_sim_backend_agrees_on_complex_values():
-    """The CUDA backend's module, run on this CPU (`cuda-sim`), sees the same float pairs."""
-    rng = np.random.default_rng(13)
-    z, w = crandn(rng, 6, dtype="f32"), crandn(rng, 6, dtype="f32")
-    x = rng.standard_normal(6).astype(np.float32)
-    want = numpy_elementwise(z.astype(complex), w.astype(complex), x.astype(float))
-    got = tgc.compile(ELEMENTWISE, backend="cuda-sim")(z=z, w=w, x=x)
-    for k, v in want.items():
-        close(got[k], v, "f32", f"cuda-sim: {k}")
-
-
 @pytest.mark.parametrize("declared,dtype,width", [("c64", "f64", np.complex64), ("c128", "f32", np.complex64),
                                                   ("c64", "f32", np.complex64), ("c128", "f64", np.complex128)])
 def test_a_complex_declaration_has_its_width_at_most_the_programs(declared, dtype, width):
