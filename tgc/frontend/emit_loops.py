@@ -38,6 +38,7 @@ loop. Terminates: one pass over each loop's body per set of outputs printed.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tgc.ir.affine import Affine
@@ -187,7 +188,8 @@ class LoopPrinter:
         ops = v.operands
         nc = body.carries
         if form.packed:
-            parts = [self.pack(w.ref(ops[s.index]), s, pack) for s in form.slots if s.kind == "carry"]
+            parts = [self.pack(w.ref(ops[s.index]), s, pack) for s in form.slots
+                     if s.kind == "carry" and not _zero(ops[s.index])]   # the other segments start at 0
             init = " + ".join(parts) if parts else f"0 * [{pack} = {pack}]"
         elif form.slots[0].kind == "carry":
             init = w.ref(ops[form.slots[0].index])
@@ -263,6 +265,10 @@ class LoopPrinter:
 
 
 _WIDENS = {"f64": ("f32", "bf16", "f16"), "f32": ("bf16", "f16")}   # the types each holds exactly
+
+
+def _zero(v: Value) -> bool:
+    return v.op == "const" and v.attrs[0] == 0 and math.copysign(1.0, v.attrs[0]) > 0
 
 
 def _plain(text: str) -> bool:
