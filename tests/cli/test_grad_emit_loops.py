@@ -5,6 +5,8 @@ derivative tgc compiled, over 1, 2 and N steps of a symbolic depth, in reverse m
 stacked results, a downward order and a narrower float type print too; a loop whose
 step passes on an i32 value beside others is written out where its size is known, and
 is a located error otherwise. The golden text: grad_emit_tg_repeat.tg, grad_emit_tg_scan.tg."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -20,6 +22,7 @@ from tgc.manager import run_pipeline
 from tgc.options import Options
 
 F64 = Options(dtype="f64")
+ROOT = Path(__file__).parents[2]
 
 PROGRAM = """\
 dim layer, b = 2, c = 3, c2 = 3
@@ -195,3 +198,17 @@ def test_an_i32_value_in_a_packed_carry_is_written_out_or_an_error():
     want, got = evaluate(m, ins, dtype="f64"), evaluate(compile_source(text, "i32.tg", F64), ins, dtype="f64")
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-14, err_msg=k)
+
+
+def test_the_sorting_gpt_gradient_of_one_param_prints_only_what_it_reads(tmp_path):
+    """With --wrt wq alone, the reverse loop's other stacked cotangents are left out, and
+    so are the values only they read from the forward loop: the printed program has no
+    unread binding (`tgc check -Werror`). Its values: test_grad_cli.py (the whole step)."""
+    out = tmp_path / "dwq.tg"
+    r = CliRunner().invoke(main, ["grad", str(ROOT / "examples/train_sort_gpt.tg"), "--wrt", "wq", "--of", "loss",
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert "repeat[layer](step" in text and "scan[layer](step" in text and "[layer = 0]" not in text
+    r = CliRunner().invoke(main, ["check", "-Werror", str(out)])
+    assert r.exit_code == 0, r.output

@@ -8,10 +8,12 @@ carries a tangent beside each value). The language's loops carry one value and s
 only it (LANGUAGE.md section 12). This module writes every loop with those two forms
 and nothing but the language's own edge operations:
 
-- **What is written.** Only the outputs the module reads: the stacked results it
-  reads, the carries whose last value it reads, and every carry that those read in a
-  step (closed over the steps). A stacked result that is a carry's new value (a
-  `scan` of the source) is read from that carry.
+- **What is written.** Only the outputs the printed program reads: the stacked
+  results it reads, the carries whose last value it reads, and every carry that those
+  read in a step (closed over the steps); a loop's operands count as read only where
+  that form reads them (`used_outputs`), so what only a left-out result needed is left
+  out too. A stacked result that is a carry's new value (a `scan` of the source) is
+  read from that carry.
 - **Several values, one carry.** When more than one value must travel from step to
   step (several carries, or stacked results beside them), they are flattened into
   one edge `pack`, each value at its own offset with its edges row-major:
@@ -54,20 +56,71 @@ def loop_key(v: Value) -> tuple:
 
 
 def used_outputs(roots: list[Value]) -> dict[tuple, set[int]]:
-    """For each loop under `roots` (in a loop's step too), the outputs that are read."""
+    """For each loop under `roots` (in a loop's step too), the outputs that the printed
+    program reads: a loop's operands are read only as far as its printed form reads
+    them (`needs`), so a value that only a left-out result of another loop needed is
+    not printed either. Each scope is visited users first; a form read from more
+    outputs reads more operands, so marking operands as each output is met ends with
+    the operands of the loop's whole form."""
     used: dict[tuple, set[int]] = {}
-    seen_bodies: set[int] = set()
-    pending = [list(roots)]
+    bodies: dict[tuple, LoopBody] = {}
+    pending, seen = [list(roots)], set()
     while pending:
-        for v in topo_order(pending.pop()):
-            if v.op != "loop":
+        scope = pending.pop()
+        live = {id(r) for r in scope}
+        keys = []
+        for v in reversed(topo_order(scope)):
+            if id(v) not in live:
                 continue
-            body = v.attrs[0]
-            used.setdefault(loop_key(v), set()).add(v.attrs[3])
-            if id(body) not in seen_bodies:
-                seen_bodies.add(id(body))
-                pending.append(list(body.results))
+            if v.op != "loop":
+                live.update(id(o) for o in v.operands)
+                continue
+            key = loop_key(v)
+            if key not in used:
+                keys.append(key)
+            used.setdefault(key, set()).add(v.attrs[3])
+            bodies[key] = v.attrs[0]
+            need = needs(v.attrs[0], used[key])
+            live.update(id(v.operands[k]) for k in need.carries + need.reads)
+        for key in keys:   # the steps, from the values each loop's form computes
+            need = needs(bodies[key], used[key])
+            roots_in = tuple(need.computed)
+            if (key[0], roots_in) not in seen:
+                seen.add((key[0], roots_in))
+                pending.append(list(roots_in))
     return used
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a loop's printed form computes in each step, for the outputs read."""
+    carries: tuple[int, ...]   # the carries it passes on (read, or read by a step of one that is)
+    stacked: tuple[int, ...]   # the stacked results it keeps beside them (body result nc + j)
+    alias: dict                # a stacked result that is a carry's new value: result index -> carry index
+    reads: tuple[int, ...]     # the slices and invariants the step reads (body parameter indices)
+    computed: tuple[Value, ...]  # the carries' new values, then the stacked results
+
+
+def needs(body: LoopBody, outs: set[int]) -> Needs:
+    """What a loop of `body` whose outputs `outs` are read computes per step."""
+    nc = body.carries
+    results = sorted(o - nc for o in outs if o >= nc)
+    alias = {}
+    for j in results:
+        k = next((k for k in range(nc) if body.results[k] is body.results[nc + j]), None)
+        if k is not None:
+            alias[j] = k
+    stacked = [j for j in results if j not in alias]
+    carries = {o for o in outs if o < nc} | set(alias.values())
+    carries |= {k for k in _params_read(body, [body.results[nc + j] for j in stacked]) if k < nc}
+    while True:   # the carries the kept carries' steps read, until none is added
+        more = {k for k in _params_read(body, [body.results[k] for k in carries]) if k < nc} - carries
+        if not more:
+            break
+        carries |= more
+    computed = tuple([body.results[k] for k in sorted(carries)] + [body.results[nc + j] for j in stacked])
+    reads = tuple(sorted(k for k in _params_read(body, list(computed)) if k >= nc))
+    return Needs(tuple(sorted(carries)), tuple(stacked), alias, reads, computed)
 
 
 def _params_read(body: LoopBody, values: list[Value]) -> set[int]:
@@ -105,29 +158,14 @@ class LoopForm:
 def loop_form(body: LoopBody, outs: set[int], size_of) -> LoopForm:
     """The form of a loop of `body` whose outputs `outs` are read; `size_of(edge)` is an
     edge's size."""
+    need = needs(body, outs)
     nc = body.carries
-    results = sorted(o - nc for o in outs if o >= nc)
-    alias = {}
-    for j in results:
-        k = next((k for k in range(nc) if body.results[k] is body.results[nc + j]), None)
-        if k is not None:
-            alias[j] = k
-    stacked = [j for j in results if j not in alias]
-    carries = {o for o in outs if o < nc} | set(alias.values())
-    carries |= {k for k in _params_read(body, [body.results[nc + j] for j in stacked]) if k < nc}
-    while True:   # the carries the kept carries' steps read, until none is added
-        more = {k for k in _params_read(body, [body.results[k] for k in carries]) if k < nc} - carries
-        if not more:
-            break
-        carries |= more
-    computed = [body.results[k] for k in sorted(carries)] + [body.results[nc + j] for j in stacked]
-    reads = tuple(sorted(k for k in _params_read(body, computed) if k >= nc))
     slots, offset = [], 0
-    for kind, index, value in ([("carry", k, body.params[k]) for k in sorted(carries)]
-                               + [("result", j, body.results[nc + j]) for j in stacked]):
+    for kind, index, value in ([("carry", k, body.params[k]) for k in need.carries]
+                               + [("result", j, body.results[nc + j]) for j in need.stacked]):
         slots.append(Slot(kind, index, value, offset))
         offset = size_collect(size_op("+", offset, _count(value, size_of)))
-    return LoopForm(tuple(slots), alias, reads, offset)
+    return LoopForm(tuple(slots), need.alias, need.reads, offset)
 
 
 def _count(v: Value, size_of) -> Size:
