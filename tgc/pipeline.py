@@ -357,12 +357,14 @@ def compile_cached(module: Module, options: Options, backend: str = "cpu", key: 
 
 
 def tg_source(module: Module, options: Options) -> str:
-    """`module` as .tg source (`tgc grad --emit tg`): its loops as loops where the
-    language has their form; when one has none (a derivative's loop carrying several
-    values), the loops of known size unrolled first (`unroll{all=true}`), so that only a
-    loop over a symbolic edge is an error."""
+    """`module` as .tg source (`tgc grad --emit tg`): its loops, a derivative's too, as
+    `repeat` and `scan` (`tgc.frontend.emit_loops`). A loop that has no such form (its
+    step passes on an i32 value beside others) is written out step by step where its size
+    is known (`unroll{all=true}`), with a comment line that says so and why; over a
+    symbolic edge, or where `unroll` cannot write it out, it is the error."""
     from tgc.frontend.emit_tg import emit_tg
     from tgc.ir.diag import CompileError
+    from tgc.ir.values import IRError
     from tgc.manager import run_passes
 
     try:
@@ -373,5 +375,11 @@ def tg_source(module: Module, options: Options) -> str:
         try:
             unrolled = run_passes(module, ("unroll{all=true}",), options)
         except CompileError:   # a loop over a symbolic edge: the missing form is the error
-            raise missing from None
-    return emit_tg(unrolled)
+            raise CompileError(f"{missing.message}; use --emit ir, or give the loop's dim a size so that "
+                               "the loop is written out step by step", missing.loc) from None
+        except IRError as written_out:   # a loop that `unroll` cannot write out either
+            raise CompileError(f"{missing.message}, and it cannot be written out step by step "
+                               f"({written_out}); use --emit ir", missing.loc) from None
+        why = missing.message
+    head, rest = emit_tg(unrolled).split("\n", 1)
+    return f"{head}\n# loops written out step by step: {why}\n{rest}"

@@ -6,7 +6,7 @@ from tgc.ir.affine import parse_relation
 from tgc.ir.diag import CompileError
 from tgc.ir.parser import parse_module
 from tgc.ir.printer import print_module
-from tgc.ir.sizes import SizeError, parse_size, size_eval, size_str
+from tgc.ir.sizes import SizeError, parse_size, size_collect, size_eval, size_str
 
 
 @pytest.mark.parametrize("text,env,value", [
@@ -23,6 +23,21 @@ def test_size_eval_and_round_trip(text, env, value):
     s = parse_size(text)
     assert size_eval(s, env) == value
     assert parse_size(size_str(s)) == s
+
+
+@pytest.mark.parametrize("text,collected", [
+    ("batch * 48 * 11 + 48 + batch * 11 + 2304", "539 * batch + 2352"),
+    ("a * b * 2 + 1 + b * a - 3", "3 * a * b - 2"),
+    ("(a + 1) * (a - 1)", "a * a - 1"),
+    ("c / 2 + c / 2", "c / 2 + c / 2"),          # a quotient is left as it is
+    ("min(4, n) + 1", "min(4, n) + 1"),
+])
+def test_size_collect_keeps_the_value(text, collected):
+    s = parse_size(text)
+    assert size_str(size_collect(s)) == collected
+    for n in (2, 4, 6):
+        env = {"batch": n, "a": n, "b": n + 1, "c": 2 * n, "n": n}
+        assert size_eval(size_collect(s), env) == size_eval(s, env)
 
 
 def test_size_errors():

@@ -30,7 +30,8 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
     The derivative is derived symbolically and optimized by the default pipeline;
     each result is named dNAME and has NAME's edges (plus the output's, for a Jacobian).
     Arguments the derivative does not read are left out (one that alone gives a
-    symbolic dim its size stays), so the result passes `tgc check -Werror`.
+    symbolic dim its size stays), so the result passes `tgc check -Werror`. The
+    derivative's loops print as `repeat`/`scan` (docs/grad.md, "Loops").
 
     \b
     Examples:

@@ -6,7 +6,8 @@ valid names and are declared as dims of the same size; IR forms without a direct
 surface form are spelled with primitives (`mul0(a, b)` as `where(a != 0, a * b, 0)`,
 a scatter-add as a contraction with an integer indicator `[e = ids]`, a segment
 max/min as a `max`/`min` of a `where` masked by one, a broadcast as a product with
-`[e = e]`).
+`[e = e]`). Loops are written as `repeat` and `scan` with a step function
+(`tgc.frontend.emit_loops`, which says how a derivative's loops are spelled).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tgc.ir.affine import Affine, join_signed
 from tgc.ir.module import Module
 from tgc.ir.sizes import Size, SizeOp, size_str
 from tgc.ir.ops import INFIX   # the functions the language writes as operators
-from tgc.ir.diag import CompileError
+from tgc.frontend.emit_loops import LoopPrinter
 from tgc.ir.values import Value, topo_order
 
 
@@ -31,9 +32,10 @@ class _Writer:
         self.names: dict[int, str] = {}
         self.size_dims: dict[SizeOp, str] = {}
         self.count = 0
-        self.steps: dict[object, str] = {}   # loop body -> the name of its step function
         self.fn_lines: list[str] = []        # the step functions, written before the bindings
         self.head = 0                        # how many lines the declarations are
+        floats = [a.dtype for a in m.args.values()] + [v.dtype for v in m.values()]
+        self.loops = LoopPrinter(self, m.roots(), "f64" if "f64" in floats else "f32")
 
     def fresh(self, base: str) -> str:
         name, n = base, 0
@@ -81,13 +83,18 @@ class _Writer:
             return _number(v.attrs[0])
         if v.op == "size":
             return f"size({self.e(v.attrs[0])})"
-        if id(v) not in self.names:
-            text = self.expr(v)
-            name = self.fresh(f"v{self.count}")
-            self.count += 1
-            self.lines.append(f"{name} = {text}")
-            self.names[id(v)] = name
+        if v.op == "loop":   # binds every output of the loop that is read (tgc.frontend.emit_loops)
+            self.loops.write(v)
+        else:
+            self.names[id(v)] = self.bind(self.expr(v))
         return self.names[id(v)]
+
+    def bind(self, text: str) -> str:
+        """A new binding of `text` in the current scope; its name."""
+        name = self.fresh(f"v{self.count}")
+        self.count += 1
+        self.lines.append(f"{name} = {text}")
+        return name
 
     def expr(self, v: Value) -> str:
         ops = [self.ref(o) for o in v.operands]
@@ -198,35 +205,6 @@ class _Writer:
 
     def _rename(self, v, ops):
         return f"{ops[0]}[{', '.join(f'{self.e(s)} -> {self.e(d)}' for s, d in v.attrs[0])}]"
-
-    def _loop(self, v, ops):
-        body, edge, reverse, out = v.attrs
-        shaped = (body.carries == 1 and not reverse and body.invariants == 0
-                  and all(r is body.results[0] for r in body.results[1:]) and len(body.results) <= 2)
-        if not shaped:
-            raise CompileError(f"a loop over '{edge}' that carries {body.carries} value(s), reads "
-                               f"{body.invariants} loop-invariant value(s), stacks {body.stacked} result(s)"
-                               f"{' and runs downwards' if reverse else ''} has no .tg form yet (repeat and "
-                               "scan carry one value and stack only it; a derivative's loops do more): use "
-                               "--emit ir, or give the loop's dim a size so that the loop is unrolled", v.loc)
-        if body not in self.steps:
-            self.steps[body] = self.step_fn(body)
-        form = "repeat" if out == 0 else "scan"
-        return f"{form}[{self.e(edge)}]({self.steps[body]}, {', '.join(ops)})"
-
-    def step_fn(self, body) -> str:
-        """A function of the loop body's parameters returning its carry, written once."""
-        name = self.fresh("step")
-        outer = (self.names, self.lines, self.count)
-        params = [self.fresh(f"p{k}") for k in range(len(body.params))]
-        self.names = {id(p): n for p, n in zip(body.params, params)}
-        self.lines = []
-        result = self.ref(body.results[0])
-        lines = self.lines
-        self.names, self.lines, self.count = outer
-        self.fn_lines += [f"fn {name}({', '.join(params)}) {{", *(f"  {line}" for line in lines),
-                          f"  return {result}", "}"]
-        return name
 
     def _stop(self, v, ops):
         return f"stop({ops[0]})"

@@ -119,6 +119,49 @@ def size_dims(s: Size) -> list[str]:
     return out + [d for d in size_dims(s.rhs) if d not in out]
 
 
+def size_collect(s: Size) -> Size:
+    """`s` with its like terms collected, when it is a polynomial of dims (only `+ - *`):
+    `batch * 48 * 11 + batch * 11 + 48` becomes `539 * batch + 48`; terms of higher
+    degree first, then by name. Any other size comes back as it is. The same value at
+    every binding of the dims: integer sums and products are exact."""
+    terms = _polynomial(s)
+    if terms is None:
+        return s
+    out: Size = 0
+    for mono, k in sorted(terms.items(), key=lambda t: (-len(t[0]), t[0])):
+        if not k:
+            continue
+        term: Size = abs(k)
+        for d in mono:
+            term = size_op("*", term, d)
+        out = term if out == 0 and k > 0 else size_op("+" if k > 0 else "-", out, term)
+    return out
+
+
+def _polynomial(s: Size) -> dict[tuple[str, ...], int] | None:
+    """`s` as {sorted dim names: coefficient}, or None if it divides or takes a min."""
+    if isinstance(s, int):
+        return {(): s}
+    if isinstance(s, str):
+        return {(s,): 1}
+    if s.op not in "+-*":
+        return None
+    a, b = _polynomial(s.lhs), _polynomial(s.rhs)
+    if a is None or b is None:
+        return None
+    out: dict[tuple[str, ...], int] = {}
+    if s.op == "*":
+        for ma, ka in a.items():
+            for mb, kb in b.items():
+                m = tuple(sorted(ma + mb))
+                out[m] = out.get(m, 0) + ka * kb
+    else:
+        out = dict(a)
+        for m, k in b.items():
+            out[m] = out.get(m, 0) + (k if s.op == "+" else -k)
+    return out
+
+
 def size_str(s: Size, parent: int = 0, right: bool = False) -> str:
     """Text with the fewest parentheses that parses back to the same tree."""
     if isinstance(s, int):
