@@ -200,6 +200,27 @@ def test_an_i32_value_in_a_packed_carry_is_written_out_or_an_error():
         np.testing.assert_allclose(got[k], want[k], rtol=1e-14, err_msg=k)
 
 
+
+def test_reverse_mode_through_a_loop_with_an_i32_carry_matches_finite_differences(tmp_path):
+    """An i32 carry (ids a step passes on) has no cotangent: the backward loop carries
+    a zero of the float type in its place, and the gradient of the float carry's loss
+    is the finite differences' (the interpreter, f64)."""
+    src = tmp_path / "i32.tgir"
+    src.write_text(I32_CARRY.format(size=""))
+    m = parse_module(src.read_text())
+    rng = np.random.default_rng(0)
+    ins = {"x": rng.standard_normal(2), "ids": np.array([1, 3], np.int32), "t": rng.standard_normal(4),
+           "w": rng.standard_normal((3, 2))}
+    d = parse_module(grad_text(src, "--wrt", "w", "--of", "l", "--emit", "ir"))
+    got = evaluate(d, ins, dtype="f64")["dw"]
+    fd, eps = np.zeros_like(ins["w"]), 1e-6
+    for i in np.ndindex(fd.shape):
+        plus, minus = ins["w"].copy(), ins["w"].copy()
+        plus[i] += eps
+        minus[i] -= eps
+        fd[i] = (evaluate(m, {**ins, "w": plus}, dtype="f64")["l"] - evaluate(m, {**ins, "w": minus}, dtype="f64")["l"]) / (2 * eps)
+    np.testing.assert_allclose(got, fd, atol=1e-9)
+
 def test_the_sorting_gpt_gradient_of_one_param_prints_only_what_it_reads(tmp_path):
     """With --wrt wq alone, the reverse loop's other stacked cotangents are left out, and
     so are the values only they read from the forward loop: the printed program has no

@@ -164,7 +164,7 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
     float_invs = [j for j, b in enumerate(invariants) if _float(b)]
 
     ps = _Params()   # stand-ins first, numbered for the final body below
-    g_carry = [ps.add(c.dtype, set(c.edges) | batch) for c in carries]
+    g_carry = [ps.add(c.dtype if _float(c) else ct_dtype, set(c.edges) | batch) for c in carries]   # (ids: a 0)
     g_inv = [ps.add(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
     c_in = [ps.add(c.dtype, c.edges) for c in carries]
     x_in = [ps.add(x.dtype, x.edges) for x in slices]
@@ -173,7 +173,7 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
 
     primal = list(c_in) + list(x_in) + list(p_in)
     results = _substitute(body.results, {id(old): new for old, new in zip(body.params, primal)})
-    seeds = [(results[k], g_carry[k]) for k in range(nc)]
+    seeds = [(results[k], g_carry[k]) for k in range(nc) if _float(carries[k])]
     if stacked_ct:
         seeds.append((results[out], y_ct))
     wrt = [p for p in primal if _float(p)]
@@ -185,7 +185,9 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
                 parts[id(p)].append(cts[id(p)])
 
     def cotangent(p: Value) -> Value | None:
-        return (V.add(parts[id(p)]) if len(parts[id(p)]) > 1 else parts[id(p)][0]) if parts[id(p)] else None
+        """p's cotangent in the step, None for 0 (always for an i32 parameter: ids have none)."""
+        got = parts.get(id(p))
+        return (V.add(got) if len(got) > 1 else got[0]) if got else None
 
     new_carry = [_fitted(cotangent(c_in[k]), g_carry[k], set()) for k in range(nc)]
     new_inv = [V.convert(V.add([g, _fitted(cotangent(p_in[j]), g, set())]), g.dtype)
@@ -243,14 +245,14 @@ def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
         at = len(body.results) + extra.index(r) if at is None else at
         return V.loop(keep, edge, ops, at, reverse)
 
-    start = [_zero(c.dtype, set(c.edges) | batch) for c in carries]
+    start = [_zero(c.dtype if _float(c) else ct.dtype, set(c.edges) | batch) for c in carries]
     if not stacked_ct:
         start[out] = _fitted(ct, carries[out], set(batch))
     operands = (start + [_zero(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
                 + [kept(r) for r in stacked] + list(slices) + ([V.convert(ct, ct.dtype)] if stacked_ct else [])
                 + list(invariants))
     outs = lambda k: V.loop(plan.back, edge, operands, k, not reverse)   # noqa: E731
-    result: list[Value | None] = [outs(k) for k in range(nc)]
+    result: list[Value | None] = [outs(k) if _float(carries[k]) else None for k in range(nc)]
     result += [outs(nc + len(float_invs) + float_slices.index(j)) if j in float_slices else None
                for j in range(nx)]
     result += [outs(nc + float_invs.index(j)) if j in float_invs else None for j in range(len(invariants))]
