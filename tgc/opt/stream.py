@@ -64,6 +64,7 @@ from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.opt import stream_skip
 from tgc.options import Options
 
 # ops a value may have to be computed one block of E at a time (when it keeps E)
@@ -203,9 +204,9 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
-def _split(x: Value, edge: str, ec: str, eb: str, block: int) -> Value:
-    """x over `edge` as [eb, ec]: x[edge = ec + block*eb] (an exact reindex)."""
-    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block})), ("=",))
+def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) -> Value:
+    """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
+    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
     keep = [e for e in x.edges if e != edge] + [ec, eb]
     return V.contract([x, V.indicator(rel, x.dtype)], keep)
 
@@ -224,6 +225,7 @@ class _Streamer:
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
         self.big = options.stream_min_elements
+        self.groups = options.stream_mask_groups
         self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
         # the sizes the thresholds read: a symbolic dim counts as 1, its smallest size: one
         # program serves every size, and at a small one the blocks' slices and stacked
@@ -336,6 +338,72 @@ class _Streamer:
             plan.append(("piece", (r, V.indicator(at, ind.dtype), sorted(e for e, _ in w_terms))))
         return pieces, plan
 
+    def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: set[int], n: int):
+        """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
+        over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), or
+        None: one loop over every key."""
+        if not r.masks or self.groups <= 0:
+            return None
+        others = {e for ind in r.masks for e in ind.edges if e != r.edge[id(ind)]}
+        if len(others) != 1 or any(len(ind.edges) != 2 for ind in r.masks):
+            return None
+        s = others.pop()
+        ns = self.sizes.get(s)
+        if not isinstance(ns, int):
+            return None
+        plan = stream_skip.groups([(ind.attrs[0], r.edge[id(ind)]) for ind in r.masks], s, n, ns, self.block,
+                                  self.groups)
+        if plan is None or not stream_skip.exact(body, s, masks, kinds):
+            return None
+        return s, plan
+
+    def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], kinds: list, runs, eb: str,
+                  ec: str) -> dict[int, Value]:
+        """The carries and stacked results of the loops of `runs`, one loop per run over its
+        blocks and its keys, combined: carries added (or maxed) across the loops, stacked
+        results placed at their blocks."""
+        s, plan = runs
+        ns, b = self.sizes[s], self.block
+        parts: list[list[Value]] = [[] for _ in body.results]
+        for b0, b1, lo, hi in plan:
+            at = {eb: (self.new_edge(eb, b1 - b0), b0)}
+            if hi - lo < ns:
+                at[s] = (self.new_edge(s, hi - lo), lo)
+            step = stream_skip.resized(body, s, at[s][0], lo) if s in at else body
+            ops = []
+            for k, o in enumerate(operands):
+                role = body.role(k)
+                if role == "carry":
+                    ops.append(V.const(o.attrs[0], o.dtype, [at[s][0] if s in at and e == s else e for e in o.edges]))
+                elif k < len(r.carries) + len(r.slices):   # a block of an operand: split at the run's first
+                    x = r.slices[k - len(r.carries)]
+                    ops.append(_window(_split(x, r.edge[id(x)], ec, at[eb][0], b, b0), {s: at[s]} if s in at else {}))
+                elif role == "slice":   # a mask's stacked indicator
+                    ops.append(_window(o, at))
+                else:
+                    ops.append(_window(o, {e: w for e, w in at.items() if e != eb}))
+            for j in range(len(body.results)):
+                out = V.loop(step, at[eb][0], ops, j)
+                if j < len(r.carries):
+                    parts[j].append(_pad(out, {s: at[s]} if s in at else {}, list(r.carries[j].edges)))
+                else:
+                    v = r.stacked[j - len(r.carries)]
+                    e = r.edge[id(v)]
+                    rel = Relation((Affine.make({e: 1}), Affine.make({ec: 1, at[eb][0]: b}, b * b0)), ("=",))
+                    keep = [x for x in out.edges if x not in (ec, at[eb][0])] + [e]
+                    parts[j].append(V.contract([out, V.indicator(rel, out.dtype)], keep))
+        memo: dict[int, Value] = {}
+        for j, ps in enumerate(parts):
+            if j < len(r.carries) and kinds[j] in ("max", "min"):
+                total = ps[0]
+                for p in ps[1:]:
+                    total = V.map_(kinds[j], total, p)
+            else:
+                total = ps[0] if len(ps) == 1 else V.add(ps)
+            v = r.carries[j] if j < len(r.carries) else r.stacked[j - len(r.carries)]
+            memo[id(v)] = total
+        return memo
+
     def build(self, order: list[Value], r: _Region, edge: str) -> Module:
         b = self.block
         n = self.sizes[edge]
@@ -414,15 +482,36 @@ class _Streamer:
             results.append(inner[id(v)])
         body = V.loop_body(params, results, len(r.carries), n_slices)
         memo: dict[int, Value] = {}
-        for i, v in enumerate(r.carries):
-            memo[id(v)] = V.loop(body, eb, operands, i)
-        for j, v in enumerate(r.stacked):
-            out = V.loop(body, eb, operands, len(r.carries) + j)
-            memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
+        runs = self.runs(r, body, kinds, {id(inner[id(ind)]) for ind in r.masks}, n)
+        if runs is None:
+            for i, v in enumerate(r.carries):
+                memo[id(v)] = V.loop(body, eb, operands, i)
+            for j, v in enumerate(r.stacked):
+                out = V.loop(body, eb, operands, len(r.carries) + j)
+                memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
+        else:
+            memo.update(self.run_loops(r, body, operands, kinds, runs, eb, ec))
         for v in order:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
+
+
+def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
+    """x with each edge e of `at` read over a fresh edge f at an offset: x[e = f + off]
+    (an exact reindex)."""
+    inds = [V.indicator(Relation((Affine.make({e: 1}), Affine.make({f: 1}, off)), ("=",)), x.dtype)
+            for e, (f, off) in at.items() if e in x.edges]
+    if not inds:
+        return x
+    return V.contract([x] + inds, [at[e][0] if e in at else e for e in x.edges])
+
+
+def _pad(y: Value, at: dict[str, tuple[str, int]], edges: list[str]) -> Value:
+    """y over fresh edges f back over e (e = f + off), zero elsewhere, over `edges`."""
+    inds = [V.indicator(Relation((Affine.make({e: 1}), Affine.make({f: 1}, off)), ("=",)), y.dtype)
+            for e, (f, off) in at.items() if f in y.edges]
+    return V.contract([y] + inds, edges) if inds else y
 
 
 def stream(module: Module, options: Options) -> Module:
@@ -446,12 +535,15 @@ class Stream(Pass):
     name = "stream"
     block: int | None = None          # the block size (default: options.stream_block)
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
+    groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
             options = options.with_(stream_block=self.block)
         if self.min_elements is not None:
             options = options.with_(stream_min_elements=self.min_elements)
+        if self.groups is not None:
+            options = options.with_(stream_mask_groups=self.groups)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
