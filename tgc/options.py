@@ -48,7 +48,8 @@ class Options:
     stream_block: int = 256                  # a cluster of large values over a long edge runs in a loop over blocks of this many indices (0: never; tgc.opt.stream) ...
     stream_block_min: int = 64               # ... or of its half, quarter, ... down to this many, the largest that divides the edge ...
     stream_min_elements: int = 1 << 24       # ... when one of its values has at least this many elements (64 MiB in f32: smaller matrices stay whole, faster on the CPU)
-    stream_mask_groups: int = 4              # a masked stream's blocks run as this many loops, each over only the keys its rows' mask admits (causal: about (n+1)/2n of the work; 0: one loop over every key; tgc.opt.stream_skip)
+    stream_min_elements_masked: int = 1 << 22   # ... or this many when its mask lets the loops skip keys (stream_mask_groups: half the work for causal attention pays for the loop sooner)
+    stream_mask_groups: int = 8              # a masked stream's blocks run as this many loops, each over only the keys its rows' mask admits (causal: about (n+1)/2n of the work; 0: one loop over every key; tgc.opt.stream_skip)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...

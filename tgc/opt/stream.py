@@ -32,6 +32,16 @@ block of `E` at a time:
   step reads G with stride 1 along its block): the step sees its block's mask
   without an `|E| * |s|` matrix.
 
+- a masked stream skips keys (tgc.opt.stream_skip): when the mask's hull of admitted
+  keys `s` for a run of blocks is smaller than `s` (causal: the keys up to the run's
+  last row; a window: those within it), the blocks run as `options.stream_mask_groups`
+  loops, one per run, each step over the run's hull only (`s` resized to it, the
+  invariants read at its offset); the carries over `s` are padded back with zeros and
+  added, the stacked results placed at their blocks. Causal attention then does about
+  (n + 1) / 2n of the work over n runs. A run with a row that sees no key keeps every
+  key, as does a step whose values over `s` the module cannot show to be exactly 0 (or
+  exactly too low to count in a max or logsumexp) at the skipped keys.
+
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
 row max first, a reduction over it; the query edge does not: every reduction over
@@ -42,9 +52,17 @@ alike, from the inputs of the region.
 
 Exact? Every value of a step is the op the program had, on the same elements; only
 the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
-added across blocks: a reassociation of those sums (docs/optimization.md's contract
-allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing by
-indicators selects exact values.
+added across blocks (and across the runs of a masked stream): a reassociation of those
+sums (docs/optimization.md's contract allows it; under `--fp-strict` the pass is not in
+the pipeline). The reindexing by indicators selects exact values. The keys a run skips
+are masked for all its rows, and each of its rows sees a key: their weights are
+exactly 0 (exp of a score of -1e9 less the row max underflows in f32 and f64; of -inf
+is 0), so the sums over them add +0 and the max and logsumexp are unchanged, given
+admitted scores within +-1e7 (stream_skip's docstring states the check and the
+assumption); fully masked rows keep every key and give the unstreamed uniform weights.
+
+When. A seed streams from `stream_min_elements`, or from `stream_min_elements_masked`
+(smaller) when its masks let some run skip keys: the skipped work pays for the loop.
 
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
@@ -53,7 +71,8 @@ Terminates: each round moves at least its seed (a large add, map, contraction, .
 of the top level) into a loop body, which the pass never looks inside, and adds to the
 top level only values that are no seeds (a loop, indicators, constants) or small ones
 (slices and stacked results are checked small); a seed with no valid edge is skipped.
-So each round leaves one large value fewer to try.
+So each round leaves one large value fewer to try. The runs of a masked stream are a
+fixed partition of the blocks (one pass over the step's values decides the skip).
 """
 from __future__ import annotations
 
@@ -224,8 +243,9 @@ class _Streamer:
         self.top = options.stream_block
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
-        self.big = options.stream_min_elements
         self.groups = options.stream_mask_groups
+        self.whole = options.stream_min_elements   # a seed this large streams; a smaller one ...
+        self.big = min(self.whole, options.stream_min_elements_masked) if self.groups > 0 else self.whole
         self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
         # the sizes the thresholds read: a symbolic dim counts as 1, its smallest size: one
         # program serves every size, and at a small one the blocks' slices and stacked
@@ -286,7 +306,8 @@ class _Streamer:
                 self.block = self.block_for(self.sizes[edge])
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
-                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks):
+                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
+                        and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
                     return self.build(order, r, edge)
             skip.add(id(seed))
         return None
@@ -338,21 +359,33 @@ class _Streamer:
             plan.append(("piece", (r, V.indicator(at, ind.dtype), sorted(e for e, _ in w_terms))))
         return pieces, plan
 
+    def key_edge(self, r: _Region) -> str | None:
+        """The edge other than the streamed one that every mask of `r` names (the keys)."""
+        others = {e for ind in r.masks for e in ind.edges if e != r.edge[id(ind)]}
+        if not r.masks or len(others) != 1 or any(len(ind.edges) != 2 for ind in r.masks):
+            return None
+        s = others.pop()
+        return s if isinstance(self.sizes.get(s), int) else None
+
+    def plan(self, r: _Region, n: int):
+        """stream_skip.groups for the masks of `r` (the streamed edge of size n), or None."""
+        s = self.key_edge(r)
+        if s is None or self.groups <= 0:
+            return None
+        return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)]) for ind in r.masks], s, n, self.sizes[s],
+                                  self.block, self.groups)
+
+    def skips(self, r: _Region, edge: str) -> bool:
+        """Whether the masks of `r` let some loop skip keys (a seed under
+        `stream_min_elements` streams only then)."""
+        return self.plan(r, self.sizes[edge]) is not None
+
     def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: set[int], n: int):
         """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
         over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), or
         None: one loop over every key."""
-        if not r.masks or self.groups <= 0:
-            return None
-        others = {e for ind in r.masks for e in ind.edges if e != r.edge[id(ind)]}
-        if len(others) != 1 or any(len(ind.edges) != 2 for ind in r.masks):
-            return None
-        s = others.pop()
-        ns = self.sizes.get(s)
-        if not isinstance(ns, int):
-            return None
-        plan = stream_skip.groups([(ind.attrs[0], r.edge[id(ind)]) for ind in r.masks], s, n, ns, self.block,
-                                  self.groups)
+        plan = self.plan(r, n)
+        s = self.key_edge(r)
         if plan is None or not stream_skip.exact(body, s, masks, kinds):
             return None
         return s, plan
