@@ -368,7 +368,8 @@ def test_a_run_with_a_fully_masked_row_keeps_every_key():
     for v in module.values():
         if v.op == "loop":
             bodies[id(v.attrs[0])] = v.attrs[0]
-    keys = sorted(next(e for p in b.params for e in p.edges if e.split(".")[0] == "s") for b in bodies.values())
+    keys = sorted(next(e for p in b.params[b.carries + b.slices:] for e in p.edges if e.split(".")[0] == "s")
+                  for b in bodies.values())   # the keys (an invariant) each loop's step reads
     assert len(keys) == 4 and keys.count("s") == 1, keys
     sizes = sorted(module.dims[k] for k in keys if k != "s")
     assert sizes == [12, 20, 28], sizes   # blocks of 4 rows, keys s <= t - 4: up to 11, 19, 27

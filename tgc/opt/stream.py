@@ -390,14 +390,16 @@ class _Streamer:
             return None
         return s, plan
 
-    def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], kinds: list, runs, eb: str,
+    def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], runs, eb: str,
                   ec: str) -> dict[int, Value]:
         """The carries and stacked results of the loops of `runs`, one loop per run over its
-        blocks and its keys, combined: carries added (or maxed) across the loops, stacked
-        results placed at their blocks."""
+        blocks and its keys: each loop's carries start from the last loop's (so the sums
+        over the blocks are taken in their order), the stacked results are placed at their
+        blocks."""
         s, plan = runs
         ns, b = self.sizes[s], self.block
         parts: list[list[Value]] = [[] for _ in body.results]
+        carried = list(operands[:len(r.carries)])   # each run's carries start where the last run's ended
         for b0, b1, lo, hi in plan:
             at = {eb: (self.new_edge(eb, b1 - b0), b0)}
             if hi - lo < ns:
@@ -407,7 +409,7 @@ class _Streamer:
             for k, o in enumerate(operands):
                 role = body.role(k)
                 if role == "carry":
-                    ops.append(V.const(o.attrs[0], o.dtype, [at[s][0] if s in at and e == s else e for e in o.edges]))
+                    ops.append(carried[k])
                 elif k < len(r.carries) + len(r.slices):   # a block of an operand: split at the run's first
                     x = r.slices[k - len(r.carries)]
                     ops.append(_window(_split(x, r.edge[id(x)], ec, at[eb][0], b, b0), {s: at[s]} if s in at else {}))
@@ -418,23 +420,16 @@ class _Streamer:
             for j in range(len(body.results)):
                 out = V.loop(step, at[eb][0], ops, j)
                 if j < len(r.carries):
-                    parts[j].append(_pad(out, {s: at[s]} if s in at else {}, list(r.carries[j].edges)))
+                    carried[j] = out
                 else:
                     v = r.stacked[j - len(r.carries)]
                     e = r.edge[id(v)]
                     rel = Relation((Affine.make({e: 1}), Affine.make({ec: 1, at[eb][0]: b}, b * b0)), ("=",))
                     keep = [x for x in out.edges if x not in (ec, at[eb][0])] + [e]
                     parts[j].append(V.contract([out, V.indicator(rel, out.dtype)], keep))
-        memo: dict[int, Value] = {}
-        for j, ps in enumerate(parts):
-            if j < len(r.carries) and kinds[j] in ("max", "min"):
-                total = ps[0]
-                for p in ps[1:]:
-                    total = V.map_(kinds[j], total, p)
-            else:
-                total = ps[0] if len(ps) == 1 else V.add(ps)
-            v = r.carries[j] if j < len(r.carries) else r.stacked[j - len(r.carries)]
-            memo[id(v)] = total
+        memo: dict[int, Value] = {id(v): c for v, c in zip(r.carries, carried)}
+        for v, ps in zip(r.stacked, parts[len(r.carries):]):
+            memo[id(v)] = ps[0] if len(ps) == 1 else V.add(ps)
         return memo
 
     def build(self, order: list[Value], r: _Region, edge: str) -> Module:
@@ -523,7 +518,7 @@ class _Streamer:
                 out = V.loop(body, eb, operands, len(r.carries) + j)
                 memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
         else:
-            memo.update(self.run_loops(r, body, operands, kinds, runs, eb, ec))
+            memo.update(self.run_loops(r, body, operands, runs, eb, ec))
         for v in order:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
@@ -538,13 +533,6 @@ def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
     if not inds:
         return x
     return V.contract([x] + inds, [at[e][0] if e in at else e for e in x.edges])
-
-
-def _pad(y: Value, at: dict[str, tuple[str, int]], edges: list[str]) -> Value:
-    """y over fresh edges f back over e (e = f + off), zero elsewhere, over `edges`."""
-    inds = [V.indicator(Relation((Affine.make({e: 1}), Affine.make({f: 1}, off)), ("=",)), y.dtype)
-            for e, (f, off) in at.items() if f in y.edges]
-    return V.contract([y] + inds, edges) if inds else y
 
 
 def stream(module: Module, options: Options) -> Module:

@@ -167,13 +167,16 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str]) -> bool:
 
 
 def resized(body: V.LoopBody, s: str, sg: str, lo: int) -> V.LoopBody | None:
-    """`body` with edge `s` replaced by `sg`, index `s = sg + lo`; None for an op it
+    """`body` with edge `s` replaced by `sg`, index `s = sg + lo`, but for its carries: a
+    carry over `s` stays over all of it, each step adding its part at the hull's keys
+    (the runs then chain one carry, not one partial each); None for an op it
     cannot carry over (a rename of `s`, `size(s)`). A rename `a -> s` reads its operand at
 `a = sg + lo`."""
     def edges(v: Value) -> list[str]:
         return [sg if e == s else e for e in v.edges]
 
-    memo: dict[int, Value] = {id(p): V.loopvar(p.attrs[0], p.dtype, edges(p), p.loc) for p in body.params}
+    memo: dict[int, Value] = {id(p): V.loopvar(p.attrs[0], p.dtype, p.edges if k < body.carries else edges(p), p.loc)
+                              for k, p in enumerate(body.params)}   # the carries keep all of s
     for v in topo_order(list(body.results)):
         ops = tuple(memo[id(o)] for o in v.operands)
         if id(v) in memo:
@@ -201,4 +204,12 @@ def resized(body: V.LoopBody, s: str, sg: str, lo: int) -> V.LoopBody | None:
         else:
             return None
     params = [memo[id(p)] for p in body.params]
-    return V.loop_body(params, [memo[id(r)] for r in body.results], body.carries, body.slices)
+    results = []
+    for j, r in enumerate(body.results):
+        if j < body.carries and s in r.edges:   # p + part over the hull: the part added at its keys
+            p, part = r.operands
+            at = V.indicator(Relation((Affine.make({s: 1}), Affine.make({sg: 1}, lo)), ("=",)), r.dtype)
+            results.append(V.add([memo[id(p)], V.contract([memo[id(part)], at], r.edges)], r.attrs[0], r.loc))
+        else:
+            results.append(memo[id(r)])
+    return V.loop_body(params, results, body.carries, body.slices)
