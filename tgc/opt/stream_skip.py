@@ -14,8 +14,8 @@ whole of `s` (that row's weights are uniform over every key: the unstreamed resu
 Why it is exact. `exact` checks the step, value by value, with what each value is at
 the skipped entries (masked for every row of the run):
 - Z, exactly 0: the mask itself; a product (contract, mul0) with a Z factor (the other
-  factors finite); a sum of
-  Z values; `where(c, a, b)` with c Z and b Z or 0; exp of an L value (it underflows to 0);
+  factors finite); a sum of Z values; `where(c, a, b)` with c Z and b Z or 0; exp of an
+  L value (it underflows to 0);
 - L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
   -inf); a positive combination of L values (coefficients >= 1) and values without
   `s` (row statistics, counted at 1e7 each, the assumption below).
@@ -24,7 +24,8 @@ Every reduction over `s` must then ignore the skipped entries exactly: a sum
 an L operand: each row of a run has an admitted key, whose score is above -1e7, so the
 max is the same, and exp(b - max) is exactly 0 in f32 and f64 (below -100); a carry
 that keeps `s` must be a sum whose step part is Z (the skipped part of dk, dv is 0:
-the rows outside the hull are then the zeros the other runs add to). A step that
+the resized step adds its part at the hull's keys only, the carry staying over all of
+`s`, and each run's loop starts from the last one's carries). A step that
 reduces over `s` anything else, stacks a value with `s`, reads `size(s)`, renames `s`
 or holds an op not listed keeps the whole of `s` (a rename to `s`, the keys computed in
 the step, is read at the hull).
@@ -54,6 +55,8 @@ def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndar
     for i, op in enumerate(rel.ops):
         d = rel.exprs[i].plus(rel.exprs[i + 1], -1)   # d op 0, d = a*t + b*s + c
         a, b, c = d.coef(t), d.coef(s), d.const
+        if not all(isinstance(x, int) for x in (a, b, c)):
+            continue   # a symbolic bound: the hull stays the range
         rest = a * rows + c
         if b == 0:
             ok = {"<": rest < 0, "<=": rest <= 0, ">": rest > 0, ">=": rest >= 0, "=": rest == 0,
