@@ -373,3 +373,23 @@ def test_a_run_with_a_fully_masked_row_keeps_every_key():
     assert len(keys) == 4 and keys.count("s") == 1, keys
     sizes = sorted(module.dims[k] for k in keys if k != "s")
     assert sizes == [12, 20, 28], sizes   # blocks of 4 rows, keys s <= t - 4: up to 11, 19, 27
+
+
+def test_a_step_not_shown_exact_keeps_every_key():
+    """A bias over the keys added after the mask: the skipped scores are then -1e9 plus
+    any bias, which the check cannot bound, so the loop runs over every key (one loop),
+    and the result is the unstreamed one."""
+    src = MASKED.replace("input dy[t, hd]", "input dy[t, hd]\ninput bias[s]").replace(
+        "where([s + 4 <= t], sum[hd](q * k), -1e9)", "where([s + 4 <= t], sum[hd](q * k), -1e9) + bias")
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_a_masked_cluster_streams_from_the_smaller_threshold():
+    """stream_min_elements_masked applies where the mask lets loops skip keys: causal
+    attention streams under it, cross-attention (no mask) does not."""
+    opts = dict(stream_block=4, stream_min_elements=1 << 20, stream_min_elements_masked=200, stream_mask_groups=2)
+    assert loops(optimized(ATTENTION, "f64", **opts)) == 2
+    assert loops(optimized(CROSS, "f64", **opts)) == 0
