@@ -345,7 +345,8 @@ def step_flops(src: str, groups: int) -> int:
     opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
     module = optimized(src, "f32", **opts)
     assert loops(module) == (max(groups, 1) if "where" in src else 1)
-    return sum(k["flops"] for k in explain(lower_module(module, Options(**opts)), {})["kernels"] if k["kind"] == "steps")
+    kernels = explain(lower_module(module, Options(**opts)), {})["kernels"]
+    return sum(k["flops"] for k in kernels if k["kind"] == "steps")
 
 
 def test_masked_keys_are_skipped_in_the_work():
