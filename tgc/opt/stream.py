@@ -308,7 +308,9 @@ class _Streamer:
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
-                    return self.build(order, r, edge)
+                    out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
+                    if out is not None:
+                        return out
             skip.add(id(seed))
         return None
 
@@ -432,7 +434,10 @@ class _Streamer:
             memo[id(v)] = ps[0] if len(ps) == 1 else V.add(ps)
         return memo
 
-    def build(self, order: list[Value], r: _Region, edge: str) -> Module:
+    def build(self, order: list[Value], r: _Region, edge: str, skip_only: bool = False) -> Module | None:
+        """The module with region `r` streamed over `edge`; None (the module as it was)
+        when `skip_only` (a seed under `stream_min_elements`) and no loop skips keys."""
+        saved = (dict(self.m.dims), dict(self.m.edges), dict(self.sizes), dict(self.est))
         b = self.block
         n = self.sizes[edge]
         ec = self.new_edge(edge, b)
@@ -511,6 +516,11 @@ class _Streamer:
         body = V.loop_body(params, results, len(r.carries), n_slices)
         memo: dict[int, Value] = {}
         runs = self.runs(r, body, kinds, {id(inner[id(ind)]) for ind in r.masks}, n)
+        if runs is None and skip_only:   # the edges made for it undone
+            for live, old in zip((self.m.dims, self.m.edges, self.sizes, self.est), saved):
+                live.clear()
+                live.update(old)
+            return None
         if runs is None:
             for i, v in enumerate(r.carries):
                 memo[id(v)] = V.loop(body, eb, operands, i)
