@@ -14,7 +14,7 @@ from tgc.options import Options
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
-ON = dict(stream_block=4, stream_min_elements=200)
+ON = dict(stream_block=4, stream_min_elements=200, stream_mask_groups=2)
 OFF = dict(stream_block=0)
 
 ATTENTION = """
@@ -124,6 +124,8 @@ out dWo = grad(loss, Wo)
 WINDOW = MASKED.replace("[s + 4 <= t]", "[t - 8 <= s <= t]")
 
 PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
+# a masked program's blocks run as stream_mask_groups (2 in ON) loops, each over the keys its rows admit
+LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS}
 
 
 def optimized(src: str, dtype: str, **opts):
@@ -154,7 +156,7 @@ def close(got: dict, want: dict, tol: float) -> None:
 def test_interpreter_f64_matches_unstreamed_and_torch(name):
     src = PROGRAMS[name]
     streamed, plain = optimized(src, "f64", **ON), optimized(src, "f64", **OFF)
-    assert loops(streamed) == 1 and loops(plain) == 0
+    assert loops(streamed) == LOOPS[name] and loops(plain) == 0
     x = inputs(src)
     got, want = evaluate(streamed, x, dtype="f64"), evaluate(plain, x, dtype="f64")
     close(got, want, 1e-10)
@@ -199,7 +201,7 @@ def test_the_block_halves_to_divide_the_edge():
     stream_block_min, and the streamed program computes what the plain one does."""
     base = dict(stream_block=32, stream_min_elements=200)
     streamed = optimized(ATTENTION, "f64", stream_block_min=8, **base)
-    assert loops(streamed) == 1 and streamed.dims["t.1"] == 16 and streamed.dims["t.2"] == 2
+    assert loops(streamed) == 2 and streamed.dims["t.1"] == 16 and streamed.dims["t.2"] == 2   # a loop per block
     assert loops(optimized(ATTENTION, "f64", stream_block_min=32, **base)) == 0
     x = inputs(ATTENTION)
     close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64"), 1e-10)
@@ -215,9 +217,9 @@ def peak(t: int) -> int:
     from tgc.pipeline import lower_module
 
     src = ATTENTION.replace("t = 32, hd = 2", f"t = {t}, hd = 16")
-    options = Options(stream_block=32, stream_min_elements=1 << 14)
-    module = optimized(src, "f32", stream_block=32, stream_min_elements=1 << 14)
-    assert loops(module) == 1
+    options = Options(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=4)
+    module = optimized(src, "f32", stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=4)
+    assert loops(module) == 4
     return explain(lower_module(module, options), {})["peak"]["bytes"]
 
 
@@ -283,7 +285,7 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
 
     report = json.loads(r.output)
     steps = [k for k in report["kernels"] if k["kind"] == "steps"]
-    assert len(steps) == 1 and steps[0]["threads"] == "per step kernel"
+    assert len(steps) == 8 and all(k["threads"] == "per step kernel" for k in steps)   # stream_mask_groups
     assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
         report["recompute_note"]
     # under one [head, t, s] f32 matrix (unstreamed: three); the step holds [head, 256, s] blocks
@@ -323,8 +325,9 @@ def test_a_loop_body_streams(grads):
     src = LAYERS + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
                     else "out y\n")
     extra = dict(memory_budget=400_000) if grads else {}   # met by keeping only the carries
+    extra["stream_mask_groups"] = 2
     on, off = optimized(src, "f64", stream_block=16, stream_min_elements=1000, **extra), optimized(src, "f64", **OFF)
-    assert nested_loops(on) == (2 if grads else 1) and nested_loops(off) == 0
+    assert nested_loops(on) == (4 if grads else 2) and nested_loops(off) == 0   # 2 runs of blocks each
     env = off.bind_dims({"layer": 3})
     x = random_inputs(off, env, 0, "f64")
     want = evaluate(off, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3})
@@ -332,3 +335,66 @@ def test_a_loop_body_streams(grads):
     prog = tgc.compile(src, "cpu", "f64", options=Options(dtype="f64", stream_block=16, stream_min_elements=1000,
                                                           **extra))
     close(prog(**{k: v.copy() for k, v in x.items()}), want, 1e-12)
+
+
+def step_flops(src: str, groups: int) -> int:
+    """The FLOPs `tgc explain` counts in the loops of steps (every step of every loop)."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
+    module = optimized(src, "f32", **opts)
+    assert loops(module) == (max(groups, 1) if "where" in src else 1)
+    kernels = explain(lower_module(module, Options(**opts)), {})["kernels"]
+    return sum(k["flops"] for k in kernels if k["kind"] == "steps")
+
+
+def test_masked_keys_are_skipped_in_the_work():
+    """The steps' FLOPs (tgc explain) with 8 runs of blocks against one loop over every
+    key: causal attention over 8 blocks does (1 + ... + 8) / 64 = 0.5625 of it; a window
+    of 9 keys, 8 blocks of 32 rows, each over its 40 (the first 32) keys of 256."""
+    causal = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16")
+    ratio = step_flops(causal, 8) / step_flops(causal, 0)
+    assert 0.55 < ratio < 0.58, ratio
+    window = WINDOW.replace("t = 32, hd = 2", "t = 256, hd = 16")
+    ratio = step_flops(window, 8) / step_flops(window, 0)
+    assert 0.1 < ratio < 0.2, ratio
+
+
+def test_a_run_with_a_fully_masked_row_keeps_every_key():
+    """MASKED's rows t < 4 see no key: the run of its first two blocks keeps all of s
+    (its weights uniform over every key, as unstreamed); the other runs see only their hull."""
+    module = optimized(MASKED, "f64", **{**ON, "stream_mask_groups": 4})
+    bodies = {}
+    for v in module.values():
+        if v.op == "loop":
+            bodies[id(v.attrs[0])] = v.attrs[0]
+    keys = sorted(next(e for p in b.params[b.carries + b.slices:] for e in p.edges if e.split(".")[0] == "s")
+                  for b in bodies.values())   # the keys (an invariant) each loop's step reads
+    assert len(keys) == 4 and keys.count("s") == 1, keys
+    sizes = sorted(module.dims[k] for k in keys if k != "s")
+    assert sizes == [12, 20, 28], sizes   # blocks of 4 rows, keys s <= t - 4: up to 11, 19, 27
+
+
+def test_a_step_not_shown_exact_keeps_every_key():
+    """A bias over the keys added after the mask: the skipped scores are then -1e9 plus
+    any bias, which the check cannot bound, so the loop runs over every key (one loop),
+    and the result is the unstreamed one."""
+    src = MASKED.replace("input dy[t, hd]", "input dy[t, hd]\ninput bias[s]").replace(
+        "where([s + 4 <= t], sum[hd](q * k), -1e9)", "where([s + 4 <= t], sum[hd](q * k), -1e9) + bias")
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_a_masked_cluster_streams_from_the_smaller_threshold():
+    """stream_min_elements_masked applies where the mask lets loops skip keys: causal
+    attention streams under it, cross-attention (no mask) does not."""
+    opts = dict(stream_block=4, stream_min_elements=1 << 20, stream_min_elements_masked=200, stream_mask_groups=2)
+    assert loops(optimized(ATTENTION, "f64", **opts)) == 2
+    assert loops(optimized(CROSS, "f64", **opts)) == 0
+    # a mask whose skip the check cannot show exact (a bias over the keys after it): no loop
+    late_bias = MASKED.replace("input dy[t, hd]", "input dy[t, hd]\ninput bias[s]").replace(
+        "where([s + 4 <= t], sum[hd](q * k), -1e9)", "where([s + 4 <= t], sum[hd](q * k), -1e9) + bias")
+    assert loops(optimized(late_bias, "f64", **opts)) == 0

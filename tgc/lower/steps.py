@@ -182,13 +182,29 @@ def split_edge(o: Value, edge: str) -> tuple[str, str] | None:
     return (rel.exprs[0].terms[0][0], inner[0]) if len(inner) == 1 else None
 
 
+def _hull(o: Value) -> tuple[str, str, int] | None:
+    """(e, f, off) when `o` is an operand read over a fresh edge f at e = f + off (a
+    contraction with that indicator: a masked stream's keys, tgc.opt.stream_skip)."""
+    if o.op != "contract" or len(o.operands) < 2 or o.operands[-1].op != "indicator":
+        return None
+    rel = o.operands[-1].attrs[0]
+    a, b = rel.exprs if len(rel.exprs) == 2 else (None, None)
+    if rel.ops != ("=",) or len(a.terms) != 1 or len(b.terms) != 1 or a.const != 0 or b.terms[0][1] != 1 \
+            or a.terms[0][1] != 1 or not isinstance(b.const, int):
+        return None
+    return a.terms[0][0], b.terms[0][0], b.const
+
+
 def _note(v: Value, body: V.LoopBody) -> str:
     """What the loop is, for `tgc explain`: a `repeat`, a `scan`, or blocks of an edge."""
     edge = v.attrs[1]
     for k, o in enumerate(v.operands):
         split = split_edge(o, edge) if body.role(k) == "slice" else None
         if split is not None:
+            hulls = sorted({h for j, x in enumerate(v.operands) if body.role(j) == "invariant"
+                            for h in [_hull(x)] if h is not None})
+            keys = "".join(f"; only the keys {e} = {f} + {off} (a mask skips the rest)" for e, f, off in hulls)
             return (f"streams {split[0]} in blocks of {split[1]}: each step recomputes its block's values "
-                    f"from the inputs, reductions over {split[0]} carried")
+                    f"from the inputs, reductions over {split[0]} carried{keys}")
     return "repeat" if body.carries and body.stacked == 0 else "scan"
 

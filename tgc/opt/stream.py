@@ -32,6 +32,16 @@ block of `E` at a time:
   step reads G with stride 1 along its block): the step sees its block's mask
   without an `|E| * |s|` matrix.
 
+- a masked stream skips keys (tgc.opt.stream_skip): when the mask's hull of admitted
+  keys `s` for a run of blocks is smaller than `s` (causal: the keys up to the run's
+  last row; a window: those within it), the blocks run as `options.stream_mask_groups`
+  loops, one per run, each step over the run's hull only (`s` resized to it, the
+  invariants read at its offset); the carries over `s` are padded back with zeros and
+  added, the stacked results placed at their blocks. Causal attention then does about
+  (n + 1) / 2n of the work over n runs. A run with a row that sees no key keeps every
+  key, as does a step whose values over `s` the module cannot show to be exactly 0 (or
+  exactly too low to count in a max or logsumexp) at the skipped keys.
+
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
 row max first, a reduction over it; the query edge does not: every reduction over
@@ -42,9 +52,17 @@ alike, from the inputs of the region.
 
 Exact? Every value of a step is the op the program had, on the same elements; only
 the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
-added across blocks: a reassociation of those sums (docs/optimization.md's contract
-allows it; under `--fp-strict` the pass is not in the pipeline). The reindexing by
-indicators selects exact values.
+added across blocks (and across the runs of a masked stream): a reassociation of those
+sums (docs/optimization.md's contract allows it; under `--fp-strict` the pass is not in
+the pipeline). The reindexing by indicators selects exact values. The keys a run skips
+are masked for all its rows, and each of its rows sees a key: their weights are
+exactly 0 (exp of a score of -1e9 less the row max underflows in f32 and f64; of -inf
+is 0), so the sums over them add +0 and the max and logsumexp are unchanged, given
+admitted scores within +-1e7 (stream_skip's docstring states the check and the
+assumption); fully masked rows keep every key and give the unstreamed uniform weights.
+
+When. A seed streams from `stream_min_elements`, or from `stream_min_elements_masked`
+(smaller) when its masks let some run skip keys: the skipped work pays for the loop.
 
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
@@ -53,7 +71,8 @@ Terminates: each round moves at least its seed (a large add, map, contraction, .
 of the top level) into a loop body, which the pass never looks inside, and adds to the
 top level only values that are no seeds (a loop, indicators, constants) or small ones
 (slices and stacked results are checked small); a seed with no valid edge is skipped.
-So each round leaves one large value fewer to try.
+So each round leaves one large value fewer to try. The runs of a masked stream are a
+fixed partition of the blocks (one pass over the step's values decides the skip).
 """
 from __future__ import annotations
 
@@ -64,6 +83,7 @@ from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.opt import stream_skip
 from tgc.options import Options
 
 # ops a value may have to be computed one block of E at a time (when it keeps E)
@@ -203,9 +223,9 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
-def _split(x: Value, edge: str, ec: str, eb: str, block: int) -> Value:
-    """x over `edge` as [eb, ec]: x[edge = ec + block*eb] (an exact reindex)."""
-    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block})), ("=",))
+def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) -> Value:
+    """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
+    rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
     keep = [e for e in x.edges if e != edge] + [ec, eb]
     return V.contract([x, V.indicator(rel, x.dtype)], keep)
 
@@ -223,7 +243,9 @@ class _Streamer:
         self.top = options.stream_block
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
-        self.big = options.stream_min_elements
+        self.groups = options.stream_mask_groups
+        self.whole = options.stream_min_elements   # a seed this large streams; a smaller one ...
+        self.big = min(self.whole, options.stream_min_elements_masked) if self.groups > 0 else self.whole
         self.sizes = {e: module.size(e) for e in module.edges}   # int, or a symbolic size
         # the sizes the thresholds read: a symbolic dim counts as 1, its smallest size: one
         # program serves every size, and at a small one the blocks' slices and stacked
@@ -284,8 +306,11 @@ class _Streamer:
                 self.block = self.block_for(self.sizes[edge])
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
-                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks):
-                    return self.build(order, r, edge)
+                        and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
+                        and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
+                    out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
+                    if out is not None:
+                        return out
             skip.add(id(seed))
         return None
 
@@ -336,7 +361,83 @@ class _Streamer:
             plan.append(("piece", (r, V.indicator(at, ind.dtype), sorted(e for e, _ in w_terms))))
         return pieces, plan
 
-    def build(self, order: list[Value], r: _Region, edge: str) -> Module:
+    def key_edge(self, r: _Region) -> str | None:
+        """The edge other than the streamed one that every mask of `r` names (the keys)."""
+        others = {e for ind in r.masks for e in ind.edges if e != r.edge[id(ind)]}
+        if not r.masks or len(others) != 1 or any(len(ind.edges) != 2 for ind in r.masks):
+            return None
+        s = others.pop()
+        return s if isinstance(self.sizes.get(s), int) else None
+
+    def plan(self, r: _Region, n: int):
+        """stream_skip.groups for the masks of `r` (the streamed edge of size n), or None."""
+        s = self.key_edge(r)
+        if s is None or self.groups <= 0:
+            return None
+        return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)]) for ind in r.masks], s, n, self.sizes[s],
+                                  self.block, self.groups)
+
+    def skips(self, r: _Region, edge: str) -> bool:
+        """Whether the masks of `r` let some loop skip keys (a seed under
+        `stream_min_elements` streams only then)."""
+        return self.plan(r, self.sizes[edge]) is not None
+
+    def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: set[int], n: int):
+        """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
+        over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), or
+        None: one loop over every key."""
+        plan = self.plan(r, n)
+        s = self.key_edge(r)
+        if plan is None or not stream_skip.exact(body, s, masks, kinds):
+            return None
+        return s, plan
+
+    def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], runs, eb: str,
+                  ec: str) -> dict[int, Value]:
+        """The carries and stacked results of the loops of `runs`, one loop per run over its
+        blocks and its keys: each loop's carries start from the last loop's (so the sums
+        over the blocks are taken in their order), the stacked results are placed at their
+        blocks."""
+        s, plan = runs
+        ns, b = self.sizes[s], self.block
+        parts: list[list[Value]] = [[] for _ in body.results]
+        carried = list(operands[:len(r.carries)])   # each run's carries start where the last run's ended
+        for b0, b1, lo, hi in plan:
+            at = {eb: (self.new_edge(eb, b1 - b0), b0)}
+            if hi - lo < ns:
+                at[s] = (self.new_edge(s, hi - lo), lo)
+            step = stream_skip.resized(body, s, at[s][0], lo) if s in at else body
+            ops = []
+            for k, o in enumerate(operands):
+                role = body.role(k)
+                if role == "carry":
+                    ops.append(carried[k])
+                elif k < len(r.carries) + len(r.slices):   # a block of an operand: split at the run's first
+                    x = r.slices[k - len(r.carries)]
+                    ops.append(_window(_split(x, r.edge[id(x)], ec, at[eb][0], b, b0), {s: at[s]} if s in at else {}))
+                elif role == "slice":   # a mask's stacked indicator
+                    ops.append(_window(o, at))
+                else:
+                    ops.append(_window(o, {e: w for e, w in at.items() if e != eb}))
+            for j in range(len(body.results)):
+                out = V.loop(step, at[eb][0], ops, j)
+                if j < len(r.carries):
+                    carried[j] = out
+                else:
+                    v = r.stacked[j - len(r.carries)]
+                    e = r.edge[id(v)]
+                    rel = Relation((Affine.make({e: 1}), Affine.make({ec: 1, at[eb][0]: b}, b * b0)), ("=",))
+                    keep = [x for x in out.edges if x not in (ec, at[eb][0])] + [e]
+                    parts[j].append(V.contract([out, V.indicator(rel, out.dtype)], keep))
+        memo: dict[int, Value] = {id(v): c for v, c in zip(r.carries, carried)}
+        for v, ps in zip(r.stacked, parts[len(r.carries):]):
+            memo[id(v)] = ps[0] if len(ps) == 1 else V.add(ps)
+        return memo
+
+    def build(self, order: list[Value], r: _Region, edge: str, skip_only: bool = False) -> Module | None:
+        """The module with region `r` streamed over `edge`; None (the module as it was)
+        when `skip_only` (a seed under `stream_min_elements`) and no loop skips keys."""
+        saved = (dict(self.m.dims), dict(self.m.edges), dict(self.sizes), dict(self.est))
         b = self.block
         n = self.sizes[edge]
         ec = self.new_edge(edge, b)
@@ -414,15 +515,34 @@ class _Streamer:
             results.append(inner[id(v)])
         body = V.loop_body(params, results, len(r.carries), n_slices)
         memo: dict[int, Value] = {}
-        for i, v in enumerate(r.carries):
-            memo[id(v)] = V.loop(body, eb, operands, i)
-        for j, v in enumerate(r.stacked):
-            out = V.loop(body, eb, operands, len(r.carries) + j)
-            memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
+        runs = self.runs(r, body, kinds, {id(inner[id(ind)]) for ind in r.masks}, n)
+        if runs is None and skip_only:   # the edges made for it undone
+            for live, old in zip((self.m.dims, self.m.edges, self.sizes, self.est), saved):
+                live.clear()
+                live.update(old)
+            return None
+        if runs is None:
+            for i, v in enumerate(r.carries):
+                memo[id(v)] = V.loop(body, eb, operands, i)
+            for j, v in enumerate(r.stacked):
+                out = V.loop(body, eb, operands, len(r.carries) + j)
+                memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
+        else:
+            memo.update(self.run_loops(r, body, operands, runs, eb, ec))
         for v in order:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
+
+
+def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
+    """x with each edge e of `at` read over a fresh edge f at an offset: x[e = f + off]
+    (an exact reindex)."""
+    inds = [V.indicator(Relation((Affine.make({e: 1}), Affine.make({f: 1}, off)), ("=",)), x.dtype)
+            for e, (f, off) in at.items() if e in x.edges]
+    if not inds:
+        return x
+    return V.contract([x] + inds, [at[e][0] if e in at else e for e in x.edges])
 
 
 def stream(module: Module, options: Options) -> Module:
@@ -446,12 +566,15 @@ class Stream(Pass):
     name = "stream"
     block: int | None = None          # the block size (default: options.stream_block)
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
+    groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
             options = options.with_(stream_block=self.block)
         if self.min_elements is not None:
             options = options.with_(stream_min_elements=self.min_elements)
+        if self.groups is not None:
+            options = options.with_(stream_mask_groups=self.groups)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies

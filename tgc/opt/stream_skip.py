@@ -1,0 +1,218 @@
+"""Masked keys a streamed step may skip (a helper of tgc.opt.stream).
+
+What it decides. A loop that `stream` builds over blocks of an edge `t` reads a mask
+(an indicator over `t` and one other edge `s`: causal `[s <= t]`, a window
+`[t - w <= s <= t]`). For a run of consecutive blocks, the keys `s` outside the hull
+`[lo, hi)` of what the mask admits for any of the run's rows are masked for every row
+of the run. `groups` splits the blocks into `options.stream_mask_groups` runs and
+gives each its hull; `stream` then builds one loop per run whose step is the step with
+`s` replaced by an edge of the hull's size at offset `lo` (`resized`): its scores,
+weights and their cotangents, its reductions over `s` and the carries that keep `s`
+(dk, dv) touch only the hull. A run with a row that the mask admits nowhere keeps the
+whole of `s` (that row's weights are uniform over every key: the unstreamed result).
+
+Why it is exact. `exact` checks the step, value by value, with what each value is at
+the skipped entries (masked for every row of the run):
+- Z, exactly 0: the mask itself; a product (contract, mul0) with a Z factor (the other
+  factors finite); a sum of Z values; `where(c, a, b)` with c Z and b Z or 0; exp of an
+  L value (it underflows to 0);
+- L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
+  -inf); a positive combination of L values (coefficients >= 1) and values without
+  `s` (row statistics, counted at 1e7 each, the assumption below).
+Every reduction over `s` must then ignore the skipped entries exactly: a sum
+(contraction) needs a Z factor (adding +0 changes nothing); a max or logsumexp needs
+an L operand: each row of a run has an admitted key, whose score is above -1e7, so the
+max is the same, and exp(b - max) is exactly 0 in f32 and f64 (below -100); a carry
+that keeps `s` must be a sum whose step part is Z (the skipped part of dk, dv is 0:
+the resized step adds its part at the hull's keys only, the carry staying over all of
+`s`, and each run's loop starts from the last one's carries). A step that
+reduces over `s` anything else, stacks a value with `s`, reads `size(s)`, renames `s`
+or holds an op not listed keeps the whole of `s` (a rename to `s`, the keys computed in
+the step, is read at the hull).
+
+Assumption (stated, not checked): the admitted scores and the row statistics lie within
++-1e7, which a fill of -1e9 presupposes (a score below it would be masked out too).
+
+Terminates: one pass over the step's values; the groups are a partition of the blocks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.opt.relations import substitute
+
+LOW = -1e8        # an L value is at most this at skipped entries
+ORDINARY = 1e7    # the assumed bound on admitted scores and row statistics
+
+
+def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row t: the hull [lo, hi) of the keys s that `rel` admits (lo >= hi: none)."""
+    rows = np.arange(nt, dtype=np.int64)
+    lo, hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
+    for i, op in enumerate(rel.ops):
+        d = rel.exprs[i].plus(rel.exprs[i + 1], -1)   # d op 0, d = a*t + b*s + c
+        a, b, c = d.coef(t), d.coef(s), d.const
+        if not all(isinstance(x, int) for x in (a, b, c)):
+            continue   # a symbolic bound: the hull stays the range
+        rest = a * rows + c
+        if b == 0:
+            ok = {"<": rest < 0, "<=": rest <= 0, ">": rest > 0, ">=": rest >= 0, "=": rest == 0,
+                  "!=": rest != 0}[op]
+            hi = np.where(ok, hi, lo)
+            continue
+        if op == "!=":
+            continue   # all but one key: the hull is the range
+        if b < 0:
+            rest, b, op = -rest, -b, {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "=": "="}[op]
+        # b*s + rest op 0: s op -rest/b
+        if op in ("<", "<="):
+            bound = np.floor_divide(-rest - (1 if op == "<" else 0), b)   # largest admitted s
+            hi = np.minimum(hi, bound + 1)
+        elif op in (">", ">="):
+            bound = -np.floor_divide(rest - (1 if op == ">" else 0), b)   # smallest admitted s
+            lo = np.maximum(lo, bound)
+        else:   # "="
+            ok = (-rest) % b == 0
+            at = np.floor_divide(-rest, b)
+            lo, hi = np.where(ok, np.maximum(lo, at), hi), np.where(ok, np.minimum(hi, at + 1), lo)
+    return np.clip(lo, 0, ns), np.clip(hi, 0, ns)
+
+
+def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
+    """[(first block, end block, lo, hi)] for `count` runs of the blocks of the streamed
+    edge (as even as can be), each run's keys the hull the masks ((relation, its name of
+    the streamed edge)) admit for its rows; None when no run skips any key."""
+    lo, hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
+    for rel, t in masks:
+        a, b = admitted(rel, t, s, nt, ns)
+        lo, hi = np.maximum(lo, a), np.minimum(hi, b)
+    nb = nt // block
+    count = max(1, min(count, nb))
+    out = []
+    for g in range(count):
+        b0, b1 = g * nb // count, (g + 1) * nb // count
+        rows = slice(b0 * block, b1 * block)
+        if np.any(lo[rows] >= hi[rows]):
+            out.append((b0, b1, 0, ns))   # a row admits no key: its weights are uniform over all of s
+        else:
+            out.append((b0, b1, int(lo[rows].min()), int(hi[rows].max())))
+    return out if any(h - l < ns for _, _, l, h in out) else None
+
+
+def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str]) -> bool:
+    """Whether the step `body` gives the same results with `s` restricted to a run's hull
+    (`masks`: ids of its values that are the mask; `kinds`: the carries' combination)."""
+    state: dict[int, object] = {}   # id -> "Z", ("L", bound) or None, for values with s
+
+    def st(v: Value):
+        return state.get(id(v)) if s in v.edges else "no-s"
+
+    for v in topo_order(list(body.results)):
+        ops = v.operands
+        with_s = [o for o in ops if s in o.edges]
+        if id(v) in masks:
+            state[id(v)] = "Z"
+            continue
+        if v.op in ("loopvar", "const", "indicator"):
+            continue
+        if v.op == "size" and v.attrs[0] == s:
+            return False
+        if v.op == "rename" and any(a == s for a, _ in v.attrs[0]):
+            return False
+        if v.op == "contract":
+            if with_s and s not in v.edges and not any(st(o) == "Z" for o in with_s):
+                return False
+            if any(st(o) == "Z" for o in with_s):
+                state[id(v)] = "Z"
+        elif v.op == "reduce":
+            if s in v.attrs[1]:
+                o = st(ops[0])
+                if v.attrs[0] not in ("max", "logsumexp") or not isinstance(o, tuple):
+                    return False
+            elif with_s:
+                state[id(v)] = None
+        elif v.op == "add":
+            states = [st(o) for o in ops]
+            if with_s and all(x == "Z" for x in states):
+                state[id(v)] = "Z"
+            elif with_s and all(x == "no-s" or (isinstance(x, tuple) and c >= 1) for x, c in zip(states, v.attrs[0])):
+                bound = sum(c * x[1] if isinstance(x, tuple) else abs(c) * ORDINARY for x, c in zip(states, v.attrs[0]))
+                if bound <= LOW:
+                    state[id(v)] = ("L", bound)
+        elif v.op == "map" and v.attrs[0] == "exp":
+            if isinstance(st(ops[0]), tuple):
+                state[id(v)] = "Z"
+        elif v.op == "map" and v.attrs[0] == "mul0":   # a * b, 0 where a is 0
+            if any(st(o) == "Z" for o in with_s):
+                state[id(v)] = "Z"
+        elif v.op == "map" and v.attrs[0] == "where":
+            c, _, b = ops
+            if st(c) == "Z":
+                if st(b) == "Z" or (b.op == "const" and b.attrs[0] == 0):
+                    state[id(v)] = "Z"
+                elif b.op == "const" and b.attrs[0] <= LOW:
+                    state[id(v)] = ("L", b.attrs[0])
+                elif isinstance(st(b), tuple):
+                    state[id(v)] = st(b)
+        elif v.op in ("stop", "rename"):
+            state[id(v)] = st(ops[0]) if with_s else None
+        elif v.op != "map":
+            return False
+    for j, r in enumerate(body.results):
+        if s not in r.edges:
+            continue
+        if j >= body.carries or kinds[j] != "sum" or r.op != "add" or st(r.operands[1]) != "Z":
+            return False
+    return True
+
+
+def resized(body: V.LoopBody, s: str, sg: str, lo: int) -> V.LoopBody | None:
+    """`body` with edge `s` replaced by `sg`, index `s = sg + lo`, but for its carries: a
+    carry over `s` stays over all of it, each step adding its part at the hull's keys
+    (the runs then chain one carry, not one partial each); None for an op it
+    cannot carry over (a rename of `s`, `size(s)`). A rename `a -> s` reads its operand at
+`a = sg + lo`."""
+    def edges(v: Value) -> list[str]:
+        return [sg if e == s else e for e in v.edges]
+
+    memo: dict[int, Value] = {id(p): V.loopvar(p.attrs[0], p.dtype, p.edges if k < body.carries else edges(p), p.loc)
+                              for k, p in enumerate(body.params)}   # the carries keep all of s
+    for v in topo_order(list(body.results)):
+        ops = tuple(memo[id(o)] for o in v.operands)
+        if id(v) in memo:
+            continue
+        if v.op == "loopvar":
+            memo[id(v)] = V.loopvar(v.attrs[0], v.dtype, edges(v), v.loc)
+        elif v.op == "const":
+            memo[id(v)] = V.const(v.attrs[0], v.dtype, edges(v), v.loc)
+        elif v.op == "indicator":
+            memo[id(v)] = V.indicator(substitute(v.attrs[0], s, Affine.make({sg: 1}, lo)), v.dtype, v.loc)
+        elif v.op == "contract":
+            memo[id(v)] = V.contract(ops, edges(v), v.loc)
+        elif v.op == "reduce":
+            memo[id(v)] = V.reduce(v.attrs[0], ops[0], [sg if e == s else e for e in v.attrs[1]], v.loc)
+        elif v.op == "rename" and any(b == s for _, b in v.attrs[0]):   # a -> s: a read at sg + lo
+            a = next(a for a, b in v.attrs[0] if b == s)
+            pairs = {x: y for x, y in v.attrs[0] if y != s}
+            x = V.rename(ops[0], pairs, v.loc) if pairs else ops[0]
+            at = V.indicator(Relation((Affine.make({a: 1}), Affine.make({sg: 1}, lo)), ("=",)), v.dtype)
+            memo[id(v)] = V.contract([x, at], edges(v), v.loc)
+        elif v.op in ("add", "map", "stop", "rename", "size"):
+            if (v.op == "size" and v.attrs[0] == s) or (v.op == "rename" and any(a == s for a, _ in v.attrs[0])):
+                return None
+            memo[id(v)] = rebuild_same(v, ops)
+        else:
+            return None
+    params = [memo[id(p)] for p in body.params]
+    results = []
+    for j, r in enumerate(body.results):
+        if j < body.carries and s in r.edges:   # p + part over the hull: the part added at its keys
+            p, part = r.operands
+            at = V.indicator(Relation((Affine.make({s: 1}), Affine.make({sg: 1}, lo)), ("=",)), r.dtype)
+            results.append(V.add([memo[id(p)], V.contract([memo[id(part)], at], r.edges)], r.attrs[0], r.loc))
+        else:
+            results.append(memo[id(r)])
+    return V.loop_body(params, results, body.carries, body.slices)
