@@ -11,6 +11,7 @@ from tgc.frontend import ast
 from tgc.frontend.expressions import Ctx, Elaborator
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
+from tgc.ir.diag import did_you_mean
 
 
 def apply_edge_ops(el: Elaborator, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
@@ -32,7 +33,14 @@ def _rename_map(el: Elaborator, x: V.Value, items: list[ast.Rename], ctx: Ctx) -
     mapping: dict[str, str] = {}
     for item in items:
         dst_node = _DstNode(item.dst_loc or item.loc)
-        src, dst = el.edge(item.src, item, ctx), el.edge(item.dst, dst_node, ctx)
+        src = el.edge(item.src, item, ctx)
+        if (ctx.edges.get(item.dst, item.dst) not in el.m.edges and item.dst not in ctx.values
+                and el.scope.kinds.get(item.dst) is None):
+            size = el.m.edges[src] if el.m.edges[src] in el.m.dims else el.size_text(src)
+            raise el.error(f"unknown edge '{item.dst}': a rename's target is an edge declared before it, as "
+                           f"`dim {item.dst} = {size}` or `{item.dst}: DIM` in a tensor's declaration"
+                           + did_you_mean(item.dst, [*el.m.edges, *ctx.edges]), dst_node, ctx)
+        dst = el.edge(item.dst, dst_node, ctx)
         if src not in x.edges:
             raise el.error(f"cannot rename edge '{item.src}': the tensor has edges [{', '.join(x.edges)}]", item, ctx)
         if src in mapping:
