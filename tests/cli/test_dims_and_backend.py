@@ -40,6 +40,13 @@ def test_dim_errors_name_both_spellings_and_the_closest_dim():
             assert r.exit_code == 2 and "a size must be positive" in r.output, r.output
 
 
+def test_a_dim_given_twice_with_two_sizes_is_a_usage_error():
+    r = tgc("info", MLP, "-D", "batch=2", "--dim", "batch=3")
+    assert r.exit_code == 2 and "'batch' is given twice, as 2 and as 3" in r.output, r.output
+    r = tgc("info", MLP, "--format", "json", "-D", "batch=4", "-D", "batch=4")
+    assert r.exit_code == 0 and {d["name"]: d["size"] for d in json.loads(r.output)["dims"]}["batch"] == 4, r.output
+
+
 def test_every_backend_option_defaults_to_the_compiled_cpu_backend():
     backends = {name: p.default for name, cmd in main.commands.items() for p in cmd.params if p.name == "backend"}
     assert {"run", "dump-ir", "explain", "opt"} <= set(backends)

@@ -176,3 +176,17 @@ def test_a_strict_built_library_gives_the_interpreters_bits(tmp_path):
     compiled = tgc.compile(str(src), options=STRICT).run({k: v.copy() for k, v in inputs.items()})
     for name in ("y", "s"):
         np.testing.assert_array_equal(compiled[name], want[name], err_msg=f"tgc.compile: {name}")
+
+
+@pytest.mark.xfail(strict=True, reason="normalize (tgc/opt/canon.py, add and contract) drops a term whose "
+                   "coefficients cancel and folds a product with a constant 0 to 0, in every pipeline, so "
+                   "`x - x` and `x * 0` are 0 for a NaN or infinite x; IEEE and PyTorch give NaN")
+@pytest.mark.parametrize("strict", [False, True])
+def test_x_minus_x_and_x_times_0_propagate_nan_and_inf(strict):
+    p = tgc.compile("dim n = 3\ninput x[n]\nout e[n] = x - x\nout z[n] = x * 0\n", dtype="f64",
+                    options=Options(fp_strict=strict))
+    x = np.array([np.nan, np.inf, 1.0])
+    r = p(x=x)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(r["e"], x - x)
+        np.testing.assert_array_equal(r["z"], x * 0)

@@ -16,7 +16,8 @@ AUTOCAST = click.option(
 
 
 def _dim_bindings(ctx, param, value) -> dict[str, int]:
-    """NAME=N items as {name: size}; a usage error for anything else."""
+    """NAME=N items as {name: size}; a usage error for anything else, and for one name
+    given two different sizes (the same size repeated is accepted)."""
     from tgc.ir.sizes import MAX_SIZE
 
     out = {}
@@ -28,6 +29,8 @@ def _dim_bindings(ctx, param, value) -> dict[str, int]:
             raise click.BadParameter(f"'{item}': a size must be positive")
         if int(n) > MAX_SIZE:
             raise click.BadParameter(f"'{item}': a size must be at most 2^62 (index arithmetic is int64)")
+        if out.get(name.strip(), int(n)) != int(n):
+            raise click.BadParameter(f"'{name.strip()}' is given twice, as {out[name.strip()]} and as {int(n)}")
         out[name.strip()] = int(n)
     return out
 
