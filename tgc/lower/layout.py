@@ -226,7 +226,8 @@ def _reader_inner_vars(low: Lowered, r: LoopKernel, result: str) -> list[str]:
     refs = [(out_order, r.index)] if out_order else [
         (low.buffers[load.buf].order, load.index) for load in _loads(r)
         if load.buf != result and low.buffers[load.buf].order]
-    return [v for order, index in refs if (v := dict(index)[order[-1]].as_var()) is not None]
+    inner = [dict(index).get(order[-1]) for order, index in refs]   # (none: a complex pair's axis)
+    return [v for ix in inner if ix is not None and (v := ix.as_var()) is not None]
 
 
 def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int) -> str | None:
