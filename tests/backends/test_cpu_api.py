@@ -394,6 +394,41 @@ def test_profile_counts_cycles_per_kernel():
         tgc.compile(MLP, dtype="f64").profile()
 
 
+LOOPED = """
+dim batch, layer
+dim c = 8, c2 = 8
+input x[batch, c]
+param w[layer, c, c2]
+input lr
+fn block(h, w) = tanh(h @ w)[c2 = c] * 0.5 + h
+y = repeat[layer](block, x, w)
+loss = sum(y * y)
+out loss
+update w = w - lr * grad(loss, w)
+"""
+
+
+def test_profile_counts_the_kernels_of_a_loops_step():
+    """A loop's kernel counts its whole loop; `step_profile` has a counter per kernel
+    of its step (forward and reverse loop), each summed over the steps."""
+    from tgc.backends.cpu.codegen import step_profile_kernels
+    from tgc.options import Options
+
+    prog = tgc.compile(LOOPED, dtype="f64", options=Options().with_(profile=True))
+    x, w = np.ones((4, 8)), np.full((3, 8, 8), 0.1)
+    prog(x=x, w=w.copy(), lr=0.1)
+    rows = prog.step_profile()
+    assert len(rows) == len(step_profile_kernels(prog.lowered)) > 2
+    assert any("gemm" in text for _, text in rows)
+    assert all(c > 0 for c, _ in rows)
+    loops = sum(c for c, _, text in prog.profile() if text.startswith("steps"))
+    assert sum(c for c, _ in rows) <= loops
+    prog.profile(reset=True)
+    assert all(c == 0 for c, _ in prog.step_profile())
+    with pytest.raises(ValueError, match="profile=True"):
+        tgc.compile(LOOPED, dtype="f64").step_profile()
+
+
 def test_recycled_outputs_are_safe_across_threads():
     """Calls from several threads: no call's outputs are handed to another call."""
     import threading

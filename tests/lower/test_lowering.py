@@ -328,3 +328,35 @@ out y[b, cout, s]
 """, dtype="f64")
     (gemm,) = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
     assert gemm.shifts
+
+
+GEMM_THEN_GATE = """
+dim b, t = 8, c = 16, f = 96
+input x[b, t, c], w[c, f], h[b, t, f], w2[f, c2: c]
+u = x @ w
+out y[b, t, c2] = (u * h) @ w2
+"""
+
+
+def test_a_gemm_result_read_with_saved_values_follows_their_order():
+    """A GELU's backward pass: a product `u` (its M, f, the larger group, so it would
+    be written f-major) is multiplied by a value whose order is fixed (`h`, an
+    argument, f innermost) into a temporary that the next product reads. That
+    temporary has no order yet when `u`'s is chosen, so `u` follows the argument's:
+    the elementwise loop then runs along f in all three buffers, with no strided
+    read (nanoGPT's `dgelu` loop: 4.95% -> 1.13% of its step)."""
+    import numpy as np
+
+    import tgc
+    from tgc.ir.interp import evaluate
+    from tgc.ir.inputs import random_inputs
+
+    for dtype, rtol in (("f64", 1e-12), ("f32", 1e-5)):
+        prog = tgc.compile(GEMM_THEN_GATE, dtype=dtype, dims={"b": 4})
+        text = print_lowered(prog.lowered)
+        assert "k1: loop %t6[b, f, t] = mul(%h[b, f, t], %t5[b, f, t])\n      for b < 4, t < 8, f < 96" in text
+        assert f"buffer %t5 : {dtype}[b, f, t] temp order [b, t, f]" in text
+        m = prog.module
+        x = random_inputs(m, {**m.dims, "b": 4}, 0, dtype)
+        want = evaluate(m, dict(x), dtype="f64")["y"]
+        np.testing.assert_allclose(prog(**x)["y"], want, rtol=rtol, atol=rtol * np.abs(want).max())

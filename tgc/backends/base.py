@@ -159,6 +159,9 @@ class Kernels:
     def profile(self, reset: bool = False):
         raise ValueError(f"profiling is not available on the {self.backend} backend")
 
+    def step_profile(self):
+        raise ValueError(f"profiling is not available on the {self.backend} backend")
+
 
 _REGISTRY: dict[str, str] | None = None
 _LOADED: dict[str, Backend] = {}

@@ -319,6 +319,11 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
     for cycles, i, text in rows:
         if cycles:
             click.echo(f"{100 * cycles / total:6.2f}%  k{i}: {text}", err=True)
+    steps = [(c, j, text) for j, (c, text) in enumerate(program.step_profile()) if c]
+    if steps:
+        click.echo("# inside loops (part of their kernels' figures above), costliest first:", err=True)
+        for cycles, j, text in sorted(steps, reverse=True):
+            click.echo(f"{100 * cycles / total:6.2f}%  step kernel {j}: {text}", err=True)
 
 
 def _host(a):

@@ -168,7 +168,8 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
-    so that their innermost loop is contiguous in both. Only when every reader is
+    else of the buffers they load whose order is known (`_reader_inner_vars`), so
+    that their innermost loop is contiguous in both. Only when every reader is
     elementwise or sums a few terms (at most SHORT_READER_SUM: kernel taps); a longer
     sum (a softmax's) keeps the default order. A 2-D convolution's input
     gradient `dx[b, c, h, w] = sum[kw] t[b, c, h, kw, w - kw + 1]` then reads the
@@ -193,20 +194,15 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
             continue
         if any(not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM for v in r.red):
             return order   # a longer sum (a softmax's) has its say in the default order
-        out_order = low.buffers[r.out].order
-        if not out_order:
-            continue
-        var = dict(r.index)[out_order[-1]].as_var()
-        if var is None:
-            continue
-        for load in _loads(r):
-            if load.buf != k.out:
-                continue
-            for e, ix in load.index:
-                if ix.coef(var) in (1, -1):
-                    for g, edges in (("m", m), ("n", n)):
-                        if edges and edges[-1] == e:
-                            votes[g] += 1
+        for var in _reader_inner_vars(low, r, k.out):
+            for load in _loads(r):
+                if load.buf != k.out:
+                    continue
+                for e, ix in load.index:
+                    if ix.coef(var) in (1, -1):
+                        for g, edges in (("m", m), ("n", n)):
+                            if edges and edges[-1] == e:
+                                votes[g] += 1
     if votes["m"] == votes["n"]:
         return order
     inner, other = (m, n) if votes["m"] > votes["n"] else (n, m)
@@ -219,6 +215,19 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     # edges (`_demote`), outside the other group
     cut = next((i for i, e in enumerate(inner) if e in clipped), 0)
     return head + inner[:cut] + other + inner[cut:]
+
+
+def _reader_inner_vars(low: Lowered, r: LoopKernel, result: str) -> list[str]:
+    """The loop variables that move along the innermost axis of what reader `r` of
+    GEMM result `result` writes, when its order is known; else of each other buffer
+    it loads whose order is known (a backward GELU's temporary `dh`, ordered after the
+    GEMM, follows the saved activations it reads, whose order the forward pass fixed)."""
+    out_order = low.buffers[r.out].order
+    refs = [(out_order, r.index)] if out_order else [
+        (low.buffers[load.buf].order, load.index) for load in _loads(r)
+        if load.buf != result and low.buffers[load.buf].order]
+    inner = [dict(index).get(order[-1]) for order, index in refs]   # (none: a complex pair's axis)
+    return [v for ix in inner if ix is not None and (v := ix.as_var()) is not None]
 
 
 def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int) -> str | None:

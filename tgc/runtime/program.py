@@ -382,6 +382,13 @@ class Program:
         `Options(cpu=CpuOptions(profile=True))`; `reset` zeroes the counters)."""
         return self._kernels.profile(reset)
 
+    def step_profile(self) -> list[tuple[int, str]]:
+        """(cycles, the kernel's first line) per kernel of a loop's step, in the order
+        the loops run them, summed over every step of every call so far (as `profile`;
+        its counter of a loop holds its step's kernels and the carries' copies; `reset`
+        there zeroes these too)."""
+        return self._kernels.step_profile()
+
     @property
     def llvm_ir(self) -> str:
         """The LLVM IR text of this program (the CPU backend; generated again on request)."""

@@ -169,6 +169,7 @@ class _ModuleGen:
         self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
         self.mod = self.mods[0]
         self.done: dict = {}
+        self.step_counters = step_profile_kernels(low)   # counted after the program's own kernels
 
     def assign_units(self, units: int) -> int:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
@@ -406,7 +407,11 @@ class _ModuleGen:
                     inner[name] = b.gep(ws, [offsets[base + sb.slot]], source_etype=ir.IntType(8))
             sub = iter(step_fns)
             for sk in step.kernels:
+                start = self.now(b) if self.opt.cpu.profile and not isinstance(sk, StepLoop) else None
                 self.call_kernel(f, sk, sub, inner, ws, offsets, base)
+                if start is not None:
+                    j = next(j for j, c in enumerate(self.step_counters) if c is sk)
+                    self.count_cycles(b, len(self.low.kernels) + j, start)
             for c in range(k.carries):
                 buf = self.carry_buffer(step, c)
                 nbytes = b.mul(f.count(buf.edges), I64(itemsize(buf.dtype)))
@@ -594,7 +599,7 @@ class _ModuleGen:
         `tgc_profile()` returns the counters, one i64 per kernel)."""
         table = self.mod.globals.get("tgc.profile")
         if table is None:
-            n = max(len(self.low.kernels), 1)
+            n = max(len(self.low.kernels) + len(self.step_counters), 1)
             table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, n), "tgc.profile")
             table.linkage = "internal"
             table.initializer = ir.Constant(table.value_type, None)
@@ -723,6 +728,18 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
     if amount >= cold:
         return PARALLEL
     return PARALLEL_WARM if amount >= warm else SERIAL
+
+
+def step_profile_kernels(low: Lowered) -> list:
+    """The kernels of every loop's step (recursively; not the loops themselves), in
+    the order `leaf_kernels` meets them: with `CpuOptions(profile=True)` each has a
+    cycle counter after the program's own kernels' counters."""
+    out = []
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            out += [sk for sk in k.step.kernels if not isinstance(sk, StepLoop)]
+            out += step_profile_kernels(k.step)
+    return out
 
 
 def leaf_kernels(low: Lowered):

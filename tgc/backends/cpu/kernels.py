@@ -347,13 +347,29 @@ class CpuKernels(Kernels):
         (compiled with `CpuOptions(profile=True)`; `reset` zeroes the counters)."""
         if not self.options.cpu.profile:
             raise ValueError("compile with Options(cpu=CpuOptions(profile=True)) to profile kernels")
+        from tgc.backends.cpu.codegen import step_profile_kernels
+
         kernels = self.lowered.kernels
+        steps = step_profile_kernels(self.lowered)
         addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
-        counts = (ctypes.c_int64 * max(len(kernels), 1)).from_address(addr)
+        counts = (ctypes.c_int64 * max(len(kernels) + len(steps), 1)).from_address(addr)
         out = sorted(((counts[i], i, k.text().splitlines()[0]) for i, k in enumerate(kernels)), reverse=True)
         if reset:
             ctypes.memset(addr, 0, ctypes.sizeof(counts))
         return out
+
+    def step_profile(self) -> list[tuple[int, str]]:
+        """(cycles, the kernel's first line) per kernel of a loop's step, in the order
+        the loops run them (a step's cycles summed over its steps; `profile`'s counters
+        of the loops include them)."""
+        if not self.options.cpu.profile:
+            raise ValueError("compile with Options(cpu=CpuOptions(profile=True)) to profile kernels")
+        from tgc.backends.cpu.codegen import step_profile_kernels
+
+        n, steps = len(self.lowered.kernels), step_profile_kernels(self.lowered)
+        addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
+        counts = (ctypes.c_int64 * max(n + len(steps), 1)).from_address(addr)
+        return [(counts[n + j], k.text().splitlines()[0]) for j, k in enumerate(steps)]
 
     @property
     def llvm_ir(self) -> str:
