@@ -46,7 +46,7 @@ def test_set_up_uses_a_venv_and_ci_runs_the_same_test_command():
     install, test = lines[1], lines[2]
     assert install.startswith("python -m pip install -e . && python examples/")
     assert (ROOT / install.split("python ")[-1].split()[0]).is_file()
-    assert "torch==2.13.0" in test and test.endswith("python -m pytest --run-slow")
+    assert "torch==2.13.0" in test and test.endswith("python -m pytest --run-slow -n auto")
     ci = (ROOT / ".ci/run").read_text().splitlines()
     assert test in ci
 
