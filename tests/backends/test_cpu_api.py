@@ -9,9 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+
 import tgc
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.parser import parse_module
+
+from layer_programs import DEEP
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -394,27 +397,13 @@ def test_profile_counts_cycles_per_kernel():
         tgc.compile(MLP, dtype="f64").profile()
 
 
-LOOPED = """
-dim batch, layer
-dim c = 8, c2 = 8
-input x[batch, c]
-param w[layer, c, c2]
-input lr
-fn block(h, w) = tanh(h @ w)[c2 = c] * 0.5 + h
-y = repeat[layer](block, x, w)
-loss = sum(y * y)
-out loss
-update w = w - lr * grad(loss, w)
-"""
-
-
 def test_profile_counts_the_kernels_of_a_loops_step():
     """A loop's kernel counts its whole loop; `step_profile` has a counter per kernel
     of its step (forward and reverse loop), each summed over the steps."""
     from tgc.backends.cpu.codegen import step_profile_kernels
     from tgc.options import Options
 
-    prog = tgc.compile(LOOPED, dtype="f64", options=Options().with_(profile=True))
+    prog = tgc.compile(DEEP, dtype="f64", options=Options().with_(profile=True))
     x, w = np.ones((4, 8)), np.full((3, 8, 8), 0.1)
     prog(x=x, w=w.copy(), lr=0.1)
     rows = prog.step_profile()
@@ -426,7 +415,7 @@ def test_profile_counts_the_kernels_of_a_loops_step():
     prog.profile(reset=True)
     assert all(c == 0 for c, _ in prog.step_profile())
     with pytest.raises(ValueError, match="profile=True"):
-        tgc.compile(LOOPED, dtype="f64").step_profile()
+        tgc.compile(DEEP, dtype="f64").step_profile()
 
 
 def test_recycled_outputs_are_safe_across_threads():

@@ -18,9 +18,12 @@ import types
 import numpy as np
 import pytest
 
+
 import tgc
 from tgc.backends.cuda import blas, gemm, runtime
 from tgc.ir.interp import EvalError
+
+from layer_programs import DEEP
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator needs g++ with OpenMP")
 
@@ -698,22 +701,6 @@ def test_looped_gemm_ex_offsets_count_two_byte_elements(cupy):
     assert EX_ARGS and len(GEMM_CALLS) > prog.gemm_counts["strided"]    # GemmEx calls, some looped
     for name, ref in want.items():
         np.testing.assert_allclose(got[name].get(), ref, rtol=1e-5, atol=1e-6, err_msg=name)
-
-
-
-DEEP = """\
-dim batch, layer
-dim c = 8, c2 = 8
-input x[batch, c]
-param w[layer, c, c2]
-input lr
-fn block(h, w) = tanh(h @ w)[c2 = c] * 0.5 + h
-y = repeat[layer](block, x, w)
-loss = sum(y * y)
-out loss
-out y
-update w = w - lr * grad(loss, w)
-"""
 
 
 def test_a_loop_runs_as_a_launch_loop_and_replays_as_one_graph(cupy):
