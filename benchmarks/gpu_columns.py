@@ -8,8 +8,8 @@ Rows: a bias gradient `db[d] = sum[rows](dy)`, a weight gradient
 `dw[d] = sum[rows](dy * x)`, and a layernorm forward and backward (its row group and
 its dw, db column sums), at rows x d sizes with rows of 64 to 4096 elements. For each:
 tgc with column tiles (`CudaOptions.column_tiles`, the default), tgc with one block per
-output instead (`column_tiles=False`) (for the layernorm: dw, db summed inside its row
-group, `CudaOptions.row_columns`, the default, then as column tiles instead), torch's (`dy.sum(0)`, ...; on a GPU, when torch
+output instead (`column_tiles=False`) (for the layernorm: dw, db as column tiles, the
+default, then summed inside its row group instead, `CudaOptions.row_columns`), torch's (`dy.sum(0)`, ...; on a GPU, when torch
 has CUDA), the rate in GB/s of the bytes the sums must read (against the copy
 bandwidth), the largest error against numpy in float64 (relative to the largest
 value), and whether three calls gave the same bits (`same bits`; `DIFFERENT` else).
@@ -112,8 +112,8 @@ def main(argv=None):
         if args.backend == "cuda-sim" and name == "layernorm":
             continue   # the emulator's layernorm calls take seconds: the column sums alone test the script
         # the default, then the variant it replaced: tiles / one block per output, or, for
-        # the layernorm, dw and db inside the row group / as column tiles
-        other = CudaOptions(row_columns=False) if name == "layernorm" else CudaOptions(column_tiles=False)
+        # the layernorm, dw and db as column tiles / inside the row group
+        other = CudaOptions(row_columns=True) if name == "layernorm" else CudaOptions(column_tiles=False)
         progs = {first: tgc.compile(source, backend=args.backend, dtype="f32", options=Options().with_(cuda=cuda))
                  for first, cuda in ((True, CudaOptions()), (False, other))}
         for rows, d in (GPU_SIZES if args.backend == "cuda" else SIM_SIZES):

@@ -156,7 +156,7 @@ def test_column_and_row_kernels_compile_without_spills(tmp_path):
     (`CudaOptions.row_regs` per thread), so this holds for every row length, 4096
     included."""
     parts = []
-    fused, apart = CudaOptions(), CudaOptions(row_columns=False)   # dw, db in the row group, or column tiles
+    fused, apart = CudaOptions(row_columns=True), CudaOptions()   # dw, db in the row group, or column tiles
     for j, (source, dtype, cuda) in enumerate([(LAYERNORM, "f32", fused), (SOFTMAX, "f32", fused),
                                                (WEIGHT, "f32", fused), (LAYERNORM, "f64", fused),
                                                (LAYERNORM, "f32", apart)]):

@@ -42,6 +42,7 @@ TOL = {"f64": (1e-12, 1e-13), "f32": (3e-5, 3e-6)}
 
 
 def build(source: str, dtype: str, **cuda):
+    cuda.setdefault("row_columns", True)   # (off by default: this file tests the variant)
     return tgc.compile(source, backend="cuda-sim", dtype=dtype, options=Options().with_(cuda=CudaOptions(**cuda)))
 
 
@@ -80,7 +81,7 @@ def test_column_sums_move_up_to_the_group_that_reads_their_rows():
     path = Path(__file__).resolve().parents[2] / "examples" / "gpt.tg"
     o = Options(dtype="f32")
     module = pipeline.lower(pipeline.load(str(path), o), o).module
-    on, off = lower(module, o), lower(module, o.with_(cuda=CudaOptions(row_columns=False)))
+    on, off = lower(module, o.with_(cuda=CudaOptions(row_columns=True))), lower(module, o)
     joined = {}
     for n, k in enumerate(on.kernels):
         if isinstance(k, RowGroup):
@@ -192,7 +193,7 @@ def test_the_manifest_describes_the_partials_and_the_block():
     from tgc.backends.cuda import aot
 
     module = tgc.compile(LAYERNORM, backend="cpu").module
-    _, doc = aot.build(module, Options(), "cu")
+    _, doc = aot.build(module, Options().with_(cuda=CudaOptions(row_columns=True)), "cu")
     rows, cols = json.loads(doc)["launches"]
     assert rows["kind"] == "rows" and cols["kind"] == "loop" and cols["kernel"] == "k0_cols"
     assert rows["buffers"][-1] == cols["buffers"][-1] == codegen.COL_SCRATCH
@@ -217,7 +218,7 @@ def test_the_gpt_step_compiles_without_spills(tmp_path):
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "gpt.tg"
     o = Options(dtype="f32")
-    low = lower(pipeline.lower(pipeline.load(str(path), o), o).module, o)
+    low = lower(pipeline.lower(pipeline.load(str(path), o), o).module, o.with_(cuda=CudaOptions(row_columns=True)))
     assert any(isinstance(k, RowGroup) and sum(column_member(m, k.outer, k.sizes) for m in k.members) >= 3
                for k in low.kernels)
     cu = tmp_path / "gpt.cu"
