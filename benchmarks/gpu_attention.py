@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         host = {k: rng.standard_normal((batch, heads, t, HD)).astype(np.float32) for k in ("q", "k", "v", "dy")}
         dev = {k: xp.asarray(v) for k, v in host.items()}
         pool = xp.get_default_memory_pool() if args.backend == "cuda" else None
-        before = pool.used_bytes() if pool else 0
+        before = pool.total_bytes() if pool else 0
         got = prog(**dev)
         sync()
         tgc_mib = ((pool.total_bytes() - before) / 2 ** 20) if pool else float("nan")
