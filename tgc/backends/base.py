@@ -16,9 +16,9 @@ A `Backend` says:
   neutral ones (`tgc.registry.PASSES`) and every backend's stages, built once, so
   that a pass list (`-p`, `Options.stages`) may name any of them whichever backends
   were loaded before;
-- `kernel_forms`: the text forms of its own kinds of kernel ({grammar rule: reader},
-  the CPU's `group`), registered with the lowered program's reader
-  (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
+- `kernel_forms`: the text forms of its own kinds of kernel (`tgc.lower.text.KernelForm`s:
+  grammar rules and a reader; the CPU's `group`), registered with the lowered
+  program's reader (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
 - `compile(module, low, options)`: the executable kernels of a lowered program, an
   object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
   that it has bound, checked and allocated (`Kernels` below);
@@ -54,7 +54,7 @@ class Backend:
 
     name: str = ""
     stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
-    kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
+    kernel_forms: tuple = ()         # its own kinds of kernel in the lowered text (tgc.lower.text.KernelForm)
     source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
     specializes: bool = False        # whether its programs compile themselves for the sizes they are called with (tgc.runtime.specialize)
     emits: tuple[str, ...] = ()      # the artifact kinds `tgc build --target NAME --emit` writes; the first is the default
@@ -205,8 +205,8 @@ def get_backend(name: str) -> Backend:
 
     for stage in backend.stages:
         register_stage_name(stage.name)
-    for rule, read in backend.kernel_forms.items():
-        register_kernel_form(rule, read)
+    for form in backend.kernel_forms:
+        register_kernel_form(form)
     _LOADED[name] = backend
     return backend
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from tgc.backends.base import Backend
 from tgc.backends.cpu.gemm_operands import GemmOperands
-from tgc.backends.cpu.group import Group, read_group
-from tgc.backends.cpu.implicit import Implicit, read_implicit
+from tgc.backends.cpu.group import GROUP_FORM, Group
+from tgc.backends.cpu.implicit import IMPLICIT_FORM, Implicit
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
     stages = (Narrow, GemmOperands, Implicit, Group)
-    kernel_forms = {"group": read_group, "implicit": read_implicit}
+    kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True
     emits = ("so", "obj", "llvm", "asm", "h")

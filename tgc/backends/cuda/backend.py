@@ -13,7 +13,7 @@ from __future__ import annotations
 from tgc.backends.base import Backend
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
-from tgc.backends.cuda.rows import RowGroups, read_rowgroup
+from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
 from tgc.lower.narrow import Narrow
 
 
@@ -26,7 +26,7 @@ def lowering_options(options):
 class CudaBackend(Backend):
     name = "cuda"
     stages = (Narrow, CublasOperands, InlineElementwise, RowGroups)
-    kernel_forms = {"rowgroup": read_rowgroup}
+    kernel_forms = (ROWGROUP_FORM,)
     emits = ("cubin", "ptx", "cu")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:
