@@ -27,7 +27,7 @@ A `Backend` says:
   whose compiles take a second or two, are cached on disk);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
   name; the CPU adds the host CPU's name and features), for the code cache's keys;
-- `emits` and `build(module, options, emit, output, source)`: the files `tgc build
+- `emits` and `build(module, low, options, emit, output, source)`: the files `tgc build
   --target NAME` writes (the CPU: a shared library and its C header, an object file,
   LLVM IR or assembly; CUDA: a cubin, PTX or CUDA C and a JSON manifest). A backend
   with no `emits` (cuda-sim) runs programs but builds nothing.
@@ -65,7 +65,7 @@ class Backend:
 
     def lowering_options(self, options):
         """The options its lowering runs with (a backend may switch off a neutral
-        stage's feature it cannot compile: CUDA, the complex GEMM cells)."""
+        stage's feature it cannot compile); the given ones."""
         return options
 
     def cache_parts(self) -> tuple[str, ...]:
@@ -83,11 +83,13 @@ class Backend:
         manifest), so that the command line can check them before compiling."""
         return {}
 
-    def build(self, module, options, emit: str, output: str, source: str) -> dict[str, bytes]:
+    def build(self, module, low, options, emit: str, output: str, source: str) -> dict[str, bytes]:
         """The files of `tgc build --target NAME --emit EMIT -o OUTPUT` for `module`
         after the IR pipeline and the target passes (`tgc.pipeline.target`, which also
         gives the `options` it is built with: under --fp-strict an f32 program is its
-        f64 emulation): {path: bytes}, `output` first, then its companions.
+        f64 emulation) and `low`, its lowered program (`tgc.pipeline.lower_module`
+        with this backend: the one lowering, which the backend only emits):
+        {path: bytes}, `output` first, then its companions.
         `source` is the program's file name (for comments in what is written).
         ValueError: a combination of flags this backend cannot write."""
         raise ValueError(f"backend '{self.name}' builds no files (it runs programs in this process)")

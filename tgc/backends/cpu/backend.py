@@ -32,15 +32,11 @@ class CpuBackend(Backend):
             return {}
         return {"the header": str(Path(output).with_name(c_identifier(output) + ".h"))}   # libmlp.so -> mlp.h
 
-    def build(self, module, options, emit, output, source):
+    def build(self, module, low, options, emit, output, source):
         from tgc.backends.cpu import aot
         from tgc.backends.cpu.header import c_identifier
-        from tgc.backends.base import pass_registry
-        from tgc.manager import lower_module
 
         prefix = c_identifier(output)
-        # the header too: which bf16/f16 tensors are 2-byte arrays is the lowering's choice (narrow)
-        low = lower_module(module, self.lowering_options(options), None, "plan", self.lowering(), pass_registry())
         try:
             files = {output: aot.build(module, low, options, emit, prefix, source)}
         except aot.NoSystemBlas as e:

@@ -17,12 +17,6 @@ from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
 from tgc.lower.narrow import Narrow
 
 
-def lowering_options(options):
-    """The options the CUDA backends lower with: the given ones (a complex product is
-    one GEMM cell, `cublas<c|z>gemmStridedBatched` on a GPU: `gemm.py`)."""
-    return options
-
-
 class CudaBackend(Backend):
     name = "cuda"
     stages = (Narrow, CublasOperands, InlineElementwise, RowGroups)
@@ -36,14 +30,11 @@ class CudaBackend(Backend):
             raise ValueError("-o: --target cuda writes a manifest beside the output: give a file name")
         return {"the manifest": str(Path(output).with_suffix(".json"))}
 
-    def build(self, module, options, emit, output, source):
+    def build(self, module, low, options, emit, output, source):
         from tgc.backends.cuda import aot
 
-        data, manifest = aot.build(module, options, emit)
+        data, manifest = aot.build(low, options, emit)
         return {output: data, self.companions(output, emit)["the manifest"]: manifest}
-
-    def lowering_options(self, options):
-        return lowering_options(options)
 
     def compile(self, module, low, options, artifacts=None):
         from tgc.backends.cuda.runtime import compile_kernels

@@ -105,8 +105,7 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
 
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
-    and plan with their own `rowgroup` between (no stage of the CPU's), without
-    complex GEMM cells (`lowering_options`)."""
+    and plan with their own between (`CudaBackend.stages`; no stage of the CPU's)."""
     from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module
 
