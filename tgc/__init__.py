@@ -36,7 +36,7 @@ __all__ = ["compile", "Program", "TensorSpec", "Options", "CpuOptions", "CudaOpt
 _LAZY = {"Options": "tgc.options", "CpuOptions": "tgc.options", "CudaOptions": "tgc.options",
          "Program": "tgc.runtime.program", "TensorSpec": "tgc.runtime.program",
          "save_params": "tgc.params", "load_params": "tgc.params", "ParamsError": "tgc.params",
-         "EvalError": "tgc.ir.interp", "CompileError": "tgc.ir.diag"}
+         "EvalError": "tgc.ir.input_checks", "CompileError": "tgc.ir.diag"}
 
 
 def __getattr__(name: str):

@@ -32,6 +32,7 @@ try:
 except ImportError as e:   # pragma: no cover - exercised only without torch
     raise ImportError("tgc.torch needs PyTorch (pip install torch); tgc itself does not") from e
 
+from tgc.ir.input_checks import check_names
 from tgc.runtime.program import Program
 
 
@@ -54,12 +55,7 @@ class _Function:
         self.__doc__ = f"tgc program: ({', '.join(self.names)}) -> ({', '.join(self.outputs)})"
 
     def __call__(self, **tensors) -> dict:
-        missing = [n for n in self.names if n not in tensors]
-        if missing:
-            raise TypeError(f"missing argument '{missing[0]}' (the program takes: {', '.join(self.names)})")
-        extra = [n for n in tensors if n not in self.names]
-        if extra:
-            raise TypeError(f"unexpected argument '{extra[0]}' (the program takes: {', '.join(self.names)})")
+        check_names(self.names, tensors, TypeError, "argument")   # a Python call's own error
         outs = _Autograd.apply(self, *[tensors[n] for n in self.names])
         return dict(zip(self.outputs, outs))
 

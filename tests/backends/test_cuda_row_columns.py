@@ -191,9 +191,11 @@ def test_the_manifest_describes_the_partials_and_the_block():
     import json
 
     from tgc.backends.cuda import aot
+    from tgc.backends.cuda.runtime import lower
 
     module = tgc.compile(LAYERNORM, backend="cpu").module
-    _, doc = aot.build(module, Options().with_(cuda=CudaOptions(row_columns=True)), "cu")
+    opts = Options().with_(cuda=CudaOptions(row_columns=True))
+    _, doc = aot.build(lower(module, opts), opts, "cu")
     rows, cols = json.loads(doc)["launches"]
     assert rows["kind"] == "rows" and cols["kind"] == "loop" and cols["kernel"] == "k0_cols"
     assert rows["buffers"][-1] == cols["buffers"][-1] == codegen.COL_SCRATCH

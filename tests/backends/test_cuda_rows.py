@@ -186,7 +186,7 @@ def test_manifest_names_both_variants():
     from tgc.backends.cuda import aot
 
     module = tgc.compile(SOFTMAX, backend="cpu").module
-    _, doc = aot.build(module, Options(), "cu")
+    _, doc = aot.build(lower(module, Options()), Options(), "cu")
     (x,) = json.loads(doc)["launches"]
     assert x["kind"] == "rows" and x["kernel"] == "k0" and x["warp_kernel"] == "k0_warp"
     assert x["items"] == "(rows)" and x["row_length"] == "(d)" and set(x["writes"]) == {"y", "dx"}

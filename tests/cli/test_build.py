@@ -261,8 +261,8 @@ def test_build_targets_come_from_the_backend_registry(tmp_path, monkeypatch):
         def companions(self, output, emit):
             return {"the notes": output + ".notes"}
 
-        def build(self, module, options, emit, output, source):
-            return {output: f"{source} as {emit}\n".encode(), output + ".notes": b"toy\n"}
+        def build(self, module, low, options, emit, output, source):   # given the program lowered for it
+            return {output: f"{source} as {emit} after {low.stage}\n".encode(), output + ".notes": b"toy\n"}
 
     monkeypatch.setattr(base, "_REGISTRY", {**base._registry(), "toy": "unused:Toy"})
     monkeypatch.setitem(base._LOADED, "toy", Toy())
@@ -270,7 +270,7 @@ def test_build_targets_come_from_the_backend_registry(tmp_path, monkeypatch):
     out = tmp_path / "m.txt"
     r = tgc("build", MLP, "--target", "toy", "-o", out, "-MD")
     assert r.exit_code == 0, r.output
-    assert out.read_text() == "mlp.tg as txt\n"
+    assert out.read_text() == "mlp.tg as txt after plan\n"
     assert (tmp_path / "m.txt.notes").read_text() == "toy\n" and (tmp_path / "m.d").exists()
     r = tgc("build", MLP, "--target", "toy", "--emit", "so", "-o", tmp_path / "x.so")
     assert r.exit_code == 2 and "--emit so is not an output of --target toy (it writes: txt, ir)" in r.output

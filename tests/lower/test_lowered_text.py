@@ -17,7 +17,7 @@ from tgc.ir.inputs import random_inputs
 from tgc.ir.printer import print_module
 from tgc.lower.interp import run_lowered
 from tgc.lower.lowered import print_lowered
-from tgc.lower.text import is_lowered_text, parse_lowered
+from tgc.lower.text import KERNEL_FORMS, KernelForm, is_lowered_text, parse_lowered, register_kernel_form
 from tgc.manager import run_lowering
 from tgc.pipeline import lower_module
 from tgc.options import Options
@@ -136,6 +136,35 @@ def test_an_index_with_the_wrong_number_of_entries(softmax_text):
 def test_a_syntax_error_is_located(softmax_text):
     text = softmax_text.replace("k0: group for rows < rows", "k0: group for rows <", 1)
     assert re.match(rf"p.tgl:{line_of(softmax_text, 'k0:')}:\d+: error: unexpected ", error_of(text))
+
+
+def test_a_backends_kind_of_kernel_reads_with_its_form_only(softmax_text, monkeypatch):
+    """The CPU's `group` is its backend's grammar, not the neutral one's."""
+    assert "k0: group for" in softmax_text
+    monkeypatch.delitem(KERNEL_FORMS, "group")
+    message = error_of(softmax_text)
+    assert f"p.tgl:{line_of(softmax_text, 'k0:')}:5: error: unexpected 'group' in lowered program" in message
+    assert "a backend's own kind of kernel reads once its backend is loaded" in message
+
+
+def test_a_registered_kernel_form_extends_the_reader(tmp_path, monkeypatch):
+    """A form from outside `tgc/lower` (grammar and reader) reads its kernels: here a
+    `twice` kernel that reads as the loop it wraps."""
+    path = tmp_path / "softmax.tg"
+    path.write_text(SOFTMAX)
+    opts = Options()
+    module = pipeline.lower(pipeline.load(str(path), opts), opts).module
+    text = print_lowered(lower_module(module, opts, stop_after="layout"))
+    wrapped = text.replace("k1: loop", "k1: twice    # the toy form\n    loop", 1)
+    assert wrapped != text
+    form = KernelForm("twice", 'twice: "twice" twice_note _NL loop\ntwice_note: note',
+                      lambda walk, t: walk.loop(t.children[1]))
+    with pytest.raises(CompileError, match="unexpected 'twice'"):
+        parse_lowered(wrapped)
+    monkeypatch.setitem(KERNEL_FORMS, "twice", form)
+    assert same(parse_lowered(wrapped), parse_lowered(text)) == []
+    with pytest.raises(ValueError, match="two backends define the lowered kernel form 'twice'"):
+        register_kernel_form(KernelForm("twice", 'twice: "twice" _NL', lambda walk, t: None))
 
 
 def test_the_header_and_the_module_are_required(softmax_text):

@@ -154,3 +154,26 @@ def test_tgc_run_converts_file_data_to_the_declared_types_on_every_backend(tmp_p
     for k in ("loss", "W1", "b1", "W2", "b2"):
         assert got[k].dtype == np.float32
         np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=1e-6)
+
+
+GATHER = """dim n = 4, v = 3
+input ids: i32[n]
+input table[v]
+out y = table[v = ids]
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_interpreter_and_a_compiled_program_refuse_inputs_in_the_same_words(backend):
+    """One checker (tgc.ir.input_checks): names, shapes and ids' element type."""
+    prog = tgc.compile(GATHER, backend=backend)
+    good = dict(ids=np.array([0, 2, 1, 0], np.int32), table=np.ones(3, np.float32))
+    for bad in ({"ids": good["ids"]},                                           # missing
+                {**good, "extra": np.ones(2)},                                  # unexpected
+                {**good, "table": np.ones(4, np.float32)},                      # shape
+                {**good, "ids": good["ids"].astype(np.float32)}):               # ids as floats
+        with pytest.raises(EvalError) as ours:
+            prog(**bad)
+        with pytest.raises(EvalError) as oracle:
+            evaluate(prog.module, bad)
+        assert str(ours.value) == str(oracle.value)

@@ -16,9 +16,9 @@ A `Backend` says:
   neutral ones (`tgc.registry.PASSES`) and every backend's stages, built once, so
   that a pass list (`-p`, `Options.stages`) may name any of them whichever backends
   were loaded before;
-- `kernel_forms`: the text forms of its own kinds of kernel ({grammar rule: reader},
-  the CPU's `group`), registered with the lowered program's reader
-  (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
+- `kernel_forms`: the text forms of its own kinds of kernel (`tgc.lower.text.KernelForm`s:
+  grammar rules and a reader; the CPU's `group`), registered with the lowered
+  program's reader (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
 - `compile(module, low, options)`: the executable kernels of a lowered program, an
   object the neutral runtime (`tgc.runtime.program.Program`) calls with buffers
   that it has bound, checked and allocated (`Kernels` below);
@@ -27,7 +27,7 @@ A `Backend` says:
   whose compiles take a second or two, are cached on disk);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
   name; the CPU adds the host CPU's name and features), for the code cache's keys;
-- `emits` and `build(module, options, emit, output, source)`: the files `tgc build
+- `emits` and `build(module, low, options, emit, output, source)`: the files `tgc build
   --target NAME` writes (the CPU: a shared library and its C header, an object file,
   LLVM IR or assembly; CUDA: a cubin, PTX or CUDA C and a JSON manifest). A backend
   with no `emits` (cuda-sim) runs programs but builds nothing.
@@ -54,7 +54,7 @@ class Backend:
 
     name: str = ""
     stages: tuple = ()               # its own lowering stages (Pass classes), between layout and plan
-    kernel_forms: dict = {}          # {lowered.lark rule: reader(walk, tree) -> kernel} of its own kinds of kernel
+    kernel_forms: tuple = ()         # its own kinds of kernel in the lowered text (tgc.lower.text.KernelForm)
     source_cache: bool = False       # whether `tgc.compile` keeps its programs in the first-level cache
     specializes: bool = False        # whether its programs compile themselves for the sizes they are called with (tgc.runtime.specialize)
     emits: tuple[str, ...] = ()      # the artifact kinds `tgc build --target NAME --emit` writes; the first is the default
@@ -65,7 +65,7 @@ class Backend:
 
     def lowering_options(self, options):
         """The options its lowering runs with (a backend may switch off a neutral
-        stage's feature it cannot compile: CUDA, the complex GEMM cells)."""
+        stage's feature it cannot compile); the given ones."""
         return options
 
     def cache_parts(self) -> tuple[str, ...]:
@@ -83,11 +83,13 @@ class Backend:
         manifest), so that the command line can check them before compiling."""
         return {}
 
-    def build(self, module, options, emit: str, output: str, source: str) -> dict[str, bytes]:
+    def build(self, module, low, options, emit: str, output: str, source: str) -> dict[str, bytes]:
         """The files of `tgc build --target NAME --emit EMIT -o OUTPUT` for `module`
         after the IR pipeline and the target passes (`tgc.pipeline.target`, which also
         gives the `options` it is built with: under --fp-strict an f32 program is its
-        f64 emulation): {path: bytes}, `output` first, then its companions.
+        f64 emulation) and `low`, its lowered program (`tgc.pipeline.lower_module`
+        with this backend: the one lowering, which the backend only emits):
+        {path: bytes}, `output` first, then its companions.
         `source` is the program's file name (for comments in what is written).
         ValueError: a combination of flags this backend cannot write."""
         raise ValueError(f"backend '{self.name}' builds no files (it runs programs in this process)")
@@ -205,8 +207,8 @@ def get_backend(name: str) -> Backend:
 
     for stage in backend.stages:
         register_stage_name(stage.name)
-    for rule, read in backend.kernel_forms.items():
-        register_kernel_form(rule, read)
+    for form in backend.kernel_forms:
+        register_kernel_form(form)
     _LOADED[name] = backend
     return backend
 

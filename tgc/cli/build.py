@@ -138,8 +138,9 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
             files = {output: print_module(lowered.module).encode()}
         else:
             compiled, opts = pipeline.target(lowered.module, options)   # what tgc.compile compiles
+            low = pipeline.lower_module(compiled, opts, target)
             with _flag_errors():
-                files = backend.build(compiled, opts, emit, output, Path(file).name)
+                files = backend.build(compiled, low, opts, emit, output, Path(file).name)
             files = {path: data for path, data in files.items() if path == output or path in companions.values()}
     if depfile:
         from tgc.depfile import compiler_dependencies, format_depfile

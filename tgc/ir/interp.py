@@ -12,24 +12,20 @@ each argument's ABI order) and returns one array per output and per update
 """
 from __future__ import annotations
 
-import sys
 from typing import Callable, Mapping
 
 import numpy as np
 
 from tgc.ir.complex_io import complex_outputs, pairs_inputs
+from tgc.ir.input_checks import EvalError, check_element_type, check_ids_fit, check_names, check_shape
 from tgc.ir.module import Arg, Module
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
-from tgc.ir.dtypes import LOW_FLOATS, SCALAR_TYPES, TYPES, is_low_array, round_to
+from tgc.ir.dtypes import LOW_FLOATS, SCALAR_TYPES, is_low_array, round_to
 from tgc.ir.ops import NUMPY
 from tgc.ir.values import Value, primal_order
 
 NP_DTYPES = SCALAR_TYPES   # {type name: numpy scalar type}; bf16: ml_dtypes.bfloat16
-
-
-class EvalError(RuntimeError):
-    """A runtime error in the user's inputs (names, shapes, dtypes, gather ids)."""
 
 
 def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
@@ -71,64 +67,21 @@ def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
 
 def check_inputs(module: Module, inputs: Mapping[str, np.ndarray], env: Mapping[str, int],
                  float_dtype: str | None = None) -> dict[str, np.ndarray]:
-    """Validated copies of the inputs: names, ranks, sizes and dtypes checked."""
-    missing = [n for n in module.args if n not in inputs]
-    if missing:
-        raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
-    extra = [n for n in inputs if n not in module.args]
-    if extra:
-        raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(module.args)})")
+    """Validated copies of the inputs: names, ranks, sizes and dtypes checked
+    (`tgc.ir.input_checks`, as a compiled program checks them)."""
+    check_names(tuple(module.args), inputs)
     out = {}
     for arg in module.args.values():
         out[arg.name] = _check_one(module, arg, np.asarray(inputs[arg.name]), env, float_dtype)
     return out
 
 
-def check_ids_fit(name: str, a: np.ndarray) -> None:
-    """Integer ids must fit in int32 (the type gathers index with): never wrapped."""
-    if a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
-        raise EvalError(f"input '{name}': ids do not fit in int32")
-
-
-def dlpack_view(name: str, value):
-    """A CPU array that is not numpy's but speaks DLPack (a torch CPU tensor) as a
-    numpy array over the same memory, so that an update writes into it; others as given.
-    A torch bfloat16 tensor, which numpy's DLPack import refuses, is viewed as int16
-    through DLPack and then as ml_dtypes.bfloat16 (still no copy)."""
-    if isinstance(value, np.ndarray) or not hasattr(value, "__dlpack__"):
-        return value
-    try:
-        if str(getattr(value, "dtype", "")) == "torch.bfloat16" and "torch" in sys.modules:
-            # numpy's DLPack has no bfloat16: the same memory as int16, viewed as ml_dtypes'
-            return np.from_dlpack(value.view(sys.modules["torch"].int16)).view(TYPES["bf16"].numpy)
-        return np.from_dlpack(value)
-    except (RuntimeError, BufferError, TypeError, ValueError) as e:
-        raise EvalError(f"input '{name}': {type(value).__name__} does not give its memory to numpy ({e}); "
-                        f"pass a CPU tensor (detached from autograd), or a numpy array") from None
-
-
-def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | None = None) -> None:
-    """An argument that an `update` writes in place must be an array of its own element
-    type `want` (`what` names it where that is not numpy's name): arguments that are
-    only read are converted, but a converted copy of an updated one would receive the
-    new values instead of the caller's array."""
-    if given != want:
-        raise EvalError(f"'{name}' is updated in place, so it must be {what or np.dtype(want).name}, "
-                        f"not {given} (only arguments that are only read are converted)")
-
-
 def _check_one(module: Module, arg: Arg, a: np.ndarray, env, float_dtype) -> np.ndarray:
-    want = tuple(env[module.edges[e]] for e in arg.order)
-    if a.shape != want:
-        edges = ", ".join(f"{e}={n}" for e, n in zip(arg.order, want))
-        raise EvalError(f"input '{arg.name}' has shape {a.shape}, expected {want} ([{edges}])")
+    check_shape(arg.name, a.shape, tuple(env[module.edges[e]] for e in arg.order), arg.order)
+    check_element_type(arg.name, a.dtype, arg.dtype, numbers=True)
     if arg.dtype == "i32":
-        if a.dtype.kind not in "iu":
-            raise EvalError(f"input '{arg.name}' must hold integers (i32), not {a.dtype}")
         check_ids_fit(arg.name, a)
         return a.astype(np.int32)
-    if a.dtype.kind not in "fiub" and not is_low_array(a):
-        raise EvalError(f"input '{arg.name}' must be numeric, not {a.dtype}")
     if arg.dtype in LOW_FLOATS:   # bf16/f16 stay themselves; --dtype overrides f32/f64 only
         return round_to(a, arg.dtype)
     return a.astype(NP_DTYPES[float_dtype or arg.dtype])
@@ -375,9 +328,7 @@ OPS: dict[str, Callable] = {
 def evaluate(module: Module, inputs: Mapping[str, np.ndarray], *, dtype: str | None = None,
              dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Run the module; `dtype` ('f32'/'f64') overrides the float type of every value."""
-    missing = [n for n in module.args if n not in inputs]
-    if missing:
-        raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(module.args)})")
+    check_names(tuple(module.args), inputs)
     inputs = pairs_inputs(module, inputs, dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(module, {k: v for k, v in inputs.items() if k in module.args}, dims)
     args = check_inputs(module, inputs, env, dtype)

@@ -3,7 +3,7 @@ backend compiles (`lowered`), in stages `fuse`, `layout`, then a backend's own (
 CPU's `group`, in `tgc.backends.cpu`), then `plan` (passes the one pass manager,
 `tgc.manager`, runs), with the lowered program's text (`text`, grammar `lowered.lark`:
 what `print_lowered` writes reads back; a backend's own kind of kernel registers its
-form), its verifier (`verify`) and its numpy interpreter (`interp`), the oracle for
+grammar rules and reader, `text.KernelForm`), its verifier (`verify`) and its numpy interpreter (`interp`), the oracle for
 backends' kernels (a backend's own kind of kernel runs through its `interpret` hook).
 A loop over an edge lowers to a `StepLoop` whose step is a lowered program of its
 own (`steps`). Also neutral pieces that backends' own stages use: `narrow` (2-byte bf16/f16 buffers,

@@ -5,7 +5,9 @@ made, buffer declarations, workspace slots, id checks, the kernels (`k0: ...`), 
 `module { ... }` block holding the IR module the program was lowered from (read by
 `tgc.ir.parser`; it gives the dims, arguments, outputs and updates, and the values
 `--verify-each` compares a lowering stage with). The rest is parsed by lark's LALR
-parser over `lowered.lark`; a tree walk then builds the kernels.
+parser over `lowered.lark` extended by the loaded backends' own kinds of kernel
+(`KernelForm`s, registered by `tgc.backends.base.get_backend`); a tree walk then
+builds the kernels.
 
 A loop's step (`StepLoop`) is a whole program, written as the block indented under
 its `steps ... {` line and closed by the line `  }`; it is taken out and read as a
@@ -25,7 +27,7 @@ Terminates: one parse, one walk of the tree.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import re
 from functools import lru_cache
@@ -44,11 +46,23 @@ from tgc.lower.lowered import Bind
 
 HEADER = re.compile(r"^//\s*lowered after (\w+) \((\w+)\)\s*$")
 
-# A backend's own kinds of kernel (the CPU's loop group): its rule in `lowered.lark` ->
-# a function (walk, tree) -> the kernel, given the walk's helpers (`loop`, `size`,
-# `names`, `note`, `error`, the `regs` being read). The backend registers its forms when
-# it is loaded (`tgc.backends.base.get_backend`); this module imports no backend.
-KERNEL_FORMS: dict[str, Callable[["_Builder", Tree], object]] = {}
+@dataclass(frozen=True)
+class KernelForm:
+    """A backend's own kind of kernel in the lowered text (the CPU's loop `group`).
+    `grammar`: lark rules, the first named `rule` (what follows the kernel's label),
+    the others its own pieces, named `rule_...` (the forms of every loaded backend
+    share one grammar); they may use the rules and terminals of `lowered.lark`
+    (`loop`, `gemm`, `outer`, `regs`, `note`, `size`, `NAME`, `_NL`, ...). `read(walk,
+    tree)`: the kernel, given the walk's helpers (`loop`, `gemm`, `size`, `names`,
+    `note`, `error`, the `regs` being read). The backend registers its forms when it is
+    loaded (`tgc.backends.base.get_backend`); this module imports no backend."""
+
+    rule: str
+    grammar: str
+    read: Callable[["_Builder", Tree], object]
+
+
+KERNEL_FORMS: dict[str, KernelForm] = {}   # every registered form by its rule
 
 
 def register_stage_name(name: str) -> None:
@@ -57,9 +71,15 @@ def register_stage_name(name: str) -> None:
         STAGES.insert(len(STAGES) - 1, name)   # before plan
 
 
-def register_kernel_form(rule: str, read: Callable[["_Builder", Tree], object]) -> None:
-    """Read the kernels of grammar rule `rule` with `read` (a backend's own kind)."""
-    KERNEL_FORMS[rule] = read
+def register_kernel_form(form: KernelForm) -> None:
+    """Read the kernels of `form` (a backend's own kind): the reader's grammar gains its
+    rules (the parser is built again on the next read)."""
+    known = KERNEL_FORMS.get(form.rule)
+    if known is not None and known != form:
+        raise ValueError(f"two backends define the lowered kernel form '{form.rule}'")
+    KERNEL_FORMS[form.rule] = form
+
+
 STAGES = ["fuse", "layout", "plan"]   # the neutral stages; a backend adds its own (register_stage_name)
 
 
@@ -68,9 +88,18 @@ def is_lowered_text(text: str) -> bool:
     return any(HEADER.match(line) for line in text.splitlines())
 
 
-@lru_cache(maxsize=1)
 def _parser() -> Lark:
+    """The parser of the neutral grammar and every registered kernel form."""
+    return _parser_of(tuple(sorted(KERNEL_FORMS.values(), key=lambda f: f.rule)))
+
+
+@lru_cache(maxsize=4)
+def _parser_of(forms: tuple[KernelForm, ...]) -> Lark:
+    """LALR tables are built once per set of forms (in memory: some 0.2-0.4 s)."""
     grammar = (Path(__file__).with_name("lowered.lark")).read_text()
+    if forms:
+        grammar += f"\n%extend kernel: LABEL ({' | '.join(f.rule for f in forms)})\n"
+        grammar += "\n".join(f.grammar.strip() for f in forms) + "\n"
     return Lark(grammar, parser="lalr", lexer="contextual", propagate_positions=True, maybe_placeholders=False)
 
 
@@ -164,7 +193,9 @@ def _lark_message(e: UnexpectedInput) -> str:
         what = "end of line" if tok.type == "_NL" else "end of input" if tok.type == "$END" else repr(str(tok))
         expected = sorted(_readable(t) for t in (e.accepts or e.expected) if not t.startswith(("_", "$")))
         more = ", ..." if len(expected) > 10 else ""
-        return f"unexpected {what} in lowered program (expected {', '.join(expected[:10])}{more})"
+        kinds = "; a backend's own kind of kernel reads once its backend is loaded" \
+            if {"LOOP", "STEPS"} <= set(e.expected) else ""   # a kernel's kind after its label
+        return f"unexpected {what} in lowered program (expected {', '.join(expected[:10])}{more}{kinds})"
     return str(e)
 
 
@@ -249,10 +280,7 @@ class _Builder:
     def kernel(self, t: Tree):
         body = t.children[1]
         if body.data in KERNEL_FORMS:
-            return KERNEL_FORMS[body.data](self, body)
-        if body.data not in ("loop", "gemm", "cgemm", "steps"):
-            raise self.error(f"a '{body.data}' kernel is a backend's own kind, and no loaded backend reads it "
-                             "(the CPU's: tgc.backends.base.get_backend('cpu'))", body)
+            return KERNEL_FORMS[body.data].read(self, body)
         return getattr(self, body.data)(body)
 
     def steps(self, t: Tree) -> StepLoop:

@@ -57,7 +57,9 @@ import numpy as np
 
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, itemsize, narrower, round_to
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF, as_complex, as_pairs, complex_args, complex_results, not_pairs
-from tgc.ir.interp import EvalError, bind_dims, check_ids_fit, check_updated_dtype, dlpack_view as _dlpack_view
+from tgc.ir.input_checks import (EvalError, check_element_type, check_ids_fit, check_known, check_names,
+                                 check_shape, check_updated_dtype, check_writable, dlpack_view as _dlpack_view)
+from tgc.ir.interp import bind_dims
 from tgc.lower.lowered import Lowered
 from tgc.ir.module import Module
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
@@ -443,22 +445,15 @@ class Program:
             raise EvalError(f"input '{spec.name}' is not an array of numbers: {e}") from None
         if spec.updated and spec.name not in self._complex_args:   # float pairs: see _run_complex
             check_updated_dtype(spec.name, a.dtype, self.declared_dtype(spec))
+        low = self.low_types.get(spec.name)   # bf16/f16: rounded to it (a bf16 array for a bf16 argument: as it is)
+        check_element_type(spec.name, a.dtype, low or spec.dtype)
         if spec.dtype == "i32":
-            if a.dtype.kind not in "iu":
-                raise EvalError(f"input '{spec.name}' holds ids (i32): pass integers, not {a.dtype}")
             check_ids_fit(spec.name, a)
-        elif spec.name in self.low_types:   # bf16/f16: rounded to it (a bf16 array for a bf16 argument: as it is)
-            low = self.low_types[spec.name]
-            if a.dtype.kind != "f" and not is_low_array(a):
-                raise EvalError(f"input '{spec.name}' must be a float array ({low}), not {a.dtype}")
-            if spec.updated and not a.flags.writeable:
-                raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
+        if spec.updated:
+            check_writable(spec.name, a)
+        if low is not None:
             a = a if is_low_array(a) == low else round_to(a, low)
             return np.require(a, self._store.get(spec.name, NP[spec.dtype]), "C")   # 2-byte buffer, or widened
-        elif a.dtype.kind != "f" and not is_low_array(a):
-            raise EvalError(f"input '{spec.name}' must be a float array ({spec.dtype}), not {a.dtype}")
-        if spec.updated and not a.flags.writeable:
-            raise EvalError(f"'{spec.name}' is updated in place but the array is read-only")
         return np.require(a, NP[spec.dtype], "C")
 
     def _bind(self, arrays: dict, dims: dict | None) -> dict[str, int]:
@@ -470,10 +465,7 @@ class Program:
         except SizeError as e:
             raise EvalError(str(e)) from None
         for spec in self.inputs:
-            want = tuple(size_eval(s, env) for s in spec.shape)
-            if arrays[spec.name].shape != want:
-                edges = ", ".join(f"{e}={n}" for e, n in zip(spec.edges, want))
-                raise EvalError(f"input '{spec.name}' has shape {arrays[spec.name].shape}, expected {want} ([{edges}])")
+            check_shape(spec.name, arrays[spec.name].shape, tuple(size_eval(s, env) for s in spec.shape), spec.edges)
         return env
 
     def _check_sizes(self, env: dict) -> None:
@@ -491,13 +483,7 @@ class Program:
                 raise SizeError("the workspace would take more than 2^62 bytes (the size limit)")
 
     def _prepare(self, given: dict) -> tuple[dict, dict]:
-        names = [s.name for s in self.inputs]
-        missing = [n for n in names if n not in given]
-        if missing:
-            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(names)})")
-        extra = [n for n in given if n not in names]
-        if extra:
-            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
+        check_names(self._names, given)
         given = {k: _dlpack_view(k, v) for k, v in given.items()}
         arrays = {s.name: self._convert(s, given[s.name]) for s in self.inputs}
         targets = [s.name for s in self.inputs if s.updated]
@@ -705,9 +691,7 @@ class Program:
         check_facts(self.module, given, dims, self.dtype)
 
     def _run_forward(self, arrays: dict, dims: dict | None) -> dict[str, np.ndarray]:
-        extra = [n for n in arrays if n not in self._names]
-        if extra:
-            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self._names)})")
+        check_known(self._names, arrays)
         forward = self.without_updates()
         return forward.run({n: arrays[n] for n in forward._names if n in arrays}, dims)
 

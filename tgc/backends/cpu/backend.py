@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from tgc.backends.base import Backend
 from tgc.backends.cpu.gemm_operands import GemmOperands
-from tgc.backends.cpu.group import Group, read_group
-from tgc.backends.cpu.implicit import Implicit, read_implicit
+from tgc.backends.cpu.group import GROUP_FORM, Group
+from tgc.backends.cpu.implicit import IMPLICIT_FORM, Implicit
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
     stages = (Narrow, GemmOperands, Implicit, Group)
-    kernel_forms = {"group": read_group, "implicit": read_implicit}
+    kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True
     emits = ("so", "obj", "llvm", "asm", "h")
@@ -32,15 +32,11 @@ class CpuBackend(Backend):
             return {}
         return {"the header": str(Path(output).with_name(c_identifier(output) + ".h"))}   # libmlp.so -> mlp.h
 
-    def build(self, module, options, emit, output, source):
+    def build(self, module, low, options, emit, output, source):
         from tgc.backends.cpu import aot
         from tgc.backends.cpu.header import c_identifier
-        from tgc.backends.base import pass_registry
-        from tgc.manager import lower_module
 
         prefix = c_identifier(output)
-        # the header too: which bf16/f16 tensors are 2-byte arrays is the lowering's choice (narrow)
-        low = lower_module(module, self.lowering_options(options), None, "plan", self.lowering(), pass_registry())
         try:
             files = {output: aot.build(module, low, options, emit, prefix, source)}
         except aot.NoSystemBlas as e:

@@ -47,6 +47,7 @@ from tgc.ir.sizes import Size, size_op, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, walk)
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
+from tgc.lower.text import KernelForm
 from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
@@ -134,9 +135,16 @@ class LoopGroup(MemberGroup):
 
 def read_group(reader, t) -> LoopGroup:
     """A `group for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
-    outer, sizes, members, regs, note, extras = read_member_parts(reader, t, ("blocks",))
-    blocks = int(extras["blocks"].children[0]) if "blocks" in extras else 0
+    outer, sizes, members, regs, note, extras = read_member_parts(reader, t, ("group_blocks",))
+    blocks = int(extras["group_blocks"].children[0]) if "group_blocks" in extras else 0
     return LoopGroup(outer, sizes, members, regs, blocks, note)
+
+
+# shared outer loops (`in N blocks`: partial sums over blocks of the first), then the members
+GROUP_FORM = KernelForm("group", r"""
+group: "group" "for" outer ("," outer)* group_blocks? regs? note _NL loop+
+group_blocks: "in" INT "blocks"
+""", read_group)
 
 
 @dataclass(frozen=True)

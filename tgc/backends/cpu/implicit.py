@@ -41,6 +41,7 @@ import numpy as np
 
 from tgc.ir.passes import Pass
 from tgc.lower.lowered import Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, matrix_form, rename_buffers
+from tgc.lower.text import KernelForm
 from tgc.options import Options
 
 
@@ -153,6 +154,12 @@ def read_implicit(reader, t) -> ImplicitGemm:
     finally:
         del reader.low.buffers[name]
     return ImplicitGemm(gather, gemm, order, note)
+
+
+# a gather loop whose output (the window, never stored) one GEMM reads
+IMPLICIT_FORM = KernelForm("implicit", r"""
+implicit: "implicit" BUF "order" "[" names "]" note _NL loop gemm
+""", read_implicit)
 
 
 @dataclass(frozen=True)

@@ -35,22 +35,20 @@ from tgc import __version__
 from tgc.backends.base import BackendUnavailable
 from tgc.backends.cuda import codegen
 from tgc.backends.cuda.options import CudaOptions
-from tgc.backends.cuda.runtime import WS_ALIGN, lower
+from tgc.backends.cuda.runtime import WS_ALIGN
 from tgc.lower.lowered import Lowered
-from tgc.ir.module import Module
 from tgc.ir.sizes import size_str
 from tgc.options import Options
 
 EMITS = ("cu", "ptx", "cubin")
 
 
-def build(module: Module, options: Options, emit: str) -> tuple[bytes, bytes]:
-    """(the module as `emit`, the manifest as JSON bytes) of `module` after the IR
-    pipeline and the target passes (`tgc.pipeline.target`: under --fp-strict, an f32
-    program is its f64 emulation, and `options` say f64), for the GPU architecture
-    `options.cuda.arch`."""
+def build(low: Lowered, options: Options, emit: str) -> tuple[bytes, bytes]:
+    """(the module as `emit`, the manifest as JSON bytes) of the lowered program `low`
+    (the CUDA backends' lowering of a module after the IR pipeline and the target
+    passes, `tgc.pipeline.target`: under --fp-strict, an f32 program is its f64
+    emulation, and `options` say f64), for the GPU architecture `options.cuda.arch`."""
     arch = options.cuda.arch
-    low = lower(module, options)
     cm = codegen.generate(low, cuda=options.cuda)
     if emit == "cu":
         data = cm.source.encode()

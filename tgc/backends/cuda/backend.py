@@ -13,20 +13,14 @@ from __future__ import annotations
 from tgc.backends.base import Backend
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
-from tgc.backends.cuda.rows import RowGroups, read_rowgroup
+from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
 from tgc.lower.narrow import Narrow
-
-
-def lowering_options(options):
-    """The options the CUDA backends lower with: the given ones (a complex product is
-    one GEMM cell, `cublas<c|z>gemmStridedBatched` on a GPU: `gemm.py`)."""
-    return options
 
 
 class CudaBackend(Backend):
     name = "cuda"
     stages = (Narrow, CublasOperands, InlineElementwise, RowGroups)
-    kernel_forms = {"rowgroup": read_rowgroup}
+    kernel_forms = (ROWGROUP_FORM,)
     emits = ("cubin", "ptx", "cu")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:
@@ -36,14 +30,11 @@ class CudaBackend(Backend):
             raise ValueError("-o: --target cuda writes a manifest beside the output: give a file name")
         return {"the manifest": str(Path(output).with_suffix(".json"))}
 
-    def build(self, module, options, emit, output, source):
+    def build(self, module, low, options, emit, output, source):
         from tgc.backends.cuda import aot
 
-        data, manifest = aot.build(module, options, emit)
+        data, manifest = aot.build(low, options, emit)
         return {output: data, self.companions(output, emit)["the manifest"]: manifest}
-
-    def lowering_options(self, options):
-        return lowering_options(options)
 
     def compile(self, module, low, options, artifacts=None):
         from tgc.backends.cuda.runtime import compile_kernels

@@ -61,6 +61,7 @@ from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
 from tgc.lower.lowered import IdLoad, Ix, Load, LoopKernel, Lowered, walk
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
+from tgc.lower.text import KernelForm
 from tgc.options import Options
 
 ROW_REDUCTIONS = ("sum", "max", "min", "maxshift", "logsumexp")
@@ -102,6 +103,12 @@ def read_rowgroup(reader, t) -> RowGroup:
     """A `rowgroup for ...` kernel of the lowered text (`reader`: `tgc.lower.text`'s walk)."""
     outer, sizes, members, regs, note, _ = read_member_parts(reader, t)
     return RowGroup(outer, sizes, members, regs, note)
+
+
+# shared outer loops (the rows), then the members
+ROWGROUP_FORM = KernelForm("rowgroup", r"""
+rowgroup: "rowgroup" "for" outer ("," outer)* regs? note _NL loop+
+""", read_rowgroup)
 
 
 @dataclass(frozen=True)

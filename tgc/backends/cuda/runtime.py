@@ -76,7 +76,7 @@ from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import blas, codegen, gemm
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
-from tgc.ir.interp import EvalError, check_updated_dtype, dlpack_view
+from tgc.ir.input_checks import EvalError, check_element_type, check_names, check_updated_dtype, dlpack_view
 from tgc.ir.sizes import size_eval
 from tgc.ir.module import Module
 from tgc.options import Options
@@ -105,8 +105,7 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
 
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
-    and plan with their own `rowgroup` between (no stage of the CPU's), without
-    complex GEMM cells (`lowering_options`)."""
+    and plan with their own between (`CudaBackend.stages`; no stage of the CPU's)."""
     from tgc.backends.base import get_backend, pass_registry
     from tgc.manager import lower_module
 
@@ -527,13 +526,7 @@ class CudaKernels(Kernels):
     def _prepare_device(self, program, given: dict) -> tuple[dict, dict]:
         """The GPU's `_prepare`: device arrays in the program's dtypes, C-contiguous."""
         cp = self._device.cp
-        names = [s.name for s in program.inputs]
-        missing = [n for n in names if n not in given]
-        if missing:
-            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(names)})")
-        extra = [n for n in given if n not in names]
-        if extra:
-            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(names)})")
+        check_names([s.name for s in program.inputs], given)
         arrays = {}
         for s in program.inputs:
             v = given[s.name]
@@ -550,10 +543,7 @@ class CudaKernels(Kernels):
             if store is not None:                      # a bf16/f16 buffer: 2-byte elements
                 arrays[s.name] = self._narrow_arg(s, a, np.dtype(store))
                 continue
-            if s.dtype == "i32" and a.dtype.kind not in "iu":
-                raise EvalError(f"input '{s.name}' holds ids (i32): pass integers, not {a.dtype}")
-            if s.dtype != "i32" and a.dtype.kind != "f":
-                raise EvalError(f"input '{s.name}' must be a float array ({s.dtype}), not {a.dtype}")
+            check_element_type(s.name, a.dtype, s.dtype)
             if s.updated:   # the very buffer the kernels write: of the program's type
                 check_updated_dtype(s.name, a.dtype, np.dtype(NP[s.dtype]))
             conv = _contiguous(cp, a.astype(NP[s.dtype], copy=False))
@@ -570,11 +560,11 @@ class CudaKernels(Kernels):
         want = np.dtype(np.uint16) if store == BF16 else np.dtype(np.float16)
         if s.updated:
             check_updated_dtype(s.name, a.dtype, want, "a uint16 array of bfloat16 bits" if store == BF16 else None)
+        if a.dtype != want:
+            check_element_type(s.name, a.dtype, "bf16" if store == BF16 else "f16",
+                               "bf16, or uint16 bfloat16 bits" if store == BF16 else None)
         if a.dtype == want:
             conv = _contiguous(dev.cp, a)
-        elif a.dtype.kind != "f":
-            what = "bf16, or uint16 bfloat16 bits" if store == BF16 else "f16"
-            raise EvalError(f"input '{s.name}' must be a float array ({what}), not {a.dtype}")
         elif store == BF16:
             conv = dev.bf16_bits(a)
         else:
