@@ -1,6 +1,6 @@
 """The dispatch by node class (tgc.lower.visit): every evaluator of lowered expressions
-(the lowered interpreter and both code generators) has a method for every node class,
-and one that lacks a method says which."""
+(the lowered interpreter, the verifier and both code generators) has a method for
+every node class, and one that lacks a method says which."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +13,7 @@ def _visitors() -> list[type]:
     import tgc.backends.cpu.loops  # noqa: F401  (each defines a visitor)
     import tgc.backends.cuda.codegen  # noqa: F401
     import tgc.lower.interp  # noqa: F401
+    import tgc.lower.verify  # noqa: F401
 
     out, todo = [], list(ExprVisitor.__subclasses__())
     while todo:
@@ -34,7 +35,7 @@ def test_the_tables_are_the_node_unions():
 
 def test_every_visitor_covers_every_node_class():
     visitors = {c.__qualname__: c for c in _visitors()}
-    assert {"_Machine", "LoopGen", "_Gen"} <= set(visitors)
+    assert {"_Machine", "_Verifier", "LoopGen", "_Gen"} <= set(visitors)
     for name, cls in visitors.items():
         assert cls.missing() == [], f"{cls.__module__}.{name} lacks {cls.missing()}"
         for node, method in NODE_METHODS.items():
