@@ -22,7 +22,8 @@ generator's `_Ctx`); the dispatch passes it on untouched. The tables come from t
 is a method every visitor lacks: `missing()` lists them (tests/lower/test_visit.py
 asks it of every visitor), and visiting such a node raises `VisitError` naming the
 visitor, the node class and the method to write. The dispatch is one dict lookup
-on the exact class and one call.
+on the exact class and one call; the table is built when the subclass is defined
+(`__init_subclass__`), so a method assigned to the class afterwards is not seen.
 """
 from __future__ import annotations
 
