@@ -4,9 +4,11 @@
 `group` or `plan`) kernel by kernel, with numpy, and returns what a compiled
 program's call returns: every output, and every update's new value under the key
 `Module.update_key` gives it. It shares nothing with a backend but the lowered
-program itself and the elementwise functions' numpy definitions (`tgc.ir.ops.FNS`),
-so a backend's kernels can be compared with it kernel for kernel, and a lowering
-stage can be checked by running the program before and after it.
+program itself, the elementwise functions' numpy definitions (`tgc.ir.ops.FNS`) and
+the dispatch by node class that evaluates an expression (`tgc.lower.visit`: a method
+per node, `expr_load`, `expr_add`, ..., as in each code generator), so a backend's
+kernels can be compared with it kernel for kernel, and a lowering stage can be
+checked by running the program before and after it.
 
 Semantics, as `tgc.lower.lowered` states them:
 - a `LoopKernel` is evaluated over its whole loop nest at once (index grids):
@@ -47,6 +49,7 @@ from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
+from tgc.lower.visit import ExprVisitor
 
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}
@@ -67,7 +70,11 @@ def run_lowered(low: Lowered, inputs: Mapping[str, np.ndarray],
     return complex_outputs(m, _Machine(low, env, args).run())
 
 
-class _Machine:
+class _Machine(ExprVisitor):
+    """The interpreter's state (the buffers' arrays) and its evaluation of kernels; an
+    expression's nodes are evaluated by its `expr_*` and `atom_*` methods (`ExprVisitor`)
+    over index grids: `vals` (loop variable -> index array), `active` (where the
+    value counts) and `acc` (the reduced value, in an epilogue)."""
     def __init__(self, low: Lowered, env: dict[str, int], args: dict[str, np.ndarray]):
         self.low, self.env = low, env
         self.fp = NP_DTYPES[low.dtype]
@@ -180,7 +187,7 @@ class _Machine:
         x = np.broadcast_to(self.expr(k.body, vals, active), shape).astype(np.float64)
         value = self.round(self.reduce(k.reduce, x, active, axes))
         if k.epilogue is not None:
-            value = self.expr(k.epilogue, vals, np.ones(value.shape, bool), acc=value)
+            value = self.expr(k.epilogue, vals, np.ones(value.shape, bool), value)
         if set(k.red) & set(fixed):   # a partial sum: adds into its block's row
             value = self.round(value + self.load(k.out, k.index, vals, np.ones(value.shape, bool)))
         self.store(k, vals, value)
@@ -260,28 +267,35 @@ class _Machine:
 
     # ---------------------------------------------------------------- expressions
 
-    def expr(self, e, vals: dict, active, acc=None):
-        if isinstance(e, Load):
-            return self.load(e.buf, e.index, vals, active)
-        if isinstance(e, Const):
-            return self.round(e.value)
-        if isinstance(e, SizeOf):
-            return self.round(self.eval_size(e.size))
-        if isinstance(e, Acc):
-            return acc
-        if isinstance(e, Rand):   # integer arithmetic, then float64 rounded once (tgc.ir.philox)
-            key = np.asarray(self.ix(e.key, vals), np.int64)
-            counter = np.asarray(self.ix(e.counter, vals), np.int64)
-            dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
-            folds = tuple(n if isinstance(n, int) else np.int64(np.asarray(self.ix(n, vals)).reshape(-1)[0])
-                          for n in e.folds)
-            return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), folds, counter))
-        if isinstance(e, Mask):
-            ok = True
-            for c in e.conds:
-                ok = ok & _CMP[c.op](self.ix(c.ix, vals), 0)
-            return np.where(ok, self.expr(e.arg, vals, active & ok, acc), self.fp(0))
-        if isinstance(e, Add) and wide_sum(e, "f32" if self.fp == np.float32 else "f64"):
+    def expr_load(self, e: Load, vals: dict, active, acc=None):
+        return self.load(e.buf, e.index, vals, active)
+
+    def expr_const(self, e: Const, vals: dict, active, acc=None):
+        return self.round(e.value)
+
+    def expr_size_of(self, e: SizeOf, vals: dict, active, acc=None):
+        return self.round(self.eval_size(e.size))
+
+    def expr_acc(self, e: Acc, vals: dict, active, acc=None):
+        return acc
+
+    def expr_rand(self, e: Rand, vals: dict, active, acc=None):
+        """Integer arithmetic, then float64 rounded once (tgc.ir.philox)."""
+        key = np.asarray(self.ix(e.key, vals), np.int64)
+        counter = np.asarray(self.ix(e.counter, vals), np.int64)
+        dtype = e.draw or ("f32" if self.fp == np.float32 else "f64")
+        folds = tuple(n if isinstance(n, int) else np.int64(np.asarray(self.ix(n, vals)).reshape(-1)[0])
+                      for n in e.folds)
+        return self.round(draw_numpy(e.kind, dtype, int(key.reshape(-1)[0]), folds, counter))
+
+    def expr_mask(self, e: Mask, vals: dict, active, acc=None):
+        ok = True
+        for c in e.conds:
+            ok = ok & _CMP[c.op](self.ix(c.ix, vals), 0)
+        return np.where(ok, self.expr(e.arg, vals, active & ok, acc), self.fp(0))
+
+    def expr_add(self, e: Add, vals: dict, active, acc=None):
+        if wide_sum(e, "f32" if self.fp == np.float32 else "f64"):
             total = np.float64(0)   # in float64, a product's factors widened, rounded once
             for c, a in zip(e.coefs, e.args):
                 factors = a.args if isinstance(a, Mul) else (a,)
@@ -290,21 +304,24 @@ class _Machine:
                     term = term * np.asarray(self.expr(f, vals, active, acc), np.float64)
                 total = total + (term if c == 1 else c * term)
             return self.round(total)
+        # c0 a0 + c1 a1 + ..., each scaled term and partial sum rounded
         args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
-        if isinstance(e, Add):   # c0 a0 + c1 a1 + ..., each scaled term and partial sum rounded
-            total = None
-            for c, a in zip(e.coefs, args):
-                term = a if c == 1 else self.round(c * a)
-                total = term if total is None else self.round(np.asarray(total, np.float64) + term)
-            return total
-        if isinstance(e, Mul):
-            out = args[0]
-            for a in args[1:]:
-                out = np.asarray(self.round(out * a), np.float64)
-            return self.round(out)
-        if isinstance(e, Map):
-            return self.round(MAP_FNS[e.fn](*args))
-        raise LoweredError(f"unknown expression {e!r}")
+        total = None
+        for c, a in zip(e.coefs, args):
+            term = a if c == 1 else self.round(c * a)
+            total = term if total is None else self.round(np.asarray(total, np.float64) + term)
+        return total
+
+    def expr_mul(self, e: Mul, vals: dict, active, acc=None):
+        args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
+        out = args[0]
+        for a in args[1:]:
+            out = np.asarray(self.round(out * a), np.float64)
+        return self.round(out)
+
+    def expr_map(self, e: Map, vals: dict, active, acc=None):
+        args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
+        return self.round(MAP_FNS[e.fn](*args))
 
     def load(self, buf: str, index, vals: dict, active, outside_zero: bool = False):
         idx = self.index(buf, index, vals)
@@ -341,15 +358,15 @@ class _Machine:
             total = total + self.eval_size(coef) * self.atom(atom, vals)
         return total
 
-    def atom(self, a, vals: dict):
-        if isinstance(a, str):
-            return vals[a]
-        if isinstance(a, FloorDiv):
-            return np.floor_divide(self.ix(a.num, vals), self.eval_size(a.den))
-        if isinstance(a, IdLoad):
-            idx = self.index(a.buf, a.index, vals)
-            arr = self.arrays[a.buf]
-            full = np.broadcast_arrays(*idx) if idx else []
-            clipped = tuple(np.clip(i, 0, max(n - 1, 0)) for i, n in zip(full, arr.shape))
-            return arr[clipped].astype(np.int64)
-        raise LoweredError(f"unknown index atom {a!r}")
+    def atom_var(self, a: str, vals: dict):
+        return vals[a]
+
+    def atom_floor_div(self, a: FloorDiv, vals: dict):
+        return np.floor_divide(self.ix(a.num, vals), self.eval_size(a.den))
+
+    def atom_id_load(self, a: IdLoad, vals: dict):
+        idx = self.index(a.buf, a.index, vals)
+        arr = self.arrays[a.buf]
+        full = np.broadcast_arrays(*idx) if idx else []
+        clipped = tuple(np.clip(i, 0, max(n - 1, 0)) for i, n in zip(full, arr.shape))
+        return arr[clipped].astype(np.int64)

@@ -43,6 +43,9 @@ loaded from an i32 buffer (`IdLoad`), or a floor division (`FloorDiv`) — with
 `Size` coefficients, so symbolic dims stay symbolic until run time. A `Cond` is
 `ix op 0`; `Mask(conds, e)` is `e` where every cond holds, else 0 (and `e` is not
 evaluated there: its loads may be out of range).
+
+What evaluates an expression (the lowered interpreter, each code generator) does so
+with a method per node class of `Expr` and `Atom`, dispatched by `tgc.lower.visit`.
 """
 from __future__ import annotations
 

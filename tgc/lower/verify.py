@@ -36,14 +36,18 @@ bindings of the symbolic dims (and count as equal when the dims cannot be bound)
 the check flags only sizes that differ. A group is any kernel with `members`,
 `outer` loops and `regs` (a backend's own kind: the CPU's `LoopGroup`, which this
 module does not import). A kind with a `verify(verifier, defined)` method checks itself
-through this verifier's `loop` and `gemm` (the CPU's `ImplicitGemm`). It changes nothing. Terminates: one walk over the kernels and their expression trees.
+through this verifier's `loop` and `gemm` (the CPU's `ImplicitGemm`). An expression's
+nodes are checked by a method per node class (`tgc.lower.visit`), each node before
+its operands. It changes nothing. Terminates: one walk over the kernels and their
+expression trees.
 """
 from __future__ import annotations
 
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
-from tgc.lower.lowered import (Acc, Add, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
-                               Mask, Rand, StepLoop, walk)
+from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
+                               Map, Mask, Mul, Rand, SizeOf, StepLoop)
+from tgc.lower.visit import ExprVisitor
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
@@ -69,7 +73,7 @@ def verify_lowered(low: Lowered) -> None:
     _Verifier(low).run()
 
 
-class _Verifier:
+class _Verifier(ExprVisitor):
     def __init__(self, low: Lowered):
         self.low = low
         self.k: int | None = None
@@ -331,9 +335,9 @@ class _Verifier:
             for ix in lo + hi:
                 self.ix(ix, bound, defined | regs)
         can_read = defined | regs | ({k.out} if k.scatter or set(k.red) & set(outer) else set())
-        self.expr(k.body, bound, can_read, acc=False)
+        self.expr(k.body, bound, can_read, False)
         if k.epilogue is not None:
-            self.expr(k.epilogue, bound, can_read, acc=True)
+            self.expr(k.epilogue, bound, can_read, True)
 
     def group_regs(self) -> list[str]:
         k = self.low.kernels[self.k] if self.k is not None else None
@@ -388,44 +392,72 @@ class _Verifier:
         for _, ix in index:
             self.ix(ix, bound, defined)
 
-    def expr(self, e, bound: set[str], defined: set[str], acc: bool) -> None:
-        for node in walk(e):
-            if isinstance(node, Load):
-                if node.buf not in defined:
-                    if node.buf in self.group_regs():
-                        raise self.fail(f"reads register '%{node.buf}' before a member writes it")
-                    if node.buf not in self.low.buffers:
-                        raise self.fail(f"reads undeclared buffer '%{node.buf}'")
-                    raise self.fail(f"reads '%{node.buf}' before anything writes it")
-                self.index(node.buf, node.index, bound, defined)
-            elif isinstance(node, Mask):
-                for c in node.conds:
-                    if c.op not in ("=", "!=", "<", "<=", ">", ">="):
-                        raise self.fail(f"unknown comparison '{c.op}'")
-                    self.ix(c.ix, bound, defined)
-            elif isinstance(node, Acc) and not acc:
-                raise self.fail("'acc' outside the epilogue of a reduction")
-            elif isinstance(node, Map) and node.fn not in MAP_FNS:
-                raise self.fail(f"unknown function '{node.fn}'")
-            elif isinstance(node, Add) and len(node.coefs) != len(node.args):
-                raise self.fail(f"a sum of {len(node.args)} terms with {len(node.coefs)} coefficients")
-            elif isinstance(node, Rand):
-                if node.kind not in ("rand", "randn") or node.draw not in ("", "f32"):
-                    raise self.fail(f"unknown draw '{node.kind}'" + (f" as {node.draw}" if node.draw else ""))
-                self.ix(node.key, bound, defined)
-                self.ix(node.counter, bound, defined)
+    # expressions and index atoms, each node checked before its operands (`ExprVisitor`):
+    # `bound` the loop variables, `defined` the buffers it may read, `acc` whether `Acc` may appear
+
+    def expr_load(self, e: Load, bound: set[str], defined: set[str], acc: bool) -> None:
+        if e.buf not in defined:
+            if e.buf in self.group_regs():
+                raise self.fail(f"reads register '%{e.buf}' before a member writes it")
+            if e.buf not in self.low.buffers:
+                raise self.fail(f"reads undeclared buffer '%{e.buf}'")
+            raise self.fail(f"reads '%{e.buf}' before anything writes it")
+        self.index(e.buf, e.index, bound, defined)
+
+    def expr_const(self, e: Const, bound: set[str], defined: set[str], acc: bool) -> None:
+        pass
+
+    def expr_size_of(self, e: SizeOf, bound: set[str], defined: set[str], acc: bool) -> None:
+        pass
+
+    def expr_acc(self, e: Acc, bound: set[str], defined: set[str], acc: bool) -> None:
+        if not acc:
+            raise self.fail("'acc' outside the epilogue of a reduction")
+
+    def expr_mask(self, e: Mask, bound: set[str], defined: set[str], acc: bool) -> None:
+        for c in e.conds:
+            if c.op not in ("=", "!=", "<", "<=", ">", ">="):
+                raise self.fail(f"unknown comparison '{c.op}'")
+            self.ix(c.ix, bound, defined)
+        self.expr(e.arg, bound, defined, acc)
+
+    def expr_add(self, e: Add, bound: set[str], defined: set[str], acc: bool) -> None:
+        if len(e.coefs) != len(e.args):
+            raise self.fail(f"a sum of {len(e.args)} terms with {len(e.coefs)} coefficients")
+        for a in e.args:
+            self.expr(a, bound, defined, acc)
+
+    def expr_mul(self, e: Mul, bound: set[str], defined: set[str], acc: bool) -> None:
+        for a in e.args:
+            self.expr(a, bound, defined, acc)
+
+    def expr_map(self, e: Map, bound: set[str], defined: set[str], acc: bool) -> None:
+        if e.fn not in MAP_FNS:
+            raise self.fail(f"unknown function '{e.fn}'")
+        for a in e.args:
+            self.expr(a, bound, defined, acc)
+
+    def expr_rand(self, e: Rand, bound: set[str], defined: set[str], acc: bool) -> None:
+        if e.kind not in ("rand", "randn") or e.draw not in ("", "f32"):
+            raise self.fail(f"unknown draw '{e.kind}'" + (f" as {e.draw}" if e.draw else ""))
+        self.ix(e.key, bound, defined)
+        self.ix(e.counter, bound, defined)
 
     def ix(self, ix: Ix, bound: set[str], defined: set[str] | None) -> None:
         for a, _ in ix.terms:
-            if isinstance(a, str):
-                if a not in bound:
-                    raise self.fail(f"index uses '{a}', which is not a loop here")
-            elif isinstance(a, IdLoad):
-                b = self.low.buffers.get(a.buf)
-                if b is None or b.dtype != "i32":
-                    raise self.fail(f"an id load from '%{a.buf}', which is not an i32 buffer")
-                if defined is not None and a.buf not in defined:
-                    raise self.fail(f"reads ids from '%{a.buf}' before anything writes it")
-                self.index(a.buf, a.index, bound, defined)
-            elif isinstance(a, FloorDiv):
-                self.ix(a.num, bound, defined)
+            self.atom(a, bound, defined)
+
+    def atom_var(self, a: str, bound: set[str], defined: set[str] | None) -> None:
+        if a not in bound:
+            raise self.fail(f"index uses '{a}', which is not a loop here")
+
+    def atom_id_load(self, a: IdLoad, bound: set[str], defined: set[str] | None) -> None:
+        b = self.low.buffers.get(a.buf)
+        if b is None or b.dtype != "i32":
+            raise self.fail(f"an id load from '%{a.buf}', which is not an i32 buffer")
+        if defined is not None and a.buf not in defined:
+            raise self.fail(f"reads ids from '%{a.buf}' before anything writes it")
+        self.index(a.buf, a.index, bound, defined)
+
+    def atom_floor_div(self, a: FloorDiv, bound: set[str], defined: set[str] | None) -> None:
+        self.ix(a.num, bound, defined)

@@ -56,6 +56,7 @@ from tgc.backends.cpu.llvm_env import has_feature
 from tgc.opt.canon import exact_scale
 from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
 from tgc.backends.cpu.options import CpuOptions
+from tgc.lower.visit import ExprVisitor
 from tgc.options import Options
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
@@ -220,8 +221,10 @@ def rows_vectorized(g: LoopGroup, cpu: CpuOptions) -> bool:
     return len(g.outer) == 1 and all(unrolled(m, v, cpu) for m in g.members for v in m.loops if v not in g.outer)
 
 
-class LoopGen:
-    """One loop kernel, or a group of them inside shared outer loops, as a function."""
+class LoopGen(ExprVisitor):
+    """One loop kernel, or a group of them inside shared outer loops, as a function.
+    Expressions become LLVM values through its `expr_*` and `atom_*` methods
+    (`ExprVisitor`), given the loop variables `vars` and the reduced value `acc`."""
 
     def __init__(self, mod: ir.Module, low: Lowered, k: LoopKernel | LoopGroup, name: str, fp,
                  options: Options):
@@ -736,18 +739,20 @@ class LoopGen:
         b = self.b
         total = None if ix.const == 0 else self.f.size(ix.const)
         for atom, coef in ix.terms:
-            if isinstance(atom, str):
-                a = vars[atom]
-            elif isinstance(atom, IdLoad):
-                p = self.address(atom.buf, atom.index, vars, ir.IntType(32))
-                a = b.sext(b.load(p, typ=ir.IntType(32)), I64)
-            else:
-                a = self.floordiv(atom, vars)
+            a = self.atom(atom, vars)
             term = a if coef == 1 else b.mul(a, self.f.size(coef), flags=["nsw"])
             total = term if total is None else b.add(total, term, flags=["nsw"])
         return total if total is not None else I64(0)
 
-    def floordiv(self, atom: FloorDiv, vars: dict):
+    def atom_var(self, atom: str, vars: dict):
+        return vars[atom]
+
+    def atom_id_load(self, atom: IdLoad, vars: dict):
+        b = self.b
+        p = self.address(atom.buf, atom.index, vars, ir.IntType(32))
+        return b.sext(b.load(p, typ=ir.IntType(32)), I64)
+
+    def atom_floor_div(self, atom: FloorDiv, vars: dict):
         b = self.b
         n, d = self.ix(atom.num, vars), self.f.size(atom.den)
         q, r = b.sdiv(n, d), b.srem(n, d)
@@ -758,45 +763,48 @@ class LoopGen:
     def const(self, value: float):
         return ir.Constant(self.fp, value)
 
-    def expr(self, e, vars: dict, acc=None):
+    def expr_load(self, e: Load, vars: dict, acc=None):
+        if e.buf in self.regs:
+            return self.regs[e.buf]
+        return self.load_buf(e.buf, e.index, vars)
+
+    def expr_const(self, e: Const, vars: dict, acc=None):
+        return self.const(e.value)
+
+    def expr_size_of(self, e: SizeOf, vars: dict, acc=None):
+        return self.b.sitofp(self.f.size(e.size), self.fp)
+
+    def expr_acc(self, e: Acc, vars: dict, acc=None):
+        return acc
+
+    def expr_rand(self, e: Rand, vars: dict, acc=None):
         b = self.b
-        if isinstance(e, Load):
-            if e.buf in self.regs:
-                return self.regs[e.buf]
-            return self.load_buf(e.buf, e.index, vars)
-        if isinstance(e, Const):
-            return self.const(e.value)
-        if isinstance(e, SizeOf):
-            return b.sitofp(self.f.size(e.size), self.fp)
-        if isinstance(e, Acc):
-            return acc
-        if isinstance(e, Rand):
-            fp = ir.FloatType() if e.draw == "f32" else self.fp
-            folds = tuple(n if isinstance(n, int) else self.ix(n, vars) for n in e.folds)
-            value = emit_draw(b, e.kind, folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
-            return value if fp == self.fp else b.fpext(value, self.fp)
-        if isinstance(e, Mask):
-            return self.mask(e, vars, acc)
-        if isinstance(e, Add):
-            if not self.strict and self.fp == ir.FloatType() and wide_sum(e, "f32"):
-                return self.wide_add(e, vars, acc)
-            k = None if self.strict else fma_term(e)
-            if k is not None:
-                return self.fused_add(e, k, vars, acc)
+        fp = ir.FloatType() if e.draw == "f32" else self.fp
+        folds = tuple(n if isinstance(n, int) else self.ix(n, vars) for n in e.folds)
+        value = emit_draw(b, e.kind, folds, self.ix(e.key, vars), self.ix(e.counter, vars), fp)
+        return value if fp == self.fp else b.fpext(value, self.fp)
+
+    def expr_add(self, e: Add, vars: dict, acc=None):
+        if not self.strict and self.fp == ir.FloatType() and wide_sum(e, "f32"):
+            return self.wide_add(e, vars, acc)
+        k = None if self.strict else fma_term(e)
+        if k is not None:
+            return self.fused_add(e, k, vars, acc)
+        return self.add(e.coefs, [self.expr(a, vars, acc) for a in e.args])
+
+    def expr_mul(self, e: Mul, vars: dict, acc=None):
         args = [self.expr(a, vars, acc) for a in e.args]
-        if isinstance(e, Add):
-            return self.add(e.coefs, args)
-        if isinstance(e, Mul):
-            if not self.strict:
-                args = [args[i] for i in factor_order(e.args)]
-            out = args[0]
-            for i, a in enumerate(args[1:], 2):   # the last product of a summed body may fuse (FMA)
-                out = b.fmul(out, a, flags=FLAGS if e is self.fused_term and i == len(args) else ())
-            return out
-        if isinstance(e, Map):
-            exponent = e.args[1].value if e.fn == "pow" and isinstance(e.args[1], Const) else None
-            return emit_map(b, e.fn, args, self.fp, exponent)
-        raise TypeError(f"unknown expression {e!r}")
+        if not self.strict:
+            args = [args[i] for i in factor_order(e.args)]
+        out = args[0]
+        for i, a in enumerate(args[1:], 2):   # the last product of a summed body may fuse (FMA)
+            out = self.b.fmul(out, a, flags=FLAGS if e is self.fused_term and i == len(args) else ())
+        return out
+
+    def expr_map(self, e: Map, vars: dict, acc=None):
+        args = [self.expr(a, vars, acc) for a in e.args]
+        exponent = e.args[1].value if e.fn == "pow" and isinstance(e.args[1], Const) else None
+        return emit_map(self.b, e.fn, args, self.fp, exponent)
 
     def add(self, coefs, args):
         """sum c_i a_i in order, each product rounded (no FMA: one would subtract a
@@ -855,7 +863,7 @@ class LoopGen:
         u = u if c == 1 else b.fneg(u) if c == -1 else b.fmul(self.const(c), u)
         return b.call(intrinsic(b, "fma", self.fp, 3), [u, factors[-1], total])
 
-    def mask(self, e: Mask, vars: dict, acc):
+    def expr_mask(self, e: Mask, vars: dict, acc=None):
         b = self.b
         ok = None
         for c in e.conds:
