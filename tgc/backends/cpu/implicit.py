@@ -184,6 +184,8 @@ def _window_ok(low: Lowered, g: LoopKernel) -> bool:
         return False
     run = g.loops[-1]
     src = low.buffers[load.buf]
+    if not src.order:   # a scalar broadcast (`update m = lr`): no window to pack
+        return False
     index = dict(load.index)
     for e, ix in index.items():
         if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):
