@@ -148,6 +148,26 @@ def lower_module(module: Module, options: Options, backend: str = "cpu", emit=No
     return run_stages(module, be.lowering_options(options), emit, stop_after, be.lowering(), pass_registry())
 
 
+# The passes of the IR pipeline that only act at known sizes: a specialization runs them
+# again once its dims are fixed (`specialized_module`).
+SIZED_PASSES: tuple[str, ...] = ("stream",)
+
+
+def specialized_module(module: Module, dims: dict, options: Options) -> Module:
+    """`module` (after the IR pipeline) with `dims` fixed, as a specialization to those
+    sizes runs it (`tgc.runtime.specialize`, `tgc explain --specialized`): `fix_dims`,
+    then the pipeline's `SIZED_PASSES` again. `stream` only blocks an edge of known
+    size, so over a symbolic sequence length a causal attention's [t, s] matrices were
+    kept whole in every call, the specialized ones too (805 MB at t = 8192 where
+    `tgc.compile(dims=)` streams it in 41 MB)."""
+    from tgc.manager import run_passes
+    from tgc.registry import pipeline as pipeline_passes
+
+    fixed = fix_dims(module, dims)
+    again = tuple(p for p in pipeline_passes(options) if p in SIZED_PASSES)
+    return run_passes(fixed, again, options) if again else fixed
+
+
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
     """A callable `Program` of `module` (after the IR pipeline) on `backend`: the
     target passes (`target`), the lowering, the backend's code.
@@ -167,7 +187,7 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
                               options, backend)
 
     def build_specialized(dims):   # `Program`'s specializations: the module with these dims fixed
-        return compile_module(fix_dims(module, dims), options, backend)
+        return compile_module(specialized_module(module, dims, options), options, backend)
 
     compiled, opts = target(module, options)
     if low is None:

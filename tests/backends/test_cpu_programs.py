@@ -64,3 +64,15 @@ out t = jvp(f, x, u)
 
     module = pipeline.lower(compile_source(src, f"{fn}.tg", options), options).module
     compare(module, "f64", seed=3)
+
+
+@pytest.mark.parametrize("r", [0, 1, 3])
+def test_an_update_copying_a_scalar_param(r):
+    # `update m = W` with a scalar W, and m a scalar or a vector: a copy of a scalar,
+    # which the implicit-GEMM stage took for a window of its source's last axis
+    # (IndexError; found by scripts/fuzz, seeds 777025 and 777126)
+    src = f"dim r = {r}\nstate m[r]\n" if r else "param m\n"
+    prog = tgc.compile(src + "param W\nupdate m = W\n")
+    m = np.zeros(r or (), np.float32)
+    prog(m=m, W=np.float32(0.25))
+    np.testing.assert_array_equal(m, np.full(r or (), 0.25, np.float32))

@@ -480,3 +480,28 @@ def test_the_partial_rows_of_parameter_gradients_are_summed_in_f64(rows):
     two = build(LAYERNORM.replace("dim rows, d", "dim rows, d = 16"), "f32", threads=2, parallel_min_work=1)
     for name, value in two(**{k: np.copy(v) for k, v in inputs.items()}).items():
         assert np.array_equal(value, got[name]), name    # the same bits on any number of threads
+
+
+@pytest.mark.parametrize("dims", ["dim rows = 256, d = 8192", "dim rows, d"], ids=["known", "symbolic"])
+def test_an_f32_full_sum_over_short_blocks_of_long_rows_is_added_up_in_f64(dims):
+    """Full sums of a 256 x 8192 matrix in one blocked group (a gradient and the sum of
+    its squares, as a global gradient norm reads it): 32 blocks of 8 rows, so each
+    block adds 65536 terms into its partial sum. Those go through an f64 scratch
+    although the block has few rows: added into the f32 partial, the sum of squares
+    of the gradient was 27 ulps off and the dot product 12 (now under 2). The same
+    bits on two threads."""
+    src = f"{dims}\ninput x[rows, d], w[rows, d]\nloss = sum(tanh(w * x))\n" \
+          "out g[rows, d] = grad(loss, w)\nout s2 = sum(grad(loss, w) ^ 2)\nout s4 = sum(x * x)\nout s5 = sum(x * w)\n"
+    prog = build(src, "f32")
+    assert [g for g in groups(prog) if g.blocks]
+    r = np.random.default_rng(0)
+    x = (3 + r.standard_normal((256, 8192))).astype(np.float32)
+    w = r.standard_normal((256, 8192)).astype(np.float32)
+    got = prog(x=x, w=w)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    g64 = np.asarray(got["g"], np.float64)
+    for name, want in (("s2", np.sum(g64 * g64)), ("s4", np.sum(x64 * x64)), ("s5", np.sum(x64 * w64))):
+        assert abs(float(got[name]) - want) <= 4 * np.spacing(np.float32(abs(want))), name
+    two = build(src, "f32", threads=2, parallel_min_work=1)(x=x, w=w)
+    for name in ("s2", "s4", "s5"):
+        assert np.array_equal(two[name], got[name]), name

@@ -398,3 +398,24 @@ def test_a_masked_cluster_streams_from_the_smaller_threshold():
     late_bias = MASKED.replace("input dy[t, hd]", "input dy[t, hd]\ninput bias[s]").replace(
         "where([s + 4 <= t], sum[hd](q * k), -1e9)", "where([s + 4 <= t], sum[hd](q * k), -1e9) + bias")
     assert loops(optimized(late_bias, "f64", **opts)) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="stream_skip.exact proves only the where(mask, scores, fill) form: "
+                   "with scores - 1e9 * [s > t] (examples/gpt2.tg's mask) the skipped entries are an "
+                   "ordinary score plus -1e9 times an indicator that is 1 there, a state it does not track, "
+                   "so every step runs over all the keys (13.2 GFLOP against 7.4 at t = 4096)")
+def test_the_subtractive_causal_mask_skips_keys_as_where_does():
+    """examples/gpt2.tg masks with `- 1e9 * [s > t]`: the same weights as
+    `where([s <= t], scores, -1e9)`, so the steps could skip the same keys."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    causal = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16").replace(
+        "where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)", "sum[hd](q * k) / sqrt(size(hd)) - 1e9 * [s > t]")
+
+    def flops(groups: int) -> int:
+        opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
+        kernels = explain(lower_module(optimized(causal, "f32", **opts), Options(**opts)), {})["kernels"]
+        return sum(k["flops"] for k in kernels if k["kind"] == "steps")
+
+    assert flops(8) / flops(0) < 0.6

@@ -65,3 +65,13 @@ def test_check_refuses_what_a_call_refuses(prog, change, message):
     with pytest.raises(tgc.EvalError) as called:
         prog.run(change(_good()))
     assert str(checked.value) == str(called.value)
+
+
+def test_a_dim_no_argument_carries_says_how_to_give_it():
+    # c = head * hd: no shape gives head or hd alone. A keyword call takes no dims=, so the
+    # message says where dims= goes; run(dims=) then binds it
+    prog = tgc.compile("dim head, hd\ndim c = head * hd\ninput x[c]\nout y[head, hd] = x[c = hd*head + hd]\n")
+    x = np.arange(6, dtype=np.float32)
+    with pytest.raises(tgc.EvalError, match=r"dim '(head|hd)' is not bound.*program\.run\(arrays, dims=\{\.\.\.\}\)"):
+        prog(x=x)
+    np.testing.assert_array_equal(prog.run({"x": x}, dims={"head": 2, "hd": 3})["y"], x.reshape(2, 3))

@@ -306,3 +306,38 @@ def test_the_specialization_lowers_as_the_sizes_fixed_in_the_source():
 
     fixed = CONV2D.with_name("conv2d.tg").read_text()
     assert kernels(text, {"batch": 16, "cin": 32, "cout": 64, "h": 32, "w": 32}) == kernels(fixed, {"batch": 16})
+
+
+CAUSAL = """
+dim b, h, t, e
+dim s = t
+input q[b, h, t, e], k[b, h, s, e], v[b, h, s, e], dy[b, h, t, e]
+y = sum[s](softmax[s](where([s <= t], dot[e](q, k) / sqrt(size(e)), -1e9)) * v)
+out y[b, h, t, e]
+out dq[b, h, t, e] = grad(sum(y * dy), q)
+out dk[b, h, s, e] = grad(sum(y * dy), k)
+"""
+
+
+def test_a_specialization_streams_a_long_attention_that_the_generic_program_keeps_whole(cache_dir):
+    # `stream` blocks only an edge of known size: over a symbolic t, a causal attention's
+    # [t, s] matrices are whole in the generic program; its specialization to t = 512
+    # streams them over blocks of queries (the threshold lowered so that t = 512
+    # streams), with the generic program's values
+    from tgc.explain import explain
+
+    options = EAGER.with_(stream_min_elements_masked=1 << 16, stream_block=128)
+    program = tgc.compile(CAUSAL, options=options)
+    rng = np.random.default_rng(0)
+    inputs = {n: rng.standard_normal((1, 2, 512, 16)).astype(np.float32) for n in ("q", "k", "v", "dy")}
+    generic = program(**inputs)
+    for _ in range(2):   # the second call builds the specialization, the third runs it
+        special = program(**inputs)
+    variant = program.last_variant
+    assert variant is not None and variant.specialized
+    sizes = {"b": 1, "h": 2, "t": 512, "e": 16}
+    peaks = [explain(p.lowered, p.module.bind_dims(sizes))["peak"]["bytes"] for p in (program, variant.program)]
+    assert peaks[1] < peaks[0] / 2, peaks
+    steps = [sum("steps over t" in k.text() for k in p.lowered.kernels) for p in (program, variant.program)]
+    assert steps[0] == 0 and steps[1] > 0, steps
+    assert_close(special, generic)

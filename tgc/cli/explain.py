@@ -71,7 +71,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     env = module.bind_dims(sizes)
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))), backend=backend)   # the budget's sizes
     # the runtime's specialization (tgc.runtime.specialize): the optimized module with its dims fixed
-    optimized = pipeline.fix_dims(lowered.module, sizes) if specialized else lowered.module
+    optimized = pipeline.specialized_module(lowered.module, sizes, options) if specialized else lowered.module
     low = pipeline.lower_module(optimized, options, backend)
     report = report_of(low, env, options if backend == "cpu" else None)
     if sizes:

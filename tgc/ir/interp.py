@@ -60,7 +60,10 @@ def bind_dims(module: Module, inputs: Mapping[str, np.ndarray],
     try:
         return module.bind_dims(env)
     except UnboundDim as e:
-        raise EvalError(f"{e}: no input has it; pass its size with {given_as}") from None
+        how = given_as
+        if given_as == "dims=":   # a keyword call, program(x=...), takes no dims=: say where it goes
+            how = "dims= (program.run(arrays, dims={...}), or fixed when compiling: tgc.compile(..., dims={...}))"
+        raise EvalError(f"{e}: no input has it; pass its size with {how}") from None
     except SizeError as e:
         raise EvalError(str(e)) from None
 

@@ -29,10 +29,11 @@ symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
   code stays loaded); later ones run the generic program.
 
 A specialization is the module after the IR pipeline with those dims fixed
-(`tgc.pipeline.fix_dims`), lowered and compiled again: the same operations in the
-same order, planned for fixed sizes, so its results differ from the generic
-program's only as two plans of one program may (docs/optimization.md, the numerics
-contract), and its machine code is kept in the on-disk code cache like any program's
+(`tgc.pipeline.specialized_module`: `fix_dims`, then `stream`, which blocks only edges
+of known size), lowered and compiled again: the same operations, planned for fixed
+sizes (a long attention streamed over blocks of its queries), so its results differ
+from the generic program's only as two plans of one program may (docs/optimization.md,
+the numerics contract), and its machine code is kept in the on-disk code cache like any program's
 (`tgc.backends.cache`): a later process compiles nothing for a signature it has seen.
 A call the specialized program refuses (an argument of another shape or type: an
 EvalError, nothing written) is run again by the generic program, whose checks give

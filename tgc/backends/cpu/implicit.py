@@ -189,8 +189,10 @@ def _window_ok(low: Lowered, g: LoopKernel) -> bool:
     load = body.arg if isinstance(body, Mask) else body
     if not isinstance(load, Load) or low.buffers[load.buf].dtype != "f32" or low.buffers[load.buf].order is None:
         return False
-    run = g.loops[-1]
     src = low.buffers[load.buf]
+    if not g.loops or not src.order:   # a scalar copied or broadcast (`update m = lr`): no window
+        return False
+    run = g.loops[-1]
     index = dict(load.index)
     for e, ix in index.items():
         if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):

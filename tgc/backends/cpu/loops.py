@@ -322,12 +322,31 @@ class LoopGen(ExprVisitor):
             if not wide:
                 block(blk, start, end, {})
             else:   # (LLVM folds the branch for a known number of rows)
-                long = b.icmp_signed(">", b.sub(end, start), I64(short_rows(self.cpu)))
+                long = self.long_block(b.sub(end, start), rows, wide)
                 with b.if_else(long) as (then, otherwise):
                     with then:
                         block(blk, start, end, wide)
                     with otherwise:
                         block(blk, start, end, {})
+
+    def long_block(self, n, rows: tuple[str, ...], wide: dict) -> ir.Value:
+        """i1: whether a block of `n` rows (over the loops `rows`) sums its `wide`
+        members in f64 scratch: it has more than `short_rows` rows, or a member adds
+        more than `cpu.short_sum` terms into an element of its partial row (the rows
+        times the member's other reduced loops). The sum of squares of a 256 x 8192
+        gradient, in 32 blocks of 8 rows, added 65536 terms per block in f32 lanes: 27
+        ulps off, where PyTorch's f32 sum is within one."""
+        b = self.b
+        long = b.icmp_signed(">", n, I64(short_rows(self.cpu)))
+        for m, _, _ in wide.values():
+            terms = 1
+            for v in m.red:
+                if v not in rows:
+                    terms = size_op("*", terms, m.sizes[v])
+            if terms != 1:
+                many = b.icmp_signed(">", b.mul(n, self.f.size(terms)), I64(self.cpu.short_sum))
+                long = b.or_(long, many)
+        return long
 
     def wide_partials(self, g: LoopGroup) -> dict:
         """The members of a blocked group that add an f32 sum over its rows into their
@@ -338,7 +357,7 @@ class LoopGen(ExprVisitor):
         block, and a lane of the vectorized rows loop carried rows / 32 / lanes terms
         (a sum of 10^6 squares sharing the loop with another sum: 1.9e-5 relative,
         PyTorch 1.6e-7); in f64 each is rounded once. Used for blocks of more than
-        `short_rows` rows, as `reduce_in_wide_scratch` is."""
+        `short_rows` rows or more than `cpu.short_sum` terms per element (`long_block`)."""
         if self.strict or self.fp != ir.FloatType():
             return {}
         out = {}
