@@ -6,7 +6,12 @@ A backend is a folder `tgc/backends/NAME/` whose `__init__.py` declares
 imports no code generator). `backend_names()` finds every such folder;
 `get_backend(name)` imports the class on first use and keeps one instance. So a new
 backend needs only its folder: `tgc.compile(..., backend=)`, `tgc run --backend`
-and `tgc build --target` select through this registry.
+and `tgc build --target` select through this registry, and the tests parametrized
+over `backend_names()` run it (`tests/backends_util.py`). `refresh()` finds the
+folders again after one is added to `tgc.backends.__path__` (a test's own backend:
+tests/backends/toy_backend). The smallest complete backend, the template for a new
+one, is `lowered` (tgc/backends/lowered: the lowered program's interpreter);
+docs/backends.md says how to add one.
 
 A `Backend` says:
 - `name`;
@@ -180,6 +185,20 @@ def _registry() -> dict[str, str]:
                 found.update(getattr(mod, "BACKENDS", {}))
         _REGISTRY = found
     return _REGISTRY
+
+
+def refresh() -> tuple[str, ...]:
+    """Find the backend folders again, after a folder was added to (or removed from)
+    `tgc.backends.__path__`, as a test does to register a backend of its own: the
+    registry and the pass registry are built anew, and a loaded backend whose folder
+    is gone is forgotten. Returns `backend_names()`."""
+    global _REGISTRY
+    _REGISTRY = None
+    pass_registry.cache_clear()
+    names = backend_names()
+    for name in [n for n in _LOADED if n not in names]:
+        del _LOADED[name]
+    return names
 
 
 def backend_names() -> tuple[str, ...]:
