@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from tgc.cli import main
 
-from backends_util import EMULATED, backends, skip_unavailable
+from backends_util import EMULATED, backends, require
 
 BACKENDS = ("interp", *backends(exclude=EMULATED))
 
@@ -25,9 +25,9 @@ def run(tmp_path, src, inputs, backend, dtype="f64", extra=()):
     f.write_text(textwrap.dedent(src))
     np.savez(tmp_path / "in.npz", **inputs)
     out = tmp_path / f"out_{backend}.npz"
+    require(backend)
     r = CliRunner().invoke(main, ["run", str(f), "--inputs", str(tmp_path / "in.npz"), "-o", str(out),
                                   "--backend", backend, "--dtype", dtype, *extra])
-    skip_unavailable(r, backend)
     if r.exit_code != 0:
         return r, None
     with np.load(out) as z:

@@ -129,11 +129,14 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         return evaluate(low, ins, dtype=dtype, dims=dims)
     import tgc
     from tgc import pipeline
-    from tgc.backends.base import backend_names
+    from tgc.backends.base import BackendUnavailable, backend_names, get_backend
 
     if kind not in backend_names() or dtype not in DTYPES:
         raise ValueError(f"unknown backend '{backend}' (have: interp, {', '.join(backend_names())}; "
                          f"each -f64 or -f32)")
+    why = get_backend(kind).unavailable()
+    if why:
+        raise BackendUnavailable(why)
     options = Options().with_(compile_jobs=1)
     if kind == "lowered":   # the CPU's lowered program, run by the numpy lowered-program interpreter
         options = options.with_(stages=pipeline.lowering("cpu"))

@@ -17,7 +17,7 @@ from tgc.cli import main
 from tgc.ir.interp import EvalError, evaluate
 from tgc.options import Options
 
-from backends_util import backends, compile_on, skip_unavailable
+from backends_util import backends, compile_on, require
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = backends()   # every registered backend (backends_util)
@@ -147,9 +147,9 @@ def test_tgc_run_converts_file_data_to_the_declared_types_on_every_backend(tmp_p
              W1=rng.standard_normal((13, 64)), b1=np.zeros(64), W2=rng.standard_normal((64, 3)),
              b2=np.zeros(3, np.float16), lr=np.float64(0.01))
     out = tmp_path / "out.npz"
+    require(backend)
     r = CliRunner().invoke(main, ["run", str(ROOT / "examples/mlp.tg"), "--inputs", str(tmp_path / "in.npz"),
                                   "--backend", backend, "-o", str(out)])
-    skip_unavailable(r, backend)
     assert r.exit_code == 0, r.output
     got = np.load(out)
     ref = evaluate(tgc.compile(str(ROOT / "examples/mlp.tg")).module,

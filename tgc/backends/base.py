@@ -30,6 +30,9 @@ A `Backend` says:
 - `specializes`: whether a program of symbolic dims also compiles itself for the
   sizes it is called with again and again (`tgc.runtime.specialize`; the CPU's,
   whose compiles take a second or two, are cached on disk);
+- `unavailable()`: why it cannot run on this machine (CUDA: no CuPy or GPU; cuda-sim:
+  no g++), or None, checked without compiling anything (`compile` raises
+  `BackendUnavailable` for the same reasons);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
   name; the CPU adds the host CPU's name and features), for the code cache's keys;
 - `emits` and `build(module, options, emit, output, source)`: the files `tgc build
@@ -76,6 +79,12 @@ class Backend:
     def cache_parts(self) -> tuple[str, ...]:
         """What a compiled program depends on besides the IR and the options."""
         return (self.name,)
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run on this machine (no GPU, no C++ compiler), or
+        None: a cheap check, before anything is lowered or compiled, of what `compile`
+        would raise `BackendUnavailable` for (a test skips with it)."""
+        return None
 
     def compile(self, module, low, options, artifacts=None) -> "Kernels":
         """The executable kernels of `low` (lowered from `module`, the module after

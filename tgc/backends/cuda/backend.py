@@ -45,6 +45,11 @@ class CudaBackend(Backend):
     def lowering_options(self, options):
         return lowering_options(options)
 
+    def unavailable(self):
+        from tgc.backends.cuda.runtime import unavailable
+
+        return unavailable(self.name)
+
     def compile(self, module, low, options, artifacts=None):
         from tgc.backends.cuda.runtime import compile_kernels
 
