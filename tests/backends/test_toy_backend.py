@@ -49,7 +49,7 @@ def _mlp_arrays(batch: int = 5) -> dict:
 
 def test_the_toy_folder_registers_a_backend_and_compile_runs_its_code(toy):
     assert "toy" in backend_names() and "toy" in backends_util.backends()
-    assert toy.name == "toy" and toy.lowering() == ("fuse", "layout", "plan")
+    assert toy.name == "toy" and toy.lowering() == ("fuse", "layout", "narrow", "plan")
     program = tgc.compile(MLP, backend="toy")
     assert program.backend == "toy" and program.toy_calls == 0
     given, ref = _mlp_arrays(), _mlp_arrays()
@@ -60,6 +60,27 @@ def test_the_toy_folder_registers_a_backend_and_compile_runs_its_code(toy):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     np.testing.assert_array_equal(given["W1"], ref["W1"])   # updated in place, as on every backend
+
+
+def test_the_toy_backends_own_stage_stores_bf16_in_two_bytes(toy):
+    """Its stage (`narrow`) puts the bf16 param and output in 2-byte buffers: the
+    runtime passes them as bfloat16 arrays, and the values are the `lowered`
+    backend's (which holds them in floats), bit for bit."""
+    import ml_dtypes
+
+    src = "dim n = 4, m = 3\nparam h: bf16[n, m]\ninput x[n]\nout q[m] = sum[n](h * x)\nout r = h * h\n" \
+          "update h = h * 3\n"
+    program, plain = tgc.compile(src, backend="toy"), tgc.compile(src, backend="lowered")
+    assert program.lowered.buffers["h"].dtype == "bf16" and plain.lowered.buffers["h"].dtype == "f32"
+    assert program.element_dtype(program.inputs[0]) == np.dtype(ml_dtypes.bfloat16)
+    h = (np.arange(12, dtype=np.float32).reshape(4, 3) - 5.5).astype(ml_dtypes.bfloat16)
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    mine, theirs = np.copy(h), np.copy(h)
+    got, want = program(h=mine, x=x), plain(h=theirs, x=x)
+    assert program.toy_calls == 1 and got["r"].dtype == np.dtype(ml_dtypes.bfloat16)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32), err_msg=k)
+    np.testing.assert_array_equal(mine.astype(np.float32), 3 * h.astype(np.float32))
 
 
 def test_tgc_run_takes_the_toy_backend(toy, tmp_path):
