@@ -9,7 +9,7 @@ backend needs only its folder: `tgc.compile(..., backend=)`, `tgc run --backend`
 and `tgc build --target` select through this registry, and the tests parametrized
 over `backend_names()` run it (`tests/backends_util.py`). `refresh()` finds the
 folders again after one is added to `tgc.backends.__path__` (a test's own backend:
-tests/backends/toy_backend). The smallest complete backend, the template for a new
+tests/backends/plugins/toy). The smallest complete backend, the template for a new
 one, is `lowered` (tgc/backends/lowered: the lowered program's interpreter);
 docs/backends.md says how to add one.
 
@@ -211,7 +211,7 @@ def refresh() -> tuple[str, ...]:
 
 
 def backend_names() -> tuple[str, ...]:
-    """Every backend's name: cpu, cuda, cuda-sim, and any other folder's."""
+    """Every backend's name: cpu, cuda, cuda-sim, lowered, and any other folder's."""
     return tuple(_registry())
 
 
