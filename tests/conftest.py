@@ -7,6 +7,9 @@
 - `slow`: tests marked slow are deselected unless `--run-slow` is given (the README's
   and CI's whole run) or a `-m` expression chooses for itself (`-m slow`), so a plain
   `python -m pytest` is the quick run.
+- `--backends-from DIR`: backend folders outside tgc/ (a test's toy backend) are
+  registered before collection, so the tests parametrized over the registered
+  backends (`backends_util`) run them too.
 - lit: every `.tg`/`.tgir`/`.tgl` (lowered program) file under tests/ with `RUN:` lines
   is a test, kept beside the Python tests of its stage (tests/frontend: diagnostics,
   tests/opt, tests/autodiff, tests/lower: one pass's output, and `lowered_*.tgl`: stages
@@ -37,6 +40,19 @@ RUN = re.compile(r"^\s*(?:#|//)\s*RUN:\s*(.*)$")
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true",
                      help="also run the tests marked slow: the whole suite, as the README and CI run it")
+    parser.addoption("--backends-from", action="append", default=[], metavar="DIR",
+                     help="register the backend folders in DIR (added to tgc.backends.__path__) before "
+                          "collecting: every test parametrized over the backends runs them too")
+
+
+def pytest_configure(config):
+    extra = [str(Path(d).resolve()) for d in config.getoption("--backends-from")]
+    if extra:
+        import tgc.backends
+        from tgc.backends.base import refresh
+
+        tgc.backends.__path__.extend(extra)
+        refresh()
 
 
 def _slow_deselected(config) -> bool:

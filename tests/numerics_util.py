@@ -22,15 +22,18 @@ from typing import Callable
 
 import numpy as np
 
+from backends_util import EMULATED, backends, compile_on
+
 FLOOR = 1e-30     # the tiny absolute floor of the scale divided by (see the suite's docstring)
 FACTOR = 10.0     # tgc may be this many times worse than PyTorch f32 ...
 ABS_OK = 1e-6     # ... or always within this relative error
 EPS64 = 2.0 ** -52
 
 # Every tgc backend the suite runs. "interp" is the reference interpreter on the lowered
-# module; any other name is passed to `tgc.compile(..., backend=name)`. Add new backends
-# (e.g. "cuda-sim") here.
-BACKENDS = ("interp", "cpu")
+# module; any other name is a registered backend (`backends_util.backends`: a new backend
+# folder runs here without editing this), passed to `tgc.compile(..., backend=name)`; one
+# that cannot run here skips. cuda-sim's own tests cover it (a g++ build per case).
+BACKENDS = ("interp", *backends(exclude=EMULATED))
 
 
 @dataclass
@@ -116,9 +119,8 @@ def tgc_outputs(case: Case, backend: str) -> dict[str, np.ndarray]:
         module = compile_source(case.src, f"<{case.id}>", opts)
         lowered = pipeline.lower(module, opts).module
         return evaluate(lowered, inputs, dtype="f32")
-    import tgc
 
-    prog = tgc.compile(case.src, backend=backend, dtype="f32")
+    prog = compile_on(case.src, backend, dtype="f32")
     arrays = {k: v.copy() for k, v in inputs.items()}
     result = dict(prog(**arrays))
     for target in prog.updates:     # updates are written in place: the caller's arrays are what counts

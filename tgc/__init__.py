@@ -66,8 +66,10 @@ def compile(source, backend: str = "cpu", dtype: str | None = None, dims=None, o
     dims left symbolic are bound at each call from the inputs' shapes, so one build
     serves every batch size. `options` (an `Options`) sets everything else.
     `backend` is "cpu" (native code for this CPU), "cuda" (an NVIDIA GPU through
-    CuPy: docs/cuda.md) or "cuda-sim" (the CUDA module run on this CPU by an
-    emulator), or any other backend folder's (`tgc.backends.base.backend_names()`).
+    CuPy: docs/cuda.md), "cuda-sim" (the CUDA module run on this CPU by an
+    emulator), "lowered" (the lowered program run kernel by kernel by its numpy
+    interpreter: the reference, slow) or any other backend folder's
+    (`tgc.backends.base.backend_names()`, docs/backends.md).
     Errors in the program raise `CompileError`; a backend that cannot run here
     raises `tgc.backends.base.BackendUnavailable`.
 

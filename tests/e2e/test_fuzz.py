@@ -14,7 +14,7 @@ the slice runs in-process (forked children are several times slower there).
   the float32 ones, to a looser bound.
 - `test_regression`: every program in `tests/fuzz/regressions/` (each a shrunk
   disagreement the fuzzer once found, with a header saying what it caught) on every
-  backend.
+  registered backend (`harness.registered()`; one that cannot run here is skipped).
 - `test_shrinker_*`: the shrinker reduces a program with a planted disagreement to a
   small one that still shows it.
 
@@ -104,7 +104,7 @@ def test_slice(seed):
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.name for p in REGRESSIONS])
 def test_regression(path):
     text = path.read_text()
-    rep = harness.check_isolated(text, parse_bind_comment(text), harness.BACKENDS, parse_seed_comment(text))
+    rep = harness.check_isolated(text, parse_bind_comment(text), harness.registered(), parse_seed_comment(text))
     assert rep.valid, f"{path.name}: the oracle cannot run it ({rep.invalid_reason})"
     assert not rep.failures(), _failure_message(path.name, text, rep)
 

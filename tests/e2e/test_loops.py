@@ -12,6 +12,8 @@ from tgc.options import Options
 from tgc.pipeline import lower
 from tgc.frontend.elaborate import elaborate_source
 
+from backends_util import backends, compile_on
+
 # a carry with two edges (b, c); the step reads a stacked matrix and a stacked bias
 HEAD = """\
 dim {layer}, b = 2, c = 3, c2 = 3
@@ -138,12 +140,12 @@ def test_loop_text_reads_back():
     assert print_module(parse_module(text)) == text
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("backend", backends())
 def test_compiled_backends_run_loops(backend):
     n = 3
     ins = inputs(n)
     want = run(program(n, loop=False), ins)
-    p = tgc.compile(program(n), backend=backend, dtype="f64")
+    p = compile_on(program(n), backend, dtype="f64")
     got = p(**{k: a.copy() for k, a in ins.items()})
     for k in want:
         np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-10, atol=1e-12, err_msg=k)

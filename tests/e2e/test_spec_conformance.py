@@ -3,7 +3,8 @@
 Each case is a program written from the reference (its examples verbatim where it has
 them), inputs, and the expected outputs computed independently with numpy: einsum and
 hand-written formulas, central differences in float64 for derivatives. Every case runs
-as `tgc run F --inputs in.npz -o out.npz` on the interpreter and the CPU backend; the
+as `tgc run F --inputs in.npz -o out.npz` on the interpreter and every registered
+backend (`backends_util`; one that cannot run here skips, cuda-sim has its own tests); the
 archive must hold exactly the outputs and update targets, in their ABI order (0-d for
 scalars). Bad programs must give a located `file:LINE:COL: error:` with a caret and
 exit status 1; bad inputs exit 3.
@@ -20,6 +21,10 @@ from click.testing import CliRunner
 from scipy.special import erf, expit, log_softmax, logsumexp, softmax
 
 from tgc.cli import main
+
+from backends_util import EMULATED, backends, require
+
+BACKENDS = ("interp", *backends(exclude=EMULATED))   # the interpreter and every registered backend (cuda-sim: its own tests)
 
 RNG = np.random.default_rng(20240611)
 
@@ -621,6 +626,9 @@ case("s11_complex_values", """
 
 
 def tgc(*args):
+    """`tgc ARGS`; with `--backend B`, a backend that cannot run here skips the test."""
+    if "--backend" in args:
+        require(str(args[args.index("--backend") + 1]))
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
@@ -644,7 +652,7 @@ def run_case(tmp_path, name, backend, dtype):
     return got, expected, tol
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_program_matches_numpy(tmp_path, name, backend):
     got, expected, (rtol, atol) = run_case(tmp_path, name, backend, "f64")
@@ -655,7 +663,7 @@ def test_program_matches_numpy(tmp_path, name, backend):
         np.testing.assert_allclose(got[key], want, rtol=rtol, atol=atol, err_msg=key)
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_f32_results_are_f32_updates_included(tmp_path, backend):
     """--dtype f32 with float64 inputs: every result, update targets too, is float32."""
     got, expected, _ = run_case(tmp_path, "s9_out_forms_updates", backend, "f32")
@@ -733,7 +741,7 @@ def test_directory_is_a_located_error(tmp_path, command):
 DIMS = "dim d\ndim e = 6 / d\ndim z = d - 5\ninput x[d]\nout s = sum(x) + size(e) + size(z)\n"
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("d,words", [(4, "6 / d: 6 is not divisible by 4"), (3, "d - 5 is -2: sizes must be positive")])
 def test_call_time_dim_errors_exit_3(tmp_path, backend, d, words):
     prog = tmp_path / "dims.tg"
@@ -745,7 +753,7 @@ def test_call_time_dim_errors_exit_3(tmp_path, backend, d, words):
     assert r.exit_code == 3 and words in r.output, r.output
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_integer_data_for_float_inputs(tmp_path, backend):
     prog = tmp_path / "p.tg"
     prog.write_text("dim n = 3\ninput x[n]\ninput lr\nout y = x * lr\n")
@@ -755,7 +763,7 @@ def test_integer_data_for_float_inputs(tmp_path, backend):
     np.testing.assert_array_equal(np.load(tmp_path / "o.npz")["y"], [2.0, 4.0, 6.0])
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_input_of_wrong_rank_exit_3(tmp_path, backend):
     prog = tmp_path / "p.tg"
     prog.write_text("dim b, n\ninput x[b, n]\ninput y[b]\nout s = sum(x) + sum(y)\n")

@@ -2,7 +2,8 @@
 
 Each case is written from the reference's wording alone, with independent numpy
 expectations; it runs as `tgc run F --inputs in.npz -o out.npz` on the interpreter and
-on the CPU backend in float64, and the two must agree with the expectation. Bad
+on every registered backend (`backends_util`; cuda-sim has its own tests) in float64,
+and each must agree with the expectation. Bad
 programs must give a located `file:LINE:COL: error:` and exit 1; bad inputs exit 3."""
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from click.testing import CliRunner
 
 from tgc.cli import main
 
-BACKENDS = ("interp", "cpu")
+from backends_util import EMULATED, backends, require
+
+BACKENDS = ("interp", *backends(exclude=EMULATED))
 
 
 def run(tmp_path, src, inputs, backend, dtype="f64", extra=()):
@@ -22,6 +25,7 @@ def run(tmp_path, src, inputs, backend, dtype="f64", extra=()):
     f.write_text(textwrap.dedent(src))
     np.savez(tmp_path / "in.npz", **inputs)
     out = tmp_path / f"out_{backend}.npz"
+    require(backend)
     r = CliRunner().invoke(main, ["run", str(f), "--inputs", str(tmp_path / "in.npz"), "-o", str(out),
                                   "--backend", backend, "--dtype", dtype, *extra])
     if r.exit_code != 0:
@@ -80,7 +84,8 @@ def test_random_values_are_the_same_on_every_backend_and_depend_on_the_key(tmp_p
     assert not np.array_equal(other["u"], c["u"])
 
 
-def test_random_values_do_not_depend_on_fusion(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_values_do_not_depend_on_fusion(tmp_path, backend):
     """The same draw alone and inside a bigger fused expression has the same values."""
     src = """
     dim n = 300
@@ -90,9 +95,8 @@ def test_random_values_do_not_depend_on_fusion(tmp_path):
     out y = exp(x) * rand[n](key) + 1
     """
     x = rng.standard_normal(300)
-    for backend in BACKENDS:
-        out = ok(tmp_path, src, {"key": np.int32(5), "x": x}, backend)
-        np.testing.assert_allclose(out["y"], np.exp(x) * out["u"] + 1, rtol=1e-14)
+    out = ok(tmp_path, src, {"key": np.int32(5), "x": x}, backend)
+    np.testing.assert_allclose(out["y"], np.exp(x) * out["u"] + 1, rtol=1e-14)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -216,13 +220,13 @@ def test_scatter_gradient_is_a_gather(tmp_path, backend):
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
 
 
-def test_integer_indicator_ids_are_bounds_checked(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integer_indicator_ids_are_bounds_checked(tmp_path, backend):
     inp = graph_inputs()
     inp["dst"] = DST_IDS.copy()
     inp["dst"][3] = 5
-    for backend in BACKENDS:
-        out = fails(tmp_path, HEAD + "out s = msg @ [node = dst]\n", inp, backend, code=3)
-        assert "scatter index out of range" in out and "'dst'" in out, out
+    out = fails(tmp_path, HEAD + "out s = msg @ [node = dst]\n", inp, backend, code=3)
+    assert "scatter index out of range" in out and "'dst'" in out, out
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -7,13 +7,18 @@ neither tgc's optimization passes nor its derivative rules. The systems under te
 - `interp-f64`: `tgc.pipeline.lower` (the whole default pipeline) in float64, then the
   numpy reference interpreter;
 - `cpu-f64`: `tgc.compile(text, backend="cpu", dtype="f64")`, native code;
-- `lowered-f64`: the CPU backend's lowered program (after `plan`), run kernel by kernel
-  by the numpy lowered-program interpreter (`tgc.lower.interp`): the lowering
-  stages checked apart from code generation;
-- `interp-f32`, `cpu-f32`, `lowered-f32`: the same in float32, against the float64 oracle with a
-  looser bound (reported separately: float32 rounding can flip a comparison, a sign
-  or a `where` whose operand is zero in exact arithmetic; `f32_comparable` tells the
-  programs free of such steps).
+- `lowered-f64`: the CPU backend's lowered program (its lowering stages, through
+  `Options.stages`), run kernel by kernel by the `lowered` backend (the numpy
+  lowered-program interpreter, `tgc.lower.interp`): the lowering stages checked apart
+  from code generation;
+- `NAME-f64` for any other registered backend (`tgc.backends.base.backend_names`):
+  `tgc.compile(text, backend=NAME)`; one that cannot run here (`BackendUnavailable`)
+  is `skipped`, not a failure. `registered()` names every such system under test
+  (less cuda-sim, whose own fuzz tests run it: tests/backends/test_cuda_sim_fuzz.py);
+- `interp-f32`, `cpu-f32`, `lowered-f32`, `NAME-f32`: the same in float32, against the
+  float64 oracle with a looser bound (reported separately: float32 rounding can flip
+  a comparison, a sign or a `where` whose operand is zero in exact arithmetic;
+  `f32_comparable` tells the programs free of such steps).
 
 All see the same seeded random inputs (`tgc.ir.inputs.random_inputs`, ids in range).
 The error is norm-wise relative, `|got - want| / max(|want|, floor)` (Frobenius norms),
@@ -36,15 +41,25 @@ import numpy as np
 # tgc is imported inside the functions: scripts/fuzz forks its workers from a parent
 # that never imported it, so each worker runs one consistent version of the tree.
 
-BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32")
+BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32")   # scripts/fuzz's choices
 DEFAULT_BACKENDS = ("interp-f64", "cpu-f64", "lowered-f64")
+DTYPES = ("f64", "f32")
+
+
+def registered() -> tuple[str, ...]:
+    """The interpreter and every registered backend but the emulated ones
+    (`backends_util`), in both float types: what the saved regressions run on."""
+    from backends_util import EMULATED, backends
+
+    return tuple(f"{b}-{d}" for d in DTYPES for b in ("interp", *backends(exclude=EMULATED)))
 RTOL = {"f64": 1e-6, "f32": 2e-3}
 FLOOR = {"f64": 1e-6, "f32": 1e-2}
 
 
 @dataclass
 class Outcome:
-    """What one backend did with one program: `kind` is ok | mismatch | error."""
+    """What one backend did with one program: `kind` is ok | mismatch | error | skipped
+    (the backend cannot run here)."""
     backend: str
     kind: str
     detail: str = ""
@@ -67,7 +82,7 @@ class Report:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
 
     def failures(self) -> list[Outcome]:
-        return [o for o in self.outcomes.values() if o.kind != "ok"]
+        return [o for o in self.outcomes.values() if o.kind not in ("ok", "skipped")]
 
 
 def _gist(detail: str) -> str:
@@ -101,7 +116,7 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
     """The results of `text` on `backend` ({output or update key: array})."""
     from tgc.options import Options
 
-    kind, dtype = backend.split("-")
+    kind, dtype = backend.rsplit("-", 1)
     np_t = np.float64 if dtype == "f64" else np.float32
     ins = {k: (v.astype(np_t) if v.dtype.kind == "f" else v.copy()) for k, v in inputs.items()}
     if kind == "interp":
@@ -112,26 +127,27 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         m = compile_source(text, "<fuzz>", Options(dtype=dtype))
         low = pipeline.lower(m, Options(dtype=dtype)).module
         return evaluate(low, ins, dtype=dtype, dims=dims)
+    import tgc
+    from tgc import pipeline
+    from tgc.backends.base import BackendUnavailable, backend_names, get_backend
+
+    if kind not in backend_names() or dtype not in DTYPES:
+        raise ValueError(f"unknown backend '{backend}' (have: interp, {', '.join(backend_names())}; "
+                         f"each -f64 or -f32)")
+    why = get_backend(kind).unavailable()
+    if why:
+        raise BackendUnavailable(why)
+    options = Options().with_(compile_jobs=1)
     if kind == "lowered":   # the CPU's lowered program, run by the numpy lowered-program interpreter
-        from tgc import pipeline
-        from tgc.frontend import compile_source
-        from tgc.lower.interp import run_lowered
-        from tgc.pipeline import lower_module
-
-        opts = Options(dtype=dtype)
-        low = lower_module(pipeline.lower(compile_source(text, "<fuzz>", opts), opts).module, opts)
-        return run_lowered(low, ins, dims)
-    if kind == "cpu":
-        import tgc
-
-        prog = tgc.compile(text, backend="cpu", dtype=dtype, options=Options().with_(compile_jobs=1))
-        return prog.run(ins, dict(dims) or None)
-    raise ValueError(f"unknown backend '{backend}' (have: {', '.join(BACKENDS)})")
+        options = options.with_(stages=pipeline.lowering("cpu"))
+    prog = tgc.compile(text, backend=kind, dtype=dtype, options=options)
+    return prog.run(ins, dict(dims) or None)
 
 
 def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0) -> Report:
     """Run `text` on the oracle and on every backend; the report."""
     import torch_oracle
+    from tgc.backends.base import BackendUnavailable
     from tgc.frontend import compile_source
     from tgc.ir.inputs import random_inputs
     from tgc.options import Options
@@ -153,6 +169,9 @@ def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int 
         dtype = b.split("-")[1]
         try:
             got = run_backend(b, text, inputs, dims)
+        except BackendUnavailable as e:
+            rep.outcomes[b] = Outcome(b, "skipped", str(e))
+            continue
         except Exception as e:  # noqa: BLE001 -- any exception is a finding
             rep.outcomes[b] = Outcome(b, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}")
             continue

@@ -23,6 +23,7 @@ from tgc.lower.interp import LoweredError, run_lowered
 from tgc.options import Options
 from tgc.pipeline import lower_module
 
+from backends_util import backends, compile_on
 from marks import sized_by_themselves
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,16 +227,14 @@ def _wide_want(x):
     return {"y": (a + (b - c)).astype(np.float32), "z": (a * d + 3 * (b - c) - a).astype(np.float32)}
 
 
-@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+@pytest.mark.parametrize("backend", backends())
 def test_an_f32_sum_of_several_terms_is_computed_in_f64_whatever_its_order(backend):
     """`a + (b - c)` is flattened to add[1, 1, -1](a, b, c), in the canonical order of
     its terms, not the source's; summed in f32 as a + b - c, with b and c near 1e4,
     a (near 1e-2) was lost to the rounding of a + b (2e-2 relative). Every executor
     computes an f32 sum of three or more terms in f64 and rounds it once
-    (`lowered.wide_sum`), so each gives the correctly rounded result here."""
-    import shutil
-
-    import tgc
+    (`lowered.wide_sum`), so each gives the correctly rounded result here (every
+    registered backend: `lowered` is this interpreter)."""
     from tgc.lower.lowered import Add, walk, wide_sum
 
     m, opts = optimized(WIDE_SOURCE, "<wide>", "f32")
@@ -244,11 +243,6 @@ def test_an_f32_sum_of_several_terms_is_computed_in_f64_whatever_its_order(backe
     adds = [e for k in kernels for e in walk(k.body) if isinstance(e, Add)]
     assert any(wide_sum(e, "f32") for e in adds) and not any(wide_sum(e, "f64") for e in adds)
     x = _wide_inputs()
-    if backend == "lowered":
-        got = run_lowered(low, {k: v.copy() for k, v in x.items()})
-    else:
-        if backend == "cuda-sim" and shutil.which("g++") is None:
-            pytest.skip("cuda-sim needs g++ with OpenMP")
-        got = tgc.compile(WIDE_SOURCE, backend=backend, dtype="f32")(**{k: v.copy() for k, v in x.items()})
+    got = compile_on(WIDE_SOURCE, backend, dtype="f32")(**{k: v.copy() for k, v in x.items()})
     for k, w in _wide_want(x).items():
         np.testing.assert_array_equal(np.asarray(got[k]), w, err_msg=k)

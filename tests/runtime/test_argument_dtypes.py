@@ -17,8 +17,10 @@ from tgc.cli import main
 from tgc.ir.interp import EvalError, evaluate
 from tgc.options import Options
 
+from backends_util import backends, compile_on, require
+
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = ["cpu", "cuda-sim"]
+BACKENDS = backends()   # every registered backend (backends_util)
 STEP = """dim n = 4
 input x[n], lr
 param w[n]
@@ -36,7 +38,7 @@ def arrays(dtype=np.float32):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("given", [np.float64, np.float16, ml_dtypes.bfloat16])
 def test_an_updated_param_or_state_of_another_float_type_is_refused(backend, given):
-    prog = tgc.compile(STEP, backend=backend)
+    prog = compile_on(STEP, backend)
     for target in ("w", "v"):
         args = arrays()
         args[target] = args[target].astype(given)
@@ -51,7 +53,7 @@ def test_an_updated_param_or_state_of_another_float_type_is_refused(backend, giv
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("given", [np.float64, np.float16, ml_dtypes.bfloat16])
 def test_an_argument_only_read_is_converted_from_any_float_type(backend, given):
-    prog = tgc.compile(STEP, backend=backend)
+    prog = compile_on(STEP, backend)
     want = prog(**arrays())
     args = arrays(given)
     args["lr"] = np.asarray(0.5, given)
@@ -63,11 +65,11 @@ def test_an_argument_only_read_is_converted_from_any_float_type(backend, given):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_integers_and_booleans_are_not_floats_and_floats_are_not_ids(backend):
-    prog = tgc.compile(STEP, backend=backend)
+    prog = compile_on(STEP, backend)
     for bad in (np.arange(4), np.ones(4, bool)):
         with pytest.raises(EvalError, match=f"input 'x' must be a float array \\(f32\\), not {bad.dtype}"):
             prog(**dict(arrays(), x=bad))
-    ids = tgc.compile("dim n = 3, v = 5\ninput E[v]\ninput k: i32[n]\nout y[n] = E[v = k]\n", backend=backend)
+    ids = compile_on("dim n = 3, v = 5\ninput E[v]\ninput k: i32[n]\nout y[n] = E[v = k]\n", backend)
     with pytest.raises(EvalError, match="input 'k' holds ids \\(i32\\): pass integers, not float32"):
         ids(E=np.ones(5, np.float32), k=np.zeros(3, np.float32))
     np.testing.assert_array_equal(ids(E=np.arange(5.0), k=np.array([4, 0, 1]))["y"], [4, 0, 1])   # int64 ids: fit
@@ -75,7 +77,7 @@ def test_integers_and_booleans_are_not_floats_and_floats_are_not_ids(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_view_of_the_right_type_is_still_updated_through_a_copy(backend):
-    prog = tgc.compile(STEP, backend=backend)
+    prog = compile_on(STEP, backend)
     wide = np.ones(8, np.float32)
     w = wide[::2]                              # float32, not contiguous: the layout alone differs
     prog(**dict(arrays(), w=w))
@@ -145,6 +147,7 @@ def test_tgc_run_converts_file_data_to_the_declared_types_on_every_backend(tmp_p
              W1=rng.standard_normal((13, 64)), b1=np.zeros(64), W2=rng.standard_normal((64, 3)),
              b2=np.zeros(3, np.float16), lr=np.float64(0.01))
     out = tmp_path / "out.npz"
+    require(backend)
     r = CliRunner().invoke(main, ["run", str(ROOT / "examples/mlp.tg"), "--inputs", str(tmp_path / "in.npz"),
                                   "--backend", backend, "-o", str(out)])
     assert r.exit_code == 0, r.output

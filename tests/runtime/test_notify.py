@@ -3,13 +3,14 @@ middle of the native call, and `Program.ready_after()`, the kernel after which e
 is final. A data-parallel step starts each bucket's allreduce there (tgc.distributed)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tgc
+
+from backends_util import backends, compile_on
 
 ROOT = Path(__file__).parents[2]
 MLP = ROOT / "examples/mlp.tg"
@@ -27,13 +28,11 @@ def arrays(batch: int = 6) -> dict:
             "W2": 0.3 * rng.standard_normal((64, 3), dtype=np.float32), "b2": np.zeros(3, np.float32), "lr": 0.1}
 
 
-BACKENDS = ["cpu", pytest.param("cuda-sim", marks=pytest.mark.skipif(shutil.which("g++") is None,
-                                                                    reason="cuda-sim needs g++ with OpenMP"))]
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=backends())
 def grads(request):
-    return tgc.compile(GRADS, backend=request.param)
+    """The program on every registered backend (one that cannot run here skips); a
+    backend without native notification (`Kernels.notifies`) is told after the call."""
+    return compile_on(GRADS, request.param)
 
 
 def _snapshots(program, given: dict):

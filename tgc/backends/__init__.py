@@ -1,5 +1,6 @@
-"""Backends: one folder per target (`cpu`, `cuda`), each declaring the backends it
-offers in `BACKENDS` (`base` finds them), plus what they share: the `Backend` and
+"""Backends: one folder per target (`cpu`, `cuda`, and `lowered`: the lowered program's
+interpreter, the template for a new one; docs/backends.md), each declaring the backends
+it offers in `BACKENDS` (`base` finds them), plus what they share: the `Backend` and
 `Kernels` interfaces and the registry (`base`), and the on-disk code cache
 (`cache`, with `objfile`'s checks of cached object files). Backends never import
 each other.

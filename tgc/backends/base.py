@@ -6,7 +6,12 @@ A backend is a folder `tgc/backends/NAME/` whose `__init__.py` declares
 imports no code generator). `backend_names()` finds every such folder;
 `get_backend(name)` imports the class on first use and keeps one instance. So a new
 backend needs only its folder: `tgc.compile(..., backend=)`, `tgc run --backend`
-and `tgc build --target` select through this registry.
+and `tgc build --target` select through this registry, and the tests parametrized
+over `backend_names()` run it (`tests/backends_util.py`). `refresh()` finds the
+folders again after one is added to `tgc.backends.__path__` (a test's own backend:
+tests/backends/plugins/toy). The smallest complete backend, the template for a new
+one, is `lowered` (tgc/backends/lowered: the lowered program's interpreter);
+docs/backends.md says how to add one.
 
 A `Backend` says:
 - `name`;
@@ -25,6 +30,9 @@ A `Backend` says:
 - `specializes`: whether a program of symbolic dims also compiles itself for the
   sizes it is called with again and again (`tgc.runtime.specialize`; the CPU's,
   whose compiles take a second or two, are cached on disk);
+- `unavailable()`: why it cannot run on this machine (CUDA: no CuPy or GPU; cuda-sim:
+  no g++), or None, checked without compiling anything (`compile` raises
+  `BackendUnavailable` for the same reasons);
 - `cache_parts()`: what the code depends on besides the IR and the options (its
   name; the CPU adds the host CPU's name and features), for the code cache's keys;
 - `emits` and `build(module, low, options, emit, output, source)`: the files `tgc build
@@ -71,6 +79,12 @@ class Backend:
     def cache_parts(self) -> tuple[str, ...]:
         """What a compiled program depends on besides the IR and the options."""
         return (self.name,)
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run on this machine (no GPU, no C++ compiler), or
+        None: a cheap check, before anything is lowered or compiled, of what `compile`
+        would raise `BackendUnavailable` for (a test skips with it)."""
+        return None
 
     def compile(self, module, low, options, artifacts=None) -> "Kernels":
         """The executable kernels of `low` (lowered from `module`, the module after
@@ -184,8 +198,22 @@ def _registry() -> dict[str, str]:
     return _REGISTRY
 
 
+def refresh() -> tuple[str, ...]:
+    """Find the backend folders again, after a folder was added to (or removed from)
+    `tgc.backends.__path__`, as a test does to register a backend of its own: the
+    registry and the pass registry are built anew, and a loaded backend whose folder
+    is gone is forgotten. Returns `backend_names()`."""
+    global _REGISTRY
+    _REGISTRY = None
+    pass_registry.cache_clear()
+    names = backend_names()
+    for name in [n for n in _LOADED if n not in names]:
+        del _LOADED[name]
+    return names
+
+
 def backend_names() -> tuple[str, ...]:
-    """Every backend's name: cpu, cuda, cuda-sim, and any other folder's."""
+    """Every backend's name: cpu, cuda, cuda-sim, lowered, and any other folder's."""
     return tuple(_registry())
 
 

@@ -83,16 +83,19 @@ def report_memory(plan) -> None:
 
 
 class LoweringBackends(click.Choice):
-    """Every backend's name (`tgc.backends.base.backend_names`), listed when asked for."""
+    """Every backend's name (`tgc.backends.base.backend_names`), then `extra` names,
+    listed when asked for (so a backend folder found after the command line was
+    imported is a choice too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
         super().__init__([])
+        self.extra = extra
 
     @property
     def choices(self):
         from tgc.backends.base import backend_names
 
-        return backend_names()
+        return (*backend_names(), *self.extra)
 
     @choices.setter
     def choices(self, value) -> None:

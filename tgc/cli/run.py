@@ -12,9 +12,8 @@ import click
 import numpy as np
 
 from tgc import pipeline
-from tgc.backends.base import backend_names
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
+from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, LoweringBackends, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import NotASource, open_regular, write_atomic
 from tgc.ir import interp
@@ -346,10 +345,12 @@ def _host(a):
                    "(inputs that only they read may be left out).")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0), help="Seed for --random-inputs.")
 @dims_option("Bind a symbolic dim")
-@click.option("--backend", type=click.Choice([*backend_names(), "interp"]), default="cpu",
+@click.option("--backend", type=LoweringBackends(extra=("interp",)), default="cpu",
               show_default=True, help="cpu (native code through LLVM, as every command compiles by default), "
                                       "cuda (an NVIDIA GPU through CuPy), cuda-sim (the CUDA kernels emulated "
-                                      "on this CPU) or interp (the reference interpreter, numpy: slow).")
+                                      "on this CPU), lowered (the lowered program run kernel by kernel by its "
+                                      "numpy interpreter), any other backend folder's, or interp (the "
+                                      "reference interpreter of the IR, numpy: slow).")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),

@@ -67,7 +67,16 @@ def run_lowered(low: Lowered, inputs: Mapping[str, np.ndarray],
     inputs = pairs_inputs(m, inputs, low.dtype, EvalError)   # complex arrays as float pairs (a view)
     env = bind_dims(m, {k: v for k, v in inputs.items() if k in m.args}, dims)
     args = check_inputs(m, inputs, env, low.dtype)
-    return complex_outputs(m, _Machine(low, env, args).run())
+    return complex_outputs(m, run_bound(low, args, env))
+
+
+def run_bound(low: Lowered, args: Mapping[str, np.ndarray], env: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """Run `low` on arguments its caller has bound and checked (`run_lowered`'s, or the
+    neutral runtime's through the `lowered` backend: one array per argument, in its
+    declared edge order, a complex one as float pairs) with `env` every dim's size;
+    the outputs and the updates' new values, keyed as `run_lowered` keys them (complex
+    ones as float pairs). A failed `Check` raises EvalError before any kernel runs."""
+    return _Machine(low, dict(env), dict(args)).run()
 
 
 class _Machine(ExprVisitor):

@@ -36,6 +36,11 @@ class CudaBackend(Backend):
         data, manifest = aot.build(low, options, emit)
         return {output: data, self.companions(output, emit)["the manifest"]: manifest}
 
+    def unavailable(self):
+        from tgc.backends.cuda.runtime import unavailable
+
+        return unavailable(self.name)
+
     def compile(self, module, low, options, artifacts=None):
         from tgc.backends.cuda.runtime import compile_kernels
 

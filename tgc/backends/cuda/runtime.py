@@ -103,6 +103,16 @@ def compile_kernels(low, options: Options, backend: str) -> "CudaKernels":
     return CudaKernels(low, options, cm, device)
 
 
+def unavailable(backend: str) -> str | None:
+    """Why `backend` ("cuda" or "cuda-sim") cannot run here, or None: the checks its
+    device makes before anything is compiled (CuPy and a GPU; a C++ compiler)."""
+    try:
+        _CupyDevice(Options()) if backend == "cuda" else _compiler()
+    except BackendUnavailable as e:
+        return str(e)
+    return None
+
+
 def lower(module: Module, options: Options):
     """The lowered program the CUDA backends compile: the neutral stages fuse, layout
     and plan with their own between (`CudaBackend.stages`; no stage of the CPU's)."""
