@@ -27,7 +27,7 @@ from tgc.lower import interp as lowered_interp
 from tgc.options import Options
 from tgc.opt.facts import NONNEG, POS, Facts
 
-CUH = cuda_codegen.HEADER.read_text()
+CUH = cuda_codegen.header()
 
 
 # ---------------------------------------------------------------- the tables
@@ -49,6 +49,17 @@ def test_every_function_has_a_template_in_every_backend():
 
 def test_cpu_vector_math_hint_is_what_vecmath_implements():
     assert set(ops.VECMATH) == set(vecmath.NAMES)
+
+
+def test_math_library_functions_are_written_into_the_header_from_the_table():
+    raw = cuda_codegen.HEADER.read_text()
+    for f in ops.FNS.values():
+        if f.libm:
+            params = ", ".join(f"double {p}" for p in "xyz"[:f.arity])
+            assert f"TGC_DEV double tgc_{f.name}({params}) {{ return {f.libm}(" in CUH, f.name
+            assert f"TGC_DEV float tgc_{f.name}(" in CUH and f"{f.libm}f(" in CUH, f.name
+            assert not re.search(rf"tgc_{f.name}\((float|double|T) ", raw), f"{f.name}: defined in tgc_ops.cuh too"
+    assert cuda_codegen.LIBM_MARK not in CUH
 
 
 def test_cuda_templates_call_functions_the_header_defines_with_the_right_arity():
