@@ -153,6 +153,11 @@ _FNS: list[Fn] = [
        finite="nonneg_arg", sign="keep", increasing=math.log1p, vecmath=True, libm="log1p"),
     Fn("expm1", 1, np.expm1, "e^x - 1, accurate for small x", surface=True, cost="heavy",
        finite="overflow", sign="keep", increasing=math.expm1, vecmath=True, libm="expm1"),
+    # the math library's, on every backend (a scalar call on the CPU)
+    Fn("atan", 1, np.arctan, "arc tangent, in [-pi/2, pi/2]", surface=True, cost="heavy", sign="keep",
+       increasing=math.atan, libm="atan"),
+    Fn("asinh", 1, np.arcsinh, "inverse hyperbolic sine, log(x + sqrt(x^2 + 1))", surface=True, cost="heavy",
+       sign="keep", increasing=math.asinh, libm="asinh"),
     # simple functions
     Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg", intrinsic="fabs", libm="fabs"),
     Fn("sign", 1, np.sign, "-1, 0 or 1 (NaN for NaN)", surface=True, exact=True, finite="always",
