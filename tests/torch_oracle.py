@@ -146,7 +146,7 @@ def _cmp(fn):
 MAP_FNS: dict[str, Callable] = {
     "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "tanh": torch.tanh, "erf": torch.erf,
     "sin": torch.sin, "cos": torch.cos, "abs": torch.abs, "sign": torch.sign,
-    "log1p": torch.log1p, "expm1": torch.expm1,
+    "log1p": torch.log1p, "expm1": torch.expm1, "atan": torch.atan, "asinh": torch.asinh,
     "div": torch.div, "pow": torch.pow, "max": _max2, "min": _min2,
     "lt": _cmp(torch.lt), "le": _cmp(torch.le), "gt": _cmp(torch.gt), "ge": _cmp(torch.ge),
     "eq": _cmp(torch.eq), "ne": _cmp(torch.ne),

@@ -121,7 +121,7 @@ UNARY = {  # fn: (domain of x, smooth enough for second order)
     "erf": (None, True), "sin": (None, True), "cos": (None, True), "abs": (away_from_zero, True),
     "sign": (away_from_zero, True), "sigmoid": (None, True), "softplus": (None, True),
     "checkpoint": (None, True), "recompute": (None, True),  # identities (autodiff/remat.py)
-    "log1p": (above_minus_one, True), "expm1": (None, True),
+    "log1p": (above_minus_one, True), "expm1": (None, True), "atan": (None, True), "asinh": (None, True),
 }
 BINARY = {  # fn: (domain of x, domain of y)
     "div": (None, away_from_zero), "pow": (positive, None), "max": (None, None), "min": (None, None),

@@ -173,7 +173,7 @@ param w[n]
 e = (exp(x) + log(abs(x) + 1) + sqrt(abs(y) + 0.1) + tanh(x * y) + erf(x) + sin(x) * cos(y)
      + sign(x) * x ^ 2 + x / (y ^ 2 + 1) + (abs(x) + 0.5) ^ y + max(x, y) - min(x, 2 * y)
      + where(x > y, x * x, y) + (x < y) * x + (x >= y) * y + abs(w * x) + relu(x - w)
-     + log1p(abs(x) * 0.5) + expm1(y * 0.5))
+     + log1p(abs(x) * 0.5) + expm1(y * 0.5) + atan(x * y) + asinh(2 * y))
 r = max[n](z * x) + min[n](z * y) + x[n = ids] * w[n = ids]    # {m}
 f = sum(e * w) + sum(r * r)
 out f

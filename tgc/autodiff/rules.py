@@ -256,6 +256,9 @@ RULES: dict[str, Rule] = {
     "erf": pointwise(lambda v, a: V.mul([_c(v, _2_SQRT_PI), _fn("exp", V.mul([_c(v, -1.0), a, a]))])),
     "log1p": pointwise(lambda v, a: _fn("div", _c(v, 1.0), V.add([_c(v, 1.0), a]))),  # 1/(1 + a)
     "expm1": pointwise(lambda v, a: _fn("exp", a)),                     # exp(a); v + 1 would cancel for a << 0
+    # atan' = 1/(1 + a^2), asinh' = 1/sqrt(1 + a^2), as PyTorch computes them (0 where a^2 overflows)
+    "atan": pointwise(lambda v, a: _fn("div", _c(v, 1.0), V.add([_c(v, 1.0), V.mul([a, a])]))),
+    "asinh": pointwise(lambda v, a: _fn("div", _c(v, 1.0), _fn("sqrt", V.add([_c(v, 1.0), V.mul([a, a])])))),
     "sin": pointwise(lambda v, a: _fn("cos", a)),
     "cos": pointwise(lambda v, a: _neg(_fn("sin", a))),
     "abs": pointwise(lambda v, a: _fn("sign", a)),                      # sign, 0 at 0

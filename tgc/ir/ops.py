@@ -19,16 +19,20 @@ Two tables, read by every stage that needs to know something about an op:
 
 The backends' elementwise tables are read from here. The CUDA one
 (`tgc.backends.cuda.codegen.TEMPLATES`) is derived by rule: every function that reaches
-backends calls the device function `tgc_{name}` of `tgc_ops.cuh`. The CPU emits a
-vector-math function (`Fn.vecmath`) through `tgc.backends.cpu.vecmath` and the others
-through `tgc.backends.cpu.elementwise.EMITTERS`, whose entries for a function
-with an `intrinsic` are derived from it. A test checks that every function here
-is built by every backend, removed before backends (`lowered_by`), or listed as not
-built there yet.
+backends calls the device function `tgc_{name}` of `tgc_ops.cuh`; for a function the C
+math library computes (`Fn.libm`) that device function, float and double, is written
+from this table into the header the modules inline (`tgc.backends.cuda.codegen.header`).
+The CPU emits a vector-math function (`Fn.vecmath`) through `tgc.backends.cpu.vecmath`
+and the others through `tgc.backends.cpu.elementwise.EMITTERS`, whose entries for a
+function with an `intrinsic`, or else a `libm` spelling (a call of the math library),
+are derived from it. A test checks that every function here is built by every
+backend, removed before backends (`lowered_by`), or listed as not built there yet.
 
-Adding an elementwise function is one `Fn` entry here, its derivative rule
-(`tgc.autodiff.rules.RULES`), its CPU emitter (an `EMITTERS` entry, or the vector-math
-table) and its `tgc_{name}` device function in `tgc_ops.cuh`.
+Adding an elementwise function that the C math library computes is one `Fn` entry
+here (with its `libm` spelling) and its derivative rule (`tgc.autodiff.rules.RULES`);
+a vector-math implementation for the CPU is an entry of `tgc.backends.cpu.vecmath`'s
+table as well (`vecmath=True`). A function the math library lacks needs its CPU
+emitter (an `EMITTERS` entry) and its `tgc_{name}` device function in `tgc_ops.cuh`.
 
 Nothing here computes anything at import beyond building the tables; the tables are
 finite, so every walk over them terminates. This module imports only numpy and
@@ -94,6 +98,9 @@ class Fn:
     increasing: Callable | None = None  # a non-decreasing scalar function: the bound of f(x) is f(bound x)
     vecmath: bool = False             # the CPU backend has it in vector math (tgc.backends.cpu.vecmath)
     intrinsic: str = ""               # the LLVM intrinsic `llvm.<name>` the CPU calls for it ('' if none)
+    libm: str = ""                    # the C math library's function that computes it, its double
+                                      # spelling (`f` appended for float): CUDA's `tgc_{name}` calls it,
+                                      # and so does the CPU where it has no vector math or intrinsic
     lowered_by: str = ""              # the stage that removes it before backends ('' if backends see it)
 
 
@@ -131,22 +138,28 @@ def _round_fn(t: str) -> Callable:
 _FNS: list[Fn] = [
     # transcendentals (vector math on the CPU)
     Fn("exp", 1, np.exp, "e^x", surface=True, cost="heavy", finite="overflow", sign="pos",
-       increasing=math.exp, vecmath=True),
+       increasing=math.exp, vecmath=True, libm="exp"),
     Fn("log", 1, np.log, "natural logarithm (NaN below 0, -inf at 0)", surface=True, cost="heavy",
-       finite="pos_arg", increasing=math.log, vecmath=True),
+       finite="pos_arg", increasing=math.log, vecmath=True, libm="log"),
     Fn("sqrt", 1, np.sqrt, "square root", surface=True, cost="light", finite="nonneg_arg",
-       sign="keep_nonneg", vecmath=True),
+       sign="keep_nonneg", vecmath=True, libm="sqrt"),
     Fn("tanh", 1, np.tanh, "hyperbolic tangent", surface=True, cost="heavy", sign="keep", bound=1.0,
-       vecmath=True),
-    Fn("erf", 1, _erf, "error function", surface=True, cost="heavy", sign="keep", bound=1.0, vecmath=True),
-    Fn("sin", 1, np.sin, "sine", surface=True, cost="heavy", bound=1.0, vecmath=True),
-    Fn("cos", 1, np.cos, "cosine", surface=True, cost="heavy", bound=1.0, vecmath=True),
+       vecmath=True, libm="tanh"),
+    Fn("sin", 1, np.sin, "sine", surface=True, cost="heavy", bound=1.0, vecmath=True, libm="sin"),
+    Fn("cos", 1, np.cos, "cosine", surface=True, cost="heavy", bound=1.0, vecmath=True, libm="cos"),
+    Fn("erf", 1, _erf, "error function", surface=True, cost="heavy", sign="keep", bound=1.0, vecmath=True,
+       libm="erf"),
     Fn("log1p", 1, np.log1p, "log(1 + x), accurate for small x", surface=True, cost="heavy",
-       finite="nonneg_arg", sign="keep", increasing=math.log1p, vecmath=True),
+       finite="nonneg_arg", sign="keep", increasing=math.log1p, vecmath=True, libm="log1p"),
     Fn("expm1", 1, np.expm1, "e^x - 1, accurate for small x", surface=True, cost="heavy",
-       finite="overflow", sign="keep", increasing=math.expm1, vecmath=True),
+       finite="overflow", sign="keep", increasing=math.expm1, vecmath=True, libm="expm1"),
+    # the math library's, on every backend (a scalar call on the CPU)
+    Fn("atan", 1, np.arctan, "arc tangent, in [-pi/2, pi/2]", surface=True, cost="heavy", sign="keep",
+       increasing=math.atan, libm="atan"),
+    Fn("asinh", 1, np.arcsinh, "inverse hyperbolic sine, log(x + sqrt(x^2 + 1))", surface=True, cost="heavy",
+       sign="keep", increasing=math.asinh, libm="asinh"),
     # simple functions
-    Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg", intrinsic="fabs"),
+    Fn("abs", 1, np.abs, "|x|", surface=True, exact=True, sign="nonneg", intrinsic="fabs", libm="fabs"),
     Fn("sign", 1, np.sign, "-1, 0 or 1 (NaN for NaN)", surface=True, exact=True, finite="always",
        bound=1.0),
     # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably through exp(-|x|). Cost class
@@ -157,7 +170,7 @@ _FNS: list[Fn] = [
     # binary arithmetic (the language's / and ^, and two-argument max/min)
     Fn("div", 2, np.divide, "a / b", infix="/", cost="light", finite="rule", sign="rule"),
     Fn("pow", 2, _safe_pow, "a ^ b (numpy's power on floats)", infix="^", cost="heavy", finite="rule",
-       sign="rule"),
+       sign="rule", libm="pow"),
     Fn("max", 2, np.maximum, "the larger (NaN if either is)", surface=True, exact=True, sign="select",
        intrinsic="maximum"),
     Fn("min", 2, np.minimum, "the smaller (NaN if either is)", surface=True, exact=True, sign="select",

@@ -34,7 +34,9 @@ A complex product becomes one cgemm/zgemm call (`lower/complex_gemm.py`) in the
 
 Every `.so` links libgomp (GCC's OpenMP runtime, `libgomp.so.1` in the system's
 library path wherever GCC is; its threads are the ones tgc's parallel kernels run
-on) and libc (`memcpy`, `memset`); the link refuses any symbol left undefined
+on), libc (`memcpy`, `memset`) and libm (the elementwise functions the CPU calls
+there, `tgc.ir.ops.Fn.libm`; a NEEDED entry only where the code calls one, as the
+linker's --as-needed keeps it); the link refuses any symbol left undefined
 (`-z defs`), so a library that links also loads. Code is tuned for the building
 machine's CPU (like -march=native).
 
@@ -342,7 +344,7 @@ def link_shared(obj: bytes, prefix: str, blas: str) -> bytes:
         o.write_bytes(obj)
         stub.write_text(stub_source(prefix, blas))
         base = ["cc", "-shared", "-O2", "-fPIC", "-o", str(so), str(o), str(stub)]
-        tail = ["-lgomp", "-Wl,-z,defs", "-Wl,--build-id=sha1"]
+        tail = ["-lgomp", "-lm", "-Wl,-z,defs", "-Wl,--build-id=sha1"]
         env = {**os.environ, "SOURCE_DATE_EPOCH": "0", "LC_ALL": "C"}   # C: the linker's messages are read
         if blas == "system":
             tried = []

@@ -2,8 +2,9 @@
 
 `EMITTERS` is the CPU's template per function, keyed by the names of `tgc.ir.ops`.
 Transcendentals (`Fn.vecmath`: exp log sqrt tanh erf sin cos log1p expm1) come from
-`vecmath` (straight-line IR, inlined, so loops that call them vectorize); the rest
-are single instructions or intrinsics. Comparisons give
+`vecmath` (straight-line IR, inlined, so loops that call them vectorize); a function
+with only a math library spelling (`Fn.libm`) is a call of libm (scalar: its loop
+does not vectorize); the rest are single instructions or intrinsics. Comparisons give
 1.0/0.0; `max`/`min` propagate NaN like numpy (`llvm.maximum`/`llvm.minimum`);
 `where(c, a, b)` takes `a` where `c != 0` (NaN counts as true, as in numpy);
 `mul0(a, b)` is `a * b` but exactly 0 where `a == 0`, `mul00(a, b)` where either is. `sigmoid` and `softplus` go
@@ -87,10 +88,30 @@ def _call_intrinsic(name: str, nargs: int):
     return lambda b, args, fp, _: b.call(intrinsic(b, name, fp, nargs), args)
 
 
+def libm_function(b: ir.IRBuilder, name: str, fp, nargs: int) -> ir.Function:
+    """The C math library's function `name` (its double spelling; float appends `f`),
+    declared in the builder's module: resolved in the process by the JIT, and by
+    `-lm` when `tgc.backends.cpu.aot` links a shared library."""
+    full = name + ("f" if isinstance(fp, ir.FloatType) else "")
+    fn = b.module.globals.get(full)
+    if fn is None:
+        fn = ir.Function(b.module, ir.FunctionType(fp, [fp] * nargs), full)
+        fn.attributes.add("nounwind")
+    return fn
+
+
+def _call_libm(name: str, nargs: int):
+    return lambda b, args, fp, _: b.call(libm_function(b, name, fp, nargs), args)
+
+
 # The CPU's template per elementwise function of tgc.ir.ops.FNS that no stage removes
 # before backends (the vector-math ones, `Fn.vecmath`, call tgc.backends.cpu.vecmath):
 # (builder, args, float type, pow's constant exponent or None) -> value.
 EMITTERS = {
+    # the functions tgc.ir.ops names a math library spelling for, and neither vector math
+    # nor an intrinsic: a call of libm (an entry below replaces it: pow)
+    **{f.name: _call_libm(f.libm, f.arity) for f in FNS.values()
+       if f.libm and not (f.vecmath or f.intrinsic or f.lowered_by)},
     # the functions tgc.ir.ops names an LLVM intrinsic for (abs: fabs, max: maximum, ...)
     **{f.name: _call_intrinsic(f.intrinsic, f.arity) for f in FNS.values() if f.intrinsic},
     "sign": _sign,

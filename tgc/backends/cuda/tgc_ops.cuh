@@ -32,28 +32,7 @@
 #define TGC_NAN __builtin_nan("")
 #endif
 
-TGC_DEV float tgc_exp(float x) { return expf(x); }
-TGC_DEV double tgc_exp(double x) { return exp(x); }
-TGC_DEV float tgc_log(float x) { return logf(x); }
-TGC_DEV double tgc_log(double x) { return log(x); }
-TGC_DEV float tgc_sqrt(float x) { return sqrtf(x); }
-TGC_DEV double tgc_sqrt(double x) { return sqrt(x); }
-TGC_DEV float tgc_tanh(float x) { return tanhf(x); }
-TGC_DEV double tgc_tanh(double x) { return tanh(x); }
-TGC_DEV float tgc_sin(float x) { return sinf(x); }
-TGC_DEV double tgc_sin(double x) { return sin(x); }
-TGC_DEV float tgc_cos(float x) { return cosf(x); }
-TGC_DEV double tgc_cos(double x) { return cos(x); }
-TGC_DEV float tgc_erf(float x) { return erff(x); }
-TGC_DEV double tgc_erf(double x) { return erf(x); }
-TGC_DEV float tgc_log1p(float x) { return log1pf(x); }
-TGC_DEV double tgc_log1p(double x) { return log1p(x); }
-TGC_DEV float tgc_expm1(float x) { return expm1f(x); }
-TGC_DEV double tgc_expm1(double x) { return expm1(x); }
-TGC_DEV float tgc_abs(float x) { return fabsf(x); }
-TGC_DEV double tgc_abs(double x) { return fabs(x); }
-TGC_DEV float tgc_pow(float x, float y) { return powf(x, y); }
-TGC_DEV double tgc_pow(double x, double y) { return pow(x, y); }
+// @libm: the functions of tgc/ir/ops.py with a math library spelling (Fn.libm)
 
 template <typename T> TGC_DEV T tgc_div(T a, T b) { return a / b; }
 template <typename T> TGC_DEV T tgc_sign(T x) { return x < T(0) ? T(-1) : (x > T(0) ? T(1) : x); }
