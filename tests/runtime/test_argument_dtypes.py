@@ -169,6 +169,7 @@ out y = table[v = ids]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_interpreter_and_a_compiled_program_refuse_inputs_in_the_same_words(backend):
     """One checker (tgc.ir.input_checks): names, shapes and ids' element type."""
+    require(backend)
     prog = tgc.compile(GATHER, backend=backend)
     good = dict(ids=np.array([0, 2, 1, 0], np.int32), table=np.ones(3, np.float32))
     for bad in ({"ids": good["ids"]},                                           # missing
