@@ -143,19 +143,21 @@ def define_fingerprint(mod: ir.Module, fingerprint: str) -> None:
     g.initializer = ir.Constant(typ, bytearray(data))
 
 
-def compile_cost(k) -> int:
-    """A rough estimate of LLVM's time on a kernel, in ms on this machine (fitted to
-    measured times of the benchmark workloads' kernels, correlation ~0.8): a GEMM is
+def compile_cost(k, cpu: CpuOptions) -> int:
+    """A rough estimate of LLVM's time on a kernel, in ms (the `*_compile_cost` fields
+    of `cpu`, fitted to measured times of the benchmark workloads' kernels): a GEMM is
     three functions of fixed size, more with taps; a loop kernel costs more per
     member and loop, and much more when its sums go into per-block partials (rows of
     known length, unrolled and vectorized in several copies)."""
     if isinstance(k, GemmKernel):   # the entry is not optimized, nor an unbatched work function
-        return (14 if k.batch else 8) + 26 * len(k.taps)
+        return ((cpu.batched_gemm_compile_cost if k.batch else cpu.gemm_compile_cost)
+                + cpu.tap_compile_cost * len(k.taps))
     if isinstance(k, ImplicitGemm):   # the GEMM and its own copy of the f32 kernel
-        return compile_cost(k.gemm) + 40
+        return compile_cost(k.gemm, cpu) + cpu.implicit_compile_cost
     members = k.members if isinstance(k, LoopGroup) else (k,)
     blocked = isinstance(k, LoopGroup) and k.blocks > 1
-    return 10 + 4 * len(members) + 2 * sum(len(m.loops) for m in members) + 70 * blocked
+    return (cpu.loop_compile_cost + cpu.member_compile_cost * len(members)
+            + cpu.member_loop_compile_cost * sum(len(m.loops) for m in members) + cpu.blocked_compile_cost * blocked)
 
 
 class _ModuleGen:
@@ -175,10 +177,10 @@ class _ModuleGen:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
         self.unit: dict = {}
         costs: dict = {}
-        for key, (_, k) in zip(self.keys, self.flat):
-            costs.setdefault(key, compile_cost(k))
-        gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
         cpu = self.opt.cpu
+        for key, (_, k) in zip(self.keys, self.flat):
+            costs.setdefault(key, compile_cost(k, cpu))
+        gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
         load = ([cpu.entry_compile_cost + cpu.call_compile_cost * len(self.flat) + cpu.tile_compile_cost * gemms]
                 + [0] * (units - 1))
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
