@@ -338,7 +338,7 @@ class _ModuleGen:
 
     def run_fn(self, checks, kernels) -> None:
         fn = define(self.mod, sizecheck.INNER_RUN, I32, [PTR] * 4)   # exported checked: sizecheck
-        optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit 130 -> 112 ms to compile
+        optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit compiles in 112 ms, 130 optimized
         dims, args, outs, ws = fn.args
         f = Frame(fn, self.low.module, dims, self.low.edges)
         b = f.b
@@ -469,7 +469,7 @@ class _ModuleGen:
         tgc shares the cores itself (its tiled GEMMs and loops on libgomp); a GEMM
         below `gemm_parallel_min_flops` is one cblas call, which OpenBLAS would
         otherwise thread on its own pool, whose spinning then takes the cores from
-        tgc's threads (an MLP step: 82 -> 70 us). Process-wide, but only during the
+        tgc's threads (an MLP step: 70 us, 82 with OpenBLAS threading). Process-wide, but only during the
         call, and restored only by the call that changed it, so overlapping calls
         from several threads end with the caller's setting."""
         b = f.b
@@ -589,7 +589,7 @@ class _ModuleGen:
     # lower right after a region: `tgc.region` notes the time-stamp counter at the end
     # of each region, and a kernel that starts less than `options.cpu.warm_cycles`
     # later uses the `_warm` threshold. (GPT's step: many small kernels between large
-    # ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are all small, never starts a
+    # ones, 4.2 ms, 4.8 with one threshold; an MLP step, whose kernels are all small, never starts a
     # region and stays serial.) While other processes hold the cores, the measured lag
     # of a region raises both (`parallel.py`: contention).
 
@@ -612,8 +612,8 @@ class _ModuleGen:
 
     # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
     # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding
-    # their code once per kernel: GPT's first unit, with tgc_run, took 1.06 -> 0.92 s to
-    # compile (its tgc_run: 4569 -> 3001 lines of IR).
+    # their code once per kernel: GPT's first unit, with tgc_run, compiles in 0.92 s, 1.06
+    # with their code in every kernel's call (its tgc_run: 3001 lines of IR against 4569).
 
     def parallel_now(self) -> ir.Function:
         """`i1 tgc.parallel_now(work, limit)`: whether a kernel of this much work runs

@@ -49,7 +49,7 @@ class CpuOptions:
     own_gemm_min_depth: int = 256            # ... for tiles summing at least this many terms ...
     own_gemm_min_cols: int = 512             # ... or with at least this many columns of C' (the normalized product) ...
     own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
-    implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (conv2d benchmark, 2 threads, with the own kernel's other changes of that stop: 18.5 -> 13.9-14.9 Mcycles of kernels)
+    implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
     group_inline_max_ops: int = 3            # ... an elementwise member of at most this many adds, products and cheap maps is recomputed by each later member that reads it instead of stored (group._cheap; read by the group stage)
     # Tuned numbers of the code generator (docs/optimization.md, "Tuned numbers", gives each one's measurement):
