@@ -1,4 +1,4 @@
-"""What a compiled step does with time and memory: `tgc explain` (issue 17, item 4).
+"""What a compiled step does with time and memory: `tgc explain`.
 
 `explain(low, env)` reads a planned lowered program (after `plan`) with every
 symbolic dim bound (`env`) and returns, as plain data (JSON-ready):

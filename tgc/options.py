@@ -51,6 +51,11 @@ class Options:
     stream_min_elements_masked: int = 1 << 22   # ... or this many when its mask lets the loops skip keys (stream_mask_groups: half the work for causal attention pays for the loop sooner)
     stream_mask_groups: int = 8              # a masked stream's blocks run as this many loops, each over only the keys its rows' mask admits (causal: about (n+1)/2n of the work; 0: one loop over every key; tgc.opt.stream_skip)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
+    # Tuned numbers of the layout stage (tgc.lower.layout; docs/optimization.md, "Tuned numbers"):
+    layout_tap_min_k: int = 256              # where an operand's order splits a GEMM's K group, its outer K edges become taps (loops of accumulating calls) only when at least this much of K is left to each call; else the operands are copied (_taps_for_split_k)
+    layout_short_sum: int = 8                # loop kernels reading a GEMM's result that sum at most this many terms (kernel taps) count as elementwise readers when its order is chosen; a longer sum votes for its summed group (_suit_readers, _summed_group)
+    layout_tall: int = 4                     # a GEMM result whose fixed order makes BLAS write a matrix at least this many times wider than tall ...
+    layout_tall_min_k: int = 4096            # ... each element summing at least this many terms, is computed the other way round into a temporary and copied (_tall_result)
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...
     specialize_work: int = 1 << 31           # ... and once those calls did this many FLOPs plus bytes (tgc explain's count; tgc.runtime.specialize; docs/optimization.md)

@@ -1,4 +1,4 @@
-"""A compiled program as a PyTorch autograd function (issue 17, item 6).
+"""A compiled program as a PyTorch autograd function.
 
     import tgc, tgc.torch
     f = tgc.torch.function(tgc.compile("model.tg"))

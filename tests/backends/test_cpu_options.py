@@ -1,7 +1,9 @@
-"""The CPU code generator's tuned numbers are `CpuOptions` fields (docs/optimization.md,
-"Tuned numbers"): each one reaches the generated LLVM IR through the options the
-generator is given, none is a module-level constant, and a program generated with
-other values still computes what the interpreter does."""
+"""The tuned numbers are options fields (docs/optimization.md, "Tuned numbers"): the CPU
+code generator's `CpuOptions` fields each reach the generated LLVM IR through the
+options the generator is given, the lowering's (`Options.layout_*`, the CPU's
+`group_inline_max_ops`) each reach the lowered program; none is a module-level
+constant of the CPU backend or of the lowering, and a program generated with other
+values still computes what the interpreter does."""
 from __future__ import annotations
 
 import ast
@@ -20,6 +22,7 @@ from tgc.backends.cpu.codegen import generate_units
 from tgc.backends.cpu.options import CpuOptions
 from tgc.ir.inputs import random_inputs
 from tgc.ir.interp import evaluate
+from tgc.lower.lowered import print_lowered
 from tgc.options import Options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +56,24 @@ REACHES = [
     ("own_gemm_depth", 512, "conv1d", OWN),
     ("unroll_copies", 16, "conv2d", OWN),
     ("own_gemm_mask_classes", 4, "conv2d", OWN),
+    ("gemm_compile_cost", 500, "mlp", OWN),
+    ("batched_gemm_compile_cost", 500, "conv1d", OWN),
+    ("tap_compile_cost", 500, "conv1d", OWN),
+    ("implicit_compile_cost", 500, "conv2d", OWN),
+    ("loop_compile_cost", 500, "mlp", OWN),
+    ("member_compile_cost", 100, "mlp", OWN),
+    ("member_loop_compile_cost", 100, "mlp", OWN),
+    ("blocked_compile_cost", 500, "mlp", OWN),
+]
+
+# (field, a value other than the default, the program whose lowered program it changes):
+# tuned numbers the lowering reads (layout's of `Options`, the CPU group stage's of `CpuOptions`)
+LOWERING = [
+    ("layout_tap_min_k", 1 << 20, "conv2d"),
+    ("layout_short_sum", 0, "conv2d"),
+    ("layout_tall", 1000, "conv2d"),
+    ("layout_tall_min_k", 1 << 30, "conv2d"),
+    ("group_inline_max_ops", 0, "layernorm"),
 ]
 
 
@@ -75,6 +96,22 @@ def test_a_tuned_field_reaches_the_generated_code(field, value, name, options):
     assert _ir_hash(name, options, **{field: value}) != _ir_hash(name, options)
 
 
+@lru_cache(maxsize=None)
+def _target(name: str):
+    options = Options()
+    m = pipeline.load_program(str(WORKLOADS / f"{name}.tg"), options).module
+    return pipeline.target(pipeline.lower(m, options).module, options)
+
+
+@pytest.mark.parametrize("field, value, name", LOWERING, ids=[r[0] for r in LOWERING])
+def test_a_lowering_field_reaches_the_lowered_program(field, value, name):
+    compiled, opts = _target(name)
+    assert getattr(opts.cpu if hasattr(opts.cpu, field) else opts, field) != value
+    other = opts.with_(**{field: value})
+    assert print_lowered(pipeline.lower_module(compiled, other, "cpu")) != \
+        print_lowered(pipeline.lower_module(compiled, opts, "cpu"))
+
+
 def test_every_tuned_field_is_checked():
     """Every field documented under "Tuned numbers" is in `REACHES` (the runtime's
     `recycle_*` and those read by the lowering have tests of their own)."""
@@ -83,23 +120,32 @@ def test_every_tuned_field_is_checked():
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     assert named <= {f.name for f in dataclasses.fields(CpuOptions)}
-    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES}
+    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | {"group_inline_max_ops"}
+    table = doc[doc.index("### Tuned numbers (`Options`)"):doc.index("### Tuned numbers (`CpuOptions`)")]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
+    assert named == {r[0] for r in LOWERING} - {"group_inline_max_ops"}
+    assert named <= {f.name for f in dataclasses.fields(Options)}
 
 
-# Module-level numbers of the CPU backend that are not tuning choices: fixed by the
-# instruction set, a register block's shape, an ABI or a file format.
+# Module-level numbers of the CPU backend and of the lowering that are not tuning
+# choices: fixed by the instruction set, a register block's shape, an ABI or a file
+# format; in the lowering, a bound on recursion depth (fuse) and the float semantics
+# every backend shares (an f32 sum of at least WIDE_SUM terms is computed in f64).
 STRUCTURAL = {
-    "aot.py": {"STALE_SECONDS"}, "codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES"},
-    "fgemm.py": {"VL", "MAX_TAPS"}, "gemm.py": {"UNTILED"}, "gemm_dispatch.py": {"OWN_COLS"},
-    "gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "gemm_small.py": {"ROWS"}, "kernels.py": {"ALIGN"},
-    "sizecheck.py": {"ALIGN"},
-    "group.py": {"INLINE_MAX_OPS"},   # not moved yet: docs/optimization.md, "Tuned numbers"
+    "cpu/aot.py": {"STALE_SECONDS"}, "cpu/codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES"},
+    "cpu/fgemm.py": {"VL", "MAX_TAPS"}, "cpu/gemm.py": {"UNTILED"}, "cpu/gemm_dispatch.py": {"OWN_COLS"},
+    "cpu/gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "cpu/gemm_small.py": {"ROWS"}, "cpu/kernels.py": {"ALIGN"},
+    "cpu/sizecheck.py": {"ALIGN"},
+    "lower/fuse.py": {"MAX_INLINE_DEPTH"}, "lower/lowered.py": {"WIDE_SUM"},
 }
 
 
 def test_no_tuned_number_is_a_module_constant():
     found = {}
-    for path in sorted((ROOT / "tgc" / "backends" / "cpu").glob("*.py")):
+    paths = sorted((ROOT / "tgc" / "backends" / "cpu").glob("*.py")) + sorted((ROOT / "tgc" / "lower").glob("*.py"))
+    for path in paths:
+        where = f"{path.parent.name}/{path.name}"
         for node in ast.parse(path.read_text()).body:
             target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
                 node.target if isinstance(node, ast.AnnAssign) else None
@@ -107,8 +153,8 @@ def test_no_tuned_number_is_a_module_constant():
             if isinstance(target, ast.Name) and target.id.isupper() and isinstance(value, (ast.Constant, ast.BinOp)) \
                     and isinstance(getattr(value, "value", 0), (int, float)) and not isinstance(
                         getattr(value, "value", 0), bool):
-                if target.id not in STRUCTURAL.get(path.name, set()):
-                    found.setdefault(path.name, []).append(target.id)
+                if target.id not in STRUCTURAL.get(where, set()):
+                    found.setdefault(where, []).append(target.id)
     assert not found, found
 
 
@@ -127,3 +173,21 @@ def test_other_values_compute_the_same_program():
     assert want and set(want) <= set(got)
     for name, w in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("conv2d_sym", {"layout_tap_min_k": 1 << 20, "layout_short_sum": 0, "layout_tall": 1000, "layout_tall_min_k": 1 << 30}),
+    ("layernorm", {"group_inline_max_ops": 0}),
+], ids=["layout", "group"])
+def test_other_lowering_values_compute_the_same_program(name, changes):
+    """A program lowered with other tuned numbers of the lowering (other GEMM layouts,
+    temporaries stored instead of recomputed) gives the interpreter's values."""
+    src = (WORKLOADS / f"{name}.tg").read_text()
+    prog = tgc.compile(src, dtype="f64", options=Options(dtype="f64").with_(**changes))
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({d: 8 for d in m.symbolic_dims()}), 5, "f64")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    assert want and set(want) <= set(got)
+    for out, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[out]), w, rtol=1e-10, atol=1e-12, err_msg=out)

@@ -1,5 +1,5 @@
-"""Column sums fused into the CUDA backends' row groups (`rows.column_member`, codegen's
-`rowgroup` and `row_columns`): a layer's backward (`db = sum[rows](dy)`, `dw =
+"""Column sums fused into the CUDA backends' row groups (`rows.column_member`, rowgen's
+`RowGroupGen`): a layer's backward (`db = sum[rows](dy)`, `dw =
 sum[rows](dy * xhat)`) is summed while the row group has the row in hand, a partial row
 per slot of rows (`CudaOptions.row_slot_rows`, `row_slot_elems`), the slots' partials
 added in slot order by one more kernel, instead of column-tile kernels reading the rows
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.backends.cuda import codegen
+from tgc.backends.cuda import codegen, launches
 from tgc.backends.cuda.options import CudaOptions
 from tgc.backends.cuda.rows import RowGroup, column_member
 from tgc.ir.inputs import random_inputs
@@ -133,7 +133,7 @@ def test_layernorm_backward_matches_the_interpreter(dtype):
     for rows, d in ((1, 1), (3, 33), (65, 33), (130, 300), (17, 1000)):
         _, regs, mem = run(prog, {"rows": rows, "d": d}, dtype, seed=rows + d)
         # each thread of a slot's row counts: a warp's 32 (rows up to 256), or the block's 64
-        threads = codegen.row_slots(rows, d, 8, 1 << 21) * (32 if d <= 256 else 64)
+        threads = launches.row_slots(rows, d, 8, 1 << 21) * (32 if d <= 256 else 64)
         assert (regs, mem) == ((threads, 0) if d <= 512 else (0, threads)), (rows, d, regs, mem)
 
 

@@ -21,7 +21,7 @@ The copy is the region rebuilt with every boundary operand `b` read as
 they are: a copy built from those alone would be the original, which is then read). Values are hash-consed, so without
 that marker the copy would be the region's values themselves; with it, the copy is
 distinct through every later pass (no rule removes `recompute`) and lowering reads
-`recompute(b)` as `b` itself (`fuse.is_identity`: a view of b's buffer, no copy).
+`recompute(b)` as `b` itself (`tgc.lower.views.is_identity`: a view of b's buffer, no copy).
 
 Exact: the copy computes the same operations on the same values in the same order
 as the original, and `checkpoint` and `recompute` are identities, so values and

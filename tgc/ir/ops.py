@@ -163,8 +163,8 @@ _FNS: list[Fn] = [
     Fn("sign", 1, np.sign, "-1, 0 or 1 (NaN for NaN)", surface=True, exact=True, finite="always",
        bound=1.0),
     # 1 / (1 + exp(-x)) and log(1 + exp(x)), computed stably through exp(-|x|). Cost class
-    # cheap: what fusion, grouping and the parallel threshold charged before this table
-    # (kept so that lowering is unchanged), though each computes an exp (and a log)
+    # cheap, though each computes an exp (and a log): fusion, grouping and the parallel
+    # threshold recompute them where they would an add
     Fn("sigmoid", 1, _sigmoid, "1 / (1 + e^-x), computed stably", sign="pos", bound=1.0),
     Fn("softplus", 1, _softplus, "log(1 + e^x), computed stably", sign="pos"),
     # binary arithmetic (the language's / and ^, and two-argument max/min)

@@ -6,7 +6,8 @@ what `print_lowered` writes reads back; a backend's own kind of kernel registers
 grammar rules and reader, `text.KernelForm`), its verifier (`verify`) and its numpy interpreter (`interp`), the oracle for
 backends' kernels (a backend's own kind of kernel runs through its `interpret` hook).
 A loop over an edge lowers to a `StepLoop` whose step is a lowered program of its
-own (`steps`). Also neutral pieces that backends' own stages use: `narrow` (2-byte bf16/f16 buffers,
+own (`steps`); a convolution's contraction to GEMMs on shifted views (`taps`); both
+are parts of `fuse`, which sees values through renames and identities (`views`). Also neutral pieces that backends' own stages use: `narrow` (2-byte bf16/f16 buffers,
 a stage the CPU and CUDA backends run, and the widening of GEMM operands both use),
 `grouping` (the kernel scan of the CPU's `group` and CUDA's
 `rowgroup`) and `cost` (FLOPs of kernels, for `--stats` and `tgc explain`).

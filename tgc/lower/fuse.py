@@ -14,20 +14,11 @@ reductions reads its inputs once:
   through renames. An indicator, or a product of indicators only (`index_only`),
   is never an operand: it is index arithmetic, and as a buffer it would be a dense
   0/1 tensor over all its edges (six, for a 2-D convolution's window relation).
-- GEMMs on shifted views (`tap_gemm`): a contraction whose two factors are read
-  through indicators as `edge + shift(short edges)` (a convolution, its input and
-  kernel gradients) becomes a loop over the short edges (taps) of GEMM calls on
-  shifted views, each edge's range clipped to the input (no im2col copy); single-use
-  inner contractions are folded in (`sum_k [t = s + k] (dy @ W)`). Indicators are
-  solved for the longest summed edges first, so the taps are the short ones, with
-  fixed sizes as with symbolic ones. A clipped edge may share its group with others
-  (`(h, w)` of a 2-D image shifted along `h`): `layout` keeps the group where the
-  clipped edge is outermost in every buffer, so its range is one run of the merged
-  group, and splits it into loops of calls otherwise. Two clipped edges in one group
-  (a 2-D window on both image edges) are no strided matrix: the window is then a
-  loop kernel's output (im2col) and the product a plain GEMM. A shift that only
-  splits an edge (`c2 = hd + 16*head`, every index in bounds: `exact_split`) is left
-  to a copy into the split edges and one plain GEMM.
+- GEMMs on shifted views (`tgc.lower.taps`): a contraction whose two factors are
+  read through indicators as `edge + shift(short edges)` (a convolution, its input
+  and kernel gradients) becomes a loop over the short edges (taps) of GEMM calls on
+  shifted views, each edge's range clipped to the input (no im2col copy); the
+  single-use inner contractions it folds in get no kernel of their own.
 - Loop kernels: `out[kept] = R_summed(body)` with R in (sum, max, min) or none;
   `body` inlines adds, maps, products, consts, sizes, renames (index relabeling),
   gathers (indexed loads), and indicators (index arithmetic, `tgc.lower.indexing`:
@@ -56,20 +47,21 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, neg, smul)
+from tgc.lower.lowered import (Acc, Add, Buffer, Check, Const, GemmKernel, IdLoad, Ix, Load,
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, View, smul)
 from tgc.ir.sizes import size_op
 from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
-# the functions worth materializing (cost class heavy), and the maps that are their
-# operand (checkpoint, recompute: autodiff/remat.py), from tgc.ir.ops
-from tgc.ir.ops import EXPENSIVE, IDENTITY_FNS
+# the functions worth materializing (cost class heavy), from tgc.ir.ops
+from tgc.ir.ops import EXPENSIVE
 from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower import complex_gemm
 from tgc.lower.steps import StepLowering
-from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve, solve_conds
+from tgc.lower.taps import TapGemms
+from tgc.lower.views import is_identity, peel
+from tgc.lower.indexing import edge_size, relation_conds, simplify_conds, solve
 
 ELEMENTWISE = frozenset({"add", "map", "stop"})
 # The deepest expression tree a kernel inlines: a longer chain of single-use
@@ -94,22 +86,6 @@ class Fuse(Pass[Module, Lowered]):
         return _Fuser(module, options).lower()
 
 
-
-
-def is_identity(v: Value) -> bool:
-    """`stop(x)`, `checkpoint(x)`, `recompute(x)`: x itself, as far as lowering goes."""
-    return v.op == "stop" or (v.op == "map" and v.attrs[0] in IDENTITY_FNS)
-
-
-def peel(v: Value) -> tuple[Value, dict[str, str]]:
-    """Strip renames and identities (stop, recompute): (base value, view edge -> base edge)."""
-    mapping = {e: e for e in v.edges}
-    while v.op == "rename" or is_identity(v):
-        if v.op == "rename":
-            back = {d: s for s, d in v.attrs[0]}
-            mapping = {view: back.get(e, e) for view, e in mapping.items()}
-        v = v.operands[0]
-    return v, mapping
 
 
 def _kernel_writes(k) -> set[str]:
@@ -153,7 +129,7 @@ class _Fuser:
         self.low = Lowered(m, options.dtype)
         self.mat: dict[int, str] = {}      # id(value) -> buffer
         self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
-        self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`tap_gemm`)
+        self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`taps.TapGemms.tap_gemm`)
         self.cgemms: dict[int, dict] = {}   # id(value) -> the complex product it is (`complex_gemm`)
         self.folded: set[int] = set()      # reductions computed inside a shifted GEMM
         self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
@@ -162,6 +138,7 @@ class _Fuser:
         self._cost: dict[int, int] = {}
         self._depth: dict[int, int] = {}   # id(value) -> its inlined expression's depth (inline_depth)
         self.steps = StepLowering(self)   # loops over an edge: `StepLoop`s (tgc.lower.steps)
+        self.taps = TapGemms(self)         # GEMMs on shifted views (tgc.lower.taps)
 
     # ------------------------------------------------------------ classification
 
@@ -300,18 +277,7 @@ class _Fuser:
                 return True
         return False
 
-    # ------------------------------------------------------------ GEMMs on shifted views
-
-    def find_shifted_gemms(self) -> None:
-        """Contractions that are a loop of GEMMs on shifted views: a convolution
-        `sum_{c,k} x[b, c, t = s + k - 2] * W[o, c, k]` is, for each tap k, a GEMM
-        (o <- c) on x shifted by k - 2 with the range of s clipped to the input."""
-        for v in reversed(self.values):
-            if v.op == "contract" and id(v) not in self.folded and self.is_reduction(v):
-                spec = self.tap_gemm(v)
-                if spec is not None:
-                    self.shifted[id(v)] = spec
-                    self.folded |= spec["folded"]
+    # ------------------------------------------------------------ complex GEMMs
 
     def find_complex_gemms(self) -> None:
         """Values that are a complex product (`complex_gemm.match`) become one complex
@@ -352,137 +318,6 @@ class _Fuser:
                     self.users[id(o)].add(id(v))
         self._reduction.clear()
         self._cost.clear()
-
-    def expand(self, v: Value, env: dict[str, Ix], acc: dict, top: bool = False) -> bool:
-        """Collect the leaf factors of a product of index transforms and single-use
-        reductions (summed edges become placeholders, indicators links). A product
-        with several users that is not cheap to recompute is a leaf: `partition`
-        gives it a buffer anyway (a max-pool's gradient, scattered back to the
-        pixels, feeds both of a convolution's gradients)."""
-        if not top and (id(v) in self.mat or (v.op not in ("contract", "rename") and not is_identity(v))
-                        or (v.op == "contract" and self.uses(v) > 1 and not self.recompute(v))):
-            acc["leaves"].append((v, env))
-            return True
-        if is_identity(v):
-            return self.expand(v.operands[0], env, acc)
-        if v.op == "rename":
-            fwd = dict(v.attrs[0])
-            x = v.operands[0]
-            return self.expand(x, {e: env[fwd.get(e, e)] for e in x.edges}, acc)
-        if not top and self.is_reduction(v):
-            if self.uses(v) != 1 or self.root_uses[id(v)] or id(v) in self.folded:
-                acc["leaves"].append((v, env))
-                return True
-            acc["folded"].add(id(v))
-        full = dict(env)
-        for e in self.summed(v):
-            if e in acc["sizes"]:
-                return False
-            acc["sizes"][e] = edge_size(self.m, e)
-            acc["places"].append(e)
-            full[e] = Ix.var(e)
-        for o in v.operands:
-            if o.op == "indicator":
-                acc["links"] += relation_conds(self.m, o.attrs[0], full)
-            elif not self.expand(o, {e: full[e] for e in o.edges}, acc):
-                return False
-        return True
-
-    def tap_gemm(self, v: Value) -> dict | None:
-        sizes = {e: edge_size(self.m, e) for e in v.edges}
-        acc = {"leaves": [], "links": [], "places": [], "sizes": sizes, "folded": set()}
-        if not self.expand(v, {e: Ix.var(e) for e in v.edges}, acc, top=True):
-            return None
-        leaves = acc["leaves"]
-        if len(leaves) != 2 or not acc["links"]:
-            return None
-        for leaf, _ in leaves:
-            if leaf.dtype == "i32" or leaf.op in ("const", "size", "indicator") or self.broadcast_edges(leaf):
-                return None
-        # eliminate long edges first: the short ones (taps) stay loops
-        places = self.long_first(acc["places"])
-        sol = solve_conds(acc["links"], places, sizes)
-        idx = [{e: env[e].subst(sol.sol) for e in leaf.edges} for leaf, env in leaves]
-        kept, summed = list(v.edges), list(sol.remaining)
-
-        def big(u):
-            return sizes[u] if isinstance(sizes[u], int) else 1 << 40
-
-        outer: set[str] = set()
-        for d in idx:
-            for ix in d.values():
-                if any(not isinstance(a, str) or not isinstance(c, int) for a, c in ix.terms):
-                    return None
-                if len(ix.terms) >= 2:
-                    mains = [a for a, c in ix.terms if c == 1]
-                    if not mains:
-                        return None
-                    outer |= {a for a, _ in ix.terms} - {max(mains, key=big)}
-        views: list[dict[str, str]] = []
-        shifts, clipped = [], set()
-        for role, (leaf, _), d in zip("ab", leaves, idx):
-            edges: dict[str, str] = {}
-            for e, ix in d.items():
-                inner = [(a, c) for a, c in ix.terms if a not in outer]
-                if len(inner) > 1 or (inner and inner[0][1] != 1):
-                    return None
-                u = inner[0][0] if inner else ix.as_var()
-                if u is None or u in edges:
-                    return None
-                rest = Ix(tuple(t for t in ix.terms if t[0] != u), ix.const)
-                if rest != Ix():
-                    shifts.append((role, u, rest))
-                    clipped.add(u)
-                elif inner and edge_size(self.m, e) != sizes[u]:
-                    return None
-                edges[u] = e
-            views.append(edges)
-        if not shifts or all(self.exact_split(views["ab".index(r)][u], u, rest, sizes) for r, u, rest in shifts):
-            return None
-        A, B = set(views[0]), set(views[1])
-        if any(u not in A | B | outer for u in kept) or any(u not in outer and not (u in A and u in B) for u in summed):
-            return None
-        order = self.m.order_edges
-        batch = {u for u in kept if u in outer or (u in A and u in B)}
-        groups = [[u for u in kept if u not in batch and u in A], [u for u in kept if u not in batch and u in B],
-                  [u for u in summed if u not in outer]]
-        taps = {u for u in summed if u in outer}
-        if any(len(clipped & set(g)) > 1 for g in groups):
-            return None   # two clipped edges in one group: no strided matrix (a 2-D window)
-        if clipped & (batch | taps) or not all(groups):
-            return None
-        expected = set()
-        for (role, u, rest) in shifts:
-            leaf_edges = views["ab".index(role)]
-            ix = Ix.var(u).plus(rest)
-            size = edge_size(self.m, leaf_edges[u])
-            expected |= {Cond(ix, ">="), Cond(ix.plus_const(neg(size)), "<")}
-        conds = simplify_conds(sol.conds, sizes)
-        if conds is None or any(c not in expected for c in conds):
-            return None
-        flops = 2
-        for s in (sizes[u] for g in groups for u in g):
-            flops = flops * s if isinstance(s, int) and isinstance(flops, int) else None
-        if flops is not None and flops < self.opt.cpu.blas_min_flops:
-            return None
-        key = order
-        return {"leaves": [leaf for leaf, _ in leaves], "folded": acc["folded"],
-                "views": [tuple(sorted(d.items())) for d in views],
-                "groups": (key(batch), key(groups[0]), key(groups[1]), key(groups[2])),
-                "taps": key(taps), "shifts": tuple(shifts)}
-
-    def exact_split(self, e: str, u: str, rest: Ix, sizes: dict) -> bool:
-        """Whether reading buffer edge `e` at `u + rest` only splits `e` in two, as
-        `c2 = hd + 16*head` splits 48 channels into 3 heads of 16: every index is in
-        bounds, so the operand is better copied into the split edges once (a loop
-        kernel) and the product is one plain GEMM, than run as a loop of GEMMs over
-        `head` (GPT's 12 head projections: 23-35 us each as 3 calls of 704 x 16 x 48,
-        14-19 us as one 704 x 48 x 48 product after a copy of 2304 weights)."""
-        if rest.const != 0 or len(rest.terms) != 1:
-            return False
-        (h, coef), = rest.terms
-        nu, nh, ne = sizes.get(u), sizes.get(h), edge_size(self.m, e)
-        return all(isinstance(x, int) for x in (nu, nh, ne, coef)) and coef == nu and ne == nu * nh
 
     # ------------------------------------------------------------ partition
 
@@ -691,7 +526,7 @@ class _Fuser:
                 self.mat[id(v)] = v.attrs[0]
         self.steps.prepare()
         copies = self.homes()
-        self.find_shifted_gemms()
+        self.taps.find()
         self.find_complex_gemms()
         self.partition()
         again = self.recomputed()
@@ -762,10 +597,7 @@ class _Fuser:
     def kernel(self, v: Value):
         out = self.mat[id(v)]
         if id(v) in self.shifted:
-            spec = self.shifted[id(v)]
-            a, b = (View(self.mat[id(leaf)], edges) for leaf, edges in zip(spec["leaves"], spec["views"]))
-            return GemmKernel(out, a, b, *spec["groups"], taps=spec["taps"], shifts=spec["shifts"],
-                              note="GEMMs on shifted views")
+            return self.taps.kernel(v, out)
         if id(v) in self.cgemms:
             spec = self.cgemms[id(v)]
             a, b = (View(self.mat[id(base)], tuple(sorted(mapping.items()))) for base, mapping in (spec["a"], spec["b"]))

@@ -27,17 +27,18 @@ whose groups are swapped; a group the result's order splits becomes batch edges
 it in every buffer holding the group, the rest become loops of calls (`_fit_clips`:
 the clipped range is then one run of the merged group); a K group an operand's
 order splits gives its outer edges to taps, loops of calls that add into the
-result, when at least MIN_TAP_K of K is left to each call (`_taps_for_split_k`: a
+result, when at least `Options.layout_tap_min_k` of K is left to each call (`_taps_for_split_k`: a
 2-D convolution's kernel gradient sums 16 images by 16 accumulating calls instead
 of copying its two operands, 4 MB and 19 MB, into transposed temporaries); a result
 whose fixed order (an argument's, an output's) makes BLAS write a matrix at least
-TALL times wider than tall, over a long sum, is computed the other way round into a
+`Options.layout_tall` times wider than tall, over a long sum, is computed the other way round into a
 temporary and copied (`_tall_result`: OpenBLAS runs tall matrices faster); an
 operand that still splits a group, or whose group order disagrees with the other
 buffer, gets a copy kernel into a temporary in the canonical form, or its transpose
 when the result is column-major (then the product is computed as C^T = B^T A^T, and
 B^T's K or A^T's M is contiguous: what tgc's own CPU kernel needs of its left
-operand; conv1d's input gradient 13.6 -> 11.2 Mcycles on 2 threads). These are the
+operand; conv1d's input gradient: 11.2 Mcycles on 2 threads, 13.6 with a copy in the
+canonical form). These are the
 only copies this pass inserts. Each of these only moves edges between the groups and the
 loops around the calls, so every term of the product is still added exactly once.
 Finally each loop kernel's loops are ordered: the innermost is the variable with
@@ -65,8 +66,6 @@ from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower.indexing import edge_size
 
-MIN_TAP_K = 256   # the shortest K left to each call when split K edges become taps
-
 
 @dataclass(frozen=True)
 class Layout(Pass[Lowered, Lowered]):
@@ -79,8 +78,8 @@ class Layout(Pass[Lowered, Lowered]):
     def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("layout")
         guess = options.rep_size if self.rep_size is None else self.rep_size
-        _order_buffers(out, guess)
-        _fix_gemms(out, guess)
+        _order_buffers(out, guess, options)
+        _fix_gemms(out, guess, options)
         out.kernels = [_tighten(_order_loops(out, k, guess)) if isinstance(k, LoopKernel) else k
                        for k in out.kernels]
         return out
@@ -89,7 +88,7 @@ class Layout(Pass[Lowered, Lowered]):
 # ------------------------------------------------------------------ buffer orders
 
 
-def _order_buffers(low: Lowered, guess: int) -> None:
+def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
     gemm_uses: dict[str, tuple[GemmKernel, str]] = {}
     for k in low.kernels:
         if isinstance(k, GemmKernel):
@@ -122,7 +121,7 @@ def _order_buffers(low: Lowered, guess: int) -> None:
                 if matrix_form(want, mine.m, mine.n) is not None:
                     buf.order = want
             else:
-                buf.order = _suit_readers(low, k, buf.order, guess)
+                buf.order = _suit_readers(low, k, buf.order, guess, options.layout_short_sum)
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
@@ -161,16 +160,13 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
     return _pick(va, k.batch) + (n + m if size(m) < size(n) else m + n)
 
 
-SHORT_READER_SUM = 8   # readers summing at most this many terms (kernel taps) vote in `_suit_readers`
-
-
-def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: int) -> tuple[str, ...]:
+def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: int, short: int) -> tuple[str, ...]:
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
     else of the buffers they load whose order is known (`_reader_inner_vars`), so
     that their innermost loop is contiguous in both. Only when every reader is
-    elementwise or sums a few terms (at most SHORT_READER_SUM: kernel taps); a longer
+    elementwise or sums a few terms (at most `short`: kernel taps); a longer
     sum (a softmax's) keeps the default order. A 2-D convolution's input
     gradient `dx[b, c, h, w] = sum[kw] t[b, c, h, kw, w - kw + 1]` then reads the
     GEMM's rows along `w` instead of with a stride of c x kw. BLAS computes either
@@ -182,7 +178,7 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     if rest != m + n and rest != n + m:
         return order
     votes = {"m": 0, "n": 0}
-    rows = _summed_group(low, k, m, n, guess)
+    rows = _summed_group(low, k, m, n, guess, short)
     if rows is not None:
         inner, other = (m, n) if rows == "m" else (n, m)
         clipped = {e for _, e, _ in k.shifts}
@@ -192,7 +188,7 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     for r in low.kernels:
         if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
             continue
-        if any(not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM for v in r.red):
+        if any(not isinstance(r.sizes[v], int) or r.sizes[v] > short for v in r.red):
             return order   # a longer sum (a softmax's) has its say in the default order
         for var in _reader_inner_vars(low, r, k.out):
             for load in _loads(r):
@@ -230,7 +226,8 @@ def _reader_inner_vars(low: Lowered, r: LoopKernel, result: str) -> list[str]:
     return [v for ix in inner if ix is not None and (v := ix.as_var()) is not None]
 
 
-def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int) -> str | None:
+def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int,
+                  short: int) -> str | None:
     """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
     over, each along its rows (a softmax's max, log-sum-exp and sums over the key
     edge `s` of the `[t, s]` scores), when they agree on one and it is the larger
@@ -239,7 +236,7 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
     and the CPU group stage keeps one row, not a block of columns, in its scratch (a
     `[64, s]` block of scores in a streamed loop step is otherwise stored with its
     short edge innermost). A reader votes when it sums a whole group (of more than
-    SHORT_READER_SUM elements) and keeps the other: a full sum (a loss) has no rows.
+    `short` elements) and keeps the other: a full sum (a loss) has no rows.
     None when none votes, they disagree, or the groups tie in size (the size rule's
     order stays: GPT's `[t, t]` scores inside its layer loop)."""
     env = {d: guess for d in low.module.symbolic_dims()}
@@ -248,7 +245,7 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
     for r in low.kernels:
         if not isinstance(r, LoopKernel) or k.out not in r.buffers_read() or not r.red:
             continue
-        long = {v for v in r.red if not isinstance(r.sizes[v], int) or r.sizes[v] > SHORT_READER_SUM}
+        long = {v for v in r.red if not isinstance(r.sizes[v], int) or r.sizes[v] > short}
         if not long:
             continue
         for load in _loads(r):
@@ -337,24 +334,24 @@ def _follow_loads(low: Lowered, k: LoopKernel, buf: Buffer) -> tuple[str, ...]:
 # ------------------------------------------------------------------ GEMMs
 
 
-def _fix_gemms(low: Lowered, guess: int) -> None:
+def _fix_gemms(low: Lowered, guess: int, options: Options) -> None:
     kernels = []
     for k in low.kernels:
         if isinstance(k, GemmKernel):
-            kernels += _fix_gemm(low, k, guess)
+            kernels += _fix_gemm(low, k, guess, options)
         else:
             kernels.append(k)
     low.kernels = kernels
 
 
-def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
+def _fix_gemm(low: Lowered, k: GemmKernel, guess: int, options: Options) -> list:
     if k.cplx is not None:
         return _fix_complex_gemm(low, k)
     va, vb = _view_order(low, k.a), _view_order(low, k.b)
     vc = low.buffers[k.out].order
     k = _demote(k, vc)
     k = _fit_clips(k, va, vb, vc)
-    k = _taps_for_split_k(low, k, va, vb, guess)
+    k = _taps_for_split_k(low, k, va, vb, guess, options.layout_tap_min_k)
     fa, fb, fc = matrix_form(va, k.m, k.k), matrix_form(vb, k.k, k.n), matrix_form(vc, k.m, k.n)
     m = fc[0] if fc else fa[0] if fa else k.m
     n = fc[1] if fc else fb[1] if fb else k.n
@@ -372,7 +369,7 @@ def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
         a = _copy_view(low, k.a, _pick(va, _present(k.a, k.batch + k.taps)) + (kk + m if flipped else m + kk), before)
     if not fb or fb[:2] != (kk, n):
         b = _copy_view(low, k.b, _pick(vb, _present(k.b, k.batch + k.taps)) + (n + kk if flipped else kk + n), before)
-    tall = fc is not None and _tall_result(low, k, fc, guess)
+    tall = fc is not None and _tall_result(low, k, fc, guess, options)
     if not fc or fc[:2] != (m, n) or tall:
         out = low.fresh("t")
         inner = (n + m if fc[2] else m + n) if tall else m + n
@@ -382,16 +379,12 @@ def _fix_gemm(low: Lowered, k: GemmKernel, guess: int) -> list:
     return before + [replace(k, a=a, b=b, out=out, m=m, n=n, k=kk)] + after
 
 
-TALL = 4              # a result whose columns outnumber its rows this many times ...
-TALL_MIN_K = 4096     # ... summed over at least this many terms is computed transposed
-
-
-def _tall_result(low: Lowered, k: GemmKernel, fc, guess: int) -> bool:
+def _tall_result(low: Lowered, k: GemmKernel, fc, guess: int, options: Options) -> bool:
     """Whether to compute the product into a temporary that holds its matrix the
     other way round, then copy it into the result: when the result's order (an
     argument's or output's, fixed) makes the matrix BLAS writes (C': rows by its
-    contiguous columns) at least TALL times wider than tall, and each element sums
-    TALL_MIN_K terms or more (over K and the taps), so the copy costs nothing next to
+    contiguous columns) at least `options.layout_tall` times wider than tall, and each
+    element sums `options.layout_tall_min_k` terms or more (over K and the taps), so the copy costs nothing next to
     the product. numpy's OpenBLAS runs tall C' faster on the reference machine (one
     thread, minimum of 300 calls): 64 x 288 x 1024 with B transposed at 130 GFLOP/s,
     the same product as 288 x 64 at 177. A 2-D convolution's kernel gradient
@@ -404,7 +397,8 @@ def _tall_result(low: Lowered, k: GemmKernel, fc, guess: int) -> bool:
     def size(g):
         return math.prod(size_estimate(low.size(e), env) for e in g)
     rows, cols = (fc[0], fc[1]) if fc[2] else (fc[1], fc[0])
-    return size(cols) >= TALL * size(rows) and size(k.k) * size(k.taps) >= TALL_MIN_K
+    return (size(cols) >= options.layout_tall * size(rows)
+            and size(k.k) * size(k.taps) >= options.layout_tall_min_k)
 
 
 def _fix_complex_gemm(low: Lowered, k: GemmKernel) -> list:
@@ -471,11 +465,11 @@ def _run_from(order, group, e) -> tuple[str, ...]:
     return tuple(run)
 
 
-def _taps_for_split_k(low: Lowered, k: GemmKernel, va, vb, guess: int) -> GemmKernel:
+def _taps_for_split_k(low: Lowered, k: GemmKernel, va, vb, guess: int, min_k: int) -> GemmKernel:
     """Where an operand's order splits the K group (`dK[o, c] = sum_{b, s} dy[b, o, s]
     col[b, c, s]`: `b` is outside `o` and `c`), the outermost K edges become taps,
     loops of calls that add into the result, when what is left of K is at least
-    MIN_TAP_K long: one accumulating call per batch index instead of a transposing
+    `min_k` long: one accumulating call per batch index instead of a transposing
     copy of both operands (a 2-D convolution's kernel gradient)."""
     if va is None or vb is None or (matrix_form(va, k.m, k.k) and matrix_form(vb, k.k, k.n)):
         return k
@@ -489,7 +483,7 @@ def _taps_for_split_k(low: Lowered, k: GemmKernel, va, vb, guess: int) -> GemmKe
             if not rest or not (matrix_form(va, k.m, rest) and matrix_form(vb, rest, k.n)):
                 continue
             length = math.prod(size_estimate(low.size(e), env) for e in rest)
-            if length >= MIN_TAP_K and (best is None or length > best[0]):
+            if length >= min_k and (best is None or length > best[0]):
                 best = (length, out, rest)
     if best is None:
         return k

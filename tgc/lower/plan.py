@@ -70,7 +70,8 @@ def _updates_in_place(low: Lowered) -> None:
     final copy) where nothing reads the old value after the temporary's producer.
     The conditions of one target do not depend on another's renaming (each names its
     own temporary and target), so every kernel's reads and writes are computed once
-    and all renamings are applied in one pass (GPT's 40 targets: 87 -> 11 ms)."""
+    and all renamings are applied in one pass (GPT's 40 targets: 11 ms, against 87 ms
+    with a pass per target)."""
     kernels = low.kernels
     reads = [_reads(k) for k in kernels]
     writes = [_writes(k) for k in kernels]

@@ -143,19 +143,21 @@ def define_fingerprint(mod: ir.Module, fingerprint: str) -> None:
     g.initializer = ir.Constant(typ, bytearray(data))
 
 
-def compile_cost(k) -> int:
-    """A rough estimate of LLVM's time on a kernel, in ms on this machine (fitted to
-    measured times of the benchmark workloads' kernels, correlation ~0.8): a GEMM is
+def compile_cost(k, cpu: CpuOptions) -> int:
+    """A rough estimate of LLVM's time on a kernel, in ms (the `*_compile_cost` fields
+    of `cpu`, fitted to measured times of the benchmark workloads' kernels): a GEMM is
     three functions of fixed size, more with taps; a loop kernel costs more per
     member and loop, and much more when its sums go into per-block partials (rows of
     known length, unrolled and vectorized in several copies)."""
     if isinstance(k, GemmKernel):   # the entry is not optimized, nor an unbatched work function
-        return (14 if k.batch else 8) + 26 * len(k.taps)
+        return ((cpu.batched_gemm_compile_cost if k.batch else cpu.gemm_compile_cost)
+                + cpu.tap_compile_cost * len(k.taps))
     if isinstance(k, ImplicitGemm):   # the GEMM and its own copy of the f32 kernel
-        return compile_cost(k.gemm) + 40
+        return compile_cost(k.gemm, cpu) + cpu.implicit_compile_cost
     members = k.members if isinstance(k, LoopGroup) else (k,)
     blocked = isinstance(k, LoopGroup) and k.blocks > 1
-    return 10 + 4 * len(members) + 2 * sum(len(m.loops) for m in members) + 70 * blocked
+    return (cpu.loop_compile_cost + cpu.member_compile_cost * len(members)
+            + cpu.member_loop_compile_cost * sum(len(m.loops) for m in members) + cpu.blocked_compile_cost * blocked)
 
 
 class _ModuleGen:
@@ -175,10 +177,10 @@ class _ModuleGen:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
         self.unit: dict = {}
         costs: dict = {}
-        for key, (_, k) in zip(self.keys, self.flat):
-            costs.setdefault(key, compile_cost(k))
-        gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
         cpu = self.opt.cpu
+        for key, (_, k) in zip(self.keys, self.flat):
+            costs.setdefault(key, compile_cost(k, cpu))
+        gemms = any(isinstance(k, GemmKernel) for _, k in self.flat)
         load = ([cpu.entry_compile_cost + cpu.call_compile_cost * len(self.flat) + cpu.tile_compile_cost * gemms]
                 + [0] * (units - 1))
         for key, cost in sorted(costs.items(), key=lambda kv: -kv[1]):  # stable: ties keep first-use order
@@ -336,7 +338,7 @@ class _ModuleGen:
 
     def run_fn(self, checks, kernels) -> None:
         fn = define(self.mod, sizecheck.INNER_RUN, I32, [PTR] * 4)   # exported checked: sizecheck
-        optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit 130 -> 112 ms to compile
+        optimize_not(fn)   # calls, mostly (see `helper`): the MLP's first unit compiles in 112 ms, 130 optimized
         dims, args, outs, ws = fn.args
         f = Frame(fn, self.low.module, dims, self.low.edges)
         b = f.b
@@ -467,7 +469,7 @@ class _ModuleGen:
         tgc shares the cores itself (its tiled GEMMs and loops on libgomp); a GEMM
         below `gemm_parallel_min_flops` is one cblas call, which OpenBLAS would
         otherwise thread on its own pool, whose spinning then takes the cores from
-        tgc's threads (an MLP step: 82 -> 70 us). Process-wide, but only during the
+        tgc's threads (an MLP step: 70 us, 82 with OpenBLAS threading). Process-wide, but only during the
         call, and restored only by the call that changed it, so overlapping calls
         from several threads end with the caller's setting."""
         b = f.b
@@ -587,7 +589,7 @@ class _ModuleGen:
     # lower right after a region: `tgc.region` notes the time-stamp counter at the end
     # of each region, and a kernel that starts less than `options.cpu.warm_cycles`
     # later uses the `_warm` threshold. (GPT's step: many small kernels between large
-    # ones, 4.8 -> 4.2 ms; an MLP step, whose kernels are all small, never starts a
+    # ones, 4.2 ms, 4.8 with one threshold; an MLP step, whose kernels are all small, never starts a
     # region and stays serial.) While other processes hold the cores, the measured lag
     # of a region raises both (`parallel.py`: contention).
 
@@ -610,8 +612,8 @@ class _ModuleGen:
 
     # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
     # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding
-    # their code once per kernel: GPT's first unit, with tgc_run, took 1.06 -> 0.92 s to
-    # compile (its tgc_run: 4569 -> 3001 lines of IR).
+    # their code once per kernel: GPT's first unit, with tgc_run, compiles in 0.92 s, 1.06
+    # with their code in every kernel's call (its tgc_run: 3001 lines of IR against 4569).
 
     def parallel_now(self) -> ir.Function:
         """`i1 tgc.parallel_now(work, limit)`: whether a kernel of this much work runs

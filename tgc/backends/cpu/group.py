@@ -52,7 +52,6 @@ from tgc.options import Options
 from tgc.ir.ops import EXPENSIVE   # never inlined into a reader (cost class heavy)
 from tgc.ir.passes import Pass
 
-INLINE_MAX_OPS = 3         # the most adds, products and cheap maps an inlined producer has
 BLOCK_EDGE = "#block"      # the partial buffers' block edge (not a name of the language)
 
 
@@ -254,7 +253,7 @@ class _Grouper(Grouper):
             k = next(m for m in ks if m.out == name)
             if set(bufs[name].edges) == set(outer):
                 regs.append(name)
-            elif not k.reduce and _cheap(k.body) and k is not ks[-1]:
+            elif not k.reduce and _cheap(k.body, self.opt.cpu.group_inline_max_ops) and k is not ks[-1]:
                 ks = [m for m in ks if m is not k]
                 ks = [_inline(m, k) for m in ks]
                 del self.out.buffers[name]
@@ -472,11 +471,11 @@ def _walk_kernel(k: LoopKernel):
         yield from walk(k.epilogue)
 
 
-def _cheap(e) -> bool:
-    """Few cheap operations (recomputed by each reader instead of stored)."""
+def _cheap(e, most: int) -> bool:
+    """Few cheap operations, at most `most` (recomputed by each reader instead of stored)."""
     nodes = list(walk(e))
     ops = [n for n in nodes if isinstance(n, (Add, Mul, Map))]
-    return (len(ops) <= INLINE_MAX_OPS and not any(isinstance(n, Map) and n.fn in EXPENSIVE for n in ops)
+    return (len(ops) <= most and not any(isinstance(n, Map) and n.fn in EXPENSIVE for n in ops)
             and not any(isinstance(n, (Mask, Rand)) for n in nodes))
 
 

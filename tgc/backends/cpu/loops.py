@@ -207,7 +207,7 @@ def factor_order(args) -> list[int]:
     """The order in which a product's factors are multiplied: those that depend on
     fewer loop variables first (stable). The product of the factors an inner loop does
     not change is then a prefix that LLVM hoists out of it: a layernorm's gradient
-    term xhat * g * r * r / d was four multiplications per element, now one. Each
+    term xhat * g * r * r / d takes one multiplication per element, not four. Each
     order rounds n - 1 times (the same error bound); the order is a function of the
     expression alone, so an expression recomputed in another kernel or loop nest has
     the same bits there. Not under --fp-strict (the source's order)."""
@@ -721,8 +721,8 @@ class LoopGen(ExprVisitor):
             return self.b.fadd(acc, x, flags=self.sum_flags)
         if kind == "maxshift":
             # maxnum, not maximum: no NaN or signed-zero care per step. Rows of 11 that
-            # LLVM unrolls into a chain: 107 -> 65 us per 2112 rows; rows of 64 that it
-            # vectorizes: 50 -> 56 us per 704 (a compare and select: 63 and 84)
+            # LLVM unrolls into a chain: 65 us per 2112 rows, 107 with maximum; rows of 64
+            # that it vectorizes: 56 us per 704, 50 with maximum (a compare and select: 63 and 84)
             return self.b.call(intrinsic(self.b, "maxnum", self.fp, 2), [acc, x])
         return self.b.call(intrinsic(self.b, "maximum" if kind == "max" else "minimum", self.fp, 2), [acc, x])
 

@@ -2,8 +2,7 @@
 `options.cpu` (`Options(cpu=CpuOptions(threads=1))`).
 
 Plain data (no imports): the neutral options module nests it. Every tuned number of
-the CPU backend is a field here, not a module-level constant (one is left to move:
-group.py's `INLINE_MAX_OPS`). A field changes
+the CPU backend is a field here, not a module-level constant. A field changes
 what code is generated (so it is part of the code cache's key), except `compile_jobs`,
 which only splits the work of compiling it, and `recycle_min_bytes` and `recycle_kept`,
 which the runtime reads. docs/optimization.md ("Tuned numbers") gives the measurement
@@ -50,13 +49,23 @@ class CpuOptions:
     own_gemm_min_depth: int = 256            # ... for tiles summing at least this many terms ...
     own_gemm_min_cols: int = 512             # ... or with at least this many columns of C' (the normalized product) ...
     own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
-    implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (conv2d benchmark, 2 threads, with the own kernel's other changes of that stop: 18.5 -> 13.9-14.9 Mcycles of kernels)
+    implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
+    group_inline_max_ops: int = 3            # ... an elementwise member of at most this many adds, products and cheap maps is recomputed by each later member that reads it instead of stored (group._cheap; read by the group stage)
     # Tuned numbers of the code generator (docs/optimization.md, "Tuned numbers", gives each one's measurement):
     row_entry_work: int = 128                # work (parallel_min_work's units) of each entry into a kernel's innermost loop: its setup, masked tail and horizontal reduction (codegen.work_terms)
     entry_compile_cost: int = 0              # estimated compile cost (codegen.compile_cost's ms) of the entry points beyond their kernel calls, when the program is split into units for compile_jobs ...
     call_compile_cost: float = 0.5           # ... and of each kernel call in tgc_run ...
     tile_compile_cost: int = 100             # ... and of the GEMM tile helpers (gemm_small), compiled with the entry points in the first unit
+    # The estimate of each kernel's compile cost (codegen.compile_cost, ms), fitted to LLVM's measured times on the benchmark workloads' kernels (correlation ~0.8):
+    gemm_compile_cost: int = 8               # a GEMM kernel without batch edges (its entry is not optimized, nor an unbatched work function) ...
+    batched_gemm_compile_cost: int = 14      # ... one with batch edges ...
+    tap_compile_cost: int = 26               # ... and this more per tap
+    implicit_compile_cost: int = 40          # an implicit GEMM: its GEMM's, and this more for its own copy of the f32 kernel
+    loop_compile_cost: int = 10              # a loop kernel or loop group: this ...
+    member_compile_cost: int = 4             # ... and this per member ...
+    member_loop_compile_cost: int = 2        # ... and this per loop of each member ...
+    blocked_compile_cost: int = 70           # ... and this for a group whose sums go into per-block partials
     gemm_min_tile: int = 16                  # GEMM tiles are not cut below this many rows or columns of C' (gemm.GemmGen.tiles) ...
     gemm_min_chunk: int = 64                 # ... nor below this many terms of K
     gemm_tap_tiles: int = 4                  # a GEMM with shifts (convolution taps) that cblas runs is cut into this many times gemm_tiles tiles

@@ -215,7 +215,7 @@ class _Ops:
 
     def ldexp(self, x, n):
         """x * 2**n, rounded once (llvm.ldexp: one vscalef on AVX-512, where exp
-        took 47 -> 38 us per 135168 floats on one thread against two multiplies by
+        took 38 us per 135168 floats on one thread, 47 with two multiplies by
         powers of two; without AVX-512 LLVM may expand it into library calls, so it is
         used only with `scalef`)."""
         i32 = ir.IntType(32)

@@ -26,11 +26,11 @@ What each kernel kind becomes (the meaning is `tgc.lower.interp`'s):
   rows, the chunks' partials added in chunk order by a second kernel: coalesced, and
   the same bits on every run;
 - a `RowGroup` (the backends' own `rowgroup` stage, `rows.py`) is one kernel with
-  two variants, a block or a warp per row (`rowgroup`): each member in turn over
+  two variants, a block or a warp per row (`rowgen.py`): each member in turn over
   the row, reductions by warp shuffles and shared memory, a row's values in
   registers, the row's elements in registers where it fits; its column sums (bias
   and weight gradients that joined it) as a partial row per slot of rows, added in
-  slot order by one more kernel (`row_columns`);
+  slot order by one more kernel (`RowGroupGen.row_columns`);
 - a scatter kernel is two launches: a grid-stride fill of the output (0, or -inf/inf
   for a segment max/min), then one thread per point combining its term with
   `atomicAdd` (the order of the additions is not fixed: sums agree to rounding, not
@@ -66,19 +66,19 @@ from __future__ import annotations
 
 import functools
 import math
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from tgc.backends.base import BackendUnavailable
+from tgc.backends.cuda.ctext import Ctx as _Ctx, decompose, loads_of, split_flat
+from tgc.backends.cuda.launches import COL_SCRATCH, CudaModule, CudaUnsupported, Launch
 from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.options import CudaOptions
-from tgc.backends.cuda.rows import RowGroup, column_member, inner_loops
+from tgc.backends.cuda.rowgen import RowGroupGen
+from tgc.backends.cuda.rows import RowGroup
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, neg, walk,
                             wide_sum)
 from tgc.ir.ops import FNS
-from tgc.ir.sizes import Size, SizeOp, size_eval
+from tgc.ir.sizes import Size, SizeOp
 from tgc.lower.visit import ExprVisitor
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
@@ -126,23 +126,8 @@ def header() -> str:
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
 BLOCK = 256          # threads per block on a GPU
-# the blocks per multiprocessor a row group's launch bounds ask for: one, so ptxas may
-# give a thread up to 255 registers for the row it holds (`row_regs`); left to itself it
-# capped some variants at 128 and spilled (ptxas -v, sm_90: the f64 layernorm's warp
-# variant, the GPT's attention and layernorm groups at 80)
-ROW_MIN_BLOCKS = 1
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
-COL_SCRATCH = "$colpart"   # the binding's scratch of chunk partials (doubles), a column kernel's last buffer
-
-
-def row_slots(nrows: int, ncols: int, slot_rows: int, slot_elems: int) -> int:
-    """The slots of rows a row group's fused column sums deal `nrows` rows to, for
-    `ncols` columns (`tgc_row_slots` of tgc_ops.cuh: the same formula;
-    `CudaOptions.row_slot_rows`, `row_slot_elems`): a function of the sizes only."""
-    by_rows = -(-nrows // max(1, slot_rows))
-    by_elems = -(-slot_elems // ncols) if ncols > 0 else by_rows
-    return min(by_rows, by_elems)
 
 
 def col_chunks(nred: int, ncols: int) -> int:
@@ -151,72 +136,6 @@ def col_chunks(nred: int, ncols: int) -> int:
     per chunk, about COL_BLOCKS blocks in all; a function of the sizes only."""
     tiles = -(-ncols // COL_TILE)
     return max(1, min(-(-nred // COL_ROWS), -(-COL_BLOCKS // max(tiles, 1))))
-
-
-class CudaUnsupported(BackendUnavailable):
-    """The lowered program has a form the CUDA backend does not compile (yet); the
-    message starts "not supported by the cuda backend yet: " (exit 3 from the CLI)."""
-
-    def __init__(self, what: str):
-        super().__init__(f"not supported by the cuda backend yet: {what}")
-
-
-@dataclass
-class Launch:
-    """One step of a call, in order: a kernel launch (`kind` loop, zero or check) over
-    `total` work items (a size expression of the dims), a host-side GEMM, or a loop over
-    an edge run by the host (`kind` steps: `loop`, `body`, `carry`)."""
-    kind: str                         # loop | zero | check | rows | gemm | steps
-    name: str = ""                    # the kernel's name in the module ('' for gemm)
-    bufs: tuple[str, ...] = ()        # buffer arguments, in the kernel's parameter order
-    total: tuple[Size, ...] = ()      # the work items: the product of these sizes
-    gemm: GemmKernel | None = None
-    index: int = -1                   # the lowered kernel (or check) it comes from
-    row: str = ""                     # a reduction's one-block-per-output variant (kernel name), if any
-    red: tuple[Size, ...] = ()        # the reduced loops' sizes (the row variant runs when their product is large)
-    warp: str = ""                    # a row group's warp-per-row variant (kind rows; `name` is its block-per-row one)
-    inner: tuple[Size, ...] = ()      # a row group's row length (the warp variant runs when it is short)
-    writes: tuple[str, ...] = ()      # the buffers it writes, when more than its first (a row group)
-    col: str = ""                     # a column sum's tiled variant (`col_loop`): partials per chunk of rows
-    col_sum: str = ""                 # ... and the kernel adding its chunks' partials in order (when more than one)
-    loop: StepLoop | None = None      # kind steps: the loop over an edge, run by the host
-    body: list["Launch"] = field(default_factory=list)    # kind steps: its step's launches (the step's buffers)
-    carry: list["Launch"] = field(default_factory=list)   # kind steps: copies of the carries, after each step
-
-    # a row group with column sums: (rows' sizes, columns' sizes, column sums, slot_rows,
-    # slot_elems) of its partials in the scratch (`scratch`)
-    slots: tuple = ()
-
-    def scratch(self, env: dict) -> int:
-        """The doubles of scratch (COL_SCRATCH) this launch writes with these dims: a row
-        group's column partials, a slot row per column sum (0 if none)."""
-        if not self.slots:
-            return 0
-        rows, cols, count, slot_rows, slot_elems = self.slots
-        nrows = math.prod(size_eval(x, env) for x in rows)
-        ncols = math.prod(size_eval(x, env) for x in cols)
-        return count * ncols * row_slots(nrows, ncols, slot_rows, slot_elems)
-
-
-def all_launches(launches: list[Launch]):
-    """Every launch of the list and of the loops' steps and carry copies in it."""
-    for x in launches:
-        yield x
-        if x.kind == "steps":
-            yield from all_launches(x.body)
-            yield from all_launches(x.carry)
-
-
-@dataclass
-class CudaModule:
-    source: str
-    launches: list[Launch] = field(default_factory=list)
-    dims: tuple[str, ...] = ()        # the dim parameters every kernel takes, in order
-    dtype: str = "f32"
-
-    def kernel_names(self) -> list[str]:
-        return [n for x in all_launches(self.launches) if x.kind not in ("gemm", "steps")
-                for n in (x.name, x.row, x.warp, x.col, x.col_sum) if n]
 
 
 def generate(low: Lowered, prefix: str = "", cuda: CudaOptions | None = None) -> CudaModule:
@@ -302,7 +221,7 @@ class _Gen(ExprVisitor):
                 self.check(i, c)
         for i, k in enumerate(low.kernels):
             if isinstance(k, RowGroup):
-                self.rowgroup(i, k)
+                RowGroupGen(self, i, k).emit()
                 continue
             if isinstance(k, StepLoop):
                 self.steps(i, k)
@@ -579,7 +498,7 @@ class _Gen(ExprVisitor):
                 "t += (long long)gridDim.x * blockDim.x) {"]
         inner = []
         if kept:
-            inner += _split("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
+            inner += split_flat("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
         at = self.offset(k.out, k.index, ctx)
         store = f"p0[{at}]"
         if k.scatter:
@@ -639,7 +558,7 @@ class _Gen(ExprVisitor):
                  "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n4; "
                  "t += (long long)gridDim.x * blockDim.x) {"]
         lines.insert(0, "TGC_SIM_COUNT(0);")
-        lines += ["    " + x for x in _split("r", "t * 4", [(ctx.var[v], "", sz) for v, sz in zip(kept, sizes)])]
+        lines += ["    " + x for x in split_flat("r", "t * 4", [(ctx.var[v], "", sz) for v, sz in zip(kept, sizes)])]
         names = {}
         for j, e in enumerate(loads):
             names[e] = f"l{j}"
@@ -702,7 +621,7 @@ class _Gen(ExprVisitor):
         out_last = self.layout(k.out)[-1][0]
         if dict(k.index).get(out_last) != Ix.var(v_in) or self.low.size(out_last) != k.sizes[v_in]:
             return False
-        varying = [e for e in _loads_of(k) if any(v_in in ix.vars() for _, ix in e.index)]
+        varying = [e for e in loads_of(k) if any(v_in in ix.vars() for _, ix in e.index)]
         if k.epilogue is not None and any(set(k.red) & ix.vars() for e in walk(k.epilogue)
                                           if isinstance(e, Load) for _, ix in e.index):
             return False
@@ -736,7 +655,7 @@ class _Gen(ExprVisitor):
                     "const long long chunks = tgc_col_chunks(nred, tiles);"]
 
         def split(flat: str, names: dict) -> list[str]:
-            return _split("r", flat, [(names[v], "", sz) for v, sz in zip(kept, sizes)])
+            return split_flat("r", flat, [(names[v], "", sz) for v, sz in zip(kept, sizes)])
 
         def finish(total: str) -> list[str]:
             """The column `c`'s result from its sum `total`: epilogue, store."""
@@ -748,7 +667,7 @@ class _Gen(ExprVisitor):
                        "    " + self.store(k.out, "p0", self.offset(k.out, k.index, c), value), "}"])
 
         rows = (["for (long long q = q0 + warp; q < q1; q += warps) {"]
-                + ["    " + s for s in _decompose([(ctx.var[v], "", self.size(k.sizes[v])) for v in red],
+                + ["    " + s for s in decompose([(ctx.var[v], "", self.size(k.sizes[v])) for v in red],
                                                   [self.expr(k.body, ctx)])])
         # the scalar path: lane takes columns tile * TILE + lane + 32 * j, j < 4
         scalar = ["const long long c0 = tile * TGC_COL_TILE + lane;"]
@@ -756,7 +675,7 @@ class _Gen(ExprVisitor):
         for v in kept:
             scalar.append(f"long long {per[v]}[4];")
         scalar += ["#pragma unroll", "for (int j = 0; j < 4; ++j) {"]
-        scalar += ["    " + x for x in _split("r", "c0 + 32 * j < ncols ? c0 + 32 * j : 0LL",
+        scalar += ["    " + x for x in split_flat("r", "c0 + 32 * j < ncols ? c0 + 32 * j : 0LL",
                                               [(f"{per[v]}[j]", "", sz) for v, sz in zip(kept, sizes)], decl="")]
         scalar.append("}")
         c = _Ctx(ctx.ptrs, {**ctx.var, **{v: f"{per[v]}[j]" for v in kept}})
@@ -829,7 +748,7 @@ class _Gen(ExprVisitor):
         red = [v for v in k.loops if v in k.red]
         inner = []
         if kept:
-            inner += _split("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
+            inner += split_flat("r", "t", [(ctx.var[v], "", s) for v, s in zip(kept, sizes)])
         for v in red:
             lo, hi = self.red_range(k, v, ctx)
             i = ctx.var[v]
@@ -838,7 +757,7 @@ class _Gen(ExprVisitor):
 
         def over(stmts: list[str]) -> list[str]:
             head = ["for (long long q = threadIdx.x; q < cnt; q += blockDim.x) {"]
-            head += ["    " + x for x in _split("rq", "q", [(ctx.var[v], f"{ctx.var[v]}_lo + ", f"{ctx.var[v]}_n")
+            head += ["    " + x for x in split_flat("rq", "q", [(ctx.var[v], f"{ctx.var[v]}_lo + ", f"{ctx.var[v]}_n")
                                                             for v in red])]
             return head + ["    " + s for s in stmts] + ["}"]
 
@@ -881,388 +800,6 @@ class _Gen(ExprVisitor):
     def identity(self, e: Load) -> bool:
         """Whether `e` reads its buffer at the loop variables named like its edges."""
         return all(ix == Ix.var(b) for b, ix in e.index)
-
-    def rowgroup(self, i: int, g: RowGroup) -> None:
-        """One kernel for the row group `g` (`rows.py`), in two variants: one block per
-        row (`kI`) and one warp per row (`kI_warp`), the same body with `tpr` (threads
-        per row) blockDim.x or 32. For each row (a grid-stride loop over rows, the
-        same number of iterations for every thread, so barriers and shuffles are
-        reached by all), each member in turn: an elementwise member over the row's
-        elements strided by the threads; a member reducing to a value per row through
-        `tgc_row_reduce` (shuffles, then shared memory for a block), the value then in
-        a register of every thread (`s_NAME`), written by the row's first thread if
-        it has a buffer. A barrier (`tgc_row_sync`) comes before a member that reads
-        from memory what an earlier one wrote.
-
-        When every member runs over the same inner loops (with no bounds) and either
-        keeps them all or reduces them all (softmax, layernorm), a row of at most
-        `row_regs * tpr` elements is held in registers: thread `lane` keeps elements
-        lane + k * tpr, k < row_regs (`c_NAME[k]`), inputs read once at the row's
-        start, members' outputs stored only if read elsewhere; longer rows take the
-        path that reads and writes memory.
-
-        A column member (`rows.column_member`: `db[c] = sum[rows] ...`) is summed
-        while the row is in hand: the rows are dealt to slots (`row_slots`, a
-        function of the sizes: slot s takes rows s, s + slots, ... in order), a
-        row's thread adds its elements' terms to its columns' partials in double
-        (registers when the row is held in registers, else the slot's partial row in
-        the scratch `part`), and the slot's partial row is written to `part`; a
-        second kernel (`kI_cols`, one thread per column) adds the slots' partials in
-        slot order, applies the epilogue and stores. The same order of additions on
-        both paths, every run and every GPU."""
-        low = self.low
-        name = f"{self.prefix}k{i}"
-        bufs = g.buffers_used()
-        writes = sorted(g.writes(), key=bufs.index)
-        outer = list(g.outer)
-        cols = [m for m in g.members if column_member(m, outer, g.sizes)]
-        col_ids = [id(m) for m in cols]
-        col_outs = {m.out for m in cols}
-        row_writes = [w for w in writes if w not in col_outs]
-        allv = list(dict.fromkeys(v for m in g.members for v in m.loops))
-        var = {v: f"v{j}" for j, v in enumerate(allv)}
-        osizes = [self.size(g.sizes[v]) for v in outer]
-        scalars = {m.out for m in g.members if set(dict(m.index)) == set(outer)}
-        # C names of the values a thread holds: s_N (a row's value), c_N (its elements)
-        cid = {b: n for n, b in enumerate(dict.fromkeys([m.out for m in g.members] + bufs))}
-        reads_elsewhere = self._read_outside(i)
-        inner0 = inner_loops(g.members[0], outer)
-        if any(sorted(v for v in m.loops if v not in m.red) != sorted(inner0)
-               or any(m.sizes[v] != g.members[0].sizes[v] for v in inner0) for m in cols):
-            raise CudaUnsupported("a row group's column sum over other loops than its first member's")
-        uniform = all(id(m) in col_ids or set(inner_loops(m, outer)) == set(inner0)
-                      and all(m.sizes[v] == g.members[0].sizes[v] for v in inner0)
-                      and not (set(m.bounds) & set(inner0))
-                      and (set(m.red) == set(inner0) if m.reduce else not m.red)
-                      and (m.reduce or set(dict(m.index)) == set(outer) | set(inner0))
-                      for m in g.members) and bool(inner0)
-        red_member = next((m for m in g.members if m.reduce and id(m) not in col_ids), g.members[0])
-        row_len = tuple(red_member.sizes[v] for v in inner_loops(red_member, outer))
-        group = 4 if self.row_regs % 4 == 0 else 1   # a thread's registers hold groups of this many neighbours
-        shared: set[str] = set()
-
-        def ctx_new(cache: dict) -> _Ctx:
-            ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
-            ctx.vals = {s: f"s_{cid[s]}" for s in scalars}
-            ctx.cache = dict(cache)
-            return ctx
-
-        def reduce_stmts(m: LoopKernel, ctx: _Ctx, over) -> list[str]:
-            """`acc` of a member reducing to a value per row; `over(stmts)` runs
-            `stmts` over this thread's share of the reduced points."""
-            x = self.expr(m.body, ctx)
-            if m.reduce == "sum":
-                shared.add("double part_d[32];")
-                return (["double sum = 0.0;"] + over([f"sum += (double){x};"])
-                        + ["sum = tgc_row_reduce(sum, tgc_op_sum(), part_d, tpr);", "const tgc_t acc = (tgc_t)sum;"])
-            shared.add("tgc_t part_t[32];")
-            if m.reduce in ("max", "min"):
-                better = "!(v <= m)" if m.reduce == "max" else "!(v >= m)"
-                init = "-(tgc_t)TGC_INF" if m.reduce == "max" else "(tgc_t)TGC_INF"
-                return ([f"tgc_t m = {init};"] + over([f"const tgc_t v = {x};", f"if (m == m && ({better})) m = v;"])
-                        + [f"const tgc_t acc = tgc_row_reduce(m, tgc_op_{m.reduce}(), part_t, tpr);"])
-            out = ["tgc_t m = -(tgc_t)TGC_INF;"] + over([f"const tgc_t v = {x};", "if (v > m) m = v;"])
-            out += ["m = tgc_row_reduce(m, tgc_op_maxshift(), part_t, tpr);"]
-            if m.reduce == "maxshift":
-                return out + ["const tgc_t acc = m;"]
-            shared.add("double part_d[32];")
-            out += ["if (!tgc_finite(m)) m = (tgc_t)0;", "double sum = 0.0;"]
-            out += over([f"sum += (double)tgc_exp((tgc_t)({x} - m));"])
-            return out + ["sum = tgc_row_reduce(sum, tgc_op_sum(), part_d, tpr);",
-                          "const tgc_t acc = (tgc_t)(tgc_log((tgc_t)sum) + m);"]
-
-        def strided(loops: list[str], sizes: dict, stmts: list[str], cached: bool, count: str) -> list[str]:
-            """`stmts` over this thread's points of `loops` (the row's elements)."""
-            dec = _decompose([(var[v], "", self.size(sizes[v])) for v in loops], stmts)
-            if cached:   # register k holds element G * (lane + k / G * tpr) + k % G (less than row_regs * tpr)
-                return ([f"#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
-                         f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};",
-                         f"    if (q < {count}) {{"] + ["        " + s for s in dec + stmts] + ["    }", "}"])
-            return spread(count, [(var[v], "", self.size(sizes[v])) for v in loops], stmts)
-
-        def spread(count: str, loops: list, stmts: list[str]) -> list[str]:
-            """`stmts` over this thread's share of `count` points (q = lane, lane + tpr,
-            ...) split into `loops` (`_decompose`): in 32-bit indices when the count
-            allows (the row's index and its split, no 64-bit `%`), else in 64-bit."""
-            def loop(narrow: bool) -> list[str]:
-                head = (f"for (int q = (int)lane; q < (int)c; q += (int)tpr) {{" if narrow
-                        else "for (long long q = lane; q < c; q += tpr) {")
-                return [head] + ["    " + x for x in _decompose(loops, stmts, narrow) + stmts] + ["}"]
-            return (["{", f"    const long long c = {count};", "    if (c <= 2147483647LL - 1024LL) {   // q + tpr stays an int"]
-                    + ["        " + x for x in loop(True)] + ["    } else {"]
-                    + ["        " + x for x in loop(False)] + ["    }", "}"])
-
-        def preload(pre: list[Load], cache: dict) -> list[str]:
-            """The row's elements of the inputs `pre` into registers; in an f32 program
-            whose row is one loop, with the registers in groups of 4 neighbours, the
-            inputs read along it as one float4 load per group where the row length is
-            a multiple of 4 and their addresses are 16-byte aligned."""
-            ctx = ctx_new({})
-            scalar = strided(list(inner0), g.members[0].sizes,
-                             [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre], True, "cnt")
-            v = inner0[0]
-            wide = [e for e in pre if group == 4 and len(inner0) == 1 and low.dtype == "f32"
-                    and low.buffers[e.buf].dtype == "f32" and self.along(e, v, g.members[0].sizes[v])]
-            if not wide:
-                return scalar
-            rest = strided(list(inner0), g.members[0].sizes,
-                           [f"{cache[e.buf]}[k] = {self.expr(e, ctx)};" for e in pre if e not in wide], True, "cnt")
-            ptrs = dict.fromkeys(ctx.ptr(e.buf) for e in wide)
-            addr = [f"&{ctx.ptr(e.buf)}[{self.offset(e.buf, e.index, ctx)}]" for e in wide]
-            lines = []
-            for j, (e, a) in enumerate(zip(wide, addr)):
-                lines.append(f"const float4 l{j} = *reinterpret_cast<const float4*>({a});")
-                lines += [f"{cache[e.buf]}[4 * m + {c}] = l{j}.{comp};" for c, comp in enumerate("xyzw")]
-            dec = _decompose([(var[v], "", self.size(g.members[0].sizes[v]))], addr)
-            vec = (["TGC_SIM_COUNT(5);", "#pragma unroll", f"for (int m = 0; m < {self.row_regs // 4}; ++m) {{",
-                    "    const int q = 4 * ((int)lane + m * (int)tpr);", "    if (q < cnt) {"]
-                   + ["        " + x for x in dec + lines] + ["    }", "}"] + (rest if len(wide) < len(pre) else []))
-            cond = " && ".join([f"{self.size(g.members[0].sizes[v])} % 4 == 0"] + [f"tgc_aligned16({p})" for p in ptrs])
-            return ([f"if ({cond}) {{"] + ["    " + x for x in vec] + ["} else {"]
-                    + ["    " + x for x in scalar] + ["}"])
-
-        def members(cached: bool) -> list[str]:
-            body, unused = members_once(cached, set())
-            # a row a reader reads otherwise in the end (a column sum moved into the group)
-            # is not held: nvcc -Werror refuses a register array set and never read
-            return members_once(cached, unused)[0] if unused else body
-
-        def members_once(cached: bool, exclude: set[str]) -> tuple[list[str], set[str]]:
-            cache = {}
-            body: list[str] = []
-            if cached:
-                later = {e.buf for m in g.members for e in _loads_of(m) if self.identity(e)}
-                cache = {m.out: f"c_{cid[m.out]}" for m in g.members
-                         if not m.reduce and m.out not in scalars and m.out in later and m.out not in exclude}
-                pre = []
-                for m in g.members:
-                    for e in _loads_of(m):
-                        b = low.buffers.get(e.buf)
-                        if (e.buf in cache or e.buf in exclude or e.buf in scalars or b is None or e.buf in g.writes()
-                                or not self.identity(e) or not (set(b.edges) & set(inner0))
-                                or not set(b.edges) <= set(outer) | set(inner0)):
-                            continue
-                        cache[e.buf] = f"c_{cid[e.buf]}"
-                        pre.append(e)
-                for c in cache.values():
-                    body.append(f"tgc_t {c}[{self.row_regs}];")
-                if pre:
-                    body += preload(pre, cache)
-            written_mem: set[str] = set()
-            for m in g.members:
-                ctx = ctx_new(cache)
-                inner = list(inner_loops(m, outer))
-                if id(m) in col_ids:   # a column sum: this row's terms added to the slot's partials
-                    j = col_ids.index(id(m))
-                    x = self.expr(m.body, ctx)
-                    if cached:
-                        part = strided(list(inner0), m.sizes, [f"cp_{j}[k] += (double){x};"], True, "cnt")
-                    else:
-                        part = strided(list(inner0), m.sizes,
-                                       [f"part[{j}LL * S * ncols + s * ncols + q] += (double){x};"],
-                                       False, "(live ? ncols : 0LL)")
-                    if ctx.loaded & written_mem:
-                        body.append("tgc_row_sync(tpr);")
-                    body.append(f"// {(m.note or m.text().splitlines()[0])[:100]} (this row's column partials)")
-                    body += ["{"] + ["    " + x for x in part] + ["}"]
-                    continue
-                kept = [v for v in inner if v not in m.red]
-                store_ix = self.offset(m.out, m.index, ctx) if m.out in low.buffers else None
-                stored = m.out in low.buffers and (not cached or m.out not in cache or self._needs_store(g, m, i, reads_elsewhere))
-                part: list[str] = []
-                if m.out in scalars:
-                    if m.reduce:
-                        red = [v for v in m.loops if v in m.red]
-                        pre = []
-                        for v in red:
-                            lo, hi = self.red_range(m, v, ctx)
-                            pre.append(f"const long long {var[v]}_lo = {lo}, {var[v]}_n = max_ll({hi} - {var[v]}_lo, 0LL);")
-                        cnt = " * ".join(f"{var[v]}_n" for v in red) or "1LL"
-
-                        def over(stmts, red=red, cnt=cnt):
-                            if cached:
-                                return strided(list(inner0), m.sizes, stmts, True, "cnt")
-                            return spread(f"(live ? {cnt} : 0LL)",
-                                          [(var[v], f"{var[v]}_lo + ", f"{var[v]}_n") for v in red], stmts)
-
-                        part += ([] if cached else pre) + reduce_stmts(m, ctx, over)
-                        ctx.acc = "acc"
-                        value = self.expr(m.epilogue, ctx) if m.epilogue is not None else "acc"
-                    else:
-                        value = self.expr(m.body, ctx)
-                    part.append(f"s_{cid[m.out]} = {value};")
-                    if stored:
-                        part.append("if (lane == 0 && live) "
-                                    + self.store(m.out, f"p{bufs.index(m.out)}", store_ix, f"s_{cid[m.out]}"))
-                else:
-                    stmts: list[str] = []
-                    if m.reduce:
-                        stmts += self.reduction(m, ctx)
-                        ctx.acc = "acc"
-                        value = self.expr(m.epilogue, ctx) if m.epilogue is not None else "acc"
-                    else:
-                        value = self.expr(m.body, ctx)
-                    stmts.append(f"const tgc_t val = {value};")
-                    wide = cached and stored and self.wide_store(g, m, inner0, group)
-                    held = cache.get(m.out) if cached else None
-                    if wide and held is None:   # the row's values, for the float4 stores after
-                        held = f"o_{cid[m.out]}"
-                        part.append(f"tgc_t {held}[{self.row_regs}];")
-                    if held is not None:
-                        stmts.append(f"{held}[k] = val;")
-                    if stored and not wide:
-                        stmts.append(self.store(m.out, f"p{bufs.index(m.out)}", store_ix, "val"))
-                    count = "cnt" if cached else f"(live ? {' * '.join(self.size(m.sizes[v]) for v in kept) or '1LL'} : 0LL)"
-                    part += strided(list(inner0) if cached else kept, m.sizes, stmts, cached, count)
-                    if wide:
-                        part += self.row_stores(m, f"p{bufs.index(m.out)}", held, ctx, var[inner0[0]],
-                                                self.size(m.sizes[inner0[0]]), group)
-                if ctx.loaded & written_mem:
-                    body.append("tgc_row_sync(tpr);")
-                body.append(f"// {(m.note or m.text().splitlines()[0])[:100]}")
-                if m.out in scalars:
-                    body.append(f"tgc_t s_{cid[m.out]};")
-                body += ["{"] + ["    " + s for s in part] + ["}"]
-                if stored and m.out not in scalars:
-                    written_mem.add(m.out)
-            read = re.compile(r"\b(c_\d+)\[(?!k\] = |4 \* m \+ \d\] = )")   # a read, not a fill
-            used = {name for line in body if not line.startswith("tgc_t ") for name in read.findall(line)}
-            return body, {buf for buf, c in cache.items() if c not in used}
-
-        head = ["const unsigned lane = threadIdx.x % tpr, per = blockDim.x / tpr;",
-                f"const long long n = {' * '.join(osizes) or '1LL'};"]
-        if cols:
-            head += [f"const long long ncols = {' * '.join(self.size(g.members[0].sizes[v]) for v in inner0)};",
-                     f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, "
-                     f"{self.cuda.row_slot_elems}LL);   // slots of rows, a partial row each per column sum",
-                     f"const bool fits = {'true' if uniform else 'false'} && ncols <= {self.row_regs}LL * tpr;"
-                     "   // the partials in registers",
-                     "for (long long sbase = (long long)blockIdx.x * per; sbase < S; sbase += (long long)gridDim.x * per) {",
-                     "    const long long s = sbase + threadIdx.x / tpr;",
-                     "    const bool slive = s < S;"]
-            for j in range(len(cols)):
-                if uniform:
-                    head += [f"    double cp_{j}[{self.row_regs}];", "    #pragma unroll",
-                             f"    for (int k = 0; k < {self.row_regs}; ++k) cp_{j}[k] = 0.0;"]
-                head += [f"    if (!fits && slive) for (long long q = lane; q < ncols; q += tpr) "
-                         f"part[{j}LL * S * ncols + s * ncols + q] = 0.0;"]
-            head += ["    for (long long base = sbase; base < n; base += S) {   // the slot's rows, in order",
-                     "    const long long t = base + threadIdx.x / tpr;",
-                     "    const bool live = slive && t < n;"]
-        else:
-            head += ["for (long long base = (long long)blockIdx.x * per; base < n; base += (long long)gridDim.x * per) {",
-                     "    const long long t = base + threadIdx.x / tpr;",
-                     "    const bool live = t < n;"]
-        head += ["    " + x for x in _split("r", "live ? t : base", [(var[v], "", s) for v, s in zip(outer, osizes)])]
-        loop_body: list[str] = []
-        if uniform:
-            cnt = " * ".join(self.size(g.members[0].sizes[v]) for v in inner0)
-            loop_body.append(f"const long long cnt = live ? {cnt} : 0LL;")
-            loop_body.append(f"if ({cnt} <= {self.row_regs}LL * tpr) {{")
-            loop_body += ["    TGC_SIM_COUNT(1);"] + ["    " + s for s in members(True)]
-            loop_body.append("} else {")
-            loop_body += ["    TGC_SIM_COUNT(2);"] + ["    " + s for s in members(False)]
-            loop_body.append("}")
-        else:
-            loop_body += ["TGC_SIM_COUNT(2);"] + members(False)
-        tail = ["}"]
-        if cols:   # the slot's partials, from registers, after its last row
-            tail = ["}", "if (fits && slive) {", "    TGC_SIM_COUNT(6);"]
-            for j in range(len(cols)):
-                tail += ["    #pragma unroll", f"    for (int k = 0; k < {self.row_regs}; ++k) {{",
-                         f"        const long long q = {group} * ((long long)lane + k / {group} * (long long)tpr) + k % {group};",
-                         f"        if (q < ncols) part[{j}LL * S * ncols + s * ncols + q] = cp_{j}[k];", "    }"]
-            tail += ["} else if (slive) {", "    TGC_SIM_COUNT(7);", "}", "}"]
-            if not uniform:
-                tail = ["}", "if (slive) TGC_SIM_COUNT(7);", "}"]
-        body = ([f"__shared__ {d}" for d in sorted(shared)] + head + ["    " + s for s in loop_body]
-                + ["    " + s for s in tail[:-1]] + tail[-1:])
-        params = self.params(bufs, set(row_writes), scratch=bool(cols))
-        call = ", ".join([f"p{j}" for j in range(len(bufs))] + (["part"] if cols else [])
-                         + [self.dim_c[d] for d in self.dims] + ["err"])
-        note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
-        self.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
-                          + "\n".join("    " + line for line in body) + "\n}")
-        bounds = ROW_MIN_BLOCKS
-        self.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
-        self.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
-        scratch = (COL_SCRATCH,) if cols else ()
-        inner_sizes = tuple(g.members[0].sizes[v] for v in inner0)
-        slots = (tuple(g.sizes[v] for v in outer), inner_sizes, len(cols), self.cuda.row_slot_rows,
-                 self.cuda.row_slot_elems) if cols else ()
-        self.launches.append(Launch("rows", name, tuple(bufs) + scratch, tuple(g.sizes[v] for v in outer), index=i,
-                                    warp=name + "_warp", inner=row_len, writes=tuple(row_writes), slots=slots))
-        if cols:
-            self.row_columns(name + "_cols", i, g, cols, bufs, list(inner0), var, osizes, slots)
-
-    def row_columns(self, name: str, i: int, g: RowGroup, cols: list[LoopKernel], bufs: list[str],
-                    inner0: list[str], var: dict, osizes: list[str], slots: tuple) -> None:
-        """The kernel adding a row group's column partials (`rowgroup`): one thread per
-        column, the slots' partials in slot order, in double; then each column sum's
-        epilogue and store."""
-        ctx = _Ctx({b: f"p{j}" for j, b in enumerate(bufs)}, dict(var))
-        sizes = [self.size(g.members[0].sizes[v]) for v in inner0]
-        body = [f"const long long n = {' * '.join(osizes) or '1LL'}, ncols = {' * '.join(sizes)};",
-                f"const long long S = tgc_row_slots(n, ncols, {self.cuda.row_slot_rows}LL, {self.cuda.row_slot_elems}LL);",
-                "for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < ncols; "
-                "c += (long long)gridDim.x * blockDim.x) {"]
-        body += ["    " + x for x in _split("r", "c", [(var[v], "", sz) for v, sz in zip(inner0, sizes)])]
-        for j, m in enumerate(cols):
-            c = _Ctx(ctx.ptrs, dict(var))
-            c.acc = "acc"
-            value = self.expr(m.epilogue, c) if m.epilogue is not None else "acc"
-            body += ["    {", "        double total = 0.0;",
-                     f"        for (long long h = 0; h < S; ++h) total += part[{j}LL * S * ncols + h * ncols + c];",
-                     "        const tgc_t acc = (tgc_t)total;",
-                     "        " + self.store(m.out, f"p{bufs.index(m.out)}", self.offset(m.out, m.index, c), value),
-                     "    }"]
-        body.append("}")
-        outs = {m.out for m in cols}
-        self.kernel(name, self.params(bufs, outs, scratch=True), body,
-                    "row group's column sums: the slots' partials, in order")
-        self.launches.append(Launch("loop", name, tuple(bufs) + (COL_SCRATCH,),
-                                    tuple(g.members[0].sizes[v] for v in inner0), index=i, writes=tuple(sorted(outs)),
-                                    slots=slots))
-
-    def wide_store(self, g: RowGroup, m: LoopKernel, inner0, group: int) -> bool:
-        """Whether a row group member's output, held in registers, can be stored four
-        neighbours at a time (`row_stores`): an f32 program and buffer, a row of one
-        loop, registers in groups of 4, the output's contiguous edge along that loop."""
-        if group != 4 or len(inner0) != 1 or self.low.dtype != "f32" or self.low.buffers[m.out].dtype != "f32":
-            return False
-        v = inner0[0]
-        return self.along(Load(m.out, m.index), v, m.sizes[v])
-
-    def row_stores(self, m: LoopKernel, ptr: str, held: str, ctx: "_Ctx", v: str, size: str, group: int) -> list[str]:
-        """The stores of a row group member's values `held` (register k: element
-        4 * (lane + k / 4 * tpr) + k % 4 of the row, loop variable `v` of extent
-        `size`): one float4 per group of 4 where the row length is a multiple of 4
-        and the output 16-byte aligned (every row then starts aligned), else one
-        element at a time. The same values either way."""
-        at = self.offset(m.out, m.index, ctx)
-        dec = _decompose([(v, "", size)], [at])
-        vec = ["TGC_SIM_COUNT(8);", "#pragma unroll", f"for (int g4 = 0; g4 < {self.row_regs // group}; ++g4) {{",
-               "    const int q = 4 * ((int)lane + g4 * (int)tpr);", "    if (q < cnt) {"]
-        vec += ["        " + x for x in dec]
-        vec += ["        float4 o4;"] + [f"        o4.{c} = {held}[4 * g4 + {j}];" for j, c in enumerate("xyzw")]
-        vec += [f"        *reinterpret_cast<float4*>(&{ptr}[{at}]) = o4;", "    }", "}"]
-        one = ["#pragma unroll", f"for (int k = 0; k < {self.row_regs}; ++k) {{",
-               f"    const int q = {group} * ((int)lane + k / {group} * (int)tpr) + k % {group};", "    if (q < cnt) {"]
-        one += ["        " + x for x in dec] + [f"        {ptr}[{at}] = {held}[k];", "    }", "}"]
-        return ([f"if ({size} % 4 == 0 && tgc_aligned16({ptr})) {{"] + ["    " + x for x in vec] + ["} else {"]
-                + ["    " + x for x in one] + ["}"])
-
-    def _read_outside(self, i: int) -> set[str]:
-        """The buffers a kernel other than the `i`th reads."""
-        return {b for j, k in enumerate(self.low.kernels) if j != i for b in k.buffers_read()}
-
-    def _needs_store(self, g: RowGroup, m: LoopKernel, i: int, outside: set[str]) -> bool:
-        """Whether a member's output kept in registers must be written too: it is not
-        a temporary, another kernel reads it, or a member reads it elsewhere than at
-        the element the thread holds."""
-        if self.low.buffers[m.out].kind != "temp" or m.out in outside:
-            return True
-        return any(e.buf == m.out and not self.identity(e) for k in g.members for e in _loads_of(k))
 
     def guarded(self, k: LoopKernel, loops, ctx: "_Ctx", stmts: list[str]) -> list[str]:
         """`stmts` where every bounded loop variable among `loops` is within its bounds."""
@@ -1333,60 +870,3 @@ def _row_ok(k: LoopKernel) -> bool:
     if not k.reduce or k.scatter or not k.red or k.reduce not in ("sum", "max", "min", "maxshift", "logsumexp"):
         return False
     return all(not (ix.vars() & set(k.red)) for lo, hi in k.bounds.values() for ix in lo + hi)
-
-
-def _decompose(loops: list[tuple[str, str, str]], stmts: list[str], narrow: bool = False) -> list[str]:
-    """Statements splitting the flat index `q` into loop variables (name, offset
-    prefix, extent), innermost last, declaring only the variables `stmts` use;
-    `narrow`: in 32-bit arithmetic (`q` and every extent below 2^31)."""
-    import re
-
-    text = "\n".join(stmts)
-    used = [bool(re.search(rf"\b{name}\b", text)) for name, _, _ in loops]
-    if not any(used):
-        return []
-    out = ["int rq = q;" if narrow else "long long rq = q;"]
-    for j in reversed(range(len(loops))):
-        name, lo, n = loops[j]
-        n = f"(int)({n})" if narrow else n
-        line = f"const long long {name} = {lo}rq{f' % {n}' if j else ''};" if used[j] else ""
-        if any(used[:j]):
-            line += f" rq /= {n};"
-        if line:
-            out.append(line.strip())
-    return out
-
-
-def _split(r: str, flat: str, loops: list[tuple[str, str, str]], decl: str = "const long long ") -> list[str]:
-    """Statements splitting the flat index `flat` (less than the product of the
-    extents) into loop variables (name, offset prefix, extent), outermost first,
-    through the variable `r`: the outermost is what remains, with no remainder.
-    `decl` declares each name ('' assigns existing ones)."""
-    out = [f"long long {r} = {flat};"]
-    for j in reversed(range(len(loops))):
-        name, lo, n = loops[j]
-        out.append(f"{decl}{name} = {lo}{r}{f' % {n}; {r} /= {n};' if j else ';'}")
-    return out
-
-
-def _loads_of(k: LoopKernel):
-    """Every `Load` of a loop kernel's body and epilogue."""
-    for root in [k.body] + ([k.epilogue] if k.epilogue is not None else []):
-        for n in walk(root):
-            if isinstance(n, Load):
-                yield n
-
-
-@dataclass
-class _Ctx:
-    ptrs: dict[str, str]
-    var: dict[str, str] = field(default_factory=dict)
-    acc: str | None = None
-    vals: dict[str, str] = field(default_factory=dict)    # buffer -> the C value holding it at this row (row groups)
-    cache: dict[str, str] = field(default_factory=dict)   # buffer -> the register array holding this thread's elements
-    loaded: set = field(default_factory=set)              # buffers read from memory (row groups: barriers)
-    vec: dict = field(default_factory=dict)               # Load -> the float4 holding it (vector_loop)
-    comp: str = ""                                        # the float4 component this expression computes
-
-    def ptr(self, buf: str) -> str:
-        return self.ptrs[buf]

@@ -40,7 +40,7 @@ sum costs no more reads) and has fewer than `CudaOptions.row_columns_max` column
 (each keeps `row_regs` doubles a thread in registers); and the sum moves up to the
 group: no kernel in between writes a buffer it reads, or reads or writes its output.
 The kernel then sums it while the row is in hand (a partial per slot of rows, the
-slots' partials added in a fixed order by a second kernel: codegen's `rowgroup`)
+slots' partials added in a fixed order by a second kernel: `rowgen`)
 instead of a kernel reading the rows again; a temporary over the outer edges that now
 only the group reads becomes a register.
 

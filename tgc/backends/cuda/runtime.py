@@ -74,6 +74,7 @@ import numpy as np
 
 from tgc.backends.base import BackendUnavailable, Kernels
 from tgc.backends.cuda import blas, codegen, gemm
+from tgc.backends.cuda.launches import all_launches
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
 from tgc.ir.input_checks import EvalError, check_element_type, check_names, check_updated_dtype, dlpack_view
@@ -670,8 +671,8 @@ class CudaKernels(Kernels):
             total += -(-need // WS_ALIGN) * WS_ALIGN
         ws = dev.empty((max(total, 1),), np.uint8)
         temps = self._temps(low, env, ws, offsets, 0)
-        cols = [self._col_chunks(x, env) for x in codegen.all_launches(self._cm.launches)]
-        rows = [x.scratch(env) for x in codegen.all_launches(self._cm.launches) if x.slots]   # row groups' column partials
+        cols = [self._col_chunks(x, env) for x in all_launches(self._cm.launches)]
+        rows = [x.scratch(env) for x in all_launches(self._cm.launches) if x.slots]   # row groups' column partials
         if any(chunks for chunks, _ in cols) or rows:   # the column sums' partials (one scratch: they run in turn)
             temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols), *rows),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs

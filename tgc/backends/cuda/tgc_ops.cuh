@@ -181,10 +181,10 @@ TGC_DEV long long tgc_col_chunks(long long nred, long long tiles) {
     return c < 1 ? 1LL : c;
 }
 
-// A row group's column sums (codegen's `rowgroup`): rows dealt to slots (slot s: rows
+// A row group's column sums (rowgen.py): rows dealt to slots (slot s: rows
 // s, s + slots, ...), one partial row per slot, the slots' partials added in slot
 // order; the number of slots is a function of the sizes and the settings alone
-// (codegen.row_slots is the same formula): at least `slot_rows` rows per slot, at
+// (launches.row_slots is the same formula): at least `slot_rows` rows per slot, at
 // most about `slot_elems` partials per column sum.
 TGC_DEV long long tgc_row_slots(long long nrows, long long ncols, long long slot_rows, long long slot_elems) {
     const long long by_rows = (nrows + slot_rows - 1) / slot_rows;
