@@ -93,7 +93,7 @@ def manifest(low: Lowered, cm: codegen.CudaModule, emit: str, arch: str, cuda: C
     launches = _launches(low, cm.launches, cuda)
     doc = {
         "tgc": __version__, "format": emit, "arch": arch, "dtype": low.dtype,
-        "dims": list(cm.dims), "block": codegen.BLOCK,
+        "dims": list(cm.dims), "block": (cuda or CudaOptions()).block_threads,
         "kernel_params": "buffers (in each launch's order), then each dim as long long, then int* err",
         "args": args, "outputs": outs, "buffers": buffers,
         "workspace": {"align": WS_ALIGN, "slots": [[size_str(s) for s in sizes] for sizes in low.slots]},

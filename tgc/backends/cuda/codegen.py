@@ -125,7 +125,6 @@ def header() -> str:
 
 # functions of tgc.ir.ops.FNS not built here yet (none)
 NOT_YET: dict[str, str] = {}
-BLOCK = 256          # threads per block on a GPU
 # a column sum's tiles and chunks (tgc_ops.cuh's TGC_COL_TILE, TGC_COL_ROWS, TGC_COL_BLOCKS)
 COL_TILE, COL_ROWS, COL_BLOCKS = 128, 64, 1024
 
@@ -318,7 +317,7 @@ class _Gen(ExprVisitor):
         if self.guard and not check:
             body = ["if (*err) return;   // a check failed: nothing is written"] + body
         text = f"// {note}\n" if note else ""
-        bounds = f"{BLOCK}, {min_blocks}" if min_blocks else f"{BLOCK}"
+        bounds = f"{self.cuda.block_threads}, {min_blocks}" if min_blocks else f"{self.cuda.block_threads}"
         text += (f'extern "C" __global__ void __launch_bounds__({bounds}) {name}({params}) {{\n'
                  + "\n".join("    " + line for line in body) + "\n}")
         self.parts.append(text)
@@ -705,7 +704,7 @@ class _Gen(ExprVisitor):
                 vector.append(f"        sums[{j}] += (double){self.expr(k.body, cv)};")
             vector += ["    }", "}", "#pragma unroll",
                        "for (int j = 0; j < 4; ++j) part_c[warp][4 * lane + j] = sums[j];"]
-        body = [f"__shared__ double part_c[{BLOCK // 32}][TGC_COL_TILE];"] + geometry
+        body = [f"__shared__ double part_c[{self.cuda.block_threads // 32}][TGC_COL_TILE];"] + geometry
         body += ["const long long len = (nred + chunks - 1) / chunks;   // rows per chunk",
                  "const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;",
                  *([f"const bool vec = {cond};"] if vector else []),

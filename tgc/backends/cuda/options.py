@@ -39,9 +39,13 @@ class CudaOptions:
     # `row_block_max` whose threads hold the row in registers (`row_regs` elements
     # each), so a row of 1024 runs 128 threads (8 elements each, more blocks per
     # multiprocessor) and one of 4096 the most, `row_block_max` (at most the launch
-    # bounds' 256 threads, `codegen.BLOCK`).
+    # bounds' `block_threads`).
     row_block_min: int = 64
     row_block_max: int = 256
+    block_threads: int = 256  # threads per block of a launch, every kernel's __launch_bounds__ (a multiple of 32, at most 1024)
+    # the blocks per multiprocessor a row group's launch bounds ask for: one, so ptxas may
+    # give a thread up to 255 registers for the row it holds (`row_regs`)
+    row_min_blocks: int = 1
     arch: str = "sm_90"  # the GPU architecture `tgc build --target cuda` compiles for (nvcc -arch)
     grid_per_sm: int = 16     # on a GPU, a launch takes at most this many blocks per multiprocessor (grid-stride loops do the rest)
     bindings_kept: int = 4    # bindings of the dims kept per program (runtime._Binding: workspace, steps, graphs), most recently used first

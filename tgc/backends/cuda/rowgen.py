@@ -40,11 +40,6 @@ from tgc.backends.cuda.launches import COL_SCRATCH, CudaUnsupported, Launch
 from tgc.backends.cuda.rows import RowGroup, column_member, inner_loops
 from tgc.lower.lowered import Load, LoopKernel
 
-# the blocks per multiprocessor a row group's launch bounds ask for: one, so ptxas may
-# give a thread up to 255 registers for the row it holds (`row_regs`); left to itself it
-# capped some variants at 128 and spilled (ptxas -v, sm_90: the f64 layernorm's warp
-# variant, the GPT's attention and layernorm groups at 80)
-ROW_MIN_BLOCKS = 1
 
 
 class RowGroupGen:
@@ -147,7 +142,7 @@ class RowGroupGen:
         note = f"row group of {len(g.members)}: " + ", ".join(m.note or m.reduce or "map" for m in g.members)
         gen.parts.append(f"// {note}\nstatic __device__ __forceinline__ void {name}_body({params}, const unsigned tpr) {{\n"
                          + "\n".join("    " + line for line in body) + "\n}")
-        bounds = ROW_MIN_BLOCKS
+        bounds = gen.cuda.row_min_blocks
         gen.kernel(name, params, [f"{name}_body({call}, blockDim.x);"], "one block per row", min_blocks=bounds)
         gen.kernel(name + "_warp", params, [f"{name}_body({call}, 32u);"], "one warp per row", min_blocks=bounds)
         scratch = (COL_SCRATCH,) if cols else ()

@@ -21,7 +21,7 @@ the same orchestration for both devices, on what a binding of the dims keeps
 word; each launch as a step with its geometry and arguments fixed, each GEMM cell's
 call planned; a loop over an edge as a host loop over its steps, `_steps_fn`): the
 check kernels, then every launch in order, each a grid-stride loop
-over its work items, `BLOCK` threads per block and at most `CudaOptions.grid_per_sm`
+over its work items, `CudaOptions.block_threads` threads per block and at most `CudaOptions.grid_per_sm`
 blocks per multiprocessor on a GPU, small grids under the emulator (`SIM_BLOCK`, `SIM_GRID`),
 which is slow. The error word is read once: under cuda-sim right after the checks (an
 out-of-range id is the runtime's `EvalError` before any other kernel runs), on a GPU
@@ -202,6 +202,7 @@ class _CupyDevice:
             raise BackendUnavailable("backend 'cuda' needs CuPy and an NVIDIA GPU: no device found")
         self.cp = self.xp = cupy
         self.grid_max = options.cuda.grid_per_sm * _sm_count(cupy)
+        self.block_threads = options.cuda.block_threads
 
     def load(self, cm: codegen.CudaModule, options: Options) -> None:
         opts = ("--std=c++17",) + (("--fmad=false",) if options.fp_strict else ())
@@ -268,10 +269,10 @@ class _CupyDevice:
     def launcher(self, name: str, total: int, row: bool | str, dims: list[int], err, names: tuple,
                  threads: int = 0):
         """`go(bufs)`: kernel `name` launched on the buffers `names` over `total` work
-        items, `BLOCK` threads per block (or `threads`: a block-per-row launch's) and at
+        items, `block_threads` threads per block (or `threads`: a block-per-row launch's) and at
         most `grid_max` blocks (grid-stride loops do the rest), the dims and the error
         word fixed as the arguments' tail."""
-        threads = min(threads, codegen.BLOCK) if threads else codegen.BLOCK
+        threads = min(threads, self.block_threads) if threads else self.block_threads
         grid = (max(1, min(self.grid_max, _blocks(total, threads, row))),)
         block = (threads,)
         fn = self.fns[name]
