@@ -320,14 +320,19 @@ def nested_loops(module) -> int:
                for w in topo_order(list(v.attrs[0].results)) if w.op == "loop")
 
 
+@pytest.mark.parametrize("mask", ["where", "subtractive"])
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "gradients-under-a-budget"])
-def test_a_loop_body_streams(grads):
+def test_a_loop_body_streams(grads, mask):
     """A cluster inside a loop's step streams as a loop in the step. With gradients, the
     reverse loop keeps each step's values unless the memory planner keeps only the
-    carries (a budget): then the forward and the reverse steps both stream."""
+    carries (a budget): then the forward and the reverse steps both stream. The mask in
+    either form (examples/gpt2.tg's block subtracts it) lets each run skip keys."""
     import tgc
 
-    src = LAYERS + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
+    layers = LAYERS if mask == "where" else LAYERS.replace("where([s <= t], sum[hd](h * k), -1e9)",
+                                                           "sum[hd](h * k) - 1e9 * [s > t]")
+    assert mask == "where" or layers != LAYERS
+    src = layers + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
                     else "out y\n")
     extra = dict(memory_budget=400_000) if grads else {}   # met by keeping only the carries
     extra["stream_mask_groups"] = 2
@@ -412,6 +417,11 @@ def test_the_subtractive_causal_mask_skips_keys_as_where_does():
     it is 1 at the skipped keys, whose scores are then at most -1e9 + 1e7)."""
     causal = SUBTRACTIVE.replace("t = 32, hd = 2", "t = 256, hd = 16")
     ratio = step_flops(causal, 8) / step_flops(causal, 0)
+    assert 0.55 < ratio < 0.58, ratio
+    # the fill where the rejecting mask holds
+    rejecting = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16").replace(
+        "where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)", "where([s > t], -1e9, sum[hd](q * k) / sqrt(size(hd)))")
+    ratio = step_flops(rejecting, 8) / step_flops(rejecting, 0)
     assert 0.55 < ratio < 0.58, ratio
 
 
