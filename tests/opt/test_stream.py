@@ -180,19 +180,28 @@ def test_cpu_f32_and_f64_match_torch(name):
         close(prog(**inputs(src, dtype)), want, tol)
 
 
-def test_fully_masked_rows_as_unstreamed():
+@pytest.mark.parametrize("form", ["where", "subtractive"])
+def test_fully_masked_rows_as_unstreamed(form):
     """Rows whose keys are all masked give what the program without the pass gives (the
-    -1e9 scores' uniform weights), in f32 on the CPU too."""
+    -1e9 scores' uniform weights; with the fill subtracted, the weights of the scores
+    less 1e9, which the run keeping every key computes as unstreamed), in f32 on the CPU
+    too."""
     import tgc
 
-    x = inputs(MASKED)
-    got = evaluate(optimized(MASKED, "f64", **ON), x, dtype="f64")
-    want = evaluate(optimized(MASKED, "f64", **OFF), x, dtype="f64")
-    np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
+    src = MASKED if form == "where" else MASKED.replace("where([s + 4 <= t], sum[hd](q * k), -1e9)",
+                                                        "sum[hd](q * k) - 1e9 * [s + 4 > t]")
+    assert form == "where" or src != MASKED
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 2
+    x = inputs(src)
+    got = evaluate(streamed, x, dtype="f64")
+    want = evaluate(optimized(src, "f64", **OFF), x, dtype="f64")
+    if form == "where":
+        np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
     close(got, want, 1e-12)
-    x32 = inputs(MASKED, "f32")
-    on = tgc.compile(MASKED, "cpu", "f32", options=Options(**ON))(**x32)
-    off = tgc.compile(MASKED, "cpu", "f32", options=Options(**OFF))(**x32)
+    x32 = inputs(src, "f32")
+    on = tgc.compile(src, "cpu", "f32", options=Options(**ON))(**x32)
+    off = tgc.compile(src, "cpu", "f32", options=Options(**OFF))(**x32)
     close(on, {k: np.asarray(v, np.float64) for k, v in off.items()}, 1e-5)
 
 
@@ -429,6 +438,21 @@ def test_a_subtractive_mask_with_a_small_coefficient_keeps_every_key():
     """`- 10 * [s > t]` leaves the masked keys' weights exp(-10) of an admitted one's, not
     0: the loop runs over every key, and the result is the unstreamed one."""
     src = SUBTRACTIVE.replace("- 1e9 * [s > t]", "- 10 * [s > t]")
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_two_masks_skip_only_keys_both_mask():
+    """Softmax over the causal keys, then a window of them summed: a key before the
+    window is masked by the window's mask only, and the causal softmax needs it. A run
+    skips only the keys every mask masks (the join of their hulls: here none), and the
+    result is the unstreamed one."""
+    src = MASKED.replace("p = softmax[s](where([s + 4 <= t], sum[hd](q * k), -1e9))\ny = sum[s](p * v)",
+                         "p = softmax[s](where([s <= t], sum[hd](q * k), -1e9))\n"
+                         "y = sum[s](where([t - 8 <= s], p, 0) * v)")
+    assert src != MASKED
     streamed = optimized(src, "f64", **ON)
     assert loops(streamed) == 1
     x = inputs(src)
