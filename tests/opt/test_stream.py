@@ -120,10 +120,15 @@ out dWv = grad(loss, Wv)
 out dWo = grad(loss, Wo)
 """
 
+# examples/gpt2.tg's mask: a fill subtracted where the relation holds
+SUBTRACTIVE = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)",
+                                "sum[hd](q * k) / sqrt(size(hd)) - 1e9 * [s > t]")
+
 # a sliding window: a chain of two links that both name t
 WINDOW = MASKED.replace("[s + 4 <= t]", "[t - 8 <= s <= t]")
 
-PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED}
+PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
+            "subtractive": SUBTRACTIVE}
 # a masked program's blocks run as stream_mask_groups (2 in ON) loops, each over the keys its rows admit
 LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS}
 
@@ -175,19 +180,28 @@ def test_cpu_f32_and_f64_match_torch(name):
         close(prog(**inputs(src, dtype)), want, tol)
 
 
-def test_fully_masked_rows_as_unstreamed():
+@pytest.mark.parametrize("form", ["where", "subtractive"])
+def test_fully_masked_rows_as_unstreamed(form):
     """Rows whose keys are all masked give what the program without the pass gives (the
-    -1e9 scores' uniform weights), in f32 on the CPU too."""
+    -1e9 scores' uniform weights; with the fill subtracted, the weights of the scores
+    less 1e9, which the run keeping every key computes as unstreamed), in f32 on the CPU
+    too."""
     import tgc
 
-    x = inputs(MASKED)
-    got = evaluate(optimized(MASKED, "f64", **ON), x, dtype="f64")
-    want = evaluate(optimized(MASKED, "f64", **OFF), x, dtype="f64")
-    np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
+    src = MASKED if form == "where" else MASKED.replace("where([s + 4 <= t], sum[hd](q * k), -1e9)",
+                                                        "sum[hd](q * k) - 1e9 * [s + 4 > t]")
+    assert form == "where" or src != MASKED
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 2
+    x = inputs(src)
+    got = evaluate(streamed, x, dtype="f64")
+    want = evaluate(optimized(src, "f64", **OFF), x, dtype="f64")
+    if form == "where":
+        np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
     close(got, want, 1e-12)
-    x32 = inputs(MASKED, "f32")
-    on = tgc.compile(MASKED, "cpu", "f32", options=Options(**ON))(**x32)
-    off = tgc.compile(MASKED, "cpu", "f32", options=Options(**OFF))(**x32)
+    x32 = inputs(src, "f32")
+    on = tgc.compile(src, "cpu", "f32", options=Options(**ON))(**x32)
+    off = tgc.compile(src, "cpu", "f32", options=Options(**OFF))(**x32)
     close(on, {k: np.asarray(v, np.float64) for k, v in off.items()}, 1e-5)
 
 
@@ -315,14 +329,19 @@ def nested_loops(module) -> int:
                for w in topo_order(list(v.attrs[0].results)) if w.op == "loop")
 
 
+@pytest.mark.parametrize("mask", ["where", "subtractive"])
 @pytest.mark.parametrize("grads", [False, True], ids=["forward", "gradients-under-a-budget"])
-def test_a_loop_body_streams(grads):
+def test_a_loop_body_streams(grads, mask):
     """A cluster inside a loop's step streams as a loop in the step. With gradients, the
     reverse loop keeps each step's values unless the memory planner keeps only the
-    carries (a budget): then the forward and the reverse steps both stream."""
+    carries (a budget): then the forward and the reverse steps both stream. The mask in
+    either form (examples/gpt2.tg's block subtracts it) lets each run skip keys."""
     import tgc
 
-    src = LAYERS + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
+    layers = LAYERS if mask == "where" else LAYERS.replace("where([s <= t], sum[hd](h * k), -1e9)",
+                                                           "sum[hd](h * k) - 1e9 * [s > t]")
+    assert mask == "where" or layers != LAYERS
+    src = layers + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
                     else "out y\n")
     extra = dict(memory_budget=400_000) if grads else {}   # met by keeping only the carries
     extra["stream_mask_groups"] = 2
@@ -344,7 +363,8 @@ def step_flops(src: str, groups: int) -> int:
 
     opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
     module = optimized(src, "f32", **opts)
-    assert loops(module) == (max(groups, 1) if "where" in src else 1)
+    masked = "where" in src or "1e9 * [" in src
+    assert loops(module) == (max(groups, 1) if masked else 1)
     kernels = explain(lower_module(module, Options(**opts)), {})["kernels"]
     return sum(k["flops"] for k in kernels if k["kind"] == "steps")
 
@@ -400,22 +420,40 @@ def test_a_masked_cluster_streams_from_the_smaller_threshold():
     assert loops(optimized(late_bias, "f64", **opts)) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="stream_skip.exact proves only the where(mask, scores, fill) form: "
-                   "with scores - 1e9 * [s > t] (examples/gpt2.tg's mask) the skipped entries are an "
-                   "ordinary score plus -1e9 times an indicator that is 1 there, a state it does not track, "
-                   "so every step runs over all the keys (13.2 GFLOP against 7.4 at t = 4096)")
 def test_the_subtractive_causal_mask_skips_keys_as_where_does():
     """examples/gpt2.tg masks with `- 1e9 * [s > t]`: the same weights as
-    `where([s <= t], scores, -1e9)`, so the steps could skip the same keys."""
-    from tgc.explain import explain
-    from tgc.pipeline import lower_module
+    `where([s <= t], scores, -1e9)`, and the steps skip the same keys (the mask rejects:
+    it is 1 at the skipped keys, whose scores are then at most -1e9 + 1e7)."""
+    causal = SUBTRACTIVE.replace("t = 32, hd = 2", "t = 256, hd = 16")
+    ratio = step_flops(causal, 8) / step_flops(causal, 0)
+    assert 0.55 < ratio < 0.58, ratio
+    # the fill where the rejecting mask holds
+    rejecting = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16").replace(
+        "where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)", "where([s > t], -1e9, sum[hd](q * k) / sqrt(size(hd)))")
+    ratio = step_flops(rejecting, 8) / step_flops(rejecting, 0)
+    assert 0.55 < ratio < 0.58, ratio
 
-    causal = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16").replace(
-        "where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)", "sum[hd](q * k) / sqrt(size(hd)) - 1e9 * [s > t]")
 
-    def flops(groups: int) -> int:
-        opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
-        kernels = explain(lower_module(optimized(causal, "f32", **opts), Options(**opts)), {})["kernels"]
-        return sum(k["flops"] for k in kernels if k["kind"] == "steps")
+def test_a_subtractive_mask_with_a_small_coefficient_keeps_every_key():
+    """`- 10 * [s > t]` leaves the masked keys' weights exp(-10) of an admitted one's, not
+    0: the loop runs over every key, and the result is the unstreamed one."""
+    src = SUBTRACTIVE.replace("- 1e9 * [s > t]", "- 10 * [s > t]")
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
 
-    assert flops(8) / flops(0) < 0.6
+
+def test_two_masks_skip_only_keys_both_mask():
+    """Softmax over the causal keys, then a window of them summed: a key before the
+    window is masked by the window's mask only, and the causal softmax needs it. A run
+    skips only the keys every mask masks (the join of their hulls: here none), and the
+    result is the unstreamed one."""
+    src = MASKED.replace("p = softmax[s](where([s + 4 <= t], sum[hd](q * k), -1e9))\ny = sum[s](p * v)",
+                         "p = softmax[s](where([s <= t], sum[hd](q * k), -1e9))\n"
+                         "y = sum[s](where([t - 8 <= s], p, 0) * v)")
+    assert src != MASKED
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)

@@ -40,7 +40,9 @@ block of `E` at a time:
   added, the stacked results placed at their blocks. Causal attention then does about
   (n + 1) / 2n of the work over n runs. A run with a row that sees no key keeps every
   key, as does a step whose values over `s` the module cannot show to be exactly 0 (or
-  exactly too low to count in a max or logsumexp) at the skipped keys.
+  exactly too low to count in a max or logsumexp) at the skipped keys. A mask may admit
+  (`where([s <= t], scores, -1e9)`) or reject (`scores - 1e9 * [s > t]`: the keys where
+  its relation holds are the masked ones); the roles are tried all admitting first.
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -58,8 +60,9 @@ the pipeline). The reindexing by indicators selects exact values. The keys a run
 are masked for all its rows, and each of its rows sees a key: their weights are
 exactly 0 (exp of a score of -1e9 less the row max underflows in f32 and f64; of -inf
 is 0), so the sums over them add +0 and the max and logsumexp are unchanged, given
-admitted scores within +-1e7 (stream_skip's docstring states the check and the
-assumption); fully masked rows keep every key and give the unstreamed uniform weights.
+admitted scores within +-1e7, and for a subtracted fill the masked scores too
+(stream_skip's docstring states the check and the assumption); fully masked rows keep
+every key and give the unstreamed weights.
 
 When. A seed streams from `stream_min_elements`, or from `stream_min_elements_masked`
 (smaller) when its masks let some run skip keys: the skipped work pays for the loop.
@@ -76,6 +79,7 @@ fixed partition of the blocks (one pass over the step's values decides the skip)
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from tgc.ir import values as V
@@ -369,28 +373,41 @@ class _Streamer:
         s = others.pop()
         return s if isinstance(self.sizes.get(s), int) else None
 
-    def plan(self, r: _Region, n: int):
-        """stream_skip.groups for the masks of `r` (the streamed edge of size n), or None."""
+    def roles(self, r: _Region) -> list[frozenset[int]]:
+        """The roles the masks of `r` may play, as the sets of the indices of those that
+        reject (1 at the keys they mask: `- 1e9 * [s > t]`), all admitting first; only a
+        single-link mask rejects (the complement of a chain is a union)."""
+        single = [i for i, ind in enumerate(r.masks) if len(ind.attrs[0].ops) == 1][:3]
+        return [frozenset(i for i, f in zip(single, flips) if f)
+                for flips in itertools.product((False, True), repeat=len(single))]
+
+    def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset()):
+        """stream_skip.groups for the masks of `r` (the streamed edge of size n; those of
+        `reject` rejecting), or None."""
         s = self.key_edge(r)
         if s is None or self.groups <= 0:
             return None
-        return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)]) for ind in r.masks], s, n, self.sizes[s],
-                                  self.block, self.groups)
+        return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)], i in reject) for i, ind in enumerate(r.masks)],
+                                  s, n, self.sizes[s], self.block, self.groups)
 
     def skips(self, r: _Region, edge: str) -> bool:
-        """Whether the masks of `r` let some loop skip keys (a seed under
+        """Whether the masks of `r`, in some roles, let some loop skip keys (a seed under
         `stream_min_elements` streams only then)."""
-        return self.plan(r, self.sizes[edge]) is not None
+        return any(self.plan(r, self.sizes[edge], reject) is not None for reject in self.roles(r))
 
-    def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: set[int], n: int):
+    def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: list[Value], n: int):
         """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
-        over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), or
-        None: one loop over every key."""
-        plan = self.plan(r, n)
+        over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), for
+        the first roles of the masks (`masks`: their values in the step) that
+        stream_skip.exact shows exact; or None: one loop over every key."""
         s = self.key_edge(r)
-        if plan is None or not stream_skip.exact(body, s, masks, kinds):
-            return None
-        return s, plan
+        for reject in self.roles(r):
+            plan = self.plan(r, n, reject)
+            ones = frozenset(id(m) for i, m in enumerate(masks) if i in reject)
+            zeros = {id(m) for i, m in enumerate(masks) if i not in reject}
+            if plan is not None and stream_skip.exact(body, s, zeros, kinds, ones):
+                return s, plan
+        return None
 
     def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], runs, eb: str,
                   ec: str) -> dict[int, Value]:
@@ -515,7 +532,7 @@ class _Streamer:
             results.append(inner[id(v)])
         body = V.loop_body(params, results, len(r.carries), n_slices)
         memo: dict[int, Value] = {}
-        runs = self.runs(r, body, kinds, {id(inner[id(ind)]) for ind in r.masks}, n)
+        runs = self.runs(r, body, kinds, [inner[id(ind)] for ind in r.masks], n)
         if runs is None and skip_only:   # the edges made for it undone
             for live, old in zip((self.m.dims, self.m.edges, self.sizes, self.est), saved):
                 live.clear()

@@ -1,24 +1,33 @@
 """Masked keys a streamed step may skip (a helper of tgc.opt.stream).
 
 What it decides. A loop that `stream` builds over blocks of an edge `t` reads a mask
-(an indicator over `t` and one other edge `s`: causal `[s <= t]`, a window
-`[t - w <= s <= t]`). For a run of consecutive blocks, the keys `s` outside the hull
-`[lo, hi)` of what the mask admits for any of the run's rows are masked for every row
-of the run. `groups` splits the blocks into `options.stream_mask_groups` runs and
-gives each its hull; `stream` then builds one loop per run whose step is the step with
-`s` replaced by an edge of the hull's size at offset `lo` (`resized`): its scores,
-weights and their cotangents, its reductions over `s` and the carries that keep `s`
-(dk, dv) touch only the hull. A run with a row that the mask admits nowhere keeps the
-whole of `s` (that row's weights are uniform over every key: the unstreamed result).
+(an indicator over `t` and one other edge `s`). A mask admits (`where([s <= t], scores,
+-1e9)`, a window `[t - w <= s <= t]`: the keys where its relation holds) or rejects
+(`scores - 1e9 * [s > t]`, examples/gpt2.tg's form: the keys where its relation does
+not hold; only a single-link relation, whose complement is one link with the op
+negated). For a run of consecutive blocks, the keys `s` outside the hull `[lo, hi)` of
+what the masks admit for any of the run's rows are masked, by every mask, for every row
+of the run (with several masks the hull joins theirs). `groups` splits the blocks into
+`options.stream_mask_groups` runs and gives each its hull; `stream` then builds one loop
+per run whose step is the step with `s` replaced by an edge of the hull's size at offset
+`lo` (`resized`): its scores, weights and their cotangents, its reductions over `s` and
+the carries that keep `s` (dk, dv) touch only the hull. A run with a row that the masks
+admit nowhere (their hulls do not meet) keeps the whole of `s` (that row's weights are
+the unstreamed ones over every key). `stream` tries the roles of the masks in turn, all
+admitting first, and takes the first that `exact` shows exact.
 
 Why it is exact. `exact` checks the step, value by value, with what each value is at
 the skipped entries (masked for every row of the run):
-- Z, exactly 0: the mask itself; a product (contract, mul0) with a Z factor (the other
-  factors finite); a sum of Z values; `where(c, a, b)` with c Z and b Z or 0; exp of an
-  L value (it underflows to 0);
+- Z, exactly 0: an admitting mask; a product (contract, mul0) with a Z factor (the other
+  factors finite); a sum of Z values; `where(c, a, b)` with c Z and b Z or 0 (with c One:
+  a Z or 0); exp of an L value (it underflows to 0);
+- One, exactly 1: a rejecting mask;
 - L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
-  -inf); a positive combination of L values (coefficients >= 1) and values without
-  `s` (row statistics, counted at 1e7 each, the assumption below).
+  -inf), or `where(c, fill, b)` with c One; a sum whose terms are Z values (0), One values
+  with coefficient c (c), L values with coefficients >= 1, values without `s` (row
+  statistics, counted at 1e7 each, the assumption below) and, when a One value has a
+  coefficient <= -1e8 (the fill subtracted), values with `s` of no known state (the
+  scores it masks, counted at 1e7 each too): b is the sum of those bounds.
 Every reduction over `s` must then ignore the skipped entries exactly: a sum
 (contraction) needs a Z factor (adding +0 changes nothing); a max or logsumexp needs
 an L operand: each row of a run has an admitted key, whose score is above -1e7, so the
@@ -28,10 +37,13 @@ the resized step adds its part at the hull's keys only, the carry staying over a
 `s`, and each run's loop starts from the last one's carries). A step that
 reduces over `s` anything else, stacks a value with `s`, reads `size(s)`, renames `s`
 or holds an op not listed keeps the whole of `s` (a rename to `s`, the keys computed in
-the step, is read at the hull).
+the step, is read at the hull). A subtracted fill of small magnitude (`- 10 * [s > t]`)
+gives no L value: the keys keep their weight, and none is skipped.
 
-Assumption (stated, not checked): the admitted scores and the row statistics lie within
-+-1e7, which a fill of -1e9 presupposes (a score below it would be masked out too).
+Assumption (stated, not checked): the admitted scores, the row statistics and the scores
+a subtracted fill masks lie within +-1e7, which a fill of -1e9 presupposes (in the
+where form a score below it would be masked out too; in the subtractive form a masked
+score near 1e9 would keep its weight unstreamed).
 
 Terminates: one pass over the step's values; the groups are a partition of the blocks.
 """
@@ -45,7 +57,7 @@ from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt.relations import substitute
 
 LOW = -1e8        # an L value is at most this at skipped entries
-ORDINARY = 1e7    # the assumed bound on admitted scores and row statistics
+ORDINARY = 1e7    # the assumed bound on scores and row statistics
 
 
 def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,40 +93,65 @@ def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndar
     return np.clip(lo, 0, ns), np.clip(hi, 0, ns)
 
 
+def complement(rel: Relation) -> Relation | None:
+    """The relation that holds where single-link `rel` does not (its op negated); None for
+    a chain of links (its complement is a union of links)."""
+    if len(rel.ops) != 1:
+        return None
+    return Relation(rel.exprs, ({"<": ">=", "<=": ">", ">": "<=", ">=": "<", "=": "!=", "!=": "="}[rel.ops[0]],))
+
+
 def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
     """[(first block, end block, lo, hi)] for `count` runs of the blocks of the streamed
-    edge (as even as can be), each run's keys the hull the masks ((relation, its name of
-    the streamed edge)) admit for its rows; None when no run skips any key."""
-    lo, hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
-    for rel, t in masks:
-        a, b = admitted(rel, t, s, nt, ns)
-        lo, hi = np.maximum(lo, a), np.minimum(hi, b)
+    edge (as even as can be), each run's keys the hull of what the masks ((relation, its
+    name of the streamed edge, whether it rejects)) admit for its rows; None when no run
+    skips any key. An admitting mask admits where its relation holds, a rejecting one
+    (single-link) where its complement does. A key outside a row's hull is outside every
+    mask's hull (each mask's hull is joined), so that each mask is in its masked state
+    there; a row whose masks' hulls do not meet admits no key."""
+    lo, hi = np.full(nt, ns, np.int64), np.zeros(nt, np.int64)        # the join
+    meet_lo, meet_hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
+    for rel, t, reject in masks:
+        a, b = admitted(complement(rel) if reject else rel, t, s, nt, ns)
+        lo, hi = np.minimum(lo, a), np.maximum(hi, b)
+        meet_lo, meet_hi = np.maximum(meet_lo, a), np.minimum(meet_hi, b)
     nb = nt // block
     count = max(1, min(count, nb))
     out = []
     for g in range(count):
         b0, b1 = g * nb // count, (g + 1) * nb // count
         rows = slice(b0 * block, b1 * block)
-        if np.any(lo[rows] >= hi[rows]):
+        if np.any(meet_lo[rows] >= meet_hi[rows]):
             out.append((b0, b1, 0, ns))   # a row admits no key: its weights are uniform over all of s
         else:
             out.append((b0, b1, int(lo[rows].min()), int(hi[rows].max())))
     return out if any(h - l < ns for _, _, l, h in out) else None
 
 
-def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str]) -> bool:
+def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: frozenset[int] = frozenset()) -> bool:
     """Whether the step `body` gives the same results with `s` restricted to a run's hull
-    (`masks`: ids of its values that are the mask; `kinds`: the carries' combination)."""
-    state: dict[int, object] = {}   # id -> "Z", ("L", bound) or None, for values with s
+    (`masks`: ids of its values that are an admitting mask, 0 at the skipped entries;
+    `ones`: those of a rejecting mask, 1 there; `kinds`: the carries' combination)."""
+    state: dict[int, object] = {}   # id -> "Z", "One", ("L", bound) or None, for values with s
 
     def st(v: Value):
         return state.get(id(v)) if s in v.edges else "no-s"
+
+    def picked(x: Value):   # the state of a value where selects x
+        if st(x) == "Z" or (x.op == "const" and x.attrs[0] == 0):
+            return "Z"
+        if x.op == "const" and x.attrs[0] <= LOW:
+            return ("L", x.attrs[0])
+        return st(x) if isinstance(st(x), tuple) else None
 
     for v in topo_order(list(body.results)):
         ops = v.operands
         with_s = [o for o in ops if s in o.edges]
         if id(v) in masks:
             state[id(v)] = "Z"
+            continue
+        if id(v) in ones:
+            state[id(v)] = "One"
             continue
         if v.op in ("loopvar", "const", "indicator"):
             continue
@@ -135,12 +172,26 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str]) -> bool:
             elif with_s:
                 state[id(v)] = None
         elif v.op == "add":
-            states = [st(o) for o in ops]
+            states, coefs = [st(o) for o in ops], v.attrs[0]
             if with_s and all(x == "Z" for x in states):
                 state[id(v)] = "Z"
-            elif with_s and all(x == "no-s" or (isinstance(x, tuple) and c >= 1) for x, c in zip(states, v.attrs[0])):
-                bound = sum(c * x[1] if isinstance(x, tuple) else abs(c) * ORDINARY for x, c in zip(states, v.attrs[0]))
-                if bound <= LOW:
+            elif with_s:
+                # a rejecting mask times a fill: the other scores count at ORDINARY each
+                filled = any(x == "One" and c <= LOW for x, c in zip(states, coefs))
+                bound = 0.0
+                for x, c in zip(states, coefs):
+                    if x == "Z":
+                        continue
+                    if x == "One":
+                        bound += c
+                    elif isinstance(x, tuple) and c >= 1:
+                        bound += c * x[1]
+                    elif x == "no-s" or (filled and x is None):
+                        bound += abs(c) * ORDINARY
+                    else:
+                        bound = None
+                        break
+                if bound is not None and bound <= LOW:
                     state[id(v)] = ("L", bound)
         elif v.op == "map" and v.attrs[0] == "exp":
             if isinstance(st(ops[0]), tuple):
@@ -149,14 +200,11 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str]) -> bool:
             if any(st(o) == "Z" for o in with_s):
                 state[id(v)] = "Z"
         elif v.op == "map" and v.attrs[0] == "where":
-            c, _, b = ops
+            c, a, b = ops
             if st(c) == "Z":
-                if st(b) == "Z" or (b.op == "const" and b.attrs[0] == 0):
-                    state[id(v)] = "Z"
-                elif b.op == "const" and b.attrs[0] <= LOW:
-                    state[id(v)] = ("L", b.attrs[0])
-                elif isinstance(st(b), tuple):
-                    state[id(v)] = st(b)
+                state[id(v)] = picked(b)
+            elif st(c) == "One":
+                state[id(v)] = picked(a)
         elif v.op in ("stop", "rename"):
             state[id(v)] = st(ops[0]) if with_s else None
         elif v.op != "map":
