@@ -102,7 +102,9 @@ class Variant:
         state = (f"specialized ({self.compile_seconds:.2f} s to build{when})" if self.program is not None
                  else f"generic (refused: {self.refused})" if self.refused else "generic")
         work = "" if self.work is None else f" of {self.work:.3g} FLOPs + bytes"
-        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}>"
+        peaks = "" if self.peak is None else f"; temporaries {self.peak:.3g} B generic" + (
+            "" if self.special_peak is None else f", {self.special_peak:.3g} B specialized")
+        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}{peaks}>"
 
 
 class Specializations:
