@@ -152,3 +152,33 @@ def test_a_loop_kernel_has_a_thread_plan_and_its_steps_temporaries_count_in_the_
     r = run(path, "-D", "layer=4")
     assert r.exit_code == 0, r.output
     assert re.search(r"^ +k\d+ +steps .* steps reverse over layer", r.output, re.M | re.S), r.output
+
+
+CAUSAL = """dim b, h, t, e
+dim s = t
+input q[b, h, t, e], k[b, h, s, e], v[b, h, s, e]
+y = sum[s](softmax[s](where([s <= t], dot[e](q, k) / sqrt(size(e)), -1e9)) * v)
+out y[b, h, t, e]
+"""
+
+
+def test_it_says_which_program_a_first_call_runs(tmp_path):
+    # the generic program keeps the [t, s] matrices of a causal attention over a
+    # symbolic t whole (16 MB at t = 2048), its specialization streams them: a first
+    # call past --specialize-at-bytes runs the specialization
+    f = tmp_path / "causal.tg"
+    f.write_text(CAUSAL)
+    sizes = ["-D", "b=1", "-D", "h=1", "-D", "e=16"]
+
+    def first(t, *more):
+        result = run(f, *sizes, "-D", f"t={t}", "--format", "json", *more)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["first_call"]
+
+    past = first(2048, "--specialize-at-bytes", "1MiB")
+    assert past["runs"] == "specialized" and past["generic_peak"] >= 2 * past["specialized_peak"], past
+    assert past["specialize_at_bytes"] == 1 << 20
+    assert first(2048)["runs"] == "generic" and first(2048)["specialized_peak"] is None   # under 256 MiB
+    assert first(64, "--specialize-at-bytes", "1MiB")["runs"] == "generic"
+    text = run(f, *sizes, "-D", "t=2048", "--specialize-at-bytes", "1MiB").output
+    assert "a first call with these sizes runs the specialization" in text.splitlines()[2], text

@@ -59,31 +59,25 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     def extent(k, v) -> int:
         return size_eval(k.sizes[v], env)
 
-    kernels, first, last = [], {}, {}
+    liveness = Liveness(low)
+    first, last = liveness.first, liveness.last
+    kernels = []
     for i, k in enumerate(low.kernels):
         used = k.buffers_used()
-        for name in used:
-            if low.buffers[name].kind == "temp":
-                first.setdefault(name, i)
-                last[name] = i
         kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": sum(nbytes(n) for n in used)})
         if options is not None:
             from tgc.backends.cpu.codegen import thread_plan
             kernels[-1]["threads"] = thread_plan(low, k, {**_fixed_dims(low), **env}, options)
-        if isinstance(k, StepLoop):   # the step's own temporaries live while it runs
-            kernels[-1]["step_peak"] = explain(k.step, env)["peak"]["bytes"]
-    live, at_peak, peak = [], [], -1
-    for i in range(len(low.kernels)):
-        alive = sorted((n for n in first if first[n] <= i <= last[n]), key=lambda n: (-nbytes(n), n))
-        total = sum(nbytes(n) for n in alive) + kernels[i].get("step_peak", 0)
-        live.append(total)
-        if total > peak:
-            peak, at_peak = total, [(i, alive)]
+        if i in liveness.steps:   # the step's own temporaries live while it runs
+            kernels[-1]["step_peak"] = liveness.steps[i].peak_bytes(env)
+    live = liveness.live_bytes(env)
+    peak = max(live, default=-1)
+    peak_kernel = live.index(peak) if live else None
+    alive = [] if peak_kernel is None else sorted(liveness.alive(peak_kernel), key=lambda n: (-nbytes(n), n))
     slots = [{"slot": s, "bytes": max([size_eval(x, env) for x in sizes] + [0]),
               "buffers": [n for n, b in low.buffers.items() if b.slot == s]} for s, sizes in enumerate(low.slots)]
-    peak_kernel, alive = at_peak[0] if at_peak else (None, [])
     return {
         "dtype": low.dtype,
         "dims": dict(sorted(env.items())),
@@ -101,6 +95,58 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                       if lk.note == "recompute"],
         "recompute_note": _recompute_note(low),
     }
+
+
+class Liveness:
+    """Which temporaries of the planned program `low` are alive during each kernel:
+    from their first write to their last read, as `plan` assigns slots (and, for a
+    `StepLoop`, its step's own, alive while it runs). Found once from the kernels;
+    `live_bytes(env)` and `peak_bytes(env)` evaluate the buffers' symbolic sizes at
+    the dims `env`, without lowering anything again (`tgc.runtime.specialize` asks
+    it at each new shape signature)."""
+
+    def __init__(self, low: Lowered):
+        self.low = low
+        self.first: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        for i, k in enumerate(low.kernels):
+            for name in k.buffers_used():
+                if low.buffers[name].kind == "temp":
+                    self.first.setdefault(name, i)
+                    self.last[name] = i
+        self.steps = {i: Liveness(k.step) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)}
+
+    def live_bytes(self, env: dict[str, int]) -> list[int]:
+        """The bytes of the temporaries alive during each kernel, at the dims `env`."""
+        low, size = self.low, {}
+
+        def nbytes(name: str) -> int:
+            b = low.buffers[name]
+            n = ITEMSIZE[b.dtype]
+            for e in b.edges:
+                if e not in size:
+                    size[e] = size_eval(low.size(e), env)
+                n *= size[e]
+            return n
+
+        change = [0] * (len(low.kernels) + 1)   # a sweep: each temporary's bytes from its first to its last kernel
+        for name, i in self.first.items():
+            n = nbytes(name)
+            change[i] += n
+            change[self.last[name] + 1] -= n
+        live, total = [], 0
+        for i in range(len(low.kernels)):
+            total += change[i]
+            live.append(total + (self.steps[i].peak_bytes(env) if i in self.steps else 0))
+        return live
+
+    def alive(self, i: int) -> list[str]:
+        """The temporaries alive during kernel `i`."""
+        return [n for n in self.first if self.first[n] <= i <= self.last[n]]
+
+    def peak_bytes(self, env: dict[str, int]) -> int:
+        """The most bytes of temporaries alive at once, at the dims `env` (0: none)."""
+        return max(self.live_bytes(env), default=0)
 
 
 def _fixed_dims(low: Lowered) -> dict:
@@ -216,6 +262,19 @@ def format_explain(report: dict, name: str) -> str:
                      "--specialized)")
     elif report.get("program") == "specialized":
         lines.append("program: specialized to these sizes (what calls repeated with them run)")
+    first = report.get("first_call")
+    if first is not None:
+        at = first["specialize_at_bytes"]
+        bound = "specialize_at_bytes unset" if at is None else f"specialize_at_bytes {human(at, 'B')}"
+        if first["runs"] == "specialized":
+            lines.append(f"a first call with these sizes runs the specialization, built before it: the generic "
+                         f"program would hold {human(first['generic_peak'], 'B')} of temporaries ({bound}), "
+                         f"the specialization {human(first['specialized_peak'], 'B')}")
+        else:
+            held = "" if first["specialized_peak"] is None else \
+                f", the specialization {human(first['specialized_peak'], 'B')}: not half"
+            lines.append(f"a first call with these sizes runs the generic program: it holds "
+                         f"{human(first['generic_peak'], 'B')} of temporaries ({bound}{held})")
     lines += ["", "kernels, in order:",
               f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}"
               f"{column('threads')}  what"]

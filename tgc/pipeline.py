@@ -186,8 +186,14 @@ def compile_module(module: Module, options: Options, backend: str = "cpu", artif
         return compile_module(lower(run_passes(module, ("forward_only",), options), options, backend=backend).module,
                               options, backend)
 
-    def build_specialized(dims):   # `Program`'s specializations: the module with these dims fixed
-        return compile_module(specialized_module(module, dims, options), options, backend)
+    def build_specialized(dims, worth=None):   # `Program`'s specializations: the module with these dims fixed
+        fixed, low = specialized_module(module, dims, options), None
+        if worth is not None:   # lowered first: None, nothing compiled, when `worth(lowered)` is false
+            compiled, opts = target(fixed, options)
+            low = lower_module(compiled, opts, backend)
+            if not worth(low):
+                return None
+        return compile_module(fixed, options, backend, low=low)
 
     compiled, opts = target(module, options)
     if low is None:

@@ -341,3 +341,39 @@ def test_a_specialization_streams_a_long_attention_that_the_generic_program_keep
     steps = [sum("steps over t" in k.text() for k in p.lowered.kernels) for p in (program, variant.program)]
     assert steps[0] == 0 and steps[1] > 0, steps
     assert_close(special, generic)
+
+
+LONG = EAGER.with_(specialize_work=1 << 62, stream_min_elements_masked=1 << 16, stream_block=128,
+                   specialize_at_bytes=1 << 20)   # the calls' rule never; the first-call one at 1 MiB
+
+
+def causal_inputs(t):
+    rng = np.random.default_rng(t)
+    return {n: rng.standard_normal((1, 2, t, 16)).astype(np.float32) for n in ("q", "k", "v", "dy")}
+
+
+def test_a_first_call_that_would_hold_large_temporaries_runs_the_specialization(cache_dir):
+    # The generic program keeps the [t, s] matrices whole: 6.3 MB at t = 512, past the
+    # threshold, where the specialization streams them; 98 kB at t = 64, under it
+    program = tgc.compile(CAUSAL, options=LONG)
+    never = tgc.compile(CAUSAL, options=LONG.with_(specialize_calls=0))
+    small = program(**causal_inputs(64))
+    assert program.last_variant is None
+    [v] = program.variants()
+    assert v.peak is not None and v.peak < 1 << 20 and v.special_peak is None and not v.specialized
+    large = program(**causal_inputs(512))
+    variant = program.last_variant
+    assert variant is not None and variant.specialized and variant.at_once and variant.calls == 0
+    assert variant.dims["t"] == 512 and variant.peak >= 1 << 20 and 2 * variant.special_peak <= variant.peak
+    assert_close(small, never(**causal_inputs(64)))
+    assert_close(large, never(**causal_inputs(512)))
+
+
+def test_a_specialization_that_would_hold_as_much_is_not_built_on_the_first_call(cache_dir):
+    # Without streaming the specialization keeps the matrices too: the generic program
+    # runs, nothing is compiled and nothing refused (the calls' rule may still build it)
+    program = tgc.compile(CAUSAL, options=LONG.with_(stream_block=0))
+    program(**causal_inputs(512))
+    [v] = program.variants()
+    assert program.last_variant is None and not v.specialized and not v.at_once and v.refused is None
+    assert v.peak >= 1 << 20 and 2 * v.special_peak > v.peak and v.compile_seconds is None

@@ -9,7 +9,7 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import BACKEND, MEMORY_BUDGET, dims_option
+from tgc.cli.flags import BACKEND, BYTES, MEMORY_BUDGET, dims_option
 from tgc.cli.outputs import check_outputs, sources
 from tgc.cli.run import check_dim_flags
 from tgc.fsutil import write_atomic
@@ -33,16 +33,25 @@ DEFAULT_DIM = 64
               help="Explain the program that calls with these sizes run once the runtime has specialized "
                    "the program to them (its symbolic dims fixed; docs/optimization.md, \"Specialized sizes\"). "
                    "Default: the generic program, which serves every size.")
+@click.option("--specialize-at-bytes", "specialize_at_bytes", type=BYTES, default=None, metavar="BYTES",
+              help="The runtime's Options.specialize_at_bytes (default 256MiB): a first call whose generic "
+                   "program would hold at least BYTES of temporaries runs its specialization, when that holds "
+                   "at most half; the report says which program a first call with these sizes runs.")
 @MEMORY_BUDGET
 @BACKEND
 @handle_errors
-def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False, memory_budget=None,
-            backend="cpu") -> None:
+def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False, specialize_at_bytes=None,
+            memory_budget=None, backend="cpu") -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
     peak and what is alive at it, and the save/recompute decisions. On the CPU, each
     kernel's threads: serial (too small to gain from threads), parallel, or parallel
     only right after another parallel region.
+
+    With symbolic dims, the report also says which program a first call with these
+    sizes runs: the generic one, or (when the generic one would hold at least
+    --specialize-at-bytes of temporaries, and the specialization at most half) the
+    specialization, built before that call runs.
 
     Sizes are those of the dims given with --dim (the others: 64). FLOPs count each
     arithmetic operation once (an exp is one); bytes count each buffer a kernel reads
@@ -57,12 +66,15 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
       tgc explain examples/mlp.tg --backend cuda     # the program the CUDA backend compiles
       tgc explain examples/gpt.tg --dim batch=64 --specialized   # what repeated calls of that size run
     """
+    from tgc.backends.base import get_backend
     from tgc.explain import explain as report_of, format_explain, loop_steps, timeline_png, timeline_svg
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
     options = Options(dtype=pipeline.float_type(file, dtype), import_dirs=tuple(import_dirs),
                       memory_budget=memory_budget)
+    if specialize_at_bytes is not None:
+        options = options.with_(specialize_at_bytes=specialize_at_bytes)
     loaded = pipeline.load_program(file, options)
     check_outputs([("the timeline", timeline)], sources(loaded.files), hint="--timeline")
     module = loaded.module
@@ -76,6 +88,8 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     report = report_of(low, env, options if backend == "cpu" else None)
     if sizes:
         report["program"] = "specialized" if specialized else "generic"
+        if get_backend(backend).specializes:
+            report["first_call"] = _first_call(lowered.module, low, specialized, sizes, env, options, backend)
     if any(v.op == "loop" for v in module.values()):   # what each step keeps for the backward pass
         primal = lowered.memory.primal if lowered.memory is not None and lowered.memory.primal is not None \
             else pipeline.lower(module, options.with_(passes=("normalize",), memory_budget=None)).module
@@ -105,3 +119,22 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
         click.echo(json.dumps({"file": file, **report}, indent=2))
     else:
         click.echo(format_explain(report, file), nl=False)
+
+
+def _first_call(module, low, specialized, sizes, env, options, backend) -> dict:
+    """Which program a first call with these sizes runs (`tgc.runtime.specialize`):
+    the generic program's peak of temporaries against `Options.specialize_at_bytes`,
+    and the specialization's (lowered only when the first reaches it)."""
+    from tgc.explain import Liveness
+    from tgc.runtime.specialize import first_call_specializes
+
+    def peak(m, given=None):
+        return Liveness(given if given is not None else pipeline.lower_module(m, options, backend)).peak_bytes(env)
+
+    at = options.specialize_at_bytes
+    generic = peak(module, None if specialized else low)
+    special = None
+    if at is not None and generic >= at:
+        special = peak(pipeline.specialized_module(module, sizes, options), low if specialized else None)
+    runs = "specialized" if special is not None and first_call_specializes(generic, special, at) else "generic"
+    return {"runs": runs, "generic_peak": generic, "specialized_peak": special, "specialize_at_bytes": at}

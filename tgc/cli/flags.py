@@ -62,7 +62,7 @@ class _Bytes(click.ParamType):
             self.fail(f"'{value}' is not a byte count (e.g. 6700000, 6.7M, 6.4MiB)", param, ctx)
         n = int(float(m.group(1)) * self.SCALE[(m.group(2) or "").lower()])
         if n <= 0:
-            self.fail("a memory budget is a positive number of bytes", param, ctx)
+            self.fail("a byte count is a positive number of bytes", param, ctx)
         return n
 
 
@@ -71,6 +71,9 @@ MEMORY_BUDGET = click.option(
     help="Recompute saved values in the backward pass (and order the updates) so that the workspace fits "
          "BYTES (6700000, 6.7M, 6.4MiB), at the dims given (others at 64); prints what it chose to stderr, "
          "and a warning with the best reached when it cannot fit.")
+
+
+BYTES = _Bytes()
 
 
 def report_memory(plan) -> None:

@@ -364,9 +364,11 @@ class Program:
         """The shape signatures this program was called with, each a
         `tgc.runtime.specialize.Variant`: the symbolic dims' sizes (`dims`), the calls
         the generic program ran with them and the work of one (`work`, FLOPs plus
-        bytes, once reckoned), and the program specialized
-        to them (`program`, `specialized`) once built, or why it will not be
-        (`refused`). Empty for a program without symbolic dims, or with
+        bytes, once reckoned), the bytes of temporaries the generic program holds
+        at those sizes (`peak`, reckoned at the first call) and the specialization's
+        (`special_peak`, when the first reached `Options.specialize_at_bytes`), and
+        the program specialized to them (`program`, `specialized`; `at_once`: built
+        for the first call) once built, or why it will not be (`refused`). Empty for a program without symbolic dims, or with
         `Options(specialize_calls=0)`. The rule: docs/optimization.md, "Specialized sizes"."""
         return [] if self._variants is None else self._variants.variants()
 

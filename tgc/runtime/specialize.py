@@ -25,6 +25,18 @@ symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
   on the machine's load: the same calls specialize at the same call in every run.
   `specialize_calls=0`: never specialize; `specialize_work=0`: on the
   `specialize_calls`-th call;
+- a signature whose generic call would hold large temporaries is specialized on its
+  first call, before it runs: at a new signature the generic program's peak of
+  temporaries at its sizes is reckoned (`tgc.explain.Liveness`: the planned buffers'
+  symbolic sizes evaluated at the dims, found once per program; microseconds), and
+  when it is at least `Options.specialize_at_bytes` (default 256 MiB; None: never)
+  the specialization is lowered, and compiled and run if its own peak is at most half
+  of it (`first_call_specializes`). The generic program keeps what `stream` cannot
+  block without known sizes (a causal attention's `[t, s]` matrices over a symbolic
+  `t`: 805 MB at t = 8192, 13 GB at 32768, where its specialization holds 52 MB), so
+  a first call of such a size would need that memory; the compile (0.3-2 s) is of
+  the order of such a call's own time. Otherwise (smaller calls, or a specialization
+  that would hold as much) the call runs the generic program and counts as above;
 - at most `Options.specialize_max` signatures are specialized per program (their
   code stays loaded); later ones run the generic program.
 
@@ -41,7 +53,8 @@ the message. A specialization that cannot be built (or does not take the same
 arguments) is recorded (`Variant.refused`), and its signature runs generic code.
 
 `Program.variants()` lists the signatures seen, `Program.last_variant` says which
-program the calling thread's last call ran. Thread-safe: the table is read without a
+program the calling thread's last call ran (`Variant.at_once`: specialized on its
+first call, with `peak` and `special_peak` the two programs' peaks). Thread-safe: the table is read without a
 lock; counting and building take one, so one signature is built once.
 """
 from __future__ import annotations
@@ -51,6 +64,7 @@ import time
 from dataclasses import dataclass, replace
 
 from tgc.ir.interp import EvalError
+from tgc.ir.sizes import SizeError
 
 SIGNATURES = 256    # signatures counted per program before the unspecialized ones are forgotten
 
@@ -63,13 +77,20 @@ class Variant:
     with them; `work` the FLOPs plus bytes of one such call (`tgc explain`'s count;
     None until reckoned); `program` the specialized program once built (None: the
     generic one runs), `compile_seconds` what building it took; `refused` why it will
-    not be specialized (None: it may be, or it is)."""
+    not be specialized (None: it may be, or it is). With `Options.specialize_at_bytes`
+    set, `peak` is the bytes of temporaries the generic program holds at once at
+    these sizes (reckoned at the first call), `special_peak` the specialization's
+    when that peak reached the threshold, and `at_once` says it was built then, and
+    ran that first call."""
     dims: dict[str, int]
     calls: int = 0
     work: int | None = None
     program: object = None
     compile_seconds: float | None = None
     refused: str | None = None
+    peak: int | None = None
+    special_peak: int | None = None
+    at_once: bool = False
 
     @property
     def specialized(self) -> bool:
@@ -77,10 +98,13 @@ class Variant:
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{d}={n}" for d, n in self.dims.items())
-        state = (f"specialized ({self.compile_seconds:.2f} s to build)" if self.program is not None
+        when = ", on its first call" if self.at_once else ""
+        state = (f"specialized ({self.compile_seconds:.2f} s to build{when})" if self.program is not None
                  else f"generic (refused: {self.refused})" if self.refused else "generic")
         work = "" if self.work is None else f" of {self.work:.3g} FLOPs + bytes"
-        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}>"
+        peaks = "" if self.peak is None else f"; temporaries {self.peak:.3g} B generic" + (
+            "" if self.special_peak is None else f", {self.special_peak:.3g} B specialized")
+        return f"<Variant {dims}: {state}; {self.calls} generic calls{work}{peaks}>"
 
 
 class Specializations:
@@ -93,6 +117,8 @@ class Specializations:
     def __init__(self, program, build, options):
         self.program, self.build = program, build
         self.calls, self.work, self.most = options.specialize_calls, options.specialize_work, options.specialize_max
+        self.at_bytes = options.specialize_at_bytes
+        self.liveness = None   # the generic program's (tgc.explain.Liveness), found at the first signature
         module = program.module
         found = {d: _carrier(program, d) for d in module.symbolic_dims()}
         self.carried = tuple(d for d, c in found.items() if c is not None)
@@ -123,6 +149,8 @@ class Specializations:
             variant = self.table.get(key)
         except (KeyError, AttributeError, IndexError, TypeError):   # the generic checks explain
             key = variant = None
+        if variant is None and key is not None and self.at_bytes is not None:
+            variant = self._first_call(key)
         refused = None
         if variant is not None and variant.program is not None:
             self.local.last = variant
@@ -137,15 +165,47 @@ class Specializations:
         with self.lock:
             if refused is not None:   # the generic program took what its specialization refused
                 variant.program, variant.refused = None, f"it refused a call the generic program ran: {refused}"
-            variant = self.table.get(key)
-            if variant is None:
-                if len(self.table) >= SIGNATURES:
-                    self.table = {k: v for k, v in self.table.items() if v.program is not None}
-                variant = self.table[key] = Variant(self._sizes(key))
+            variant = self.table.get(key) or self._add(key)
             variant.calls += 1
             if self._due(variant):
                 self._specialize(variant)
         return result
+
+    def _add(self, key: tuple) -> Variant:
+        """A new signature's entry (under the lock)."""
+        if len(self.table) >= SIGNATURES:
+            self.table = {k: v for k, v in self.table.items() if v.program is not None}
+        variant = self.table[key] = Variant(self._sizes(key))
+        return variant
+
+    def _first_call(self, key: tuple) -> Variant:
+        """The entry of a signature not yet seen, specialized at once when the generic
+        program would hold `specialize_at_bytes` of temporaries at its sizes and the
+        specialization at most half as much."""
+        with self.lock:
+            variant = self.table.get(key)
+            if variant is not None:   # another thread's first call added it
+                return variant
+            variant = self._add(key)
+            try:
+                env = self.program.module.bind_dims(variant.dims)
+            except SizeError:   # sizes the generic checks refuse, with their message
+                return variant
+            if self.liveness is None:
+                from tgc.explain import Liveness
+
+                self.liveness = Liveness(self.program.lowered)
+            variant.peak = self.liveness.peak_bytes(env)
+            if variant.peak >= self.at_bytes and self.built < self.most:
+                def worth(low) -> bool:
+                    from tgc.explain import Liveness
+
+                    variant.special_peak = Liveness(low).peak_bytes(env)
+                    return first_call_specializes(variant.peak, variant.special_peak, self.at_bytes)
+
+                self._specialize(variant, worth)
+                variant.at_once = variant.program is not None
+            return variant
 
     def _sizes(self, key: tuple) -> dict[str, int]:
         """The symbolic dims' sizes of a signature that a generic call bound: those the
@@ -169,11 +229,15 @@ class Specializations:
         report = explain(self.program.lowered, self.program.module.bind_dims(dims))
         return int(report["flops"]) + int(report["bytes"])
 
-    def _specialize(self, variant: Variant) -> None:
-        """Build `variant`'s program (under the lock), or record why not."""
+    def _specialize(self, variant: Variant, worth=None) -> None:
+        """Build `variant`'s program (under the lock), or record why not. With `worth`,
+        a test of the specialization's lowered program: when false, nothing is built
+        and nothing refused (the signature may still be specialized by the calls' rule)."""
         start = time.perf_counter()
         try:
-            program = self.build(dict(variant.dims))
+            program = self.build(dict(variant.dims)) if worth is None else self.build(dict(variant.dims), worth)
+            if program is None:
+                return
         except Exception as e:  # noqa: BLE001 -- the generic program serves the signature
             variant.refused = f"building it failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return
@@ -192,6 +256,13 @@ class Specializations:
 
     def last(self) -> Variant | None:
         return getattr(self.local, "last", None)
+
+
+def first_call_specializes(peak: int, special_peak: int, at_bytes: int | None) -> bool:
+    """Whether a first call runs the specialization (`Options.specialize_at_bytes`):
+    the generic program would hold at least `at_bytes` of temporaries at its sizes
+    (`peak`), and the specialization at most half as much (`special_peak`)."""
+    return at_bytes is not None and peak >= at_bytes and 2 * special_peak <= peak
 
 
 def _carrier(program, dim: str) -> tuple[str, int] | None:
