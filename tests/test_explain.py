@@ -80,6 +80,9 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     assert r.exit_code == 2 and "no dim 'nope'" in r.output
     r = run(ROOT / "examples" / "mlp.tg", "--dim", "hidden=3")
     assert r.exit_code == 2 and "fixed size" in r.output
+    # a size within 2^62 whose arrays are not: the -D value's fault, not an internal error
+    r = run(ROOT / "examples" / "mlp.tg", "--dim", f"batch={2 ** 61}")
+    assert r.exit_code == 2 and "input 'x' would take more than 2^62 bytes" in r.output, r.output
 
 
 DEEP = """\

@@ -152,6 +152,9 @@ def test_exit_codes(tmp_path, monkeypatch):
     assert tgc("build", MLP, "-D", "nodim=3", "--emit", "ir", "-o", tmp_path / "y").exit_code == 2
     assert tgc("build", MLP, "--emit", "ir", "-D", "batch=4", "-o", tmp_path / "ok.tgir").exit_code == 0
     assert "dim batch = 4" in (tmp_path / "ok.tgir").read_text()
+    r = tgc("build", MLP, "--emit", "ir", "-D", f"batch={2 ** 61}", "-o", tmp_path / "big.tgir")
+    assert r.exit_code == 2 and "input 'x' would take more than 2^62 bytes" in r.output, r.output
+    assert not (tmp_path / "big.tgir").exists()
     src = tmp_path / "g.tg"
     src.write_text("dim v = 3, n = 2\ninput E[v]\ninput ids: i32[n]\nout y[n] = E[v = ids]\n")
     np.savez(tmp_path / "in.npz", E=np.ones(3), ids=np.array([0, 7], np.int32))

@@ -128,6 +128,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
                   hint="-o/-MF")
     try:
         module = run_passes(loaded.module, (FixDims.of(defines),), options)
+        if not module.symbolic_dims():   # every size known: arrays over the size limit are the -D values' fault
+            module.bind_dims({})
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     with status("compiling"):

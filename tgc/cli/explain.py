@@ -9,10 +9,11 @@ import click
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
-from tgc.cli.flags import BACKEND, BYTES, MEMORY_BUDGET, dims_option
+from tgc.cli.flags import BACKEND, BYTES, DIM_FLAGS, MEMORY_BUDGET, dims_option
 from tgc.cli.outputs import check_outputs, sources
 from tgc.cli.run import check_dim_flags
 from tgc.fsutil import write_atomic
+from tgc.ir.sizes import SizeError
 from tgc.options import Options
 
 DEFAULT_DIM = 64
@@ -80,7 +81,10 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     module = loaded.module
     check_dim_flags(module, dims)
     sizes = {d: dims.get(d, DEFAULT_DIM) for d in module.symbolic_dims()}
-    env = module.bind_dims(sizes)
+    try:
+        env = module.bind_dims(sizes)
+    except SizeError as e:   # sizes whose arrays would pass the size limit: the -D values' fault
+        raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
     lowered = pipeline.lower(module, options.with_(dims=tuple(sorted(sizes.items()))), backend=backend)   # the budget's sizes
     # the runtime's specialization (tgc.runtime.specialize): the optimized module with its dims fixed
     optimized = pipeline.specialized_module(lowered.module, sizes, options) if specialized else lowered.module
