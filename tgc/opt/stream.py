@@ -140,9 +140,11 @@ def _carry_kind(v: Value, edge: str) -> str | None:
     return None
 
 
-def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large) -> _Region | None:
+def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large,
+            closure: bool = False) -> _Region | None:
     """The values computed in a loop over blocks of `edge` around `seed`, or None when
-    a large value (`large(v)`) would be left outside, as an operand or a stacked result."""
+    a large value (`large(v)`) would be left outside, as an operand or a stacked result.
+    `closure`: the values before the seed that read the region may join it too."""
     se: dict[int, str] = {}       # members: their name of the edge
     pos = {id(v): i for i, v in enumerate(order)}
 
@@ -158,26 +160,55 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
                 if id(o) not in se and _along(o, eo) and large(o):
                     stack.append((o, eo))
 
-    grow_up(seed, edge)
-    # down, in order: a value along the edge that reads the region and nothing computed from it
-    tainted: set[int] = set()   # outside the region, computed from it
-    for v in order[pos[id(seed)] + 1:]:
-        if id(v) in se:
-            continue
-        reads = [o for o in v.operands if id(o) in se]
-        dirty = any(id(o) in tainted for o in v.operands)
-        names = {_down(v, se[id(o)]) for o in reads}
-        if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
-            e = names.pop()
-            eo = _up(v, e)
-            ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
-            if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
-                for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
-                    grow_up(u, eo)
-                grow_up(v, e)
+    users: dict[int, list[Value]] = {}
+    for v in order:
+        for o in v.operands:
+            users.setdefault(id(o), []).append(v)
+
+    def clash(v: Value, eo: str, ups: list[Value]) -> bool:   # v reads from outside what a member reads
+        for o in v.operands:                                      # under another name of the edge
+            if id(o) in se or any(o is u for u in ups) or o.op in ("const", "size"):
                 continue
-        if reads or dirty:
-            tainted.add(id(v))
+            name = eo if eo in o.edges else None
+            for u in users.get(id(o), ()):
+                if id(u) in se:
+                    theirs = _up(u, se[id(u)])
+                    if (theirs if theirs in o.edges else None) != name:
+                        return True
+        return False
+
+    grow_up(seed, edge)
+    # down, in order: a value along the edge that reads the region and nothing computed from it,
+    # and reads nothing from outside that a member reads under another name of the edge (an
+    # operand is a slice or an invariant, not both);
+    # with `closure`, again from the region's first value until no value joins (a value
+    # before the seed that reads what growing up added: the row max of scores a later
+    # seed reads them through)
+    start = pos[id(seed)] + 1
+    while True:
+        tainted: set[int] = set()   # outside the region, computed from it
+        size = len(se)
+        for v in order[start:]:
+            if id(v) in se:
+                continue
+            reads = [o for o in v.operands if id(o) in se]
+            dirty = any(id(o) in tainted for o in v.operands)
+            names = {_down(v, se[id(o)]) for o in reads}
+            if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
+                e = names.pop()
+                eo = _up(v, e)
+                ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
+                if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups) \
+                        and not clash(v, eo, ups):
+                    for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
+                        grow_up(u, eo)
+                    grow_up(v, e)
+                    continue
+            if reads or dirty:
+                tainted.add(id(v))
+        if not closure or len(se) == size:
+            break
+        start = min(pos[i] for i in se)
     members = [v for v in order if id(v) in se]
     for v in members:   # a member must not read a value computed from the region
         if any(id(o) in tainted for o in v.operands):
@@ -309,6 +340,8 @@ class _Streamer:
             for edge in self.edges_of(seed):
                 self.block = self.block_for(self.sizes[edge])
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
+                if r is None:   # the values before the seed that read what the seed grew up to, too
+                    r = _region(order, roots, seed, edge, lambda v: self.large(v, seed), closure=True)
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
@@ -595,8 +628,12 @@ class Stream(Pass):
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
+        from tgc.opt.stream_loops import recompute_residuals
 
-        # the program's loops' steps first (attention inside a `repeat` over layers: each
-        # body as a module, once), then the program itself; the loops this makes are not
-        # looked into again
+        # the large values a reverse loop would read stacked from its forward loop computed
+        # in its step instead, where that step then streams (tgc.opt.stream_loops); then
+        # the program's loops' steps (attention inside a `repeat` over layers: each body as
+        # a module, once), then the program itself; the loops this makes are not looked
+        # into again
+        module = recompute_residuals(module, options)
         return stream(map_bodies(module, lambda body: stream(body, options)), options)
