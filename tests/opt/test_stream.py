@@ -360,9 +360,12 @@ def stacked_elements(module) -> int:
 TOL = {"f64": 1e-12, "f32": 2e-5}
 
 
-@pytest.mark.parametrize("grads,mask,dtype", [(g, m, d) for g in ("forward", "gradients") for m in ("where", "subtractive")
-                                              for d in ("f64", "f32") if (g, m, d) != ("gradients", "subtractive", "f32")]
-                         + [("gradients-under-a-budget", m, "f64") for m in ("where", "subtractive")])
+CASES = [(g, m, d) for g in ("forward", "gradients") for m in ("where", "subtractive") for d in ("f64", "f32")
+         if (g, m, d) != ("gradients", "subtractive", "f32")] \
+    + [("gradients-under-a-budget", m, "f64") for m in ("where", "subtractive")]
+
+
+@pytest.mark.parametrize("grads,mask,dtype", CASES)
 def test_a_loop_body_streams(grads, mask, dtype):
     """A cluster inside a loop's step streams as a loop in the step. With gradients, the
     reverse loop computes the step's [t, s] values again (tgc.opt.stream_loops) instead of
@@ -376,7 +379,8 @@ def test_a_loop_body_streams(grads, mask, dtype):
     assert mask == "where" or layers != LAYERS
     src = layers + ("out y\n" if grads == "forward" else
                     "out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n")
-    extra = dict(memory_budget=400_000) if grads == "gradients-under-a-budget" else {}   # met by keeping only the carries
+    # a budget met by keeping only the carries
+    extra = dict(memory_budget=400_000) if grads == "gradients-under-a-budget" else {}
     extra["stream_mask_groups"] = 2
     on, off = optimized(src, dtype, stream_block=16, stream_min_elements=1000, **extra), optimized(src, dtype, **OFF)
     # 2 runs of blocks each; by default the reverse step streams too (under the budget in f64,

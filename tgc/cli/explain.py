@@ -67,7 +67,8 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
       tgc explain examples/gpt.tg --dim batch=64 --specialized   # what repeated calls of that size run
     """
     from tgc.backends.base import get_backend
-    from tgc.explain import explain as report_of, format_explain, kept_after_stream, loop_steps, timeline_png, timeline_svg
+    from tgc.explain import (explain as report_of, format_explain, kept_after_stream, loop_steps, timeline_png,
+                             timeline_svg)
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")

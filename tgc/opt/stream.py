@@ -15,7 +15,10 @@ block of `E` at a time:
   keeps `E`): down to its users, and up to its operands that are themselves large;
   a value that reads, besides the region, something computed from the region
   outside it (a reduction of the region over `E`) stays out: it needs the whole loop
-  first;
+  first; so does one that reads from outside an operand a member reads under another
+  name of `E` (an operand is a stacked slice or an invariant, not both). When that
+  region leaves a large value outside, it is grown again with the values before the
+  seed too (a row max that reads scores the seed grew up to);
 - an operand read from outside is a stacked slice when it has `E` (reindexed to
   `[Eb, Ec, ..]` once, an O(its size) copy; a large one is in the region, so slices
   are small), else a loop-invariant (the `[s, hd]` keys and values);
@@ -70,12 +73,19 @@ When. A seed streams from `stream_min_elements`, or from `stream_min_elements_ma
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
-Terminates: each round moves at least its seed (a large add, map, contraction, ...
-of the top level) into a loop body, which the pass never looks inside, and adds to the
-top level only values that are no seeds (a loop, indicators, constants) or small ones
-(slices and stacked results are checked small); a seed with no valid edge is skipped.
-So each round leaves one large value fewer to try. The runs of a masked stream are a
-fixed partition of the blocks (one pass over the step's values decides the skip).
+Loops. The steps of the program's loops stream as programs of their own (attention
+inside a `repeat` over layers), under the same thresholds, at the sizes the step has.
+A reverse loop (a gradient's) first computes again in its step the large values it
+would read stacked from its forward loop, where its step then streams
+(tgc.opt.stream_loops): both steps then hold blocks, not `[t, s]` matrices.
+
+Terminates: recompute_residuals is one pass over the loops; then each round moves at
+least its seed (a large add, map, contraction, ... of the top level) into a loop body,
+which the pass never looks inside, and adds to the top level only values that are no
+seeds (a loop, indicators, constants) or small ones (slices and stacked results are
+checked small); a seed with no valid edge is skipped. So each round leaves one large
+value fewer to try. The runs of a masked stream are a fixed partition of the blocks
+(one pass over the step's values decides the skip).
 """
 from __future__ import annotations
 

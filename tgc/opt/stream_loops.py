@@ -27,8 +27,11 @@ then has), so L's step reads the value it read before; dropping a result nobody 
 changes no value. What `stream` then does is its own contract (a reassociation of sums
 over the streamed edge).
 
-Terminates: one pass over the module's loops, each rewritten at most once per slice;
-one more over the bodies to drop unread results.
+Cost: deciding runs `stream` on the reverse step twice (with and without the values
+recomputed), once per group of large slices.
+
+Terminates: one pass over the module's loops, each rewritten at most once (the large
+slices from one forward loop together); one more over the bodies to drop unread results.
 """
 from __future__ import annotations
 
