@@ -400,6 +400,21 @@ def test_a_loop_body_streams(grads, mask, dtype):
     close(prog(**{k: cast(v.copy()) for k, v in x.items()}), want, TOL[dtype])
 
 
+def test_a_scan_body_streams_forward_and_reverse():
+    """A `scan` stacks each step's carry; its reverse loop computes the step's [t, s] values
+    again and streams them as a `repeat`'s does (the interpreter, f64, against the program
+    without the pass)."""
+    src = LAYERS.replace("y = repeat[layer](block, x, wk)", "y = scan[layer](block, x, wk)") \
+        + "out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n"
+    assert src != LAYERS
+    on = optimized(src, "f64", stream_block=16, stream_min_elements=1000, stream_mask_groups=2)
+    off = optimized(src, "f64", **OFF)
+    assert step_loops(on) == (2, 2) and stacked_elements(on) < 64 * 64 <= stacked_elements(off)
+    x = random_inputs(off, off.bind_dims({"layer": 3}), 0, "f64")
+    want = evaluate(off, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3})
+    close(evaluate(on, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3}), want, 1e-12)
+
+
 def step_flops(src: str, groups: int) -> int:
     """The FLOPs `tgc explain` counts in the loops of steps (every step of every loop)."""
     from tgc.explain import explain
