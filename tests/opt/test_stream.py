@@ -383,10 +383,9 @@ def test_a_loop_body_streams(grads, mask, dtype):
     extra = dict(memory_budget=400_000) if grads == "gradients-under-a-budget" else {}
     extra["stream_mask_groups"] = 2
     on, off = optimized(src, dtype, stream_block=16, stream_min_elements=1000, **extra), optimized(src, dtype, **OFF)
-    # 2 runs of blocks each; by default the reverse step streams too (under the budget in f64,
-    # its step, recomputed whole from the carries, reads the layer's input both whole and by
-    # blocks: it is kept)
-    assert step_loops(on) == {"forward": (2, 0), "gradients": (2, 2), "gradients-under-a-budget": (2, 0)}[grads]
+    # 2 runs of blocks each; the reverse step streams too, by default and under the budget (whose
+    # step, recomputed whole from the carries, reads the layer's input both whole and by blocks)
+    assert step_loops(on) == ((2, 0) if grads == "forward" else (2, 2))
     assert nested_loops(off) == 0
     if grads == "gradients":   # the forward loop keeps no [t, s] matrix per step (64 x 64)
         assert stacked_elements(on) < 64 * 64 <= stacked_elements(off)

@@ -16,12 +16,14 @@ block of `E` at a time:
   a value that reads, besides the region, something computed from the region
   outside it (a reduction of the region over `E`) stays out: it needs the whole loop
   first; so does one that reads from outside an operand a member reads under another
-  name of `E` (an operand is a stacked slice or an invariant, not both). When that
+  name of `E`. When that
   region leaves a large value outside, it is grown again with the values before the
   seed too (a row max that reads scores the seed grew up to);
 - an operand read from outside is a stacked slice when it has `E` (reindexed to
   `[Eb, Ec, ..]` once, an O(its size) copy; a large one is in the region, so slices
-  are small), else a loop-invariant (the `[s, hd]` keys and values);
+  are small), else a loop-invariant (the `[s, hd]` keys and values); one that members
+  read both ways (a layer's input: the queries by blocks, the keys computed from all
+  of it, in a step recomputed from its carry) is both;
 - a reduction over `E` of region values (a contraction summing `E`, a max or min
   over `E`) is a carry: each step adds its block's partial sum (or takes the max);
   the contraction over the other edges of the block is the step's own;
@@ -224,15 +226,16 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
         if any(id(o) in tainted for o in v.operands):
             return None
     carries, stacked, outside = [], [], {}
-    leaf: dict[int, str | None] = {}
+    leaf: dict[int, set[str | None]] = {}   # the names of the edge each is read with (None: whole)
     reduced: dict[int, str] = {}   # carries: the name of the edge they reduce
 
     def read(v: Value, e: str) -> bool:   # v's operands from outside, with their name of the edge
         for o in v.operands:
             if id(o) not in se:
-                name = e if e in o.edges else None
-                if leaf.setdefault(id(o), name) != name:
+                names = leaf.setdefault(id(o), set()) | {e if e in o.edges else None}
+                if len(names - {None}) > 1:
                     return False
+                leaf[id(o)] = names
                 outside[id(o)] = o
         return True
 
@@ -255,14 +258,20 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
             return None
     slices, invariants, masks = [], [], []
     for o in sorted(outside.values(), key=lambda x: pos[id(x)]):
-        if leaf[id(o)] is not None:
-            se[id(o)] = leaf[id(o)]
-        if o.op in ("const", "size") or (o.op == "indicator" and leaf[id(o)] is None):
+        sliced = next((n for n in leaf[id(o)] if n is not None), None)
+        if sliced is not None:
+            se[id(o)] = sliced
+        if o.op in ("const", "size") or (o.op == "indicator" and sliced is None):
             continue
         if o.op == "indicator":
+            if None in leaf[id(o)]:
+                return None   # a mask read whole besides
             masks.append(o)
-        else:
-            (slices if leaf[id(o)] is not None else invariants).append(o)
+            continue
+        if sliced is not None:   # read by blocks (and, by members that do not keep the edge, whole too)
+            slices.append(o)
+        if None in leaf[id(o)]:
+            invariants.append(o)
     if any(large(x) for x in slices + invariants):
         return None   # a large operand read whole, or copied as blocks: nothing gained
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
@@ -535,11 +544,12 @@ class _Streamer:
                 ps.append(p)
             piece_params.append(ps)
         n_slices = len(params) - len(r.carries)
+        whole: dict[int, Value] = {}   # the invariants, read whole (some are also read by blocks)
         for x in r.invariants:
             operands.append(x)
             p = V.loopvar(len(params), x.dtype, x.edges)
             params.append(p)
-            inner[id(x)] = p
+            whole[id(x)] = p
         for (ind, pieces, plan), ps in zip(masks, piece_params):
             parts, it = [], iter(ps)
             for kind, what in plan:
@@ -550,11 +560,13 @@ class _Streamer:
                     parts.append(V.contract([next(it), at], keep))
             inner[id(ind)] = parts[0] if len(parts) == 1 else V.mul(parts)
 
-        def read(o: Value) -> Value:   # an operand in the step: a member, a parameter, or nullary
+        def read(o: Value, e: str) -> Value:   # an operand in the step (its edge's name e): a member,
+            if id(o) in whole and e not in o.edges:   # a parameter, or nullary
+                return whole[id(o)]
             return inner.get(id(o), o)
 
         for v in r.members:
-            ops = tuple(read(o) for o in v.operands)
+            ops = tuple(read(o, _up(v, r.edge[id(v)])) for o in v.operands)
             if v.op == "contract":
                 inner[id(v)] = V.contract(ops, step_edges(v), v.loc)
             elif v.op == "rename":   # the streamed edge is the step's block edge on both sides
@@ -564,7 +576,7 @@ class _Streamer:
                 inner[id(v)] = rebuild_same(v, ops)
         results = []
         for v, kind, p in zip(r.carries, kinds, params):
-            ops = [read(o) for o in v.operands]
+            ops = [read(o, r.edge[id(v)]) for o in v.operands]
             if kind == "sum":
                 part = V.contract(ops, v.edges, v.loc)
                 results.append(V.add([p, part]))
