@@ -193,6 +193,44 @@ def loop_steps(module, env: dict[str, int], unrolled: bool) -> list[dict]:
     return list(loops.values())
 
 
+def _stacked_for_reverse(module, env: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Per loop edge: how many values forward loops stack for the reverse loops of `module`
+    to read, and their bytes in all."""
+    read: dict[str, dict[int, object]] = {}
+    for v in module.values():
+        if v.op != "loop":
+            continue
+        body, edge = v.attrs[0], v.attrs[1]
+        for k in range(body.carries, body.carries + body.slices):
+            o = v.operands[k]
+            if o.op == "loop" and o.attrs[1] == edge and o.attrs[2] != v.attrs[2] and o.attrs[3] >= o.attrs[0].carries:
+                read.setdefault(edge, {})[id(o)] = o
+    out = {}
+    for edge, got in read.items():
+        total = 0
+        for o in got.values():
+            n = ITEMSIZE[o.dtype]
+            for e in o.edges:
+                n *= size_eval(module.size(e), env)
+            total += n
+        out[edge] = (len(got), total)
+    return out
+
+
+def kept_after_stream(before, after, env: dict[str, int], loops: list[dict]) -> None:
+    """Each of `loops` (`loop_steps`'s report) with what forward loops stack for reverse
+    loops in the optimized program `after` where that is less than in `before` (the
+    program before `stream` ran at these sizes): a reverse loop that computes the step's
+    large values again in its step, which then streams them (tgc.opt.stream_loops),
+    reads fewer values stacked by the forward loop. Adds `stacked` (values, bytes) of
+    `before` and `stacked_optimized` of `after`."""
+    was, now = _stacked_for_reverse(before, env), _stacked_for_reverse(after, env)
+    for lp in loops:
+        edge = lp["edge"]
+        if not lp["unrolled"] and edge in was and edge in now and now[edge][0] < was[edge][0]:
+            lp["stacked"], lp["stacked_optimized"] = list(was[edge]), list(now[edge])
+
+
 def _loop_lines(loops: list[dict]) -> list[str]:
     """`loop_steps`'s report in words."""
     lines = []
@@ -215,6 +253,11 @@ def _loop_lines(loops: list[dict]) -> list[str]:
                          f"recomputes x); run as a loop it would {plan('keep', 'recompute')}")
         else:
             lines.append(head + f"the backward pass {plan('keeps', 'recomputes')}")
+        if "stacked_optimized" in lp:
+            (n0, b0), (n1, b1) = lp["stacked"], lp["stacked_optimized"]
+            lines.append(f"    at these sizes the forward loop stacks {n1} values for the reverse loop "
+                         f"({human(b1, 'B')} in all) instead of {n0} ({human(b0, 'B')}): the reverse step "
+                         "computes the others again, by blocks (tgc.opt.stream_loops)")
     return lines
 
 
@@ -226,8 +269,14 @@ def _recompute_note(low: Lowered) -> str:
                 "(cheap enough to inline); every other value a later kernel reads is kept")
     from tgc.ir.sizes import size_str
 
+    from tgc.lower.lowered import step_loops
+
     streams = [f"k{i} {k.note} ({size_str(k.trip)} steps)" for i, k in enumerate(low.kernels)
                if isinstance(k, StepLoop) and k.note.startswith("streams")]
+    for i, k in enumerate(low.kernels):   # the blocks inside a loop's step (a `repeat` and its reverse loop)
+        inner = [s for _, s in step_loops(k.step) if s.note.startswith("streams")] if isinstance(k, StepLoop) else []
+        if inner:
+            streams.append(f"in k{i}'s step, {len(inner)} loops: {inner[0].note.split(':')[0]}")
     if streams:   # tgc.opt.stream: each block's values recomputed from the inputs, forward and backward alike
         return "recompute by blocks: " + "; ".join(streams)
     if not again:

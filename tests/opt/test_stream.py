@@ -329,31 +329,89 @@ def nested_loops(module) -> int:
                for w in topo_order(list(v.attrs[0].results)) if w.op == "loop")
 
 
-@pytest.mark.parametrize("mask", ["where", "subtractive"])
-@pytest.mark.parametrize("grads", [False, True], ids=["forward", "gradients-under-a-budget"])
-def test_a_loop_body_streams(grads, mask):
+def step_loops(module) -> tuple[int, int]:
+    """How many loops the steps of the forward loops hold, and those of the reverse loops
+    (a gradient's): each loop counted once, not once per output."""
+    from tgc.ir.values import topo_order
+    from tgc.lower.steps import loop_key
+
+    outer = {}
+    for v in module.values():
+        if v.op == "loop":
+            inner = {loop_key(w) for w in topo_order(list(v.attrs[0].results)) if w.op == "loop"}
+            outer.setdefault(loop_key(v), (v.attrs[2], len(inner)))
+    return (sum(n for rev, n in outer.values() if not rev), sum(n for rev, n in outer.values() if rev))
+
+
+def stacked_elements(module) -> int:
+    """The most elements of one step's value that a loop stacks (what a forward loop keeps
+    per step for its reverse loop)."""
+    env = module.bind_dims({"layer": 3})
+    most = 0
+    for v in module.values():
+        if v.op == "loop" and v.attrs[3] >= v.attrs[0].carries:
+            n = 1
+            for e in v.attrs[0].results[v.attrs[3]].edges:
+                n *= env[module.edges[e]] if module.edges[e] in env else module.size(e)
+            most = max(most, n)
+    return most
+
+
+TOL = {"f64": 1e-12, "f32": 2e-5}
+
+
+CASES = [(g, m, d) for g in ("forward", "gradients") for m in ("where", "subtractive") for d in ("f64", "f32")
+         if (g, m, d) != ("gradients", "subtractive", "f32")] \
+    + [("gradients-under-a-budget", m, "f64") for m in ("where", "subtractive")]
+
+
+@pytest.mark.parametrize("grads,mask,dtype", CASES)
+def test_a_loop_body_streams(grads, mask, dtype):
     """A cluster inside a loop's step streams as a loop in the step. With gradients, the
-    reverse loop keeps each step's values unless the memory planner keeps only the
-    carries (a budget): then the forward and the reverse steps both stream. The mask in
-    either form (examples/gpt2.tg's block subtracts it) lets each run skip keys."""
+    reverse loop computes the step's [t, s] values again (tgc.opt.stream_loops) instead of
+    reading them stacked from the forward loop, so that the forward and the reverse steps
+    both stream. The mask in either form (examples/gpt2.tg's block subtracts it) lets each
+    run skip keys. Forward and gradients match the program without the pass, f64 and f32."""
     import tgc
 
     layers = LAYERS if mask == "where" else LAYERS.replace("where([s <= t], sum[hd](h * k), -1e9)",
                                                            "sum[hd](h * k) - 1e9 * [s > t]")
     assert mask == "where" or layers != LAYERS
-    src = layers + ("out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n" if grads
-                    else "out y\n")
-    extra = dict(memory_budget=400_000) if grads else {}   # met by keeping only the carries
+    src = layers + ("out y\n" if grads == "forward" else
+                    "out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n")
+    # a budget met by keeping only the carries
+    extra = dict(memory_budget=400_000) if grads == "gradients-under-a-budget" else {}
     extra["stream_mask_groups"] = 2
-    on, off = optimized(src, "f64", stream_block=16, stream_min_elements=1000, **extra), optimized(src, "f64", **OFF)
-    assert nested_loops(on) == (4 if grads else 2) and nested_loops(off) == 0   # 2 runs of blocks each
+    on, off = optimized(src, dtype, stream_block=16, stream_min_elements=1000, **extra), optimized(src, dtype, **OFF)
+    # 2 runs of blocks each; the reverse step streams too, by default and under the budget (whose
+    # step, recomputed whole from the carries, reads the layer's input both whole and by blocks)
+    assert step_loops(on) == ((2, 0) if grads == "forward" else (2, 2))
+    assert nested_loops(off) == 0
+    if grads == "gradients":   # the forward loop keeps no [t, s] matrix per step (64 x 64)
+        assert stacked_elements(on) < 64 * 64 <= stacked_elements(off)
     env = off.bind_dims({"layer": 3})
     x = random_inputs(off, env, 0, "f64")
+    cast = (lambda a: a.astype(np.float32)) if dtype == "f32" else (lambda a: a)
+    want = evaluate(off, {k: cast(v.copy()) for k, v in x.items()}, dtype=dtype, dims={"layer": 3})
+    close(evaluate(on, {k: cast(v.copy()) for k, v in x.items()}, dtype=dtype, dims={"layer": 3}), want, TOL[dtype])
+    prog = tgc.compile(src, "cpu", dtype, options=Options(dtype=dtype, stream_block=16, stream_min_elements=1000,
+                                                          **extra))
+    close(prog(**{k: cast(v.copy()) for k, v in x.items()}), want, TOL[dtype])
+
+
+def test_a_scan_body_streams_forward_and_reverse():
+    """A `scan` stacks each step's carry; its reverse loop computes the step's [t, s] values
+    again and streams them as a `repeat`'s does (the interpreter, f64, against the program
+    without the pass)."""
+    src = LAYERS.replace("y = repeat[layer](block, x, wk)", "y = scan[layer](block, x, wk)") \
+        + "out loss = sum(y * y)\nout dx = grad(loss, x)\nout dw = grad(loss, wk)\n"
+    assert src != LAYERS
+    on = optimized(src, "f64", stream_block=16, stream_min_elements=1000, stream_mask_groups=2)
+    off = optimized(src, "f64", **OFF)
+    assert step_loops(on) == (2, 2) and stacked_elements(on) < 64 * 64 <= stacked_elements(off)
+    x = random_inputs(off, off.bind_dims({"layer": 3}), 0, "f64")
     want = evaluate(off, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3})
     close(evaluate(on, {k: v.copy() for k, v in x.items()}, dtype="f64", dims={"layer": 3}), want, 1e-12)
-    prog = tgc.compile(src, "cpu", "f64", options=Options(dtype="f64", stream_block=16, stream_min_elements=1000,
-                                                          **extra))
-    close(prog(**{k: v.copy() for k, v in x.items()}), want, 1e-12)
 
 
 def step_flops(src: str, groups: int) -> int:

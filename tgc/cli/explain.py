@@ -68,7 +68,8 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
       tgc explain examples/gpt.tg --dim batch=64 --specialized   # what repeated calls of that size run
     """
     from tgc.backends.base import get_backend
-    from tgc.explain import explain as report_of, format_explain, loop_steps, timeline_png, timeline_svg
+    from tgc.explain import (explain as report_of, format_explain, kept_after_stream, loop_steps, timeline_png,
+                             timeline_svg)
 
     if timeline and not timeline.endswith((".svg", ".png")):
         raise click.BadParameter("the timeline is a .svg or .png file", param_hint="--timeline")
@@ -99,6 +100,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
             else pipeline.lower(module, options.with_(passes=("normalize",), memory_budget=None)).module
         unrolled = not any(v.op == "loop" for v in lowered.module.values())   # (the cost model unrolled them)
         report["loops"] = loop_steps(primal, env, unrolled)   # the planner's choice where it made one
+        kept_after_stream(lowered.module, optimized, env, report["loops"])   # less where a reverse step streams
     if lowered.memory is not None:
         report["memory_budget"] = lowered.memory.as_dict()
         report["memory_budget"]["summary"] = lowered.memory.summary()

@@ -15,10 +15,15 @@ block of `E` at a time:
   keeps `E`): down to its users, and up to its operands that are themselves large;
   a value that reads, besides the region, something computed from the region
   outside it (a reduction of the region over `E`) stays out: it needs the whole loop
-  first;
+  first; so does one that reads from outside an operand a member reads under another
+  name of `E`. When that
+  region leaves a large value outside, it is grown again with the values before the
+  seed too (a row max that reads scores the seed grew up to);
 - an operand read from outside is a stacked slice when it has `E` (reindexed to
   `[Eb, Ec, ..]` once, an O(its size) copy; a large one is in the region, so slices
-  are small), else a loop-invariant (the `[s, hd]` keys and values);
+  are small), else a loop-invariant (the `[s, hd]` keys and values); one that members
+  read both ways (a layer's input: the queries by blocks, the keys computed from all
+  of it, in a step recomputed from its carry) is both;
 - a reduction over `E` of region values (a contraction summing `E`, a max or min
   over `E`) is a carry: each step adds its block's partial sum (or takes the max);
   the contraction over the other edges of the block is the step's own;
@@ -70,12 +75,19 @@ When. A seed streams from `stream_min_elements`, or from `stream_min_elements_ma
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
-Terminates: each round moves at least its seed (a large add, map, contraction, ...
-of the top level) into a loop body, which the pass never looks inside, and adds to the
-top level only values that are no seeds (a loop, indicators, constants) or small ones
-(slices and stacked results are checked small); a seed with no valid edge is skipped.
-So each round leaves one large value fewer to try. The runs of a masked stream are a
-fixed partition of the blocks (one pass over the step's values decides the skip).
+Loops. The steps of the program's loops stream as programs of their own (attention
+inside a `repeat` over layers), under the same thresholds, at the sizes the step has.
+A reverse loop (a gradient's) first computes again in its step the large values it
+would read stacked from its forward loop, where its step then streams
+(tgc.opt.stream_loops): both steps then hold blocks, not `[t, s]` matrices.
+
+Terminates: recompute_residuals is one pass over the loops; then each round moves at
+least its seed (a large add, map, contraction, ... of the top level) into a loop body,
+which the pass never looks inside, and adds to the top level only values that are no
+seeds (a loop, indicators, constants) or small ones (slices and stacked results are
+checked small); a seed with no valid edge is skipped. So each round leaves one large
+value fewer to try. The runs of a masked stream are a fixed partition of the blocks
+(one pass over the step's values decides the skip).
 """
 from __future__ import annotations
 
@@ -140,9 +152,11 @@ def _carry_kind(v: Value, edge: str) -> str | None:
     return None
 
 
-def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large) -> _Region | None:
+def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, large,
+            closure: bool = False) -> _Region | None:
     """The values computed in a loop over blocks of `edge` around `seed`, or None when
-    a large value (`large(v)`) would be left outside, as an operand or a stacked result."""
+    a large value (`large(v)`) would be left outside, as an operand or a stacked result.
+    `closure`: the values before the seed that read the region may join it too."""
     se: dict[int, str] = {}       # members: their name of the edge
     pos = {id(v): i for i, v in enumerate(order)}
 
@@ -158,40 +172,70 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
                 if id(o) not in se and _along(o, eo) and large(o):
                     stack.append((o, eo))
 
-    grow_up(seed, edge)
-    # down, in order: a value along the edge that reads the region and nothing computed from it
-    tainted: set[int] = set()   # outside the region, computed from it
-    for v in order[pos[id(seed)] + 1:]:
-        if id(v) in se:
-            continue
-        reads = [o for o in v.operands if id(o) in se]
-        dirty = any(id(o) in tainted for o in v.operands)
-        names = {_down(v, se[id(o)]) for o in reads}
-        if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
-            e = names.pop()
-            eo = _up(v, e)
-            ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
-            if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups):
-                for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
-                    grow_up(u, eo)
-                grow_up(v, e)
+    users: dict[int, list[Value]] = {}
+    for v in order:
+        for o in v.operands:
+            users.setdefault(id(o), []).append(v)
+
+    def clash(v: Value, eo: str, ups: list[Value]) -> bool:   # v reads from outside what a member reads
+        for o in v.operands:                                      # under another name of the edge
+            if id(o) in se or any(o is u for u in ups) or o.op in ("const", "size"):
                 continue
-        if reads or dirty:
-            tainted.add(id(v))
+            name = eo if eo in o.edges else None
+            for u in users.get(id(o), ()):
+                if id(u) in se:
+                    theirs = _up(u, se[id(u)])
+                    if (theirs if theirs in o.edges else None) != name:
+                        return True
+        return False
+
+    grow_up(seed, edge)
+    # down, in order: a value along the edge that reads the region and nothing computed from it,
+    # and reads nothing from outside that a member reads under another name of the edge (an
+    # operand is a slice or an invariant, not both);
+    # with `closure`, again from the region's first value until no value joins (a value
+    # before the seed that reads what growing up added: the row max of scores a later
+    # seed reads them through)
+    start = pos[id(seed)] + 1
+    while True:
+        tainted: set[int] = set()   # outside the region, computed from it
+        size = len(se)
+        for v in order[start:]:
+            if id(v) in se:
+                continue
+            reads = [o for o in v.operands if id(o) in se]
+            dirty = any(id(o) in tainted for o in v.operands)
+            names = {_down(v, se[id(o)]) for o in reads}
+            if reads and not dirty and len(names) == 1 and _along(v, next(iter(names))):
+                e = names.pop()
+                eo = _up(v, e)
+                ups = [o for o in v.operands if id(o) not in se and _along(o, eo) and large(o)]
+                if all(not any(id(x) in tainted for x in topo_order([u])) for u in ups) \
+                        and not clash(v, eo, ups):
+                    for u in ups:   # large siblings (dP = dy . v beside P) are computed in the step too
+                        grow_up(u, eo)
+                    grow_up(v, e)
+                    continue
+            if reads or dirty:
+                tainted.add(id(v))
+        if not closure or len(se) == size:
+            break
+        start = min(pos[i] for i in se)
     members = [v for v in order if id(v) in se]
     for v in members:   # a member must not read a value computed from the region
         if any(id(o) in tainted for o in v.operands):
             return None
     carries, stacked, outside = [], [], {}
-    leaf: dict[int, str | None] = {}
+    leaf: dict[int, set[str | None]] = {}   # the names of the edge each is read with (None: whole)
     reduced: dict[int, str] = {}   # carries: the name of the edge they reduce
 
     def read(v: Value, e: str) -> bool:   # v's operands from outside, with their name of the edge
         for o in v.operands:
             if id(o) not in se:
-                name = e if e in o.edges else None
-                if leaf.setdefault(id(o), name) != name:
+                names = leaf.setdefault(id(o), set()) | {e if e in o.edges else None}
+                if len(names - {None}) > 1:
                     return False
+                leaf[id(o)] = names
                 outside[id(o)] = o
         return True
 
@@ -214,14 +258,20 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
             return None
     slices, invariants, masks = [], [], []
     for o in sorted(outside.values(), key=lambda x: pos[id(x)]):
-        if leaf[id(o)] is not None:
-            se[id(o)] = leaf[id(o)]
-        if o.op in ("const", "size") or (o.op == "indicator" and leaf[id(o)] is None):
+        sliced = next((n for n in leaf[id(o)] if n is not None), None)
+        if sliced is not None:
+            se[id(o)] = sliced
+        if o.op in ("const", "size") or (o.op == "indicator" and sliced is None):
             continue
         if o.op == "indicator":
+            if None in leaf[id(o)]:
+                return None   # a mask read whole besides
             masks.append(o)
-        else:
-            (slices if leaf[id(o)] is not None else invariants).append(o)
+            continue
+        if sliced is not None:   # read by blocks (and, by members that do not keep the edge, whole too)
+            slices.append(o)
+        if None in leaf[id(o)]:
+            invariants.append(o)
     if any(large(x) for x in slices + invariants):
         return None   # a large operand read whole, or copied as blocks: nothing gained
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
@@ -309,6 +359,8 @@ class _Streamer:
             for edge in self.edges_of(seed):
                 self.block = self.block_for(self.sizes[edge])
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
+                if r is None:   # the values before the seed that read what the seed grew up to, too
+                    r = _region(order, roots, seed, edge, lambda v: self.large(v, seed), closure=True)
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
@@ -492,11 +544,12 @@ class _Streamer:
                 ps.append(p)
             piece_params.append(ps)
         n_slices = len(params) - len(r.carries)
+        whole: dict[int, Value] = {}   # the invariants, read whole (some are also read by blocks)
         for x in r.invariants:
             operands.append(x)
             p = V.loopvar(len(params), x.dtype, x.edges)
             params.append(p)
-            inner[id(x)] = p
+            whole[id(x)] = p
         for (ind, pieces, plan), ps in zip(masks, piece_params):
             parts, it = [], iter(ps)
             for kind, what in plan:
@@ -507,11 +560,13 @@ class _Streamer:
                     parts.append(V.contract([next(it), at], keep))
             inner[id(ind)] = parts[0] if len(parts) == 1 else V.mul(parts)
 
-        def read(o: Value) -> Value:   # an operand in the step: a member, a parameter, or nullary
+        def read(o: Value, e: str) -> Value:   # an operand in the step (its edge's name e): a member,
+            if id(o) in whole and e not in o.edges:   # a parameter, or nullary
+                return whole[id(o)]
             return inner.get(id(o), o)
 
         for v in r.members:
-            ops = tuple(read(o) for o in v.operands)
+            ops = tuple(read(o, _up(v, r.edge[id(v)])) for o in v.operands)
             if v.op == "contract":
                 inner[id(v)] = V.contract(ops, step_edges(v), v.loc)
             elif v.op == "rename":   # the streamed edge is the step's block edge on both sides
@@ -521,7 +576,7 @@ class _Streamer:
                 inner[id(v)] = rebuild_same(v, ops)
         results = []
         for v, kind, p in zip(r.carries, kinds, params):
-            ops = [read(o) for o in v.operands]
+            ops = [read(o, r.edge[id(v)]) for o in v.operands]
             if kind == "sum":
                 part = V.contract(ops, v.edges, v.loc)
                 results.append(V.add([p, part]))
@@ -595,8 +650,12 @@ class Stream(Pass):
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
+        from tgc.opt.stream_loops import recompute_residuals
 
-        # the program's loops' steps first (attention inside a `repeat` over layers: each
-        # body as a module, once), then the program itself; the loops this makes are not
-        # looked into again
+        # the large values a reverse loop would read stacked from its forward loop computed
+        # in its step instead, where that step then streams (tgc.opt.stream_loops); then
+        # the program's loops' steps (attention inside a `repeat` over layers: each body as
+        # a module, once), then the program itself; the loops this makes are not looked
+        # into again
+        module = recompute_residuals(module, options)
         return stream(map_bodies(module, lambda body: stream(body, options)), options)

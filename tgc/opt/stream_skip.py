@@ -19,8 +19,9 @@ admitting first, and takes the first that `exact` shows exact.
 Why it is exact. `exact` checks the step, value by value, with what each value is at
 the skipped entries (masked for every row of the run):
 - Z, exactly 0: an admitting mask; a product (contract, mul0) with a Z factor (the other
-  factors finite); a sum of Z values; `where(c, a, b)` with c Z and b Z or 0 (with c One:
-  a Z or 0); exp of an L value (it underflows to 0);
+  factors finite); a mul00 (0 where either factor is 0) with a Z factor; a sum of Z
+  values; `where(c, a, b)` with c Z and b Z or 0 (with c One: a Z or 0); exp of an L
+  value (it underflows to 0);
 - One, exactly 1: a rejecting mask;
 - L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
   -inf), or `where(c, fill, b)` with c One; a sum whose terms are Z values (0), One values
@@ -196,7 +197,7 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: fro
         elif v.op == "map" and v.attrs[0] == "exp":
             if isinstance(st(ops[0]), tuple):
                 state[id(v)] = "Z"
-        elif v.op == "map" and v.attrs[0] == "mul0":   # a * b, 0 where a is 0
+        elif v.op == "map" and v.attrs[0] in ("mul0", "mul00"):   # a * b, 0 where a (mul00: a or b) is 0
             if any(st(o) == "Z" for o in with_s):
                 state[id(v)] = "Z"
         elif v.op == "map" and v.attrs[0] == "where":
