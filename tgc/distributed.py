@@ -360,7 +360,7 @@ class DataParallel:
         running anything (`Program.check`; phase 2 with stand-ins of the boundary
         values' shapes): (this rank's rows, the sizes of the dims that are not split, as
         text: every rank must bind the same). EvalError or TypeError says what is wrong."""
-        from tgc.ir.interp import EvalError
+        from tgc.ir.input_checks import check_known, check_names
         from tgc.ir.sizes import size_eval
         from tgc.runtime.program import call_key
 
@@ -378,12 +378,8 @@ class DataParallel:
             if not self._synced:
                 _check_writable(arrays, self._params)
             return rows, text
-        extra = [n for n in arrays if n not in self.module.args]
-        if extra:
-            raise EvalError(f"unexpected input '{extra[0]}' (the program takes: {', '.join(self.module.args)})")
-        missing = [n for n in self.module.args if n in self._needed and n not in arrays]
-        if missing:
-            raise EvalError(f"missing input '{missing[0]}' (the program takes: {', '.join(self.module.args)})")
+        check_known(list(self.module.args), arrays)
+        check_names(list(self.module.args), arrays, required=self._needed)
         if dims is not None and not isinstance(dims, dict):
             raise TypeError(f"dims= takes a dict of sizes, not {type(dims).__name__}")
         if not self._synced:

@@ -1,12 +1,12 @@
-"""The dispatch by node class (tgc.lower.visit): every evaluator of lowered expressions
+"""The dispatch by node class (tgc.lower.lowered.ExprVisitor): every evaluator of lowered expressions
 (the lowered interpreter, the verifier and both code generators) has a method for
 every node class, and one that lacks a method says which."""
 from __future__ import annotations
 
 import pytest
 
-from tgc.lower.lowered import Acc, Add, Atom, Const, Expr, FloorDiv, IdLoad, Ix, Map, Mul
-from tgc.lower.visit import ATOM_NODES, EXPR_NODES, NODE_METHODS, ExprVisitor, VisitError
+from tgc.lower.lowered import (ATOM_NODES, EXPR_NODES, NODE_METHODS, Acc, Add, Atom, Const, Expr, ExprVisitor,
+                               FloorDiv, IdLoad, Ix, Map, Mul, VisitError)
 
 
 def _visitors() -> list[type]:

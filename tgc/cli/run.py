@@ -20,7 +20,7 @@ from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
 from tgc.ir.complex_io import COMPLEX_OF, RI
-from tgc.ir.diag import did_you_mean
+from tgc.ir.input_checks import check_known
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
 from tgc.ir.sizes import SizeError
@@ -136,10 +136,8 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
     for name, path in singles.items():
         arrays[name] = _load_array(path, f"input '{name}'")
         origins[name] = path
-    for name in arrays:
-        if name not in module.args:
-            raise EvalError(f"{origins[name]}: unexpected input '{name}' (the program takes: "
-                            f"{', '.join(module.args)})" + did_you_mean(name, module.args))
+    with naming_files(origins):
+        check_known(list(module.args), arrays, suggest=True)
     arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
     check_dim_flags(module, dims)
     if random:

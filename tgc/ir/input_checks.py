@@ -11,10 +11,11 @@ The checks only read; converting an input to the program's type is the caller's.
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
+from tgc.ir.diag import did_you_mean
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, type_of_numpy
 
 
@@ -23,23 +24,28 @@ class EvalError(RuntimeError):
 
 
 def check_names(names: Sequence[str], given: Iterable[str], error: type[Exception] = EvalError,
-                what: str = "input") -> None:
+                what: str = "input", required: Collection[str] | None = None) -> None:
     """`given` names exactly the program's inputs `names` (in any order): else `error`
     naming the first missing one, or the first unexpected one (`what`: how the
-    caller calls an input, "argument" in `tgc.torch`)."""
+    caller calls an input, "argument" in `tgc.torch`). With `required`, only those of
+    `names` must be given (a data-parallel step's inputs that no part of it reads may
+    be left out)."""
     given = list(given)
-    missing = [n for n in names if n not in given]
+    missing = [n for n in names if (required is None or n in required) and n not in given]
     if missing:
         raise error(f"missing {what} '{missing[0]}' (the program takes: {', '.join(names)})")
     check_known(names, given, error, what)
 
 
 def check_known(names: Sequence[str], given: Iterable[str], error: type[Exception] = EvalError,
-                what: str = "input") -> None:
-    """Every name in `given` is one of the program's inputs `names` (some may be left out)."""
+                what: str = "input", suggest: bool = False) -> None:
+    """Every name in `given` is one of the program's inputs `names` (some may be left
+    out); with `suggest`, the message ends with the closest input's name, when one is
+    close (`tgc.ir.diag.did_you_mean`: `tgc run`, whose names come from file names)."""
     extra = [n for n in given if n not in names]
     if extra:
-        raise error(f"unexpected {what} '{extra[0]}' (the program takes: {', '.join(names)})")
+        hint = did_you_mean(extra[0], names) if suggest else ""
+        raise error(f"unexpected {what} '{extra[0]}' (the program takes: {', '.join(names)})" + hint)
 
 
 def check_shape(name: str, shape: tuple, want: tuple, edges: Sequence[str]) -> None:

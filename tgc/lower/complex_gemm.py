@@ -6,8 +6,9 @@ indicators [re.im = k], multiplied by four real contractions, and put back toget
 (`where([re.im = 0], re, im)`, or `[re.im = 0] * re + [re.im = 1] * im` as the
 adjoint writes it). Lowered as such it is four real GEMMs plus strided copies of the
 parts. This module finds, in the optimized IR, every value that *is* a complex
-product of two complex values, and says so to `fuse`, which lowers it as one GEMM
-cell on the interleaved buffers (`GemmKernel.cplx`), computed by cgemm/zgemm.
+product of two complex values (`match`), and `ComplexGemms`, the fuser's part for
+them, lowers each as one GEMM cell on the interleaved buffers (`GemmKernel.cplx`),
+computed by cgemm/zgemm.
 
 Why here, and not a complex op kept from the front end down: below the front end
 nothing knows about complex values (differentiation, every optimizer pass, both
@@ -37,6 +38,7 @@ import numpy as np
 
 from tgc.ir.complex_io import RI
 from tgc.ir.values import Value
+from tgc.lower.lowered import GemmKernel, View
 
 # the complex product's table C[p, q, r] (part p of X times part q of Y into part r)
 PRODUCT = np.zeros((2, 2, 2))
@@ -233,3 +235,69 @@ def match(v: Value, groups_of):
                 return {"a": (xa, {**ma, RI: RI}), "b": (xb, {**mb, RI: RI}), "groups": groups,
                         "conj": (ca, cb), "alpha": float(alpha), "terms": first[2]}
     return None
+
+
+class ComplexGemms:
+    """The complex products of a module being fused: found before the partition
+    (`find`: the fuser's `cgemms`, and the values they leave unread in `folded`), their
+    operands given buffers (`materialize`), then their kernels (`kernel`)."""
+
+    def __init__(self, fuser):   # the `tgc.lower.fuse` fuser lowering the module
+        self.f = fuser
+
+    def find(self) -> None:
+        """Values that are a complex product (`match`) become one complex
+        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS,
+        or the system CBLAS's through `tgc build`'s LP64 adapter; `blas` "numpy" or
+        "system", not "none"). The real products and parts they were built of are
+        then computed only where something else still reads them: the values no longer
+        reachable from the program's roots are dropped (`folded`), and the use counts
+        are taken again without them."""
+        f = self.f
+        if not f.opt.cpu.complex_gemm or f.opt.cpu.blas == "none" or f.opt.dtype not in ("f32", "f64"):
+            return
+        for v in f.values:
+            if id(v) in f.folded or id(v) in f.shifted:
+                continue
+            spec = match(v, f.gemm_groups)
+            if spec is not None:
+                f.cgemms[id(v)] = spec
+        if not f.cgemms:
+            return
+        live: set[int] = set()
+        stack = list(f.m.roots())
+        while stack:
+            v = stack.pop()
+            if id(v) in live:
+                continue
+            live.add(id(v))
+            spec = f.cgemms.get(id(v))
+            stack += [spec["a"][0], spec["b"][0]] if spec else list(v.operands)
+        for v in f.values:
+            if id(v) not in live:
+                f.folded.add(id(v))
+                f.cgemms.pop(id(v), None)
+        f.users = {id(v): set() for v in f.values}
+        for v in f.values:
+            if id(v) in live:
+                spec = f.cgemms.get(id(v))
+                for o in ([spec["a"][0], spec["b"][0]] if spec else v.operands):
+                    f.users[id(o)].add(id(v))
+        f._reduction.clear()
+        f._cost.clear()
+
+    def materialize(self, v: Value) -> None:
+        """Give the complex product `v` and its operands (other than arguments) buffers."""
+        f = self.f
+        f.materialize(v)
+        for base, _ in (f.cgemms[id(v)]["a"], f.cgemms[id(v)]["b"]):
+            if base.op != "arg":
+                f.materialize(base)
+
+    def kernel(self, v: Value, out: str) -> GemmKernel:
+        """The complex GEMM cell computing `v` into the buffer `out`."""
+        f = self.f
+        spec = f.cgemms[id(v)]
+        a, b = (View(f.mat[id(base)], tuple(sorted(mapping.items()))) for base, mapping in (spec["a"], spec["b"]))
+        return GemmKernel(out, a, b, *spec["groups"], cplx=spec["conj"], alpha=spec["alpha"],
+                          note="complex product")

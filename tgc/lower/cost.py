@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from tgc.ir.philox import op_counts
 from tgc.ir.sizes import size_eval
-from tgc.lower.lowered import Add, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand, StepLoop, walk
+from tgc.lower.lowered import (Add, ExprVisitor, GemmKernel, LoopKernel, Lowered, Map, Mask, Mul, Rand,
+                               StepLoop)
 from tgc.opt.stats import BYTES, ModuleStats, rep_sizes
 
 
@@ -54,20 +55,39 @@ def loop_flops(k: LoopKernel, extent, skip: set[str]) -> int:
     return points * body + kept * epilogue
 
 
+class _Ops(ExprVisitor):
+    """The float operations of an expression tree: a sum's additions and scalings, a
+    product's multiplications, a function, a mask's comparisons, a draw's own."""
+
+    def _args(self, e) -> int:
+        return sum(self.expr(a) for a in e.args)
+
+    def expr_add(self, e: Add) -> int:
+        return len(e.args) - 1 + sum(1 for c in e.coefs if c != 1) + self._args(e)
+
+    def expr_mul(self, e: Mul) -> int:
+        return len(e.args) - 1 + self._args(e)
+
+    def expr_map(self, e: Map) -> int:
+        return 1 + self._args(e)
+
+    def expr_mask(self, e: Mask) -> int:
+        return len(e.conds) + self.expr(e.arg)
+
+    def expr_rand(self, e: Rand) -> int:   # its float operations (Box-Muller's polynomials, the scaling)
+        return op_counts(e.kind, "f64")[1]
+
+    def expr_load(self, e) -> int:
+        return 0
+
+    expr_const = expr_size_of = expr_acc = atom_var = atom_id_load = atom_floor_div = expr_load
+
+
+_OPS = _Ops()
+
+
 def expr_ops(e) -> int:
-    n = 0
-    for node in walk(e):
-        if isinstance(node, Add):
-            n += len(node.args) - 1 + sum(1 for c in node.coefs if c != 1)
-        elif isinstance(node, Mul):
-            n += len(node.args) - 1
-        elif isinstance(node, Map):
-            n += 1
-        elif isinstance(node, Mask):
-            n += len(node.conds)
-        elif isinstance(node, Rand):   # its float operations (Box-Muller's polynomials, the scaling)
-            n += op_counts(node.kind, "f64")[1]
-    return n
+    return _OPS.expr(e)
 
 
 def lowered_stats(low: Lowered, rep: int) -> ModuleStats:

@@ -57,7 +57,7 @@ from tgc.ir.ops import EXPENSIVE
 from tgc.ir.values import Value
 from tgc.options import Options
 from tgc.ir.passes import Pass
-from tgc.lower import complex_gemm
+from tgc.lower.complex_gemm import ComplexGemms
 from tgc.lower.steps import StepLowering
 from tgc.lower.taps import TapGemms
 from tgc.lower.views import is_identity, peel
@@ -130,7 +130,7 @@ class _Fuser:
         self.mat: dict[int, str] = {}      # id(value) -> buffer
         self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
         self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`taps.TapGemms.tap_gemm`)
-        self.cgemms: dict[int, dict] = {}   # id(value) -> the complex product it is (`complex_gemm`)
+        self.cgemms: dict[int, dict] = {}   # id(value) -> the complex product it is (`complex_gemm.match`)
         self.folded: set[int] = set()      # reductions computed inside a shifted GEMM
         self.absorb: dict[int, Value] = {}  # id(kernel root) -> the reduction it finishes
         self.acc_of: int | None = None
@@ -139,6 +139,7 @@ class _Fuser:
         self._depth: dict[int, int] = {}   # id(value) -> its inlined expression's depth (inline_depth)
         self.steps = StepLowering(self)   # loops over an edge: `StepLoop`s (tgc.lower.steps)
         self.taps = TapGemms(self)         # GEMMs on shifted views (tgc.lower.taps)
+        self.complex = ComplexGemms(self)  # complex products (tgc.lower.complex_gemm)
 
     # ------------------------------------------------------------ classification
 
@@ -277,48 +278,6 @@ class _Fuser:
                 return True
         return False
 
-    # ------------------------------------------------------------ complex GEMMs
-
-    def find_complex_gemms(self) -> None:
-        """Values that are a complex product (`complex_gemm.match`) become one complex
-        GEMM cell on their operands' interleaved pairs (cgemm/zgemm: numpy's OpenBLAS,
-        or the system CBLAS's through `tgc build`'s LP64 adapter; `blas` "numpy" or
-        "system", not "none"). The real products and parts they were built of are
-        then computed only where something else still reads them: the values no longer
-        reachable from the program's roots are dropped (`folded`), and the use counts
-        are taken again without them."""
-        if not self.opt.cpu.complex_gemm or self.opt.cpu.blas == "none" or self.opt.dtype not in ("f32", "f64"):
-            return
-        for v in self.values:
-            if id(v) in self.folded or id(v) in self.shifted:
-                continue
-            spec = complex_gemm.match(v, self.gemm_groups)
-            if spec is not None:
-                self.cgemms[id(v)] = spec
-        if not self.cgemms:
-            return
-        live: set[int] = set()
-        stack = list(self.m.roots())
-        while stack:
-            v = stack.pop()
-            if id(v) in live:
-                continue
-            live.add(id(v))
-            spec = self.cgemms.get(id(v))
-            stack += [spec["a"][0], spec["b"][0]] if spec else list(v.operands)
-        for v in self.values:
-            if id(v) not in live:
-                self.folded.add(id(v))
-                self.cgemms.pop(id(v), None)
-        self.users = {id(v): set() for v in self.values}
-        for v in self.values:
-            if id(v) in live:
-                spec = self.cgemms.get(id(v))
-                for o in ([spec["a"][0], spec["b"][0]] if spec else v.operands):
-                    self.users[id(o)].add(id(v))
-        self._reduction.clear()
-        self._cost.clear()
-
     # ------------------------------------------------------------ partition
 
     def broadcast_edges(self, v: Value) -> set[str]:
@@ -349,10 +308,7 @@ class _Fuser:
                     self.materialize(leaf)
                 continue
             if id(v) in self.cgemms:
-                self.materialize(v)
-                for base, _ in (self.cgemms[id(v)]["a"], self.cgemms[id(v)]["b"]):
-                    if base.op != "arg":
-                        self.materialize(base)
+                self.complex.materialize(v)
                 continue
             if id(v) in self.mat:
                 pass
@@ -527,7 +483,7 @@ class _Fuser:
         self.steps.prepare()
         copies = self.homes()
         self.taps.find()
-        self.find_complex_gemms()
+        self.complex.find()
         self.partition()
         again = self.recomputed()
         for v in self.values:
@@ -599,10 +555,7 @@ class _Fuser:
         if id(v) in self.shifted:
             return self.taps.kernel(v, out)
         if id(v) in self.cgemms:
-            spec = self.cgemms[id(v)]
-            a, b = (View(self.mat[id(base)], tuple(sorted(mapping.items()))) for base, mapping in (spec["a"], spec["b"]))
-            return GemmKernel(out, a, b, *spec["groups"], cplx=spec["conj"], alpha=spec["alpha"],
-                              note="complex product")
+            return self.complex.kernel(v, out)
         if id(v) in self.gemms:
             batch, m, n, k = self.gemms[id(v)]
             a, b = (self.view(o) for o in v.operands)

@@ -5,7 +5,7 @@
 program's call returns: every output, and every update's new value under the key
 `Module.update_key` gives it. It shares nothing with a backend but the lowered
 program itself, the elementwise functions' numpy definitions (`tgc.ir.ops.FNS`) and
-the dispatch by node class that evaluates an expression (`tgc.lower.visit`: a method
+the dispatch by node class that evaluates an expression (`tgc.lower.lowered.ExprVisitor`: a method
 per node, `expr_load`, `expr_add`, ..., as in each code generator), so a backend's
 kernels can be compared with it kernel for kernel, and a lowering stage can be
 checked by running the program before and after it.
@@ -44,12 +44,11 @@ import numpy as np
 from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
-from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
+from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf, StepLoop, wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
-from tgc.lower.visit import ExprVisitor
 
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}

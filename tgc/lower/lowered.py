@@ -45,12 +45,13 @@ loaded from an i32 buffer (`IdLoad`), or a floor division (`FloorDiv`) — with
 evaluated there: its loads may be out of range).
 
 What evaluates an expression (the lowered interpreter, each code generator) does so
-with a method per node class of `Expr` and `Atom`, dispatched by `tgc.lower.visit`.
+with a method per node class of `Expr` and `Atom`, dispatched by `ExprVisitor` (below).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Mapping, Sequence, Union
+import re
+from typing import Callable, ClassVar, Mapping, Sequence, Union, get_args
 
 from tgc.ir.dtypes import itemsize
 from tgc.ir.module import Module
@@ -282,12 +283,123 @@ class Rand:
 Expr = Union[Load, Const, SizeOf, Add, Mul, Map, Mask, Acc, Rand]
 
 
-def children(e: Expr) -> tuple[Expr, ...]:
-    if isinstance(e, (Add, Mul, Map)):
+# ---------------------------------------------------------------- visiting
+#
+# One dispatch by node class for everything that walks a lowered expression.
+#
+# The lowered interpreter (`tgc.lower.interp`), the verifier (`tgc.lower.verify`),
+# the CPU's loop generator (`tgc.backends.cpu.loops`) and the CUDA generator
+# (`tgc.backends.cuda.codegen`) each turn an expression tree into something of their
+# own (numpy arrays, findings, LLVM values, C text), and so do the queries here
+# (`children`, `expr_text`, `rename_buffers`) and elsewhere (`tgc.lower.cost`'s
+# operation count, the loop variables an expression reads). Each subclasses `ExprVisitor` and defines one method per
+# node class; `ExprVisitor` looks the method up by the node's class in a table built
+# once per subclass, so there is no chain of `isinstance` tests to keep in step.
+#
+# Two families of nodes, each with its own entry point:
+#
+# - expressions (`Expr`: `Load`, `Const`, `SizeOf`, `Add`, `Mul`, `Map`,
+#   `Mask`, `Acc`, `Rand`): `visitor.expr(e, *ctx)` calls `expr_<node>(e, *ctx)`,
+#   the node's class name in snake case (`SizeOf` -> `expr_size_of`);
+# - index atoms (`Atom`: a loop variable `str`, `IdLoad`, `FloorDiv`):
+#   `visitor.atom(a, *ctx)` calls `atom_var`, `atom_id_load` or `atom_floor_div`.
+#
+# `ctx` is whatever the visitor threads through the tree (the interpreter's index
+# grids and active mask, the CPU's loop variables and the reduced value, the CUDA
+# generator's `_Ctx`); the dispatch passes it on untouched. The tables come from the
+# `Expr` and `Atom` unions themselves (`NODE_METHODS`), so a node class added there
+# is a method every visitor lacks: `missing()` lists them (tests/lower/test_visit.py
+# asks it of every visitor), and visiting such a node raises `VisitError` naming the
+# visitor, the node class and the method to write. The dispatch is one dict lookup
+# on the exact class and one call; the table is built when the subclass is defined
+# (`__init_subclass__`), so a method assigned to the class afterwards is not seen.
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+EXPR_NODES: tuple[type, ...] = get_args(Expr)
+ATOM_NODES: tuple[type, ...] = get_args(Atom)
+
+NODE_METHODS: dict[type, str] = {
+    **{node: "expr_" + _snake(node.__name__) for node in EXPR_NODES},
+    **{node: "atom_" + ("var" if node is str else _snake(node.__name__)) for node in ATOM_NODES},
+}
+"""The method a visitor defines for each node class."""
+
+
+class VisitError(TypeError):
+    """A visitor met a node it has no method for, or something that is not a node."""
+
+
+def _lacking(visitor: type, node: type, name: str) -> Callable:
+    def fail(self, e, *ctx):
+        raise VisitError(f"{visitor.__name__} has no method '{name}': it cannot visit a "
+                         f"{node.__name__} node ({e!r})")
+    return fail
+
+
+class ExprVisitor:
+    """Base of every evaluator of lowered expressions: subclasses define `expr_<node>`
+    and `atom_<node>` methods (see the module docstring) and call `self.expr(e, *ctx)`
+    and `self.atom(a, *ctx)` to evaluate a subtree."""
+
+    _expr_table: ClassVar[dict[type, Callable]] = {}
+    _atom_table: ClassVar[dict[type, Callable]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        table = {node: getattr(cls, name, None) or _lacking(cls, node, name) for node, name in NODE_METHODS.items()}
+        cls._expr_table = {node: table[node] for node in EXPR_NODES}
+        cls._atom_table = {node: table[node] for node in ATOM_NODES}
+
+    @classmethod
+    def missing(cls) -> list[str]:
+        """The node methods this visitor does not define (every one should be)."""
+        return [name for name in NODE_METHODS.values() if getattr(cls, name, None) is None]
+
+    def expr(self, e: Expr, *ctx):
+        """`e` evaluated by the method for its class."""
+        try:
+            method = self._expr_table[type(e)]
+        except KeyError:
+            raise VisitError(f"{type(self).__name__}: {type(e).__name__} is not a lowered expression node "
+                             f"({e!r})") from None
+        return method(self, e, *ctx)
+
+    def atom(self, a: Atom, *ctx):
+        """The index atom `a` evaluated by the method for its class."""
+        try:
+            method = self._atom_table[type(a)]
+        except KeyError:
+            raise VisitError(f"{type(self).__name__}: {type(a).__name__} is not an index atom ({a!r})") from None
+        return method(self, a, *ctx)
+
+
+class _Children(ExprVisitor):
+    """The direct subexpressions of a node (an index atom has none)."""
+
+    def expr_add(self, e) -> tuple[Expr, ...]:
         return e.args
-    if isinstance(e, Mask):
+
+    expr_mul = expr_map = expr_add
+
+    def expr_mask(self, e: Mask) -> tuple[Expr, ...]:
         return (e.arg,)
-    return ()
+
+    def expr_load(self, e) -> tuple[Expr, ...]:
+        return ()
+
+    expr_const = expr_size_of = expr_acc = expr_rand = expr_load
+    atom_var = atom_id_load = atom_floor_div = expr_load
+
+
+_CHILDREN = _Children()
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    return _CHILDREN.expr(e)
 
 
 def walk(e: Expr):
@@ -297,26 +409,54 @@ def walk(e: Expr):
         yield from walk(c)
 
 
-def expr_text(e: Expr) -> str:
-    if isinstance(e, Load):
+class _Text(ExprVisitor):
+    """An expression's text in `print_lowered` (what `tgc.lower.text` reads back)."""
+
+    def expr_load(self, e: Load) -> str:
         return f"%{e.buf}[{_index_text(e.index)}]"
-    if isinstance(e, Const):
+
+    def expr_const(self, e: Const) -> str:
         return repr(e.value)
-    if isinstance(e, SizeOf):
+
+    def expr_size_of(self, e: SizeOf) -> str:
         return f"size({size_str(e.size)})"
-    if isinstance(e, Acc):
+
+    def expr_acc(self, e: Acc) -> str:
         return "acc"
-    if isinstance(e, Rand):
+
+    def expr_rand(self, e: Rand) -> str:
         folds = "".join(f", fold {n}" for n in e.folds)
         return f"{e.kind}({e.key}{folds}; {e.counter}){' as ' + e.draw if e.draw else ''}"
-    if isinstance(e, Mask):
-        return f"mask[{', '.join(map(str, e.conds))}]({expr_text(e.arg)})"
-    args = ", ".join(expr_text(a) for a in e.args)
-    if isinstance(e, Add):
-        return f"add[{', '.join(repr(c) for c in e.coefs)}]({args})"
-    if isinstance(e, Mul):
-        return f"mul({args})"
-    return f"{e.fn}({args})"
+
+    def expr_mask(self, e: Mask) -> str:
+        return f"mask[{', '.join(map(str, e.conds))}]({self.expr(e.arg)})"
+
+    def _args(self, e) -> str:
+        return ", ".join(self.expr(a) for a in e.args)
+
+    def expr_add(self, e: Add) -> str:
+        return f"add[{', '.join(repr(c) for c in e.coefs)}]({self._args(e)})"
+
+    def expr_mul(self, e: Mul) -> str:
+        return f"mul({self._args(e)})"
+
+    def expr_map(self, e: Map) -> str:
+        return f"{e.fn}({self._args(e)})"
+
+    def atom_var(self, a: str) -> str:
+        return a
+
+    def atom_id_load(self, a: IdLoad) -> str:
+        return str(a)
+
+    atom_floor_div = atom_id_load
+
+
+_TEXT = _Text()
+
+
+def expr_text(e: Expr) -> str:
+    return _TEXT.expr(e)
 
 
 # ---------------------------------------------------------------- buffers and kernels
@@ -393,18 +533,10 @@ class LoopKernel:
 
     def _reads(self) -> dict[str, None]:
         out: dict[str, None] = {}
-        exprs = [self.body] + ([self.epilogue] if self.epilogue is not None else [])
-        for root in exprs:
-            for node in walk(root):
-                if isinstance(node, Load):
-                    out[node.buf] = None
-                    _ix_bufs((ix for _, ix in node.index), out)
-                elif isinstance(node, Mask):
-                    _ix_bufs((c.ix for c in node.conds), out)
-                elif isinstance(node, Rand):
-                    _ix_bufs((node.key, node.counter, *(n for n in node.folds if isinstance(n, Ix))), out)
-        _ix_bufs((ix for _, ix in self.index), out)
-        _ix_bufs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
+        for root in [self.body] + ([self.epilogue] if self.epilogue is not None else []):
+            _READS.expr(root, out)
+        _READS.ixs((ix for _, ix in self.index), out)
+        _READS.ixs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
         return out
 
     def text(self) -> str:
@@ -428,15 +560,46 @@ class LoopKernel:
         return f"{v} in [max({lows}), min({highs}))"
 
 
-def _ix_bufs(ixs, out: dict[str, None]) -> None:
-    """Add the id buffers that indices read to `out` (ordered)."""
-    for ix in ixs:
-        for a, _ in ix.terms:
-            if isinstance(a, IdLoad):
-                out[a.buf] = None
-                _ix_bufs((i for _, i in a.index), out)
-            elif isinstance(a, FloorDiv):
-                _ix_bufs([a.num], out)
+class _Reads(ExprVisitor):
+    """The buffers an expression reads, its loads' and the id buffers its indices read,
+    added to `out` in order of first appearance (a node before its operands)."""
+
+    def ixs(self, ixs, out: dict[str, None]) -> None:
+        for ix in ixs:
+            for a, _ in ix.terms:
+                self.atom(a, out)
+
+    def expr_load(self, e: Load, out: dict[str, None]) -> None:
+        out[e.buf] = None
+        self.ixs((ix for _, ix in e.index), out)
+
+    def expr_mask(self, e: Mask, out: dict[str, None]) -> None:
+        self.ixs((c.ix for c in e.conds), out)
+        self.expr(e.arg, out)
+
+    def expr_rand(self, e: Rand, out: dict[str, None]) -> None:
+        self.ixs((e.key, e.counter, *(n for n in e.folds if isinstance(n, Ix))), out)
+
+    def expr_add(self, e, out: dict[str, None]) -> None:
+        for a in e.args:
+            self.expr(a, out)
+
+    expr_mul = expr_map = expr_add
+
+    def expr_const(self, e, out: dict[str, None]) -> None:
+        pass
+
+    expr_size_of = expr_acc = atom_var = expr_const
+
+    def atom_id_load(self, a: IdLoad, out: dict[str, None]) -> None:
+        out[a.buf] = None
+        self.ixs((i for _, i in a.index), out)
+
+    def atom_floor_div(self, a: FloorDiv, out: dict[str, None]) -> None:
+        self.ixs([a.num], out)
+
+
+_READS = _Reads()
 
 
 @dataclass
@@ -670,32 +833,47 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
             return View(mapping.get(v.buf, v.buf), v.edges)
         return replace(k, out=mapping.get(k.out, k.out), a=view(k.a), b=view(k.b))
 
-    def ix(i: Ix) -> Ix:
-        return Ix.make([(_atom_renamed(a, mapping, ix), c) for a, c in i.terms], i.const)
-
-    def index(idx):
-        return tuple((e, ix(i)) for e, i in idx)
-
-    def expr(e):
-        if isinstance(e, Load):
-            return Load(mapping.get(e.buf, e.buf), index(e.index))
-        if isinstance(e, Mask):
-            return Mask(tuple(Cond(ix(c.ix), c.op) for c in e.conds), expr(e.arg))
-        if isinstance(e, (Add, Mul, Map)):
-            return replace(e, args=tuple(expr(a) for a in e.args))
-        if isinstance(e, Rand):
-            return replace(e, key=ix(e.key), counter=ix(e.counter),
-                           folds=tuple(ix(n) if isinstance(n, Ix) else n for n in e.folds))
-        return e
-
+    r = _Renamer(mapping)
+    ix, index, expr = r.ix, r.index, r.expr
     bounds = {v: (tuple(map(ix, lo)), tuple(map(ix, hi))) for v, (lo, hi) in k.bounds.items()}
     return replace(k, out=mapping.get(k.out, k.out), index=index(k.index), body=expr(k.body),
                    epilogue=None if k.epilogue is None else expr(k.epilogue), bounds=bounds)
 
 
-def _atom_renamed(a: Atom, mapping: Mapping[str, str], ix) -> Atom:
-    if isinstance(a, IdLoad):
-        return IdLoad(mapping.get(a.buf, a.buf), tuple((e, ix(i)) for e, i in a.index))
-    if isinstance(a, FloorDiv):
-        return FloorDiv(ix(a.num), a.den)
-    return a
+class _Renamer(ExprVisitor):
+    """An expression or index reading the buffers `mapping` names instead."""
+
+    def __init__(self, mapping: Mapping[str, str]) -> None:
+        self.mapping = mapping
+
+    def ix(self, i: Ix) -> Ix:
+        return Ix.make([(self.atom(a), c) for a, c in i.terms], i.const)
+
+    def index(self, idx):
+        return tuple((e, self.ix(i)) for e, i in idx)
+
+    def expr_load(self, e: Load) -> Load:
+        return Load(self.mapping.get(e.buf, e.buf), self.index(e.index))
+
+    def expr_mask(self, e: Mask) -> Mask:
+        return Mask(tuple(Cond(self.ix(c.ix), c.op) for c in e.conds), self.expr(e.arg))
+
+    def expr_add(self, e):
+        return replace(e, args=tuple(self.expr(a) for a in e.args))
+
+    expr_mul = expr_map = expr_add
+
+    def expr_rand(self, e: Rand) -> Rand:
+        return replace(e, key=self.ix(e.key), counter=self.ix(e.counter),
+                       folds=tuple(self.ix(n) if isinstance(n, Ix) else n for n in e.folds))
+
+    def expr_const(self, e):
+        return e
+
+    expr_size_of = expr_acc = atom_var = expr_const
+
+    def atom_id_load(self, a: IdLoad) -> IdLoad:
+        return IdLoad(self.mapping.get(a.buf, a.buf), self.index(a.index))
+
+    def atom_floor_div(self, a: FloorDiv) -> FloorDiv:
+        return FloorDiv(self.ix(a.num), a.den)

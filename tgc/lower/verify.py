@@ -37,7 +37,7 @@ the check flags only sizes that differ. A group is any kernel with `members`,
 `outer` loops and `regs` (a backend's own kind: the CPU's `LoopGroup`, which this
 module does not import). A kind with a `verify(verifier, defined)` method checks itself
 through this verifier's `loop` and `gemm` (the CPU's `ImplicitGemm`). An expression's
-nodes are checked by a method per node class (`tgc.lower.visit`), each node before
+nodes are checked by a method per node class (`tgc.lower.lowered.ExprVisitor`), each node before
 its operands. It changes nothing. Terminates: one walk over the kernels and their
 expression trees.
 """
@@ -45,9 +45,8 @@ from __future__ import annotations
 
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
-from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
+from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, SizeOf, StepLoop)
-from tgc.lower.visit import ExprVisitor
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")

@@ -48,7 +48,7 @@ import numpy as np
 
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
-from tgc.lower.lowered import (Acc, Add, Const, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
+from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
                             Mask, Mul, Rand, SizeOf, walk, wide_sum)
 from tgc.backends.cpu.philox import emit_draw
 from tgc.ir.sizes import size_op
@@ -56,7 +56,6 @@ from tgc.backends.cpu.llvm_env import has_feature
 from tgc.opt.canon import exact_scale
 from tgc.backends.cpu.group import BLOCK_EDGE as BLOCK, LoopGroup
 from tgc.backends.cpu.options import CpuOptions
-from tgc.lower.visit import ExprVisitor
 from tgc.options import Options
 
 INIT = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "maxshift": float("-inf")}
@@ -176,30 +175,58 @@ def fma_term(e: Add) -> int | None:
     return None
 
 
-def _index_vars(e) -> set:
+class _IndexVars(ExprVisitor):
     """The loop variables an expression's value depends on (through its loads' and
-    draws' indices); an accumulator's value depends on every one (None in the set)."""
-    out: set = set()
+    draws' indices), added to `out`; an accumulator's value depends on every one (None
+    in the set)."""
 
-    def atoms(ix):
+    def ix(self, ix: Ix, out: set) -> None:
         for atom, _ in ix.terms:
-            if isinstance(atom, str):
-                out.add(atom)
-            elif isinstance(atom, IdLoad):
-                for _, sub in atom.index:
-                    atoms(sub)
-            else:   # FloorDiv
-                atoms(atom.num)
+            self.atom(atom, out)
 
-    for n in walk(e):
-        if isinstance(n, (Load, IdLoad)):
-            for _, ix in n.index:
-                atoms(ix)
-        elif isinstance(n, Rand):
-            atoms(n.key)
-            atoms(n.counter)
-        elif isinstance(n, Acc):
-            out.add(None)
+    def atom_var(self, a: str, out: set) -> None:
+        out.add(a)
+
+    def atom_id_load(self, a: IdLoad, out: set) -> None:
+        for _, sub in a.index:
+            self.ix(sub, out)
+
+    def atom_floor_div(self, a: FloorDiv, out: set) -> None:
+        self.ix(a.num, out)
+
+    def expr_load(self, e: Load, out: set) -> None:
+        for _, ix in e.index:
+            self.ix(ix, out)
+
+    def expr_rand(self, e: Rand, out: set) -> None:
+        self.ix(e.key, out)
+        self.ix(e.counter, out)
+
+    def expr_acc(self, e: Acc, out: set) -> None:
+        out.add(None)
+
+    def expr_add(self, e, out: set) -> None:
+        for a in e.args:
+            self.expr(a, out)
+
+    expr_mul = expr_map = expr_add
+
+    def expr_mask(self, e: Mask, out: set) -> None:
+        self.expr(e.arg, out)
+
+    def expr_const(self, e, out: set) -> None:
+        pass
+
+    expr_size_of = expr_const
+
+
+_INDEX_VARS = _IndexVars()
+
+
+def _index_vars(e) -> set:
+    """The loop variables an expression's value depends on (`_IndexVars`)."""
+    out: set = set()
+    _INDEX_VARS.expr(e, out)
     return out
 
 

@@ -74,12 +74,11 @@ from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.options import CudaOptions
 from tgc.backends.cuda.rowgen import RowGroupGen
 from tgc.backends.cuda.rows import RowGroup
-from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
+from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, neg, walk,
                             wide_sum)
 from tgc.ir.ops import FNS
 from tgc.ir.sizes import Size, SizeOp
-from tgc.lower.visit import ExprVisitor
 
 HEADER = Path(__file__).with_name("tgc_ops.cuh")
 # a buffer's element type in C; bf16 and f16 buffers (`narrow`) hold their 16 bits,
@@ -168,6 +167,27 @@ def gemm_as_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
     sizes = {v: low.size(v) for v in loops}
     return LoopKernel(out=k.out, index=tuple((e, Ix.var(e)) for e in out_edges), loops=loops, sizes=sizes,
                       body=Mul((operand("a", k.a), operand("b", k.b))), reduce="sum", red=red, note=k.note)
+
+
+class _UnmaskedLoads(ExprVisitor):
+    """The loads of an expression outside any mask, in order, added to `out`."""
+
+    def expr_load(self, e: Load, out: list) -> None:
+        out.append(e)
+
+    def expr_add(self, e, out: list) -> None:
+        for a in e.args:
+            self.expr(a, out)
+
+    expr_mul = expr_map = expr_add
+
+    def expr_mask(self, e: Mask, out: list) -> None:
+        pass
+
+    expr_const = expr_size_of = expr_acc = expr_rand = atom_var = atom_id_load = atom_floor_div = expr_mask
+
+
+_UNMASKED_LOADS = _UnmaskedLoads()
 
 
 class _Gen(ExprVisitor):
@@ -593,19 +613,9 @@ class _Gen(ExprVisitor):
         vector (`along` it, of a type with a vector, outside any mask: a masked load
         may lie outside its buffer next to its range)."""
         loads: list[Load] = []
-
-        def visit(e) -> None:
-            if isinstance(e, Mask):
-                return
-            if isinstance(e, Load):
-                if self.low.buffers[e.buf].dtype in VEC and self.along(e, v, k.sizes[v]) and e not in loads:
-                    loads.append(e)
-                return
-            for c in getattr(e, "args", ()):
-                visit(c)
-
-        visit(k.body)
-        return loads
+        _UNMASKED_LOADS.expr(k.body, loads)
+        return [e for e in dict.fromkeys(loads)
+                if self.low.buffers[e.buf].dtype in VEC and self.along(e, v, k.sizes[v])]
 
     def column_sum(self, k: LoopKernel, kept: list[str]) -> bool:
         """Whether the reduction `k` is a column sum (a bias or weight gradient,
