@@ -100,6 +100,7 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt import stream_skip
+from tgc.opt.stream_loops import recompute_residuals
 from tgc.options import Options
 
 # ops a value may have to be computed one block of E at a time (when it keeps E)
@@ -650,12 +651,11 @@ class Stream(Pass):
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
-        from tgc.opt.stream_loops import recompute_residuals
 
         # the large values a reverse loop would read stacked from its forward loop computed
         # in its step instead, where that step then streams (tgc.opt.stream_loops); then
         # the program's loops' steps (attention inside a `repeat` over layers: each body as
         # a module, once), then the program itself; the loops this makes are not looked
         # into again
-        module = recompute_residuals(module, options)
+        module = recompute_residuals(module, options, stream)
         return stream(map_bodies(module, lambda body: stream(body, options)), options)

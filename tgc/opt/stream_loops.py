@@ -67,11 +67,9 @@ def _cut_order(roots: list[Value], cut: set[int]) -> list[Value]:
     return order
 
 
-def _large_at_top(body: LoopBody, module: Module, options: Options, est: dict, least: int) -> int:
+def _large_at_top(body: LoopBody, module: Module, options: Options, est: dict, least: int, stream) -> int:
     """How many values of at least `least` elements `body`, as `stream` leaves it, keeps at
     its top level (outside the loops over blocks it makes)."""
-    from tgc.opt.stream import stream
-
     sub = Module(dict(module.dims), dict(module.edges), {},
                  [Output(f"r{k}", r, r.edges) for k, r in enumerate(body.results)])
     out = stream(sub, options)
@@ -160,9 +158,10 @@ def _recomputed(L: Value, ks: list[int]) -> tuple[LoopBody, list[Value]] | None:
     return new, operands
 
 
-def recompute_residuals(module: Module, options: Options) -> Module:
+def recompute_residuals(module: Module, options: Options, stream) -> Module:
     """`module` with each large stacked result of a forward loop that a reverse loop reads
-    computed in the reverse loop's step instead, where `stream` then streams that step."""
+    computed in the reverse loop's step instead, where `stream` (`tgc.opt.stream.stream`,
+    given by its caller: this module is its helper) then streams that step."""
     est = {}
     for e in module.edges:
         n = module.size(e)
@@ -195,8 +194,8 @@ def recompute_residuals(module: Module, options: Options) -> Module:
             if groups:
                 for ks in groups.values():
                     got = _recomputed(V.loop(body, edge, list(v.operands), out, reverse), ks)
-                    if got is not None and _large_at_top(got[0], module, options, est, least) \
-                            < _large_at_top(body, module, options, est, least):
+                    if got is not None and _large_at_top(got[0], module, options, est, least, stream) \
+                            < _large_at_top(body, module, options, est, least, stream):
                         cur = got
                         break   # (one forward loop: a reverse loop's large slices come from one)
             done[key] = cur if cur[0] is not body else None
