@@ -16,8 +16,8 @@
    A' has its K contiguous, as `gemm_dispatch.uses_own_gemm` requires) and with
    OpenBLAS (numpy's, through `np.matmul` on the same layouts, its pool held at one
    thread), on 1 thread (minimum per-thread CPU time) and on 2 (the product cut in
-   two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads,
-   minimum wall time). Columns: GFLOP/s, % of the FMA peak (2 threads: of twice
+   two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads
+   started together, the minimum of the larger of their CPU times). Columns: GFLOP/s, % of the FMA peak (2 threads: of twice
    it), Mcycles at the FMA clock, MB moved (A', B' read and C' written once: the
    least any kernel moves) and the plan's pick (`own` or `blas`) for the product's
    tiles (`GemmGen.tiles` and `own_tile` at the options given).
@@ -165,7 +165,8 @@ def plan_pick(P, Q, R, nb, own, cpu) -> str:
 
     deep = tr >= cpu.own_gemm_min_depth and tq >= OWN_COLS
     wide = tq >= cpu.own_gemm_min_cols or deep
-    return "own" if wide and tr * tq * 4 <= cpu.own_gemm_max_b_bytes else "blas"
+    tall = tp >= cpu.own_gemm_min_rows and tq >= 2 * OWN_COLS
+    return "own" if wide and tr * tq * 4 <= cpu.own_gemm_max_b_bytes or tall else "blas"
 
 
 # ---------------------------------------------------------------- timing
@@ -262,11 +263,13 @@ def one_thread(fn, reps):
 
 class Pair:
     """Two worker threads that run a pair of functions at once; `time(f, g, reps)`: the
-    minimum wall time of both."""
+    minimum over the runs of the larger of the two threads' CPU times (on a shared
+    machine the wall time says more about the other processes than about the kernels;
+    each thread's own CPU time still includes what the other's traffic costs it)."""
 
     def __init__(self):
         self.go, self.done = threading.Barrier(3), threading.Barrier(3)
-        self.work = [None, None]
+        self.work, self.spent = [None, None], [0.0, 0.0]
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(2)]
         for t in self.threads:
             t.start()
@@ -276,17 +279,18 @@ class Pair:
             self.go.wait()
             if self.work[i] is None:
                 return
+            t0 = time.thread_time()
             self.work[i]()
+            self.spent[i] = time.thread_time() - t0
             self.done.wait()
 
     def time(self, f, g, reps):
         self.work = [f, g]
         ts = []
         for _ in range(reps):
-            t0 = time.perf_counter()
             self.go.wait()
             self.done.wait()
-            ts.append(time.perf_counter() - t0)
+            ts.append(max(self.spent))
         return min(ts)
 
     def close(self):

@@ -48,7 +48,8 @@ class CpuOptions:
     own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas); gemm_dispatch.uses_own_gemm
     own_gemm_min_depth: int = 256            # ... for tiles summing at least this many terms ...
     own_gemm_min_cols: int = 512             # ... or with at least this many columns of C' (the normalized product) ...
-    own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
+    own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster) ...
+    own_gemm_min_rows: int = 256             # ... or tiles of at least this many rows of C' and 128 columns, any depth and B' (gemm_dispatch.uses_own_gemm)
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
     group_inline_max_ops: int = 3            # ... an elementwise member of at most this many adds, products and cheap maps is recomputed by each later member that reads it instead of stored (group._cheap; read by the group stage)
