@@ -10,6 +10,7 @@ on 1 and 2 threads, and which path the generated code calls.
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 
 import numpy as np
@@ -312,6 +313,36 @@ def test_products_with_own_gemm_match_numpy(orders, sizes):
     sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
     want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"), ("b, i, k", "b, j, k", "b, i, j"),
+                                    ("b, k, i", "b, k, j", "b, j, i"), ("b, k, i", "b, j, k", "b, i, j")])
+@pytest.mark.parametrize("sizes", [(600, 130, 48), (560, 300, 390), (178, 64, 64)])
+def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
+    """With the default options, tiles of at least `own_gemm_min_rows` rows and two
+    blocks of columns run the own kernel whatever their depth and B' (a transformer's
+    products: 1024 tokens by 384 or 1536 features, attention's 256 x 256 x 64), on two
+    threads (the plan's tiles of 300 and 280 rows), every operand order against numpy;
+    a product of few rows (an MLP's 178 x 64 x 64) does not even compile it, nor does
+    an order whose A' has its rows contiguous."""
+    from tgc.ir.parser import parse_module
+    from tgc.pipeline import compile_module
+
+    a, b_, c = orders
+    i, j, k = sizes
+    prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
+                          Options(dtype="f32").with_(threads=2))
+    rng = np.random.default_rng(1)
+    n = {"b": 2, "i": i, "j": j, "k": k}
+    shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
+    A = rng.standard_normal(shape(a), dtype=np.float32)
+    B = rng.standard_normal(shape(b_), dtype=np.float32)
+    got = prog.run({"A": A, "B": B})["C"]
+    sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
+    want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    own = re.search(r'call void @"?tgc\.gemm\.own\.f32', prog.llvm_ir) is not None
+    assert own == (orders[0] == "b, i, k" and orders[2] == "b, i, j" and i >= CpuOptions().own_gemm_min_rows * 2)
 
 
 def conv_arrays(path, sizes, seed=1):
