@@ -165,8 +165,8 @@ def plan_pick(P, Q, R, nb, own, cpu) -> str:
 
     deep = tr >= cpu.own_gemm_min_depth and tq >= OWN_COLS
     wide = tq >= cpu.own_gemm_min_cols or deep
-    tall = tp >= getattr(cpu, "own_gemm_min_rows", 1 << 62) and 2 * OWN_COLS <= tq <= getattr(
-        cpu, "own_gemm_tall_max_cols", 1 << 62)
+    tall = tp >= getattr(cpu, "own_gemm_min_rows", 1 << 62) and tq >= 2 * OWN_COLS and tr * tq * 4 <= getattr(
+        cpu, "own_gemm_tall_max_b_bytes", 0)
     return "own" if wide and tr * tq * 4 <= cpu.own_gemm_max_b_bytes or tall else "blas"
 
 

@@ -519,7 +519,7 @@ class GemmGen(TapCalls):
         wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
         fits = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
         tall = b.and_(b.icmp_signed(">=", m, I64(o.own_gemm_min_rows)), b.icmp_signed(">=", n, I64(2 * OWN_COLS)))
-        tall = b.and_(tall, b.icmp_signed("<=", n, I64(o.own_gemm_tall_max_cols)))
+        tall = b.and_(tall, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_tall_max_b_bytes)))
         return b.or_(fits, tall)
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
