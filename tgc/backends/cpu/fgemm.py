@@ -503,7 +503,9 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     def smax(x, y):
         return _max(b, x, y)
 
-    astep = I64(1) if apack is not None else sak   # A's K stride in the FMA loop (its packed rows: 1)
+    # A's K stride in the FMA loop: 1 for an implicit GEMM's copy (its packed rows, or an
+    # A with its K contiguous, which implicit.py requires)
+    astep = I64(1) if window is not None else sak
     cur = {"M": M}   # the rows of the row panel being computed (see the panel loop below)
 
     def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
@@ -526,7 +528,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                     segs.fill(b, pa, b.add(row0, rix[r]), dst, cur["kvecs"])
                     arow.append(dst)
             else:
-                arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, sak))], source_etype=f32) for i in rix]
+                arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
             if window is None:
                 # C's block into L2 while the FMAs run: read (or written) after them, from
                 # L3 when C is too wide to stay (1024 x 1536 x 384: 188 -> 2xx GFLOP/s)
@@ -551,7 +553,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                 """The FMA loop over packed rows p0..p1; a copy for A's K contiguous (one
                 index for every row's broadcast, not a pointer per row to step: those
                 adds compete with the FMAs for ports)."""
-                if apack is not None:
+                if window is not None:
                     fmas_loop(arow, packed, p0, p1, I64(1))
                     return
                 with b.if_else(b.icmp_signed("==", astep, I64(1))) as (unit, strided):
