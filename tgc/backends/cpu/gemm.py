@@ -351,7 +351,8 @@ class GemmGen(TapCalls):
                 leaf = self.leaf_shared if self.shared else self.leaf
                 self.nest(list(k.taps), vars, lambda v: leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
             if self.tapped:   # the tile runs the own kernel: all taps in one call
-                with b.if_else(b.and_(b.not_(small), self.own_tile(pl["R"], b.sub(q1, q0)))) as (one, many):
+                own = self.own_tile(b.sub(p1, p0), pl["R"], b.sub(q1, q0))
+                with b.if_else(b.and_(b.not_(small), own)) as (one, many):
                     with one:
                         self.call_taps(vars, tile, pl, st, ptrs, A, B, c_p)
                     with many:
@@ -502,7 +503,7 @@ class GemmGen(TapCalls):
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
         if self.own:   # deep or wide tiles whose B' fits in L2 run the own kernel (see `uses_own_gemm`)
             b = self.b
-            with b.if_else(self.own_tile(kk, n)) as (then, otherwise):
+            with b.if_else(self.own_tile(m, kk, n)) as (then, otherwise):
                 with then:
                     self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
                 with otherwise:
@@ -510,13 +511,16 @@ class GemmGen(TapCalls):
             return
         self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
 
-    def own_tile(self, kk, n):
-        """i1: a tile of n columns summing kk terms runs the own kernel: deep or wide,
-        and its B' fits in L2 (see `uses_own_gemm`)."""
+    def own_tile(self, m, kk, n):
+        """i1: a tile of m rows and n columns summing kk terms runs the own kernel: deep
+        or wide with a B' that fits in L2, or tall (see `uses_own_gemm`)."""
         b, o = self.b, self.opt.cpu
         deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
         wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
-        return b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
+        fits = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
+        tall = b.and_(b.icmp_signed(">=", m, I64(o.own_gemm_min_rows)), b.icmp_signed(">=", n, I64(2 * OWN_COLS)))
+        tall = b.and_(tall, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_tall_max_b_bytes)))
+        return b.or_(fits, tall)
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """cblas, or the blocked loops where a built library's caller gave no BLAS."""
