@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -194,3 +195,23 @@ def test_kernels_in_one_region_share_its_plan():
     assert PARALLEL not in alone
     assert thread_plans(low, env, opts)[:3] == [PARALLEL] * 3
     assert thread_plans(low, env, opts.with_(merge_regions=False))[:3] == alone
+
+
+def test_regions_inside_a_loops_step_match_the_interpreter():
+    """A `repeat` and its derivative: the step's own kernels share regions (`call_steps`)."""
+    from e2e.test_loops import inputs as loop_inputs, module, program
+    from tgc.ir.interp import evaluate
+    from tgc.lower.lowered import StepLoop
+    from tgc.pipeline import compile_module
+
+    m = module(program(3), unroll_max_ops=0)
+    opts = Options(dtype="f64", unroll_max_ops=0).with_(**FORCED)
+    prog = compile_module(m, opts, "cpu")
+    steps = [k.step for k in prog.lowered.kernels if isinstance(k, StepLoop)]
+    assert steps and any(regions.plan_regions(s, prog.options.cpu, step=True) for s in steps)
+    for seed in range(3):
+        ins = loop_inputs(3, seed=seed)
+        want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+        got = prog.run({k: a.copy() for k, a in ins.items()})
+        for name, w in want.items():
+            np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-10, atol=1e-12, err_msg=name)
