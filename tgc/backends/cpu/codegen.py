@@ -695,9 +695,10 @@ class _ModuleGen:
 
     def call_region(self, f: Frame, p: Lowered, r, fns, ptrs: dict) -> None:
         """Run kernels `r.start` .. `r.stop` of `p` in one region when their split
-        kernels' work together reaches the threshold (the lag's floor scaled by the
-        barriers plus one: each barrier may wait a lag), else one after another on
-        this thread, as without a region."""
+        kernels' work together (`region_work_terms`), less `barrier_work` per barrier,
+        reaches the threshold (the lag's floor scaled by the barriers plus one: each
+        barrier may wait a lag), else one after another on this thread, as without a
+        region (a GEMM then deciding alone)."""
         b, cpu = f.b, self.opt.cpu
         ks = p.kernels[r.start:r.stop]
         kfns = [next(fns)[0] for _ in ks]
