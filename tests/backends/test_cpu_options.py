@@ -67,6 +67,8 @@ REACHES = [
     ("member_compile_cost", 100, "mlp", OWN),
     ("member_loop_compile_cost", 100, "mlp", OWN),
     ("blocked_compile_cost", 500, "mlp", OWN),
+    ("region_max_barriers", 1, "gpt_small", OWN),
+    ("barrier_work", 1 << 13, "gpt_small", OWN),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):
@@ -180,7 +182,8 @@ def test_other_values_compute_the_same_program():
     src = (WORKLOADS / "mlp.tg").read_text()
     cpu = CpuOptions(gemm_min_tile=4, gemm_min_chunk=8, gemm_pack_elems=1024, sum_chunk=16, short_sum=64,
                      unroll_max=2, unroll_copies=2, group_min_block_rows=2, group_min_vector_block_rows=4,
-                     loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1)
+                     loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1,
+                     region_max_barriers=1)
     _matches_interpreter(tgc.compile(src, dtype="f64", options=Options(dtype="f64", cpu=cpu)), 37)
 
 

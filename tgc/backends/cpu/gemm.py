@@ -241,21 +241,29 @@ class GemmGen(TapCalls):
 
     def emit(self) -> ir.Function:
         """The entry: plans the tiles once (one tile per batch index when it runs on
-        one thread), then runs every task here or shares them out in a region."""
+        one thread), then runs every task here or shares them out in a region. A
+        negative `min_flops` says the caller is every thread of a region already
+        (`regions.py`: kernels merged into one region): then each runs its share of
+        the tasks (`parallel.thread_range`; a product of one task runs on thread 0)."""
         work = self.emit_work()
         par = self.emit_par(work) if self.opt.cpu.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
         limit = self.tile_limit(f, b)
+        pl = self.plan(f, b, limit)
         big = None
         if par is not None:
+            with b.if_then(b.icmp_signed("<", min_flops, I64(0))):
+                lo, hi = parallel.thread_range(b, pl["tasks"])
+                with b.if_then(b.icmp_signed("<", lo, hi)):
+                    b.call(work, args + [lo, hi, pl["tp"], pl["tq"], pl["tr"]])
+                b.ret(I32(1))
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
             flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
             big = b.icmp_signed(">=", flops, min_flops)
             big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
-        pl = self.plan(f, b, limit)
         tiles = [pl["tp"], pl["tq"], pl["tr"]]
         if big is not None:
             with b.if_then(b.and_(big, b.icmp_signed(">=", pl["tasks"], I64(2)))):

@@ -21,6 +21,9 @@ class CpuOptions:
     # A kernel too small to gain from threads runs on one thread (`tgc explain` shows which do, column "threads"):
     parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms: the cost model's units, ~0.1 ns each) below which a kernel runs on one thread (~50 us of serial time; tuned by measurement)
     parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
+    merge_regions: bool = True               # consecutive loop kernels share one parallel region, with barriers only where a kernel reads across the threads' shares (backends/cpu/regions.py); off: each kernel decides and starts its own
+    region_max_barriers: int = 8             # ... a merged region holds at most this many barriers (a longer run of kernels is cut into several): under contention each barrier may wait a time slice (docs/optimization.md, "Tuned numbers")
+    barrier_work: int = 1 << 12              # ... and a region's threshold grows by this much work per barrier in it: a barrier of two running threads costs ~0.25 us here, and the threads must save twice that
     warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
     # Contention (backends/cpu/parallel.py): each region's overhead (its time less the calling thread's own share) beyond
     # what a region costs is its lag, milliseconds while other processes hold the cores. While the lag is held, a kernel
