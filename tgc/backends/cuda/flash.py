@@ -1,0 +1,322 @@
+"""flash: the CUDA backends' own lowering stage: the softmax-contraction chain of
+attention becomes one fused kernel (`Flash`, a kind of kernel only these backends
+have), which `flashgen` writes as one CUDA kernel: a block per tile of query rows,
+looping over tiles of keys staged in shared memory with an online softmax.
+
+`Lowered` (after `layout` and `inline_elementwise`) -> `Lowered`. It looks for five
+kernels (GEMM cells or loop kernels, wherever they are: the whole program or a
+loop's step, forward or derived), with `b` the batch loops, `t` the rows, `s` the
+reduced edge, `d` and `e` the contracted and the value edges:
+
+- `S[b, t, s] = sum[d] q[b, t, d] * k[b, s, d]`  (a contraction of two loads);
+- `m[b, t] = max[s] L(S)`, where `L` is any elementwise expression of the load of
+  `S` at its own index and of other loads (a scale, an additive bias, a `where` mask
+  or a subtracted mask); `maxshift` too;
+- `l[b, t] = logsumexp[s] (L(S) - m)`;
+- `P[b, t, s] = exp((L(S) - m) - l)`  (the same expression `L - m`);
+- `y[b, t, e] = sum[s] P * v[b, s, e]`  (a contraction of two loads);
+
+where `S` and `P` are temporaries read by no other kernel, the sizes of `d` and `e`
+are numbers up to 256, every load is of the program's float type, no kernel between
+the first and the last of the five writes what they read or reads or writes what they
+write. The five become one `Flash` kernel at the last one's place: it writes `y`, `m`
+and `l` (both per row: what a backward reads) and holds no `[t, s]` buffer. The text
+form is `flash for <batch loops>  reg %S[..], %P[..]` followed by the five members.
+
+A chain whose `P` has other readers (the gradients, which read the weights) is left
+as it is; so is every chain under `--fp-strict` or with `CudaOptions.flash` off.
+
+Exact? The kernel computes `m` exactly (a max, NaN propagating as the max kernel
+does). `y` and `l` are reassociated: `y = sum_s exp(L - m_j) v / sum_s exp(L - m_j)`
+with a running max `m_j` over the tiles seen, each partial rescaled by
+`exp(m_j - m_{j+1})` as the max grows (online softmax), and `l = log(sum)`. A key
+tile whose every (row, key) pair a `where` mask with a fill of at most -1e8 (or
+-inf) rejects is skipped when each of the tile's rows admits some key: its weights
+are exactly 0 then, given admitted scores above -1e7 (as `tgc.opt.stream_skip`
+assumes). A fully masked row keeps every key and gives the program's value (the
+uniform average of `v` with a finite fill). The interpreter runs the five members as
+they were, so `tgc dump-ir` programs run there as before.
+
+Terminates: each match removes five kernels and adds one that is never matched again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tgc.ir.passes import Pass
+from tgc.ir.sizes import Size, size_str
+from tgc.lower.lowered import Add, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mul, walk
+from tgc.lower.grouping import MemberGroup, read_member_parts
+from tgc.lower.text import KernelForm
+from tgc.options import Options
+
+MAX_EDGE = 256           # the contracted and value edges the kernel takes (a number up to this)
+SKIP_FILL = -1e8         # a `where` fill at most this (or -inf) lets wholly masked key tiles be skipped
+
+
+@dataclass
+class Flash(MemberGroup):
+    """The fused softmax-contraction chain: members `(S, m, l, P, y)` as loop kernels
+    (the interpreter runs them), `regs` the temporaries `S` and `P` (no buffers), and
+    the roles the generator needs (`roles`: loop variable names b..., t, s, d, e and
+    the buffers q, k, v)."""
+    outer: tuple[str, ...]
+    sizes: dict[str, Size]
+    members: tuple[LoopKernel, ...]
+    regs: tuple[str, ...] = ()
+    note: str = ""
+    blocks = 0
+    kind = "flash"
+
+    def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
+        return False
+
+    def text(self) -> str:
+        loops = ", ".join(f"{v} < {size_str(self.sizes[v])}" for v in self.outer)
+        regs = ", ".join(f"%{r}[{', '.join(e for e, _ in m.index)}]" for r in self.regs
+                         for m in self.members if m.out == r)
+        body = "".join(f"\n    {m.text()}".replace("\n      for", "\n          for") for m in self.members)
+        return f"flash for {loops}  reg {regs}" + (f"    # {self.note}" if self.note else "") + body
+
+    def interpret(self, it) -> None:
+        """The members one after another, `S` and `P` as whole arrays while they run."""
+        for r in self.regs:
+            m = next(m for m in self.members if m.out == r)
+            edges = tuple(e for e, _ in m.index)
+            it.arrays[r] = np.full([it.eval_size(m.sizes[e]) for e in edges], np.nan, it.fp)
+            it.order[r] = edges
+        try:
+            for m in self.members:
+                it.loop(m, {})
+        finally:
+            for r in self.regs:
+                del it.arrays[r], it.order[r]
+
+    def chain(self) -> "Chain":
+        return chain_of(self.members)
+
+
+def read_flash(reader, t) -> Flash:
+    """A `flash for ...` kernel of the lowered text."""
+    outer, sizes, members, regs, note, _ = read_member_parts(reader, t)
+    return Flash(outer, sizes, members, regs, note)
+
+
+FLASH_FORM = KernelForm("flash", r"""
+flash: "flash" "for" outer ("," outer)* regs? note _NL loop+
+""", read_flash)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The roles in a matched chain (members S, m, l, P, y)."""
+    S: LoopKernel
+    m: LoopKernel
+    l: LoopKernel
+    P: LoopKernel
+    y: LoopKernel
+    batch: tuple[str, ...]   # the batch loop variables, outermost first
+    t: str
+    s: str
+    d: str
+    e: str
+    q: Load
+    k: Load
+    v: Load
+    logit: object            # L: an expression reading S at (b, t, s)
+
+
+def _contraction(low: Lowered, k) -> LoopKernel | None:
+    """`k` as `out = sum[one var] load * load` (a loop kernel), or None."""
+    if isinstance(k, GemmKernel):
+        if k.taps or k.shifts or k.cplx is not None or any(k.rounded):
+            return None
+        from tgc.backends.cuda.codegen import gemm_as_loop
+        k = gemm_as_loop(low, k)
+    if not (isinstance(k, LoopKernel) and k.reduce == "sum" and not k.scatter and not k.bounds
+            and len(k.red) == 1 and k.epilogue is None and isinstance(k.body, Mul) and len(k.body.args) == 2
+            and all(isinstance(a, Load) for a in k.body.args)):
+        return None
+    if not _identity(k.out, k.index) or not all(_plain(a) for a in k.body.args):
+        return None
+    return k
+
+
+def _identity(out: str, index) -> bool:
+    return all(ix == Ix.var(e) for e, ix in index)
+
+
+def _plain(ld: Load) -> bool:
+    """A load whose every index is one loop variable."""
+    return all(ix.as_var() is not None for _, ix in ld.index)
+
+
+def _vars(ld: Load) -> set[str]:
+    return {ix.as_var() for _, ix in ld.index}
+
+
+def _diff(e, a, b) -> bool:
+    """Whether `e` is `a - b`."""
+    if not (isinstance(e, Add) and len(e.args) == 2):
+        return False
+    pairs = dict(zip(e.args, e.coefs)) if e.args[0] != e.args[1] else {}
+    return pairs.get(a) == 1.0 and pairs.get(b) == -1.0
+
+
+def chain_of(members) -> Chain:
+    S, m, l, P, y = members
+    s = m.red[0]
+    d = S.red[0]
+    a, b = S.body.args
+    q, k = (a, b) if s not in _vars(a) else (b, a)
+    x, w = y.body.args
+    v = w if x.buf == P.out else x
+    t = next(v_ for v_ in _vars(q) if v_ not in _vars(k) and v_ != d)
+    e = next(v_ for v_ in y.loops if v_ not in m.loops and v_ != s)
+    batch = tuple(v_ for v_ in m.loops if v_ not in (t, s))
+    return Chain(S, m, l, P, y, batch, t, s, d, e, q, k, v, m.body)
+
+
+def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], tuple] | None:
+    """The chain whose row max is kernel `im`: (the five kernels' positions, members)."""
+    M = ks[im]
+    if not (isinstance(M, LoopKernel) and M.reduce in ("max", "maxshift") and not M.scatter and not M.bounds
+            and len(M.red) == 1 and M.epilogue is None and _identity(M.out, M.index)):
+        return None
+    s = M.red[0]
+    rows = [v for v in M.loops if v != s]
+    # the scores: a load at the identity index of a temporary a contraction wrote
+    cands = [ld for ld in walk(M.body) if isinstance(ld, Load) and low.buffers[ld.buf].kind == "temp"
+             and _identity(ld.buf, ld.index) and set(_vars(ld)) == set(M.loops)]
+    for ld in cands:
+        writers = [j for j in range(im) if ld.buf in ks[j].writes()]
+        if len(writers) != 1:
+            continue
+        iS = writers[0]
+        S = _contraction(low, ks[iS])
+        if S is None or set(S.loops) - set(S.red) != set(M.loops) or any(S.sizes[v] != M.sizes[v] for v in M.loops):
+            continue
+        d = S.red[0]
+        qa, kb = S.body.args
+        if s in _vars(qa):
+            qa, kb = kb, qa
+        if s in _vars(qa) or s not in _vars(kb) or d not in _vars(qa) or d not in _vars(kb):
+            continue
+        tv = [v for v in _vars(qa) if v not in _vars(kb) and v != d]
+        if len(tv) != 1 or not (_vars(qa) | _vars(kb)) <= set(S.loops):
+            continue
+        t = tv[0]
+        if not (_vars(kb) - {s, d}) <= set(rows) - {t}:
+            continue
+        found = _rest(low, ks, im, M, ld.buf, s, rows)
+        if found is None:
+            continue
+        il, ip, iy, L, P, Y = found
+        x, w = Y.body.args
+        v = w if x.buf == P.out else x
+        e = [u for u in Y.loops if u not in M.loops]
+        if len(e) != 1 or Y.red != (s,) or not (_vars(v) <= set(rows) - {t} | {s, e[0]}) or s not in _vars(v) \
+                or e[0] not in _vars(v) or set(Y.loops) != set(M.loops) | {e[0]}:
+            continue
+        if not (isinstance(S.sizes[d], int) and 0 < S.sizes[d] <= MAX_EDGE
+                and isinstance(Y.sizes[e[0]], int) and 0 < Y.sizes[e[0]] <= MAX_EDGE):
+            continue
+        pos = [iS, im, il, ip, iy]
+        if sorted(pos) != pos:
+            continue
+        # S and P have no other readers
+        if readers.get(ld.buf, set()) - {im, il, ip} or readers.get(P.out, set()) - {iy}:
+            continue
+        if low.buffers[P.out].kind != "temp":
+            continue
+        members = (S, M, L, P, Y)
+        if any(low.buffers[b].dtype != low.dtype for mm in members for b in mm.buffers_read() if b not in (ld.buf, P.out)):
+            continue
+        if not _movable(ks, pos, members):
+            continue
+        return pos, members
+    return None
+
+
+def _rest(low, ks, im, M, sbuf, s, rows):
+    """The logsumexp, the weights and the contraction with v after the max `M`."""
+    mload = Load(M.out, M.index)
+    for il in range(im + 1, len(ks)):
+        L = ks[il]
+        if not (isinstance(L, LoopKernel) and L.reduce == "logsumexp" and L.red == (s,) and not L.bounds
+                and L.epilogue is None and set(L.loops) == set(M.loops) and _identity(L.out, L.index)
+                and _diff(L.body, M.body, mload)):
+            continue
+        lload = Load(L.out, L.index)
+        for ip in range(il + 1, len(ks)):
+            P = ks[ip]
+            if not (isinstance(P, LoopKernel) and not P.reduce and not P.scatter and set(P.loops) == set(M.loops)
+                    and _identity(P.out, P.index) and isinstance(P.body, Map) and P.body.fn == "exp"
+                    and _diff(P.body.args[0], L.body, lload)):
+                continue
+            for iy in range(ip + 1, len(ks)):
+                Y = _contraction(low, ks[iy])
+                if Y is None or Y.red != (s,):
+                    continue
+                pl = [a for a in Y.body.args if a.buf == P.out]
+                if len(pl) != 1 or not _identity(P.out, pl[0].index):
+                    continue
+                return il, ip, iy, L, P, Y
+    return None
+
+
+def _movable(ks, pos, members) -> bool:
+    """No kernel between the first and last of the chain writes what it reads or
+    reads or writes what it writes (so it may run at the last one's place)."""
+    reads = {b for m in members for b in m.buffers_read()}
+    writes = {m.out for m in members}
+    for j in range(pos[0], pos[-1]):
+        if j in pos:
+            continue
+        k = ks[j]
+        if k.writes() & (reads | writes) or k.buffers_read() & writes:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class FlashChains(Pass[Lowered, Lowered]):
+    """Fuse attention's softmax-contraction chain into one kernel."""
+
+    name = "flash"
+    takes = gives = "lowered"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        out = low.staged("flash")
+        if options.fp_strict or not options.cuda.flash or low.dtype not in ("f32", "f64"):
+            return out
+        ks = list(out.kernels)
+        changed = True
+        while changed:
+            changed = False
+            readers: dict[str, set[int]] = {}
+            for i, k in enumerate(ks):
+                for b in k.buffers_read():
+                    readers.setdefault(b, set()).add(i)
+            for im in range(len(ks)):
+                found = _match(out, ks, im, readers)
+                if found is None:
+                    continue
+                pos, members = found
+                ch = chain_of(members)
+                outer = ch.batch
+                members = tuple(replace(m, loops=outer + tuple(v for v in m.loops if v not in outer))
+                                for m in members)
+                group = Flash(outer, {v: members[1].sizes[v] for v in outer}, members,
+                              (members[0].out, members[3].out),
+                              note=f"attention over {ch.s}: rows {ch.t}, keys in shared memory")
+                ks = [k for j, k in enumerate(ks) if j not in pos[:-1]]
+                ks[pos[-1] - 4] = group
+                for r in group.regs:
+                    del out.buffers[r]
+                changed = True
+                break
+        out.kernels = ks
+        return out
