@@ -133,8 +133,7 @@ def _contraction(low: Lowered, k) -> LoopKernel | None:
     if isinstance(k, GemmKernel):
         if k.taps or k.shifts or k.cplx is not None or any(k.rounded):
             return None
-        from tgc.backends.cuda.codegen import gemm_as_loop
-        k = gemm_as_loop(low, k)
+        k = _gemm_loop(low, k)
     if not (isinstance(k, LoopKernel) and k.reduce == "sum" and not k.scatter and not k.bounds
             and len(k.red) == 1 and k.epilogue is None and isinstance(k.body, Mul) and len(k.body.args) == 2
             and all(isinstance(a, Load) for a in k.body.args)):
@@ -142,6 +141,18 @@ def _contraction(low: Lowered, k) -> LoopKernel | None:
     if not _identity(k.out, k.index) or not all(_plain(a) for a in k.body.args):
         return None
     return k
+
+
+def _gemm_loop(low: Lowered, k: GemmKernel) -> LoopKernel:
+    """A plain GEMM cell as the loop kernel `out = sum[k] a * b` (`codegen.gemm_as_loop`
+    without taps or shifts), each operand read through its view's renaming."""
+    def load(view) -> Load:
+        return Load(view.buf, tuple(sorted((b, Ix.var(v)) for v, b in view.edges)))
+    out_edges = low.buffers[k.out].edges
+    loops = tuple(dict.fromkeys(list(out_edges) + list(k.k)))
+    return LoopKernel(out=k.out, index=tuple((e, Ix.var(e)) for e in out_edges), loops=loops,
+                      sizes={v: low.size(v) for v in loops}, body=Mul((load(k.a), load(k.b))), reduce="sum",
+                      red=tuple(v for v in loops if v not in out_edges), note=k.note)
 
 
 def _identity(out: str, index) -> bool:
@@ -157,12 +168,24 @@ def _vars(ld: Load) -> set[str]:
     return {ix.as_var() for _, ix in ld.index}
 
 
+def _lin(e, scale: float = 1.0, out: dict | None = None) -> dict:
+    """`e` as a linear combination {term: coefficient}, nested sums flattened (the
+    canonical form flattens `L - m` into one sum with the terms of `L`)."""
+    out = {} if out is None else out
+    if isinstance(e, Add):
+        for c, a in zip(e.coefs, e.args):
+            _lin(a, scale * c, out)
+    else:
+        out[e] = out.get(e, 0.0) + scale
+    return {k: c for k, c in out.items() if c != 0.0}
+
+
 def _diff(e, a, b) -> bool:
-    """Whether `e` is `a - b`."""
-    if not (isinstance(e, Add) and len(e.args) == 2):
-        return False
-    pairs = dict(zip(e.args, e.coefs)) if e.args[0] != e.args[1] else {}
-    return pairs.get(a) == 1.0 and pairs.get(b) == -1.0
+    """Whether `e` is `a - b` as linear combinations."""
+    want = _lin(a)
+    for k, c in _lin(b).items():
+        want[k] = want.get(k, 0.0) - c
+    return _lin(e) == {k: c for k, c in want.items() if c != 0.0}
 
 
 def chain_of(members) -> Chain:

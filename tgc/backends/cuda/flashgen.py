@@ -179,7 +179,7 @@ class FlashGen:
                   "__syncthreads();"]
         body += ["    " + x for x in inner] + ["}"]
         note = f"flash attention: {BQ} rows x {BK} keys a tile, d = {D}, e = {E} ({g.note})"
-        gen.kernel(self.name, gen.params(bufs, g.writes()), body, note)
+        gen.kernel(self.name, gen.params(bufs, g.writes()), body, note, min_blocks=1)
         total = (*(ch.m.sizes[v] for v in ch.batch), ch.m.sizes[ch.t])
         gen.launches.append(Launch("flash", self.name, tuple(bufs), total, index=self.i,
                                    writes=tuple(sorted(g.writes())), inner=(BQ,)))
