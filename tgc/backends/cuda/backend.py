@@ -12,7 +12,7 @@ objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
-from tgc.backends.cuda.flash import FLASH_FORM, FlashChains
+from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, FlashChains
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
@@ -22,7 +22,7 @@ from tgc.lower.narrow import Narrow
 class CudaBackend(Backend):
     name = "cuda"
     stages = (Narrow, CublasOperands, InlineElementwise, FlashChains, RowGroups)
-    kernel_forms = (ROWGROUP_FORM, FLASH_FORM)
+    kernel_forms = (ROWGROUP_FORM, FLASH_FORM, FLASHBACK_FORM)
     emits = ("cubin", "ptx", "cu")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:

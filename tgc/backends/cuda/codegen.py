@@ -72,8 +72,8 @@ from tgc.backends.cuda.ctext import Ctx as _Ctx, decompose, loads_of, split_flat
 from tgc.backends.cuda.launches import COL_SCRATCH, CudaModule, CudaUnsupported, Launch
 from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.options import CudaOptions
-from tgc.backends.cuda.flash import Flash
-from tgc.backends.cuda.flashgen import FlashGen
+from tgc.backends.cuda.flash import Flash, FlashBack
+from tgc.backends.cuda.flashgen import FlashBackGen, FlashGen
 from tgc.backends.cuda.rowgen import RowGroupGen
 from tgc.backends.cuda.rows import RowGroup
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load,
@@ -243,6 +243,9 @@ class _Gen(ExprVisitor):
         for i, k in enumerate(low.kernels):
             if isinstance(k, RowGroup):
                 RowGroupGen(self, i, k).emit()
+                continue
+            if isinstance(k, FlashBack):
+                FlashBackGen(self, i, k).emit()
                 continue
             if isinstance(k, Flash):
                 FlashGen(self, i, k).emit()

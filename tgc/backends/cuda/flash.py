@@ -109,6 +109,125 @@ flash: "flash" "for" outer ("," outer)* regs? note _NL loop+
 """, read_flash)
 
 
+def read_flashback(reader, t) -> FlashBack:
+    """A `flashback for ...` kernel of the lowered text."""
+    outer, sizes, members, regs, note, _ = read_member_parts(reader, t)
+    return FlashBack(outer, sizes, members, regs, note)
+
+
+FLASHBACK_FORM = KernelForm("flashback", r"""
+flashback: "flashback" "for" outer ("," outer)* regs? note _NL loop+
+""", read_flashback)
+
+
+@dataclass
+class FlashBack(Flash):
+    """The derived gradient chain: members `(S, P, ...)`: the forward's scores and
+    weights computed again (P from the kept row max and logsumexp), then the others
+    (`back_of`): products over the contracted edge of two loads of rows and keys
+    (`dP`), elementwise values over (b, t, s) (`dS`), row sums over s (`D`), and the
+    outputs: contractions of one of these `[t, s]` values with a load, over s (rows:
+    `dq`) or over t (keys: `dk`, `dv`). `regs`: every `[t, s]` value."""
+    kind = "flashback"
+
+    def text(self) -> str:
+        return "flashback" + super().text()[len("flash"):]
+
+    def chain(self) -> "Back":
+        return back_of(self.members)
+
+
+@dataclass(frozen=True)
+class Back:
+    """The roles of a `FlashBack`: the loops (b, t, s), the scores `S` (q, k, its
+    contracted loop), the `[t, s]` values in order (`squares`: (kernel, kind) with kind
+    'S', 'dot' or 'expr'), the row sums, and the outputs over rows and over keys
+    ((kernel, the `[t, s]` buffer it reads, the other load, the output's own loop))."""
+    batch: tuple[str, ...]
+    t: str
+    s: str
+    S: LoopKernel
+    squares: tuple
+    rowsums: tuple
+    rowouts: tuple
+    colouts: tuple
+    colsums: tuple
+
+
+def _out_vars(m: LoopKernel) -> set[str]:
+    return {v for v in m.loops if v not in m.red}
+
+
+def back_of(members) -> Back:
+    """The roles of a backward group's members (raises ValueError when they fit none)."""
+    S, P = members[0], members[1]
+    d = S.red[0]
+    a, b_ = S.body.args
+    # t: in one operand only; s: in the other only
+    only_a, only_b = _vars(a) - _vars(b_), _vars(b_) - _vars(a)
+    if len(only_a) != 1 or len(only_b) != 1:
+        raise ValueError("scores")
+    t, s = only_a.pop(), only_b.pop()
+    ts = set(S.loops) - {d}
+    batch = tuple(v for v in P.loops if v not in (t, s))
+    squares = [(S, "S"), (P, "expr")]
+    names = {S.out, P.out}
+    rowsums, rowouts, colouts, colsums = [], [], [], []
+    late: set[str] = set()   # [t, s] values that read a row sum (known after a first pass over the keys)
+    for m in members[2:]:
+        sq = [ld for ld in walk(m.body) if isinstance(ld, Load) and ld.buf in names]
+        if m.reduce == "sum" and len(m.red) == 1 and m.epilogue is None and isinstance(m.body, Mul) \
+                and len(m.body.args) == 2 and all(isinstance(x, Load) for x in m.body.args) \
+                and not all(x.buf in names for x in m.body.args):
+            x, y = m.body.args
+            if x.buf in names or y.buf in names:
+                src, op = (x, y) if x.buf in names else (y, x)
+                if not _identity(src.buf, src.index):
+                    raise ValueError("a [t, s] value read elsewhere than at its own index")
+                own = [v for v in _out_vars(m) if v not in set(batch) | {t, s}]
+                if len(own) != 1 or not isinstance(m.sizes[own[0]], int) or m.sizes[own[0]] > MAX_EDGE:
+                    raise ValueError("output edge")
+                if m.red == (s,) and _out_vars(m) == set(batch) | {t, own[0]} and _vars(op) <= set(batch) | {s, own[0]}:
+                    rowouts.append((m, src.buf, op, own[0]))
+                    continue
+                if m.red == (t,) and _out_vars(m) == set(batch) | {s, own[0]} and _vars(op) <= set(batch) | {t, own[0]}:
+                    colouts.append((m, src.buf, op, own[0]))
+                    continue
+                raise ValueError("output")
+            if _out_vars(m) == ts and _identity(m.out, m.index) and _plain(x) and _plain(y):
+                c = m.red[0]
+                xa, yb = (x, y) if t in _vars(x) else (y, x)
+                if _vars(xa) <= set(batch) | {t, c} and _vars(yb) <= set(batch) | {s, c} \
+                        and isinstance(m.sizes[c], int) and m.sizes[c] <= MAX_EDGE:
+                    squares.append((replace(m, body=Mul((xa, yb))), "dot"))
+                    names.add(m.out)
+                    continue
+            raise ValueError("product")
+        if any(not _identity(ld.buf, ld.index) for ld in sq):
+            raise ValueError("a [t, s] value read elsewhere than at its own index")
+        if m.reduce == "sum" and m.red == (s,) and m.epilogue is None and _out_vars(m) == set(batch) | {t} \
+                and _identity(m.out, m.index) and not m.bounds:
+            if late & {ld.buf for ld in sq}:
+                raise ValueError("a row sum of a value that reads a row sum")
+            rowsums.append(m)
+            continue
+        if m.reduce == "sum" and m.red == (t,) and m.epilogue is None and _out_vars(m) == set(batch) | {s} \
+                and _identity(m.out, m.index) and not m.bounds:
+            colsums.append(m)
+            continue
+        if not m.reduce and not m.scatter and set(m.loops) == ts and _identity(m.out, m.index):
+            rs = {r.out for r in rowsums}
+            if any(ld.buf in rs and set(_vars(ld)) != set(batch) | {t} for ld in walk(m.body) if isinstance(ld, Load)):
+                raise ValueError("a row sum read elsewhere than at its row")
+            squares.append((m, "expr"))
+            names.add(m.out)
+            if any(isinstance(ld, Load) and (ld.buf in rs or ld.buf in late) for ld in walk(m.body)):
+                late.add(m.out)
+            continue
+        raise ValueError("member")
+    return Back(batch, t, s, S, tuple(squares), tuple(rowsums), tuple(rowouts), tuple(colouts), tuple(colsums))
+
+
 @dataclass(frozen=True)
 class Chain:
     """The roles in a matched chain (members S, m, l, P, y)."""
@@ -249,18 +368,96 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
         pos = [iS, im, il, ip, iy]
         if sorted(pos) != pos:
             continue
-        # S and P have no other readers
-        if readers.get(ld.buf, set()) - {im, il, ip} or readers.get(P.out, set()) - {iy}:
-            continue
         if low.buffers[P.out].kind != "temp":
             continue
+        S = replace(S, body=Mul((qa, kb)))
         members = (S, M, L, P, Y)
         if any(low.buffers[b].dtype != low.dtype for mm in members for b in mm.buffers_read() if b not in (ld.buf, P.out)):
             continue
         if not _movable(ks, pos, members):
             continue
-        return pos, members
+        # S has no other readers; P none but y, or a backward chain
+        if readers.get(ld.buf, set()) - {im, il, ip}:
+            continue
+        back = None
+        if readers.get(P.out, set()) - {iy}:
+            back = _backward(low, ks, iy, S, P, readers)
+            if back is None:
+                continue
+        return pos, members, back
     return None
+
+
+def _backward(low: Lowered, ks: list, iy: int, S: LoopKernel, P: LoopKernel, readers: dict):
+    """The gradient chain that reads the weights `P` after the forward's last kernel
+    `iy`: (positions, members (S, P, ...)), or None. Its members are every kernel
+    reading a `[t, s]` value of it, and the products `dP` those read, in order."""
+    ts = set(P.loops)
+    squares = {P.out}
+    picked: list[int] = []
+    cands: dict[str, int] = {}   # products over (b, t, s) not yet read with a [t, s] value
+    for j in range(iy + 1, len(ks)):
+        k = ks[j]
+        reads = k.buffers_read()
+        if reads & squares:
+            picked.append(j)
+            if isinstance(k, LoopKernel) and not k.reduce and set(k.loops) == ts:
+                squares.add(k.out)
+            continue
+        c = _contraction(low, k)
+        if c is not None and _out_vars(c) == ts:
+            cands[k.out] = j
+            continue
+        if reads & set(cands):   # what reads a product is no part of the chain
+            for b in reads & set(cands):
+                del cands[b]
+    for j in list(picked):
+        for b in ks[j].buffers_read() & set(cands):
+            picked.append(cands.pop(b))
+            squares.add(b)
+    picked.sort()
+    if not picked:
+        return None
+    members = [S, P]
+    for j in picked:
+        k = ks[j]
+        members.append(_contraction(low, k) or k)
+    try:
+        back = back_of(members)
+    except (ValueError, StopIteration, AttributeError):
+        return None
+    names = {m.out for m, _ in back.squares}
+    for n in names - {S.out, P.out}:
+        if low.buffers[n].kind != "temp" or readers.get(n, set()) - set(picked):
+            return None
+    if readers.get(P.out, set()) - set(picked) - {iy}:
+        return None
+    if any(not isinstance(m, LoopKernel) for m in members):
+        return None
+    if any(low.buffers[b].dtype != low.dtype for m in members for b in m.buffers_read() if b not in names):
+        return None
+    if _movable(ks, picked, members):
+        return picked, tuple(members), picked[-1]
+    if _hoistable(ks, picked, S.buffers_read() | P.buffers_read()):
+        return picked, tuple(members), picked[0]
+    return None
+
+
+def _hoistable(ks, pos, reads: set) -> bool:
+    """Whether the kernels at `pos` may all run at the first one's place: no kernel in
+    between writes `reads` (the recomputed weights' inputs), writes what a later one
+    of them reads, or reads or writes what a later one writes (the scale of `dq` after
+    its product stays after it)."""
+    for j in range(pos[0], pos[-1]):
+        if j in pos:
+            continue
+        k = ks[j]
+        if k.writes() & reads:
+            return False
+        for p in pos:
+            if p > j and (ks[p].buffers_read() & k.writes() or ks[p].writes() & (k.buffers_read() | k.writes())):
+                return False
+    return True
 
 
 def _rest(low, ks, im, M, sbuf, s, rows):
@@ -327,17 +524,29 @@ class FlashChains(Pass[Lowered, Lowered]):
                 found = _match(out, ks, im, readers)
                 if found is None:
                     continue
-                pos, members = found
+                pos, members, back = found
                 ch = chain_of(members)
                 outer = ch.batch
-                members = tuple(replace(m, loops=outer + tuple(v for v in m.loops if v not in outer))
-                                for m in members)
-                group = Flash(outer, {v: members[1].sizes[v] for v in outer}, members,
-                              (members[0].out, members[3].out),
+
+                def lead(ms):
+                    return tuple(replace(m, loops=outer + tuple(v for v in m.loops if v not in outer)) for m in ms)
+                members = lead(members)
+                sizes = {v: members[1].sizes[v] for v in outer}
+                group = Flash(outer, sizes, members, (members[0].out, members[3].out),
                               note=f"attention over {ch.s}: rows {ch.t}, keys in shared memory")
-                ks = [k for j, k in enumerate(ks) if j not in pos[:-1]]
-                ks[pos[-1] - 4] = group
-                for r in group.regs:
+                drop = set(pos[:-1])
+                place = {pos[-1]: group}
+                regs = set(group.regs)
+                if back is not None:
+                    bpos, bmembers, at = back
+                    bmembers = lead(bmembers)
+                    bregs = tuple(m.out for m, _ in back_of(bmembers).squares)
+                    place[at] = FlashBack(outer, sizes, bmembers, bregs,
+                                                note=f"its gradients: rows {ch.t}, then keys {ch.s}")
+                    drop |= set(bpos) - {at}
+                    regs |= set(bregs)
+                ks = [place.get(j, k) for j, k in enumerate(ks) if j not in drop]
+                for r in regs:
                     del out.buffers[r]
                 changed = True
                 break

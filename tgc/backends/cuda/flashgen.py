@@ -23,7 +23,7 @@ from __future__ import annotations
 from tgc.backends.cuda.ctext import Ctx
 from tgc.backends.cuda.flash import SKIP_FILL, Flash
 from tgc.backends.cuda.launches import Launch
-from tgc.lower.lowered import Const, Map, Mask
+from tgc.lower.lowered import Add, Const, Load, Map, Mask, Mul, walk
 
 SHARED_MAX = 48 * 1024 - 512
 FLASH_THREADS = 128
@@ -193,3 +193,334 @@ def ix_vars(ix) -> set:
             return {object()}
         out.add(a)
     return out
+
+
+BACK_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32), (16, 16), (16, 8), (8, 16), (8, 8),
+              (8, 4), (4, 8), (4, 4), (2, 2), (1, 1))
+
+
+def zero_where_masked(e, zero: set, conds) -> bool:
+    """Whether `e` is exactly 0 wherever the mask `conds` rejects (the weights, which
+    are 0 there, in `zero`): a load of a value in `zero`, that mask, a product with
+    such a factor, a sum of such terms."""
+    if isinstance(e, Load):
+        return e.buf in zero
+    if isinstance(e, Mask):
+        return tuple(e.conds) == tuple(conds) or zero_where_masked(e.arg, zero, conds)
+    if isinstance(e, Mul):
+        return any(zero_where_masked(a, zero, conds) for a in e.args)
+    if isinstance(e, Add):
+        return all(zero_where_masked(a, zero, conds) for a in e.args)
+    if isinstance(e, Const):
+        return e.value == 0.0
+    return False
+
+
+class FlashBackGen:
+    """The two kernels of a `FlashBack` group (lowered kernel `i`): `_rows`, a block per
+    tile of query rows, and `_keys`, a block per tile of keys (module docstring of
+    `tgc.backends.cuda.flash`)."""
+
+    def __init__(self, gen, i: int, g):
+        self.gen, self.i, self.g = gen, i, g
+        self.ch = g.chain()
+        self.item = 8 if gen.low.dtype == "f64" else 4
+
+    # -- the pieces both kernels share
+
+    def setup(self):
+        gen, ch = self.gen, self.ch
+        self.bufs = self.g.buffers_used()
+        self.ptrs = {b: f"p{j}" for j, b in enumerate(self.bufs)}
+        self.bvars = {v: f"b{j}" for j, v in enumerate(ch.batch)}
+        S = ch.S
+        self.d = S.red[0]
+        q, k = S.body.args
+        self.nt, self.ns = gen.size(S.sizes[ch.t]), gen.size(S.sizes[ch.s])
+        # row operands (a row of t: staged per tile of rows) and key operands, deduplicated by their C text
+        self.rowops: dict[str, tuple[str, int]] = {}
+        self.keyops: dict[str, tuple[str, int]] = {}
+        self.sq_ops = {}
+        for m, kind in ch.squares:
+            if kind in ("S", "dot"):
+                a, b = m.body.args
+                c = m.red[0]
+                self.sq_ops[m.out] = (self.op(a, ch.t, c, m.sizes[c], self.rowops), self.op(b, ch.s, c, m.sizes[c], self.keyops),
+                                      m.sizes[c])
+        self.rowout_ops = [self.op(op, ch.s, c, m.sizes[c], self.keyops) for m, _, op, c in ch.rowouts]
+        self.colout_ops = [self.op(op, ch.t, c, m.sizes[c], self.rowops) for m, _, op, c in ch.colouts]
+        # the causal skip: the where mask of the weights' expression
+        P = ch.squares[1][0]
+        self.conds = ()
+        for e in walk(P.body):
+            self.conds = skip_conds(e)
+            if self.conds:
+                break
+        if self.conds:
+            if not all(ix_vars(c.ix) <= {ch.t, ch.s} | set(ch.batch) for c in self.conds):
+                self.conds = ()
+        if self.conds:
+            zero = {P.out}
+            for m, kind in ch.squares[2:]:
+                if kind == "expr" and zero_where_masked(m.body, zero, self.conds):
+                    zero.add(m.out)
+            ok = all(zero_where_masked(r.body, zero, self.conds) for r in (*ch.rowsums, *ch.colsums))
+            ok = ok and all(src in zero for _, src, _, _ in (*ch.rowouts, *ch.colouts))
+            if not ok:
+                self.conds = ()
+
+    def ctx(self, **extra):
+        c = Ctx(dict(self.ptrs))
+        c.var.update(self.bvars)
+        c.var.update(extra)
+        return c
+
+    def op(self, load, edge: str, c: str, n: int, into: dict) -> str:
+        """The shared array staging `load` (read at the row or key variable and `c`)."""
+        var = "tq" if into is self.rowops else "sk"
+        text = self.gen.expr(load, self.ctx(**{edge: var, c: "c"}))
+        if text not in into:
+            into[text] = (f"{'R' if into is self.rowops else 'K'}{len(into)}", n)
+        return into[text][0]
+
+    def stage(self, ops: dict, first: str, tile: int, bound: str, var: str) -> list[str]:
+        out = []
+        for text, (name, n) in ops.items():
+            out += [f"for (int i = tid; i < {tile * n}; i += nth) {{",
+                    f"    const long long {var} = {first} + i / {n}, c = i % {n};",
+                    f"    {name}[i] = {var} < {bound} ? {text} : (tgc_t)0;",
+                    "}"]
+        return out
+
+    def squares(self, BQ: int, BK: int, late: bool, rowsum_vals: dict, terms: list, keep: set) -> list[str]:
+        """The element loop over (a, j) of the tile: each `[t, s]` value (the late ones,
+        which read a row sum, when `late`), the row or key sums' terms (`terms`:
+        (array, kernel)), the values other loops read stored (`keep`)."""
+        gen, ch = self.gen, self.ch
+        lines = [f"for (int i = tid; i < {BQ * BK}; i += nth) {{",
+                 f"    const int a = i / {BK}, j = i % {BK};",
+                 "    const long long tq = q0 + a, sk = k0 + j;",
+                 "    const bool ok = tq < nt && sk < ns;"]
+        ctx = self.ctx(**{ch.t: "tq", ch.s: "sk"})
+        ctx.vals.update(rowsum_vals)
+        lateset = self.late()
+        for n, (m, kind) in enumerate(ch.squares):
+            if m.out in lateset and not late:
+                continue
+            name = f"sq{n}"
+            if kind in ("S", "dot"):
+                R, K, c = self.sq_ops[m.out]
+                lines += [f"    tgc_t {name} = (tgc_t)0;",
+                          "    #pragma unroll 8",
+                          f"    for (int c = 0; c < {c}; ++c) {name} += {R}[a * {c} + c] * {K}[j * {c} + c];"]
+            else:
+                lines.append(f"    const tgc_t {name} = ok ? (tgc_t)({gen.expr(m.body, ctx)}) : (tgc_t)0;")
+            ctx.vals[m.out] = name
+            if m.out in keep:
+                lines.append(f"    Q{n}[i] = {name};")
+        for arr, r in terms:
+            lines.append(f"    {arr}[i] = ok ? (tgc_t)({gen.expr(r.body, ctx)}) : (tgc_t)0;")
+        return lines + ["}"]
+
+    def late(self) -> set:
+        ch = self.ch
+        rs = {r.out for r in ch.rowsums}
+        out: set = set()
+        for m, kind in ch.squares:
+            if kind == "expr" and any(isinstance(ld, Load) and (ld.buf in rs or ld.buf in out) for ld in walk(m.body)):
+                out.add(m.out)
+        return out
+
+    def sq_index(self, buf: str) -> int:
+        return next(n for n, (m, _) in enumerate(self.ch.squares) if m.out == buf)
+
+    def shared(self, BQ: int, BK: int, rows: bool) -> int:
+        """Elements of shared memory a kernel takes (rows: `_rows`; else `_keys`)."""
+        ch = self.ch
+        n = sum(BQ * w for _, w in self.rowops.values()) + sum(BK * w for _, w in self.keyops.values())
+        n += len({src for _, src, _, _ in (ch.rowouts if rows else ch.colouts)}) * BQ * BK
+        if rows:
+            n += len(ch.rowsums) * BQ * (BK + 2) + sum(BQ * m.sizes[c] for m, _, _, c in ch.rowouts)
+        else:
+            n += len(ch.colsums) * BK * (BQ + 2) + sum(BK * m.sizes[c] for m, _, _, c in ch.colouts)
+        return n * self.item + 64
+
+    def tiles(self, rows: bool) -> tuple[int, int]:
+        for bq, bk in BACK_TILES:
+            if self.shared(bq, bk, rows) <= SHARED_MAX:
+                return bq, bk
+        return BACK_TILES[-1]
+
+    def every(self, first: str, tile: int) -> list[str]:
+        """`every`: each row of the tile of rows from `first` admits some key."""
+        gen, ch = self.gen, self.ch
+
+        def at(t, s):
+            return " && ".join(f"({gen.cond(c, self.ctx(**{ch.t: t, ch.s: s}))})" for c in self.conds)
+        return ["if (tid == 0) every = 1;", "__syncthreads();",
+                f"for (int i = tid; i < {tile}; i += nth) {{",
+                f"    const long long tq = {first} + i, z = 0, zl = ns - 1;",
+                f"    if (tq < nt && !(({at('tq', 'z')}) || ({at('tq', 'zl')}))) every = 0;",
+                "}", "__syncthreads();"]
+
+    def masked(self, BQ: int, BK: int) -> str:
+        gen, ch = self.gen, self.ch
+
+        def at(t, s):
+            return " && ".join(f"({gen.cond(c, self.ctx(**{ch.t: t, ch.s: s}))})" for c in self.conds)
+        corners = " && ".join(f"!({at(t, s)})" for t in ("ta", "tb") for s in ("sa", "sb"))
+        return (f"const long long ta = q0, tb = (q0 + {BQ} < nt ? q0 + {BQ} : nt) - 1, "
+                f"sa = k0, sb = (k0 + {BK} < ns ? k0 + {BK} : ns) - 1;\n"
+                f"const bool skip = every && {corners};")
+
+    def decls(self, BQ: int, BK: int, keep: set) -> list[str]:
+        ch = self.ch
+        arrays = [f"{n}[{BQ * w}]" for n, w in self.rowops.values()] + [f"{n}[{BK * w}]" for n, w in self.keyops.values()]
+        arrays += [f"Q{n}[{BQ * BK}]" for n, (m, _) in enumerate(ch.squares) if m.out in keep]
+        return [f"__shared__ tgc_t {', '.join(arrays)};", "__shared__ int every;",
+                f"const long long nt = {self.nt}, ns = {self.ns};", "const int tid = threadIdx.x, nth = blockDim.x;"]
+
+    def decode(self, count: str, tile: int, var: str) -> list[str]:
+        ch, gen = self.ch, self.gen
+        out = ["long long rr = item;", f"const long long ti = rr % {count}; rr /= {count};"]
+        for v in reversed(ch.batch):
+            n = gen.size(ch.S.sizes[v])
+            out.append(f"const long long {self.bvars[v]} = rr % {n}; rr /= {n};")
+        return out + [f"const long long {var} = ti * {tile};"]
+
+    # -- the kernels
+
+    def emit(self) -> None:
+        self.setup()
+        ch = self.ch
+        if ch.rowsums or ch.rowouts:
+            self.rows_kernel()
+        if ch.colsums or ch.colouts:
+            self.keys_kernel()
+
+    def rows_kernel(self) -> None:
+        gen, ch = self.gen, self.ch
+        BQ, BK = self.tiles(True)
+        name = f"{gen.prefix}k{self.i}_flash_rows"
+        keepers = {src for _, src, _, _ in ch.rowouts}
+        body = self.decls(BQ, BK, keepers)
+        body += [f"__shared__ double Rs{n}[{BQ}];" for n in range(len(ch.rowsums))]
+        body += [f"__shared__ tgc_t T{n}[{BQ * BK}];" for n in range(len(ch.rowsums))]
+        body += [f"__shared__ tgc_t A{n}[{BQ * m.sizes[c]}];" for n, (m, _, _, c) in enumerate(ch.rowouts)]
+        body += [f"const long long ntiles = (nt + {BQ - 1}) / {BQ};",
+                 f"const long long nitems = ntiles{''.join(f' * {gen.size(ch.S.sizes[v])}' for v in ch.batch)};",
+                 "for (long long item = blockIdx.x; item < nitems; item += gridDim.x) {"]
+        inner = self.decode("ntiles", BQ, "q0")
+        inner += self.stage(self.rowops, "q0", BQ, "nt", "tq")
+        inner += [f"for (int i = tid; i < {BQ}; i += nth) {{ {' '.join(f'Rs{n}[i] = 0.0;' for n in range(len(ch.rowsums)))} }}"]
+        for n, (m, _, _, c) in enumerate(ch.rowouts):
+            inner.append(f"for (int i = tid; i < {BQ * m.sizes[c]}; i += nth) A{n}[i] = (tgc_t)0;")
+        inner += self.every("q0", BQ) if self.conds else ["__syncthreads();"]
+        rvals = {r.out: f"((tgc_t)Rs{n}[a])" for n, r in enumerate(ch.rowsums)}
+        if ch.rowsums:   # first pass over the keys: the row sums
+            loop = ([self.masked(BQ, BK), "if (skip) continue;"] if self.conds else [])
+            loop += self.stage(self.keyops, "k0", BK, "ns", "sk") + ["__syncthreads();"]
+            loop += self.squares(BQ, BK, False, {}, [(f"T{n}", r) for n, r in enumerate(ch.rowsums)], set())
+            loop += ["__syncthreads();", f"for (int a = tid; a < {BQ}; a += nth) {{"]
+            for n in range(len(ch.rowsums)):
+                loop += ["    double u = 0.0;", f"    for (int j = 0; j < {BK}; ++j) u += (double)T{n}[a * {BK} + j];",
+                         f"    Rs{n}[a] += u;"]
+            loop += ["}", "__syncthreads();"]
+            inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{"] + ["    " + x for x in loop] + ["}"]
+        if ch.rowouts:   # second pass: the outputs over the rows
+            loop = ([self.masked(BQ, BK), "if (skip) continue;"] if self.conds else [])
+            loop += self.stage(self.keyops, "k0", BK, "ns", "sk") + ["__syncthreads();"]
+            loop += self.squares(BQ, BK, True, rvals, [], keepers)
+            loop += ["__syncthreads();"]
+            for n, ((m, src, _, c), K) in enumerate(zip(ch.rowouts, self.rowout_ops)):
+                w = m.sizes[c]
+                loop += [f"for (int i = tid; i < {BQ * w}; i += nth) {{",
+                         f"    const int a = i / {w}, c = i % {w};",
+                         f"    tgc_t o = A{n}[i];",
+                         f"    const tgc_t* pa = Q{self.sq_index(src)} + a * {BK};",
+                         "    #pragma unroll 8",
+                         f"    for (int j = 0; j < {BK}; ++j) o += pa[j] * {K}[j * {w} + c];",
+                         f"    A{n}[i] = o;",
+                         "}"]
+            loop += ["__syncthreads();"]
+            inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{"] + ["    " + x for x in loop] + ["}"]
+        for n, r in enumerate(ch.rowsums):
+            at = gen.offset(r.out, r.index, self.ctx(**{ch.t: "tq"}))
+            inner += [f"for (int a = tid; a < {BQ}; a += nth) {{", "    const long long tq = q0 + a;",
+                      f"    if (tq < nt) {gen.store(r.out, self.ptrs[r.out], at, f'(tgc_t)Rs{n}[a]')}", "}"]
+        for n, (m, _, _, c) in enumerate(ch.rowouts):
+            w = m.sizes[c]
+            at = gen.offset(m.out, m.index, self.ctx(**{ch.t: "tq", c: "c"}))
+            inner += [f"for (int i = tid; i < {BQ * w}; i += nth) {{",
+                      f"    const long long tq = q0 + i / {w}, c = i % {w};",
+                      f"    if (tq < nt) {gen.store(m.out, self.ptrs[m.out], at, f'A{n}[i]')}", "}"]
+        inner += ["__syncthreads();"]
+        body += ["    " + x for x in inner] + ["}"]
+        self.finish(name, body, BQ, BK, ch.t, "rows", {r.out for r in ch.rowsums} | {m.out for m, *_ in ch.rowouts})
+
+    def keys_kernel(self) -> None:
+        gen, ch = self.gen, self.ch
+        BQ, BK = self.tiles(False)
+        name = f"{gen.prefix}k{self.i}_flash_keys"
+        keepers = {src for _, src, _, _ in ch.colouts}
+        body = self.decls(BQ, BK, keepers)
+        body += [f"__shared__ double Cs{n}[{BK}];" for n in range(len(ch.colsums))]
+        body += [f"__shared__ tgc_t T{n}[{BQ * BK}];" for n in range(len(ch.colsums))]
+        body += [f"__shared__ tgc_t A{n}[{BK * m.sizes[c]}];" for n, (m, _, _, c) in enumerate(ch.colouts)]
+        body += [f"const long long ntiles = (ns + {BK - 1}) / {BK};",
+                 f"const long long nitems = ntiles{''.join(f' * {gen.size(ch.S.sizes[v])}' for v in ch.batch)};",
+                 "for (long long item = blockIdx.x; item < nitems; item += gridDim.x) {"]
+        inner = self.decode("ntiles", BK, "k0")
+        inner += self.stage(self.keyops, "k0", BK, "ns", "sk")
+        if ch.colsums:
+            inner += [f"for (int i = tid; i < {BK}; i += nth) {{ {' '.join(f'Cs{n}[i] = 0.0;' for n in range(len(ch.colsums)))} }}"]
+        for n, (m, _, _, c) in enumerate(ch.colouts):
+            inner.append(f"for (int i = tid; i < {BK * m.sizes[c]}; i += nth) A{n}[i] = (tgc_t)0;")
+        loop = []
+        if self.conds:
+            loop += self.every("q0", BQ) + [self.masked(BQ, BK), "__syncthreads();   // every thread has read `every`",
+                                             "if (skip) continue;"]
+        else:
+            loop += ["__syncthreads();"]
+        loop += self.stage(self.rowops, "q0", BQ, "nt", "tq") + ["__syncthreads();"]
+        loop += self.squares(BQ, BK, True, {}, [(f"T{n}", r) for n, r in enumerate(ch.colsums)], keepers)
+        loop += ["__syncthreads();"]
+        for n, ((m, src, _, c), R) in enumerate(zip(ch.colouts, self.colout_ops)):
+            w = m.sizes[c]
+            loop += [f"for (int i = tid; i < {BK * w}; i += nth) {{",
+                     f"    const int j = i / {w}, c = i % {w};",
+                     f"    tgc_t o = A{n}[i];",
+                     f"    const tgc_t* pj = Q{self.sq_index(src)} + j;",
+                     "    #pragma unroll 8",
+                     f"    for (int a = 0; a < {BQ}; ++a) o += pj[a * {BK}] * {R}[a * {w} + c];",
+                     f"    A{n}[i] = o;",
+                     "}"]
+        if ch.colsums:
+            loop += [f"for (int j = tid; j < {BK}; j += nth) {{"]
+            for n in range(len(ch.colsums)):
+                loop += ["    double u = 0.0;", f"    for (int a = 0; a < {BQ}; ++a) u += (double)T{n}[a * {BK} + j];",
+                         f"    Cs{n}[j] += u;"]
+            loop += ["}"]
+        loop += ["__syncthreads();"]
+        inner += [f"for (long long q0 = 0; q0 < nt; q0 += {BQ}) {{"] + ["    " + x for x in loop] + ["}"]
+        for n, r in enumerate(ch.colsums):
+            at = gen.offset(r.out, r.index, self.ctx(**{ch.s: "sk"}))
+            inner += [f"for (int j = tid; j < {BK}; j += nth) {{", "    const long long sk = k0 + j;",
+                      f"    if (sk < ns) {gen.store(r.out, self.ptrs[r.out], at, f'(tgc_t)Cs{n}[j]')}", "}"]
+        for n, (m, _, _, c) in enumerate(ch.colouts):
+            w = m.sizes[c]
+            at = gen.offset(m.out, m.index, self.ctx(**{ch.s: "sk", c: "c"}))
+            inner += [f"for (int i = tid; i < {BK * w}; i += nth) {{",
+                      f"    const long long sk = k0 + i / {w}, c = i % {w};",
+                      f"    if (sk < ns) {gen.store(m.out, self.ptrs[m.out], at, f'A{n}[i]')}", "}"]
+        inner += ["__syncthreads();"]
+        body += ["    " + x for x in inner] + ["}"]
+        self.finish(name, body, BQ, BK, ch.s, "keys", {r.out for r in ch.colsums} | {m.out for m, *_ in ch.colouts})
+
+    def finish(self, name: str, body: list[str], BQ: int, BK: int, edge: str, what: str, writes: set) -> None:
+        gen, ch = self.gen, self.ch
+        note = f"flash attention's gradients, a block per tile of {what}: {BQ} rows x {BK} keys ({self.g.note})"
+        gen.kernel(name, gen.params(self.bufs, writes), body, note, min_blocks=1)
+        total = (*(ch.S.sizes[v] for v in ch.batch), ch.S.sizes[edge])
+        gen.launches.append(Launch("flash", name, tuple(self.bufs), total, index=self.i,
+                                   writes=tuple(sorted(writes)), inner=(BQ if what == "rows" else BK,)))
