@@ -85,7 +85,7 @@ class Flash(MemberGroup):
         for r in self.regs:
             m = next(m for m in self.members if m.out == r)
             edges = tuple(e for e, _ in m.index)
-            it.arrays[r] = np.full([it.eval_size(m.sizes[e]) for e in edges], np.nan, it.fp)
+            it.arrays[r] = np.full([it.eval_size(m.sizes[ix.as_var()]) for _, ix in m.index], np.nan, it.fp)
             it.order[r] = edges
         try:
             for m in self.members:
@@ -172,6 +172,7 @@ def back_of(members) -> Back:
     batch = tuple(v for v in P.loops if v not in (t, s))
     squares = [(S, "S"), (P, "expr")]
     names = {S.out, P.out}
+    written = {S.out: S.index, P.out: P.index}
     rowsums, rowouts, colouts, colsums = [], [], [], []
     late: set[str] = set()   # [t, s] values that read a row sum (known after a first pass over the keys)
     for m in members[2:]:
@@ -182,8 +183,8 @@ def back_of(members) -> Back:
             x, y = m.body.args
             if x.buf in names or y.buf in names:
                 src, op = (x, y) if x.buf in names else (y, x)
-                if not _identity(src.buf, src.index):
-                    raise ValueError("a [t, s] value read elsewhere than at its own index")
+                if src.index != written[src.buf]:
+                    raise ValueError("a [t, s] value read elsewhere than where it is written")
                 own = [v for v in _out_vars(m) if v not in set(batch) | {t, s}]
                 if len(own) != 1 or not isinstance(m.sizes[own[0]], int) or m.sizes[own[0]] > MAX_EDGE:
                     raise ValueError("output edge")
@@ -194,17 +195,18 @@ def back_of(members) -> Back:
                     colouts.append((m, src.buf, op, own[0]))
                     continue
                 raise ValueError("output")
-            if _out_vars(m) == ts and _identity(m.out, m.index) and _plain(x) and _plain(y):
+            if _out_vars(m) == ts and _plain(x) and _plain(y):
                 c = m.red[0]
                 xa, yb = (x, y) if t in _vars(x) else (y, x)
                 if _vars(xa) <= set(batch) | {t, c} and _vars(yb) <= set(batch) | {s, c} \
                         and isinstance(m.sizes[c], int) and m.sizes[c] <= MAX_EDGE:
                     squares.append((replace(m, body=Mul((xa, yb))), "dot"))
                     names.add(m.out)
+                    written[m.out] = m.index
                     continue
             raise ValueError("product")
-        if any(not _identity(ld.buf, ld.index) for ld in sq):
-            raise ValueError("a [t, s] value read elsewhere than at its own index")
+        if any(ld.index != written[ld.buf] for ld in sq):
+            raise ValueError("a [t, s] value read elsewhere than where it is written")
         if m.reduce == "sum" and m.red == (s,) and m.epilogue is None and _out_vars(m) == set(batch) | {t} \
                 and _identity(m.out, m.index) and not m.bounds:
             if late & {ld.buf for ld in sq}:
@@ -221,6 +223,7 @@ def back_of(members) -> Back:
                 raise ValueError("a row sum read elsewhere than at its row")
             squares.append((m, "expr"))
             names.add(m.out)
+            written[m.out] = m.index
             if any(isinstance(ld, Load) and (ld.buf in rs or ld.buf in late) for ld in walk(m.body)):
                 late.add(m.out)
             continue
@@ -279,12 +282,41 @@ def _identity(out: str, index) -> bool:
 
 
 def _plain(ld: Load) -> bool:
-    """A load whose every index is one loop variable."""
-    return all(ix.as_var() is not None for _, ix in ld.index)
+    """A load whose indices are affine in loop variables only (no ids, no floor)."""
+    return all(isinstance(a, str) for _, ix in ld.index for a, _ in ix.terms)
 
 
 def _vars(ld: Load) -> set[str]:
-    return {ix.as_var() for _, ix in ld.index}
+    return {a for _, ix in ld.index for a, _ in ix.terms}
+
+
+def _bijective(ld: Load) -> dict[str, str] | None:
+    """edge -> loop variable, when each index of `ld` is one distinct variable."""
+    out = {e: ix.as_var() for e, ix in ld.index}
+    if any(v is None for v in out.values()) or len(set(out.values())) != len(out):
+        return None
+    return out
+
+
+def _rename(k: LoopKernel, sigma: dict[str, str]) -> LoopKernel:
+    """The contraction `k` with its loop variables renamed (`sigma`, at once; a summed
+    variable that would collide gets a fresh name)."""
+    sigma = dict(sigma)
+    taken = set(sigma.values())
+    for v in k.loops:
+        if v not in sigma:
+            new = v
+            while new in taken:
+                new += "'"
+            sigma[v] = new
+            taken.add(new)
+    m = {v: Ix.var(w) for v, w in sigma.items()}
+
+    def load(ld: Load) -> Load:
+        return Load(ld.buf, tuple((e, ix.subst(m)) for e, ix in ld.index))
+    return replace(k, index=tuple((e, ix.subst(m)) for e, ix in k.index), loops=tuple(sigma[v] for v in k.loops),
+                   sizes={sigma[v]: n for v, n in k.sizes.items()}, red=tuple(sigma[v] for v in k.red),
+                   body=Mul(tuple(load(a) for a in k.body.args)))
 
 
 def _lin(e, scale: float = 1.0, out: dict | None = None) -> dict:
@@ -331,14 +363,19 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
     rows = [v for v in M.loops if v != s]
     # the scores: a load at the identity index of a temporary a contraction wrote
     cands = [ld for ld in walk(M.body) if isinstance(ld, Load) and low.buffers[ld.buf].kind == "temp"
-             and _identity(ld.buf, ld.index) and set(_vars(ld)) == set(M.loops)]
+             and _bijective(ld) is not None and set(_vars(ld)) == set(M.loops)]
     for ld in cands:
         writers = [j for j in range(im) if ld.buf in ks[j].writes()]
         if len(writers) != 1:
             continue
         iS = writers[0]
         S = _contraction(low, ks[iS])
-        if S is None or set(S.loops) - set(S.red) != set(M.loops) or any(S.sizes[v] != M.sizes[v] for v in M.loops):
+        if S is None:
+            continue
+        S = _rename(S, {ix.as_var(): _bijective(ld)[e] for e, ix in S.index})   # S's rows and keys as M names them
+        if set(S.loops) - set(S.red) != set(M.loops) or any(S.sizes[v] != M.sizes[v] for v in M.loops):
+            continue
+        if any(x.index != ld.index for x in walk(M.body) if isinstance(x, Load) and x.buf == ld.buf):
             continue
         d = S.red[0]
         qa, kb = S.body.args
@@ -356,6 +393,8 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
         if found is None:
             continue
         il, ip, iy, L, P, Y = found
+        if any(x.index != ld.index for m_ in (L, P) for x in walk(m_.body) if isinstance(x, Load) and x.buf == ld.buf):
+            continue
         x, w = Y.body.args
         v = w if x.buf == P.out else x
         e = [u for u in Y.loops if u not in M.loops]
@@ -405,23 +444,35 @@ def _backward(low: Lowered, ks: list, iy: int, S: LoopKernel, P: LoopKernel, rea
                 squares.add(k.out)
             continue
         c = _contraction(low, k)
-        if c is not None and _out_vars(c) == ts:
+        if c is not None and len(_out_vars(c)) == len(ts):
             cands[k.out] = j
             continue
         if reads & set(cands):   # what reads a product is no part of the chain
             for b in reads & set(cands):
                 del cands[b]
+    products = set()
     for j in list(picked):
         for b in ks[j].buffers_read() & set(cands):
+            at = [_bijective(x) for x in _loads(ks[j]) if x.buf == b]
+            if not at or any(a is None or set(a.values()) != ts for a in at):
+                continue   # read as something else than a value over (b, t, s): an operand
             picked.append(cands.pop(b))
             squares.add(b)
+            products.add(b)
     picked.sort()
     if not picked:
         return None
     members = [S, P]
     for j in picked:
         k = ks[j]
-        members.append(_contraction(low, k) or k)
+        c = _contraction(low, k)
+        if k.out in products:   # a product over (b, t, s): its loops named as its readers read it
+            reads = {x.index for r in picked for x in _loads(ks[r]) if x.buf == k.out}
+            at = _bijective(Load(k.out, next(iter(reads)))) if len(reads) == 1 else None
+            if at is None:
+                return None
+            c = _rename(c, {ix.as_var(): at[e] for e, ix in c.index})
+        members.append(c or k)
     try:
         back = back_of(members)
     except (ValueError, StopIteration, AttributeError):
@@ -485,6 +536,15 @@ def _rest(low, ks, im, M, sbuf, s, rows):
                     continue
                 return il, ip, iy, L, P, Y
     return None
+
+
+def _loads(k):
+    """Every load of a loop kernel or GEMM cell (a GEMM's operands as `_gemm_loop` reads them)."""
+    if isinstance(k, GemmKernel):
+        return [a for a in (Load(v.buf, tuple(sorted((b, Ix.var(e)) for e, b in v.edges))) for v in (k.a, k.b))]
+    if isinstance(k, LoopKernel):
+        return [x for root in (k.body, k.epilogue) if root is not None for x in walk(root) if isinstance(x, Load)]
+    return []
 
 
 def _movable(ks, pos, members) -> bool:

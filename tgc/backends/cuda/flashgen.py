@@ -207,6 +207,11 @@ def zero_where_masked(e, zero: set, conds) -> bool:
         return e.buf in zero
     if isinstance(e, Mask):
         return tuple(e.conds) == tuple(conds) or zero_where_masked(e.arg, zero, conds)
+    if isinstance(e, Map) and e.fn == "where" and len(e.args) == 3 and e.args[2] == Const(0.0):
+        c = e.args[0]
+        return (isinstance(c, Mask) and tuple(c.conds) == tuple(conds)) or zero_where_masked(e.args[1], zero, conds)
+    if isinstance(e, Map) and e.fn == "mul0":
+        return any(zero_where_masked(a, zero, conds) for a in e.args)
     if isinstance(e, Mul):
         return any(zero_where_masked(a, zero, conds) for a in e.args)
     if isinstance(e, Add):
