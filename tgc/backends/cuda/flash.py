@@ -47,7 +47,7 @@ import numpy as np
 
 from tgc.ir.passes import Pass
 from tgc.ir.sizes import Size, size_str
-from tgc.lower.lowered import Add, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mul, walk
+from tgc.lower.lowered import Acc, Add, Const, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mask, Mul, SizeOf, walk
 from tgc.lower.grouping import MemberGroup, read_member_parts
 from tgc.lower.text import KernelForm
 from tgc.options import Options
@@ -208,18 +208,18 @@ def back_of(members) -> Back:
         if any(ld.index != written[ld.buf] for ld in sq):
             raise ValueError("a [t, s] value read elsewhere than where it is written")
         if m.reduce == "sum" and m.red == (s,) and m.epilogue is None and _out_vars(m) == set(batch) | {t} \
-                and _identity(m.out, m.index) and not m.bounds:
+                and _bijective(Load(m.out, m.index)) is not None and not m.bounds:
             if late & {ld.buf for ld in sq}:
                 raise ValueError("a row sum of a value that reads a row sum")
             rowsums.append(m)
             continue
         if m.reduce == "sum" and m.red == (t,) and m.epilogue is None and _out_vars(m) == set(batch) | {s} \
-                and _identity(m.out, m.index) and not m.bounds:
+                and _bijective(Load(m.out, m.index)) is not None and not m.bounds:
             colsums.append(m)
             continue
-        if not m.reduce and not m.scatter and set(m.loops) == ts and _identity(m.out, m.index):
-            rs = {r.out for r in rowsums}
-            if any(ld.buf in rs and set(_vars(ld)) != set(batch) | {t} for ld in walk(m.body) if isinstance(ld, Load)):
+        if not m.reduce and not m.scatter and set(m.loops) == ts and _bijective(Load(m.out, m.index)) is not None:
+            rs = {r.out: r.index for r in rowsums}
+            if any(ld.buf in rs and ld.index != rs[ld.buf] for ld in walk(m.body) if isinstance(ld, Load)):
                 raise ValueError("a row sum read elsewhere than at its row")
             squares.append((m, "expr"))
             names.add(m.out)
@@ -298,10 +298,29 @@ def _bijective(ld: Load) -> dict[str, str] | None:
     return out
 
 
+def _rename_expr(e, m: dict):
+    """`e` with its loop variables replaced (`m`: variable -> Ix)."""
+    if isinstance(e, Load):
+        return Load(e.buf, tuple((ed, ix.subst(m)) for ed, ix in e.index))
+    if isinstance(e, Mask):
+        return Mask(tuple(c.subst(m) for c in e.conds), _rename_expr(e.arg, m))
+    if isinstance(e, Add):
+        return Add(e.coefs, tuple(_rename_expr(a, m) for a in e.args))
+    if isinstance(e, Mul):
+        return Mul(tuple(_rename_expr(a, m) for a in e.args))
+    if isinstance(e, Map):
+        return Map(e.fn, tuple(_rename_expr(a, m) for a in e.args))
+    if isinstance(e, (Const, SizeOf, Acc)):
+        return e
+    raise ValueError(f"cannot rename the loops of {type(e).__name__}")
+
+
 def _rename(k: LoopKernel, sigma: dict[str, str]) -> LoopKernel:
-    """The contraction `k` with its loop variables renamed (`sigma`, at once; a summed
+    """The loop kernel `k` with its loop variables renamed (`sigma`, at once; another
     variable that would collide gets a fresh name)."""
-    sigma = dict(sigma)
+    if k.bounds:
+        raise ValueError("bounds")
+    sigma = {v: w for v, w in sigma.items() if v in k.loops}
     taken = set(sigma.values())
     for v in k.loops:
         if v not in sigma:
@@ -311,12 +330,10 @@ def _rename(k: LoopKernel, sigma: dict[str, str]) -> LoopKernel:
             sigma[v] = new
             taken.add(new)
     m = {v: Ix.var(w) for v, w in sigma.items()}
-
-    def load(ld: Load) -> Load:
-        return Load(ld.buf, tuple((e, ix.subst(m)) for e, ix in ld.index))
     return replace(k, index=tuple((e, ix.subst(m)) for e, ix in k.index), loops=tuple(sigma[v] for v in k.loops),
                    sizes={sigma[v]: n for v, n in k.sizes.items()}, red=tuple(sigma[v] for v in k.red),
-                   body=Mul(tuple(load(a) for a in k.body.args)))
+                   body=_rename_expr(k.body, m),
+                   epilogue=None if k.epilogue is None else _rename_expr(k.epilogue, m))
 
 
 def _lin(e, scale: float = 1.0, out: dict | None = None) -> dict:
@@ -462,17 +479,42 @@ def _backward(low: Lowered, ks: list, iy: int, S: LoopKernel, P: LoopKernel, rea
     picked.sort()
     if not picked:
         return None
-    members = [S, P]
+    # every member's loops named as the forward's (b, t, s): from its read of a value
+    # over (b, t, s) whose names are known (S, P; a product from a reader that knows)
+    known = {S.out: dict(S.index), P.out: dict(P.index)}
+    pending = {}
     for j in picked:
-        k = ks[j]
-        c = _contraction(low, k)
-        if k.out in products:   # a product over (b, t, s): its loops named as its readers read it
-            reads = {x.index for r in picked for x in _loads(ks[r]) if x.buf == k.out}
-            at = _bijective(Load(k.out, next(iter(reads)))) if len(reads) == 1 else None
-            if at is None:
+        k = _contraction(low, ks[j]) or ks[j]
+        if not isinstance(k, LoopKernel):
+            return None
+        pending[j] = k
+    done: dict[int, LoopKernel] = {}
+    try:
+        while pending:
+            for j, k in list(pending.items()):
+                if k.out in products:
+                    if k.out not in known:
+                        continue
+                    sigma = {ix.as_var(): known[k.out][e].as_var() for e, ix in k.index}
+                else:
+                    x = next((x for x in _loads(k) if x.buf in known), None)
+                    if x is None or _bijective(x) is None:
+                        continue
+                    sigma = {ix.as_var(): known[x.buf][e].as_var() for e, ix in x.index}
+                k = done[j] = _rename(k, sigma)
+                del pending[j]
+                if not k.reduce and set(k.loops) == ts:   # a value over (b, t, s) (dS)
+                    known[k.out] = dict(k.index)
+                for y in _loads(k):
+                    at = _bijective(y)
+                    if y.buf in products and y.buf not in known and at is not None and set(at.values()) == ts:
+                        known[y.buf] = dict(y.index)
+                break
+            else:
                 return None
-            c = _rename(c, {ix.as_var(): at[e] for e, ix in c.index})
-        members.append(c or k)
+    except ValueError:
+        return None
+    members = [S, P] + [done[j] for j in picked]
     try:
         back = back_of(members)
     except (ValueError, StopIteration, AttributeError):
