@@ -430,7 +430,8 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
         members = (S, M, L, P, Y)
         if any(low.buffers[b].dtype != low.dtype for mm in members for b in mm.buffers_read() if b not in (ld.buf, P.out)):
             continue
-        if not _movable(ks, pos, members):
+        at = pos[-1] if _movable(ks, pos, members) else pos[0] if _hoistable(ks, pos, set()) else None
+        if at is None:
             continue
         # S has no other readers; P none but y, or a backward chain
         if readers.get(ld.buf, set()) - {im, il, ip}:
@@ -440,7 +441,7 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
             back = _backward(low, ks, iy, S, P, readers)
             if back is None:
                 continue
-        return pos, members, back
+        return pos, members, back, at
     return None
 
 
@@ -529,6 +530,9 @@ def _backward(low: Lowered, ks: list, iy: int, S: LoopKernel, P: LoopKernel, rea
         return None
     if any(low.buffers[b].dtype != low.dtype for m in members for b in m.buffers_read() if b not in names):
         return None
+    inputs = S.buffers_read() | P.buffers_read()   # q, k, the row max and logsumexp: read again by the group
+    if any(ks[j].writes() & inputs for j in range(iy + 1, picked[-1]) if j not in picked):
+        return None
     if _movable(ks, picked, members):
         return picked, tuple(members), picked[-1]
     if _hoistable(ks, picked, S.buffers_read() | P.buffers_read()):
@@ -590,16 +594,16 @@ def _loads(k):
 
 
 def _movable(ks, pos, members) -> bool:
-    """No kernel between the first and last of the chain writes what it reads or
-    reads or writes what it writes (so it may run at the last one's place)."""
-    reads = {b for m in members for b in m.buffers_read()}
-    writes = {m.out for m in members}
+    """Whether the kernels at `pos` may all run at the last one's place: no kernel in
+    between reads what an earlier one of them writes, or writes what an earlier one
+    reads or writes (each moves down past the kernels after it)."""
     for j in range(pos[0], pos[-1]):
         if j in pos:
             continue
         k = ks[j]
-        if k.writes() & (reads | writes) or k.buffers_read() & writes:
-            return False
+        for p in pos:
+            if p < j and (k.buffers_read() & ks[p].writes() or k.writes() & (ks[p].buffers_read() | ks[p].writes())):
+                return False
     return True
 
 
@@ -626,7 +630,7 @@ class FlashChains(Pass[Lowered, Lowered]):
                 found = _match(out, ks, im, readers)
                 if found is None:
                     continue
-                pos, members, back = found
+                pos, members, back, at_fwd = found
                 ch = chain_of(members)
                 outer = ch.batch
 
@@ -636,8 +640,8 @@ class FlashChains(Pass[Lowered, Lowered]):
                 sizes = {v: members[1].sizes[v] for v in outer}
                 group = Flash(outer, sizes, members, (members[0].out, members[3].out),
                               note=f"attention over {ch.s}: rows {ch.t}, keys in shared memory")
-                drop = set(pos[:-1])
-                place = {pos[-1]: group}
+                drop = set(pos) - {at_fwd}
+                place = {at_fwd: group}
                 regs = set(group.regs)
                 if back is not None:
                     bpos, bmembers, at = back

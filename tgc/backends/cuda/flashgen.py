@@ -87,8 +87,7 @@ class FlashGen:
         if conds and not all(ix_vars(c.ix) <= {ch.t, ch.s} | set(ch.batch) for c in conds):
             conds = ()
         body = [f"__shared__ tgc_t Qs[{BQ * D}], Ks[{BK * D}], Vs[{BK * E}], Ss[{BQ * BK}], Os[{BQ * E}];",
-                f"__shared__ tgc_t ms[{BQ}], ls[{BQ}], als[{BQ}];",
-                "__shared__ int every;",
+                f"__shared__ tgc_t ms[{BQ}], ls[{BQ}], als[{BQ}];"] + (["__shared__ int every;"] if conds else []) + [
                 f"const long long nt = {nt}, ns = {ns};",
                 f"const long long ntiles = (nt + {BQ - 1}) / {BQ};",
                 f"const long long nitems = ntiles{''.join(f' * {size(ch.m.sizes[v])}' for v in ch.batch)};",
@@ -382,7 +381,7 @@ class FlashBackGen:
         ch = self.ch
         arrays = [f"{n}[{BQ * w}]" for n, w in self.rowops.values()] + [f"{n}[{BK * w}]" for n, w in self.keyops.values()]
         arrays += [f"Q{n}[{BQ * BK}]" for n, (m, _) in enumerate(ch.squares) if m.out in keep]
-        return [f"__shared__ tgc_t {', '.join(arrays)};", "__shared__ int every;",
+        return [f"__shared__ tgc_t {', '.join(arrays)};"] + (["__shared__ int every;"] if self.conds else []) + [
                 f"const long long nt = {self.nt}, ns = {self.ns};", "const int tid = threadIdx.x, nth = blockDim.x;"]
 
     def decode(self, count: str, tile: int, var: str) -> list[str]:
