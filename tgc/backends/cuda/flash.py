@@ -1,43 +1,57 @@
-"""flash: the CUDA backends' own lowering stage: the softmax-contraction chain of
-attention becomes one fused kernel (`Flash`, a kind of kernel only these backends
-have), which `flashgen` writes as one CUDA kernel: a block per tile of query rows,
-looping over tiles of keys staged in shared memory with an online softmax.
+"""flash: the CUDA backends' own lowering stage: attention's softmax-contraction chain
+becomes one fused kernel (`Flash`) and its derived gradient chain another (`FlashBack`),
+kinds of kernel only these backends have, which `flashgen` writes as CUDA kernels with
+tiles of rows and keys in shared memory and no `[t, s]` buffer (docs/cuda.md, "Attention").
 
-`Lowered` (after `layout` and `inline_elementwise`) -> `Lowered`. It looks for five
-kernels (GEMM cells or loop kernels, wherever they are: the whole program or a
-loop's step, forward or derived), with `b` the batch loops, `t` the rows, `s` the
-reduced edge, `d` and `e` the contracted and the value edges:
+`Lowered` (after `layout` and `inline_elementwise`) -> `Lowered`. The forward is five
+kernels (GEMM cells or loop kernels, wherever they are: the whole program or a loop's
+step, forward or derived), with `b` the batch loops, `t` the rows, `s` the reduced
+edge, `d` and `e` the contracted and the value edges, named as the row max names them:
 
-- `S[b, t, s] = sum[d] q[b, t, d] * k[b, s, d]`  (a contraction of two loads);
-- `m[b, t] = max[s] L(S)`, where `L` is any elementwise expression of the load of
-  `S` at its own index and of other loads (a scale, an additive bias, a `where` mask
-  or a subtracted mask); `maxshift` too;
+- `S[b, t, s] = sum[d] q[b, t, d] * k[b, s, d]`  (a contraction of two loads, indices
+  affine in loop variables; its own loop names may differ: a GEMM over `t -> t.1` is
+  renamed to the names the max reads it with);
+- `m[b, t] = max[s] L(S)`, where `L` is any elementwise expression of `S` and of other
+  loads (a scale, an additive bias, a `where` mask or a subtracted mask); `maxshift` too;
 - `l[b, t] = logsumexp[s] (L(S) - m)`;
-- `P[b, t, s] = exp((L(S) - m) - l)`  (the same expression `L - m`);
-- `y[b, t, e] = sum[s] P * v[b, s, e]`  (a contraction of two loads);
+- `P[b, t, s] = exp((L(S) - m) - l)`  (`L - m` compared as linear combinations: the
+  canonical form flattens the sum);
+- `y[b, t, e] = sum[s] P * v[b, s, e]`;
 
-where `S` and `P` are temporaries read by no other kernel, the sizes of `d` and `e`
-are numbers up to 256, every load is of the program's float type, no kernel between
-the first and the last of the five writes what they read or reads or writes what they
-write. The five become one `Flash` kernel at the last one's place: it writes `y`, `m`
-and `l` (both per row: what a backward reads) and holds no `[t, s]` buffer. The text
-form is `flash for <batch loops>  reg %S[..], %P[..]` followed by the five members.
+where `S` and `P` are temporaries, the sizes of `d` and `e` numbers up to 256, every
+load of the program's float type, and the five may run at the last one's place (no
+kernel in between reads what an earlier one writes or writes what it reads or writes)
+or else at the first one's. `S` has no other readers; `P` either none or a gradient
+chain (`_backward`): every later kernel that reads `P` or a value computed from it over
+`(b, t, s)` (`dS`), the products over `(b, t, s)` those read (`dP = dy . v`), each
+renamed to the forward's loop names from a read of a value whose names are known; they
+must form what `back_of` recognises (row sums over `s`, key sums over `t`, outputs
+contracting a `[t, s]` value with a load over `s` or over `t`), nothing in between may
+write `q`, `k`, `m` or `l`, and they move to their last kernel's place or their first.
+The forward becomes one `Flash` kernel writing `y`, `m` and `l`; the backward one
+`FlashBack` kernel, whose members start with `S` and `P` again (computed from `q`, `k`,
+`m`, `l`, as the program computes `P`). The text forms are `flash for <batch loops>
+reg %S[..], %P[..]` and `flashback for <batch loops>  reg ...` followed by the members.
 
-A chain whose `P` has other readers (the gradients, which read the weights) is left
-as it is; so is every chain under `--fp-strict` or with `CudaOptions.flash` off.
+A chain whose `P` has other readers (an output of the weights; the derived backward of
+an unmasked softmax, which takes a second max and logsumexp of `S`) is left as it is;
+so is every chain under `--fp-strict` or with `CudaOptions.flash` off.
 
-Exact? The kernel computes `m` exactly (a max, NaN propagating as the max kernel
-does). `y` and `l` are reassociated: `y = sum_s exp(L - m_j) v / sum_s exp(L - m_j)`
-with a running max `m_j` over the tiles seen, each partial rescaled by
-`exp(m_j - m_{j+1})` as the max grows (online softmax), and `l = log(sum)`. A key
-tile whose every (row, key) pair a `where` mask with a fill of at most -1e8 (or
--inf) rejects is skipped when each of the tile's rows admits some key: its weights
-are exactly 0 then, given admitted scores above -1e7 (as `tgc.opt.stream_skip`
-assumes). A fully masked row keeps every key and gives the program's value (the
-uniform average of `v` with a finite fill). The interpreter runs the five members as
-they were, so `tgc dump-ir` programs run there as before.
+Exact? The kernels compute `m` exactly (a max, NaN propagating as the max kernel
+does), and `P` in the backward by the program's own expression. `y` and `l` are
+reassociated: `y = sum_s exp(L - m_j) v / sum_s exp(L - m_j)` with a running max `m_j`
+over the tiles seen, each partial rescaled by `exp(m_j - m_{j+1})` as the max grows
+(online softmax), and `l = log(sum)`; the backward's sums are taken tile by tile. A key
+tile whose every (row, key) pair a `where` mask with a fill of at most -1e8 (or -inf)
+rejects is skipped when each of the tile's rows admits some key: its weights are
+exactly 0 then, given admitted scores above -1e7 (as `tgc.opt.stream_skip` assumes);
+the backward skips it only where every term it would add is provably 0 there. A fully
+masked row keeps every key and gives the program's value (the uniform average of `v`
+with a finite fill). The interpreter runs the members as they were, so `tgc dump-ir`
+programs run there as before.
 
-Terminates: each match removes five kernels and adds one that is never matched again.
+Terminates: each match replaces five or more kernels with one or two that are never
+matched again.
 """
 from __future__ import annotations
 
