@@ -30,7 +30,7 @@ GRADS = ("input dy[head, t, hd]\nloss = sum(y * dy)\nout dq[head, t, hd] = grad(
 PROGRAMS = {
     # causal self-attention (t = s), masked by a -1e9 fill
     "causal": f"p = softmax[s](where([s <= t], {SCORES}, -1e9))\n",
-    # cross-attention, no mask, t != s (forward only: see test_what_is_not_fused)
+    # cross-attention, no mask, t != s (its derived backward takes a second row max and logsumexp)
     "cross": f"p = softmax[s]({SCORES})\n",
     # an additive bias over the keys, causal, and its gradient (a sum over the rows)
     "bias": f"input bias[head, s]\np = softmax[s](where([s <= t], {SCORES} + bias, -1e9))\n",
@@ -45,7 +45,7 @@ DIMS = {"cross": dict(t=24, s=40)}
 def source(name: str, d: int, grads: bool = True) -> str:
     dims = DIMS.get(name, dict(t=40, s=40))
     text = HEAD.format(d=d, **dims) + PROGRAMS[name] + "y = sum[s](p * v)\nout y[head, t, hd]\n"
-    if grads and name != "cross":
+    if grads:
         text += GRADS + ("out dbias[head, s] = grad(loss, bias)\n" if name == "bias" else "")
     if dims["t"] == dims["s"]:
         text = text.replace(f", s = {dims['s']}", "").replace("input q", "dim s = t\ninput q", 1)
@@ -147,8 +147,8 @@ def test_the_fused_kernels_are_what_runs():
 
 def test_what_is_not_fused():
     """--fp-strict and CudaOptions(flash=False) keep the unfused kernels, with the same
-    values; so does the derived backward of an unmasked softmax, which takes a second
-    row max and logsumexp of the scores (the matcher knows no row max in the backward)."""
+    values; so does a chain whose weights are an output (a `[t, s]` buffer the caller
+    reads)."""
     src = source("causal", 64)
     assert "flash" not in kinds(build(src, "f64", fp_strict=True))
     off = tgc.compile(src, backend="cuda-sim", dtype="f64", options=Options().with_(cuda=CudaOptions(flash=False)))
@@ -157,12 +157,12 @@ def test_what_is_not_fused():
     got, want = off(**x), build(src, "f64")(**x)
     for n in want:
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=1e-12 * float(np.max(np.abs(want[n]))))
-    cross = source("cross", 64, grads=False) + GRADS
-    prog = build(cross, "f64")
+    probs = source("causal", 64, grads=False) + "out probs[head, t, s] = p\n"
+    prog = build(probs, "f64")
     assert "flash" not in kinds(prog)
-    x = inputs(cross)
-    want, got = reference(cross, x), prog(**x)
-    for n in ("y", "dq", "dk", "dv"):
+    x = inputs(probs)
+    want, got = reference(probs, x), prog(**x)
+    for n in ("y", "probs"):
         np.testing.assert_allclose(got[n], want[n], rtol=0, atol=1e-12 * float(np.max(np.abs(want[n]))))
 
 
@@ -209,6 +209,37 @@ def test_an_attention_layer_fuses_and_matches_the_interpreter():
     for dtype, tol in (("f64", 1e-11), ("f32", 1e-4)):
         prog = build(src, dtype)
         assert {"flash", "flashback"} <= set(kinds(prog)), kinds(prog)
+        got = prog(**{n: a.astype(np.float32 if dtype == "f32" else np.float64) for n, a in x.items()})
+        for n, w in want.items():
+            np.testing.assert_allclose(np.asarray(got[n], np.float64), w, rtol=0, atol=tol * float(np.max(np.abs(w))),
+                                       err_msg=f"{dtype} {n}")
+
+
+POOLING = """
+dim b = 16, n = 40, d = 64, c = 64
+input u[b, d]
+input z[n, d]
+input m[n, c]
+input dy[b, c]
+w = softmax[n](2 * sum[d](u * z))
+pooled = sum[n](w * m)
+out pooled[b, c]
+loss = sum(pooled * dy)
+out du[b, d] = grad(loss, u)
+out dz[n, d] = grad(loss, z)
+out dm[n, c] = grad(loss, m)
+"""
+
+
+def test_a_softmax_weighted_pooling_fuses():
+    """A memory read by softmax weights over its slots n, one row per item b (no
+    attention names, no batch edge, no mask): forward and backward fuse, and match the
+    interpreter in f64 and f32."""
+    x = inputs(POOLING)
+    want = reference(POOLING, x)
+    for dtype, tol in (("f64", 1e-12), ("f32", 1e-5)):
+        prog = build(POOLING, dtype)
+        assert kinds(prog)[:2] == ["flash", "flashback"], kinds(prog)
         got = prog(**{n: a.astype(np.float32 if dtype == "f32" else np.float64) for n, a in x.items()})
         for n, w in want.items():
             np.testing.assert_allclose(np.asarray(got[n], np.float64), w, rtol=0, atol=tol * float(np.max(np.abs(w))),

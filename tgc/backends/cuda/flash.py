@@ -221,11 +221,9 @@ def back_of(members) -> Back:
             raise ValueError("product")
         if any(ld.index != written[ld.buf] for ld in sq):
             raise ValueError("a [t, s] value read elsewhere than where it is written")
-        if m.reduce == "sum" and m.red == (s,) and m.epilogue is None and _out_vars(m) == set(batch) | {t} \
-                and _bijective(Load(m.out, m.index)) is not None and not m.bounds:
-            if late & {ld.buf for ld in sq}:
-                raise ValueError("a row sum of a value that reads a row sum")
-            rowsums.append(m)
+        if m.reduce in ("sum", "max", "maxshift", "logsumexp") and m.red == (s,) and m.epilogue is None \
+                and _out_vars(m) == set(batch) | {t} and _bijective(Load(m.out, m.index)) is not None and not m.bounds:
+            rowsums.append(m)   # a row statistic (D = sum[s] P * dP; a softmax's max and logsumexp again)
             continue
         if m.reduce == "sum" and m.red == (t,) and m.epilogue is None and _out_vars(m) == set(batch) | {s} \
                 and _bijective(Load(m.out, m.index)) is not None and not m.bounds:
@@ -448,12 +446,10 @@ def _match(low: Lowered, ks: list, im: int, readers: dict) -> tuple[list[int], t
         if at is None:
             continue
         # S has no other readers; P none but y, or a backward chain
-        if readers.get(ld.buf, set()) - {im, il, ip}:
-            continue
         back = None
-        if readers.get(P.out, set()) - {iy}:
+        if readers.get(P.out, set()) - {iy} or readers.get(ld.buf, set()) - {im, il, ip}:
             back = _backward(low, ks, iy, S, P, readers)
-            if back is None:
+            if back is None or readers.get(ld.buf, set()) - {im, il, ip} - set(back[0]):
                 continue
         return pos, members, back, at
     return None
@@ -464,7 +460,7 @@ def _backward(low: Lowered, ks: list, iy: int, S: LoopKernel, P: LoopKernel, rea
     `iy`: (positions, members (S, P, ...)), or None. Its members are every kernel
     reading a `[t, s]` value of it, and the products `dP` those read, in order."""
     ts = set(P.loops)
-    squares = {P.out}
+    squares = {P.out, S.out}
     picked: list[int] = []
     cands: dict[str, int] = {}   # products over (b, t, s) not yet read with a [t, s] value
     for j in range(iy + 1, len(ks)):

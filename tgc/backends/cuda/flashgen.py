@@ -270,6 +270,7 @@ class FlashBackGen:
                     zero.add(m.out)
             ok = all(zero_where_masked(r.body, zero, self.conds) for r in (*ch.rowsums, *ch.colsums))
             ok = ok and all(src in zero for _, src, _, _ in (*ch.rowouts, *ch.colouts))
+            ok = ok and all(r.reduce == "sum" for r in ch.rowsums)
             if not ok:
                 self.conds = ()
 
@@ -296,10 +297,11 @@ class FlashBackGen:
                     "}"]
         return out
 
-    def squares(self, BQ: int, BK: int, late: bool, rowsum_vals: dict, terms: list, keep: set) -> list[str]:
-        """The element loop over (a, j) of the tile: each `[t, s]` value (the late ones,
-        which read a row sum, when `late`), the row or key sums' terms (`terms`:
-        (array, kernel)), the values other loops read stored (`keep`)."""
+    def squares(self, BQ: int, BK: int, upto, rowsum_vals: dict, terms: list, keep: set) -> list[str]:
+        """The element loop over (a, j) of the tile: each `[t, s]` value ready by pass
+        `upto` (every one when None: the row statistics it reads are complete), the row or
+        key sums' terms (`terms`: (array, kernel, the value where the pair is out of range)),
+        the values other loops read stored (`keep`)."""
         gen, ch = self.gen, self.ch
         lines = [f"for (int i = tid; i < {BQ * BK}; i += nth) {{",
                  f"    const int a = i / {BK}, j = i % {BK};",
@@ -307,9 +309,8 @@ class FlashBackGen:
                  "    const bool ok = tq < nt && sk < ns;"]
         ctx = self.ctx(**{ch.t: "tq", ch.s: "sk"})
         ctx.vals.update(rowsum_vals)
-        lateset = self.late()
         for n, (m, kind) in enumerate(ch.squares):
-            if m.out in lateset and not late:
+            if upto is not None and self.ready(m.out) > upto:
                 continue
             name = f"sq{n}"
             if kind in ("S", "dot"):
@@ -322,18 +323,28 @@ class FlashBackGen:
             ctx.vals[m.out] = name
             if m.out in keep:
                 lines.append(f"    Q{n}[i] = {name};")
-        for arr, r in terms:
-            lines.append(f"    {arr}[i] = ok ? (tgc_t)({gen.expr(r.body, ctx)}) : (tgc_t)0;")
+        for arr, r, outside in terms:
+            lines.append(f"    {arr}[i] = ok ? (tgc_t)({gen.expr(r.body, ctx)}) : {outside};")
         return lines + ["}"]
 
-    def late(self) -> set:
+    def ready(self, buf: str) -> int:
+        """The pass over the keys after which `buf` (a `[t, s]` value or a row statistic)
+        can be computed or read: 0 for what needs no row statistic; a statistic after the
+        passes of what it reads, one pass (a sum, a max) or two (a logsumexp: its max,
+        then its sum of exponentials, as the program's kernel takes them)."""
         ch = self.ch
-        rs = {r.out for r in ch.rowsums}
-        out: set = set()
-        for m, kind in ch.squares:
-            if kind == "expr" and any(isinstance(ld, Load) and (ld.buf in rs or ld.buf in out) for ld in walk(m.body)):
-                out.add(m.out)
-        return out
+        if not hasattr(self, "_ready"):
+            self._ready = {}
+        if buf in self._ready:
+            return self._ready[buf]
+        rs = {r.out: r for r in ch.rowsums}
+        sq = {m.out: m for m, _ in ch.squares}
+        k = rs.get(buf) or sq[buf]
+        need = max([self.ready(x.buf) for x in walk(k.body) if isinstance(x, Load) and x.buf != buf
+                    and (x.buf in rs or x.buf in sq)] + [0])
+        v = need + ((2 if k.reduce == "logsumexp" else 1) if buf in rs else 0)
+        self._ready[buf] = v
+        return v
 
     def sq_index(self, buf: str) -> int:
         return next(n for n, (m, _) in enumerate(self.ch.squares) if m.out == buf)
@@ -344,7 +355,7 @@ class FlashBackGen:
         n = sum(BQ * w for _, w in self.rowops.values()) + sum(BK * w for _, w in self.keyops.values())
         n += len({src for _, src, _, _ in (ch.rowouts if rows else ch.colouts)}) * BQ * BK
         if rows:
-            n += len(ch.rowsums) * BQ * (BK + 2) + sum(BQ * m.sizes[c] for m, _, _, c in ch.rowouts)
+            n += len(ch.rowsums) * BQ * (BK + 6) + sum(BQ * m.sizes[c] for m, _, _, c in ch.rowouts)
         else:
             n += len(ch.colsums) * BK * (BQ + 2) + sum(BK * m.sizes[c] for m, _, _, c in ch.colouts)
         return n * self.item + 64
@@ -408,7 +419,11 @@ class FlashBackGen:
         name = f"{gen.prefix}k{self.i}_flash_rows"
         keepers = {src for _, src, _, _ in ch.rowouts}
         body = self.decls(BQ, BK, keepers)
-        body += [f"__shared__ double Rs{n}[{BQ}];" for n in range(len(ch.rowsums))]
+        sums = [n for n, r in enumerate(ch.rowsums) if r.reduce in ("sum", "logsumexp")]
+        maxes = [n for n, r in enumerate(ch.rowsums) if r.reduce != "sum"]
+        body += [f"__shared__ double Rs{n}[{BQ}];" for n in sums]
+        body += [f"__shared__ tgc_t Rm{n}[{BQ}];" for n in maxes]
+        body += [f"__shared__ tgc_t Rv{n}[{BQ}];" for n in range(len(ch.rowsums))]
         body += [f"__shared__ tgc_t T{n}[{BQ * BK}];" for n in range(len(ch.rowsums))]
         body += [f"__shared__ tgc_t A{n}[{BQ * m.sizes[c]}];" for n, (m, _, _, c) in enumerate(ch.rowouts)]
         body += [f"const long long ntiles = (nt + {BQ - 1}) / {BQ};",
@@ -416,25 +431,62 @@ class FlashBackGen:
                  "for (long long item = blockIdx.x; item < nitems; item += gridDim.x) {"]
         inner = self.decode("ntiles", BQ, "q0")
         inner += self.stage(self.rowops, "q0", BQ, "nt", "tq")
-        inner += [f"for (int i = tid; i < {BQ}; i += nth) {{ {' '.join(f'Rs{n}[i] = 0.0;' for n in range(len(ch.rowsums)))} }}"]
+        if ch.rowsums:
+            inner += [f"for (int i = tid; i < {BQ}; i += nth) {{ " + " ".join(
+                [f"Rs{n}[i] = 0.0;" for n in sums] + [f"Rm{n}[i] = -(tgc_t)TGC_INF;" for n in maxes]) + " }"]
         for n, (m, _, _, c) in enumerate(ch.rowouts):
             inner.append(f"for (int i = tid; i < {BQ * m.sizes[c]}; i += nth) A{n}[i] = (tgc_t)0;")
         inner += self.every("q0", BQ) if self.conds else ["__syncthreads();"]
-        rvals = {r.out: f"((tgc_t)Rs{n}[a])" for n, r in enumerate(ch.rowsums)}
-        if ch.rowsums:   # first pass over the keys: the row sums
+        rvals = {r.out: f"Rv{n}[a]" for n, r in enumerate(ch.rowsums)}
+        passes = max([self.ready(r.out) for r in ch.rowsums] + [0])
+        for p in range(passes):   # the row statistics, a pass over the keys for each level
+            # (statistic n, its kernel, 'sum' | 'max' | 'maxshift' | 'lse_max' | 'lse_sum') this pass takes
+            work = []
+            for n, r in enumerate(ch.rowsums):
+                last = self.ready(r.out) - 1
+                if r.reduce == "logsumexp":
+                    work += [(n, r, "lse_max")] if p == last - 1 else [(n, r, "lse_sum")] if p == last else []
+                elif p == last:
+                    work.append((n, r, r.reduce))
+            vals = {r.out: v for r, v in zip(ch.rowsums, rvals.values()) if self.ready(r.out) <= p}
+            outside = {"sum": "(tgc_t)0"}
             loop = ([self.masked(BQ, BK), "if (skip) continue;"] if self.conds else [])
             loop += self.stage(self.keyops, "k0", BK, "ns", "sk") + ["__syncthreads();"]
-            loop += self.squares(BQ, BK, False, {}, [(f"T{n}", r) for n, r in enumerate(ch.rowsums)], set())
+            loop += self.squares(BQ, BK, p, vals, [(f"T{n}", r, outside.get(kind, "-(tgc_t)TGC_INF"))
+                                                    for n, r, kind in work], set())
             loop += ["__syncthreads();", f"for (int a = tid; a < {BQ}; a += nth) {{"]
-            for n in range(len(ch.rowsums)):
-                loop += ["    double u = 0.0;", f"    for (int j = 0; j < {BK}; ++j) u += (double)T{n}[a * {BK} + j];",
-                         f"    Rs{n}[a] += u;"]
+            for n, r, kind in work:
+                x = f"T{n}[a * {BK} + j]"
+                if kind == "sum":
+                    loop += ["    { double u = 0.0;", f"      for (int j = 0; j < {BK}; ++j) u += (double){x};",
+                             f"      Rs{n}[a] += u; }}"]
+                elif kind == "max":     # NaN propagates, as the max kernel
+                    loop += [f"    {{ tgc_t m = Rm{n}[a];",
+                             f"      for (int j = 0; j < {BK}; ++j) {{ const tgc_t v = {x}; if (m == m && !(v <= m)) m = v; }}",
+                             f"      Rm{n}[a] = m; }}"]
+                elif kind in ("maxshift", "lse_max"):
+                    loop += [f"    {{ tgc_t m = Rm{n}[a];",
+                             f"      for (int j = 0; j < {BK}; ++j) {{ const tgc_t v = {x}; if (v > m) m = v; }}",
+                             f"      Rm{n}[a] = m; }}"]
+                else:                   # lse_sum: exp(x - max), the max 0 when not finite
+                    loop += [f"    {{ const tgc_t m = tgc_finite(Rm{n}[a]) ? Rm{n}[a] : (tgc_t)0; double u = 0.0;",
+                             f"      for (int j = 0; j < {BK}; ++j) u += (double)tgc_exp((tgc_t)({x} - m));",
+                             f"      Rs{n}[a] += u; }}"]
             loop += ["}", "__syncthreads();"]
-            inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{"] + ["    " + x for x in loop] + ["}"]
+            inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{   // pass {p}: the row statistics"]
+            inner += ["    " + x for x in loop] + ["}"]
+            done = [(n, r) for n, r, kind in work if kind != "lse_max"]
+            if done:
+                inner.append(f"for (int a = tid; a < {BQ}; a += nth) {{")
+                for n, r in done:
+                    value = {"sum": f"(tgc_t)Rs{n}[a]", "max": f"Rm{n}[a]", "maxshift": f"Rm{n}[a]",
+                             "logsumexp": f"(tgc_t)(tgc_log((tgc_t)Rs{n}[a]) + (tgc_finite(Rm{n}[a]) ? Rm{n}[a] : (tgc_t)0))"}
+                    inner.append(f"    Rv{n}[a] = {value[r.reduce]};")
+                inner += ["}", "__syncthreads();"]
         if ch.rowouts:   # second pass: the outputs over the rows
             loop = ([self.masked(BQ, BK), "if (skip) continue;"] if self.conds else [])
             loop += self.stage(self.keyops, "k0", BK, "ns", "sk") + ["__syncthreads();"]
-            loop += self.squares(BQ, BK, True, rvals, [], keepers)
+            loop += self.squares(BQ, BK, None, rvals, [], keepers)
             loop += ["__syncthreads();"]
             for n, ((m, src, _, c), K) in enumerate(zip(ch.rowouts, self.rowout_ops)):
                 w = m.sizes[c]
@@ -451,7 +503,7 @@ class FlashBackGen:
         for n, r in enumerate(ch.rowsums):
             at = gen.offset(r.out, r.index, self.ctx(**{ch.t: "tq"}))
             inner += [f"for (int a = tid; a < {BQ}; a += nth) {{", "    const long long tq = q0 + a;",
-                      f"    if (tq < nt) {gen.store(r.out, self.ptrs[r.out], at, f'(tgc_t)Rs{n}[a]')}", "}"]
+                      f"    if (tq < nt) {gen.store(r.out, self.ptrs[r.out], at, f'Rv{n}[a]')}", "}"]
         for n, (m, _, _, c) in enumerate(ch.rowouts):
             w = m.sizes[c]
             at = gen.offset(m.out, m.index, self.ctx(**{ch.t: "tq", c: "c"}))
@@ -487,7 +539,7 @@ class FlashBackGen:
         else:
             loop += ["__syncthreads();"]
         loop += self.stage(self.rowops, "q0", BQ, "nt", "tq") + ["__syncthreads();"]
-        loop += self.squares(BQ, BK, True, {}, [(f"T{n}", r) for n, r in enumerate(ch.colsums)], keepers)
+        loop += self.squares(BQ, BK, None, {}, [(f"T{n}", r, "(tgc_t)0") for n, r in enumerate(ch.colsums)], keepers)
         loop += ["__syncthreads();"]
         for n, ((m, src, _, c), R) in enumerate(zip(ch.colouts, self.colout_ops)):
             w = m.sizes[c]
