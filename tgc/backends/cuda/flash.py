@@ -23,9 +23,11 @@ load of the program's float type, and the five may run at the last one's place (
 kernel in between reads what an earlier one writes or writes what it reads or writes)
 or else at the first one's. `S` has no other readers; `P` either none or a gradient
 chain (`_backward`): every later kernel that reads `P` or a value computed from it over
-`(b, t, s)` (`dS`), the products over `(b, t, s)` those read (`dP = dy . v`), each
+`(b, t, s)` (`dS`; the derived backward of an unmasked softmax also reads `S`), the
+products over `(b, t, s)` those read (`dP = dy . v`), each
 renamed to the forward's loop names from a read of a value whose names are known; they
-must form what `back_of` recognises (row sums over `s`, key sums over `t`, outputs
+must form what `back_of` recognises (row statistics over `s`: sums, and the max and
+logsumexp an unmasked softmax's backward takes again; key sums over `t`; outputs
 contracting a `[t, s]` value with a load over `s` or over `t`), nothing in between may
 write `q`, `k`, `m` or `l`, and they move to their last kernel's place or their first.
 The forward becomes one `Flash` kernel writing `y`, `m` and `l`; the backward one
@@ -33,9 +35,8 @@ The forward becomes one `Flash` kernel writing `y`, `m` and `l`; the backward on
 `m`, `l`, as the program computes `P`). The text forms are `flash for <batch loops>
 reg %S[..], %P[..]` and `flashback for <batch loops>  reg ...` followed by the members.
 
-A chain whose `P` has other readers (an output of the weights; the derived backward of
-an unmasked softmax, which takes a second max and logsumexp of `S`) is left as it is;
-so is every chain under `--fp-strict` or with `CudaOptions.flash` off.
+A chain whose `S` or `P` has other readers (an output of the weights) is left as it
+is; so is every chain under `--fp-strict` or with `CudaOptions.flash` off.
 
 Exact? The kernels compute `m` exactly (a max, NaN propagating as the max kernel
 does), and `P` in the backward by the program's own expression. `y` and `l` are
