@@ -244,3 +244,17 @@ def test_a_softmax_weighted_pooling_fuses():
         for n, w in want.items():
             np.testing.assert_allclose(np.asarray(got[n], np.float64), w, rtol=0, atol=tol * float(np.max(np.abs(w))),
                                        err_msg=f"{dtype} {n}")
+
+
+def test_the_lowered_text_reads_back():
+    """`tgc dump-ir --after flash` prints the groups (`flash for head < 2  reg %S[..],
+    %P[..]`, `flashback for ...` with S and P again as its first members) and the text
+    reads back (verified) to the same program."""
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import parse_lowered
+
+    for name in ("causal", "cross"):
+        text = print_lowered(build(source(name, 64), "f64").lowered)
+        heads = [line for line in text.splitlines() if line.startswith(("k0:", "k1:"))]
+        assert heads[0].startswith("k0: flash for head < 2  reg %") and "flashback for head < 2  reg %" in heads[1], heads
+        assert print_lowered(parse_lowered(text)) == text
