@@ -132,11 +132,12 @@ class FlashGen:
                  f"for (int i = tid; i < {BQ * BK}; i += nth) {{",
                  f"    const int a = i / {BK}, j = i % {BK};",
                  "    const long long tq = q0 + a, sk = k0 + j;",
-                 "    tgc_t x = (tgc_t)0;",
+                 "    double xd = 0.0;   // in double, rounded once (as the loop kernels' sums)",
                  f"    const tgc_t* qa = Qs + a * {D};",
                  f"    const tgc_t* kj = Ks + j * {D};",
                  "    #pragma unroll 8",
-                 f"    for (int c = 0; c < {D}; ++c) x += qa[c] * kj[c];",
+                 f"    for (int c = 0; c < {D}; ++c) xd += (double)qa[c] * (double)kj[c];",
+                 "    const tgc_t x = (tgc_t)xd;",
                  f"    Ss[i] = (tq < nt && sk < ns) ? (tgc_t)({logit}) : -(tgc_t)TGC_INF;",
                  "}",
                  "__syncthreads();",
@@ -156,11 +157,11 @@ class FlashGen:
                  "__syncthreads();",
                  f"for (int i = tid; i < {BQ * E}; i += nth) {{",
                  f"    const int a = i / {E}, c = i % {E};",
-                 "    tgc_t o = Os[i] * als[a];",
+                 "    double o = (double)Os[i] * (double)als[a];",
                  f"    const tgc_t* pa = Ss + a * {BK};",
                  "    #pragma unroll 8",
-                 f"    for (int j = 0; j < {BK}; ++j) o += pa[j] * Vs[j * {E} + c];",
-                 "    Os[i] = o;",
+                 f"    for (int j = 0; j < {BK}; ++j) o += (double)pa[j] * (double)Vs[j * {E} + c];",
+                 "    Os[i] = (tgc_t)o;",
                  "}",
                  "__syncthreads();"]
         inner += ["    " + x for x in loop] + ["}"]
@@ -309,15 +310,24 @@ class FlashBackGen:
                  "    const bool ok = tq < nt && sk < ns;"]
         ctx = self.ctx(**{ch.t: "tq", ch.s: "sk"})
         ctx.vals.update(rowsum_vals)
+        # only the values the terms and `keep` need (through the values they read)
+        sq = {m.out: m for m, _ in ch.squares}
+        need, todo = set(), [x.buf for _, r, _ in terms for x in walk(r.body) if isinstance(x, Load)] + list(keep)
+        while todo:
+            b = todo.pop()
+            if b in sq and b not in need:
+                need.add(b)
+                todo += [x.buf for x in walk(sq[b].body) if isinstance(x, Load)]
         for n, (m, kind) in enumerate(ch.squares):
-            if upto is not None and self.ready(m.out) > upto:
+            if (upto is not None and self.ready(m.out) > upto) or m.out not in need:
                 continue
             name = f"sq{n}"
             if kind in ("S", "dot"):
                 R, K, c = self.sq_ops[m.out]
-                lines += [f"    tgc_t {name} = (tgc_t)0;",
+                lines += [f"    double {name}d = 0.0;",
                           "    #pragma unroll 8",
-                          f"    for (int c = 0; c < {c}; ++c) {name} += {R}[a * {c} + c] * {K}[j * {c} + c];"]
+                          f"    for (int c = 0; c < {c}; ++c) {name}d += (double){R}[a * {c} + c] * (double){K}[j * {c} + c];",
+                          f"    const tgc_t {name} = (tgc_t){name}d;"]
             else:
                 lines.append(f"    const tgc_t {name} = ok ? (tgc_t)({gen.expr(m.body, ctx)}) : (tgc_t)0;")
             ctx.vals[m.out] = name
@@ -492,11 +502,11 @@ class FlashBackGen:
                 w = m.sizes[c]
                 loop += [f"for (int i = tid; i < {BQ * w}; i += nth) {{",
                          f"    const int a = i / {w}, c = i % {w};",
-                         f"    tgc_t o = A{n}[i];",
+                         f"    double o = (double)A{n}[i];",
                          f"    const tgc_t* pa = Q{self.sq_index(src)} + a * {BK};",
                          "    #pragma unroll 8",
-                         f"    for (int j = 0; j < {BK}; ++j) o += pa[j] * {K}[j * {w} + c];",
-                         f"    A{n}[i] = o;",
+                         f"    for (int j = 0; j < {BK}; ++j) o += (double)pa[j] * (double){K}[j * {w} + c];",
+                         f"    A{n}[i] = (tgc_t)o;",
                          "}"]
             loop += ["__syncthreads();"]
             inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{"] + ["    " + x for x in loop] + ["}"]
@@ -545,11 +555,11 @@ class FlashBackGen:
             w = m.sizes[c]
             loop += [f"for (int i = tid; i < {BK * w}; i += nth) {{",
                      f"    const int j = i / {w}, c = i % {w};",
-                     f"    tgc_t o = A{n}[i];",
+                     f"    double o = (double)A{n}[i];",
                      f"    const tgc_t* pj = Q{self.sq_index(src)} + j;",
                      "    #pragma unroll 8",
-                     f"    for (int a = 0; a < {BQ}; ++a) o += pj[a * {BK}] * {R}[a * {w} + c];",
-                     f"    A{n}[i] = o;",
+                     f"    for (int a = 0; a < {BQ}; ++a) o += (double)pj[a * {BK}] * (double){R}[a * {w} + c];",
+                     f"    A{n}[i] = (tgc_t)o;",
                      "}"]
         if ch.colsums:
             loop += [f"for (int j = tid; j < {BK}; j += nth) {{"]
