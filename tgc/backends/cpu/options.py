@@ -34,6 +34,7 @@ class CpuOptions:
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
+    blas_chain_mnk: int = 1_000_000          # real cblas calls of at most this m*n*k go in K chunks of `sum_chunk` terms, one call each, each chunk summed from zero (0: never cut): numpy's OpenBLAS runs such calls on AVX-512 in its small-matrix kernels (m*n*k <= 100^3), one f32 chain over all of K; a 4 x 4096 x 16 product of positive operands was 2.8e-6 off norm-wise as one call, 11x PyTorch f32's 2.2e-7 (GemmGen.call_blas)
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
