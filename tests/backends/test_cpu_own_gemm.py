@@ -652,3 +652,19 @@ def test_strided_window_stays_a_copy():
               "dy": rng.standard_normal((3, 40, 8, 11), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
     _against_f64(src, arrays, implicit_gemm=True)
+
+
+def test_implicit_candidate_whose_other_operand_is_renamed():
+    """The implicit stage reads the other operand's matrix form through its view: here
+    the product reads W6's edge n as u (`W6[u = u - 1]`), which its buffer's own order
+    does not name (looked up there, an internal error). Values against the f64
+    interpreter (tests/fuzz/regressions/implicit_gemm_renamed_operand.tg)."""
+    src = (ROOT / "tests/fuzz/regressions/implicit_gemm_renamed_operand.tg").read_text()
+    rng = np.random.default_rng(3)
+    arrays = {"W6": rng.standard_normal((1, 3), dtype=np.float32), "W8": rng.standard_normal((2, 3), dtype=np.float32),
+              "edge_v2": rng.standard_normal(3, dtype=np.float32)}
+    got = tgc.compile(src, options=Options(dtype="f32").with_(own_gemm="on", implicit_gemm=True))(**arrays)
+    f64 = Options(dtype="f64")
+    module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
+    want = evaluate(module, {k: np.asarray(v, np.float64) for k, v in arrays.items()}, dtype="f64")
+    np.testing.assert_allclose(got["h2"], want["h2"], rtol=1e-5, atol=1e-6)

@@ -117,26 +117,6 @@ class Window:
         return off, cs
 
 
-def start_accumulators(b, add_c, crow, accs, masks):
-    """Each register block's accumulators (allocas `accs[r][c]`): C's rows `crow`
-    (masked to the block's columns) when `add_c`, else zeros. A branch, not a load
-    with no lane set: that still reads C's lines (rows 4 KB apart miss the cache: a
-    fifth of a convolution's product)."""
-    vt = accs[0][0].allocated_type
-    lanes = vt.count
-    load_fn = masked_intrinsics(b.module, vt.element, lanes)[0]
-    with b.if_else(add_c) as (from_c, from_zero):
-        with from_c:
-            for row, regs in zip(crow, accs):
-                for c, acc in enumerate(regs):
-                    at = b.gep(row, [I64(c * lanes)], source_etype=vt.element)
-                    b.store(b.call(load_fn, [at, I32(4), masks[c], ir.Constant(vt, [0.0] * lanes)]), acc)
-        with from_zero:
-            for regs in accs:
-                for acc in regs:
-                    b.store(ir.Constant(vt, [0.0] * lanes), acc)
-
-
 class _Lines:
     """Floats from byte address `addr` on, read from the aligned 64-byte lines that
     hold them: a vector of 16 that starts `shift` floats into line j is lanes shift..

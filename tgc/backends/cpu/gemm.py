@@ -473,11 +473,29 @@ class GemmGen(TapCalls):
             self.call_complex(m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1)
             return
         one = ir.Constant(self.fp, 1.0)
-        beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
         name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
         ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
-        fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
-                               pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+        cpu = self.opt.cpu
+        if cpu.blas_chain_mnk <= 0:
+            beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
+            fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
+                                   pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+            return
+        # a call of at most `blas_chain_mnk` multiply-adds goes in K chunks of `sum_chunk`,
+        # each summed from zero by its own call (see the option)
+        depth = I64(max(1, cpu.sum_chunk))
+        chained = b.and_(b.icmp_signed("<=", b.mul(b.mul(m, n), kk), I64(cpu.blas_chain_mnk)),
+                         b.icmp_signed(">", kk, depth))
+        chunk = self.at_least_one(b.select(chained, depth, kk))
+        chunks = self.at_least_one(self.ceil_div(b, kk, chunk))   # K = 0 still writes C (zeros)
+        with for_range(b, I64(0), chunks, "kchunk") as j:
+            r = b.mul(j, chunk)
+            kc = self.smax(b, self.smin(chunk, b.sub(kk, r)), I64(0))
+            beta = b.select(b.or_(beta1, b.icmp_signed(">", j, I64(0))), one, ir.Constant(self.fp, 0.0))
+            xa = self.ptr(pa, [(r, A.col)], self.elems[A.role])
+            xb = self.ptr(pb, [(r, B.row)], self.elems[B.role])
+            fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kc, one,
+                                   xa, ld[0], xb, ld[1], beta, pc, ld[2]])
 
     def call_complex(self, m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1):
         """C'[m, n] (+)= alpha op(A')[m, kk] op(B')[kk, n] in pairs, row-major cblas

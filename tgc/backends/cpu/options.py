@@ -37,6 +37,7 @@ class CpuOptions:
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
+    blas_chain_mnk: int = 1_000_000          # real cblas calls of at most this m*n*k go in K chunks of `sum_chunk` terms, one call each, each chunk summed from zero (0: never cut): numpy's OpenBLAS runs such calls on AVX-512 in its small-matrix kernels (m*n*k <= 100^3), one f32 chain over all of K; a 4 x 4096 x 16 product of positive operands was 2.8e-6 off norm-wise as one call, 11x PyTorch f32's 2.2e-7 (GemmGen.call_blas)
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
@@ -85,7 +86,7 @@ class CpuOptions:
     group_min_block_rows: int = 16           # the shortest block of a blocked loop group's outer loop ...
     group_min_vector_block_rows: int = 64    # ... when that loop is the one LLVM vectorizes (its main vector loop takes 2 x 16 rows) (loops.split_count)
     short_sum: int = 4096                    # an f32 sum of at most this many terms keeps f32 lanes (loops.LoopGen.accumulate); beyond short_sum // 64 rows a memory-mode sum goes through an f64 scratch row
-    sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum)
+    sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum); also the K block of the small-tile GEMM loops (gemm_small), each block's sum from zero
     wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum)
     prefetch_row_bytes: int = 16384          # the most bytes of a loop group's next row prefetched per buffer ...
     prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
