@@ -36,6 +36,7 @@ REACHES = [
     ("group_min_block_rows", 32, "layernorm", OWN),
     ("short_sum", 8192, "layernorm", OWN),
     ("sum_chunk", 512, "layernorm", OWN),
+    ("blas_chain_mnk", 0, "mlp", OWN),
     ("prefetch_row_bytes", 32768, "layernorm", OWN),
     ("prefetch_min_row_bytes", 2048, "layernorm", OWN),
     ("entry_compile_cost", 7, "mlp", OWN),
