@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tgc
+from tgc.options import Options
 
 from backends_util import backends, compile_on
 
@@ -77,8 +78,9 @@ def test_each_output_is_final_when_its_kernel_is_told(grads):
 
 def test_fn_runs_in_the_middle_of_the_call():
     """An output that fn fills with NaN at an early kernel comes back finite and equal
-    to a plain call's: the kernels that write it ran after fn."""
-    program = tgc.compile(GRADS)
+    to a plain call's: the kernels that write it ran after fn. Without merged parallel
+    regions: a kernel in one is told when its region ends (`Program.run`'s docstring)."""
+    program = tgc.compile(GRADS, options=Options().with_(merge_regions=False))
     low = program.lowered
     ready = program.ready_after()
     early = min(ready.values())

@@ -598,7 +598,9 @@ class Program:
         `notify = (marks, fn)`: `fn(i, outputs)` is called, on this thread, for each
         kernel index i in `marks` (see `ready_after`), with the outputs by name: on a
         backend that `notifies` (the CPU's, cuda-sim's) right after kernel i ran,
-        while the later kernels still wait; on others, and when the outputs are
+        while the later kernels still wait (on the CPU, a kernel that runs in a merged
+        parallel region is told when the region ends, after the region's later kernels:
+        `CpuOptions.merge_regions`); on others, and when the outputs are
         converted after the call (f32 under --fp-strict, bf16/f16 or complex
         outputs), after the whole call, in order. Either way, once an output's last
         kernel (`ready_after`) has run, fn sees its final value. An exception in fn
