@@ -23,7 +23,10 @@ Semantics, as `tgc.lower.lowered` states them:
   runs CPU-grouped programs without knowing the CPU backend;
 - a `GemmKernel` is one contraction of its two views (shifted reads out of range
   are 0, as each call clips its range), summed over `k` and its taps; an operand
-  marked `rounded` is rounded to bf16 as it is read;
+  marked `rounded` is rounded to bf16 as it is read; its epilogue's outputs are
+  then computed one after another, each over the whole product with `Acc` read from
+  `out` (`tgc.lower.epilogue.epilogue_loops`): the same values as output by output at
+  each element, since an epilogue reads its outputs only at the element's own index;
 - a `Check` stops the call with `EvalError` before any kernel runs.
 
 Each operation (a sum's term and total, a product, a function, a reduction) is
@@ -49,6 +52,7 @@ from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKerne
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
+from tgc.lower.epilogue import epilogue_loops
 
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}
@@ -272,6 +276,8 @@ class _Machine(ExprVisitor):
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
+        for loop in epilogue_loops(self.low, k):   # in order, each over the whole product
+            self.loop(loop, {})
 
     # ---------------------------------------------------------------- expressions
 

@@ -165,6 +165,8 @@ class _ModuleGen:
         self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
         self.flat = list(leaf_kernels(low))   # (program, kernel): the steps' kernels too, each compiled once
+        if any(isinstance(k, GemmKernel) and k.epilogue for _, k in self.flat):   # `group` writes them out as loops
+            raise ValueError("a GEMM epilogue after the CPU's group stage: run 'epilogue' before 'group'")
         self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())),)
                      for p, k in self.flat]   # (a step's own edges, e.g. its groups' blocks, may differ)
         units = self.assign_units(max(1, units))
