@@ -21,7 +21,7 @@ from tgc.lower.text import parse_lowered
 from tgc.options import Options
 from tgc.pipeline import lower_module
 
-CPU_STAGES = ("fuse", "layout", "epilogue", "narrow", "gemm_operands", "implicit", "group", "plan")
+CPU_STAGES = ("fuse", "layout", "narrow", "gemm_operands", "implicit", "epilogue", "group", "plan")
 
 FFN = """
 dim batch = 64, c = 96, ff = 192
@@ -124,19 +124,26 @@ def test_the_interpreter_runs_epilogues_to_the_ir_interpreters_values(source, dt
         np.testing.assert_array_equal(expanded[k], got[k], err_msg=k)
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["in_tiles", "as_loops"])
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("source", [FFN, ADAMW], ids=["bias_gelu", "adamw"])
-def test_the_cpu_backend_agrees_with_the_lowered_interpreter(source, dtype):
-    m, low = lowered(source, dtype)
-    assert not any(isinstance(k, GemmKernel) and k.epilogue for k in low.kernels)   # `group` wrote them out
+def test_the_cpu_backend_agrees_with_the_lowered_interpreter(source, dtype, tiles):
+    """On each tile right after its product (gemm_epilogue.py), or written out by `group`
+    as loops after the GEMM (`CpuOptions.gemm_epilogue` off), on 1 and 2 threads."""
+    opts = Options(dtype=dtype, stages=CPU_STAGES)
+    opts = opts.with_(cpu=opts.cpu.with_(gemm_epilogue=tiles))
+    m = pipeline.lower(compile_source(source, "<test>", opts), opts).module
+    low = lower_module(m, opts)
+    assert any(isinstance(k, GemmKernel) and k.epilogue for k in low.kernels) == tiles
     x = random_inputs(m, m.bind_dims({}), 1, dtype)
     want = run_lowered(lowered(source, dtype, stop_after="epilogue")[1], {k: np.copy(v) for k, v in x.items()})
-    prog = tgc.compile(source, options=Options(dtype=dtype, stages=CPU_STAGES))
-    got = prog(**{k: np.copy(v) for k, v in x.items()})
     tol = 1e-10 if dtype == "f64" else 3e-5
-    for k, w in want.items():
-        scale = max(1.0, float(np.max(np.abs(w))))
-        np.testing.assert_allclose(np.asarray(got[k]), w, rtol=tol, atol=tol * scale, err_msg=k)
+    for threads in (1, 2):
+        prog = tgc.compile(source, options=opts.with_(cpu=opts.cpu.with_(threads=threads, gemm_parallel_min_flops=0)))
+        got = prog(**{k: np.copy(v) for k, v in x.items()})
+        for k, w in want.items():
+            scale = max(1.0, float(np.max(np.abs(w))))
+            np.testing.assert_allclose(np.asarray(got[k]), w, rtol=tol, atol=tol * scale, err_msg=f"{k} {threads}")
 
 
 def test_clipping_keeps_the_update_out_of_the_gradient_store():

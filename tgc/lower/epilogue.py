@@ -188,19 +188,20 @@ def epilogue_loops(low: Lowered, g: GemmKernel) -> list[LoopKernel]:
     return [LoopKernel(o.buf, index, loops, sizes, acc.expr(o.expr), note="epilogue") for o in g.epilogue]
 
 
-def expand(low: Lowered) -> Lowered:
+def expand(low: Lowered, keep=None) -> Lowered:
     """`low` with every GEMM epilogue written out as the GEMM (storing its product) and
     then its loop kernels (each step's program too): for a backend that runs no epilogue
-    in its store. `low` itself when it has none."""
+    in its store, or, with `keep(program, gemm)`, for those of the GEMMs it is false for.
+    `low` itself when it has none."""
     if not any(isinstance(k, GemmKernel) and k.epilogue or isinstance(k, StepLoop) for k in low.kernels):
         return low
     out = low.staged(low.stage)
     kernels: list = []
     for k in low.kernels:
-        if isinstance(k, GemmKernel) and k.epilogue:
+        if isinstance(k, GemmKernel) and k.epilogue and not (keep is not None and keep(low, k)):
             kernels += [replace(k, epilogue=())] + epilogue_loops(low, k)
         elif isinstance(k, StepLoop):
-            kernels.append(replace(k, step=expand(k.step)))
+            kernels.append(replace(k, step=expand(k.step, keep)))
         else:
             kernels.append(k)
     out.kernels = kernels
