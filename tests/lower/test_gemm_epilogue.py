@@ -14,9 +14,9 @@ from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
 from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.lower.epilogue import epilogue_loops, expand
+from tgc.lower.epilogue import expand
 from tgc.lower.interp import run_lowered
-from tgc.lower.lowered import GemmKernel, LoopKernel, print_lowered
+from tgc.lower.lowered import GemmKernel, LoopKernel, epilogue_loops, print_lowered
 from tgc.lower.text import parse_lowered
 from tgc.options import Options
 from tgc.pipeline import lower_module

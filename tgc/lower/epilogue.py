@@ -36,7 +36,7 @@ gradient's squares: it is computed after the last gradient GEMM, so no gradient'
 update can move to its GEMM (the conditions above: `clip`'s kernel lies between).
 The sum of squares itself is a reduction, which this stage does not fold.
 
-`epilogue_loops` gives the loop kernels an epilogue stands for (`acc` read from `t`);
+`tgc.lower.lowered.epilogue_loops` gives the loop kernels an epilogue stands for (`acc` read from `t`);
 the lowered interpreter runs them, and `expand` turns a program's epilogues back into
 them for a backend that has no store epilogue (the CPU's `group` and the CUDA backend
 call it). Terminates: one pass over the kernels (and each step's program).
@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
 from tgc.lower.lowered import (Acc, EpilogueOut, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered,
-                               Mask, Rand, StepLoop, walk)
+                               Mask, Rand, StepLoop, epilogue_loops, walk)
 from tgc.options import Options
 
 
@@ -159,33 +159,6 @@ class _AccOf(ExprVisitor):
         return a
 
     atom_id_load = atom_floor_div = atom_var
-
-
-class _LoadOf(_AccOf):
-    """An expression with `Acc` as the load of `buf` at `index`."""
-
-    def __init__(self, buf: str, index) -> None:
-        self.buf, self.index = buf, index
-
-    def expr_load(self, e: Load):
-        return e
-
-    def expr_acc(self, e):
-        return Load(self.buf, self.index)
-
-
-def epilogue_loops(low: Lowered, g: GemmKernel) -> list[LoopKernel]:
-    """The loop kernels `g`'s epilogue stands for, in order: each output over the
-    product's edges (in the product buffer's order, outermost first), `acc` read from
-    `g.out`."""
-    if not g.epilogue:
-        return []
-    buf = low.buffers[g.out]
-    loops = tuple(buf.order) if buf.order is not None else tuple(buf.edges)
-    sizes = {e: low.size(e) for e in loops}
-    index = tuple((e, Ix.var(e)) for e in sorted(loops))
-    acc = _LoadOf(g.out, index)
-    return [LoopKernel(o.buf, index, loops, sizes, acc.expr(o.expr), note="epilogue") for o in g.epilogue]
 
 
 def expand(low: Lowered, keep=None) -> Lowered:

@@ -25,7 +25,7 @@ Semantics, as `tgc.lower.lowered` states them:
   are 0, as each call clips its range), summed over `k` and its taps; an operand
   marked `rounded` is rounded to bf16 as it is read; its epilogue's outputs are
   then computed one after another, each over the whole product with `Acc` read from
-  `out` (`tgc.lower.epilogue.epilogue_loops`): the same values as output by output at
+  `out` (`tgc.lower.lowered.epilogue_loops`): the same values as output by output at
   each element, since an epilogue reads its outputs only at the element's own index;
 - a `Check` stops the call with `EvalError` before any kernel runs.
 
@@ -48,11 +48,10 @@ from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, SizeOf, StepLoop, wide_sum)
+                            Map, Mask, Mul, Rand, SizeOf, StepLoop, epilogue_loops, wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
-from tgc.lower.epilogue import epilogue_loops
 
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}

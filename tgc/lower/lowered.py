@@ -705,6 +705,44 @@ class EpilogueOut:
     expr: "Expr"
 
 
+class _AccAsLoad(ExprVisitor):
+    """An expression with `Acc` as the load of `buf` at `index` (indices kept)."""
+
+    def __init__(self, buf: str, index) -> None:
+        self.buf, self.index = buf, index
+
+    def expr_acc(self, e):
+        return Load(self.buf, self.index)
+
+    def expr_add(self, e):
+        return replace(e, args=tuple(self.expr(a) for a in e.args))
+
+    expr_mul = expr_map = expr_add
+
+    def expr_mask(self, e):
+        return replace(e, arg=self.expr(e.arg))
+
+    def expr_load(self, e):
+        return e
+
+    expr_const = expr_size_of = expr_rand = atom_var = atom_id_load = atom_floor_div = expr_load
+
+
+def epilogue_loops(low: "Lowered", g: GemmKernel) -> list[LoopKernel]:
+    """The loop kernels `g`'s epilogue stands for, in order (what the lowered interpreter
+    runs, and a backend without a store epilogue: `tgc.lower.epilogue.expand`): each
+    output over the product's edges (in the product buffer's order, outermost first),
+    `acc` read from `g.out`."""
+    if not g.epilogue:
+        return []
+    buf = low.buffers[g.out]
+    loops = tuple(buf.order) if buf.order is not None else tuple(buf.edges)
+    sizes = {e: low.size(e) for e in loops}
+    index = tuple((e, Ix.var(e)) for e in sorted(loops))
+    acc = _AccAsLoad(g.out, index)
+    return [LoopKernel(o.buf, index, loops, sizes, acc.expr(o.expr), note="epilogue") for o in g.epilogue]
+
+
 @dataclass(frozen=True)
 class Bind:
     """What a step's argument or output is in the enclosing program: buffer `buf`, or,

@@ -28,8 +28,7 @@ from tgc.backends.cpu.gemm_dispatch import rows_and_cols
 from tgc.backends.cpu.group import LoopGroup
 from tgc.backends.cpu.irutil import PTR
 from tgc.backends.cpu.loops import LoopGen, kernel_buffers
-from tgc.lower.epilogue import epilogue_loops
-from tgc.lower.lowered import GemmKernel, Lowered
+from tgc.lower.lowered import GemmKernel, Lowered, epilogue_loops
 from tgc.options import Options
 
 
