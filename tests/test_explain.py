@@ -185,3 +185,20 @@ def test_it_says_which_program_a_first_call_runs(tmp_path):
     assert first(64, "--specialize-at-bytes", "1MiB")["runs"] == "generic"
     text = run(f, *sizes, "-D", "t=2048", "--specialize-at-bytes", "1MiB").output
     assert "a first call with these sizes runs the specialization" in text.splitlines()[2], text
+
+
+def test_a_loop_moves_its_step_kernels_bytes_once_per_step():
+    """Bytes moved per call: a loop over an edge counts each of its step's kernels once
+    per step (`kernel_bytes`), so the total is what the call's kernels read and write."""
+    from tgc.explain import kernel_bytes
+
+    low = lowered(DEEP.replace("b = 2, c = 3, c2 = 3", "b = 64, c = 256, c2 = 256").format(
+        size="", grad="out gw = grad(loss, w)\n"))
+    env = low.module.bind_dims({"layer": 4})
+    report = explain(low, env)
+    steps = [(i, k) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)]
+    assert steps
+    for i, k in steps:
+        one = sum(kernel_bytes(k.step, s, env) for s in k.step.kernels)
+        assert one > 0 and report["kernels"][i]["bytes"] == 4 * one
+    assert report["bytes"] == sum(row["bytes"] for row in report["kernels"])
