@@ -185,6 +185,18 @@ def test_it_says_which_program_a_first_call_runs(tmp_path):
     assert first(64, "--specialize-at-bytes", "1MiB")["runs"] == "generic"
     text = run(f, *sizes, "-D", "t=2048", "--specialize-at-bytes", "1MiB").output
     assert "a first call with these sizes runs the specialization" in text.splitlines()[2], text
+    # the work rule: at t = 2048 a [t, s] matrix (4M elements) is one that stream blocks
+    # once t is known, so the generic work is reckoned; the specialization's skips the
+    # masked keys: 224M fewer, under the default 2^36 but over 2^27
+    default = first(2048)
+    assert default["generic_work"] is not None and default["specialize_first_work"] == 1 << 36, default
+    assert default["runs"] == "generic" and default["reason"] is None and default["specialized_work"] is None
+    saves = first(2048, "--specialize-first-work", str(1 << 27))
+    assert saves["runs"] == "specialized" and saves["reason"] == "work", saves
+    assert saves["generic_work"] - saves["specialized_work"] >= 1 << 27, saves
+    text = run(f, *sizes, "-D", "t=2048", "--specialize-first-work", str(1 << 27)).output
+    assert "runs the specialization, built before it: it saves that call's compile" in text.splitlines()[2], text
+    assert first(64, "--specialize-first-work", "0")["generic_work"] is None   # nothing stream would block
 
 
 def test_a_loop_moves_its_step_kernels_bytes_once_per_step():

@@ -169,6 +169,21 @@ class Liveness:
         """The most bytes of temporaries alive at once, at the dims `env` (0: none)."""
         return max(self.live_bytes(env), default=0)
 
+    def largest_unfixed(self, env: dict[str, int]) -> int:
+        """The most elements of one temporary (of the program or of a step) whose size
+        depends on a symbolic dim, at the dims `env` (0: none): what `stream`, which
+        blocks only edges of known size, may block once the dims are fixed."""
+        low, most = self.low, 0
+        for name in self.first:
+            edges = low.buffers[name].edges
+            if all(isinstance(low.size(e), int) for e in edges):
+                continue
+            n = 1
+            for e in edges:
+                n *= size_eval(low.size(e), env)
+            most = max(most, n)
+        return max([most] + [step.largest_unfixed(env) for step in self.steps.values()])
+
 
 def _fixed_dims(low: Lowered) -> dict:
     return {d: s for d, s in low.module.dims.items() if isinstance(s, int)}
@@ -336,7 +351,18 @@ def format_explain(report: dict, name: str) -> str:
     if first is not None:
         at = first["specialize_at_bytes"]
         bound = "specialize_at_bytes unset" if at is None else f"specialize_at_bytes {human(at, 'B')}"
-        if first["runs"] == "specialized":
+        work = first.get("generic_work")
+        at_work = first.get("specialize_first_work")
+        if work is not None:
+            saved = "" if first.get("specialized_work") is None else \
+                f", the specialization {human(first['specialized_work'], 'FLOP+B')}"
+            does = f"; one call does {human(work, 'FLOP+B')}{saved}, specialize_first_work {human(at_work, 'FLOP+B')}"
+        else:
+            does = ""
+        if first["runs"] == "specialized" and first.get("reason") == "work":
+            lines.append(f"a first call with these sizes runs the specialization, built before it: it saves that "
+                         f"call's compile{does}")
+        elif first["runs"] == "specialized":
             lines.append(f"a first call with these sizes runs the specialization, built before it: the generic "
                          f"program would hold {human(first['generic_peak'], 'B')} of temporaries ({bound}), "
                          f"the specialization {human(first['specialized_peak'], 'B')}")
@@ -344,7 +370,7 @@ def format_explain(report: dict, name: str) -> str:
             held = "" if first["specialized_peak"] is None else \
                 f", the specialization {human(first['specialized_peak'], 'B')}: not half"
             lines.append(f"a first call with these sizes runs the generic program: it holds "
-                         f"{human(first['generic_peak'], 'B')} of temporaries ({bound}{held})")
+                         f"{human(first['generic_peak'], 'B')} of temporaries ({bound}{held}{does})")
     lines += ["", "kernels, in order:",
               f"  {'#':<{index}}  {'kind':<{kind}}  {'FLOPs':>10}  {'bytes':>10}  {'live during':>11}"
               f"{column('threads')}  what"]

@@ -61,6 +61,7 @@ class Options:
     specialize_work: int = 1 << 31           # ... and once those calls did this many FLOPs plus bytes (tgc explain's count; tgc.runtime.specialize; docs/optimization.md)
     specialize_max: int = 8                  # ... for at most this many signatures per program (later ones run the generic program)
     specialize_at_bytes: int | None = 1 << 28   # a signature whose generic call would hold at least these bytes of temporaries (tgc explain's peak) is specialized on its first call, when the specialization holds at most half (None: never)
+    specialize_first_work: int | None = 1 << 36   # ... or whose specialization would do at least this many FLOPs plus bytes fewer in that call than the generic program (tgc explain's count: the compile paid by the one call; None: never)
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
     cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)

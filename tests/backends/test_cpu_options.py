@@ -125,7 +125,9 @@ def test_every_tuned_field_is_checked():
     table = doc[doc.index("### Tuned numbers (`Options`)"):doc.index("### Tuned numbers (`CpuOptions`)")]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
-    assert named == {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
+    # the runtime's first-call bounds have tests of their own (tests/runtime/test_specialize.py)
+    assert named - {"specialize_at_bytes", "specialize_first_work"} == \
+        {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
 
 
@@ -159,6 +161,18 @@ def test_no_tuned_number_is_a_module_constant():
     assert not found, found
 
 
+def _matches_interpreter(prog, size: int):
+    """Asserts that compiled f64 program `prog`, called on random inputs with every
+    symbolic dim at `size`, gives the interpreter's values for every output it has."""
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({d: size for d in m.symbolic_dims()}), 5, "f64")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    assert want and set(want) <= set(got)
+    for name, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 def test_other_values_compute_the_same_program():
     """The MLP step generated with other tuned numbers (smaller tiles, chunks, unrolling)
     gives the interpreter's values."""
@@ -166,14 +180,7 @@ def test_other_values_compute_the_same_program():
     cpu = CpuOptions(gemm_min_tile=4, gemm_min_chunk=8, gemm_pack_elems=1024, sum_chunk=16, short_sum=64,
                      unroll_max=2, unroll_copies=2, group_min_block_rows=2, group_min_vector_block_rows=4,
                      loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1)
-    prog = tgc.compile(src, dtype="f64", options=Options(dtype="f64", cpu=cpu))
-    m = prog.module
-    x = random_inputs(m, m.bind_dims({d: 37 for d in m.symbolic_dims()}), 5, "f64")
-    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
-    got = prog(**{k: np.copy(v) for k, v in x.items()})
-    assert want and set(want) <= set(got)
-    for name, w in want.items():
-        np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-10, atol=1e-12, err_msg=name)
+    _matches_interpreter(tgc.compile(src, dtype="f64", options=Options(dtype="f64", cpu=cpu)), 37)
 
 
 @pytest.mark.parametrize("name, changes", [
@@ -184,11 +191,4 @@ def test_other_lowering_values_compute_the_same_program(name, changes):
     """A program lowered with other tuned numbers of the lowering (other GEMM layouts,
     temporaries stored instead of recomputed) gives the interpreter's values."""
     src = (WORKLOADS / f"{name}.tg").read_text()
-    prog = tgc.compile(src, dtype="f64", options=Options(dtype="f64").with_(**changes))
-    m = prog.module
-    x = random_inputs(m, m.bind_dims({d: 8 for d in m.symbolic_dims()}), 5, "f64")
-    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
-    got = prog(**{k: np.copy(v) for k, v in x.items()})
-    assert want and set(want) <= set(got)
-    for out, w in want.items():
-        np.testing.assert_allclose(np.asarray(got[out]), w, rtol=1e-10, atol=1e-12, err_msg=out)
+    _matches_interpreter(tgc.compile(src, dtype="f64", options=Options(dtype="f64").with_(**changes)), 8)

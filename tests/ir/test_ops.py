@@ -217,23 +217,25 @@ def test_values_and_gradients_on_the_interpreters(case, dtype):
     _check(lowered_interp.run_lowered(lower_module(m, opts), dict(inputs)), case, dtype, tol)
 
 
+def _check_compiled(case, dtype, backend):
+    """`case` compiled for `backend` gives the exact values within the backends' tolerance."""
+    source, _, _, _, tol = CASES[case]
+    prog = tgc.compile(source, dtype=dtype, backend=backend)
+    _, inputs = _want(case, dtype)
+    _check(prog(**inputs), case, dtype, tol)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_values_and_gradients_on_the_cpu(case, dtype):
-    source, _, _, _, tol = CASES[case]
-    prog = tgc.compile(source, dtype=dtype)
-    _, inputs = _want(case, dtype)
-    _check(prog(**inputs), case, dtype, tol)
+    _check_compiled(case, dtype, "cpu")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="cuda-sim needs g++ with OpenMP")
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
 def test_values_and_gradients_on_cuda_sim(case, dtype):
-    source, _, _, _, tol = CASES[case]
-    prog = tgc.compile(source, dtype=dtype, backend="cuda-sim")
-    _, inputs = _want(case, dtype)
-    _check(prog(**inputs), case, dtype, tol)   # libm's (CUDA's log1pf, atanf, ... on a GPU)
+    _check_compiled(case, dtype, "cuda-sim")   # libm's (CUDA's log1pf, atanf, ... on a GPU)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="linking a shared library needs a C compiler (cc)")

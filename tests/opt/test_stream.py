@@ -127,8 +127,18 @@ SUBTRACTIVE = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd))
 # a sliding window: a chain of two links that both name t
 WINDOW = MASKED.replace("[s + 4 <= t]", "[t - 8 <= s <= t]")
 
+# the window's keys rejected by their complement: a fill subtracted where `1 - [band]` is 1
+BAND_REJECTING = WINDOW.replace("where([t - 8 <= s <= t], sum[hd](q * k), -1e9)",
+                                "sum[hd](q * k) - 1e9 * (1 - [t - 8 <= s <= t])")
+# a chain that rejects: the future masked for the rows t >= 4 (rows t < 4 see every key,
+# so that a run of rows skips keys only from 4 runs on: test_rejecting_multi_link_masks_skip_keys)
+CHAIN_REJECTING = SUBTRACTIVE.replace("- 1e9 * [s > t]", "- 1e9 * [4 <= t < s]")
+# the window's complement as the condition of a where: the fill where it is 1
+FLIPPED = WINDOW.replace("where([t - 8 <= s <= t], sum[hd](q * k), -1e9)",
+                         "where(1 - [t - 8 <= s <= t], -1e9, sum[hd](q * k))")
+
 PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
-            "subtractive": SUBTRACTIVE}
+            "subtractive": SUBTRACTIVE, "band_rejecting": BAND_REJECTING, "flipped": FLIPPED}
 # a masked program's blocks run as stream_mask_groups (2 in ON) loops, each over the keys its rows admit
 LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS}
 
@@ -180,7 +190,7 @@ def test_cpu_f32_and_f64_match_torch(name):
         close(prog(**inputs(src, dtype)), want, tol)
 
 
-@pytest.mark.parametrize("form", ["where", "subtractive"])
+@pytest.mark.parametrize("form", ["where", "subtractive", "band_rejecting"])
 def test_fully_masked_rows_as_unstreamed(form):
     """Rows whose keys are all masked give what the program without the pass gives (the
     -1e9 scores' uniform weights; with the fill subtracted, the weights of the scores
@@ -188,8 +198,9 @@ def test_fully_masked_rows_as_unstreamed(form):
     too."""
     import tgc
 
-    src = MASKED if form == "where" else MASKED.replace("where([s + 4 <= t], sum[hd](q * k), -1e9)",
-                                                        "sum[hd](q * k) - 1e9 * [s + 4 > t]")
+    fill = {"where": "where([s + 4 <= t], sum[hd](q * k), -1e9)", "subtractive": "sum[hd](q * k) - 1e9 * [s + 4 > t]",
+            "band_rejecting": "sum[hd](q * k) - 1e9 * (1 - [t - 12 <= s <= t - 4])"}[form]
+    src = MASKED.replace("where([s + 4 <= t], sum[hd](q * k), -1e9)", fill)
     assert form == "where" or src != MASKED
     streamed = optimized(src, "f64", **ON)
     assert loops(streamed) == 2
@@ -421,7 +432,7 @@ def step_flops(src: str, groups: int) -> int:
 
     opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=groups)
     module = optimized(src, "f32", **opts)
-    masked = "where" in src or "1e9 * [" in src
+    masked = "where" in src or "1e9 * " in src
     assert loops(module) == (max(groups, 1) if masked else 1)
     kernels = explain(lower_module(module, Options(**opts)), {})["kernels"]
     return sum(k["flops"] for k in kernels if k["kind"] == "steps")
@@ -511,6 +522,53 @@ def test_two_masks_skip_only_keys_both_mask():
                          "p = softmax[s](where([s <= t], sum[hd](q * k), -1e9))\n"
                          "y = sum[s](where([t - 8 <= s], p, 0) * v)")
     assert src != MASKED
+    streamed = optimized(src, "f64", **ON)
+    assert loops(streamed) == 1
+    x = inputs(src)
+    close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_rejecting_multi_link_masks_skip_keys():
+    """A mask over a chain of links may reject as a single link does: `- 1e9 * (1 -
+    [band])` and `where(1 - [band], -1e9, scores)` (the band admits; `1 - [band]` is 1
+    at every key it masks) skip what the window skips; `- 1e9 * [4 <= t < s]` (the
+    chain rejects: its keys are a union, `t < 4` or `s <= t`) skips the future of every
+    run but the first, whose rows t < 4 see every key: (8 + 2 + 3 + ... + 8) / 64 of
+    the work, where its single-link `[s > t]` does 36 / 64. The chain's values and
+    gradients, in 4 runs of which 3 skip, are the unstreamed program's and torch's, on
+    the interpreter (f64) and the CPU (f64, f32)."""
+    import tgc
+
+    big = "t = 256, hd = 16"
+    window = WINDOW.replace("t = 32, hd = 2", big)
+    window = step_flops(window, 8) / step_flops(window, 0)
+    for src in (BAND_REJECTING, FLIPPED):
+        src = src.replace("t = 32, hd = 2", big)
+        ratio = step_flops(src, 8) / step_flops(src, 0)
+        assert 0.1 < ratio < 0.2 and abs(ratio - window) < 0.02, (ratio, window)
+    chain = CHAIN_REJECTING.replace("t = 32, hd = 2", big)
+    ratio = step_flops(chain, 8) / step_flops(chain, 0)
+    assert abs(ratio - 43 / 64) < 0.02, ratio
+    four = {**ON, "stream_mask_groups": 4}
+    streamed, plain = optimized(CHAIN_REJECTING, "f64", **four), optimized(CHAIN_REJECTING, "f64", **OFF)
+    assert loops(streamed) == 4 and loops(optimized(CHAIN_REJECTING, "f64", **ON)) == 1   # 2 runs: none skips
+    x = inputs(CHAIN_REJECTING)
+    want = torch_oracle.evaluate(compile_source(CHAIN_REJECTING, "<stream>", Options(dtype="f64")), x)
+    got = evaluate(streamed, x, dtype="f64")
+    close(got, evaluate(plain, x, dtype="f64"), 1e-10)
+    close(got, want, 1e-10)
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        prog = tgc.compile(CHAIN_REJECTING, "cpu", dtype, options=Options(**four))
+        assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
+        close(prog(**inputs(CHAIN_REJECTING, dtype)), want, tol)
+
+
+@pytest.mark.parametrize("fill", ["- 10 * (1 - [t - 8 <= s <= t])", "- 10 * [4 <= t < s]"])
+def test_a_rejecting_multi_link_mask_with_a_small_fill_keeps_every_key(fill):
+    """A fill of 10 leaves the masked keys a weight: the loop runs over every key, and
+    the result is the unstreamed one."""
+    src = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)", f"sum[hd](q * k) {fill}")
+    assert src != ATTENTION
     streamed = optimized(src, "f64", **ON)
     assert loops(streamed) == 1
     x = inputs(src)

@@ -344,7 +344,9 @@ def test_a_specialization_streams_a_long_attention_that_the_generic_program_keep
 
 
 LONG = EAGER.with_(specialize_work=1 << 62, stream_min_elements_masked=1 << 16, stream_block=128,
-                   specialize_at_bytes=1 << 20)   # the calls' rule never; the first-call one at 1 MiB
+                   specialize_at_bytes=1 << 20, specialize_first_work=None)   # the calls' rule never; the first-call one at 1 MiB
+# the first-call rule by work alone: the specialization's call must do 1M FLOPs plus bytes fewer
+SAVES = LONG.with_(specialize_at_bytes=None, specialize_first_work=1 << 20)
 
 
 def causal_inputs(t):
@@ -377,3 +379,43 @@ def test_a_specialization_that_would_hold_as_much_is_not_built_on_the_first_call
     [v] = program.variants()
     assert program.last_variant is None and not v.specialized and not v.at_once and v.refused is None
     assert v.peak >= 1 << 20 and 2 * v.special_peak > v.peak and v.compile_seconds is None
+
+
+def test_a_first_call_whose_specialization_saves_its_compile_runs_it(cache_dir):
+    # At t = 512 the specialization streams the [t, s] matrices (65k elements each, past
+    # the lowered stream threshold) and skips the masked keys: one call does fewer FLOPs
+    # plus bytes than the generic program's by more than specialize_first_work, so the
+    # first call runs it (the peak rule is off); at t = 64 no temporary reaches stream's
+    # threshold, so the generic work is not even reckoned
+    program = tgc.compile(CAUSAL, options=SAVES)
+    never = tgc.compile(CAUSAL, options=SAVES.with_(specialize_calls=0))
+    small = program(**causal_inputs(64))
+    [v] = program.variants()
+    assert program.last_variant is None and v.work is None and v.special_work is None and not v.specialized
+    large = program(**causal_inputs(512))
+    variant = program.last_variant
+    assert variant is not None and variant.at_once and variant.first_reason == "work" and variant.calls == 0
+    assert variant.work - variant.special_work >= 1 << 20 and variant.special_peak <= variant.peak, variant
+    assert "on its first call: work" in repr(variant)
+    assert_close(small, never(**causal_inputs(64)))
+    assert_close(large, never(**causal_inputs(512)))
+
+
+@pytest.mark.parametrize("why", ["saves less than the bound", "same work", "no stream"])
+def test_a_first_call_whose_specialization_saves_less_runs_the_generic_program(cache_dir, why):
+    # Saving less than specialize_first_work (the default's 2^36, about the compile's
+    # time in saved work), a specialization that does the same work (nothing streams at
+    # a higher threshold), or no `stream` in the pipeline at all: the first call runs
+    # the generic program, nothing is compiled and nothing refused
+    options = {"saves less than the bound": SAVES.with_(specialize_first_work=1 << 36),
+               "same work": SAVES.with_(stream_min_elements_masked=1 << 24, stream_min_elements=1 << 24),
+               "no stream": SAVES.with_(stream_block=0)}[why]
+    program = tgc.compile(CAUSAL, options=options)
+    program(**causal_inputs(512))
+    [v] = program.variants()
+    assert program.last_variant is None and not v.specialized and not v.at_once and v.refused is None
+    assert v.compile_seconds is None and v.first_reason is None
+    if why == "saves less than the bound":   # reckoned (a temporary stream may block), under the bound
+        assert v.work is not None and v.work < 1 << 36 and v.special_work is None
+    else:   # no temporary that stream would block: nothing reckoned
+        assert v.work is None and v.special_work is None

@@ -38,11 +38,14 @@ DEFAULT_DIM = 64
               help="The runtime's Options.specialize_at_bytes (default 256MiB): a first call whose generic "
                    "program would hold at least BYTES of temporaries runs its specialization, when that holds "
                    "at most half; the report says which program a first call with these sizes runs.")
+@click.option("--specialize-first-work", "specialize_first_work", type=click.IntRange(min=0), default=None,
+              metavar="N", help="The runtime's Options.specialize_first_work (default 2^36): a first call whose "
+              "specialization would do at least N FLOPs plus bytes fewer runs it.")
 @MEMORY_BUDGET
 @BACKEND
 @handle_errors
 def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False, specialize_at_bytes=None,
-            memory_budget=None, backend="cpu") -> None:
+            memory_budget=None, backend="cpu", specialize_first_work=None) -> None:
     """Explain what FILE's compiled step does: its kernels in order with FLOPs and
     bytes, the workspace and its slots, the temporaries alive during each kernel, the
     peak and what is alive at it, and the save/recompute decisions. On the CPU, each
@@ -51,8 +54,9 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
 
     With symbolic dims, the report also says which program a first call with these
     sizes runs: the generic one, or (when the generic one would hold at least
-    --specialize-at-bytes of temporaries, and the specialization at most half) the
-    specialization, built before that call runs.
+    --specialize-at-bytes of temporaries, and the specialization at most half; or
+    when the specialization would do --specialize-first-work FLOPs plus bytes fewer)
+    the specialization, built before that call runs.
 
     Sizes are those of the dims given with --dim (the others: 64). FLOPs count each
     arithmetic operation once (an exp is one); bytes count each buffer a kernel reads
@@ -77,6 +81,8 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
                       memory_budget=memory_budget)
     if specialize_at_bytes is not None:
         options = options.with_(specialize_at_bytes=specialize_at_bytes)
+    if specialize_first_work is not None:
+        options = options.with_(specialize_first_work=specialize_first_work)
     loaded = pipeline.load_program(file, options)
     check_outputs([("the timeline", timeline)], sources(loaded.files), hint="--timeline")
     module = loaded.module
@@ -128,19 +134,30 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
 
 
 def _first_call(module, low, specialized, sizes, env, options, backend) -> dict:
-    """Which program a first call with these sizes runs (`tgc.runtime.specialize`):
-    the generic program's peak of temporaries against `Options.specialize_at_bytes`,
-    and the specialization's (lowered only when the first reaches it)."""
+    """Which program a first call with these sizes runs (`tgc.runtime.specialize`), and
+    why: the generic program's peak of temporaries against `Options.specialize_at_bytes`,
+    its work (FLOPs plus bytes) against `Options.specialize_first_work` where `stream`
+    may block one of its temporaries once the sizes are fixed, and the specialization's
+    (lowered only when one of the first reaches its bound)."""
     from tgc.explain import Liveness
-    from tgc.runtime.specialize import first_call_specializes
+    from tgc.runtime.specialize import Specializations, work_of, first_call_specializes
 
-    def peak(m, given=None):
-        return Liveness(given if given is not None else pipeline.lower_module(m, options, backend)).peak_bytes(env)
-
-    at = options.specialize_at_bytes
-    generic = peak(module, None if specialized else low)
-    special = None
-    if at is not None and generic >= at:
-        special = peak(pipeline.specialized_module(module, sizes, options), low if specialized else None)
-    runs = "specialized" if special is not None and first_call_specializes(generic, special, at) else "generic"
-    return {"runs": runs, "generic_peak": generic, "specialized_peak": special, "specialize_at_bytes": at}
+    generic_low = None if specialized else low
+    if generic_low is None:
+        generic_low = pipeline.lower_module(module, options, backend)
+    live = Liveness(generic_low)
+    at, first_work = options.specialize_at_bytes, options.specialize_first_work
+    generic = live.peak_bytes(env)
+    streams = Specializations.streams_from(options)
+    work = work_of(generic_low, env) if first_work is not None and streams is not None \
+        and live.largest_unfixed(env) >= streams else None
+    special = special_work = reason = None
+    if (at is not None and generic >= at) or (work is not None and work >= first_work):
+        special_low = low if specialized else \
+            pipeline.lower_module(pipeline.specialized_module(module, sizes, options), options, backend)
+        special = Liveness(special_low).peak_bytes(env)
+        special_work = None if work is None else work_of(special_low, env)
+        reason = first_call_specializes(generic, special, at, work, special_work, first_work)
+    return {"runs": "specialized" if reason else "generic", "reason": reason, "generic_peak": generic,
+            "specialized_peak": special, "specialize_at_bytes": at, "generic_work": work,
+            "specialized_work": special_work, "specialize_first_work": first_work}

@@ -47,7 +47,9 @@ block of `E` at a time:
   key, as does a step whose values over `s` the module cannot show to be exactly 0 (or
   exactly too low to count in a max or logsumexp) at the skipped keys. A mask may admit
   (`where([s <= t], scores, -1e9)`) or reject (`scores - 1e9 * [s > t]`: the keys where
-  its relation holds are the masked ones); the roles are tried all admitting first.
+  its relation holds are the masked ones; for a chain of links, those where all hold);
+  the roles are tried all admitting first. A band's complement `1 - [t - w <= s <= t]`
+  (the band admitting) is 1 at the keys the band masks, which the check follows.
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -428,11 +430,12 @@ class _Streamer:
 
     def roles(self, r: _Region) -> list[frozenset[int]]:
         """The roles the masks of `r` may play, as the sets of the indices of those that
-        reject (1 at the keys they mask: `- 1e9 * [s > t]`), all admitting first; only a
-        single-link mask rejects (the complement of a chain is a union)."""
-        single = [i for i, ind in enumerate(r.masks) if len(ind.attrs[0].ops) == 1][:3]
-        return [frozenset(i for i, f in zip(single, flips) if f)
-                for flips in itertools.product((False, True), repeat=len(single))]
+        reject (1 at the keys they mask: `- 1e9 * [s > t]`), all admitting first; a
+        chain rejects where all its links hold (its admitted keys, a union, have the join
+        of its links' hulls); the first three masks only."""
+        tried = range(min(len(r.masks), 3))
+        return [frozenset(i for i, f in zip(tried, flips) if f)
+                for flips in itertools.product((False, True), repeat=len(tried))]
 
     def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset()):
         """stream_skip.groups for the masks of `r` (the streamed edge of size n; those of

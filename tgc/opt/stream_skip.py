@@ -4,8 +4,8 @@ What it decides. A loop that `stream` builds over blocks of an edge `t` reads a 
 (an indicator over `t` and one other edge `s`). A mask admits (`where([s <= t], scores,
 -1e9)`, a window `[t - w <= s <= t]`: the keys where its relation holds) or rejects
 (`scores - 1e9 * [s > t]`, examples/gpt2.tg's form: the keys where its relation does
-not hold; only a single-link relation, whose complement is one link with the op
-negated). For a run of consecutive blocks, the keys `s` outside the hull `[lo, hi)` of
+not hold; for a chain of links, where one of its links fails, a union whose hull is the
+join of those links' negations' hulls). For a run of consecutive blocks, the keys `s` outside the hull `[lo, hi)` of
 what the masks admit for any of the run's rows are masked, by every mask, for every row
 of the run (with several masks the hull joins theirs). `groups` splits the blocks into
 `options.stream_mask_groups` runs and gives each its hull; `stream` then builds one loop
@@ -22,7 +22,10 @@ the skipped entries (masked for every row of the run):
   factors finite); a mul00 (0 where either factor is 0) with a Z factor; a sum of Z
   values; `where(c, a, b)` with c Z and b Z or 0 (with c One: a Z or 0); exp of an L
   value (it underflows to 0);
-- One, exactly 1: a rejecting mask;
+- One, exactly 1: a rejecting mask; a sum whose terms are Z values, One values and
+  constants, adding up to exactly 1 (`1 - [band]`, the band admitting: its complement),
+  each term 0 or an integer coefficient below 2^24 times such an integer (then exact in
+  f32 and f64); such a sum adding up to exactly 0 is Z;
 - L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
   -inf), or `where(c, fill, b)` with c One; a sum whose terms are Z values (0), One values
   with coefficient c (c), L values with coefficients >= 1, values without `s` (row
@@ -94,12 +97,26 @@ def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndar
     return np.clip(lo, 0, ns), np.clip(hi, 0, ns)
 
 
-def complement(rel: Relation) -> Relation | None:
-    """The relation that holds where single-link `rel` does not (its op negated); None for
-    a chain of links (its complement is a union of links)."""
-    if len(rel.ops) != 1:
-        return None
-    return Relation(rel.exprs, ({"<": ">=", "<=": ">", ">": "<=", ">=": "<", "=": "!=", "!=": "="}[rel.ops[0]],))
+def complement(rel: Relation) -> list[Relation]:
+    """Single-link relations whose union holds exactly where `rel` does not: one per link
+    of its chain, that link with its op negated (`a <= b <= c` fails where `a > b` or
+    `b > c`)."""
+    neg = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "=": "!=", "!=": "="}
+    return [Relation((rel.exprs[i], rel.exprs[i + 1]), (neg[op],)) for i, op in enumerate(rel.ops)]
+
+
+def hull(rel, t: str, s: str, nt: int, ns: int, reject: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per row t: the hull [lo, hi) of the keys s that a mask over `rel` admits: where
+    `rel` holds, or (`reject`) where it does not, the join of the hulls of its
+    complement's links (the hull of their union)."""
+    if not reject:
+        return admitted(rel, t, s, nt, ns)
+    lo, hi = np.full(nt, ns, np.int64), np.zeros(nt, np.int64)
+    for link in complement(rel):
+        a, b = admitted(link, t, s, nt, ns)
+        keep = a < b   # an empty hull joins nothing
+        lo, hi = np.where(keep, np.minimum(lo, a), lo), np.where(keep, np.maximum(hi, b), hi)
+    return lo, hi
 
 
 def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
@@ -107,13 +124,13 @@ def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
     edge (as even as can be), each run's keys the hull of what the masks ((relation, its
     name of the streamed edge, whether it rejects)) admit for its rows; None when no run
     skips any key. An admitting mask admits where its relation holds, a rejecting one
-    (single-link) where its complement does. A key outside a row's hull is outside every
+    where it does not (`hull`). A key outside a row's hull is outside every
     mask's hull (each mask's hull is joined), so that each mask is in its masked state
     there; a row whose masks' hulls do not meet admits no key."""
     lo, hi = np.full(nt, ns, np.int64), np.zeros(nt, np.int64)        # the join
     meet_lo, meet_hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
     for rel, t, reject in masks:
-        a, b = admitted(complement(rel) if reject else rel, t, s, nt, ns)
+        a, b = hull(rel, t, s, nt, ns, reject)
         lo, hi = np.minimum(lo, a), np.maximum(hi, b)
         meet_lo, meet_hi = np.maximum(meet_lo, a), np.minimum(meet_hi, b)
     nb = nt // block
@@ -127,6 +144,14 @@ def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
         else:
             out.append((b0, b1, int(lo[rows].min()), int(hi[rows].max())))
     return out if any(h - l < ns for _, _, l, h in out) else None
+
+
+def known_value(v: Value, state) -> float | None:
+    """The value `v` has at every skipped entry when it is one number (a Z or One value,
+    a constant), else None."""
+    if state in ("Z", "One"):
+        return 0.0 if state == "Z" else 1.0
+    return float(v.attrs[0]) if v.op == "const" else None
 
 
 def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: frozenset[int] = frozenset()) -> bool:
@@ -174,8 +199,16 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: fro
                 state[id(v)] = None
         elif v.op == "add":
             states, coefs = [st(o) for o in ops], v.attrs[0]
+            known = [known_value(o, x) for o, x in zip(ops, states)]
+            # integers below 2^24 (and 0 times any finite coefficient) add exactly in f32 and f64
+            whole = None not in known and all(k == 0 and np.isfinite(c) or all(float(x).is_integer() and abs(x) < 2 ** 24
+                                                                             for x in (c, k))
+                                              for c, k in zip(coefs, known))
+            total = sum(c * k for c, k in zip(coefs, known)) if with_s and whole else None
             if with_s and all(x == "Z" for x in states):
                 state[id(v)] = "Z"
+            elif total is not None and total in (0, 1):   # `1 - [band]`: the mask's complement
+                state[id(v)] = "Z" if total == 0 else "One"
             elif with_s:
                 # a rejecting mask times a fill: the other scores count at ORDINARY each
                 filled = any(x == "One" and c <= LOW for x, c in zip(states, coefs))

@@ -366,7 +366,8 @@ class Program:
         the generic program ran with them and the work of one (`work`, FLOPs plus
         bytes, once reckoned), the bytes of temporaries the generic program holds
         at those sizes (`peak`, reckoned at the first call) and the specialization's
-        (`special_peak`, when the first reached `Options.specialize_at_bytes`), and
+        (`special_peak`, when the first reached `Options.specialize_at_bytes`, or its
+        work `Options.specialize_first_work`; `first_reason`: why a first call ran it), and
         the program specialized to them (`program`, `specialized`; `at_once`: built
         for the first call) once built, or why it will not be (`refused`). Empty for a program without symbolic dims, or with
         `Options(specialize_calls=0)`. The rule: docs/optimization.md, "Specialized sizes"."""

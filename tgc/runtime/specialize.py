@@ -35,8 +35,21 @@ symbolic dims' sizes, read from the arguments' shapes, and `dims=` if given):
   block without known sizes (a causal attention's `[t, s]` matrices over a symbolic
   `t`: 805 MB at t = 8192, 13 GB at 32768, where its specialization holds 52 MB), so
   a first call of such a size would need that memory; the compile (0.3-2 s) is of
-  the order of such a call's own time. Otherwise (smaller calls, or a specialization
-  that would hold as much) the call runs the generic program and counts as above;
+  the order of such a call's own time. A first call also runs the specialization
+  when it alone pays for the compile: when the specialization does at least
+  `Options.specialize_first_work` (2^36; None: never) FLOPs plus bytes fewer than the
+  generic call, holding no more. The only pass a specialization runs again is
+  `stream`, which changes the work only where it blocks a value of its threshold
+  (`stream_min_elements_masked` for a masked cluster), so the generic call's work
+  (`tgc.explain`: up to tens of ms) is counted only at sizes where a temporary whose
+  size depends on a symbolic dim reaches it (`Liveness.largest_unfixed`: microseconds),
+  and the specialization is lowered only when that work reaches the bound. A
+  compile (1-10 s measured) is about 7e10 units of saved work: a causal attention
+  streamed at t = 2048 saves 6.3e9 a call (0.15 s against a 1.6 s compile), so its
+  first call keeps the generic program, as a shape seen once should
+  (docs/optimization.md, "Specialized sizes", has the measurements). Otherwise
+  (smaller calls, or a specialization that would hold as much and save less) the
+  call runs the generic program and counts as above;
 - at most `Options.specialize_max` signatures are specialized per program (their
   code stays loaded); later ones run the generic program.
 
@@ -54,7 +67,8 @@ arguments) is recorded (`Variant.refused`), and its signature runs generic code.
 
 `Program.variants()` lists the signatures seen, `Program.last_variant` says which
 program the calling thread's last call ran (`Variant.at_once`: specialized on its
-first call, with `peak` and `special_peak` the two programs' peaks). Thread-safe: the table is read without a
+first call, `first_reason` "memory" or "work", with `peak` and `special_peak` the two
+programs' peaks, `work` and `special_work` their work where counted). Thread-safe: the table is read without a
 lock; counting and building take one, so one signature is built once.
 """
 from __future__ import annotations
@@ -79,9 +93,11 @@ class Variant:
     generic one runs), `compile_seconds` what building it took; `refused` why it will
     not be specialized (None: it may be, or it is). With `Options.specialize_at_bytes`
     set, `peak` is the bytes of temporaries the generic program holds at once at
-    these sizes (reckoned at the first call), `special_peak` the specialization's
-    when that peak reached the threshold, and `at_once` says it was built then, and
-    ran that first call."""
+    these sizes (reckoned at the first call), `special_peak` and `special_work` the
+    specialization's peak and work when that peak (or, with
+    `Options.specialize_first_work`, `work`, then reckoned at the first call) reached
+    its bound, `first_reason` why the first call ran it ("memory" or "work"; None: it
+    did not), and `at_once` says it was built then, and ran that first call."""
     dims: dict[str, int]
     calls: int = 0
     work: int | None = None
@@ -90,6 +106,8 @@ class Variant:
     refused: str | None = None
     peak: int | None = None
     special_peak: int | None = None
+    special_work: int | None = None
+    first_reason: str | None = None
     at_once: bool = False
 
     @property
@@ -98,7 +116,7 @@ class Variant:
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{d}={n}" for d, n in self.dims.items())
-        when = ", on its first call" if self.at_once else ""
+        when = f", on its first call: {self.first_reason}" if self.at_once else ""
         state = (f"specialized ({self.compile_seconds:.2f} s to build{when})" if self.program is not None
                  else f"generic (refused: {self.refused})" if self.refused else "generic")
         work = "" if self.work is None else f" of {self.work:.3g} FLOPs + bytes"
@@ -117,7 +135,8 @@ class Specializations:
     def __init__(self, program, build, options):
         self.program, self.build = program, build
         self.calls, self.work, self.most = options.specialize_calls, options.specialize_work, options.specialize_max
-        self.at_bytes = options.specialize_at_bytes
+        self.at_bytes, self.first_work = options.specialize_at_bytes, options.specialize_first_work
+        self.streams = self.streams_from(options)
         self.liveness = None   # the generic program's (tgc.explain.Liveness), found at the first signature
         module = program.module
         found = {d: _carrier(program, d) for d in module.symbolic_dims()}
@@ -127,6 +146,19 @@ class Specializations:
         self.built = 0
         self.lock = threading.Lock()
         self.local = threading.local()
+
+    @staticmethod
+    def streams_from(options) -> int | None:
+        """The fewest elements of a value `stream` blocks (a masked cluster's, when its
+        runs may skip keys); None: a specialization runs no pass that changes the work
+        (`stream` is `tgc.pipeline.SIZED_PASSES`' one)."""
+        from tgc.registry import pipeline as pipeline_passes
+
+        if options.stream_block <= 0 or "stream" not in pipeline_passes(options):
+            return None
+        if options.stream_mask_groups > 0:
+            return min(options.stream_min_elements, options.stream_min_elements_masked)
+        return options.stream_min_elements
 
     @classmethod
     def of(cls, program, build, options) -> "Specializations | None":
@@ -149,7 +181,7 @@ class Specializations:
             variant = self.table.get(key)
         except (KeyError, AttributeError, IndexError, TypeError):   # the generic checks explain
             key = variant = None
-        if variant is None and key is not None and self.at_bytes is not None:
+        if variant is None and key is not None and (self.at_bytes is not None or self.first_work is not None):
             variant = self._first_call(key)
         refused = None
         if variant is not None and variant.program is not None:
@@ -181,7 +213,10 @@ class Specializations:
     def _first_call(self, key: tuple) -> Variant:
         """The entry of a signature not yet seen, specialized at once when the generic
         program would hold `specialize_at_bytes` of temporaries at its sizes and the
-        specialization at most half as much."""
+        specialization at most half as much, or when the specialization would do
+        `specialize_first_work` FLOPs plus bytes fewer (`first_call_specializes`): the
+        specialization is lowered only when the generic program's own peak or work
+        reaches its bound."""
         with self.lock:
             variant = self.table.get(key)
             if variant is not None:   # another thread's first call added it
@@ -196,12 +231,22 @@ class Specializations:
 
                 self.liveness = Liveness(self.program.lowered)
             variant.peak = self.liveness.peak_bytes(env)
-            if variant.peak >= self.at_bytes and self.built < self.most:
+            large = self.at_bytes is not None and variant.peak >= self.at_bytes
+            long = self.first_work is not None and self.streams is not None \
+                and self.liveness.largest_unfixed(env) >= self.streams
+            if long:   # `stream` may block a cluster at these sizes; the work saved is at most the generic call's
+                variant.work = self._work(variant.dims)
+                long = variant.work >= self.first_work
+            if (large or long) and self.built < self.most:
                 def worth(low) -> bool:
                     from tgc.explain import Liveness
 
                     variant.special_peak = Liveness(low).peak_bytes(env)
-                    return first_call_specializes(variant.peak, variant.special_peak, self.at_bytes)
+                    variant.special_work = None if variant.work is None else work_of(low, env)
+                    variant.first_reason = first_call_specializes(
+                        variant.peak, variant.special_peak, self.at_bytes, variant.work, variant.special_work,
+                        self.first_work)
+                    return variant.first_reason is not None
 
                 self._specialize(variant, worth)
                 variant.at_once = variant.program is not None
@@ -224,10 +269,7 @@ class Specializations:
 
     def _work(self, dims: dict[str, int]) -> int:
         """The FLOPs plus bytes of one generic call at these sizes (`tgc explain`'s)."""
-        from tgc.explain import explain
-
-        report = explain(self.program.lowered, self.program.module.bind_dims(dims))
-        return int(report["flops"]) + int(report["bytes"])
+        return work_of(self.program.lowered, self.program.module.bind_dims(dims))
 
     def _specialize(self, variant: Variant, worth=None) -> None:
         """Build `variant`'s program (under the lock), or record why not. With `worth`,
@@ -258,11 +300,29 @@ class Specializations:
         return getattr(self.local, "last", None)
 
 
-def first_call_specializes(peak: int, special_peak: int, at_bytes: int | None) -> bool:
-    """Whether a first call runs the specialization (`Options.specialize_at_bytes`):
-    the generic program would hold at least `at_bytes` of temporaries at its sizes
-    (`peak`), and the specialization at most half as much (`special_peak`)."""
-    return at_bytes is not None and peak >= at_bytes and 2 * special_peak <= peak
+def first_call_specializes(peak: int, special_peak: int, at_bytes: int | None, work: int | None = None,
+                           special_work: int | None = None, first_work: int | None = None) -> str | None:
+    """Why a first call runs the specialization, or None (it runs the generic program):
+    "memory" when the generic program would hold at least `at_bytes` of temporaries at
+    its sizes (`peak`) and the specialization at most half as much (`special_peak`;
+    `Options.specialize_at_bytes`); "work" when one call of the specialization does at
+    least `first_work` FLOPs plus bytes fewer than the generic call (`special_work`
+    against `work`; `Options.specialize_first_work`), holding no more."""
+    if at_bytes is not None and peak >= at_bytes and 2 * special_peak <= peak:
+        return "memory"
+    if first_work is not None and work is not None and special_work is not None \
+            and work - special_work >= first_work and special_peak <= peak:
+        return "work"
+    return None
+
+
+def work_of(low, env: dict[str, int]) -> int:
+    """The FLOPs plus bytes of one call of the planned program `low` at the dims `env`
+    (`tgc explain`'s count)."""
+    from tgc.explain import explain
+
+    report = explain(low, env)
+    return int(report["flops"]) + int(report["bytes"])
 
 
 def _carrier(program, dim: str) -> tuple[str, int] | None:
