@@ -30,6 +30,15 @@ param w[c, ff], b[ff]
 out y = gelu(x @ w + b)
 """
 
+# Two outputs of one product: the product goes into the first, the second still reads it.
+TWO = """
+dim batch = 64, c = 96, ff = 192
+input x[batch, c]
+param w[c, ff], b[ff]
+out y = relu(x @ w + b)
+out z = exp(-(x @ w) * (x @ w))
+"""
+
 # A weight's gradient and its AdamW update (no clipping): the update reads the
 # gradient's product elementwise, so it runs as the product is stored.
 ADAMW = """
@@ -65,9 +74,12 @@ def kernel_lines(low) -> list[str]:
 
 
 def test_golden_bias_gelu_epilogue():
+    """The product goes straight into the output (laid out as the product), which the
+    epilogue then overwrites: no buffer holds the product."""
     _, low = lowered(FFN, stop_after="epilogue")
+    assert "t4" not in low.buffers
     assert kernel_lines(low) == [
-        "k0: gemm %t4 = %x[batch, c] @ %w[c, ff]  batch() m(batch) n(ff) k(c)",
+        "k0: gemm %y = %x[batch, c] @ %w[c, ff]  batch() m(batch) n(ff) k(c)",
         "      then %y[batch, ff] = mul(add[1.0, 1.0](%b[ff], acc), add[0.5, 1.0](tanh(add[0.7978845608028654]"
         "(add[1.0, 0.044715](add[1.0, 1.0](%b[ff], acc), mul(add[1.0, 1.0](%b[ff], acc), add[1.0, 1.0](%b[ff], acc), "
         "add[1.0, 1.0](%b[ff], acc))))), 0.5))",
@@ -88,8 +100,15 @@ def test_golden_adamw_in_the_gradient_store():
     assert not any(g.out in k.buffers_read() for k in low.kernels if k is not g)
 
 
+def test_the_product_goes_into_an_output_and_lives_on_as_acc():
+    _, low = lowered(TWO, stop_after="epilogue")
+    (g,) = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    assert [o.buf for o in g.epilogue] == ["y", "z"] and g.out == "y"
+    assert "acc" in kernel_lines(low)[2]   # z reads the product, not y's new value
+
+
 def test_the_text_reads_back_and_the_verifier_accepts_it():
-    for source in (FFN, ADAMW):
+    for source in (FFN, TWO, ADAMW):
         _, low = lowered(source, stop_after="epilogue")
         text = print_lowered(low)
         assert print_lowered(parse_lowered(text)) == text
@@ -104,13 +123,13 @@ def test_the_reader_refuses_an_epilogue_output_away_from_the_products_index():
 
 def test_the_verifier_refuses_a_load_of_the_product():
     _, low = lowered(FFN, stop_after="epilogue")
-    text = print_lowered(low).replace("(%b[ff], acc)", "(%b[ff], %t4[batch, ff])", 1)
+    text = print_lowered(low).replace("(%b[ff], acc)", "(%b[ff], %y[batch, ff])", 1)
     with pytest.raises(CompileError, match="loads the product"):
         parse_lowered(text)
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
-@pytest.mark.parametrize("source", [FFN, ADAMW, CLIPPED], ids=["bias_gelu", "adamw", "clipped"])
+@pytest.mark.parametrize("source", [FFN, TWO, ADAMW, CLIPPED], ids=["bias_gelu", "two", "adamw", "clipped"])
 def test_the_interpreter_runs_epilogues_to_the_ir_interpreters_values(source, dtype):
     m, low = lowered(source, dtype, stop_after="epilogue")
     x = random_inputs(m, m.bind_dims({}), 0, dtype)
@@ -126,7 +145,7 @@ def test_the_interpreter_runs_epilogues_to_the_ir_interpreters_values(source, dt
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["in_tiles", "as_loops"])
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
-@pytest.mark.parametrize("source", [FFN, ADAMW], ids=["bias_gelu", "adamw"])
+@pytest.mark.parametrize("source", [FFN, TWO, ADAMW], ids=["bias_gelu", "two", "adamw"])
 def test_the_cpu_backend_agrees_with_the_lowered_interpreter(source, dtype, tiles):
     """On each tile right after its product (gemm_epilogue.py), or written out by `group`
     as loops after the GEMM (`CpuOptions.gemm_epilogue` off), on 1 and 2 threads."""
@@ -159,7 +178,7 @@ def test_epilogue_loops_are_the_kernels_folded():
     _, before = lowered(FFN, stop_after="layout")
     _, after = lowered(FFN, stop_after="epilogue")
     g = after.kernels[0]
-    (loop,) = epilogue_loops(after, g)
+    (loop,) = epilogue_loops(after, g, "t4")   # `acc` read from the product's old buffer
     assert isinstance(loop, LoopKernel) and loop.out == "y" and loop.body == before.kernels[1].body
 
 

@@ -22,6 +22,9 @@ joined before it: AdamW's update reads the new moments) joins the GEMM's epilogu
   reads or writes `y`;
 - `t` is a temporary.
 Kernels join in program order, so the outputs run in the order the kernels did.
+When no kernel reads `t` any more, the GEMM stores its product straight into an output
+laid out as `t` (`_product_into_output`), and `t` goes: the product's elements live on
+as `acc`.
 
 Exact: each output is the same expression of the same values (the product's element is
 the value the kernel loaded), computed once per element, and moving the kernel is
@@ -46,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import (Acc, EpilogueOut, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered,
+from tgc.lower.lowered import (Acc, Buffer, EpilogueOut, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered,
                                Mask, Rand, StepLoop, epilogue_loops, walk)
 from tgc.options import Options
 
@@ -107,7 +110,30 @@ def _fold_gemm(low: Lowered, kernels: list, i: int):
     if not outs:
         return kernels, g
     kept = [k for x, k in enumerate(kernels) if x not in taken]
-    return kept, replace(g, epilogue=g.epilogue + tuple(outs))
+    g = replace(g, epilogue=g.epilogue + tuple(outs))
+    if not any(g.out in k.buffers_read() for k in kept[i + 1:]):
+        g = _product_into_output(low, g)
+    return kept, g
+
+
+def _product_into_output(low: Lowered, g: GemmKernel) -> GemmKernel:
+    """`g` storing its product straight into one of its epilogue's outputs, when no
+    kernel reads the product itself: the first output whose buffer is laid out as the
+    product's (same order and type), a temporary (not an update's, which `plan` may
+    write in place) or an output of the program, that no output up to it loads. The
+    product's buffer goes; its elements live on as `acc` (the product is stored there,
+    then overwritten by that output's value)."""
+    prod = low.buffers[g.out]
+    for j, o in enumerate(g.epilogue):
+        b = low.buffers[o.buf]
+        if b.order != prod.order or b.dtype != prod.dtype or not (b.kind == "out" or
+                                                                 (b.kind == "temp" and b.prefer is None)):
+            continue
+        if any(isinstance(n, Load) and n.buf == o.buf for x in g.epilogue[: j + 1] for n in walk(x.expr)):
+            continue
+        del low.buffers[g.out]
+        return replace(g, out=o.buf)
+    return g
 
 
 def _foldable(low: Lowered, g: GemmKernel, k, edges: set[str], earlier: list[str]) -> bool:
@@ -172,6 +198,12 @@ def expand(low: Lowered, keep=None) -> Lowered:
     kernels: list = []
     for k in low.kernels:
         if isinstance(k, GemmKernel) and k.epilogue and not (keep is not None and keep(low, k)):
+            if any(o.buf == k.out for o in k.epilogue):   # the product into a temporary of its own again
+                tmp = out.fresh("t")
+                b = out.buffers[k.out]
+                out.buffers[tmp] = Buffer(tmp, b.dtype, b.edges, "temp", order=b.order)
+                kernels += [replace(k, out=tmp, epilogue=())] + epilogue_loops(out, k, tmp)
+                continue
             kernels += [replace(k, epilogue=())] + epilogue_loops(low, k)
         elif isinstance(k, StepLoop):
             kernels.append(replace(k, step=expand(k.step, keep)))

@@ -57,6 +57,9 @@ _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">
         ">=": np.greater_equal}
 
 
+PRODUCT = "#product"   # a GEMM's product while its epilogue overwrites `out` (no buffer is named so)
+
+
 class LoweredError(RuntimeError):
     """The lowered program did what no correct program does (an unguarded load out of range)."""
 
@@ -275,8 +278,12 @@ class _Machine(ExprVisitor):
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
-        for loop in epilogue_loops(self.low, k):   # in order, each over the whole product
-            self.loop(loop, {})
+        if any(o.buf == k.out for o in k.epilogue):   # `out` is an output: the product kept apart
+            self.arrays[PRODUCT] = np.copy(self.arrays[k.out])
+            self.order[PRODUCT] = self.order[k.out]
+        for loop in epilogue_loops(self.low, k, PRODUCT if PRODUCT in self.arrays else None):
+            self.loop(loop, {})   # in order, each over the whole product
+        self.arrays.pop(PRODUCT, None)
 
     # ---------------------------------------------------------------- expressions
 

@@ -27,9 +27,9 @@ Backend-neutral: a program is a list of kernels over named buffers.
   the product's edges, as the product is stored. The outputs are computed in order at
   each element: an expression reads the outputs before it (their new values) and its
   own output (its old value) only at the element's own index, `out` never (it reads
-  `Acc`), other buffers at any index of those variables. `out` still holds the product
-  afterwards (a backend that keeps the product in registers as it stores the outputs
-  may leave `out` unwritten only where no later kernel reads it).
+  `Acc`), other buffers at any index of those variables. `out` holds the product, or,
+  when `out` is one of the outputs, that output's value (then only the outputs after
+  it load `out`: its new value; the product lives on as `Acc`).
 - A backend's own lowering stage may add kinds of kernel (the CPU's `group` adds
   `tgc.backends.cpu.group.LoopGroup`). Neutral code reaches every kernel through
   `buffers_read()`, `writes()`, `buffers_used()`, `text()`, and for a kind of its
@@ -728,18 +728,18 @@ class _AccAsLoad(ExprVisitor):
     expr_const = expr_size_of = expr_rand = atom_var = atom_id_load = atom_floor_div = expr_load
 
 
-def epilogue_loops(low: "Lowered", g: GemmKernel) -> list[LoopKernel]:
+def epilogue_loops(low: "Lowered", g: GemmKernel, product: str | None = None) -> list[LoopKernel]:
     """The loop kernels `g`'s epilogue stands for, in order (what the lowered interpreter
     runs, and a backend without a store epilogue: `tgc.lower.epilogue.expand`): each
-    output over the product's edges (in the product buffer's order, outermost first),
-    `acc` read from `g.out`."""
+    output over the product's edges (in `g.out`'s order, outermost first), `acc` read
+    from `product` (default `g.out`: a buffer holding the product the whole time)."""
     if not g.epilogue:
         return []
     buf = low.buffers[g.out]
     loops = tuple(buf.order) if buf.order is not None else tuple(buf.edges)
     sizes = {e: low.size(e) for e in loops}
     index = tuple((e, Ix.var(e)) for e in sorted(loops))
-    acc = _AccAsLoad(g.out, index)
+    acc = _AccAsLoad(product or g.out, index)
     return [LoopKernel(o.buf, index, loops, sizes, acc.expr(o.expr), note="epilogue") for o in g.epilogue]
 
 

@@ -11,8 +11,8 @@ loops) and then Q's, each output a member reading the product's element from `ou
 so LLVM vectorizes the inner loop over Q. `GemmGen` calls it after each task's tile,
 whose columns are then all of Q (an epilogue GEMM's tiles never cut Q): the tile,
 just written, is read back from cache, not from memory, and the epilogue runs inside
-the GEMM's own parallel region. The product's buffer is still written (a later
-fusion into the kernel's register store would drop that too).
+the GEMM's own parallel region. Where the product goes straight into an output's
+buffer (`tgc.lower.epilogue`), its element is loaded into a register first.
 
 `gemm_dispatch.tile_epilogue` says which epilogue GEMMs this path takes: real products without batch
 edges (a task is then a tile of rows), not bf16, whose P has at most two edges (a
@@ -28,16 +28,25 @@ from tgc.backends.cpu.gemm_dispatch import rows_and_cols
 from tgc.backends.cpu.group import LoopGroup
 from tgc.backends.cpu.irutil import PTR
 from tgc.backends.cpu.loops import LoopGen, kernel_buffers
-from tgc.lower.lowered import GemmKernel, Lowered, epilogue_loops
+from tgc.lower.lowered import GemmKernel, Ix, Load, LoopKernel, Lowered, epilogue_loops
 from tgc.options import Options
 
 
+ACC = "#acc"   # the product's element, a register of the group when `out` is also an output
+
+
 def epilogue_group(low: Lowered, k: GemmKernel) -> LoopGroup:
-    """The epilogue as a loop group over P's edges, then Q's (memory order)."""
+    """The epilogue as a loop group over P's edges, then Q's (memory order). When
+    `out` is one of the outputs, a first member loads the product's element into a
+    register (`ACC`) before any output overwrites it."""
     rows, cols = rows_and_cols(low, k)
     outer = tuple(rows) + tuple(cols)
-    members = tuple(epilogue_loops(low, k))
-    return LoopGroup(outer, {e: low.size(e) for e in outer}, members, note="epilogue")
+    sizes = {e: low.size(e) for e in outer}
+    if not any(o.buf == k.out for o in k.epilogue):
+        return LoopGroup(outer, sizes, tuple(epilogue_loops(low, k)), note="epilogue")
+    index = tuple((e, Ix.var(e)) for e in sorted(outer))
+    first = LoopKernel(ACC, index, outer, sizes, Load(k.out, index), note="the product")
+    return LoopGroup(outer, sizes, (first, *epilogue_loops(low, k, ACC)), regs=(ACC,), note="epilogue")
 
 
 def epilogue_buffers(low: Lowered, k: GemmKernel) -> list[str]:
