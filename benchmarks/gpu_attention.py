@@ -1,14 +1,18 @@
 """Causal attention on the GPU, forward and backward: tgc's cuda backend against torch SDPA.
 
 The program is benchmarks/attention.py's (the masked, scaled `softmax[s]` contracted with
-`v`, and the gradients of `sum(y * dy)` for q, k and v), compiled for f32; the stream pass
-runs it in blocks of the key edge where its thresholds say so. torch runs
+`v`, and the gradients of `sum(y * dy)` for q, k and v), compiled for f32 with the stream
+pass off (`stream_block=0`), so that the backend's `flash` stage sees the whole chain: the
+forward is one fused kernel and the backward two (docs/cuda.md, "Attention"). torch runs
 `F.scaled_dot_product_attention(is_causal=True)` and `torch.autograd.grad` on the same
 device arrays. Both results are checked against each other (2e-3 of the largest value)
-before timing.
+before timing. `--streamed` adds the program under the default options (the stream pass
+runs it in blocks of the key edge where its thresholds say so, as cuBLAS GEMMs and
+kernels per block).
 
-Columns: the median time of a call; the peak device memory of the call beyond its inputs
-(tgc: CuPy's pool after the call; torch: `max_memory_allocated` over the call).
+Columns: the median time of a call; launches per call of the fused program (kernels; no
+cuBLAS call); the peak device memory of the call beyond its inputs (tgc: CuPy's pool after
+the call; torch: `max_memory_allocated` over the call).
 
     python benchmarks/gpu_attention.py                      # t = 1024 .. 8192 on the GPU
     python benchmarks/gpu_attention.py --backend cuda-sim --rows 64   # the script, here
@@ -33,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=["cuda", "cuda-sim"], default="cuda")
     ap.add_argument("--rows", type=int, nargs="*", default=sorted(ROWS), help="lengths t")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--streamed", action="store_true", help="also time the default (streamed) program")
     args = ap.parse_args(argv)
     import tgc
 
@@ -45,13 +50,19 @@ def main(argv=None) -> int:
     except ImportError:
         torch = None
     print(f"# causal attention, f32, forward and backward, on {name}")
-    print(f"{'t':>6} {'heads':>5} {'batch':>5} {'loops':>5} {'tgc ms':>9} {'torch ms':>9} {'ratio':>6} {'tgc MiB':>8} {'torch MiB':>9}")
+    print(f"{'t':>6} {'heads':>5} {'batch':>5} {'kern':>4} {'fused ms':>9} {'stream ms':>9} {'torch ms':>9} {'ratio':>6} "
+          f"{'tgc MiB':>8} {'torch MiB':>9}")
     failed = 0
     for t in args.rows:
         heads, batch = ROWS.get(t, (1, 1))
         src = SOURCE.format(batch=batch, heads=heads, t=t, hd=HD)
-        prog = tgc.compile(src, backend=args.backend, dtype="f32")
-        loops = sum(1 for k in prog.lowered.kernels if getattr(k, "kind", "") == "steps")
+        prog = tgc.compile(src, backend=args.backend, dtype="f32", options=tgc.Options(stream_block=0))
+        kinds = [getattr(k, "kind", "") for k in prog.lowered.kernels]
+        launches = len(prog._kernels._cm.launches)
+        if "flash" not in kinds or "flashback" not in kinds:
+            print(f"# t={t}: the flash stage did not fuse the chain ({kinds})")
+            failed += 1
+        streamed = tgc.compile(src, backend=args.backend, dtype="f32") if args.streamed else None
         rng = np.random.default_rng(t)
         host = {k: rng.standard_normal((batch, heads, t, HD)).astype(np.float32) for k in ("q", "k", "v", "dy")}
         dev = {k: xp.asarray(v) for k, v in host.items()}
@@ -60,7 +71,8 @@ def main(argv=None) -> int:
         got = prog(**dev)
         sync()
         tgc_mib = ((pool.total_bytes() - before) / 2 ** 20) if pool else float("nan")
-        t_tgc = timed(lambda: prog(**dev), sync, args.repeat)
+        t_tgc = timed(lambda d=dev: prog(**d), sync, args.repeat)
+        t_stream = timed(lambda d=dev: streamed(**d), sync, args.repeat) if streamed is not None else None
         t_torch, torch_mib = None, float("nan")
         if torch is not None:
             import torch.nn.functional as F
@@ -86,7 +98,8 @@ def main(argv=None) -> int:
                     failed += 1
             t_torch = timed(torch_step, tsync, args.repeat)
         ratio = f"{t_tgc / t_torch:6.2f}" if t_torch else "   n/a"
-        print(f"{t:6d} {heads:5d} {batch:5d} {loops:5d} {fmt(t_tgc)} {fmt(t_torch)} {ratio} {tgc_mib:8.1f} {torch_mib:9.1f}", flush=True)
+        print(f"{t:6d} {heads:5d} {batch:5d} {launches:4d} {fmt(t_tgc)} {fmt(t_stream)} {fmt(t_torch)} {ratio} "
+              f"{tgc_mib:8.1f} {torch_mib:9.1f}", flush=True)
         del got, dev
     return 1 if failed else 0
 

@@ -11,14 +11,15 @@
 # test; every benchmark row is printed as soon as it is measured:
 #   1. tests/backends/test_cuda_gpu.py without its conformance test (graphs, gather error,
 #      row groups and float4, bf16/f16 GemmEx, the autocast GPT step, a `repeat` loop as a
-#      graph, streamed attention), and NCCL with one rank;
+#      graph, streamed attention, the fused attention kernels), and NCCL with one rank;
 #   2. the conformance: every example and tests/programs/good program, f32 and f64, on the
 #      device against the interpreter (pytest-xdist workers where it is installed);
 #   3. benchmarks/gpu_bench.py: the benchmark rows against torch eager (no torch.compile);
 #   4. benchmarks/gpu_columns.py: column sums (bias and weight gradients) as column tiles and
 #      as one block per output, layernorm rows up to 4096, against torch; same bits per run;
 #   5. benchmarks/gpu_lowp.py: bf16 GEMMs and the autocast GPT step;
-#   6. benchmarks/gpu_attention.py: causal attention, forward and backward, against torch SDPA;
+#   6. benchmarks/gpu_attention.py: causal attention, forward and backward, the fused kernels (flash stage)
+#      against torch SDPA;
 #   7. torch.compile for the GPT step alone (one cold compile; last, so a slow compile
 #      costs nothing else).
 # The summary line at the end names the parts that failed or ran out of time.

@@ -64,15 +64,18 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     liveness = Liveness(low)
     first, last = liveness.first, liveness.last
     kernels = []
+    plans = None
+    if options is not None:
+        from tgc.backends.cpu.codegen import thread_plans
+        plans = thread_plans(low, {**_fixed_dims(low), **env}, options)
     for i, k in enumerate(low.kernels):
         used = k.buffers_used()
         kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
                         "bytes": kernel_bytes(low, k, env) if isinstance(k, StepLoop) else
                         sum(nbytes(n) for n in used)})
-        if options is not None:
-            from tgc.backends.cpu.codegen import thread_plan
-            kernels[-1]["threads"] = thread_plan(low, k, {**_fixed_dims(low), **env}, options)
+        if plans is not None:
+            kernels[-1]["threads"] = plans[i]
         if i in liveness.steps:   # the step's own temporaries live while it runs
             kernels[-1]["step_peak"] = liveness.steps[i].peak_bytes(env)
     live = liveness.live_bytes(env)
@@ -81,7 +84,7 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     alive = [] if peak_kernel is None else sorted(liveness.alive(peak_kernel), key=lambda n: (-nbytes(n), n))
     slots = [{"slot": s, "bytes": max([size_eval(x, env) for x in sizes] + [0]),
               "buffers": [n for n, b in low.buffers.items() if b.slot == s]} for s, sizes in enumerate(low.slots)]
-    return {
+    report = {
         "dtype": low.dtype,
         "dims": dict(sorted(env.items())),
         "kernels": kernels,
@@ -98,6 +101,22 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
                       if lk.note == "recompute"],
         "recompute_note": _recompute_note(low),
     }
+    if options is not None:
+        report["regions"] = _regions(low, {**_fixed_dims(low), **env}, options)
+    return report
+
+
+def _regions(low: Lowered, env: dict, options) -> dict:
+    """Parallel regions one call starts (`codegen.region_count`), with consecutive
+    loop kernels merged into one region (`backends/cpu/regions.py`) and without."""
+    from dataclasses import replace
+
+    from tgc.backends.cpu.codegen import region_count
+
+    count, warm, barriers = region_count(low, env, options)
+    alone, alone_warm, _ = region_count(low, env, replace(options, cpu=replace(options.cpu, merge_regions=False)))
+    return {"per_call": count, "when_warm": warm, "barriers": barriers,
+            "unmerged": alone, "unmerged_when_warm": alone_warm}
 
 
 def kernel_bytes(low: Lowered, k, env: dict[str, int]) -> int:
@@ -381,6 +400,12 @@ def format_explain(report: dict, name: str) -> str:
     ws = report["workspace"]
     if threads:
         lines += ["", _threads_note(report["kernels"])]
+    regions = report.get("regions")
+    if regions is not None:
+        lines.append(f"parallel regions per call: at most {regions['per_call']} ({regions['when_warm']} of them only "
+                     f"right after another) with {regions['barriers']} barriers in them; {regions['unmerged']} "
+                     f"({regions['unmerged_when_warm']}) if each kernel started its own (consecutive kernels share "
+                     "one region: CpuOptions.merge_regions)")
     lines += ["", f"total: {len(report['kernels'])} kernels, {human(report['flops'], 'FLOP')}, "
               f"{human(report['bytes'], 'B')} moved (each buffer once per kernel that reads or writes it, "
               f"a loop's once per step)",

@@ -36,6 +36,7 @@ REACHES = [
     ("group_min_block_rows", 32, "layernorm", OWN),
     ("short_sum", 8192, "layernorm", OWN),
     ("sum_chunk", 512, "layernorm", OWN),
+    ("blas_chain_mnk", 0, "mlp", OWN),
     ("prefetch_row_bytes", 32768, "layernorm", OWN),
     ("prefetch_min_row_bytes", 2048, "layernorm", OWN),
     ("entry_compile_cost", 7, "mlp", OWN),
@@ -54,6 +55,9 @@ REACHES = [
     ("loop_split_min", 2, "conv1d", OWN),
     ("gemm_tap_tiles", 1, "conv1d", Options().with_(own_gemm="off")),
     ("own_gemm_depth", 512, "conv1d", OWN),
+    ("own_gemm_rows", 4, "conv1d", OWN),
+    ("own_gemm_vecs", 2, "conv1d", OWN),
+    ("own_gemm_panel_rows", 512, "conv1d", OWN),
     ("unroll_copies", 16, "conv2d", OWN),
     ("own_gemm_mask_classes", 4, "conv2d", OWN),
     ("gemm_compile_cost", 500, "mlp", OWN),
@@ -64,6 +68,8 @@ REACHES = [
     ("member_compile_cost", 100, "mlp", OWN),
     ("member_loop_compile_cost", 100, "mlp", OWN),
     ("blocked_compile_cost", 500, "mlp", OWN),
+    ("region_max_barriers", 1, "gpt_small", OWN),
+    ("barrier_work", 1 << 13, "gpt_small", OWN),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):
@@ -179,7 +185,8 @@ def test_other_values_compute_the_same_program():
     src = (WORKLOADS / "mlp.tg").read_text()
     cpu = CpuOptions(gemm_min_tile=4, gemm_min_chunk=8, gemm_pack_elems=1024, sum_chunk=16, short_sum=64,
                      unroll_max=2, unroll_copies=2, group_min_block_rows=2, group_min_vector_block_rows=4,
-                     loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1)
+                     loop_split_min=2, wide_scratch=4, row_entry_work=1, threads=2, parallel_min_work=1,
+                     region_max_barriers=1)
     _matches_interpreter(tgc.compile(src, dtype="f64", options=Options(dtype="f64", cpu=cpu)), 37)
 
 

@@ -245,3 +245,26 @@ def test_streamed_attention_on_the_gpu_matches_the_interpreter(dtype):
         for k, ref in want.items():
             scale = max(1.0, float(np.max(np.abs(ref))))
             np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=0, atol=tol * scale, err_msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_flash_attention_on_the_gpu_matches_the_interpreter(dtype):
+    """tests/backends/test_cuda_flash.py's programs (causal, cross, a bias, a fully masked
+    row, a subtracted mask; d = 64, causal also 128; with their gradients): the fused
+    forward and backward kernels on the GPU against the interpreter."""
+    import cupy
+
+    flash = pytest.importorskip("backends.test_cuda_flash", reason="the flash tests need torch")
+    for name in sorted(flash.PROGRAMS):
+        for d in ((64, 128) if name == "causal" else (64,)):   # (NVRTC compiles: part 1 of gpu_check.sh has 120 s)
+            src = flash.source(name, d)
+            prog = tgc.compile(src, backend="cuda", dtype=dtype)
+            assert "flash" in [getattr(k, "kind", "") for k in prog.lowered.kernels], name
+            x = flash.inputs(src)
+            want = flash.reference(src, x)
+            got = prog(**{k: cupy.asarray(v.astype(np.float32 if dtype == "f32" else np.float64)) for k, v in x.items()})
+            tol = 1e-10 if dtype == "f64" else 2e-5
+            for k, ref in want.items():
+                scale = float(np.max(np.abs(ref)))
+                np.testing.assert_allclose(cupy.asnumpy(got[k]), ref, rtol=0, atol=tol * scale,
+                                           err_msg=f"{name} d={d} {k}")

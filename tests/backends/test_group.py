@@ -255,6 +255,25 @@ def test_blocks_of_a_short_first_loop_take_the_next_loop_too(threads):
         np.testing.assert_allclose(prog(**x)["y"], want, rtol=1e-12, atol=1e-13)
 
 
+BATCH_HEAD_SOFTMAX = "dim b = 2, head = 4, t = 24\ndim s = t\ninput x[b, head, t, s]\n" \
+                     "out y[b, head, t, s] = softmax[s](where([s <= t], x, -inf))\n"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_of_short_first_loops_take_the_loops_while_their_product_is_short(threads):
+    # 2 x 4 rows of batches and heads make fewer than two blocks of group_min_block_rows:
+    # the blocks divide the rows t too (a streamed attention step's softmax ran on one thread)
+    from tgc.backends.cpu.loops import blocked_loops
+
+    prog = build(BATCH_HEAD_SOFTMAX, "f64", threads=threads, parallel_min_work=1)
+    blocked = [g for g in groups(prog) if g.blocks]
+    assert blocked and all(blocked_loops(g, prog.options.cpu) == ("b", "head", "t") for g in blocked)
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({}), 1, "f64")
+    want = evaluate(m, dict(x), dtype="f64")["y"]
+    np.testing.assert_allclose(prog(**x)["y"], want, rtol=1e-12, atol=1e-13)
+
+
 def test_blocks_stay_on_the_first_loop_when_it_is_summed_over():
     from tgc.backends.cpu.loops import blocked_loops
 

@@ -52,7 +52,7 @@ needs_openblas = pytest.mark.skipif(not _links_system_openblas(),
 
 HARNESS = r"""#include <stdint.h>
 #include <string.h>
-static void* table[10];
+static void* table[11];
 void t_init(void* const* t) { memcpy(table, t, sizeof table); }
 void* t_slot(int i) { return table[i]; }
 long fake_calls;

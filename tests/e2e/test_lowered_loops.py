@@ -253,3 +253,31 @@ def test_a_steps_matrix_products_are_pairwise():
     for s in steps:
         assert all(len(k.red) <= 1 for k in s.kernels if isinstance(k, LoopKernel)), \
             [k.text().splitlines()[0] for k in s.kernels]
+
+
+
+CARRY_IN = """\
+dim layer = 3, c = 4
+input x[c]
+param w[layer, c]
+param v[layer, c]
+fn cell(h, w) = tanh(h * w)
+h1 = repeat[layer](cell, x, w)
+out y = repeat[layer](cell, h1, v){more}
+"""
+
+
+@pytest.mark.parametrize("read_after", [False, True])
+def test_a_carry_whose_initial_value_dies_at_the_loop_is_updated_in_place(read_after):
+    """The second loop's carry starts from the first loop's result: read by nothing
+    else, the buffer holding it is the second loop's carry (no copy in); when it is
+    also read after the loop (an output here), the second loop gets a copy."""
+    m = module(CARRY_IN.format(more="\nout z = h1 * 3" if read_after else ""), unroll_max_ops=0)
+    low = lower_module(m, LOOPS, "cpu")
+    first, second = [k for k in low.kernels if isinstance(k, StepLoop)]
+    assert (first.args[0].buf == second.args[0].buf) != read_after
+    rng = np.random.default_rng(3)
+    ins = {"x": rng.standard_normal(4) * 0.5, "w": rng.standard_normal((3, 4)), "v": rng.standard_normal((3, 4))}
+    want = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+    close(run_lowered(low, {k: a.copy() for k, a in ins.items()}), want)
+    close(compile_module(m, LOOPS, "cpu").run({k: a.copy() for k, a in ins.items()}), want)

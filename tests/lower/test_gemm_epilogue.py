@@ -5,6 +5,8 @@ lowered interpreter, and where the fold must not apply (an AdamW step under glob
 norm clipping)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -190,3 +192,14 @@ def test_the_cuda_lowering_writes_epilogues_out():
     m = pipeline.lower(compile_source(FFN, "<test>", opts), opts).module
     low = lower_module(m, opts, backend="cuda-sim")
     assert not any(isinstance(k, GemmKernel) and k.epilogue for k in low.kernels)
+
+
+def test_a_gemm_with_an_epilogue_runs_as_a_kernel_of_its_own():
+    """A merged parallel region (backends/cpu/regions.py) takes no epilogue GEMM: its
+    function takes the epilogue's buffers in an array of its own."""
+    from tgc.backends.cpu import regions
+
+    _, low = lowered(FFN)
+    (g,) = [k for k in low.kernels if isinstance(k, GemmKernel)]
+    assert g.epilogue and not regions.is_member(g) and not regions.splits(g, Options().cpu)
+    assert regions.is_member(replace(g, epilogue=()))

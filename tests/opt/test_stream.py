@@ -450,6 +450,28 @@ def test_masked_keys_are_skipped_in_the_work():
     assert 0.1 < ratio < 0.2, ratio
 
 
+def test_the_runs_copy_their_key_windows_in_the_keys_order_and_hand_the_carries_on():
+    """A masked stream's runs (4 here) read windows of k and v: copied in k's and v's
+    own order (`[head, s.N, hd]`, so the copy runs along both), and the dk, dv carries
+    pass from run to run in one buffer each (no copy in); the result matches torch."""
+    import tgc
+    from tgc.lower.lowered import StepLoop
+
+    src = ATTENTION
+    prog = tgc.compile(src, "cpu", "f64", options=Options(**{**ON, "stream_mask_groups": 4}))
+    low = prog.lowered
+    runs = [k for k in low.kernels if isinstance(k, StepLoop)]
+    assert len(runs) == 4
+    windows = [b for k in runs for b in (x.buf for x in k.args) if b.startswith("w")]
+    assert len(windows) == 6   # k and v for every run but the last, which reads them whole
+    for w in windows:
+        order = low.buffers[w].order
+        assert order[0] == "head" and order[1].startswith("s.") and order[2] == "hd", order
+    assert len({tuple(x.buf for x in k.args[:k.carries]) for k in runs}) == 1
+    want = torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), inputs(src))
+    close(prog(**inputs(src)), want, 1e-10)
+
+
 def test_a_run_with_a_fully_masked_row_keeps_every_key():
     """MASKED's rows t < 4 see no key: the run of its first two blocks keeps all of s
     (its weights uniform over every key, as unstreamed); the other runs see only their hull."""

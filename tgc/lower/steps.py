@@ -11,14 +11,16 @@ at them:
 
 - each carry a buffer `C` the loop reads as the step's argument and writes after
   each step from the step's output `N` (the carry's new value, a buffer of its
-  own): a copy kernel fills `C` with the initial value first, and `C` holds the
-  loop's result at the end;
+  own): a copy kernel fills `C` with the initial value first (unless that value is
+  a temporary in `C`'s order that nothing but the loop reads: then it is `C`), and
+  `C` holds the loop's result at the end;
 - each stacked operand a buffer with the loop edge outermost (step i reads the
   slice at offset i); an argument of the program stored that way, or another
   loop's result (stored so: the carries a forward loop keeps for the backward one),
   is bound as it is, any other operand is copied in first;
 - each loop-invariant operand: an argument of the program or another loop's result
-  as it is, else a copy;
+  as it is, else a copy (a window of a stored tensor, a masked stream's keys, in
+  that tensor's order, so that the copy runs along both);
 - each stacked result a buffer with the loop edge outermost, step i writing its
   slice.
 
@@ -114,6 +116,12 @@ class StepLowering:
                 args.append(Bind(held, role == "slice"))   # another loop's result, stored as this one reads it
                 arg_orders.append(inner)
                 continue
+            if role == "carry" and held is not None and self.dies_here(o, v, held, order):
+                args.append(Bind(held, False))   # an initial value read by this loop alone: updated in place
+                arg_orders.append(inner)
+                continue
+            if role == "invariant":
+                order = inner = self.window_order(o) or inner
             buf = self.temp("c" if role == "carry" else "s" if role == "slice" else "w", dtype, order)
             copies.append((buf, o))
             args.append(Bind(buf, role == "slice"))
@@ -134,6 +142,57 @@ class StepLowering:
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
                 "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
                 "note": _note(v, body)}
+
+    def window_order(self, o: Value) -> tuple[str, ...] | None:
+        """The order of a window of a stored tensor (`x` contracted with renaming
+        indicators `[e = f + c]`: a masked stream's run reads its keys so), that
+        tensor's buffer order with each `e` renamed `f`, so that the copy reads and
+        writes along the same axes (the declaration order put the keys' window edge
+        after `hd`: a transposing copy, about 6% of the benchmark's attention); else None."""
+        if o.op != "contract" or not o.operands:
+            return None
+        x, inds = o.operands[0], o.operands[1:]
+        held = self.f.m.args[x.attrs[0]].order if x.op == "arg" else \
+            (self.f.low.buffers[self.f.mat[id(x)]].order if id(x) in self.f.mat else None)
+        if not held or any(i.op != "indicator" for i in inds):
+            return None
+        rename = {}
+        for i in inds:
+            rel = i.attrs[0]
+            if rel.ops != ("=",) or len(rel.exprs) != 2 or any(len(e.terms) != 1 for e in rel.exprs):
+                return None
+            (a, ka), (b, kb) = rel.exprs[0].terms[0], rel.exprs[1].terms[0]
+            if ka != 1 or kb != 1 or (a in x.edges) == (b in x.edges):
+                return None
+            if a in x.edges:
+                rename[a] = b
+            else:
+                rename[b] = a
+        order = tuple(rename.get(e, e) for e in held)
+        return order if sorted(order) == sorted(o.edges) else None
+
+    def dies_here(self, o: Value, v: Value, held: str, order: tuple[str, ...]) -> bool:
+        """Whether the carry's initial value `o`, held in the temporary `held` in the
+        carry's order, is read by nothing but loop `v` (the outputs of its loop, as
+        one operand, not an output of the program), and every other value held in that
+        buffer only before it (by values `v` depends on): then the loop updates that buffer
+        in place, with no copy in (a masked stream's runs hand their `dk`, `dv` carries
+        on so)."""
+        buf = self.f.low.buffers[held]
+        if buf.kind != "temp" or buf.order != order or sum(x is o for x in v.operands) != 1:
+            return False
+        before = {id(w) for w in self.groups[loop_key(v)]}   # this loop, and what runs before it
+        todo = list(v.operands)
+        while todo:
+            w = todo.pop()
+            if id(w) not in before:
+                before.add(id(w))
+                todo.extend(w.operands)
+                if w.op == "loop":   # a loop runs whole: its other outputs are before too
+                    todo.extend(self.groups[self.group_of[id(w)]])
+        # every value held there (a loop's results, an earlier loop's that it updated in place)
+        return all(not self.f.root_uses[id(w)] and self.f.users[id(w)] <= before
+                   for w in self.f.values if self.f.mat.get(id(w)) == held)
 
     def step_module(self, body: V.LoopBody, arg_orders, out_orders) -> Module:
         """The step as a module: parameter k is argument `p<k>`, result j output `r<j>`."""

@@ -89,6 +89,7 @@ STUB = r"""#include <complex.h>
 void {p}_init(void* const* table);
 
 extern void GOMP_parallel(void);
+extern void GOMP_barrier(void);
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
 extern int omp_get_max_threads(void);
@@ -211,9 +212,10 @@ TGC_COMPLEX_ADAPTER(zgemm_adapted, zgemm_by_definition)
 static int32_t init_table(int32_t int_bits, void* sgemm, void* dgemm, int32_t complex_bits,
                           int32_t conj_no_trans, void* cgemm, void* zgemm, void* get_threads,
                           void* set_threads) {{
-  void* table[10] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
+  void* table[11] = {{NULL, NULL, (void*)GOMP_parallel, (void*)omp_get_thread_num,
                      (void*)omp_get_num_threads, get_threads, set_threads,
-                     (void*)omp_get_max_threads, (void*)cgemm_adapted, (void*)zgemm_adapted}};
+                     (void*)omp_get_max_threads, (void*)cgemm_adapted, (void*)zgemm_adapted,
+                     (void*)GOMP_barrier}};
   if (BLAS_REQUIRED && (sgemm == NULL || dgemm == NULL)) return -1;
   if ((int_bits != 32 && int_bits != 64) || (complex_bits != 32 && complex_bits != 64)) return -1;
   if (int_bits == 64) {{

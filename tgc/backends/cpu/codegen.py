@@ -53,7 +53,8 @@ pointers advance by the step's offset, each carry's new value is copied into the
 carry after the step, and the step's temporaries are in its own workspace slots. A kernel whose outermost
 loop runs over a kept edge is also outlined for libgomp and run on every core when
 its work (iterations x op weight, known only at run time) reaches
-`options.cpu.parallel_min_work`.
+`options.cpu.parallel_min_work`. Consecutive kernels share one region where
+`regions.plan_regions` says (`call_region`, `region_body`).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ from dataclasses import replace
 
 import llvmlite.ir as ir
 
-from tgc.backends.cpu import fntable, parallel, sizecheck
+from tgc.backends.cpu import fntable, parallel, regions, sizecheck
 from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
 from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
@@ -358,13 +359,24 @@ class _ModuleGen:
         ptrs = self.buffer_ptrs(f, args, outs, ws, offsets)
         restore = self.blas_one_thread(f) if any(isinstance(k, GemmKernel) for _, k in self.flat) else None
         fns = iter(kernels)
-        for i, k in enumerate(self.low.kernels):
+        starts = {r.start: r for r in self.regions(self.low, step=False)}
+        i = 0
+        while i < len(self.low.kernels):
+            if i in starts:   # several kernels in one region (no profile: see `regions`)
+                r = starts[i]
+                self.call_region(f, self.low, r, fns, ptrs)
+                for j in range(r.start, r.stop) if self.objects_entry else ():
+                    b.call(self.notify_fn(), [I32(j)])
+                i = r.stop
+                continue
+            k = self.low.kernels[i]
             start = self.now(b) if self.opt.cpu.profile else None
             self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
             if start is not None:
                 self.count_cycles(b, i, start)
             if self.objects_entry:
                 b.call(self.notify_fn(), [I32(i)])
+            i += 1
         if restore is not None:
             restore()
         b.ret(I32(0))
@@ -381,12 +393,6 @@ class _ModuleGen:
         kfn, par = next(fns)
         dims = f.dims_ptr
         if isinstance(k, (GemmKernel, ImplicitGemm)):
-            g = k.gemm if isinstance(k, ImplicitGemm) else k
-            names = [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source
-                     for n in (g.a.buf, g.b.buf, g.out)]   # an implicit GEMM's window: its source
-            cpu = self.opt.cpu
-            min_flops = self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
-                                       cpu.gemm_flops_per_cycle)
             extra = []
             if isinstance(k, GemmKernel) and k.epilogue:   # its epilogue's buffers, in an array
                 epi = epilogue_buffers(self.program_of[id(k)], k)
@@ -394,9 +400,15 @@ class _ModuleGen:
                 for j, n in enumerate(epi):
                     b.store(ptrs[n], b.gep(arr, [I32(0), I32(j)]))
                 extra = [arr]
-            b.call(kfn, [dims] + [ptrs[n] for n in names] + [min_flops] + extra)
+            b.call(kfn, [dims] + [ptrs[n] for n in gemm_buffers(k)] + [self.gemm_min_flops(b)] + extra)
         else:
             self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+
+    def gemm_min_flops(self, b: ir.IRBuilder):
+        """i64: the least flops of a GEMM that starts a region of its own now."""
+        cpu = self.opt.cpu
+        return self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
+                              cpu.gemm_flops_per_cycle)
 
     def call_steps(self, f: Frame, k: StepLoop, fns, ptrs: dict, ws, offsets: list, base: int) -> None:
         """A loop over an edge: one LLVM loop whose body calls the step's kernels (each
@@ -423,7 +435,15 @@ class _ModuleGen:
                 if sb.kind == "temp":
                     inner[name] = b.gep(ws, [offsets[base + sb.slot]], source_etype=ir.IntType(8))
             sub = iter(step_fns)
-            for sk in step.kernels:
+            starts = {r.start: r for r in self.regions(step, step=True)}
+            skip = 0
+            for i, sk in enumerate(step.kernels):
+                if i < skip:
+                    continue
+                if i in starts:
+                    self.call_region(f, step, starts[i], sub, inner)
+                    skip = starts[i].stop
+                    continue
                 start = self.now(b) if self.opt.cpu.profile and not isinstance(sk, StepLoop) else None
                 self.call_kernel(f, sk, sub, inner, ws, offsets, base)
                 if start is not None:
@@ -677,6 +697,95 @@ class _ModuleGen:
                 b.call(kfn, call_args + [I64(0), n])
 
 
+    # ------------------------------------------------------------ merged regions
+
+    def regions(self, p: Lowered, step: bool) -> list:
+        """The runs of `p`'s kernels that share one region (`regions.plan_regions`);
+        none with one thread, with `merge_regions` off, or with `profile` (its counters
+        are per kernel)."""
+        cpu = self.opt.cpu
+        if cpu.threads == 1 or not cpu.merge_regions or cpu.profile:
+            return []
+        return regions.plan_regions(p, cpu, step)
+
+    def call_region(self, f: Frame, p: Lowered, r, fns, ptrs: dict) -> None:
+        """Run kernels `r.start` .. `r.stop` of `p` in one region when their split
+        kernels' work together (`region_work_terms`), less `barrier_work` per barrier,
+        reaches the threshold (the lag's floor scaled by the barriers plus one: each
+        barrier may wait a lag), else one after another on this thread, as without a
+        region (a GEMM then deciding alone)."""
+        b, cpu = f.b, self.opt.cpu
+        ks = p.kernels[r.start:r.stop]
+        kfns = [next(fns)[0] for _ in ks]
+        bufs = list(dict.fromkeys(n for k in ks for n in region_buffers(k)))
+        data = f.alloca(ir.ArrayType(PTR, 1 + len(bufs)), "region.data")
+        for i, a in enumerate([f.dims_ptr] + [ptrs[n] for n in bufs]):
+            b.store(a, b.gep(data, [I32(0), I32(i)]))
+        work = I64(0)
+        for k, one in zip(ks, r.single):
+            for weight_, sizes, div, batch in region_work_terms(p, k, cpu) if not one else ():
+                term, count = I64(weight_), I64(1)
+                for s in sizes:
+                    term, count = b.mul(term, f.size(s)), b.mul(count, f.size(s))
+                term = term if div == 1 else b.sdiv(term, I64(div))
+                if batch is not None:   # a GEMM of one task (one thread) is no split work
+                    times = I64(1)
+                    for s in batch:
+                        times = b.mul(times, f.size(s))
+                    tiled = b.or_(b.icmp_signed(">=", b.mul(count, I64(2)), I64(cpu.gemm_parallel_min_flops)),
+                                  b.icmp_signed(">=", times, I64(cpu.gemm_batch_tasks)))
+                    term = b.select(tiled, term, I64(0))
+                work = b.add(work, term)
+        limit = self.threshold(b, cpu.parallel_min_work_warm, cpu.parallel_min_work,
+                               cpu.loop_work_per_cycle * (1 + r.barriers))
+        big = b.call(self.parallel_now(), [b.sub(work, I64(cpu.barrier_work * r.barriers)), limit])
+        if r.barriers:
+            big = b.and_(big, fntable.is_set(b, "gomp_barrier"))
+        with b.if_else(big) as (then, otherwise):
+            with then:
+                body = self.region_body(p, r, ks, kfns, bufs)
+                b.call(parallel.region_fn(self.mod, self.mod, cpu), [body, data])
+            with otherwise:
+                for k, kfn in zip(ks, kfns):
+                    args = [f.dims_ptr] + [ptrs[n] for n in region_buffers(k)]
+                    if regions.is_gemm(k):   # decides for itself (its own region, or one thread)
+                        b.call(kfn, args + [self.gemm_min_flops(b)])
+                    else:
+                        b.call(kfn, args + [I64(0), split_count(f, k, cpu)])
+
+    def region_body(self, p: Lowered, r, ks, kfns, bufs: list) -> ir.Function:
+        """`void tgc.rN(ptr data)`, data = [dims, buffers...]: on each thread, each
+        kernel of the region on its share of its split range (`parallel.thread_range`),
+        or whole on thread 0 (`r.single`), with `tgc.barrier` where `r.barrier` says."""
+        cpu = self.opt.cpu
+        n = sum(1 for fn in self.mod.functions if fn.name.startswith("tgc.r") and fn.name[5:].isdigit())
+        fn = define(self.mod, f"tgc.r{n}", ir.VoidType(), [PTR])
+        optimize_not(fn)   # loads and calls
+        f = Frame(fn, p.module, None, p.edges)
+        e = f.entry
+        loaded = [e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR) for i in range(1 + len(bufs))]
+        f.dims_ptr = loaded[0]
+        ptrs = dict(zip(bufs, loaded[1:]))
+        b = f.b
+        for j, (k, kfn) in enumerate(zip(ks, kfns)):
+            if r.barrier[j]:
+                b.call(parallel.barrier_fn(self.mod, self.mod), [])
+            args = [f.dims_ptr] + [ptrs[name] for name in region_buffers(k)]
+            if regions.is_gemm(k):   # each thread its share of the tasks (`gemm.GemmGen.emit`)
+                b.call(kfn, args + [I64(-1)])
+                continue
+            n = split_count(f, k, cpu)
+            if r.single[j]:
+                first = b.icmp_signed("==", fntable.call(b, "omp_get_thread_num", []), I32(0))
+                with b.if_then(first):
+                    b.call(kfn, args + [I64(0), n])
+            else:
+                lo, hi = parallel.thread_range(b, n)
+                b.call(kfn, args + [lo, hi])
+        b.ret_void()
+        f.finish()
+        return fn
+
 
 def weight(k: LoopKernel) -> int:
     """Work per iteration of the kernel's loops, in units of an add (tgc.ir.ops.COSTS)."""
@@ -745,6 +854,91 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
     if amount >= cold:
         return PARALLEL
     return PARALLEL_WARM if amount >= warm else SERIAL
+
+
+def gemm_buffers(k) -> list[str]:
+    """A GEMM kernel's buffers in its function's order: a, b, out (an implicit GEMM's
+    window: its source)."""
+    g = k.gemm if isinstance(k, ImplicitGemm) else k
+    return [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source for n in (g.a.buf, g.b.buf, g.out)]
+
+
+def region_buffers(k) -> list[str]:
+    """The buffers kernel `k`'s function takes, in its order."""
+    return gemm_buffers(k) if regions.is_gemm(k) else kernel_buffers(k)
+
+
+def region_work_terms(low: Lowered, k, cpu: CpuOptions) -> list[tuple]:
+    """The work a kernel in a merged region adds to what threads share, as (weight,
+    extents, divisor, batch): weight x extents / divisor; a loop's are `work_terms`.
+    A GEMM's flops count as loop work of the same serial time (`loop_work_per_cycle`
+    / `gemm_flops_per_cycle` each), and only when it is cut into several tasks
+    (`gemm.GemmGen.tile_limit`: at least `gemm_parallel_min_flops`, or its `batch`
+    extents at least `gemm_batch_tasks` indices); one task runs on one thread."""
+    if not regions.is_gemm(k):
+        return [(w, sizes, 1, None) for w, sizes in work_terms(k, cpu)]
+    g = k.gemm if isinstance(k, ImplicitGemm) else k
+    sizes = [low.size(e) for e in g.batch + g.m + g.n + g.k + g.taps]
+    return [(2 * max(cpu.loop_work_per_cycle, 1), sizes, max(cpu.gemm_flops_per_cycle, 1),
+             [low.size(e) for e in g.batch])]
+
+
+def thread_plans(low: Lowered, env: dict, options: Options) -> list[str]:
+    """`thread_plan` of each of `low`'s kernels, as the generated code decides it with
+    merged regions (`regions.plan_regions`): a region's kernels all take the plan of
+    the region, whose work is its split kernels' together (a kernel on thread 0 in it
+    takes the region's plan too: it runs inside it)."""
+    plans = [thread_plan(low, k, env, options) for k in low.kernels]
+    cpu = options.cpu
+    if cpu.threads == 1 or not cpu.merge_regions or cpu.profile:
+        return plans
+    for r in regions.plan_regions(low, cpu):
+        amount = 0
+        for k, one in zip(low.kernels[r.start:r.stop], r.single):
+            for weight_, sizes, div, batch in region_work_terms(low, k, cpu) if not one else ():
+                count = 1
+                for s in sizes:
+                    count *= size_eval(s, env)
+                times = 1
+                for s in batch or ():
+                    times *= size_eval(s, env)
+                if batch is None or 2 * count >= cpu.gemm_parallel_min_flops or times >= cpu.gemm_batch_tasks:
+                    amount += weight_ * count // div
+        amount -= cpu.barrier_work * r.barriers
+        plan = PARALLEL if amount >= cpu.parallel_min_work else \
+            PARALLEL_WARM if amount >= cpu.parallel_min_work_warm else SERIAL
+        for j in range(r.start, r.stop):
+            plans[j] = plan
+    return plans
+
+
+def region_count(low: Lowered, env: dict, options: Options) -> tuple[int, int, int]:
+    """(regions, of which those that run only right after another region, barriers in
+    them) that one call of `low` starts at the dims `env` on a quiet machine, by
+    `thread_plans`: one per parallel kernel or merged region, a loop's step's as many
+    times as the loop runs. An upper bound: a PARALLEL_WARM one runs serially when
+    the workers have gone to sleep, and any runs serially while the lag is held
+    (`parallel.py`)."""
+    plans = thread_plans(low, env, options)
+    cpu = options.cpu
+    merged = cpu.threads != 1 and cpu.merge_regions and not cpu.profile
+    found = {r.start: r for r in regions.plan_regions(low, cpu)} if merged else {}
+    count = warm = bars = 0
+    i = 0
+    while i < len(low.kernels):
+        k = low.kernels[i]
+        if isinstance(k, StepLoop):
+            trip = size_eval(k.trip, env)
+            c, w, n = region_count(k.step, {**{d: s for d, s in k.step.module.dims.items() if isinstance(s, int)},
+                                            **env}, options)
+            count, warm, bars = count + trip * c, warm + trip * w, bars + trip * n
+        else:
+            par = plans[i] in (PARALLEL, PARALLEL_WARM)
+            count += par
+            warm += plans[i] == PARALLEL_WARM
+            bars += found[i].barriers if par and i in found else 0
+        i = found[i].stop if i in found else i + 1
+    return count, warm, bars
 
 
 def step_profile_kernels(low: Lowered) -> list:

@@ -117,26 +117,6 @@ class Window:
         return off, cs
 
 
-def start_accumulators(b, add_c, crow, accs, masks):
-    """Each register block's accumulators (allocas `accs[r][c]`): C's rows `crow`
-    (masked to the block's columns) when `add_c`, else zeros. A branch, not a load
-    with no lane set: that still reads C's lines (rows 4 KB apart miss the cache: a
-    fifth of a convolution's product)."""
-    vt = accs[0][0].allocated_type
-    lanes = vt.count
-    load_fn = masked_intrinsics(b.module, vt.element, lanes)[0]
-    with b.if_else(add_c) as (from_c, from_zero):
-        with from_c:
-            for row, regs in zip(crow, accs):
-                for c, acc in enumerate(regs):
-                    at = b.gep(row, [I64(c * lanes)], source_etype=vt.element)
-                    b.store(b.call(load_fn, [at, I32(4), masks[c], ir.Constant(vt, [0.0] * lanes)]), acc)
-        with from_zero:
-            for regs in accs:
-                for acc in regs:
-                    b.store(ir.Constant(vt, [0.0] * lanes), acc)
-
-
 class _Lines:
     """Floats from byte address `addr` on, read from the aligned 64-byte lines that
     hold them: a vector of 16 that starts `shift` floats into line j is lanes shift..
@@ -414,7 +394,8 @@ class _Lanes:
         last = lines.load(n, b.load(self.prev[1], typ=I32))
         b.store(lines.join(b.load(self.prev[0], typ=vt), last), at(b.sub(n, I64(1))), align=4)
 
-def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, home: ir.Module | None = None,
+def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: int | None = None,
+               home: ir.Module | None = None,
                depth: int | None = None, window: Window | None = None, name: str | None = None,
                frame=None, taps: bool = False) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks
@@ -441,6 +422,10 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
     accumulators in registers across all of them (C is read and written once per K
     block, not once per tap)."""
     depth = cpu.own_gemm_depth if depth is None else depth
+    if rows is None:   # an implicit GEMM's copy keeps 4 x 4 blocks (its packers were tuned with them)
+        rows = cpu.own_gemm_rows if window is None else 4
+    if vecs is None:
+        vecs = cpu.own_gemm_vecs if window is None else 4
     if window is None:
         name = kernel_name(rows, vecs) + ("" if depth == cpu.own_gemm_depth else f".d{depth}") + (".taps" if taps else "")
         if name in mod.globals:
@@ -457,7 +442,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
         extra = [I64] + [PTR] * 6
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32] + extra)
     fn.attributes.add("noinline")
-    M, N, K, pa, sam, _sak, pb, sbk, sbn, pc, ldc, acc = fn.args[:12]
+    M, N, K, pa, sam, sak, pb, sbk, sbn, pc, ldc, acc = fn.args[:12]
     for a in (pa, pb, pc):
         a.add_attribute("noalias")
     if window is not None:
@@ -489,17 +474,26 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
     iota = ir.Constant(it, list(range(VL)))
     align = I32(4)
 
+    prefetch = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+        mod, ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32]), "llvm.prefetch.p0")
+
     def smin(x, y):
         return _min(b, x, y)
 
     def smax(x, y):
         return _max(b, x, y)
 
+    # A's K stride in the FMA loop: 1 for an implicit GEMM's copy (its packed rows, or an
+    # A with its K contiguous, which implicit.py requires)
+    astep = I64(1) if window is not None else sak
+    cur = {"M": M}   # the rows of the row panel being computed (see the panel loop below)
+
     def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
         rows p0..p1 of B's block (K k0 + p0 .. k0 + p1); with `tap_parts`, a
         function of the builder that yields each tap's (A, packed block, p0, p1),
         the sum over the taps."""
+        M = cur["M"]
         with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
             i0 = b.mul(ib, I64(rows))
             last = b.sub(M, I64(1))
@@ -511,28 +505,48 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
                 arow = []
                 for r in range(rows):
                     dst = b.gep(apack, [I64(r * span)], source_etype=f32)
-                    segs.fill(b, pa, b.add(row0, rix[r]), dst, kvecs)
+                    segs.fill(b, pa, b.add(row0, rix[r]), dst, cur["kvecs"])
                     arow.append(dst)
             else:
-                arow = [b.gep(pa, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix]
+                arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
+            if window is None:
+                # C's block into L2 while the FMAs run: read (or written) after them, from
+                # L3 when C is too wide to stay (1024 x 1536 x 384: 188 -> 2xx GFLOP/s)
+                for row in crow:
+                    for c in range(vecs):
+                        b.call(prefetch, [b.gep(row, [I64(c * VL)], source_etype=f32), I32(1), I32(2), I32(1)])
             for regs in accs:   # each K block's sum starts from zero (see the module's docstring)
                 for acc in regs:
                     b.store(zero_v, acc)
 
-            def fmas(arow, packed, p0, p1):
+            def fmas_loop(arow, packed, p0, p1, kstep):
                 with for_range(b, p0, p1, "kk", unroll=False) as p:
                     src = b.gep(packed, [b.mul(p, I64(cols))], source_etype=f32)
                     bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
                                  typ=vt, align=64) for c in range(vecs)]
                     for r in range(rows):
-                        av = splat(b, b.load(b.gep(arow[r], [p], source_etype=f32), typ=f32), vt)
+                        av = splat(b, b.load(b.gep(arow[r], [b.mul(p, kstep)], source_etype=f32), typ=f32), vt)
                         for c in range(vecs):
                             b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+
+            def fmas(arow, packed, p0, p1):
+                """The FMA loop over packed rows p0..p1; a copy for A's K contiguous (one
+                index for every row's broadcast, not a pointer per row to step: those
+                adds compete with the FMAs for ports)."""
+                if window is not None:
+                    fmas_loop(arow, packed, p0, p1, I64(1))
+                    return
+                with b.if_else(b.icmp_signed("==", astep, I64(1))) as (unit, strided):
+                    with unit:
+                        fmas_loop(arow, packed, p0, p1, I64(1))
+                    with strided:
+                        fmas_loop(arow, packed, p0, p1, astep)
             if tap_parts is None:
                 fmas(arow, bpack, p0, p1)
             else:
                 for a_t, packed, t0, t1 in tap_parts():
-                    fmas([b.gep(a_t, [b.add(b.mul(i, sam), k0)], source_etype=f32) for i in rix], packed, t0, t1)
+                    fmas([b.gep(a_t, [b.add(b.mul(i, sam), b.mul(k0, sak))], source_etype=f32) for i in rix],
+                         packed, t0, t1)
             with b.if_else(add_c) as (onto_c, into_c):   # C + the block's sum, or the sum
                 for adds in (True, False):
                     with (onto_c if adds else into_c):
@@ -557,7 +571,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
     lane_bytes = b.mul(splat(b, b.mul(sbn, I64(4)), it), iota)
     panels = b.sdiv(b.add(N, I64(cols - 1)), I64(cols))
     narrow = None
-    if window is None and vecs == 4 and rows == 4 and not taps:
+    if window is None and vecs == 4 and not taps:
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
@@ -565,52 +579,83 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int = 4, vecs: int = 4, ho
         tail = b.sub(N, b.mul(b.sub(panels, I64(1)), I64(cols)))
         narrow = b.and_(b.icmp_signed(">", N, I64(0)), b.icmp_signed("<=", tail, I64(cols // 2)))
         panels = b.select(narrow, b.sub(panels, I64(1)), panels)
-    with for_range(b, I64(0), panels, "oj") as jb:
+    # Row panels: all of B's column blocks for `panel` rows of A at a time, so that the
+    # panel's A (panel x K block) stays in L2 while B's blocks are packed and read; a
+    # 1024 x 1536 x 384 product ran at 171 GFLOP/s whole, 188 in panels of 256 rows
+    # (its 1.5 MB A and 2.4 MB B exceed the 2 MB L2). Every element of C is summed as
+    # without panels (the K blocks depend on K only).
+    panel = -(-max(1, cpu.own_gemm_panel_rows) // rows) * rows if window is None else 0
+    pa_all, pc_all = pa, pc
+    if panel:
+        npanels = b.sdiv(b.add(M, I64(panel - 1)), I64(panel))
+        npanels = b.select(b.icmp_signed("<", npanels, I64(1)), I64(1), npanels)   # M = 0: one empty panel
+        row_panel = for_range(b, I64(0), npanels, "om")
+        m0 = b.mul(row_panel.__enter__(), I64(panel))
+        cur["M"] = smin(I64(panel), b.sub(M, m0))
+        pa = b.gep(pa_all, [b.mul(m0, sam)], source_etype=f32)
+        pc = b.gep(pc_all, [b.mul(m0, ldc)], source_etype=f32)
+
+    def block_step(jb, kb):
+        """Column block jb times K block kb: pack B's block, then every row block."""
         j0 = b.mul(jb, I64(cols))
         width = smin(I64(cols), b.sub(N, j0))
         masks = [b.icmp_signed("<", iota, splat(b, b.sub(width, I64(c * VL)), it)) for c in range(vecs)]
+        k0 = b.mul(kb, step)
+        kd = smin(step, b.sub(K, k0))
+        kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
+        add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
+        if apack is not None:
+            cur["kvecs"] = kvecs = b.sdiv(b.add(kd, I64(VL - 1)), I64(VL))
+            segs.build(b, b.add(col0, k0), kd, kvecs)   # this K block's columns of the window
+        if window is not None and window.role == "b":
+            # the window's block, row by row from the source (zeros past the block's width)
+            with b.if_then(b.icmp_signed("==", kb, I64(0))):
+                segs.build(b, b.add(col0, j0), width, I64(vecs))   # the same columns for every K block
+            digits = segs.row_digits(entry, b, b.add(row0, k0))
+            with for_range(b, I64(0), kd, "pw") as p:
+                dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                segs.fill(b, pb, None, dst, vecs, digits)
+                segs.step_row(b, digits)
+        elif taps:
+            parts = _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn,
+                               zero_v, it, vt)
+        else:
+            _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
+                    zero_v, it, vt)
+        if taps:
+            row_blocks(pa, pc, None, None, add_c, j0, k0, masks, tap_parts=parts)
+        elif variants:   # each product's part of this K block, from the one packed block
+            nv, offs = fn.args[12], fn.args[13:17]
+            with for_range(b, I64(0), nv, "ov") as v:
+                a_off, c_off, lo, hi = (b.load(b.gep(x, [v], source_etype=I64), typ=I64) for x in offs)
+                p0 = b.sub(smax(k0, lo), k0)
+                p1 = b.sub(smin(b.add(k0, kd), hi), k0)
+                adds = b.or_(accumulate, b.icmp_signed(">", k0, lo))
+                with b.if_then(b.or_(b.icmp_signed("<", p0, p1), b.not_(adds))):   # (K = 0 writes zeros)
+                    row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
+                               p0, _max(b, p0, p1), adds, j0, k0, masks)
+        else:   # an implicit GEMM's copy
+            row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks)
+
+    # the K blocks outside the column blocks: a row panel's A (panel x K block) stays in
+    # L2 across all of B's column blocks (512 x 384 x 1536: 156 -> 1xx GFLOP/s); an
+    # implicit GEMM's copy keeps the column blocks outside (a window B's table of
+    # columns is built once per column block)
+    if window is None:
         with for_range(b, I64(0), chunks, "ok") as kb:
-            k0 = b.mul(kb, step)
-            kd = smin(step, b.sub(K, k0))
-            kd = b.select(b.icmp_signed("<", kd, I64(0)), I64(0), kd)
-            add_c = b.or_(accumulate, b.icmp_signed(">", kb, I64(0)))
-            if apack is not None:
-                kvecs = b.sdiv(b.add(kd, I64(VL - 1)), I64(VL))
-                segs.build(b, b.add(col0, k0), kd, kvecs)   # this K block's columns of the window
-            if window is not None and window.role == "b":
-                # the window's block, row by row from the source (zeros past the block's width)
-                with b.if_then(b.icmp_signed("==", kb, I64(0))):
-                    segs.build(b, b.add(col0, j0), width, I64(vecs))   # the same columns for every K block
-                digits = segs.row_digits(entry, b, b.add(row0, k0))
-                with for_range(b, I64(0), kd, "pw") as p:
-                    dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                    segs.fill(b, pb, None, dst, vecs, digits)
-                    segs.step_row(b, digits)
-            elif taps:
-                parts = _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn,
-                                   zero_v, it, vt)
-            else:
-                _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
-                        zero_v, it, vt)
-            if taps:
-                row_blocks(pa, pc, None, None, add_c, j0, k0, masks, tap_parts=parts)
-            elif variants:   # each product's part of this K block, from the one packed block
-                nv, offs = fn.args[12], fn.args[13:17]
-                with for_range(b, I64(0), nv, "ov") as v:
-                    a_off, c_off, lo, hi = (b.load(b.gep(x, [v], source_etype=I64), typ=I64) for x in offs)
-                    p0 = b.sub(smax(k0, lo), k0)
-                    p1 = b.sub(smin(b.add(k0, kd), hi), k0)
-                    adds = b.or_(accumulate, b.icmp_signed(">", k0, lo))
-                    with b.if_then(b.or_(b.icmp_signed("<", p0, p1), b.not_(adds))):   # (K = 0 writes zeros)
-                        row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
-                                   p0, _max(b, p0, p1), adds, j0, k0, masks)
-            else:   # an implicit GEMM's copy
-                row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks)
+            with for_range(b, I64(0), panels, "oj") as jb:
+                block_step(jb, kb)
+    else:
+        with for_range(b, I64(0), panels, "oj") as jb:
+            with for_range(b, I64(0), chunks, "ok") as kb:
+                block_step(jb, kb)
     if narrow is not None:
         with b.if_then(narrow):
             j0 = b.mul(panels, I64(cols))
-            b.call(fn_narrow, [M, b.sub(N, j0), K, pa, sam, _sak, b.gep(pb, [b.mul(j0, sbn)], source_etype=f32),
+            b.call(fn_narrow, [cur["M"], b.sub(N, j0), K, pa, sam, sak, b.gep(pb, [b.mul(j0, sbn)], source_etype=f32),
                                sbk, sbn, b.gep(pc, [j0], source_etype=f32), ldc, acc] + list(fn.args[12:]))
+    if panel:
+        row_panel.__exit__(None, None, None)
     b.ret_void()
     if window is not None:
         fr.finish()

@@ -19,6 +19,8 @@ into it. The runtime calls init once after loading (JIT engine or ``dlopen``ed
     8      cgemm                void (i32, i32, i32, i64, i64, i64, ptr alpha,
                                       ptr, i64, ptr, i64, ptr beta, ptr, i64)  (ILP64 CBLAS)
     9      zgemm                the same (complex double)
+    10     gomp_barrier         void ()           (GOMP_barrier: the barriers inside a region
+                                                   that runs several kernels, regions.py)
 
 The module copies the pointers, so the Python-side array may be freed after init.
 Only fields a module calls need be non-null, but the array always has all N slots.
@@ -34,7 +36,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import blas
 
 FIELDS = ('sgemm', 'dgemm', 'gomp_parallel', 'omp_get_thread_num', 'omp_get_num_threads',
-          'blas_get_threads', 'blas_set_threads', 'omp_get_max_threads', 'cgemm', 'zgemm')
+          'blas_get_threads', 'blas_set_threads', 'omp_get_max_threads', 'cgemm', 'zgemm', 'gomp_barrier')
 GLOBAL = 'tgc.fntable'
 
 
@@ -52,6 +54,7 @@ def field_type(name: str) -> ir.FunctionType:
         'omp_get_max_threads': ir.FunctionType(i32, []),
         'cgemm': blas.complex_gemm_type(),
         'zgemm': blas.complex_gemm_type(),
+        'gomp_barrier': ir.FunctionType(ir.VoidType(), []),
     }
     return types[name]
 

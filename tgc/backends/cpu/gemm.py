@@ -246,7 +246,10 @@ class GemmGen(TapCalls):
 
     def emit(self) -> ir.Function:
         """The entry: plans the tiles once (one tile per batch index when it runs on
-        one thread), then runs every task here or shares them out in a region."""
+        one thread), then runs every task here or shares them out in a region. A
+        negative `min_flops` says the caller is every thread of a region already
+        (`regions.py`: kernels merged into one region): then each runs its share of
+        the tasks (`parallel.thread_range`; a product of one task runs on thread 0)."""
         work = self.emit_work()
         par = self.emit_par(work) if self.opt.cpu.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
@@ -254,14 +257,19 @@ class GemmGen(TapCalls):
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
         extra = [self.fn.args[5]] if self.epi else []   # the epilogue's pointers
         limit = self.tile_limit(f, b)
+        pl = self.plan(f, b, limit)
         big = None
         if par is not None:
+            with b.if_then(b.icmp_signed("<", min_flops, I64(0))):
+                lo, hi = parallel.thread_range(b, pl["tasks"])
+                with b.if_then(b.icmp_signed("<", lo, hi)):
+                    b.call(work, args + [lo, hi, pl["tp"], pl["tq"], pl["tr"]] + extra)
+                b.ret(I32(1))
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
             flops = b.mul(b.mul(flops, f.count(self.k.batch)), f.count(self.k.taps))
             big = b.icmp_signed(">=", flops, min_flops)
             big = b.and_(big, fntable.is_set(b, "gomp_parallel"))
-        pl = self.plan(f, b, limit)
         tiles = [pl["tp"], pl["tq"], pl["tr"]]
         if big is not None:
             with b.if_then(b.and_(big, b.icmp_signed(">=", pl["tasks"], I64(2)))):
@@ -359,7 +367,8 @@ class GemmGen(TapCalls):
                 leaf = self.leaf_shared if self.shared else self.leaf
                 self.nest(list(k.taps), vars, lambda v: leaf(v, tile, pl, st, ptrs, A, B, c_p, small))
             if self.tapped:   # the tile runs the own kernel: all taps in one call
-                with b.if_else(b.and_(b.not_(small), self.own_tile(pl["R"], b.sub(q1, q0)))) as (one, many):
+                own = self.own_tile(b.sub(p1, p0), pl["R"], b.sub(q1, q0))
+                with b.if_else(b.and_(b.not_(small), own)) as (one, many):
                     with one:
                         self.call_taps(vars, tile, pl, st, ptrs, A, B, c_p)
                     with many:
@@ -482,11 +491,29 @@ class GemmGen(TapCalls):
             self.call_complex(m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1)
             return
         one = ir.Constant(self.fp, 1.0)
-        beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
         name = "sgemm" if isinstance(self.fp, ir.FloatType) else "dgemm"
         ld = [self.at_least_one(v) for v in (lda, ldb, ldc)]
-        fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
-                               pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+        cpu = self.opt.cpu
+        if cpu.blas_chain_mnk <= 0:
+            beta = b.select(beta1, one, ir.Constant(self.fp, 0.0))
+            fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kk, one,
+                                   pa, ld[0], pb, ld[1], beta, pc, ld[2]])
+            return
+        # a call of at most `blas_chain_mnk` multiply-adds goes in K chunks of `sum_chunk`,
+        # each summed from zero by its own call (see the option)
+        depth = I64(max(1, cpu.sum_chunk))
+        chained = b.and_(b.icmp_signed("<=", b.mul(b.mul(m, n), kk), I64(cpu.blas_chain_mnk)),
+                         b.icmp_signed(">", kk, depth))
+        chunk = self.at_least_one(b.select(chained, depth, kk))
+        chunks = self.at_least_one(self.ceil_div(b, kk, chunk))   # K = 0 still writes C (zeros)
+        with for_range(b, I64(0), chunks, "kchunk") as j:
+            r = b.mul(j, chunk)
+            kc = self.smax(b, self.smin(chunk, b.sub(kk, r)), I64(0))
+            beta = b.select(b.or_(beta1, b.icmp_signed(">", j, I64(0))), one, ir.Constant(self.fp, 0.0))
+            xa = self.ptr(pa, [(r, A.col)], self.elems[A.role])
+            xb = self.ptr(pb, [(r, B.row)], self.elems[B.role])
+            fntable.call(b, name, [I32(blas.ORDER_ROW_MAJOR), I32(ta), I32(tb), m, n, kc, one,
+                                   xa, ld[0], xb, ld[1], beta, pc, ld[2]])
 
     def call_complex(self, m, n, kk, pa, A, ta, lda, pb, B, tb, ldb, pc, ldc, beta1):
         """C'[m, n] (+)= alpha op(A')[m, kk] op(B')[kk, n] in pairs, row-major cblas
@@ -520,7 +547,7 @@ class GemmGen(TapCalls):
         when the function table has it and the blocked loops (`loops_kernel`) when not."""
         if self.own:   # deep or wide tiles whose B' fits in L2 run the own kernel (see `uses_own_gemm`)
             b = self.b
-            with b.if_else(self.own_tile(kk, n)) as (then, otherwise):
+            with b.if_else(self.own_tile(m, kk, n)) as (then, otherwise):
                 with then:
                     self.call_own(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
                 with otherwise:
@@ -528,13 +555,16 @@ class GemmGen(TapCalls):
             return
         self.call_library(m, n, kk, pa, A, pb, B, pc, ldc, beta1)
 
-    def own_tile(self, kk, n):
-        """i1: a tile of n columns summing kk terms runs the own kernel: deep or wide,
-        and its B' fits in L2 (see `uses_own_gemm`)."""
+    def own_tile(self, m, kk, n):
+        """i1: a tile of m rows and n columns summing kk terms runs the own kernel: deep
+        or wide with a B' that fits in L2, or tall (see `uses_own_gemm`)."""
         b, o = self.b, self.opt.cpu
         deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
         wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
-        return b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
+        fits = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
+        tall = b.and_(b.icmp_signed(">=", m, I64(o.own_gemm_min_rows)), b.icmp_signed(">=", n, I64(2 * OWN_COLS)))
+        tall = b.and_(tall, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_tall_max_b_bytes)))
+        return b.or_(fits, tall)
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """cblas, or the blocked loops where a built library's caller gave no BLAS."""

@@ -21,11 +21,27 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     than cblas: a real f32 product of f32 operands whose A' (the normalized product's
     left operand) has its K contiguous, `options.cpu.own_gemm` "on", or "auto" where
     the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes to it when
-    it has at least `own_gemm_min_cols` columns of C', or sums at least
+    it has at least `own_gemm_min_rows` rows of C' and two blocks of columns (2 x
+    OWN_COLS), whatever its depth, with a B' of at most `own_gemm_tall_max_b_bytes`
+    (its packing of B' is paid once per 256 rows, its row panels keep A' in L2;
+    fgemm.py); or when it has at least
+    `own_gemm_min_cols` columns of C', or sums at least
     `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
     narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
     while its blocks are packed; OpenBLAS streams a larger one from memory better).
-    Measured on the 2-core Zen 5 (one thread, min of 200 calls of one product, its
+    Measured on the 2-core Xeon (AVX-512; one thread, minimum of 20 calls, GFLOP/s
+    own / OpenBLAS; `benchmarks/gemm_peak.py`, docs/optimization.md): the nanoGPT
+    products 704 x 192 x 48 191 / 156, 1024 x 384 x 65 205 / 170, 24 x 256 x 256 x
+    64 185 / 147, 512 x 384 x 384 210 / 191, 512 x 1536 x 384 193 / 182, 512 x 384
+    x 1536 196-203 / 176-184; but 178 x 64 x 64 96 / 171, 64 x 192 x 64 108 / 168
+    (few rows: the packing of B' is not paid back), with B' of 4.7 MB and more (width
+    768's MLP) 1024 x 1536 x 768 339 / 372 on 2 threads, 1024 x 3072 x 768 168 / 194,
+    1024 x 768 x 3072 with B' transposed 171 / 183 (B' read again per panel of 256
+    rows; groups of 1024 columns through all of K did not help), 1024 x 65 x
+    384 with B' transposed 134 / 147 (a second block of one column), and with A' transposed (its
+    rows contiguous, which the kernel reads, one cache line per K) 384 x 768 x 1024
+    160 / 191: those stay with OpenBLAS.
+    On the 2-core Zen 5 (one thread, min of 200 calls of one product, its
     operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
     image) 183 / 166, 96 x 1024 x 64 182 / 144, 288 x 64 x 1024 with B' transposed
     (conv2d's kernel gradient) 207-220 / 179-193, 178 x 64 x 1024 199 / 160, 178 x
@@ -49,8 +65,11 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
         return False
     cols, depth = _fixed_count(low, f["c"][1] if not flip else f["c"][0]), _fixed_count(low, f["a"][1])
-    if cols is not None and cols < options.cpu.own_gemm_min_cols and (
-            cols < OWN_COLS or depth is not None and depth < options.cpu.own_gemm_min_depth):
+    rows = _fixed_count(low, f["c"][0] if not flip else f["c"][1])
+    cpu = options.cpu
+    tall = not (rows is not None and rows < cpu.own_gemm_min_rows or cols is not None and cols < 2 * OWN_COLS)
+    if not tall and cols is not None and cols < cpu.own_gemm_min_cols and (
+            cols < OWN_COLS or depth is not None and depth < cpu.own_gemm_min_depth):
         return False
     return mode == "on" or _has_avx512()
 

@@ -72,7 +72,8 @@ class TapCalls:
         `leaf` per index."""
         b, k = self.b, self.k
         p0, p1, q0, q1 = tile
-        multi = b.and_(b.not_(small), self.own_tile(self.smin(pl["tr"], pl["R"]), b.sub(q1, q0)))
+        multi = b.and_(b.not_(small), self.own_tile(b.sub(p1, p0), self.smin(pl["tr"], pl["R"]),
+                                                          b.sub(q1, q0)))
         moved = [s for s in k.shifts if any(atom in self.shared for atom, _ in s[2].terms)]
         fixed = [s for s in k.shifts if s not in moved]
         sizes = [self.low.size(e) for e in self.shared]

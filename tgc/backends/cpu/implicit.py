@@ -241,8 +241,9 @@ def _reader_ok(low: Lowered, k, window: str, g: LoopKernel, options: Options) ->
     if any(e in _cond_vars(g) for e in k.batch):
         return False
     order = tuple(low.buffers[window].order)
-    fa = matrix_form(order if role == "a" else low.buffers[k.a.buf].order, k.m, k.k)
-    fb = matrix_form(order if role == "b" else low.buffers[k.b.buf].order, k.k, k.n)
+    # the other operand in the product's edge names (its view may rename its buffer's edges)
+    fa = matrix_form(order if role == "a" else k.a.view_order(low.buffers[k.a.buf].order), k.m, k.k)
+    fb = matrix_form(order if role == "b" else k.b.view_order(low.buffers[k.b.buf].order), k.k, k.n)
     fc = matrix_form(low.buffers[k.out].order, k.m, k.n)
     if None in (fa, fb, fc):
         return False

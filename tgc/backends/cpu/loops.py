@@ -119,15 +119,16 @@ def split_count(f: Frame, k: LoopKernel | LoopGroup, cpu: CpuOptions):
 
 def blocked_loops(g: LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
     """The outer loops a blocked group's blocks divide, as one range: the first, or
-    the first two when the first is short (3 heads: at most 3 blocks, so one thread
-    ran a whole attention softmax) and no member sums over it (partial sums are per
-    block of the first loop alone)."""
-    first = g.outer[0]
-    n = g.sizes[first]
-    if len(g.outer) > 1 and isinstance(n, int) and n < cpu.loop_split_min and \
-            not any(first in m.red for m in g.members):
-        return g.outer[:2]
-    return g.outer[:1]
+    the first ones while their product is short (under `loop_split_min` or two blocks of
+    `group_min_block_rows`; 3 heads: at most 3 blocks, so one thread ran a whole
+    attention softmax; 2 x 4 batches and heads of a streamed step's `[B, s]` rows: one
+    block, one thread) and no member sums over the loops before the last one taken
+    (partial sums are per block of the first loop alone)."""
+    k, n = 1, g.sizes[g.outer[0]]
+    while k < len(g.outer) and isinstance(n, int) and n < max(cpu.loop_split_min, 2 * cpu.group_min_block_rows) \
+            and not any(g.outer[k - 1] in m.red for m in g.members):
+        n, k = size_op("*", n, g.sizes[g.outer[k]]), k + 1
+    return g.outer[:k]
 
 
 def blocked_extent(f: Frame, g: LoopGroup, cpu: CpuOptions):
@@ -331,11 +332,11 @@ class LoopGen(ExprVisitor):
                 self.plain_nest(inner, m.sizes, {BLOCK: blk},
                                 lambda vs: b.store(ir.Constant(ir.DoubleType(), 0.0), row(vs)))
             with for_range(b, start, end, ".".join(rows), fold_tail=rows_vectorized(g, self.cpu)) as i:
-                if len(rows) == 1:
-                    vars = {first: i}
-                else:
-                    n1 = self.f.size(g.sizes[rows[1]])
-                    vars = {first: b.sdiv(i, n1), rows[1]: b.srem(i, n1)}
+                vars = {}
+                for v in reversed(rows[1:]):   # i in the mixed radix of the rows' extents
+                    nv = self.f.size(g.sizes[v])
+                    vars[v], i = b.srem(i, nv), b.sdiv(i, nv)
+                vars[first] = i
                 self.plain_nest(list(g.outer[len(rows):]), g.sizes, {BLOCK: blk, **vars}, members)
             for m, row, inner in wide_rows.values():   # each element rounded once into the block's row
                 self.k = m

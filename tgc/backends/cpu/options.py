@@ -21,6 +21,9 @@ class CpuOptions:
     # A kernel too small to gain from threads runs on one thread (`tgc explain` shows which do, column "threads"):
     parallel_min_work: int = 1 << 19         # work (loop iterations x op weight, see codegen.work_terms: the cost model's units, ~0.1 ns each) below which a kernel runs on one thread (~50 us of serial time; tuned by measurement)
     parallel_min_work_warm: int = 1 << 15    # the same while the worker threads still spin from a parallel region (see warm_cycles)
+    merge_regions: bool = True               # consecutive loop kernels share one parallel region, with barriers only where a kernel reads across the threads' shares (backends/cpu/regions.py); off: each kernel decides and starts its own
+    region_max_barriers: int = 8             # ... a merged region holds at most this many barriers (a longer run of kernels is cut into several): under contention each barrier may wait a time slice (docs/optimization.md, "Tuned numbers")
+    barrier_work: int = 1 << 12              # ... and a region's threshold grows by this much work per barrier in it: a barrier of two running threads costs ~0.25 us here, and the threads must save twice that
     warm_cycles: int = 60_000                # a parallel region that ended less than this many time-stamp-counter cycles ago left the workers spinning
     # Contention (backends/cpu/parallel.py): each region's overhead (its time less the calling thread's own share) beyond
     # what a region costs is its lag, milliseconds while other processes hold the cores. While the lag is held, a kernel
@@ -34,6 +37,7 @@ class CpuOptions:
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas
+    blas_chain_mnk: int = 1_000_000          # real cblas calls of at most this m*n*k go in K chunks of `sum_chunk` terms, one call each, each chunk summed from zero (0: never cut): numpy's OpenBLAS runs such calls on AVX-512 in its small-matrix kernels (m*n*k <= 100^3), one f32 chain over all of K; a 4 x 4096 x 16 product of positive operands was 2.8e-6 off norm-wise as one call, 11x PyTorch f32's 2.2e-7 (GemmGen.call_blas)
     gemm_parallel_min_flops: int = 1 << 21   # GEMM cells with fewer flops run on one thread
     gemm_parallel_min_flops_warm: int = 1 << 18  # the same while the worker threads still spin
     gemm_tiles: int = 2                      # tiles (tasks) a GEMM product is cut into, whatever the thread count, so that its bits are the same on any
@@ -48,7 +52,9 @@ class CpuOptions:
     own_gemm: str = "auto"                   # large f32 GEMM tiles whose left operand has K contiguous: "auto" (tgc's own AVX-512 kernel, backends/cpu/fgemm.py, where the host has avx512f), "on", "off" (cblas); gemm_dispatch.uses_own_gemm
     own_gemm_min_depth: int = 256            # ... for tiles summing at least this many terms ...
     own_gemm_min_cols: int = 512             # ... or with at least this many columns of C' (the normalized product) ...
-    own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster)
+    own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster) ...
+    own_gemm_min_rows: int = 256             # ... or tiles of at least this many rows of C' and 128 columns, any depth and B' ...
+    own_gemm_tall_max_b_bytes: int = 1 << 22  # ... and a B' of at most this many bytes (gemm_dispatch.uses_own_gemm)
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
     group_inline_max_ops: int = 3            # ... an elementwise member of at most this many adds, products and cheap maps is recomputed by each later member that reads it instead of stored (group._cheap; read by the group stage)
@@ -81,12 +87,15 @@ class CpuOptions:
     group_min_block_rows: int = 16           # the shortest block of a blocked loop group's outer loop ...
     group_min_vector_block_rows: int = 64    # ... when that loop is the one LLVM vectorizes (its main vector loop takes 2 x 16 rows) (loops.split_count)
     short_sum: int = 4096                    # an f32 sum of at most this many terms keeps f32 lanes (loops.LoopGen.accumulate); beyond short_sum // 64 rows a memory-mode sum goes through an f64 scratch row
-    sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum)
+    sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum); also the K block of the small-tile GEMM loops (gemm_small), each block's sum from zero
     wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum)
     prefetch_row_bytes: int = 16384          # the most bytes of a loop group's next row prefetched per buffer ...
     prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
     own_gemm_depth: int = 256                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it) ...
     own_gemm_mask_classes: int = 64          # ... and the most row classes whose lane masks an implicit GEMM's window table holds (fgemm._Lanes)
+    own_gemm_rows: int = 6                   # rows of A (broadcast) x ...
+    own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
+    own_gemm_panel_rows: int = 256           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
     recycle_kept: int = 2                    # ... from up to this many earlier calls
 

@@ -58,7 +58,8 @@ from tgc.backends.cpu.irutil import I32, I64, PTR, define, export, optimize_not
 LIBGOMP = 'libgomp.so.1'
 # table field -> libgomp symbol
 SYMBOLS = {'gomp_parallel': 'GOMP_parallel', 'omp_get_thread_num': 'omp_get_thread_num',
-           'omp_get_num_threads': 'omp_get_num_threads', 'omp_get_max_threads': 'omp_get_max_threads'}
+           'omp_get_num_threads': 'omp_get_num_threads', 'omp_get_max_threads': 'omp_get_max_threads',
+           'gomp_barrier': 'GOMP_barrier'}
 
 
 def _gomp_loaded() -> bool:
@@ -135,7 +136,8 @@ def parallel_for(builder: ir.IRBuilder, body: ir.Function, data, n, threshold: i
 # without one) is never warm and measures no lag.
 
 REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at"
-REGION, REGION_RUN, THRESHOLD = "tgc.region", "tgc.region.run", "tgc.threshold"
+WAITED = "tgc.region_waited"   # cycles the calling thread has waited at barriers (`barrier_fn`)
+REGION, REGION_RUN, THRESHOLD, BARRIER = "tgc.region", "tgc.region.run", "tgc.threshold", "tgc.barrier"
 
 
 def _state(home: ir.Module, name: str) -> ir.GlobalVariable:
@@ -186,11 +188,15 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
     body = b.load(b.gep(st, [I32(0), I32(0)], source_etype=state_t), typ=body_type().as_pointer())
     data = b.load(b.gep(st, [I32(0), I32(1)], source_etype=state_t), typ=PTR)
     first = b.icmp_signed("==", fntable.call(b, "omp_get_thread_num", []), I32(0))
+    waited = _state(home, WAITED)
     with b.if_else(first) as (then, otherwise):
-        with then:
+        with then:   # its own share: the time in body, less its waits at barriers
+            w0 = b.load_atomic(waited, "monotonic", 8, typ=I64)
             t0 = now(b)
             b.call(body, [data])
-            b.store(b.sub(now(b), t0), b.gep(st, [I32(0), I32(2)], source_etype=state_t))
+            spent = b.sub(now(b), t0)
+            spent = b.sub(spent, b.sub(b.load_atomic(waited, "monotonic", 8, typ=I64), w0))
+            b.store(spent, b.gep(st, [I32(0), I32(2)], source_etype=state_t))
         with otherwise:
             b.call(body, [data])
     b.ret_void()
@@ -221,6 +227,33 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         new = _smax(b, excess, b.sub(old, b.ashr(b.sub(old, excess), I64(3))))
         b.store_atomic(new, lag, "monotonic", 8)
         b.store_atomic(t1, at, "monotonic", 8)
+    b.ret_void()
+    return fn
+
+
+def barrier_fn(mod: ir.Module, home: ir.Module) -> ir.Function:
+    """`void tgc.barrier()`: libgomp's barrier of the current team (`GOMP_barrier`,
+    through the table), for a region that runs several kernels (`regions.py`). Thread
+    0 adds the cycles it waited to `WAITED`, so that `tgc.region` counts them as the
+    region's overhead (a lag when another process holds a worker's core), not as its
+    own share of the work. Defined once in `home`, declared in another unit."""
+    if BARRIER in mod.globals:
+        return mod.globals[BARRIER]
+    if home is not mod:
+        return export(barrier_fn(home, home), mod)
+    fn = define(home, BARRIER, ir.VoidType(), [])
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    first = b.icmp_signed("==", fntable.call(b, "omp_get_thread_num", []), I32(0))
+    waited = _state(home, WAITED)
+    with b.if_else(first) as (then, otherwise):
+        with then:
+            t0 = now(b)
+            fntable.call(b, "gomp_barrier", [])
+            b.store_atomic(b.add(b.load_atomic(waited, "monotonic", 8, typ=I64), b.sub(now(b), t0)),
+                           waited, "monotonic", 8)
+        with otherwise:
+            fntable.call(b, "gomp_barrier", [])
     b.ret_void()
     return fn
 

@@ -161,6 +161,11 @@ def _launches(low: Lowered, launches: list, cuda: CudaOptions) -> list[dict]:
                                      f"{cuda.row_block_min} and t * {cuda.row_regs} >= row_length, at most the "
                                      f"largest power of two <= {cuda.row_block_max} (CudaOptions.row_block)")
             entry["writes"] = list(x.writes)
+        if x.kind == "flash":   # attention's chain: one block per tile of rows (tgc.backends.cuda.flashgen)
+            rows = size_str(x.total[-1])
+            entry["items"] = " * ".join([f"({size_str(s)})" for s in x.total[:-1]] + [f"ceil(({rows}) / {x.inner[0]})"])
+            entry["block"] = "one block of any size per item (128 threads on a GPU)"
+            entry["writes"] = list(x.writes)
         if x.slots:   # a row group's column sums: its launch writes the partials, its `_cols` launch adds them
             entry["column_partials"] = {
                 "rows": " * ".join(f"({size_str(s)})" for s in x.slots[0]) or "1",

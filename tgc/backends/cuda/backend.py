@@ -4,13 +4,15 @@ emulator). Their lowering stages are the neutral `narrow` (bf16/f16 values in 2-
 buffers: `tgc.lower.narrow`), then their own `cublas_operands` (which GEMM cells run
 as `cublasGemmStridedBatchedEx` on 2-byte operands, the others' widened:
 `tgc.backends.cuda.operands`), `inline_elementwise` (an elementwise temporary computed
-again in its readers: `tgc.backends.cuda.inline`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
+again in its readers: `tgc.backends.cuda.inline`), `flash` (attention's softmax-contraction
+chain as one kernel: `tgc.backends.cuda.flash`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
 reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
+from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, FlashChains
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
@@ -19,8 +21,8 @@ from tgc.lower.narrow import Narrow
 
 class CudaBackend(Backend):
     name = "cuda"
-    stages = (Narrow, CublasOperands, InlineElementwise, RowGroups)
-    kernel_forms = (ROWGROUP_FORM,)
+    stages = (Narrow, CublasOperands, InlineElementwise, FlashChains, RowGroups)
+    kernel_forms = (ROWGROUP_FORM, FLASH_FORM, FLASHBACK_FORM)
     emits = ("cubin", "ptx", "cu")
 
     def companions(self, output: str, emit: str) -> dict[str, str]:

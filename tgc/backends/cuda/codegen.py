@@ -72,6 +72,8 @@ from tgc.backends.cuda.ctext import Ctx as _Ctx, decompose, loads_of, split_flat
 from tgc.backends.cuda.launches import COL_SCRATCH, CudaModule, CudaUnsupported, Launch
 from tgc.backends.cuda.philox import device_function
 from tgc.backends.cuda.options import CudaOptions
+from tgc.backends.cuda.flash import Flash, FlashBack
+from tgc.backends.cuda.flashgen import FlashBackGen, FlashGen
 from tgc.backends.cuda.rowgen import RowGroupGen
 from tgc.backends.cuda.rows import RowGroup
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load,
@@ -242,6 +244,12 @@ class _Gen(ExprVisitor):
             if isinstance(k, RowGroup):
                 RowGroupGen(self, i, k).emit()
                 continue
+            if isinstance(k, FlashBack):
+                FlashBackGen(self, i, k).emit()
+                continue
+            if isinstance(k, Flash):
+                FlashGen(self, i, k).emit()
+                continue
             if isinstance(k, StepLoop):
                 self.steps(i, k)
                 continue
@@ -273,7 +281,7 @@ class _Gen(ExprVisitor):
             args += [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             tail = [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             scratch = args[:len(x.bufs)] + [f"(double*)b[{len(x.bufs)}]"] + tail
-            plain = "TGC_SIM_LAUNCH" if x.kind == "rows" else "TGC_SIM_LAUNCH_SERIAL"
+            plain = "TGC_SIM_LAUNCH" if x.kind in ("rows", "flash") else "TGC_SIM_LAUNCH_SERIAL"
             for name, launch, call in ((x.name, plain, args), (x.row, "TGC_SIM_LAUNCH", args),
                                        (x.warp, "TGC_SIM_LAUNCH", args), (x.col, "TGC_SIM_LAUNCH", scratch),
                                        (x.col_sum, "TGC_SIM_LAUNCH_SERIAL", scratch)):

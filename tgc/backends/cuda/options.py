@@ -17,6 +17,7 @@ class CudaOptions:
     row_regs: int = 8         # a row group keeps up to this many of a row's elements per thread in registers
     column_tiles: bool = True  # a column sum of at least row_min rows runs as column tiles (else one block per output)
     inline_elementwise: bool = True   # the `inline_elementwise` stage: an elementwise temporary computed where read
+    flash: bool = True        # the `flash` stage: attention's softmax-contraction chain as one kernel (tgc.backends.cuda.flash)
     # The `rowgroup` stage may also take a column sum over the group's rows (a bias or
     # weight gradient: `db[d] = sum[rows](dy)`), accumulated while the row is in hand
     # instead of by column tiles that read the rows again. Off: on an H200 the layernorm's

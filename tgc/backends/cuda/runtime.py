@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 from tgc.backends.base import BackendUnavailable, Kernels
-from tgc.backends.cuda import blas, codegen, gemm
+from tgc.backends.cuda import blas, codegen, flashgen, gemm
 from tgc.backends.cuda.launches import all_launches
 from tgc.ir.complex_io import COMPLEX_OF, FLOAT_OF
 from tgc.ir.dtypes import LOW_FLOATS, TYPES
@@ -739,6 +739,12 @@ class CudaKernels(Kernels):
             for s in x.total:
                 total *= size_eval(s, env)
             if total <= 0:
+                continue
+            if x.kind == "flash":   # attention's chain: a block per tile of rows (flashgen)
+                rows = size_eval(x.total[-1], env)
+                blocks = total // rows * -(-rows // x.inner[0])
+                steps.append((x.index, dev.launcher(x.name, blocks, True, b.dims, b.err, x.bufs,
+                                                    flashgen.FLASH_THREADS)))
                 continue
             if x.kind == "rows":   # a row group: a warp per row for short rows, else a block
                 inner = 1
