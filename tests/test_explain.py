@@ -140,9 +140,11 @@ def test_a_loop_run_as_a_loop_keeps_what_its_backward_step_reads_or_only_its_car
 
 def test_a_loop_kernel_has_a_thread_plan_and_its_steps_temporaries_count_in_the_peak(tmp_path):
     # a wide step: its temporaries (the [b, c2] product and its tanh) outweigh the carries
+    # (the GEMM epilogue off: on, it stores the product into the step's tanh, its output)
     src = DEEP.replace("b = 2, c = 3, c2 = 3", "b = 64, c = 256, c2 = 256").format(
         size="", grad="out gw = grad(loss, w)\n")
-    low = lowered(src)
+    opts = Options().with_(gemm_epilogue=False)
+    low = lower_module(pipeline.lower(compile_source(src, "<t>", opts), opts).module, opts)
     steps = [i for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)]
     assert steps, "the symbolic-size loop runs as a loop"
     report = explain(low, low.module.bind_dims({"layer": 4}), Options())
@@ -197,3 +199,20 @@ def test_it_says_which_program_a_first_call_runs(tmp_path):
     text = run(f, *sizes, "-D", "t=2048", "--specialize-first-work", str(1 << 27)).output
     assert "runs the specialization, built before it: it saves that call's compile" in text.splitlines()[2], text
     assert first(64, "--specialize-first-work", "0")["generic_work"] is None   # nothing stream would block
+
+
+def test_a_loop_moves_its_step_kernels_bytes_once_per_step():
+    """Bytes moved per call: a loop over an edge counts each of its step's kernels once
+    per step (`kernel_bytes`), so the total is what the call's kernels read and write."""
+    from tgc.explain import kernel_bytes
+
+    low = lowered(DEEP.replace("b = 2, c = 3, c2 = 3", "b = 64, c = 256, c2 = 256").format(
+        size="", grad="out gw = grad(loss, w)\n"))
+    env = low.module.bind_dims({"layer": 4})
+    report = explain(low, env)
+    steps = [(i, k) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)]
+    assert steps
+    for i, k in steps:
+        one = sum(kernel_bytes(k.step, s, env) for s in k.step.kernels)
+        assert one > 0 and report["kernels"][i]["bytes"] == 4 * one
+    assert report["bytes"] == sum(row["bytes"] for row in report["kernels"])

@@ -72,7 +72,9 @@ def test_a_budget_recomputes_attention_probabilities(form):
     src = attention_stack(2, form)
     free = _plan(src, 1 << 40)
     assert free.met and free.before == free.after and not free.chosen and "fits" in free.summary()
-    budget = free.before * 7 // 10
+    # 71%: recomputing reaches 1.40 MB of the 1.99 MB free workspace (2.04 MB without the
+    # GEMM epilogues of tgc.lower.epilogue, which already take their products' buffers away)
+    budget = free.before * 71 // 100
     program = tgc.compile(src, options=Options(memory_budget=budget))
     plan = program.memory_plan
     assert plan.met and plan.after <= budget < plan.before == free.before, plan.summary()
@@ -106,7 +108,8 @@ def test_an_unreachable_budget_warns_with_the_best_reached():
 
 
 def test_without_a_derivative_there_is_nothing_to_recompute():
-    src = "dim batch\ndim c = 32\ninput x[batch, c]\nparam W[c, d: c]\nout y = tanh(x @ W)\n"
+    # (tanh's operand of the second product is a temporary: the first product goes into it)
+    src = "dim batch\ndim c = 32\ninput x[batch, c]\nparam W[c, d: c]\nout y = tanh(x @ W)[d -> c] @ W\n"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ok = tgc.compile(src, options=Options(memory_budget=1 << 30))

@@ -5,7 +5,9 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
 
 - the kernels in execution order, each with its FLOPs and the bytes of the distinct
   buffers it reads and writes (each counted once per kernel: a lower bound of its
-  memory traffic, exact for kernels that stream each operand once), and, given the
+  memory traffic, exact for kernels that stream each operand once; a loop over an
+  edge counts its step's kernels once per step, `kernel_bytes`), their sum the bytes
+  a call moves, and, given the
   CPU backend's options, whether it runs serially or in a parallel region
   (`tgc.backends.cpu.codegen.thread_plan`);
 - the workspace: its slots and their bytes, and which temporaries share each slot;
@@ -70,7 +72,8 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
         used = k.buffers_used()
         kernels.append({"index": i, "kind": _kind(k), "text": k.text().splitlines()[0],
                         "flops": kernel_flops(k, extent, lambda e: size_eval(low.size(e), env)),
-                        "bytes": sum(nbytes(n) for n in used)})
+                        "bytes": kernel_bytes(low, k, env) if isinstance(k, StepLoop) else
+                        sum(nbytes(n) for n in used)})
         if plans is not None:
             kernels[-1]["threads"] = plans[i]
         if i in liveness.steps:   # the step's own temporaries live while it runs
@@ -114,6 +117,24 @@ def _regions(low: Lowered, env: dict, options) -> dict:
     alone, alone_warm, _ = region_count(low, env, replace(options, cpu=replace(options.cpu, merge_regions=False)))
     return {"per_call": count, "when_warm": warm, "barriers": barriers,
             "unmerged": alone, "unmerged_when_warm": alone_warm}
+
+
+def kernel_bytes(low: Lowered, k, env: dict[str, int]) -> int:
+    """The bytes kernel `k` of `low` moves at the dims `env`: each buffer it reads or
+    writes once (a lower bound of its memory traffic, exact for a kernel that streams
+    each buffer once), and a loop's (`StepLoop`) every step's kernels' (its trip times
+    one step's): the program's bytes moved per call are the sum over its kernels."""
+    if isinstance(k, StepLoop):
+        step = k.step
+        return size_eval(k.trip, env) * sum(kernel_bytes(step, s, env) for s in step.kernels)
+    total = 0
+    for name in k.buffers_used():
+        b = low.buffers[name]
+        n = ITEMSIZE[b.dtype]
+        for e in b.edges:
+            n *= size_eval(low.size(e), env)
+        total += n
+    return total
 
 
 class Liveness:
@@ -386,7 +407,8 @@ def format_explain(report: dict, name: str) -> str:
                      f"({regions['unmerged_when_warm']}) if each kernel started its own (consecutive kernels share "
                      "one region: CpuOptions.merge_regions)")
     lines += ["", f"total: {len(report['kernels'])} kernels, {human(report['flops'], 'FLOP')}, "
-              f"{human(report['bytes'], 'B')} of buffers touched (each once per kernel)",
+              f"{human(report['bytes'], 'B')} moved (each buffer once per kernel that reads or writes it, "
+              f"a loop's once per step)",
               f"caller's arrays: arguments {human(report['arguments_bytes'], 'B')}, "
               f"outputs {human(report['outputs_bytes'], 'B')}",
               f"workspace: {human(ws['bytes'], 'B')} in {len(ws['slots'])} slots"]

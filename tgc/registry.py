@@ -29,6 +29,7 @@ from tgc.opt.stabilize import Stabilize
 from tgc.opt.stream import Stream
 from tgc.opt.unroll import Unroll
 from tgc.lower.fuse import Fuse
+from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.layout import Layout
 from tgc.lower.narrow import Narrow
 from tgc.lower.plan import Plan
@@ -36,7 +37,7 @@ from tgc.lower.plan import Plan
 PASSES: Mapping[str, type[Pass]] = MappingProxyType({
     p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
                         FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
-                        Fuse, Layout, Narrow, Plan)})
+                        Fuse, Layout, GemmEpilogue, Narrow, Plan)})
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards

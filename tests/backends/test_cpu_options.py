@@ -80,6 +80,7 @@ LOWERING = [
     ("layout_tall", 1000, "conv2d"),
     ("layout_tall_min_k", 1 << 30, "conv2d"),
     ("group_inline_max_ops", 0, "layernorm"),
+    ("gemm_epilogue", False, "gpt_adamw"),
 ]
 
 
@@ -126,12 +127,13 @@ def test_every_tuned_field_is_checked():
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     assert named <= {f.name for f in dataclasses.fields(CpuOptions)}
-    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | {"group_inline_max_ops"}
+    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | {"group_inline_max_ops", "gemm_epilogue"}
     table = doc[doc.index("### Tuned numbers (`Options`)"):doc.index("### Tuned numbers (`CpuOptions`)")]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     # the runtime's first-call bounds have tests of their own (tests/runtime/test_specialize.py)
-    assert named - {"specialize_at_bytes", "specialize_first_work"} == {r[0] for r in LOWERING} - {"group_inline_max_ops"}
+    assert named - {"specialize_at_bytes", "specialize_first_work"} == \
+        {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
 
 

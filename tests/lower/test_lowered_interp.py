@@ -189,9 +189,17 @@ def test_verify_each_runs_every_lowering_stage_and_names_the_one_that_broke(dtyp
 
         from tgc.lower.lowered import Const, LoopKernel, Mul
 
+        from tgc.lower.lowered import EpilogueOut, GemmKernel
+
         out = run(self, low, options)
-        i = next(i for i, k in enumerate(out.kernels) if isinstance(k, LoopKernel) and not k.reduce)
-        out.kernels[i] = replace(out.kernels[i], body=Mul((out.kernels[i].body, Const(2.0))))
+        i = next(i for i, k in enumerate(out.kernels) if isinstance(k, LoopKernel) and not k.reduce
+                 and not isinstance(k.body, Const) or isinstance(k, GemmKernel) and k.epilogue)
+        k = out.kernels[i]
+        if isinstance(k, GemmKernel):   # its epilogue's first output (tgc.lower.epilogue)
+            first = EpilogueOut(k.epilogue[0].buf, Mul((k.epilogue[0].expr, Const(2.0))))
+            out.kernels[i] = replace(k, epilogue=(first,) + k.epilogue[1:])
+        else:
+            out.kernels[i] = replace(k, body=Mul((k.body, Const(2.0))))
         return out
 
     monkeypatch.setattr(Plan, "run", doubled)

@@ -187,9 +187,16 @@ def test_adam_moments_and_parameter_are_written_in_place_by_their_group():
     from tgc.backends.cpu.group import LoopGroup
 
     prog = tgc.compile(ADAM_MLP, dtype="f64")
-    group = next(k for k in prog.lowered.kernels if isinstance(k, LoopGroup) and
+    # the gradient GEMM's epilogue (tgc.lower.epilogue), or a group when the CPU writes it out
+    gemm = next(k for k in prog.lowered.kernels if isinstance(k, GemmKernel) and
+                {o.buf for o in k.epilogue} >= {"m1", "v1", "W1"})
+    assert [o.buf for o in gemm.epilogue] == ["m1", "v1", "W1"]
+    loops = tgc.compile(ADAM_MLP, dtype="f64", options=tgc.Options(dtype="f64").with_(gemm_epilogue=False))
+    group = next(k for k in loops.lowered.kernels if isinstance(k, LoopGroup) and
                  {m.out for m in k.members} >= {"m1", "v1", "W1"})
     assert [m.out for m in group.members] == ["m1", "v1", "W1"]
+    copies = [k for k in loops.lowered.kernels if isinstance(k, LoopKernel) and k.note.startswith("update")]
+    assert {k.out for k in copies} <= {"W2"}
     copies = [k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and k.note.startswith("update")]
     assert {k.out for k in copies} <= {"W2"}
     m = prog.module
@@ -242,7 +249,8 @@ def test_stages_print_after_each():
                  emit=lambda banner, text: seen.append((banner, text)))
     assert [b for b, _ in seen] == ["IR after emulate_low", "IR after without_rules", "IR after fuse",
                                     "IR after layout", "IR after narrow",
-                                    "IR after gemm_operands", "IR after implicit", "IR after group", "IR after plan"]
+                                    "IR after gemm_operands", "IR after implicit", "IR after epilogue", "IR after group",
+                                    "IR after plan"]
     assert seen[0][1].startswith("dim ")   # emulate_low and without_rules: still the IR module
     stages = dict(seen)
     temps = lambda text: [l for l in text.splitlines() if l.startswith("buffer") and " temp" in l]
@@ -354,8 +362,10 @@ def test_a_gemm_result_read_with_saved_values_follows_their_order():
     for dtype, rtol in (("f64", 1e-12), ("f32", 1e-5)):
         prog = tgc.compile(GEMM_THEN_GATE, dtype=dtype, dims={"b": 4})
         text = print_lowered(prog.lowered)
-        assert "k1: loop %t6[b, f, t] = mul(%h[b, f, t], %t5[b, f, t])\n      for b < 4, t < 8, f < 96" in text
-        assert f"buffer %t5 : {dtype}[b, f, t] temp order [b, t, f]" in text
+        # the elementwise product runs in the GEMM's epilogue (tgc.lower.epilogue), along f in every buffer
+        assert "\n      then %t6[b, f, t] = mul(%h[b, f, t], acc)\nk1: gemm %y" in text
+        # ... which stores the product straight into %t6, laid out as %h (the product's %t5 is gone)
+        assert f"buffer %t6 : {dtype}[b, f, t] temp order [b, t, f]" in text and "%t5" not in text
         m = prog.module
         x = random_inputs(m, {**m.dims, "b": 4}, 0, dtype)
         want = evaluate(m, dict(x), dtype="f64")["y"]

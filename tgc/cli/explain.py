@@ -60,7 +60,8 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
 
     Sizes are those of the dims given with --dim (the others: 64). FLOPs count each
     arithmetic operation once (an exp is one); bytes count each buffer a kernel reads
-    or writes once.
+    or writes once (a loop over an edge: its step's kernels once per step), and their
+    total is the bytes a call moves.
 
     \b
     Examples:

@@ -7,7 +7,8 @@ FLOPs count one per arithmetic operation of an expression, evaluated at every po
 of its loop nest: an n-term sum is n - 1 additions plus one multiplication per
 coefficient other than 1, an n-factor product n - 1 multiplications, an elementwise
 function one (an `exp` is one FLOP here, as in PyTorch's profiler), a mask one per
-condition, a reduction one per term; a GEMM is 2 m n k per batch index and tap.
+condition, a reduction one per term; a GEMM is 2 m n k per batch index and tap,
+plus its epilogue's operations at every element of the product.
 Terminates: one visit per kernel and expression node.
 """
 from __future__ import annotations
@@ -22,10 +23,12 @@ from tgc.opt.stats import BYTES, ModuleStats, rep_sizes
 def kernel_flops(k, extent, edge_size) -> int:
     """The FLOPs of kernel `k`: `extent(k, loop variable)` and `edge_size(edge)` give sizes."""
     if isinstance(k, GemmKernel):
-        n = 2
+        n, cells = 2, 1
         for e in k.batch + k.m + k.n + k.k + k.taps:
             n *= edge_size(e)
-        return n
+        for e in k.batch + k.m + k.n:
+            cells *= edge_size(e)
+        return n + cells * sum(expr_ops(o.expr) for o in k.epilogue)   # its epilogue's, at every element
     if isinstance(k, StepLoop):   # every step's: the step's edges lowering made have sizes of their own
         def size(e: str) -> int:
             own = k.step.edges.get(e)

@@ -23,7 +23,10 @@ Semantics, as `tgc.lower.lowered` states them:
   runs CPU-grouped programs without knowing the CPU backend;
 - a `GemmKernel` is one contraction of its two views (shifted reads out of range
   are 0, as each call clips its range), summed over `k` and its taps; an operand
-  marked `rounded` is rounded to bf16 as it is read;
+  marked `rounded` is rounded to bf16 as it is read; its epilogue's outputs are
+  then computed one after another, each over the whole product with `Acc` read from
+  `out` (`tgc.lower.lowered.epilogue_loops`): the same values as output by output at
+  each element, since an epilogue reads its outputs only at the element's own index;
 - a `Check` stops the call with `EvalError` before any kernel runs.
 
 Each operation (a sum's term and total, a product, a function, a reduction) is
@@ -45,13 +48,16 @@ from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, SizeOf, StepLoop, wide_sum)
+                            Map, Mask, Mul, Rand, SizeOf, StepLoop, epilogue_loops, wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
 
 _CMP = {"=": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
         ">=": np.greater_equal}
+
+
+PRODUCT = "#product"   # a GEMM's product while its epilogue overwrites `out` (no buffer is named so)
 
 
 class LoweredError(RuntimeError):
@@ -272,6 +278,12 @@ class _Machine(ExprVisitor):
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
+        if any(o.buf == k.out for o in k.epilogue):   # `out` is an output: the product kept apart
+            self.arrays[PRODUCT] = np.copy(self.arrays[k.out])
+            self.order[PRODUCT] = self.order[k.out]
+        for loop in epilogue_loops(self.low, k, PRODUCT if PRODUCT in self.arrays else None):
+            self.loop(loop, {})   # in order, each over the whole product
+        self.arrays.pop(PRODUCT, None)
 
     # ---------------------------------------------------------------- expressions
 

@@ -21,6 +21,15 @@ Backend-neutral: a program is a list of kernels over named buffers.
   With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
   `y[b, o, s] = sum_k W[k, o, c] @ x[b, c, s + k - 2]`, the range of `s` clipped
   per tap), accumulating into `out`.
+  With an `epilogue` (`EpilogueOut`s, from `tgc.lower.epilogue`), each element of the
+  product is also the `Acc` of expressions over the product's edges (as loop
+  variables): `then %y[e...] = expr` stores `expr` into output `y`, which has exactly
+  the product's edges, as the product is stored. The outputs are computed in order at
+  each element: an expression reads the outputs before it (their new values) and its
+  own output (its old value) only at the element's own index, `out` never (it reads
+  `Acc`), other buffers at any index of those variables. `out` holds the product, or,
+  when `out` is one of the outputs, that output's value (then only the outputs after
+  it load `out`: its new value; the product lives on as `Acc`).
 - A backend's own lowering stage may add kinds of kernel (the CPU's `group` adds
   `tgc.backends.cpu.group.LoopGroup`). Neutral code reaches every kernel through
   `buffers_read()`, `writes()`, `buffers_used()`, `text()`, and for a kind of its
@@ -627,12 +636,25 @@ class GemmKernel:
     # whether each operand (a, b) is rounded to bf16 as it is read (a backend's bf16
     # GEMM packing an f32 buffer: no rounded copy is stored); its buffer holds f32
     rounded: tuple[bool, bool] = (False, False)
+    # what is computed from each element of the product as it is stored (`GemmEpilogue`:
+    # outputs over the product's edges); () for none
+    epilogue: tuple["EpilogueOut", ...] = ()
 
     def buffers_read(self) -> set[str]:
-        return {self.a.buf, self.b.buf}
+        return {self.a.buf, self.b.buf} | set(self._epilogue_reads())
 
     def writes(self) -> set[str]:
-        return {self.out}
+        return {self.out} | {o.buf for o in self.epilogue}
+
+    def out_edges(self) -> tuple[str, ...]:
+        """The product's edges (its batch, M and N groups): an epilogue's loop variables."""
+        return self.batch + self.m + self.n
+
+    def _epilogue_reads(self) -> dict[str, None]:
+        out: dict[str, None] = {}
+        for o in self.epilogue:
+            _READS.expr(o.expr, out)
+        return out
 
     def matrix_order(self, order: Sequence[str] | None) -> tuple[str, ...] | None:
         """A buffer's (or view's) order as the matrix sees it: a complex product's
@@ -649,9 +671,17 @@ class GemmKernel:
         return bool(self.taps or self.shifts)
 
     def buffers_used(self) -> list[str]:
-        return list(dict.fromkeys([self.out, self.a.buf, self.b.buf]))
+        return list(dict.fromkeys([self.out, self.a.buf, self.b.buf, *(o.buf for o in self.epilogue),
+                                   *self._epilogue_reads()]))
 
     def text(self) -> str:
+        head = self._head_text()
+        if not self.epilogue:
+            return head
+        ix = ", ".join(sorted(self.out_edges()))
+        return head + "".join(f"\n      then %{o.buf}[{ix}] = {expr_text(o.expr)}" for o in self.epilogue)
+
+    def _head_text(self) -> str:
         g = " ".join(f"{n}({', '.join(es)})" for n, es in
                      (("batch", self.batch), ("m", self.m), ("n", self.n), ("k", self.k)))
         if self.taps:
@@ -664,6 +694,53 @@ class GemmKernel:
         a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
         scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class EpilogueOut:
+    """One output of a GEMM's epilogue: `buf[e...] = expr` at every element of the
+    product, `e...` its edges (the GEMM's batch, M and N edges, the loop variables of
+    `expr`), `Acc` in `expr` the product's value there."""
+    buf: str
+    expr: "Expr"
+
+
+class _AccAsLoad(ExprVisitor):
+    """An expression with `Acc` as the load of `buf` at `index` (indices kept)."""
+
+    def __init__(self, buf: str, index) -> None:
+        self.buf, self.index = buf, index
+
+    def expr_acc(self, e):
+        return Load(self.buf, self.index)
+
+    def expr_add(self, e):
+        return replace(e, args=tuple(self.expr(a) for a in e.args))
+
+    expr_mul = expr_map = expr_add
+
+    def expr_mask(self, e):
+        return replace(e, arg=self.expr(e.arg))
+
+    def expr_load(self, e):
+        return e
+
+    expr_const = expr_size_of = expr_rand = atom_var = atom_id_load = atom_floor_div = expr_load
+
+
+def epilogue_loops(low: "Lowered", g: GemmKernel, product: str | None = None) -> list[LoopKernel]:
+    """The loop kernels `g`'s epilogue stands for, in order (what the lowered interpreter
+    runs, and a backend without a store epilogue: `tgc.lower.epilogue.expand`): each
+    output over the product's edges (in `g.out`'s order, outermost first), `acc` read
+    from `product` (default `g.out`: a buffer holding the product the whole time)."""
+    if not g.epilogue:
+        return []
+    buf = low.buffers[g.out]
+    loops = tuple(buf.order) if buf.order is not None else tuple(buf.edges)
+    sizes = {e: low.size(e) for e in loops}
+    index = tuple((e, Ix.var(e)) for e in sorted(loops))
+    acc = _AccAsLoad(product or g.out, index)
+    return [LoopKernel(o.buf, index, loops, sizes, acc.expr(o.expr), note="epilogue") for o in g.epilogue]
 
 
 @dataclass(frozen=True)
@@ -831,7 +908,9 @@ def rename_buffers(k: Kernel, mapping: Mapping[str, str]) -> Kernel:
     if isinstance(k, GemmKernel):
         def view(v: View) -> View:
             return View(mapping.get(v.buf, v.buf), v.edges)
-        return replace(k, out=mapping.get(k.out, k.out), a=view(k.a), b=view(k.b))
+        r = _Renamer(mapping)
+        epilogue = tuple(EpilogueOut(mapping.get(o.buf, o.buf), r.expr(o.expr)) for o in k.epilogue)
+        return replace(k, out=mapping.get(k.out, k.out), a=view(k.a), b=view(k.b), epilogue=epilogue)
 
     r = _Renamer(mapping)
     ix, index, expr = r.ix, r.index, r.expr

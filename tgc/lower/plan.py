@@ -110,6 +110,8 @@ def _can_retarget(low: Lowered, p, target: str, tmp: str) -> bool:
     """Whether kernel `p`, which writes `tmp`, may write it into `target` instead."""
     if not isinstance(p, (LoopKernel, GemmKernel)):   # a backend's own kind (the CPU's LoopGroup)
         return p.can_retarget(low, target, tmp)
+    if isinstance(p, GemmKernel) and tmp != p.out:   # an output of its epilogue
+        return _epilogue_retarget(p, target, tmp)
     if isinstance(p, GemmKernel):
         form = matrix_form(low.buffers[target].order, p.m, p.n)
         return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]
@@ -121,6 +123,22 @@ def _can_retarget(low: Lowered, p, target: str, tmp: str) -> bool:
     # element being written
     loads = [n for n in walk(p.body) if isinstance(n, Load) and n.buf == target]
     return all(n.index == p.index for n in loads)
+
+
+def _epilogue_retarget(p: GemmKernel, target: str, tmp: str) -> bool:
+    """Whether the epilogue output `tmp` of `p` may be written into `target`: the
+    product does not read it, and the epilogue reads it (the old value) only at the
+    element's own index, and only in outputs up to `tmp`'s, which come before the
+    element's new value is stored."""
+    if target in (p.a.buf, p.b.buf, p.out):
+        return False
+    at = [o.buf for o in p.epilogue].index(tmp)
+    for j, o in enumerate(p.epilogue):
+        loads = [n for n in walk(o.expr) if isinstance(n, Load) and n.buf == target]
+        if loads and (j > at or any(set(dict(n.index)) != set(p.out_edges()) or
+                                    any(ix.as_var() != e for e, ix in n.index) for n in loads)):
+            return False
+    return True
 
 
 def _assign_slots(low: Lowered, rep_size: int = 64) -> None:

@@ -42,7 +42,7 @@ from tgc.ir.parser import parse_module
 from tgc.ir.sizes import Size, SizeError, size_op
 from tgc.lower.lowered import (Acc, Add, Buffer, Check, Cond, Const, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                                LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, smul)
-from tgc.lower.lowered import Bind
+from tgc.lower.lowered import Bind, EpilogueOut
 
 HEADER = re.compile(r"^//\s*lowered after (\w+) \((\w+)\)\s*$")
 
@@ -80,7 +80,7 @@ def register_kernel_form(form: KernelForm) -> None:
     KERNEL_FORMS[form.rule] = form
 
 
-STAGES = ["fuse", "layout", "plan"]   # the neutral stages; a backend adds its own (register_stage_name)
+STAGES = ["fuse", "layout", "epilogue", "plan"]   # the neutral stages; a backend adds its own (register_stage_name)
 
 
 def is_lowered_text(text: str) -> bool:
@@ -364,8 +364,13 @@ class _Builder:
         taps: tuple[str, ...] = ()
         shifts = []
         note = ""
+        outs = []
         for r in rest:
-            if r.data == "taps":
+            if r.data == "then_out":
+                obuf, ixs, e = r.children
+                name = self.buffer_name(obuf)
+                outs.append((name, self.index(name, ixs, obuf), e, obuf))
+            elif r.data == "taps":
                 taps = self.names(r.children[0])
             elif r.data == "shift":
                 where, *signed = r.children
@@ -376,8 +381,15 @@ class _Builder:
                 shifts.append((role, edge, self.signed_terms(signed)))
             else:
                 note = self.note(r)
-        return GemmKernel(self.buffer_name(buf), self.view(a), self.view(b), self.names(batch), self.names(m),
-                          self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded)
+        g = GemmKernel(self.buffer_name(buf), self.view(a), self.view(b), self.names(batch), self.names(m),
+                       self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded)
+        epilogue = []
+        for name, index, e, at in outs:
+            if any(ix != Ix.var(edge) for edge, ix in index) or set(dict(index)) != set(g.out_edges()):
+                raise self.error(f"an epilogue's output %{name} is written at the product's own index "
+                                 f"[{', '.join(sorted(g.out_edges()))}]", at)
+            epilogue.append(EpilogueOut(name, self.expr(e)))
+        return replace(g, epilogue=tuple(epilogue))
 
     def view(self, t: Tree) -> View:
         buf, *edges = t.children

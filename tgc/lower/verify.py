@@ -46,7 +46,7 @@ from __future__ import annotations
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                               Map, Mask, Mul, Rand, SizeOf, StepLoop)
+                               Map, Mask, Mul, Rand, SizeOf, StepLoop, walk)
 
 BLOCK_EDGE = "#block"
 REDUCTIONS = ("", "sum", "max", "min", "logsumexp", "maxshift")
@@ -117,7 +117,7 @@ class _Verifier(ExprVisitor):
                 writes = k.writes()
             elif isinstance(k, GemmKernel):
                 self.gemm(k, defined)
-                writes = {k.out}
+                writes = k.writes()
             elif isinstance(k, StepLoop):
                 self.steps(k, defined)
                 writes = k.writes()
@@ -379,6 +379,37 @@ class _Verifier(ExprVisitor):
             if role not in ("a", "b") or e not in (a if role == "a" else b):
                 raise self.fail(f"a shift of {role}.{e}, which is no edge of that operand")
             self.ix(ix, set(k.batch) | set(k.taps) | set(a) | set(b), defined)
+        if k.epilogue:
+            self.gemm_epilogue(k, defined)
+
+    def gemm_epilogue(self, k: GemmKernel, defined: set[str]) -> None:
+        """An epilogue (`tgc.lower.epilogue`): outputs over the product's edges, each
+        written once, none an operand; `acc` for the product, never a load of `out`
+        where it holds the product (`out` may be an output: loaded only by the outputs
+        after it, its new value); outputs read (earlier ones' new values, its own old
+        one) only at the element's own index."""
+        low, edges = self.low, set(k.out_edges())
+        if k.cplx is not None or k.taps or k.shifts:
+            raise self.fail("an epilogue on a complex GEMM or one with taps or shifts")
+        outs = [o.buf for o in k.epilogue]
+        if len(set(outs)) != len(outs) or {k.a.buf, k.b.buf} & set(outs):
+            raise self.fail("an epilogue's outputs are distinct buffers, none an operand")
+        product = outs.index(k.out) if k.out in outs else len(outs)   # `out` holds the product until then
+        seen = set(defined) | {k.out}
+        for j, o in enumerate(k.epilogue):
+            if o.buf not in low.buffers:
+                raise self.fail(f"writes undeclared buffer '%{o.buf}'")
+            if set(low.buffers[o.buf].edges) != edges:
+                raise self.fail(f"the epilogue's output '%{o.buf}' has edges {', '.join(low.buffers[o.buf].edges)}, "
+                                f"not the product's {', '.join(sorted(edges))}")
+            own = set(outs[: j + 1])
+            for n in walk(o.expr):
+                if isinstance(n, Load) and n.buf == k.out and j <= product:
+                    raise self.fail(f"an epilogue loads the product '%{k.out}' (it reads acc)")
+                if isinstance(n, Load) and n.buf in own and any(ix != Ix.var(e) for e, ix in n.index):
+                    raise self.fail(f"an epilogue reads its output '%{n.buf}' away from the element's own index")
+            self.expr(o.expr, edges, seen if j > product else seen - {k.out}, True)
+            seen.add(o.buf)
 
     # ---------------------------------------------------------------- expressions and indices
 

@@ -1,7 +1,9 @@
 """The CPU backend as the registry sees it (`tgc.backends.base.Backend`): its own
 lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`),
 `gemm_operands` (bf16 GEMMs, or operands widened for BLAS), `implicit` (GEMMs that
-pack a gather copy's window from its source: `tgc.backends.cpu.implicit`) and `group` (cache
+pack a gather copy's window from its source: `tgc.backends.cpu.implicit`), the neutral
+`epilogue` (elementwise readers of a GEMM's product folded into it: `tgc.lower.epilogue`,
+run on the GEMM's tiles by `tgc.backends.cpu.gemm_epilogue`) and `group` (cache
 blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
 JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
 the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
@@ -12,12 +14,13 @@ from tgc.backends.base import Backend
 from tgc.backends.cpu.gemm_operands import GemmOperands
 from tgc.backends.cpu.group import GROUP_FORM, Group
 from tgc.backends.cpu.implicit import IMPLICIT_FORM, Implicit
+from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Implicit, Group)
+    stages = (Narrow, GemmOperands, Implicit, GemmEpilogue, Group)
     kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True

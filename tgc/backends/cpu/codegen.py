@@ -67,6 +67,8 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import fntable, parallel, regions, sizecheck
 from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
+from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
+from tgc.backends.cpu.gemm_epilogue import epilogue_buffers
 from tgc.backends.cpu.gemm_dispatch import bf16_kinds, bf16_product, packs_b, taps_in_one_call, uses_own_gemm
 from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel
 from tgc.backends.cpu.fgemm import own_kernel
@@ -166,6 +168,11 @@ class _ModuleGen:
         self.low, self.opt, self.objects_entry = low, options, objects_entry
         self.fp = fp_type(low.dtype)
         self.flat = list(leaf_kernels(low))   # (program, kernel): the steps' kernels too, each compiled once
+        self.program_of = {id(k): p for p, k in self.flat}   # a kernel's program (the whole one, or a step)
+        for p, k in self.flat:   # `group` writes out as loops those gemm_epilogue.py does not run
+            if isinstance(k, GemmKernel) and k.epilogue and not epilogue_supported(p, k, options):
+                raise ValueError("a GEMM epilogue the CPU cannot run in its tiles, after the group stage "
+                                 "(run 'epilogue' before 'group', which writes it out as loops)")
         self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())),)
                      for p, k in self.flat]   # (a step's own edges, e.g. its groups' blocks, may differ)
         units = self.assign_units(max(1, units))
@@ -296,7 +303,8 @@ class _ModuleGen:
             return fn
         name = f"tgc.k{i}"
         if isinstance(k, (GemmKernel, ImplicitGemm)):
-            return declare(name, I32, [PTR] * 4 + [I64]), None
+            epi = isinstance(k, GemmKernel) and bool(k.epilogue)   # its epilogue's pointers (gemm_epilogue.py)
+            return declare(name, I32, [PTR] * 4 + [I64] + ([PTR] if epi else [])), None
         fn = declare(name, ir.VoidType(), [PTR] * (1 + len(kernel_buffers(k))) + [I64, I64])
         return fn, (declare(name + ".par", ir.VoidType(), [PTR]) if self.has_par(k) else None)
 
@@ -385,7 +393,14 @@ class _ModuleGen:
         kfn, par = next(fns)
         dims = f.dims_ptr
         if isinstance(k, (GemmKernel, ImplicitGemm)):
-            b.call(kfn, [dims] + [ptrs[n] for n in gemm_buffers(k)] + [self.gemm_min_flops(b)])
+            extra = []
+            if isinstance(k, GemmKernel) and k.epilogue:   # its epilogue's buffers, in an array
+                epi = epilogue_buffers(self.program_of[id(k)], k)
+                arr = f.alloca(ir.ArrayType(PTR, len(epi)), "epi")
+                for j, n in enumerate(epi):
+                    b.store(ptrs[n], b.gep(arr, [I32(0), I32(j)]))
+                extra = [arr]
+            b.call(kfn, [dims] + [ptrs[n] for n in gemm_buffers(k)] + [self.gemm_min_flops(b)] + extra)
         else:
             self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
 

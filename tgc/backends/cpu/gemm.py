@@ -47,6 +47,7 @@ import llvmlite.ir as ir
 from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import Window, own_kernel
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
+from tgc.backends.cpu.gemm_epilogue import emit_epilogue, epilogue_buffers, load_pointers
 from tgc.backends.cpu.gemm_dispatch import (OWN_COLS, bf16_product, operand_forms, shared_b_batch,
                                             taps_in_one_call, uses_own_gemm)
 from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel, vector_lanes
@@ -102,7 +103,9 @@ class GemmGen(TapCalls):
                                         and not k.taps and not k.shifts):
             raise ValueError(f"internal: a GEMM on {'/'.join(sorted(kinds))} operands in an {low.dtype} program "
                              "(the gemm_operands stage widens them)")
-        self.fn = define(mod, name, I32, [PTR] * 4 + [I64])
+        # an epilogue (gemm_epilogue.py): run on each tile, its buffers' pointers in an array (one more argument)
+        self.epi = bool(k.epilogue)
+        self.fn = define(mod, name, I32, [PTR] * 4 + [I64] + ([PTR] if self.epi else []))
         optimize_not(self.fn)   # plans the tiles once per call: not worth LLVM's time
         self.bufs = {r: low.buffers[n] for r, n in (("a", k.a.buf), ("b", k.b.buf), ("c", k.out))}
         self.forms = operand_forms(low, k)
@@ -202,6 +205,8 @@ class GemmGen(TapCalls):
         zero, cpu = I64(0), self.opt.cpu
         hp = b.select(b.icmp_signed(">=", tp, I64(2 * cpu.gemm_min_tile)), tp, zero)
         hq = b.select(b.icmp_signed(">=", tq, I64(2 * cpu.gemm_min_tile)), tq, zero)
+        if self.epi:   # each tile's epilogue covers its rows, all of Q
+            hq = zero
         hr = b.select(b.icmp_signed(">=", tr, I64(2 * cpu.gemm_min_chunk)), tr, zero)
         pick_p = b.and_(b.icmp_signed(">=", hp, hq), b.icmp_signed(">", hp, zero))
         pick_q = b.and_(b.not_(pick_p), b.icmp_signed(">", hq, zero))
@@ -250,6 +255,7 @@ class GemmGen(TapCalls):
         f = Frame(self.fn, self.low.module, self.fn.args[0])
         b = f.b
         args, min_flops = list(self.fn.args[:4]), self.fn.args[4]
+        extra = [self.fn.args[5]] if self.epi else []   # the epilogue's pointers
         limit = self.tile_limit(f, b)
         pl = self.plan(f, b, limit)
         big = None
@@ -257,7 +263,7 @@ class GemmGen(TapCalls):
             with b.if_then(b.icmp_signed("<", min_flops, I64(0))):
                 lo, hi = parallel.thread_range(b, pl["tasks"])
                 with b.if_then(b.icmp_signed("<", lo, hi)):
-                    b.call(work, args + [lo, hi, pl["tp"], pl["tq"], pl["tr"]])
+                    b.call(work, args + [lo, hi, pl["tp"], pl["tq"], pl["tr"]] + extra)
                 b.ret(I32(1))
             P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
             flops = b.mul(b.mul(b.mul(P, Q), R), I64(2))
@@ -267,13 +273,13 @@ class GemmGen(TapCalls):
         tiles = [pl["tp"], pl["tq"], pl["tr"]]
         if big is not None:
             with b.if_then(b.and_(big, b.icmp_signed(">=", pl["tasks"], I64(2)))):
-                data = f.alloca(ir.ArrayType(I64, 8), "data")
-                for i, v in enumerate(args + [pl["tasks"]] + tiles):
+                data = f.alloca(ir.ArrayType(I64, 8 + len(extra)), "data")
+                for i, v in enumerate(args + [pl["tasks"]] + tiles + extra):
                     v = b.ptrtoint(v, I64) if isinstance(v.type, ir.PointerType) else v
                     b.store(v, b.gep(data, [I32(0), I32(i)]))
                 b.call(parallel.region_fn(self.mod, self.home, self.opt.cpu), [par, data])
                 b.ret(I32(1))
-        b.call(work, args + [I64(0), pl["tasks"]] + tiles)
+        b.call(work, args + [I64(0), pl["tasks"]] + tiles + extra)
         b.ret(I32(0))
         f.finish()
         return self.fn
@@ -307,11 +313,13 @@ class GemmGen(TapCalls):
         fn = define(self.mod, self.name + ".par", ir.VoidType(), [PTR])
         optimize_not(fn)   # a few loads and one call per thread
         b = ir.IRBuilder(fn.append_basic_block("entry"))
-        vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(8)]
+        n = 9 if self.epi else 8
+        vals = [b.load(b.gep(fn.args[0], [I64(i)], source_etype=I64), typ=I64) for i in range(n)]
         ptrs = [b.inttoptr(v, PTR) for v in vals[:4]]
+        extra = [b.inttoptr(vals[8], PTR)] if self.epi else []
         lo, hi = parallel.thread_range(b, vals[4])
         with b.if_then(b.icmp_signed("<", lo, hi)):
-            b.call(work, ptrs + [lo, hi] + vals[5:8])
+            b.call(work, ptrs + [lo, hi] + vals[5:8] + extra)
         b.ret_void()
         return fn
 
@@ -319,7 +327,7 @@ class GemmGen(TapCalls):
         """`tgc.kN.work(dims, a, b, c, lo, hi, tp, tq, tr)`: tasks [lo, hi) of the
         plan with tiles of tp x tq x tr."""
         k = self.k
-        fn = define(self.mod, self.name + ".work", ir.VoidType(), [PTR] * 4 + [I64] * 5)
+        fn = define(self.mod, self.name + ".work", ir.VoidType(), [PTR] * 4 + [I64] * 5 + ([PTR] if self.epi else []))
         if k.batch:   # maybe a task per batch index: GPT's 192 tiles of 11 x 16 x 11
             _control(fn)   # took 13-15 us optimized, 19-20 not
         else:         # a few tiles, so a few tasks: not worth LLVM's time
@@ -367,9 +375,19 @@ class GemmGen(TapCalls):
                         each_tap()
             else:
                 each_tap()
+            if self.epi:   # the tile's rows, all of Q (its tiles never cut Q), while they are in cache
+                self.tile_epilogue(fn, p0, p1)
         b.ret_void()
         f.finish()
         return fn
+
+    def tile_epilogue(self, fn: ir.Function, p0, p1) -> None:
+        """Call the epilogue (gemm_epilogue.py) on rows [p0, p1) of C'."""
+        b = self.b
+        names = epilogue_buffers(self.low, self.k)
+        epi = emit_epilogue(self.mod, self.low, self.k, self.name + ".epi", self.fp, self.opt)
+        with b.if_then(b.icmp_signed("<", p0, p1)):
+            b.call(epi, [fn.args[0]] + load_pointers(b, fn.args[-1], len(names)) + [p0, p1])
 
     def small_ok(self, b, pl, B):
         """i1: the tiles go to the generated loops (not BLAS)."""

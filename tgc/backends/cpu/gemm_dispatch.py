@@ -180,3 +180,27 @@ def _fixed_count(low: Lowered, edges) -> int | None:
             return None
         count *= size
     return count
+
+
+def rows_and_cols(low: Lowered, k: GemmKernel) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(P, Q) of the normalized product (`gemm.GemmGen`): the result's outer and
+    contiguous edge groups, in memory order."""
+    rows, cols, cols_inner = operand_forms(low, k)["c"]
+    return (tuple(rows), tuple(cols)) if cols_inner else (tuple(cols), tuple(rows))
+
+
+def tile_epilogue(low: Lowered, k, options: Options) -> bool:
+    """Whether the CPU runs `k`'s epilogue (`tgc.lower.epilogue`) on each tile right
+    after its product (gemm_epilogue.py): `options.cpu.gemm_epilogue`, a real product
+    (not bf16) without batch edges (a task is a tile of rows), taps or shifts, whose P
+    has one or two edges (a loop group's split loops). The CPU's `group` writes out the
+    others as loops after the GEMM."""
+    if not isinstance(k, GemmKernel) or not k.epilogue or k.batch or k.cplx is not None or k.taps or k.shifts:
+        return False
+    if not options.cpu.gemm_epilogue or bf16_product(low, k):
+        return False
+    try:
+        rows, _ = rows_and_cols(low, k)
+    except ValueError:
+        return False
+    return 1 <= len(rows) <= 2

@@ -46,6 +46,8 @@ import numpy as np
 from tgc.ir.sizes import Size, size_op, size_str
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, walk)
+from tgc.lower.epilogue import expand
+from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
 from tgc.lower.text import KernelForm
 from tgc.options import Options
@@ -157,6 +159,8 @@ class Group(Pass[Lowered, Lowered]):
     def run(self, low: Lowered, options: Options) -> Lowered:
         if self.blocks is not None:
             options = options.with_(group_blocks=self.blocks)
+        # GEMM epilogues (tgc.lower.epilogue) the tiles do not run (gemm_epilogue.supported): loops after the GEMM
+        low = expand(low, keep=lambda p, g: epilogue_supported(p, g, options))
         out = low.staged("group")
         if options.cpu.group_blocks < 1:
             return out

@@ -74,6 +74,7 @@ class CpuOptions:
     blocked_compile_cost: int = 70           # ... and this for a group whose sums go into per-block partials
     gemm_min_tile: int = 16                  # GEMM tiles are not cut below this many rows or columns of C' (gemm.GemmGen.tiles) ...
     gemm_min_chunk: int = 64                 # ... nor below this many terms of K
+    gemm_epilogue: bool = True               # a GEMM's epilogue (the `epilogue` stage: bias, GELU, residual, AdamW folded in) runs on each tile right after its product (backends/cpu/gemm_epilogue.py); False: as loops after the GEMM
     gemm_tap_tiles: int = 4                  # a GEMM with shifts (convolution taps) that cblas runs is cut into this many times gemm_tiles tiles
     gemm_batch_tasks: int = 16               # a GEMM batched at least this many times is one tile per batch index; a batch of fewer indices may share one packed B' in the own kernel (gemm_dispatch.shared_b_batch)
     gemm_pack_elems: int = 4096              # elements of the stack buffer the small-tile GEMM loops pack B' into (gemm_small: 16 KiB of f32, in L1)

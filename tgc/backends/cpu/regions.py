@@ -85,8 +85,10 @@ def is_gemm(k) -> bool:
 
 
 def is_member(k) -> bool:
-    """Whether `k` may run in a merged region: a loop kernel, a loop group, a GEMM."""
-    return isinstance(k, (LoopKernel, LoopGroup)) or is_gemm(k)
+    """Whether `k` may run in a merged region: a loop kernel, a loop group, a GEMM
+    without an epilogue (one with takes its epilogue's buffers in an array of its own:
+    `gemm_epilogue.py`, called as a kernel of its own)."""
+    return isinstance(k, (LoopKernel, LoopGroup)) or (is_gemm(k) and not getattr(k, "epilogue", ()))
 
 
 def splits(k, cpu: CpuOptions) -> bool:
@@ -94,7 +96,7 @@ def splits(k, cpu: CpuOptions) -> bool:
     a loop whose outer loop they can share (`loops.split_loops`), or a blocked group
     (threads take blocks)."""
     if is_gemm(k):
-        return True
+        return is_member(k)
     if not is_member(k) or not parallel_ok(k):
         return False
     return bool(split_loops(k, cpu)) or (isinstance(k, LoopGroup) and bool(k.blocks))

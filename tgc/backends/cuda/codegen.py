@@ -256,6 +256,8 @@ class _Gen(ExprVisitor):
             if not isinstance(k, (LoopKernel, GemmKernel)):   # another backend's own kind (the CPU's groups)
                 raise CudaUnsupported(f"{type(k).__name__} kernels (another backend's own lowering stage)")
             if isinstance(k, GemmKernel):
+                if k.epilogue:   # written out as loops by cublas_operands (`tgc.lower.epilogue.expand`)
+                    raise CudaUnsupported("a GEMM epilogue after the cublas_operands stage (run 'epilogue' before it)")
                 if k.taps or k.shifts:
                     self.loop(i, gemm_as_loop(low, k))
                 else:

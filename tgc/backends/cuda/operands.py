@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.passes import Pass
+from tgc.lower.epilogue import expand
 from tgc.lower.lowered import GemmKernel, Lowered
 from tgc.lower.narrow import widen_gemm_operands
 from tgc.options import Options
@@ -55,7 +56,7 @@ class CublasOperands(Pass[Lowered, Lowered]):
     takes = gives = "lowered"
 
     def run(self, low: Lowered, options: Options) -> Lowered:
-        out = low.staged("cublas_operands")
+        out = expand(low).staged("cublas_operands")   # GEMM epilogues as loops after their GEMMs (tgc.lower.epilogue)
         keep = {i for i, k in enumerate(out.kernels) if keeps_operands(out, k)}
         widen_gemm_operands(out, keep, "cuBLAS")
         return out
