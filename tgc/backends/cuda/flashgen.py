@@ -499,15 +499,7 @@ class FlashBackGen:
             loop += self.squares(BQ, BK, None, rvals, [], keepers)
             loop += ["__syncthreads();"]
             for n, ((m, src, _, c), K) in enumerate(zip(ch.rowouts, self.rowout_ops)):
-                w = m.sizes[c]
-                loop += [f"for (int i = tid; i < {BQ * w}; i += nth) {{",
-                         f"    const int a = i / {w}, c = i % {w};",
-                         f"    double o = (double)A{n}[i];",
-                         f"    const tgc_t* pa = Q{self.sq_index(src)} + a * {BK};",
-                         "    #pragma unroll 8",
-                         f"    for (int j = 0; j < {BK}; ++j) o += (double)pa[j] * (double){K}[j * {w} + c];",
-                         f"    A{n}[i] = (tgc_t)o;",
-                         "}"]
+                loop += _tile_product(n, m.sizes[c], ("a", BQ, f"a * {BK}"), ("j", BK, "j"), f"Q{self.sq_index(src)}", K)
             loop += ["__syncthreads();"]
             inner += [f"for (long long k0 = 0; k0 < ns; k0 += {BK}) {{"] + ["    " + x for x in loop] + ["}"]
         for n, r in enumerate(ch.rowsums):
@@ -515,11 +507,7 @@ class FlashBackGen:
             inner += [f"for (int a = tid; a < {BQ}; a += nth) {{", "    const long long tq = q0 + a;",
                       f"    if (tq < nt) {gen.store(r.out, self.ptrs[r.out], at, f'Rv{n}[a]')}", "}"]
         for n, (m, _, _, c) in enumerate(ch.rowouts):
-            w = m.sizes[c]
-            at = gen.offset(m.out, m.index, self.ctx(**{ch.t: "tq", c: "c"}))
-            inner += [f"for (int i = tid; i < {BQ * w}; i += nth) {{",
-                      f"    const long long tq = q0 + i / {w}, c = i % {w};",
-                      f"    if (tq < nt) {gen.store(m.out, self.ptrs[m.out], at, f'A{n}[i]')}", "}"]
+            inner += self.store_tile(n, m, c, ch.t, ("tq", "q0", "nt", BQ))
         inner += ["__syncthreads();"]
         body += ["    " + x for x in inner] + ["}"]
         self.finish(name, body, BQ, BK, ch.t, "rows", {r.out for r in ch.rowsums} | {m.out for m, *_ in ch.rowouts})
@@ -552,15 +540,7 @@ class FlashBackGen:
         loop += self.squares(BQ, BK, None, {}, [(f"T{n}", r, "(tgc_t)0") for n, r in enumerate(ch.colsums)], keepers)
         loop += ["__syncthreads();"]
         for n, ((m, src, _, c), R) in enumerate(zip(ch.colouts, self.colout_ops)):
-            w = m.sizes[c]
-            loop += [f"for (int i = tid; i < {BK * w}; i += nth) {{",
-                     f"    const int j = i / {w}, c = i % {w};",
-                     f"    double o = (double)A{n}[i];",
-                     f"    const tgc_t* pj = Q{self.sq_index(src)} + j;",
-                     "    #pragma unroll 8",
-                     f"    for (int a = 0; a < {BQ}; ++a) o += (double)pj[a * {BK}] * (double){R}[a * {w} + c];",
-                     f"    A{n}[i] = (tgc_t)o;",
-                     "}"]
+            loop += _tile_product(n, m.sizes[c], ("j", BK, "j"), ("a", BQ, f"a * {BK}"), f"Q{self.sq_index(src)}", R)
         if ch.colsums:
             loop += [f"for (int j = tid; j < {BK}; j += nth) {{"]
             for n in range(len(ch.colsums)):
@@ -574,14 +554,21 @@ class FlashBackGen:
             inner += [f"for (int j = tid; j < {BK}; j += nth) {{", "    const long long sk = k0 + j;",
                       f"    if (sk < ns) {gen.store(r.out, self.ptrs[r.out], at, f'(tgc_t)Cs{n}[j]')}", "}"]
         for n, (m, _, _, c) in enumerate(ch.colouts):
-            w = m.sizes[c]
-            at = gen.offset(m.out, m.index, self.ctx(**{ch.s: "sk", c: "c"}))
-            inner += [f"for (int i = tid; i < {BK * w}; i += nth) {{",
-                      f"    const long long sk = k0 + i / {w}, c = i % {w};",
-                      f"    if (sk < ns) {gen.store(m.out, self.ptrs[m.out], at, f'A{n}[i]')}", "}"]
+            inner += self.store_tile(n, m, c, ch.s, ("sk", "k0", "ns", BK))
         inner += ["__syncthreads();"]
         body += ["    " + x for x in inner] + ["}"]
         self.finish(name, body, BQ, BK, ch.s, "keys", {r.out for r in ch.colsums} | {m.out for m, *_ in ch.colouts})
+
+    def store_tile(self, n: int, m, c: str, edge: str, tile: tuple) -> list[str]:
+        """Lines storing the tile accumulator `A{n}` of output kernel `m` (its edge `c`
+        the inner one): `tile` = (the position's variable, the tile's first, the edge's
+        size, the tile's length) along `edge`, the rows' or the keys'."""
+        gen, w = self.gen, m.sizes[c]
+        pos, first, size, length = tile
+        at = gen.offset(m.out, m.index, self.ctx(**{edge: pos, c: "c"}))
+        return [f"for (int i = tid; i < {length * w}; i += nth) {{",
+                f"    const long long {pos} = {first} + i / {w}, c = i % {w};",
+                f"    if ({pos} < {size}) {gen.store(m.out, self.ptrs[m.out], at, f'A{n}[i]')}", "}"]
 
     def finish(self, name: str, body: list[str], BQ: int, BK: int, edge: str, what: str, writes: set) -> None:
         gen, ch = self.gen, self.ch
@@ -590,3 +577,19 @@ class FlashBackGen:
         total = (*(ch.S.sizes[v] for v in ch.batch), ch.S.sizes[edge])
         gen.launches.append(Launch("flash", name, tuple(self.bufs), total, index=self.i,
                                    writes=tuple(sorted(writes)), inner=(BQ if what == "rows" else BK,)))
+
+
+def _tile_product(n: int, w: int, own: tuple, over: tuple, tile: str, other: str) -> list[str]:
+    """Lines adding to the accumulator `A{n}` (`own`'s length x `w`, in double, rounded
+    once per tile) the product of the shared tile `tile` with `other` (`over`'s length x
+    `w`) summed over `over`: `own`, `over` = (variable, length, the tile's offset of it)."""
+    (x, nx, at_x), (y, ny, at_y) = own, over
+    p = f"p{x}"
+    return [f"for (int i = tid; i < {nx * w}; i += nth) {{",
+            f"    const int {x} = i / {w}, c = i % {w};",
+            f"    double o = (double)A{n}[i];",
+            f"    const tgc_t* {p} = {tile} + {at_x};",
+            "    #pragma unroll 8",
+            f"    for (int {y} = 0; {y} < {ny}; ++{y}) o += (double){p}[{at_y}] * (double){other}[{y} * {w} + c];",
+            f"    A{n}[i] = (tgc_t)o;",
+            "}"]
