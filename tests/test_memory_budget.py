@@ -127,7 +127,9 @@ def _cli(*args):
 def test_command_line(tmp_path):
     src = tmp_path / "a.tg"
     src.write_text(attention_stack(2, "prelude"))
-    half = str(_plan(src.read_text(), 1 << 40).before * 7 // 10)
+    # 3/4 of the workspace: recomputing two saved values meets it (1.40 of 1.99 MB; the
+    # GEMM epilogues left 1.99 MB where 70% had been the test's margin before them)
+    half = str(_plan(src.read_text(), 1 << 40).before * 3 // 4)
     done = _cli("explain", str(src), "--memory-budget", half, "--format", "json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
