@@ -43,7 +43,10 @@ only copies this pass inserts. Each of these only moves edges between the groups
 loops around the calls, so every term of the product is still added exactly once.
 Finally each loop kernel's loops are ordered: the innermost is the variable with
 the cheapest strides over all accesses (stores weigh double, reductions win ties,
-so they accumulate in registers), the others outward by decreasing stride. Last, a summed loop whose
+so they accumulate in registers), the others outward by decreasing stride (a
+floor-divided index `floor((c v + ...) / d)` by its mean stride, c / d of its axis's:
+a streamed loop's stacked blocks read back along the whole edge keep the edge inside
+the batch and head edges; a gather's index counts as a far stride). Last, a summed loop whose
 mask says `lo(outer vars) <= v < hi(outer vars)` gets those bounds instead of the
 mask (a causal mask halves the work, padding needs no masked loads); a condition
 on a multiple of v (`2 v + k - 1 >= 0`, a stride) gives a bound by floor division.
