@@ -861,3 +861,28 @@ out y = %1 : [s, b, o]
 out dx = %2 : [b, c, t]
 out dW = %3 : [k, o, c]
 """, [{"b": 2}, {"b": 1}], blas_min_flops=0)
+
+
+def test_a_read_by_blocks_matches_the_interpreter_on_one_and_two_threads():
+    """A buffer read by blocks through a floor division (`layout._floor_stride` orders
+    its loops b, c, d), on one thread and on two (split over `b`), bit for bit the
+    interpreter's copy."""
+    from tgc.options import CpuOptions
+    text = """
+dim b = 4
+dim h = 8
+dim e = 32
+dim d = 16
+edge c : e
+input y : f32[h, b, e, d]
+%0 = indicator[c = 32*h + e] : f32[c, e, h]
+%1 = contract %y, %0 : f32[b, c, d]
+out z = %1 : [b, c, d]
+"""
+    m = parse_module(text)
+    x = random_inputs(m, m.bind_dims({}), 0, "f32")
+    want = evaluate(m, x)["z"]
+    for threads in (1, 2):
+        cpu = CpuOptions(threads=threads, parallel_min_work=0, parallel_min_work_warm=0)
+        prog = build(parse_module(text), Options(dtype="f32", cpu=cpu))
+        np.testing.assert_array_equal(prog(**x)["z"], want)

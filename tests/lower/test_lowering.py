@@ -370,3 +370,26 @@ def test_a_gemm_result_read_with_saved_values_follows_their_order():
         x = random_inputs(m, {**m.dims, "b": 4}, 0, dtype)
         want = evaluate(m, dict(x), dtype="f64")["y"]
         np.testing.assert_allclose(prog(**x)["y"], want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+BLOCKED = """
+dim b = 4
+dim h = 8
+dim e = 32
+dim d = 16
+edge c : e
+input y : f32[h, b, e, d]
+%0 = indicator[c = 32*h + e] : f32[c, e, h]
+%1 = contract %y, %0 : f32[b, c, d]
+out z = %1 : [b, c, d]
+"""
+
+
+def test_a_read_by_blocks_orders_its_loops_by_the_mean_stride_of_the_division():
+    """`z[b, c, d] = y[h = floor(c / 32), b, e = c - 32 floor(c / 32), d]` (a streamed
+    loop's stacked blocks joined back): one step of `c` moves a row of `y` and a block
+    every 32 steps, so `c` sits inside `b` as in `z`, not outermost as a gather would."""
+    low = lower(BLOCKED)
+    (k,) = [k for k in low.kernels if isinstance(k, LoopKernel)]
+    assert "floor((c) / 32)" in k.text()
+    assert k.loops == ("b", "c", "d")

@@ -43,7 +43,10 @@ only copies this pass inserts. Each of these only moves edges between the groups
 loops around the calls, so every term of the product is still added exactly once.
 Finally each loop kernel's loops are ordered: the innermost is the variable with
 the cheapest strides over all accesses (stores weigh double, reductions win ties,
-so they accumulate in registers), the others outward by decreasing stride. Last, a summed loop whose
+so they accumulate in registers), the others outward by decreasing stride (a
+floor-divided index `floor((c v + ...) / d)` by its mean stride, c / d of its axis's:
+a streamed loop's stacked blocks read back along the whole edge keep the edge inside
+the batch and head edges; a gather's index counts as a far stride). Last, a summed loop whose
 mask says `lo(outer vars) <= v < hi(outer vars)` gets those bounds instead of the
 mask (a causal mask halves the work, padding needs no masked loads); a condition
 on a multiple of v (`2 v + k - 1 >= 0`, a stride) gives a bound by floor division.
@@ -545,14 +548,35 @@ def _idloads(ix: Ix) -> list[IdLoad]:
 
 
 def _stride(var: str, axes: list[tuple[Ix, int]], guess: int) -> int:
+    """How far one step of `var` moves the accesses `axes`, summed (elements). A
+    gather (an IdLoad) moves unpredictably: 1 << 20. A floor division
+    `floor((c var + ...) / d)` moves by c / d per step on average (`_floor_stride`):
+    a block index `t - 256 floor(t / 256)`, `floor(t / 256)` of a buffer in blocks of
+    256 rows moves a row per step of `t` and a block per 256 steps, so `t` sits
+    inside the block's batch and head edges as in the unblocked buffer."""
     total = 0
     for ix, stride in axes:
         for atom, coef in ix.terms:
+            k = abs(coef if isinstance(coef, int) else guess)
             if atom == var:
-                total += abs(coef if isinstance(coef, int) else guess) * stride
-            elif isinstance(atom, (IdLoad, FloorDiv)) and var in Ix.of(atom).vars():
+                total += k * stride
+            elif isinstance(atom, FloorDiv) and var in Ix.of(atom).vars():
+                total += _floor_stride(var, atom, k * stride)
+            elif isinstance(atom, IdLoad) and var in Ix.of(atom).vars():
                 total += 1 << 20
     return total
+
+
+def _floor_stride(var: str, atom: FloorDiv, scale: int) -> int:
+    """The mean stride of `scale * floor(num / den)` per step of `var`: scale x
+    |coef of var in num| / den, at least 1 (exact: floor moves by c / d per step on
+    average), when `num` is linear in `var` with a constant integer coefficient and
+    `den` a positive integer; else 1 << 20 (unknown, as a gather)."""
+    c = atom.num.coef(var)
+    nested = any(not isinstance(a, str) and var in Ix.of(a).vars() for a, _ in atom.num.terms)
+    if nested or not isinstance(c, int) or not isinstance(atom.den, int) or atom.den <= 0:
+        return 1 << 20
+    return max(1, abs(c) * scale // atom.den)
 
 
 def _contiguity_cost(s: int) -> int:
