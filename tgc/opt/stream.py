@@ -50,8 +50,11 @@ block of `E` at a time:
   exactly too low to count in a max or logsumexp) at the skipped keys. A mask may admit
   (`where([s <= t], scores, -1e9)`) or reject (`scores - 1e9 * [s > t]`: the keys where
   its relation holds are the masked ones; for a chain of links, those where all hold);
-  the roles are tried all admitting first. A band's complement `1 - [t - w <= s <= t]`
-  (the band admitting) is 1 at the keys the band masks, which the check follows.
+  the roles are tried all admitting first, the plan over the fewest keys taken. A band's
+  complement `1 - [t - w <= s <= t]` (the band admitting) is 1 at the keys the band
+  masks, which the check follows. With several masks a run skips the keys every mask
+  masks, or, where each masks on its own (`- 1e9 * [s > t] - 1e9 * [s < t - w]`), the
+  keys one of them masks.
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -443,33 +446,47 @@ class _Streamer:
         return [frozenset(i for i, f in zip(tried, flips) if f)
                 for flips in itertools.product((False, True), repeat=len(tried))]
 
-    def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset()):
+    def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset(), meet: bool = False):
         """stream_skip.groups for the masks of `r` (the streamed edge of size n; those of
-        `reject` rejecting), or None."""
+        `reject` rejecting; `meet`: a key skipped where one mask masks it), or None."""
         s = self.key_edge(r)
         if s is None or self.groups <= 0:
             return None
         return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)], i in reject) for i, ind in enumerate(r.masks)],
-                                  s, n, self.sizes[s], self.block, self.groups)
+                                  s, n, self.sizes[s], self.block, self.groups, meet)
 
     def skips(self, r: _Region, edge: str) -> bool:
         """Whether the masks of `r`, in some roles, let some loop skip keys (a seed under
         `stream_min_elements` streams only then)."""
-        return any(self.plan(r, self.sizes[edge], reject) is not None for reject in self.roles(r))
+        return any(self.plan(r, self.sizes[edge], reject, meet) is not None
+                   for reject in self.roles(r) for meet in (False, True)[:len(r.masks)])
 
     def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: list[Value], n: int):
         """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
         over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), for
-        the first roles of the masks (`masks`: their values in the step) that
-        stream_skip.exact shows exact; or None: one loop over every key."""
+        the roles of the masks (`masks`: their values in the step) that stream_skip.exact
+        shows exact, the fewest keys over all runs (the first such: all admitting first);
+        with several masks, a key may be skipped where one of them masks it (the meet of
+        their hulls) when `exact` shows each mask alone suffices, the others 0 or 1 (a
+        window written as two subtracted fills); or None: one loop over every key."""
         s = self.key_edge(r)
+        ids = [id(m) for m in masks]
+        best = None
         for reject in self.roles(r):
             plan = self.plan(r, n, reject)
-            ones = frozenset(id(m) for i, m in enumerate(masks) if i in reject)
-            zeros = {id(m) for i, m in enumerate(masks) if i not in reject}
+            ones = frozenset(m for i, m in enumerate(ids) if i in reject)
+            zeros = {m for i, m in enumerate(ids) if i not in reject}
             if plan is not None and stream_skip.exact(body, s, zeros, kinds, ones):
-                return s, plan
-        return None
+                best = min(best or plan, plan, key=_work)
+            if len(masks) > 1:   # a key skipped where one mask masks it: each mask shown to suffice
+                plan = self.plan(r, n, reject, meet=True)
+                if plan is not None and (best is None or _work(plan) < _work(best)) and all(
+                        stream_skip.exact(body, s, set() if i in reject else {m}, kinds,
+                                          frozenset({m}) if i in reject else frozenset(),
+                                          frozenset(ids[:i] + ids[i + 1:]))
+                        for i, m in enumerate(ids)):
+                    best = plan
+        return None if best is None else (s, best)
 
     def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], runs, eb: str,
                   ec: str) -> dict[int, Value]:
@@ -615,6 +632,11 @@ class _Streamer:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
+
+
+def _work(plan: list[tuple[int, int, int, int]]) -> int:
+    """The blocks times the keys a masked stream's runs (stream_skip.groups) go over."""
+    return sum((b1 - b0) * (hi - lo) for b0, b1, lo, hi in plan)
 
 
 def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
