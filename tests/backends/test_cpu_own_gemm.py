@@ -680,3 +680,54 @@ def test_implicit_candidate_whose_other_operand_is_renamed():
     module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
     want = evaluate(module, {k: np.asarray(v, np.float64) for k, v in arrays.items()}, dtype="f64")
     np.testing.assert_allclose(got["h2"], want["h2"], rtol=1e-5, atol=1e-6)
+
+
+ATTENTION = """
+dim batch = 2, head = 2, hd = 64, t = 256, s = 256
+input q[batch, head, t, hd], k[batch, head, s, hd], v[batch, head, s, hd], dy[batch, head, t, hd]
+p = softmax[s](dot[hd](q, k) / 8 - 1e9 * [s > t])
+y = sum[s](p * v)
+loss = sum(y * dy)
+out y
+out dq = grad(loss, q)
+out dk = grad(loss, k)
+out dv = grad(loss, v)
+"""
+
+
+@pytest.mark.slow
+def test_attention_backward_products_with_transposed_a_match_the_interpreter(tmp_path):
+    """Causal attention's value and gradients at t = 256 (its backward products have
+    A' with its rows contiguous: the own kernel takes them, packing A' where B' has
+    more than one block of columns), f32 on 1 and 2 threads (the same bits) and with
+    `own_gemm_transposed_a` off (cblas), and f64, against the f64 interpreter."""
+    from tgc.backends.cpu.codegen import leaf_kernels
+    from tgc.backends.cpu.gemm_dispatch import a_k_contiguous, uses_own_gemm
+    from tgc.lower.lowered import GemmKernel
+
+    path = tmp_path / "attention.tg"
+    path.write_text(ATTENTION)
+    rng = np.random.default_rng(3)
+    shapes = {"q": (2, 2, 256, 64), "k": (2, 2, 256, 64), "v": (2, 2, 256, 64), "dy": (2, 2, 256, 64)}
+    arrays = {n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()}
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(ATTENTION, str(path), opts), opts).module
+    want = evaluate(module, {n: a.astype(np.float64) for n, a in arrays.items()}, dtype="f64")
+    got = {}
+    for key, options in {"1": Options(dtype="f32").with_(threads=1), "2": Options(dtype="f32").with_(threads=2),
+                         "off": Options(dtype="f32").with_(own_gemm_transposed_a=False),
+                         "f64": Options(dtype="f64")}.items():
+        prog = tgc.compile(str(path), options=options)
+        if key != "f64":   # products whose A' has its rows contiguous that the own kernel may take
+            transposed = [k for lw, k in leaf_kernels(prog.lowered) if isinstance(k, GemmKernel)
+                          and not a_k_contiguous(lw, k) and uses_own_gemm(lw, k, prog.options)]
+            assert len(transposed) >= (2 if key in "12" else 0) and (key != "off" or not transposed)
+        dtype = np.float64 if key == "f64" else np.float32
+        got[key] = prog(**{n: a.astype(dtype) for n, a in arrays.items()})
+    for name in ("y", "dq", "dk", "dv"):
+        w = np.asarray(want[name])
+        scale = np.abs(w).max()
+        for key in ("1", "off"):
+            np.testing.assert_allclose(got[key][name], w, rtol=1e-4, atol=1e-5 * scale)
+        np.testing.assert_allclose(got["f64"][name], w, rtol=1e-10, atol=1e-12 * scale)
+        assert np.array_equal(got["1"][name], got["2"][name]), name
