@@ -669,8 +669,8 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                     k0 = b.mul(kb, step)
                     kd = smax(smin(step, b.sub(K, k0)), I64(0))
                     a0 = b.load(fn.args[13], typ=I64)   # the one product's offset into A
-                    _pack_a_transposed(b, b.gep(pa, [a0], source_etype=f32), sak, k0, kd, cur["M"], tpack, span,
-                                       load_fn, zero_v, vt)
+                    b.call(_pack_a_transposed(mod), [b.gep(pa, [a0], source_etype=f32), sak, k0, kd, cur["M"],
+                                                     tpack, I64(span)])
             with for_range(b, I64(0), panels, "oj") as jb:
                 block_step(jb, kb)
     else:
@@ -730,15 +730,27 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_b
                                     align=64)
 
 
-def _pack_a_transposed(b, pa, sak, k0, kd, rows, apack, span, load_fn, zero_v, vt):
-    """A's rows 0..rows - 1 (at most a row panel), K k0 .. k0 + kd, when its rows are
-    contiguous (A[i, k] at pa + i + k * sak): for each 16 rows and 16 K, 16 masked
+def _pack_a_transposed(mod: ir.Module) -> ir.Function:
+    """`void tgc.gemm.own.f32.pack_a(float* A, i64 sak, i64 k0, i64 kd, i64 rows,
+    float* apack, i64 span)`, one per module (the kernels of every block shape call
+    it): A's rows 0..rows - 1 (at most a row panel), K k0 .. k0 + kd, when its rows
+    are contiguous (A[i, k] at A + i + k * sak): for each 16 rows and 16 K, 16 masked
     vector loads along the rows, a transpose in registers, 16 whole-vector stores,
     row i's K at apack + i * span (the FMA loop's broadcasts then read one line per
-    16 K, not one per K: 24 x 256 x 64 x 256 with A' transposed 4.6 -> 4.0 Mcycles
-    on one thread). Lanes past `rows` or `kd` are not read; their packed values
-    (zeros) are never used."""
+    16 K, not one per K, and the row panel's A' is read from memory once for every
+    column block). Lanes past `rows` or `kd` are not read; their packed values (zeros)
+    are never used."""
+    name = "tgc.gemm.own.f32.pack_a"
+    if name in mod.globals:
+        return mod.globals[name]
+    fn = define(mod, name, ir.VoidType(), [PTR, I64, I64, I64, I64, PTR, I64])
+    fn.attributes.add("noinline")
+    pa, sak, k0, kd, rows, apack, span = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
     f32 = ir.FloatType()
+    vt = ir.VectorType(f32, VL)
+    load_fn = masked_intrinsics(mod, f32, VL)[0]
+    zero_v = ir.Constant(vt, [0.0] * VL)
     it = ir.VectorType(I64, VL)
     iota = ir.Constant(it, list(range(VL)))
     with for_range(b, I64(0), b.sdiv(b.add(rows, I64(VL - 1)), I64(VL)), "ai") as ti:
@@ -753,8 +765,10 @@ def _pack_a_transposed(b, pa, sak, k0, kd, rows, apack, span, load_fn, zero_v, v
                 at = b.gep(pa, [b.add(i0, b.mul(b.add(k0, kj), sak))], source_etype=f32)
                 vecs.append(b.call(load_fn, [at, I32(4), b.and_(imask, inside), zero_v]))
             for r, v in enumerate(_transpose16(b, vecs)):
-                dst = b.gep(apack, [b.add(b.mul(b.add(i0, I64(r)), I64(span)), kk0)], source_etype=f32)
+                dst = b.gep(apack, [b.add(b.mul(b.add(i0, I64(r)), span), kk0)], source_etype=f32)
                 b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
+    b.ret_void()
+    return fn
 
 
 def _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn, zero_v, it, vt):
