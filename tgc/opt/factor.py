@@ -12,7 +12,11 @@ Rewrites, in two phases:
    result; indicators costed as index arithmetic). Consecutive products that sum
    nothing stay one elementwise product, which `fuse` runs as one loop. Each
    pairwise contraction computes under canonical edge names, so the same
-   sub-contraction built for two consumers is one value.
+   sub-contraction built for two consumers is one value. Of equally cheap orders
+   the search keeps the first; the index operands are first put in the order of
+   the axes they index in the declared arrays, outermost first
+   (`_outer_indicators_first`), so the tie does not depend on the canonical order's
+   digests. Any order is exact up to the reassociation of the sums.
 
 Symbolic dims are costed at `Options.rep_size` (64 by default). The output is
 the one non-canonical form in the pipeline: `normalize` would merge the pairwise
