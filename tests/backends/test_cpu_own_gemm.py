@@ -598,13 +598,14 @@ def test_implicit_plan_reads_back_verifies_and_interprets():
         verify_lowered(bad)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
+@pytest.mark.parametrize("threads, rows", [(1, 6), (2, 6), (1, 4), (1, 5)])
+def test_implicit_gemm_values_padding_two_and_odd_sizes(threads, rows):
     """A 5 x 5 kernel with padding 2 on a 15 x 21 image, 24 -> 40 channels (windows cut
     at both ends of rows and columns; 21-wide rows, so the segments of a packed block
     start anywhere in an image row and cross rows; blocks of rows and columns with
-    partial edges): values and gradients against the f64 interpreter, with the
-    window packed by both implicit products (y: B', dK: A')."""
+    partial edges: 40 rows of y in blocks of 6 or 5 or 4, `own_gemm_window_rows`):
+    values and gradients against the f64 interpreter, with the window packed by both
+    implicit products (y: B', dK: A')."""
     from tgc.backends.cpu.implicit import ImplicitGemm
 
     assert sum(isinstance(k, ImplicitGemm) for k in lowered(PADDED_5X5, own_gemm="on", implicit_gemm=True).kernels) == 2
@@ -612,7 +613,7 @@ def test_implicit_gemm_values_padding_two_and_odd_sizes(threads):
     arrays = {"x": rng.standard_normal((17, 24, 15, 21), dtype=np.float32),
               "dy": rng.standard_normal((17, 40, 15, 21), dtype=np.float32),
               "K": rng.standard_normal((40, 24, 5, 5), dtype=np.float32)}
-    _against_f64(PADDED_5X5, arrays, implicit_gemm=True, threads=threads)
+    _against_f64(PADDED_5X5, arrays, implicit_gemm=True, threads=threads, own_gemm_window_rows=rows)
 
 
 def _against_f64(src, arrays, **opts):

@@ -127,3 +127,41 @@ def test_many_factors_sharing_one_edge_are_multiplied_first_then_summed(monkeypa
     g = np.array([(f(x + eps * e) - f(x - eps * e)) / (2 * eps) for e in np.eye(3)])
     np.testing.assert_allclose(got["z"], g @ x, rtol=1e-7)
     np.testing.assert_allclose(got["p"], np.prod([np.cos(x + i) for i in range(16)], axis=0).sum(), rtol=1e-12)
+
+
+# A 2-D convolution's input gradient, dx = sum[cout, kh, kw] K dy[ho = hh - kh + 1,
+# wo = ww - kw + 1]: its two pairwise orders cost the same (the row taps or the column
+# taps folded into the product with K first).
+CONV_DX = """
+dim nb, cin, cout, hh, ww
+dim kh = 3, kw = 3
+dim ho = hh, wo = ww
+input  x[nb, cin, hh, ww]
+input  dy[nb, cout, ho, wo]
+param  K[cout, cin, kh, kw]
+out dx = grad(sum((x[hh = ho + kh - 1, ww = wo + kw - 1] @ K) * dy), x)
+"""
+
+CONV_DX_AFTER = """\
+%0 = indicator[ww = kw + wo - 1] : f64[kw, wo, ww]
+%1 = indicator[hh = ho + kh - 1] : f64[hh, ho, kh]
+%2 = contract %dy, %1 : f64[cout, hh, kh, nb, wo]
+%3 = contract %K, %2 : f64[cin, hh, kw, nb, wo]
+%4 = contract %0, %3 : f64[cin, hh, nb, ww]
+out dx = %4 : [nb, cin, hh, ww]"""
+
+
+def test_equal_orders_fold_the_outer_axis_shift_first():
+    """Of equally cheap orders, the one that contracts dy first with the indicator of
+    the outer image axis (hh: rows): the product's operand is then shifted by whole
+    rows. Without the rule, the canonical order (a digest) picked the ww (column) shift
+    for these names, and the hh one for conv2d.tg's (h, w)."""
+    m = optimize(tg(CONV_DX), DEFAULT_PIPELINE)
+    assert body(m) == CONV_DX_AFTER
+    for a, b in (("hh", "h2"), ("ww", "w2")), (("hh", "rows"), ("ww", "cols")):   # other names, other digests
+        text = CONV_DX.replace(*a).replace(*b)
+        shifted = [v for v in optimize(tg(text), DEFAULT_PIPELINE).values()
+                   if v.op == "contract" and any(o.op == "arg" and o.attrs[0] == "dy" for o in v.operands)]
+        assert len(shifted) == 1
+        ind, = [o for o in shifted[0].operands if o.op == "indicator"]
+        assert a[1] in ind.edges, str(ind.attrs[0])

@@ -18,10 +18,12 @@ contiguous, gathers when not), so the inner loop reads it with aligned whole-vec
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in
 registers: each step loads the V vectors of the packed row and, per row, broadcasts
 A[i, k] and takes V fused multiply-adds. A K block after the first adds into C; rows
-past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V = 4 x 4 by
-default (16 accumulators; 8 x 2 measured the same or slower on the 2-core Zen 5,
-except where N is 32 past a multiple of 64: a 64 x 288 x 1024 product with B
-transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is half empty).
+past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V is
+`CpuOptions.own_gemm_rows` x `own_gemm_vecs` (6 x 4: 24 accumulators), and
+`own_gemm_window_rows` x 4 (6 x 4) in an implicit GEMM's copy; a last block of
+columns at most half full runs the 8 x 2 kernel (a 64 x 288 x 1024 product with B
+transposed ran at 173 GFLOP/s with 8 x 2, 149 with 4 x 4, whose last block is half
+empty, on the 2-core Zen 5).
 
 The kernel takes `i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi` more: nv
 products sharing B (offsets into A and C, a range of K each; a plain product is one
@@ -426,8 +428,8 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     accumulators in registers across all of them (C is read and written once per K
     block, not once per tap)."""
     depth = cpu.own_gemm_depth if depth is None else depth
-    if rows is None:   # an implicit GEMM's copy keeps 4 x 4 blocks (its packers were tuned with them)
-        rows = cpu.own_gemm_rows if window is None else 4
+    if rows is None:   # an implicit GEMM's copy: `own_gemm_window_rows` x 4 blocks
+        rows = cpu.own_gemm_rows if window is None else cpu.own_gemm_window_rows
     if vecs is None:
         vecs = cpu.own_gemm_vecs if window is None else 4
     if window is None:
