@@ -158,12 +158,16 @@ class _Machine(ExprVisitor):
             args = {name: self.arrays[b.buf][i] if b.stacked else self.arrays[b.buf]
                     for name, b in zip(step.module.args, k.args)}
             inner = _Machine(step, self.env, args)
+            for c in range(k.carries):   # a carry updated in place: its output is the carry's buffer
+                if k.outs[c].buf == k.args[c].buf:
+                    inner.arrays[outs[c]] = self.arrays[k.args[c].buf]
             inner.run_kernels()
             for j, b in enumerate(k.outs):
                 dst = self.arrays[b.buf]
                 (dst[i] if b.stacked else dst)[...] = inner.arrays[outs[j]]
             for c in range(k.carries):
-                self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
+                if k.outs[c].buf != k.args[c].buf:
+                    self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
 
     def _in_order(self, name: str, order) -> np.ndarray:
         a, have = self.arrays[name], self.order[name]
@@ -277,6 +281,8 @@ class _Machine(ExprVisitor):
             return
         result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
+        if k.acc:   # `out += a @ b`: the old value and the product summed in float64, rounded once
+            result = result + self.arrays[k.out].astype(np.float64)
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
         if any(o.buf == k.out for o in k.epilogue):   # `out` is an output: the product kept apart
             self.arrays[PRODUCT] = np.copy(self.arrays[k.out])

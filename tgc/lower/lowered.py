@@ -639,9 +639,12 @@ class GemmKernel:
     # what is computed from each element of the product as it is stored (`GemmEpilogue`:
     # outputs over the product's edges); () for none
     epilogue: tuple["EpilogueOut", ...] = ()
+    # `out += a @ b` (beta = 1): `out`'s old value is the first term of every element's
+    # sum (`tgc.lower.accumulate`); no taps, shifts, complex pairs, rounding or epilogue
+    acc: bool = False
 
     def buffers_read(self) -> set[str]:
-        return {self.a.buf, self.b.buf} | set(self._epilogue_reads())
+        return {self.a.buf, self.b.buf} | set(self._epilogue_reads()) | ({self.out} if self.acc else set())
 
     def writes(self) -> set[str]:
         return {self.out} | {o.buf for o in self.epilogue}
@@ -667,8 +670,13 @@ class GemmKernel:
         return tuple(order[:-1])
 
     def accumulates(self) -> bool:
-        """`out` is zeroed, then every call adds into it."""
-        return bool(self.taps or self.shifts)
+        """Every call adds into `out` (beta = 1): `out` is zeroed first (`zeroes`), or,
+        with `acc`, holds the value the product is added to."""
+        return bool(self.taps or self.shifts or self.acc)
+
+    def zeroes(self) -> bool:
+        """`out` is zeroed before the calls that add into it (taps or shifts, no `acc`)."""
+        return bool(self.taps or self.shifts) and not self.acc
 
     def buffers_used(self) -> list[str]:
         return list(dict.fromkeys([self.out, self.a.buf, self.b.buf, *(o.buf for o in self.epilogue),
@@ -690,7 +698,8 @@ class GemmKernel:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
         if self.cplx is None:
             a, b = (f"round_bf16({x})" if r else str(x) for x, r in zip((self.a, self.b), self.rounded))
-            return f"gemm %{self.out} = {a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
+            eq = "+=" if self.acc else "="
+            return f"gemm %{self.out} {eq} {a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
         a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
         scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")

@@ -359,7 +359,7 @@ class GemmGen(TapCalls):
             tile = (p0, p1, q0, q1)
 
             def each_tap():
-                if k.accumulates():
+                if k.zeroes():
                     def zero(v):
                         cbase = self.ptr(ptrs["c"], [(v[e], st["c"][0][e]) for e in k.batch])
                         self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)

@@ -124,7 +124,7 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     signal, the input transposed as B') packs each signal 5 times, 40% of its time on
     one thread. Each call's K blocks are cut to each product's range, so where they
     fall depends on the sizes only, never on the thread count."""
-    if not k.accumulates() or not uses_own_gemm(low, k, options):
+    if not k.zeroes() or not uses_own_gemm(low, k, options):
         return ()
     f = operand_forms(low, k)
     packed = _packed_role(f)

@@ -1087,6 +1087,8 @@ class CudaKernels(Kernels):
             call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
             planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
         call, looped = planned if planned is not None else (None, ())
+        if call is not None and k.acc:   # `out += a @ b`: beta = 1
+            call = replace(call, beta=1.0)
         if call is not None and not cplx:   # bf16/f16 operands (`cublas_operands` kept them): a GemmEx call
             types = {r: low.buffers[operands[r][0]].dtype for r in ("a", "b")}
             if types["a"] in LOW_FLOATS:
@@ -1129,4 +1131,5 @@ class CudaKernels(Kernels):
             a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
             c[...] = (k.alpha * xp.matmul(a, b)).reshape(c.shape)
             return
-        c[...] = xp.matmul(a, b).reshape(c.shape)
+        p = xp.matmul(a, b).reshape(c.shape)
+        c[...] = c + p if k.acc else p

@@ -1,0 +1,146 @@
+"""Accumulating GEMMs (tgc.lower.accumulate): `r = c + a @ b` where `r` and `c` share
+memory becomes `gemm %r += a @ b` (beta = 1), a loop's carry then updated in place.
+Golden lines of a streamed attention's step, the text read back, the verifier's rules,
+the lowered interpreter against the IR interpreter and the CPU backend (f32 and f64),
+cuda-sim, and --fp-strict keeping the two kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import pipeline
+from tgc.backends.cpu.options import CpuOptions
+from tgc.frontend import compile_source
+from tgc.ir.interp import evaluate
+from tgc.ir.inputs import random_inputs
+from tgc.lower.interp import run_lowered
+from tgc.lower.lowered import GemmKernel, StepLoop, print_lowered
+from tgc.lower.text import parse_lowered
+from tgc.lower.verify import VerifyError, verify_lowered
+from tgc.options import Options
+from tgc.pipeline import lower_module
+
+CPU_STAGES = ("fuse", "layout", "narrow", "gemm_operands", "implicit", "accumulate", "epilogue", "group", "plan")
+
+# Attention over 64 keys, streamed over the queries in 4 blocks of 16: dk and dv are
+# the loop's carries, each step adding a GEMM's product into them.
+ATTENTION = """
+dim t = 64, s = 64, hd = 8
+input q[t, hd], k[s, hd], v[s, hd], dy[t, hd]
+scores = sum[hd](q * k) / sqrt(size(hd))
+y = sum[s](softmax[s](scores) * v)
+out y
+loss = sum(y * dy)
+out dq = grad(loss, q)
+out dk = grad(loss, k)
+out dv = grad(loss, v)
+"""
+
+
+def options(dtype: str = "f32", **kw) -> Options:
+    return Options(dtype=dtype, stages=CPU_STAGES, stream_block=16, stream_block_min=8, stream_min_elements=64,
+                   cpu=CpuOptions(blas_min_flops=0), **kw)
+
+
+def lowered(dtype: str = "f32", stop_after: str = "plan", **kw):
+    opts = options(dtype, **kw)
+    m = pipeline.lower(compile_source(ATTENTION, "<test>", opts), opts).module
+    return m, lower_module(m, opts, stop_after=stop_after)
+
+
+def the_loop(low) -> StepLoop:
+    loops = [k for k in low.kernels if isinstance(k, StepLoop)]
+    assert len(loops) == 1
+    return loops[0]
+
+
+def test_golden_carries_added_into_in_place():
+    """Each step adds dk's and dv's products into the carries' buffers: the loop binds
+    the step's outputs 0 and 1 to the carries (no copy after a step), and the step has
+    no kernel that adds a stored product."""
+    _, low = lowered(stop_after="accumulate")
+    loop = the_loop(low)
+    assert loop.trip == 4
+    assert [b.buf for b in loop.outs[:2]] == [b.buf for b in loop.args[:2]] == ["c4", "c5"]
+    lines = [x for x in print_lowered(loop.step, module=False).splitlines() if x.startswith("k")]
+    assert "k9: gemm %r0 += %p2[hd, t.1] @ %t18[s, t.1]  batch() m(hd) n(s) k(t.1)" in lines
+    assert "k10: gemm %r1 += %p3[hd, t.1] @ %t14[s, t.1]  batch() m(hd) n(s) k(t.1)" in lines
+    assert not any("add[1.0, 1.0](%p0" in x or "add[1.0, 1.0](%p1" in x for x in lines)
+    head = loop.text().splitlines()[0]
+    assert "outs(%c4, %c5, %y10[i], %y11[i])" in head
+
+
+def test_fp_strict_keeps_the_add():
+    _, low = lowered(stop_after="accumulate", fp_strict=True)
+    assert not any(isinstance(k, GemmKernel) and k.acc for k in low.kernels)
+
+
+@pytest.mark.parametrize("stage", ["accumulate", "plan"])
+def test_the_text_reads_back_and_the_verifier_accepts_it(stage):
+    _, low = lowered(stop_after=stage)
+    text = print_lowered(low)
+    again = parse_lowered(text)
+    assert print_lowered(again) == text
+    verify_lowered(again)
+
+
+def test_the_verifier_needs_the_carry_in_place():
+    """The step reads its output before writing it only where the loop binds that
+    output to the carry's buffer; an accumulating GEMM into a buffer nothing wrote is refused."""
+    _, low = lowered(stop_after="accumulate")
+    loop = the_loop(low)
+    with pytest.raises(VerifyError, match="adds into '%r0' before anything writes it"):
+        verify_lowered(loop.step)
+    verify_lowered(loop.step, frozenset({"r0", "r1"}))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_the_interpreter_and_the_cpu_agree_with_the_ir_interpreter(dtype):
+    m, low = lowered(dtype)
+    assert any(isinstance(k, GemmKernel) and k.acc for k in the_loop(low).step.kernels)
+    x = random_inputs(m, m.bind_dims({}), 3, dtype)
+    want = evaluate(m, x)
+    got = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
+    prog = tgc.compile(ATTENTION, options=options(dtype).with_(stages=None))
+    cpu = prog(**{k: np.copy(v) for k, v in x.items()})
+    tol = 1e-12 if dtype == "f64" else 2e-5
+    for name in want:
+        scale = np.abs(want[name]).max()
+        assert np.abs(got[name] - want[name]).max() <= tol * scale, name
+        assert np.abs(np.asarray(cpu[name]) - want[name]).max() <= tol * scale, name
+
+
+def test_the_cpu_accumulates_on_each_of_its_gemm_paths():
+    """The own kernel (fgemm) and cblas for large tiles, the generated loops for small
+    ones: each adds into the old value (beta = 1), against the lowered interpreter."""
+    m, low = lowered("f32")
+    x = random_inputs(m, m.bind_dims({}), 5, "f32")
+    want = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
+    for own, loop_max in (("on", 0), ("off", 0), ("off", 1 << 30)):
+        opts = options("f32").with_(stages=None)
+        opts = opts.with_(cpu=opts.cpu.with_(own_gemm=own, own_gemm_min_depth=1, gemm_loop_max_flops=loop_max))
+        got = tgc.compile(ATTENTION, options=opts)(**{k: np.copy(v) for k, v in x.items()})
+        for name in want:
+            scale = np.abs(want[name]).max()
+            assert np.abs(np.asarray(got[name]) - want[name]).max() <= 2e-5 * scale, (own, loop_max, name)
+
+
+def test_cuda_sim_runs_an_accumulating_gemm():
+    """The CPU's lowered program (carries in place, `gemm +=`) on the CUDA emulator: the
+    strided call with beta = 1 (tgc.backends.cuda.gemm.run_numpy)."""
+    from tgc.backends.cuda.runtime import unavailable
+
+    why = unavailable("cuda-sim")
+    if why:
+        pytest.skip(f"cuda-sim: {why}")
+    m, low = lowered("f64")
+    x = random_inputs(m, m.bind_dims({}), 7, "f64")
+    want = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
+    opts = Options(dtype="f64", stages=("fuse", "layout", "accumulate", "plan"), stream_block=16,
+                   stream_block_min=8, stream_min_elements=64, cpu=CpuOptions(blas_min_flops=0))
+    assert any(isinstance(k, GemmKernel) and k.acc for k in the_loop(lower_module(m, opts)).step.kernels)
+    prog = tgc.compile(ATTENTION, "cuda-sim", options=opts)
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    for name in want:
+        assert np.allclose(np.asarray(got[name]), want[name], rtol=1e-12, atol=1e-12), name

@@ -1,0 +1,158 @@
+"""accumulate: a GEMM whose product is added into a value becomes a GEMM adding into it.
+
+`Lowered` (after `layout`) -> `Lowered`. A sum `r = c + a @ b` is lowered as two kernels:
+the GEMM stores its product `t` (a temporary), then a loop kernel reads `c` and `t` and
+stores `r`. When `r` and `c` can be the same memory, one GEMM with beta = 1
+(`gemm %r += a @ b`: `GemmKernel.acc`) computes it: the product is never stored, read
+back and added. Two places where `r` and `c` are the same memory:
+
+- in place: `r[e] = add[1, 1](r[e], t[e])` (either order) in one program;
+- a loop's carry (`StepLoop`): the step's output `r` (the carry's new value) is
+  `add[1, 1](c[e], t[e])` of its argument `c` (the carry's value). The loop then binds the
+  output to the carry's own buffer (`outs[k]` is `args[k]`), so that `r` holds `c`'s value
+  when the step starts and no copy follows the step (the streamed attention's `dk` and
+  `dv` partials per key block, `tgc.opt.stream`).
+
+What is rewritten: a plain GEMM (no taps, shifts, complex pairs, rounding or epilogue)
+into a temporary `t` that has exactly the product's edges, and the one kernel that reads
+`t` (the first after it): a plain loop over `t`'s edges (same sizes) storing `r` at the
+element's own index the sum `add[1, 1]` of the loads of `t` and of `c` at that index, `r`
+in `t`'s order and type; no kernel in between writes the GEMM's operands or reads or writes
+`r`; no kernel after reads `t`. For a carry, its argument is read by no kernel after the
+sum, and the step's output is written by the sum alone. The GEMM moves to the sum's place
+as `gemm %r += a @ b` and `t` goes; a carry's loop binds its output to the carry.
+
+Floating point: BLAS with beta = 1 computes `alpha * AB + beta * C`, here `C + AB`. The
+separate add rounds the product, then rounds `c + product`; the accumulating GEMM adds
+the old value as its sum's first term: where the GEMM's own sum is one sum rounded once
+per element (the interpreter, a product in one K block) the two give the same bits only if
+`c` is zero, and in general they differ by the rounding of one addition (the old value
+joins the dot product's sum: the error bound is that of a sum of K + 1 terms, as for a
+GEMM whose K is one longer). Kernels that split K into blocks (the CPU's tiles, cuBLAS)
+add each block's partial sum into `C` in turn either way. `--fp-strict` keeps the two
+kernels (`Options.fp_strict`).
+
+Terminates: one pass over the kernels (and each loop's step), each rewrite removing a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgc.ir.passes import Pass
+from tgc.lower.lowered import Add, Bind, GemmKernel, Ix, Load, LoopKernel, Lowered, StepLoop
+from tgc.options import Options
+
+
+@dataclass(frozen=True)
+class Accumulate(Pass[Lowered, Lowered]):
+    """Fold `r = c + a @ b` into one accumulating GEMM where `r` and `c` share memory."""
+
+    name = "accumulate"
+    takes = gives = "lowered"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        if options.fp_strict:
+            return low
+        out = low.staged("accumulate")
+        out.kernels = [_carries_in_place(out, k) if isinstance(k, StepLoop) else k for k in out.kernels]
+        i = 0
+        while i < len(out.kernels):
+            pair = _pair(out, i)
+            if pair is not None:
+                j, r, c = pair
+                if r == c:
+                    _fold(out, i, j)
+                    continue
+            i += 1
+        _drop_unused(out)
+        return out
+
+
+def _pair(low: Lowered, i: int):
+    """(j, r, c) when kernel i is a GEMM into a temporary `t` that kernel j, the only one
+    to read it, turns into `r = c + t` (as the module docstring says), else None."""
+    g = low.kernels[i]
+    if not (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
+            and not any(g.rounded) and not g.epilogue):
+        return None
+    t = low.buffers.get(g.out)
+    if t is None or t.kind != "temp" or set(t.edges) != set(g.out_edges()):
+        return None
+    readers = [j for j in range(i + 1, len(low.kernels)) if g.out in low.kernels[j].buffers_read()]
+    if len(readers) != 1 or any(g.out in k.writes() for k in low.kernels[i + 1:]):
+        return None
+    j = readers[0]
+    k = low.kernels[j]
+    if not (isinstance(k, LoopKernel) and not k.reduce and not k.red and not k.scatter and k.epilogue is None
+            and not k.bounds) or set(k.loops) != set(t.edges):
+        return None
+    if any(k.sizes[v] != low.size(v) for v in k.loops) or any(ix != Ix.var(e) for e, ix in k.index):
+        return None
+    r = low.buffers[k.out]
+    if r.edges != t.edges or r.order != t.order or r.dtype != t.dtype:
+        return None
+    body = k.body
+    if not (isinstance(body, Add) and body.coefs == (1.0, 1.0) and len(body.args) == 2
+            and all(isinstance(a, Load) and all(ix == Ix.var(e) for e, ix in a.index) for a in body.args)):
+        return None
+    bufs = [a.buf for a in body.args]
+    if g.out not in bufs or bufs[0] == bufs[1]:
+        return None
+    c = bufs[1 - bufs.index(g.out)]
+    cb = low.buffers[c]
+    if cb.edges != t.edges or cb.order != t.order or cb.dtype != t.dtype or k.out in (g.a.buf, g.b.buf):
+        return None
+    for x in low.kernels[i + 1:j]:
+        if x.writes() & {g.a.buf, g.b.buf, k.out} or k.out in x.buffers_read():
+            return None
+    return j, k.out, c
+
+
+def _fold(low: Lowered, i: int, j: int) -> None:
+    """Kernel j (`r = c + t`, `r` holding `c`) as kernel i's GEMM adding into `r`."""
+    g, k = low.kernels[i], low.kernels[j]
+    del low.buffers[g.out]
+    low.kernels[j] = replace(g, out=k.out, acc=True)
+    del low.kernels[i]
+
+
+def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
+    """`loop` with each carry whose new value is `c + a @ b` updated in place: its step
+    adds the product into its output, which the loop binds to the carry's buffer."""
+    step = loop.step.staged(loop.step.stage)
+    args = list(step.module.args)
+    outs = {b.index: n for n, b in step.buffers.items() if b.kind == "out"}
+    binds = list(loop.outs)
+    for c in range(loop.carries):
+        arg, out = args[c], outs.get(c)
+        if out is None or loop.args[c].stacked or loop.outs[c].stacked or loop.outs[c].buf == loop.args[c].buf:
+            continue
+        if low.buffers[loop.outs[c].buf].kind != "temp":
+            continue
+        found = None
+        for i, g in enumerate(step.kernels):
+            pair = _pair(step, i)
+            if pair is not None and pair[1] == out and pair[2] == arg:
+                found = (i, pair[0])
+                break
+        if found is None:
+            continue
+        i, j = found
+        writers = [x for x, k in enumerate(step.kernels) if out in k.writes()]
+        if writers != [j] or any(arg in k.buffers_read() for k in step.kernels[j + 1:]):
+            continue
+        if any(out in k.buffers_read() for k in step.kernels[:j]):
+            continue
+        _fold(step, i, j)
+        binds[c] = Bind(loop.args[c].buf)
+    if binds == list(loop.outs):
+        return loop
+    return replace(loop, step=step, outs=tuple(binds))
+
+
+def _drop_unused(low: Lowered) -> None:
+    """Temporaries no kernel uses any more (a carry's copy target, once the carry is
+    updated in place)."""
+    used = {n for k in low.kernels for n in k.buffers_used()}
+    for name in [n for n, b in low.buffers.items() if b.kind == "temp" and n not in used]:
+        del low.buffers[name]
