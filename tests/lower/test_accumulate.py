@@ -5,6 +5,8 @@ the lowered interpreter against the IR interpreter and the CPU backend (f32 and 
 cuda-sim, and --fp-strict keeping the two kernels."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -37,22 +39,44 @@ out dk = grad(loss, k)
 out dv = grad(loss, v)
 """
 
+# Causal: the masked stream runs 4 loops, each over the keys its rows admit (16, 32, 48,
+# 64): the first three add their products into the leading block of the carries' keys.
+CAUSAL = """
+dim t = 64, hd = 8
+dim s = t
+input q[t, hd], k[s, hd], v[s, hd], dy[t, hd]
+scores = sum[hd](q * k) / sqrt(size(hd))
+y = sum[s](softmax[s](where([s <= t], scores, -1e9)) * v)
+out y
+loss = sum(y * dy)
+out dq = grad(loss, q)
+out dk = grad(loss, k)
+out dv = grad(loss, v)
+"""
+
 
 def options(dtype: str = "f32", **kw) -> Options:
     return Options(dtype=dtype, stages=CPU_STAGES, stream_block=16, stream_block_min=8, stream_min_elements=64,
-                   cpu=CpuOptions(blas_min_flops=0), **kw)
+                   stream_min_elements_masked=64, stream_mask_groups=4, cpu=CpuOptions(blas_min_flops=0), **kw)
 
 
-def lowered(dtype: str = "f32", stop_after: str = "plan", **kw):
+def lowered(dtype: str = "f32", stop_after: str = "plan", source: str = ATTENTION, **kw):
     opts = options(dtype, **kw)
-    m = pipeline.lower(compile_source(ATTENTION, "<test>", opts), opts).module
+    m = pipeline.lower(compile_source(source, "<test>", opts), opts).module
     return m, lower_module(m, opts, stop_after=stop_after)
 
 
+def loops(low) -> list[StepLoop]:
+    return [k for k in low.kernels if isinstance(k, StepLoop)]
+
+
 def the_loop(low) -> StepLoop:
-    loops = [k for k in low.kernels if isinstance(k, StepLoop)]
-    assert len(loops) == 1
-    return loops[0]
+    assert len(loops(low)) == 1
+    return loops(low)[0]
+
+
+def accumulating(low) -> list[GemmKernel]:
+    return [k for loop in loops(low) for k in loop.step.kernels if isinstance(k, GemmKernel) and k.acc]
 
 
 def test_golden_carries_added_into_in_place():
@@ -71,14 +95,38 @@ def test_golden_carries_added_into_in_place():
     assert "outs(%c4, %c5, %y10[i], %y11[i])" in head
 
 
+def test_golden_causal_blocks_add_into_the_leading_keys():
+    """Each of the causal stream's loops adds dk's and dv's products (over its keys
+    s.1 .. s.3, then all of s) into the carries in place: the first three into the
+    leading block of `s`."""
+    _, low = lowered(stop_after="accumulate", source=CAUSAL)
+    assert len(loops(low)) == 4
+    for loop in loops(low):
+        assert [b.buf for b in loop.outs[:2]] == [b.buf for b in loop.args[:2]] == ["c4", "c5"]
+    lines = [x for x in print_lowered(loops(low)[0].step, module=False).splitlines() if x.startswith("k")]
+    assert "k7: gemm %r0 += %p2[hd, t.1] @ %t17[s.1, t.1]  batch() m(hd) n(s.1) k(t.1) prefix(s.1 in s)" in lines
+    assert "k8: gemm %r1 += %p3[hd, t.1] @ %t14[s.1, t.1]  batch() m(hd) n(s.1) k(t.1) prefix(s.1 in s)" in lines
+    assert [len(k.prefix) for k in accumulating(low)] == [1, 1, 1, 1, 1, 1, 0, 0]
+
+
+def test_the_verifier_refuses_a_prefix_without_accumulation():
+    _, low = lowered(stop_after="accumulate", source=CAUSAL)
+    step = loops(low)[0].step
+    j = next(i for i, k in enumerate(step.kernels) if isinstance(k, GemmKernel) and k.prefix)
+    step.kernels[j] = replace(step.kernels[j], acc=False)
+    with pytest.raises(VerifyError, match="prefix on a GEMM that does not accumulate"):
+        verify_lowered(step, frozenset({"r0", "r1"}))
+
+
 def test_fp_strict_keeps_the_add():
     _, low = lowered(stop_after="accumulate", fp_strict=True)
     assert not any(isinstance(k, GemmKernel) and k.acc for k in low.kernels)
 
 
+@pytest.mark.parametrize("source", [ATTENTION, CAUSAL])
 @pytest.mark.parametrize("stage", ["accumulate", "plan"])
-def test_the_text_reads_back_and_the_verifier_accepts_it(stage):
-    _, low = lowered(stop_after=stage)
+def test_the_text_reads_back_and_the_verifier_accepts_it(stage, source):
+    _, low = lowered(stop_after=stage, source=source)
     text = print_lowered(low)
     again = parse_lowered(text)
     assert print_lowered(again) == text
@@ -95,14 +143,15 @@ def test_the_verifier_needs_the_carry_in_place():
     verify_lowered(loop.step, frozenset({"r0", "r1"}))
 
 
+@pytest.mark.parametrize("source", [ATTENTION, CAUSAL])
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
-def test_the_interpreter_and_the_cpu_agree_with_the_ir_interpreter(dtype):
-    m, low = lowered(dtype)
-    assert any(isinstance(k, GemmKernel) and k.acc for k in the_loop(low).step.kernels)
+def test_the_interpreter_and_the_cpu_agree_with_the_ir_interpreter(dtype, source):
+    m, low = lowered(dtype, source=source)
+    assert accumulating(low)
     x = random_inputs(m, m.bind_dims({}), 3, dtype)
-    want = evaluate(m, x)
+    want = evaluate(m, x, dtype=dtype)
     got = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
-    prog = tgc.compile(ATTENTION, options=options(dtype).with_(stages=None))
+    prog = tgc.compile(source, options=options(dtype).with_(stages=None))
     cpu = prog(**{k: np.copy(v) for k, v in x.items()})
     tol = 1e-12 if dtype == "f64" else 2e-5
     for name in want:
@@ -111,22 +160,24 @@ def test_the_interpreter_and_the_cpu_agree_with_the_ir_interpreter(dtype):
         assert np.abs(np.asarray(cpu[name]) - want[name]).max() <= tol * scale, name
 
 
-def test_the_cpu_accumulates_on_each_of_its_gemm_paths():
+@pytest.mark.parametrize("source", [ATTENTION, CAUSAL])
+def test_the_cpu_accumulates_on_each_of_its_gemm_paths(source):
     """The own kernel (fgemm) and cblas for large tiles, the generated loops for small
     ones: each adds into the old value (beta = 1), against the lowered interpreter."""
-    m, low = lowered("f32")
+    m, low = lowered("f32", source=source)
     x = random_inputs(m, m.bind_dims({}), 5, "f32")
     want = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
     for own, loop_max in (("on", 0), ("off", 0), ("off", 1 << 30)):
         opts = options("f32").with_(stages=None)
         opts = opts.with_(cpu=opts.cpu.with_(own_gemm=own, own_gemm_min_depth=1, gemm_loop_max_flops=loop_max))
-        got = tgc.compile(ATTENTION, options=opts)(**{k: np.copy(v) for k, v in x.items()})
+        got = tgc.compile(source, options=opts)(**{k: np.copy(v) for k, v in x.items()})
         for name in want:
             scale = np.abs(want[name]).max()
             assert np.abs(np.asarray(got[name]) - want[name]).max() <= 2e-5 * scale, (own, loop_max, name)
 
 
-def test_cuda_sim_runs_an_accumulating_gemm():
+@pytest.mark.parametrize("source", [ATTENTION, CAUSAL])
+def test_cuda_sim_runs_an_accumulating_gemm(source):
     """The CPU's lowered program (carries in place, `gemm +=`) on the CUDA emulator: the
     strided call with beta = 1 (tgc.backends.cuda.gemm.run_numpy)."""
     from tgc.backends.cuda.runtime import unavailable
@@ -134,13 +185,12 @@ def test_cuda_sim_runs_an_accumulating_gemm():
     why = unavailable("cuda-sim")
     if why:
         pytest.skip(f"cuda-sim: {why}")
-    m, low = lowered("f64")
+    m, low = lowered("f64", source=source)
     x = random_inputs(m, m.bind_dims({}), 7, "f64")
     want = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
-    opts = Options(dtype="f64", stages=("fuse", "layout", "accumulate", "plan"), stream_block=16,
-                   stream_block_min=8, stream_min_elements=64, cpu=CpuOptions(blas_min_flops=0))
-    assert any(isinstance(k, GemmKernel) and k.acc for k in the_loop(lower_module(m, opts)).step.kernels)
-    prog = tgc.compile(ATTENTION, "cuda-sim", options=opts)
+    opts = options("f64").with_(stages=("fuse", "layout", "accumulate", "plan"))
+    assert accumulating(lower_module(m, opts))
+    prog = tgc.compile(source, "cuda-sim", options=opts)
     got = prog(**{k: np.copy(v) for k, v in x.items()})
     for name in want:
         assert np.allclose(np.asarray(got[name]), want[name], rtol=1e-12, atol=1e-12), name

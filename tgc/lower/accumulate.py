@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Add, Bind, GemmKernel, Ix, Load, LoopKernel, Lowered, StepLoop
+from tgc.lower.lowered import Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, neg
 from tgc.options import Options
 
 
@@ -59,9 +59,9 @@ class Accumulate(Pass[Lowered, Lowered]):
         while i < len(out.kernels):
             pair = _pair(out, i)
             if pair is not None:
-                j, r, c = pair
+                j, r, c, prefix = pair
                 if r == c:
-                    _fold(out, i, j)
+                    _fold(out, i, j, prefix)
                     continue
             i += 1
         _drop_unused(out)
@@ -69,8 +69,10 @@ class Accumulate(Pass[Lowered, Lowered]):
 
 
 def _pair(low: Lowered, i: int):
-    """(j, r, c) when kernel i is a GEMM into a temporary `t` that kernel j, the only one
-    to read it, turns into `r = c + t` (as the module docstring says), else None."""
+    """(j, r, c, prefix) when kernel i is a GEMM into a temporary `t` that kernel j, the
+    only one to read it, turns into `r = c + t` (as the module docstring says), else None.
+    `prefix`: the (product edge, `r`'s edge) pairs where `t` covers the leading block of
+    a longer edge of `r` (read there under the mask `edge < size(t's edge)`)."""
     g = low.kernels[i]
     if not (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
             and not any(g.rounded) and not g.epilogue):
@@ -84,35 +86,62 @@ def _pair(low: Lowered, i: int):
     j = readers[0]
     k = low.kernels[j]
     if not (isinstance(k, LoopKernel) and not k.reduce and not k.red and not k.scatter and k.epilogue is None
-            and not k.bounds) or set(k.loops) != set(t.edges):
-        return None
-    if any(k.sizes[v] != low.size(v) for v in k.loops) or any(ix != Ix.var(e) for e, ix in k.index):
+            and not k.bounds):
         return None
     r = low.buffers[k.out]
-    if r.edges != t.edges or r.order != t.order or r.dtype != t.dtype:
+    if set(k.loops) != set(r.edges) or any(k.sizes[v] != low.size(v) for v in k.loops) \
+            or any(ix != Ix.var(e) for e, ix in k.index):
         return None
     body = k.body
-    if not (isinstance(body, Add) and body.coefs == (1.0, 1.0) and len(body.args) == 2
-            and all(isinstance(a, Load) and all(ix == Ix.var(e) for e, ix in a.index) for a in body.args)):
+    if not (isinstance(body, Add) and body.coefs == (1.0, 1.0) and len(body.args) == 2):
         return None
-    bufs = [a.buf for a in body.args]
-    if g.out not in bufs or bufs[0] == bufs[1]:
+    found = [_product_load(low, a, g.out, r.edges) for a in body.args]
+    if sum(f is not None for f in found) != 1:
         return None
-    c = bufs[1 - bufs.index(g.out)]
+    at = 0 if found[0] is not None else 1
+    rename = found[at]
+    other = body.args[1 - at]
+    if not (isinstance(other, Load) and all(ix == Ix.var(e) for e, ix in other.index)):
+        return None
+    c = other.buf
     cb = low.buffers[c]
-    if cb.edges != t.edges or cb.order != t.order or cb.dtype != t.dtype or k.out in (g.a.buf, g.b.buf):
+    if r.order is None or t.order is None or r.order != tuple(rename[e] for e in t.order) or r.dtype != t.dtype:
+        return None
+    if cb.edges != r.edges or cb.order != r.order or cb.dtype != r.dtype or k.out in (g.a.buf, g.b.buf):
         return None
     for x in low.kernels[i + 1:j]:
         if x.writes() & {g.a.buf, g.b.buf, k.out} or k.out in x.buffers_read():
             return None
-    return j, k.out, c
+    return j, k.out, c, tuple((e, b) for e, b in sorted(rename.items()) if e != b)
 
 
-def _fold(low: Lowered, i: int, j: int) -> None:
-    """Kernel j (`r = c + t`, `r` holding `c`) as kernel i's GEMM adding into `r`."""
+def _product_load(low: Lowered, e, t: str, edges) -> dict[str, str] | None:
+    """{`t`'s edge: loop variable} when `e` loads `t` (a temporary) at loop variables
+    alone, each of `t`'s edges at one of `edges` (`t`'s own or a longer one), masked by
+    exactly `v < size(t's edge)` for each longer one; else None."""
+    conds: tuple = ()
+    if isinstance(e, Mask):
+        conds, e = e.conds, e.arg
+    if not (isinstance(e, Load) and e.buf == t):
+        return None
+    rename = {}
+    for te, ix in e.index:
+        v = ix.as_var()
+        if v is None or v not in edges or v in rename.values():
+            return None
+        rename[te] = v
+    want = {Cond(Ix.var(v).plus_const(neg(low.size(te))), "<") for te, v in rename.items() if te != v}
+    if set(conds) != want or len(conds) != len(want):
+        return None
+    return rename
+
+
+def _fold(low: Lowered, i: int, j: int, prefix: tuple = ()) -> None:
+    """Kernel j (`r = c + t`, `r` holding `c`) as kernel i's GEMM adding into `r` (into
+    the leading block of each `prefix` edge)."""
     g, k = low.kernels[i], low.kernels[j]
     del low.buffers[g.out]
-    low.kernels[j] = replace(g, out=k.out, acc=True)
+    low.kernels[j] = replace(g, out=k.out, acc=True, prefix=prefix)
     del low.kernels[i]
 
 
@@ -133,17 +162,17 @@ def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
         for i, g in enumerate(step.kernels):
             pair = _pair(step, i)
             if pair is not None and pair[1] == out and pair[2] == arg:
-                found = (i, pair[0])
+                found = (i, pair[0], pair[3])
                 break
         if found is None:
             continue
-        i, j = found
+        i, j, prefix = found
         writers = [x for x, k in enumerate(step.kernels) if out in k.writes()]
         if writers != [j] or any(arg in k.buffers_read() for k in step.kernels[j + 1:]):
             continue
         if any(out in k.buffers_read() for k in step.kernels[:j]):
             continue
-        _fold(step, i, j)
+        _fold(step, i, j, prefix)
         binds[c] = Bind(loop.args[c].buf)
     if binds == list(loop.outs):
         return loop

@@ -279,10 +279,15 @@ class _Machine(ExprVisitor):
             result = np.moveaxis(np.stack([z.real, z.imag]), 0, list(out_order).index(RI))
             self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
             return
-        result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
+        back = {b: p for p, b in k.prefix}   # `out`'s edge -> the product's edge along it
+        result = np.einsum(f"{sa},{sb}->{''.join(letters[back.get(e, e)] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
         if k.acc:   # `out += a @ b`: the old value and the product summed in float64, rounded once
-            result = result + self.arrays[k.out].astype(np.float64)
+            # (into the leading block of each `prefix` edge of `out`)
+            block = tuple(slice(0, self.size(back[e])) if e in back else slice(None) for e in out_order)
+            target = self.arrays[k.out][block]
+            target[...] = (result + target.astype(np.float64)).astype(target.dtype)
+            return
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
         if any(o.buf == k.out for o in k.epilogue):   # `out` is an output: the product kept apart
             self.arrays[PRODUCT] = np.copy(self.arrays[k.out])

@@ -21,6 +21,10 @@ Backend-neutral: a program is a list of kernels over named buffers.
   With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
   `y[b, o, s] = sum_k W[k, o, c] @ x[b, c, s + k - 2]`, the range of `s` clipped
   per tap), accumulating into `out`.
+  With `acc` (`gemm %c += a @ b`, `tgc.lower.accumulate`) `out` keeps its value and the
+  product is added into it: every call runs with beta = 1, none zeroes `out` first.
+  Its `prefix` pairs (product edge, buffer edge) add it into the leading block of a
+  longer edge of `out` (`prefix(s.1 in s)`: indices 0 .. size(s.1) - 1 of `s`).
   With an `epilogue` (`EpilogueOut`s, from `tgc.lower.epilogue`), each element of the
   product is also the `Acc` of expressions over the product's edges (as loop
   variables): `then %y[e...] = expr` stores `expr` into output `y`, which has exactly
@@ -642,6 +646,17 @@ class GemmKernel:
     # `out += a @ b` (beta = 1): `out`'s old value is the first term of every element's
     # sum (`tgc.lower.accumulate`); no taps, shifts, complex pairs, rounding or epilogue
     acc: bool = False
+    # (product edge, `out`'s edge): with `acc`, the product adds into the first
+    # size(product edge) indices of that longer edge of `out` (its other indices keep their values)
+    prefix: tuple[tuple[str, str], ...] = ()
+
+    def out_edge(self, e: str) -> str:
+        """`out`'s edge that product edge `e` lies along (itself, or its `prefix` edge)."""
+        return dict(self.prefix).get(e, e)
+
+    def out_view(self) -> View:
+        """`out` as a view with the product's edges (`View.edges`: product edge -> buffer edge)."""
+        return View(self.out, tuple((e, self.out_edge(e)) for e in self.out_edges()))
 
     def buffers_read(self) -> set[str]:
         return {self.a.buf, self.b.buf} | set(self._epilogue_reads()) | ({self.out} if self.acc else set())
@@ -696,6 +711,8 @@ class GemmKernel:
             g += f" taps({', '.join(self.taps)})"
         for role, e, ix in self.shifts:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
+        if self.prefix:
+            g += f" prefix({', '.join(f'{p} in {b}' for p, b in self.prefix)})"
         if self.cplx is None:
             a, b = (f"round_bf16({x})" if r else str(x) for x, r in zip((self.a, self.b), self.rounded))
             eq = "+=" if self.acc else "="

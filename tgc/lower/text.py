@@ -363,6 +363,7 @@ class _Builder:
         rounded = tuple(g.data == "rounded_view" for g in (ga, gb))
         a, b = ga.children[0], gb.children[0]
         taps: tuple[str, ...] = ()
+        prefix: tuple[tuple[str, str], ...] = ()
         shifts = []
         note = ""
         outs = []
@@ -373,6 +374,9 @@ class _Builder:
                 outs.append((name, self.index(name, ixs, obuf), e, obuf))
             elif r.data == "taps":
                 taps = self.names(r.children[0])
+            elif r.data == "prefix":
+                names = [str(x) for x in r.children]
+                prefix = tuple(zip(names[0::2], names[1::2]))
             elif r.data == "shift":
                 where, *signed = r.children
                 role, dot, edge = str(where).partition(".")
@@ -383,7 +387,8 @@ class _Builder:
             else:
                 note = self.note(r)
         g = GemmKernel(self.buffer_name(buf), self.view(a), self.view(b), self.names(batch), self.names(m),
-                       self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded, acc=acc)
+                       self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded, acc=acc,
+                       prefix=prefix)
         epilogue = []
         for name, index, e, at in outs:
             if any(ix != Ix.var(edge) for edge, ix in index) or set(dict(index)) != set(g.out_edges()):

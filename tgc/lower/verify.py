@@ -372,7 +372,16 @@ class _Verifier(ExprVisitor):
             if k.out not in defined:
                 raise self.fail(f"adds into '%{k.out}' before anything writes it")
         pairs = ("re.im",) if k.cplx is not None else ()   # a complex product's float pairs
-        if sorted(k.batch + k.m + k.n + pairs) != list(low.buffers[k.out].edges):
+        if k.prefix:
+            if not k.acc:
+                raise self.fail("a GEMM's prefix on a GEMM that does not accumulate (+=)")
+            for pe, be in k.prefix:
+                if pe not in k.out_edges() or be not in low.buffers[k.out].edges:
+                    raise self.fail(f"a GEMM's prefix '{pe} in {be}': no product edge and edge of '%{k.out}'")
+                ps, bs = low.size(pe), low.size(be)
+                if isinstance(ps, int) and isinstance(bs, int) and ps > bs:
+                    raise self.fail(f"a GEMM's prefix '{pe} in {be}' is longer than '{be}' ({ps} > {bs})")
+        if sorted([k.out_edge(e) for e in k.batch + k.m + k.n] + list(pairs)) != list(low.buffers[k.out].edges):
             raise self.fail(f"a GEMM into '%{k.out}' over batch, m, n edges {', '.join(k.batch + k.m + k.n)}; "
                             f"the buffer has {', '.join(low.buffers[k.out].edges)}")
         a, b = dict(k.a.edges), dict(k.b.edges)

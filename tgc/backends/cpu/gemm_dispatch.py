@@ -83,7 +83,8 @@ def _has_avx512() -> bool:
 def operand_forms(low: Lowered, k: GemmKernel) -> dict:
     """Each operand's and the result's `matrix_form` (in its buffer's order)."""
     ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
-    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order), cb.order))
+    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order),
+                                              k.out_view().view_order(cb.order) if k.prefix else cb.order))
     fa, fb, fc = (matrix_form(o, r, c) if o is not None else None
                   for o, r, c in ((va, k.m, k.k), (vb, k.k, k.n), (vc, k.m, k.n)))
     for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):

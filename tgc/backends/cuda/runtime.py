@@ -1078,8 +1078,9 @@ class CudaKernels(Kernels):
             return {v: by_edge[b] for v, b in rename.items() if b in by_edge}
 
         out_edges = low.buffers[k.out].edges
+        out_view = dict(k.out_view().edges) if k.prefix else {e: e for e in out_edges}   # product edge -> buffer edge
         operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
-                    "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
+                    "out": (k.out, strides(k.out, out_view))}
         planned = gemm.plan_looped(k, operands, size)
         if planned is not None and cplx:
             call, looped = planned
