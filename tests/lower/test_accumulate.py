@@ -194,3 +194,25 @@ def test_cuda_sim_runs_an_accumulating_gemm(source):
     got = prog(**{k: np.copy(v) for k, v in x.items()})
     for name in want:
         assert np.allclose(np.asarray(got[name]), want[name], rtol=1e-12, atol=1e-12), name
+
+
+def test_the_cpus_carries_in_place_give_the_derivative():
+    """dk and dv of the causal program, as the CPU computes them with the carries added
+    into in place, against central differences of the loss sum(y * dy) (f64)."""
+    m, low = lowered("f64", source=CAUSAL)
+    assert accumulating(low)
+    x = random_inputs(m, m.bind_dims({}), 11, "f64")
+    prog = tgc.compile(CAUSAL, options=options("f64").with_(stages=None))
+
+    def loss(**changed):
+        y = np.asarray(prog(**{**x, **changed})["y"])
+        return float(np.sum(y * x["dy"]))
+
+    got = prog(**x)
+    rng = np.random.default_rng(0)
+    eps = 1e-5
+    for name, grad in (("k", "dk"), ("v", "dv")):
+        for _ in range(2):
+            u = rng.standard_normal(x[name].shape)
+            fd = (loss(**{name: x[name] + eps * u}) - loss(**{name: x[name] - eps * u})) / (2 * eps)
+            assert abs(float(np.sum(np.asarray(got[grad]) * u)) - fd) <= 1e-6 * max(1.0, abs(fd)), name
