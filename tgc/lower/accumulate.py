@@ -15,22 +15,33 @@ back and added. Two places where `r` and `c` are the same memory:
 
 What is rewritten: a plain GEMM (no taps, shifts, complex pairs, rounding or epilogue)
 into a temporary `t` that has exactly the product's edges, and the one kernel that reads
-`t` (the first after it): a plain loop over `t`'s edges (same sizes) storing `r` at the
-element's own index the sum `add[1, 1]` of the loads of `t` and of `c` at that index, `r`
-in `t`'s order and type; no kernel in between writes the GEMM's operands or reads or writes
-`r`; no kernel after reads `t`. For a carry, its argument is read by no kernel after the
+`t` (the first after it): a plain loop over `r`'s edges (whole) storing `r` at the
+element's own index the sum `add[1, 1]` of the load of `c` at that index and the load of
+`t` there, `c` and `r` laid out as `t` (same type, same order up to the renaming below); no
+kernel in between writes the GEMM's operands or reads or writes `r`; no kernel after reads
+`t`. An edge of `t` may be read along a longer edge of `r` under exactly the mask
+`s < size(s.1)` (a causal stream's loop over the keys its rows admit: `t` covers the
+leading block of `s`): the GEMM then adds into that block (`prefix(s.1 in s)`), the rest
+of `r` keeps `c`'s value, as the masked sum adds zeros there. For a carry, its argument is read by no kernel after the
 sum, and the step's output is written by the sum alone. The GEMM moves to the sum's place
 as `gemm %r += a @ b` and `t` goes; a carry's loop binds its output to the carry.
 
 Floating point: BLAS with beta = 1 computes `alpha * AB + beta * C`, here `C + AB`. The
-separate add rounds the product, then rounds `c + product`; the accumulating GEMM adds
-the old value as its sum's first term: where the GEMM's own sum is one sum rounded once
-per element (the interpreter, a product in one K block) the two give the same bits only if
-`c` is zero, and in general they differ by the rounding of one addition (the old value
-joins the dot product's sum: the error bound is that of a sum of K + 1 terms, as for a
-GEMM whose K is one longer). Kernels that split K into blocks (the CPU's tiles, cuBLAS)
-add each block's partial sum into `C` in turn either way. `--fp-strict` keeps the two
+separate add stores the GEMM's sum `t` rounded, then rounds `c + t`. A GEMM that sums a
+block of K in registers and adds `C` to it as it stores it (the CPU's own kernel, its
+generated loops, OpenBLAS's micro-kernels, cuBLAS) computes the same `c + t`, rounded once,
+when its own sum is the same: K in one block (the blocks depend on the sizes alone, the
+same for both forms): then the bits are the separate add's (the attention benchmark's
+outputs at t = 1024 are bitwise equal). Where K is cut into blocks, the separate GEMM adds
+them into `t` in turn and `c` comes last; with beta = 1 `c` is added to the first block's
+sum and the later blocks after it: a sum of the same K + 1 terms, associated differently,
+with the same error bound. The lowered interpreter sums the product and the old value in
+float64 and rounds once (the separate form rounds twice). `--fp-strict` keeps the two
 kernels (`Options.fp_strict`).
+
+Where it applies: after `layout` (buffers' orders fixed), in the CPU backend's stages
+before `epilogue` (which would otherwise fold the add into the GEMM's store, with the copy
+of the carry still made) and in the CUDA backends' after `flash`.
 
 Terminates: one pass over the kernels (and each loop's step), each rewrite removing a kernel.
 """
