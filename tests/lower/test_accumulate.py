@@ -217,3 +217,60 @@ def test_the_cpus_carries_in_place_give_the_derivative():
             u = rng.standard_normal(x[name].shape)
             fd = (loss(**{name: x[name] + eps * u}) - loss(**{name: x[name] - eps * u})) / (2 * eps)
             assert abs(float(np.sum(np.asarray(got[grad]) * u)) - fd) <= 1e-6 * max(1.0, abs(fd)), name
+
+
+IN_PLACE = """\
+// lowered after layout (f64)
+buffer %a : f64[k, m] arg 0 order [m, k]
+buffer %b : f64[k, n] arg 1 order [k, n]
+buffer %c : f64[m, n] arg 2 order [m, n]
+buffer %r : f64[m, n] out 0 order [m, n]
+buffer %t4 : f64[m, n] temp order [m, n]
+
+k0: loop %r[m, n] = %c[m, n]
+      for m < 8, n < 8
+k1: gemm %t4 = %b[k, n] @ %a[k, m]  batch() m(n) n(m) k(k)
+k2: loop %r[m, n] = add[1.0, 1.0](%r[m, n], %t4[m, n])
+      for m < 8, n < 8
+
+module {
+dim m = 8
+dim k = 8
+dim n = 8
+input a : f64[m, k]
+input b : f64[k, n]
+input c : f64[m, n]
+
+%0 = contract %b, %a : f64[m, n]
+%1 = add[1.0, 1.0] %c, %0 : f64[m, n]
+
+out r = %1 : [m, n]
+}
+"""
+
+
+def test_an_in_place_sum_becomes_one_gemm_adding_into_it():
+    """`r = r + t` after `t = a @ b`: one GEMM adding into `r`; the lowered interpreter
+    and the CPU backend (the program planned and compiled) give c + a @ b."""
+    from tgc.backends.cpu.kernels import compile_kernels
+    from tgc.lower.accumulate import Accumulate
+    from tgc.lower.plan import Plan
+
+    low = parse_lowered(IN_PLACE)
+    out = Accumulate().run(low, Options(dtype="f64"))
+    lines = [x for x in print_lowered(out, module=False).splitlines() if x.startswith("k")]
+    assert lines == ["k0: loop %r[m, n] = %c[m, n]", "k1: gemm %r += %b[k, n] @ %a[k, m]  batch() m(n) n(m) k(k)"]
+    assert "t4" not in out.buffers
+    verify_lowered(out)
+    rng = np.random.default_rng(2)
+    x = {"a": rng.standard_normal((8, 8)), "b": rng.standard_normal((8, 8)), "c": rng.standard_normal((8, 8))}
+    want = x["c"] + x["a"] @ x["b"]
+    for prog in (low, out):
+        got = run_lowered(prog, {k: np.copy(v) for k, v in x.items()})["r"]
+        assert np.allclose(got, want, rtol=1e-14, atol=1e-14)
+    opts = Options(dtype="f64")
+    planned = Plan().run(out, opts)
+    compiled = compile_kernels(planned.module, planned, opts)
+    r = np.full((8, 8), np.nan)   # the buffers' orders are the arrays' own ([m, k], [k, n], [m, n])
+    assert compiled.run({k: np.ascontiguousarray(v) for k, v in x.items()}, {"r": r}, {}) == 0
+    assert np.allclose(r, want, rtol=1e-14, atol=1e-14)

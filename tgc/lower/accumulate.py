@@ -22,9 +22,11 @@ kernel in between writes the GEMM's operands or reads or writes `r`; no kernel a
 `t`. An edge of `t` may be read along a longer edge of `r` under exactly the mask
 `s < size(s.1)` (a causal stream's loop over the keys its rows admit: `t` covers the
 leading block of `s`): the GEMM then adds into that block (`prefix(s.1 in s)`), the rest
-of `r` keeps `c`'s value, as the masked sum adds zeros there. For a carry, its argument is read by no kernel after the
-sum, and the step's output is written by the sum alone. The GEMM moves to the sum's place
-as `gemm %r += a @ b` and `t` goes; a carry's loop binds its output to the carry.
+of `r` keeps `c`'s value, as the masked sum adds zeros there. Neither `r` nor `c` is an
+operand of the GEMM. For a carry, its argument is read by no kernel after the sum, the
+step's output is written by the sum alone, and no other kernel of the enclosing program
+uses the buffer the output was bound to. The GEMM moves to the sum's place as
+`gemm %r += a @ b` and `t` goes; a carry's loop binds its output to the carry.
 
 Floating point: BLAS with beta = 1 computes `alpha * AB + beta * C`, here `C + AB`. The
 separate add stores the GEMM's sum `t` rounded, then rounds `c + t`. A GEMM that sums a
@@ -118,7 +120,7 @@ def _pair(low: Lowered, i: int):
     cb = low.buffers[c]
     if r.order is None or t.order is None or r.order != tuple(rename[e] for e in t.order) or r.dtype != t.dtype:
         return None
-    if cb.edges != r.edges or cb.order != r.order or cb.dtype != r.dtype or k.out in (g.a.buf, g.b.buf):
+    if cb.edges != r.edges or cb.order != r.order or cb.dtype != r.dtype or {k.out, c} & {g.a.buf, g.b.buf}:
         return None
     for x in low.kernels[i + 1:j]:
         if x.writes() & {g.a.buf, g.b.buf, k.out} or k.out in x.buffers_read():
@@ -167,8 +169,9 @@ def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
         arg, out = args[c], outs.get(c)
         if out is None or loop.args[c].stacked or loop.outs[c].stacked or loop.outs[c].buf == loop.args[c].buf:
             continue
-        if low.buffers[loop.outs[c].buf].kind != "temp":
-            continue
+        new = loop.outs[c].buf
+        if low.buffers[new].kind != "temp" or any(new in k.buffers_used() for k in low.kernels if k is not loop):
+            continue   # (the carry's new value read after the loop: its buffer stays)
         found = None
         for i, g in enumerate(step.kernels):
             pair = _pair(step, i)
