@@ -12,8 +12,8 @@
    batched attention products), as the normalized product the CPU backend runs:
    C'[P, Q] = A'[P, R] B'[R, Q] (gemm.py), batched `batch` times, with B' stored
    N (its columns contiguous) or T (its K contiguous), A' likewise.
-3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone; only where
-   A' has its K contiguous, as `gemm_dispatch.uses_own_gemm` requires) and with
+3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone; an A' with
+   its rows contiguous packed panel by panel, as in the step) and with
    OpenBLAS (numpy's, through `np.matmul` on the same layouts, its pool held at one
    thread), on 1 thread (minimum per-thread CPU time) and on 2 (the product cut in
    two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads
@@ -131,11 +131,11 @@ def products(width: int, batch: int, options) -> list[dict]:
         own = uses_own_gemm(lw, g, options)
         out.append(dict(text=k.text().splitlines()[0], batch=nb, P=P, Q=Q, R=K, a_k=a_k, b_n=b_n,
                         accumulates=g.accumulates(), times=trips.get(id(k), 1),
-                        pick=plan_pick(P, Q, K, nb, own, options.cpu)))
+                        pick=plan_pick(P, Q, K, nb, own, options.cpu, a_k)))
     return out
 
 
-def plan_pick(P, Q, R, nb, own, cpu) -> str:
+def plan_pick(P, Q, R, nb, own, cpu, a_k=True) -> str:
     """What the plan runs the product's tiles with: `GemmGen.tile_limit` and `tiles`
     (gemm.py), then `own_tile` where the own kernel may run it."""
     mnk = P * Q * R
@@ -167,6 +167,8 @@ def plan_pick(P, Q, R, nb, own, cpu) -> str:
     wide = tq >= cpu.own_gemm_min_cols or deep
     tall = tp >= getattr(cpu, "own_gemm_min_rows", 1 << 62) and tq >= 2 * OWN_COLS and tr * tq * 4 <= getattr(
         cpu, "own_gemm_tall_max_b_bytes", 0)
+    if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS:   # a transposed A': whole column blocks or two
+        return "blas"
     return "own" if wide and tr * tq * 4 <= cpu.own_gemm_max_b_bytes or tall else "blas"
 
 

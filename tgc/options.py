@@ -49,6 +49,7 @@ class Options:
     stream_block_min: int = 64               # ... or of its half, quarter, ... down to this many, the largest that divides the edge ...
     stream_min_elements: int = 1 << 24       # ... when one of its values has at least this many elements (64 MiB in f32: smaller matrices stay whole, faster on the CPU)
     stream_min_elements_masked: int = 1 << 22   # ... or this many when its mask lets the loops skip keys (stream_mask_groups: half the work for causal attention pays for the loop sooner)
+    stream_step_elements: int = 1 << 18     # a stream's step whose matrices (its block's rows by the keys, by the cluster's other edges) have more elements than this (1 MiB in f32) first runs one index of the cluster's short edges (batch, heads) at a time, in loops around the stream, and then, still over it, halves its block once (tgc.opt.stream; 0: never)
     stream_mask_groups: int = 8              # a masked stream's blocks run as this many loops, each over only the keys its rows' mask admits (causal: about (n+1)/2n of the work; 0: one loop over every key; tgc.opt.stream_skip)
     rep_size: int = 64                       # size taken for symbolic dims by cost models and statistics
     # Tuned numbers of the layout stage (tgc.lower.layout; docs/optimization.md, "Tuned numbers"):

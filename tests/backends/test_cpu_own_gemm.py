@@ -100,7 +100,10 @@ def test_kernel_a_of_any_strides_and_row_panels(kernels, blocks):
     either way, M across several row panels (`own_gemm_panel_rows`, rounded up to
     whole register blocks) with partial ones, against numpy in float64, and C += A B.
     Row panels only change which elements are computed together: the values are
-    the same bits as without them (one panel of all rows)."""
+    the same bits as without them (one panel of all rows). An A with its rows
+    contiguous is packed panel by panel where B has more than one block of columns
+    (`fgemm._pack_a_transposed`), read in place otherwise: the same bits as the same
+    A stored with its K contiguous."""
     rows, vecs, depth = blocks
     panel = 2 * rows - 1   # rounded up to 2 x rows
     fn, whole = kernels(rows, vecs, depth, panel), kernels(rows, vecs, depth, 1 << 20)
@@ -124,6 +127,9 @@ def test_kernel_a_of_any_strides_and_row_panels(kernels, blocks):
                         ref = np.zeros((M, N), np.float32)
                         call(whole, A, B, ref, 0)
                         assert np.array_equal(C, ref)
+                        if a_rows:
+                            call(fn, np.ascontiguousarray(A), B, ref, 0)
+                            assert np.array_equal(C, ref)
                         call(fn, A, B, C, 1)
                         np.testing.assert_allclose(C, 2 * want, rtol=1e-5, atol=2 * tol)
 
@@ -291,10 +297,10 @@ out C = %0 : [{c}]
                                     ("b, k, i", "b, k, j", "b, j, i"), ("b, k, i", "b, j, k", "b, i, j")])
 @pytest.mark.parametrize("sizes", [(150, 260, 300), (67, 33, 1000), (300, 17, 70)])
 def test_products_with_own_gemm_match_numpy(orders, sizes):
-    """Every operand order (A' with K contiguous runs the own kernel, B' packed with
-    vector loads or, its K contiguous, by 16 x 16 transposes; the others cblas), tiles
-    cut on two threads, against numpy in float64; the own kernel is in the code of
-    the first two orders."""
+    """Every operand order (A' with K contiguous read in place, with its rows
+    contiguous packed by 16 x 16 transposes; B' packed with vector loads or, its K
+    contiguous, by transposes), tiles cut on two threads, against numpy in float64;
+    the own kernel is in the code of every order."""
     from tgc.ir.parser import parse_module
     from tgc.pipeline import compile_module
 
@@ -308,8 +314,7 @@ def test_products_with_own_gemm_match_numpy(orders, sizes):
     A = rng.standard_normal(shape(a), dtype=np.float32)
     B = rng.standard_normal(shape(b_), dtype=np.float32)
     got = prog.run({"A": A, "B": B})["C"]
-    if orders[0] == "b, i, k" and orders[2] == "b, i, j":
-        assert "call void @tgc.gemm.own.f32" in prog.llvm_ir or "call void @\"tgc.gemm.own.f32" in prog.llvm_ir
+    assert re.search(r'call void @"?tgc\.gemm\.own\.f32', prog.llvm_ir) is not None
     sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
     want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
@@ -322,9 +327,10 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
     """With the default options, tiles of at least `own_gemm_min_rows` rows and two
     blocks of columns run the own kernel whatever their depth and B' (a transformer's
     products: 1024 tokens by 384 or 1536 features, attention's 256 x 256 x 64), on two
-    threads (the plan's tiles of 300 and 280 rows), every operand order against numpy;
-    a product of few rows (an MLP's 178 x 64 x 64) does not even compile it, nor does
-    an order whose A' has its rows contiguous."""
+    threads (the plan's tiles of 300 and 280 rows), every operand order against numpy
+    (an A' with its rows contiguous too: the kernel packs it); a product of few rows
+    (an MLP's 178 x 64 x 64) does not even compile it, nor does an order whose A' has
+    its rows contiguous with `own_gemm_transposed_a` off."""
     from tgc.ir.parser import parse_module
     from tgc.pipeline import compile_module
 
@@ -342,7 +348,13 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
     want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
     own = re.search(r'call void @"?tgc\.gemm\.own\.f32', prog.llvm_ir) is not None
-    assert own == (orders[0] == "b, i, k" and orders[2] == "b, i, j" and i >= CpuOptions().own_gemm_min_rows * 2)
+    assert own == (i >= CpuOptions().own_gemm_min_rows * 2)
+    a_k = orders[0] == "b, i, k" if orders[2] == "b, i, j" else orders[1] == "b, j, k"   # A' has K contiguous
+    if not a_k:
+        off = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
+                             Options(dtype="f32").with_(threads=2, own_gemm_transposed_a=False))
+        assert re.search(r'call void @"?tgc\.gemm\.own\.f32', off.llvm_ir) is None
+        np.testing.assert_allclose(off.run({"A": A, "B": B})["C"], want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
 
 
 def conv_arrays(path, sizes, seed=1):
@@ -668,3 +680,54 @@ def test_implicit_candidate_whose_other_operand_is_renamed():
     module = pipeline.lower(compile_source(src, "<test>", f64), f64).module
     want = evaluate(module, {k: np.asarray(v, np.float64) for k, v in arrays.items()}, dtype="f64")
     np.testing.assert_allclose(got["h2"], want["h2"], rtol=1e-5, atol=1e-6)
+
+
+ATTENTION = """
+dim batch = 2, head = 2, hd = 64, t = 256, s = 256
+input q[batch, head, t, hd], k[batch, head, s, hd], v[batch, head, s, hd], dy[batch, head, t, hd]
+p = softmax[s](dot[hd](q, k) / 8 - 1e9 * [s > t])
+y = sum[s](p * v)
+loss = sum(y * dy)
+out y
+out dq = grad(loss, q)
+out dk = grad(loss, k)
+out dv = grad(loss, v)
+"""
+
+
+@pytest.mark.slow
+def test_attention_backward_products_with_transposed_a_match_the_interpreter(tmp_path):
+    """Causal attention's value and gradients at t = 256 (its backward products have
+    A' with its rows contiguous: the own kernel takes them, packing A' where B' has
+    more than one block of columns), f32 on 1 and 2 threads (the same bits) and with
+    `own_gemm_transposed_a` off (cblas), and f64, against the f64 interpreter."""
+    from tgc.backends.cpu.codegen import leaf_kernels
+    from tgc.backends.cpu.gemm_dispatch import a_k_contiguous, uses_own_gemm
+    from tgc.lower.lowered import GemmKernel
+
+    path = tmp_path / "attention.tg"
+    path.write_text(ATTENTION)
+    rng = np.random.default_rng(3)
+    shapes = {"q": (2, 2, 256, 64), "k": (2, 2, 256, 64), "v": (2, 2, 256, 64), "dy": (2, 2, 256, 64)}
+    arrays = {n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()}
+    opts = Options(dtype="f64")
+    module = pipeline.lower(compile_source(ATTENTION, str(path), opts), opts).module
+    want = evaluate(module, {n: a.astype(np.float64) for n, a in arrays.items()}, dtype="f64")
+    got = {}
+    for key, options in {"1": Options(dtype="f32").with_(threads=1), "2": Options(dtype="f32").with_(threads=2),
+                         "off": Options(dtype="f32").with_(own_gemm_transposed_a=False),
+                         "f64": Options(dtype="f64")}.items():
+        prog = tgc.compile(str(path), options=options)
+        if key != "f64":   # products whose A' has its rows contiguous that the own kernel may take
+            transposed = [k for lw, k in leaf_kernels(prog.lowered) if isinstance(k, GemmKernel)
+                          and not a_k_contiguous(lw, k) and uses_own_gemm(lw, k, prog.options)]
+            assert len(transposed) >= (2 if key in "12" else 0) and (key != "off" or not transposed)
+        dtype = np.float64 if key == "f64" else np.float32
+        got[key] = prog(**{n: a.astype(dtype) for n, a in arrays.items()})
+    for name in ("y", "dq", "dk", "dv"):
+        w = np.asarray(want[name])
+        scale = np.abs(w).max()
+        for key in ("1", "off"):
+            np.testing.assert_allclose(got[key][name], w, rtol=1e-4, atol=1e-5 * scale)
+        np.testing.assert_allclose(got["f64"][name], w, rtol=1e-10, atol=1e-12 * scale)
+        assert np.array_equal(got["1"][name], got["2"][name]), name

@@ -137,7 +137,14 @@ CHAIN_REJECTING = SUBTRACTIVE.replace("- 1e9 * [s > t]", "- 1e9 * [4 <= t < s]")
 FLIPPED = WINDOW.replace("where([t - 8 <= s <= t], sum[hd](q * k), -1e9)",
                          "where(1 - [t - 8 <= s <= t], -1e9, sum[hd](q * k))")
 
-PROGRAMS = {"layer": LAYER, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
+# a window as two subtracted fills, and as two nested wheres: a key is masked where either
+# mask masks it (test_two_masks_that_each_mask_skip_both_sides_of_a_window)
+TWO_FILLS = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)",
+                              "sum[hd](q * k) / sqrt(size(hd)) - 1e9 * [s > t] - 1e9 * [s < t - 8]")
+NESTED_WHERE = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)",
+                                 "where([s <= t], where([t - 8 <= s], sum[hd](q * k) / sqrt(size(hd)), -1e9), -1e9)")
+
+PROGRAMS = {"layer": LAYER, "two_fills": TWO_FILLS, "nested_where": NESTED_WHERE, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
             "subtractive": SUBTRACTIVE, "band_rejecting": BAND_REJECTING, "flipped": FLIPPED}
 # a masked program's blocks run as stream_mask_groups (2 in ON) loops, each over the keys its rows admit
 LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS}
@@ -296,8 +303,10 @@ def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
 
 def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
     """`tgc explain` on the benchmark's attention at t = 2048 (the default threshold met):
-    one loop of steps, in a parallel region, whose note and the save/recompute line say it
-    streams t in blocks; the peak (with the step's own temporaries) is under a [t, s] matrix."""
+    a loop over the heads (a step's [head, B, s] matrices over stream_step_elements), in a
+    parallel region, whose step holds the 8 loops of steps (stream_mask_groups); the
+    note and the save/recompute line say they stream t in blocks; the peak (with the
+    steps' own temporaries) is under a [t, s] matrix."""
     from click.testing import CliRunner
 
     from tgc.cli import main
@@ -310,9 +319,10 @@ def test_explain_shows_the_blocks_and_counts_the_steps_temporaries(tmp_path):
 
     report = json.loads(r.output)
     steps = [k for k in report["kernels"] if k["kind"] == "steps"]
-    assert len(steps) == 8 and all(k["threads"] == "per step kernel" for k in steps)   # stream_mask_groups
-    assert report["recompute_note"].startswith("recompute by blocks: k") and "streams t in blocks of t.1" in \
-        report["recompute_note"]
+    assert len(steps) == 1 and steps[0]["text"].startswith("steps over head.1 < 4")
+    assert all(k["threads"] == "per step kernel" for k in steps)
+    assert report["recompute_note"].startswith("recompute by blocks: in k") and \
+        "8 loops: streams t in blocks of t.1" in report["recompute_note"]
     # under one [head, t, s] f32 matrix (unstreamed: three); the step holds [head, 256, s] blocks
     assert report["peak"]["bytes"] < 4 * 2048 * 2048 * 4
 
@@ -548,6 +558,98 @@ def test_two_masks_skip_only_keys_both_mask():
     assert loops(streamed) == 1
     x = inputs(src)
     close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_two_masks_that_each_mask_skip_both_sides_of_a_window():
+    """A window written as two masks, each masking on its own: `- 1e9 * [s > t] - 1e9 *
+    [s < t - 8]` (two subtracted fills) or two nested wheres. A key is masked where one
+    of them masks it, so a run skips the keys outside the meet of their hulls (each
+    mask shown by stream_skip.exact to suffice with the other 0 or 1): the window's
+    work (about 0.16 of every key's over 8 runs), where the join of the hulls (keys
+    that both mask) skipped none of the two fills' keys before the window."""
+    big = "t = 32, hd = 2"
+    window = WINDOW.replace(big, "t = 256, hd = 16")
+    window = step_flops(window, 8) / step_flops(window, 0)
+    for src in (TWO_FILLS, NESTED_WHERE):
+        ratio = step_flops(src.replace(big, "t = 256, hd = 16"), 8) / step_flops(src.replace(big, "t = 256, hd = 16"), 0)
+        assert 0.1 < ratio < 0.2 and abs(ratio - window) < 0.02, (ratio, window)
+    # a small second fill leaves the keys before the window a weight: only the future,
+    # which the first fill masks, is skipped, in the runs after the first (its rows
+    # t <= 8 have no key before the window, which the join's roles read as a row that
+    # sees no key, kept whole): (8 + 2 + 3 + ... + 8) / 64
+    weak = TWO_FILLS.replace("- 1e9 * [s < t - 8]", "- 10 * [s < t - 8]")
+    ratio = step_flops(weak.replace(big, "t = 256, hd = 16"), 8) / step_flops(weak.replace(big, "t = 256, hd = 16"), 0)
+    assert abs(ratio - 43 / 64) < 0.02, ratio
+    x = inputs(weak)
+    close(evaluate(optimized(weak, "f64", **ON), x, dtype="f64"), evaluate(optimized(weak, "f64", **OFF), x, dtype="f64"),
+          1e-10)
+
+
+# the benchmark's shape, small: causal attention over a batch and heads
+BATCHED = ATTENTION.replace("dim head = 2, t = 32, hd = 2", "dim batch = 2, head = 2, t = 32, hd = 2").replace(
+    "[head, ", "[batch, head, ")
+
+
+def nested(module) -> list[int]:
+    """How many loops each level holds: the top level's, then those of the first loop's
+    step, and so on."""
+    from tgc.ir.values import topo_order
+    from tgc.lower.steps import loop_key
+
+    out, values = [], module.values()
+    while True:
+        found = [v for v in values if v.op == "loop"]
+        if not found:
+            return out
+        out.append(len({loop_key(v) for v in found}))
+        values = topo_order(list(found[0].attrs[0].results))
+
+
+def test_steps_over_the_cache_budget_loop_over_batch_and_heads():
+    """BATCHED's steps would hold [batch, head, 4, s] = 512 elements per matrix: over
+    stream_step_elements = 64, the cluster runs as a loop over the batch, whose step
+    loops over the heads, whose step streams t in 2 runs, with the block halved to 2
+    (2 * 32 keys fits, 4 * 32 does not). At a budget that even a head's halved block
+    exceeds, nothing changes (2 runs of blocks of 4 at the top); with 0, never. The values
+    and gradients are the unstreamed program's and torch's, on the interpreter (f64) and
+    the CPU (f64, f32)."""
+    import tgc
+
+    cache = {**ON, "stream_block_min": 2, "stream_step_elements": 64}
+    streamed = optimized(BATCHED, "f64", **cache)
+    assert nested(streamed) == [1, 1, 2] and streamed.dims["t.1"] == 2, (nested(streamed), streamed.dims)
+    for budget in (32, 0):
+        flat = optimized(BATCHED, "f64", **{**cache, "stream_step_elements": budget})
+        assert nested(flat) == [2] and flat.dims["t.1"] == 4
+    x = inputs(BATCHED)
+    want = torch_oracle.evaluate(compile_source(BATCHED, "<stream>", Options(dtype="f64")), x)
+    got = evaluate(streamed, x, dtype="f64")
+    close(got, evaluate(optimized(BATCHED, "f64", **OFF), x, dtype="f64"), 1e-10)
+    close(got, want, 1e-10)
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        prog = tgc.compile(BATCHED, "cpu", dtype, options=Options(**cache))
+        assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
+        close(prog(**inputs(BATCHED, dtype)), want, tol)
+
+
+def test_a_budget_loop_keeps_the_peak_linear():
+    """With the steps looped over the batch and heads, the peak of live temporaries still
+    doubles with t (O(t * d), no [t, s] matrix), within 1.5 times the flat stream's (the
+    loops' stacked results: 1.2 times here)."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    def peak_at(t, budget):
+        src = BATCHED.replace("t = 32, hd = 2", f"t = {t}, hd = 16")
+        opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_mask_groups=4, stream_step_elements=budget)
+        module = optimized(src, "f32", **opts)
+        assert nested(module) == ([1, 1, 4] if budget else [4]), nested(module)
+        return explain(lower_module(module, Options(**opts)), {})["peak"]["bytes"]
+
+    small, large = peak_at(256, 32 * 256), peak_at(512, 32 * 512)
+    assert 1.5 * small <= large <= 2.5 * small, (small, large)
+    assert large <= 1.5 * peak_at(512, 0), large
+    assert large < 4 * 512 * 512 * 4 / 2   # less than half of one [batch, head, t, s] f32 matrix
 
 
 def test_rejecting_multi_link_masks_skip_keys():

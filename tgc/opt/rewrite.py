@@ -139,10 +139,11 @@ def _rewrite_bodies(module: Module, table: Table, options: Options, derivatives:
     return map_bodies(module, lambda sub: _rewrite(sub, table, options, derivatives))
 
 
-def map_bodies(module: Module, fn) -> Module:
+def map_bodies(module: Module, fn, only: V.LoopBody | None = None) -> Module:
     """`module` (a copy, whose edge table takes the bodies' new edges) with every loop
-    body mapped once by `fn`, a module -> module pass run on a module whose outputs
-    are the body's results (a body whose results would change type is kept)."""
+    body (or only the body `only`) mapped once by `fn`, a module -> module pass run on a
+    module whose outputs are the body's results (a body whose results would change type
+    is kept)."""
     values = module.values()
     if not any(v.op == "loop" for v in values):
         return module
@@ -151,7 +152,7 @@ def map_bodies(module: Module, fn) -> Module:
     memo: dict[int, Value] = {}
     for v in values:
         ops = tuple(memo[id(o)] for o in v.operands)
-        if v.op == "loop":
+        if v.op == "loop" and (only is None or v.attrs[0] is only):
             body = v.attrs[0]
             if body not in bodies:
                 bodies[body] = _map_body(module, body, fn)

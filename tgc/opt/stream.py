@@ -50,8 +50,21 @@ block of `E` at a time:
   exactly too low to count in a max or logsumexp) at the skipped keys. A mask may admit
   (`where([s <= t], scores, -1e9)`) or reject (`scores - 1e9 * [s > t]`: the keys where
   its relation holds are the masked ones; for a chain of links, those where all hold);
-  the roles are tried all admitting first. A band's complement `1 - [t - w <= s <= t]`
-  (the band admitting) is 1 at the keys the band masks, which the check follows.
+  the roles are tried all admitting first, the plan over the fewest keys taken. A band's
+  complement `1 - [t - w <= s <= t]` (the band admitting) is 1 at the keys the band
+  masks, which the check follows. With several masks a run skips the keys every mask
+  masks, or, where each masks on its own (`- 1e9 * [s > t] - 1e9 * [s < t - w]`), the
+  keys one of them masks.
+
+- a step's matrices within a cache budget: where a step's `[.., B, s]` matrices (B
+  times |s| times the seed's other edges) have more than `options.stream_step_elements`
+  elements, the block is halved once where that brings them within it (`cache_block`);
+  else, where one index of every short edge (batch, heads) a step would, the region
+  along such an edge `h` (a map over it: no reduction over `h`, no indicator naming it,
+  holding the stream's region) first moves into a loop over `h`, one index a step
+  (`map_loop`: operands renamed to the loop's edge, results renamed back), and the
+  step streams as a program of its own under the thresholds divided by |h|
+  (`partition`), looping over the next short edge first while still over.
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -61,7 +74,8 @@ The step then holds `[.., B, s]` blocks: the peak is O(B * |s|) per head instead
 O(|t| * |s|), and the probabilities are computed block by block, forward and backward
 alike, from the inputs of the region.
 
-Exact? Every value of a step is the op the program had, on the same elements; only
+Exact? Every value of a step is the op the program had, on the same elements (a loop
+over a short edge reads and writes its slices by renaming: the same values); only
 the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
 added across blocks (and across the runs of a masked stream): a reassociation of those
 sums (docs/optimization.md's contract allows it; under `--fp-strict` the pass is not in
@@ -91,11 +105,15 @@ which the pass never looks inside, and adds to the top level only values that ar
 seeds (a loop, indicators, constants) or small ones (slices and stacked results are
 checked small); a seed with no valid edge is skipped. So each round leaves one large
 value fewer to try. The runs of a masked stream are a fixed partition of the blocks
-(one pass over the step's values decides the skip).
+(one pass over the step's values per role of the masks decides the skip). A loop over
+a short edge moves the seed into its step, which streams once, as a program whose seed
+has one edge fewer of size > 1 (so the loops nest at most as deep as the seed has
+edges).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from tgc.ir import values as V
@@ -299,6 +317,7 @@ def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
 class _Streamer:
     def __init__(self, module: Module, options: Options):
         self.m = module
+        self.options = options
         self.top = options.stream_block
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
@@ -369,11 +388,118 @@ class _Streamer:
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
-                    out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
+                    out = self.partition(order, roots, seed, r, edge)
+                    if out is None:
+                        n = self.sizes[edge]
+                        self.block = self.cache_block(_numel(seed, self.est) // n, n) or self.block
+                        out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
             skip.add(id(seed))
         return None
+
+    def cache_block(self, per: int, n: int) -> int | None:
+        """The block for a stream over an edge of size `n` whose steps' matrices have `per`
+        elements per row of the block, within `stream_step_elements`: the block, or its
+        half (not below `stream_block_min`) when that brings them within it; None when
+        neither does. (Once only: a quarter block's steps cost more than their matrices'
+        cache saves, and a half block that does not fit gains nothing: docs/optimization.md,
+        "Tuned numbers".)"""
+        b, budget = self.block, self.options.stream_step_elements
+        if budget <= 0 or b * per <= budget:
+            return b
+        if b // 2 >= self.least and n % (b // 2) == 0 and b // 2 * per <= budget:
+            return b // 2
+        return None
+
+    def partition(self, order: list[Value], roots: list[Value], seed: Value, r: _Region, edge: str) -> Module | None:
+        """The module with the cluster of `r` (about to stream over `edge`) moved into a loop
+        over one of its short edges `h` (batch, heads: by size, then name), one index a
+        step, whose step streams the cluster as the top level would have; or None, when the
+        steps of the stream over `edge` fit `stream_step_elements` (`cache_block`: the
+        block's rows by the seed's other edges), when they would not fit even with one
+        index of every short edge a step, or when no edge qualifies. An edge `h` qualifies when
+        the cluster is a map over it: every value of `r` keeps `h` and reads its operands at
+        the same index of `h` (the region along `h` holds `r`'s members, has no reduction
+        over `h` and no indicator naming it). The step's stream runs under thresholds
+        divided by |h|, so that it streams the cluster the top level chose; it may take
+        another short edge first, while its steps are still over the budget."""
+        n, per = self.sizes[edge], _numel(seed, self.est) // self.sizes[edge]
+        if self.cache_block(per, n) is not None:
+            return None   # the block or its half fits
+        named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
+        short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
+                        and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
+        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None:
+            return None   # the steps would not fit even one index of every short edge at a time
+        for h in short:
+            rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
+            if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
+                continue
+            inside = {id(v) for v in rp.members}
+            if any(id(v) not in inside for v in r.members):
+                continue
+            n = self.sizes[h]
+            out = self.map_loop(order, rp, h)
+            if out is None:
+                continue
+            o = self.options
+            step = o.with_(stream_min_elements=max(1, o.stream_min_elements // n),
+                           stream_min_elements_masked=max(1, o.stream_min_elements_masked // n))
+            from tgc.opt.rewrite import map_bodies
+            return map_bodies(out, lambda body: stream(body, step), only=self.last_body)
+        return None
+
+    def map_loop(self, order: list[Value], r: _Region, h: str) -> Module | None:
+        """The module with region `r` (no carries, no masks) computed by a loop over `h`,
+        one index a step: the operands with `h` are its slices (renamed to the loop's edge:
+        no copy), the others invariants, the step's values those of `r` without `h`, the
+        stacked results renamed back to `h`. None when a member reads a constant over `h`
+        (it would keep the edge in the step)."""
+        if any(o.op in ("const", "size") and _up(v, r.edge[id(v)]) in o.edges for v in r.members for o in v.operands):
+            return None
+        eb = self.new_edge(h, self.sizes[h])
+        params: list[Value] = []
+        operands: list[Value] = []
+        inner: dict[int, Value] = {}
+        for x in r.slices:
+            e = r.edge[id(x)]
+            operands.append(V.rename(x, {e: eb}))
+            p = V.loopvar(len(params), x.dtype, [d for d in x.edges if d != e])
+            params.append(p)
+            inner[id(x)] = p
+        n_slices = len(params)
+        whole: dict[int, Value] = {}
+        for x in r.invariants:
+            operands.append(x)
+            p = V.loopvar(len(params), x.dtype, x.edges)
+            params.append(p)
+            whole[id(x)] = p
+
+        def read(o: Value, e: str) -> Value:
+            if id(o) in whole and e not in o.edges:
+                return whole[id(o)]
+            return inner.get(id(o), o)
+
+        for v in r.members:
+            e = r.edge[id(v)]
+            ops = tuple(read(o, _up(v, e)) for o in v.operands)
+            if v.op == "contract":
+                inner[id(v)] = V.contract(ops, [d for d in v.edges if d != e], v.loc)
+            elif v.op == "rename":
+                pairs = {a: c for a, c in v.attrs[0] if c != e}
+                inner[id(v)] = V.rename(ops[0], pairs, v.loc) if pairs else ops[0]
+            else:
+                inner[id(v)] = rebuild_same(v, ops)
+        body = V.loop_body(params, [inner[id(v)] for v in r.stacked], 0, n_slices)
+        self.last_body = body
+        memo: dict[int, Value] = {}
+        for j, v in enumerate(r.stacked):
+            memo[id(v)] = V.rename(V.loop(body, eb, operands, j), {eb: r.edge[id(v)]})
+        for v in order:
+            if id(v) not in memo:
+                memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+        return self.m.replace_values(memo)
 
     def maskable(self, ind: Value, edge: str) -> bool:
         """Whether every link of indicator `ind` that names `edge` is an inequality (a
@@ -443,33 +569,47 @@ class _Streamer:
         return [frozenset(i for i, f in zip(tried, flips) if f)
                 for flips in itertools.product((False, True), repeat=len(tried))]
 
-    def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset()):
+    def plan(self, r: _Region, n: int, reject: frozenset[int] = frozenset(), meet: bool = False):
         """stream_skip.groups for the masks of `r` (the streamed edge of size n; those of
-        `reject` rejecting), or None."""
+        `reject` rejecting; `meet`: a key skipped where one mask masks it), or None."""
         s = self.key_edge(r)
         if s is None or self.groups <= 0:
             return None
         return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)], i in reject) for i, ind in enumerate(r.masks)],
-                                  s, n, self.sizes[s], self.block, self.groups)
+                                  s, n, self.sizes[s], self.block, self.groups, meet)
 
     def skips(self, r: _Region, edge: str) -> bool:
         """Whether the masks of `r`, in some roles, let some loop skip keys (a seed under
         `stream_min_elements` streams only then)."""
-        return any(self.plan(r, self.sizes[edge], reject) is not None for reject in self.roles(r))
+        return any(self.plan(r, self.sizes[edge], reject, meet) is not None
+                   for reject in self.roles(r) for meet in (False, True)[:len(r.masks)])
 
     def runs(self, r: _Region, body: V.LoopBody, kinds: list, masks: list[Value], n: int):
         """(s, [(first block, end block, lo, hi)]): the loops a masked stream runs as, each
         over the keys s in [lo, hi) that its blocks' rows admit (tgc.opt.stream_skip), for
-        the first roles of the masks (`masks`: their values in the step) that
-        stream_skip.exact shows exact; or None: one loop over every key."""
+        the roles of the masks (`masks`: their values in the step) that stream_skip.exact
+        shows exact, the fewest keys over all runs (the first such: all admitting first);
+        with several masks, a key may be skipped where one of them masks it (the meet of
+        their hulls) when `exact` shows each mask alone suffices, the others 0 or 1 (a
+        window written as two subtracted fills); or None: one loop over every key."""
         s = self.key_edge(r)
+        ids = [id(m) for m in masks]
+        best = None
         for reject in self.roles(r):
             plan = self.plan(r, n, reject)
-            ones = frozenset(id(m) for i, m in enumerate(masks) if i in reject)
-            zeros = {id(m) for i, m in enumerate(masks) if i not in reject}
+            ones = frozenset(m for i, m in enumerate(ids) if i in reject)
+            zeros = {m for i, m in enumerate(ids) if i not in reject}
             if plan is not None and stream_skip.exact(body, s, zeros, kinds, ones):
-                return s, plan
-        return None
+                best = min(best or plan, plan, key=_work)
+            if len(masks) > 1:   # a key skipped where one mask masks it: each mask shown to suffice
+                plan = self.plan(r, n, reject, meet=True)
+                if plan is not None and (best is None or _work(plan) < _work(best)) and all(
+                        stream_skip.exact(body, s, set() if i in reject else {m}, kinds,
+                                          frozenset({m}) if i in reject else frozenset(),
+                                          frozenset(ids[:i] + ids[i + 1:]))
+                        for i, m in enumerate(ids)):
+                    best = plan
+        return None if best is None else (s, best)
 
     def run_loops(self, r: _Region, body: V.LoopBody, operands: list[Value], runs, eb: str,
                   ec: str) -> dict[int, Value]:
@@ -596,6 +736,7 @@ class _Streamer:
         for v in r.stacked:
             results.append(inner[id(v)])
         body = V.loop_body(params, results, len(r.carries), n_slices)
+        self.last_body = body
         memo: dict[int, Value] = {}
         runs = self.runs(r, body, kinds, [inner[id(ind)] for ind in r.masks], n)
         if runs is None and skip_only:   # the edges made for it undone
@@ -615,6 +756,11 @@ class _Streamer:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
+
+
+def _work(plan: list[tuple[int, int, int, int]]) -> int:
+    """The blocks times the keys a masked stream's runs (stream_skip.groups) go over."""
+    return sum((b1 - b0) * (hi - lo) for b0, b1, lo, hi in plan)
 
 
 def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
@@ -649,6 +795,7 @@ class Stream(Pass):
     block: int | None = None          # the block size (default: options.stream_block)
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
     groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
+    step_elements: int | None = None  # a step's matrix budget (default: options.stream_step_elements)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
@@ -657,6 +804,8 @@ class Stream(Pass):
             options = options.with_(stream_min_elements=self.min_elements)
         if self.groups is not None:
             options = options.with_(stream_mask_groups=self.groups)
+        if self.step_elements is not None:
+            options = options.with_(stream_step_elements=self.step_elements)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies

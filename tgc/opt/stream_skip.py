@@ -7,14 +7,20 @@ What it decides. A loop that `stream` builds over blocks of an edge `t` reads a 
 not hold; for a chain of links, where one of its links fails, a union whose hull is the
 join of those links' negations' hulls). For a run of consecutive blocks, the keys `s` outside the hull `[lo, hi)` of
 what the masks admit for any of the run's rows are masked, by every mask, for every row
-of the run (with several masks the hull joins theirs). `groups` splits the blocks into
+of the run (with several masks the hull joins theirs), or, where each mask masks on its
+own (a window written as two fills, `- 1e9 * [s > t] - 1e9 * [s < t - w]`, or as two
+nested wheres), by one of the masks at least (the hull is the meet of theirs).
+`groups` splits the blocks into
 `options.stream_mask_groups` runs and gives each its hull; `stream` then builds one loop
 per run whose step is the step with `s` replaced by an edge of the hull's size at offset
 `lo` (`resized`): its scores, weights and their cotangents, its reductions over `s` and
 the carries that keep `s` (dk, dv) touch only the hull. A run with a row that the masks
 admit nowhere (their hulls do not meet) keeps the whole of `s` (that row's weights are
-the unstreamed ones over every key). `stream` tries the roles of the masks in turn, all
-admitting first, and takes the first that `exact` shows exact.
+the unstreamed ones over every key). `stream` tries the roles of the masks, all
+admitting first, each with the join and (several masks) the meet, and takes the plan
+over the fewest keys that `exact` shows exact (the first such); a meet is shown once
+per mask, that mask masked and the others' indicators 0 or 1 (Bit, below): a key the
+meet skips is masked by one mask at least, whichever it is.
 
 Why it is exact. `exact` checks the step, value by value, with what each value is at
 the skipped entries (masked for every row of the run):
@@ -26,9 +32,12 @@ the skipped entries (masked for every row of the run):
   constants, adding up to exactly 1 (`1 - [band]`, the band admitting: its complement),
   each term 0 or an integer coefficient below 2^24 times such an integer (then exact in
   f32 and f64); such a sum adding up to exactly 0 is Z;
+- Bit, 0 or 1: another mask's indicator, when a meet is checked for one mask;
 - L(b), at most b <= -1e8: `where(c, a, fill)` with c Z and fill <= -1e8 (-1e9,
-  -inf), or `where(c, fill, b)` with c One; a sum whose terms are Z values (0), One values
-  with coefficient c (c), L values with coefficients >= 1, values without `s` (row
+  -inf), or `where(c, fill, b)` with c One, or with c Bit both branches L (b the
+  larger; both Z: Z); a sum whose terms are Z values (0), One values
+  with coefficient c (c), Bit values with coefficient c (at most max(c, 0)), L values
+  with coefficients >= 1, values without `s` (row
   statistics, counted at 1e7 each, the assumption below) and, when a One value has a
   coefficient <= -1e8 (the fill subtracted), values with `s` of no known state (the
   scores it masks, counted at 1e7 each too): b is the sum of those bounds.
@@ -119,14 +128,17 @@ def hull(rel, t: str, s: str, nt: int, ns: int, reject: bool) -> tuple[np.ndarra
     return lo, hi
 
 
-def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
+def groups(masks, s: str, nt: int, ns: int, block: int, count: int, meet: bool = False):
     """[(first block, end block, lo, hi)] for `count` runs of the blocks of the streamed
     edge (as even as can be), each run's keys the hull of what the masks ((relation, its
     name of the streamed edge, whether it rejects)) admit for its rows; None when no run
     skips any key. An admitting mask admits where its relation holds, a rejecting one
     where it does not (`hull`). A key outside a row's hull is outside every
     mask's hull (each mask's hull is joined), so that each mask is in its masked state
-    there; a row whose masks' hulls do not meet admits no key."""
+    there; with `meet`, a row's hull is the meet of the masks' hulls, and a key outside
+    it is outside some mask's hull: that mask is in its masked state there (`exact`,
+    asked once per mask, shows that one masked mask suffices); a row whose masks' hulls
+    do not meet admits no key."""
     lo, hi = np.full(nt, ns, np.int64), np.zeros(nt, np.int64)        # the join
     meet_lo, meet_hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
     for rel, t, reject in masks:
@@ -141,6 +153,8 @@ def groups(masks, s: str, nt: int, ns: int, block: int, count: int):
         rows = slice(b0 * block, b1 * block)
         if np.any(meet_lo[rows] >= meet_hi[rows]):
             out.append((b0, b1, 0, ns))   # a row admits no key: its weights are uniform over all of s
+        elif meet:
+            out.append((b0, b1, int(meet_lo[rows].min()), int(meet_hi[rows].max())))
         else:
             out.append((b0, b1, int(lo[rows].min()), int(hi[rows].max())))
     return out if any(h - l < ns for _, _, l, h in out) else None
@@ -154,11 +168,13 @@ def known_value(v: Value, state) -> float | None:
     return float(v.attrs[0]) if v.op == "const" else None
 
 
-def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: frozenset[int] = frozenset()) -> bool:
+def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: frozenset[int] = frozenset(),
+          bits: frozenset[int] = frozenset()) -> bool:
     """Whether the step `body` gives the same results with `s` restricted to a run's hull
     (`masks`: ids of its values that are an admitting mask, 0 at the skipped entries;
-    `ones`: those of a rejecting mask, 1 there; `kinds`: the carries' combination)."""
-    state: dict[int, object] = {}   # id -> "Z", "One", ("L", bound) or None, for values with s
+    `ones`: those of a rejecting mask, 1 there; `bits`: those of the other masks, 0 or 1
+    there; `kinds`: the carries' combination)."""
+    state: dict[int, object] = {}   # id -> "Z", "One", "Bit", ("L", bound) or None, for values with s
 
     def st(v: Value):
         return state.get(id(v)) if s in v.edges else "no-s"
@@ -178,6 +194,9 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: fro
             continue
         if id(v) in ones:
             state[id(v)] = "One"
+            continue
+        if id(v) in bits:
+            state[id(v)] = "Bit"
             continue
         if v.op in ("loopvar", "const", "indicator"):
             continue
@@ -218,6 +237,8 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: fro
                         continue
                     if x == "One":
                         bound += c
+                    elif x == "Bit":
+                        bound += max(c, 0.0)   # 0 or c: at most the larger
                     elif isinstance(x, tuple) and c >= 1:
                         bound += c * x[1]
                     elif x == "no-s" or (filled and x is None):
@@ -239,6 +260,12 @@ def exact(body: V.LoopBody, s: str, masks: set[int], kinds: list[str], ones: fro
                 state[id(v)] = picked(b)
             elif st(c) == "One":
                 state[id(v)] = picked(a)
+            elif st(c) == "Bit":   # either branch: a state both have
+                x, y = picked(a), picked(b)
+                if x == y == "Z":
+                    state[id(v)] = "Z"
+                elif isinstance(x, tuple) and isinstance(y, tuple):
+                    state[id(v)] = ("L", max(x[1], y[1]))
         elif v.op in ("stop", "rename"):
             state[id(v)] = st(ops[0]) if with_s else None
         elif v.op != "map":

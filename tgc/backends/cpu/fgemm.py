@@ -5,8 +5,12 @@ that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm_dispatch.uses
                                 float* B, i64 sBk, i64 sBn, float* C, i64 ldc, i32 accumulate,
                                 i64 nv, i64* a_off, i64* c_off, i64* k_lo, i64* k_hi)
 
-C[M, N] (+)= A[M, K] B[K, N] with A's K and C's N contiguous (sAk is ignored: the
-caller only sends such tiles) and B of any strides. Columns in blocks of V vectors
+C[M, N] (+)= A[M, K] B[K, N] with C's N contiguous and A and B of any strides. An A
+with its K contiguous is read in place; one with its rows contiguous (sAm = 1: a
+weight gradient's or attention's transposed A') is packed, where B has more than
+one block of columns, K block by K block for each row panel (`_pack_a_transposed`:
+16 x 16 transposes into a stack buffer, K contiguous, read by every column block),
+and read in place (one cache line per K for a block of rows) otherwise. Columns in blocks of V vectors
 of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (a 288-deep convolution product is
 one block: no second pass over C). Each block of B is packed into a stack buffer, one
 row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N is
@@ -464,6 +468,14 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     if window is not None and window.role == "a":
         apack = entry.alloca(f32, size=I64(span * rows + VL), name="apack")
         apack.align = 64
+    # A with its rows contiguous (sam = 1, sak != 1: a weight gradient's or attention's
+    # transposed A'): the row panel's K block packed once, K contiguous, for every
+    # column block (`_pack_a_transposed`); the plain form with one product only
+    panel = -(-max(1, cpu.own_gemm_panel_rows) // rows) * rows if window is None else 0
+    tpack, tpack_rows = None, min(-(-panel // VL) * VL, cpu.own_gemm_pack_a_rows)   # (a larger panel reads A' in place)
+    if variants and tpack_rows > 0:
+        tpack = entry.alloca(f32, size=I64(tpack_rows * span), name="apack.t")
+        tpack.align = 64
     segs = _Lanes(entry, window, cols if window.role == "b" else span, cpu.own_gemm_mask_classes) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
@@ -487,6 +499,13 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     # A with its K contiguous, which implicit.py requires)
     astep = I64(1) if window is not None else sak
     cur = {"M": M}   # the rows of the row panel being computed (see the panel loop below)
+    packs_a = ir.Constant(I1, 0)
+    if tpack is not None:
+        packs_a = b.and_(b.and_(b.icmp_signed("==", sam, I64(1)), b.icmp_signed("!=", sak, I64(1))),
+                         b.and_(b.icmp_signed("==", fn.args[12], I64(1)), b.icmp_signed(">", N, I64(cols))))
+        packs_a = b.and_(packs_a, b.icmp_signed("<=", b.mul(b.sdiv(b.add(_min(b, M, I64(panel)), I64(VL - 1)),
+                                                                   I64(VL)), I64(VL)), I64(tpack_rows)))
+        astep = b.select(packs_a, I64(1), sak)
 
     def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
@@ -509,6 +528,9 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                     arow.append(dst)
             else:
                 arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
+                if tpack is not None:   # the packed panel's rows (see `_pack_a_transposed`)
+                    arow = [b.select(packs_a, b.gep(tpack, [b.mul(i, I64(span))], source_etype=f32), a)
+                            for i, a in zip(rix, arow)]
             if window is None:
                 # C's block into L2 while the FMAs run: read (or written) after them, from
                 # L3 when C is too wide to stay (1024 x 1536 x 384: 188 -> 2xx GFLOP/s)
@@ -584,7 +606,6 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     # 1024 x 1536 x 384 product ran at 171 GFLOP/s whole, 188 in panels of 256 rows
     # (its 1.5 MB A and 2.4 MB B exceed the 2 MB L2). Every element of C is summed as
     # without panels (the K blocks depend on K only).
-    panel = -(-max(1, cpu.own_gemm_panel_rows) // rows) * rows if window is None else 0
     pa_all, pc_all = pa, pc
     if panel:
         npanels = b.sdiv(b.add(M, I64(panel - 1)), I64(panel))
@@ -643,6 +664,13 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     # columns is built once per column block)
     if window is None:
         with for_range(b, I64(0), chunks, "ok") as kb:
+            if tpack is not None:
+                with b.if_then(packs_a):
+                    k0 = b.mul(kb, step)
+                    kd = smax(smin(step, b.sub(K, k0)), I64(0))
+                    a0 = b.load(fn.args[13], typ=I64)   # the one product's offset into A
+                    b.call(_pack_a_transposed(mod), [b.gep(pa, [a0], source_etype=f32), sak, k0, kd, cur["M"],
+                                                     tpack, I64(span)])
             with for_range(b, I64(0), panels, "oj") as jb:
                 block_step(jb, kb)
     else:
@@ -700,6 +728,47 @@ def _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_b
                             v = b.call(gather, [ptrs, align, masks[c], zero_v])
                             b.store(v, b.bitcast(b.gep(dst, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
                                     align=64)
+
+
+def _pack_a_transposed(mod: ir.Module) -> ir.Function:
+    """`void tgc.gemm.own.f32.pack_a(float* A, i64 sak, i64 k0, i64 kd, i64 rows,
+    float* apack, i64 span)`, one per module (the kernels of every block shape call
+    it): A's rows 0..rows - 1 (at most a row panel), K k0 .. k0 + kd, when its rows
+    are contiguous (A[i, k] at A + i + k * sak): for each 16 rows and 16 K, 16 masked
+    vector loads along the rows, a transpose in registers, 16 whole-vector stores,
+    row i's K at apack + i * span (the FMA loop's broadcasts then read one line per
+    16 K, not one per K, and the row panel's A' is read from memory once for every
+    column block). Lanes past `rows` or `kd` are not read; their packed values (zeros)
+    are never used."""
+    name = "tgc.gemm.own.f32.pack_a"
+    if name in mod.globals:
+        return mod.globals[name]
+    fn = define(mod, name, ir.VoidType(), [PTR, I64, I64, I64, I64, PTR, I64])
+    fn.attributes.add("noinline")
+    pa, sak, k0, kd, rows, apack, span = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    f32 = ir.FloatType()
+    vt = ir.VectorType(f32, VL)
+    load_fn = masked_intrinsics(mod, f32, VL)[0]
+    zero_v = ir.Constant(vt, [0.0] * VL)
+    it = ir.VectorType(I64, VL)
+    iota = ir.Constant(it, list(range(VL)))
+    with for_range(b, I64(0), b.sdiv(b.add(rows, I64(VL - 1)), I64(VL)), "ai") as ti:
+        i0 = b.mul(ti, I64(VL))
+        imask = b.icmp_signed("<", iota, splat(b, b.sub(rows, i0), it))
+        with for_range(b, I64(0), b.sdiv(b.add(kd, I64(VL - 1)), I64(VL)), "ak") as tk:
+            kk0 = b.mul(tk, I64(VL))
+            vecs = []
+            for j in range(VL):
+                kj = b.add(kk0, I64(j))
+                inside = splat(b, b.icmp_signed("<", kj, kd), ir.VectorType(I1, VL))
+                at = b.gep(pa, [b.add(i0, b.mul(b.add(k0, kj), sak))], source_etype=f32)
+                vecs.append(b.call(load_fn, [at, I32(4), b.and_(imask, inside), zero_v]))
+            for r, v in enumerate(_transpose16(b, vecs)):
+                dst = b.gep(apack, [b.add(b.mul(b.add(i0, I64(r)), span), kk0)], source_etype=f32)
+                b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
+    b.ret_void()
+    return fn
 
 
 def _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn, zero_v, it, vt):

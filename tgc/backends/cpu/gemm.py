@@ -48,8 +48,8 @@ from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import Window, own_kernel
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
 from tgc.backends.cpu.gemm_epilogue import emit_epilogue, epilogue_buffers, load_pointers
-from tgc.backends.cpu.gemm_dispatch import (OWN_COLS, bf16_product, operand_forms, shared_b_batch,
-                                            taps_in_one_call, uses_own_gemm)
+from tgc.backends.cpu.gemm_dispatch import (OWN_COLS, a_k_contiguous, bf16_product, operand_forms,
+                                            shared_b_batch, taps_in_one_call, uses_own_gemm)
 from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel, vector_lanes
 from tgc.backends.cpu.gemm_taps import TapCalls
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, for_range, offset, optimize_not
@@ -118,8 +118,8 @@ class GemmGen(TapCalls):
             self.P, self.Q = fc[1], fc[0]
         self.R = fa[1]
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
-        a_k_unit = fa[2] if not self.flip else not self.forms["b"][2]   # A' has its K contiguous
-        self.own = uses_own_gemm(low, k, options, window=implicit is not None) and a_k_unit
+        self.own = uses_own_gemm(low, k, options, window=implicit is not None)
+        self.a_rows = implicit is None and not a_k_contiguous(low, k)   # A' has its rows contiguous
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)
@@ -564,7 +564,13 @@ class GemmGen(TapCalls):
         fits = b.and_(wide, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_max_b_bytes)))
         tall = b.and_(b.icmp_signed(">=", m, I64(o.own_gemm_min_rows)), b.icmp_signed(">=", n, I64(2 * OWN_COLS)))
         tall = b.and_(tall, b.icmp_signed("<=", b.mul(b.mul(kk, n), I64(4)), I64(o.own_gemm_tall_max_b_bytes)))
-        return b.or_(fits, tall)
+        own = b.or_(fits, tall)
+        if self.a_rows:   # a transposed A' (packed where the columns fill more than one block): whole blocks
+            # or at least two (a last block of one column would pack A' for it: 384 x 65 x 1024
+            # 90 GFLOP/s, OpenBLAS 127)
+            whole = b.icmp_signed("==", b.srem(n, I64(OWN_COLS)), I64(0))
+            own = b.and_(own, b.or_(whole, b.icmp_signed(">=", n, I64(2 * OWN_COLS))))
+        return own
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """cblas, or the blocked loops where a built library's caller gave no BLAS."""

@@ -19,8 +19,10 @@ OWN_COLS = 64     # the own kernel's block of columns (4 vectors of 16)
 def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = False) -> bool:
     """Whether GEMM `k`'s large tiles may run tgc's own f32 kernel (fgemm.py) rather
     than cblas: a real f32 product of f32 operands whose A' (the normalized product's
-    left operand) has its K contiguous, `options.cpu.own_gemm` "on", or "auto" where
-    the host has AVX-512 (the kernel's 16-lane vectors). A tile then goes to it when
+    left operand) has its K contiguous, or its rows (`options.cpu.own_gemm_transposed_a`,
+    not a product with taps: the kernel packs such an A' panel by panel),
+    `options.cpu.own_gemm` "on", or "auto" where the host has AVX-512 (the kernel's
+    16-lane vectors). A tile then goes to it when
     it has at least `own_gemm_min_rows` rows of C' and two blocks of columns (2 x
     OWN_COLS), whatever its depth, with a B' of at most `own_gemm_tall_max_b_bytes`
     (its packing of B' is paid once per 256 rows, its row panels keep A' in L2;
@@ -38,9 +40,11 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     768's MLP) 1024 x 1536 x 768 339 / 372 on 2 threads, 1024 x 3072 x 768 168 / 194,
     1024 x 768 x 3072 with B' transposed 171 / 183 (B' read again per panel of 256
     rows; groups of 1024 columns through all of K did not help), 1024 x 65 x
-    384 with B' transposed 134 / 147 (a second block of one column), and with A' transposed (its
-    rows contiguous, which the kernel reads, one cache line per K) 384 x 768 x 1024
-    160 / 191: those stay with OpenBLAS.
+    384 with B' transposed 134 / 147 (a second block of one column): those stay with
+    OpenBLAS. With A' transposed (its rows contiguous; packed, load 9): attention's
+    24 x 256 x 256 x 64 146 / 127, 384 x 384 x 1024 161 / 160, 768 x 768 x 1024
+    150 / 155, but 384 x 65 x 1024 87 / 123 (`GemmGen.own_tile` sends such a tile
+    only when its columns fill whole blocks or at least two).
     On the 2-core Zen 5 (one thread, min of 200 calls of one product, its
     operands in cache; GFLOP/s own / OpenBLAS): 64 x 1024 x 288 (conv2d's output per
     image) 183 / 166, 96 x 1024 x 64 182 / 144, 288 x 64 x 1024 with B' transposed
@@ -62,8 +66,8 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
         return mode == "on" or _has_avx512()
     f = operand_forms(low, k)
     flip = not f["c"][2]
-    if not (f["a"][2] if not flip else not f["b"][2]):   # A' has its K contiguous
-        return False
+    if not a_k_contiguous(low, k) and (k.taps or not options.cpu.own_gemm_transposed_a):
+        return False   # (the taps form reads A' in place)
     cols, depth = _fixed_count(low, f["c"][1] if not flip else f["c"][0]), _fixed_count(low, f["a"][1])
     rows = _fixed_count(low, f["c"][0] if not flip else f["c"][1])
     cpu = options.cpu
@@ -72,6 +76,13 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
             cols < OWN_COLS or depth is not None and depth < cpu.own_gemm_min_depth):
         return False
     return mode == "on" or _has_avx512()
+
+
+def a_k_contiguous(low: Lowered, k: GemmKernel) -> bool:
+    """Whether the normalized product's A' has its K contiguous (else its rows are:
+    the own kernel packs such an A' panel by panel, fgemm._pack_a_transposed)."""
+    f = operand_forms(low, k)
+    return f["a"][2] if f["c"][2] else not f["b"][2]
 
 
 def _has_avx512() -> bool:
@@ -125,8 +136,8 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     signal, the input transposed as B') packs each signal 5 times, 40% of its time on
     one thread. Each call's K blocks are cut to each product's range, so where they
     fall depends on the sizes only, never on the thread count."""
-    if not k.zeroes() or not uses_own_gemm(low, k, options):
-        return ()
+    if not k.zeroes() or not uses_own_gemm(low, k, options) or not a_k_contiguous(low, k):
+        return ()   # (the kernel packs a transposed A' only for one product per call)
     f = operand_forms(low, k)
     packed = _packed_role(f)
     view = k.b if packed == "b" else k.a

@@ -55,6 +55,8 @@ class CpuOptions:
     own_gemm_max_b_bytes: int = 1 << 19      # ... whose B' has at most this many bytes (larger ones stream from memory: OpenBLAS packs them faster) ...
     own_gemm_min_rows: int = 256             # ... or tiles of at least this many rows of C' and 128 columns, any depth and B' ...
     own_gemm_tall_max_b_bytes: int = 1 << 22  # ... and a B' of at most this many bytes (gemm_dispatch.uses_own_gemm)
+    own_gemm_transposed_a: bool = True       # ... also where A' has its rows contiguous (no taps): the kernel packs it panel by panel (fgemm._pack_a_transposed); False: such products go to cblas
+    own_gemm_pack_a_rows: int = 512          # the most rows (rounded up to 16) of a row panel whose transposed A' the own kernel packs, in a stack buffer of that many x 320 floats (the default panel: 272 rows, 340 KiB); a larger panel reads A' in place
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
     group_inline_max_ops: int = 3            # ... an elementwise member of at most this many adds, products and cheap maps is recomputed by each later member that reads it instead of stored (group._cheap; read by the group stage)
