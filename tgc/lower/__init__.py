@@ -9,6 +9,8 @@ A loop over an edge lowers to a `StepLoop` whose step is a lowered program of it
 own (`steps`); a convolution's contraction to GEMMs on shifted views (`taps`); both
 are parts of `fuse`, which sees values through renames and identities (`views`). Also neutral pieces that backends' own stages use: `narrow` (2-byte bf16/f16 buffers,
 a stage the CPU and CUDA backends run, and the widening of GEMM operands both use),
+`accumulate` (a stage both run: `c + a @ b` as one GEMM with beta = 1 where the sum is in
+place or a loop's carry),
 `grouping` (the kernel scan of the CPU's `group` and CUDA's
 `rowgroup`) and `cost` (FLOPs of kernels, for `--stats` and `tgc explain`).
 

@@ -83,7 +83,7 @@ def fold(low: Lowered) -> list:
 
 
 def _candidate(low: Lowered, g) -> bool:
-    return (isinstance(g, GemmKernel) and g.cplx is None and not g.taps and not g.shifts
+    return (isinstance(g, GemmKernel) and g.cplx is None and not g.taps and not g.shifts and not g.acc
             and not any(g.rounded) and low.buffers[g.out].kind == "temp"
             and set(low.buffers[g.out].edges) == set(g.out_edges()))
 

@@ -158,12 +158,16 @@ class _Machine(ExprVisitor):
             args = {name: self.arrays[b.buf][i] if b.stacked else self.arrays[b.buf]
                     for name, b in zip(step.module.args, k.args)}
             inner = _Machine(step, self.env, args)
+            for c in range(k.carries):   # a carry updated in place: its output is the carry's buffer
+                if k.outs[c].buf == k.args[c].buf:
+                    inner.arrays[outs[c]] = self.arrays[k.args[c].buf]
             inner.run_kernels()
             for j, b in enumerate(k.outs):
                 dst = self.arrays[b.buf]
                 (dst[i] if b.stacked else dst)[...] = inner.arrays[outs[j]]
             for c in range(k.carries):
-                self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
+                if k.outs[c].buf != k.args[c].buf:
+                    self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
 
     def _in_order(self, name: str, order) -> np.ndarray:
         a, have = self.arrays[name], self.order[name]
@@ -275,8 +279,15 @@ class _Machine(ExprVisitor):
             result = np.moveaxis(np.stack([z.real, z.imag]), 0, list(out_order).index(RI))
             self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
             return
-        result = np.einsum(f"{sa},{sb}->{''.join(letters[e] for e in out_order)}",
+        back = {b: p for p, b in k.prefix}   # `out`'s edge -> the product's edge along it
+        result = np.einsum(f"{sa},{sb}->{''.join(letters[back.get(e, e)] for e in out_order)}",
                            a.astype(np.float64), b.astype(np.float64))
+        if k.acc:   # `out += a @ b`: the old value and the product summed in float64, rounded once
+            # (into the leading block of each `prefix` edge of `out`)
+            block = tuple(slice(0, self.size(back[e])) if e in back else slice(None) for e in out_order)
+            target = self.arrays[k.out][block]
+            target[...] = (result + target.astype(np.float64)).astype(target.dtype)
+            return
         self.arrays[k.out][...] = result.astype(self.arrays[k.out].dtype)
         if any(o.buf == k.out for o in k.epilogue):   # `out` is an output: the product kept apart
             self.arrays[PRODUCT] = np.copy(self.arrays[k.out])

@@ -21,6 +21,10 @@ Backend-neutral: a program is a list of kernels over named buffers.
   With `taps` and `shifts` it is a loop of GEMMs on shifted views (a convolution:
   `y[b, o, s] = sum_k W[k, o, c] @ x[b, c, s + k - 2]`, the range of `s` clipped
   per tap), accumulating into `out`.
+  With `acc` (`gemm %c += a @ b`, `tgc.lower.accumulate`) `out` keeps its value and the
+  product is added into it: every call runs with beta = 1, none zeroes `out` first.
+  Its `prefix` pairs (product edge, buffer edge) add it into the leading block of a
+  longer edge of `out` (`prefix(s.1 in s)`: indices 0 .. size(s.1) - 1 of `s`).
   With an `epilogue` (`EpilogueOut`s, from `tgc.lower.epilogue`), each element of the
   product is also the `Acc` of expressions over the product's edges (as loop
   variables): `then %y[e...] = expr` stores `expr` into output `y`, which has exactly
@@ -639,9 +643,23 @@ class GemmKernel:
     # what is computed from each element of the product as it is stored (`GemmEpilogue`:
     # outputs over the product's edges); () for none
     epilogue: tuple["EpilogueOut", ...] = ()
+    # `out += a @ b` (beta = 1): `out`'s old value is the first term of every element's
+    # sum (`tgc.lower.accumulate`); no taps, shifts, complex pairs, rounding or epilogue
+    acc: bool = False
+    # (product edge, `out`'s edge): with `acc`, the product adds into the first
+    # size(product edge) indices of that longer edge of `out` (its other indices keep their values)
+    prefix: tuple[tuple[str, str], ...] = ()
+
+    def out_edge(self, e: str) -> str:
+        """`out`'s edge that product edge `e` lies along (itself, or its `prefix` edge)."""
+        return dict(self.prefix).get(e, e)
+
+    def out_view(self) -> View:
+        """`out` as a view with the product's edges (`View.edges`: product edge -> buffer edge)."""
+        return View(self.out, tuple((e, self.out_edge(e)) for e in self.out_edges()))
 
     def buffers_read(self) -> set[str]:
-        return {self.a.buf, self.b.buf} | set(self._epilogue_reads())
+        return {self.a.buf, self.b.buf} | set(self._epilogue_reads()) | ({self.out} if self.acc else set())
 
     def writes(self) -> set[str]:
         return {self.out} | {o.buf for o in self.epilogue}
@@ -667,8 +685,13 @@ class GemmKernel:
         return tuple(order[:-1])
 
     def accumulates(self) -> bool:
-        """`out` is zeroed, then every call adds into it."""
-        return bool(self.taps or self.shifts)
+        """Every call adds into `out` (beta = 1): `out` is zeroed first (`zeroes`), or,
+        with `acc`, holds the value the product is added to."""
+        return bool(self.taps or self.shifts or self.acc)
+
+    def zeroes(self) -> bool:
+        """`out` is zeroed before the calls that add into it (taps or shifts, no `acc`)."""
+        return bool(self.taps or self.shifts) and not self.acc
 
     def buffers_used(self) -> list[str]:
         return list(dict.fromkeys([self.out, self.a.buf, self.b.buf, *(o.buf for o in self.epilogue),
@@ -688,9 +711,12 @@ class GemmKernel:
             g += f" taps({', '.join(self.taps)})"
         for role, e, ix in self.shifts:
             g += f" shift({role}.{e} + {ix})".replace("+ -", "- ")
+        if self.prefix:
+            g += f" prefix({', '.join(f'{p} in {b}' for p, b in self.prefix)})"
         if self.cplx is None:
             a, b = (f"round_bf16({x})" if r else str(x) for x, r in zip((self.a, self.b), self.rounded))
-            return f"gemm %{self.out} = {a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
+            eq = "+=" if self.acc else "="
+            return f"gemm %{self.out} {eq} {a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")
         a, b = (f"conj({x})" if c else str(x) for x, c in zip((self.a, self.b), self.cplx))
         scale = "" if self.alpha == 1.0 else f"{self.alpha!r} * "
         return f"cgemm %{self.out} = {scale}{a} @ {b}  {g}" + (f"    # {self.note}" if self.note else "")

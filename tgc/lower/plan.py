@@ -112,6 +112,8 @@ def _can_retarget(low: Lowered, p, target: str, tmp: str) -> bool:
         return p.can_retarget(low, target, tmp)
     if isinstance(p, GemmKernel) and tmp != p.out:   # an output of its epilogue
         return _epilogue_retarget(p, target, tmp)
+    if isinstance(p, GemmKernel) and p.acc:   # adds into its output's value: no other target
+        return False
     if isinstance(p, GemmKernel):
         form = matrix_form(low.buffers[target].order, p.m, p.n)
         return target not in _reads(p) and form is not None and form[:2] == (p.m, p.n) and form[2]

@@ -350,18 +350,20 @@ class _Builder:
         """`cgemm %c = [alpha *] [conj(]a[)] @ [conj(]b[)] ...`: a complex product."""
         children = list(t.children)
         alpha = 1.0
-        if isinstance(children[1], Tree) and children[1].data == "alpha":
-            alpha = float(children.pop(1).children[0])
-        conj = tuple(children[i].data == "conj_view" for i in (1, 2))
-        children[1], children[2] = Tree("gview", [children[1].children[0]]), Tree("gview", [children[2].children[0]])
+        if isinstance(children[2], Tree) and children[2].data == "alpha":
+            alpha = float(children.pop(2).children[0])
+        conj = tuple(children[i].data == "conj_view" for i in (2, 3))
+        children[2], children[3] = Tree("gview", [children[2].children[0]]), Tree("gview", [children[3].children[0]])
         real = self.gemm(Tree("gemm", children))
         return replace(real, cplx=conj, alpha=alpha)
 
     def gemm(self, t: Tree) -> GemmKernel:
-        buf, ga, gb, batch, m, n, k, *rest = t.children
+        buf, eq, ga, gb, batch, m, n, k, *rest = t.children
+        acc = str(eq) == "+="
         rounded = tuple(g.data == "rounded_view" for g in (ga, gb))
         a, b = ga.children[0], gb.children[0]
         taps: tuple[str, ...] = ()
+        prefix: tuple[tuple[str, str], ...] = ()
         shifts = []
         note = ""
         outs = []
@@ -372,6 +374,9 @@ class _Builder:
                 outs.append((name, self.index(name, ixs, obuf), e, obuf))
             elif r.data == "taps":
                 taps = self.names(r.children[0])
+            elif r.data == "prefix":
+                names = [str(x) for x in r.children]
+                prefix = tuple(zip(names[0::2], names[1::2]))
             elif r.data == "shift":
                 where, *signed = r.children
                 role, dot, edge = str(where).partition(".")
@@ -382,7 +387,8 @@ class _Builder:
             else:
                 note = self.note(r)
         g = GemmKernel(self.buffer_name(buf), self.view(a), self.view(b), self.names(batch), self.names(m),
-                       self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded)
+                       self.names(n), self.names(k), note, taps, tuple(shifts), rounded=rounded, acc=acc,
+                       prefix=prefix)
         epilogue = []
         for name, index, e, at in outs:
             if any(ix != Ix.var(edge) for edge, ix in index) or set(dict(index)) != set(g.out_edges()):

@@ -68,13 +68,17 @@ class VerifyError(ValueError):
         self.kernel = kernel
 
 
-def verify_lowered(low: Lowered) -> None:
-    _Verifier(low).run()
+def verify_lowered(low: Lowered, held: frozenset[str] = frozenset()) -> None:
+    """Raise `VerifyError` where `low` breaks a rule. `held`: outputs that hold a value
+    when the program starts (a loop's step whose carry is updated in place: its
+    output is bound to the carry's buffer, `tgc.lower.accumulate`)."""
+    _Verifier(low, held).run()
 
 
 class _Verifier(ExprVisitor):
-    def __init__(self, low: Lowered):
+    def __init__(self, low: Lowered, held: frozenset[str] = frozenset()):
         self.low = low
+        self.held = held
         self.k: int | None = None
 
     def fail(self, message: str) -> VerifyError:
@@ -106,7 +110,7 @@ class _Verifier(ExprVisitor):
         if low.dtype not in ("f32", "f64"):
             raise self.fail(f"the program's float type is f32 or f64, not '{low.dtype}'")
         self.buffers()
-        defined = {n for n, b in low.buffers.items() if b.kind == "arg"}
+        defined = {n for n, b in low.buffers.items() if b.kind == "arg"} | set(self.held)
         written: set[str] = set()
         for self.k, k in enumerate(low.kernels):
             if _is_group(k):
@@ -190,8 +194,10 @@ class _Verifier(ExprVisitor):
             raise self.fail(f"loop over unknown edge '{k.edge}'")
         if not self.same_size(k.trip, low.size(k.edge)):
             raise self.fail(f"loop over '{k.edge}' runs {k.trip} steps, not the edge's size")
+        held = frozenset(n for n, b in step.buffers.items() if b.kind == "out" and b.index < k.carries
+                         and k.outs[b.index].buf == k.args[b.index].buf and not k.outs[b.index].stacked)
         try:
-            verify_lowered(step)
+            verify_lowered(step, held)
         except VerifyError as e:
             raise self.fail(f"in the loop's step: {e}") from None
         if step.stage != low.stage:
@@ -358,8 +364,24 @@ class _Verifier(ExprVisitor):
             raise self.fail(f"writes undeclared buffer '%{k.out}'")
         if low.buffers[k.out].dtype in NARROW:
             raise self.fail(f"a GEMM writes '%{k.out}', a {low.buffers[k.out].dtype} buffer")
+        if k.acc:   # `out += a @ b` (tgc.lower.accumulate)
+            if k.taps or k.shifts or k.cplx is not None or any(k.rounded) or k.epilogue:
+                raise self.fail("an accumulating GEMM (+=) with taps, shifts, complex pairs, rounding or an epilogue")
+            if k.out in (k.a.buf, k.b.buf):
+                raise self.fail(f"an accumulating GEMM reads its output '%{k.out}' as an operand")
+            if k.out not in defined:
+                raise self.fail(f"adds into '%{k.out}' before anything writes it")
         pairs = ("re.im",) if k.cplx is not None else ()   # a complex product's float pairs
-        if sorted(k.batch + k.m + k.n + pairs) != list(low.buffers[k.out].edges):
+        if k.prefix:
+            if not k.acc:
+                raise self.fail("a GEMM's prefix on a GEMM that does not accumulate (+=)")
+            for pe, be in k.prefix:
+                if pe not in k.out_edges() or be not in low.buffers[k.out].edges:
+                    raise self.fail(f"a GEMM's prefix '{pe} in {be}': no product edge and edge of '%{k.out}'")
+                ps, bs = low.size(pe), low.size(be)
+                if isinstance(ps, int) and isinstance(bs, int) and ps > bs:
+                    raise self.fail(f"a GEMM's prefix '{pe} in {be}' is longer than '{be}' ({ps} > {bs})")
+        if sorted([k.out_edge(e) for e in k.batch + k.m + k.n] + list(pairs)) != list(low.buffers[k.out].edges):
             raise self.fail(f"a GEMM into '%{k.out}' over batch, m, n edges {', '.join(k.batch + k.m + k.n)}; "
                             f"the buffer has {', '.join(low.buffers[k.out].edges)}")
         a, b = dict(k.a.edges), dict(k.b.edges)

@@ -14,13 +14,14 @@ from tgc.backends.base import Backend
 from tgc.backends.cpu.gemm_operands import GemmOperands
 from tgc.backends.cpu.group import GROUP_FORM, Group
 from tgc.backends.cpu.implicit import IMPLICIT_FORM, Implicit
+from tgc.lower.accumulate import Accumulate
 from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Implicit, GemmEpilogue, Group)
+    stages = (Narrow, GemmOperands, Implicit, Accumulate, GemmEpilogue, Group)
     kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True

@@ -450,6 +450,8 @@ class _ModuleGen:
                     j = next(j for j, c in enumerate(self.step_counters) if c is sk)
                     self.count_cycles(b, len(self.low.kernels) + j, start)
             for c in range(k.carries):
+                if k.outs[c].buf == k.args[c].buf:   # updated in place (tgc.lower.accumulate)
+                    continue
                 buf = self.carry_buffer(step, c)
                 nbytes = b.mul(f.count(buf.edges), I64(itemsize(buf.dtype)))
                 b.call(self.memcpy(), [ptrs[k.args[c].buf], ptrs[k.outs[c].buf], nbytes, ir.IntType(1)(0)])

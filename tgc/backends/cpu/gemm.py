@@ -162,8 +162,8 @@ class GemmGen(TapCalls):
             st = strides(self.bufs[role].order)
             to_buf = {e: b for e, b in view.edges if b in st}
             out[role] = ({e: st[b] for e, b in to_buf.items()}, to_buf)
-        cst = strides(self.bufs["c"].order)
-        out["c"] = (dict(cst), {e: e for e in self.bufs["c"].edges})
+        cst = strides(self.bufs["c"].order)   # by product edge (a `prefix` edge: its buffer edge's stride)
+        out["c"] = ({e: cst[k.out_edge(e)] for e in k.out_edges()}, {e: k.out_edge(e) for e in k.out_edges()})
         return out
 
     def operands(self, f: Frame, st):
@@ -359,7 +359,7 @@ class GemmGen(TapCalls):
             tile = (p0, p1, q0, q1)
 
             def each_tap():
-                if k.accumulates():
+                if k.zeroes():
                     def zero(v):
                         cbase = self.ptr(ptrs["c"], [(v[e], st["c"][0][e]) for e in k.batch])
                         self.zero_tile(b, cbase, c_p, p0, p1, q0, q1)

@@ -94,7 +94,8 @@ def _has_avx512() -> bool:
 def operand_forms(low: Lowered, k: GemmKernel) -> dict:
     """Each operand's and the result's `matrix_form` (in its buffer's order)."""
     ab, bb, cb = (low.buffers[n] for n in (k.a.buf, k.b.buf, k.out))
-    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order), cb.order))
+    va, vb, vc = (k.matrix_order(o) for o in (k.a.view_order(ab.order), k.b.view_order(bb.order),
+                                              k.out_view().view_order(cb.order) if k.prefix else cb.order))
     fa, fb, fc = (matrix_form(o, r, c) if o is not None else None
                   for o, r, c in ((va, k.m, k.k), (vb, k.k, k.n), (vc, k.m, k.n)))
     for form, what in ((fa, f"operand {va}"), (fb, f"operand {vb}"), (fc, "result")):
@@ -135,7 +136,7 @@ def shared_b_batch(low: Lowered, k: GemmKernel, options: Options) -> tuple[str, 
     signal, the input transposed as B') packs each signal 5 times, 40% of its time on
     one thread. Each call's K blocks are cut to each product's range, so where they
     fall depends on the sizes only, never on the thread count."""
-    if not k.accumulates() or not uses_own_gemm(low, k, options) or not a_k_contiguous(low, k):
+    if not k.zeroes() or not uses_own_gemm(low, k, options) or not a_k_contiguous(low, k):
         return ()   # (the kernel packs a transposed A' only for one product per call)
     f = operand_forms(low, k)
     packed = _packed_role(f)

@@ -13,7 +13,10 @@ variant with the reduced size above which to use it; for a GEMM cell, its operan
 views and edge groups (the host plans the strided batched cuBLAS call from the
 layouts, as `gemm.plan_looped` does); a cell on two bf16 or two f16 operands has
 `ex`: their types, the f32 output and `CUBLAS_COMPUTE_32F` of its
-`cublasGemmStridedBatchedEx` call; for a loop over an edge (kind steps), its trip count, direction,
+`cublasGemmStridedBatchedEx` call; a cell that adds into its output (`gemm %c += a @ b`)
+has `"beta": 1.0` (the call's beta, 0 where absent), and one into the leading block of
+longer edges of its output `"prefix"` (product edge -> output edge: the output's strides,
+the product's extents); for a loop over an edge (kind steps), its trip count, direction,
 bound buffers, the step's buffers and launches and the carries' copy launches, which the
 host runs for each index. bf16/f16 buffers (and arguments and outputs held
 in them) have dtype bf16 or f16: 16-bit elements (bfloat16 bits, IEEE half). Every kernel's parameters are its buffers, then
@@ -147,6 +150,8 @@ def _launches(low: Lowered, launches: list, cuda: CudaOptions) -> list[dict]:
                         "b": {"buffer": k.b.buf, "edges": {v: b for v, b in k.b.edges}},
                         "batch": list(k.batch), "m": list(k.m), "n": list(k.n), "k": list(k.k),
                         **({"complex": {"conj": list(k.cplx), "alpha": k.alpha}} if k.cplx is not None else {}),
+                        **({"beta": 1.0} if k.acc else {}),
+                        **({"prefix": {p: b for p, b in k.prefix}} if k.prefix else {}),
                         **({"ex": {"a": ta, "b": tb, "out": "f32", "compute": "CUBLAS_COMPUTE_32F"}}
                            if (ta := low.buffers[k.a.buf].dtype) in ("bf16", "f16")
                            and (tb := low.buffers[k.b.buf].dtype) else {})})

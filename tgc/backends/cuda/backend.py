@@ -5,7 +5,8 @@ buffers: `tgc.lower.narrow`), then their own `cublas_operands` (which GEMM cells
 as `cublasGemmStridedBatchedEx` on 2-byte operands, the others' widened:
 `tgc.backends.cuda.operands`), `inline_elementwise` (an elementwise temporary computed
 again in its readers: `tgc.backends.cuda.inline`), `flash` (attention's softmax-contraction
-chain as one kernel: `tgc.backends.cuda.flash`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
+chain as one kernel: `tgc.backends.cuda.flash`), the neutral `accumulate` (`c + a @ b` as a
+GEMM with beta = 1 where the sum is in place or a loop's carry: `tgc.lower.accumulate`) and `rowgroup` (`tgc.backends.cuda.rows`: a row's
 reductions and consumers as one kernel), with its text form. Their
 compiled modules are cached where they load (CuPy's cache, the emulator's shared
 objects by content), so `tgc.compile`'s first-level cache does not keep them."""
@@ -16,12 +17,13 @@ from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, FlashChains
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
+from tgc.lower.accumulate import Accumulate
 from tgc.lower.narrow import Narrow
 
 
 class CudaBackend(Backend):
     name = "cuda"
-    stages = (Narrow, CublasOperands, InlineElementwise, FlashChains, RowGroups)
+    stages = (Narrow, CublasOperands, InlineElementwise, FlashChains, Accumulate, RowGroups)
     kernel_forms = (ROWGROUP_FORM, FLASH_FORM, FLASHBACK_FORM)
     emits = ("cubin", "ptx", "cu")
 

@@ -75,7 +75,7 @@ class CupyCublas:
         cublas = self.cupy.cuda.cublas
         handle = self.cupy.cuda.device.get_cublas_handle()
         dt = np.dtype(dtype)
-        one, zero = np.full(1, call.alpha, dt), np.zeros(1, dt)
+        one, zero = np.full(1, call.alpha, dt), np.full(1, call.beta, dt)
         pone, pzero = one.ctypes.data, zero.ctypes.data
         op = {(False, False): cublas.CUBLAS_OP_N, (True, False): cublas.CUBLAS_OP_T, (True, True): cublas.CUBLAS_OP_C}
         ex = ex_types(call)
@@ -140,7 +140,7 @@ class DirectCublas:
         lib, dt = self.lib, np.dtype(dtype)
         ex = ex_types(call)
         scalar = np.float32 if ex is not None else dt
-        one, zero = np.full(1, call.alpha, scalar), np.zeros(1, scalar)
+        one, zero = np.full(1, call.alpha, scalar), np.full(1, call.beta, scalar)
         pone, pzero = one.ctypes.data, zero.ctypes.data
         m, n, k, batch = call.m, call.n, call.k, call.batch
         lda, sa, ldb, sb, ldc, sc = call.lda, call.stride_a, call.ldb, call.stride_b, call.ldc, call.stride_c

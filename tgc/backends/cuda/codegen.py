@@ -300,6 +300,8 @@ class _Gen(ExprVisitor):
         here = len(self.launches)
         for c in range(k.carries):
             dst, src = k.args[c].buf, k.outs[c].buf
+            if dst == src:   # updated in place (tgc.lower.accumulate): no copy
+                continue
             edges = self.low.buffers[dst].order or self.low.buffers[dst].edges
             copy = LoopKernel(out=dst, index=tuple((e, Ix.var(e)) for e in edges), loops=tuple(edges),
                               sizes={e: self.low.size(e) for e in edges},

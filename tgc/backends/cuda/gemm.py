@@ -64,6 +64,7 @@ class GemmCall:
     conja: bool = False   # a complex product: op(A) conjugates (cuBLAS's CUBLAS_OP_C, with transa)
     conjb: bool = False
     alpha: float = 1.0    # a complex product's real scale
+    beta: float = 0.0     # 1: C += op(A) op(B) (an accumulating GEMM, `GemmKernel.acc`)
     atype: str = ""       # A's element type as stored when it is bf16 or f16 (a GemmEx call), else ""
     btype: str = ""
 
@@ -196,4 +197,5 @@ def run_numpy(call: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, offse
         A, B = A.astype(np.float32), B.astype(np.float32)
     s = fc.itemsize
     C = np.lib.stride_tricks.as_strided(fc, (call.batch, call.m, call.n), (call.stride_c * s, s, call.ldc * s))
-    C[...] = np.matmul(A, B) if call.alpha == 1.0 else call.alpha * np.matmul(A, B)
+    P = np.matmul(A, B) if call.alpha == 1.0 else call.alpha * np.matmul(A, B)
+    C[...] = P if call.beta == 0.0 else C + P

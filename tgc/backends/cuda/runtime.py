@@ -1078,8 +1078,9 @@ class CudaKernels(Kernels):
             return {v: by_edge[b] for v, b in rename.items() if b in by_edge}
 
         out_edges = low.buffers[k.out].edges
+        out_view = dict(k.out_view().edges) if k.prefix else {e: e for e in out_edges}   # product edge -> buffer edge
         operands = {"a": (k.a.buf, strides(k.a.buf, dict(k.a.edges))), "b": (k.b.buf, strides(k.b.buf, dict(k.b.edges))),
-                    "out": (k.out, strides(k.out, {e: e for e in out_edges}))}
+                    "out": (k.out, strides(k.out, out_view))}
         planned = gemm.plan_looped(k, operands, size)
         if planned is not None and cplx:
             call, looped = planned
@@ -1087,6 +1088,8 @@ class CudaKernels(Kernels):
             call = replace(call, conja=conj[call.a], conjb=conj[call.b], alpha=k.alpha)
             planned = None if (call.conja and not call.transa) or (call.conjb and not call.transb) else (call, looped)
         call, looped = planned if planned is not None else (None, ())
+        if call is not None and k.acc:   # `out += a @ b`: beta = 1
+            call = replace(call, beta=1.0)
         if call is not None and not cplx:   # bf16/f16 operands (`cublas_operands` kept them): a GemmEx call
             types = {r: low.buffers[operands[r][0]].dtype for r in ("a", "b")}
             if types["a"] in LOW_FLOATS:
@@ -1129,4 +1132,5 @@ class CudaKernels(Kernels):
             a, b = (xp.conj(x) if conj else x for x, conj in zip((a, b), k.cplx))
             c[...] = (k.alpha * xp.matmul(a, b)).reshape(c.shape)
             return
-        c[...] = xp.matmul(a, b).reshape(c.shape)
+        p = xp.matmul(a, b).reshape(c.shape)
+        c[...] = c + p if k.acc else p

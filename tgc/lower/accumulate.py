@@ -1,0 +1,201 @@
+"""accumulate: a GEMM whose product is added into a value becomes a GEMM adding into it.
+
+`Lowered` (after `layout`) -> `Lowered`. A sum `r = c + a @ b` is lowered as two kernels:
+the GEMM stores its product `t` (a temporary), then a loop kernel reads `c` and `t` and
+stores `r`. When `r` and `c` can be the same memory, one GEMM with beta = 1
+(`gemm %r += a @ b`: `GemmKernel.acc`) computes it: the product is never stored, read
+back and added. Two places where `r` and `c` are the same memory:
+
+- in place: `r[e] = add[1, 1](r[e], t[e])` (either order) in one program;
+- a loop's carry (`StepLoop`): the step's output `r` (the carry's new value) is
+  `add[1, 1](c[e], t[e])` of its argument `c` (the carry's value). The loop then binds the
+  output to the carry's own buffer (`outs[k]` is `args[k]`), so that `r` holds `c`'s value
+  when the step starts and no copy follows the step (the streamed attention's `dk` and
+  `dv` partials per key block, `tgc.opt.stream`).
+
+What is rewritten: a plain GEMM (no taps, shifts, complex pairs, rounding or epilogue)
+into a temporary `t` that has exactly the product's edges, and the one kernel that reads
+`t` (the first after it): a plain loop over `r`'s edges (whole) storing `r` at the
+element's own index the sum `add[1, 1]` of the load of `c` at that index and the load of
+`t` there, `c` and `r` laid out as `t` (same type, same order up to the renaming below); no
+kernel in between writes the GEMM's operands or reads or writes `r`; no kernel after reads
+`t`. An edge of `t` may be read along a longer edge of `r` under exactly the mask
+`s < size(s.1)` (a causal stream's loop over the keys its rows admit: `t` covers the
+leading block of `s`): the GEMM then adds into that block (`prefix(s.1 in s)`), the rest
+of `r` keeps `c`'s value, as the masked sum adds zeros there. Neither `r` nor `c` is an
+operand of the GEMM. For a carry, its argument is read by no kernel after the sum, the
+step's output is written by the sum alone, and no other kernel of the enclosing program
+uses the buffer the output was bound to. The GEMM moves to the sum's place as
+`gemm %r += a @ b` and `t` goes; a carry's loop binds its output to the carry.
+
+Floating point: BLAS with beta = 1 computes `alpha * AB + beta * C`, here `C + AB`. The
+separate add stores the GEMM's sum `t` rounded, then rounds `c + t`. A GEMM that sums a
+block of K in registers and adds `C` to it as it stores it (the CPU's own kernel, its
+generated loops, OpenBLAS's micro-kernels, cuBLAS) computes the same `c + t`, rounded once,
+when its own sum is the same: K in one block (the blocks depend on the sizes alone, the
+same for both forms): then the bits are the separate add's (the attention benchmark's
+outputs at t = 1024 are bitwise equal). Where K is cut into blocks, the separate GEMM adds
+them into `t` in turn and `c` comes last; with beta = 1 `c` is added to the first block's
+sum and the later blocks after it: a sum of the same K + 1 terms, associated differently,
+with the same error bound. The lowered interpreter sums the product and the old value in
+float64 and rounds once (the separate form rounds twice). `--fp-strict` keeps the two
+kernels (`Options.fp_strict`).
+
+Where it applies: after `layout` (buffers' orders fixed), in the CPU backend's stages
+before `epilogue` (which would otherwise fold the add into the GEMM's store, with the copy
+of the carry still made) and in the CUDA backends' after `flash`.
+
+Terminates: one pass over the kernels (and each loop's step), each rewrite removing a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tgc.ir.passes import Pass
+from tgc.lower.lowered import Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, neg
+from tgc.options import Options
+
+
+@dataclass(frozen=True)
+class Accumulate(Pass[Lowered, Lowered]):
+    """Fold `r = c + a @ b` into one accumulating GEMM where `r` and `c` share memory."""
+
+    name = "accumulate"
+    takes = gives = "lowered"
+
+    def run(self, low: Lowered, options: Options) -> Lowered:
+        if options.fp_strict:
+            return low
+        out = low.staged("accumulate")
+        out.kernels = [_carries_in_place(out, k) if isinstance(k, StepLoop) else k for k in out.kernels]
+        i = 0
+        while i < len(out.kernels):
+            pair = _pair(out, i)
+            if pair is not None:
+                j, r, c, prefix = pair
+                if r == c:
+                    _fold(out, i, j, prefix)
+                    continue
+            i += 1
+        _drop_unused(out)
+        return out
+
+
+def _pair(low: Lowered, i: int):
+    """(j, r, c, prefix) when kernel i is a GEMM into a temporary `t` that kernel j, the
+    only one to read it, turns into `r = c + t` (as the module docstring says), else None.
+    `prefix`: the (product edge, `r`'s edge) pairs where `t` covers the leading block of
+    a longer edge of `r` (read there under the mask `edge < size(t's edge)`)."""
+    g = low.kernels[i]
+    if not (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
+            and not any(g.rounded) and not g.epilogue):
+        return None
+    t = low.buffers.get(g.out)
+    if t is None or t.kind != "temp" or set(t.edges) != set(g.out_edges()):
+        return None
+    readers = [j for j in range(i + 1, len(low.kernels)) if g.out in low.kernels[j].buffers_read()]
+    if len(readers) != 1 or any(g.out in k.writes() for k in low.kernels[i + 1:]):
+        return None
+    j = readers[0]
+    k = low.kernels[j]
+    if not (isinstance(k, LoopKernel) and not k.reduce and not k.red and not k.scatter and k.epilogue is None
+            and not k.bounds):
+        return None
+    r = low.buffers[k.out]
+    if set(k.loops) != set(r.edges) or any(k.sizes[v] != low.size(v) for v in k.loops) \
+            or any(ix != Ix.var(e) for e, ix in k.index):
+        return None
+    body = k.body
+    if not (isinstance(body, Add) and body.coefs == (1.0, 1.0) and len(body.args) == 2):
+        return None
+    found = [_product_load(low, a, g.out, r.edges) for a in body.args]
+    if sum(f is not None for f in found) != 1:
+        return None
+    at = 0 if found[0] is not None else 1
+    rename = found[at]
+    other = body.args[1 - at]
+    if not (isinstance(other, Load) and all(ix == Ix.var(e) for e, ix in other.index)):
+        return None
+    c = other.buf
+    cb = low.buffers[c]
+    if r.order is None or t.order is None or r.order != tuple(rename[e] for e in t.order) or r.dtype != t.dtype:
+        return None
+    if cb.edges != r.edges or cb.order != r.order or cb.dtype != r.dtype or {k.out, c} & {g.a.buf, g.b.buf}:
+        return None
+    for x in low.kernels[i + 1:j]:
+        if x.writes() & {g.a.buf, g.b.buf, k.out} or k.out in x.buffers_read():
+            return None
+    return j, k.out, c, tuple((e, b) for e, b in sorted(rename.items()) if e != b)
+
+
+def _product_load(low: Lowered, e, t: str, edges) -> dict[str, str] | None:
+    """{`t`'s edge: loop variable} when `e` loads `t` (a temporary) at loop variables
+    alone, each of `t`'s edges at one of `edges` (`t`'s own or a longer one), masked by
+    exactly `v < size(t's edge)` for each longer one; else None."""
+    conds: tuple = ()
+    if isinstance(e, Mask):
+        conds, e = e.conds, e.arg
+    if not (isinstance(e, Load) and e.buf == t):
+        return None
+    rename = {}
+    for te, ix in e.index:
+        v = ix.as_var()
+        if v is None or v not in edges or v in rename.values():
+            return None
+        rename[te] = v
+    want = {Cond(Ix.var(v).plus_const(neg(low.size(te))), "<") for te, v in rename.items() if te != v}
+    if set(conds) != want or len(conds) != len(want):
+        return None
+    return rename
+
+
+def _fold(low: Lowered, i: int, j: int, prefix: tuple = ()) -> None:
+    """Kernel j (`r = c + t`, `r` holding `c`) as kernel i's GEMM adding into `r` (into
+    the leading block of each `prefix` edge)."""
+    g, k = low.kernels[i], low.kernels[j]
+    del low.buffers[g.out]
+    low.kernels[j] = replace(g, out=k.out, acc=True, prefix=prefix)
+    del low.kernels[i]
+
+
+def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
+    """`loop` with each carry whose new value is `c + a @ b` updated in place: its step
+    adds the product into its output, which the loop binds to the carry's buffer."""
+    step = loop.step.staged(loop.step.stage)
+    args = list(step.module.args)
+    outs = {b.index: n for n, b in step.buffers.items() if b.kind == "out"}
+    binds = list(loop.outs)
+    for c in range(loop.carries):
+        arg, out = args[c], outs.get(c)
+        if out is None or loop.args[c].stacked or loop.outs[c].stacked or loop.outs[c].buf == loop.args[c].buf:
+            continue
+        new = loop.outs[c].buf
+        if low.buffers[new].kind != "temp" or any(new in k.buffers_used() for k in low.kernels if k is not loop):
+            continue   # (the carry's new value read after the loop: its buffer stays)
+        found = None
+        for i, g in enumerate(step.kernels):
+            pair = _pair(step, i)
+            if pair is not None and pair[1] == out and pair[2] == arg:
+                found = (i, pair[0], pair[3])
+                break
+        if found is None:
+            continue
+        i, j, prefix = found
+        writers = [x for x, k in enumerate(step.kernels) if out in k.writes()]
+        if writers != [j] or any(arg in k.buffers_read() for k in step.kernels[j + 1:]):
+            continue
+        if any(out in k.buffers_read() for k in step.kernels[:j]):
+            continue
+        _fold(step, i, j, prefix)
+        binds[c] = Bind(loop.args[c].buf)
+    if binds == list(loop.outs):
+        return loop
+    return replace(loop, step=step, outs=tuple(binds))
+
+
+def _drop_unused(low: Lowered) -> None:
+    """Temporaries no kernel uses any more (a carry's copy target, once the carry is
+    updated in place)."""
+    used = {n for k in low.kernels for n in k.buffers_used()}
+    for name in [n for n, b in low.buffers.items() if b.kind == "temp" and n not in used]:
+        del low.buffers[name]
