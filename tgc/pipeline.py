@@ -271,7 +271,7 @@ def load_source(source, backend: str = "cpu", dtype: str | None = None, dims=Non
     if isinstance(source, Module):
         return _fixed(source, options)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
-                                              and source.endswith((".tg", ".tgir"))):
+                                              and (source.endswith((".tg", ".tgir")) or os.path.exists(source))):
         path = os.fspath(source)
         kind, name, text = ("ir" if is_ir_file(path) else "tg"), path, None
         if path != "-":

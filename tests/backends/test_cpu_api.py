@@ -12,6 +12,7 @@ import pytest
 
 import tgc
 from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.diag import CompileError
 from tgc.ir.parser import parse_module
 
 from layer_programs import DEEP
@@ -548,6 +549,18 @@ def test_compile_arguments_of_the_wrong_kind_are_clear_type_errors():
         tgc.compile(mlp, options={"dtype": "f64"})
     with pytest.raises(TypeError, match="dims= takes a dict"):
         tgc.compile(mlp, dims=[("batch", 4)])
+
+
+
+def test_an_existing_path_is_read_whatever_its_suffix(tmp_path):
+    """A string naming an existing file or folder is a path (a directory was parsed as
+    program text: 'unexpected token /'); .tg and .tgir name paths even when missing."""
+    src = tmp_path / "mlp.txt"
+    src.write_text((EXAMPLES / "mlp.tg").read_text())
+    assert [s.name for s in tgc.compile(str(src)).inputs] == \
+        [s.name for s in tgc.compile(str(EXAMPLES / "mlp.tg")).inputs]
+    with pytest.raises(CompileError, match="is a directory, not a source file"):
+        tgc.compile(str(tmp_path))
 
 
 def test_init_state_checks_the_sizes_it_is_given():
