@@ -236,6 +236,33 @@ def test_ties_match_torch(case):
     np.testing.assert_allclose(got["jx"], want["jx"], rtol=1e-15, atol=0, err_msg=f"tgc's jvp of {expr}")
 
 
+def test_power_at_a_zero_base_matches_torch():
+    """d(x^y)/dy at x = 0: 0 for y >= 0 (0^0 = 1 but log 0 = -inf gave -inf; PyTorch and
+    JAX take 0, the derivative of 0^y = 0 from y > 0), -inf for y < 0, as PyTorch. The
+    compiled CPU program agrees with the interpreter; d/dx and second derivatives too."""
+    import tgc
+
+    x = np.array([0.0, 0.0, 0.0, 0.0, 2.0, 0.5])
+    y = np.array([0.0, 2.0, 0.5, -1.0, 0.0, 1.5])
+    src = """dim n = 6
+input x[n], y[n]
+f = sum(x ^ y)
+out gy = grad(f, y)
+out gx = grad(f, x)
+out hy = grad(sum(grad(f, y) * x), x)
+"""
+    got, want = _tgc_and_torch(src, {"x": x, "y": y})
+    X, Y = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    gy, = torch.autograd.grad((X ** Y).sum(), Y)
+    np.testing.assert_array_equal(gy.numpy(), [0.0, 0.0, 0.0, -np.inf, np.log(2.0), 0.5 ** 1.5 * np.log(0.5)])
+    np.testing.assert_array_equal(got["gy"], gy.numpy())
+    cpu = tgc.compile(src, dtype="f64")(x=x, y=y)
+    for name in ("gy", "gx", "hy"):
+        np.testing.assert_allclose(cpu[name], got[name], rtol=1e-14, atol=0, err_msg=name)
+    fin = np.isfinite(want["hy"])
+    np.testing.assert_allclose(got["hy"][fin], want["hy"][fin], rtol=1e-12)
+
+
 # ---- the oracle itself, on cases small enough to know the answer ------------------------
 
 def _ir(text):
