@@ -342,10 +342,13 @@ def _custom(ev: _Eval, v: Value, ops):
 
 def _loop(ev: _Eval, v: Value, ops):
     """Output `out` of the loop: the body run per index on torch tensors (so autograd
-    differentiates through the steps), all outputs computed once."""
+    differentiates through the steps), all outputs computed once per set of operand
+    tensors: a loop inside another loop's body has the same operand Values at every outer
+    step but new tensors, so the key names the tensors (kept alive with the entry, so
+    their ids are not reused)."""
     body, edge, reverse, out = v.attrs
     cache = ev.__dict__.setdefault("loops", {})
-    key = (body, edge, reverse) + tuple(map(id, v.operands))
+    key = (body, edge, reverse) + tuple(map(id, ops))
     if key not in cache:
         n, nc = ev.sizes[edge], body.carries
         axes = [o.edges.index(edge) if edge in o.edges else -1 for o in v.operands]
@@ -362,8 +365,8 @@ def _loop(ev: _Eval, v: Value, ops):
         for j, ys in enumerate(stacked):
             r = body.results[nc + j]
             outs.append(torch.stack(ys[::-1] if reverse else ys, dim=sorted(r.edges + (edge,)).index(edge)))
-        cache[key] = outs
-    return cache[key][out]
+        cache[key] = (ops, outs)
+    return cache[key][1][out]
 
 
 def _slot(ev: _Eval, v: Value, ops):

@@ -59,7 +59,8 @@ def compile(source, backend: str = "cpu", dtype: str | None = None, dims=None, o
             **data_parallel_options):
     """Compile a program (by default to native code for this CPU); returns a callable `Program`.
 
-    `source`: a path to a `.tg` or `.tgir` file, `.tg` source text, IR text (as
+    `source`: a path to a `.tg` or `.tgir` file (a one-line string that names an
+    existing file is a path whatever its suffix), `.tg` source text, IR text (as
     `tgc dump-ir` prints it), or a `tgc.ir.module.Module`. `dtype` is the float
     type, "f32" or "f64" (default: the options' `dtype`, f32 unless set there).
     `dims` ({name: size}, default: the options' `dims`) fixes symbolic dims at build time;

@@ -250,6 +250,13 @@ def load_source(source, backend: str = "cpu", dtype: str | None = None, dims=Non
 
     from tgc.backends.base import get_backend
 
+    if not isinstance(source, (str, bytes, bytearray, os.PathLike, Module)):
+        raise TypeError(f"source: a path, .tg or IR text (str), or a Module; not {type(source).__name__}")
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options= takes a tgc.options.Options, not {type(options).__name__} "
+                        "(Options(dtype='f64', ...) or Options().with_(...))")
+    if dims is not None and not hasattr(dims, "items"):
+        raise TypeError(f"dims= takes a dict {{name: size}}, not {type(dims).__name__}")
     be = get_backend(backend)
     if dtype is None:   # the options' float type (f32 by default)
         dtype = options.dtype if options is not None else "f32"
@@ -264,7 +271,7 @@ def load_source(source, backend: str = "cpu", dtype: str | None = None, dims=Non
     if isinstance(source, Module):
         return _fixed(source, options)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
-                                              and source.endswith((".tg", ".tgir"))):
+                                              and (source.endswith((".tg", ".tgir")) or os.path.exists(source))):
         path = os.fspath(source)
         kind, name, text = ("ir" if is_ir_file(path) else "tg"), path, None
         if path != "-":

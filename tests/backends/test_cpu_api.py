@@ -12,6 +12,7 @@ import pytest
 
 import tgc
 from tgc.ir.interp import EvalError, evaluate
+from tgc.ir.diag import CompileError
 from tgc.ir.parser import parse_module
 
 from layer_programs import DEEP
@@ -535,6 +536,43 @@ def test_bad_dims_dtypes_and_values_are_clear_errors():
     derived = tgc.compile("dim d\ndim h = d / 2\ninput x[d]\nout y = sum(x) * size(h)\n")
     with pytest.raises(EvalError, match="dim 'h' is d / 2, not a symbolic dim"):
         derived.run({"x": np.ones(4)}, dims={"h": 2})
+
+
+def test_compile_arguments_of_the_wrong_kind_are_clear_type_errors():
+    """A source, options or dims of the wrong kind is a TypeError that names the
+    argument (were: 'expected string or bytes-like object', a dict's AttributeError)."""
+    mlp = str(EXAMPLES / "mlp.tg")
+    for source in (42, None, [mlp]):
+        with pytest.raises(TypeError, match="^source: a path"):
+            tgc.compile(source)
+    with pytest.raises(TypeError, match="options= takes a tgc.options.Options, not dict"):
+        tgc.compile(mlp, options={"dtype": "f64"})
+    with pytest.raises(TypeError, match="dims= takes a dict"):
+        tgc.compile(mlp, dims=[("batch", 4)])
+
+
+
+def test_an_existing_path_is_read_whatever_its_suffix(tmp_path):
+    """A string naming an existing file or folder is a path (a directory was parsed as
+    program text: 'unexpected token /'); .tg and .tgir name paths even when missing."""
+    src = tmp_path / "mlp.txt"
+    src.write_text((EXAMPLES / "mlp.tg").read_text())
+    assert [s.name for s in tgc.compile(str(src)).inputs] == \
+        [s.name for s in tgc.compile(str(EXAMPLES / "mlp.tg")).inputs]
+    with pytest.raises(CompileError, match="is a directory, not a source file"):
+        tgc.compile(str(tmp_path))
+
+
+def test_init_state_checks_the_sizes_it_is_given():
+    """`init_state(dims=...)` refuses a size as `compile(dims=...)` does (a negative one
+    was numpy's 'negative dimensions are not allowed')."""
+    prog = tgc.compile("dim n\ninput x[n]\nstate m[n]\nupdate m = m + x\nout y = sum(x)\n")
+    assert prog.init_state(dims={"n": 3})["m"].shape == (3,)
+    for bad in (0, -1, 2.5, "3", True):
+        with pytest.raises(ValueError, match="init_state: dim 'n' = .*: a size is a positive integer"):
+            prog.init_state(dims={"n": bad})
+    with pytest.raises(TypeError, match="dims= takes a dict"):
+        prog.init_state(dims=[("n", 3)])
 
 
 def test_a_python_number_for_a_scalar_input_takes_the_fast_path():

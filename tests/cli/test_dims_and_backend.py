@@ -55,6 +55,12 @@ def test_every_backend_option_defaults_to_the_compiled_cpu_backend():
     assert "interp" in next(p for p in run.params if p.name == "backend").type.choices
 
 
+def test_an_absurd_profile_count_is_refused_not_run():
+    """`--profile 10**12` would run for days: a usage error, before anything compiles."""
+    r = tgc("run", MLP, "--random-inputs", "--profile", str(10 ** 12))
+    assert r.exit_code == 2 and "--profile" in r.output and "1000000" in r.output, r.output
+
+
 def test_run_compiles_by_default_and_still_interprets_on_request():
     # --profile counts the compiled kernels' cycles: it needs the CPU backend
     r = tgc("run", MLP, "--random-inputs", "--profile", "2")

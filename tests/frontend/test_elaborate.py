@@ -211,3 +211,31 @@ def test_errors(src, line, col, words):
     e = error(src)
     assert (e.loc.line, e.loc.col) == (line, col), e.format({"t.tg": src})
     assert words in e.message
+
+
+def _call_chain(n: int, wrap: int = 0) -> str:
+    """f{n-1} calls f{n-2} ... calls f0: `n` calls open at once, each inside `wrap` exps."""
+    fns = "".join(f"fn f{i}(a) = {'exp(' * wrap}f{i - 1}(a){')' * wrap} + 1\n" for i in range(1, n))
+    return f"dim n = 3\ninput x[n]\n{fns}fn f0(a) = a\nout y = f{n - 1}(x)\n"
+
+
+def test_function_calls_nested_past_the_limit_are_a_located_error():
+    """Thousands of functions each calling the next overflowed Python's stack (a
+    RecursionError out of `tgc.compile`); past MAX_CALL_DEPTH calls open at once the
+    innermost call is a located error. Up to it, the chain compiles and runs."""
+    from tgc.frontend.functions import MAX_CALL_DEPTH
+
+    x = np.arange(3.0)
+    got = evaluate(compile_source(_call_chain(MAX_CALL_DEPTH), "t.tg", Options(dtype="f64")),
+                   {"x": x}, dtype="f64")
+    np.testing.assert_array_equal(got["y"], x + MAX_CALL_DEPTH - 1)
+    e = error(_call_chain(3000))
+    assert "nested too deeply" in e.message and e.loc.line > 2 and e.loc.col > 1, e.message
+
+
+def test_deep_expressions_in_deep_calls_are_a_compile_error_not_a_recursion_error():
+    """Each function's body within the expression limit, the calls within the call
+    limit, yet together past Python's stack: a CompileError (the backstop)."""
+    src = _call_chain(250, wrap=200)
+    e = error(src)
+    assert "nested too deeply" in e.message

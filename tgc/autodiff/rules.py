@@ -175,6 +175,18 @@ def _minus1(b: Value) -> Value:
     return V.add([b, _c(b, 1.0)], [1.0, -1.0])
 
 
+def _pow_exponent_partial(v: Value, a: Value, b: Value) -> Value:
+    """d(a^b)/db = a^b log a: exactly 0 where a^b is 0 (a = 0 < b), and 0 at a = 0 <= b,
+    where a^0 = 1 and log 0 = -inf would give -inf (PyTorch's and JAX's convention: the
+    derivative of 0^b is taken from b > 0, where 0^b is constant 0). Complex powers keep
+    a^b log a."""
+    partial = _mul0(v, _fn("log", a))
+    if v.dtype.startswith("c"):
+        return partial
+    zero = _c(v, 0.0)
+    return _fn("where", V.mul([_fn("eq", a, zero), _fn("ge", b, zero)]), zero, partial)
+
+
 def _matched(table: Value, ids: Value) -> set[str]:
     """The edges a gather matches between table and ids (a scatter keeps them)."""
     return set(table.edges) & set(ids.edges)
@@ -265,7 +277,7 @@ RULES: dict[str, Rule] = {
     "div": pointwise(lambda v, a, b: _fn("div", _c(v, 1.0), b),         # 1/b
                      lambda v, a, b: _neg(_fn("div", v, b))),           # -a/b^2
     "pow": pointwise(lambda v, a, b: _mul0(b, _fn("pow", a, _minus1(b))),  # b a^(b-1), 0 where b = 0
-                     lambda v, a, b: _mul0(v, _fn("log", a))),          # a^b log a, 0 where a^b = 0
+                     _pow_exponent_partial),                            # a^b log a, 0 where a^b = 0 or a = 0 <= b
 }
 
 

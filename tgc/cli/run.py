@@ -300,6 +300,9 @@ def summarize(name: str, edges: tuple[str, ...], a: np.ndarray) -> str:
     return (head + f" mean={a.mean():.6g} std={a.std():.6g} min={a.min():.6g} max={a.max():.6g}")
 
 
+PROFILE_MAX_RUNS = 1_000_000   # a larger --profile count is a typo, not a measurement: refused, not run for hours
+
+
 def print_profile(program, inputs: dict, dims, calls: int) -> None:
     """Run `program` `calls` more times and print each kernel's time per call (to
     stderr): the cycles `CpuOptions(profile=True)` counts, scaled to the wall time."""
@@ -353,8 +356,9 @@ def _host(a):
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
               help="Write the outputs to this .npz (atomically).")
-@click.option("--profile", type=click.IntRange(min=1), metavar="N",
-              help="With --backend cpu: run N more times (on copies of the inputs) and print, to stderr, "
+@click.option("--profile", type=click.IntRange(min=1, max=PROFILE_MAX_RUNS), metavar="N",
+              help=f"With --backend cpu: run N (at most {PROFILE_MAX_RUNS:,}) more times (on copies of the inputs) "
+                   "and print, to stderr, "
                    "each kernel's share of the time, the costliest first.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")

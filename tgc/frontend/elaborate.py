@@ -520,6 +520,9 @@ def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
             b = ProgramBuilder(options)
             b.file(text, filename, top=True)
             return Elaborated(b.finish(), b.files, b.warnings(), {f: b.sources[f] for f in b.files}, b.absent)
+    except RecursionError:  # the limits on nesting and calls should come first; this is the backstop
+        raise CompileError("the program is nested too deeply to compile (expressions inside calls inside "
+                           "expressions ...): split it into several bindings", Loc(filename, 1, 1)) from None
     finally:
         sys.setrecursionlimit(limit)
 

@@ -24,6 +24,9 @@ from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, did_you_mean
 
 
+MAX_CALL_DEPTH = 256  # most function calls open at once (f calls g calls ...): past it, a located error, not a stack overflow
+
+
 def _children(node):
     for f in dataclasses.fields(node):
         if f.name == "loc":
@@ -235,6 +238,9 @@ def _inline(el: Elaborator, node: ast.Call, fn: str, values: dict[str, V.Value],
     others take their defaults) and its edge parameters to `edges`."""
     info = ctx.fns[fn]
     d = info.defn
+    if len(ctx.stack) >= MAX_CALL_DEPTH:
+        raise el.error(f"function calls nested too deeply (over {MAX_CALL_DEPTH} calls open at once, "
+                       f"here calling '{fn}'): call fewer functions inside one another", node, ctx)
     inner = Ctx(values, edges, info.visible, ctx.stack + (fn,), ctx.call_locs + (node.loc,))
     for p in d.params:
         if p.name not in values:

@@ -61,7 +61,7 @@ from tgc.ir.input_checks import (EvalError, check_element_type, check_ids_fit, c
                                  check_shape, check_updated_dtype, check_writable, dlpack_view as _dlpack_view)
 from tgc.ir.interp import bind_dims
 from tgc.lower.lowered import Lowered
-from tgc.ir.module import Module
+from tgc.ir.module import Module, size_error
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
 from tgc.options import Options
 from tgc.runtime.specialize import Specializations
@@ -130,6 +130,12 @@ def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict 
     """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
     as a call takes it: complex for the `complex_names` (float pairs on their last axis),
     the 2-byte type of those in `store`, else `float_dtype`; `dims` sizes symbolic dims."""
+    if dims is not None and not hasattr(dims, "items"):
+        raise TypeError(f"init_state: dims= takes a dict {{name: size}}, not {type(dims).__name__}")
+    for k, v in (dims or {}).items():
+        why = size_error(str(k), v)
+        if why:
+            raise ValueError(f"init_state: {why}")
     env = {str(k): int(v) for k, v in (dims or {}).items()}
     out = {}
     for spec in specs:
