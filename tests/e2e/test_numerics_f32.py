@@ -815,6 +815,20 @@ def _func_d1_d2(f):
 
 
 case("tanh_d2", _act_src("tanh(x)"), {"x": ACT}, elementwise=True)(_func_d1_d2(torch.tanh))
+
+
+# tanh' near saturation (2 < |x| < 9): 1 - t^2 rounded without a fused multiply-add loses
+# the low bits of t^2 (1e-4 relative at x = -4.4, where PyTorch's fused form is within 1e-7)
+@case("tanh_grad_near_saturation", """
+dim n = 141
+input x[n]
+out y[n] = tanh(x)
+out d1[n] = grad(sum(tanh(x)), x)
+""", {"x": np.concatenate([np.linspace(-9, -2, 71), np.linspace(2.1, 9, 70)])}, elementwise=True)
+def _(T):
+    x = leaf(T.x)
+    y = torch.tanh(x)
+    return {"y": y, "d1": gradient(y.sum(), x)}
 # without x = +-10: there PyTorch's float64 gelu'' (its own double-backward formula) is
 # itself 1.7% off (-6.3709e-35 at x = -10, where 60-digit arithmetic gives -6.2639e-35,
 # as tgc does in f32), so it cannot judge tgc
