@@ -184,3 +184,100 @@ def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
     assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
     fns['set_lag'](10 ** 6, 10 ** 9)
     assert fns['threshold'](10, 20, 3) == 20
+
+
+# ------------------------------------------------------------ the lag, driven by a worker that waits
+
+def waiting_module(cpu) -> ir.Module:
+    """`region(delay)`: one region through `parallel.region_fn` whose last thread spins
+    `delay` time-stamp-counter cycles (thread 0 returns at once: the region's overhead is
+    the delay, as when another process holds the worker's core); `threshold(warm, cold,
+    per_cycle)` and `lag()`, the lag the regions have set."""
+    module = ir.Module(name='lag')
+    fntable.define_init(module)
+    body = ir.Function(module, parallel.body_type(), 'body')
+    body.linkage = 'internal'
+    b = ir.IRBuilder(body.append_basic_block('entry'))
+    delay = b.load(body.args[0], typ=I64)
+    tid = b.sext(fntable.call(b, 'omp_get_thread_num', []), I64)
+    nth = b.sext(fntable.call(b, 'omp_get_num_threads', []), I64)
+    last = b.and_(b.icmp_signed('>', nth, I64(1)), b.icmp_signed('==', tid, b.sub(nth, I64(1))))
+    with b.if_then(last):
+        start = parallel.now(b)
+        spin, done = body.append_basic_block('spin'), body.append_basic_block('spun')
+        b.branch(spin)
+        b.position_at_end(spin)
+        b.cbranch(b.icmp_unsigned('<', b.sub(parallel.now(b), start), delay), spin, done)
+        b.position_at_end(done)
+    b.ret_void()
+    region = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64]), 'region')
+    b = ir.IRBuilder(region.append_basic_block('entry'))
+    cell = b.alloca(I64)
+    b.store(region.args[0], cell)
+    b.call(parallel.region_fn(module, module, cpu), [body, cell])
+    b.ret_void()
+    fn = ir.Function(module, ir.FunctionType(I64, [I64] * 3), 'threshold')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    b.ret(b.call(parallel.threshold_fn(module, cpu), list(fn.args)))
+    fn = ir.Function(module, ir.FunctionType(I64, []), 'lag')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    b.ret(b.load(module.globals[parallel.LAG], typ=I64))
+    return module
+
+
+# Every region counts as one whose workers had gone to sleep (`warm_cycles` 0), so a
+# quick region's excess is its overhead less COLD cycles: 0 unless this machine's own
+# load delays it by more. A slow region's is at least SLOW - COLD (thread 0 waits for
+# the spinning thread).
+COLD, SLOW = 20_000_000, 70_000_000
+
+
+def waiting_compiled(gomp, **changes):
+    from tgc.backends.cpu.options import CpuOptions
+    cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, **changes)
+    jm = llvm_env.jit(str(waiting_module(cpu)))
+    table = fntable.make_table(gomp)
+    INIT(jm.address('tgc_init'))(ctypes.addressof(table))
+    f = ctypes.CFUNCTYPE
+    return jm, f(None, ctypes.c_int64)(jm.address('region')), \
+        f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(jm.address('threshold')), \
+        f(ctypes.c_int64)(jm.address('lag'))
+
+
+def test_one_slow_region_does_not_set_the_lag_but_two_in_a_row_do(gomp):
+    """`contention_confirm_regions` = 2: the lag follows the lesser excess of the last
+    two regions, so one outlying region among quick ones leaves later kernels' threshold
+    alone; two slow regions in a row set it (held 50 times itself), and it raises the
+    threshold to twice the lag."""
+    _jm, region, threshold, lag = waiting_compiled(gomp)
+    excess = SLOW - COLD
+    for delay in (0, SLOW, 0, 0, SLOW, 0):
+        region(delay)
+        assert lag() < excess // 4
+    assert threshold(10, 20, 1) < excess // 2
+    region(SLOW)
+    region(SLOW)
+    assert lag() > excess // 2
+    assert threshold(10, 20, 1) == 2 * lag()
+    region(0)                                   # a quick region moves it an eighth of the way down
+    assert excess // 3 < lag() < excess
+
+
+def test_with_one_region_confirming_one_slow_region_sets_the_lag(gomp):
+    """`contention_confirm_regions` = 1: every region's excess sets the lag, an outlier's
+    too, which then serializes every kernel under twice its serial time."""
+    _jm, region, threshold, lag = waiting_compiled(gomp, contention_confirm_regions=1)
+    region(0)
+    region(SLOW)
+    assert lag() > (SLOW - COLD) // 2
+    assert threshold(10, 20, 1) == 2 * lag()
+
+
+def test_three_regions_confirm_a_lag_only_when_all_three_are_slow(gomp):
+    _jm, region, _threshold, lag = waiting_compiled(gomp, contention_confirm_regions=3)
+    excess = SLOW - COLD
+    for delay in (SLOW, SLOW, 0, SLOW, SLOW):
+        region(delay)
+        assert lag() < excess // 4
+    region(SLOW)
+    assert lag() > excess // 2
