@@ -15,7 +15,8 @@ starts that much late (run with `OMP_PROC_BIND=true OMP_PLACES=cores`, which bin
 thread 1 to CPU 1). `--realtime`: the calls themselves run at SCHED_FIFO 1 (their
 threads inherit it), so that other processes on a shared machine do not make lags of
 their own. Both need the right to set real-time priorities (root here).
-`--load N`: N processes spin meanwhile (as `run.py --load`).
+`--load N`: N processes spin meanwhile (as `run.py --load`); `--one-thread` adds a program
+on one thread to compare with.
 
     OMP_PROC_BIND=true OMP_PLACES=cores python benchmarks/outlier.py --realtime --inject 15
     python benchmarks/outlier.py --load 3 --calls 10
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--realtime", action="store_true")
     ap.add_argument("--load", type=int, default=0, metavar="N")
     ap.add_argument("--confirm", default="1,2", help="contention_confirm_regions of each program")
+    ap.add_argument("--one-thread", action="store_true", help="also a program on one thread (CpuOptions(threads=1))")
     args = ap.parse_args()
 
     import torch   # as attention.py: torch's libgomp is the one loaded
@@ -70,8 +72,11 @@ def main() -> None:
     a = attention.arrays(args.t)
     progs = {}
     for n in args.confirm.split(","):
-        progs[n] = tgc.compile(attention.source(args.t), backend="cpu", dtype="f32",
+        progs[f"confirm {n}"] = tgc.compile(attention.source(args.t), backend="cpu", dtype="f32",
                                options=Options(cpu=CpuOptions(contention_confirm_regions=int(n))))
+    if args.one_thread:
+        progs["1 thread"] = tgc.compile(attention.source(args.t), backend="cpu", dtype="f32",
+                                        options=Options(cpu=CpuOptions(threads=1)))
     spinner, realtime = None, False
     if args.inject:
         spinner = subprocess.Popen(["chrt", "-f", "10", "taskset", "-c", "1", sys.executable, "-c",
@@ -98,7 +103,7 @@ def main() -> None:
                     prog(**a)
                     w = time.perf_counter() - w0
                     res[n].append((i, w * 1e3, (time.process_time() - c0) / w))
-                print(f"round {r}, confirm {n}: " + " ".join(f"{x[1]:.0f}/{x[2]:.2f}" for x in res[n][-args.calls:]),
+                print(f"round {r}, {n}: " + " ".join(f"{x[1]:.0f}/{x[2]:.2f}" for x in res[n][-args.calls:]),
                       flush=True)
     finally:
         if realtime:
@@ -113,7 +118,7 @@ def main() -> None:
     for n, rows in res.items():
         after = [x for x in rows if x[0] > args.inject_at]
         ms, ratio = np.array([x[1] for x in after]), np.array([x[2] for x in after])
-        print(f"confirm {n}: calls after call {args.inject_at}: median {np.median(ms):.1f} ms "
+        print(f"{n}: calls after call {args.inject_at}: median {np.median(ms):.1f} ms "
               f"(min {ms.min():.1f}), CPU/wall median {np.median(ratio):.2f}, "
               f"{int((ratio < 1.3).sum())} of {len(after)} serial (CPU/wall < 1.3)")
 
