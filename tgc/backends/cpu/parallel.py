@@ -41,15 +41,15 @@ region's *excess*. The lag follows the least excess of the last
 `contention_confirm_regions` (2) regions (`_confirmed`): it is set only when
 consecutive regions confirm it, so one outlying region on a quiet machine (a worker
 preempted once) sets none (held 50 times itself, such a lag would keep every kernel
-under twice it on one thread for that long). Until `CpuOptions.contention_memory_cycles` have
-passed (or `contention_memory_lags` times the lag, if longer), a kernel runs in a
-region only if its serial time is at least twice the lag: threads save at most half
-of it on two cores (`threshold_fn`; serial time from the kernel's work at
-`loop_work_per_cycle`, or a GEMM's flops at `gemm_flops_per_cycle`). On a loaded
-machine the lag is milliseconds and a step runs serially but for the process's first
-two regions and, once the memory has run out, one region now and then that measures
-the lag again (the excesses are kept across the hold, so the region before it
-confirms the new one).
+under twice it on one thread for that long). Until
+`CpuOptions.contention_memory_cycles` have passed (or `contention_memory_lags` times
+the lag, if longer), a kernel runs in a region only if its serial time is at least
+twice the lag: threads save at most half of it on two cores (`threshold_fn`; serial
+time from the kernel's work at `loop_work_per_cycle`, or a GEMM's flops at
+`gemm_flops_per_cycle`). On a loaded machine the lag is milliseconds and a step runs
+serially but for the process's first two regions and, once the memory has run out,
+one region now and then that measures the lag again (the excesses are kept across
+the hold, so the region before it confirms the new one).
 """
 
 import ctypes
@@ -138,8 +138,9 @@ def parallel_for(builder: ir.IRBuilder, body: ir.Function, data, n, threshold: i
 #
 # The state lives in the program's first unit (`home`): the time-stamp counter at the
 # end of the last region (`REGION_END`, for the warm threshold), the lag and when it
-# was measured, and the excesses of the regions before the last (`EXCESS`). Racing calls only blur a heuristic. A counter that reads 0 (a target
-# without one) is never warm and measures no lag.
+# was measured, and the excesses of the last regions (`EXCESS`). Racing calls only
+# blur a heuristic. A counter that reads 0 (a target without one) is never warm and
+# measures no lag.
 
 REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at"
 EXCESS = "tgc.region_excess"   # + ".i": the excess of the i-th last region (i = 1 .. contention_confirm_regions - 1)
@@ -180,7 +181,7 @@ def _held_lag(b: ir.IRBuilder, home: ir.Module, cpu, t):
 def _confirmed(b: ir.IRBuilder, home: ir.Module, cpu, excess):
     """i64: the least excess of the last `contention_confirm_regions` regions, this
     one's (`excess`) among them: the lag follows it, so one outlying region (a worker
-    preempted once, a burst of page faults) does not set it. The earlier regions'
+    preempted once) does not set it. The earlier regions'
     excesses live in `EXCESS.1` (the last) .. `EXCESS.(n-1)` and move on by one here:
     n - 1 loads and stores."""
     slots = [_state(home, f"{EXCESS}.{i}") for i in range(1, max(cpu.contention_confirm_regions, 1))]
