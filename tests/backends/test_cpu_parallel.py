@@ -191,8 +191,9 @@ def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
 def waiting_module(cpu) -> ir.Module:
     """`region(delay)`: one region through `parallel.region_fn` whose last thread spins
     `delay` time-stamp-counter cycles (thread 0 returns at once: the region's overhead is
-    the delay, as when another process holds the worker's core); `threshold(warm, cold,
-    per_cycle)` and `lag()`, the lag the regions have set."""
+    at least the delay, as when another process holds the worker's core); `threshold(warm,
+    cold, per_cycle)`; `lag()`, the lag the regions have set; `excess()`, the last
+    region's excess (0 without a slot: `contention_confirm_regions` 1)."""
     module = ir.Module(name='lag')
     fntable.define_init(module)
     body = ir.Function(module, parallel.body_type(), 'body')
@@ -219,65 +220,89 @@ def waiting_module(cpu) -> ir.Module:
     fn = ir.Function(module, ir.FunctionType(I64, [I64] * 3), 'threshold')
     b = ir.IRBuilder(fn.append_basic_block('entry'))
     b.ret(b.call(parallel.threshold_fn(module, cpu), list(fn.args)))
-    fn = ir.Function(module, ir.FunctionType(I64, []), 'lag')
-    b = ir.IRBuilder(fn.append_basic_block('entry'))
-    b.ret(b.load(module.globals[parallel.LAG], typ=I64))
+    for name, state in (('lag', parallel.LAG), ('excess', f'{parallel.EXCESS}.1')):
+        fn = ir.Function(module, ir.FunctionType(I64, []), name)
+        b = ir.IRBuilder(fn.append_basic_block('entry'))
+        b.ret(b.load(module.globals[state], typ=I64) if state in module.globals else I64(0))
     return module
 
 
-# Every region counts as one whose workers had gone to sleep (`warm_cycles` 0), so a
-# quick region's excess is its overhead less COLD cycles: 0 unless this machine's own
-# load delays it by more. A slow region's is at least SLOW - COLD (thread 0 waits for
-# the spinning thread).
+# Every region counts as one whose workers had gone to sleep (`warm_cycles` 0): a quick
+# region's excess is its overhead less COLD cycles, 0 unless this machine's own load
+# delays it by more; a slow one's at least about SLOW - COLD (thread 0 waits for the
+# spinning thread). The lag is held throughout (`contention_memory_cycles` 2^40).
 COLD, SLOW = 20_000_000, 70_000_000
+HIGH = (SLOW - COLD) // 2   # a slow region's excess is above this
 
 
-def waiting_compiled(gomp, **changes):
-    from tgc.backends.cpu.options import CpuOptions
-    cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, **changes)
-    jm = llvm_env.jit(str(waiting_module(cpu)))
-    table = fntable.make_table(gomp)
-    INIT(jm.address('tgc_init'))(ctypes.addressof(table))
-    f = ctypes.CFUNCTYPE
-    return jm, f(None, ctypes.c_int64)(jm.address('region')), \
-        f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(jm.address('threshold')), \
-        f(ctypes.c_int64)(jm.address('lag'))
+class Regions:
+    """A compiled `waiting_module`; `run(delay)` runs one region and checks the lag's
+    rule against the excesses the regions measured: the lag follows the least excess
+    of the last `n` regions, up at once, down an eighth of the way."""
+
+    def __init__(self, gomp, n):
+        from tgc.backends.cpu.options import CpuOptions
+        cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, contention_memory_cycles=1 << 40,
+                         contention_confirm_regions=n)
+        self.jm = llvm_env.jit(str(waiting_module(cpu)))
+        table = fntable.make_table(gomp)
+        INIT(self.jm.address('tgc_init'))(ctypes.addressof(table))
+        f = ctypes.CFUNCTYPE
+        self.region = f(None, ctypes.c_int64)(self.jm.address('region'))
+        self.threshold = f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(self.jm.address('threshold'))
+        self.lag = f(ctypes.c_int64)(self.jm.address('lag'))
+        self.excess = f(ctypes.c_int64)(self.jm.address('excess'))
+        self.n, self.excesses = n, []
+
+    def run(self, delay: int) -> int:
+        """Runs a region; returns its excess."""
+        old = self.lag()
+        self.region(delay)
+        e = self.excess()
+        self.excesses.append(e)
+        seen = min(([0] * self.n + self.excesses)[-self.n:])
+        assert self.lag() == max(seen, old - ((old - seen) >> 3))
+        return e
 
 
 def test_one_slow_region_does_not_set_the_lag_but_two_in_a_row_do(gomp):
     """`contention_confirm_regions` = 2: the lag follows the lesser excess of the last
-    two regions, so one outlying region among quick ones leaves later kernels' threshold
-    alone; two slow regions in a row set it (held 50 times itself), and it raises the
-    threshold to twice the lag."""
-    _jm, region, threshold, lag = waiting_compiled(gomp)
-    excess = SLOW - COLD
-    for delay in (0, SLOW, 0, 0, SLOW, 0):
-        region(delay)
-        assert lag() < excess // 4
-    assert threshold(10, 20, 1) < excess // 2
-    region(SLOW)
-    region(SLOW)
-    assert lag() > excess // 2
-    assert threshold(10, 20, 1) == 2 * lag()
-    region(0)                                   # a quick region moves it an eighth of the way down
-    assert excess // 3 < lag() < excess
+    two regions, so a slow region among quick ones leaves it where it was or at the
+    quick region's excess (on a quiet machine 0: later kernels' threshold stays); two
+    slow regions in a row set it, and it raises the threshold to twice the lag."""
+    r = Regions(gomp, 2)
+    r.run(0)
+    assert r.lag() == 0                       # the first region: no earlier one confirms it
+    for _ in range(3):
+        old, quick = r.lag(), r.excesses[-1]
+        assert r.run(SLOW) > HIGH
+        assert r.lag() <= max(old, quick)     # the slow region's excess is not taken
+        r.run(0)
+        r.run(0)
+    assert r.threshold(10, 20, 1) == max(20, 2 * r.lag())
+    r.run(SLOW)
+    r.run(SLOW)
+    assert r.lag() > HIGH
+    assert r.threshold(10, 20, 1) == 2 * r.lag()
 
 
 def test_with_one_region_confirming_one_slow_region_sets_the_lag(gomp):
     """`contention_confirm_regions` = 1: every region's excess sets the lag, an outlier's
-    too, which then serializes every kernel under twice its serial time."""
-    _jm, region, threshold, lag = waiting_compiled(gomp, contention_confirm_regions=1)
-    region(0)
-    region(SLOW)
-    assert lag() > (SLOW - COLD) // 2
-    assert threshold(10, 20, 1) == 2 * lag()
+    too, which then keeps every kernel under twice it on one thread."""
+    r = Regions(gomp, 1)
+    r.region(0)
+    r.region(SLOW)
+    assert r.lag() > HIGH
+    assert r.threshold(10, 20, 1) == 2 * r.lag()
 
 
 def test_three_regions_confirm_a_lag_only_when_all_three_are_slow(gomp):
-    _jm, region, _threshold, lag = waiting_compiled(gomp, contention_confirm_regions=3)
-    excess = SLOW - COLD
-    for delay in (SLOW, SLOW, 0, SLOW, SLOW):
-        region(delay)
-        assert lag() < excess // 4
-    region(SLOW)
-    assert lag() > excess // 2
+    r = Regions(gomp, 3)
+    r.run(SLOW)
+    r.run(SLOW)
+    assert r.lag() == 0
+    quick = r.run(0)
+    assert r.run(SLOW) > HIGH and r.run(SLOW) > HIGH
+    assert r.lag() <= quick
+    r.run(SLOW)
+    assert r.lag() > HIGH
