@@ -72,6 +72,9 @@ REACHES = [
     ("blocked_compile_cost", 500, "mlp", OWN),
     ("region_max_barriers", 1, "gpt_small", OWN),
     ("barrier_work", 1 << 13, "gpt_small", OWN),
+    ("contention_confirm_regions", 3, "gpt_small", OWN),
+    ("contention_memory_cycles", 1 << 20, "gpt_small", OWN),
+    ("contention_memory_lags", 20, "gpt_small", OWN),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):

@@ -184,3 +184,125 @@ def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
     assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
     fns['set_lag'](10 ** 6, 10 ** 9)
     assert fns['threshold'](10, 20, 3) == 20
+
+
+# ------------------------------------------------------------ the lag, driven by a worker that waits
+
+def waiting_module(cpu) -> ir.Module:
+    """`region(delay)`: one region through `parallel.region_fn` whose last thread spins
+    `delay` time-stamp-counter cycles (thread 0 returns at once: the region's overhead is
+    at least the delay, as when another process holds the worker's core); `threshold(warm,
+    cold, per_cycle)`; `lag()`, the lag the regions have set; `excess()`, the last
+    region's excess (0 without a slot: `contention_confirm_regions` 1)."""
+    module = ir.Module(name='lag')
+    fntable.define_init(module)
+    body = ir.Function(module, parallel.body_type(), 'body')
+    body.linkage = 'internal'
+    b = ir.IRBuilder(body.append_basic_block('entry'))
+    delay = b.load(body.args[0], typ=I64)
+    tid = b.sext(fntable.call(b, 'omp_get_thread_num', []), I64)
+    nth = b.sext(fntable.call(b, 'omp_get_num_threads', []), I64)
+    last = b.and_(b.icmp_signed('>', nth, I64(1)), b.icmp_signed('==', tid, b.sub(nth, I64(1))))
+    with b.if_then(last):
+        start = parallel.now(b)
+        spin, done = body.append_basic_block('spin'), body.append_basic_block('spun')
+        b.branch(spin)
+        b.position_at_end(spin)
+        b.cbranch(b.icmp_unsigned('<', b.sub(parallel.now(b), start), delay), spin, done)
+        b.position_at_end(done)
+    b.ret_void()
+    region = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64]), 'region')
+    b = ir.IRBuilder(region.append_basic_block('entry'))
+    cell = b.alloca(I64)
+    b.store(region.args[0], cell)
+    b.call(parallel.region_fn(module, module, cpu), [body, cell])
+    b.ret_void()
+    fn = ir.Function(module, ir.FunctionType(I64, [I64] * 3), 'threshold')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    b.ret(b.call(parallel.threshold_fn(module, cpu), list(fn.args)))
+    for name, state in (('lag', parallel.LAG), ('excess', f'{parallel.EXCESS}.1')):
+        fn = ir.Function(module, ir.FunctionType(I64, []), name)
+        b = ir.IRBuilder(fn.append_basic_block('entry'))
+        b.ret(b.load(module.globals[state], typ=I64) if state in module.globals else I64(0))
+    return module
+
+
+# Every region counts as one whose workers had gone to sleep (`warm_cycles` 0): a quick
+# region's excess is its overhead less COLD cycles, 0 unless this machine's own load
+# delays it by more; a slow one's at least about SLOW - COLD (thread 0 waits for the
+# spinning thread). The lag is held throughout (`contention_memory_cycles` 2^40).
+COLD, SLOW = 20_000_000, 70_000_000
+HIGH = (SLOW - COLD) // 2   # a slow region's excess is above this
+
+
+class Regions:
+    """A compiled `waiting_module`; `run(delay)` runs one region and checks the lag's
+    rule against the excesses the regions measured: the lag follows the least excess
+    of the last `n` regions, up at once, down an eighth of the way."""
+
+    def __init__(self, gomp, n):
+        from tgc.backends.cpu.options import CpuOptions
+        cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, contention_memory_cycles=1 << 40,
+                         contention_confirm_regions=n)
+        self.jm = llvm_env.jit(str(waiting_module(cpu)))
+        table = fntable.make_table(gomp)
+        INIT(self.jm.address('tgc_init'))(ctypes.addressof(table))
+        f = ctypes.CFUNCTYPE
+        self.region = f(None, ctypes.c_int64)(self.jm.address('region'))
+        self.threshold = f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(self.jm.address('threshold'))
+        self.lag = f(ctypes.c_int64)(self.jm.address('lag'))
+        self.excess = f(ctypes.c_int64)(self.jm.address('excess'))
+        self.n, self.excesses = n, []
+
+    def run(self, delay: int) -> int:
+        """Runs a region; returns its excess."""
+        old = self.lag()
+        self.region(delay)
+        e = self.excess()
+        self.excesses.append(e)
+        seen = min(([0] * self.n + self.excesses)[-self.n:])
+        assert self.lag() == max(seen, old - ((old - seen) >> 3))
+        return e
+
+
+def test_one_slow_region_does_not_set_the_lag_but_two_in_a_row_do(gomp):
+    """`contention_confirm_regions` = 2: the lag follows the lesser excess of the last
+    two regions, so a slow region among quick ones leaves it where it was or at the
+    quick region's excess (on a quiet machine 0: later kernels' threshold stays); two
+    slow regions in a row set it, and it raises the threshold to twice the lag."""
+    r = Regions(gomp, 2)
+    r.run(0)
+    assert r.lag() == 0                       # the first region: no earlier one confirms it
+    for _ in range(3):
+        old, quick = r.lag(), r.excesses[-1]
+        assert r.run(SLOW) > HIGH
+        assert r.lag() <= max(old, quick)     # the slow region's excess is not taken
+        r.run(0)
+        r.run(0)
+    assert r.threshold(10, 20, 1) == max(20, 2 * r.lag())
+    r.run(SLOW)
+    r.run(SLOW)
+    assert r.lag() > HIGH
+    assert r.threshold(10, 20, 1) == 2 * r.lag()
+
+
+def test_with_one_region_confirming_one_slow_region_sets_the_lag(gomp):
+    """`contention_confirm_regions` = 1: every region's excess sets the lag, an outlier's
+    too, which then keeps every kernel under twice it on one thread."""
+    r = Regions(gomp, 1)
+    r.region(0)
+    r.region(SLOW)
+    assert r.lag() > HIGH
+    assert r.threshold(10, 20, 1) == 2 * r.lag()
+
+
+def test_three_regions_confirm_a_lag_only_when_all_three_are_slow(gomp):
+    r = Regions(gomp, 3)
+    r.run(SLOW)
+    r.run(SLOW)
+    assert r.lag() == 0
+    quick = r.run(0)
+    assert r.run(SLOW) > HIGH and r.run(SLOW) > HIGH
+    assert r.lag() <= quick
+    r.run(SLOW)
+    assert r.lag() > HIGH

@@ -32,6 +32,7 @@ class CpuOptions:
     loop_work_per_cycle: int = 3             # units of work (see parallel_min_work) a loop kernel does per cycle on one thread (an add or mul per element ~0.1 ns, vectorized)
     gemm_flops_per_cycle: int = 16           # flops a GEMM does per cycle on one thread (the small products of a step; large ones do more)
     cold_region_cycles: int = 300_000        # the expected overhead of a region whose workers had gone to sleep (a futex wake-up, ~80 us), not counted as lag
+    contention_confirm_regions: int = 2      # the lag follows the least excess of this many consecutive regions (this one among them): one outlying region does not set it; 1: every region's excess does
     contention_memory_cycles: int = 250_000_000  # a measured lag is held this long (~0.1 s), then a region measures it again; 0: no lag (every kernel over its threshold runs in a region)
     contention_memory_lags: int = 50         # ... or this many times the lag, if longer: the region that measures it again costs about one lag (2% of the time)
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)

@@ -37,13 +37,19 @@ another process holds starts only when the scheduler gives it a time slice, mill
 later. So every region is timed (`region_fn`): its overhead is its time less the
 calling thread's own share of the work, and what exceeds the cost expected of a
 region (`CpuOptions.cold_region_cycles` when the workers had gone to sleep) is the
-*lag*. Until `CpuOptions.contention_memory_cycles` have passed (or
-`contention_memory_lags` times the lag, if longer), a kernel runs in a region only if
-its serial time is at least twice the lag: threads save at most half
-of it on two cores (`threshold_fn`; serial time from the kernel's work at
-`loop_work_per_cycle`, or a GEMM's flops at `gemm_flops_per_cycle`). On a loaded
-machine the lag is milliseconds and a step runs serially, but for one region now
-and then that measures the lag again once the memory has run out.
+region's *excess*. The lag follows the least excess of the last
+`contention_confirm_regions` (2) regions (`_confirmed`): it is set only when
+consecutive regions confirm it, so one outlying region on a quiet machine (a worker
+preempted once) sets none (held 50 times itself, such a lag would keep every kernel
+under twice it on one thread for that long). Until
+`CpuOptions.contention_memory_cycles` have passed (or `contention_memory_lags` times
+the lag, if longer), a kernel runs in a region only if its serial time is at least
+twice the lag: threads save at most half of it on two cores (`threshold_fn`; serial
+time from the kernel's work at `loop_work_per_cycle`, or a GEMM's flops at
+`gemm_flops_per_cycle`). On a loaded machine the lag is milliseconds and a step runs
+serially but for the process's first two regions and, once the memory has run out,
+one region now and then that measures the lag again (the excesses are kept across
+the hold, so the region before it confirms the new one).
 """
 
 import ctypes
@@ -132,10 +138,12 @@ def parallel_for(builder: ir.IRBuilder, body: ir.Function, data, n, threshold: i
 #
 # The state lives in the program's first unit (`home`): the time-stamp counter at the
 # end of the last region (`REGION_END`, for the warm threshold), the lag and when it
-# was measured. Racing calls only blur a heuristic. A counter that reads 0 (a target
-# without one) is never warm and measures no lag.
+# was measured, and the excesses of the last regions (`EXCESS`). Racing calls only
+# blur a heuristic. A counter that reads 0 (a target without one) is never warm and
+# measures no lag.
 
 REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at"
+EXCESS = "tgc.region_excess"   # + ".i": the excess of the i-th last region (i = 1 .. contention_confirm_regions - 1)
 WAITED = "tgc.region_waited"   # cycles the calling thread has waited at barriers (`barrier_fn`)
 REGION, REGION_RUN, THRESHOLD, BARRIER = "tgc.region", "tgc.region.run", "tgc.threshold", "tgc.barrier"
 
@@ -168,6 +176,22 @@ def _held_lag(b: ir.IRBuilder, home: ir.Module, cpu, t):
     lag = b.load_atomic(_state(home, LAG), "monotonic", 8, typ=I64)
     hold = _smax(b, I64(cpu.contention_memory_cycles), b.mul(lag, I64(max(cpu.contention_memory_lags, 0))))
     return b.icmp_unsigned("<", b.sub(t, at), hold), lag
+
+
+def _confirmed(b: ir.IRBuilder, home: ir.Module, cpu, excess):
+    """i64: the least excess of the last `contention_confirm_regions` regions, this
+    one's (`excess`) among them: the lag follows it, so one outlying region (a worker
+    preempted once) does not set it. The earlier regions'
+    excesses live in `EXCESS.1` (the last) .. `EXCESS.(n-1)` and move on by one here:
+    n - 1 loads and stores."""
+    slots = [_state(home, f"{EXCESS}.{i}") for i in range(1, max(cpu.contention_confirm_regions, 1))]
+    earlier = [b.load_atomic(slot, "monotonic", 8, typ=I64) for slot in slots]
+    for slot, v in zip(slots, [excess] + earlier[:-1]):
+        b.store_atomic(v, slot, "monotonic", 8)
+    seen = excess
+    for v in earlier:
+        seen = b.select(b.icmp_unsigned("<", v, seen), v, seen)
+    return seen
 
 
 def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
@@ -219,12 +243,13 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         slept = b.or_(b.icmp_unsigned(">=", b.sub(t0, last), I64(cpu.warm_cycles)), b.icmp_unsigned("==", last, I64(0)))
         expected = b.select(slept, I64(cpu.cold_region_cycles), I64(0))
         excess = _smax(b, b.sub(overhead, expected), I64(0))
+        seen = _confirmed(b, home, cpu, excess)
         lag, at = _state(home, LAG), _state(home, LAG_AT)
         held, old = _held_lag(b, home, cpu, t0)
         old = b.select(held, old, I64(0))
         # up at once, down by an eighth of the difference: quick regions among slow ones
         # do not clear it (a lag no region renews is forgotten after its hold instead)
-        new = _smax(b, excess, b.sub(old, b.ashr(b.sub(old, excess), I64(3))))
+        new = _smax(b, seen, b.sub(old, b.ashr(b.sub(old, seen), I64(3))))
         b.store_atomic(new, lag, "monotonic", 8)
         b.store_atomic(t1, at, "monotonic", 8)
     b.ret_void()
