@@ -216,3 +216,39 @@ def test_a_loop_moves_its_step_kernels_bytes_once_per_step():
         one = sum(kernel_bytes(k.step, s, env) for s in k.step.kernels)
         assert one > 0 and report["kernels"][i]["bytes"] == 4 * one
     assert report["bytes"] == sum(row["bytes"] for row in report["kernels"])
+
+
+def test_the_loops_of_streamed_attention_share_their_steps_slots():
+    """Causal attention with gradients at t = 2048 streams in 8 loops over query blocks,
+    one after another: their steps' temporaries share one run of slots, so the
+    workspace stays near the peak of live temporaries (each loop its own run: 4x it
+    at t = 16384), and the step still computes attention and its gradients."""
+    import numpy as np
+    import tgc
+    src = """dim batch = 1, head = 1, t = 2048, hd = 16
+dim s = t
+input q[batch, head, t, hd], k[batch, head, s, hd], v[batch, head, s, hd], dy[batch, head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -inf))
+y = sum[s](p * v)
+out y[batch, head, t, hd]
+loss = sum(y * dy)
+out dq[batch, head, t, hd] = grad(loss, q)
+out dv[batch, head, s, hd] = grad(loss, v)
+"""
+    low = lowered(src)
+    loops = [k for k in low.kernels if isinstance(k, StepLoop)]
+    assert len(loops) >= 2 and len({k.slot_base for k in loops}) == 1
+    assert all(k.slot_base + len(k.step.slots) <= len(low.slots) for k in loops)
+    report = explain(low, {})
+    assert report["peak"]["bytes"] <= report["workspace"]["bytes"] <= 1.25 * report["peak"]["bytes"]
+    rng = np.random.default_rng(0)
+    a = {n: rng.standard_normal((1, 1, 2048, 16)).astype(np.float32) for n in ("q", "k", "v", "dy")}
+    got = tgc.compile(src)(**a)
+    q, k, v, dy = (a[n][0, 0].astype(np.float64) for n in ("q", "k", "v", "dy"))
+    sc = np.where(np.tril(np.ones((2048, 2048), bool)), q @ k.T / 4, -np.inf)
+    p = np.exp(sc - sc.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    dp = dy @ v.T
+    want = {"y": p @ v, "dq": p * (dp - (dp * p).sum(1, keepdims=True)) @ k / 4, "dv": p.T @ dy}
+    for n, w in want.items():
+        assert np.abs(got[n][0, 0] - w).max() <= 1e-5 * np.abs(w).max(), n

@@ -248,3 +248,19 @@ def test_an_f32_sum_of_several_terms_is_computed_in_f64_whatever_its_order(backe
     got = compile_on(WIDE_SOURCE, backend, dtype="f32")(**{k: v.copy() for k, v in x.items()})
     for k, w in _wide_want(x).items():
         np.testing.assert_array_equal(np.asarray(got[k]), w, err_msg=k)
+
+
+def test_a_loop_whose_step_gives_one_number_per_index_stores_each():
+    """examples/gpt2.tg's backward loop over `layer` gives a number per layer (a [layer]
+    output, each step's slice 0-d, its size symbolic): every step writes its own element, and the AdamW
+    step with clipping runs to the interpreter's values."""
+    src = (ROOT / "examples" / "gpt2.tg").read_text()
+    sized = src.replace("dim batch, layer, head, hd, t, vocab ", "dim batch = 2, layer = 2, head = 2, hd = 4, t = 4, vocab = 8 ")
+    assert sized != src
+    m, opts = optimized(sized, "gpt2.tg", "f64")
+    x = random_inputs(m, m.bind_dims({}), 0, "f64")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f64")
+    import tgc
+    got = tgc.compile(src, backend="lowered", dtype="f64").run({k: np.copy(v) for k, v in x.items()},
+                                                              dims=dict(head=2, hd=4))   # symbolic: sizes at the call
+    compare({k: got[k] for k in want}, want, "f64")

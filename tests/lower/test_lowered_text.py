@@ -187,3 +187,20 @@ def test_verifier_errors_point_at_the_kernel(softmax_text):
     assert error_of(text).startswith(f"p.tgl:{k}:1: error: k0: member 0 (%")
     text = softmax_text.replace("exp(", "expo(", 1)
     assert "error: k0: unknown function 'expo'" in error_of(text)
+
+
+def test_a_kernels_reads_follow_its_fields_when_they_are_replaced():
+    """`LoopKernel` keeps what it reads until a field it comes from is replaced: a new
+    body (or epilogue, or bounds) is read again, never the kept answer."""
+    from tgc.frontend import compile_source
+    from tgc.lower.lowered import Load, LoopKernel, Mul, walk
+    opts = Options()
+    src = "dim n = 8\ninput x[n], y[n]\nout z = exp(x) * y\n"
+    low = lower_module(pipeline.lower(compile_source(src, "<t>", opts), opts).module, opts)
+    (k,) = [k for k in low.kernels if isinstance(k, LoopKernel)]
+    assert k.buffers_read() == {"x", "y"}
+    (load_y,) = [e for e in walk(k.body) if isinstance(e, Load) and e.buf == "y"]
+    k.body = load_y
+    assert k.buffers_read() == {"y"} and k.buffers_used() == [k.out, "y"]
+    k.body = Mul((load_y, dataclasses.replace(load_y, buf="x")))
+    assert k.buffers_read() == {"x", "y"}

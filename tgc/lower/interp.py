@@ -155,7 +155,7 @@ class _Machine(ExprVisitor):
         step = k.step
         outs = {b.index: b.name for b in step.buffers.values() if b.kind == "out"}
         for i in (range(n - 1, -1, -1) if k.reverse else range(n)):
-            args = {name: self.arrays[b.buf][i] if b.stacked else self.arrays[b.buf]
+            args = {name: self.arrays[b.buf][i, ...] if b.stacked else self.arrays[b.buf]
                     for name, b in zip(step.module.args, k.args)}
             inner = _Machine(step, self.env, args)
             for c in range(k.carries):   # a carry updated in place: its output is the carry's buffer
@@ -164,7 +164,7 @@ class _Machine(ExprVisitor):
             inner.run_kernels()
             for j, b in enumerate(k.outs):
                 dst = self.arrays[b.buf]
-                (dst[i] if b.stacked else dst)[...] = inner.arrays[outs[j]]
+                (dst[i, ...] if b.stacked else dst)[...] = inner.arrays[outs[j]]   # [i, ...]: a view, 0-d too
             for c in range(k.carries):
                 if k.outs[c].buf != k.args[c].buf:
                     self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]

@@ -545,11 +545,22 @@ class LoopKernel:
         return list(dict.fromkeys([self.out, *self._reads()]))
 
     def _reads(self) -> dict[str, None]:
+        """The buffers read, in order of first appearance (do not modify it). Kept with
+        the kernel until one of the fields it comes from is replaced (expressions,
+        indices and bounds are immutable values: the key is their identity): passes
+        that ask every later kernel what it reads, once per GEMM, would otherwise walk
+        every expression again (48 unrolled GPT blocks: O(kernels^2) expression walks)."""
+        key = (id(self.body), id(self.epilogue), id(self.index), id(self.bounds),
+               tuple((v, id(b)) for v, b in self.bounds.items()))
+        cached = self.__dict__.get("_reads_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         out: dict[str, None] = {}
         for root in [self.body] + ([self.epilogue] if self.epilogue is not None else []):
             _READS.expr(root, out)
         _READS.ixs((ix for _, ix in self.index), out)
         _READS.ixs((ix for lo, hi in self.bounds.values() for ix in lo + hi), out)
+        self.__dict__["_reads_cache"] = (key, out, self.body, self.epilogue, self.index, tuple(self.bounds.values()))
         return out
 
     def text(self) -> str:

