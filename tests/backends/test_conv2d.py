@@ -227,21 +227,13 @@ def test_small_convolution_and_pool_match_torch():
 
 
 def test_benchmark_convolution_matches_torch():
-    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
-    F = torch.nn.functional
-    rng = np.random.default_rng(2)
-    x, dy = rng.standard_normal((3, 32, 32, 32)), rng.standard_normal((3, 64, 32, 32))
-    K = rng.standard_normal((64, 32, 3, 3)) / np.sqrt(32 * 9)
-    tx, tK = torch.tensor(x, requires_grad=True), torch.tensor(K, requires_grad=True)
-    y = F.conv2d(tx, tK, padding=1)
-    dx, dK = torch.autograd.grad(y, (tx, tK), torch.tensor(dy))
+    x, dy, K, ref = _torch_convolution(2, (3, 32, 32, 32), 64)
     text = BENCH.read_text()
     for source in (text, _fixed(text, 3)):
         got = tgc.compile(source, dtype="f32")(x=x.astype(np.float32), dy=dy.astype(np.float32),
                                                K=K.astype(np.float32))
-        for name, ref in (("y", y), ("dx", dx), ("dK", dK)):
-            ref = ref.detach().numpy()
-            err = np.linalg.norm(got[name] - ref) / np.linalg.norm(ref)
+        for name in ("y", "dx", "dK"):
+            err = np.linalg.norm(got[name] - ref[name]) / np.linalg.norm(ref[name])
             assert err < 1e-5, (name, err)
 
 
@@ -288,25 +280,16 @@ def test_symbolic_sizes_shift_the_input_gradient_by_rows(specialized):
 def test_symbolic_benchmark_convolution_matches_torch_and_the_interpreter(dtype):
     """conv2d_sym.tg, generic and specialized to its call's sizes, against PyTorch
     (y, dx, dK) and, in f64, the interpreter."""
-    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
-    F = torch.nn.functional
-    rng = np.random.default_rng(3)
-    x, dy = rng.standard_normal((2, 8, 12, 10)), rng.standard_normal((2, 16, 12, 10))
-    K = rng.standard_normal((16, 8, 3, 3)) / np.sqrt(8 * 9)
-    tx, tK = torch.tensor(x, requires_grad=True), torch.tensor(K, requires_grad=True)
-    y = F.conv2d(tx, tK, padding=1)
-    dx, dK = torch.autograd.grad(y, (tx, tK), torch.tensor(dy))
-    ref = {"y": y.detach().numpy(), "dx": dx.numpy(), "dK": dK.numpy()}
+    x, dy, K, ref = _torch_convolution(3, (2, 8, 12, 10), 16)
     np_dtype = np.float32 if dtype == "f32" else np.float64
     args = {"x": x.astype(np_dtype), "dy": dy.astype(np_dtype), "K": K.astype(np_dtype)}
     options = Options(dtype=dtype)
     module = pipeline.lower(pipeline.load(str(BENCH_SYM), options), options).module
     sizes = {"nb": 2, "cin": 8, "cout": 16, "hh": 12, "ww": 10}
     if dtype == "f64":
-        ref = evaluate(module, {k: v.copy() for k, v in args.items()}, dtype="f64", dims=sizes)
+        torch_ref, ref = ref, evaluate(module, {k: v.copy() for k, v in args.items()}, dtype="f64", dims=sizes)
         for name in ("y", "dx", "dK"):   # the interpreter against PyTorch first
-            np.testing.assert_allclose(ref[name], {"y": y.detach().numpy(), "dx": dx.numpy(),
-                                                   "dK": dK.numpy()}[name], rtol=1e-10, atol=1e-10)
+            np.testing.assert_allclose(ref[name], torch_ref[name], rtol=1e-10, atol=1e-10)
     generic = pipeline.compile_module(module, options)
     special = pipeline.compile_module(pipeline.specialized_module(module, sizes, options), options)
     for prog in (generic, special):
@@ -314,6 +297,20 @@ def test_symbolic_benchmark_convolution_matches_torch_and_the_interpreter(dtype)
         for name in ("y", "dx", "dK"):
             err = np.linalg.norm(got[name] - ref[name]) / np.linalg.norm(ref[name])
             assert err < (1e-6 if dtype == "f32" else 1e-13), (name, err)
+
+
+def _torch_convolution(seed: int, x_shape: tuple, cout: int):
+    """Random x[nb, cin, h, w], dy and a 3x3 kernel K (scaled by its fan-in), with
+    PyTorch's y, dx and dK in f64 (padding 1). Skips without PyTorch."""
+    torch = pytest.importorskip("torch", reason="PyTorch is the oracle of this test")
+    rng = np.random.default_rng(seed)
+    nb, cin, h, w = x_shape
+    x, dy = rng.standard_normal(x_shape), rng.standard_normal((nb, cout, h, w))
+    K = rng.standard_normal((cout, cin, 3, 3)) / np.sqrt(cin * 9)
+    tx, tK = torch.tensor(x, requires_grad=True), torch.tensor(K, requires_grad=True)
+    y = torch.nn.functional.conv2d(tx, tK, padding=1)
+    dx, dK = torch.autograd.grad(y, (tx, tK), torch.tensor(dy))
+    return x, dy, K, {"y": y.detach().numpy(), "dx": dx.numpy(), "dK": dK.numpy()}
 
 
 def _gemm_shapes(low) -> list[tuple]:
