@@ -176,7 +176,7 @@ def _gemm_strided_batched(dtype):
         assert per == 2 or 2 not in (ta, tb), "CUBLAS_OP_C is for complex GEMMs"
         scalar = lambda ptr: np.ctypeslib.as_array((part * per).from_address(ptr)).view(dt)[0]  # noqa: E731
         al, be = scalar(alpha), scalar(beta)
-        assert be == 0 and np.imag(al) == 0
+        assert be in (0, 1) and np.imag(al) == 0   # 1: an accumulating GEMM (C += op(A) op(B))
 
         def mem(ptr, rows, cols, ld, stride):
             extent = stride * (batch - 1) + ld * (cols - 1) + rows
@@ -185,7 +185,7 @@ def _gemm_strided_batched(dtype):
         b = mem(B, n, k, ldb, sb) if tb else mem(B, k, n, ldb, sb)
         c = mem(C, m, n, ldc, sc)
         call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch,
-                             conja=ta == 2, conjb=tb == 2, alpha=float(np.real(al)))
+                             conja=ta == 2, conjb=tb == 2, alpha=float(np.real(al)), beta=float(np.real(be)))
 
         def run() -> None:
             GEMM_CALLS.append(call)
@@ -209,7 +209,7 @@ def _gemm_strided_batched_ex(handle, ta, tb, m, n, k, alpha, A, atype, lda, sa, 
     dts = {14: np.dtype(ml_dtypes.bfloat16), 2: np.dtype(np.float16)}
     al = np.ctypeslib.as_array((ctypes.c_float * 1).from_address(alpha))[0]
     be = np.ctypeslib.as_array((ctypes.c_float * 1).from_address(beta))[0]
-    assert al == 1 and be == 0
+    assert al == 1 and be in (0, 1)
 
     def mem(ptr, rows, cols, ld, stride, part, dt):
         extent = stride * (batch - 1) + ld * (cols - 1) + rows
@@ -218,7 +218,7 @@ def _gemm_strided_batched_ex(handle, ta, tb, m, n, k, alpha, A, atype, lda, sa, 
     b = mem(B, n, k, ldb, sb, ctypes.c_uint16, dts[btype]) if tb else mem(B, k, n, ldb, sb, ctypes.c_uint16, dts[btype])
     c = mem(C, m, n, ldc, sc, ctypes.c_float, np.float32)
     call = gemm.GemmCall(bool(ta), bool(tb), m, n, k, "a", lda, sa, "b", ldb, sb, ldc, sc, batch,
-                         atype=names[atype], btype=names[btype])
+                         atype=names[atype], btype=names[btype], beta=float(be))
 
     def run() -> None:
         GEMM_CALLS.append(call)
