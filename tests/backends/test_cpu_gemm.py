@@ -217,6 +217,20 @@ def test_a_product_below_the_parallel_threshold_is_one_cblas_call(monkeypatch, f
     many threads (two calls would pack B twice); with the threshold below its flops it is
     cut into `gemm_tiles` calls. Counted through a BLAS table whose sgemm logs each
     call's m, n, k and passes it on; the values agree with numpy either way."""
+    calls = _log_sgemm_calls(monkeypatch)
+    sizes = {"b": 1, "i": 178, "j": 64, "k": 64}
+    for threads in (1, 2):
+        calls.clear()
+        run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, threads=threads)
+        assert calls == [(178, 64, 64)]
+    calls.clear()
+    run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, gemm_parallel_min_flops=1 << 20, threads=1)
+    assert sorted(calls) == [(89, 64, 64), (89, 64, 64)]
+
+
+def _log_sgemm_calls(monkeypatch) -> list:
+    """A BLAS table whose sgemm appends each call's (m, n, k) to the list returned, then
+    runs the real one: programs compiled after this count their cblas calls."""
     import ctypes
 
     from tgc.backends.cpu import blas
@@ -232,14 +246,7 @@ def test_a_product_below_the_parallel_threshold_is_one_cblas_call(monkeypatch, f
 
     hook = proto(logged)
     monkeypatch.setattr(blas, "gemm_addresses", lambda: {**real, "sgemm": ctypes.cast(hook, ctypes.c_void_p).value})
-    sizes = {"b": 1, "i": 178, "j": 64, "k": 64}
-    for threads in (1, 2):
-        calls.clear()
-        run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, threads=threads)
-        assert calls == [(178, 64, 64)]
-    calls.clear()
-    run_matmul("b, i, k", "j, k", "b, i, j", sizes, "f32", fixed=fixed, gemm_parallel_min_flops=1 << 20, threads=1)
-    assert sorted(calls) == [(89, 64, 64), (89, 64, 64)]
+    return calls
 
 
 def long_sum_error(prog, sizes, seed=1):
@@ -270,21 +277,7 @@ def test_small_cblas_calls_are_cut_into_k_chunks(monkeypatch):
     `sum_chunk` (numpy's OpenBLAS sums such calls on AVX-512 in one f32 chain over
     all of K: 2.8e-6 off on 4 x 4096 x 16 positive operands, PyTorch f32 2.2e-7);
     with the option 0, one call. Counted through a logging BLAS table, as above."""
-    import ctypes
-
-    from tgc.backends.cpu import blas
-
-    real = blas.gemm_addresses()
-    proto = blas.gemm_ctypes(ctypes.c_float)
-    forward = proto(real["sgemm"])
-    calls = []
-
-    def logged(*args):
-        calls.append(args[3:6])
-        forward(*args)
-
-    hook = proto(logged)
-    monkeypatch.setattr(blas, "gemm_addresses", lambda: {**real, "sgemm": ctypes.cast(hook, ctypes.c_void_p).value})
+    calls = _log_sgemm_calls(monkeypatch)
     text = LONG_SUM.format(m=" = 4", k=" = 4096", n=" = 16")
     err = long_sum_error(compile_ir(text, "f32"), (4, 4096, 16))
     assert sorted({c[2] for c in calls}) == [256] and len(calls) == 16, calls

@@ -301,23 +301,9 @@ def test_products_with_own_gemm_match_numpy(orders, sizes):
     contiguous packed by 16 x 16 transposes; B' packed with vector loads or, its K
     contiguous, by transposes), tiles cut on two threads, against numpy in float64;
     the own kernel is in the code of every order."""
-    from tgc.ir.parser import parse_module
-    from tgc.pipeline import compile_module
-
-    a, b_, c = orders
-    i, j, k = sizes
-    prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
-                          Options(dtype="f32").with_(own_gemm="on", threads=2, **EVERY_TILE))
-    rng = np.random.default_rng(0)
-    n = {"b": 2, "i": i, "j": j, "k": k}
-    shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
-    A = rng.standard_normal(shape(a), dtype=np.float32)
-    B = rng.standard_normal(shape(b_), dtype=np.float32)
-    got = prog.run({"A": A, "B": B})["C"]
+    options = Options(dtype="f32").with_(own_gemm="on", threads=2, **EVERY_TILE)
+    prog, *_ = _ordered_matmul(orders, sizes, options, 0)
     assert re.search(r'call void @"?tgc\.gemm\.own\.f32', prog.llvm_ir) is not None
-    sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
-    want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
-    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"), ("b, i, k", "b, j, k", "b, i, j"),
@@ -336,17 +322,7 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
 
     a, b_, c = orders
     i, j, k = sizes
-    prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)),
-                          Options(dtype="f32").with_(threads=2))
-    rng = np.random.default_rng(1)
-    n = {"b": 2, "i": i, "j": j, "k": k}
-    shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
-    A = rng.standard_normal(shape(a), dtype=np.float32)
-    B = rng.standard_normal(shape(b_), dtype=np.float32)
-    got = prog.run({"A": A, "B": B})["C"]
-    sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
-    want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
-    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    prog, A, B, want = _ordered_matmul(orders, sizes, Options(dtype="f32").with_(threads=2), 1)
     own = re.search(r'call void @"?tgc\.gemm\.own\.f32', prog.llvm_ir) is not None
     assert own == (i >= CpuOptions().own_gemm_min_rows * 2)
     a_k = orders[0] == "b, i, k" if orders[2] == "b, i, j" else orders[1] == "b, j, k"   # A' has K contiguous
@@ -355,6 +331,28 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
                              Options(dtype="f32").with_(threads=2, own_gemm_transposed_a=False))
         assert re.search(r'call void @"?tgc\.gemm\.own\.f32', off.llvm_ir) is None
         np.testing.assert_allclose(off.run({"A": A, "B": B})["C"], want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def _ordered_matmul(orders, sizes, options, seed):
+    """MATMUL with operand orders (A', B', C) and sizes (i, j, k), batch 2, compiled with
+    `options` and run on random f32 operands; checked against numpy's float64 product.
+    Returns the program, A, B and that product."""
+    from tgc.ir.parser import parse_module
+    from tgc.pipeline import compile_module
+
+    a, b_, c = orders
+    i, j, k = sizes
+    prog = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=a, b_=b_, c=c)), options)
+    rng = np.random.default_rng(seed)
+    n = {"b": 2, "i": i, "j": j, "k": k}
+    shape = lambda order: tuple(n[e.strip()] for e in order.split(","))  # noqa: E731
+    A = rng.standard_normal(shape(a), dtype=np.float32)
+    B = rng.standard_normal(shape(b_), dtype=np.float32)
+    got = prog.run({"A": A, "B": B})["C"]
+    sub = lambda o: "".join(e.strip() for e in o.split(","))  # noqa: E731
+    want = np.einsum(f"{sub(a)},{sub(b_)}->{sub(c)}", A.astype(np.float64), B.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    return prog, A, B, want
 
 
 def conv_arrays(path, sizes, seed=1):
