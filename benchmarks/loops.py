@@ -47,9 +47,28 @@ TAIL = """logits = layernorm[c](x, lnf_w, lnf_b) @ lm_head
 loss = mean[batch, t](cross_entropy[vocab](logits, [vocab = target]))
 out loss
 """
+# AdamW (betas 0.9, 0.95), gradients clipped to a global norm of 1, as in examples/gpt2.tg
+ADAMW = """input wd
+state step
+tt = max(step, 0) + 1
+update step = tt
+gnorm = sqrt(sum[p in params](sum(grad(loss, p) ^ 2)))
+clip = min(1, 1 / (gnorm + 1e-6))
+for p in params {
+  state m.p, v.p
+  g  = clip * grad(loss, p)
+  mn = 0.9 * m.p + 0.1 * g
+  vn = 0.95 * abs(v.p) + 0.05 * g * g
+  update m.p = mn
+  update v.p = vn
+  update p = p - lr * ((mn / (1 - 0.9 ^ tt)) / (sqrt(vn / (1 - 0.95 ^ tt)) + 1e-8) + wd * p)
+}
+"""
 
 
-def source(layers: int, width: int, loop: bool) -> str:
+def source(layers: int, width: int, loop: bool, adamw: bool = False) -> str:
+    """The model's text: `layers` blocks as `repeat` over stacked params (`loop`) or
+    written out one by one, trained by one SGD step, or by AdamW (`adamw`)."""
     heads = width // 16
     text = HEAD.format(width=width, heads=heads, layers=layers)
     names = [k for k, _ in KINDS]
@@ -74,6 +93,8 @@ def source(layers: int, width: int, loop: bool) -> str:
         if "c2: c" not in text:
             raise AssertionError("the edge c2 is declared nowhere")
     text += TAIL
+    if adamw:
+        return text + ADAMW
     for p in params + ["wte", "wpe", "lnf_w", "lnf_b", "lm_head"]:
         text += f"update {p} = {p} - lr * grad(loss, {p})\n"
     return text
