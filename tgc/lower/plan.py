@@ -172,6 +172,7 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
     for name, i in first.items():
         born.setdefault(i, []).append(name)
     slots: list[list] = []          # sizes per slot
+    room: list[int] = []            # the estimate of each slot's largest size
     occupant: list[str | None] = []
     ends: dict[int, list[int]] = {}   # kernel -> the slots whose occupant is last used by the one before
     for i in range(len(low.kernels)):
@@ -182,15 +183,16 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
             free = [s for s, o in enumerate(occupant) if o is None]
             same = [s for s in free if slots[s] == [size]]
             need = est(size)
-            room = {s: max(map(est, slots[s]), default=0) for s in free}
-            fits = sorted((s for s in free if room[s] <= 4 * need), key=lambda s: (max(0, need - room[s]), room[s], s))
-            s = (same or fits or [None])[0]
+            fits = [s for s in free if room[s] <= 4 * need]
+            s = same[0] if same else min(fits, key=lambda s: (max(0, need - room[s]), room[s], s)) if fits else None
             if s is None:
                 slots.append([])
+                room.append(0)
                 occupant.append(None)
                 s = len(slots) - 1
             if size not in slots[s]:
                 slots[s].append(size)
+                room[s] = max(room[s], need)
             occupant[s] = name
             ends.setdefault(last[name] + 1, []).append(s)
             low.buffers[name].slot = s

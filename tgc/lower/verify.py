@@ -80,6 +80,7 @@ class _Verifier(ExprVisitor):
         self.low = low
         self.held = held
         self.k: int | None = None
+        self.targets = {u.target for u in low.module.updates}   # (once: asked per argument written)
 
     def fail(self, message: str) -> VerifyError:
         return VerifyError(message, self.k)
@@ -236,7 +237,7 @@ class _Verifier(ExprVisitor):
 
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]
-        if b.kind == "arg" and name not in {u.target for u in self.low.module.updates}:
+        if b.kind == "arg" and name not in self.targets:
             raise self.fail(f"writes argument '%{name}', which no update targets")
 
     def slots(self) -> None:
