@@ -112,7 +112,11 @@ def load(path: str, options: Options) -> Module:
 def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> PipelineResult:
     """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
     the workspace `backend`'s lowering plans fits (tgc.budget: the result's `memory` says
-    what)."""
+    what). The options are `backend`'s for the IR pipeline (`Backend.pipeline_options`:
+    the CUDA backends keep the softmax-contraction chains their flash stage fuses)."""
+    from tgc.backends.base import get_backend
+
+    options = get_backend(backend).pipeline_options(options)
     if options.memory_budget is not None:
         from tgc.budget import lower_within_budget
 

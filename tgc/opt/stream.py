@@ -300,6 +300,50 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
+FUSED_EDGE = 256   # the contracted and value edges of a chain a fusing target takes (a number up to this)
+
+
+def _summed(v: Value) -> set[str]:
+    """The edges a contraction sums (its operands' edges it does not keep)."""
+    return {e for o in v.operands for e in o.edges} - set(v.edges)
+
+
+def fused_chain(r: _Region, sizes: dict, dtype: str) -> bool:
+    """Whether the cluster `r` is a softmax-then-contract chain as a fusing target (the
+    CUDA backends' flash stage, tgc.backends.cuda.flash) runs it whole: scores `S =
+    sum[d] q * k` of two operands from outside the cluster over one edge `d`, a
+    `logsumexp` over the keys `s` of the cluster's values, their weights `exp(..)` over
+    `s` contracted over `s` (and only `s`) with an operand from outside with one edge `e`
+    of its own (`y = sum[s] P * v`), `d` and `e` numbers up to `FUSED_EDGE`, every
+    value and operand of the cluster of the program's float type `dtype` (no autocast
+    operands). The derived backward (dP, dS, the row sums, dq, dk, dv) is in the same
+    cluster and fused by the same stage."""
+    inside = {id(v) for v in r.members}
+    if any(v.dtype != dtype for v in r.members + r.slices + r.invariants):
+        return False
+    keys = {v.attrs[1][0] for v in r.members
+            if v.op == "reduce" and v.attrs[0] == "logsumexp" and len(v.attrs[1]) == 1}
+
+    def small(e: str) -> bool:
+        n = sizes.get(e)
+        return isinstance(n, int) and n <= FUSED_EDGE
+
+    scores = any(v.op == "contract" and len(v.operands) == 2 and all(id(o) not in inside for o in v.operands)
+                 and len(_summed(v)) == 1 and all(small(e) for e in _summed(v)) and keys & set(v.edges)
+                 for v in r.members)
+    weights = {id(v) for v in r.members if v.op == "map" and v.attrs[0] == "exp" and keys & set(v.edges)}
+    values = False
+    for v in r.members + r.carries:
+        if v.op != "contract" or len(v.operands) != 2:
+            continue
+        ps = [o for o in v.operands if id(o) in weights]
+        outs = [o for o in v.operands if id(o) not in inside]
+        if len(ps) == 1 and len(outs) == 1 and _summed(v) & keys and _summed(v) <= keys:
+            own = set(outs[0].edges) - set(ps[0].edges)
+            values = values or (len(own) == 1 and all(small(e) for e in own))
+    return bool(keys) and scores and values
+
+
 def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) -> Value:
     """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
     rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
@@ -385,6 +429,8 @@ class _Streamer:
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is None:   # the values before the seed that read what the seed grew up to, too
                     r = _region(order, roots, seed, edge, lambda v: self.large(v, seed), closure=True)
+                if r is not None and self.options.stream_fused_chains and fused_chain(r, self.sizes, self.options.dtype):
+                    break   # the target runs this cluster as fused kernels, whole (Options.stream_fused_chains)
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):

@@ -27,6 +27,18 @@ class CudaBackend(Backend):
     kernel_forms = (ROWGROUP_FORM, FLASH_FORM, FLASHBACK_FORM)
     emits = ("cubin", "ptx", "cu")
 
+    def pipeline_options(self, options):
+        """`stream_fused_chains` on where the `flash` stage runs (`CudaOptions.flash`, not
+        under --fp-strict, the default stage list): the IR pipeline then leaves a
+        softmax-then-contract cluster whole for that stage to fuse (one kernel per
+        pass, no `[t, s]` buffer) instead of streaming it over query blocks, at every
+        length; a cluster it would not fuse still streams (`tgc.opt.stream`)."""
+        stages = options.stages
+        if options.cuda.flash and not options.fp_strict \
+                and (stages is None or any(st.split("{")[0].strip() == "flash" for st in stages)):
+            return options.with_(stream_fused_chains=True)
+        return options
+
     def companions(self, output: str, emit: str) -> dict[str, str]:
         from pathlib import Path
 
