@@ -112,16 +112,74 @@ def load(path: str, options: Options) -> Module:
 def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> PipelineResult:
     """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
     the workspace `backend`'s lowering plans fits (tgc.budget: the result's `memory` says
-    what). The options are `backend`'s for the IR pipeline (`Backend.pipeline_options`:
-    the CUDA backends keep the softmax-contraction chains their flash stage fuses)."""
+    what).
+
+    The options are `backend`'s for the IR pipeline (`Backend.pipeline_options`: the
+    CUDA backends keep the softmax-contraction chains their flash stage fuses whole,
+    `Options.stream_fused_edge`). Where they differ from the given ones and the program
+    keeps a value of a streaming size (`stream_min_elements_masked` elements or more),
+    the backend's lowering of it is checked against the program the given options make:
+    when its workspace is larger (a kept chain the backend did not fuse after all), the
+    given options' program is the result (`_kept_pays`)."""
     from tgc.backends.base import get_backend
 
-    options = get_backend(backend).pipeline_options(options)
+    resolved = get_backend(backend).pipeline_options(options)
+    result = _ir_pipeline(module, resolved, emit, backend)
+    if resolved != options and _holds_large(result.module, resolved):
+        plain = _ir_pipeline(module, options, emit, backend)
+        if not _kept_pays(result.module, plain.module, options, backend):
+            return plain
+    return result
+
+
+def _ir_pipeline(module: Module, options: Options, emit, backend: str) -> PipelineResult:
     if options.memory_budget is not None:
         from tgc.budget import lower_within_budget
 
         return lower_within_budget(module, options, emit, backend)
     return run_pipeline(module, options, emit)
+
+
+def _sizes(module: Module) -> dict[str, int] | None:
+    """Every dim's size with the symbolic ones at 1 (as `stream` counts them), or None."""
+    try:
+        return module.bind_dims({d: 1 for d in module.symbolic_dims()})
+    except Exception:  # noqa: BLE001 -- a dim that does not divide at 1: no estimate
+        return None
+
+
+def _holds_large(module: Module, options: Options) -> bool:
+    """Whether a top-level value of `module` has at least the elements `stream` takes."""
+    env = _sizes(module)
+    if env is None:
+        return True
+    least = min(options.stream_min_elements, options.stream_min_elements_masked)
+    edges = {e: env.get(d, 1) for e, d in module.edges.items()}
+    for v in module.values():
+        n = 1
+        for e in v.edges:
+            n *= edges.get(e, 1)
+        if n >= least:
+            return True
+    return False
+
+
+def _kept_pays(kept: Module, plain: Module, options: Options, backend: str) -> bool:
+    """Whether `backend`'s lowering of `kept` (the program of its pipeline options) needs
+    no more workspace than that of `plain` (the given options' program), at the
+    modules' sizes (symbolic dims at 1)."""
+    from tgc.ir.sizes import size_estimate
+
+    def workspace(m: Module) -> int | None:
+        env = _sizes(m)
+        if env is None:
+            return None
+        compiled, opts = target(m, options)
+        low = lower_module(compiled, opts, backend)
+        return sum(max((size_estimate(b, env) for b in slot), default=0) for slot in low.slots)
+
+    a, b = workspace(kept), workspace(plain)
+    return a is not None and b is not None and a <= b
 
 
 def target(module: Module, options: Options, emit=None) -> tuple[Module, Options]:

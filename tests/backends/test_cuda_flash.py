@@ -204,12 +204,7 @@ def test_an_attention_layer_fuses_and_matches_the_interpreter():
     scores' GEMM naming the keys t.1) with two heads of 64 and a -1e9 fill, with its
     gradients: the forward and backward chains fuse, and every output matches the
     interpreter (f64: 1e-11; f32: the unfused program's own error, 1e-4)."""
-    from pathlib import Path
-
-    text = (Path(tgc.__file__).resolve().parents[1] / "examples" / "attention.tg").read_text()
-    src = (text.replace("dim t = 11", "dim t = 24").replace("dim c = 48, head = 3", "dim c = 128, head = 2")
-           .replace("scores, -inf)", "scores, -1e9)").replace("\nout probs", "\n# out probs")
-           .replace("dim batch\n", "dim batch = 2\n"))
+    src = layer(24, 128, 2)
     x = inputs(src)
     want = reference(src, x)
     for dtype, tol in (("f64", 1e-11), ("f32", 1e-4)):
@@ -311,6 +306,30 @@ def test_a_chain_the_flash_stage_does_not_take_still_streams():
         assert not any({"s", "t"} <= set(b.edges) for b in low.buffers.values() if b.kind == "temp")
     m, low = lowered(long_source("causal", t), "cuda-sim", options=Options(fp_strict=True))
     assert not has_loop(m) and "flash" not in kinds_of(low)
+
+
+def layer(t: int, c: int, heads: int) -> str:
+    """examples/attention.tg with `t` positions, width `c` in `heads` heads, batch 2, a
+    -1e9 fill, with its gradients."""
+    from pathlib import Path
+
+    text = (Path(tgc.__file__).resolve().parents[1] / "examples" / "attention.tg").read_text()
+    return (text.replace("dim t = 11", f"dim t = {t}").replace("dim c = 48, head = 3", f"dim c = {c}, head = {heads}")
+            .replace("scores, -inf)", "scores, -1e9)").replace("\nout probs", "\n# out probs")
+            .replace("dim batch\n", "dim batch = 2\n"))
+
+
+def test_a_kept_chain_the_backend_does_not_fuse_streams():
+    """The attention layer with two heads of 64 at t = 2048 fuses under the default
+    options (no loop, flash and flashback). With one head the flash stage does not take
+    the layer's form, though the stream pass keeps the chain for it: the lowering's
+    workspace then exceeds the streamed program's, and `pipeline.lower` gives the
+    program of the given options, streamed as on the CPU (no `[t, s]` buffer)."""
+    m, low = lowered(layer(2048, 128, 2), "cuda")
+    assert {"flash", "flashback"} <= set(kinds_of(low)) and not has_loop(m)
+    m, low = lowered(layer(2048, 64, 1), "cuda")
+    assert "flash" not in kinds_of(low) and has_loop(m)
+    assert largest_temporary(low) < 2 * 2048 * 2048 * 4 // 8, largest_temporary(low)
 
 
 def test_explain_for_cuda_shows_the_flash_kernels_and_a_t_by_d_peak(tmp_path):

@@ -22,7 +22,7 @@ A `Backend` says:
   that a pass list (`-p`, `Options.stages`) may name any of them whichever backends
   were loaded before;
 - `pipeline_options(options)`: the options the IR pipeline runs with for it (the
-  CUDA backends keep the chains their flash stage fuses whole: `Options.stream_fused_chains`);
+  CUDA backends keep the chains their flash stage fuses whole: `Options.stream_fused_edge`);
 - `kernel_forms`: the text forms of its own kinds of kernel (`tgc.lower.text.KernelForm`s:
   grammar rules and a reader; the CPU's `group`), registered with the lowered
   program's reader (`tgc.lower.text.register_kernel_form`) by `get_backend` too;

@@ -13,7 +13,7 @@ objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
-from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, FlashChains
+from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, MAX_EDGE, FlashChains
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
@@ -28,7 +28,7 @@ class CudaBackend(Backend):
     emits = ("cubin", "ptx", "cu")
 
     def pipeline_options(self, options):
-        """`stream_fused_chains` on where the `flash` stage runs (`CudaOptions.flash`, not
+        """`stream_fused_edge` set to the edges the `flash` stage takes (`flash.MAX_EDGE`) where it runs (`CudaOptions.flash`, not
         under --fp-strict, the default stage list): the IR pipeline then leaves a
         softmax-then-contract cluster whole for that stage to fuse (one kernel per
         pass, no `[t, s]` buffer) instead of streaming it over query blocks, at every
@@ -36,7 +36,7 @@ class CudaBackend(Backend):
         stages = options.stages
         if options.cuda.flash and not options.fp_strict \
                 and (stages is None or any(st.split("{")[0].strip() == "flash" for st in stages)):
-            return options.with_(stream_fused_chains=True)
+            return options.with_(stream_fused_edge=MAX_EDGE)
         return options
 
     def companions(self, output: str, emit: str) -> dict[str, str]:
