@@ -120,15 +120,19 @@ def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> 
     keeps a value of a streaming size (`stream_min_elements_masked` elements or more),
     the backend's lowering of it is checked against the program the given options make:
     when its workspace is larger (a kept chain the backend did not fuse after all), the
-    given options' program is the result (`_kept_pays`)."""
+    given options' program is the result. The kept program is lowered once to see
+    whether a buffer of that size is left; only then is the other made and compared."""
     from tgc.backends.base import get_backend
 
     resolved = get_backend(backend).pipeline_options(options)
     result = _ir_pipeline(module, resolved, emit, backend)
     if resolved != options and _holds_large(result.module, resolved):
-        plain = _ir_pipeline(module, options, emit, backend)
-        if not _kept_pays(result.module, plain.module, options, backend):
-            return plain
+        kept = _lowered(result.module, options, backend)
+        if kept is None or _largest(kept) >= _least(options):   # a large buffer is left: compare
+            plain = _ir_pipeline(module, options, emit, backend)
+            low = _lowered(plain.module, options, backend)
+            if kept is None or low is None or _workspace(low) < _workspace(kept):
+                return plain
     return result
 
 
@@ -148,38 +152,58 @@ def _sizes(module: Module) -> dict[str, int] | None:
         return None
 
 
+def _least(options: Options) -> int:
+    """The fewest elements a value `stream` takes has."""
+    return min(options.stream_min_elements, options.stream_min_elements_masked)
+
+
 def _holds_large(module: Module, options: Options) -> bool:
-    """Whether a top-level value of `module` has at least the elements `stream` takes."""
+    """Whether a top-level value of `module` has at least the elements `stream` takes
+    (symbolic dims at 1, as `stream` counts them)."""
     env = _sizes(module)
     if env is None:
         return True
-    least = min(options.stream_min_elements, options.stream_min_elements_masked)
     edges = {e: env.get(d, 1) for e, d in module.edges.items()}
     for v in module.values():
         n = 1
         for e in v.edges:
             n *= edges.get(e, 1)
-        if n >= least:
+        if n >= _least(options):
             return True
     return False
 
 
-def _kept_pays(kept: Module, plain: Module, options: Options, backend: str) -> bool:
-    """Whether `backend`'s lowering of `kept` (the program of its pipeline options) needs
-    no more workspace than that of `plain` (the given options' program), at the
-    modules' sizes (symbolic dims at 1)."""
+def _lowered(module: Module, options: Options, backend: str):
+    """`backend`'s lowered program of `module` (after the IR pipeline) and the sizes
+    of its dims (symbolic ones at 1), or None where those have no value."""
+    env = _sizes(module)
+    if env is None:
+        return None
+    compiled, opts = target(module, options)
+    return lower_module(compiled, opts, backend), env
+
+
+def _largest(lowered) -> int:
+    """The elements of the largest temporary of a `_lowered` program."""
     from tgc.ir.sizes import size_estimate
 
-    def workspace(m: Module) -> int | None:
-        env = _sizes(m)
-        if env is None:
-            return None
-        compiled, opts = target(m, options)
-        low = lower_module(compiled, opts, backend)
-        return sum(max((size_estimate(b, env) for b in slot), default=0) for slot in low.slots)
+    low, env = lowered
+    most = 0
+    for b in low.buffers.values():
+        if b.kind == "temp":
+            n = 1
+            for s in low.sizes(b.edges):
+                n *= size_estimate(s, env)
+            most = max(most, n)
+    return most
 
-    a, b = workspace(kept), workspace(plain)
-    return a is not None and b is not None and a <= b
+
+def _workspace(lowered) -> int:
+    """The workspace bytes of a `_lowered` program (each slot its largest buffer)."""
+    from tgc.ir.sizes import size_estimate
+
+    low, env = lowered
+    return sum(max((size_estimate(b, env) for b in slot), default=0) for slot in low.slots)
 
 
 def target(module: Module, options: Options, emit=None) -> tuple[Module, Options]:
