@@ -317,7 +317,8 @@ def fused_chain(r: _Region, sizes: dict, dtype: str, most: int) -> bool:
     CUDA backends' flash stage, tgc.backends.cuda.flash) runs it whole: a `logsumexp`
     over the keys `s` of the cluster's values; scores, a contraction of two operands
     from outside the cluster over one edge `d` (`sum[d] q * k`, whatever names its rows
-    and keys have there: a rename may follow); weights `exp(..)` over `s` contracted
+    and keys have there: a rename may follow); weights `exp(x - l)` (`l` that logsumexp,
+    its coefficient -1, as the softmax makes them) over `s` contracted
     with an operand from outside (indicators beside it: a head split by a reindex) over
     `s` and edges of the weights only (`y = sum[s] P * v`), that operand having one edge
     `e` of its own; `d` and `e` numbers up to `most` (`Options.stream_fused_edge`); every value and operand of
@@ -327,8 +328,12 @@ def fused_chain(r: _Region, sizes: dict, dtype: str, most: int) -> bool:
     inside = {id(v) for v in r.members}
     if any(v.dtype != dtype for v in r.members + r.slices + r.invariants):
         return False
-    keys = {v.attrs[1][0] for v in r.members
+    lses = {id(v): v.attrs[1][0] for v in r.members
             if v.op == "reduce" and v.attrs[0] == "logsumexp" and len(v.attrs[1]) == 1}
+    keys = set(lses.values())
+
+    def normalized(x: Value) -> bool:   # x - l, l a logsumexp of the cluster over the keys
+        return x.op == "add" and any(id(o) in lses and c == -1.0 for o, c in zip(x.operands, x.attrs[0]))
 
     def small(e: str) -> bool:
         n = sizes.get(e)
@@ -339,7 +344,8 @@ def fused_chain(r: _Region, sizes: dict, dtype: str, most: int) -> bool:
 
     scores = any(v.op == "contract" and len(loads(v)) == 2 and all(id(o) not in inside for o in loads(v))
                  and len(_summed(v)) == 1 and all(small(e) for e in _summed(v)) for v in r.members)
-    weights = {id(v): v for v in r.members if v.op == "map" and v.attrs[0] == "exp" and keys & set(v.edges)}
+    weights = {id(v): v for v in r.members if v.op == "map" and v.attrs[0] == "exp" and keys & set(v.edges)
+               and normalized(v.operands[0])}
     values = False
     for v in r.members + r.carries:
         ps = [o for o in loads(v) if id(o) in weights] if v.op == "contract" else []
