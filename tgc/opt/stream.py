@@ -90,6 +90,13 @@ every key and give the unstreamed weights.
 When. A seed streams from `stream_min_elements`, or from `stream_min_elements_masked`
 (smaller) when its masks let some run skip keys: the skipped work pays for the loop.
 
+A target that fuses the chain. With `options.stream_fused_edge` > 0 (the CUDA backends'
+options: their flash stage runs a softmax-then-contract chain as fused kernels with no
+`[t, s]` buffer), a cluster with that chain's shape (`fused_chain`: contracted and value
+edges of at most that size) is left whole: its seeds are skipped, other clusters stream.
+Whether the target then fuses it is the backend's to say; `tgc.pipeline.lower` keeps
+the streamed program where the kept one's workspace is larger.
+
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
@@ -300,6 +307,56 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
+def _summed(v: Value) -> set[str]:
+    """The edges a contraction sums (its operands' edges it does not keep)."""
+    return {e for o in v.operands for e in o.edges} - set(v.edges)
+
+
+def fused_chain(r: _Region, sizes: dict, dtype: str, most: int) -> bool:
+    """Whether the cluster `r` is a softmax-then-contract chain as a fusing target (the
+    CUDA backends' flash stage, tgc.backends.cuda.flash) runs it whole: a `logsumexp`
+    over the keys `s` of the cluster's values; scores, a contraction of two operands
+    from outside the cluster over one edge `d` (`sum[d] q * k`, whatever names its rows
+    and keys have there: a rename may follow); weights `exp(x - l)` (`l` that logsumexp,
+    its coefficient -1, as the softmax makes them) over `s` contracted
+    with an operand from outside (indicators beside it: a head split by a reindex) over
+    `s` and edges of the weights only (`y = sum[s] P * v`), that operand having one edge
+    `e` of its own; `d` and `e` numbers up to `most` (`Options.stream_fused_edge`); every value and operand of
+    the cluster of the program's float type `dtype` (no autocast operands). The derived
+    backward (dP, dS, the row sums, dq, dk, dv) is in the same cluster, and the same
+    stage fuses it."""
+    inside = {id(v) for v in r.members}
+    if any(v.dtype != dtype for v in r.members + r.slices + r.invariants):
+        return False
+    lses = {id(v): v.attrs[1][0] for v in r.members
+            if v.op == "reduce" and v.attrs[0] == "logsumexp" and len(v.attrs[1]) == 1}
+    keys = set(lses.values())
+
+    def normalized(x: Value) -> bool:   # x - l, l a logsumexp of the cluster over the keys
+        return x.op == "add" and any(id(o) in lses and c == -1.0 for o, c in zip(x.operands, x.attrs[0]))
+
+    def small(e: str) -> bool:
+        n = sizes.get(e)
+        return isinstance(n, int) and n <= most
+
+    def loads(v: Value) -> list[Value]:   # a contraction's operands but its indicators
+        return [o for o in v.operands if o.op != "indicator"]
+
+    scores = any(v.op == "contract" and len(loads(v)) == 2 and all(id(o) not in inside for o in loads(v))
+                 and len(_summed(v)) == 1 and all(small(e) for e in _summed(v)) for v in r.members)
+    weights = {id(v): v for v in r.members if v.op == "map" and v.attrs[0] == "exp" and keys & set(v.edges)
+               and normalized(v.operands[0])}
+    values = False
+    for v in r.members + r.carries:
+        ps = [o for o in loads(v) if id(o) in weights] if v.op == "contract" else []
+        outs = [o for o in loads(v) if id(o) not in inside] if v.op == "contract" else []
+        if len(ps) == 1 and len(outs) == 1 and len(loads(v)) == 2 and _summed(v) & keys \
+                and _summed(v) <= set(ps[0].edges):
+            own = set(outs[0].edges) - set(ps[0].edges)
+            values = values or (len(own) == 1 and all(small(e) for e in own))
+    return bool(keys) and scores and values
+
+
 def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) -> Value:
     """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
     rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
@@ -385,6 +442,9 @@ class _Streamer:
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is None:   # the values before the seed that read what the seed grew up to, too
                     r = _region(order, roots, seed, edge, lambda v: self.large(v, seed), closure=True)
+                fused = self.options.stream_fused_edge
+                if r is not None and fused > 0 and fused_chain(r, self.sizes, self.options.dtype, fused):
+                    break   # the target runs this cluster as fused kernels, whole (Options.stream_fused_edge)
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
