@@ -122,6 +122,7 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt import stream_skip
+from tgc.opt.stream_keys import stream_key_bodies
 from tgc.opt.stream_loops import recompute_residuals
 from tgc.options import Options
 
@@ -796,6 +797,7 @@ class Stream(Pass):
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
     groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
     step_elements: int | None = None  # a step's matrix budget (default: options.stream_step_elements)
+    key_block: int | None = None      # a step's key block (default: options.stream_key_block; tgc.opt.stream_keys)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
@@ -806,6 +808,8 @@ class Stream(Pass):
             options = options.with_(stream_mask_groups=self.groups)
         if self.step_elements is not None:
             options = options.with_(stream_step_elements=self.step_elements)
+        if self.key_block is not None:
+            options = options.with_(stream_key_block=self.key_block)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
@@ -816,4 +820,7 @@ class Stream(Pass):
         # a module, once), then the program itself; the loops this makes are not looked
         # into again
         module = recompute_residuals(module, options, stream)
-        return stream(map_bodies(module, lambda body: stream(body, options)), options)
+        module = stream(map_bodies(module, lambda body: stream(body, options)), options)
+        # a step whose matrices over the keys are still over the cache budget: its softmax
+        # over blocks of the keys (tgc.opt.stream_keys; off unless stream_key_block)
+        return stream_key_bodies(module, options)

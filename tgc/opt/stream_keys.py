@@ -1,0 +1,402 @@
+"""stream_keys: a step's softmax over a long key edge, computed over blocks of the keys
+with a running max and running sums (online softmax).
+
+What it rewrites. A stream's step (tgc.opt.stream) holds `[.., B, s]` matrices: the
+scores of its block of B rows against every key `s`, their weights, and the sums of
+the weights against the values. Where one of them has more than
+`options.stream_step_elements` elements, this pass moves the step's values over `s`
+into a `loop` over blocks of `Bs = options.stream_key_block` keys (`s = sc + Bs*sb`),
+so that the step holds `[.., B, Bs]` blocks. It is not matched to attention: it
+applies to any module whose values over `s` (the cluster) are read only by reductions
+over `s` (the statistics), of which one is a max `m = max[s](X)` of a value computed
+without statistics, and the others are a `logsumexp[s]` or a sum over `s` (a
+contraction) of values built from `X`, `m` and the other statistics by adds, maps and
+products, where each `exp` reads `... - m` (the stabilized softmax: `exp(X - m -
+logsumexp[s](X - m))`, or any weighting of that kind). Each value of the cluster is
+tracked as a block value and the statistics it still owes:
+
+- free: computed in the step from its block (the scores, a mask, a bias);
+- additive `b + sum_j c_j T_j` (an exponent): `b` reads the running max `m'` in place of
+  `m`, and the terms of the other statistics (`logsumexp`, known only after the loop)
+  are kept aside;
+- scaled `b * exp(sum_j c_j T_j)` (the weights and their products with free values):
+  `b` reads `m'`, the factor is applied after the loop.
+
+The loop carries the running max `m'` (the max of the blocks so far) and, per
+statistic, a running sum of its block sums, multiplied by `exp(c_m (m'_new - m'_old))`
+(c_m <= 0: the power of `exp(-m)` the summand carries) before the block's sum is added:
+the sums of earlier blocks brought to the new max. After the loop, `m = m'`,
+`logsumexp[s](X - m + ...) = log(l) + ...`, and a sum is its carry times `exp` of the
+other statistics' terms (attention's `y = acc * exp(-lse)`). A key operand (`[s, hd]`
+keys and values) is read as stacked blocks (`_split`, an exact reindex), the other
+operands as loop invariants; a gather of a small table at an index affine in `s` (a
+stream's mask: `G[r = s - t + c]`) reads a stacked window of the table per block.
+
+Masked keys. A stream over a mask already runs each step over only the keys the mask
+admits for the step's rows (tgc.opt.stream_skip, the keys resized to the run's hull);
+the key loop covers that hull. Fully masked rows: with a finite fill (-1e9) every key
+of the row has the fill's score, so `m'` is the fill from the first block on, every
+weight is exp(0) = 1 and the result is the mean, as unstreamed; with a -inf fill the
+running max stays -inf and is read as 0 (`exp(-inf - 0) = 0`, the carries stay 0),
+and the row's logsumexp is log(0) = -inf, its sums 0 * inf = NaN, as the unstreamed
+program's NaN (exp(-inf - -inf)).
+
+Exact? No: it changes the rounding, as every online softmax does. A block's
+weights are `exp(X - m')` with the running max in place of the final one, and the
+sums of earlier blocks are scaled by `exp(m'_old - m'_new)` (at most one rounding per
+block and row, each factor <= 1, so no overflow: every exponent is at most 0, as in
+the unstreamed program); the sums over `s` are taken blockwise, then across blocks (a
+reassociation, as tgc.opt.stream's); `y = acc * exp(-log l)` in place of the sum of
+`v * exp(X - m - lse)`. With logits up to 1e4 the error stays a few ulps of the
+result per block (tests/opt/test_stream_keys.py against PyTorch). Under `--fp-strict`
+the stream pass, and this one with it, is not in the pipeline. The max is exact.
+
+Terminates: one pass over each loop body's values (bodies first, innermost first);
+the key loop it makes is not looked into again, and a module is rewritten at most
+once (one max statistic, one loop).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tgc.ir import values as V
+from tgc.ir.affine import Affine, Relation
+from tgc.ir.module import Module
+from tgc.ir.values import Value, rebuild_same
+from tgc.options import Options
+
+
+class _Reject(Exception):
+    """The module's values over the key edge are not of the form this pass streams."""
+
+
+@dataclass
+class _Rep:
+    kind: str                                  # "free", "add" (an exponent), "scaled"
+    inner: Value | None                        # the block value (None: only statistics' terms)
+    coefs: dict[int, float] = field(default_factory=dict)   # id(statistic) -> c_j
+
+
+def _numel(v: Value, sizes: dict) -> int:
+    n = 1
+    for e in v.edges:
+        n *= sizes.get(e, 1) if isinstance(sizes.get(e), int) else 1
+    return n
+
+
+def _stat_kind(v: Value, s: str) -> str | None:
+    """How `v` reduces over the key edge `s`: 'max', 'logsumexp', 'sum', or None."""
+    if v.op == "reduce" and s in v.attrs[1]:
+        return v.attrs[0] if v.attrs[1] == (s,) and v.attrs[0] in ("max", "logsumexp") else "other"
+    if v.op == "contract" and s not in v.edges and any(s in o.edges for o in v.operands):
+        return "sum"
+    return None
+
+
+def _fresh(m: Module, base: str, n: int) -> str:
+    stem, k = base.split(".")[0], 1
+    while f"{stem}.{k}" in m.edges or f"{stem}.{k}" in m.dims:
+        k += 1
+    name = f"{stem}.{k}"
+    m.dims[name] = n
+    m.edges[name] = name
+    return name
+
+
+def _split(x: Value, s: str, sc: str, sb: str, b: int) -> Value:
+    """x over `s` as [.., sc, sb]: x[s = sc + b*sb] (an exact reindex)."""
+    rel = Relation((Affine.make({s: 1}), Affine.make({sc: 1, sb: b})), ("=",))
+    return V.contract([x, V.indicator(rel, x.dtype)], [e for e in x.edges if e != s] + [sc, sb])
+
+
+class _Keys:
+    def __init__(self, m: Module, s: str, b: int, mx: Value, order: list[Value]):
+        self.m, self.s, self.b, self.mx = m, s, b, mx
+        self.order = order
+        self.sizes = {e: m.size(e) for e in m.edges}
+        self.owed: dict[int, dict[int, float]] = {}   # id(statistic) -> the terms it owes
+
+    def edges(self, v: Value) -> list[str]:
+        return [self.sc if e == self.s else e for e in v.edges]
+
+    def build(self) -> Module:
+        s, b = self.s, self.b
+        order = self.order
+        cluster = [v for v in order if s in v.edges and v.op in ("add", "map", "contract", "reduce", "stop")]
+        ids = {id(v) for v in cluster}
+        stats = [v for v in order if _stat_kind(v, s) is not None]
+        sid = {id(v) for v in stats}
+        if any(_stat_kind(v, s) == "other" for v in stats):
+            raise _Reject
+        if sum(_stat_kind(v, s) == "max" for v in stats) != 1:
+            raise _Reject
+        for v in order:   # the cluster is read by itself and the statistics only
+            if id(v) not in ids and id(v) not in sid and any(id(o) in ids for o in v.operands):
+                raise _Reject
+        if any(id(o.value) in ids for o in self.m.outputs):
+            raise _Reject
+        # statistics read only what the loop computes: the cluster, key operands, invariants
+        # not computed from statistics (a statistic read by the cluster is owed, not computed)
+        after: set[int] = set(sid)
+        for v in order:
+            if id(v) not in sid and any(id(o) in after for o in v.operands):
+                after.add(id(v))
+        for v in cluster + stats:
+            for o in v.operands:
+                if id(o) in after and id(o) not in sid and id(o) not in ids:
+                    raise _Reject
+        self.sc = _fresh(self.m, s, b)
+        self.sb = _fresh(self.m, s, self.sizes[s] // b)
+        sc, sb = self.sc, self.sb
+
+        params: list[Value] = []
+        operands: list[Value] = []
+        carry_of: dict[int, int] = {}          # id(stat) -> its carry's index
+        for v in stats:
+            carry_of[id(v)] = len(params)
+            init = float("-inf") if _stat_kind(v, s) == "max" else 0.0
+            operands.append(V.const(init, v.dtype, self.edges(v)))
+            params.append(V.loopvar(len(params), v.dtype, v.edges))
+        n_carries = len(params)
+        # outside operands of the cluster and statistics: key operands (stacked blocks),
+        # gathered tables (stacked windows), invariants
+        inner: dict[int, Value] = {}
+        slices: list[tuple[Value, Value]] = []
+        gathers: dict[int, tuple[Value, Value]] = {}   # id(contract) -> (window param, index indicator)
+        invariants: list[Value] = []
+        for v in cluster + stats:
+            if v.op == "contract" and any(o.op == "indicator" and s in o.edges for o in v.operands):
+                gathers[id(v)] = self.gather(v, operands, params)
+                continue
+            for o in v.operands:
+                if id(o) in ids or id(o) in sid or id(o) in inner or o.op in ("const", "size"):
+                    continue
+                if o.op == "indicator":
+                    if s in o.edges:
+                        raise _Reject
+                    continue
+                if s in o.edges:
+                    slices.append((o, _split(o, s, sc, sb, b)))
+                    inner[id(o)] = o   # placeholder, set below
+                else:
+                    invariants.append(o)
+                    inner[id(o)] = o
+        for o, split in slices:
+            operands.append(split)
+            p = V.loopvar(len(params), o.dtype, self.edges(o))
+            params.append(p)
+            inner[id(o)] = p
+        n_slices = len(params) - n_carries
+        for o in invariants:
+            operands.append(o)
+            p = V.loopvar(len(params), o.dtype, o.edges)
+            params.append(p)
+            inner[id(o)] = p
+
+        reps: dict[int, _Rep] = {}
+        results: list[Value | None] = [None] * n_carries
+        mid = id(self.mx)
+        self.m_old = params[carry_of[mid]]
+        self.m_safe = None
+
+        def rep(o: Value) -> _Rep:
+            if id(o) in reps:
+                return reps[id(o)]
+            if id(o) in sid:
+                if id(o) == mid:
+                    return _Rep("add", self.m_safe, {mid: 1.0})
+                return _Rep("add", None, {id(o): 1.0})
+            if o.op in ("const", "size", "indicator"):
+                return _Rep("free", o)
+            return _Rep("free", inner[id(o)])
+
+        for v in order:
+            if id(v) in ids:
+                reps[id(v)] = self.member(v, rep, gathers)
+            elif id(v) in sid:
+                results[carry_of[id(v)]] = self.update(v, rep, params[carry_of[id(v)]])
+        body = V.loop_body(params, results, n_carries, n_slices)
+        outs = {id(v): V.loop(body, sb, operands, carry_of[id(v)]) for v in stats}
+        memo: dict[int, Value] = {}
+        for v in stats:   # the statistics after the loop, with the terms they owe
+            kind, out = _stat_kind(v, s), outs[id(v)]
+            if kind == "max":
+                memo[id(v)] = out
+                continue
+            if kind == "logsumexp":
+                out = V.map_("log", out)
+            owed = [(c, memo[j]) for j, c in self.owed[id(v)].items() if j != mid and c != 0]
+            if owed:
+                t = V.add([x for _, x in owed], [c for c, _ in owed])
+                out = V.add([out, t]) if kind == "logsumexp" else V.mul([out, V.map_("exp", t)])
+            memo[id(v)] = out
+        for v in order:
+            if id(v) not in memo and id(v) not in ids:
+                memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+        return self.m.replace_values(memo)
+
+    def gather(self, v: Value, operands: list, params: list) -> tuple[Value, Value]:
+        """For `contract(G, [r = a*s + w])` (a table G without `s` read at an index affine in
+        `s`): the stacked window of G a block reads, G[sb, r'] = G[r = r' + a*b*sb + lo], its
+        parameter, and the block's indicator [r' = a*sc + w - lo]."""
+        s, b, sc, sb = self.s, self.b, self.sc, self.sb
+        inds = [o for o in v.operands if o.op == "indicator" and s in o.edges]
+        rest = [o for o in v.operands if not (o.op == "indicator" and s in o.edges)]
+        if len(inds) != 1 or len(rest) != 1 or s in rest[0].edges:
+            raise _Reject
+        rel: Relation = inds[0].attrs[0]
+        g = rest[0]
+        if len(rel.ops) != 1 or rel.ops[0] != "=":
+            raise _Reject
+        d = rel.exprs[0].plus(rel.exprs[1], -1)
+        rs = [e for e, c in d.terms if e in g.edges and e not in v.edges and c in (1, -1)]
+        if len(rs) != 1 or not isinstance(self.sizes.get(rs[0]), int):
+            raise _Reject
+        r = rs[0]
+        cr = d.coef(r)
+        expr = d.scaled(-1) if cr == 1 else d   # r = expr(s, others): d = cr*r + rest
+        expr = Affine.make([(e, c) for e, c in expr.terms if e != r], expr.const)
+        a = expr.coef(s)
+        u = Affine.make([(sc if e == s else e, c) for e, c in expr.terms], expr.const)   # a*sc + w
+        lo = hi = u.const
+        for e, c in u.terms:
+            n = self.sizes.get(e) if e != sc else b
+            if not isinstance(n, int) or not isinstance(c, int):
+                raise _Reject
+            lo, hi = lo + min(0, c * (n - 1)), hi + max(0, c * (n - 1))
+        rw = _fresh(self.m, r, hi - lo + 1)
+        at = Relation((Affine.make({r: 1}), Affine.make({rw: 1, sb: a * b}, lo)), ("=",))
+        operands.append(V.contract([g, V.indicator(at, g.dtype)], [rw if e == r else e for e in g.edges] + [sb]))
+        p = V.loopvar(len(params), g.dtype, [rw if e == r else e for e in g.edges])
+        params.append(p)
+        idx = Relation((Affine.make({rw: 1}), u.plus(Affine.make({}, lo), -1)), ("=",))
+        return p, V.indicator(idx, inds[0].dtype)
+
+    def member(self, v: Value, rep, gathers) -> _Rep:
+        """The block value of cluster member `v` and the statistics it owes."""
+        s = self.s
+        if id(v) in gathers:
+            p, ind = gathers[id(v)]
+            return _Rep("free", V.contract([p, ind], self.edges(v), v.loc))
+        ops = [rep(o) for o in v.operands]
+        if v.op == "stop":
+            return ops[0]
+        if all(r.kind == "free" for r in ops):
+            xs = tuple(r.inner for r in ops)
+            if v.op == "contract":
+                return _Rep("free", V.contract(xs, self.edges(v), v.loc))
+            if v.op == "reduce":
+                return _Rep("free", V.reduce(v.attrs[0], xs[0], v.attrs[1], v.loc))
+            if v.op == "map" and v.attrs[0] == "exp":
+                return _Rep("scaled", V.map_("exp", xs[0], loc=v.loc))
+            return _Rep("free", rebuild_same(v, xs))
+        if v.op == "add":
+            w = v.attrs[0] if v.attrs and v.attrs[0] is not None else [1.0] * len(ops)
+            kinds = {r.kind for r in ops}
+            if "scaled" in kinds:
+                if kinds != {"scaled"} or len({tuple(sorted(r.coefs.items())) for r in ops}) != 1:
+                    raise _Reject
+                return _Rep("scaled", V.add([r.inner for r in ops], list(w), v.loc), dict(ops[0].coefs))
+            coefs: dict[int, float] = {}
+            parts, ws = [], []
+            for r, c in zip(ops, w):
+                for j, k in r.coefs.items():
+                    coefs[j] = coefs.get(j, 0.0) + c * k
+                if r.inner is not None:
+                    parts.append(r.inner)
+                    ws.append(c)
+            if not parts or s not in v.edges:
+                raise _Reject
+            one = parts[0] if len(parts) == 1 and ws[0] == 1.0 else V.add(parts, ws, v.loc)
+            return _Rep("add", one, coefs)
+        if v.op == "map" and v.attrs[0] == "exp" and ops[0].kind == "add":
+            if ops[0].coefs.get(id(self.mx), 0.0) != -1.0:
+                raise _Reject   # exp(X - m ...) only: every block exponent <= 0
+            return _Rep("scaled", V.map_("exp", ops[0].inner, loc=v.loc), dict(ops[0].coefs))
+        if v.op == "contract" and all(r.kind in ("free", "scaled") for r in ops):
+            coefs = {}
+            for r in ops:
+                for j, k in r.coefs.items():
+                    coefs[j] = coefs.get(j, 0.0) + k
+            return _Rep("scaled", V.contract([r.inner for r in ops], self.edges(v), v.loc), coefs)
+        raise _Reject
+
+    def update(self, v: Value, rep, carry: Value) -> Value:
+        """The new value of statistic `v`'s carry in the step."""
+        kind = _stat_kind(v, self.s)
+        mid = id(self.mx)
+        if kind == "max":
+            r = rep(v.operands[0])
+            if r.kind != "free":
+                raise _Reject
+            new = V.map_("max", carry, V.reduce("max", r.inner, [self.sc], v.loc))
+            inf = V.const(float("-inf"), new.dtype)
+            self.m_safe = V.map_("where", V.map_("eq", new, inf), V.const(0.0, new.dtype), new)
+            self.m_new = new
+            return new
+        if self.m_safe is None:
+            raise _Reject
+        if kind == "logsumexp":
+            r = rep(v.operands[0])
+            if r.kind != "add" or r.coefs.get(mid, 0.0) != -1.0 or r.inner is None:
+                raise _Reject
+            part = V.contract([V.map_("exp", r.inner)], [e for e in self.edges(v.operands[0]) if e != self.sc])
+            coefs = r.coefs
+            cm = -1.0
+        else:
+            ops = [rep(o) for o in v.operands]
+            if any(r.kind not in ("free", "scaled") for r in ops):
+                raise _Reject
+            coefs = {}
+            for r in ops:
+                for j, k in r.coefs.items():
+                    coefs[j] = coefs.get(j, 0.0) + k
+            cm = coefs.get(mid, 0.0)
+            if cm > 0:
+                raise _Reject
+            part = V.contract([r.inner for r in ops], v.edges, v.loc)
+        self.owed[id(v)] = coefs
+        if cm == 0:
+            return V.add([carry, part])
+        # the earlier blocks' sum brought from the old running max to the new one
+        scale = V.map_("exp", V.add([self.m_old, self.m_safe], [-cm, cm]))
+        return V.add([V.mul([carry, scale]), part])
+
+
+def stream_keys(module: Module, options: Options) -> Module:
+    """`module` with its values over a long key edge computed in a loop over blocks of it
+    (online softmax), where they exceed `options.stream_step_elements`; else `module`."""
+    b = options.stream_key_block
+    budget = options.stream_step_elements
+    if b <= 0:
+        return module
+    order = module.values()
+    sizes = {e: module.size(e) for e in module.edges}
+    for mx in order:
+        if mx.op != "reduce" or mx.attrs[0] != "max" or len(mx.attrs[1]) != 1:
+            continue
+        s = mx.attrs[1][0]
+        n = sizes.get(s)
+        x = mx.operands[0]
+        if not isinstance(n, int) or n % b or n < 2 * b or _numel(x, sizes) <= budget:
+            continue
+        m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
+                   list(module.updates), list(module.facts))
+        try:
+            return _Keys(m, s, b, mx, order).build()
+        except _Reject:
+            continue
+    return module
+
+
+def stream_key_bodies(module: Module, options: Options) -> Module:
+    """`module` with `stream_keys` applied to every loop body (innermost first), not to
+    the top level."""
+    from tgc.opt.rewrite import map_bodies
+
+    if options.stream_key_block <= 0:
+        return module
+
+    def fn(body: Module) -> Module:
+        return stream_keys(map_bodies(body, fn), options)
+    return map_bodies(module, fn)
