@@ -1,9 +1,9 @@
 """stream_keys: a stream step's softmax over blocks of the keys, with a running max and
 running sums (online softmax; tgc.opt.stream_keys). Forward chains (attention, cross
 attention, a bias, a softmax-weighted pooling over a non-attention edge, masked rows)
-against the program without the pass and PyTorch, in f64 and f32, on the interpreter
-and the CPU; programs with gradients keep their steps whole (the backward reads the
-weights) and still match PyTorch's gradients. The golden IR is tests/opt/stream_keys.tgir."""
+and with their gradients (a second loop over the keys) against the program without the
+pass and PyTorch, in f64 and f32, on the interpreter and the CPU. The golden IR is
+tests/opt/stream_keys.tgir (forward) and tests/opt/stream_keys_grad.tgir."""
 import numpy as np
 import pytest
 
@@ -14,7 +14,8 @@ from tgc.options import Options
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
-from test_stream import ATTENTION, BIAS, CROSS, MASKED, POOLING, close, inputs, optimized  # noqa: E402
+from test_stream import (ATTENTION, BIAS, CROSS, MASKED, POOLING, SUBTRACTIVE, WINDOW, close, inputs,  # noqa: E402
+                         optimized)
 
 # streams over t in blocks of 4 rows, whose [.., 4, s] matrices are over the budget of 16:
 # each step runs over blocks of 4 keys
@@ -88,13 +89,40 @@ def test_fully_masked_rows_as_unstreamed():
     close(on, {k: np.asarray(v, np.float64) for k, v in off.items()}, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["attention", "pooling"])
-def test_gradients_keep_the_steps_whole_and_match_torch(name):
-    """With gradients the backward reads the weights over every key: the steps stay whole
-    (no key loop), and the program with the option on computes what PyTorch does."""
+# with gradients: the first loop the online softmax (m, lse, y), the second dq, dk, dv
+# over the blocks with the weights recomputed from m and lse
+GRADS = {"attention": ATTENTION, "bias": BIAS, "masked": MASKED, "window": WINDOW, "subtractive": SUBTRACTIVE}
+
+
+@pytest.mark.parametrize("name", sorted(GRADS))
+def test_gradients_interpreter_f64_match_unstreamed_and_torch(name):
+    src = GRADS[name]
+    streamed = optimized(src, "f64", **KEYS)
+    assert key_loops(streamed) >= 2   # two loops over the keys per step
+    x = inputs(src)
+    got = evaluate(streamed, x, dtype="f64")
+    close(got, evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+    close(got, torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), x), 1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(GRADS))
+def test_gradients_cpu_f32_and_f64_match_torch(name):
     import tgc
 
-    src = {"attention": ATTENTION, "pooling": POOLING}[name]
+    src = GRADS[name]
+    want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
+    for dtype, tol in (("f64", 1e-12), ("f32", 2e-5)):
+        close(tgc.compile(src, "cpu", dtype, options=Options(**KEYS))(**inputs(src, dtype)), want, tol)
+
+
+@pytest.mark.parametrize("name", ["cross", "pooling"])
+def test_a_backward_that_stabilizes_the_softmax_again_keeps_the_steps_whole(name):
+    """Without a mask the derived backward takes the max and logsumexp of the already
+    shifted scores again (a statistic read by another's summand in the second loop: a
+    third loop): the steps stay whole and match PyTorch's gradients."""
+    import tgc
+
+    src = {"cross": CROSS, "pooling": POOLING}[name]
     assert key_loops(optimized(src, "f64", **KEYS)) == 0
     want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
     close(evaluate(optimized(src, "f64", **KEYS), inputs(src), dtype="f64"), want, 1e-10)
@@ -109,29 +137,32 @@ def test_fp_strict_and_the_default_keep_the_steps_whole():
 
 def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
     """q and k scaled so that the scores reach about 1e4 (nearly one-hot weights, the
-    running max moving by thousands between blocks): tgc f32 with the key loop (CPU)
-    within 10x PyTorch f32's normwise error of the f64 truth."""
+    running max moving by thousands between blocks): tgc f32 with the key loops (CPU),
+    y and every gradient, within 10x PyTorch f32's normwise error of the f64 truth."""
     import torch
     import tgc
     from numerics_util import normwise_err, ok
 
-    src = FORWARD["attention"]
+    src = ATTENTION
     x = inputs(src)
     x["q"], x["k"] = 80 * x["q"], 80 * x["k"]
 
     def reference(dtype):
-        t = {n: torch.tensor(a, dtype=dtype) for n, a in x.items()}
+        t = {n: torch.tensor(a, dtype=dtype, requires_grad=n in "qkv") for n, a in x.items()}
         scores = torch.einsum("htd,hsd->hts", t["q"], t["k"]) / 2 ** 0.5
         causal = torch.ones(32, 32, dtype=torch.bool).tril()
         y = torch.einsum("hts,hsd->htd", torch.softmax(torch.where(causal, scores, -1e9), -1), t["v"])
-        return y.to(torch.float64).numpy()
+        grads = torch.autograd.grad((y * t["dy"]).sum(), (t["q"], t["k"], t["v"]))
+        return {n: a.detach().to(torch.float64).numpy() for n, a in zip(("y", "dq", "dk", "dv"), (y, *grads))}
 
     want, theirs = reference(torch.float64), reference(torch.float32)
     assert np.abs(np.einsum("htd,hsd->hts", x["q"], x["k"])).max() / 2 ** 0.5 > 5e3
+    assert key_loops(optimized(src, "f32", **KEYS)) >= 2
     prog = tgc.compile(src, "cpu", "f32", options=Options(**KEYS))
-    got = prog(**{n: a.astype(np.float32) for n, a in x.items()})["y"]
-    mine, torch_err = normwise_err(got, want), normwise_err(theirs, want)
-    assert ok(mine, torch_err), (mine, torch_err)
+    got = prog(**{n: a.astype(np.float32) for n, a in x.items()})
+    for n in want:
+        mine, torch_err = normwise_err(got[n], want[n]), normwise_err(theirs[n], want[n])
+        assert ok(mine, torch_err), (n, mine, torch_err)
 
 
 def test_the_steps_hold_key_blocks():

@@ -89,7 +89,9 @@ def _stat_kind(v: Value, s: str) -> str | None:
     if v.op == "reduce" and s in v.attrs[1]:
         return v.attrs[0] if v.attrs[1] == (s,) and v.attrs[0] in ("max", "logsumexp") else "other"
     if v.op == "contract" and s not in v.edges and any(s in o.edges for o in v.operands):
-        return "sum"
+        # a sum over the keys; with an indicator naming them, a reindex of the keys to
+        # another edge (a masked stream's run padding its carry back to every key): a reader
+        return None if any(o.op == "indicator" and s in o.edges for o in v.operands) else "sum"
     return None
 
 
@@ -128,15 +130,13 @@ class _Keys:
         sid = {id(v) for v in stats}
         if any(_stat_kind(v, s) == "other" for v in stats):
             raise _Reject
-        if sum(_stat_kind(v, s) == "max" for v in stats) != 1:
-            raise _Reject
-        for v in order:   # the cluster is read by itself and the statistics only
-            if id(v) not in ids and id(v) not in sid and any(id(o) in ids for o in v.operands):
-                raise _Reject
-        if any(id(o.value) in ids for o in self.m.outputs):
-            raise _Reject
-        # statistics read only what the loop computes: the cluster, key operands, invariants
-        # not computed from statistics (a statistic read by the cluster is owed, not computed)
+        # the cluster's values read by other values (a gradient's carry over the keys) or
+        # by the outputs: stacked results of the second loop
+        stacked = {id(o): o for v in order if id(v) not in ids and id(v) not in sid
+                   for o in v.operands if id(o) in ids}
+        stacked.update({id(o.value): o.value for o in self.m.outputs if id(o.value) in ids})
+        # the loops read only what they compute: the cluster, key operands, invariants not
+        # computed from statistics (a statistic read by the cluster is owed or an invariant)
         after: set[int] = set(sid)
         for v in order:
             if id(v) not in sid and any(id(o) in after for o in v.operands):
@@ -145,64 +145,169 @@ class _Keys:
             for o in v.operands:
                 if id(o) in after and id(o) not in sid and id(o) not in ids:
                     raise _Reject
+        self.ids, self.sid = ids, sid
         self.sc = _fresh(self.m, s, b)
         self.sb = _fresh(self.m, s, self.sizes[s] // b)
-        sc, sb = self.sc, self.sb
+        self.windows: dict[int, str] = {}
+        # a sum over the keys that is another's times factors without the keys is computed
+        # from it after the first loop (attention's rowsum(P * (dy . v)) = rowsum(dy * y))
+        self.derived = self.derived_sums(stats)
+        # the first loop: the statistics the online form computes (a dry run finds them)
+        online = self.online([v for v in stats if id(v) not in self.derived], None)
+        if id(self.mx) not in online:
+            raise _Reject
+        memo: dict[int, Value] = {}
+        first = [v for v in stats if id(v) in online]
+        self.online(first, memo)
+        for v in stats:
+            if id(v) in self.derived and id(self.derived[id(v)][0]) in memo:
+                y, factors = self.derived[id(v)]
+                memo[id(v)] = V.contract([memo[id(y)]] + factors, v.edges, v.loc)
+        # the second loop: the other statistics and the stacked results, every statistic
+        # of the first loop known
+        rest = [v for v in stats if id(v) not in memo]
+        if rest or stacked:
+            self.second(rest, list(stacked.values()), memo)
+        for v in order:
+            if id(v) not in memo and id(v) not in ids:
+                memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+        return self.m.replace_values(memo)
 
+    def flatten(self, v: Value) -> tuple[list[Value], set[str]]:
+        """The factors of contraction `v` through the cluster's contractions it reads (an
+        inner contraction whose summed edges no other factor and not the result has), and
+        the edges summed."""
+        if v.op != "contract":
+            return [v], set()
+        summed = {e for o in v.operands for e in o.edges} - set(v.edges)
+        factors: list[Value] = []
+        for k, o in enumerate(v.operands):
+            if o.op == "contract" and id(o) in self.ids:
+                f, sm = self.flatten(o)
+                seen = set(v.edges).union(*(set(x.edges) for j, x in enumerate(v.operands) if j != k))
+                if not sm & seen:
+                    factors += f
+                    summed |= sm
+                    continue
+            factors.append(o)
+        return factors, summed
+
+    def derived_sums(self, stats: list[Value]) -> dict[int, tuple[Value, list[Value]]]:
+        """The sums over the keys D whose factors are another sum Y's and factors without
+        the keys (not computed in the loops), Y summing only edges D sums:
+        D = contract(Y, factors) (a reassociation of D's sum): id(D) -> (Y, factors)."""
+        sums = [v for v in stats if _stat_kind(v, self.s) == "sum"]
+        flat = {id(v): self.flatten(v) for v in sums}
+        out: dict[int, tuple[Value, list[Value]]] = {}
+        for d in sums:
+            fd, sd = flat[id(d)]
+            for y in sums:
+                if y is d or id(y) in out:
+                    continue
+                fy, sy = flat[id(y)]
+                rest = list(fd)
+                for x in fy:
+                    k = next((i for i, r in enumerate(rest) if r is x), None)
+                    if k is None:
+                        break
+                    rest.pop(k)
+                else:
+                    if rest and sy <= sd and all(self.s not in r.edges and id(r) not in self.ids
+                                                 and id(r) not in self.sid for r in rest):
+                        out[id(d)] = (y, rest)
+                        break
+        return out
+
+    def cone(self, roots: list[Value], through_stats: bool) -> list[Value]:
+        """The cluster's values and statistics `roots` read (and the roots), in order;
+        through a statistic's operands only when `through_stats`."""
+        seen: set[int] = set()
+        stack = list(roots)
+        while stack:
+            v = stack.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if id(v) in self.sid and not through_stats and not any(v is r for r in roots):
+                continue
+            stack += [o for o in v.operands if id(o) in self.ids or id(o) in self.sid]
+        return [v for v in self.order if id(v) in seen]
+
+    def frame(self, values: list[Value], carries: list[Value], known: dict[int, Value]):
+        """A loop's parameters and operands for computing `values` (cluster values and
+        statistics, in order) with `carries` (statistics) as its carries; `known`: the
+        statistics computed before the loop, read as invariants. Returns (params,
+        operands, inner: id(outside value) -> its parameter, gathers, slices count)."""
+        s, b, sc, sb = self.s, self.b, self.sc, self.sb
         params: list[Value] = []
         operands: list[Value] = []
-        carry_of: dict[int, int] = {}          # id(stat) -> its carry's index
-        for v in stats:
-            carry_of[id(v)] = len(params)
+        for v in carries:
             init = float("-inf") if _stat_kind(v, s) == "max" else 0.0
-            operands.append(V.const(init, v.dtype, self.edges(v)))
+            operands.append(V.const(init, v.dtype, v.edges))
             params.append(V.loopvar(len(params), v.dtype, v.edges))
-        n_carries = len(params)
-        # outside operands of the cluster and statistics: key operands (stacked blocks),
-        # gathered tables (stacked windows), invariants
         inner: dict[int, Value] = {}
-        slices: list[tuple[Value, Value]] = []
-        gathers: dict[int, tuple[Value, Value]] = {}   # id(contract) -> (window param, index indicator)
+        slices: list[Value] = []
+        gathers: dict[int, tuple[Value, Value]] = {}
         invariants: list[Value] = []
-        for v in cluster + stats:
+        computed = {id(v) for v in values}
+        for v in values:
+            if id(v) in self.sid and not any(v is c for c in carries):
+                continue   # a statistic this loop does not compute
             if v.op == "contract" and any(o.op == "indicator" and s in o.edges for o in v.operands):
                 gathers[id(v)] = self.gather(v, operands, params)
                 continue
             for o in v.operands:
-                if id(o) in ids or id(o) in sid or id(o) in inner or o.op in ("const", "size"):
+                if id(o) in inner or o.op in ("const", "size") or (id(o) in computed and id(o) not in known):
                     continue
+                if id(o) in self.sid:
+                    if id(o) in known:
+                        invariants.append(o)
+                        inner[id(o)] = o
+                    continue
+                if id(o) in self.ids:
+                    raise _Reject   # a cluster value the loop does not compute
                 if o.op == "indicator":
                     if s in o.edges:
                         raise _Reject
                     continue
-                if s in o.edges:
-                    slices.append((o, _split(o, s, sc, sb, b)))
-                    inner[id(o)] = o   # placeholder, set below
-                else:
-                    invariants.append(o)
-                    inner[id(o)] = o
-        for o, split in slices:
-            operands.append(split)
-            p = V.loopvar(len(params), o.dtype, self.edges(o))
-            params.append(p)
-            inner[id(o)] = p
-        n_slices = len(params) - n_carries
+                (slices if s in o.edges else invariants).append(o)
+                inner[id(o)] = o
+        for o in slices:
+            operands.append(_split(o, s, sc, sb, b))
+            inner[id(o)] = V.loopvar(len(params), o.dtype, self.edges(o))
+            params.append(inner[id(o)])
+        n_slices = len(params) - len(carries)
         for o in invariants:
-            operands.append(o)
-            p = V.loopvar(len(params), o.dtype, o.edges)
-            params.append(p)
-            inner[id(o)] = p
+            operands.append(known.get(id(o), o))
+            inner[id(o)] = V.loopvar(len(params), o.dtype, o.edges)
+            params.append(inner[id(o)])
+        return params, operands, inner, gathers, n_slices
 
-        reps: dict[int, _Rep] = {}
-        results: list[Value | None] = [None] * n_carries
+    def online(self, stats: list[Value], memo: dict[int, Value] | None) -> set[int]:
+        """The loop over key blocks computing `stats` in the online form: with `memo`, their
+        final values put in `memo`; without it (a dry run), the ids of the statistics the
+        form computes."""
+        s = self.s
+        values = self.cone(stats, True)
+        stats = [v for v in values if id(v) in self.sid and id(v) not in self.derived]
+        params, operands, inner, gathers, n_slices = self.frame(values, stats, {})
+        carry_of = {id(v): k for k, v in enumerate(stats)}
+        reps: dict[int, _Rep | None] = {}
+        results: list[Value] = list(params[:len(stats)])   # a failed statistic's carry unchanged (dry run)
         mid = id(self.mx)
         self.m_old = params[carry_of[mid]]
         self.m_safe = None
+        self.owed = {}
+        done: set[int] = set()
 
         def rep(o: Value) -> _Rep:
             if id(o) in reps:
+                if reps[id(o)] is None:
+                    raise _Reject
                 return reps[id(o)]
-            if id(o) in sid:
+            if id(o) in self.sid:
+                if id(o) not in done:
+                    raise _Reject
                 if id(o) == mid:
                     return _Rep("add", self.m_safe, {mid: 1.0})
                 return _Rep("add", None, {id(o): 1.0})
@@ -210,30 +315,80 @@ class _Keys:
                 return _Rep("free", o)
             return _Rep("free", inner[id(o)])
 
-        for v in order:
-            if id(v) in ids:
-                reps[id(v)] = self.member(v, rep, gathers)
-            elif id(v) in sid:
-                results[carry_of[id(v)]] = self.update(v, rep, params[carry_of[id(v)]])
-        body = V.loop_body(params, results, n_carries, n_slices)
-        outs = {id(v): V.loop(body, sb, operands, carry_of[id(v)]) for v in stats}
-        memo: dict[int, Value] = {}
+        for v in values:
+            if id(v) in self.derived:
+                continue   # computed after the loop
+            try:
+                if id(v) in self.ids:
+                    reps[id(v)] = self.member(v, rep, gathers)
+                else:
+                    results[carry_of[id(v)]] = self.update(v, rep, params[carry_of[id(v)]])
+                    done.add(id(v))
+            except _Reject:
+                if memo is not None:
+                    raise
+                reps[id(v)] = None
+        if memo is None:
+            return done
+        body = V.loop_body(params, results, len(stats), n_slices)
         for v in stats:   # the statistics after the loop, with the terms they owe
-            kind, out = _stat_kind(v, s), outs[id(v)]
-            if kind == "max":
-                memo[id(v)] = out
-                continue
-            if kind == "logsumexp":
-                out = V.map_("log", out)
-            owed = [(c, memo[j]) for j, c in self.owed[id(v)].items() if j != mid and c != 0]
-            if owed:
-                t = V.add([x for _, x in owed], [c for c, _ in owed])
-                out = V.add([out, t]) if kind == "logsumexp" else V.mul([out, V.map_("exp", t)])
+            kind, out = _stat_kind(v, s), V.loop(body, self.sb, operands, carry_of[id(v)])
+            if kind != "max":
+                if kind == "logsumexp":
+                    out = V.map_("log", out)
+                owed = [(c, memo[j]) for j, c in self.owed[id(v)].items() if j != mid and c != 0]
+                if owed:
+                    t = V.add([x for _, x in owed], [c for c, _ in owed])
+                    out = V.add([out, t]) if kind == "logsumexp" else V.mul([out, V.map_("exp", t)])
             memo[id(v)] = out
-        for v in order:
-            if id(v) not in memo and id(v) not in ids:
-                memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
-        return self.m.replace_values(memo)
+        return done
+
+    def second(self, stats: list[Value], stacked: list[Value], memo: dict[int, Value]) -> None:
+        """The loop over key blocks computing `stats` (sums and maxima over the keys, as
+        carries) and the cluster's values `stacked` (stacked over the blocks, joined back
+        over the keys), every statistic in `memo` (the first loop's) read as an invariant;
+        their values put in `memo`."""
+        s, sc, sb, b = self.s, self.sc, self.sb, self.b
+        values = self.cone(stats + stacked, False)
+        mine = {id(v) for v in stats}
+        if any(id(o) in mine or (id(o) in self.sid and id(o) not in memo) for v in values for o in v.operands):
+            raise _Reject   # a statistic of this loop read in it: that needs a third loop
+        params, operands, inner, gathers, n_slices = self.frame(values, stats, memo)
+        vals: dict[int, Value] = {}
+
+        def read(o: Value) -> Value:
+            return vals[id(o)] if id(o) in vals else inner.get(id(o), o)
+
+        results: list[Value] = []
+        for v in values:
+            if id(v) in gathers:
+                p, ind = gathers[id(v)]
+                vals[id(v)] = V.contract([p, ind], self.edges(v), v.loc)
+            elif id(v) in self.ids:
+                ops = tuple(read(o) for o in v.operands)
+                if v.op == "contract":
+                    vals[id(v)] = V.contract(ops, self.edges(v), v.loc)
+                elif v.op == "reduce":
+                    vals[id(v)] = V.reduce(v.attrs[0], ops[0], v.attrs[1], v.loc)
+                else:
+                    vals[id(v)] = rebuild_same(v, ops)
+        for k, v in enumerate(stats):
+            kind, carry = _stat_kind(v, s), params[k]
+            ops = [read(o) for o in v.operands]
+            if kind == "sum":
+                results.append(V.add([carry, V.contract(ops, v.edges, v.loc)]))
+            elif kind == "max":
+                results.append(V.map_("max", carry, V.reduce("max", ops[0], [sc], v.loc)))
+            else:
+                raise _Reject   # a logsumexp reading what the online form does not follow
+        results += [vals[id(v)] for v in stacked]
+        body = V.loop_body(params, results, len(stats), n_slices)
+        for k, v in enumerate(stats):
+            memo[id(v)] = V.loop(body, sb, operands, k)
+        for j, v in enumerate(stacked):
+            out = V.loop(body, sb, operands, len(stats) + j)
+            rel = Relation((Affine.make({s: 1}), Affine.make({sc: 1, sb: b})), ("=",))
+            memo[id(v)] = V.contract([out, V.indicator(rel, out.dtype)], [e for e in v.edges])
 
     def gather(self, v: Value, operands: list, params: list) -> tuple[Value, Value]:
         """For `contract(G, [r = a*s + w])` (a table G without `s` read at an index affine in
@@ -264,7 +419,9 @@ class _Keys:
             if not isinstance(n, int) or not isinstance(c, int):
                 raise _Reject
             lo, hi = lo + min(0, c * (n - 1)), hi + max(0, c * (n - 1))
-        rw = _fresh(self.m, r, hi - lo + 1)
+        if id(v) not in self.windows:
+            self.windows[id(v)] = _fresh(self.m, r, hi - lo + 1)
+        rw = self.windows[id(v)]
         at = Relation((Affine.make({r: 1}), Affine.make({rw: 1, sb: a * b}, lo)), ("=",))
         operands.append(V.contract([g, V.indicator(at, g.dtype)], [rw if e == r else e for e in g.edges] + [sb]))
         p = V.loopvar(len(params), g.dtype, [rw if e == r else e for e in g.edges])
@@ -330,6 +487,9 @@ class _Keys:
             if r.kind != "free":
                 raise _Reject
             new = V.map_("max", carry, V.reduce("max", r.inner, [self.sc], v.loc))
+            self.owed[id(v)] = {}
+            if v is not self.mx:
+                return new   # another max of the blocks' values: exact, no rescaling
             inf = V.const(float("-inf"), new.dtype)
             self.m_safe = V.map_("where", V.map_("eq", new, inf), V.const(0.0, new.dtype), new)
             self.m_new = new
