@@ -99,6 +99,11 @@ A reverse loop (a gradient's) first computes again in its step the large values 
 would read stacked from its forward loop, where its step then streams
 (tgc.opt.stream_loops): both steps then hold blocks, not `[t, s]` matrices.
 
+Keys. Where `options.stream_key_block` is set, a step (of this pass's loops, or any
+loop's) whose scores over the keys still exceed `stream_step_elements` computes its
+values over the keys in loops over blocks of them, an online softmax then, for a
+backward, the gradients (tgc.opt.stream_keys, run after this pass).
+
 Terminates: recompute_residuals is one pass over the loops; then each round moves at
 least its seed (a large add, map, contraction, ... of the top level) into a loop body,
 which the pass never looks inside, and adds to the top level only values that are no

@@ -1,59 +1,74 @@
 """stream_keys: a step's softmax over a long key edge, computed over blocks of the keys
-with a running max and running sums (online softmax).
+with a running max and running sums (online softmax), and its backward over the same
+blocks with the weights recomputed from the row statistics.
 
 What it rewrites. A stream's step (tgc.opt.stream) holds `[.., B, s]` matrices: the
-scores of its block of B rows against every key `s`, their weights, and the sums of
-the weights against the values. Where one of them has more than
-`options.stream_step_elements` elements, this pass moves the step's values over `s`
-into a `loop` over blocks of `Bs = options.stream_key_block` keys (`s = sc + Bs*sb`),
-so that the step holds `[.., B, Bs]` blocks. It is not matched to attention: it
-applies to any module whose values over `s` (the cluster) are read only by reductions
-over `s` (the statistics), of which one is a max `m = max[s](X)` of a value computed
-without statistics, and the others are a `logsumexp[s]` or a sum over `s` (a
-contraction) of values built from `X`, `m` and the other statistics by adds, maps and
-products, where each `exp` reads `... - m` (the stabilized softmax: `exp(X - m -
-logsumexp[s](X - m))`, or any weighting of that kind). Each value of the cluster is
-tracked as a block value and the statistics it still owes:
+scores of its block of B rows against every key `s`, their weights, their cotangents.
+Where the scores have more than `options.stream_step_elements` elements, this pass
+computes the step's values over `s` (the cluster: every value with `s` made by adds,
+maps, products and reductions over other edges) in loops over blocks of `Bs =
+options.stream_key_block` keys (`s = sc + Bs*sb`), so that the step holds
+`[.., B, Bs]` blocks. It is not matched to attention: it applies to any module with a
+max over `s`, `m = max[s](X)`, whose cluster is read only by reductions over `s` (the
+statistics: maxima, `logsumexp[s]`, sums over `s`) and by values that keep `s` (a
+gradient's carry over the keys, an output).
 
-- free: computed in the step from its block (the scores, a mask, a bias);
+The first loop (the online softmax) computes the statistics it can follow through a
+running max. Each cluster value is tracked as a block value and the statistics it owes:
+
+- free: computed from its block (the scores, a mask, a bias);
 - additive `b + sum_j c_j T_j` (an exponent): `b` reads the running max `m'` in place of
   `m`, and the terms of the other statistics (`logsumexp`, known only after the loop)
   are kept aside;
-- scaled `b * exp(sum_j c_j T_j)` (the weights and their products with free values):
-  `b` reads `m'`, the factor is applied after the loop.
+- scaled `b * exp(sum_j c_j T_j)` (the weights, their products with free values): `b`
+  reads `m'`, each `exp` reading `... - m` (so every block exponent is at most 0).
 
-The loop carries the running max `m'` (the max of the blocks so far) and, per
-statistic, a running sum of its block sums, multiplied by `exp(c_m (m'_new - m'_old))`
-(c_m <= 0: the power of `exp(-m)` the summand carries) before the block's sum is added:
-the sums of earlier blocks brought to the new max. After the loop, `m = m'`,
-`logsumexp[s](X - m + ...) = log(l) + ...`, and a sum is its carry times `exp` of the
-other statistics' terms (attention's `y = acc * exp(-lse)`). A key operand (`[s, hd]`
-keys and values) is read as stacked blocks (`_split`, an exact reindex), the other
-operands as loop invariants; a gather of a small table at an index affine in `s` (a
-stream's mask: `G[r = s - t + c]`) reads a stacked window of the table per block.
+The loop carries `m'` (the max of the blocks so far) and, per statistic, a running sum
+of its block sums, multiplied by `exp(c_m (m'_new - m'_old))` (c_m <= 0: the power of
+`exp(-m)` the summand carries) before the block's sum is added: the earlier blocks'
+sums brought to the new max (its only new carry kind: a sum whose update first scales
+the carry, written with the IR's `map[exp]` of the max carries' difference). After
+the loop, `m = m'`, `logsumexp[s](X - m + ...) = log(l) + ...`, and a sum is its carry
+times `exp` of the owed terms (attention's `y = acc * exp(-lse)`). A sum over `s` whose
+factors are another sum's and factors without `s` is computed from it after the loop
+(a reassociation: attention's backward `rowsum(P * (dy . v)) = rowsum(dy * y)`).
+
+The second loop (only when something is left) computes the other statistics (sums and
+maxima over `s`, carries) and the cluster's values read outside (stacked over the
+blocks, joined back over `s`: the blocks of `dk`, `dv` added to the step's carries),
+the first loop's statistics read as invariants: its weights are `exp(X - m - lse)`
+recomputed per block, as the unstreamed step computes them. A statistic read by
+another value of the second loop (a softmax stabilized again over a statistic's
+shift: the derived backward of an unmasked softmax) would need a third loop: the step
+is left whole. A key operand (`[s, hd]` keys, values, the step's carries over `s`) is
+read as stacked blocks (`_split`, an exact reindex), the others as loop invariants; a
+gather of a small table at an index affine in `s` (a stream's mask `G[r = s - t + c]`)
+reads a stacked window of the table per block; a reindex of the keys to another edge
+(a masked run's carry padded back to every key) reads the joined values.
 
 Masked keys. A stream over a mask already runs each step over only the keys the mask
-admits for the step's rows (tgc.opt.stream_skip, the keys resized to the run's hull);
-the key loop covers that hull. Fully masked rows: with a finite fill (-1e9) every key
-of the row has the fill's score, so `m'` is the fill from the first block on, every
-weight is exp(0) = 1 and the result is the mean, as unstreamed; with a -inf fill the
-running max stays -inf and is read as 0 (`exp(-inf - 0) = 0`, the carries stay 0),
-and the row's logsumexp is log(0) = -inf, its sums 0 * inf = NaN, as the unstreamed
-program's NaN (exp(-inf - -inf)).
+admits for the step's rows (tgc.opt.stream_skip: the keys resized to the run's hull);
+the key loops cover that hull (the masked keys inside it are computed, as the
+unstreamed step computes them). Fully masked rows: with a finite fill (-1e9) every
+key of the row has the fill's score, so `m'` is the fill from the first block on,
+every weight is exp(0) = 1 and the result is the mean, as unstreamed; with a -inf
+fill the running max stays -inf and is read as 0 (`exp(-inf - 0) = 0`, the carries
+stay 0), the row's logsumexp is log(0) = -inf and its sums NaN, as unstreamed
+(exp(-inf - -inf)).
 
-Exact? No: it changes the rounding, as every online softmax does. A block's
-weights are `exp(X - m')` with the running max in place of the final one, and the
-sums of earlier blocks are scaled by `exp(m'_old - m'_new)` (at most one rounding per
-block and row, each factor <= 1, so no overflow: every exponent is at most 0, as in
-the unstreamed program); the sums over `s` are taken blockwise, then across blocks (a
-reassociation, as tgc.opt.stream's); `y = acc * exp(-log l)` in place of the sum of
-`v * exp(X - m - lse)`. With logits up to 1e4 the error stays a few ulps of the
-result per block (tests/opt/test_stream_keys.py against PyTorch). Under `--fp-strict`
-the stream pass, and this one with it, is not in the pipeline. The max is exact.
+Exact? No: it changes the rounding, as every online softmax does. The first loop's
+block weights are `exp(X - m')` with the running max in place of the final one, and
+the earlier blocks' sums are scaled by `exp(m'_old - m'_new)` (one more rounding per
+block and row; each factor <= 1, so nothing overflows); `y = acc * exp(-log l)`
+replaces the sum of `v * exp(X - m - lse)`; the sums over `s` are taken blockwise,
+then across blocks, and `rowsum(P * dP)` as `rowsum(dy * y)` (reassociations, as
+tgc.opt.stream's). The maxima are exact; the second loop's weights are the
+unstreamed step's. With logits up to 1e4, f32, y and every gradient stay within 10x
+PyTorch f32's error (tests/opt/test_stream_keys.py). Under `--fp-strict` the stream
+pass, and this one with it, is not in the pipeline.
 
-Terminates: one pass over each loop body's values (bodies first, innermost first);
-the key loop it makes is not looked into again, and a module is rewritten at most
-once (one max statistic, one loop).
+Terminates: one pass over each loop body (innermost first), each tried once per max
+over a key edge; a rewrite makes at most two loops, which are not looked into again.
 """
 from __future__ import annotations
 
