@@ -37,10 +37,11 @@ The second loop (only when something is left) computes the other statistics (sum
 maxima over `s`, carries) and the cluster's values read outside (stacked over the
 blocks, joined back over `s`: the blocks of `dk`, `dv` added to the step's carries),
 the first loop's statistics read as invariants: its weights are `exp(X - m - lse)`
-recomputed per block, as the unstreamed step computes them. A statistic read by
-another value of the second loop (a softmax stabilized again over a statistic's
-shift: the derived backward of an unmasked softmax) would need a third loop: the step
-is left whole. A key operand (`[s, hd]` keys, values, the step's carries over `s`) is
+recomputed per block, as the unstreamed step computes them. A statistic of the
+second loop read by another of its values would need a third loop: the step is left
+whole. (The derived backward of an unmasked softmax stabilizes it again, `max[s](X -
+m)`: that max is 0, `_shifted_maxima`, and the softmax over `X - m - 0` is one the
+first loop follows.) A key operand (`[s, hd]` keys, values, the step's carries over `s`) is
 read as stacked blocks (`_split`, an exact reindex), the others as loop invariants; a
 gather of a small table at an index affine in `s` (a stream's mask `G[r = s - t + c]`)
 reads a stacked window of the table per block; a reindex of the keys to another edge
@@ -72,6 +73,7 @@ over a key edge; a rewrite makes at most two loops, which are not looked into ag
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from tgc.ir import values as V
@@ -485,12 +487,17 @@ class _Keys:
             if ops[0].coefs.get(id(self.mx), 0.0) != -1.0:
                 raise _Reject   # exp(X - m ...) only: every block exponent <= 0
             return _Rep("scaled", V.map_("exp", ops[0].inner, loc=v.loc), dict(ops[0].coefs))
-        if v.op == "contract" and all(r.kind in ("free", "scaled") for r in ops):
+        if (v.op == "contract" or (v.op == "map" and v.attrs[0] == "mul0")) \
+                and all(r.kind in ("free", "scaled") for r in ops):
+            # a product; mul0(a, b) (0 where a is 0) too: a scaled factor's exp(...) is > 0
+            inner = [r.inner for r in ops]
             coefs = {}
             for r in ops:
                 for j, k in r.coefs.items():
                     coefs[j] = coefs.get(j, 0.0) + k
-            return _Rep("scaled", V.contract([r.inner for r in ops], self.edges(v), v.loc), coefs)
+            if v.op == "map":
+                return _Rep("scaled", V.map_("mul0", *inner, loc=v.loc), coefs)
+            return _Rep("scaled", V.contract(inner, self.edges(v), v.loc), coefs)
         raise _Reject
 
     def update(self, v: Value, rep, carry: Value) -> Value:
@@ -545,6 +552,7 @@ def stream_keys(module: Module, options: Options) -> Module:
     budget = options.stream_step_elements
     if b <= 0:
         return module
+    given, module = module, _shifted_maxima(module)
     order = module.values()
     sizes = {e: module.size(e) for e in module.edges}
     for mx in order:
@@ -561,7 +569,38 @@ def stream_keys(module: Module, options: Options) -> Module:
             return _Keys(m, s, b, mx, order).build()
         except _Reject:
             continue
-    return module
+    return given
+
+
+def _shifted_maxima(module: Module) -> Module:
+    """`module` with each `max[s](c*Z - max[s](c*Z))` (a softmax stabilized again over
+    its own shift, as a derived backward writes it) replaced by 0: every element is at
+    most 0 and the row's max is 0 (exactly where c*Z is rounded before the subtraction;
+    within its rounding where the two are fused), and a row whose max is infinite is NaN
+    through the shifted values either way. With it the softmax reads no statistic of a
+    shifted value, which a loop over key blocks could not compute."""
+    order = module.values()
+    zero: dict[int, Value] = {}
+    for v in order:
+        if v.op != "reduce" or v.attrs[0] != "max" or len(v.attrs[1]) != 1 or v.operands[0].op != "add":
+            continue
+        y = v.operands[0]
+        if len(y.operands) != 2 or not y.attrs or y.attrs[0] is None:
+            continue
+        for (z, a), (m, b) in itertools.permutations(zip(y.operands, y.attrs[0])):
+            if b != -1.0 or m.op != "reduce" or m.attrs[:2] != ("max", v.attrs[1]):
+                continue
+            x = m.operands[0]
+            if (x is z and a == 1.0) or (x.op == "add" and len(x.operands) == 1 and x.operands[0] is z
+                                         and tuple(x.attrs[0]) == (a,)):
+                zero[id(v)] = V.const(0.0, v.dtype, v.edges)
+                break
+    if not zero:
+        return module
+    memo: dict[int, Value] = {}
+    for v in order:
+        memo[id(v)] = zero[id(v)] if id(v) in zero else rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+    return module.replace_values(memo)
 
 
 def stream_key_bodies(module: Module, options: Options) -> Module:
