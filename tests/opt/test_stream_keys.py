@@ -174,3 +174,14 @@ def test_the_steps_hold_key_blocks():
     assert 1.5 * small <= large <= 2.5 * small, (small, large)
     rows = peak_at(1024, 0)   # the steps' [head, 32, 1024] matrices
     assert large < rows, (large, rows)
+
+
+def test_explain_names_the_key_loops_after_the_keys():
+    """`tgc explain` says what a stream step's loops over the keys stream: the keys `s`
+    (the loop's first stacked operand is the mask's window over `r`)."""
+    from tgc.explain import explain, format_explain
+    from tgc.pipeline import lower_module
+
+    module = optimized(FORWARD["masked"], "f32", **KEYS)
+    text = format_explain(explain(lower_module(module, Options(**KEYS)), {}), "keys")
+    assert "streams s in blocks of s." in text and "streams r" not in text, text
