@@ -165,7 +165,7 @@ def test_the_steps_hold_key_blocks():
     def peak_at(t, key_block):
         src = FORWARD["cross"].replace("t = 16, s = 32, hd = 2", f"t = {t}, s = {t}, hd = 16")
         opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_step_elements=1 << 10,
-                    stream_key_block=key_block)
+                    stream_key_block=key_block, stream_key_rows=32)
         module = optimized(src, "f32", **opts)
         assert key_loops(module) == (1 if key_block else 0)
         return explain(lower_module(module, Options(**opts)), {})["peak"]["bytes"]
@@ -185,3 +185,15 @@ def test_explain_names_the_key_loops_after_the_keys():
     module = optimized(FORWARD["masked"], "f32", **KEYS)
     text = format_explain(explain(lower_module(module, Options(**KEYS)), {}), "keys")
     assert "streams s in blocks of s." in text and "streams r" not in text, text
+
+
+def test_a_stream_whose_steps_run_over_key_blocks_takes_stream_key_rows():
+    """A stream whose steps stay over the budget and run over key blocks takes blocks of
+    `stream_key_rows` rows (8 here, where the stream's own block is 4); with the key
+    loops off it keeps its block. Both compute the unstreamed program's y."""
+    src = FORWARD["attention"]
+    rows = optimized(src, "f64", **KEYS, stream_key_rows=8)
+    assert rows.dims["t.1"] == 8 and key_loops(rows) >= 1
+    assert optimized(src, "f64", **ROWS, stream_key_rows=8).dims["t.1"] == 4
+    x = inputs(src)
+    close(evaluate(rows, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)

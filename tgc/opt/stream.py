@@ -66,6 +66,10 @@ block of `E` at a time:
   step streams as a program of its own under the thresholds divided by |h|
   (`partition`), looping over the next short edge first while still over.
 
+- where the steps' matrices are over the budget even so and `options.stream_key_block`
+  is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
+  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys.
+
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
 row max first, a reduction over it; the query edge does not: every reduction over
@@ -397,7 +401,8 @@ class _Streamer:
                     out = self.partition(order, roots, seed, r, edge)
                     if out is None:
                         n = self.sizes[edge]
-                        self.block = self.cache_block(_numel(seed, self.est) // n, n) or self.block
+                        fits = self.cache_block(_numel(seed, self.est) // n, n)
+                        self.block = fits or self.key_rows(n) or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
@@ -417,6 +422,17 @@ class _Streamer:
         if b // 2 >= self.least and n % (b // 2) == 0 and b // 2 * per <= budget:
             return b // 2
         return None
+
+    def key_rows(self, n: int) -> int | None:
+        """The block of a stream over an edge of size `n` whose steps' matrices exceed
+        `stream_step_elements` even halved and looped over the short edges, when its steps
+        then run over blocks of the keys (`stream_key_block`, tgc.opt.stream_keys):
+        `stream_key_rows` where it divides n in two blocks at least (a step's tiles are
+        its rows by a key block: more rows, fewer steps, each reading the keys once)."""
+        b = self.options.stream_key_rows
+        if self.options.stream_key_block <= 0 or b <= 0 or n % b or n < 2 * b:
+            return None
+        return b
 
     def partition(self, order: list[Value], roots: list[Value], seed: Value, r: _Region, edge: str) -> Module | None:
         """The module with the cluster of `r` (about to stream over `edge`) moved into a loop
