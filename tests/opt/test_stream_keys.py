@@ -197,3 +197,14 @@ def test_a_stream_whose_steps_run_over_key_blocks_takes_stream_key_rows():
     assert optimized(src, "f64", **ROWS, stream_key_rows=8).dims["t.1"] == 4
     x = inputs(src)
     close(evaluate(rows, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [("f64", 1e-12), ("f32", 2e-5)])
+def test_cuda_sim_matches_torch(dtype, tol):
+    """The key loops inside the stream's steps on the CUDA module's emulator (host launch
+    loops), attention with its gradients."""
+    import tgc
+
+    want = torch_oracle.evaluate(compile_source(ATTENTION, "<keys>", Options(dtype="f64")), inputs(ATTENTION))
+    got = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(ATTENTION, dtype))
+    close(got, want, tol)
