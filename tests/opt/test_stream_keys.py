@@ -2,7 +2,8 @@
 running sums (online softmax; tgc.opt.stream_keys). Forward chains (attention, cross
 attention, a bias, a softmax-weighted pooling over a non-attention edge, masked rows)
 and with their gradients (a second loop over the keys) against the program without the
-pass and PyTorch, in f64 and f32, on the interpreter and the CPU. The golden IR is
+pass and PyTorch, in f64 and f32, on the interpreter and the CPU (attention on cuda-sim
+too). The golden IR is
 tests/opt/stream_keys.tgir (forward) and tests/opt/stream_keys_grad.tgir."""
 import numpy as np
 import pytest
