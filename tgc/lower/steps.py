@@ -272,8 +272,10 @@ def _hull(o: Value) -> tuple[str, str, int] | None:
 def _note(v: Value, body: V.LoopBody) -> str:
     """What the loop is, for `tgc explain`: a `repeat`, a `scan`, or blocks of an edge."""
     edge = v.attrs[1]
-    for k, o in enumerate(v.operands):
-        split = split_edge(o, edge) if body.role(k) == "slice" else None
+    splits = [s for k, o in enumerate(v.operands) if body.role(k) == "slice" for s in [split_edge(o, edge)] if s]
+    # the edge the loop is named after first (a key loop's keys, not its mask's window)
+    splits.sort(key=lambda s: s[0].split(".")[0] != edge.split(".")[0])
+    for split in splits[:1]:
         if split is not None:
             hulls = sorted({h for j, x in enumerate(v.operands) if body.role(j) == "invariant"
                             for h in [_hull(x)] if h is not None})

@@ -66,6 +66,10 @@ block of `E` at a time:
   step streams as a program of its own under the thresholds divided by |h|
   (`partition`), looping over the next short edge first while still over.
 
+- where the steps' matrices are over the budget even so and `options.stream_key_block`
+  is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
+  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys.
+
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
 row max first, a reduction over it; the query edge does not: every reduction over
@@ -106,6 +110,11 @@ A reverse loop (a gradient's) first computes again in its step the large values 
 would read stacked from its forward loop, where its step then streams
 (tgc.opt.stream_loops): both steps then hold blocks, not `[t, s]` matrices.
 
+Keys. Where `options.stream_key_block` is set, a step (of this pass's loops, or any
+loop's) whose scores over the keys still exceed `stream_step_elements` computes its
+values over the keys in loops over blocks of them, an online softmax then, for a
+backward, the gradients (tgc.opt.stream_keys, run after this pass).
+
 Terminates: recompute_residuals is one pass over the loops; then each round moves at
 least its seed (a large add, map, contraction, ... of the top level) into a loop body,
 which the pass never looks inside, and adds to the top level only values that are no
@@ -129,6 +138,7 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt import stream_skip
+from tgc.opt.stream_keys import stream_key_bodies
 from tgc.opt.stream_loops import recompute_residuals
 from tgc.options import Options
 
@@ -451,7 +461,8 @@ class _Streamer:
                     out = self.partition(order, roots, seed, r, edge)
                     if out is None:
                         n = self.sizes[edge]
-                        self.block = self.cache_block(_numel(seed, self.est) // n, n) or self.block
+                        fits = self.cache_block(_numel(seed, self.est) // n, n)
+                        self.block = fits or self.key_rows(n) or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
@@ -471,6 +482,17 @@ class _Streamer:
         if b // 2 >= self.least and n % (b // 2) == 0 and b // 2 * per <= budget:
             return b // 2
         return None
+
+    def key_rows(self, n: int) -> int | None:
+        """The block of a stream over an edge of size `n` whose steps' matrices exceed
+        `stream_step_elements` even halved and looped over the short edges, when its steps
+        then run over blocks of the keys (`stream_key_block`, tgc.opt.stream_keys):
+        `stream_key_rows` where it divides n in two blocks at least (a step's tiles are
+        its rows by a key block: more rows, fewer steps, each reading the keys once)."""
+        b = self.options.stream_key_rows
+        if self.options.stream_key_block <= 0 or b <= 0 or n % b or n < 2 * b:
+            return None
+        return b
 
     def partition(self, order: list[Value], roots: list[Value], seed: Value, r: _Region, edge: str) -> Module | None:
         """The module with the cluster of `r` (about to stream over `edge`) moved into a loop
@@ -856,6 +878,7 @@ class Stream(Pass):
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
     groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
     step_elements: int | None = None  # a step's matrix budget (default: options.stream_step_elements)
+    key_block: int | None = None      # a step's key block (default: options.stream_key_block; tgc.opt.stream_keys)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
@@ -866,6 +889,8 @@ class Stream(Pass):
             options = options.with_(stream_mask_groups=self.groups)
         if self.step_elements is not None:
             options = options.with_(stream_step_elements=self.step_elements)
+        if self.key_block is not None:
+            options = options.with_(stream_key_block=self.key_block)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
@@ -876,4 +901,7 @@ class Stream(Pass):
         # a module, once), then the program itself; the loops this makes are not looked
         # into again
         module = recompute_residuals(module, options, stream)
-        return stream(map_bodies(module, lambda body: stream(body, options)), options)
+        module = stream(map_bodies(module, lambda body: stream(body, options)), options)
+        # a step whose matrices over the keys are still over the cache budget: its softmax
+        # over blocks of the keys (tgc.opt.stream_keys; off unless stream_key_block)
+        return stream_key_bodies(module, options)
