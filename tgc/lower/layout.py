@@ -15,9 +15,9 @@ temporary gets, in kernel order, the order that suits it best:
   when only loop kernels read it, elementwise or summing a few taps, the order whose
   innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
   its partial along contiguous rows); when they sum its rows over the whole of one
-  group (a softmax over the key edge) and that group is the larger, it goes innermost
-  all the same (`_summed_group`: a streamed attention step's `[64, s]` scores, as the
-  unstreamed `[t, s]` ones);
+  group (a softmax over the key edge) and that group is at least as large, it goes
+  innermost all the same (`_summed_group`: a streamed attention step's `[64, s]`
+  scores, as the unstreamed `[t, s]` ones, and a layer loop's square `[t, s]` `dP`);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -233,15 +233,17 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
                   short: int) -> str | None:
     """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
     over, each along its rows (a softmax's max, log-sum-exp and sums over the key
-    edge `s` of the `[t, s]` scores), when they agree on one and it is the larger
-    group, which the size rule (`_gemm_result_order`) would put outside: that group
-    innermost makes every such row contiguous, so the reductions run along memory,
-    and the CPU group stage keeps one row, not a block of columns, in its scratch (a
-    `[64, s]` block of scores in a streamed loop step is otherwise stored with its
-    short edge innermost). A reader votes when it sums a whole group (of more than
-    `short` elements) and keeps the other: a full sum (a loss) has no rows.
-    None when none votes, they disagree, or the groups tie in size (the size rule's
-    order stays: GPT's `[t, t]` scores inside its layer loop)."""
+    edge `s` of the `[t, s]` scores), when they agree on one and it is at least as
+    large as the other, which the size rule (`_gemm_result_order`) would put outside
+    (on a tie, the first group): that group innermost makes every such row
+    contiguous, so the reductions run along memory, and the CPU group stage keeps one
+    row, not a block of columns, in its scratch (a `[64, s]` block of scores in a
+    streamed loop step is otherwise stored with its short edge innermost; attention's
+    square `dP[s, t]`, M = s, in a layer loop's backward step was read at a stride of
+    t: 58-62 Mcycles a step for its softmax backward at nanoGPT-char's size, one
+    thread, against 15-16 along rows). A reader votes when it sums a whole group (of
+    more than `short` elements) and keeps the other: a full sum (a loss) has no rows.
+    None when none votes, they disagree, or the summed group is the smaller."""
     env = {d: guess for d in low.module.symbolic_dims()}
     size = {g: math.prod(size_estimate(low.size(e), env) for e in edges) for g, edges in (("m", m), ("n", n))}
     found = set()
@@ -262,7 +264,7 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
     if len(found) != 1:
         return None
     g = found.pop()
-    return g if size[g] > size["n" if g == "m" else "m"] else None
+    return g if size[g] >= size["n" if g == "m" else "m"] else None
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:
