@@ -19,12 +19,21 @@ out y[s, d] = sum[q](softmax[q](sum[d](a * b)) * a)
 """
 
 
-def test_the_scores_are_stored_with_the_summed_group_innermost():
-    options = Options(dtype="f32")
+def scores_order(**opts) -> tuple[str, ...]:
+    options = Options(dtype="f32").with_(**opts)
     module = lower(elaborate_source(SRC, "<test>", options).module, options).module
     low = lower_module(module, options, stop_after="layout")
     gemm = next(k for k in low.kernels if isinstance(k, GemmKernel))
-    assert low.buffers[gemm.out].order == ("s", "q")
+    return low.buffers[gemm.out].order
+
+
+def test_the_scores_are_stored_with_the_summed_group_innermost():
+    assert scores_order() == ("s", "q")   # rows of 64 (Options.layout_tie_rows)
+
+
+def test_shorter_rows_keep_the_size_rule_order():
+    # rows under layout_tie_rows are summed down the columns of a block of rows
+    assert scores_order(layout_tie_rows=65) == ("q", "s")
 
 
 @pytest.mark.parametrize("dtype,rtol", [("f64", 1e-12), ("f32", 1e-5)])
