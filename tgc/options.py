@@ -58,6 +58,7 @@ class Options:
     # Tuned numbers of the layout stage (tgc.lower.layout; docs/optimization.md, "Tuned numbers"):
     layout_tap_min_k: int = 256              # where an operand's order splits a GEMM's K group, its outer K edges become taps (loops of accumulating calls) only when at least this much of K is left to each call; else the operands are copied (_taps_for_split_k)
     layout_short_sum: int = 8                # loop kernels reading a GEMM's result that sum at most this many terms (kernel taps) count as elementwise readers when its order is chosen; a longer sum votes for its summed group (_suit_readers, _summed_group)
+    layout_tie_rows: int = 64                # ... when that summed group is as large as the other, it goes innermost only with at least this many elements (rows of several vectors; shorter rows are summed down the columns: _summed_group)
     layout_tall: int = 4                     # a GEMM result whose fixed order makes BLAS write a matrix at least this many times wider than tall ...
     layout_tall_min_k: int = 4096            # ... each element summing at least this many terms, is computed the other way round into a temporary and copied (_tall_result)
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)

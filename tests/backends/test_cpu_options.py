@@ -82,6 +82,7 @@ REACHES = [
 LOWERING = [
     ("layout_tap_min_k", 1 << 20, "conv2d"),
     ("layout_short_sum", 0, "conv2d"),
+    ("layout_tie_rows", 1, "gpt"),
     ("layout_tall", 1000, "conv2d"),
     ("layout_tall_min_k", 1 << 30, "conv2d"),
     ("group_inline_max_ops", 0, "layernorm"),
