@@ -5,7 +5,8 @@ compiled once); unrolling it instead costs compile time and code in proportion t
 its trip count, and gains fusion across the steps. The cost model is one rule: a
 loop over an edge of fixed size n (a literal dim, or one fixed by the caller's
 `dims=`) whose step holds s ops is unrolled when n * s <= `options.unroll_max_ops`
-(a small cell over a few steps; a transformer block over its layers stays a loop).
+(a small cell over a few steps; a transformer block over its layers stays a loop),
+unless it slices an i32 operand (ids read per step stay a loop's slices).
 A backend that runs no loops has every loop of fixed size unrolled before it
 lowers (`tgc.pipeline.lower_module`).
 
@@ -97,6 +98,12 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     return outs
 
 
+def _slices_ids(v: Value) -> bool:
+    """Whether loop `v` reads per-step slices of an i32 operand."""
+    body = v.attrs[0]
+    return any(body.role(k) == "slice" and o.dtype == "i32" for k, o in enumerate(v.operands))
+
+
 def step_ops(v: Value) -> int:
     """How many ops one step of loop `v` computes."""
     return len(topo_order(list(v.attrs[0].results)))
@@ -104,11 +111,12 @@ def step_ops(v: Value) -> int:
 
 def fixed_loops(module: Module, max_ops: int | None = None) -> list[Value]:
     """The loops of `module` whose edge has a known size n (and, with `max_ops`, whose n
-    steps hold at most that many ops)."""
+    steps hold at most that many ops and that slice no i32 operand: a step's ids stay
+    a slice the loop reads, as `_slice` cannot write one out)."""
     out = []
     for v in module.values():
         n = module.size(v.attrs[1]) if v.op == "loop" else None
-        if isinstance(n, int) and (max_ops is None or n * step_ops(v) <= max_ops):
+        if isinstance(n, int) and (max_ops is None or (n * step_ops(v) <= max_ops and not _slices_ids(v))):
             out.append(v)
     return out
 

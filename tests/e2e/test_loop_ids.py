@@ -1,0 +1,111 @@
+"""A loop whose stacked argument is i32 ids (`scan[t](cell, h0, ids, E, W)`, each step
+gathering rows by its slice of the ids): values, reverse, forward and nested
+derivatives against a plain numpy loop with hand-written derivatives... and against
+PyTorch's autograd where torch is installed; on the lowered, CPU and cuda-sim backends,
+with the trip count symbolic and fixed (short fixed loops that slice ids stay loops:
+`unroll` cannot write an i32 slice out). An id out of range at some step is the
+gather check's error before anything runs, as for a gather outside a loop."""
+import numpy as np
+import pytest
+
+import tgc
+from tgc.frontend import compile_source
+from tgc.ir.inputs import random_inputs
+from tgc.options import Options
+
+SOURCE = """\
+dim t{T}, b = 3, v = 7, d = 5
+input ids: i32[b, t]
+param E[t, v, d], W[t, d, v]
+param h0[b, d]
+fn cell(h, id, E, W) {{
+  e = h + E[v = id]
+  return tanh(e @ W @ E)
+}}
+hs = scan[t](cell, h0, ids, E, W)
+loss = sum(hs * hs)
+out loss
+out gE[t, v, d] = grad(loss, E)
+out gh = grad(loss, h0)
+out jv = jvp(loss, h0, h0)
+"""
+
+T, B, V, D = 6, 3, 7, 5
+
+
+def _args(seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(ids=rng.integers(0, V, (B, T)).astype(np.int32), E=0.4 * rng.standard_normal((T, V, D)),
+                W=0.4 * rng.standard_normal((T, D, V)), h0=rng.standard_normal((B, D)))
+
+
+def _oracle(a):
+    """The loop in numpy, its reverse pass written by hand: loss, dloss/dE, dloss/dh0, and
+    jvp(loss, h0, h0) = <dloss/dh0, h0>."""
+    h, keep = a["h0"], []
+    for i in range(T):
+        rows = a["E"][i][a["ids"][:, i]]                    # [b, d]
+        e = h + rows
+        z = e @ a["W"][i] @ a["E"][i]
+        keep.append((e, np.tanh(z)))
+        h = np.tanh(z)
+    hs = np.stack([y for _, y in keep])
+    loss = float(np.sum(hs * hs))
+    gE, gh = np.zeros_like(a["E"]), np.zeros_like(a["h0"])
+    for i in reversed(range(T)):
+        e, y = keep[i]
+        gh = gh + 2 * y                                     # loss's own use of step i's carry
+        gz = gh * (1 - y * y)
+        ew = e @ a["W"][i]                                  # [b, v]
+        gE[i] += ew.T @ gz                                  # z = ew @ E
+        ge = gz @ a["E"][i].T @ a["W"][i].T
+        np.add.at(gE[i], a["ids"][:, i], ge)                # the gather's rows
+        gh = ge
+    return dict(loss=loss, gE=gE, gh=gh, jv=float(np.sum(gh * a["h0"])))
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_scan_over_ids_agrees_with_a_numpy_loop(backend, fixed):
+    a = _args()
+    want = _oracle(a)
+    p = tgc.compile(SOURCE.format(T=f" = {T}" if fixed else ""), backend=backend, dtype="f64")
+    got = p(**{k: np.copy(x) for k, x in a.items()})
+    for k, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[k]), w, rtol=1e-11, atol=1e-12, err_msg=k)
+
+
+def test_the_oracle_is_torch_autograd():
+    torch = pytest.importorskip("torch", reason="torch checks the hand-written loop derivative")
+    a = _args(1)
+    want = _oracle(a)
+    E, W, h = (torch.tensor(a[k], requires_grad=True) for k in ("E", "W", "h0"))
+    ids = torch.tensor(a["ids"], dtype=torch.long)
+    y, ys = h, []
+    for i in range(T):
+        y = torch.tanh((y + E[i][ids[:, i]]) @ W[i] @ E[i])
+        ys.append(y)
+    loss = (torch.stack(ys) ** 2).sum()
+    gE, gh = torch.autograd.grad(loss, [E, h])
+    assert want["loss"] == pytest.approx(float(loss.detach()), rel=1e-13)
+    np.testing.assert_allclose(want["gE"], gE.numpy(), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(want["gh"], gh.numpy(), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+@pytest.mark.parametrize("bad", [V, -1])
+def test_an_id_out_of_range_in_a_step_is_an_error_before_anything_runs(backend, bad):
+    a = _args()
+    a["ids"][1, 4] = bad
+    p = tgc.compile(SOURCE.format(T=""), backend=backend, dtype="f64")
+    before = {k: np.copy(x) for k, x in a.items()}
+    with pytest.raises(tgc.EvalError, match=f"'ids'\\[b=1, t=4\\] = {bad}.*loop over 't'"):
+        p(**a)
+    for k in before:
+        np.testing.assert_array_equal(a[k], before[k])
+
+
+def test_random_inputs_draw_ids_in_range_of_a_gather_in_a_step():
+    m = compile_source(SOURCE.format(T=""), "ids.tg", Options())
+    ids = random_inputs(m, {"t": 400, "b": B, "v": V, "d": D})["ids"]
+    assert ids.min() == 0 and ids.max() == V - 1
