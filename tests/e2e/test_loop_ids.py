@@ -109,3 +109,42 @@ def test_random_inputs_draw_ids_in_range_of_a_gather_in_a_step():
     m = compile_source(SOURCE.format(T=""), "ids.tg", Options())
     ids = random_inputs(m, {"t": 400, "b": B, "v": V, "d": D})["ids"]
     assert ids.min() == 0 and ids.max() == V - 1
+
+
+BF16_SOURCE = """\
+dim layer, b = 2, d = 8
+param W: bf16[layer, d, d2: d]
+param x0[b, d]
+fn blk(x, w) = x + tanh(x @ w)[d2 -> d]
+y = repeat[layer](blk, x0, W)
+out loss = sum(y * y)
+out g[layer, d, d2] = grad(loss, W)
+out jv = jvp(loss, x0, x0)
+"""
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+def test_a_repeat_over_bf16_params_compiles_and_agrees_with_torch(backend):
+    """bf16 params stacked on the loop edge, with their bf16 gradient: the CPU and CUDA
+    backends store bf16 arguments in 2-byte buffers, and the step (a program of its own,
+    reading floats) got them unwidened, and its gradient's `to_bf16` unemulated: an
+    internal error at 'plan', then 'no code for to_bf16'."""
+    torch = pytest.importorskip("torch", reason="torch is the oracle")
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bf16 arrays")
+    rng = np.random.default_rng(0)
+    L = 9
+    W = (0.4 * rng.standard_normal((L, 8, 8))).astype(ml_dtypes.bfloat16)
+    x0 = rng.standard_normal((2, 8)).astype(np.float32)
+    p = tgc.compile(BF16_SOURCE, backend=backend)
+    got = p(W=W, x0=x0)
+    Wt = torch.tensor(W.astype(np.float64), requires_grad=True)
+    xt = torch.tensor(x0.astype(np.float64), requires_grad=True)
+    y = xt
+    for i in range(L):
+        y = y + torch.tanh(y @ Wt[i])
+    loss = (y * y).sum()
+    g, gx = torch.autograd.grad(loss, [Wt, xt])
+    assert float(got["loss"]) == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert float(got["jv"]) == pytest.approx(float((gx * xt).sum().detach()), rel=1e-4)
+    assert got["g"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got["g"].astype(np.float64), g.numpy(), rtol=2 ** -7, atol=1e-3 * float(g.abs().max()))

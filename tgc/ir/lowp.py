@@ -171,11 +171,13 @@ def emulate_low(module: Module, fp: str) -> Module:
     def emulated(v: Value, ops: tuple[Value, ...]) -> Value:
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             return _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
-        if v.dtype not in held or v.op == "arg":
+        if v.dtype not in held or v.op in ("arg", "loopvar"):
             # i32; the program's float type (an f64 value of an f32 program too: lowering
             # holds every float in fp); a bf16/f16 argument keeps its type: its buffer may
             # hold 2-byte elements (tgc.lower.narrow), and every op reading it is computed
-            # in fp (its result type), as in the source
+            # in fp (its result type), as in the source; so does a loop step's parameter
+            # (a slice of such an argument: a parameter that is not a loopvar would be no
+            # body, and the loop would keep its unemulated step)
             return Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
         attrs = v.attrs
         if v.op == "const":
