@@ -148,3 +148,21 @@ def test_a_repeat_over_bf16_params_compiles_and_agrees_with_torch(backend):
     assert float(got["jv"]) == pytest.approx(float((gx * xt).sum().detach()), rel=1e-4)
     assert got["g"].dtype == ml_dtypes.bfloat16
     np.testing.assert_allclose(got["g"].astype(np.float64), g.numpy(), rtol=2 ** -7, atol=1e-3 * float(g.abs().max()))
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_grad_emit_tg_of_a_scan_over_ids_is_an_error_not_a_program_that_does_not_read_back(tmp_path, fixed):
+    """The derivative's loop runs backwards over the ids; `.tg` cannot flip them (a
+    reindex takes float tensors): printed as `ids[t = size(t) - 1 - t]`, the program
+    did not read back ('an integer (i32) tensor can only be used as gather indices')."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    src = tmp_path / "ids.tg"
+    src.write_text(SOURCE.format(T=f" = {T}" if fixed else ""))
+    out = tmp_path / "d.tg"
+    r = CliRunner().invoke(main, ["grad", str(src), "--wrt", "E", "--of", "loss", "-o", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "runs backwards" in r.output and "reads i32 ids" in r.output and "Traceback" not in r.output
+    assert not out.exists()
