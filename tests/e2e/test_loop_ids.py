@@ -166,3 +166,55 @@ def test_grad_emit_tg_of_a_scan_over_ids_is_an_error_not_a_program_that_does_not
     assert r.exit_code == 1, r.output
     assert "runs backwards" in r.output and "reads i32 ids" in r.output and "Traceback" not in r.output
     assert not out.exists()
+
+
+SHARED = """\
+dim t{T}, b = 3, d = 4
+param W[d, d2: d], U[t, d, d2], h0[b, d], c[d]
+input xs[t, b, d]
+fn cell(h, w, x, u, cc) = tanh(h @ w + (x @ u))[d2 -> d] * cc
+hs = scan[t](cell, h0, W * [t = t], xs, U, [t = t] * c)
+loss = sum(hs * hs)
+out loss
+out gW = grad(loss, W)
+out gU[t, d, d2] = grad(loss, U)
+out gc = grad(loss, c)
+out jW = jvp(loss, W, W)
+out hW = grad(jvp(loss, W, W), W)
+"""
+
+
+def test_a_weight_repeated_along_the_loop_edge_is_one_invariant_operand():
+    """`W * [t = t]` (W repeated along t: every step's W) is passed to the loop as W, an
+    invariant: the loop holds no [t, d, d2] stack of it, and its gradient is a sum carried
+    through the reverse steps, not a per-step stack summed after (an RNN of width 256
+    over t = 4096 held 2.21 GB of temporaries, now 67 MB)."""
+    m = compile_source(SHARED.format(T=""), "shared.tg", Options())
+    (loop,) = [v for v in m.values() if v.op == "loop"]
+    body = loop.attrs[0]
+    assert (body.carries, body.slices, body.invariants) == (1, 2, 2)
+    assert [o.op for o in loop.operands[3:]] == ["arg", "arg"] and {o.attrs[0] for o in loop.operands[3:]} == {"W", "c"}
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_shared_weight_agrees_with_torch_in_every_mode(backend, fixed):
+    torch = pytest.importorskip("torch", reason="torch is the oracle")
+    n = 3 if fixed else 11
+    rng = np.random.default_rng(0)
+    a = dict(W=0.5 * rng.standard_normal((4, 4)), U=0.5 * rng.standard_normal((n, 4, 4)),
+             h0=rng.standard_normal((3, 4)), c=rng.standard_normal(4), xs=rng.standard_normal((n, 3, 4)))
+    got = tgc.compile(SHARED.format(T=f" = {n}" if fixed else ""), backend=backend, dtype="f64")(
+        **{k: np.copy(x) for k, x in a.items()})
+    t = {k: torch.tensor(x, requires_grad=True) for k, x in a.items()}
+    h, hs = t["h0"], []
+    for i in range(n):
+        h = torch.tanh(h @ t["W"] + t["xs"][i] @ t["U"][i]) * t["c"]
+        hs.append(h)
+    loss = (torch.stack(hs) ** 2).sum()
+    gW, gU, gc = torch.autograd.grad(loss, [t["W"], t["U"], t["c"]], create_graph=True)
+    jW = (gW * t["W"]).sum()
+    (hW,) = torch.autograd.grad(jW, [t["W"]])
+    want = dict(loss=loss, gW=gW, gU=gU, gc=gc, jW=jW, hW=hW)
+    for k, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[k]), w.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
