@@ -218,3 +218,37 @@ def test_a_shared_weight_agrees_with_torch_in_every_mode(backend, fixed):
     want = dict(loss=loss, gW=gW, gU=gU, gc=gc, jW=jW, hW=hW)
     for k, w in want.items():
         np.testing.assert_allclose(np.asarray(got[k]), w.detach().numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+BF16_CARRY = """\
+dim layer, b = 2, d = 8
+param W: bf16[layer, d, d2: d]
+param x0: bf16[b, d]
+fn blk(x, w) = bf16(x + tanh(x @ w)[d2 -> d])
+y = repeat[layer](blk, x0, W)
+out loss = sum(f32(y) * y)
+out g[layer, d, d2] = grad(loss, W)
+"""
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
+def test_a_bf16_carry_through_a_loop_of_symbolic_depth(backend):
+    """A bf16 carry (and bf16 params) in a differentiated loop: emulate_low holds a step's
+    parameters in f32 as its operands (a bf16 argument widened exactly); it gave the
+    forward loop a bf16 operand for an f32 parameter, an internal IRError."""
+    torch = pytest.importorskip("torch", reason="torch is the oracle")
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bf16 arrays")
+    rng = np.random.default_rng(0)
+    L = 7
+    W = (0.4 * rng.standard_normal((L, 8, 8))).astype(ml_dtypes.bfloat16)
+    x0 = rng.standard_normal((2, 8)).astype(ml_dtypes.bfloat16)
+    got = tgc.compile(BF16_CARRY, backend=backend)(W=W, x0=x0)
+    Wt = torch.tensor(W.astype(np.float32), requires_grad=True)
+    y = torch.tensor(x0.astype(np.float32))
+    for i in range(L):   # each step's value rounded to bf16 (its gradient passes straight through)
+        z = y + torch.tanh(y @ Wt[i])
+        y = z + (z.detach().to(torch.bfloat16).float() - z.detach())
+    loss = (y * y).sum()
+    (g,) = torch.autograd.grad(loss, [Wt])
+    assert float(got["loss"]) == pytest.approx(float(loss.detach()), rel=2 ** -7)
+    np.testing.assert_allclose(got["g"].astype(np.float64), g.numpy(), rtol=0.05, atol=0.02 * float(g.abs().max()))
