@@ -232,17 +232,21 @@ out g[layer, d, d2] = grad(loss, W)
 
 
 @pytest.mark.parametrize("backend", ["lowered", "cpu", "cuda-sim"])
-def test_a_bf16_carry_through_a_loop_of_symbolic_depth(backend):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_bf16_carry_through_a_differentiated_loop(backend, fixed):
     """A bf16 carry (and bf16 params) in a differentiated loop: emulate_low holds a step's
     parameters in f32 as its operands (a bf16 argument widened exactly); it gave the
-    forward loop a bf16 operand for an f32 parameter, an internal IRError."""
+    forward loop a bf16 operand for an f32 parameter, an internal IRError. Unrolled
+    (fixed depth), the stack of the bf16 steps had the compute type f32 where the
+    derivative's loop read bf16 slices: an IRError too."""
     torch = pytest.importorskip("torch", reason="torch is the oracle")
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="bf16 arrays")
     rng = np.random.default_rng(0)
     L = 7
     W = (0.4 * rng.standard_normal((L, 8, 8))).astype(ml_dtypes.bfloat16)
     x0 = rng.standard_normal((2, 8)).astype(ml_dtypes.bfloat16)
-    got = tgc.compile(BF16_CARRY, backend=backend)(W=W, x0=x0)
+    src = BF16_CARRY.replace("dim layer,", f"dim layer = {L},") if fixed else BF16_CARRY
+    got = tgc.compile(src, backend=backend)(W=W, x0=x0)
     Wt = torch.tensor(W.astype(np.float32), requires_grad=True)
     y = torch.tensor(x0.astype(np.float32))
     for i in range(L):   # each step's value rounded to bf16 (its gradient passes straight through)

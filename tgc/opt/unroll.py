@@ -93,6 +93,9 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     for steps in ys:
         parts = [V.mul([y, _at(edge, i, y.dtype)]) for i, y in steps]
         out = V.add(parts) if len(parts) > 1 else parts[0]
+        # (a bf16 step value's stack: products and sums of bf16 have the compute type;
+        # each element is one step's value, so the conversion back is exact)
+        out = V.convert(out, steps[0][1].dtype)
         stacked.add(out, edge, [y for _, y in sorted(steps, key=lambda t: t[0])])
         outs.append(out)
     return outs
