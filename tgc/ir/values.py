@@ -626,22 +626,26 @@ def rebuild(roots: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Val
 
 
 def rebuild_through_loops(values: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Value],
-                          memo: dict[int, Value], bodies: dict | None = None) -> None:
+                          memo: dict[int, Value], bodies: dict | None = None,
+                          operand: Callable[[Value], Value] | None = None) -> None:
     """Fill `memo[id(v)]` for each of `values` (operands first) with `fn(v, its new
     operands)`; a loop's body is rebuilt the same way first (its `loopvar` parameters
     through `fn` too, once per body), so that a per-value transform (a type emulation)
-    reaches every step. A loop whose rebuilt body no longer fits its operands or its
-    carries (`IRError`) keeps its old body."""
+    reaches every step; `operand`, where given, maps each new operand of a loop (to
+    the type its rebuilt parameter has). A loop whose rebuilt body no longer fits its
+    operands or its carries (`IRError`) keeps its old body."""
     bodies = {} if bodies is None else bodies
     for v in values:
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op != "loop":
             memo[id(v)] = fn(v, ops)
             continue
+        if operand is not None:
+            ops = tuple(operand(o) for o in ops)
         body = v.attrs[0]
         if body not in bodies:
             inner: dict[int, Value] = {}
-            rebuild_through_loops(topo_order(list(body.params) + list(body.results)), fn, inner, bodies)
+            rebuild_through_loops(topo_order(list(body.params) + list(body.results)), fn, inner, bodies, operand)
             try:
                 bodies[body] = loop_body([inner[id(p)] for p in body.params], [inner[id(r)] for r in body.results],
                                          body.carries, body.slices)

@@ -5,7 +5,8 @@ compiled once); unrolling it instead costs compile time and code in proportion t
 its trip count, and gains fusion across the steps. The cost model is one rule: a
 loop over an edge of fixed size n (a literal dim, or one fixed by the caller's
 `dims=`) whose step holds s ops is unrolled when n * s <= `options.unroll_max_ops`
-(a small cell over a few steps; a transformer block over its layers stays a loop).
+(a small cell over a few steps; a transformer block over its layers stays a loop),
+unless it slices an i32 operand (ids read per step stay a loop's slices).
 A backend that runs no loops has every loop of fixed size unrolled before it
 lowers (`tgc.pipeline.lower_module`).
 
@@ -92,9 +93,18 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     for steps in ys:
         parts = [V.mul([y, _at(edge, i, y.dtype)]) for i, y in steps]
         out = V.add(parts) if len(parts) > 1 else parts[0]
+        # (a bf16 step value's stack: products and sums of bf16 have the compute type;
+        # each element is one step's value, so the conversion back is exact)
+        out = V.convert(out, steps[0][1].dtype)
         stacked.add(out, edge, [y for _, y in sorted(steps, key=lambda t: t[0])])
         outs.append(out)
     return outs
+
+
+def _slices_ids(v: Value) -> bool:
+    """Whether loop `v` reads per-step slices of an i32 operand."""
+    body = v.attrs[0]
+    return any(body.role(k) == "slice" and o.dtype == "i32" for k, o in enumerate(v.operands))
 
 
 def step_ops(v: Value) -> int:
@@ -104,11 +114,12 @@ def step_ops(v: Value) -> int:
 
 def fixed_loops(module: Module, max_ops: int | None = None) -> list[Value]:
     """The loops of `module` whose edge has a known size n (and, with `max_ops`, whose n
-    steps hold at most that many ops)."""
+    steps hold at most that many ops and that slice no i32 operand: a step's ids stay
+    a slice the loop reads, as `_slice` cannot write one out)."""
     out = []
     for v in module.values():
         n = module.size(v.attrs[1]) if v.op == "loop" else None
-        if isinstance(n, int) and (max_ops is None or n * step_ops(v) <= max_ops):
+        if isinstance(n, int) and (max_ops is None or (n * step_ops(v) <= max_ops and not _slices_ids(v))):
             out.append(v)
     return out
 
