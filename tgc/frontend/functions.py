@@ -320,8 +320,6 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         raise el.error(f"the initial value of '{form}' has the loop edge '{e}'; the carry has no loop edge",
                        node.args[1], ctx)
     for a, n in zip(stacked, node.args[2:]):
-        if a.dtype == "i32":
-            raise el.error(f"a stacked argument of '{form}' is i32: a step reads float slices only (for now)", n, ctx)
         if e not in a.edges:
             raise el.error(f"a stacked argument of '{form}' has no edge '{e}' (its edges: [{', '.join(a.edges)}]): "
                            f"each step reads its slice along '{e}'", n, ctx)
