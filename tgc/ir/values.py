@@ -317,7 +317,9 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
 
 
 def _is_i32_scalar_arg(v: Value) -> bool:
-    return v.op == "arg" and v.dtype == "i32" and not v.edges
+    """An i32 scalar argument: the program's, or a loop step's (a `loopvar`, which the
+    lowering makes an argument of the step's own module)."""
+    return v.op in ("arg", "loopvar") and v.dtype == "i32" and not v.edges
 
 
 def random(kind: str, key: Value, folds: Sequence[int | Value], dtype: str, edges: Iterable[str],
@@ -362,7 +364,7 @@ def random_folds(v: Value) -> tuple[int | Value, ...]:
 def fold(key: Value, n: int | Value, loc: Loc | None = None) -> Value:
     """The key `fold(key, n)`, `n` an integer in [0, 2^31) or an i32 scalar argument:
     consumed by `random`, which folds it into its attributes (and operands)."""
-    if key.op not in ("arg", "fold") or key.dtype != "i32" or key.edges:
+    if key.op not in ("arg", "loopvar", "fold") or key.dtype != "i32" or key.edges:
         raise IRError("fold takes an i32 scalar key")
     if isinstance(n, Value):
         if not _is_i32_scalar_arg(n):

@@ -58,17 +58,18 @@ class _Stacked:
     def add(self, v: Value, edge: str, steps: list[Value]) -> None:
         self.steps[id(v)] = (v, edge, steps)
 
-    def slice(self, x: Value, edge: str, i: int) -> Value:
+    def slice(self, x: Value, edge: str, i: int, loc=None) -> Value:
         found = self.steps.get(id(x))
         if found is not None and found[1] == edge:
             return found[2][i]
-        return _slice(x, edge, i)
+        return _slice(x, edge, i, loc)
 
 
-def _slice(x: Value, edge: str, i: int) -> Value:
+def _slice(x: Value, edge: str, i: int, loc=None) -> Value:
     """x[edge = i]: x without `edge`, at index i."""
-    if x.dtype == "i32":   # i32 ids are not multiplied: they are gathered by the step index
-        raise V.IRError("a loop over i32 stacked operands cannot be unrolled yet")
+    if x.dtype == "i32":   # i32 ids are arguments, never slices of one: the loop must stay
+        raise CompileError(f"a loop over '{edge}' whose step reads slices of i32 data (gather ids, random "
+                           f"keys) runs only as a loop, and this backend runs no loops", loc)
     return V.contract([x, _at(edge, i, x.dtype)], [e for e in x.edges if e != edge])
 
 
@@ -79,7 +80,7 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     carry = list(ops[:body.carries])
     ys: list[list[tuple[int, Value]]] = [[] for _ in range(body.stacked)]   # (index, step's value)
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
-        args = carry + [stacked.slice(o, edge, i) if body.role(k) == "slice" else o
+        args = carry + [stacked.slice(o, edge, i, v.loc) if body.role(k) == "slice" else o
                         for k, o in enumerate(ops) if k >= body.carries]
         memo = {id(p): a for p, a in zip(body.params, args)}
         for u in topo_order(list(body.results)):
@@ -101,25 +102,25 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     return outs
 
 
-def _slices_ids(v: Value) -> bool:
-    """Whether loop `v` reads per-step slices of an i32 operand."""
-    body = v.attrs[0]
-    return any(body.role(k) == "slice" and o.dtype == "i32" for k, o in enumerate(v.operands))
-
-
 def step_ops(v: Value) -> int:
     """How many ops one step of loop `v` computes."""
     return len(topo_order(list(v.attrs[0].results)))
 
 
+def reads_i32_slices(v: Value) -> bool:
+    """Loop `v`'s steps read slices of an i32 operand (gather ids, random keys)."""
+    body = v.attrs[0]
+    return any(o.dtype == "i32" and body.role(k) == "slice" for k, o in enumerate(v.operands) if k >= body.carries)
+
+
 def fixed_loops(module: Module, max_ops: int | None = None) -> list[Value]:
     """The loops of `module` whose edge has a known size n (and, with `max_ops`, whose n
-    steps hold at most that many ops and that slice no i32 operand: a step's ids stay
-    a slice the loop reads, as `_slice` cannot write one out)."""
+    steps hold at most that many ops and read no i32 slice: an i32 value is an argument,
+    never a slice of one, so such a loop stays a loop, which every backend runs)."""
     out = []
     for v in module.values():
         n = module.size(v.attrs[1]) if v.op == "loop" else None
-        if isinstance(n, int) and (max_ops is None or (n * step_ops(v) <= max_ops and not _slices_ids(v))):
+        if isinstance(n, int) and (max_ops is None or (n * step_ops(v) <= max_ops and not reads_i32_slices(v))):
             out.append(v)
     return out
 
