@@ -111,3 +111,19 @@ def test_an_indicator_zero_is_exact_against_nan(monkeypatch):
         got = evaluate(m, {"x": x, "w": np.zeros(8)}, dtype="f64")
         np.testing.assert_array_equal(got["y"], x[::-1])   # NaN at 5, -inf at 1, the rest exact
         assert np.isnan(got["d"])
+
+
+@pytest.mark.parametrize("stream", ["rows", "keys"])
+def test_a_nan_query_without_a_mask_as_unstreamed(stream):
+    """Cross attention (no mask: no key skipped) with one NaN in a query: y and dq NaN in
+    that row only, dk and dv NaN in that head, as unstreamed (the queries' blocks are
+    split off by contractions with indicators)."""
+    from test_stream import CROSS
+
+    x = inputs(CROSS)
+    x["q"][1, 13, 0] = np.nan
+    got = evaluate(optimized(CROSS, "f64", **STREAMS[stream]), x, dtype="f64")
+    want = evaluate(optimized(CROSS, "f64", **OFF), x, dtype="f64")
+    assert [a.tolist() for a in np.isnan(want["y"]).any(axis=-1).nonzero()] == [[1], [13]]
+    assert np.isnan(want["dk"][1]).all() and not np.isnan(want["dk"][0]).any()
+    same(got, want, 1e-10)
