@@ -19,7 +19,9 @@ and dK), this prints:
    normalized shape C'[P, Q] = A'[P, R] B'[R, Q] (`gemm_peak`'s: batch x P x Q x R,
    A' and B' stored N or T) with their GFLOP, ms, Mcycles (ms x the FMA clock) and
    % of the peak (of `threads` cores; an epilogue folded into a GEMM counts in its
-   time); the other kernels with ms, MB moved (`tgc explain`'s: each buffer a kernel
+   time), and beside them each shape timed alone as benchmarks/gemm_peak.py times it
+   (tgc's own kernel and OpenBLAS, % of the same peak; `--alone-reps`); the other
+   kernels with ms, MB moved (`tgc explain`'s: each buffer a kernel
    reads or writes, once) and GB/s. The rows sum to the counted call: the kernels,
    each loop's own work beyond its step kernels (`loop overhead`: carries, slices)
    and the time outside every kernel (the call's argument checks, Python). The
@@ -123,6 +125,7 @@ class Row:
     flops: int                  # the product's 2 m n k (products), else tgc explain's FLOPs
     nbytes: int                 # tgc explain's bytes moved (each buffer once)
     shape: str = ""             # products: batch x P x Q x R and A' B' layouts
+    form: tuple | None = None   # ... as gemm_peak's product: (batch, P, Q, R, A' K-contiguous, B' N-contiguous)
     ticks: float = 0.0          # time-stamp-counter ticks per call
     times: int = 1              # runs per call (a loop's step kernels: its trip)
     loop: bool = False          # a loop (its ticks include its step kernels')
@@ -191,8 +194,10 @@ def kernel_rows(low, env: dict) -> tuple[list[Row], list[tuple[int, list[int]]]]
                        kernel_bytes(lw, k, env), times=times)
         count = lambda edges: int(np.prod([size(e) for e in edges])) if edges else 1   # noqa: E731
         M, N, K, nb = count(g.m), count(g.n), count(g.k), count(g.batch) * count(g.taps)
-        shape = product_shape(lw, g, M, N, K, nb) + (" implicit" if g is not k else "")
-        return Row(text, True, 2 * M * N * K * nb, kernel_bytes(lw, k, env), shape=shape, times=times)
+        shape, form = product_shape(lw, g, M, N, K, nb)
+        if g is not k:   # the gather packed by the product: no matrix to time alone
+            shape, form = shape + " implicit", None
+        return Row(text, True, 2 * M * N * K * nb, kernel_bytes(lw, k, env), shape=shape, form=form, times=times)
 
     rows = [row(low, k, 1) for k in low.kernels]
 
@@ -220,20 +225,40 @@ class _Only:
         self.kernels = [k]
 
 
-def product_shape(lw, g, M, N, K, nb) -> str:
-    """'batch x P x Q x R AB' as gemm_peak normalizes the product (C' = A' B', C'
-    row-major; A', B' N or T), or the plain batch x M x N x K where no matrix form."""
+def product_shape(lw, g, M, N, K, nb) -> tuple[str, tuple | None]:
+    """('batch x P x Q x R AB', its form) as gemm_peak normalizes the product (C' = A'
+    B', C' row-major; A', B' N or T), or the plain batch x M x N x K and None where
+    an operand is no matrix."""
     try:
         from tgc.backends.cpu.gemm_dispatch import operand_forms
 
         f = operand_forms(lw, g)
     except Exception:  # noqa: BLE001 -- an operand that is no matrix: the plain shape
-        return f"{nb} x {M} x {N} x {K}"
+        return f"{nb} x {M} x {N} x {K}", None
     if f["c"][2]:
         P, Q, a_k, b_n = M, N, f["a"][2], f["b"][2]
     else:   # C^T = B^T A^T
         P, Q, a_k, b_n = N, M, not f["b"][2], not f["a"][2]
-    return f"{nb} x {P} x {Q} x {K} {'N' if a_k else 'T'}{'N' if b_n else 'T'}"
+    return f"{nb} x {P} x {Q} x {K} {'N' if a_k else 'T'}{'N' if b_n else 'T'}", (nb, P, Q, K, a_k, b_n)
+
+
+def alone(rows: list[Row], options, reps: int) -> dict[str, dict]:
+    """Each product shape of `rows` timed alone as benchmarks/gemm_peak.py times it:
+    tgc's own kernel and OpenBLAS on 1 thread and 2 (the halves the plan cuts), the
+    minimum of `reps`: {shape: {(kernel, threads): seconds}}."""
+    import gemm_peak
+    from threadpoolctl import threadpool_limits
+
+    forms = {r.shape: r.form for r in rows if r.product and r.form is not None}
+    own, pair, rng = gemm_peak.Own(options.cpu), gemm_peak.Pair(), np.random.default_rng(0)
+    out = {}
+    with threadpool_limits(1):
+        for shape, (nb, P, Q, R, a_k, b_n) in forms.items():
+            p = dict(text=shape, batch=nb, P=P, Q=Q, R=R, a_k=a_k, b_n=b_n)
+            out[shape] = gemm_peak.measure(p, own, pair, reps, rng)
+    pair.close()
+    own.jit.close()
+    return out
 
 
 def account(program, arrays: dict, calls: int, hz: float) -> Account:
@@ -383,7 +408,7 @@ def load() -> str:
     return f"load average {os.getloadavg()[0]:.2f}"
 
 
-def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple) -> None:
+def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -> None:
     """The per-kernel table of one thread count."""
     hz, fma = acc.hz, pk["fma_clock"]
     peak = pk["gflops"] * 1e9 if threads == 1 else pk["gflops2"] * 1e9
@@ -395,16 +420,20 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple) -> None:
     print(f"\n  tgc, {threads} thread{'s' if threads > 1 else ''}: counted call {acc.wall * 1e3:.1f} ms (fastest "
           f"of {acc.calls}); the same program without the counters (merged regions): {plain[0] * 1e3:.1f} ms "
           f"median, {plain[1] * 1e3:.1f} min")
-    print(f"  {'product (batch x P x Q x R, A B)':<34} {'x/call':>6} {'GFLOP':>7} {'ms':>8} {'Mcyc':>8} {'% peak':>6}")
+    print(f"  {'product (batch x P x Q x R, A B)':<42} {'x/call':>6} {'GFLOP':>7} {'ms':>8} {'Mcyc':>8} {'% peak':>6}"
+          f" | alone: {'own %':>5} {'blas %':>6}")
     prod_t = 0.0
     for shape, rs in sorted(groups.items(), key=lambda kv: -sum(r.ticks for r in kv[1])):
         t = sum(r.ticks for r in rs) / hz
         f = sum(r.flops * r.times for r in rs)
         prod_t += t
-        print(f"  {shape:<34} {sum(r.times for r in rs):>6} {f / 1e9:>7.2f} {t * 1e3:>8.2f} {t * fma / 1e6:>8.1f} "
-              f"{100 * f / t / peak if t else 0:>6.1f}")
+        one = f / sum(r.times for r in rs)
+        cells = [f"{100 * one / solo[shape][k, threads] / peak:.1f}" if (k, threads) in solo.get(shape, {}) else "-"
+                 for k in ("own", "blas")]
+        print(f"  {shape:<42} {sum(r.times for r in rs):>6} {f / 1e9:>7.2f} {t * 1e3:>8.2f} {t * fma / 1e6:>8.1f} "
+              f"{100 * f / t / peak if t else 0:>6.1f} | {cells[0]:>12} {cells[1]:>6}")
     pf = acc.product_flops()
-    print(f"  {'all products':<34} {'':>6} {pf / 1e9:>7.2f} {prod_t * 1e3:>8.2f} {prod_t * fma / 1e6:>8.1f} "
+    print(f"  {'all products':<42} {'':>6} {pf / 1e9:>7.2f} {prod_t * 1e3:>8.2f} {prod_t * fma / 1e6:>8.1f} "
           f"{100 * pf / prod_t / peak if prod_t else 0:>6.1f}")
     others = sorted((r for r in acc.rows if not r.product), key=lambda r: -r.ticks)
     rest_t = sum(r.ticks for r in others) / hz
@@ -421,12 +450,15 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple) -> None:
         t, nb = sum(r.ticks for r in small) / hz, sum(r.nbytes for r in small)
         print(f"  {f'{len(small)} more, each under 0.5% of the call':<60} {'':>6} {t * 1e3:>8.2f} "
               f"{t * fma / 1e6:>8.1f} {nb / 1e6:>8.1f} {nb / t / 1e9 if t else 0:>6.1f}")
+    moved = sum(r.nbytes for r in others)
+    print(f"  other kernels: {moved / 1e6:.0f} MB moved in {rest_t * 1e3:.1f} ms, {moved / rest_t / 1e9 if rest_t else 0:.1f} "
+          f"GB/s; products: {sum(r.nbytes for r in acc.rows if r.product) / 1e6:.0f} MB (operands and results once)")
     print(f"  sum: products {prod_t * 1e3:.1f} + other kernels {rest_t * 1e3:.1f} + loop overhead "
           f"{ms(acc.loops):.1f} = counted {ms(acc.counted):.1f} ms; outside the kernels {acc.outside * 1e3:.1f}; "
           f"call {acc.wall * 1e3:.1f} ms ({100 * acc.counted / hz / acc.wall:.1f}% counted)")
 
 
-def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_steps: int) -> dict:
+def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_steps: int, reps: int) -> dict:
     """Build, time, count and print one workload (see the module docstring)."""
     print(f"\n== {w.title}; {load()}")
     res = {"tgc": {}, "plain": {}, "torch": {}, "torch_time": {}}
@@ -471,8 +503,9 @@ def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_s
     print(f"  products: {flops / 1e9:.2f} GFLOP in tgc's lowered program (the model's count, attention unmasked: "
           f"{w.model_flops() / 1e9:.2f}); at the FMA peak they take {1e3 * flops / (pk['gflops'] * 1e9):.1f} ms "
           f"on 1 core, {1e3 * flops / (pk['gflops2'] * 1e9):.1f} ms on 2 (the lower bound of the step)")
+    solo = alone(res["tgc"][threads[0]].rows, w.options, reps) if reps else {}
     for t in threads:
-        report_tgc(res["tgc"][t], t, pk, res["plain"][t])
+        report_tgc(res["tgc"][t], t, pk, res["plain"][t], solo)
     for t in res["torch"]:
         report_torch(res["torch"][t], t, res["torch_time"][t], pk, w.model_flops())
     summary(w, res, threads, pk, flops)
@@ -525,6 +558,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: both")
     ap.add_argument("--threads", type=int, action="append", help="default: 1 and 2")
     ap.add_argument("--calls", type=int, help="calls per contender and thread count (default: nanogpt 7, conv2d_sym 31)")
+    ap.add_argument("--alone-reps", type=int, default=10,
+                    help="runs of each product shape timed alone (gemm_peak's, minimum); 0: none")
     ap.add_argument("--torch-steps", type=int, default=5, help="steps under torch.profiler (the fastest kept)")
     args = ap.parse_args(argv)
 
@@ -540,7 +575,7 @@ def main(argv=None) -> int:
           f"two cores at once {pk['gflops2']:.1f} GFLOP/s; time-stamp counter {hz / 1e9:.3f} GHz; {load()}")
     for name in args.workload or ("nanogpt", "conv2d_sym"):
         w = WORKLOADS[name]()
-        run_workload(w, args.threads or [1, 2], args.calls or w.calls, pk, hz, args.torch_steps)
+        run_workload(w, args.threads or [1, 2], args.calls or w.calls, pk, hz, args.torch_steps, args.alone_reps)
     return 0
 
 
