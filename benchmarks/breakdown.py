@@ -37,8 +37,10 @@ and dK), this prints:
 
 Each contender's unprofiled time is the median and the minimum of `--calls` calls, tgc
 and torch interleaved; the counted and profiled calls are each the fastest of as many
-(on a shared machine the others carry more of the other processes' time). Timing is
-wall time: the load average is printed with each part.
+(on a shared machine the others carry more of the other processes' time), printed with
+the process's CPU time over that call's wall time and thread count (near 100%: the
+threads ran, or spun, all through it; far under: other processes held the cores).
+Timing is wall time: the load average is printed with each part.
 
     python benchmarks/breakdown.py                               # both workloads, 1 and 2 threads
     python benchmarks/breakdown.py --workload nanogpt --threads 2 --calls 7
@@ -51,7 +53,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +142,7 @@ class Account:
     wall: float                 # seconds per call, the same calls
     hz: float                   # the time-stamp counter's rate
     calls: int
-    extra: dict = field(default_factory=dict)
+    cpu: float = 0.0            # the process's CPU seconds during that call (all its threads)
 
     @property
     def outside(self) -> float:
@@ -275,18 +277,18 @@ def account(program, arrays: dict, calls: int, hz: float) -> Account:
     best = None
     for _ in range(calls):
         program.profile(reset=True)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         program(**arrays)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if best is None or wall < best[0]:
             top = {i: c for c, i, _ in program.profile()}
-            best = (wall, [top[i] for i in range(n)] + [c for c, _ in program.step_profile()])
-    wall, counts = best
+            best = (wall, [top[i] for i in range(n)] + [c for c, _ in program.step_profile()], cpu)
+    wall, counts, cpu = best
     for r, c in zip(rows, counts):
         r.ticks = float(c)
     loop_ticks = sum(rows[i].ticks - sum(rows[j].ticks for j in idx) for i, idx in loops)
     counted = sum(rows[i].ticks for i in range(n))
-    return Account([r for r in rows if not r.loop], loop_ticks, counted, wall, hz, calls)
+    return Account([r for r in rows if not r.loop], loop_ticks, counted, wall, hz, calls, cpu)
 
 
 # ---------------------------------------------------------------- PyTorch
@@ -303,14 +305,14 @@ def torch_profile(step, steps: int) -> dict:
     best = None
     for _ in range(steps):
         with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             step()
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if best is None or wall < best[0]:
-            best = (wall, prof.key_averages())
-    wall, averages = best
+            best = (wall, prof.key_averages(), cpu)
+    wall, averages, cpu = best
     out = {"products": 0.0, "attention": 0.0, "other": 0.0, "product_flops": 0, "phases": {}, "wall": wall,
-           "top": []}
+           "top": [], "cpu": cpu}
     for e in averages:
         s = e.self_cpu_time_total / 1e6
         if e.key.startswith("phase:"):
@@ -418,8 +420,8 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -
         if r.product:
             groups.setdefault(r.shape, []).append(r)
     print(f"\n  tgc, {threads} thread{'s' if threads > 1 else ''}: counted call {acc.wall * 1e3:.1f} ms (fastest "
-          f"of {acc.calls}); the same program without the counters (merged regions): {plain[0] * 1e3:.1f} ms "
-          f"median, {plain[1] * 1e3:.1f} min")
+          f"of {acc.calls}; the process on CPU {100 * acc.cpu / acc.wall / threads:.0f}% of it x {threads}); the same "
+          f"program without the counters (merged regions): {plain[0] * 1e3:.1f} ms median, {plain[1] * 1e3:.1f} min")
     print(f"  {'product (batch x P x Q x R, A B)':<42} {'x/call':>6} {'GFLOP':>7} {'ms':>8} {'Mcyc':>8} {'% peak':>6}"
           f" | alone: {'own %':>5} {'blas %':>6}")
     prod_t = 0.0
@@ -515,7 +517,8 @@ def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_s
 def report_torch(prof: dict, threads: int, eager: tuple, pk: dict, model_flops: float) -> None:
     peak = (pk["gflops"] if threads == 1 else pk["gflops2"]) * 1e9
     print(f"\n  PyTorch eager, {threads} thread{'s' if threads > 1 else ''}: unprofiled {eager[0] * 1e3:.1f} ms median, "
-          f"{eager[1] * 1e3:.1f} min; profiled (fastest step) {prof['wall'] * 1e3:.1f} ms")
+          f"{eager[1] * 1e3:.1f} min; profiled (fastest step) {prof['wall'] * 1e3:.1f} ms (the process on CPU "
+          f"{100 * prof['cpu'] / prof['wall'] / threads:.0f}% of it x {threads})")
     pf, what = prof["product_flops"], "the profiler's count"
     if not pf and not prof["attention"]:   # no count (the convolutions): the model's
         pf, what = model_flops, "the model's count"
