@@ -87,3 +87,14 @@ def test_torch_breakdown(breakdown):
     assert set(prof["phases"]) == {"forward", "backward"}
     ops = prof["products"] + prof["attention"] + prof["other"]
     assert ops <= prof["wall"] * 1.05
+
+
+def test_torch_breakdown_gpt(breakdown):
+    torch = pytest.importorskip("torch", reason="the torch half profiles PyTorch eager")
+    w = breakdown.NanoGPT(batch=2, sizes=TINY)
+    program = breakdown.build(w.module, w.dims, w.options, False, 1)
+    torch.set_num_threads(1)
+    prof = breakdown.torch_profile(w.torch_step(w.arrays(program), program), 2)
+    assert set(prof["phases"]) == {"forward", "backward", "clip", "adamw"}
+    assert prof["products"] > 0 and prof["product_flops"] > 0 and prof["attention"] > 0
+    assert prof["products"] + prof["attention"] + prof["other"] <= prof["wall"] * 1.05
