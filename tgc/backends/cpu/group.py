@@ -13,7 +13,12 @@ A kernel joins the group before it when:
   their whole output at the identity index, and the longest common prefix of their
   loops (same variables, same extents), kept in every member, is not empty;
 - every read of a buffer an earlier member wrote is at the same outer index (the
-  outer variables themselves), so at that index the value is complete.
+  outer variables themselves), so at that index the value is complete;
+- it does not shorten the group's shared loops while the group's buffers would then
+  hold more than `options.cpu.group_shrink_max_bytes` per outer index, unless it sums
+  over the loop where they end (`_Grouper.shrinks`: AdamW's moments and parameter of
+  a layer's matrix share all their loops, one pass over the slice; a layernorm
+  backward's partial sums still shorten its rows group).
 A member may also sum over the first outer variable (a parameter gradient
 `dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
 of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
