@@ -190,6 +190,9 @@ class Kernels:
 
 
 _REGISTRY: dict[str, str] | None = None
+# Runners without a folder: found by `get_backend` and listed in its error, but not by
+# `backend_names()` (the backend tests run the reference interpreter themselves)
+RUNNERS = {"interp": "tgc.backends.interp:InterpBackend"}
 _LOADED: dict[str, Backend] = {}
 
 
@@ -233,12 +236,14 @@ def build_targets() -> tuple[str, ...]:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called `name`; ValueError when there is none."""
+    """The backend called `name` (a folder's, or a runner's: `RUNNERS`); ValueError,
+    listing every name, when there is none."""
     if name in _LOADED:
         return _LOADED[name]
-    where = _registry().get(name) if isinstance(name, str) else None
+    where = (_registry().get(name) or RUNNERS.get(name)) if isinstance(name, str) else None
     if where is None:
-        raise ValueError(f"backend '{name}' is not available (have: {', '.join(backend_names())})")
+        raise ValueError(f"backend {name!r} is not available; the backends are: "
+                         f"{', '.join((*backend_names(), *RUNNERS))}")
     module, cls = where.split(":")
     backend = getattr(importlib.import_module(module), cls)()
     from tgc.lower.text import register_kernel_form, register_stage_name
