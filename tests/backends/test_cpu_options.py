@@ -133,7 +133,10 @@ def test_every_tuned_field_is_checked():
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     assert named <= {f.name for f in dataclasses.fields(CpuOptions)}
-    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | {"group_inline_max_ops", "gemm_epilogue"}
+    # read by the lowering: in LOWERING, but group_shrink_max_bytes, which changes no workload
+    # (their batch is symbolic): tests/backends/test_group.py's updates at fixed sizes check it
+    lowering = {"group_inline_max_ops", "group_shrink_max_bytes", "gemm_epilogue"}
+    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | lowering
     table = doc[doc.index("### Tuned numbers (`Options`)"):doc.index("### Tuned numbers (`CpuOptions`)")]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
