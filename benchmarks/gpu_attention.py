@@ -1,20 +1,22 @@
 """Causal attention on the GPU, forward and backward: tgc's cuda backend against torch SDPA.
 
 The program is benchmarks/attention.py's (the masked, scaled `softmax[s]` contracted with
-`v`, and the gradients of `sum(y * dy)` for q, k and v), compiled for f32 with the stream
-pass off (`stream_block=0`), so that the backend's `flash` stage sees the whole chain: the
-forward is one fused kernel and the backward two (docs/cuda.md, "Attention"). torch runs
+`v`, and the gradients of `sum(y * dy)` for q, k and v), compiled for f32 with the default
+options, as a user compiles it: the CUDA backends' options keep the chain whole for their
+`flash` stage (`Backend.pipeline_options`), so the forward is one fused kernel and the
+backward two at every length (docs/cuda.md, "Attention"). torch runs
 `F.scaled_dot_product_attention(is_causal=True)` and `torch.autograd.grad` on the same
 device arrays. Both results are checked against each other (2e-3 of the largest value)
-before timing. `--streamed` adds the program under the default options (the stream pass
-runs it in blocks of the key edge where its thresholds say so, as cuBLAS GEMMs and
-kernels per block).
+before timing. `--streamed` adds the program with the flash stage off
+(`CudaOptions(flash=False)`: the stream pass runs it in blocks of the query edge where its
+thresholds say so, as cuBLAS GEMMs and kernels per block).
 
 Columns: the median time of a call; launches per call of the fused program (kernels; no
 cuBLAS call); the peak device memory of the call beyond its inputs (tgc: CuPy's pool after
 the call; torch: `max_memory_allocated` over the call).
 
     python benchmarks/gpu_attention.py                      # t = 1024 .. 8192 on the GPU
+    benchmarks/gpu_check.sh --attention                     # the same on a lent device, one command (carry build/gpu-wheels)
     python benchmarks/gpu_attention.py --backend cuda-sim --rows 64   # the script, here
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=["cuda", "cuda-sim"], default="cuda")
     ap.add_argument("--rows", type=int, nargs="*", default=sorted(ROWS), help="lengths t")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--streamed", action="store_true", help="also time the default (streamed) program")
+    ap.add_argument("--streamed", action="store_true", help="also time the streamed program (flash stage off)")
     args = ap.parse_args(argv)
     import tgc
 
@@ -56,13 +58,14 @@ def main(argv=None) -> int:
     for t in args.rows:
         heads, batch = ROWS.get(t, (1, 1))
         src = SOURCE.format(batch=batch, heads=heads, t=t, hd=HD)
-        prog = tgc.compile(src, backend=args.backend, dtype="f32", options=tgc.Options(stream_block=0))
+        prog = tgc.compile(src, backend=args.backend, dtype="f32")   # the default options
         kinds = [getattr(k, "kind", "") for k in prog.lowered.kernels]
         launches = len(prog._kernels._cm.launches)
         if "flash" not in kinds or "flashback" not in kinds:
             print(f"# t={t}: the flash stage did not fuse the chain ({kinds})")
             failed += 1
-        streamed = tgc.compile(src, backend=args.backend, dtype="f32") if args.streamed else None
+        streamed = tgc.compile(src, backend=args.backend, dtype="f32",
+                               options=tgc.Options().with_(flash=False)) if args.streamed else None
         rng = np.random.default_rng(t)
         host = {k: rng.standard_normal((batch, heads, t, HD)).astype(np.float32) for k in ("q", "k", "v", "dy")}
         dev = {k: xp.asarray(v) for k, v in host.items()}

@@ -6,6 +6,7 @@
 #   benchmarks/gpu_check.sh --wheels   # here, with an index: the wheels the device lacks, into build/gpu-wheels
 #   benchmarks/gpu_check.sh            # on the GPU machine, from the repository root (carry build/gpu-wheels)
 #   benchmarks/gpu_check.sh --sim      # no GPU: the same parts on cuda-sim (small rows), to test this script
+#   benchmarks/gpu_check.sh --attention   # on the GPU machine: part 6 alone (its setup as above), at most 300 s
 #
 # Parts, each under its own timeout (they add up to 670 s: the last may be cut by the call's limit), each going on past a failing
 # test; every benchmark row is printed as soon as it is measured:
@@ -59,6 +60,8 @@ if ! command -v tgc >/dev/null; then   # the CLI too: this tree, installed witho
 fi
 
 BACKEND=cuda
+ONLY=
+[ "${1:-}" = "--attention" ] && ONLY=attention
 if [ "${1:-}" = "--sim" ]; then
     BACKEND=cuda-sim
 else
@@ -80,6 +83,12 @@ part() {   # part NAME SECONDS COMMAND...: runs it under a timeout, notes a fail
     echo "== $name: rc $rc in $((SECONDS - start))s"
 }
 
+if [ "$ONLY" = attention ]; then   # the default-options CUDA program against SDPA, t = 1024 .. 8192, alone
+    part attention 300 "$PY" benchmarks/gpu_attention.py --repeat 5
+    echo "== done in $((SECONDS - T0))s; ${#FAILED[@]} part(s) failed${FAILED[*]:+: ${FAILED[*]}}"
+    [ ${#FAILED[@]} -eq 0 ]
+    exit
+fi
 if [ "$BACKEND" = cuda ]; then
     part tests 120 "${PYTEST[@]}" tests/backends/test_cuda_gpu.py -k "not program_matches_interpreter" \
         tests/test_distributed.py::test_nccl_on_a_gpu_single_rank

@@ -34,11 +34,12 @@ DECAY = ("wte", "wpe", "wq", "wk", "wv", "wo", "wfc", "wproj")
 LR, WD = 1e-3, 0.1
 
 
-def initial(program, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+def initial(program, batch: int, seed: int = 0, sizes: dict = SIZES) -> dict[str, np.ndarray]:
     """GPT-2's initialization (N(0, 0.02) weights, zero biases, unit LayerNorm scales),
-    zero AdamW states, and a batch of random tokens with their successors."""
+    zero AdamW states, and a batch of random tokens with their successors (`sizes`:
+    the model's, nanoGPT-char's by default)."""
     rng = np.random.default_rng(seed)
-    arrays = program.init_state(SIZES)
+    arrays = program.init_state(sizes)
     for spec in program.inputs:
         if spec.kind != "param":
             continue
@@ -49,18 +50,22 @@ def initial(program, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             arrays[spec.name] = 0.02 * rng.standard_normal(spec.shape)
     arrays = {k: np.array(v, np.float32) for k, v in arrays.items()}
-    tokens = rng.integers(0, SIZES["vocab"], (batch, SIZES["t"] + 1)).astype(np.int32)
+    tokens = rng.integers(0, sizes["vocab"], (batch, sizes["t"] + 1)).astype(np.int32)
     return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
             "lr": np.float32(LR), "wd": np.float32(WD)}
 
 
-def torch_step(arrays: dict[str, np.ndarray], params: list[str], compiled: bool):
+def torch_step(arrays: dict[str, np.ndarray], params: list[str], compiled: bool, phases=None, sizes: dict = SIZES):
     """(step function, its params by name) for PyTorch on copies of `arrays`'s `params`
-    (a stacked param `wq[layer, ...]` becomes one tensor per layer, `wq.0`, `wq.1`, ...)."""
+    (a stacked param `wq[layer, ...]` becomes one tensor per layer, `wq.0`, `wq.1`, ...).
+    `phases(name)`: a context manager around each phase of the step (forward, backward,
+    clip, adamw; benchmarks/breakdown.py's profiler ranges); `sizes`: the model's."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
 
-    L, H, D = SIZES["layer"], SIZES["head"], SIZES["hd"]
+    L, H, D = sizes["layer"], sizes["head"], sizes["hd"]
     C = H * D
     stacked = [n for n in params if n not in ("wte", "wpe", "lnf_w", "lnf_b")]
     P = {}
@@ -84,7 +89,7 @@ def torch_step(arrays: dict[str, np.ndarray], params: list[str], compiled: bool)
             h = F.layer_norm(a, (C,), p("ln2_w"), p("ln2_b"), 1e-5)
             x = a + F.gelu(h @ p("wfc") + p("bfc"), approximate="tanh") @ p("wproj") + p("bproj")
         xf = F.layer_norm(x, (C,), P["lnf_w"], P["lnf_b"], 1e-5)
-        return F.cross_entropy((xf @ P["wte"].T).reshape(-1, SIZES["vocab"]), targets)
+        return F.cross_entropy((xf @ P["wte"].T).reshape(-1, sizes["vocab"]), targets)
 
     if compiled:
         loss_fn = torch.compile(loss_fn)
@@ -94,12 +99,18 @@ def torch_step(arrays: dict[str, np.ndarray], params: list[str], compiled: bool)
                             lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=True)
     params = list(P.values())
 
+    phase = phases or (lambda name: contextlib.nullcontext())
+
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ids, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
+        with phase("forward"):
+            loss = loss_fn(ids, targets)
+        with phase("backward"):
+            loss.backward()
+        with phase("clip"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        with phase("adamw"):
+            opt.step()
         return float(loss.detach())
     return step, P
 

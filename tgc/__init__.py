@@ -69,8 +69,10 @@ def compile(source, backend: str = "cpu", dtype: str | None = None, dims=None, o
     `backend` is "cpu" (native code for this CPU), "cuda" (an NVIDIA GPU through
     CuPy: docs/cuda.md), "cuda-sim" (the CUDA module run on this CPU by an
     emulator), "lowered" (the lowered program run kernel by kernel by its numpy
-    interpreter: the reference, slow) or any other backend folder's
-    (`tgc.backends.base.backend_names()`, docs/backends.md).
+    interpreter: the reference, slow), "interp" (the IR interpreter, as `tgc run
+    --backend interp`) or any other backend folder's
+    (`tgc.backends.base.backend_names()`, docs/backends.md); any other name is a
+    ValueError that lists them.
     Errors in the program raise `CompileError`; a backend that cannot run here
     raises `tgc.backends.base.BackendUnavailable`.
 

@@ -112,12 +112,98 @@ def load(path: str, options: Options) -> Module:
 def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> PipelineResult:
     """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
     the workspace `backend`'s lowering plans fits (tgc.budget: the result's `memory` says
-    what)."""
+    what).
+
+    The options are `backend`'s for the IR pipeline (`Backend.pipeline_options`: the
+    CUDA backends keep the softmax-contraction chains their flash stage fuses whole,
+    `Options.stream_fused_edge`). Where they differ from the given ones and the program
+    keeps a value of a streaming size (`stream_min_elements_masked` elements or more),
+    the backend's lowering of it is checked against the program the given options make:
+    when its workspace is larger (a kept chain the backend did not fuse after all), the
+    given options' program is the result. The kept program is lowered once to see
+    whether a buffer of that size is left; only then is the other made and compared."""
+    from tgc.backends.base import get_backend
+
+    resolved = get_backend(backend).pipeline_options(options)
+    result = _ir_pipeline(module, resolved, emit, backend)
+    if resolved != options and _holds_large(result.module, resolved):
+        kept = _lowered(result.module, options, backend)
+        if kept is None or _largest(kept) >= _least(options):   # a large buffer is left: compare
+            plain = _ir_pipeline(module, options, emit, backend)
+            low = _lowered(plain.module, options, backend)
+            if kept is None or low is None or _workspace(low) < _workspace(kept):
+                return plain
+    return result
+
+
+def _ir_pipeline(module: Module, options: Options, emit, backend: str) -> PipelineResult:
     if options.memory_budget is not None:
         from tgc.budget import lower_within_budget
 
         return lower_within_budget(module, options, emit, backend)
     return run_pipeline(module, options, emit)
+
+
+def _sizes(module: Module) -> dict[str, int] | None:
+    """Every dim's size with the symbolic ones at 1 (as `stream` counts them), or None."""
+    try:
+        return module.bind_dims({d: 1 for d in module.symbolic_dims()})
+    except Exception:  # noqa: BLE001 -- a dim that does not divide at 1: no estimate
+        return None
+
+
+def _least(options: Options) -> int:
+    """The fewest elements a value `stream` takes has."""
+    return min(options.stream_min_elements, options.stream_min_elements_masked)
+
+
+def _holds_large(module: Module, options: Options) -> bool:
+    """Whether a top-level value of `module` has at least the elements `stream` takes
+    (symbolic dims at 1, as `stream` counts them)."""
+    env = _sizes(module)
+    if env is None:
+        return True
+    edges = {e: env.get(d, 1) for e, d in module.edges.items()}
+    for v in module.values():
+        n = 1
+        for e in v.edges:
+            n *= edges.get(e, 1)
+        if n >= _least(options):
+            return True
+    return False
+
+
+def _lowered(module: Module, options: Options, backend: str):
+    """`backend`'s lowered program of `module` (after the IR pipeline) and the sizes
+    of its dims (symbolic ones at 1), or None where those have no value."""
+    env = _sizes(module)
+    if env is None:
+        return None
+    compiled, opts = target(module, options)
+    return lower_module(compiled, opts, backend), env
+
+
+def _largest(lowered) -> int:
+    """The elements of the largest temporary of a `_lowered` program."""
+    from tgc.ir.sizes import size_estimate
+
+    low, env = lowered
+    most = 0
+    for b in low.buffers.values():
+        if b.kind == "temp":
+            n = 1
+            for s in low.sizes(b.edges):
+                n *= size_estimate(s, env)
+            most = max(most, n)
+    return most
+
+
+def _workspace(lowered) -> int:
+    """The workspace bytes of a `_lowered` program (each slot its largest buffer)."""
+    from tgc.ir.sizes import size_estimate
+
+    low, env = lowered
+    return sum(max((size_estimate(b, env) for b in slot), default=0) for slot in low.slots)
 
 
 def target(module: Module, options: Options, emit=None) -> tuple[Module, Options]:

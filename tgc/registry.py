@@ -23,6 +23,7 @@ from tgc.opt.expand_rules import WithoutRules
 from tgc.opt.prune import DropUnreadArgs, ForwardOnly
 from tgc.opt.factor import Factor
 from tgc.opt.normalize import Normalize
+from tgc.opt.quotients import Quotients
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
@@ -36,16 +37,18 @@ from tgc.lower.plan import Plan
 
 PASSES: Mapping[str, type[Pass]] = MappingProxyType({
     p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
+                        Quotients,
                         FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
                         Fuse, Layout, GemmEpilogue, Narrow, Plan)})
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
-# hid; contraction order last (it leaves pairwise contractions that normalize would merge).
+# hid; contraction order (it leaves pairwise contractions that normalize would merge); then
+# quotients as divisions (the canonical rules, which write them as products, are done).
 # Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
 # no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "stream")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "quotients", "stream")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product

@@ -144,4 +144,4 @@ def _build_vjp(program: Program) -> Program:
         terms = [V.vjp(o.value, x, cot[o.name]) for o in forward.outputs if o.value.dtype != "i32"]
         if terms:
             m.outputs.append(Output(f"d_{a.name}", terms[0] if len(terms) == 1 else V.add(terms), a.order))
-    return pipeline.compile_module(pipeline.lower(m, options).module, options, program.backend)
+    return pipeline.compile_module(pipeline.lower(m, options, backend=program.backend).module, options, program.backend)

@@ -82,6 +82,7 @@ REACHES = [
 LOWERING = [
     ("layout_tap_min_k", 1 << 20, "conv2d"),
     ("layout_short_sum", 0, "conv2d"),
+    ("layout_tie_rows", 1, "gpt"),
     ("layout_tall", 1000, "conv2d"),
     ("layout_tall_min_k", 1 << 30, "conv2d"),
     ("group_inline_max_ops", 0, "layernorm"),
@@ -132,13 +133,18 @@ def test_every_tuned_field_is_checked():
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     assert named <= {f.name for f in dataclasses.fields(CpuOptions)}
-    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | {"group_inline_max_ops", "gemm_epilogue"}
+    # read by the lowering: in LOWERING, but group_shrink_max_bytes, which changes no workload
+    # (their batch is symbolic): tests/backends/test_group.py's updates at fixed sizes check it
+    lowering = {"group_inline_max_ops", "group_shrink_max_bytes", "gemm_epilogue"}
+    assert named - {"recycle_min_bytes", "recycle_kept"} == {r[0] for r in REACHES} | lowering
     table = doc[doc.index("### Tuned numbers (`Options`)"):doc.index("### Tuned numbers (`CpuOptions`)")]
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     # the runtime's first-call bounds have tests of their own (tests/runtime/test_specialize.py),
-    # as has the stream pass's budget (tests/opt/test_stream.py)
-    assert named - {"specialize_at_bytes", "specialize_first_work", "stream_step_elements"} == \
+    # as have the stream pass's budget (tests/opt/test_stream.py) and its key blocks
+    # (tests/opt/test_stream_keys.py)
+    assert named - {"specialize_at_bytes", "specialize_first_work", "stream_step_elements",
+                    "stream_key_block", "stream_key_rows"} == \
         {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
 

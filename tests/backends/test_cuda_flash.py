@@ -170,13 +170,18 @@ def test_what_is_not_fused():
 def test_the_flash_kernel_compiles_without_spills(tmp_path):
     """`ptxas -v` for sm_90 (warnings are errors): the fused kernels (forward, backward
     rows and keys) at d = 64 and 128, f32 and f64, causal, with a bias, unmasked and with
-    a subtracted mask, have no spill stores or loads and no stack frame."""
+    a subtracted mask, have no spill stores or loads and no stack frame; so have those
+    the default options generate for the cuda backend at t = 4096 (two heads, causal and
+    unmasked: lengths where the CPU streams), modules m6 to m9."""
     report = []
     for dtype in ("f32", "f64"):
         parts = []
         for j, (name, d) in enumerate([("causal", 64), ("causal", 128), ("bias", 64), ("bias", 128),
                                        ("cross", 64), ("subtracted", 128)]):
             low = build(source(name, d), dtype).lowered
+            parts.append(codegen.generate(low, prefix=f"m{j}_").source)
+        for j, (name, d) in enumerate([("causal", 64), ("causal", 128), ("cross", 64), ("cross", 128)], start=6):
+            low = lowered(long_source(name, 4096, d, heads=2), "cuda", dtype)[1]
             parts.append(codegen.generate(low, prefix=f"m{j}_").source)
         cu = tmp_path / f"{dtype}.cu"
         cu.write_text("\n".join(parts))
@@ -187,7 +192,8 @@ def test_the_flash_kernel_compiles_without_spills(tmp_path):
     kernels = re.findall(r"Function properties for (\w+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
                          r"(\d+) bytes spill loads", "\n".join(report))
     names = {k for k, *_ in kernels}
-    assert {f"m{j}_k{i}" for j in (0, 1, 2, 3, 5) for i in ("0_flash", "1_flash_rows", "1_flash_keys")} <= names, sorted(names)
+    assert {f"m{j}_k{i}" for j in (0, 1, 2, 3, 5, 6, 7, 8, 9) for i in ("0_flash", "1_flash_rows", "1_flash_keys")} \
+        <= names, sorted(names)
     assert "m4_k0_flash" in names
     bad = [(k, frame, st, ld) for k, frame, st, ld in kernels if (frame, st, ld) != ("0", "0", "0")]
     assert not bad, bad
@@ -198,12 +204,7 @@ def test_an_attention_layer_fuses_and_matches_the_interpreter():
     scores' GEMM naming the keys t.1) with two heads of 64 and a -1e9 fill, with its
     gradients: the forward and backward chains fuse, and every output matches the
     interpreter (f64: 1e-11; f32: the unfused program's own error, 1e-4)."""
-    from pathlib import Path
-
-    text = (Path(tgc.__file__).resolve().parents[1] / "examples" / "attention.tg").read_text()
-    src = (text.replace("dim t = 11", "dim t = 24").replace("dim c = 48, head = 3", "dim c = 128, head = 2")
-           .replace("scores, -inf)", "scores, -1e9)").replace("\nout probs", "\n# out probs")
-           .replace("dim batch\n", "dim batch = 2\n"))
+    src = layer(24, 128, 2)
     x = inputs(src)
     want = reference(src, x)
     for dtype, tol in (("f64", 1e-11), ("f32", 1e-4)):
@@ -244,6 +245,141 @@ def test_a_softmax_weighted_pooling_fuses():
         for n, w in want.items():
             np.testing.assert_allclose(np.asarray(got[n], np.float64), w, rtol=0, atol=tol * float(np.max(np.abs(w))),
                                        err_msg=f"{dtype} {n}")
+
+
+def long_source(name: str, t: int, d: int = 64, heads: int = 1, grads: bool = True) -> str:
+    """`source(name, d)` with `t` rows (and keys) and `heads` heads."""
+    src = source(name, d, grads).replace("dim head = 2", f"dim head = {heads}")
+    if "t = 24, s = 40" in src:
+        return src.replace("t = 24, s = 40", f"t = {t // 2}, s = {t}")
+    return src.replace("t = 40", f"t = {t}")
+
+
+def lowered(src: str, backend: str, dtype: str = "f32", options: Options | None = None):
+    """The optimized module and the lowered program `tgc.compile(src, backend=backend)`
+    builds (the backend's pipeline options, its lowering), without compiling kernels."""
+    options = (options or Options()).with_(dtype=dtype)
+    m = pipeline.lower(compile_source(src, "<flash>", options), options, backend=backend).module
+    return m, pipeline.lower_module(m, options, backend)
+
+
+def has_loop(m) -> bool:
+    return any(v.op == "loop" for v in m.values())
+
+
+def largest_temporary(low) -> int:
+    return max((int(low.nbytes(b)) for b in low.buffers.values() if b.kind == "temp"), default=0)
+
+
+@pytest.mark.parametrize("t", [2048, 4096, 8192])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_default_options_fuse_where_the_cpu_streams(name, t):
+    """Under the default options, a length where the CPU streams the chain over query
+    blocks (two heads of 64; a loop in its program: causal from 4M elements, unmasked
+    from 16M, so cross-attention over 2048 keys stays whole there too) compiles
+    for CUDA to the fused kernels, forward and backward, with no loop and no buffer
+    larger than a `[t, hd]` one (`Backend.pipeline_options`: the stream pass leaves the
+    chain the flash stage fuses whole)."""
+    src = long_source(name, t, heads=2)
+    if name != "cross" or t > 2048:   # cross: 1024 rows over 2048 keys are under the thresholds
+        assert has_loop(lowered(src, "cpu")[0]), name
+    for backend in ("cuda", "cuda-sim"):
+        m, low = lowered(src, backend)
+        assert kinds_of(low)[:2] == ["flash", "flashback"] and not has_loop(m), kinds_of(low)
+        assert largest_temporary(low) <= 2 * t * 64 * 4, largest_temporary(low)
+
+
+def kinds_of(low) -> list[str]:
+    return [getattr(k, "kind", type(k).__name__) for k in low.kernels]
+
+
+def test_a_chain_the_flash_stage_does_not_take_still_streams():
+    """The flash kernels take contracted and value edges up to 256: at d = 512 the CUDA
+    compile streams the chain as the CPU does (a loop over query blocks, no `[t, s]`
+    buffer); so it does with `CudaOptions(flash=False)`; under --fp-strict neither
+    streams nor fuses (the matrices are kept, as the contract says)."""
+    t = 4096
+    for src, options in ((long_source("causal", t, d=512), None),
+                         (long_source("causal", t), Options().with_(flash=False))):
+        m, low = lowered(src, "cuda-sim", options=options)
+        assert has_loop(m) and "flash" not in kinds_of(low)
+        assert not any({"s", "t"} <= set(b.edges) for b in low.buffers.values() if b.kind == "temp")
+    m, low = lowered(long_source("causal", t), "cuda-sim", options=Options(fp_strict=True))
+    assert not has_loop(m) and "flash" not in kinds_of(low)
+
+
+def layer(t: int, c: int, heads: int) -> str:
+    """examples/attention.tg with `t` positions, width `c` in `heads` heads, batch 2, a
+    -1e9 fill, with its gradients."""
+    from pathlib import Path
+
+    text = (Path(tgc.__file__).resolve().parents[1] / "examples" / "attention.tg").read_text()
+    return (text.replace("dim t = 11", f"dim t = {t}").replace("dim c = 48, head = 3", f"dim c = {c}, head = {heads}")
+            .replace("scores, -inf)", "scores, -1e9)").replace("\nout probs", "\n# out probs")
+            .replace("dim batch\n", "dim batch = 2\n"))
+
+
+def test_a_kept_chain_the_backend_does_not_fuse_streams():
+    """The attention layer with two heads of 64 at t = 2048 fuses under the default
+    options (no loop, flash and flashback). With one head the flash stage does not take
+    the layer's form, though the stream pass keeps the chain for it: the lowering's
+    workspace then exceeds the streamed program's, and `pipeline.lower` gives the
+    program of the given options, streamed as on the CPU (no `[t, s]` buffer)."""
+    m, low = lowered(layer(2048, 128, 2), "cuda")
+    assert {"flash", "flashback"} <= set(kinds_of(low)) and not has_loop(m)
+    m, low = lowered(layer(2048, 64, 1), "cuda")
+    assert "flash" not in kinds_of(low) and has_loop(m)
+    assert largest_temporary(low) < 2 * 2048 * 2048 * 4 // 8, largest_temporary(low)
+
+
+def test_explain_for_cuda_shows_the_flash_kernels_and_a_t_by_d_peak(tmp_path):
+    """`tgc explain --backend cuda` of causal attention with its gradients at t = 8192
+    (one head of 64, the default options): the flash and flashback kernels, and a peak
+    of O(t * d) (the gradients' [t, hd] temporaries: 4.3 MB, where the CPU's streamed
+    program holds 30-40 MB and the whole [t, s] matrices 268 MB each)."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    f = tmp_path / "attention.tg"
+    f.write_text(long_source("causal", 8192))
+    r = CliRunner().invoke(main, ["explain", str(f), "--backend", "cuda", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    report = json.loads(r.output)
+    assert [k["kind"] for k in report["kernels"]][:2] == ["flash", "flashback"], report["kernels"]
+    assert report["peak"]["bytes"] <= 3 * 8192 * 64 * 4, report["peak"]
+    r = CliRunner().invoke(main, ["explain", str(f), "--backend", "cuda"])
+    assert r.exit_code == 0 and "flashback for" in r.output and "peak: 4.29 MB" in r.output, r.output[-2000:]
+
+
+@pytest.mark.slow
+def test_default_options_run_the_fused_kernels_at_a_streaming_length():
+    """Causal attention at t = 2048, one head of 64, with gradients, at the default
+    options, where the CPU streams: cuda-sim runs the fused kernels and matches the
+    interpreter (f64) and PyTorch (f64; f32 within 10x PyTorch f32's error). (About 80 s
+    on 2 shared cores.)"""
+    torch = pytest.importorskip("torch", reason="the oracle needs torch")
+    name = "causal"
+    src = long_source(name, 2048)
+    assert has_loop(lowered(src, "cpu")[0])
+    x = inputs(src)
+    want = reference(src, x)
+    ref = torch_attention(name, x, torch.float64, want)
+    ref32 = torch_attention(name, {n: a.astype(np.float32) for n, a in x.items()}, torch.float32, want)
+    for dtype, tol in (("f64", 1e-11), ("f32", 1e-5)):
+        prog = tgc.compile(src, backend="cuda-sim", dtype=dtype)
+        assert kinds(prog)[:2] == ["flash", "flashback"], kinds(prog)
+        got = prog(**{n: a.astype(np.float32 if dtype == "f32" else np.float64) for n, a in x.items()})
+        for n, w in want.items():
+            g = np.asarray(got[n], np.float64)
+            scale = float(np.max(np.abs(w)))
+            np.testing.assert_allclose(g, w, rtol=0, atol=tol * scale, err_msg=f"{name} {dtype} {n}")
+            np.testing.assert_allclose(w, ref[n], rtol=0, atol=1e-11 * scale, err_msg=f"{name} torch {n}")
+            if dtype == "f32":
+                err32 = float(np.max(np.abs(ref32[n] - ref[n])))
+                assert float(np.max(np.abs(g - ref[n]))) <= max(10 * err32, 1e-6 * scale), n
 
 
 def test_the_lowered_text_reads_back():

@@ -524,3 +524,72 @@ def test_an_f32_full_sum_over_short_blocks_of_long_rows_is_added_up_in_f64(dims)
     two = build(src, "f32", threads=2, parallel_min_work=1)(x=x, w=w)
     for name in ("s2", "s4", "s5"):
         assert np.array_equal(two[name], got[name]), name
+
+
+# AdamW-like updates of a matrix, of one stored the other way round, and of a bias:
+# all share only `layer`, the matrices' own loops are longer
+UPDATES = """
+dim layer, a, b
+input g[layer, a, b]
+input m[layer, a, b]
+input w[layer, a, b]
+input h[layer, b, a]
+input n[layer, b, a]
+input u[layer, b, a]
+input hb[layer, b]
+input nb[layer, b]
+input ub[layer, b]
+out m2 = 0.9 * m + 0.1 * g
+out w2 = w - 0.01 * m2 * w
+out n2[layer, b, a] = 0.9 * n + 0.1 * h
+out u2[layer, b, a] = u - 0.01 * n2 * u
+out nb2 = 0.9 * nb + 0.1 * hb
+out ub2 = ub - 0.01 * nb2 * ub
+"""
+
+
+def _updates(dtype: str, layer: int = 2, a: int = 384, b: int = 384, **opts):
+    src = UPDATES.replace("dim layer, a, b", f"dim layer = {layer}\ndim a = {a}\ndim b = {b}")
+    return build(src, dtype, **opts)
+
+
+def test_a_kernel_shortening_large_shared_loops_starts_a_new_group():
+    """A layer's slices (5 x 590 KB in f32) leave the cache between members sharing only
+    `layer`: the transposed matrix starts a new group, and each group's members share
+    all their loops (one pass over the slice); the bias joins the transposed matrix's
+    group, whose rows stay small."""
+    prog = _updates("f32")
+    got = [(g.outer, [m.out for m in g.members]) for g in groups(prog)]
+    assert got == [(("layer", "a", "b"), ["m2", "w2"]),
+                   (("layer", "b"), ["n2", "u2", "nb2", "ub2"])]
+
+
+def test_a_large_threshold_keeps_one_group_over_the_shorter_loops():
+    """(As do symbolic sizes: the work per outer index is then unknown.)"""
+    assert [g.outer for g in groups(build(UPDATES, "f32"))] == [("layer",)]
+    prog = _updates("f32", group_shrink_max_bytes=1 << 40)
+    (g,) = groups(prog)
+    assert g.outer == ("layer",) and len(g.members) == 6
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+@pytest.mark.parametrize("limit", [0, 1 << 40])
+def test_updates_split_or_not_match_the_interpreter(dtype, limit):
+    """Split (every shortening refused) or not, the groups compute what the interpreter does."""
+    prog = _updates(dtype, 3, 5, 7, group_shrink_max_bytes=limit, threads=2, parallel_min_work=1)
+    assert len(groups(prog)) == (1 if limit else 3)   # 0: the bias too starts a group
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({}), 3, dtype)
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+    got = prog(**{k: np.copy(v) for k, v in x.items()})
+    rtol, atol = TOL[dtype]
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_the_layernorm_group_keeps_its_rows_loop_under_any_threshold():
+    """A member summing over the loop where the shared loops end (a partial sum) may
+    shorten them: the layernorm backward stays one group over the rows."""
+    prog = build(LAYERNORM, "f32", group_shrink_max_bytes=0)
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("rows",) and len(g.regs) == 4

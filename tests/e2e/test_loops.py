@@ -239,3 +239,105 @@ def test_tgc_run_binds_a_loop_dim_before_compiling(tmp_path):
     res = CliRunner().invoke(main, ["run", str(path), "--random-inputs", "--dim", "layer=4", "--backend", "cpu"])
     assert res.exit_code == 0, res.output
     assert "gw[layer, c, c2]" in res.output and "shape=(4, 3, 3)" in res.output
+
+
+# a step that takes i32 slices: gather ids and random keys (LANGUAGE.md section 12: every
+# `ak` is stacked on the loop edge, whatever its type)
+IDS_HEAD = """\
+dim {layer}, n = 4, v = 5
+input x0[n]
+param E[layer, v, n]
+fn step(h, e, i, k) = tanh(h * e[v = i] + dropout[n](h, k, 0.25) + 0.1 * randn[n](fold(k, 3)))
+"""
+IDS_LOOP = """\
+input ids: i32[layer, n]
+input keys: i32[layer]
+y = repeat[layer](step, x0, E, ids, keys)
+hs = scan[layer](step, x0, E, ids, keys)
+"""
+IDS_OUTS = """\
+loss = sum(y * y) + sum(hs * hs * hs)
+out loss
+out hs
+out gE = grad(loss, E)
+out gx = grad(loss, x0)
+out jx = jvp(y, x0, x0)
+"""
+
+
+def ids_unrolled(n: int) -> str:
+    """The same steps written out: step i's ids and key are inputs of their own."""
+    decls = "".join(f"input ids{i}: i32[n]\ninput key{i}: i32\n" for i in range(n))
+    lines, h = [], "x0"
+    for i in range(n):
+        lines.append(f"h{i} = step({h}, E[layer = {i}], ids{i}, key{i})")
+        h = f"h{i}"
+    lines += [f"y = {h}", "hs = " + " + ".join(f"h{i} * [layer = {i}]" for i in range(n))]
+    return decls + "\n".join(lines) + "\n"
+
+
+def ids_program(n, loop=True, symbolic=False):
+    return IDS_HEAD.format(layer="layer" if symbolic else f"layer = {n}") + \
+        (IDS_LOOP if loop else ids_unrolled(n)) + IDS_OUTS
+
+
+def ids_inputs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    ins = {"x0": rng.standard_normal(4) * 0.6, "E": rng.standard_normal((n, 5, 4)) * 0.6,
+           "ids": rng.integers(0, 5, (n, 4)).astype(np.int32), "keys": rng.integers(0, 2 ** 31, n).astype(np.int32)}
+    return ins
+
+
+def ids_split(ins):
+    """The loop's inputs as the written-out program takes them."""
+    out = {k: ins[k] for k in ("x0", "E")}
+    for i in range(len(ins["keys"])):
+        out[f"ids{i}"], out[f"key{i}"] = ins["ids"][i], ins["keys"][i]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["interp", *backends()])
+@pytest.mark.parametrize("symbolic", [False, True], ids=["fixed", "symbolic"])
+def test_a_step_takes_i32_ids_and_keys(backend, symbolic):
+    """Values and derivatives w.r.t. the float arguments equal the written-out program's, on
+    the interpreter and every backend, with the loop's size fixed (a loop that reads i32
+    slices is never unrolled) or symbolic."""
+    n = 3
+    ins = ids_inputs(n)
+    want = run(ids_program(n, loop=False), ids_split(ins))
+    src = ids_program(n, symbolic=symbolic)
+    if backend == "interp":
+        got = run(src, ins)
+        assert any(v.op == "loop" for v in module(src).values())
+    else:
+        got = compile_on(src, backend, dtype="f64")(**{k: a.copy() for k, a in ins.items()})
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_i32_step_gradient_matches_finite_differences():
+    n = 3
+    m = module(ids_program(n))
+    ins = ids_inputs(n, seed=1)
+    base = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
+    rng = np.random.default_rng(2)
+    for name, grad in (("E", "gE"), ("x0", "gx")):
+        for _ in range(4):
+            idx = tuple(rng.integers(0, s) for s in ins[name].shape)
+            eps = 1e-6
+            hi = {k: a.copy() for k, a in ins.items()}
+            lo = {k: a.copy() for k, a in ins.items()}
+            hi[name][idx] += eps
+            lo[name][idx] -= eps
+            fd = (evaluate(m, hi, dtype="f64")["loss"] - evaluate(m, lo, dtype="f64")["loss"]) / (2 * eps)
+            assert abs(fd - base[grad][idx]) < 1e-6 * max(1.0, abs(fd)), (name, idx)
+
+
+def test_an_i32_loop_on_a_backend_without_loops_is_a_located_error():
+    from tgc.ir.diag import CompileError
+    from tgc.opt.unroll import unroll
+
+    m = elaborate_source(ids_program(2), "ids.tg", Options(dtype="f64")).module
+    with pytest.raises(CompileError, match="runs only as a loop") as info:
+        unroll(m)
+    assert info.value.loc is not None

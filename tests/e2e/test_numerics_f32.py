@@ -1066,10 +1066,6 @@ def _(T):
 
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
 KNOWN_GAPS = {
-    "div_subnormal_divisor": "simplify rewrites a / b as a * (1/b) (tgc/opt/rules.py, `div`), and the "
-                             "backends compute it so: where |b| < 2^-128 (a subnormal b), 1/b overflows "
-                             "to inf and 1e-40 / 1e-40 is inf, not 1 (for |b| > 2^126, 1/b is subnormal "
-                             "and loses bits)",
     "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
                     "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
                     "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
@@ -1078,6 +1074,48 @@ KNOWN_GAPS = {
                      "p rounds to 1 the small p*lsm is lost, which PyTorch's separate backward kernels keep "
                      "(the exact 1 - sum(p) = 0 of the log_softmax branch cancels there on its own)",
 }
+
+
+# ================================================================ quotients x / y at float32's extremes
+
+# divisors whose reciprocal or its square leaves float32's normal range (|y| < 5.4e-20:
+# (1/y)^2 overflows; |y| < 2.9e-39: 1/y does; |y| > 8.5e37: 1/y is subnormal), exact
+# quotients (6/3, 41/41: PyTorch's error is 0 there) and ordinary ones
+_qy = np.concatenate([[1e-20, -1e-20, 3e-25, 1e-39, 2e-39, 3e38, -2e38, 1e30, 3.0, 41.0, 7.0, 1e-10],
+                      rng(70).standard_normal(20)])
+_qx = np.concatenate([[1e-20, 2e-20, 1e-30, 1e-39, 3e-39, 3e38, 1e38, 1e30, 6.0, 41.0, 49.0, 1e-10],
+                      rng(71).standard_normal(20)])
+_qw = np.concatenate([np.full(12, 1.0), rng(72).standard_normal(20)])
+
+
+@case("quotient_extremes", """
+dim n = 32
+input x[n], y[n], w[n]
+q = x / y
+out q
+out gx = grad(sum(w * q), x)
+out gy = grad(sum(w * q), y)
+out ty = jvp(q, y, w)
+""", {"x": _qx, "y": _qy, "w": _qw}, elementwise=True)
+def _(T):
+    x, y = leaf(T.x), leaf(T.y)
+    q = x / y
+    gx, gy = torch.autograd.grad((T.w * q).sum(), (x, y))
+    ty = torch.func.jvp(lambda y: T.x / y, (T.y,), (T.w,))[1]
+    return {"q": q, "gx": gx, "gy": gy, "ty": ty}
+
+
+@case("quotient_sum_tiny_divisor", """
+dim n = 8, m = 4
+input x[n, m], y[n]
+l = sum(x / y)
+out l
+out gy = grad(l, y)
+""", {"x": 1e-20 * (1 + rng(73).uniform(size=(8, 4))), "y": 1e-20 * (1 + rng(74).uniform(size=8))})
+def _(T):
+    y = leaf(T.y)
+    l = (T.x / y[:, None]).sum()
+    return {"l": l, "gy": gradient(l, y)}
 
 
 def _params():

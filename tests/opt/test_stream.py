@@ -228,6 +228,26 @@ def test_fp_strict_keeps_the_matrices():
     assert loops(strict) == 0
 
 
+@pytest.mark.parametrize("name", ["attention", "cross", "bias", "pooling", "masked"])
+def test_a_chain_a_target_fuses_stays_whole(name):
+    """With `stream_fused_edge` (what the CUDA backends' options set) a softmax-then-
+    contract cluster whose contracted and value edges are at most that size stays whole
+    (the target fuses it); with a smaller one it streams, as without the option."""
+    src = PROGRAMS[name]
+    assert loops(optimized(src, "f64", **ON)) > 0
+    assert loops(optimized(src, "f64", stream_fused_edge=256, **ON)) == 0
+    assert loops(optimized(src, "f64", stream_fused_edge=1, **ON)) > 0
+
+
+def test_a_kept_chain_without_its_shape_streams():
+    """A cluster that is not a softmax-then-contract chain (the weights squared before the
+    values' contraction: no `exp` contracted with one outside operand) streams under
+    `stream_fused_edge` too."""
+    src = ATTENTION.replace("y = sum[s](p * v)", "y = sum[s](p * p * v)")
+    assert loops(optimized(src, "f64", **ON)) > 0
+    assert loops(optimized(src, "f64", stream_fused_edge=256, **ON)) > 0
+
+
 def test_the_block_halves_to_divide_the_edge():
     """t = 32 has no two blocks of 32: the block is halved to 16 while it stays at least
     stream_block_min, and the streamed program computes what the plain one does."""
@@ -264,11 +284,14 @@ def test_peak_grows_linearly_with_length():
 
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
 def test_cuda_sim_matches_torch(dtype, tol):
-    """The streamed attention on the CUDA module's emulator (its loop a host launch loop)."""
+    """The streamed attention on the CUDA module's emulator (its loop a host launch loop;
+    the flash stage off: with it the CUDA backends keep the chain whole and fuse it)."""
     import tgc
 
     want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
-    close(tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON))(**inputs(ATTENTION, dtype)), want, tol)
+    prog = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON).with_(flash=False))
+    assert any(v.op == "loop" for v in prog.module.values())
+    close(prog(**inputs(ATTENTION, dtype)), want, tol)
 
 
 def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():

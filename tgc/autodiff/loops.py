@@ -11,7 +11,9 @@ Reverse mode (`loop_vjp`), for a cotangent `ct` of one output:
   sums) and of X (stacked). The values of the step it reads (less what a
   `checkpoint` in B recomputes, `tgc.autodiff.remat.regions`; less parameters and
   leaves) are kept: the backward step reads them as parameters, as it reads the
-  incoming carries it still needs;
+  incoming carries it still needs. A value the sweep builds anew that a kept value
+  already computes is read as that kept value (`_reuse_kept`: attention's softmax P,
+  not the scores and logsumexp it would be recomputed from);
 - a forward loop of the same body that also stacks those kept values per step (the
   lowering runs it as the loop it extends: `tgc.lower.steps`);
 - a loop over the indices in the other order whose carries are the cotangents of C
@@ -151,6 +153,51 @@ def _read_back(primal: list[Value], roots: list[Value]) -> list[Value]:
     return [p for p in primal if id(p) in read and id(p) not in region and p.op not in KEPT_NOT]
 
 
+def _shape(v: Value, ops: Sequence[Value]) -> tuple:
+    """What `v` computes from `ops`, up to the order of a sum's terms and a product's
+    factors (the order `normalize` sorts them into): equal shapes, equal values."""
+    if v.op == "add":
+        return ("add", tuple(sorted(zip(map(id, ops), v.attrs[0]))), v.dtype, v.edges)
+    if v.op == "contract":
+        return ("contract", tuple(sorted(map(id, ops))), v.dtype, v.edges)
+    return (v.op, tuple(map(id, ops)), v.attrs, v.dtype, v.edges)
+
+
+def _reuse_kept(primal: list[Value], roots: list[Value], kept: list[Value]) -> list[Value]:
+    """`roots` (the backward step) with each value that computes what a kept value of
+    the step computes read as that value. The reverse sweep builds derivatives anew
+    (a logsumexp's is `exp(d - lse)`, the softmax its step already computed and the
+    backward keeps to multiply `dP` by): hash-consing, and later `normalize`, would
+    merge the two in one graph, but the step and its backward are two loop bodies, so
+    the copy would read `d` and `lse` as kept values of their own (two more stacked
+    buffers, and an exp per element) while `P` is kept already. Only values already
+    kept are read, so the backward keeps nothing new (and what only the copy read is
+    no longer kept); `recompute` copies (a checkpoint's) read markers, never matched.
+
+    Exact: a matched value is the same op on the same operands (a sum's terms and a
+    product's factors in either order, as `normalize` orders them anyway), as the
+    program without the loop computes it once. Terminates: one pass over each graph."""
+    kept_ids = {id(k) for k in kept}
+    in_primal = {id(p) for p in primal}
+    table = {_shape(p, p.operands): p for p in primal if p.operands}
+    same: dict[int, Value] = {}
+    for w in topo_order(roots):
+        if id(w) in in_primal or not w.operands:
+            continue
+        p = table.get(_shape(w, [same.get(id(o), o) for o in w.operands]))
+        if p is not None:
+            same[id(w)] = p
+    if not any(id(p) in kept_ids for p in same.values()):
+        return roots
+
+    def fn(w: Value, ops: tuple[Value, ...]) -> Value:
+        p = same.get(id(w))
+        return p if p is not None and id(p) in kept_ids else rebuild_same(w, ops)
+
+    memo = V.rebuild(roots, fn)
+    return [memo[id(r)] for r in roots]
+
+
 @lru_cache(maxsize=64)
 def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, batch: frozenset,
           reverse_many) -> StepPlan:
@@ -197,6 +244,7 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
 
     # keep what the backward step reads (less what a checkpoint recomputes); read it as parameters
     graph = topo_order(results)
+    roots = _reuse_kept(graph, roots, [k for k in _read_back(graph, roots) if edge not in k.edges])
     kept = [k for k in _read_back(graph, roots) if edge not in k.edges]
     stand = [V.loopvar(_STAND + j, k.dtype, k.edges) for j, k in enumerate(kept)]
     roots = _substitute(roots, {id(k): s for k, s in zip(kept, stand)})

@@ -218,6 +218,26 @@ def _scatter_jvp(v: Value, t: Value) -> Value:
     return V.scatter(t, ids, v.attrs[0], _matched(v, ids))
 
 
+def _recip(v: Value, b: Value) -> Value:
+    """1/b, as `v` itself when v = 1/b."""
+    a = v.operands[0]
+    if v.operands[1] is b and a.op == "const" and a.attrs[0] == 1.0 and not a.edges:
+        return v
+    return _fn("div", _c(v, 1.0), b)
+
+
+def _div_part(v: Value, i: int, t: Value) -> Value:
+    """The chain rule of v = a/b for the cotangent or tangent `t` of operand i:
+    t/b for a, -(t v)/b for b (d/db = -a/b^2 = -v/b), the latter with `t` multiplied in
+    first. The partial -v/b alone overflows where its product with t does not: the
+    optimizer writes every a/b as a (1/b), so v/b is (1/b)(1/b), inf in f32 once
+    |b| < 5.4e-20, where PyTorch's -(grad (a/b))/b is finite (t = a, v = 1/b = 1e20 at
+    a = b = 1e-20). Each factor is a guarded product (`mul0`): exact 0 where t is."""
+    if i == 0:
+        return _mul0(t, _recip(v, v.operands[1]))
+    return _neg(_mul0(_mul0(t, v), _recip(v, v.operands[1])))
+
+
 def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
     """The jvp that sums `fn(v, i, t_i)` over the operands that have a tangent."""
     return lambda v, ts: total(fn(v, i, t) for i, t in enumerate(ts) if t is not None)
@@ -276,8 +296,8 @@ RULES: dict[str, Rule] = {
     "sin": pointwise(lambda v, a: _fn("cos", a)),
     "cos": pointwise(lambda v, a: _neg(_fn("sin", a))),
     "abs": pointwise(lambda v, a: _fn("sign", a)),                      # sign, 0 at 0
-    "div": pointwise(lambda v, a, b: _fn("div", _c(v, 1.0), b),         # 1/b
-                     lambda v, a, b: _neg(_fn("div", v, b))),           # -a/b^2
+    "div": Rule((0, 1), lambda v, i, ct: _div_part(v, i, ct),            # ct/b, -(ct v)/b
+                _summed(lambda v, i, t: _div_part(v, i, t))),
     "pow": pointwise(lambda v, a, b: _mul0(b, _fn("pow", a, _minus1(b))),  # b a^(b-1), 0 where b = 0
                      _pow_exponent_partial),                            # a^b log a, 0 where a^b = 0 or a = 0 <= b
 }

@@ -21,6 +21,8 @@ A `Backend` says:
   neutral ones (`tgc.registry.PASSES`) and every backend's stages, built once, so
   that a pass list (`-p`, `Options.stages`) may name any of them whichever backends
   were loaded before;
+- `pipeline_options(options)`: the options the IR pipeline runs with for it (the
+  CUDA backends keep the chains their flash stage fuses whole: `Options.stream_fused_edge`);
 - `kernel_forms`: the text forms of its own kinds of kernel (`tgc.lower.text.KernelForm`s:
   grammar rules and a reader; the CPU's `group`), registered with the lowered
   program's reader (`tgc.lower.text.register_kernel_form`) by `get_backend` too;
@@ -70,6 +72,14 @@ class Backend:
     def lowering(self) -> tuple[str, ...]:
         """Every lowering stage's name, in the order they run."""
         return NEUTRAL_BEFORE + tuple(s.name for s in self.stages) + NEUTRAL_AFTER
+
+    def pipeline_options(self, options):
+        """The options the IR pipeline runs with for this backend (`tgc.pipeline.lower`
+        resolves them, so that `tgc.compile`, `tgc explain` and `tgc build` optimize a
+        program alike for it): the given ones. A backend that runs some cluster better
+        than the target-independent rewrite does says so here (the CUDA backends: the
+        softmax-contraction chains their flash stage fuses are not streamed)."""
+        return options
 
     def lowering_options(self, options):
         """The options its lowering runs with (a backend may switch off a neutral
@@ -180,6 +190,9 @@ class Kernels:
 
 
 _REGISTRY: dict[str, str] | None = None
+# Runners without a folder: found by `get_backend` and listed in its error, but not by
+# `backend_names()` (the backend tests run the reference interpreter themselves)
+RUNNERS = {"interp": "tgc.backends.interp:InterpBackend"}
 _LOADED: dict[str, Backend] = {}
 
 
@@ -223,12 +236,14 @@ def build_targets() -> tuple[str, ...]:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called `name`; ValueError when there is none."""
+    """The backend called `name` (a folder's, or a runner's: `RUNNERS`); ValueError,
+    listing every name, when there is none."""
     if name in _LOADED:
         return _LOADED[name]
-    where = _registry().get(name) if isinstance(name, str) else None
+    where = (_registry().get(name) or RUNNERS.get(name)) if isinstance(name, str) else None
     if where is None:
-        raise ValueError(f"backend '{name}' is not available (have: {', '.join(backend_names())})")
+        raise ValueError(f"backend {name!r} is not available; the backends are: "
+                         f"{', '.join((*backend_names(), *RUNNERS))}")
     module, cls = where.split(":")
     backend = getattr(importlib.import_module(module), cls)()
     from tgc.lower.text import register_kernel_form, register_stage_name

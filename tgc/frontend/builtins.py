@@ -167,10 +167,12 @@ def _derivative(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
 
 
 def _key(el: Elaborator, node, ctx: Ctx) -> V.Value:
-    """A key: an i32 scalar input, or a key derived from one by `fold`."""
+    """A key: an i32 scalar input (or a step's i32 scalar argument, inside a `repeat` or
+    `scan` step), or a key derived from one by `fold`."""
     v = el.expr(node, ctx)
-    if v.op not in ("arg", "fold") or v.dtype != "i32" or v.edges:
-        raise el.error("a random key must be an i32 scalar input or fold(key, n)", node, ctx)
+    if v.op not in ("arg", "loopvar", "fold") or v.dtype != "i32" or v.edges:
+        raise el.error("a random key must be an i32 scalar input (or a step's i32 scalar argument) "
+                       "or fold(key, n)", node, ctx)
     return v
 
 
@@ -195,6 +197,6 @@ def _fold(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
             raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
         return el.build(node, ctx, V.fold, key, int(float(n.value)))
     v = el.expr(n, ctx)
-    if v.op != "arg" or v.dtype != "i32" or v.edges:
+    if v.op not in ("arg", "loopvar") or v.dtype != "i32" or v.edges:
         raise el.error("fold takes a key and an integer literal in [0, 2^31) or an i32 scalar input", n, ctx)
     return el.build(node, ctx, V.fold, key, v)

@@ -241,6 +241,10 @@ class LoopPrinter:
             if k >= nc + body.slices:
                 text = f"{text} * [{e} = {e}]"
             elif reverse:
+                if ops[k].dtype == "i32":
+                    raise CompileError(f"a loop over '{edge}' that runs backwards (a derivative's) reads i32 ids "
+                                       "per step, and has no .tg form: a scan runs forwards, and the ids cannot "
+                                       f"be flipped along '{edge}' (a reindex takes float tensors)", v.loc)
                 text = f"{text}[{e} = size({e}) - 1 - {e}]"
             args.append(text)
         args = [a if _plain(a) else self.bound(a) for a in args]

@@ -320,17 +320,36 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         raise el.error(f"the initial value of '{form}' has the loop edge '{e}'; the carry has no loop edge",
                        node.args[1], ctx)
     for a, n in zip(stacked, node.args[2:]):
-        if a.dtype == "i32":
-            raise el.error(f"a stacked argument of '{form}' is i32: a step reads float slices only (for now)", n, ctx)
         if e not in a.edges:
             raise el.error(f"a stacked argument of '{form}' has no edge '{e}' (its edges: [{', '.join(a.edges)}]): "
                            f"each step reads its slice along '{e}'", n, ctx)
-    params = [V.loopvar(0, init.dtype, init.edges)]
-    params += [V.loopvar(k, a.dtype, [x for x in a.edges if x != e]) for k, a in enumerate(stacked, 1)]
-    values = {p.name: v for p, v in zip(d.params, params)}
+    # an argument written `x * [e = e]` (x repeated along e: a weight every step shares) is
+    # passed to the loop as x itself, the same at every step (an invariant), so that
+    # neither it nor its gradient is held once per step
+    shared = [_repeated_along(a, e) for a in stacked]
+    order = [k for k, x in enumerate(shared) if x is None] + [k for k, x in enumerate(shared) if x is not None]
+    operands = [stacked[k] if shared[k] is None else shared[k] for k in order]
+    slot = {k: V.loopvar(n, o.dtype, [x for x in o.edges if x != e]) for n, (k, o) in enumerate(zip(order, operands), 1)}
+    carry = V.loopvar(0, init.dtype, init.edges)
+    values = {p.name: v for p, v in zip(d.params, [carry] + [slot[k] for k in range(len(stacked))])}
     y = _inline(el, node, f.id, values, {}, ctx)
     if y.type != init.type:
         raise el.error(f"the step '{f.id}' returns {y.type}, but the carry is {init.type}: a step returns "
                        f"a value with its initial value's edges and type", node, ctx)
-    body = V.loop_body(params, [y] * (1 + (form == "scan")), 1, len(stacked))   # the carry's type is checked
-    return el.build(node, ctx, V.loop, body, e, args, 1 if form == "scan" else 0)
+    slices = sum(x is None for x in shared)
+    body = V.loop_body([carry] + [slot[k] for k in order], [y] * (1 + (form == "scan")), 1, slices)   # the carry's type is checked
+    return el.build(node, ctx, V.loop, body, e, [init] + operands, 1 if form == "scan" else 0)
+
+
+def _repeated_along(a: V.Value, e: str) -> V.Value | None:
+    """x where `a` is `x * [e = e]`, `x` without the edge `e` (repeated along it: the
+    indicator is 1 at every index), else None."""
+    if a.op != "contract" or len(a.operands) != 2:
+        return None
+    for ind, x in (a.operands, a.operands[::-1]):
+        if ind.op != "indicator" or e in x.edges or set(a.edges) != set(x.edges) | {e} or a.dtype != x.dtype:
+            continue
+        rel = ind.attrs[0]
+        if rel.edges() == (e,) and set(rel.ops) == {"="} and all(r == rel.exprs[0] for r in rel.exprs):
+            return x
+    return None

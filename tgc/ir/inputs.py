@@ -15,6 +15,7 @@ import numpy as np
 from tgc.ir.assume import satisfy
 from tgc.ir.dtypes import narrower, round_to
 from tgc.ir.module import Arg, Module
+from tgc.ir.values import Value, topo_order
 
 
 def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
@@ -37,7 +38,20 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
 
 
 def _id_bound(module: Module, arg: Arg, env: Mapping[str, int]) -> int:
-    """The smallest size among the edges this i32 input gathers or scatters along (or 1)."""
-    bounds = [env[module.edges[v.attrs[0]]] for v in module.values()
-              if v.op in ("gather", "scatter") and v.operands[1].op == "arg" and v.operands[1].attrs[0] == arg.name]
+    """The smallest size among the edges this i32 input gathers or scatters along (or 1),
+    in a loop's step too (where its ids are the step's slice of the input)."""
+    bounds = []
+
+    def walk(values, outer: dict[int, Value | None]) -> None:
+        for v in values:
+            if v.op in ("gather", "scatter"):
+                ids = v.operands[1]
+                ids = outer.get(ids.attrs[0]) if ids.op == "loopvar" else ids
+                if ids is not None and ids.op == "arg" and ids.attrs[0] == arg.name:
+                    bounds.append(env[module.edges[v.attrs[0]]])
+            elif v.op == "loop":
+                inner = {k: (outer.get(o.attrs[0]) if o.op == "loopvar" else o) for k, o in enumerate(v.operands)}
+                walk(topo_order(list(v.attrs[0].results)), inner)
+
+    walk(module.values(), {})
     return min(bounds) if bounds else 1

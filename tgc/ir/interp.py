@@ -2,7 +2,8 @@
 
 It is the correctness oracle for every pass and backend, so it is written for
 clarity, not speed: each value is a numpy array whose axes follow the value's
-sorted edge names; indicators are built densely; gathers check their ids. Each op
+sorted edge names; indicators are built densely (a contraction keeps their 0 exact
+against a NaN or an inf of its other operands: index arithmetic); gathers check their ids. Each op
 computes in float64 and rounds its result once to the value's float type, so an f32
 value is the float64 one, rounded (sums of any length included).
 
@@ -173,9 +174,67 @@ def _contract(ev: _Eval, v: Value, ops):
 
     inputs = ",".join(sub(o.edges) for o in v.operands)
     present = [e for e in v.edges if any(e in o.edges for o in v.operands)]
-    out = np.einsum(f"{inputs}->{sub(present)}", *ops, optimize=len(ops) > 2)
+    if _index_products(v, ops):
+        out = _strong_zero_contract(ev, v, ops, present)
+    else:
+        out = np.einsum(f"{inputs}->{sub(present)}", *ops, optimize=len(ops) > 2)
     shape = [ev.sizes[e] if e in present else 1 for e in v.edges]
     return np.broadcast_to(out.reshape(shape), [ev.sizes[e] for e in v.edges])
+
+
+def _index_products(v: Value, ops) -> bool:
+    """Whether a contraction reads an indicator and a non-finite entry of another operand:
+    an indicator is index arithmetic (LANGUAGE.md section 6: `x[t = s + k]` is `x @ [t =
+    s + k]`, 0 where the relation fails), so its 0 is an exact 0 that a NaN or an inf of
+    the other operands does not turn into NaN (the backends read only the indexed
+    entries; numpy's dense product would give NaN * 0 = NaN and spread it over the sum:
+    a stream's blocks joined back over their edge would all be NaN where one is)."""
+    kinds = [o.op == "indicator" for o in v.operands]
+    if not any(kinds) or all(kinds):
+        return False
+    with np.errstate(all="ignore"):
+        return not all(np.isfinite(a).all() for a, k in zip(ops, kinds) if not k)
+
+
+_JOINT_MOST = 1 << 24   # the most elements of a strong-zero contraction's joint product at once
+
+
+def _strong_zero_contract(ev: _Eval, v: Value, ops, present: list[str]):
+    """The contraction over `present` with each term that an indicator zeroes exactly 0:
+    the operands' joint product over all their edges (IEEE for the other operands), kept
+    where every indicator holds, summed over the contracted edges; in slices along the
+    first kept edge longer than 1 while the joint is over _JOINT_MOST elements."""
+    edges = list(dict.fromkeys([*present, *(e for o in v.operands for e in o.edges)]))
+    joint = int(np.prod([ev.sizes[e] for e in edges], dtype=np.int64))
+    long = [e for e in present if ev.sizes[e] > 1]
+    if joint > _JOINT_MOST and long:
+        e, parts = long[0], []
+        for i in range(ev.sizes[e]):
+            sl = [a[tuple(slice(i, i + 1) if x == e else slice(None) for x in o.edges)] if e in o.edges else a
+                  for o, a in zip(v.operands, ops)]
+            parts.append(_strong_zero_contract(_Sliced(ev, e), v, sl, present))
+        return np.concatenate(parts, axis=present.index(e))
+
+    def spread(o: Value, a):   # a over all edges: its axes moved to their places, 1 elsewhere
+        a = np.transpose(np.asarray(a), [o.edges.index(e) for e in edges if e in o.edges])
+        return a.reshape([a.shape[[x for x in edges if x in o.edges].index(e)] if e in o.edges else 1
+                          for e in edges])
+
+    dense, held = np.float64(1.0), True
+    with np.errstate(all="ignore"):
+        for o, a in zip(v.operands, ops):
+            if o.op == "indicator":
+                held = held & (spread(o, a) != 0)
+            dense = dense * spread(o, a)
+        terms = np.where(held, dense, 0)   # over every edge: each is some operand's
+        return terms.sum(axis=tuple(range(len(present), len(edges))))
+
+
+class _Sliced:
+    """An evaluator's sizes with one edge of size 1 (a slice of a strong-zero contraction)."""
+
+    def __init__(self, ev, edge: str):
+        self.sizes = {**ev.sizes, edge: 1}
 
 
 def _letter(i: int) -> str:

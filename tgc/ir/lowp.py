@@ -165,12 +165,19 @@ def emulate_low(module: Module, fp: str) -> Module:
     reading a bf16 argument has type `fp` (the IR's ops on bf16 operands have their
     compute type already), and a backend that stores bf16 arguments in 2-byte buffers
     widens each element as it loads it; an f32 argument of an f64 program is held in
-    f64 (the runtime rounds the caller's values to f32 as it converts them)."""
+    f64 (the runtime rounds the caller's values to f32 as it converts them). A loop's
+    step parameters are held in `fp` too, and a loop operand of a narrower type (such
+    an argument) is passed through its rounding, an exact widening."""
     held = narrower(fp)
 
     def emulated(v: Value, ops: tuple[Value, ...]) -> Value:
         if v.op == "map" and v.attrs[0] in CONVERSIONS:
             return _convert(ops[0], CONVERSIONS[v.attrs[0]], fp)
+        if v.op == "loopvar" and v.dtype in held:
+            # a loop step's parameter is held in fp as the values it takes (the loop's
+            # operands: `operand` below), already of its type: no rounding, which would
+            # make it no parameter (and the loop would keep its unemulated step)
+            return Value.make(v.op, ops, v.attrs, TensorType.of(fp, v.edges), v.loc)
         if v.dtype not in held or v.op == "arg":
             # i32; the program's float type (an f64 value of an f32 program too: lowering
             # holds every float in fp); a bf16/f16 argument keeps its type: its buffer may
@@ -189,8 +196,14 @@ def emulate_low(module: Module, fp: str) -> Module:
                  or (v.op == "random" and v.dtype == "f32"))
         return new if exact else V.map_(rounding(v.dtype), new)
 
+    def operand(o: Value) -> Value:
+        """A loop's operand of a type held in fp (a bf16 argument) as its exact widening."""
+        if o.dtype not in held:
+            return o
+        return Value.make("map", (o,), (rounding(o.dtype),), TensorType.of(fp, o.edges), o.loc)
+
     memo: dict[int, Value] = {}
-    V.rebuild_through_loops(module.values(), emulated, memo)   # every loop's step too
+    V.rebuild_through_loops(module.values(), emulated, memo, operand=operand)   # every loop's step too
     out = module.replace_values(memo)
     # an output's declared type, where its value is now held in fp (`tgc.lower.narrow`
     # may then store a bf16/f16 one in 2 bytes; an f32 output holding bf16 values stays f32)

@@ -317,7 +317,9 @@ def scatter(ct: Value, ids: Value, edge: str, keep: Iterable[str] = (), loc: Loc
 
 
 def _is_i32_scalar_arg(v: Value) -> bool:
-    return v.op == "arg" and v.dtype == "i32" and not v.edges
+    """An i32 scalar argument: the program's, or a loop step's (a `loopvar`, which the
+    lowering makes an argument of the step's own module)."""
+    return v.op in ("arg", "loopvar") and v.dtype == "i32" and not v.edges
 
 
 def random(kind: str, key: Value, folds: Sequence[int | Value], dtype: str, edges: Iterable[str],
@@ -362,7 +364,7 @@ def random_folds(v: Value) -> tuple[int | Value, ...]:
 def fold(key: Value, n: int | Value, loc: Loc | None = None) -> Value:
     """The key `fold(key, n)`, `n` an integer in [0, 2^31) or an i32 scalar argument:
     consumed by `random`, which folds it into its attributes (and operands)."""
-    if key.op not in ("arg", "fold") or key.dtype != "i32" or key.edges:
+    if key.op not in ("arg", "loopvar", "fold") or key.dtype != "i32" or key.edges:
         raise IRError("fold takes an i32 scalar key")
     if isinstance(n, Value):
         if not _is_i32_scalar_arg(n):
@@ -626,22 +628,26 @@ def rebuild(roots: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Val
 
 
 def rebuild_through_loops(values: Sequence[Value], fn: Callable[[Value, tuple[Value, ...]], Value],
-                          memo: dict[int, Value], bodies: dict | None = None) -> None:
+                          memo: dict[int, Value], bodies: dict | None = None,
+                          operand: Callable[[Value], Value] | None = None) -> None:
     """Fill `memo[id(v)]` for each of `values` (operands first) with `fn(v, its new
     operands)`; a loop's body is rebuilt the same way first (its `loopvar` parameters
     through `fn` too, once per body), so that a per-value transform (a type emulation)
-    reaches every step. A loop whose rebuilt body no longer fits its operands or its
-    carries (`IRError`) keeps its old body."""
+    reaches every step; `operand`, where given, maps each new operand of a loop (to
+    the type its rebuilt parameter has). A loop whose rebuilt body no longer fits its
+    operands or its carries (`IRError`) keeps its old body."""
     bodies = {} if bodies is None else bodies
     for v in values:
         ops = tuple(memo[id(o)] for o in v.operands)
         if v.op != "loop":
             memo[id(v)] = fn(v, ops)
             continue
+        if operand is not None:
+            ops = tuple(operand(o) for o in ops)
         body = v.attrs[0]
         if body not in bodies:
             inner: dict[int, Value] = {}
-            rebuild_through_loops(topo_order(list(body.params) + list(body.results)), fn, inner, bodies)
+            rebuild_through_loops(topo_order(list(body.params) + list(body.results)), fn, inner, bodies, operand)
             try:
                 bodies[body] = loop_body([inner[id(p)] for p in body.params], [inner[id(r)] for r in body.results],
                                          body.carries, body.slices)

@@ -54,7 +54,7 @@ from tgc.ir.diag import CompileError
 from tgc.ir.module import Module
 # the functions worth materializing (cost class heavy), from tgc.ir.ops
 from tgc.ir.ops import EXPENSIVE
-from tgc.ir.values import Value
+from tgc.ir.values import Value, topo_order
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower.complex_gemm import ComplexGemms
@@ -606,11 +606,34 @@ class _Fuser:
         return View(self.mat[id(base)], tuple(sorted(mapping.items())))
 
     def checks(self) -> None:
+        """One `Check` per (i32 argument, size) that a gather or scatter reads ids of,
+        in a loop's step too: a step's ids are a slice (or the whole) of the loop's
+        operand, so the check is on the argument that operand is a view of, before
+        anything runs (a step lowered as a program of its own checks only its own
+        parameters, which no backend binds to the caller's arrays)."""
         seen = set()
-        for v in self.values:
-            if v.op in ("gather", "scatter"):
-                base, _ = peel(v.operands[1])
-                key = (base.attrs[0], edge_size(self.m, v.attrs[0]))
-                if key not in seen:
-                    seen.add(key)
-                    self.low.checks.append(Check(key[0], key[1], f"{v.op} along '{v.attrs[0]}'"))
+
+        def walk(values, outer: dict[int, Value | None], where: str) -> None:
+            for v in values:
+                if v.op in ("gather", "scatter"):
+                    base, _ = peel(v.operands[1])
+                    if base.op == "loopvar":
+                        base = outer.get(base.attrs[0])
+                    if base is None or base.op != "arg":
+                        raise CompileError(f"the ids of a {v.op} along '{v.attrs[0]}'{where} are not an "
+                                           f"i32 argument's view: they cannot be checked")
+                    key = (base.attrs[0], edge_size(self.m, v.attrs[0]))
+                    if key not in seen:
+                        seen.add(key)
+                        self.low.checks.append(Check(key[0], key[1], f"{v.op} along '{v.attrs[0]}'{where}"))
+                elif v.op == "loop":
+                    body, edge = v.attrs[0], v.attrs[1]
+                    inner = {}
+                    for k, o in enumerate(v.operands):
+                        base, _ = peel(o)
+                        if base.op == "loopvar":
+                            base = outer.get(base.attrs[0])
+                        inner[k] = base
+                    walk(topo_order(list(body.results)), inner, f" in a step of the loop over '{edge}'")
+
+        walk(self.values, {}, "")

@@ -15,9 +15,9 @@ temporary gets, in kernel order, the order that suits it best:
   when only loop kernels read it, elementwise or summing a few taps, the order whose
   innermost edge moves with theirs (`_suit_readers`: a 2-D convolution's `dx` sums
   its partial along contiguous rows); when they sum its rows over the whole of one
-  group (a softmax over the key edge) and that group is the larger, it goes innermost
-  all the same (`_summed_group`: a streamed attention step's `[64, s]` scores, as the
-  unstreamed `[t, s]` ones);
+  group (a softmax over the key edge) and that group is at least as large, it goes
+  innermost all the same (`_summed_group`: a streamed attention step's `[64, s]`
+  scores, as the unstreamed `[t, s]` ones, and a layer loop's square `[t, s]` `dP`);
 - anything else: the order of the loaded buffer it shares most edges with (edges
   it lacks go outermost), so the innermost loop is contiguous for both.
 
@@ -126,7 +126,7 @@ def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
                     buf.order = want
             else:
                 buf.order = _suit_readers(low, k, buf.order, guess, options.layout_short_sum,
-                                           readers.get(k.out, ()))
+                                           options.layout_tie_rows, readers.get(k.out, ()))
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
@@ -178,7 +178,7 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
 
 
 def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: int, short: int,
-                  readers: Sequence[LoopKernel]) -> tuple[str, ...]:
+                  tie_rows: int, readers: Sequence[LoopKernel]) -> tuple[str, ...]:
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
@@ -197,7 +197,7 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     if rest != m + n and rest != n + m:
         return order
     votes = {"m": 0, "n": 0}
-    rows = _summed_group(low, k, m, n, guess, short, readers)
+    rows = _summed_group(low, k, m, n, guess, short, tie_rows, readers)
     if rows is not None:
         inner, other = (m, n) if rows == "m" else (n, m)
         clipped = {e for _, e, _ in k.shifts}
@@ -244,18 +244,22 @@ def _reader_inner_vars(low: Lowered, r: LoopKernel, result: str) -> list[str]:
 
 
 def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int,
-                  short: int, readers: Sequence[LoopKernel]) -> str | None:
+                  short: int, tie_rows: int, readers: Sequence[LoopKernel]) -> str | None:
     """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
     over, each along its rows (a softmax's max, log-sum-exp and sums over the key
-    edge `s` of the `[t, s]` scores), when they agree on one and it is the larger
-    group, which the size rule (`_gemm_result_order`) would put outside: that group
-    innermost makes every such row contiguous, so the reductions run along memory,
-    and the CPU group stage keeps one row, not a block of columns, in its scratch (a
-    `[64, s]` block of scores in a streamed loop step is otherwise stored with its
-    short edge innermost). A reader votes when it sums a whole group (of more than
-    `short` elements) and keeps the other: a full sum (a loss) has no rows.
-    None when none votes, they disagree, or the groups tie in size (the size rule's
-    order stays: GPT's `[t, t]` scores inside its layer loop)."""
+    edge `s` of the `[t, s]` scores), when they agree on one and it is at least as
+    large as the other (on a tie, when it has at least `tie_rows` elements), which the
+    size rule (`_gemm_result_order`) would put outside (on a tie, the first group):
+    that group innermost makes every such row contiguous, so the reductions run along memory, and the CPU group stage keeps one
+    row, not a block of columns, in its scratch (a `[64, s]` block of scores in a
+    streamed loop step is otherwise stored with its short edge innermost; attention's
+    square `dP[s, t]`, M = s, in a layer loop's backward step was read at a stride of
+    t: 58-62 Mcycles a step for its softmax backward at nanoGPT-char's size, one
+    thread, against 25 along rows; rows of 11 keys, the benchmark GPT's, are summed
+    faster down the columns of a block of rows: 118-128 against 135-160 kcycles for
+    its forward softmax). A reader votes when it sums a whole group (of
+    more than `short` elements) and keeps the other: a full sum (a loss) has no rows.
+    None when none votes, they disagree, or the summed group is the smaller."""
     env = {d: guess for d in low.module.symbolic_dims()}
     size = {g: math.prod(size_estimate(low.size(e), env) for e in edges) for g, edges in (("m", m), ("n", n))}
     found = set()
@@ -276,7 +280,8 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
     if len(found) != 1:
         return None
     g = found.pop()
-    return g if size[g] > size["n" if g == "m" else "m"] else None
+    other = size["n" if g == "m" else "m"]
+    return g if size[g] > other or (size[g] == other and size[g] >= tie_rows) else None
 
 
 def _demote(k: GemmKernel, vc: Sequence[str] | None) -> GemmKernel:

@@ -69,6 +69,7 @@ def narrow(low: Lowered) -> None:
     for name, b in low.buffers.items():
         if b.kind == "arg" and m.args[name].dtype in LOW_FLOATS:
             b.dtype = m.args[name].dtype
+    widen_step_arguments(low)
     writers: dict[str, int] = {}
     for k in low.kernels:
         for w in k.writes():
@@ -83,6 +84,32 @@ def narrow(low: Lowered) -> None:
         t = value_type(low, k.body)
         if t is not None and (b.kind == "temp" or m.outputs[b.index].low == t):
             b.dtype = t
+
+
+def widen_step_arguments(low: Lowered) -> None:
+    """In place: a loop step's argument bound to a 2-byte argument buffer (a bf16/f16
+    param stacked on the loop edge) is bound instead to a float temporary that a copy
+    kernel (note "<type> widened for a loop's step") fills just before the loop: a step
+    is lowered as a program of its own whose arguments are of the float type
+    (`tgc.lower.steps`). Exact: widening changes no value."""
+    kernels = []
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            binds = list(k.args)
+            for j, bind in enumerate(binds):
+                buf = low.buffers[bind.buf]
+                if j < k.carries or buf.kind != "arg" or buf.dtype not in LOW_FLOATS:
+                    continue
+                wide = low.fresh("w")
+                low.buffers[wide] = Buffer(wide, low.dtype, buf.edges, "temp", order=buf.order)
+                index = tuple((e, Ix.var(e)) for e in buf.edges)
+                sizes = {e: low.size(e) for e in buf.edges}
+                kernels.append(LoopKernel(wide, index, tuple(buf.order or buf.edges), sizes, Load(bind.buf, index),
+                                          note=f"{buf.dtype} widened for a loop's step"))
+                binds[j] = replace(bind, buf=wide)
+            k = replace(k, args=tuple(binds))
+        kernels.append(k)
+    low.kernels = kernels
 
 
 def widen_gemm_operands(low: Lowered, keep: set[int], why: str) -> None:

@@ -32,7 +32,7 @@ per step's slice), against the steps' work on the same values.
 from __future__ import annotations
 
 from tgc.ir import values as V
-from tgc.ir.dtypes import narrower
+from tgc.ir.dtypes import narrower, rounding
 from tgc.ir.module import Arg, Module, Output
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.lower.indexing import edge_size
@@ -221,7 +221,9 @@ class StepLowering:
             low = p.dtype in narrower(self.f.opt.dtype)
             held = self.f.opt.dtype if low else p.dtype
             args[name] = Arg(name, "input", held, order)
-            memo[id(p)] = V.convert(V.arg(name, held, p.edges), p.dtype)
+            # (its values are that type's: rounding them again, as `emulate_low` writes a
+            # conversion, is exact and leaves no `to_bf16` for a backend to compile)
+            memo[id(p)] = V.map_(rounding(p.dtype), V.arg(name, held, p.edges)) if low else V.arg(name, held, p.edges)
         for u in topo_order(list(body.results)):
             if id(u) not in memo:
                 memo[id(u)] = rebuild_same(u, tuple(memo[id(o)] for o in u.operands))
@@ -272,8 +274,10 @@ def _hull(o: Value) -> tuple[str, str, int] | None:
 def _note(v: Value, body: V.LoopBody) -> str:
     """What the loop is, for `tgc explain`: a `repeat`, a `scan`, or blocks of an edge."""
     edge = v.attrs[1]
-    for k, o in enumerate(v.operands):
-        split = split_edge(o, edge) if body.role(k) == "slice" else None
+    splits = [s for k, o in enumerate(v.operands) if body.role(k) == "slice" for s in [split_edge(o, edge)] if s]
+    # the edge the loop is named after first (a key loop's keys, not its mask's window)
+    splits.sort(key=lambda s: s[0].split(".")[0] != edge.split(".")[0])
+    for split in splits[:1]:
         if split is not None:
             hulls = sorted({h for j, x in enumerate(v.operands) if body.role(j) == "invariant"
                             for h in [_hull(x)] if h is not None})

@@ -123,13 +123,24 @@ def log_exp(ctx: Ctx, v: Value) -> Value | None:
 
 
 # a / k = (1/k) a                   (k a nonzero finite constant)
-# a / b = a (1/b)                   (so quotients are products, and meet their factors)
+# a / b = a (1/b)                   (so quotients are products, and meet their factors;
+#                                   once no derivative is left: a quotient differentiated
+#                                   as a product gets d/db from 1/b's -(1/b)(1/b), inf in
+#                                   f32 at |b| < 5.4e-20, where a/b's own rule, -(ct a/b)/b,
+#                                   is finite. `stabilize` splits a quotient by a sum of
+#                                   exps before differentiating: its patterns need it)
 def div(ctx: Ctx, v: Value) -> Value | None:
     a, b = v.operands
     if _is_const(b) and b.attrs[0] != 0 and math.isfinite(b.attrs[0]):
         return ctx.c.broadcast(ctx.c.scale(1.0 / b.attrs[0], a), v.edges)
-    if _is_const(a, 1.0):
+    if _is_const(a, 1.0) or ctx.derivatives_left:
         return None
+    return quotient(ctx, v)
+
+
+def quotient(ctx: Ctx, v: Value) -> Value:
+    """a / b as the product a (1/b)."""
+    a, b = v.operands
     return ctx.c.contract([a, recip(ctx, b)], v.edges)
 
 

@@ -6,7 +6,8 @@ Rewrites, besides everything `normalize` does:
   always (never) holds is 1 (0); [R] [R] = [R];
 - constants and identities: x*1, x+0, x*0 = 0 (LANGUAGE.md section 8), mul0(0, y) = 0,
   where(1, a, b) = a, x^0, x^1, small integer powers as products, a/k as a scaling,
-  quotients as products with reciprocals, x (1/x) = 1 for x > 0;
+  quotients as products with reciprocals once no derivative is left (`quotients`
+  makes them divisions again at the end of the pipeline), x (1/x) = 1 for x > 0;
 - the guards derivatives carry, once provably unneeded: mul0(a, b) = a b when b is
   finite, mul00(a, b) = mul0(a, b) when a is, where(c, a, 0) = a when a vanishes
   with c;

@@ -42,7 +42,7 @@ from tgc.ir.passes import Pass
 from tgc.opt.canon import key
 from tgc.ir.values import is_shift
 from tgc.opt.rewrite import Ctx, rewrite
-from tgc.opt.rules import SIMPLIFY
+from tgc.opt.rules import SIMPLIFY, quotient
 
 Term = tuple[Value | None, float]  # coef * exp(arg); arg None: exp(0) = 1
 
@@ -158,6 +158,16 @@ def recip_(ctx: Ctx, v: Value) -> Value | None:
     return ctx.c.map("sigmoid", ctx.c.scale(-1.0, b)) if c == 1.0 else None
 
 
+# a / (sum of exps) = a (1/(sum of exps))   (before differentiating too: the patterns above
+#                                        and below read the reciprocal; simplify's `div`
+#                                        splits every other quotient once no derivative is left)
+def exp_quotient(ctx: Ctx, v: Value) -> Value | None:
+    a, b = v.operands
+    if not ctx.derivatives_left or _is_recip(v) or (_exp_sum(b) is None and _exps(b) is None):
+        return None
+    return quotient(ctx, v)
+
+
 def _pair(ctx: Ctx, x: Value, y: Value, like: Value) -> Value | None:
     """The stable form of the product x y, for the pairs in the table above."""
     if x.op == "map" and x.attrs[0] == "exp":
@@ -193,7 +203,7 @@ def products(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
-PATTERNS = {"log": [log_], "div": [recip_], "add": [lse_of_shift, one_minus_sigmoid], "contract": [products]}
+PATTERNS = {"log": [log_], "div": [recip_, exp_quotient], "add": [lse_of_shift, one_minus_sigmoid], "contract": [products]}
 STABILIZE = {k: PATTERNS.get(k, []) + SIMPLIFY.get(k, []) for k in sorted(set(PATTERNS) | set(SIMPLIFY))}
 
 

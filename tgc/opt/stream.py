@@ -66,6 +66,10 @@ block of `E` at a time:
   step streams as a program of its own under the thresholds divided by |h|
   (`partition`), looping over the next short edge first while still over.
 
+- where the steps' matrices are over the budget even so and `options.stream_key_block`
+  is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
+  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys.
+
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
 row max first, a reduction over it; the query edge does not: every reduction over
@@ -90,6 +94,13 @@ every key and give the unstreamed weights.
 When. A seed streams from `stream_min_elements`, or from `stream_min_elements_masked`
 (smaller) when its masks let some run skip keys: the skipped work pays for the loop.
 
+A target that fuses the chain. With `options.stream_fused_edge` > 0 (the CUDA backends'
+options: their flash stage runs a softmax-then-contract chain as fused kernels with no
+`[t, s]` buffer), a cluster with that chain's shape (`fused_chain`: contracted and value
+edges of at most that size) is left whole: its seeds are skipped, other clusters stream.
+Whether the target then fuses it is the backend's to say; `tgc.pipeline.lower` keeps
+the streamed program where the kept one's workspace is larger.
+
 Cost: the stacked mask indicator has (N/B) * (|r|) elements, |r| about |s| + B: O(|t| |s| / B),
 1 MB at t = s = 8192 in f32 with B = 256, and growing quadratically beyond.
 
@@ -98,6 +109,11 @@ inside a `repeat` over layers), under the same thresholds, at the sizes the step
 A reverse loop (a gradient's) first computes again in its step the large values it
 would read stacked from its forward loop, where its step then streams
 (tgc.opt.stream_loops): both steps then hold blocks, not `[t, s]` matrices.
+
+Keys. Where `options.stream_key_block` is set, a step (of this pass's loops, or any
+loop's) whose scores over the keys still exceed `stream_step_elements` computes its
+values over the keys in loops over blocks of them, an online softmax then, for a
+backward, the gradients (tgc.opt.stream_keys, run after this pass).
 
 Terminates: recompute_residuals is one pass over the loops; then each round moves at
 least its seed (a large add, map, contraction, ... of the top level) into a loop body,
@@ -122,6 +138,7 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt import stream_skip
+from tgc.opt.stream_keys import stream_key_bodies
 from tgc.opt.stream_loops import recompute_residuals
 from tgc.options import Options
 
@@ -300,6 +317,56 @@ def _region(order: list[Value], roots: list[Value], seed: Value, edge: str, larg
     return _Region({**se, **reduced}, members, carries, stacked, slices, invariants, masks)
 
 
+def _summed(v: Value) -> set[str]:
+    """The edges a contraction sums (its operands' edges it does not keep)."""
+    return {e for o in v.operands for e in o.edges} - set(v.edges)
+
+
+def fused_chain(r: _Region, sizes: dict, dtype: str, most: int) -> bool:
+    """Whether the cluster `r` is a softmax-then-contract chain as a fusing target (the
+    CUDA backends' flash stage, tgc.backends.cuda.flash) runs it whole: a `logsumexp`
+    over the keys `s` of the cluster's values; scores, a contraction of two operands
+    from outside the cluster over one edge `d` (`sum[d] q * k`, whatever names its rows
+    and keys have there: a rename may follow); weights `exp(x - l)` (`l` that logsumexp,
+    its coefficient -1, as the softmax makes them) over `s` contracted
+    with an operand from outside (indicators beside it: a head split by a reindex) over
+    `s` and edges of the weights only (`y = sum[s] P * v`), that operand having one edge
+    `e` of its own; `d` and `e` numbers up to `most` (`Options.stream_fused_edge`); every value and operand of
+    the cluster of the program's float type `dtype` (no autocast operands). The derived
+    backward (dP, dS, the row sums, dq, dk, dv) is in the same cluster, and the same
+    stage fuses it."""
+    inside = {id(v) for v in r.members}
+    if any(v.dtype != dtype for v in r.members + r.slices + r.invariants):
+        return False
+    lses = {id(v): v.attrs[1][0] for v in r.members
+            if v.op == "reduce" and v.attrs[0] == "logsumexp" and len(v.attrs[1]) == 1}
+    keys = set(lses.values())
+
+    def normalized(x: Value) -> bool:   # x - l, l a logsumexp of the cluster over the keys
+        return x.op == "add" and any(id(o) in lses and c == -1.0 for o, c in zip(x.operands, x.attrs[0]))
+
+    def small(e: str) -> bool:
+        n = sizes.get(e)
+        return isinstance(n, int) and n <= most
+
+    def loads(v: Value) -> list[Value]:   # a contraction's operands but its indicators
+        return [o for o in v.operands if o.op != "indicator"]
+
+    scores = any(v.op == "contract" and len(loads(v)) == 2 and all(id(o) not in inside for o in loads(v))
+                 and len(_summed(v)) == 1 and all(small(e) for e in _summed(v)) for v in r.members)
+    weights = {id(v): v for v in r.members if v.op == "map" and v.attrs[0] == "exp" and keys & set(v.edges)
+               and normalized(v.operands[0])}
+    values = False
+    for v in r.members + r.carries:
+        ps = [o for o in loads(v) if id(o) in weights] if v.op == "contract" else []
+        outs = [o for o in loads(v) if id(o) not in inside] if v.op == "contract" else []
+        if len(ps) == 1 and len(outs) == 1 and len(loads(v)) == 2 and _summed(v) & keys \
+                and _summed(v) <= set(ps[0].edges):
+            own = set(outs[0].edges) - set(ps[0].edges)
+            values = values or (len(own) == 1 and all(small(e) for e in own))
+    return bool(keys) and scores and values
+
+
 def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) -> Value:
     """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
     rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
@@ -385,13 +452,17 @@ class _Streamer:
                 r = _region(order, roots, seed, edge, lambda v: self.large(v, seed))
                 if r is None:   # the values before the seed that read what the seed grew up to, too
                     r = _region(order, roots, seed, edge, lambda v: self.large(v, seed), closure=True)
+                fused = self.options.stream_fused_edge
+                if r is not None and fused > 0 and fused_chain(r, self.sizes, self.options.dtype, fused):
+                    break   # the target runs this cluster as fused kernels, whole (Options.stream_fused_edge)
                 if r is not None and all(self.sizes[e] == self.sizes[edge] for e in r.edge.values()) \
                         and all(self.maskable(m, r.edge[id(m)]) for m in r.masks) \
                         and (_numel(seed, self.est) >= self.whole or self.skips(r, edge)):
                     out = self.partition(order, roots, seed, r, edge)
                     if out is None:
                         n = self.sizes[edge]
-                        self.block = self.cache_block(_numel(seed, self.est) // n, n) or self.block
+                        fits = self.cache_block(_numel(seed, self.est) // n, n)
+                        self.block = fits or self.key_rows(n) or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
@@ -411,6 +482,17 @@ class _Streamer:
         if b // 2 >= self.least and n % (b // 2) == 0 and b // 2 * per <= budget:
             return b // 2
         return None
+
+    def key_rows(self, n: int) -> int | None:
+        """The block of a stream over an edge of size `n` whose steps' matrices exceed
+        `stream_step_elements` even halved and looped over the short edges, when its steps
+        then run over blocks of the keys (`stream_key_block`, tgc.opt.stream_keys):
+        `stream_key_rows` where it divides n in two blocks at least (a step's tiles are
+        its rows by a key block: more rows, fewer steps, each reading the keys once)."""
+        b = self.options.stream_key_rows
+        if self.options.stream_key_block <= 0 or b <= 0 or n % b or n < 2 * b:
+            return None
+        return b
 
     def partition(self, order: list[Value], roots: list[Value], seed: Value, r: _Region, edge: str) -> Module | None:
         """The module with the cluster of `r` (about to stream over `edge`) moved into a loop
@@ -796,6 +878,7 @@ class Stream(Pass):
     min_elements: int | None = None   # a large value's elements (default: options.stream_min_elements)
     groups: int | None = None         # loops a masked stream runs as (default: options.stream_mask_groups)
     step_elements: int | None = None  # a step's matrix budget (default: options.stream_step_elements)
+    key_block: int | None = None      # a step's key block (default: options.stream_key_block; tgc.opt.stream_keys)
 
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
@@ -806,6 +889,8 @@ class Stream(Pass):
             options = options.with_(stream_mask_groups=self.groups)
         if self.step_elements is not None:
             options = options.with_(stream_step_elements=self.step_elements)
+        if self.key_block is not None:
+            options = options.with_(stream_key_block=self.key_block)
         if options.fp_strict or options.stream_block <= 0:
             return module
         from tgc.opt.rewrite import map_bodies
@@ -816,4 +901,7 @@ class Stream(Pass):
         # a module, once), then the program itself; the loops this makes are not looked
         # into again
         module = recompute_residuals(module, options, stream)
-        return stream(map_bodies(module, lambda body: stream(body, options)), options)
+        module = stream(map_bodies(module, lambda body: stream(body, options)), options)
+        # a step whose matrices over the keys are still over the cache budget: its softmax
+        # over blocks of the keys (tgc.opt.stream_keys; off unless stream_key_block)
+        return stream_key_bodies(module, options)

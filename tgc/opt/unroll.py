@@ -5,7 +5,8 @@ compiled once); unrolling it instead costs compile time and code in proportion t
 its trip count, and gains fusion across the steps. The cost model is one rule: a
 loop over an edge of fixed size n (a literal dim, or one fixed by the caller's
 `dims=`) whose step holds s ops is unrolled when n * s <= `options.unroll_max_ops`
-(a small cell over a few steps; a transformer block over its layers stays a loop).
+(a small cell over a few steps; a transformer block over its layers stays a loop),
+unless it slices an i32 operand (ids read per step stay a loop's slices).
 A backend that runs no loops has every loop of fixed size unrolled before it
 lowers (`tgc.pipeline.lower_module`).
 
@@ -57,17 +58,18 @@ class _Stacked:
     def add(self, v: Value, edge: str, steps: list[Value]) -> None:
         self.steps[id(v)] = (v, edge, steps)
 
-    def slice(self, x: Value, edge: str, i: int) -> Value:
+    def slice(self, x: Value, edge: str, i: int, loc=None) -> Value:
         found = self.steps.get(id(x))
         if found is not None and found[1] == edge:
             return found[2][i]
-        return _slice(x, edge, i)
+        return _slice(x, edge, i, loc)
 
 
-def _slice(x: Value, edge: str, i: int) -> Value:
+def _slice(x: Value, edge: str, i: int, loc=None) -> Value:
     """x[edge = i]: x without `edge`, at index i."""
-    if x.dtype == "i32":   # i32 ids are not multiplied: they are gathered by the step index
-        raise V.IRError("a loop over i32 stacked operands cannot be unrolled yet")
+    if x.dtype == "i32":   # i32 ids are arguments, never slices of one: the loop must stay
+        raise CompileError(f"a loop over '{edge}' whose step reads slices of i32 data (gather ids, random "
+                           f"keys) runs only as a loop, and this backend runs no loops", loc)
     return V.contract([x, _at(edge, i, x.dtype)], [e for e in x.edges if e != edge])
 
 
@@ -78,7 +80,7 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     carry = list(ops[:body.carries])
     ys: list[list[tuple[int, Value]]] = [[] for _ in range(body.stacked)]   # (index, step's value)
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
-        args = carry + [stacked.slice(o, edge, i) if body.role(k) == "slice" else o
+        args = carry + [stacked.slice(o, edge, i, v.loc) if body.role(k) == "slice" else o
                         for k, o in enumerate(ops) if k >= body.carries]
         memo = {id(p): a for p, a in zip(body.params, args)}
         for u in topo_order(list(body.results)):
@@ -92,6 +94,9 @@ def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
     for steps in ys:
         parts = [V.mul([y, _at(edge, i, y.dtype)]) for i, y in steps]
         out = V.add(parts) if len(parts) > 1 else parts[0]
+        # (a bf16 step value's stack: products and sums of bf16 have the compute type;
+        # each element is one step's value, so the conversion back is exact)
+        out = V.convert(out, steps[0][1].dtype)
         stacked.add(out, edge, [y for _, y in sorted(steps, key=lambda t: t[0])])
         outs.append(out)
     return outs
@@ -102,13 +107,20 @@ def step_ops(v: Value) -> int:
     return len(topo_order(list(v.attrs[0].results)))
 
 
+def reads_i32_slices(v: Value) -> bool:
+    """Loop `v`'s steps read slices of an i32 operand (gather ids, random keys)."""
+    body = v.attrs[0]
+    return any(o.dtype == "i32" and body.role(k) == "slice" for k, o in enumerate(v.operands) if k >= body.carries)
+
+
 def fixed_loops(module: Module, max_ops: int | None = None) -> list[Value]:
     """The loops of `module` whose edge has a known size n (and, with `max_ops`, whose n
-    steps hold at most that many ops)."""
+    steps hold at most that many ops and read no i32 slice: an i32 value is an argument,
+    never a slice of one, so such a loop stays a loop, which every backend runs)."""
     out = []
     for v in module.values():
         n = module.size(v.attrs[1]) if v.op == "loop" else None
-        if isinstance(n, int) and (max_ops is None or n * step_ops(v) <= max_ops):
+        if isinstance(n, int) and (max_ops is None or (n * step_ops(v) <= max_ops and not reads_i32_slices(v))):
             out.append(v)
     return out
 

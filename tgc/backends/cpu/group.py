@@ -13,7 +13,12 @@ A kernel joins the group before it when:
   their whole output at the identity index, and the longest common prefix of their
   loops (same variables, same extents), kept in every member, is not empty;
 - every read of a buffer an earlier member wrote is at the same outer index (the
-  outer variables themselves), so at that index the value is complete.
+  outer variables themselves), so at that index the value is complete;
+- it does not shorten the group's shared loops while the group's buffers would then
+  hold more than `options.cpu.group_shrink_max_bytes` per outer index, unless it sums
+  over the loop where they end (`_Grouper.shrinks`: AdamW's moments and parameter of
+  a layer's matrix share all their loops, one pass over the slice; a layernorm
+  backward's partial sums still shorten its rows group).
 A member may also sum over the first outer variable (a parameter gradient
 `dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
 of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
@@ -205,7 +210,51 @@ class _Grouper(Grouper):
     # ------------------------------------------------------------ membership
 
     def outer(self, members: list[int]) -> tuple[str, ...]:
-        """The group's outer loops, or () when these kernels cannot form one."""
+        """The group's outer loops, or () when these kernels cannot form one (nor when
+        the last one shortens the outer loops of those before it too far: `shrinks`)."""
+        prefix = self.prefix(members)
+        if not prefix:
+            return ()
+        if len(members) > 1 and self.shrinks(members, prefix):
+            return ()
+        return prefix
+
+    def shrinks(self, members: list[int], prefix: tuple[str, ...]) -> bool:
+        """Whether the last of `members` shortens the outer loops the others share to
+        `prefix` while the members then touch more than
+        `options.cpu.group_shrink_max_bytes` of buffers per outer index (a symbolic
+        size: the group is kept as it was), and not because it sums over the loop after `prefix` (a layernorm
+        backward's partial sums: those groups shrink to the rows on purpose). Each
+        member runs all its inner loops before the next starts, so with a short
+        prefix a large slice (AdamW's moments and parameter: a layer's 384x384 matrix
+        each) leaves the cache between members: the kernel starts a new group, whose
+        members keep sharing all their loops (one pass over the slice)."""
+        before = self.prefix(members[:-1])
+        if len(prefix) >= len(before):
+            return False
+        k = self.low.kernels[members[-1]]
+        n = len(prefix)
+        if n < len(k.loops) and k.loops[n] in k.red:
+            return False
+        touched: dict[str, Size] = {}     # each buffer's bytes at one outer index
+        for i in members:
+            m = self.low.kernels[i]
+            for name, index in [(m.out, m.index)] + [(ld.buf, ld.index) for ld in _loads(m)]:
+                size = self.low.nbytes(self.low.buffers[name])
+                for _, ix in index:
+                    fixed = next((v for v in prefix if ix == Ix.var(v)), None)
+                    if fixed is not None:
+                        size = size_op("/", size, m.sizes[fixed])
+                touched[name] = size
+        total = 0
+        for size in touched.values():
+            if not isinstance(size, int):
+                return False
+            total += size
+        return total > self.opt.cpu.group_shrink_max_bytes
+
+    def prefix(self, members: list[int]) -> tuple[str, ...]:
+        """The outer loops `members` share, or () when they cannot form a group."""
         ks = [self.low.kernels[i] for i in members]
         prefix = _outer_of(ks[0], True)
         for k in ks[1:]:

@@ -13,7 +13,7 @@ objects by content), so `tgc.compile`'s first-level cache does not keep them."""
 from __future__ import annotations
 
 from tgc.backends.base import Backend
-from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, FlashChains
+from tgc.backends.cuda.flash import FLASH_FORM, FLASHBACK_FORM, MAX_EDGE, FlashChains
 from tgc.backends.cuda.operands import CublasOperands
 from tgc.backends.cuda.inline import InlineElementwise
 from tgc.backends.cuda.rows import ROWGROUP_FORM, RowGroups
@@ -26,6 +26,18 @@ class CudaBackend(Backend):
     stages = (Narrow, CublasOperands, InlineElementwise, FlashChains, Accumulate, RowGroups)
     kernel_forms = (ROWGROUP_FORM, FLASH_FORM, FLASHBACK_FORM)
     emits = ("cubin", "ptx", "cu")
+
+    def pipeline_options(self, options):
+        """`stream_fused_edge` set to the edges the `flash` stage takes (`flash.MAX_EDGE`) where it runs (`CudaOptions.flash`, not
+        under --fp-strict, the default stage list): the IR pipeline then leaves a
+        softmax-then-contract cluster whole for that stage to fuse (one kernel per
+        pass, no `[t, s]` buffer) instead of streaming it over query blocks, at every
+        length; a cluster it would not fuse still streams (`tgc.opt.stream`)."""
+        stages = options.stages
+        if options.cuda.flash and not options.fp_strict \
+                and (stages is None or any(st.split("{")[0].strip() == "flash" for st in stages)):
+            return options.with_(stream_fused_edge=MAX_EDGE)
+        return options
 
     def companions(self, output: str, emit: str) -> dict[str, str]:
         from pathlib import Path

@@ -1,0 +1,211 @@
+"""stream_keys: a stream step's softmax over blocks of the keys, with a running max and
+running sums (online softmax; tgc.opt.stream_keys). Forward chains (attention, cross
+attention, a bias, a softmax-weighted pooling over a non-attention edge, masked rows)
+and with their gradients (a second loop over the keys) against the program without the
+pass and PyTorch, in f64 and f32, on the interpreter and the CPU (attention on cuda-sim
+too). The golden IR is
+tests/opt/stream_keys.tgir (forward) and tests/opt/stream_keys_grad.tgir."""
+import numpy as np
+import pytest
+
+from tgc.frontend import compile_source
+from tgc.ir.interp import evaluate
+from tgc.ir.values import topo_order
+from tgc.options import Options
+
+torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
+
+from test_stream import (ATTENTION, BIAS, CROSS, LAYER, MASKED, POOLING, SUBTRACTIVE, WINDOW, close,  # noqa: E402
+                         inputs, optimized)
+
+# streams over t in blocks of 4 rows, whose [.., 4, s] matrices are over the budget of 16:
+# each step runs over blocks of 4 keys
+KEYS = dict(stream_block=4, stream_min_elements=200, stream_mask_groups=2, stream_step_elements=16,
+            stream_key_block=4)
+ROWS = dict(KEYS, stream_key_block=0)   # the same streams over t, steps whole
+OFF = dict(stream_block=0)
+
+
+def forward(src: str) -> str:
+    """`src` without its gradients (and the inputs only they read)."""
+    keep = [ln for ln in src.splitlines() if "grad(" not in ln and "loss" not in ln and "dy" not in ln]
+    return "\n".join(keep) + "\n"
+
+
+FORWARD = {"attention": forward(ATTENTION), "cross": forward(CROSS), "bias": forward(BIAS),
+           "pooling": forward(POOLING), "masked": forward(MASKED)}
+# attention with a -inf fill: masked keys' weights exp(-inf) = 0
+FORWARD["inf_fill"] = FORWARD["attention"].replace("-1e9)", "-inf)")
+
+
+def key_loops(module) -> int:
+    """How many loops over blocks of the keys (`s`, the pooling's `n`) run inside the
+    program's loops' steps (each body counted once)."""
+    inner, stack = set(), [v for v in module.values() if v.op == "loop"]
+    while stack:
+        v = stack.pop()
+        for w in topo_order(list(v.attrs[0].results)):
+            if w.op == "loop" and id(w.attrs[0]) not in inner:
+                stack.append(w)
+                if w.attrs[1].split(".")[0] in ("s", "n"):
+                    inner.add(id(w.attrs[0]))
+    return len(inner)
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_interpreter_f64_matches_unstreamed_and_torch(name):
+    src = FORWARD[name]
+    streamed = optimized(src, "f64", **KEYS)
+    assert key_loops(streamed) >= 1 and key_loops(optimized(src, "f64", **ROWS)) == 0
+    x = inputs(src)
+    got = evaluate(streamed, x, dtype="f64")
+    close(got, evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+    close(got, torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), x), 1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_cpu_f32_and_f64_match_torch(name):
+    import tgc
+
+    src = FORWARD[name]
+    want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
+    for dtype, tol in (("f64", 1e-12), ("f32", 2e-6)):
+        prog = tgc.compile(src, "cpu", dtype, options=Options(**KEYS))
+        close(prog(**inputs(src, dtype)), want, tol)
+
+
+def test_fully_masked_rows_as_unstreamed():
+    """Rows t < 4 see no key (every score the fill -1e9): uniform weights, the mean of v,
+    as the program without the pass, on the interpreter and in f32 on the CPU."""
+    import tgc
+
+    src = FORWARD["masked"]
+    x = inputs(src)
+    got = evaluate(optimized(src, "f64", **KEYS), x, dtype="f64")
+    np.testing.assert_allclose(got["y"][:4], np.broadcast_to(x["v"].mean(axis=0), (4, 2)), rtol=1e-12)
+    close(got, evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+    x32 = inputs(src, "f32")
+    on = tgc.compile(src, "cpu", "f32", options=Options(**KEYS))(**x32)
+    off = tgc.compile(src, "cpu", "f32", options=Options(**OFF))(**x32)
+    close(on, {k: np.asarray(v, np.float64) for k, v in off.items()}, 1e-6)
+
+
+# with gradients: the first loop the online softmax (m, lse, y), the second dq, dk, dv
+# over the blocks with the weights recomputed from m and lse
+# (cross attention and the pooling: no mask, their backward's softmax stabilized again
+# over its own shift, whose max is 0; the layer: a -inf fill, projections around)
+GRADS = {"attention": ATTENTION, "bias": BIAS, "masked": MASKED, "window": WINDOW, "subtractive": SUBTRACTIVE,
+         "cross": CROSS, "pooling": POOLING, "layer": LAYER}
+
+
+@pytest.mark.parametrize("name", sorted(GRADS))
+def test_gradients_interpreter_f64_match_unstreamed_and_torch(name):
+    src = GRADS[name]
+    streamed = optimized(src, "f64", **KEYS)
+    assert key_loops(streamed) >= 2   # two loops over the keys per step
+    x = inputs(src)
+    got = evaluate(streamed, x, dtype="f64")
+    close(got, evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+    close(got, torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), x), 1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(GRADS))
+def test_gradients_cpu_f32_and_f64_match_torch(name):
+    import tgc
+
+    src = GRADS[name]
+    want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
+    for dtype, tol in (("f64", 1e-12), ("f32", 2e-5)):
+        close(tgc.compile(src, "cpu", dtype, options=Options(**KEYS))(**inputs(src, dtype)), want, tol)
+
+
+def test_fp_strict_and_the_default_keep_the_steps_whole():
+    src = FORWARD["attention"]
+    assert key_loops(optimized(src, "f64", fp_strict=True, **KEYS)) == 0
+    assert Options().stream_key_block == 0
+
+
+def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
+    """q and k scaled so that the scores reach about 1e4 (nearly one-hot weights, the
+    running max moving by thousands between blocks): tgc f32 with the key loops (CPU),
+    y and every gradient, within 10x PyTorch f32's normwise error of the f64 truth."""
+    import torch
+    import tgc
+    from numerics_util import normwise_err, ok
+
+    src = ATTENTION
+    x = inputs(src)
+    x["q"], x["k"] = 80 * x["q"], 80 * x["k"]
+
+    def reference(dtype):
+        t = {n: torch.tensor(a, dtype=dtype, requires_grad=n in "qkv") for n, a in x.items()}
+        scores = torch.einsum("htd,hsd->hts", t["q"], t["k"]) / 2 ** 0.5
+        causal = torch.ones(32, 32, dtype=torch.bool).tril()
+        y = torch.einsum("hts,hsd->htd", torch.softmax(torch.where(causal, scores, -1e9), -1), t["v"])
+        grads = torch.autograd.grad((y * t["dy"]).sum(), (t["q"], t["k"], t["v"]))
+        return {n: a.detach().to(torch.float64).numpy() for n, a in zip(("y", "dq", "dk", "dv"), (y, *grads))}
+
+    want, theirs = reference(torch.float64), reference(torch.float32)
+    assert np.abs(np.einsum("htd,hsd->hts", x["q"], x["k"])).max() / 2 ** 0.5 > 5e3
+    assert key_loops(optimized(src, "f32", **KEYS)) >= 2
+    prog = tgc.compile(src, "cpu", "f32", options=Options(**KEYS))
+    got = prog(**{n: a.astype(np.float32) for n, a in x.items()})
+    for n in want:
+        mine, torch_err = normwise_err(got[n], want[n]), normwise_err(theirs[n], want[n])
+        assert ok(mine, torch_err), (n, mine, torch_err)
+
+
+def test_the_steps_hold_key_blocks():
+    """`tgc explain`: with the key loop the peak of live temporaries is under the peak with
+    the steps' [head, B, s] matrices, and it grows linearly with t (O(t * d)): a step
+    holds [head, B, Bs] tiles, not [head, B, s] rows (the peak's rest: the inputs'
+    blocked copies and the stacked results)."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    def peak_at(t, key_block):
+        src = FORWARD["cross"].replace("t = 16, s = 32, hd = 2", f"t = {t}, s = {t}, hd = 16")
+        opts = dict(stream_block=32, stream_min_elements=1 << 14, stream_step_elements=1 << 10,
+                    stream_key_block=key_block, stream_key_rows=32)
+        module = optimized(src, "f32", **opts)
+        assert key_loops(module) == (1 if key_block else 0)
+        return explain(lower_module(module, Options(**opts)), {})["peak"]["bytes"]
+
+    small, large = peak_at(512, 32), peak_at(1024, 32)
+    assert 1.5 * small <= large <= 2.5 * small, (small, large)
+    rows = peak_at(1024, 0)   # the steps' [head, 32, 1024] matrices
+    assert large < rows, (large, rows)
+
+
+def test_explain_names_the_key_loops_after_the_keys():
+    """`tgc explain` says what a stream step's loops over the keys stream: the keys `s`
+    (the loop's first stacked operand is the mask's window over `r`)."""
+    from tgc.explain import explain, format_explain
+    from tgc.pipeline import lower_module
+
+    module = optimized(FORWARD["masked"], "f32", **KEYS)
+    text = format_explain(explain(lower_module(module, Options(**KEYS)), {}), "keys")
+    assert "streams s in blocks of s." in text and "streams r" not in text, text
+
+
+def test_a_stream_whose_steps_run_over_key_blocks_takes_stream_key_rows():
+    """A stream whose steps stay over the budget and run over key blocks takes blocks of
+    `stream_key_rows` rows (8 here, where the stream's own block is 4); with the key
+    loops off it keeps its block. Both compute the unstreamed program's y."""
+    src = FORWARD["attention"]
+    rows = optimized(src, "f64", **KEYS, stream_key_rows=8)
+    assert rows.dims["t.1"] == 8 and key_loops(rows) >= 1
+    assert optimized(src, "f64", **ROWS, stream_key_rows=8).dims["t.1"] == 4
+    x = inputs(src)
+    close(evaluate(rows, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [("f64", 1e-12), ("f32", 2e-5)])
+def test_cuda_sim_matches_torch(dtype, tol):
+    """The key loops inside the stream's steps on the CUDA module's emulator (host launch
+    loops), attention with its gradients."""
+    import tgc
+
+    want = torch_oracle.evaluate(compile_source(ATTENTION, "<keys>", Options(dtype="f64")), inputs(ATTENTION))
+    got = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(ATTENTION, dtype))
+    close(got, want, tol)

@@ -1,0 +1,100 @@
+"""benchmarks/breakdown.py: its per-kernel accounting adds up to the call it counts.
+
+A tiny GPT step (2 layers of width 32, t 16: loops over the layers with their step
+kernels, GEMMs, AdamW) and the symbolic conv2d at batch 2 are built as the script
+builds them (every size fixed, `CpuOptions(profile=True)`), and counted: the kernels'
+ticks, with each loop's own, sum exactly to the counted total; the counted total is
+within a tolerance of the call's wall time (the rest is the Python call, microseconds
+here); the products' FLOPs are the GEMM kernels' (2 m n k each, no epilogue). The torch
+half (torch.profiler's breakdown) runs where torch is installed.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = {"layer": 2, "head": 2, "hd": 16, "t": 16, "vocab": 17}
+
+
+@pytest.fixture(scope="module")
+def breakdown():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        yield importlib.import_module("breakdown")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def counted(bd, w, calls: int = 5):
+    hz = bd.tsc_hz(0.05)
+    program = bd.build(w.module, w.dims, w.options, True, 1)
+    return program, bd.account(program, w.arrays(program), calls, hz)
+
+
+def check_sums(acc, slack_s: float) -> None:
+    ticks = sum(r.ticks for r in acc.rows) + acc.loops
+    assert ticks == pytest.approx(acc.counted, rel=1e-12), "rows plus loop overhead are not the counted total"
+    assert acc.loops >= 0 and all(r.ticks >= 0 for r in acc.rows)
+    counted_s = acc.counted / acc.hz
+    # the counters run inside the call: never more than its wall time (1% for the clocks' rates)
+    assert counted_s <= acc.wall * 1.01
+    # and all but the call's own overhead (argument checks, Python): at most `slack_s`
+    assert acc.wall - counted_s <= slack_s + 0.2 * acc.wall, (acc.wall, counted_s)
+
+
+def test_tiny_gpt_accounting(breakdown):
+    from tgc.lower.lowered import GemmKernel, StepLoop
+
+    w = breakdown.NanoGPT(batch=2, sizes=TINY)
+    program, acc = counted(breakdown, w)
+    assert any(isinstance(k, StepLoop) for k in program.lowered.kernels), "the layers are no loop: no loop accounting"
+    assert acc.loops > 0
+    check_sums(acc, 2e-3)
+
+    def gemms(low, times=1):
+        for k in low.kernels:
+            if isinstance(k, StepLoop):
+                yield from gemms(k.step, times * k.trip)
+            elif isinstance(getattr(k, "gemm", k), GemmKernel):
+                g = getattr(k, "gemm", k)
+                size = lambda es: math.prod(low.size(e) for e in es)   # noqa: E731
+                yield times * 2 * size(g.batch) * size(g.taps) * size(g.m) * size(g.n) * size(g.k)
+
+    assert acc.product_flops() == sum(gemms(program.lowered)) > 0
+    assert all(r.shape for r in acc.rows if r.product)
+    assert all(r.nbytes > 0 for r in acc.rows if not r.product)
+
+
+def test_conv2d_sym_accounting(breakdown):
+    w = breakdown.Conv2dSym(batch=2)
+    program, acc = counted(breakdown, w)
+    check_sums(acc, 1e-3)
+    assert acc.product_flops() == w.model_flops()   # y, dx and dK: one product each
+
+
+def test_torch_breakdown(breakdown):
+    torch = pytest.importorskip("torch", reason="the torch half profiles PyTorch eager")
+    w = breakdown.Conv2dSym(batch=2)
+    torch.set_num_threads(1)
+    step = w.torch_step(w.arrays(None), None)
+    prof = breakdown.torch_profile(step, 2)
+    assert prof["products"] > 0, "no convolution op was classed as a product"
+    assert set(prof["phases"]) == {"forward", "backward"}
+    ops = prof["products"] + prof["attention"] + prof["other"]
+    assert ops <= prof["wall"] * 1.05
+
+
+def test_torch_breakdown_gpt(breakdown):
+    torch = pytest.importorskip("torch", reason="the torch half profiles PyTorch eager")
+    w = breakdown.NanoGPT(batch=2, sizes=TINY)
+    program = breakdown.build(w.module, w.dims, w.options, False, 1)
+    torch.set_num_threads(1)
+    prof = breakdown.torch_profile(w.torch_step(w.arrays(program), program), 2)
+    assert set(prof["phases"]) == {"forward", "backward", "clip", "adamw"}
+    assert prof["products"] > 0 and prof["product_flops"] > 0 and prof["attention"] > 0
+    assert prof["products"] + prof["attention"] + prof["other"] <= prof["wall"] * 1.05
