@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, neg
+from tgc.lower.lowered import Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, Uses, neg
 from tgc.options import Options
 
 
@@ -67,37 +67,37 @@ class Accumulate(Pass[Lowered, Lowered]):
         if options.fp_strict:
             return low
         out = low.staged("accumulate")
-        out.kernels = [_carries_in_place(out, k) if isinstance(k, StepLoop) else k for k in out.kernels]
-        i = 0
-        while i < len(out.kernels):
-            pair = _pair(out, i)
+        uses = Uses(_carries_in_place(out, k) if isinstance(k, StepLoop) else k for k in out.kernels)
+        for i in range(len(uses.slots)):
+            pair = _pair(out, uses, i) if uses.slots[i] is not None else None
             if pair is not None:
                 j, r, c, prefix = pair
                 if r == c:
-                    _fold(out, i, j, prefix)
-                    continue
-            i += 1
+                    _fold(out, uses, i, j, prefix)
+        out.kernels = uses.kernels()
         _drop_unused(out)
         return out
 
 
-def _pair(low: Lowered, i: int):
+def _pair(low: Lowered, uses: Uses, i: int):
     """(j, r, c, prefix) when kernel i is a GEMM into a temporary `t` that kernel j, the
     only one to read it, turns into `r = c + t` (as the module docstring says), else None.
     `prefix`: the (product edge, `r`'s edge) pairs where `t` covers the leading block of
-    a longer edge of `r` (read there under the mask `edge < size(t's edge)`)."""
-    g = low.kernels[i]
+    a longer edge of `r` (read there under the mask `edge < size(t's edge)`). `uses`
+    holds the kernels (`low.kernels` is not read) and answers which of them read or
+    write a buffer (a scan of every later kernel per GEMM was quadratic)."""
+    g = uses.slots[i]
     if not (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
             and not any(g.rounded) and not g.epilogue):
         return None
     t = low.buffers.get(g.out)
     if t is None or t.kind != "temp" or set(t.edges) != set(g.out_edges()):
         return None
-    readers = [j for j in range(i + 1, len(low.kernels)) if g.out in low.kernels[j].buffers_read()]
-    if len(readers) != 1 or any(g.out in k.writes() for k in low.kernels[i + 1:]):
+    readers = uses.readers(g.out, i)
+    if len(readers) != 1 or uses.writers(g.out, i):
         return None
     j = readers[0]
-    k = low.kernels[j]
+    k = uses.slots[j]
     if not (isinstance(k, LoopKernel) and not k.reduce and not k.red and not k.scatter and k.epilogue is None
             and not k.bounds):
         return None
@@ -122,9 +122,8 @@ def _pair(low: Lowered, i: int):
         return None
     if cb.edges != r.edges or cb.order != r.order or cb.dtype != r.dtype or {k.out, c} & {g.a.buf, g.b.buf}:
         return None
-    for x in low.kernels[i + 1:j]:
-        if x.writes() & {g.a.buf, g.b.buf, k.out} or k.out in x.buffers_read():
-            return None
+    if any(uses.writers(b, i, j) for b in {g.a.buf, g.b.buf, k.out}) or uses.readers(k.out, i, j):
+        return None
     return j, k.out, c, tuple((e, b) for e, b in sorted(rename.items()) if e != b)
 
 
@@ -149,13 +148,13 @@ def _product_load(low: Lowered, e, t: str, edges) -> dict[str, str] | None:
     return rename
 
 
-def _fold(low: Lowered, i: int, j: int, prefix: tuple = ()) -> None:
+def _fold(low: Lowered, uses: Uses, i: int, j: int, prefix: tuple = ()) -> None:
     """Kernel j (`r = c + t`, `r` holding `c`) as kernel i's GEMM adding into `r` (into
     the leading block of each `prefix` edge)."""
-    g, k = low.kernels[i], low.kernels[j]
+    g, k = uses.slots[i], uses.slots[j]
     del low.buffers[g.out]
-    low.kernels[j] = replace(g, out=k.out, acc=True, prefix=prefix)
-    del low.kernels[i]
+    uses.set(j, replace(g, out=k.out, acc=True, prefix=prefix))
+    uses.set(i, None)
 
 
 def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
@@ -173,20 +172,19 @@ def _carries_in_place(low: Lowered, loop: StepLoop) -> StepLoop:
         if low.buffers[new].kind != "temp" or any(new in k.buffers_used() for k in low.kernels if k is not loop):
             continue   # (the carry's new value read after the loop: its buffer stays)
         found = None
-        for i, g in enumerate(step.kernels):
-            pair = _pair(step, i)
+        uses = Uses(step.kernels)
+        for i in range(len(uses.slots)):
+            pair = _pair(step, uses, i)
             if pair is not None and pair[1] == out and pair[2] == arg:
                 found = (i, pair[0], pair[3])
                 break
         if found is None:
             continue
         i, j, prefix = found
-        writers = [x for x, k in enumerate(step.kernels) if out in k.writes()]
-        if writers != [j] or any(arg in k.buffers_read() for k in step.kernels[j + 1:]):
+        if uses.writers(out) != [j] or uses.readers(arg, j) or uses.readers(out, hi=j):
             continue
-        if any(out in k.buffers_read() for k in step.kernels[:j]):
-            continue
-        _fold(step, i, j, prefix)
+        _fold(step, uses, i, j, prefix)
+        step.kernels = uses.kernels()
         binds[c] = Bind(loop.args[c].buf)
     if binds == list(loop.outs):
         return loop

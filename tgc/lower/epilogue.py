@@ -42,15 +42,17 @@ The sum of squares itself is a reduction, which this stage does not fold.
 `tgc.lower.lowered.epilogue_loops` gives the loop kernels an epilogue stands for (`acc` read from `t`);
 the lowered interpreter runs them, and `expand` turns a program's epilogues back into
 them for a backend that has no store epilogue (the CPU's `group` and the CUDA backend
-call it). Terminates: one pass over the kernels (and each step's program).
+call it). Terminates: one pass over the kernels (and each step's program); each GEMM
+visits only the kernels that read its product or the outputs joined to it.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
 from tgc.lower.lowered import (Acc, Buffer, EpilogueOut, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered,
-                               Mask, Rand, StepLoop, epilogue_loops, walk)
+                               Mask, Rand, StepLoop, Uses, epilogue_loops, walk)
 from tgc.options import Options
 
 
@@ -70,16 +72,14 @@ class GemmEpilogue(Pass[Lowered, Lowered]):
 def fold(low: Lowered) -> list:
     """`low`'s kernels with the foldable readers of each GEMM's product in its epilogue
     (each step's program too)."""
-    kernels = [replace(k, step=replace(k.step, kernels=fold(k.step))) if isinstance(k, StepLoop) else k
-               for k in low.kernels]
-    i = 0
-    while i < len(kernels):
-        g = kernels[i]
-        if _candidate(low, g):
-            kernels, g = _fold_gemm(low, kernels, i)
-            kernels[i] = g
-        i += 1
-    return kernels
+    uses = Uses(replace(k, step=replace(k.step, kernels=fold(k.step))) if isinstance(k, StepLoop) else k
+                for k in low.kernels)
+    for i, g in enumerate(uses.slots):
+        if g is not None and _candidate(low, g):
+            folded = _fold_gemm(low, uses, i)
+            if folded is not g:
+                uses.set(i, folded)
+    return uses.kernels()
 
 
 def _candidate(low: Lowered, g) -> bool:
@@ -88,32 +88,42 @@ def _candidate(low: Lowered, g) -> bool:
             and set(low.buffers[g.out].edges) == set(g.out_edges()))
 
 
-def _fold_gemm(low: Lowered, kernels: list, i: int):
-    g = kernels[i]
+def _fold_gemm(low: Lowered, uses: Uses, i: int):
+    """GEMM i with the kernels that join its epilogue (removed from `uses`). The
+    candidates are the kernels after it that read its product or an output joined
+    before them, up to the next kernel that writes the product, in order (`Uses`: a
+    scan of every later kernel per GEMM was quadratic in the program's length)."""
+    g = uses.slots[i]
     edges = set(g.out_edges())
     outs: list[EpilogueOut] = []
-    taken: list[int] = []
-    for j in range(i + 1, len(kernels)):
-        k = kernels[j]
-        if g.out in k.writes():
-            break
-        if not ({g.out, *(o.buf for o in outs)} & k.buffers_read()):
-            continue
+    taken: set[int] = set()
+    stop = next(iter(uses.writers(g.out, i)), None)
+    todo = uses.readers(g.out, i, stop)
+    seen = set(todo)
+    while todo:
+        j = heapq.heappop(todo)
+        k = uses.slots[j]
         if not _foldable(low, g, k, edges, [o.buf for o in outs]):
             continue
-        between = [kernels[x] for x in range(i + 1, j) if x not in taken]
         reads = k.buffers_read() - {g.out}
-        if any((x.writes() & reads) or ({k.out} & (x.writes() | x.buffers_read())) for x in between):
+        between = [x for b in reads for x in uses.writers(b, i, j)] + \
+            uses.readers(k.out, i, j) + uses.writers(k.out, i, j)
+        if any(x not in taken for x in between):
             continue
         outs.append(EpilogueOut(k.out, _AccOf(g.out).expr(k.body)))
-        taken.append(j)
+        taken.add(j)
+        for x in uses.readers(k.out, j, stop):
+            if x not in seen:
+                seen.add(x)
+                heapq.heappush(todo, x)
     if not outs:
-        return kernels, g
-    kept = [k for x, k in enumerate(kernels) if x not in taken]
+        return g
+    for j in taken:
+        uses.set(j, None)
     g = replace(g, epilogue=g.epilogue + tuple(outs))
-    if not any(g.out in k.buffers_read() for k in kept[i + 1:]):
+    if not uses.readers(g.out, i):
         g = _product_into_output(low, g)
-    return kept, g
+    return g
 
 
 def _product_into_output(low: Lowered, g: GemmKernel) -> GemmKernel:

@@ -99,6 +99,7 @@ def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
             gemm_uses.setdefault(k.b.buf, (k, "b"))
     complex_bufs = {b for k in low.kernels if isinstance(k, GemmKernel) and k.cplx is not None
                     for b in (k.out, k.a.buf, k.b.buf)}
+    readers = _loop_readers(low)
     for k in low.kernels:
         if isinstance(k, StepLoop):   # a loop's buffers have the orders its step was built for
             continue
@@ -124,13 +125,26 @@ def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
                 if matrix_form(want, mine.m, mine.n) is not None:
                     buf.order = want
             else:
-                buf.order = _suit_readers(low, k, buf.order, guess, options.layout_short_sum, options.layout_tie_rows)
+                buf.order = _suit_readers(low, k, buf.order, guess, options.layout_short_sum,
+                                           options.layout_tie_rows, readers.get(k.out, ()))
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
             buf.order = _follow_loads(low, k, buf)
         if buf.name in complex_bufs and RI in buf.order and buf.order[-1] != RI:
             buf.order = tuple(e for e in buf.order if e != RI) + (RI,)   # a complex matrix's pairs
+
+
+def _loop_readers(low: Lowered) -> dict[str, list[LoopKernel]]:
+    """buffer -> the loop kernels that read it, in kernel order: asked once per GEMM
+    result, a scan of every kernel each time made the pass quadratic in the program's
+    length (48 unrolled GPT blocks: 500 GEMMs x 7,000 kernels)."""
+    readers: dict[str, list[LoopKernel]] = {}
+    for r in low.kernels:
+        if isinstance(r, LoopKernel):
+            for b in r.buffers_read():
+                readers.setdefault(b, []).append(r)
+    return readers
 
 
 def _view_order(low: Lowered, view: View, k: GemmKernel | None = None) -> tuple[str, ...] | None:
@@ -164,7 +178,7 @@ def _gemm_result_order(low: Lowered, k: GemmKernel, guess: int) -> tuple[str, ..
 
 
 def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: int, short: int,
-                  tie_rows: int) -> tuple[str, ...]:
+                  tie_rows: int, readers: Sequence[LoopKernel]) -> tuple[str, ...]:
     """A GEMM result that only loop kernels read: of its two matrix orders (batch, then
     M and N either way round), the one whose innermost edge moves with the innermost
     edge of what those readers write, where that is known (an output, an argument),
@@ -174,7 +188,8 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     sum (a softmax's) keeps the default order. A 2-D convolution's input
     gradient `dx[b, c, h, w] = sum[kw] t[b, c, h, kw, w - kw + 1]` then reads the
     GEMM's rows along `w` instead of with a stride of c x kw. BLAS computes either
-    order (a transpose flag), so this changes no sum."""
+    order (a transpose flag), so this changes no sum. `readers`: the loop kernels
+    that read the result, in kernel order (`_loop_readers`)."""
     nb = len(k.batch)
     head, rest = order[:nb], order[nb:]
     m = tuple(e for e in rest if e in k.m)
@@ -182,16 +197,14 @@ def _suit_readers(low: Lowered, k: GemmKernel, order: tuple[str, ...], guess: in
     if rest != m + n and rest != n + m:
         return order
     votes = {"m": 0, "n": 0}
-    rows = _summed_group(low, k, m, n, guess, short, tie_rows)
+    rows = _summed_group(low, k, m, n, guess, short, tie_rows, readers)
     if rows is not None:
         inner, other = (m, n) if rows == "m" else (n, m)
         clipped = {e for _, e, _ in k.shifts}
         if rest[-len(inner):] == inner or clipped & set(m + n):
             return order
         return head + other + inner
-    for r in low.kernels:
-        if not isinstance(r, LoopKernel) or k.out not in r.buffers_read():
-            continue
+    for r in readers:
         if any(not isinstance(r.sizes[v], int) or r.sizes[v] > short for v in r.red):
             return order   # a longer sum (a softmax's) has its say in the default order
         for var in _reader_inner_vars(low, r, k.out):
@@ -231,7 +244,7 @@ def _reader_inner_vars(low: Lowered, r: LoopKernel, result: str) -> list[str]:
 
 
 def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str, ...], guess: int,
-                  short: int, tie_rows: int) -> str | None:
+                  short: int, tie_rows: int, readers: Sequence[LoopKernel]) -> str | None:
     """The group ("m" or "n") that the loop kernels reading GEMM `k`'s result sum
     over, each along its rows (a softmax's max, log-sum-exp and sums over the key
     edge `s` of the `[t, s]` scores), when they agree on one and it is at least as
@@ -250,8 +263,8 @@ def _summed_group(low: Lowered, k: GemmKernel, m: tuple[str, ...], n: tuple[str,
     env = {d: guess for d in low.module.symbolic_dims()}
     size = {g: math.prod(size_estimate(low.size(e), env) for e in edges) for g, edges in (("m", m), ("n", n))}
     found = set()
-    for r in low.kernels:
-        if not isinstance(r, LoopKernel) or k.out not in r.buffers_read() or not r.red:
+    for r in readers:
+        if not r.red:
             continue
         long = {v for v in r.red if not isinstance(r.sizes[v], int) or r.sizes[v] > short}
         if not long:

@@ -62,6 +62,7 @@ with a method per node class of `Expr` and `Atom`, dispatched by `ExprVisitor` (
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, replace
 import re
 from typing import Callable, ClassVar, Mapping, Sequence, Union, get_args
@@ -905,6 +906,60 @@ def print_lowered(low: Lowered, module: bool = True) -> str:
     if module:
         lines += ["", "module {", print_module(low.module).rstrip("\n"), "}"]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- who reads and writes what
+
+
+class Uses:
+    """A kernel list that a pass edits in place, with the positions of the kernels that
+    read and that write each buffer, so that "which later kernel reads b" costs the
+    readers of b, not a scan of every later kernel (asked once per GEMM, such scans made
+    `epilogue` and `accumulate` quadratic in the program's length). `slots[i]` is kernel
+    i, or None once removed (positions never shift); `set(i, k)` replaces or removes one
+    and keeps the index; `kernels()` is the list without the removed ones, in order."""
+
+    def __init__(self, kernels: Sequence):
+        self.slots: list = list(kernels)
+        self._reads: dict[str, list[int]] = {}
+        self._writes: dict[str, list[int]] = {}
+        for i, k in enumerate(self.slots):
+            self._index(i, k, True)
+
+    def _index(self, i: int, k, add: bool) -> None:
+        for table, bufs in ((self._reads, k.buffers_read()), (self._writes, k.writes())):
+            for b in bufs:
+                at = table.setdefault(b, [])
+                j = bisect.bisect_left(at, i)
+                if add:
+                    at.insert(j, i)
+                else:
+                    del at[j]
+
+    def set(self, i: int, k) -> None:
+        """Slot i holds `k` (None: removed)."""
+        if self.slots[i] is not None:
+            self._index(i, self.slots[i], False)
+        self.slots[i] = k
+        if k is not None:
+            self._index(i, k, True)
+
+    def kernels(self) -> list:
+        return [k for k in self.slots if k is not None]
+
+    def readers(self, buf: str, lo: int = -1, hi: int | None = None) -> list[int]:
+        """Positions of the kernels reading `buf` strictly between `lo` and `hi`, ascending."""
+        return self._between(self._reads.get(buf, ()), lo, hi)
+
+    def writers(self, buf: str, lo: int = -1, hi: int | None = None) -> list[int]:
+        """Positions of the kernels writing `buf` strictly between `lo` and `hi`, ascending."""
+        return self._between(self._writes.get(buf, ()), lo, hi)
+
+    @staticmethod
+    def _between(at: Sequence[int], lo: int, hi: int | None) -> list[int]:
+        start = bisect.bisect_right(at, lo)
+        stop = len(at) if hi is None else bisect.bisect_left(at, hi)
+        return list(at[start:stop])
 
 
 # ---------------------------------------------------------------- GEMM matrix views

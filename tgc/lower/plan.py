@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Lowered, StepLoop, matrix_form, rename_buffers, walk
+from tgc.lower.lowered import GemmKernel, Load, LoopKernel, Lowered, StepLoop, Uses, matrix_form, rename_buffers, walk
 from tgc.ir.sizes import size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass
@@ -71,10 +71,6 @@ def _reads(k) -> set[str]:
     return k.buffers_read()
 
 
-def _writes(k) -> set[str]:
-    return k.writes()
-
-
 def _updates_in_place(low: Lowered) -> None:
     """An update target's new value is written straight into it (no temporary and no
     final copy) where nothing reads the old value after the temporary's producer.
@@ -83,8 +79,7 @@ def _updates_in_place(low: Lowered) -> None:
     and all renamings are applied in one pass (GPT's 40 targets: 11 ms, against 87 ms
     with a pass per target)."""
     kernels = low.kernels
-    reads = [_reads(k) for k in kernels]
-    writes = [_writes(k) for k in kernels]
+    uses = Uses(kernels)   # who reads and writes each buffer: no scan of every kernel per target
     mapping: dict[str, str] = {}
     copies: set[int] = set()
     for i, c in enumerate(kernels):
@@ -94,18 +89,17 @@ def _updates_in_place(low: Lowered) -> None:
         if not isinstance(c.body, Load) or low.buffers[c.body.buf].kind != "temp" or c.body.buf in mapping:
             continue
         tmp = c.body.buf
-        writers = [j for j, w in enumerate(writes) if tmp in w]
+        writers = uses.writers(tmp)
         if len(writers) != 1:
             continue
         w = writers[0]
-        later = range(w + 1, len(kernels))
-        gemm_reads = any(isinstance(kernels[j], GemmKernel) and tmp in reads[j] for j in later)
-        if any(tmp in reads[j] for j in range(w)) or \
+        gemm_reads = any(isinstance(kernels[j], GemmKernel) for j in uses.readers(tmp, w))
+        if uses.readers(tmp, hi=w) or \
                 (gemm_reads and low.buffers[tmp].order != low.buffers[target].order):
             continue
         if low.buffers[tmp].dtype != low.buffers[target].dtype:   # a bf16 target, a float temporary
             continue   # (the value of a reduction, rounded): its writer may not store partial values there
-        if any(target in reads[j] for j in later if j != i) or not _can_retarget(low, kernels[w], target, tmp):
+        if any(j != i for j in uses.readers(target, w)) or not _can_retarget(low, kernels[w], target, tmp):
             continue
         # the new value lives in the target from its producer on: later readers use it
         mapping[tmp] = target
@@ -174,26 +168,32 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
     for name, b in low.buffers.items():
         if b.kind == "temp" and name not in first:
             raise ValueError(f"internal: temporary '{name}' is never used")
+    born: dict[int, list[str]] = {}   # kernel -> the temporaries it uses first, in order of first use
+    for name, i in first.items():
+        born.setdefault(i, []).append(name)
     slots: list[list] = []          # sizes per slot
+    room: list[int] = []            # the estimate of each slot's largest size
     occupant: list[str | None] = []
-    for i, k in enumerate(low.kernels):
-        for s, name in enumerate(occupant):
-            if name is not None and last[name] < i:
-                occupant[s] = None
-        for name in sorted((n for n, f in first.items() if f == i), key=lambda n: list(first).index(n)):
+    ends: dict[int, list[int]] = {}   # kernel -> the slots whose occupant is last used by the one before
+    for i in range(len(low.kernels)):
+        for s in ends.pop(i, ()):
+            occupant[s] = None
+        for name in born.get(i, ()):
             size = low.nbytes(low.buffers[name])
             free = [s for s, o in enumerate(occupant) if o is None]
             same = [s for s in free if slots[s] == [size]]
             need = est(size)
-            room = {s: max(map(est, slots[s]), default=0) for s in free}
-            fits = sorted((s for s in free if room[s] <= 4 * need), key=lambda s: (max(0, need - room[s]), room[s], s))
-            s = (same or fits or [None])[0]
+            fits = [s for s in free if room[s] <= 4 * need]
+            s = same[0] if same else min(fits, key=lambda s: (max(0, need - room[s]), room[s], s)) if fits else None
             if s is None:
                 slots.append([])
+                room.append(0)
                 occupant.append(None)
                 s = len(slots) - 1
             if size not in slots[s]:
                 slots[s].append(size)
+                room[s] = max(room[s], need)
             occupant[s] = name
+            ends.setdefault(last[name] + 1, []).append(s)
             low.buffers[name].slot = s
     low.slots = [tuple(s) for s in slots]

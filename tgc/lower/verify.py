@@ -75,11 +75,29 @@ def verify_lowered(low: Lowered, held: frozenset[str] = frozenset()) -> None:
     _Verifier(low, held).run()
 
 
+class _Readable:
+    """The buffers a kernel may read: those of `base`, and of `extra`, but not
+    `without`; a view, not a copy (a copy of every defined buffer per kernel made the
+    verifier quadratic in the program's length). `|` adds a set."""
+
+    __slots__ = ("base", "extra", "without")
+
+    def __init__(self, base, extra=(), without=()):
+        self.base, self.extra, self.without = base, extra, without
+
+    def __contains__(self, name) -> bool:
+        return name not in self.without and (name in self.extra or name in self.base)
+
+    def __or__(self, more) -> "_Readable":
+        return _Readable(self, more)
+
+
 class _Verifier(ExprVisitor):
     def __init__(self, low: Lowered, held: frozenset[str] = frozenset()):
         self.low = low
         self.held = held
         self.k: int | None = None
+        self.targets = {u.target for u in low.module.updates}   # (once: asked per argument written)
 
     def fail(self, message: str) -> VerifyError:
         return VerifyError(message, self.k)
@@ -236,7 +254,7 @@ class _Verifier(ExprVisitor):
 
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]
-        if b.kind == "arg" and name not in {u.target for u in self.low.module.updates}:
+        if b.kind == "arg" and name not in self.targets:
             raise self.fail(f"writes argument '%{name}', which no update targets")
 
     def slots(self) -> None:
@@ -276,6 +294,7 @@ class _Verifier(ExprVisitor):
             if v not in g.sizes:
                 raise self.fail(f"group loop '{v}' has no size")
         regs: dict[str, int] = {}
+        mine: set[str] = set()   # the members' outputs so far
         for j, m in enumerate(g.members):
             if not isinstance(m, LoopKernel):
                 raise self.fail("a group's members are loop kernels")
@@ -289,12 +308,12 @@ class _Verifier(ExprVisitor):
             scope = dict(g.sizes)
             if g.blocks:
                 scope[BLOCK_EDGE] = g.blocks
-            self.loop(m, defined, scope, set(regs))
+            self.loop(m, _Readable(defined, mine), scope, set(regs))
             if m.out in g.regs:
                 if m.out in regs:
                     raise self.fail(f"register '%{m.out}' is written twice")
                 regs[m.out] = j
-            defined = defined | {m.out}
+            mine.add(m.out)
         for r in g.regs:
             if r not in regs:
                 raise self.fail(f"register '%{r}' is never written")
@@ -338,8 +357,8 @@ class _Verifier(ExprVisitor):
             if v not in k.loops:
                 raise self.fail(f"bounds for '{v}', which is not one of its loops")
             for ix in lo + hi:
-                self.ix(ix, bound, defined | regs)
-        can_read = defined | regs | ({k.out} if k.scatter or set(k.red) & set(outer) else set())
+                self.ix(ix, bound, _Readable(defined, regs))
+        can_read = _Readable(defined, regs | ({k.out} if k.scatter or set(k.red) & set(outer) else set()))
         self.expr(k.body, bound, can_read, False)
         if k.epilogue is not None:
             self.expr(k.epilogue, bound, can_read, True)
@@ -417,7 +436,7 @@ class _Verifier(ExprVisitor):
         if len(set(outs)) != len(outs) or {k.a.buf, k.b.buf} & set(outs):
             raise self.fail("an epilogue's outputs are distinct buffers, none an operand")
         product = outs.index(k.out) if k.out in outs else len(outs)   # `out` holds the product until then
-        seen = set(defined) | {k.out}
+        seen = {k.out}   # with `defined`
         for j, o in enumerate(k.epilogue):
             if o.buf not in low.buffers:
                 raise self.fail(f"writes undeclared buffer '%{o.buf}'")
@@ -430,7 +449,7 @@ class _Verifier(ExprVisitor):
                     raise self.fail(f"an epilogue loads the product '%{k.out}' (it reads acc)")
                 if isinstance(n, Load) and n.buf in own and any(ix != Ix.var(e) for e, ix in n.index):
                     raise self.fail(f"an epilogue reads its output '%{n.buf}' away from the element's own index")
-            self.expr(o.expr, edges, seen if j > product else seen - {k.out}, True)
+            self.expr(o.expr, edges, _Readable(defined, seen, () if j > product else (k.out,)), True)
             seen.add(o.buf)
 
     # ---------------------------------------------------------------- expressions and indices

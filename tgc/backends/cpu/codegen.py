@@ -179,6 +179,7 @@ class _ModuleGen:
         self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
         self.mod = self.mods[0]
         self.done: dict = {}
+        self.regions_defined = 0   # the region functions tgc.r0, tgc.r1, ... in self.mod
         self.step_counters = step_profile_kernels(low)   # counted after the program's own kernels
 
     def assign_units(self, units: int) -> int:
@@ -760,7 +761,7 @@ class _ModuleGen:
         kernel of the region on its share of its split range (`parallel.thread_range`),
         or whole on thread 0 (`r.single`), with `tgc.barrier` where `r.barrier` says."""
         cpu = self.opt.cpu
-        n = sum(1 for fn in self.mod.functions if fn.name.startswith("tgc.r") and fn.name[5:].isdigit())
+        n, self.regions_defined = self.regions_defined, self.regions_defined + 1
         fn = define(self.mod, f"tgc.r{n}", ir.VoidType(), [PTR])
         optimize_not(fn)   # loads and calls
         f = Frame(fn, p.module, None, p.edges)

@@ -42,6 +42,9 @@ more tiles (`gemm_tiles`), which changes the bits, as any option may.
 """
 from __future__ import annotations
 
+from collections import ChainMap
+from dataclasses import replace
+
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import blas, fntable, parallel
@@ -84,8 +87,9 @@ class GemmGen(TapCalls):
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
                  options: Options, home: ir.Module | None = None, implicit=None):
         if implicit is not None:   # an implicit GEMM (implicit.py): its window buffer, never allocated
-            low = low.staged(low.stage)
-            low.buffers[implicit.window] = implicit.buffer(low.dtype)
+            # (over the program's buffers, not a copy of them: one per implicit GEMM made
+            # generating 48 unrolled GPT blocks quadratic in their length)
+            low = replace(low, buffers=ChainMap({implicit.window: implicit.buffer(low.dtype)}, low.buffers))
         self.implicit = implicit
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined

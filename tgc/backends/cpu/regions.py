@@ -154,13 +154,46 @@ def barriers(low: Lowered, ks, single: tuple[bool, ...], cpu: CpuOptions,
              step: bool = False) -> tuple[bool, ...]:
     """Where a run of kernels needs a barrier (module docstring)."""
     out = [False]
-    pending = [_Access(low, ks[0], single[0], cpu, step)]
+    pending = _Pending()
+    pending.add(_Access(low, ks[0], single[0], cpu, step))
     for k, one in zip(ks[1:], single[1:]):
         acc = _Access(low, k, one, cpu, step)
-        need = any(acc.conflicts(p) for p in pending)
+        need = pending.conflicts(acc)
         out.append(need)
-        pending = [acc] if need else pending + [acc]
+        if need:
+            pending = _Pending()
+        pending.add(acc)
     return tuple(out)
+
+
+class _Pending:
+    """The accesses of the kernels since the last barrier, by memory: for each, the
+    (buffer, split-edge mapping) pairs read and those written. `conflicts(acc)` is
+    `any(acc.conflicts(p) for p in pending)` without visiting each pending kernel: a
+    run of independent kernels (AdamW's updates, one per param) made that quadratic."""
+
+    def __init__(self) -> None:
+        self.reads: dict = {}
+        self.writes: dict = {}
+
+    def add(self, acc: "_Access") -> None:
+        for buf in acc.reads | acc.writes:
+            table = self.writes if buf in acc.writes else self.reads
+            table.setdefault(acc.memory(buf), set()).add((buf, acc.local[buf]))
+            if buf in acc.writes and buf in acc.reads:
+                self.reads.setdefault(acc.memory(buf), set()).add((buf, acc.local[buf]))
+
+    def conflicts(self, acc: "_Access") -> bool:
+        """Whether `acc` touches a memory a pending kernel touches, one of them writing
+        it, other than as the same buffer with the same thread-local split."""
+        for buf in acc.reads | acc.writes:
+            mem = acc.memory(buf)
+            theirs = [self.writes.get(mem, ())] + ([self.reads.get(mem, ())] if buf in acc.writes else [])
+            mine = (buf, acc.local[buf])
+            for keys in theirs:
+                if keys and (acc.local[buf] is None or len(keys) > 1 or mine not in keys):
+                    return True
+        return False
 
 
 class _Access:
