@@ -294,14 +294,10 @@ def test_cuda_sim_matches_torch(dtype, tol):
     close(prog(**inputs(ATTENTION, dtype)), want, tol)
 
 
-def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
-    """The numerics contract on the streamed form: q and k scaled so that the scores
-    reach about 1e4 (the softmax then nearly one-hot, exp's argument large); tgc f32
-    (streamed, CPU) within 10x PyTorch f32's error of the f64 truth, for y and every
-    gradient (normwise, as tests/numerics_util.py measures)."""
+def large_logits_and_torch():
+    """ATTENTION's inputs with q and k scaled so that the scores reach about 1e4, and
+    PyTorch's y, dq, dk, dv on them in f64 (the truth) and f32 (the contract's peer)."""
     import torch
-    import tgc
-    from numerics_util import normwise_err, ok
 
     x = inputs(ATTENTION)
     x["q"], x["k"] = 80 * x["q"], 80 * x["k"]
@@ -314,8 +310,19 @@ def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
         grads = torch.autograd.grad((y * t["dy"]).sum(), (t["q"], t["k"], t["v"]))
         return {n: a.detach().to(torch.float64).numpy() for n, a in zip(("y", "dq", "dk", "dv"), (y, *grads))}
 
-    want, theirs = reference(torch.float64), reference(torch.float32)
     assert np.abs(np.einsum("htd,hsd->hts", x["q"], x["k"])).max() / 2 ** 0.5 > 5e3
+    return x, reference(torch.float64), reference(torch.float32)
+
+
+def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
+    """The numerics contract on the streamed form: q and k scaled so that the scores
+    reach about 1e4 (the softmax then nearly one-hot, exp's argument large); tgc f32
+    (streamed, CPU) within 10x PyTorch f32's error of the f64 truth, for y and every
+    gradient (normwise, as tests/numerics_util.py measures)."""
+    import tgc
+    from numerics_util import normwise_err, ok
+
+    x, want, theirs = large_logits_and_torch()
     prog = tgc.compile(ATTENTION, "cpu", "f32", options=Options(**ON))
     assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
     got = prog(**{n: a.astype(np.float32) for n, a in x.items()})

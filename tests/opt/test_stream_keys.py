@@ -16,7 +16,7 @@ from tgc.options import Options
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
 from test_stream import (ATTENTION, BIAS, CROSS, LAYER, MASKED, POOLING, SUBTRACTIVE, WINDOW, close,  # noqa: E402
-                         inputs, optimized)
+                         inputs, large_logits_and_torch, optimized)
 
 # streams over t in blocks of 4 rows, whose [.., 4, s] matrices are over the budget of 16:
 # each step runs over blocks of 4 keys
@@ -129,24 +129,11 @@ def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
     """q and k scaled so that the scores reach about 1e4 (nearly one-hot weights, the
     running max moving by thousands between blocks): tgc f32 with the key loops (CPU),
     y and every gradient, within 10x PyTorch f32's normwise error of the f64 truth."""
-    import torch
     import tgc
     from numerics_util import normwise_err, ok
 
     src = ATTENTION
-    x = inputs(src)
-    x["q"], x["k"] = 80 * x["q"], 80 * x["k"]
-
-    def reference(dtype):
-        t = {n: torch.tensor(a, dtype=dtype, requires_grad=n in "qkv") for n, a in x.items()}
-        scores = torch.einsum("htd,hsd->hts", t["q"], t["k"]) / 2 ** 0.5
-        causal = torch.ones(32, 32, dtype=torch.bool).tril()
-        y = torch.einsum("hts,hsd->htd", torch.softmax(torch.where(causal, scores, -1e9), -1), t["v"])
-        grads = torch.autograd.grad((y * t["dy"]).sum(), (t["q"], t["k"], t["v"]))
-        return {n: a.detach().to(torch.float64).numpy() for n, a in zip(("y", "dq", "dk", "dv"), (y, *grads))}
-
-    want, theirs = reference(torch.float64), reference(torch.float32)
-    assert np.abs(np.einsum("htd,hsd->hts", x["q"], x["k"])).max() / 2 ** 0.5 > 5e3
+    x, want, theirs = large_logits_and_torch()
     assert key_loops(optimized(src, "f32", **KEYS)) >= 2
     prog = tgc.compile(src, "cpu", "f32", options=Options(**KEYS))
     got = prog(**{n: a.astype(np.float32) for n, a in x.items()})

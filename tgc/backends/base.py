@@ -122,6 +122,19 @@ class Backend:
         return f"<backend {self.name}>"
 
 
+def failed_check(low, args: dict, env: dict) -> int:
+    """The 1-based index of the first of `low.checks` (a gather's ids against its edge's
+    size) that host arrays `args` fail, or 0: what a host-side backend's `run` returns
+    before it computes anything, as the compiled entries do."""
+    from tgc.ir.sizes import size_eval
+
+    for i, check in enumerate(low.checks):
+        ids, n = args[check.buf], size_eval(check.size, env)
+        if ((ids < 0) | (ids >= n)).any():
+            return i + 1
+    return 0
+
+
 class Kernels:
     """A backend's compiled program as the neutral runtime calls it: "run these
     kernels on these buffers". The runtime binds the signature, takes the dims from

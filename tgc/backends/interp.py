@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tgc.backends.base import Backend, Kernels
-from tgc.ir.sizes import size_eval
+from tgc.backends.base import Backend, Kernels, failed_check
 
 
 class InterpBackend(Backend):
@@ -46,10 +45,9 @@ class InterpKernels(Kernels):
         from tgc.ir.interp import evaluate
 
         low = self.lowered
-        for i, check in enumerate(low.checks):
-            ids, n = args[check.buf], size_eval(check.size, env)
-            if ((ids < 0) | (ids >= n)).any():
-                return i + 1
+        failed = failed_check(low, args, env)
+        if failed:
+            return failed
         m = low.module
         dims = {d: env[d] for d in m.dims if d in env}
         result = evaluate(m, args, dtype=self.dtype, dims=dims)

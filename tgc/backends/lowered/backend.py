@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tgc.backends.base import Backend, Kernels
-from tgc.ir.sizes import size_eval
+from tgc.backends.base import Backend, Kernels, failed_check
 
 
 class LoweredBackend(Backend):
@@ -43,10 +42,9 @@ class LoweredKernels(Kernels):
         from tgc.lower.interp import run_bound
 
         low = self.lowered
-        for i, check in enumerate(low.checks):
-            ids, n = args[check.buf], size_eval(check.size, env)
-            if ((ids < 0) | (ids >= n)).any():
-                return i + 1
+        failed = failed_check(low, args, env)
+        if failed:
+            return failed
         result = run_bound(low, args, env)
         for name, out in outs.items():
             np.copyto(out, result[name], casting="unsafe")
