@@ -234,7 +234,7 @@ def test_cli_runs_cuda_sim_like_cpu(tmp_path):
 
 
 def test_unknown_backend_lists_the_backends():
-    with pytest.raises(ValueError, match="have: cpu, cuda, cuda-sim"):
+    with pytest.raises(ValueError, match="the backends are: cpu, cuda, cuda-sim"):
         tgc.compile(MLP, backend="tpu")
 
 

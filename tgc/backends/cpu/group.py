@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tgc.ir.sizes import Size, size_op, size_str
+from tgc.ir.dtypes import itemsize
 from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKernel, Lowered,
                                Map, Mask, Mul, Rand, walk)
 from tgc.lower.epilogue import expand
@@ -236,22 +237,22 @@ class _Grouper(Grouper):
         n = len(prefix)
         if n < len(k.loops) and k.loops[n] in k.red:
             return False
-        touched: dict[str, Size] = {}     # each buffer's bytes at one outer index
+        touched: dict[str, int] = {}      # each buffer's bytes at one outer index (at most)
         for i in members:
             m = self.low.kernels[i]
             for name, index in [(m.out, m.index)] + [(ld.buf, ld.index) for ld in _loads(m)]:
-                size = self.low.nbytes(self.low.buffers[name])
-                for _, ix in index:
-                    fixed = next((v for v in prefix if ix == Ix.var(v)), None)
-                    if fixed is not None:
-                        size = size_op("/", size, m.sizes[fixed])
+                # the buffer's bytes over its axes that no outer loop indexes (an
+                # axis the loop reads only in part, a stream run's window of the keys,
+                # counts whole: an upper bound)
+                size = itemsize(self.low.buffers[name].dtype)
+                for edge, ix in index:
+                    if not any(ix == Ix.var(v) for v in prefix):
+                        n = self.low.size(edge)
+                        if not isinstance(n, int):
+                            return False
+                        size *= n
                 touched[name] = size
-        total = 0
-        for size in touched.values():
-            if not isinstance(size, int):
-                return False
-            total += size
-        return total > self.opt.cpu.group_shrink_max_bytes
+        return sum(touched.values()) > self.opt.cpu.group_shrink_max_bytes
 
     def prefix(self, members: list[int]) -> tuple[str, ...]:
         """The outer loops `members` share, or () when they cannot form a group."""
