@@ -94,15 +94,11 @@ def test_symbolic_trip_count_serves_any_depth():
             np.testing.assert_allclose(got[k], want[k], rtol=1e-11, atol=1e-12, err_msg=k)
 
 
-def test_gradient_matches_finite_differences():
-    n = 3
-    src = HEAD.format(layer=f"layer = {n}") + LOOP + "out loss = sum(y * y) + sum(hs * hs * hs)\n" \
-        "out gw = grad(loss, w)\nout gx = grad(loss, x)\nout gg = grad(loss, g)\n"
-    m = module(src, passes=("normalize", "adjoint", "tangent"))
-    ins = inputs(n)
-    base = evaluate(m, ins, dtype="f64")
-    rng = np.random.default_rng(1)
-    for name, grad in (("w", "gw"), ("x", "gx"), ("g", "gg")):
+def check_central_differences(m, ins: dict, base: dict, pairs, seed: int) -> None:
+    """Each (input, gradient output) pair of `base` (module `m` on `ins`, f64) at 4 random
+    elements against central differences of the output `loss` (eps 1e-6)."""
+    rng = np.random.default_rng(seed)
+    for name, grad in pairs:
         for _ in range(4):
             idx = tuple(rng.integers(0, s) for s in ins[name].shape)
             eps = 1e-6
@@ -112,6 +108,16 @@ def test_gradient_matches_finite_differences():
             lo[name][idx] -= eps
             fd = (evaluate(m, hi, dtype="f64")["loss"] - evaluate(m, lo, dtype="f64")["loss"]) / (2 * eps)
             assert abs(fd - base[grad][idx]) < 1e-6 * max(1.0, abs(fd)), (name, idx)
+
+
+def test_gradient_matches_finite_differences():
+    n = 3
+    src = HEAD.format(layer=f"layer = {n}") + LOOP + "out loss = sum(y * y) + sum(hs * hs * hs)\n" \
+        "out gw = grad(loss, w)\nout gx = grad(loss, x)\nout gg = grad(loss, g)\n"
+    m = module(src, passes=("normalize", "adjoint", "tangent"))
+    ins = inputs(n)
+    base = evaluate(m, ins, dtype="f64")
+    check_central_differences(m, ins, base, (("w", "gw"), ("x", "gx"), ("g", "gg")), seed=1)
 
 
 def test_gradients_match_pytorch():
@@ -320,17 +326,7 @@ def test_i32_step_gradient_matches_finite_differences():
     m = module(ids_program(n))
     ins = ids_inputs(n, seed=1)
     base = evaluate(m, {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    rng = np.random.default_rng(2)
-    for name, grad in (("E", "gE"), ("x0", "gx")):
-        for _ in range(4):
-            idx = tuple(rng.integers(0, s) for s in ins[name].shape)
-            eps = 1e-6
-            hi = {k: a.copy() for k, a in ins.items()}
-            lo = {k: a.copy() for k, a in ins.items()}
-            hi[name][idx] += eps
-            lo[name][idx] -= eps
-            fd = (evaluate(m, hi, dtype="f64")["loss"] - evaluate(m, lo, dtype="f64")["loss"]) / (2 * eps)
-            assert abs(fd - base[grad][idx]) < 1e-6 * max(1.0, abs(fd)), (name, idx)
+    check_central_differences(m, ins, base, (("E", "gE"), ("x0", "gx")), seed=2)
 
 
 def test_an_i32_loop_on_a_backend_without_loops_is_a_located_error():
