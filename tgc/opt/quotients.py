@@ -28,7 +28,10 @@ per-node 1/max(deg, 1), which a backend computes once per row or node). Provably
   2^64 in f32), so 1/b >= 2^-64 is normal (f32's smallest normal is 2^-126). A count is
   such a b: a sum of terms in [0, 1] (indicators, a scatter of ones) over an edge has
   at most size(e) terms, its fixed size or at most 2^62 (MAX_SIZE, which every call
-  checks its sizes against before it runs); `max(deg, 1)` is then in [1, 2^62].
+  checks its sizes against before it runs); `max(deg, 1)` is then in [1, 2^62]. The
+  bound is exact arithmetic's: rounding moves a computed sum above it by little (at
+  most 2^-24 relative per addition that rounds up, and in f32 an added term of at most
+  1 stops moving a partial sum past 2^24), far inside the margin from 2^62 to 2^126.
   A count over two symbolic edges (up to 2^124), a sum of terms up to 2 over one
   (2^63), a sum of unbounded values, a floor below 2^-40 or none: no such proof, and
   the quotient divides per element.
