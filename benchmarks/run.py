@@ -274,6 +274,44 @@ def short_error(e):
     return f"{type(e).__name__}: {msg}"[:110]
 
 
+_REGION_CALLBACKS = []   # every counting callback a table was given: alive as long as the process
+
+
+class RegionCounter:
+    """--count-regions: counts the parallel regions tgc's programs start. tgc's generated code
+    reaches GOMP_parallel through its runtime function table (tgc/backends/cpu/fntable.py);
+    programs loaded while a counter is installed get a ctypes callback there that counts and
+    calls it (a few us a region). A step on 2 threads runs in one of two modes: its regions
+    (the gpt_adamw step: 37-38 a call), or, while the runtime holds a lag (another process held
+    a core: docs/optimization.md, "Shared cores"), serially (0-2 a call); the count says which
+    one a row's samples timed. `close()` installs tgc's own table again for later programs."""
+
+    def __init__(self):
+        import ctypes
+
+        import tgc.backends.cpu.parallel as parallel
+        self.count = 0
+        self._parallel, self._original = parallel, parallel.gomp_addresses
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
+        real = proto(self._original()["gomp_parallel"])
+
+        def counted(fn, data, n, flags):
+            self.count += 1
+            real(fn, data, n, flags)
+
+        callback = proto(counted)
+        _REGION_CALLBACKS.append(callback)
+        address = ctypes.cast(callback, ctypes.c_void_p).value
+
+        def addresses(*a, **k):
+            return {**self._original(*a, **k), "gomp_parallel": address}
+
+        parallel.gomp_addresses = addresses
+
+    def close(self):
+        self._parallel.gomp_addresses = self._original
+
+
 class Tgc:
     """Compiles each .tg file once (dims symbolic, bound per call) or once per size (--specialize)."""
 
@@ -620,7 +658,15 @@ def run_case(case, makers, args, bounds, tg):
             row["status"][name] = ("n/a (backend: " if name == "tgc" else "n/a (") + short_error(e) + ")"
     if steps:
         load = OtherLoad()
+        counter, calls = getattr(args, "regions", None), [0]
+        if counter is not None and "tgc" in steps:
+            def counted(step=steps["tgc"]):
+                calls[0] += 1
+                return step()
+            steps["tgc"], start = counted, counter.count
         med, samples = time_interleaved(steps, args.repeat, args.sample_ms / 1e3, args.blocked, args.settle_ms / 1e3)
+        if calls[0]:
+            row["tgc_regions_per_call"] = (counter.count - start) / calls[0]
         row["other_load"] = load.fraction()
         row["median_s"] = med
         row["samples_s"] = samples
@@ -816,6 +862,9 @@ def main(argv=None):
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="run N busy processes (each spinning on a core) while the rows are timed: a machine "
                          "oversubscribed by other programs (the gpt_small row's target is then <=3x one thread)")
+    ap.add_argument("--count-regions", action="store_true",
+                    help="count the parallel regions tgc starts per call during each row's samples (printed with "
+                         "the row): 0-2 means its runtime ran the step serially (another process held a core)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-jax", action="store_true")
     args = ap.parse_args(argv)
@@ -864,6 +913,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"--only: unknown workload(s) {', '.join(sorted(unknown))}")
     selected = [c for c in cases(args.load) if only is None or c.workload in only]
+    args.regions = RegionCounter() if args.count_regions else None
     tg = Tgc(args.specialize, args.threads)
     one_thread = Tgc(args.specialize, 1) if any("tgc 1 thread" in c.only for c in selected) else None
     makers = contenders(args, tg, torch_ok, jax_ok, one_thread)
@@ -884,7 +934,9 @@ def main(argv=None):
             rows.append(row)
             print(f"  {case.workload} {case.size}: " + ", ".join(
                 f"{n} {fmt_t(row['median_s'][n]) if n in row['median_s'] else row['status'].get(n)}" for n in names
-                if n in row["status"]) + f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+                if n in row["status"]) + f"  ({time.perf_counter() - t0:.1f} s)"
+                + (f", tgc regions a call {row['tgc_regions_per_call']:.1f}" if "tgc_regions_per_call" in row else ""),
+                flush=True)
 
     ctimes = []
     if not args.no_compile_times and (only is None or "compile" in only):

@@ -86,3 +86,34 @@ def test_load_processes_run_for_the_block_and_stop_after_it():
     assert not any(p.is_alive() for p in busy.procs)
     with run.BusyProcesses(0) as none:
         assert none.procs == []
+
+
+def test_region_counter_counts_the_parallel_regions_a_call_starts():
+    """run.py --count-regions: a program loaded while the counter is installed counts each
+    parallel region it starts (its values unchanged); on one thread it starts none; after
+    close() later programs get tgc's own table."""
+    import run
+    from tgc.options import CpuOptions, Options
+
+    src = "dim n = 2097152\ninput x[n]\nout y = exp(x) * 2"
+    x = np.random.default_rng(0).standard_normal(2097152).astype(np.float32)
+    counter = run.RegionCounter()
+    try:
+        two = tgc.compile(src, backend="cpu", options=Options(cpu=CpuOptions(threads=2, contention_memory_cycles=0)))
+        one = tgc.compile(src, backend="cpu", options=Options(cpu=CpuOptions(threads=1)))
+        start = counter.count
+        y = two(x=x)["y"]
+        per_call = counter.count - start
+        assert per_call >= 1
+        two(x=x)
+        assert counter.count - start == 2 * per_call
+        start = counter.count
+        np.testing.assert_array_equal(one(x=x)["y"], y)
+        assert counter.count == start
+    finally:
+        counter.close()
+    after = tgc.compile(src + "\nout z = x * 3", backend="cpu",
+                        options=Options(cpu=CpuOptions(threads=2, contention_memory_cycles=0)))
+    start = counter.count
+    after(x=x)
+    assert counter.count == start

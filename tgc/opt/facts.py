@@ -10,7 +10,11 @@ keeps it below that: `exp(x - max x)`, `exp(-x^2)`, `exp(tanh x)` are, `exp(3x)`
 Products and powers of finite values are taken to be finite: they overflow only at
 inputs beyond 1e19 (f32), which the rules do not promise to survive.
 `Facts.sign(v)`: "pos" (> 0), "nonneg" (>= 0) or None (unknown).
-`Facts.upper(v)`: an upper bound of v (inf when none is known).
+`Facts.upper(v)`: an upper bound of v (inf when none is known). Given the module's
+edge sizes (`sizes`: each edge's fixed size, or 2^62, the limit every call checks
+before it runs, `tgc.ir.sizes.MAX_SIZE`), a sum over edges is at most their sizes'
+product times the bound of its terms (at least 0): a count `sum[e]([n = ids])`, a
+scatter of ones, is at most size(e). Without `sizes` a sum has no bound.
 
 An argument is otherwise unknown in sign and range; the program's declared facts
 (`assume x > 0`, `assume y >= 0`, `assume p <= 1`; `tgc.ir.assume.arg_bounds`) give
@@ -26,6 +30,7 @@ import math
 import numpy as np
 
 from tgc.ir.ops import FNS
+from tgc.ir.sizes import MAX_SIZE
 from tgc.ir.values import Value, is_shift
 
 POS, NONNEG = "pos", "nonneg"
@@ -33,6 +38,18 @@ INF = math.inf
 # the largest argument whose exp is finite, per float type
 EXP_MAX = {"f32": math.log(float(np.finfo(np.float32).max)), "f64": math.log(float(np.finfo(np.float64).max))}
 # each elementwise function's facts (finite, sign, bound) are its entry in tgc.ir.ops.FNS
+
+
+def edge_bounds(module) -> dict[str, float]:
+    """edge -> an upper bound of its size in `module` (a `tgc.ir.module.Module`): its
+    size where fixed, else MAX_SIZE (2^62), which every call checks its dims against
+    before anything runs (`Module.bind_dims`)."""
+    out = {}
+    for e, dim in module.edges.items():
+        if dim in module.dims:
+            s = module.dims[dim]
+            out[e] = float(s) if isinstance(s, int) else float(MAX_SIZE)
+    return out
 
 
 def _meet(*signs: str | None) -> str | None:
@@ -45,9 +62,11 @@ def _meet(*signs: str | None) -> str | None:
 
 
 class Facts:
-    def __init__(self, bounds: dict[str, tuple[str | None, float]] | None = None):
+    def __init__(self, bounds: dict[str, tuple[str | None, float]] | None = None,
+                 sizes: dict[str, float] | None = None):
         self._memo: dict[int, tuple[Value, bool, str | None, float]] = {}
         self._args = bounds or {}  # argument name -> (sign, upper bound) from `assume`
+        self._sizes = sizes or {}  # edge -> an upper bound of its size (`edge_bounds`)
 
     def _get(self, v: Value) -> tuple[bool, str | None, float]:
         hit = self._memo.get(id(v))
@@ -95,6 +114,10 @@ class Facts:
             return self._args[v.attrs[0]][1]
         if v.op == "indicator" or (v.op == "random" and v.attrs[0] == "rand"):
             return 1.0   # rand is in [0, 1)
+        if v.op == "size":
+            return self._sizes.get(v.attrs[0], INF)
+        if v.op == "scatter" and v.attrs[1] == "sum":   # each element sums some of ct's values
+            return self._sum_upper(v, his[0])
         if v.op in ("rename", "stop", "gather") or (v.op == "contract" and len(v.operands) == 1
                                                     and set(v.edges) >= set(v.operands[0].edges)):
             return his[0]
@@ -102,8 +125,8 @@ class Facts:
             return his[0] if v.attrs[0] in ("max", "min") else INF
         if v.op == "add":
             return self._add_upper(v, his)
-        if v.op == "contract" and set(v.edges) >= set().union(*(o.edges for o in v.operands)):
-            return self._product_upper(v, his)
+        if v.op == "contract":
+            return self._sum_upper(v, self._product_upper(v, his))
         if v.op == "map":
             return self._map_upper(v, his)
         return INF
@@ -142,6 +165,22 @@ class Facts:
                 total += c * hi
             elif not self.nonneg(o):
                 return INF
+        return total if not math.isnan(total) else INF
+
+    def _sum_upper(self, v: Value, hi: float) -> float:
+        """A bound of v, a sum of terms each at most `hi` over the edges its operands have
+        and it does not (a contraction's summed edges; a scatter's ids' edges that it
+        does not keep): at most the product of their sizes' bounds terms, and a sum of
+        k such terms is at most k * hi <= that product times max(hi, 0)."""
+        summed = set().union(*(o.edges for o in v.operands)) - set(v.edges)
+        if not summed:
+            return hi
+        if hi <= 0:   # a sum of terms <= 0 (an empty sum included)
+            return 0.0
+        count = 1.0
+        for e in summed:
+            count *= self._sizes.get(e, INF)
+        total = count * hi
         return total if not math.isnan(total) else INF
 
     def _product_upper(self, v: Value, his: list[float]) -> float:

@@ -13,11 +13,30 @@ reciprocal factor `1/b` of a contraction back into a division:
     prod  f g (1/b)  =  (prod f g) / b     no such f, and b has no summed edge
     (1/b) (1/c)      =  (1 / b) / c        no other factor: the divisions in turn
 
-A reciprocal with a summed edge and no factor that carries all of b's edges (a GEMM
-operand scaled along its summed edge) stays a product, and so does a reciprocal with
-fewer edges than its product that is provably a normal float of at most 2^40 (`_hoisted`:
-layernorm's per-row 1/sqrt(var + eps), which a backend computes once per row). Two
-reciprocals of one product divide in turn, never as the product of the reciprocals:
+A factor `(1/b)[n = ids]`, a reciprocal gathered (a mean over a graph's in-edges: the
+algebra moves a per-node `1/deg` into the sum over edges), is the reciprocal of
+`b[n = ids]`. A reciprocal with a summed edge and no factor that carries all of b's
+edges (a GEMM operand scaled along its summed edge) stays a product, and so does a
+reciprocal with fewer edges than its product that is provably a normal float of at
+most 2^40 (`_hoisted`: layernorm's per-row 1/sqrt(var + eps), a graph convolution's
+per-node 1/max(deg, 1), which a backend computes once per row or node). Provably:
+
+- b >= 2^-40 (`_lower`: a positive constant, a sum of such and of terms >= 0, a square
+  root of one, `max(a, c)` at least the larger of the two bounds), so 1/b <= 2^40 and
+  its square is finite;
+- b <= 2^62 (`Facts.upper` with the module's edge sizes) or b a square root (at most
+  2^64 in f32), so 1/b >= 2^-64 is normal (f32's smallest normal is 2^-126). A count is
+  such a b: a sum of terms in [0, 1] (indicators, a scatter of ones) over an edge has
+  at most size(e) terms, its fixed size or at most 2^62 (MAX_SIZE, which every call
+  checks its sizes against before it runs); `max(deg, 1)` is then in [1, 2^62]. The
+  bound is exact arithmetic's: rounding moves a computed sum above it by little (at
+  most 2^-24 relative per addition that rounds up, and in f32 an added term of at most
+  1 stops moving a partial sum past 2^24), far inside the margin from 2^62 to 2^126.
+  A count over two symbolic edges (up to 2^124), a sum of terms up to 2 over one
+  (2^63), a sum of unbounded values, a floor below 2^-40 or none: no such proof, and
+  the quotient divides per element.
+
+Two reciprocals of one product divide in turn, never as the product of the reciprocals:
 `x (1/y)(1/y)` is `(x / y) / y`, as PyTorch's derivative of `x / y` computes it.
 
 Exact in real arithmetic (a (1/b) = a / b; summing commutes with dividing by a value
@@ -43,21 +62,27 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild
 from tgc.options import Options
-from tgc.opt.facts import Facts
+from tgc.ir.sizes import MAX_SIZE
+from tgc.opt.facts import Facts, edge_bounds
 from tgc.opt.rewrite import map_bodies, prune_edges
 
 
 def _denominator(v: Value) -> Value | None:
-    """b where v is 1/b (or a renaming of 1/b: then b renamed the same way)."""
-    mapping = None
-    if v.op == "rename":
-        mapping, v = dict(v.attrs[0]), v.operands[0]
+    """b where v is 1/b, or a renaming or a gather of one (then b renamed or gathered the
+    same way: `(1/b)[n = ids]` is `1/b[n = ids]`, a mean's reciprocal per edge)."""
+    if v.op in ("rename", "gather"):
+        b = _denominator(v.operands[0])
+        if b is None:
+            return None
+        if v.op == "rename":
+            return V.rename(b, dict(v.attrs[0]))
+        return V.gather(b, v.operands[1], v.attrs[0], v.loc)
     if v.op != "map" or v.attrs[0] != "div":
         return None
     one, b = v.operands
     if one.op != "const" or one.attrs[0] != 1.0 or one.edges:
         return None
-    return b if mapping is None else V.rename(b, mapping)
+    return b
 
 
 def _product(ops: list[Value], keep: set[str], like: Value) -> Value:
@@ -67,17 +92,23 @@ def _product(ops: list[Value], keep: set[str], like: Value) -> Value:
 
 
 SAFE = 2.0 ** -40   # a reciprocal kept as a factor is at most 2^40: its square is finite
+LARGEST = float(MAX_SIZE)   # and at least 2^-62: it and its square are normal floats
+REAL = ("f32", "f64")   # a reciprocal's type: bf16 and f16 arithmetic is f32, rounded by to_bf16/to_f16
 
 
 def _lower(facts: Facts, b: Value) -> float:
     """A positive lower bound of b (0: none known): a positive constant, a sum with
-    positive coefficients of such bounds and of terms >= 0, the square root of one."""
+    positive coefficients of such bounds and of terms >= 0, the square root of one, the
+    larger of two values (`max(deg, 1)` >= 1), the smaller of two such bounds."""
     if b.op == "const":
         return max(b.attrs[0], 0.0)
-    if b.op == "rename":
+    if b.op in ("rename", "gather"):
         return _lower(facts, b.operands[0])
     if b.op == "map" and b.attrs[0] == "sqrt":
         return math.sqrt(_lower(facts, b.operands[0]))
+    if b.op == "map" and b.attrs[0] in ("max", "min"):
+        pick = max if b.attrs[0] == "max" else min
+        return pick(_lower(facts, o) for o in b.operands)
     if b.op == "add" and all(c > 0 for c in b.attrs[0]):
         total = 0.0
         for o, c in zip(b.operands, b.attrs[0]):
@@ -91,15 +122,23 @@ def _lower(facts: Facts, b: Value) -> float:
 def _hoisted(facts: Facts, b: Value, edges) -> bool:
     """1/b stays a factor of a product over `edges`: it has fewer edges (one reciprocal
     serves many elements, the loop-invariant factor a backend hoists: a layernorm's
-    1/sqrt(var + eps) per row, 1.5x faster than a division per element at 64 x 256) and
-    provably is at most 2^40 and a normal float (b >= 2^-40, and b <= 2^40 or b a square
-    root: at most 2^64 in f32, 2^512 in f64): it cannot overflow or lose bits as a
-    subnormal, its square is finite, and multiplying by it costs one rounding more than
-    dividing (1.5 ulp against 0.5)."""
+    1/sqrt(var + eps) per row, 1.5x faster than a division per element at 64 x 256; a
+    graph convolution's 1/max(deg, 1) per node) and provably is a normal float of at
+    most 2^40: b >= 2^-40, and b <= 2^62 or b a square root (at most 2^64 in f32, 2^512
+    in f64), so 1/b lies in [2^-64, 2^40] and its square is finite. A count is at most
+    2^62: `Facts.upper` bounds a sum of terms in [0, 1] (indicators, ones) by its edges'
+    sizes, each fixed or at most 2^62 (`MAX_SIZE`, checked before every call). A
+    reciprocal is an f32 or f64 value (bf16 and f16 arithmetic is f32, its rounding to
+    the storage type an explicit `to_bf16`/`to_f16`, which is no reciprocal), whose
+    normal range (2^-126 .. 2^128 in f32) holds these and the squares of those of at
+    least 2^-62. Such a reciprocal cannot overflow or lose bits as a subnormal, and
+    multiplying by it costs one rounding more than dividing (1.5 ulp against 0.5)."""
     if not set(b.edges) < set(edges) or _lower(facts, b) < SAFE:
         return False
-    root = b.operands[0] if b.op == "rename" else b
-    return (root.op == "map" and root.attrs[0] == "sqrt") or facts.upper(b) <= 1.0 / SAFE
+    root = b
+    while root.op in ("rename", "gather"):
+        root = root.operands[0]
+    return (root.op == "map" and root.attrs[0] == "sqrt") or facts.upper(b) <= LARGEST
 
 
 def quotients(facts: Facts, v: Value, ops: tuple[Value, ...]) -> Value:
@@ -112,7 +151,7 @@ def quotients(facts: Facts, v: Value, ops: tuple[Value, ...]) -> Value:
     k = 0
     while k < len(ops):
         b = _denominator(ops[k])
-        if b is None or _hoisted(facts, b, keep | set().union(*(o.edges for o in ops))):
+        if b is None or (ops[k].dtype in REAL and _hoisted(facts, b, keep | set().union(*(o.edges for o in ops)))):
             k += 1
             continue
         cover = [j for j, f in enumerate(ops) if j != k and _denominator(f) is None
@@ -136,7 +175,7 @@ def quotients(facts: Facts, v: Value, ops: tuple[Value, ...]) -> Value:
 
 def _run(module: Module) -> Module:
     module = map_bodies(module, _run)
-    facts = Facts(arg_bounds(module))
+    facts = Facts(arg_bounds(module), edge_bounds(module))
     memo = rebuild(module.roots(), lambda v, ops: quotients(facts, v, ops))
     return prune_edges(module.replace_values(memo))
 
