@@ -17,7 +17,9 @@ row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N i
 contiguous, gathers when not), so the inner loop reads it with aligned whole-vector
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in
 registers: each step loads the V vectors of the packed row and, per row, broadcasts
-A[i, k] and takes V fused multiply-adds. A K block after the first adds into C; rows
+A[i, k] and takes V fused multiply-adds; `CpuOptions.own_gemm_unroll` steps per
+iteration of the loop (the same steps in the same order, fewer loop instructions
+beside them), the last few one by one. A K block after the first adds into C; rows
 past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V is
 `CpuOptions.own_gemm_rows` x `own_gemm_vecs` (6 x 4: 24 accumulators), and
 `own_gemm_window_rows` x 4 (6 x 4) in an implicit GEMM's copy; a last block of
@@ -543,15 +545,29 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                 for acc in regs:
                     b.store(zero_v, acc)
 
+            def k_step(arow, packed, p, kstep):
+                src = b.gep(packed, [b.mul(p, I64(cols))], source_etype=f32)
+                bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                             typ=vt, align=64) for c in range(vecs)]
+                for r in range(rows):
+                    av = splat(b, b.load(b.gep(arow[r], [b.mul(p, kstep)], source_etype=f32), typ=f32), vt)
+                    for c in range(vecs):
+                        b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+
             def fmas_loop(arow, packed, p0, p1, kstep):
-                with for_range(b, p0, p1, "kk", unroll=False) as p:
-                    src = b.gep(packed, [b.mul(p, I64(cols))], source_etype=f32)
-                    bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                 typ=vt, align=64) for c in range(vecs)]
-                    for r in range(rows):
-                        av = splat(b, b.load(b.gep(arow[r], [b.mul(p, kstep)], source_etype=f32), typ=f32), vt)
-                        for c in range(vecs):
-                            b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+                """Packed rows p0..p1 in K's order: `own_gemm_unroll` rows per iteration of
+                the main loop, then the rest one by one."""
+                u = max(1, cpu.own_gemm_unroll)
+                rest = p0
+                if u > 1:
+                    whole = b.sdiv(b.sub(p1, p0), I64(u))
+                    with for_range(b, I64(0), whole, "ku", unroll=False) as q:
+                        p = b.add(p0, b.mul(q, I64(u)))
+                        for j in range(u):
+                            k_step(arow, packed, b.add(p, I64(j)), kstep)
+                    rest = b.add(p0, b.mul(whole, I64(u)))
+                with for_range(b, rest, p1, "kk", unroll=False) as p:
+                    k_step(arow, packed, p, kstep)
 
             def fmas(arow, packed, p0, p1):
                 """The FMA loop over packed rows p0..p1; a copy for A's K contiguous (one
