@@ -100,7 +100,7 @@ class CpuOptions:
     own_gemm_rows: int = 6                   # rows of A (broadcast) x ...
     own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
     own_gemm_window_rows: int = 6            # rows of A of the register block (x 4 vectors) of an implicit GEMM's copy of the own kernel, which packs its window (implicit.py; docs/optimization.md)
-    own_gemm_unroll: int = 2                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
+    own_gemm_unroll: int = 4                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
     own_gemm_panel_rows: int = 384           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
     recycle_kept: int = 2                    # ... from up to this many earlier calls
