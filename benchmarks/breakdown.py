@@ -252,7 +252,7 @@ def alone(rows: list[Row], options, reps: int) -> dict[str, dict]:
     from threadpoolctl import threadpool_limits
 
     forms = {r.shape: r.form for r in rows if r.product and r.form is not None}
-    own, pair, rng = gemm_peak.Own(options.cpu), gemm_peak.Pair(), np.random.default_rng(0)
+    own, pair, rng = gemm_peak.Own(options.cpu, opt=options.opt_level), gemm_peak.Pair(), np.random.default_rng(0)
     out = {}
     with threadpool_limits(1):
         for shape, (nb, P, Q, R, a_k, b_n) in forms.items():

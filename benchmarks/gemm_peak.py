@@ -12,8 +12,9 @@
    batched attention products), as the normalized product the CPU backend runs:
    C'[P, Q] = A'[P, R] B'[R, Q] (gemm.py), batched `batch` times, with B' stored
    N (its columns contiguous) or T (its K contiguous), A' likewise.
-3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone; an A' with
-   its rows contiguous packed panel by panel, as in the step) and with
+3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone at the
+   LLVM level programs use; an A' with its rows contiguous packed panel by panel,
+   as in the step) and with
    OpenBLAS (numpy's, through `np.matmul` on the same layouts, its pool held at one
    thread), on 1 thread (minimum per-thread CPU time) and on 2 (the product cut in
    two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads
@@ -176,11 +177,13 @@ def plan_pick(P, Q, R, nb, own, cpu, a_k=True) -> str:
 
 
 class Own:
-    """tgc's own kernel (fgemm.own_kernel at `cpu`'s options) JIT-compiled alone, with
+    """tgc's own kernel (fgemm.own_kernel at `cpu`'s options) JIT-compiled alone at
+    LLVM level `opt` (default: `Options().opt_level`, as in a program), with
     a loop over a batch around it: fn(lo, hi, batch strides of A, B and C, M, N, K, A,
     sam, sak, B, sbk, sbn, C, ldc)."""
 
-    def __init__(self, cpu, rows: int | None = None, vecs: int | None = None, depth: int | None = None):
+    def __init__(self, cpu, rows: int | None = None, vecs: int | None = None, depth: int | None = None,
+                 opt: int | None = None):
         import llvmlite.ir as ir
 
         from tgc.backends.cpu import llvm_env
@@ -203,7 +206,10 @@ class Own:
                           b.gep(pb, [b.mul(i, sb)], source_etype=f32), sbk, sbn,
                           b.gep(pc, [b.mul(i, sc)], source_etype=f32), ldc, I32(0), I64(1)] + arrs)
         b.ret_void()
-        self.jit = llvm_env.jit(str(mod))
+        if opt is None:   # the level programs compile at (a kernel's code differs between -O2 and -O3)
+            from tgc.options import Options
+            opt = Options().opt_level
+        self.jit = llvm_env.jit(str(mod), opt)
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         self.fn = ctypes.CFUNCTYPE(None, *([i64] * 8), vp, i64, i64, vp, i64, i64, vp, i64)(
             self.jit.address("tgc_bench_own"))
@@ -341,7 +347,7 @@ def table(width: int, batch: int, reps: int, pk: dict, options) -> list[dict]:
             continue
         seen[key] = dict(p)
         rows.append(seen[key])
-    own, pair, rng = Own(options.cpu), Pair(), np.random.default_rng(0)
+    own, pair, rng = Own(options.cpu, opt=options.opt_level), Pair(), np.random.default_rng(0)
     hz, gpeak = pk["fma_clock"], pk["gflops"]
     print(f"\nwidth {width}, batch {batch} (t 256): {len(prods)} products, {len(rows)} distinct; "
           f"load {os.getloadavg()[0]:.2f}")

@@ -179,6 +179,56 @@ def test_kernel_sums_each_k_block_in_order_with_fused_multiply_adds(kernels):
     assert np.array_equal(C2, again)
 
 
+@pytest.mark.parametrize("blocks", [(6, 4, 64), (8, 2, 32)])
+def test_unrolled_fma_loop_gives_the_same_bits(blocks):
+    """`own_gemm_unroll` K steps per iteration of the FMA loop, then the rest one by
+    one: the same fused multiply-adds in the same order, so every unroll gives the
+    bits of the loop of one step, for K blocks of odd lengths (a remainder of 1 to
+    u - 1 steps), A with its K or its rows contiguous, B either way, and the
+    variants form's K ranges that start and end inside a block; and matches numpy
+    in float64."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    rows, vecs, depth = blocks
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp)
+    fns, jits = {}, []
+    for u in (1, 2, 3, 4):
+        mod = ir.Module("own")
+        fn = own_kernel(mod, CpuOptions(own_gemm_unroll=u, own_gemm_panel_rows=2 * rows), rows, vecs, depth=depth)
+        fn.linkage = "external"
+        jits.append(llvm_env.jit(str(mod)))
+        fns[u] = proto(jits[-1].address(fn.name))
+    rng = np.random.default_rng(11)
+    M, N = 3 * rows + 1, 16 * vecs * 2 + 5
+    for K in (1, 3, depth - 1, depth + 7, 2 * depth + 5):
+        for a_rows in (False, True):
+            for b_t in (False, True):
+                A = (rng.standard_normal((K, M), dtype=np.float32).T if a_rows
+                     else rng.standard_normal((M, K), dtype=np.float32))
+                B = (rng.standard_normal((N, K), dtype=np.float32).T if b_t
+                     else rng.standard_normal((K, N), dtype=np.float32))
+                for lo, hi in ((0, K), (K // 3, K - K // 5)):
+                    want = A[:, lo:hi].astype(np.float64) @ B[lo:hi].astype(np.float64)
+                    got = {}
+                    for u, fn in fns.items():
+                        C = np.full((M, N), np.nan, np.float32)
+                        ks = [np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, lo, np.int64),
+                              np.full(1, hi, np.int64)]
+                        fn(M, N, K, A.ctypes.data, A.strides[0] // 4, A.strides[1] // 4, B.ctypes.data,
+                           B.strides[0] // 4, B.strides[1] // 4, C.ctypes.data, N, 0, 1, *(x.ctypes.data for x in ks))
+                        got[u] = C
+                    np.testing.assert_allclose(got[1], want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+                    for u in (2, 3, 4):
+                        assert np.array_equal(got[u], got[1]), (K, a_rows, b_t, lo, hi, u)
+    for jit in jits:
+        jit.close()
+
+
 @pytest.mark.parametrize("blocks", [(4, 4, 64), (8, 2, 256)])
 def test_variants_form_runs_each_product_over_its_own_k(blocks):
     """The own kernel runs several products on one packed B (a 1-D

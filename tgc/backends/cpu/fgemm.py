@@ -17,7 +17,11 @@ row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N i
 contiguous, gathers when not), so the inner loop reads it with aligned whole-vector
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in
 registers: each step loads the V vectors of the packed row and, per row, broadcasts
-A[i, k] and takes V fused multiply-adds. A K block after the first adds into C; rows
+A[i, k] and takes V fused multiply-adds; `CpuOptions.own_gemm_unroll` steps per
+iteration of the loop (the same steps in the same order, fewer loop instructions
+beside them; the packed row's pointer and A's index step by the unroll, and a
+compiler fence between steps keeps LLVM from hoisting loads above the FMAs, which
+at -O2 spilled accumulators), the last few one by one. A K block after the first adds into C; rows
 past M read row M - 1 and store nothing (as `bf16_kernel` does). R x V is
 `CpuOptions.own_gemm_rows` x `own_gemm_vecs` (6 x 4: 24 accumulators), and
 `own_gemm_window_rows` x 4 (6 x 4) in an implicit GEMM's copy; a last block of
@@ -482,6 +486,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
+    bvar, pvar = entry.alloca(PTR, name="brow"), entry.alloca(I64, name="krow")   # the unrolled FMA loop's
     load_fn, store_fn, fma_fn = masked_intrinsics(mod, f32, VL)
     gather = gather_intrinsic(mod, f32, VL)
     zero_v = ir.Constant(vt, [0.0] * VL)
@@ -490,6 +495,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
 
     prefetch = mod.globals.get("llvm.prefetch.p0") or ir.Function(
         mod, ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32]), "llvm.prefetch.p0")
+    fence = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True)
 
     def smin(x, y):
         return _min(b, x, y)
@@ -543,15 +549,40 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                 for acc in regs:
                     b.store(zero_v, acc)
 
-            def fmas_loop(arow, packed, p0, p1, kstep):
-                with for_range(b, p0, p1, "kk", unroll=False) as p:
+            def k_step(arow, packed, p, kstep, src=None):
+                if src is None:
                     src = b.gep(packed, [b.mul(p, I64(cols))], source_etype=f32)
-                    bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
-                                 typ=vt, align=64) for c in range(vecs)]
-                    for r in range(rows):
-                        av = splat(b, b.load(b.gep(arow[r], [b.mul(p, kstep)], source_etype=f32), typ=f32), vt)
-                        for c in range(vecs):
-                            b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+                bv = [b.load(b.bitcast(b.gep(src, [I64(c * VL)], source_etype=f32), vt.as_pointer()),
+                             typ=vt, align=64) for c in range(vecs)]
+                for r in range(rows):
+                    av = splat(b, b.load(b.gep(arow[r], [b.mul(p, kstep)], source_etype=f32), typ=f32), vt)
+                    for c in range(vecs):
+                        b.store(b.call(fma_fn, [av, bv[c], b.load(accs[r][c], typ=vt)]), accs[r][c])
+
+            def fmas_loop(arow, packed, p0, p1, kstep):
+                """Packed rows p0..p1 in K's order: `own_gemm_unroll` rows per iteration of
+                the main loop, then the rest one by one."""
+                u = max(1, cpu.own_gemm_unroll)
+                rest = p0
+                if u > 1:
+                    # the packed row's pointer and A's index step by u per iteration (at -O2,
+                    # without loop strength reduction, LLVM would multiply them out per step)
+                    whole = b.sdiv(b.sub(p1, p0), I64(u))
+                    b.store(b.gep(packed, [b.mul(p0, I64(cols))], source_etype=f32), bvar)
+                    b.store(p0, pvar)
+                    with for_range(b, I64(0), whole, "ku", unroll=False):
+                        p, src = b.load(pvar, typ=I64), b.load(bvar, typ=PTR)
+                        for j in range(u):
+                            if j:   # no load of this step above the last one's FMAs (at -O2 LLVM
+                                # hoists them, and the broadcasts held early spill accumulators)
+                                b.call(fence, [])
+                            k_step(arow, packed, b.add(p, I64(j)), kstep,
+                                   b.gep(src, [I64(j * cols)], source_etype=f32))
+                        b.store(b.add(p, I64(u)), pvar)
+                        b.store(b.gep(src, [I64(u * cols)], source_etype=f32), bvar)
+                    rest = b.add(p0, b.mul(whole, I64(u)))
+                with for_range(b, rest, p1, "kk", unroll=False) as p:
+                    k_step(arow, packed, p, kstep)
 
             def fmas(arow, packed, p0, p1):
                 """The FMA loop over packed rows p0..p1; a copy for A's K contiguous (one

@@ -25,8 +25,10 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     16-lane vectors). A tile then goes to it when
     it has at least `own_gemm_min_rows` rows of C' and two blocks of columns (2 x
     OWN_COLS), whatever its depth, with a B' of at most `own_gemm_tall_max_b_bytes`
-    (its packing of B' is paid once per 256 rows, its row panels keep A' in L2;
-    fgemm.py); or when it has at least
+    (its packing of B' is paid once per panel of `own_gemm_panel_rows` rows, its row
+    panels keep A' in L2; fgemm.py: the attention projections' weight gradient, 384 x
+    384 x 1024 with A' transposed, is two tiles of 192 rows: own 151-159 GFLOP/s
+    against OpenBLAS's 138 on one thread); or when it has at least
     `own_gemm_min_cols` columns of C', or sums at least
     `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
     narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
