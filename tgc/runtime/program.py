@@ -129,7 +129,8 @@ def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
 def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
     """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
     as a call takes it: complex for the `complex_names` (float pairs on their last axis),
-    the 2-byte type of those in `store`, else `float_dtype`; `dims` sizes symbolic dims."""
+    the type `store` gives (a state's declared type: bf16, f16, ...), else `float_dtype`;
+    `dims` sizes symbolic dims."""
     if dims is not None and not hasattr(dims, "items"):
         raise TypeError(f"init_state: dims= takes a dict {{name: size}}, not {type(dims).__name__}")
     for k, v in (dims or {}).items():
@@ -313,7 +314,8 @@ class Program:
             state = program.init_state()
             result = program(x=x, W=W, lr=0.1, **state)      # updates `state`'s arrays in place
         """
-        return zero_states(self.inputs, self.float_dtype, self._complex_args, self._store, dims)
+        declared = {s.name: self.declared_dtype(s) for s in self.inputs if s.kind == "state"}
+        return zero_states(self.inputs, self.float_dtype, self._complex_args, declared, dims)
 
     def update_key(self, target: str) -> str:
         """The name under which a call's result holds the new value of `target`: the
