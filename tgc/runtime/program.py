@@ -188,6 +188,7 @@ class Program:
     def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None,
                  build_specialized=None):
         self.module, self.options, self.lowered = module, options, low
+        self._indices: list | None = None   # _index_exprs, found on first use
         self._kernels = kernels             # the backend's compiled program (`tgc.backends.base.Kernels`)
         self.backend = kernels.backend
         self._origin = (module, options)    # what `without_updates` prunes and builds again
@@ -487,11 +488,43 @@ class Program:
             size_eval_checked(low.size(e), env, f"edge '{e}'")
         for b in low.buffers.values():
             check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, itemsize(b.dtype))
+        for aff in self._index_exprs():
+            bound = abs(size_eval(aff.const, env))
+            for edge, coef in aff.terms:
+                bound += abs(size_eval(coef, env)) * (size_eval(self.module.size(edge), env) - 1)
+            if bound > MAX_SIZE:
+                raise SizeError(f"an index expression over [{', '.join(aff.edges())}] would reach {bound} at "
+                                f"these sizes, past 2^62 (the native code's int64 index arithmetic)")
         total = 0
         for sizes in low.slots:
             total += max(size_eval_checked(s, env, "the workspace") for s in sizes) + ALIGN
             if total > MAX_SIZE:
                 raise SizeError("the workspace would take more than 2^62 bytes (the size limit)")
+
+    def _index_exprs(self) -> list:
+        """The affine expressions of the program's indicators (reindexing, windows,
+        masks; loop steps' included) whose value depends on a symbolic size: the front
+        end bounds the others at compile time, these `_check_sizes` bounds per call."""
+        if self._indices is None:
+            from tgc.ir.values import topo_order
+
+            found, seen, todo = {}, set(), list(self.module.roots())
+            while todo:
+                for v in topo_order(todo):
+                    if id(v) in seen:
+                        continue
+                    seen.add(id(v))
+                    if v.op == "indicator":
+                        for aff in v.attrs[0].exprs:
+                            sizes = [c for _, c in aff.terms] + [aff.const] + [
+                                self.module.size(e) for e in aff.edges() if e in self.module.edges]
+                            if (all(e in self.module.edges for e in aff.edges())
+                                    and any(not isinstance(x, int) for x in sizes)):
+                                found[aff] = None
+                todo = [r for v in list(topo_order(todo)) if v.op == "loop" for r in v.attrs[0].results
+                        if id(r) not in seen]
+            self._indices = list(found)
+        return self._indices
 
     def _prepare(self, given: dict) -> tuple[dict, dict]:
         check_names(self._names, given)
