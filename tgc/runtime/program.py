@@ -126,6 +126,14 @@ def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
     return tuple(key)
 
 
+def _bound(aff, module: Module, env: dict) -> int:
+    """The largest magnitude the affine index `aff` takes over its edges' ranges."""
+    bound = abs(size_eval(aff.const, env))
+    for edge, coef in aff.terms:
+        bound += abs(size_eval(coef, env)) * (size_eval(module.size(edge), env) - 1)
+    return bound
+
+
 def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
     """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
     as a call takes it: complex for the `complex_names` (float pairs on their last axis),
@@ -489,9 +497,7 @@ class Program:
         for b in low.buffers.values():
             check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, itemsize(b.dtype))
         for aff in self._index_exprs():
-            bound = abs(size_eval(aff.const, env))
-            for edge, coef in aff.terms:
-                bound += abs(size_eval(coef, env)) * (size_eval(self.module.size(edge), env) - 1)
+            bound = _bound(aff, self.module, env)
             if bound > MAX_SIZE:
                 raise SizeError(f"an index expression over [{', '.join(aff.edges())}] would reach {bound} at "
                                 f"these sizes, past 2^62 (the native code's int64 index arithmetic)")
@@ -503,8 +509,9 @@ class Program:
 
     def _index_exprs(self) -> list:
         """The affine expressions of the program's indicators (reindexing, windows,
-        masks; loop steps' included) whose value depends on a symbolic size: the front
-        end bounds the others at compile time, these `_check_sizes` bounds per call."""
+        masks; loop steps' included) that `_check_sizes` bounds per call: those whose
+        value depends on a symbolic size, and those past 2^62 at fixed sizes (the front
+        end refuses them, but IR text can hold them)."""
         if self._indices is None:
             from tgc.ir.values import topo_order
 
@@ -518,8 +525,8 @@ class Program:
                         for aff in v.attrs[0].exprs:
                             sizes = [c for _, c in aff.terms] + [aff.const] + [
                                 self.module.size(e) for e in aff.edges() if e in self.module.edges]
-                            if (all(e in self.module.edges for e in aff.edges())
-                                    and any(not isinstance(x, int) for x in sizes)):
+                            if all(e in self.module.edges for e in aff.edges()) and (
+                                    any(not isinstance(x, int) for x in sizes) or _bound(aff, self.module, {}) > MAX_SIZE):
                                 found[aff] = None
                 todo = [r for v in list(topo_order(todo)) if v.op == "loop" for r in v.attrs[0].results
                         if id(r) not in seen]
