@@ -216,6 +216,26 @@ def test_init_state():
     assert float(state["count"]) == 1 and (state["m.z"] == 1).all()
 
 
+@pytest.mark.parametrize("backend", ["interp", "lowered", "cpu"])
+def test_init_state_of_low_precision_states_is_of_their_declared_type(backend):
+    """A bf16 param's per-param state is bf16, and an f16 state f16, on every backend:
+    the interpreters' init_state gave float32 arrays, which the call then refused
+    ("'m.A' is updated in place, so it must be bfloat16")."""
+    import ml_dtypes
+
+    src = ("dim n = 4, m = 3\nparam A: bf16[n, m]\nparam b[m]\nstate h: f16[m]\ninput x[n]\n"
+           "loss = sum((x @ A + b) ^ 2)\nupdate h = h + 1\n"
+           "for p in params {\n  state m.p\n  update m.p = 0.9 * m.p + grad(loss, p)\n}\nout loss\n")
+    program = tgc.compile(src, backend=backend)
+    state = program.init_state()
+    assert {k: v.dtype for k, v in state.items()} == {
+        "h": np.float16, "m.A": ml_dtypes.bfloat16, "m.b": np.float32}
+    A = np.ones((4, 3), ml_dtypes.bfloat16)
+    program(A=A, b=np.ones(3, np.float32), x=np.ones(4, np.float32), **state)
+    assert (state["h"] == 1).all()
+    np.testing.assert_array_equal(state["m.A"].astype(np.float32), np.full((4, 3), 2 * 5, np.float32))   # 2 (x @ A + b) x
+
+
 def test_grad_emit_tg_of_per_param_states_reads_back(tmp_path):
     src = "dim k = 3\nparam w[k]\nfor p in params {\n  state m.p\n  update m.p = m.p + grad(sum(w * w), p)\n}\n" \
           "out o = sum(m.w * w)\n"

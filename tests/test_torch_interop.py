@@ -116,3 +116,21 @@ def test_a_python_float_learning_rate_keeps_both_passes_on_the_fast_path():
             arrs[k].grad = None
     assert len(checked) == 2
     assert all(torch.equal(g, grads[0]) for g in grads)
+
+
+def test_a_second_derivative_through_the_backward_pass_is_an_error_not_zero():
+    """The backward pass is differentiable once. With create_graph=True and a constant
+    cotangent (a scalar loss's 1), PyTorch's once_differentiable guard sees no argument
+    that requires grad and lets the gradient through as a constant: the second
+    derivative of `(g ** 2).sum() + (x ** 2).sum()` came back as 2x, silently without
+    the tgc part. It is an error when that derivative is taken."""
+    f = tgc_torch.function(tgc.compile("dim n = 3\nparam x[n]\ninput y[n]\nout L = sum(exp(x) * y)\n",
+                                       dtype="f64"))
+    x = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    g, = torch.autograd.grad(f(x=x, y=y)["L"], x, create_graph=True)
+    torch.testing.assert_close(g.detach(), torch.exp(x.detach()) * y)   # the first derivative is right
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad((g ** 2).sum() + (x ** 2).sum(), x)
+    g, = torch.autograd.grad(f(x=x, y=y)["L"], x)   # without create_graph: a plain tensor
+    assert not g.requires_grad

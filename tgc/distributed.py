@@ -200,9 +200,11 @@ class DataParallel:
         """Every state of the step, zero-filled, as `Program.init_state` gives them (the
         same on every rank)."""
         from tgc.ir.complex_io import complex_args
+        from tgc.ir.dtypes import LOW_FLOATS, TYPES
         from tgc.runtime.program import zero_states
 
-        return zero_states(self.inputs, self.float_dtype, complex_args(self.module), {}, dims)
+        low = {s.name: TYPES[s.dtype].numpy for s in self.inputs if s.kind == "state" and s.dtype in LOW_FLOATS}
+        return zero_states(self.inputs, self.float_dtype, complex_args(self.module), low, dims)
 
     def _whole(self) -> "_Signature":
         if self._signature is None:

@@ -14,7 +14,9 @@ outputs, derived symbolically by tgc), built on first use and kept. Tensors reac
 without a copy (`Tensor.numpy()` on detached CPU tensors); results come back without
 one (`torch.from_numpy`). The program's `update`s are not applied here (the forward-
 only call): with autograd, PyTorch's optimizer updates the parameters. The backward
-pass is differentiable once (for higher orders, write them in .tg: `grad` nests).
+pass is differentiable once: a derivative of its gradients (taken with
+`create_graph=True`) is an error, never a silent zero; write higher orders in .tg
+(`grad` nests).
 
 PyTorch is an optional dependency of this module alone; importing it without PyTorch
 installed raises ImportError with the reason. A compiled program also takes torch CPU
@@ -80,8 +82,16 @@ class _Autograd(torch.autograd.Function):
         return tuple(torch.from_numpy(np.asarray(out[o])) for o in fn.outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
+        with torch.no_grad():
+            out = _Autograd._backward(ctx, grads)
+        sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not torch.is_grad_enabled() or not sources:
+            return out
+        return (None, *_underivable(list(out[1:]), sources))
+
+    @staticmethod
+    def _backward(ctx, grads):
         fn: _Function = ctx.fn
         saved = ctx.saved_tensors
         vjp, cotangent = fn.vjp_program(), fn.cotangents
@@ -95,6 +105,29 @@ class _Autograd(torch.autograd.Function):
             key = f"d_{n}"
             out.append(torch.from_numpy(np.asarray(res[key])) if need and key in res else None)
         return (None, *out)
+
+
+def _underivable(grads: list, sources: list) -> list:
+    """`grads` as tensors whose own derivative is an error (create_graph=True, then a
+    derivative of them), not constants, which would drop the second-order terms
+    silently: each comes from a node that depends on `sources` (the tensors that
+    require grad) and raises when a derivative reaches it. PyTorch's
+    `once_differentiable` guards only when a cotangent requires grad, not for a scalar
+    loss's constant 1, and so not here."""
+    return [None if g is None else _Once.apply(g, *sources) for g in grads]
+
+
+class _Once(torch.autograd.Function):
+    """`g`, linked to `sources`; its derivative is an error."""
+
+    @staticmethod
+    def forward(ctx, g, *sources):
+        return g.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("tgc.torch.function is differentiable once: write a higher "
+                           "derivative in .tg (grad and jvp nest)")
 
 
 def _float(dtype: str) -> np.dtype:

@@ -206,6 +206,11 @@ update m = 0
     ("dim n = 7, m = n / 2\n", 1, 16, "divide"),
     ("dim n = 3\ninput n[n]\n", 2, 7, "already declared"),
     ("dim n = 3, m = 4\ninput A[n]\nout y = A[n -> m]\n", 3, 11, "sizes differ"),
+    # an index whose value could leave int64: the native code's index arithmetic would wrap
+    ("dim n = 3\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 99999999999999999999*s] + z\n", 4, 15, "out of range"),
+    ("dim n = 3\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 4611686018427387904*s] + z\n", 4, 15, "out of range"),
+    ("dim n = 3\ninput x[t: n]\ninput z[s: n]\nout y = x * [t = s - 9999999999999999999]\n", 4, 18, "out of range"),
+    ("dim n\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 99999999999999999999*s] + z\n", 4, 15, "out of range"),
 ])
 def test_errors(src, line, col, words):
     e = error(src)

@@ -40,3 +40,30 @@ def test_a_huge_complex_input_is_an_eval_error():
     huge = np.broadcast_to(np.complex64(1), (2 ** 45,))   # complex64 in: copied as f64 pairs, 512 TiB
     with pytest.raises(EvalError, match="not enough memory"):
         p(z=huge)
+
+
+@pytest.mark.parametrize("backend", ["interp", "lowered", "cpu", "cuda-sim"])
+def test_an_index_expression_past_int64_at_the_call_sizes_is_an_eval_error(backend):
+    """`x[t = 2^40 s + 3]` with a symbolic `s`: the front end cannot bound the index, and
+    at s = 2^23 + 1 it passes 2^63, where the native code's int64 index wrapped into range
+    (a segfault on the CPU and cuda-sim). The call refuses such sizes before anything
+    runs; small sizes still run (every index but s = 0 out of range: 0)."""
+    p = tgc.compile("dim n\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 1099511627776*s + 3] + z\n",
+                    backend=backend)
+    n = 2 ** 23 + 2
+    with pytest.raises(EvalError, match="index expression over \\[s\\].*past 2\\^62"):
+        p(x=np.broadcast_to(np.float32(1), (n,)), z=np.broadcast_to(np.float32(0), (n,)))
+    y = p(x=np.arange(5, dtype=np.float32), z=np.ones(5, np.float32))["y"]
+    np.testing.assert_array_equal(y, [4, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("backend", ["interp", "cuda-sim"])
+def test_an_ir_index_past_int64_at_fixed_sizes_is_an_eval_error(backend):
+    """IR text is not checked by the front end: an indicator `t = 2^62 s` over s < 3
+    reaches 2^63 (cuda-sim read x[1] for s = 2, where every index but s = 0 is out of
+    range). The call refuses it."""
+    ir = tgc.compile("dim n = 3\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 2*s] + z\n", backend="interp").ir()
+    assert "indicator[t = 2*s]" in ir
+    p = tgc.compile(ir.replace("2*s", "4611686018427387904*s"), backend=backend)
+    with pytest.raises(EvalError, match="past 2\\^62"):
+        p(x=np.arange(1, 4, dtype=np.float32), z=np.zeros(3, np.float32))

@@ -21,7 +21,7 @@ from tgc.ir.diag import CompileError, Diagnostic, Loc, did_you_mean
 from tgc.ir.dtypes import at_width
 from tgc.ir.module import Module
 from tgc.ir.ops import INFIX, SURFACE_UNARY
-from tgc.ir.sizes import Size, size_op, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, size_op, size_str
 
 PRELUDE_FILE = str(Path(__file__).with_name("prelude.tg"))
 UNARY = SURFACE_UNARY   # the one-argument functions the language calls by name (tgc.ir.ops.FNS)
@@ -493,4 +493,22 @@ class Elaborator:
                 const = size_op("+", const, coef)
             else:
                 terms.append((self.edge(t.edge, t, ctx), coef))
-        return Affine.make(terms, const)
+        aff = Affine.make(terms, const)
+        self._check_index_range(aff, node, ctx)
+        return aff
+
+    def _check_index_range(self, aff: Affine, node: ast.Affine, ctx: Ctx) -> None:
+        """An index expression whose value can leave [-MAX_SIZE, MAX_SIZE] is an error: the
+        backends compute indices in int64, where it would wrap into range. The bound is
+        |const| + sum |coef| (size - 1) over the terms whose coefficient and size are known;
+        a known coefficient beyond MAX_SIZE is out of range whatever the edge's size."""
+        bound = abs(aff.const) if isinstance(aff.const, int) else 0
+        for edge, coef in aff.terms:
+            n = self.m.size(edge)
+            if isinstance(coef, int) and isinstance(n, int):
+                bound += abs(coef) * (n - 1)
+            elif isinstance(coef, int):
+                bound = max(bound, abs(coef))
+        if bound > MAX_SIZE:
+            raise self.error(f"index expression out of range: its value can reach {bound} in magnitude, "
+                             f"past {MAX_SIZE}", node, ctx)

@@ -48,7 +48,12 @@ DTYPES = ("i32", "f32", "f64", "bf16", "f16", "c64", "c128")
 
 
 def parse(text: str, filename: str) -> ast.Program:
-    """The AST of `text`; `filename` goes into every Loc. Raises CompileError."""
+    """The AST of `text`; `filename` goes into every Loc. Raises CompileError.
+
+    A line ends at LF, CRLF or a lone CR (classic Mac files): as for `str.splitlines`,
+    with which diagnostics show the line, so a comment ends at a lone CR too."""
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     parser = _lark()
     _BUILDER.start_parse(filename)
     try:

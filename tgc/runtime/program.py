@@ -126,10 +126,19 @@ def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
     return tuple(key)
 
 
+def _bound(aff, module: Module, env: dict) -> int:
+    """The largest magnitude the affine index `aff` takes over its edges' ranges."""
+    bound = abs(size_eval(aff.const, env))
+    for edge, coef in aff.terms:
+        bound += abs(size_eval(coef, env)) * (size_eval(module.size(edge), env) - 1)
+    return bound
+
+
 def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
     """{name: zeros} for each state among `specs` (`TensorSpec`s), each shaped and typed
     as a call takes it: complex for the `complex_names` (float pairs on their last axis),
-    the 2-byte type of those in `store`, else `float_dtype`; `dims` sizes symbolic dims."""
+    the type `store` gives (a state's declared type: bf16, f16, ...), else `float_dtype`;
+    `dims` sizes symbolic dims."""
     if dims is not None and not hasattr(dims, "items"):
         raise TypeError(f"init_state: dims= takes a dict {{name: size}}, not {type(dims).__name__}")
     for k, v in (dims or {}).items():
@@ -187,6 +196,7 @@ class Program:
     def __init__(self, module: Module, options: Options, low: Lowered, kernels, build_forward=None,
                  build_specialized=None):
         self.module, self.options, self.lowered = module, options, low
+        self._indices: list | None = None   # _index_exprs, found on first use
         self._kernels = kernels             # the backend's compiled program (`tgc.backends.base.Kernels`)
         self.backend = kernels.backend
         self._origin = (module, options)    # what `without_updates` prunes and builds again
@@ -313,7 +323,8 @@ class Program:
             state = program.init_state()
             result = program(x=x, W=W, lr=0.1, **state)      # updates `state`'s arrays in place
         """
-        return zero_states(self.inputs, self.float_dtype, self._complex_args, self._store, dims)
+        declared = {s.name: self.declared_dtype(s) for s in self.inputs if s.kind == "state"}
+        return zero_states(self.inputs, self.float_dtype, self._complex_args, declared, dims)
 
     def update_key(self, target: str) -> str:
         """The name under which a call's result holds the new value of `target`: the
@@ -485,11 +496,42 @@ class Program:
             size_eval_checked(low.size(e), env, f"edge '{e}'")
         for b in low.buffers.values():
             check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, itemsize(b.dtype))
+        for aff in self._index_exprs():
+            bound = _bound(aff, self.module, env)
+            if bound > MAX_SIZE:
+                raise SizeError(f"an index expression over [{', '.join(aff.edges())}] would reach {bound} at "
+                                f"these sizes, past 2^62 (the native code's int64 index arithmetic)")
         total = 0
         for sizes in low.slots:
             total += max(size_eval_checked(s, env, "the workspace") for s in sizes) + ALIGN
             if total > MAX_SIZE:
                 raise SizeError("the workspace would take more than 2^62 bytes (the size limit)")
+
+    def _index_exprs(self) -> list:
+        """The affine expressions of the program's indicators (reindexing, windows,
+        masks; loop steps' included) that `_check_sizes` bounds per call: those whose
+        value depends on a symbolic size, and those past 2^62 at fixed sizes (the front
+        end refuses them, but IR text can hold them)."""
+        if self._indices is None:
+            from tgc.ir.values import topo_order
+
+            found, seen, todo = {}, set(), list(self.module.roots())
+            while todo:
+                for v in topo_order(todo):
+                    if id(v) in seen:
+                        continue
+                    seen.add(id(v))
+                    if v.op == "indicator":
+                        for aff in v.attrs[0].exprs:
+                            sizes = [c for _, c in aff.terms] + [aff.const] + [
+                                self.module.size(e) for e in aff.edges() if e in self.module.edges]
+                            if all(e in self.module.edges for e in aff.edges()) and (
+                                    any(not isinstance(x, int) for x in sizes) or _bound(aff, self.module, {}) > MAX_SIZE):
+                                found[aff] = None
+                todo = [r for v in list(topo_order(todo)) if v.op == "loop" for r in v.attrs[0].results
+                        if id(r) not in seen]
+            self._indices = list(found)
+        return self._indices
 
     def _prepare(self, given: dict) -> tuple[dict, dict]:
         check_names(self._names, given)
