@@ -26,8 +26,9 @@ and dK), this prints:
    each loop's own work beyond its step kernels (`loop overhead`: carries, slices)
    and the time outside every kernel (the call's argument checks, Python). The
    profiled program runs no merged regions (`CpuOptions.merge_regions` is off under
-   `profile`: its counters are per kernel), so its call is also compared with the
-   same program built without the profile;
+   `profile`: its counters are per kernel) and no pairs (`regions.pairs`: a product
+   and the loop after it interleaved, conv2d's dx product and column sum), so its
+   call is also compared with the same program built without the profile;
 4. PyTorch eager's step under `torch.profiler` (self CPU time per op): products
    (`aten::mm`, `addmm`, `bmm`, the convolutions), the fused attention (SDPA's
    flash kernels: products and softmax together), and everything else, with the
