@@ -26,14 +26,21 @@ and dK), this prints:
    each loop's own work beyond its step kernels (`loop overhead`: carries, slices)
    and the time outside every kernel (the call's argument checks, Python). The
    profiled program runs no merged regions (`CpuOptions.merge_regions` is off under
-   `profile`: its counters are per kernel), so its call is also compared with the
-   same program built without the profile;
+   `profile`: its counters are per kernel) and no pairs (`regions.pairs`: a product
+   and the loop after it interleaved, conv2d's dx product and column sum), so its
+   call is also compared with the same program built without the profile;
 4. PyTorch eager's step under `torch.profiler` (self CPU time per op): products
    (`aten::mm`, `addmm`, `bmm`, the convolutions), the fused attention (SDPA's
    flash kernels: products and softmax together), and everything else, with the
    phases of the step (`record_function`: forward, backward, clipping, AdamW);
    then what 0.7x (nanoGPT) or 0.8x (conv2d) of torch's unprofiled time would
-   require of tgc.
+   require of tgc;
+5. for the conv2d, tgc's kernels grouped by the output they reach (y: its product;
+   dx: the kernel's transposing copy, the product and the column sum after it; dK:
+   the product and its copy) beside the oneDNN primitive PyTorch computes that output
+   with (forward, backward data, backward weights: each primitive's own time from
+   oneDNN's verbose mode, the step whose primitives took least), both at % of the FMA
+   peak, and oneDNN's reorders (its layout copies into and out of blocked channels).
 
 Each contender's unprofiled time is the median and the minimum of `--calls` calls, tgc
 and torch interleaved; the counted and profiled calls are each the fastest of as many
@@ -131,6 +138,7 @@ class Row:
     ticks: float = 0.0          # time-stamp-counter ticks per call
     times: int = 1              # runs per call (a loop's step kernels: its trip)
     loop: bool = False          # a loop (its ticks include its step kernels')
+    outputs: tuple = ()         # the program outputs its results reach (`reached_outputs`)
 
 
 @dataclass
@@ -201,7 +209,10 @@ def kernel_rows(low, env: dict) -> tuple[list[Row], list[tuple[int, list[int]]]]
             shape, form = shape + " implicit", None
         return Row(text, True, 2 * M * N * K * nb, kernel_bytes(lw, k, env), shape=shape, form=form, times=times)
 
+    reach = reached_outputs(low)
     rows = [row(low, k, 1) for k in low.kernels]
+    for r, outs in zip(rows, reach):
+        r.outputs = outs
 
     def walk(lw, times):   # step kernels in step_profile_kernels' order
         for k in lw.kernels:
@@ -215,9 +226,29 @@ def kernel_rows(low, env: dict) -> tuple[list[Row], list[tuple[int, list[int]]]]
         if isinstance(k, StepLoop):
             first = len(rows)
             walk(_Only(k), 1)
+            for r in rows[first:]:   # a loop's step kernels reach what the loop does
+                r.outputs = reach[i]
             loops.append((i, list(range(first, len(rows)))))
     assert len(rows) == len(low.kernels) + len(step_profile_kernels(low)), "profile counters and rows disagree"
     return rows, loops
+
+
+def reached_outputs(low) -> list[tuple[str, ...]]:
+    """Per top-level kernel of `low`, the program outputs (in their order) that its
+    results reach: written by it, or read, directly or through temporaries, by a
+    kernel after it that reaches them (a convolution's input-gradient product and the
+    column sum after it both reach `dx`)."""
+    outs = sorted((n for n, b in low.buffers.items() if b.kind == "out"), key=lambda n: low.buffers[n].index)
+    feeds: dict[str, set] = {}   # buffer -> the outputs the kernels after the current one reach by reading it
+    reach: list[tuple[str, ...]] = [()] * len(low.kernels)
+    for i in range(len(low.kernels) - 1, -1, -1):
+        k = low.kernels[i]
+        writes = set(k.writes())
+        got = set().union(*({b} & set(outs) | feeds.get(b, set()) for b in writes)) if writes else set()
+        reach[i] = tuple(o for o in outs if o in got)
+        for b in set(k.buffers_used()) - writes:
+            feeds.setdefault(b, set()).update(got)
+    return reach
 
 
 class _Only:
@@ -327,6 +358,58 @@ def torch_profile(step, steps: int) -> dict:
     return out
 
 
+def onednn_profile(step, steps: int) -> dict | None:
+    """PyTorch's oneDNN primitives in `step` (warmed up), from oneDNN's verbose mode
+    (each primitive's own execution time, as oneDNN prints it), each of `steps` steps
+    alone, the one whose primitives took least kept: {(primitive, propagation kind):
+    [milliseconds, count]} (a reorder, a layout copy, under ("reorder", "")), or None
+    where torch has no oneDNN. The lines go to the process's stdout (C's), which is
+    sent to a file while the step runs."""
+    import ctypes
+    import tempfile
+
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return None
+    libc = ctypes.CDLL(None)
+    step()
+    best = None
+    for _ in range(steps):
+        sys.stdout.flush()
+        libc.fflush(None)
+        saved = os.dup(1)
+        with tempfile.TemporaryFile() as f:
+            os.dup2(f.fileno(), 1)
+            try:
+                with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                    step()
+            finally:
+                libc.fflush(None)
+                os.dup2(saved, 1)
+                os.close(saved)
+            f.seek(0)
+            lines = f.read().decode(errors="replace").splitlines()
+        prims: dict[tuple[str, str], list] = {}
+        for line in lines:
+            fields = line.split(",")
+            if not fields[0].startswith("onednn_verbose") or "exec" not in fields:
+                continue
+            i = fields.index("exec")
+            try:
+                ms = float(fields[-1])
+            except ValueError:
+                continue
+            kind = (fields[i + 2], "" if fields[i + 2] == "reorder" else fields[i + 4])
+            slot = prims.setdefault(kind, [0.0, 0])
+            slot[0] += ms
+            slot[1] += 1
+        total = sum(v[0] for v in prims.values())
+        if prims and (best is None or total < best[0]):
+            best = (total, prims)
+    return None if best is None else best[1]
+
+
 def phase(name: str):
     import torch
 
@@ -399,6 +482,10 @@ class Conv2dSym:
     def model_flops(self) -> float:
         return 3 * 2 * self.batch * 64 * 32 * 9 * 32 * 32   # y, dx and dK: one product each
 
+    # tgc's kernels by the output they reach, beside the oneDNN primitive computing it
+    parts = (("y", ("convolution", "forward_training")), ("dx", ("convolution", "backward_data")),
+             ("dK", ("convolution", "backward_weights")))
+
 
 WORKLOADS = {"nanogpt": NanoGPT, "conv2d_sym": Conv2dSym}
 
@@ -463,7 +550,7 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -
 def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_steps: int, reps: int) -> dict:
     """Build, time, count and print one workload (see the module docstring)."""
     print(f"\n== {w.title}; {load()}")
-    res = {"tgc": {}, "plain": {}, "torch": {}, "torch_time": {}}
+    res = {"tgc": {}, "plain": {}, "torch": {}, "torch_time": {}, "onednn": {}}
     progs = {t: (build(w.module, w.dims, w.options, True, t), build(w.module, w.dims, w.options, False, t))
              for t in threads}
     first = progs[threads[0]][1]
@@ -500,6 +587,8 @@ def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_s
         if torch is not None:
             torch.set_num_threads(t)
             res["torch"][t] = torch_profile(tsteps[t], torch_steps)
+            if getattr(w, "parts", None):
+                res["onednn"][t] = onednn_profile(tsteps[t], torch_steps)
     flops = res["tgc"][threads[0]].product_flops()
     res["flops"] = flops
     print(f"  products: {flops / 1e9:.2f} GFLOP in tgc's lowered program (the model's count, attention unmasked: "
@@ -510,6 +599,9 @@ def run_workload(w, threads: list[int], calls: int, pk: dict, hz: float, torch_s
         report_tgc(res["tgc"][t], t, pk, res["plain"][t], solo)
     for t in res["torch"]:
         report_torch(res["torch"][t], t, res["torch_time"][t], pk, w.model_flops())
+    for t in threads:
+        if getattr(w, "parts", None):
+            report_parts(w.parts, res["tgc"][t], res["onednn"].get(t), t, pk, torch_steps)
     summary(w, res, threads, pk, flops)
     return res
 
@@ -531,6 +623,47 @@ def report_torch(prof: dict, threads: int, eager: tuple, pk: dict, model_flops: 
     if prof["phases"]:
         print("  phases: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in prof["phases"].items()))
     print("  costliest ops: " + ", ".join(f"{k} {s * 1e3:.1f} ms ({n}x)" for s, k, n, _ in prof["top"][:8]))
+
+
+def report_parts(parts, acc: Account, prims: dict | None, threads: int, pk: dict, steps: int) -> None:
+    """tgc's counted kernels grouped by the output they reach (`Row.outputs`), beside
+    the oneDNN primitive that computes that output in PyTorch's step (`onednn_profile`),
+    both at % of the FMA peak for the output's product FLOPs; then the layout copies
+    (tgc's copying kernels, counted in the rows above; oneDNN's reorders) and the totals."""
+    peak = (pk["gflops"] if threads == 1 else pk["gflops2"]) * 1e9
+    ms = lambda ticks: 1e3 * ticks / acc.hz   # noqa: E731
+    print(f"\n  tgc by output against oneDNN's primitives, {threads} thread{'s' if threads > 1 else ''} (tgc: the "
+          f"counted call's kernels; oneDNN: each primitive's own time as its verbose mode prints it, the step whose "
+          f"primitives took least of {steps})")
+    print(f"  {'output':<7} {'tgc kernels':<34} {'ms':>7} {'% peak':>6} | {'oneDNN primitive':<34} {'ms':>7} "
+          f"{'% peak':>6}")
+    total = 0.0
+    for out, prim in parts:
+        rows = [r for r in acc.rows if out in r.outputs]
+        t = ms(sum(r.ticks for r in rows))
+        total += t
+        flops = sum(r.flops * r.times for r in rows if r.product)
+        n_p = sum(r.times for r in rows if r.product)
+        rest = [r for r in rows if not r.product]
+        what = f"{n_p} product{'s' if n_p != 1 else ''}" + (
+            f", {len(rest)} other ({ms(sum(r.ticks for r in rest)):.2f} ms)" if rest else "")
+        pct = lambda sec: f"{100 * flops / (sec / 1e3) / peak:.1f}" if flops and sec else "-"   # noqa: E731
+        cells = "-", "-", "-"
+        if prims and prim in prims:
+            p_ms, count = prims[prim]
+            cells = f"{' '.join(prim)} ({count}x)", f"{p_ms:.2f}", pct(p_ms)
+        print(f"  {out:<7} {what:<34} {t:>7.2f} {pct(t):>6} | {cells[0]:<34} {cells[1]:>7} {cells[2]:>6}")
+    copies = [r for r in acc.rows if not r.product and not r.flops]
+    line = f"  layout copies: tgc {ms(sum(r.ticks for r in copies)):.2f} ms ({len(copies)} kernels, in the rows above)"
+    if prims:
+        re_ms, re_n = prims.get(("reorder", ""), [0.0, 0])
+        line += f"; oneDNN reorders {re_ms:.2f} ms ({re_n}x)"
+    print(line)
+    line = (f"  totals: tgc kernels {ms(acc.counted):.2f} ms (these outputs {total:.2f}), outside them "
+            f"{acc.outside * 1e3:.2f}, call {acc.wall * 1e3:.2f}")
+    if prims:
+        line += f"; oneDNN primitives {sum(v[0] for v in prims.values()):.2f} ms"
+    print(line)
 
 
 def summary(w, res: dict, threads: list[int], pk: dict, flops: int) -> None:

@@ -6,7 +6,8 @@ builds them (every size fixed, `CpuOptions(profile=True)`), and counted: the ker
 ticks, with each loop's own, sum exactly to the counted total; the counted total is
 within a tolerance of the call's wall time (the rest is the Python call, microseconds
 here); the products' FLOPs are the GEMM kernels' (2 m n k each, no epilogue). The torch
-half (torch.profiler's breakdown) runs where torch is installed.
+half (torch.profiler's breakdown, and oneDNN's primitives for the conv2d) runs where
+torch is installed.
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def test_conv2d_sym_accounting(breakdown):
     program, acc = counted(breakdown, w)
     check_sums(acc, 1e-3)
     assert acc.product_flops() == w.model_flops()   # y, dx and dK: one product each
+    # each product reaches the one output it computes; every kernel reaches some output
+    assert sorted(r.outputs for r in acc.rows if r.product) == [("dK",), ("dx",), ("y",)]
+    assert all(r.outputs for r in acc.rows)
+    dx = [r for r in acc.rows if r.outputs == ("dx",)]
+    assert any(not r.product and r.flops for r in dx), "dx's column sum after its product is not counted with dx"
 
 
 def test_torch_breakdown(breakdown):
@@ -87,6 +93,18 @@ def test_torch_breakdown(breakdown):
     assert set(prof["phases"]) == {"forward", "backward"}
     ops = prof["products"] + prof["attention"] + prof["other"]
     assert ops <= prof["wall"] * 1.05
+
+
+def test_onednn_primitives(breakdown):
+    torch = pytest.importorskip("torch", reason="the oneDNN half profiles PyTorch eager")
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    w = breakdown.Conv2dSym(batch=2)
+    torch.set_num_threads(1)
+    prims = breakdown.onednn_profile(w.torch_step(w.arrays(None), None), 2)
+    assert prims is not None, "oneDNN's verbose mode printed no primitive"
+    for _, prim in w.parts:   # the three convolutions, once each, each timed
+        assert prims[prim][1] == 1 and prims[prim][0] > 0, (prim, prims)
 
 
 def test_torch_breakdown_gpt(breakdown):

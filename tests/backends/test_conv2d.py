@@ -416,3 +416,42 @@ def test_wide_result_is_computed_tall_only_over_long_sums(n, tall):
     x, g = rng.standard_normal((n, 16)), rng.standard_normal((n, 256))
     got = tgc.compile(text, dtype="f64")(x=x, g=g)["w"]
     np.testing.assert_allclose(got, x.T @ g, rtol=1e-10, atol=1e-10 * n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_input_gradient_product_and_column_sum_run_paired(threads):
+    """conv2d_sym specialized to a batch of 16 (at least `gemm_batch_tasks`: a task per
+    image): dx's product and its column sum over the kernel's columns are a pair
+    (`regions.pairs`), run image by image on each thread, so the sum reads each
+    image's product from cache; no barrier between them, one before the next kernel
+    whose memory (a slot the product's transposed kernel shares) the product read.
+    The results have the bits of the two run one after the other, against PyTorch."""
+    from tgc.backends.cpu import regions
+
+    sizes = dict(SYM_SIZES, cin=16, cout=32, hh=16, ww=16)
+    x, dy, K, ref = _torch_convolution(5, (16, 16, 16, 16), 32)
+    args = {"x": x.astype(np.float32), "dy": dy.astype(np.float32), "K": K.astype(np.float32)}
+    base = Options()
+    module = pipeline.specialized_module(pipeline.lower(pipeline.load(str(BENCH_SYM), base), base).module,
+                                         sizes, base)
+    got = {}
+    for pair in (True, False):
+        options = base.with_(cpu=base.cpu.with_(threads=threads, pair_batch_loops=pair))
+        prog = pipeline.compile_module(module, options)
+        low = prog.lowered
+        ks = low.kernels
+        at = [i for i in range(1, len(ks)) if regions.pair_key(low, ks[i - 1], ks[i], options.cpu) is not None]
+        if pair:
+            assert len(at) == 1 and isinstance(ks[at[0] - 1], GemmKernel) and ks[at[0] - 1].shifts, \
+                [k.text() for k in ks]
+            assert ks[at[0]].out == "dx"
+            for r in regions.plan_regions(low, options.cpu.with_(threads=2)):
+                if r.start < at[0] < r.stop:
+                    assert r.paired[at[0] - r.start] and not r.barrier[at[0] - r.start]
+        else:
+            assert not at
+        got[pair] = {k: np.asarray(v).copy() for k, v in prog(**{k: v.copy() for k, v in args.items()}).items()}
+    for name in ("y", "dx", "dK"):
+        assert np.array_equal(got[True][name], got[False][name]), name
+        err = np.linalg.norm(got[True][name] - ref[name]) / np.linalg.norm(ref[name])
+        assert err < 1e-6, (name, err)

@@ -371,6 +371,17 @@ class _ModuleGen:
                 i = r.stop
                 continue
             k = self.low.kernels[i]
+            if self.serial_pair(i):   # one thread: the GEMM and its loop index by index (no counters)
+                nxt = self.low.kernels[i + 1]
+                (gfn, _), (lfn, _) = next(fns), next(fns)
+                self.call_pair(f, gfn, [f.dims_ptr] + [ptrs[n] for n in gemm_buffers(k)],
+                               lfn, [f.dims_ptr] + [ptrs[n] for n in kernel_buffers(nxt)],
+                               I64(0), split_count(f, nxt, self.opt.cpu))
+                if self.objects_entry:
+                    b.call(self.notify_fn(), [I32(i)])
+                    b.call(self.notify_fn(), [I32(i + 1)])
+                i += 2
+                continue
             start = self.now(b) if self.opt.cpu.profile else None
             self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
             if start is not None:
@@ -383,6 +394,15 @@ class _ModuleGen:
         b.ret(I32(0))
         f.finish()
         return fn
+
+    def serial_pair(self, i: int) -> bool:
+        """Whether the program's kernels i and i + 1 run as a pair (`regions.pairs`) on
+        one thread: only with `threads=1` (else regions run them) and without the
+        profile (its counters are per kernel)."""
+        cpu = self.opt.cpu
+        ks = self.low.kernels
+        return (cpu.threads == 1 and not cpu.profile and i + 1 < len(ks)
+                and regions.pair_key(self.low, ks[i], ks[i + 1], cpu) is not None)
 
     def call_kernel(self, f: Frame, k, fns, ptrs: dict, ws, offsets: list, base: int) -> None:
         """Run kernel `k` on the buffers `ptrs` (by name); `fns` yields the functions of
@@ -749,12 +769,28 @@ class _ModuleGen:
                 body = self.region_body(p, r, ks, kfns, bufs)
                 b.call(parallel.region_fn(self.mod, self.mod, cpu), [body, data])
             with otherwise:
-                for k, kfn in zip(ks, kfns):
+                for j, (k, kfn) in enumerate(zip(ks, kfns)):
                     args = [f.dims_ptr] + [ptrs[n] for n in region_buffers(k)]
-                    if regions.is_gemm(k):   # decides for itself (its own region, or one thread)
+                    if r.is_paired(j + 1):   # run with the loop after it
+                        continue
+                    if r.is_paired(j):
+                        g = ks[j - 1]
+                        gargs = [f.dims_ptr] + [ptrs[n] for n in region_buffers(g)]
+                        self.call_pair(f, kfns[j - 1], gargs, kfn, args, I64(0), split_count(f, k, cpu))
+                    elif regions.is_gemm(k):   # decides for itself (its own region, or one thread)
                         b.call(kfn, args + [self.gemm_min_flops(b)])
                     else:
                         b.call(kfn, args + [I64(0), split_count(f, k, cpu)])
+
+    @staticmethod
+    def call_pair(f: Frame, gfn, gargs: list, lfn, largs: list, lo, hi) -> None:
+        """A GEMM and the loop paired with it (`regions.pairs`) over indices [lo, hi)
+        of the loop's split: at each index, the product's tasks of that batch index
+        (`gemm.GemmGen.emit`'s pair mode: -2 - index), then the loop at that index."""
+        b = f.b
+        with for_range(b, lo, hi, "pair", unroll=False) as i:
+            b.call(gfn, gargs + [b.sub(I64(-2), i)])
+            b.call(lfn, largs + [i, b.add(i, I64(1))])
 
     def region_body(self, p: Lowered, r, ks, kfns, bufs: list) -> ir.Function:
         """`void tgc.rN(ptr data)`, data = [dims, buffers...]: on each thread, each
@@ -774,6 +810,14 @@ class _ModuleGen:
             if r.barrier[j]:
                 b.call(parallel.barrier_fn(self.mod, self.mod), [])
             args = [f.dims_ptr] + [ptrs[name] for name in region_buffers(k)]
+            if r.is_paired(j + 1):   # runs with the loop after it
+                continue
+            if r.is_paired(j):   # this thread's share of the loop's split, the product's index by index
+                g = ks[j - 1]
+                lo, hi = parallel.thread_range(b, split_count(f, k, cpu))
+                self.call_pair(f, kfns[j - 1], [f.dims_ptr] + [ptrs[name] for name in region_buffers(g)],
+                               kfn, args, lo, hi)
+                continue
             if regions.is_gemm(k):   # each thread its share of the tasks (`gemm.GemmGen.emit`)
                 b.call(kfn, args + [I64(-1)])
                 continue

@@ -253,7 +253,9 @@ class GemmGen(TapCalls):
         one thread), then runs every task here or shares them out in a region. A
         negative `min_flops` says the caller is every thread of a region already
         (`regions.py`: kernels merged into one region): then each runs its share of
-        the tasks (`parallel.thread_range`; a product of one task runs on thread 0)."""
+        the tasks (`parallel.thread_range`; a product of one task runs on thread 0);
+        -2 - i, that the caller runs the product paired with a loop (`regions.pairs`):
+        only the tasks of batch index i, here (a product batched over one edge)."""
         work = self.emit_work()
         par = self.emit_par(work) if self.opt.cpu.threads != 1 else None
         f = Frame(self.fn, self.low.module, self.fn.args[0])
@@ -263,6 +265,13 @@ class GemmGen(TapCalls):
         limit = self.tile_limit(f, b)
         pl = self.plan(f, b, limit)
         big = None
+        if self.k.batch and self.task_batch == self.k.batch:
+            # pair mode (`regions.pairs`): -2 - i runs the tasks of batch index i only
+            with b.if_then(b.icmp_signed("<=", min_flops, I64(-2))):
+                per = b.sdiv(pl["tasks"], f.count(self.task_batch))
+                lo = b.mul(b.sub(I64(-2), min_flops), per)
+                b.call(work, args + [lo, b.add(lo, per), pl["tp"], pl["tq"], pl["tr"]] + extra)
+                b.ret(I32(0))
         if par is not None:
             with b.if_then(b.icmp_signed("<", min_flops, I64(0))):
                 lo, hi = parallel.thread_range(b, pl["tasks"])

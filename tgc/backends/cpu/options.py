@@ -81,6 +81,7 @@ class CpuOptions:
     gemm_epilogue: bool = True               # a GEMM's epilogue (the `epilogue` stage: bias, GELU, residual, AdamW folded in) runs on each tile right after its product (backends/cpu/gemm_epilogue.py); False: as loops after the GEMM
     gemm_tap_tiles: int = 4                  # a GEMM with shifts (convolution taps) that cblas runs is cut into this many times gemm_tiles tiles
     gemm_batch_tasks: int = 16               # a GEMM batched at least this many times is one tile per batch index; a batch of fewer indices may share one packed B' in the own kernel (gemm_dispatch.shared_b_batch)
+    pair_batch_loops: bool = True            # ... and such a product followed by a loop kernel that reads it one batch index at a time (a convolution's input gradient and its column sum) runs interleaved with it, index by index, on each thread, so that each index's product is read back from cache (regions.pairs); False: one after the other
     gemm_pack_elems: int = 4096              # elements of the stack buffer the small-tile GEMM loops pack B' into (gemm_small: 16 KiB of f32, in L1)
     gemm_loop_cols: int = 2                  # vectors of columns per block of the blocked GEMM loops (gemm_small.loops_kernel)
     bf16_gemm_depth: int = 256               # K per packed block of the bf16 kernel (even; gemm_bf16: a B' block of 128 pairs x 64 columns, 32 KiB)

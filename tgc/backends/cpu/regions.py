@@ -36,6 +36,21 @@ it touches thread-local:
   conflict with each other, and in a loop's step every argument and output may
   share memory with another (several bind one buffer of the enclosing program).
 
+Pairs (`pairs`, `CpuOptions.pair_batch_loops`): a GEMM batched over an edge `e` of at
+least `gemm_batch_tasks` indices (its tasks are then `e`'s indices, each a whole product)
+followed by a loop kernel whose split loop runs over `e` and which reads the product
+only at its own index of `e` (a convolution's input-gradient product and its column
+sum over the kernel's columns) run interleaved: each thread takes its share of `e`
+(`parallel.thread_range`, as the loop alone would) and, index by index, runs that
+index's product (`gemm.GemmGen.emit`'s pair mode) and then the loop at that index, so
+the loop reads a product the same thread has just written, from cache (393 kB per
+image for conv2d_sym's input gradient, against 6.3 MB for the whole product). The
+product is then written thread-locally along `e` (the loop's split), so no barrier
+separates the two, and the kernels after them see it so. A pair needs the loop to write
+no memory the product reads or writes, and the product to write nothing else the loop
+reads. Serially (one thread, or a region run on one thread) the pair runs the same
+way, index by index.
+
 A region holds at most `cpu.region_max_barriers` barriers: a longer run is cut at a
 barrier into several (the end of a region orders what the barrier would). While
 another process holds a core, each barrier can wait a time slice for a worker (the
@@ -51,7 +66,9 @@ run serially, one after another, as without regions.
 
 Exact in floating point: each kernel computes every element as it does on its own
 (the same code, the same order within an element); only which thread computes which
-element changes, and the barriers order every cross-thread dependence.
+element changes, and the barriers order every cross-thread dependence. A pair's
+loop reads, at each index, a product already complete on the same thread, and writes
+nothing either reads at another index.
 """
 from __future__ import annotations
 
@@ -70,6 +87,10 @@ class Region:
     start: int
     single: tuple[bool, ...]     # the kernel runs on thread 0 (its loop cannot be split)
     barrier: tuple[bool, ...]    # a barrier before the kernel (never before the first)
+    paired: tuple[bool, ...] = ()   # the kernel (a loop) runs interleaved with the GEMM before it (`pairs`)
+
+    def is_paired(self, j: int) -> bool:
+        return j < len(self.paired) and self.paired[j]
 
     @property
     def stop(self) -> int:
@@ -121,7 +142,8 @@ def plan_regions(low: Lowered, cpu: CpuOptions, step: bool = False) -> list[Regi
             j -= 1
         single = tuple(not splits(k, cpu) for k in ks[i:j + 1])
         if single.count(False) >= 2:
-            out += _cut(Region(i, single, barriers(low, ks[i:j + 1], single, cpu, step)),
+            out += _cut(Region(i, single, barriers(low, ks[i:j + 1], single, cpu, step),
+                               pairs(low, ks[i:j + 1], cpu, step)),
                         max(cpu.region_max_barriers, 0))
         i = j + 1
     return out
@@ -145,19 +167,62 @@ def _cut(r: Region, most: int) -> list[Region]:
             lo += 1
         while hi > lo and r.single[hi - 1]:
             hi -= 1
-        if r.single[lo:hi].count(False) >= 2:
-            out.append(Region(r.start + lo, r.single[lo:hi], (False,) + r.barrier[lo + 1:hi]))
+        if r.single[lo:hi].count(False) >= 2:   # (a pair is never cut: no barrier inside it)
+            out.append(Region(r.start + lo, r.single[lo:hi], (False,) + r.barrier[lo + 1:hi],
+                              (False,) + tuple(r.paired[lo + 1:hi]) if r.paired else ()))
     return out
+
+
+def pair_key(low: Lowered, g, k, cpu: CpuOptions, step: bool = False):
+    """The thread-local key (`_local_key`'s) under which GEMM `g` and the loop kernel
+    `k` after it run as a pair (module docstring), or None when they do not."""
+    if not cpu.pair_batch_loops or type(g) is not GemmKernel or g.epilogue or len(g.batch) != 1:
+        return None
+    if not isinstance(k, LoopKernel) or not parallel_ok(k):
+        return None
+    e = g.batch[0]
+    n = low.size(e)
+    if not isinstance(n, int) or n < max(cpu.gemm_batch_tasks, 2):
+        return None   # fewer indices: the product's tasks are tiles (or one packed B'), not indices
+    key = _local_key(k, g.out, cpu)
+    if key != ((n,), (e,)) or len(split_loops(k, cpu)) != 1:
+        return None   # the loop's split is not e's indices, or it reads the product elsewhere
+    ga, ka = _Access(low, g, False, cpu, step), _Access(low, k, False, cpu, step)
+    g_mem = {ga.memory(b) for b in ga.reads | ga.writes}
+    if any(ka.memory(b) in g_mem for b in ka.writes):
+        return None   # the loop writes what the product reads or writes
+    if any(ga.memory(b) in {ka.memory(x) for x in ka.reads} for b in ga.writes if b != g.out):
+        return None
+    return key
+
+
+def pairs(low: Lowered, ks, cpu: CpuOptions, step: bool = False) -> tuple[bool, ...]:
+    """For each kernel of a run, whether it runs interleaved with the GEMM before it
+    (`pair_key`); a GEMM pairs with one loop at most."""
+    out = [False] * len(ks)
+    for j in range(1, len(ks)):
+        if not out[j - 1] and pair_key(low, ks[j - 1], ks[j], cpu, step) is not None:
+            out[j] = True
+    return tuple(out)
 
 
 def barriers(low: Lowered, ks, single: tuple[bool, ...], cpu: CpuOptions,
              step: bool = False) -> tuple[bool, ...]:
-    """Where a run of kernels needs a barrier (module docstring)."""
+    """Where a run of kernels needs a barrier (module docstring). A paired GEMM
+    (`pairs`) writes its product thread-locally, under its loop's split (`pair_key`)."""
+    paired = pairs(low, ks, cpu, step)
+
+    def access(j: int) -> _Access:
+        acc = _Access(low, ks[j], single[j], cpu, step)
+        if j + 1 < len(paired) and paired[j + 1]:
+            acc.local[ks[j].out] = pair_key(low, ks[j], ks[j + 1], cpu, step)
+        return acc
+
     out = [False]
     pending = _Pending()
-    pending.add(_Access(low, ks[0], single[0], cpu, step))
-    for k, one in zip(ks[1:], single[1:]):
-        acc = _Access(low, k, one, cpu, step)
+    pending.add(access(0))
+    for j in range(1, len(ks)):
+        acc = access(j)
         need = pending.conflicts(acc)
         out.append(need)
         if need:
