@@ -158,11 +158,15 @@ def test_no_indicator_is_materialized(which):
 def test_small_convolutions_are_little_code(which, max_lines, max_kernels):
     """Bounds with room (the tiny program is ~4,300 lines, the two layers ~9,500;
     before, 80,000 with one kernel of 19,000): what they catch is a blow-up, such as
-    nested short loops unrolled into each other or a dense relation."""
+    nested short loops unrolled into each other or a dense relation. The GEMM library's
+    functions (`tgc.gemm.*`) are the same whatever the program: the own kernel's FMA
+    loop runs `own_gemm_unroll` K steps an iteration (~3,300 lines at 4)."""
     prog = tgc.compile(_source(which))
     lines = _function_lines(prog.llvm_ir)
-    assert sum(lines.values()) <= max_lines, sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert max(lines.values()) <= 2_500, sorted(lines.items(), key=lambda kv: -kv[1])[:5]
+    top = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
+    assert sum(lines.values()) <= max_lines, top
+    assert max(n for f, n in lines.items() if not f.startswith("tgc.gemm.")) <= 2_500, top
+    assert max(n for f, n in lines.items() if f.startswith("tgc.gemm.")) <= 5_000, top
     assert len(prog.lowered.kernels) <= max_kernels
 
 
