@@ -20,10 +20,18 @@ A kernel joins the group before it when:
   a layer's matrix share all their loops, one pass over the slice; a layernorm
   backward's partial sums still shorten its rows group).
 A member may also sum over the first outer variable (a parameter gradient
-`dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
-of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
-before the group and added up after it, in block order (the CPU adds an f32 sum's rows of
-a long block in f64, rounded once into the block's row: `loops.LoopGen.wide_partials`).
+`dw[d] = sum[rows] ...`), or over a leading run of them when it keeps a loop after
+them (`db[c] = sum[batch, t] ...` inside a layernorm's rows `(batch, t)`): it then adds
+into a partial buffer with one row per block of the first outer loop
+(`options.cpu.group_blocks` blocks, threads take whole blocks) at every outer index,
+zeroed before the group and added up after it, in block order (the CPU adds an f32
+sum's rows of a long block in f64, rounded once into the block's row:
+`loops.LoopGen.wide_partials`). Each element of such a sum takes its terms in the
+order a member with only the first loop outer took them (the block's rows, then the
+other summed loops), so its value does not change; the members beside it then share
+all the rows loops, and the row statistics they read become registers instead of
+scratch rows, which may move a statistic by an ulp (a vector sum's lanes are added
+in another order).
 
 Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
 `exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per element,
@@ -189,14 +197,26 @@ def _loads(k: LoopKernel):
 
 def _outer_of(k: LoopKernel, partial_ok: bool) -> list[str]:
     """The loops of `k` that can be outer loops of a group, outermost first: kept
-    ones, or (only the very first, for a sum) reduced ones."""
+    ones, or, for a sum, the reduced loops it starts with: the first always, the
+    ones after it while a kept loop follows them (a bias gradient
+    `db[c] = sum[batch, t] dy` runs inside its layernorm's rows `(batch, t)`; a full
+    sum `sum[layer, c, ff]` keeps only its first loop outer)."""
     out = []
     for i, v in enumerate(k.loops):
         if v in k.red:
-            if not (i == 0 and partial_ok and k.reduce == "sum") or v in k.bounds:
+            leading = partial_ok and k.reduce == "sum" and all(u in k.red for u in k.loops[:i])
+            if not leading or v in k.bounds or (i > 0 and all(u in k.red for u in k.loops[i:])):
                 break
         out.append(v)
     return out
+
+
+def _sums_lead(k: LoopKernel, prefix) -> bool:
+    """Whether the outer loops `k` sums over are a leading run of `prefix` (none, or
+    the first ones): it then adds into its block's row of a partial buffer at every
+    index of the others (`_Grouper.partial`)."""
+    summed = [v in k.red for v in prefix]
+    return summed == sorted(summed, reverse=True)
 
 
 class _Grouper(Grouper):
@@ -265,8 +285,8 @@ class _Grouper(Grouper):
                     and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
                 n += 1
             prefix = prefix[:n]
-        # only the first outer loop may be summed over (a partial), and then by a sum
-        while prefix and any(v in k.red for k in ks for v in prefix[1:]):
+        # a member sums over a leading run of the outer loops (a partial, by a sum), or none
+        while prefix and not all(_sums_lead(k, prefix) for k in ks):
             prefix = prefix[:-1]
         if not prefix:
             return ()
