@@ -661,3 +661,24 @@ def test_a_full_sum_keeps_only_its_first_loop_outer():
     prog = build("dim layer, a, b\ninput g[layer, a, b]\nout s = sum(g * g)\nout s3 = sum(g * g * g)\n", "f32")
     (g,) = [g for g in groups(prog) if g.blocks]
     assert g.outer == ("layer",)
+
+
+LONE_SUM = "dim batch = 5, t = 7, c = 9\ninput g[batch, t, c]\nout db[c] = sum[batch, t](g * g)\n"
+
+
+def test_a_lone_sum_over_its_leading_loops_splits_into_blocks_when_it_is_large():
+    """Alone, a sum's own loop is never split over threads; as a group of one with a
+    partial row per block of its first loop it is, once it has
+    `cpu.parallel_min_work` iterations (known sizes)."""
+    small = build(LONE_SUM, "f32")
+    assert not groups(small)
+    prog = build(LONE_SUM, "f32", parallel_min_work=1, threads=2)
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("batch", "t") and [(m.note, m.red) for m in g.members] == [("partial sums", ("batch", "t"))]
+    assert not groups(build(LONE_SUM.replace("dim batch = 5", "dim batch"), "f32", parallel_min_work=1))   # symbolic
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({}), 4, "f32")
+    want = evaluate(m, dict(x), dtype="f64")["db"]
+    for p in (prog, build(LONE_SUM, "f32", parallel_min_work=1, threads=1), small):
+        np.testing.assert_allclose(p(**x)["db"], want, rtol=1e-6)
+    assert np.array_equal(prog(**x)["db"], build(LONE_SUM, "f32", parallel_min_work=1, threads=1)(**x)["db"])

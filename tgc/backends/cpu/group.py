@@ -43,6 +43,12 @@ max + log(sum). Then a temporary that only later members read becomes:
 - otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
+A sum alone over its leading loops that keeps a loop after them (a bias gradient
+between two GEMMs) becomes such a group of one when it has at least
+`options.cpu.parallel_min_work` iterations (`_Grouper.lone_partial`): alone, a sum's
+own loop is never split over threads. Its elements take their terms in the blocks'
+order, then added up by block: not the order of the serial loop (an f32 sum may move
+by its rounding), the same on any number of threads.
 A group never has more block rows than outer indices for its blocks to divide
 (`#block = min(32, batch)`), so neither a scratch row nor a partial sum is ever
 larger than its block's share of the tensor.
@@ -300,6 +306,23 @@ class _Grouper(Grouper):
             written[k.out] = k
         return tuple(prefix)
 
+    def lone_partial(self, k: LoopKernel) -> tuple[str, ...]:
+        """The outer loops of a group of one for a kernel alone: a sum over its
+        leading loops that keeps a loop after them (a bias gradient `db[c] = sum[batch,
+        t] g`) with at least `cpu.parallel_min_work` iterations (known sizes) adds into
+        a partial row per block of its first loop, so threads share it (a sum's own
+        loop is never split: alone it runs on one thread). Else (): the kernel as it is."""
+        if k.reduce != "sum" or not k.loops or k.loops[0] not in k.red or all(v in k.red for v in k.loops):
+            return ()
+        n = 1
+        for v in k.loops:
+            if not isinstance(k.sizes[v], int):
+                return ()
+            n *= k.sizes[v]
+        if n < self.opt.cpu.parallel_min_work:
+            return ()
+        return tuple(v for v in _outer_of(k, True) if v in k.red)
+
     @staticmethod
     def partial(k: LoopKernel, outer) -> bool:
         return outer[0] in k.red
@@ -310,10 +333,10 @@ class _Grouper(Grouper):
         if not members:
             return
         ks = [self.low.kernels[i] for i in members]
-        if len(ks) == 1:
+        outer = self.outer(members) if len(ks) > 1 else self.lone_partial(ks[0])
+        if not outer:
             self.out.kernels.append(ks[0])
             return
-        outer = self.outer(members)
         outside = set(range(len(self.low.kernels))) - set(members)
         bufs = self.out.buffers
         for k in list(ks):
