@@ -614,8 +614,9 @@ def test_golden_a_layernorm_backward_over_two_rows_loops_is_one_pass_over_its_ro
     partial row at every (batch, t), so the group keeps both loops, its row statistics
     are registers, and each row of x and dy is read from memory once (with only
     `batch` outer, every member ran its own pass over a batch's [t, c] slab: nine
-    buffers of a nanoGPT-char step's layer, 3.5 MB, left the L2 between members)."""
-    prog = build(LAYERNORM_3D.replace("dim batch, t, c", "dim batch, t = 8, c = 16"), "f32")
+    buffers of a nanoGPT-char step's layer, 3.5 MB, left the L2 between members).
+    That is when a batch's slab holds more than `group_shrink_max_bytes`: 0 here."""
+    prog = build(LAYERNORM_3D.replace("dim batch, t, c", "dim batch, t = 8, c = 16"), "f32", group_shrink_max_bytes=0)
     (g,) = [g for g in groups(prog) if g.blocks]
     lines = [line.strip() for line in g.text().splitlines()]
     assert lines[0] == "group for batch < batch, t < 8 in 32 blocks  reg %t7[batch, t], %t9[batch, t], " \
@@ -633,12 +634,13 @@ def test_golden_a_layernorm_backward_over_two_rows_loops_is_one_pass_over_its_ro
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_partial_sums_over_two_rows_loops_match_the_interpreter(threads, dtype):
-    prog = build(LAYERNORM_3D, dtype, threads=threads, parallel_min_work=1)
-    (g,) = [g for g in groups(prog) if g.blocks]
-    assert g.outer[:2] == ("batch", "t")
-    m = prog.module
     for batch, t, c in ((1, 1, 3), (2, 5, 24), (3, 33, 7), (40, 3, 9)):
-        x = random_inputs(m, m.bind_dims({"batch": batch, "t": t, "c": c}), batch, dtype)
+        source = LAYERNORM_3D.replace("dim batch, t, c", f"dim batch = {batch}, t = {t}, c = {c}")
+        prog = build(source, dtype, threads=threads, parallel_min_work=1, group_shrink_max_bytes=0)
+        (g,) = [g for g in groups(prog) if g.blocks]
+        assert g.outer[:2] == ("batch", "t")
+        m = prog.module
+        x = random_inputs(m, m.bind_dims({}), batch, dtype)
         want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
         got = prog(**{k: np.copy(v) for k, v in x.items()})
         rtol, atol = TOL[dtype]
@@ -648,11 +650,30 @@ def test_partial_sums_over_two_rows_loops_match_the_interpreter(threads, dtype):
 
 
 def test_partial_sums_over_two_rows_loops_do_not_depend_on_the_thread_count():
-    x = random_inputs(build(LAYERNORM_3D, "f32").module, {"batch": 7, "t": 45, "c": 40}, 2, "f32")
-    one = build(LAYERNORM_3D, "f32", threads=1)(**{k: np.copy(v) for k, v in x.items()})
-    two = build(LAYERNORM_3D, "f32", threads=2, parallel_min_work=1)(**{k: np.copy(v) for k, v in x.items()})
+    source = LAYERNORM_3D.replace("dim batch, t, c", "dim batch = 7, t = 45, c = 40")
+    m = build(source, "f32").module
+    x = random_inputs(m, m.bind_dims({}), 2, "f32")
+    one = build(source, "f32", threads=1, group_shrink_max_bytes=0)
+    two = build(source, "f32", threads=2, parallel_min_work=1, group_shrink_max_bytes=0)
+    assert [g.outer for g in groups(one) if g.blocks] == [("batch", "t")]
+    one, two = (p(**{k: np.copy(v) for k, v in x.items()}) for p in (one, two))
     for name in one:
         assert np.array_equal(one[name], two[name]), name
+
+
+@pytest.mark.parametrize("sizes, outer", [("batch = 64, t = 11, c = 48", ("batch",)),
+                                          ("batch = 4, t = 256, c = 768", ("batch", "t")),
+                                          ("batch, t = 256, c = 768", ("batch", "t")),
+                                          ("batch = 4, t, c = 768", ("batch",))])
+def test_partial_sums_keep_two_rows_loops_only_where_a_slab_leaves_the_cache(sizes, outer):
+    """Over a short slab per batch (a GPT of width 48: 19 kB) the members' own inner
+    loops over (t, c) are long and the slab stays in cache: the group keeps `batch`
+    alone. Over one of more than `group_shrink_max_bytes` (4 x 256 x 768: 3.1 MB of x,
+    dy, dx) it keeps (batch, t), whatever the batch. A symbolic size inside the slab keeps
+    `batch` alone."""
+    prog = build(LAYERNORM_3D.replace("dim batch, t, c", "dim " + sizes), "f32")
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == outer
 
 
 def test_a_full_sum_keeps_only_its_first_loop_outer():

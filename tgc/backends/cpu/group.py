@@ -26,7 +26,11 @@ into a partial buffer with one row per block of the first outer loop
 (`options.cpu.group_blocks` blocks, threads take whole blocks) at every outer index,
 zeroed before the group and added up after it, in block order (the CPU adds an f32
 sum's rows of a long block in f64, rounded once into the block's row:
-`loops.LoopGen.wide_partials`). Each element of such a sum takes its terms in the
+`loops.LoopGen.wide_partials`). The outer loops go past the first one summed over
+only where the members' buffers at one index of the first hold more than
+`options.cpu.group_shrink_max_bytes` (known sizes): over a short slab (a GPT of width
+48, 19 kB a batch) the members' own long inner loops are faster, and the slab stays in
+cache between them. Each element of such a sum takes its terms in the
 order a member with only the first loop outer took them (the block's rows, then the
 other summed loops), so its value does not change; the members beside it then share
 all the rows loops, and the row statistics they read become registers instead of
@@ -263,9 +267,14 @@ class _Grouper(Grouper):
         n = len(prefix)
         if n < len(k.loops) and k.loops[n] in k.red:
             return False
+        touched = self.bytes_per_outer([self.low.kernels[i] for i in members], prefix)
+        return touched is not None and touched > self.opt.cpu.group_shrink_max_bytes
+
+    def bytes_per_outer(self, ks: list[LoopKernel], prefix) -> int | None:
+        """The bytes of the buffers `ks` touch at one index of the outer loops
+        `prefix` (at most; None for a symbolic size)."""
         touched: dict[str, int] = {}      # each buffer's bytes at one outer index (at most)
-        for i in members:
-            m = self.low.kernels[i]
+        for m in ks:
             for name, index in [(m.out, m.index)] + [(ld.buf, ld.index) for ld in _loads(m)]:
                 # the buffer's bytes over its axes that no outer loop indexes (an
                 # axis the loop reads only in part, a stream run's window of the keys,
@@ -275,10 +284,10 @@ class _Grouper(Grouper):
                     if not any(ix == Ix.var(v) for v in prefix):
                         n = self.low.size(edge)
                         if not isinstance(n, int):
-                            return False
+                            return None
                         size *= n
                 touched[name] = size
-        return sum(touched.values()) > self.opt.cpu.group_shrink_max_bytes
+        return sum(touched.values())
 
     def prefix(self, members: list[int]) -> tuple[str, ...]:
         """The outer loops `members` share, or () when they cannot form a group."""
@@ -296,6 +305,15 @@ class _Grouper(Grouper):
             prefix = prefix[:-1]
         if not prefix:
             return ()
+        # summing over more than the first outer loop pays where the members' buffers
+        # at one index of the first would not stay in cache between members
+        short = 1
+        while short < len(prefix) and not any(prefix[short] in k.red for k in ks):
+            short += 1
+        if short < len(prefix):
+            touched = self.bytes_per_outer(ks, prefix[:short])
+            if touched is None or touched <= self.opt.cpu.group_shrink_max_bytes:
+                prefix = prefix[:short]
         written: dict[str, LoopKernel] = {}
         for k in ks:
             for ld in _loads(k):
