@@ -22,21 +22,12 @@ joined before it: AdamW's update reads the new moments) joins the GEMM's epilogu
   reads or writes `y`;
 - `t` is a temporary.
 Kernels join in program order, so the outputs run in the order the kernels did.
-Then a later kernel that reads no product but only buffers the epilogue already
-streams (every buffer over the product's edges it loads is one an output loads)
-joins as a last output (`_fold_siblings`): in a layer's backward, the GELU's output
-`h * (0.5 + 0.5 tanh)` that the down projection's weight gradient reads beside the
-GELU derivative `dh`, which reads `h` and `tanh` too; the tile of those is in cache
-once for both. It must pass the same conditions as a reader, read no output of the
-epilogue, and no output may read or write what it writes, so its place among the
-outputs changes no value. Its output is then written earlier than before, so it
-may be alive longer (one more workspace slot at most).
 When no kernel reads `t` any more, the GEMM stores its product straight into an output
 laid out as `t` (`_product_into_output`), and `t` goes: the product's elements live on
 as `acc`.
 
 Exact: each output is the same expression of the same values (the product's element is
-the value the kernel loaded; a sibling reads none), computed once per element, and moving the kernel is
+the value the kernel loaded), computed once per element, and moving the kernel is
 allowed by the conditions above (each buffer it reads holds the same value at the
 GEMM as at the kernel's old place; nothing in between sees `y`). Reading its own output
 and the earlier outputs only at the element's index, the per-element order of the
@@ -127,48 +118,12 @@ def _fold_gemm(low: Lowered, uses: Uses, i: int):
                 heapq.heappush(todo, x)
     if not outs:
         return g
-    _fold_siblings(low, uses, i, g, edges, outs, taken)
     for j in taken:
         uses.set(j, None)
     g = replace(g, epilogue=g.epilogue + tuple(outs))
     if not uses.readers(g.out, i):
         g = _product_into_output(low, g)
     return g
-
-
-def _fold_siblings(low: Lowered, uses: Uses, i: int, g: GemmKernel, edges: set[str],
-                   outs: list[EpilogueOut], taken: set[int]) -> None:
-    """Append to `outs` (and `taken`) the later kernels that read no product but only
-    what the epilogue already streams: every buffer over the product's edges they load
-    is one an output loads (a GELU's `h * (0.5 + 0.5 tanh)` for the down projection's
-    weight gradient, beside the GELU derivative that reads `h` and `tanh`), so computing
-    them in the epilogue reads those tiles from cache instead of memory once more. Each
-    must pass `_foldable` and move to the GEMM as a reader does (no kernel in between
-    writes what it reads or touches its output), read no output of the epilogue, and
-    none of the outputs may read or write its output: its value and theirs do not
-    depend on their order."""
-    streamed = {n.buf for o in outs for n in walk(o.expr) if isinstance(n, Load)
-                and set(low.buffers[n.buf].edges) == edges} - {g.out}
-    written = {o.buf for o in outs} | {g.out}
-    stop = next(iter(uses.writers(g.out, i)), None)
-    todo = sorted({j for b in streamed for j in uses.readers(b, i, stop)} - taken)
-    for j in todo:
-        k = uses.slots[j]
-        if k is None or not _foldable(low, g, k, edges, [o.buf for o in outs]):
-            continue
-        full = {n.buf for n in walk(k.body) if isinstance(n, Load) and set(low.buffers[n.buf].edges) == edges}
-        if not full or not full <= streamed or k.buffers_read() & written or k.out in written:
-            continue
-        if any(k.out in (o.buf,) or any(isinstance(n, Load) and n.buf == k.out for n in walk(o.expr))
-               for o in outs):
-            continue
-        between = [x for b in k.buffers_read() for x in uses.writers(b, i, j)] + \
-            uses.readers(k.out, i, j) + uses.writers(k.out, i, j)
-        if any(x not in taken for x in between) or any(k.out in uses.slots[x].buffers_read() for x in taken):
-            continue
-        outs.append(EpilogueOut(k.out, k.body))
-        taken.add(j)
-        written.add(k.out)
 
 
 def _product_into_output(low: Lowered, g: GemmKernel) -> GemmKernel:
