@@ -703,3 +703,13 @@ def test_a_lone_sum_over_its_leading_loops_splits_into_blocks_when_it_is_large()
     for p in (prog, build(LONE_SUM, "f32", parallel_min_work=1, threads=1), small):
         np.testing.assert_allclose(p(**x)["db"], want, rtol=1e-6)
     assert np.array_equal(prog(**x)["db"], build(LONE_SUM, "f32", parallel_min_work=1, threads=1)(**x)["db"])
+
+
+def test_members_with_no_loops_of_their_own_keep_the_first_loop_alone():
+    """A bias sum over (batch, t) beside an elementwise product over (batch, t, ff):
+    with both rows loops outer every member's loops would all be outer; each streams
+    its buffers once either way, so the group keeps `batch` alone (as before)."""
+    prog = build("dim batch = 4, t = 256, ff = 1536\ninput g[batch, t, ff], a[batch, t, ff], b[batch, t, ff]\n"
+                 "out db[ff] = sum[batch, t](g)\nout y[batch, t, ff] = a * b\n", "f32")
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("batch",)

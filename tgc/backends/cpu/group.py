@@ -30,7 +30,9 @@ sum's rows of a long block in f64, rounded once into the block's row:
 only where the members' buffers at one index of the first hold more than
 `options.cpu.group_shrink_max_bytes` (known sizes): over a short slab (a GPT of width
 48, 19 kB a batch) the members' own long inner loops are faster, and the slab stays in
-cache between them. Each element of such a sum takes its terms in the
+cache between them; and where every member's loops would all be outer (a bias sum
+beside an elementwise product: each member streams once either way) the group keeps
+the first loop alone too. Each element of such a sum takes its terms in the
 order a member with only the first loop outer took them (the block's rows, then the
 other summed loops), so its value does not change; the members beside it then share
 all the rows loops, and the row statistics they read become registers instead of
@@ -312,7 +314,8 @@ class _Grouper(Grouper):
             short += 1
         if short < len(prefix):
             touched = self.bytes_per_outer(ks, prefix[:short])
-            if touched is None or touched <= self.opt.cpu.group_shrink_max_bytes:
+            if touched is None or touched <= self.opt.cpu.group_shrink_max_bytes or \
+                    all(len(k.loops) <= len(prefix) for k in ks):   # (no member with loops of its own: as before)
                 prefix = prefix[:short]
         written: dict[str, LoopKernel] = {}
         for k in ks:
