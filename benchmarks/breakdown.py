@@ -132,13 +132,19 @@ class Row:
     text: str
     product: bool
     flops: int                  # the product's 2 m n k (products), else tgc explain's FLOPs
-    nbytes: int                 # tgc explain's bytes moved (each buffer once)
+    nbytes: int                 # tgc explain's bytes moved by one run (each buffer once)
     shape: str = ""             # products: batch x P x Q x R and A' B' layouts
     form: tuple | None = None   # ... as gemm_peak's product: (batch, P, Q, R, A' K-contiguous, B' N-contiguous)
     ticks: float = 0.0          # time-stamp-counter ticks per call
     times: int = 1              # runs per call (a loop's step kernels: its trip)
     loop: bool = False          # a loop (its ticks include its step kernels')
     outputs: tuple = ()         # the program outputs its results reach (`reached_outputs`)
+
+    @property
+    def moved(self) -> int:
+        """The bytes it moves per call: one run's times its runs (a loop's step
+        kernel runs once per step, as `tgc explain` counts it)."""
+        return self.nbytes * self.times
 
 
 @dataclass
@@ -533,15 +539,16 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -
             continue
         t = r.ticks / hz
         text = r.text if len(r.text) <= 60 else r.text[:57] + "..."
-        print(f"  {text:<60} {r.times:>6} {t * 1e3:>8.2f} {t * fma / 1e6:>8.1f} {r.nbytes / 1e6:>8.1f} "
-              f"{r.nbytes / t / 1e9 if t else 0:>6.1f}")
+        print(f"  {text:<60} {r.times:>6} {t * 1e3:>8.2f} {t * fma / 1e6:>8.1f} {r.moved / 1e6:>8.1f} "
+              f"{r.moved / t / 1e9 if t else 0:>6.1f}")
     if small:
-        t, nb = sum(r.ticks for r in small) / hz, sum(r.nbytes for r in small)
+        t, nb = sum(r.ticks for r in small) / hz, sum(r.moved for r in small)
         print(f"  {f'{len(small)} more, each under 0.5% of the call':<60} {'':>6} {t * 1e3:>8.2f} "
               f"{t * fma / 1e6:>8.1f} {nb / 1e6:>8.1f} {nb / t / 1e9 if t else 0:>6.1f}")
-    moved = sum(r.nbytes for r in others)
+    moved = sum(r.moved for r in others)
     print(f"  other kernels: {moved / 1e6:.0f} MB moved in {rest_t * 1e3:.1f} ms, {moved / rest_t / 1e9 if rest_t else 0:.1f} "
-          f"GB/s; products: {sum(r.nbytes for r in acc.rows if r.product) / 1e6:.0f} MB (operands and results once)")
+          f"GB/s; products: {sum(r.moved for r in acc.rows if r.product) / 1e6:.0f} MB (operands and results once "
+          "per run)")
     print(f"  sum: products {prod_t * 1e3:.1f} + other kernels {rest_t * 1e3:.1f} + loop overhead "
           f"{ms(acc.loops):.1f} = counted {ms(acc.counted):.1f} ms; outside the kernels {acc.outside * 1e3:.1f}; "
           f"call {acc.wall * 1e3:.1f} ms ({100 * acc.counted / hz / acc.wall:.1f}% counted)")

@@ -5,7 +5,8 @@ kernels, GEMMs, AdamW) and the symbolic conv2d at batch 2 are built as the scrip
 builds them (every size fixed, `CpuOptions(profile=True)`), and counted: the kernels'
 ticks, with each loop's own, sum exactly to the counted total; the counted total is
 within a tolerance of the call's wall time (the rest is the Python call, microseconds
-here); the products' FLOPs are the GEMM kernels' (2 m n k each, no epilogue). The torch
+here); the products' FLOPs are the GEMM kernels' (2 m n k each, no epilogue); the
+kernels' bytes (a loop's step kernels once per step) are `tgc explain`'s total. The torch
 half (torch.profiler's breakdown, and oneDNN's primitives for the conv2d) runs where
 torch is installed.
 """
@@ -69,6 +70,13 @@ def test_tiny_gpt_accounting(breakdown):
     assert acc.product_flops() == sum(gemms(program.lowered)) > 0
     assert all(r.shape for r in acc.rows if r.product)
     assert all(r.nbytes > 0 for r in acc.rows if not r.product)
+    # a step kernel moves its bytes once per step: the rows add up to `tgc explain`'s total
+    from tgc.explain import _fixed_dims, kernel_bytes
+
+    low = program.lowered
+    env = _fixed_dims(low)
+    assert sum(r.moved for r in acc.rows) == sum(kernel_bytes(low, k, env) for k in low.kernels)
+    assert any(r.times > 1 and r.moved == r.times * r.nbytes for r in acc.rows if not r.product)
 
 
 def test_conv2d_sym_accounting(breakdown):

@@ -593,3 +593,123 @@ def test_the_layernorm_group_keeps_its_rows_loop_under_any_threshold():
     prog = build(LAYERNORM, "f32", group_shrink_max_bytes=0)
     (g,) = [g for g in groups(prog) if g.blocks]
     assert g.outer == ("rows",) and len(g.regs) == 4
+
+
+# a layernorm over the last of three edges: its parameter gradients sum over two rows loops
+LAYERNORM_3D = """
+dim batch, t, c
+input x[batch, t, c]
+input dy[batch, t, c]
+param w[c], b[c]
+y = layernorm[c](x, w, b)
+loss = sum(y * dy)
+out dx = grad(loss, x)
+out dw = grad(loss, w)
+out db = grad(loss, b)
+"""
+
+
+def test_golden_a_layernorm_backward_over_two_rows_loops_is_one_pass_over_its_rows():
+    """dw and db sum over (batch, t), both outer loops: they add into their block's
+    partial row at every (batch, t), so the group keeps both loops, its row statistics
+    are registers, and each row of x and dy is read from memory once (with only
+    `batch` outer, every member ran its own pass over a batch's [t, c] slab: nine
+    buffers of a nanoGPT-char step's layer, 3.5 MB, left the L2 between members).
+    That is when a batch's slab holds more than `group_shrink_max_bytes`: 0 here."""
+    prog = build(LAYERNORM_3D.replace("dim batch, t, c", "dim batch, t = 8, c = 16"), "f32", group_shrink_max_bytes=0)
+    (g,) = [g for g in groups(prog) if g.blocks]
+    lines = [line.strip() for line in g.text().splitlines()]
+    assert lines[0] == "group for batch < batch, t < 8 in 32 blocks  reg %t7[batch, t], %t9[batch, t], " \
+        "%t10[batch, t], %t11[batch, t]"
+    assert [line.split(" = ")[0] for line in lines[1::2]] == \
+        ["loop %t7[batch, t]", "loop %t9[batch, t]", "loop %t10[batch, t]", "loop %t11[batch, t]",
+         "loop %dx[batch, c, t]", "loop %p7[#block, c]", "loop %p8[#block, c]"]
+    assert lines[-2:] == ["loop %p8[#block, c] = sum[batch, t] %dy[batch, c, t]",
+                          "for batch < batch, t < 8, c < 16    # partial sums"]
+    assert [m.red for m in g.members if m.note == "partial sums"] == [("batch", "t"), ("batch", "t")]
+    assert not [b for b in prog.lowered.buffers.values() if b.kind == "temp" and "#block" in b.edges
+                and "t" in b.edges]   # no scratch row per block of the row statistics
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_partial_sums_over_two_rows_loops_match_the_interpreter(threads, dtype):
+    for batch, t, c in ((1, 1, 3), (2, 5, 24), (3, 33, 7), (40, 3, 9)):
+        source = LAYERNORM_3D.replace("dim batch, t, c", f"dim batch = {batch}, t = {t}, c = {c}")
+        prog = build(source, dtype, threads=threads, parallel_min_work=1, group_shrink_max_bytes=0)
+        (g,) = [g for g in groups(prog) if g.blocks]
+        assert g.outer[:2] == ("batch", "t")
+        m = prog.module
+        x = random_inputs(m, m.bind_dims({}), batch, dtype)
+        want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
+        got = prog(**{k: np.copy(v) for k, v in x.items()})
+        rtol, atol = TOL[dtype]
+        for name, w in want.items():
+            scale = max(1.0, float(np.max(np.abs(w))))
+            np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol * scale, err_msg=f"{name} {batch, t, c}")
+
+
+def test_partial_sums_over_two_rows_loops_do_not_depend_on_the_thread_count():
+    source = LAYERNORM_3D.replace("dim batch, t, c", "dim batch = 7, t = 45, c = 40")
+    m = build(source, "f32").module
+    x = random_inputs(m, m.bind_dims({}), 2, "f32")
+    one = build(source, "f32", threads=1, group_shrink_max_bytes=0)
+    two = build(source, "f32", threads=2, parallel_min_work=1, group_shrink_max_bytes=0)
+    assert [g.outer for g in groups(one) if g.blocks] == [("batch", "t")]
+    one, two = (p(**{k: np.copy(v) for k, v in x.items()}) for p in (one, two))
+    for name in one:
+        assert np.array_equal(one[name], two[name]), name
+
+
+@pytest.mark.parametrize("sizes, outer", [("batch = 64, t = 11, c = 48", ("batch",)),
+                                          ("batch = 4, t = 256, c = 768", ("batch", "t")),
+                                          ("batch, t = 256, c = 768", ("batch", "t")),
+                                          ("batch = 4, t, c = 768", ("batch",))])
+def test_partial_sums_keep_two_rows_loops_only_where_a_slab_leaves_the_cache(sizes, outer):
+    """Over a short slab per batch (a GPT of width 48: 19 kB) the members' own inner
+    loops over (t, c) are long and the slab stays in cache: the group keeps `batch`
+    alone. Over one of more than `group_shrink_max_bytes` (4 x 256 x 768: 3.1 MB of x,
+    dy, dx) it keeps (batch, t), whatever the batch. A symbolic size inside the slab keeps
+    `batch` alone."""
+    prog = build(LAYERNORM_3D.replace("dim batch, t, c", "dim " + sizes), "f32")
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == outer
+
+
+def test_a_full_sum_keeps_only_its_first_loop_outer():
+    """A sum with no kept loop (a gradient's sum of squares for clipping) sums over the
+    first outer loop only: its other loops stay its own (one vectorized inner loop)."""
+    prog = build("dim layer, a, b\ninput g[layer, a, b]\nout s = sum(g * g)\nout s3 = sum(g * g * g)\n", "f32")
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("layer",)
+
+
+LONE_SUM = "dim batch = 5, t = 7, c = 9\ninput g[batch, t, c]\nout db[c] = sum[batch, t](g * g)\n"
+
+
+def test_a_lone_sum_over_its_leading_loops_splits_into_blocks_when_it_is_large():
+    """Alone, a sum's own loop is never split over threads; as a group of one with a
+    partial row per block of its first loop it is, once it has
+    `cpu.parallel_min_work` iterations (known sizes)."""
+    small = build(LONE_SUM, "f32")
+    assert not groups(small)
+    prog = build(LONE_SUM, "f32", parallel_min_work=1, threads=2)
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("batch", "t") and [(m.note, m.red) for m in g.members] == [("partial sums", ("batch", "t"))]
+    assert not groups(build(LONE_SUM.replace("dim batch = 5", "dim batch"), "f32", parallel_min_work=1))   # symbolic
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({}), 4, "f32")
+    want = evaluate(m, dict(x), dtype="f64")["db"]
+    for p in (prog, build(LONE_SUM, "f32", parallel_min_work=1, threads=1), small):
+        np.testing.assert_allclose(p(**x)["db"], want, rtol=1e-6)
+    assert np.array_equal(prog(**x)["db"], build(LONE_SUM, "f32", parallel_min_work=1, threads=1)(**x)["db"])
+
+
+def test_members_with_no_loops_of_their_own_keep_the_first_loop_alone():
+    """A bias sum over (batch, t) beside an elementwise product over (batch, t, ff):
+    with both rows loops outer every member's loops would all be outer; each streams
+    its buffers once either way, so the group keeps `batch` alone (as before)."""
+    prog = build("dim batch = 4, t = 256, ff = 1536\ninput g[batch, t, ff], a[batch, t, ff], b[batch, t, ff]\n"
+                 "out db[ff] = sum[batch, t](g)\nout y[batch, t, ff] = a * b\n", "f32")
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("batch",)

@@ -20,10 +20,24 @@ A kernel joins the group before it when:
   a layer's matrix share all their loops, one pass over the slice; a layernorm
   backward's partial sums still shorten its rows group).
 A member may also sum over the first outer variable (a parameter gradient
-`dw[d] = sum[rows] ...`): it then adds into a partial buffer with one row per block
-of outer indices (`options.cpu.group_blocks` blocks, threads take whole blocks), zeroed
-before the group and added up after it, in block order (the CPU adds an f32 sum's rows of
-a long block in f64, rounded once into the block's row: `loops.LoopGen.wide_partials`).
+`dw[d] = sum[rows] ...`), or over a leading run of them when it keeps a loop after
+them (`db[c] = sum[batch, t] ...` inside a layernorm's rows `(batch, t)`): it then adds
+into a partial buffer with one row per block of the first outer loop
+(`options.cpu.group_blocks` blocks, threads take whole blocks) at every outer index,
+zeroed before the group and added up after it, in block order (the CPU adds an f32
+sum's rows of a long block in f64, rounded once into the block's row:
+`loops.LoopGen.wide_partials`). The outer loops go past the first one summed over
+only where the members' buffers at one index of the first hold more than
+`options.cpu.group_shrink_max_bytes` (known sizes): over a short slab (a GPT of width
+48, 19 kB a batch) the members' own long inner loops are faster, and the slab stays in
+cache between them; and where every member's loops would all be outer (a bias sum
+beside an elementwise product: each member streams once either way) the group keeps
+the first loop alone too. Each element of such a sum takes its terms in the
+order a member with only the first loop outer took them (the block's rows, then the
+other summed loops), so its value does not change; the members beside it then share
+all the rows loops, and the row statistics they read become registers instead of
+scratch rows, which may move a statistic by an ulp (a vector sum's lanes are added
+in another order).
 
 Inside a finished group, a softmax's `logsumexp` read as `exp(B - lse)` becomes max,
 `exp(B - max)` stored once, its sum, and a scaling (`exp_once`: one exp per element,
@@ -35,6 +49,12 @@ max + log(sum). Then a temporary that only later members read becomes:
 - otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
+A sum alone over its leading loops that keeps a loop after them (a bias gradient
+between two GEMMs) becomes such a group of one when it has at least
+`options.cpu.parallel_min_work` iterations (`_Grouper.lone_partial`): alone, a sum's
+own loop is never split over threads. Its elements take their terms in the blocks'
+order, then added up by block: not the order of the serial loop (an f32 sum may move
+by its rounding), the same on any number of threads.
 A group never has more block rows than outer indices for its blocks to divide
 (`#block = min(32, batch)`), so neither a scratch row nor a partial sum is ever
 larger than its block's share of the tensor.
@@ -189,14 +209,26 @@ def _loads(k: LoopKernel):
 
 def _outer_of(k: LoopKernel, partial_ok: bool) -> list[str]:
     """The loops of `k` that can be outer loops of a group, outermost first: kept
-    ones, or (only the very first, for a sum) reduced ones."""
+    ones, or, for a sum, the reduced loops it starts with: the first always, the
+    ones after it while a kept loop follows them (a bias gradient
+    `db[c] = sum[batch, t] dy` runs inside its layernorm's rows `(batch, t)`; a full
+    sum `sum[layer, c, ff]` keeps only its first loop outer)."""
     out = []
     for i, v in enumerate(k.loops):
         if v in k.red:
-            if not (i == 0 and partial_ok and k.reduce == "sum") or v in k.bounds:
+            leading = partial_ok and k.reduce == "sum" and all(u in k.red for u in k.loops[:i])
+            if not leading or v in k.bounds or (i > 0 and all(u in k.red for u in k.loops[i:])):
                 break
         out.append(v)
     return out
+
+
+def _sums_lead(k: LoopKernel, prefix) -> bool:
+    """Whether the outer loops `k` sums over are a leading run of `prefix` (none, or
+    the first ones): it then adds into its block's row of a partial buffer at every
+    index of the others (`_Grouper.partial`)."""
+    summed = [v in k.red for v in prefix]
+    return summed == sorted(summed, reverse=True)
 
 
 class _Grouper(Grouper):
@@ -237,9 +269,14 @@ class _Grouper(Grouper):
         n = len(prefix)
         if n < len(k.loops) and k.loops[n] in k.red:
             return False
+        touched = self.bytes_per_outer([self.low.kernels[i] for i in members], prefix)
+        return touched is not None and touched > self.opt.cpu.group_shrink_max_bytes
+
+    def bytes_per_outer(self, ks: list[LoopKernel], prefix) -> int | None:
+        """The bytes of the buffers `ks` touch at one index of the outer loops
+        `prefix` (at most; None for a symbolic size)."""
         touched: dict[str, int] = {}      # each buffer's bytes at one outer index (at most)
-        for i in members:
-            m = self.low.kernels[i]
+        for m in ks:
             for name, index in [(m.out, m.index)] + [(ld.buf, ld.index) for ld in _loads(m)]:
                 # the buffer's bytes over its axes that no outer loop indexes (an
                 # axis the loop reads only in part, a stream run's window of the keys,
@@ -249,10 +286,10 @@ class _Grouper(Grouper):
                     if not any(ix == Ix.var(v) for v in prefix):
                         n = self.low.size(edge)
                         if not isinstance(n, int):
-                            return False
+                            return None
                         size *= n
                 touched[name] = size
-        return sum(touched.values()) > self.opt.cpu.group_shrink_max_bytes
+        return sum(touched.values())
 
     def prefix(self, members: list[int]) -> tuple[str, ...]:
         """The outer loops `members` share, or () when they cannot form a group."""
@@ -265,11 +302,21 @@ class _Grouper(Grouper):
                     and ks[0].sizes[prefix[n]] == k.sizes[mine[n]]:
                 n += 1
             prefix = prefix[:n]
-        # only the first outer loop may be summed over (a partial), and then by a sum
-        while prefix and any(v in k.red for k in ks for v in prefix[1:]):
+        # a member sums over a leading run of the outer loops (a partial, by a sum), or none
+        while prefix and not all(_sums_lead(k, prefix) for k in ks):
             prefix = prefix[:-1]
         if not prefix:
             return ()
+        # summing over more than the first outer loop pays where the members' buffers
+        # at one index of the first would not stay in cache between members
+        short = 1
+        while short < len(prefix) and not any(prefix[short] in k.red for k in ks):
+            short += 1
+        if short < len(prefix):
+            touched = self.bytes_per_outer(ks, prefix[:short])
+            if touched is None or touched <= self.opt.cpu.group_shrink_max_bytes or \
+                    all(len(k.loops) <= len(prefix) for k in ks):   # (no member with loops of its own: as before)
+                prefix = prefix[:short]
         written: dict[str, LoopKernel] = {}
         for k in ks:
             for ld in _loads(k):
@@ -279,6 +326,23 @@ class _Grouper(Grouper):
                     return ()
             written[k.out] = k
         return tuple(prefix)
+
+    def lone_partial(self, k: LoopKernel) -> tuple[str, ...]:
+        """The outer loops of a group of one for a kernel alone: a sum over its
+        leading loops that keeps a loop after them (a bias gradient `db[c] = sum[batch,
+        t] g`) with at least `cpu.parallel_min_work` iterations (known sizes) adds into
+        a partial row per block of its first loop, so threads share it (a sum's own
+        loop is never split: alone it runs on one thread). Else (): the kernel as it is."""
+        if k.reduce != "sum" or not k.loops or k.loops[0] not in k.red or all(v in k.red for v in k.loops):
+            return ()
+        n = 1
+        for v in k.loops:
+            if not isinstance(k.sizes[v], int):
+                return ()
+            n *= k.sizes[v]
+        if n < self.opt.cpu.parallel_min_work:
+            return ()
+        return tuple(v for v in _outer_of(k, True) if v in k.red)
 
     @staticmethod
     def partial(k: LoopKernel, outer) -> bool:
@@ -290,10 +354,10 @@ class _Grouper(Grouper):
         if not members:
             return
         ks = [self.low.kernels[i] for i in members]
-        if len(ks) == 1:
+        outer = self.outer(members) if len(ks) > 1 else self.lone_partial(ks[0])
+        if not outer:
             self.out.kernels.append(ks[0])
             return
-        outer = self.outer(members)
         outside = set(range(len(self.low.kernels))) - set(members)
         bufs = self.out.buffers
         for k in list(ks):
