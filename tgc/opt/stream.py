@@ -462,7 +462,10 @@ class _Streamer:
                     if out is None:
                         n = self.sizes[edge]
                         fits = self.cache_block(_numel(seed, self.est) // n, n)
-                        self.block = fits or self.key_rows(n) or self.block
+                        # a block that must be halved to fit (or does not fit) runs, where the
+                        # steps go over key blocks, as stream_key_rows rows by key blocks instead
+                        rows = self.key_rows(n) if fits != self.block else None
+                        self.block = rows or fits or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
@@ -512,8 +515,11 @@ class _Streamer:
         named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
         short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
                         and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None:
-            return None   # the steps would not fit even one index of every short edge at a time
+        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None and self.key_rows(n) is None:
+            # the steps would not fit even one index of every short edge at a time (where they
+            # run over key blocks, tgc.opt.stream_keys, the loops still let them read the keys
+            # and write dk, dv in place: their blocks of one sequence's head are contiguous)
+            return None
         for h in short:
             rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
             if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
