@@ -19,12 +19,20 @@ at them:
 - each stacked operand a buffer with the loop edge outermost (step i reads the
   slice at offset i); an argument of the program stored that way, or another
   loop's result (stored so: the carries a forward loop keeps for the backward one),
-  is bound as it is, any other operand is copied in first;
+  is bound as it is; so is an argument x split into blocks of an edge E
+  (`x[E = Ec + B*i]`: a stream's rows of q, a key loop's blocks of k, v and of the
+  dk, dv carries) or read one index of E a step (a stream's loop over the heads),
+  when every edge before E in x's order has size 1: step i's block is then the slice
+  at offset i times its size (`Bind.split`), read in x's order; any other operand is
+  copied in first;
 - each loop-invariant operand: an argument of the program or another loop's result
   as it is, else a copy (a window of a stored tensor, a masked stream's keys, in
   that tensor's order, so that the copy runs along both);
 - each stacked result a buffer with the loop edge outermost, step i writing its
-  slice.
+  slice, the rest in the order of the program's outputs over its edges with a block
+  edge Ec named E (or with the edge a loop runs one index a step added), where there
+  is one: the join of a key loop's dk blocks, or a head loop's results, back into
+  the outputs then copies along both buffers (`block_order`).
 
 The copies cost one pass over an operand per call (the stacked params: once
 per step's slice), against the steps' work on the same values.
@@ -217,7 +225,11 @@ class StepLowering:
         if not ren:
             return self.order(edges)
         back = {e: ec for ec, e in ren.items()}
-        return tuple(back.get(e, e) for e in self.carry_order([ren.get(e, e) for e in edges]))
+        named = [ren.get(e, e) for e in edges]
+        order = self.carry_order(named)
+        if order == self.order(named):   # no output over them: as any stacked result
+            return self.order(edges)
+        return tuple(back.get(e, e) for e in order)
 
     def carry_order(self, edges) -> tuple[str, ...]:
         """A carry's order: that of the program's outputs over exactly its edges when they

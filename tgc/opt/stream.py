@@ -68,7 +68,10 @@ block of `E` at a time:
 
 - where the steps' matrices are over the budget even so and `options.stream_key_block`
   is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
-  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys.
+  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys;
+  the loops over the short edges come first even where one index of them does not fit
+  the budget: a step of one sequence's head reads its blocks of the keys and writes
+  dk, dv in place (tgc.lower.steps, `Bind.split`).
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -462,11 +465,13 @@ class _Streamer:
                     if out is None:
                         n = self.sizes[edge]
                         fits = self.cache_block(_numel(seed, self.est) // n, n)
-                        # a block that must be halved to fit (or does not fit) runs, where the
-                        # steps go over key blocks, as stream_key_rows rows by key blocks instead
-                        rows = self.key_rows(n) if fits != self.block else None
-                        self.block = rows or fits or self.block
+                        rows = None if fits else self.key_rows(n)
+                        block, self.block = self.block, fits or rows or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
+                        if out is not None and rows and not _keys_apply(out, self.options):
+                            # a step the key loops do not take keeps the block it had
+                            self.block = block
+                            out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
             skip.add(id(seed))
@@ -872,6 +877,24 @@ def stream(module: Module, options: Options) -> Module:
         if out is None:
             return m
         m = out
+
+
+def _keys_apply(module: Module, options: Options) -> bool:
+    """Whether every loop step of `module` whose scores exceed the step budget runs over
+    key blocks (tgc.opt.stream_keys takes it): a stream of `stream_key_rows` rows is
+    built for that; one whose steps the key loops reject would hold their larger
+    matrices whole."""
+    from tgc.opt.rewrite import map_bodies
+    from tgc.opt.stream_keys import key_candidates, stream_keys
+
+    failed: list[bool] = []
+
+    def fn(body: Module) -> Module:
+        if key_candidates(body, options) and stream_keys(body, options) is body:
+            failed.append(True)
+        return body
+    map_bodies(module, fn)
+    return not failed
 
 
 @dataclass(frozen=True)
