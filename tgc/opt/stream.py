@@ -881,17 +881,23 @@ def stream(module: Module, options: Options) -> Module:
 
 def _keys_apply(module: Module, options: Options) -> bool:
     """Whether every loop step of `module` whose scores exceed the step budget runs over
-    key blocks (tgc.opt.stream_keys takes it): a stream of `stream_key_rows` rows is
-    built for that; one whose steps the key loops reject would hold their larger
-    matrices whole."""
+    key blocks (tgc.opt.stream_keys takes it, and leaves no value over the budget outside
+    its loops): a stream of `stream_key_rows` rows is built for that; one whose steps the
+    key loops reject would hold their larger matrices whole."""
     from tgc.opt.rewrite import map_bodies
-    from tgc.opt.stream_keys import key_candidates, stream_keys
+    from tgc.opt.stream_keys import _numel as numel, key_candidates, stream_keys
 
     failed: list[bool] = []
 
     def fn(body: Module) -> Module:
-        if key_candidates(body, options) and stream_keys(body, options) is body:
-            failed.append(True)
+        if key_candidates(body, options):
+            new = stream_keys(body, options)
+            sizes = {e: new.size(e) for e in new.edges}
+            # taken, and no value of the step outside its loops still over the budget (the
+            # attention layer's scores over its input edge, which the key loops leave whole)
+            if new is body or any(v.op not in ("loop", "indicator", "const")
+                                  and numel(v, sizes) > options.stream_step_elements for v in new.values()):
+                failed.append(True)
         return body
     map_bodies(module, fn)
     return not failed
