@@ -145,7 +145,7 @@ def test_every_tuned_field_is_checked():
     # as have the stream pass's budget (tests/opt/test_stream.py) and its key blocks
     # (tests/opt/test_stream_keys.py)
     assert named - {"specialize_at_bytes", "specialize_first_work", "stream_step_elements",
-                    "stream_key_block", "stream_key_rows"} == \
+                    "stream_key_block", "stream_key_rows", "stream_key_scores"} == \
         {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
 

@@ -92,7 +92,8 @@ def test_golden_carries_added_into_in_place():
     assert "k10: gemm %r1 += %p3[hd, t.1] @ %t14[s, t.1]  batch() m(hd) n(s) k(t.1)" in lines
     assert not any("add[1.0, 1.0](%p0" in x or "add[1.0, 1.0](%p1" in x for x in lines)
     head = loop.text().splitlines()[0]
-    assert "outs(%c4, %c5, %y10[i], %y11[i])" in head
+    # the row blocks of q and dy are read in place (Bind.split: t outermost), no copy in
+    assert "args(%c4, %c5, %q[t], %dy[t], %v, %k) outs(%c4, %c5, %y8[i], %y9[i])" in head
 
 
 def test_golden_causal_blocks_add_into_the_leading_keys():

@@ -196,3 +196,44 @@ def test_cuda_sim_matches_torch(dtype, tol):
     want = torch_oracle.evaluate(compile_source(ATTENTION, "<keys>", Options(dtype="f64")), inputs(ATTENTION))
     got = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(ATTENTION, dtype))
     close(got, want, tol)
+
+
+def split_binds(low) -> list:
+    """The `Bind.split` arguments of every loop of a lowered program, nested ones too."""
+    from tgc.lower.lowered import StepLoop
+
+    out, stack = [], [low]
+    while stack:
+        lw = stack.pop()
+        for k in lw.kernels:
+            if isinstance(k, StepLoop):
+                out += [b for b in k.args if b.split]
+                stack.append(k.step)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["lowered", "cpu"])
+def test_blocks_read_in_place_match_unstreamed(backend):
+    """With key blocks under rows of 8 (stream_key_rows), the stream loops over the heads
+    first, so each step's keys, values and dk, dv carries are one head's: the key loops
+    read their blocks in place (Bind.split: no copy) and the heads loop reads q, k, v, dy
+    at one head a step; y and every gradient equal the program without the pass (f64) on
+    the lowered interpreter and the CPU."""
+    import tgc
+    from tgc import pipeline
+    from tgc.pipeline import lower_module
+
+    opts = Options(dtype="f64", **dict(KEYS, stream_key_rows=8))
+    module = optimized(ATTENTION, "f64", **dict(KEYS, stream_key_rows=8))
+    assert key_loops(module) >= 1
+    low = lower_module(pipeline.lower(compile_source(ATTENTION, "<keys>", opts), opts).module, opts)
+    splits = {b.split for b in split_binds(low)}
+    assert "head" in splits and any(s.split(".")[0] == "s" for s in splits), splits
+    # the lowered text writes such a block '%k[s]' and reads it back (and verified)
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import parse_lowered
+    text = print_lowered(low)
+    assert print_lowered(parse_lowered(text)) == text and "[head]" in text
+    x = inputs(ATTENTION)
+    want = evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64")
+    close(tgc.compile(ATTENTION, backend, "f64", options=opts)(**x), want, 1e-12)

@@ -155,8 +155,8 @@ class _Machine(ExprVisitor):
         step = k.step
         outs = {b.index: b.name for b in step.buffers.values() if b.kind == "out"}
         for i in (range(n - 1, -1, -1) if k.reverse else range(n)):
-            args = {name: self.arrays[b.buf][i, ...] if b.stacked else self.arrays[b.buf]
-                    for name, b in zip(step.module.args, k.args)}
+            args = {name: self.block(b, n, i, step, name) if b.split else self.arrays[b.buf][i, ...] if b.stacked
+                    else self.arrays[b.buf] for name, b in zip(step.module.args, k.args)}
             inner = _Machine(step, self.env, args)
             for c in range(k.carries):   # a carry updated in place: its output is the carry's buffer
                 if k.outs[c].buf == k.args[c].buf:
@@ -168,6 +168,13 @@ class _Machine(ExprVisitor):
             for c in range(k.carries):
                 if k.outs[c].buf != k.args[c].buf:
                     self.arrays[k.args[c].buf][...] = self.arrays[k.outs[c].buf]
+
+    def block(self, b, n: int, i: int, step, name: str) -> np.ndarray:
+        """Step i's block of the buffer's edge `b.split` (`Bind.split`: the edges before it
+        of size 1): its slice i of n, in the step's argument's shape."""
+        sb = step.buffers[name]
+        shape = tuple(self.eval_size(step.size(e)) for e in (sb.order or sb.edges))
+        return self.arrays[b.buf].reshape(n, -1)[i].reshape(shape)
 
     def _in_order(self, name: str, order) -> np.ndarray:
         a, have = self.arrays[name], self.order[name]

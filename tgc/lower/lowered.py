@@ -784,12 +784,18 @@ def epilogue_loops(low: "Lowered", g: GemmKernel, product: str | None = None) ->
 @dataclass(frozen=True)
 class Bind:
     """What a step's argument or output is in the enclosing program: buffer `buf`, or,
-    `stacked`, its slice at the step's index along the loop edge (its outermost axis)."""
+    `stacked`, its slice at the step's index along the loop edge (its outermost axis).
+    With `split` (an edge E of `buf`), the buffer is not stored over the loop edge: every
+    edge before E in its order has size 1 and the step reads E's block at the step's
+    index (`E = Ec + B*i`, the step's argument over Ec, B its size): the same bytes as a
+    stacked slice, at offset i times the slice's size (tgc.lower.steps: a key block of a
+    stored `[s, hd]` read in place, no copy)."""
     buf: str
     stacked: bool = False
+    split: str = ""
 
     def __str__(self) -> str:
-        return f"%{self.buf}" + ("[i]" if self.stacked else "")
+        return f"%{self.buf}" + (f"[{self.split}]" if self.split else "[i]" if self.stacked else "")
 
 
 @dataclass
@@ -816,7 +822,7 @@ class StepLoop:
 
     def renamed(self, mapping: Mapping[str, str]) -> "StepLoop":
         def bind(b: Bind) -> Bind:
-            return Bind(mapping.get(b.buf, b.buf), b.stacked)
+            return Bind(mapping.get(b.buf, b.buf), b.stacked, b.split)
         return replace(self, args=tuple(map(bind, self.args)), outs=tuple(map(bind, self.outs)))
 
     def can_retarget(self, low: "Lowered", target: str, tmp: str) -> bool:

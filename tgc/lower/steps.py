@@ -19,12 +19,20 @@ at them:
 - each stacked operand a buffer with the loop edge outermost (step i reads the
   slice at offset i); an argument of the program stored that way, or another
   loop's result (stored so: the carries a forward loop keeps for the backward one),
-  is bound as it is, any other operand is copied in first;
+  is bound as it is; so is an argument x split into blocks of an edge E
+  (`x[E = Ec + B*i]`: a stream's rows of q, a key loop's blocks of k, v and of the
+  dk, dv carries) or read one index of E a step (a stream's loop over the heads),
+  when every edge before E in x's order has size 1: step i's block is then the slice
+  at offset i times its size (`Bind.split`), read in x's order; any other operand is
+  copied in first;
 - each loop-invariant operand: an argument of the program or another loop's result
   as it is, else a copy (a window of a stored tensor, a masked stream's keys, in
   that tensor's order, so that the copy runs along both);
 - each stacked result a buffer with the loop edge outermost, step i writing its
-  slice.
+  slice, the rest in the order of the program's outputs over its edges with a block
+  edge Ec named E (or with the edge a loop runs one index a step added), where there
+  is one: the join of a key loop's dk blocks, or a head loop's results, back into
+  the outputs then copies along both buffers (`block_order`).
 
 The copies cost one pass over an operand per call (the stacked params: once
 per step's slice), against the steps' work on the same values.
@@ -107,6 +115,11 @@ class StepLowering:
             dtype = self.f.dtype_of(p)
             inner = self.carry_order(p.edges) if role == "carry" else self.order(p.edges)
             order = ((edge,) + inner) if role == "slice" else inner
+            view = self.split_view(o, p, edge) if role == "slice" else None
+            if view is not None:   # a block of a stored argument, read in place
+                args.append(Bind(view[0], True, view[2]))
+                arg_orders.append(view[1])
+                continue
             if o.op == "arg" and role != "carry":
                 have = self.f.m.args[o.attrs[0]].order
                 if role == "invariant" or (have and have[0] == edge):
@@ -130,9 +143,18 @@ class StepLowering:
             arg_orders.append(inner)
         outs: list[Bind] = []
         results: list[str] = []
+        # the blocks E = Ec + B*edge the loop splits its operands into: a stacked result over
+        # Ec is laid out as the program's outputs over E (a key loop's blocks of dk, dv,
+        # joined back over the keys and added to the step's carries in their order)
+        blocks = {sp[1]: sp[0] for k, o in enumerate(ops) if body.role(k) == "slice"
+                  for sp in [split_edge(o, edge)] if sp is not None}
+        # ... and one over the edge E a loop runs one index a step (its operands renamed E to
+        # the loop edge: the heads of a stream's loops) as those outputs with E outermost
+        blocks.update({"": o.attrs[0][0][0] for k, o in enumerate(ops) if body.role(k) == "slice"
+                       and o.op == "rename" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge})
         for j, r in enumerate(body.results):
             dtype = self.f.dtype_of(r)
-            inner = self.carry_order(r.edges) if j < body.carries else self.order(r.edges)
+            inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks)
             if j < body.carries:
                 outs.append(Bind(self.temp("n", dtype, inner)))
                 results.append(args[j].buf)
@@ -140,11 +162,74 @@ class StepLowering:
                 buf = self.temp("y", dtype, (edge,) + inner)
                 outs.append(Bind(buf, True))
                 results.append(buf)
-        step = self.step_module(body, arg_orders, [self.carry_order(r.edges) if j < body.carries else self.order(r.edges)
+        step = self.step_module(body, arg_orders, [self.carry_order(r.edges) if j < body.carries
+                                                   else self.block_order(r.edges, blocks)
                                                    for j, r in enumerate(body.results)])
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
                 "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
                 "note": _note(v, body)}
+
+    def split_view(self, o: Value, p: Value, edge: str) -> tuple[str, tuple[str, ...], str] | None:
+        """(argument, the step's order, E) when the stacked operand `o` is an argument x of
+        the program split as `x[E = Ec + B*edge]` (B = |Ec|, exactly |E| = B |edge|) and x
+        is stored with every edge before E of size 1: step i's block of E is then the
+        slice at offset i times its size, read in place (`Bind.split`) instead of a
+        copy of x stacked over the loop edge (a key block of a step's `[s, hd]` keys,
+        tgc.opt.stream_keys). The step reads it in x's order, E renamed Ec."""
+        if o.op == "rename" and o.operands[0].op == "arg" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge:
+            return self.rename_view(o, p)
+        sp = split_edge(o, edge)
+        x = o.operands[0] if sp is not None else None
+        if x is None or x.op != "arg" or self.f.dtype_of(p) != x.dtype:
+            return None
+        E, Ec = sp
+        have = self.f.m.args[x.attrs[0]].order
+        rel = o.operands[1].attrs[0]
+        b, n, whole = (edge_size(self.f.m, e) for e in (Ec, edge, E))
+        if not have or E not in have or E not in x.edges or Ec in x.edges or edge in x.edges \
+                or not all(isinstance(z, int) for z in (b, n, whole)) or b * n != whole:
+            return None
+        lhs, rhs = rel.exprs
+        if lhs.const != 0 or tuple(lhs.terms) != ((E, 1),) or rhs.const != 0 \
+                or dict(rhs.terms) != {Ec: 1, edge: b}:
+            return None
+        if any(edge_size(self.f.m, e) != 1 for e in have[:have.index(E)]):
+            return None
+        order = tuple(Ec if e == E else e for e in have)
+        if sorted(o.edges) != sorted(order + (edge,)) or tuple(sorted(order)) != tuple(sorted(p.edges)):
+            return None
+        return x.attrs[0], order, E
+
+    def rename_view(self, o: Value, p: Value) -> tuple[str, tuple[str, ...], str] | None:
+        """The same for an argument x renamed so that the loop runs over its edge E, one
+        index a step (tgc.opt.stream's loops over the batch and heads): step i reads x at
+        E = i, in x's order without E, when every edge before E has size 1."""
+        x = o.operands[0]
+        E = o.attrs[0][0][0]
+        have = self.f.m.args[x.attrs[0]].order
+        if not have or E not in have or self.f.dtype_of(p) != x.dtype \
+                or any(edge_size(self.f.m, e) != 1 for e in have[:have.index(E)]):
+            return None
+        order = tuple(e for e in have if e != E)
+        return (x.attrs[0], order, E) if tuple(sorted(order)) == tuple(sorted(p.edges)) else None
+
+    def block_order(self, edges, blocks: dict[str, str]) -> tuple[str, ...]:
+        """A stacked result's order: where it has a block edge Ec of E (`blocks`) and not E,
+        that of the program's outputs over its edges with Ec named E (`carry_order`), Ec in
+        E's place; else the declaration order."""
+        if "" in blocks and blocks[""] not in edges:
+            e = blocks[""]
+            order = self.carry_order(list(edges) + [e])
+            return tuple(x for x in order if x != e)
+        ren = {ec: e for ec, e in blocks.items() if ec in edges and e not in edges}
+        if not ren:
+            return self.order(edges)
+        back = {e: ec for ec, e in ren.items()}
+        named = [ren.get(e, e) for e in edges]
+        order = self.carry_order(named)
+        if order == self.order(named):   # no output over them: as any stacked result
+            return self.order(edges)
+        return tuple(back.get(e, e) for e in order)
 
     def carry_order(self, edges) -> tuple[str, ...]:
         """A carry's order: that of the program's outputs over exactly its edges when they

@@ -298,9 +298,9 @@ class _Builder:
         out = []
         for b in t.children:
             buf, *at = b.children
-            if at and str(at[0]) != "i":
-                raise self.error(f"a stacked buffer is read at the step's index, written '[i]', not '[{at[0]}]'", at[0])
-            out.append(Bind(self.buffer_name(buf), bool(at)))
+            # '[i]': the slice at the step's index; '[E]': the block of the buffer's edge E there
+            split = str(at[0]) if at and str(at[0]) != "i" else ""
+            out.append(Bind(self.buffer_name(buf), bool(at), split))
         return tuple(out)
 
     def loop(self, t: Tree) -> LoopKernel:

@@ -234,6 +234,8 @@ class _Verifier(ExprVisitor):
                     raise self.fail(f"the loop's {what} {j} is bound to unknown buffer '%{b.buf}'")
                 buf = low.buffers[b.buf]
                 want = ((k.edge,) if b.stacked else ()) + tuple(order)
+                if b.split:
+                    want = self.split_order(k, b, buf, tuple(order), what, j)
                 if buf.edges != tuple(sorted(want)):
                     raise self.fail(f"the loop's {what} {j} is bound to '%{b.buf}' [{', '.join(buf.edges)}], "
                                     f"not [{', '.join(sorted(want))}]")
@@ -251,6 +253,34 @@ class _Verifier(ExprVisitor):
                     raise self.fail(f"the loop's carry {j} is bound to a stacked slice")
         if low.stage == "plan" and k.slot_base + len(step.slots) > len(low.slots):
             raise self.fail(f"the loop's step slots from {k.slot_base} lie outside the workspace")
+
+    def split_order(self, k: StepLoop, b, buf, order: tuple[str, ...], what: str, j: int) -> tuple[str, ...]:
+        """The order of a buffer whose edge `b.split` a loop's step reads a block of
+        (`Bind.split`): the step's order with its block edge (the one edge the buffer
+        lacks) named `b.split`, every edge before it of size 1, the edge's size the
+        block's times the trip."""
+        own = [e for e in order if e not in buf.edges]
+        if not b.stacked or what != "argument" or len(own) > 1 or b.split not in buf.edges or b.split in order \
+                or (not own and buf.order is not None and b.split not in buf.order):
+            raise self.fail(f"the loop's {what} {j} reads a block of '{b.split}' of '%{b.buf}' "
+                            f"[{', '.join(buf.edges)}] as [{', '.join(order)}]")
+        low = self.low
+        if own:   # a block of E over the step's own edge
+            want = tuple(b.split if e == own[0] else e for e in order)
+            block = low.size(own[0])
+        else:     # one index of E a step: the step's order is the buffer's without E
+            want = tuple(buf.order) if buf.order is not None else tuple(sorted(order + (b.split,)))
+            if tuple(e for e in want if e != b.split) != order:
+                raise self.fail(f"the loop's {what} {j} reads '%{b.buf}' at one index of '{b.split}' "
+                                f"in another order than the buffer's")
+            block = 1
+        whole = low.size(b.split)
+        if buf.order is not None and (any(not self.same_size(low.size(e), 1) for e in want[:want.index(b.split)])
+                                      or not isinstance(whole, int) or not isinstance(block, int)
+                                      or not isinstance(k.trip, int) or whole != block * k.trip):
+            raise self.fail(f"the loop's {what} {j} reads blocks of '{b.split}' of '%{b.buf}' that are "
+                            f"not its slices at the step's index")
+        return want
 
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]

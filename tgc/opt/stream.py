@@ -68,7 +68,10 @@ block of `E` at a time:
 
 - where the steps' matrices are over the budget even so and `options.stream_key_block`
   is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
-  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys.
+  steps then run over blocks of the keys (tgc.opt.stream_keys), tiles of rows by keys;
+  the loops over the short edges come first even where one index of them does not fit
+  the budget: a step of one sequence's head reads its blocks of the keys and writes
+  dk, dv in place (tgc.lower.steps, `Bind.split`).
 
 The edge `E` is chosen among the seed's: one whose region leaves no large value
 outside as a stacked result (the key edge of attention does: the weights need the
@@ -462,8 +465,13 @@ class _Streamer:
                     if out is None:
                         n = self.sizes[edge]
                         fits = self.cache_block(_numel(seed, self.est) // n, n)
-                        self.block = fits or self.key_rows(n) or self.block
+                        rows = None if fits else self.key_rows(n)
+                        block, self.block = self.block, fits or rows or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
+                        if out is not None and rows and not _keys_apply(out, self.options):
+                            # a step the key loops do not take keeps the block it had
+                            self.block = block
+                            out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                     if out is not None:
                         return out
             skip.add(id(seed))
@@ -512,8 +520,11 @@ class _Streamer:
         named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
         short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
                         and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None:
-            return None   # the steps would not fit even one index of every short edge at a time
+        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None and self.key_rows(n) is None:
+            # the steps would not fit even one index of every short edge at a time (where they
+            # run over key blocks, tgc.opt.stream_keys, the loops still let them read the keys
+            # and write dk, dv in place: their blocks of one sequence's head are contiguous)
+            return None
         for h in short:
             rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
             if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
@@ -866,6 +877,30 @@ def stream(module: Module, options: Options) -> Module:
         if out is None:
             return m
         m = out
+
+
+def _keys_apply(module: Module, options: Options) -> bool:
+    """Whether every loop step of `module` whose scores exceed the step budget runs over
+    key blocks (tgc.opt.stream_keys takes it, and leaves no value over the budget outside
+    its loops): a stream of `stream_key_rows` rows is built for that; one whose steps the
+    key loops reject would hold their larger matrices whole."""
+    from tgc.opt.rewrite import map_bodies
+    from tgc.opt.stream_keys import _numel as numel, key_candidates, stream_keys
+
+    failed: list[bool] = []
+
+    def fn(body: Module) -> Module:
+        if key_candidates(body, options):
+            new = stream_keys(body, options)
+            sizes = {e: new.size(e) for e in new.edges}
+            # taken, and no value of the step outside its loops still over the budget (the
+            # attention layer's scores over its input edge, which the key loops leave whole)
+            if new is body or any(v.op not in ("loop", "indicator", "const")
+                                  and numel(v, sizes) > options.stream_step_elements for v in new.values()):
+                failed.append(True)
+        return body
+    map_bodies(module, fn)
+    return not failed
 
 
 @dataclass(frozen=True)

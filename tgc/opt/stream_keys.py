@@ -37,12 +37,21 @@ The second loop (only when something is left) computes the other statistics (sum
 maxima over `s`, carries) and the cluster's values read outside (stacked over the
 blocks, joined back over `s`: the blocks of `dk`, `dv` added to the step's carries),
 the first loop's statistics read as invariants: its weights are `exp(X - m - lse)`
-recomputed per block, as the unstreamed step computes them. A statistic of the
+recomputed per block, as the unstreamed step computes them. With
+`options.stream_key_scores` the first loop also stacks its blocks of `X` (the max's
+operand: the masked, scaled scores), and the second reads each block from there
+instead of computing it again: no second scores product or mask per block, for
+`[.., B, s]` more per step (the scores the unstreamed step holds). Why not the weights
+too: a block's weights need the final `m` and `lse`, known only after the first loop;
+keeping `exp(X - m')` with each block's running max would save the exp but hold a
+second such matrix and rescale it per row, and the scores are what the first loop has. A statistic of the
 second loop read by another of its values would need a third loop: the step is left
 whole. (The derived backward of an unmasked softmax stabilizes it again, `max[s](X -
 m)`: that max is 0, `_shifted_maxima`, and the softmax over `X - m - 0` is one the
 first loop follows.) A key operand (`[s, hd]` keys, values, the step's carries over `s`) is
-read as stacked blocks (`_split`, an exact reindex), the others as loop invariants; a
+read as stacked blocks (`_split`, an exact reindex; the lowering reads a stored
+operand's blocks in place where the edges before `s` have size 1: tgc.lower.steps,
+`Bind.split`), the others as loop invariants; a
 gather of a small table at an index affine in `s` (a stream's mask `G[r = s - t + c]`)
 reads a stacked window of the table per block; a reindex of the keys to another edge
 (a masked run's carry padded back to every key) reads the joined values.
@@ -64,12 +73,14 @@ block and row; each factor <= 1, so nothing overflows); `y = acc * exp(-log l)`
 replaces the sum of `v * exp(X - m - lse)`; the sums over `s` are taken blockwise,
 then across blocks, and `rowsum(P * dP)` as `rowsum(dy * y)` (reassociations, as
 tgc.opt.stream's). The maxima are exact; the second loop's weights are the
-unstreamed step's. With logits up to 1e4, f32, y and every gradient stay within 10x
+unstreamed step's (kept or recomputed, X is the same value: the same product and
+mask). With logits up to 1e4, f32, y and every gradient stay within 10x
 PyTorch f32's error (tests/opt/test_stream_keys.py). Under `--fp-strict` the stream
 pass, and this one with it, is not in the pipeline.
 
 Terminates: one pass over each loop body (innermost first), each tried once per max
-over a key edge; a rewrite makes at most two loops, which are not looked into again.
+over a key edge; a rewrite makes at most two loops (the first built a second time
+with its stacked scores, the first build then unused), which are not looked into again.
 """
 from __future__ import annotations
 
@@ -129,9 +140,11 @@ def _split(x: Value, s: str, sc: str, sb: str, b: int) -> Value:
 
 
 class _Keys:
-    def __init__(self, m: Module, s: str, b: int, mx: Value, order: list[Value]):
+    def __init__(self, m: Module, s: str, b: int, mx: Value, order: list[Value], keep: bool = False):
         self.m, self.s, self.b, self.mx = m, s, b, mx
         self.order = order
+        self.keep = keep                              # the first loop's block scores kept for the second
+        self.kept: dict[int, Value] = {}              # id(cluster value) -> its blocks stacked by the first loop
         self.sizes = {e: m.size(e) for e in m.edges}
         self.owed: dict[int, dict[int, float]] = {}   # id(statistic) -> the terms it owes
 
@@ -184,6 +197,12 @@ class _Keys:
         # of the first loop known
         rest = [v for v in stats if id(v) not in memo]
         if rest or stacked:
+            if self.keep:   # the scores the first loop computed, stacked over its blocks, read by the second
+                self.kept = self.kept_scores(first, memo)
+                for v in stats:   # the reassociated sums, from that loop's statistics
+                    if id(v) in self.derived and id(self.derived[id(v)][0]) in memo:
+                        y, factors = self.derived[id(v)]
+                        memo[id(v)] = V.contract([memo[id(y)]] + factors, v.edges, v.loc)
             self.second(rest, list(stacked.values()), memo)
         for v in order:
             if id(v) not in memo and id(v) not in ids:
@@ -250,7 +269,8 @@ class _Keys:
             stack += [o for o in v.operands if id(o) in self.ids or id(o) in self.sid]
         return [v for v in self.order if id(v) in seen]
 
-    def frame(self, values: list[Value], carries: list[Value], known: dict[int, Value]):
+    def frame(self, values: list[Value], carries: list[Value], known: dict[int, Value],
+              kept: dict[int, Value] | None = None):
         """A loop's parameters and operands for computing `values` (cluster values and
         statistics, in order) with `carries` (statistics) as its carries; `known`: the
         statistics computed before the loop, read as invariants. Returns (params,
@@ -267,9 +287,14 @@ class _Keys:
         gathers: dict[int, tuple[Value, Value]] = {}
         invariants: list[Value] = []
         computed = {id(v) for v in values}
+        kept = kept or {}
+        blocks: list[Value] = []   # values read from `kept` (stacked by an earlier loop)
         for v in values:
             if id(v) in self.sid and not any(v is c for c in carries):
                 continue   # a statistic this loop does not compute
+            if id(v) in kept:
+                blocks.append(v)
+                continue
             if v.op == "contract" and any(o.op == "indicator" and s in o.edges for o in v.operands):
                 gathers[id(v)] = self.gather(v, operands, params)
                 continue
@@ -293,6 +318,10 @@ class _Keys:
             operands.append(_split(o, s, sc, sb, b))
             inner[id(o)] = V.loopvar(len(params), o.dtype, self.edges(o))
             params.append(inner[id(o)])
+        for v in blocks:
+            operands.append(kept[id(v)])
+            inner[id(v)] = V.loopvar(len(params), v.dtype, self.edges(v))
+            params.append(inner[id(v)])
         n_slices = len(params) - len(carries)
         for o in invariants:
             operands.append(known.get(id(o), o))
@@ -347,7 +376,14 @@ class _Keys:
                 reps[id(v)] = None
         if memo is None:
             return done
+        x = self.mx.operands[0]
+        keep = self.keep and memo.get("keep") is not None and reps.get(id(x)) is not None \
+            and reps[id(x)].kind == "free" and self.s in x.edges
+        if keep:   # the block's scores (the max's operand) as a stacked result too
+            results.append(reps[id(x)].inner)
         body = V.loop_body(params, results, len(stats), n_slices)
+        if keep:
+            memo["keep"] = V.loop(body, self.sb, operands, len(stats))
         for v in stats:   # the statistics after the loop, with the terms they owe
             kind, out = _stat_kind(v, s), V.loop(body, self.sb, operands, carry_of[id(v)])
             if kind != "max":
@@ -360,6 +396,22 @@ class _Keys:
             memo[id(v)] = out
         return done
 
+    def kept_scores(self, first: list[Value], memo: dict) -> dict[int, Value]:
+        """{id(X): X's blocks stacked over the key blocks} for the max's operand X (the
+        block scores), computed by the first loop again with X as a stacked result (its
+        statistics' loop is the same loop: one body, one run), so that the second loop
+        reads X's block instead of computing it again (a second scores product and mask
+        per block). Empty when X is not a block value of the first loop."""
+        again: dict = {"keep": True}
+        self.online(first, again)
+        x = self.mx.operands[0]
+        out = again.get("keep")
+        if not isinstance(out, Value):
+            return {}
+        for v in first:   # the loop with the stacked result computes the same statistics
+            memo[id(v)] = again[id(v)]
+        return {id(x): out}
+
     def second(self, stats: list[Value], stacked: list[Value], memo: dict[int, Value]) -> None:
         """The loop over key blocks computing `stats` (sums and maxima over the keys, as
         carries) and the cluster's values `stacked` (stacked over the blocks, joined back
@@ -370,7 +422,7 @@ class _Keys:
         mine = {id(v) for v in stats}
         if any(id(o) in mine or (id(o) in self.sid and id(o) not in memo) for v in values for o in v.operands):
             raise _Reject   # a statistic of this loop read in it: that needs a third loop
-        params, operands, inner, gathers, n_slices = self.frame(values, stats, memo)
+        params, operands, inner, gathers, n_slices = self.frame(values, stats, memo, self.kept)
         vals: dict[int, Value] = {}
 
         def read(o: Value) -> Value:
@@ -378,7 +430,9 @@ class _Keys:
 
         results: list[Value] = []
         for v in values:
-            if id(v) in gathers:
+            if id(v) in self.kept:
+                vals[id(v)] = inner[id(v)]
+            elif id(v) in gathers:
                 p, ind = gathers[id(v)]
                 vals[id(v)] = V.contract([p, ind], self.edges(v), v.loc)
             elif id(v) in self.ids:
@@ -540,6 +594,8 @@ class _Keys:
         self.owed[id(v)] = coefs
         if cm == 0:
             return V.add([carry, part])
+        if not set(self.mx.edges) <= set(v.edges):
+            raise _Reject   # a sum over another edge of the max too (the heads of a projection): no one rescale
         # the earlier blocks' sum brought from the old running max to the new one
         scale = V.map_("exp", V.add([self.m_old, self.m_safe], [-cm, cm]))
         return V.add([V.mul([carry, scale]), part])
@@ -566,10 +622,26 @@ def stream_keys(module: Module, options: Options) -> Module:
         m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
                    list(module.updates), list(module.facts))
         try:
-            return _Keys(m, s, b, mx, order).build()
+            return _Keys(m, s, b, mx, order, options.stream_key_scores).build()
         except _Reject:
             continue
     return given
+
+
+def key_candidates(module: Module, options: Options) -> bool:
+    """Whether `module` has a max over a key edge that `stream_keys` would try (its
+    operand over the step budget, the edge two key blocks at least)."""
+    b = options.stream_key_block
+    if b <= 0:
+        return False
+    sizes = {e: module.size(e) for e in module.edges}
+    for mx in module.values():
+        if mx.op == "reduce" and mx.attrs[0] == "max" and len(mx.attrs[1]) == 1:
+            n = sizes.get(mx.attrs[1][0])
+            if isinstance(n, int) and n % b == 0 and n >= 2 * b \
+                    and _numel(mx.operands[0], sizes) > options.stream_step_elements:
+                return True
+    return False
 
 
 def _shifted_maxima(module: Module) -> Module:

@@ -792,19 +792,23 @@ class CudaKernels(Kernels):
         inner_kinds = {n: buf.kind for n, buf in step.buffers.items()}
         inner_kinds.update({n: kinds.get(bind.buf, "temp") for n, bind in binds})
 
-        def view(a, bind, i: int):
+        def view(a, bind, i: int, name: str = ""):
+            if bind.split:   # the block of an edge whose outer edges have size 1 (Bind.split): slice i of trip
+                sb = step.buffers[name]
+                return a.reshape(trip, -1)[i].reshape(tuple(size_eval(step.size(e), b.env)
+                                                            for e in (sb.order or sb.edges)))
             return a[i, ...] if bind.stacked else a   # a view, a 0-d one too
         per_step = []   # index -> the step's temporaries and its slices of the binding's buffers
         for i in range(trip):
             d = dict(temps)
-            d.update({n: view(fixed[bind.buf], bind, i) for n, bind in binds if bind.buf in fixed})
+            d.update({n: view(fixed[bind.buf], bind, i, n) for n, bind in binds if bind.buf in fixed})
             per_step.append(d)
         varying = [(n, bind) for n, bind in binds if bind.buf not in fixed]
 
         def views(bufs: dict, i: int) -> dict:
             d = dict(per_step[i])
             for n, bind in varying:
-                d[n] = view(bufs[bind.buf], bind, i)
+                d[n] = view(bufs[bind.buf], bind, i, n)
             return d
         body = [go for _, go in self._bind(b, x.body, step, views(bufs, 0), base, inner_kinds, temps)]
         carry = [go for _, go in self._bind(b, x.carry, low, bufs, base - k.slot_base, kinds, fixed)]
