@@ -415,18 +415,21 @@ class Attention:
     name = "attention"
     calls = 9
 
-    def __init__(self, t: int = 1024):
+    def __init__(self, t: int = 1024, heads: int | None = None, batch: int | None = None):
         import attention
 
         self.mod, self.t = attention, t
-        self.module, self.options = optimized(attention.source(t))
+        heads, batch = (heads, batch) if heads and batch else attention.ROWS[t]   # another size: tests
+        self.heads, self.batch = heads, batch
+        self.module, self.options = optimized(attention.SOURCE.format(batch=batch, heads=heads, t=t, hd=attention.HD))
         self.dims = {}
-        heads, batch = attention.ROWS[t]
         self.title = (f"causal attention forward + backward (t {t}, {heads} heads of {attention.HD} x batch {batch}; "
                       "torch: scaled_dot_product_attention(is_causal=True) with autograd)")
 
     def arrays(self, program) -> dict:
-        return self.mod.arrays(self.t)
+        rng = np.random.default_rng(0)
+        shape = (self.batch, self.heads, self.t, self.mod.HD)
+        return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dy")}
 
     def torch_step(self, arrays: dict, program):
         import torch
@@ -443,8 +446,7 @@ class Attention:
         return step
 
     def model_flops(self) -> float:
-        heads, batch = self.mod.ROWS[self.t]
-        return 6 * 2 * batch * heads * self.t ** 2 * self.mod.HD   # q k^T, p v; dv, dp, dq, dk: unmasked
+        return 6 * 2 * self.batch * self.heads * self.t ** 2 * self.mod.HD   # q k^T, p v; dv, dp, dq, dk: unmasked
 
 
 WORKLOADS = {"nanogpt": NanoGPT, "conv2d_sym": Conv2dSym, "attention": Attention}
