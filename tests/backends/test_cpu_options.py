@@ -78,7 +78,7 @@ REACHES = [
     ("contention_confirm_regions", 3, "gpt_small", OWN),
     ("contention_memory_cycles", 1 << 20, "gpt_small", OWN),
     ("contention_memory_lags", 20, "gpt_small", OWN),
-    ("parallel_steps_min_cycles", 0, "attention", STREAMED),
+    ("parallel_steps_min_cycles", 1, "attention", STREAMED),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):
