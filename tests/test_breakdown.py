@@ -1,7 +1,7 @@
 """benchmarks/breakdown.py: its per-kernel accounting adds up to the call it counts.
 
 A tiny GPT step (2 layers of width 32, t 16: loops over the layers with their step
-kernels, GEMMs, AdamW) and the symbolic conv2d at batch 2 are built as the script
+kernels, GEMMs, AdamW), the symbolic conv2d at batch 2 and a small causal attention are built as the script
 builds them (every size fixed, `CpuOptions(profile=True)`), and counted: the kernels'
 ticks, with each loop's own, sum exactly to the counted total; the counted total is
 within a tolerance of the call's wall time (the rest is the Python call, microseconds
@@ -89,6 +89,20 @@ def test_conv2d_sym_accounting(breakdown):
     assert all(r.outputs for r in acc.rows)
     dx = [r for r in acc.rows if r.outputs == ("dx",)]
     assert any(not r.product and r.flops for r in dx), "dx's column sum after its product is not counted with dx"
+
+
+def test_attention_accounting_and_kernel_minima(breakdown):
+    """The attention workload (2 heads x batch 2, t 64: one program, no stream) counts as
+    the others; with `minima`, each kernel's least ticks over the calls: none above the
+    fastest call's, and the rows with the loops' own still sum to the counted total."""
+    w = breakdown.Attention(t=64, heads=2, batch=2)
+    program, acc = counted(breakdown, w)
+    check_sums(acc, 2e-3)
+    assert acc.product_flops() > 0 and all(r.shape for r in acc.rows if r.product)
+    least = breakdown.account(program, w.arrays(program), 5, acc.hz, minima=True)
+    ticks = sum(r.ticks for r in least.rows) + least.loops
+    assert ticks == pytest.approx(least.counted, rel=1e-12) and least.loops >= 0
+    assert least.counted / least.hz <= least.wall * 1.01
 
 
 def test_torch_breakdown(breakdown):

@@ -45,6 +45,22 @@ from tgc.ir.values import topo_order
 ITEMSIZE = BYTES
 
 
+def _lanes_bytes(low: Lowered, slots: list[dict], options) -> int:
+    """The workspace the CPU code takes past the slots for a loop whose steps run on the
+    threads (`codegen.parallel_step_loops`): lanes - 1 copies of the slots from the
+    step's first on (each rounded up to 64 bytes, as the code aligns them); 0 without
+    options or such a loop."""
+    if options is None:
+        return 0
+    from tgc.backends.cpu.codegen import ALIGN, parallel_step_loops, step_lanes
+
+    found = parallel_step_loops(low, options.cpu)
+    if not found:
+        return 0
+    rounded = [-(-s["bytes"] // ALIGN) * ALIGN for s in slots]
+    return (step_lanes(options.cpu) - 1) * max(sum(rounded[sb:]) for _, sb in found)
+
+
 def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     """The report of the planned program `low` at the dims `env` (every symbolic dim bound).
     With the CPU backend's `options` (`tgc.options.Options`), each kernel also says
@@ -92,7 +108,8 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
         "bytes": sum(k["bytes"] for k in kernels),
         "arguments_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "arg"),
         "outputs_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "out"),
-        "workspace": {"bytes": sum(s["bytes"] for s in slots), "slots": slots},
+        "workspace": {"bytes": sum(s["bytes"] for s in slots), "slots": slots,
+                      "lanes_bytes": _lanes_bytes(low, slots, options)},
         "live_bytes": live,
         "peak": {"bytes": max(peak, 0), "kernel": peak_kernel,
                  "buffers": [{"name": n, "edges": list(low.buffers[n].edges), "dtype": low.buffers[n].dtype,
@@ -411,7 +428,9 @@ def format_explain(report: dict, name: str) -> str:
               f"a loop's once per step)",
               f"caller's arrays: arguments {human(report['arguments_bytes'], 'B')}, "
               f"outputs {human(report['outputs_bytes'], 'B')}",
-              f"workspace: {human(ws['bytes'], 'B')} in {len(ws['slots'])} slots"]
+              f"workspace: {human(ws['bytes'], 'B')} in {len(ws['slots'])} slots"
+              + (f" (and {human(ws['lanes_bytes'], 'B')} more for the steps of a loop on the threads: each lane's "
+                 "copy of the step's slots)" if ws.get("lanes_bytes") else "")]
     for s in ws["slots"]:
         lines.append(f"  slot {s['slot']}: {human(s['bytes'], 'B')}, shared by {', '.join('%' + b for b in s['buffers'])}")
     peak = report["peak"]
@@ -438,7 +457,11 @@ def _threads_note(kernels: list) -> str:
     return (f"threads: {count['serial']} kernels serial (too small to gain from threads), {count['parallel']} parallel, "
             f"{count['parallel when warm']} parallel only right after another region (CpuOptions.parallel_min_work, "
             "gemm_parallel_min_flops and their _warm forms); while other processes hold the cores, "
-            "parallel kernels run serially too (CpuOptions.contention_memory_cycles)")
+            "parallel kernels run serially too (CpuOptions.contention_memory_cycles)"
+            + ("; loops with their steps on the threads (each step's kernels on one thread): "
+               f"{sum(k['threads'] == 'steps on the threads' for k in kernels)} "
+               "(CpuOptions.parallel_steps_min_cycles)" if any(k["threads"] == "steps on the threads" for k in kernels)
+               else ""))
 
 
 def timeline_svg(report: dict, title: str) -> str:

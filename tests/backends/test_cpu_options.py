@@ -29,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = ROOT / "benchmarks" / "workloads"
 OWN = Options().with_(own_gemm="on", bf16_gemm="on")   # the own kernels' code, whatever this host has
 BF16 = OWN.with_(autocast="bf16", bf16_gemm_min_flops=0, bf16_gemm_min_k=0)
+# attention streamed at a small size, in a loop over the batch whose steps loop over the heads, on 2 threads
+STREAMED = OWN.with_(stream_block=4, stream_block_min=2, stream_min_elements=200, stream_mask_groups=2,
+                     stream_step_elements=64, cpu=OWN.cpu.with_(threads=2))
 
 # (field, a value other than the default, the program whose code it changes, the options it is lowered with)
 REACHES = [
@@ -76,6 +79,7 @@ REACHES = [
     ("contention_confirm_regions", 3, "gpt_small", OWN),
     ("contention_memory_cycles", 1 << 20, "gpt_small", OWN),
     ("contention_memory_lags", 20, "gpt_small", OWN),
+    ("parallel_steps_min_cycles", 1, "attention", STREAMED),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):

@@ -88,19 +88,19 @@ out y = repeat[layer](cell, x, w)
 out hs = scan[layer](cell, x, w)
 """
 
+# the scan's stacked result is the output `hs` (stored [layer, c]): the steps write it in place
 GOLDEN = """\
 // lowered after fuse (f64)
 buffer %x : f64[c] arg 0 order [c]
 buffer %w : f64[c, layer] arg 1 order [layer, c]
 buffer %c2 : f64[c] temp order [c]
 buffer %n3 : f64[c] temp order [c]
-buffer %y4 : f64[c, layer] temp order [layer, c]
-buffer %y : f64[c] out 0 order [c]
 buffer %hs : f64[c, layer] out 1 order [layer, c]
+buffer %y : f64[c] out 0 order [c]
 
 k0: loop %c2[c] = %x[c]
       for c < 3    # copy
-k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3, %y4[i]) slots from 0 {    # scan
+k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3, %hs[i]) slots from 0 {    # scan
     // lowered after fuse (f64)
     buffer %p0 : f64[c] arg 0 order [c]
     buffer %p1 : f64[c] arg 1 order [c]
@@ -127,8 +127,6 @@ k1: steps over layer < 4 carries 1 args(%c2, %w[i]) outs(%n3, %y4[i]) slots from
   }
 k2: loop %y[c] = %c2[c]
       for c < 3    # copy
-k3: loop %hs[c, layer] = %y4[c, layer]
-      for c < 3, layer < 4    # copy
 """
 
 

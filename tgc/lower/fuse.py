@@ -518,6 +518,9 @@ class _Fuser:
         for i, o in enumerate(self.m.outputs):
             if o.value.dtype == "i32":
                 raise FuseError(f"output '{o.name}' is an integer tensor; the CPU backend computes floats")
+            held = self.low.buffers.get(self.mat.get(id(o.value), ""))
+            if held is not None and held.kind == "out" and held.index == i:   # a loop's result, written there (steps)
+                continue
             name = o.name if o.name not in self.low.buffers else self.low.fresh(o.name + ".")
             self.low.buffers[name] = Buffer(name, self.opt.dtype, o.value.edges, "out", i, o.order)
             if o.value.op == "arg" or id(o.value) in self.mat:

@@ -152,6 +152,7 @@ class StepLowering:
         # the loop edge: the heads of a stream's loops) as those outputs with E outermost
         blocks.update({"": o.attrs[0][0][0] for k, o in enumerate(ops) if body.role(k) == "slice"
                        and o.op == "rename" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge})
+        out_orders: list[tuple[str, ...]] = []
         for j, r in enumerate(body.results):
             dtype = self.f.dtype_of(r)
             inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks)
@@ -159,12 +160,15 @@ class StepLowering:
                 outs.append(Bind(self.temp("n", dtype, inner)))
                 results.append(args[j].buf)
             else:
-                buf = self.temp("y", dtype, (edge,) + inner)
+                home = self.output_home(v, j, edge, dtype)
+                if home is not None:
+                    buf, inner = home
+                else:
+                    buf = self.temp("y", dtype, (edge,) + inner)
                 outs.append(Bind(buf, True))
                 results.append(buf)
-        step = self.step_module(body, arg_orders, [self.carry_order(r.edges) if j < body.carries
-                                                   else self.block_order(r.edges, blocks)
-                                                   for j, r in enumerate(body.results)])
+            out_orders.append(inner)
+        step = self.step_module(body, arg_orders, out_orders)
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
                 "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
                 "note": _note(v, body)}
@@ -230,6 +234,24 @@ class StepLowering:
         if order == self.order(named):   # no output over them: as any stacked result
             return self.order(edges)
         return tuple(back.get(e, e) for e in order)
+
+    def output_home(self, v: Value, j: int, edge: str, dtype: str) -> tuple[str, tuple[str, ...]] | None:
+        """(the program's output buffer, the step's order of result j) when the loop's
+        stacked result j is an output of the program stored with the loop edge outermost
+        (a stream's loop over the heads returns `dq` so) and nothing else reads it: the
+        steps then write their slices there, with no copy from a temporary after the
+        loop; else None. The output's buffer is made here (`fuse.homes` finds it)."""
+        mine = [w for w in self.groups[loop_key(v)] if w.attrs[3] == j]
+        if len(mine) != 1 or self.f.users[id(mine[0])] or self.f.root_uses[id(mine[0])] != 1:
+            return None
+        hit = [(i, o) for i, o in enumerate(self.f.m.outputs) if o.value is mine[0]]
+        if len(hit) != 1 or dtype != self.f.opt.dtype:
+            return None
+        i, o = hit[0]
+        if not o.order or o.order[0] != edge or o.name in self.f.low.buffers:
+            return None
+        self.f.low.buffers[o.name] = Buffer(o.name, self.f.opt.dtype, mine[0].edges, "out", i, o.order)
+        return o.name, tuple(o.order[1:])
 
     def carry_order(self, edges) -> tuple[str, ...]:
         """A carry's order: that of the program's outputs over exactly its edges when they

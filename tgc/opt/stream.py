@@ -551,7 +551,10 @@ class _Streamer:
         (it would keep the edge in the step)."""
         if any(o.op in ("const", "size") and _up(v, r.edge[id(v)]) in o.edges for v in r.members for o in v.operands):
             return None
-        eb = self.new_edge(h, self.sizes[h])
+        names = {r.edge[id(x)] for x in r.slices} | {r.edge[id(v)] for v in r.stacked}
+        # the loop runs over `h` itself where every slice and result names it so: its operands are then
+        # the program's arguments as they are, which the lowering binds with no copy (tgc.lower.steps)
+        eb = h if names == {h} else self.new_edge(h, self.sizes[h])
         params: list[Value] = []
         operands: list[Value] = []
         inner: dict[int, Value] = {}

@@ -181,6 +181,10 @@ class _ModuleGen:
         self.done: dict = {}
         self.regions_defined = 0   # the region functions tgc.r0, tgc.r1, ... in self.mod
         self.step_counters = step_profile_kernels(low)   # counted after the program's own kernels
+        self.serial = False        # emitting a step that runs on one thread of a parallel loop (`call_steps_parallel`)
+        self.steps_defined = 0     # the parallel loop bodies tgc.s0, tgc.s1, ... in self.mod
+        self.lanes = step_lanes(options.cpu)
+        self.parallel_loops = {id(k): sb for k, sb in parallel_step_loops(low, options.cpu)}   # loop -> its step's first slot
 
     def assign_units(self, units: int) -> int:
         """`self.unit`: kernel key -> module index; returns how many modules are used."""
@@ -341,8 +345,26 @@ class _ModuleGen:
         total = I64(0)
         for s in self.slot_sizes(f):
             total = f.b.add(total, s)
-        f.b.ret(total)
+        f.b.ret(f.b.add(total, self.lane_bytes(f)))
         f.finish()
+
+    def lane_bytes(self, f: Frame):
+        """i64: the workspace past the slots that a parallel loop's lanes 1, 2, ...
+        take, each a copy of the slots from its step's first one on (`call_steps_parallel`)."""
+        if not self.parallel_loops:
+            return I64(0)
+        offsets, total = self.slot_offsets(f), self.slots_total(f)
+        span = I64(0)
+        for sb in self.parallel_loops.values():
+            one = f.b.sub(total, offsets[sb])
+            span = f.b.select(f.b.icmp_signed(">", one, span), one, span)
+        return f.b.mul(span, I64(self.lanes - 1))
+
+    def slots_total(self, f: Frame):
+        total = I64(0)
+        for s in self.slot_sizes(f):
+            total = f.entry.add(total, s)
+        return total
 
     # ------------------------------------------------------------ the entry point
 
@@ -426,8 +448,11 @@ class _ModuleGen:
             self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
 
     def gemm_min_flops(self, b: ir.IRBuilder):
-        """i64: the least flops of a GEMM that starts a region of its own now."""
+        """i64: the least flops of a GEMM that starts a region of its own now (none in a
+        parallel loop's step)."""
         cpu = self.opt.cpu
+        if self.serial:
+            return I64(2 ** 62)
         return self.threshold(b, cpu.gemm_parallel_min_flops_warm, cpu.gemm_parallel_min_flops,
                               cpu.gemm_flops_per_cycle)
 
@@ -435,14 +460,23 @@ class _ModuleGen:
         """A loop over an edge: one LLVM loop whose body calls the step's kernels (each
         compiled once) with the stacked buffers' pointers advanced by the step's
         offset, then copies the carries' new values into the carries."""
+        step_fns = [next(fns) for _ in leaf_kernels(k.step)]
+        if not self.serial and id(k) in self.parallel_loops:
+            self.call_steps_parallel(f, k, step_fns, ptrs, ws, offsets, base)
+            return
+        self.emit_steps(f, k, step_fns, ptrs, ws, offsets, base, I64(0), f.size(k.trip))
+
+    def emit_steps(self, f: Frame, k: StepLoop, step_fns: list, ptrs: dict, ws, offsets: list, base: int,
+                   lo, hi) -> None:
+        """Steps lo .. hi - 1 of loop `k` (all of them, in order or reversed, when lo = 0
+        and hi = its trip)."""
         b, step = f.b, k.step
         trip = f.size(k.trip)
         base = base + k.slot_base
-        step_fns = [next(fns) for _ in leaf_kernels(step)]
         binds = list(zip(step.module.args, k.args)) + \
             [(b_.name, bind) for j, bind in enumerate(k.outs)
              for b_ in step.buffers.values() if b_.kind == "out" and b_.index == j]
-        with for_range(b, I64(0), trip, f"step.{k.edge}", unroll=False) as i:
+        with for_range(b, lo, hi, f"step.{k.edge}", unroll=False) as i:
             at = b.sub(b.sub(trip, I64(1)), i) if k.reverse else i
             inner = {}
             for name, bind in binds:
@@ -456,7 +490,7 @@ class _ModuleGen:
                 if sb.kind == "temp":
                     inner[name] = b.gep(ws, [offsets[base + sb.slot]], source_etype=ir.IntType(8))
             sub = iter(step_fns)
-            starts = {r.start: r for r in self.regions(step, step=True)}
+            starts = {r.start: r for r in self.regions(step, step=True)} if not self.serial else {}
             skip = 0
             for i, sk in enumerate(step.kernels):
                 if i < skip:
@@ -476,6 +510,67 @@ class _ModuleGen:
                 buf = self.carry_buffer(step, c)
                 nbytes = b.mul(f.count(buf.edges), I64(itemsize(buf.dtype)))
                 b.call(self.memcpy(), [ptrs[k.args[c].buf], ptrs[k.outs[c].buf], nbytes, ir.IntType(1)(0)])
+
+    def call_steps_parallel(self, f: Frame, k: StepLoop, step_fns: list, ptrs: dict, ws, offsets: list,
+                            base: int) -> None:
+        """Loop `k`, whose steps are independent (`parallel_step_loops`), with its steps
+        shared among the threads: `tgc.sN(data)` runs on every thread of a region
+        (`parallel.region_fn`); lane j < min(threads, `self.lanes`) runs its contiguous
+        share of the steps, each kernel of a step on this thread alone (`self.serial`:
+        loops whole, GEMMs with no region of their own, no merged regions), its step's
+        slots (those from the step's first on) at lane j's copy past the workspace's
+        slots (`lane_bytes`). Each step computes what the loop computes one step at a
+        time, in the same order within the step: the results have the same bits (a
+        GEMM's tiles do not depend on the thread count, `gemm.GemmGen.tile_limit`).
+        Without libgomp in the runtime's table the loop runs here, one step after another."""
+        b = f.b
+        names = list(dict.fromkeys(bind.buf for bind in k.args + k.outs))
+        offs = f.alloca(ir.ArrayType(I64, max(1, len(offsets) + 1)), "steps.offsets")
+        for i, o in enumerate(offsets + [self.slots_total(f)]):
+            f.entry.store(o, f.entry.gep(offs, [I32(0), I32(i)]))
+        data = f.alloca(ir.ArrayType(PTR, 3 + len(names)), "steps.data")
+        for i, a in enumerate([f.dims_ptr, ws, offs] + [ptrs[n] for n in names]):
+            b.store(a, b.gep(data, [I32(0), I32(i)]))
+        have = fntable.is_set(b, "gomp_parallel")
+        with b.if_else(have) as (then, otherwise):
+            with then:
+                b.call(parallel.region_fn(self.mod, self.mod, self.opt.cpu), [self.steps_body(k, step_fns, names,
+                                                                                            len(offsets), base), data])
+            with otherwise:
+                self.emit_steps(f, k, step_fns, ptrs, ws, offsets, base, I64(0), f.size(k.trip))
+
+    def steps_body(self, k: StepLoop, step_fns: list, names: list, nslots: int, base: int) -> ir.Function:
+        """`void tgc.sN(ptr data)`, data = [dims, workspace, slot offsets (and the slots'
+        total after them), the loop's buffers...]: this thread's lane of loop `k`."""
+        n, self.steps_defined = self.steps_defined, self.steps_defined + 1
+        fn = define(self.mod, f"tgc.s{n}", ir.VoidType(), [PTR])
+        g = Frame(fn, self.low.module, None, self.low.edges)
+        e = g.entry
+        load = lambda i: e.load(e.gep(fn.args[0], [I64(i)], source_etype=PTR), typ=PTR)   # noqa: E731
+        g.dims_ptr, ws, offs = load(0), load(1), load(2)
+        ptrs = {name: load(3 + i) for i, name in enumerate(names)}
+        at = [e.load(e.gep(offs, [I64(i)], source_etype=I64), typ=I64) for i in range(nslots + 1)]
+        offsets, total = at[:nslots], at[nslots]
+        b = g.b
+        tid = b.sext(fntable.call(b, "omp_get_thread_num", []), I64)
+        nth = b.sext(fntable.call(b, "omp_get_num_threads", []), I64)
+        lanes = b.select(b.icmp_signed("<", nth, I64(self.lanes)), nth, I64(self.lanes))
+        with b.if_then(b.icmp_signed("<", tid, lanes)):
+            trip = g.size(k.trip)
+            lo = b.sdiv(b.mul(trip, tid), lanes)
+            hi = b.sdiv(b.mul(trip, b.add(tid, I64(1))), lanes)
+            first = offsets[base + k.slot_base]
+            span = b.sub(total, first)
+            shift = b.sub(b.add(total, b.mul(b.sub(tid, I64(1)), span)), first)
+            own = b.gep(ws, [b.select(b.icmp_signed("==", tid, I64(0)), I64(0), shift)], source_etype=ir.IntType(8))
+            self.serial = True
+            try:
+                self.emit_steps(g, k, step_fns, ptrs, own, offsets, base, lo, hi)
+            finally:
+                self.serial = False
+        b.ret_void()
+        g.finish()
+        return fn
 
     @staticmethod
     def carry_buffer(step: Lowered, c: int):
@@ -698,7 +793,7 @@ class _ModuleGen:
     def call_loop(self, f: Frame, k, kfn, par, call_args) -> None:
         b = f.b
         n = split_count(f, k, self.opt.cpu)
-        if par is None:
+        if par is None or self.serial:
             b.call(kfn, call_args + [I64(0), n])
             return
         data = f.alloca(ir.ArrayType(PTR, len(call_args)), "data")
@@ -871,6 +966,7 @@ def kernel_work(k, env: dict, cpu: CpuOptions) -> int:
 
 SERIAL, PARALLEL, PARALLEL_WARM = "serial", "parallel", "parallel when warm"
 STEPS = "per step kernel"   # a loop over an edge: each kernel of its step decides
+STEPS_PARALLEL = "steps on the threads"   # ... or its steps shared among the threads, each on one
 
 
 def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
@@ -881,12 +977,13 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
     the workers still spin: `warm_cycles`). On a loaded machine a kernel of either
     parallel kind may still run serially (the lag, `parallel.py`). `tgc explain`
     shows it per kernel; a loop over an edge (`StepLoop`) is STEPS: each kernel of its
-    step decides for itself."""
+    step decides for itself; or STEPS_PARALLEL, its steps shared among the threads
+    (`parallel_step_loops`)."""
     cpu = options.cpu
     if cpu.threads == 1:
         return SERIAL
     if isinstance(k, StepLoop):
-        return STEPS
+        return STEPS_PARALLEL if any(p is k for p, _ in parallel_step_loops(low, cpu)) else STEPS
     if isinstance(k, (GemmKernel, ImplicitGemm)):
         g = k.gemm if isinstance(k, ImplicitGemm) else k
         amount = 2
@@ -974,7 +1071,9 @@ def region_count(low: Lowered, env: dict, options: Options) -> tuple[int, int, i
     i = 0
     while i < len(low.kernels):
         k = low.kernels[i]
-        if isinstance(k, StepLoop):
+        if isinstance(k, StepLoop) and any(p is k for p, _ in parallel_step_loops(low, cpu)):
+            count += 1   # one region, its steps' kernels on their threads
+        elif isinstance(k, StepLoop):
             trip = size_eval(k.trip, env)
             c, w, n = region_count(k.step, {**{d: s for d, s in k.step.module.dims.items() if isinstance(s, int)},
                                             **env}, options)
@@ -1008,6 +1107,74 @@ def leaf_kernels(low: Lowered):
             yield from leaf_kernels(k.step)
         else:
             yield low, k
+
+
+def step_lanes(cpu: CpuOptions) -> int:
+    """How many threads a parallel loop's steps are shared among at most: the option's
+    thread count, or with 0 (every core) the cores this process may run on."""
+    import os
+
+    if cpu.threads > 0:
+        return cpu.threads
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def step_cycles(low: Lowered, env: dict, cpu: CpuOptions) -> int:
+    """The estimated cycles of one run of `low` on one thread at the dims `env`: its
+    GEMMs' flops at `gemm_flops_per_cycle`, its loops' work at `loop_work_per_cycle`,
+    a loop over an edge its step's times its trip. Raises on a size `env` lacks."""
+    total = 0
+    for k in low.kernels:
+        if isinstance(k, StepLoop):
+            inner = {**{d: s for d, s in k.step.module.dims.items() if isinstance(s, int)}, **env}
+            total += size_eval(k.trip, env) * step_cycles(k.step, inner, cpu)
+            continue
+        g = getattr(k, "gemm", k)   # an implicit GEMM's product
+        if isinstance(g, GemmKernel):
+            flops = 2
+            for e in (*g.m, *g.n, *g.k, *g.batch, *g.taps):
+                flops *= size_eval(low.size(e), env)
+            total += flops // max(1, cpu.gemm_flops_per_cycle)
+        else:
+            total += kernel_work(k, env, cpu) // max(1, cpu.loop_work_per_cycle)
+    return total
+
+
+def parallel_step_loops(low: Lowered, cpu: CpuOptions, base: int = 0, env: dict | None = None) -> list:
+    """(loop, its step's first slot) for each loop over an edge whose steps run on the
+    threads together (`_ModuleGen.call_steps_parallel`), outermost first (the loops in
+    its step then run on its lanes one after another): a loop that carries nothing,
+    whose outputs are all stacked (each step writes its own slice; the other arguments
+    are read only), with a trip known here that the lanes share evenly (a multiple of
+    them, or at least 4 times as many), and a step of at least
+    `cpu.parallel_steps_min_cycles` (`step_cycles`); off with one thread, under
+    `profile` (its counters are per kernel) or with `parallel_steps_min_cycles` 0.
+    Such a loop replaces the step's kernels' own regions, which at attention's small
+    per-head products leave the second core partly idle."""
+    lanes = step_lanes(cpu)
+    if cpu.threads == 1 or lanes < 2 or cpu.profile or cpu.parallel_steps_min_cycles <= 0:
+        return []
+    env = {d: s for d, s in low.module.dims.items() if isinstance(s, int)} if env is None else env
+    out = []
+    for k in low.kernels:
+        if not isinstance(k, StepLoop):
+            continue
+        sb = base + k.slot_base
+        inner = {**{d: s for d, s in k.step.module.dims.items() if isinstance(s, int)}, **env}
+        try:
+            trip = size_eval(k.trip, env)
+            cycles = step_cycles(k.step, inner, cpu)
+        except Exception:  # noqa: BLE001 -- a symbolic size: the steps run one after another
+            trip = cycles = 0
+        if (k.carries == 0 and all(bind.stacked for bind in k.outs) and trip >= lanes
+                and (trip % lanes == 0 or trip >= 4 * lanes) and cycles >= cpu.parallel_steps_min_cycles):
+            out.append((k, sb))
+        else:
+            out += parallel_step_loops(k.step, cpu, sb, inner)
+    return out
 
 
 def kernel_key(low: Lowered, k) -> tuple:

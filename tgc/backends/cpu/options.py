@@ -31,6 +31,7 @@ class CpuOptions:
     # most half of it); every kernel under that runs serially. The estimate, in time-stamp-counter cycles:
     loop_work_per_cycle: int = 3             # units of work (see parallel_min_work) a loop kernel does per cycle on one thread (an add or mul per element ~0.1 ns, vectorized)
     gemm_flops_per_cycle: int = 16           # flops a GEMM does per cycle on one thread (the small products of a step; large ones do more)
+    parallel_steps_min_cycles: int = 1 << 20  # a loop over an edge with independent steps (no carry, every output stacked) whose step takes at least this many cycles by the estimate (gemm_flops_per_cycle, loop_work_per_cycle) shares its steps among the threads, each step's kernels on one thread (codegen.parallel_step_loops; 0: never)
     cold_region_cycles: int = 300_000        # the expected overhead of a region whose workers had gone to sleep (a futex wake-up, ~80 us), not counted as lag
     contention_confirm_regions: int = 2      # the lag follows the least excess of this many consecutive regions (this one among them): one outlying region does not set it; 1: every region's excess does
     contention_memory_cycles: int = 250_000_000  # a measured lag is held this long (~0.1 s), then a region measures it again; 0: no lag (every kernel over its threshold runs in a region)

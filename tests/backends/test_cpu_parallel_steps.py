@@ -1,0 +1,120 @@
+"""A loop over an edge whose steps are independent (no carry, every output stacked: a
+stream's loop over the batch or the heads) shares its steps among the threads, each
+step's kernels on one thread (`codegen.parallel_step_loops`, `call_steps_parallel`);
+and such a loop reads the program's inputs and writes its outputs where they are stored
+(tgc.lower.steps: no copies in or out). Checked: which loops qualify, that the code has
+the parallel body, that the results have the same bits on one thread and on two, and
+that they match the interpreter and PyTorch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import pipeline
+from tgc.backends.cpu.codegen import generate_units, parallel_step_loops
+from tgc.frontend import compile_source
+from tgc.ir.inputs import random_inputs
+from tgc.lower.lowered import StepLoop
+from tgc.options import Options
+
+torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
+
+# causal attention with its gradients over `batch` sequences of `head` heads
+ATTENTION = """
+dim batch = {batch}, head = {head}, t = 32, hd = 2
+dim s = t
+input q[batch, head, t, hd]
+input k[batch, head, s, hd]
+input v[batch, head, s, hd]
+input dy[batch, head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
+y = sum[s](p * v)
+out y[batch, head, t, hd]
+loss = sum(y * dy)
+out dq[batch, head, t, hd] = grad(loss, q)
+out dk[batch, head, s, hd] = grad(loss, k)
+out dv[batch, head, s, hd] = grad(loss, v)
+"""
+
+# the stream pass's thresholds at this size: a loop over the batch, whose step loops over the heads
+STREAM = dict(stream_block=4, stream_block_min=2, stream_min_elements=200, stream_mask_groups=2,
+              stream_step_elements=64)
+
+
+def options(threads: int = 2, min_cycles: int = 1, **cpu) -> Options:
+    o = Options(**STREAM)
+    return o.with_(cpu=o.cpu.with_(threads=threads, parallel_steps_min_cycles=min_cycles, **cpu))
+
+
+def lowered(batch: int, opts: Options, head: int = 2):
+    src = pipeline.load_source(ATTENTION.format(batch=batch, head=head), options=opts, lookup=False)
+    compiled, o = pipeline.target(pipeline.lower(src.module, src.options).module, src.options)
+    return pipeline.lower_module(compiled, o, "cpu"), o
+
+
+def test_the_outermost_loop_of_independent_steps_runs_on_the_threads():
+    low, opts = lowered(2, options())
+    assert [type(k) for k in low.kernels] == [StepLoop]   # no copies in or out of the loop over the batch
+    loop = low.kernels[0]
+    assert loop.edge == "batch" and loop.carries == 0
+    assert {b.buf for b in loop.args} == {"q", "k", "v", "dy"} and {b.buf for b in loop.outs} == {"y", "dq", "dk", "dv"}
+    found = parallel_step_loops(low, opts.cpu)
+    assert [k for k, _ in found] == [loop]   # the heads' loop inside it runs on its lanes
+    assert '@"tgc.s0"' in "".join(generate_units(low, opts))
+
+
+@pytest.mark.parametrize("why", ["one thread", "threshold 0", "profile", "step too small", "uneven trip"])
+def test_loops_that_do_not_qualify_run_their_steps_one_after_another(why):
+    batch, head, opts = 2, 2, options()
+    if why == "one thread":
+        opts = options(threads=1)
+    elif why == "threshold 0":
+        opts = options(min_cycles=0)
+    elif why == "profile":
+        opts = options(profile=True)
+    elif why == "step too small":
+        opts = options(min_cycles=1 << 40)
+    else:   # 3 steps on 2 lanes, in both loops
+        batch = head = 3
+    low, o = lowered(batch, opts, head)
+    assert any(isinstance(k, StepLoop) and k.carries == 0 for k in low.kernels)
+    assert parallel_step_loops(low, o.cpu) == []
+    assert '@"tgc.s0"' not in "".join(generate_units(low, o))
+
+
+@pytest.mark.parametrize("batch", [2, 3])
+def test_parallel_steps_give_the_serial_bits_and_the_reference_values(batch):
+    """batch 2: the loop over the batch runs on the threads; 3: the loop over the heads
+    (outermost then: its operands are copied in, its results out)."""
+    src = ATTENTION.format(batch=batch, head=2)
+    m = compile_source(src, "<steps>", Options(dtype="f64"))
+    x = random_inputs(m, m.bind_dims({}), batch, "f64")
+    want = torch_oracle.evaluate(m, x)
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        a = {n: v.astype(np.float32 if dtype == "f32" else np.float64) for n, v in x.items()}
+        serial = tgc.compile(src, "cpu", dtype, options=options(threads=1))(**a)
+        par = tgc.compile(src, "cpu", dtype, options=options())
+        assert parallel_step_loops(par.lowered, options().cpu)
+        for _ in range(3):   # each call: the lanes' steps write their own slices
+            got = par(**a)
+            for n in want:
+                assert np.array_equal(got[n], serial[n]), n
+                scale = max(1.0, float(np.max(np.abs(want[n]))))
+                assert float(np.max(np.abs(got[n] - want[n]))) <= tol * scale, (dtype, n)
+
+
+def test_explain_shows_the_loop_on_the_threads_and_its_lanes_workspace():
+    """The loop over the batch is `steps on the threads`; its second lane's copy of the
+    step's slots (all of them: the loop is the whole program) is reported beside the
+    workspace, in the text too; one thread has none."""
+    from tgc.explain import explain, format_explain
+
+    low, opts = lowered(2, options())
+    report = explain(low, {}, opts)
+    assert [k["threads"] for k in report["kernels"]] == ["steps on the threads"]
+    ws = report["workspace"]
+    assert ws["bytes"] <= ws["lanes_bytes"] <= ws["bytes"] + 64 * len(ws["slots"])
+    assert "more for the steps of a loop on the threads" in format_explain(report, "attention")
+    one, o1 = lowered(2, options(threads=1))
+    assert explain(one, {}, o1)["workspace"]["lanes_bytes"] == 0
