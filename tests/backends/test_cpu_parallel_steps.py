@@ -7,6 +7,8 @@ the parallel body, that the results have the same bits on one thread and on two,
 that they match the interpreter and PyTorch."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,22 +22,11 @@ from tgc.options import Options
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
-# causal attention with its gradients over `batch` sequences of `head` heads
-ATTENTION = """
-dim batch = {batch}, head = {head}, t = 32, hd = 2
-dim s = t
-input q[batch, head, t, hd]
-input k[batch, head, s, hd]
-input v[batch, head, s, hd]
-input dy[batch, head, t, hd]
-p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
-y = sum[s](p * v)
-out y[batch, head, t, hd]
-loss = sum(y * dy)
-out dq[batch, head, t, hd] = grad(loss, q)
-out dk[batch, head, s, hd] = grad(loss, k)
-out dv[batch, head, s, hd] = grad(loss, v)
-"""
+# causal attention with its gradients over `batch` sequences of `head` heads: the
+# benchmark table's small attention workload, its batch and heads set by the test
+WORKLOAD = (Path(__file__).resolve().parents[2] / "benchmarks" / "workloads" / "attention.tg").read_text()
+assert "dim batch = 2, head = 2," in WORKLOAD
+ATTENTION = WORKLOAD.replace("dim batch = 2, head = 2,", "dim batch = {batch}, head = {head},")
 
 # the stream pass's thresholds at this size: a loop over the batch, whose step loops over the heads
 STREAM = dict(stream_block=4, stream_block_min=2, stream_min_elements=200, stream_mask_groups=2,
