@@ -144,6 +144,8 @@ def test_subprocess_exit_codes(tmp_path):
     assert "Traceback" not in p.stderr
     p = subprocess.run([sys.executable, "-m", "tgc.cli", "check", str(tmp_path)], capture_output=True, text=True, env=env)
     assert p.returncode in (1, 2) and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "tgc", "check", str(bad)], capture_output=True, text=True, env=env)
+    assert p.returncode == 1 and f"{bad}:2:1: error:" in p.stderr   # `python -m tgc` is the same command
 
 
 @pytest.mark.parametrize("stage", ["fuse", "layout", "plan"])
