@@ -260,9 +260,8 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
                 children.append((pid, fd, i, vec))
             if not children:
                 continue
-            pid, fd, i, vec = children[0]
-            objs[i], crashed = _collect(pid, fd)   # reaps the child
-            children.pop(0)
+            pid, fd, i, vec = children.pop(0)
+            objs[i], crashed = _collect(pid, fd)   # reaps the child (killed first if interrupted)
             if objs[i] is None and not crashed:
                 objs[i] = emit_object(text(i), opt, prefer_512=prefer_512, vectorize=vec)
             elif objs[i] is None:
@@ -359,12 +358,17 @@ def _fork_compile(text, index: int, opt: int, prefer_512: bool, vectorize: bool 
 def _collect(pid: int, fd: int) -> tuple[bytes | None, bool]:
     """The child's object code (or None if it did not finish cleanly), and whether
     it died of a signal that LLVM's own failures raise (an assertion's abort, a
-    segfault...), as opposed to a Python exception or a kill from outside."""
+    segfault...), as opposed to a Python exception or a kill from outside. Interrupted
+    while reading (Ctrl-C), it kills the child before reaping it: a child whose object
+    code outgrows the pipe's buffer blocks writing, and closing this end does not end
+    the write while a later child's inherited copy of it is open."""
     try:
         with os.fdopen(fd, 'rb') as f:
             data = f.read()
-    finally:
-        _, status = os.waitpid(pid, 0)
+    except BaseException:
+        _stop(pid, -1)
+        raise
+    _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code == 0 and data:
         return data, False
