@@ -260,8 +260,10 @@ def emit_objects(texts: list, opt: int = 3, *, jobs: int = 1,
                 children.append((pid, fd, i, vec))
             if not children:
                 continue
-            pid, fd, i, vec = children.pop(0)
-            objs[i], crashed = _collect(pid, fd)   # reaps the child (killed first if interrupted)
+            pid, fd, i, vec = children[0]
+            children[0] = (pid, -1, i, vec)   # its pipe is _collect's to close; the clean-up below still stops it
+            objs[i], crashed = _collect(pid, fd)   # reaps the child
+            children.pop(0)
             if objs[i] is None and not crashed:
                 objs[i] = emit_object(text(i), opt, prefer_512=prefer_512, vectorize=vec)
             elif objs[i] is None:
@@ -359,15 +361,12 @@ def _collect(pid: int, fd: int) -> tuple[bytes | None, bool]:
     """The child's object code (or None if it did not finish cleanly), and whether
     it died of a signal that LLVM's own failures raise (an assertion's abort, a
     segfault...), as opposed to a Python exception or a kill from outside. Interrupted
-    while reading (Ctrl-C), it kills the child before reaping it: a child whose object
+    while reading (Ctrl-C), it leaves the child to the caller's clean-up, which kills
+    it before reaping it: waiting for it here could hang, since a child whose object
     code outgrows the pipe's buffer blocks writing, and closing this end does not end
     the write while a later child's inherited copy of it is open."""
-    try:
-        with os.fdopen(fd, 'rb') as f:
-            data = f.read()
-    except BaseException:
-        _stop(pid, -1)
-        raise
+    with os.fdopen(fd, 'rb') as f:
+        data = f.read()
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code == 0 and data:
