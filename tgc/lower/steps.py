@@ -180,8 +180,6 @@ class StepLowering:
         slice at offset i times its size, read in place (`Bind.split`) instead of a
         copy of x stacked over the loop edge (a key block of a step's `[s, hd]` keys,
         tgc.opt.stream_keys). The step reads it in x's order, E renamed Ec."""
-        if o.op == "rename" and o.operands[0].op == "arg" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge:
-            return self.rename_view(o, p)
         sp = split_edge(o, edge)
         x = o.operands[0] if sp is not None else None
         if x is None or x.op != "arg" or self.f.dtype_of(p) != x.dtype:
@@ -203,19 +201,6 @@ class StepLowering:
         if sorted(o.edges) != sorted(order + (edge,)) or tuple(sorted(order)) != tuple(sorted(p.edges)):
             return None
         return x.attrs[0], order, E
-
-    def rename_view(self, o: Value, p: Value) -> tuple[str, tuple[str, ...], str] | None:
-        """The same for an argument x renamed so that the loop runs over its edge E, one
-        index a step (tgc.opt.stream's loops over the batch and heads): step i reads x at
-        E = i, in x's order without E, when every edge before E has size 1."""
-        x = o.operands[0]
-        E = o.attrs[0][0][0]
-        have = self.f.m.args[x.attrs[0]].order
-        if not have or E not in have or self.f.dtype_of(p) != x.dtype \
-                or any(edge_size(self.f.m, e) != 1 for e in have[:have.index(E)]):
-            return None
-        order = tuple(e for e in have if e != E)
-        return (x.attrs[0], order, E) if tuple(sorted(order)) == tuple(sorted(p.edges)) else None
 
     def block_order(self, edges, blocks: dict[str, str]) -> tuple[str, ...]:
         """A stacked result's order: where it has a block edge Ec of E (`blocks`) and not E,

@@ -342,10 +342,7 @@ class _ModuleGen:
         fn = define(self.mod, sizecheck.INNER_WORKSPACE, I64, [PTR])   # exported checked: sizecheck
         optimize_not(fn)
         f = Frame(fn, self.low.module, fn.args[0], self.low.edges)
-        total = I64(0)
-        for s in self.slot_sizes(f):
-            total = f.b.add(total, s)
-        f.b.ret(f.b.add(total, self.lane_bytes(f)))
+        f.b.ret(f.b.add(self.slots_total(f), self.lane_bytes(f)))
         f.finish()
 
     def lane_bytes(self, f: Frame):
