@@ -99,7 +99,8 @@ def test_above_threshold_splits_contiguously(gomp):
 def region_module(cpu) -> ir.Module:
     """`run(data)` as `tid_module`'s, but through `parallel.region_fn`; `threshold(warm,
     cold, per_cycle)` through `parallel.threshold_fn`; `set_lag(lag, age)` stores a lag
-    measured `age` cycles ago; `state(i)` reads region_end (0), lag (1), lag_at (2)."""
+    measured `age` cycles ago; `set_hold(n)`, that it is held `n` times itself;
+    `state(i)` reads region_end (0), lag (1), lag_at (2)."""
     module = tid_module(threshold=1)
     body = module.globals['body']
     region = parallel.region_fn(module, module, cpu)
@@ -119,6 +120,11 @@ def region_module(cpu) -> ir.Module:
     b.store(fn.args[0], module.globals[parallel.LAG])
     b.store(b.sub(parallel.now(b), fn.args[1]), module.globals[parallel.LAG_AT])
     b.ret_void()
+    if parallel.HOLD in module.globals:
+        fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64]), 'set_hold')
+        b = ir.IRBuilder(fn.append_basic_block('entry'))
+        b.store(fn.args[0], module.globals[parallel.HOLD])
+        b.ret_void()
     fn = ir.Function(module, ir.FunctionType(I64, [I64]), 'state')
     b = ir.IRBuilder(fn.append_basic_block('entry'))
     out = I64(0)
@@ -137,6 +143,7 @@ def region_compiled(gomp, cpu):
     return jm, {'run': RUN(jm.address('run_region')),
                 'threshold': f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(jm.address('threshold')),
                 'set_lag': f(None, ctypes.c_int64, ctypes.c_int64)(jm.address('set_lag')),
+                'set_hold': f(None, ctypes.c_int64)(jm.address('set_hold')),
                 'state': f(ctypes.c_int64, ctypes.c_int64)(jm.address('state'))}
 
 
@@ -176,10 +183,17 @@ def test_without_contention_memory_no_lag_is_kept():
 
 
 def test_a_long_lag_is_held_for_a_multiple_of_itself(gomp):
-    """A lag of 10^6 cycles is held 50 x 10^6 cycles (`contention_memory_lags`), however
-    short `contention_memory_cycles`: the region that measures it again costs ~one lag."""
+    """A lag of 10^6 cycles is held `HOLD` x 10^6 cycles however short
+    `contention_memory_cycles`: once while new, 50 times (`contention_memory_lags`) once
+    the regions after its holds confirmed it (the region that measures it again costs
+    ~one lag)."""
     from tgc.backends.cpu.options import CpuOptions
     _jm, fns = region_compiled(gomp, CpuOptions(contention_memory_cycles=1000, contention_memory_lags=50))
+    fns['set_lag'](10 ** 6, 5 * 10 ** 5)
+    assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
+    fns['set_lag'](10 ** 6, 2 * 10 ** 6)
+    assert fns['threshold'](10, 20, 3) == 20
+    fns['set_hold'](50)
     fns['set_lag'](10 ** 6, 10 ** 7)
     assert fns['threshold'](10, 20, 3) == 2 * 10 ** 6 * 3
     fns['set_lag'](10 ** 6, 10 ** 9)
@@ -193,7 +207,9 @@ def waiting_module(cpu) -> ir.Module:
     `delay` time-stamp-counter cycles (thread 0 returns at once: the region's overhead is
     at least the delay, as when another process holds the worker's core); `threshold(warm,
     cold, per_cycle)`; `lag()`, the lag the regions have set; `excess()`, the last
-    region's excess (0 without a slot: `contention_confirm_regions` 1)."""
+    region's excess (0 without a slot: `contention_confirm_regions` 1); `hold()`, how
+    many times itself the lag is held (0 before the first region); `age(c)` makes
+    the lag `c` cycles older, as if that much time had passed without a region."""
     module = ir.Module(name='lag')
     fntable.define_init(module)
     body = ir.Function(module, parallel.body_type(), 'body')
@@ -220,10 +236,15 @@ def waiting_module(cpu) -> ir.Module:
     fn = ir.Function(module, ir.FunctionType(I64, [I64] * 3), 'threshold')
     b = ir.IRBuilder(fn.append_basic_block('entry'))
     b.ret(b.call(parallel.threshold_fn(module, cpu), list(fn.args)))
-    for name, state in (('lag', parallel.LAG), ('excess', f'{parallel.EXCESS}.1')):
+    for name, state in (('lag', parallel.LAG), ('excess', f'{parallel.EXCESS}.1'), ('hold', parallel.HOLD)):
         fn = ir.Function(module, ir.FunctionType(I64, []), name)
         b = ir.IRBuilder(fn.append_basic_block('entry'))
         b.ret(b.load(module.globals[state], typ=I64) if state in module.globals else I64(0))
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [I64]), 'age')
+    b = ir.IRBuilder(fn.append_basic_block('entry'))
+    at = module.globals[parallel.LAG_AT]
+    b.store(b.sub(b.load(at, typ=I64), fn.args[0]), at)
+    b.ret_void()
     return module
 
 
@@ -240,10 +261,11 @@ class Regions:
     rule against the excesses the regions measured: the lag follows the least excess
     of the last `n` regions, up at once, down an eighth of the way."""
 
-    def __init__(self, gomp, n):
+    def __init__(self, gomp, n, memory=1 << 40):
         from tgc.backends.cpu.options import CpuOptions
-        cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, contention_memory_cycles=1 << 40,
+        cpu = CpuOptions(threads=2, warm_cycles=0, cold_region_cycles=COLD, contention_memory_cycles=memory,
                          contention_confirm_regions=n)
+        self.cpu = cpu
         self.jm = llvm_env.jit(str(waiting_module(cpu)))
         table = fntable.make_table(gomp)
         INIT(self.jm.address('tgc_init'))(ctypes.addressof(table))
@@ -252,6 +274,8 @@ class Regions:
         self.threshold = f(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(self.jm.address('threshold'))
         self.lag = f(ctypes.c_int64)(self.jm.address('lag'))
         self.excess = f(ctypes.c_int64)(self.jm.address('excess'))
+        self.hold = f(ctypes.c_int64)(self.jm.address('hold'))
+        self.age = f(None, ctypes.c_int64)(self.jm.address('age'))
         self.n, self.excesses = n, []
 
     def run(self, delay: int) -> int:
@@ -306,3 +330,47 @@ def test_three_regions_confirm_a_lag_only_when_all_three_are_slow(gomp):
     assert r.lag() <= quick
     r.run(SLOW)
     assert r.lag() > HIGH
+
+
+def test_a_lag_is_held_longer_each_time_it_outlasts_its_hold_and_once_after_it_ends(gomp):
+    """A lag is held `contention_memory_cycles`, or `hold()` times itself if longer.
+    While the cores stay taken (each region that begins after the hold ran out, slow
+    again), the next hold is twice as many lags, up to `contention_memory_lags` (50);
+    a region that finds the cores free (quick) clears the lag and the count, so that
+    the next outburst's lag is held once, and its serial tail is short. Time passing
+    is simulated (`age`): the test does not wait for the holds."""
+    memory = 1 << 30                          # a lag of HIGH cycles, 50 times itself, outlasts it
+    r = Regions(gomp, 2, memory=memory)
+    lags = r.cpu.contention_memory_lags
+    assert lags * HIGH >= memory
+
+    def held():                               # the threshold of a 1-work kernel, against the cold one
+        return r.threshold(10, 20, 1) > 20
+
+    def hold_cycles():
+        return max(memory, r.hold() * r.lag())
+
+    r.region(SLOW)
+    r.region(SLOW)                            # two slow regions in a row: the lag is set
+    assert r.lag() > HIGH and r.hold() == 1 and held()
+    r.age(hold_cycles() + 1)                  # held once: the memory's floor
+    assert not held()
+    for want in (2, 4, 8, 16, 32, 50, 50):    # each region after the hold: slow again
+        r.region(SLOW)
+        assert r.lag() > HIGH and r.hold() == want and held()
+        r.age(hold_cycles() - (1 << 20))      # held `want` lags (the floor while shorter)
+        assert held()
+        r.age(1 << 21)
+        assert not held()
+    assert r.hold() * r.lag() > memory        # at 50 lags the hold outlasts the floor
+    r.region(0)                               # the cores are free again
+    quick = r.excess()
+    assert r.lag() == quick                   # the least of this region's and the slow one's
+    if quick * lags < memory:                 # (unless this machine's own load delayed it)
+        assert r.hold() == 1
+        assert r.threshold(10, 20, 1) == max(20, 2 * quick)
+        r.region(SLOW)                        # a new outburst: its lag is held once
+        r.region(SLOW)
+        assert r.lag() > HIGH and r.hold() == 1 and held()
+        r.age(memory + 1)
+        assert not held()

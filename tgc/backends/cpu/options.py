@@ -35,7 +35,7 @@ class CpuOptions:
     cold_region_cycles: int = 300_000        # the expected overhead of a region whose workers had gone to sleep (a futex wake-up, ~80 us), not counted as lag
     contention_confirm_regions: int = 2      # the lag follows the least excess of this many consecutive regions (this one among them): one outlying region does not set it; 1: every region's excess does
     contention_memory_cycles: int = 250_000_000  # a measured lag is held this long (~0.1 s), then a region measures it again; 0: no lag (every kernel over its threshold runs in a region)
-    contention_memory_lags: int = 50         # ... or this many times the lag, if longer: the region that measures it again costs about one lag (2% of the time)
+    contention_memory_lags: int = 50         # ... or up to this many times the lag, if longer: 1 at first, doubled each time the region that measures it again (costing about one lag: 2% of the time at 50) finds it again (parallel._next_hold)
     blas_min_flops: int = 1 << 16            # GEMM cells with fewer flops (all sizes known) become loops (read by the fuse stage)
     blas_tile_mnk: int = 1 << 18             # GEMM tiles (cblas calls) of at most this m*n*k: OpenBLAS runs them on the calling thread
     gemm_loop_max_flops: int = 1 << 15       # GEMM tiles with at most these flops run generated loops instead of cblas

@@ -40,16 +40,22 @@ region (`CpuOptions.cold_region_cycles` when the workers had gone to sleep) is t
 region's *excess*. The lag follows the least excess of the last
 `contention_confirm_regions` (2) regions (`_confirmed`): it is set only when
 consecutive regions confirm it, so one outlying region on a quiet machine (a worker
-preempted once) sets none (held 50 times itself, such a lag would keep every kernel
+preempted once) sets none (held many times itself, such a lag would keep every kernel
 under twice it on one thread for that long). Until
-`CpuOptions.contention_memory_cycles` have passed (or `contention_memory_lags` times
-the lag, if longer), a kernel runs in a region only if its serial time is at least
+`CpuOptions.contention_memory_cycles` have passed (or `HOLD` times the lag, if
+longer), a kernel runs in a region only if its serial time is at least
 twice the lag: threads save at most half of it on two cores (`threshold_fn`; serial
 time from the kernel's work at `loop_work_per_cycle`, or a GEMM's flops at
 `gemm_flops_per_cycle`). On a loaded machine the lag is milliseconds and a step runs
-serially but for the process's first two regions and, once the memory has run out,
+serially but for the process's first two regions and, once the hold has run out,
 one region now and then that measures the lag again (the excesses are kept across
-the hold, so the region before it confirms the new one).
+the hold, so the region before it confirms the new one). `HOLD` starts at 1 and
+doubles each time that region finds the cores still taken, up to
+`contention_memory_lags` (50: those regions then cost ~2% of the time); a region that
+finds them free clears the lag and sets it back to 1 (`_next_hold`). So the serial
+tail after an outburst of load is about as long as the outburst or the memory's 0.1 s,
+not 50 lags (a 300 ms outburst that blocked a worker's core: 0.1 s against more than
+2.9 s; benchmarks/outburst.py).
 """
 
 import ctypes
@@ -143,6 +149,7 @@ def parallel_for(builder: ir.IRBuilder, body: ir.Function, data, n, threshold: i
 # measures no lag.
 
 REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at"
+HOLD = "tgc.region_lag_hold"   # how many times itself the lag is held (`_next_hold`)
 EXCESS = "tgc.region_excess"   # + ".i": the excess of the i-th last region (i = 1 .. contention_confirm_regions - 1)
 WAITED = "tgc.region_waited"   # cycles the calling thread has waited at barriers (`barrier_fn`)
 REGION, REGION_RUN, THRESHOLD, BARRIER = "tgc.region", "tgc.region.run", "tgc.threshold", "tgc.barrier"
@@ -168,14 +175,41 @@ def _smax(b: ir.IRBuilder, x, y):
     return b.select(b.icmp_signed(">", x, y), x, y)
 
 
+def _lags_held(b: ir.IRBuilder, home: ir.Module):
+    """i64: how many times itself the lag is held now (`HOLD`; at least 1)."""
+    return _smax(b, b.load_atomic(_state(home, HOLD), "monotonic", 8, typ=I64), I64(1))
+
+
 def _held_lag(b: ir.IRBuilder, home: ir.Module, cpu, t):
     """(i1 held, i64 lag) at time `t`: a lag is held `contention_memory_cycles`, or
-    `contention_memory_lags` times itself if longer: a region that measures it again
-    costs about one lag, so such regions take at most a small share of the time."""
+    `HOLD` times itself if longer (1, doubling up to `contention_memory_lags` while the
+    regions that measure it again confirm it: `_next_hold`)."""
     at = b.load_atomic(_state(home, LAG_AT), "monotonic", 8, typ=I64)
     lag = b.load_atomic(_state(home, LAG), "monotonic", 8, typ=I64)
-    hold = _smax(b, I64(cpu.contention_memory_cycles), b.mul(lag, I64(max(cpu.contention_memory_lags, 0))))
+    times = _lags_held(b, home) if cpu.contention_memory_lags > 0 else I64(0)
+    hold = _smax(b, I64(cpu.contention_memory_cycles), b.mul(lag, times))
     return b.icmp_unsigned("<", b.sub(t, at), hold), lag
+
+
+def _next_hold(b: ir.IRBuilder, home: ir.Module, cpu, held, new):
+    """Store the next `HOLD` after a region that set the lag `new`; `held`: whether the
+    lag was still held when the region began. A region that begins after the hold ran
+    out measures the lag again: if the lag is one that `contention_memory_lags` times
+    itself would hold beyond `contention_memory_cycles` (the cores are still taken), it
+    is held twice as many times itself as before, up to `contention_memory_lags`;
+    otherwise once (the memory's floor holds it). So a lag that outlasts its holds is
+    measured again after 1, 2, 4 ... lags, and then every `contention_memory_lags`
+    (those regions cost ~2% of the time), while the serial tail that a short outburst
+    of load leaves is about as long as the outburst, not 50 lags after it."""
+    if cpu.contention_memory_lags <= 0:   # only the memory's floor holds a lag
+        return
+    most = cpu.contention_memory_lags
+    m = _lags_held(b, home)
+    grown = b.mul(m, I64(2))
+    grown = b.select(b.icmp_signed(">", grown, I64(most)), I64(most), grown)
+    lasting = b.icmp_unsigned(">=", b.mul(new, I64(most)), I64(cpu.contention_memory_cycles))
+    m = b.select(held, m, b.select(lasting, grown, I64(1)))
+    b.store_atomic(m, _state(home, HOLD), "monotonic", 8)
 
 
 def _confirmed(b: ir.IRBuilder, home: ir.Module, cpu, excess):
@@ -250,6 +284,7 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         # up at once, down by an eighth of the difference: quick regions among slow ones
         # do not clear it (a lag no region renews is forgotten after its hold instead)
         new = _smax(b, seen, b.sub(old, b.ashr(b.sub(old, seen), I64(3))))
+        _next_hold(b, home, cpu, held, new)
         b.store_atomic(new, lag, "monotonic", 8)
         b.store_atomic(t1, at, "monotonic", 8)
     b.ret_void()
