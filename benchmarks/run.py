@@ -422,7 +422,7 @@ def check(case, out, ref, before):
     return None, worst
 
 
-def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
+def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0, warm_s=0.03):
     """Median seconds per call of each step, sampled A B C A B C ... (blocked: A A ... B B ...).
 
     With `settle_s`, each switch to a contender whose call takes 1 ms or more (the rows where
@@ -431,9 +431,12 @@ def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
     multi-threaded call) is idle again and does not take the cores from this one, and this
     one's own threads are awake. (Before short calls, torch's pool measured ~15x slower
     after such a pause, so they are not paused.) The untimed run is a whole sample of at
-    least 3 calls: after 0.12 s idle, tgc's GPT step measured 4.0-5.4 ms on its first
-    call and 3.4-4.1 on its second against 3.3-3.4 after, so half a sample (2 calls)
-    left the slow second call in the timed part."""
+    least 3 calls, and lasts at least `warm_s`: after 0.12 s idle, tgc's GPT step measured
+    4.0-5.4 ms on its first call and 3.4-4.1 on its second against 3.3-3.4 after, so half
+    a sample (2 calls) left the slow second call in the timed part; tgc's layernorm
+    4096x1024 took 4.2-4.7, 4.1-4.4, 3.5-3.9, 3.0-3.7, 2.6-3.4 ms on its first five calls
+    against 2.3-2.6 from the seventh (~15 ms of calls: torch's own 4-7 ms calls came down
+    over 1-7 of them), so 3 untimed calls left a 1-call sample (--quick) ~35% slow."""
     inner, long_calls = {}, {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
@@ -451,8 +454,10 @@ def time_interleaved(steps, repeats, sample_s, blocked=False, settle_s=0.0):
             fn, n = steps[name], inner[name]
             if settle_s and name != previous and long_calls[name]:
                 time.sleep(settle_s)
-                for _ in range(max(3, n)):  # untimed: wakes this contender's threads up
+                t0, k = time.perf_counter(), 0
+                while k < max(3, n) or time.perf_counter() - t0 < warm_s:  # untimed: wakes this contender up
                     fn()
+                    k += 1
             previous = name
             t0 = time.perf_counter()
             for _ in range(n):
