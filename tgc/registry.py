@@ -27,6 +27,7 @@ from tgc.opt.quotients import Quotients
 from tgc.opt.scatter import Scatter
 from tgc.opt.simplify import Simplify
 from tgc.opt.stabilize import Stabilize
+from tgc.opt.step_sums import StepSums
 from tgc.opt.stream import Stream
 from tgc.opt.unroll import Unroll
 from tgc.lower.fuse import Fuse
@@ -37,7 +38,7 @@ from tgc.lower.plan import Plan
 
 PASSES: Mapping[str, type[Pass]] = MappingProxyType({
     p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
-                        Quotients,
+                        Quotients, StepSums,
                         FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
                         Fuse, Layout, GemmEpilogue, Narrow, Plan)})
 
@@ -48,7 +49,7 @@ PASSES: Mapping[str, type[Pass]] = MappingProxyType({
 # Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
 # no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "quotients", "stream")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "quotients", "step_sums", "stream")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product

@@ -705,6 +705,26 @@ def test_a_lone_sum_over_its_leading_loops_splits_into_blocks_when_it_is_large()
     assert np.array_equal(prog(**x)["db"], build(LONE_SUM, "f32", parallel_min_work=1, threads=1)(**x)["db"])
 
 
+LONE_FULL_SUM = "dim a = 37, b = 9\ninput g[a, b]\nout s = sum(g * g)\n"
+
+
+def test_a_lone_full_sum_splits_into_blocks_when_it_is_large():
+    """A sum of every loop alone (a weight gradient's sum of squares right after its
+    product, in a layer loop's step: tgc/opt/step_sums.py) adds into a partial per
+    block of its first loop once it has `cpu.parallel_min_work` iterations, so threads
+    share it; the same bits on 1 and 2 threads, the interpreter's value to rounding."""
+    assert not groups(build(LONE_FULL_SUM, "f32"))
+    prog = build(LONE_FULL_SUM, "f32", parallel_min_work=1, threads=2)
+    (g,) = [g for g in groups(prog) if g.blocks]
+    assert g.outer == ("a",) and [(m.note, m.red) for m in g.members] == [("partial sums", ("a", "b"))]
+    m = prog.module
+    x = random_inputs(m, m.bind_dims({}), 5, "f32")
+    want = evaluate(m, dict(x), dtype="f64")["s"]
+    got = prog(**x)["s"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.array_equal(got, build(LONE_FULL_SUM, "f32", parallel_min_work=1, threads=1)(**x)["s"])
+
+
 def test_members_with_no_loops_of_their_own_keep_the_first_loop_alone():
     """A bias sum over (batch, t) beside an elementwise product over (batch, t, ff):
     with both rows loops outer every member's loops would all be outer; each streams

@@ -49,8 +49,10 @@ max + log(sum). Then a temporary that only later members read becomes:
 - otherwise a scratch row per block of outer indices (`[#block, inner edges]`, the
   group then runs in blocks): rewritten for each outer index, it stays in cache and
   the full tensor is never written to memory.
-A sum alone over its leading loops that keeps a loop after them (a bias gradient
-between two GEMMs) becomes such a group of one when it has at least
+A sum alone over its leading loops (a bias gradient between two GEMMs, which keeps a
+loop after them; a weight gradient's sum of squares right after its GEMM in a layer
+loop's step, `tgc/opt/step_sums.py`, which sums every loop) becomes such a group of one
+when it has at least
 `options.cpu.parallel_min_work` iterations (`_Grouper.lone_partial`): alone, a sum's
 own loop is never split over threads. Its elements take their terms in the blocks'
 order, then added up by block: not the order of the serial loop (an f32 sum may move
@@ -329,11 +331,11 @@ class _Grouper(Grouper):
 
     def lone_partial(self, k: LoopKernel) -> tuple[str, ...]:
         """The outer loops of a group of one for a kernel alone: a sum over its
-        leading loops that keeps a loop after them (a bias gradient `db[c] = sum[batch,
-        t] g`) with at least `cpu.parallel_min_work` iterations (known sizes) adds into
+        leading loops (a bias gradient `db[c] = sum[batch, t] g`, or a sum of every loop:
+        `sum[c, ff] dw^2`) with at least `cpu.parallel_min_work` iterations (known sizes) adds into
         a partial row per block of its first loop, so threads share it (a sum's own
         loop is never split: alone it runs on one thread). Else (): the kernel as it is."""
-        if k.reduce != "sum" or not k.loops or k.loops[0] not in k.red or all(v in k.red for v in k.loops):
+        if k.reduce != "sum" or not k.loops or k.loops[0] not in k.red:
             return ()
         n = 1
         for v in k.loops:
