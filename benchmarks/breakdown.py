@@ -20,8 +20,12 @@ and dK), and, with `--workload attention`, benchmarks/attention.py's causal atte
    normalized shape C'[P, Q] = A'[P, R] B'[R, Q] (`gemm_peak`'s: batch x P x Q x R,
    A' and B' stored N or T) with their GFLOP, ms, Mcycles (ms x the FMA clock) and
    % of the peak (of `threads` cores; an epilogue folded into a GEMM counts in its
-   time), and beside them each shape timed alone as benchmarks/gemm_peak.py times it
-   (tgc's own kernel and OpenBLAS, % of the same peak; `--alone-reps`); the other
+   time), how many of its runs in that call ran in a parallel region of their own
+   (`region`, `Program.region_calls`: under contention the runtime keeps a product
+   on one thread, `tgc/backends/cpu/parallel.py`, and its % of two cores' peak then
+   halves), and beside them each shape timed alone as benchmarks/gemm_peak.py times it
+   (tgc's own kernel and OpenBLAS, % of the same peak, per-thread CPU time, no
+   epilogue; `--alone-reps`); the other
    kernels with ms, MB moved (`tgc explain`'s: each buffer a kernel
    reads or writes, once) and GB/s. The rows sum to the counted call: the kernels,
    each loop's own work beyond its step kernels (`loop overhead`: carries, slices)
@@ -139,6 +143,7 @@ class Row:
     shape: str = ""             # products: batch x P x Q x R and A' B' layouts
     form: tuple | None = None   # ... as gemm_peak's product: (batch, P, Q, R, A' K-contiguous, B' N-contiguous)
     ticks: float = 0.0          # time-stamp-counter ticks per call
+    regions: int = 0            # a GEMM's runs (of `times`) that ran in a parallel region of their own
     times: int = 1              # runs per call (a loop's step kernels: its trip)
     loop: bool = False          # a loop (its ticks include its step kernels')
     outputs: tuple = ()         # the program outputs its results reach (`reached_outputs`)
@@ -324,14 +329,16 @@ def account(program, arrays: dict, calls: int, hz: float, minima: bool = False) 
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         top = {i: c for c, i, _ in program.profile()}
         counts = [top[i] for i in range(n)] + [c for c, _ in program.step_profile()]
+        regions = program.region_calls()
         least = counts if least is None else [min(a, b) for a, b in zip(least, counts)]
         if best is None or wall < best[0]:
-            best = (wall, counts, cpu)
-    wall, counts, cpu = best
+            best = (wall, counts, cpu, regions)
+    wall, counts, cpu, regions = best
     if minima:
         counts = least
-    for r, c in zip(rows, counts):
+    for r, c, g in zip(rows, counts, regions):
         r.ticks = float(c)
+        r.regions = g
     loop_ticks = sum(rows[i].ticks - sum(rows[j].ticks for j in idx) for i, idx in loops)
     counted = sum(rows[i].ticks for i in range(n))
     return Account([r for r in rows if not r.loop], loop_ticks, counted, wall, hz, calls, cpu)
@@ -565,7 +572,7 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -
           f"of {acc.calls}; the process on CPU {100 * acc.cpu / acc.wall / threads:.0f}% of it x {threads}); the same "
           f"program without the counters (merged regions): {plain[0] * 1e3:.1f} ms median, {plain[1] * 1e3:.1f} min")
     print(f"  {'product (batch x P x Q x R, A B)':<42} {'x/call':>6} {'GFLOP':>7} {'ms':>8} {'Mcyc':>8} {'% peak':>6}"
-          f" | alone: {'own %':>5} {'blas %':>6}")
+          f" {'region':>6} | alone: {'own %':>5} {'blas %':>6}")
     prod_t = 0.0
     for shape, rs in sorted(groups.items(), key=lambda kv: -sum(r.ticks for r in kv[1])):
         t = sum(r.ticks for r in rs) / hz
@@ -575,7 +582,7 @@ def report_tgc(acc: Account, threads: int, pk: dict, plain: tuple, solo: dict) -
         cells = [f"{100 * one / solo[shape][k, threads] / peak:.1f}" if (k, threads) in solo.get(shape, {}) else "-"
                  for k in ("own", "blas")]
         print(f"  {shape:<42} {sum(r.times for r in rs):>6} {f / 1e9:>7.2f} {t * 1e3:>8.2f} {t * fma / 1e6:>8.1f} "
-              f"{100 * f / t / peak if t else 0:>6.1f} | {cells[0]:>12} {cells[1]:>6}")
+              f"{100 * f / t / peak if t else 0:>6.1f} {sum(r.regions for r in rs):>6} | {cells[0]:>12} {cells[1]:>6}")
     pf = acc.product_flops()
     print(f"  {'all products':<42} {'':>6} {pf / 1e9:>7.2f} {prod_t * 1e3:>8.2f} {prod_t * fma / 1e6:>8.1f} "
           f"{100 * pf / prod_t / peak if prod_t else 0:>6.1f}")

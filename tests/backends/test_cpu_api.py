@@ -419,6 +419,41 @@ def test_profile_counts_the_kernels_of_a_loops_step():
         tgc.compile(DEEP, dtype="f64").step_profile()
 
 
+def test_region_calls_count_the_gemm_calls_that_ran_in_a_region():
+    """`region_calls` counts, per profile counter, a GEMM's calls that ran in a
+    parallel region of their own: every call of a product over the threshold on two
+    threads without the contention rule's hold, none on one thread, none for a loop."""
+    from tgc.backends.cpu.llvm_env import usable_cores
+    from tgc.options import Options
+
+    src = """
+dim m, k, n
+input x: f32[m, k], w: f32[k, n]
+y = relu(x @ w)
+out y
+"""
+    x = np.ones((256, 256), np.float32)
+    w = np.full((256, 256), 0.5, np.float32)
+    counts = {}
+    for threads in (1, 2):
+        cpu = Options().cpu.with_(profile=True, threads=threads, contention_memory_cycles=0)
+        prog = tgc.compile(src, options=Options().with_(cpu=cpu))
+        for _ in range(3):
+            np.testing.assert_array_equal(prog(x=x, w=w)["y"], 128.0)
+        kinds = ["gemm" if k.text().startswith("gemm") else "loop" for k in prog.lowered.kernels]
+        calls = prog.region_calls()
+        assert len(calls) == len(kinds) and "gemm" in kinds
+        assert all(c == 0 for c, kind in zip(calls, kinds) if kind == "loop")
+        counts[threads] = sum(calls)
+        prog.profile(reset=True)
+        assert prog.region_calls() == [0] * len(kinds)
+    assert counts[1] == 0
+    if usable_cores() >= 2:
+        assert counts[2] == 3
+    with pytest.raises(ValueError, match="profile=True"):
+        tgc.compile(src).region_calls()
+
+
 def test_recycled_outputs_are_safe_across_threads():
     """Calls from several threads: no call's outputs are handed to another call."""
     import threading

@@ -411,6 +411,12 @@ class Program:
         there zeroes these too)."""
         return self._kernels.step_profile()
 
+    def region_calls(self) -> list[int]:
+        """Per counter of `profile` and `step_profile` (the program's kernels in order,
+        then the loops' step kernels), how many of its calls ran in a parallel region
+        of their own (a GEMM's; 0 for other kernels), as `profile` counts."""
+        return self._kernels.region_calls()
+
     @property
     def llvm_ir(self) -> str:
         """The LLVM IR text of this program (the CPU backend; generated again on request)."""

@@ -402,9 +402,9 @@ class _ModuleGen:
                 i += 2
                 continue
             start = self.now(b) if self.opt.cpu.profile else None
-            self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
+            ran = self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
             if start is not None:
-                self.count_cycles(b, i, start)
+                self.count_cycles(b, i, start, ran)
             if self.objects_entry:
                 b.call(self.notify_fn(), [I32(i)])
             i += 1
@@ -423,13 +423,14 @@ class _ModuleGen:
         return (cpu.threads == 1 and not cpu.profile and i + 1 < len(ks)
                 and regions.pair_key(self.low, ks[i], ks[i + 1], cpu) is not None)
 
-    def call_kernel(self, f: Frame, k, fns, ptrs: dict, ws, offsets: list, base: int) -> None:
+    def call_kernel(self, f: Frame, k, fns, ptrs: dict, ws, offsets: list, base: int):
         """Run kernel `k` on the buffers `ptrs` (by name); `fns` yields the functions of
-        the leaf kernels in `leaf_kernels` order; a loop's step uses slots from `base`."""
+        the leaf kernels in `leaf_kernels` order; a loop's step uses slots from `base`.
+        Returns a GEMM's i32 (1: it ran in a region of its own), else None."""
         b = f.b
         if isinstance(k, StepLoop):
             self.call_steps(f, k, fns, ptrs, ws, offsets, base)
-            return
+            return None
         kfn, par = next(fns)
         dims = f.dims_ptr
         if isinstance(k, (GemmKernel, ImplicitGemm)):
@@ -440,9 +441,9 @@ class _ModuleGen:
                 for j, n in enumerate(epi):
                     b.store(ptrs[n], b.gep(arr, [I32(0), I32(j)]))
                 extra = [arr]
-            b.call(kfn, [dims] + [ptrs[n] for n in gemm_buffers(k)] + [self.gemm_min_flops(b)] + extra)
-        else:
-            self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+            return b.call(kfn, [dims] + [ptrs[n] for n in gemm_buffers(k)] + [self.gemm_min_flops(b)] + extra)
+        self.call_loop(f, k, kfn, par, [dims] + [ptrs[n] for n in kernel_buffers(k)])
+        return None
 
     def gemm_min_flops(self, b: ir.IRBuilder):
         """i64: the least flops of a GEMM that starts a region of its own now (none in a
@@ -497,10 +498,10 @@ class _ModuleGen:
                     skip = starts[i].stop
                     continue
                 start = self.now(b) if self.opt.cpu.profile and not isinstance(sk, StepLoop) else None
-                self.call_kernel(f, sk, sub, inner, ws, offsets, base)
+                ran = self.call_kernel(f, sk, sub, inner, ws, offsets, base)
                 if start is not None:
                     j = next(j for j, c in enumerate(self.step_counters) if c is sk)
-                    self.count_cycles(b, len(self.low.kernels) + j, start)
+                    self.count_cycles(b, len(self.low.kernels) + j, start, ran)
             for c in range(k.carries):
                 if k.outs[c].buf == k.args[c].buf:   # updated in place (tgc.lower.accumulate)
                     continue
@@ -746,19 +747,25 @@ class _ModuleGen:
     def now(self, b: ir.IRBuilder):
         return parallel.now(b)
 
-    def count_cycles(self, b: ir.IRBuilder, i: int, start) -> None:
+    def count_cycles(self, b: ir.IRBuilder, i: int, start, ran=None) -> None:
         """Add the cycles since `start` to kernel i's counter (`options.cpu.profile`:
-        `tgc_profile()` returns the counters, one i64 per kernel)."""
+        `tgc_profile()` returns the counters, one i64 per kernel, then one per kernel
+        counting a GEMM's calls that ran in a region of their own: `ran`, its i32,
+        is 1 for such a call; under contention a GEMM over its serial threshold may
+        still run on one thread, `parallel.py`)."""
+        n = max(len(self.low.kernels) + len(self.step_counters), 1)
         table = self.mod.globals.get("tgc.profile")
         if table is None:
-            n = max(len(self.low.kernels) + len(self.step_counters), 1)
-            table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, n), "tgc.profile")
+            table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, 2 * n), "tgc.profile")
             table.linkage = "internal"
             table.initializer = ir.Constant(table.value_type, None)
             getter = define(self.mod, "tgc_profile", PTR, [], internal=False)
             ir.IRBuilder(getter.append_basic_block("entry")).ret(table)
         slot = b.gep(table, [I32(0), I32(i)], inbounds=True)
         b.store(b.add(b.load(slot, typ=I64), b.sub(self.now(b), start)), slot)
+        if ran is not None:
+            slot = b.gep(table, [I32(0), I32(n + i)], inbounds=True)
+            b.store(b.add(b.load(slot, typ=I64), b.zext(b.icmp_signed("!=", ran, I32(0)), I64)), slot)
 
     # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
     # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding

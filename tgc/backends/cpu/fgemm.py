@@ -11,8 +11,8 @@ weight gradient's or attention's transposed A') is packed, where B has more than
 one block of columns, K block by K block for each row panel (`_pack_a_transposed`:
 16 x 16 transposes into a stack buffer, K contiguous, read by every column block),
 and read in place (one cache line per K for a block of rows) otherwise. Columns in blocks of V vectors
-of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (a 288-deep convolution product is
-one block: no second pass over C). Each block of B is packed into a stack buffer, one
+of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (400 terms: a 288-deep convolution
+product and a width-384 transformer's 384-deep ones are one block, no second pass over C). Each block of B is packed into a stack buffer, one
 row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N is
 contiguous, gathers when not), so the inner loop reads it with aligned whole-vector
 loads. Then for every block of R rows the K loop keeps R x V vector accumulators in

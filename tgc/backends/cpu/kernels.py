@@ -352,7 +352,7 @@ class CpuKernels(Kernels):
         kernels = self.lowered.kernels
         steps = step_profile_kernels(self.lowered)
         addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
-        counts = (ctypes.c_int64 * max(len(kernels) + len(steps), 1)).from_address(addr)
+        counts = (ctypes.c_int64 * (2 * max(len(kernels) + len(steps), 1))).from_address(addr)
         out = sorted(((counts[i], i, k.text().splitlines()[0]) for i, k in enumerate(kernels)), reverse=True)
         if reset:
             ctypes.memset(addr, 0, ctypes.sizeof(counts))
@@ -370,6 +370,20 @@ class CpuKernels(Kernels):
         addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
         counts = (ctypes.c_int64 * max(n + len(steps), 1)).from_address(addr)
         return [(counts[n + j], k.text().splitlines()[0]) for j, k in enumerate(steps)]
+
+    def region_calls(self) -> list[int]:
+        """Per counter of `profile` (the program's kernels in order, then `step_profile`'s),
+        how many of its calls so far ran in a parallel region of their own: a GEMM's
+        calls that the contention rule or its thresholds left on one thread are not
+        counted (0 for every other kernel; `profile(reset=True)` zeroes these too)."""
+        if not self.options.cpu.profile:
+            raise ValueError("compile with Options(cpu=CpuOptions(profile=True)) to profile kernels")
+        from tgc.backends.cpu.codegen import step_profile_kernels
+
+        n = max(len(self.lowered.kernels) + len(step_profile_kernels(self.lowered)), 1)
+        addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
+        counts = (ctypes.c_int64 * (2 * n)).from_address(addr)
+        return [counts[n + j] for j in range(len(self.lowered.kernels) + len(step_profile_kernels(self.lowered)))]
 
     @property
     def llvm_ir(self) -> str:

@@ -58,7 +58,7 @@ class CpuOptions:
     own_gemm_min_rows: int = 192             # ... or tiles of at least this many rows of C' and 128 columns, any depth and B' ...
     own_gemm_tall_max_b_bytes: int = 1 << 22  # ... and a B' of at most this many bytes (gemm_dispatch.uses_own_gemm)
     own_gemm_transposed_a: bool = True       # ... also where A' has its rows contiguous (no taps): the kernel packs it panel by panel (fgemm._pack_a_transposed); False: such products go to cblas
-    own_gemm_pack_a_rows: int = 512          # the most rows (rounded up to 16) of a row panel whose transposed A' the own kernel packs, in a stack buffer of that many x 320 floats (the default panel: 384 rows, 480 KiB); a larger panel reads A' in place
+    own_gemm_pack_a_rows: int = 512          # the most rows (rounded up to 16) of a row panel whose transposed A' the own kernel packs, in a stack buffer of that many x 400 floats (5/4 of own_gemm_depth; the default panel: 384 rows, 600 KiB); a larger panel reads A' in place
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
     group_shrink_max_bytes: int = 1 << 21    # a kernel that would shorten a loop group's shared outer loops (loops that disagree, or end, where they did not before) starts a new group instead when the group's buffers would then have more than this many bytes per outer index (an L2: more no longer stays in cache between members), unless it sums over the loop where they end (a layernorm backward's partial sums; group._Grouper.outer); a group whose members sum over more than its first outer loop keeps them outer only above this many bytes per index of the first (group._Grouper.prefix)
@@ -97,7 +97,7 @@ class CpuOptions:
     wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum)
     prefetch_row_bytes: int = 16384          # the most bytes of a loop group's next row prefetched per buffer ...
     prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
-    own_gemm_depth: int = 256                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it) ...
+    own_gemm_depth: int = 320                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it: a width-384 transformer's 384-deep products are one block, C written once) ...
     own_gemm_mask_classes: int = 64          # ... and the most row classes whose lane masks an implicit GEMM's window table holds (fgemm._Lanes)
     own_gemm_rows: int = 6                   # rows of A (broadcast) x ...
     own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
