@@ -222,13 +222,17 @@ def test_a_stream_whose_steps_run_over_key_blocks_takes_stream_key_rows():
 
 
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-12), ("f32", 2e-5)])
-def test_cuda_sim_matches_torch(dtype, tol):
+@pytest.mark.parametrize("name", ["attention", "layer"])
+def test_cuda_sim_matches_torch(name, dtype, tol):
     """The key loops inside the stream's steps on the CUDA module's emulator (host launch
-    loops), attention with its gradients."""
+    loops), attention and the layer (its products over the keys' own edge in the key
+    loops: what CUDA compiles for `benchmarks/attention.py`'s layer at t = 8192, whose
+    chain the flash kernels do not take) with their gradients."""
     import tgc
 
-    want = torch_oracle.evaluate(compile_source(ATTENTION, "<keys>", Options(dtype="f64")), inputs(ATTENTION))
-    got = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(ATTENTION, dtype))
+    src = {"attention": ATTENTION, "layer": LAYER}[name]
+    want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
+    got = tgc.compile(src, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(src, dtype))
     close(got, want, tol)
 
 

@@ -56,6 +56,17 @@ gather of a small table at an index affine in `s` (a stream's mask `G[r = s - t 
 reads a stacked window of the table per block; a reindex of the keys to another edge
 (a masked run's carry padded back to every key) reads the joined values.
 
+Products over the keys' own edge. A layer projects its keys and values over the input
+edge `t` and renames them to `s`; the algebra may put that rename (or a stream run's
+reindex to its hull of keys) after the product, so that the step holds `q . k` (and the
+backward's `dO . v`) as a whole `[.., B, t]` matrix. Before the loops are built such a
+product is made over the keys, the reindex moved onto its operand with `t`
+(`_products_at_keys`), so that it is a value of the cluster the loops compute block by
+block. And a sum of the cluster's values and a carry of the step over the keys that is
+not stored key block by key block (a layer's `[c, s]` dk carry, in its order an edge of
+size > 1 before `s`) is computed after the loops on the joined blocks: inside them it
+would copy the carry's blocks in and the sums' blocks out.
+
 Masked keys. A stream over a mask already runs each step over only the keys the mask
 admits for the step's rows (tgc.opt.stream_skip: the keys resized to the run's hull);
 the key loops cover that hull (the masked keys inside it are computed, as the
@@ -72,7 +83,9 @@ the earlier blocks' sums are scaled by `exp(m'_old - m'_new)` (one more rounding
 block and row; each factor <= 1, so nothing overflows); `y = acc * exp(-log l)`
 replaces the sum of `v * exp(X - m - lse)`; the sums over `s` are taken blockwise,
 then across blocks, and `rowsum(P * dP)` as `rowsum(dy * y)` (reassociations, as
-tgc.opt.stream's). The maxima are exact; the second loop's weights are the
+tgc.opt.stream's); a product over the keys' own edge made over the keys computes each
+element from the same terms (a GEMM may order the sum over `hd` otherwise), and a
+carry added after the loops is the same sum. The maxima are exact; the second loop's weights are the
 unstreamed step's (kept or recomputed, X is the same value: the same product and
 mask). With logits up to 1e4, f32, y and every gradient stay within 10x
 PyTorch f32's error (tests/opt/test_stream_keys.py). Under `--fp-strict` the stream
