@@ -119,10 +119,44 @@ def test_gradients_cpu_f32_and_f64_match_torch(name):
         close(tgc.compile(src, "cpu", dtype, options=Options(**KEYS))(**inputs(src, dtype)), want, tol)
 
 
-def test_fp_strict_and_the_default_keep_the_steps_whole():
+def test_fp_strict_keeps_the_steps_whole_and_the_default_streams_long_keys_only():
+    """`--fp-strict` makes no key loops; the default key block (256) makes none where the
+    keys are shorter than two blocks (every GPT of the benchmark table, t = 256)."""
     src = FORWARD["attention"]
     assert key_loops(optimized(src, "f64", fp_strict=True, **KEYS)) == 0
-    assert Options().stream_key_block == 0
+    assert Options().stream_key_block == 256
+    assert key_loops(optimized(src, "f64", **dict(KEYS, stream_key_block=Options().stream_key_block))) == 0
+
+
+def _step_values(module) -> list:
+    """The values of the program's loops' steps, nested loops' steps included."""
+    out, seen, stack = [], set(), [v for v in module.values() if v.op == "loop"]
+    while stack:
+        v = stack.pop()
+        if id(v.attrs[0]) in seen:
+            continue
+        seen.add(id(v.attrs[0]))
+        for w in topo_order(list(v.attrs[0].results)):
+            out.append(w)
+            if w.op == "loop":
+                stack.append(w)
+    return out
+
+
+def test_a_layers_products_over_the_keys_own_edge_run_in_the_key_loops():
+    """In a layer (keys and values projected from x over `t`, renamed to `s`), the scores
+    `q . k` and the backward's `dO . v` are products over `t` read at the run's keys
+    through a rename or a reindex: with the key loops they are made over the keys and
+    computed block by block (tgc.opt.stream_keys `_products_at_keys`), so that no step
+    holds a `[.., t, B]` matrix beside its key loops; y and every gradient equal the
+    program without the pass (f64, interpreter)."""
+    module = optimized(LAYER, "f64", **KEYS)
+    assert key_loops(module) >= 2
+    whole = [v for v in _step_values(module) if v.op != "indicator" and "t" in v.edges
+             and any(e.startswith("t.") for e in v.edges)]
+    assert not whole, [(v.op, v.edges) for v in whole]
+    x = inputs(LAYER)
+    close(evaluate(module, x, dtype="f64"), evaluate(optimized(LAYER, "f64", **OFF), x, dtype="f64"), 1e-12)
 
 
 def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
@@ -188,13 +222,17 @@ def test_a_stream_whose_steps_run_over_key_blocks_takes_stream_key_rows():
 
 
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-12), ("f32", 2e-5)])
-def test_cuda_sim_matches_torch(dtype, tol):
+@pytest.mark.parametrize("name", ["attention", "layer"])
+def test_cuda_sim_matches_torch(name, dtype, tol):
     """The key loops inside the stream's steps on the CUDA module's emulator (host launch
-    loops), attention with its gradients."""
+    loops), attention and the layer (its products over the keys' own edge in the key
+    loops: what CUDA compiles for `benchmarks/attention.py`'s layer at t = 8192, whose
+    chain the flash kernels do not take) with their gradients."""
     import tgc
 
-    want = torch_oracle.evaluate(compile_source(ATTENTION, "<keys>", Options(dtype="f64")), inputs(ATTENTION))
-    got = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(ATTENTION, dtype))
+    src = {"attention": ATTENTION, "layer": LAYER}[name]
+    want = torch_oracle.evaluate(compile_source(src, "<keys>", Options(dtype="f64")), inputs(src))
+    got = tgc.compile(src, "cuda-sim", dtype, options=Options(**KEYS))(**inputs(src, dtype))
     close(got, want, tol)
 
 
@@ -240,3 +278,26 @@ def test_blocks_read_in_place_match_unstreamed(backend):
     x = inputs(ATTENTION)
     want = evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64")
     close(tgc.compile(ATTENTION, backend, "f64", options=opts)(**x), want, 1e-12)
+
+
+def test_the_attention_layer_at_t_8192_peaks_within_64_mib_under_the_defaults():
+    """`benchmarks/attention.py`'s layer at t = 8192 (examples/attention.tg with one head
+    of 64, the batch symbolic, bound to 1) under the default options, whose steps run
+    over key blocks: `tgc explain`'s peak of live temporaries is within the issue's 64
+    MiB (its scores and `dO . v` over the keys' own edge were held whole, `[B, t]`,
+    beside the key loops: 82 MiB), and so is the peak at t = 4096 (O(t * d), not O(t^2):
+    the two heads there hold as much as the one head at 8192)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        bench = importlib.import_module("attention")
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    assert Options().stream_key_block > 0
+    for t in (4096, 8192):
+        peak, _ = bench.tgc_peak(bench.layer_source(t), {"batch": bench.ROWS[t][1]})
+        assert peak <= 64 * 2**20, (t, peak / 2**20)

@@ -56,6 +56,17 @@ gather of a small table at an index affine in `s` (a stream's mask `G[r = s - t 
 reads a stacked window of the table per block; a reindex of the keys to another edge
 (a masked run's carry padded back to every key) reads the joined values.
 
+Products over the keys' own edge. A layer projects its keys and values over the input
+edge `t` and renames them to `s`; the algebra may put that rename (or a stream run's
+reindex to its hull of keys) after the product, so that the step holds `q . k` (and the
+backward's `dO . v`) as a whole `[.., B, t]` matrix. Before the loops are built such a
+product is made over the keys, the reindex moved onto its operand with `t`
+(`_products_at_keys`), so that it is a value of the cluster the loops compute block by
+block. And a sum of the cluster's values and a carry of the step over the keys that is
+not stored key block by key block (a layer's `[c, s]` dk carry, in its order an edge of
+size > 1 before `s`) is computed after the loops on the joined blocks: inside them it
+would copy the carry's blocks in and the sums' blocks out.
+
 Masked keys. A stream over a mask already runs each step over only the keys the mask
 admits for the step's rows (tgc.opt.stream_skip: the keys resized to the run's hull);
 the key loops cover that hull (the masked keys inside it are computed, as the
@@ -72,7 +83,9 @@ the earlier blocks' sums are scaled by `exp(m'_old - m'_new)` (one more rounding
 block and row; each factor <= 1, so nothing overflows); `y = acc * exp(-log l)`
 replaces the sum of `v * exp(X - m - lse)`; the sums over `s` are taken blockwise,
 then across blocks, and `rowsum(P * dP)` as `rowsum(dy * y)` (reassociations, as
-tgc.opt.stream's). The maxima are exact; the second loop's weights are the
+tgc.opt.stream's); a product over the keys' own edge made over the keys computes each
+element from the same terms (a GEMM may order the sum over `hd` otherwise), and a
+carry added after the loops is the same sum. The maxima are exact; the second loop's weights are the
 unstreamed step's (kept or recomputed, X is the same value: the same product and
 mask). With logits up to 1e4, f32, y and every gradient stay within 10x
 PyTorch f32's error (tests/opt/test_stream_keys.py). Under `--fp-strict` the stream
@@ -140,13 +153,25 @@ def _split(x: Value, s: str, sc: str, sb: str, b: int) -> Value:
 
 
 class _Keys:
-    def __init__(self, m: Module, s: str, b: int, mx: Value, order: list[Value], keep: bool = False):
+    def __init__(self, m: Module, s: str, b: int, mx: Value, order: list[Value], keep: bool = False,
+                 orders: tuple[tuple[str, ...], ...] = ()):
         self.m, self.s, self.b, self.mx = m, s, b, mx
+        self.orders = orders                          # the program's outputs' orders (tgc.lower.steps' carry order)
         self.order = order
         self.keep = keep                              # the first loop's block scores kept for the second
         self.kept: dict[int, Value] = {}              # id(cluster value) -> its blocks stacked by the first loop
         self.sizes = {e: m.size(e) for e in m.edges}
         self.owed: dict[int, dict[int, float]] = {}   # id(statistic) -> the terms it owes
+
+    def blockwise(self, o: Value) -> bool:
+        """Whether a value over the keys `o` may be stored with every edge before the keys
+        of size 1 (its key blocks contiguous) in the order a step's carry has
+        (tgc.lower.steps `carry_order`: that of the program's outputs over its edges, or
+        over them and the edges of loops around the step, else the declaration order)."""
+        have = set(o.edges)
+        orders = {tuple(e for e in t if e in have) for t in self.orders if have <= set(t)} \
+            or {self.m.order_edges(o.edges)}
+        return any(all(self.sizes.get(e) == 1 for e in t[:t.index(self.s)]) for t in orders)
 
     def edges(self, v: Value) -> list[str]:
         return [self.sc if e == self.s else e for e in v.edges]
@@ -156,6 +181,22 @@ class _Keys:
         order = self.order
         cluster = [v for v in order if s in v.edges and v.op in ("add", "map", "contract", "reduce", "stop")]
         ids = {id(v) for v in cluster}
+        # a sum of the cluster's values and a value over the keys from outside it that is
+        # not stored key block by key block (the step's carry of a layer's dk, `[c, s]`:
+        # an edge of size > 1 before the keys) is added after the loops, to the joined
+        # blocks: the loop would read that value's blocks and write the sums' blocks as
+        # copies (a key block of a carry whose earlier edges have size 1 is read and
+        # written in place, tgc.lower.steps; `blockwise`)
+        readers: dict[int, list[Value]] = {}
+        for v in order:
+            for o in v.operands:
+                readers.setdefault(id(o), []).append(v)
+        late = {id(v) for v in cluster if v.op == "add" and not any(id(r) in ids for r in readers.get(id(v), ()))
+                and any(id(o) not in ids and s in o.edges and o.op not in ("const", "indicator")
+                        and not self.blockwise(o) for o in v.operands)}
+        if late:
+            cluster = [v for v in cluster if id(v) not in late]
+            ids -= late
         stats = [v for v in order if _stat_kind(v, s) is not None]
         sid = {id(v) for v in stats}
         if any(_stat_kind(v, s) == "other" for v in stats):
@@ -601,16 +642,19 @@ class _Keys:
         return V.add([V.mul([carry, scale]), part])
 
 
-def stream_keys(module: Module, options: Options) -> Module:
+def stream_keys(module: Module, options: Options, orders: tuple[tuple[str, ...], ...] = ()) -> Module:
     """`module` with its values over a long key edge computed in a loop over blocks of it
-    (online softmax), where they exceed `options.stream_step_elements`; else `module`."""
+    (online softmax), where they exceed `options.stream_step_elements`; else `module`.
+    `orders`: the program's outputs' orders, where `module` is a loop's step."""
     b = options.stream_key_block
     budget = options.stream_step_elements
     if b <= 0:
         return module
     given, module = module, _shifted_maxima(module)
-    order = module.values()
     sizes = {e: module.size(e) for e in module.edges}
+    for s in sorted(_key_edges(module, options, sizes)):
+        module = _products_at_keys(module, s, sizes)
+    order = module.values()
     for mx in order:
         if mx.op != "reduce" or mx.attrs[0] != "max" or len(mx.attrs[1]) != 1:
             continue
@@ -622,10 +666,89 @@ def stream_keys(module: Module, options: Options) -> Module:
         m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
                    list(module.updates), list(module.facts))
         try:
-            return _Keys(m, s, b, mx, order, options.stream_key_scores).build()
+            return _Keys(m, s, b, mx, order, options.stream_key_scores, orders).build()
         except _Reject:
             continue
     return given
+
+
+def _key_edges(module: Module, options: Options, sizes: dict) -> set[str]:
+    """The key edges of the maxima `stream_keys` would try (an operand over the step
+    budget, the edge two key blocks at least)."""
+    b = options.stream_key_block
+    out: set[str] = set()
+    for mx in module.values():
+        if mx.op == "reduce" and mx.attrs[0] == "max" and len(mx.attrs[1]) == 1:
+            n = sizes.get(mx.attrs[1][0])
+            if isinstance(n, int) and n % b == 0 and n >= 2 * b \
+                    and _numel(mx.operands[0], sizes) > options.stream_step_elements:
+                out.add(mx.attrs[1][0])
+    return out
+
+
+def _products_at_keys(module: Module, s: str, sizes: dict) -> Module:
+    """`module` with each product read at the keys through a reindex, `P[r = a*s + w]`
+    or a rename `r -> s`, where `P = c * contract(.., K, ..)` and only K has `r` (a layer's scores `q . k`
+    over the keys' own edge `t`, renamed to the run's keys `s` after the product), made
+    over the keys instead: `c * contract(.., K[r = a*s + w], ..)`. The product is then
+    a value over `s` that the key loops compute block by block (its operand K's block a
+    window of K), not a whole `[.., B, t]` matrix beside them. Exact: the reindex only
+    selects elements (each product element is the same sum over the same terms; a
+    kernel may order that sum differently), and the scale `c` is applied to each
+    selected element as before. Only where P and its scales have no other reader and K
+    is smaller than P."""
+    order = module.values()
+    readers: dict[int, int] = {}
+    for v in order:
+        for o in v.operands:
+            readers[id(o)] = readers.get(id(o), 0) + 1
+    for o in module.roots():   # an output or update is read outside
+        readers[id(o)] = readers.get(id(o), 0) + 2
+
+    def pushed(v: Value, memo: dict) -> Value | None:
+        if v.op == "rename" and len(v.attrs[0]) == 1 and v.attrs[0][0][1] == s:
+            ind, g, r = None, v.operands[0], v.attrs[0][0][0]   # P renamed: r -> s
+        elif v.op == "contract" and len(v.operands) == 2 and [o.op for o in v.operands].count("indicator") == 1:
+            ind = next(o for o in v.operands if o.op == "indicator")
+            g = v.operands[1] if v.operands[0] is ind else v.operands[0]
+            if s not in ind.edges or len(ind.edges) != 2:
+                return None
+            r = next(e for e in ind.edges if e != s)
+        else:
+            return None
+        if s in g.edges or r not in g.edges or r in v.edges:
+            return None
+        scales: list[Value] = []
+        x = g
+        while x.op == "add" and len(x.operands) == 1 and readers.get(id(x), 0) == 1:
+            scales.append(x)
+            x = x.operands[0]
+        if x.op != "contract" or readers.get(id(x), 0) != 1 or r not in x.edges:
+            return None
+        holders = [k for k, o in enumerate(x.operands) if r in o.edges]
+        if len(holders) != 1 or any(s in o.edges for o in x.operands):
+            return None
+        k = x.operands[holders[0]]
+        if k.op == "indicator" or _numel(k, sizes) >= _numel(x, sizes):
+            return None
+        kk = V.rename(memo[id(k)], {r: s}, v.loc) if ind is None else \
+            V.contract([memo[id(k)], ind], [s if e == r else e for e in k.edges], v.loc)
+        ops = [kk if j == holders[0] else memo[id(o)] for j, o in enumerate(x.operands)]
+        out = V.contract(ops, v.edges, x.loc)
+        for a in reversed(scales):
+            out = V.add([out], a.attrs[0], a.loc)
+        return out
+
+    memo: dict[int, Value] = {}
+    changed = False
+    for v in order:
+        new = pushed(v, memo)
+        if new is not None:
+            changed = True
+            memo[id(v)] = new
+        else:
+            memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+    return module.replace_values(memo) if changed else module
 
 
 def key_candidates(module: Module, options: Options) -> bool:
@@ -682,7 +805,8 @@ def stream_key_bodies(module: Module, options: Options) -> Module:
 
     if options.stream_key_block <= 0:
         return module
+    orders = tuple(tuple(o.order) for o in module.outputs)
 
     def fn(body: Module) -> Module:
-        return stream_keys(map_bodies(body, fn), options)
+        return stream_keys(map_bodies(body, fn), options, orders)
     return map_bodies(module, fn)
