@@ -74,10 +74,33 @@ def test_loops_that_do_not_qualify_run_their_steps_one_after_another(why):
     assert '@"tgc.s0"' not in "".join(generate_units(low, o))
 
 
-@pytest.mark.parametrize("batch", [2, 3])
+def test_a_loop_over_the_heads_after_a_batch_of_1_reads_and_writes_in_place():
+    """With a batch of 1 (benchmarks/attention.py's t = 4096 row: 2 heads x batch 1) the
+    stream loops over the heads, which come after the batch in q, k, v, dy and the
+    outputs: step i's head is still the slice at offset i times its size, so the loop
+    binds the arguments and the outputs as they are (`Bind.split` on the loop edge) with
+    no copy kernel in or out, and its steps run on the threads."""
+    low, opts = lowered(1, options())
+    assert [type(k) for k in low.kernels] == [StepLoop]
+    loop = low.kernels[0]
+    assert loop.edge == "head" and loop.carries == 0
+    assert sorted((b.buf, b.split) for b in loop.args) == [(n, "head") for n in ("dy", "k", "q", "v")]
+    assert sorted((b.buf, b.split) for b in loop.outs) == [(n, "head") for n in ("dk", "dq", "dv", "y")]
+    assert [k for k, _ in parallel_step_loops(low, opts.cpu)] == [loop]
+    # read back from its text: the outputs' blocks too
+    from tgc.lower.lowered import print_lowered
+    from tgc.lower.text import parse_lowered
+    again = parse_lowered(print_lowered(low))
+    assert [str(b) for b in again.kernels[0].outs] == [str(b) for b in loop.outs] == \
+        ["%y[head]", "%dq[head]", "%dk[head]", "%dv[head]"]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
 def test_parallel_steps_give_the_serial_bits_and_the_reference_values(batch):
-    """batch 2: the loop over the batch runs on the threads; 3: the loop over the heads
-    (outermost then: its operands are copied in, its results out)."""
+    """batch 1: the loop over the heads runs on the threads, reading and writing the
+    program's buffers in place (after the batch of 1); 2: the loop over the batch; 3:
+    the loop over the heads (outermost then: its operands are copied in, its results
+    out). The `lowered` interpreter (the reference for the blocks bound in place) too."""
     src = ATTENTION.format(batch=batch, head=2)
     m = compile_source(src, "<steps>", Options(dtype="f64"))
     x = random_inputs(m, m.bind_dims({}), batch, "f64")
@@ -85,6 +108,9 @@ def test_parallel_steps_give_the_serial_bits_and_the_reference_values(batch):
     for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
         a = {n: v.astype(np.float32 if dtype == "f32" else np.float64) for n, v in x.items()}
         serial = tgc.compile(src, "cpu", dtype, options=options(threads=1))(**a)
+        ref = tgc.compile(src, "lowered", dtype, options=options(threads=1))(**a)
+        for n in want:
+            assert np.allclose(ref[n], serial[n], rtol=tol, atol=tol), (dtype, n)
         par = tgc.compile(src, "cpu", dtype, options=options())
         assert parallel_step_loops(par.lowered, options().cpu)
         for _ in range(3):   # each call: the lanes' steps write their own slices

@@ -164,6 +164,11 @@ class _Machine(ExprVisitor):
             inner.run_kernels()
             for j, b in enumerate(k.outs):
                 dst = self.arrays[b.buf]
+                if b.split:   # one index of an edge after edges of size 1: a view of the contiguous buffer
+                    dst = self.block(b, n, i, step, outs[j])
+                    assert np.shares_memory(dst, self.arrays[b.buf]), "a split output's block is a view"
+                    dst[...] = inner.arrays[outs[j]]
+                    continue
                 (dst[i, ...] if b.stacked else dst)[...] = inner.arrays[outs[j]]   # [i, ...]: a view, 0-d too
             for c in range(k.carries):
                 if k.outs[c].buf != k.args[c].buf:

@@ -29,10 +29,12 @@ at them:
   as it is, else a copy (a window of a stored tensor, a masked stream's keys, in
   that tensor's order, so that the copy runs along both);
 - each stacked result a buffer with the loop edge outermost, step i writing its
-  slice, the rest in the order of the program's outputs over its edges with a block
-  edge Ec named E (or with the edge a loop runs one index a step added), where there
-  is one: the join of a key loop's dk blocks, or a head loop's results, back into
-  the outputs then copies along both buffers (`block_order`).
+  slice (an output of the program stored with that edge outermost, or after edges of
+  size 1 only, `Bind.split` then, and read by nothing else: that output's buffer),
+  the rest in the order of the program's outputs over its edges with a block edge Ec
+  named E (or with the edge a loop runs one index a step added), where there is one:
+  the join of a key loop's dk blocks, or a head loop's results, back into the
+  outputs then copies along both buffers (`block_order`).
 
 The copies cost one pass over an operand per call (the stacked params: once
 per step's slice), against the steps' work on the same values.
@@ -126,6 +128,12 @@ class StepLowering:
                     args.append(Bind(o.attrs[0], role == "slice"))
                     arg_orders.append(tuple(have[1:]) if role == "slice" else tuple(have))
                     continue
+                if self.outer_ones(have, edge) and self.f.dtype_of(p) == o.dtype:
+                    # the loop edge after edges of size 1 (heads after a batch of 1): step i's
+                    # slice lies at offset i times its size as well, read in place
+                    args.append(Bind(o.attrs[0], True, edge))
+                    arg_orders.append(tuple(e for e in have if e != edge))
+                    continue
             held = self.f.mat.get(id(o))
             if role != "carry" and held is not None and self.f.low.buffers[held].order == order:
                 args.append(Bind(held, role == "slice"))   # another loop's result, stored as this one reads it
@@ -161,11 +169,12 @@ class StepLowering:
                 results.append(args[j].buf)
             else:
                 home = self.output_home(v, j, edge, dtype)
+                split = ""
                 if home is not None:
-                    buf, inner = home
+                    buf, inner, split = home
                 else:
                     buf = self.temp("y", dtype, (edge,) + inner)
-                outs.append(Bind(buf, True))
+                outs.append(Bind(buf, True, split))
                 results.append(buf)
             out_orders.append(inner)
         step = self.step_module(body, arg_orders, out_orders)
@@ -220,12 +229,13 @@ class StepLowering:
             return self.order(edges)
         return tuple(back.get(e, e) for e in order)
 
-    def output_home(self, v: Value, j: int, edge: str, dtype: str) -> tuple[str, tuple[str, ...]] | None:
-        """(the program's output buffer, the step's order of result j) when the loop's
-        stacked result j is an output of the program stored with the loop edge outermost
-        (a stream's loop over the heads returns `dq` so) and nothing else reads it: the
-        steps then write their slices there, with no copy from a temporary after the
-        loop; else None. The output's buffer is made here (`fuse.homes` finds it)."""
+    def output_home(self, v: Value, j: int, edge: str, dtype: str) -> tuple[str, tuple[str, ...], str] | None:
+        """(the program's output buffer, the step's order of result j, the split edge)
+        when the loop's stacked result j is an output of the program stored with the loop
+        edge outermost, or after edges of size 1 only (split: the loop edge, `Bind.split`;
+        else ""), (a stream's loop over the heads returns `dq` so) and nothing else reads
+        it: the steps then write their slices there, with no copy from a temporary after
+        the loop; else None. The output's buffer is made here (`fuse.homes` finds it)."""
         mine = [w for w in self.groups[loop_key(v)] if w.attrs[3] == j]
         if len(mine) != 1 or self.f.users[id(mine[0])] or self.f.root_uses[id(mine[0])] != 1:
             return None
@@ -233,10 +243,18 @@ class StepLowering:
         if len(hit) != 1 or dtype != self.f.opt.dtype:
             return None
         i, o = hit[0]
-        if not o.order or o.order[0] != edge or o.name in self.f.low.buffers:
+        if not o.order or not self.outer_ones(o.order, edge) or o.name in self.f.low.buffers:
             return None
         self.f.low.buffers[o.name] = Buffer(o.name, self.f.opt.dtype, mine[0].edges, "out", i, o.order)
-        return o.name, tuple(o.order[1:])
+        return o.name, tuple(e for e in o.order if e != edge), "" if o.order[0] == edge else edge
+
+    def outer_ones(self, order, edge: str) -> bool:
+        """Whether `edge` is in `order` with every edge before it of size 1: a buffer so
+        stored holds the loop's slices at offsets i times their size, as one stored with
+        `edge` outermost."""
+        if not order or edge not in order:
+            return False
+        return all(edge_size(self.f.m, e) == 1 for e in order[:list(order).index(edge)])
 
     def carry_order(self, edges) -> tuple[str, ...]:
         """A carry's order: that of the program's outputs over exactly its edges when they

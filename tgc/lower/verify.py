@@ -258,9 +258,11 @@ class _Verifier(ExprVisitor):
         """The order of a buffer whose edge `b.split` a loop's step reads a block of
         (`Bind.split`): the step's order with its block edge (the one edge the buffer
         lacks) named `b.split`, every edge before it of size 1, the edge's size the
-        block's times the trip."""
+        block's times the trip; or, one index of `b.split` a step (an argument or an
+        output: a loop over the heads after a batch of 1), the buffer's order."""
         own = [e for e in order if e not in buf.edges]
-        if not b.stacked or what != "argument" or len(own) > 1 or b.split not in buf.edges or b.split in order \
+        if not b.stacked or (what != "argument" and own) or len(own) > 1 or b.split not in buf.edges \
+                or b.split in order \
                 or (not own and buf.order is not None and b.split not in buf.order):
             raise self.fail(f"the loop's {what} {j} reads a block of '{b.split}' of '%{b.buf}' "
                             f"[{', '.join(buf.edges)}] as [{', '.join(order)}]")

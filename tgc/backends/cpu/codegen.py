@@ -513,19 +513,23 @@ class _ModuleGen:
                             base: int) -> None:
         """Loop `k`, whose steps are independent (`parallel_step_loops`), with its steps
         shared among the threads: `tgc.sN(data)` runs on every thread of a region
-        (`parallel.region_fn`); lane j < min(threads, `self.lanes`) runs its contiguous
-        share of the steps, each kernel of a step on this thread alone (`self.serial`:
-        loops whole, GEMMs with no region of their own, no merged regions), its step's
-        slots (those from the step's first on) at lane j's copy past the workspace's
-        slots (`lane_bytes`). Each step computes what the loop computes one step at a
-        time, in the same order within the step: the results have the same bits (a
+        (`parallel.region_fn`); lane j < min(threads, `self.lanes`) takes the next step
+        not yet taken (a shared counter, atomically) until none is left, each kernel of a
+        step on this thread alone (`self.serial`: loops whole, GEMMs with no region of
+        their own, no merged regions), its step's slots (those from the step's first on)
+        at lane j's copy past the workspace's slots (`lane_bytes`). A lane whose core
+        another process holds takes no step until it runs, and the others take the steps
+        it would have run (a fixed share waited for it: the slowest lane's time).
+        Each step computes what the loop computes one step at a time, in the same order
+        within the step, whichever lane runs it: the results have the same bits (a
         GEMM's tiles do not depend on the thread count, `gemm.GemmGen.tile_limit`).
         Without libgomp in the runtime's table the loop runs here, one step after another."""
         b = f.b
         names = list(dict.fromkeys(bind.buf for bind in k.args + k.outs))
-        offs = f.alloca(ir.ArrayType(I64, max(1, len(offsets) + 1)), "steps.offsets")
+        offs = f.alloca(ir.ArrayType(I64, max(1, len(offsets) + 2)), "steps.offsets")
         for i, o in enumerate(offsets + [self.slots_total(f)]):
             f.entry.store(o, f.entry.gep(offs, [I32(0), I32(i)]))
+        b.store(I64(0), b.gep(offs, [I32(0), I32(len(offsets) + 1)]))   # the next step to take
         data = f.alloca(ir.ArrayType(PTR, 3 + len(names)), "steps.data")
         for i, a in enumerate([f.dims_ptr, ws, offs] + [ptrs[n] for n in names]):
             b.store(a, b.gep(data, [I32(0), I32(i)]))
@@ -539,7 +543,8 @@ class _ModuleGen:
 
     def steps_body(self, k: StepLoop, step_fns: list, names: list, nslots: int, base: int) -> ir.Function:
         """`void tgc.sN(ptr data)`, data = [dims, workspace, slot offsets (and the slots'
-        total after them), the loop's buffers...]: this thread's lane of loop `k`."""
+        total and the shared counter of steps taken after them), the loop's buffers...]:
+        this thread's lane of loop `k`."""
         n, self.steps_defined = self.steps_defined, self.steps_defined + 1
         fn = define(self.mod, f"tgc.s{n}", ir.VoidType(), [PTR])
         g = Frame(fn, self.low.module, None, self.low.edges)
@@ -553,19 +558,27 @@ class _ModuleGen:
         tid = b.sext(fntable.call(b, "omp_get_thread_num", []), I64)
         nth = b.sext(fntable.call(b, "omp_get_num_threads", []), I64)
         lanes = b.select(b.icmp_signed("<", nth, I64(self.lanes)), nth, I64(self.lanes))
+        counter = e.gep(offs, [I64(nslots + 1)], source_etype=I64)
         with b.if_then(b.icmp_signed("<", tid, lanes)):
             trip = g.size(k.trip)
-            lo = b.sdiv(b.mul(trip, tid), lanes)
-            hi = b.sdiv(b.mul(trip, b.add(tid, I64(1))), lanes)
             first = offsets[base + k.slot_base]
             span = b.sub(total, first)
             shift = b.sub(b.add(total, b.mul(b.sub(tid, I64(1)), span)), first)
             own = b.gep(ws, [b.select(b.icmp_signed("==", tid, I64(0)), I64(0), shift)], source_etype=ir.IntType(8))
+            fn_ = b.block.function
+            take, run, done = (fn_.append_basic_block(f"lane.{x}") for x in ("take", "run", "done"))
+            b.branch(take)
+            b.position_at_end(take)
+            i = b.atomic_rmw("add", counter, I64(1), "monotonic")
+            b.cbranch(b.icmp_signed("<", i, trip), run, done)
+            b.position_at_end(run)
             self.serial = True
             try:
-                self.emit_steps(g, k, step_fns, ptrs, own, offsets, base, lo, hi)
+                self.emit_steps(g, k, step_fns, ptrs, own, offsets, base, i, b.add(i, I64(1)))
             finally:
                 self.serial = False
+            b.branch(take)
+            b.position_at_end(done)
         b.ret_void()
         g.finish()
         return fn
