@@ -11,7 +11,10 @@ reductions reads its inputs once:
 - GEMM cells: two-operand contractions whose edges split into batch / M / N / K
   groups, all of M, N, K present and (when sizes are known) at least
   `options.cpu.blas_min_flops` flops; their operands are materialized buffers, seen
-  through renames. An indicator, or a product of indicators only (`index_only`),
+  through renames: the first value of an operand's chain of renames that has a buffer
+  of its own (an output, a loop step's saved keys `k[t -> s]`) is read there, and only
+  where none has one is the value under the renames materialized (else it was stored
+  twice, the renamed output a copy of it). An indicator, or a product of indicators only (`index_only`),
   is never an operand: it is index arithmetic, and as a buffer it would be a dense
   0/1 tensor over all its edges (six, for a 2-D convolution's window relation).
 - GEMMs on shifted views (`tgc.lower.taps`): a contraction whose two factors are
@@ -324,7 +327,7 @@ class _Fuser:
             if groups is not None:
                 self.gemms[id(v)] = groups
                 for o in v.operands:
-                    base = peel(o)[0]
+                    base = peel(o, self.mat)[0]
                     if base.op != "arg":
                         self.materialize(base)
         self.settle()
@@ -605,7 +608,7 @@ class _Fuser:
                           note="scatter" if kind == "sum" else f"segment {kind}")
 
     def view(self, o: Value) -> View:
-        base, mapping = peel(o)
+        base, mapping = peel(o, self.mat)
         return View(self.mat[id(base)], tuple(sorted(mapping.items())))
 
     def checks(self) -> None:

@@ -135,9 +135,10 @@ class StepLowering:
                     arg_orders.append(tuple(e for e in have if e != edge))
                     continue
             held = self.f.mat.get(id(o))
-            if role != "carry" and held is not None and self.f.low.buffers[held].order == order:
-                args.append(Bind(held, role == "slice"))   # another loop's result, stored as this one reads it
-                arg_orders.append(inner)
+            stored = self.stored_order(held, edge, role, inner)
+            if role != "carry" and stored is not None:
+                args.append(Bind(held, role == "slice"))   # another loop's result, read as it is stored
+                arg_orders.append(stored)
                 continue
             if role == "carry" and held is not None and self.dies_here(o, v, held, order):
                 args.append(Bind(held, False))   # an initial value read by this loop alone: updated in place
@@ -164,6 +165,8 @@ class StepLowering:
         for j, r in enumerate(body.results):
             dtype = self.f.dtype_of(r)
             inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks)
+            if j >= body.carries and inner == self.order(r.edges):
+                inner = self.split_order(r) or inner
             if j < body.carries:
                 outs.append(Bind(self.temp("n", dtype, inner)))
                 results.append(args[j].buf)
@@ -181,6 +184,72 @@ class StepLowering:
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
                 "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
                 "note": _note(v, body)}
+
+    def stored_order(self, held: str | None, edge: str, role: str, inner: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The step's order of an operand held in buffer `held` (another loop's result),
+        read as it is stored: the buffer's order (without the loop edge, outermost
+        there, for a slice) when it holds the operand's edges in some order; else None
+        (no order yet: a temporary that `layout` orders later; a slice stored with
+        another edge outermost). Any order serves: the step is built for the one it
+        gets, and a saved value's order is its forward step's (`split_order`)."""
+        have = self.f.low.buffers[held].order if held is not None else None
+        if not have:
+            return None
+        if role == "slice":
+            if have[0] != edge:
+                return None
+            have = have[1:]
+        return tuple(have) if sorted(have) == sorted(inner) else None
+
+    def split_order(self, r: Value) -> tuple[str, ...] | None:
+        """A stacked result's order when it is (a rename of) an index split of a value x
+        of the step, `x[E = e1 + |e1|*e2 + ...]` (a projection's `[batch, t, c2]` read as
+        heads `[batch, t, head, hd]`): x's declaration order with E replaced by its parts,
+        the most significant first, renamed as the result. The step then writes the
+        result along x's rows (x's order in memory: a GEMM's rows of E), and a GEMM of
+        the step that reads it (attention's keys and values, batched over the heads)
+        reads it in place with a longer row stride; in the declaration order
+        (`[batch, head, hd, t]`) that kernel wrote it transposed, and a GEMM reading
+        it under another name of its edges (`t -> s`) needed a copy of its own. None
+        where `r` is no such split (the declaration order stays)."""
+        from tgc.lower.indexing import norm_size
+        from tgc.lower.views import peel
+
+        base, mapping = peel(r)
+        if base.op != "contract" or len(base.operands) != 2:
+            return None
+        ind = [o for o in base.operands if o.op == "indicator"]
+        xs = [o for o in base.operands if o.op != "indicator"]
+        if len(ind) != 1 or len(xs) != 1:
+            return None
+        rel, x = ind[0].attrs[0], xs[0]
+        gone, parts = set(x.edges) - set(base.edges), set(base.edges) - set(x.edges)
+        if len(gone) != 1 or len(parts) < 2 or set(base.edges) != (set(x.edges) - gone) | parts \
+                or rel.ops != ("=",) or len(rel.exprs) != 2:
+            return None
+        E = gone.pop()
+        lhs, rhs = rel.exprs
+        if lhs.terms != ((E, 1),) or lhs.const != 0:
+            lhs, rhs = rhs, lhs
+        if lhs.terms != ((E, 1),) or lhs.const != 0 or rhs.const != 0 or set(rhs.edges()) != parts:
+            return None
+        m = self.f.m
+        coef = {e: norm_size(m, c) for e, c in rhs.terms}
+        if not all(isinstance(c, int) for c in coef.values()):
+            return None
+        ranked = sorted(parts, key=lambda e: coef[e])
+        step, want = 1, []
+        for e in ranked:   # a mixed radix exactly: each part's place is the product of the sizes below it
+            n = edge_size(m, e)
+            if coef[e] != step or not isinstance(n, int):
+                return None
+            step *= n
+        if step != edge_size(m, E):
+            return None
+        for e in self.order(x.edges):
+            want += list(reversed(ranked)) if e == E else [e]
+        back = {b: v for v, b in mapping.items()}
+        return tuple(back[e] for e in want)
 
     def split_view(self, o: Value, p: Value, edge: str) -> tuple[str, tuple[str, ...], str] | None:
         """(argument, the step's order, E) when the stacked operand `o` is an argument x of

@@ -13,10 +13,12 @@ def is_identity(v: Value) -> bool:
     return v.op == "stop" or (v.op == "map" and v.attrs[0] in IDENTITY_FNS)
 
 
-def peel(v: Value) -> tuple[Value, dict[str, str]]:
-    """Strip renames and identities (stop, recompute): (base value, view edge -> base edge)."""
+def peel(v: Value, stored=None) -> tuple[Value, dict[str, str]]:
+    """Strip renames and identities (stop, recompute): (base value, view edge -> base edge).
+    With `stored` (a set of value ids), stop at the first value of the chain in it (a
+    rename that has a buffer of its own is read there)."""
     mapping = {e: e for e in v.edges}
-    while v.op == "rename" or is_identity(v):
+    while (v.op == "rename" or is_identity(v)) and (stored is None or id(v) not in stored):
         if v.op == "rename":
             back = {d: s for s, d in v.attrs[0]}
             mapping = {view: back.get(e, e) for view, e in mapping.items()}
