@@ -13,7 +13,9 @@ Reverse mode (`loop_vjp`), for a cotangent `ct` of one output:
   leaves) are kept: the backward step reads them as parameters, as it reads the
   incoming carries it still needs. A value the sweep builds anew that a kept value
   already computes is read as that kept value (`_reuse_kept`: attention's softmax P,
-  not the scores and logsumexp it would be recomputed from);
+  not the scores and logsumexp it would be recomputed from), and a kept value that is
+  a cheap elementwise function of one other kept value is computed again from it
+  (`tgc.autodiff.remat.recompute_cheap`: gelu's 0.5 + 0.5 tanh(..), from the tanh);
 - a forward loop of the same body that also stacks those kept values per step (the
   lowering runs it as the loop it extends: `tgc.lower.steps`);
 - a loop over the indices in the other order whose carries are the cotangents of C
@@ -45,7 +47,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
-from tgc.autodiff.remat import is_checkpoint, regions
+from tgc.autodiff.remat import is_checkpoint, recompute_cheap, regions
 from tgc.ir import values as V
 from tgc.ir.values import LoopBody, Value, rebuild_same, topo_order
 
@@ -245,6 +247,7 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
     # keep what the backward step reads (less what a checkpoint recomputes); read it as parameters
     graph = topo_order(results)
     roots = _reuse_kept(graph, roots, [k for k in _read_back(graph, roots) if edge not in k.edges])
+    roots = recompute_cheap(graph, roots, [k for k in _read_back(graph, roots) if edge not in k.edges], results)
     kept = [k for k in _read_back(graph, roots) if edge not in k.edges]
     stand = [V.loopvar(_STAND + j, k.dtype, k.edges) for j, k in enumerate(kept)]
     roots = _substitute(roots, {id(k): s for k, s in zip(kept, stand)})

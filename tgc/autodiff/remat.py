@@ -23,6 +23,10 @@ that marker the copy would be the region's values themselves; with it, the copy 
 distinct through every later pass (no rule removes `recompute`) and lowering reads
 `recompute(b)` as `b` itself (`tgc.lower.views.is_identity`: a view of b's buffer, no copy).
 
+`recompute_cheap` applies the same copying without a checkpoint to a loop's backward
+step (`tgc.autodiff.loops`): a value the step would keep for it that is a cheap
+elementwise function of one other kept value is recomputed from that value instead.
+
 Exact: the copy computes the same operations on the same values in the same order
 as the original, and `checkpoint` and `recompute` are identities, so values and
 derivatives are bit-for-bit those without the checkpoint (later passes treat the
@@ -34,6 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from tgc.ir import values as V
+from tgc.ir.ops import EXPENSIVE
 from tgc.ir.values import Value, rebuild_same, topo_order
 
 LEAVES = ("arg", "const", "size", "indicator")
@@ -102,3 +107,108 @@ def rematerialize(f: Value, cotangents: dict[int, Value | None]) -> dict[int, Va
 
     memo = V.rebuild(roots, fn)
     return {k: None if ct is None else copies.get(id(ct), memo[id(ct)]) for k, ct in cotangents.items()}
+
+
+# A kept value is recomputed from another when its expression over it is this small:
+# at most CHEAP_OPS elementwise ops, none of them a transcendental (`EXPENSIVE`).
+CHEAP_OPS = 8
+
+
+def _elementwise(v: Value) -> bool:
+    """`v` computes each element from its operands' elements at the same index (no sum,
+    no gather, no draw, no marker)."""
+    if v.op == "add":
+        return True
+    if v.op == "map":
+        return v.attrs[0] not in ("checkpoint", "recompute")
+    if v.op == "contract":
+        return set(v.edges) == {e for o in v.operands for e in o.edges}
+    return False
+
+
+def _cheap_region(k: Value, stored: set[int], in_graph: set[int]) -> list[Value] | None:
+    """The values (operands first) of k's expression down to one stored value (and
+    constants), when that expression is cheap and elementwise; else None."""
+    region: list[Value] = []
+    boundary: set[int] = set()
+    seen: set[int] = set()
+
+    def walk(v: Value) -> bool:
+        if id(v) in seen:
+            return True
+        seen.add(id(v))
+        if v.op in ("const", "size"):
+            return True
+        if id(v) in stored and v is not k:
+            boundary.add(id(v))
+            return v.edges == k.edges and v.dtype == k.dtype
+        if id(v) not in in_graph or not _elementwise(v) or v.edges != k.edges or v.dtype != k.dtype:
+            return False
+        if not all(walk(o) for o in v.operands):
+            return False
+        region.append(v)
+        return True
+
+    if not walk(k) or len(boundary) != 1 or len(region) > CHEAP_OPS:
+        return None
+    if any(v.op == "map" and v.attrs[0] in EXPENSIVE for v in region):
+        return None
+    return region
+
+
+def recompute_cheap(graph: list[Value], roots: list[Value], kept: list[Value],
+                    results: tuple[Value, ...]) -> list[Value]:
+    """`roots` (a loop's backward step, reading `kept`, values of the step's `graph`)
+    with each kept value that is a cheap elementwise function of one other kept value
+    read as a recomputed copy of that function instead: the forward loop stacks one
+    buffer fewer, for a few flops where the backward reads it (gelu: of the
+    pre-activation u, t = tanh(..) and s = 0.5 + 0.5 * t, s is recomputed from t).
+    Cheap: its expression down to that value (through values not kept) has at most
+    `CHEAP_OPS` elementwise ops of its own edges and type, none a transcendental
+    (recomputing gelu's tanh as well measured slower on the CPU: the copy, read three
+    times, gets a kernel and a buffer of its own). The step's results are stacked
+    anyway and are never recomputed.
+
+    Exact: the copy applies the same ops, in the same order, to the same stored value
+    (read as `recompute(b)`, the identity, so that hash-consing does not merge the copy
+    back into the original), as in `rematerialize`, so it has the kept value's value;
+    later passes treat it like any other value (`normalize` sorts the terms of the
+    sum that reads it by their structure, which the copy changes: the program adds
+    them in another order than without the rule, within rounding). Terminates: one
+    pass over `kept` in graph order, each region a walk over the finite graph."""
+    in_graph = {id(v) for v in graph}
+    is_result = {id(r) for r in results}
+    stored = {id(k) for k in kept}
+    regions_of: dict[int, list[Value]] = {}
+    for k in kept:   # operands first: a value recomputed here is seen through by its users
+        if id(k) in is_result:
+            continue
+        region = _cheap_region(k, stored, in_graph)
+        if region is not None:
+            stored.discard(id(k))
+            regions_of[id(k)] = region
+    if not regions_of:
+        return roots
+    copies: dict[int, Value] = {}
+
+    def read(o: Value) -> Value:
+        if id(o) in copies:
+            return copies[id(o)]
+        if o.op in ("const", "size"):
+            return o
+        return V.map_("recompute", o)
+
+    for region in regions_of.values():
+        for v in region:
+            if id(v) not in copies:
+                copies[id(v)] = rebuild_same(v, tuple(read(o) for o in v.operands))
+
+    def fn(v: Value, ops: tuple[Value, ...]) -> Value:
+        if id(v) in regions_of:
+            return copies[id(v)]
+        if id(v) in in_graph:
+            return v
+        return rebuild_same(v, ops)
+
+    memo = V.rebuild(roots, fn)
+    return [memo[id(r)] for r in roots]
