@@ -37,16 +37,16 @@ def lowered():
 # keys (r5), queries (r6) and values (r7), in their projections' order, and the batched
 # scores product reads them there (k11; k15, p @ v, reads r5)
 GOLDEN = """\
-k5: gemm %t36 = %p7[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k6: loop %r5[batch, hd, head, s] = add[1.0, 1.0](%p11[hd + 4*head], %t36[batch, hd + 4*head, s])
+k5: gemm %t35 = %p7[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
+k6: loop %r5[batch, hd, head, s] = add[1.0, 1.0](%p11[hd + 4*head], %t35[batch, hd + 4*head, s])
       for batch < 2, s < 5, head < 2, hd < 4
-k7: gemm %t37 = %p5[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k8: loop %r6[batch, hd, head, t.1] = add[1.0, 1.0](%t37[batch, hd + 4*head, t.1], %p9[hd + 4*head])
+k7: gemm %t36 = %p5[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
+k8: loop %r6[batch, hd, head, t.1] = add[1.0, 1.0](%t36[batch, hd + 4*head, t.1], %p9[hd + 4*head])
       for batch < 2, t.1 < 5, head < 2, hd < 4
-k9: gemm %t38 = %p6[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k10: loop %r7[batch, hd, head, t] = add[1.0, 1.0](%t38[batch, hd + 4*head, t], %p10[hd + 4*head])
+k9: gemm %t37 = %p6[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
+k10: loop %r7[batch, hd, head, t] = add[1.0, 1.0](%t37[batch, hd + 4*head, t], %p10[hd + 4*head])
       for batch < 2, t < 5, head < 2, hd < 4
-k11: gemm %t39 = %r6[batch, hd, head, t.1] @ %r7[batch, hd, head, t]  batch(batch, head) m(t.1) n(t) k(hd)"""
+k11: gemm %t38 = %r6[batch, hd, head, t.1] @ %r7[batch, hd, head, t]  batch(batch, head) m(t.1) n(t) k(hd)"""
 
 
 def test_saved_heads_are_stored_as_projection_rows_and_read_in_place():
