@@ -159,18 +159,74 @@ def test_a_layers_products_over_the_keys_own_edge_run_in_the_key_loops():
     close(evaluate(module, x, dtype="f64"), evaluate(optimized(LAYER, "f64", **OFF), x, dtype="f64"), 1e-12)
 
 
-def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32():
+@pytest.mark.parametrize("rows", [{}, {"stream_key_rows": 4}, {"stream_key_rows": 8}])
+def test_f32_at_logits_up_to_1e4_is_within_10x_torch_f32(rows):
     """q and k scaled so that the scores reach about 1e4 (nearly one-hot weights, the
     running max moving by thousands between blocks): tgc f32 with the key loops (CPU),
-    y and every gradient, within 10x PyTorch f32's normwise error of the f64 truth."""
+    y and every gradient, within 10x PyTorch f32's normwise error of the f64 truth,
+    with the stream's rows and with `stream_key_rows` (whose steps' `dy . v` and
+    `rowsum(P * dP)` the CPU computes in other kernels: the row sum taken as
+    `rowsum(dy * y)` rounded an ulp away from the one-hot key's `dP`, dq and dk 1e5 to
+    1e6 times PyTorch's error)."""
     import tgc
     from numerics_util import normwise_err, ok
 
     src = ATTENTION
     x, want, theirs = large_logits_and_torch()
-    assert key_loops(optimized(src, "f32", **KEYS)) >= 2
-    prog = tgc.compile(src, "cpu", "f32", options=Options(**KEYS))
+    assert key_loops(optimized(src, "f32", **KEYS, **rows)) >= 2
+    prog = tgc.compile(src, "cpu", "f32", options=Options(**KEYS, **rows))
     got = prog(**{n: a.astype(np.float32) for n, a in x.items()})
+    for n in want:
+        mine, torch_err = normwise_err(got[n], want[n]), normwise_err(theirs[n], want[n])
+        assert ok(mine, torch_err), (n, mine, torch_err)
+
+
+ONE_HOT = """
+dim head = 1, t = 4096, hd = 64
+dim s = t
+input q[head, t, hd]
+input k[head, s, hd]
+input v[head, s, hd]
+input dy[head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
+y = sum[s](p * v)
+out y[head, t, hd]
+loss = sum(y * dy)
+out dq[head, t, hd] = grad(loss, q)
+out dk[head, s, hd] = grad(loss, k)
+out dv[head, s, hd] = grad(loss, v)
+"""
+
+
+@pytest.mark.slow
+def test_one_hot_rows_at_the_defaults_give_torchs_gradients():
+    """Attention at t = 4096 (one head of 64) under the default options, whose steps run
+    over key blocks, with q = k = 30 * N(0, 1): each row's own key scores |k_t|^2 / 8,
+    about 7e3 (up to 1e4), thousands above every other, so every row's weights are
+    one-hot in f32 and f64 and the exact dq and dk are 0 (dS = P * (dP - D) with D =
+    1 * dP of the row's key), as PyTorch f32's are. tgc f32 on the CPU within 10x
+    PyTorch f32's normwise error: dq and dk exactly 0 (D and dP the same number)."""
+    import tgc
+    import torch
+    from numerics_util import normwise_err, ok
+
+    assert key_loops(optimized(ONE_HOT, "f32")) >= 2
+    rng = np.random.default_rng(0)
+    x = {n: rng.standard_normal((1, 4096, 64)) for n in ("k", "v", "dy")}
+    x["k"] *= 30
+    x["q"] = x["k"].copy()
+
+    def reference(dtype):
+        a = {n: torch.tensor(b, dtype=dtype, requires_grad=n in "qkv") for n, b in x.items()}
+        scores = torch.einsum("htd,hsd->hts", a["q"], a["k"]) / 8
+        causal = torch.ones(4096, 4096, dtype=torch.bool).tril()
+        y = torch.einsum("hts,hsd->htd", torch.softmax(torch.where(causal, scores, -1e9), -1), a["v"])
+        grads = torch.autograd.grad((y * a["dy"]).sum(), (a["q"], a["k"], a["v"]))
+        return {n: b.detach().to(torch.float64).numpy() for n, b in zip(("y", "dq", "dk", "dv"), (y, *grads))}
+
+    want, theirs = reference(torch.float64), reference(torch.float32)
+    assert np.abs(want["dq"]).max() == 0 and np.abs(want["dv"]).max() > 0
+    got = tgc.compile(ONE_HOT, "cpu", "f32")(**{n: a.astype(np.float32) for n, a in x.items()})
     for n in want:
         mine, torch_err = normwise_err(got[n], want[n]), normwise_err(theirs[n], want[n])
         assert ok(mine, torch_err), (n, mine, torch_err)

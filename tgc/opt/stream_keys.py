@@ -29,9 +29,16 @@ of its block sums, multiplied by `exp(c_m (m'_new - m'_old))` (c_m <= 0: the pow
 sums brought to the new max (its only new carry kind: a sum whose update first scales
 the carry, written with the IR's `map[exp]` of the max carries' difference). After
 the loop, `m = m'`, `logsumexp[s](X - m + ...) = log(l) + ...`, and a sum is its carry
-times `exp` of the owed terms (attention's `y = acc * exp(-lse)`). A sum over `s` whose
-factors are another sum's and factors without `s` is computed from it after the loop
-(a reassociation: attention's backward `rowsum(P * (dy . v)) = rowsum(dy * y)`).
+times `exp` of the owed terms (attention's `y = acc * exp(-lse)`). Attention's backward
+row sum `D = rowsum(P * dP)` (`dP = dy . v`) is such a sum: the first loop computes each
+block's `dP` for it, and the second computes it again for `dS = P * (dP - D)`. Why not
+the reassociation `D = rowsum(dy * y)` (no `dP` product in the first loop): in a row
+whose weights round to one-hot (logits spread by thousands) the exact `dS` is tiny and
+PyTorch's is 0 (`D = 1 * dP_hot`, the same number); `dy . y` and `dy . v_hot` are the
+same sum over `hd` taken by different kernels (an FMA chain, a sum of rounded products,
+a GEMM's order), an ulp of `dP` apart, and that ulp becomes `dS`: dq and dk were 1e5 to
+1e6 times PyTorch f32's normwise error at logits of 1e4. The cost: a third product over
+the block in the first loop (attention at t = 4096, one thread: docs/optimization.md).
 
 The second loop (only when something is left) computes the other statistics (sums and
 maxima over `s`, carries) and the cluster's values read outside (stacked over the
@@ -82,8 +89,7 @@ block weights are `exp(X - m')` with the running max in place of the final one, 
 the earlier blocks' sums are scaled by `exp(m'_old - m'_new)` (one more rounding per
 block and row; each factor <= 1, so nothing overflows); `y = acc * exp(-log l)`
 replaces the sum of `v * exp(X - m - lse)`; the sums over `s` are taken blockwise,
-then across blocks, and `rowsum(P * dP)` as `rowsum(dy * y)` (reassociations, as
-tgc.opt.stream's); a product over the keys' own edge made over the keys computes each
+then across blocks (reassociations, as tgc.opt.stream's); a product over the keys' own edge made over the keys computes each
 element from the same terms (a GEMM may order the sum over `hd` otherwise), and a
 carry added after the loops is the same sum. The maxima are exact; the second loop's weights are the
 unstreamed step's (kept or recomputed, X is the same value: the same product and
@@ -220,80 +226,24 @@ class _Keys:
         self.sc = _fresh(self.m, s, b)
         self.sb = _fresh(self.m, s, self.sizes[s] // b)
         self.windows: dict[int, str] = {}
-        # a sum over the keys that is another's times factors without the keys is computed
-        # from it after the first loop (attention's rowsum(P * (dy . v)) = rowsum(dy * y))
-        self.derived = self.derived_sums(stats)
         # the first loop: the statistics the online form computes (a dry run finds them)
-        online = self.online([v for v in stats if id(v) not in self.derived], None)
+        online = self.online(stats, None)
         if id(self.mx) not in online:
             raise _Reject
         memo: dict[int, Value] = {}
         first = [v for v in stats if id(v) in online]
         self.online(first, memo)
-        for v in stats:
-            if id(v) in self.derived and id(self.derived[id(v)][0]) in memo:
-                y, factors = self.derived[id(v)]
-                memo[id(v)] = V.contract([memo[id(y)]] + factors, v.edges, v.loc)
         # the second loop: the other statistics and the stacked results, every statistic
         # of the first loop known
         rest = [v for v in stats if id(v) not in memo]
         if rest or stacked:
             if self.keep:   # the scores the first loop computed, stacked over its blocks, read by the second
                 self.kept = self.kept_scores(first, memo)
-                for v in stats:   # the reassociated sums, from that loop's statistics
-                    if id(v) in self.derived and id(self.derived[id(v)][0]) in memo:
-                        y, factors = self.derived[id(v)]
-                        memo[id(v)] = V.contract([memo[id(y)]] + factors, v.edges, v.loc)
             self.second(rest, list(stacked.values()), memo)
         for v in order:
             if id(v) not in memo and id(v) not in ids:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
-
-    def flatten(self, v: Value) -> tuple[list[Value], set[str]]:
-        """The factors of contraction `v` through the cluster's contractions it reads (an
-        inner contraction whose summed edges no other factor and not the result has), and
-        the edges summed."""
-        if v.op != "contract":
-            return [v], set()
-        summed = {e for o in v.operands for e in o.edges} - set(v.edges)
-        factors: list[Value] = []
-        for k, o in enumerate(v.operands):
-            if o.op == "contract" and id(o) in self.ids:
-                f, sm = self.flatten(o)
-                seen = set(v.edges).union(*(set(x.edges) for j, x in enumerate(v.operands) if j != k))
-                if not sm & seen:
-                    factors += f
-                    summed |= sm
-                    continue
-            factors.append(o)
-        return factors, summed
-
-    def derived_sums(self, stats: list[Value]) -> dict[int, tuple[Value, list[Value]]]:
-        """The sums over the keys D whose factors are another sum Y's and factors without
-        the keys (not computed in the loops), Y summing only edges D sums:
-        D = contract(Y, factors) (a reassociation of D's sum): id(D) -> (Y, factors)."""
-        sums = [v for v in stats if _stat_kind(v, self.s) == "sum"]
-        flat = {id(v): self.flatten(v) for v in sums}
-        out: dict[int, tuple[Value, list[Value]]] = {}
-        for d in sums:
-            fd, sd = flat[id(d)]
-            for y in sums:
-                if y is d or id(y) in out:
-                    continue
-                fy, sy = flat[id(y)]
-                rest = list(fd)
-                for x in fy:
-                    k = next((i for i, r in enumerate(rest) if r is x), None)
-                    if k is None:
-                        break
-                    rest.pop(k)
-                else:
-                    if rest and sy <= sd and all(self.s not in r.edges and id(r) not in self.ids
-                                                 and id(r) not in self.sid for r in rest):
-                        out[id(d)] = (y, rest)
-                        break
-        return out
 
     def cone(self, roots: list[Value], through_stats: bool) -> list[Value]:
         """The cluster's values and statistics `roots` read (and the roots), in order;
@@ -376,7 +326,7 @@ class _Keys:
         form computes."""
         s = self.s
         values = self.cone(stats, True)
-        stats = [v for v in values if id(v) in self.sid and id(v) not in self.derived]
+        stats = [v for v in values if id(v) in self.sid]
         params, operands, inner, gathers, n_slices = self.frame(values, stats, {})
         carry_of = {id(v): k for k, v in enumerate(stats)}
         reps: dict[int, _Rep | None] = {}
@@ -403,8 +353,6 @@ class _Keys:
             return _Rep("free", inner[id(o)])
 
         for v in values:
-            if id(v) in self.derived:
-                continue   # computed after the loop
             try:
                 if id(v) in self.ids:
                     reps[id(v)] = self.member(v, rep, gathers)
