@@ -290,6 +290,64 @@ def test_jacobian_through_a_clause_batches_the_cotangent():
     np.testing.assert_allclose(got["J"], 5 * np.eye(3))  # each cotangent is a unit vector: clipped to itself
 
 
+# ---- inside a loop: the clause sees the cotangent (tangent) summed over all its uses -------
+
+def _loop_and_unrolled(step: str, decls: str, rolled: str, unrolled: str, outs: str) -> tuple[str, str]:
+    head = f"dim l = 2, n = 3\nparam W[l, n]\nparam x[n]\ninput dx[n]\n{decls}\nfn step(h, w) = {step}\n"
+    return (head + f"y = {rolled}\n" + outs, head + f"y = {unrolled}\n" + outs)
+
+
+def test_a_scan_step_clips_its_summed_cotangent():
+    """A step's value feeds both the next step and the stacked result: the clause
+    (nonlinear: a clip) sees the sum of both cotangents, as the unrolled program's does,
+    not each cotangent clipped and then added."""
+    decls = "fn clip_grad(a) = a with vjp(g) = max(-1, min(1, g))"
+    outs = "out gx = grad(L, x)\nout gW = grad(L, W)\n"
+    loop, flat = _loop_and_unrolled(
+        "clip_grad(h * w)", decls, "0", "0", outs)
+    loop = loop.replace("y = 0\n", "L = sum(scan[l](step, x, W) * ([l = 0] * 3 + 1))\n")
+    flat = flat.replace("y = 0\n", "h1 = step(x, W[l = 0])\nL = 4 * sum(h1) + sum(step(h1, W[l = 1]))\n")
+    r = np.random.default_rng(31)
+    W, x = r.standard_normal((2, 3)), r.standard_normal(3)
+    ins = {"W": W, "x": x, "dx": np.zeros(3)}
+    got, want = every_way(loop, ins), every_way(flat, ins)
+    for k in ("gx", "gW"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, err_msg=k)
+    ct1 = np.clip(4 + np.clip(1, -1, 1) * W[1], -1, 1)        # h1's cotangent, summed, then clipped
+    np.testing.assert_allclose(got["gx"], ct1 * W[0], rtol=1e-12)
+    assert not np.allclose(ct1, 1 + np.clip(W[1], -1, 1))  # clipping each cotangent apart differs
+
+
+@pytest.mark.xfail(strict=True, reason="reverse over reverse through a loop: the forward loop that keeps "
+                   "the step's values and the loop itself are two loop values, each with its own backward "
+                   "loop, so a nonlinear clause in the step sees their cotangents apart (the sum of two clips)")
+def test_a_repeat_hvp_through_a_nonlinear_clause_is_the_unrolled_one():
+    """Reverse over reverse through `repeat`: the cotangents that reach a step's clause
+    from the loss and from the backward loop's reads of the step are summed first."""
+    decls = "fn clip_grad(a) = a with vjp(g) = max(-0.1, min(0.1, g))"
+    outs = "L = sum(y * y)\nout gx = grad(L, x)\nout hx = grad(grad(L, x) @ dx, x)\nout hw = grad(grad(L, x) @ dx, W)\n"
+    loop, flat = _loop_and_unrolled("h * h * w + clip_grad(h)", decls, "repeat[l](step, x, W)",
+                                    "step(step(x, W[l = 0]), W[l = 1])", outs)
+    r = np.random.default_rng(32)
+    ins = {"W": r.standard_normal((2, 3)), "x": r.standard_normal(3), "dx": r.standard_normal(3)}
+    got, want = every_way(loop, ins), every_way(flat, ins)
+    for k in ("gx", "hx", "hw"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_a_loop_jvp_through_a_nonlinear_clause_is_the_unrolled_one():
+    """Forward mode through `repeat` where the carry and the stacked argument both move:
+    the jvp clause sees their summed tangent, as the unrolled program's does."""
+    decls = "fn sq_tangent(a) = a with jvp(d) = d * d"
+    outs = "out jx = jvp(y, x, dx)\n"
+    loop, flat = _loop_and_unrolled("sq_tangent(h + w) * 0.5", decls, "repeat[l](step, x, x * W)",
+                                    "step(step(x, x * W[l = 0]), x * W[l = 1])", outs)
+    r = np.random.default_rng(33)
+    ins = {"W": r.standard_normal((2, 3)), "x": r.standard_normal(3), "dx": r.standard_normal(3)}
+    got, want = every_way(loop, ins), every_way(flat, ins)
+    np.testing.assert_allclose(got["jx"], want["jx"], rtol=1e-12)
+
+
 # ---- IR: prints and reads back, --verify-each, the rules leave before lowering ----------
 
 def test_ir_round_trip_and_verify_each():

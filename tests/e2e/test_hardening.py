@@ -125,6 +125,22 @@ def _build(tmp_path, source, name):
     return lib, (tmp_path / f"{name}.h").read_text()
 
 
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_a_tensor_with_more_edges_than_einsum_letters_runs(backend):
+    """60 edges (numpy's einsum names at most 52), all but one of size 1: the reference
+    interpreter indexed past its letters (an IndexError out of the call)."""
+    n = 60
+    dims = "".join(f"dim d{i} = 1\n" for i in range(n))
+    edges = ", ".join(f"d{i}" for i in range(n))
+    src = f"{dims}dim k = 3\ninput x[{edges}, k]\ninput w[k]\nout s = sum(x)\nout c = x @ w\nout z = x * 2\n"
+    x = np.arange(3.0).reshape((1,) * n + (3,))
+    w = np.array([1.0, 10.0, 100.0])
+    got = tgc.compile(src, backend=backend, dtype="f64")(x=x, w=w)
+    assert float(got["s"]) == 3.0
+    assert np.asarray(got["c"]).shape == (1,) * n and float(np.asarray(got["c"]).ravel()[0]) == 210.0
+    np.testing.assert_array_equal(got["z"], 2 * x)
+
+
 def test_the_c_abi_refuses_bad_dims_and_null_pointers(tmp_path):
     import ctypes
 

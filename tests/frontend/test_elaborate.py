@@ -238,6 +238,27 @@ def test_function_calls_nested_past_the_limit_are_a_located_error():
     assert "nested too deeply" in e.message and e.loc.line > 2 and e.loc.col > 1, e.message
 
 
+def test_a_call_tree_that_doubles_is_a_located_error_not_a_hang():
+    """Calls are inlined, so `fn f{i}(a) = f{i-1}(f{i-1}(a))` 30 deep asks for 2^29
+    inlined calls: it ran for minutes and took gigabytes before. Past MAX_INLINED_CALLS
+    inlined calls in one program the call that passes it is a located error, quickly;
+    a tree under the limit compiles and runs."""
+    import time
+
+    from tgc.frontend.functions import MAX_INLINED_CALLS
+
+    def tree(k):
+        fns = "".join(f"fn f{i}(a) = f{i - 1}(f{i - 1}(a))\n" for i in range(1, k))
+        return f"fn f0(a) = a + 1\n{fns}dim n = 3\ninput x[n]\nout y = f{k - 1}(x)\n"
+
+    got = evaluate(compile_source(tree(8), "t.tg", Options(dtype="f64")), {"x": np.zeros(3)}, dtype="f64")
+    np.testing.assert_array_equal(got["y"], np.full(3, 2.0 ** 7))
+    t0 = time.perf_counter()
+    e = error(tree(30))
+    assert time.perf_counter() - t0 < 60
+    assert f"over {MAX_INLINED_CALLS} function calls" in e.message and e.loc.line > 1, e.message
+
+
 def test_deep_expressions_in_deep_calls_are_a_compile_error_not_a_recursion_error():
     """Each function's body within the expression limit, the calls within the call
     limit, yet together past Python's stack: a CompileError (the backstop)."""

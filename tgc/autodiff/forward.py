@@ -25,11 +25,16 @@ from tgc.autodiff.loops import loop_jvp
 from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for
 
 
-def forward(f: Value, x: Value, dx: Value) -> Value | None:
-    """The tangent of `f` when `x` moves along `dx` (None: exactly zero)."""
-    act = active_values(f, x)
+def forward(f: Value, x: Value, dx: Value, more: tuple[tuple[Value, Value], ...] = ()) -> Value | None:
+    """The tangent of `f` when `x` moves along `dx` (None: exactly zero).
+
+    `more` moves further values `(y, dy)` at once (a loop body's several parameters,
+    `tgc.autodiff.loops`): a value that depends on several of them gets one tangent from
+    all of theirs, which a custom jvp clause needs (it need not be linear in them)."""
+    moving = [(x, dx), *more]
+    act = active_values(f, [y for y, _ in moving])
     batch = set(dx.edges) - set(x.edges)
-    tangents = {id(x): dx}
+    tangents = {id(y): dy for y, dy in moving}
     order = topo_order([f])
     needed = _needed(f, order)
     for v in order:

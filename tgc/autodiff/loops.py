@@ -226,17 +226,13 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
     if stacked_ct:
         seeds.append((results[out], y_ct))
     wrt = [p for p in primal if _float(p)]
-    parts: dict[int, list[Value]] = {id(p): [] for p in wrt}
-    for f, seed in seeds:
-        cts = reverse_many(f, wrt, seed)
-        for p in wrt:
-            if cts[id(p)] is not None:
-                parts[id(p)].append(cts[id(p)])
+    # one sweep for all the seeds: a value two results share gets their summed cotangent
+    # before its rule runs (a custom vjp clause need not be linear)
+    cts = reverse_many(seeds[0][0], wrt, seeds[0][1], tuple(seeds[1:])) if seeds else {}
 
     def cotangent(p: Value) -> Value | None:
         """p's cotangent in the step, None for 0 (always for an i32 parameter: ids have none)."""
-        got = parts.get(id(p))
-        return (V.add(got) if len(got) > 1 else got[0]) if got else None
+        return cts.get(id(p))
 
     new_carry = [_fitted(cotangent(c_in[k]), g_carry[k], set()) for k in range(nc)]
     new_inv = [V.convert(V.add([g, _fitted(cotangent(p_in[j]), g, set())]), g.dtype)
@@ -382,8 +378,9 @@ def loop_jvp(v: Value, ts: Sequence[Value | None], forward) -> Value | None:
         + [(p_in[j - nc - nx], d) for j, d in zip(dp_pos, dp_in)]
 
     def tangent(r: Value) -> Value | None:
-        parts = [t for t in (forward(r, p, d) for p, d in moving) if t is not None]
-        return None if not parts else parts[0] if len(parts) == 1 else V.add(parts)
+        """r's tangent from every moving parameter in one sweep (a custom jvp clause
+        sees their summed tangents, as it would in the unrolled program)."""
+        return forward(r, moving[0][0], moving[0][1], tuple(moving[1:])) if moving else None
 
     carried = [_fitted(tangent(results[k]), dc_in[k], set()) for k in range(nc)]
     ys = list(results[nc:])

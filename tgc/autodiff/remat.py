@@ -77,10 +77,10 @@ def add_region(x: Value, primal_users: dict[int, list[int]], read_back: set[int]
             region.add(id(v))
 
 
-def rematerialize(f: Value, cotangents: dict[int, Value | None]) -> dict[int, Value | None]:
-    """`cotangents` (id -> value, from a reverse sweep over f) reading recomputed copies
-    of the checkpoints' regions instead of their primal values."""
-    primal = topo_order([f])
+def rematerialize(f: Value | list[Value], cotangents: dict[int, Value | None]) -> dict[int, Value | None]:
+    """`cotangents` (id -> value, from a reverse sweep over f, or over several roots)
+    reading recomputed copies of the checkpoints' regions instead of their primal values."""
+    primal = topo_order(f if isinstance(f, list) else [f])
     if not any(is_checkpoint(v) for v in primal):
         return cotangents
     roots = [ct for ct in cotangents.values() if ct is not None]

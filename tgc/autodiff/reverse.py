@@ -34,19 +34,30 @@ def reverse(f: Value, x: Value, seed: Value) -> Value | None:
     return reverse_many(f, [x], seed)[id(x)]
 
 
-def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | None]:
+def reverse_many(f: Value, xs: list[Value], seed: Value,
+                 more: tuple[tuple[Value, Value], ...] = ()) -> dict[int, Value | None]:
     """id(x) -> the cotangent of x (None: exactly zero), for every x of `xs`, from one
     sweep: a value's cotangent does not depend on which x is asked for, and the
-    activity of the union only adds values whose cotangents reach none of the others."""
-    act = active_values(f, xs)
+    activity of the union only adds values whose cotangents reach none of the others.
+
+    `more` seeds further values `(g, seed_g)` in the same sweep (a loop body's several
+    results, `tgc.autodiff.loops`): a value reached from several seeds gets their sum
+    before its rule runs, which a custom vjp clause needs (it need not be linear: a
+    clip of the sum is not the sum of the clips)."""
+    seeds = [(f, seed), *more]
+    roots = [g for g, _ in seeds]
+    act = _active(roots, xs)
     want = {id(x) for x in xs}
     out: dict[int, Value | None] = dict.fromkeys(want)
-    if id(f) not in act:
+    if not any(id(g) in act for g in roots):
         return out
     batch = set(seed.edges) - set(f.edges)
-    parts: dict[int, list[Value]] = {id(f): [seed]}
+    parts: dict[int, list[Value]] = {}
+    for g, s in seeds:
+        if id(g) in act:
+            parts.setdefault(id(g), []).append(s)
     left = len(want)
-    for v in reversed(topo_order([f])):
+    for v in reversed(topo_order(roots)):
         ct = total(parts.pop(id(v), ()))
         if id(v) in want:  # every value after the last x in this order depends on none of them
             out[id(v)] = ct
@@ -63,7 +74,14 @@ def reverse_many(f: Value, xs: list[Value], seed: Value) -> dict[int, Value | No
                 else rule.vjp(v, i, ct)
             if c is not None:
                 parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
-    return rematerialize(f, out)
+    return rematerialize(roots, out)
+
+
+def _active(roots: list[Value], xs: list[Value]) -> set[int]:
+    """The values of the roots' graphs that depend on any of `xs` (rules' `active_values`)."""
+    if len(roots) == 1:
+        return active_values(roots[0], xs)
+    return set().union(*(active_values(g, xs) for g in roots))
 
 
 def _pull(f: Value, x: Value, seed: Value, fresh: dict[str, str], ct=False) -> Value:

@@ -101,6 +101,7 @@ class Elaborator:
         self.used: set[str] = set()  # top-level tensor names read somewhere
         self.methods: dict[type, object] = {}  # node class -> its _Class function, found once
         self.custom_calls = 0  # calls of functions with their own derivative (their placeholders' names)
+        self.inlined_calls = 0  # calls inlined so far (tgc.frontend.functions.MAX_INLINED_CALLS)
         self.capped: list[Diagnostic] = []   # warnings: a type named wider than the program's (`at_width`)
         self.every_param: list[Loc] = []   # where a list `params` was read (no param may be declared after)
         self.call_builtin, self.edge_ops, self.inline_call = forms.call_builtin, forms.edge_ops, forms.inline_call

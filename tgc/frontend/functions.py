@@ -25,6 +25,8 @@ from tgc.ir.diag import CompileError, Diagnostic, did_you_mean
 
 
 MAX_CALL_DEPTH = 256  # most function calls open at once (f calls g calls ...): past it, a located error, not a stack overflow
+MAX_INLINED_CALLS = 100_000  # most calls one program inlines: a call tree that doubles per level (f(f(a)))
+                             # asks for 2^depth; past it, a located error, not minutes and gigabytes
 
 
 def _children(node):
@@ -241,6 +243,11 @@ def _inline(el: Elaborator, node: ast.Call, fn: str, values: dict[str, V.Value],
     if len(ctx.stack) >= MAX_CALL_DEPTH:
         raise el.error(f"function calls nested too deeply (over {MAX_CALL_DEPTH} calls open at once, "
                        f"here calling '{fn}'): call fewer functions inside one another", node, ctx)
+    el.inlined_calls += 1
+    if el.inlined_calls > MAX_INLINED_CALLS:
+        raise el.error(f"the program inlines over {MAX_INLINED_CALLS} function calls (every call is inlined: "
+                       f"a function that calls another twice doubles its calls), here calling '{fn}'; "
+                       f"run repeated layers with repeat[...] or scan[...]", node, ctx)
     inner = Ctx(values, edges, info.visible, ctx.stack + (fn,), ctx.call_locs + (node.loc,))
     for p in d.params:
         if p.name not in values:

@@ -167,19 +167,32 @@ def _add(ev: _Eval, v: Value, ops):
 
 
 def _contract(ev: _Eval, v: Value, ops):
-    letters: dict[str, str] = {}
-
-    def sub(edges):
-        return "".join(letters.setdefault(e, _letter(len(letters))) for e in edges)
-
-    inputs = ",".join(sub(o.edges) for o in v.operands)
     present = [e for e in v.edges if any(e in o.edges for o in v.operands)]
     if _index_products(v, ops):
         out = _strong_zero_contract(ev, v, ops, present)
     else:
-        out = np.einsum(f"{inputs}->{sub(present)}", *ops, optimize=len(ops) > 2)
+        out = _einsum(ev, v, ops, present)
     shape = [ev.sizes[e] if e in present else 1 for e in v.edges]
     return np.broadcast_to(out.reshape(shape), [ev.sizes[e] for e in v.edges])
+
+
+def _einsum(ev: _Eval, v: Value, ops, present: list[str]):
+    """The contraction by numpy's einsum, over `present` (in that order). einsum names
+    at most len(_LETTERS) edges: past that, the edges of size 1 (index 0 only) leave the
+    subscripts, their axes squeezed, and come back as axes of length 1."""
+    names = list(dict.fromkeys([*present, *(e for o in v.operands for e in o.edges)]))
+    keep = names if len(names) <= len(_LETTERS) else [e for e in names if ev.sizes[e] != 1]
+    if len(keep) > len(_LETTERS):
+        raise EvalError(f"a contraction over {len(keep)} edges longer than 1 (the interpreter's einsum "
+                        f"names at most {len(_LETTERS)})")
+    letters = {e: _LETTERS[i] for i, e in enumerate(keep)}
+    if len(keep) < len(names):
+        ops = [np.squeeze(a, axis=tuple(i for i, e in enumerate(o.edges) if e not in letters))
+               for o, a in zip(v.operands, ops)]
+    inputs = ",".join("".join(letters[e] for e in o.edges if e in letters) for o in v.operands)
+    out = np.einsum(f"{inputs}->{''.join(letters[e] for e in present if e in letters)}", *ops,
+                    optimize=len(ops) > 2)
+    return out.reshape([ev.sizes[e] for e in present])
 
 
 def _index_products(v: Value, ops) -> bool:
@@ -237,8 +250,7 @@ class _Sliced:
         self.sizes = {**ev.sizes, edge: 1}
 
 
-def _letter(i: int) -> str:
-    return "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 # each elementwise function's float semantics (tgc.ir.ops.FNS), shared with tgc.lower.interp

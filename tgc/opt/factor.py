@@ -88,30 +88,50 @@ def _undistributed(ctx: Ctx, common, terms, coefs) -> Value:
     return ctx.c.contract(common + [total], set().union(*(t.edges for t in terms)))
 
 
-def _cost(v: Value, sizes) -> int:
-    """Cost of v's own op, a contraction at its best order (its operands given)."""
+def _cost(v: Value, sizes, memo: dict) -> int:
+    """Cost of v's own op, a contraction at its best order (its operands given); a
+    contraction's is found once per value (`memo`: id -> (value, cost), one rewrite's)."""
     if v.op == "contract":
-        return value_flops(v, sizes)
+        got = memo.get(id(v))
+        if got is None or got[0] is not v:
+            got = memo[id(v)] = (v, value_flops(v, sizes))
+        return got[1]
     if v.op == "add":
         return max(1, len(v.operands) - 1) * prod(v.edges, sizes)
     return 0
 
 
-def _new_cost(v: Value, sizes, known: set[int]) -> int:
+def _new_cost(v: Value, sizes, known: set[int], memo: dict) -> int:
     """Cost of the values v needs that are not in `known` (ids) yet."""
     if id(v) in known:
         return 0
     known.add(id(v))
-    return _cost(v, sizes) + sum(_new_cost(o, sizes, known) for o in v.operands)
+    return _cost(v, sizes, memo) + sum(_new_cost(o, sizes, known, memo) for o in v.operands)
 
 
 # sum_k c_k (F R_k) = F (sum_k c_k R_k)   (F: factors the terms share; only when cheaper)
 def undistribute(ctx: Ctx, v: Value) -> Value | None:
+    """`v` (a sum) with the cheapest group of its terms' common factors taken out, or None.
+    Memoized per sum (values are hash-consed): the inner sum of each candidate is
+    settled by this function too, and a chain of sums nested in each other's terms (the
+    gradient of a residual chain of steps) would otherwise settle each inner sum once per
+    candidate of every sum around it, exponentially in the depth."""
+    memo = ctx.cache.setdefault("undistributed", {})
+    got = memo.get(id(v))
+    if got is not None and got[0] is v:
+        return got[1]
+    out = _undistribute(ctx, v)
+    memo[id(v)] = (v, out)
+    return out
+
+
+def _undistribute(ctx: Ctx, v: Value) -> Value | None:
     if "sizes" not in ctx.cache:
         values = ctx.module.values()
         ctx.cache.update(sizes=rep_sizes(ctx.module, ctx.options.rep_size),
                          users=Counter(id(o) for x in values for o in x.operands))
     sizes, users = ctx.cache["sizes"], ctx.cache["users"]
+    costs = ctx.cache.setdefault("costs", {})
     known = None  # ids of what exists already (v's graph), found on first need
     terms, coefs = list(v.operands), list(v.attrs[0])
     best = None
@@ -122,10 +142,10 @@ def undistribute(ctx: Ctx, v: Value) -> Value | None:
             continue
         new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
         dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
-        old = sum(_cost(t, sizes) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        old = sum(_cost(t, sizes, costs) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
         if known is None:
             known = {id(x) for x in topo_order([v])}
-        saving = old - _new_cost(new, sizes, set(known))
+        saving = old - _new_cost(new, sizes, set(known), costs)
         if saving > 0 and (best is None or saving > best[0]):
             best = (saving, group, new)
     if best is None:
