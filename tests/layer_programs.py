@@ -29,3 +29,40 @@ out loss
 out y
 update w = w - lr * grad(loss, w)
 """
+
+
+def layer_stack(head: str, outs: str, n: int, params: tuple[str, ...], loop: bool = True) -> str:
+    """`head` (with `{n}` for the layer count), then `y` as `repeat[layer](block, x,
+    *params)` or, with `loop=False`, as the n calls of `block` on the layers' slices
+    written out (no loop: one graph), then `outs`."""
+    if loop:
+        body = f"y = repeat[layer](block, x, {', '.join(params)})\n"
+    else:
+        lines, h = [], "x"
+        for i in range(n):
+            lines.append(f"h{i} = block({h}, {', '.join(f'{p}[layer = {i}]' for p in params)})")
+            h = f"h{i}"
+        body = "\n".join(lines) + f"\ny = {h}\n"
+    return head.format(n=n) + body + outs
+
+
+def loop_kept(source: str, dtype: str = "f64"):
+    """The optimized module of `source`, its loops kept as loops (`unroll_max_ops=0`)."""
+    from tgc.frontend.elaborate import elaborate_source
+    from tgc.options import Options
+    from tgc.pipeline import lower
+
+    options = Options(dtype=dtype, unroll_max_ops=0)
+    return lower(elaborate_source(source, "<test>", options).module, options).module
+
+
+def assert_loop_is_the_unrolled_program(program, inputs: dict) -> None:
+    """`program(loop)` (a layer_stack) evaluated in f64 with its loop and written out
+    give the same outputs."""
+    import numpy as np
+    from tgc.ir.interp import evaluate
+
+    got = evaluate(loop_kept(program()), {k: a.copy() for k, a in inputs.items()}, dtype="f64")
+    want = evaluate(loop_kept(program(loop=False)), {k: a.copy() for k, a in inputs.items()}, dtype="f64")
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-11, atol=1e-12, err_msg=k)

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 import tgc
-from tgc.frontend.elaborate import elaborate_source
 from tgc.ir.interp import evaluate
-from tgc.options import Options
-from tgc.pipeline import lower
+
+from layer_programs import assert_loop_is_the_unrolled_program, layer_stack, loop_kept
 
 HEAD = """\
 dim layer = {n}, b = 2, t = 16, s = t, hd = 4, head = 2, c = 8
@@ -36,20 +35,10 @@ N = 3
 
 
 def program(loop: bool = True) -> str:
-    if loop:
-        body = "y = repeat[layer](block, x, wq, wk, wv)\n"
-    else:
-        lines, h = [], "x"
-        for i in range(N):
-            lines.append(f"h{i} = block({h}, wq[layer = {i}], wk[layer = {i}], wv[layer = {i}])")
-            h = f"h{i}"
-        body = "\n".join(lines) + f"\ny = {h}\n"
-    return HEAD.format(n=N) + body + OUTS
+    return layer_stack(HEAD, OUTS, N, ('wq', 'wk', 'wv'), loop)
 
 
-def optimized(source: str, dtype: str = "f64"):
-    options = Options(dtype=dtype, unroll_max_ops=0)   # the loop stays a loop
-    return lower(elaborate_source(source, "<test>", options).module, options).module
+optimized = loop_kept
 
 
 def inputs(seed: int = 0) -> dict[str, np.ndarray]:
@@ -71,11 +60,7 @@ def test_the_forward_loop_stacks_p_and_neither_scores_nor_logsumexp():
 
 
 def test_gradients_match_the_unrolled_program():
-    ins = inputs()
-    got = evaluate(optimized(program()), {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    want = evaluate(optimized(program(loop=False)), {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-11, atol=1e-12, err_msg=k)
+    assert_loop_is_the_unrolled_program(program, inputs())
 
 
 @pytest.mark.parametrize("dtype,rtol", [("f64", 1e-10), ("f32", 2e-4)])

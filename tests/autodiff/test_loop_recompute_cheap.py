@@ -13,10 +13,8 @@ import pytest
 
 import tgc
 from tgc.autodiff import loops, remat
-from tgc.frontend.elaborate import elaborate_source
-from tgc.ir.interp import evaluate
-from tgc.options import Options
-from tgc.pipeline import lower
+
+from layer_programs import assert_loop_is_the_unrolled_program, layer_stack, loop_kept
 
 N = 3
 HEAD = """\
@@ -36,20 +34,10 @@ out gx = grad(loss, x)
 
 
 def program(loop: bool = True) -> str:
-    if loop:
-        body = "y = repeat[layer](block, x, wfc, bfc, wproj)\n"
-    else:
-        lines, h = [], "x"
-        for i in range(N):
-            lines.append(f"h{i} = block({h}, wfc[layer = {i}], bfc[layer = {i}], wproj[layer = {i}])")
-            h = f"h{i}"
-        body = "\n".join(lines) + f"\ny = {h}\n"
-    return HEAD.format(n=N) + body + OUTS
+    return layer_stack(HEAD, OUTS, N, ('wfc', 'bfc', 'wproj'), loop)
 
 
-def optimized(source: str, dtype: str = "f64"):
-    options = Options(dtype=dtype, unroll_max_ops=0)   # the loop stays a loop
-    return lower(elaborate_source(source, "<test>", options).module, options).module
+optimized = loop_kept
 
 
 def inputs(seed: int = 0) -> dict[str, np.ndarray]:
@@ -104,11 +92,7 @@ def test_without_the_rule_it_stacks_tanh_and_its_affine_function_too(without_rul
 
 
 def test_gradients_match_the_unrolled_program():
-    ins = inputs()
-    got = evaluate(optimized(program()), {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    want = evaluate(optimized(program(loop=False)), {k: a.copy() for k, a in ins.items()}, dtype="f64")
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-11, atol=1e-12, err_msg=k)
+    assert_loop_is_the_unrolled_program(program, inputs())
 
 
 GPT2 = Path(__file__).resolve().parents[2] / "examples" / "gpt2.tg"
