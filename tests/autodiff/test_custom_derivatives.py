@@ -318,9 +318,6 @@ def test_a_scan_step_clips_its_summed_cotangent():
     assert not np.allclose(ct1, 1 + np.clip(W[1], -1, 1))  # clipping each cotangent apart differs
 
 
-@pytest.mark.xfail(strict=True, reason="reverse over reverse through a loop: the forward loop that keeps "
-                   "the step's values and the loop itself are two loop values, each with its own backward "
-                   "loop, so a nonlinear clause in the step sees their cotangents apart (the sum of two clips)")
 def test_a_repeat_hvp_through_a_nonlinear_clause_is_the_unrolled_one():
     """Reverse over reverse through `repeat`: the cotangents that reach a step's clause
     from the loss and from the backward loop's reads of the step are summed first."""
@@ -329,6 +326,23 @@ def test_a_repeat_hvp_through_a_nonlinear_clause_is_the_unrolled_one():
     loop, flat = _loop_and_unrolled("h * h * w + clip_grad(h)", decls, "repeat[l](step, x, W)",
                                     "step(step(x, W[l = 0]), W[l = 1])", outs)
     r = np.random.default_rng(32)
+    ins = {"W": r.standard_normal((2, 3)), "x": r.standard_normal(3), "dx": r.standard_normal(3)}
+    got, want = every_way(loop, ins), every_way(flat, ins)
+    for k in ("gx", "hx", "hw"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+def test_a_scan_hvp_through_a_nonlinear_clause_is_the_unrolled_one():
+    """Reverse over reverse through `scan`: the loss reads the stacked steps and the
+    first grad's backward loop reads the kept ones; the second backward sees their
+    cotangents summed before the clause clips them (one backward loop for both)."""
+    decls = "fn clip_grad(a) = a with vjp(g) = max(-0.1, min(0.1, g))"
+    outs = "out gx = grad(L, x)\nout hx = grad(grad(L, x) @ dx, x)\nout hw = grad(grad(L, x) @ dx, W)\n"
+    loop, flat = _loop_and_unrolled("h * h * w + clip_grad(h)", decls, "0", "0", outs)
+    loop = loop.replace("y = 0\n", "s = scan[l](step, x, W)\nL = sum(s * s * ([l = 0] * 2 + 1))\n")
+    flat = flat.replace("y = 0\n", "h1 = step(x, W[l = 0])\nh2 = step(h1, W[l = 1])\n"
+                        "L = 3 * sum(h1 * h1) + sum(h2 * h2)\n")
+    r = np.random.default_rng(34)
     ins = {"W": r.standard_normal((2, 3)), "x": r.standard_normal(3), "dx": r.standard_normal(3)}
     got, want = every_way(loop, ins), every_way(flat, ins)
     for k in ("gx", "hx", "hw"):

@@ -4,9 +4,14 @@ A loop over edge `e` with body `B` (carries C, per-step slices X, invariants P;
 results: new carries C' and per-step results Y) runs, for each index in order,
 `C <- C'(C, X[e = i], P)` and records `Y(C, X[e = i], P)` at `e = i`.
 
-Reverse mode (`loop_vjp`), for a cotangent `ct` of one output:
+Reverse mode (`loops_vjp`), for the cotangents of outputs of one loop (one group of
+`loop_groups`: loops of the same operands whose bodies are one the prefix of the
+longest, B, as a loop and the forward loop that keeps its steps' values are, both
+differentiated by an HVP), ONE backward loop seeded with all of them (a custom vjp
+clause in B sees their summed cotangent, as in the unrolled program; it need not be
+linear):
 - the backward step (`_plan`): the reverse sweep (`tgc.autodiff.reverse`) of B for
-  the cotangents of the new carries and, for a stacked output, of the step's result;
+  the cotangents of the new carries and of the step's stacked results, in one sweep;
   it gives the step's cotangents of C (the next carries), of P (added to running
   sums) and of X (stacked). The values of the step it reads (less what a
   `checkpoint` in B recomputes, `tgc.autodiff.remat.regions`; less parameters and
@@ -19,11 +24,10 @@ Reverse mode (`loop_vjp`), for a cotangent `ct` of one output:
 - a forward loop of the same body that also stacks those kept values per step (the
   lowering runs it as the loop it extends: `tgc.lower.steps`);
 - a loop over the indices in the other order whose carries are the cotangents of C
-  (starting at `ct` for a carry output, else 0) and the running sums, whose slices
-  are the kept values, X and the stacked `ct` (for a stacked output), and whose body
+  (starting at the carry outputs' cotangents, else 0) and the running sums, whose
+  slices are the kept values, X and the stacked outputs' cotangents, and whose body
   is the backward step.
-Its outputs are the cotangents of every operand, one loop for all of them (the
-builders hash-cons: the rule called for each operand builds the same loop).
+Its outputs are the cotangents of every operand, one loop for all of them.
 Keeping everything the backward step reads is the default; `checkpointed(B)` (the
 memory planner's other choice, `tgc.budget`) checkpoints B's results, so the
 backward step keeps only the incoming carries and recomputes the step from them.
@@ -40,7 +44,7 @@ derivative (an HVP through a `repeat`) applies these rules again.
 
 Exact: each derivative loop runs the chain rule of the step, step by step, in the
 order the dependencies go. Terminates: each rule builds one or two loops from a
-finite body, one sweep over it per result.
+finite body, one sweep over it per group of outputs (reverse) or per result (forward).
 """
 from __future__ import annotations
 
@@ -98,18 +102,41 @@ def _slice_type(o: Value, edge: str) -> list[str]:
 
 # ---- reverse mode ---------------------------------------------------------------------
 
-def loop_vjp(v: Value, i: int, ct: Value, reverse_many) -> Value | None:
-    """The cotangent of operand `i` of loop output `v` whose cotangent is `ct`;
-    `reverse_many` is the reverse sweep that called it (`tgc.autodiff.reverse`), run
-    on the body."""
-    return _backward(v, ct, reverse_many)[i]
+def loops_vjp(pairs: Sequence[tuple[Value, Value]], reverse_many) -> list[Value | None]:
+    """The cotangents of the operands of the loop outputs `pairs` ((output, its
+    cotangent), one group of `loop_groups`: the same operands, each body a prefix of
+    the longest) from ONE backward loop of the longest body, seeded with every
+    output's cotangent (a custom vjp clause in the step sees their sum)."""
+    return _backward(tuple(v for v, _ in pairs), tuple(ct for _, ct in pairs), reverse_many)
 
 
 @lru_cache(maxsize=32)
-def _backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
-    """The cotangents of all of `v`'s operands: the rule asks once per operand, and
-    the loop is built once (values are hashed by identity; the cache holds a few)."""
-    return _build_backward(v, ct, reverse_many)
+def _backward(vs: tuple[Value, ...], cts: tuple[Value, ...], reverse_many) -> list[Value | None]:
+    """The cotangents of all the operands: the loop is built once (values are hashed
+    by identity; the cache holds a few)."""
+    return _build_backward(vs, cts, reverse_many)
+
+
+def loop_groups(loops: Sequence[Value]) -> dict[int, int]:
+    """id(v) -> a group number for the loop outputs `loops`: outputs of loops over the
+    same operands, edge and order whose bodies are one the prefix of the longest
+    (`_extends`: a loop and the forward loop its reverse mode built to keep each
+    step's values) share a group, and a sweep builds one backward loop for a group."""
+    by_key: dict[tuple, list[Value]] = {}
+    for v in loops:
+        body, edge, reverse, _ = v.attrs
+        by_key.setdefault((edge, reverse) + tuple(map(id, v.operands)), []).append(v)
+    groups: dict[int, int] = {}
+    names: dict[tuple, int] = {}
+    for key, vs in by_key.items():
+        bodies = {id(v.attrs[0]): v.attrs[0] for v in vs}
+        for v in vs:
+            body = best = v.attrs[0]
+            for other in bodies.values():
+                if len(other.results) > len(best.results) and _extends(other, body):
+                    best = other
+            groups[id(v)] = names.setdefault(key + (id(best),), len(names))
+    return groups
 
 
 def checkpointed(body: LoopBody) -> LoopBody:
@@ -134,7 +161,7 @@ def step_plan(v: Value, reverse_many) -> StepPlan:
     `tgc explain` and the memory planner report)."""
     body, edge, _, out = v.attrs
     ct = V.const(0.0, v.dtype, set(v.edges))
-    return _plan(body, edge, out, ct.dtype, ct.edges, frozenset(), reverse_many)
+    return _plan(body, edge, ((out, ct.dtype, ct.edges),), frozenset(), reverse_many)
 
 
 KEPT_NOT = ("loopvar", "const", "size", "indicator")
@@ -201,14 +228,17 @@ def _reuse_kept(primal: list[Value], roots: list[Value], kept: list[Value]) -> l
 
 
 @lru_cache(maxsize=64)
-def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, batch: frozenset,
+def _plan(body: LoopBody, edge: str, outs: tuple[tuple[int, str, tuple], ...], batch: frozenset,
           reverse_many) -> StepPlan:
-    """The backward step of `body` for a cotangent of output `out` (`ct_dtype`,
-    `ct_edges`; `batch`: its edges beyond the output's), and what it keeps."""
+    """The backward step of `body` for cotangents of the outputs `outs` (each: the
+    output's number, the cotangent's dtype and edges; `batch`: their edges beyond the
+    outputs'), and what it keeps. The cotangents of carry outputs start the backward
+    carries; each stacked output's is a slice of the backward loop."""
     nc, nx = body.carries, body.slices
     carries, slices = body.params[:nc], body.params[nc:nc + nx]
     invariants = body.params[nc + nx:]
-    stacked_ct = out >= nc
+    stacked_outs = [(o, d, e) for o, d, e in outs if o >= nc]
+    ct_dtype = outs[0][1]
     float_slices = [j for j, x in enumerate(slices) if _float(x)]
     float_invs = [j for j, b in enumerate(invariants) if _float(b)]
 
@@ -217,14 +247,13 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
     g_inv = [ps.add(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
     c_in = [ps.add(c.dtype, c.edges) for c in carries]
     x_in = [ps.add(x.dtype, x.edges) for x in slices]
-    y_ct = ps.add(ct_dtype, [e for e in ct_edges if e != edge]) if stacked_ct else None
+    y_cts = [ps.add(d, [e for e in es if e != edge]) for _, d, es in stacked_outs]
     p_in = [ps.add(b.dtype, b.edges) for b in invariants]
 
     primal = list(c_in) + list(x_in) + list(p_in)
     results = _substitute(body.results, {id(old): new for old, new in zip(body.params, primal)})
     seeds = [(results[k], g_carry[k]) for k in range(nc) if _float(carries[k])]
-    if stacked_ct:
-        seeds.append((results[out], y_ct))
+    seeds += [(results[o], y) for (o, _, _), y in zip(stacked_outs, y_cts)]
     wrt = [p for p in primal if _float(p)]
     # one sweep for all the seeds: a value two results share gets their summed cotangent
     # before its rule runs (a custom vjp clause need not be linear)
@@ -263,24 +292,30 @@ def _plan(body: LoopBody, edge: str, out: int, ct_dtype: str, ct_edges: tuple, b
 
     final = _Params()
     order = (g_carry + g_inv + [c_in[k] for k in kept_carries] + stand + x_in
-             + ([y_ct] if stacked_ct else []) + p_in)
+             + y_cts + p_in)
     mapping = {id(p): final.add(p.dtype, p.edges) for p in order}
     back = V.loop_body(final.values, _substitute(roots, mapping), nc + len(float_invs),
-                       len(kept_carries) + len(stand) + nx + stacked_ct)
+                       len(kept_carries) + len(stand) + nx + len(y_cts))
     forward = _substitute(kept, {id(new): old for new, old in zip(primal, body.params)})
     return StepPlan(tuple(kept_carries), tuple(forward), recomputed, back)
 
 
-def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
-    body, edge, reverse, out = v.attrs
+def _build_backward(vs: tuple[Value, ...], cts: tuple[Value, ...], reverse_many) -> list[Value | None]:
+    body = max((v.attrs[0] for v in vs), key=lambda b: len(b.results))
+    _, edge, reverse, _ = vs[0].attrs
     nc, nx = body.carries, body.slices
-    ops = v.operands
+    ops = vs[0].operands
     carries, slices, invariants = ops[:nc], ops[nc:nc + nx], ops[nc + nx:]
-    batch = frozenset(set(ct.edges) - set(v.edges))
-    stacked_ct = out >= nc
+    batch: frozenset = frozenset()
+    summed: dict[int, list[Value]] = {}
+    for v, ct in zip(vs, cts):
+        batch |= set(ct.edges) - set(v.edges)
+        summed.setdefault(v.attrs[3], []).append(ct)
+    cts_of = {o: c[0] if len(c) == 1 else V.add(c) for o, c in sorted(summed.items())}
     float_slices = [j for j, x in enumerate(slices) if _float(x)]
     float_invs = [j for j, b in enumerate(invariants) if _float(b)]
-    plan = _plan(body, edge, out, ct.dtype, ct.edges, batch, reverse_many)
+    plan = _plan(body, edge, tuple((o, c.dtype, c.edges) for o, c in cts_of.items()), batch, reverse_many)
+    ct_dtype = next(iter(cts_of.values())).dtype
 
     # the forward loop that also stacks what each step keeps (lowering runs it with `v`'s)
     stacked = [body.params[k] for k in plan.carries] + list(plan.kept)
@@ -292,12 +327,13 @@ def _build_backward(v: Value, ct: Value, reverse_many) -> list[Value | None]:
         at = len(body.results) + extra.index(r) if at is None else at
         return V.loop(keep, edge, ops, at, reverse)
 
-    start = [_zero(c.dtype if _float(c) else ct.dtype, set(c.edges) | batch) for c in carries]
-    if not stacked_ct:
-        start[out] = _fitted(ct, carries[out], set(batch))
+    start = [_zero(c.dtype if _float(c) else ct_dtype, set(c.edges) | batch) for c in carries]
+    for o, ct in cts_of.items():
+        if o < nc:
+            start[o] = _fitted(ct, carries[o], set(batch))
     operands = (start + [_zero(invariants[j].dtype, set(invariants[j].edges) | batch) for j in float_invs]
-                + [kept(r) for r in stacked] + list(slices) + ([V.convert(ct, ct.dtype)] if stacked_ct else [])
-                + list(invariants))
+                + [kept(r) for r in stacked] + list(slices)
+                + [V.convert(ct, ct.dtype) for o, ct in cts_of.items() if o >= nc] + list(invariants))
     outs = lambda k: V.loop(plan.back, edge, operands, k, not reverse)   # noqa: E731
     result: list[Value | None] = [outs(k) if _float(carries[k]) else None for k in range(nc)]
     result += [outs(nc + len(float_invs) + float_slices.index(j)) if j in float_slices else None

@@ -5,7 +5,9 @@ Rewrites: `vjp(f, x, v)` becomes the cotangent of `x` when `f` is seeded with `v
 one cotangent per value, the sum (one `add`) of the contributions of all its
 consumers, propagated in reverse topological order over the active values only
 (on a path from `x` to `f`: constants and unrelated branches get no cotangent).
-Each contribution comes from the consumer's rule in `tgc.autodiff.rules`.
+Each contribution comes from the consumer's rule in `tgc.autodiff.rules`; the
+outputs of one loop (`tgc.autodiff.loops.loop_groups`) contribute together, from one
+backward loop seeded with all their cotangents, once the last of them is known.
 `grad(f, x)` is the vjp seeded with 1 for a scalar `f`, else with the identity
 `[e = e.1] ...` over f's edges and fresh copies of them, renamed back at the end
 (the Jacobian). Extra edges of `v` (a batch of cotangents) are likewise renamed to
@@ -24,7 +26,7 @@ from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
 from tgc.ir.module import Module
 from tgc.ir.values import Value, topo_order
-from tgc.autodiff.loops import loop_vjp
+from tgc.autodiff.loops import loop_groups, loops_vjp
 from tgc.autodiff.rules import active_values, fit, fresh_edges, inverse, rule_for, total
 from tgc.autodiff.remat import rematerialize
 
@@ -57,7 +59,15 @@ def reverse_many(f: Value, xs: list[Value], seed: Value,
         if id(g) in act:
             parts.setdefault(id(g), []).append(s)
     left = len(want)
-    for v in reversed(topo_order(roots)):
+    order = topo_order(roots)
+    # outputs of one loop (or of a loop and the forward loop that keeps its steps' values)
+    # get one backward loop, seeded with all their cotangents once the last is known
+    groups = loop_groups([v for v in order if v.op == "loop" and id(v) in act and id(v) not in want])
+    waiting: dict[int, int] = {}
+    for g in groups.values():
+        waiting[g] = waiting.get(g, 0) + 1
+    pending: dict[int, list[tuple[Value, Value]]] = {}
+    for v in reversed(order):
         ct = total(parts.pop(id(v), ()))
         if id(v) in want:  # every value after the last x in this order depends on none of them
             out[id(v)] = ct
@@ -65,13 +75,25 @@ def reverse_many(f: Value, xs: list[Value], seed: Value,
             if not left:
                 break
             continue
+        if id(v) in groups:   # the group's outputs come before any of their (shared) operands
+            g = groups[id(v)]
+            if ct is not None:
+                pending.setdefault(g, []).append((v, ct))
+            waiting[g] -= 1
+            if waiting[g] or g not in pending:
+                continue
+            cs = loops_vjp(pending.pop(g), reverse_many)
+            for i in rule_for(v).positions(v):
+                o = v.operands[i]
+                if id(o) in act and cs[i] is not None:
+                    parts.setdefault(id(o), []).append(fit(cs[i], set(o.edges) | batch))
+            continue
         if ct is None:
             continue
         rule = rule_for(v)
         for i in rule.positions(v):
             o = v.operands[i]
-            c = None if id(o) not in act else loop_vjp(v, i, ct, reverse_many) if v.op == "loop" \
-                else rule.vjp(v, i, ct)
+            c = None if id(o) not in act else rule.vjp(v, i, ct)
             if c is not None:
                 parts.setdefault(id(o), []).append(fit(c, set(o.edges) | batch))
     return rematerialize(roots, out)
