@@ -76,15 +76,16 @@ def arrays(t: int, seed: int = 0) -> dict:
     return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dy")}
 
 
-def tgc_peak(text: str, dims: dict) -> tuple[int, int]:
-    """(peak bytes of live temporaries, workspace bytes) from `tgc explain` at `dims`."""
+def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
+    """(peak bytes of live temporaries, workspace bytes) from `tgc explain` at `dims`
+    (under `opts`, default Options())."""
     from tgc import pipeline
     from tgc.explain import explain
     from tgc.frontend import compile_source
     from tgc.options import Options
     from tgc.pipeline import lower_module
 
-    opts = Options()
+    opts = opts or Options()
     module = compile_source(text, "<attention>", opts)
     env = module.bind_dims(dims)
     lowered = pipeline.lower(module, opts.with_(dims=tuple(sorted(dims.items()))))   # as `tgc explain`
