@@ -125,6 +125,21 @@ def _build(tmp_path, source, name):
     return lib, (tmp_path / f"{name}.h").read_text()
 
 
+def test_the_lowered_backend_refuses_a_loop_nest_deeper_than_numpy_broadcasts():
+    """40 edges (all but one of size 1): the lowered backend's numpy reference broadcasts
+    at most 32 axes, so it says so (an EvalError naming the backends that run it), where
+    numpy's RuntimeError came out of the call; interp and cpu run it."""
+    from tgc.ir.interp import EvalError
+
+    n = 40
+    src = "".join(f"dim d{i} = 1\n" for i in range(n)) + "dim k = 3\n"
+    src += f"input x[{', '.join(f'd{i}' for i in range(n))}, k]\nout s = sum(x)\nout z = x * 2\n"
+    x = np.arange(3.0).reshape((1,) * n + (3,))
+    with pytest.raises(EvalError, match="at most 32 loops.*interp and cpu"):
+        tgc.compile(src, backend="lowered", dtype="f64")(x=x)
+    assert float(tgc.compile(src, backend="cpu", dtype="f64")(x=x)["s"]) == 3.0
+
+
 @pytest.mark.parametrize("backend", ["interp", "cpu"])
 def test_a_tensor_with_more_edges_than_einsum_letters_runs(backend):
     """60 edges (numpy's einsum names at most 52), all but one of size 1: the reference

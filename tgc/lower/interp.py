@@ -188,8 +188,12 @@ class _Machine(ExprVisitor):
     # ---------------------------------------------------------------- loop kernels
 
     def grid(self, names: list[str], sizes: list[int]) -> dict[str, np.ndarray]:
-        """Index arrays of a loop nest, one axis per loop (broadcast against each other)."""
+        """Index arrays of a loop nest, one axis per loop (broadcast against each other).
+        numpy broadcasts at most 32 axes: a deeper nest is an EvalError, not numpy's."""
         n = len(names)
+        if n > 32:
+            raise EvalError(f"the lowered backend (a numpy reference) runs loop nests of at most 32 loops; "
+                            f"a kernel here has {n}: the interp and cpu backends run it")
         return {v: np.arange(s, dtype=np.int64).reshape([s if j == i else 1 for j in range(n)])
                 for i, (v, s) in enumerate(zip(names, sizes))}
 
