@@ -168,6 +168,7 @@ class Liveness:
         self.last: dict[str, int] = {}
         for i, k in enumerate(low.kernels):
             for name in k.buffers_used():
+                name = low.storage(name)   # an alias is its buffer's bytes (tgc.lower.alias)
                 if low.buffers[name].kind == "temp":
                     self.first.setdefault(name, i)
                     self.last[name] = i

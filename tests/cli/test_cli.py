@@ -102,7 +102,7 @@ def test_usage_errors_exit_2():
 def test_passes_lists_the_default_pipeline():
     r = tgc("passes")
     assert "normalize" in r.output and "default pipeline:" in r.output
-    assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,epilogue,group,plan" in r.output
+    assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,epilogue,alias,group,plan" in r.output
     assert "lowering for cuda (dump-ir --after STAGE): fuse,layout,narrow,cublas_operands,inline_elementwise,flash,accumulate,rowgroup,plan" in r.output
 
 

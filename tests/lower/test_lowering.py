@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tgc.lower.lowered import GemmKernel, LoopKernel, print_lowered
 from tgc.ir.parser import parse_module
 from tgc.options import Options
@@ -249,7 +251,8 @@ def test_stages_print_after_each():
                  emit=lambda banner, text: seen.append((banner, text)))
     assert [b for b, _ in seen] == ["IR after emulate_low", "IR after without_rules", "IR after fuse",
                                     "IR after layout", "IR after narrow",
-                                    "IR after gemm_operands", "IR after implicit", "IR after accumulate", "IR after epilogue", "IR after group",
+                                    "IR after gemm_operands", "IR after implicit", "IR after accumulate", "IR after epilogue",
+                                    "IR after alias", "IR after group",
                                     "IR after plan"]
     assert seen[0][1].startswith("dim ")   # emulate_low and without_rules: still the IR module
     stages = dict(seen)
@@ -301,21 +304,28 @@ out y[b, t, head, hd] = q[c2 = hd*head + hd]
 """
 
 
-def test_a_weight_split_into_heads_is_copied_once_for_one_plain_gemm():
-    """`wq[c, c2 -> hd + 16*head]` only splits c2 into (head, hd): the weight is copied
-    into those edges by a loop kernel and the projection is one GEMM over all heads
-    (n = head, hd), not a loop of GEMMs on views shifted by 16*head."""
+@pytest.mark.parametrize("alias", [True, False])
+def test_a_weight_split_into_heads_is_copied_once_for_one_plain_gemm(alias):
+    """`wq[c, c2 -> hd + 16*head]` only splits c2 into (head, hd): the projection is one
+    GEMM over all heads (n = head, hd), not a loop of GEMMs on views shifted by 16*head.
+    Its operand is the weight split into those edges: without the `alias` stage a loop
+    kernel copies it once; with it (the CPU's default) the split is a view of the
+    weight's bytes (`tgc.lower.alias`), no copy."""
     import numpy as np
 
     import tgc
+    from tgc.backends.base import get_backend
     from tgc.ir.interp import evaluate
     from tgc.ir.inputs import random_inputs
 
-    prog = tgc.compile(HEAD_PROJECTION, dtype="f64")
+    stages = tuple(s for s in get_backend("cpu").lowering() if alias or s != "alias")
+    prog = tgc.compile(HEAD_PROJECTION, dtype="f64", options=Options(dtype="f64", stages=stages))
     (gemm,) = [k for k in prog.lowered.kernels if isinstance(k, GemmKernel)]
     assert not gemm.shifts and not gemm.batch
     assert set(gemm.n) == {"head", "hd"} or set(gemm.m) == {"head", "hd"}
-    assert [k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and "16*head" in k.text()]
+    copies = [k for k in prog.lowered.kernels if isinstance(k, LoopKernel) and "16*head" in k.text()]
+    views = [b for b in prog.lowered.buffers.values() if b.alias == "wq"]
+    assert (len(copies), len(views)) == ((0, 1) if alias else (1, 0))
     m = prog.module
     x = random_inputs(m, {**m.dims, "b": 5}, 0, "f64")
     np.testing.assert_allclose(prog(**x)["y"], evaluate(m, dict(x), dtype="f64")["y"], rtol=1e-12)

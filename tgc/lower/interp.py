@@ -27,7 +27,8 @@ Semantics, as `tgc.lower.lowered` states them:
   then computed one after another, each over the whole product with `Acc` read from
   `out` (`tgc.lower.lowered.epilogue_loops`): the same values as output by output at
   each element, since an epilogue reads its outputs only at the element's own index;
-- a `Check` stops the call with `EvalError` before any kernel runs.
+- a `Check` stops the call with `EvalError` before any kernel runs;
+- an alias (`Buffer.alias`) is a view of its buffer's array, in its own shape.
 
 Each operation (a sum's term and total, a product, a function, a reduction) is
 computed in float64 from its operands and rounded once to the program's float type,
@@ -108,6 +109,17 @@ class _Machine(ExprVisitor):
             else:
                 self.arrays[name] = np.full(shape, np.nan, dtype) if dtype != np.int32 else np.zeros(shape, dtype)
         self.order = {name: (buf.order if buf.order is not None else buf.edges) for name, buf in low.buffers.items()}
+        self.bind_aliases()
+
+    def bind_aliases(self) -> None:
+        """Each alias (`Buffer.alias`) as a view of its buffer's array, in its own shape:
+        the same bytes (the buffer's array is C-contiguous in its order)."""
+        for name, buf in self.low.buffers.items():
+            if buf.alias is not None:
+                base = self.arrays[buf.alias]
+                view = base.reshape(tuple(self.size(e) for e in self.order[name]))
+                assert np.shares_memory(view, base), "an alias is a view of its buffer"
+                self.arrays[name] = view
 
     # ---------------------------------------------------------------- sizes
 
@@ -161,6 +173,7 @@ class _Machine(ExprVisitor):
             for c in range(k.carries):   # a carry updated in place: its output is the carry's buffer
                 if k.outs[c].buf == k.args[c].buf:
                     inner.arrays[outs[c]] = self.arrays[k.args[c].buf]
+            inner.bind_aliases()
             inner.run_kernels()
             for j, b in enumerate(k.outs):
                 dst = self.arrays[b.buf]

@@ -68,6 +68,7 @@ from tgc.ir.sizes import size_dims, size_estimate
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.lower.indexing import edge_size
+from tgc.lower.alias import plain_copy, split_order
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
     complex_bufs = {b for k in low.kernels if isinstance(k, GemmKernel) and k.cplx is not None
                     for b in (k.out, k.a.buf, k.b.buf)}
     readers = _loop_readers(low)
+    copies = _split_copies(low)
     for k in low.kernels:
         if isinstance(k, StepLoop):   # a loop's buffers have the orders its step was built for
             continue
@@ -127,12 +129,46 @@ def _order_buffers(low: Lowered, guess: int, options: Options) -> None:
             else:
                 buf.order = _suit_readers(low, k, buf.order, guess, options.layout_short_sum,
                                            options.layout_tie_rows, readers.get(k.out, ()))
+            if buf.name in copies:
+                _split_of_copy(low, k, buf, copies[buf.name], gemm_uses)
         elif buf.name in gemm_uses:
             buf.order = _gemm_operand_order(low, *gemm_uses[buf.name], _follow_loads(low, k, buf))
         else:
             buf.order = _follow_loads(low, k, buf)
         if buf.name in complex_bufs and RI in buf.order and buf.order[-1] != RI:
             buf.order = tuple(e for e in buf.order if e != RI) + (RI,)   # a complex matrix's pairs
+
+
+def _split_copies(low: Lowered) -> dict[str, LoopKernel]:
+    """buffer -> the plain copy (`tgc.lower.alias.plain_copy`) that is the only kernel
+    reading it."""
+    readers: dict[str, list] = {}
+    for k in low.kernels:
+        for b in k.buffers_read():
+            readers.setdefault(b, []).append(k)
+    return {b: ks[0] for b, ks in readers.items() if len(ks) == 1 and plain_copy(low, ks[0]) == b}
+
+
+def _split_of_copy(low: Lowered, k: GemmKernel, buf: Buffer, c: LoopKernel, gemm_uses) -> None:
+    """A GEMM result that only a copy splitting or merging edges reads (attention's heads
+    merged into the width): the order whose element offsets are the copy's output's
+    (`tgc.lower.alias.split_order`: `[batch, t, head, hd]` for `[batch, t, c2]`), where
+    the GEMM can write it, so that the `alias` stage drops the copy. The output's order is
+    chosen first, as it would be when its turn came (`buf`'s order so far is what its
+    loads follow)."""
+    out = low.buffers[c.out]
+    order = out.order
+    if order is None:
+        order = _follow_loads(low, c, out)
+        if out.name in gemm_uses:
+            order = _gemm_operand_order(low, *gemm_uses[out.name], order)
+    want = split_order(low, c, order)
+    if want is None or sorted(want) != sorted(buf.edges):
+        return
+    mine = _demote(k, want)
+    if matrix_form(want, mine.m, mine.n) is None:
+        return
+    buf.order, out.order = want, order
 
 
 def _loop_readers(low: Lowered) -> dict[str, list[LoopKernel]]:

@@ -48,6 +48,10 @@ Backend-neutral: a program is a list of kernels over named buffers.
   never writes what it reads, and the last step leaves the result in the carry's
   buffer. The step's temporaries live in the enclosing workspace, from slot
   `slot_base` on (`plan`).
+- A temporary with an `alias` holds no bytes of its own: it is buffer `alias`'s bytes
+  (the same row-major offsets, another edge set: heads `[t, head, hd]` read as the
+  width `[t, c]`), each in its own order: writing either writes both
+  (`tgc.lower.alias`). The buffer it views is no alias itself.
 - A `Check` makes the program fail (nonzero status, before any write) when an id
   buffer holds a value outside `[0, size)`.
 
@@ -486,6 +490,9 @@ class Buffer:
     order: tuple[str, ...] | None = None
     slot: int | None = None
     prefer: tuple[str, ...] | None = None  # an order layout should try first
+    # a temporary whose bytes are buffer `alias`'s, in its own order (`tgc.lower.alias`:
+    # a split or merge of edges as strides, no copy)
+    alias: str | None = None
 
     def text(self) -> str:
         where = {"arg": f"arg {self.index}", "out": f"out {self.index}", "temp": "temp"}[self.kind]
@@ -494,6 +501,8 @@ class Buffer:
             text += f" order [{', '.join(self.order)}]"
         if self.prefer is not None:
             text += f" prefer [{', '.join(self.prefer)}]"
+        if self.alias is not None:
+            text += f" alias %{self.alias}"
         if self.slot is not None:
             text += f" slot {self.slot}"
         return text
@@ -886,6 +895,11 @@ class Lowered:
         for s in self.sizes(buf.edges):
             total = size_op("*", total, s)
         return total
+
+    def storage(self, name: str) -> str:
+        """The buffer whose bytes buffer `name` is: its `alias`, or itself."""
+        alias = self.buffers[name].alias
+        return name if alias is None else alias
 
     def fresh(self, stem: str) -> str:
         n = len(self.buffers)

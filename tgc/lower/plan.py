@@ -10,7 +10,8 @@ overwritten). Then:
   target only at the very element it writes: `W - lr * dW` runs in place); later
   readers of the temporary then read the target.
 - Temporaries get workspace slots by liveness (first write .. last read, both
-  inclusive, so a kernel never reads and writes one slot): a slot is reused by a
+  inclusive, so a kernel never reads and writes one slot; an alias, `tgc.lower.alias`,
+  takes its buffer's slot, the two alive as one): a slot is reused by a
   later buffer once its occupant is dead, preferring a slot of the same byte size.
   A slot's size is the max of its buffers' sizes — expressions of the symbolic
   dims, so the workspace size is known from the dims before the call.
@@ -162,11 +163,12 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
     last: dict[str, int] = {}
     for i, k in enumerate(low.kernels):
         for name in k.buffers_used():  # a list: the slots do not depend on set order
+            name = low.storage(name)   # an alias is alive with the buffer it views
             if low.buffers[name].kind == "temp":
                 first.setdefault(name, i)
                 last[name] = i
     for name, b in low.buffers.items():
-        if b.kind == "temp" and name not in first:
+        if b.kind == "temp" and b.alias is None and name not in first:
             raise ValueError(f"internal: temporary '{name}' is never used")
     born: dict[int, list[str]] = {}   # kernel -> the temporaries it uses first, in order of first use
     for name, i in first.items():
@@ -196,4 +198,11 @@ def _assign_slots(low: Lowered, rep_size: int = 64) -> None:
             occupant[s] = name
             ends.setdefault(last[name] + 1, []).append(s)
             low.buffers[name].slot = s
+    for name, b in low.buffers.items():   # an alias of a temporary: its slot (the same bytes)
+        base = low.buffers[b.alias] if b.alias is not None else None
+        if base is not None and base.kind == "temp":
+            b.slot = base.slot
+            size = low.nbytes(b)
+            if size not in slots[b.slot]:
+                slots[b.slot].append(size)
     low.slots = [tuple(s) for s in slots]

@@ -258,6 +258,8 @@ class _Builder:
                 b.order = self.names(r.children[0])
             elif r.data == "prefer":
                 b.prefer = self.names(r.children[0])
+            elif r.data == "alias":
+                b.alias = str(r.children[0])[1:]
             else:
                 b.slot = int(r.children[0])
         self.low.buffers[name] = b

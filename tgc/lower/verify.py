@@ -23,7 +23,9 @@ lowering stage, and `parse_lowered` after reading text:
   the whole edge (equal sizes); a GEMM's out buffer has the edges of its batch, m and n
   groups and its operands' views agree on the sizes of the edges they share; a group's
   outer loops are the first loops of every member, with the same sizes;
-- the workspace: after `plan` every temporary has a slot, each slot index lies inside
+- aliases (`Buffer.alias`): a temporary viewing a buffer that is no alias, of its type
+  and byte size, in that buffer's slot; writing either defines both;
+- the workspace: after `plan` every temporary has a slot (an alias its buffer's), each slot index lies inside
   the slot table and lists the buffer's byte size, and two temporaries alive at once
   (from first to last use) never share a slot; id checks are on i32 buffers;
 - 2-byte buffers (bf16, f16: `tgc.lower.narrow`): an argument's is the argument's
@@ -128,7 +130,7 @@ class _Verifier(ExprVisitor):
         if low.dtype not in ("f32", "f64"):
             raise self.fail(f"the program's float type is f32 or f64, not '{low.dtype}'")
         self.buffers()
-        defined = {n for n, b in low.buffers.items() if b.kind == "arg"} | set(self.held)
+        defined = self.aliased({n for n, b in low.buffers.items() if b.kind == "arg"} | set(self.held))
         written: set[str] = set()
         for self.k, k in enumerate(low.kernels):
             if _is_group(k):
@@ -148,6 +150,7 @@ class _Verifier(ExprVisitor):
                 writes = {k.out}
             for w in writes:
                 self.writable(w)
+            writes = self.aliased(set(writes))   # writing an alias writes its buffer's bytes
             defined |= writes
             written |= writes
         self.k = None
@@ -179,6 +182,8 @@ class _Verifier(ExprVisitor):
                                     f"[{', '.join(b.edges)}]")
             if b.kind not in ("arg", "out", "temp"):
                 raise self.fail(f"buffer '%{name}' has unknown kind '{b.kind}'")
+            if b.alias is not None:
+                self.alias(name, b)
             if b.kind == "temp":
                 continue
             key = (b.kind, b.index)
@@ -284,6 +289,21 @@ class _Verifier(ExprVisitor):
                             f"not its slices at the step's index")
         return want
 
+    def alias(self, name: str, b) -> None:
+        low = self.low
+        base = low.buffers.get(b.alias)
+        if b.kind != "temp" or base is None or base.alias is not None or base is b:
+            raise self.fail(f"buffer '%{name}' is an alias of '%{b.alias}': an alias is a temporary "
+                            f"viewing a buffer that is no alias")
+        if base.dtype != b.dtype or not self.same_size(low.nbytes(base), low.nbytes(b)):
+            raise self.fail(f"alias '%{name}' does not have the type and byte size of '%{b.alias}'")
+
+    def aliased(self, names: set[str]) -> set[str]:
+        """`names` with the buffers that share their bytes (aliases and what they view)."""
+        low = self.low
+        bases = {low.storage(n) for n in names if n in low.buffers}
+        return set(names) | bases | {n for n, b in low.buffers.items() if b.alias in bases}
+
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]
         if b.kind == "arg" and name not in self.targets:
@@ -294,11 +314,20 @@ class _Verifier(ExprVisitor):
         live: dict[str, tuple[int, int]] = {}
         for i, k in enumerate(low.kernels):
             for name in k.buffers_used():
+                if name in low.buffers:
+                    name = low.storage(name)   # an alias is alive with the buffer it views
                 if name in low.buffers and low.buffers[name].kind == "temp":
                     first, _ = live.get(name, (i, i))
                     live[name] = (first, i)
         by_slot: dict[int, list[str]] = {}
         for name, b in low.buffers.items():
+            if b.alias is not None:   # the bytes of the buffer it views: its slot, or none
+                base = low.buffers[b.alias]
+                if b.slot != base.slot:
+                    raise self.fail(f"alias '%{name}' is in slot {b.slot}, the buffer it views in {base.slot}")
+                if b.slot is not None and low.nbytes(b) not in low.slots[b.slot]:
+                    raise self.fail(f"slot {b.slot} does not list the size of '%{name}' ({low.nbytes(b)} bytes)")
+                continue
             if b.slot is None:
                 if low.stage == "plan" and b.kind == "temp":
                     raise self.fail(f"temporary '%{name}' has no workspace slot after plan")

@@ -3,7 +3,8 @@ lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`
 `gemm_operands` (bf16 GEMMs, or operands widened for BLAS), `implicit` (GEMMs that
 pack a gather copy's window from its source: `tgc.backends.cpu.implicit`), the neutral
 `epilogue` (elementwise readers of a GEMM's product folded into it: `tgc.lower.epilogue`,
-run on the GEMM's tiles by `tgc.backends.cpu.gemm_epilogue`) and `group` (cache
+run on the GEMM's tiles by `tgc.backends.cpu.gemm_epilogue`), the neutral `alias` (copies
+that only split or merge edges become views: `tgc.lower.alias`) and `group` (cache
 blocking: `tgc.backends.cpu.group`) and its text form, LLVM code
 JIT-loaded in this process (`kernels.compile_kernels`), cache keys that name
 the host CPU and its features, and the files of `tgc build` (`aot`: a shared library
@@ -15,13 +16,14 @@ from tgc.backends.cpu.gemm_operands import GemmOperands
 from tgc.backends.cpu.group import GROUP_FORM, Group
 from tgc.backends.cpu.implicit import IMPLICIT_FORM, Implicit
 from tgc.lower.accumulate import Accumulate
+from tgc.lower.alias import Aliases
 from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.narrow import Narrow
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Implicit, Accumulate, GemmEpilogue, Group)
+    stages = (Narrow, GemmOperands, Implicit, Accumulate, GemmEpilogue, Aliases, Group)
     kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True

@@ -485,8 +485,11 @@ class _ModuleGen:
                     ptr = b.gep(ptr, [b.mul(at, stride)], source_etype=ir.IntType(8))
                 inner[name] = ptr
             for name, sb in step.buffers.items():
-                if sb.kind == "temp":
+                if sb.kind == "temp" and sb.alias is None:
                     inner[name] = b.gep(ws, [offsets[base + sb.slot]], source_etype=ir.IntType(8))
+            for name, sb in step.buffers.items():
+                if sb.alias is not None:   # the bytes of the buffer it views (tgc.lower.alias)
+                    inner[name] = inner[sb.alias]
             sub = iter(step_fns)
             starts = {r.start: r for r in self.regions(step, step=True)} if not self.serial else {}
             skip = 0
@@ -742,8 +745,11 @@ class _ModuleGen:
                 ptrs[name] = self.arg_ptr(b, args, buf.index)
             elif buf.kind == "out":
                 ptrs[name] = self.arg_ptr(b, outs, buf.index)
-            else:
+            elif buf.alias is None:
                 ptrs[name] = b.gep(ws, [offsets[buf.slot]], source_etype=ir.IntType(8))
+        for name, buf in self.low.buffers.items():
+            if buf.alias is not None:   # the bytes of the buffer it views (tgc.lower.alias)
+                ptrs[name] = ptrs[buf.alias]
         return ptrs
 
     # ------------------------------------------------------------ warm workers

@@ -275,12 +275,12 @@ class _Access:
             self.local[buf] = ("thread 0",) if single else None if is_gemm(k) else _local_key(k, buf, cpu)
 
     def memory(self, buf: str):
-        b = self.low.buffers[buf]
+        b = self.low.buffers[self.low.storage(buf)]   # an alias is its buffer's bytes
         if b.kind == "temp":
             return ("slot", b.slot)
         if self.step:
             return ("io",)
-        return ("name", buf)
+        return ("name", b.name)
 
     def conflicts(self, other: "_Access") -> bool:
         for mine in self.reads | self.writes:

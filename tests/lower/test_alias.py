@@ -1,0 +1,193 @@
+"""The `alias` stage (`tgc.lower.alias`): a copy that only splits or merges edges, whose
+source and destination have the same bytes in their orders, becomes a view (an alias
+buffer) and the copy goes; `layout` orders a GEMM result that only such a copy reads as
+the split of the copy's destination (attention's heads merged into the width:
+`[batch, t, head, hd]` for `[batch, t, c]`). Golden text, the refusals, the text form and
+the verifier, and numbers: the compiled program with and without the stage (bitwise) and
+against the IR interpreter, the generic (symbolic) program through the lowered
+interpreter, and a GPT layer loop's steps (examples/gpt2.tg) in f64 and f32."""
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+from tgc import pipeline
+from tgc.backends.base import get_backend
+from tgc.ir.inputs import random_inputs
+from tgc.ir.interp import evaluate
+from tgc.lower.alias import Aliases
+from tgc.lower.interp import run_lowered
+from tgc.lower.lowered import Const, GemmKernel, Ix, LoopKernel, StepLoop, print_lowered
+from tgc.lower.text import parse_lowered
+from tgc.lower.verify import VerifyError, verify_lowered
+from tgc.options import Options
+
+HERE = Path(__file__).resolve().parent
+MERGE = HERE / "alias_merge.tg"   # y = sum[s](p * v) @ [c = hd*head + hd] @ wo, and wo's gradient
+GPT2 = HERE.parents[1] / "examples" / "gpt2.tg"
+DIMS = {"head": 3, "hd": 4, "t": 5, "n": 6}
+
+
+def stages(alias: bool = True) -> tuple[str, ...]:
+    return tuple(s for s in get_backend("cpu").lowering() if alias or s != "alias")
+
+
+def lowered(path, dims, stop_after: str, dtype: str = "f64", opts: Options | None = None):
+    opts = opts or Options(dtype=dtype)
+    src = pipeline.load_source(str(path), dims=dims, lookup=False, options=opts)
+    compiled, o = pipeline.target(pipeline.lower(src.module, src.options).module, src.options)
+    return pipeline.lower_module(compiled, o, stop_after=stop_after), o
+
+
+GOLDEN = """\
+buffer %t5 : f64[batch, hd, head, t] temp order [batch, t, head, hd]
+buffer %t6 : f64[batch, c, t] temp order [batch, t, c] alias %t5
+k0: gemm %t5 = %v[batch, hd, head, s] @ %p[batch, head, s, t]  batch(batch, head) m(hd) n(t) k(s)
+k1: gemm %y = %wo[c, n] @ %t6[batch, c, t]  batch() m(n) n(batch, t) k(c)
+k2: gemm %g = %t6[batch, c, t] @ %y[batch, n, t]  batch() m(c) n(n) k(batch, t)
+      then %g[c, n] = add[2.0](acc)"""
+
+
+def test_the_merged_heads_are_a_view_of_the_product():
+    """The batched product stores its heads in the width's layout (`[batch, t, head,
+    hd]`), and both GEMMs that read the width read those bytes: no copy kernel."""
+    low, _ = lowered(MERGE, DIMS, "alias")
+    text = [b.text() for b in low.buffers.values() if b.kind == "temp"] + \
+        [f"k{i}: " + k.text() for i, k in enumerate(low.kernels)]
+    assert "\n".join(text) == GOLDEN
+    before, _ = lowered(MERGE, DIMS, "epilogue")   # the copy the stage removes
+    (copy,) = [k for k in before.kernels if isinstance(k, LoopKernel)]
+    assert copy.out == "t6" and "floor" in copy.text()
+
+
+def test_a_copy_is_kept_where_the_bytes_or_the_writes_do_not_allow_a_view():
+    """Refusals: the source in another order (a transpose: the offsets differ), and a
+    source written again after the copy (the view would see the new values)."""
+    low, opts = lowered(MERGE, DIMS, "epilogue")
+    assert Aliases().run(low, opts).buffers["t6"].alias == "t5"
+    moved = low.staged("epilogue")
+    moved.buffers["t5"].order = ("batch", "head", "t", "hd")
+    out = Aliases().run(moved, opts)
+    assert not any(b.alias for b in out.buffers.values()) and len(out.kernels) == len(low.kernels)
+    again = low.staged("epilogue")
+    t5 = again.buffers["t5"]
+    zero = LoopKernel("t5", tuple((e, Ix.var(e)) for e in t5.edges), t5.order,
+                      {e: again.size(e) for e in t5.edges}, Const(0.0))
+    again.kernels = again.kernels + [zero]
+    out = Aliases().run(again, opts)
+    assert not any(b.alias for b in out.buffers.values()) and len(out.kernels) == len(again.kernels)
+
+
+def test_an_alias_reads_back_from_text_and_the_verifier_checks_it():
+    low, _ = lowered(MERGE, DIMS, "plan")
+    text = print_lowered(low)
+    assert "alias %t5 slot" in text
+    back = parse_lowered(text)
+    assert print_lowered(back) == text
+    bad = replace(low, buffers={**low.buffers, "t6": replace(low.buffers["t6"], alias="wo")})
+    with pytest.raises(VerifyError, match="alias '%t6'"):
+        verify_lowered(bad)
+    stale = replace(low, buffers={**low.buffers, "t6": replace(low.buffers["t6"], slot=None)})
+    with pytest.raises(VerifyError, match="alias '%t6' is in slot None"):
+        verify_lowered(stale)
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_the_view_computes_the_copys_bits(dtype):
+    """The compiled program with the alias stage and without it (the copy): the same
+    bits; and the IR interpreter's values."""
+    x = None
+    got = []
+    for alias in (True, False):
+        prog = tgc.compile(MERGE, dtype=dtype, dims=DIMS, options=Options(dtype=dtype, stages=stages(alias)))
+        if x is None:
+            x = random_inputs(prog.module, {**prog.module.dims, "batch": 3}, 1, dtype)
+        got.append(prog(**x))
+        assert any(b.alias for b in prog.lowered.buffers.values()) == alias
+    for name in ("y", "g"):
+        assert np.array_equal(got[0][name], got[1][name]), name
+    want = evaluate(pipeline.lower(pipeline.load_source(str(MERGE), dims=DIMS, lookup=False,
+                                                         options=Options(dtype="f64")).module,
+                                   Options(dtype="f64")).module,
+                    {k: np.asarray(v, np.float64) for k, v in x.items()}, dtype="f64")
+    tol = 1e-12 if dtype == "f64" else 1e-5
+    for name in ("y", "g"):
+        np.testing.assert_allclose(got[0][name], want[name], rtol=tol, atol=tol * np.abs(want[name]).max())
+
+
+def test_a_symbolic_programs_masked_copy_is_a_view_too():
+    """With every size symbolic the split's copy carries masks that hold over its whole
+    range (`c >= 0`, `c - hd * head < 0`) and unsimplified zero offsets: still a view;
+    the planned program through the lowered interpreter gives the IR interpreter's values."""
+    low, _ = lowered(MERGE, {}, "plan")
+    assert [b.name for b in low.buffers.values() if b.alias] == ["t6"]
+    assert not [k for k in low.kernels if isinstance(k, LoopKernel) and "floor" in k.text()]
+    m = low.module
+    x = random_inputs(m, m.bind_dims({"batch": 2, "head": 3, "hd": 4, "t": 5, "n": 6}), 2, "f64")
+    got = run_lowered(low, x)
+    want = evaluate(m, dict(x), dtype="f64")
+    for name in ("y", "g"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12)
+
+
+GPT_DIMS = {"layer": 2, "head": 2, "hd": 4, "t": 5, "vocab": 7, "batch": 2}
+
+
+def gpt_options(dtype: str, alias: bool = True) -> Options:
+    o = Options(dtype=dtype, stages=stages(alias))
+    return o.with_(cpu=o.cpu.with_(blas_min_flops=0))   # every product a GEMM at this size
+
+
+def test_a_gpt_layers_head_merges_are_views():
+    """examples/gpt2.tg's layer loop: the forward step's attention output `p @ v` is
+    stored in the width layout of the output it keeps for the backward (an alias of
+    that output), and the backward step's three head gradients and its split of `wo`
+    into heads are views too: no copy between heads and the width is left."""
+    low, _ = lowered(GPT2, GPT_DIMS, "alias", opts=gpt_options("f64"))
+    fwd, bwd = [k for k in low.kernels if isinstance(k, StepLoop)]
+    views = {loop.reverse: [b.text() for b in loop.step.buffers.values() if b.alias] for loop in (fwd, bwd)}
+    assert views == {
+        False: ["buffer %t41 : f64[batch, hd, head, t] temp order [batch, t, head, hd] alias %r9"],
+        True: ["buffer %t72 : f64[c, hd, head] temp order [head, hd, c] alias %p23",
+               "buffer %t75 : f64[batch, c2, s] temp order [batch, s, c2] alias %t73",
+               "buffer %t81 : f64[batch, c2, t] temp order [batch, t, c2] alias %t79",
+               "buffer %t84 : f64[batch, c2, s] temp order [batch, s, c2] alias %t82"]}
+    assert fwd.step.buffers["r9"].kind == "out"
+    for loop in (fwd, bwd):
+        assert not [k for k in loop.step.kernels if isinstance(k, LoopKernel) and "floor" in k.text()]
+    pv = [k for k in fwd.step.kernels if isinstance(k, GemmKernel) and k.out == "t41"]
+    assert len(pv) == 1 and pv[0].batch == ("batch", "head")
+
+
+def gpt_start(program, seed: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dims = {k: v for k, v in GPT_DIMS.items() if k != "batch"}
+    arrays = program.init_state(dims)
+    for spec in program.inputs:
+        if spec.kind == "param":
+            arrays[spec.name] = (np.ones(spec.shape) if spec.name.startswith("ln") and spec.name.endswith("_w")
+                                 else 0.3 * rng.standard_normal(spec.shape))
+    ftype = arrays["step"].dtype
+    arrays = {k: v.astype(ftype) for k, v in arrays.items()}
+    tokens = rng.integers(0, GPT_DIMS["vocab"], (GPT_DIMS["batch"], GPT_DIMS["t"] + 1)).astype(np.int32)
+    return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
+            "lr": np.asarray(3e-3, ftype), "wd": np.asarray(0.1, ftype)}
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_a_gpt_step_with_views_has_the_copies_bits(dtype):
+    """Two AdamW steps of examples/gpt2.tg with the alias stage and without it: the loss
+    and every updated param and moment have the same bits (tests/lower/test_saved_heads.py
+    checks the same step against the IR interpreter)."""
+    results = []
+    for alias in (True, False):
+        prog = tgc.compile(GPT2, dtype=dtype, dims=GPT_DIMS, options=gpt_options(dtype, alias))
+        args = gpt_start(prog)
+        losses = [float(prog(**args)["loss"]) for _ in range(2)]   # updates `args` in place
+        results.append((losses, args))
+    (l1, a1), (l2, a2) = results
+    assert l1 == l2
+    for k in a1:
+        assert np.array_equal(a1[k], a2[k]), k
