@@ -24,11 +24,12 @@ A copy is rewritten when:
   element the copy would store there: reading those bytes is reading the copy;
 - one of the two is a temporary to alias, never aliased itself nor an alias's: the
   destination (then the source may be any buffer), or else the source (then the
-  destination is an output that the loop it belongs to does not bind to its carry,
-  `held`: such an output holds the carry's value before the step writes it);
+  destination is an output); neither is a carry's argument or output that the loop
+  binds to one buffer (`held`: the output is written in the argument's bytes);
 - the source is an argument no kernel writes, or is written only as the `out` of GEMM
-  kernels, all before the copy (a loop kernel's output could be kept in registers by a
-  backend's grouping, which does not look through aliases); the destination is written
+  kernels, all before the copy and none a recomputation (a loop kernel's output could be
+  kept in registers by a backend's grouping, and `plan` moves a recomputation late past
+  kernels that do not read its output: neither looks through aliases); the destination is written
   by the copy alone; nothing after the copy writes either, and nothing before it reads
   the destination; neither is an update's value (`plan` retargets those).
 Then from the copy on the two hold the same values, so the copy goes and its readers
@@ -67,7 +68,9 @@ def _alias(low: Lowered, held: frozenset[str]) -> None:
         if isinstance(k, StepLoop):
             step = k.step.staged("alias")
             outs = {b.index: b.name for b in step.buffers.values() if b.kind == "out"}
-            _alias(step, frozenset(outs[c] for c in range(k.carries) if k.outs[c].buf == k.args[c].buf))
+            args = list(step.module.args)
+            inplace = [c for c in range(k.carries) if k.outs[c].buf == k.args[c].buf]
+            _alias(step, frozenset([outs[c] for c in inplace] + [args[c] for c in inplace]))
             k = replace(k, step=step)
         kernels.append(k)
     low.kernels = kernels
@@ -96,7 +99,7 @@ def _alias(low: Lowered, held: frozenset[str]) -> None:
 def _which(low: Lowered, src: str, dst: str, held: frozenset[str]) -> tuple[str, str] | None:
     """(the temporary that becomes the alias, the buffer it views), or None."""
     s, d = low.buffers[src], low.buffers[dst]
-    if s.alias is not None or d.alias is not None or s.dtype != d.dtype:
+    if s.alias is not None or d.alias is not None or s.dtype != d.dtype or src in held:
         return None
     if d.kind == "temp":
         return dst, src
@@ -112,8 +115,10 @@ def _writes_allow(low: Lowered, uses: Uses, i: int, src: str, dst: str) -> bool:
         if src_writers:
             return False
     elif not src_writers or src_writers[-1] >= i or not all(
-            isinstance(uses.slots[j], GemmKernel) and uses.slots[j].out == src for j in src_writers):
-        return False
+            isinstance(uses.slots[j], GemmKernel) and uses.slots[j].out == src
+            and uses.slots[j].note != "recompute" for j in src_writers):
+        return False   # (plan moves a recomputation late, past kernels that do not read its
+        # output by name: not past the alias's readers)
     return uses.writers(dst) == [i] and not uses.readers(dst, hi=i)
 
 
