@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
-from tgc.ir.sizes import Size, _polynomial, size_op
+from tgc.ir.sizes import Size, size_collect, size_op
 from tgc.lower.lowered import Cond, FloorDiv, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, Uses
 from tgc.options import Options
 
@@ -203,12 +203,9 @@ def _offset(low: Lowered, order, index) -> Ix:
 
 
 def _equal(a: Size, b: Size) -> bool:
-    if a == b:
-        return True
-    pa, pb = _polynomial(a), _polynomial(b)
-    if pa is None or pb is None:
-        return False
-    return {m: k for m, k in pa.items() if k} == {m: k for m, k in pb.items() if k}
+    """Whether two sizes are equal at every binding of the dims: the same expression, or
+    polynomials whose difference collects to 0 (`size_collect`: exact integer terms)."""
+    return a == b or size_collect(size_op("-", a, b)) == 0
 
 
 def _zero(s: Size) -> bool:
