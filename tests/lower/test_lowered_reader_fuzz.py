@@ -68,3 +68,14 @@ def test_a_size_naming_no_dim_is_a_located_error(small, stage):
         assert result.exit_code == 1 and f"<stdin>:{line}:" in result.output, result.output
         assert f"unknown dim '{name}' in a size" in result.output
         assert check_opt(bad, None, f"{name} as a loop size") == "error"
+
+
+def test_an_index_coefficient_naming_no_dim_is_a_located_error():
+    """`c2 - temp*floor(...)` (a mutant of attention's dump after group): a named
+    coefficient of an index is a size, one of the module's dims, as anywhere else."""
+    text = dump(str(ROOT / "examples" / "attention.tg"), "group")
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if "16*floor" in s)
+    bad = text.replace("16*floor", "temp*floor", 1)
+    result = runner.invoke(main, ["opt", "-", "-p", ""], input=bad)
+    assert result.exit_code == 1 and f"<stdin>:{line}:" in result.output, result.output
+    assert "unknown dim 'temp' in a size" in result.output

@@ -490,8 +490,8 @@ class _Builder:
             return self.atom(c[0]), 1
         if d == "t_int_coef":
             return self.atom(c[1]), int(c[0])
-        if d == "t_name_coef":
-            return self.atom(c[1]), str(c[0])
+        if d == "t_name_coef":   # a dim of the module, as in any size
+            return self.atom(c[1]), self.dim(c[0])
         if d == "t_size_coef":
             return self.atom(c[1]), self.size(c[0])
         if d == "t_int":
