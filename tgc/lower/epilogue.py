@@ -22,6 +22,13 @@ joined before it: AdamW's update reads the new moments) joins the GEMM's epilogu
   reads or writes `y`;
 - `t` is a temporary.
 Kernels join in program order, so the outputs run in the order the kernels did.
+After them, a kernel that reads neither the product nor a joined output joins when it is
+such a loop and every load it makes over all the product's edges is one the epilogue
+already makes at the element's own index (`_sharers`: the recomputed GELU `(0.5 + 0.5 t)
+u` of a reverse layer loop, of the kept pre-activation `u` and `t = tanh(..)` that GELU's
+derivative in the store of `dy @ wproj^T` loads): the epilogue writes it from values it
+holds, and the separate pass that read them again goes. Its output is then written
+earlier and lives longer (from the GEMM to its readers).
 When no kernel reads `t` any more, the GEMM stores its product straight into an output
 laid out as `t` (`_product_into_output`), and `t` goes: the product's elements live on
 as `acc`.
