@@ -239,7 +239,7 @@ def _summed_products(low: Lowered, uses: Uses) -> bool:
         if (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
                 and not any(g.rounded) and not g.epilogue and not g.prefix):
             t = low.buffers.get(g.out)
-            if t is not None and t.kind == "temp" and set(t.edges) == set(g.out_edges()) \
+            if t is not None and t.kind == "temp" and t.dtype in ("f32", "f64") and set(t.edges) == set(g.out_edges()) \
                     and uses.writers(g.out) == [i] and t.order is not None:
                 prods[g.out] = i
     if len(prods) < 2:
