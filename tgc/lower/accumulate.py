@@ -41,18 +41,37 @@ with the same error bound. The lowered interpreter sums the product and the old 
 float64 and rounds once (the separate form rounds twice). `--fp-strict` keeps the two
 kernels (`Options.fp_strict`).
 
+Summed products: products read only summed together, `add[.., 1, 1, ..](.., t1, t2, ..)`
+in every kernel that reads them (the input gradient of a layernorm feeding a transformer
+block's q, k and v projections: three products, summed where the layernorm's backward
+reads them, up to five times in one group), become one buffer: the first GEMM stores
+its product, each later one adds into it (`gemm %t1 += ..`, its product's edges
+renamed to the first's where they differ: both products loaded at loop variables alone,
+the same renaming at every sum, laid out alike, the same sizes), and each sum reads
+`t1` alone in the place of the products. It applies to GEMMs into temporaries written
+once, with no taps, shifts, complex pairs, rounding or epilogue, every reader after the
+last of them. Two buffers fewer are written and read back (in the nanoGPT step's
+backward, 2 x 1.5 MB a layer), and the sums' adds go. Floating point: the sum of
+three or more f32 terms is computed in f64 and rounded once (`lowered.wide_sum`); each
+accumulating GEMM rounds its add (as PyTorch's accumulated gradients do), so the result
+is the same sum with one rounding per product, within f32's bound of the largest
+partial sum (tests/lower/test_accumulate_sums.py: 3.6e-7 of the largest value against
+float64 at 1024 x 384, the f64 sum 3.1e-7). `--fp-strict` keeps the sum.
+
 Where it applies: after `layout` (buffers' orders fixed), in the CPU backend's stages
 before `epilogue` (which would otherwise fold the add into the GEMM's store, with the copy
 of the carry still made) and in the CUDA backends' after `flash`.
 
-Terminates: one pass over the kernels (and each loop's step), each rewrite removing a kernel.
+Terminates: one pass over the kernels (and each loop's step), each rewrite removing a kernel;
+the summed products: one pass per program over its GEMMs, each folded at most once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
-from tgc.lower.lowered import Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, StepLoop, Uses, neg
+from tgc.lower.lowered import (Add, Bind, Cond, GemmKernel, Ix, Load, LoopKernel, Lowered, Map, Mask, Mul, StepLoop, Uses,
+                               View, neg, walk)
 from tgc.options import Options
 
 
@@ -74,6 +93,7 @@ class Accumulate(Pass[Lowered, Lowered]):
                 j, r, c, prefix = pair
                 if r == c:
                     _fold(out, uses, i, j, prefix)
+        _summed_products(out, uses)
         out.kernels = uses.kernels()
         _drop_unused(out)
         return out
@@ -197,3 +217,177 @@ def _drop_unused(low: Lowered) -> None:
     used = {n for k in low.kernels for n in k.buffers_used()}
     for name in [n for n, b in low.buffers.items() if b.kind == "temp" and n not in used]:
         del low.buffers[name]
+
+
+def _summed_products(low: Lowered, uses: Uses) -> bool:
+    """Products that are read only summed together become one buffer the later GEMMs
+    add into (the module docstring's "summed products"): each reader's sum
+    `add[.., 1, 1, ..](.., t1[ix1], t2[ix2], ..)` reads the first one alone. In place
+    in `uses`; each step's program too. Whether it folded any."""
+    folded = False
+    for i, k in enumerate(uses.slots):
+        if isinstance(k, StepLoop):
+            inner = k.step.staged(k.step.stage)
+            u = Uses(inner.kernels)
+            if _summed_products(inner, u):
+                inner.kernels = u.kernels()
+                _drop_unused(inner)
+                uses.set(i, replace(k, step=inner))
+                folded = True
+    prods = {}
+    for i, g in enumerate(uses.slots):
+        if (isinstance(g, GemmKernel) and not g.acc and not g.taps and not g.shifts and g.cplx is None
+                and not any(g.rounded) and not g.epilogue and not g.prefix):
+            t = low.buffers.get(g.out)
+            if t is not None and t.kind == "temp" and t.dtype in ("f32", "f64") and set(t.edges) == set(g.out_edges()) \
+                    and uses.writers(g.out) == [i] and t.order is not None:
+                prods[g.out] = i
+    if len(prods) < 2:
+        return folded
+    sites: dict[str, set] = {}    # product -> the frozensets of products summed with it
+    bad: set[str] = set()
+    for t, i in prods.items():
+        for j in uses.readers(t):
+            k = uses.slots[j]
+            if not isinstance(k, LoopKernel) or j < i:
+                bad.add(t)
+                continue
+            roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+            loads = sum(1 for r in roots for n in walk(r) if isinstance(n, Load) and n.buf == t)
+            summed = 0
+            for r in roots:
+                for n in walk(r):
+                    if isinstance(n, Add):
+                        group = _summed_loads(n, prods)
+                        if t in group:
+                            summed += 1
+                            sites.setdefault(t, set()).add(frozenset(group))
+            if loads == 0 or loads != summed:
+                bad.add(t)
+    done: set[str] = set()
+    for t in sorted(prods, key=prods.get):
+        if t in done or t in bad or len(sites.get(t, ())) != 1:
+            continue
+        (group,) = sites[t]
+        members = sorted(group, key=prods.get)
+        if len(members) < 2 or any(m in bad or m in done or sites.get(m) != {group} for m in members):
+            continue
+        renames = _renames(low, uses, members, prods)
+        if renames is None:
+            continue
+        _fold_sum(low, uses, members, prods, renames)
+        done.update(members)
+        folded = True
+    return folded
+
+
+def _summed_loads(e: Add, prods: dict) -> dict[str, Load]:
+    """The products `e` sums with coefficient 1 (each at most once), by name."""
+    out: dict[str, Load] = {}
+    for c, a in zip(e.coefs, e.args):
+        if isinstance(a, Load) and a.buf in prods:
+            if c != 1.0 or a.buf in out:
+                return {}
+            out[a.buf] = a
+    return out if len(out) >= 2 else {}
+
+
+def _renames(low: Lowered, uses: Uses, members: list[str], prods: dict):
+    """Per later product, {its edge: the first product's edge} (the same at every sum
+    reading them: both loaded at loop variables alone, each edge at its own), when each
+    is laid out as the first one along it with the same sizes and type, every reader
+    comes after the last GEMM, and the later GEMMs can name their product's edges so;
+    else None."""
+    first = low.buffers[members[0]]
+    last = max(prods[m] for m in members)
+    if any(j <= last for m in members for j in uses.readers(m)):
+        return None
+    found: dict[str, dict] = {}
+    for m in members:
+        for j in uses.readers(m):
+            k = uses.slots[j]
+            for r in [k.body] + ([k.epilogue] if k.epilogue is not None else []):
+                for n in walk(r):
+                    if not isinstance(n, Add):
+                        continue
+                    group = _summed_loads(n, prods)
+                    if set(group) != set(members):
+                        continue
+                    at = _vars(group[members[0]])
+                    for b in members[1:]:
+                        vb = _vars(group[b])
+                        if at is None or vb is None or set(vb.values()) != set(at.values()):
+                            return None
+                        back = {v: e for e, v in at.items()}
+                        rho = {e: back[v] for e, v in vb.items()}
+                        if found.setdefault(b, rho) != rho:
+                            return None
+    for b in members[1:]:
+        rho, buf, g = found.get(b), low.buffers[b], uses.slots[prods[b]]
+        if rho is None or buf.dtype != first.dtype or tuple(rho[e] for e in buf.order) != first.order:
+            return None
+        if any(low.size(e) != low.size(rho[e]) for e in buf.edges):
+            return None
+        moved = {e for e in rho if rho[e] != e}
+        kept = set(g.batch + g.m + g.n + g.k) - moved
+        if {rho[e] for e in moved} & kept or {g.a.buf, g.b.buf} & set(members):
+            return None
+    return found
+
+
+def _vars(load: Load) -> dict[str, str] | None:
+    """{buffer edge: loop variable} of a load at loop variables alone, each once."""
+    out = {e: ix.as_var() for e, ix in load.index}
+    if any(v is None for v in out.values()) or len(set(out.values())) != len(out):
+        return None
+    return out
+
+
+def _fold_sum(low: Lowered, uses: Uses, members: list[str], prods: dict, renames: dict) -> None:
+    """The later products' GEMMs adding into the first's buffer, their edges renamed to
+    its edges; each sum of them reading the first alone."""
+    first = members[0]
+    for b in members[1:]:
+        g, rho = uses.slots[prods[b]], renames[b]
+        name = lambda e: rho.get(e, e)   # noqa: E731
+        view = lambda v: View(v.buf, tuple((name(e), be) for e, be in v.edges))   # noqa: E731
+        uses.set(prods[b], replace(g, out=first, acc=True, a=view(g.a), b=view(g.b), batch=tuple(map(name, g.batch)),
+                                   m=tuple(map(name, g.m)), n=tuple(map(name, g.n))))
+        del low.buffers[b]
+    readers = sorted({j for m in members for j in uses.readers(m)} - set(prods.values()))
+    for j in readers:
+        k = uses.slots[j]
+        fix = lambda e: _one_load(e, members, prods)   # noqa: E731
+        k = replace(k, body=_rewrite(k.body, fix),
+                    epilogue=None if k.epilogue is None else _rewrite(k.epilogue, fix))
+        uses.set(j, k)
+
+
+def _one_load(e, members: list[str], prods: dict):
+    """A sum of the members as the sum reading the first alone (None: not such a sum)."""
+    if not isinstance(e, Add):
+        return None
+    group = _summed_loads(e, prods)
+    if set(group) != set(members):
+        return None
+    coefs, args = [], []
+    for c, a in zip(e.coefs, e.args):
+        if isinstance(a, Load) and a.buf in group and a.buf != members[0]:
+            continue
+        coefs.append(c)
+        args.append(_rewrite(a, lambda x: _one_load(x, members, prods)) if not isinstance(a, Load) else a)
+    if len(args) == 1 and coefs[0] == 1.0:
+        return args[0]
+    return Add(tuple(coefs), tuple(args))
+
+
+def _rewrite(e, fn):
+    """`e` with each subtree `fn` gives a value for replaced by it (parents first)."""
+    r = fn(e)
+    if r is not None:
+        return r
+    if isinstance(e, (Add, Mul, Map)):
+        return replace(e, args=tuple(_rewrite(a, fn) for a in e.args))
+    if isinstance(e, Mask):
+        return replace(e, arg=_rewrite(e.arg, fn))
+    return e

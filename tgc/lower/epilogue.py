@@ -22,6 +22,13 @@ joined before it: AdamW's update reads the new moments) joins the GEMM's epilogu
   reads or writes `y`;
 - `t` is a temporary.
 Kernels join in program order, so the outputs run in the order the kernels did.
+After them, a kernel that reads neither the product nor a joined output joins when it is
+such a loop and every load it makes over all the product's edges is one the epilogue
+already makes at the element's own index (`_sharers`: the recomputed GELU `(0.5 + 0.5 t)
+u` of a reverse layer loop, of the kept pre-activation `u` and `t = tanh(..)` that GELU's
+derivative in the store of `dy @ wproj^T` loads): the epilogue writes it from values it
+holds, and the separate pass that read them again goes. Its output is then written
+earlier and lives longer (from the GEMM to its readers).
 When no kernel reads `t` any more, the GEMM stores its product straight into an output
 laid out as `t` (`_product_into_output`), and `t` goes: the product's elements live on
 as `acc`.
@@ -116,6 +123,7 @@ def _fold_gemm(low: Lowered, uses: Uses, i: int):
             if x not in seen:
                 seen.add(x)
                 heapq.heappush(todo, x)
+    outs += _sharers(low, uses, i, g, edges, outs, taken)
     if not outs:
         return g
     for j in taken:
@@ -124,6 +132,49 @@ def _fold_gemm(low: Lowered, uses: Uses, i: int):
     if not uses.readers(g.out, i):
         g = _product_into_output(low, g)
     return g
+
+
+def _own_loads(e, edges: set[str]) -> set[str]:
+    """The buffers `e` loads at the element's own index (every product edge, each its own variable)."""
+    return {n.buf for n in walk(e) if isinstance(n, Load) and set(dict(n.index)) == edges
+            and all(ix == Ix.var(edge) for edge, ix in n.index)}
+
+
+def _sharers(low: Lowered, uses: Uses, i: int, g, edges: set[str], outs: list, taken: set[int]) -> list:
+    """The epilogue outputs of the kernels after GEMM i that read neither the product nor
+    an output joined before them, but whose every full-size load is a load the epilogue
+    already makes at the element's own index (the recomputed GELU `(0.5 + 0.5 tanh) x`
+    beside GELU's derivative, both of the saved pre-activation and tanh): joined, the
+    epilogue writes their output from the values it has loaded, and the kernel's pass
+    that read them again from memory goes. Loads of fewer edges (a bias) are allowed.
+    They join in program order after the product's readers when no kernel between the
+    GEMM and them writes what they read or reads or writes their output: each reads no
+    output of the epilogue, and no output before it reads its own, so the order of the
+    two sets is immaterial. `taken` gains them."""
+    shared = set().union(*(_own_loads(o.expr, edges) for o in (*g.epilogue, *outs))) - {g.out}
+    if not shared:
+        return []
+    made = {g.out, *(o.buf for o in g.epilogue), *(o.buf for o in outs)}
+    todo = sorted({j for b in shared for j in uses.readers(b, i)} - taken)
+    joined: list[EpilogueOut] = []
+    for j in todo:
+        k = uses.slots[j]
+        if not _foldable(low, g, k, edges, list(made)) or k.out in made:
+            continue
+        loads = [n for n in walk(k.body) if isinstance(n, Load)]
+        if any(n.buf in made for n in loads) or not any(n.buf in shared for n in loads):
+            continue
+        if any(set(dict(n.index)) == edges and n.buf not in shared for n in loads):
+            continue   # a full-size read the epilogue does not already make
+        if any(n.buf in shared and any(ix != Ix.var(edge) for edge, ix in n.index) for n in loads):
+            continue
+        if any(uses.writers(b, i, j) for b in k.buffers_read()) or uses.readers(k.out, i, j) or \
+                uses.writers(k.out, i, j):
+            continue   # moved to the GEMM, it would see other values or be seen
+        joined.append(EpilogueOut(k.out, k.body))
+        taken.add(j)
+        made.add(k.out)
+    return joined
 
 
 def _product_into_output(low: Lowered, g: GemmKernel) -> GemmKernel:
