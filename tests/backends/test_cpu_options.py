@@ -63,6 +63,7 @@ REACHES = [
     ("own_gemm_panel_rows", 512, "conv1d", OWN),
     ("own_gemm_unroll", 1, "conv1d", OWN),
     ("own_gemm_pack_a_rows", 64, "conv1d", OWN),
+    ("own_gemm_pack_a_span", 0, "conv1d", OWN),
     ("own_gemm_window_rows", 4, "conv2d", OWN),
     ("unroll_copies", 16, "conv2d", OWN),
     ("own_gemm_mask_classes", 4, "conv2d", OWN),

@@ -134,6 +134,48 @@ def test_kernel_a_of_any_strides_and_row_panels(kernels, blocks):
                         np.testing.assert_allclose(C, 2 * want, rtol=1e-5, atol=2 * tol)
 
 
+def test_one_column_block_packs_a_spanning_more_than_pack_a_span(kernels):
+    """An A with its rows contiguous and one block of B's columns (attention's dk and
+    dv: A' = P^T, 64 columns) is packed only where its K block spans more than
+    `own_gemm_pack_a_span` bytes (K x K stride x 4), read in place otherwise: both the
+    same bits (each element's chain of K terms is the same), against numpy in float64,
+    also accumulating, with partial row panels and K past one block."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp)
+    fns, jits = {}, []
+    for name, span in (("packed", 0), ("in place", 1 << 62)):
+        mod = ir.Module("own")
+        fn = own_kernel(mod, CpuOptions(own_gemm_pack_a_span=span, own_gemm_panel_rows=48), 6, 4, depth=64)
+        fn.linkage = "external"
+        jits.append(llvm_env.jit(str(mod)))
+        fns[name] = proto(jits[-1].address(fn.name))
+    rng = np.random.default_rng(11)
+    try:
+        for M, N, K, ld in ((200, 64, 80, 1024), (97, 64, 256, 4096), (50, 40, 33, 64), (7, 16, 1, 32)):
+            A = rng.standard_normal((K, ld), dtype=np.float32)[:, :M].T   # rows contiguous, K stride ld
+            B = rng.standard_normal((K, N), dtype=np.float32)
+            want = A.astype(np.float64) @ B.astype(np.float64)
+            tol = 1e-5 * max(1.0, np.abs(want).max())
+            out = {}
+            for name, fn in fns.items():
+                C = np.full((M, N), 3.0, np.float32)
+                call(fn, A, B, C, 1)
+                np.testing.assert_allclose(C, want + 3.0, rtol=1e-5, atol=tol)
+                call(fn, A, B, C, 0)
+                np.testing.assert_allclose(C, want, rtol=1e-5, atol=tol)
+                out[name] = C
+            assert np.array_equal(out["packed"], out["in place"])
+    finally:
+        for jit in jits:
+            jit.close()
+
+
 def k_blocks(K, depth, taps=0):
     """The own kernel's K blocks for K terms (fgemm.own_kernel: even blocks of at most
     5/4 `depth` in whole vectors; the taps form shares its buffer among `taps`)."""

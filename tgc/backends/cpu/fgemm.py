@@ -8,7 +8,9 @@ that OpenBLAS runs slower (`GemmGen.call_large` chooses; see `gemm_dispatch.uses
 C[M, N] (+)= A[M, K] B[K, N] with C's N contiguous and A and B of any strides. An A
 with its K contiguous is read in place; one with its rows contiguous (sAm = 1: a
 weight gradient's or attention's transposed A') is packed, where B has more than
-one block of columns, K block by K block for each row panel (`_pack_a_transposed`:
+one block of columns, or one and A's K block spans more than `CpuOptions.own_gemm_pack_a_span`
+bytes (attention's dk and dv at long keys: in place, each line of A is fetched once
+per block of rows it holds, from L3 past an L2), K block by K block for each row panel (`_pack_a_transposed`:
 16 x 16 transposes into a stack buffer, K contiguous, read by every column block),
 and read in place (one cache line per K for a block of rows) otherwise. Columns in blocks of V vectors
 of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (400 terms: a 288-deep convolution
@@ -510,7 +512,11 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     packs_a = ir.Constant(I1, 0)
     if tpack is not None:
         packs_a = b.and_(b.and_(b.icmp_signed("==", sam, I64(1)), b.icmp_signed("!=", sak, I64(1))),
-                         b.and_(b.icmp_signed("==", fn.args[12], I64(1)), b.icmp_signed(">", N, I64(cols))))
+                         b.icmp_signed("==", fn.args[12], I64(1)))
+        # several column blocks read the packed panel; one reads it once, packed only where
+        # A''s K block spans more than `own_gemm_pack_a_span` bytes (see its docs row)
+        spans = b.icmp_signed(">", b.mul(b.mul(_min(b, K, I64(span)), sak), I64(4)), I64(cpu.own_gemm_pack_a_span))
+        packs_a = b.and_(packs_a, b.or_(b.icmp_signed(">", N, I64(cols)), spans))
         packs_a = b.and_(packs_a, b.icmp_signed("<=", b.mul(b.sdiv(b.add(_min(b, M, I64(panel)), I64(VL - 1)),
                                                                    I64(VL)), I64(VL)), I64(tpack_rows)))
         astep = b.select(packs_a, I64(1), sak)
