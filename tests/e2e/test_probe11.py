@@ -25,3 +25,38 @@ def test_a_product_of_more_factors_than_einsum_takes(backend):
         h = np.tanh(h)
         want = want * (1 - h * h)
     np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
+@pytest.mark.xfail(strict=True, reason="simplify merges every single-use product")
+def test_a_chain_of_products_stays_linear_in_simplify():
+    """simplify merged each single-use product into its user: the gradient of n chained
+    tanh became n products of up to 2n factors (a 500-link chain: 31 s to compile, 3000
+    links: minutes). Now a product of MERGE_MOST factors or more stays a factor of its user."""
+    from tgc.frontend import compile_source
+    from tgc.manager import run_pipeline
+    from tgc.options import Options
+
+    n = 300
+    passes = ("normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify")
+    module = run_pipeline(compile_source(_tanh_chain(n), "<chain>", Options(dtype="f64")),
+                          Options(dtype="f64", passes=passes)).module
+    sizes = [len(v.operands) for v in module.values() if v.op == "contract"]
+    assert max(sizes) < 2 * 64       # opt.rewrite.MERGE_MOST: 64
+    assert sum(sizes) < 8 * n        # linear: every factor is in few products (was ~n^2)
+
+
+@pytest.mark.xfail(strict=True, reason="groups are unbounded")
+def test_a_group_has_at_most_max_members_kernels():
+    """The CPU's group stage looked at every member so far for each kernel it added: the
+    gradient of a 1000-link tanh chain was one group of 2000 kernels (16 s to group, 25 s
+    more for LLVM's one function). Values are those of numpy's recurrence."""
+    n = 200
+    x = np.array([0.5, -1.0, 2.0], np.float32)
+    program = tgc.compile(_tanh_chain(n), backend="cpu", dtype="f32")
+    groups = [k for k in program.lowered.kernels if type(k).__name__ == "LoopGroup"]
+    assert groups and max(len(g.members) for g in groups) <= 128   # lower.grouping.MAX_MEMBERS
+    h, want = x.astype(np.float64), np.ones(3)
+    for _ in range(n):
+        h = np.tanh(h)
+        want = want * (1 - h * h)
+    np.testing.assert_allclose(program(x=x)["y"], want, rtol=1e-4)
