@@ -58,3 +58,37 @@ def test_a_group_has_at_most_max_members_kernels():
         h = np.tanh(h)
         want = want * (1 - h * h)
     np.testing.assert_allclose(program(x=x)["y"], want, rtol=1e-4)
+
+
+@pytest.mark.xfail(strict=True, reason="stop/rename/gather keep the unrounded type")
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_stop_rename_gather_of_a_low_precision_expression_keep_its_type(backend):
+    """stop, rename and gather copy their operand: of an f16 expression (`x * W`, rounded to
+    f16) they are f16, as of an f16 argument. They kept the type of the unrounded product
+    (f32), so `softmax[n](x * W)` (the prelude's `x - stop(max[n](x))`) was computed and
+    returned in f32, while `softmax[n](z)` of an f16 input `z` is f16."""
+    src = """
+dim b, n = 5
+dim m = n
+input x: f16[b, n], z: f16[b, n]
+param W: f16[n]
+input ids: i32[b]
+out s = stop(x * W)
+out r = (x * W)[n -> m]
+out g = (x * W)[b = ids]
+out y = softmax[n](x * W)
+out yz = softmax[n](z)
+"""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5)).astype(np.float16)
+    W = rng.standard_normal(5).astype(np.float16)
+    xw = (x.astype(np.float32) * W.astype(np.float32)).astype(np.float16)
+    program = tgc.compile(src, backend=backend)
+    assert {o["name"]: o["dtype"] for o in program.info()["outputs"]} == dict.fromkeys("s r g y yz".split(), "f16")
+    got = program(x=x, z=xw, W=W, ids=np.array([2, 0, 1], np.int32))
+    for name in ("s", "r"):
+        assert got[name].dtype == np.float16
+        np.testing.assert_array_equal(got[name], xw)
+    np.testing.assert_array_equal(got["g"], xw[[2, 0, 1]])
+    assert got["y"].dtype == np.float16
+    np.testing.assert_array_equal(got["y"], got["yz"])
