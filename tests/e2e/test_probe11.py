@@ -60,7 +60,6 @@ def test_a_group_has_at_most_max_members_kernels():
     np.testing.assert_allclose(program(x=x)["y"], want, rtol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="stop/rename/gather keep the unrounded type")
 @pytest.mark.parametrize("backend", ["interp", "cpu"])
 def test_stop_rename_gather_of_a_low_precision_expression_keep_its_type(backend):
     """stop, rename and gather copy their operand: of an f16 expression (`x * W`, rounded to

@@ -52,6 +52,7 @@ from tgc.ir.values import TensorType, Value
 from tgc.options import Options
 
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "loopvar"})
+_COPY_OPS = frozenset({"stop", "rename", "gather"})   # ops whose type is their first operand's
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
@@ -143,7 +144,10 @@ def explicit_rounding(module: Module) -> Module:
     `to_bf16`/`to_f16` (`rounded`). The optimizer then sees where values are rounded
     and adds no rounding: the values it creates (a reciprocal, a partial product, a
     derivative) are f32. A rounding the front end already made explicit (a
-    conversion's operand) is not repeated: rounding twice to one type is rounding once."""
+    conversion's operand) is not repeated: rounding twice to one type is rounding once.
+    A copy of such an expression (`stop`, a rename, a gather: `_COPY_OPS`) has the
+    rounded operand's type, as a copy of a bf16/f16 argument has (`stop(x * W)` is f16,
+    and so is the prelude's softmax of `x * W`, which reads `x - stop(max[e](x))`)."""
     memo: dict[int, Value] = {}
     for v in module.values():
         ops = tuple(memo[id(o)] for o in v.operands)
@@ -151,7 +155,12 @@ def explicit_rounding(module: Module) -> Module:
                 and ops[0].attrs[0] == v.attrs[0] and v.operands[0] is ops[0].operands[0]):
             memo[id(v)] = ops[0]   # to_T(y) of a y already followed by to_T: that rounding
             continue
-        new = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
+        if ops == v.operands:
+            new = v
+        elif v.op in _COPY_OPS:   # a copy of its (now rounded) operand has its type
+            new = Value.make(v.op, ops, v.attrs, TensorType.of(ops[0].dtype, v.edges), v.loc)
+        else:
+            new = Value.make(v.op, ops, v.attrs, v.type, v.loc)
         lang = language_type(new)
         memo[id(v)] = V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
     return module.replace_values(memo)
