@@ -91,3 +91,40 @@ out yz = softmax[n](z)
     np.testing.assert_array_equal(got["g"], xw[[2, 0, 1]])
     assert got["y"].dtype == np.float16
     np.testing.assert_array_equal(got["y"], got["yz"])
+
+
+@pytest.mark.xfail(strict=True, reason="indicators and where conditions promote")
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_selections_of_bf16_values_are_bf16(backend):
+    """A reindex (a contraction with an indicator, which is 0/1: it selects) and a `where`
+    whose condition is f32 only select bf16 values, so they are bf16 (docs/dtypes.md:
+    ops that only select or copy keep the type). The f32 indicator and the f32 condition
+    took part in the promotion, so both were f32, and so was a causal softmax over them."""
+    src = """
+dim b, n = 6
+dim s = n, k = n
+input x: bf16[b, n]
+input c[b, n]
+out y = x[n = s + k]
+out w = where(c > 0, x, -x)
+out p = softmax[k](where([k <= s], x[n -> k], -inf))
+"""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 6)).astype(bf16)
+    c = rng.standard_normal((2, 6)).astype(np.float32)
+    program = tgc.compile(src, backend=backend)
+    assert {o["name"]: o["dtype"] for o in program.info()["outputs"]} == dict.fromkeys("ywp", "bf16")
+    got = program(x=x, c=c)
+    xf = x.astype(np.float32)
+    want_y = np.zeros((2, 6, 6), np.float32)
+    for i in range(6):
+        for j in range(6 - i):
+            want_y[:, i, j] = xf[:, i + j]
+    assert got["y"].dtype == bf16 and got["w"].dtype == bf16 and got["p"].dtype == bf16
+    np.testing.assert_array_equal(got["y"].astype(np.float32), want_y)
+    np.testing.assert_array_equal(got["w"].astype(np.float32), np.where(c > 0, xf, -xf))
+    p = got["p"].astype(np.float32)
+    assert np.all(p[:, 0, 1:] == 0) and np.allclose(p.sum(axis=2), 1, atol=0.02)
