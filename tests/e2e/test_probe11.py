@@ -93,7 +93,6 @@ out yz = softmax[n](z)
     np.testing.assert_array_equal(got["y"], got["yz"])
 
 
-@pytest.mark.xfail(strict=True, reason="indicators and where conditions promote")
 @pytest.mark.parametrize("backend", ["interp", "cpu"])
 def test_selections_of_bf16_values_are_bf16(backend):
     """A reindex (a contraction with an indicator, which is 0/1: it selects) and a `where`

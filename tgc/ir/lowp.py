@@ -116,11 +116,13 @@ def _convert(x: Value, target: str, fp: str) -> Value:
 def language_type(v: Value) -> str | None:
     """The bf16/f16 type the language gives `v` where its IR type is the compute type
     (an op on bf16/f16 operands), else None. Constants are weak (`x * 0.1` is bf16 for
-    a bf16 `x`)."""
+    a bf16 `x`), and so are indicators (0/1: `x[t = s + k]` and `x * [s <= t]` select), and
+    a `where`'s condition takes no part (`where(c, x, -x)` is bf16 for bf16 `x`, any `c`)."""
     if v.op not in _ROUNDED_OPS or (v.op == "map" and v.attrs[0] in CONVERSIONS):
         return None
-    floats = [o for o in v.operands if o.dtype != "i32"]
-    strong = [o.dtype for o in floats if o.op not in ("const", "size")] or [o.dtype for o in floats]
+    operands = v.operands[1:] if v.op == "map" and v.attrs[0] == "where" else v.operands   # not the condition
+    floats = [o for o in operands if o.dtype != "i32"]
+    strong = [o.dtype for o in floats if o.op not in ("const", "size", "indicator")] or [o.dtype for o in floats]
     lang = strong[0] if strong else v.dtype
     for d in strong[1:]:
         lang = promote(lang, d)
