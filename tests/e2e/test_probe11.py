@@ -127,3 +127,38 @@ out p = softmax[k](where([k <= s], x[n -> k], -inf))
     np.testing.assert_array_equal(got["w"].astype(np.float32), np.where(c > 0, xf, -xf))
     p = got["p"].astype(np.float32)
     assert np.all(p[:, 0, 1:] == 0) and np.allclose(p.sum(axis=2), 1, atol=0.02)
+
+
+_BF16_STEP = """
+dim b = 2, d = 4, l = 3
+dim d2 = d
+input x: bf16[b, d]
+param W: bf16[l, d, d2]
+fn step(h, W) = h + softmax[d](h * (h @ W)[d2 -> d] * 3)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="a step's bf16 roundings are not explicit")
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("unroll", [True, False])
+def test_a_bf16_loop_step_rounds_as_the_same_code_written_out(backend, unroll):
+    """A step's bf16 operations are rounded to bf16 as the same expressions outside a loop
+    are. The front end made the roundings explicit only outside loops: the step's products
+    and sums stayed f32 (a loop differed from its written-out steps by bf16 ulps), and a
+    step such as `h + softmax(...)` of a bf16 carry was refused ('returns f32, but the
+    carry is bf16')."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    loop = _BF16_STEP + "y = repeat[l](step, x, W)\nout y\nout g = grad(sum(f32(y) * f32(y)), W)\n"
+    written = (_BF16_STEP + "h0 = x\n" + "".join(f"h{i + 1} = step(h{i}, W[l = {i}])\n" for i in range(3))
+               + "y = h3\nout y\nout g = grad(sum(f32(y) * f32(y)), W)\n")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4)).astype(bf16)
+    W = rng.standard_normal((3, 4, 4)).astype(bf16)
+    options = None if unroll else tgc.Options(unroll_max_ops=0)
+    got = tgc.compile(loop, backend=backend, options=options)(x=x, W=W)
+    want = tgc.compile(written, backend=backend)(x=x, W=W)
+    assert got["y"].dtype == bf16
+    np.testing.assert_array_equal(got["y"].astype(np.float32), want["y"].astype(np.float32))
+    np.testing.assert_allclose(got["g"].astype(np.float32), want["g"].astype(np.float32), rtol=0.02, atol=0.02)
