@@ -138,7 +138,6 @@ fn step(h, W) = h + softmax[d](h * (h @ W)[d2 -> d] * 3)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a step's bf16 roundings are not explicit")
 @pytest.mark.parametrize("backend", ["interp", "cpu"])
 @pytest.mark.parametrize("unroll", [True, False])
 def test_a_bf16_loop_step_rounds_as_the_same_code_written_out(backend, unroll):

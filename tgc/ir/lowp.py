@@ -147,25 +147,38 @@ def explicit_rounding(module: Module) -> Module:
     and adds no rounding: the values it creates (a reciprocal, a partial product, a
     derivative) are f32. A rounding the front end already made explicit (a
     conversion's operand) is not repeated: rounding twice to one type is rounding once.
-    A copy of such an expression (`stop`, a rename, a gather: `_COPY_OPS`) has the
+    A loop's step is rounded the same way (its values are ops like any other; the front
+    end rounds a step as it builds the loop, `explicitly_rounded`, and again here, which
+    changes nothing). A copy of such an expression (`stop`, a rename, a gather: `_COPY_OPS`) has the
     rounded operand's type, as a copy of a bf16/f16 argument has (`stop(x * W)` is f16,
     and so is the prelude's softmax of `x * W`, which reads `x - stop(max[e](x))`)."""
     memo: dict[int, Value] = {}
-    for v in module.values():
-        ops = tuple(memo[id(o)] for o in v.operands)
-        if (v.op == "map" and v.attrs[0] in CONVERSIONS and ops[0].op == "map"
-                and ops[0].attrs[0] == v.attrs[0] and v.operands[0] is ops[0].operands[0]):
-            memo[id(v)] = ops[0]   # to_T(y) of a y already followed by to_T: that rounding
-            continue
-        if ops == v.operands:
-            new = v
-        elif v.op in _COPY_OPS:   # a copy of its (now rounded) operand has its type
-            new = Value.make(v.op, ops, v.attrs, TensorType.of(ops[0].dtype, v.edges), v.loc)
-        else:
-            new = Value.make(v.op, ops, v.attrs, v.type, v.loc)
-        lang = language_type(new)
-        memo[id(v)] = V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
+    V.rebuild_through_loops(module.values(), _with_rounding, memo)   # every loop's step too
     return module.replace_values(memo)
+
+
+def explicitly_rounded(y: Value) -> Value:
+    """`y` (a loop step's result, built before the module is finished) with its
+    bf16/f16 roundings explicit, as `explicit_rounding` makes them: a step returns a
+    value of its carry's language type (`h + tanh(h)` of a bf16 carry is bf16)."""
+    memo: dict[int, Value] = {}
+    V.rebuild_through_loops(V.topo_order([y]), _with_rounding, memo)
+    return memo[id(y)]
+
+
+def _with_rounding(v: Value, ops: tuple[Value, ...]) -> Value:
+    """`v` over its operands with explicit roundings `ops`, followed by its own. Applied
+    again to its own result it changes nothing (hash-consing gives the same values)."""
+    if v.op == "map" and v.attrs[0] in CONVERSIONS and ops[0].dtype == CONVERSIONS[v.attrs[0]]:
+        return ops[0]   # to_T(y) of a y now rounded to T (or of type T): that value
+    if ops == v.operands:
+        new = v
+    elif v.op in _COPY_OPS:   # a copy of its (now rounded) operand has its type
+        new = Value.make(v.op, ops, v.attrs, TensorType.of(ops[0].dtype, v.edges), v.loc)
+    else:
+        new = Value.make(v.op, ops, v.attrs, v.type, v.loc)
+    lang = language_type(new)
+    return V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
 
 
 def emulate_low(module: Module, fp: str) -> Module:
