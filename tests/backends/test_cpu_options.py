@@ -164,7 +164,7 @@ STRUCTURAL = {
     "cpu/fgemm.py": {"VL", "MAX_TAPS"}, "cpu/gemm.py": {"UNTILED"}, "cpu/gemm_dispatch.py": {"OWN_COLS"},
     "cpu/gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "cpu/gemm_small.py": {"ROWS"}, "cpu/kernels.py": {"ALIGN"},
     "cpu/sizecheck.py": {"ALIGN"},
-    "lower/fuse.py": {"MAX_INLINE_DEPTH"}, "lower/lowered.py": {"WIDE_SUM"},
+    "lower/fuse.py": {"MAX_INLINE_DEPTH"}, "lower/grouping.py": {"MAX_MEMBERS"}, "lower/lowered.py": {"WIDE_SUM"},
 }
 
 

@@ -21,6 +21,7 @@ from tgc.frontend.builtins import ARITY
 from tgc.frontend.expressions import LOOPS, Ctx, Elaborator
 from tgc.frontend.scope import PRIMITIVES, FnInfo
 from tgc.ir import values as V
+from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.diag import CompileError, Diagnostic, did_you_mean
 
 
@@ -340,6 +341,10 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     carry = V.loopvar(0, init.dtype, init.edges)
     values = {p.name: v for p, v in zip(d.params, [carry] + [slot[k] for k in range(len(stacked))])}
     y = _inline(el, node, f.id, values, {}, ctx)
+    if any(w.dtype in LOW_FLOATS for w in V.topo_order([y])):   # bf16/f16 in the step: rounded as outside a loop
+        from tgc.ir.lowp import explicitly_rounded
+
+        y = explicitly_rounded(y)
     if y.type != init.type:
         raise el.error(f"the step '{f.id}' returns {y.type}, but the carry is {init.type}: a step returns "
                        f"a value with its initial value's edges and type", node, ctx)

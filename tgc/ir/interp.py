@@ -179,7 +179,10 @@ def _contract(ev: _Eval, v: Value, ops):
 def _einsum(ev: _Eval, v: Value, ops, present: list[str]):
     """The contraction by numpy's einsum, over `present` (in that order). einsum names
     at most len(_LETTERS) edges: past that, the edges of size 1 (index 0 only) leave the
-    subscripts, their axes squeezed, and come back as axes of length 1."""
+    subscripts, their axes squeezed, and come back as axes of length 1. einsum takes at
+    most 63 operands: past _EINSUM_MOST, the first ones are contracted into one operand
+    first (over the edges no later operand and not the result has), again until few
+    enough remain (a product of many factors: the gradient of a long chain of tanh)."""
     names = list(dict.fromkeys([*present, *(e for o in v.operands for e in o.edges)]))
     keep = names if len(names) <= len(_LETTERS) else [e for e in names if ev.sizes[e] != 1]
     if len(keep) > len(_LETTERS):
@@ -189,10 +192,20 @@ def _einsum(ev: _Eval, v: Value, ops, present: list[str]):
     if len(keep) < len(names):
         ops = [np.squeeze(a, axis=tuple(i for i, e in enumerate(o.edges) if e not in letters))
                for o, a in zip(v.operands, ops)]
-    inputs = ",".join("".join(letters[e] for e in o.edges if e in letters) for o in v.operands)
-    out = np.einsum(f"{inputs}->{''.join(letters[e] for e in present if e in letters)}", *ops,
-                    optimize=len(ops) > 2)
+    subs = ["".join(letters[e] for e in o.edges if e in letters) for o in v.operands]
+    result = "".join(letters[e] for e in present if e in letters)
+    ops = list(ops)
+    while len(ops) > _EINSUM_MOST:   # fold the first operands into one, keeping the edges still needed
+        head, rest = subs[:_EINSUM_MOST], subs[_EINSUM_MOST:]
+        needed = set(result).union(*rest)
+        sub = "".join(dict.fromkeys(c for s in head for c in s if c in needed))
+        ops = [np.einsum(f"{','.join(head)}->{sub}", *ops[:_EINSUM_MOST], optimize=True), *ops[_EINSUM_MOST:]]
+        subs = [sub, *rest]
+    out = np.einsum(f"{','.join(subs)}->{result}", *ops, optimize=len(ops) > 2)
     return out.reshape([ev.sizes[e] for e in present])
+
+
+_EINSUM_MOST = 32   # operands of one einsum call (numpy takes at most 63)
 
 
 def _index_products(v: Value, ops) -> bool:

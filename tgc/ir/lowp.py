@@ -52,6 +52,7 @@ from tgc.ir.values import TensorType, Value
 from tgc.options import Options
 
 _EXACT_OPS = frozenset({"arg", "const", "indicator", "gather", "rename", "stop", "loopvar"})
+_COPY_OPS = frozenset({"stop", "rename", "gather"})   # ops whose type is their first operand's
 _ROUNDED_OPS = frozenset({"add", "contract", "map", "reduce", "scatter"})   # ops whose result the front end rounds
 
 
@@ -115,11 +116,13 @@ def _convert(x: Value, target: str, fp: str) -> Value:
 def language_type(v: Value) -> str | None:
     """The bf16/f16 type the language gives `v` where its IR type is the compute type
     (an op on bf16/f16 operands), else None. Constants are weak (`x * 0.1` is bf16 for
-    a bf16 `x`)."""
+    a bf16 `x`), and so are indicators (0/1: `x[t = s + k]` and `x * [s <= t]` select), and
+    a `where`'s condition takes no part (`where(c, x, -x)` is bf16 for bf16 `x`, any `c`)."""
     if v.op not in _ROUNDED_OPS or (v.op == "map" and v.attrs[0] in CONVERSIONS):
         return None
-    floats = [o for o in v.operands if o.dtype != "i32"]
-    strong = [o.dtype for o in floats if o.op not in ("const", "size")] or [o.dtype for o in floats]
+    operands = v.operands[1:] if v.op == "map" and v.attrs[0] == "where" else v.operands   # not the condition
+    floats = [o for o in operands if o.dtype != "i32"]
+    strong = [o.dtype for o in floats if o.op not in ("const", "size", "indicator")] or [o.dtype for o in floats]
     lang = strong[0] if strong else v.dtype
     for d in strong[1:]:
         lang = promote(lang, d)
@@ -143,18 +146,39 @@ def explicit_rounding(module: Module) -> Module:
     `to_bf16`/`to_f16` (`rounded`). The optimizer then sees where values are rounded
     and adds no rounding: the values it creates (a reciprocal, a partial product, a
     derivative) are f32. A rounding the front end already made explicit (a
-    conversion's operand) is not repeated: rounding twice to one type is rounding once."""
+    conversion's operand) is not repeated: rounding twice to one type is rounding once.
+    A loop's step is rounded the same way (its values are ops like any other; the front
+    end rounds a step as it builds the loop, `explicitly_rounded`, and again here, which
+    changes nothing). A copy of such an expression (`stop`, a rename, a gather: `_COPY_OPS`) has the
+    rounded operand's type, as a copy of a bf16/f16 argument has (`stop(x * W)` is f16,
+    and so is the prelude's softmax of `x * W`, which reads `x - stop(max[e](x))`)."""
     memo: dict[int, Value] = {}
-    for v in module.values():
-        ops = tuple(memo[id(o)] for o in v.operands)
-        if (v.op == "map" and v.attrs[0] in CONVERSIONS and ops[0].op == "map"
-                and ops[0].attrs[0] == v.attrs[0] and v.operands[0] is ops[0].operands[0]):
-            memo[id(v)] = ops[0]   # to_T(y) of a y already followed by to_T: that rounding
-            continue
-        new = Value.make(v.op, ops, v.attrs, v.type, v.loc) if ops != v.operands else v
-        lang = language_type(new)
-        memo[id(v)] = V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
+    V.rebuild_through_loops(module.values(), _with_rounding, memo)   # every loop's step too
     return module.replace_values(memo)
+
+
+def explicitly_rounded(y: Value) -> Value:
+    """`y` (a loop step's result, built before the module is finished) with its
+    bf16/f16 roundings explicit, as `explicit_rounding` makes them: a step returns a
+    value of its carry's language type (`h + tanh(h)` of a bf16 carry is bf16)."""
+    memo: dict[int, Value] = {}
+    V.rebuild_through_loops(V.topo_order([y]), _with_rounding, memo)
+    return memo[id(y)]
+
+
+def _with_rounding(v: Value, ops: tuple[Value, ...]) -> Value:
+    """`v` over its operands with explicit roundings `ops`, followed by its own. Applied
+    again to its own result it changes nothing (hash-consing gives the same values)."""
+    if v.op == "map" and v.attrs[0] in CONVERSIONS and ops[0].dtype == CONVERSIONS[v.attrs[0]]:
+        return ops[0]   # to_T(y) of a y now rounded to T (or of type T): that value
+    if ops == v.operands:
+        new = v
+    elif v.op in _COPY_OPS:   # a copy of its (now rounded) operand has its type
+        new = Value.make(v.op, ops, v.attrs, TensorType.of(ops[0].dtype, v.edges), v.loc)
+    else:
+        new = Value.make(v.op, ops, v.attrs, v.type, v.loc)
+    lang = language_type(new)
+    return V.map_(f"to_{lang}", new, loc=v.loc) if lang else new
 
 
 def emulate_low(module: Module, fp: str) -> Module:

@@ -5,7 +5,11 @@ may fuse goes to `flush`, every other kernel is kept as it is, in order.
 A stage subclasses `Grouper` with `groupable(kernel)` (may it join a group at all),
 `outer(members)` (the loops the members share, or () when they cannot form one) and
 `flush(members)` (append the group, or the members alone, to `out`). Terminates: one
-pass over the kernels; `readers` (buffer -> the kernels that read it) is what a
+pass over the kernels; a group has at most MAX_MEMBERS members (a stage's `outer` looks
+at all the members so far, so an unbounded group is quadratic work: the gradient of a
+1000-link chain of elementwise functions, one group of 2000 kernels, took 16 s to group
+and one LLVM function of them 25 s more; the largest groups of examples/train_sort_gpt.tg
+and examples/gpt2.tg have 36 and 48 members); `readers` (buffer -> the kernels that read it) is what a
 stage's `flush` asks to decide which members' buffers another kernel still needs.
 
 `MemberGroup` is what such a stage's kernel kind shares (the CPU's `LoopGroup`,
@@ -19,6 +23,8 @@ from dataclasses import replace
 import numpy as np
 
 from tgc.lower.lowered import Lowered, rename_buffers
+
+MAX_MEMBERS = 128   # kernels in one group at most: a bound on compile time, not a tuned number
 
 
 class MemberGroup:
@@ -83,7 +89,7 @@ class Grouper:
     def run(self) -> None:
         members: list[int] = []
         for i, k in enumerate(self.low.kernels):
-            if members and self.groupable(k) and self.outer(members + [i]):
+            if 0 < len(members) < MAX_MEMBERS and self.groupable(k) and self.outer(members + [i]):
                 members.append(i)
                 continue
             self.flush(members)

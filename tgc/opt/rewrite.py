@@ -37,6 +37,7 @@ from tgc.opt.facts import Facts
 from tgc.opt.relations import edge_sizes, static_env
 
 MAX_STEPS = 64
+MERGE_MOST = 64   # factors of a product that simplify still merges into its user (single_use)
 
 
 @dataclass
@@ -82,8 +83,12 @@ class _Rewriter:
     def single_use(self, v: Value) -> bool:
         """v replaces input values used once in all (or is new): merging it duplicates
         nothing. Uses are counted on the value under any renames (a rename is a view:
-        a value shared through two renamings of it is shared)."""
-        return self.users[id(_unrenamed(v))] <= 1
+        a value shared through two renamings of it is shared). A product of MERGE_MOST
+        factors or more is not opened: merging each link of a chain of products into the
+        next (the gradient of n chained elementwise functions) built n products of up to
+        n factors, quadratic work (a 500-link tanh chain's gradient: 31 s to compile)."""
+        u = _unrenamed(v)
+        return self.users[id(u)] <= 1 and not (u.op == "contract" and len(u.operands) >= MERGE_MOST)
 
     def value(self, v: Value) -> Value:
         hit = self.memo.get(id(v))
