@@ -193,3 +193,111 @@ def test_the_gradient_of_a_long_residual_chain_compiles_in_linear_time():
         y = np.tanh(y) * 0.9 + x
     np.testing.assert_allclose(got["y"], y, rtol=1e-12)
     np.testing.assert_allclose(got["g"], dy, rtol=1e-10)
+
+
+def _presummed_by_definition(leaves, keep):
+    out = []
+    for k, (e, ind) in enumerate(leaves):
+        others = set(keep).union(*(x for j, (x, _) in enumerate(leaves) if j != k))
+        out.append((e if ind else frozenset(e & others), ind))
+    return out
+
+
+def _hadamard_by_definition(leaves):
+    groups = {}
+    for i, (e, _) in enumerate(leaves):
+        groups.setdefault(e, []).append(i)
+    live = [(i, leaves[i]) for i in range(len(leaves))]
+    steps = []
+    for edges, members in groups.items():
+        if len(members) < 2:
+            continue
+        tags = list(members)
+        while len(tags) > 1:
+            at = sorted(k for k, (tag, _) in enumerate(live) if tag in tags[:2])
+            steps.append(tuple(at))
+            for k in reversed(at):
+                del live[k]
+            live.append((("product", len(steps)), (edges, False)))
+            tags = tags[2:] + [live[-1][0]]
+    return steps, [leaf for _, leaf in live]
+
+
+def _path_cost_by_definition(leaves, keep, sizes, path):
+    from tgc.opt.paths import pair_cost, prod
+
+    live = [(set(e), ind) for e, ind in leaves]
+    total = 0
+    for step in path:
+        picked = [live[i] for i in step]
+        for i in sorted(step, reverse=True):
+            del live[i]
+        later = set(keep).union(*(e for e, _ in live))
+        out = set().union(*(e for e, _ in picked)) & later
+        if len(picked) == 1:
+            total += max(prod(picked[0][0], sizes), prod(out, sizes))
+        else:
+            (a, ai), (b, bi) = picked
+            total += pair_cost(a, ai, b, bi, out, sizes)
+        live.append((out, all(i for _, i in picked)))
+    return total
+
+
+def test_the_linear_path_helpers_give_what_their_definitions_give():
+    """`presummed`, `_hadamard_first` and `path_cost` count edge carriers instead of
+    taking the union of every other operand per operand or step (a product of n
+    elementwise factors cost n^2): the same leaves, steps and costs as the
+    definitions (the quadratic forms, here) on random contractions."""
+    import random
+
+    from tgc.opt import paths
+
+    rng = random.Random(7)
+    names = "abcdefg"
+    sizes = {e: rng.randint(2, 9) for e in names}
+    for _ in range(400):
+        n = rng.randint(1, 14)
+        pool = [frozenset(rng.sample(names, rng.randint(0, 3))) for _ in range(rng.randint(1, 4))]
+        leaves = [(rng.choice(pool), rng.random() < 0.15) for _ in range(n)]
+        keep = set(rng.sample(names, rng.randint(0, 3))) & set().union(*(e for e, _ in leaves))
+        assert paths.presummed(leaves, keep) == _presummed_by_definition(leaves, keep)
+        dense = [(e, False) for e, _ in leaves]
+        assert paths._hadamard_first(dense) == _hadamard_by_definition(dense)
+        live, path = list(range(n)), []
+        while len(live) > 1:
+            i, j = sorted(rng.sample(range(len(live)), 2))
+            path.append((i, j))
+            del live[j], live[i]
+            live.append(None)
+        assert paths.path_cost(leaves, keep, sizes, path) == _path_cost_by_definition(leaves, keep, sizes, path)
+
+
+def test_undistribution_builds_few_candidates_per_sum_on_a_deep_chain(monkeypatch):
+    """The gradient of `y_i = tanh(y_(i-1)) * 0.9 + x` reaches `factor` as nested sums
+    of products, each sum with about as many candidate factors as steps. Each
+    candidate's saving is at most what its group's terms cost; tried from the largest
+    such bound down, the ones that cannot beat the best found are not built (the
+    result is the same: the largest saving, the first in `sort_key` order of equal
+    ones). 40 steps built 1560 candidates for 160 sums; now a few per sum."""
+    from tgc.opt import factor
+
+    built, sums = [0], [0]
+    real_build, real_settle = factor._undistributed, factor._undistribute
+
+    def counting_build(*args):
+        built[0] += 1
+        return real_build(*args)
+
+    def counting_settle(*args):
+        sums[0] += 1
+        return real_settle(*args)
+
+    monkeypatch.setattr(factor, "_undistributed", counting_build)
+    monkeypatch.setattr(factor, "_undistribute", counting_settle)
+    n = 40
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out y = y{n - 1}\nout g = grad(sum(y{n - 1}), x)\n"
+    import tgc
+
+    tgc.compile(src, backend="interp", dtype="f64")
+    assert sums[0] >= n and built[0] <= 6 * sums[0], (built[0], sums[0])

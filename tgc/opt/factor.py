@@ -134,23 +134,44 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
     costs = ctx.cache.setdefault("costs", {})
     known = None  # ids of what exists already (v's graph), found on first need
     terms, coefs = list(v.operands), list(v.attrs[0])
-    best = None
-    for o in sorted({id(f): f for t in terms for f in _factors(t)}.values(), key=sort_key):
-        group = [k for k, t in enumerate(terms) if o in _factors(t)]
-        common = [f for f in _common([_factors(terms[k]) for k in group]) if f.edges]  # scalars: no gain
-        if len(group) < 2 or not common or not _roles_agree(common, [terms[k] for k in group]):
+    factors = [_factors(t) for t in terms]
+    holders: dict[int, list[int]] = {}   # id of a factor -> the terms that have it
+    for k, fs in enumerate(factors):
+        for f in fs:
+            got = holders.setdefault(id(f), [])
+            if not got or got[-1] != k:
+                got.append(k)
+    # each candidate's group and the most it can save (what the group's dead terms and
+    # sums cost: the new values cost >= 0)
+    cands = []
+    for rank, o in enumerate(sorted({id(f): f for fs in factors for f in fs}.values(), key=sort_key)):
+        group = holders[id(o)]
+        if len(group) < 2:
             continue
-        new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
+        common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
+        if not common or not _roles_agree(common, [terms[k] for k in group]):
+            continue
         dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
         old = sum(_cost(t, sizes, costs) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        cands.append((old, rank, group, common))
+    # the largest saving wins, the first candidate (in `sort_key` order) of equal ones;
+    # tried most hopeful first, a candidate that cannot beat the best is not built
+    cands.sort(key=lambda c: (-c[0], c[1]))
+    best = None   # (saving, rank, group, new)
+    for old, rank, group, common in cands:
+        if best is not None and (old < best[0] or (old == best[0] and rank > best[1])):
+            if old < best[0]:
+                break
+            continue
+        new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
         if known is None:
             known = {id(x) for x in topo_order([v])}
         saving = old - _new_cost(new, sizes, set(known), costs)
-        if saving > 0 and (best is None or saving > best[0]):
-            best = (saving, group, new)
+        if saving > 0 and (best is None or saving > best[0] or (saving == best[0] and rank < best[1])):
+            best = (saving, rank, group, new)
     if best is None:
         return None
-    _, group, new = best
+    _, _, group, new = best
     rest = [k for k in range(len(terms)) if k not in group]
     return ctx.c.add([terms[k] for k in rest] + [new], [coefs[k] for k in rest] + [1.0])
 
