@@ -1,6 +1,7 @@
 """factor: pairwise contractions in the cheapest memory-bounded order, common factors out
 (golden IR + --verify-each); the Hessian-vector product target."""
 import numpy as np
+import pytest
 
 from passes_util import GOLDEN, body, ops, optimize, tg
 from tgc.ir.interp import evaluate
@@ -301,3 +302,26 @@ def test_undistribution_builds_few_candidates_per_sum_on_a_deep_chain(monkeypatc
 
     tgc.compile(src, backend="interp", dtype="f64")
     assert sums[0] >= n and built[0] <= 6 * sums[0], (built[0], sums[0])
+
+
+@pytest.mark.slow
+def test_the_gradient_of_a_120_step_chain_compiles_and_keeps_the_chain_rule():
+    """`y_i = tanh(y_(i-1)) * 0.9 + x`, 120 steps, and its gradient (took over 140 s;
+    now about 15 s on the 2-core machine, loaded: cubic in the steps, see
+    benchmarks/deep_compile.py's `tanh_chain` row): the values are the chain rule's."""
+    import numpy as np
+
+    import tgc
+
+    n = 120
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out y = y{n - 1}\nout g = grad(sum(y{n - 1}), x)\n"
+    p = tgc.compile(src, backend="interp", dtype="f64")
+    x = np.array([0.3, -0.2, 0.5])
+    got = p(x=x)
+    y, dy = x.copy(), np.ones(3)
+    for _ in range(1, n):
+        dy = dy * 0.9 * (1 - np.tanh(y) ** 2) + 1
+        y = np.tanh(y) * 0.9 + x
+    np.testing.assert_allclose(got["y"], y, rtol=1e-12)
+    np.testing.assert_allclose(got["g"], dy, rtol=1e-10)

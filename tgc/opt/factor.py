@@ -53,17 +53,41 @@ def _leaves(factors) -> list[tuple[frozenset[str], bool]]:
 # ---- phase 1: common factors out of sums -----------------------------------------------------
 
 def _minus(bag: list[Value], take: list[Value]) -> list[Value]:
-    rest = list(bag)
-    for t in take:
-        rest.remove(t)
+    """`bag` without one occurrence of each of `take` (the first ones), in order."""
+    drop = set(map(id, take))
+    if len(drop) == len(take):   # each taken once: the first occurrence of each goes
+        rest = []
+        for f in bag:
+            if id(f) in drop:
+                drop.discard(id(f))
+            else:
+                rest.append(f)
+        return rest
+    drop = Counter(map(id, take))
+    rest = []
+    for f in bag:
+        if drop[id(f)] > 0:
+            drop[id(f)] -= 1
+        else:
+            rest.append(f)
     return rest
 
 
 def _common(bags: list[list[Value]]) -> list[Value]:
+    """The factors every bag has (as many times as each has them), in the first's order."""
+    ids = [set(map(id, bag)) for bag in bags]
+    if all(len(i) == len(bag) for i, bag in zip(ids, bags)):   # no factor twice in a bag: sets do
+        shared = set.intersection(*ids)
+        return [f for f in bags[0] if id(f) in shared]
     common = list(bags[0])
     for bag in bags[1:]:
-        left = list(bag)
-        common = [f for f in common if f in left and not left.remove(f)]
+        left = Counter(map(id, bag))
+        kept = []
+        for f in common:
+            if left[id(f)] > 0:
+                left[id(f)] -= 1
+                kept.append(f)
+        common = kept
     return common
 
 
@@ -90,11 +114,19 @@ def _undistributed(ctx: Ctx, common, terms, coefs) -> Value:
 
 def _cost(v: Value, sizes, memo: dict) -> int:
     """Cost of v's own op, a contraction at its best order (its operands given); a
-    contraction's is found once per value (`memo`: id -> (value, cost), one rewrite's)."""
+    contraction's is found once per value (`memo`: id -> (value, cost), one rewrite's),
+    and once per shape: what `value_flops` gives a contraction depends only on its
+    operands' edges and index flags, in order, and its own edges (`memo[SHAPES]`; the
+    products of a chain's gradient are n-factor products of one vector, for every n)."""
     if v.op == "contract":
         got = memo.get(id(v))
         if got is None or got[0] is not v:
-            got = memo[id(v)] = (v, value_flops(v, sizes))
+            shape = (tuple((frozenset(o.edges), is_index(o)) for o in v.operands), v.edges)
+            shapes = memo.setdefault(_SHAPES, {})
+            flops = shapes.get(shape)
+            if flops is None:
+                flops = shapes[shape] = value_flops(v, sizes)
+            got = memo[id(v)] = (v, flops)
         return got[1]
     if v.op == "add":
         return max(1, len(v.operands) - 1) * prod(v.edges, sizes)
@@ -107,6 +139,9 @@ def _new_cost(v: Value, sizes, known: set[int], memo: dict) -> int:
         return 0
     known.add(id(v))
     return _cost(v, sizes, memo) + sum(_new_cost(o, sizes, known, memo) for o in v.operands)
+
+
+_SHAPES = "shapes"   # `_cost`'s memo of costs by contraction shape (a key no id is)
 
 
 # sum_k c_k (F R_k) = F (sum_k c_k R_k)   (F: factors the terms share; only when cheaper)
@@ -143,11 +178,12 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
                 got.append(k)
     # each candidate's group and the most it can save (what the group's dead terms and
     # sums cost: the new values cost >= 0)
-    cands = []
+    cands, groups = [], set()
     for rank, o in enumerate(sorted({id(f): f for fs in factors for f in fs}.values(), key=sort_key)):
         group = holders[id(o)]
-        if len(group) < 2:
+        if len(group) < 2 or tuple(group) in groups:   # a group met before: the same candidate, later
             continue
+        groups.add(tuple(group))
         common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
         if not common or not _roles_agree(common, [terms[k] for k in group]):
             continue
