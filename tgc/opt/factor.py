@@ -5,7 +5,12 @@ Rewrites, in two phases:
 1. Un-distribution (on the canonical form): terms of a sum that share factors
    have them taken out, `x @ A + x @ B -> x @ (A + B)`, when that costs fewer
    FLOPs (`tgc.opt.stats`'s model, each contraction at its best order) --
-   never when it would build a larger tensor that costs more.
+   never when it would build a larger tensor that costs more. Of the candidate
+   groups (the terms sharing a factor), the largest saving wins, the first in
+   `sort_key` order of equal ones; a candidate saves at most what its group's
+   terms and sums cost, so candidates are built from the largest such bound down
+   and one whose bound cannot beat the best found is not built (the same result,
+   without building every candidate of a long sum).
 2. Ordering: every contraction of three or more operands becomes a tree of
    pairwise contractions in the order `tgc.opt.paths` finds (opt_einsum,
    memory-bounded: no intermediate larger than the largest dense operand or the
