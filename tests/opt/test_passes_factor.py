@@ -325,3 +325,29 @@ def test_the_gradient_of_a_120_step_chain_compiles_and_keeps_the_chain_rule():
         y = np.tanh(y) * 0.9 + x
     np.testing.assert_allclose(got["y"], y, rtol=1e-12)
     np.testing.assert_allclose(got["g"], dy, rtol=1e-10)
+
+
+def test_a_rewrite_nests_deeper_than_the_callers_recursion_limit():
+    """A rule may build a nest as deep as the program (`factor` makes a chain's
+    gradient sum a nest two values a step deep), and the rewrite recurses into it:
+    192 steps passed Python's default 1000 frames. The rewrite allows as many frames as
+    the front end; here a caller's limit of 400 frames, and a 60-step chain."""
+    import sys
+
+    import tgc
+
+    n = 60
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out g = grad(sum(y{n - 1}), x)\n"
+    from tgc.pipeline import load_source
+
+    module = load_source(src, "interp", "f64", lookup=False).module   # (the front end sets its own limit)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)
+    try:
+        from tgc.pipeline import lower
+
+        lowered = lower(module, Options(dtype="f64"), backend="interp").module
+    finally:
+        sys.setrecursionlimit(limit)
+    assert [o.name for o in lowered.outputs] == ["g"]
