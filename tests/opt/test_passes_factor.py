@@ -334,8 +334,6 @@ def test_a_rewrite_nests_deeper_than_the_callers_recursion_limit():
     the front end; here a caller's limit of 400 frames, and a 60-step chain."""
     import sys
 
-    import tgc
-
     n = 60
     steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
     src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out g = grad(sum(y{n - 1}), x)\n"
