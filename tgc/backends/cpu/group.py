@@ -244,9 +244,6 @@ def _sums_lead(k: LoopKernel, prefix) -> bool:
     return summed == sorted(summed, reverse=True)
 
 
-_NONE = 1 << 62   # "no such position" in `_Run.summary` (larger than any loop count)
-
-
 class _Run:
     """What `_Grouper._prefix_of` asks of each member of a run of consecutive kernels
     from `start`, kept per member, so that the group's outer loops for the run's first
@@ -282,8 +279,9 @@ class _Run:
             n += 1
         flags = [v in k.red for v in p0]
         lead = next((i for i in range(1, len(flags)) if flags[i] and not flags[i - 1]), len(flags))
-        red = next((j for j in range(1, len(p0)) if p0[j] in k.red), _NONE)
-        partial, match = False, _NONE
+        # (len(p0): no such position; every outer length the run can have is at most that)
+        red = next((j for j in range(1, len(p0)) if p0[j] in k.red), len(p0))
+        partial, match = False, len(p0)
         for ld in _loads(k):
             w = self.written.get(ld.buf)
             if w is not None:
