@@ -733,3 +733,68 @@ def test_members_with_no_loops_of_their_own_keep_the_first_loop_alone():
                  "out db[ff] = sum[batch, t](g)\nout y[batch, t, ff] = a * b\n", "f32")
     (g,) = [g for g in groups(prog) if g.blocks]
     assert g.outer == ("batch",)
+
+
+def _deep_shapes():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import deep_compile  # benchmarks/deep_compile.py: programs written out layer by layer
+
+    return deep_compile
+
+
+def _group_stage(source: str, monkeypatch, check: bool = False) -> int:
+    """Lower `source` (f32, cpu) through the group stage; return the expression nodes
+    the stage walked. With `check`, every outer-loop answer of the incremental `_Run`
+    is compared with `_prefix_of` (all the members at once) and every byte count with
+    `bytes_per_outer`."""
+    from tgc.backends.cpu import group as G
+    from tgc.pipeline import load_source, lower, lower_module, target
+
+    src = load_source(source, "cpu", "f32", lookup=False)
+    module, options = target(lower(src.module, src.options, backend="cpu").module, src.options)
+    nodes = [0]
+    real_walk, real_prefix, real_bytes = G.walk, G._Grouper.prefix, G._Run.bytes
+
+    def walk(e):
+        for n in real_walk(e):
+            nodes[0] += 1
+            yield n
+
+    def prefix(self, members):
+        got = real_prefix(self, members)
+        assert tuple(got) == tuple(self._prefix_of(members)), members
+        return got
+
+    def bytes_(self, m, outer):
+        got = real_bytes(self, m, outer)
+        ks = [self.g.low.kernels[self.start + j] for j in range(m)]
+        assert got == self.g.bytes_per_outer(ks, self.p0[:outer])
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(G, "walk", walk)
+        if check:
+            m.setattr(G._Grouper, "prefix", prefix)
+            m.setattr(G._Run, "bytes", bytes_)
+        lower_module(module, options, "cpu")
+    return nodes[0]
+
+
+@pytest.mark.parametrize("shape, depth", [("mlp", 6), ("gpt2", 2), ("residual", 4), ("elementwise", 3)])
+def test_the_incremental_outer_loops_are_those_of_all_the_members(shape, depth, monkeypatch):
+    """`_Grouper.prefix` answers from the run's folded member summaries (`_Run`): the
+    same loops, and the same bytes per outer index, as asking every member again."""
+    _group_stage(_deep_shapes().SHAPES[shape](depth), monkeypatch, check=True)
+
+
+def test_grouping_a_deep_mlp_walks_each_member_a_bounded_number_of_times(monkeypatch):
+    """A 48-layer MLP at small sizes is one group of hundreds of loop kernels: asking
+    every member again for each kernel offered walked their expressions
+    O(kernels^2) times (47 of 50 s of a 64-layer MLP's lowering). 4x the layers is
+    now about 4x the nodes walked, not 16x."""
+    shapes = _deep_shapes()
+    small, large = (_group_stage(shapes.mlp(n), monkeypatch) for n in (8, 32))
+    assert large <= 4.6 * small, (small, large)

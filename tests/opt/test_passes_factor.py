@@ -1,6 +1,7 @@
 """factor: pairwise contractions in the cheapest memory-bounded order, common factors out
 (golden IR + --verify-each); the Hessian-vector product target."""
 import numpy as np
+import pytest
 
 from passes_util import GOLDEN, body, ops, optimize, tg
 from tgc.ir.interp import evaluate
@@ -193,3 +194,158 @@ def test_the_gradient_of_a_long_residual_chain_compiles_in_linear_time():
         y = np.tanh(y) * 0.9 + x
     np.testing.assert_allclose(got["y"], y, rtol=1e-12)
     np.testing.assert_allclose(got["g"], dy, rtol=1e-10)
+
+
+def _presummed_by_definition(leaves, keep):
+    out = []
+    for k, (e, ind) in enumerate(leaves):
+        others = set(keep).union(*(x for j, (x, _) in enumerate(leaves) if j != k))
+        out.append((e if ind else frozenset(e & others), ind))
+    return out
+
+
+def _hadamard_by_definition(leaves):
+    groups = {}
+    for i, (e, _) in enumerate(leaves):
+        groups.setdefault(e, []).append(i)
+    live = [(i, leaves[i]) for i in range(len(leaves))]
+    steps = []
+    for edges, members in groups.items():
+        if len(members) < 2:
+            continue
+        tags = list(members)
+        while len(tags) > 1:
+            at = sorted(k for k, (tag, _) in enumerate(live) if tag in tags[:2])
+            steps.append(tuple(at))
+            for k in reversed(at):
+                del live[k]
+            live.append((("product", len(steps)), (edges, False)))
+            tags = tags[2:] + [live[-1][0]]
+    return steps, [leaf for _, leaf in live]
+
+
+def _path_cost_by_definition(leaves, keep, sizes, path):
+    from tgc.opt.paths import pair_cost, prod
+
+    live = [(set(e), ind) for e, ind in leaves]
+    total = 0
+    for step in path:
+        picked = [live[i] for i in step]
+        for i in sorted(step, reverse=True):
+            del live[i]
+        later = set(keep).union(*(e for e, _ in live))
+        out = set().union(*(e for e, _ in picked)) & later
+        if len(picked) == 1:
+            total += max(prod(picked[0][0], sizes), prod(out, sizes))
+        else:
+            (a, ai), (b, bi) = picked
+            total += pair_cost(a, ai, b, bi, out, sizes)
+        live.append((out, all(i for _, i in picked)))
+    return total
+
+
+def test_the_linear_path_helpers_give_what_their_definitions_give():
+    """`presummed`, `_hadamard_first` and `path_cost` count edge carriers instead of
+    taking the union of every other operand per operand or step (a product of n
+    elementwise factors cost n^2): the same leaves, steps and costs as the
+    definitions (the quadratic forms, here) on random contractions."""
+    import random
+
+    from tgc.opt import paths
+
+    rng = random.Random(7)
+    names = "abcdefg"
+    sizes = {e: rng.randint(2, 9) for e in names}
+    for _ in range(400):
+        n = rng.randint(1, 14)
+        pool = [frozenset(rng.sample(names, rng.randint(0, 3))) for _ in range(rng.randint(1, 4))]
+        leaves = [(rng.choice(pool), rng.random() < 0.15) for _ in range(n)]
+        keep = set(rng.sample(names, rng.randint(0, 3))) & set().union(*(e for e, _ in leaves))
+        assert paths.presummed(leaves, keep) == _presummed_by_definition(leaves, keep)
+        dense = [(e, False) for e, _ in leaves]
+        assert paths._hadamard_first(dense) == _hadamard_by_definition(dense)
+        live, path = list(range(n)), []
+        while len(live) > 1:
+            i, j = sorted(rng.sample(range(len(live)), 2))
+            path.append((i, j))
+            del live[j], live[i]
+            live.append(None)
+        assert paths.path_cost(leaves, keep, sizes, path) == _path_cost_by_definition(leaves, keep, sizes, path)
+
+
+def test_undistribution_builds_few_candidates_per_sum_on_a_deep_chain(monkeypatch):
+    """The gradient of `y_i = tanh(y_(i-1)) * 0.9 + x` reaches `factor` as nested sums
+    of products, each sum with about as many candidate factors as steps. Each
+    candidate's saving is at most what its group's terms cost; tried from the largest
+    such bound down, the ones that cannot beat the best found are not built (the
+    result is the same: the largest saving, the first in `sort_key` order of equal
+    ones). 40 steps built 1560 candidates for 160 sums; now a few per sum."""
+    from tgc.opt import factor
+
+    built, sums = [0], [0]
+    real_build, real_settle = factor._undistributed, factor._undistribute
+
+    def counting_build(*args):
+        built[0] += 1
+        return real_build(*args)
+
+    def counting_settle(*args):
+        sums[0] += 1
+        return real_settle(*args)
+
+    monkeypatch.setattr(factor, "_undistributed", counting_build)
+    monkeypatch.setattr(factor, "_undistribute", counting_settle)
+    n = 40
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out y = y{n - 1}\nout g = grad(sum(y{n - 1}), x)\n"
+    import tgc
+
+    tgc.compile(src, backend="interp", dtype="f64")
+    assert sums[0] >= n and built[0] <= 6 * sums[0], (built[0], sums[0])
+
+
+@pytest.mark.slow
+def test_the_gradient_of_a_120_step_chain_compiles_and_keeps_the_chain_rule():
+    """`y_i = tanh(y_(i-1)) * 0.9 + x`, 120 steps, and its gradient (took over 140 s;
+    now about 15 s on the 2-core machine, loaded: cubic in the steps, see
+    benchmarks/deep_compile.py's `tanh_chain` row): the values are the chain rule's."""
+    import numpy as np
+
+    import tgc
+
+    n = 120
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out y = y{n - 1}\nout g = grad(sum(y{n - 1}), x)\n"
+    p = tgc.compile(src, backend="interp", dtype="f64")
+    x = np.array([0.3, -0.2, 0.5])
+    got = p(x=x)
+    y, dy = x.copy(), np.ones(3)
+    for _ in range(1, n):
+        dy = dy * 0.9 * (1 - np.tanh(y) ** 2) + 1
+        y = np.tanh(y) * 0.9 + x
+    np.testing.assert_allclose(got["y"], y, rtol=1e-12)
+    np.testing.assert_allclose(got["g"], dy, rtol=1e-10)
+
+
+def test_a_rewrite_nests_deeper_than_the_callers_recursion_limit():
+    """A rule may build a nest as deep as the program (`factor` makes a chain's
+    gradient sum a nest two values a step deep), and the rewrite recurses into it:
+    192 steps passed Python's default 1000 frames. The rewrite allows as many frames as
+    the front end; here a caller's limit of 400 frames, and a 60-step chain."""
+    import sys
+
+    n = 60
+    steps = "".join(f"y{i} = tanh(y{i - 1}) * 0.9 + x\n" for i in range(1, n))
+    src = f"dim n = 3\nparam x[n]\ny0 = x\n{steps}out g = grad(sum(y{n - 1}), x)\n"
+    from tgc.pipeline import load_source
+
+    module = load_source(src, "interp", "f64", lookup=False).module   # (the front end sets its own limit)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)
+    try:
+        from tgc.pipeline import lower
+
+        lowered = lower(module, Options(dtype="f64"), backend="interp").module
+    finally:
+        sys.setrecursionlimit(limit)
+    assert [o.name for o in lowered.outputs] == ["g"]

@@ -48,6 +48,9 @@ FLIPPED = {"gt": "lt", "ge": "le"}
 
 def key(v: Value) -> str:
     """A digest of v's structure, stable across runs (no ids, no hash seeds)."""
+    got = _KEYS.get(v)   # (the common case: digested before)
+    if got is not None:
+        return got
     stack = [v]
     while stack:
         u = stack[-1]
@@ -242,12 +245,15 @@ class Canon:
         """The coefficient and the factors of the product, nested contractions opened."""
         coef, factors = 1.0, []
         used = set(keep).union(*(o.edges for o in todo))
-        while todo:
-            o = todo.pop(0)
+        at = 0
+        while at < len(todo):   # in order, opened contractions' operands appended
+            o = todo[at]
+            at += 1
             if o.op == "add" and len(o.operands) == 1 and self.reassociate:  # (k x) y = k (x y)
                 coef *= o.attrs[0][0]
                 o = o.operands[0]
-            inner = self._open(o) if self.merge and self.merge(o) else None
+            # (`_open` opens only a contraction or a renamed one: `merge` is asked of those)
+            inner = self._open(o) if o.op in ("contract", "rename") and self.merge and self.merge(o) else None
             if inner is None:
                 factors.append(o)
                 continue
@@ -316,6 +322,9 @@ class Canon:
             work = self._work[memo] = working_names(self.m, factors, keep, base, sort_key, self.fresh)
         ops = []
         for f in factors:
+            if f.op != "rename" and all(work[e] == e for e in f.edges):   # on its own names: itself
+                ops.append(f)
+                continue
             b, mp = base(f)
             ops.append(self.rename(b, {e: work[mp.get(e, e)] for e in b.edges}))
         ops.sort(key=sort_key)

@@ -5,7 +5,12 @@ Rewrites, in two phases:
 1. Un-distribution (on the canonical form): terms of a sum that share factors
    have them taken out, `x @ A + x @ B -> x @ (A + B)`, when that costs fewer
    FLOPs (`tgc.opt.stats`'s model, each contraction at its best order) --
-   never when it would build a larger tensor that costs more.
+   never when it would build a larger tensor that costs more. Of the candidate
+   groups (the terms sharing a factor), the largest saving wins, the first in
+   `sort_key` order of equal ones; a candidate saves at most what its group's
+   terms and sums cost, so candidates are built from the largest such bound down
+   and one whose bound cannot beat the best found is not built (the same result,
+   without building every candidate of a long sum).
 2. Ordering: every contraction of three or more operands becomes a tree of
    pairwise contractions in the order `tgc.opt.paths` finds (opt_einsum,
    memory-bounded: no intermediate larger than the largest dense operand or the
@@ -53,17 +58,41 @@ def _leaves(factors) -> list[tuple[frozenset[str], bool]]:
 # ---- phase 1: common factors out of sums -----------------------------------------------------
 
 def _minus(bag: list[Value], take: list[Value]) -> list[Value]:
-    rest = list(bag)
-    for t in take:
-        rest.remove(t)
+    """`bag` without one occurrence of each of `take` (the first ones), in order."""
+    drop = set(map(id, take))
+    if len(drop) == len(take):   # each taken once: the first occurrence of each goes
+        rest = []
+        for f in bag:
+            if id(f) in drop:
+                drop.discard(id(f))
+            else:
+                rest.append(f)
+        return rest
+    drop = Counter(map(id, take))
+    rest = []
+    for f in bag:
+        if drop[id(f)] > 0:
+            drop[id(f)] -= 1
+        else:
+            rest.append(f)
     return rest
 
 
 def _common(bags: list[list[Value]]) -> list[Value]:
+    """The factors every bag has (as many times as each has them), in the first's order."""
+    ids = [set(map(id, bag)) for bag in bags]
+    if all(len(i) == len(bag) for i, bag in zip(ids, bags)):   # no factor twice in a bag: sets do
+        shared = set.intersection(*ids)
+        return [f for f in bags[0] if id(f) in shared]
     common = list(bags[0])
     for bag in bags[1:]:
-        left = list(bag)
-        common = [f for f in common if f in left and not left.remove(f)]
+        left = Counter(map(id, bag))
+        kept = []
+        for f in common:
+            if left[id(f)] > 0:
+                left[id(f)] -= 1
+                kept.append(f)
+        common = kept
     return common
 
 
@@ -90,11 +119,19 @@ def _undistributed(ctx: Ctx, common, terms, coefs) -> Value:
 
 def _cost(v: Value, sizes, memo: dict) -> int:
     """Cost of v's own op, a contraction at its best order (its operands given); a
-    contraction's is found once per value (`memo`: id -> (value, cost), one rewrite's)."""
+    contraction's is found once per value (`memo`: id -> (value, cost), one rewrite's),
+    and once per shape: what `value_flops` gives a contraction depends only on its
+    operands' edges and index flags, in order, and its own edges (`memo[SHAPES]`; the
+    products of a chain's gradient are n-factor products of one vector, for every n)."""
     if v.op == "contract":
         got = memo.get(id(v))
         if got is None or got[0] is not v:
-            got = memo[id(v)] = (v, value_flops(v, sizes))
+            shape = (tuple((frozenset(o.edges), is_index(o)) for o in v.operands), v.edges)
+            shapes = memo.setdefault(_SHAPES, {})
+            flops = shapes.get(shape)
+            if flops is None:
+                flops = shapes[shape] = value_flops(v, sizes)
+            got = memo[id(v)] = (v, flops)
         return got[1]
     if v.op == "add":
         return max(1, len(v.operands) - 1) * prod(v.edges, sizes)
@@ -107,6 +144,9 @@ def _new_cost(v: Value, sizes, known: set[int], memo: dict) -> int:
         return 0
     known.add(id(v))
     return _cost(v, sizes, memo) + sum(_new_cost(o, sizes, known, memo) for o in v.operands)
+
+
+_SHAPES = "shapes"   # `_cost`'s memo of costs by contraction shape (a key no id is)
 
 
 # sum_k c_k (F R_k) = F (sum_k c_k R_k)   (F: factors the terms share; only when cheaper)
@@ -134,23 +174,45 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
     costs = ctx.cache.setdefault("costs", {})
     known = None  # ids of what exists already (v's graph), found on first need
     terms, coefs = list(v.operands), list(v.attrs[0])
-    best = None
-    for o in sorted({id(f): f for t in terms for f in _factors(t)}.values(), key=sort_key):
-        group = [k for k, t in enumerate(terms) if o in _factors(t)]
-        common = [f for f in _common([_factors(terms[k]) for k in group]) if f.edges]  # scalars: no gain
-        if len(group) < 2 or not common or not _roles_agree(common, [terms[k] for k in group]):
+    factors = [_factors(t) for t in terms]
+    holders: dict[int, list[int]] = {}   # id of a factor -> the terms that have it
+    for k, fs in enumerate(factors):
+        for f in fs:
+            got = holders.setdefault(id(f), [])
+            if not got or got[-1] != k:
+                got.append(k)
+    # each candidate's group and the most it can save (what the group's dead terms and
+    # sums cost: the new values cost >= 0)
+    cands, groups = [], set()
+    for rank, o in enumerate(sorted({id(f): f for fs in factors for f in fs}.values(), key=sort_key)):
+        group = holders[id(o)]
+        if len(group) < 2 or tuple(group) in groups:   # a group met before: the same candidate, later
             continue
-        new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
+        groups.add(tuple(group))
+        common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
+        if not common or not _roles_agree(common, [terms[k] for k in group]):
+            continue
         dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
         old = sum(_cost(t, sizes, costs) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        cands.append((old, rank, group, common))
+    # the largest saving wins, the first candidate (in `sort_key` order) of equal ones;
+    # tried most hopeful first, a candidate that cannot beat the best is not built
+    cands.sort(key=lambda c: (-c[0], c[1]))
+    best = None   # (saving, rank, group, new)
+    for old, rank, group, common in cands:
+        if best is not None and (old < best[0] or (old == best[0] and rank > best[1])):
+            if old < best[0]:
+                break
+            continue
+        new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
         if known is None:
             known = {id(x) for x in topo_order([v])}
         saving = old - _new_cost(new, sizes, set(known), costs)
-        if saving > 0 and (best is None or saving > best[0]):
-            best = (saving, group, new)
+        if saving > 0 and (best is None or saving > best[0] or (saving == best[0] and rank < best[1])):
+            best = (saving, rank, group, new)
     if best is None:
         return None
-    _, group, new = best
+    _, _, group, new = best
     rest = [k for k in range(len(terms)) if k not in group]
     return ctx.c.add([terms[k] for k in rest] + [new], [coefs[k] for k in rest] + [1.0])
 

@@ -17,7 +17,9 @@ removes one operand per step.
 """
 from __future__ import annotations
 
+import collections
 import functools
+from collections import Counter
 from typing import Mapping, Sequence
 
 
@@ -49,11 +51,13 @@ def memory_limit(leaves: Sequence[Leaf], keep: set[str], sizes) -> int:
 
 
 def presummed(leaves: Sequence[Leaf], keep: set[str]) -> list[Leaf]:
-    """Each dense leaf without the edges only it carries (summed first, on its own)."""
+    """Each dense leaf without the edges only it carries (summed first, on its own).
+    An edge is another's when `keep` has it or more than one leaf carries it (counted
+    once: a product of n elementwise factors is n leaves, not n^2 edge visits)."""
+    carriers = Counter(x for e, _ in leaves for x in e)
     out = []
-    for k, (e, ind) in enumerate(leaves):
-        others = set(keep).union(*(x for j, (x, _) in enumerate(leaves) if j != k))
-        out.append((e if ind else frozenset(e & others), ind))
+    for e, ind in leaves:
+        out.append((e if ind else frozenset(x for x in e if x in keep or carriers[x] > 1), ind))
     return out
 
 
@@ -87,20 +91,63 @@ def _hadamard_first(leaves: Sequence[Leaf]) -> tuple[list[tuple[int, ...]], list
     groups: dict[frozenset[str], list[int]] = {}
     for i, (e, _) in enumerate(leaves):
         groups.setdefault(e, []).append(i)
-    live = [(i, leaves[i]) for i in range(len(leaves))]
+    # slots: the leaves, then each product in the order made; a step names the live
+    # positions of its two slots (`_Live` counts the live slots before one)
+    n = len(leaves)
+    made = sum(len(m) - 1 for m in groups.values() if len(m) > 1)
+    live = _Live(n + made)
+    for i in range(n):
+        live.add(i)
+    edges_of = [e for e, _ in leaves] + [None] * made
     steps: list[tuple[int, ...]] = []
     for edges, members in groups.items():
         if len(members) < 2:
             continue
-        tags = list(members)
+        tags = collections.deque(members)
         while len(tags) > 1:
-            at = sorted(k for k, (tag, _) in enumerate(live) if tag in tags[:2])
-            steps.append(tuple(at))
-            for k in reversed(at):
-                del live[k]
-            live.append((("product", len(steps)), (edges, False)))
-            tags = tags[2:] + [live[-1][0]]
-    return steps, [leaf for _, leaf in live]
+            a, b = tags.popleft(), tags.popleft()
+            steps.append(tuple(sorted((live.rank(a), live.rank(b)))))
+            live.remove(a)
+            live.remove(b)
+            slot = n + len(steps) - 1
+            live.add(slot)
+            edges_of[slot] = edges
+            tags.append(slot)
+    return steps, [(edges_of[i], leaves[i][1] if i < n else False) for i in live.slots()]
+
+
+class _Live:
+    """A set of slots 0..size-1 with the rank of a slot among the live ones (a
+    Fenwick tree: each operation O(log size))."""
+
+    def __init__(self, size: int):
+        self.tree = [0] * (size + 1)
+        self.live = [False] * size
+
+    def _update(self, i: int, d: int) -> None:
+        i += 1
+        while i < len(self.tree):
+            self.tree[i] += d
+            i += i & -i
+
+    def add(self, i: int) -> None:
+        self.live[i] = True
+        self._update(i, 1)
+
+    def remove(self, i: int) -> None:
+        self.live[i] = False
+        self._update(i, -1)
+
+    def rank(self, i: int) -> int:
+        """The live slots before slot i."""
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+    def slots(self) -> list[int]:
+        return [i for i, on in enumerate(self.live) if on]
 
 
 def _searched(leaves: Sequence[Leaf], keep: set[str], sizes: Mapping[str, int], limit: int) -> list[tuple[int, ...]]:
@@ -123,13 +170,16 @@ def _searched(leaves: Sequence[Leaf], keep: set[str], sizes: Mapping[str, int], 
 def path_cost(leaves: Sequence[Leaf], keep: set[str], sizes, path) -> int:
     """FLOPs of following `path` (the stats cost model)."""
     live = [(set(e), ind) for e, ind in leaves]
+    carriers = Counter(x for e, _ in live for x in e)   # edge -> the live operands with it
     total = 0
     for step in path:
         picked = [live[i] for i in step]
         for i in sorted(step, reverse=True):
             del live[i]
-        later = set(keep).union(*(e for e, _ in live))
-        out = set().union(*(e for e, _ in picked)) & later
+        for e, _ in picked:
+            carriers.subtract(e)
+        out = {x for x in set().union(*(e for e, _ in picked)) if x in keep or carriers[x] > 0}
+        carriers.update(out)
         if len(picked) == 1:
             total += max(prod(picked[0][0], sizes), prod(out, sizes))
         else:

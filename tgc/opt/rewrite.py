@@ -183,8 +183,22 @@ def _map_body(module: Module, body: V.LoopBody, fn) -> V.LoopBody:
     return V.loop_body(body.params, results, body.carries, body.slices)
 
 
+# Python frames a rewrite may nest: `_Rewriter.value` recurses into the operands of the
+# values a rule builds (three frames a level), and a rule may build a nest as deep as the
+# program (`factor` takes a chain's gradient sum to a nest two values a step deep: 192
+# steps passed Python's default 1000 frames). The front end allows as many.
+MAX_FRAMES = 20000
+
+
 def rewrite(module: Module, table: Table, options: Options) -> Module:
-    return _rewrite(module, table, options, False)
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, MAX_FRAMES))
+    try:
+        return _rewrite(module, table, options, False)
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _rewrite(module: Module, table: Table, options: Options, derivatives_outside: bool) -> Module:
