@@ -114,3 +114,20 @@ def test_a_fifo_output_is_written_into_without_companions(src, tmp_path):
     assert r.exit_code == 0, r.output
     assert got and got[0].startswith(b"\x7fELF")
     assert sorted(os.listdir(tmp_path)) == ["libf.so", "m.tg", "sub"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail)")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["passes"], ["build", "--help"], ["check", "-h"]])
+def test_a_standard_output_that_cannot_be_written_is_an_error_not_a_traceback(args):
+    """Output written outside a command's own error boundary (click's --help and
+    --version, `tgc passes`) into a full device ends with one `error:` line and status 2,
+    as a command's own output does, not a Python traceback."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "tgc", *args], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == ["error: cannot write the standard output: No space left on device"]
