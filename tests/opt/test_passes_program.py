@@ -203,3 +203,14 @@ def test_fix_dims_sizes_that_do_not_fit_the_program_are_a_pass_list_error(tmp_pa
     path.write_text(print_module(tg(SRC, "f32")))
     r = CliRunner().invoke(main, ["opt", str(path), "-p", "fix_dims{sizes=n=x}"])
     assert r.exit_code == 2 and "pass 'fix_dims'" in r.output and "internal compiler error" not in r.output, r.output
+
+
+def test_gradient_module_mode_that_is_not_one_is_a_pass_list_error():
+    """`-p 'gradient_module{wrt=w,mode=bogus}'`: a usage error naming the modes, not an
+    internal compiler error from the ValueError `run` raises."""
+    import pytest
+
+    from tgc.manager import PassListError
+
+    with pytest.raises(PassListError, match="pass 'gradient_module': mode is 'rev' or 'fwd', not 'bogus'"):
+        _run(tg(SRC, "f32"), "gradient_module{wrt=w,mode=bogus}")
