@@ -280,3 +280,19 @@ def test_build_targets_come_from_the_backend_registry(tmp_path, monkeypatch):
     r = tgc("build", MLP, "--target", "cuda-sim", "-o", tmp_path / "y")
     assert r.exit_code == 2 and "'cuda-sim' is not one of" in r.output
     assert not (tmp_path / "x.so").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("flag", ["-O7", "-Os", "-Ofast", "-O"])
+def test_an_optimization_level_it_lacks_is_named_in_the_usage_error(flag):
+    """`tgc build -O7` said "No such option '-O'" (click reads -O7 as -O and 7): the
+    usage error names the flag given and the levels there are."""
+    r = tgc("build", MLP, flag, "--emit", "h", "-o", "-")
+    assert r.exit_code == 2, r.output
+    assert f"no such option: {flag} (the optimization levels are -O0, -O1, -O2, -O3)" in r.output, r.output
+
+
+def test_an_option_value_that_starts_with_dash_O_is_a_value(tmp_path, monkeypatch):
+    """`-o -Oname.h` names a file: the -O check reads only flags, not option values."""
+    monkeypatch.chdir(tmp_path)
+    r = tgc("build", MLP, "--emit", "h", "-o", "-Oname.h")
+    assert r.exit_code == 0 and (tmp_path / "-Oname.h").exists(), r.output
