@@ -117,17 +117,20 @@ def test_a_fifo_output_is_written_into_without_companions(src, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail)")
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["passes"], ["build", "--help"], ["check", "-h"]])
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["passes"], ["build", "--help"], ["check", "-h"],
+                                  ["dump-ir", "examples/mlp.tg"], ["info", "examples/mlp.tg"],
+                                  ["grad", "examples/mlp.tg", "--wrt", "W1"]])
 def test_a_standard_output_that_cannot_be_written_is_an_error_not_a_traceback(args):
     """Output written outside a command's own error boundary (click's --help and
     --version, `tgc passes`) into a full device ends with one `error:` line and status 2,
-    as a command's own output does, not a Python traceback."""
+    as a command's own output does, not a Python traceback; the line says it is the
+    standard output (a command's own said "cannot access: ...", naming nothing)."""
     import subprocess
     import sys
 
     with open("/dev/full", "w") as full:
         p = subprocess.run([sys.executable, "-m", "tgc", *args], stdout=full, stderr=subprocess.PIPE,
-                           text=True, timeout=120)
+                           text=True, timeout=120, cwd=Path(__file__).parents[2])
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines() == ["error: cannot write the standard output: No space left on device"]
