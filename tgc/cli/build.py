@@ -165,7 +165,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         from tgc.depfile import compiler_dependencies, format_depfile
 
         deps = _on_disk(loaded.files) + compiler_dependencies(not pipeline.is_ir_file(file))
-        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
+        # a file name's bytes as they are (Python keeps those that are not UTF-8 as surrogates)
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode("utf-8", "surrogateescape")
     if output == "-":
         click.echo(files.pop("-").decode(), nl=False)
     write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})
