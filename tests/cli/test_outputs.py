@@ -2,6 +2,7 @@
 symlinks, hard links and other spellings count), and a device or FIFO output gets
 nothing written beside it (no header, manifest or depfile)."""
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,19 @@ def test_a_standard_output_that_cannot_be_written_is_an_error_not_a_traceback(ar
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines() == ["error: cannot write the standard output: No space left on device"]
+
+
+@pytest.mark.skipif(sys.getfilesystemencoding() != "utf-8", reason="a file system whose names are UTF-8")
+def test_a_written_text_that_carries_a_file_name_that_is_not_utf8(tmp_path):
+    """`tgc explain m\\xffp.tg --timeline t.svg`: the SVG names the source; its text
+    was encoded strictly (an internal compiler error, status 4). Text outputs keep
+    such a name's own bytes, as the terminal output does."""
+    import shutil
+    import subprocess
+
+    name = os.fsdecode(b"m\xffp.tg")
+    shutil.copy(Path(__file__).parents[2] / "examples/mlp.tg", tmp_path / name)
+    p = subprocess.run([sys.executable, "-m", "tgc", "explain", name, "--timeline", "t.svg"], cwd=tmp_path,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    assert b"m\xffp.tg" in (tmp_path / "t.svg").read_bytes()
