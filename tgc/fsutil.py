@@ -129,9 +129,15 @@ def file_identity(path: str | os.PathLike) -> tuple:
     return ("inode", st.st_dev, st.st_ino)
 
 
+def _encoded(data: bytes | str) -> bytes:
+    """Text as UTF-8; a file name's bytes that are not UTF-8 (Python keeps them as
+    surrogates) are written as they are, as the terminal output writes them."""
+    return data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
+
+
 def _write_through(path: Path, data: bytes | str) -> None:
     """Open the existing device or FIFO `path` and write `data` into it."""
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+    payload = _encoded(data)
     try:
         with open(path, "wb", buffering=0) as f:
             view = memoryview(payload)
@@ -143,7 +149,7 @@ def _write_through(path: Path, data: bytes | str) -> None:
 
 def _temporary(path: Path, data: bytes | str, mode: int, durable: bool) -> str:
     """A temporary file beside `path` holding `data`."""
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+    payload = _encoded(data)
     if path.is_dir():
         raise IsADirectoryError(21, "Is a directory", str(path))
     try:

@@ -304,6 +304,9 @@ def _run_passes(ir, specs: tuple, options: Options, emit: Emit | None = None,
         before = _size(ir) if options.time_passes or options.stats else 0
         start = time.perf_counter()
         dtype = p.float_type(options)
+        why = None if any(spec is p for spec in specs) else p.options_error(ir)   # a `-p` text's options
+        if why:
+            raise PassListError(f"pass '{name}': {why}")
         ir = _run_one(p, ir, options)
         seconds = time.perf_counter() - start
         if dtype != options.dtype:

@@ -69,3 +69,12 @@ def test_run_compiles_by_default_and_still_interprets_on_request():
     interpreted = tgc("run", MLP, "--random-inputs", "--backend", "interp")
     assert interpreted.exit_code == 0 and interpreted.output.splitlines()[0].split(" = ")[0] == \
         compiled.splitlines()[0].split(" = ")[0]
+
+
+@pytest.mark.parametrize("value", ["batch=²", "batch=4²", "batch=٣", "batch=１２"])
+def test_a_size_is_ascii_digits_only(value):
+    """`str.isdigit` holds for superscripts (which `int` then refuses: a ValueError came
+    out of the flag's check) and for other scripts' digits (which `int` reads): a size
+    is written in ASCII digits, anything else is a usage error."""
+    r = tgc("info", MLP, "-D", value)
+    assert r.exit_code == 2 and f"'{value}' is not NAME=N" in r.output, (r.exit_code, r.output, r.exception)

@@ -44,3 +44,29 @@ def test_the_console_script_is_the_one_that_handles_ctrl_c():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["tgc"] == "tgc.cli:console"
     assert "console()" in (ROOT / "tgc/cli/__main__.py").read_text()
+
+
+# A build whose outputs' fsync blocks until the parent has sent its signal: the
+# moment the temporary files beside the outputs exist.
+SLOW_FSYNC = ("import os, sys, time; real = os.fsync\n"
+              "def fsync(fd):\n"
+              "    os.write(1, b'writing\\n'); time.sleep(30); real(fd)\n"
+              "os.fsync = fsync; sys.argv[0] = 'tgc'\n"
+              "from tgc.cli import console; console()")
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_build_stopped_while_writing_leaves_no_temporary_file(tmp_path, sig, status):
+    """`make` or `timeout` stopping `tgc build` (SIGTERM, or Ctrl-C's SIGINT) while it
+    writes its outputs: the temporary files beside them are removed (SIGTERM's default
+    action ended the process without clean-up, leaving `.libm.so.*.tmp` behind), the
+    outputs are not created, and the status is the signal's (128 + its number)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", SLOW_FSYNC, "build", str(ROOT / "examples/mlp.tg"), "-o",
+                          str(tmp_path / "libm.so"), "-MD"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout.readline() == b"writing\n"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == status, err.decode()
+    assert "Traceback" not in err.decode(), err.decode()
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)

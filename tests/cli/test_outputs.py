@@ -2,6 +2,7 @@
 symlinks, hard links and other spellings count), and a device or FIFO output gets
 nothing written beside it (no header, manifest or depfile)."""
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,39 @@ def test_a_fifo_output_is_written_into_without_companions(src, tmp_path):
     assert r.exit_code == 0, r.output
     assert got and got[0].startswith(b"\x7fELF")
     assert sorted(os.listdir(tmp_path)) == ["libf.so", "m.tg", "sub"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail)")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["passes"], ["build", "--help"], ["check", "-h"],
+                                  ["dump-ir", "examples/mlp.tg"], ["info", "examples/mlp.tg"],
+                                  ["grad", "examples/mlp.tg", "--wrt", "W1"]])
+def test_a_standard_output_that_cannot_be_written_is_an_error_not_a_traceback(args):
+    """Output written outside a command's own error boundary (click's --help and
+    --version, `tgc passes`) into a full device ends with one `error:` line and status 2,
+    as a command's own output does, not a Python traceback; the line says it is the
+    standard output (a command's own said "cannot access: ...", naming nothing)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "tgc", *args], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120, cwd=Path(__file__).parents[2])
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == ["error: cannot write the standard output: No space left on device"]
+
+
+@pytest.mark.skipif(sys.getfilesystemencoding() != "utf-8", reason="a file system whose names are UTF-8")
+def test_a_written_text_that_carries_a_file_name_that_is_not_utf8(tmp_path):
+    """`tgc explain m\\xffp.tg --timeline t.svg`: the SVG names the source; its text
+    was encoded strictly (an internal compiler error, status 4). Text outputs keep
+    such a name's own bytes, as the terminal output does."""
+    import shutil
+    import subprocess
+
+    name = os.fsdecode(b"m\xffp.tg")
+    shutil.copy(Path(__file__).parents[2] / "examples/mlp.tg", tmp_path / name)
+    p = subprocess.run([sys.executable, "-m", "tgc", "explain", name, "--timeline", "t.svg"], cwd=tmp_path,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    assert b"m\xffp.tg" in (tmp_path / "t.svg").read_bytes()

@@ -182,3 +182,35 @@ def test_opt_runs_them_by_name(tmp_path):
     r = cli("opt", src, "-p", "forward_only,fix_dims{sizes=n=2},drop_unread_args")
     assert r.exit_code == 0, r.output
     assert "dim n = 2" in r.output and "update" not in r.output and "input u" not in r.output
+
+
+def test_fix_dims_sizes_that_do_not_fit_the_program_are_a_pass_list_error(tmp_path):
+    """`tgc opt -p 'fix_dims{sizes=...}'` with a size that is not a number, not positive,
+    not ASCII digits, or a dim the program lacks: a usage error (status 2) naming the
+    pass, not an internal compiler error (status 4) or a ValueError out of int()."""
+    import pytest
+
+    from tgc.manager import PassListError
+
+    for sizes, why in (("n=x", "is not NAME=SIZE"), ("n=²", "is not NAME=SIZE"), ("n=--4", "is not NAME=SIZE"),
+                       ("n=0", "a size is a positive integer"), ("k=3", "no dim 'k'"),
+                       ("m=5", "dim 'm' is derived")):
+        with pytest.raises(PassListError, match=why):
+            _run(tg(SRC, "f32"), f"fix_dims{{sizes={sizes}}}")
+    from tgc.ir.printer import print_module
+
+    path = tmp_path / "p.tgir"
+    path.write_text(print_module(tg(SRC, "f32")))
+    r = CliRunner().invoke(main, ["opt", str(path), "-p", "fix_dims{sizes=n=x}"])
+    assert r.exit_code == 2 and "pass 'fix_dims'" in r.output and "internal compiler error" not in r.output, r.output
+
+
+def test_gradient_module_mode_that_is_not_one_is_a_pass_list_error():
+    """`-p 'gradient_module{wrt=w,mode=bogus}'`: a usage error naming the modes, not an
+    internal compiler error from the ValueError `run` raises."""
+    import pytest
+
+    from tgc.manager import PassListError
+
+    with pytest.raises(PassListError, match="pass 'gradient_module': mode is 'rev' or 'fwd', not 'bogus'"):
+        _run(tg(SRC, "f32"), "gradient_module{wrt=w,mode=bogus}")

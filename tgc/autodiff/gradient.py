@@ -28,9 +28,13 @@ class GradientModule(Pass[Module, Module]):
     of: str | None = None      # the output (default: the only scalar one)
     mode: str = "rev"          # rev (grad) or fwd (jvp)
 
+    def options_error(self, module: Module) -> str | None:
+        return None if self.mode in ("rev", "fwd") else f"mode is 'rev' or 'fwd', not '{self.mode}'"
+
     def run(self, module: Module, options: Options) -> Module:
-        if self.mode not in ("rev", "fwd"):
-            raise ValueError(f"gradient_module: mode is 'rev' or 'fwd', not '{self.mode}'")
+        why = self.options_error(module)
+        if why:
+            raise ValueError(f"gradient_module: {why}")
         return gradient_module(module, self.wrt.split(), self.of, self.mode)
 
 

@@ -41,7 +41,24 @@ def default_output(source: str, emit: str) -> str:
     return f"lib{stem}.so" if emit == "so" else stem + SUFFIX.get(emit, "." + emit)
 
 
-@click.command()
+class _BuildCommand(click.Command):
+    """`tgc build`: an -O flag other than -O0..-O3 is a usage error that names it
+    (click alone reads `-O7` as an unknown option `-O`)."""
+
+    LEVELS = ("-O0", "-O1", "-O2", "-O3")
+
+    def parse_args(self, ctx, args):
+        takes_value = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+        for before, arg in zip([None, *args], args):
+            if arg == "--":
+                break
+            if arg.startswith("-O") and arg not in self.LEVELS and before not in takes_value:
+                raise click.UsageError(f"no such option: {arg} (the optimization levels are "
+                                       f"{', '.join(self.LEVELS)})", ctx)
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_BuildCommand)
 @click.argument("file", type=SOURCE)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file (default: libNAME.so, NAME.o, ...).")
 @click.option("-O0", "opt_level", flag_value=0, help="No optimization.")
@@ -148,7 +165,8 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
         from tgc.depfile import compiler_dependencies, format_depfile
 
         deps = _on_disk(loaded.files) + compiler_dependencies(not pipeline.is_ir_file(file))
-        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode()
+        # a file name's bytes as they are (Python keeps those that are not UTF-8 as surrogates)
+        files[depfile] = format_depfile(list(mt), [output] if not mt else [], deps, mp).encode("utf-8", "surrogateescape")
     if output == "-":
         click.echo(files.pop("-").decode(), nl=False)
     write_all_atomic({path: (data, 0o755 if path.endswith(".so") else 0o644) for path, data in files.items()})

@@ -46,6 +46,21 @@ def report(diagnostics) -> None:
         click.echo(render(d, color=color, lines=lines), err=True, color=color)
 
 
+def _writing_stdout(e: OSError) -> bool:
+    """Whether `e` came out of a write to the standard output (`click.echo`, or any
+    frame whose `file` is that stream)."""
+    tb = e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame.f_locals.get("file")
+        try:
+            if f is not None and f.fileno() == sys.__stdout__.fileno():
+                return True
+        except (AttributeError, OSError, ValueError):
+            pass
+        tb = tb.tb_next
+    return False
+
+
 def handle_errors(fn):
     """Turn user errors into diagnostics and exit codes; anything else is an ICE."""
 
@@ -71,8 +86,13 @@ def handle_errors(fn):
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except OSError as e:  # a file the command was asked to write or read
-            where = f" '{e.filename}'" if e.filename else ""
-            click.echo(f"error: cannot access{where}: {e.strerror or e}", err=True)
+            if e.filename:
+                click.echo(f"error: cannot access '{e.filename}': {e.strerror or e}", err=True)
+            elif _writing_stdout(e):   # what was printed could not be written (a full device)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second failure at exit
+                click.echo(f"error: cannot write the standard output: {e.strerror or e}", err=True)
+            else:
+                click.echo(f"error: {e.strerror or e}", err=True)
             sys.exit(EXIT_USAGE)
         except MemoryError:
             click.echo("error: out of memory (are the inputs or dims too large?)", err=True)

@@ -17,13 +17,16 @@ AUTOCAST = click.option(
 
 def _dim_bindings(ctx, param, value) -> dict[str, int]:
     """NAME=N items as {name: size}; a usage error for anything else, and for one name
-    given two different sizes (the same size repeated is accepted)."""
+    given two different sizes (the same size repeated is accepted). A size is ASCII
+    digits (`str.isdigit` also holds for superscripts and other scripts' digits)."""
+    import re
+
     from tgc.ir.sizes import MAX_SIZE
 
     out = {}
     for item in value:
         name, sep, n = item.partition("=")
-        if not sep or not name.strip() or not n.strip().lstrip("-").isdigit():
+        if not sep or not name.strip() or not re.fullmatch(r"\s*-?[0-9]+\s*", n, re.ASCII):
             raise click.BadParameter(f"'{item}' is not NAME=N")
         if int(n) <= 0:
             raise click.BadParameter(f"'{item}': a size must be positive")

@@ -11,6 +11,12 @@ Python's handler does, so that `finally` clauses and `tgc.fsutil`'s clean-up run
 and `interrupted_exits` (around the whole command line) or `tgc.cli.errors.handle_errors`
 (around each command) turns it into the message and the status. Only `os`, `signal` and
 `sys` are imported here.
+
+SIGTERM (`timeout`, a stopped CI job, `kill`) is handled the same way with status 143
+(128 + 15) and "terminated": Python's default action ended the process at once, with
+no clean-up, so a build stopped while writing left its temporary files beside its
+outputs. Outside an import it raises SystemExit(143), which every `except
+BaseException` clean-up sees and no `except Exception` catches.
 """
 from __future__ import annotations
 
@@ -21,11 +27,21 @@ import sys
 
 EXIT_INTERRUPTED = 130
 MESSAGE = "interrupted"
+EXIT_TERMINATED = 143
+TERMINATED = "terminated"
 
 
 def install() -> None:
-    """Handle SIGINT as the module docstring says (from the main thread)."""
+    """Handle SIGINT and SIGTERM as the module docstring says (from the main thread)."""
     signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _importing(frame):
+        exit_now(TERMINATED, EXIT_TERMINATED)
+    print(TERMINATED, file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_TERMINATED)
 
 
 def _on_sigint(signum, frame) -> None:
@@ -43,18 +59,18 @@ def _importing(frame) -> bool:
     return False
 
 
-def exit_now() -> None:
-    """Print the message and end the process with the interrupted status, running
-    nothing else (what was printed is flushed first)."""
+def exit_now(message: str = MESSAGE, status: int = EXIT_INTERRUPTED) -> None:
+    """Print the message and end the process with the interrupted status (or the given
+    ones), running nothing else (what was printed is flushed first)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 -- a closed or broken stream: nothing to keep
             pass
     try:
-        os.write(2, f"{MESSAGE}\n".encode())
+        os.write(2, f"{message}\n".encode())
     finally:
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(status)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ program, `tgc.lower.lowered`); the pass manager (`tgc.manager`) runs both kinds,
 checks that each pass of a list reads what the one before it gives. A pass that
 gives a program of another float type than it reads (`emulate_f32`: an f32 program
 as its f64 emulation) says so with `float_type`; the passes after it, the lowering
-and the backend then run with that type.
+and the backend then run with that type. A pass whose options can be wrong for the
+program it is given (`fix_dims{sizes=k=3}` where there is no dim `k`) says why in
+`options_error`: a usage error, not a failure inside `run`.
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ class Pass(Generic[In, Out]):
 
     def run(self, ir: In, options: Options) -> Out:
         raise NotImplementedError
+
+    def options_error(self, ir: In) -> str | None:
+        """Why this pass's options (a user's `-p` text) cannot apply to `ir`, or None;
+        the pass manager reports it as a pass-list error (a usage error) before `run`
+        (a pass given as an object, by code, runs and raises its own errors)."""
+        return None
 
     def float_type(self, options: Options) -> str:
         """The float type of the program `run` gives, for one of type `options.dtype`."""

@@ -13,6 +13,7 @@ Terminates: one pass over the given dims, one over the dim table.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tgc.ir.module import Module, size_error
@@ -43,10 +44,18 @@ class FixDims(Pass[Module, Module]):
         out: dict[str, int] = {}
         for item in self.sizes.split():
             name, eq, n = item.partition("=")
-            if not (eq and name and n.strip().lstrip("-").isdigit()):
+            if not (eq and name and re.fullmatch(r"-?[0-9]+", n, re.ASCII)):
                 raise ValueError(f"fix_dims: '{item}' is not NAME=SIZE")
             out[name] = int(n)
         return out
+
+    def options_error(self, module: Module) -> str | None:
+        """`sizes` not NAME=SIZE pairs, or sizes that do not fit `module` (what `run` refuses)."""
+        try:
+            fix_dims(module, self.dims())
+        except ValueError as e:
+            return str(e).removeprefix("fix_dims: ")   # the manager names the pass
+        return None
 
     def run(self, module: Module, options: Options) -> Module:
         return fix_dims(module, self.dims())
