@@ -332,6 +332,41 @@ def _(T):
     return {"lp": lp, "gx": gradient((lp * T.w).sum(), x)}
 
 
+# Near-one-hot rows (logits spread 1000) and a cotangent with a large common offset: the
+# gradient p (w - sum(p w)) is tiny where p is near 1; formed as p w - p sum(p w) it is
+# the difference of two rounded values near 1e4 (tgc's error was 5e6 times PyTorch's).
+_oh = rng(71)
+_oh_x = 1000 * _oh.standard_normal((4, 256))
+_oh_w = 1e4 + _oh.standard_normal((4, 256))
+_ohl = rng(73)
+_ohl_x = 1000 * _ohl.standard_normal((2, 20000))
+_ohl_w = 100 + _ohl.standard_normal((2, 20000))
+
+
+@case("softmax_grad_one_hot_offset", """
+dim b = 4, c = 256
+input x[b, c], w[b, c]
+out gx[b, c] = grad(sum(softmax[c](x) * w), x)
+out gl[b, c] = grad(sum(log_softmax[c](x) * w), x)
+out gc[b, c] = grad(sum(cross_entropy[c](x, w)), x)
+""", {"x": _oh_x, "w": _oh_w})
+def _(T):
+    x = leaf(T.x)
+    return {"gx": gradient((torch.softmax(x, dim=-1) * T.w).sum(), x),
+            "gl": gradient((F.log_softmax(x, dim=-1) * T.w).sum(), x),
+            "gc": gradient(-(F.log_softmax(x, dim=-1) * T.w).sum(), x)}
+
+
+@case("softmax_grad_one_hot_long", """
+dim b = 2, c = 20000
+input x[b, c], w[b, c]
+out gx[b, c] = grad(sum(softmax[c](x) * w), x)
+""", {"x": _ohl_x, "w": _ohl_w})
+def _(T):
+    x = leaf(T.x)
+    return {"gx": gradient((torch.softmax(x, dim=-1) * T.w).sum(), x)}
+
+
 @case("logsumexp_large", """
 dim c = 16
 input x[c]

@@ -165,6 +165,13 @@ def undistribute(ctx: Ctx, v: Value) -> Value | None:
     return out
 
 
+_TIE = 0.5   # the saving credited to a difference factored at equal cost: below any real one
+
+
+def _mixed_signs(coefs) -> bool:
+    return any(c > 0 for c in coefs) and any(c < 0 for c in coefs)
+
+
 def _undistribute(ctx: Ctx, v: Value) -> Value | None:
     if "sizes" not in ctx.cache:
         values = ctx.module.values()
@@ -208,6 +215,11 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
         if known is None:
             known = {id(x) for x in topo_order([v])}
         saving = old - _new_cost(new, sizes, set(known), costs)
+        # a difference of products at no extra cost is factored too: a (x - y) rounds the
+        # difference of x and y, not of the rounded a x and a y, whose cancellation is
+        # not bounded by |a (x - y)| (softmax's gradient p (g - sum(p g)), not p g - p sum(p g))
+        if saving == 0 and _mixed_signs([coefs[k] for k in group]):
+            saving = _TIE
         if saving > 0 and (best is None or saving > best[0] or (saving == best[0] and rank < best[1])):
             best = (saving, rank, group, new)
     if best is None:
