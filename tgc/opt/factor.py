@@ -5,7 +5,11 @@ Rewrites, in two phases:
 1. Un-distribution (on the canonical form): terms of a sum that share factors
    have them taken out, `x @ A + x @ B -> x @ (A + B)`, when that costs fewer
    FLOPs (`tgc.opt.stats`'s model, each contraction at its best order) --
-   never when it would build a larger tensor that costs more. Of the candidate
+   never when it would build a larger tensor that costs more -- or, at equal cost,
+   when the sum is a difference of two or more products and nothing else:
+   `a x - a y -> a (x - y)` rounds the difference of x and y instead of cancelling
+   the separately rounded a x and a y (softmax's gradient p (g - sum(p g)); in f32
+   near-one-hot rows with g near 1e4 lost every digit the other way). Of the candidate
    groups (the terms sharing a factor), the largest saving wins, the first in
    `sort_key` order of equal ones; a candidate saves at most what its group's
    terms and sums cost, so candidates are built from the largest such bound down
@@ -27,7 +31,8 @@ Symbolic dims are costed at `Options.rep_size` (64 by default). The output is
 the one non-canonical form in the pipeline: `normalize` would merge the pairwise
 contractions again, so `factor` runs last.
 
-Terminates: un-distribution strictly lowers the cost of the sum it rewrites (and
+Terminates: un-distribution strictly lowers the cost of the sum it rewrites, or at
+equal cost replaces all its terms by one product (and
 the canonical rewriting around it terminates); ordering visits each value once
 and each path step removes an operand.
 """
@@ -215,10 +220,12 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
         if known is None:
             known = {id(x) for x in topo_order([v])}
         saving = old - _new_cost(new, sizes, set(known), costs)
-        # a difference of products at no extra cost is factored too: a (x - y) rounds the
-        # difference of x and y, not of the rounded a x and a y, whose cancellation is
-        # not bounded by |a (x - y)| (softmax's gradient p (g - sum(p g)), not p g - p sum(p g))
-        if saving == 0 and _mixed_signs([coefs[k] for k in group]):
+        # a difference of products that is the whole sum is factored at no extra cost too:
+        # a (x - y) rounds the difference of x and y, not of the rounded a x and a y, whose
+        # cancellation is not bounded by |a (x - y)| (softmax's gradient p (g - sum(p g)),
+        # not p g - p sum(p g)). Not a part of a longer sum: that sum is computed in f64
+        # (`lowered.wide_sum`), where a x and a y each rounded once lose nothing more.
+        if saving == 0 and len(group) == len(terms) and _mixed_signs([coefs[k] for k in group]):
             saving = _TIE
         if saving > 0 and (best is None or saving > best[0] or (saving == best[0] and rank < best[1])):
             best = (saving, rank, group, new)
