@@ -127,6 +127,27 @@ def test_cli_pass_option_errors_are_usage_errors():
     assert "pass 'group' has no option 'bogus' (its options: blocks)" in r.output
 
 
+@pytest.mark.parametrize("passes, message", [
+    ("adjoint,tangent,fuse,layout,group{blocks=-1}", "pass 'group': blocks=-1: a number of blocks, 0 (no groups) or more"),
+    ("adjoint,tangent,fuse,layout{rep_size=-3}", "pass 'layout': rep_size=-3: a dim's size, 1 or more"),
+    ("adjoint,tangent,fuse,layout{rep_size=0}", "pass 'layout': rep_size=0: a dim's size, 1 or more"),
+    ("stream{block=-1}", "pass 'stream': block=-1: a size or count, 0 or more"),
+    ("stream{key_block=-5}", "pass 'stream': key_block=-5: a size or count, 0 or more"),
+])
+def test_cli_meaningless_sizes_are_pass_list_errors(passes, message):
+    """A negative count or size (or a dim's size below 1) is a usage error, before any pass runs."""
+    r = run("dump-ir", MLP, "-p", passes)
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+@pytest.mark.parametrize("passes", ["adjoint,tangent,fuse,layout,group{blocks=0}", "stream{block=0}", "stream{groups=0}",
+                                    "adjoint,tangent,fuse,layout{rep_size=1}"])
+def test_cli_zero_means_never_where_documented(passes):
+    """0 is 'no groups' / 'never stream' (`Options`' comments), so it runs."""
+    r = run("dump-ir", MLP, "-p", passes)
+    assert r.exit_code == 0, r.output
+
+
 def test_cli_passes_lists_options():
     r = run("passes")
     assert r.exit_code == 0

@@ -79,6 +79,12 @@ class Layout(Pass[Lowered, Lowered]):
     takes = gives = "lowered"
     rep_size: int | None = None   # a symbolic dim's size when ranking strides and groups (None: options.rep_size)
 
+    def options_error(self, ir) -> str | None:
+        """A `rep_size` below 1: it stands for a dim's size."""
+        if self.rep_size is not None and self.rep_size < 1:
+            return f"rep_size={self.rep_size}: a dim's size, 1 or more"
+        return None
+
     def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("layout")
         guess = options.rep_size if self.rep_size is None else self.rep_size

@@ -918,6 +918,14 @@ class Stream(Pass):
     step_elements: int | None = None  # a step's matrix budget (default: options.stream_step_elements)
     key_block: int | None = None      # a step's key block (default: options.stream_key_block; tgc.opt.stream_keys)
 
+    def options_error(self, ir) -> str | None:
+        """A negative size or count (0 is each option's 'never'; none is negative)."""
+        for name in ("block", "min_elements", "groups", "step_elements", "key_block"):
+            n = getattr(self, name)
+            if n is not None and n < 0:
+                return f"{name}={n}: a size or count, 0 or more"
+        return None
+
     def run(self, module: Module, options: Options) -> Module:
         if self.block is not None:
             options = options.with_(stream_block=self.block)

@@ -184,6 +184,12 @@ class Group(Pass[Lowered, Lowered]):
     takes = gives = "lowered"
     blocks: int | None = None   # blocks of a group's rows with partial sums (None: options.cpu.group_blocks; 0: no groups)
 
+    def options_error(self, ir) -> str | None:
+        """A negative `blocks` (0 is 'no groups'; a count of blocks is never negative)."""
+        if self.blocks is not None and self.blocks < 0:
+            return f"blocks={self.blocks}: a number of blocks, 0 (no groups) or more"
+        return None
+
     def run(self, low: Lowered, options: Options) -> Lowered:
         if self.blocks is not None:
             options = options.with_(group_blocks=self.blocks)
