@@ -67,6 +67,7 @@ there is no axis order). The primitive ops and their attributes:
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from _weakref import _remove_dead_weakref
 from dataclasses import dataclass
@@ -128,16 +129,20 @@ class Value:
     `_table` maps (op, operand ids, attrs, dtype, edges) to a weak reference to the
     value, as a `WeakValueDictionary` would, in C: a value no longer used elsewhere is
     freed and its entry removed (only if it still refers to the dead value, as
-    `WeakValueDictionary` does). The operands a live value holds keep their ids."""
+    `WeakValueDictionary` does). The operands a live value holds keep their ids.
+    `serial` numbers the values in the order they are made: a value's operands are
+    older than it, so a value newer than `v` is none of `v`'s operands, however deep."""
 
-    __slots__ = ("op", "operands", "attrs", "type", "loc", "__weakref__")
+    __slots__ = ("op", "operands", "attrs", "type", "loc", "serial", "__weakref__")
     _table: "dict[tuple, _Entry]" = {}
+    _serials = itertools.count()
 
     op: str
     operands: tuple["Value", ...]
     attrs: tuple
     type: TensorType
     loc: Loc | None
+    serial: int
 
     @classmethod
     def make(cls, op: str, operands: Sequence["Value"], attrs: tuple, type: TensorType,
@@ -151,6 +156,7 @@ class Value:
                 return found
         v = object.__new__(cls)
         v.op, v.operands, v.attrs, v.type, v.loc = op, tuple(operands), attrs, type, loc
+        v.serial = next(cls._serials)
         entry = _Entry(v, _forget)
         entry.key = key
         table[key] = entry

@@ -301,8 +301,13 @@ class _Verifier(ExprVisitor):
     def aliased(self, names: set[str]) -> set[str]:
         """`names` with the buffers that share their bytes (aliases and what they view)."""
         low = self.low
+        if not hasattr(self, "_views"):   # buffer -> its aliases, once (asked per kernel)
+            self._views: dict[str, list[str]] = {}
+            for n, b in low.buffers.items():
+                if b.alias is not None:
+                    self._views.setdefault(b.alias, []).append(n)
         bases = {low.storage(n) for n in names if n in low.buffers}
-        return set(names) | bases | {n for n, b in low.buffers.items() if b.alias in bases}
+        return set(names) | bases | {n for base in bases for n in self._views.get(base, ())}
 
     def writable(self, name: str) -> None:
         b = self.low.buffers[name]

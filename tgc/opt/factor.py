@@ -38,12 +38,13 @@ and each path step removes an operand.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass
 
 from tgc.ir import values as V
 from tgc.ir.module import Module
-from tgc.ir.values import Value, rebuild, topo_order
+from tgc.ir.values import Value, rebuild
 from tgc.options import Options
 from tgc.ir.passes import Pass
 from tgc.opt.canon import Canon, sort_key
@@ -143,12 +144,15 @@ def _cost(v: Value, sizes, memo: dict) -> int:
     return 0
 
 
-def _new_cost(v: Value, sizes, known: set[int], memo: dict) -> int:
-    """Cost of the values v needs that are not in `known` (ids) yet."""
-    if id(v) in known:
+def _new_cost(v: Value, sizes, exists, seen: set[int], memo: dict) -> int:
+    """Cost of the values v needs that neither `exists` (a predicate) nor are in `seen`
+    (ids of those counted)."""
+    if id(v) in seen:
         return 0
-    known.add(id(v))
-    return _cost(v, sizes, memo) + sum(_new_cost(o, sizes, known, memo) for o in v.operands)
+    seen.add(id(v))
+    if exists(v):
+        return 0
+    return _cost(v, sizes, memo) + sum(_new_cost(o, sizes, exists, seen, memo) for o in v.operands)
 
 
 _SHAPES = "shapes"   # `_cost`'s memo of costs by contraction shape (a key no id is)
@@ -184,9 +188,38 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
                          users=Counter(id(o) for x in values for o in x.operands))
     sizes, users = ctx.cache["sizes"], ctx.cache["users"]
     costs = ctx.cache.setdefault("costs", {})
-    known = None  # ids of what exists already (v's graph), found on first need
     terms, coefs = list(v.operands), list(v.attrs[0])
     factors = [_factors(t) for t in terms]
+    # what exists already is v's graph: v, its terms and their factors for certain; a
+    # value newer than v for certain not; a leaf other than a sum or product costs
+    # nothing either way; any other is looked up in v's graph, walked only as deep as
+    # values as old as it (older ones cannot hold it: operands are older than their
+    # users), so a deep chain's sums do not each walk the whole graph
+    surely = {id(v)} | {id(t) for t in terms} | {id(f) for fs in factors for f in fs}
+    known = {id(v)}                            # ids of v's graph walked so far
+    stack = [v]                                # walked, operands not looked at yet
+    later: list[tuple[int, int, Value]] = []   # max-heap by serial: met, not walked yet
+
+    def exists(x: Value) -> bool:
+        if id(x) in surely or id(x) in known:
+            return True
+        if x.serial > v.serial or (not x.operands and x.op not in ("add", "contract")):
+            return False
+        while later and -later[0][0] >= x.serial:
+            y = heapq.heappop(later)[2]
+            if id(y) not in known:
+                known.add(id(y))
+                stack.append(y)
+        while stack:
+            for o in stack.pop().operands:
+                if id(o) in known:
+                    continue
+                if o.serial < x.serial:
+                    heapq.heappush(later, (-o.serial, id(o), o))
+                else:
+                    known.add(id(o))
+                    stack.append(o)
+        return id(x) in known
     holders: dict[int, list[int]] = {}   # id of a factor -> the terms that have it
     for k, fs in enumerate(factors):
         for f in fs:
@@ -217,9 +250,7 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
                 break
             continue
         new = _undistributed(ctx, common, [terms[k] for k in group], [coefs[k] for k in group])
-        if known is None:
-            known = {id(x) for x in topo_order([v])}
-        saving = old - _new_cost(new, sizes, set(known), costs)
+        saving = old - _new_cost(new, sizes, exists, set(), costs)
         # a difference of products that is the whole sum is factored at no extra cost too:
         # a (x - y) rounds the difference of x and y, not of the rounded a x and a y, whose
         # cancellation is not bounded by |a (x - y)| (softmax's gradient p (g - sum(p g)),
