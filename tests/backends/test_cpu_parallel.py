@@ -357,6 +357,7 @@ def test_a_lag_is_held_longer_each_time_it_outlasts_its_hold_and_once_after_it_e
     assert not held()
     for want in (2, 4, 8, 16, 32, 50, 50):    # each region after the hold: slow again
         r.region(SLOW)
+        slow = r.excess()
         assert r.lag() > HIGH and r.hold() == want and held()
         r.age(hold_cycles() - (1 << 20))      # held `want` lags (the floor while shorter)
         assert held()
@@ -365,7 +366,9 @@ def test_a_lag_is_held_longer_each_time_it_outlasts_its_hold_and_once_after_it_e
     assert r.hold() * r.lag() > memory        # at 50 lags the hold outlasts the floor
     r.region(0)                               # the cores are free again
     quick = r.excess()
-    assert r.lag() == quick                   # the least of this region's and the slow one's
+    # the least of this region's and the slow one's (a loaded machine can delay the
+    # quick region past the slow one's excess)
+    assert r.lag() == min(quick, slow)
     if quick * lags < memory:                 # (unless this machine's own load delayed it)
         assert r.hold() == 1
         assert r.threshold(10, 20, 1) == max(20, 2 * quick)

@@ -89,7 +89,10 @@ def test_column_sums_move_up_to_the_group_that_reads_their_rows():
             assert len(cols) <= CudaOptions().row_columns_max
             for m in cols:
                 assert m.loops[:len(k.outer)] == k.outer
-                reads_rows = {ld.buf for ld in walk_loads(m) if set(dict(ld.index)) >= set(k.outer)}
+                # the loads whose index runs over the group's rows (by loop variable: a buffer's edge
+                # may have another name, e.g. a product summed into another's buffer, `accumulate`)
+                reads_rows = {ld.buf for ld in walk_loads(m)
+                              if {v for _, ix in ld.index for v, _ in ix.terms} >= set(k.outer)}
                 assert reads_rows & (k.buffers_read() | k.writes()), m.out
                 joined[m.out] = k.members[0].out
     assert len(joined) >= 10, joined
