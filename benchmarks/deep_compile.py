@@ -153,7 +153,16 @@ SHAPES = {"residual": residual, "residual_tied": residual_tied, "tanh_chain": ta
 
 
 def stages(src: str, llvm: bool = False, dtype: str = "f32") -> dict:
-    """The per-thread CPU seconds of each stage of compiling `src` for the CPU backend."""
+    """The per-thread CPU seconds of each stage of compiling `src` for the CPU backend,
+    with the garbage collector paused throughout, as `tgc.compile` and `tgc build` run
+    (`tgc.ir.collector`)."""
+    from tgc.ir.collector import gc_paused
+
+    with gc_paused():
+        return _stages(src, llvm, dtype)
+
+
+def _stages(src: str, llvm: bool, dtype: str) -> dict:
     from tgc import pipeline
     from tgc.backends.cpu import codegen, llvm_env
     from tgc.options import Options

@@ -33,6 +33,7 @@ from tgc.opt.dims import fix_dims  # noqa: F401
 from tgc.opt.prune import drop_unread_args, forward_only, read_args, used_dims  # noqa: F401
 from tgc.options import Options
 from tgc.manager import PipelineResult, run_pipeline
+from tgc.ir.collector import gc_paused
 
 if TYPE_CHECKING:   # the front end is imported where a program is loaded
     from tgc.frontend.elaborate import Elaborated
@@ -109,6 +110,7 @@ def load(path: str, options: Options) -> Module:
     return load_program(path, options).module
 
 
+@gc_paused()   # compiling builds large acyclic graphs: see gc_paused
 def lower(module: Module, options: Options, emit=None, backend: str = "cpu") -> PipelineResult:
     """The pipeline on `module`; with `options.memory_budget`, checkpoints chosen so that
     the workspace `backend`'s lowering plans fits (tgc.budget: the result's `memory` says
@@ -206,6 +208,7 @@ def _workspace(lowered) -> int:
     return sum(max((size_estimate(b, env) for b in slot), default=0) for slot in low.slots)
 
 
+@gc_paused()   # compiling builds large acyclic graphs: see gc_paused
 def target(module: Module, options: Options, emit=None) -> tuple[Module, Options]:
     """The program a backend compiles from `module` after the IR pipeline, and the
     options to lower and compile it with: the target passes (`tgc.registry.target`;
@@ -223,6 +226,7 @@ def lowering(backend: str = "cpu") -> tuple[str, ...]:
     return get_backend(backend).lowering()
 
 
+@gc_paused()   # compiling builds large acyclic graphs: see gc_paused
 def lower_module(module: Module, options: Options, backend: str = "cpu", emit=None, stop_after: str = "plan"):
     """The lowered program of `module` (after the IR pipeline) for `backend`: the
     neutral stages and the backend's own, run by the pass manager
@@ -254,6 +258,7 @@ def specialized_module(module: Module, dims: dict, options: Options) -> Module:
     return run_passes(fixed, again, options) if again else fixed
 
 
+@gc_paused()   # compiling builds large acyclic graphs: see gc_paused
 def compile_module(module: Module, options: Options, backend: str = "cpu", artifacts=None, low=None):
     """A callable `Program` of `module` (after the IR pipeline) on `backend`: the
     target passes (`target`), the lowering, the backend's code.
@@ -302,6 +307,7 @@ def run_compiled(module: Module, inputs, options: Options, backend: str = "cpu")
     return program.run(dict(inputs), dict(options.dims) or None)
 
 
+@gc_paused()   # compiling builds large acyclic graphs: see gc_paused
 def compile_source(source, backend: str = "cpu", dtype: str | None = None, dims=None, options: Options | None = None):
     """`tgc.compile`: a path, .tg text, IR text or a Module to a callable `Program`
     (its docstring says what each argument is). The first-level cache (source ->

@@ -216,7 +216,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
     Example:
       tgc check examples/mlp.tg examples/gpt.tg
     """
-    from tgc.frontend.parser import gc_paused
+    from tgc.ir.collector import gc_paused
 
     failed = False
     with gc_paused():   # each program is freed once its warnings are out: the collector would find nothing

@@ -11,6 +11,7 @@ from tgc.cli.errors import SOURCE, handle_errors
 from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import is_special, write_all_atomic
+from tgc.ir.collector import gc_paused
 from tgc.options import Options
 
 SUFFIX = {"so": ".so", "obj": ".o", "llvm": ".ll", "asm": ".s", "ir": ".tgir", "h": ".h", "cu": ".cu", "ptx": ".ptx",
@@ -149,10 +150,10 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
             module.bind_dims({})
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=DIM_FLAGS) from None
-    with status("compiling"):
+    with status("compiling"), gc_paused():
         lowered = pipeline.lower(module, options, backend=target)
     report_memory(lowered.memory)
-    with status("compiling"):
+    with status("compiling"), gc_paused():
         if emit == "ir":
             files = {output: print_module(lowered.module).encode()}
         else:

@@ -23,7 +23,8 @@ from tgc.frontend.builtins import call_builtin
 from tgc.frontend.edgeops import apply_edge_ops
 from tgc.frontend.expressions import Ctx, Elaborator, Forms, Loop
 from tgc.frontend.functions import check_definition, check_names, check_recursion, inline_call, loop_call
-from tgc.frontend.parser import gc_paused, parse, read_source
+from tgc.frontend.parser import parse, read_source
+from tgc.ir.collector import gc_paused
 from tgc.frontend.scope import FnInfo, Scope
 from tgc.ir import values as V
 from tgc.ir.diag import CompileError, Diagnostic, Loc, did_you_mean

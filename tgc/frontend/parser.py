@@ -18,11 +18,9 @@ directly. None of it changes a tree, a location or a message: the tests compare
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 import hashlib
 import json
 import operator
@@ -41,6 +39,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from tgc.frontend import ast
 from tgc.frontend.ast import build
+from tgc.ir.collector import gc_paused
 from tgc.ir.diag import CompileError, Diagnostic, Loc
 
 MAX_DEPTH = 256  # most AST nodes on any root-to-leaf path; see the module docstring
@@ -63,31 +62,6 @@ def parse(text: str, filename: str) -> ast.Program:
         raise _syntax_error(e, filename) from None
     except RecursionError:  # not expected: nothing recurses on the input's nesting
         raise CompileError("input nested too deeply", Loc(filename, 1, 1)) from None
-
-
-_GC_LOCK = threading.Lock()
-_gc_pauses = [0, False]   # [pauses in progress, whether the collector was on before the first]
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """No automatic garbage collection inside: the front end builds large acyclic
-    structures (tokens, AST, IR values), and each full collection would traverse all
-    of them, so collecting costs time and frees nothing (a third of `tgc check`'s time
-    on 10^5 statements). Nested and concurrent pauses (threads) are counted: the
-    collector is switched back on, if it was on, when the last one ends."""
-    with _GC_LOCK:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
-        _gc_pauses[0] += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
 
 
 def read_source(path) -> tuple[str, str]:
