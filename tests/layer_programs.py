@@ -31,6 +31,27 @@ update w = w - lr * grad(loss, w)
 """
 
 
+MLP_PARAMS = ("wfc", "bfc", "wproj")
+MLP_OUTS = """\
+loss = sum(y * y)
+out loss
+out gfc = grad(loss, wfc)
+out gb = grad(loss, bfc)
+out gproj = grad(loss, wproj)
+out gx = grad(loss, x)
+"""
+
+
+def mlp_head(b: int, t: int, c: int, ff: int) -> str:
+    """The head of a stack of GELU MLP blocks for `layer_stack` (`{n}` layers of
+    `h + gelu(h @ wfc + bfc) @ wproj` over [b, t, c], ff hidden); `MLP_OUTS` its loss
+    and gradients, `MLP_PARAMS` its stacked params."""
+    return (f"dim layer = {{n}}, b = {b}, t = {t}, c = {c}, ff = {ff}\n"
+            "input x[b, t, c]\n"
+            "param wfc[layer, c, ff], bfc[layer, ff], wproj[layer, ff, c]\n"
+            "fn block(h, wfc, bfc, wproj) = h + gelu(h @ wfc + bfc) @ wproj\n")
+
+
 def layer_stack(head: str, outs: str, n: int, params: tuple[str, ...], loop: bool = True) -> str:
     """`head` (with `{n}` for the layer count), then `y` as `repeat[layer](block, x,
     *params)` or, with `loop=False`, as the n calls of `block` on the layers' slices

@@ -14,27 +14,13 @@ import pytest
 import tgc
 from tgc.autodiff import loops, remat
 
-from layer_programs import assert_loop_is_the_unrolled_program, layer_stack, loop_kept
+from layer_programs import MLP_OUTS, MLP_PARAMS, assert_loop_is_the_unrolled_program, layer_stack, loop_kept, mlp_head
 
 N = 3
-HEAD = """\
-dim layer = {n}, b = 2, t = 4, c = 8, ff = 16
-input x[b, t, c]
-param wfc[layer, c, ff], bfc[layer, ff], wproj[layer, ff, c]
-fn block(h, wfc, bfc, wproj) = h + gelu(h @ wfc + bfc) @ wproj
-"""
-OUTS = """\
-loss = sum(y * y)
-out loss
-out gfc = grad(loss, wfc)
-out gb = grad(loss, bfc)
-out gproj = grad(loss, wproj)
-out gx = grad(loss, x)
-"""
 
 
 def program(loop: bool = True) -> str:
-    return layer_stack(HEAD, OUTS, N, ('wfc', 'bfc', 'wproj'), loop)
+    return layer_stack(mlp_head(b=2, t=4, c=8, ff=16), MLP_OUTS, N, MLP_PARAMS, loop)
 
 
 optimized = loop_kept

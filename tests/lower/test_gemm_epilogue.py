@@ -14,14 +14,14 @@ import tgc
 from tgc import pipeline
 from tgc.frontend import compile_source
 from tgc.ir.diag import CompileError
-from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
-from tgc.lower.epilogue import expand
 from tgc.lower.interp import run_lowered
 from tgc.lower.lowered import GemmKernel, LoopKernel, epilogue_loops, print_lowered
 from tgc.lower.text import parse_lowered
 from tgc.options import Options
 from tgc.pipeline import lower_module
+
+from lowered_util import assert_lowered_gives_the_ir_interpreters_values
 
 CPU_STAGES = ("fuse", "layout", "narrow", "gemm_operands", "implicit", "epilogue", "group", "plan")
 
@@ -134,15 +134,7 @@ def test_the_verifier_refuses_a_load_of_the_product():
 @pytest.mark.parametrize("source", [FFN, TWO, ADAMW, CLIPPED], ids=["bias_gelu", "two", "adamw", "clipped"])
 def test_the_interpreter_runs_epilogues_to_the_ir_interpreters_values(source, dtype):
     m, low = lowered(source, dtype, stop_after="epilogue")
-    x = random_inputs(m, m.bind_dims({}), 0, dtype)
-    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
-    got = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
-    expanded = run_lowered(expand(low), {k: np.copy(v) for k, v in x.items()})
-    tol = 1e-10 if dtype == "f64" else 3e-5
-    for k, w in want.items():
-        scale = max(1.0, float(np.max(np.abs(w))))
-        np.testing.assert_allclose(got[k], w, rtol=tol, atol=tol * scale, err_msg=k)
-        np.testing.assert_array_equal(expanded[k], got[k], err_msg=k)
+    assert_lowered_gives_the_ir_interpreters_values(m, low, dtype)
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["in_tiles", "as_loops"])

@@ -21,34 +21,19 @@ import pytest
 import tgc
 from tgc import pipeline
 from tgc.frontend import compile_source
-from tgc.ir.interp import evaluate
 from tgc.ir.inputs import random_inputs
 from tgc.lower import epilogue
-from tgc.lower.epilogue import expand
 from tgc.lower.interp import run_lowered
 from tgc.lower.lowered import GemmKernel, LoopKernel, StepLoop
 from tgc.options import Options
 from tgc.pipeline import lower_module
 
-from layer_programs import layer_stack
+from layer_programs import MLP_OUTS, MLP_PARAMS, layer_stack, mlp_head
+from lowered_util import assert_lowered_gives_the_ir_interpreters_values
 
 CPU_STAGES = ("fuse", "layout", "narrow", "gemm_operands", "implicit", "epilogue", "group", "plan")
 
-HEAD = """\
-dim layer = {n}, b = 4, t = 16, c = 32, ff = 64
-input x[b, t, c]
-param wfc[layer, c, ff], bfc[layer, ff], wproj[layer, ff, c]
-fn block(h, wfc, bfc, wproj) = h + gelu(h @ wfc + bfc) @ wproj
-"""
-OUTS = """\
-loss = sum(y * y)
-out loss
-out gfc = grad(loss, wfc)
-out gb = grad(loss, bfc)
-out gproj = grad(loss, wproj)
-out gx = grad(loss, x)
-"""
-MLP = layer_stack(HEAD, OUTS, 3, ("wfc", "bfc", "wproj"))
+MLP = layer_stack(mlp_head(b=4, t=16, c=32, ff=64), MLP_OUTS, 3, MLP_PARAMS)
 
 # `y`'s epilogue loads `u` at each element: `v` (of `u` alone) joins it, `z` (also of `x`) does not
 SHARING = """
@@ -151,15 +136,7 @@ def test_a_kernel_in_between_that_writes_what_it_reads_keeps_it_out():
 @pytest.mark.parametrize("dtype", ["f64", "f32"])
 def test_the_lowered_interpreter_gives_the_ir_interpreters_values(dtype):
     m, low = lowered(dtype)
-    x = random_inputs(m, m.bind_dims({}), 0, dtype)
-    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype=dtype)
-    got = run_lowered(low, {k: np.copy(v) for k, v in x.items()})
-    expanded = run_lowered(expand(low), {k: np.copy(v) for k, v in x.items()})
-    tol = 1e-10 if dtype == "f64" else 3e-5
-    for k, w in want.items():
-        scale = max(1.0, float(np.max(np.abs(w))))
-        np.testing.assert_allclose(got[k], w, rtol=tol, atol=tol * scale, err_msg=k)
-        np.testing.assert_array_equal(expanded[k], got[k], err_msg=k)
+    assert_lowered_gives_the_ir_interpreters_values(m, low, dtype)
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["in_tiles", "as_loops"])
