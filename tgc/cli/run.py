@@ -20,7 +20,7 @@ from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
 from tgc.ir.complex_io import COMPLEX_OF, RI
-from tgc.ir.input_checks import check_element_type, check_known
+from tgc.ir.input_checks import check_known
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
 from tgc.ir.sizes import SizeError
@@ -98,11 +98,10 @@ def _load_archive(path: str) -> dict[str, np.ndarray]:
 def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.ndarray:
     """File data for a float input as an array of its declared type (float32 or float64,
     the program's type or f32 in an f64 program; bf16, f16; complex of that width):
-    floats of another width are converted (a file has no caller's array for an update
-    to write into, so updated params are converted too), and raw 2-byte items (what
-    `np.savez` makes of an ml_dtypes.bfloat16 array) for a bf16/f16 input are viewed as
-    it. Integers and booleans are refused, as `Program` refuses them
-    (`check_element_type`'s message; `naming_files` adds the file)."""
+    integers, booleans and floats of another width are converted (a file has no
+    caller's array for an update to write into, so updated params are converted too),
+    and raw 2-byte items (what `np.savez` makes of an ml_dtypes.bfloat16 array) for a
+    bf16/f16 input are viewed as it. Every backend then takes what the interpreter takes."""
     arg = module.args.get(name)
     if arg is None or arg.dtype == "i32":
         return a
@@ -111,9 +110,7 @@ def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.
     width = arg.dtype if arg.dtype in narrower(dtype) else dtype
     if a.dtype.kind == "c" and width in COMPLEX_OF:
         return a.astype(COMPLEX_OF[width], copy=False)
-    if a.dtype.kind in "iub":
-        check_element_type(name, a.dtype, arg.dtype, what=width)
-    if a.dtype.kind == "f" or is_low_array(a):
+    if a.dtype.kind in "fiub" or is_low_array(a):
         return a.astype(TYPES[width].numpy, copy=False)
     return a
 
@@ -141,7 +138,7 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
         origins[name] = path
     with naming_files(origins):
         check_known(list(module.args), arrays, suggest=True)
-        arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
+    arrays = {k: _as_float_input(module, k, a, dtype) for k, a in arrays.items()}
     check_dim_flags(module, dims)
     if random:
         partial = _random_dims(module, arrays, dims)
