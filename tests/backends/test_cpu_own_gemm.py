@@ -822,3 +822,87 @@ def test_attention_backward_products_with_transposed_a_match_the_interpreter(tmp
             np.testing.assert_allclose(got[key][name], w, rtol=1e-4, atol=1e-5 * scale)
         np.testing.assert_allclose(got["f64"][name], w, rtol=1e-10, atol=1e-12 * scale)
         assert np.array_equal(got["1"][name], got["2"][name]), name
+
+
+@pytest.fixture(scope="module")
+def tri_kernels():
+    """(rows, vecs, depth, panel rows) -> the ctypes function of the kernel's `tri` form."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    made, keep = {}, []
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp, i64, i64, i64, i64)
+
+    def get(rows, vecs, depth, panel):
+        if (rows, vecs, depth, panel) not in made:
+            mod = ir.Module("own")
+            fn = own_kernel(mod, CpuOptions(own_gemm_panel_rows=panel), rows, vecs, depth=depth, tri=True)
+            fn.linkage = "external"
+            jit = llvm_env.jit(str(mod))
+            keep.append(jit)
+            made[rows, vecs, depth, panel] = proto(jit.address(fn.name))
+        return made[rows, vecs, depth, panel]
+    yield get
+    for jit in keep:
+        jit.close()
+
+
+def call_tri(fn, A, B, C, accumulate, mask):
+    (M, K), N = A.shape, B.shape[1]
+    s = 4
+    one = [np.zeros(1, np.int64) for _ in range(3)] + [np.full(1, K, np.int64)]
+    fn(M, N, K, A.ctypes.data, A.strides[0] // s, A.strides[1] // s, B.ctypes.data, B.strides[0] // s, B.strides[1] // s,
+       C.ctypes.data, C.strides[0] // s, accumulate, 1, *(x.ctypes.data for x in one), *mask)
+
+
+MASKS = [(-1, 1, 0, 0), (1, -1, 0, 0), (-1, 1, 0, -5), (1, -1, 0, 3),          # on C: q >= p, p >= q, ...
+         (1, 0, -1, 0), (-1, 0, 1, 0), (1, 0, -1, 7), (0, 1, -1, 0), (0, -1, 1, -2)]   # zeros of A or B over r
+
+
+@pytest.mark.parametrize("blocks", [(6, 4, 64, 12), (8, 2, 32, 384), (6, 4, 320, 384)])
+@pytest.mark.parametrize("mask", MASKS)
+def test_tri_kernel_masks_c_or_skips_zero_terms(kernels, tri_kernels, blocks, mask):
+    """The `tri` form (fgemm.own_kernel): with a mask over C's rows p and columns q
+    (cr = 0), C = (A B) * [cp p + cq q + c >= 0], exactly 0 at every rejected element
+    (whole blocks of rows skipped, the diagonal blocks stored through the mask), and
+    C + that when adding; with a mask over r, A (cp) or B (cq) zero where it rejects,
+    the same bits as the plain kernel, which sums every term. Sizes across the
+    register blocks, the narrow last column block, several row panels and K blocks;
+    A with its K or its rows contiguous."""
+    rows, vecs, depth, panel = blocks
+    cp, cq, cr, c = mask
+    fn, plain = tri_kernels(rows, vecs, depth, panel), kernels(rows, vecs, depth, panel)
+    rng = np.random.default_rng(abs(hash(mask)) % 1000)
+    for M, N, K in ((1, 1, 1), (rows + 1, 17, 5), (3 * rows + 2, 16 * vecs + 9, depth + 3),
+                    (40, 40, 40), (100, 3 * 16 * vecs - 5, 2 * depth + 5), (64, 24, 70)):
+        for a_rows in (False, True):
+            A = (rng.standard_normal((K, M + 2), dtype=np.float32)[:, :M].T if a_rows
+                 else rng.standard_normal((M, K + 1), dtype=np.float32)[:, :K])
+            B = rng.standard_normal((K, N), dtype=np.float32)
+            p, q, r = np.arange(M)[:, None], np.arange(N)[None, :], np.arange(K)
+            if cr == 0:
+                keep = cp * p + cq * q + c >= 0
+                want = np.where(keep, A.astype(np.float64) @ B.astype(np.float64), 0.0)
+                C = np.full((M, N), np.nan, np.float32)
+                call_tri(fn, A, B, C, 0, mask)
+                assert (C[~keep] == 0).all()
+                np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+                call_tri(fn, A, B, C, 1, mask)
+                np.testing.assert_allclose(C, 2 * want, rtol=1e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
+                continue
+            A = A.copy() if not a_rows else np.asfortranarray(A)
+            if cp:
+                A[cp * p + cr * r[None, :] + c < 0] = 0.0
+            else:
+                B[cr * r[:, None] + cq * q + c < 0] = 0.0
+            got, ref = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+            call_tri(fn, A, B, got, 0, mask)
+            call(plain, A, B, ref, 0)
+            assert got.tobytes() == ref.tobytes()
+            call_tri(fn, A, B, got, 1, mask)
+            call(plain, A, B, ref, 1)
+            assert got.tobytes() == ref.tobytes()

@@ -409,7 +409,7 @@ class _Lanes:
 def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: int | None = None,
                home: ir.Module | None = None,
                depth: int | None = None, window: Window | None = None, name: str | None = None,
-               frame=None, taps: bool = False) -> ir.Function:
+               frame=None, taps: bool = False, tri: bool = False) -> ir.Function:
     """The kernel (see the module's docstring) with `rows` x `vecs` register blocks
     and K blocks of about `depth` (default `cpu.own_gemm_depth`; another depth's kernel
     is named with `.dDEPTH`); a window's mask table holds at most
@@ -432,24 +432,34 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     its K [k_lo[t], k_hi[t]) (zeros elsewhere), B's columns contiguous (sBn = 1):
     the taps' blocks of B are packed side by side and each block of rows keeps its
     accumulators in registers across all of them (C is read and written once per K
-    block, not once per tap)."""
+    block, not once per tap). With `tri` (`tgc.gemm.own.f32.bR.vV.tri`, a plain product's
+    form) it takes `i64 cp, i64 cq, i64 cr, i64 c` more: a causal mask over C's row p, its
+    column q and the summed index r (each coefficient -1, 0 or 1, `c` with the call's
+    offsets folded in; `Tri` below): with cr = 0, C = (A B) * [cp p + cq q + c >= 0]
+    (a block of rows that the mask rejects for all of a column block's columns is not
+    computed: zeros are stored, or nothing when adding; the rest is stored through the
+    mask); with cr != 0, the caller states that A and B are 0 wherever
+    cp p + cq q + cr r + c < 0, and each block of rows by a column block sums only the
+    K range where some element of the block is admitted (the terms skipped are products
+    with an exact zero: an FMA chain from +0 gives the same bits without them)."""
     depth = cpu.own_gemm_depth if depth is None else depth
     if rows is None:   # an implicit GEMM's copy: `own_gemm_window_rows` x 4 blocks
         rows = cpu.own_gemm_rows if window is None else cpu.own_gemm_window_rows
     if vecs is None:
         vecs = cpu.own_gemm_vecs if window is None else 4
     if window is None:
-        name = kernel_name(rows, vecs) + ("" if depth == cpu.own_gemm_depth else f".d{depth}") + (".taps" if taps else "")
+        name = (kernel_name(rows, vecs) + ("" if depth == cpu.own_gemm_depth else f".d{depth}") + (".taps" if taps else "")
+                + (".tri" if tri else ""))
         if name in mod.globals:
             return mod.globals[name]
         if home is not None and home is not mod:
-            return export(own_kernel(home, cpu, rows, vecs, depth=depth, taps=taps), mod)
+            return export(own_kernel(home, cpu, rows, vecs, depth=depth, taps=taps, tri=tri), mod)
     f32 = ir.FloatType()
     cols = vecs * VL
     extra = [PTR, I64, I64] if window is not None else []
     variants = window is None and not taps   # the products sharing B (one, for a plain product)
     if variants:
-        extra = [I64, PTR, PTR, PTR, PTR]
+        extra = [I64, PTR, PTR, PTR, PTR] + ([I64] * 4 if tri else [])
     if taps:
         extra = [I64] + [PTR] * 6
     fn = define(mod, name, ir.VoidType(), [I64, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I32] + extra)
@@ -602,6 +612,9 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                         fmas_loop(arow, packed, p0, p1, I64(1))
                     with strided:
                         fmas_loop(arow, packed, p0, p1, astep)
+            lanes = None
+            if tri:   # this block's K range (the mask's), and its store's admitted lanes
+                p0, p1, lanes = tri_block(i0, rix[-1], j0, k0, p0, p1, rix)
             if tap_parts is None:
                 fmas(arow, bpack, p0, p1)
             else:
@@ -616,9 +629,41 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                                 at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
                                 keep = b.and_(masks[c], splat(b, inside[r], mt))
                                 v = b.load(accs[r][c], typ=vt)
+                                if lanes is not None:
+                                    v = b.select(lanes(r, c), v, zero_v)
                                 if adds:
                                     v = b.fadd(b.call(load_fn, [at, align, keep, zero_v]), v)
                                 b.call(store_fn, [v, at, align, keep])
+
+    def tri_block(i0, ilast, j0, k0, p0, p1, rix):
+        """(p0, p1, lanes) of the block of rows i0..ilast by the column block at j0 under
+        the `tri` mask: the packed rows whose K some element of the block admits (all
+        or none for a mask without r), and, for a mask without r, `lanes(r, c)`: the
+        admitted lanes of row r's vector c (`Tri`)."""
+        cp, cq, cr = fn.args[17:20]
+        c0 = cur["c"]
+        width = cur["width"]
+        zero = I64(0)
+
+        def top(coef, first, last):   # max of coef * x over x in [first, last], coef in {-1, 0, 1}
+            return b.select(b.icmp_signed(">", coef, zero), last,
+                            b.select(b.icmp_signed("<", coef, zero), b.neg(first), zero))
+        m = b.add(b.add(top(cp, i0, ilast), top(cq, j0, b.sub(b.add(j0, width), I64(1)))), c0)
+        # cr = 1: r >= -m; cr = -1: r <= m; cr = 0: the whole range when m >= 0, else none
+        lo = b.select(b.icmp_signed(">", cr, zero), b.sub(b.neg(m), k0), p0)
+        hi = b.select(b.icmp_signed("<", cr, zero), b.add(b.sub(m, k0), I64(1)), p1)
+        none = b.and_(b.icmp_signed("==", cr, zero), b.icmp_signed("<", m, zero))
+        lo = smax(lo, p0)
+        hi = b.select(none, lo, smax(lo, smin(hi, p1)))
+        with_r = b.icmp_signed("!=", cr, zero)
+        cols_v = splat(b, cq, it)
+
+        def lanes(r, c):
+            row = b.add(b.mul(cp, rix[r]), c0)
+            q = b.add(splat(b, b.add(j0, I64(c * VL)), it), iota)
+            ok = b.icmp_signed(">=", b.add(b.mul(cols_v, q), splat(b, row, it)), splat(b, zero, it))
+            return b.or_(ok, splat(b, with_r, mt))
+        return lo, hi, lanes
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
     block = I64(span)
@@ -636,7 +681,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
         # a last block of columns at most half full runs the 8 x 2 kernel (32 columns)
         # rather than this one's 64, half of whose lanes would be masked off (a
         # 64 x 32 x 1024 product with B transposed: 87 GFLOP/s, 159 with 8 x 2)
-        fn_narrow = own_kernel(mod, cpu, 8, 2, depth=depth)
+        fn_narrow = own_kernel(mod, cpu, 8, 2, depth=depth, tri=tri)
         tail = b.sub(N, b.mul(b.sub(panels, I64(1)), I64(cols)))
         narrow = b.and_(b.icmp_signed(">", N, I64(0)), b.icmp_signed("<=", tail, I64(cols // 2)))
         panels = b.select(narrow, b.sub(panels, I64(1)), panels)
@@ -654,11 +699,14 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
         cur["M"] = smin(I64(panel), b.sub(M, m0))
         pa = b.gep(pa_all, [b.mul(m0, sam)], source_etype=f32)
         pc = b.gep(pc_all, [b.mul(m0, ldc)], source_etype=f32)
+        if tri:   # the mask's constant at the panel's first row
+            cur["c"] = b.add(fn.args[20], b.mul(fn.args[17], m0))
 
     def block_step(jb, kb):
         """Column block jb times K block kb: pack B's block, then every row block."""
         j0 = b.mul(jb, I64(cols))
         width = smin(I64(cols), b.sub(N, j0))
+        cur["width"] = width
         masks = [b.icmp_signed("<", iota, splat(b, b.sub(width, I64(c * VL)), it)) for c in range(vecs)]
         k0 = b.mul(kb, step)
         kd = smin(step, b.sub(K, k0))
@@ -719,8 +767,11 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     if narrow is not None:
         with b.if_then(narrow):
             j0 = b.mul(panels, I64(cols))
+            rest = list(fn.args[12:17])
+            if tri:   # the narrow block's columns from 0: the constant moved by cq j0 (and the panel's rows)
+                rest += list(fn.args[17:20]) + [b.add(cur["c"], b.mul(fn.args[18], j0))]
             b.call(fn_narrow, [cur["M"], b.sub(N, j0), K, pa, sam, sak, b.gep(pb, [b.mul(j0, sbn)], source_etype=f32),
-                               sbk, sbn, b.gep(pc, [j0], source_etype=f32), ldc, acc] + list(fn.args[12:]))
+                               sbk, sbn, b.gep(pc, [j0], source_etype=f32), ldc, acc] + rest)
     if panel:
         row_panel.__exit__(None, None, None)
     b.ret_void()
