@@ -65,6 +65,7 @@ from dataclasses import replace
 import llvmlite.ir as ir
 
 from tgc.backends.cpu import fntable, parallel, regions, sizecheck
+from tgc.backends.cpu.causal import Analysis
 from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
 from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
@@ -173,7 +174,9 @@ class _ModuleGen:
             if isinstance(k, GemmKernel) and k.epilogue and not epilogue_supported(p, k, options):
                 raise ValueError("a GEMM epilogue the CPU cannot run in its tiles, after the group stage "
                                  "(run 'epilogue' before 'group', which writes it out as loops)")
-        self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())),)
+        # the causal plans of the products (tgc.backends.cpu.causal), part of a kernel's key
+        self.tri = Analysis(low).plans if options.cpu.causal_gemm else {}
+        self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())), self.tri.get(id(k)))
                      for p, k in self.flat]   # (a step's own edges, e.g. its groups' blocks, may differ)
         units = self.assign_units(max(1, units))
         self.mods = [ir.Module(name="tgc" if u == 0 else f"tgc.{u}") for u in range(units)]
@@ -223,6 +226,9 @@ class _ModuleGen:
             bf16_kernel(self.mod, self.opt.cpu, rounds=rounds)   # bf16 products (gemm_operands chose them)
         if any(isinstance(k, GemmKernel) and uses_own_gemm(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod, self.opt.cpu)    # tgc's own f32 kernel for large tiles (fgemm.py)
+        if self.tri and any(isinstance(k, GemmKernel) and id(k) in self.tri and uses_own_gemm(p, k, self.opt)
+                            for p, k in self.flat):
+            own_kernel(self.mod, self.opt.cpu, tri=True)   # its causal form (tgc.backends.cpu.causal)
         if any(isinstance(k, GemmKernel) and taps_in_one_call(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod, self.opt.cpu, taps=True)       # its form for all taps in one call (gemm_dispatch.taps_in_one_call)
         if self.opt.cpu.threads != 1:   # GEMMs in every unit run their regions through it
@@ -292,7 +298,7 @@ class _ModuleGen:
         mod = self.mods[self.unit[self.keys[i]]]
         name = f"tgc.k{i}"
         if isinstance(k, GemmKernel):
-            return GemmGen(mod, p, k, name, self.fp, self.opt, home=self.mod).emit(), None
+            return GemmGen(mod, p, k, name, self.fp, self.opt, home=self.mod, tri=self.tri.get(id(k))).emit(), None
         if isinstance(k, ImplicitGemm):
             return GemmGen(mod, p, k.gemm, name, self.fp, self.opt, home=self.mod, implicit=k).emit(), None
         fn = LoopGen(mod, p, k, name, self.fp, self.opt).emit()

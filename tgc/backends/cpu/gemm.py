@@ -85,7 +85,7 @@ class GemmGen(TapCalls):
     docstring)."""
 
     def __init__(self, mod: ir.Module, low: Lowered, k: GemmKernel, name: str, fp,
-                 options: Options, home: ir.Module | None = None, implicit=None):
+                 options: Options, home: ir.Module | None = None, implicit=None, tri=None):
         if implicit is not None:   # an implicit GEMM (implicit.py): its window buffer, never allocated
             # (over the program's buffers, not a copy of them: one per implicit GEMM made
             # generating 48 unrolled GPT blocks quadratic in their length)
@@ -132,10 +132,30 @@ class GemmGen(TapCalls):
         self.task_batch = tuple(e for e in k.batch if e not in self.shared)
         # all taps in one call of the own kernel's taps form
         self.tapped = implicit is None and self.own and taps_in_one_call(low, k, options)
+        self.tri = self.tri_coefs(tri)
         self.clipped = {e for _, e, _ in k.shifts}
         for e in self.clipped:
             if not any(g[:1] == (e,) for g in (self.P, self.Q, self.R)):
                 raise ValueError(f"internal: shifted GEMM edge '{e}' is not the outermost of its group")
+
+    def tri_coefs(self, tri) -> tuple[int, int, int, int] | None:
+        """The causal plan (`tgc.backends.cpu.causal.Tri`) as the own kernel's `tri`
+        coefficients (cp, cq, cr, c) over the normalized product's P, Q, R, where each of
+        its edges is the only edge of its group and the tiles run the plain own kernel
+        (not shared B, taps, an implicit window or bf16); else None (every element is
+        computed: the plan only allows skipping)."""
+        if tri is None or not self.own or self.shared or self.tapped or self.window is not None or self.bf16:
+            return None
+        coefs = [0, 0, 0]
+        for e, c in tri.rel.coefs:
+            for i, g in enumerate((self.P, self.Q, self.R)):
+                if e in g:
+                    if len(g) != 1:
+                        return None
+                    coefs[i] = c
+        if sum(1 for c in coefs if c) != 2 or (tri.kind == "out") != (coefs[2] == 0):
+            return None
+        return coefs[0], coefs[1], coefs[2], tri.rel.const
 
     def window_of(self, implicit):
         """The implicit GEMM's window as the normalized product's operand (fgemm.Window)."""
@@ -469,6 +489,7 @@ class GemmGen(TapCalls):
                         with then:
                             self.call_small(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
                         with otherwise:
+                            self.tri_at = (ps, qs, r)   # the tile's first row, column and term
                             self.call_large(m, n, kc, xa, A, xb, B, pc, c_p, beta1)
 
     def ptr(self, base, parts, etype=None):
@@ -605,9 +626,16 @@ class GemmGen(TapCalls):
         one = [self.f.alloca(ir.ArrayType(I64, 1), name) for name in ("a_off", "c_off", "k_lo", "k_hi")]
         for arr, v in zip(one, (I64(0), I64(0), I64(0), kk)):
             b.store(v, b.gep(arr, [I32(0), I32(0)]))
-        fn = own_kernel(self.mod, self.opt.cpu, home=self.home)
+        tri = self.tri if getattr(self, "tri_at", None) is not None else None
+        fn = own_kernel(self.mod, self.opt.cpu, home=self.home, tri=tri is not None)
+        extra = []
+        if tri is not None:   # the mask's constant at the tile's first row, column and term
+            cp, cq, cr, c = tri
+            ps, qs, r = self.tri_at
+            const = b.add(b.add(b.add(I64(c), b.mul(I64(cp), ps)), b.mul(I64(cq), qs)), b.mul(I64(cr), r))
+            extra = [I64(cp), I64(cq), I64(cr), const]
         b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, b.zext(beta1, I32), I64(1)]
-               + [b.gep(arr, [I32(0), I32(0)]) for arr in one])
+               + [b.gep(arr, [I32(0), I32(0)]) for arr in one] + extra)
 
     def window_kernel(self) -> ir.Function:
         """This implicit GEMM's own copy of the own kernel, packing its window."""
