@@ -49,9 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tgc.lower.lowered import (Add, Const, GemmKernel, Load, LoopKernel, Lowered, Map, Mask, Mul, StepLoop)
-
-LOW = -1e8        # an L value is at most this where the relation fails
-ORDINARY = 1e7    # the assumed bound on scores and row statistics
+from tgc.opt.stream_skip import LOW, ORDINARY   # an L value's bound; the assumed bound on scores and row statistics
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,10 @@ class Lin:
     def edges(self) -> tuple[str, ...]:
         return tuple(e for e, _ in self.coefs)
 
+    def __str__(self) -> str:
+        terms = " ".join(f"{'-' if c < 0 else '+'} {e}" for e, c in self.coefs).lstrip("+ ")
+        return f"{terms} {'-' if self.const < 0 else '+'} {abs(self.const)} >= 0"
+
     def renamed(self, mapping: dict) -> "Lin | None":
         if any(e not in mapping for e in self.edges()):
             return None
@@ -86,6 +88,9 @@ class Tri:
     result needed only where `rel` holds); `rel` over the product's edges."""
     kind: str
     rel: Lin
+
+    def __str__(self) -> str:
+        return f"{self.kind} where {self.rel}"
 
 
 def cond_lin(cond) -> Lin | None:
@@ -154,6 +159,14 @@ class _State:
                 return "Z"
             if e.fn == "recompute":
                 return states[0]
+            if e.fn == "where":   # where(c, a, b): a where c is 1, b where it is 0
+                c = states[0]
+                pick = states[2] if c == "Z" or c == ("K", 0.0) else states[1] if c in ("One", ("K", 1.0)) else None
+                if pick == "Z" or pick == ("K", 0.0):
+                    return "Z"
+                if _known(pick) and pick[1] <= LOW:
+                    return ("L", pick[1])
+                return pick if isinstance(pick, tuple) and pick[0] == "L" else None
             return "ord" if all(s == "ord" or _known(s) for s in states) else None
         return None
 
@@ -235,12 +248,20 @@ def _loads(e, buf: str, out: list) -> None:
         _loads(a, buf, out)
 
 
-def _every_row_admits(rel: Lin, red: str, other: str, nr: int, no: int) -> bool:
-    """Whether each index of `other` (< no) has an index of `red` (< nr) that `rel` admits."""
-    c = dict(rel.coefs)
-    rows = c[other] * np.arange(no) + rel.const
-    best = np.maximum(c[red] * 0, c[red] * (nr - 1))
-    return bool(np.all(rows + best >= 0))
+def _every_row_admits(rel: Lin, sizes: dict) -> bool:
+    """Whether, the sizes of both of `rel`'s edges known, every index of each edge has an
+    index of the other that `rel` admits (every row and every column of a causal mask
+    sees a key: its max is an admitted score, within the assumption, and exp of a
+    rejected score less it is 0; a row that sees none has uniform weights)."""
+    (x, cx), (y, cy) = rel.coefs
+    nx, ny = sizes.get(x), sizes.get(y)
+    if not isinstance(nx, int) or not isinstance(ny, int) or nx < 1 or ny < 1:
+        return False
+    for (a, ca, na), (cb, nb) in (((x, cx, nx), (cy, ny)), ((y, cy, ny), (cx, nx))):
+        best = max(0, cb * (nb - 1))
+        if not np.all(ca * np.arange(na) + best + rel.const >= 0):
+            return False
+    return True
 
 
 class Analysis:
@@ -303,7 +324,7 @@ class Analysis:
             for rel in env_by_rel:
                 cands.add(rel)
             for rel in sorted(cands, key=lambda r: (r.coefs, r.const)):
-                if not set(rel.edges()) <= set(m.loops):
+                if not set(rel.edges()) <= set(m.loops) or not _every_row_admits(rel, m.sizes):
                     continue
                 env = env_by_rel.setdefault(rel, {})
                 st = _State(rel, facts, env).of(m.body)
@@ -385,7 +406,7 @@ class Analysis:
         loads: list = []
         _loads(m.body, buf, loads)
         here = rel.renamed(var_map(loads[0].index))
-        if here is None:
+        if here is None or not _every_row_admits(here, m.sizes):
             return False
         st = _State(here, facts, {}).of(m.body)
         red = set(m.red) & set(here.edges())
@@ -393,12 +414,7 @@ class Analysis:
             return st == "Z"
         if m.reduce == "sum":
             return st == "Z"
-        if m.reduce in ("max", "maxshift", "logsumexp") and isinstance(st, tuple) and st[0] == "L" and len(red) == 1:
-            r = next(iter(red))
-            other = next(e for e in here.edges() if e != r)
-            nr, no = m.sizes.get(r), m.sizes.get(other)
-            return isinstance(nr, int) and isinstance(no, int) and _every_row_admits(here, r, other, nr, no)
-        return False
+        return m.reduce in ("max", "maxshift", "logsumexp") and isinstance(st, tuple) and st[0] == "L" and len(red) == 1
 
 
 def _all_loads(e):
