@@ -175,7 +175,7 @@ class _ModuleGen:
                 raise ValueError("a GEMM epilogue the CPU cannot run in its tiles, after the group stage "
                                  "(run 'epilogue' before 'group', which writes it out as loops)")
         # the causal plans of the products (tgc.backends.cpu.causal), part of a kernel's key
-        self.tri = Analysis(low).plans if options.cpu.causal_gemm else {}
+        self.tri = Analysis(low).plans if options.cpu.causal_gemm and not options.fp_strict else {}
         self.keys = [kernel_key(p, k) + (tuple(sorted((e, str(n)) for e, n in p.edges.items())), self.tri.get(id(k)))
                      for p, k in self.flat]   # (a step's own edges, e.g. its groups' blocks, may differ)
         units = self.assign_units(max(1, units))
