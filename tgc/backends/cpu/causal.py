@@ -288,7 +288,7 @@ class Analysis:
             else:
                 members = _members(k)
                 if members is not None:
-                    self.loops(members, facts, writers)
+                    self.loops(low, members, facts, writers)
         return facts
 
     def step_loop(self, low: Lowered, k: StepLoop, facts: dict, writers: dict) -> None:
@@ -306,7 +306,7 @@ class Analysis:
             if got:
                 facts[bind.buf] = list(got)
 
-    def loops(self, members, facts: dict, writers: dict) -> None:
+    def loops(self, low: Lowered, members, facts: dict, writers: dict) -> None:
         env_by_rel: dict = {}
         for m in members:
             if m.reduce or m.red or m.epilogue is not None or m.scatter or m.bounds:
@@ -332,7 +332,9 @@ class Analysis:
                     continue
                 back = {v: e for e, v in (vm or {}).items()}
                 fact = rel.renamed(back) if vm is not None else None
-                if fact is not None and writers.get(m.out, 0) == 1:
+                whole = vm is not None and m.out in low.buffers and all(   # it writes every element
+                    m.sizes.get(v) == low.size(e) for e, v in vm.items())
+                if fact is not None and whole and writers.get(m.out, 0) == 1:
                     facts.setdefault(m.out, []).append(fact)
                 else:   # a scratch row of a group: its state, read by later members at the same loop variables
                     env[m.out] = "Z"
