@@ -318,16 +318,19 @@ def test_default_peak_of_a_length_no_block_divides(t):
     assert explain(lower_module(module, options), {})["peak"]["bytes"] <= 64 << 20
 
 
+@pytest.mark.parametrize("name", ["attention", "odd"])
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
-def test_cuda_sim_matches_torch(dtype, tol):
+def test_cuda_sim_matches_torch(name, dtype, tol):
     """The streamed attention on the CUDA module's emulator (its loop a host launch loop;
-    the flash stage off: with it the CUDA backends keep the chain whole and fuse it)."""
+    the flash stage off: with it the CUDA backends keep the chain whole and fuse it); at
+    a prime length, with the tail's loop of one step too."""
     import tgc
 
-    want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
-    prog = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON).with_(flash=False))
+    src = PROGRAMS[name]
+    want = torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), inputs(src))
+    prog = tgc.compile(src, "cuda-sim", dtype, options=Options(**ON).with_(flash=False))
     assert any(v.op == "loop" for v in prog.module.values())
-    close(prog(**inputs(ATTENTION, dtype)), want, tol)
+    close(prog(**inputs(src, dtype)), want, tol)
 
 
 def large_logits_and_torch():
