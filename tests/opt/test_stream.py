@@ -144,10 +144,16 @@ TWO_FILLS = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), 
 NESTED_WHERE = ATTENTION.replace("where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9)",
                                  "where([s <= t], where([t - 8 <= s], sum[hd](q * k) / sqrt(size(hd)), -1e9), -1e9)")
 
-PROGRAMS = {"layer": LAYER, "two_fills": TWO_FILLS, "nested_where": NESTED_WHERE, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
+# lengths no block divides (31 is prime; 17 queries against 32 keys): the blocks that fit,
+# then a step over the rows left over (test_lengths_no_block_divides_stream_with_a_tail)
+ODD = ATTENTION.replace("t = 32", "t = 31")
+ODD_CROSS = CROSS.replace("t = 16", "t = 17")
+ODD_BIAS = BIAS.replace("t = 32", "t = 31")
+
+PROGRAMS = {"odd": ODD, "odd_cross": ODD_CROSS, "odd_bias": ODD_BIAS, "layer": LAYER, "two_fills": TWO_FILLS, "nested_where": NESTED_WHERE, "window": WINDOW, "attention": ATTENTION, "cross": CROSS, "bias": BIAS, "pooling": POOLING, "masked": MASKED,
             "subtractive": SUBTRACTIVE, "band_rejecting": BAND_REJECTING, "flipped": FLIPPED}
 # a masked program's blocks run as stream_mask_groups (2 in ON) loops, each over the keys its rows admit
-LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS}
+LOOPS = {name: 1 if name in ("cross", "pooling") else 2 for name in PROGRAMS} | {"odd": 3, "odd_bias": 3, "odd_cross": 2}
 
 
 def optimized(src: str, dtype: str, **opts):
@@ -259,6 +265,20 @@ def test_the_block_halves_to_divide_the_edge():
     close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(ATTENTION, "f64", **OFF), x, dtype="f64"), 1e-10)
 
 
+def test_lengths_no_block_divides_stream_with_a_tail():
+    """An edge that no block from stream_block down to stream_block_min divides (a prime
+    length) streams in the blocks that fit and one step over the rows left over: the
+    tail's loop runs over the last |t| mod B rows, and the results are the unstreamed
+    program's."""
+    x = inputs(ODD)
+    want = evaluate(optimized(ODD, "f64", **OFF), x, dtype="f64")
+    one = optimized(ODD, "f64", **(ON | dict(stream_mask_groups=0)))   # one loop over every key
+    assert loops(one) == 2
+    assert [one.dims[f"t.{k}"] for k in range(1, 5)] == [4, 7, 3, 1]   # 7 blocks of 4, a tail of 3 rows
+    close(evaluate(one, x, dtype="f64"), want, 1e-12)
+    close(evaluate(optimized(ODD, "f64", **ON), x, dtype="f64"), want, 1e-12)   # the runs, then the tail
+
+
 def test_small_programs_stay():
     """Under the threshold (the default's 16M elements) nothing is streamed."""
     assert loops(optimized(ATTENTION, "f64")) == 0
@@ -282,16 +302,35 @@ def test_peak_grows_linearly_with_length():
     assert large < 2 * 512 * 512 * 4   # less than one [head, t, s] f32 matrix
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [8191, 10000])
+def test_default_peak_of_a_length_no_block_divides(t):
+    """Causal attention (1 head of 64, with its gradients) at a length that 256, 128 and
+    64 do not divide streams under the default options as 8192 does: `tgc explain`'s
+    peak stays O(t * d), within issue 32's 64 MiB, not the [t, s] matrices' 768 MiB."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    src = ATTENTION.replace("head = 2, t = 32, hd = 2", f"head = 1, t = {t}, hd = 64")
+    options = Options(dtype="f32")
+    module = optimized(src, "f32")
+    assert loops(module) > 0
+    assert explain(lower_module(module, options), {})["peak"]["bytes"] <= 64 << 20
+
+
+@pytest.mark.parametrize("name", ["attention", "odd"])
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
-def test_cuda_sim_matches_torch(dtype, tol):
+def test_cuda_sim_matches_torch(name, dtype, tol):
     """The streamed attention on the CUDA module's emulator (its loop a host launch loop;
-    the flash stage off: with it the CUDA backends keep the chain whole and fuse it)."""
+    the flash stage off: with it the CUDA backends keep the chain whole and fuse it); at
+    a prime length, with the tail's loop of one step too."""
     import tgc
 
-    want = torch_oracle.evaluate(compile_source(ATTENTION, "<stream>", Options(dtype="f64")), inputs(ATTENTION))
-    prog = tgc.compile(ATTENTION, "cuda-sim", dtype, options=Options(**ON).with_(flash=False))
+    src = PROGRAMS[name]
+    want = torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), inputs(src))
+    prog = tgc.compile(src, "cuda-sim", dtype, options=Options(**ON).with_(flash=False))
     assert any(v.op == "loop" for v in prog.module.values())
-    close(prog(**inputs(ATTENTION, dtype)), want, tol)
+    close(prog(**inputs(src, dtype)), want, tol)
 
 
 def large_logits_and_torch():

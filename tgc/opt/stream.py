@@ -6,8 +6,9 @@ What it rewrites. A program whose largest values span two long edges, such as th
 whole `|t| * |s|` matrices. This pass picks such a value (the seed: at least
 `options.stream_min_elements` elements, every size known) and one of its edges `E`
 of fixed size N, split as `E = Ec + B*Eb` (B = `options.stream_block`, or its half,
-quarter, ... down to `options.stream_block_min`: the largest dividing N with N >= 2B),
-and moves into one `loop` over `Eb` the region of values that can be computed one
+quarter, ... down to `options.stream_block_min`: the largest dividing N with N >= 2B;
+where none divides N, the largest with N >= 2B, and the N mod B rows left over are one
+more step after the loop, its body resized to them: `tail`), and moves into one `loop` over `Eb` the region of values that can be computed one
 block of `E` at a time:
 
 - the region grows from the seed through every value that keeps `E` and reads it
@@ -141,6 +142,7 @@ from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
 from tgc.opt import stream_skip
+from tgc.opt.relations import substitute
 from tgc.opt.stream_keys import stream_key_bodies
 from tgc.opt.stream_loops import recompute_residuals
 from tgc.options import Options
@@ -434,10 +436,17 @@ class _Streamer:
 
     def block_for(self, n: int) -> int | None:
         """The block for an edge of size n: the largest of `stream_block`, its half, its
-        quarter, ... down to `stream_block_min` that divides n with two blocks at least."""
+        quarter, ... down to `stream_block_min` that divides n with two blocks at least;
+        where none divides n (a prime length), the largest with two blocks at least, the
+        rows left over a tail step of their own (`build`)."""
         b, least = self.top, min(self.least, self.top)
         while b >= least and b >= 1:
             if n % b == 0 and n >= 2 * b:
+                return b
+            b //= 2
+        b = self.top
+        while b >= least and b >= 1:
+            if n >= 2 * b:
                 return b
             b //= 2
         return None
@@ -487,7 +496,7 @@ class _Streamer:
         b, budget = self.block, self.options.stream_step_elements
         if budget <= 0 or b * per <= budget:
             return b
-        if b // 2 >= self.least and n % (b // 2) == 0 and b // 2 * per <= budget:
+        if b // 2 >= self.least and (n % (b // 2) == 0 or n % b) and b // 2 * per <= budget:
             return b // 2
         return None
 
@@ -758,6 +767,11 @@ class _Streamer:
         ec = self.new_edge(edge, b)
         eb = self.new_edge(edge, n // b)
 
+        def undo() -> None:   # the edges made for it
+            for live, old in zip((self.m.dims, self.m.edges, self.sizes, self.est), saved):
+                live.clear()
+                live.update(old)
+
         def step_edges(v: Value, e: str | None = None) -> list[str]:   # v's edges in a step
             e = r.edge.get(id(v)) if e is None else e
             return [ec if x == e else x for x in v.edges]
@@ -835,10 +849,8 @@ class _Streamer:
         self.last_body = body
         memo: dict[int, Value] = {}
         runs = self.runs(r, body, kinds, [inner[id(ind)] for ind in r.masks], n)
-        if runs is None and skip_only:   # the edges made for it undone
-            for live, old in zip((self.m.dims, self.m.edges, self.sizes, self.est), saved):
-                live.clear()
-                live.update(old)
+        if runs is None and skip_only:
+            undo()
             return None
         if runs is None:
             for i, v in enumerate(r.carries):
@@ -848,10 +860,54 @@ class _Streamer:
                 memo[id(v)] = _join(out, r.edge[id(v)], ec, eb, b)
         else:
             memo.update(self.run_loops(r, body, operands, runs, eb, ec))
+        if n % b and not self.tail(r, body, operands, memo, edge, ec, eb):
+            undo()
+            return None
         for v in order:
             if id(v) not in memo:
                 memo[id(v)] = rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
         return self.m.replace_values(memo)
+
+
+    def tail(self, r: _Region, body: V.LoopBody, operands: list[Value], memo: dict[int, Value],
+             edge: str, ec: str, eb: str) -> bool:
+        """The rows of `edge` after its last whole block (|edge| mod B of them) as one more
+        step of `body` resized to them, after the blocks' loops: its carries start from
+        theirs (the sums over the blocks then the tail, in order), its stacked results
+        placed at the tail's rows and added to theirs (disjoint rows). The step is a loop
+        of one index, over the tail's rows: the slices read at the last block's offset, a
+        mask's stacked indicator at that block's index. False (nothing changed) where the
+        step cannot be resized (`stream_skip.resized`: a size of the block's edge)."""
+        b, n = self.block, self.sizes[edge]
+        nb = n // b
+        et = self.new_edge(edge, n - nb * b)
+        step = stream_skip.resized(body, ec, et, 0)
+        if step is None:
+            return False
+        ebt = self.new_edge(edge, 1)
+        ops = []
+        for k, o in enumerate(operands):
+            role = body.role(k)
+            if role == "carry":
+                ops.append(memo[id(r.carries[k])])
+            elif k < len(r.carries) + len(r.slices):   # the operand's rows of the tail
+                x = r.slices[k - len(r.carries)]
+                ops.append(_split(x, r.edge[id(x)], et, ebt, b, nb))
+            elif role == "slice":   # a mask's stacked indicator G[eb, r] at eb = nb
+                ops.append(V.indicator(substitute(o.attrs[0], eb, Affine.make({ebt: 1}, nb)), o.dtype))
+            else:
+                ops.append(o)
+        for j in range(len(body.results)):
+            out = V.loop(step, ebt, ops, j)
+            if j < len(r.carries):
+                memo[id(r.carries[j])] = out
+            else:
+                v = r.stacked[j - len(r.carries)]
+                e = r.edge[id(v)]
+                rel = Relation((Affine.make({e: 1}), Affine.make({et: 1, ebt: b}, b * nb)), ("=",))
+                keep = [x for x in out.edges if x not in (et, ebt)] + [e]
+                memo[id(v)] = V.add([memo[id(v)], V.contract([out, V.indicator(rel, out.dtype)], keep)])
+        return True
 
 
 def _work(plan: list[tuple[int, int, int, int]]) -> int:
