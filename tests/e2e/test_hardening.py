@@ -195,7 +195,6 @@ def test_the_c_abi_checks_derived_sizes(tmp_path):
     assert lib.h_run(dims(40_000), args, outs, None) == 0 and out == 40_000
 
 
-@pytest.mark.xfail(strict=True, reason="the C library does not bound index expressions (sizecheck)")
 def test_the_c_abi_checks_index_expressions(tmp_path):
     """`x[t = 2^40 s + 3]` over a symbolic `s`: at n = 2^23 + 2 the index passes 2^63,
     where int64 arithmetic wraps into range. The Python runtime refuses those sizes
@@ -220,7 +219,6 @@ def test_the_c_abi_checks_index_expressions(tmp_path):
     np.testing.assert_array_equal(y, [4, 1, 1, 1, 1])
 
 
-@pytest.mark.xfail(strict=True, reason="the C library does not bound index expressions (sizecheck)")
 def test_a_library_built_from_ir_with_an_index_past_int64_refuses_every_call(tmp_path):
     """IR text is not checked by the front end: `t = 2^62 s` over s < 3 reaches 2^63 at
     fixed sizes. The library's size check refuses every call, as the runtime does."""
