@@ -84,7 +84,6 @@ SLOW_RUN = ("import os, sys; sys.argv[0] = 'tgc'\n"
 LONG_LOOP = "dim L = 10000000000, n = 4\ninput h0[n]\nfn f(h) = tanh(h * 0.5 + 1)\nout y = repeat[L](f, h0)\n"
 
 
-@pytest.mark.xfail(strict=True, reason="a native call holds the main thread: no signal handler runs until it returns")
 @pytest.mark.parametrize("sig, status, message", [(signal.SIGINT, 130, "interrupted"),
                                                   (signal.SIGTERM, 143, "terminated")])
 def test_a_long_native_call_is_stopped_by_ctrl_c_and_sigterm(tmp_path, sig, status, message):

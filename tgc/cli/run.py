@@ -13,6 +13,7 @@ import numpy as np
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.interrupt import waiting
 from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, LoweringBackends, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import NotASource, open_regular, write_atomic
@@ -308,11 +309,14 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
     stderr): the cycles `CpuOptions(profile=True)` counts, scaled to the wall time."""
     import time
 
+    def calls_timed() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            program.run({k: np.copy(v) for k, v in inputs.items()}, dims)
+        return (time.perf_counter() - start) / calls
+
     program.profile(reset=True)
-    start = time.perf_counter()
-    for _ in range(calls):
-        program.run({k: np.copy(v) for k, v in inputs.items()}, dims)
-    wall = (time.perf_counter() - start) / calls
+    wall = waiting(calls_timed)
     rows = program.profile()
     total = sum(c for c, _, _ in rows) or 1
     click.echo(f"# {calls} calls, {wall * 1e6:.1f} us per call (with input copies); kernels, costliest first:", err=True)
@@ -421,7 +425,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         if backend == "interp":
             with status("running (interpreter)"):
                 # an f32 program's floats are all f32; an f64 one's keep their types (f32 declarations)
-                results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
+                results = waiting(lambda: evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims))
         else:
             with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
                 if any(v.op == "loop" for v in module.values()):   # compiled loops need their trip counts
@@ -430,7 +434,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                 program = pipeline.compile_module(module, options, backend)
             call_dims = dict(options.dims) or None
             with status("running"):
-                results = program.run(dict(inputs), call_dims)
+                results = waiting(lambda: program.run(dict(inputs), call_dims))
                 results = in_float_type({k: _host(v) for k, v in results.items()}, dtype, module)
             if profile:
                 with status(f"profiling ({profile} runs)"):
