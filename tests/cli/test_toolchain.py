@@ -140,6 +140,7 @@ def test_run_input_problems_are_errors_not_crashes(tmp_path):
     assert r.exit_code == 2 and "--format json" in r.output
 
 
+@pytest.mark.xfail(strict=True, reason="a lowered dump named .tgl or .tg is a syntax error at its first '/'")
 def test_opt_reads_dumps_back_and_runs_the_default_pipeline(tmp_path):
     ir = tmp_path / "m.tgir"
     ir.write_bytes(b"\xef\xbb\xbf" + tgc("dump-ir", MLP, "--after", "elaborate").output.encode())
@@ -151,6 +152,13 @@ def test_opt_reads_dumps_back_and_runs_the_default_pipeline(tmp_path):
     as_ir.write_text(low.read_text())
     r = tgc("info", as_ir)
     assert r.exit_code == 1 and "this is a lowered program (a dump of a lowering stage), not IR" in r.output
+    for name in ("low.tgl", "low.tg"):   # any other suffix is read as .tg source: the same message, not a
+        other = tmp_path / name         # syntax error at the first '/'
+        other.write_text(low.read_text())
+        for command in ("run", "check", "build"):
+            r = tgc(command, other)
+            assert r.exit_code == 1 and "this is a lowered program (a dump of a lowering stage)" in r.output \
+                and "tgc opt" in r.output, (name, command, r.output)
 
 
 def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):
