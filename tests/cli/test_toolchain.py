@@ -140,7 +140,6 @@ def test_run_input_problems_are_errors_not_crashes(tmp_path):
     assert r.exit_code == 2 and "--format json" in r.output
 
 
-@pytest.mark.xfail(strict=True, reason="a lowered dump named .tgl or .tg is a syntax error at its first '/'")
 def test_opt_reads_dumps_back_and_runs_the_default_pipeline(tmp_path):
     ir = tmp_path / "m.tgir"
     ir.write_bytes(b"\xef\xbb\xbf" + tgc("dump-ir", MLP, "--after", "elaborate").output.encode())
