@@ -86,7 +86,6 @@ def test_a_view_of_the_right_type_is_still_updated_through_a_copy(backend):
 
 
 
-@pytest.mark.xfail(strict=True, reason="a stride-0 update target is written element by element: the last write wins")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_update_target_whose_elements_share_memory_is_refused(backend):
     """A stride-0 view (numpy's as_strided, torch's `expand`) holds one value for many
@@ -110,7 +109,6 @@ def test_an_update_target_whose_elements_share_memory_is_refused(backend):
     np.testing.assert_array_equal(got["w"], [[1, 2, 3, 4]])
 
 
-@pytest.mark.xfail(strict=True, reason="a stride-0 update target is written element by element: the last write wins")
 def test_torch_expanded_update_targets_are_refused():
     torch = pytest.importorskip("torch")
     prog = tgc.compile(STEP)
