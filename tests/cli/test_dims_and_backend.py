@@ -48,7 +48,6 @@ def test_a_dim_given_twice_with_two_sizes_is_a_usage_error():
 
 
 
-@pytest.mark.xfail(strict=True, reason="tgc run names the Python API's dims= for an unbound dim")
 @pytest.mark.parametrize("backend", ["cpu", "interp"])
 def test_a_dim_no_input_sizes_is_asked_for_as_a_flag(tmp_path, backend):
     """`repeat[L]` over a symbolic L that no input has: `tgc run` says to give it with
@@ -61,7 +60,7 @@ def test_a_dim_no_input_sizes_is_asked_for_as_a_flag(tmp_path, backend):
     assert r.exit_code == 3 and "dim 'L' is not bound" in r.output and "-D L=N" in r.output \
         and "dims=" not in r.output, r.output
     r = tgc("run", tmp_path / "loop.tg", "--inputs", tmp_path / "h0.npz", "--backend", backend, "-D", "L=3")
-    assert r.exit_code == 0 and "[8, 8, 8]" in r.output, r.output
+    assert r.exit_code == 0 and "[8., 8., 8.]" in r.output, r.output
 
 
 def test_every_backend_option_defaults_to_the_compiled_cpu_backend():

@@ -154,7 +154,27 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
         for name, a in generated.items():
             arrays.setdefault(name, a)
         dims = {d: partial[d] for d in module.symbolic_dims()}
+    else:
+        _check_dims_bound(module, arrays, dims)
     return arrays, dims, origins
+
+
+def _check_dims_bound(module: Module, arrays: dict[str, np.ndarray], dims: dict[str, int]) -> None:
+    """An EvalError asking for `-D NAME=N` when a symbolic dim is neither given with -D
+    nor the size of an edge of an input given (a loop's `repeat[L]` over no stacked
+    input): the call's own message would name the Python API's `dims=`."""
+    known = dict(dims)
+    for arg in module.args.values():
+        shape = np.shape(arrays[arg.name]) if arg.name in arrays else None
+        if shape is None or len(shape) != len(arg.order):
+            return   # missing or of the wrong rank: the call says so first
+        for axis, edge in enumerate(arg.order):
+            if module.dims[module.edges[edge]] is None:
+                known.setdefault(module.edges[edge], int(shape[axis]))
+    unbound = [d for d in module.symbolic_dims() if d not in known]
+    if unbound:
+        raise EvalError(f"dim '{unbound[0]}' is not bound: no input has it; give its size with "
+                        f"-D {unbound[0]}=N")
 
 
 @contextmanager
