@@ -47,6 +47,22 @@ def test_a_dim_given_twice_with_two_sizes_is_a_usage_error():
     assert r.exit_code == 0 and {d["name"]: d["size"] for d in json.loads(r.output)["dims"]}["batch"] == 4, r.output
 
 
+
+@pytest.mark.parametrize("backend", ["cpu", "interp"])
+def test_a_dim_no_input_sizes_is_asked_for_as_a_flag(tmp_path, backend):
+    """`repeat[L]` over a symbolic L that no input has: `tgc run` says to give it with
+    -D, not with the Python API's `dims=` (program.run(...)), which it told before."""
+    import numpy as np
+
+    (tmp_path / "loop.tg").write_text("dim L, n = 3\ninput h0[n]\nfn f(h) = h * 2\nout y = repeat[L](f, h0)\n")
+    np.savez(tmp_path / "h0.npz", h0=np.ones(3, np.float32))
+    r = tgc("run", tmp_path / "loop.tg", "--inputs", tmp_path / "h0.npz", "--backend", backend)
+    assert r.exit_code == 3 and "dim 'L' is not bound" in r.output and "-D L=N" in r.output \
+        and "dims=" not in r.output, r.output
+    r = tgc("run", tmp_path / "loop.tg", "--inputs", tmp_path / "h0.npz", "--backend", backend, "-D", "L=3")
+    assert r.exit_code == 0 and "[8., 8., 8.]" in r.output, r.output
+
+
 def test_every_backend_option_defaults_to_the_compiled_cpu_backend():
     backends = {name: p.default for name, cmd in main.commands.items() for p in cmd.params if p.name == "backend"}
     assert {"run", "dump-ir", "explain", "opt"} <= set(backends)

@@ -70,3 +70,38 @@ def test_a_build_stopped_while_writing_leaves_no_temporary_file(tmp_path, sig, s
     assert p.returncode == status, err.decode()
     assert "Traceback" not in err.decode(), err.decode()
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)
+
+
+# `tgc run` with one line first that says when the compiled call begins (the moment the
+# command is inside the program's native code), on a program that runs for minutes.
+SLOW_RUN = ("import os, sys; sys.argv[0] = 'tgc'\n"
+            "from tgc.runtime.program import Program\n"
+            "real = Program.run\n"
+            "def run(self, *args, **kwargs):\n"
+            "    os.write(1, b'running\\n'); return real(self, *args, **kwargs)\n"
+            "Program.run = run\n"
+            "from tgc.cli import console; console()")
+LONG_LOOP = "dim L = 10000000000, n = 4\ninput h0[n]\nfn f(h) = tanh(h * 0.5 + 1)\nout y = repeat[L](f, h0)\n"
+
+
+@pytest.mark.parametrize("sig, status, message", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "terminated")])
+def test_a_long_native_call_is_stopped_by_ctrl_c_and_sigterm(tmp_path, sig, status, message):
+    """A compiled step that runs for minutes (10^10 loop steps): the signal comes while
+    the main thread is in the native call, where Python runs no signal handler. Ctrl-C
+    and `timeout`'s SIGTERM went unanswered until the call returned (minutes); the
+    command now ends within seconds, with the signal's status and message."""
+    (tmp_path / "long.tg").write_text(LONG_LOOP)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", SLOW_RUN, "run", str(tmp_path / "long.tg"), "--random-inputs"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout.readline() == b"running\n"
+        time.sleep(0.5)   # inside the native loop by now
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=20)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == status, err.decode()
+    assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1] == message, err.decode()

@@ -151,6 +151,13 @@ def test_opt_reads_dumps_back_and_runs_the_default_pipeline(tmp_path):
     as_ir.write_text(low.read_text())
     r = tgc("info", as_ir)
     assert r.exit_code == 1 and "this is a lowered program (a dump of a lowering stage), not IR" in r.output
+    for name in ("low.tgl", "low.tg"):   # any other suffix is read as .tg source: the same message, not a
+        other = tmp_path / name         # syntax error at the first '/'
+        other.write_text(low.read_text())
+        for command in ("run", "check", "build"):
+            r = tgc(command, other)
+            assert r.exit_code == 1 and "this is a lowered program (a dump of a lowering stage)" in r.output \
+                and "tgc opt" in r.output, (name, command, r.output)
 
 
 def test_ids_beyond_int32_are_refused_by_both_backends(tmp_path):

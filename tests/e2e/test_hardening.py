@@ -195,6 +195,55 @@ def test_the_c_abi_checks_derived_sizes(tmp_path):
     assert lib.h_run(dims(40_000), args, outs, None) == 0 and out == 40_000
 
 
+def test_the_c_abi_checks_index_expressions(tmp_path):
+    """`x[t = 2^40 s + 3]` over a symbolic `s`: at n = 2^23 + 2 the index passes 2^63,
+    where int64 arithmetic wraps into range. The Python runtime refuses those sizes
+    (tests/runtime/test_memory_errors.py); the C library did not, and its call read
+    out of bounds (a segfault). It refuses them as any size over 2^62, before reading
+    anything (the arrays here are too small for n: a read would show)."""
+    import ctypes
+
+    lib, _ = _build(tmp_path, "dim n\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 1099511627776*s + 3] + z\n", "ix")
+    dims = ctypes.c_int64 * 1
+    x, z, y = np.arange(5, dtype=np.float64), np.ones(5), np.zeros(5)
+    args = (ctypes.c_void_p * 2)(x.ctypes.data, z.ctypes.data)
+    outs = (ctypes.c_void_p * 1)(y.ctypes.data)
+    ws = np.zeros(1 << 12, np.uint8)
+    w = ctypes.c_void_p(ws.ctypes.data + (-ws.ctypes.data) % 64)
+    for n in (2 ** 23 + 2, 2 ** 40):
+        assert lib.ix_workspace_bytes(dims(n)) == -1, n
+        assert lib.ix_run(dims(n), args, outs, w) == -3, n
+    assert not y.any()
+    assert 0 <= lib.ix_workspace_bytes(dims(2 ** 22)) < 1 << 12   # 2^40 (2^22 - 1) + 3 < 2^62
+    assert lib.ix_run(dims(5), args, outs, w) == 0
+    np.testing.assert_array_equal(y, [4, 1, 1, 1, 1])
+
+
+def test_a_library_built_from_ir_with_an_index_past_int64_refuses_every_call(tmp_path):
+    """IR text is not checked by the front end: `t = 2^62 s` over s < 3 reaches 2^63 at
+    fixed sizes. The library's size check refuses every call, as the runtime does."""
+    import ctypes
+
+    ir = tgc.compile("dim n = 3\ninput x[t: n]\ninput z[s: n]\nout y = x[t = 2*s] + z\n", backend="interp").ir()
+    assert "indicator[t = 2*s]" in ir
+    (tmp_path / "fx.tgir").write_text(ir.replace("2*s", "4611686018427387904*s"))
+    r = tgc_cli("build", tmp_path / "fx.tgir", "-o", tmp_path / "libfx.so", "--dtype", "f64")
+    if r.returncode == 2:   # refused at build time: as good
+        assert "2^62" in r.stderr and "Traceback" not in r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(tmp_path / "libfx.so"))
+    assert lib.fx_init_default() == 0
+    x, z, y = np.arange(1.0, 4.0), np.zeros(3), np.full(3, -7.0)
+    args = (ctypes.c_void_p * 2)(x.ctypes.data, z.ctypes.data)
+    outs = (ctypes.c_void_p * 1)(y.ctypes.data)
+    ws = np.zeros(1 << 12, np.uint8)
+    w = ctypes.c_void_p(ws.ctypes.data + (-ws.ctypes.data) % 64)
+    assert lib.fx_workspace_bytes(None) == -1
+    assert lib.fx_run(None, args, outs, w) == -3
+    assert (y == -7).all()
+
+
 @pytest.mark.parametrize("dims", [{"a": 2_000_000}, {"a": 2.5}, {"a": "3"}, {"a": 0}, {"a": 2**62 + 1}])
 def test_dims_fixed_at_build_time_are_checked(dims):
     with pytest.raises(ValueError, match="2\\^62|positive integer"):

@@ -85,6 +85,38 @@ def test_a_view_of_the_right_type_is_still_updated_through_a_copy(backend):
     np.testing.assert_array_equal(wide[1::2], 1)
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_update_target_whose_elements_share_memory_is_refused(backend):
+    """A stride-0 view (numpy's as_strided, torch's `expand`) holds one value for many
+    elements: an update writing a different value to each kept the last one written
+    (w became [-0.5] * 4, not 1 - 0.5 * [0, 1, 2, 3]). It is refused before anything
+    runs, as torch refuses an in-place op on an expanded tensor."""
+    prog = compile_on(STEP, backend)
+    one = np.ones(1, np.float32)
+    w = np.lib.stride_tricks.as_strided(one, (4,), (0,))
+    assert w.flags.writeable
+    with pytest.raises(EvalError, match="'w' is updated in place, but its elements share memory"):
+        prog(**dict(arrays(), w=w))
+    assert one[0] == 1
+    rows = np.lib.stride_tricks.as_strided(np.ones(3, np.float32), (2, 3), (0, 4))   # rows alias one another
+    with pytest.raises(EvalError, match="share memory"):
+        compile_on("dim a = 2, b = 3\ninput x[a, b]\nparam w[a, b]\nout y = sum(w * x)\nupdate w = w + x\n",
+                   backend)(x=np.ones((2, 3), np.float32), w=rows)
+    single = np.ones((1, 4), np.float32)[:, :]     # a stride over an axis of size 1 shares nothing
+    got = compile_on("dim a = 1, n = 4\ninput x[n]\nparam w[a, n]\nout y = sum(w * x)\nupdate w = w + x\n",
+                     backend)(x=np.arange(4, dtype=np.float32), w=np.lib.stride_tricks.as_strided(single, (1, 4), (0, 4)))
+    np.testing.assert_array_equal(got["w"], [[1, 2, 3, 4]])
+
+
+def test_torch_expanded_update_targets_are_refused():
+    torch = pytest.importorskip("torch")
+    prog = tgc.compile(STEP)
+    w = torch.ones(1).expand(4)
+    with pytest.raises(EvalError, match="share memory"):
+        prog(x=torch.arange(4.0), lr=0.5, w=w, v=torch.zeros(4))
+
+
 def test_the_declared_type_is_the_one_an_update_needs():
     """An f64 program's params are float64, its f32 declarations float32; bf16/f16
     params are ml_dtypes.bfloat16 / float16; --fp-strict emulates an f32 program in f64

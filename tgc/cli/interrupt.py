@@ -81,3 +81,42 @@ def interrupted_exits():
     except KeyboardInterrupt:
         print(MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def waiting(fn):
+    """`fn()` on a worker thread while the main thread waits for it: its result, or
+    its exception raised again here.
+
+    For a compiled program's call: a call that runs for minutes holds the main thread in
+    native code, where Python runs no signal handler, so Ctrl-C and SIGTERM (`timeout`)
+    went unanswered until it returned. Waiting here, the handlers run at once, and the
+    command ends at once with the signal's message and status (`exit_now`): the native
+    code cannot be stopped halfway, so it ends with the process. Nothing is lost: a call
+    writes no file (a command writes its outputs after the call returns)."""
+    import threading
+
+    box: dict = {}
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the main thread
+            box["error"] = e
+
+    worker = threading.Thread(target=work, name="tgc-call", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        exit_now()
+    except SystemExit as e:   # SIGTERM's handler: "terminated" is printed already
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 -- a closed or broken stream: nothing to keep
+                pass
+        os._exit(e.code if isinstance(e.code, int) else EXIT_TERMINATED)
+    if "error" in box:
+        raise box.pop("error")
+    return box.get("value")

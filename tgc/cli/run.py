@@ -13,6 +13,7 @@ import numpy as np
 
 from tgc import pipeline
 from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.interrupt import waiting
 from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, LoweringBackends, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import NotASource, open_regular, write_atomic
@@ -153,7 +154,27 @@ def gather_inputs(module: Module, npz: str | None, singles: dict[str, str], rand
         for name, a in generated.items():
             arrays.setdefault(name, a)
         dims = {d: partial[d] for d in module.symbolic_dims()}
+    else:
+        _check_dims_bound(module, arrays, dims)
     return arrays, dims, origins
+
+
+def _check_dims_bound(module: Module, arrays: dict[str, np.ndarray], dims: dict[str, int]) -> None:
+    """An EvalError asking for `-D NAME=N` when a symbolic dim is neither given with -D
+    nor the size of an edge of an input given (a loop's `repeat[L]` over no stacked
+    input): the call's own message would name the Python API's `dims=`."""
+    known = dict(dims)
+    for arg in module.args.values():
+        shape = np.shape(arrays[arg.name]) if arg.name in arrays else None
+        if shape is None or len(shape) != len(arg.order):
+            return   # missing or of the wrong rank: the call says so first
+        for axis, edge in enumerate(arg.order):
+            if module.dims[module.edges[edge]] is None:
+                known.setdefault(module.edges[edge], int(shape[axis]))
+    unbound = [d for d in module.symbolic_dims() if d not in known]
+    if unbound:
+        raise EvalError(f"dim '{unbound[0]}' is not bound: no input has it; give its size with "
+                        f"-D {unbound[0]}=N")
 
 
 @contextmanager
@@ -308,11 +329,14 @@ def print_profile(program, inputs: dict, dims, calls: int) -> None:
     stderr): the cycles `CpuOptions(profile=True)` counts, scaled to the wall time."""
     import time
 
+    def calls_timed() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            program.run({k: np.copy(v) for k, v in inputs.items()}, dims)
+        return (time.perf_counter() - start) / calls
+
     program.profile(reset=True)
-    start = time.perf_counter()
-    for _ in range(calls):
-        program.run({k: np.copy(v) for k, v in inputs.items()}, dims)
-    wall = (time.perf_counter() - start) / calls
+    wall = waiting(calls_timed)
     rows = program.profile()
     total = sum(c for c, _, _ in rows) or 1
     click.echo(f"# {calls} calls, {wall * 1e6:.1f} us per call (with input copies); kernels, costliest first:", err=True)
@@ -421,7 +445,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
         if backend == "interp":
             with status("running (interpreter)"):
                 # an f32 program's floats are all f32; an f64 one's keep their types (f32 declarations)
-                results = evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims)
+                results = waiting(lambda: evaluate(module, inputs, dtype="f32" if dtype == "f32" else None, dims=dims))
         else:
             with status("compiling (LLVM)" if backend == "cpu" else f"compiling ({backend})"):
                 if any(v.op == "loop" for v in module.values()):   # compiled loops need their trip counts
@@ -430,7 +454,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                 program = pipeline.compile_module(module, options, backend)
             call_dims = dict(options.dims) or None
             with status("running"):
-                results = program.run(dict(inputs), call_dims)
+                results = waiting(lambda: program.run(dict(inputs), call_dims))
                 results = in_float_type({k: _host(v) for k, v in results.items()}, dtype, module)
             if profile:
                 with status(f"profiling ({profile} runs)"):

@@ -59,6 +59,9 @@ def parse(text: str, filename: str) -> ast.Program:
         with gc_paused():   # a parse allocates millions of acyclic objects: collecting is waste
             return parser.parse(text)
     except UnexpectedInput as e:
+        if text.lstrip("\ufeff").startswith("// lowered"):   # `tgc dump-ir --after fuse` output, any suffix
+            raise CompileError("this is a lowered program (a dump of a lowering stage), not .tg source: "
+                               "`tgc opt` reads it", Loc(filename, 1, 1)) from None
         raise _syntax_error(e, filename) from None
     except RecursionError:  # not expected: nothing recurses on the input's nesting
         raise CompileError("input nested too deeply", Loc(filename, 1, 1)) from None

@@ -89,9 +89,15 @@ def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | 
 
 
 def check_writable(name: str, a: np.ndarray) -> None:
-    """An update target's array can be written in place."""
+    """An update target's array can be written in place, one element per value: a
+    stride-0 view (numpy's as_strided, torch's `expand`) keeps only the last of the
+    values written to its shared elements, so it is refused, as torch refuses an in-place
+    op on an expanded tensor."""
     if not a.flags.writeable:
         raise EvalError(f"'{name}' is updated in place but the array is read-only")
+    if any(stride == 0 and n > 1 for stride, n in zip(a.strides, a.shape)):
+        raise EvalError(f"'{name}' is updated in place, but its elements share memory (a stride-0 view, "
+                        f"such as an expanded or broadcast one): pass an array with one element per value")
 
 
 def dlpack_view(name: str, value):

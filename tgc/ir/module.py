@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from tgc.ir.diag import Loc, did_you_mean
-from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval_checked, size_str
+from tgc.ir.sizes import MAX_SIZE, Size, SizeError, UnboundDim, check_count, size_eval, size_eval_checked, size_str
 from tgc.ir.values import Value, topo_order
 
 
@@ -172,3 +172,37 @@ def _dim_value(dim: str, s: Size, env: Mapping[str, int]) -> int:
         raise
     except SizeError as e:
         raise SizeError(f"dim '{dim}' = {size_str(s)}: {e}") from None
+
+
+def index_bound(aff, module: Module, env: Mapping[str, int]) -> int:
+    """The largest magnitude the affine index `aff` (an `Affine` over `module`'s edges)
+    takes over its edges' ranges at the dims `env`: |const| + sum |coef| (size - 1)."""
+    bound = abs(size_eval(aff.const, env))
+    for edge, coef in aff.terms:
+        bound += abs(size_eval(coef, env)) * (size_eval(module.size(edge), env) - 1)
+    return bound
+
+
+def index_exprs(module: Module) -> list:
+    """The affine expressions of `module`'s indicators (reindexing, windows, masks;
+    loop steps' included) that a call must bound at its sizes, so that no int64 index
+    arithmetic in compiled code wraps: those whose value depends on a symbolic size,
+    and those past 2^62 at fixed sizes (the front end refuses them, but IR text can
+    hold them). The Python runtime (`Program`) and the C library's entry point
+    (`tgc.backends.cpu.sizecheck`) both refuse a call where one passes 2^62."""
+    found, seen, todo = {}, set(), list(module.roots())
+    while todo:
+        for v in topo_order(todo):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if v.op == "indicator":
+                for aff in v.attrs[0].exprs:
+                    sizes = [c for _, c in aff.terms] + [aff.const] + [
+                        module.size(e) for e in aff.edges() if e in module.edges]
+                    if all(e in module.edges for e in aff.edges()) and (
+                            any(not isinstance(x, int) for x in sizes) or index_bound(aff, module, {}) > MAX_SIZE):
+                        found[aff] = None
+        todo = [r for v in list(topo_order(todo)) if v.op == "loop" for r in v.attrs[0].results
+                if id(r) not in seen]
+    return list(found)

@@ -61,7 +61,7 @@ from tgc.ir.input_checks import (EvalError, check_element_type, check_ids_fit, c
                                  check_shape, check_updated_dtype, check_writable, dlpack_view as _dlpack_view)
 from tgc.ir.interp import bind_dims
 from tgc.lower.lowered import Lowered
-from tgc.ir.module import Module, size_error
+from tgc.ir.module import Module, index_bound, index_exprs, size_error
 from tgc.ir.sizes import MAX_SIZE, Size, SizeError, check_count, size_eval, size_eval_checked
 from tgc.options import Options
 from tgc.runtime.specialize import Specializations
@@ -124,14 +124,6 @@ def call_key(inputs: list[TensorSpec], arrays: dict, dims: dict | None):
         else:
             return None
     return tuple(key)
-
-
-def _bound(aff, module: Module, env: dict) -> int:
-    """The largest magnitude the affine index `aff` takes over its edges' ranges."""
-    bound = abs(size_eval(aff.const, env))
-    for edge, coef in aff.terms:
-        bound += abs(size_eval(coef, env)) * (size_eval(module.size(edge), env) - 1)
-    return bound
 
 
 def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict | None) -> dict[str, np.ndarray]:
@@ -503,7 +495,7 @@ class Program:
         for b in low.buffers.values():
             check_count(f"buffer '{b.name}'", low.sizes(b.edges), env, itemsize(b.dtype))
         for aff in self._index_exprs():
-            bound = _bound(aff, self.module, env)
+            bound = index_bound(aff, self.module, env)
             if bound > MAX_SIZE:
                 raise SizeError(f"an index expression over [{', '.join(aff.edges())}] would reach {bound} at "
                                 f"these sizes, past 2^62 (the native code's int64 index arithmetic)")
@@ -514,29 +506,10 @@ class Program:
                 raise SizeError("the workspace would take more than 2^62 bytes (the size limit)")
 
     def _index_exprs(self) -> list:
-        """The affine expressions of the program's indicators (reindexing, windows,
-        masks; loop steps' included) that `_check_sizes` bounds per call: those whose
-        value depends on a symbolic size, and those past 2^62 at fixed sizes (the front
-        end refuses them, but IR text can hold them)."""
+        """The affine index expressions that `_check_sizes` bounds per call
+        (`tgc.ir.module.index_exprs`), found on first use."""
         if self._indices is None:
-            from tgc.ir.values import topo_order
-
-            found, seen, todo = {}, set(), list(self.module.roots())
-            while todo:
-                for v in topo_order(todo):
-                    if id(v) in seen:
-                        continue
-                    seen.add(id(v))
-                    if v.op == "indicator":
-                        for aff in v.attrs[0].exprs:
-                            sizes = [c for _, c in aff.terms] + [aff.const] + [
-                                self.module.size(e) for e in aff.edges() if e in self.module.edges]
-                            if all(e in self.module.edges for e in aff.edges()) and (
-                                    any(not isinstance(x, int) for x in sizes) or _bound(aff, self.module, {}) > MAX_SIZE):
-                                found[aff] = None
-                todo = [r for v in list(topo_order(todo)) if v.op == "loop" for r in v.attrs[0].results
-                        if id(r) not in seen]
-            self._indices = list(found)
+            self._indices = index_exprs(self.module)
         return self._indices
 
     def _prepare(self, given: dict) -> tuple[dict, dict]:

@@ -15,7 +15,11 @@ the exported functions made here check first:
         else the inner run. Nothing is read or written before these checks pass.
 
 Every size expression is evaluated with LLVM's overflow-checked arithmetic, each
-intermediate value kept within +-2^62, divisions checked for exactness.
+intermediate value kept within +-2^62, divisions checked for exactness. So is the
+largest magnitude of every index expression that depends on a symbolic size
+(`tgc.ir.module.index_exprs`: `x[t = 1099511627776*s + 3]` at n = 2^23 + 2 passes
+2^63, where int64 indexing wrapped into range and read out of bounds): past 2^62 the
+call is refused, as the Python runtime refuses it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import llvmlite.ir as ir
 
 from tgc.backends.cpu.irutil import optimize_not
 from tgc.lower.lowered import Lowered
+from tgc.ir.module import index_exprs
 from tgc.ir.sizes import MAX_SIZE, Size, SizeOp
 
 ERR_SIZE, ERR_NULL = -3, -4
@@ -111,6 +116,11 @@ def _sizes_ok(mod: ir.Module, low: Lowered) -> ir.Function:
         flag(b.icmp_signed("<", v, I64(-MAX_SIZE)))
         return v
 
+    def magnitude(v):
+        if isinstance(v, int):
+            return abs(v)
+        return b.select(b.icmp_signed("<", v, I64(0)), b.sub(I64(0), v), v)   # |v| <= 2^62: no overflow
+
     def fixed(op: str, x: int, y: int) -> int:
         """`arith` of two fixed values, as the generated code computes it."""
         if op == "min":
@@ -169,6 +179,10 @@ def _sizes_ok(mod: ir.Module, low: Lowered) -> ir.Function:
         n = 8 if buf.dtype == "f64" else 4
         for s in key[1]:
             n = arith("*", n, size(s))
+    for aff in index_exprs(m):   # as the runtime's check: no index expression past 2^62
+        bound = magnitude(size(aff.const))
+        for edge, coef in aff.terms:
+            bound = arith("+", bound, arith("*", magnitude(size(coef)), arith("-", size(m.size(edge)), 1)))
     total = 0
     for sizes in low.slots:
         best = 0
