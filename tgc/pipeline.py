@@ -97,12 +97,31 @@ def check_program(path: str, options: Options) -> "Elaborated":
     """`load_program`, then the derivative passes (`CHECK_PASSES`), so that `tgc check`
     reports every mistake a build would (a derivative a custom function does not give
     is an error only once the derivative is taken). The result is the elaborated
-    program; the differentiated module is discarded (and costs a few ms)."""
+    program; the differentiated module is discarded (and costs a few ms). A program
+    that takes no derivative (no grad, jvp or vjp, in a loop body neither) has none to
+    miss, and the passes are not run: their work grows with the program (`normalize`
+    merges each link of a chain of products into the next), not only with its
+    derivatives."""
     from tgc.manager import run_passes
 
     loaded = load_program(path, options)
-    run_passes(loaded.module, CHECK_PASSES, options)
+    if takes_derivatives(loaded.module):
+        run_passes(loaded.module, CHECK_PASSES, options)
     return loaded
+
+
+def takes_derivatives(module: Module) -> bool:
+    """Whether a grad, jvp or vjp is among the module's values or its loop bodies'."""
+    from tgc.ir.values import DERIVATIVE_OPS, topo_order
+
+    values, seen = module.values() + module.fact_values(), set()
+    while values:
+        if any(v.op in DERIVATIVE_OPS for v in values):
+            return True
+        bodies = {v.attrs[0] for v in values if v.op == "loop"} - seen
+        seen |= bodies
+        values = topo_order([r for b in bodies for r in b.results])
+    return False
 
 
 def load(path: str, options: Options) -> Module:

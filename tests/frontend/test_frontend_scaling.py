@@ -4,8 +4,9 @@ Counted, not timed: the operands the elaborator hands to the IR builders (each
 `Value.make` costs time proportional to its operands), and the source files read to
 render a batch of diagnostics. A chain `v_i = v_(i-1) * 1.5` used to flatten every
 product into one contraction of i operands (n^2 / 2 operand slots for n statements),
-and every warning re-read and re-split the whole file. `benchmarks/frontend.py`
-times the same shapes at 10^5 statements.
+and every warning re-read and re-split the whole file. `tgc check` runs the derivative
+passes only on a program that takes a derivative. `benchmarks/frontend.py` times the same shapes at 10^5
+statements.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tgc import manager, pipeline
 from tgc.cli import main
 from tgc.frontend import expressions
 from tgc.frontend.elaborate import elaborate_source
@@ -108,3 +110,21 @@ def test_reductions_per_statement(shape, monkeypatch):
     n = 1000
     parser.parse(frontend.SHAPES[shape](n), "shape.tg")
     assert count[0] <= REDUCTIONS[shape] * n + 50, (shape, count[0] / n)   # + the declarations
+
+
+def test_check_runs_the_derivative_passes_only_for_derivatives(tmp_path, monkeypatch):
+    """A program without grad, jvp or vjp has no derivative rule to miss: `tgc check`
+    runs no pass on it (normalize's work grows with the program); one that takes a
+    derivative gets `CHECK_PASSES` (tests/cli/test_cli.py: its missing rules)."""
+    ran = []
+    real = manager.run_passes
+    monkeypatch.setattr(manager, "run_passes", lambda m, specs, *a, **k: ran.append(specs) or real(m, specs, *a, **k))
+    for shape, gen in sorted(frontend.SHAPES.items()):
+        path = tmp_path / f"{shape}.tg"
+        path.write_text(gen(50))
+        pipeline.check_program(str(path), Options())
+    assert ran == []
+    path = tmp_path / "grad.tg"
+    path.write_text("dim a = 3\ninput x[a]\nout g[a] = grad(sum(tanh(x)), x)\n")
+    pipeline.check_program(str(path), Options())
+    assert ran == [pipeline.CHECK_PASSES]
