@@ -112,16 +112,10 @@ def check_program(path: str, options: Options) -> "Elaborated":
 
 def takes_derivatives(module: Module) -> bool:
     """Whether a grad, jvp or vjp is among the module's values or its loop bodies'."""
-    from tgc.ir.values import DERIVATIVE_OPS, topo_order
+    from tgc.ir.values import DERIVATIVE_OPS, reaches
 
-    values, seen = module.values() + module.fact_values(), set()
-    while values:
-        if any(v.op in DERIVATIVE_OPS for v in values):
-            return True
-        bodies = {v.attrs[0] for v in values if v.op == "loop"} - seen
-        seen |= bodies
-        values = topo_order([r for b in bodies for r in b.results])
-    return False
+    roots = module.roots() + [v for f in module.facts for v in (f.lhs, f.rhs)]
+    return reaches(roots, lambda v: v.op in DERIVATIVE_OPS)
 
 
 def load(path: str, options: Options) -> Module:
