@@ -97,12 +97,25 @@ def check_program(path: str, options: Options) -> "Elaborated":
     """`load_program`, then the derivative passes (`CHECK_PASSES`), so that `tgc check`
     reports every mistake a build would (a derivative a custom function does not give
     is an error only once the derivative is taken). The result is the elaborated
-    program; the differentiated module is discarded (and costs a few ms)."""
+    program; the differentiated module is discarded (and costs a few ms). A program
+    that takes no derivative (no grad, jvp or vjp, in a loop body neither) has none to
+    miss, and the passes are not run: their work grows with the program (`normalize`
+    merges each link of a chain of products into the next), not only with its
+    derivatives."""
     from tgc.manager import run_passes
 
     loaded = load_program(path, options)
-    run_passes(loaded.module, CHECK_PASSES, options)
+    if takes_derivatives(loaded.module):
+        run_passes(loaded.module, CHECK_PASSES, options)
     return loaded
+
+
+def takes_derivatives(module: Module) -> bool:
+    """Whether a grad, jvp or vjp is among the module's values or its loop bodies'."""
+    from tgc.ir.values import DERIVATIVE_OPS, reaches
+
+    roots = module.roots() + [v for f in module.facts for v in (f.lhs, f.rhs)]
+    return reaches(roots, lambda v: v.op in DERIVATIVE_OPS)
 
 
 def load(path: str, options: Options) -> Module:

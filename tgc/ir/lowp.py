@@ -60,18 +60,8 @@ def has_low(module: Module, fp: str = "f32") -> bool:
     """Whether any value (in a loop's step too) or argument of the module is of a type
     narrower than `fp` (bf16, f16; f32 too when `fp` is f64), or converts to one."""
     held = narrower(fp)
-
-    def low(values, seen: set) -> bool:
-        for v in values:
-            if v.dtype in held or (v.op == "map" and CONVERSIONS.get(v.attrs[0]) in held):
-                return True
-            if v.op == "loop" and id(v.attrs[0]) not in seen:   # a loop's step too
-                seen.add(id(v.attrs[0]))
-                if low(V.topo_order(v.attrs[0].results), seen):
-                    return True
-        return False
-
-    return any(a.dtype in held for a in module.args.values()) or low(module.values(), set())
+    return any(a.dtype in held for a in module.args.values()) or V.reaches(
+        module.roots(), lambda v: v.dtype in held or (v.op == "map" and CONVERSIONS.get(v.attrs[0]) in held))
 
 
 _WEAK_IN = frozenset({"add", "contract", "map", "reduce", "scatter"})

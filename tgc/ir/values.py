@@ -600,6 +600,25 @@ def strip_custom(roots: Sequence[Value]) -> dict[int, Value]:
     return memo
 
 
+def reaches(roots: Iterable[Value], pred: Callable[[Value], bool]) -> bool:
+    """Whether `pred` holds for a value reachable from `roots`, the results of a loop's
+    body and what they reach included. In no particular order (a walk without one
+    costs half of `topo_order`'s)."""
+    stack = list(roots)
+    seen = {id(v) for v in stack}
+    push, add = stack.append, seen.add
+    while stack:
+        v = stack.pop()
+        if pred(v):
+            return True
+        more = v.operands + v.attrs[0].results if v.op == "loop" else v.operands
+        for o in more:
+            if id(o) not in seen:
+                add(id(o))
+                push(o)
+    return False
+
+
 def topo_order(roots: Iterable[Value], stop: Iterable[int] = ()) -> list[Value]:
     """Every value reachable from `roots`, operands before users, deterministic; the
     values whose ids are in `stop`, and what lies beneath them only, are left out."""

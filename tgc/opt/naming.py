@@ -14,7 +14,12 @@ renaming of summed edges must come out as the same value. So every edge gets a
 Summed edges are named in an order that does not depend on their names: by a
 signature refined from how they join the operands (Weisfeiler-Lehman colour
 refinement over the operands' structural keys and relations), names breaking
-only the ties that structure cannot. Terminates: a fixed number of rounds.
+only the ties that structure cannot. A tie is broken in the order the names are
+handed out (`name_order`: `k.2` before `k.10`), so naming a product named before
+gives it back its own names (idempotent): in the string order, a tie of eleven or
+more edges of one stem (the links of a chain of matrix products, which a few rounds
+cannot tell apart) came out permuted on every rebuild, and `rewrite` rebuilt such a
+product MAX_STEPS times. Terminates: a fixed number of rounds.
 """
 from __future__ import annotations
 
@@ -55,6 +60,13 @@ class _Factor:
         return f"{key}:{body}"
 
 
+def name_order(e: str) -> tuple:
+    """The order `fresh` hands names out in: `stem`, `stem.1`, ..., `stem.9`, `stem.10`
+    (the string order, but a longer suffix of one stem after a shorter one)."""
+    stem, _, suffix = e.partition(".")
+    return stem, len(suffix), suffix
+
+
 def working_names(m: Module, factors: list[Value], keep: set[str], base_of, key_of, fresh: Fresh) -> dict[str, str]:
     """outer edge -> the (distinct) name it is computed under."""
     info = [_Factor(f, base_of) for f in factors]
@@ -67,7 +79,7 @@ def working_names(m: Module, factors: list[Value], keep: set[str], base_of, key_
     summed = [e for e in carriers if e not in keep]
     # the order of one summed edge (or none) needs no signature
     sig = _signatures(m, carriers, keep, summed, key_of) if len(summed) > 1 else {}
-    for e in sorted((e for e in carriers if e in keep)) + sorted(summed, key=lambda e: (sig.get(e, ""), e)):
+    for e in sorted((e for e in carriers if e in keep)) + sorted(summed, key=lambda e: (sig.get(e, ""), name_order(e))):
         natives = [x.native(e) for x in sorted((x for x in carriers[e] if x.dense), key=lambda x: key_of(x.base))]
         own = [e] if e in keep else []
         choice = next((n for n in natives + own if n not in taken), None)
