@@ -367,6 +367,34 @@ def _(T):
     return {"gx": gradient((torch.softmax(x, dim=-1) * T.w).sum(), x)}
 
 
+# A weight far out in a row's tail (logit 85 below the max, e^-85 = 1.2e-37) times a value
+# of e^85: its product is as large as the row's other terms. The softmax's weights are
+# exp(d - lse) in the optimized program (d = x - max, lse = log sum exp d); with d - lse
+# rounded to f32 first, the weight's relative error is |d - lse| ulps (85 ulps, 20x
+# PyTorch's exp(d) / sum); the row's max is 0, so d itself is exact.
+_tail = rng(75)
+_tail_x = -30 - 5 * _tail.random((8, 64))
+_tail_x[:, 0] = 0.0
+_tail_x[:, 2:5] = -0.5 * _tail.random((8, 3))   # lse = log(sum exp d) near log 4, not 0
+_tail_x[:, 1] = -85.3 + _tail.random(8)
+_tail_x = _tail_x.astype(np.float32).astype(np.float64)
+_tail_w = _tail.standard_normal((8, 64))
+_tail_w[:, 1] = np.exp(-_tail_x[:, 1]) * (1 + 0.1 * _tail.random(8))
+
+
+@case("softmax_far_tail_weight", """
+dim b = 8, c = 64
+input x[b, c], w[b, c]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out gx[b, c] = grad(sum(p * w), x)
+""", {"x": _tail_x, "w": _tail_w})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=-1) * T.w).sum(-1)
+    return {"s": s, "gx": gradient(s.sum(), x)}
+
+
 @case("logsumexp_large", """
 dim c = 16
 input x[c]
