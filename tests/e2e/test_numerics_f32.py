@@ -1211,3 +1211,9 @@ CPU_TRIG_GAP = ("the CPU backend's vectorized sin/cos (tgc/backends/cpu/vecmath.
                                      if b == "cpu" else b for b in BACKENDS])
 def test_sin_cos_large_args(backend):
     assert_not_worse_than_torch(CPU_TRIG_CASES[0], backend)
+
+
+def test_softmax_far_tail_weight_on_cuda_sim():
+    """The CUDA kernels (run by cuda-sim) compute a softmax weight exp(d - lse) as the
+    interpreters do (`tgc.lower.lowered.wide_exp`): its sum unrounded before the exp."""
+    assert_not_worse_than_torch(next(c for c in CASES if c.id == "softmax_far_tail_weight"), "cuda-sim")
