@@ -281,8 +281,10 @@ def wide_exp(e: "Map", dtype: str, lse: Collection[str]) -> bool:
 
 
 def logsumexp_outputs(low: "Lowered") -> frozenset[str]:
-    """The buffers that `low`'s logsumexp kernels write (`wide_exp`)."""
-    return frozenset(k.out for k in low.kernels if isinstance(k, LoopKernel) and k.reduce == "logsumexp")
+    """The buffers that `low`'s logsumexp kernels write (`wide_exp`), members of a
+    backend's groups (`members`: the CPU's LoopGroup, CUDA's RowGroup) included."""
+    ks = [m for k in low.kernels for m in (getattr(k, "members", None) or (k,))]
+    return frozenset(k.out for k in ks if isinstance(k, LoopKernel) and k.reduce == "logsumexp")
 
 
 @dataclass(frozen=True)
