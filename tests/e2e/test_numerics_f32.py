@@ -395,6 +395,21 @@ def _(T):
     return {"s": s, "gx": gradient(s.sum(), x)}
 
 
+# The same rows with the class edge leading ([c, b]): the CPU's loop group does not take
+# this softmax's exp once (its weights are exp(d - lse) in a kernel of their own).
+@case("softmax_far_tail_weight_leading_edge", """
+dim b = 8, c = 64
+input x[c, b], w[c, b]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out gx[c, b] = grad(sum(p * w), x)
+""", {"x": _tail_x.T.copy(), "w": _tail_w.T.copy()})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=0) * T.w).sum(0)
+    return {"s": s, "gx": gradient(s.sum(), x)}
+
+
 @case("logsumexp_large", """
 dim c = 16
 input x[c]
