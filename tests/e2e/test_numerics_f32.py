@@ -410,6 +410,22 @@ def _(T):
     return {"s": s, "gx": gradient(s.sum(), x)}
 
 
+# The same rows with the log-softmax an output too: its buffer holds d - lse rounded to f32,
+# and the softmax's weights must not be exp of that buffer.
+@case("softmax_far_tail_weight_and_log_softmax", """
+dim b = 8, c = 64
+input x[b, c], w[b, c]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out ls[b, c] = log_softmax[c](x)
+out gx[b, c] = grad(sum(p * w), x)
+""", {"x": _tail_x, "w": _tail_w})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=-1) * T.w).sum(-1)
+    return {"s": s, "ls": F.log_softmax(T.x, dim=-1), "gx": gradient(s.sum(), x)}
+
+
 @case("logsumexp_large", """
 dim c = 16
 input x[c]
