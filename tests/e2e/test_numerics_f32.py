@@ -367,6 +367,65 @@ def _(T):
     return {"gx": gradient((torch.softmax(x, dim=-1) * T.w).sum(), x)}
 
 
+# A weight far out in a row's tail (logit 85 below the max, e^-85 = 1.2e-37) times a value
+# of e^85: its product is as large as the row's other terms. The softmax's weights are
+# exp(d - lse) in the optimized program (d = x - max, lse = log sum exp d); with d - lse
+# rounded to f32 first, the weight's relative error is |d - lse| ulps (85 ulps, 20x
+# PyTorch's exp(d) / sum); the row's max is 0, so d itself is exact.
+_tail = rng(75)
+_tail_x = -30 - 5 * _tail.random((8, 64))
+_tail_x[:, 0] = 0.0
+_tail_x[:, 2:5] = -0.5 * _tail.random((8, 3))   # lse = log(sum exp d) near log 4, not 0
+_tail_x[:, 1] = -85.3 + _tail.random(8)
+_tail_x = _tail_x.astype(np.float32).astype(np.float64)
+_tail_w = _tail.standard_normal((8, 64))
+_tail_w[:, 1] = np.exp(-_tail_x[:, 1]) * (1 + 0.1 * _tail.random(8))
+
+
+@case("softmax_far_tail_weight", """
+dim b = 8, c = 64
+input x[b, c], w[b, c]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out gx[b, c] = grad(sum(p * w), x)
+""", {"x": _tail_x, "w": _tail_w})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=-1) * T.w).sum(-1)
+    return {"s": s, "gx": gradient(s.sum(), x)}
+
+
+# The same rows with the class edge leading ([c, b]): the CPU's loop group does not take
+# this softmax's exp once (its weights are exp(d - lse) in a kernel of their own).
+@case("softmax_far_tail_weight_leading_edge", """
+dim b = 8, c = 64
+input x[c, b], w[c, b]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out gx[c, b] = grad(sum(p * w), x)
+""", {"x": _tail_x.T.copy(), "w": _tail_w.T.copy()})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=0) * T.w).sum(0)
+    return {"s": s, "gx": gradient(s.sum(), x)}
+
+
+# The same rows with the log-softmax an output too: its buffer holds d - lse rounded to f32,
+# and the softmax's weights must not be exp of that buffer.
+@case("softmax_far_tail_weight_and_log_softmax", """
+dim b = 8, c = 64
+input x[b, c], w[b, c]
+p = softmax[c](x)
+out s[b] = sum[c](p * w)
+out ls[b, c] = log_softmax[c](x)
+out gx[b, c] = grad(sum(p * w), x)
+""", {"x": _tail_x, "w": _tail_w})
+def _(T):
+    x = leaf(T.x)
+    s = (torch.softmax(x, dim=-1) * T.w).sum(-1)
+    return {"s": s, "ls": F.log_softmax(T.x, dim=-1), "gx": gradient(s.sum(), x)}
+
+
 @case("logsumexp_large", """
 dim c = 16
 input x[c]
@@ -1183,3 +1242,9 @@ CPU_TRIG_GAP = ("the CPU backend's vectorized sin/cos (tgc/backends/cpu/vecmath.
                                      if b == "cpu" else b for b in BACKENDS])
 def test_sin_cos_large_args(backend):
     assert_not_worse_than_torch(CPU_TRIG_CASES[0], backend)
+
+
+def test_softmax_far_tail_weight_on_cuda_sim():
+    """The CUDA kernels (run by cuda-sim) compute a softmax weight exp(d - lse) as the
+    interpreters do (`tgc.lower.lowered.wide_exp`): its sum unrounded before the exp."""
+    assert_not_worse_than_torch(next(c for c in CASES if c.id == "softmax_far_tail_weight"), "cuda-sim")

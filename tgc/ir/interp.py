@@ -5,7 +5,9 @@ clarity, not speed: each value is a numpy array whose axes follow the value's
 sorted edge names; indicators are built densely (a contraction keeps their 0 exact
 against a NaN or an inf of its other operands: index arithmetic); gathers check their ids. Each op
 computes in float64 and rounds its result once to the value's float type, so an f32
-value is the float64 one, rounded (sums of any length included).
+value is the float64 one, rounded (sums of any length included); a softmax's weight
+`exp(d - lse)` (an f32 exp of a sum with a logsumexp term) reads the sum before it is
+rounded (`tgc.lower.lowered.wide_exp`).
 
 `evaluate(module, inputs)` binds symbolic dims from the input shapes (given in
 each argument's ABI order) and returns one array per output and per update
@@ -113,6 +115,9 @@ class _Eval:
         for v in primal_order(roots):  # a custom value's derivative rules are not evaluated
             self.check_size(v)
             ops = [_wide(vals[id(o)]) for o in (v.operands[:1] if v.op == "custom" else v.operands)]
+            if self.exp_of_sum(v):   # exp(d - lse): the sum as computed, before its rounding
+                o = v.operands[0]
+                ops = [_add(self, o, [_wide(vals[id(x)]) for x in o.operands])]
             try:
                 out = np.asarray(OPS[v.op](self, v, ops))
                 vals[id(v)] = (round_to(out, v.dtype) if v.dtype in LOW_FLOATS
@@ -121,6 +126,16 @@ class _Eval:
                 raise EvalError(f"not enough memory for a value over [{', '.join(v.edges)}] "
                                 f"({self.elements(v)} elements)") from None
         return vals
+
+    def exp_of_sum(self, v: Value) -> bool:
+        """Whether `v` is an f32 softmax weight exp(d - lse): an exp of a sum with a
+        logsumexp term, which reads the sum in float64, unrounded (the lowered
+        programs' rule, `tgc.lower.lowered.wide_exp`: to f32's precision, not |d - lse| ulps)."""
+        if v.op != "map" or v.attrs[0] != "exp" or v.operands[0].op != "add":
+            return False
+        if not any(x.op == "reduce" and x.attrs[0] == "logsumexp" for x in v.operands[0].operands):
+            return False
+        return all(x.dtype not in LOW_FLOATS and self.np_dtype(x) == np.float32 for x in (v, v.operands[0]))
 
     def elements(self, v: Value) -> int:
         n = 1

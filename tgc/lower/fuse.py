@@ -407,6 +407,8 @@ class _Fuser:
         if op == "add":
             return Add(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
         if op == "map":
+            if self.weight_sum(v):   # exp(d - lse): the sum inlined, though it has a buffer
+                return Map("exp", (self.define(v.operands[0], env),))
             return Map(v.attrs[0], tuple(self.expr(o, env) for o in v.operands))
         if op == "indicator":
             return self.mask(relation_conds(self.m, v.attrs[0], env), Const(1.0))
@@ -423,6 +425,19 @@ class _Fuser:
                 raise FuseError(f"internal: a reduction was inlined ({v})")
             return self.masked_product(sol.conds, factors, full)
         raise FuseError(f"internal: cannot inline '{op}'")
+
+    def weight_sum(self, v: Value) -> bool:
+        """Whether `v` is an f32 softmax weight exp(d - lse) (an exp of a sum with a
+        logsumexp operand) whose sum is materialized (a log-softmax output, read
+        elsewhere too). The exp then computes the sum again, inline, instead of loading
+        it: the backends take such a sum unrounded into the exp (`lowered.wide_exp`),
+        which a load of its f32 buffer cannot (with d - lse rounded first, a weight 85
+        logits down its row had 85 ulps of error, 25x PyTorch's)."""
+        if v.op != "map" or v.attrs[0] != "exp" or self.dtype_of(v) != "f32":
+            return False
+        o = v.operands[0]
+        return (o.op == "add" and id(o) in self.mat and self.dtype_of(o) == "f32"
+                and any(x.op == "reduce" and x.attrs[0] == "logsumexp" for x in o.operands))
 
     def product(self, factors: list[Value], env: dict[str, Ix]):
         exprs = tuple(e for e in (self.expr(f, env) for f in factors) if e != Const(1.0))

@@ -31,7 +31,8 @@ Semantics, as `tgc.lower.lowered` states them:
 - an alias (`Buffer.alias`) is a view of its buffer's array, in its own shape.
 
 Each operation (a sum's term and total, a product, a function, a reduction) is
-computed in float64 from its operands and rounded once to the program's float type,
+computed in float64 from its operands and rounded once to the program's float type
+(a softmax weight `exp(d - lse)` takes the sum unrounded: `tgc.lower.lowered.wide_exp`),
 as the IR interpreter does: so an expression computed in two kernels has the same
 bits in both (a max's gradient compares the max with its recomputed argument), and
 results agree with a backend's to the type's precision, not bit for bit. Temporaries live in their workspace slots (`plan`), which start filled
@@ -49,7 +50,8 @@ from tgc.ir.complex_io import RI, complex_outputs, pairs_inputs
 from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, bind_dims,
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
-                            Map, Mask, Mul, Rand, SizeOf, StepLoop, epilogue_loops, wide_sum)
+                            Map, Mask, Mul, Rand, SizeOf, StepLoop, epilogue_loops, logsumexp_outputs, wide_exp,
+                            wide_sum)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
@@ -93,6 +95,7 @@ class _Machine(ExprVisitor):
     def __init__(self, low: Lowered, env: dict[str, int], args: dict[str, np.ndarray]):
         self.low, self.env = low, env
         self.fp = NP_DTYPES[low.dtype]
+        self.lse = logsumexp_outputs(low)
         self.arrays: dict[str, np.ndarray] = {}
         slots = [np.full(max([self.eval_size(s) for s in sizes] + [1]), 0xFF, np.uint8) for sizes in low.slots]
         for name, buf in low.buffers.items():
@@ -356,14 +359,7 @@ class _Machine(ExprVisitor):
 
     def expr_add(self, e: Add, vals: dict, active, acc=None):
         if wide_sum(e, "f32" if self.fp == np.float32 else "f64"):
-            total = np.float64(0)   # in float64, a product's factors widened, rounded once
-            for c, a in zip(e.coefs, e.args):
-                factors = a.args if isinstance(a, Mul) else (a,)
-                term = np.float64(1)
-                for f in factors:
-                    term = term * np.asarray(self.expr(f, vals, active, acc), np.float64)
-                total = total + (term if c == 1 else c * term)
-            return self.round(total)
+            return self.round(self.sum64(e, vals, active, acc))
         # c0 a0 + c1 a1 + ..., each scaled term and partial sum rounded
         args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
         total = None
@@ -379,7 +375,20 @@ class _Machine(ExprVisitor):
             out = np.asarray(self.round(out * a), np.float64)
         return self.round(out)
 
+    def sum64(self, e: Add, vals: dict, active, acc=None) -> np.ndarray:
+        """The sum `e` in float64, not rounded: each term's factors widened."""
+        total = np.float64(0)
+        for c, a in zip(e.coefs, e.args):
+            factors = a.args if isinstance(a, Mul) else (a,)
+            term = np.float64(1)
+            for f in factors:
+                term = term * np.asarray(self.expr(f, vals, active, acc), np.float64)
+            total = total + (term if c == 1 else c * term)
+        return np.asarray(total)
+
     def expr_map(self, e: Map, vals: dict, active, acc=None):
+        if wide_exp(e, "f32" if self.fp == np.float32 else "f64", self.lse):   # exp(d - lse): the sum unrounded
+            return self.round(MAP_FNS["exp"](self.sum64(e.args[0], vals, active, acc)))
         args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
         return self.round(MAP_FNS[e.fn](*args))
 

@@ -69,7 +69,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field, replace
 import re
-from typing import Callable, ClassVar, Mapping, Sequence, Union, get_args
+from typing import Callable, ClassVar, Collection, Mapping, Sequence, Union, get_args
 
 from tgc.ir.dtypes import itemsize
 from tgc.ir.module import Module
@@ -261,6 +261,30 @@ def wide_sum(e: Add, dtype: str) -> bool:
     to 2^-29 of their size. A sum of two terms rounds once in f32 already. Chosen from
     the expression alone, so an expression has the same bits in every kernel."""
     return dtype == "f32" and len(e.args) >= WIDE_SUM
+
+
+def wide_exp(e: "Map", dtype: str, lse: Collection[str]) -> bool:
+    """Whether `e` is an f32 softmax weight `exp(d - lse)`: an `exp` of a sum with a term
+    read from `lse`, the buffers a `logsumexp` kernel writes (`logsumexp_outputs`). An
+    interpreter and the CUDA kernels take that sum in f64 and do not round it before
+    the exp. Rounded to f32 first, `d - lse` (`d` the row's shifted logits) gives a
+    weight far out in the tail (`d` = -85) 85 ulps of relative error, where PyTorch's
+    `exp(d) / sum` has a few, and a value of e^85 that it multiplies carries it to the
+    result (tests/e2e/test_numerics_f32.py, softmax_far_tail_weight: 17x PyTorch's
+    error). The CPU's loop groups compute these weights as `exp(d - m) / s`
+    (`tgc.backends.cpu.group`, exp_once), which is as accurate. An `fp_strict` program
+    has no logsumexp kernel (its softmax is the source's exp(x - m) / sum), so its
+    values keep every rounding."""
+    if dtype != "f32" or e.fn != "exp" or len(e.args) != 1 or not isinstance(e.args[0], Add):
+        return False
+    return any(isinstance(a, Load) and a.buf in lse for a in e.args[0].args)
+
+
+def logsumexp_outputs(low: "Lowered") -> frozenset[str]:
+    """The buffers that `low`'s logsumexp kernels write (`wide_exp`), members of a
+    backend's groups (`members`: the CPU's LoopGroup, CUDA's RowGroup) included."""
+    ks = [m for k in low.kernels for m in (getattr(k, "members", None) or (k,))]
+    return frozenset(k.out for k in ks if isinstance(k, LoopKernel) and k.reduce == "logsumexp")
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,8 @@ from tgc.backends.cuda.flashgen import FlashBackGen, FlashGen
 from tgc.backends.cuda.rowgen import RowGroupGen
 from tgc.backends.cuda.rows import RowGroup
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load,
-                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, neg, walk,
-                            wide_sum)
+                            LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, logsumexp_outputs,
+                            neg, walk, wide_exp, wide_sum)
 from tgc.ir.ops import FNS
 from tgc.ir.sizes import Size, SizeOp
 
@@ -204,6 +204,7 @@ class _Gen(ExprVisitor):
             raise CudaUnsupported(f"float type '{low.dtype}'")
         self.low, self.prefix = low, prefix
         self.T = C_TYPES[low.dtype]
+        self.lse = logsumexp_outputs(low)   # softmax weights exp(d - lse) read these (wide_exp)
         self.launches: list[Launch] = []
         self.cuda = cuda
         self.row_regs = max(1, int(cuda.row_regs))
@@ -468,12 +469,18 @@ class _Gen(ExprVisitor):
     def expr_map(self, e: Map, ctx: "_Ctx") -> str:
         if e.fn not in TEMPLATES:
             raise CudaUnsupported(f"elementwise function '{e.fn}'")
+        if wide_exp(e, self.low.dtype, self.lse):   # exp(d - lse): the sum in double, not rounded first
+            return f"tgc_exp_sum({self.sum64(e.args[0], ctx)})"
         return TEMPLATES[e.fn].format(*(f"(tgc_t){self.expr(a, ctx)}" for a in e.args))
 
     def wide_add(self, e: Add, ctx: "_Ctx") -> str:
         """An f32 sum of several terms in double, rounded once (`lowered.wide_sum`): a
         product's factors widened before they are multiplied, so its value does not
         depend on the order of its terms."""
+        return f"((tgc_t){self.sum64(e, ctx)})"
+
+    def sum64(self, e: Add, ctx: "_Ctx") -> str:
+        """The sum `e` in double, not rounded: each term's factors widened."""
         terms = []
         for c, a in zip(e.coefs, e.args):
             if isinstance(a, Mul):
@@ -481,7 +488,7 @@ class _Gen(ExprVisitor):
             else:
                 x = f"(double){self.expr(a, ctx)}"
             terms.append(x if c == 1 else f"{float(c)!r} * {x}")
-        return "((tgc_t)(" + " + ".join(terms) + "))"
+        return "(" + " + ".join(terms) + ")"
 
     def const(self, v: float) -> str:
         if math.isnan(v):

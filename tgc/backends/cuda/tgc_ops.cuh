@@ -33,6 +33,16 @@
 #endif
 
 // @libm: the functions of tgc/ir/ops.py with a math library spelling (Fn.libm)
+// A softmax weight exp(d - lse) whose sum s was taken in double (tgc.lower.lowered.wide_exp):
+// the float exp of s's rounding hi, corrected by the rounding's error lo (exp(hi + lo) =
+// exp(hi) (1 + lo) to float's precision), so the weight does not carry |s| ulps of error.
+// Infinite or NaN s (lo NaN) and an overflowed exp are exp(hi) itself.
+TGC_DEV float tgc_exp_sum(double s) {
+    const float hi = (float)s;
+    const float e = tgc_exp(hi);
+    const float lo = (float)(s - (double)hi);
+    return (lo == 0.0f || lo != lo || !((double)e < TGC_INF)) ? e : e + e * lo;
+}
 
 template <typename T> TGC_DEV T tgc_div(T a, T b) { return a / b; }
 template <typename T> TGC_DEV T tgc_sign(T x) { return x < T(0) ? T(-1) : (x > T(0) ? T(1) : x); }
