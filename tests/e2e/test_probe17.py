@@ -40,3 +40,27 @@ def test_a_loop_over_computed_bf16_operands(backend, init):
     assert got["y"].dtype == bf16
     np.testing.assert_array_equal(got["y"].astype(np.float32), want["y"].astype(np.float32))
     np.testing.assert_allclose(got["g"].astype(np.float32), want["g"].astype(np.float32), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("loop", [False, True])
+def test_a_conversion_of_a_call_on_a_low_expression(backend, loop):
+    """`f32(tanh(x * 0.5))` with f16 `x`: the product is f16, tanh of it f16 (rounded once),
+    and the conversion makes it f32. The conversion looked at its operand before the
+    product's rounding was explicit, saw an f32 tanh and dropped itself; the rounding pass
+    then rounded tanh to f16, so the program returned f16 (and a loop step so written
+    was refused: 'the step returns f16[d], but the carry is f32[d]')."""
+    x = np.array([[0.3, 1.7], [-0.9, 0.05]], np.float16)
+    if loop:
+        src = ("dim d = 2, L = 2\ninput x: f16[L, d]\ninput h0[d]\n"
+               "fn step(h, a) = f32(tanh(a * 0.5))\nout y = repeat[L](step, h0, x)\n")
+        got = tgc.compile(src, backend=backend)(x=x, h0=np.zeros(2, np.float32))["y"]
+        row = x[1]
+    else:
+        src = "dim d = 2, L = 2\ninput x: f16[L, d]\nout y[L, d] = f32(tanh(x * 0.5))\n"
+        got = tgc.compile(src, backend=backend)(x=x)["y"]
+        row = x
+    prod = (row.astype(np.float32) * np.float32(0.5)).astype(np.float16)
+    want = np.tanh(prod.astype(np.float32)).astype(np.float16).astype(np.float32)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
