@@ -64,3 +64,34 @@ def test_a_conversion_of_a_call_on_a_low_expression(backend, loop):
     want = np.tanh(prod.astype(np.float32)).astype(np.float16).astype(np.float32)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+_NESTED_BF16 = """
+dim d = 2, L = 2, M = 2
+input h0[d]
+param W: bf16[M, L]
+fn inner(h, b) = 0.5 * h + 0.5 * tanh(h * b)
+fn outer(h, a) = tanh(repeat[M](inner, h, a) + 0.5 * h)
+"""
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_a_nested_loop_over_a_bf16_argument(backend):
+    """The outer loop reads slices W[L = i] of a bf16 `W` and passes them to an inner loop.
+    Unrolling the outer loop built each slice as a product with an indicator, which has
+    the f32 compute type, so the inner loop no longer fit its bf16 parameter (internal
+    error 'the loop's operand 1 (slice) has type f32[M], its body parameter bf16[]').
+    Unrolled, kept as a loop, and written out, the program gives one answer."""
+    import ml_dtypes
+
+    loop = _NESTED_BF16 + "y = repeat[L](outer, h0, W)\nout y\nout g = grad(sum(y * y), W)\n"
+    written = _NESTED_BF16 + ("y = outer(outer(h0, W[L = 0]), W[L = 1])\nout y\n"
+                              "out g = grad(sum(y * y), W)\n")
+    rng = np.random.default_rng(0)
+    args = {"h0": rng.standard_normal(2).astype(np.float32),
+            "W": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16)}
+    want = tgc.compile(written, backend=backend)(**args)
+    for options in (None, tgc.Options(unroll_max_ops=0)):
+        got = tgc.compile(loop, backend=backend, options=options)(**args)
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6)
+        np.testing.assert_allclose(got["g"].astype(np.float32), want["g"].astype(np.float32), rtol=0.02, atol=0.02)
