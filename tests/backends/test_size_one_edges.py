@@ -40,6 +40,11 @@ PROGRAMS = {
                                  "out z = sum[n](x) * mean[m](x)\n",
     "softmax over one": "dim b\ndim n = 1\ninput x[b, n], dy[b, n]\ny = softmax[n](x)\n"
                         "out y\nout dx = grad(sum(y * dy), x)\nout l = logsumexp[n](x)\n",
+    # a stacked argument stored with an edge of size 1 before a symbolic loop edge: the
+    # step's slices are read in place (fuzzed: the plan verifier refused the symbolic trip)
+    "loop over a symbolic edge after one of size 1": "dim b\ndim n = 1\nparam w[n, b]\n"
+                                                     "fn step(h, a) = tanh(h + max[n](a))\n"
+                                                     "v = repeat[b](step, 0.25, w)\nout v\nout dw = grad(v, w)\n",
 }
 
 

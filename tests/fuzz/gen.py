@@ -18,7 +18,7 @@ forms, edge parameters, defaults, keyword arguments), `grad` of scalars and
 Jacobians, `jvp`, `vjp` (batched too), nested derivatives, `out` with and without an
 explicit ABI order, and `update`; in about a quarter of the programs (chosen by a
 stream of their own, so the others are generated as before) `repeat[l](step, init,
-xs)` and `scan[l](...)` over a literal dim `l`, with a step function of the carry and
+xs)` and `scan[l](...)` over a dim `l` (literal or symbolic), with a step function of the carry and
 one stacked argument.
 
 Values stay in smooth, well-defined domains at standard normal inputs, so the
@@ -746,10 +746,14 @@ class Gen:
     def make_step(self):
         """The step of the loops: `fn sN(h, w) = tanh(BODY + (h + 0.5 * w))`, BODY elementwise in h
         and w (w's edges a subset of h's), so the result has h's edges and is bounded;
-        and the literal loop dim `l`."""
+        and the loop dim `l`, a literal or (in half the programs with loops) symbolic."""
         n = self.r.randint(1, 3)
-        self.dims.append(("l", str(n)))
-        self.dim_size["l"], self.dim_key["l"] = n, n
+        if random.Random(self.seed * 7919 + 29).random() < 0.5:   # symbolic, bound at the call (a stream of its own)
+            self.dims.append(("l", None))
+            self.dim_size["l"], self.dim_key["l"], self.bind["l"] = n, "l", n
+        else:
+            self.dims.append(("l", str(n)))
+            self.dim_size["l"], self.dim_key["l"] = n, n
         self.edge_dim["l"] = "l"
         leaves = [name("h", scale=1.0), name("w", scale=BOUND)]
         body = bin_("+", self.bounded(self.fn_body(leaves, 2)), bin_("+", leaves[0], bin_("*", num(0.5), leaves[1])))

@@ -56,9 +56,11 @@ def call_builtin(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
         return V.map_("checkpoint", args[0], loc=node.loc)
     if node.fn in FLOATS:   # the type named, at most the program's width (as declarations)
         el.real_only(f"'{node.fn}'", node, ctx, args[0])
-        from tgc.ir.lowp import rounded
+        from tgc.ir.lowp import explicitly_rounded
 
-        return V.convert(rounded(args[0]), el.width(node.fn, node.loc, f"'{node.fn}(...)'"), loc=node.loc)
+        # the operand with its bf16/f16 roundings explicit, nested ones too (tanh of a bf16
+        # product is bf16 only once the product is rounded): the conversion sees its type
+        return V.convert(explicitly_rounded(args[0]), el.width(node.fn, node.loc, f"'{node.fn}(...)'"), loc=node.loc)
     if node.fn in COMPLEX_FUNCTIONS or (node.fn in ON_COMPLEX and is_complex(args[0])):
         return _complex_function(el, node, args[0], ctx)
     if node.fn == "where":

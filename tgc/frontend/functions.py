@@ -319,6 +319,13 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     if d.edge_params:
         raise el.error(f"the step '{f.id}' of '{form}' takes edge parameters; a step takes tensors only", f, ctx)
     args = [el.expr(a, ctx) for a in node.args[1:]]
+    if any(w.dtype in LOW_FLOATS for w in V.topo_order(args)):
+        from tgc.ir.lowp import explicitly_rounded
+
+        # a bf16/f16 expression (computed in f32) enters the loop with its roundings explicit
+        # (as explicit_rounding makes them later), so the step's parameters have its language
+        # type (as they do for a bf16 argument)
+        args = [explicitly_rounded(a) for a in args]
     required = [p for p in d.params if p.default is None]
     if not len(required) <= len(args) <= len(d.params):
         raise el.error(f"the step '{f.id}' takes {len(d.params)} argument{'s' * (len(d.params) != 1)} "

@@ -70,7 +70,9 @@ def _slice(x: Value, edge: str, i: int, loc=None) -> Value:
     if x.dtype == "i32":   # i32 ids are arguments, never slices of one: the loop must stay
         raise CompileError(f"a loop over '{edge}' whose step reads slices of i32 data (gather ids, random "
                            f"keys) runs only as a loop, and this backend runs no loops", loc)
-    return V.contract([x, _at(edge, i, x.dtype)], [e for e in x.edges if e != edge])
+    # a product of bf16/f16 has the compute type: the slice (one element of x each, exact)
+    # is converted back to x's type, the type of the step's parameter it stands for
+    return V.convert(V.contract([x, _at(edge, i, x.dtype)], [e for e in x.edges if e != edge]), x.dtype)
 
 
 def _steps(v: Value, n: int, stacked: _Stacked) -> list[Value]:
