@@ -1,5 +1,5 @@
-"""Defects found by differential fuzzing of random programs against a numpy evaluator
-(probe17): each test is the minimal program that gave a wrong result, a crash or a
+"""bf16/f16 operands of loops and conversions, found by differential fuzzing of random
+programs against a numpy evaluator: each test is the minimal program that gave a wrong result, a crash or a
 refused valid program, checked on the backends that run it."""
 import numpy as np
 import pytest
