@@ -49,8 +49,11 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args.steps = args.quick_steps if args.quick else args.default_steps
     if args.steps < 1:
         p.error("--steps must be at least 1")
-    if args.threads < 0:
-        p.error("--threads must be 0 (every core) or more")
+    from tgc.backends.cpu.options import CpuOptions
+    try:   # the values CpuOptions takes (0: every core)
+        CpuOptions(threads=args.threads)
+    except ValueError as e:
+        p.error(f"--threads: {e}")
     return args
 
 

@@ -509,9 +509,47 @@ def test_broadcast_checks_that_the_ranks_send_the_same_params():
         assert np.array_equal(r0[k], v) and np.array_equal(r1[k], v), k
 
 
-def test_a_first_call_that_cannot_take_rank_0s_params_raises_on_every_rank():
+def test_broadcast_refuses_a_stride_0_param_on_every_rank():
+    """`step.broadcast` into a stride-0 view on rank 1 (each element the same memory:
+    rank 0's values would collapse to the last one) is the EvalError a single-process
+    update target gets, raised on both ranks before anything is sent."""
+    case = cases.CASES["mlp"]
+
+    def body(comm):
+        with lock:
+            step = tgc.compile(case.path, data_parallel=comm)
+        state = {k: v + comm.Get_rank() for k, v in case.init().items()}
+        if comm.Get_rank() == 1:
+            state["b2"] = _stride_0(state["b2"])
+        with pytest.raises(tgc.EvalError) as info:
+            step.broadcast(state)
+        return str(info.value), {k: np.array(v) for k, v in state.items()}
+    lock = threading.Lock()
+    (m0, s0), (m1, s1) = D.run_ranks(2, body, timeout=120)
+    assert m1.startswith("'b2' is set to rank 0's value in place (a broadcast), but its elements share memory"), m1
+    assert m0.startswith("data parallel: rank 1 cannot run this step: " + m1), m0
+    for k, v in case.init().items():   # nothing was sent
+        assert np.array_equal(s1[k], (_stride_0(v + 1) if k == "b2" else v + 1)), k
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def _stride_0(a):   # one element for all of them: a broadcast into it keeps only the last value
+    return np.lib.stride_tricks.as_strided(a[:1], a.shape, (0,) * a.ndim)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_read_only, "'b2' is set to rank 0's value in place (a broadcast), but the array is read-only"),
+    (_stride_0, "'b2' is set to rank 0's value in place (a broadcast), but its elements share memory"),
+])
+def test_a_first_call_that_cannot_take_rank_0s_params_raises_on_every_rank(spoil, message):
     """The first call writes rank 0's params into every rank's arrays: a read-only one
-    on rank 1 is refused before the ranks agree (not half-way through the broadcasts)."""
+    or a stride-0 view (numpy's as_strided, torch's `expand`) on rank 1 is refused
+    before the ranks agree (not half-way through the broadcasts), by the check a
+    single-process call makes of its update targets (input_checks.check_writable)."""
     case = cases.CASES["mlp"]
 
     def body(comm):
@@ -519,16 +557,26 @@ def test_a_first_call_that_cannot_take_rank_0s_params_raises_on_every_rank():
             step = tgc.compile(case.path, data_parallel=comm)
         state = case.init()
         if comm.Get_rank() == 1:
-            state["b2"].flags.writeable = False
+            state["b2"] = spoil(state["b2"])
         try:
             step(**step.shard_inputs(case.batch(0)), **case.scalars(0), **state)
         except (TypeError, tgc.EvalError) as e:
             return type(e).__name__, str(e)
     lock = threading.Lock()
     (k0, m0), (k1, m1) = D.run_ranks(2, body, timeout=120)
-    assert (k0, k1) == ("EvalError", "TypeError")
-    assert m1 == "'b2' must be a writable array: the broadcast sets it to rank 0's value in place, not ndarray (read-only)"
-    assert m0.startswith("data parallel: rank 1 cannot run this step: TypeError: " + m1)
+    assert (k0, k1) == ("EvalError", "EvalError")
+    assert m1.startswith(message), m1
+    assert m0.startswith("data parallel: rank 1 cannot run this step: " + m1)
+
+
+def test_a_first_call_with_a_param_that_is_no_array_is_a_type_error():
+    case = cases.CASES["mlp"]
+    step = tgc.compile(case.path, data_parallel=D.local_group(1)[0])
+    state = case.init()
+    state["b2"] = state["b2"].tolist()
+    with pytest.raises(TypeError, match="'b2' must be a writable array: the broadcast sets it to rank 0's value "
+                                        "in place, not list"):
+        step(**step.shard_inputs(case.batch(0)), **case.scalars(0), **state)
 
 
 def test_collective_timeout_is_checked():

@@ -272,3 +272,33 @@ def test_unknown_keys_are_still_refused(tmp_path):
     (tmp_path / "n.npz").write_bytes(buf.getvalue())
     r = run(MLP, "--inputs", tmp_path / "n.npz", "--random-inputs")
     assert r.exit_code == 3 and "unexpected input 'nope'" in r.output
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_saving_into_a_missing_folder_is_a_params_error(prog, tmp_path, suffix):
+    """A folder that does not exist is a `ParamsError` naming it (save_params creates
+    no folders), and nothing is written anywhere."""
+    path = tmp_path / "no" / "such" / ("w" + suffix)
+    with pytest.raises(ParamsError, match=r"cannot write '.*w\.(safetensors|npz)': no folder '.*such'"):
+        tgc.save_params(path, prog, params())
+    assert not (tmp_path / "no").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_leaves_the_old_file_whole(prog, tmp_path, monkeypatch):
+    """The write is atomic: a failure while writing (here, the rename) keeps the file
+    that was there, and leaves no temporary file beside it."""
+    import os as _os
+
+    path = tmp_path / "w.safetensors"
+    tgc.save_params(path, prog, params())
+    before = path.read_bytes()
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device", str(dst))
+
+    monkeypatch.setattr(_os, "replace", fail)
+    new = {n: a + 1 for n, a in params().items()}
+    with pytest.raises(ParamsError, match=r"cannot write '.*w\.safetensors': No space left on device"):
+        tgc.save_params(path, prog, new)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]

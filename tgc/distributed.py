@@ -67,6 +67,7 @@ import numpy as np
 
 from tgc.collectives import NCCL_TYPES, DataParallelError, MPIEngine, NCCLEngine, engine_for
 from tgc.gradient_split import Split, sharded_dims, split_step
+from tgc.ir.input_checks import check_writable
 from tgc.ir.module import Module
 from tgc.local_ranks import LocalComm, LocalNcclComm, local_group, run_ranks
 from tgc.options import Options
@@ -626,14 +627,18 @@ class DataParallel:
 
 
 def _check_writable(arrays: dict, names) -> None:
-    """TypeError unless each of `names` is an array this rank may write (a broadcast
-    sets it in place): checked before the ranks agree, as a write that fails half-way
-    through the broadcasts would leave them out of step."""
+    """Each of `names` is an array this rank may write (a broadcast sets it in place):
+    a GPU array, or a numpy array that passes the check of every array tgc writes
+    into (`input_checks.check_writable`: EvalError for a read-only array or a stride-0
+    view); anything else is a TypeError. Checked before the ranks agree, as a write
+    that fails half-way through the broadcasts would leave them out of step."""
     for name in names:
         x = arrays[name]
-        if not (isinstance(x, np.ndarray) and x.flags.writeable) and not hasattr(x, "__cuda_array_interface__"):
+        if isinstance(x, np.ndarray):
+            check_writable(name, x, "is set to rank 0's value in place (a broadcast)")
+        elif not hasattr(x, "__cuda_array_interface__"):
             raise TypeError(f"'{name}' must be a writable array: the broadcast sets it to rank 0's value in place, "
-                            f"not {type(x).__name__}" + (" (read-only)" if isinstance(x, np.ndarray) else ""))
+                            f"not {type(x).__name__}")
 
 
 RECORD_BYTES = 256   # one rank's record in the agreement before each step

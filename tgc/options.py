@@ -23,7 +23,9 @@ class Options:
     backend's code-generation settings sit in an object of its own: `cpu`, a
     `CpuOptions` (`threads`, `compile_jobs`, `profile`, the BLAS and parallel
     thresholds; `Options(cpu=CpuOptions(threads=1))`), and `cuda`, a `CudaOptions`.
-    Each field's comment says what it does. `dtype` and `dims` are set by
+    Each field's comment says what it does; `CpuOptions` and `CudaOptions` refuse a
+    value of the wrong type (TypeError) or a negative number (ValueError), naming the
+    field (`CpuOptions.threads must be 0 or more, not -1`). `dtype` and `dims` are set by
     `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64

@@ -45,7 +45,7 @@ FORMAT_VERSION = 1
 
 
 class ParamsError(ValueError):
-    """A parameter file that cannot be read, or does not fit the program."""
+    """A parameter file that cannot be read or written, or does not fit the program."""
 
 
 def _format(path) -> str:
@@ -149,7 +149,10 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
     The suffix chooses the format: `.safetensors` or `.npz`. Each array is checked
     against its argument (edges' sizes, float) and stored in the program's float type
     with its axes in ABI order; the file also records the float type and each array's
-    kind and edges (see the module's documentation). Written atomically."""
+    kind and edges (see the module's documentation). Written atomically: through a
+    temporary file in the same folder, renamed over `path` once whole, so a failure
+    leaves what was there. The folder must exist (none is created); a file that
+    cannot be written is a `ParamsError` naming it and the reason."""
     from tgc.fsutil import write_atomic
 
     fmt = _format(path)
@@ -174,7 +177,14 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
         buf = io.BytesIO()
         np.savez(buf, **checked, **{NPZ_MEMBER: np.array(meta)})
         data = buf.getvalue()
-    write_atomic(path, data)
+    name = os.fspath(path)
+    folder = os.path.dirname(name) or "."
+    if not os.path.isdir(folder):
+        raise ParamsError(f"cannot write '{name}': no folder '{folder}' (save_params creates none)")
+    try:
+        write_atomic(path, data)
+    except OSError as e:
+        raise ParamsError(f"cannot write '{name}': {e.strerror or e}") from None
 
 
 def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | None]:

@@ -182,6 +182,18 @@ def test_numbers_and_names():
     assert expr("input'") == N("input'") and expr("dims") == N("dims")
 
 
+@pytest.mark.parametrize("src, col", [("dim n = \u0663", 9), ("x = \u0663", 5), ("x = \uff13", 5),
+                                      ("x = \u0b67j", 5), ("dim n = 1\u0663", 10),
+                                      ("x = 1.\u0665", 6), ("x = 1e\u0663", 6)])
+def test_numbers_are_ascii_digits_only(src, col):
+    """A numeric literal is ASCII digits: `dim n = \u0663` (an Arabic-Indic 3) or a
+    fullwidth digit is a syntax error where the ASCII literal stops (at the digit, or
+    at the `.`/`e` whose fraction/exponent is not ASCII), as `-D n=\u0663` is refused."""
+    err = error(src)
+    assert (err.loc.line, err.loc.col) == (1, col), (src, str(err))
+    assert err.message.startswith("unexpected "), str(err)
+
+
 def test_calls():
     assert expr("f()") == C("f")
     assert expr("max(0, x)") == C("max", A.Num(0), N("x"))

@@ -76,6 +76,10 @@ out y = %t2 : [batch]
     (("map[exp] %x", "custom[foo; 1; ct; ] %x"), "'custom' with 1 arguments, a vjp takes 3 operands, not 1"),
     (("map[exp] %x", "custom[foo; 1; ; a] %x"), "'custom' with 1 arguments, a jvp takes 3 operands, not 1"),
     (("map[exp] %x", "custom[foo; -1; ; a] %x"), "'custom' with -1 arguments"),
+    # digits are ASCII, as in .tg source: int() and float() would take these
+    (("dim features = 4", "dim features = \u0664"), "unexpected character '\u0664'"),
+    (("map[exp] %x : f32", "map[exp] %x : f\uff13\uff12"), "unexpected character '\uff13'"),
+    (("%t2 = contract %t1, %t1", "%t2 = contract %t1, %t1 loc(t.tg:\u0663:1)"), "unexpected character '\u0663'"),
 ])
 def test_malformed_ops_and_types_are_located_errors(edit, message):
     assert check_opt(MLP_ADJOINT, "", "the unmutated text") == "accepted"
@@ -86,3 +90,13 @@ def test_malformed_ops_and_types_are_located_errors(edit, message):
     line = next(i for i, s in enumerate(text.splitlines(), 1) if new in s)
     out = runner.invoke(main, ["opt", "-", "-p", ""], input=text).output
     assert f"<stdin>:{line}:" in out and message in out, out
+
+
+def test_non_ascii_is_read_in_a_locs_file_name_and_comments():
+    """IR text is ASCII but for quoted text, comments and a loc's file name (a path)."""
+    from tgc.ir.parser import parse_module
+
+    text = MLP_ADJOINT.replace("f32[batch, features]\n%t2", "f32[batch, features] loc(/tmp/\u00e9t\u00e9/m.tg:3:5)\n%t2")
+    text = text.replace("dim batch\n", "dim batch   # \u0663 rows\n")
+    assert "loc(/tmp/\u00e9t\u00e9/m.tg:3:5)" in text and "\u0663" in text
+    assert [o.name for o in parse_module(text, "m.tgir").outputs] == ["y"]

@@ -88,15 +88,17 @@ def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | 
                         f"not {given} (only arguments that are only read are converted)")
 
 
-def check_writable(name: str, a: np.ndarray) -> None:
+def check_writable(name: str, a: np.ndarray, how: str = "is updated in place") -> None:
     """An update target's array can be written in place, one element per value: a
     stride-0 view (numpy's as_strided, torch's `expand`) keeps only the last of the
     values written to its shared elements, so it is refused, as torch refuses an in-place
-    op on an expanded tensor."""
+    op on an expanded tensor. The one check of every array tgc writes into: a call's
+    update targets, and the params a data-parallel broadcast sets (`how` says which
+    write it is, for the message)."""
     if not a.flags.writeable:
-        raise EvalError(f"'{name}' is updated in place but the array is read-only")
+        raise EvalError(f"'{name}' {how}, but the array is read-only")
     if any(stride == 0 and n > 1 for stride, n in zip(a.strides, a.shape)):
-        raise EvalError(f"'{name}' is updated in place, but its elements share memory (a stride-0 view, "
+        raise EvalError(f"'{name}' {how}, but its elements share memory (a stride-0 view, "
                         f"such as an expanded or broadcast one): pass an array with one element per value")
 
 

@@ -60,7 +60,12 @@ class _Reader:
                 raise self.error("this is a lowered program (a dump of a lowering stage), not IR: "
                                  "`tgc opt` reads it; this command takes .tg source or IR")
             keep = raw.lstrip().startswith(("%", "assume"))   # an assume's quoted text may hold '#'
-            line = raw.split("#", 1)[0].strip() if not keep else raw.strip()
+            code = raw.split("#", 1)[0] if not keep else raw
+            col = _non_ascii(code)
+            if col is not None:
+                raise self.error(f"unexpected character {code[col]!r} (IR text is ASCII outside quoted text "
+                                 f"and a loc's file name)", col + 1)
+            line = code.strip()
             if line:
                 try:
                     self.statement(line)
@@ -199,6 +204,19 @@ class _Reader:
 
 def _build(op: str, attrs: str | None, args: list[V.Value], typ: V.TensorType, loc) -> V.Value:
     return ops.parse_value(V, op, attrs, args, typ, loc)   # each op's text codec: tgc.ir.ops.OPS
+
+
+_ASCII_EXEMPT = re.compile(r'"[^"]*"|(?<=loc\().*(?=:[^:]*:[^:]*\)\s*$)')   # quoted text, a loc's file name
+
+
+def _non_ascii(line: str) -> int | None:
+    """The index of the first non-ASCII character of `line` outside quoted text and a
+    loc's file name, or None. Names, numbers and types of IR text are ASCII, as in .tg
+    source: `int` and `float` would read other scripts' digits (`\u0663`) as numbers."""
+    if line.isascii():
+        return None
+    blanked = _ASCII_EXEMPT.sub(lambda m: " " * len(m.group()), line)
+    return next((i for i, ch in enumerate(blanked) if not ch.isascii()), None)
 
 
 def parse_module(text: str, filename: str = "<ir>") -> Module:

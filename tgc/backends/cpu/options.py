@@ -1,7 +1,9 @@
 """The CPU backend's code-generation settings, nested in `tgc.options.Options` as
 `options.cpu` (`Options(cpu=CpuOptions(threads=1))`).
 
-Plain data (no imports): the neutral options module nests it. Every tuned number of
+Plain data (no imports of tgc): the neutral options module nests it. Its values are
+checked when it is made (`check_fields`): a field of the wrong type is a TypeError, a
+negative or NaN number a ValueError, each naming the field. Every tuned number of
 the CPU backend is a field here, not a module-level constant. A field changes
 what code is generated (so it is part of the code cache's key), except `compile_jobs`,
 which only splits the work of compiling it, and `recycle_min_bytes` and `recycle_kept`,
@@ -10,7 +12,31 @@ behind each tuned default.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+
+
+def check_fields(options) -> None:
+    """Refuses a field of the options dataclass `options` (`CpuOptions`, `CudaOptions`)
+    whose value is not of its declared type (`int`, `float`, `bool`, `str`; `| None`
+    also takes None; an int for a float; a bool for no number), with a TypeError,
+    or is a negative or NaN number, with a ValueError; each message names the
+    field. Every number of these settings is a count, size, threshold, cost or
+    rate, of which 0 is the least (and, where its comment says so, means none,
+    never or every core)."""
+    for f in fields(options):
+        value, types = getattr(options, f.name), [t.strip() for t in str(f.type).split("|")]
+        where = f"{type(options).__name__}.{f.name}"
+        if value is None and "None" in types:
+            continue
+        number = isinstance(value, int) and not isinstance(value, bool) or \
+            "float" in types and isinstance(value, float)
+        ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
+              "int": number, "float": number}
+        checked = [t for t in types if t in ok]   # other types (tuples, ...) are not checked here
+        if checked and not any(ok[t] for t in checked):
+            raise TypeError(f"{where} must be {' or '.join(types)}, not {type(value).__name__} {value!r}")
+        if number and not value >= 0:
+            raise ValueError(f"{where} must be 0 or more, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -108,6 +134,11 @@ class CpuOptions:
     causal_gemm: bool = True                 # a product whose operand is 0, or whose result is dead, where a causal mask rejects (attention's q.k, P v and their gradients) runs the own kernel's `tri` form over the blocks the mask admits (tgc.backends.cpu.causal; fgemm.own_kernel)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
     recycle_kept: int = 2                    # ... from up to this many earlier calls
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.threads > 2 ** 31 - 1:   # the OpenMP runtime takes an int
+            raise ValueError(f"CpuOptions.threads must be at most 2^31 - 1 (0: every core), not {self.threads}")
 
     def with_(self, **changes) -> "CpuOptions":
         """A copy with the given fields changed."""

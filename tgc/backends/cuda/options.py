@@ -1,9 +1,12 @@
 """The CUDA backends' settings (cuda, cuda-sim; docs/cuda.md), nested in
-`tgc.options.Options` as `options.cuda`. Plain data, no imports. docs/cuda.md
+`tgc.options.Options` as `options.cuda`. Plain data; its values are checked as
+`CpuOptions`' are (`check_fields`: a TypeError or ValueError naming the field). docs/cuda.md
 ("Tuned numbers") gives what each tuned default trades and its measurement."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from tgc.backends.cpu.options import check_fields
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class CudaOptions:
     bindings_kept: int = 4    # bindings of the dims kept per program (runtime._Binding: workspace, steps, graphs), most recently used first
     graphs_kept: int = 4      # CUDA graphs kept per binding (by the addresses of the arguments and outputs); a binding with more misses than hits after twice this many captures stops capturing
     outputs_kept: int = 4     # output sets kept per binding, to be written again once the caller drops them
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def row_block(self, length: int) -> int:
         """The threads of a block-per-row launch for rows of `length` elements (above):

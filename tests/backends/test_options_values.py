@@ -1,0 +1,70 @@
+"""The backends' options objects refuse values of the wrong type, and negative counts,
+sizes and thresholds, with an error that names the field (`CpuOptions(threads=-1)`
+used to be accepted and passed to the runtime as it is)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tgc
+from tgc.backends.cpu.options import CpuOptions
+from tgc.backends.cuda.options import CudaOptions
+from tgc.options import Options
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("value", [-1, -8, 2 ** 31])
+def test_threads_out_of_range_is_a_value_error(value):
+    with pytest.raises(ValueError, match=r"CpuOptions\.threads"):
+        CpuOptions(threads=value)
+    with pytest.raises(ValueError, match=r"CpuOptions\.threads"):
+        Options().with_(threads=value)
+    with pytest.raises(ValueError, match=r"CpuOptions\.threads"):
+        CpuOptions().with_(threads=value)
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, True, None])
+def test_threads_of_another_type_is_a_type_error(value):
+    with pytest.raises(TypeError, match=r"CpuOptions\.threads"):
+        CpuOptions(threads=value)
+
+
+def test_every_field_is_checked_by_its_type():
+    with pytest.raises(ValueError, match=r"CpuOptions\.parallel_min_work"):
+        CpuOptions(parallel_min_work=-1)
+    with pytest.raises(TypeError, match=r"CpuOptions\.merge_regions"):
+        CpuOptions(merge_regions=1)
+    with pytest.raises(TypeError, match=r"CpuOptions\.blas"):
+        CpuOptions(blas=None)
+    with pytest.raises(ValueError, match=r"CpuOptions\.call_compile_cost"):
+        CpuOptions(call_compile_cost=float("nan"))
+    with pytest.raises(ValueError, match=r"CudaOptions\.block_threads"):
+        CudaOptions(block_threads=-256)
+    with pytest.raises(TypeError, match=r"CudaOptions\.graphs"):
+        CudaOptions(graphs="yes")
+
+
+def test_valid_values_are_kept():
+    assert CpuOptions(threads=0).threads == 0 and CpuOptions(threads=3).threads == 3
+    assert CpuOptions(call_compile_cost=1).call_compile_cost == 1
+    assert Options().with_(threads=2, row_min=64).cpu.threads == 2
+    assert CpuOptions() == CpuOptions() and CudaOptions() == CudaOptions()
+
+
+def test_compile_refuses_negative_threads_before_compiling():
+    with pytest.raises(ValueError, match=r"CpuOptions\.threads must be"):
+        tgc.compile(ROOT / "examples" / "mlp.tg", options=Options(cpu=CpuOptions(threads=-1)))
+
+
+def test_the_examples_threads_flag_refuses_what_cpu_options_refuses():
+    code = ("import sys; sys.path.insert(0, 'examples'); import train_common as c; "
+            "c.parse(c.parser('x', 'doc', 10, 2), ['--threads', sys.argv[1]])")
+    for value in ("-1", str(2 ** 31)):
+        r = subprocess.run([sys.executable, "-c", code, value], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
