@@ -55,6 +55,16 @@ def test_valid_values_are_kept():
     assert CpuOptions() == CpuOptions() and CudaOptions() == CudaOptions()
 
 
+def test_numpy_numbers_are_numbers():
+    """A size computed with numpy (`np.int64`, `np.float32`) is a number like Python's."""
+    import numpy as np
+
+    assert CpuOptions(threads=np.int64(2)).threads == 2
+    assert CpuOptions(call_compile_cost=np.float32(1.5)).call_compile_cost == 1.5
+    with pytest.raises(ValueError, match=r"CpuOptions\.threads"):
+        CpuOptions(threads=np.int32(-1))
+
+
 def test_compile_refuses_negative_threads_before_compiling():
     with pytest.raises(ValueError, match=r"CpuOptions\.threads must be"):
         tgc.compile(ROOT / "examples" / "mlp.tg", options=Options(cpu=CpuOptions(threads=-1)))

@@ -12,13 +12,15 @@ behind each tuned default.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields, replace
 
 
 def check_fields(options) -> None:
     """Refuses a field of the options dataclass `options` (`CpuOptions`, `CudaOptions`)
     whose value is not of its declared type (`int`, `float`, `bool`, `str`; `| None`
-    also takes None; an int for a float; a bool for no number), with a TypeError,
+    also takes None; an int for a float; numpy's integers and floats as well; a bool
+    for no number), with a TypeError,
     or is a negative or NaN number, with a ValueError; each message names the
     field. Every number of these settings is a count, size, threshold, cost or
     rate, of which 0 is the least (and, where its comment says so, means none,
@@ -28,8 +30,8 @@ def check_fields(options) -> None:
         where = f"{type(options).__name__}.{f.name}"
         if value is None and "None" in types:
             continue
-        number = isinstance(value, int) and not isinstance(value, bool) or \
-            "float" in types and isinstance(value, float)
+        number = isinstance(value, numbers.Integral) and not isinstance(value, bool) or \
+            "float" in types and isinstance(value, numbers.Real) and not isinstance(value, bool)
         ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
               "int": number, "float": number}
         checked = [t for t in types if t in ok]   # other types (tuples, ...) are not checked here
