@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not has_feature("avx512f"), reason="the own GEMM kernel needs AVX-512 (avx512f)")
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """(rows, vecs, depth[, panel rows]) -> a ctypes function of the kernel with those blocks."""
+def _jitted_kernels(tri: bool):
+    """(rows, vecs, depth[, panel rows]) -> a ctypes function of the own kernel with those
+    blocks (its `tri` form, which takes the mask's four coefficients more, where `tri`);
+    the JIT modules are closed when the generator ends."""
     import llvmlite.ir as ir
 
     from tgc.backends.cpu import llvm_env
@@ -41,12 +42,12 @@ def kernels():
     made, keep = {}, []
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
-                             i64, vp, vp, vp, vp)
+                             i64, vp, vp, vp, vp, *(i64,) * (4 if tri else 0))
 
     def get(rows, vecs, depth, panel=CpuOptions().own_gemm_panel_rows):
         if (rows, vecs, depth, panel) not in made:
             mod = ir.Module("own")
-            fn = own_kernel(mod, CpuOptions(own_gemm_panel_rows=panel), rows, vecs, depth=depth)
+            fn = own_kernel(mod, CpuOptions(own_gemm_panel_rows=panel), rows, vecs, depth=depth, tri=tri)
             fn.linkage = "external"
             jit = llvm_env.jit(str(mod))
             keep.append(jit)
@@ -55,6 +56,12 @@ def kernels():
     yield get
     for jit in keep:
         jit.close()
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """(rows, vecs, depth[, panel rows]) -> a ctypes function of the kernel with those blocks."""
+    yield from _jitted_kernels(tri=False)
 
 
 def call(fn, A, B, C, accumulate):
@@ -827,28 +834,7 @@ def test_attention_backward_products_with_transposed_a_match_the_interpreter(tmp
 @pytest.fixture(scope="module")
 def tri_kernels():
     """(rows, vecs, depth, panel rows) -> the ctypes function of the kernel's `tri` form."""
-    import llvmlite.ir as ir
-
-    from tgc.backends.cpu import llvm_env
-    from tgc.backends.cpu.fgemm import own_kernel
-
-    made, keep = {}, []
-    i64, vp = ctypes.c_int64, ctypes.c_void_p
-    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
-                             i64, vp, vp, vp, vp, i64, i64, i64, i64)
-
-    def get(rows, vecs, depth, panel):
-        if (rows, vecs, depth, panel) not in made:
-            mod = ir.Module("own")
-            fn = own_kernel(mod, CpuOptions(own_gemm_panel_rows=panel), rows, vecs, depth=depth, tri=True)
-            fn.linkage = "external"
-            jit = llvm_env.jit(str(mod))
-            keep.append(jit)
-            made[rows, vecs, depth, panel] = proto(jit.address(fn.name))
-        return made[rows, vecs, depth, panel]
-    yield get
-    for jit in keep:
-        jit.close()
+    yield from _jitted_kernels(tri=True)
 
 
 def call_tri(fn, A, B, C, accumulate, mask):
