@@ -617,9 +617,12 @@ def test_bf16_buffers_and_gemm_ex_on_the_gpu_path(cupy):
     dx, dw = _dev(x.view(np.uint16)), _dev(w.view(np.uint16))
     got = prog(x=dx, W=dw, lr=0.5)
     assert got["W"] is dw and got["y"].dtype == np.uint16 and got["s"].dtype == np.uint16
-    for k in ("y", "s", "W", "loss"):   # every one bf16 (loss: the mean's result rounded), as bits
+    for k in ("y", "s", "W"):   # bf16, as bits
         assert want[k].dtype == ml_dtypes.bfloat16 and got[k].dtype == np.uint16, k
         assert np.array_equal(got[k].get(), want[k].view(np.uint16)), k
+    # the loss is f32: a mean of f32(y) * f32(y), the conversions kept
+    assert want["loss"].dtype == np.float32 and got["loss"].dtype == np.float32
+    assert np.array_equal(got["loss"].get(), want["loss"])
     # x @ W: GemmEx; the gradient x^T g with g f32 (the cotangent of an f32 product) is
     # sgemm on x widened by a copy kernel
     assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
@@ -653,8 +656,9 @@ def test_bf16_program_replays_as_a_cuda_graph_and_takes_torch_bf16_through_dlpac
         want = sim(x=x, W=w_sim, lr=0.25)
         got = prog(x=xt if step else _dev(x.view(np.uint16)), W=dw, lr=0.25)
         assert got["W"] is dw
-        for k in ("y", "s", "W", "loss"):
+        for k in ("y", "s", "W"):
             assert np.array_equal(got[k].get(), want[k].view(np.uint16)), (k, step)
+        assert np.array_equal(got["loss"].get(), want["loss"]), ("loss", step)   # f32
     assert prog._kernels.graph_counts["replays"] == 3   # a capture per new input array (x, then xt)
     assert EX_ARGS and all(a == (14, 14, 0, 68) for a in EX_ARGS)
 
