@@ -55,6 +55,16 @@ def test_valid_values_are_kept():
     assert CpuOptions() == CpuOptions() and CudaOptions() == CudaOptions()
 
 
+@pytest.mark.parametrize("field, value", [("blas", "mkl"), ("bf16_gemm", "yes"), ("own_gemm", "never")])
+def test_a_string_field_takes_only_its_listed_values(field, value):
+    """A misspelt choice is refused, naming the field and what it takes (it was taken
+    as one of the others: `blas="mkl"` ran as numpy's)."""
+    with pytest.raises(ValueError, match=rf"CpuOptions\.{field} must be one of .*'{value}'"):
+        CpuOptions(**{field: value})
+    with pytest.raises(ValueError, match=rf"CpuOptions\.{field}"):
+        Options().with_(**{field: value})
+
+
 def test_numpy_numbers_are_numbers():
     """A size computed with numpy (`np.int64`, `np.float32`) is a number like Python's."""
     import numpy as np

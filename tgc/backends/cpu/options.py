@@ -3,7 +3,7 @@
 
 Plain data (no imports of tgc): the neutral options module nests it. Its values are
 checked when it is made (`check_fields`): a field of the wrong type is a TypeError, a
-negative or NaN number a ValueError, each naming the field. Every tuned number of
+negative or NaN number or a string `CHOICES` does not list a ValueError, each naming the field. Every tuned number of
 the CPU backend is a field here, not a module-level constant. A field changes
 what code is generated (so it is part of the code cache's key), except `compile_jobs`,
 which only splits the work of compiling it, and `recycle_min_bytes` and `recycle_kept`,
@@ -16,12 +16,13 @@ import numbers
 from dataclasses import dataclass, fields, replace
 
 
-def check_fields(options) -> None:
+def check_fields(options, choices: dict[str, tuple[str, ...]] | None = None) -> None:
     """Refuses a field of the options dataclass `options` (`CpuOptions`, `CudaOptions`)
     whose value is not of its declared type (`int`, `float`, `bool`, `str`; `| None`
     also takes None; an int for a float; numpy's integers and floats as well; a bool
     for no number), with a TypeError,
-    or is a negative or NaN number, with a ValueError; each message names the
+    or is a negative or NaN number, or a string that `choices` (field name -> the
+    values it takes) does not list, with a ValueError; each message names the
     field. Every number of these settings is a count, size, threshold, cost or
     rate, of which 0 is the least (and, where its comment says so, means none,
     never or every core)."""
@@ -39,6 +40,13 @@ def check_fields(options) -> None:
             raise TypeError(f"{where} must be {' or '.join(types)}, not {type(value).__name__} {value!r}")
         if number and not value >= 0:
             raise ValueError(f"{where} must be 0 or more, not {value!r}")
+        allowed = (choices or {}).get(f.name)
+        if allowed and value not in allowed:
+            raise ValueError(f"{where} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
+
+
+# The values each string field of CpuOptions takes (its comment says what each means).
+CHOICES = {"blas": ("numpy", "system", "none"), "bf16_gemm": ("auto", "on", "off"), "own_gemm": ("auto", "on", "off")}
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,7 @@ class CpuOptions:
     recycle_kept: int = 2                    # ... from up to this many earlier calls
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        check_fields(self, CHOICES)
         if self.threads > 2 ** 31 - 1:   # the OpenMP runtime takes an int
             raise ValueError(f"CpuOptions.threads must be at most 2^31 - 1 (0: every core), not {self.threads}")
 
