@@ -454,6 +454,54 @@ out y
         tgc.compile(src).region_calls()
 
 
+def test_thread_profile_splits_a_kernels_cpu_time_among_the_threads():
+    """`thread_profile` gives, per profile counter, in ns of CPU time: thread 0's over
+    the kernel, thread 0's and the other threads' busy time, and thread 0's in the
+    kernel's regions. On one thread, thread 0 was busy all through and no region ran;
+    on two, a product in a region of its own keeps both threads busy, thread 0 for
+    less than its time over the kernel (planning the tiles, starting the team), and a
+    kernel that ran no region keeps the other threads idle. The product's busy times
+    sum to about its CPU time on one thread (no timing is asserted beyond a factor 3:
+    another process's load can still slow a thread's share, through the caches)."""
+    from tgc.backends.cpu.llvm_env import usable_cores
+    from tgc.options import Options
+
+    src = """
+dim m, k, n
+input x: f32[m, k], w: f32[k, n]
+y = relu(x @ w)
+out y
+"""
+    x = np.ones((512, 512), np.float32)
+    w = np.full((512, 512), 0.5, np.float32)
+    alone = None
+    for threads in (1, 2):
+        cpu = Options().cpu.with_(profile=True, threads=threads, contention_memory_cycles=0, merge_regions=False)
+        prog = tgc.compile(src, options=Options().with_(cpu=cpu))
+        prog(x=x, w=w)
+        prog.profile(reset=True)
+        for _ in range(3):
+            np.testing.assert_array_equal(prog(x=x, w=w)["y"], 256.0)
+        rows = prog.thread_profile()
+        calls = prog.region_calls()
+        assert len(rows) == len(prog.lowered.kernels) == len(calls)
+        gemm = next(i for i, k in enumerate(prog.lowered.kernels) if k.text().startswith("gemm"))
+        for i, (cpu0, own, rest, region) in enumerate(rows):
+            assert cpu0 > 0 and 0 <= region <= cpu0 and 0 < own <= cpu0 and rest >= 0
+            if threads == 1 or region == 0:
+                assert own == cpu0 and rest == 0
+        if threads == 1:
+            alone = rows[gemm][0]
+        elif usable_cores() >= 2:
+            cpu0, own, rest, region = rows[gemm]
+            assert calls[gemm] == 3 and region > 0 and 0 < own < cpu0 and rest > 0
+            assert alone / 3 < own + rest < 3 * alone
+        prog.profile(reset=True)
+        assert all(r == (0, 0, 0, 0) for r in prog.thread_profile())
+    with pytest.raises(ValueError, match="profile=True"):
+        tgc.compile(src).thread_profile()
+
+
 def test_recycled_outputs_are_safe_across_threads():
     """Calls from several threads: no call's outputs are handed to another call."""
     import threading

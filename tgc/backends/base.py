@@ -204,6 +204,9 @@ class Kernels:
     def region_calls(self):
         raise ValueError(f"profiling is not available on the {self.backend} backend")
 
+    def thread_profile(self):
+        raise ValueError(f"profiling is not available on the {self.backend} backend")
+
 
 _REGISTRY: dict[str, str] | None = None
 # Runners without a folder: found by `get_backend` and listed in its error, but not by

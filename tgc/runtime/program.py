@@ -409,6 +409,14 @@ class Program:
         of their own (a GEMM's; 0 for other kernels), as `profile` counts."""
         return self._kernels.region_calls()
 
+    def thread_profile(self) -> list[tuple[int, int, int, int]]:
+        """Per counter of `profile` and `step_profile`, in that order, in ns of each
+        thread's CPU time: (thread 0's over the kernel, thread 0's busy time, the other
+        threads' busy time summed, thread 0's time in the kernel's parallel regions):
+        what each thread did of a kernel, robust to other processes' load (the CPU
+        backend's `thread_profile`)."""
+        return self._kernels.thread_profile()
+
     @property
     def llvm_ir(self) -> str:
         """The LLVM IR text of this program (the CPU backend; generated again on request)."""

@@ -85,6 +85,7 @@ from tgc.ir.sizes import size_eval
 from tgc.options import Options
 
 ALIGN = 64
+PROFILE_COLUMNS = 6   # `CpuOptions.profile`'s counters per kernel (`_ModuleGen.count_cycles`)
 WRITEABLE = 0x400    # NPY_ARRAY_WRITEABLE: in an argument's flag mask, it is updated
 # Op weights for the parallel threshold, relative to an add/mul (~0.1 ns an element
 # vectorized here): each elementwise function's cost class (tgc.ir.ops.COSTS): the
@@ -208,6 +209,8 @@ class _ModuleGen:
     def emit_table(self) -> None:
         """The function table: defined in the first unit, declared in the others."""
         fntable.define_init(self.mod, "tgc_init")
+        if self.opt.cpu.profile:   # its CPU clock (`parallel.CLOCK_SETTER`)
+            parallel.thread_ns_fn(self.mod)
         if len(self.mods) > 1:
             self.mod.globals[fntable.GLOBAL].linkage = "hidden"   # the other units read it
             for m in self.mods[1:]:
@@ -407,7 +410,7 @@ class _ModuleGen:
                     b.call(self.notify_fn(), [I32(i + 1)])
                 i += 2
                 continue
-            start = self.now(b) if self.opt.cpu.profile else None
+            start = self.profile_start(b) if self.opt.cpu.profile else None
             ran = self.call_kernel(f, k, fns, ptrs, ws, offsets, 0)
             if start is not None:
                 self.count_cycles(b, i, start, ran)
@@ -506,7 +509,7 @@ class _ModuleGen:
                     self.call_region(f, step, starts[i], sub, inner)
                     skip = starts[i].stop
                     continue
-                start = self.now(b) if self.opt.cpu.profile and not isinstance(sk, StepLoop) else None
+                start = self.profile_start(b) if self.opt.cpu.profile and not isinstance(sk, StepLoop) else None
                 ran = self.call_kernel(f, sk, sub, inner, ws, offsets, base)
                 if start is not None:
                     j = next(j for j, c in enumerate(self.step_counters) if c is sk)
@@ -777,11 +780,15 @@ class _ModuleGen:
         `tgc_profile()` returns the counters, one i64 per kernel, then one per kernel
         counting a GEMM's calls that ran in a region of their own: `ran`, its i32,
         is 1 for such a call; under contention a GEMM over its serial threshold may
-        still run on one thread, `parallel.py`)."""
+        still run on one thread, `parallel.py`), then four per kernel, in ns of CPU
+        time: thread 0's over the kernel, then thread 0's and the other threads' in its
+        regions' bodies, and thread 0's in its regions (`parallel.busy_counters`, taken
+        and zeroed here; `Program.thread_profile`). `start`: `profile_start`'s."""
+        start, cpu0 = start
         n = max(len(self.low.kernels) + len(self.step_counters), 1)
         table = self.mod.globals.get("tgc.profile")
         if table is None:
-            table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, 2 * n), "tgc.profile")
+            table = ir.GlobalVariable(self.mod, ir.ArrayType(I64, PROFILE_COLUMNS * n), "tgc.profile")
             table.linkage = "internal"
             table.initializer = ir.Constant(table.value_type, None)
             getter = define(self.mod, "tgc_profile", PTR, [], internal=False)
@@ -791,6 +798,17 @@ class _ModuleGen:
         if ran is not None:
             slot = b.gep(table, [I32(0), I32(n + i)], inbounds=True)
             b.store(b.add(b.load(slot, typ=I64), b.zext(b.icmp_signed("!=", ran, I32(0)), I64)), slot)
+        spent = b.sub(b.call(parallel.thread_ns_fn(self.mod), []), cpu0)
+        taken = [b.load_atomic(g, "monotonic", 8, typ=I64) for g in parallel.busy_counters(self.mod)]
+        for j, v in enumerate([spent] + taken):   # every region of the kernel has ended
+            slot = b.gep(table, [I32(0), I32(2 * n + 4 * i + j)], inbounds=True)
+            b.store(b.add(b.load(slot, typ=I64), v), slot)
+        for g in parallel.busy_counters(self.mod):
+            b.store_atomic(I64(0), g, "monotonic", 8)
+
+    def profile_start(self, b: ir.IRBuilder):
+        """(time-stamp counter, thread 0's CPU time in ns) before a counted kernel."""
+        return self.now(b), b.call(parallel.thread_ns_fn(self.mod), [])
 
     # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
     # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding

@@ -165,6 +165,8 @@ def from_object(options: Options, low: Lowered, objs: tuple[bytes, ...], key: st
     gemms = blas.gemm_addresses() if options.cpu.blas != "none" else {}   # none: generated loops only
     table = fntable.make_table({**gemms, **parallel.gomp_addresses()})
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address("tgc_init"))(ctypes.addressof(table))
+    if options.cpu.profile:   # the threads' CPU clock (Program.thread_profile)
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(jit.address(parallel.CLOCK_SETTER))(parallel.clock_address())
     kernels = CpuKernels(low, options, jit)
     kernels.artifacts = tuple(objs)
     return kernels
@@ -347,12 +349,12 @@ class CpuKernels(Kernels):
         (compiled with `CpuOptions(profile=True)`; `reset` zeroes the counters)."""
         if not self.options.cpu.profile:
             raise ValueError("compile with Options(cpu=CpuOptions(profile=True)) to profile kernels")
-        from tgc.backends.cpu.codegen import step_profile_kernels
+        from tgc.backends.cpu.codegen import PROFILE_COLUMNS, step_profile_kernels
 
         kernels = self.lowered.kernels
         steps = step_profile_kernels(self.lowered)
         addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
-        counts = (ctypes.c_int64 * (2 * max(len(kernels) + len(steps), 1))).from_address(addr)
+        counts = (ctypes.c_int64 * (PROFILE_COLUMNS * max(len(kernels) + len(steps), 1))).from_address(addr)
         out = sorted(((counts[i], i, k.text().splitlines()[0]) for i, k in enumerate(kernels)), reverse=True)
         if reset:
             ctypes.memset(addr, 0, ctypes.sizeof(counts))
@@ -384,6 +386,31 @@ class CpuKernels(Kernels):
         addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
         counts = (ctypes.c_int64 * (2 * n)).from_address(addr)
         return [counts[n + j] for j in range(len(self.lowered.kernels) + len(step_profile_kernels(self.lowered)))]
+
+    def thread_profile(self) -> list[tuple[int, int, int, int]]:
+        """Per counter of `profile` (the program's kernels in order, then `step_profile`'s),
+        what the threads did of it over every call so far, in ns of CPU time (each
+        thread's `clock_gettime(CLOCK_THREAD_CPUTIME_ID)`: time slices that other
+        processes took are not counted): (thread 0's over the kernel, thread 0's busy
+        time, the other threads' busy time summed, thread 0's time in the kernel's
+        regions). Thread 0's busy time is its time outside the kernel's regions plus
+        that in their bodies; the others' is theirs in the bodies. Thread 0's time in
+        its regions less its busy time in them is what starting and ending them cost it
+        (spinning while it waits for a worker, too). One thread: the first two are
+        equal and the others 0. A loop's counter counts its step kernels' regions as
+        theirs (they have their own counters)."""
+        if not self.options.cpu.profile:
+            raise ValueError("compile with Options(cpu=CpuOptions(profile=True)) to profile kernels")
+        from tgc.backends.cpu.codegen import PROFILE_COLUMNS, step_profile_kernels
+
+        n = max(len(self.lowered.kernels) + len(step_profile_kernels(self.lowered)), 1)
+        addr = ctypes.CFUNCTYPE(ctypes.c_void_p)(self._jit.address("tgc_profile"))()
+        counts = (ctypes.c_int64 * (PROFILE_COLUMNS * n)).from_address(addr)
+        out = []
+        for i in range(len(self.lowered.kernels) + len(step_profile_kernels(self.lowered))):
+            cpu0, own, rest, region = (counts[2 * n + 4 * i + j] for j in range(4))
+            out.append((cpu0, cpu0 - region + own, rest, region))
+        return out
 
     @property
     def llvm_ir(self) -> str:

@@ -152,6 +152,11 @@ REGION_END, LAG, LAG_AT = "tgc.region_end", "tgc.region_lag", "tgc.region_lag_at
 HOLD = "tgc.region_lag_hold"   # how many times itself the lag is held (`_next_hold`)
 EXCESS = "tgc.region_excess"   # + ".i": the excess of the i-th last region (i = 1 .. contention_confirm_regions - 1)
 WAITED = "tgc.region_waited"   # cycles the calling thread has waited at barriers (`barrier_fn`)
+BUSY = "tgc.region_busy"       # + ".0", ".1", ".region": with `CpuOptions.profile`, the CPU time (ns) thread 0
+#                                and the other threads spent in regions' bodies, and thread 0's in the regions
+#                                from start to end (`busy_counters`)
+CLOCK, CLOCK_SETTER, THREAD_NS = "tgc.thread_clock", "tgc_profile_clock", "tgc.thread_ns"
+CLOCK_THREAD_CPUTIME_ID = 3    # Linux's
 REGION, REGION_RUN, THRESHOLD, BARRIER = "tgc.region", "tgc.region.run", "tgc.threshold", "tgc.barrier"
 
 
@@ -239,7 +244,7 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
     if home is not mod:
         return export(region_fn(home, home, cpu), mod)
     state_t = ir.LiteralStructType([PTR, PTR, I64])   # body, data, the calling thread's cycles in body
-    run = define(home, REGION_RUN, ir.VoidType(), [PTR])
+    run = define(home, REGION_RUN + (".plain" if cpu.profile else ""), ir.VoidType(), [PTR])
     optimize_not(run)   # a few loads and one call per thread
     b = ir.IRBuilder(run.append_basic_block("entry"))
     st = run.args[0]
@@ -258,6 +263,8 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         with otherwise:
             b.call(body, [data])
     b.ret_void()
+    if cpu.profile:   # each thread's CPU time in it
+        run = _timed_run(home, run)
 
     fn = define(home, REGION, ir.VoidType(), [PTR, PTR])
     fn.attributes.add("noinline")
@@ -268,7 +275,10 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
     end = _state(home, REGION_END)
     t0 = now(b)
     last = b.load_atomic(end, "monotonic", 8, typ=I64)
+    c0 = b.call(thread_ns_fn(home), []) if cpu.profile else None
     fntable.call(b, "gomp_parallel", [run, st, I32(max(cpu.threads, 0)), I32(0)])
+    if cpu.profile:
+        b.atomic_rmw("add", _state(home, BUSY + ".region"), b.sub(b.call(thread_ns_fn(home), []), c0), "monotonic")
     t1 = now(b)
     b.store_atomic(t1, end, "monotonic", 8)
     if cpu.contention_memory_cycles > 0:
@@ -289,6 +299,69 @@ def region_fn(mod: ir.Module, home: ir.Module, cpu) -> ir.Function:
         b.store_atomic(t1, at, "monotonic", 8)
     b.ret_void()
     return fn
+
+
+def busy_counters(home: ir.Module) -> list[ir.GlobalVariable]:
+    """With `CpuOptions.profile`: the CPU time (ns, `thread_ns_fn`) thread 0 spent in
+    regions' bodies, the other threads' (summed: on two threads, the worker's), and
+    thread 0's from each region's start to its end (its body, the team's start, and its
+    wait for the others at the end), each summed since the counters were last taken
+    (`codegen`'s per-kernel counters take and zero them after each kernel). A kernel
+    that ran no region leaves them at 0. CPU time, not the time-stamp counter: on a
+    shared machine a thread's time slices taken by other processes do not count, so
+    a kernel's busy times measure the threads' shares of its work under load too."""
+    return [_state(home, BUSY + s) for s in (".0", ".1", ".region")]
+
+
+def _timed_run(home: ir.Module, inner: ir.Function) -> ir.Function:
+    """`tgc.region.run` of a profiled program: `inner` (the plain one) between two
+    readings of the calling thread's CPU clock, the difference added to thread 0's
+    counter or the others' (`busy_counters`)."""
+    run = define(home, REGION_RUN, ir.VoidType(), [PTR])
+    optimize_not(run)
+    b = ir.IRBuilder(run.append_basic_block("entry"))
+    c0 = b.call(thread_ns_fn(home), [])
+    b.call(inner, [run.args[0]])
+    spent = b.sub(b.call(thread_ns_fn(home), []), c0)
+    first = b.icmp_signed("==", fntable.call(b, "omp_get_thread_num", []), I32(0))
+    slot = b.select(first, _state(home, BUSY + ".0"), _state(home, BUSY + ".1"))
+    b.atomic_rmw("add", slot, spent, "monotonic")
+    b.ret_void()
+    return run
+
+
+def thread_ns_fn(home: ir.Module) -> ir.Function:
+    """`i64 tgc.thread_ns()`: the calling thread's CPU time in ns
+    (`clock_gettime(CLOCK_THREAD_CPUTIME_ID)`, through the pointer the runtime gives a
+    profiled program after loading it: `clock_setter`), 0 without one."""
+    fn = home.globals.get(THREAD_NS)
+    if fn is not None:
+        return fn
+    clock = ir.GlobalVariable(home, PTR, CLOCK)
+    clock.linkage = "internal"
+    clock.initializer = ir.Constant(PTR, None)
+    fn = define(home, THREAD_NS, I64, [])
+    fn.attributes.add("noinline")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    ts = b.alloca(ir.ArrayType(I64, 2))
+    b.store(ir.Constant(ir.ArrayType(I64, 2), [0, 0]), ts)
+    f = b.load(clock, typ=ir.FunctionType(I32, [I32, PTR]).as_pointer())
+    with b.if_then(b.icmp_unsigned("!=", b.ptrtoint(f, I64), I64(0))):
+        b.call(f, [I32(CLOCK_THREAD_CPUTIME_ID), ts])
+    sec = b.load(b.gep(ts, [I32(0), I32(0)]), typ=I64)
+    nsec = b.load(b.gep(ts, [I32(0), I32(1)]), typ=I64)
+    b.ret(b.add(b.mul(sec, I64(1_000_000_000)), nsec))
+    setter = define(home, CLOCK_SETTER, ir.VoidType(), [PTR], internal=False)
+    b = ir.IRBuilder(setter.append_basic_block("entry"))
+    b.store(setter.args[0], clock)
+    b.ret_void()
+    return fn
+
+
+def clock_address() -> int:
+    """clock_gettime's address (the C library's), for `CLOCK_SETTER`."""
+    libc = ctypes.CDLL(None)
+    return ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value
 
 
 def barrier_fn(mod: ir.Module, home: ir.Module) -> ir.Function:
