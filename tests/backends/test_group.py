@@ -661,6 +661,39 @@ def test_partial_sums_over_two_rows_loops_do_not_depend_on_the_thread_count():
         assert np.array_equal(one[name], two[name]), name
 
 
+@pytest.mark.parametrize("shrink, outer", [(None, ("batch",)), (0, ("batch", "t"))])
+def test_blocks_over_a_short_summed_batch_count_the_rows_inside_each_index(shrink, outer):
+    """nanoGPT-char's layernorm backward (batch 4, t 256, width 384): its parameter
+    gradients sum over the batch, so the blocks divide the batch alone (4 blocks), and
+    each batch index runs 256 rows of 384: one index is a block
+    (`loops.rows_per_index`). With a block of `group_min_block_rows` (16) indices the
+    4 were one block, and one thread ran the whole group while the other waited. The
+    two threads now share it (each busy, `Program.thread_profile`); the result matches
+    the interpreter and has the same bits on one thread and two. Whether the group
+    keeps `t` outer (`group_shrink_max_bytes`) or not, the blocks are the same."""
+    from tgc.backends.cpu.llvm_env import usable_cores
+    from tgc.backends.cpu.loops import blocked_loops, rows_per_index
+
+    source = LAYERNORM_3D.replace("dim batch, t, c", "dim batch = 4, t = 256, c = 384")
+    more = {} if shrink is None else {"group_shrink_max_bytes": shrink}
+    one = build(source, "f32", threads=1, **more)
+    two = build(source, "f32", threads=2, profile=True, contention_memory_cycles=0, merge_regions=False, **more)
+    cpu = two.options.cpu
+    (i, g), = [(i, k) for i, k in enumerate(two.lowered.kernels) if isinstance(k, LoopGroup) and k.blocks]
+    assert g.outer == outer and g.blocks == 4 and blocked_loops(g, cpu) == ("batch",)
+    assert rows_per_index(g, cpu) == 256 >= cpu.group_min_block_rows
+    m = two.module
+    x = random_inputs(m, m.bind_dims({}), 3, "f32")
+    want = evaluate(m, {k: np.copy(v) for k, v in x.items()}, dtype="f32")
+    got = [p(**{k: np.copy(v) for k, v in x.items()}) for p in (one, two)]
+    for name, w in want.items():
+        np.testing.assert_allclose(got[0][name], w, rtol=1e-4, atol=1e-4 * max(1.0, float(np.max(np.abs(w)))))
+        assert np.array_equal(got[0][name], got[1][name]), name
+    if usable_cores() >= 2:
+        cpu0, own, rest, region = two.thread_profile()[i]   # CPU time: robust to other processes
+        assert region > 0 and min(own, rest) > max(own, rest) / 4   # one block: the worker was busy 0.3% of it
+
+
 @pytest.mark.parametrize("sizes, outer", [("batch = 64, t = 11, c = 48", ("batch",)),
                                           ("batch = 4, t = 256, c = 768", ("batch", "t")),
                                           ("batch, t = 256, c = 768", ("batch", "t")),

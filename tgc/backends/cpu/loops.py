@@ -101,13 +101,17 @@ def split_loops(k: LoopKernel | LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
 def split_count(f: Frame, k: LoopKernel | LoopGroup, cpu: CpuOptions):
     """The length of the range threads split (i64): the product of the split loops'
     extents, or a blocked group's blocks: `blocks`, fewer when the outer loop is
-    short (each block at least `cpu.group_min_block_rows` long,
-    `cpu.group_min_vector_block_rows` when the
+    short (each block at least `cpu.group_min_block_rows` rows long, an index of the
+    blocked range counting as many rows as a member enters its innermost loop for it
+    (`rows_per_index`), or `cpu.group_min_vector_block_rows` indices when the
     rows are what LLVM vectorizes, so that its main vector loop runs; partial-sum rows
     past the last are zeros)."""
     if isinstance(k, LoopGroup) and k.blocks:
         b = f.entry
-        rows = cpu.group_min_vector_block_rows if rows_vectorized(k, cpu) else cpu.group_min_block_rows
+        if rows_vectorized(k, cpu):
+            rows = cpu.group_min_vector_block_rows
+        else:
+            rows = -(-cpu.group_min_block_rows // rows_per_index(k, cpu))
         per = b.sdiv(blocked_extent(f, k, cpu), I64(rows))
         nb = b.select(b.icmp_signed("<", per, I64(k.blocks)), per, I64(k.blocks))
         return b.select(b.icmp_signed("<", nb, I64(1)), I64(1), nb)
@@ -129,6 +133,26 @@ def blocked_loops(g: LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
             and not any(g.outer[k - 1] in m.red for m in g.members):
         n, k = size_op("*", n, g.sizes[g.outer[k]]), k + 1
     return g.outer[:k]
+
+
+def rows_per_index(g: LoopGroup, cpu: CpuOptions) -> int:
+    """How many rows (entries into its innermost loop) the member with most of them
+    runs per index of a blocked group's blocked range (`blocked_loops`): the product of
+    its loops' known extents between the blocked loops and its innermost loop (a
+    symbolic one counts 1). A layernorm's backward over `batch < 4, t < 256`, blocked
+    over the batch alone (its members sum over it, so `blocked_loops` stops there),
+    runs 256 rows of 384 channels per batch index: 4 blocks of one index each, where 16
+    indices a block made one block and one thread ran it all (0.7 ms a layer of
+    nanoGPT's backward step with the other thread idle)."""
+    blocked = set(blocked_loops(g, cpu))
+    most = 1
+    for m in g.members:
+        rows = 1
+        for v in [v for v in m.loops if v not in blocked][:-1]:
+            n = m.sizes[v]
+            rows *= n if isinstance(n, int) and n > 0 else 1
+        most = max(most, rows)
+    return most
 
 
 def blocked_extent(f: Frame, g: LoopGroup, cpu: CpuOptions):
