@@ -161,7 +161,8 @@ def test_every_tuned_field_is_checked():
 # format; in the lowering, a bound on recursion depth (fuse) and the float semantics
 # every backend shares (an f32 sum of at least WIDE_SUM terms is computed in f64).
 STRUCTURAL = {
-    "cpu/aot.py": {"STALE_SECONDS"}, "cpu/codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES"},
+    "cpu/aot.py": {"STALE_SECONDS"}, "cpu/codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES", "PROFILE_COLUMNS"},
+    "cpu/parallel.py": {"CLOCK_THREAD_CPUTIME_ID"},
     "cpu/fgemm.py": {"VL", "MAX_TAPS"}, "cpu/gemm.py": {"UNTILED"}, "cpu/gemm_dispatch.py": {"OWN_COLS"},
     "cpu/gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "cpu/gemm_small.py": {"ROWS"}, "cpu/kernels.py": {"ALIGN"},
     "cpu/sizecheck.py": {"ALIGN"},
