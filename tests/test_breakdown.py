@@ -138,3 +138,25 @@ def test_torch_breakdown_gpt(breakdown):
     assert set(prof["phases"]) == {"forward", "backward", "clip", "adamw"}
     assert prof["products"] > 0 and prof["product_flops"] > 0 and prof["attention"] > 0
     assert prof["products"] + prof["attention"] + prof["other"] <= prof["wall"] * 1.05
+
+
+def test_thread_split_on_a_tiny_gpt(breakdown, capsys):
+    """benchmarks/thread_split.py on the tiny GPT step: a `thread_profile` row per
+    counter for every call of both programs; on one thread the busy time is the
+    kernel's time and no other thread works; the totals it prints add up its rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        split = importlib.import_module("thread_split")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    w = breakdown.NanoGPT(batch=2, sizes=TINY)
+    rows, seen = split.measure(w, 2, 3)
+    assert set(seen) == {1, 2} and all(len(calls) == 3 for calls in seen.values())
+    assert all(len(call) == len(rows) for calls in seen.values() for call in calls)
+    for call in seen[1]:
+        assert all(all0 == own and rest == 0 and region == 0 for all0, own, rest, region in call)
+    t = split.report(rows, seen, 2, 5)
+    kernels = [i for i, r in enumerate(rows) if not r.loop]
+    assert t["one"] == pytest.approx(sum(min(c[i][0] for c in seen[1]) for i in kernels) / 1e6)
+    assert t["busiest"] >= max(t["own"], t["rest"]) > 0
+    assert "all kernels: 1t" in capsys.readouterr().out
