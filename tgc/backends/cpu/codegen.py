@@ -807,8 +807,11 @@ class _ModuleGen:
             b.store_atomic(I64(0), g, "monotonic", 8)
 
     def profile_start(self, b: ir.IRBuilder):
-        """(time-stamp counter, thread 0's CPU time in ns) before a counted kernel."""
-        return self.now(b), b.call(parallel.thread_ns_fn(self.mod), [])
+        """(time-stamp counter, thread 0's CPU time in ns) before a counted kernel: the
+        clock first, so that the cycles counted leave out reading it (`count_cycles`
+        reads the counter before the clock at the end)."""
+        cpu0 = b.call(parallel.thread_ns_fn(self.mod), [])
+        return self.now(b), cpu0
 
     # tgc_run calls small helpers (defined once, never inlined: `parallel.threshold_fn`,
     # `parallel.region_fn`, `tgc.parallel_now`) around every kernel rather than holding
