@@ -21,8 +21,12 @@ kernel or extra work costs the step), `infl` the busy times' sum less the one-th
 better), `spd` the one-thread time over the busier thread's. The kernels with the
 largest loss come first; the totals estimate the step on N quiet cores (the sum of the
 busier threads' times) against an even split. The profiled program runs no merged
-regions (its counters are per kernel): a timed call shares regions between kernels, so
-it starts fewer; the kernels' work is the same.
+regions and shares no loop's steps among the threads (its counters are per kernel;
+`codegen.parallel_step_loops`): a timed call shares regions between kernels, so it
+starts fewer, and runs the independent steps of a loop (a streamed attention's key
+blocks) each on one thread, where the profiled one splits each step's kernels; the
+kernels' work is the same. (nanoGPT-char's loops carry their layers: none of its steps
+are shared.)
 
     python benchmarks/thread_split.py                      # nanoGPT-char, 1 vs 2 threads, 8 calls each
     python benchmarks/thread_split.py --workload conv2d_sym --calls 15 --top 20
