@@ -1205,9 +1205,6 @@ def _(T):
 
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
 KNOWN_GAPS = {
-    "attention_far_tail_weight_key_blocks": "the second key loop reads lse from outside the loop, so its weights "
-                                            "exp(X - m - lse) round the sum to f32 first (lowered.wide_exp does "
-                                            "not see it): dq/dk 27-46x PyTorch f32's error",
     "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
                     "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
                     "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
