@@ -44,6 +44,7 @@ class Case:
     ref: Callable           # ref(T) -> {output name: tensor}; T.name is a torch tensor
     elementwise: bool = False   # per-element errors (elementwise functions' tails)
     note: str = ""
+    options: dict | None = None   # `tgc.options.Options` fields the program is compiled with (default: none)
 
     def f32_inputs(self) -> dict[str, np.ndarray]:
         out = {}
@@ -108,19 +109,20 @@ def torch_outputs(case: Case, dtype) -> dict[str, np.ndarray]:
 
 
 def tgc_outputs(case: Case, backend: str) -> dict[str, np.ndarray]:
+    from tgc.options import Options
+
     inputs = case.f32_inputs()
     if backend == "interp":
         from tgc import pipeline
         from tgc.frontend import compile_source
         from tgc.ir.interp import evaluate
-        from tgc.options import Options
 
-        opts = Options(dtype="f32")
+        opts = Options(dtype="f32", **(case.options or {}))
         module = compile_source(case.src, f"<{case.id}>", opts)
         lowered = pipeline.lower(module, opts).module
         return evaluate(lowered, inputs, dtype="f32")
 
-    prog = compile_on(case.src, backend, dtype="f32")
+    prog = compile_on(case.src, backend, dtype="f32", options=Options(**(case.options or {})))
     arrays = {k: v.copy() for k, v in inputs.items()}
     result = dict(prog(**arrays))
     for target in prog.updates:     # updates are written in place: the caller's arrays are what counts
@@ -181,11 +183,11 @@ def report(case: Case, backend: str, results: list[Result]) -> str:
 
 
 def case_registry(cases: list) -> Callable:
-    """`case(id, src, inputs, elementwise=False)`: a decorator that registers its reference
-    function as a `Case` in `cases`."""
-    def case(id, src, inputs, elementwise=False):
+    """`case(id, src, inputs, elementwise=False, options=None)`: a decorator that registers
+    its reference function as a `Case` in `cases`."""
+    def case(id, src, inputs, elementwise=False, options=None):
         def register(ref):
-            cases.append(Case(id, src, inputs, ref, elementwise))
+            cases.append(Case(id, src, inputs, ref, elementwise, options=options))
             return ref
         return register
     return case

@@ -346,3 +346,34 @@ def test_the_attention_layer_at_t_8192_peaks_within_64_mib_under_the_defaults():
         for opts in (Options(), Options(stream_key_block=256)):
             peak, _ = bench.tgc_peak(bench.layer_source(t), {"batch": bench.ROWS[t][1]}, opts)
             assert peak <= 64 * 2**20, (t, opts.stream_key_block, peak / 2**20)
+
+
+def test_second_loop_marks_the_lse_it_reads_for_wide_exp():
+    """The backward's second key loop reads the first loop's lse = log(l) as an invariant:
+    its step's argument bound to it is marked `logsumexp` (`Buffer.lse`, in the lowered
+    text too), so that its weights exp(X - m - lse) are softmax weights to
+    `lowered.wide_exp` (the sum unrounded in f32; the numbers:
+    attention_far_tail_weight_key_blocks in tests/e2e/test_numerics_f32.py). No
+    argument of the first loop's step is marked (it computes lse), nor of the stream's
+    over the rows (its lse is computed inside the step)."""
+    from tgc.lower.lowered import Add, Load, Map, logsumexp_outputs, print_lowered, step_loops, walk
+    from tgc.lower.text import parse_lowered
+    from tgc.pipeline import lower_module
+
+    src = CROSS.replace("head = 2, ", "").replace("head, ", "")
+    low = lower_module(optimized(src, "f32", **KEYS), Options(**KEYS))
+    steps = [k.step for _, k in step_loops(low)]
+    assert len(steps) == 3   # the rows', and the two key loops inside its step
+    marked = [{n for n, b in s.buffers.items() if b.lse} for s in steps]
+    assert [bool(m) for m in marked] == [False, False, True], marked
+    second = steps[2]
+    lse = logsumexp_outputs(second)
+    assert lse == marked[2]
+    # every exp of a sum in the second loop reads one of them: all are softmax weights
+    kernels = [m for k in second.kernels for m in (getattr(k, "members", None) or (k,))]
+    exps = [e for k in kernels if hasattr(k, "body") for e in walk(k.body) if isinstance(e, Map) and e.fn == "exp"]
+    assert exps and all(isinstance(e.args[0], Add) and any(isinstance(a, Load) and a.buf in lse for a in e.args[0].args)
+                        for e in exps), [str(e) for e in exps]
+    text = print_lowered(low)
+    assert text.count(" logsumexp\n") == len(lse)
+    assert print_lowered(parse_lowered(text)) == text

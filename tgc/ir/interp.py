@@ -26,7 +26,7 @@ from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import MAX_SIZE, SizeError, UnboundDim, size_eval
 from tgc.ir.dtypes import LOW_FLOATS, SCALAR_TYPES, is_low_array, round_to
 from tgc.ir.ops import NUMPY
-from tgc.ir.values import Value, primal_order
+from tgc.ir.values import Value, holds_logsumexp, primal_order
 
 NP_DTYPES = SCALAR_TYPES   # {type name: numpy scalar type}; bf16: ml_dtypes.bfloat16
 
@@ -100,6 +100,7 @@ class _Eval:
         self.sizes = module.edge_sizes(env)
         self.float_dtype = float_dtype
         self.params: list[np.ndarray] = []   # a loop body's parameters, while it runs
+        self.lse_params: frozenset[int] = frozenset()   # ... those bound to a log-sum-exp (holds_lse)
         self.loops: dict[tuple, list[np.ndarray]] = {}   # a loop's outputs, computed once for all
 
     def np_dtype(self, v: Value):
@@ -133,9 +134,14 @@ class _Eval:
         programs' rule, `tgc.lower.lowered.wide_exp`: to f32's precision, not |d - lse| ulps)."""
         if v.op != "map" or v.attrs[0] != "exp" or v.operands[0].op != "add":
             return False
-        if not any(x.op == "reduce" and x.attrs[0] == "logsumexp" for x in v.operands[0].operands):
+        if not any(self.holds_lse(x) for x in v.operands[0].operands):
             return False
         return all(x.dtype not in LOW_FLOATS and self.np_dtype(x) == np.float32 for x in (v, v.operands[0]))
+
+    def holds_lse(self, x: Value) -> bool:
+        """Whether `x` is a log-sum-exp (`holds_logsumexp`), a parameter of the loop body
+        running bound to one from outside included (`lse_params`)."""
+        return holds_logsumexp(x, lambda v: v.op == "loopvar" and v.attrs[0] in self.lse_params)
 
     def elements(self, v: Value) -> int:
         n = 1
@@ -395,8 +401,10 @@ def _run_loop(ev: _Eval, v: Value, ops) -> list[np.ndarray]:
     axes = [o.edges.index(edge) if edge in o.edges else -1 for o in v.operands]
     carry = list(ops[:body.carries])
     stacked: list[list[np.ndarray]] = [[] for _ in range(body.stacked)]
+    lse = frozenset(k for k, o in enumerate(v.operands) if body.role(k) == "invariant" and ev.holds_lse(o))
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
         step = _Eval(ev.m, ev.env, ev.args, ev.float_dtype)
+        step.lse_params = lse
         step.params = carry + [np.take(a, i, axis=axes[k]) if body.role(k) == "slice" else a
                                for k, a in enumerate(ops) if k >= body.carries]
         vals = step.run(list(body.results))

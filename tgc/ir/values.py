@@ -567,6 +567,20 @@ def loop_output(v: Value, out: int) -> Value:
     return loop(body, edge, v.operands, out, reverse, v.loc)
 
 
+def holds_logsumexp(v: Value, lse: Callable[[Value], bool] = lambda v: False) -> bool:
+    """Whether `v` is a log-sum-exp, whose softmax weights `exp(d - lse)` take their sum
+    unrounded in f32 (`tgc.lower.lowered.wide_exp`): a `reduce[logsumexp]`, or the log
+    of a loop's carry (the online softmax's `log(l)`, l the running sum of exp(X - m)
+    that the first key loop carries: `tgc.opt.stream_keys`), or what `lse` says of it
+    (a loop body's parameter, or a step's argument, bound to one from outside)."""
+    if v.op == "reduce":
+        return v.attrs[0] == "logsumexp"
+    if v.op == "map" and v.attrs[0] == "log" and len(v.operands) == 1:
+        o = v.operands[0]
+        return o.op == "loop" and o.attrs[3] < o.attrs[0].carries
+    return lse(v)
+
+
 def primal_order(roots: Iterable[Value]) -> list[Value]:
     """`topo_order`, but a `custom` value's rules are not visited: what computing the
     roots' values needs (a custom value is its first operand's value)."""

@@ -116,8 +116,9 @@ def sink_recomputation(kernels: list) -> None:
 
 
 class _Fuser:
-    def __init__(self, m: Module, options: Options):
+    def __init__(self, m: Module, options: Options, lse_args: frozenset[str] = frozenset()):
         self.m, self.opt = m, options
+        self.lse_args = lse_args   # a step's arguments bound to a log-sum-exp from outside (`Buffer.lse`)
         self.values = m.values()
         for v in self.values:
             if v.op in ("grad", "jvp", "vjp"):
@@ -494,7 +495,8 @@ class _Fuser:
     def lower(self) -> Lowered:
         for i, (name, a) in enumerate(self.m.args.items()):
             dtype = "i32" if a.dtype == "i32" else self.opt.dtype
-            self.low.buffers[name] = Buffer(name, dtype, tuple(sorted(a.order)), "arg", i, a.order)
+            self.low.buffers[name] = Buffer(name, dtype, tuple(sorted(a.order)), "arg", i, a.order,
+                                            lse=name in self.lse_args)
         for v in self.values:
             if v.op == "arg":
                 self.mat[id(v)] = v.attrs[0]

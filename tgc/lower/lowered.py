@@ -265,7 +265,7 @@ def wide_sum(e: Add, dtype: str) -> bool:
 
 def wide_exp(e: "Map", dtype: str, lse: Collection[str]) -> bool:
     """Whether `e` is an f32 softmax weight `exp(d - lse)`: an `exp` of a sum with a term
-    read from `lse`, the buffers a `logsumexp` kernel writes (`logsumexp_outputs`). An
+    read from `lse`, the buffers that hold a log-sum-exp (`logsumexp_outputs`). An
     interpreter and the CUDA kernels take that sum in f64 and do not round it before
     the exp. Rounded to f32 first, `d - lse` (`d` the row's shifted logits) gives a
     weight far out in the tail (`d` = -85) 85 ulps of relative error, where PyTorch's
@@ -281,10 +281,26 @@ def wide_exp(e: "Map", dtype: str, lse: Collection[str]) -> bool:
 
 
 def logsumexp_outputs(low: "Lowered") -> frozenset[str]:
-    """The buffers that `low`'s logsumexp kernels write (`wide_exp`), members of a
-    backend's groups (`members`: the CPU's LoopGroup, CUDA's RowGroup) included."""
+    """The buffers of `low` that hold a log-sum-exp (`wide_exp`; the IR's rule is
+    `tgc.ir.values.holds_logsumexp`): those its logsumexp kernels write, members of a
+    backend's groups (`members`: the CPU's LoopGroup, CUDA's RowGroup) included; those
+    a kernel writes as the log of a loop's carry (the online softmax's `log(l)`, l the
+    running sum of exp(X - m) its first key loop carries: `tgc.opt.stream_keys`); the
+    copies of these; and a step's arguments bound to one of the enclosing program's
+    (`Buffer.lse`: the second key loop reads the first one's lse from outside)."""
     ks = [m for k in low.kernels for m in (getattr(k, "members", None) or (k,))]
-    return frozenset(k.out for k in ks if isinstance(k, LoopKernel) and k.reduce == "logsumexp")
+    carries = {b.buf for k in ks if isinstance(k, StepLoop) for b in k.args[:k.carries]}
+    out = {n for n, b in low.buffers.items() if b.lse}
+    for k in ks:
+        if not isinstance(k, LoopKernel):
+            continue
+        body = k.body
+        if (k.reduce == "logsumexp"
+                or (not k.reduce and isinstance(body, Map) and body.fn == "log" and len(body.args) == 1
+                    and isinstance(body.args[0], Load) and body.args[0].buf in carries)
+                or (not k.reduce and isinstance(body, Load) and body.buf in out)):
+            out.add(k.out)
+    return frozenset(out)
 
 
 @dataclass(frozen=True)
@@ -517,6 +533,9 @@ class Buffer:
     # a temporary whose bytes are buffer `alias`'s, in its own order (`tgc.lower.alias`:
     # a split or merge of edges as strides, no copy)
     alias: str | None = None
+    # a loop step's argument bound to a log-sum-exp of the enclosing program (`holds_logsumexp`):
+    # softmax weights exp(d - lse) that read it take the sum unrounded (`wide_exp`)
+    lse: bool = False
 
     def text(self) -> str:
         where = {"arg": f"arg {self.index}", "out": f"out {self.index}", "temp": "temp"}[self.kind]
@@ -527,6 +546,8 @@ class Buffer:
             text += f" prefer [{', '.join(self.prefer)}]"
         if self.alias is not None:
             text += f" alias %{self.alias}"
+        if self.lse:
+            text += " logsumexp"
         if self.slot is not None:
             text += f" slot {self.slot}"
         return text

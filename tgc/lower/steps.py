@@ -44,7 +44,7 @@ from __future__ import annotations
 from tgc.ir import values as V
 from tgc.ir.dtypes import narrower, rounding
 from tgc.ir.module import Arg, Module, Output
-from tgc.ir.values import Value, rebuild_same, topo_order
+from tgc.ir.values import Value, holds_logsumexp, rebuild_same, topo_order
 from tgc.lower.indexing import edge_size
 from tgc.lower.lowered import Bind, Buffer, StepLoop
 
@@ -183,7 +183,19 @@ class StepLowering:
         step = self.step_module(body, arg_orders, out_orders)
         return {"args": tuple(args), "outs": tuple(outs), "copies": copies, "results": results,
                 "step": step, "edge": edge, "reverse": reverse, "carries": body.carries,
-                "note": _note(v, body)}
+                "note": _note(v, body), "lse": self.lse_args(v)}
+
+    def lse_args(self, v: Value) -> frozenset[str]:
+        """The step's arguments bound to a log-sum-exp (`holds_logsumexp`: the first key
+        loop's lse, which the second reads as an invariant), marked `Buffer.lse` in the
+        step so that its softmax weights exp(X - m - lse) take the sum unrounded
+        (`lowered.wide_exp`), as the unstreamed program's do."""
+        body, bufs = v.attrs[0], self.f.low.buffers
+
+        def marked(x: Value) -> bool:   # an argument of a step bound to one in turn
+            return x.op == "arg" and x.attrs[0] in bufs and bufs[x.attrs[0]].lse
+        return frozenset(f"p{k}" for k, o in enumerate(v.operands)
+                         if body.role(k) == "invariant" and holds_logsumexp(o, marked))
 
     def stored_order(self, held: str | None, edge: str, role: str, inner: tuple[str, ...]) -> tuple[str, ...] | None:
         """The step's order of an operand held in buffer `held` (another loop's result),
@@ -418,7 +430,7 @@ class StepLowering:
         self.emitted.add(key)
         plan = self.plans[key]
         out = [self.f.copy(buf, o) for buf, o in plan["copies"]]
-        step = type(self.f)(plan["step"], self.f.opt).lower()   # the step lowered as a program of its own
+        step = type(self.f)(plan["step"], self.f.opt, plan["lse"]).lower()   # the step lowered as a program of its own
         trip = edge_size(self.f.m, plan["edge"])
         out.append(StepLoop(plan["edge"], trip, plan["reverse"], step, plan["args"], plan["outs"],
                             plan["carries"], note=plan["note"]))

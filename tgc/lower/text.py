@@ -260,6 +260,8 @@ class _Builder:
                 b.prefer = self.names(r.children[0])
             elif r.data == "alias":
                 b.alias = str(r.children[0])[1:]
+            elif r.data == "lse":
+                b.lse = True
             else:
                 b.slot = int(r.children[0])
         self.low.buffers[name] = b
