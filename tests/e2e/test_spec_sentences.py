@@ -76,8 +76,7 @@ case("s12_for_list_member_indicator_sum", """
     }
     """, {"a": _a, "b": _b, "c": _c, "s": _s, "x": _x, "m.a": _ma, "m.c": _mc},
      {"gn": (_ga ** 2).sum() + (np.outer(_x, _gc) ** 2).sum(), "m.a": _ma + _ga, "m.c": _mc + 2 * _gc,
-      "a": _a - .1 * _ga, "c": _c - .1 * _gc, "s": 2 * _s + 1},
-     xfail="[p in b] with b a param outside the list is an error, 'not in the list'")
+      "a": _a - .1 * _ga, "c": _c - .1 * _gc, "s": 2 * _s + 1})
 
 
 # ---- running the cases --------------------------------------------------------------------------------------------
