@@ -79,6 +79,246 @@ case("s12_for_list_member_indicator_sum", """
       "a": _a - .1 * _ga, "c": _c - .1 * _gc, "s": 2 * _s + 1})
 
 
+# ---- section 12: `repeat` and `scan` in every derivative mode ------------------------------------------------------
+# a symbolic loop edge (bound from the arrays), a stacked argument whose loop edge is not
+# first in its ABI order, a carry that is also read as the scan's stacked result; every
+# mode and nesting against torch.func on the unrolled loop
+_x0, _V0, _tg = rn(2, 3), rn(2, 3), rn(2, 3)
+_W, _bl, _VW = rn(5, 3, 3) * .5, rn(3, 5) * .3, rn(5, 3, 3)
+
+
+def _loops_expected():
+    torch = torch_f64()
+    from torch.func import grad, jvp, vjp
+    T = {k: torch.tensor(v) for k, v in dict(x0=_x0, V0=_V0, tg=_tg, W=_W, b=_bl, VW=_VW).items()}
+
+    def run(x0, W, b):
+        h, hs = x0, []
+        for i in range(W.shape[0]):
+            h = torch.tanh(h @ W[i] + b[:, i]) + 0.5 * h
+            hs.append(h)
+        return h, torch.stack(hs)
+
+    def loss(x0, W, b):
+        y, hs = run(x0, W, b)
+        return ((y - T["tg"]) ** 2).sum() + (hs * hs * 0.1).sum()
+
+    x0, W, b, VW = T["x0"], T["W"], T["b"], T["VW"]
+    y, hs = run(x0, W, b)
+    out = dict(y=y, hs=hs, loss=loss(x0, W, b), gx=grad(loss, 0)(x0, W, b), gW=grad(loss, 1)(x0, W, b),
+               gb=grad(loss, 2)(x0, W, b),
+               jx=jvp(lambda a: run(a, W, b)[0], (x0,), (T["V0"],))[1],
+               jW=jvp(lambda w: run(x0, w, b)[1], (W,), (VW,))[1],
+               hvp=grad(lambda w: (grad(loss, 1)(x0, w, b) * VW).sum())(W),
+               hvx=jvp(lambda w: grad(loss, 0)(x0, w, b), (W,), (VW,))[1],
+               mix=grad(lambda bb: (grad(loss, 0)(x0, W, bb) * T["V0"]).sum())(b),
+               vj=vjp(lambda w: run(x0, w, b)[1], W)[1](hs)[0])
+    return {k: v.detach().numpy() for k, v in out.items()}
+
+
+case("s12_repeat_scan_every_mode", """
+    dim layer, batch, c = 3
+    input x0[batch, c], V0[batch, c], tgt[batch, c]
+    param W[layer, c, c2: c], b[c, layer]
+    input VW[layer, c, c2]
+    fn blk(h, w, bb) = tanh(h @ w + bb[c -> c2])[c2 -> c] + 0.5 * h
+    y = repeat[layer](blk, x0, W, b)
+    hs = scan[layer](blk, x0, W, b)
+    loss = sum((y - tgt) ^ 2) + sum(hs * hs * 0.1)
+    out y
+    out hs[layer, batch, c]
+    out loss
+    out gx = grad(loss, x0)
+    out gW = grad(loss, W)
+    out gb = grad(loss, b)
+    out jx = jvp(y, x0, V0)
+    out jW = jvp(hs, W, VW)
+    out hvp = grad(sum(grad(loss, W) * VW), W)
+    out hvx = jvp(grad(loss, x0), W, VW)
+    out mix = grad(sum(grad(loss, x0) * V0), b)
+    out vj = vjp(hs, W, hs)
+    """, dict(x0=_x0, V0=_V0, tgt=_tg, W=_W, b=_bl, VW=_VW), _loops_expected)
+# a scan over a stacked argument with its loop edge last, a scalar stacked argument, a
+# prelude call with an edge parameter and a checkpoint inside the step
+_h0, _xs, _al, _vl = rn(3), rn(3, 4), rn(4), rn(3)
+
+
+def _scan_expected():
+    torch = torch_f64()
+    from torch.func import grad
+
+    def run(h0, xs, a):
+        h, hs = h0, []
+        for i in range(a.shape[0]):
+            h = torch.softmax(torch.tanh(h * a[i] + xs[:, i]), 0) + h * .5
+            hs.append(h)
+        return torch.stack(hs), h
+
+    def loss(h0, xs, a):
+        hs, y = run(h0, xs, a)
+        return (hs ** 2).sum() + (y * torch.tensor(_vl)).sum()
+
+    h0, xs, a = (torch.tensor(v) for v in (_h0, _xs, _al))
+    ga = grad(loss, 2)(h0, xs, a)
+    out = dict(hs=run(h0, xs, a)[0], loss=loss(h0, xs, a), g0=grad(loss, 0)(h0, xs, a), gx=grad(loss, 1)(h0, xs, a),
+               ga=ga, j=(ga * a).sum(), hv=grad(lambda q: (grad(loss, 2)(h0, xs, q) * q).sum())(a))
+    return {k: v.detach().numpy() for k, v in out.items()}
+
+
+case("s12_scan_scalar_slices_checkpoint_prelude", """
+    dim t, c = 3
+    input h0[c], xs[c, t], a[t], v[c]
+    fn cell(h, x, s) {
+      z = checkpoint(tanh(h * s + x))
+      return softmax[c](z) + h * 0.5
+    }
+    hs = scan[t](cell, h0, xs, a)
+    loss = sum(hs ^ 2) + sum(repeat[t](cell, h0, xs, a) * v)
+    out hs
+    out loss
+    out g0 = grad(loss, h0)
+    out gx = grad(loss, xs)
+    out ga = grad(loss, a)
+    out j = jvp(loss, a, a)
+    out hv = grad(grad(loss, a) @ a, a)
+    """, dict(h0=_h0, xs=_xs, a=_al, v=_vl), _scan_expected)
+
+# ---- section 8: derivative modes nested three deep ----------------------------------------------------------------
+_xd, _vd, _wd, _Ad, _ud = rn(3), rn(3), rn(3), rn(2, 3), rn(2)
+
+
+def _nested_expected():
+    torch = torch_f64()
+    from torch.func import grad, jvp, vjp
+    A, u, v, w, x = (torch.tensor(q) for q in (_Ad, _ud, _vd, _wd, _xd))
+
+    def f(x, A=A):
+        return torch.tanh(A @ (x * x)) * torch.sin(x).sum()
+
+    out = dict(jj=jvp(lambda y: jvp(f, (y,), (v,))[1], (x,), (w,))[1],
+               vjv=vjp(lambda y: jvp(f, (y,), (v,))[1], x)[1](u)[0],
+               jvj=jvp(lambda y: vjp(f, y)[1](u)[0], (x,), (v,))[1],
+               gvj=grad(lambda y: (vjp(f, y)[1](u)[0] * w).sum())(x),
+               ggg=grad(lambda y: grad(lambda z: grad(lambda q: f(q).sum())(z) @ v)(y) @ w)(x),
+               jgA=jvp(lambda a: grad(lambda q: (f(q, a) ** 2).sum())(x), (A,), (A,))[1])
+    return {k: t.numpy() for k, t in out.items()}
+
+
+case("s8_modes_nested_three_deep", """
+    dim n = 3, m = 2
+    input x[n], v[n], w[n], A[m, n], u[m]
+    f = tanh(A @ (x * x)) * sum(sin(x))
+    out jj = jvp(jvp(f, x, v), x, w)
+    out vjv = vjp(jvp(f, x, v), x, u)
+    out jvj = jvp(vjp(f, x, u), x, v)
+    out gvj = grad(sum(vjp(f, x, u) * w), x)
+    out ggg = grad(grad(grad(sum(f), x) @ v, x) @ w, x)
+    out jgA = jvp(grad(sum(f * f), x), A, A)
+    """, dict(x=_xd, v=_vd, w=_wd, A=_Ad, u=_ud), _nested_expected)
+
+# ---- section 3: symbolic dims in dim expressions -------------------------------------------------------------------
+# `/` of a symbolic dim by a literal, a product and a parenthesized sum of symbolic dims,
+# `size` of each, a split and merge of a symbolic edge, a mean over a symbolic edge
+_xs3, _ys3, _zs3 = rn(6, 2), rn(12), rn(15)
+_mh = _xs3.reshape(2, 3, 2).mean(1)
+case("s3_symbolic_dim_expressions", """
+    dim c, head = 2
+    dim hd = c / head
+    dim a, b
+    dim u = a * b
+    dim w = (a + b) * 2 - 1
+    input x[t: c, batch: a]
+    input y[u], z[w], q[b]
+    xh = x[t = hd*head + hd]
+    out m = mean[hd](xh)
+    out back[batch, t] = xh @ [t = hd*head + hd]
+    out ys[a, b] = y[u = b*a + b]
+    out n = size(w) + size(u) * 100 + size(hd) * 10000
+    out gz = grad(mean(z ^ 2), z)
+    out gx = grad(sum(mean[hd](xh) ^ 2), x)
+    """, dict(x=_xs3, y=_ys3, z=_zs3, q=np.zeros(6)), dict(
+        m=_mh, back=_xs3.T, ys=_ys3.reshape(2, 6), n=15 + 1200 + 30000, gz=2 * _zs3 / 15,
+        gx=np.repeat(2 * _mh / 3, 3, axis=0)))
+
+# ---- sections 5 and 6: renames, relations, indicators, scalars, subgradients -----------------------------------------
+_A6, _x6, _w6 = rn(3, 3), rn(6), rn(2)
+_win6 = np.array([[_x6[s + k] for k in range(2)] for s in range(5)])
+_c6 = _win6 @ _w6
+_g6 = np.zeros(6)
+for _s6 in range(5):
+    _g6[_s6:_s6 + 2] += 2 * _c6[_s6] * _w6
+_S, _K = np.meshgrid(np.arange(5), np.arange(2), indexing="ij")
+_gm6 = np.zeros((3, 3))
+_gm6[np.unravel_index(_A6.argmax(), _A6.shape)] = 1
+case("s5_s6_renames_relations_indicators", """
+    dim n = 3, t = 6, s = 5, k = 2
+    input A[i: n, j: n]
+    input x[t]
+    input w[k]
+    input lr
+    out sw = A[i -> j, j -> i]
+    out sw2[i, j] = A[i -> j, j -> i] + 0 * A
+    out lt[s, k] = [s < k]
+    out ge[s, k] = [s >= k]
+    out gt[s, k] = [s > k]
+    out ne[s, k] = [s != k]
+    out c1 = x @ [t = s + k] @ w
+    out c2 = x[t = s + k] @ w
+    out g1 = grad(sum((x @ [t = s + k] @ w) ^ 2), x)
+    out g2 = grad(sum((x[t = s + k] @ w) ^ 2), x)
+    out gw = grad(sum((x @ [t = s + k] @ w) ^ 2), w)
+    out sc = lr @ w
+    out st = grad(sum(stop(x) * x), x)
+    out gm = grad(max[i, j](A), A)
+    out wh = where(x - 1, 1, 0)
+    out gsg = grad(sum(sign(x) + (x > 0) + abs(x)), x)
+    """, dict(A=_A6, x=_x6, w=_w6, lr=np.array(.5)), dict(
+        sw=_A6.T, sw2=_A6.T, lt=(_S < _K) * 1., ge=(_S >= _K) * 1., gt=(_S > _K) * 1., ne=(_S != _K) * 1., c1=_c6,
+        c2=_c6, g1=_g6, g2=_g6, gw=2 * _win6.T @ _c6, sc=.5 * _w6, st=_x6, gm=_gm6, wh=(_x6 != 1) * 1.,
+        gsg=np.sign(_x6)))
+
+# ---- section 7: what a function body sees ----------------------------------------------------------------------------
+# the program's dims and edges (size, a reduction, a rename), an edge parameter passed on
+# to another function, a local binding that takes a program binding's name
+_x7 = rn(2, 3)
+_e7 = np.exp(_x7)
+_pd, _pb = _e7 / _e7.sum(1, keepdims=True), _e7 / _e7.sum(0, keepdims=True)
+case("s7_function_scope", """
+    dim b = 2, d = 3
+    dim e2 = 3
+    input x[b, d]
+    y = x * 3
+    fn sz(v) = v * size(d)
+    fn sd(v) = sum[d](v)
+    fn rn(v) = v[d -> e2]
+    fn nrm[e](v) = v / sum[e](v)
+    fn f2[q](v) = nrm[q](exp(v))
+    fn loc(v) {
+      y = v * 2
+      return y + 1
+    }
+    out a = sz(x)
+    out s = sd(x)
+    out r[b, e2] = rn(x)
+    out p = f2[d](x) + f2[b](x)
+    out l = loc(x) + y
+    out g = grad(sum(f2[d](x) * x), x)
+    """, dict(x=_x7), dict(a=3 * _x7, s=_x7.sum(1), r=_x7, p=_pd + _pb, l=5 * _x7 + 1,
+                           g=_pd + _pd * (_x7 - (_pd * _x7).sum(1, keepdims=True))))
+
+# ---- section 11: a forward rule of several parameters, beside a reverse rule ----------------------------------------
+_x11, _y11, _v11, _w11 = rn(3), rn(3), rn(3), rn(3)
+case("s11_custom_jvp_of_two_parameters", """
+    dim n = 3
+    input x[n], y[n], v[n], w[n]
+    fn mul(a, b) = a * b with jvp(da, db) = da * b + a * db with vjp(g) = (g * b, g * a)
+    out t = jvp(mul(x, y), x, v)
+    out t2 = jvp(mul(x, y) * mul(y, x), y, w)
+    out gx = grad(sum(mul(x, y) ^ 2), x)
+    out h = grad(sum(jvp(mul(x, x), x, v) * w), x)
+    """, dict(x=_x11, y=_y11, v=_v11, w=_w11), dict(
+        t=_v11 * _y11, t2=2 * _x11 ** 2 * _y11 * _w11, gx=2 * _x11 * _y11 ** 2, h=2 * _v11 * _w11))
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 
