@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import textwrap
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -182,6 +183,22 @@ case("s12_scan_scalar_slices_checkpoint_prelude", """
     out j = jvp(loss, a, a)
     out hv = grad(grad(loss, a) @ a, a)
     """, dict(h0=_h0, xs=_xs, a=_al, v=_vl), _scan_expected)
+# `f` must return a value with init's edges and sizes; mixed operands promote to the
+# wider type: a bf16 init with f32 stacked params is an f32 carry after the first step
+# (h = f(h, ...)), so the loop's result is f32 (values exact in bf16 and f32 here)
+_Wp = np.arange(6.0).reshape(3, 2)
+case("s12_carry_promoted_by_the_step", """
+    dim l = 3, c = 2
+    input h0: bf16[c]
+    input W[l, c]
+    fn f(h, w) = h * 0.5 + w
+    out y = repeat[l](f, h0, W)
+    out hs = scan[l](f, h0, W)
+    out g = grad(sum(repeat[l](f, h0, W)), W)
+    out gh = grad(sum(repeat[l](f, h0, W)), h0)
+    """, dict(h0=np.array([1.0, 2.0]), W=_Wp), dict(
+        y=np.array([5.125, 7.0]), hs=np.array([[0.5, 2.0], [2.25, 4.0], [5.125, 7.0]]), g=np.array([[.25] * 2, [.5] * 2, [1.] * 2]),
+        gh=np.full(2, 0.125)), xfail="a step whose result is wider than its bf16 init is an error ('returns f32[c], but the carry is bf16[c]')")
 
 # ---- section 8: derivative modes nested three deep ----------------------------------------------------------------
 _xd, _vd, _wd, _Ad, _ud = rn(3), rn(3), rn(3), rn(2, 3), rn(2)
@@ -335,6 +352,7 @@ def test_program_matches_reference(tmp_path, name, backend):
     assert r.exit_code == 0, r.output
     with np.load(out) as z:
         got = {k: z[k] for k in z.files}
+    got = {k: v.view(ml_dtypes.bfloat16).astype(np.float64) if v.dtype.kind == "V" else v for k, v in got.items()}   # bf16
     assert sorted(got) == sorted(expected)
     for key, want in expected.items():
         want = np.asarray(want, dtype=np.complex128 if np.iscomplexobj(want) else np.float64)
