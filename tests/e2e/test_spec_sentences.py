@@ -199,6 +199,67 @@ case("s12_carry_promoted_by_the_step", """
     """, dict(h0=np.array([1.0, 2.0]), W=_Wp), dict(
         y=np.array([5.125, 7.0]), hs=np.array([[0.5, 2.0], [2.25, 4.0], [5.125, 7.0]]), g=np.array([[.25] * 2, [.5] * 2, [1.] * 2]),
         gh=np.full(2, 0.125)))
+# a loop inside a step (a repeat in a scan's step), a step parameter left to its default,
+# and a weight every step shares passed as `W * [l = l]`, in reverse, forward and mixed modes
+_h0n, _Wn, _Un, _bn = rn(3), rn(4, 3) * .5, rn(2, 4, 3) * .5, rn(4, 3) * .3
+_Wi = rn(3, 3) * .5
+
+
+def _nested_loops_expected():
+    torch = torch_f64()
+    from torch.func import grad, jvp
+    h0, W, U, b, Wi = (torch.tensor(q) for q in (_h0n, _Wn, _Un, _bn, _Wi))
+
+    def inner(h, w):
+        return torch.tanh(h * w + .5)
+
+    def run(h0, W, U):
+        ys, h = [], h0
+        for i in range(2):
+            g = h
+            for j in range(4):
+                g = inner(g, U[i, j])
+            h = g + h
+            ys.append(h)
+        z = h0
+        for j in range(4):
+            z = inner(z, W[j])
+        y = torch.stack(ys)
+        return y, z, (y ** 2).sum() + z.sum()
+
+    def shared(Wi, b):
+        h = h0
+        for i in range(4):
+            h = torch.tanh(h @ Wi + (b[i] * 2 + 1))
+        return (h ** 2).sum()
+
+    y, z, loss = run(h0, W, U)
+    out = dict(y=y, loss=loss, gU=grad(lambda u: run(h0, W, u)[2])(U), gh=grad(lambda h: run(h, W, U)[2])(h0),
+               jw=jvp(lambda w: run(h0, w, U)[1], (W,), (W,))[1], gWi=grad(shared, 0)(Wi, b), gb=grad(shared, 1)(Wi, b),
+               hv=jvp(lambda bb: grad(shared, 0)(Wi, bb), (b,), (b,))[1])
+    return {k: v.detach().numpy() for k, v in out.items()}
+
+
+case("s12_loop_in_a_step_defaults_shared_weight", """
+    dim t = 2, l = 4, c = 3
+    dim c2 = 3
+    input h0[c], W[l, c], U[t, l, c], Wi[c, c2], b[l, c]
+    fn inner(h, w, eps = 0.5) = tanh(h * w + eps)
+    fn outer(h, u) = repeat[l](inner, h, u) + h
+    y = scan[t](outer, h0, U)
+    z = repeat[l](inner, h0, W)
+    loss = sum(y ^ 2) + sum(z)
+    out y
+    out loss
+    out gU = grad(loss, U)
+    out gh = grad(loss, h0)
+    out jw = jvp(z, W, W)
+    fn f(h, w, bb) = tanh(h @ w + bb[c -> c2])[c2 -> c]
+    ls = sum(repeat[l](f, h0, Wi * [l = l], b * 2 + 1) ^ 2)
+    out gWi = grad(ls, Wi)
+    out gb = grad(ls, b)
+    out hv = jvp(grad(ls, Wi), b, b)
+    """, dict(h0=_h0n, W=_Wn, U=_Un, Wi=_Wi, b=_bn), _nested_loops_expected)
 
 # ---- section 8: derivative modes nested three deep ----------------------------------------------------------------
 _xd, _vd, _wd, _Ad, _ud = rn(3), rn(3), rn(3), rn(2, 3), rn(2)
@@ -232,6 +293,65 @@ case("s8_modes_nested_three_deep", """
     out ggg = grad(grad(grad(sum(f), x) @ v, x) @ w, x)
     out jgA = jvp(grad(sum(f * f), x), A, A)
     """, dict(x=_xd, v=_vd, w=_wd, A=_Ad, u=_ud), _nested_expected)
+# ---- section 11: complex values against PyTorch (conjugate-Wirtinger gradients, jvp) ------------------------------
+_zc, _wc, _Mc, _xc = rn(3) + 1j * rn(3), rn(3) + 1j * rn(3), rn(3, 3) + 1j * rn(3, 3), rn(3)
+
+
+def _complex_expected():
+    torch = torch_f64()
+    from torch.func import jvp
+    z, w, M, x = (torch.tensor(q, requires_grad=True) for q in (_zc, _wc, _Mc, _xc))
+    L = (((torch.exp(z) * w).abs() ** 2).sum() + (torch.log(z) * w.conj()).real.sum() + (torch.sqrt(z) / w).imag.sum()
+         + (M @ (z * torch.sin(z) - torch.cos(w))).abs().sum() + torch.angle(z * w).sum() + (z ** 3).real.sum()
+         + (x.to(torch.complex128) * z + 2j).abs().sum())
+    gz, gw, gM, gx = torch.autograd.grad(L, (z, w, M, x))
+    z, w = z.detach(), w.detach()
+    out = dict(L=L, gz=gz, gw=gw, gM=gM, gx=gx, ja=jvp(lambda q: q * q, (z,), (w,))[1],
+               jb=jvp(lambda q: q.conj() * q, (z,), (w,))[1], jc=jvp(lambda q: torch.exp(q) + q.real, (z,), (w,))[1])
+    return {k: v.detach().numpy() for k, v in out.items()}
+
+
+case("s11_complex_gradients_and_tangents", """
+    dim n = 3
+    dim m = 3
+    input z: c128[n], w: c128[n], M: c128[m, n], x[n]
+    L = (sum(abs(exp(z) * w) ^ 2) + sum(real(log(z) * conj(w))) + sum(imag(sqrt(z) / w))
+         + sum(abs(M @ (z * sin(z) - cos(w)))) + sum(angle(z * w)) + sum(real(z ^ 3)) + sum(abs(c128(x) * z + 2j)))
+    out L
+    out gz = grad(L, z)
+    out gw = grad(L, w)
+    out gM = grad(L, M)
+    out gx = grad(L, x)
+    out ja = jvp(z * z, z, w)
+    out jb = jvp(conj(z) * z, z, w)
+    out jc = jvp(exp(z) + real(z), z, w)
+    """, dict(z=_zc, w=_wc, M=_Mc, x=_xc), _complex_expected)
+
+# ---- section 5: comparisons, where, max/min with NaN and infinities; powers of negative bases -----------------------
+_xq = np.array([np.nan, 1.0, 0.0, -np.inf, np.inf, -0.0, -2.0, -0.5])
+_yq = np.array([np.nan, np.nan, 0.0, -np.inf, 1.0, 0.0, -2.0, 3.0])
+with np.errstate(invalid="ignore"):
+    case("s5_comparisons_nan_powers", """
+        dim n = 8
+        input x[n], y[n], p
+        out ne = x != y
+        out eq = x == y
+        out lt = x < y
+        out le = x <= y
+        out gt = x > y
+        out ge = x >= y
+        out w = where(x, 1, 2)
+        out mx = max(x, y)
+        out mn = min(x, y)
+        out rm = max[n](x)
+        out a = y ^ 3
+        out b = y ^ p
+        out c = (-2) ^ 3 + p * 0
+        out g = grad(sum(y ^ p), y)
+        """, dict(x=_xq, y=_yq, p=np.array(3.0)), dict(
+            ne=(_xq != _yq) * 1., eq=(_xq == _yq) * 1., lt=(_xq < _yq) * 1., le=(_xq <= _yq) * 1., gt=(_xq > _yq) * 1.,
+            ge=(_xq >= _yq) * 1., w=np.where(_xq != 0, 1., 2.), mx=np.maximum(_xq, _yq), mn=np.minimum(_xq, _yq), rm=np.nan,
+            a=_yq ** 3, b=_yq ** 3, c=-8.0, g=3 * _yq ** 2))
 
 # ---- section 3: symbolic dims in dim expressions -------------------------------------------------------------------
 # `/` of a symbolic dim by a literal, a product and a parenthesized sum of symbolic dims,
