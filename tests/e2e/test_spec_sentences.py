@@ -413,6 +413,22 @@ case("s5_s6_renames_relations_indicators", """
         sw=_A6.T, sw2=_A6.T, lt=(_S < _K) * 1., ge=(_S >= _K) * 1., gt=(_S > _K) * 1., ne=(_S != _K) * 1., c1=_c6,
         c2=_c6, g1=_g6, g2=_g6, gw=2 * _win6.T @ _c6, sc=.5 * _w6, st=_x6, gm=_gm6, wh=(_x6 != 1) * 1.,
         gsg=np.sign(_x6)))
+# edge operations in one bracket are applied together: a reindex or gather reads x's own
+# edges, so a rename may take the name of an edge the reindex replaces, as `x[i -> j, j -> i]`
+# swaps; a rename onto an edge the result keeps is still an error (ERRORS_TOGETHER below)
+_A7, _E7, _ids7 = rn(3, 3), rn(5, 3), np.array([4, 0], np.int32)
+_r7 = np.array([[[_A7[a, s + k] for k in range(2)] for s in range(2)] for a in range(3)])
+case("s6_edge_ops_in_one_bracket_apply_together", """
+    dim i = 3, j = 3, s = 2, k = 2, vocab = 5, b = 2
+    input A[i, j], E[vocab, i], ids: i32[b]
+    out r1[j, s, k] = A[i -> j, j = s + k]
+    out r2[s, k, j] = A[j = s + k, i -> j]
+    out g1[b, j] = E[vocab = ids, i -> j]
+    out d = grad(sum(A[i -> j, j = s + k] ^ 2), A)
+    """, dict(A=_A7, E=_E7, ids=_ids7), dict(
+        r1=_r7, r2=_r7.transpose(1, 2, 0), g1=_E7[_ids7],
+        d=2 * _A7 * np.array([1.0, 2.0, 1.0])[None, :]),
+     xfail="a rename onto an edge the bracket's reindex replaces is refused ('the tensor already has it')")
 
 # ---- section 7: what a function body sees ----------------------------------------------------------------------------
 # the program's dims and edges (size, a reduction, a rename), an edge parameter passed on
@@ -478,3 +494,18 @@ def test_program_matches_reference(tmp_path, name, backend):
         want = np.asarray(want, dtype=np.complex128 if np.iscomplexobj(want) else np.float64)
         assert got[key].shape == want.shape, key
         np.testing.assert_allclose(got[key], want, rtol=rtol, atol=atol, err_msg=key)
+
+
+ERRORS_TOGETHER = [  # id, source, line, column, words
+    ("rename_and_reindex_one_edge", "dim i = 3, j = 3, s = 2, k = 2, u = 3\ninput A[i, j]\nout y = A[j -> u, j = s + k]\n",
+     3, 19, "both renamed and indexed"),
+]
+
+
+@pytest.mark.parametrize("name,src,line,col,words", ERRORS_TOGETHER, ids=[e[0] for e in ERRORS_TOGETHER])
+def test_bad_program_is_located(tmp_path, name, src, line, col, words):
+    prog = tmp_path / "bad.tg"
+    prog.write_text(src)
+    r = tgc("check", prog)
+    assert r.exit_code == 1, r.output
+    assert f"{prog}:{line}:{col}: error: " in r.output and words in r.output, r.output
