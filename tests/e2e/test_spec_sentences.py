@@ -427,8 +427,7 @@ case("s6_edge_ops_in_one_bracket_apply_together", """
     out d = grad(sum(A[i -> j, j = s + k] ^ 2), A)
     """, dict(A=_A7, E=_E7, ids=_ids7), dict(
         r1=_r7, r2=_r7.transpose(1, 2, 0), g1=_E7[_ids7],
-        d=2 * _A7 * np.array([1.0, 2.0, 1.0])[None, :]),
-     xfail="a rename onto an edge the bracket's reindex replaces is refused ('the tensor already has it')")
+        d=2 * _A7 * np.array([1.0, 2.0, 1.0])[None, :]))
 
 # ---- section 7: what a function body sees ----------------------------------------------------------------------------
 # the program's dims and edges (size, a reduction, a rename), an edge parameter passed on
@@ -497,6 +496,8 @@ def test_program_matches_reference(tmp_path, name, backend):
 
 
 ERRORS_TOGETHER = [  # id, source, line, column, words
+    ("rename_onto_a_kept_edge", "dim i = 3, j = 4, s = 3, k = 2\ninput A[i, j]\nout y = A[i -> s, j = s + k]\n",
+     3, 23, "which the tensor already has"),
     ("rename_and_reindex_one_edge", "dim i = 3, j = 3, s = 2, k = 2, u = 3\ninput A[i, j]\nout y = A[j -> u, j = s + k]\n",
      3, 19, "both renamed and indexed"),
 ]
