@@ -495,6 +495,41 @@ def test_program_matches_reference(tmp_path, name, backend):
         np.testing.assert_allclose(got[key], want, rtol=rtol, atol=atol, err_msg=key)
 
 
+PROMOTION = """
+dim n = 4
+input xb: bf16[n], xh: f16[n], y: f32[n], yd[n], zc: c64[n], zz: c128[n]
+out a = xb + y
+out b = xb + xh
+out c = xb * 0.1
+out d = bf16(y)
+out e = c64(y) + xb
+out f = zc + yd
+out g = xh + zc
+out h = f16(yd) * 2
+out i = zc * zz
+out j = real(zc) + xb
+out k = abs(zc)
+out l = f32(xb) + f64(xh)
+"""
+# section 11: mixed operands promote to the wider type (bf16 and f16, neither wider, to
+# f32; a complex type takes the wider real part), a number written in the program does
+# not widen, a conversion gives its type; in an f64 program
+PROMOTED = dict(a="float32", b="float32", c="bfloat16", d="bfloat16", e="complex64", f="complex128", g="complex64",
+                h="float16", i="complex128", j="float32", k="float32", l="float64")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_operands_promote_to_the_wider_type(tmp_path, backend):
+    prog = tmp_path / "p.tg"
+    prog.write_text(PROMOTION)
+    x = np.array([1.5, -2.25, 3.0, 0.5])
+    np.savez(tmp_path / "in.npz", xb=x, xh=x, y=x, yd=x, zc=x + 1j * x[::-1], zz=x + 2j)
+    r = tgc("run", prog, "--backend", backend, "--dtype", "f64", "-o", tmp_path / "o.npz", "--inputs", tmp_path / "in.npz")
+    assert r.exit_code == 0, r.output
+    with np.load(tmp_path / "o.npz") as z:
+        got = {k: "bfloat16" if z[k].dtype.kind == "V" else z[k].dtype.name for k in z.files}
+    assert got == PROMOTED
+
 ERRORS_TOGETHER = [  # id, source, line, column, words
     ("rename_onto_a_kept_edge", "dim i = 3, j = 4, s = 3, k = 2\ninput A[i, j]\nout y = A[i -> s, j = s + k]\n",
      3, 23, "which the tensor already has"),
