@@ -79,6 +79,22 @@ case("s12_for_list_member_indicator_sum", """
      {"gn": (_ga ** 2).sum() + (np.outer(_x, _gc) ** 2).sum(), "m.a": _ma + _ga, "m.c": _mc + 2 * _gc,
       "a": _a - .1 * _ga, "c": _c - .1 * _gc, "s": 2 * _s + 1})
 
+# bindings inside the block are local to each instance: one may take the name of a
+# program binding (as a function's bindings may), which it hides inside the block only
+_xb, _ab, _bb = np.array([1.0, 2.0]), np.array([.1, .2]), np.array([.3, .4])
+case("s12_for_local_binding_hides_a_program_binding", """
+    dim n = 2
+    param a[n], b[n]
+    input x[n]
+    g = sum(x)
+    loss = sum(a * x) + sum(b * x * x) + g
+    for p in params {
+      g = grad(loss, p)
+      update p = p - 0.5 * g
+    }
+    out g
+    """, dict(a=_ab, b=_bb, x=_xb), dict(g=3.0, a=_ab - .5 * _xb, b=_bb - .5 * _xb * _xb),
+     xfail="a for block's binding named as a program binding is an error ('already declared')")
 
 # ---- section 12: `repeat` and `scan` in every derivative mode ------------------------------------------------------
 # a symbolic loop edge (bound from the arrays), a stacked argument whose loop edge is not
