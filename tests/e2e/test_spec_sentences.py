@@ -93,8 +93,7 @@ case("s12_for_local_binding_hides_a_program_binding", """
       update p = p - 0.5 * g
     }
     out g
-    """, dict(a=_ab, b=_bb, x=_xb), dict(g=3.0, a=_ab - .5 * _xb, b=_bb - .5 * _xb * _xb),
-     xfail="a for block's binding named as a program binding is an error ('already declared')")
+    """, dict(a=_ab, b=_bb, x=_xb), dict(g=3.0, a=_ab - .5 * _xb, b=_bb - .5 * _xb * _xb))
 
 # ---- section 12: `repeat` and `scan` in every derivative mode ------------------------------------------------------
 # a symbolic loop edge (bound from the arrays), a stacked argument whose loop edge is not
