@@ -430,7 +430,7 @@ case("s5_s6_renames_relations_indicators", """
         gsg=np.sign(_x6)))
 # edge operations in one bracket are applied together: a reindex or gather reads x's own
 # edges, so a rename may take the name of an edge the reindex replaces, as `x[i -> j, j -> i]`
-# swaps; a rename onto an edge the result keeps is still an error (ERRORS_TOGETHER below)
+# swaps; a rename onto an edge the result keeps is still an error (ERRORS below)
 _A7, _E7, _ids7 = rn(3, 3), rn(5, 3), np.array([4, 0], np.int32)
 _r7 = np.array([[[_A7[a, s + k] for k in range(2)] for s in range(2)] for a in range(3)])
 case("s6_edge_ops_in_one_bracket_apply_together", """
@@ -545,7 +545,23 @@ def test_mixed_operands_promote_to_the_wider_type(tmp_path, backend):
         got = {k: "bfloat16" if z[k].dtype.kind == "V" else z[k].dtype.name for k in z.files}
     assert got == PROMOTED
 
-ERRORS_TOGETHER = [  # id, source, line, column, words
+ERRORS = [  # id, source, line, column, words
+    # section 10's errors inside section 12's forms: located in the block or at the call
+    ("for_unknown_name", "dim n = 2\nparam a[n]\ninput x[n]\nloss = sum(a * x)\nfor p in params {\n"
+     "  g = grad(loss, p) * zz\n  update p = p - g\n}\n", 6, 23, "unknown name 'zz'"),
+    ("for_grad_of_a_local", "dim n = 2\nparam a[n]\ninput x[n]\nloss = sum(a * x)\nfor p in params {\n"
+     "  g = grad(loss, p)\n  h = grad(sum(g), g)\n  update p = p - h\n}\n", 7, 20, "not an input"),
+    ("for_update_of_an_input", "dim n = 2\nparam a[n]\ninput x[n]\nfor p in params {\n  update x = x * 2\n}\n",
+     5, 10, "input"),
+    ("member_outside_a_block", "dim n = 2\nparam a[n]\nout y = [p in a] * a\n", 3, 10, "outside"),
+    ("repeat_of_an_unknown_step", "dim l = 2, n = 2\ninput x[n], w[l, n]\nout y = repeat[l](nofn, x, w)\n",
+     3, 19, "name of a function"),
+    ("repeat_step_changes_the_edges", "dim l = 2, n = 2, m = 3\ninput x[n], w[l, m]\nfn f(h, a) = h * a\n"
+     "out y = repeat[l](f, x, w)\n", 4, 9, "but the carry is"),
+    ("scan_over_two_edges", "dim l = 2, n = 2\ninput x[n], w[l, n]\nfn f(h, a) = h * a\nout y = scan[l, n](f, x, w)\n",
+     4, 9, "one edge"),
+    ("member_of_an_input", "dim n = 2\nparam a[n]\ninput u[n]\nfor p in params {\n  update p = p * [p in u]\n}\n",
+     5, 24, "nor a param or state"),
     ("rename_onto_a_kept_edge", "dim i = 3, j = 4, s = 3, k = 2\ninput A[i, j]\nout y = A[i -> s, j = s + k]\n",
      3, 23, "which the tensor already has"),
     ("rename_and_reindex_one_edge", "dim i = 3, j = 3, s = 2, k = 2, u = 3\ninput A[i, j]\nout y = A[j -> u, j = s + k]\n",
@@ -553,7 +569,7 @@ ERRORS_TOGETHER = [  # id, source, line, column, words
 ]
 
 
-@pytest.mark.parametrize("name,src,line,col,words", ERRORS_TOGETHER, ids=[e[0] for e in ERRORS_TOGETHER])
+@pytest.mark.parametrize("name,src,line,col,words", ERRORS, ids=[e[0] for e in ERRORS])
 def test_bad_program_is_located(tmp_path, name, src, line, col, words):
     prog = tmp_path / "bad.tg"
     prog.write_text(src)
