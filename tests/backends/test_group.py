@@ -805,9 +805,9 @@ def test_a_deep_written_out_gpt_makes_no_group_larger_than_the_examples_largest(
     12-layer GPT-2 of width 16 written out without `repeat`
     (benchmarks/deep_compile.py's `gpt2`) grouped up to 128 loop kernels into one
     function, and LLVM spent 30 s (CPU) on its two modules, 8.9 s on one group of 15,000
-    lines; at 24 layers 70 s. Groups of at most 48 kernels (the largest of
-    examples/gpt2.tg, which keeps its lowering) make the same code in 18 s and 38 s.
-    Counted here on the lowered program (no LLVM)."""
+    lines; at 24 layers 70 s. Groups of at most 48 kernels (`grouping.MAX_MEMBERS`,
+    the largest group of examples/gpt2.tg, which keeps its lowering) make the same
+    code in 18 s and 38 s. Counted here on the lowered program (no LLVM)."""
     from tgc.backends.cpu.group import LoopGroup
     from tgc.pipeline import load_source, lower, lower_module, target
 
@@ -815,4 +815,5 @@ def test_a_deep_written_out_gpt_makes_no_group_larger_than_the_examples_largest(
     module, options = target(lower(src.module, src.options, backend="cpu").module, src.options)
     low = lower_module(module, options, "cpu")
     sizes = [len(k.members) for k in low.kernels if isinstance(k, LoopGroup)]
-    assert sizes and max(sizes) <= 48, max(sizes)
+    # (48 grouped kernels, then `exp_once` writes a softmax's logsumexp as more members; was 135)
+    assert sizes and max(sizes) <= 56, max(sizes)
