@@ -102,6 +102,9 @@ EXTENSIONS = {
     "a sum over a list of params": "sum[t in ",
     "a name with a prime": "' = ",
     "a dim p * q": "* q\n",
+    "random draws": "rand",
+    "dropout": "dropout[",
+    "fold": "fold(",
 }
 
 

@@ -28,8 +28,16 @@ over an inner step); integer indicators of section 11 (scatter-adds `msg @ [v = 
 and `sum[e](msg * [v = dst])`, segment means, segment max/min, segment softmax, plain
 products with `[v = dst]`); `checkpoint`; copy tensors `[c = a = b]`; indicators with
 offsets (`[s < t + 1]`); functions with their own `with vjp(g)` rule; a dim `p * q`
-split and merged; binding names with a prime (`h2'`); and `for t in LIST { ... }`
+split and merged; binding names with a prime (`h2'`); random draws (`rand`, `randn`,
+`fold`, `dropout`: in half of these programs, by a stream of their own); and `for t in LIST { ... }`
 blocks of section 12 (per-param `state mo.t`, `sum[t in LIST](...)`, `[t in ...]`).
+
+Never made (each tested by hand-written tests instead): `import`; several tensors in one
+declaration and statements over several lines; element types other than f32/f64/i32
+(f16, bf16, c64, c128), conversions and complex literals (the float64 oracle cannot
+hold their rounding); `assume`; `with jvp(...)` rules (the oracle's forward mode is a
+double vjp, which a custom rule need not allow: a jvp through a custom function makes
+the program invalid here); i32 arguments stacked on a loop edge; `--memory-budget`.
 
 Values stay in smooth, well-defined domains at standard normal inputs, so the
 float64 answer is well defined and differentiable: `log` and `sqrt` see a positive
@@ -91,6 +99,9 @@ class Gen:
         self.inner: str | None = None            # the inner step of a nested loop (dim `m`)
         self.nstacked = 1                        # stacked arguments of the step
         self.prod_dims = None                    # (p, q) of the dim `pq = p * q`
+        # random draws (section 11) in about half the extended programs, by a stream of their own
+        self.draws = self.ext and random.Random(seed * 7919 + 53).random() < 0.5
+        self.key_arg: str | None = None
 
     @contextlib.contextmanager
     def extension(self):
@@ -318,7 +329,8 @@ class Gen:
                  (self.p_prelude, 3), (self.p_user, 1.5 if self.fn_meta else 0), (self.p_deriv, 1.5),
                  (self.p_leaf, 2), (self.p_masked, 1.5), (self.p_dup, 1.5),
                  (self.p_loop, 2 if self.step else 0),   # last: a zero weight draws as before
-                 (self.p_scatter, 2 if self.ext else 0), (self.p_misc, 1.5 if self.ext else 0)]
+                 (self.p_scatter, 2 if self.ext else 0), (self.p_misc, 1.5 if self.ext else 0),
+                 (self.p_random, 1.5 if self.draws else 0)]
         fns = [f for f, _ in prods]
         weights = [w for _, w in prods]
         for _ in range(8):
@@ -735,6 +747,27 @@ class Gen:
                 u = self.expr((E - {p_, q_}) | {"pq"}, d - 1)
                 return eops(u, [("reindex", "pq", f"{q_}*{p_} + {q_}")], E, sparse=u.sparse)
         return None
+
+    def p_random(self, E, d):
+        """Random draws (LANGUAGE.md section 11): `u + rand[E](key)`, `u * randn[E](fold(key, n))`,
+        `dropout[E](u, key, p)`, with `key` an i32 scalar input."""
+        r = self.r
+        if not E:
+            return None
+        if self.key_arg is None:
+            self.key_arg = f"key{next(self.counter)}"
+            self.decls.append(Decl("input", self.key_arg, (), "i32"))
+        key = self.key_arg if r.random() < 0.5 else f"fold({self.key_arg}, {r.randint(1, 9)})"
+        es = sorted(E)
+        r.shuffle(es)
+        k = r.choice(["rand", "randn", "dropout", "dropout"])
+        u = self.expr(E, d - 1)
+        if k == "dropout":
+            p = r.choice([0.1, 0.25, 0.5])
+            return call("dropout", [u, raw(key), num(p)], es, edges=E, scale=u.scale / (1 - p), sparse=True)
+        draw = raw(f"{k}[{', '.join(es)}]({key})", E, scale=3.0 if k == "randn" else 1.0)
+        op = r.choice("+*")
+        return bin_(op, u, draw, edges=E, scale=u.scale * 3 if op == "*" else u.scale + 3)
 
     def p_gather(self, E, d):
         r = self.r
