@@ -26,7 +26,8 @@ The extensions (about half the programs, chosen and drawn by a stream of their o
 stacked arguments and a loop inside the step (`repeat[m]` or `mean[m](scan[m](...))`
 over an inner step); integer indicators of section 11 (scatter-adds `msg @ [v = dst]`
 and `sum[e](msg * [v = dst])`, segment means, segment max/min, segment softmax, plain
-products with `[v = dst]`); `checkpoint`; copy tensors `[c = a = b]`; indicators with
+products with `[v = dst]`); big sizes (a third of them: edges up to about 20, values
+up to 400 elements); `checkpoint`; copy tensors `[c = a = b]`; indicators with
 offsets (`[s < t + 1]`); functions with their own `with vjp(g)` rule; a dim `p * q`
 split and merged; binding names with a prime (`h2'`); random draws (`rand`, `randn`,
 `fold`, `dropout`: in half of these programs, by a stream of their own); and `for t in LIST { ... }`
@@ -96,6 +97,11 @@ class Gen:
         self.ext = self.xr.random() < 0.5
         if self.ext and not self.loops:
             self.loops = self.xr.random() < 0.3
+        # big sizes (edges of up to ~20: vector remainders, tiles, blocked products) in about
+        # a third of the extended programs, by a stream of their own
+        self.br = random.Random(seed * 7919 + 67)
+        self.big = self.ext and self.br.random() < 0.3
+        self.max_elems = 400 if self.big else MAX_ELEMS
         self.inner: str | None = None            # the inner step of a nested loop (dim `m`)
         self.nstacked = 1                        # stacked arguments of the step
         self.prod_dims = None                    # (p, q) of the dim `pq = p * q`
@@ -165,7 +171,10 @@ class Gen:
     def dim_of(self, lo: int, hi: int) -> int:
         """A dim's size: one of lo..hi, or 1 (an edge of size 1: a batch of one, one head,
         a kernel of size 1) with probability ONE."""
-        return 1 if self.r.random() < ONE else self.r.randint(lo, hi)
+        n = 1 if self.r.random() < ONE else self.r.randint(lo, hi)
+        if self.big and n > 1:
+            n = n * self.br.choice([2, 3, 4]) + self.br.choice([0, 1, 3])
+        return n
 
     def size(self, e: str) -> int:
         return self.dim_size[self.edge_dim[e]]
@@ -177,7 +186,7 @@ class Gen:
         return math.prod(self.size(e) for e in edges)
 
     def fits(self, edges) -> bool:
-        return len(edges) <= MAX_EDGES + 1 and self.elems(edges) <= MAX_ELEMS
+        return len(edges) <= MAX_EDGES + 1 and self.elems(edges) <= self.max_elems
 
     def edge_set(self, k: int | None = None, avoid=frozenset(), keep=frozenset()) -> frozenset:
         r = self.r
