@@ -93,6 +93,7 @@ def test_generator_independent_of_hash_order():
 EXTENSIONS = {
     "several stacked arguments": "sa2)",
     "a loop in a loop's step": "[m](t",
+    "a gather by an i32 stacked argument": "te[gv = ti]",
     "scatter-add or integer indicator": "= ids",
     "segment max/min": "inf)), ",
     "checkpoint": "checkpoint(",

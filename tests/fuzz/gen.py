@@ -104,6 +104,7 @@ class Gen:
         self.max_elems = 400 if self.big else MAX_ELEMS
         self.inner: str | None = None            # the inner step of a nested loop (dim `m`)
         self.nstacked = 1                        # stacked arguments of the step
+        self.loop_ids = False                    # the step gathers by an i32 stacked argument
         self.prod_dims = None                    # (p, q) of the dim `pq = p * q`
         # random draws (section 11) in about half the extended programs, by a stream of their own
         self.draws = self.ext and random.Random(seed * 7919 + 53).random() < 0.5
@@ -945,7 +946,9 @@ class Gen:
         """Extensions of the step (its own stream): one or two more stacked arguments `sa2`,
         `sa3` (each a bounded term of the body), and in some programs a loop inside the step,
         over a literal dim `m`: `0.5 * repeat[m](tN, h, su)` or `0.5 * mean[m](scan[m](tN, h, su))`,
-        `su` a further stacked argument with the edge `m`, tN an inner step of the same form."""
+        `su` a further stacked argument with the edge `m`, tN an inner step of the same form;
+        in some programs (a stream of their own) a gather by an i32 stacked argument,
+        `0.25 * te[gv = ti]`, `ti` the step's slice of `ids: i32[l]`."""
         r = self.r
         self.nstacked = r.choice([1, 1, 2, 3])
         h = name("h", scale=1.0)
@@ -954,6 +957,15 @@ class Gen:
             params.append((f"sa{j}", None))
             t = self.bounded(self.fn_body([h, a], 2))
             body = bin_("+", body, bin_("*", num(r.choice([0.25, 0.5])), bin_(r.choice("+*"), t, a)))
+        gr = random.Random(self.seed * 7919 + 71)   # i32 stacked arguments: a stream of their own
+        if gr.random() < 0.35:
+            k = gr.randint(2, 4)
+            self.dims.append(("gv", str(k)))
+            self.dim_size["gv"], self.dim_key["gv"] = k, k
+            self.edge_dim["gv"] = "gv"
+            self.loop_ids = True
+            params += [("te", None), ("ti", None)]
+            body = bin_("+", body, bin_("*", num(0.25), eops(name("te"), [("gather", "gv", "ti")], ())))
         if r.random() < 0.45:
             k = self.dim_of(2, 3)
             self.dims.append(("m", str(k)))
@@ -979,16 +991,19 @@ class Gen:
         sub = frozenset(e for e in sorted(carry) if r.random() < 0.6) | {"l"}
         if not self.fits(sub):
             return None
-        if self.inner and "m" in carry:
+        if self.inner and "m" in carry or self.loop_ids and "gv" in carry:
             return None
         init = self.bounded(self.expr(carry, d - 1))
         xs = self.bounded(self.expr(sub, d - 1))
         form = "scan" if "l" in E else "repeat"
         args = [name(self.step), init, xs]
-        if self.nstacked > 1 or self.inner:
+        if self.nstacked > 1 or self.inner or self.loop_ids:
             with self.extension():
                 for j in range(2, self.nstacked + 1):
                     args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l"}), d - 1)))
+                if self.loop_ids:   # a table per step and its id: `te[gv = ti]` in the step
+                    args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l", "gv"}), d - 1)))
+                    args.append(name(self.ids_for(frozenset(["l"]))))
                 if self.inner:
                     args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l", "m"}), d - 1)))
         return call(form, args, ["l"], edges=E, scale=1.0, sparse=any(a.sparse for a in args[1:]))
