@@ -24,7 +24,7 @@ one stacked argument.
 The extensions (about half the programs, chosen and drawn by a stream of their own,
 `Gen.xr`, so the others are generated exactly as before): steps with two or three
 stacked arguments and a loop inside the step (`repeat[m]` or `mean[m](scan[m](...))`
-over an inner step); integer indicators of section 11 (scatter-adds `msg @ [v = dst]`
+over an inner step), or a gather by an i32 stacked argument; integer indicators of section 11 (scatter-adds `msg @ [v = dst]`
 and `sum[e](msg * [v = dst])`, segment means, segment max/min, segment softmax, plain
 products with `[v = dst]`); big sizes (a third of them: edges up to about 20, values
 up to 400 elements); `checkpoint`; copy tensors `[c = a = b]`; indicators with
@@ -38,7 +38,7 @@ declaration and statements over several lines; element types other than f32/f64/
 (f16, bf16, c64, c128), conversions and complex literals (the float64 oracle cannot
 hold their rounding); `assume`; `with jvp(...)` rules (the oracle's forward mode is a
 double vjp, which a custom rule need not allow: a jvp through a custom function makes
-the program invalid here); i32 arguments stacked on a loop edge; `--memory-budget`.
+the program invalid here); `--memory-budget`.
 
 Values stay in smooth, well-defined domains at standard normal inputs, so the
 float64 answer is well defined and differentiable: `log` and `sqrt` see a positive
