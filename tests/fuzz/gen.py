@@ -1260,6 +1260,25 @@ class Gen:
                 E = sorted(self.pool_edges(st.name))
                 order = tuple(r.sample(E, len(E))) if E and r.random() < 0.3 else None
                 self.stmts.append(Stmt("out", st.name, None, order))
+        customs = {f.name for f in self.fns if f.rule}
+        binds = {st.name: st.expr for st in self.stmts if st.kind == "bind"}
+
+        def calls_custom(node: Node, seen: set) -> bool:
+            for n in node.walk():
+                if n.op == "call" and n.attrs[0] in customs:
+                    return True
+                if n.op == "name" and n.attrs[0] in binds and n.attrs[0] not in seen:
+                    seen.add(n.attrs[0])
+                    if calls_custom(binds[n.attrs[0]], seen):
+                        return True
+            return False
+
+        if customs and any(n.op == "call" and n.attrs[0] == "jvp" and calls_custom(n.kids[0], set())
+                           for st in self.stmts if st.expr is not None for n in st.expr.walk()):
+            # forward mode through a function with only a vjp rule is an error (its jvp rule
+            # is not given): such a program calls the functions' argument instead
+            self.stmts = [Stmt(st.kind, st.name, _strip_calls(st.expr, customs), st.order) if st.expr is not None
+                          else st for st in self.stmts]
         return Program(self.dims, self.aliases, self.decls, self.fns, self.stmts, self.bind, self.seed)
 
     def make_ext_decls(self):
@@ -1321,6 +1340,13 @@ class Gen:
             if p[0] == nm:
                 return p[1]
         raise KeyError(nm)
+
+
+def _strip_calls(node: Node, names: set) -> Node:
+    """`node` with every call of a function in `names` replaced by its (one) argument."""
+    if node.op == "call" and node.attrs[0] in names:
+        return _strip_calls(node.kids[0], names)
+    return node.with_kids([_strip_calls(k, names) for k in node.kids]) if node.kids else node
 
 
 def generate(seed: int) -> Program:
