@@ -355,7 +355,7 @@ def _host(a):
     return a if isinstance(a, np.ndarray) or not hasattr(a, "get") else a.get()
 
 
-@click.command()
+@click.command(short_help="Run FILE on inputs and print or save its outputs.")
 @click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False),
               help="An .npz (or .safetensors) with one array per input; keys that name outputs are "
