@@ -223,10 +223,14 @@ def compute_fit(repeats: int = 40) -> dict:
     from tgc import pipeline
     from tgc.backends.cuda import codegen, runtime
 
+    def count(launches) -> int:
+        """Kernel launches per call: a loop's body once per step (its `repeat` over the layers)."""
+        return sum(lc.loop.trip * count(lc.body) if lc.loop is not None else 1 for lc in launches)
+
     launches = 0
     for module in (step.split.grads, step.split.apply):
         opts = tgc.Options()
-        launches += len(codegen.generate(runtime.lower(pipeline.lower(module, opts).module, opts)).launches)
+        launches += count(codegen.generate(runtime.lower(pipeline.lower(module, opts).module, opts)).launches)
     return {"batches": xs, "phase1_s": ys, "c0_s": float(c0), "c1_s_per_seq": float(c1), "phase2_s": apply_s,
             "gradient_bytes": grad_bytes, "gpu_launches": launches}
 
