@@ -345,8 +345,12 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
                                  + did_you_mean(after, ("elaborate", *known_passes)), param_hint="--after")
     if known_passes[after].gives == "lowered" or (after in lowering and after not in plain):
         if after not in lowering:
-            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(stage_names)})",
-                                     param_hint="--after")
+            from tgc.backends.base import backend_names
+
+            owners = [name for name in backend_names() if name != backend and after in pipeline.lowering(name)]
+            hint = f"; it is a stage of --backend {', '.join(owners)}" if owners else ""
+            raise click.BadParameter(f"lowering stage '{after}' is not in the stages of --backend {backend} "
+                                     f"({', '.join(stage_names)}){hint}", param_hint="--after")
         return tuple(names), after
     if after not in plain:
         raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(plain)})", param_hint="--after")
