@@ -327,3 +327,17 @@ def test_optimizations_per_pass_stats_and_hand_written_ratios_are_what_tgc_print
     for name in ("layernorm", "softmax", "gelu"):
         row = re.search(rf"^\| {name} backward within 1\.3x[^|]*\| ([\d,]+) vs ([\d,]+)", text, re.M)
         assert row.groups() == (flops(f"tests/golden/{name}_grad.tg"), flops(f"tests/golden/{name}_hand.tg")), name
+
+
+def test_every_pass_the_docs_dump_after_exists():
+    """`dump-ir --after NAME` (or `--after a|b|c`) in the docs names a pass or a lowering
+    stage of some backend."""
+    from tgc.backends.base import pass_registry
+
+    known = {"elaborate", *pass_registry()}
+    named = [(doc, line, name) for doc in DOCS for line, code in spans(doc)
+             for m in re.finditer(r"--after ([\w|]+)", code) for name in m.group(1).split("|")]
+    assert len(named) >= 10
+    unknown = [f"{doc.relative_to(ROOT)}:{line}: {name}" for doc, line, name in named
+               if name not in known and not name.isupper()]   # STAGE: a placeholder
+    assert not unknown, unknown
