@@ -444,7 +444,7 @@ def passes() -> None:
                f"{','.join(target(Options(dtype='f32', fp_strict=True)))}")
     click.echo(f"before every lowering: {','.join(PREPARE)}")
     for name, stages in lowerings.items():
-        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
+        click.echo(f"lowering for {name} (dump-ir --backend {name} --after STAGE): {','.join(stages)}")
 
 
 from tgc.cli.build import build  # noqa: E402
