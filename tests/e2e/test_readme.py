@@ -341,3 +341,21 @@ def test_every_pass_the_docs_dump_after_exists():
     unknown = [f"{doc.relative_to(ROOT)}:{line}: {name}" for doc, line, name in named
                if name not in known and not name.isupper()]   # STAGE: a placeholder
     assert not unknown, unknown
+
+
+def test_the_layouts_folders_and_files_exist():
+    """Every folder and file the README's "Layout" tree names is in the repository
+    (a file by its name in its folder, or anywhere under tgc/)."""
+    (tree,) = blocks(section("Layout"), "")
+    missing, folder = [], None
+    for line in tree.splitlines():
+        head = re.match(r"(\S+)\s", line)
+        if head:
+            folder = head.group(1)
+            if not (ROOT / folder).exists():
+                missing.append(folder)
+        base = ROOT / (folder if folder.endswith("/") else str(Path(folder).parent))
+        for name in re.findall(r"\b(\w+\.(?:py|lark|tg|json))\b", line):
+            if not (base / name).exists() and not any((ROOT / "tgc").rglob(name)):
+                missing.append(f"{name} (near {folder})")
+    assert not missing, missing
