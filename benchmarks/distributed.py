@@ -290,7 +290,7 @@ def main() -> int:
                                             indent=1))
         return 0
     fit = compute_fit()
-    print(f"phase 1 of the GPT step, one process, one thread (fastest of 40): "
+    print("phase 1 of the GPT step, one process, one thread (fastest of 40): "
           + ", ".join(f"batch {b}: {1e3 * t:.2f} ms" for b, t in zip(fit["batches"], fit["phase1_s"]))
           + f"; fit {1e3 * fit['c0_s']:.3f} ms + {1e3 * fit['c1_s_per_seq']:.4f} ms per sequence; phase 2 "
           f"{1e3 * fit['phase2_s']:.3f} ms; gradients {fit['gradient_bytes']:,} bytes; "
