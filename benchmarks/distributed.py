@@ -223,10 +223,14 @@ def compute_fit(repeats: int = 40) -> dict:
     from tgc import pipeline
     from tgc.backends.cuda import codegen, runtime
 
+    def count(launches) -> int:
+        """Kernel launches per call: a loop's body once per step (its `repeat` over the layers)."""
+        return sum(lc.loop.trip * count(lc.body) if lc.loop is not None else 1 for lc in launches)
+
     launches = 0
     for module in (step.split.grads, step.split.apply):
         opts = tgc.Options()
-        launches += len(codegen.generate(runtime.lower(pipeline.lower(module, opts).module, opts)).launches)
+        launches += count(codegen.generate(runtime.lower(pipeline.lower(module, opts).module, opts)).launches)
     return {"batches": xs, "phase1_s": ys, "c0_s": float(c0), "c1_s_per_seq": float(c1), "phase2_s": apply_s,
             "gradient_bytes": grad_bytes, "gpu_launches": launches}
 
@@ -286,7 +290,7 @@ def main() -> int:
                                             indent=1))
         return 0
     fit = compute_fit()
-    print(f"phase 1 of the GPT step, one process, one thread (fastest of 40): "
+    print("phase 1 of the GPT step, one process, one thread (fastest of 40): "
           + ", ".join(f"batch {b}: {1e3 * t:.2f} ms" for b, t in zip(fit["batches"], fit["phase1_s"]))
           + f"; fit {1e3 * fit['c0_s']:.3f} ms + {1e3 * fit['c1_s_per_seq']:.4f} ms per sequence; phase 2 "
           f"{1e3 * fit['phase2_s']:.3f} ms; gradients {fit['gradient_bytes']:,} bytes; "

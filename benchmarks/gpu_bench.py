@@ -37,7 +37,13 @@ import run  # noqa: E402  (the workloads and their inputs)
 def _device(backend):
     """(array module, synchronize, device name) for the backend."""
     if backend == "cuda":
-        import cupy
+        try:
+            import cupy
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("no device found")
+        except Exception as e:  # noqa: BLE001 -- ImportError, CuPy's CUDARuntimeError and friends
+            raise SystemExit(f"error: --backend cuda needs CuPy and an NVIDIA GPU ({e}); pip install -e '.[cuda]', "
+                             f"or --backend cuda-sim for the same kernels on this CPU") from None
         return cupy, cupy.cuda.Device().synchronize, cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return np, (lambda: None), "cuda-sim (this CPU)"
 

@@ -24,7 +24,11 @@ def test_dump_ir_lowers_with_the_backend_named():
     assert stages(cpu)[-2:] == ["group", "plan"] and stages(cuda)[-2:] == ["rowgroup", "plan"]
     assert ": group for" in cpu.stdout and ": group for" not in cuda.stdout and ": rowgroup for" in cuda.stdout
     bad = run("dump-ir", MLP, "--after", "group", "--backend", "cuda")
-    assert bad.exit_code == 2 and "lowering stage 'group' is not in the stages (fuse, layout, narrow, cublas_operands, inline_elementwise, flash, accumulate, rowgroup, plan)" in bad.output
+    assert bad.exit_code == 2 and ("lowering stage 'group' is not in the stages of --backend cuda (fuse, layout, narrow, "
+                                   "cublas_operands, inline_elementwise, flash, accumulate, rowgroup, plan); it is a "
+                                   "stage of --backend cpu") in " ".join(bad.output.split())
+    bad = run("dump-ir", MLP, "--after", "rowgroup")          # the CPU by default: the error names who has it
+    assert bad.exit_code == 2 and "it is a stage of --backend cuda, cuda-sim" in " ".join(bad.output.split())
 
 
 def test_opt_continues_with_the_backend_named():

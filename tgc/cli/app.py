@@ -201,7 +201,8 @@ def main(debug: bool, color: str) -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=SOURCE)
-@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True,
+              help="The float type FILES are checked in, as `tgc run --dtype` would run them.")
 @click.option("-Werror", "werror", is_flag=True, help="Treat warnings as errors.")
 @click.option("-w", "no_warnings", is_flag=True, help="Print no warnings.")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
@@ -344,15 +345,19 @@ def _stages_until(after: str | None, options: Options, backend: str = "cpu") -> 
                                  + did_you_mean(after, ("elaborate", *known_passes)), param_hint="--after")
     if known_passes[after].gives == "lowered" or (after in lowering and after not in plain):
         if after not in lowering:
-            raise click.BadParameter(f"lowering stage '{after}' is not in the stages ({', '.join(stage_names)})",
-                                     param_hint="--after")
+            from tgc.backends.base import backend_names
+
+            owners = [name for name in backend_names() if name != backend and after in pipeline.lowering(name)]
+            hint = f"; it is a stage of --backend {', '.join(owners)}" if owners else ""
+            raise click.BadParameter(f"lowering stage '{after}' is not in the stages of --backend {backend} "
+                                     f"({', '.join(stage_names)}){hint}", param_hint="--after")
         return tuple(names), after
     if after not in plain:
         raise click.BadParameter(f"pass '{after}' is not in the pipeline ({', '.join(plain)})", param_hint="--after")
     return tuple(names[: plain.index(after) + 1]), None
 
 
-@main.command()
+@main.command(short_help="Run passes on IR or a lowered program; print the result.")
 @click.argument("file", type=SOURCE)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")
@@ -414,11 +419,11 @@ def opt(file, output, locs, backend="cpu", **opts) -> None:
     write_output(output, print_module(result.module, locs))
 
 
-@main.command()
+@main.command(short_help="List every pass, its options and the pipelines.")
 def passes() -> None:
     """List every pass with its one-line description and options, the default
     pipeline, and the lowering stages that follow it for each backend (dump-ir --after
-    lowers for the CPU)."""
+    and opt lower for their --backend, the CPU by default)."""
     from tgc.backends.base import backend_names, pass_registry
     from tgc.manager import pass_fields
     from tgc.registry import DEFAULT_PIPELINE, PREPARE, STRICT_PIPELINE, target
@@ -439,7 +444,7 @@ def passes() -> None:
                f"{','.join(target(Options(dtype='f32', fp_strict=True)))}")
     click.echo(f"before every lowering: {','.join(PREPARE)}")
     for name, stages in lowerings.items():
-        click.echo(f"lowering for {name} (dump-ir --after STAGE): {','.join(stages)}")
+        click.echo(f"lowering for {name} (dump-ir --backend {name} --after STAGE): {','.join(stages)}")
 
 
 from tgc.cli.build import build  # noqa: E402

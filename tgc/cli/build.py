@@ -59,19 +59,20 @@ class _BuildCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
-@click.command(cls=_BuildCommand)
+@click.command(cls=_BuildCommand, short_help="Compile FILE to a native library, object, assembly or CUDA module.")
 @click.argument("file", type=SOURCE)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output file (default: libNAME.so, NAME.o, ...).")
-@click.option("-O0", "opt_level", flag_value=0, help="No optimization.")
-@click.option("-O1", "opt_level", flag_value=1)
-@click.option("-O2", "opt_level", flag_value=2, default=True, help="Optimize (default).")
-@click.option("-O3", "opt_level", flag_value=3)
+@click.option("-O0", "opt_level", flag_value=0,
+              help="LLVM's optimization level for the generated code: -O0 none (tgc's own passes always run).")
+@click.option("-O1", "opt_level", flag_value=1, help="LLVM's -O1.")
+@click.option("-O2", "opt_level", flag_value=2, default=True, help="LLVM's -O2 (default).")
+@click.option("-O3", "opt_level", flag_value=3, help="LLVM's -O3.")
 @dims_option("Fix a symbolic dim at build time; the code specializes to it", "defines")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("--target", type=Targets(), default="cpu", show_default=True,
               help="The backend to build for, by name. cpu: native code for this machine; cuda: a CUDA module "
-                   "for NVIDIA GPUs and its JSON manifest beside it (OUT.json; docs/cuda.md).")
+                   "for NVIDIA GPUs and its JSON manifest beside it (-o model.cubin: model.json; docs/cuda.md).")
 @click.option("--emit", metavar="KIND",
               help="What to write. Any target: ir (tgc IR after the pipeline). cpu: so (default): shared "
                    "library + NAME.h; obj: object file; llvm/asm: LLVM IR/assembly; h: the C header only. "
@@ -87,7 +88,8 @@ class _BuildCommand(click.Command):
                    "bundled OpenBLAS, through a RUNPATH into this Python environment: the library fails "
                    "to load once that environment moves or goes.")
 @click.option("-MD", "md", is_flag=True,
-              help="Write a depfile beside the output (OUT.d; none beside a device or FIFO, where -MF names one).")
+              help="Write a depfile beside the output, named as gcc names it: the output's suffix replaced by .d "
+                   "(-o libmlp.so: libmlp.d). None beside a device or FIFO, where -MF names one.")
 @click.option("-MF", "mf", type=click.Path(dir_okay=False), help="Write the depfile here (implies -MD).")
 @click.option("-MT", "mt", multiple=True, metavar="TARGET",
               help="Target of the depfile rule, written as given (repeatable; default: the output, escaped for make).")

@@ -19,7 +19,7 @@ from tgc.options import Options
 DEFAULT_DIM = 64
 
 
-@click.command()
+@click.command(short_help="Report FILE's kernels, FLOPs, bytes, threads and memory.")
 @click.argument("file", type=SOURCE)
 @dims_option(f"Size of a symbolic dim (each one not given is {DEFAULT_DIM})")
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),

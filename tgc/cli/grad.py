@@ -19,7 +19,8 @@ from tgc.options import Options
               help="Reverse mode (adjoint) or forward mode (tangent).")
 @click.option("--emit", type=click.Choice(["tg", "ir"]), default="tg", show_default=True,
               help="tg: .tg source that `tgc check` accepts; ir: the textual IR.")
-@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "f64"]), default="f32", show_default=True,
+              help="The float type the program is derived and optimized in (--emit ir prints it).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), help="Write here (atomically).")
 @click.option("-I", "import_dirs", multiple=True, type=click.Path(file_okay=False), metavar="DIR",
               help="Also allow imports from DIR (imports are otherwise kept inside the importing file's folder).")
@@ -37,7 +38,7 @@ def grad(file, wrt, of, mode, emit, dtype, output, import_dirs=()) -> None:
     Examples:
       tgc grad examples/mlp.tg --wrt W1
       tgc grad examples/mlp.tg --wrt W1 --wrt b1 --emit ir
-      tgc grad examples/layernorm.tg --of loss --wrt x --mode fwd
+      tgc grad examples/mlp.tg --of loss --wrt b2 --mode fwd
     """
     from tgc.autodiff.gradient import GradientModule
     from tgc.manager import run_passes

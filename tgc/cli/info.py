@@ -11,7 +11,7 @@ from tgc.cli.flags import DIM_FLAGS, dims_option
 from tgc.options import Options
 
 
-@click.command()
+@click.command(short_help="Print FILE's dims, arguments, outputs and updates.")
 @click.argument("file", type=SOURCE)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="text: tables for people; json: one object for tools.")

@@ -355,7 +355,7 @@ def _host(a):
     return a if isinstance(a, np.ndarray) or not hasattr(a, "get") else a.get()
 
 
-@click.command()
+@click.command(short_help="Run FILE on inputs and print or save its outputs.")
 @click.argument("file", type=SOURCE)
 @click.option("--inputs", "npz", type=click.Path(dir_okay=False),
               help="An .npz (or .safetensors) with one array per input; keys that name outputs are "
@@ -398,8 +398,10 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     """Run FILE on inputs; write one array per out and per update (named as its
     target, or TARGET' when an output has that name).
 
-    Arrays are in each output's ABI order; integer inputs are int32.
-    Without -o, print each output's name, edges, shape and a short summary.
+    Each array's axes follow its edges in ABI order (`tgc info` lists them). An
+    input file's array may be of any numeric type: it is converted to its argument's
+    declared type (ids to int32). Without -o, print each output's name, edges, shape
+    and a short summary.
 
     \b
     Examples:

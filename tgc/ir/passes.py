@@ -48,4 +48,5 @@ class Pass(Generic[In, Out]):
 
     @classmethod
     def summary(cls) -> str:
-        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        """The docstring's first paragraph on one line (`tgc passes` lists it)."""
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
