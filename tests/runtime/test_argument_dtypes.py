@@ -245,3 +245,13 @@ def test_the_interpreter_and_a_compiled_program_refuse_inputs_in_the_same_words(
         with pytest.raises(EvalError) as oracle:
             evaluate(prog.module, bad)
         assert str(ours.value) == str(oracle.value)
+
+
+def test_run_takes_a_mapping():
+    """`program.run(None)` was a TypeError from len() inside the call, and `run([...])`
+    said the first argument was missing."""
+    prog = tgc.compile(STEP)
+    for bad in (None, [1, 2, 3], "x"):
+        with pytest.raises(TypeError, match=r"run\(\) takes a dict \{name: array\}, not " + type(bad).__name__):
+            prog.run(bad)
+    assert set(prog.run(dict(arrays()))) >= {"w"}
