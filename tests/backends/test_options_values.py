@@ -132,3 +132,19 @@ def test_options_valid_values_are_kept():
     assert Options(dims={"batch": 2}).dims == (("batch", 2),)      # and a dict as its pairs
     assert Options(memory_budget=0).memory_budget == 0 and Options(stream_block=0).stream_block == 0
     assert hash(Options(dims={"batch": 2})) == hash(Options(dims=(("batch", 2),)))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("row_slot_elems", 0),    # a fused column sum over no slots: a layernorm's outputs 5e294 off on cuda-sim
+    ("row_slot_rows", 0),     # the emulator died (SIGILL) dividing by it
+    ("grid_per_sm", 0),       # a launch of no blocks on a GPU
+    ("block_threads", 0),     # "a multiple of 32, at most 1024" (the field's comment)
+    ("block_threads", 31),
+    ("block_threads", 2048),
+])
+def test_cuda_sizes_of_which_zero_is_no_size_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"CudaOptions\.{field}"):
+        CudaOptions(**{field: value})
+    with pytest.raises(ValueError, match=rf"CudaOptions\.{field}"):
+        Options().with_(**{field: value})
+    assert CudaOptions(block_threads=128, row_slot_rows=1, row_slot_elems=1, grid_per_sm=1).block_threads == 128
