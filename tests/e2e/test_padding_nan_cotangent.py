@@ -42,3 +42,14 @@ def test_padding_taps_take_no_nan_from_the_cotangent(backend):
     dK = prog(**{k: v for k, v in args.items() if k in names}, updates=False)["dK"]
     assert np.isnan(dK).any()                      # the cotangent is NaN where the window is real
     assert (dK[:, :, 0] == 0).all() and (dK[:, :, 3] == 0).all(), dK[0]   # taps 0 and 3 read only padding
+
+
+def test_a_power_of_inf_compiles_and_matches_the_interpreter():
+    """`x ^ inf` (a fuzzed custom_grad.tg: `(pred - y) ^ inf`) was an internal error in
+    the CPU code generator (`int(inf)` testing for an integer exponent)."""
+    src = "dim n = 5\ninput x[n]\nout y = x ^ inf\nout z = x ^ -inf\n"
+    x = np.array([-2.0, -0.5, 0.0, 0.5, 2.0])
+    want = tgc.compile(src, backend="interp", dtype="f64")(x=x)
+    got = tgc.compile(src, dtype="f64")(x=x)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
