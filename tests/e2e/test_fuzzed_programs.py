@@ -1,4 +1,6 @@
-"""LANGUAGE.md section 8: "any term multiplied by an exact 0 adds nothing to a
+"""Programs that mutation fuzzing of the examples found wrong (each test says which).
+
+LANGUAGE.md section 8: "any term multiplied by an exact 0 adds nothing to a
 derivative even where its own derivative is infinite or undefined". A convolution's
 padding taps read exact zeros, so a NaN cotangent there (here from `sqrt` of a negative
 pre-activation) adds nothing to the kernel's gradient at those taps. Found by mutation
