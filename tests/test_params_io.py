@@ -302,3 +302,15 @@ def test_a_failed_save_leaves_the_old_file_whole(prog, tmp_path, monkeypatch):
         tgc.save_params(path, prog, new)
     monkeypatch.undo()
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+
+
+def test_a_program_that_is_not_one_is_a_type_error(prog, tmp_path):
+    """`load_params(path, "mlp")` was an AttributeError ('str' object has no attribute
+    'inputs'); save_params likewise."""
+    tgc.save_params(tmp_path / "p.npz", prog, params())
+    with pytest.raises(TypeError, match=r"load_params: program must be a compiled tgc\.Program .*not str"):
+        tgc.load_params(tmp_path / "p.npz", "mlp")
+    with pytest.raises(TypeError, match=r"save_params: program must be a compiled tgc\.Program .*not dict"):
+        tgc.save_params(tmp_path / "q.npz", {}, {})
+    with pytest.raises(TypeError, match=r"save_params: arrays must be a mapping .*not list"):
+        tgc.save_params(tmp_path / "q.npz", prog, [1, 2])

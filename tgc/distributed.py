@@ -629,8 +629,8 @@ class DataParallel:
 def _check_writable(arrays: dict, names) -> None:
     """Each of `names` is an array this rank may write (a broadcast sets it in place):
     a GPU array, or a numpy array that passes the check of every array tgc writes
-    into (`input_checks.check_writable`: EvalError for a read-only array or a stride-0
-    view); anything else is a TypeError. Checked before the ranks agree, as a write
+    into (`input_checks.check_writable`: EvalError for a read-only array or one whose
+    elements share memory); anything else is a TypeError. Checked before the ranks agree, as a write
     that fails half-way through the broadcasts would leave them out of step."""
     for name in names:
         x = arrays[name]

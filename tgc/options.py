@@ -7,10 +7,15 @@ nested here as one field each; those modules import nothing. Tests switch a stag
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
-from tgc.backends.cpu.options import CpuOptions
+from tgc.backends.cpu.options import CpuOptions, check_fields
 from tgc.backends.cuda.options import CudaOptions
+
+# The values each string field of Options takes.
+CHOICES = {"dtype": ("f32", "f64"), "autocast": ("bf16", "f16")}
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,10 @@ class Options:
     thresholds; `Options(cpu=CpuOptions(threads=1))`), and `cuda`, a `CudaOptions`.
     Each field's comment says what it does; `CpuOptions` and `CudaOptions` refuse a
     value of the wrong type (TypeError) or a negative number (ValueError), naming the
-    field (`CpuOptions.threads must be 0 or more, not -1`). `dtype` and `dims` are set by
-    `tgc.compile`'s own arguments."""
+    field (`CpuOptions.threads must be 0 or more, not -1`), and so does `Options` itself
+    (`opt_level` 0-3, `rep_size` 1 or more; `passes`, `stages` and `import_dirs` a tuple
+    or list of strings, `dims` pairs (name, size) or a dict, each kept as a tuple).
+    `dtype` and `dims` are set by `tgc.compile`'s own arguments."""
 
     dtype: str = "f32"                       # the program's float type: f32 | f64
     autocast: str | None = None              # mixed precision: None | "bf16" | "f16": matrix products on that type, f32 accumulation (tgc.opt.autocast)
@@ -73,6 +80,35 @@ class Options:
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size
     cpu: CpuOptions = field(default_factory=CpuOptions)     # the CPU backend's code generation (tgc.backends.cpu.options)
     cuda: CudaOptions = field(default_factory=CudaOptions)  # the CUDA backends' (tgc.backends.cuda.options)
+
+    def __post_init__(self) -> None:
+        check_fields(self, CHOICES)
+        if not self.opt_level <= 3:
+            raise ValueError(f"Options.opt_level must be 0, 1, 2 or 3, not {self.opt_level!r}")
+        if self.rep_size == 0:
+            raise ValueError("Options.rep_size must be 1 or more (the size cost models take for a symbolic dim), not 0")
+        for name in ("passes", "stages", "import_dirs"):
+            value = getattr(self, name)
+            if value is None and name != "import_dirs":
+                continue
+            if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+                what = type(value).__name__ if not isinstance(value, (tuple, list)) else \
+                    f"{type(value).__name__} holding {type(next(v for v in value if not isinstance(v, str))).__name__}"
+                raise TypeError(f"Options.{name} must be a tuple of strings"
+                                f"{' or None' if name != 'import_dirs' else ''}, not {what} {value!r}"
+                                + (f" ({name}=({value!r},) for one)" if isinstance(value, str) else ""))
+            object.__setattr__(self, name, tuple(value))
+        dims = self.dims
+        pairs = tuple(dims.items()) if isinstance(dims, Mapping) else dims
+        if not isinstance(pairs, (tuple, list)) or \
+                not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            raise TypeError(f"Options.dims must be (name, size) pairs or a dict {{name: size}}, not {dims!r}")
+        for name, size in pairs:
+            if not isinstance(size, numbers.Integral) or isinstance(size, bool):
+                raise TypeError(f"Options.dims: the size of '{name}' must be an int, not {type(size).__name__} {size!r}")
+            if size < 1:
+                raise ValueError(f"Options.dims: the size of '{name}' must be 1 or more, not {size}")
+        object.__setattr__(self, "dims", tuple((name, int(size)) for name, size in pairs))
 
     def with_(self, **changes) -> "Options":
         """A copy with the given fields changed. A name that is not a field of `Options`

@@ -57,8 +57,13 @@ def _format(path) -> str:
     raise ParamsError(f"'{name}': the file name must end in .safetensors or .npz (it chooses the format)")
 
 
-def _specs(program) -> list:
-    """The program's params and states (`TensorSpec`s), in ABI order."""
+def _specs(program, caller: str) -> list:
+    """The program's params and states (`TensorSpec`s), in ABI order; a TypeError naming
+    `caller` when `program` is not a compiled program (a `Program`, a data-parallel
+    step: anything with the `inputs` and `float_dtype` they have)."""
+    if not (hasattr(program, "inputs") and hasattr(program, "float_dtype")):
+        raise TypeError(f"{caller}: program must be a compiled tgc.Program (what tgc.compile returns), "
+                        f"not {type(program).__name__}")
     return [s for s in program.inputs if s.kind in ("param", "state")]
 
 
@@ -90,7 +95,7 @@ def _bind(name: str, edges, shape: tuple[int, ...], want: tuple[Size, ...], env:
 
 def _checked(program, arrays: Mapping[str, np.ndarray], cast: bool, meta: dict | None,
              where: str) -> dict[str, np.ndarray]:
-    specs = _specs(program)
+    specs = _specs(program, where)
     dtype = program.float_dtype
     names = [s.name for s in specs]
     missing = [n for n in names if n not in arrays]
@@ -156,7 +161,9 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
     from tgc.fsutil import write_atomic
 
     fmt = _format(path)
-    specs = _specs(program)
+    specs = _specs(program, "save_params")
+    if not isinstance(arrays, Mapping):
+        raise TypeError(f"save_params: arrays must be a mapping {{name: array}}, not {type(arrays).__name__}")
     chosen = {s.name: np.asarray(arrays[s.name]) if s.name in arrays else None for s in specs}
     missing = [n for n, a in chosen.items() if a is None]
     if missing:
@@ -270,5 +277,6 @@ def load_params(path: str | os.PathLike, program, cast: bool = False) -> dict[st
     Checks names, edges, dtype and sizes first (see the module's documentation) and
     raises `ParamsError` on any mismatch. `cast=True` accepts arrays of the other
     float width and converts them. The arrays are writable and C-contiguous."""
+    _specs(program, "load_params")
     arrays, meta = read_file(path)
     return _checked(program, arrays, cast, meta, os.fspath(path))

@@ -88,3 +88,63 @@ def test_the_examples_threads_flag_refuses_what_cpu_options_refuses():
         assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("opt_level", 10 ** 30, ValueError),     # an AssertionError deep in the CPU target
+    ("opt_level", 4, ValueError),
+    ("opt_level", -1, ValueError),           # compiled as -O0
+    ("opt_level", "x", TypeError),           # a TypeError comparing 'int' and 'str' in the lowering
+    ("stream_block", -1, ValueError),        # taken silently
+    ("stream_block", None, TypeError),
+    ("rep_size", -1, ValueError),            # costs with a negative size
+    ("rep_size", 0, ValueError),             # the size of a symbolic dim: 0 is no size
+    ("specialize_max", -1, ValueError),
+    ("unroll_max_ops", "x", TypeError),
+    ("memory_budget", -5, ValueError),
+    ("collective_timeout", float("nan"), ValueError),
+    ("fp_strict", "x", TypeError),
+    ("check_assumptions", 1, TypeError),
+    ("dtype", "f16", ValueError),
+    ("autocast", "f8", ValueError),
+    ("passes", "simplify", TypeError),       # read one letter at a time: "unknown pass 's'"
+    ("passes", 5, TypeError),
+    ("stages", "fuse", TypeError),
+    ("dims", "batch=2", TypeError),          # a ValueError from dict() deep in the pipeline
+    ("dims", (("batch", -2),), ValueError),
+    ("import_dirs", "lib", TypeError),
+])
+def test_options_fields_are_checked_when_made(field, value, error):
+    """`Options` checks its own fields as `CpuOptions` does, naming the field: before, a
+    wrong value failed deep in a pass with an unrelated TypeError or AssertionError, or
+    was taken silently."""
+    with pytest.raises(error, match=rf"Options\.{field}"):
+        Options(**{field: value})
+    with pytest.raises(error, match=rf"Options\.{field}"):
+        Options().with_(**{field: value})
+
+
+def test_options_valid_values_are_kept():
+    o = Options(opt_level=3, passes=("simplify", "factor"), stages=None, dims=(("batch", 2),),
+                import_dirs=("lib",), memory_budget=None, collective_timeout=None, autocast="bf16")
+    assert o.opt_level == 3 and o.passes == ("simplify", "factor") and o.dims == (("batch", 2),)
+    assert Options(passes=["simplify"]).passes == ("simplify",)    # a list is taken as a tuple
+    assert Options(dims={"batch": 2}).dims == (("batch", 2),)      # and a dict as its pairs
+    assert Options(memory_budget=0).memory_budget == 0 and Options(stream_block=0).stream_block == 0
+    assert hash(Options(dims={"batch": 2})) == hash(Options(dims=(("batch", 2),)))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("row_slot_elems", 0),    # a fused column sum over no slots: a layernorm's outputs 5e294 off on cuda-sim
+    ("row_slot_rows", 0),     # the emulator died (SIGILL) dividing by it
+    ("grid_per_sm", 0),       # a launch of no blocks on a GPU
+    ("block_threads", 0),     # "a multiple of 32, at most 1024" (the field's comment)
+    ("block_threads", 31),
+    ("block_threads", 2048),
+])
+def test_cuda_sizes_of_which_zero_is_no_size_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"CudaOptions\.{field}"):
+        CudaOptions(**{field: value})
+    with pytest.raises(ValueError, match=rf"CudaOptions\.{field}"):
+        Options().with_(**{field: value})
+    assert CudaOptions(block_threads=128, row_slot_rows=1, row_slot_elems=1, grid_per_sm=1).block_threads == 128

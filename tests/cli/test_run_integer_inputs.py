@@ -92,3 +92,13 @@ def test_non_integer_or_too_wide_files_for_i32_inputs_are_clear_errors(tmp_path,
     r, _ = run(tmp_path, GATHER, "--input", f"ids={tmp_path / 'ids.npy'}", "--random-inputs")
     assert r.exit_code != 0 and message in r.output and "ids.npy" in r.output, r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("dtype", [np.complex128, np.complex64])
+def test_a_complex_file_for_a_real_input_is_named_by_its_own_type(tmp_path, dtype):
+    """A complex128 file for a real f32 input was first narrowed to complex64, and the
+    error then named complex64, a type the file does not hold."""
+    np.save(tmp_path / "e.npy", np.ones((5, 4), dtype))
+    r, _ = run(tmp_path, GATHER, "--input", f"E={tmp_path / 'e.npy'}", "--random-inputs")
+    assert r.exit_code == 3 and f"input 'E' must be a float array (f32), not {np.dtype(dtype).name}" in r.output, \
+        r.output

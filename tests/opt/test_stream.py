@@ -766,3 +766,21 @@ def test_a_rejecting_multi_link_mask_with_a_small_fill_keeps_every_key(fill):
     assert loops(streamed) == 1
     x = inputs(src)
     close(evaluate(streamed, x, dtype="f64"), evaluate(optimized(src, "f64", **OFF), x, dtype="f64"), 1e-10)
+
+
+def test_a_masked_stream_over_2_to_62_rows_compiles(tmp_path):
+    """The mask analysis sized arrays by the query rows: at t = 2^62 (a fuzzed
+    examples/attention.tg, `dim t = 4611686018427387904` and `min[hd]` for `sum[hd]`)
+    `tgc dump-ir` was an internal error (numpy: 'array is too big'). So many rows are
+    not analysed: the stream's one loop runs over every key."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    src = (Path(__file__).resolve().parents[2] / "examples" / "attention.tg").read_text()
+    src = src.replace("dim t = 11 ", "dim t = 4611686018427387904 ").replace("sum[hd](qh * kh)", "min[hd](qh * kh)")
+    (tmp_path / "big.tg").write_text(src)
+    r = CliRunner().invoke(main, ["dump-ir", str(tmp_path / "big.tg")])
+    assert r.exit_code in (0, 1) and "internal compiler error" not in r.output, r.output

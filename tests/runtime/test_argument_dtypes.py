@@ -109,6 +109,38 @@ def test_an_update_target_whose_elements_share_memory_is_refused(backend):
     np.testing.assert_array_equal(got["w"], [[1, 2, 3, 4]])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_update_target_whose_elements_overlap_is_refused(backend):
+    """Elements may share memory without a stride of 0: `as_strided(a, (2, 3), (4, 4))`
+    over float32 makes rows [a0 a1 a2] and [a1 a2 a3]. The update's values were copied
+    back into it one after the other, each shared element keeping the last (silently
+    wrong: w held [[1, 2, 3], [2, 3, 4]] + x with one value per memory cell). Refused
+    like a stride-0 view; a strided view whose elements are all distinct, even with
+    interleaved strides, is still updated through a copy."""
+    prog = compile_on("dim a = 2, b = 3\ninput x[a, b]\nparam w[a, b]\nout y = sum(w * x)\nupdate w = w + x\n",
+                      backend)
+    base = np.arange(1, 5, dtype=np.float32)
+    w = np.lib.stride_tricks.as_strided(base, (2, 3), (4, 4))
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with pytest.raises(EvalError, match="'w' is updated in place, but its elements share memory"):
+        prog(x=x, w=w)
+    np.testing.assert_array_equal(base, [1, 2, 3, 4])
+    cells = np.zeros(8, np.float32)          # offsets 4*(2i + 3j): 0, 12, 8, 20, 16, 28 -> distinct
+    interleaved = np.lib.stride_tricks.as_strided(cells, (3, 2), (8, 12))
+    prog = compile_on("dim a = 3, b = 2\ninput x[a, b]\nparam w[a, b]\nout y = sum(w * x)\nupdate w = w + x\n",
+                      backend)
+    prog(x=np.arange(6, dtype=np.float32).reshape(3, 2), w=interleaved)
+    np.testing.assert_array_equal(interleaved, np.arange(6).reshape(3, 2))
+
+
+def test_torch_overlapping_update_targets_are_refused():
+    torch = pytest.importorskip("torch")
+    rows = torch.arange(6.0).as_strided((2, 3), (1, 1))    # rows [0 1 2] and [1 2 3] share three cells
+    prog = tgc.compile("dim a = 2, b = 3\ninput x[a, b]\nparam w[a, b]\nout y = sum(w * x)\nupdate w = w + x\n")
+    with pytest.raises(EvalError, match="share memory"):
+        prog(x=torch.ones(2, 3), w=rows)
+
+
 def test_torch_expanded_update_targets_are_refused():
     torch = pytest.importorskip("torch")
     prog = tgc.compile(STEP)
@@ -213,3 +245,13 @@ def test_the_interpreter_and_a_compiled_program_refuse_inputs_in_the_same_words(
         with pytest.raises(EvalError) as oracle:
             evaluate(prog.module, bad)
         assert str(ours.value) == str(oracle.value)
+
+
+def test_run_takes_a_mapping():
+    """`program.run(None)` was a TypeError from len() inside the call, and `run([...])`
+    said the first argument was missing."""
+    prog = tgc.compile(STEP)
+    for bad in (None, [1, 2, 3], "x"):
+        with pytest.raises(TypeError, match=r"run\(\) takes a dict \{name: array\}, not " + type(bad).__name__):
+            prog.run(bad)
+    assert set(prog.run(dict(arrays()))) >= {"w"}

@@ -20,7 +20,7 @@ from tgc.fsutil import NotASource, open_regular, write_atomic
 from tgc.ir import interp
 from tgc.ir.inputs import random_inputs as make_random_inputs
 from tgc.ir.dtypes import LOW_FLOATS, TYPES, is_low_array, narrower
-from tgc.ir.complex_io import COMPLEX_OF, RI
+from tgc.ir.complex_io import COMPLEX_OF, RI, is_complex_order
 from tgc.ir.input_checks import check_known
 from tgc.ir.interp import EvalError, evaluate
 from tgc.ir.module import Module
@@ -109,8 +109,8 @@ def _as_float_input(module: Module, name: str, a: np.ndarray, dtype: str) -> np.
     if arg.dtype in LOW_FLOATS and a.dtype == np.dtype("V2"):
         return a.view(TYPES[arg.dtype].numpy)   # numpy saves a bfloat16 array as raw 2-byte items
     width = arg.dtype if arg.dtype in narrower(dtype) else dtype
-    if a.dtype.kind == "c" and width in COMPLEX_OF:
-        return a.astype(COMPLEX_OF[width], copy=False)
+    if a.dtype.kind == "c":   # for a complex input, of its width; for a real one, refused as it is
+        return a.astype(COMPLEX_OF[width], copy=False) if is_complex_order(arg.order) and width in COMPLEX_OF else a
     if a.dtype.kind in "fiub" or is_low_array(a):
         return a.astype(TYPES[width].numpy, copy=False)
     return a

@@ -90,8 +90,9 @@ def check_updated_dtype(name: str, given: np.dtype, want: np.dtype, what: str | 
 
 def check_writable(name: str, a: np.ndarray, how: str = "is updated in place") -> None:
     """An update target's array can be written in place, one element per value: a
-    stride-0 view (numpy's as_strided, torch's `expand`) keeps only the last of the
-    values written to its shared elements, so it is refused, as torch refuses an in-place
+    stride-0 view (numpy's as_strided, torch's `expand`), or any view whose elements
+    overlap (`overlaps`), keeps only the last of the values written to its shared
+    elements, so it is refused, as torch refuses an in-place
     op on an expanded tensor. The one check of every array tgc writes into: a call's
     update targets, and the params a data-parallel broadcast sets (`how` says which
     write it is, for the message)."""
@@ -100,6 +101,34 @@ def check_writable(name: str, a: np.ndarray, how: str = "is updated in place") -
     if any(stride == 0 and n > 1 for stride, n in zip(a.strides, a.shape)):
         raise EvalError(f"'{name}' {how}, but its elements share memory (a stride-0 view, "
                         f"such as an expanded or broadcast one): pass an array with one element per value")
+    if overlaps(a):
+        raise EvalError(f"'{name}' {how}, but its elements share memory (a view whose strides make "
+                        f"elements overlap, as as_strided can): pass an array with one element per value")
+
+
+def overlaps(a: np.ndarray) -> bool:
+    """Whether two elements of `a` share a byte. Nested strides (each axis, by the size
+    of its stride, steps over the whole extent of the smaller ones: every C or Fortran
+    order array, slices, transposes, negative steps) never overlap; otherwise the
+    elements' offsets are compared (an interleaved view whose cells are distinct is
+    not refused)."""
+    if a.flags.c_contiguous or a.flags.f_contiguous:
+        return False
+    axes = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    extent = a.itemsize
+    for stride, n in axes:
+        if stride < extent:
+            break
+        extent = stride * (n - 1) + extent
+    else:
+        return False
+    if a.size > 1 << 26:   # too many to compare: refused as overlapping (no layout torch or numpy makes)
+        return True
+    offsets = np.zeros(1, np.int64)
+    for stride, n in zip(a.strides, a.shape):
+        offsets = np.add.outer(offsets, np.arange(n, dtype=np.int64) * stride).ravel()
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < a.itemsize))
 
 
 def dlpack_view(name: str, value):

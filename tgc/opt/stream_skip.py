@@ -106,6 +106,9 @@ def admitted(rel, t: str, s: str, nt: int, ns: int) -> tuple[np.ndarray, np.ndar
     return np.clip(lo, 0, ns), np.clip(hi, 0, ns)
 
 
+MAX_ROWS = 1 << 22   # rows `groups` analyses (a few int64 arrays of them: 32 MiB each at most)
+
+
 def complement(rel: Relation) -> list[Relation]:
     """Single-link relations whose union holds exactly where `rel` does not: one per link
     of its chain, that link with its op negated (`a <= b <= c` fails where `a > b` or
@@ -138,7 +141,10 @@ def groups(masks, s: str, nt: int, ns: int, block: int, count: int, meet: bool =
     there; with `meet`, a row's hull is the meet of the masks' hulls, and a key outside
     it is outside some mask's hull: that mask is in its masked state there (`exact`,
     asked once per mask, shows that one masked mask suffices); a row whose masks' hulls
-    do not meet admits no key."""
+    do not meet admits no key. More than `MAX_ROWS` rows are not analysed (None: the
+    arrays per row would not fit; such a stream runs over every key)."""
+    if nt > MAX_ROWS:
+        return None
     lo, hi = np.full(nt, ns, np.int64), np.zeros(nt, np.int64)        # the join
     meet_lo, meet_hi = np.zeros(nt, np.int64), np.full(nt, ns, np.int64)
     for rel, t, reject in masks:

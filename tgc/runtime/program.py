@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -641,6 +642,8 @@ class Program:
         kernel (`ready_after`) has run, fn sees its final value. An exception in fn
         is raised after the call. With `updates=True` only.
         """
+        if not isinstance(arrays, dict) and not isinstance(arrays, Mapping):
+            raise TypeError(f"run() takes a dict {{name: array}}, not {type(arrays).__name__}")
         if notify is not None:
             return self._run_notifying(arrays, dims, updates, notify)
         if updates is True and self._plain:

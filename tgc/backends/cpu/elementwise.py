@@ -198,7 +198,7 @@ def _ipow(b: ir.IRBuilder, x, n: int, fp):
 
 
 def emit_pow(b: ir.IRBuilder, x, y, fp, const: float | None):
-    if const is not None and const == int(const) and abs(const) <= 16:
+    if const is not None and abs(const) <= 16 and const == int(const):   # inf, nan: the general path
         return _ipow(b, x, int(const), fp)
     if const in (0.5, -0.5):
         r = b.call(declare_math(b.module, "sqrt", fp), [x])

@@ -1,6 +1,8 @@
 """The CUDA backends' settings (cuda, cuda-sim; docs/cuda.md), nested in
 `tgc.options.Options` as `options.cuda`. Plain data; its values are checked as
-`CpuOptions`' are (`check_fields`: a TypeError or ValueError naming the field). docs/cuda.md
+`CpuOptions`' are (`check_fields`: a TypeError or ValueError naming the field), and
+`block_threads` must be a multiple of 32 from 32 to 1024, `grid_per_sm`, `row_slot_rows`
+and `row_slot_elems` 1 or more. docs/cuda.md
 ("Tuned numbers") gives what each tuned default trades and its measurement."""
 from __future__ import annotations
 
@@ -58,6 +60,12 @@ class CudaOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not (32 <= self.block_threads <= 1024 and self.block_threads % 32 == 0):
+            raise ValueError(f"CudaOptions.block_threads must be a multiple of 32 from 32 to 1024, "
+                             f"not {self.block_threads!r}")
+        for name in ("grid_per_sm", "row_slot_rows", "row_slot_elems"):   # 0: no blocks, no slots
+            if getattr(self, name) < 1:
+                raise ValueError(f"CudaOptions.{name} must be 1 or more, not {getattr(self, name)!r}")
 
     def row_block(self, length: int) -> int:
         """The threads of a block-per-row launch for rows of `length` elements (above):
