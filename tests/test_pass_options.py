@@ -152,8 +152,8 @@ def test_cli_passes_lists_options():
     r = run("passes")
     assert r.exit_code == 0
     assert re.search(r"^group +Fuse neighbouring", r.output, re.M) and "{blocks=int | none}" in r.output
-    assert "lowering for cpu (dump-ir --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,epilogue,alias,group,plan" in r.output
-    assert "lowering for cuda-sim (dump-ir --after STAGE): fuse,layout,narrow,cublas_operands,inline_elementwise,flash,accumulate,rowgroup,plan" in r.output
+    assert "lowering for cpu (dump-ir --backend cpu --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,epilogue,alias,group,plan" in r.output
+    assert "lowering for cuda-sim (dump-ir --backend cuda-sim --after STAGE): fuse,layout,narrow,cublas_operands,inline_elementwise,flash,accumulate,rowgroup,plan" in r.output
 
 
 def test_cli_dump_ir_with_lowering_stages_in_p():
