@@ -178,8 +178,13 @@ def _map_body(module: Module, body: V.LoopBody, fn) -> V.LoopBody:
         return body
     for d, n in new.dims.items():    # dims a pass declared for the body (stream's block edges)
         module.dims.setdefault(d, n)
-    for e, d in new.edges.items():
-        module.edges.setdefault(e, d)
+    # the body's new edges where the pass declared them among the others (stream's block
+    # edge right after its stem: declaration order is the layout's tie-break)
+    edges = dict(new.edges)
+    for e, d in module.edges.items():
+        edges.setdefault(e, d)
+    module.edges.clear()
+    module.edges.update(edges)
     return V.loop_body(body.params, results, body.carries, body.slices)
 
 
