@@ -323,19 +323,25 @@ def test_default_peak_at_8192_is_independent_of_batch_and_heads():
     with its gradients, 4 heads of 64 x batch 2, under the default options. One head's
     step is already over `stream_step_elements`; the stream still loops over the batch and
     the heads, so that `tgc explain`'s peak is the 1-head program's (32.6 MiB), within the
-    issue's 64 MiB, not 8 heads' [256, s] matrices at once (273 MB)."""
+    issue's 64 MiB, not 8 heads' [256, s] matrices at once (273 MB). On two threads the
+    loop's steps run one a core, each with its own copy of the step's slots: the
+    workspace with those copies is twice the 1-head program's, still independent of the
+    batch and heads."""
+    from tgc.backends.cpu.options import CpuOptions
     from tgc.explain import explain
     from tgc.pipeline import lower_module
 
-    def peak(batch, head):
+    def report(batch, head):
         src = BATCHED.replace("batch = 2, head = 2, t = 32, hd = 2", f"batch = {batch}, head = {head}, t = 8192, hd = 64")
-        options = Options(dtype="f32")
-        module = optimized(src, "f32")
-        return explain(lower_module(module, options), {})["peak"]["bytes"]
+        options = Options(dtype="f32", cpu=CpuOptions(threads=2))
+        return explain(lower_module(optimized(src, "f32"), options), {}, options)
 
-    one, many = peak(1, 1), peak(2, 4)
-    assert many <= 64 << 20, many
-    assert many <= one * 1.01, (one, many)
+    one, many = report(1, 1), report(2, 4)
+    assert many["peak"]["bytes"] <= 64 << 20, many["peak"]
+    assert many["peak"]["bytes"] <= one["peak"]["bytes"] * 1.01, (one["peak"], many["peak"])
+    lanes = many["workspace"]["bytes"] + many["workspace"]["lanes_bytes"]
+    assert one["workspace"]["lanes_bytes"] == 0 and lanes <= 2 * one["workspace"]["bytes"] * 1.01, \
+        (one["workspace"], many["workspace"])
 
 
 @pytest.mark.parametrize("name", ["attention", "odd"])
