@@ -17,7 +17,11 @@ largest value).
 
     python benchmarks/attention.py                  # every row
     python benchmarks/attention.py --rows 1024 --repeat 3
+    python benchmarks/attention.py --rows --wide-rows 8192   # t = 8192 at 4 heads x batch 2 only
     python benchmarks/attention.py --explain-only   # tgc's peak, no timing
+
+Rows (ROWS): t = 1024 and 2048 at 4 heads x batch 2, 4096 at 2 x 1, 8192 at 1 x 1; and
+(WIDE) t = 8192 again at 4 heads x batch 2, issue 32's largest row.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 ROWS = {1024: (4, 2), 2048: (4, 2), 4096: (2, 1), 8192: (1, 1)}   # t -> (heads, batch)
+WIDE = {8192: (4, 2)}   # t -> (heads, batch): the long row again at the largest heads x batch
 HD = 64
 
 SOURCE = """
@@ -52,25 +57,30 @@ out dv[batch, head, s, hd] = grad(loss, v)
 """
 
 
-def source(t: int) -> str:
-    heads, batch = ROWS[t]
+def row_shape(t: int, wide: bool = False) -> tuple[int, int]:
+    """(heads, batch) of the row at `t`: ROWS's, or WIDE's (`wide`)."""
+    return (WIDE if wide else ROWS)[t]
+
+
+def source(t: int, wide: bool = False) -> str:
+    heads, batch = row_shape(t, wide)
     return SOURCE.format(batch=batch, heads=heads, t=t, hd=HD)
 
 
-def layer_source(t: int) -> str:
+def layer_source(t: int, wide: bool = False) -> str:
     """examples/attention.tg (projections in and out, heads split by a reindex, the
     batch symbolic) with the row's heads of 64 over `t` positions, masked by -1e9."""
     import tgc
 
-    heads, _ = ROWS[t]
+    heads, _ = row_shape(t, wide)
     src = (Path(tgc.__file__).resolve().parents[1] / "examples" / "attention.tg").read_text()
     return (src.replace("dim t = 11", f"dim t = {t}")
             .replace("dim c = 48, head = 3", f"dim c = {HD * heads}, head = {heads}")
             .replace("scores, -inf)", "scores, -1e9)").replace("\nout probs", "\n# out probs"))
 
 
-def arrays(t: int, seed: int = 0) -> dict:
-    heads, batch = ROWS[t]
+def arrays(t: int, seed: int = 0, wide: bool = False) -> dict:
+    heads, batch = row_shape(t, wide)
     rng = np.random.default_rng(seed)
     shape = (batch, heads, t, HD)
     return {n: rng.standard_normal(shape, dtype=np.float32) for n in ("q", "k", "v", "dy")}
@@ -125,13 +135,13 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def torch_peak_child(t: int) -> None:
+def torch_peak_child(t: int, wide: bool = False) -> None:
     """In a fresh process: the peak resident set during one torch step (the step run
     once before, untimed), less the resident set before it; Linux resets the peak
     when 5 is written to /proc/self/clear_refs."""
     import torch
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
-    step = torch_step(arrays(t))
+    step = torch_step(arrays(t, wide=wide))
     step()
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
@@ -139,24 +149,26 @@ def torch_peak_child(t: int) -> None:
     print(json.dumps({"peak": _status("VmHWM") - before}))
 
 
-def torch_peak(t: int, threads: int) -> int:
-    r = subprocess.run([sys.executable, __file__, "--torch-peak-child", str(t)], capture_output=True, text=True,
+def torch_peak(t: int, threads: int, wide: bool = False) -> int:
+    r = subprocess.run([sys.executable, __file__, "--torch-peak-child", str(t)] + ["--wide"] * wide,
+                       capture_output=True, text=True,
                        env={**os.environ, "THREADS": str(threads)}, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])["peak"]
 
 
-def row(t: int, repeat: int, threads: int, explain_only: bool) -> dict:
-    peak, workspace = tgc_peak(source(t), {})
-    layer, _ = tgc_peak(layer_source(t), {"batch": ROWS[t][1]})
-    out = {"t": t, "heads": ROWS[t][0], "batch": ROWS[t][1], "tgc_peak": peak, "tgc_workspace": workspace,
+def row(t: int, repeat: int, threads: int, explain_only: bool, wide: bool = False) -> dict:
+    heads, batch = row_shape(t, wide)
+    peak, workspace = tgc_peak(source(t, wide), {})
+    layer, _ = tgc_peak(layer_source(t, wide), {"batch": batch})
+    out = {"t": t, "heads": heads, "batch": batch, "tgc_peak": peak, "tgc_workspace": workspace,
            "layer_peak": layer}
     if explain_only:
         return out
     import tgc
     import torch
     torch.set_num_threads(threads)
-    a = arrays(t)
-    prog = tgc.compile(source(t), backend="cpu", dtype="f32")
+    a = arrays(t, wide=wide)
+    prog = tgc.compile(source(t, wide), backend="cpu", dtype="f32")
     got, want = prog(**a), torch_step(a)()
     for name, w in want.items():
         err = float(np.max(np.abs(got[name] - w)))
@@ -164,7 +176,7 @@ def row(t: int, repeat: int, threads: int, explain_only: bool) -> dict:
             raise SystemExit(f"t={t}: tgc's {name} differs from torch's by {err}")
     out["tgc_s"] = median_time(lambda: prog(**a), repeat)
     out["torch_s"] = median_time(torch_step(a), repeat)
-    out["torch_peak"] = torch_peak(t, threads)
+    out["torch_peak"] = torch_peak(t, threads, wide)
     return out
 
 
@@ -174,22 +186,28 @@ def mb(n: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="*", default=sorted(ROWS), choices=sorted(ROWS))
+    ap.add_argument("--rows", type=int, nargs="*", default=None, choices=sorted(ROWS),
+                    help=f"lengths of ROWS's rows (default: all, and WIDE's {sorted(WIDE)})")
+    ap.add_argument("--wide-rows", type=int, nargs="*", default=None, choices=sorted(WIDE),
+                    help="lengths of WIDE's rows, at their larger heads x batch (default: all when --rows is not given)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--explain-only", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--torch-peak-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--wide", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_peak_child:
-        torch_peak_child(args.torch_peak_child)
+        torch_peak_child(args.torch_peak_child, args.wide)
         return
+    wide_rows = args.wide_rows if args.wide_rows is not None else ([] if args.rows is not None else sorted(WIDE))
+    todo = [(t, False) for t in (sorted(ROWS) if args.rows is None else args.rows)] + [(t, True) for t in wide_rows]
     rows = []
     print("| t | heads x batch | tgc time | torch SDPA time | tgc/torch | tgc peak (explain) | torch peak (RSS) "
           "| layer peak (explain) |")
     print("|---|---|---|---|---|---|---|---|")
-    for t in args.rows:
-        r = row(t, args.repeat, args.threads, args.explain_only)
+    for t, wide in todo:
+        r = row(t, args.repeat, args.threads, args.explain_only, wide)
         rows.append(r)
         timing = ("-", "-", "-", "-") if args.explain_only else \
             (f"{r['tgc_s'] * 1e3:.0f} ms", f"{r['torch_s'] * 1e3:.0f} ms", f"{r['tgc_s'] / r['torch_s']:.2f}",

@@ -318,6 +318,32 @@ def test_default_peak_of_a_length_no_block_divides(t):
     assert explain(lower_module(module, options), {})["peak"]["bytes"] <= 64 << 20
 
 
+def test_default_peak_at_8192_is_independent_of_batch_and_heads():
+    """Issue 32's long row with its largest batch and heads: causal attention at t = 8192
+    with its gradients, 4 heads of 64 x batch 2, under the default options. One head's
+    step is already over `stream_step_elements`; the stream still loops over the batch and
+    the heads, so that `tgc explain`'s peak is the 1-head program's (32.6 MiB), within the
+    issue's 64 MiB, not 8 heads' [256, s] matrices at once (273 MB). On two threads the
+    loop's steps run one a core, each with its own copy of the step's slots: the
+    workspace with those copies is twice the 1-head program's, still independent of the
+    batch and heads."""
+    from tgc.backends.cpu.options import CpuOptions
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    def report(batch, head):
+        src = BATCHED.replace("batch = 2, head = 2, t = 32, hd = 2", f"batch = {batch}, head = {head}, t = 8192, hd = 64")
+        options = Options(dtype="f32", cpu=CpuOptions(threads=2))
+        return explain(lower_module(optimized(src, "f32"), options), {}, options)
+
+    one, many = report(1, 1), report(2, 4)
+    assert many["peak"]["bytes"] <= 64 << 20, many["peak"]
+    assert many["peak"]["bytes"] <= one["peak"]["bytes"] * 1.01, (one["peak"], many["peak"])
+    lanes = many["workspace"]["bytes"] + many["workspace"]["lanes_bytes"]
+    assert one["workspace"]["lanes_bytes"] == 0 and lanes <= 2 * one["workspace"]["bytes"] * 1.01, \
+        (one["workspace"], many["workspace"])
+
+
 @pytest.mark.parametrize("name", ["attention", "odd"])
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-10), ("f32", 2e-5)])
 def test_cuda_sim_matches_torch(name, dtype, tol):
@@ -679,26 +705,59 @@ def test_steps_over_the_cache_budget_loop_over_batch_and_heads():
     stream_step_elements = 64, the cluster runs as a loop over the batch, whose step
     loops over the heads, whose step streams t in 2 runs, with the block halved to 2
     (2 * 32 keys fits, 4 * 32 does not). At a budget that even a head's halved block
-    exceeds, nothing changes (2 runs of blocks of 4 at the top); with 0, never. The values
-    and gradients are the unstreamed program's and torch's, on the interpreter (f64) and
-    the CPU (f64, f32)."""
+    exceeds, the loops over the batch and the heads still run, their step streaming
+    blocks of 4 (a step holds one sequence's head's matrices, whatever the batch and
+    heads); where such steps would run over key blocks under the stream's own rows
+    (`stream_key_rows` does not divide t), nothing changes (2 runs at the top); with 0,
+    never. The values and gradients are the unstreamed program's and torch's, on the
+    interpreter (f64) and the CPU (f64, f32)."""
     import tgc
 
     cache = {**ON, "stream_block_min": 2, "stream_step_elements": 64}
+    over = {**cache, "stream_step_elements": 32}
     streamed = optimized(BATCHED, "f64", **cache)
     assert nested(streamed) == [1, 1, 2] and streamed.dims["t.1"] == 2, (nested(streamed), streamed.dims)
-    for budget in (32, 0):
-        flat = optimized(BATCHED, "f64", **{**cache, "stream_step_elements": budget})
-        assert nested(flat) == [2] and flat.dims["t.1"] == 4
+    looped = optimized(BATCHED, "f64", **over)
+    assert nested(looped) == [1, 1, 2] and looped.dims["t.1"] == 4, (nested(looped), looped.dims)
+    assert nested(optimized(BATCHED, "f64", **over, stream_key_block=4))[0] == 2   # 2 runs at the top (key loops in them)
+    flat_opts = {**cache, "stream_step_elements": 0}
+    flat = optimized(BATCHED, "f64", **flat_opts)
+    assert nested(flat) == [2] and flat.dims["t.1"] == 4
     x = inputs(BATCHED)
     want = torch_oracle.evaluate(compile_source(BATCHED, "<stream>", Options(dtype="f64")), x)
-    got = evaluate(streamed, x, dtype="f64")
-    close(got, evaluate(optimized(BATCHED, "f64", **OFF), x, dtype="f64"), 1e-10)
-    close(got, want, 1e-10)
-    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
-        prog = tgc.compile(BATCHED, "cpu", dtype, options=Options(**cache))
-        assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
-        close(prog(**inputs(BATCHED, dtype)), want, tol)
+    unstreamed = evaluate(optimized(BATCHED, "f64", **OFF), x, dtype="f64")
+    for module in (streamed, looped):
+        got = evaluate(module, x, dtype="f64")
+        close(got, unstreamed, 1e-10)
+        close(got, want, 1e-10)
+    for opts in (cache, over):
+        for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+            prog = tgc.compile(BATCHED, "cpu", dtype, options=Options(**opts))
+            assert any(getattr(k, "kind", "") == "steps" for k in prog.lowered.kernels)
+            close(prog(**inputs(BATCHED, dtype)), want, tol)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_head_loops_over_the_budget_compute_the_flat_streams_bits(dtype):
+    """At heads of 64 (t = 1024, 2 heads x batch 2), steps over the budget even one head
+    a step loop over the batch and heads; each head's step is the flat stream's step
+    for that head, laid out alike (the block edge declared after t in the loop's body
+    as at the top: tgc.opt.rewrite.map_bodies), so the CPU computes the same bits as the
+    flat stream (budget 0: no loops), within 2e-5 of torch in f32."""
+    import tgc
+
+    src = BATCHED.replace("t = 32, hd = 2", "t = 1024, hd = 64")
+    x = inputs(src, dtype)
+    got = {}
+    for name, budget, shape in (("looped", 1 << 16, [1, 1, 4]), ("flat", 0, [4])):
+        options = Options(dtype=dtype, stream_step_elements=budget)
+        assert nested(pipeline.lower(compile_source(src, "<stream>", options), options).module) == shape
+        got[name] = tgc.compile(src, "cpu", dtype, options=options)(**x)
+    for out, value in got["looped"].items():
+        assert np.array_equal(value, got["flat"][out]), out
+    if dtype == "f32":
+        close(got["looped"], torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")),
+                                                   inputs(src)), 2e-5)
 
 
 def test_a_budget_loop_keeps_the_peak_linear():

@@ -178,8 +178,20 @@ def _map_body(module: Module, body: V.LoopBody, fn) -> V.LoopBody:
         return body
     for d, n in new.dims.items():    # dims a pass declared for the body (stream's block edges)
         module.dims.setdefault(d, n)
+    # the body's new edges where the pass declared them, each right after the edge before
+    # it in the body's table (stream's block edge after its stem: declaration order is the
+    # layout's tie-break); the program's own edges keep their order
+    edges = list(module.edges.items())
+    names = [e for e, _ in edges]
+    prev = None
     for e, d in new.edges.items():
-        module.edges.setdefault(e, d)
+        if e not in module.edges:
+            at = names.index(prev) + 1 if prev is not None else 0
+            names.insert(at, e)
+            edges.insert(at, (e, d))
+        prev = e
+    module.edges.clear()
+    module.edges.update(edges)
     return V.loop_body(body.params, results, body.carries, body.slices)
 
 

@@ -60,12 +60,19 @@ block of `E` at a time:
 - a step's matrices within a cache budget: where a step's `[.., B, s]` matrices (B
   times |s| times the seed's other edges) have more than `options.stream_step_elements`
   elements, the block is halved once where that brings them within it (`cache_block`);
-  else, where one index of every short edge (batch, heads) a step would, the region
-  along such an edge `h` (a map over it: no reduction over `h`, no indicator naming it,
-  holding the stream's region) first moves into a loop over `h`, one index a step
-  (`map_loop`: operands renamed to the loop's edge, results renamed back), and the
-  step streams as a program of its own under the thresholds divided by |h|
-  (`partition`), looping over the next short edge first while still over.
+  else the region along a short edge `h` of the seed (batch, heads: a map over it, no
+  reduction over `h`, no indicator naming it, holding the stream's region) first moves
+  into a loop over `h`, one index a step (`map_loop`: over `h` itself where every
+  operand and result names it so, else operands renamed to the loop's edge, results
+  renamed back), and the step streams as a program of its own under the thresholds
+  divided by |h| (`partition`), looping over the next short edge first while still
+  over: where one index of every short edge a step fits the budget, and also where it
+  does not (t = 8192: one head's [256, s] matrices are 8 MiB each), so that a step's
+  matrices are one sequence's head's whatever the batch and heads: the peak is that of
+  the one-head program (not where such steps would run over key blocks under the
+  stream's own rows, below). The body's new edges keep the place `new_edge` gave them
+  (tgc.opt.rewrite.map_bodies), so a head's step is laid out as the flat stream's
+  steps are, and computes the same bits.
 
 - where the steps' matrices are over the budget even so and `options.stream_key_block`
   is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
@@ -517,7 +524,11 @@ class _Streamer:
         step, whose step streams the cluster as the top level would have; or None, when the
         steps of the stream over `edge` fit `stream_step_elements` (`cache_block`: the
         block's rows by the seed's other edges), when they would not fit even with one
-        index of every short edge a step, or when no edge qualifies. An edge `h` qualifies when
+        index of every short edge a step and would run over key blocks under the stream's
+        own rows (`stream_key_block` set, `key_rows` not dividing the edge), or when no
+        edge qualifies. Steps that do not fit even one index a step loop all the same, so
+        that a step's matrices are one index's of every short edge, not all of them (the
+        peak independent of the batch and heads). An edge `h` qualifies when
         the cluster is a map over it: every value of `r` keeps `h` and reads its operands at
         the same index of `h` (the region along `h` holds `r`'s members, has no reduction
         over `h` and no indicator naming it). The step's stream runs under thresholds
@@ -529,11 +540,18 @@ class _Streamer:
         named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
         short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
                         and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None and self.key_rows(n) is None:
-            # the steps would not fit even one index of every short edge at a time (where they
-            # run over key blocks, tgc.opt.stream_keys, the loops still let them read the keys
-            # and write dk, dv in place: their blocks of one sequence's head are contiguous)
+        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None \
+                and self.key_rows(n) is None and self.options.stream_key_block > 0:
+            # the steps would not fit even one index of every short edge at a time, and run
+            # over key blocks under rows of the stream's own block: no loops (where they run
+            # under stream_key_rows, the loops let them read the keys and write dk, dv in
+            # place: their blocks of one sequence's head are contiguous)
             return None
+        # else, where the steps do not fit even so, the loops still bound them: a step holds
+        # one sequence's head's [B, s] matrices, whatever the batch and heads (attention at
+        # t = 8192, 4 heads x batch 2: explain's peak 273 -> 34.2 MB, the 1-head program's),
+        # its steps independent (no carries: the CPU shares them among its threads,
+        # codegen.parallel_step_loops) and reading q, k, v, dy, writing the outputs in place
         for h in short:
             rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
             if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
