@@ -140,3 +140,25 @@ def test_a_weak_expression_is_flagged_once():
     for _ in range(50_000):
         y = V.map_("sqrt", V.add([y, V.const(1.0, "f32")]))
     assert y.weak and V.promoted([x, y]) == "bf16"
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+@pytest.mark.parametrize("expr", ["max(x, sqrt(size(d)) / 2)", "where(x > 0, x, sqrt(size(d)) / 2)"])
+def test_a_selection_of_a_weak_expression_is_rounded(expr, dtype, backend):
+    """`max(x, sqrt(size(d)) / 2)` of a bf16 `x` (d symbolic: the quotient stays an
+    expression) is bf16 (it was f32): the selection is exact for `x`'s elements, but the
+    quotient is a weak value of a wider type, so the emulation rounds the selected value
+    to bf16 (it rounded only for a constant operand), as PyTorch's
+    `torch.maximum(x, torch.tensor(math.sqrt(6) / 2))` does. Read back through a
+    widening conversion, which keeps the value as it is."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    src = f"dim d\ninput x: bf16[d]\ny = {expr}\nout z = f64(y) * 3\nout y\n"
+    x = np.array([-1.0, 0.5, 1.21875, 1.25, 2.0, -0.25]).astype(bf16)
+    got = tgc.compile(src, backend=backend, dtype=dtype)(x=x)
+    assert got["y"].dtype == bf16
+    s = np.float64(np.float32(math.sqrt(6) / 2).astype(bf16))
+    xs = x.astype(np.float64)
+    want = np.maximum(xs, s) if expr.startswith("max") else np.where(xs > 0, xs, s)
+    np.testing.assert_array_equal(got["y"].astype(np.float64), want)
+    np.testing.assert_allclose(np.asarray(got["z"], np.float64), want * 3, rtol=1e-6)
