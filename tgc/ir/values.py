@@ -302,6 +302,17 @@ def convert(x: Value, dtype: str, loc: Loc | None = None) -> Value:
     return x if x.dtype == dtype else map_(f"to_{dtype}", x, loc=loc)
 
 
+def reindexed(x: Value, indicators: Sequence[Value], keep: Iterable[str], loc: Loc | None = None) -> Value:
+    """`x` contracted with `indicators` that pick at most one element of `x` for each
+    element of the result (an exact reindex: a block split or join, a window), of `x`'s
+    type: a bf16/f16 `x`'s contraction has the compute type (f32), and is converted
+    back, exactly (it holds `x`'s values and zeros), as the front end rounds a reindex
+    `x[t = s + k]` of a bf16 `x`. A loop whose operand or result is so split keeps the
+    types of the values it replaces."""
+    out = contract([x, *indicators], keep, loc)
+    return convert(out, x.dtype, loc) if x.dtype in LOW_FLOATS else out
+
+
 def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) -> Value:
     if kind not in REDUCE_KINDS:
         raise IRError(f"unknown reduction '{kind}'")
