@@ -14,7 +14,8 @@ text to the CPU backend's LLVM IR, and prints the seconds of each stage:
 - `lower`: the target passes and the lowering stages (`target`, `lower_module`);
 - `codegen`: the LLVM IR of every unit (`codegen.generate_units_first_last`);
 - `llvm` (with `--llvm`): LLVM's machine code from it (`llvm_env.emit_objects`, at
-  `compile_jobs` units), which the code cache skips on a second build.
+  `compile_jobs` units, each in a forked child: the children's CPU time), which the
+  code cache skips on a second build.
 
 The times are per-thread CPU time (`time.thread_time`), so that other processes on a
 busy machine count less; `total` is their sum, `x` the ratio to the previous depth's
@@ -37,6 +38,7 @@ The shapes (`SHAPES`, also what tests/opt/test_deep_compile.py builds):
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -184,10 +186,11 @@ def _stages(src: str, llvm: bool, dtype: str) -> dict:
     first, rest = codegen.generate_units_first_last(low, opts, objects_entry=True, units=jobs, fingerprint="0" * 64)
     texts = [unit() for unit in [first] + rest]   # each unit's text (emit_objects makes it in its child)
     out["codegen"] = time.thread_time() - t
-    if llvm:
-        t = time.thread_time()
+    if llvm:   # (in child processes: their CPU time, and this thread's)
+        t, kids = time.thread_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
         llvm_env.emit_objects(texts, max(opts.opt_level, 1), jobs=jobs)
-        out["llvm"] = time.thread_time() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out["llvm"] = (time.thread_time() - t + after.ru_utime - kids.ru_utime + after.ru_stime - kids.ru_stime)
     out["total"] = sum(out.values())
     return out
 

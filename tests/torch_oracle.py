@@ -153,6 +153,7 @@ MAP_FNS: dict[str, Callable] = {
     "mul0": _mul0,
     "mul00": _mul00,
     "where": lambda c, a, b: torch.where(c != 0, a, b),
+    "checkpoint": lambda x: x,   # the value; recomputing it in the backward pass is no concern here
 }
 
 
@@ -219,6 +220,20 @@ def _scatter(ev: _Eval, v: Value, ops):
     out = torch.full((int(torch.tensor(shape).prod()),), fill, dtype=F64)
     out = out.scatter_reduce(0, flat.reshape(-1), values.reshape(-1), "amax" if v.attrs[1] == "max" else "amin")
     return out.reshape(shape)
+
+
+def _random(ev: _Eval, v: Value, ops):
+    """`rand`/`randn`: Philox draws by the reference of tgc.ir.philox (checked against the
+    published known-answer vectors in tests/e2e/test_random.py) at the row-major index
+    over the sorted edges, in float64; constants to autograd (random values have zero
+    derivative)."""
+    from tgc.ir.philox import draw_numpy
+
+    shape = [ev.sizes[e] for e in v.edges]
+    counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64).reshape(shape)
+    folds = tuple(np.int64(int(ops[int(n[1:])].reshape(()))) if isinstance(n, str) else n for n in v.attrs[1])
+    drawn = draw_numpy(v.attrs[0], v.attrs[2] or "f64", int(ops[0].reshape(())), folds, counters)
+    return torch.tensor(np.asarray(drawn, dtype=np.float64), dtype=F64)
 
 
 def _rename(ev: _Eval, v: Value, ops):
@@ -377,7 +392,7 @@ OPS: dict[str, Callable] = {
     "custom": _custom, "slot": _slot,
     "arg": _arg, "const": _const, "size": _size, "add": _add, "contract": _contract,
     "map": _map, "reduce": _reduce, "indicator": _indicator, "gather": _gather, "scatter": _scatter,
-    "rename": _rename, "stop": lambda ev, v, ops: ops[0].detach(),
+    "rename": _rename, "stop": lambda ev, v, ops: ops[0].detach(), "random": _random,
     "grad": _grad, "jvp": _jvp, "vjp": _vjp, "loop": _loop,
 }
 

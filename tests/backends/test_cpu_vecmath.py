@@ -179,7 +179,7 @@ def specials(dtype):
 @pytest.mark.parametrize('name', vecmath.NAMES)
 def test_accuracy(kernels, name):
     x = np.concatenate([inputs(name, kernels.dtype), specials(kernels.dtype)])
-    if name in ('sin', 'cos'):  # beyond the reduction's range: NaN, tested below
+    if name in ('sin', 'cos'):  # beyond the reduction's range: f64 NaN, f32 its own test; both below
         x = x[~(np.abs(x) > vecmath.TRIG_MAX[np.finfo(kernels.dtype).bits])]
     err = ulp_errors(kernels(name, x), reference(name, x))
     worst = int(np.argmax(err))
@@ -190,7 +190,7 @@ def test_accuracy(kernels, name):
 @pytest.mark.parametrize('name', vecmath.NAMES)
 def test_special_values_match_numpy(kernels, name):
     x = specials(kernels.dtype)
-    if name in ('sin', 'cos'):  # f.max is beyond the reduction's range: NaN by design
+    if name in ('sin', 'cos') and kernels.dtype == np.float64:  # f.max is beyond the f64 range: NaN
         x = x[~(np.abs(x) == np.finfo(kernels.dtype).max)]
     got, ref = kernels(name, x), reference(name, x).astype(kernels.dtype)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
@@ -212,7 +212,12 @@ def test_saturation_and_limits(dtype):
     assert np.all(k('log', -big) != k('log', -big))
     trig_max = vecmath.TRIG_MAX[np.finfo(dtype).bits]
     beyond = np.array([trig_max * 1.01, -trig_max * 1.01, f.max], dtype=dtype)
-    assert np.all(np.isnan(k('sin', beyond))) and np.all(np.isnan(k('cos', beyond)))
+    if dtype == np.float64:   # f64 beyond 2^50 pi/2: NaN; f32 reduces every size (test below)
+        assert np.all(np.isnan(k('sin', beyond))) and np.all(np.isnan(k('cos', beyond)))
+    else:
+        for name in ('sin', 'cos'):
+            assert np.all(ulp_errors(k(name, beyond), reference(name, beyond)) <= 1.0)
+    assert np.all(np.isnan(k('sin', np.array([np.inf, -np.inf, np.nan], dtype=dtype))))
 
 
 @pytest.mark.parametrize('dtype, limit, bound', [(np.float32, 6.5e6, 2.5),
@@ -227,6 +232,21 @@ def test_sin_cos_far_range(dtype, limit, bound):
         err = ulp_errors(k(name, x), reference(name, x))
         print(f'{name} {np.dtype(dtype).name} |x|<{limit:g}: max {err.max():.3f} ulp')
         assert err.max() <= bound
+
+
+@pytest.mark.parametrize('exponent', [23, 40, 70, 100, 127])
+def test_f32_sin_cos_beyond_the_reduction_range(exponent):
+    """An f32 sin/cos of any finite size is the correctly reduced value (as numpy's f64
+    sin of the same number, and PyTorch's): every 8th f32 of the binade [2^e, 2^(e+1)),
+    and its negation, within 1 ulp."""
+    k = Kernels(np.float32)
+    bits = np.arange(0, 1 << 23, 8, dtype=np.uint32) | np.uint32((exponent + 127) << 23)
+    x = bits.view(np.float32)
+    x = np.concatenate([x, -x])
+    for name in ('sin', 'cos'):
+        err = ulp_errors(k(name, x), reference(name, x))
+        print(f'{name} f32 in [2^{exponent}, 2^{exponent + 1}): max {err.max():.3f} ulp')
+        assert err.max() <= 1.0
 
 
 def test_opt0_same_results():

@@ -831,3 +831,22 @@ def test_grouping_a_deep_mlp_walks_each_member_a_bounded_number_of_times(monkeyp
     shapes = _deep_shapes()
     small, large = (_group_stage(shapes.mlp(n), monkeypatch) for n in (8, 32))
     assert large <= 4.6 * small, (small, large)
+
+
+def test_a_deep_written_out_gpt_makes_no_group_larger_than_the_examples_largest():
+    """LLVM's loop passes take time super-linear in the size of one function: a
+    12-layer GPT-2 of width 16 written out without `repeat`
+    (benchmarks/deep_compile.py's `gpt2`) grouped up to 128 loop kernels into one
+    function, and LLVM spent 30 s (CPU) on its two modules, 8.9 s on one group of 15,000
+    lines; at 24 layers 70 s. Groups of at most 48 kernels (`grouping.MAX_MEMBERS`,
+    the largest group of examples/gpt2.tg, which keeps its lowering) make the same
+    code in 18 s and 38 s. Counted here on the lowered program (no LLVM)."""
+    from tgc.backends.cpu.group import LoopGroup
+    from tgc.pipeline import load_source, lower, lower_module, target
+
+    src = load_source(_deep_shapes().gpt2(12), "cpu", "f32", lookup=False)
+    module, options = target(lower(src.module, src.options, backend="cpu").module, src.options)
+    low = lower_module(module, options, "cpu")
+    sizes = [len(k.members) for k in low.kernels if isinstance(k, LoopGroup)]
+    # (48 grouped kernels, then `exp_once` writes a softmax's logsumexp as more members; was 135)
+    assert sizes and max(sizes) <= 56, max(sizes)

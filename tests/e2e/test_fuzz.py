@@ -89,6 +89,47 @@ def test_generator_independent_of_hash_order():
     assert len(texts) == 1
 
 
+# what the extensions' stream (tests/fuzz/gen.py, `Gen.ext`) makes, as text in the program
+EXTENSIONS = {
+    "several stacked arguments": "sa2)",
+    "a loop in a loop's step": "[m](t",
+    "a gather by an i32 stacked argument": "te[gv = ti]",
+    "scatter-add or integer indicator": "= ids",
+    "segment max/min": "inf)), ",
+    "checkpoint": "checkpoint(",
+    "a custom vjp": "with vjp(g)",
+    "a for block": "for t in ",
+    "per-param state": "state mo.t",
+    "a sum over a list of params": "sum[t in ",
+    "a name with a prime": "' = ",
+    "a dim p * q": "* q\n",
+    "random draws": "rand",
+    "dropout": "dropout[",
+    "fold": "fold(",
+}
+
+
+def test_generator_makes_the_extensions():
+    """Each construct of the extensions appears in several of the first programs."""
+    texts = [generate(seed).render() for seed in range(GENERATOR_SEEDS)]
+    counts = {what: sum(1 for t in texts if needle in t) for what, needle in EXTENSIONS.items()}
+    rare = {what: n for what, n in counts.items() if n < 2}
+    assert not rare, f"made fewer than twice in {GENERATOR_SEEDS} programs: {rare}"
+
+
+@pytest.mark.skipif(__import__("shutil").which("cc") is None, reason="tgc build needs a C compiler (cc)")
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if i else s
+                                  for i, s in enumerate([5, 1, 6, 9, 12])])
+def test_shared_library_slice(seed):
+    """Generated programs built by `tgc build` and called through ctypes as C would
+    (`harness.run_so`: the header's orders, updates in place) agree with the oracle."""
+    prog = generate(seed)
+    text = prog.render()
+    rep = harness.check(text, prog.bind, ("so-f64",), seed)
+    assert rep.valid, f"seed {seed}: the oracle cannot run the generated program ({rep.invalid_reason}):\n{text}"
+    assert not rep.failures(), _failure_message(f"seed {seed}", text, rep)
+
+
 @pytest.mark.parametrize("seed", [s if s < QUICK else pytest.param(s, marks=pytest.mark.slow) for s in range(SLICE)])
 def test_slice(seed):
     prog = generate(seed)

@@ -1286,7 +1286,7 @@ def test_f32_not_worse_than_torch(c, backend):
     assert_not_worse_than_torch(c, backend)
 
 
-# One backend's gap: the CPU's sin and cos of large arguments.
+# sin and cos of large f32 arguments (the CPU reduces them in f64 past 2^22 pi/2: tgc/backends/cpu/vecmath.py)
 CPU_TRIG_CASES: list[Case] = []
 case_registry(CPU_TRIG_CASES)("sin_cos_large_args", """
 dim n = 64
@@ -1295,14 +1295,9 @@ out s = sin(x)
 out c = cos(x)
 """, {"x": np.concatenate([10.0 ** rng(60).uniform(7, 38, 32), -(10.0 ** rng(61).uniform(7, 38, 32))])})(
     lambda T: {"s": torch.sin(T.x), "c": torch.cos(T.x)})
-CPU_TRIG_GAP = ("the CPU backend's vectorized sin/cos (tgc/backends/cpu/vecmath.py) reduce the argument "
-                "by three-part Cody-Waite, exact only while |x| <= 2^22 pi/2 (6.6e6) in f32, and return NaN "
-                "beyond; PyTorch, tgc's interpreters and cuda-sim give the correctly reduced value. Needs a "
-                "Payne-Hanek reduction for large |x|")
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.xfail(strict=True, reason=CPU_TRIG_GAP)])
-                                     if b == "cpu" else b for b in BACKENDS])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sin_cos_large_args(backend):
     assert_not_worse_than_torch(CPU_TRIG_CASES[0], backend)
 

@@ -52,7 +52,7 @@ def test_a_group_has_at_most_max_members_kernels():
     x = np.array([0.5, -1.0, 2.0], np.float32)
     program = tgc.compile(_tanh_chain(n), backend="cpu", dtype="f32")
     groups = [k for k in program.lowered.kernels if type(k).__name__ == "LoopGroup"]
-    assert groups and max(len(g.members) for g in groups) <= 128   # lower.grouping.MAX_MEMBERS
+    assert groups and max(len(g.members) for g in groups) <= 48   # lower.grouping.MAX_MEMBERS
     h, want = x.astype(np.float64), np.ones(3)
     for _ in range(n):
         h = np.tanh(h)

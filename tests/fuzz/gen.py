@@ -21,6 +21,25 @@ stream of their own, so the others are generated as before) `repeat[l](step, ini
 xs)` and `scan[l](...)` over a dim `l` (literal or symbolic), with a step function of the carry and
 one stacked argument.
 
+The extensions (about half the programs, chosen and drawn by a stream of their own,
+`Gen.xr`, so the others are generated exactly as before): steps with two or three
+stacked arguments and a loop inside the step (`repeat[m]` or `mean[m](scan[m](...))`
+over an inner step), or a gather by an i32 stacked argument; integer indicators of section 11 (scatter-adds `msg @ [v = dst]`
+and `sum[e](msg * [v = dst])`, segment means, segment max/min, segment softmax, plain
+products with `[v = dst]`); big sizes (a third of them: edges up to about 20, values
+up to 400 elements); `checkpoint`; copy tensors `[c = a = b]`; indicators with
+offsets (`[s < t + 1]`); functions with their own `with vjp(g)` rule; a dim `p * q`
+split and merged; binding names with a prime (`h2'`); random draws (`rand`, `randn`,
+`fold`, `dropout`: in half of these programs, by a stream of their own); and `for t in LIST { ... }`
+blocks of section 12 (per-param `state mo.t`, `sum[t in LIST](...)`, `[t in ...]`).
+
+Never made (each tested by hand-written tests instead): `import`; several tensors in one
+declaration and statements over several lines; element types other than f32/f64/i32
+(f16, bf16, c64, c128), conversions and complex literals (the float64 oracle cannot
+hold their rounding); `assume`; `with jvp(...)` rules (the oracle's forward mode is a
+double vjp, which a custom rule need not allow: a jvp through a custom function makes
+the program invalid here); `--memory-budget`.
+
 Values stay in smooth, well-defined domains at standard normal inputs, so the
 float64 answer is well defined and differentiable: `log` and `sqrt` see a positive
 form (`u * u + c`, `exp(u)`, ...), divisors are bounded away from zero, a real power
@@ -32,6 +51,7 @@ dim in seven has size 1 (`ONE`), the head split and the window may too.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -70,6 +90,35 @@ class Gen:
         self.loops = random.Random(seed * 7919 + 17).random() < 0.25   # repeat/scan in this program
         self.step: str | None = None             # the step function of repeat/scan
         self.concat = None                       # (w, p, q) dims
+        # the extensions (LANGUAGE.md sections 11-12, and forms of 2-9 the rest never makes):
+        # about half the programs, chosen and drawn by a stream of their own, so the other
+        # programs are generated exactly as before
+        self.xr = random.Random(seed * 7919 + 41)
+        self.ext = self.xr.random() < 0.5
+        if self.ext and not self.loops:
+            self.loops = self.xr.random() < 0.3
+        # big sizes (edges of up to ~20: vector remainders, tiles, blocked products) in about
+        # a third of the extended programs, by a stream of their own
+        self.br = random.Random(seed * 7919 + 67)
+        self.big = self.ext and self.br.random() < 0.3
+        self.max_elems = 400 if self.big else MAX_ELEMS
+        self.inner: str | None = None            # the inner step of a nested loop (dim `m`)
+        self.nstacked = 1                        # stacked arguments of the step
+        self.loop_ids = False                    # the step gathers by an i32 stacked argument
+        self.prod_dims = None                    # (p, q) of the dim `pq = p * q`
+        # random draws (section 11) in about half the extended programs, by a stream of their own
+        self.draws = self.ext and random.Random(seed * 7919 + 53).random() < 0.5
+        self.key_arg: str | None = None
+
+    @contextlib.contextmanager
+    def extension(self):
+        """Draw from the extensions' stream inside the block."""
+        r = self.r
+        self.r = self.xr
+        try:
+            yield
+        finally:
+            self.r = r
 
     # ---- dims and edges -------------------------------------------------------------
 
@@ -123,7 +172,10 @@ class Gen:
     def dim_of(self, lo: int, hi: int) -> int:
         """A dim's size: one of lo..hi, or 1 (an edge of size 1: a batch of one, one head,
         a kernel of size 1) with probability ONE."""
-        return 1 if self.r.random() < ONE else self.r.randint(lo, hi)
+        n = 1 if self.r.random() < ONE else self.r.randint(lo, hi)
+        if self.big and n > 1:
+            n = n * self.br.choice([2, 3, 4]) + self.br.choice([0, 1, 3])
+        return n
 
     def size(self, e: str) -> int:
         return self.dim_size[self.edge_dim[e]]
@@ -135,7 +187,7 @@ class Gen:
         return math.prod(self.size(e) for e in edges)
 
     def fits(self, edges) -> bool:
-        return len(edges) <= MAX_EDGES + 1 and self.elems(edges) <= MAX_ELEMS
+        return len(edges) <= MAX_EDGES + 1 and self.elems(edges) <= self.max_elems
 
     def edge_set(self, k: int | None = None, avoid=frozenset(), keep=frozenset()) -> frozenset:
         r = self.r
@@ -286,7 +338,9 @@ class Gen:
                  (self.p_rename, 2), (self.p_reindex, 3), (self.p_gather, 1.5), (self.p_indicator, 2),
                  (self.p_prelude, 3), (self.p_user, 1.5 if self.fn_meta else 0), (self.p_deriv, 1.5),
                  (self.p_leaf, 2), (self.p_masked, 1.5), (self.p_dup, 1.5),
-                 (self.p_loop, 2 if self.step else 0)]   # last: a zero weight draws as before
+                 (self.p_loop, 2 if self.step else 0),   # last: a zero weight draws as before
+                 (self.p_scatter, 2 if self.ext else 0), (self.p_misc, 1.5 if self.ext else 0),
+                 (self.p_random, 1.5 if self.draws else 0)]
         fns = [f for f, _ in prods]
         weights = [w for _, w in prods]
         for _ in range(8):
@@ -601,6 +655,130 @@ class Gen:
                     return n
         return None
 
+    def p_scatter(self, E, d):
+        """Integer indicators (LANGUAGE.md section 11): a scatter-add `msg @ [v = dst]` or
+        `sum[e](msg * [v = dst])`, a segment mean, a segment max/min (an empty segment's
+        -inf/inf clipped by a two-argument max/min), a segment softmax
+        `w / (w @ [v = dst])[v = dst]` with `w = exp(s - max[e](where([v = dst], s, -inf))[v = dst])`,
+        and a plain product with `[v = dst]`. `dst: i32[e]`; `e` is the edge list, `v` the nodes."""
+        r = self.r
+        k = r.choice(["add", "add", "sum", "mean", "max", "softmax", "ind"])
+        if k == "softmax":
+            if not E:
+                return None
+            e = r.choice(sorted(E))
+            v = self.fresh_edges(1, E)
+            if not v or not self.fits(E | {v[0]}):
+                return None
+            v = v[0]
+            ids = self.ids_for(frozenset([e]))
+            ind = raw(f"[{v} = {ids}]", {v, e}, sparse=True)
+            sc = self.bounded(self.expr(E, d - 1))
+            mx = call("max", [call("where", [ind, sc, neg(raw("inf"))], edges=E | {v})], [e], edges=(E - {e}) | {v})
+            w = call("exp", [bin_("-", sc, eops(mx, [("gather", v, ids)], E))], edges=E, scale=1.0)
+            den = eops(bin_("@", w, ind, edges=(E - {e}) | {v}), [("gather", v, ids)], E)
+            return bin_("/", w, den, edges=E, scale=1.0, sparse=False)
+        if k == "ind":
+            if len(E) < 2:
+                return None
+            v, e = r.sample(sorted(E), 2)
+            ids = self.ids_for(frozenset([e]))
+            u = self.expr(E, d - 1)
+            return bin_("*", u, raw(f"[{v} = {ids}]", {v, e}, sparse=True), edges=E, sparse=True)
+        if not E:
+            return None
+        v = r.choice(sorted(E))
+        e = self.fresh_edges(1, E)
+        if not e or not self.fits((E - {v}) | {e[0]}) or not self.fits(E | {e[0]}):
+            return None
+        e = e[0]
+        ids = self.ids_for(frozenset([e]))
+        ind = raw(f"[{v} = {ids}]", {v, e}, sparse=True)
+        M = (E - {v}) | {e}
+        msg = self.expr(M, d - 1)
+        if k == "add":
+            return bin_("@", msg, ind, edges=E, scale=msg.scale * self.size(e), sparse=True)
+        if k == "sum":
+            return call("sum", [bin_("*", msg, ind, edges=E | {e})], [e], edges=E, scale=msg.scale * self.size(e),
+                        sparse=True)
+        if k == "mean":
+            tot = call("sum", [call("where", [ind, msg, num(0)], edges=E | {e})], [e], edges=E)
+            cnt = call("sum", [ind], [e], edges={v})
+            return bin_("/", tot, bin_("+", cnt, num(1)), edges=E, scale=msg.scale, sparse=True)
+        f, inf, clip = r.choice([("max", neg(raw("inf")), neg(num(3))), ("min", raw("inf"), num(3))])
+        seg = call(f, [call("where", [ind, msg, inf], edges=E | {e})], [e], edges=E)
+        return call(f, [seg, clip], edges=E, scale=max(msg.scale, 3), sparse=True)
+
+    def p_misc(self, E, d):
+        """Forms the other productions never make: `checkpoint(x)`, a copy tensor
+        `x @ [c = a = b]`, an indicator with an offset `x * [s < t + 1]`, a custom
+        derivative's call, a dim `p * q` split with `[pq = q*p + q]`."""
+        r = self.r
+        k = r.choice(["checkpoint", "copy", "offset", "custom", "custom", "prod"])
+        if k == "checkpoint":
+            u = self.expr(E, d - 1)
+            return call("checkpoint", [u], edges=E, scale=u.scale, sparse=u.sparse)
+        if k == "copy":
+            same = [(a, b) for a in sorted(E) for b in sorted(E) if a < b and self.key(a) == self.key(b)]
+            if not same:
+                return None
+            a, b = r.choice(same)
+            src = [c for c in self.edge_dim if c not in E and self.key(c) == self.key(a) and c not in ("l", "m")]
+            if not src:
+                return None
+            c = r.choice(src)
+            u = self.expr((E - {a, b}) | {c}, d - 1)
+            return bin_("@", u, raw(f"[{c} = {a} = {b}]", {a, b, c}, sparse=True), edges=E, sparse=True)
+        if k == "offset":
+            if len(E) < 2:
+                return None
+            s, t = r.sample(sorted(E), 2)
+            rel = r.choice([f"{s} < {t} + 1", f"{s} + 1 <= {t}", f"{s} >= {t} - 1", f"2*{s} <= {t} + 1"])
+            u = self.expr(E, d - 1)
+            return bin_("*", u, raw(f"[{rel}]", {s, t}, sparse=True), edges=E, sparse=True)
+        if k == "custom":
+            cs = [f for f in self.fns if f.name.startswith("c")]
+            if not cs:
+                return None
+            u = self.bounded(self.expr(E, d - 1))
+            return call(r.choice(cs).name, [u], edges=E, scale=BOUND, sparse=u.sparse)
+        if k == "prod" and "pq" in self.dim_size:
+            if "pq" in E:
+                p_, q_ = self.prod_dims
+                if p_ in E or q_ in E:
+                    return None
+                u = self.expr((E - {"pq"}) | {p_, q_}, d - 1) if self.fits((E - {"pq"}) | {p_, q_}) else None
+                if u is None:
+                    return None
+                return bin_("@", u, raw(f"[pq = {q_}*{p_} + {q_}]", {"pq", p_, q_}, sparse=True), edges=E,
+                            sparse=u.sparse)
+            p_, q_ = self.prod_dims
+            if p_ in E and q_ in E and self.fits((E - {p_, q_}) | {"pq"}):
+                u = self.expr((E - {p_, q_}) | {"pq"}, d - 1)
+                return eops(u, [("reindex", "pq", f"{q_}*{p_} + {q_}")], E, sparse=u.sparse)
+        return None
+
+    def p_random(self, E, d):
+        """Random draws (LANGUAGE.md section 11): `u + rand[E](key)`, `u * randn[E](fold(key, n))`,
+        `dropout[E](u, key, p)`, with `key` an i32 scalar input."""
+        r = self.r
+        if not E:
+            return None
+        if self.key_arg is None:
+            self.key_arg = f"key{next(self.counter)}"
+            self.decls.append(Decl("input", self.key_arg, (), "i32"))
+        key = self.key_arg if r.random() < 0.5 else f"fold({self.key_arg}, {r.randint(1, 9)})"
+        es = sorted(E)
+        r.shuffle(es)
+        k = r.choice(["rand", "randn", "dropout", "dropout"])
+        u = self.expr(E, d - 1)
+        if k == "dropout":
+            p = r.choice([0.1, 0.25, 0.5])
+            return call("dropout", [u, raw(key), num(p)], es, edges=E, scale=u.scale / (1 - p), sparse=True)
+        draw = raw(f"{k}[{', '.join(es)}]({key})", E, scale=3.0 if k == "randn" else 1.0)
+        op = r.choice("+*")
+        return bin_(op, u, draw, edges=E, scale=u.scale * 3 if op == "*" else u.scale + 3)
+
     def p_gather(self, E, d):
         r = self.r
         if not E:
@@ -757,8 +935,54 @@ class Gen:
         self.edge_dim["l"] = "l"
         leaves = [name("h", scale=1.0), name("w", scale=BOUND)]
         body = bin_("+", self.bounded(self.fn_body(leaves, 2)), bin_("+", leaves[0], bin_("*", num(0.5), leaves[1])))
+        params = [("h", None), ("w", None)]
+        if self.ext:
+            with self.extension():
+                body = self.extend_step(body, params)
         self.step = f"s{next(self.counter)}"
-        self.fns.append(Fn(self.step, (), [("h", None), ("w", None)], [], call("tanh", [body]), False))
+        self.fns.append(Fn(self.step, (), params, [], call("tanh", [body]), False))
+
+    def extend_step(self, body: Node, params: list) -> Node:
+        """Extensions of the step (its own stream): one or two more stacked arguments `sa2`,
+        `sa3` (each a bounded term of the body), and in some programs a loop inside the step,
+        over a literal dim `m`: `0.5 * repeat[m](tN, h, su)` or `0.5 * mean[m](scan[m](tN, h, su))`,
+        `su` a further stacked argument with the edge `m`, tN an inner step of the same form;
+        in some programs (a stream of their own) a gather by an i32 stacked argument,
+        `0.25 * te[gv = ti]`, `ti` the step's slice of `ids: i32[l]`."""
+        r = self.r
+        self.nstacked = r.choice([1, 1, 2, 3])
+        h = name("h", scale=1.0)
+        for j in range(2, self.nstacked + 1):
+            a = name(f"sa{j}", scale=BOUND)
+            params.append((f"sa{j}", None))
+            t = self.bounded(self.fn_body([h, a], 2))
+            body = bin_("+", body, bin_("*", num(r.choice([0.25, 0.5])), bin_(r.choice("+*"), t, a)))
+        gr = random.Random(self.seed * 7919 + 71)   # i32 stacked arguments: a stream of their own
+        if gr.random() < 0.35:
+            k = gr.randint(2, 4)
+            self.dims.append(("gv", str(k)))
+            self.dim_size["gv"], self.dim_key["gv"] = k, k
+            self.edge_dim["gv"] = "gv"
+            self.loop_ids = True
+            params += [("te", None), ("ti", None)]
+            body = bin_("+", body, bin_("*", num(0.25), eops(name("te"), [("gather", "gv", "ti")], ())))
+        if r.random() < 0.45:
+            k = self.dim_of(2, 3)
+            self.dims.append(("m", str(k)))
+            self.dim_size["m"], self.dim_key["m"] = k, k
+            self.edge_dim["m"] = "m"
+            g, v = name("hh", scale=1.0), name("vv", scale=BOUND)
+            ib = bin_("+", self.bounded(self.fn_body([g, v], 2)), bin_("+", g, bin_("*", num(0.5), v)))
+            self.inner = f"t{next(self.counter)}"
+            self.fns.append(Fn(self.inner, (), [("hh", None), ("vv", None)], [], call("tanh", [ib]), False))
+            params.append(("su", None))
+            if r.random() < 0.5:
+                loop = call("repeat", [name(self.inner), h, name("su")], ["m"])
+            else:
+                loop = call(r.choice(["mean", "sum"]), [call("scan", [name(self.inner), h, name("su")], ["m"])],
+                            ["m"])
+            body = bin_("+", body, bin_("*", num(0.5), loop))
+        return body
 
     def p_loop(self, E, d):
         """repeat[l](step, init, xs) with E's edges, or scan[l](...) when E has `l`."""
@@ -767,11 +991,29 @@ class Gen:
         sub = frozenset(e for e in sorted(carry) if r.random() < 0.6) | {"l"}
         if not self.fits(sub):
             return None
+        if self.inner and "m" in carry or self.loop_ids and "gv" in carry:
+            return None
         init = self.bounded(self.expr(carry, d - 1))
         xs = self.bounded(self.expr(sub, d - 1))
         form = "scan" if "l" in E else "repeat"
-        return call(form, [name(self.step), init, xs], ["l"], edges=E, scale=1.0,
-                    sparse=init.sparse or xs.sparse)
+        args = [name(self.step), init, xs]
+        if self.nstacked > 1 or self.inner or self.loop_ids:
+            with self.extension():
+                for j in range(2, self.nstacked + 1):
+                    args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l"}), d - 1)))
+                if self.loop_ids:   # a table per step and its id: `te[gv = ti]` in the step
+                    args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l", "gv"}), d - 1)))
+                    args.append(name(self.ids_for(frozenset(["l"]))))
+                if self.inner:
+                    args.append(self.bounded(self.expr(self.stacked_edges(carry, {"l", "m"}), d - 1)))
+        return call(form, args, ["l"], edges=E, scale=1.0, sparse=any(a.sparse for a in args[1:]))
+
+    def stacked_edges(self, carry, loop_edges) -> frozenset:
+        """A stacked argument's edges: some of the carry's, and the loop edges, small enough."""
+        sub = [e for e in sorted(carry) if self.r.random() < 0.5]
+        while sub and not self.fits(frozenset(sub) | loop_edges):
+            sub.pop(self.r.randrange(len(sub)))
+        return frozenset(sub) | frozenset(loop_edges)
 
     def fn_body(self, leaves, depth) -> Node:
         r = self.r
@@ -943,12 +1185,15 @@ class Gen:
         for _ in range(r.randint(1, 3)):
             self.declare(r.choice(["input", "param", "param", "state"]), self.edge_set())
         self.make_fns()
+        if self.ext:
+            with self.extension():
+                self.make_ext_decls()
         if self.loops:
             self.make_step()
         for i in range(r.randint(1, 5)):
             E = self.edge_set()
             node = self.expr(E, r.choice([1, 2, 2, 3, 3, 4]))
-            nm = f"h{i}"
+            nm = f"h{i}" + ("'" if self.ext and self.xr.random() < 0.3 else "")   # a name with a prime
             self.stmts.append(Stmt("bind", nm, node))
             self.pool.append((nm, E, node.scale, node.sparse, self.deps(node)))
         feat = self.featured()
@@ -1004,6 +1249,9 @@ class Gen:
                 self.stmts.append(Stmt("out", W, None, None))
             self.stmts.append(Stmt("update", W, node))
             nout += 1
+        if self.ext and loss and self.xr.random() < 0.5:
+            with self.extension():
+                self.for_block(loss, lr)
         # every binding that nothing reads is an output (dead code would test nothing)
         used = {n.attrs[0] for st in self.stmts if st.expr is not None for n in st.expr.walk() if n.op == "name"}
         used |= {st.name for st in self.stmts if st.kind == "out"}
@@ -1012,13 +1260,93 @@ class Gen:
                 E = sorted(self.pool_edges(st.name))
                 order = tuple(r.sample(E, len(E))) if E and r.random() < 0.3 else None
                 self.stmts.append(Stmt("out", st.name, None, order))
+        customs = {f.name for f in self.fns if f.rule}
+        binds = {st.name: st.expr for st in self.stmts if st.kind == "bind"}
+
+        def calls_custom(node: Node, seen: set) -> bool:
+            for n in node.walk():
+                if n.op == "call" and n.attrs[0] in customs:
+                    return True
+                if n.op == "name" and n.attrs[0] in binds and n.attrs[0] not in seen:
+                    seen.add(n.attrs[0])
+                    if calls_custom(binds[n.attrs[0]], seen):
+                        return True
+            return False
+
+        if customs and any(n.op == "call" and n.attrs[0] == "jvp" and calls_custom(n.kids[0], set())
+                           for st in self.stmts if st.expr is not None for n in st.expr.walk()):
+            # forward mode through a function with only a vjp rule is an error (its jvp rule
+            # is not given): such a program calls the functions' argument instead
+            self.stmts = [Stmt(st.kind, st.name, _strip_calls(st.expr, customs), st.order) if st.expr is not None
+                          else st for st in self.stmts]
         return Program(self.dims, self.aliases, self.decls, self.fns, self.stmts, self.bind, self.seed)
+
+    def make_ext_decls(self):
+        """The extensions' declarations: a dim `pq = p * q` (split and merged by `p_misc`) and
+        functions with their own derivative (`with vjp(g) = ...`): exact ones, and a clipping
+        rule that is not the body's derivative (the oracle applies the rule too)."""
+        r = self.r
+        lits = [d for d, x in self.dims if x is not None and x.isdigit() and d in ("p", "q", "r")]
+        self.prod_dims = None
+        if len(lits) >= 2 and r.random() < 0.5:
+            a, b = r.sample(lits, 2)
+            if self.dim_size[a] * self.dim_size[b] <= 16:
+                self.dims.append(("pq", f"{a} * {b}"))
+                self.dim_size["pq"] = self.dim_key["pq"] = self.dim_size[a] * self.dim_size[b]
+                self.edge_dim["pq"] = "pq"
+                self.prod_dims = (a, b)
+        rules = [("tanh(a0) * 0.5 + a0", "with vjp(g) = g * (1.5 - 0.5 * tanh(a0) ^ 2)"),
+                 ("a0 * a0 * 0.25 + sin(a0)", "with vjp(g) = g * (0.5 * a0 + cos(a0))"),
+                 ("softplus(a0)", "with vjp(g) = g * sigmoid(a0)"),
+                 ("a0 * 1.5", "with vjp(g) = max(-1, min(1, g)) * 1.5")]
+        for _ in range(r.choice([0, 1, 1, 2])):
+            body, rule = r.choice(rules)
+            fname = f"c{next(self.counter)}"
+            self.fns.append(Fn(fname, (), [("a0", None)], [], raw(body), False, rule))
+
+    def for_block(self, loss: str, lr):
+        """`for t in LIST { ... }` (LANGUAGE.md section 12) over the params no other update
+        writes: per-param states `mo.t`, a gradient clipped by the norm over the list
+        (`sum[t in LIST](...)`), and `[t in ...]` weight decay."""
+        r = self.r
+        updated = {s.name for s in self.stmts if s.kind == "update"}
+        params = [n for n, (e, k) in self.args.items() if k == "param"]
+        free = [w for w in params if w not in updated]
+        if not free:
+            return
+        if len(free) == len(params) and r.random() < 0.5:
+            listed, names = "params", free
+        else:
+            names = r.sample(free, r.randint(1, len(free)))
+            listed = ", ".join(names)
+        clip = "1"
+        if r.random() < 0.6:
+            self.stmts.append(Stmt("bind", "gn", raw(f"sqrt(sum[t in {listed}](sum(grad({loss}, t) ^ 2)) + 1)")))
+            self.pool.append(("gn", frozenset(), 2.0, False, frozenset()))
+            clip = "min(1, 2 / gn)"
+        decay = ", ".join(r.sample(names, r.randint(1, len(names))))
+        lrn = lr or "0.1"
+        body = [f"  g = {clip} * grad({loss}, t)"]
+        if r.random() < 0.7:
+            body = ["  state mo.t"] + body + ["  mn = 0.9 * mo.t + 0.1 * g", "  update mo.t = mn"]
+            step = "mn"
+        else:
+            step = "g"
+        body.append(f"  update t = t - {lrn} * ({step} + 0.01 * [t in {decay}] * t)")
+        self.stmts.append(Stmt("raw", "\n".join([f"for t in {listed} {{"] + body + ["}"])))
 
     def pool_edges(self, nm):
         for p in self.pool:
             if p[0] == nm:
                 return p[1]
         raise KeyError(nm)
+
+
+def _strip_calls(node: Node, names: set) -> Node:
+    """`node` with every call of a function in `names` replaced by its (one) argument."""
+    if node.op == "call" and node.attrs[0] in names:
+        return _strip_calls(node.kids[0], names)
+    return node.with_kids([_strip_calls(k, names) for k in node.kids]) if node.kids else node
 
 
 def generate(seed: int) -> Program:

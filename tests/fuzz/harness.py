@@ -11,6 +11,9 @@ neither tgc's optimization passes nor its derivative rules. The systems under te
   `Options.stages`), run kernel by kernel by the `lowered` backend (the numpy
   lowered-program interpreter, `tgc.lower.interp`): the lowering stages checked apart
   from code generation;
+- `so-f64`, `so-f32`: the program built by `tgc build` into a shared library and
+  called through ctypes as a C caller would (`run_so`: the generated header's orders of
+  dims, arguments and outputs, a workspace, updates written into the arguments);
 - `NAME-f64` for any other registered backend (`tgc.backends.base.backend_names`):
   `tgc.compile(text, backend=NAME)`; one that cannot run here (`BackendUnavailable`)
   is `skipped`, not a failure. `registered()` names every such system under test
@@ -41,7 +44,8 @@ import numpy as np
 # tgc is imported inside the functions: scripts/fuzz forks its workers from a parent
 # that never imported it, so each worker runs one consistent version of the tree.
 
-BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32")   # scripts/fuzz's choices
+BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32",
+            "so-f64", "so-f32")   # scripts/fuzz's choices
 DEFAULT_BACKENDS = ("interp-f64", "cpu-f64", "lowered-f64")
 DTYPES = ("f64", "f32")
 
@@ -127,6 +131,8 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         m = compile_source(text, "<fuzz>", Options(dtype=dtype))
         low = pipeline.lower(m, Options(dtype=dtype)).module
         return evaluate(low, ins, dtype=dtype, dims=dims)
+    if kind == "so":
+        return run_so(text, ins, dims, dtype)
     import tgc
     from tgc import pipeline
     from tgc.backends.base import BackendUnavailable, backend_names, get_backend
@@ -142,6 +148,66 @@ def run_backend(backend: str, text: str, inputs, dims) -> dict[str, np.ndarray]:
         options = options.with_(stages=pipeline.lowering("cpu"))
     prog = tgc.compile(text, backend=kind, dtype=dtype, options=options)
     return prog.run(ins, dict(dims) or None)
+
+
+_HEADER_DIM = re.compile(r"#define PROG_DIM_(\w+) (\d+)")
+_HEADER_ARG = re.compile(r"#define PROG_ARG_\w+ (\d+)\s+/\* (?:input|param|state) (\S+?): ")
+_HEADER_OUT = re.compile(r"#define PROG_OUT_\w+ (\d+)\s+/\* (\S+?): ")
+
+
+def run_so(text: str, inputs, dims, dtype: str) -> dict[str, np.ndarray]:
+    """The results of `text` built by `tgc build` into a shared library and called through
+    ctypes as a C caller would: the dims, arguments and outputs in the orders its generated
+    header names, a workspace of `prog_workspace_bytes`, updates written into the argument
+    arrays (copies of `inputs`)."""
+    import ctypes
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tgc.backends.base import BackendUnavailable
+    from tgc.cli import main
+    from tgc.frontend import compile_source
+    from tgc.options import Options
+
+    if shutil.which("cc") is None:
+        raise BackendUnavailable("tgc build needs a C compiler (cc)")
+    m = compile_source(text, "<fuzz>", Options(dtype=dtype))
+    env = m.bind_dims(dims)
+    np_t = np.float64 if dtype == "f64" else np.float32
+    with tempfile.TemporaryDirectory() as d:
+        src, lib_path = Path(d) / "prog.tg", Path(d) / "libprog.so"
+        src.write_text(text)
+        res = CliRunner().invoke(main, ["build", str(src), "-o", str(lib_path), "--dtype", dtype])
+        if res.exit_code != 0:
+            raise RuntimeError(f"tgc build failed ({res.exit_code}): {res.output}{res.exception!r}")
+        header = (Path(d) / "prog.h").read_text()
+        lib = ctypes.CDLL(str(lib_path))
+    symbolic = {k.lower(): k for k in env}
+    dim_list = sorted((int(i), symbolic[n.lower()]) for n, i in _HEADER_DIM.findall(header))
+    arg_list = sorted((int(i), n) for i, n in _HEADER_ARG.findall(header))
+    out_list = sorted((int(i), n) for i, n in _HEADER_OUT.findall(header))
+    assert [n for _, n in arg_list] == list(m.args), (arg_list, list(m.args))
+    outs = {o.name: o for o in m.outputs}
+    assert sorted(n for _, n in out_list) == sorted(outs), (out_list, list(outs))
+    args = {n: np.array(inputs[n], np.int32 if m.args[n].dtype == "i32" else np_t, order="C", copy=True)
+            for _, n in arg_list}
+    results = {n: np.zeros(tuple(env[m.edges[e]] for e in outs[n].order), np_t) for _, n in out_list}
+    c_dims = (ctypes.c_int64 * max(1, len(dim_list)))(*[env[n] for _, n in dim_list])
+    c_args = (ctypes.c_void_p * max(1, len(arg_list)))(*[args[n].ctypes.data for _, n in arg_list])
+    c_outs = (ctypes.c_void_p * max(1, len(out_list)))(*[results[n].ctypes.data for _, n in out_list])
+    assert lib.prog_init_default() == 0
+    lib.prog_workspace_bytes.restype = ctypes.c_int64
+    ws = np.zeros(lib.prog_workspace_bytes(c_dims) + 64, np.uint8)
+    addr = ws.ctypes.data + (-ws.ctypes.data) % 64
+    rc = lib.prog_run(c_dims, c_args, c_outs, ctypes.c_void_p(addr))
+    if rc != 0:
+        raise RuntimeError(f"prog_run returned {rc}")
+    for u in m.updates:
+        results[m.update_key(u.target)] = args[u.target]
+    return results
 
 
 def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0) -> Report:

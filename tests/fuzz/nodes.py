@@ -153,11 +153,12 @@ class Fn:
     binds: list[tuple[str, Node]]               # a block's own bindings (empty: one-line form)
     ret: Node
     block: bool = False
+    rule: str = ""              # its own derivative, `with vjp(g) = ...` (LANGUAGE.md section 11)
 
 
 @dataclass
 class Stmt:
-    kind: str                   # bind | out | update
+    kind: str                   # bind | out | update | raw (`name` is the text: a `for` block)
     name: str
     expr: Node | None = None    # None: `out NAME` of an existing binding
     order: tuple[str, ...] | None = None   # an out's explicit ABI order
@@ -210,19 +211,22 @@ class Program:
         for f in self.fns:
             eps = f"[{', '.join(f.edge_params)}]" if f.edge_params else ""
             ps = ", ".join(p if dflt is None else f"{p} = {dflt.render()}" for p, dflt in f.params)
+            rule = f" {f.rule}" if f.rule else ""
             if f.block or f.binds:
                 lines.append(f"fn {f.name}{eps}({ps}) {{")
                 lines += [f"  {b} = {e.render()}" for b, e in f.binds]
                 lines.append(f"  return {f.ret.render()}")
-                lines.append("}")
+                lines.append("}" + rule)
             else:
-                lines.append(f"fn {f.name}{eps}({ps}) = {f.ret.render()}")
+                lines.append(f"fn {f.name}{eps}({ps}) = {f.ret.render()}{rule}")
         for s in self.stmts:
             order = f"[{', '.join(s.order)}]" if s.order else ""
             if s.kind == "bind":
                 lines.append(f"{s.name} = {s.expr.render()}")
             elif s.kind == "out":
                 lines.append(f"out {s.name}{order}" + ("" if s.expr is None else f" = {s.expr.render()}"))
+            elif s.kind == "raw":   # verbatim text: a `for` block
+                lines.append(s.name)
             else:
                 lines.append(f"update {s.name} = {s.expr.render()}")
         return "\n".join(lines) + "\n"

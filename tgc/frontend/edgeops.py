@@ -18,13 +18,22 @@ def apply_edge_ops(el: Elaborator, node: ast.EdgeOps, ctx: Ctx) -> V.Value:
     x = el.fexpr(node.x, ctx)
     renames = [i for i in node.items if isinstance(i, ast.Rename)]
     mapping = _rename_map(el, x, renames, ctx)
+    reindexes = [i for i in node.items if isinstance(i, ast.Reindex)]
+    for item in reindexes:
+        if el.edge(item.edge, item, ctx) in mapping:
+            raise el.error(f"edge '{item.edge}' is both renamed and indexed in one bracket "
+                           f"(write the two one after the other: x[...][...])", item, ctx)
+    # together: where a rename takes the name of an edge that a reindex replaces
+    # (`A[i -> j, j = s + k]`), the reindexes of x's own edges read x before the renames
+    replaced = {el.edge(i.edge, i, ctx) for i in reindexes} & set(x.edges)
+    own = [i for i in reindexes if el.edge(i.edge, i, ctx) in replaced] if replaced & set(mapping.values()) else []
+    for item in own:
+        x = _reindex(el, x, item, {}, ctx)
     if mapping:
+        _check_rename_targets(el, x, mapping, renames, ctx)
         x = V.rename(x, mapping, loc=node.loc)
-    for item in node.items:
-        if isinstance(item, ast.Reindex):
-            if el.edge(item.edge, item, ctx) in mapping:
-                raise el.error(f"edge '{item.edge}' is both renamed and indexed in one bracket "
-                               f"(write the two one after the other: x[...][...])", item, ctx)
+    for item in reindexes:
+        if item not in own:
             x = _reindex(el, x, item, mapping, ctx)
     return x
 
@@ -49,13 +58,18 @@ def _rename_map(el: Elaborator, x: V.Value, items: list[ast.Rename], ctx: Ctx) -
             raise el.error(f"cannot rename '{item.src}' to '{item.dst}': their sizes differ "
                            f"({el.size_text(src)} and {el.size_text(dst)})", item, ctx)
         mapping[src] = dst
+    return mapping
+
+
+def _check_rename_targets(el: Elaborator, x: V.Value, mapping: dict[str, str], items: list[ast.Rename],
+                          ctx: Ctx) -> None:
+    """A rename onto an edge that `x` keeps is an error (`x`: after the bracket's reindexes)."""
     result = [mapping.get(e, e) for e in x.edges]
     for item in reversed(items):
         dst = mapping[el.edge(item.src, item, ctx)]
         if result.count(dst) > 1:
             raise el.error(f"cannot rename onto edge '{item.dst}': the tensor already has it",
                            _DstNode(item.dst_loc or item.loc), ctx)
-    return mapping
 
 
 class _DstNode:

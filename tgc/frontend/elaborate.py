@@ -402,7 +402,9 @@ class ProgramBuilder:
             if item.edges or item.dtype:
                 raise CompileError(f"'state {item.name}' has the edges and dtype of '{var}': give it none", item.loc)
         elif isinstance(item, ast.Bind):
-            if item.name == var or item.name in self.scope.kinds or item.name in locals_:
+            # a program binding's name may be taken: the local hides it inside the block
+            binding = self.scope.kinds.get(item.name) == "tensor" and item.name not in self.m.args
+            if item.name == var or (item.name in self.scope.kinds and not binding) or item.name in locals_:
                 where = locals_.get(item.name) or self.scope.locs.get(item.name)
                 notes = [Diagnostic("note", f"'{item.name}' was first declared here", where)] if where else []
                 raise CompileError(f"'{item.name}' is already declared: a binding in a for block takes a new name",

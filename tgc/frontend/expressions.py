@@ -284,9 +284,11 @@ class Elaborator:
                              f"'{node.var.id}'", node.var, ctx)
         chosen = set()
         for n in node.names:
-            if n.id not in loop.names:
-                raise self.error(f"'{n.id}' is not in the list that '{node.var.id}' ranges over "
-                                 f"({', '.join(loop.names)})", n, ctx)
+            arg = self.m.args.get(n.id)
+            if n.id not in loop.names and (arg is None or arg.kind == "input"):
+                # a param or state the list leaves out is 0 in every instance (LANGUAGE.md 12)
+                raise self.error(f"'{n.id}' is neither in the list that '{node.var.id}' ranges over "
+                                 f"({', '.join(loop.names)}) nor a param or state", n, ctx)
             chosen.add(n.id)
         return V.const(1.0 if loop.current in chosen else 0.0, self.dtype, loc=node.loc)
 

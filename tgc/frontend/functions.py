@@ -345,19 +345,32 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
     order = [k for k, x in enumerate(shared) if x is None] + [k for k, x in enumerate(shared) if x is not None]
     operands = [stacked[k] if shared[k] is None else shared[k] for k in order]
     slot = {k: V.loopvar(n, o.dtype, [x for x in o.edges if x != e]) for n, (k, o) in enumerate(zip(order, operands), 1)}
-    carry = V.loopvar(0, init.dtype, init.edges)
-    values = {p.name: v for p, v in zip(d.params, [carry] + [slot[k] for k in range(len(stacked))])}
-    y = _inline(el, node, f.id, values, {}, ctx)
-    if any(w.dtype in LOW_FLOATS for w in V.topo_order([y])):   # bf16/f16 in the step: rounded as outside a loop
-        from tgc.ir.lowp import explicitly_rounded
+    for _ in range(3):
+        carry = V.loopvar(0, init.dtype, init.edges)
+        values = {p.name: v for p, v in zip(d.params, [carry] + [slot[k] for k in range(len(stacked))])}
+        y = _inline(el, node, f.id, values, {}, ctx)
+        if any(w.dtype in LOW_FLOATS for w in V.topo_order([y])):   # bf16/f16 in the step: rounded as outside a loop
+            from tgc.ir.lowp import explicitly_rounded
 
-        y = explicitly_rounded(y)
+            y = explicitly_rounded(y)
+        if y.type == init.type or set(y.edges) != set(init.edges) or _wider(init.dtype, y.dtype) != y.dtype:
+            break
+        # the step promotes the carry to a wider type (a bf16 init, f32 stacked params):
+        # the carry has that type from the start, as `h = f(h, ...)` would after one step
+        init = V.convert(init, y.dtype, loc=init.loc)
     if y.type != init.type:
         raise el.error(f"the step '{f.id}' returns {y.type}, but the carry is {init.type}: a step returns "
                        f"a value with its initial value's edges and type", node, ctx)
     slices = sum(x is None for x in shared)
     body = V.loop_body([carry] + [slot[k] for k in order], [y] * (1 + (form == "scan")), 1, slices)   # the carry's type is checked
     return el.build(node, ctx, V.loop, body, e, [init] + operands, 1 if form == "scan" else 0)
+
+
+def _wider(a: str, b: str) -> str | None:
+    """The promotion of two float types, None for types outside the real-float table."""
+    from tgc.ir.dtypes import TYPES, promote
+
+    return promote(a, b) if a in TYPES and b in TYPES else None
 
 
 def _repeated_along(a: V.Value, e: str) -> V.Value | None:

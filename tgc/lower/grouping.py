@@ -8,8 +8,13 @@ A stage subclasses `Grouper` with `groupable(kernel)` (may it join a group at al
 pass over the kernels; a group has at most MAX_MEMBERS members (a stage's `outer` looks
 at all the members so far, so an unbounded group is quadratic work: the gradient of a
 1000-link chain of elementwise functions, one group of 2000 kernels, took 16 s to group
-and one LLVM function of them 25 s more; the largest groups of examples/train_sort_gpt.tg
-and examples/gpt2.tg have 36 and 48 members); `readers` (buffer -> the kernels that read it) is what a
+and one LLVM function of them 25 s more). The bound is 48, the largest group of
+examples/gpt2.tg (examples/train_sort_gpt.tg's has 36), because LLVM's loop passes take
+time super-linear in the size of one function: a 12-layer GPT-2 of width 16 written out
+without `repeat` (benchmarks/deep_compile.py's `gpt2`) made groups of 128 kernels, one of
+them 15,000 lines of LLVM IR and 8.9 s of its 30 s (CPU); in groups of 48 the same
+program takes 18 s (24 layers: 70 -> 38.5 s; one step of the 12 layers 0.395 -> 0.403 ms,
+its values within an ulp: a register between two members becomes a buffer); `readers` (buffer -> the kernels that read it) is what a
 stage's `flush` asks to decide which members' buffers another kernel still needs.
 
 `MemberGroup` is what such a stage's kernel kind shares (the CPU's `LoopGroup`,
@@ -24,7 +29,7 @@ import numpy as np
 
 from tgc.lower.lowered import Lowered, rename_buffers
 
-MAX_MEMBERS = 128   # kernels in one group at most: a bound on compile time, not a tuned number
+MAX_MEMBERS = 48   # kernels in one group at most: a bound on compile time, not a tuned number
 
 
 class MemberGroup:
