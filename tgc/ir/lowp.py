@@ -105,14 +105,17 @@ def _convert(x: Value, target: str, fp: str) -> Value:
 
 def language_type(v: Value) -> str | None:
     """The bf16/f16 type the language gives `v` where its IR type is the compute type
-    (an op on bf16/f16 operands), else None. Constants are weak (`x * 0.1` is bf16 for
-    a bf16 `x`), and so are indicators (0/1: `x[t = s + k]` and `x * [s <= t]` select), and
-    a `where`'s condition takes no part (`where(c, x, -x)` is bf16 for bf16 `x`, any `c`)."""
+    (an op on bf16/f16 operands), else None. Weak values (`V.is_weak`: numbers, sizes and
+    edgeless expressions of them) take no part (`x * 0.1` and `x / sqrt(size(e))` are bf16
+    for a bf16 `x`), and neither do indicators (0/1: `x[t = s + k]` and `x * [s <= t]`
+    select; an expression of indicators, `1 - [s <= t]`, is a tensor of the program's
+    type, as a mask is in PyTorch), and a `where`'s condition takes no part
+    (`where(c, x, -x)` is bf16 for bf16 `x`, any `c`)."""
     if v.op not in _ROUNDED_OPS or (v.op == "map" and v.attrs[0] in CONVERSIONS):
         return None
     operands = v.operands[1:] if v.op == "map" and v.attrs[0] == "where" else v.operands   # not the condition
     floats = [o for o in operands if o.dtype != "i32"]
-    strong = [o.dtype for o in floats if o.op not in ("const", "size", "indicator")] or [o.dtype for o in floats]
+    strong = [o.dtype for o in floats if not (o.weak or o.op == "indicator")] or [o.dtype for o in floats]
     lang = strong[0] if strong else v.dtype
     for d in strong[1:]:
         lang = promote(lang, d)
@@ -204,9 +207,9 @@ def emulate_low(module: Module, fp: str) -> Module:
         elif v.op == "random" and fp == "f64":
             attrs = attrs[:2] + ("f32",)     # drawn in f32 (bf16/f16's compute type, or f32), then rounded
         new = Value.make(v.op, ops, attrs, TensorType.of(fp, v.edges), v.loc)
-        # a selection's value is one of its operands' (exact), unless an operand is a number
-        # of a wider type (weak: `where(c, x, 0.1)` of an f32 x, made by the optimizer's folding)
-        exact = ((_exact(v) and not any(o.op == "const" and o.dtype != v.dtype for o in v.operands))
+        # a selection's value is one of its operands' (exact), unless an operand is a weak
+        # value of a wider type (`where(c, x, 0.1)` or `max(x, sqrt(2))` of an f32 x)
+        exact = ((_exact(v) and not any(o.weak and o.dtype != v.dtype for o in v.operands))
                  or (v.op == "random" and v.dtype == "f32"))
         return new if exact else V.map_(rounding(v.dtype), new)
 

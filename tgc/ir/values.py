@@ -75,7 +75,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from tgc.ir.affine import Relation
 from tgc.ir.diag import Loc
-from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, TYPES, promote
+from tgc.ir.dtypes import CONVERSIONS, FLOATS, LOW_FLOATS, ROUNDINGS, TYPES, promote
 # each elementwise function's operand count, and those whose result keeps a bf16/f16
 # operand's type (a selection, a comparison's 0/1, a sign: `Fn.exact`), see _float_dtype
 from tgc.ir.ops import EXACT_FNS, MAP_ARITY  # noqa: F401 (re-exported)
@@ -131,9 +131,11 @@ class Value:
     freed and its entry removed (only if it still refers to the dead value, as
     `WeakValueDictionary` does). The operands a live value holds keep their ids.
     `serial` numbers the values in the order they are made: a value's operands are
-    older than it, so a value newer than `v` is none of `v`'s operands, however deep."""
+    older than it, so a value newer than `v` is none of `v`'s operands, however deep.
+    `weak` says whether the value is a number in the sense of promotion (`is_weak`),
+    decided as it is made from its operands' flags: no walk of the graph."""
 
-    __slots__ = ("op", "operands", "attrs", "type", "loc", "serial", "__weakref__")
+    __slots__ = ("op", "operands", "attrs", "type", "loc", "serial", "weak", "__weakref__")
     _table: "dict[tuple, _Entry]" = {}
     _serials = itertools.count()
 
@@ -143,6 +145,7 @@ class Value:
     type: TensorType
     loc: Loc | None
     serial: int
+    weak: bool
 
     @classmethod
     def make(cls, op: str, operands: Sequence["Value"], attrs: tuple, type: TensorType,
@@ -157,6 +160,9 @@ class Value:
         v = object.__new__(cls)
         v.op, v.operands, v.attrs, v.type, v.loc = op, tuple(operands), attrs, type, loc
         v.serial = next(cls._serials)
+        v.weak = op in _WEAK_LEAVES or (not type.edges and op in _WEAK_OPS and bool(operands)
+                                        and (op != "map" or attrs[0] not in _STRONG_FNS)
+                                        and all(o.weak for o in operands))
         entry = _Entry(v, _forget)
         entry.key = key
         table[key] = entry
@@ -172,6 +178,24 @@ class Value:
 
     def __repr__(self) -> str:
         return f"<{self.op}{list(self.attrs) if self.attrs else ''} : {self.type}>"
+
+
+# Weak values (a number in the sense of promotion, as a Python number is in numpy and
+# PyTorch): a constant, a size, and an edgeless elementwise op, sum or product whose
+# operands are all weak (`sqrt(size(hd))`, `1 / size(n)`, `2 ^ 0.5`, `0.5 * 3`). A
+# conversion or rounding names its type and is strong, as are arguments, indicators,
+# draws, reductions, copies and every edged expression (`1 - [s <= t]`: a mask is a
+# tensor, as in PyTorch). A value's flag is a function of its op, attrs, edges and
+# operands (its hash-consing key), so one value has one flag.
+_WEAK_LEAVES = frozenset({"const", "size"})
+_WEAK_OPS = frozenset({"add", "contract", "map"})
+_STRONG_FNS = frozenset(CONVERSIONS) | frozenset(ROUNDINGS) | {"round32"}
+
+
+def is_weak(v: "Value") -> bool:
+    """Whether `v` is weak: it takes part in promotion only when every operand is weak
+    (`_promoted`). Read from the flag `Value.make` sets: O(1), whatever the graph's depth."""
+    return v.weak
 
 
 def _forget(entry: _Entry) -> None:
@@ -197,7 +221,8 @@ def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
 
 
 def promoted(values: Sequence[Value]) -> str:
-    """The promoted float type of `values` (constants and sizes weak; see `_promoted`)."""
+    """The promoted float type of `values` (weak values, `is_weak`, take part only when
+    every one is weak; see `_promoted`)."""
     return _promoted(values)
 
 
@@ -213,9 +238,10 @@ def _promoted(values: Sequence[Value]) -> str:
     dtypes = {v.dtype for v in values}
     if "i32" in dtypes:
         raise IRError("integer (i32) tensors can only be used as gather or scatter indices")
-    # mixed types promote (tgc.ir.dtypes.promote); constants and sizes are weak, like
-    # a Python number in numpy: they take part only when every operand is one
-    strong = {v.dtype for v in values if v.op not in ("const", "size")} or dtypes
+    # mixed types promote (tgc.ir.dtypes.promote); weak values (constants, sizes and
+    # edgeless expressions of them: `is_weak`) are like a Python number in numpy: they
+    # take part only when every operand is one
+    strong = {v.dtype for v in values if not v.weak} or dtypes
     out = strong.pop()
     for d in strong:
         out = promote(out, d)
@@ -274,6 +300,17 @@ def map_(fn: str, *operands: Value, loc: Loc | None = None) -> Value:
 def convert(x: Value, dtype: str, loc: Loc | None = None) -> Value:
     """`x` as type `dtype` (itself when it has it already)."""
     return x if x.dtype == dtype else map_(f"to_{dtype}", x, loc=loc)
+
+
+def reindexed(x: Value, indicators: Sequence[Value], keep: Iterable[str], loc: Loc | None = None) -> Value:
+    """`x` contracted with `indicators` that pick at most one element of `x` for each
+    element of the result (an exact reindex: a block split or join, a window), of `x`'s
+    type: a bf16/f16 `x`'s contraction has the compute type (f32), and is converted
+    back, exactly (it holds `x`'s values and zeros), as the front end rounds a reindex
+    `x[t = s + k]` of a bf16 `x`. A loop whose operand or result is so split keeps the
+    types of the values it replaces."""
+    out = contract([x, *indicators], keep, loc)
+    return convert(out, x.dtype, loc) if x.dtype in LOW_FLOATS else out
 
 
 def reduce(kind: str, x: Value, edges: Iterable[str], loc: Loc | None = None) -> Value:

@@ -145,6 +145,7 @@ from dataclasses import dataclass
 
 from tgc.ir import values as V
 from tgc.ir.affine import Affine, Relation
+from tgc.ir.dtypes import LOW_FLOATS
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
 from tgc.ir.values import Value, rebuild_same, topo_order
@@ -383,14 +384,21 @@ def _split(x: Value, edge: str, ec: str, eb: str, block: int, first: int = 0) ->
     """x over `edge` as [eb, ec]: x[edge = ec + block*(eb + first)] (an exact reindex)."""
     rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block}, block * first)), ("=",))
     keep = [e for e in x.edges if e != edge] + [ec, eb]
-    return V.contract([x, V.indicator(rel, x.dtype)], keep)
+    return V.reindexed(x, [V.indicator(rel, x.dtype)], keep)
+
+
+def _exact_sum(parts: list[Value], dtype: str) -> Value:
+    """The sum of `parts` that are nonzero on disjoint elements (a stacked value's pieces,
+    each zero outside its blocks), of type `dtype`: exact, so a bf16/f16 value's pieces
+    summed in f32 are converted back without changing a value."""
+    return V.convert(V.add(parts), dtype) if dtype in LOW_FLOATS else V.add(parts)
 
 
 def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
     """y over [eb, ec] back over `edge`."""
     rel = Relation((Affine.make({edge: 1}), Affine.make({ec: 1, eb: block})), ("=",))
     keep = [e for e in y.edges if e not in (ec, eb)] + [edge]
-    return V.contract([y, V.indicator(rel, y.dtype)], keep)
+    return V.reindexed(y, [V.indicator(rel, y.dtype)], keep)
 
 
 class _Streamer:
@@ -770,10 +778,10 @@ class _Streamer:
                     e = r.edge[id(v)]
                     rel = Relation((Affine.make({e: 1}), Affine.make({ec: 1, at[eb][0]: b}, b * b0)), ("=",))
                     keep = [x for x in out.edges if x not in (ec, at[eb][0])] + [e]
-                    parts[j].append(V.contract([out, V.indicator(rel, out.dtype)], keep))
+                    parts[j].append(V.reindexed(out, [V.indicator(rel, out.dtype)], keep))
         memo: dict[int, Value] = {id(v): c for v, c in zip(r.carries, carried)}
         for v, ps in zip(r.stacked, parts[len(r.carries):]):
-            memo[id(v)] = ps[0] if len(ps) == 1 else V.add(ps)
+            memo[id(v)] = ps[0] if len(ps) == 1 else _exact_sum(ps, v.dtype)
         return memo
 
     def build(self, order: list[Value], r: _Region, edge: str, skip_only: bool = False) -> Module | None:
@@ -924,7 +932,7 @@ class _Streamer:
                 e = r.edge[id(v)]
                 rel = Relation((Affine.make({e: 1}), Affine.make({et: 1, ebt: b}, b * nb)), ("=",))
                 keep = [x for x in out.edges if x not in (et, ebt)] + [e]
-                memo[id(v)] = V.add([memo[id(v)], V.contract([out, V.indicator(rel, out.dtype)], keep)])
+                memo[id(v)] = _exact_sum([memo[id(v)], V.reindexed(out, [V.indicator(rel, out.dtype)], keep)], v.dtype)
         return True
 
 
@@ -940,7 +948,7 @@ def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
             for e, (f, off) in at.items() if e in x.edges]
     if not inds:
         return x
-    return V.contract([x] + inds, [at[e][0] if e in at else e for e in x.edges])
+    return V.reindexed(x, inds, [at[e][0] if e in at else e for e in x.edges])
 
 
 def stream(module: Module, options: Options) -> Module:

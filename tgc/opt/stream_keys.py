@@ -155,7 +155,7 @@ def _fresh(m: Module, base: str, n: int) -> str:
 def _split(x: Value, s: str, sc: str, sb: str, b: int) -> Value:
     """x over `s` as [.., sc, sb]: x[s = sc + b*sb] (an exact reindex)."""
     rel = Relation((Affine.make({s: 1}), Affine.make({sc: 1, sb: b})), ("=",))
-    return V.contract([x, V.indicator(rel, x.dtype)], [e for e in x.edges if e != s] + [sc, sb])
+    return V.reindexed(x, [V.indicator(rel, x.dtype)], [e for e in x.edges if e != s] + [sc, sb])
 
 
 class _Keys:
@@ -448,7 +448,7 @@ class _Keys:
         for j, v in enumerate(stacked):
             out = V.loop(body, sb, operands, len(stats) + j)
             rel = Relation((Affine.make({s: 1}), Affine.make({sc: 1, sb: b})), ("=",))
-            memo[id(v)] = V.contract([out, V.indicator(rel, out.dtype)], [e for e in v.edges])
+            memo[id(v)] = V.reindexed(out, [V.indicator(rel, out.dtype)], [e for e in v.edges])
 
     def gather(self, v: Value, operands: list, params: list) -> tuple[Value, Value]:
         """For `contract(G, [r = a*s + w])` (a table G without `s` read at an index affine in
@@ -483,7 +483,7 @@ class _Keys:
             self.windows[id(v)] = _fresh(self.m, r, hi - lo + 1)
         rw = self.windows[id(v)]
         at = Relation((Affine.make({r: 1}), Affine.make({rw: 1, sb: a * b}, lo)), ("=",))
-        operands.append(V.contract([g, V.indicator(at, g.dtype)], [rw if e == r else e for e in g.edges] + [sb]))
+        operands.append(V.reindexed(g, [V.indicator(at, g.dtype)], [rw if e == r else e for e in g.edges] + [sb]))
         p = V.loopvar(len(params), g.dtype, [rw if e == r else e for e in g.edges])
         params.append(p)
         idx = Relation((Affine.make({rw: 1}), u.plus(Affine.make({}, lo), -1)), ("=",))
