@@ -123,3 +123,15 @@ class LitItem(pytest.Item):
 
 class LitFailure(Exception):
     pass
+
+
+@pytest.fixture(autouse=True)
+def _torch_default_dtype_restored():
+    """A test that sets torch's default dtype (an f64 oracle) leaves it as it found it:
+    the setting is global, and a later test on the same worker would make f64 tensors."""
+    torch = sys.modules.get("torch")
+    before = torch.get_default_dtype() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(before if before is not None else torch.float32)

@@ -104,10 +104,9 @@ class Options:
                 not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
             raise TypeError(f"Options.dims must be (name, size) pairs or a dict {{name: size}}, not {dims!r}")
         for name, size in pairs:
-            if not isinstance(size, numbers.Integral) or isinstance(size, bool):
-                raise TypeError(f"Options.dims: the size of '{name}' must be an int, not {type(size).__name__} {size!r}")
-            if size < 1:
-                raise ValueError(f"Options.dims: the size of '{name}' must be 1 or more, not {size}")
+            if not isinstance(size, numbers.Integral) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"Options.dims: the size of '{name}': a size is a positive integer, "
+                                 f"not {type(size).__name__} {size!r}")
         object.__setattr__(self, "dims", tuple((name, int(size)) for name, size in pairs))
 
     def with_(self, **changes) -> "Options":
