@@ -105,7 +105,7 @@ def _convert(x: Value, target: str, fp: str) -> Value:
 
 def language_type(v: Value) -> str | None:
     """The bf16/f16 type the language gives `v` where its IR type is the compute type
-    (an op on bf16/f16 operands), else None. Weak values (`V.is_weak`: numbers, sizes and
+    (an op on bf16/f16 operands), else None. Weak values (`Value.weak`: numbers, sizes and
     edgeless expressions of them) take no part (`x * 0.1` and `x / sqrt(size(e))` are bf16
     for a bf16 `x`), and neither do indicators (0/1: `x[t = s + k]` and `x * [s <= t]`
     select; an expression of indicators, `1 - [s <= t]`, is a tensor of the program's

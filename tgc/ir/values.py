@@ -132,7 +132,7 @@ class Value:
     `WeakValueDictionary` does). The operands a live value holds keep their ids.
     `serial` numbers the values in the order they are made: a value's operands are
     older than it, so a value newer than `v` is none of `v`'s operands, however deep.
-    `weak` says whether the value is a number in the sense of promotion (`is_weak`),
+    `weak` says whether the value is a number in the sense of promotion (see `_WEAK_LEAVES`),
     decided as it is made from its operands' flags: no walk of the graph."""
 
     __slots__ = ("op", "operands", "attrs", "type", "loc", "serial", "weak", "__weakref__")
@@ -192,12 +192,6 @@ _WEAK_OPS = frozenset({"add", "contract", "map"})
 _STRONG_FNS = frozenset(CONVERSIONS) | frozenset(ROUNDINGS) | {"round32"}
 
 
-def is_weak(v: "Value") -> bool:
-    """Whether `v` is weak: it takes part in promotion only when every operand is weak
-    (`_promoted`). Read from the flag `Value.make` sets: O(1), whatever the graph's depth."""
-    return v.weak
-
-
 def _forget(entry: _Entry) -> None:
     """A value was freed: its entry goes, unless the key has been made anew since."""
     _remove_dead_weakref(Value._table, entry.key)
@@ -221,7 +215,7 @@ def _float_dtype(values: Sequence[Value], exact: bool = False) -> str:
 
 
 def promoted(values: Sequence[Value]) -> str:
-    """The promoted float type of `values` (weak values, `is_weak`, take part only when
+    """The promoted float type of `values` (weak values, `Value.weak`, take part only when
     every one is weak; see `_promoted`)."""
     return _promoted(values)
 
@@ -239,7 +233,7 @@ def _promoted(values: Sequence[Value]) -> str:
     if "i32" in dtypes:
         raise IRError("integer (i32) tensors can only be used as gather or scatter indices")
     # mixed types promote (tgc.ir.dtypes.promote); weak values (constants, sizes and
-    # edgeless expressions of them: `is_weak`) are like a Python number in numpy: they
+    # edgeless expressions of them: `Value.weak`) are like a Python number in numpy: they
     # take part only when every operand is one
     strong = {v.dtype for v in values if not v.weak} or dtypes
     out = strong.pop()
