@@ -69,6 +69,20 @@ def test_c_driver_uses_the_library_and_header(tmp_path):
     assert float(step0["b1[0]"]) == pytest.approx(float(want["b1"][0]), rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.parametrize("output, header, prefix", [
+    ("libmlp.so", "mlp.h", "MLP_"), ("lib my.so", "my.h", "MY_"), ("lib-x.so", "x.h", "X_"),
+    ("lib2d.so", "m_2d.h", "M_2D_"), ("lib__.so", "model.h", "MODEL_")])
+def test_header_names_are_valid_unreserved_c(tmp_path, output, header, prefix):
+    """The header and its macros are named from the library: characters C does not allow
+    become `_`, and none starts with `_` (C reserves `_` + capital: `lib my.so` gave `_MY_`)."""
+    r = tgc("build", MLP, "-o", tmp_path / output)
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / header).read_text()
+    macros = re.findall(r"#define (\w+)", text)
+    assert macros and all(re.fullmatch(r"[A-Z][A-Z0-9_]*", m) for m in macros), macros
+    assert f"#define {prefix}NUM_ARGS " in text
+
+
 @needs_cc
 @pytest.mark.parametrize("blas", ["none", "numpy"])
 def test_shared_library_through_ctypes(tmp_path, blas):

@@ -42,11 +42,15 @@ def _c_type(elem: str, dtype: str, stored: str | None) -> str:
 
 
 def c_identifier(name: str) -> str:
-    """A valid C identifier made from a library name (`libmlp.so` -> `mlp`)."""
+    """A valid C identifier made from a library name (`libmlp.so` -> `mlp`).
+
+    Characters C does not allow become `_`; leading ones are dropped, since C reserves
+    names that start with `_` and a capital (`lib my.so` -> `my`, whose macros are `MY_...`,
+    not `_MY_...`)."""
     base = name.split("/")[-1]
     base = re.sub(r"\.(so|o|ll|s|tgir|h|d)$", "", base)
     stem = re.sub(r"^lib", "", base)
-    ident = re.sub(r"[^A-Za-z0-9_]", "_", stem) or "model"
+    ident = re.sub(r"[^A-Za-z0-9_]", "_", stem).lstrip("_") or "model"
     return ident if not ident[0].isdigit() else f"m_{ident}"
 
 
