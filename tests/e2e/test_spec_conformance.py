@@ -714,6 +714,11 @@ ERRORS = [  # id, source, line, column, words of the message
 
 @pytest.mark.parametrize("name,src,line,col,words", ERRORS, ids=[e[0] for e in ERRORS])
 def test_bad_program_is_located(tmp_path, name, src, line, col, words):
+    assert_located(tmp_path, src, line, col, words)
+
+
+def assert_located(tmp_path, src, line, col, words):
+    """`tgc check` of `src` fails with `file:line:col: error:`, `words` and a caret under the place."""
     prog = tmp_path / "bad.tg"
     prog.write_text(src)
     r = tgc("check", prog)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from backends_util import EMULATED, backends
-from test_spec_conformance import tgc
+from test_spec_conformance import assert_located, tgc
 
 BACKENDS = ("interp", *backends(exclude=EMULATED))
 RNG = np.random.default_rng(20261205)
@@ -571,8 +571,4 @@ ERRORS = [  # id, source, line, column, words
 
 @pytest.mark.parametrize("name,src,line,col,words", ERRORS, ids=[e[0] for e in ERRORS])
 def test_bad_program_is_located(tmp_path, name, src, line, col, words):
-    prog = tmp_path / "bad.tg"
-    prog.write_text(src)
-    r = tgc("check", prog)
-    assert r.exit_code == 1, r.output
-    assert f"{prog}:{line}:{col}: error: " in r.output and words in r.output, r.output
+    assert_located(tmp_path, src, line, col, words)
