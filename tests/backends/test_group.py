@@ -169,6 +169,34 @@ def test_a_short_first_loop_is_split_with_the_next(threads):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-13)
 
 
+ONE_HEAD = """
+dim batch = 1, head = 1, t = 40, d = 16
+input x[batch, head, t, d]
+out y[batch, head, t, d] = x * sum[d](x)
+out z[batch, head, t, d] = exp(x) * 2
+"""
+
+
+def test_short_first_loops_are_split_with_the_next_until_the_range_is_long():
+    """One head of one sequence (a stream's key-block step, `[batch, head, ..]` at sizes
+    1 and 1): the split range takes `t` too, so that both threads share the rows
+    (the range of batch and head alone was 1: thread 0 ran the kernel). The loop
+    groups' members and the plain loops alike; the same bits on 1 and 2 threads."""
+    from tgc.backends.cpu.loops import split_loops
+
+    progs = {n: build(ONE_HEAD, "f32", threads=n, parallel_min_work=1, parallel_min_work_warm=1) for n in (1, 2)}
+    cpu = progs[2].options.cpu
+    splits = {split_loops(k, cpu) for k in progs[2].lowered.kernels}
+    assert splits == {("batch", "head", "t")}, splits
+    m = progs[2].module
+    x = random_inputs(m, m.bind_dims({}), 3, "f32")
+    want = evaluate(m, dict(x), dtype="f32")
+    one, two = progs[1](**x), progs[2](**x)
+    for name in want:
+        np.testing.assert_allclose(two[name], want[name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(two[name], one[name])
+
+
 def test_a_bounded_sum_is_not_split_and_keeps_its_bounds():
     """`sum[q] scores[q + 1, q]` runs q over [0, 4): read past that, it would add what
     lies after the array (here 1e6)."""

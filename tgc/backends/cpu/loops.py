@@ -78,25 +78,28 @@ def short_rows(cpu: CpuOptions) -> int:
 
 
 def split_loops(k: LoopKernel | LoopGroup, cpu: CpuOptions) -> tuple[str, ...]:
-    """The loops whose iterations threads share: the outermost, or the outermost two
-    as one range when the first is short (under `cpu.loop_split_min`: 3 heads do not
-    split well over 2 threads)
-    and the second is kept and not the vectorized innermost loop."""
+    """The loops whose iterations threads share, as one range: the outermost, or the
+    outermost ones while their product is short (under `cpu.loop_split_min`: 3 heads
+    do not split well over 2 threads; a key-block step's `[batch, head, ..]` kernels
+    at one head of one sequence had a range of 1, and thread 0 ran every elementwise
+    kernel of the step), each taken loop kept (not summed, no bounds) and not the
+    vectorized innermost loop."""
     loops = k.outer if isinstance(k, LoopGroup) else k.loops
     if not loops or (isinstance(k, LoopGroup) and k.blocks):
         return ()
     if isinstance(k, LoopKernel) and (loops[0] in k.red or k.scatter or k.bounds.get(loops[0])):
         return ()   # a sum's loop (with its bounds), a scatter's: never shared
-    first = loops[:1]
-    n = k.sizes[loops[0]]
-    if len(loops) < 2 or not isinstance(n, int) or n >= cpu.loop_split_min:
-        return first
-    if isinstance(k, LoopGroup):
-        inner = len(loops) >= 3 or all(len(m.loops) > len(loops) for m in k.members)
-        return tuple(loops[:2]) if inner else first
-    ok = len(loops) >= 3 and loops[1] not in k.red and not k.bounds.get(loops[1])
-    return tuple(loops[:2]) if ok else first
-
+    taken, n = 1, k.sizes[loops[0]]
+    while taken < len(loops) and isinstance(n, int) and n < cpu.loop_split_min:
+        nxt = loops[taken]
+        if isinstance(k, LoopGroup):   # a loop of the group's nest stays inside, or each member's own
+            ok = len(loops) > taken + 1 or all(len(m.loops) > len(loops) for m in k.members)
+        else:
+            ok = len(loops) > taken + 1 and nxt not in k.red and not k.bounds.get(nxt)
+        if not ok:
+            break
+        n, taken = size_op("*", n, k.sizes[nxt]), taken + 1
+    return tuple(loops[:taken])
 
 def split_count(f: Frame, k: LoopKernel | LoopGroup, cpu: CpuOptions):
     """The length of the range threads split (i64): the product of the split loops'
@@ -487,15 +490,20 @@ class LoopGen(ExprVisitor):
             self.plain_nest(loops[1:], sizes, {**vars, loops[0]: i}, leaf)
 
     def split_nest(self, split, rest: list[str], vars: dict, leaf) -> None:
-        """This call's share [lo, hi) of the split loops (two: one range, divided)."""
+        """This call's share [lo, hi) of the split loops (several: one range, divided;
+        each variable a digit of the index in the mixed radix of their extents)."""
         b = self.b
         if len(split) == 1:
             with for_range(b, self.lo, self.hi, split[0]) as i:
                 self.nest(rest, {**vars, split[0]: i}, leaf)
             return
-        n1 = self.f.size(self.k.sizes[split[1]])
-        with for_range(b, self.lo, self.hi, f"{split[0]}.{split[1]}") as i:
-            self.nest(rest, {**vars, split[0]: b.sdiv(i, n1), split[1]: b.srem(i, n1)}, leaf)
+        with for_range(b, self.lo, self.hi, ".".join(split)) as i:
+            own = {}
+            for v in reversed(split[1:]):
+                n = self.f.size(self.k.sizes[v])
+                own[v], i = b.srem(i, n), b.sdiv(i, n)
+            own[split[0]] = i
+            self.nest(rest, {**vars, **own}, leaf)
 
     def member(self, k: LoopKernel, vars: dict) -> None:
         """Kernel `k`'s loops other than those `vars` fixes (a group's outer loops)."""

@@ -124,7 +124,7 @@ class CpuOptions:
     gemm_loop_cols: int = 2                  # vectors of columns per block of the blocked GEMM loops (gemm_small.loops_kernel)
     bf16_gemm_depth: int = 256               # K per packed block of the bf16 kernel (even; gemm_bf16: a B' block of 128 pairs x 64 columns, 32 KiB)
     bf16_gemm_panel: int = 256               # rows of A' the bf16 kernel packs at a time per K block (256 x 128 pairs, 128 KiB)
-    loop_split_min: int = 8                  # an outermost loop shorter than this is shared by threads together with the next (loops.split_loops, loops.blocked_loops)
+    loop_split_min: int = 8                  # an outermost loop shorter than this is shared by threads together with the next ones, while their product is under this (loops.split_loops, loops.blocked_loops)
     unroll_max: int = 4                      # a loop of at most this many known iterations is unrolled ...
     unroll_copies: int = 8                   # ... while the short loops unrolled inside it make at most this many copies of the body (loops.unrolled)
     group_min_block_rows: int = 16           # the shortest block of a blocked loop group's outer loop ...
