@@ -2,6 +2,7 @@
 
     python benchmarks/conv2d_probe.py compile FILE.tg...   # cold compile, split by stage
     python benchmarks/conv2d_probe.py run [--batch 16] [--rounds 5] [--only NAME,...] [--spin-only]
+    python benchmarks/conv2d_probe.py kernels [--rounds 20] [NAME:OPTION=VALUE,... ...]
 
 `compile`: for each file, in a fresh process with an empty cache, the front end, the
 IR passes, the lowering stages and code generation with LLVM, and the lines of LLVM
@@ -16,6 +17,17 @@ for all (libgomp's default spinning helps or hurts with the machine's load); the
 processes take turns `--rounds` times, and each reports the time per call of
 samples of at least 0.2 s; the table shows the minimum and median over all samples.
 The machine is shared: repeat, and read minima.
+
+`kernels`: conv2d_sym.tg specialized to 16 x 32 -> 64, 32 x 32 (the program a timed
+call runs), on one thread, per kernel: the least per-thread CPU time of one call
+(`Program.thread_profile`, differences between calls; `CpuOptions(profile=True)`,
+which runs no merged regions and no pairs) and the whole call's least per-thread CPU
+time (the same program without the counters), for each variant: a name and
+CpuOptions fields (`base:` is the defaults; `t1:gemm_tiles=1`), the variants'
+calls alternated in one process, so that the load falls on all of them alike.
+Per-thread CPU time leaves out what other processes took, not what they evicted from
+the caches: compare variants of one run. A variant differs by options only (the
+on-disk cache keys code by the options and tgc's source, not by a module global).
 """
 from __future__ import annotations
 
@@ -128,6 +140,71 @@ def run(args) -> None:
             print(f"  {line}")
 
 
+KERNEL_DIMS = {"nb": 16, "cin": 32, "cout": 64, "hh": 32, "ww": 32}
+
+
+def _variant(options, spec: str):
+    """(name, options) of a `name:field=value,...` variant (CpuOptions fields)."""
+    name, _, rest = spec.partition(":")
+    over = {}
+    for kv in filter(None, rest.split(",")):
+        key, _, value = kv.partition("=")
+        if not hasattr(options.cpu, key):
+            raise SystemExit(f"conv2d_probe: CpuOptions has no field {key!r}")
+        cur = getattr(options.cpu, key)
+        over[key] = value in ("1", "true", "True") if isinstance(cur, bool) else type(cur)(value)
+    return name or spec, options.with_(cpu=options.cpu.with_(**over))
+
+
+def kernel_minima(specs, rounds: int, dims=None, batch_arrays=None):
+    """{variant: (per-kernel least thread time in s, least call thread time in s)} and
+    the kernels' first lines, for conv2d_sym.tg at `dims` on one thread (see the module)."""
+    sys.path.insert(0, str(HERE))
+    import breakdown
+    import numpy as np
+
+    dims = dict(dims or KERNEL_DIMS)
+    module, options = breakdown.optimized(str(CONV2D_SYM))
+    rng = np.random.default_rng(0)
+    a = batch_arrays or {
+        "x": rng.standard_normal((dims["nb"], dims["cin"], dims["hh"], dims["ww"])).astype(np.float32),
+        "dy": rng.standard_normal((dims["nb"], dims["cout"], dims["hh"], dims["ww"])).astype(np.float32),
+        "K": (rng.standard_normal((dims["cout"], dims["cin"], 3, 3)) / math.sqrt(dims["cin"] * 9)).astype(np.float32)}
+    state = {}
+    for spec in specs or ["base:"]:
+        name, opts = _variant(options, spec)
+        prof = breakdown.build(module, dims, opts, True, 1)
+        plain = breakdown.build(module, dims, opts, False, 1)
+        prof(**a)
+        plain(**a)
+        state[name] = [prof, plain, [t[0] for t in prof.thread_profile()], None, math.inf]
+    for _ in range(rounds):
+        for st in state.values():
+            prof, plain = st[0], st[1]
+            prof(**a)
+            now = [t[0] for t in prof.thread_profile()]
+            d = [(x - y) / 1e9 for x, y in zip(now, st[2])]
+            st[2] = now
+            st[3] = d if st[3] is None else [min(x, y) for x, y in zip(st[3], d)]
+            t0 = time.thread_time()
+            plain(**a)
+            st[4] = min(st[4], time.thread_time() - t0)
+    first = next(iter(state.values()))[0]
+    names = [k.text().splitlines()[0] for k in first.lowered.kernels]
+    return {n: (st[3], st[4]) for n, st in state.items()}, names
+
+
+def kernels(args) -> None:
+    out, names = kernel_minima(args.variants, args.rounds)
+    print(f"conv2d_sym {KERNEL_DIMS}, one thread: least thread time per kernel (ms) over {args.rounds} calls; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("       " + " ".join(f"{n[:9]:>9s}" for n in out) + "  kernel")
+    for i, line in enumerate(names):
+        print(f"  k{i:<3d} " + " ".join(f"{v[0][i] * 1e3:9.3f}" for v in out.values()) + f"  {line[:70]}")
+    print("  sum  " + " ".join(f"{sum(v[0]) * 1e3:9.3f}" for v in out.values()))
+    print("  call " + " ".join(f"{v[1] * 1e3:9.3f}" for v in out.values()) + "  (without the counters)")
+
+
 def compile_one(path: str) -> None:
     """Cold compile of one file, in this process (the caller gives an empty cache)."""
     t0 = time.perf_counter()
@@ -171,11 +248,16 @@ def main() -> None:
     w.add_argument("name")
     w.add_argument("batch", type=int)
     w.add_argument("samples", type=int)
+    kp = sub.add_parser("kernels", help="per-kernel one-thread minima of conv2d_sym, option variants A/B")
+    kp.add_argument("variants", nargs="*", help="NAME:FIELD=VALUE,... (CpuOptions fields); default base:")
+    kp.add_argument("--rounds", type=int, default=20)
     c1 = sub.add_parser("compile-one")
     c1.add_argument("file")
     args = ap.parse_args()
     if args.cmd == "worker":
         worker(args.name, args.batch, args.samples)
+    elif args.cmd == "kernels":
+        kernels(args)
     elif args.cmd == "compile-one":
         compile_one(args.file)
     elif args.cmd == "compile":

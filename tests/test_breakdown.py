@@ -160,3 +160,26 @@ def test_thread_split_on_a_tiny_gpt(breakdown, capsys):
     assert t["one"] == pytest.approx(sum(min(c[i][0] for c in seen[1]) for i in kernels) / 1e6)
     assert t["busiest"] >= max(t["own"], t["rest"]) > 0
     assert "all kernels: 1t" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_conv2d_probe_kernel_minima():
+    """benchmarks/conv2d_probe.py `kernels`: one least thread time per kernel of the
+    specialized conv2d_sym program and one per call, for each option variant (the
+    variants' calls alternated); a variant names CpuOptions fields, and an unknown
+    field is a clear exit, not a traceback."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        probe = importlib.import_module("conv2d_probe")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    dims = {"nb": 2, "cin": 4, "cout": 8, "hh": 8, "ww": 8}
+    out, names = probe.kernel_minima(["base:", "t1:gemm_tiles=1"], 2, dims=dims)
+    assert list(out) == ["base", "t1"]
+    assert any(line.startswith(("gemm", "implicit")) for line in names), names
+    for per_kernel, call in out.values():
+        assert len(per_kernel) == len(names)
+        assert all(t >= 0 for t in per_kernel) and sum(per_kernel) > 0
+        assert 0 < call < math.inf
+    with pytest.raises(SystemExit, match="no field 'gemm_tile'"):
+        probe.kernel_minima(["bad:gemm_tile=1"], 1, dims=dims)
