@@ -312,7 +312,8 @@ class Specializations:
     def _evict(self, keep: Variant) -> None:
         """Drop the least recently run specialization but `keep` (under the lock): its
         entry leaves the table, so nothing here refers to its program any more, and its
-        code and workspace are freed once a call running it (which holds it) returns."""
+        code and workspace are freed once a call running it (which holds it) returns and
+        no thread's `last_variant` names it (that thread's next call replaces it)."""
         loaded = [(v.used, k) for k, v in self.table.items() if v.program is not None and v is not keep]
         if loaded:
             _, key = min(loaded)
