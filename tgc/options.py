@@ -74,7 +74,7 @@ class Options:
     collective_timeout: float | None = 600.0   # data parallel: seconds a rank waits in one collective for the others before DataParallelError (a rank died or hangs); None: forever (tgc.distributed)
     specialize_calls: int = 2                # symbolic dims: a shape signature gets a program with its sizes fixed once called this often (0: never) ...
     specialize_work: int = 1 << 31           # ... and once those calls did this many FLOPs plus bytes (tgc explain's count; tgc.runtime.specialize; docs/optimization.md)
-    specialize_max: int = 8                  # ... for at most this many signatures per program (later ones run the generic program)
+    specialize_max: int = 8                  # ... for at most this many signatures per program (later ones run the generic program; a first call specialized for memory replaces the least recently run one)
     specialize_at_bytes: int | None = 1 << 28   # a signature whose generic call would hold at least these bytes of temporaries (tgc explain's peak) is specialized on its first call, when the specialization holds at most half (None: never)
     specialize_first_work: int | None = 1 << 36   # ... or whose specialization would do at least this many FLOPs plus bytes fewer in that call than the generic program (tgc explain's count: the compile paid by the one call; None: never)
     memory_budget: int | None = None         # workspace bytes: the backward pass recomputes saved values until it fits (tgc.budget); sizes: dims, else rep_size

@@ -419,3 +419,34 @@ def test_a_first_call_whose_specialization_saves_less_runs_the_generic_program(c
         assert v.work is not None and v.work < 1 << 36 and v.special_work is None
     else:   # no temporary that stream would block: nothing reckoned
         assert v.work is None and v.special_work is None
+
+
+def test_a_large_first_call_past_specialize_max_replaces_the_least_recently_used(cache_dir):
+    # Sizes that change every call: with specialize_max signatures already specialized, a
+    # new size whose generic program would hold specialize_at_bytes of temporaries must not
+    # fall back to it (a long attention's generic peak grows as t^2: 1.8 GB where the
+    # specialization holds 65 MB at t = 8192, measured with a transformer layer). The least
+    # recently run specialization gives way (its code and workspace freed), so at most
+    # specialize_max stay loaded, and a size seen again is specialized again on its call.
+    program = tgc.compile(CAUSAL, options=LONG.with_(specialize_max=2))
+    never = tgc.compile(CAUSAL, options=LONG.with_(specialize_calls=0))
+    for t in (512, 576, 512, 640, 576):
+        got = program(**causal_inputs(t))
+        variant = program.last_variant
+        assert variant is not None and variant.specialized and variant.dims["t"] == t, (t, program.variants())
+        assert_close(got, never(**causal_inputs(t)))
+        assert sum(v.specialized for v in program.variants()) <= 2
+    # 576 gave way to 640 (512 ran after it), then 512 to 576
+    assert sorted(v.dims["t"] for v in program.variants() if v.specialized) == [576, 640]
+
+
+def test_a_specialization_given_way_frees_its_program(cache_dir):
+    import gc
+    import weakref
+
+    program = tgc.compile(CAUSAL, options=LONG.with_(specialize_max=1))
+    program(**causal_inputs(512))
+    first = weakref.ref(program.last_variant.program)
+    program(**causal_inputs(576))
+    gc.collect()
+    assert first() is None

@@ -336,8 +336,10 @@ def loop_call(el: Elaborator, node: ast.Call, ctx: Ctx) -> V.Value:
                        node.args[1], ctx)
     for a, n in zip(stacked, node.args[2:]):
         if e not in a.edges:
+            shared = f"{n.id} * [{e} = {e}]" if isinstance(getattr(n, "id", None), str) else f"x * [{e} = {e}]"
             raise el.error(f"a stacked argument of '{form}' has no edge '{e}' (its edges: [{', '.join(a.edges)}]): "
-                           f"each step reads its slice along '{e}'", n, ctx)
+                           f"each step reads its slice along '{e}'; a tensor every step shares is passed "
+                           f"repeated along it, `{shared}`", n, ctx)
     # an argument written `x * [e = e]` (x repeated along e: a weight every step shares) is
     # passed to the loop as x itself, the same at every step (an invariant), so that
     # neither it nor its gradient is held once per step

@@ -33,7 +33,8 @@ def check_names(names: Sequence[str], given: Iterable[str], error: type[Exceptio
     given = list(given)
     missing = [n for n in names if (required is None or n in required) and n not in given]
     if missing:
-        raise error(f"missing {what} '{missing[0]}' (the program takes: {', '.join(names)})")
+        more = f"and {len(missing) - 1} more; " if len(missing) > 1 else ""
+        raise error(f"missing {what} '{missing[0]}' ({more}{_takes(names)})")
     check_known(names, given, error, what)
 
 
@@ -45,7 +46,18 @@ def check_known(names: Sequence[str], given: Iterable[str], error: type[Exceptio
     extra = [n for n in given if n not in names]
     if extra:
         hint = did_you_mean(extra[0], names) if suggest else ""
-        raise error(f"unexpected {what} '{extra[0]}' (the program takes: {', '.join(names)})" + hint)
+        raise error(f"unexpected {what} '{extra[0]}' ({_takes(names)})" + hint)
+
+
+LISTED = 16   # a program of more inputs names its first LISTED in a message, and their count
+
+
+def _takes(names: Sequence[str]) -> str:
+    """'the program takes: a, b' (or, past LISTED names, 'the program takes N: the first ones, ...')."""
+    names = list(names)
+    if len(names) <= LISTED:
+        return f"the program takes: {', '.join(names)}"
+    return f"the program takes {len(names)}: {', '.join(names[:LISTED])}, ..."
 
 
 def check_shape(name: str, shape: tuple, want: tuple, edges: Sequence[str]) -> None:
