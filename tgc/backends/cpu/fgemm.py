@@ -612,34 +612,49 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                         fmas_loop(arow, packed, p0, p1, I64(1))
                     with strided:
                         fmas_loop(arow, packed, p0, p1, astep)
-            lanes = None
+            lanes, whole = None, None
             if tri:   # this block's K range (the mask's), and its store's admitted lanes
-                p0, p1, lanes = tri_block(i0, rix[-1], j0, k0, p0, p1, rix)
+                p0, p1, lanes, whole = tri_block(i0, rix[-1], j0, k0, p0, p1, rix)
             if tap_parts is None:
                 fmas(arow, bpack, p0, p1)
             else:
                 for a_t, packed, t0, t1 in tap_parts():
                     fmas([b.gep(a_t, [b.add(b.mul(i, sam), b.mul(k0, sak))], source_etype=f32) for i in rix],
                          packed, t0, t1)
+            def store(adds, lanes):
+                for r in range(rows):
+                    for c in range(vecs):
+                        at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
+                        keep = b.and_(masks[c], splat(b, inside[r], mt))
+                        v = b.load(accs[r][c], typ=vt)
+                        if lanes is not None:
+                            v = b.select(lanes(r, c), v, zero_v)
+                        if adds:
+                            v = b.fadd(b.call(load_fn, [at, align, keep, zero_v]), v)
+                        b.call(store_fn, [v, at, align, keep])
+
             with b.if_else(add_c) as (onto_c, into_c):   # C + the block's sum, or the sum
                 for adds in (True, False):
                     with (onto_c if adds else into_c):
-                        for r in range(rows):
-                            for c in range(vecs):
-                                at = b.gep(crow[r], [I64(c * VL)], source_etype=f32)
-                                keep = b.and_(masks[c], splat(b, inside[r], mt))
-                                v = b.load(accs[r][c], typ=vt)
-                                if lanes is not None:
-                                    v = b.select(lanes(r, c), v, zero_v)
-                                if adds:
-                                    v = b.fadd(b.call(load_fn, [at, align, keep, zero_v]), v)
-                                b.call(store_fn, [v, at, align, keep])
+                        if lanes is None:
+                            store(adds, None)
+                            continue
+                        # a block the mask admits whole (every block of a mask with r) is
+                        # stored as is; only one it cuts selects its admitted lanes
+                        with b.if_else(whole) as (as_is, cut):
+                            with as_is:
+                                store(adds, None)
+                            with cut:
+                                store(adds, lanes)
 
     def tri_block(i0, ilast, j0, k0, p0, p1, rix):
-        """(p0, p1, lanes) of the block of rows i0..ilast by the column block at j0 under
-        the `tri` mask: the packed rows whose K some element of the block admits (all
-        or none for a mask without r), and, for a mask without r, `lanes(r, c)`: the
-        admitted lanes of row r's vector c (`Tri`)."""
+        """(p0, p1, lanes, whole) of the block of rows i0..ilast by the column block at
+        j0 under the `tri` mask: the packed rows whose K some element of the block admits
+        (all or none for a mask without r), for a mask without r `lanes(r, c)`: the
+        admitted lanes of row r's vector c (`Tri`), and `whole` (i1): the mask admits
+        every element of the block (always, for a mask with r), whose store then
+        computes no lanes (their 64-bit compares and multiplies, per stored vector, on
+        the FMAs' ports)."""
         cp, cq, cr = fn.args[17:20]
         c0 = cur["c"]
         width = cur["width"]
@@ -656,14 +671,19 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
         lo = smax(lo, p0)
         hi = b.select(none, lo, smax(lo, smin(hi, p1)))
         with_r = b.icmp_signed("!=", cr, zero)
+
+        def bottom(coef, first, last):   # min of coef * x over x in [first, last]
+            return b.select(b.icmp_signed(">", coef, zero), first,
+                            b.select(b.icmp_signed("<", coef, zero), b.neg(last), zero))
+        least = b.add(b.add(bottom(cp, i0, ilast), bottom(cq, j0, b.sub(b.add(j0, width), I64(1)))), c0)
+        whole = b.or_(with_r, b.icmp_signed(">=", least, zero))
         cols_v = splat(b, cq, it)
 
-        def lanes(r, c):
+        def lanes(r, c):   # lane l (column q = j0 + 16 c + l) is admitted where cq q + row >= 0
             row = b.add(b.mul(cp, rix[r]), c0)
             q = b.add(splat(b, b.add(j0, I64(c * VL)), it), iota)
-            ok = b.icmp_signed(">=", b.add(b.mul(cols_v, q), splat(b, row, it)), splat(b, zero, it))
-            return b.or_(ok, splat(b, with_r, mt))
-        return lo, hi, lanes
+            return b.icmp_signed(">=", b.add(b.mul(cols_v, q), splat(b, row, it)), splat(b, zero, it))
+        return lo, hi, lanes, whole
 
     accumulate = b.icmp_signed("!=", acc, I32(0))
     block = I64(span)

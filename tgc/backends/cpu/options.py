@@ -94,7 +94,7 @@ class CpuOptions:
     own_gemm_min_rows: int = 192             # ... or tiles of at least this many rows of C' and 128 columns, any depth and B' ...
     own_gemm_tall_max_b_bytes: int = 1 << 22  # ... and a B' of at most this many bytes (gemm_dispatch.uses_own_gemm)
     own_gemm_transposed_a: bool = True       # ... also where A' has its rows contiguous (no taps): the kernel packs it panel by panel (fgemm._pack_a_transposed); False: such products go to cblas
-    own_gemm_pack_a_rows: int = 512          # the most rows (rounded up to 16) of a row panel whose transposed A' the own kernel packs, in a stack buffer of that many x 400 floats (5/4 of own_gemm_depth; the default panel: 384 rows, 600 KiB); a larger panel reads A' in place
+    own_gemm_pack_a_rows: int = 512          # the most rows (rounded up to 16) of a row panel whose transposed A' the own kernel packs, in a stack buffer of that many x 400 floats (5/4 of own_gemm_depth; the default panel: 512 rows, 800 KiB); a larger panel reads A' in place
     own_gemm_pack_a_span: int = 1 << 21      # ... and packs A' for a single column block (which reads each packed row once) only where A''s K block spans more than this many bytes (K block x K stride x 4: an L2; in place, each line of it is fetched again for every block of rows it holds, from L3 beyond this)
     implicit_gemm: bool = True               # a gather copy (im2col) read only by products the own kernel runs is packed by them from its source, never stored (backends/cpu/implicit.py): less memory, and faster (docs/optimization.md)
     group_blocks: int = 32                   # blocks of a loop group's rows with partial sums; 0: no groups (the group stage, backends/cpu/group.py)
@@ -140,7 +140,7 @@ class CpuOptions:
     own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
     own_gemm_window_rows: int = 6            # rows of A of the register block (x 4 vectors) of an implicit GEMM's copy of the own kernel, which packs its window (implicit.py; docs/optimization.md)
     own_gemm_unroll: int = 4                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
-    own_gemm_panel_rows: int = 384           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
+    own_gemm_panel_rows: int = 512           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     causal_gemm: bool = True                 # a product whose operand is 0, or whose result is dead, where a causal mask rejects (attention's q.k, P v and their gradients) runs the own kernel's `tri` form over the blocks the mask admits (tgc.backends.cpu.causal; fgemm.own_kernel)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
     recycle_kept: int = 2                    # ... from up to this many earlier calls
