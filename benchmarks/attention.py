@@ -87,8 +87,9 @@ def arrays(t: int, seed: int = 0, wide: bool = False) -> dict:
 
 
 def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
-    """(peak bytes of live temporaries, workspace bytes) from `tgc explain` at `dims`
-    (under `opts`, default Options())."""
+    """(peak bytes of live temporaries, workspace bytes the CPU code allocates) from
+    `tgc explain` at `dims` (under `opts`, default Options()), each thread's copy of a
+    loop's step on the threads included."""
     from tgc import pipeline
     from tgc.explain import explain
     from tgc.frontend import compile_source
@@ -99,8 +100,8 @@ def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
     module = compile_source(text, "<attention>", opts)
     env = module.bind_dims(dims)
     lowered = pipeline.lower(module, opts.with_(dims=tuple(sorted(dims.items()))))   # as `tgc explain`
-    report = explain(lower_module(lowered.module, opts), env)
-    return report["peak"]["bytes"], report["workspace"]["bytes"]
+    report = explain(lower_module(lowered.module, opts), env, opts)   # with the threads' lanes, as `tgc explain`
+    return report["peak"]["bytes"], report["workspace"]["allocated_bytes"]
 
 
 def median_time(fn, repeat: int) -> float:

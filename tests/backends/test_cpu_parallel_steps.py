@@ -135,3 +135,35 @@ def test_explain_shows_the_loop_on_the_threads_and_its_lanes_workspace():
     assert "more for the steps of a loop on the threads" in format_explain(report, "attention")
     one, o1 = lowered(2, options(threads=1))
     assert explain(one, {}, o1)["workspace"]["lanes_bytes"] == 0
+
+
+def _allocated(prog) -> int:
+    """The workspace bytes the compiled program's `tgc_workspace_bytes` asks for (no
+    symbolic dims here)."""
+    import ctypes
+
+    dims = (ctypes.c_int64 * 1)(0)
+    return int(prog._kernels._ws_bytes(ctypes.addressof(dims)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_explain_peak_and_workspace_are_what_the_threads_allocate(threads):
+    """Issue 32: on two threads each lane holds its own copy of the loop's step, so
+    `tgc explain`'s peak counts the step's temporaries once per lane (it counted them
+    once: half of what two threads hold), and its `allocated_bytes` is exactly what the
+    compiled code's `tgc_workspace_bytes` returns (the slots, rounded to 64 bytes, and
+    the lanes' copies); on one thread the step counts once and there are no copies."""
+    from tgc.explain import explain
+
+    opts = options(threads=threads)
+    low, o = lowered(2, opts)
+    report = explain(low, {}, o)
+    (k,) = report["kernels"]
+    lanes = 2 if threads == 2 else 1
+    assert k.get("lanes", 1) == lanes
+    assert report["peak"]["bytes"] == lanes * k["step_peak"] > 0
+    ws = report["workspace"]
+    prog = tgc.compile(ATTENTION.format(batch=2, head=2), "cpu", o.dtype, options=opts)
+    assert ws["allocated_bytes"] == _allocated(prog)
+    assert ws["allocated_bytes"] >= report["peak"]["bytes"]
+    assert (ws["lanes_bytes"] > 0) == (threads == 2)
