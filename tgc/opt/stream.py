@@ -402,9 +402,10 @@ def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
 
 
 class _Streamer:
-    def __init__(self, module: Module, options: Options):
+    def __init__(self, module: Module, options: Options, lanes: int = 1):
         self.m = module
         self.options = options
+        self.lanes = lanes   # the threads a loop over a short edge may share its steps among (`partition`)
         self.top = options.stream_block
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
@@ -490,7 +491,9 @@ class _Streamer:
                         n = self.sizes[edge]
                         fits = self.cache_block(_numel(seed, self.est) // n, n)
                         rows = None if fits else self.key_rows(n)
-                        block, self.block = self.block, fits or rows or self.block
+                        shared = self.block if fits or rows or not self.short_edges(seed, r) \
+                            else self.share_block(_numel(seed, self.est) // n, n)
+                        block, self.block = self.block, fits or rows or shared
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                         if out is not None and rows and not _keys_apply(out, self.options):
                             # a step the key loops do not take keeps the block it had
@@ -514,6 +517,29 @@ class _Streamer:
         if b // 2 >= self.least and (n % (b // 2) == 0 or n % b) and b // 2 * per <= budget:
             return b // 2
         return None
+
+    def short_edges(self, seed: Value, r: _Region) -> list[str]:
+        """The seed's short edges (batch, heads) of a stream of region `r`: those of known
+        size 2 or more that the stream's edges and masks do not name, smallest first."""
+        named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
+        return sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
+                       and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
+
+    def share_block(self, per: int, n: int) -> int:
+        """The block of a stream over an edge of size `n` whose steps' matrices (`per`
+        elements per row of the block) are over `stream_step_elements` and whose short
+        edges stay in its steps (the cluster sums them: an attention layer's output
+        projection sums its heads back, so no loop over the heads takes it, `partition`):
+        the block halved (down to `stream_block_min`, dividing n or not dividing it as the
+        block did not) while a step's matrix would still be of the size that makes a seed
+        stream (`stream_min_elements_masked`, or `stream_min_elements` unmasked), so that a
+        step's partials hold a block's share of the cluster, not a matrix as large as those
+        the stream is there to cut (the layer at t = 8192, 4 heads of 64: [head, 256, s] is
+        8M elements a sequence, 32 MiB, three at once; 64 rows: 8 MiB)."""
+        b = self.block
+        while b * per >= self.big and b // 2 >= self.least and (n % (b // 2) == 0 or n % b):
+            b //= 2
+        return b
 
     def key_rows(self, n: int) -> int | None:
         """The block of a stream over an edge of size `n` whose steps' matrices exceed
@@ -545,11 +571,9 @@ class _Streamer:
         n, per = self.sizes[edge], _numel(seed, self.est) // self.sizes[edge]
         if self.cache_block(per, n) is not None:
             return None   # the block or its half fits
-        named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
-        short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
-                        and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None \
-                and self.key_rows(n) is None and self.options.stream_key_block > 0:
+        short = self.short_edges(seed, r)
+        over = self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None
+        if over and self.key_rows(n) is None and self.options.stream_key_block > 0:
             # the steps would not fit even one index of every short edge at a time, and run
             # over key blocks under rows of the stream's own block: no loops (where they run
             # under stream_key_rows, the loops let them read the keys and write dk, dv in
@@ -574,8 +598,17 @@ class _Streamer:
             o = self.options
             step = o.with_(stream_min_elements=max(1, o.stream_min_elements // n),
                            stream_min_elements_masked=max(1, o.stream_min_elements_masked // n))
+            lanes = self.lanes
+            if lanes > 1 and n >= lanes and over:
+                # the steps run on `lanes` threads at once (codegen.parallel_step_loops), each
+                # holding its own step's [B, s] matrices, over the cache budget even so: the
+                # lanes share the block, so that they hold together what one thread's step
+                # held (t = 8192, 4 heads x batch 2 on two threads: 65 -> 41 MiB, within the
+                # 64 MiB of issue 32), not `lanes` times as much
+                step = step.with_(stream_block=max(min(self.least, self.top), self.top // lanes))
+                lanes = 1
             from tgc.opt.rewrite import map_bodies
-            return map_bodies(out, lambda body: stream(body, step), only=self.last_body)
+            return map_bodies(out, lambda body: stream(body, step, lanes), only=self.last_body)
         return None
 
     def map_loop(self, order: list[Value], r: _Region, h: str) -> Module | None:
@@ -951,13 +984,17 @@ def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
     return V.reindexed(x, inds, [at[e][0] if e in at else e for e in x.edges])
 
 
-def stream(module: Module, options: Options) -> Module:
-    """`module` with every large cluster it can stream moved into a loop over blocks."""
+def stream(module: Module, options: Options, lanes: int | None = None) -> Module:
+    """`module` with every large cluster it can stream moved into a loop over blocks.
+    `lanes`: the threads a loop over a short edge that this makes may share its steps
+    among (default: `options.cpu.step_lanes()`; 1 inside such a loop's step, whose block
+    already shares them: `partition`)."""
     skip: set[int] = set()
     m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
                list(module.updates), list(module.facts))
+    lanes = options.cpu.step_lanes() if lanes is None else lanes
     while True:
-        st = _Streamer(m, options)
+        st = _Streamer(m, options, lanes)
         out = st.round(skip)
         if out is None:
             return m
