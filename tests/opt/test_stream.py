@@ -713,16 +713,21 @@ def test_steps_over_the_cache_budget_loop_over_batch_and_heads():
     blocks of 4 (a step holds one sequence's head's matrices, whatever the batch and
     heads); where such steps would run over key blocks under the stream's own rows
     (`stream_key_rows` does not divide t), nothing changes (2 runs at the top); with 0,
-    never. The values and gradients are the unstreamed program's and torch's, on the
-    interpreter (f64) and the CPU (f64, f32)."""
+    never. All on one thread: on two, the loop's steps run on both at once and share the
+    block where a step is over the budget (2 rows each, not 4). The values and gradients
+    are the unstreamed program's and torch's, on the interpreter (f64) and the CPU (f64,
+    f32)."""
     import tgc
+    from tgc.backends.cpu.options import CpuOptions
 
-    cache = {**ON, "stream_block_min": 2, "stream_step_elements": 64}
+    cache = {**ON, "stream_block_min": 2, "stream_step_elements": 64, "cpu": CpuOptions(threads=1)}
     over = {**cache, "stream_step_elements": 32}
     streamed = optimized(BATCHED, "f64", **cache)
     assert nested(streamed) == [1, 1, 2] and streamed.dims["t.1"] == 2, (nested(streamed), streamed.dims)
     looped = optimized(BATCHED, "f64", **over)
     assert nested(looped) == [1, 1, 2] and looped.dims["t.1"] == 4, (nested(looped), looped.dims)
+    shared = optimized(BATCHED, "f64", **{**over, "cpu": CpuOptions(threads=2, parallel_steps_min_cycles=1)})
+    assert nested(shared) == [1, 1, 2] and shared.dims["t.1"] == 2, (nested(shared), shared.dims)
     assert nested(optimized(BATCHED, "f64", **over, stream_key_block=4))[0] == 2   # 2 runs at the top (key loops in them)
     flat_opts = {**cache, "stream_step_elements": 0}
     flat = optimized(BATCHED, "f64", **flat_opts)
@@ -747,14 +752,16 @@ def test_head_loops_over_the_budget_compute_the_flat_streams_bits(dtype):
     a step loop over the batch and heads; each head's step is the flat stream's step
     for that head, laid out alike (the block edge declared after t in the loop's body
     as at the top: tgc.opt.rewrite.map_bodies), so the CPU computes the same bits as the
-    flat stream (budget 0: no loops), within 2e-5 of torch in f32."""
+    flat stream (budget 0: no loops), within 2e-5 of torch in f32. On one thread: on two
+    the loop's steps share the block (128 rows each)."""
     import tgc
+    from tgc.backends.cpu.options import CpuOptions
 
     src = BATCHED.replace("t = 32, hd = 2", "t = 1024, hd = 64")
     x = inputs(src, dtype)
     got = {}
     for name, budget, shape in (("looped", 1 << 16, [1, 1, 4]), ("flat", 0, [4])):
-        options = Options(dtype=dtype, stream_step_elements=budget)
+        options = Options(dtype=dtype, stream_step_elements=budget, cpu=CpuOptions(threads=1))
         assert nested(pipeline.lower(compile_source(src, "<stream>", options), options).module) == shape
         got[name] = tgc.compile(src, "cpu", dtype, options=options)(**x)
     for out, value in got["looped"].items():
@@ -848,79 +855,3 @@ def test_a_masked_stream_over_2_to_62_rows_compiles(tmp_path):
     r = CliRunner().invoke(main, ["dump-ir", str(tmp_path / "big.tg")])
     assert r.exit_code in (0, 1) and "internal compiler error" not in r.output, r.output
 
-
-@pytest.mark.slow
-def test_the_attention_layer_at_8192_4x2_holds_a_blocks_share_in_its_steps():
-    """Issue 32's layer form (benchmarks/attention.py: examples/attention.tg with 4 heads
-    of 64 at t = 8192, its symbolic batch bound to 2). The output projection sums the
-    heads back, so no loop over the heads takes the stream (`partition`), and its steps
-    held [batch, head, 256, s] matrices, 64 MiB each, three at once: `tgc explain`'s peak
-    was 405 MiB. A step whose matrix would still be of a streaming size (4M elements,
-    counting the symbolic batch as 1) halves its block (`share_block`, 64 rows here):
-    the steps hold at most 48 MiB and the peak is below 280 MiB. What is left is O(t * d)
-    (16 MiB per [batch, t, c] tensor: the projections, the dk and dv carries, and the
-    copies of the projections each run of keys reads)."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        bench = importlib.import_module("attention")
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
-    from tgc import pipeline as P
-    from tgc.explain import explain
-
-    opts = Options()
-    module = compile_source(bench.layer_source(8192, wide=True), "<layer>", opts)
-    env = module.bind_dims({"batch": 2})
-    low = P.lower_module(P.lower(module, opts.with_(dims=(("batch", 2),))).module, opts)
-    report = explain(low, env, opts)
-    steps = [k["step_peak"] for k in report["kernels"] if "step_peak" in k]
-    assert steps and max(steps) <= 48 << 20, max(steps) / 2**20
-    assert report["peak"]["bytes"] <= 280 << 20, report["peak"]["bytes"] / 2**20
-
-
-def test_a_layer_step_of_a_streaming_size_halves_its_block_and_matches_the_interpreter():
-    """The layer form at a small size (examples/attention.tg: 2 heads summed back by the
-    output projection, t = 32, the batch symbolic, bound to 2): with thresholds where a
-    step's [head, 8, s] matrix (512 elements) is of the seed's streaming size (512), the
-    block is halved to 4 rows (`share_block`); the program gives the interpreter's
-    values (unstreamed) on the CPU in f64 and f32, and the streamed module's under the
-    interpreter."""
-    import tgc
-    from pathlib import Path
-
-    src = (Path(__file__).resolve().parents[2] / "examples" / "attention.tg").read_text()
-    src = (src.replace("dim t = 11", "dim t = 32").replace("dim c = 48, head = 3", "dim c = 8, head = 2")
-           .replace("\nout probs", "\n# out probs"))
-    small = dict(stream_block=8, stream_block_min=2, stream_min_elements=512, stream_min_elements_masked=512,
-                 stream_step_elements=16, stream_mask_groups=2)
-    from tgc.lower.lowered import StepLoop
-    from tgc.pipeline import lower_module
-
-    def rows(**o):
-        opts = Options(dtype="f64", **o)
-        m = pipeline.lower(compile_source(src, "<layer>", opts), opts.with_(dims=(("batch", 2),))).module
-        low = lower_module(m, opts)
-        return m, {k.trip for k in low.kernels if isinstance(k, StepLoop)}
-
-    streamed, trips = rows(**small)
-    assert trips == {4}, trips   # two runs of 16 rows, 4 a step (8 a step: 2 steps a run)
-    m = compile_source(src, "<layer>", Options(dtype="f64"))
-    rng = np.random.default_rng(0)
-    x = {n: rng.standard_normal([2 if e == "batch" else m.size(e) for e in a.order])
-         for n, a in m.args.items()}
-    want = evaluate(pipeline.lower(m, Options(dtype="f64", stream_block=0)).module, dict(x), dtype="f64",
-                    dims={"batch": 2})
-    got = evaluate(streamed, dict(x), dtype="f64", dims={"batch": 2})
-    for n in want:
-        np.testing.assert_allclose(got[n], want[n], rtol=1e-11, atol=1e-11, err_msg=n)
-    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
-        a = {n: v.astype(np.float32 if dtype == "f32" else np.float64) for n, v in x.items()}
-        out = tgc.compile(src, "cpu", dtype, options=Options(**small))(**a)
-        for n in want:
-            scale = max(1.0, float(np.max(np.abs(want[n]))))
-            assert float(np.max(np.abs(out[n] - want[n]))) <= tol * scale, (dtype, n)

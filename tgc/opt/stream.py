@@ -491,9 +491,7 @@ class _Streamer:
                         n = self.sizes[edge]
                         fits = self.cache_block(_numel(seed, self.est) // n, n)
                         rows = None if fits else self.key_rows(n)
-                        shared = self.block if fits or rows or not self.short_edges(seed, r) \
-                            else self.share_block(_numel(seed, self.est) // n, n)
-                        block, self.block = self.block, fits or rows or shared
+                        block, self.block = self.block, fits or rows or self.block
                         out = self.build(order, r, edge, skip_only=_numel(seed, self.est) < self.whole)
                         if out is not None and rows and not _keys_apply(out, self.options):
                             # a step the key loops do not take keeps the block it had
@@ -524,22 +522,6 @@ class _Streamer:
         named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
         return sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
                        and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-
-    def share_block(self, per: int, n: int) -> int:
-        """The block of a stream over an edge of size `n` whose steps' matrices (`per`
-        elements per row of the block) are over `stream_step_elements` and whose short
-        edges stay in its steps (the cluster sums them: an attention layer's output
-        projection sums its heads back, so no loop over the heads takes it, `partition`):
-        the block halved (down to `stream_block_min`, dividing n or not dividing it as the
-        block did not) while a step's matrix would still be of the size that makes a seed
-        stream (`stream_min_elements_masked`, or `stream_min_elements` unmasked), so that a
-        step's partials hold a block's share of the cluster, not a matrix as large as those
-        the stream is there to cut (the layer at t = 8192, 4 heads of 64: [head, 256, s] is
-        8M elements a sequence, 32 MiB, three at once; 64 rows: 8 MiB)."""
-        b = self.block
-        while b * per >= self.big and b // 2 >= self.least and (n % (b // 2) == 0 or n % b):
-            b //= 2
-        return b
 
     def key_rows(self, n: int) -> int | None:
         """The block of a stream over an edge of size `n` whose steps' matrices exceed
@@ -603,7 +585,7 @@ class _Streamer:
                 # the steps run on `lanes` threads at once (codegen.parallel_step_loops), each
                 # holding its own step's [B, s] matrices, over the cache budget even so: the
                 # lanes share the block, so that they hold together what one thread's step
-                # held (t = 8192, 4 heads x batch 2 on two threads: 65 -> 41 MiB, within the
+                # held (t = 8192, 4 heads x batch 2 on two threads: 65 -> 45 MiB, within the
                 # 64 MiB of issue 32), not `lanes` times as much
                 step = step.with_(stream_block=max(min(self.least, self.top), self.top // lanes))
                 lanes = 1
