@@ -8,7 +8,8 @@ and `torch.autograd.grad` on the same arrays.
 
 Columns: the median time of a call (forward and backward), and the peak memory of
 temporaries: for tgc, `tgc explain`'s peak (the live temporaries at its fullest
-kernel; the workspace it allocates is at least that); for torch, the growth of the
+kernel, a loop's step once per thread that runs its steps; the workspace it allocates
+is at least that); for torch, the growth of the
 process's peak resident set over one call, in a fresh process (inputs allocated
 before). `layer peak`: tgc's peak for the same attention inside a layer as
 examples/attention.tg writes it (projections in and out, heads split by a reindex, a
@@ -101,7 +102,8 @@ def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
     env = module.bind_dims(dims)
     lowered = pipeline.lower(module, opts.with_(dims=tuple(sorted(dims.items()))))   # as `tgc explain`
     report = explain(lower_module(lowered.module, opts), env, opts)   # with the threads' lanes, as `tgc explain`
-    return report["peak"]["bytes"], report["workspace"]["allocated_bytes"]
+    ws = report["workspace"]
+    return report["peak"]["bytes"], ws.get("allocated_bytes", ws["bytes"] + ws.get("lanes_bytes", 0))
 
 
 def median_time(fn, repeat: int) -> float:

@@ -12,9 +12,10 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   (`tgc.backends.cpu.codegen.thread_plan`);
 - the workspace: its slots and their bytes, and which temporaries share each slot;
 - memory over time: before each kernel, the bytes of the temporaries alive from
-  their first write to their last read (as `plan` assigns slots), the peak, and what
-  is alive at the peak; arguments and outputs are the caller's arrays and are listed
-  apart;
+  their first write to their last read (as `plan` assigns slots; a loop whose steps
+  run on the threads, given the CPU options, holds its step's once per thread), the
+  peak, and what is alive at the peak; arguments and outputs are the caller's arrays
+  and are listed apart; the workspace the CPU code allocates (`allocated_bytes`);
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
   the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
   reader); every other value a later kernel reads is kept. With a memory budget the
