@@ -8,7 +8,8 @@ and `torch.autograd.grad` on the same arrays.
 
 Columns: the median time of a call (forward and backward), and the peak memory of
 temporaries: for tgc, `tgc explain`'s peak (the live temporaries at its fullest
-kernel; the workspace it allocates is at least that); for torch, the growth of the
+kernel, a loop's step once per thread that runs its steps; the workspace it allocates
+is at least that); for torch, the growth of the
 process's peak resident set over one call, in a fresh process (inputs allocated
 before). `layer peak`: tgc's peak for the same attention inside a layer as
 examples/attention.tg writes it (projections in and out, heads split by a reindex, a
@@ -87,8 +88,9 @@ def arrays(t: int, seed: int = 0, wide: bool = False) -> dict:
 
 
 def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
-    """(peak bytes of live temporaries, workspace bytes) from `tgc explain` at `dims`
-    (under `opts`, default Options())."""
+    """(peak bytes of live temporaries, workspace bytes the CPU code allocates) from
+    `tgc explain` at `dims` (under `opts`, default Options()), each thread's copy of a
+    loop's step on the threads included."""
     from tgc import pipeline
     from tgc.explain import explain
     from tgc.frontend import compile_source
@@ -99,8 +101,9 @@ def tgc_peak(text: str, dims: dict, opts=None) -> tuple[int, int]:
     module = compile_source(text, "<attention>", opts)
     env = module.bind_dims(dims)
     lowered = pipeline.lower(module, opts.with_(dims=tuple(sorted(dims.items()))))   # as `tgc explain`
-    report = explain(lower_module(lowered.module, opts), env)
-    return report["peak"]["bytes"], report["workspace"]["bytes"]
+    report = explain(lower_module(lowered.module, opts), env, opts)   # with the threads' lanes, as `tgc explain`
+    ws = report["workspace"]
+    return report["peak"]["bytes"], ws.get("allocated_bytes", ws["bytes"] + ws.get("lanes_bytes", 0))
 
 
 def median_time(fn, repeat: int) -> float:

@@ -12,9 +12,10 @@ symbolic dim bound (`env`) and returns, as plain data (JSON-ready):
   (`tgc.backends.cpu.codegen.thread_plan`);
 - the workspace: its slots and their bytes, and which temporaries share each slot;
 - memory over time: before each kernel, the bytes of the temporaries alive from
-  their first write to their last read (as `plan` assigns slots), the peak, and what
-  is alive at the peak; arguments and outputs are the caller's arrays and are listed
-  apart;
+  their first write to their last read (as `plan` assigns slots; a loop whose steps
+  run on the threads, given the CPU options, holds its step's once per thread), the
+  peak, and what is alive at the peak; arguments and outputs are the caller's arrays
+  and are listed apart; the workspace the CPU code allocates (`allocated_bytes`);
 - the save/recompute decisions: the kernels that recompute a `checkpoint(x)` for
   the backward pass (`tgc.autodiff.remat`; `plan` runs each just before its first
   reader); every other value a later kernel reads is kept. With a memory budget the
@@ -77,7 +78,11 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
     def extent(k, v) -> int:
         return size_eval(k.sizes[v], env)
 
-    liveness = Liveness(low)
+    lanes = {}
+    if options is not None:   # a loop whose steps run on the threads: each lane holds its own step's temporaries
+        from tgc.backends.cpu.codegen import parallel_step_loops, step_lanes
+        lanes = {id(k): step_lanes(options.cpu) for k, _ in parallel_step_loops(low, options.cpu)}
+    liveness = Liveness(low, lanes)
     first, last = liveness.first, liveness.last
     kernels = []
     plans = None
@@ -94,12 +99,15 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
             kernels[-1]["threads"] = plans[i]
         if i in liveness.steps:   # the step's own temporaries live while it runs
             kernels[-1]["step_peak"] = liveness.steps[i].peak_bytes(env)
+            if id(k) in lanes:   # ... on each lane
+                kernels[-1]["lanes"] = lanes[id(k)]
     live = liveness.live_bytes(env)
     peak = max(live, default=-1)
     peak_kernel = live.index(peak) if live else None
     alive = [] if peak_kernel is None else sorted(liveness.alive(peak_kernel), key=lambda n: (-nbytes(n), n))
     slots = [{"slot": s, "bytes": max([size_eval(x, env) for x in sizes] + [0]),
               "buffers": [n for n, b in low.buffers.items() if b.slot == s]} for s, sizes in enumerate(low.slots)]
+    lanes_bytes = _lanes_bytes(low, slots, options)
     report = {
         "dtype": low.dtype,
         "dims": dict(sorted(env.items())),
@@ -109,7 +117,10 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
         "arguments_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "arg"),
         "outputs_bytes": sum(nbytes(n) for n, b in low.buffers.items() if b.kind == "out"),
         "workspace": {"bytes": sum(s["bytes"] for s in slots), "slots": slots,
-                      "lanes_bytes": _lanes_bytes(low, slots, options)},
+                      "lanes_bytes": lanes_bytes,
+                      # what the CPU code allocates (`tgc_workspace_bytes`): the slots, each rounded up to
+                      # 64 bytes, and the lanes' copies
+                      "allocated_bytes": sum(-(-s["bytes"] // 64) * 64 for s in slots) + lanes_bytes},
         "live_bytes": live,
         "peak": {"bytes": max(peak, 0), "kernel": peak_kernel,
                  "buffers": [{"name": n, "edges": list(low.buffers[n].edges), "dtype": low.buffers[n].dtype,
@@ -160,9 +171,13 @@ class Liveness:
     `StepLoop`, its step's own, alive while it runs). Found once from the kernels;
     `live_bytes(env)` and `peak_bytes(env)` evaluate the buffers' symbolic sizes at
     the dims `env`, without lowering anything again (`tgc.runtime.specialize` asks
-    it at each new shape signature)."""
+    it at each new shape signature). `lanes` maps a `StepLoop` (by id, at any depth)
+    whose steps run on the threads (`codegen.parallel_step_loops`) to its lane count:
+    while it runs, each lane holds its own step's temporaries (its copy of the step's
+    slots, `codegen._ModuleGen.call_steps_parallel`), so its step's peak counts that
+    many times."""
 
-    def __init__(self, low: Lowered):
+    def __init__(self, low: Lowered, lanes: dict[int, int] | None = None):
         self.low = low
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
@@ -172,7 +187,8 @@ class Liveness:
                 if low.buffers[name].kind == "temp":
                     self.first.setdefault(name, i)
                     self.last[name] = i
-        self.steps = {i: Liveness(k.step) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)}
+        self.lanes = {i: (lanes or {}).get(id(k), 1) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)}
+        self.steps = {i: Liveness(k.step, lanes) for i, k in enumerate(low.kernels) if isinstance(k, StepLoop)}
 
     def live_bytes(self, env: dict[str, int]) -> list[int]:
         """The bytes of the temporaries alive during each kernel, at the dims `env`."""
@@ -195,7 +211,7 @@ class Liveness:
         live, total = [], 0
         for i in range(len(low.kernels)):
             total += change[i]
-            live.append(total + (self.steps[i].peak_bytes(env) if i in self.steps else 0))
+            live.append(total + (self.lanes[i] * self.steps[i].peak_bytes(env) if i in self.steps else 0))
         return live
 
     def alive(self, i: int) -> list[str]:
@@ -438,7 +454,10 @@ def format_explain(report: dict, name: str) -> str:
     if peak["kernel"] is None:
         lines.append("peak: no temporaries")
     else:
-        lines.append(f"peak: {human(peak['bytes'], 'B')} of temporaries alive at k{peak['kernel']}:")
+        k = report["kernels"][peak["kernel"]]
+        on = (f" (its step's {human(k['step_peak'], 'B')} on each of {k['lanes']} threads)" if k.get("lanes")
+              else f" (its step's {human(k['step_peak'], 'B')})" if k.get("step_peak") else "")
+        lines.append(f"peak: {human(peak['bytes'], 'B')} of temporaries alive at k{peak['kernel']}{on}:")
         for b in peak["buffers"]:
             lines.append(f"  %{b['name']} {b['dtype']}[{', '.join(b['edges'])}] {human(b['bytes'], 'B')}"
                          f" (k{b['from']} .. k{b['to']})")

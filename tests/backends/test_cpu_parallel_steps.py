@@ -135,3 +135,75 @@ def test_explain_shows_the_loop_on_the_threads_and_its_lanes_workspace():
     assert "more for the steps of a loop on the threads" in format_explain(report, "attention")
     one, o1 = lowered(2, options(threads=1))
     assert explain(one, {}, o1)["workspace"]["lanes_bytes"] == 0
+
+
+def _allocated(prog) -> int:
+    """The workspace bytes the compiled program's `tgc_workspace_bytes` asks for (no
+    symbolic dims here)."""
+    import ctypes
+
+    dims = (ctypes.c_int64 * 1)(0)
+    return int(prog._kernels._ws_bytes(ctypes.addressof(dims)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_explain_peak_and_workspace_are_what_the_threads_allocate(threads):
+    """Issue 32: on two threads each lane holds its own copy of the loop's step, so
+    `tgc explain`'s peak counts the step's temporaries once per lane (it counted them
+    once: half of what two threads hold), and its `allocated_bytes` is exactly what the
+    compiled code's `tgc_workspace_bytes` returns (the slots, rounded to 64 bytes, and
+    the lanes' copies); on one thread the step counts once and there are no copies."""
+    from tgc.explain import explain
+
+    opts = options(threads=threads)
+    low, o = lowered(2, opts)
+    report = explain(low, {}, o)
+    (k,) = report["kernels"]
+    lanes = 2 if threads == 2 else 1
+    assert k.get("lanes", 1) == lanes
+    assert report["peak"]["bytes"] == lanes * k["step_peak"] > 0
+    ws = report["workspace"]
+    prog = tgc.compile(ATTENTION.format(batch=2, head=2), "cpu", o.dtype, options=opts)
+    assert ws["allocated_bytes"] == _allocated(prog)
+    assert ws["allocated_bytes"] >= report["peak"]["bytes"]
+    assert (ws["lanes_bytes"] > 0) == (threads == 2)
+
+
+def test_lanes_share_the_block_where_a_step_is_over_the_budget_and_match_the_oracle(monkeypatch):
+    """Where one sequence's head's step is over `stream_step_elements` even so (t = 8192
+    at the defaults; here a budget of 32 elements), two threads each hold their own
+    step: the lanes then share the stream's block (2 rows a step, not 4: `stream.partition`),
+    so that together they hold what one thread's step holds. The two-thread program
+    (its blocks differ from one thread's: a reassociation of the sums over the rows)
+    matches the interpreter and PyTorch in f64 and f32; explain's peak (each thread's
+    temporaries counted) is below that of two threads with one thread's block."""
+    from tgc.explain import explain
+    from tgc.lower.lowered import print_lowered
+
+    tight = dict(stream_step_elements=32)
+    one, o1 = lowered(2, options(threads=1).with_(**tight))
+    two, o2 = lowered(2, options().with_(**tight))
+    rows = lambda low: sorted({int(x) for x in __import__("re").findall(r"t\.\d+ < (\d+)", print_lowered(low))})  # noqa: E731
+    assert 4 in rows(one) and 4 not in rows(two) and 2 in rows(two), (rows(one), rows(two))
+    assert parallel_step_loops(two, o2.cpu)
+    with monkeypatch.context() as mp:   # the stream's blocks as on one thread, the steps on two
+        from tgc.backends.cpu.options import CpuOptions
+        mp.setattr(CpuOptions, "step_lanes", lambda self: 1)
+        whole, ow = lowered(2, options().with_(**tight))
+    assert rows(whole) == rows(one) and parallel_step_loops(whole, ow.cpu)
+    r2, rw = explain(two, {}, o2), explain(whole, {}, ow)
+    assert r2["peak"]["bytes"] < rw["peak"]["bytes"], (r2["peak"]["bytes"], rw["peak"]["bytes"])
+    src = ATTENTION.format(batch=2, head=2)
+    m = compile_source(src, "<steps>", Options(dtype="f64"))
+    x = random_inputs(m, m.bind_dims({}), 2, "f64")
+    want = torch_oracle.evaluate(m, x)
+    from tgc.ir.interp import evaluate
+    interp = evaluate(pipeline.lower(m, Options(dtype="f64", stream_block=0)).module, {k: v.copy() for k, v in x.items()},
+                      dtype="f64")   # unstreamed
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        a = {n: v.astype(np.float32 if dtype == "f32" else np.float64) for n, v in x.items()}
+        got = tgc.compile(src, "cpu", dtype, options=options().with_(**tight))(**a)
+        for n in want:
+            scale = max(1.0, float(np.max(np.abs(want[n]))))
+            assert float(np.max(np.abs(got[n] - want[n]))) <= tol * scale, (dtype, n)
+            assert float(np.max(np.abs(got[n] - interp[n]))) <= tol * scale, (dtype, n)

@@ -402,9 +402,10 @@ def _join(y: Value, edge: str, ec: str, eb: str, block: int) -> Value:
 
 
 class _Streamer:
-    def __init__(self, module: Module, options: Options):
+    def __init__(self, module: Module, options: Options, lanes: int = 1):
         self.m = module
         self.options = options
+        self.lanes = lanes   # the threads a loop over a short edge may share its steps among (`partition`)
         self.top = options.stream_block
         self.least = options.stream_block_min
         self.block = self.top             # the block of the edge being tried (`block_for`)
@@ -515,6 +516,13 @@ class _Streamer:
             return b // 2
         return None
 
+    def short_edges(self, seed: Value, r: _Region) -> list[str]:
+        """The seed's short edges (batch, heads) of a stream of region `r`: those of known
+        size 2 or more that the stream's edges and masks do not name, smallest first."""
+        named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
+        return sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
+                       and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
+
     def key_rows(self, n: int) -> int | None:
         """The block of a stream over an edge of size `n` whose steps' matrices exceed
         `stream_step_elements` even halved and looped over the short edges, when its steps
@@ -545,11 +553,9 @@ class _Streamer:
         n, per = self.sizes[edge], _numel(seed, self.est) // self.sizes[edge]
         if self.cache_block(per, n) is not None:
             return None   # the block or its half fits
-        named = set(r.edge.values()) | {e for m in r.masks for e in m.edges}
-        short = sorted((e for e in seed.edges if e not in named and isinstance(self.sizes.get(e), int)
-                        and self.sizes[e] >= 2), key=lambda e: (self.sizes[e], e))
-        if self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None \
-                and self.key_rows(n) is None and self.options.stream_key_block > 0:
+        short = self.short_edges(seed, r)
+        over = self.cache_block(per // math.prod(self.sizes[e] for e in short), n) is None
+        if over and self.key_rows(n) is None and self.options.stream_key_block > 0:
             # the steps would not fit even one index of every short edge at a time, and run
             # over key blocks under rows of the stream's own block: no loops (where they run
             # under stream_key_rows, the loops let them read the keys and write dk, dv in
@@ -574,8 +580,17 @@ class _Streamer:
             o = self.options
             step = o.with_(stream_min_elements=max(1, o.stream_min_elements // n),
                            stream_min_elements_masked=max(1, o.stream_min_elements_masked // n))
+            lanes = self.lanes
+            if lanes > 1 and n >= lanes and over:
+                # the steps run on `lanes` threads at once (codegen.parallel_step_loops), each
+                # holding its own step's [B, s] matrices, over the cache budget even so: the
+                # lanes share the block, so that they hold together what one thread's step
+                # held (t = 8192, 4 heads x batch 2 on two threads: 65 -> 45 MiB, within the
+                # 64 MiB of issue 32), not `lanes` times as much
+                step = step.with_(stream_block=max(min(self.least, self.top), self.top // lanes))
+                lanes = 1
             from tgc.opt.rewrite import map_bodies
-            return map_bodies(out, lambda body: stream(body, step), only=self.last_body)
+            return map_bodies(out, lambda body: stream(body, step, lanes), only=self.last_body)
         return None
 
     def map_loop(self, order: list[Value], r: _Region, h: str) -> Module | None:
@@ -951,13 +966,17 @@ def _window(x: Value, at: dict[str, tuple[str, int]]) -> Value:
     return V.reindexed(x, inds, [at[e][0] if e in at else e for e in x.edges])
 
 
-def stream(module: Module, options: Options) -> Module:
-    """`module` with every large cluster it can stream moved into a loop over blocks."""
+def stream(module: Module, options: Options, lanes: int | None = None) -> Module:
+    """`module` with every large cluster it can stream moved into a loop over blocks.
+    `lanes`: the threads a loop over a short edge that this makes may share its steps
+    among (default: `options.cpu.step_lanes()`; 1 inside such a loop's step, whose block
+    already shares them: `partition`)."""
     skip: set[int] = set()
     m = Module(dict(module.dims), dict(module.edges), dict(module.args), list(module.outputs),
                list(module.updates), list(module.facts))
+    lanes = options.cpu.step_lanes() if lanes is None else lanes
     while True:
-        st = _Streamer(m, options)
+        st = _Streamer(m, options, lanes)
         out = st.round(skip)
         if out is None:
             return m

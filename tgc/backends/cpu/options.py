@@ -153,3 +153,19 @@ class CpuOptions:
     def with_(self, **changes) -> "CpuOptions":
         """A copy with the given fields changed."""
         return replace(self, **changes)
+
+    def step_lanes(self) -> int:
+        """How many threads a loop's independent steps are shared among at most
+        (codegen.parallel_step_loops): `threads`, or with 0 (every core) the cores this
+        process may run on; 1 where such loops run one step after another (one thread,
+        `profile`, `parallel_steps_min_cycles` 0)."""
+        import os
+
+        if self.threads == 1 or self.profile or self.parallel_steps_min_cycles <= 0:
+            return 1
+        if self.threads > 0:
+            return self.threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return max(1, os.cpu_count() or 1)
