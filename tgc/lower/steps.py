@@ -34,7 +34,10 @@ at them:
   the rest in the order of the program's outputs over its edges with a block edge Ec
   named E (or with the edge a loop runs one index a step added), where there is one:
   the join of a key loop's dk blocks, or a head loop's results, back into the
-  outputs then copies along both buffers (`block_order`).
+  outputs then copies along both buffers (`block_order`); else, as a stream's
+  operands copied in, in the declaration order with each block edge Ec ranked as E
+  (`block_decl_order`: a block of rows `[batch, c, t.2]` stored as the program
+  stores `[batch, c, t]`, so that the copies in and the joins out run along both).
 
 The copies cost one pass over an operand per call (the stacked params: once
 per step's slice), against the steps' work on the same values.
