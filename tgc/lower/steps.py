@@ -34,7 +34,10 @@ at them:
   the rest in the order of the program's outputs over its edges with a block edge Ec
   named E (or with the edge a loop runs one index a step added), where there is one:
   the join of a key loop's dk blocks, or a head loop's results, back into the
-  outputs then copies along both buffers (`block_order`).
+  outputs then copies along both buffers (`block_order`); else, as a stream's
+  operands copied in, in the declaration order with each block edge Ec ranked as E
+  (`block_decl_order`: a block of rows `[batch, c, t.2]` stored as the program
+  stores `[batch, c, t]`, so that the copies in and the joins out run along both).
 
 The copies cost one pass over an operand per call (the stacked params: once
 per step's slice), against the steps' work on the same values.
@@ -112,10 +115,27 @@ class StepLowering:
         args: list[Bind] = []
         arg_orders: list[tuple[str, ...]] = []
         copies: list[tuple[str, Value]] = []   # (buffer, operand) copied in before the loop
+        # the blocks E = Ec + B*edge the loop splits its operands into: a stacked result over
+        # Ec is laid out as the program's outputs over E (a key loop's blocks of dk, dv,
+        # joined back over the keys and added to the step's carries in their order)
+        blocks = {sp[1]: sp[0] for k, o in enumerate(ops) if body.role(k) == "slice"
+                  for sp in [split_edge(o, edge)] if sp is not None}
+        # ... and one over the edge E a loop runs one index a step (its operands renamed E to
+        # the loop edge: the heads of a stream's loops) as those outputs with E outermost
+        blocks.update({"": o.attrs[0][0][0] for k, o in enumerate(ops) if body.role(k) == "slice"
+                       and o.op == "rename" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge})
+        # for the declaration order, each block edge ranks as the first declared of the edges
+        # it splits (a stream's rows t.2 of x over t and of q over its rename t.1: as t)
+        rank = {e: i for i, e in enumerate(self.f.m.edges)}
+        ranked: dict[str, str] = {}
+        for k, o in enumerate(ops):
+            sp = split_edge(o, edge) if body.role(k) == "slice" else None
+            if sp is not None and (sp[1] not in ranked or rank.get(sp[0], len(rank)) < rank.get(ranked[sp[1]], len(rank))):
+                ranked[sp[1]] = sp[0]
         for k, (o, p) in enumerate(zip(ops, body.params)):
             role = body.role(k)
             dtype = self.f.dtype_of(p)
-            inner = self.carry_order(p.edges) if role == "carry" else self.order(p.edges)
+            inner = self.carry_order(p.edges) if role == "carry" else self.block_decl_order(p.edges, ranked)
             order = ((edge,) + inner) if role == "slice" else inner
             view = self.split_view(o, p, edge) if role == "slice" else None
             if view is not None:   # a block of a stored argument, read in place
@@ -152,20 +172,11 @@ class StepLowering:
             arg_orders.append(inner)
         outs: list[Bind] = []
         results: list[str] = []
-        # the blocks E = Ec + B*edge the loop splits its operands into: a stacked result over
-        # Ec is laid out as the program's outputs over E (a key loop's blocks of dk, dv,
-        # joined back over the keys and added to the step's carries in their order)
-        blocks = {sp[1]: sp[0] for k, o in enumerate(ops) if body.role(k) == "slice"
-                  for sp in [split_edge(o, edge)] if sp is not None}
-        # ... and one over the edge E a loop runs one index a step (its operands renamed E to
-        # the loop edge: the heads of a stream's loops) as those outputs with E outermost
-        blocks.update({"": o.attrs[0][0][0] for k, o in enumerate(ops) if body.role(k) == "slice"
-                       and o.op == "rename" and len(o.attrs[0]) == 1 and o.attrs[0][0][1] == edge})
         out_orders: list[tuple[str, ...]] = []
         for j, r in enumerate(body.results):
             dtype = self.f.dtype_of(r)
-            inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks)
-            if j >= body.carries and inner == self.order(r.edges):
+            inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks, ranked)
+            if j >= body.carries and inner in (self.order(r.edges), self.block_decl_order(r.edges, ranked)):
                 inner = self.split_order(r) or inner
             if j < body.carries:
                 outs.append(Bind(self.temp("n", dtype, inner)))
@@ -292,23 +303,41 @@ class StepLowering:
             return None
         return x.attrs[0], order, E
 
-    def block_order(self, edges, blocks: dict[str, str]) -> tuple[str, ...]:
+    def block_order(self, edges, blocks: dict[str, str], ranked: dict[str, str]) -> tuple[str, ...]:
         """A stacked result's order: where it has a block edge Ec of E (`blocks`) and not E,
         that of the program's outputs over its edges with Ec named E (`carry_order`), Ec in
-        E's place; else the declaration order."""
+        E's place; else the declaration order, a block edge ranked as its first declared E
+        (`ranked`, `block_decl_order`)."""
         if "" in blocks and blocks[""] not in edges:
             e = blocks[""]
             order = self.carry_order(list(edges) + [e])
             return tuple(x for x in order if x != e)
         ren = {ec: e for ec, e in blocks.items() if ec in edges and e not in edges}
         if not ren:
-            return self.order(edges)
+            return self.block_decl_order(edges, ranked)
         back = {e: ec for ec, e in ren.items()}
         named = [ren.get(e, e) for e in edges]
         order = self.carry_order(named)
         if order == self.order(named):   # no output over them: as any stacked result
-            return self.order(edges)
+            return self.block_decl_order(edges, ranked)
         return tuple(back.get(e, e) for e in order)
+
+    def block_decl_order(self, edges, blocks: dict[str, str]) -> tuple[str, ...]:
+        """The declaration order of `edges` with each block edge Ec of E (`blocks`, where
+        E is not among them) ranked as E: a stream's block of rows `[batch, c, t.2]` is
+        laid out as the whole `[batch, c, t]` is by default (`[batch, t, c]` where t is
+        declared first), not with the fresh edge t.2 innermost because it was declared
+        last. The stream's operands copied in and its stacked results joined back after
+        it then move along the rows of both buffers, and the kernels after the stream
+        read the joined values in the layout the unstreamed program gives them (GPT-2
+        small at t = 1024: its layer's saved activations were transposed by the joins,
+        [batch, ff, t.2] blocks into [batch, t, ff], and its layernorm backward read a
+        gradient stored [batch, c, t] across rows; 59 and 15 ms of a layer's 470)."""
+        ren = {ec: e for ec, e in blocks.items() if ec and ec in edges and e not in edges}
+        if not ren:
+            return self.order(edges)
+        back = {e: ec for ec, e in ren.items()}
+        return tuple(back.get(e, e) for e in self.order([ren.get(e, e) for e in edges]))
 
     def output_home(self, v: Value, j: int, edge: str, dtype: str) -> tuple[str, tuple[str, ...], str] | None:
         """(the program's output buffer, the step's order of result j, the split edge)
