@@ -45,7 +45,7 @@ import numpy as np
 # that never imported it, so each worker runs one consistent version of the tree.
 
 BACKENDS = ("interp-f64", "cpu-f64", "interp-f32", "cpu-f32", "lowered-f64", "lowered-f32",
-            "so-f64", "so-f32")   # scripts/fuzz's choices
+            "so-f64", "so-f32", "cuda-sim-f64", "cuda-sim-f32")   # scripts/fuzz's choices
 DEFAULT_BACKENDS = ("interp-f64", "cpu-f64", "lowered-f64")
 DTYPES = ("f64", "f32")
 
