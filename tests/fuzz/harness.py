@@ -156,8 +156,8 @@ def run_backend(backend: str, text: str, inputs, dims, *, path: str | None = Non
 
 
 _HEADER_DIM = re.compile(r"#define PROG_DIM_(\w+) (\d+)")
-_HEADER_ARG = re.compile(r"#define PROG_ARG_\w+ (\d+)\s+/\* (?:input|param|state) (\S+?): ")
-_HEADER_OUT = re.compile(r"#define PROG_OUT_\w+ (\d+)\s+/\* (\S+?): ")
+_HEADER_ARG = re.compile(r"#define PROG_ARG_\w+ (\d+)\s+/\* (?:input|param|state) (\S+?): (\w+) ")
+_HEADER_OUT = re.compile(r"#define PROG_OUT_\w+ (\d+)\s+/\* (\S+?): (\w+) ")
 
 
 def run_so(text: str, inputs, dims, dtype: str, *, path: str | None = None,
@@ -200,13 +200,17 @@ def run_so(text: str, inputs, dims, dtype: str, *, path: str | None = None,
         lib = ctypes.CDLL(str(lib_path))
     symbolic = {k.lower(): k for k in env}
     dim_list = sorted((int(i), symbolic[n.lower()]) for n, i in _HEADER_DIM.findall(header))
-    arg_list = sorted((int(i), n) for i, n in _HEADER_ARG.findall(header))
-    out_list = sorted((int(i), n) for i, n in _HEADER_OUT.findall(header))
+    # each argument's and output's C type as the header gives it: a bf16/f16 tensor crosses as
+    # 2-byte elements where its buffer holds them, else (a scalar, ...) in the float type
+    c_type = {n: t for _, n, t in _HEADER_ARG.findall(header)}
+    c_type.update({("out", n): t for _, n, t in _HEADER_OUT.findall(header)})
+    arg_list = sorted((int(i), n) for i, n, _ in _HEADER_ARG.findall(header))
+    out_list = sorted((int(i), n) for i, n, _ in _HEADER_OUT.findall(header))
     assert [n for _, n in arg_list] == list(m.args), (arg_list, list(m.args))
     outs = {o.name: o for o in m.outputs}
     assert sorted(n for _, n in out_list) == sorted(outs), (out_list, list(outs))
-    args = {n: np.array(inputs[n], _so_type(m.args[n].dtype, np_t), order="C", copy=True) for _, n in arg_list}
-    results = {n: np.zeros(tuple(env[m.edges[e]] for e in outs[n].order), _so_type(outs[n].value.dtype, np_t))
+    args = {n: np.array(inputs[n], _so_type(m.args[n].dtype, c_type[n]), order="C", copy=True) for _, n in arg_list}
+    results = {n: np.zeros(tuple(env[m.edges[e]] for e in outs[n].order), _so_type(outs[n].value.dtype, c_type["out", n]))
                for _, n in out_list}
     c_dims = (ctypes.c_int64 * max(1, len(dim_list)))(*[env[n] for _, n in dim_list])
     c_args = (ctypes.c_void_p * max(1, len(arg_list)))(*[args[n].ctypes.data for _, n in arg_list])
@@ -223,14 +227,16 @@ def run_so(text: str, inputs, dims, dtype: str, *, path: str | None = None,
     return results
 
 
-def _so_type(t: str, np_t):
-    """The C array type of a `tgc build` argument or output of type `t`: its 16 bits for
-    bf16/f16, int32 for ids, else the program's float type (f32 values in double)."""
-    if t == "bf16":
-        import ml_dtypes
+def _so_type(t: str, c: str):
+    """The numpy type of a `tgc build` argument or output of element type `t` that the
+    header gives the C type `c`: the 16 bits of bf16/f16 as `uint16_t`, else `c`."""
+    if c == "uint16_t":
+        if t == "bf16":
+            import ml_dtypes
 
-        return ml_dtypes.bfloat16
-    return {"i32": np.int32, "f16": np.float16}.get(t, np_t)
+            return ml_dtypes.bfloat16
+        return np.float16
+    return {"int32_t": np.int32, "float": np.float32, "double": np.float64}[c]
 
 
 def check(text: str, dims: dict[str, int], backends=DEFAULT_BACKENDS, seed: int = 0, *,
@@ -269,6 +275,7 @@ def _check(text, dims, backends, seed, path, options, oracle_text, tol, oracle_k
     from tgc.options import Options
 
     rep = Report(text)
+    types = {}
     try:
         m = compile_source(text, path or "<fuzz>", Options(dtype="f64"))
         env = m.bind_dims(dims)
@@ -279,7 +286,9 @@ def _check(text, dims, backends, seed, path, options, oracle_text, tol, oracle_k
             from tgc.ir.interp import evaluate
 
             low = pipeline.lower(om, Options(dtype="f64", opt_level=0)).module
-            want = {k: np.asarray(v, np.float64) for k, v in evaluate(low, inputs, dtype="f64", dims=dims).items()}
+            ref = evaluate(low, inputs, dtype="f64", dims=dims)
+            types = {k: np.asarray(v).dtype for k, v in ref.items()}   # each result's element type
+            want = {k: np.asarray(v, np.float64) for k, v in ref.items()}
         else:
             want = oracle(om, inputs, dims)
     except Exception as e:  # noqa: BLE001 -- a program the oracle cannot run is not a test
@@ -301,6 +310,14 @@ def _check(text, dims, backends, seed, path, options, oracle_text, tol, oracle_k
             continue
         if set(got) != set(want):
             rep.outcomes[b] = Outcome(b, "mismatch", f"result keys {sorted(got)} != oracle's {sorted(want)}")
+            continue
+        # a bf16/f16 result comes back in its type from every compiled program (a C caller of
+        # `tgc build` gets what the header says instead: a scalar in the float type)
+        odd = [k for k in types if types[k].itemsize == 2 and np.asarray(got[k]).dtype != types[k]
+               and not b.startswith("so-")]
+        if odd:
+            rep.outcomes[b] = Outcome(b, "mismatch", f"'{odd[0]}' is {np.asarray(got[odd[0]]).dtype}, "
+                                      f"the interpreter's {types[odd[0]]}", odd[0])
             continue
         worst = None
         for k in want:
