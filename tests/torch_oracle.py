@@ -154,7 +154,29 @@ MAP_FNS: dict[str, Callable] = {
     "mul00": _mul00,
     "where": lambda c, a, b: torch.where(c != 0, a, b),
     "checkpoint": lambda x: x,   # the value; recomputing it in the backward pass is no concern here
+    # conversions (docs/dtypes.md): the value rounded to the type, and its cotangent too
+    "to_bf16": lambda x: _rounded(x, torch.bfloat16), "to_f16": lambda x: _rounded(x, torch.float16),
+    "to_f32": lambda x: _rounded(x, torch.float32), "to_f64": lambda x: x,
 }
+
+
+def _rounded(x: torch.Tensor, t: torch.dtype) -> torch.Tensor:
+    """`x` rounded to the type `t` (to nearest even) and kept in float64. Its derivative
+    rounds the cotangent to `t` as well, as tgc's does (the cotangent of a value has the
+    value's type, docs/dtypes.md), so a gradient that cancels to rounding noise (the sum of
+    a layernorm) has the same noise."""
+    return _Round.apply(x, t)
+
+
+class _Round(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, t):
+        ctx.t = t
+        return x.to(t).to(F64)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _Round.apply(g, ctx.t), None
 
 
 def _map(ev: _Eval, v: Value, ops):

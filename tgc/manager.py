@@ -352,8 +352,32 @@ def run_pipeline(module: Module, options: Options, emit: Emit | None = None) -> 
     checker = _Checker(module, options.verify_seed) if options.verify_each else None
     measure = (lambda m: module_stats(m, options.rep_size)) if options.stats else (lambda m: None)
     result.initial = measure(module)
-    result.module = run_passes(module, pipeline(options), options, emit, checker, result.stats, measure)
+    result.module = keep_result_types(module, run_passes(module, pipeline(options), options, emit, checker,
+                                                         result.stats, measure))
     return result
+
+
+def keep_result_types(before: Module, after: Module) -> Module:
+    """`after` with each output of another float type than in `before` converted back to it.
+
+    A rewrite may drop the operand that set a value's type by promotion: `0 + x` of an f64
+    zero (`f64(w - stop(w))`) and a bf16 `x` is `x`, exact but bf16. Inside the program that
+    is harmless; at an output it would change the program's interface (the array type a
+    call returns, the C type in `tgc build`'s header: docs/dtypes.md). The conversion back
+    is a widening of an exact value, so values do not change. One pass over the outputs:
+    it terminates."""
+    from tgc.ir import values as V
+    from tgc.ir.dtypes import CONVERSIONS
+
+    want = {o.name: o.value.dtype for o in before.outputs}
+    outs, changed = [], False
+    for o in after.outputs:
+        t = want.get(o.name)
+        if t is not None and o.value.dtype != t and f"to_{t}" in CONVERSIONS and o.value.dtype in CONVERSIONS.values():
+            o = dataclasses.replace(o, value=V.map_(f"to_{t}", o.value, loc=o.value.loc))
+            changed = True
+        outs.append(o)
+    return dataclasses.replace(after, outputs=outs) if changed else after
 
 
 @dataclass

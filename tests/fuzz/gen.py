@@ -33,12 +33,10 @@ split and merged; binding names with a prime (`h2'`); random draws (`rand`, `ran
 `fold`, `dropout`: in half of these programs, by a stream of their own); and `for t in LIST { ... }`
 blocks of section 12 (per-param `state mo.t`, `sum[t in LIST](...)`, `[t in ...]`).
 
-Never made (each tested by hand-written tests instead): `import`; several tensors in one
-declaration and statements over several lines; element types other than f32/f64/i32
-(f16, bf16, c64, c128), conversions and complex literals (the float64 oracle cannot
-hold their rounding); `assume`; `with jvp(...)` rules (the oracle's forward mode is a
-double vjp, which a custom rule need not allow: a jvp through a custom function makes
-the program invalid here); `--memory-budget`.
+Never made here: several tensors in one declaration and statements over several lines.
+`import`, element types (f32, bf16, f16 declarations, conversions, complex values),
+`assume`, `with jvp(...)` rules and `--memory-budget` are added to these programs by
+`fuzz.features` (each with the oracle it needs), leaving `generate(seed)` as it is.
 
 Values stay in smooth, well-defined domains at standard normal inputs, so the
 float64 answer is well defined and differentiable: `log` and `sqrt` see a positive
