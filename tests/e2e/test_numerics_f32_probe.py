@@ -385,6 +385,27 @@ def _(T):
     return {"cs": torch.stack(outs)}
 
 
+@case("cumsum_scan_10000_vs_torch_cumsum", """
+dim t = 10000, n = 4
+input xs[t, n], h0[n]
+fn add(h, x) = h + x
+cs = scan[t](add, h0, xs)
+out cs[t, n]
+""", {"xs": rng(151).uniform(size=(10000, 4)), "h0": np.zeros(4)})
+def _(T):
+    return {"cs": torch.cumsum(T.xs, 0)}
+
+
+@case("cumsum_triangular_4096", """
+dim t = 4096, n = 4
+input xs[s: t, n]
+cs = sum[s](xs * [s <= t])
+out cs[t, n]
+""", {"xs": rng(152).uniform(size=(4096, 4))})
+def _(T):
+    return {"cs": torch.cumsum(T.xs, 0)}
+
+
 @case("rnn_tanh_1000_steps", """
 dim t = 1000, b = 4, h = 32, i = 8
 input xs[t, b, i], h0[b, h], ct[b, h]
@@ -457,7 +478,14 @@ def test_distinct_case_ids():
     assert len(ids) == len(set(ids))
 
 
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "cumsum_scan_10000_vs_torch_cumsum":
+        "a scan's carry is a value of the program's float type, rounded at every step: h + x over "
+        "10^4 steps is a running f32 sum (2.4e-6, as the same loop written in PyTorch), where "
+        "torch.cumsum accumulates f32 in double on the CPU (4.8e-8). The triangular form "
+        "sum[s](xs * [s <= t]) is within 1.4x. Needs a carry kept wider than its type "
+        "between steps (the loop machinery's carries are typed buffers)",
+}
 
 
 def _params():
@@ -522,6 +550,29 @@ def test_kl_over_blocks_within_two_ulps(backend):
         want = float(F.kl_div(F.log_softmax(Q, -1), F.log_softmax(X, -1), reduction="sum", log_target=True))
         errs.append(_ulps(got["kl"], want))
     assert max(errs) <= 2.0, errs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.xfail(strict=True, reason=(
+    "LANGUAGE.md section 8: a zero cotangent contributes exactly zero. The logsumexp reduction's "
+    "rule multiplies the cotangent by the softmax weights with a plain product (tgc/autodiff/"
+    "rules.py: 'finite, so a plain product'), but a row of all -inf has weights exp(-inf - -inf) "
+    "= NaN, and 0 * NaN is NaN (PyTorch's logsumexp backward gives NaN there too). mul0 would "
+    "fix it; not done here: the streamed-attention and softmax-backward passes match the plain "
+    "product"))
+def test_logsumexp_all_minus_inf_row_zero_cotangent(backend):
+    src = """
+dim b = 2, v = 3
+input x[b, v]
+l = logsumexp[v](x)
+out l
+out g[b, v] = grad(sum(where(l > -inf, l, 0)), x)
+"""
+    x = np.array([[-np.inf, -np.inf, -np.inf], [0.0, -np.inf, 1.0]], np.float32)
+    got = _run(src, backend, {"x": x})
+    assert np.isneginf(got["l"][0])
+    np.testing.assert_allclose(got["g"][1], [0.26894142, 0.0, 0.73105858], rtol=1e-6)
+    np.testing.assert_array_equal(got["g"][0], [0.0, 0.0, 0.0])
 
 
 if __name__ == "__main__":
