@@ -133,6 +133,34 @@ def _(T):
     return {"s": s, "g": g}
 
 
+@case("logsumexp_leading_edge_1e6", f"""
+dim n = {N6}, c = 4
+input x[n, c], w[c]
+l = logsumexp[n](x)
+out l[c]
+out gx[n, c] = grad(sum(l * w), x)
+""", {"x": normal(153, (N6, 4), 3.0), "w": normal(154, 4)})
+def _(T):
+    (x,) = leaves(T.x)
+    l = torch.logsumexp(x, 0)
+    (gx,) = grads((l * T.w).sum(), (x,))
+    return {"l": l, "gx": gx}
+
+
+@case("token_loss_mean_64x256_vocab_65", """
+dim b = 64, t = 256, v = 65
+input x[b, t, v], y[b, t, v]
+loss = mean[b, t](cross_entropy[v](x, y))
+out loss
+out gx[b, t, v] = grad(loss, x)
+""", {"x": normal(155, (64, 256, 65), 2.0), "y": np.eye(65)[rng(156).integers(0, 65, (64, 256))]})
+def _(T):
+    (x,) = leaves(T.x)
+    loss = F.cross_entropy(x.reshape(-1, 65), T.y.reshape(-1, 65).argmax(-1))
+    (gx,) = grads(loss, (x,))
+    return {"loss": loss, "gx": gx}
+
+
 # ================================================================ long contractions
 
 @case("matmul_k_1e5", """
