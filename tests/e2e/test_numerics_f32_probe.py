@@ -395,6 +395,47 @@ def _(T):
     return {"x": x, "dE": dE}
 
 
+@case("scatter_add_1e6_edges_into_8_nodes", f"""
+dim e = {N6}, node = 8, f = 2
+input dst: i32[e]
+input msg[e, f]
+agg = msg @ [node = dst]
+out agg[node, f]
+out gm[e, f] = grad(sum(agg * agg), msg)
+""", {"dst": rng(157).integers(0, 8, N6).astype(np.int32), "msg": rng(158).uniform(size=(N6, 2))})
+def _(T):
+    (msg,) = leaves(T.msg)
+    agg = torch.zeros(8, 2, dtype=msg.dtype).index_add(0, T.dst.long(), msg)
+    (gm,) = grads((agg * agg).sum(), (msg,))
+    return {"agg": agg, "gm": gm}
+
+
+@case("scatter_add_1e6_vs_one_hot_product", f"""
+dim e = {N6}, node = 8, f = 2
+input dst: i32[e]
+input msg[e, f]
+out agg[node, f] = msg @ [node = dst]
+""", {"dst": rng(157).integers(0, 8, N6).astype(np.int32), "msg": rng(158).uniform(size=(N6, 2))})
+def _(T):
+    # the scatter as the contraction LANGUAGE.md says it is: a product with the one-hot indicator
+    return {"agg": F.one_hot(T.dst.long(), 8).to(T.msg.dtype).T @ T.msg}
+
+
+@case("cross_entropy_by_ids_vocab_50257", """
+dim b = 4, v = 50257
+input x[b, v]
+input ids: i32[b]
+loss = mean[b](logsumexp[v](x) - x[v = ids])
+out loss
+out gx[b, v] = grad(loss, x)
+""", {"x": normal(159, (4, 50257), 4.0), "ids": np.array([3, 50000, 17, 2048], np.int32)})
+def _(T):
+    (x,) = leaves(T.x)
+    loss = F.cross_entropy(x, T.ids.long())
+    (gx,) = grads(loss, (x,))
+    return {"loss": loss, "gx": gx}
+
+
 # ================================================================ loops over many steps
 
 @case("scan_cumsum_1000", """
