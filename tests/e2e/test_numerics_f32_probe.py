@@ -621,6 +621,14 @@ def test_kl_over_blocks_within_two_ulps(backend):
     assert max(errs) <= 2.0, errs
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the CUDA kernels' scatter adds each message into the f32 output with an atomic add: one "
+    "rounding per message, 1.1e-5 for 10^6 messages into 8 nodes, 18x PyTorch's one-hot product "
+    "(the CPU adds into an f64 scratch copy: 2.9e-8). Needs an f64 workspace and a rounding pass"))
+def test_scatter_add_1e6_on_cuda_sim():
+    assert_not_worse_than_torch(next(c for c in CASES if c.id == "scatter_add_1e6_vs_one_hot_product"), "cuda-sim")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.xfail(strict=True, reason=(
     "LANGUAGE.md section 8: a zero cotangent contributes exactly zero. The logsumexp reduction's "
