@@ -562,9 +562,21 @@ def _params():
                          if c.id in KNOWN_GAPS else []) for c in CASES]
 
 
+# Known gaps of one backend: (case id, backend) -> why (strict xfail there only).
+BACKEND_GAPS = {
+    ("scatter_add_1e6_vs_one_hot_product", "cpu"):
+        "the CPU's scatter adds each message into the f32 output: one rounding per message, "
+        "1.06e-5 for 10^6 messages into 8 nodes, 17.6x PyTorch's one-hot product (index_add is as "
+        "bad; the interpreters 2.9e-8). An f64 scratch copy of a small output fixes it, but the "
+        "first try made tests/e2e/test_complex.py hang after its first test (reverted, not understood)",
+}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("c", _params())
-def test_f32_probe_not_worse_than_torch(c, backend):
+def test_f32_probe_not_worse_than_torch(c, backend, request):
+    if (c.id, backend) in BACKEND_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=BACKEND_GAPS[(c.id, backend)]))
     assert_not_worse_than_torch(c, backend)
 
 
@@ -624,7 +636,7 @@ def test_kl_over_blocks_within_two_ulps(backend):
 @pytest.mark.xfail(strict=True, reason=(
     "the CUDA kernels' scatter adds each message into the f32 output with an atomic add: one "
     "rounding per message, 1.1e-5 for 10^6 messages into 8 nodes, 18x PyTorch's one-hot product "
-    "(the CPU adds into an f64 scratch copy: 2.9e-8). Needs an f64 workspace and a rounding pass"))
+    "(as the CPU's: BACKEND_GAPS). Needs an f64 workspace and a rounding pass"))
 def test_scatter_add_1e6_on_cuda_sim():
     assert_not_worse_than_torch(next(c for c in CASES if c.id == "scatter_add_1e6_vs_one_hot_product"), "cuda-sim")
 

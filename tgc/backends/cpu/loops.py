@@ -507,9 +507,7 @@ class LoopGen(ExprVisitor):
         kept = [v for v in loops if v not in k.red]
         register = not k.scatter and all(loops.index(r) > loops.index(v)
                                          for r in k.red if r in loops for v in kept)
-        if k.scatter and self.wide_scatter(k, vars):
-            self.scatter_in_wide_scratch(loops, vars, self.wide_scatter(k, vars))
-        elif k.scatter:
+        if k.scatter:
             self.fill(INIT[k.reduce or "sum"])
             self.nest(loops, vars, self.scatter_step)
         elif not k.reduce:
@@ -753,47 +751,6 @@ class LoopGen(ExprVisitor):
 
     def reduce_in_memory(self, vars: dict) -> None:
         self.store(vars, self.combine(self.load_out(vars), self.expr(self.k.body, vars)))
-
-    def wide_scatter(self, k: LoopKernel, vars: dict) -> int | None:
-        """The element count of an f32 scatter-add's output (not a segment max/min), when
-        it is a kernel of its own (no outer loops fixed), stored as f32, with known sizes
-        and at most `cpu.wide_scratch` elements; else None. Added into the f32 output one
-        term at a time, each node took one rounding per edge sent to it, and the error
-        grew with the edges: 10^6 messages into 8 nodes were 1.1e-5 off (PyTorch's
-        index_add too; its one-hot product and tgc's interpreters 3e-8)."""
-        if k.reduce or vars or self.fp != ir.FloatType() or k.out in self.reg_names:
-            return None
-        out = self.low.buffers[k.out]
-        if storage_type(out.dtype, self.fp) != self.fp:
-            return None
-        n = 1
-        for e in out.edges:
-            size = self.low.size(e)
-            if not isinstance(size, int):
-                return None
-            n *= size
-        return n if 0 < n <= self.cpu.wide_scratch else None
-
-    def scatter_in_wide_scratch(self, loops: list[str], vars: dict, n: int) -> None:
-        """A scatter-add into an f64 scratch copy of the output on the stack (zeroed,
-        each term added at its gathered position, in the scatter's order), each element
-        then rounded once into `out`."""
-        b, wide, k = self.b, ir.DoubleType(), self.k
-        row = self.f.entry.alloca(wide, size=I64(n), name="wide.scatter")
-        with for_range(b, I64(0), I64(n), "z") as i:
-            b.store(ir.Constant(wide, 0.0), b.gep(row, [i], inbounds=True, source_etype=wide))
-        order = self.low.buffers[k.out].order
-        strides, idx = self.f.strides(order), dict(k.index)
-
-        def add(vs):
-            off = offset(b, [(self.ix(idx[e], vs), strides[e]) for e in order])
-            p = b.gep(row, [off], inbounds=True, source_etype=wide)
-            b.store(b.fadd(b.load(p, typ=wide), b.fpext(self.expr(k.body, vs), wide)), p)
-
-        self.nest(loops, vars, add)
-        with for_range(b, I64(0), I64(n), "z") as i:
-            value = b.fptrunc(b.load(b.gep(row, [i], inbounds=True, source_etype=wide), typ=wide), self.fp)
-            b.store(value, b.gep(self.ptr[k.out], [i], inbounds=True, source_etype=self.fp))
 
     def scatter_step(self, vars: dict) -> None:
         if self.k.reduce:   # a segment max/min
