@@ -388,10 +388,13 @@ class LoopGen(ExprVisitor):
     def long_block(self, n, rows: tuple[str, ...], wide: dict) -> ir.Value:
         """i1: whether a block of `n` rows (over the loops `rows`) sums its `wide`
         members in f64 scratch: it has more than `short_rows` rows, or a member adds
-        more than `cpu.short_sum` terms into an element of its partial row (the rows
+        more than `short_rows` terms into an element of its partial row (the rows
         times the member's other reduced loops). The sum of squares of a 256 x 8192
         gradient, in 32 blocks of 8 rows, added 65536 terms per block in f32 lanes: 27
-        ulps off, where PyTorch's f32 sum is within one."""
+        ulps off, where PyTorch's f32 sum is within one. A scalar loss over [b, v]
+        (KL of two softmaxes, 8 x 512 in 8 blocks of one row) added its 512 terms per
+        block into the f32 partial one by one: 7.5 ulps off (PyTorch 0.5); the f64
+        scratch of one element costs a zeroing and a rounding per block."""
         b = self.b
         long = b.icmp_signed(">", n, I64(short_rows(self.cpu)))
         for m, _, _ in wide.values():
@@ -400,7 +403,7 @@ class LoopGen(ExprVisitor):
                 if v not in rows:
                     terms = size_op("*", terms, m.sizes[v])
             if terms != 1:
-                many = b.icmp_signed(">", b.mul(n, self.f.size(terms)), I64(self.cpu.short_sum))
+                many = b.icmp_signed(">", b.mul(n, self.f.size(terms)), I64(short_rows(self.cpu)))
                 long = b.or_(long, many)
         return long
 
@@ -413,7 +416,7 @@ class LoopGen(ExprVisitor):
         block, and a lane of the vectorized rows loop carried rows / 32 / lanes terms
         (a sum of 10^6 squares sharing the loop with another sum: 1.9e-5 relative,
         PyTorch 1.6e-7); in f64 each is rounded once. Used for blocks of more than
-        `short_rows` rows or more than `cpu.short_sum` terms per element (`long_block`)."""
+        `short_rows` rows or more than `short_rows` terms per element (`long_block`)."""
         if self.strict or self.fp != ir.FloatType():
             return {}
         out = {}
@@ -599,7 +602,11 @@ class LoopGen(ExprVisitor):
         `cpu.short_sum` terms (a row of a layernorm) keeps f32 lanes (f64 lanes made a 64 x 256
         layernorm 1.8x slower), over chunks of `cpu.sum_chunk` iterations of its innermost
         loop when that is a loop LLVM vectorizes (`chunked_sum`). With a symbolic
-        length, both loops are generated and the length picks one."""
+        length, both loops are generated and the length picks one. The total of a
+        blocked group's partial sums (a sum over the block edge, at most a few dozen
+        terms) is summed in f64 whatever its length: each partial is a large share of the
+        total, and the f32 lanes' roundings at the total's magnitude (up to 2 ulps for 2e6
+        squares over 32 blocks) were most of the sum's error."""
         b = self.b
         red = [v for v in self.k.loops if v in self.k.red and v not in vars]
         if not (kind == "sum" and self.fp == ir.FloatType()):
@@ -609,7 +616,7 @@ class LoopGen(ExprVisitor):
             n = size_op("*", n, self.k.sizes[v])
         chunked = not self.strict and bool(red) and not unrolled(self.k, red[-1], self.cpu)
         if isinstance(n, int):
-            if n > self.cpu.short_sum:
+            if n > self.cpu.short_sum or BLOCK in red:
                 return self._accumulate(kind, vars, term, red, ir.DoubleType())
             if chunked and n > self.cpu.sum_chunk:
                 return self.chunked_sum(vars, term, red)
