@@ -23,7 +23,6 @@ it those tests skip.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import shutil
 import subprocess
@@ -38,6 +37,8 @@ import tgc
 from tgc.backends.cpu import aot, blas
 from tgc.cli import main
 
+from system_blas import needs_openblas
+
 ROOT = Path(__file__).parents[2]
 MLP = ROOT / "examples/mlp.tg"
 DRIVER = ROOT / "examples/c/mlp_main.c"
@@ -48,18 +49,6 @@ needs_toolchain = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS)
                                      reason=f"needs a C toolchain ({', '.join(TOOLS)})")
 
 
-def _links_system_openblas() -> bool:
-    if shutil.which("cc") is None:
-        return False
-    probe = "#include <cblas.h>\nint main(void) { return cblas_sgemm == 0; }\n"
-    p = subprocess.run(["cc", "-x", "c", "-", "-o", os.devnull, "-lopenblas"], input=probe,
-                       capture_output=True, text=True)
-    return p.returncode == 0
-
-
-needs_openblas = pytest.mark.skipif(not _links_system_openblas(),
-                                    reason="needs the system OpenBLAS with cblas.h (Debian/Ubuntu: "
-                                           "apt-get install libopenblas-dev; .ci/run installs it as root)")
 
 
 # ---------------------------------------------------------------- helpers

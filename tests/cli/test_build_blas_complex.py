@@ -18,7 +18,6 @@ Needs cc, and the system OpenBLAS for the library tests (Debian: libopenblas-dev
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import shutil
 import subprocess
@@ -31,22 +30,12 @@ from click.testing import CliRunner
 from tgc.backends.cpu import aot
 from tgc.cli import main
 
+from system_blas import needs_openblas
+
 CLEAN_ENV = {"PATH": "/usr/bin:/bin"}
 
 
-def _links_system_openblas() -> bool:
-    if shutil.which("cc") is None:
-        return False
-    probe = "#include <cblas.h>\nint main(void) { return cblas_cgemm == 0; }\n"
-    p = subprocess.run(["cc", "-x", "c", "-", "-o", os.devnull, "-lopenblas"], input=probe,
-                       capture_output=True, text=True)
-    return p.returncode == 0
-
-
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs cc")
-needs_openblas = pytest.mark.skipif(not _links_system_openblas(),
-                                    reason="needs the system OpenBLAS with cblas.h (Debian/Ubuntu: "
-                                           "apt-get install libopenblas-dev)")
 
 # ---------------------------------------------------------------- the adapter
 

@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from tgc.cli import main
 
+from system_blas import NO_SYSTEM_BLAS, links_system_openblas
+
 ROOT = Path(__file__).parents[2]
 MLP = str(ROOT / "examples/mlp.tg")
 EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.tg"))
@@ -198,6 +200,8 @@ def test_the_help_examples_run(line, tmp_path, monkeypatch):
 
     if "--target cuda" in line and shutil.which("nvcc") is None:
         pytest.skip("tgc build --target cuda compiles with nvcc, which this machine lacks")
+    if "--blas=system" in line and not links_system_openblas():
+        pytest.skip(NO_SYSTEM_BLAS)
     if "| dot" in line:
         pytest.skip("the Graphviz half of the pipe: test_the_tour_runs_as_written draws it where dot is")
     monkeypatch.chdir(tmp_path)
