@@ -334,7 +334,10 @@ class GemmGen(TapCalls):
         region) stays whole too: it runs in a region only while the workers still spin
         from another, and cut into tiles on one thread it repacks its uncut operand once
         per cblas call (the wine MLP's 178 x 64 x 64 products with B transposed: 9.9 us
-        whole, 12.7 us in two calls; the whole step 5% slower)."""
+        whole, 12.7 us in two calls; the whole step 5% slower). A split tap sum
+        (implicit.py, "Split sums") is one tile per part: its parts are its tasks."""
+        if self.parts:
+            return I64(UNTILED)
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(self.opt.cpu.gemm_batch_tasks))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         mnk = b.mul(b.mul(P, Q), R)
@@ -344,8 +347,6 @@ class GemmGen(TapCalls):
         tile = b.select(b.icmp_signed(">", share, small), share, small)
         flops = b.mul(b.mul(b.mul(mnk, I64(2)), f.count(self.k.batch)), f.count(self.k.taps))
         cold = b.icmp_signed("<", flops, I64(max(1, self.opt.cpu.gemm_parallel_min_flops)))
-        if self.parts:   # a split tap sum: one tile per part (implicit.py)
-            return I64(UNTILED)
         return b.select(b.or_(many, cold), I64(UNTILED), tile)
 
     def emit_par(self, work: ir.Function) -> ir.Function:
