@@ -1052,9 +1052,11 @@ def thread_plan(low: Lowered, k, env: dict, options: Options) -> str:
 
 def gemm_buffers(k) -> list[str]:
     """A GEMM kernel's buffers in its function's order: a, b, out (an implicit GEMM's
-    window: its source)."""
-    g = k.gemm if isinstance(k, ImplicitGemm) else k
-    return [n if not isinstance(k, ImplicitGemm) or n != k.window else k.source for n in (g.a.buf, g.b.buf, g.out)]
+    window: its source; a split sum's out: its partial buffer)."""
+    if isinstance(k, ImplicitGemm):   # its window's source; a split sum writes its partial rows
+        g = k.gemm
+        return [k.source if n == k.window else n for n in (g.a.buf, g.b.buf)] + [k.target]
+    return [k.a.buf, k.b.buf, k.out]
 
 
 def region_buffers(k) -> list[str]:

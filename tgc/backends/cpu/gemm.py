@@ -89,8 +89,10 @@ class GemmGen(TapCalls):
         if implicit is not None:   # an implicit GEMM (implicit.py): its window buffer, never allocated
             # (over the program's buffers, not a copy of them: one per implicit GEMM made
             # generating 48 unrolled GPT blocks quadratic in their length)
-            low = replace(low, buffers=ChainMap({implicit.window: implicit.buffer(low.dtype)}, low.buffers))
+            low = replace(low, buffers=ChainMap(implicit.private(low), low.buffers))
         self.implicit = implicit
+        # a split tap sum (implicit.py): one task per part, each into its row of the partial buffer
+        self.parts = implicit.parts if implicit is not None and implicit.partial else 0
         self.mod, self.low, self.k, self.fp, self.name = mod, low, k, fp, name
         self.home = home or mod   # where the small-tile helpers are defined
         self.opt = options
@@ -264,6 +266,8 @@ class GemmGen(TapCalls):
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         n_p, n_q = self.ceil_div(b, P, tp), self.ceil_div(b, Q, tq)
         tasks = b.mul(b.mul(f.count(self.task_batch), n_p), n_q)
+        if self.parts:
+            tasks = b.mul(tasks, I64(self.parts))
         return dict(P=P, Q=Q, R=R, tp=tp, tq=tq, tr=tr, n_p=n_p, n_q=n_q, tasks=tasks)
 
     # ------------------------------------------------------------ entry
@@ -330,7 +334,10 @@ class GemmGen(TapCalls):
         region) stays whole too: it runs in a region only while the workers still spin
         from another, and cut into tiles on one thread it repacks its uncut operand once
         per cblas call (the wine MLP's 178 x 64 x 64 products with B transposed: 9.9 us
-        whole, 12.7 us in two calls; the whole step 5% slower)."""
+        whole, 12.7 us in two calls; the whole step 5% slower). A split tap sum
+        (implicit.py, "Split sums") is one tile per part: its parts are its tasks."""
+        if self.parts:
+            return I64(UNTILED)
         many = b.icmp_signed(">=", f.count(self.k.batch), I64(self.opt.cpu.gemm_batch_tasks))
         P, Q, R = (f.count(g) for g in (self.P, self.Q, self.R))
         mnk = b.mul(b.mul(P, Q), R)
@@ -385,6 +392,16 @@ class GemmGen(TapCalls):
                 n = f.edge_size(e)
                 vars[e] = b.srem(rest, n)
                 rest = b.sdiv(rest, n)
+            ptrs["c"] = fn.args[3]
+            self.tap_range = {}
+            if self.parts:   # a split tap sum: the rest is the part, its row of the partial buffer and its taps
+                tap = k.taps[0]
+                rows = f.count(self.P + self.Q)
+                ptrs["c"] = self.ptr(fn.args[3], [(rest, rows)])
+                n = f.edge_size(tap)
+                chunk = self.ceil_div(b, n, I64(self.parts))
+                t0 = self.smin(b.mul(rest, chunk), n)
+                self.tap_range = {tap: (t0, self.smin(b.add(t0, chunk), n))}
             p0 = b.mul(ip, pl["tp"])
             q0 = b.mul(iq, pl["tq"])
             p1 = self.smin(b.add(p0, pl["tp"]), pl["P"])

@@ -175,5 +175,6 @@ class TapCalls:
         if not edges:
             leaf(vars)
             return
-        with for_range(self.b, I64(0), self.f.edge_size(edges[0]), edges[0]) as i:
+        lo, hi = getattr(self, "tap_range", {}).get(edges[0], (I64(0), self.f.edge_size(edges[0])))
+        with for_range(self.b, lo, hi, edges[0]) as i:
             self.nest(edges[1:], {**vars, edges[0]: i}, leaf)

@@ -32,6 +32,24 @@ as it is.
 Exact: the values are those of the copy followed by the product (the interpreter runs
 exactly that); only the order of the product's sum may change, as a contraction's
 may. Terminates: one pass over the kernels.
+
+Split sums (`split_taps`). A product that sums over a tap edge (looped outside the
+calls: a 2-D convolution's kernel gradient, summed over the images) has few rows and
+columns for a long sum: cut into `options.cpu.gemm_tiles` tiles of its rows, every
+tile packs the other operand (the transposed dy, for every image) again, once per
+tile, so two threads pack all of it each. Such a product instead sums the tap edge
+in `gemm_tiles` parts (`ImplicitGemm.parts`): part i adds the taps of its contiguous
+range (ceil(taps / parts) each) over the whole product into its row of a partial
+buffer `[#part, out edges]` (each part one task, one tile), and a loop kernel after it
+adds the rows into `out`, in part order. Each thread then packs only its parts'
+images. Chosen when the product has a single tap edge and nothing else that sums
+outside the calls (no shifts, batch, `+=` or epilogue), each part sums at least two
+taps, the product is large enough to be tiled at all (as `gemm.GemmGen.tile_limit`
+would: at least `gemm_parallel_min_flops` flops, more than `blas_tile_mnk` per tile),
+and the partial rows take at most `options.cpu.implicit_split_bytes` (0: never) at
+known sizes. Not exact to the bit: every element's sum takes its terms part by part,
+then the parts (f32), the same on any number of threads (the parts depend on the
+sizes and options only).
 """
 from __future__ import annotations
 
@@ -45,6 +63,9 @@ from tgc.lower.text import KernelForm
 from tgc.options import Options
 
 
+PART_EDGE = "#part"   # the partial buffers' part edge (not a name of the language)
+
+
 @dataclass
 class ImplicitGemm:
     """A GEMM one of whose operands is the output of a gather loop (`gather`), which is
@@ -55,6 +76,13 @@ class ImplicitGemm:
     gemm: GemmKernel
     order: tuple[str, ...]
     note: str = ""
+    # split sums (see the module): the tap edge summed in `parts` parts, part i into row i of
+    # `partial` (a buffer [part_edge, ...], `part_edge` its first edge), which a loop kernel after
+    # this one adds up; `gemm.out` is then one row of it (`row_buffer`, never a buffer of the
+    # program, as the window is not); "" and 0: the product written whole into `gemm.out`
+    partial: str = ""
+    part_edge: str = ""
+    parts: int = 0
     kind = "implicit"          # what `tgc explain` calls it (a class attribute)
 
     @property
@@ -75,16 +103,42 @@ class ImplicitGemm:
     def buffers_read(self) -> set[str]:
         return (self.gather.buffers_read() | self.gemm.buffers_read()) - {self.window}
 
+    @property
+    def target(self) -> str:
+        """The buffer this kernel writes: `partial` when split, else the product's `out`."""
+        return self.partial or self.gemm.out
+
+    def row_buffer(self, low: Lowered) -> Buffer:
+        """A split sum's `gemm.out`: one part's row of `partial` (never allocated)."""
+        part = low.buffers[self.partial]
+        order = tuple(part.order[1:])
+        return Buffer(self.gemm.out, part.dtype, tuple(sorted(order)), "temp", order=order)
+
+    def private(self, low: Lowered) -> dict[str, Buffer]:
+        """The buffers only this kernel sees: its window, and a split sum's row."""
+        out = {self.window: self.buffer(low.dtype)}
+        if self.partial:
+            out[self.gemm.out] = self.row_buffer(low)
+        return out
+
+    def part_range(self, part: int, taps: int) -> tuple[int, int]:
+        """The taps [lo, hi) part `part` of `parts` sums (ceil(taps / parts) each, in order)."""
+        chunk = -(-taps // self.parts)
+        return min(taps, part * chunk), min(taps, (part + 1) * chunk)
+
     def writes(self) -> set[str]:
-        return {self.gemm.out}
+        return {self.target}
 
     def buffers_used(self) -> list[str]:
         names = [b for b in self.gemm.buffers_used() if b != self.window] + [self.source]
+        if self.partial:
+            names = [self.partial if b == self.gemm.out else b for b in names]
         return list(dict.fromkeys(names))
 
     def renamed(self, mapping):
-        keep = {k: v for k, v in mapping.items() if k != self.window}
-        return replace(self, gather=rename_buffers(self.gather, keep), gemm=rename_buffers(self.gemm, keep))
+        keep = {k: v for k, v in mapping.items() if k != self.window and not (self.partial and k == self.gemm.out)}
+        return replace(self, gather=rename_buffers(self.gather, keep), gemm=rename_buffers(self.gemm, keep),
+                       partial=keep.get(self.partial, self.partial))
 
     def can_retarget(self, low: Lowered, target: str, tmp: str) -> bool:
         """Never written in place of an update (plan's retargeting): conservative."""
@@ -101,12 +155,40 @@ class ImplicitGemm:
         return n
 
     def interpret(self, it) -> None:
-        """The gather into a window array, then the product, then the array is dropped."""
+        """The gather into a window array, then the product, then the array is dropped.
+        Split: each part's product over its taps alone (the window zero at the others:
+        the interpreter sums in f64), rounded into its row of `partial`."""
         shape = [it.size(e) for e in self.order]
         it.arrays[self.window], it.order[self.window] = np.full(shape, np.nan, it.fp), self.order
         try:
             it.loop(self.gather, {})
-            it.gemm(self.gemm)
+            if not self.partial:
+                it.gemm(self.gemm)
+                return
+            tap = self.gemm.taps[0]
+            axis = list(self.order).index(tap)
+            full = it.arrays[self.window]
+            part_out = it.arrays[self.partial]
+            rows = [slice(None)] * part_out.ndim
+            at = list(it.order[self.partial]).index(self.part_edge)
+            tmp = self.gemm.out
+            out_order = tuple(e for e in it.order[self.partial] if e != self.part_edge)
+            try:
+                for i in range(self.parts):
+                    lo, hi = self.part_range(i, full.shape[axis])
+                    keep = np.zeros(full.shape[axis], bool)
+                    keep[lo:hi] = True
+                    shape1 = [1] * full.ndim
+                    shape1[axis] = full.shape[axis]
+                    it.arrays[self.window] = np.where(keep.reshape(shape1), full, np.zeros((), full.dtype))
+                    it.arrays[tmp] = np.zeros([it.size(e) for e in out_order], part_out.dtype)
+                    it.order[tmp] = out_order
+                    it.gemm(self.gemm)
+                    rows[at] = i
+                    part_out[tuple(rows)] = it.arrays[tmp]
+            finally:
+                it.arrays.pop(tmp, None)
+                it.order.pop(tmp, None)
         finally:
             del it.arrays[self.window], it.order[self.window]
 
@@ -118,15 +200,29 @@ class ImplicitGemm:
             raise verifier.fail(f"the implicit window '%{self.window}' is also a buffer")
         if sorted(self.order) != sorted(e for e, _ in self.gather.index):
             raise verifier.fail(f"the implicit window's order {', '.join(self.order)} does not name its edges")
-        low.buffers[self.window] = self.buffer(low.dtype)
+        if self.partial:
+            part = low.buffers.get(self.partial)
+            if part is None or not part.order or part.order[0] != self.part_edge:
+                raise verifier.fail(f"the split sum's partial buffer '%{self.partial}' is not declared "
+                                    f"with its edge '{self.part_edge}' first")
+            if self.gemm.out in low.buffers:
+                raise verifier.fail(f"the split sum's row '%{self.gemm.out}' is also a buffer")
+            if len(self.gemm.taps) != 1 or self.gemm.shifts or self.gemm.batch or self.gemm.acc or self.gemm.epilogue:
+                raise verifier.fail("a split sum needs a product with one tap edge and no shifts, batch, += or epilogue")
+            if low.size(self.part_edge) != self.parts or self.parts < 1:
+                raise verifier.fail(f"the split sum's edge '{self.part_edge}' does not have its {self.parts} parts")
+        private = self.private(low)
+        low.buffers.update(private)
         try:
             verifier.loop(self.gather, defined, {}, set())
             verifier.gemm(self.gemm, defined | {self.window})
         finally:
-            del low.buffers[self.window]
+            for name in private:
+                del low.buffers[name]
 
     def text(self) -> str:
-        head = f"implicit %{self.window} order [{', '.join(self.order)}]" + (f"    # {self.note}" if self.note else "")
+        split = f" parts {self.parts} into %{self.partial}" if self.partial else ""
+        head = f"implicit %{self.window} order [{', '.join(self.order)}]{split}" + (f"    # {self.note}" if self.note else "")
         gather = self.gather.text().replace("\n      for", "\n          for")
         return f"{head}\n    {gather}\n    {self.gemm.text()}"
 
@@ -140,12 +236,28 @@ def read_implicit(reader, t) -> ImplicitGemm:
     order = reader.names(order_t)
     note = ""
     kernels = []
+    parts, partial, part_edge = 0, "", ""
     for c in rest:
         if c.data == "note":
             note = reader.note(c)
+        elif c.data == "implicit_split":
+            n, pbuf = c.children
+            parts, partial = int(n), str(pbuf)[1:]
+            if partial not in reader.low.buffers or not reader.low.buffers[partial].order:
+                raise reader.error(f"the partial buffer '%{partial}' is not declared", pbuf)
+            part_edge = reader.low.buffers[partial].order[0]
         else:
             kernels.append(c)
     reader.low.buffers[name] = Buffer(name, reader.low.dtype, tuple(sorted(order)), "temp", order=order)
+    row = None
+    if partial:   # a split sum's product writes one row of the partial buffer: declared while read
+        out_tok = kernels[1].children[0]
+        row = str(out_tok)[1:]
+        if row in reader.low.buffers:
+            raise reader.error(f"the split sum's row '%{row}' is also a buffer", out_tok)
+        part = reader.low.buffers[partial]
+        reader.low.buffers[row] = Buffer(row, part.dtype, tuple(sorted(part.order[1:])), "temp",
+                                         order=tuple(part.order[1:]))
     try:
         reader.meta_line = kernels[0].meta.line
         gather = reader.loop(kernels[0])
@@ -153,12 +265,15 @@ def read_implicit(reader, t) -> ImplicitGemm:
         gemm = reader.gemm(kernels[1])
     finally:
         del reader.low.buffers[name]
-    return ImplicitGemm(gather, gemm, order, note)
+        if row is not None:
+            del reader.low.buffers[row]
+    return ImplicitGemm(gather, gemm, order, note, partial, part_edge, parts)
 
 
 # a gather loop whose output (the window, never stored) one GEMM reads
 IMPLICIT_FORM = KernelForm("implicit", r"""
-implicit: "implicit" BUF "order" "[" names "]" note _NL loop gemm
+implicit: "implicit" BUF "order" "[" names "]" implicit_split? note _NL loop gemm
+implicit_split: "parts" INT "into" BUF
 """, read_implicit)
 
 
@@ -172,6 +287,7 @@ class Implicit(Pass[Lowered, Lowered]):
     def run(self, low: Lowered, options: Options) -> Lowered:
         out = low.staged("implicit")
         make_implicit(out, options)
+        split_taps(out, options)
         return out
 
 
@@ -285,3 +401,60 @@ def make_implicit(low: Lowered, options: Options) -> None:
         del low.buffers[g.out]
     if replaced:
         low.kernels = [replaced.get(j, k) for j, k in enumerate(low.kernels) if j not in dropped]
+
+
+def split_parts(low: Lowered, k: ImplicitGemm, options: Options) -> int:
+    """How many parts implicit GEMM `k`'s tap sum is split into (see the module); 0: none."""
+    cpu = options.cpu
+    g = k.gemm
+    parts = cpu.gemm_tiles
+    if k.partial or parts < 2 or cpu.implicit_split_bytes <= 0:
+        return 0
+    if len(g.taps) != 1 or g.shifts or g.batch or g.acc or g.epilogue or g.cplx is not None:
+        return 0
+    sizes = [low.size(e) for e in g.m + g.n + g.k + g.taps]
+    if not all(isinstance(n, int) for n in sizes):
+        return 0
+    taps = low.size(g.taps[0])
+    if taps < 2 * parts:   # each part sums at least two taps
+        return 0
+    out = 1
+    for e in g.m + g.n:
+        out *= low.size(e)
+    mnk = out
+    for e in g.k:
+        mnk *= low.size(e)
+    # tiled at all (`gemm.GemmGen.tile_limit`): not cold, and each tile above blas_tile_mnk
+    if 2 * mnk * taps < cpu.gemm_parallel_min_flops or mnk // parts <= cpu.blas_tile_mnk:
+        return 0
+    if parts * out * 4 > cpu.implicit_split_bytes:
+        return 0
+    return parts
+
+
+def split_taps(low: Lowered, options: Options) -> None:
+    """In place: implicit GEMMs whose tap sum `split_parts` cuts write partial rows,
+    which a loop kernel after each adds into the product's `out` (see the module)."""
+    kernels = []
+    for k in low.kernels:
+        parts = split_parts(low, k, options) if isinstance(k, ImplicitGemm) else 0
+        if not parts:
+            kernels.append(k)
+            continue
+        dst = low.buffers[k.gemm.out]
+        taken = [e for e in low.edges if e == PART_EDGE or e.startswith(PART_EDGE + ".")]
+        edge = next((e for e in taken if low.edges[e] == parts), None) \
+            or (f"{PART_EDGE}.{len(taken)}" if taken else PART_EDGE)
+        low.edges[edge] = parts
+        name = low.fresh("p")
+        order = (edge,) + tuple(dst.order)
+        low.buffers[name] = Buffer(name, dst.dtype, tuple(sorted(order)), "temp", order=order)
+        index = tuple((e, Ix.var(e)) for e in dst.edges)
+        full = tuple(sorted(index + ((edge, Ix.var(edge)),), key=lambda t: t[0]))
+        sizes = {e: low.size(e) for e in order}
+        row = name + "_row"   # never a stem + number of `fresh`
+        kernels.append(replace(k, gemm=replace(k.gemm, out=row), partial=name, part_edge=edge, parts=parts,
+                               note=(k.note + "; " if k.note else "") + f"taps summed in {parts} parts"))
+        kernels.append(LoopKernel(dst.name, index, tuple(dst.order) + (edge,), sizes, Load(name, full), "sum",
+                                  (edge,), note="add partial sums"))
+    low.kernels = kernels
