@@ -626,3 +626,17 @@ def test_combination_matches_reference(tmp_path, name, backend):
         want = np.asarray(want, dtype=np.complex128 if np.iscomplexobj(want) else np.float64)
         assert got[key].shape == want.shape, key
         np.testing.assert_allclose(got[key], want, rtol=rtol, atol=atol, err_msg=key)
+
+
+# ---- section 6 + 12: an id out of range inside a loop step stops the call and names the input, on every backend ----------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_id_out_of_range_in_a_loop_step_names_the_input(tmp_path, backend):
+    prog = tmp_path / "p.tg"
+    prog.write_text("dim l, v = 4, d = 2\ninput ids: i32[l], h0[d], Es[l, v, d]\n"
+                    "fn st(h, i, e) = h + e[v = i]\nout y = repeat[l](st, h0, ids, Es)\n")
+    np.savez(tmp_path / "in.npz", ids=np.array([1, 4, 0], np.int32), h0=np.zeros(2), Es=np.ones((3, 4, 2)))
+    r = tgc("run", prog, "--backend", backend, "--dtype", "f64", "-o", tmp_path / "o.npz", "--inputs", tmp_path / "in.npz")
+    assert r.exit_code == 3, r.output
+    assert "'ids'[l=1] = 4" in r.output and "out of range" in r.output, r.output
+    assert not (tmp_path / "o.npz").exists()
