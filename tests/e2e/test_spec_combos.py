@@ -588,6 +588,72 @@ case("s6_s12_reindex_in_step_nested_repeat", """
     out gW = grad(sum(hs ^ 2), W)
     """, dict(x=_xn, K=_kn, W=_Wn), _nested_expected, sim=True)
 
+# ---- section 11: random draws inside a loop step depend only on the key and the index -----------------------------------
+# the step's key is a stacked i32 argument; the loop and the same draws written out must
+# agree to rounding, and the gradient through the draws is the draws themselves
+case("s11_s12_random_in_a_loop_step_equals_written_out", """
+    dim l = 3, n = 4
+    input keys: i32[l], k0: i32, k1: i32, k2: i32, h0[n], w[n]
+    fn st(h, k, w) = h * 0.5 + rand[n](k) * w + randn[n](fold(k, 2))
+    y = repeat[l](st, h0, keys, w * [l = l])
+    f0 = h0 * 0.5 + rand[n](k0) * w + randn[n](fold(k0, 2))
+    f1 = f0 * 0.5 + rand[n](k1) * w + randn[n](fold(k1, 2))
+    direct = f1 * 0.5 + rand[n](k2) * w + randn[n](fold(k2, 2))
+    out d = y - direct
+    out gw = grad(sum(y), w) - (rand[n](k0) * 0.25 + rand[n](k1) * 0.5 + rand[n](k2))
+    out gd = grad(sum(y * y), h0) - grad(sum(direct * direct), h0)
+    """, dict(keys=np.array([3, 9, -5], np.int32), k0=np.array(3, np.int32), k1=np.array(9, np.int32),
+              k2=np.array(-5, np.int32), h0=np.arange(4.), w=np.full(4, 2.0)),
+     dict(d=np.zeros(4), gw=np.zeros(4), gd=np.zeros(4)), tol=(0, 1e-12), sim=True)
+
+# ---- section 6: the reindex forms together under grad: stride + padding, flip by size(e), concatenation, split + merge ------
+_xz, _az, _bz, _hz = rn(7), rn(3), rn(4), rn(6)
+
+
+def _zoo(x, a, b, h):
+    st = np.array([[x[2 * s + k - 1] if 0 <= 2 * s + k - 1 < 7 else 0 for k in range(3)] for s in range(3)])
+    fl = x[::-1]
+    cat = np.concatenate([a, b])
+    hh = h.reshape(3, 2)                  # c = 2*head + hd
+    merged = (np.tanh(hh) * np.arange(1, 3)).reshape(6)
+    return (st ** 2).sum() * 0.5 + (fl * np.arange(7)).sum() + (np.sin(cat) * np.arange(7)).sum() + (merged * h).sum()
+
+
+case("s6_reindex_forms_under_grad", """
+    dim t = 7, s = 3, k = 3, t1 = 3, t2 = 4, c = 6, head = 3, hd = 2
+    dim tt = t1 + t2
+    dim t' = t
+    input x[t], a[t1], b[t2], h[c], r[t'], r2[tt], r3[hd]
+    st = x[t = 2*s + k - 1]
+    fl = x[t = size(t) - 1 - t']
+    cat = a[t1 = tt] + b[t2 = tt - size(t1)]
+    merged = (tanh(h[c = hd*head + hd]) * r3) @ [c = hd*head + hd]
+    L = sum(st ^ 2) * 0.5 + sum(fl * r) + sum(sin(cat) * r2) + sum(merged * h)
+    out L
+    out gx = grad(L, x)
+    out ga = grad(L, a)
+    out gb = grad(L, b)
+    out gh = grad(L, h)
+    """, dict(x=_xz, a=_az, b=_bz, h=_hz, r=np.arange(7.), r2=np.arange(7.), r3=np.arange(1., 3.)), dict(
+        L=_zoo(_xz, _az, _bz, _hz), gx=fd(lambda q: _zoo(q, _az, _bz, _hz), _xz), ga=fd(lambda q: _zoo(_xz, q, _bz, _hz), _az),
+        gb=fd(lambda q: _zoo(_xz, _az, q, _hz), _bz), gh=fd(lambda q: _zoo(_xz, _az, _bz, q), _hz)), tol=(1e-7, 1e-8))
+
+# ---- section 11: `assume` is checked at run time only when asked --------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_assume_is_checked_only_when_asked(tmp_path, backend):
+    prog = tmp_path / "p.tg"
+    prog.write_text("dim n = 3, v = 3\ninput x[n], y[v], dx[n]\nassume x > 0\nassume sum[v](y) = 1\n"
+                    "out t = jvp(sqrt(x) * sum(y), x, dx)\n")
+    np.savez(tmp_path / "in.npz", x=np.array([1.0, 4.0, 0.25]), y=np.array([.5, .5, .5]), dx=np.ones(3))
+    args = ["run", prog, "--backend", backend, "--dtype", "f64", "-o", tmp_path / "o.npz", "--inputs", tmp_path / "in.npz"]
+    r = tgc(*args)
+    assert r.exit_code == 0, r.output                     # not asked: runs on inputs that break a fact
+    r = tgc(*args, "--check-assumptions")
+    assert r.exit_code != 0 and "sum[v](y) = 1" in r.output, r.output
+
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 def _params():
@@ -640,3 +706,25 @@ def test_gather_id_out_of_range_in_a_loop_step_names_the_input(tmp_path, backend
     assert r.exit_code == 3, r.output
     assert "'ids'[l=1] = 4" in r.output and "out of range" in r.output, r.output
     assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in XFAIL])
+def test_combination_in_f32_on_the_cpu(tmp_path, name):
+    """The program's default float type: every case in f32 on the CPU, to f32 accuracy."""
+    src, inputs, expected, _, files = CASES[name]
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    prog = tmp_path / f"{name}.tg"
+    prog.write_text(src)
+    np.savez(tmp_path / "in.npz", **inputs)
+    r = tgc("run", prog, "--backend", "cpu", "-o", tmp_path / "out.npz", "--inputs", tmp_path / "in.npz")
+    assert r.exit_code == 0, r.output
+    import ml_dtypes
+    with np.load(tmp_path / "out.npz") as z:
+        got = {k: z[k].view(ml_dtypes.bfloat16).astype(np.float64) if z[k].dtype.kind == "V" else z[k] for k in z.files}
+    if callable(expected):
+        import inspect
+        expected = expected(got) if inspect.signature(expected).parameters else expected()
+    for key, want in expected.items():
+        np.testing.assert_allclose(got[key], np.asarray(want), rtol=3e-3, atol=3e-3, err_msg=key)
