@@ -654,6 +654,94 @@ def test_assume_is_checked_only_when_asked(tmp_path, backend):
     assert r.exit_code != 0 and "sum[v](y) = 1" in r.output, r.output
 
 
+# ---- sections 11 + 12: custom rules with edge parameters and a block form inside loop steps, every order ---------------
+# clip_norm[e] (a vjp that rescales the cotangent) and hyp (block form, both rules) in a scan
+# step: grad, jvp and a Hessian-vector product that differentiates the clauses as written
+_xh0, _As, _Vs = rn(2, 3), rn(3, 2, 3) * .7, rn(3, 2, 3)
+
+
+def _custom_scan_expected():
+    torch = torch_f64()
+    from torch.func import grad, jvp
+
+    def clip_norm(x):                       # value x; cotangent g / max(1, |g| over c)
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return g / torch.clamp((g * g).sum(1, keepdim=True).sqrt(), min=1)
+        return F.apply(x)
+
+    def run(h0, A, clip=True):
+        h, hs = h0, []
+        for i in range(3):
+            a = clip_norm(h * A[i] * 3) if clip else h * A[i] * 3
+            h = torch.sqrt(a * a + h * h) * 0.5    # hyp(a, h): its rules are its true derivatives
+            hs.append(h)
+        return torch.stack(hs)
+    h0, A, V = (torch.tensor(q) for q in (_xh0, _As, _Vs))
+    L = lambda q, clip=True: (run(h0, q, clip) * torch.linspace(-1, 1, 3)[:, None, None]).sum()
+    hA = torch.tensor(_As, requires_grad=True)
+    gA, = torch.autograd.grad(L(hA), hA)
+    jA = jvp(lambda q: run(h0, q, False), (A,), (V,))[1]
+    return dict(hs=run(h0, A, False).numpy(), gA=gA.numpy(), jA=jA.numpy())
+
+
+case("s11_s12_custom_rules_with_edge_params_in_scan", """
+    dim l = 3, b = 2, c = 3
+    fn clip_norm[e](x) = x with vjp(g) = g / max(1, sqrt(sum[e](g * g))) with jvp(dx) = dx
+    fn hyp(a, b) {
+      r = sqrt(a * a + b * b)
+      return r
+    } with vjp(g) = (g * a / r, g * b / r) with jvp(da, db) = (a * da + b * db) / r
+    fn cell(h, a) = hyp(clip_norm[c](h * a * 3), h) * 0.5
+    input h0[b, c], A[l, b, c], V[l, b, c], w[l]
+    hs = scan[l](cell, h0, A)
+    out hs
+    out gA = grad(sum(hs * w), A)
+    out jA = jvp(hs, A, V)
+    """, dict(h0=_xh0, A=_As, V=_Vs, w=np.linspace(-1, 1, 3)), _custom_scan_expected, sim=True)
+
+# ---- sections 6 + 8 + 12: scatter-add and a segment max with ties inside a loop step, under grad ------------------------
+_hs0, _dsts, _ms = rn(3), np.array([0, 2, 2, 0], np.int32), np.array([[1.0, 2.0, 2.0, 1.0], [0.5, -1.0, 3.0, 0.5]])
+
+
+def _segment_loop_expected():
+    torch = torch_f64()
+    dst = torch.tensor(_dsts, dtype=torch.long)
+    h0, M = torch.tensor(_hs0, requires_grad=True), torch.tensor(_ms, requires_grad=True)
+    h = h0
+    for i in range(2):
+        msg = M[i] * h[dst]                                      # gather from node dst, scale
+        seg = torch.full((3,), -torch.inf).scatter_reduce(0, dst, msg, "amax", include_self=True)
+        seg = torch.where(torch.isinf(seg), torch.zeros(()), seg)
+        sc = torch.zeros(3).index_add(0, dst, msg)
+        h = torch.tanh(sc + seg + h)
+    L = (h * torch.arange(1., 4.)).sum()
+    g0, gM = torch.autograd.grad(L, (h0, M))                     # amax ties: PyTorch shares evenly too
+    return dict(h=h.detach().numpy(), g0=g0.numpy(), gM=gM.numpy())
+
+
+case("s6_s12_scatter_and_segment_max_in_a_loop_step", """
+    dim l = 2, nodes = 3, e = 4
+    input dst: i32[e], dsts: i32[l, e]
+    input h0[nodes], M[l, e], r[nodes]
+    fn st(h, d, m) {
+      msg = m * h[nodes = d]
+      seg = max[e](where([nodes = d], msg, -inf))
+      return tanh(msg @ [nodes = d] + where(seg > -inf, seg, 0) + h)
+    }
+    h = repeat[l](st, h0, dsts, M)
+    out h
+    out g0 = grad(sum(h * r), h0)
+    out gM = grad(sum(h * r), M)
+    """, dict(dst=_dsts, dsts=np.stack([_dsts, _dsts]), h0=_hs0, M=_ms, r=np.arange(1., 4.)), _segment_loop_expected,
+     tol=(1e-9, 1e-10))
+
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 def _params():
