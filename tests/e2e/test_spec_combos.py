@@ -742,6 +742,35 @@ case("s6_s12_scatter_and_segment_max_in_a_loop_step", """
      tol=(1e-9, 1e-10))
 
 
+# ---- section 8: a term multiplied by an exact 0 adds nothing, in forward mode through a summed product --------------------
+# d sqrt(x) is inf at x = 0; the weight there is an exact 0 (an input, not a literal), so
+# that term adds nothing: to jvp of sum(w * sqrt(x)) and of W @ sqrt(x) as to their grads
+_xz0, _wz0, _Wz0 = np.array([0., 1., 4.]), np.array([0., 1., 1.]), np.array([[0., 1., 1.], [0., 2., 0.]])
+_ds0 = np.array([0., .5, .25])
+case("s8_exact_zero_weight_in_forward_mode_sums", """
+    dim n = 3, m = 2, l = 2
+    input x[n], w[n], W[m, n], v[n], Ws[l, n]
+    fn st(h, a) = h + a * sqrt(h)
+    out g1 = grad(sum(w * sqrt(x)), x)
+    out g2 = grad(sum(W @ sqrt(x)), x)
+    out j1 = jvp(sum(w * sqrt(x)), x, v)
+    out j2 = jvp(W @ sqrt(x), x, v)
+    out j3 = jvp(sum[n](w * sqrt(x) * v), x, v)
+    out j4 = jvp(sum(repeat[l](st, x, Ws)), x, v)
+    out g4 = grad(sum(repeat[l](st, x, Ws)), x)
+    """, dict(x=_xz0, w=_wz0, W=_Wz0, v=np.ones(3), Ws=np.stack([_wz0, _wz0])), lambda: dict(
+        g1=_wz0 * _ds0, g2=_Wz0.sum(0) * _ds0, j1=(_wz0 * _ds0).sum(), j2=_Wz0 @ _ds0, j3=(_wz0 * _ds0).sum(),
+        j4=fd(lambda q: np.sum(_st2(q)), _xz0)[1:].sum() + 1.0, g4=np.r_[1.0, fd(lambda q: np.sum(_st2(q)), _xz0)[1:]]),
+     tol=(1e-7, 1e-8))
+
+
+def _st2(x):
+    h = x.copy()
+    for _ in range(2):
+        h = h + _wz0 * np.sqrt(np.maximum(h, 0))
+    return h
+
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 def _params():
