@@ -122,11 +122,23 @@ def pointwise(*partials: Partial | None) -> Rule:
     return Rule(tuple(i for i, p in enumerate(partials) if p), vjp, jvp)
 
 
-def _product(v: Value, i: int, t: Value, keep: set[str]) -> Value | None:
-    """t times every operand of the contraction `v` but the i-th, summed to `keep`."""
+def _product(v: Value, i: int, t: Value, keep: set[str], guard_sums: bool = False) -> Value | None:
+    """t times every operand of the contraction `v` but the i-th, summed to `keep`.
+
+    A product that sums is one unguarded contraction (a GEMM), except with
+    `guard_sums` (forward mode) where no operand is larger than the product itself
+    (`sum(w * t)`, `W[m, n] @ t[n]`: no outer product to avoid): then the guarded
+    elementwise product is summed, so that a tangent that is inf where the weight is an
+    exact 0 (d sqrt(x) at x = 0) adds nothing (LANGUAGE.md section 8). In reverse mode
+    the cotangent of such a term arrives as an exact 0 and `mul0` already drops it."""
     others = [o for j, o in enumerate(v.operands) if j != i]
-    if not set(t.edges).union(*(o.edges for o in others)) <= keep:
-        return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
+    union = set(t.edges).union(*(o.edges for o in others))
+    if not union <= keep:
+        if not (guard_sums and any(union <= set(o.edges) for o in [t] + others)):
+            return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
+        for o in others:
+            t = _times(t, o) if t is not None else None
+        return None if t is None else V.contract([t], tuple(sorted(keep & union)))
     for o in others:  # elementwise: guarded products
         t = _times(t, o) if t is not None else None
     return t
@@ -137,7 +149,7 @@ def _contract_vjp(v: Value, i: int, ct: Value) -> Value | None:
 
 
 def _contract_jvp(v: Value, ts) -> Value | None:
-    return total(_product(v, i, t, set(v.edges) | _batch(v.operands[i], t))
+    return total(_product(v, i, t, set(v.edges) | _batch(v.operands[i], t), guard_sums=True)
                  for i, t in enumerate(ts) if t is not None)
 
 
