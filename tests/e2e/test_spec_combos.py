@@ -771,6 +771,83 @@ def _st2(x):
     return h
 
 
+# ---- LANGUAGE.md's snippets, their lines verbatim (comments included), completed with declarations ------------------
+_A6, _x6, _xh6 = rn(3, 3), rn(6), rn(3, 2)
+_I3 = np.eye(3)
+case("snippets_s6_indicators_verbatim", """
+    dim n = 3, t = 6, s = 5, k = 2
+    dim hd = 2, head = 3, c = 6
+    dim k2 = n, k3 = n
+    input A[i: n, j: n]
+    input x[t], xh[head, hd]
+    out ata[k2, j] = A[j -> k2] @ A      # For A[i, j], A[j -> k] @ A contracts i and is Aᵀ A
+    out ind1[i, j] = [i = j]            # identity (Kronecker delta) over edges i, j of one size
+    out ind2[i, j, k3] = [i = j = k3]           # copy tensor over three edges
+    out ind3[t, s, k] = [t = s + k]        # the convolution relation: x[t = s + k] is x @ [t = s + k]
+    out ind4[s, t] = [s <= t]            # lower-triangular mask over s, t (causal attention)
+    out ind5[head, hd, c] = [c = hd*head + hd] # merge two edges into one: x[head, hd] @ [c = hd*head + hd] has edge c
+    out merged = xh @ [c = hd*head + hd]
+    out conv[s, k] = x @ [t = s + k] - x[t = s + k]
+    out flip = x[t = 9 - s]
+    out pad[s, k] = x[t = 2*s + k - 1]
+    """, dict(A=_A6, x=_x6, xh=_xh6), dict(
+        ata=_A6.T @ _A6, ind1=_I3, ind2=np.einsum("ij,jk->ijk", _I3, _I3),
+        ind3=np.array([[[1.0 * (t == s + k) for k in range(2)] for s in range(5)] for t in range(6)]),
+        ind4=np.array([[1.0 * (s <= t) for t in range(6)] for s in range(5)]),
+        ind5=np.array([[[1.0 * (c == 2 * h + d) for c in range(6)] for d in range(2)] for h in range(3)]),
+        merged=_xh6.reshape(6), conv=np.zeros((5, 2)), flip=np.array([0, 0, 0, 0, _x6[5]]),
+        pad=np.array([[_x6[2 * s + k - 1] if 0 <= 2 * s + k - 1 < 6 else 0 for k in range(2)] for s in range(5)])))
+
+_l7, _w7, _b7 = np.array([[0.0, 1.0, -2.0], [3.0, 0.0, 0.5]]), rn(3), rn(3)
+case("snippets_s7_functions_verbatim", """
+    fn relu(x) = max(0, x)          # at the tie x = 0 the gradient goes to the constant: relu'(0) = 0
+    fn softmax[e](x) {
+      z = exp(x - stop(max[e](x)))
+      return z / sum[e](z)
+    }
+    fn layernorm[e](x, w, b, eps = 1e-5) {
+      mu  = mean[e](x)
+      xc  = x - mu
+      return xc / sqrt(mean[e](xc * xc) + eps) * w + b
+    }
+    dim batch = 2, classes = 3
+    input logits[batch, classes], w[classes], b[classes]
+    out p = softmax[classes](logits)
+    out l = layernorm[classes](logits, w, b)
+    out g = grad(sum(relu(logits)), logits)
+    """, dict(logits=_l7, w=_w7, b=_b7), dict(
+        p=np.exp(_l7) / np.exp(_l7).sum(1, keepdims=True),
+        l=(_l7 - _l7.mean(1, keepdims=True)) / np.sqrt(_l7.var(1, keepdims=True) + 1e-5) * _w7 + _b7,
+        g=(_l7 > 0) * 1.0))
+
+_x9 = rn(2, 2, 48)
+case("snippets_s9_multi_head_split_verbatim", """
+    dim batch = 2, t = 2
+    dim c = 48, head = 3, hd = 16
+    input x[batch, t, c]
+    xh = x[c = hd*head + hd]        # edges batch, t, head, hd
+    back = xh @ [c = hd*head + hd]  # and merged again: edges batch, t, c
+    out xh[batch, t, head, hd]
+    out back
+    """, dict(x=_x9), dict(xh=_x9.reshape(2, 2, 3, 16), back=_x9))
+
+_x11 = rn(2)
+case("snippets_s11_literals_and_rules_verbatim", """
+    dim k = 2, m = 3
+    param W: bf16[k, m]
+    input x[k]
+    fn clip_grad(x) = x with vjp(g) = max(-1, min(1, g))
+    z = 2j * x + (1 + 0.5j)
+    out zr = real(z)
+    out zi = imag(conj(z))
+    out a = abs(z)
+    out an = angle(z)
+    out g = f64(grad(sum(clip_grad(f32(x @ W) * 10)), W))
+    """, dict(W=np.ones((2, 3)), x=_x11), dict(
+        zr=np.ones(2), zi=-(2 * _x11 + .5), a=np.abs(1 + 1j * (2 * _x11 + .5)), an=np.angle(1 + 1j * (2 * _x11 + .5)),
+        g=np.outer(10 * _x11, np.ones(3))), tol=(1e-2, 1e-2))      # the clip acts on the cotangent 1, before the 10
+
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 def _params():
