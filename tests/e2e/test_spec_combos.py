@@ -964,3 +964,46 @@ def test_exact_zero_weight_in_reverse_mode_sums(tmp_path, backend):
     assert r.exit_code == 0, r.output
     with np.load(tmp_path / "o.npz") as z:
         np.testing.assert_allclose(z["g"], [0.5 / np.sqrt(5), np.inf])
+
+
+# ---- section 10: the promised errors, met inside the other sections' forms, at the right place ------------------------
+ERRORS = [  # id, source, line, column, words
+    ("mutual_recursion", "fn f(x) = g(x)\nfn g(x) = f(x) + 1\ndim n = 2\ninput x[n]\nout y = f(x)\n", 2, 11, "recursive"),
+    ("edge_param_rename_two_sizes", "dim n = 3, m = 4\ninput x[n]\nfn tr[a, b](x) = x[a -> b]\nout y = tr[n, m](x)\n",
+     3, 20, "sizes differ"),
+    ("forward_through_a_vjp_only_rule_in_a_step", "dim l = 2, n = 2\nfn c(x) = x with vjp(g) = g\n"
+     "fn st(h, w) = c(h * w)\ninput x[n], w[l, n], v[n]\nout y = jvp(repeat[l](st, x, w), x, v)\n", 3, 15,
+     "forward mode needs the jvp of 'c'"),
+    ("reverse_through_a_jvp_only_rule_in_a_scan", "dim l = 2, n = 2\nfn c(x) = x * x with jvp(dx) = 2 * x * dx\n"
+     "fn st(h, w) = c(h) * w\ninput x[n], w[l, n]\nout g = grad(sum(scan[l](st, x, w)), w)\n", 3, 15,
+     "reverse mode needs the vjp of 'c'"),
+    ("grad_of_gather_ids", "dim n = 2\ninput ids: i32[n]\nparam E[v: n, d: n]\nout g = grad(sum(E[v = ids]), ids)\n",
+     4, 31, "integer"),
+    ("product_of_two_edges_in_a_reindex", "dim t = 4, k = 2\ninput x[t], y[s: k]\nout z = x[t = s * k]\n", 3, 15,
+     "not affine"),
+    ("edge_with_two_symbolic_sizes", "dim a, b\ninput x[i: a]\ninput y[i: b]\nout z = x @ y\n", 3, 9, "two sizes"),
+    ("for_list_names_an_input", "dim n = 2\nparam a[n]\ninput x[n]\nfor p in a, x {\n  update p = p * 2\n}\n", 4, 13,
+     "is an input"),
+    ("vjp_tuple_too_long", "dim n = 3\ninput x[n]\nfn f(a) = a * 2 with vjp(g) = (g, g)\nout y = grad(sum(f(x)), x)\n",
+     3, 32, "gives 2 derivatives"),
+    ("jacobian_sharing_an_edge", "dim n = 3\ninput x[n]\nout y = grad(x * x, x)\n", 3, 9, "share edge 'n'"),
+    ("grad_of_a_complex_value", "dim n = 2\ninput z: c128[n]\nout g = grad(sum(z * z), z)\n", 3, 9, "vjp(f, x, v)"),
+    ("chained_comparison", "dim n = 3\ninput a, b, c\nout y = a < b < c\n", 3, 15, "do not chain"),
+    ("stacked_argument_without_the_loop_edge", "dim l = 2, v = 4, d = 2\ninput ids: i32[l], E[v, d], h0[d]\n"
+     "fn st(h, i, e) = h + e[v = i]\nout y = repeat[l](st, h0, ids, E)\n", 4, 32, "has no edge 'l'"),
+    ("random_key_not_i32", "dim n = 3\ninput x[n]\nout y = rand[n](x)\n", 3, 17, "random key"),
+]
+
+
+@pytest.mark.parametrize("name,src,line,col,words", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_combination_is_located(tmp_path, name, src, line, col, words):
+    assert_located(tmp_path, src, line, col, words)
+
+
+def test_unknown_name_in_an_imported_function_is_located_in_its_file(tmp_path):
+    (tmp_path / "lib.tg").write_text("dim n = 3\nfn helper(x) = x * qq\n")
+    prog = tmp_path / "main.tg"
+    prog.write_text('import "lib.tg"\ninput x[n]\nout y = helper(x)\n')
+    r = tgc("check", prog)
+    assert r.exit_code == 1, r.output
+    assert f"{tmp_path / 'lib.tg'}:2:20: error: unknown name 'qq'" in r.output and "^" in r.output, r.output
