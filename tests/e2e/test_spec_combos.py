@@ -949,13 +949,8 @@ def test_f64_declared_in_an_f32_program_is_f64(tmp_path):
 # ---- section 8: the same rule in reverse mode through a summed product -----------------------------------------------
 # y = W @ x with y[0] = 0: the cotangent of y[0] is inf (d sqrt at 0), and x[0] reaches
 # y[0] only through the exact-0 weight W[0, 0], so that term adds nothing: the gradient
-# at x[0] is W[1, 0] * 0.5 / sqrt(y[1]). tgc's reverse mode sums such a product as one
-# unguarded contraction (a GEMM/GEMV), 0 * inf = NaN.
-@pytest.mark.xfail(strict=True, reason="reverse mode contracts a cotangent with the other operands unguarded "
-                   "(one GEMM); guarding summed products as forward mode now does would route every weight "
-                   "gradient's reduction (layernorm's w, GEMV shapes) through an elementwise select first: a "
-                   "performance change to measure on a quiet machine")
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+# at x[0] is W[1, 0] * 0.5 / sqrt(y[1]) (it was NaN: the product summed unguarded).
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_exact_zero_weight_in_reverse_mode_sums(tmp_path, backend):
     prog = tmp_path / "p.tg"
     prog.write_text("dim n = 2, m = 2\ninput x[n], W[m, n]\nout g = grad(sum(sqrt(W @ x)), x)\n")
@@ -964,6 +959,23 @@ def test_exact_zero_weight_in_reverse_mode_sums(tmp_path, backend):
     assert r.exit_code == 0, r.output
     with np.load(tmp_path / "o.npz") as z:
         np.testing.assert_allclose(z["g"], [0.5 / np.sqrt(5), np.inf])
+
+
+# A weight gradient's shape: the cotangent spans the product (ct[b, c] * x[b, c] summed
+# over b). d/dw[0] of sum(sqrt(x * w)) with x[0, 0] = 0 is 4 * 0.5 / sqrt(4) = 1: the
+# term with the exact-0 factor x[0, 0] adds nothing. tgc (as PyTorch) gives NaN.
+@pytest.mark.xfail(strict=True, reason="a cotangent that spans a summed product is contracted unguarded (one "
+                   "reduction kernel, the weight-gradient shape): guarding it puts an elementwise select before "
+                   "every weight gradient's reduction, a performance change to measure on a quiet machine")
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_exact_zero_factor_in_a_weight_gradient(tmp_path, backend):
+    prog = tmp_path / "p.tg"
+    prog.write_text("dim b = 2, c = 2\ninput x[b, c], w[c]\nout g = grad(sum(sqrt(x * w)), w)\n")
+    np.savez(tmp_path / "in.npz", x=np.array([[0., 1.], [4., 1.]]), w=np.array([1., 1.]))
+    r = tgc("run", prog, "--backend", backend, "--dtype", "f64", "-o", tmp_path / "o.npz", "--inputs", tmp_path / "in.npz")
+    assert r.exit_code == 0, r.output
+    with np.load(tmp_path / "o.npz") as z:
+        np.testing.assert_allclose(z["g"], [1.0, 1.0])
 
 
 # ---- section 10: the promised errors, met inside the other sections' forms, at the right place ------------------------

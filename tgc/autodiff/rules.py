@@ -122,19 +122,24 @@ def pointwise(*partials: Partial | None) -> Rule:
     return Rule(tuple(i for i, p in enumerate(partials) if p), vjp, jvp)
 
 
-def _product(v: Value, i: int, t: Value, keep: set[str], guard_sums: bool = False) -> Value | None:
+def _product(v: Value, i: int, t: Value, keep: set[str], reverse: bool = False) -> Value | None:
     """t times every operand of the contraction `v` but the i-th, summed to `keep`.
 
-    A product that sums is one unguarded contraction (a GEMM), except with
-    `guard_sums` (forward mode) where no operand is larger than the product itself
-    (`sum(w * t)`, `W[m, n] @ t[n]`: no outer product to avoid): then the guarded
-    elementwise product is summed, so that a tangent that is inf where the weight is an
-    exact 0 (d sqrt(x) at x = 0) adds nothing (LANGUAGE.md section 8). In reverse mode
-    the cotangent of such a term arrives as an exact 0 and `mul0` already drops it."""
+    A product that sums is one unguarded contraction (a GEMM), except where one
+    operand already spans the product (`sum(w * t)`, `W[m, n] @ t[n]`: no outer
+    product to avoid): then the guarded elementwise product is summed, so that a tangent
+    or cotangent that is inf where the weight is an exact 0 (d sqrt(x) at x = 0) adds
+    nothing (LANGUAGE.md section 8). In reverse mode only where the cotangent is
+    broadcast over the weight (a vector-matrix shape: `W @ x`'s cotangent to `x`); a
+    cotangent that spans the product itself (a weight gradient, `sum[b](ct * xn)`) keeps
+    the plain contraction, a performance choice: an inf there meeting an exact-0 operand
+    still gives NaN (tests/e2e/test_spec_combos.py says which cases are covered)."""
     others = [o for j, o in enumerate(v.operands) if j != i]
     union = set(t.edges).union(*(o.edges for o in others))
     if not union <= keep:
-        if not (guard_sums and any(union <= set(o.edges) for o in [t] + others)):
+        spans = [o for o in others if union <= set(o.edges)] if reverse else \
+            [o for o in [t] + others if union <= set(o.edges)]
+        if not spans or (reverse and union <= set(t.edges)):
             return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
         for o in others:
             t = _times(t, o) if t is not None else None
@@ -145,11 +150,11 @@ def _product(v: Value, i: int, t: Value, keep: set[str], guard_sums: bool = Fals
 
 
 def _contract_vjp(v: Value, i: int, ct: Value) -> Value | None:
-    return _product(v, i, ct, set(v.operands[i].edges) | _batch(v, ct))
+    return _product(v, i, ct, set(v.operands[i].edges) | _batch(v, ct), reverse=True)
 
 
 def _contract_jvp(v: Value, ts) -> Value | None:
-    return total(_product(v, i, t, set(v.edges) | _batch(v.operands[i], t), guard_sums=True)
+    return total(_product(v, i, t, set(v.edges) | _batch(v.operands[i], t))
                  for i, t in enumerate(ts) if t is not None)
 
 
