@@ -848,6 +848,25 @@ case("snippets_s11_literals_and_rules_verbatim", """
         g=np.outer(10 * _x11, np.ones(3))), tol=(1e-2, 1e-2))      # the clip acts on the cotangent 1, before the 10
 
 
+# ---- section 8: the exact-zero rule at second order, every nesting of the modes -----------------------------------------
+# where(x > 0, sqrt(x), 0) and w * sqrt(x) with w = 0 at x = 0 and x = -1 (sqrt NaN there):
+# Hessian-vector products reverse-over-reverse, forward-over-reverse, forward-over-forward
+_xh2, _wh2 = np.array([0., -1., 4.]), np.array([0., 0., 1.])
+_d2 = np.array([0., 0., -0.25 * 4 ** -1.5])
+case("s8_exact_zero_rule_at_second_order", """
+    dim n = 3
+    input x[n], v[n], w[n]
+    f = sum(where(x > 0, sqrt(x), 0))
+    out h = grad(sum(grad(f, x) * v), x)
+    out jh = jvp(grad(f, x), x, v)
+    out jj = jvp(jvp(f, x, v), x, v)
+    out hw = grad(sum(w * sqrt(x) * v), x)
+    out hw2 = grad(sum(grad(sum(w * sqrt(x)), x) * v), x)
+    out jw2 = jvp(grad(sum(w * sqrt(x)), x), x, v)
+    """, dict(x=_xh2, v=np.ones(3), w=_wh2), dict(h=_d2, jh=_d2, jj=_d2.sum(), hw=np.array([0., 0., .25]), hw2=_d2,
+                                                   jw2=_d2))
+
+
 # ---- running the cases --------------------------------------------------------------------------------------------
 
 def _params():
