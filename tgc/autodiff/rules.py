@@ -122,18 +122,35 @@ def pointwise(*partials: Partial | None) -> Rule:
     return Rule(tuple(i for i, p in enumerate(partials) if p), vjp, jvp)
 
 
-def _product(v: Value, i: int, t: Value, keep: set[str]) -> Value | None:
-    """t times every operand of the contraction `v` but the i-th, summed to `keep`."""
+def _product(v: Value, i: int, t: Value, keep: set[str], reverse: bool = False) -> Value | None:
+    """t times every operand of the contraction `v` but the i-th, summed to `keep`.
+
+    A product that sums is one unguarded contraction (a GEMM), except where one
+    operand already spans the product (`sum(w * t)`, `W[m, n] @ t[n]`: no outer
+    product to avoid): then the guarded elementwise product is summed, so that a tangent
+    or cotangent that is inf where the weight is an exact 0 (d sqrt(x) at x = 0) adds
+    nothing (LANGUAGE.md section 8). In reverse mode only where the cotangent is
+    broadcast over the weight (a vector-matrix shape: `W @ x`'s cotangent to `x`); a
+    cotangent that spans the product itself (a weight gradient, `sum[b](ct * xn)`) keeps
+    the plain contraction, a performance choice: an inf there meeting an exact-0 operand
+    still gives NaN (tests/e2e/test_spec_combos.py says which cases are covered)."""
     others = [o for j, o in enumerate(v.operands) if j != i]
-    if not set(t.edges).union(*(o.edges for o in others)) <= keep:
-        return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
+    union = set(t.edges).union(*(o.edges for o in others))
+    if not union <= keep:
+        spans = [o for o in others if union <= set(o.edges)] if reverse else \
+            [o for o in [t] + others if union <= set(o.edges)]
+        if not spans or (reverse and union <= set(t.edges)):
+            return V.contract([t] + others, keep)  # it sums: one contraction (a GEMM), unguarded
+        for o in others:
+            t = _times(t, o) if t is not None else None
+        return None if t is None else V.contract([t], tuple(sorted(keep & union)))
     for o in others:  # elementwise: guarded products
         t = _times(t, o) if t is not None else None
     return t
 
 
 def _contract_vjp(v: Value, i: int, ct: Value) -> Value | None:
-    return _product(v, i, ct, set(v.operands[i].edges) | _batch(v, ct))
+    return _product(v, i, ct, set(v.operands[i].edges) | _batch(v, ct), reverse=True)
 
 
 def _contract_jvp(v: Value, ts) -> Value | None:

@@ -101,7 +101,17 @@ class _Eval:
         self.float_dtype = float_dtype
         self.params: list[np.ndarray] = []   # a loop body's parameters, while it runs
         self.lse_params: frozenset[int] = frozenset()   # ... those bound to a log-sum-exp (holds_lse)
+        self.param_src: dict[int, tuple[str, tuple[str, ...]]] = {}   # ... those that are an input's slices:
+        #   its name and the fixed indices ("l=1") of the enclosing steps, for an out-of-range id's message
         self.loops: dict[tuple, list[np.ndarray]] = {}   # a loop's outputs, computed once for all
+
+    def source(self, v: Value) -> tuple[str, tuple[str, ...]] | None:
+        """The input `v` reads, with the indices fixed by enclosing loop steps, or None."""
+        if v.op == "arg":
+            return v.attrs[0], ()
+        if v.op == "loopvar":
+            return self.param_src.get(v.attrs[0])
+        return None
 
     def np_dtype(self, v: Value):
         return NP_DTYPES[self.float_dtype if self.float_dtype and v.dtype in ("f32", "f64") else v.dtype]
@@ -328,7 +338,10 @@ def _check_ids(ev: _Eval, v: Value, ids: Value, a: np.ndarray) -> None:
     if bad.any():
         pos = tuple(int(i) for i in np.argwhere(bad)[0])
         where = ", ".join(f"{e}={i}" for e, i in zip(ids.edges, pos))
-        src = f"'{ids.attrs[0]}'" if ids.op == "arg" else "the index tensor"
+        src = ev.source(ids)
+        if src is not None:
+            where = ", ".join(src[1] + ((where,) if where else ()))
+        src = f"'{src[0]}'" if src is not None else "the index tensor"
         raise EvalError(f"{v.op} index out of range: {src}[{where}] = {int(a[pos])}, "
                         f"but edge '{edge}' has size {n}")
 
@@ -405,6 +418,9 @@ def _run_loop(ev: _Eval, v: Value, ops) -> list[np.ndarray]:
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
         step = _Eval(ev.m, ev.env, ev.args, ev.float_dtype)
         step.lse_params = lse
+        step.param_src = {k: (src[0], src[1] + ((f"{edge}={i}",) if body.role(k) == "slice" else ()))
+                          for k, o in enumerate(v.operands) if k >= body.carries
+                          for src in [ev.source(o)] if src is not None}
         step.params = carry + [np.take(a, i, axis=axes[k]) if body.role(k) == "slice" else a
                                for k, a in enumerate(ops) if k >= body.carries]
         vals = step.run(list(body.results))
