@@ -432,6 +432,27 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
         np.testing.assert_allclose(off.run({"A": A, "B": B})["C"], want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("k", [2600, 4100])
+def test_deep_one_column_block_runs_the_own_kernel_whatever_b(kernels, k):
+    """A deep product of one block of columns whose A' has K contiguous (attention's
+    P v and dS k over s keys: 128 x 64 x s tiles) runs the own kernel even where B'
+    (k x 64 floats) is over `own_gemm_max_b_bytes`: the program's result has the
+    kernel's bits (its sums depend on K's blocks only, not on the plan's tiles of
+    rows), on 1 and 2 threads, and matches numpy in float64. With A' transposed
+    (its rows contiguous) the rule does not apply: still correct."""
+    assert k * 64 * 4 > CpuOptions().own_gemm_max_b_bytes
+    sizes = (128, 64, k)
+    for threads in (1, 2):
+        prog, A, B, want = _ordered_matmul(("b, i, k", "b, k, j", "b, i, j"), sizes,
+                                           Options(dtype="f32").with_(threads=threads), 5)
+        got = prog.run({"A": A, "B": B})["C"]
+        for bi in range(A.shape[0]):
+            C = np.empty((128, 64), np.float32)
+            call(kernels(6, 4, CpuOptions().own_gemm_depth), A[bi], B[bi], C, 0)
+            assert np.array_equal(got[bi], C), (threads, bi)
+    _ordered_matmul(("b, k, i", "b, k, j", "b, i, j"), sizes, Options(dtype="f32").with_(threads=1), 6)
+
+
 def _ordered_matmul(orders, sizes, options, seed):
     """MATMUL with operand orders (A', B', C) and sizes (i, j, k), batch 2, compiled with
     `options` and run on random f32 operands; checked against numpy's float64 product.
