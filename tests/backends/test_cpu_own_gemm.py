@@ -183,6 +183,31 @@ def test_one_column_block_packs_a_spanning_more_than_pack_a_span(kernels):
             jit.close()
 
 
+@pytest.mark.parametrize("panel", [None, 384, 516, 600])
+def test_transposed_a_buffer_holds_a_whole_row_panel(panel):
+    """The stack buffer of a transposed A' holds a whole row panel (the option's rows
+    rounded up to whole blocks of 6 rows, then to 16: 512 -> 516 -> 528) wherever the
+    option is at most `own_gemm_pack_a_rows`, so that a tall tile's panels are packed
+    (read in place, attention's dk and dv at 8192 keys ran at a third of the speed);
+    a larger panel (600) keeps the buffer at `own_gemm_pack_a_rows`."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    cpu = CpuOptions() if panel is None else CpuOptions(own_gemm_panel_rows=panel)
+    mod = ir.Module("own")
+    own_kernel(mod, cpu, 6, 4)
+    size = int(re.search(r'%"apack\.t" = alloca float, i64 (\d+)', str(mod)).group(1))
+    depth = cpu.own_gemm_depth
+    span = depth + depth // 4 // 16 * 16
+    rows = -(-cpu.own_gemm_panel_rows // 6) * 6
+    want = -(-rows // 16) * 16
+    if cpu.own_gemm_panel_rows > cpu.own_gemm_pack_a_rows:
+        want = min(want, cpu.own_gemm_pack_a_rows)
+    assert size == want * span
+    assert panel is not None or size >= rows * span
+
+
 def k_blocks(K, depth, taps=0):
     """The own kernel's K blocks for K terms (fgemm.own_kernel: even blocks of at most
     5/4 `depth` in whole vectors; the taps form shares its buffer among `taps`)."""

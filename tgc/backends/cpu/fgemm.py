@@ -490,7 +490,13 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     # transposed A'): the row panel's K block packed once, K contiguous, for every
     # column block (`_pack_a_transposed`); the plain form with one product only
     panel = -(-max(1, cpu.own_gemm_panel_rows) // rows) * rows if window is None else 0
-    tpack, tpack_rows = None, min(-(-panel // VL) * VL, cpu.own_gemm_pack_a_rows)   # (a larger panel reads A' in place)
+    # (a larger panel reads A' in place); `own_gemm_pack_a_rows` bounds the option's panel,
+    # not its rounding up to whole row blocks (512 rows in blocks of 6: 516, packed; not
+    # packed, attention's dk and dv at 8192 keys ran at 32 GFLOP/s, packed 102)
+    tpack_rows = -(-panel // VL) * VL
+    if cpu.own_gemm_panel_rows > cpu.own_gemm_pack_a_rows:
+        tpack_rows = min(tpack_rows, cpu.own_gemm_pack_a_rows)
+    tpack = None
     if variants and tpack_rows > 0:
         tpack = entry.alloca(f32, size=I64(tpack_rows * span), name="apack.t")
         tpack.align = 64
