@@ -170,6 +170,8 @@ def plan_pick(P, Q, R, nb, own, cpu, a_k=True) -> str:
         cpu, "own_gemm_tall_max_b_bytes", 0)
     if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS:   # a transposed A': whole column blocks or two
         return "blas"
+    if a_k and deep and tq <= OWN_COLS:   # one block of columns: B' packed once per row panel
+        return "own"
     return "own" if wide and tr * tq * 4 <= cpu.own_gemm_max_b_bytes or tall else "blas"
 
 

@@ -183,6 +183,31 @@ def test_one_column_block_packs_a_spanning_more_than_pack_a_span(kernels):
             jit.close()
 
 
+@pytest.mark.parametrize("panel", [None, 384, 516, 600])
+def test_transposed_a_buffer_holds_a_whole_row_panel(panel):
+    """The stack buffer of a transposed A' holds a whole row panel (the option's rows
+    rounded up to whole blocks of 6 rows, then to 16: 512 -> 516 -> 528) wherever the
+    option is at most `own_gemm_pack_a_rows`, so that a tall tile's panels are packed
+    (read in place, attention's dk and dv at 8192 keys ran at a third of the speed);
+    a larger panel (600) keeps the buffer at `own_gemm_pack_a_rows`."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    cpu = CpuOptions() if panel is None else CpuOptions(own_gemm_panel_rows=panel)
+    mod = ir.Module("own")
+    own_kernel(mod, cpu, 6, 4)
+    size = int(re.search(r'%"apack\.t" = alloca float, i64 (\d+)', str(mod)).group(1))
+    depth = cpu.own_gemm_depth
+    span = depth + depth // 4 // 16 * 16
+    rows = -(-cpu.own_gemm_panel_rows // 6) * 6
+    want = -(-rows // 16) * 16
+    if cpu.own_gemm_panel_rows > cpu.own_gemm_pack_a_rows:
+        want = min(want, cpu.own_gemm_pack_a_rows)
+    assert size == want * span
+    assert panel is not None or size >= rows * span
+
+
 def k_blocks(K, depth, taps=0):
     """The own kernel's K blocks for K terms (fgemm.own_kernel: even blocks of at most
     5/4 `depth` in whole vectors; the taps form shares its buffer among `taps`)."""
@@ -430,6 +455,27 @@ def test_default_plan_sends_tall_tiles_to_the_own_kernel(orders, sizes):
                              Options(dtype="f32").with_(threads=2, own_gemm_transposed_a=False))
         assert re.search(r'call void @"?tgc\.gemm\.own\.f32', off.llvm_ir) is None
         np.testing.assert_allclose(off.run({"A": A, "B": B})["C"], want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("k", [2600, 4100])
+def test_deep_one_column_block_runs_the_own_kernel_whatever_b(kernels, k):
+    """A deep product of one block of columns whose A' has K contiguous (attention's
+    P v and dS k over s keys: 128 x 64 x s tiles) runs the own kernel even where B'
+    (k x 64 floats) is over `own_gemm_max_b_bytes`: the program's result has the
+    kernel's bits (its sums depend on K's blocks only, not on the plan's tiles of
+    rows), on 1 and 2 threads, and matches numpy in float64. With A' transposed
+    (its rows contiguous) the rule does not apply: still correct."""
+    assert k * 64 * 4 > CpuOptions().own_gemm_max_b_bytes
+    sizes = (128, 64, k)
+    for threads in (1, 2):
+        prog, A, B, want = _ordered_matmul(("b, i, k", "b, k, j", "b, i, j"), sizes,
+                                           Options(dtype="f32").with_(threads=threads), 5)
+        got = prog.run({"A": A, "B": B})["C"]
+        for bi in range(A.shape[0]):
+            C = np.empty((128, 64), np.float32)
+            call(kernels(6, 4, CpuOptions().own_gemm_depth), A[bi], B[bi], C, 0)
+            assert np.array_equal(got[bi], C), (threads, bi)
+    _ordered_matmul(("b, k, i", "b, k, j", "b, i, j"), sizes, Options(dtype="f32").with_(threads=1), 6)
 
 
 def _ordered_matmul(orders, sizes, options, seed):

@@ -32,7 +32,11 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     `own_gemm_min_cols` columns of C', or sums at least
     `own_gemm_min_depth` terms over at least one block of columns (OWN_COLS; a
     narrower tile wastes lanes: 64 x 48 x 704 134 / 167), and its B' has at most `own_gemm_max_b_bytes` (it stays in L2
-    while its blocks are packed; OpenBLAS streams a larger one from memory better).
+    while its blocks are packed; OpenBLAS streams a larger one from memory better),
+    or its A' has K contiguous and its columns are one block (at most OWN_COLS): then
+    each K block of B' is packed once per row panel, whatever B''s size (attention's
+    P v and dS k at s keys, 128 x 64 x s tiles with A' read from L3: own 134-155
+    GFLOP/s, OpenBLAS 94-113, at s = 4096 and 8192).
     Measured on the 2-core Xeon (AVX-512; one thread, minimum of 20 calls, GFLOP/s
     own / OpenBLAS; `benchmarks/gemm_peak.py`, docs/optimization.md): the nanoGPT
     products 704 x 192 x 48 191 / 156, 1024 x 384 x 65 205 / 170, 24 x 256 x 256 x
