@@ -245,7 +245,9 @@ def test_checkpoint_is_its_value_and_keeps_gradients(tmp_path, backend):
     t = np.tanh(h)
     np.testing.assert_allclose(out["y"], (t ** 2).sum(), rtol=1e-13)
     g = np.outer(x, 2 * t * (1 - t ** 2) * (1 - h ** 2))
-    np.testing.assert_allclose(out["g"], g, rtol=1e-12)
+    # relative to the largest entry: an entry that cancels to 1e-5 of it carries the
+    # rounding of its terms (the products' summation order differs between backends)
+    np.testing.assert_allclose(out["g"], g, rtol=1e-12, atol=1e-12 * np.abs(g).max())
 
 
 # ------------------------------------------------------------------ facts
