@@ -53,13 +53,13 @@ def _lanes_bytes(low: Lowered, slots: list[dict], options) -> int:
     options or such a loop."""
     if options is None:
         return 0
-    from tgc.backends.cpu.codegen import ALIGN, parallel_step_loops, step_lanes
+    from tgc.backends.cpu.codegen import ALIGN, parallel_step_loops
 
     found = parallel_step_loops(low, options.cpu)
     if not found:
         return 0
     rounded = [-(-s["bytes"] // ALIGN) * ALIGN for s in slots]
-    return (step_lanes(options.cpu) - 1) * max(sum(rounded[sb:]) for _, sb in found)
+    return (options.cpu.step_lanes() - 1) * max(sum(rounded[sb:]) for _, sb in found)
 
 
 def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
@@ -80,8 +80,8 @@ def explain(low: Lowered, env: dict[str, int], options=None) -> dict:
 
     lanes = {}
     if options is not None:   # a loop whose steps run on the threads: each lane holds its own step's temporaries
-        from tgc.backends.cpu.codegen import parallel_step_loops, step_lanes
-        lanes = {id(k): step_lanes(options.cpu) for k, _ in parallel_step_loops(low, options.cpu)}
+        from tgc.backends.cpu.codegen import parallel_step_loops
+        lanes = {id(k): options.cpu.step_lanes() for k, _ in parallel_step_loops(low, options.cpu)}
     liveness = Liveness(low, lanes)
     first, last = liveness.first, liveness.last
     kernels = []

@@ -118,8 +118,9 @@ class StepLowering:
         # the blocks E = Ec + B*edge the loop splits its operands into: a stacked result over
         # Ec is laid out as the program's outputs over E (a key loop's blocks of dk, dv,
         # joined back over the keys and added to the step's carries in their order)
-        blocks = {sp[1]: sp[0] for k, o in enumerate(ops) if body.role(k) == "slice"
-                  for sp in [split_edge(o, edge)] if sp is not None}
+        splits = [sp for k, o in enumerate(ops) if body.role(k) == "slice"
+                  for sp in [split_edge(o, edge)] if sp is not None]
+        blocks = {ec: e for e, ec in splits}
         # ... and one over the edge E a loop runs one index a step (its operands renamed E to
         # the loop edge: the heads of a stream's loops) as those outputs with E outermost
         blocks.update({"": o.attrs[0][0][0] for k, o in enumerate(ops) if body.role(k) == "slice"
@@ -128,10 +129,9 @@ class StepLowering:
         # it splits (a stream's rows t.2 of x over t and of q over its rename t.1: as t)
         rank = {e: i for i, e in enumerate(self.f.m.edges)}
         ranked: dict[str, str] = {}
-        for k, o in enumerate(ops):
-            sp = split_edge(o, edge) if body.role(k) == "slice" else None
-            if sp is not None and (sp[1] not in ranked or rank.get(sp[0], len(rank)) < rank.get(ranked[sp[1]], len(rank))):
-                ranked[sp[1]] = sp[0]
+        for e, ec in splits:
+            if ec not in ranked or rank.get(e, len(rank)) < rank.get(ranked[ec], len(rank)):
+                ranked[ec] = e
         for k, (o, p) in enumerate(zip(ops, body.params)):
             role = body.role(k)
             dtype = self.f.dtype_of(p)

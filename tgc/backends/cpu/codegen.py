@@ -187,7 +187,7 @@ class _ModuleGen:
         self.step_counters = step_profile_kernels(low)   # counted after the program's own kernels
         self.serial = False        # emitting a step that runs on one thread of a parallel loop (`call_steps_parallel`)
         self.steps_defined = 0     # the parallel loop bodies tgc.s0, tgc.s1, ... in self.mod
-        self.lanes = step_lanes(options.cpu)
+        self.lanes = options.cpu.step_lanes()
         self.parallel_loops = {id(k): sb for k, sb in parallel_step_loops(low, options.cpu)}   # loop -> its step's first slot
 
     def assign_units(self, units: int) -> int:
@@ -1161,19 +1161,6 @@ def leaf_kernels(low: Lowered):
             yield low, k
 
 
-def step_lanes(cpu: CpuOptions) -> int:
-    """How many threads a parallel loop's steps are shared among at most: the option's
-    thread count, or with 0 (every core) the cores this process may run on."""
-    import os
-
-    if cpu.threads > 0:
-        return cpu.threads
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def step_cycles(low: Lowered, env: dict, cpu: CpuOptions) -> int:
     """The estimated cycles of one run of `low` on one thread at the dims `env`: its
     GEMMs' flops at `gemm_flops_per_cycle`, its loops' work at `loop_work_per_cycle`,
@@ -1206,8 +1193,8 @@ def parallel_step_loops(low: Lowered, cpu: CpuOptions, base: int = 0, env: dict 
     `profile` (its counters are per kernel) or with `parallel_steps_min_cycles` 0.
     Such a loop replaces the step's kernels' own regions, which at attention's small
     per-head products leave the second core partly idle."""
-    lanes = step_lanes(cpu)
-    if cpu.threads == 1 or lanes < 2 or cpu.profile or cpu.parallel_steps_min_cycles <= 0:
+    lanes = cpu.step_lanes()
+    if lanes < 2:
         return []
     env = {d: s for d, s in low.module.dims.items() if isinstance(s, int)} if env is None else env
     out = []
