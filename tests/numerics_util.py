@@ -197,6 +197,23 @@ def rng(seed):
     return np.random.default_rng(seed)
 
 
+def normal(seed, shape, scale=1.0, mean=0.0):
+    """Normal draws of `shape` (mean, scale) from the seeded generator."""
+    return mean + scale * rng(seed).standard_normal(shape)
+
+
+def leaves(*ts):
+    """Fresh copies of torch tensors that require gradients (a case's reference inputs)."""
+    return [t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def grads(y, xs, create_graph=False):
+    """torch's gradients of `y` with respect to `xs` (`create_graph` for a second order)."""
+    import torch
+
+    return torch.autograd.grad(y, xs, create_graph=create_graph)
+
+
 def assert_not_worse_than_torch(case: Case, backend: str) -> None:
     """tgc's f32 outputs of `case` on `backend` within 10x PyTorch f32's error (`ok`),
     something compared."""

@@ -40,24 +40,13 @@ import torch.nn.functional as F  # noqa: E402
 TESTS = str(Path(__file__).resolve().parents[1])
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-from numerics_util import BACKENDS, Case, assert_not_worse_than_torch, case_registry, compare, rng  # noqa: E402
+from numerics_util import (BACKENDS, Case, assert_not_worse_than_torch, case_registry, compare,  # noqa: E402
+                           grads, leaves, normal, rng)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 CASES: list[Case] = []
 case = case_registry(CASES)
-
-
-def normal(seed, shape, scale=1.0, mean=0.0):
-    return mean + scale * rng(seed).standard_normal(shape)
-
-
-def leaves(*ts):
-    return [t.detach().clone().requires_grad_(True) for t in ts]
-
-
-def grads(y, xs, create_graph=False):
-    return torch.autograd.grad(y, xs, create_graph=create_graph)
 
 
 # ================================================================ long reductions
