@@ -32,10 +32,19 @@ def breakdown():
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
-def counted(bd, w, calls: int = 5):
+def counted(bd, w, slack_s: float, calls: int = 5, tries: int = 8):
+    """The program and its accounting in the fastest of `calls` calls. On a loaded
+    machine (CI runs two workers on two cores) every call of a try may wait for a core
+    outside the kernels' counters; the wall-time check is then tried again, up to
+    `tries` times: the property is that a call nobody preempts is all counted."""
     hz = bd.tsc_hz(0.05)
     program = bd.build(w.module, w.dims, w.options, True, 1)
-    return program, bd.account(program, w.arrays(program), calls, hz)
+    arrays = w.arrays(program)
+    for _ in range(tries):
+        acc = bd.account(program, arrays, calls, hz)
+        if acc.wall - acc.counted / acc.hz <= slack_s + 0.2 * acc.wall:
+            break
+    return program, acc
 
 
 def check_sums(acc, slack_s: float) -> None:
@@ -53,7 +62,7 @@ def test_tiny_gpt_accounting(breakdown):
     from tgc.lower.lowered import GemmKernel, StepLoop
 
     w = breakdown.NanoGPT(batch=2, sizes=TINY)
-    program, acc = counted(breakdown, w)
+    program, acc = counted(breakdown, w, 2e-3)
     assert any(isinstance(k, StepLoop) for k in program.lowered.kernels), "the layers are no loop: no loop accounting"
     assert acc.loops > 0
     check_sums(acc, 2e-3)
@@ -81,7 +90,7 @@ def test_tiny_gpt_accounting(breakdown):
 
 def test_conv2d_sym_accounting(breakdown):
     w = breakdown.Conv2dSym(batch=2)
-    program, acc = counted(breakdown, w)
+    program, acc = counted(breakdown, w, 1e-3)
     check_sums(acc, 1e-3)
     assert acc.product_flops() == w.model_flops()   # y, dx and dK: one product each
     # each product reaches the one output it computes; every kernel reaches some output
@@ -96,7 +105,7 @@ def test_attention_accounting_and_kernel_minima(breakdown):
     the others; with `minima`, each kernel's least ticks over the calls: none above the
     fastest call's, and the rows with the loops' own still sum to the counted total."""
     w = breakdown.Attention(t=64, heads=2, batch=2)
-    program, acc = counted(breakdown, w)
+    program, acc = counted(breakdown, w, 2e-3)
     check_sums(acc, 2e-3)
     assert acc.product_flops() > 0 and all(r.shape for r in acc.rows if r.product)
     least = breakdown.account(program, w.arrays(program), 5, acc.hz, minima=True)
