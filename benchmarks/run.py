@@ -364,6 +364,8 @@ class Tgc:
             step()
             if any(v.refused for v in prog.variants()):
                 break
+        if prog.last_variant is None and any(v.specialized for v in prog.variants()):
+            step()   # the build (inside the last call, which ran the generic program) outlasted the budget
         return "generic" if prog.last_variant is None else "specialized"
 
 
@@ -653,8 +655,11 @@ def run_case(case, makers, args, bounds, tg):
                 row["compile_s"][name] = first
             if name == "tgc" and tg.fresh:
                 row["compile_s"][name] = tg.program(case)[1]
-            if name == "tgc":
-                row["tgc_variant"] = tg.settle(case, step)
+            owner = getattr(maker, "__self__", None)   # "tgc" and "tgc 1 thread": a Tgc's program
+            if isinstance(owner, Tgc):   # each times its specialization, not generic calls and the build
+                row.setdefault("variants", {})[name] = owner.settle(case, step)
+                if name == "tgc":
+                    row["tgc_variant"] = row["variants"][name]
             steps[name] = step                              # a training step goes on from its first step
             row["status"][name] = "ok"
         except Exception as e:   # noqa: BLE001 — one contender failing must not stop the others

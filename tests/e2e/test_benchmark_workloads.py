@@ -117,3 +117,32 @@ def test_region_counter_counts_the_parallel_regions_a_call_starts():
     start = counter.count
     after(x=x)
     assert counter.count == start
+
+
+def test_every_tgc_column_times_its_specialization():
+    """run.py settles each tgc contender before timing it, the one-thread column too (it
+    timed the generic program, and the specialization's build, where only "tgc" was settled):
+    a row's samples run the program specialized to the row's sizes in both columns."""
+    import argparse
+
+    import run
+    from tgc.options import CpuOptions, Options
+
+    case = next(c for c in run.cases() if c.workload == "gelu" and c.size == "64x256")
+    columns = []
+    for threads in (None, 1):
+        tg = run.Tgc(False, threads)
+        key = (case.workload, ())
+        # specialize at the second call (the default waits for 2^31 FLOPs plus bytes of calls)
+        tg.programs[key] = tgc.compile(str(run.WORK / "gelu.tg"), backend="cpu", dtype="f32", options=Options(
+            specialize_work=0, cpu=CpuOptions(threads=threads or 0)))
+        tg.compile_s[key] = 0.0
+        columns.append(tg)
+    makers = [("tgc", columns[0].make), ("tgc 1 thread", columns[1].make)]
+    args = argparse.Namespace(repeat=1, sample_ms=0.1, blocked=False, settle_ms=0.0)
+    row = run.run_case(case, makers, args, {"triad_GBps": 1.0, "sgemm_GFLOPs": 1.0}, columns[0])
+    assert row["status"] == {"tgc": "ok", "tgc 1 thread": "ok"}
+    assert row["variants"] == {"tgc": "specialized", "tgc 1 thread": "specialized"}
+    for tg in columns:
+        prog = tg.programs[(case.workload, ())]
+        assert [v.specialized for v in prog.variants()] == [True] and prog.last_variant is not None
