@@ -1,0 +1,44 @@
+"""Probe of stop 50: an outsider's programs and hostile inputs, from shared/LANGUAGE.md
+and the README only, run through `tgc run`, `tgc build` and the Python API. Each test
+here failed before its fix (the commit that adds it says which)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import tgc
+from tgc.cli import main
+from tgc.ir.input_checks import EvalError
+
+
+def many_edges(n: int, prefix: str) -> tuple[str, str]:
+    """`dim p0 = 1, ...` and the edge list `p0, p1, ...` of n edges of size 1."""
+    names = [f"{prefix}{i}" for i in range(n)]
+    return ", ".join(f"{e} = 1" for e in names), ", ".join(names)
+
+
+def test_run_random_inputs_with_more_edges_than_numpy_axes_is_a_clear_error(tmp_path):
+    """Section 4 puts no bound on a tensor's edges; numpy holds at most 64 axes, so
+    `tgc run --random-inputs` of a 100-edge input cannot make it: a runtime error (3)
+    that says so, not an internal compiler error (4) with numpy's message."""
+    dims, edges = many_edges(100, "e")
+    src = tmp_path / "wide.tg"
+    src.write_text(f"dim {dims}\ninput x[{edges}]\nout y = sum(x)\n")
+    r = CliRunner().invoke(main, ["run", str(src), "--random-inputs"])
+    assert r.exit_code == 3, r.output
+    assert "input 'x' has 100 edges" in r.output and "internal" not in r.output
+
+
+def test_interp_value_with_more_edges_than_numpy_axes_is_a_clear_error():
+    """An outer product of two 35-edge tensors has 70 edges: the cpu backend runs it,
+    the interpreter (numpy, at most 64 axes) says it cannot, instead of numpy's
+    'maximum supported dimension' as an internal error."""
+    da, ea = many_edges(35, "a")
+    db, eb = many_edges(35, "b")
+    src = f"dim {da}, {db}\ninput x[{ea}], y[{eb}]\nout s = sum(exp(x * y))\n"
+    x, y = np.full((1,) * 35, 0.5), np.full((1,) * 35, 2.0)
+    got = tgc.compile(src, backend="cpu", dtype="f64")(x=x, y=y)["s"]
+    assert got == pytest.approx(np.e)
+    with pytest.raises(EvalError, match="at most 64 edges per value; the cpu backend runs it"):
+        tgc.compile(src, backend="interp", dtype="f64")(x=x, y=y)
