@@ -64,3 +64,23 @@ def test_grad_emits_valid_tg_for_a_complex_program(tmp_path):
     got = tgc.compile(str(out), dtype="f64")(w=w, u=u)
     np.testing.assert_allclose(got["dw"], want["gw"], rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(got["du"], want["gu"], rtol=1e-12, atol=1e-14)
+
+
+def test_ir_dump_of_a_symbolic_size_constant_reads_back(tmp_path):
+    """`[t = size(t) - 1]` over a symbolic `t` (the last step of a scan) prints in the IR
+    as `indicator[t = size(t + (-1))]`; the IR reader took no parenthesis inside
+    `size(...)` and refused its own dump ('bad affine expression'). Read back, the dump
+    computes what the source does."""
+    src = tmp_path / "p.tg"
+    src.write_text("dim t, n = 3\ninput x[t, n]\nfn acc(h, a) = h + a\n"
+                   "hs = scan[t](acc, 0 * x[t = 0], x)\nout last = sum[t](hs * [t = size(t) - 1])\n")
+    x = np.random.default_rng(0).standard_normal((5, 3))
+    want = tgc.compile(str(src), dtype="f64")(x=x)["last"]
+    np.testing.assert_allclose(want, x.sum(0), rtol=1e-12)
+    for after in ("elaborate", None):
+        ir = tmp_path / f"p_{after}.tgir"
+        r = CliRunner().invoke(main, ["dump-ir", str(src), "--dtype", "f64", "-o", str(ir),
+                                      *(["--after", after] if after else [])])
+        assert r.exit_code == 0, r.output
+        assert "size(t + (-1))" in ir.read_text()
+        np.testing.assert_allclose(tgc.compile(str(ir), dtype="f64")(x=x)["last"], want, rtol=1e-12)
