@@ -84,3 +84,18 @@ def test_ir_dump_of_a_symbolic_size_constant_reads_back(tmp_path):
         assert r.exit_code == 0, r.output
         assert "size(t + (-1))" in ir.read_text()
         np.testing.assert_allclose(tgc.compile(str(ir), dtype="f64")(x=x)["last"], want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("command", [["run", "--random-inputs"], ["build", "-o", "{tmp}/libw.so"], ["explain"]])
+def test_a_type_held_narrower_than_named_is_warned_by_every_command_that_builds(tmp_path, command):
+    """docs/language.md section 14: `f64` in an f32 program holds f32 values, and "the
+    compiler warns at each place that names such a type". Only `tgc check` did: `tgc
+    run`, `build` and `explain` computed in f32 and said nothing."""
+    src = tmp_path / "w.tg"
+    src.write_text("dim n = 3\ninput a: f64[n], b[n]\nout c = a + b\n")
+    args = [c.replace("{tmp}", str(tmp_path)) for c in command]
+    r = CliRunner().invoke(main, [args[0], str(src), *args[1:]])
+    assert r.exit_code == 0, r.output
+    assert "w.tg:2:7: warning: input 'a': f64 is wider than this program's float type f32" in r.output
+    r = CliRunner().invoke(main, [args[0], str(src), *args[1:], "--dtype", "f64"])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
