@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from tgc import pipeline
-from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.errors import SOURCE, handle_errors, report
 from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
 from tgc.fsutil import is_special, write_all_atomic
@@ -136,6 +136,7 @@ def build(file, output, opt_level, defines, dtype, emit, blas, md, mf, mt, mp, i
                       fp_strict=fp_strict, autocast=autocast,
                       memory_budget=memory_budget).with_(blas=blas, arch=arch)
     loaded = pipeline.load_program(file, options)
+    report(loaded.widened)   # a type held narrower than it is named: said wherever it is built
     with _flag_errors():
         companions = {} if emit == "ir" else backend.companions(output, emit)
     beside = output == "-" or not is_special(output)   # a device or FIFO (/dev/null): nothing goes beside it

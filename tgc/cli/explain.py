@@ -8,7 +8,7 @@ import tempfile
 import click
 
 from tgc import pipeline
-from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.errors import SOURCE, handle_errors, report as report_diagnostics
 from tgc.cli.flags import BACKEND, BYTES, DIM_FLAGS, MEMORY_BUDGET, dims_option
 from tgc.cli.outputs import check_outputs, sources
 from tgc.cli.run import check_dim_flags
@@ -85,6 +85,7 @@ def explain(file, dims, dtype, fmt, timeline, import_dirs=(), specialized=False,
     if specialize_first_work is not None:
         options = options.with_(specialize_first_work=specialize_first_work)
     loaded = pipeline.load_program(file, options)
+    report_diagnostics(loaded.widened)   # a type held narrower than it is named: said wherever it is built
     check_outputs([("the timeline", timeline)], sources(loaded.files), hint="--timeline")
     module = loaded.module
     check_dim_flags(module, dims)

@@ -12,7 +12,7 @@ import click
 import numpy as np
 
 from tgc import pipeline
-from tgc.cli.errors import SOURCE, handle_errors
+from tgc.cli.errors import SOURCE, handle_errors, report
 from tgc.cli.interrupt import waiting
 from tgc.cli.flags import AUTOCAST, DIM_FLAGS, FP_STRICT, MEMORY_BUDGET, LoweringBackends, dims_option, report_memory
 from tgc.cli.outputs import check_outputs, sources
@@ -428,6 +428,7 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
                       memory_budget=memory_budget).with_(profile=bool(profile))
     with status("compiling"):
         loaded = pipeline.load_program(file, options)
+        report(loaded.widened)   # a type held narrower than it is named: said wherever it is built
         check_outputs([("the output", output)], [*sources(loaded.files), ("the inputs", npz),
                                                  *((f"input '{k}'", v) for k, v in singles.items())])
         full = loaded.module

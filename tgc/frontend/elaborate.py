@@ -43,6 +43,7 @@ class Elaborated:
     warnings: list[Diagnostic] = field(default_factory=list)
     texts: dict[str, str] = field(default_factory=dict)  # each of `files`: the text read from it
     absent: list[str] = field(default_factory=list)  # paths an import looked at first and found no file at
+    widened: list[Diagnostic] = field(default_factory=list)  # of `warnings`, the types named wider than the program's: their values are held at its width, which every command that builds says (tgc.cli.errors.report_widened)
 
 
 def _shorten(text: str, limit: int = 80) -> str:
@@ -522,7 +523,8 @@ def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
         with gc_paused():
             b = ProgramBuilder(options)
             b.file(text, filename, top=True)
-            return Elaborated(b.finish(), b.files, b.warnings(), {f: b.sources[f] for f in b.files}, b.absent)
+            return Elaborated(b.finish(), b.files, b.warnings(), {f: b.sources[f] for f in b.files}, b.absent,
+                              list(b.el.capped))
     except RecursionError:  # the limits on nesting and calls should come first; this is the backstop
         raise CompileError("the program is nested too deeply to compile (expressions inside calls inside "
                            "expressions ...): split it into several bindings", Loc(filename, 1, 1)) from None

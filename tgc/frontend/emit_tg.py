@@ -58,7 +58,7 @@ class _Writer:
                 declared.add(edge)
         for edge, dim in self.m.edges.items():
             if edge not in declared:
-                self.lines.append(f"dim {self.e(edge)} = {dim}")
+                self.lines.append(f"dim {self.e(edge)} = {self.e(dim)}")
                 declared.add(edge)
         seen = set(self.m.dims) | {e for e in self.m.edges if e not in _arg_edges(self.m)}
         # an f64 program's f32 arguments keep their type (in an f32 program every float is f32)

@@ -135,36 +135,69 @@ def _compare(op: str, a, b):
             "<=": lambda: a <= b, ">": lambda: a > b, ">=": lambda: a >= b}[op]()
 
 
-_TERM = re.compile(r"\s*(size\(([^()]*)\)|\(([^()]*)\)\*([A-Za-z_][\w'.]*)|(\d+|[A-Za-z_][\w'.]*)(\*([A-Za-z_][\w'.]*))?)\s*")
+_NAME = re.compile(r"\s*(\d+|[A-Za-z_][\w'.]*)(\*([A-Za-z_][\w'.]*))?\s*")
+_STAR_NAME = re.compile(r"\*([A-Za-z_][\w'.]*)\s*")
+
+
+def _closing(text: str, start: int) -> int:
+    """The index just past the parenthesis that closes the one at `start` (sizes nest:
+    `size(t + (-1))`, `(min(a, b))*s`), or -1."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
 
 
 def parse_affine(text: str) -> Affine:
-    """Parse the text `str(Affine)` writes."""
+    """Parse the text `str(Affine)` writes: terms `size(SIZE)`, `(SIZE)*edge`, `k*edge`,
+    `dim*edge`, an integer or an edge, joined by + and -."""
     text = text.strip()
     terms: list[tuple[str, Size]] = []
     const: Size = 0
     sign, pos = 1, 0
     if text.startswith("-"):
         sign, pos = -1, 1
+
+    def bad() -> SizeError:
+        return SizeError(f"bad affine expression '{text}'")
+
     while True:
-        m = _TERM.match(text, pos)
-        if not m:
-            raise SizeError(f"bad affine expression '{text}'")
-        if m.group(2) is not None:
-            const = size_op("+" if sign > 0 else "-", const, parse_size(m.group(2)))
-        elif m.group(3) is not None:
-            terms.append((m.group(4), _signed(sign, parse_size(m.group(3)))))
-        elif m.group(7) is not None:
-            terms.append((m.group(7), _signed(sign, parse_size(m.group(5)))))
-        elif m.group(5).isdigit():
-            const = size_op("+", const, sign * int(m.group(5)))
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if text.startswith("size(", pos) or text.startswith("(", pos):
+            opened = pos + 4 if text.startswith("size(", pos) else pos
+            end = _closing(text, opened)
+            if end < 0:
+                raise bad()
+            inner = parse_size(text[opened + 1:end - 1])
+            if opened > pos:   # size(SIZE): a constant
+                const = size_op("+" if sign > 0 else "-", const, inner)
+                m = re.compile(r"\s*").match(text, end)
+            else:              # (SIZE)*edge
+                m = _STAR_NAME.match(text, end)
+                if not m:
+                    raise bad()
+                terms.append((m.group(1), _signed(sign, inner)))
         else:
-            terms.append((m.group(5), sign))
+            m = _NAME.match(text, pos)
+            if not m:
+                raise bad()
+            if m.group(3) is not None:
+                terms.append((m.group(3), _signed(sign, parse_size(m.group(1)))))
+            elif m.group(1).isdigit():
+                const = size_op("+", const, sign * int(m.group(1)))
+            else:
+                terms.append((m.group(1), sign))
         pos = m.end()
         if pos == len(text):
             return Affine.make(terms, const)
         if text[pos] not in "+-":
-            raise SizeError(f"bad affine expression '{text}'")
+            raise bad()
         sign, pos = (1 if text[pos] == "+" else -1), pos + 1
 
 

@@ -14,6 +14,8 @@ import numpy as np
 
 from tgc.ir.assume import satisfy
 from tgc.ir.dtypes import narrower, round_to
+from tgc.ir.input_checks import EvalError
+from tgc.ir.interp import MAX_AXES
 from tgc.ir.module import Arg, Module
 from tgc.ir.values import Value, topo_order
 
@@ -26,6 +28,9 @@ def random_inputs(module: Module, env: Mapping[str, int], seed: int = 0,
     out = {}
     for a in module.args.values():
         shape = tuple(env[module.edges[e]] for e in a.order)
+        if len(shape) > MAX_AXES:
+            raise EvalError(f"input '{a.name}' has {len(shape)} edges: a numpy array has at most {MAX_AXES} "
+                            f"axes (`tgc build` makes a library that takes it from C)")
         if a.dtype == "i32":
             out[a.name] = rng.integers(0, _id_bound(module, a, env), size=shape).astype(np.int32)
         else:

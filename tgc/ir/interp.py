@@ -160,11 +160,18 @@ class _Eval:
         return n
 
     def check_size(self, v: Value) -> None:
-        """A value whose bytes (in float64, as computed) exceed 2^62 is an error, not
-        numpy's 'array is too big'."""
+        """A value whose bytes (in float64, as computed) exceed 2^62, or that has more
+        edges than a numpy array has axes (MAX_AXES), is an error, not numpy's 'array is
+        too big' or 'maximum supported dimension' (an internal error)."""
+        if len(v.edges) > MAX_AXES:
+            raise EvalError(f"a value over {len(v.edges)} edges: the interpreter (numpy) holds at most "
+                            f"{MAX_AXES} edges per value; the cpu backend runs it")
         if self.elements(v) * 8 > MAX_SIZE:
             raise EvalError(f"a value over [{', '.join(v.edges)}] has {self.elements(v)} elements: "
                             f"more than 2^62 bytes")
+
+
+MAX_AXES = 64   # numpy's most axes per array (NPY_MAXDIMS in numpy 2)
 
 
 def _wide(a: np.ndarray) -> np.ndarray:
