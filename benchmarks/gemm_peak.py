@@ -21,7 +21,10 @@
    started together, the minimum of the larger of their CPU times). Columns: GFLOP/s, % of the FMA peak (2 threads: of twice
    it), Mcycles at the FMA clock, MB moved (A', B' read and C' written once: the
    least any kernel moves) and the plan's pick (`own` or `blas`) for the product's
-   tiles (`GemmGen.tiles` and `own_tile` at the options given).
+   tiles (`GemmGen.tiles` and `own_tile` at the options given). A batched product's
+   last column: the own kernel on one thread with every batch index reading index
+   0's operands (batch strides 0: in cache), so that the gap between it and `own 1T`
+   is what fetching each index's operands from L3 or memory costs.
 
     python benchmarks/gemm_peak.py                 # peak, then width 384 and 768
     python benchmarks/gemm_peak.py --width 384 --reps 30
@@ -264,6 +267,17 @@ def run_own(own, A, B, C):
            A.strides[2] // s, B.ctypes.data, B.strides[1] // s, B.strides[2] // s, C.ctypes.data, C.strides[1] // s)
 
 
+def run_own_cached(own, A, B, C):
+    """The own kernel on every batch index of the product, each reading batch index 0's
+    A' and B' and writing its C' (batch strides 0): operands in cache, the product's
+    time less what fetching each index's operands from L3 or memory costs."""
+    nb, M, K = A.shape
+    N = B.shape[2]
+    s = 4
+    own.fn(0, nb, 0, 0, 0, M, N, K, A.ctypes.data, A.strides[1] // s, A.strides[2] // s, B.ctypes.data,
+           B.strides[1] // s, B.strides[2] // s, C.ctypes.data, C.strides[1] // s)
+
+
 def one_thread(fn, reps):
     ts = []
     for _ in range(reps):
@@ -333,6 +347,8 @@ def measure(p: dict, own, pair, reps: int, rng) -> dict:
         err = np.abs(C - want).max() / max(1e-30, np.abs(want).max())
         if not err < 1e-5:
             raise AssertionError(f"{name} in two halves on {p['text']}: relative error {err:.2e}")
+    if p["batch"] > 1 and ("own", 1) in res:   # the same flops with every index's operands in cache
+        res["cached", 1] = one_thread(lambda: run_own_cached(own, A, B, C), reps)
     return res
 
 
@@ -354,7 +370,8 @@ def table(width: int, batch: int, reps: int, pk: dict, options) -> list[dict]:
     print(f"\nwidth {width}, batch {batch} (t 256): {len(prods)} products, {len(rows)} distinct; "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'product (batch x P x Q x R, A B)':<34} {'x/step':>6} {'MB':>6} {'pick':>5} | "
-          + " | ".join(f"{k:>4} {t}T: GF/s  %pk  Mcyc" for k in ("own", "blas") for t in (1, 2)))
+          + " | ".join(f"{k:>4} {t}T: GF/s  %pk  Mcyc" for k in ("own", "blas") for t in (1, 2))
+          + " | own 1T cached: GF/s  %pk")
     total = {"own": 0.0, "blas": 0.0, "pick": 0.0, "best": 0.0}
     with threadpool_limits(1):
         for p in rows:
@@ -371,6 +388,8 @@ def table(width: int, batch: int, reps: int, pk: dict, options) -> list[dict]:
                         continue
                     g = flops / s / 1e9
                     cells.append(f"{g:>7.0f} {100 * g / (gpeak * t):>4.0f} {s * hz / 1e6:>6.2f}")
+            s = res.get(("cached", 1))
+            cells.append(f"{'-':>23}" if s is None else f"{flops / s / 1e9:>17.0f} {100 * flops / s / 1e9 / gpeak:>4.0f}")
             p["res"] = res
             pick = p["pick"] if p["pick"] in ("own", "blas") else "blas"
             total["pick"] += p["times"] * res.get((pick, 2), res["blas", 2])
