@@ -29,6 +29,7 @@
     python benchmarks/gemm_peak.py                 # peak, then width 384 and 768
     python benchmarks/gemm_peak.py --width 384 --reps 30
     python benchmarks/gemm_peak.py --peak-only
+    python benchmarks/gemm_peak.py --width 384 --operands   # each operand held in cache
 """
 from __future__ import annotations
 
@@ -278,6 +279,64 @@ def run_own_cached(own, A, B, C):
            B.strides[1] // s, B.strides[2] // s, C.ctypes.data, C.strides[1] // s)
 
 
+PINS = ("none", "A", "B", "C", "all")
+
+
+def pinned(A, B, C, pin: str) -> list[int]:
+    """`Own.fn`'s stride arguments (batch strides of A', B', C'; sam, sak; sbk, sbn; ldc)
+    for batched A', B', C', with operand `pin` ('A', 'B', 'C', 'all' or 'none') held in
+    one place: its batch stride and its stride other than 1 set to 0, so that every
+    batch index, and every row (A', C') or K (B'), reads or writes the same few lines,
+    which stay in L1. The flops and the kernel's path are the product's; the values
+    are not (a timing, never a result)."""
+    s, nb = 4, A.shape[0]
+    st = {n: [x.strides[0] // s if nb > 1 else 0] + [v // s for v in x.strides[1:]] for n, x in zip("ABC", (A, B, C))}
+    for n in ("ABC" if pin == "all" else pin if pin in "ABC" else ""):
+        st[n] = [0] + [v if v == 1 else 0 for v in st[n][1:]]
+    return [st["A"][0], st["B"][0], st["C"][0], *st["A"][1:], *st["B"][1:], st["C"][1]]
+
+
+def operand_costs(p: dict, own, reps: int, rng) -> dict:
+    """Seconds of the own kernel on one thread on product `p` with each operand pinned
+    in cache (`pinned`), the variants alternated in rounds, the minimum of each: the
+    gap between 'none' and 'A' is what reading A' from L2, L3 or memory costs, and so
+    on; 'all' is the kernel with every operand in L1."""
+    A, B, C = operands(p, rng)
+    nb, M, K = A.shape
+    N = B.shape[2]
+    args = {pin: pinned(A, B, C, pin) for pin in PINS}
+    best = dict.fromkeys(PINS, float("inf"))
+    for _ in range(reps):
+        for pin, (sa, sb, sc, sam, sak, sbk, sbn, ldc) in args.items():
+            t0 = time.thread_time()
+            own.fn(0, nb, sa, sb, sc, M, N, K, A.ctypes.data, sam, sak, B.ctypes.data, sbk, sbn, C.ctypes.data, ldc)
+            best[pin] = min(best[pin], time.thread_time() - t0)
+    return best
+
+
+def operands_table(width: int, batch: int, reps: int, pk: dict, options) -> None:
+    """Per product shape of the step, the own kernel's % of the peak on one thread with
+    each operand pinned in cache (`operand_costs`)."""
+    from threadpoolctl import threadpool_limits
+
+    seen = {}
+    for p in products(width, batch, options):
+        key = (p["batch"], p["P"], p["Q"], p["R"], p["a_k"], p["b_n"])
+        seen.setdefault(key, dict(p, times=0))["times"] += p["times"]
+    own, rng = Own(options.cpu, opt=options.opt_level), np.random.default_rng(0)
+    print(f"\nwidth {width}, batch {batch}: the own kernel on one thread, % of the peak with the operand named "
+          f"held in cache (`pinned`); load {os.getloadavg()[0]:.2f}")
+    print(f"{'product (batch x P x Q x R, A B)':<34} {'x/step':>6} | " + " ".join(f"{k:>5}" for k in PINS))
+    with threadpool_limits(1):
+        for (nb, P, Q, R, a_k, b_n), p in seen.items():
+            best = operand_costs(p, own, reps, rng)
+            flops = 2.0 * nb * P * Q * R
+            name = f"{nb} x {P} x {Q} x {R} {'N' if a_k else 'T'}{'N' if b_n else 'T'}"
+            print(f"{name:<34} {p['times']:>6} | "
+                  + " ".join(f"{100 * flops / best[k] / 1e9 / pk['gflops']:>5.0f}" for k in PINS))
+    own.jit.close()
+
+
 def one_thread(fn, reps):
     ts = []
     for _ in range(reps):
@@ -411,6 +470,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20, help="timed runs per product and kernel (minimum)")
     ap.add_argument("--peak-only", action="store_true")
+    ap.add_argument("--operands", action="store_true",
+                    help="instead of the table: the own kernel with each operand held in cache (what its traffic costs)")
     args = ap.parse_args(argv)
 
     from tgc.backends.cpu.llvm_env import has_feature
@@ -426,6 +487,9 @@ def main(argv=None) -> int:
     if args.peak_only:
         return 0
     for width in args.width or (384, 768):
+        if args.operands:
+            operands_table(width, args.batch, args.reps, pk, Options())
+            continue
         table(width, args.batch, args.reps, pk, Options())
     return 0
 
