@@ -172,7 +172,8 @@ def plan_pick(P, Q, R, nb, own, cpu, a_k=True) -> str:
     wide = tq >= cpu.own_gemm_min_cols or deep
     tall = tp >= getattr(cpu, "own_gemm_min_rows", 1 << 62) and tq >= 2 * OWN_COLS and tr * tq * 4 <= getattr(
         cpu, "own_gemm_tall_max_b_bytes", 0)
-    if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS:   # a transposed A': whole column blocks or two
+    edge = OWN_COLS < tq <= 16 * cpu.own_gemm_edge_vecs   # the edge block's columns (gemm_dispatch.edge_vecs)
+    if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS and not edge:   # a transposed A': whole column blocks or two
         return "blas"
     if a_k and deep and tq <= OWN_COLS:   # one block of columns: B' packed once per row panel
         return "own"
@@ -207,10 +208,25 @@ class Own:
         arrs = [b.alloca(I64) for _ in range(4)]
         for arr, v in zip(arrs, (I64(0), I64(0), I64(0), K)):
             b.store(v, arr)
+        edge = None
+        if not blocks and cpu.own_gemm_edge_vecs > cpu.own_gemm_vecs:   # as GemmGen.call_own picks it
+            from tgc.backends.cpu.gemm_dispatch import EDGE_ROWS
+
+            edge = own_kernel(mod, cpu, EDGE_ROWS, cpu.own_gemm_edge_vecs, depth=depth)
         with for_range(b, lo, hi, "bi") as i:
-            b.call(kern, [M, N, K, b.gep(pa, [b.mul(i, sa)], source_etype=f32), sam, sak,
-                          b.gep(pb, [b.mul(i, sb)], source_etype=f32), sbk, sbn,
-                          b.gep(pc, [b.mul(i, sc)], source_etype=f32), ldc, I32(0), I64(1)] + arrs)
+            args = [M, N, K, b.gep(pa, [b.mul(i, sa)], source_etype=f32), sam, sak,
+                    b.gep(pb, [b.mul(i, sb)], source_etype=f32), sbk, sbn,
+                    b.gep(pc, [b.mul(i, sc)], source_etype=f32), ldc, I32(0), I64(1)] + arrs
+            if edge is None:
+                b.call(kern, args)
+            else:   # a product a little wider than one block: the edge block (gemm_dispatch.edge_vecs)
+                wide = b.and_(b.icmp_signed(">", N, I64(16 * cpu.own_gemm_vecs)),
+                              b.icmp_signed("<=", N, I64(16 * cpu.own_gemm_edge_vecs)))
+                with b.if_else(wide) as (then, otherwise):
+                    with then:
+                        b.call(edge, args)
+                    with otherwise:
+                        b.call(kern, args)
         b.ret_void()
         if opt is None:   # the level programs compile at (a kernel's code differs between -O2 and -O3)
             from tgc.options import Options
