@@ -14,7 +14,8 @@
    N (its columns contiguous) or T (its K contiguous), A' likewise.
 3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone at the
    LLVM level programs use; an A' with its rows contiguous packed panel by panel,
-   as in the step) and with
+   as in the step; a product of 65 to 80 columns on its edge block, as
+   `gemm_dispatch.edge_vecs` has the step run it) and with
    OpenBLAS (numpy's, through `np.matmul` on the same layouts, its pool held at one
    thread), on 1 thread (minimum per-thread CPU time) and on 2 (the product cut in
    two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads
