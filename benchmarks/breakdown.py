@@ -760,11 +760,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, help="calls per contender and thread count (default: nanogpt 7, conv2d_sym 31)")
     ap.add_argument("--alone-reps", type=int, default=10,
                     help="runs of each product shape timed alone (gemm_peak's, minimum); 0: none")
-    ap.add_argument("--torch-steps", type=int, default=5, help="steps under torch.profiler (the fastest kept)")
+    ap.add_argument("--torch-steps", type=int, default=5, help="steps under torch.profiler (the fastest kept; at least 1)")
     ap.add_argument("--kernel-minima", action="store_true",
                     help="each kernel's least time over the counted calls (a loaded machine), not the fastest call's")
     ap.add_argument("--t", type=int, default=1024, help="attention: the row's length (benchmarks/attention.py's ROWS)")
     args = ap.parse_args(argv)
+    if args.torch_steps < 1:   # the torch half keeps the fastest of them: none is no breakdown
+        ap.error(f"--torch-steps must be at least 1 (got {args.torch_steps})")
 
     from tgc.backends.cpu.llvm_env import has_feature
 

@@ -14,18 +14,23 @@
    N (its columns contiguous) or T (its K contiguous), A' likewise.
 3. Each product timed with tgc's own kernel (fgemm.py, JIT-compiled alone at the
    LLVM level programs use; an A' with its rows contiguous packed panel by panel,
-   as in the step) and with
+   as in the step; a product of 65 to 80 columns on its edge block, as
+   `gemm_dispatch.edge_vecs` has the step run it) and with
    OpenBLAS (numpy's, through `np.matmul` on the same layouts, its pool held at one
    thread), on 1 thread (minimum per-thread CPU time) and on 2 (the product cut in
    two as tgc's plan cuts it: the batch, else the larger of P and Q; two threads
    started together, the minimum of the larger of their CPU times). Columns: GFLOP/s, % of the FMA peak (2 threads: of twice
    it), Mcycles at the FMA clock, MB moved (A', B' read and C' written once: the
    least any kernel moves) and the plan's pick (`own` or `blas`) for the product's
-   tiles (`GemmGen.tiles` and `own_tile` at the options given).
+   tiles (`GemmGen.tiles` and `own_tile` at the options given). A batched product's
+   last column: the own kernel on one thread with every batch index reading index
+   0's operands (batch strides 0: in cache), so that the gap between it and `own 1T`
+   is what fetching each index's operands from L3 or memory costs.
 
     python benchmarks/gemm_peak.py                 # peak, then width 384 and 768
     python benchmarks/gemm_peak.py --width 384 --reps 30
     python benchmarks/gemm_peak.py --peak-only
+    python benchmarks/gemm_peak.py --width 384 --operands   # each operand held in cache
 """
 from __future__ import annotations
 
@@ -168,7 +173,8 @@ def plan_pick(P, Q, R, nb, own, cpu, a_k=True) -> str:
     wide = tq >= cpu.own_gemm_min_cols or deep
     tall = tp >= getattr(cpu, "own_gemm_min_rows", 1 << 62) and tq >= 2 * OWN_COLS and tr * tq * 4 <= getattr(
         cpu, "own_gemm_tall_max_b_bytes", 0)
-    if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS:   # a transposed A': whole column blocks or two
+    edge = OWN_COLS < tq <= 16 * cpu.own_gemm_edge_vecs   # the edge block's columns (gemm_dispatch.edge_vecs)
+    if not a_k and tq % OWN_COLS and tq < 2 * OWN_COLS and not edge:   # a transposed A': whole column blocks or two
         return "blas"
     if a_k and deep and tq <= OWN_COLS:   # one block of columns: B' packed once per row panel
         return "own"
@@ -203,10 +209,25 @@ class Own:
         arrs = [b.alloca(I64) for _ in range(4)]
         for arr, v in zip(arrs, (I64(0), I64(0), I64(0), K)):
             b.store(v, arr)
+        edge = None
+        if not blocks and cpu.own_gemm_edge_vecs > cpu.own_gemm_vecs:   # as GemmGen.call_own picks it
+            from tgc.backends.cpu.gemm_dispatch import EDGE_ROWS
+
+            edge = own_kernel(mod, cpu, EDGE_ROWS, cpu.own_gemm_edge_vecs, depth=depth)
         with for_range(b, lo, hi, "bi") as i:
-            b.call(kern, [M, N, K, b.gep(pa, [b.mul(i, sa)], source_etype=f32), sam, sak,
-                          b.gep(pb, [b.mul(i, sb)], source_etype=f32), sbk, sbn,
-                          b.gep(pc, [b.mul(i, sc)], source_etype=f32), ldc, I32(0), I64(1)] + arrs)
+            args = [M, N, K, b.gep(pa, [b.mul(i, sa)], source_etype=f32), sam, sak,
+                    b.gep(pb, [b.mul(i, sb)], source_etype=f32), sbk, sbn,
+                    b.gep(pc, [b.mul(i, sc)], source_etype=f32), ldc, I32(0), I64(1)] + arrs
+            if edge is None:
+                b.call(kern, args)
+            else:   # a product a little wider than one block: the edge block (gemm_dispatch.edge_vecs)
+                wide = b.and_(b.icmp_signed(">", N, I64(16 * cpu.own_gemm_vecs)),
+                              b.icmp_signed("<=", N, I64(16 * cpu.own_gemm_edge_vecs)))
+                with b.if_else(wide) as (then, otherwise):
+                    with then:
+                        b.call(edge, args)
+                    with otherwise:
+                        b.call(kern, args)
         b.ret_void()
         if opt is None:   # the level programs compile at (a kernel's code differs between -O2 and -O3)
             from tgc.options import Options
@@ -262,6 +283,75 @@ def run_own(own, A, B, C):
     own.fn(0, nb, A.strides[0] // s if nb > 1 else 0, B.strides[0] // s if nb > 1 else 0,
            C.strides[0] // s if nb > 1 else 0, M, N, K, A.ctypes.data, A.strides[1] // s,
            A.strides[2] // s, B.ctypes.data, B.strides[1] // s, B.strides[2] // s, C.ctypes.data, C.strides[1] // s)
+
+
+def run_own_cached(own, A, B, C):
+    """The own kernel on every batch index of the product, each reading batch index 0's
+    A' and B' and writing its C' (batch strides 0): operands in cache, the product's
+    time less what fetching each index's operands from L3 or memory costs."""
+    nb, M, K = A.shape
+    N = B.shape[2]
+    s = 4
+    own.fn(0, nb, 0, 0, 0, M, N, K, A.ctypes.data, A.strides[1] // s, A.strides[2] // s, B.ctypes.data,
+           B.strides[1] // s, B.strides[2] // s, C.ctypes.data, C.strides[1] // s)
+
+
+PINS = ("none", "A", "B", "C", "all")
+
+
+def pinned(A, B, C, pin: str) -> list[int]:
+    """`Own.fn`'s stride arguments (batch strides of A', B', C'; sam, sak; sbk, sbn; ldc)
+    for batched A', B', C', with operand `pin` ('A', 'B', 'C', 'all' or 'none') held in
+    one place: its batch stride and its stride other than 1 set to 0, so that every
+    batch index, and every row (A', C') or K (B'), reads or writes the same few lines,
+    which stay in L1. The flops and the kernel's path are the product's; the values
+    are not (a timing, never a result)."""
+    s, nb = 4, A.shape[0]
+    st = {n: [x.strides[0] // s if nb > 1 else 0] + [v // s for v in x.strides[1:]] for n, x in zip("ABC", (A, B, C))}
+    for n in ("ABC" if pin == "all" else pin if pin in "ABC" else ""):
+        st[n] = [0] + [v if v == 1 else 0 for v in st[n][1:]]
+    return [st["A"][0], st["B"][0], st["C"][0], *st["A"][1:], *st["B"][1:], st["C"][1]]
+
+
+def operand_costs(p: dict, own, reps: int, rng) -> dict:
+    """Seconds of the own kernel on one thread on product `p` with each operand pinned
+    in cache (`pinned`), the variants alternated in rounds, the minimum of each: the
+    gap between 'none' and 'A' is what reading A' from L2, L3 or memory costs, and so
+    on; 'all' is the kernel with every operand in L1."""
+    A, B, C = operands(p, rng)
+    nb, M, K = A.shape
+    N = B.shape[2]
+    args = {pin: pinned(A, B, C, pin) for pin in PINS}
+    best = dict.fromkeys(PINS, float("inf"))
+    for _ in range(reps):
+        for pin, (sa, sb, sc, sam, sak, sbk, sbn, ldc) in args.items():
+            t0 = time.thread_time()
+            own.fn(0, nb, sa, sb, sc, M, N, K, A.ctypes.data, sam, sak, B.ctypes.data, sbk, sbn, C.ctypes.data, ldc)
+            best[pin] = min(best[pin], time.thread_time() - t0)
+    return best
+
+
+def operands_table(width: int, batch: int, reps: int, pk: dict, options) -> None:
+    """Per product shape of the step, the own kernel's % of the peak on one thread with
+    each operand pinned in cache (`operand_costs`)."""
+    from threadpoolctl import threadpool_limits
+
+    seen = {}
+    for p in products(width, batch, options):
+        key = (p["batch"], p["P"], p["Q"], p["R"], p["a_k"], p["b_n"])
+        seen.setdefault(key, dict(p, times=0))["times"] += p["times"]
+    own, rng = Own(options.cpu, opt=options.opt_level), np.random.default_rng(0)
+    print(f"\nwidth {width}, batch {batch}: the own kernel on one thread, % of the peak with the operand named "
+          f"held in cache (`pinned`); load {os.getloadavg()[0]:.2f}")
+    print(f"{'product (batch x P x Q x R, A B)':<34} {'x/step':>6} | " + " ".join(f"{k:>5}" for k in PINS))
+    with threadpool_limits(1):
+        for (nb, P, Q, R, a_k, b_n), p in seen.items():
+            best = operand_costs(p, own, reps, rng)
+            flops = 2.0 * nb * P * Q * R
+            name = f"{nb} x {P} x {Q} x {R} {'N' if a_k else 'T'}{'N' if b_n else 'T'}"
+            print(f"{name:<34} {p['times']:>6} | "
+                  + " ".join(f"{100 * flops / best[k] / 1e9 / pk['gflops']:>5.0f}" for k in PINS))
+    own.jit.close()
 
 
 def one_thread(fn, reps):
@@ -333,6 +423,8 @@ def measure(p: dict, own, pair, reps: int, rng) -> dict:
         err = np.abs(C - want).max() / max(1e-30, np.abs(want).max())
         if not err < 1e-5:
             raise AssertionError(f"{name} in two halves on {p['text']}: relative error {err:.2e}")
+    if p["batch"] > 1 and ("own", 1) in res:   # the same flops with every index's operands in cache
+        res["cached", 1] = one_thread(lambda: run_own_cached(own, A, B, C), reps)
     return res
 
 
@@ -354,7 +446,8 @@ def table(width: int, batch: int, reps: int, pk: dict, options) -> list[dict]:
     print(f"\nwidth {width}, batch {batch} (t 256): {len(prods)} products, {len(rows)} distinct; "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'product (batch x P x Q x R, A B)':<34} {'x/step':>6} {'MB':>6} {'pick':>5} | "
-          + " | ".join(f"{k:>4} {t}T: GF/s  %pk  Mcyc" for k in ("own", "blas") for t in (1, 2)))
+          + " | ".join(f"{k:>4} {t}T: GF/s  %pk  Mcyc" for k in ("own", "blas") for t in (1, 2))
+          + " | own 1T cached: GF/s  %pk")
     total = {"own": 0.0, "blas": 0.0, "pick": 0.0, "best": 0.0}
     with threadpool_limits(1):
         for p in rows:
@@ -371,6 +464,8 @@ def table(width: int, batch: int, reps: int, pk: dict, options) -> list[dict]:
                         continue
                     g = flops / s / 1e9
                     cells.append(f"{g:>7.0f} {100 * g / (gpeak * t):>4.0f} {s * hz / 1e6:>6.2f}")
+            s = res.get(("cached", 1))
+            cells.append(f"{'-':>23}" if s is None else f"{flops / s / 1e9:>17.0f} {100 * flops / s / 1e9 / gpeak:>4.0f}")
             p["res"] = res
             pick = p["pick"] if p["pick"] in ("own", "blas") else "blas"
             total["pick"] += p["times"] * res.get((pick, 2), res["blas", 2])
@@ -392,6 +487,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20, help="timed runs per product and kernel (minimum)")
     ap.add_argument("--peak-only", action="store_true")
+    ap.add_argument("--operands", action="store_true",
+                    help="instead of the table: the own kernel with each operand held in cache (what its traffic costs)")
     args = ap.parse_args(argv)
 
     from tgc.backends.cpu.llvm_env import has_feature
@@ -407,6 +504,9 @@ def main(argv=None) -> int:
     if args.peak_only:
         return 0
     for width in args.width or (384, 768):
+        if args.operands:
+            operands_table(width, args.batch, args.reps, pk, Options())
+            continue
         table(width, args.batch, args.reps, pk, Options())
     return 0
 

@@ -192,3 +192,12 @@ def test_conv2d_probe_kernel_minima():
         assert 0 < call < math.inf
     with pytest.raises(SystemExit, match="no field 'gemm_tile'"):
         probe.kernel_minima(["bad:gemm_tile=1"], 1, dims=dims)
+
+
+def test_torch_steps_at_least_one(breakdown, capsys):
+    """`--torch-steps 0` is a clear usage error before anything is timed (it was a
+    TypeError after the tgc half had run: the torch half kept the fastest of no steps)."""
+    with pytest.raises(SystemExit) as exc:
+        breakdown.main(["--workload", "nanogpt", "--torch-steps", "0"])
+    assert exc.value.code == 2
+    assert "--torch-steps must be at least 1 (got 0)" in capsys.readouterr().err

@@ -62,6 +62,7 @@ REACHES = [
     ("own_gemm_vecs", 2, "conv1d", OWN),
     ("own_gemm_panel_rows", 384, "conv1d", OWN),
     ("own_gemm_unroll", 1, "conv1d", OWN),
+    ("own_gemm_edge_vecs", 6, "gpt", OWN),   # ff = 192: tiles of 96 columns
     ("own_gemm_pack_a_rows", 64, "conv1d", OWN),
     ("own_gemm_pack_a_span", 0, "conv1d", OWN),
     ("own_gemm_window_rows", 4, "conv2d", OWN),
@@ -163,7 +164,7 @@ def test_every_tuned_field_is_checked():
 STRUCTURAL = {
     "cpu/aot.py": {"STALE_SECONDS"}, "cpu/codegen.py": {"ALIGN", "WRITEABLE", "FINGERPRINT_BYTES", "PROFILE_COLUMNS"},
     "cpu/parallel.py": {"CLOCK_THREAD_CPUTIME_ID"},
-    "cpu/fgemm.py": {"VL", "MAX_TAPS"}, "cpu/gemm.py": {"UNTILED"}, "cpu/gemm_dispatch.py": {"OWN_COLS"},
+    "cpu/fgemm.py": {"VL", "MAX_TAPS"}, "cpu/gemm.py": {"UNTILED"}, "cpu/gemm_dispatch.py": {"OWN_COLS", "EDGE_ROWS"},
     "cpu/gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "cpu/gemm_small.py": {"ROWS"}, "cpu/kernels.py": {"ALIGN"},
     "cpu/sizecheck.py": {"ALIGN"},
     "lower/fuse.py": {"MAX_INLINE_DEPTH"}, "lower/grouping.py": {"MAX_MEMBERS"}, "lower/lowered.py": {"WIDE_SUM"},

@@ -939,3 +939,33 @@ def test_tri_kernel_masks_c_or_skips_zero_terms(kernels, tri_kernels, blocks, ma
             call_tri(fn, A, B, got, 1, mask)
             call(plain, A, B, ref, 1)
             assert got.tobytes() == ref.tobytes()
+
+
+@pytest.mark.parametrize("orders", [("b, i, k", "b, k, j", "b, i, j"), ("b, i, k", "b, j, k", "b, i, j"),
+                                    ("b, k, i", "b, k, j", "b, j, i"), ("b, k, i", "b, j, k", "b, i, j")])
+@pytest.mark.parametrize("sizes", [(70, 65, 300), (80, 72, 260)])
+def test_tiles_a_little_wider_than_a_block_run_the_edge_block(orders, sizes):
+    """A tile of C' with 65 to 80 columns (nanoGPT's vocabulary of 65) runs the own
+    kernel's 4 x 5 edge block over all of its columns (`gemm_dispatch.edge_vecs`), in
+    every operand order (A' with its rows contiguous read in place), on two threads,
+    against numpy in float64; the block is in the code, and not with
+    `own_gemm_edge_vecs` at most `own_gemm_vecs`, nor for a product whose columns are
+    a whole block (64) or whose tiles never have 65 to 80 columns (81: 64 and 17)."""
+    from tgc.ir.parser import parse_module
+    from tgc.pipeline import compile_module
+
+    options = Options(dtype="f32").with_(threads=2)
+    edge = kernel_name(4, CpuOptions().own_gemm_edge_vecs)
+    prog, A, B, want = _ordered_matmul(orders, sizes, options, 2)
+    assert re.search(rf'call void @"?{re.escape(edge)}"?\(', prog.llvm_ir) is not None
+    i, j, k = sizes
+    if sizes != (70, 65, 300):
+        return
+    off = compile_module(parse_module(MATMUL.format(i=i, j=j, k=k, a=orders[0], b_=orders[1], c=orders[2])),
+                         options.with_(own_gemm_edge_vecs=4))
+    assert edge not in off.llvm_ir
+    np.testing.assert_allclose(off.run({"A": A, "B": B})["C"], want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+    for cols in (64, 81):
+        wider = (i, cols, k) if orders[2] == "b, i, j" else (cols, j, k)
+        plain, *_ = _ordered_matmul(orders, wider, options, 3)
+        assert edge not in plain.llvm_ir

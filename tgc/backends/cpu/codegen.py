@@ -70,7 +70,8 @@ from tgc.backends.cpu.gemm import GemmGen
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
 from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
 from tgc.backends.cpu.gemm_epilogue import epilogue_buffers
-from tgc.backends.cpu.gemm_dispatch import bf16_kinds, bf16_product, packs_b, taps_in_one_call, uses_own_gemm
+from tgc.backends.cpu.gemm_dispatch import (EDGE_ROWS, bf16_kinds, bf16_product, edge_vecs, packs_b, taps_in_one_call,
+                                            uses_own_gemm)
 from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel
 from tgc.backends.cpu.fgemm import own_kernel
 from tgc.backends.cpu.irutil import I32, I64, PTR, Frame, define, fp_type, for_range, optimize_not
@@ -229,6 +230,8 @@ class _ModuleGen:
             bf16_kernel(self.mod, self.opt.cpu, rounds=rounds)   # bf16 products (gemm_operands chose them)
         if any(isinstance(k, GemmKernel) and uses_own_gemm(p, k, self.opt) for p, k in self.flat):
             own_kernel(self.mod, self.opt.cpu)    # tgc's own f32 kernel for large tiles (fgemm.py)
+        for vecs in sorted({edge_vecs(p, k, self.opt) for p, k in self.flat if isinstance(k, GemmKernel)} - {0}):
+            own_kernel(self.mod, self.opt.cpu, EDGE_ROWS, vecs)   # its edge block (gemm_dispatch.edge_vecs)
         if self.tri and any(isinstance(k, GemmKernel) and id(k) in self.tri and uses_own_gemm(p, k, self.opt)
                             for p, k in self.flat):
             own_kernel(self.mod, self.opt.cpu, tri=True)   # its causal form (tgc.backends.cpu.causal)

@@ -51,8 +51,8 @@ from tgc.backends.cpu import blas, fntable, parallel
 from tgc.backends.cpu.fgemm import Window, own_kernel
 from tgc.backends.cpu.gemm_bf16 import bf16_kernel
 from tgc.backends.cpu.gemm_epilogue import emit_epilogue, epilogue_buffers, load_pointers
-from tgc.backends.cpu.gemm_dispatch import (OWN_COLS, a_k_contiguous, bf16_product, operand_forms,
-                                            shared_b_batch, taps_in_one_call, uses_own_gemm)
+from tgc.backends.cpu.gemm_dispatch import (EDGE_ROWS, OWN_COLS, a_k_contiguous, bf16_product, edge_vecs,
+                                            operand_forms, shared_b_batch, taps_in_one_call, uses_own_gemm)
 from tgc.backends.cpu.gemm_small import loops_kernel, small_kernel, vector_lanes
 from tgc.backends.cpu.gemm_taps import TapCalls
 from tgc.backends.cpu.irutil import I1, I32, I64, PTR, Frame, define, for_range, offset, optimize_not
@@ -126,6 +126,8 @@ class GemmGen(TapCalls):
         # tgc's own f32 kernel (fgemm.py) for large tiles, where `options.cpu.own_gemm` allows it
         self.own = uses_own_gemm(low, k, options, window=implicit is not None)
         self.a_rows = implicit is None and not a_k_contiguous(low, k)   # A' has its rows contiguous
+        # the edge block's vectors (gemm_dispatch.edge_vecs; 0: none) for a tile a little wider than one block
+        self.edge = edge_vecs(low, k, options) if self.own and implicit is None else 0
         self.window = None
         if implicit is not None:
             self.window = self.window_of(implicit)
@@ -621,10 +623,19 @@ class GemmGen(TapCalls):
             own = b.or_(own, b.and_(deep, b.icmp_signed("<=", n, I64(OWN_COLS))))
         if self.a_rows:   # a transposed A' (packed where the columns fill more than one block): whole blocks
             # or at least two (a last block of one column would pack A' for it: 384 x 65 x 1024
-            # 90 GFLOP/s, OpenBLAS 127)
+            # 90 GFLOP/s, OpenBLAS 127), or the edge block's columns (one block, A' read in place)
             whole = b.icmp_signed("==", b.srem(n, I64(OWN_COLS)), I64(0))
-            own = b.and_(own, b.or_(whole, b.icmp_signed(">=", n, I64(2 * OWN_COLS))))
+            whole = b.or_(whole, b.icmp_signed(">=", n, I64(2 * OWN_COLS)))
+            if self.edge:
+                whole = b.or_(whole, self.edge_tile(n))
+            own = b.and_(own, whole)
         return own
+
+    def edge_tile(self, n):
+        """i1: a tile of n columns runs the edge block (`gemm_dispatch.edge_vecs`)."""
+        b, vl = self.b, 16
+        return b.and_(b.icmp_signed(">", n, I64(vl * self.opt.cpu.own_gemm_vecs)),
+                      b.icmp_signed("<=", n, I64(vl * self.edge)))
 
     def call_library(self, m, n, kk, pa, A, pb, B, pc, ldc, beta1):
         """cblas, or the blocked loops where a built library's caller gave no BLAS."""
@@ -648,14 +659,25 @@ class GemmGen(TapCalls):
             b.store(v, b.gep(arr, [I32(0), I32(0)]))
         tri = self.tri if getattr(self, "tri_at", None) is not None else None
         fn = own_kernel(self.mod, self.opt.cpu, home=self.home, tri=tri is not None)
+        edge = None
+        if self.edge and tri is None:   # a tile a little wider than one block: the edge block, one pass
+            edge = own_kernel(self.mod, self.opt.cpu, EDGE_ROWS, self.edge, home=self.home)
         extra = []
         if tri is not None:   # the mask's constant at the tile's first row, column and term
             cp, cq, cr, c = tri
             ps, qs, r = self.tri_at
             const = b.add(b.add(b.add(I64(c), b.mul(I64(cp), ps)), b.mul(I64(cq), qs)), b.mul(I64(cr), r))
             extra = [I64(cp), I64(cq), I64(cr), const]
-        b.call(fn, [m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, b.zext(beta1, I32), I64(1)]
-               + [b.gep(arr, [I32(0), I32(0)]) for arr in one] + extra)
+        args = ([m, n, kk, pa, A.row, A.col, pb, B.row, B.col, pc, ldc, b.zext(beta1, I32), I64(1)]
+                + [b.gep(arr, [I32(0), I32(0)]) for arr in one])
+        if edge is None:
+            b.call(fn, args + extra)
+            return
+        with b.if_else(self.edge_tile(n)) as (wide, plain):
+            with wide:
+                b.call(edge, args)
+            with plain:
+                b.call(fn, args)
 
     def window_kernel(self) -> ir.Function:
         """This implicit GEMM's own copy of the own kernel, packing its window."""

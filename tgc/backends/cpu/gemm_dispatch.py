@@ -84,6 +84,36 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     return mode == "on" or _has_avx512()
 
 
+EDGE_ROWS = 4     # rows of the edge block (`edge_vecs`): 4 x 5 takes 20 accumulators, 5 B vectors, 1 broadcast
+
+
+def edge_vecs(low: Lowered, k: GemmKernel, options: Options) -> int:
+    """The vectors of 16 columns of the own kernel's edge block for product `k`'s tiles
+    (0: none): `options.cpu.own_gemm_edge_vecs` where it exceeds `own_gemm_vecs` and the
+    normalized product's columns Q have a fixed count of which some tile's share (Q,
+    or Q halved and rounded up, as `GemmGen.tiles` cuts it) is more than one block of
+    the kernel (16 x own_gemm_vecs) and at most 16 x edge_vecs columns. Such a tile
+    (`GemmGen.call_own`) runs an EDGE_ROWS x edge_vecs register block over all of its
+    columns in one pass, not a 6 x 4 block and an 8 x 2 one whose 32 columns hold its
+    few last (nanoGPT-char's logits: 65 columns, 1024 x 65 x 384 with B' transposed
+    50% of the FMA peak with 6 x 4 and 8 x 2, 62% with 4 x 5 (5 x 5 60, 3 x 5 56;
+    OpenBLAS 52); 384 x 65 x 1024 with A' transposed 33 / 54, OpenBLAS 49; 1024 x
+    80 x 384 59 / 73, but 1024 x 64 x 384 70 / 58: one thread, `time.thread_time`
+    minima of 30 alternated calls, load 8.5). A symbolic Q compiles no edge block
+    (another kernel to compile, for a shape the program may never see)."""
+    cpu = options.cpu
+    if cpu.own_gemm_edge_vecs <= cpu.own_gemm_vecs or not uses_own_gemm(low, k, options):
+        return 0
+    f = operand_forms(low, k)
+    q = _fixed_count(low, f["c"][1] if f["c"][2] else f["c"][0])
+    low_cols, high_cols = 16 * cpu.own_gemm_vecs, 16 * cpu.own_gemm_edge_vecs
+    while q is not None and q > low_cols:
+        if q <= high_cols:
+            return cpu.own_gemm_edge_vecs
+        q = (q + 1) // 2
+    return 0
+
+
 def a_k_contiguous(low: Lowered, k: GemmKernel) -> bool:
     """Whether the normalized product's A' has its K contiguous (else its rows are:
     the own kernel packs such an A' panel by panel, fgemm._pack_a_transposed)."""

@@ -140,6 +140,7 @@ class CpuOptions:
     own_gemm_rows: int = 6                   # rows of A (broadcast) x ...
     own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
     own_gemm_window_rows: int = 6            # rows of A of the register block (x 4 vectors) of an implicit GEMM's copy of the own kernel, which packs its window (implicit.py; docs/optimization.md)
+    own_gemm_edge_vecs: int = 5              # a tile of C' with more columns than one block of the own kernel (own_gemm_vecs x 16) but at most this many vectors of 16 runs a 4 x this register block, its columns in one pass (gemm_dispatch.edge_vecs: nanoGPT's vocabulary of 65); at most own_gemm_vecs: never
     own_gemm_unroll: int = 4                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
     own_gemm_panel_rows: int = 512           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     causal_gemm: bool = True                 # a product whose operand is 0, or whose result is dead, where a causal mask rejects (attention's q.k, P v and their gradients) runs the own kernel's `tri` form over the blocks the mask admits (tgc.backends.cpu.causal; fgemm.own_kernel)
