@@ -303,6 +303,55 @@ def test_unrolled_fma_loop_gives_the_same_bits(blocks):
         jit.close()
 
 
+@pytest.mark.parametrize("blocks", [(6, 4, 64), (8, 2, 32)])
+def test_late_c_prefetch_gives_the_same_bits(blocks):
+    """`own_gemm_c_prefetch`: C's lines prefetched into L1 that many K steps before
+    the end of a block's FMA loop (the loop cut in two there) adds no arithmetic:
+    every distance (none, one inside the loop, one past its start), unrolled by 1 or
+    4 (the first loop's last steps one by one), gives the bits of the kernel without
+    it, for K blocks of odd lengths, A with its K or its rows contiguous, storing into
+    C or adding to it."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    rows, vecs, depth = blocks
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp)
+    fns, jits = {}, []
+    for u, pf in ((1, 0), (1, 5), (4, 0), (4, 5), (4, 16), (4, 1 << 20)):
+        mod = ir.Module("own")
+        fn = own_kernel(mod, CpuOptions(own_gemm_unroll=u, own_gemm_c_prefetch=pf, own_gemm_panel_rows=2 * rows),
+                        rows, vecs, depth=depth)
+        fn.linkage = "external"
+        jits.append(llvm_env.jit(str(mod)))
+        fns[u, pf] = proto(jits[-1].address(fn.name))
+    rng = np.random.default_rng(12)
+    M, N = 3 * rows + 1, 16 * vecs * 2 + 5
+    for K in (1, 3, depth - 1, depth + 7, 2 * depth + 5):
+        for a_rows in (False, True):
+            A = (rng.standard_normal((K, M), dtype=np.float32).T if a_rows
+                 else rng.standard_normal((M, K), dtype=np.float32))
+            B = rng.standard_normal((K, N), dtype=np.float32)
+            C0 = rng.standard_normal((M, N), dtype=np.float32)
+            ks = [np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, K, np.int64)]
+            for acc in (0, 1):
+                got = {}
+                for key, fn in fns.items():
+                    C = C0.copy()
+                    fn(M, N, K, A.ctypes.data, A.strides[0] // 4, A.strides[1] // 4, B.ctypes.data,
+                       B.strides[0] // 4, B.strides[1] // 4, C.ctypes.data, N, acc, 1, *(x.ctypes.data for x in ks))
+                    got[key] = C
+                want = A.astype(np.float64) @ B.astype(np.float64) + (C0 if acc else 0)
+                np.testing.assert_allclose(got[1, 0], want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+                for key in fns:
+                    assert np.array_equal(got[key], got[1, 0]), (K, a_rows, acc, key)
+    for jit in jits:
+        jit.close()
+
+
 @pytest.mark.parametrize("blocks", [(4, 4, 64), (8, 2, 256)])
 def test_variants_form_runs_each_product_over_its_own_k(blocks):
     """The own kernel runs several products on one packed B (a 1-D

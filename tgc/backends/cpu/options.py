@@ -142,6 +142,7 @@ class CpuOptions:
     own_gemm_window_rows: int = 6            # rows of A of the register block (x 4 vectors) of an implicit GEMM's copy of the own kernel, which packs its window (implicit.py; docs/optimization.md)
     own_gemm_edge_vecs: int = 5              # a tile of C' with more columns than one block of the own kernel (own_gemm_vecs x 16) but at most this many vectors of 16 runs a 4 x this register block, its columns in one pass (gemm_dispatch.edge_vecs: nanoGPT's vocabulary of 65); at most own_gemm_vecs: never
     own_gemm_unroll: int = 4                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
+    own_gemm_c_prefetch: int = 16            # K steps before the end of the own kernel's FMA loop at which a block's lines of C are prefetched into L1 for its store (0: only at the block's start)
     own_gemm_panel_rows: int = 512           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     causal_gemm: bool = True                 # a product whose operand is 0, or whose result is dead, where a causal mask rejects (attention's q.k, P v and their gradients) runs the own kernel's `tri` form over the blocks the mask admits (tgc.backends.cpu.causal; fgemm.own_kernel)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
