@@ -552,13 +552,7 @@ def _params():
 
 
 # Known gaps of one backend: (case id, backend) -> why (strict xfail there only).
-BACKEND_GAPS = {
-    ("scatter_add_1e6_vs_one_hot_product", "cpu"):
-        "the CPU's scatter adds each message into the f32 output: one rounding per message, "
-        "1.06e-5 for 10^6 messages into 8 nodes, 17.6x PyTorch's one-hot product (index_add is as "
-        "bad; the interpreters 2.9e-8). An f64 scratch copy of a small output fixes it, but the "
-        "first try made tests/e2e/test_complex.py hang after its first test (reverted, not understood)",
-}
+BACKEND_GAPS: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
