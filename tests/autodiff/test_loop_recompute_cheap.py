@@ -115,4 +115,9 @@ def test_gpt2_step_is_the_one_without_the_rule(monkeypatch, dtype, rtol):
     assert got.keys() == want.keys()
     for k in want:
         scale = max(np.abs(want[k]).max(), 1e-6)   # bk's gradient is 0 up to rounding (softmax's shift invariance)
-        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=rtol * scale, err_msg=k)
+        atol = rtol * scale
+        if k == "bk" and dtype == "f32":
+            # ... 9e-10 in f32 (bq's 3e-3), which AdamW's first step turns into up to
+            # lr g / (|g| + 1e-8) = 0.08 lr: the builds' bk agree to that noise only
+            atol = 0.1 * 1e-2
+        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=k)

@@ -310,6 +310,31 @@ def test_f32_not_worse_than_torch(backend):
     assert all(r.passed for r in results), report(case, backend, results)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda-sim"])
+@pytest.mark.parametrize("edges", [100_000, 600])
+def test_f32_scatter_add_of_many_terms_per_node_is_rounded_once(edges, backend):
+    """An f32 scatter-add into a small output: with many terms per element (100000
+    into 8 x 2, here with the edges a symbolic size: the length picks the form at run
+    time) it adds in f64 (the CPU: a scratch copy on the stack; CUDA: f64 atomics into
+    a scratch of doubles), each element rounded once, as the interpreters do; with few
+    (600 into 8 x 2, 75 each) it adds into the f32 output, within f32's rounding of a
+    chain that short."""
+    from backends_util import compile_on
+
+    src = "dim e, node = 8, f = 2\ninput dst: i32[e]\ninput msg[e, f]\nout agg[node, f] = msg @ [node = dst]\n"
+    r = np.random.default_rng(7)
+    dst = r.integers(0, 8, edges).astype(np.int32)
+    msg = r.uniform(size=(edges, 2)).astype(np.float32)
+    got = compile_on(src, backend, dtype="f32")(dst=dst, msg=msg)["agg"]
+    want = np.zeros((8, 2))
+    np.add.at(want, dst, msg.astype(np.float64))
+    if edges > 8 * 2 * 256 and backend == "cpu":   # the f64 sum in the edges' order, as np.add.at's, rounded once
+        np.testing.assert_array_equal(got, want.astype(np.float32))
+    elif edges > 8 * 2 * 256:   # f64 atomics: an f64 sum in some order, rounded once
+        assert np.all(np.abs(got - want) <= 0.5000001 * np.spacing(want.astype(np.float32)))
+    assert np.max(np.abs(got - want)) / np.max(want) <= 75 * 2.0 ** -24
+
+
 def test_gcn_example_against_torch():
     """examples/gcn.tg, forward and backward, against index_add / scatter_reduce (float64)."""
     torch = pytest.importorskip("torch", reason="PyTorch is the oracle of the GCN example")

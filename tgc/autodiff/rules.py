@@ -431,8 +431,9 @@ RULES.update({
     "softplus": pointwise(lambda v, a: _fn("sigmoid", a)),                            # sigmoid
     "reduce": _by_kind({
         "max": RULES["reduce"], "min": RULES["reduce"],
-        # logsumexp[e]: ct times the softmax weights (finite, so a plain product)
-        "logsumexp": Rule((0,), lambda v, i, ct: V.mul([ct, _softmax(v)]),
+        # logsumexp[e]: ct times the softmax weights, a guarded product: a row of all
+        # -inf has weights exp(-inf - -inf) = NaN, and a zero cotangent adds exactly 0
+        "logsumexp": Rule((0,), lambda v, i, ct: _mul0(ct, _softmax(v)),
                           lambda v, ts: V.contract([ts[0], _softmax(v)], set(v.edges) | _batch(v.operands[0], ts[0]))),
     }),
 })

@@ -44,7 +44,11 @@ The second loop (only when something is left) computes the other statistics (sum
 maxima over `s`, carries) and the cluster's values read outside (stacked over the
 blocks, joined back over `s`: the blocks of `dk`, `dv` added to the step's carries),
 the first loop's statistics read as invariants: its weights are `exp(X - m - lse)`
-recomputed per block, as the unstreamed step computes them. With
+recomputed per block, as the unstreamed step computes them. A value without the keys
+made from the first loop's statistics and read by the cluster (the logsumexp rule's
+cotangent `-D` in its guarded product `mul0(-D, weights)`: normalize does not merge
+that product's -1 into a sum as it does a contraction's) is made between the loops
+and read by the second as one more invariant. With
 `options.stream_key_scores` the first loop also stacks its blocks of `X` (the max's
 operand: the masked, scaled scores), and the second reads each block from there
 instead of computing it again: no second scores product or mask per block, for
@@ -168,6 +172,7 @@ class _Keys:
         self.kept: dict[int, Value] = {}              # id(cluster value) -> its blocks stacked by the first loop
         self.sizes = {e: m.size(e) for e in m.edges}
         self.owed: dict[int, dict[int, float]] = {}   # id(statistic) -> the terms it owes
+        self.derived: dict[int, Value] = {}           # id -> a value without the keys made from the first loop's statistics (build)
 
     def blockwise(self, o: Value) -> bool:
         """Whether a value over the keys `o` may be stored with every edge before the keys
@@ -218,10 +223,24 @@ class _Keys:
         for v in order:
             if id(v) not in sid and any(id(o) in after for o in v.operands):
                 after.add(id(v))
+        # ... or a value without the keys computed from the first loop's statistics (a
+        # logsumexp's cotangent -D, read by its guarded product mul0(-D, weights)): made
+        # after the first loop, read by the second as an invariant
+        derived: dict[int, Value] = {}
         for v in cluster + stats:
             for o in v.operands:
                 if id(o) in after and id(o) not in sid and id(o) not in ids:
-                    raise _Reject
+                    if s in o.edges:
+                        raise _Reject
+                    derived[id(o)] = o
+        for v in reversed(order):   # and the values they are made from
+            if id(v) in derived:
+                for o in v.operands:
+                    if id(o) in after and id(o) not in sid:
+                        if id(o) in ids or s in o.edges:
+                            raise _Reject
+                        derived[id(o)] = o
+        self.derived = derived
         self.ids, self.sid = ids, sid
         self.sc = _fresh(self.m, s, b)
         self.sb = _fresh(self.m, s, self.sizes[s] // b)
@@ -236,6 +255,11 @@ class _Keys:
         # the second loop: the other statistics and the stacked results, every statistic
         # of the first loop known
         rest = [v for v in stats if id(v) not in memo]
+        for v in order:   # the derived invariants, from the first loop's statistics
+            if id(v) in derived:
+                if any(id(o) in after and id(o) not in memo for o in v.operands):
+                    raise _Reject   # made from a statistic of the second loop
+                memo[id(v)] = rebuild_same(v, tuple(memo.get(id(o), o) for o in v.operands))
         if rest or stacked:
             if self.keep:   # the scores the first loop computed, stacked over its blocks, read by the second
                 self.kept = self.kept_scores(first, memo)
@@ -342,6 +366,8 @@ class _Keys:
                 if reps[id(o)] is None:
                     raise _Reject
                 return reps[id(o)]
+            if id(o) in self.derived:
+                raise _Reject   # known only after this loop
             if id(o) in self.sid:
                 if id(o) not in done:
                     raise _Reject

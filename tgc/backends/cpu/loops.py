@@ -21,8 +21,10 @@ that a product, is one llvm.fma (`fma_term`), never two rounded products in one 
   initialize `out`, combine into it in the nest, then apply the epilogue; an
   f32 sum whose kept elements inside the reduced loop are few enough (`CpuOptions.wide_scratch`)
   adds into an f64 scratch row on the stack instead, rounded once into `out`;
-- scatter: zero `out`, then add each element at its gathered position; a segment
-  max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines with
+- scatter: zero `out`, then add each element at its gathered position (an f32
+  scatter-add whose output has at most `CpuOptions.wide_scratch` known elements and
+  more than `CpuOptions.sum_chunk` terms per element adds into an f64 scratch copy of
+  it on the stack instead, each element rounded once into `out`: `LoopGen.scatter`); a segment max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines with
   llvm.maximum/minimum (NaN-propagating, like `max[e]`).
 
 A group (`LoopGroup`) is one function: its outer loops (the first split between
@@ -542,8 +544,7 @@ class LoopGen(ExprVisitor):
         register = not k.scatter and all(loops.index(r) > loops.index(v)
                                          for r in k.red if r in loops for v in kept)
         if k.scatter:
-            self.fill(INIT[k.reduce or "sum"])
-            self.nest(loops, vars, self.scatter_step)
+            self.scatter(loops, vars)
         elif not k.reduce:
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
         elif set(k.red) & set(vars) and id(k) in self.wide_rows:  # a partial sum, in f64 for the block
@@ -785,6 +786,80 @@ class LoopGen(ExprVisitor):
 
     def reduce_in_memory(self, vars: dict) -> None:
         self.store(vars, self.combine(self.load_out(vars), self.expr(self.k.body, vars)))
+
+    def wide_scatter(self, k: LoopKernel, vars: dict) -> int | None:
+        """The element count of an f32 scatter-add's output (not a segment max/min), when
+        it is a kernel of its own (no outer loops fixed), stored as f32, with known sizes
+        and at most `cpu.wide_scratch` elements; else None. Added into the f32 output one
+        term at a time, each element takes one rounding per term sent to it, and the error
+        grows with the terms: 10^6 messages into 8 nodes were 1.1e-5 off (PyTorch's
+        index_add too; its one-hot product 6e-7, tgc's interpreters 3e-8)."""
+        if k.reduce or vars or self.strict or self.fp != ir.FloatType() or k.out in self.reg_names:
+            return None
+        out = self.low.buffers[k.out]
+        if storage_type(out.dtype, self.fp) != self.fp:
+            return None
+        n = 1
+        for e in out.edges:
+            size = self.low.size(e)
+            if not isinstance(size, int):
+                return None
+            n *= size
+        return n if 0 < n <= self.cpu.wide_scratch else None
+
+    def scatter(self, loops: list[str], vars: dict) -> None:
+        """A scatter kernel: into the f32 output (`scatter_step`), or into an f64 scratch
+        copy of it (`scatter_in_wide_scratch`) where `wide_scatter` allows and its terms
+        are more than `cpu.sum_chunk` per output element on average (at run time for
+        symbolic loop sizes): up to there an element's f32 chain is no longer than a
+        chunk of a short f32 sum (10^6 uniform terms into 8 x 2 elements: 8e-6 off in
+        f32, 2.9e-8 in f64; 40000 into 256 x 16, 156 each: 4e-7, PyTorch's one-hot
+        product 1.8e-7), and the scratch, twice the output's bytes, cost 1.3x in the
+        scatter's time at that size (a GCN layer's 16 features over 64-512 nodes)."""
+        k = self.k
+        n = self.wide_scatter(k, vars)
+        plain = lambda: (self.fill(INIT[k.reduce or "sum"]), self.nest(loops, vars, self.scatter_step))  # noqa: E731
+        if n is None:
+            plain()
+            return
+        terms = 1
+        for v in loops:
+            terms = size_op("*", terms, k.sizes[v])
+        if isinstance(terms, int):
+            if terms > n * self.cpu.sum_chunk:
+                self.scatter_in_wide_scratch(loops, vars, n)
+            else:
+                plain()
+            return
+        many = self.b.icmp_signed(">", self.f.size(terms), I64(n * self.cpu.sum_chunk))
+        with self.b.if_else(many) as (then, otherwise):
+            with then:
+                self.scatter_in_wide_scratch(loops, vars, n)
+            with otherwise:
+                plain()
+
+    def scatter_in_wide_scratch(self, loops: list[str], vars: dict, n: int) -> None:
+        """A scatter-add into an f64 scratch copy of the output on the stack (zeroed,
+        each term added at its gathered position, in the scatter's order), each element
+        then rounded once into `out`. The scratch is laid out as `out` (its strides), so
+        the last loop copies it element by element."""
+        b, wide, k = self.b, ir.DoubleType(), self.k
+        row = self.f.entry.alloca(wide, size=I64(n), name="wide.scatter")
+        row.align = 64   # a row of 8 doubles in one cache line, not across two
+        with for_range(b, I64(0), I64(n), "z") as i:
+            b.store(ir.Constant(wide, 0.0), b.gep(row, [i], inbounds=True, source_etype=wide))
+        order = self.low.buffers[k.out].order
+        strides, idx = self.f.strides(order), dict(k.index)
+
+        def add(vs):
+            off = offset(b, [(self.ix(idx[e], vs), strides[e]) for e in order])
+            p = b.gep(row, [off], inbounds=True, source_etype=wide)
+            b.store(b.fadd(b.load(p, typ=wide), b.fpext(self.expr(k.body, vs), wide)), p)
+
+        self.nest(loops, vars, add)
+        with for_range(b, I64(0), I64(n), "z") as i:
+            value = b.fptrunc(b.load(b.gep(row, [i], inbounds=True, source_etype=wide), typ=wide), self.fp)
+            b.store(value, b.gep(self.ptr[k.out], [i], inbounds=True, source_etype=self.fp))
 
     def scatter_step(self, vars: dict) -> None:
         if self.k.reduce:   # a segment max/min

@@ -132,7 +132,7 @@ class CpuOptions:
     group_min_vector_block_rows: int = 64    # ... when that loop is the one LLVM vectorizes (its main vector loop takes 2 x 16 rows) (loops.split_count)
     short_sum: int = 4096                    # an f32 sum of at most this many terms keeps f32 lanes (loops.LoopGen.accumulate); beyond short_sum // 64 rows a memory-mode sum goes through an f64 scratch row
     sum_chunk: int = 256                     # ... summed over chunks of this many iterations of its innermost loop (loops.LoopGen.chunked_sum); also the K block of the small-tile GEMM loops (gemm_small), each block's sum from zero
-    wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum)
+    wide_scratch: int = 4096                 # the most elements of an f32 memory-mode sum's f64 scratch row on the stack (loops.LoopGen.wide_memory_sum), and of an f32 scatter-add's f64 scratch copy of its output (wide_scatter)
     prefetch_row_bytes: int = 16384          # the most bytes of a loop group's next row prefetched per buffer ...
     prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
     own_gemm_depth: int = 320                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it: a width-384 transformer's 384-deep products are one block, C written once) ...

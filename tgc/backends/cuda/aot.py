@@ -178,6 +178,16 @@ def _launches(low: Lowered, launches: list, cuda: CudaOptions) -> list[dict]:
                 "slots": f"min(ceil(rows / {x.slots[3]}), ceil({x.slots[4]} / columns))",
                 "scratch": f"{x.slots[2]} * slots * columns doubles ('{codegen.COL_SCRATCH}', the last buffer), "
                            "written by the row group's launch and added in slot order by the next, its _cols kernel"}
+        if x.wide:   # an f32 scatter-add's f64 form
+            entry["wide_kernels"] = {
+                "kernel": x.wide, **({"round": x.wide_round} if x.wide_round else {}),
+                "terms": " * ".join(f"({size_str(s)})" for s in x.terms) or "1",
+                "elements": " * ".join(f"({size_str(s)})" for s in x.elems) or "1",
+                "when": f"terms > {cuda.wide_scatter_terms} * elements (CudaOptions.wide_scatter_terms), instead "
+                        "of `kernel`",
+                "scratch": f"elements doubles ('{codegen.COL_SCRATCH}'): the zero kernel's only buffer, the add "
+                           "kernel's parameter after the buffers; the round kernel (a thread per element) "
+                           "takes the output and the scratch and runs after the add kernel"}
         if x.row:
             entry["row_kernel"] = x.row
             entry["reduced"] = " * ".join(f"({size_str(s)})" for s in x.red)

@@ -283,9 +283,13 @@ class _Gen(ExprVisitor):
             tail = [f"d[{j}]" for j in range(len(self.dims))] + ["err"]
             scratch = args[:len(x.bufs)] + [f"(double*)b[{len(x.bufs)}]"] + tail
             plain = "TGC_SIM_LAUNCH" if x.kind in ("rows", "flash") else "TGC_SIM_LAUNCH_SERIAL"
+            wide = (["(double*)b[0]"] + tail if x.kind == "zero" else scratch,
+                    [args[0], "(double*)b[1]"] + tail)   # the f64 form's: the scratch alone, or after the buffers
             for name, launch, call in ((x.name, plain, args), (x.row, "TGC_SIM_LAUNCH", args),
                                        (x.warp, "TGC_SIM_LAUNCH", args), (x.col, "TGC_SIM_LAUNCH", scratch),
-                                       (x.col_sum, "TGC_SIM_LAUNCH_SERIAL", scratch)):
+                                       (x.col_sum, "TGC_SIM_LAUNCH_SERIAL", scratch),
+                                       (x.wide, "TGC_SIM_LAUNCH_SERIAL", wide[0]),
+                                       (x.wide_round, "TGC_SIM_LAUNCH_SERIAL", wide[1])):
                 if name:   # the row and column variants need a team per block: barriers and shuffles
                     self.sim.append(f'extern "C" void tgc_launch_{name}(void* const* b, const long long* d, '
                                     f"int* err, unsigned grid, unsigned block) {{\n    "
@@ -529,7 +533,14 @@ class _Gen(ExprVisitor):
                     "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
                     f"t += (long long)gridDim.x * blockDim.x) p0[t] = {_SCATTER_INIT[k.reduce or 'sum']};"]
             self.kernel(f"{name}_zero", self.params([k.out], k.out), zero, f"zero %{k.out} before the scatter")
-            self.launches.append(Launch("zero", f"{name}_zero", (k.out,), out_sizes, index=i))
+            wide = self.wide_scatter(k)
+            if wide:   # its f64 form: the scratch zeroed instead of the output
+                self.kernel(f"{name}_zero64", self.scratch_params(["double* __restrict__ p0"]),
+                            zero[:1] + [zero[1].replace(f"p0[t] = {_SCATTER_INIT['sum']}", "p0[t] = 0.0")],
+                            f"zero the f64 scratch of %{k.out} before the scatter")
+            terms = tuple(k.sizes[v] for v in k.loops if v not in k.red)
+            self.launches.append(Launch("zero", f"{name}_zero", (k.out,), out_sizes, index=i,
+                                        wide=f"{name}_zero64" if wide else "", terms=terms, elems=out_sizes))
         sizes = [self.size(k.sizes[v]) for v in kept]
         body = [f"const long long n = {' * '.join(sizes) or '1LL'};",
                 "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
@@ -543,6 +554,16 @@ class _Gen(ExprVisitor):
             if k.red:
                 raise CudaUnsupported("a scatter kernel with reduced loops")
             combine = {"sum": "atomicAdd", "max": "tgc_atomic_max", "min": "tgc_atomic_min"}[k.reduce or "sum"]
+            if self.wide_scatter(k):   # its f64 form: f64 atomics into the scratch, then one rounding each
+                wide = inner + self.guarded(k, kept, ctx, [f"atomicAdd(&part[{at}], (double){self.expr(k.body, ctx)});"])
+                self.kernel(f"{name}_add64", self.params(bufs, k.out, scratch=True),
+                            body + ["    " + line for line in wide] + ["}"], f"{note} (f64 atomics into the scratch)")
+                out_n = " * ".join(self.size(self.low.size(e)) for e in self.low.buffers[k.out].edges) or "1LL"
+                self.kernel(f"{name}_round64", self.params([k.out], k.out, scratch=True),
+                            [f"const long long n = {out_n};",
+                             "for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; "
+                             "t += (long long)gridDim.x * blockDim.x) p0[t] = (float)part[t];"],
+                            f"round the f64 scratch of %{k.out} into it, once each")
             inner += self.guarded(k, kept, ctx, [f"{combine}(&{store}, {self.expr(k.body, ctx)});"])
         elif not k.reduce:
             inner.append(self.store(k.out, "p0", at, self.expr(k.body, ctx)))
@@ -560,8 +581,26 @@ class _Gen(ExprVisitor):
         self.kernel(name, self.params(bufs, k.out), body, note)
         row = self.row_loop(name + "_row", k, bufs, kept, note) if _row_ok(k) else ""
         col = self.col_loop(name + "_col", k, bufs, kept, note) if row and self.column_sum(k, kept) else ("", "")
+        wide = self.wide_scatter(k) and k.scatter
         self.launches.append(Launch("loop", name, tuple(bufs), tuple(k.sizes[v] for v in kept), index=i, row=row,
-                                    red=tuple(k.sizes[v] for v in k.red), col=col[0], col_sum=col[1]))
+                                    red=tuple(k.sizes[v] for v in k.red), col=col[0], col_sum=col[1],
+                                    wide=f"{name}_add64" if wide else "", wide_round=f"{name}_round64" if wide else "",
+                                    terms=tuple(k.sizes[v] for v in kept) if wide else (),
+                                    elems=tuple(self.low.size(e) for e in self.low.buffers[k.out].edges) if wide else ()))
+
+    def wide_scatter(self, k: LoopKernel) -> bool:
+        """Whether scatter kernel `k` is an f32 scatter-add with an f64 form (`Launch.wide`):
+        one f32 atomic add per term rounds each output element once per term sent to it,
+        10^6 messages into 8 nodes 1.1e-5 off (PyTorch's one-hot product 6e-7); adding
+        f64 atomics into a scratch of doubles, each element is rounded once (the runtime
+        takes this form when the terms are more than `CudaOptions.wide_scatter_terms`
+        per element, else the f32 atomics)."""
+        return (k.scatter and not k.reduce and not k.red and self.low.dtype == "f32"
+                and self.low.buffers[k.out].dtype == "f32")
+
+    def scratch_params(self, first: list[str]) -> str:
+        """The parameters `first` then the dims and the error word (a kernel on the scratch alone)."""
+        return ", ".join(first + [f"long long {self.dim_c[d]}" for d in self.dims] + ["int* __restrict__ err"])
 
     def vector_loop(self, k: LoopKernel, ctx: "_Ctx", kept: list[str], sizes: list[str]):
         """The elementwise kernel `k` of an f32 program four elements at a time: (the

@@ -57,6 +57,22 @@ class Launch:
     # a row group with column sums: (rows' sizes, columns' sizes, column sums, slot_rows,
     # slot_elems) of its partials in the scratch (`scratch`)
     slots: tuple = ()
+    # an f32 scatter-add's zero and add launches: the kernels of its f64 form (the zero
+    # kernel filling the scratch; the add kernel adding f64 atomics into it, then
+    # `wide_round` rounding each element once into the output), taken when its terms
+    # are more than `CudaOptions.wide_scatter_terms` per element of the output (`wide_at`)
+    wide: str = ""
+    wide_round: str = ""
+    terms: tuple[Size, ...] = ()      # ... the scatter's terms: the product of these sizes
+    elems: tuple[Size, ...] = ()      # ... the output's elements (the scratch's doubles)
+
+    def wide_at(self, env: dict, per_elem: int) -> bool:
+        """Whether this launch of an f32 scatter-add takes its f64 form with these dims:
+        more than `per_elem` terms per output element."""
+        if not self.wide:
+            return False
+        terms = math.prod(size_eval(x, env) for x in self.terms)
+        return terms > per_elem * math.prod(size_eval(x, env) for x in self.elems)
 
     def scratch(self, env: dict) -> int:
         """The doubles of scratch (COL_SCRATCH) this launch writes with these dims: a row
@@ -87,4 +103,4 @@ class CudaModule:
 
     def kernel_names(self) -> list[str]:
         return [n for x in all_launches(self.launches) if x.kind not in ("gemm", "steps")
-                for n in (x.name, x.row, x.warp, x.col, x.col_sum) if n]
+                for n in (x.name, x.row, x.warp, x.col, x.col_sum, x.wide, x.wide_round) if n]

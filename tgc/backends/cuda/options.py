@@ -57,6 +57,7 @@ class CudaOptions:
     bindings_kept: int = 4    # bindings of the dims kept per program (runtime._Binding: workspace, steps, graphs), most recently used first
     graphs_kept: int = 4      # CUDA graphs kept per binding (by the addresses of the arguments and outputs); a binding with more misses than hits after twice this many captures stops capturing
     outputs_kept: int = 4     # output sets kept per binding, to be written again once the caller drops them
+    wide_scatter_terms: int = 256   # an f32 scatter-add of more than this many terms per output element adds f64 atomics into a scratch of doubles, each element rounded once (else f32 atomics into the output)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -62,6 +62,7 @@ import ctypes
 from dataclasses import replace
 import functools
 import hashlib
+import math
 import operator
 import shutil
 import subprocess
@@ -674,6 +675,8 @@ class CudaKernels(Kernels):
         temps = self._temps(low, env, ws, offsets, 0)
         cols = [self._col_chunks(x, env) for x in all_launches(self._cm.launches)]
         rows = [x.scratch(env) for x in all_launches(self._cm.launches) if x.slots]   # row groups' column partials
+        rows += [math.prod(size_eval(e, env) for e in x.elems) for x in all_launches(self._cm.launches)
+                 if x.wide_at(env, self.options.cuda.wide_scatter_terms)]   # f32 scatter-adds' f64 copies
         if any(chunks for chunks, _ in cols) or rows:   # the column sums' partials (one scratch: they run in turn)
             temps[codegen.COL_SCRATCH] = dev.empty((max(1, *(n for _, n in cols), *rows),), np.float64)
         graphs = dev.name == "cuda" and self.options.cuda.graphs
@@ -753,6 +756,16 @@ class CudaKernels(Kernels):
                 warp = inner <= self.options.cuda.warp_rows
                 name, row = (x.warp, "warp") if warp else (x.name, True)
                 threads = 0 if warp else self.options.cuda.row_block(inner)   # the block fits the row
+            elif x.wide_at(env, self.options.cuda.wide_scatter_terms):   # an f32 scatter-add's f64 form
+                if x.kind == "zero":
+                    steps.append((x.index, dev.launcher(x.wide, total, False, b.dims, b.err, (codegen.COL_SCRATCH,))))
+                    continue
+                elems = math.prod(size_eval(e, env) for e in x.elems)
+                steps.append((x.index, dev.launcher(x.wide, total, False, b.dims, b.err,
+                                                    x.bufs + (codegen.COL_SCRATCH,))))
+                steps.append((x.index, dev.launcher(x.wide_round, elems, False, b.dims, b.err,
+                                                    (x.bufs[0], codegen.COL_SCRATCH))))
+                continue
             else:
                 chunks, _ = self._col_chunks(x, env)
                 if chunks:   # a column sum: tiles of columns, partials per chunk of rows, added in order
