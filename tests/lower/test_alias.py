@@ -144,12 +144,17 @@ def test_a_gpt_layers_head_merges_are_views():
     """examples/gpt2.tg's layer loop: the forward step's attention output `p @ v` is
     stored in the width layout of the output it keeps for the backward (an alias of
     that output), and the backward step's three head gradients and its split of `wo`
-    into heads are views too: no copy between heads and the width is left."""
+    into heads are views too: no copy between heads and the width is left. The
+    forward step's query, key and value projections, their biases added in the GEMM's
+    store (`tgc.lower.unsplit`), are views of the heads the step keeps."""
     low, _ = lowered(GPT2, GPT_DIMS, "alias", opts=gpt_options("f64"))
     fwd, bwd = [k for k in low.kernels if isinstance(k, StepLoop)]
     views = {loop.reverse: [b.text() for b in loop.step.buffers.values() if b.alias] for loop in (fwd, bwd)}
     assert views == {
-        False: ["buffer %t41 : f64[batch, hd, head, t] temp order [batch, t, head, hd] alias %r9"],
+        False: ["buffer %t41 : f64[batch, hd, head, t] temp order [batch, t, head, hd] alias %r9",
+                "buffer %u46 : f64[batch, c2, t] temp order [batch, t, c2] alias %r5",
+                "buffer %u47 : f64[batch, c2, t] temp order [batch, t, c2] alias %r6",
+                "buffer %u48 : f64[batch, c2, t] temp order [batch, t, c2] alias %r7"],
         True: ["buffer %t72 : f64[c, hd, head] temp order [head, hd, c] alias %p23",
                "buffer %t75 : f64[batch, c2, s] temp order [batch, s, c2] alias %t73",
                "buffer %t81 : f64[batch, c2, t] temp order [batch, t, c2] alias %t79",

@@ -251,7 +251,8 @@ def test_stages_print_after_each():
                  emit=lambda banner, text: seen.append((banner, text)))
     assert [b for b, _ in seen] == ["IR after emulate_low", "IR after without_rules", "IR after fuse",
                                     "IR after layout", "IR after narrow",
-                                    "IR after gemm_operands", "IR after implicit", "IR after accumulate", "IR after epilogue",
+                                    "IR after gemm_operands", "IR after implicit", "IR after accumulate", "IR after unsplit",
+                                    "IR after epilogue",
                                     "IR after alias", "IR after group",
                                     "IR after plan"]
     assert seen[0][1].startswith("dim ")   # emulate_low and without_rules: still the IR module

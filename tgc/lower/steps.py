@@ -50,6 +50,7 @@ from tgc.ir.module import Arg, Module, Output
 from tgc.ir.values import Value, holds_logsumexp, rebuild_same, topo_order
 from tgc.lower.indexing import edge_size
 from tgc.lower.lowered import Bind, Buffer, StepLoop
+from tgc.lower.reader_order import arg_order
 
 
 def loop_key(v: Value) -> tuple:
@@ -177,7 +178,7 @@ class StepLowering:
             dtype = self.f.dtype_of(r)
             inner = self.carry_order(r.edges) if j < body.carries else self.block_order(r.edges, blocks, ranked)
             if j >= body.carries and inner in (self.order(r.edges), self.block_decl_order(r.edges, ranked)):
-                inner = self.split_order(r) or inner
+                inner = self.split_order(r) or self.reader_order(v, j, edge, inner)
             if j < body.carries:
                 outs.append(Bind(self.temp("n", dtype, inner)))
                 results.append(args[j].buf)
@@ -357,6 +358,13 @@ class StepLowering:
             return None
         self.f.low.buffers[o.name] = Buffer(o.name, self.f.opt.dtype, mine[0].edges, "out", i, o.order)
         return o.name, tuple(e for e in o.order if e != edge), "" if o.order[0] == edge else edge
+
+    def reader_order(self, v: Value, j: int, edge: str, inner: tuple[str, ...]) -> tuple[str, ...]:
+        """Stacked result j's order: that of the arguments its elementwise readers combine
+        it with (`tgc.lower.reader_order`: a layer stack's weight gradient as the weight
+        and its optimizer states are stored), else `inner`."""
+        order = arg_order(self.f, [w for w in self.groups[loop_key(v)] if w.attrs[3] == j], edge)
+        return order if order is not None and sorted(order) == sorted(inner) else inner
 
     def outer_ones(self, order, edge: str) -> bool:
         """Whether `edge` is in `order` with every edge before it of size 1: a buffer so

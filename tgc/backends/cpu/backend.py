@@ -2,6 +2,8 @@
 lowering stages, `narrow` (bf16/f16 values in 2-byte buffers: `tgc.lower.narrow`),
 `gemm_operands` (bf16 GEMMs, or operands widened for BLAS), `implicit` (GEMMs that
 pack a gather copy's window from its source: `tgc.backends.cpu.implicit`), the neutral
+`unsplit` (an elementwise reader of a product through a split of its edges computed over
+the product's edges, then a copy: `tgc.lower.unsplit`), the neutral
 `epilogue` (elementwise readers of a GEMM's product folded into it: `tgc.lower.epilogue`,
 run on the GEMM's tiles by `tgc.backends.cpu.gemm_epilogue`), the neutral `alias` (copies
 that only split or merge edges become views: `tgc.lower.alias`) and `group` (cache
@@ -19,11 +21,12 @@ from tgc.lower.accumulate import Accumulate
 from tgc.lower.alias import Aliases
 from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.narrow import Narrow
+from tgc.lower.unsplit import Unsplit
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Implicit, Accumulate, GemmEpilogue, Aliases, Group)
+    stages = (Narrow, GemmOperands, Implicit, Accumulate, Unsplit, GemmEpilogue, Aliases, Group)
     kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True
