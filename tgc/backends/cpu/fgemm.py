@@ -537,14 +537,17 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                                                                    I64(VL)), I64(VL)), I64(tpack_rows)))
         astep = b.select(packs_a, I64(1), sak)
 
-    def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None):
+    def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None, rows=rows, blocks=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
         rows p0..p1 of B's block (K k0 + p0 .. k0 + p1); with `tap_parts`, a
         function of the builder that yields each tap's (A, packed block, p0, p1),
-        the sum over the taps."""
+        the sum over the taps. `blocks` (first row, count): those blocks of `rows`
+        rows only (default: all of M's, the last one's rows past M clamped to M's
+        last)."""
         M = cur["M"]
-        with for_range(b, I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)), "oi") as ib:
-            i0 = b.mul(ib, I64(rows))
+        first, count = blocks or (I64(0), b.sdiv(b.add(M, I64(rows - 1)), I64(rows)))
+        with for_range(b, I64(0), count, "oi") as ib:
+            i0 = b.add(first, b.mul(ib, I64(rows)))
             last = b.sub(M, I64(1))
             rix = [b.add(i0, I64(r)) for r in range(rows)]
             inside = [b.icmp_signed("<", i, M) for i in rix]
@@ -784,7 +787,29 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                     row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
                                p0, _max(b, p0, p1), adds, j0, k0, masks)
         else:   # an implicit GEMM's copy
+            window_row_blocks(pa, pc, kd, add_c, j0, k0, masks)
+
+    def window_row_blocks(pa, pc, kd, add_c, j0, k0, masks):
+        """An implicit GEMM's copy's row blocks: the whole blocks of `rows` rows, then
+        a last block of fewer rows than M has left (`rows` - 2, when they fit) in a
+        block of that many rows, not a whole one (its rows past M computed again:
+        conv2d's output product has 64 rows, 10 blocks of 6 and one of 4, whose FMAs
+        were a third wasted at 6). Each element of C takes the same FMAs in the same
+        order in a block of any height: the same bits."""
+        M = cur["M"]
+        small = rows - 2
+        if small < 1:
             row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks)
+            return
+        whole = b.sdiv(M, I64(rows))
+        rest = b.sub(M, b.mul(whole, I64(rows)))
+        short = b.and_(b.icmp_signed(">", rest, I64(0)), b.icmp_signed("<=", rest, I64(small)))
+        # the rows left over in a whole (clamped) block where they do not fit the short one
+        big = b.select(b.or_(short, b.icmp_signed("==", rest, I64(0))), whole, b.add(whole, I64(1)))
+        row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks, blocks=(I64(0), big))
+        with b.if_then(short):
+            row_blocks(pa, pc, I64(0), kd, add_c, j0, k0, masks, rows=small,
+                       blocks=(b.mul(whole, I64(rows)), I64(1)))
 
     # the K blocks outside the column blocks: a row panel's A (panel x K block) stays in
     # L2 across all of B's column blocks (512 x 384 x 1536: 156 -> 1xx GFLOP/s); an
