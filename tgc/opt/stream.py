@@ -743,8 +743,10 @@ class _Streamer:
         s = self.key_edge(r)
         if s is None or self.groups <= 0:
             return None
+        count = max(self.groups, n // self.options.stream_mask_rows) if self.options.stream_mask_rows > 0 \
+            else self.groups   # long edges in more runs (`stream_mask_rows`)
         return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)], i in reject) for i, ind in enumerate(r.masks)],
-                                  s, n, self.sizes[s], self.block, self.groups, meet)
+                                  s, n, self.sizes[s], self.block, count, meet)
 
     def skips(self, r: _Region, edge: str) -> bool:
         """Whether the masks of `r`, in some roles, let some loop skip keys (a seed under
