@@ -150,10 +150,11 @@ def test_every_tuned_field_is_checked():
     rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     named = {n for row in rows for n in re.findall(r"`(\w+)`", row)}
     # the runtime's first-call bounds have tests of their own (tests/runtime/test_specialize.py),
-    # as have the stream pass's budget (tests/opt/test_stream.py) and its key blocks
-    # (tests/opt/test_stream_keys.py)
+    # as have the stream pass's budget and its loops per rows (tests/opt/test_stream.py) and
+    # its key blocks (tests/opt/test_stream_keys.py)
     assert named - {"specialize_at_bytes", "specialize_first_work", "stream_step_elements",
-                    "stream_key_block", "stream_key_rows", "stream_key_scores"} == \
+                    "stream_key_block", "stream_key_rows", "stream_key_scores", "stream_mask_rows",
+                    "stream_mask_groups"} == \
         {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
 

@@ -235,3 +235,83 @@ def test_a_merged_output_is_written_by_the_product():
     (view,) = [b for b in low.buffers.values() if b.alias]
     assert low.buffers[view.alias].kind == "out" and view.alias == "m"
     assert [k.out for k in low.kernels if isinstance(k, GemmKernel)] == [view.name]
+
+
+CAUSAL = """
+dim t = 64, hd = 4
+dim s = t
+input q[t, hd]
+input k[s, hd]
+input v[s, hd]
+input dy[t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
+y = sum[s](p * v)
+out y[t, hd]
+loss = sum(y * dy)
+out dq[t, hd] = grad(loss, q)
+out dk[s, hd] = grad(loss, k)
+out dv[s, hd] = grad(loss, v)
+"""
+
+
+def causal_options(dtype: str, alias: bool = True) -> Options:
+    o = Options(dtype=dtype, stages=stages(alias), stream_block=16, stream_min_elements_masked=64,
+                stream_mask_groups=4)
+    return o.with_(cpu=o.cpu.with_(threads=1, blas_min_flops=0))
+
+
+def test_a_causal_runs_keys_are_a_prefix_view_of_the_keys():
+    """A causal stream's runs (`stream_skip`) read the keys and values before the run's
+    last row: a copy of `k[s, hd]`'s first rows into `[s.1, hd]`, the same offsets, fewer
+    bytes. It becomes a view of `k`'s first bytes (no copy per run); a copy into a
+    buffer larger than its source, or the reverse direction (the source a temporary
+    viewing an output of fewer bytes), stays a copy."""
+    from tgc.frontend import compile_source
+    opts = causal_options("f64")
+    module = compile_source(CAUSAL, "<causal>", opts)
+    compiled, o = pipeline.target(pipeline.lower(module, opts).module, opts)
+    low = pipeline.lower_module(compiled, o, stop_after="alias")
+    views = []
+
+    def walk(p):
+        for k in p.kernels:
+            if isinstance(k, StepLoop):
+                walk(k.step)
+        for name, b in p.buffers.items():
+            if b.alias is not None and p.nbytes(b) < p.nbytes(p.buffers[b.alias]):
+                views.append((name, b.alias, p.nbytes(b), p.nbytes(p.buffers[b.alias])))
+    walk(low)
+    # the first three runs' keys and values (16, 32, 48 of 64 keys; the last run reads all 64:
+    # the same size, a view already) and the first run's stacked queries and dy
+    assert sorted(n for _, _, n, _ in views) == sorted([16 * 4 * 8] * 2 + [32 * 4 * 8] * 2 + [48 * 4 * 8] * 2
+                                                        + [16 * 4 * 8] * 2), views
+    verify_lowered(pipeline.lower_module(compiled, o))
+
+
+@pytest.mark.parametrize("dtype", ["f64", "f32"])
+def test_prefix_views_compute_the_copys_bits(dtype):
+    """The causal stream with and without the alias stage: the same bits; and the IR
+    interpreter's values (the unstreamed program, f64); the planned program through the
+    lowered interpreter (its prefix views are the arrays' first elements) too."""
+    from tgc.frontend import compile_source
+    got = []
+    x = None
+    for alias in (True, False):
+        prog = tgc.compile(CAUSAL, "cpu", dtype, options=causal_options(dtype, alias))
+        if x is None:
+            x = random_inputs(prog.module, prog.module.dims, 3, dtype)
+        got.append(prog(**x))
+    for name in ("y", "dq", "dk", "dv"):
+        assert np.array_equal(got[0][name], got[1][name]), name
+    plain = compile_source(CAUSAL, "<causal>", Options(dtype="f64"))
+    want = evaluate(pipeline.lower(plain, Options(dtype="f64")).module,
+                    {n: np.asarray(v, np.float64) for n, v in x.items()}, dtype="f64")
+    opts = causal_options("f64")
+    compiled, o = pipeline.target(pipeline.lower(compile_source(CAUSAL, "<causal>", opts), opts).module, opts)
+    low = pipeline.lower_module(compiled, o)
+    back = run_lowered(low, {n: np.asarray(v, np.float64) for n, v in x.items()})
+    tol = 1e-12 if dtype == "f64" else 1e-5
+    for name in ("y", "dq", "dk", "dv"):
+        scale = np.abs(want[name]).max()
+        np.testing.assert_allclose(got[0][name], want[name], rtol=tol, atol=tol * scale)
+        np.testing.assert_allclose(back[name], want[name], rtol=1e-12, atol=1e-12 * scale)

@@ -559,6 +559,37 @@ def test_masked_keys_are_skipped_in_the_work():
     assert 0.1 < ratio < 0.2, ratio
 
 
+def test_long_edges_run_in_more_loops():
+    """`stream_mask_rows`: a masked stream runs at least one loop per that many rows of
+    its edge, whatever `stream_mask_groups` says (t = 256 in 8 blocks of 32: 2 loops do
+    (1 + 2) / 4 = 0.75 of every key's work, 4 loops of 64 rows 0.625, 8 loops 0.5625);
+    0 leaves `stream_mask_groups` alone; the 4-loop program computes torch's values."""
+    from tgc.explain import explain
+    from tgc.pipeline import lower_module
+
+    causal = ATTENTION.replace("t = 32, hd = 2", "t = 256, hd = 16")
+
+    def work(**kw):
+        opts = dict(stream_block=32, stream_min_elements=1 << 14, **kw)
+        module = optimized(causal, "f32", **opts)
+        kernels = explain(lower_module(module, Options(**opts)), {})["kernels"]
+        return loops(module), sum(k["flops"] for k in kernels if k["kind"] == "steps")
+
+    every = work(stream_mask_groups=0)[1]
+    two = work(stream_mask_groups=2, stream_mask_rows=0)
+    four = work(stream_mask_groups=2, stream_mask_rows=64)
+    eight = work(stream_mask_groups=2, stream_mask_rows=16)   # at most one loop a block
+    assert (two[0], four[0], eight[0]) == (2, 4, 8)
+    assert 0.74 < two[1] / every < 0.76 and 0.61 < four[1] / every < 0.64 and 0.55 < eight[1] / every < 0.58
+    assert work(stream_mask_groups=2)[0] == 2   # the default 256 rows: t = 256 is one such run
+    import tgc
+    src = ATTENTION.replace("t = 32", "t = 64")
+    prog = tgc.compile(src, "cpu", "f64", options=Options(**{**ON, "stream_mask_rows": 16}))
+    assert loops(prog.module) == 4
+    want = torch_oracle.evaluate(compile_source(src, "<stream>", Options(dtype="f64")), inputs(src))
+    close(prog(**inputs(src)), want, 1e-10)
+
+
 def test_the_runs_copy_their_key_windows_in_the_keys_order_and_hand_the_carries_on():
     """A masked stream's runs (4 here) read windows of k and v: copied in k's and v's
     own order (`[head, s.N, hd]`, so the copy runs along both), and the dk, dv carries

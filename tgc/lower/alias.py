@@ -15,14 +15,18 @@ readers read the source's bytes in place (nanoGPT-char's layer step: 4 merge cop
 A copy is rewritten when:
 - it is a plain loop kernel over its output's edges (no reduction, scatter, epilogue or
   bounds; a mask only where it holds over the whole loop range, `_holds`) storing at
-  the identity index one load of another buffer of the same type and byte size;
+  the identity index one load of another buffer of the same type and byte size, or
+  of more bytes, both sizes known (a prefix of it: a causal run's keys `s.1 < 1024`
+  of `k[s, hd]`, copied once per run of `stream_skip` before; then only the
+  destination becomes the view);
 - the offsets agree (`same_bytes`): the row-major offset of the destination's element
   (its order's strides) minus that of the element the copy loads (an affine index in
   the loop variables and floor divisions of them, `c2 - 64 floor(c2 / 64)`) is zero as
   a linear form over those atoms, every coefficient a polynomial of the sizes that
   cancels exactly. So every element of the destination lies at the bytes of the source
   element the copy would store there: reading those bytes is reading the copy;
-- one of the two is a temporary to alias, never aliased itself nor an alias's: the
+- one of the two is a temporary to alias, never aliased itself nor an alias's (but for
+  an argument no kernel writes, which may have several views): the
   destination (then the source may be any buffer), or else the source (then the
   destination is an output); neither is a carry's argument or output that the loop
   binds to one buffer (`held`: the output is written in the argument's bytes);
@@ -86,11 +90,15 @@ def _alias(low: Lowered, held: frozenset[str]) -> None:
         pair = _which(low, src, dst, held)
         if pair is None or {src, dst} & (updates | update_values):
             continue
-        if any(b.alias in (src, dst) for b in low.buffers.values()):
-            continue
+        if any(b.alias in (src, dst) for b in low.buffers.values()) and not (
+                pair == (dst, src) and low.buffers[src].kind == "arg" and not uses.writers(src)):
+            continue   # (an argument no kernel writes may have several views: a causal stream's
+            # runs each read a prefix of the keys)
         if not _writes_allow(low, uses, i, src, dst) or not same_bytes(low, c):
             continue
         view, base = pair
+        if view != dst and prefix(low, src, dst):
+            continue   # the source would view the output's bytes and more
         low.buffers[view].alias = base
         uses.set(i, None)
     low.kernels = uses.kernels()
@@ -174,15 +182,24 @@ def _holds(cond: Cond, sizes) -> bool:
 
 def copy_source(low: Lowered, c) -> str | None:
     """`plain_copy`'s source, when it and the copy's output have their orders, one type
-    and one byte size; else None."""
+    and one byte size, or the output fewer bytes than the source, both sizes known
+    (a prefix: `prefix`); else None."""
     if plain_copy(low, c) is None:
         return None
     src, out = low.buffers[_load(c).buf], low.buffers[c.out]
     if src.order is None or out.order is None or src.dtype != out.dtype:
         return None
-    if not _equal(low.nbytes(src), low.nbytes(out)):
+    if not _equal(low.nbytes(src), low.nbytes(out)) and not prefix(low, src.name, out.name):
         return None
     return src.name
+
+
+def prefix(low: Lowered, base: str, view: str) -> bool:
+    """Whether buffer `view` has fewer bytes than `base`, both sizes known integers (the
+    copy of a causal run's keys, `%w[s.1, hd] = %k[s.1, hd]` with `s.1` the first 1024 of
+    8192 keys: its bytes are `k`'s first ones, once `same_bytes` shows the offsets agree)."""
+    a, b = low.nbytes(low.buffers[view]), low.nbytes(low.buffers[base])
+    return isinstance(a, int) and isinstance(b, int) and a < b
 
 
 def _strides(low: Lowered, order) -> dict[str, Size]:

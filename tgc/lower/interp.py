@@ -116,11 +116,13 @@ class _Machine(ExprVisitor):
 
     def bind_aliases(self) -> None:
         """Each alias (`Buffer.alias`) as a view of its buffer's array, in its own shape:
-        the same bytes (the buffer's array is C-contiguous in its order)."""
+        the same bytes, or their first ones (a prefix view; the buffer's array is
+        C-contiguous in its order)."""
         for name, buf in self.low.buffers.items():
             if buf.alias is not None:
                 base = self.arrays[buf.alias]
-                view = base.reshape(tuple(self.size(e) for e in self.order[name]))
+                shape = tuple(self.size(e) for e in self.order[name])
+                view = base.reshape(-1)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
                 assert np.shares_memory(view, base), "an alias is a view of its buffer"
                 self.arrays[name] = view
 

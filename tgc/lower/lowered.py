@@ -51,7 +51,8 @@ Backend-neutral: a program is a list of kernels over named buffers.
 - A temporary with an `alias` holds no bytes of its own: it is buffer `alias`'s bytes
   (the same row-major offsets, another edge set: heads `[t, head, hd]` read as the
   width `[t, c]`), each in its own order: writing either writes both
-  (`tgc.lower.alias`). The buffer it views is no alias itself.
+  (`tgc.lower.alias`); or, both sizes known, the first of more bytes (a prefix: a
+  causal run's keys of `k`). The buffer it views is no alias itself.
 - A `Check` makes the program fail (nonzero status, before any write) when an id
   buffer holds a value outside `[0, size)`.
 

@@ -297,8 +297,11 @@ class _Verifier(ExprVisitor):
         if b.kind != "temp" or base is None or base.alias is not None or base is b:
             raise self.fail(f"buffer '%{name}' is an alias of '%{b.alias}': an alias is a temporary "
                             f"viewing a buffer that is no alias")
-        if base.dtype != b.dtype or not self.same_size(low.nbytes(base), low.nbytes(b)):
-            raise self.fail(f"alias '%{name}' does not have the type and byte size of '%{b.alias}'")
+        size, whole = low.nbytes(b), low.nbytes(base)
+        fewer = isinstance(size, int) and isinstance(whole, int) and size < whole   # a prefix view
+        if base.dtype != b.dtype or not (fewer or self.same_size(whole, size)):
+            raise self.fail(f"alias '%{name}' does not have the type and byte size of '%{b.alias}' "
+                            f"(or fewer bytes, both sizes known)")
 
     def aliased(self, names: set[str]) -> set[str]:
         """`names` with the buffers that share their bytes (aliases and what they view)."""
