@@ -153,7 +153,7 @@ def test_every_tuned_field_is_checked():
     # as have the stream pass's budget and its loops per rows (tests/opt/test_stream.py) and
     # its key blocks (tests/opt/test_stream_keys.py)
     assert named - {"specialize_at_bytes", "specialize_first_work", "stream_step_elements",
-                    "stream_key_block", "stream_key_rows", "stream_key_scores", "stream_mask_rows",
+                    "stream_key_block", "stream_key_rows", "stream_key_scores", "stream_mask_rows", "stream_mask_runs",
                     "stream_mask_groups"} == \
         {r[0] for r in LOWERING} - {"group_inline_max_ops", "gemm_epilogue"}
     assert named <= {f.name for f in dataclasses.fields(Options)}
@@ -170,6 +170,7 @@ STRUCTURAL = {
     "cpu/gemm_bf16.py": {"BF16_ROWS", "BF16_VECS"}, "cpu/gemm_small.py": {"ROWS"}, "cpu/kernels.py": {"ALIGN"},
     "cpu/sizecheck.py": {"ALIGN"},
     "lower/fuse.py": {"MAX_INLINE_DEPTH"}, "lower/grouping.py": {"MAX_MEMBERS"}, "lower/lowered.py": {"WIDE_SUM"},
+    "lower/reader_order.py": {"DEPTH"},
 }
 
 

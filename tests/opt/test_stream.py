@@ -561,7 +561,7 @@ def test_masked_keys_are_skipped_in_the_work():
 
 def test_long_edges_run_in_more_loops():
     """`stream_mask_rows`: a masked stream runs at least one loop per that many rows of
-    its edge, whatever `stream_mask_groups` says (t = 256 in 8 blocks of 32: 2 loops do
+    its edge (at most `stream_mask_runs`), whatever `stream_mask_groups` says (t = 256 in 8 blocks of 32: 2 loops do
     (1 + 2) / 4 = 0.75 of every key's work, 4 loops of 64 rows 0.625, 8 loops 0.5625);
     0 leaves `stream_mask_groups` alone; the 4-loop program computes torch's values."""
     from tgc.explain import explain
@@ -582,6 +582,9 @@ def test_long_edges_run_in_more_loops():
     assert (two[0], four[0], eight[0]) == (2, 4, 8)
     assert 0.74 < two[1] / every < 0.76 and 0.61 < four[1] / every < 0.64 and 0.55 < eight[1] / every < 0.58
     assert work(stream_mask_groups=2)[0] == 2   # the default 256 rows: t = 256 is one such run
+    # `stream_mask_runs` caps the loops (each compiles its own step), never below the groups
+    assert work(stream_mask_groups=2, stream_mask_rows=16, stream_mask_runs=4)[0] == 4
+    assert work(stream_mask_groups=2, stream_mask_rows=16, stream_mask_runs=1)[0] == 2
     import tgc
     src = ATTENTION.replace("t = 32", "t = 64")
     prog = tgc.compile(src, "cpu", "f64", options=Options(**{**ON, "stream_mask_rows": 16}))

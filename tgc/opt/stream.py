@@ -744,9 +744,10 @@ class _Streamer:
         if s is None or self.groups <= 0:
             return None
         rows = self.options.stream_mask_rows if self.options.stream_key_block <= 0 else 0
-        # long edges in more runs (`stream_mask_rows`); not under key blocks (the attention
+        # long edges in more runs (`stream_mask_rows`, at most `stream_mask_runs`: each
+        # run compiles its own step); not under key blocks (the attention
         # layer at t = 8192 with keys of 256: explain's peak 62.9 -> 64.5 MiB in 32 runs)
-        count = max(self.groups, n // rows) if rows > 0 else self.groups
+        count = max(self.groups, min(n // rows, self.options.stream_mask_runs)) if rows > 0 else self.groups
         return stream_skip.groups([(ind.attrs[0], r.edge[id(ind)], i in reject) for i, ind in enumerate(r.masks)],
                                   s, n, self.sizes[s], self.block, count, meet)
 
