@@ -156,17 +156,20 @@ def test_no_indicator_is_materialized(which):
                          [(TINY, 8_000, 12), (TWO_LAYERS, 20_000, 32)], ids=["tiny", "two_layers"])
 @pytest.mark.slow
 def test_small_convolutions_are_little_code(which, max_lines, max_kernels):
-    """Bounds with room (the tiny program is ~4,300 lines, the two layers ~9,500;
-    before, 80,000 with one kernel of 19,000): what they catch is a blow-up, such as
-    nested short loops unrolled into each other or a dense relation. The GEMM library's
-    functions (`tgc.gemm.*`) are the same whatever the program: the own kernel's FMA
-    loop runs `own_gemm_unroll` K steps an iteration (~3,300 lines at 4)."""
+    """Bounds with room on the program's own functions (the tiny program's are ~3,700
+    lines, the two layers' ~10,200; before, 80,000 with one kernel of 19,000): what they
+    catch is a blow-up, such as nested short loops unrolled into each other or a dense
+    relation. The GEMM library's functions (`tgc.gemm.*`) are the same whatever the
+    program, one per register block the program's tiles use (the own kernel's FMA loop
+    runs `own_gemm_unroll` K steps an iteration, in two loops where C is prefetched late:
+    ~4,000 lines at 4); they are bounded each and in all."""
     prog = tgc.compile(_source(which))
     lines = _function_lines(prog.llvm_ir)
     top = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(lines.values()) <= max_lines, top
-    assert max(n for f, n in lines.items() if not f.startswith("tgc.gemm.")) <= 2_500, top
-    assert max(n for f, n in lines.items() if f.startswith("tgc.gemm.")) <= 5_000, top
+    library = {f: n for f, n in lines.items() if f.startswith("tgc.gemm.")}
+    assert sum(lines.values()) - sum(library.values()) <= max_lines, top
+    assert max(n for f, n in lines.items() if f not in library) <= 2_500, top
+    assert max(library.values(), default=0) <= 5_000 and sum(library.values()) <= 15_000, library
     assert len(prog.lowered.kernels) <= max_kernels
 
 
