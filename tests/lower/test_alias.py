@@ -23,6 +23,7 @@ from tgc.lower.lowered import Const, GemmKernel, Ix, LoopKernel, StepLoop, print
 from tgc.lower.text import parse_lowered
 from tgc.lower.verify import VerifyError, verify_lowered
 from tgc.options import Options
+from lowered_util import gpt2_start
 
 HERE = Path(__file__).resolve().parent
 MERGE = HERE / "alias_merge.tg"   # y = sum[s](p * v) @ [c = hd*head + hd] @ wo, and wo's gradient
@@ -167,18 +168,7 @@ def test_a_gpt_layers_head_merges_are_views():
 
 
 def gpt_start(program, seed: int = 3) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    dims = {k: v for k, v in GPT_DIMS.items() if k != "batch"}
-    arrays = program.init_state(dims)
-    for spec in program.inputs:
-        if spec.kind == "param":
-            arrays[spec.name] = (np.ones(spec.shape) if spec.name.startswith("ln") and spec.name.endswith("_w")
-                                 else 0.3 * rng.standard_normal(spec.shape))
-    ftype = arrays["step"].dtype
-    arrays = {k: v.astype(ftype) for k, v in arrays.items()}
-    tokens = rng.integers(0, GPT_DIMS["vocab"], (GPT_DIMS["batch"], GPT_DIMS["t"] + 1)).astype(np.int32)
-    return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
-            "lr": np.asarray(3e-3, ftype), "wd": np.asarray(0.1, ftype)}
+    return gpt2_start(program, {k: v for k, v in GPT_DIMS.items() if k != "batch"}, GPT_DIMS["batch"], seed)
 
 
 @pytest.mark.parametrize("dtype", ["f64", "f32"])

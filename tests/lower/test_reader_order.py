@@ -17,6 +17,7 @@ from tgc import pipeline
 from tgc.lower.lowered import LoopKernel, StepLoop
 from tgc.lower.reader_order import arg_order
 from tgc.options import Options
+from lowered_util import gpt2_start
 
 GPT2 = Path(__file__).resolve().parents[2] / "examples" / "gpt2.tg"
 DIMS = {"layer": 2, "head": 2, "hd": 4, "t": 5, "vocab": 7, "batch": 2}
@@ -68,17 +69,7 @@ def test_without_the_rule_wo_and_wproj_gradients_were_transposed(monkeypatch):
 
 
 def start(program, seed: int = 3) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    arrays = program.init_state(DIMS)
-    for spec in program.inputs:
-        if spec.kind == "param":
-            arrays[spec.name] = (np.ones(spec.shape) if spec.name.startswith("ln") and spec.name.endswith("_w")
-                                 else 0.3 * rng.standard_normal(spec.shape))
-    ftype = arrays["step"].dtype
-    arrays = {k: v.astype(ftype) for k, v in arrays.items()}
-    tokens = rng.integers(0, DIMS["vocab"], (DIMS["batch"], DIMS["t"] + 1)).astype(np.int32)
-    return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
-            "lr": np.asarray(3e-3, ftype), "wd": np.asarray(0.1, ftype)}
+    return gpt2_start(program, DIMS, DIMS["batch"], seed)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])

@@ -16,6 +16,7 @@ from tgc.frontend import compile_file
 from tgc.ir.interp import evaluate
 from tgc.lower.lowered import GemmKernel, LoopKernel, StepLoop
 from tgc.options import Options
+from lowered_util import gpt2_start
 
 GPT2 = Path(__file__).resolve().parents[2] / "examples" / "gpt2.tg"
 DIMS = {"layer": 2, "head": 2, "hd": 4, "t": 5, "vocab": 7}
@@ -79,19 +80,7 @@ def test_saved_heads_are_stored_as_projection_rows_and_read_in_place():
 
 
 def start(program, seed: int = 3) -> dict[str, np.ndarray]:
-    """Random weights (N(0, 0.3): attention far from uniform), LayerNorm scales 1,
-    zero moments, random tokens."""
-    rng = np.random.default_rng(seed)
-    arrays = program.init_state(DIMS)
-    for spec in program.inputs:
-        if spec.kind == "param":
-            arrays[spec.name] = (np.ones(spec.shape) if spec.name.startswith("ln") and spec.name.endswith("_w")
-                                 else 0.3 * rng.standard_normal(spec.shape))
-    ftype = arrays["step"].dtype
-    arrays = {k: v.astype(ftype) for k, v in arrays.items()}
-    tokens = rng.integers(0, DIMS["vocab"], (BATCH, DIMS["t"] + 1)).astype(np.int32)
-    return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
-            "lr": np.asarray(3e-3, ftype), "wd": np.asarray(0.1, ftype)}
+    return gpt2_start(program, DIMS, BATCH, seed)
 
 
 @pytest.mark.parametrize("dtype,tol", [("f64", 1e-9), ("f32", 2e-4)])

@@ -15,6 +15,7 @@ import tgc.lower.unsplit as unsplit
 from tgc import pipeline
 from tgc.lower.lowered import Add, Buffer, GemmKernel, Ix, Load, LoopKernel, Lowered, StepLoop, View
 from tgc.options import Options
+from lowered_util import gpt2_start
 
 GPT2 = Path(__file__).resolve().parents[2] / "examples" / "gpt2.tg"
 DIMS = {"layer": 2, "head": 2, "hd": 4, "t": 5, "vocab": 7, "batch": 2}
@@ -75,17 +76,7 @@ def test_the_lowered_program_is_the_ir_interpreters(dtype):
 
 
 def start(program, seed: int = 3) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    arrays = program.init_state(DIMS)
-    for spec in program.inputs:
-        if spec.kind == "param":
-            arrays[spec.name] = (np.ones(spec.shape) if spec.name.startswith("ln") and spec.name.endswith("_w")
-                                 else 0.3 * rng.standard_normal(spec.shape))
-    ftype = arrays["step"].dtype
-    arrays = {k: v.astype(ftype) for k, v in arrays.items()}
-    tokens = rng.integers(0, DIMS["vocab"], (DIMS["batch"], DIMS["t"] + 1)).astype(np.int32)
-    return {**arrays, "ids": tokens[:, :-1].copy(), "targets": tokens[:, 1:].copy(),
-            "lr": np.asarray(3e-3, ftype), "wd": np.asarray(0.1, ftype)}
+    return gpt2_start(program, DIMS, DIMS["batch"], seed)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f64"])
