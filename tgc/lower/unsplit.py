@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 
 from tgc.ir.passes import Pass
 from tgc.lower.alias import same_bytes
-from tgc.lower.lowered import (Acc, Add, Buffer, Const, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered, Map,
-                               Mask, Mul, Rand, SizeOf, StepLoop, walk)
+from tgc.lower.lowered import (Acc, Buffer, ExprVisitor, GemmKernel, Ix, Load, LoopKernel, Lowered, Mask, Rand,
+                               StepLoop, walk)
 from tgc.options import Options
 
 
@@ -179,4 +179,3 @@ class _Reindex(ExprVisitor):
 
 
 assert not _Reindex.missing(), _Reindex.missing()
-_ = (Add, Const, Map, Mul, SizeOf)   # the nodes `_Reindex` rebuilds

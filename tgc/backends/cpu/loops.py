@@ -24,8 +24,9 @@ that a product, is one llvm.fma (`fma_term`), never two rounded products in one 
 - scatter: zero `out`, then add each element at its gathered position (an f32
   scatter-add whose output has at most `CpuOptions.wide_scratch` known elements and
   more than `CpuOptions.sum_chunk` terms per element adds into an f64 scratch copy of
-  it on the stack instead, each element rounded once into `out`: `LoopGen.scatter`); a segment max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines with
-  llvm.maximum/minimum (NaN-propagating, like `max[e]`).
+  it on the stack instead, each element rounded once into `out`: `LoopGen.scatter`);
+  a segment max/min (`reduce` set on a scatter) fills `out` with -inf/inf and combines
+  with llvm.maximum/minimum (NaN-propagating, like `max[e]`).
 
 A group (`LoopGroup`) is one function: its outer loops (the first split between
 threads, by blocks when it has partial sums), and inside them each member's own
