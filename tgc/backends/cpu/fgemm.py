@@ -197,7 +197,7 @@ class _Lanes:
     also holds each vector's mask for every row class: a row then loads its masks
     instead of comparing (rows of one class have the same conditions' row part)."""
 
-    def __init__(self, entry, win, cap: int, mask_classes: int):
+    def __init__(self, entry, win, cap: int, mask_classes: int, groups: bool = False):
         self.win, self.nv = win, -(-cap // VL)
         nc = len(win.conds)
         self.class_edges = [v for v in win.rows if any(c.ix.coef(v) != 0 for c in win.conds)]
@@ -218,6 +218,20 @@ class _Lanes:
         self.digits = [entry.alloca(I64, name=f"lane.{v}") for v in win.cols]
         for a in (self.off, self.conds):
             a.align = 64
+        # row groups (`fill_group`): the innermost row edge, when it is the last class edge
+        # with a fixed size of 2 .. 16 (a convolution's kernel columns kw)
+        self.group = 0
+        if groups and self.classes and self.class_edges and self.class_edges[-1] == win.rows[-1]:
+            n = self.class_sizes[-1]
+            if 2 <= n <= VL:
+                self.group = n
+        if self.group:
+            self.umasks = entry.alloca(ir.IntType(16), size=I64(self.classes // self.group * (self.nv + 2)),
+                                       name="lane.union")
+            self.group_ok = entry.alloca(I1, name="lane.grouped")
+            vt = ir.VectorType(ir.FloatType(), VL)
+            self.gprev = (entry.alloca(vt, name="group.run"), entry.alloca(vt, name="group.line"))
+            self.rowvar = entry.alloca(I64, name="group.row")
 
     def build(self, b, col0, length, vectors):
         """The table of columns col0 .. col0 + length, `vectors` (an i64, at least
@@ -267,6 +281,8 @@ class _Lanes:
                 with for_range(b, I64(0), vectors, "lm") as v:
                     ok = self.compare(b, rcs, v)
                     b.store(b.bitcast(ok, ir.IntType(16)), self.mask_at(b, c, v))
+        if self.group:
+            self.build_unions(b, vectors)
 
     def class_parts(self, b, c):
         """Each condition's row part for row class `c` (a mixed-radix index of the
@@ -406,6 +422,123 @@ class _Lanes:
         last = lines.load(n, b.load(self.prev[1], typ=I32))
         b.store(lines.join(b.load(self.prev[0], typ=vt), last), at(b.sub(n, I64(1))), align=4)
 
+    def union_at(self, b, g, u):
+        return b.gep(self.umasks, [b.add(b.mul(g, I64(self.nv + 2)), u)], source_etype=ir.IntType(16))
+
+    def build_unions(self, b, vectors):
+        """For `fill_group`: each group class's union of its rows' lanes, as words of 16
+        (0 .. `vectors` + 1) over the run counted from the group's first row's first
+        column (row kw's vector v reads the run's lanes 16 v + kw .. 16 v + kw + 15: its
+        class's mask v shifted kw further), so that the lines read once for the group read
+        no element the rows' own loads would not. Also whether this build's rows group
+        (`group_ok`): the table is one run (`chain`) and the innermost row edge moves the
+        source by one element."""
+        S = self.group
+        i16 = ir.IntType(16)
+        with for_range(b, I64(0), I64(self.classes // S), "lg") as g:
+            with for_range(b, I64(0), b.add(vectors, I64(2)), "lu") as u:
+                w = I32(0)
+                for kw in range(S):
+                    c = b.add(b.mul(g, I64(S)), I64(kw))
+
+                    def word(v):   # class c's mask of vector v (i32; 0 outside the table's vectors)
+                        inside = b.and_(b.icmp_signed(">=", v, I64(0)), b.icmp_signed("<", v, vectors))
+                        m = b.zext(b.load(self.mask_at(b, c, b.select(inside, v, I64(0))), typ=i16), I32)
+                        return b.select(inside, m, I32(0))
+                    part = b.shl(word(u), I32(kw))
+                    if kw:
+                        part = b.or_(part, b.lshr(word(b.sub(u, I64(1))), I32(VL - kw)))
+                    w = b.or_(w, part)
+                b.store(b.trunc(w, i16), self.union_at(b, g, u))
+        unit = b.icmp_signed("==", self.win.coef[self.win.rows[-1]], I64(1))
+        b.store(b.and_(b.load(self.chain, typ=I1), unit), self.group_ok)
+
+    def fill_group(self, b, src, split, dsts, vectors):
+        """The `group` rows from the row whose digits are `split` (its innermost row edge
+        0) on, row kw into `dsts[kw]` (`vectors`: a Python int, unrolled, or an i64),
+        where `group_ok`: the rows are one run each, row kw's the first's moved by kw
+        elements (a convolution's kernel columns read one image row at kw - 1, kw, kw + 1).
+        Their aligned lines are read once for all of them (with the union of their lanes,
+        `build_unions`), joined once at the first row's shift (one two-table permute a
+        vector, as `fill_run`'s), and row kw's vector v is the joined vectors v and v + 1
+        moved by kw lanes (`valignd`) where its class's mask holds, +0.0 elsewhere: the
+        same values `fill` stores row by row, with 6 line loads and 5 permutes for a
+        convolution's 3 rows of 4 vectors instead of 15 and 12, and the scalar work
+        (offsets, masks, row steps) once a group."""
+        S, win = self.group, self.win
+        f32, i16 = ir.FloatType(), ir.IntType(16)
+        vt = ir.VectorType(f32, VL)
+        zero = ir.Constant(vt, [0.0] * VL)
+        roff, _ = win.part(b, split)
+        cls = self.row_class(b, split)
+        g = b.sdiv(cls, I64(S))
+        lines = _Lines(b, b.ptrtoint(b.gep(src, [b.add(roff, b.load(self.off, typ=I64))], source_etype=f32), I64))
+        back = b.sub(I32(VL), lines.shift)
+
+        def bits(j):   # line j's lanes: union word j's from the shift on, word j - 1's below it
+            w = b.shl(b.zext(b.load(self.union_at(b, g, j), typ=i16), I32), lines.shift)
+            if isinstance(j, ir.Constant) and j.constant == 0:
+                return w
+            return b.or_(w, b.lshr(b.zext(b.load(self.union_at(b, g, b.sub(j, I64(1))), typ=i16), I32), back))
+
+        def put(v, here, after):   # every row's vector v from the joined vectors v and v + 1
+            for kw in range(S):
+                x = here if kw == 0 else b.shuffle_vector(here, after, ir.Constant(
+                    ir.VectorType(I32, VL), list(range(kw, kw + VL))))
+                ok = self.mask(b, None, v, b.add(cls, I64(kw)))
+                at = b.bitcast(b.gep(dsts[kw], [b.mul(v, I64(VL))], source_etype=f32), vt.as_pointer())
+                b.store(b.select(ok, x, zero), at, align=4)
+
+        first = lines.load(I64(0), bits(I64(0)))
+        second = lines.load(I64(1), bits(I64(1)))
+        if isinstance(vectors, int):
+            ls = [first, second] + [lines.load(I64(j), bits(I64(j))) for j in range(2, vectors + 2)]
+            ps = [lines.join(ls[j], ls[j + 1]) for j in range(vectors + 1)]
+            for v in range(vectors):
+                put(I64(v), ps[v], ps[v + 1])
+            return
+        b.store(lines.join(first, second), self.gprev[0])
+        b.store(second, self.gprev[1])
+        with for_range(b, I64(0), vectors, "gv") as v:
+            j = b.add(v, I64(2))
+            line = lines.load(j, bits(j))
+            after = lines.join(b.load(self.gprev[1], typ=vt), line)
+            put(v, b.load(self.gprev[0], typ=vt), after)
+            b.store(after, self.gprev[0])
+            b.store(line, self.gprev[1])
+
+    def fill_rows(self, b, src, digits, count, dst, vectors):
+        """`count` rows of the window from the row whose digits (allocas, see `row_digits`)
+        are `digits` on, row p into `dst(p)`, the digits stepped past them: a whole group
+        (`fill_group`) where a row starts one (its innermost digit 0, `group_ok`, the
+        group's rows in the range), else one row (`fill`)."""
+        S = self.group
+        fn = b.block.function
+        head, body, done = (fn.append_basic_block(f"gr.{n}") for n in ("head", "body", "done"))
+        b.store(I64(0), self.rowvar)
+        b.branch(head)
+        b.position_at_end(head)
+        p = b.load(self.rowvar, typ=I64)
+        b.cbranch(b.icmp_signed("<", p, count), body, done)
+        b.position_at_end(body)
+        vals = {v: b.load(d, typ=I64) for v, d in zip(self.win.rows, digits)}
+        grouped = b.and_(b.load(self.group_ok, typ=I1),
+                         b.and_(b.icmp_signed("==", vals[self.win.rows[-1]], I64(0)),
+                                b.icmp_signed("<=", b.add(p, I64(S)), count)))
+        with b.if_else(grouped) as (whole, single):
+            with whole:
+                self.fill_group(b, src, vals, [dst(b.add(p, I64(kw))) for kw in range(S)], vectors)
+                b.store(I64(S - 1), digits[-1])   # the innermost digit wraps: the next group's first row
+                self.step_row(b, digits)
+                b.store(b.add(p, I64(S)), self.rowvar)
+            with single:
+                self.fill(b, src, None, dst(p), vectors, digits)
+                self.step_row(b, digits)
+                b.store(b.add(p, I64(1)), self.rowvar)
+        b.branch(head)
+        b.position_at_end(done)
+
+
 def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: int | None = None,
                home: ir.Module | None = None,
                depth: int | None = None, window: Window | None = None, name: str | None = None,
@@ -500,7 +633,8 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     if variants and tpack_rows > 0:
         tpack = entry.alloca(f32, size=I64(tpack_rows * span), name="apack.t")
         tpack.align = 64
-    segs = _Lanes(entry, window, cols if window.role == "b" else span, cpu.own_gemm_mask_classes) if window is not None else None
+    segs = _Lanes(entry, window, cols if window.role == "b" else span, cpu.own_gemm_mask_classes,
+                  cpu.own_gemm_window_groups) if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -554,11 +688,28 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
             rix = [b.select(x, i, last) for x, i in zip(inside, rix)]
             crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rix]
             if apack is not None:   # the window's rows of this block, packed from the source
-                arow = []
-                for r in range(rows):
-                    dst = b.gep(apack, [I64(r * span)], source_etype=f32)
-                    segs.fill(b, pa, b.add(row0, rix[r]), dst, cur["kvecs"])
-                    arow.append(dst)
+                arow = [b.gep(apack, [I64(r * span)], source_etype=f32) for r in range(rows)]
+
+                def one_by_one():
+                    for r in range(rows):
+                        segs.fill(b, pa, b.add(row0, rix[r]), arow[r], cur["kvecs"])
+                S = segs.group
+                if S and rows >= S:   # whole groups of rows where the block starts one, all inside
+                    top = b.add(row0, i0)
+                    grouped = b.and_(b.load(segs.group_ok, typ=I1), b.and_(
+                        b.icmp_signed("==", b.srem(top, segs.win.size[segs.win.rows[-1]]), I64(0)),
+                        b.icmp_signed("<=", b.add(i0, I64(rows)), M)))
+                    with b.if_else(grouped) as (whole, single):
+                        with whole:
+                            for q in range(rows // S):
+                                split = segs.win.split(b, b.add(top, I64(q * S)), segs.win.rows)
+                                segs.fill_group(b, pa, split, arow[q * S:(q + 1) * S], cur["kvecs"])
+                            for r in range(rows // S * S, rows):
+                                segs.fill(b, pa, b.add(row0, rix[r]), arow[r], cur["kvecs"])
+                        with single:
+                            one_by_one()
+                else:
+                    one_by_one()
             else:
                 arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
                 if tpack is not None:   # the packed panel's rows (see `_pack_a_transposed`)
@@ -764,10 +915,14 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
             with b.if_then(b.icmp_signed("==", kb, I64(0))):
                 segs.build(b, b.add(col0, j0), width, I64(vecs))   # the same columns for every K block
             digits = segs.row_digits(entry, b, b.add(row0, k0))
-            with for_range(b, I64(0), kd, "pw") as p:
-                dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
-                segs.fill(b, pb, None, dst, vecs, digits)
-                segs.step_row(b, digits)
+            if segs.group:
+                segs.fill_rows(b, pb, digits, kd, lambda p: b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32),
+                               vecs)
+            else:
+                with for_range(b, I64(0), kd, "pw") as p:
+                    dst = b.gep(bpack, [b.mul(p, I64(cols))], source_etype=f32)
+                    segs.fill(b, pb, None, dst, vecs, digits)
+                    segs.step_row(b, digits)
         elif taps:
             parts = _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn,
                                zero_v, it, vt)
