@@ -195,7 +195,12 @@ class _Lanes:
     When the row edges that enter the conditions (a convolution's kh and kw) have
     fixed sizes whose product (the row classes) is at most `mask_classes`, the table
     also holds each vector's mask for every row class: a row then loads its masks
-    instead of comparing (rows of one class have the same conditions' row part)."""
+    instead of comparing (rows of one class have the same conditions' row part).
+    When the innermost row edge is the last of those, with 2 to 16 rows
+    (`CpuOptions.own_gemm_window_groups`: a convolution's kernel columns), the rows
+    of one step of the edges outside it are packed as a group (`fill_group`): each
+    row's source is the first's moved by one element per step of the edge, so their
+    lines are read and joined once."""
 
     def __init__(self, entry, win, cap: int, mask_classes: int, groups: bool = False):
         self.win, self.nv = win, -(-cap // VL)
@@ -229,8 +234,6 @@ class _Lanes:
             self.umasks = entry.alloca(ir.IntType(16), size=I64(self.classes // self.group * (self.nv + 2)),
                                        name="lane.union")
             self.group_ok = entry.alloca(I1, name="lane.grouped")
-            vt = ir.VectorType(ir.FloatType(), VL)
-            self.gprev = (entry.alloca(vt, name="group.run"), entry.alloca(vt, name="group.line"))
             self.rowvar = entry.alloca(I64, name="group.row")
 
     def build(self, b, col0, length, vectors):
@@ -455,23 +458,26 @@ class _Lanes:
 
     def fill_group(self, b, src, split, dsts, vectors):
         """The `group` rows from the row whose digits are `split` (its innermost row edge
-        0) on, row kw into `dsts[kw]` (`vectors`: a Python int, unrolled, or an i64),
+        0) on, row kw into `dsts[kw]` (`vectors`: a Python int, unrolled),
         where `group_ok`: the rows are one run each, row kw's the first's moved by kw
         elements (a convolution's kernel columns read one image row at kw - 1, kw, kw + 1).
         Their aligned lines are read once for all of them (with the union of their lanes,
         `build_unions`), joined once at the first row's shift (one two-table permute a
         vector, as `fill_run`'s), and row kw's vector v is the joined vectors v and v + 1
         moved by kw lanes (`valignd`) where its class's mask holds, +0.0 elsewhere: the
-        same values `fill` stores row by row, with 6 line loads and 5 permutes for a
-        convolution's 3 rows of 4 vectors instead of 15 and 12, and the scalar work
-        (offsets, masks, row steps) once a group."""
+        same values `fill` stores row by row, with 6 line loads and their lane masks
+        for a convolution's 3 rows of 4 vectors instead of 15, and the scalar work
+        (offset, row class, row steps) once a group (13 permutes instead of 12; the
+        generated loop: about 115 instructions a group against 70 a row)."""
         S, win = self.group, self.win
         f32, i16 = ir.FloatType(), ir.IntType(16)
         vt = ir.VectorType(f32, VL)
         zero = ir.Constant(vt, [0.0] * VL)
         roff, _ = win.part(b, split)
-        cls = self.row_class(b, split)
-        g = b.sdiv(cls, I64(S))
+        g = I64(0)   # the group's class: the row class of its first row over the edges outside
+        for v, n in zip(self.class_edges[:-1], self.class_sizes[:-1]):
+            g = b.add(b.mul(g, I64(n)), split[v])
+        cls = b.mul(g, I64(S))
         lines = _Lines(b, b.ptrtoint(b.gep(src, [b.add(roff, b.load(self.off, typ=I64))], source_etype=f32), I64))
         back = b.sub(I32(VL), lines.shift)
 
@@ -489,23 +495,10 @@ class _Lanes:
                 at = b.bitcast(b.gep(dsts[kw], [b.mul(v, I64(VL))], source_etype=f32), vt.as_pointer())
                 b.store(b.select(ok, x, zero), at, align=4)
 
-        first = lines.load(I64(0), bits(I64(0)))
-        second = lines.load(I64(1), bits(I64(1)))
-        if isinstance(vectors, int):
-            ls = [first, second] + [lines.load(I64(j), bits(I64(j))) for j in range(2, vectors + 2)]
-            ps = [lines.join(ls[j], ls[j + 1]) for j in range(vectors + 1)]
-            for v in range(vectors):
-                put(I64(v), ps[v], ps[v + 1])
-            return
-        b.store(lines.join(first, second), self.gprev[0])
-        b.store(second, self.gprev[1])
-        with for_range(b, I64(0), vectors, "gv") as v:
-            j = b.add(v, I64(2))
-            line = lines.load(j, bits(j))
-            after = lines.join(b.load(self.gprev[1], typ=vt), line)
-            put(v, b.load(self.gprev[0], typ=vt), after)
-            b.store(after, self.gprev[0])
-            b.store(line, self.gprev[1])
+        ls = [lines.load(I64(j), bits(I64(j))) for j in range(vectors + 2)]
+        ps = [lines.join(ls[j], ls[j + 1]) for j in range(vectors + 1)]
+        for v in range(vectors):
+            put(I64(v), ps[v], ps[v + 1])
 
     def fill_rows(self, b, src, digits, count, dst, vectors):
         """`count` rows of the window from the row whose digits (allocas, see `row_digits`)
@@ -633,8 +626,12 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     if variants and tpack_rows > 0:
         tpack = entry.alloca(f32, size=I64(tpack_rows * span), name="apack.t")
         tpack.align = 64
+    # row groups where the window is B' (its packed block of 64 columns, 4 vectors a row, is
+    # filled row by row); A''s rows of a K block (22 vectors a row at 1024 columns) cost as
+    # much either way (one thread, dK's product, least thread time: 3.93, 4.07 against
+    # 3.84, 4.12 ms row by row, load 15-20)
     segs = _Lanes(entry, window, cols if window.role == "b" else span, cpu.own_gemm_mask_classes,
-                  cpu.own_gemm_window_groups) if window is not None else None
+                  cpu.own_gemm_window_groups and window.role == "b") if window is not None else None
     vt, mt = ir.VectorType(f32, VL), ir.VectorType(I1, VL)
     it = ir.VectorType(I64, VL)
     accs = [[entry.alloca(vt, name=f"acc{r}.{c}") for c in range(vecs)] for r in range(rows)]
@@ -688,28 +685,11 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
             rix = [b.select(x, i, last) for x, i in zip(inside, rix)]
             crow = [b.gep(pc, [b.add(b.mul(i, ldc), j0)], source_etype=f32) for i in rix]
             if apack is not None:   # the window's rows of this block, packed from the source
-                arow = [b.gep(apack, [I64(r * span)], source_etype=f32) for r in range(rows)]
-
-                def one_by_one():
-                    for r in range(rows):
-                        segs.fill(b, pa, b.add(row0, rix[r]), arow[r], cur["kvecs"])
-                S = segs.group
-                if S and rows >= S:   # whole groups of rows where the block starts one, all inside
-                    top = b.add(row0, i0)
-                    grouped = b.and_(b.load(segs.group_ok, typ=I1), b.and_(
-                        b.icmp_signed("==", b.srem(top, segs.win.size[segs.win.rows[-1]]), I64(0)),
-                        b.icmp_signed("<=", b.add(i0, I64(rows)), M)))
-                    with b.if_else(grouped) as (whole, single):
-                        with whole:
-                            for q in range(rows // S):
-                                split = segs.win.split(b, b.add(top, I64(q * S)), segs.win.rows)
-                                segs.fill_group(b, pa, split, arow[q * S:(q + 1) * S], cur["kvecs"])
-                            for r in range(rows // S * S, rows):
-                                segs.fill(b, pa, b.add(row0, rix[r]), arow[r], cur["kvecs"])
-                        with single:
-                            one_by_one()
-                else:
-                    one_by_one()
+                arow = []
+                for r in range(rows):
+                    dst = b.gep(apack, [I64(r * span)], source_etype=f32)
+                    segs.fill(b, pa, b.add(row0, rix[r]), dst, cur["kvecs"])
+                    arow.append(dst)
             else:
                 arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
                 if tpack is not None:   # the packed panel's rows (see `_pack_a_transposed`)

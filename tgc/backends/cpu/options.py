@@ -137,7 +137,7 @@ class CpuOptions:
     prefetch_min_row_bytes: int = 1024       # ... and rows shorter than this not at all (consecutive rows share pages)
     own_gemm_depth: int = 320                # K per packed block of B in tgc's own f32 kernel (fgemm.own_kernel: even blocks of at most 5/4 of it: a width-384 transformer's 384-deep products are one block, C written once) ...
     own_gemm_mask_classes: int = 64          # ... and the most row classes whose lane masks an implicit GEMM's window table holds (fgemm._Lanes)
-    own_gemm_window_groups: bool = True      # an implicit GEMM packs a window's rows that differ by one element of the source (a convolution's kernel columns) as one group, their lines read and joined once (fgemm._Lanes.fill_group)
+    own_gemm_window_groups: bool = True      # an implicit GEMM packs its window B''s rows that differ by one element of the source (a convolution's kernel columns) as one group, their lines read and joined once (fgemm._Lanes.fill_group)
     own_gemm_rows: int = 6                   # rows of A (broadcast) x ...
     own_gemm_vecs: int = 4                   # ... vectors of 16 columns of B of the own kernel's register block (24 accumulators); docs/optimization.md
     own_gemm_window_rows: int = 6            # rows of A of the register block (x 4 vectors) of an implicit GEMM's copy of the own kernel, which packs its window (implicit.py; docs/optimization.md)
