@@ -1,0 +1,40 @@
+"""Probe of stop 51: an outsider's programs and hostile inputs, from shared/LANGUAGE.md
+(sections 11 and 12 above all) and the README only, through the Python API and the CLI.
+Each test here failed before its fix (the commit that adds it says which)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tgc
+
+COMPLEX_STATE = """dim c = 2
+input x[c]
+param z: c64[c]
+state a: f32[c], s: c64[c]
+out y = sum(x)
+update a = a + x
+update s = s + x
+update z = z * 2
+for p in params {
+  state m.p
+  update m.p = m.p + z
+}
+"""
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu"])
+def test_init_state_of_a_c64_state_in_an_f64_program_is_what_the_call_takes(backend):
+    """`init_state()` promises each state "of the shape and element type a call takes".
+    A `c64` state (declared, or a for block's `state m.p` of a c64 param) keeps its
+    width in an f64 program, and the call refuses an updated one of another width; but
+    init_state gave it as complex128, so its own zeros were refused ('s' is updated in
+    place, so it must be complex64, not complex128)."""
+    p = tgc.compile(COMPLEX_STATE, dtype="f64", backend=backend)
+    st = p.init_state()
+    assert {k: v.dtype for k, v in st.items()} == {"a": np.float32, "s": np.complex64, "m.z": np.complex64}
+    z = np.array([1 + 2j, 3j], np.complex64)
+    p(x=np.ones(2), z=z, **st)
+    np.testing.assert_array_equal(st["s"], [1, 1])
+    np.testing.assert_array_equal(st["m.z"], [1 + 2j, 3j])
+    np.testing.assert_array_equal(st["a"], [1, 1])
