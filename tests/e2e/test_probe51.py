@@ -23,7 +23,7 @@ for p in params {
 """
 
 
-@pytest.mark.parametrize("backend", ["interp", "cpu"])
+@pytest.mark.parametrize("backend", ["interp", "cpu", "cuda-sim"])
 def test_init_state_of_a_c64_state_in_an_f64_program_is_what_the_call_takes(backend):
     """`init_state()` promises each state "of the shape and element type a call takes".
     A `c64` state (declared, or a for block's `state m.p` of a c64 param) keeps its
