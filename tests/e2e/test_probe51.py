@@ -67,3 +67,31 @@ def test_data_parallel_init_state_is_what_its_call_takes(dtype):
     dp(x=np.ones((2, 3)), v=np.ones(3, np.float64 if dtype == "f64" else np.float32), **st)
     np.testing.assert_array_equal(st["m"].astype(np.float32), [1, 1, 1])
     np.testing.assert_array_equal(st["s"], [1j, 1j, 1j])
+
+
+BF16_TORCH = """dim batch, c = 3
+input x[batch, c]
+param w: bf16[c], v[c]
+out loss = mean(x @ (f32(w) * v))
+out h[c] = w * 2
+"""
+
+
+def test_torch_function_takes_and_gives_bf16_tensors():
+    """`tgc.torch.function` takes torch CPU tensors; a bf16 one (a `bf16` param) failed
+    in `Tensor.numpy()` with PyTorch's own TypeError ('Got unsupported ScalarType
+    BFloat16'), though the program itself takes it (through DLPack). Its bf16 output
+    comes back as a bf16 tensor, and the bf16 param's gradient as the param's type."""
+    torch = pytest.importorskip("torch", reason="tgc.torch is for PyTorch")
+    import tgc.torch as tgc_torch
+
+    f = tgc_torch.function(tgc.compile(BF16_TORCH))
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16, requires_grad=True)
+    v = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    x = torch.ones(2, 3)
+    out = f(x=x, w=w, v=v)
+    assert out["h"].dtype == torch.bfloat16 and out["h"].tolist() == [2.0, 4.0, 6.0]
+    out["loss"].backward()
+    assert out["loss"].item() == pytest.approx(0.5 + 2 + 6)
+    assert w.grad.dtype == torch.bfloat16 and w.grad.tolist() == [0.5, 1.0, 2.0]
+    assert v.grad.tolist() == [1.0, 2.0, 3.0]
