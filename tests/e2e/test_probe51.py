@@ -95,3 +95,23 @@ def test_torch_function_takes_and_gives_bf16_tensors():
     assert out["loss"].item() == pytest.approx(0.5 + 2 + 6)
     assert w.grad.dtype == torch.bfloat16 and w.grad.tolist() == [0.5, 1.0, 2.0]
     assert v.grad.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_run_output_named_safetensors_is_refused_not_written_as_npz(tmp_path):
+    """`tgc run -o` writes an .npz archive whatever the name; `-o out.safetensors` wrote
+    a zip under that name, which `--inputs out.safetensors` then refused as 'a damaged
+    safetensors file'. The name is refused up front (a usage error, nothing written)."""
+    from click.testing import CliRunner
+
+    from tgc.cli import main
+
+    src = tmp_path / "p.tg"
+    src.write_text("dim c = 3\ninput x[c]\nparam w[c]\nout loss = sum(w * x)\nupdate w = w - 0.1 * x\n")
+    out = tmp_path / "out.safetensors"
+    r = CliRunner().invoke(main, ["run", str(src), "--random-inputs", "-o", str(out)])
+    assert r.exit_code == 2, r.output
+    assert ".npz" in r.output and not out.exists()
+    r = CliRunner().invoke(main, ["run", str(src), "--random-inputs", "-o", str(tmp_path / "out.npz")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["run", str(src), "--random-inputs", "--inputs", str(tmp_path / "out.npz")])
+    assert r.exit_code == 0, r.output
