@@ -201,11 +201,16 @@ class DataParallel:
         """Every state of the step, zero-filled, as `Program.init_state` gives them (the
         same on every rank)."""
         from tgc.ir.complex_io import complex_args
-        from tgc.ir.dtypes import LOW_FLOATS, TYPES
         from tgc.runtime.program import zero_states
 
-        low = {s.name: TYPES[s.dtype].numpy for s in self.inputs if s.kind == "state" and s.dtype in LOW_FLOATS}
-        return zero_states(self.inputs, self.float_dtype, complex_args(self.module), low, dims)
+        # each state's declared type (bf16, f16, the f32 parts of a c64 state of an f64
+        # program), from the phase that takes it: phase 2 updates every state
+        declared = {}
+        for s in self.inputs:
+            if s.kind == "state":
+                phase = self.apply if s.name in self.apply.low_types or s.name not in self.grads.low_types else self.grads
+                declared[s.name] = phase.declared_dtype(s)
+        return zero_states(self.inputs, self.float_dtype, complex_args(self.module), declared, dims)
 
     def _whole(self) -> "_Signature":
         if self._signature is None:

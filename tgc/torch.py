@@ -77,9 +77,9 @@ class _Autograd(torch.autograd.Function):
         out = fn.program.run(arrays, updates=False)
         ctx.fn = fn
         ctx.shapes = [np.shape(out[o]) for o in fn.outputs]
-        ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else torch.as_tensor(np.asarray(t))
+        ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else _tensor(np.array(t))
                                 for t in tensors])
-        return tuple(torch.from_numpy(np.asarray(out[o])) for o in fn.outputs)
+        return tuple(_tensor(out[o]) for o in fn.outputs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -103,7 +103,7 @@ class _Autograd(torch.autograd.Function):
         out = []
         for n, need in zip(fn.names, ctx.needs_input_grad[1:]):
             key = f"d_{n}"
-            out.append(torch.from_numpy(np.asarray(res[key])) if need and key in res else None)
+            out.append(_as_type(_tensor(res[key]), saved[fn.names.index(n)].dtype) if need and key in res else None)
         return (None, *out)
 
 
@@ -138,8 +138,27 @@ def _numpy(t) -> np.ndarray:
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
             raise ValueError(f"tgc's CPU programs take CPU tensors, not {t.device.type} ones")
-        return t.detach().contiguous().numpy()
+        t = t.detach().contiguous()
+        if t.dtype == torch.bfloat16:   # numpy has no bfloat16: its bits, as ml_dtypes' bfloat16 (what a program takes)
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
     return np.asarray(t)
+
+
+def _tensor(a) -> "torch.Tensor":
+    """A result as a torch tensor, without a copy: a bf16 array (ml_dtypes') as a bf16 tensor."""
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _as_type(g: "torch.Tensor", dtype) -> "torch.Tensor":
+    """A gradient in its argument's float type (a bf16 param's gradient as bf16, as
+    PyTorch's own are); a complex one as it is."""
+    return g.to(dtype) if dtype.is_floating_point and g.dtype != dtype and g.dtype.is_floating_point else g
 
 
 def _vjp_names(program: Program) -> dict[str, str]:

@@ -418,6 +418,9 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     if output == "-":
         raise click.BadParameter("an .npz archive cannot go to standard output: give a file name",
                                  param_hint="-o")
+    if output and output.endswith(".safetensors"):   # -o writes an .npz whatever the name: --inputs reads by suffix
+        raise click.BadParameter("-o writes an .npz archive: name it .npz (tgc.save_params writes .safetensors)",
+                                 param_hint="-o")
     if profile and backend != "cpu":
         raise click.UsageError("--profile needs --backend cpu")
     from tgc.progress import status

@@ -148,8 +148,9 @@ def zero_states(specs, float_dtype: str, complex_names, store: dict, dims: dict 
         except SizeError as e:
             raise ValueError(f"init_state: state '{spec.name}' [{', '.join(spec.edges)}]: {e}; give its size "
                              f"as dims={{...}}") from None
-        if spec.name in complex_names:
-            out[spec.name] = np.zeros(shape[:-1], np.complex64 if float_dtype == "f32" else np.complex128)
+        if spec.name in complex_names:   # the parts' declared width: a c64 state of an f64 program is complex64
+            part = np.dtype(store.get(spec.name, NP[float_dtype]))
+            out[spec.name] = np.zeros(shape[:-1], np.complex64 if part == np.float32 else np.complex128)
         else:
             out[spec.name] = np.zeros(shape, store.get(spec.name, NP[float_dtype]))
     return out
