@@ -1223,10 +1223,6 @@ KNOWN_GAPS = {
     "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
                     "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
                     "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
-    "entropy_large": "softmax and log_softmax of one x share their shifted logits d - lse(d), so reverse "
-                     "mode adds both branches' cotangents, -p - p*lsm, before the softmax backward; where "
-                     "p rounds to 1 the small p*lsm is lost, which PyTorch's separate backward kernels keep "
-                     "(the exact 1 - sum(p) = 0 of the log_softmax branch cancels there on its own)",
 }
 
 

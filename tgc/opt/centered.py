@@ -21,7 +21,8 @@ rounding errors of order eps^2 var.
 
 Where it applies: where a result reads the sum of squares other than alongside c (some
 output or update depends on the sum, and not on c by another path): a variance, a
-standard deviation, a loss of them, and their derivatives. Layernorm is left as it is:
+standard deviation, a loss of them, and their derivatives. In a loop's body, whose
+results are read after the loop, only where nothing but sums of its squares reads c. Layernorm is left as it is:
 its output `c / sqrt(var + eps)` and its derivatives read c, whose error d relative to
 the spread (4e-3 at 1e5, PyTorch's `F.layer_norm` has it too) no correction of the
 variance removes, and the variance's d^2 is below it; there the sum over F would only
@@ -223,10 +224,13 @@ def _closure(start: list[Value], users: dict[int, list[Value]], skip: int) -> se
     return seen
 
 
-def _wanted(m: Module, values: list[Value]) -> set[int]:
+def _wanted(m: Module, values: list[Value], body: bool) -> set[int]:
     """The sums of squares to correct: those that match, are not corrected yet (an
     operand of their own correction), and that a result reads other than alongside c:
-    some output or update depends on the sum but not on c by another path."""
+    some output or update depends on the sum but not on c by another path. In a loop's
+    body (`body`), whose results the program after the loop may read alongside c (a
+    layernorm's 1/sqrt(var + eps), stacked for the backward, which reads c too), only
+    where nothing but sums of its squares reads c."""
     made = {id(v) for v in values}
     users: dict[int, list[Value]] = {}
     for v in values:
@@ -238,6 +242,11 @@ def _wanted(m: Module, values: list[Value]) -> set[int]:
         found = _squared(m, v) if v.op == "contract" else None
         if found is None or id(correction(m, v)) in made:
             continue
+        if body:
+            if all(u.op == "contract" and _squared(m, u) is not None and _squared(m, u)[0] is found[0]
+                   for u in users.get(id(found[0]), ())):
+                out.add(id(v))
+            continue
         with_c = _closure([found[0]], users, id(v))
         with_v = _closure([v], users, -1)
         if any(id(r) in with_v and id(r) not in with_c for r in roots):
@@ -245,9 +254,9 @@ def _wanted(m: Module, values: list[Value]) -> set[int]:
     return out
 
 
-def _run(module: Module) -> Module:
-    module = map_bodies(module, _run)
-    wanted = _wanted(module, module.values())
+def _run(module: Module, body: bool = False) -> Module:
+    module = map_bodies(module, lambda b: _run(b, True))
+    wanted = _wanted(module, module.values(), body)
     if not wanted:
         return module
 
