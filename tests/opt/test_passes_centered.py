@@ -31,12 +31,13 @@ def test_a_variance_is_corrected_and_keeps_its_values():
     m = optimize(before)
     assert DEFAULT_PIPELINE.index("factor") < DEFAULT_PIPELINE.index("centered") < DEFAULT_PIPELINE.index("quotients")
     (clip,) = _corrected(m)
-    new = clip.operands[0]                       # sum c^2 - (1/n) (sum c)^2
-    assert new.op == "add" and new.attrs[0] == (1.0, -1.0 / 8)
+    new = clip.operands[0]                       # sum c^2 - (sum c) (mean c)
+    assert new.op == "add" and new.attrs[0] == (1.0, -1.0)
     square, correction = new.operands
     (c,) = set(square.operands)
-    (t,) = set(correction.operands)              # (sum_n c)^2
+    t, mean = sorted(correction.operands, key=lambda o: o.op != "contract")
     assert t.op == "contract" and t.operands == (c,) and t.edges == ("b",)
+    assert mean.op == "add" and mean.operands == (t,) and mean.attrs[0] == (1.0 / 8,)
     same_values(optimize(before, DERIVED), m)
 
 
@@ -99,6 +100,19 @@ def test_f32_variance_at_an_offset():
     plain = tgc.compile(src, backend="cpu", options=Options(passes=tuple(p for p in DEFAULT_PIPELINE
                                                                            if p != "centered")))(x=x)["v"]
     assert np.max(np.abs(plain - want) / want) > 1e-6   # what the pass fixes
+
+
+def test_deviations_of_an_ulp_at_3e23():
+    """Rows of 3e23 and its next float, alternately: the mean rounds half an ulp (9e15)
+    from the true one, sum c = 3.7e19 over 4096 terms, whose square is past f32's range;
+    the correction (sum c)(mean c) = 3.3e35 is not, nor is the variance, 8.1e31."""
+    base = np.float32(3e23)
+    row = np.where(np.arange(4096) % 2 == 0, base, np.nextafter(base, np.float32(np.inf)))
+    x = np.stack([row, row[::-1]]).astype(np.float32)
+    want = x.astype(np.float64).var(-1)
+    src = "dim b = 2, n = 4096\ninput x[b, n]\nmu = mean[n](x)\nout v[b] = mean[n]((x - mu) * (x - mu))"
+    got = tgc.compile(src, backend="cpu")(x=x)["v"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_a_row_of_equal_values_has_variance_zero():

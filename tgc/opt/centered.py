@@ -6,7 +6,7 @@ edge of F (x's) and whose sums over F (the mean's) cancel when summed over F, so
 over F (and perhaps more edges), its other factors constant along F, is the variance's
 numerator, `sum_E r c c` (E a superset of F, r the other factors). This pass rewrites
 
-    sum_E r c c   ->   sum_E r c c  -  (1/|F|) sum_{E \\ F} r (sum_F c) (sum_F c)
+    sum_E r c c   ->   sum_E r c c  -  sum_{E \\ F} r (sum_F c) (mean_F c)
 
 Exact in real arithmetic: `sum_F c = 0`, so the new term is 0. In floating point it is
 the corrected two-pass variance (Chan, Golub and LeVeque): the computed mean is rounded
@@ -195,15 +195,17 @@ def correction(m: Module, v: Value) -> Value | None:
         return None
     c, f, rest = found
     t = V.contract([c], set(c.edges) - f, v.loc)   # sum_F c: -|F| d
-    tt = V.contract([t, t], t.edges, v.loc)
-    term = tt if not rest and set(tt.edges) == set(v.edges) else V.contract(rest + [tt], v.edges, v.loc)
     sizes = [static_size(m, e) for e in sorted(f)]
-    if all(s is not None for s in sizes):
-        new = V.add([v, term], [1.0, -1.0 / math.prod(sizes)], v.loc)
-    else:
-        for e, s in zip(sorted(f), sizes):
-            term = V.add([term], [1.0 / s], v.loc) if s is not None else V.map_("div", term, V.size(e, v.dtype), loc=v.loc)
-        new = V.add([v, term], [1.0, -1.0], v.loc)
+    mean = V.add([t], [1.0 / math.prod(s for s in sizes if s is not None)], v.loc) \
+        if any(s is not None for s in sizes) else t
+    for e, s in zip(sorted(f), sizes):
+        if s is None:
+            mean = V.map_("div", mean, V.size(e, v.dtype), loc=v.loc)
+    # (sum_F c) (mean_F c), not (sum_F c)^2 / |F|: the square overflows first (at 1e23,
+    # ulp-sized deviations over 4096 terms: sum c = 4e19, its square inf)
+    tt = V.contract([t, mean], t.edges, v.loc)
+    term = tt if not rest and set(tt.edges) == set(v.edges) else V.contract(rest + [tt], v.edges, v.loc)
+    new = V.add([v, term], [1.0, -1.0], v.loc)
     # without other factors the corrected sum is a sum of squares (of c - mean_F c), >= 0:
     # a rounding below 0 (rows of equal values) is clipped, and `Facts` knows the sign
     # (`quotients` keeps layernorm's 1/sqrt(var + eps) a per-row factor); max keeps NaN
