@@ -15,6 +15,7 @@ from typing import Mapping
 from tgc.autodiff.driver import Adjoint, Tangent
 from tgc.autodiff.gradient import GradientModule
 from tgc.opt.autocast import Autocast
+from tgc.opt.centered import Centered
 from tgc.ir.emulate import EmulateF32
 from tgc.ir.lowp import EmulateLow
 from tgc.ir.passes import Pass
@@ -38,7 +39,7 @@ from tgc.lower.plan import Plan
 
 PASSES: Mapping[str, type[Pass]] = MappingProxyType({
     p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
-                        Quotients, StepSums,
+                        Centered, Quotients, StepSums,
                         FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
                         Fuse, Layout, GemmEpilogue, Narrow, Plan)})
 
@@ -49,7 +50,8 @@ PASSES: Mapping[str, type[Pass]] = MappingProxyType({
 # Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
 # no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "quotients", "step_sums", "stream")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "centered", "quotients", "step_sums",
+    "stream")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product

@@ -474,7 +474,8 @@ def _(T):
 # The variance of rows 1e5 away from 0 (unit spread), written as layernorm's is: the mean
 # rounded to f32 (error d up to half an ulp of 1e5, 0.0039) makes mean((x - mu)^2) =
 # var + d^2, 1.5e-5 of the variance at most; torch.var accumulates in double (its f32
-# error 5e-8). PyTorch's own f32 of the same formula has tgc's error exactly.
+# error 5e-8). PyTorch's own f32 of the same formula has that error; tgc's `centered` pass
+# subtracts mean(x - mu)^2, the corrected two-pass form (tgc/opt/centered.py).
 @case("variance_rows_offset_1e5", """
 dim b = 8, n = 4096
 input x[b, n]
@@ -1219,17 +1220,9 @@ def _(T):
 
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
 KNOWN_GAPS = {
-    "variance_rows_offset_1e5": "the two-pass variance mean((x - mu)^2) with mu rounded to f32 is var + d^2 (d: "
-                                "mu's rounding, up to 2^-8 at 1e5); torch.var accumulates in double. Needs the "
-                                "corrected two-pass form mean(xc^2) - mean(xc)^2 (xc = x - mu), the second term "
-                                "exactly 0 in exact arithmetic, kept from the algebra",
     "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
                     "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
                     "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
-    "entropy_large": "softmax and log_softmax of one x share their shifted logits d - lse(d), so reverse "
-                     "mode adds both branches' cotangents, -p - p*lsm, before the softmax backward; where "
-                     "p rounds to 1 the small p*lsm is lost, which PyTorch's separate backward kernels keep "
-                     "(the exact 1 - sum(p) = 0 of the log_softmax branch cancels there on its own)",
 }
 
 

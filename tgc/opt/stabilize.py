@@ -14,6 +14,7 @@ Rewrites (each an identity of functions, so both values and derivatives are kept
     log(exp(a) + exp(b))                   = b + softplus(a - b)
     log(sigmoid(a))                        = -softplus(-a)
     1 - sigmoid(a)                         = sigmoid(-a)
+    (g' + k p) - p sum_E(g' + k p)         = g' - p sum_E(g')          (p a softmax over E)
 
 So softmax `exp(d) / sum_E exp(d)` with `d = x - stop(max_E x)` becomes
 `exp(d - logsumexp_E(d))`, log_softmax `d - logsumexp_E(d)`, the prelude's sigmoid
@@ -27,8 +28,14 @@ That is an identity of real numbers, but then `d - logsumexp_E(d)` becomes
 is eps |x| (5e-4 at logits near 1e4), where `(x - m) - log sum exp(x - m)` keeps the
 error relative to the result (docs/optimization.md, the floating-point contract).
 
-Terminates: each pattern removes an exp, a log, a reciprocal of a sum of exps or
-a shift: a measure that strictly decreases; simplify's rules decrease theirs (`tgc.opt.rules`).
+The table's last rewrite is log_softmax's backward `g - p sum_E(g)` where its cotangent g holds the
+softmax p itself (entropy's `-p log p - p`): since sum_E p = 1 exactly, the term k p
+contributes k p (1 - sum_E p) = 0, and dropping it keeps the small rest from being
+added to p first (where p rounds to 1, `-p - p log p` lost `p log p`).
+
+Terminates: each pattern removes an exp, a log, a reciprocal of a sum of exps, a
+shift, or a softmax term of a cotangent: a measure that strictly decreases; simplify's
+rules decrease theirs (`tgc.opt.rules`).
 """
 from __future__ import annotations
 
@@ -142,6 +149,66 @@ def one_minus_sigmoid(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
+def _softmax_edges(p: Value) -> set[str] | None:
+    """E where p = exp(d - logsumexp_E(d)), a softmax over E (sum_E p = 1), else None."""
+    if p.op != "map" or p.attrs[0] != "exp":
+        return None
+    z = p.operands[0]
+    if z.op != "add" or len(z.operands) != 2 or sorted(z.attrs[0]) != [-1.0, 1.0]:
+        return None
+    d, lse = z.operands if z.attrs[0][1] == -1.0 else z.operands[::-1]
+    if lse.op != "reduce" or lse.attrs[0] != "logsumexp" or lse.operands[0] is not d:
+        return None
+    return set(lse.attrs[1])
+
+
+def _summed_against(t: Value, g: Value, p: Value, edges: set[str]) -> dict[str, str] | None:
+    """The renaming m where t = p sum_E(g), written as the product of p and g with E
+    renamed apart (m: E -> E') and summed, or None."""
+    if t.op != "contract" or len(t.operands) != 2 or p not in t.operands:
+        return None
+    h = t.operands[1] if t.operands[0] is p else t.operands[0]
+    if h.op != "rename" or h.operands[0] is not g:
+        return None
+    m = dict(h.attrs[0])
+    if set(m) != edges or set(m.values()) & set(t.edges) or not set(g.edges) - edges <= set(t.edges):
+        return None
+    return m
+
+
+# g - p sum_E(g) = g' - p sum_E(g')     (g = g' + k p, p a softmax over E: sum_E p = 1, so the
+#                                      k p term gives k p - k p sum_E p = 0; the backward of a
+#                                      log_softmax meets it where the cotangent holds p itself:
+#                                      entropy's -p - p log p, whose -p, added to the small
+#                                      p log p first, lost it where p rounds to 1)
+def softmax_projection(ctx: Ctx, v: Value) -> Value | None:
+    terms = list(zip(v.operands, v.attrs[0]))
+    for i, (g, a) in enumerate(terms):
+        if g.op != "add":
+            continue
+        for j, (t, b) in enumerate(terms):
+            if j == i or b != -a or t.op != "contract":
+                continue
+            p = next((o for o in t.operands if o in g.operands and _softmax_edges(o) is not None), None)
+            if p is None or set(p.edges) != set(g.edges):
+                continue
+            edges = _softmax_edges(p)
+            m = _summed_against(t, g, p, edges)
+            if m is None:
+                continue
+            rest = [(u, k) for u, k in zip(g.operands, g.attrs[0]) if u is not p]
+            if not rest:
+                new_g = V.const(0.0, g.dtype, g.edges)
+                new_t = V.const(0.0, t.dtype, t.edges)
+            else:
+                new_g = ctx.c.broadcast(ctx.c.add([u for u, _ in rest], [k for _, k in rest]), g.edges)
+                new_t = ctx.c.contract([ctx.c.rename(new_g, m), p], t.edges)
+            others = [(u, k) for n, (u, k) in enumerate(terms) if n not in (i, j)]
+            return ctx.c.broadcast(ctx.c.add([new_g, new_t] + [u for u, _ in others],
+                                             [a, -a] + [k for _, k in others]), v.edges)
+    return None
+
+
 # 1 / sum_E exp(d) = exp(-logsumexp_E(d))
 # 1 / (1 + exp(b)) = sigmoid(-b)
 def recip_(ctx: Ctx, v: Value) -> Value | None:
@@ -203,7 +270,7 @@ def products(ctx: Ctx, v: Value) -> Value | None:
     return None
 
 
-PATTERNS = {"log": [log_], "div": [recip_, exp_quotient], "add": [lse_of_shift, one_minus_sigmoid], "contract": [products]}
+PATTERNS = {"log": [log_], "div": [recip_, exp_quotient], "add": [lse_of_shift, one_minus_sigmoid, softmax_projection], "contract": [products]}
 STABILIZE = {k: PATTERNS.get(k, []) + SIMPLIFY.get(k, []) for k in sorted(set(PATTERNS) | set(SIMPLIFY))}
 
 
