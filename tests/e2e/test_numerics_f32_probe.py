@@ -536,14 +536,7 @@ def test_distinct_case_ids():
     assert len(ids) == len(set(ids))
 
 
-KNOWN_GAPS: dict[str, str] = {
-    "cumsum_scan_10000_vs_torch_cumsum":
-        "a scan's carry is a value of the program's float type, rounded at every step: h + x over "
-        "10^4 steps is a running f32 sum (2.4e-6, as the same loop written in PyTorch), where "
-        "torch.cumsum accumulates f32 in double on the CPU (4.8e-8). The triangular form "
-        "sum[s](xs * [s <= t]) is within 1.4x. Needs a carry kept wider than its type "
-        "between steps (the loop machinery's carries are typed buffers)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _params():
