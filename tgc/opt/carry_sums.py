@@ -1,15 +1,17 @@
 """carry_sums: a loop's f32 running sum is accumulated compensated, in two f32 carries.
 
-The rule (docs/language.md, "Loops over an edge"; LANGUAGE.md section 12): a carry of
-type f32 whose step is an accumulation, `h' = h + d` where the increment `d` does not
-read `h` (a cumulative sum `scan[t](add, h0, xs)`, and reverse mode's sum of a
-per-step cotangent into the carry's: the gradient of a scan's init or of a weight
-every step shares), is a running sum, and is summed as tgc sums an edge: more exactly
-than one f32 rounding per step. The carry `h` is held as an unevaluated pair
-`(h, c)` of f32 values, `c` a second carry that starts at 0 and holds what `h`'s
-roundings lost. Each step adds `d` to `h` with its rounding error found exactly
-(Knuth's two-sum, six f32 operations), adds that error into `c`, then moves `c`
-into `h` (`h'` is `h + d + c` rounded once, `c'` what that rounding left out):
+The rule (docs/language.md, "Running sums are compensated"): a carry of type f32 whose
+step is an accumulation `h' = h + d`, where the increment `d` reads no carry of the
+loop (only the step's slices of the stacked operands, the loop-invariant operands and
+constants), is a prefix sum of the loop's inputs: a cumulative sum
+`scan[t](add, h0, xs)`, and in reverse mode the sum of a per-step cotangent slice into
+a carry's (the gradient of such a scan's xs and init, a reverse cumulative sum). Such a
+carry is summed as tgc sums an edge, more exactly than one f32 rounding per step (what
+PyTorch's torch.cumsum does: it sums f32 in double on the CPU). The carry `h` is held
+as an unevaluated pair `(h, c)` of f32 values, `c` a second carry that starts at 0 and
+holds what `h`'s roundings lost. Each step adds `d` to `h` with its rounding error
+found exactly (Knuth's two-sum, six f32 operations), adds that error into `c`, then
+moves `c` into `h` (`h'` is `s + c1` rounded once, `c'` what that rounding left out):
 
     s  = h + d
     b  = s - h
@@ -18,39 +20,41 @@ into `h` (`h'` is `h + d + c` rounded once, `c'` what that rounding left out):
     h' = s + c1                      # the carry's value: the step's result
     c' = c1 - (h' - s)
 
-`h'` is what the step's result was (the carry's new value, what a `scan` stacks, what
-the loop's last step gives and what the body's other values read as `h`), now
+`h'` is where the step's result was (the carry's new value, what a `scan` stacks, what
+the loop's last step gives, and what the next step's other values read as `h`), now
 within about an f32 rounding of the exact running sum: the error of n steps no longer
-grows like n (2.4e-6 for 10^4 uniform terms) but stays about one rounding (5e-8, as
-torch.cumsum, which sums f32 in double on the CPU). The increment `d` is computed as
-before (a sum of several terms besides `h` is rounded once, then added).
+grows like n (2.4e-6 relative for 10^4 uniform terms) but stays about one rounding
+(4.8e-8, as torch.cumsum). The increment `d` is computed as before the pass (several
+terms besides `h` are one sum, rounded once, then added).
 
-Which carries: only accumulations whose increment does not read the carry. A carry
-that the step feeds back into its own increment (a residual stream `x + f(x)`, its
-gradient `ct + J^T ct`, a recurrence `tanh(x U + h W)`) propagates its rounding
-errors through the step as PyTorch's own loop does, so a wider sum buys nothing the
-contract asks, and such carries (a transformer's activations over its layers) keep
-their one buffer and their memory traffic. Only f32: an f64 carry is as exact as
-torch's double accumulation, and a bf16/f16 carry is a storage type (its rounding is
-what the program asked for).
+Which carries, and why only those: an increment that reads a carry makes the loop a
+recurrence, not a sum of its inputs. A carry fed back into its own increment (a
+residual stream `x + f(x)` over layers, its gradient `ct + J^T ct`) and a sum whose
+terms come from another carry (reverse mode's `dW + h^T g` for a weight every step
+shares, `g` from the state's cotangent) are what PyTorch computes in a Python loop
+and in autograd, one f32 rounding a step, as tgc does without the pass; the contract
+(at most 10x PyTorch's error) holds there, and the extra carries would cost (a tanh
+RNN of width 32 over 1000 steps, forward and backward, took 1.33x the time with its
+dU and dW compensated). So a transformer's activations over its
+layers keep their one buffer and their memory traffic. Only f32: an f64 carry is as
+exact as torch's double accumulation, and a bf16/f16 carry is a storage type (its
+rounding is what the program asked for).
 
 Exact in real arithmetic (`h' + c'` = `h + c + d`, and `c` starts at 0). In floating
 point it needs each of the six additions rounded to f32 as written: the pass runs
-last in the IR pipeline (no canonical rewrite merges the sums afterwards; the
-lowering fuses them into the step's kernels as they are, and no backend reassociates
-an f32 addition or evaluates it wider than f32 and then reuses it unrounded: the
-golden tests in tests/opt/test_carry_sums.py and the numerics probe run every backend).
-It never runs under --fp-strict (not in the strict pipeline): the carry then rounds
-each step, as written.
+after every canonical rewrite (normalize would merge the sums), every addition it
+builds has two terms (an f32 sum of three or more is computed wider:
+`lowered.wide_sum`), and no backend reassociates an f32 addition, contracts one into
+an FMA without a product, or keeps one wider than f32 (tests/opt/test_carry_sums.py:
+every backend gives the reference interpreter's bits). It never runs under
+--fp-strict (not in the strict pipeline): the carry then rounds each step as written.
 
 Cost: a second carry of the carry's size (read and written once a step) and ten
-additions an element a step, only where the rule applies: a cumulative sum's carry
-or a shared weight's gradient, not a layer's activations.
+additions an element a step, only where the rule applies.
 
 Terminates: one bottom-up rebuild; each loop body is rebuilt once (its own loops
-first, as programs of their own), and the compensation carry it adds is not an
-accumulation of the form `h + d` with `h` its own parameter and coefficient 1 alone
-(`c' = c1 - (h' - s)` reads `c`), so a second run leaves it.
+first, as programs of their own). A second run leaves the result: the carry's new
+step `s + c1` and the compensation's `c1 - (h' - s)` both read the carry `c`.
 """
 from __future__ import annotations
 
@@ -64,14 +68,14 @@ from tgc.options import Options
 from tgc.opt.rewrite import map_bodies
 
 
-def _reads(v: Value, p: Value) -> bool:
-    """Whether `v` reads the body parameter `p` (directly or through its operands)."""
-    return any(u is p for u in topo_order([v]))
+def _reads_a_carry(v: Value, carries: set[int]) -> bool:
+    """Whether `v` reads one of the body's carry parameters (ids in `carries`)."""
+    return any(id(u) in carries for u in topo_order([v]))
 
 
 def increment(body: V.LoopBody, k: int) -> Value | None:
-    """The increment `d` of carry `k` where its step is `h + d` (the rule in the module's
-    docstring), else None."""
+    """The increment `d` of carry `k` where its step is `h + d` and `d` reads no carry
+    (the rule in the module's docstring), else None."""
     p, r = body.params[k], body.results[k]
     if p.dtype != "f32" or r.op != "add" or r.dtype != "f32":
         return None
@@ -80,7 +84,8 @@ def increment(body: V.LoopBody, k: int) -> Value | None:
     if len(at) != 1 or coefs[at[0]] != 1.0 or len(r.operands) < 2:
         return None
     rest = [(o, c) for i, (o, c) in enumerate(zip(r.operands, coefs)) if i != at[0]]
-    if any(o.dtype != "f32" or _reads(o, p) for o, _ in rest):
+    carries = {id(q) for q in body.params[:body.carries]}
+    if any(o.dtype != "f32" or _reads_a_carry(o, carries) for o, _ in rest):
         return None
     if len(rest) == 1 and rest[0][1] == 1.0:
         return rest[0][0]
@@ -158,7 +163,7 @@ def _run(module: Module) -> Module:
 
 @dataclass(frozen=True)
 class CarrySums(Pass):
-    """A loop's f32 running sum (`h + d`, `d` not reading `h`) carried with its rounding error."""
+    """A loop's f32 running sum (`h + d`, `d` reading no carry) carried with its rounding error."""
 
     name = "carry_sums"
 
