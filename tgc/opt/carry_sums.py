@@ -123,15 +123,18 @@ def compensate(body: V.LoopBody) -> tuple[V.LoopBody, list[int]] | None:
                for k, p in enumerate(body.params)}
     memo = V.rebuild(list(body.results) + [d for _, d in found],
                      lambda v, ops: shifted[id(v)] if v.op == "loopvar" else V.rebuild_same(v, ops))
-    results = [memo[id(r)] for r in body.results]
-    extra = []
+    new_value, extra = {}, []   # id(the carry's old new value) -> the compensated one
     for j, (k, d) in enumerate(found):
         h = shifted[id(body.params[k])]
         c = V.loopvar(C + j, h.dtype, h.edges)
         h1, c1 = _compensated(h, c, memo[id(d)], body.results[k].loc)
-        # the carry's new value, also where the body stacks it (a scan's result)
-        results = [h1 if r is results[k] else r for r in results]
+        new_value[id(memo[id(body.results[k])])] = h1
         extra.append(c1)
+    # every other result reads the carry's new value as compensated: where the body
+    # stacks it (a scan's result) and any value of the step computed from it
+    others = [memo[id(r)] for r in body.results]
+    again = V.rebuild(others, lambda v, ops: new_value[id(v)] if id(v) in new_value else V.rebuild_same(v, ops))
+    results = [again[id(r)] for r in others]
     params = [shifted[id(p)] for p in body.params[:C]] + \
              [V.loopvar(C + j, body.params[k].dtype, body.params[k].edges) for j, (k, _) in enumerate(found)] + \
              [shifted[id(p)] for p in body.params[C:]]
