@@ -16,6 +16,7 @@ from tgc.autodiff.driver import Adjoint, Tangent
 from tgc.autodiff.gradient import GradientModule
 from tgc.opt.autocast import Autocast
 from tgc.opt.centered import Centered
+from tgc.opt.carry_sums import CarrySums
 from tgc.ir.emulate import EmulateF32
 from tgc.ir.lowp import EmulateLow
 from tgc.ir.passes import Pass
@@ -39,19 +40,21 @@ from tgc.lower.plan import Plan
 
 PASSES: Mapping[str, type[Pass]] = MappingProxyType({
     p.name: p for p in (Normalize, Adjoint, Tangent, Simplify, Stabilize, Factor, Scatter, Autocast, Unroll, Stream,
-                        Centered, Quotients, StepSums,
+                        Centered, Quotients, StepSums, CarrySums,
                         FixDims, ForwardOnly, GradientModule, DropUnreadArgs, EmulateF32, EmulateLow, WithoutRules,
                         Fuse, Layout, GemmEpilogue, Narrow, Plan)})
 
 # Canonical form; fused stable ops before differentiating (so derivatives come from their
 # stable rules); derivatives; exact algebra (the derivatives' guards go); patterns the guards
 # hid; contraction order (it leaves pairwise contractions that normalize would merge); then
-# quotients as divisions (the canonical rules, which write them as products, are done).
+# quotients as divisions (the canonical rules, which write them as products, are done);
+# a loop's f32 running sums compensated (`carry_sums`: after every canonical rewrite, which
+# would merge its additions; before `stream`, whose own loops it leaves).
 # Loops of known trip count are unrolled after the derivatives (`unroll`: the backends run
 # no loop yet), so the algebra after it sees every step.
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "centered", "quotients", "step_sums",
-    "stream")
+    "normalize", "stabilize", "adjoint", "tangent", "unroll", "simplify", "stabilize", "factor", "centered", "quotients",
+    "step_sums", "carry_sums", "stream")
 
 # --fp-strict: only what the program needs to run (its derivatives), in canonical form
 # without reassociation (`Options.fp_strict` makes normalize keep every sum and product

@@ -16,7 +16,9 @@ The third file of the f32 suite (with `test_numerics_f32.py`, adversarial inputs
   with ties (to the first argument);
 - gathers with repeated ids (the backward is a scatter-add of many rows into few);
 - loops: a cumulative sum and a tanh RNN over 1000 steps, a residual repeat over 100
-  layers, values and gradients;
+  layers, values and gradients; a scan's cumulative sum over 10^4 steps, and over 4000
+  with its gradient, against torch.cumsum (a scan's f32 running sum is compensated:
+  tgc/opt/carry_sums.py);
 - a transformer MLP at width 768.
 
 The rule is the suite's (`numerics_util`): inputs rounded to float32 once; want = the
@@ -454,6 +456,25 @@ def _(T):
     return {"cs": torch.cumsum(T.xs, 0)}
 
 
+# its gradient: reverse mode's loop adds ct[t] into its carry, the cotangent of the step's
+# carry (a running sum from the last step down, compensated as the forward one:
+# tgc/opt/carry_sums.py); h0's gradient is that carry's last value, a sum of 4000 terms
+@case("cumsum_scan_4000_grad_vs_torch_cumsum", """
+dim t = 4000, n = 4
+input xs[t, n], h0[n], ct[t, n]
+fn add(h, x) = h + x
+cs = scan[t](add, h0, xs)
+out cs[t, n]
+out gx[t, n] = grad(sum(cs * ct), xs)
+out gh[n] = grad(sum(cs * ct), h0)
+""", {"xs": rng(153).uniform(size=(4000, 4)), "h0": rng(154).uniform(size=4), "ct": rng(155).uniform(size=(4000, 4))})
+def _(T):
+    xs, h0 = leaves(T.xs, T.h0)
+    cs = h0 + torch.cumsum(xs, 0)
+    gx, gh = grads((cs * T.ct).sum(), (xs, h0))
+    return {"cs": cs, "gx": gx, "gh": gh}
+
+
 @case("cumsum_triangular_4096", """
 dim t = 4096, n = 4
 input xs[s: t, n]
@@ -536,14 +557,7 @@ def test_distinct_case_ids():
     assert len(ids) == len(set(ids))
 
 
-KNOWN_GAPS: dict[str, str] = {
-    "cumsum_scan_10000_vs_torch_cumsum":
-        "a scan's carry is a value of the program's float type, rounded at every step: h + x over "
-        "10^4 steps is a running f32 sum (2.4e-6, as the same loop written in PyTorch), where "
-        "torch.cumsum accumulates f32 in double on the CPU (4.8e-8). The triangular form "
-        "sum[s](xs * [s <= t]) is within 1.4x. Needs a carry kept wider than its type "
-        "between steps (the loop machinery's carries are typed buffers)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _params():
@@ -621,6 +635,14 @@ def test_scatter_add_1e6_on_cuda_sim():
     a scratch of doubles, each element rounded once (f32 atomics into the output:
     1.1e-5 for 10^6 messages into 8 nodes, 18x PyTorch's one-hot product)."""
     assert_not_worse_than_torch(next(c for c in CASES if c.id == "scatter_add_1e6_vs_one_hot_product"), "cuda-sim")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cid", ["cumsum_scan_10000_vs_torch_cumsum", "cumsum_scan_4000_grad_vs_torch_cumsum"])
+def test_cumsum_scan_on_cuda_sim(cid):
+    """The compensated running sum of a scan (tgc/opt/carry_sums.py) in the CUDA kernels'
+    code: nvcc contracts no addition of it, so the two-sum's roundings are as written."""
+    assert_not_worse_than_torch(next(c for c in CASES if c.id == cid), "cuda-sim")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
