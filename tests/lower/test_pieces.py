@@ -205,3 +205,30 @@ def test_no_piece_reads_a_floor_its_range_fixes():
     for k in pieces:
         assert not [a for n in walk(k.body) if isinstance(n, Load) for _, ix in n.index for a, _ in ix.terms
                     if isinstance(a, FloorDiv)], k.text()
+
+
+CONCAT = """
+dim t1 = 5, t2 = 70, t3 = 3, c = 33
+dim t = 78
+input a[t1, c]
+input b[t2, c]
+input d[t3, c]
+out y[t, c] = a[t1 = t] + b[t2 = t - size(t1)] + d[t3 = t - size(t1) - size(t2)]
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_concatenation_is_written_in_pieces(threads):
+    """A concatenation is such a sum too: three pieces, at offsets 0, 5 and 75, the
+    values numpy's (and a -0 comes out +0, as the masked sum gave it)."""
+    o = Options()
+    prog = tgc.compile(CONCAT, "cpu", "f32", options=o.with_(cpu=o.cpu.with_(threads=threads)))
+    pieces = [k for _, k in loop_kernels(prog.lowered) if k.note.startswith("piece")]
+    assert sorted(k.note for k in pieces) == ["piece 0..5", "piece 5..75", "piece 75..78"]
+    rng = np.random.default_rng(1)
+    x = {"a": rng.standard_normal((5, 33)).astype(np.float32), "b": rng.standard_normal((70, 33)).astype(np.float32),
+         "d": rng.standard_normal((3, 33)).astype(np.float32)}
+    x["b"][3, 4] = -0.0
+    y = np.asarray(prog(**x)["y"])
+    want = np.concatenate([x["a"], x["b"], x["d"]]) + np.float32(0.0)
+    assert y.tobytes() == want.tobytes()
