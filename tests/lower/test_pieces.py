@@ -232,3 +232,26 @@ def test_a_concatenation_is_written_in_pieces(threads):
     y = np.asarray(prog(**x)["y"])
     want = np.concatenate([x["a"], x["b"], x["d"]]) + np.float32(0.0)
     assert y.tobytes() == want.tobytes()
+
+
+def test_the_pieces_of_one_output_share_a_region_without_barriers():
+    """On 2 threads the pieces write disjoint rows of one output (`regions._span`): no
+    barrier between two pieces of y, nor of dq (one before dq's first: y and dq are a
+    step's outputs, which may share memory)."""
+    from tgc.backends.cpu.regions import plan_regions
+
+    o = Options(**RUNS)
+    cpu = o.cpu.with_(threads=2)
+    low = tgc.compile(ATTENTION, "cpu", "f64", options=o.with_(cpu=cpu)).lowered
+    progs = [prog for prog, k in loop_kernels(low) if k.note.startswith("piece")]
+    prog = progs[0]
+    assert all(p is prog for p in progs)
+    at = [i for i, k in enumerate(prog.kernels) if isinstance(k, LoopKernel) and k.note.startswith("piece")]
+    step = prog is not low
+    for r in plan_regions(prog, cpu, step):
+        for j, bar in enumerate(r.barrier):
+            i = r.start + j
+            if bar and i in at and i - 1 in at:
+                assert prog.kernels[i].out != prog.kernels[i - 1].out, prog.kernels[i].text()
+    inside = [i for r in plan_regions(prog, cpu, step) for i in range(r.start, r.start + len(r.barrier))]
+    assert set(at) <= set(inside)
