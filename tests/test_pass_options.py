@@ -108,10 +108,10 @@ def test_lowering_stages_time_print_and_verify_through_the_manager():
     result = run_lowering(module, opts, lambda banner, text: seen.append((banner, text.splitlines()[0])), CPU,
                           known=ALL)
     assert [s.name for s in result.stats] == ["emulate_low", "without_rules", "fuse", "layout", "narrow",
-                                              "gemm_operands", "implicit", "accumulate", "unsplit", "epilogue", "alias", "group",
+                                              "gemm_operands", "implicit", "accumulate", "unsplit", "epilogue", "alias", "pieces", "group",
                                               "plan"]
     assert all(s.ops_after > 0 for s in result.stats)   # kernels after each stage
-    assert seen == [("IR after fuse", "// lowered after fuse (f32)"), ("IR before group", "// lowered after alias (f32)"),
+    assert seen == [("IR after fuse", "// lowered after fuse (f32)"), ("IR before group", "// lowered after pieces (f32)"),
                     ("IR after plan", "// lowered after plan (f32)")]
 
 
@@ -152,7 +152,7 @@ def test_cli_passes_lists_options():
     r = run("passes")
     assert r.exit_code == 0
     assert re.search(r"^group +Fuse neighbouring", r.output, re.M) and "{blocks=int | none}" in r.output
-    assert "lowering for cpu (dump-ir --backend cpu --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,unsplit,epilogue,alias,group,plan" in r.output
+    assert "lowering for cpu (dump-ir --backend cpu --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,unsplit,epilogue,alias,pieces,group,plan" in r.output
     assert "lowering for cuda-sim (dump-ir --backend cuda-sim --after STAGE): fuse,layout,narrow,cublas_operands,inline_elementwise,flash,accumulate,rowgroup,plan" in r.output
 
 

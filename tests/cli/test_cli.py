@@ -104,7 +104,7 @@ def test_usage_errors_exit_2():
 def test_passes_lists_the_default_pipeline():
     r = tgc("passes")
     assert "normalize" in r.output and "default pipeline:" in r.output
-    assert "lowering for cpu (dump-ir --backend cpu --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,unsplit,epilogue,alias,group,plan" in r.output
+    assert "lowering for cpu (dump-ir --backend cpu --after STAGE): fuse,layout,narrow,gemm_operands,implicit,accumulate,unsplit,epilogue,alias,pieces,group,plan" in r.output
     assert "lowering for cuda (dump-ir --backend cuda --after STAGE): fuse,layout,narrow,cublas_operands,inline_elementwise,flash,accumulate,rowgroup,plan" in r.output
     # each pass's whole first paragraph, not its first line cut mid-sentence
     assert "unroll              Short loops of known trip count -> their steps, normalized (`all`: every loop of known trip count, for a backend that runs no loops)." in r.output

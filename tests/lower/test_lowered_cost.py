@@ -46,6 +46,6 @@ def test_dump_ir_stats_covers_the_lowering_stages():
     lines = r.stderr.splitlines()
     head = next(i for i, line in enumerate(lines) if line.split()[0] == "kernels")
     rows = [line.split() for line in lines[head + 1:]]
-    assert [row[-1] for row in rows] == ["fuse", "layout", "narrow", "gemm_operands", "implicit", "accumulate", "unsplit", "epilogue", "alias", "group",
+    assert [row[-1] for row in rows] == ["fuse", "layout", "narrow", "gemm_operands", "implicit", "accumulate", "unsplit", "epilogue", "alias", "pieces", "group",
                                         "plan"]
     assert all(int(row[0]) > 0 and int(row[1].replace(",", "")) > 0 for row in rows)

@@ -253,7 +253,7 @@ def test_stages_print_after_each():
                                     "IR after layout", "IR after narrow",
                                     "IR after gemm_operands", "IR after implicit", "IR after accumulate", "IR after unsplit",
                                     "IR after epilogue",
-                                    "IR after alias", "IR after group",
+                                    "IR after alias", "IR after pieces", "IR after group",
                                     "IR after plan"]
     assert seen[0][1].startswith("dim ")   # emulate_low and without_rules: still the IR module
     stages = dict(seen)

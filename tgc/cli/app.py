@@ -81,7 +81,7 @@ def pipeline_options(fn):
         click.option("--print-ir-after-all", is_flag=True, help="Print the IR to stderr after every pass."),
         click.option("--verify-each", is_flag=True,
                      help="Check after every pass that the program's values did not change (float64), "
-                          "and after every lowering stage (fuse, layout, narrow, gemm_operands, implicit, accumulate, unsplit, epilogue, alias, group, plan) by running the "
+                          "and after every lowering stage (fuse, layout, narrow, gemm_operands, implicit, accumulate, unsplit, epilogue, alias, pieces, group, plan) by running the "
                           "lowered program with the numpy lowered-program interpreter."),
         click.option("--time-passes", is_flag=True, help="Print each pass's time and op counts to stderr."),
         FP_STRICT,
@@ -239,7 +239,7 @@ def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, i
 @click.argument("file", type=SOURCE)
 @click.option("--after", "after", metavar="PASS",
               help="Stop after PASS: 'elaborate' (straight from the front end), an IR pass, "
-                   "or a lowering stage (fuse, layout, narrow, gemm_operands, implicit, accumulate, unsplit, epilogue, alias, group, plan).")
+                   "or a lowering stage (fuse, layout, narrow, gemm_operands, implicit, accumulate, unsplit, epilogue, alias, pieces, group, plan).")
 @click.option("--after-all", is_flag=True,
               help="Print the IR after the front end, after every pass and after every lowering stage.")
 @click.option("--loc", "locs", is_flag=True, help="Print each op's source location.")

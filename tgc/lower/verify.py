@@ -421,7 +421,7 @@ class _Verifier(ExprVisitor):
             for e, ix in k.index:
                 v = ix.as_var()
                 if v is not None and v in k.sizes and not k.scatter and not self.same_size(k.sizes[v], low.size(e)) \
-                        and v not in k.bounds:
+                        and v not in k.bounds and not self.piece(k, v, e):
                     raise self.fail(f"loop '{v}' runs over {k.sizes[v]} but writes edge '{e}' of "
                                     f"%{k.out}, of size {low.size(e)}")
         for v, (lo, hi) in k.bounds.items():
@@ -433,6 +433,19 @@ class _Verifier(ExprVisitor):
         self.expr(k.body, bound, can_read, False)
         if k.epilogue is not None:
             self.expr(k.epilogue, bound, can_read, True)
+
+    def piece(self, k: LoopKernel, v: str, e: str) -> bool:
+        """Whether loop `v` of `k`, writing edge `e` of its output, may be shorter than
+        the edge: a piece (tgc.lower.pieces), one of several plain loop kernels of this
+        program that write the buffer, each over its range (both sizes integers)."""
+        n, m = k.sizes[v], self.low.size(e)
+        if not (isinstance(n, int) and isinstance(m, int) and n < m) or k.reduce or k.scatter:
+            return False
+        writers = 0
+        for other in self.low.kernels:
+            for w in (other.members if _is_group(other) else (other,)):
+                writers += isinstance(w, LoopKernel) and w.out == k.out and not w.reduce and not w.scatter
+        return writers >= 2
 
     def group_regs(self) -> list[str]:
         k = self.low.kernels[self.k] if self.k is not None else None

@@ -21,12 +21,13 @@ from tgc.lower.accumulate import Accumulate
 from tgc.lower.alias import Aliases
 from tgc.lower.epilogue import GemmEpilogue
 from tgc.lower.narrow import Narrow
+from tgc.lower.pieces import Pieces
 from tgc.lower.unsplit import Unsplit
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    stages = (Narrow, GemmOperands, Implicit, Accumulate, Unsplit, GemmEpilogue, Aliases, Group)
+    stages = (Narrow, GemmOperands, Implicit, Accumulate, Unsplit, GemmEpilogue, Aliases, Pieces, Group)
     kernel_forms = (GROUP_FORM, IMPLICIT_FORM)
     source_cache = True
     specializes = True

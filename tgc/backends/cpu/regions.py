@@ -30,7 +30,11 @@ it touches thread-local:
   the buffer in both (each store of a writer, each load) indexes the same buffer
   edges with exactly the split loop variables; then thread t touches only elements
   whose coordinates on those edges lie in its own share. Two kernels on thread 0
-  are thread-local to each other. A buffer read through an id (an `IdLoad`), a
+  are thread-local to each other. Nor do two accesses of one buffer that lie in
+  disjoint ranges of one of its edges (`_span`: each kernel indexes that edge at
+  `w + c` alone, `w` a loop of known size): they touch different elements, whichever
+  threads run them (the pieces of one output, tgc.lower.pieces: 32 runs of causal
+  attention wrote y and dq with a barrier between every two pieces). A buffer read through an id (an `IdLoad`), a
   blocked group's partial rows (its threads take blocks, not indices), or a scatter
   are never thread-local. Memory, not names: workspace temporaries that share a slot
   conflict with each other, and in a loop's step every argument and output may
@@ -240,9 +244,11 @@ class _Pending:
     def __init__(self) -> None:
         self.reads: dict = {}
         self.writes: dict = {}
+        self.spans: dict = {}   # memory -> [(buffer, its `_span` in that kernel)] of every pending access
 
     def add(self, acc: "_Access") -> None:
         for buf in acc.reads | acc.writes:
+            self.spans.setdefault(acc.memory(buf), []).append((buf, acc.span[buf]))
             table = self.writes if buf in acc.writes else self.reads
             table.setdefault(acc.memory(buf), set()).add((buf, acc.local[buf]))
             if buf in acc.writes and buf in acc.reads:
@@ -256,9 +262,20 @@ class _Pending:
             theirs = [self.writes.get(mem, ())] + ([self.reads.get(mem, ())] if buf in acc.writes else [])
             mine = (buf, acc.local[buf])
             for keys in theirs:
-                if keys and (acc.local[buf] is None or len(keys) > 1 or mine not in keys):
+                if keys and (acc.local[buf] is None or len(keys) > 1 or mine not in keys) \
+                        and not self.apart(mem, buf, acc.span[buf]):
                     return True
         return False
+
+    def apart(self, mem, buf: str, span) -> bool:
+        """Whether every pending access of memory `mem` is of buffer `buf` over a range
+        of the same edge that `span` does not meet (`_span`): the elements differ,
+        whichever threads touch them (the pieces of one output, tgc.lower.pieces)."""
+        if not span:
+            return False
+        return all(b == buf and s and any(e == f and (hi <= lo2 or hi2 <= lo)
+                                          for e, lo, hi in span for f, lo2, hi2 in s)
+                   for b, s in self.spans.get(mem, ()))
 
 
 class _Access:
@@ -273,6 +290,7 @@ class _Access:
         self.local: dict[str, object] = {}
         for buf in self.reads | self.writes:
             self.local[buf] = ("thread 0",) if single else None if is_gemm(k) else _local_key(k, buf, cpu)
+        self.span = {buf: _span(k, buf) for buf in self.reads | self.writes}
 
     def memory(self, buf: str):
         b = self.low.buffers[self.low.storage(buf)]   # an alias is its buffer's bytes
@@ -321,6 +339,27 @@ def _local_key(k, buf: str, cpu: CpuOptions):
             return None
         edges.append(found[0])
     return tuple(k.sizes[v] for v in loops), tuple(edges)
+
+
+def _span(k, buf: str) -> tuple:
+    """((edge, lo, hi), ...): each edge of `buf` that loop kernel `k` indexes only at
+    `w + lo`, the same at every access, `w` a loop of integer size hi - lo (no bounds,
+    no scatter, no read through an id): all it reads or writes of `buf` lies in that
+    range of each such edge; () when none."""
+    if not isinstance(k, LoopKernel) or k.scatter or k.bounds or buf in _id_reads(k):
+        return ()
+    roots = [k.body] + ([k.epilogue] if k.epilogue is not None else [])
+    indexes = ([dict(k.index)] if k.out == buf else []) + \
+        [dict(e.index) for r in roots for e in walk(r) if isinstance(e, Load) and e.buf == buf]
+    out = []
+    for e, ix in sorted(indexes[0].items()) if indexes else ():
+        if len(ix.terms) != 1 or not isinstance(ix.terms[0][0], str) or ix.terms[0][1] != 1 \
+                or not isinstance(ix.const, int):
+            continue
+        n = k.sizes.get(ix.terms[0][0])
+        if isinstance(n, int) and all(i.get(e) == ix for i in indexes):
+            out.append((e, ix.const, ix.const + n))
+    return tuple(out)
 
 
 def _id_reads(m: LoopKernel) -> set[str]:
