@@ -127,11 +127,15 @@ def _elementwise(v: Value) -> bool:
 
 
 def _cheap_region(k: Value, stored: set[int], in_graph: set[int]) -> list[Value] | None:
-    """The values (operands first) of k's expression down to one stored value (and
-    constants), when that expression is cheap and elementwise; else None."""
+    """The values (operands first) of k's expression down to one stored value of k's
+    edges (and constants, and stored values over some of k's edges: a layernorm's
+    row statistics, broadcast), when that expression is cheap and elementwise (its
+    values over some of k's edges, of k's type); else None."""
     region: list[Value] = []
-    boundary: set[int] = set()
+    boundary: set[int] = set()    # the stored value of k's own edges
+    broadcast: set[int] = set()   # stored values of fewer edges (kept anyway: row statistics)
     seen: set[int] = set()
+    edges = set(k.edges)
 
     def walk(v: Value) -> bool:
         if id(v) in seen:
@@ -139,10 +143,12 @@ def _cheap_region(k: Value, stored: set[int], in_graph: set[int]) -> list[Value]
         seen.add(id(v))
         if v.op in ("const", "size"):
             return True
+        if v.dtype != k.dtype or not set(v.edges) <= edges:
+            return False
         if id(v) in stored and v is not k:
-            boundary.add(id(v))
-            return v.edges == k.edges and v.dtype == k.dtype
-        if id(v) not in in_graph or not _elementwise(v) or v.edges != k.edges or v.dtype != k.dtype:
+            (boundary if v.edges == k.edges else broadcast).add(id(v))
+            return True
+        if id(v) not in in_graph or not _elementwise(v):
             return False
         if not all(walk(o) for o in v.operands):
             return False
