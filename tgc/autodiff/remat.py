@@ -187,7 +187,9 @@ def recompute_cheap(graph: list[Value], roots: list[Value], kept: list[Value],
     back into the original), as in `rematerialize`, so it has the kept value's value;
     later passes treat it like any other value (`normalize` sorts the terms of the
     sum that reads it by their structure, which the copy changes: the program adds
-    them in another order than without the rule, within rounding). Terminates: one
+    them in another order than without the rule, within rounding; the layernorm's
+    copy `(x - mean) * (1 / std)`, no longer also a value of the forward, is rewritten
+    by the later passes as `(x - mean) / std`, within an ulp of it). Terminates: one
     pass over `kept` in graph order, each region a walk over the finite graph."""
     in_graph = {id(v) for v in graph}
     is_result = {id(r) for r in results}
