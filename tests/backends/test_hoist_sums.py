@@ -48,31 +48,63 @@ def names(ks):
     return [k.out for k in ks]
 
 
+class _Buf:
+    def __init__(self, edges):
+        self.dtype, self.edges = "f32", edges
+
+
+class _Low:
+    """The part of a `Lowered` the moves read: kernels, buffers (each [r, c] but the
+    sums' [c]) and sizes."""
+
+    def __init__(self, ks):
+        self.kernels = ks
+        self.buffers = {}
+        for k in ks:
+            for b in k.buffers_read() | {k.out}:
+                self.buffers[b] = _Buf(("c",) if b.startswith("d") else ("c", "r"))
+
+    def size(self, e):
+        return SIZES[e]
+
+
+def hoisted(ks, cache_bytes=0):
+    return names(hoist.hoist_column_sums(_Low(ks), cache_bytes))
+
+
 def test_a_column_sum_moves_up_beside_the_last_row_kernel_reading_its_rows():
     ks = [rows("x", "a"), rows("y", "x"), other("p", "y"), other("q", "p"), colsum("db", "x")]
-    assert names(hoist.hoist_column_sums(ks)) == ["x", "y", "db", "p", "q"]
+    assert hoisted(ks) == ["x", "y", "db", "p", "q"]
 
 
 def test_it_may_follow_its_input_writer():
     ks = [rows("x", "a"), other("p", "x"), colsum("db", "x")]
-    assert names(hoist.hoist_column_sums(ks)) == ["x", "db", "p"]
+    assert hoisted(ks) == ["x", "db", "p"]
 
 
 def test_a_writer_between_stops_it():
     # `x` is written after y reads it (by a kernel the group stage never joins): db
     # sums that x, so it stays after its writer
     ks = [rows("y", "x"), other("x", "q"), colsum("db", "x")]
-    assert names(hoist.hoist_column_sums(ks)) == ["y", "x", "db"]
+    assert hoisted(ks) == ["y", "x", "db"]
 
 
 def test_a_reader_of_its_output_stops_it():
     ks = [rows("y", "x"), other("p", "db"), colsum("db", "x")]
-    assert names(hoist.hoist_column_sums(ks)) == ["y", "p", "db"]
+    assert hoisted(ks) == ["y", "p", "db"]
+
+
+def test_rows_still_in_cache_no_move():
+    """Between y and db: p and q, 2 buffers of 8 x 4 f32 touched (128 + 128 + 128 B
+    with y's): under `cache_bytes` the rows are read from cache where db is."""
+    ks = [rows("x", "a"), rows("y", "x"), other("p", "y"), other("q", "p"), colsum("db", "x")]
+    assert hoisted(ks, cache_bytes=384) == ["x", "y", "p", "q", "db"]
+    assert hoisted(ks, cache_bytes=383) == ["x", "y", "db", "p", "q"]
 
 
 def test_no_row_kernel_to_join_no_move():
     ks = [other("x", "a"), other("p", "x"), colsum("db", "x")]
-    assert names(hoist.hoist_column_sums(ks)) == ["x", "p", "db"]
+    assert hoisted(ks) == ["x", "p", "db"]
 
 
 def options(dtype: str) -> Options:
@@ -80,8 +112,13 @@ def options(dtype: str) -> Options:
     return o.with_(cpu=o.cpu.with_(blas_min_flops=0))   # every product a GEMM at this size
 
 
+NANOGPT = {"layer": 2, "head": 6, "hd": 64, "t": 256, "vocab": 65, "batch": 4}   # benchmarks/nanogpt.py's, 2 layers
+
+
 def backward_step():
-    src = pipeline.load_source(str(GPT2), dims=DIMS, lookup=False, options=options("f32"))
+    """The reverse loop's step of gpt2.tg at nanoGPT-char's sizes, after the group stage
+    (at the small DIMS every buffer stays in cache between kernels: nothing moves)."""
+    src = pipeline.load_source(str(GPT2), dims=NANOGPT, lookup=False, options=Options(dtype="f32"))
     compiled, o = pipeline.target(pipeline.lower(src.module, src.options).module, src.options)
     low = pipeline.lower_module(compiled, o, stop_after="group")
     return [k for k in low.kernels if isinstance(k, StepLoop)][-1].step
@@ -112,7 +149,7 @@ def test_gpt2_backward_column_sums_read_rows_beside_their_group():
 
 
 def test_without_the_moves_seven_reread(monkeypatch):
-    monkeypatch.setattr(group, "hoist_column_sums", lambda ks: list(ks))
+    monkeypatch.setattr(group, "hoist_column_sums", lambda low, cache_bytes: list(low.kernels))
     # and the layernorms' weight and bias gradients read again (ln2's two in ln1's
     # group), the attention output's bias sum (bo) and the MLP output's (bproj)
     assert rereads(backward_step()) == 8
@@ -124,10 +161,12 @@ def test_the_step_is_the_one_without_the_moves(dtype, rtol, monkeypatch):
     built without the moves: the same values within rounding (a bias gradient that
     was summed alone is now summed by blocks of rows)."""
     monkeypatch.setenv("TGC_CACHE", "off")
-    mine = tgc.compile(GPT2, dtype=dtype, dims=DIMS, options=options(dtype))
+    o = options(dtype)
+    o = o.with_(cpu=o.cpu.with_(group_shrink_max_bytes=1024))   # "out of cache" at these sizes: the sums move
+    mine = tgc.compile(GPT2, dtype=dtype, dims=DIMS, options=o)
     with monkeypatch.context() as mp:
-        mp.setattr(group, "hoist_column_sums", lambda ks: list(ks))
-        base = tgc.compile(GPT2, dtype=dtype, dims=DIMS, options=options(dtype))
+        mp.setattr(group, "hoist_column_sums", lambda low, cache_bytes: list(low.kernels))
+        base = tgc.compile(GPT2, dtype=dtype, dims=DIMS, options=o)
     assert str(mine.lowered) != str(base.lowered)
     a, b = gpt2_start(mine, DIMS, DIMS["batch"], 3), gpt2_start(mine, DIMS, DIMS["batch"], 3)
     for _ in range(2):

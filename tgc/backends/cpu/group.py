@@ -207,7 +207,8 @@ class Group(Pass[Lowered, Lowered]):
         if options.cpu.group_blocks < 1:
             return out
         out.kernels = []
-        low = replace(low, kernels=hoist_column_sums(low.kernels))   # column sums beside the rows they read
+        # column sums beside the rows they read
+        low = replace(low, kernels=hoist_column_sums(low, options.cpu.group_shrink_max_bytes))
         _Grouper(low, out, options).run()
         return out
 
