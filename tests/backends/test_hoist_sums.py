@@ -54,22 +54,22 @@ class _Buf:
 
 
 class _Low:
-    """The part of a `Lowered` the moves read: kernels, buffers (each [r, c] but the
-    sums' [c]) and sizes."""
+    """The part of a `Lowered` the moves read: kernels, buffers (each [r, c], 128 B,
+    but the sums' [c] and those named in `big`, 1 kB) and sizes."""
 
-    def __init__(self, ks):
+    def __init__(self, ks, big=()):
         self.kernels = ks
         self.buffers = {}
         for k in ks:
             for b in k.buffers_read() | {k.out}:
-                self.buffers[b] = _Buf(("c",) if b.startswith("d") else ("c", "r"))
+                self.buffers[b] = _Buf(("c",) if b.startswith("d") else ("c", "r", "w") if b in big else ("c", "r"))
 
     def size(self, e):
-        return SIZES[e]
+        return {**SIZES, "w": 8}[e]
 
 
-def hoisted(ks, cache_bytes=0):
-    return names(hoist.hoist_column_sums(_Low(ks), cache_bytes))
+def hoisted(ks, cache_bytes=0, big=()):
+    return names(hoist.hoist_column_sums(_Low(ks, big), cache_bytes))
 
 
 def test_a_column_sum_moves_up_beside_the_last_row_kernel_reading_its_rows():
@@ -95,11 +95,18 @@ def test_a_reader_of_its_output_stops_it():
 
 
 def test_rows_still_in_cache_no_move():
-    """Between y and db: p and q, 2 buffers of 8 x 4 f32 touched (128 + 128 + 128 B
-    with y's): under `cache_bytes` the rows are read from cache where db is."""
+    """Between y and db: p and q, touching y, p and q (3 x 128 B): up to `cache_bytes`
+    db's rows (x, 1 kB) are read from cache where db is."""
     ks = [rows("x", "a"), rows("y", "x"), other("p", "y"), other("q", "p"), colsum("db", "x")]
-    assert hoisted(ks, cache_bytes=384) == ["x", "y", "p", "q", "db"]
-    assert hoisted(ks, cache_bytes=383) == ["x", "y", "db", "p", "q"]
+    assert hoisted(ks, cache_bytes=384, big={"x"}) == ["x", "y", "p", "q", "db"]
+    assert hoisted(ks, cache_bytes=383, big={"x"}) == ["x", "y", "db", "p", "q"]
+
+
+def test_small_rows_no_move():
+    """db's rows (x, 128 B) up to half of `cache_bytes`: a re-read that costs little."""
+    ks = [rows("x", "a"), rows("y", "x"), other("p", "y"), other("q", "p"), colsum("db", "x")]
+    assert hoisted(ks, cache_bytes=256) == ["x", "y", "p", "q", "db"]
+    assert hoisted(ks, cache_bytes=255) == ["x", "y", "db", "p", "q"]
 
 
 def test_no_row_kernel_to_join_no_move():

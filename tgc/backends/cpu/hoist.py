@@ -19,9 +19,10 @@ K's input's writer), when
   group: its rows are in cache; K becomes one of its partial-sum members), and
 - the kernels between L and K touch more than `cache_bytes` of buffers (known sizes;
   `CpuOptions.group_shrink_max_bytes`, an L2), so that K would read its rows from
-  memory where it is. Else its rows are still in cache there and the move would only
-  change L's group (a GPT of width 48 at 64 x 11 tokens: its layernorm backward's
-  groups lose their rows loops for blocks of the batch, ~6% slower on one thread).
+  memory where it is, and the rows K reads hold more than half of that: a smaller
+  re-read is cheap (from a cache further out), and the move changes L's group (a GPT
+  of width 48 at 64 x 11 tokens, 135 kB a buffer: its layernorm backward's groups
+  lost their rows loops for blocks of the batch, ~6% slower on one thread).
 
 Exact: K computes the same expression from the same values (the legality rule
 above); only its position changes. Its group (and so its blocks of partial sums) may
@@ -53,9 +54,10 @@ def _row_reads(k: LoopKernel) -> set[str]:
             and any(a == first for _, ix in e.index for a, _ in ix.terms)}
 
 
-def _touched(low: Lowered, ks: list) -> int | None:
-    """The bytes of the distinct buffers `ks` read or write (None: a symbolic size)."""
-    names: set[str] = set()
+def _touched(low: Lowered, ks: list, names: set[str] | None = None) -> int | None:
+    """The bytes of the distinct buffers `ks` read or write, or of `names` (None: a
+    symbolic size)."""
+    names = set(names or ())
     for k in ks:
         names |= set(k.buffers_read()) | _writes(k)
     total = 0
@@ -98,8 +100,8 @@ def hoist_column_sums(low: Lowered, cache_bytes: int) -> list:
             if land is None and shares and p.buffers_read() & rows:
                 land = j
         if land is not None and land < i - 1:
-            between = _touched(low, out[land + 1:i])
-            if between is None or between > cache_bytes:
+            between, own = _touched(low, out[land + 1:i]), _touched(low, [], rows)
+            if (between is None or between > cache_bytes) and (own is None or 2 * own > cache_bytes):
                 out.insert(land + 1, out.pop(i))
         i += 1
     return out
