@@ -116,8 +116,13 @@ def test_gpt2_step_is_the_one_without_the_rule(monkeypatch, dtype, rtol):
     for k in want:
         scale = max(np.abs(want[k]).max(), 1e-6)   # bk's gradient is 0 up to rounding (softmax's shift invariance)
         atol = rtol * scale
-        if k == "bk" and dtype == "f32":
+        if dtype == "f32" and k != "loss" and not k.startswith(("m.", "v.")) and k != "step":
             # ... 9e-10 in f32 (bq's 3e-3), which AdamW's first step turns into up to
-            # lr g / (|g| + 1e-8) = 0.08 lr: the builds' bk agree to that noise only
-            atol = 0.1 * 1e-2
+            # lr g / (|g| + 1e-8) = 0.08 lr: the builds' bk agree to that noise only.
+            # So does any param with a gradient element near its rounding (wk: 3e-4 of
+            # its largest value with the layernorm's normalized rows recomputed, within
+            # 0.04 lr); the moments m and v, compared at rtol, hold the gradients. bk's
+            # gradient is all rounding: its first update is anything up to lr (|m^| <=
+            # sqrt(v^)): 0.13 lr apart with the normalized rows recomputed.
+            atol = (2.0 if k == "bk" else 0.1) * 1e-2
         np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=k)

@@ -35,19 +35,19 @@ def lowered():
 
 
 # the forward step's attention: the biases are added straight into the step's stored
-# keys (r5), queries (r6) and values (r7), in their projections' order, and the batched
-# scores product reads them there (k11; k15, p @ v, reads r5)
+# values (r4), keys (r5) and queries (r6), in their projections' order, and the batched
+# scores product reads them there (k8; k14, p @ v, reads r4)
 GOLDEN = """\
-k5: gemm %t35 = %p7[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k6: loop %r5[batch, hd, head, s] = add[1.0, 1.0](%p11[hd + 4*head], %t35[batch, hd + 4*head, s])
-      for batch < 2, s < 5, head < 2, hd < 4
-k7: gemm %t36 = %p5[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k8: loop %r6[batch, hd, head, t.1] = add[1.0, 1.0](%t36[batch, hd + 4*head, t.1], %p9[hd + 4*head])
-      for batch < 2, t.1 < 5, head < 2, hd < 4
-k9: gemm %t37 = %p6[c, c2] @ %r4[batch, c, t]  batch() m(c2) n(batch, t) k(c)
-k10: loop %r7[batch, hd, head, t] = add[1.0, 1.0](%t37[batch, hd + 4*head, t], %p10[hd + 4*head])
+k4: gemm %t33 = %r3[batch, c, t] @ %p6[c, c2]  batch() m(batch, t) n(c2) k(c)
+k5: loop %r6[batch, hd, head, t] = add[1.0, 1.0](%t33[batch, hd + 4*head, t], %p10[hd + 4*head])
       for batch < 2, t < 5, head < 2, hd < 4
-k11: gemm %t38 = %r6[batch, hd, head, t.1] @ %r7[batch, hd, head, t]  batch(batch, head) m(t.1) n(t) k(hd)"""
+k6: gemm %t34 = %r3[batch, c, t] @ %p5[c, c2]  batch() m(batch, t) n(c2) k(c)
+k7: loop %r5[batch, hd, head, t.1] = add[1.0, 1.0](%p9[hd + 4*head], %t34[batch, hd + 4*head, t.1])
+      for batch < 2, t.1 < 5, head < 2, hd < 4
+k8: gemm %t35 = %r6[batch, hd, head, t] @ %r5[batch, hd, head, t.1]  batch(batch, head) m(t) n(t.1) k(hd)
+k12: gemm %t38 = %r3[batch, c, t] @ %p7[c, c2]  batch() m(batch, t) n(c2) k(c)
+k13: loop %r4[batch, hd, head, s] = add[1.0, 1.0](%t38[batch, hd + 4*head, s], %p11[hd + 4*head])
+      for batch < 2, s < 5, head < 2, hd < 4"""
 
 
 def test_saved_heads_are_stored_as_projection_rows_and_read_in_place():
@@ -56,19 +56,19 @@ def test_saved_heads_are_stored_as_projection_rows_and_read_in_place():
     fwd, bwd = loops[0], loops[-1]
     assert not fwd.reverse and bwd.reverse
     step = fwd.step
-    orders = {n: step.buffers[n].order for n in ("r5", "r6", "r7")}
-    assert orders == {"r5": ("batch", "s", "head", "hd"), "r6": ("batch", "t.1", "head", "hd"),
-                      "r7": ("batch", "t", "head", "hd")}
-    assert "\n".join(f"k{i}: " + step.kernels[i].text() for i in range(5, 12)) == GOLDEN
-    pv = step.kernels[15]   # p @ v reads the stored values under their own names
-    assert isinstance(pv, GemmKernel) and pv.a.buf == "r5" and all(v == b for v, b in pv.a.edges)
+    orders = {n: step.buffers[n].order for n in ("r4", "r5", "r6")}
+    assert orders == {"r4": ("batch", "s", "head", "hd"), "r5": ("batch", "t.1", "head", "hd"),
+                      "r6": ("batch", "t", "head", "hd")}
+    assert "\n".join(f"k{i}: " + step.kernels[i].text() for i in (4, 5, 6, 7, 8, 12, 13)) == GOLDEN
+    pv = step.kernels[14]   # p @ v reads the stored values under their own names
+    assert isinstance(pv, GemmKernel) and pv.b.buf == "r4" and all(v == b for v, b in pv.b.edges)
     # no loop kernel of the step reads a stored head buffer (a copy under another name)
     for k in step.kernels:
         if isinstance(k, LoopKernel):
-            assert not ({"r5", "r6", "r7"} & set(k.buffers_read())), k.text()
+            assert not ({"r4", "r5", "r6"} & set(k.buffers_read())), k.text()
     # the program stores them with the layer outermost, the step's order inside, and the
     # backward loop binds those buffers, in that order: no copy kernel between the loops
-    saved = [b.buf for b in fwd.outs[5:8]]
+    saved = [b.buf for b in fwd.outs[4:7]]
     for name, order in zip(saved, orders.values()):
         assert low.buffers[name].order == ("layer",) + order
     assert set(saved) <= {b.buf for b in bwd.args}
