@@ -47,7 +47,7 @@ def test_lowering_asks_each_kernel_a_bounded_number_of_questions(monkeypatch):
     # 4x the blocks: about 3.5x the kernels and the questions (a scan of the later
     # kernels per GEMM gave 13x: 14,178 -> 185,489 calls)
     assert q8 <= 1.25 * q2 * k8 / k2, (q2, q8, k2, k8)
-    assert q8 <= 60 * k8, (q8, k8)                  # (the scans: 840 per kernel)
+    assert q8 <= 80 * k8, (q8, k8)                  # 59 -> 66 with cpu/hoist's moves; the scans: 840 per kernel
 
 
 class _K:

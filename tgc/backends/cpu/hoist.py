@@ -54,12 +54,12 @@ def _row_reads(k: LoopKernel) -> set[str]:
             and any(a == first for _, ix in e.index for a, _ in ix.terms)}
 
 
-def _touched(low: Lowered, ks: list, names: set[str] | None = None) -> int | None:
-    """The bytes of the distinct buffers `ks` read or write, or of `names` (None: a
-    symbolic size)."""
+def _touched(low: Lowered, used: list, names: set[str] | None = None) -> int | None:
+    """The bytes of the distinct buffers in `used` (kernels' (read, written) buffer
+    sets), or of `names` (None: a symbolic size)."""
     names = set(names or ())
-    for k in ks:
-        names |= set(k.buffers_read()) | _writes(k)
+    for read, written in used:
+        names |= set(read) | written
     total = 0
     for name in names:
         b = low.buffers.get(name)
@@ -78,29 +78,33 @@ def _touched(low: Lowered, ks: list, names: set[str] | None = None) -> int | Non
 def hoist_column_sums(low: Lowered, cache_bytes: int) -> list:
     """`low`'s kernels with each column sum moved up as the module docstring says."""
     out = list(low.kernels)
+    # each kernel's read and written buffers, asked once (a scan back from every column
+    # sum asking again made the lowering's questions quadratic in the program's length:
+    # tests/lower/test_lowering_scaling.py)
+    sets = {id(k): (k.buffers_read(), _writes(k)) for k in out}
     i = 0
     while i < len(out):
         k = out[i]
         if not is_column_sum(k):
             i += 1
             continue
-        reads, writes, rows = k.buffers_read(), _writes(k), _row_reads(k)
+        (reads, writes), rows = sets[id(k)], _row_reads(k)
         first, extent = k.loops[0], k.sizes[k.loops[0]]
         land = None
         for j in range(i - 1, -1, -1):
             p = out[j]
-            pw = _writes(p)
+            pr, pw = sets[id(p)]
             shares = isinstance(p, LoopKernel) and p.loops[:1] == (first,) and p.sizes.get(first) == extent
             if pw & reads:   # K's input's writer: K may follow it, no further
-                if land is None and shares and pw & rows and not (pw & writes) and not (p.buffers_read() & writes):
+                if land is None and shares and pw & rows and not (pw & writes) and not (pr & writes):
                     land = j
                 break
-            if p.buffers_read() & writes or pw & writes:
+            if pr & writes or pw & writes:
                 break
-            if land is None and shares and p.buffers_read() & rows:
+            if land is None and shares and pr & rows:
                 land = j
         if land is not None and land < i - 1:
-            between, own = _touched(low, out[land + 1:i]), _touched(low, [], rows)
+            between, own = _touched(low, [sets[id(p)] for p in out[land + 1:i]]), _touched(low, [], rows)
             if (between is None or between > cache_bytes) and (own is None or 2 * own > cache_bytes):
                 out.insert(land + 1, out.pop(i))
         i += 1
