@@ -1074,3 +1074,33 @@ def test_b_one_block_wide_on_the_lines_is_read_in_place_with_the_same_bits():
     for jit in jits:
         jit.close()
 
+
+ROW_TILES = """
+dim p = 128, r = 1024, q = 64
+input a[p, r]
+input b[r, q]
+out c[p, q] = sum[r](a * b)
+"""
+
+
+def test_row_tiles_on_one_thread_run_as_one_call_with_the_same_bits():
+    """`gemm_merge_rows`: a product whose plan cuts only its rows (P v of a stream step:
+    128 rows in two tiles of 64, each packing all of B') run whole on one thread takes
+    both tiles in one call of the own kernel (the entry's second serial call of the
+    work function, with tiles of all of P; "off" has none), with the bits of the cut
+    tiles on one thread and on two (the kernel's K blocks depend on K alone), whether B'
+    is on the lines (read in place) or not (packed)."""
+    prog = {}
+    for name, opts in (("off", dict(threads=1, gemm_merge_rows=False)), ("on", dict(threads=1)),
+                       ("2", dict(threads=2))):
+        prog[name] = tgc.compile(ROW_TILES, backend="cpu", options=Options(dtype="f32").with_(**opts))
+    work_calls = {n: len(re.findall(r'call void @"?tgc\.k\d+\.work"?\(', p.llvm_ir)) for n, p in prog.items()}
+    assert work_calls["on"] == work_calls["off"] + 1
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((128, 1024), dtype=np.float32)
+    for off in (0, 16):
+        b = _aligned((1024, 64), off, rng)
+        got = {n: p(a=a, b=b)["c"] for n, p in prog.items()}
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(got["on"], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        assert np.array_equal(got["on"], got["off"]) and np.array_equal(got["on"], got["2"])
