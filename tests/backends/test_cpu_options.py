@@ -64,6 +64,8 @@ REACHES = [
     ("own_gemm_unroll", 1, "conv1d", OWN),
     ("own_gemm_edge_vecs", 6, "gpt", OWN),   # ff = 192: tiles of 96 columns
     ("own_gemm_c_prefetch", 0, "conv1d", OWN),
+    ("own_gemm_b_in_place", False, "conv1d", OWN),
+    ("gemm_merge_rows", False, "gpt_small", OWN),
     ("own_gemm_pack_a_rows", 64, "conv1d", OWN),
     ("own_gemm_pack_a_span", 0, "conv1d", OWN),
     ("own_gemm_window_rows", 4, "conv2d", OWN),

@@ -1018,3 +1018,89 @@ def test_tiles_a_little_wider_than_a_block_run_the_edge_block(orders, sizes):
         wider = (i, cols, k) if orders[2] == "b, i, j" else (cols, j, k)
         plain, *_ = _ordered_matmul(orders, wider, options, 3)
         assert edge not in plain.llvm_ir
+
+
+def _aligned(shape, off_bytes: int, rng) -> np.ndarray:
+    """A float32 array of `shape` (random normal) starting `off_bytes` past a 64-byte line."""
+    n = int(np.prod(shape))
+    buf = np.empty(n + 32, np.float32)
+    start = (-buf.ctypes.data % 64 + off_bytes) // 4
+    out = buf[start:start + n].reshape(shape)
+    out[...] = rng.standard_normal(shape, dtype=np.float32)
+    return out
+
+
+def test_b_one_block_wide_on_the_lines_is_read_in_place_with_the_same_bits():
+    """`own_gemm_b_in_place`: a B' with its columns contiguous, its rows exactly one block
+    of columns apart (64 floats: attention's v in P v, k in dS k) and on a 64-byte line is
+    the kernel's packed block already: read where it is (the kernel tests B's address;
+    "off" compiles no such test), with the bits of the packed path, storing into C and
+    adding to it, over several K blocks; a B off the lines by 16 bytes, or with a wider
+    row stride, is packed as before."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    rows, vecs, depth = 6, 4, 64
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp)
+    fns, jits, text = {}, [], {}
+    for on in (False, True):
+        mod = ir.Module("own")
+        fn = own_kernel(mod, CpuOptions(own_gemm_b_in_place=on), rows, vecs, depth=depth)
+        fn.linkage = "external"
+        text[on] = str(fn)
+        jits.append(llvm_env.jit(str(mod)))
+        fns[on] = proto(jits[-1].address(fn.name))
+    assert re.search(r"and i64 %\S+, 63", text[True]) and not re.search(r"and i64 %\S+, 63", text[False])
+    rng = np.random.default_rng(31)
+    for K in (1, depth - 1, depth + 7, 3 * depth + 5):
+        for M in (1, rows + 1, 4 * rows + 3):
+            A = rng.standard_normal((M, K), dtype=np.float32)
+            for off, stride in ((0, 64), (16, 64), (0, 80)):
+                B = _aligned((K, stride), off, rng)[:, :64]
+                C0 = rng.standard_normal((M, 64), dtype=np.float32)
+                for acc in (0, 1):
+                    got = {}
+                    for on, fn in fns.items():
+                        C = C0.copy()
+                        call(fn, A, B, C, acc)
+                        got[on] = C
+                    want = A.astype(np.float64) @ B.astype(np.float64) + (C0 if acc else 0)
+                    np.testing.assert_allclose(got[True], want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+                    assert np.array_equal(got[True], got[False]), (K, M, off, stride, acc)
+    for jit in jits:
+        jit.close()
+
+
+ROW_TILES = """
+dim p = 128, r = 1024, q = 64
+input a[p, r]
+input b[r, q]
+out c[p, q] = sum[r](a * b)
+"""
+
+
+def test_row_tiles_on_one_thread_run_as_one_call_with_the_same_bits():
+    """`gemm_merge_rows`: a product whose plan cuts only its rows (P v of a stream step:
+    128 rows in two tiles of 64, each packing all of B') run whole on one thread takes
+    both tiles in one call of the own kernel (the entry's second serial call of the
+    work function, with tiles of all of P; "off" has none), with the bits of the cut
+    tiles on one thread and on two (the kernel's K blocks depend on K alone), whether B'
+    is on the lines (read in place) or not (packed)."""
+    prog = {}
+    for name, opts in (("off", dict(threads=1, gemm_merge_rows=False)), ("on", dict(threads=1)),
+                       ("2", dict(threads=2))):
+        prog[name] = tgc.compile(ROW_TILES, backend="cpu", options=Options(dtype="f32").with_(**opts))
+    work_calls = {n: len(re.findall(r'call void @"?tgc\.k\d+\.work"?\(', p.llvm_ir)) for n, p in prog.items()}
+    assert work_calls["on"] == work_calls["off"] + 1
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((128, 1024), dtype=np.float32)
+    for off in (0, 16):
+        b = _aligned((1024, 64), off, rng)
+        got = {n: p(a=a, b=b)["c"] for n, p in prog.items()}
+        want = a.astype(np.float64) @ b.astype(np.float64)
+        np.testing.assert_allclose(got["on"], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        assert np.array_equal(got["on"], got["off"]) and np.array_equal(got["on"], got["2"])

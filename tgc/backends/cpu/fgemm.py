@@ -668,6 +668,15 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                                                                    I64(VL)), I64(VL)), I64(tpack_rows)))
         astep = b.select(packs_a, I64(1), sak)
 
+    # B with its columns contiguous, its rows exactly one block of columns apart (sbn = 1,
+    # sbk = cols: attention's v and k in P v and dS k) and 64-byte aligned is its own
+    # packed block wherever the block is full width: read in place, not copied
+    # (`CpuOptions.own_gemm_b_in_place`; a B off the lines would split every load)
+    in_place = None
+    if variants and cpu.own_gemm_b_in_place:
+        in_place = b.and_(b.icmp_signed("==", sbn, I64(1)), b.icmp_signed("==", sbk, I64(cols)))
+        in_place = b.and_(in_place, b.icmp_signed("==", b.and_(b.ptrtoint(pb, I64), I64(63)), I64(0)))
+
     def row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks, tap_parts=None, rows=rows, blocks=None):
         """Every block of `rows` rows: C's block (+)= A's rows times the packed
         rows p0..p1 of B's block (K k0 + p0 .. k0 + p1); with `tap_parts`, a
@@ -771,7 +780,7 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
             if tri:   # this block's K range (the mask's), and its store's admitted lanes
                 p0, p1, lanes, whole = tri_block(i0, rix[-1], j0, k0, p0, p1, rix)
             if tap_parts is None:
-                fmas(arow, bpack, p0, p1, late=window is None and cpu.own_gemm_c_prefetch > 0)
+                fmas(arow, cur.get("bsrc", bpack), p0, p1, late=window is None and cpu.own_gemm_c_prefetch > 0)
             else:
                 for a_t, packed, t0, t1 in tap_parts():
                     fmas([b.gep(a_t, [b.add(b.mul(i, sam), b.mul(k0, sak))], source_etype=f32) for i in rix],
@@ -906,6 +915,12 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
         elif taps:
             parts = _pack_taps(b, pa, pb, sbk, N, k0, kd, j0, cols, vecs, bpack, block, nt, tap_args, load_fn,
                                zero_v, it, vt)
+        elif in_place is not None:   # B's block already in the packed layout: read where it is
+            here = b.and_(in_place, b.icmp_signed("==", width, I64(cols)))
+            cur["bsrc"] = b.select(here, b.gep(pb, [b.add(b.mul(k0, sbk), j0)], source_etype=f32), bpack)
+            with b.if_then(b.not_(here)):
+                _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
+                        zero_v, it, vt)
         else:
             _pack_b(b, pb, sbk, sbn, k0, kd, j0, width, cols, vecs, masks, bpack, lane_bytes, load_fn, gather,
                     zero_v, it, vt)

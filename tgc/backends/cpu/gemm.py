@@ -318,10 +318,52 @@ class GemmGen(TapCalls):
                     b.store(v, b.gep(data, [I32(0), I32(i)]))
                 b.call(parallel.region_fn(self.mod, self.home, self.opt.cpu), [par, data])
                 b.ret(I32(1))
-        b.call(work, args + [I64(0), pl["tasks"]] + tiles + extra)
+        if self.merges_rows():   # on this thread alone: tiles cut along P only are one call
+            with b.if_else(self.rows_merge(f, b, pl)) as (whole, cut):
+                with whole:
+                    mp = self.tasks(f, b, pl["P"], pl["tq"], pl["tr"])
+                    b.call(work, args + [I64(0), mp["tasks"], pl["P"], pl["tq"], pl["tr"]] + extra)
+                with cut:
+                    b.call(work, args + [I64(0), pl["tasks"]] + tiles + extra)
+        else:
+            b.call(work, args + [I64(0), pl["tasks"]] + tiles + extra)
         b.ret(I32(0))
         f.finish()
         return self.fn
+
+    def merges_rows(self) -> bool:
+        """Whether a product run whole on one thread may take its tiles' rows (P) in one
+        call of the own kernel (`CpuOptions.gemm_merge_rows`): a plain product of the own
+        kernel (no taps, shifts, shared B', window, split parts, epilogue; f32), whose
+        tiles cut along P change no bits there (`rows_merge` checks the rest at run
+        time)."""
+        k = self.k
+        return (self.opt.cpu.gemm_merge_rows and self.own and not self.bf16 and k.cplx is None and not k.taps
+                and not k.shifts and not self.shared and not self.tapped and self.window is None and not self.parts
+                and not self.epi)
+
+    def rows_merge(self, f: Frame, b: ir.IRBuilder, pl: dict):
+        """i1: the plan cuts P (more than one row tile) but not R, its tiles are not the
+        small-tile loops', and every tile, cut or merged, runs the own kernel (`own_tile`
+        at the cut tiles' rows and at P, for the first and last column tiles). Then one
+        call per column tile over all of P gives every element of C the same FMAs in the
+        same order as the cut tiles (the kernel's K blocks depend on K alone, its row
+        blocks and row panels on nothing an element's sum sees), with B' packed once
+        rather than once per row tile (attention's P v and dS k in a stream step: 2 x 64
+        rows each packing the keys' v or k)."""
+        A, B, _ = self.operands(f, self.views(f))
+        keep, self.b = getattr(self, "b", None), b
+        try:
+            ok = b.and_(b.icmp_signed(">", pl["n_p"], I64(1)), b.icmp_signed(">=", pl["tr"], pl["R"]))
+            ok = b.and_(ok, b.not_(self.small_ok(b, pl, B)))
+            last_p = b.sub(pl["P"], b.mul(b.sub(pl["n_p"], I64(1)), pl["tp"]))
+            last_q = b.sub(pl["Q"], b.mul(b.sub(pl["n_q"], I64(1)), pl["tq"]))
+            for m in (pl["tp"], last_p, pl["P"]):
+                for n in (pl["tq"], last_q):
+                    ok = b.and_(ok, self.own_tile(m, pl["R"], n))
+        finally:
+            self.b = keep
+        return ok
 
     def tile_limit(self, f: Frame, b: ir.IRBuilder):
         """i64: the most multiply-adds of one tile. A function of the product's sizes

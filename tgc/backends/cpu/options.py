@@ -115,6 +115,7 @@ class CpuOptions:
     member_compile_cost: int = 4             # ... and this per member ...
     member_loop_compile_cost: int = 2        # ... and this per loop of each member ...
     blocked_compile_cost: int = 70           # ... and this for a group whose sums go into per-block partials
+    gemm_merge_rows: bool = True             # a product run whole on one thread whose tiles cut only its rows (P) and all run the own kernel takes them in one call: the same bits, B' packed once (gemm.GemmGen.rows_merge)
     gemm_min_tile: int = 16                  # GEMM tiles are not cut below this many rows or columns of C' (gemm.GemmGen.tiles) ...
     gemm_min_chunk: int = 64                 # ... nor below this many terms of K
     gemm_epilogue: bool = True               # a GEMM's epilogue (the `epilogue` stage: bias, GELU, residual, AdamW folded in) runs on each tile right after its product (backends/cpu/gemm_epilogue.py); False: as loops after the GEMM
@@ -144,6 +145,7 @@ class CpuOptions:
     own_gemm_edge_vecs: int = 5              # a tile of C' with more columns than one block of the own kernel (own_gemm_vecs x 16) but at most this many vectors of 16 runs a 4 x this register block, its columns in one pass (gemm_dispatch.edge_vecs: nanoGPT's vocabulary of 65); at most own_gemm_vecs: never
     own_gemm_unroll: int = 4                 # K steps per iteration of the own kernel's FMA loop (the same FMAs in the same order; fewer loop instructions beside them)
     own_gemm_c_prefetch: int = 16            # K steps before the end of the own kernel's FMA loop at which a block's lines of C are prefetched into L1 for its store (0: only at the block's start)
+    own_gemm_b_in_place: bool = True         # the own kernel reads a B' whose rows are one block of columns apart (columns contiguous, row stride own_gemm_vecs x 16: attention's P v, dS k and its dk, dv at 64 per head) in place rather than packing each K block (fgemm.own_kernel)
     own_gemm_panel_rows: int = 512           # rows of A the own kernel takes through all of B's column blocks at a time (its A panel stays in L2)
     causal_gemm: bool = True                 # a product whose operand is 0, or whose result is dead, where a causal mask rejects (attention's q.k, P v and their gradients) runs the own kernel's `tri` form over the blocks the mask admits (tgc.backends.cpu.causal; fgemm.own_kernel)
     recycle_min_bytes: int = 1 << 20         # a fast-path call whose outputs total at least this many bytes keeps them, to write into again once the caller drops them (kernels.CpuKernels.run_fast) ...
