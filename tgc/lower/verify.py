@@ -45,6 +45,8 @@ expression trees.
 """
 from __future__ import annotations
 
+import collections
+
 from tgc.ir.interp import MAP_FNS
 from tgc.ir.sizes import SizeError, size_eval
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
@@ -441,11 +443,11 @@ class _Verifier(ExprVisitor):
         n, m = k.sizes[v], self.low.size(e)
         if not (isinstance(n, int) and isinstance(m, int) and n < m) or k.reduce or k.scatter:
             return False
-        writers = 0
-        for other in self.low.kernels:
-            for w in (other.members if _is_group(other) else (other,)):
-                writers += isinstance(w, LoopKernel) and w.out == k.out and not w.reduce and not w.scatter
-        return writers >= 2
+        if not hasattr(self, "_plain_writers"):   # (once: asked per short loop)
+            self._plain_writers = collections.Counter(
+                w.out for other in self.low.kernels for w in (other.members if _is_group(other) else (other,))
+                if isinstance(w, LoopKernel) and not w.reduce and not w.scatter)
+        return self._plain_writers[k.out] >= 2
 
     def group_regs(self) -> list[str]:
         k = self.low.kernels[self.k] if self.k is not None else None

@@ -245,7 +245,7 @@ def _wanted(m: Module, values: list[Value], body: bool) -> set[int]:
         if found is None or id(correction(m, v)) in made:
             continue
         if body:
-            if all(u.op == "contract" and _squared(m, u) is not None and _squared(m, u)[0] is found[0]
+            if all(u.op == "contract" and (sq := _squared(m, u)) is not None and sq[0] is found[0]
                    for u in users.get(id(found[0]), ())):
                 out.add(id(v))
             continue
