@@ -31,6 +31,7 @@
     python benchmarks/gemm_peak.py --width 384 --reps 30
     python benchmarks/gemm_peak.py --peak-only
     python benchmarks/gemm_peak.py --width 384 --operands   # each operand held in cache
+    python benchmarks/gemm_peak.py --width 384 --pages huge # operands on 2 MiB pages, as in the step
 """
 from __future__ import annotations
 
@@ -238,14 +239,54 @@ class Own:
             self.jit.address("tgc_bench_own"))
 
 
+HUGE = 2 << 20   # a transparent huge page
+
+
+class HugePages:
+    """Arrays on 2 MiB pages: slices, each starting on a 2 MiB boundary, of one large
+    numpy array, which numpy asks the kernel to back with transparent huge pages (it
+    does so for every array of 4 MiB or more, where the system allows it: `madvise`
+    mode). The step's buffers are such arrays (tgc's workspace, the stacked
+    parameters of the larger layers), while an operand of under 4 MiB made alone
+    (a 384 x 1536 weight) sits on 4 KiB pages, whose TLB misses cost the products
+    that read it 3-6 points of the peak (`--pages`)."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        self.pool = np.empty(nbytes + HUGE, np.uint8)
+        self.start = self.at = (-self.pool.ctypes.data) % HUGE
+
+    def reset(self) -> None:
+        self.at = self.start
+
+    def like(self, x: np.ndarray) -> np.ndarray:
+        """A copy of `x` (or of the C-contiguous array `x` views, viewed the same way) here."""
+        base = x if x.base is None else x.base
+        if not base.flags.c_contiguous or base.nbytes != x.nbytes:
+            raise ValueError("HugePages.like: x must be a C-contiguous array or a transposed view of one")
+        if self.at + base.nbytes > self.pool.size:
+            raise MemoryError("HugePages: the pool is full")
+        y = self.pool[self.at:self.at + base.nbytes].view(base.dtype).reshape(base.shape)
+        self.at += -(-base.nbytes // HUGE) * HUGE
+        y[...] = base
+        return y if x.base is None else np.lib.stride_tricks.as_strided(y, x.shape, x.strides)
+
+
+_PAGES: HugePages | None = None   # `--pages huge`: operands come from here
+
+
 def operands(p: dict, rng):
-    """(A', B', C') numpy arrays, batched, in the product's layouts."""
+    """(A', B', C') numpy arrays, batched, in the product's layouts (on 2 MiB pages
+    with `--pages huge`: `HugePages`)."""
     nb, P, Q, R = p["batch"], p["P"], p["Q"], p["R"]
     A = rng.standard_normal((nb, P, R), np.float32) if p["a_k"] else \
         rng.standard_normal((nb, R, P), np.float32).transpose(0, 2, 1)
     B = rng.standard_normal((nb, R, Q), np.float32) if p["b_n"] else \
         rng.standard_normal((nb, Q, R), np.float32).transpose(0, 2, 1)
-    return A, B, np.zeros((nb, P, Q), np.float32)
+    C = np.zeros((nb, P, Q), np.float32)
+    if _PAGES is None:
+        return A, B, C
+    _PAGES.reset()
+    return tuple(_PAGES.like(x) for x in (A, B, C))
 
 
 def halves(p: dict):
@@ -489,7 +530,12 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-only", action="store_true")
     ap.add_argument("--operands", action="store_true",
                     help="instead of the table: the own kernel with each operand held in cache (what its traffic costs)")
+    ap.add_argument("--pages", choices=("small", "huge"), default="small",
+                    help="the operands' pages: numpy's for each array alone (4 KiB under 4 MiB), or 'huge': 2 MiB "
+                         "pages, as the step's workspace and large parameters are (HugePages)")
     args = ap.parse_args(argv)
+    global _PAGES
+    _PAGES = HugePages() if args.pages == "huge" else None
 
     from tgc.backends.cpu.llvm_env import has_feature
     from tgc.options import Options

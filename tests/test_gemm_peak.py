@@ -51,3 +51,29 @@ def test_operand_costs_times_every_pin(gemm_peak):
         own.jit.close()
     assert list(best) == list(gemm_peak.PINS)
     assert all(0 <= t < math.inf for t in best.values())
+
+
+def test_huge_pages_operands(gemm_peak):
+    """`--pages huge`: each operand a copy on a 2 MiB boundary of one pool, with the
+    same values, shape and strides (a transposed operand still transposed), and the
+    pool's slices reused for the next product."""
+    rng = np.random.default_rng(0)
+    p = dict(batch=2, P=8, Q=16, R=4, a_k=False, b_n=False)
+    plain = gemm_peak.operands(p, np.random.default_rng(1))
+    gemm_peak._PAGES = gemm_peak.HugePages(16 << 20)
+    try:
+        huge = gemm_peak.operands(p, np.random.default_rng(1))
+        for x, y in zip(plain, huge):
+            assert y.shape == x.shape and y.strides == x.strides
+            np.testing.assert_array_equal(x, y)
+        bases = [y.ctypes.data for y in huge]
+        again = gemm_peak.operands(p, rng)   # the next product: the same slices
+    finally:
+        pages, gemm_peak._PAGES = gemm_peak._PAGES, None
+    assert all(a % gemm_peak.HUGE == 0 for a in bases)
+    assert len(set(bases)) == 3 and [y.ctypes.data for y in again] == bases
+    assert all(np.shares_memory(y, pages.pool) for y in huge)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pages.like(np.zeros((4, 4), np.float32)[:, :2])
+    with pytest.raises(MemoryError):
+        gemm_peak.HugePages(1 << 20).like(np.zeros(1 << 20, np.float32))
