@@ -201,3 +201,37 @@ def test_torch_steps_at_least_one(breakdown, capsys):
         breakdown.main(["--workload", "nanogpt", "--torch-steps", "0"])
     assert exc.value.code == 2
     assert "--torch-steps must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+def test_product_ab_on_a_tiny_gpt(breakdown, capsys):
+    """benchmarks/product_ab.py on the tiny GPT step: one least CPU time per kernel for
+    each variant (the defaults and a changed CpuOptions field), the totals it prints
+    adding up its rows; a variant's bad field or value is a clear exit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        ab = importlib.import_module("product_ab")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ab.parse_variant("base:") == ("base", {})
+    assert ab.parse_variant("x:gemm_merge_rows=off,own_gemm_panel_rows=256") == (
+        "x", {"gemm_merge_rows": False, "own_gemm_panel_rows": 256})
+    for bad, msg in (("x:gemm_tile=1", "no field 'gemm_tile'"), ("x:gemm_tiles=two", "not a value of gemm_tiles"),
+                     ("x:gemm_merge_rows=maybe", "not a value"), (":gemm_tiles=1", "no name"),
+                     ("x:gemm_tiles", "not field=value")):
+        with pytest.raises(SystemExit, match=msg):
+            ab.parse_variant(bad)
+    w = breakdown.NanoGPT(batch=2, sizes=TINY)
+    variants = dict(ab.parse_variant(v) for v in ("base:", "unmerged:gemm_merge_rows=off"))
+    rows, best = ab.measure(w, variants, 1, 2)
+    assert list(best) == ["base", "unmerged"] and all(len(v) == len(rows) for v in best.values())
+    assert all(0 <= t < math.inf for v in best.values() for t in v)
+    totals = ab.report(rows, best, 1, 214.0)
+    kernels = [i for i, r in enumerate(rows) if not r.loop]
+    products = [i for i in kernels if rows[i].product]
+    assert products
+    for name, (prod_ms, all_ms) in totals.items():
+        assert prod_ms == pytest.approx(sum(best[name][i] for i in products) / 1e6)
+        assert all_ms == pytest.approx(sum(best[name][i] for i in kernels) / 1e6)
+        assert 0 < prod_ms <= all_ms
+    out = capsys.readouterr().out
+    assert "products: base" in out and "unmerged" in out
