@@ -278,11 +278,16 @@ def paired(args) -> None:
     import shutil
     if shutil.which("perf") is None:
         raise SystemExit("conv2d_probe paired: needs Linux perf on PATH")
+    if args.variant:   # an unknown field: a clear exit here, not the child's traceback
+        from tgc.options import Options
+        _variant(Options(), args.variant)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
         cmd = ["perf", "record", "-q", "-F", "4000", "-o", data, "--", sys.executable, __file__, "paired-child",
                "--threads", str(args.threads), "--seconds", str(args.seconds)] + ([args.variant] if args.variant else [])
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"conv2d_probe paired: the recorded loop failed:\n{done.stderr[-2000:]}")
         call = json.loads(done.stdout.strip().splitlines()[-1])["call_s"]
         rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym"], check=True,
                              capture_output=True, text=True).stdout

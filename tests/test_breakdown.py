@@ -219,6 +219,16 @@ def test_conv2d_probe_paired_shares():
     assert _probe().paired_shares("# nothing\n") == {}
 
 
+def test_conv2d_probe_paired_unknown_field(monkeypatch):
+    """`paired` with a variant naming no CpuOptions field exits with that message before
+    it records anything (it was the recorded child's traceback)."""
+    probe = _probe()
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/perf")
+    args = probe.argparse.Namespace(variant="bad:gemm_tile=1", threads=1, seconds=0.1)
+    with pytest.raises(SystemExit, match="no field 'gemm_tile'"):
+        probe.paired(args)
+
+
 @pytest.mark.slow
 def test_conv2d_probe_perf_map(tmp_path):
     """`paired`'s perf map names each JIT function of a compiled program once, at its
