@@ -259,7 +259,7 @@ def paired_child(args) -> None:
         c0 = clock()
         prog(**a)
         best = min(best, clock() - c0)
-    print(json.dumps({"call_s": best}))
+    print(json.dumps({"call_s": best, "pid": os.getpid()}))
 
 
 def paired_shares(report: str) -> dict[str, float]:
@@ -288,9 +288,13 @@ def paired(args) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"conv2d_probe paired: the recorded loop failed:\n{done.stderr[-2000:]}")
-        call = json.loads(done.stdout.strip().splitlines()[-1])["call_s"]
-        rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym"], check=True,
-                             capture_output=True, text=True).stdout
+        child = json.loads(done.stdout.strip().splitlines()[-1])
+        call = child["call_s"]
+        try:
+            rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym"], check=True,
+                                 capture_output=True, text=True).stdout
+        finally:   # the map the loop wrote, once perf has read it
+            Path(f"/tmp/perf-{child['pid']}.map").unlink(missing_ok=True)
     shares = paired_shares(rep)
     share_of = "and on one thread that share of the least call thread time" if args.threads == 1 else \
         "(the least call process time, with the pool's spinning)"
