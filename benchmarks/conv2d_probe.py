@@ -3,6 +3,7 @@
     python benchmarks/conv2d_probe.py compile FILE.tg...   # cold compile, split by stage
     python benchmarks/conv2d_probe.py run [--batch 16] [--rounds 5] [--only NAME,...] [--spin-only]
     python benchmarks/conv2d_probe.py kernels [--rounds 20] [NAME:OPTION=VALUE,... ...]
+    python benchmarks/conv2d_probe.py paired [--threads 1] [--seconds 8] [NAME:OPTION=VALUE,...]
 
 `compile`: for each file, in a fresh process with an empty cache, the front end, the
 IR passes, the lowering stages and code generation with LLVM, and the lines of LLVM
@@ -28,6 +29,18 @@ calls alternated in one process, so that the load falls on all of them alike.
 Per-thread CPU time leaves out what other processes took, not what they evicted from
 the caches: compare variants of one run. A variant differs by options only (the
 on-disk cache keys code by the options and tgc's source, not by a module global).
+
+`paired`: the program a timed call runs (no counters: pairs and merged regions as
+they are; `kernels` unpairs the input gradient's product and its column sum, whose
+sum then reads 6.3 MB from memory instead of 393 kB an image from L2), on `--threads`
+threads, called in a loop for `--seconds` under `perf record` (Linux perf, on PATH;
+the loop's process writes /tmp/perf-PID.map, so that perf names the JIT's functions);
+prints each function's share of the samples in tgc's code and, on one thread, that
+share of the call's least thread time (on more, the least process time, which counts
+the thread pool's spinning, beside the shares). Function
+names: `tgc.kN` a loop kernel (its `.work` a GEMM's tile driver, its `.own` an
+implicit GEMM's copy of the own kernel), `tgc.gemm.own.f32.bR.vV` the own kernel
+(`.taps`: all taps in one call).
 """
 from __future__ import annotations
 
@@ -205,6 +218,94 @@ def kernels(args) -> None:
     print("  call " + " ".join(f"{v[1] * 1e3:9.3f}" for v in out.values()) + "  (without the counters)")
 
 
+def perf_map(prog, path: str) -> int:
+    """Write `prog`'s JIT functions as a perf map (`START SIZE NAME` a line, hex; each
+    function's size taken as the distance to the next one's start); their count."""
+    import re
+    jit = prog._kernels._jit
+    found = []
+    for name in set(re.findall(r'^define [^@]*@"?([\w.$-]+)"?\(', prog.llvm_ir, re.M)):
+        try:
+            found.append((jit.address(name), name))
+        except (KeyError, RuntimeError):
+            continue
+    found.sort()
+    with open(path, "w") as f:
+        for i, (addr, name) in enumerate(found):
+            size = found[i + 1][0] - addr if i + 1 < len(found) else 1 << 16
+            f.write(f"{addr:x} {min(size, 1 << 20):x} {name}\n")
+    return len(found)
+
+
+def paired_child(args) -> None:
+    """The loop `paired` records: build, write the perf map, call for `args.seconds`."""
+    sys.path.insert(0, str(HERE))
+    import breakdown
+    import numpy as np
+
+    module, options = breakdown.optimized(str(CONV2D_SYM))
+    _, opts = _variant(options, args.variant or "base:")
+    prog = breakdown.build(module, KERNEL_DIMS, opts, False, args.threads)
+    rng = np.random.default_rng(0)
+    d = KERNEL_DIMS
+    a = {"x": rng.standard_normal((d["nb"], d["cin"], d["hh"], d["ww"])).astype(np.float32),
+         "dy": rng.standard_normal((d["nb"], d["cout"], d["hh"], d["ww"])).astype(np.float32),
+         "K": (rng.standard_normal((d["cout"], d["cin"], 3, 3)) / math.sqrt(d["cin"] * 9)).astype(np.float32)}
+    prog(**a)
+    perf_map(prog, f"/tmp/perf-{os.getpid()}.map")
+    clock = time.thread_time if args.threads == 1 else time.process_time
+    best, t0 = math.inf, time.perf_counter()
+    while time.perf_counter() - t0 < args.seconds:
+        c0 = clock()
+        prog(**a)
+        best = min(best, clock() - c0)
+    print(json.dumps({"call_s": best, "pid": os.getpid()}))
+
+
+def paired_shares(report: str) -> dict[str, float]:
+    """{function: share of the samples in tgc's functions} from `perf report --stdio
+    --sort sym` text."""
+    shares = {}
+    for line in report.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].endswith("%") and parts[-1].startswith("tgc"):
+            shares[parts[-1]] = shares.get(parts[-1], 0.0) + float(parts[0][:-1])
+    total = sum(shares.values())
+    return {k: v / total for k, v in sorted(shares.items(), key=lambda t: -t[1])} if total else {}
+
+
+def paired(args) -> None:
+    import shutil
+    if shutil.which("perf") is None:
+        raise SystemExit("conv2d_probe paired: needs Linux perf on PATH")
+    if args.variant:   # an unknown field: a clear exit here, not the child's traceback
+        from tgc.options import Options
+        _variant(Options(), args.variant)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "perf.data")
+        cmd = ["perf", "record", "-q", "-F", "4000", "-o", data, "--", sys.executable, __file__, "paired-child",
+               "--threads", str(args.threads), "--seconds", str(args.seconds)] + ([args.variant] if args.variant else [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"conv2d_probe paired: the recorded loop failed:\n{done.stderr[-2000:]}")
+        child = json.loads(done.stdout.strip().splitlines()[-1])
+        call = child["call_s"]
+        try:
+            rep = subprocess.run(["perf", "report", "-i", data, "--stdio", "--sort", "sym"], check=True,
+                                 capture_output=True, text=True).stdout
+        finally:   # the map the loop wrote, once perf has read it
+            Path(f"/tmp/perf-{child['pid']}.map").unlink(missing_ok=True)
+    shares = paired_shares(rep)
+    share_of = "and on one thread that share of the least call thread time" if args.threads == 1 else \
+        "(the least call process time, with the pool's spinning)"
+    print(f"conv2d_sym {KERNEL_DIMS}, {args.threads} thread(s), paired (no counters): share of perf's samples "
+          f"in tgc's functions, {share_of} {call * 1e3:.3f} ms; load average {os.getloadavg()[0]:.2f}")
+    for name, share in shares.items():
+        if share >= 0.001:
+            ms = f"  {share * call * 1e3:7.3f} ms" if args.threads == 1 else ""
+            print(f"  {share * 100:6.2f}%{ms}  {name}")
+
+
 def compile_one(path: str) -> None:
     """Cold compile of one file, in this process (the caller gives an empty cache)."""
     t0 = time.perf_counter()
@@ -251,6 +352,12 @@ def main() -> None:
     kp = sub.add_parser("kernels", help="per-kernel one-thread minima of conv2d_sym, option variants A/B")
     kp.add_argument("variants", nargs="*", help="NAME:FIELD=VALUE,... (CpuOptions fields); default base:")
     kp.add_argument("--rounds", type=int, default=20)
+    for name in ("paired", "paired-child"):
+        pp = sub.add_parser(name, help="per-function shares of the paired program under perf" if name == "paired"
+                            else argparse.SUPPRESS)
+        pp.add_argument("variant", nargs="?", help="NAME:FIELD=VALUE,... (CpuOptions fields)")
+        pp.add_argument("--threads", type=int, default=1)
+        pp.add_argument("--seconds", type=float, default=8.0)
     c1 = sub.add_parser("compile-one")
     c1.add_argument("file")
     args = ap.parse_args()
@@ -258,6 +365,10 @@ def main() -> None:
         worker(args.name, args.batch, args.samples)
     elif args.cmd == "kernels":
         kernels(args)
+    elif args.cmd == "paired":
+        paired(args)
+    elif args.cmd == "paired-child":
+        paired_child(args)
     elif args.cmd == "compile-one":
         compile_one(args.file)
     elif args.cmd == "compile":

@@ -194,6 +194,63 @@ def test_conv2d_probe_kernel_minima():
         probe.kernel_minima(["bad:gemm_tile=1"], 1, dims=dims)
 
 
+def _probe():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("conv2d_probe")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_conv2d_probe_paired_shares():
+    """`paired` reads perf's report: each tgc function's share of the samples in tgc's
+    functions (a symbol's lines summed; other code and header lines left out)."""
+    report = """# Samples: 13K of event 'cpu-clock:pppH'
+#
+    30.00%  [.] tgc.k0.own
+    20.00%  [.] tgc.gemm.own.f32.b6.v4.taps
+     5.00%  [.] _PyEval_EvalFrameDefault
+    10.00%  [.] tgc.k3
+    40.00%  [.] tgc.k0.own
+"""
+    shares = _probe().paired_shares(report)
+    assert list(shares) == ["tgc.k0.own", "tgc.gemm.own.f32.b6.v4.taps", "tgc.k3"]
+    assert shares["tgc.k0.own"] == pytest.approx(0.7) and shares["tgc.k3"] == pytest.approx(0.1)
+    assert _probe().paired_shares("# nothing\n") == {}
+
+
+def test_conv2d_probe_paired_unknown_field(monkeypatch):
+    """`paired` with a variant naming no CpuOptions field exits with that message before
+    it records anything (it was the recorded child's traceback)."""
+    probe = _probe()
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/perf")
+    args = probe.argparse.Namespace(variant="bad:gemm_tile=1", threads=1, seconds=0.1)
+    with pytest.raises(SystemExit, match="no field 'gemm_tile'"):
+        probe.paired(args)
+
+
+@pytest.mark.slow
+def test_conv2d_probe_perf_map(tmp_path):
+    """`paired`'s perf map names each JIT function of a compiled program once, at its
+    address, in ascending order (perf's `START SIZE NAME`, hex): the kernels, the
+    implicit GEMM's own kernel copy and the own GEMM kernel included."""
+    import tgc
+    from tgc.options import CpuOptions, Options
+
+    prog = tgc.compile(str(ROOT / "benchmarks" / "workloads" / "conv2d_sym.tg"),
+                       options=Options(cpu=CpuOptions(threads=1)))
+    path = tmp_path / "perf.map"
+    count = _probe().perf_map(prog, str(path))
+    rows = [line.split() for line in path.read_text().splitlines()]
+    assert count == len(rows) > 0
+    names = [r[2] for r in rows]
+    assert len(set(names)) == len(names)
+    assert any(n.startswith("tgc.k") for n in names), names
+    starts = [int(r[0], 16) for r in rows]
+    assert starts == sorted(starts) and all(int(r[1], 16) > 0 for r in rows)
+    assert starts[0] == prog._kernels._jit.address(names[0])
+
+
 def test_torch_steps_at_least_one(breakdown, capsys):
     """`--torch-steps 0` is a clear usage error before anything is timed (it was a
     TypeError after the tgc half had run: the torch half kept the fastest of no steps)."""
