@@ -52,7 +52,9 @@ key, a query row), as a `where` condition or a factor, at every element, though 
 long run only the last few hundred keys of each row are masked. Such a kernel counts
 the leading elements of `m` that are exactly 1.0 once per call (a scan that stops at
 the first other value), and runs each innermost loop in two parts: below the split
-(v - w + c inside that prefix) the load is the constant 1.0, which LLVM folds away
+(v - w + c inside that prefix, rounded down to whole multiples of `mask_ones_prefix`
+iterations, so that neither part ends in a scalar remainder the loop did not have:
+64, LLVM's 16 f32 lanes interleaved 4 times) the load is the constant 1.0, which LLVM folds away
 (`where(1.0, a, b)` is `a`, `1.0 * x` is `x`), and from the split on, the body as
 before. Exact: the constant is the value the load would read, and the elements are
 visited in the same order. Only elementwise members and register-mode max, min and
@@ -428,7 +430,7 @@ class LoopGen(ExprVisitor):
     def plan_prefixes(self) -> None:
         """Each member's `mask_prefix_plan`, and for each mask planned, its leading 1.0s
         counted once at the start of the call (`CpuOptions.mask_ones_prefix`)."""
-        if self.strict or not self.cpu.mask_ones_prefix:
+        if self.strict or self.cpu.mask_ones_prefix <= 0:
             return
         g = self.top
         members = g.members if isinstance(g, LoopGroup) else (g,)
@@ -473,6 +475,11 @@ class LoopGen(ExprVisitor):
         split = b.sub(self.ones[buf], self.ix(ix, {**vars, v: I64(0)}))   # v < split <=> index < count
         split = b.select(b.icmp_signed("<", split, hi), split, hi)
         split = b.select(b.icmp_signed(">", split, lo), split, lo)
+        # whole multiples of `mask_ones_prefix` iterations below the split (the rest run
+        # masked): neither part then ends in a scalar remainder where the loop had none
+        # (LLVM's vector loop takes 16 f32 lanes, interleaved up to 4 times)
+        step = I64(self.cpu.mask_ones_prefix)
+        split = b.add(lo, b.mul(b.sdiv(b.sub(split, lo), step), step))
         self.known_ones.add(buf)
         with for_range(b, lo, split, v) as i:
             leaf({**vars, v: i})
