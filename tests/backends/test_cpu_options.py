@@ -86,6 +86,7 @@ REACHES = [
     ("contention_memory_lags", 20, "gpt_small", OWN),
     ("parallel_steps_min_cycles", 1, "attention", STREAMED),
     ("causal_gemm", False, "gpt_small", OWN.with_(own_gemm_min_rows=1, own_gemm_min_cols=1, own_gemm_min_depth=1)),
+    ("mask_ones_prefix", 16, "attention", STREAMED),
 ]
 
 # (field, a value other than the default, the program whose lowered program it changes):

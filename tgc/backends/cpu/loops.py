@@ -45,6 +45,27 @@ iteration did, in loop order, and which loops unroll depends on the kernel alone
 `Mask` becomes a branch around its operand, so loads under a false condition are
 never executed; LLVM if-converts it into masked vector loads. A mask around an
 operand that loads nothing (a causal mask's 1.0) is a select, which vectorizes.
+
+Band masks (`CpuOptions.mask_ones_prefix`, `mask_prefix_plan`). A causal stream's step
+reads its mask as a vector `m[v - w + c]` (v the innermost loop, w an outer one: a
+key, a query row), as a `where` condition or a factor, at every element, though in a
+long run only the last few hundred keys of each row are masked. Such a kernel counts
+the leading elements of `m` that are exactly 1.0 once per call (a scan that stops at
+the first other value), and runs each innermost loop in two parts: below the split
+(v - w + c inside that prefix, rounded down to whole multiples of `mask_ones_prefix`
+iterations, so that neither part ends in a scalar remainder the loop did not have:
+64, LLVM's 16 f32 lanes interleaved 4 times) the load is the constant 1.0, which LLVM folds away
+(`where(1.0, a, b)` is `a`, `1.0 * x` is `x`), and from the split on, the body as
+before. Exact: the constant is the value the load would read, and the elements are
+visited in the same order. Only elementwise members and register-mode max, min and
+maxshift reductions split (a sum's vector lanes would take another order). The other
+members of the function compute what they did, but LLVM may vectorize a reassociated
+sum among them (its lanes are LLVM's choice, `reassoc`) otherwise once the function
+around it changed: in causal attention's backward step, dS's row sum D took other
+lanes (dq and dk within 2.4e-7 of the option off at t = 8192 4 x 2 in f32, 6e-17 in
+f64 at t = 64; y and dv the same bits). The scan costs one pass over the prefix per
+call, against rows x keys elements of the loops it serves. Terminates: the scan and
+both parts are counted loops.
 """
 from __future__ import annotations
 
@@ -299,6 +320,49 @@ def factor_order(args) -> list[int]:
     return sorted(range(len(args)), key=lambda i: keys[i])
 
 
+SPLIT_REDUCTIONS = ("", "max", "min", "maxshift")   # a split loop leaves their results as they were
+
+
+def mask_prefix_plan(low: Lowered, k: LoopKernel, outer, written) -> tuple[str, Ix, str] | None:
+    """(buffer, its index, the innermost loop v) where member `k` (its loops in `outer`
+    fixed by a group) reads a band mask whose leading 1.0s its innermost loop may skip
+    (module docstring, "Band masks"); None otherwise. The mask: a 1-D buffer of the
+    program's float type that no member writes (`written`), every load of it in `k`'s
+    body at one index `v - w + c` (w another of `k`'s loops, c a constant), read as a
+    `where` condition or a factor of a product at least once."""
+    if k.scatter or k.reduce not in SPLIT_REDUCTIONS or not k.loops:
+        return None
+    loops = [v for v in k.loops if v not in outer]
+    if not loops:
+        return None
+    v = loops[-1]
+    if k.reduce and v not in k.red:
+        return None
+    nodes = list(walk(k.body))
+    cands = []
+    for n in nodes:
+        if isinstance(n, Map) and n.fn == "where" and isinstance(n.args[0], Load):
+            cands.append(n.args[0])
+        elif isinstance(n, Mul):
+            cands += [a for a in n.args if isinstance(a, Load)]
+    for c in cands:
+        buf = low.buffers.get(c.buf)
+        if buf is None or c.buf in written or len(c.index) != 1 or len(buf.edges) != 1 or buf.dtype not in ("f32", "f64"):
+            continue
+        ix = c.index[0][1]
+        terms = dict(ix.terms)
+        if (len(terms) != 2 or terms.get(v) != 1 or not all(isinstance(a, str) for a in terms)
+                or not isinstance(ix.const, int)):
+            continue
+        w = next(a for a in terms if a != v)
+        if terms[w] != -1 or w not in k.loops:
+            continue
+        if any(isinstance(n, Load) and n.buf == c.buf and n.index != c.index for n in nodes):
+            continue
+        return c.buf, ix, v
+    return None
+
+
 def rows_vectorized(g: LoopGroup, cpu: CpuOptions) -> bool:
     """Whether a group has one outer loop (its rows) and every loop inside it is
     unrolled, so that the rows loop is the one LLVM vectorizes."""
@@ -346,10 +410,15 @@ class LoopGen(ExprVisitor):
         self.reg_names = set(k.regs) if isinstance(k, LoopGroup) else set()
         self.wide_rows: dict = {}   # a blocked group's partial members summed in f64 (`wide_partials`)
         self.regs: dict[str, ir.Value] = {}
+        self.prefix_plans: dict[int, tuple] = {}   # id(member) -> mask_prefix_plan's (buffer, index, loop)
+        self.ones: dict[str, ir.Value] = {}        # a band mask -> its count of leading 1.0s (this call's)
+        self.ones_plan = None                       # the plan of the member whose loops are being emitted
+        self.known_ones: set[str] = set()           # masks whose loads are 1.0 in the loop being emitted
 
     # ------------------------------------------------------------ nest
 
     def emit(self) -> ir.Function:
+        self.plan_prefixes()
         if isinstance(self.top, LoopGroup):
             self.group(self.top)
         else:
@@ -357,6 +426,66 @@ class LoopGen(ExprVisitor):
         self.b.ret_void()
         self.f.finish()
         return self.fn
+
+    def plan_prefixes(self) -> None:
+        """Each member's `mask_prefix_plan`, and for each mask planned, its leading 1.0s
+        counted once at the start of the call (`CpuOptions.mask_ones_prefix`)."""
+        if self.strict or self.cpu.mask_ones_prefix <= 0:
+            return
+        g = self.top
+        members = g.members if isinstance(g, LoopGroup) else (g,)
+        outer = set(g.outer) if isinstance(g, LoopGroup) else set()
+        written = {m.out for m in members}
+        for m in members:
+            plan = mask_prefix_plan(self.low, m, outer, written)
+            if plan is not None and plan[0] in self.ptr:
+                self.prefix_plans[id(m)] = plan
+                if plan[0] not in self.ones:
+                    self.ones[plan[0]] = self.leading_ones(plan[0])
+
+    def leading_ones(self, name: str) -> ir.Value:
+        """i64: how many leading elements of the 1-D buffer `name` are exactly 1.0 (a
+        loop that stops at the first other value or at the end)."""
+        b, buf = self.b, self.low.buffers[name]
+        et = storage_type(buf.dtype, self.fp)
+        n = self.f.count(buf.edges)
+        fn = b.block.function
+        head = fn.append_basic_block("ones.head")
+        body = fn.append_basic_block("ones.body")
+        done = fn.append_basic_block("ones.done")
+        pre = b.block
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64, name="ones")
+        i.add_incoming(I64(0), pre)
+        b.cbranch(b.icmp_signed("<", i, n), body, done)
+        b.position_at_end(body)
+        x = b.load(self.address(name, ((buf.edges[0], Ix.var("ones")),), {"ones": i}, et), typ=et)
+        i.add_incoming(b.add(i, I64(1), flags=["nsw"]), body)
+        b.cbranch(b.fcmp_ordered("==", x, ir.Constant(et, 1.0)), head, done)
+        b.position_at_end(done)
+        return i
+
+    def prefix_split(self, v: str, vars: dict, leaf) -> None:
+        """Loop `v` (innermost) in two parts: where the planned mask's index is in its
+        leading 1.0s, the mask's loads are that constant; then the rest as before."""
+        b = self.b
+        buf, ix, _ = self.ones_plan
+        lo, hi = self.extent(v, vars)
+        split = b.sub(self.ones[buf], self.ix(ix, {**vars, v: I64(0)}))   # v < split <=> index < count
+        split = b.select(b.icmp_signed("<", split, hi), split, hi)
+        split = b.select(b.icmp_signed(">", split, lo), split, lo)
+        # whole multiples of `mask_ones_prefix` iterations below the split (the rest run
+        # masked): neither part then ends in a scalar remainder where the loop had none
+        # (LLVM's vector loop takes 16 f32 lanes, interleaved up to 4 times)
+        step = I64(self.cpu.mask_ones_prefix)
+        split = b.add(lo, b.mul(b.sdiv(b.sub(split, lo), step), step))
+        self.known_ones.add(buf)
+        with for_range(b, lo, split, v) as i:
+            leaf({**vars, v: i})
+        self.known_ones.discard(buf)
+        with for_range(b, split, hi, v) as i:
+            leaf({**vars, v: i})
 
     def group(self, g: LoopGroup) -> None:
         """The outer loops (this call's share of the split ones, or of the blocks),
@@ -547,7 +676,9 @@ class LoopGen(ExprVisitor):
         if k.scatter:
             self.scatter(loops, vars)
         elif not k.reduce:
+            self.ones_plan = self.prefix_plans.get(id(k))
             self.nest(loops, vars, lambda vs: self.store(vs, self.expr(k.body, vs)))
+            self.ones_plan = None
         elif set(k.red) & set(vars) and id(k) in self.wide_rows:  # a partial sum, in f64 for the block
             row = self.wide_rows[id(k)][1]
             saved = self.sum_flags, self.fused_term
@@ -566,7 +697,9 @@ class LoopGen(ExprVisitor):
             self.nest(loops, vars, self.reduce_in_memory)
             self.sum_flags, self.fused_term = saved
         elif register or unrolled_reduction(k, loops, self.cpu):
+            self.ones_plan = self.prefix_plans.get(id(k)) if register else None
             self.nest(kept, vars, self.reduce_in_register)
+            self.ones_plan = None
         elif self.wide_memory_sum(loops) is not None:
             rows = 1
             for v in k.red:
@@ -604,6 +737,9 @@ class LoopGen(ExprVisitor):
         if unrolled(self.k, v, self.cpu):
             for i in range(self.k.sizes[v]):  # unrolled, so that the loop around it is innermost for LLVM
                 self.nest(loops[1:], {**vars, v: I64(i)}, leaf)
+            return
+        if self.ones_plan is not None and len(loops) == 1 and v == self.ones_plan[2]:
+            self.prefix_split(v, vars, leaf)
             return
         with for_range(self.b, *self.extent(v, vars), v) as i:
             self.nest(loops[1:], {**vars, v: i}, leaf)
@@ -953,6 +1089,8 @@ class LoopGen(ExprVisitor):
         return ir.Constant(self.fp, value)
 
     def expr_load(self, e: Load, vars: dict, acc=None):
+        if e.buf in self.known_ones:   # below a band mask's split: the value it holds there
+            return self.const(1.0)
         if e.buf in self.regs:
             return self.regs[e.buf]
         return self.load_buf(e.buf, e.index, vars)

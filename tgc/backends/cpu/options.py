@@ -116,6 +116,7 @@ class CpuOptions:
     member_loop_compile_cost: int = 2        # ... and this per loop of each member ...
     blocked_compile_cost: int = 70           # ... and this for a group whose sums go into per-block partials
     gemm_merge_rows: bool = True             # a product run whole on one thread whose tiles cut only its rows (P) and all run the own kernel takes them in one call: the same bits, B' packed once (gemm.GemmGen.rows_merge)
+    mask_ones_prefix: int = 64               # a loop kernel reading a band mask (a 1-D buffer indexed `v - w + c`, its innermost loop v and an outer w: a causal stream's step mask) as a `where` condition or a factor counts its leading 1.0s once per call and runs each row's innermost loop in two parts: where the index is in that prefix (whole multiples of this many iterations: no scalar remainder in either part; 0: off) the load is the constant 1.0 (no load, compare or select), the rest as before: the same values there (a reassociated sum in the same function may take other lanes: loops.py, "Band masks"); loops.mask_prefix_plan; off under --fp-strict
     gemm_min_tile: int = 16                  # GEMM tiles are not cut below this many rows or columns of C' (gemm.GemmGen.tiles) ...
     gemm_min_chunk: int = 64                 # ... nor below this many terms of K
     gemm_epilogue: bool = True               # a GEMM's epilogue (the `epilogue` stage: bias, GELU, residual, AdamW folded in) runs on each tile right after its product (backends/cpu/gemm_epilogue.py); False: as loops after the GEMM
