@@ -1,8 +1,9 @@
 """`CpuOptions.own_gemm_tall_transposed`: a product whose A' has its rows contiguous,
 with exactly one block of 64 columns and at least `own_gemm_min_rows` rows, runs the
 own kernel whatever its depth (attention's dk = dS^T q and dv = P^T dy in a stream
-step of 128 query rows), where before it went to cblas (its depth under
-`own_gemm_min_depth`). With `own_gemm_copy_a_rows` the kernel copies such an A' where
+step of 128 query rows), where otherwise it goes to cblas (its depth under
+`own_gemm_min_depth`). Off by default (docs/optimization.md: faster alone, level in
+the attention step). With `own_gemm_copy_a_rows` the kernel copies such an A' where
 it spans more than `own_gemm_pack_a_span` (tests/backends/test_cpu_own_gemm.py checks
 the copy's bits against packing and reading in place).
 
@@ -55,14 +56,14 @@ def test_dk_shaped_product_runs_the_own_kernel_and_matches_float64(s, hd, own):
     """C'[s, 64] = A'[s, 128] B' with A' = a^T: the own kernel (the copy past 2 MiB of
     span: s = 8192) where on, cblas where off; fewer rows than `own_gemm_min_rows`
     (128) or columns other than one block (48, 96) stay with cblas. Values against
-    float64, on and off, and the same bits on 2 threads."""
+    float64, on and off (the default), and the same bits on 2 threads."""
     src = PRODUCT.format(s=s, hd=hd)
     rng = np.random.default_rng(s + hd)
     x = {"a": rng.standard_normal((128, s), dtype=np.float32), "q": rng.standard_normal((128, hd), dtype=np.float32)}
     want = x["a"].T.astype(np.float64) @ x["q"].astype(np.float64)
-    progs = {"on": tgc.compile(src, "cpu", "f32", options=_options()),
-             "off": tgc.compile(src, "cpu", "f32", options=_options(own_gemm_tall_transposed=False)),
-             "2": tgc.compile(src, "cpu", "f32", options=_options(threads=2))}
+    progs = {"on": tgc.compile(src, "cpu", "f32", options=_options(own_gemm_tall_transposed=True)),
+             "off": tgc.compile(src, "cpu", "f32", options=_options()),
+             "2": tgc.compile(src, "cpu", "f32", options=_options(threads=2, own_gemm_tall_transposed=True))}
     assert _transposed_own(progs["on"]) == (1 if own else 0)
     assert _transposed_own(progs["off"]) == 0
     copies = re.findall(r'call void @"?tgc\.gemm\.own\.f32\.copy_a', progs["on"].llvm_ir)
@@ -93,7 +94,8 @@ def test_streamed_attention_matches_torch_and_the_option_off():
                                  {n: a.astype(np.float64) for n, a in x.items()})
     base = Options(dtype="f32", **ATTENTION_OPTS)
     progs = {}
-    for name, threads, cpu in (("on", 1, {}), ("off", 1, dict(own_gemm_tall_transposed=False)), ("2", 2, {})):
+    on = dict(own_gemm_tall_transposed=True)
+    for name, threads, cpu in (("on", 1, on), ("off", 1, {}), ("2", 2, on)):
         progs[name] = tgc.compile(src, "cpu", "f32", options=base.with_(cpu=base.cpu.with_(threads=threads, **cpu)))
     assert _transposed_own(progs["on"]) > _transposed_own(progs["off"])
     got = {n: p(**x) for n, p in progs.items()}

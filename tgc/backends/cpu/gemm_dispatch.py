@@ -38,7 +38,7 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     P v and dS k at s keys, 128 x 64 x s tiles with A' read from L3: own 134-155
     GFLOP/s, OpenBLAS 94-113, at s = 4096 and 8192); or its A' has its rows contiguous,
     its columns are exactly one block and it has at least `own_gemm_min_rows` rows
-    (`own_gemm_tall_transposed`: attention's dk = dS^T q and dv = P^T dy in a stream
+    (`own_gemm_tall_transposed`, off by default: attention's dk = dS^T q and dv = P^T dy in a stream
     step, s x 64 x 128 tiles; s = 512 .. 8192, operands from L3, the sum over the
     causal runs' keys: own 3.09-3.28 ms, OpenBLAS 3.94, `benchmarks/attention_pair.py`).
     Measured on the 2-core Xeon (AVX-512; one thread, minimum of 20 calls, GFLOP/s
