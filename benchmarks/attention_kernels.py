@@ -22,6 +22,7 @@ stream over rows reads `[B, s]` weights and their cotangents from L3 where a key
     python benchmarks/attention_kernels.py --t 8192                      # off against key blocks, 1 thread
     python benchmarks/attention_kernels.py --t 8192 --wide --threads 2 --calls 2
     python benchmarks/attention_kernels.py --t 4096 --variant off= --variant k512=stream_key_block=512,stream_key_rows=256
+    python benchmarks/attention_kernels.py --t 8192 --wide --variant off=cpu.own_gemm_copy_a_rows=0 --variant on=
 """
 from __future__ import annotations
 
@@ -70,14 +71,17 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--variant", action="append", default=None,
-                    help="NAME=OPTION=N,OPTION=N (Options fields; repeatable; default: off and key blocks)")
+                    help="NAME=OPTION=N,OPTION=N (Options fields, cpu.OPTION for CpuOptions ones; repeatable; "
+                         "default: off and key blocks)")
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS))
     a = attention.arrays(args.t, wide=args.wide)
     progs = {}
     for name, fields in variants.items():
-        o = Options(**fields)
-        o = o.with_(cpu=o.cpu.with_(threads=args.threads, profile=True, contention_memory_cycles=0))
+        o = Options(**{k: v for k, v in fields.items() if not k.startswith("cpu.")})
+        cpu = {k[4:]: v for k, v in fields.items() if k.startswith("cpu.")}   # CpuOptions fields (0/1 for a bool)
+        cpu = {k: bool(v) if isinstance(getattr(o.cpu, k), bool) else v for k, v in cpu.items()}
+        o = o.with_(cpu=o.cpu.with_(threads=args.threads, profile=True, contention_memory_cycles=0, **cpu))
         progs[name] = tgc.compile(attention.source(args.t, args.wide), backend="cpu", dtype="f32", options=o)
         progs[name](**a)
     best: dict[str, tuple] = {}

@@ -68,6 +68,8 @@ REACHES = [
     ("gemm_merge_rows", False, "gpt_small", OWN),
     ("own_gemm_pack_a_rows", 64, "conv1d", OWN),
     ("own_gemm_pack_a_span", 0, "conv1d", OWN),
+    ("own_gemm_copy_a_rows", 0, "conv1d", OWN),
+    ("own_gemm_tall_transposed", True, "gpt_small", OWN),
     ("own_gemm_window_rows", 4, "conv2d", OWN),
     ("unroll_copies", 16, "conv2d", OWN),
     ("own_gemm_mask_classes", 4, "conv2d", OWN),

@@ -158,7 +158,8 @@ def test_one_column_block_packs_a_spanning_more_than_pack_a_span(kernels):
     fns, jits = {}, []
     for name, span in (("packed", 0), ("in place", 1 << 62)):
         mod = ir.Module("own")
-        fn = own_kernel(mod, CpuOptions(own_gemm_pack_a_span=span, own_gemm_panel_rows=48), 6, 4, depth=64)
+        fn = own_kernel(mod, CpuOptions(own_gemm_pack_a_span=span, own_gemm_panel_rows=48, own_gemm_copy_a_rows=0),
+                        6, 4, depth=64)
         fn.linkage = "external"
         jits.append(llvm_env.jit(str(mod)))
         fns[name] = proto(jits[-1].address(fn.name))
@@ -178,6 +179,70 @@ def test_one_column_block_packs_a_spanning_more_than_pack_a_span(kernels):
                 np.testing.assert_allclose(C, want, rtol=1e-5, atol=tol)
                 out[name] = C
             assert np.array_equal(out["packed"], out["in place"])
+    finally:
+        for jit in jits:
+            jit.close()
+
+
+@pytest.mark.parametrize("blocks", [(6, 4), (8, 2), (4, 5)])
+def test_copied_a_rows_same_bits_as_packed_and_in_place(blocks):
+    """`own_gemm_copy_a_rows`: an A with its rows contiguous by one block of B's columns
+    (attention's dk and dv), spanning more than `own_gemm_pack_a_span` (0 here; read in
+    place at the default span), is copied sub-panel by sub-panel, rows still contiguous,
+    and broadcast from the copy: the same bits as the transposed packing and as
+    reading it in place (the option off), against numpy in float64, accumulating or
+    not; sub-panels of 48, 96 and 20 rows (rounded up to whole row blocks), several
+    row panels and sub-panels with a partial last one, K past one block (64 deep),
+    B transposed, several column blocks (not copied), a narrow last block (8 x 2),
+    K = 0 (zeros stored, or C kept)."""
+    import llvmlite.ir as ir
+
+    from tgc.backends.cpu import llvm_env
+    from tgc.backends.cpu.fgemm import own_kernel
+
+    rows, vecs = blocks
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    proto = ctypes.CFUNCTYPE(None, i64, i64, i64, vp, i64, i64, vp, i64, i64, vp, i64, ctypes.c_int32,
+                             i64, vp, vp, vp, vp)
+    variants = {"packed": dict(own_gemm_pack_a_span=0, own_gemm_copy_a_rows=0),
+                "in place": dict(own_gemm_pack_a_span=1 << 62, own_gemm_copy_a_rows=0),
+                "copy 48": dict(own_gemm_pack_a_span=0, own_gemm_copy_a_rows=48),
+                "copy 96": dict(own_gemm_pack_a_span=0, own_gemm_copy_a_rows=96),
+                "copy 20": dict(own_gemm_pack_a_span=0, own_gemm_copy_a_rows=20),
+                "copy in place": dict(own_gemm_pack_a_span=1 << 62)}
+    fns, jits, texts = {}, [], {}
+    for name, kw in variants.items():
+        mod = ir.Module("own")
+        fn = own_kernel(mod, CpuOptions(own_gemm_panel_rows=240, **kw), rows, vecs, depth=64)
+        fn.linkage = "external"
+        texts[name] = str(mod)
+        jits.append(llvm_env.jit(texts[name]))
+        fns[name] = proto(jits[-1].address(fn.name))
+    assert "copy_a" not in texts["packed"] and "copy_a" in texts["copy 48"]
+    # the copy's buffer: the sub-panel's rows rounded up to whole row blocks, then to 16, x 80 K
+    stride = -(-(-(-20 // rows) * rows) // 16) * 16
+    assert re.search(rf'%"apack\.c" = alloca float, i64 {stride * 80}\b', texts["copy 20"])
+    rng = np.random.default_rng(12)
+    try:
+        for M, N, K, ld, bt in ((500, 64, 128, 4096, False), (257, 64, 80, 1024, True), (97, 40, 256, 2048, False),
+                                (50, 130, 33, 64, False), (61, 16, 70, 512, False), (7, 64, 1, 32, False),
+                                (30, 64, 0, 32, False)):
+            A = rng.standard_normal((max(K, 1), ld), dtype=np.float32)[:K, :M].T   # rows contiguous, K stride ld
+            B = rng.standard_normal((N, K), dtype=np.float32).T if bt else rng.standard_normal((K, N), dtype=np.float32)
+            want = A.astype(np.float64) @ B.astype(np.float64)
+            tol = 1e-5 * max(1.0, np.abs(want).max())
+            out = {}
+            for name, fn in fns.items():
+                C = np.full((M, N), 3.0, np.float32)
+                call(fn, A, B, C, 1)
+                np.testing.assert_allclose(C, want + 3.0, rtol=1e-5, atol=tol)
+                C2 = np.full((M, N), 3.0, np.float32)
+                call(fn, A, B, C2, 0)
+                np.testing.assert_allclose(C2, want, rtol=1e-5, atol=tol)
+                out[name] = (C, C2)
+            for name in variants:
+                assert np.array_equal(out[name][0], out["packed"][0]), (name, M, N, K)
+                assert np.array_equal(out[name][1], out["packed"][1]), (name, M, N, K)
     finally:
         for jit in jits:
             jit.close()

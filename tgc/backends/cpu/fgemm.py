@@ -12,7 +12,11 @@ one block of columns, or one and A's K block spans more than `CpuOptions.own_gem
 bytes (attention's dk and dv at long keys: in place, each line of A is fetched once
 per block of rows it holds, from L3 past an L2), K block by K block for each row panel (`_pack_a_transposed`:
 16 x 16 transposes into a stack buffer, K contiguous, read by every column block),
-and read in place (one cache line per K for a block of rows) otherwise. Columns in blocks of V vectors
+and read in place (one cache line per K for a block of rows) otherwise; by one block of
+columns, where it spans more than that, such an A' is copied as it is instead, sub-panel by sub-panel
+of `CpuOptions.own_gemm_copy_a_rows` rows (`_copy_a_rows`: no transposes; its K's lines no longer
+4 KiB apart), where that option is on.
+Columns in blocks of V vectors
 of 16, K in even blocks of at most 5/4 `CpuOptions.own_gemm_depth` (400 terms: a 288-deep convolution
 product and a width-384 transformer's 384-deep ones are one block, no second pass over C). Each block of B is packed into a stack buffer, one
 row of V x 16 floats per K (zeros past N and K; masked vector loads when B's N is
@@ -626,6 +630,14 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
     if variants and tpack_rows > 0:
         tpack = entry.alloca(f32, size=I64(tpack_rows * span), name="apack.t")
         tpack.align = 64
+    # such an A' by one block of B''s columns: sub-panels of `copy_rows` rows copied as
+    # they are, K by K, `copy_stride` floats a K (`_copy_a_rows`; `own_gemm_copy_a_rows`)
+    copy_rows = -(-cpu.own_gemm_copy_a_rows // rows) * rows if variants and cpu.own_gemm_copy_a_rows > 0 else 0
+    copy_stride = -(-copy_rows // VL) * VL
+    cbuf = None
+    if copy_rows:
+        cbuf = entry.alloca(f32, size=I64(copy_stride * span), name="apack.c")
+        cbuf.align = 64
     # row groups where the window is B' (its packed block of 64 columns, 4 vectors a row, is
     # filled row by row); A''s rows of a K block (22 vectors a row at 1024 columns) cost as
     # much either way (one thread, dK's product, least thread time: 3.93, 4.07 against
@@ -667,6 +679,14 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
         packs_a = b.and_(packs_a, b.icmp_signed("<=", b.mul(b.sdiv(b.add(_min(b, M, I64(panel)), I64(VL - 1)),
                                                                    I64(VL)), I64(VL)), I64(tpack_rows)))
         astep = b.select(packs_a, I64(1), sak)
+    copies = ir.Constant(I1, 0)
+    if cbuf is not None:   # where the transposed packing would pack for one column block
+        copies = b.and_(b.and_(b.icmp_signed("==", sam, I64(1)), b.icmp_signed("!=", sak, I64(1))),
+                        b.and_(b.icmp_signed("==", fn.args[12], I64(1)), b.icmp_signed("<=", N, I64(cols))))
+        copies = b.and_(copies, b.icmp_signed(">", b.mul(b.mul(_min(b, K, I64(span)), sak), I64(4)),
+                                              I64(cpu.own_gemm_pack_a_span)))
+        packs_a = b.and_(packs_a, b.not_(copies))
+        astep = b.select(copies, I64(copy_stride), b.select(packs_a, I64(1), sak))
 
     # B with its columns contiguous, its rows exactly one block of columns apart (sbn = 1,
     # sbk = cols: attention's v and k in P v and dS k) and 64-byte aligned is its own
@@ -703,6 +723,9 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                 arow = [b.gep(pa, [b.add(b.mul(i, sam), b.mul(k0, astep))], source_etype=f32) for i in rix]
                 if tpack is not None:   # the packed panel's rows (see `_pack_a_transposed`)
                     arow = [b.select(packs_a, b.gep(tpack, [b.mul(i, I64(span))], source_etype=f32), a)
+                            for i, a in zip(rix, arow)]
+                if cbuf is not None:   # the copied sub-panel's rows (see `_copy_a_rows`)
+                    arow = [b.select(copies, b.gep(cbuf, [b.sub(i, cur["sub0"])], source_etype=f32), a)
                             for i, a in zip(rix, arow)]
             if window is None:
                 # C's block into L2 while the FMAs run: read (or written) after them, from
@@ -934,10 +957,33 @@ def own_kernel(mod: ir.Module, cpu: CpuOptions, rows: int | None = None, vecs: i
                 p1 = b.sub(smin(b.add(k0, kd), hi), k0)
                 adds = b.or_(accumulate, b.icmp_signed(">", k0, lo))
                 with b.if_then(b.or_(b.icmp_signed("<", p0, p1), b.not_(adds))):   # (K = 0 writes zeros)
-                    row_blocks(b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32),
-                               p0, _max(b, p0, p1), adds, j0, k0, masks)
+                    pa_v, pc_v = b.gep(pa, [a_off], source_etype=f32), b.gep(pc, [c_off], source_etype=f32)
+                    if cbuf is None:
+                        row_blocks(pa_v, pc_v, p0, _max(b, p0, p1), adds, j0, k0, masks)
+                    else:
+                        copied_row_blocks(pa_v, pc_v, p0, _max(b, p0, p1), adds, j0, k0, kd, masks)
         else:   # an implicit GEMM's copy
             window_row_blocks(pa, pc, kd, add_c, j0, k0, masks)
+
+    def copied_row_blocks(pa, pc, p0, p1, add_c, j0, k0, kd, masks):
+        """`row_blocks` in sub-panels of `copy_rows` rows where `copies` (one sub-panel of
+        all rows otherwise), each sub-panel's A' rows of this K block copied first (with
+        the next sub-panel's lines prefetched). Each element of C takes the same FMAs in
+        the same order as in one pass over the rows (the copy moves values, and the
+        row blocks start at the same rows: `copy_rows` is whole blocks): the same bits."""
+        M = cur["M"]
+        per = b.select(copies, I64(copy_rows), smax(M, I64(1)))
+        nsub = smax(b.sdiv(b.add(M, b.sub(per, I64(1))), per), I64(1))
+        with for_range(b, I64(0), nsub, "oc") as sp:
+            sub0 = b.mul(sp, per)
+            n = smax(smin(per, b.sub(M, sub0)), I64(0))
+            cur["sub0"] = sub0
+            with b.if_then(copies):
+                nxt = smax(smin(per, b.sub(M, b.add(sub0, per))), I64(0))
+                b.call(_copy_a_rows(mod, copy_stride // VL), [b.gep(pa, [sub0], source_etype=f32), sak, k0, kd, n,
+                                                              nxt, I64(copy_rows), cbuf])
+            row_blocks(pa, pc, p0, p1, add_c, j0, k0, masks,
+                       blocks=(sub0, b.sdiv(b.add(n, I64(rows - 1)), I64(rows))))
 
     def window_row_blocks(pa, pc, kd, add_c, j0, k0, masks):
         """An implicit GEMM's copy's row blocks: the whole blocks of `rows` rows, then
@@ -1077,6 +1123,49 @@ def _pack_a_transposed(mod: ir.Module) -> ir.Function:
             for r, v in enumerate(_transpose16(b, vecs)):
                 dst = b.gep(apack, [b.add(b.mul(b.add(i0, I64(r)), span), kk0)], source_etype=f32)
                 b.store(v, b.bitcast(dst, vt.as_pointer()), align=64)
+    b.ret_void()
+    return fn
+
+
+def _copy_a_rows(mod: ir.Module, nvec: int) -> ir.Function:
+    """`void tgc.gemm.own.f32.copy_a.N(float* A, i64 sak, i64 k0, i64 kd, i64 rows,
+    i64 next, i64 ahead, float* cbuf)`, one per module and N (vectors a K): A's rows
+    0..rows - 1 (rows at most 16 N, contiguous: A[i, k] at A + i + k * sak), K k0 ..
+    k0 + kd, copied as they are to cbuf + (k - k0) * 16 N + i: per K, N masked vector
+    loads and N aligned stores; and the lines of the next `next` rows at A + ahead
+    prefetched into L2. The own kernel then broadcasts A'[i, k] from the copy: its K
+    stride is 16 N floats, where A's own (attention's dS and P, [128 x s] f32: 32 KiB
+    at s = 8192) puts every K's line of one row in the same L1 set (the 128 lines of a
+    block of rows thrash its 12 ways) and a block's rows in one L2 line group.
+    Lanes past `rows` are zeros, never read. No transpose: no shuffles, which cost the
+    transposed packing (`_pack_a_transposed`) a port the FMAs' broadcasts share."""
+    name = f"tgc.gemm.own.f32.copy_a.{nvec}"
+    if name in mod.globals:
+        return mod.globals[name]
+    fn = define(mod, name, ir.VoidType(), [PTR, I64, I64, I64, I64, I64, I64, PTR])
+    fn.attributes.add("noinline")
+    pa, sak, k0, kd, rows, nxt, ahead, cbuf = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    f32 = ir.FloatType()
+    vt = ir.VectorType(f32, VL)
+    load_fn = masked_intrinsics(mod, f32, VL)[0]
+    prefetch = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+        mod, ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32]), "llvm.prefetch.p0")
+    zero_v = ir.Constant(vt, [0.0] * VL)
+    it = ir.VectorType(I64, VL)
+    iota = ir.Constant(it, list(range(VL)))
+    masks = [b.icmp_signed("<", iota, splat(b, b.sub(rows, I64(j * VL)), it)) for j in range(nvec)]
+    fetch = [b.icmp_signed(">", nxt, I64(j * VL)) for j in range(nvec)]
+    with for_range(b, I64(0), kd, "ck") as k:
+        src = b.gep(pa, [b.mul(b.add(k0, k), sak)], source_etype=f32)
+        dst = b.gep(cbuf, [b.mul(k, I64(nvec * VL))], source_etype=f32)
+        for j in range(nvec):
+            v = b.call(load_fn, [b.gep(src, [I64(j * VL)], source_etype=f32), I32(4), masks[j], zero_v])
+            b.store(v, b.bitcast(b.gep(dst, [I64(j * VL)], source_etype=f32), vt.as_pointer()), align=64)
+        ahead_at = b.gep(src, [ahead], source_etype=f32)
+        for j in range(nvec):
+            with b.if_then(fetch[j]):
+                b.call(prefetch, [b.gep(ahead_at, [I64(j * VL)], source_etype=f32), I32(0), I32(2), I32(1)])
     b.ret_void()
     return fn
 

@@ -653,7 +653,8 @@ class GemmGen(TapCalls):
     def own_tile(self, m, kk, n):
         """i1: a tile of m rows and n columns summing kk terms runs the own kernel: deep
         or wide with a B' that fits in L2, or tall, or (A''s K contiguous) deep with one
-        block of columns, whatever its B' (see `uses_own_gemm`)."""
+        block of columns, whatever its B', or (A' transposed, `own_gemm_tall_transposed`)
+        tall with exactly one block of columns, whatever its depth (see `uses_own_gemm`)."""
         b, o = self.b, self.opt.cpu
         deep = b.and_(b.icmp_signed(">=", kk, I64(o.own_gemm_min_depth)), b.icmp_signed(">=", n, I64(OWN_COLS)))
         wide = b.or_(b.icmp_signed(">=", n, I64(o.own_gemm_min_cols)), deep)
@@ -663,6 +664,9 @@ class GemmGen(TapCalls):
         own = b.or_(fits, tall)
         if not self.a_rows:   # one block of columns, deep: B' is packed once per row panel, whatever its size
             own = b.or_(own, b.and_(deep, b.icmp_signed("<=", n, I64(OWN_COLS))))
+        elif o.own_gemm_tall_transposed:   # A' transposed, tall, one block of columns: whatever its depth
+            own = b.or_(own, b.and_(b.icmp_signed(">=", m, I64(o.own_gemm_min_rows)),
+                                    b.icmp_signed("==", n, I64(OWN_COLS))))
         if self.a_rows:   # a transposed A' (packed where the columns fill more than one block): whole blocks
             # or at least two (a last block of one column would pack A' for it: 384 x 65 x 1024
             # 90 GFLOP/s, OpenBLAS 127), or the edge block's columns (one block, A' read in place)

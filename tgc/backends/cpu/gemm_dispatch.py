@@ -36,7 +36,11 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     or its A' has K contiguous and its columns are one block (at most OWN_COLS): then
     each K block of B' is packed once per row panel, whatever B''s size (attention's
     P v and dS k at s keys, 128 x 64 x s tiles with A' read from L3: own 134-155
-    GFLOP/s, OpenBLAS 94-113, at s = 4096 and 8192).
+    GFLOP/s, OpenBLAS 94-113, at s = 4096 and 8192); or its A' has its rows contiguous,
+    its columns are exactly one block and it has at least `own_gemm_min_rows` rows
+    (`own_gemm_tall_transposed`, off by default: attention's dk = dS^T q and dv = P^T dy in a stream
+    step, s x 64 x 128 tiles; s = 512 .. 8192, operands from L3, the sum over the
+    causal runs' keys: own 3.09-3.28 ms, OpenBLAS 3.94, `benchmarks/attention_pair.py`).
     Measured on the 2-core Xeon (AVX-512; one thread, minimum of 20 calls, GFLOP/s
     own / OpenBLAS; `benchmarks/gemm_peak.py`, docs/optimization.md): the nanoGPT
     products 704 x 192 x 48 191 / 156, 1024 x 384 x 65 205 / 170, 24 x 256 x 256 x
@@ -78,6 +82,9 @@ def uses_own_gemm(low: Lowered, k: GemmKernel, options: Options, window: bool = 
     rows = _fixed_count(low, f["c"][0] if not flip else f["c"][1])
     cpu = options.cpu
     tall = not (rows is not None and rows < cpu.own_gemm_min_rows or cols is not None and cols < 2 * OWN_COLS)
+    if cpu.own_gemm_tall_transposed and not a_k_contiguous(low, k) and cols == OWN_COLS and not (
+            rows is not None and rows < cpu.own_gemm_min_rows):
+        tall = True   # a tall tile of one block of columns, A' transposed: whatever its depth (`own_tile`)
     if not tall and cols is not None and cols < cpu.own_gemm_min_cols and (
             cols < OWN_COLS or depth is not None and depth < cpu.own_gemm_min_depth):
         return False
