@@ -1219,11 +1219,7 @@ def _(T):
 
 
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
-KNOWN_GAPS = {
-    "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
-                    "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
-                    "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 # ================================================================ quotients x / y at float32's extremes
