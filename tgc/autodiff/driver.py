@@ -83,7 +83,8 @@ def _final(module: Module, values: list[Value]) -> set[int]:
     """The derivative nodes whose derivative nothing differentiates again: no other
     derivative node reads them (`rules.TAKEN_AGAIN`), the grads that share a sweep
     (one function) all alike. None where a loop's body holds a derivative node (its
-    place in the nesting is not looked for: the rules stay, which is always right)."""
+    place in the nesting is not looked for: the rules are made, which is always right,
+    and `derivative_rules_done` removes them)."""
     derivs = [v for v in values if v.op in DERIVATIVE_OPS]
     if sum(1 for _ in derivs) != _count_all(module):
         return set()

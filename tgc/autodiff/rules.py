@@ -267,11 +267,13 @@ def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
 DERIVED_RULES = ("tanh'",)
 
 # Whether the derivative being built may be differentiated again. The driver
-# (`tgc.autodiff.driver.resolve`) clears it while it expands a derivative node that no
-# other derivative node reads: there the rules above are never read, and a loop's
-# backward step would keep the values they read (tanh's argument) for nothing. Not an
-# option: the same derivative program either way, once the rules are gone.
-TAKEN_AGAIN: ContextVar[bool] = ContextVar("tgc_derivative_taken_again", default=True)
+# (`tgc.autodiff.driver.resolve`), the one place derivatives nest, sets it while it
+# expands a derivative node that another derivative node reads. Elsewhere (a first
+# derivative; `tgc explain`'s plan of a loop's backward step) the rules above would never
+# be read, and a loop's backward step would keep the values they read (tanh's argument)
+# for nothing. Not an option: the same derivative program either way, once the rules
+# are gone.
+TAKEN_AGAIN: ContextVar[bool] = ContextVar("tgc_derivative_taken_again", default=False)
 
 
 def _tanh_partial(v: Value, a: Value) -> Value:
