@@ -261,7 +261,8 @@ def test_f32_column_sums_accumulate_in_f64(d):
                    "in canonical order, and the CPU multiplies them in f32 in that order: (a * b) * c "
                    "overflows at a = b = 1e20, c = 1e-20, where the source's b * c does not (PyTorch: 1e20). "
                    "Widening products of three or more factors to f64, as sums are (lowered.wide_sum), "
-                   "would cost the hot loops of layernorm's backward their f32 vectors")
+                   "would cost the hot loops of layernorm's backward their f32 vectors (documented: docs/language.md "
+                   "section 12, 'Products of three or more factors')")
 def test_f32_product_reordered_does_not_overflow():
     import tgc
 

@@ -180,7 +180,9 @@ def test_a_strict_built_library_gives_the_interpreters_bits(tmp_path):
 
 @pytest.mark.xfail(strict=True, reason="normalize (tgc/opt/canon.py, add and contract) drops a term whose "
                    "coefficients cancel and folds a product with a constant 0 to 0, in every pipeline, so "
-                   "`x - x` and `x * 0` are 0 for a NaN or infinite x; IEEE and PyTorch give NaN")
+                   "`x - x` and `x * 0` are 0 for a NaN or infinite x; IEEE and PyTorch give NaN. A documented "
+                   "choice (docs/language.md section 12, 'Exact algebra reads values as real numbers'): "
+                   "a derivative's exact zeros rely on it")
 @pytest.mark.parametrize("strict", [False, True])
 def test_x_minus_x_and_x_times_0_propagate_nan_and_inf(strict):
     p = tgc.compile("dim n = 3\ninput x[n]\nout e[n] = x - x\nout z[n] = x * 0\n", dtype="f64",

@@ -1218,12 +1218,42 @@ def _(T):
     return {"q": T.a / T.b}
 
 
+# ================================================================ complex values far from 1
+
+# |z| for parts below 1e-19 or above 1e19, where re^2 + im^2 leaves float32's range (abs
+# was sqrt(re^2 + im^2): 0 at 7e-30, with a NaN gradient; inf at 1e20), a quotient by a
+# divisor beyond 1e19 (conj(b) / |b|^2 was 0: 1e20 / 1e20 gave 0) or below 1e-19, and
+# the log of such values; PyTorch scales (hypot, Smith's division)
+_cz = np.array([1e-30, 3e-20, 1e20, 2e30, 1.0, -3.0, 0.5, 1e-25, 0.0])
+_cy = np.array([1e-30, -4e-20, 1e19, -2e30, 2.0, 4.0, -1e-3, 0.0, 0.0])
+_cw = np.array([1e20, 1e-25, 3e19, 1e-20, 2.0, -1.0, 7.0, 3.0, 2.0])
+_cv = np.array([-1e20, 2e-25, 4e19, -3e-20, 1.0, 0.5, -7.0, 4.0, 0.0])
+
+
+@case("complex_far_from_one", """
+dim n = 9
+input a[n], b[n], c[n], d[n]
+z = c64(a) + c64(b) * 1j
+w = c64(c) + c64(d) * 1j
+q = z / w
+out m = abs(z)
+out qr = real(q)
+out qi = imag(q)
+out lr = real(log(w))
+out gm = grad(sum(abs(z)), a)
+out gq = grad(sum(real(q) + imag(q)), c)
+""", {"a": _cz, "b": _cy, "c": _cw, "d": _cv}, elementwise=True)
+def _(T):
+    a, c = leaf(T.a), leaf(T.c)
+    z, w = torch.complex(a, T.b), torch.complex(c, T.d)
+    q = z / w
+    m = torch.abs(z)
+    return {"m": m, "qr": q.real, "qi": q.imag, "lr": torch.log(w).real, "gm": gradient(m.sum(), a),
+            "gq": gradient((q.real + q.imag).sum(), c)}
+
+
 # Known gaps: case id -> why (each still runs, and must still fail: strict xfail).
-KNOWN_GAPS = {
-    "gelu_tanh_d2": "tanh' is 1 - tanh^2 (PyTorch's tanh backward too), which is 0 where tanh rounds to 1: "
-                    "gelu''(6) = -6.8e-9 comes out 0 (PyTorch's own gelu double backward gives -7.3e-9); "
-                    "the exact 4 s(2a) s(-2a) made gelu's backward 1.5x slower. Norm-wise the error is 1e-8",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 # ================================================================ quotients x / y at float32's extremes

@@ -30,7 +30,8 @@ from tgc.autodiff.loops import one_forward_loop
 from tgc.autodiff.reverse import _identity, _pull, grad_value, reverse_many, vjp_value
 from tgc.ir.module import Module
 from tgc.ir.passes import Pass
-from tgc.ir.values import DERIVATIVE_OPS, Value, rebuild_same, topo_order
+from tgc.autodiff.rules import DERIVED_RULES, TAKEN_AGAIN
+from tgc.ir.values import DERIVATIVE_OPS, Value, reaches, rebuild_same, topo_order
 from tgc.options import Options
 
 EXPAND = {"grad": grad_value, "vjp": vjp_value, "jvp": jvp_value}
@@ -57,19 +58,87 @@ def resolve(module: Module, kinds: Iterable[str]) -> Module:
             wrt.setdefault(id(v.operands[0]), []).append(v.operands[1])
     sweeps: dict[int, dict[int, Value | None]] = {}  # id(f) as written -> reverse_many's result
     memo: dict[int, Value] = {}
+    final = _final(module, values)
     for v in values:
         ops = tuple(memo[id(o)] for o in v.operands)
         if id(v) not in todo:
             memo[id(v)] = rebuild_same(v, ops)
-        elif v.op == "grad" and not ops[0].edges:
-            f, x = ops
-            cts = sweeps.get(id(v.operands[0]))
-            if cts is None:
-                cts = sweeps[id(v.operands[0])] = reverse_many(f, wrt[id(v.operands[0])], _identity({}, f.dtype))
-            memo[id(v)] = _pull(f, x, _identity({}, f.dtype), {}, cts[id(x)])
-        else:
-            memo[id(v)] = EXPAND[v.op](out, *ops)
+            continue
+        token = TAKEN_AGAIN.set(id(v) not in final)
+        try:
+            if v.op == "grad" and not ops[0].edges:
+                f, x = ops
+                cts = sweeps.get(id(v.operands[0]))
+                if cts is None:
+                    cts = sweeps[id(v.operands[0])] = reverse_many(f, wrt[id(v.operands[0])], _identity({}, f.dtype))
+                memo[id(v)] = _pull(f, x, _identity({}, f.dtype), {}, cts[id(x)])
+            else:
+                memo[id(v)] = EXPAND[v.op](out, *ops)
+        finally:
+            TAKEN_AGAIN.reset(token)
     return one_forward_loop(out.replace_values(memo))
+
+
+def _final(module: Module, values: list[Value]) -> set[int]:
+    """The derivative nodes whose derivative nothing differentiates again: no other
+    derivative node reads them (`rules.TAKEN_AGAIN`), the grads that share a sweep
+    (one function) all alike. None where a loop's body holds a derivative node (its
+    place in the nesting is not looked for: the rules are made, which is always right,
+    and `derivative_rules_done` removes them)."""
+    derivs = [v for v in values if v.op in DERIVATIVE_OPS]
+    if sum(1 for _ in derivs) != _count_all(module):
+        return set()
+    under = {id(w) for w in topo_order([o for d in derivs for o in d.operands])}
+    final = {id(d) for d in derivs if id(d) not in under}
+    by_f: dict[int, list[Value]] = {}
+    for d in derivs:
+        if d.op == "grad":
+            by_f.setdefault(id(d.operands[0]), []).append(d)
+    for group in by_f.values():     # one reverse sweep serves them all: final only if all are
+        if any(id(d) not in final for d in group):
+            final -= {id(d) for d in group}
+    return final
+
+
+def _count_all(module: Module) -> int:
+    """The derivative nodes of `module`, those in loop bodies included."""
+    n = 0
+    seen: set[int] = set()
+    stack = list(module.roots())
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        n += v.op in DERIVATIVE_OPS
+        stack.extend(v.operands)
+        if v.op == "loop":
+            stack.extend(v.attrs[0].results)
+    return n
+
+
+def derivative_rules_done(module: Module) -> Module:
+    """`module` without the custom rules the derivative rules themselves made (tanh''s,
+    `tgc.autodiff.rules.DERIVED_RULES`) once no derivative node is left anywhere (a
+    loop's body included) to read them: each such `custom` is replaced by its value
+    (exact), so the passes after the derivative passes (`unroll`'s size of a step, a
+    loop's kept values) see what they saw before those rules existed. A function's own
+    rules (`with vjp`) stay for `without_rules`, as before."""
+    if reaches(module.roots(), lambda v: v.op in DERIVATIVE_OPS) or \
+            not reaches(module.roots(), _derived_rule):
+        return module
+    from tgc.opt.rewrite import map_bodies   # the optimizer's body walker (opt imports autodiff)
+
+    module = map_bodies(module, derivative_rules_done)
+    memo: dict[int, Value] = {}
+    for v in topo_order(module.roots()):
+        memo[id(v)] = memo[id(v.operands[0])] if _derived_rule(v) else \
+            rebuild_same(v, tuple(memo[id(o)] for o in v.operands))
+    return module.replace_values(memo)
+
+
+def _derived_rule(v: Value) -> bool:
+    return v.op == "custom" and v.attrs[0] in DERIVED_RULES
 
 
 @dataclass(frozen=True)
@@ -79,7 +148,7 @@ class Adjoint(Pass):
     name = "adjoint"
 
     def run(self, module: Module, options: Options) -> Module:
-        return resolve(module, ("grad", "vjp"))
+        return derivative_rules_done(resolve(module, ("grad", "vjp")))
 
 
 @dataclass(frozen=True)
@@ -89,4 +158,4 @@ class Tangent(Pass):
     name = "tangent"
 
     def run(self, module: Module, options: Options) -> Module:
-        return resolve(module, ("jvp",))
+        return derivative_rules_done(resolve(module, ("jvp",)))

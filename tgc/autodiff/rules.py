@@ -28,6 +28,7 @@ naming the function and the rule.
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -260,6 +261,45 @@ def _summed(fn: Callable[[Value, int, Value], Value | None]) -> Jvp:
     return lambda v, ts: total(fn(v, i, t) for i, t in enumerate(ts) if t is not None)
 
 
+# The `custom` names of the rules that derivative rules make (`_tanh_partial`): the
+# derivative passes replace them by their values once no derivative is left
+# (`tgc.autodiff.driver.derivative_rules_done`).
+DERIVED_RULES = ("tanh'",)
+
+# Whether the derivative being built may be differentiated again. The driver
+# (`tgc.autodiff.driver.resolve`), the one place derivatives nest, sets it while it
+# expands a derivative node that another derivative node reads. Elsewhere (a first
+# derivative; `tgc explain`'s plan of a loop's backward step) the rules above would never
+# be read, and a loop's backward step would keep the values they read (tanh's argument)
+# for nothing. Not an option: the same derivative program either way, once the rules
+# are gone.
+TAKEN_AGAIN: ContextVar[bool] = ContextVar("tgc_derivative_taken_again", default=False)
+
+
+def _tanh_partial(v: Value, a: Value) -> Value:
+    """tanh'(a) for v = tanh(a): the value (1 - v)(1 + v), with the derivative of sech^2(a).
+
+    The value is PyTorch's tanh backward (0 where tanh rounds to +-1, |a| > 9 in f32; the
+    exact 4 sigmoid(2a) sigmoid(-2a) made gelu's backward 1.5x slower). Its own derivative,
+    which a second derivative (a Hessian) takes, is a custom rule (`custom`, as a function
+    `with vjp/jvp` has): -2 v s with s = 4 sigmoid(2a) sigmoid(-2a), sech^2 accurate in
+    both tails, so gelu''(6) is -6.8e-9 (PyTorch: -7.3e-9, its double backward writes sech
+    as 1 / cosh), not 0, which differentiating (1 - v)(1 + v) gives (-2 v (1 - v)(1 + v)).
+    The derivative passes replace the rule by its value once no derivative is left
+    (`tgc.autodiff.driver.derivative_rules_done`): a program's tanh' and a first
+    derivative (gelu's backward) are what they were, and s is computed only in a
+    derivative of tanh'. The rule's value is the derivative of the custom's value in real
+    arithmetic, so reverse and forward mode and any nesting agree."""
+    p = V.mul([V.add([_c(v, 1.0), v], [1.0, -1.0]), V.add([_c(v, 1.0), v])])
+    if not TAKEN_AGAIN.get():
+        return p
+    s = V.mul([_c(v, 4.0), _fn("sigmoid", V.mul([_c(v, 2.0), a])), _fn("sigmoid", V.mul([_c(v, -2.0), a]))])
+    ds = V.mul([_c(v, -2.0), v, s])                     # d sech^2(a) / da = -2 tanh(a) sech^2(a)
+    ct, tan = "tanh'.ct", "tanh'.t"
+    return V.custom(p, [a], [V.mul([V.slot(ct, v.dtype, p.edges), ds])],
+                    V.mul([V.slot(tan, v.dtype, a.edges), ds]), "tanh'", ct, (tan,))
+
+
 # ---- the table ------------------------------------------------------------------------
 
 _PRODUCT = Rule((0, 1), lambda v, i, ct: _times(ct, v.operands[1 - i]),
@@ -302,8 +342,9 @@ RULES: dict[str, Rule] = {
     # tanh' = (1 - tanh)(1 + tanh) = 1 - tanh^2: 0 where tanh rounds to +-1 (|a| > 9 in
     # f32), as PyTorch's. The factored form rounds twice, 1 - t^2 without a fused
     # multiply-add loses the bits of t^2 near |t| = 1 (1e-4 relative at a = 4.4, 30x
-    # PyTorch's fused error); the exact 4 s(2a) s(-2a) costs an exp and two divisions
-    "tanh": pointwise(lambda v, a: V.mul([V.add([_c(v, 1.0), v], [1.0, -1.0]), V.add([_c(v, 1.0), v])])),
+    # PyTorch's fused error); the exact 4 s(2a) s(-2a) costs an exp and two divisions,
+    # so only tanh''s own derivative uses it (_tanh_partial)
+    "tanh": pointwise(lambda v, a: _tanh_partial(v, a)),
     "erf": pointwise(lambda v, a: V.mul([_c(v, _2_SQRT_PI), _fn("exp", V.mul([_c(v, -1.0), a, a]))])),
     "log1p": pointwise(lambda v, a: _fn("div", _c(v, 1.0), V.add([_c(v, 1.0), a]))),  # 1/(1 + a)
     "expm1": pointwise(lambda v, a: _fn("exp", a)),                     # exp(a); v + 1 would cancel for a << 0

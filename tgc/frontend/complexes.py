@@ -19,18 +19,21 @@ never reaches the other):
 
 - `a * b`, `a @ b` (both complex): (ar br - ai bi) + i (ar bi + ai br), each of the
   four products the same contraction as the real one (so `@` is four real GEMMs);
-- `a / b`: a conj(b) / (br^2 + bi^2); `z ^ n`: repeated squaring for an integer
+- `a / b`: (a conj(b') / |b'|^2) / m with b' = b / m, m = max(|br|, |bi|) (held by
+  `stop`: the value does not depend on it); `z ^ n`: repeated squaring for an integer
   literal n (and 1 / z^-n for n < 0);
-- `conj`, `real`, `imag`; `abs z` = sqrt(x^2 + y^2); `exp z` = e^x (cos y + i sin y);
-  `log z` = log|z| + i angle(z); `angle z` = atan2(y, x) (below);
+- `conj`, `real`, `imag`; `abs z` = m sqrt((x/m)^2 + (y/m)^2) (`scaled`); `exp z` =
+  e^x (cos y + i sin y); `log z` = log|z| + i angle(z); `angle z` = atan2(y, x) (below);
 - `sin z` = sin x cosh y + i cos x sinh y, `cos z` = cos x cosh y - i sin x sinh y
   (cosh from two exps, sinh = cosh tanh: accurate near 0); `sqrt z` the principal
   root by t = sqrt((|x| + |z|) / 2), then y / 2t for the other part (no cancellation).
 
 Exactness: every formula is the textbook one, evaluated in the program's float type,
 so results agree with numpy's complex arithmetic to rounding (a few ulps), not bit
-for bit (numpy's complex division scales by the larger part, its abs uses hypot:
-here |z|^2 overflows for |z| beyond about 1e19 in f32, 1e154 in f64). Derivatives
+for bit. Division, abs and log scale by the larger part first, as numpy's and
+PyTorch's (hypot, Smith's division), so that no |z|^2 leaves the float type's range
+(it did beyond about 1e19 and below 1e-19 in f32: abs(1e-30 + 1e-30i) was 0 with a NaN
+derivative, 1e20 / 1e20 was 0). Derivatives
 are those of the real computation with respect to the parts, which is PyTorch's
 convention: for a real L, grad(L, z) = dL/dx + i dL/dy (torch's z.grad), and
 vjp(f, z, v) = sum over f's elements of Re(conj(v) df) -- with v's parts as the
@@ -140,10 +143,6 @@ class Complex:
         im = V.add([c(ar, bi), c(ai, br)], loc=loc)
         return self.make(re, im, loc)
 
-    def abs2(self, z: V.Value, loc) -> V.Value:
-        x, y = self.parts(z, loc)
-        return V.add([V.mul([x, x], loc=loc), V.mul([y, y], loc=loc)], loc=loc)
-
     def conj(self, z: V.Value, loc) -> V.Value:
         if not is_complex(z):
             return z
@@ -155,8 +154,11 @@ class Complex:
             return V.map_("div", a, b, loc=loc)
         a = self.promote(a, loc)
         edges = sorted((set(a.edges) | set(b.edges)) - {RI})
-        num = self.mul(a, self.conj(b, loc), edges, loc)
-        return V.map_("div", num, self.abs2(b, loc), loc=loc)
+        x, y, m = self.scaled(b, loc)
+        bs = self.make(x, y, loc)                            # b / m, |b / m| in [1, sqrt 2]
+        num = self.mul(a, self.conj(bs, loc), edges, loc)
+        q = V.map_("div", num, V.add([V.mul([x, x], loc=loc), V.mul([y, y], loc=loc)], loc=loc), loc=loc)
+        return V.map_("div", q, m, loc=loc)
 
     def power(self, z: V.Value, n: int, loc) -> V.Value:
         """z ^ n for an integer n, by repeated squaring (at most 2 log2 |n| products)."""
@@ -177,8 +179,26 @@ class Complex:
 
     # ---- functions -------------------------------------------------------------------
 
+    def scaled(self, z: V.Value, loc) -> tuple[V.Value, V.Value, V.Value]:
+        """(x / m, y / m, m) for z = x + iy, m = max(|x|, |y|) (1 where z = 0): parts
+        whose squares stay in range whatever |z| (x^2 + y^2 itself overflows beyond
+        1e19 in f32 and underflows below 1e-19). m is under `stop`: every use computes
+        a value independent of m in real arithmetic (m sqrt((x/m)^2 + (y/m)^2) = |z|),
+        so its derivative with m held is the derivative."""
+        x, y = self.parts(z, loc)
+        f = lambda *a: V.map_(*a, loc=loc)   # noqa: E731
+        m = f("max", f("abs", x), f("abs", y))
+        m = V.stop(V.add([m, f("eq", m, self.c(0.0, loc))], loc=loc), loc=loc)   # 1 where z = 0
+        return f("div", x, m), f("div", y, m), m
+
     def abs(self, z: V.Value, loc) -> V.Value:
-        return V.map_("sqrt", self.abs2(z, loc), loc=loc)
+        """|z| = m sqrt((x/m)^2 + (y/m)^2) (`scaled`: in range for any finite z, as
+        numpy's and PyTorch's hypot; sqrt(x^2 + y^2) was 0 below 1e-19 in f32, with a NaN
+        derivative, and inf beyond 1e19); inf where a part is."""
+        x, y, m = self.scaled(z, loc)
+        r = V.mul([m, V.map_("sqrt", V.add([V.mul([x, x], loc=loc), V.mul([y, y], loc=loc)], loc=loc), loc=loc)],
+                  loc=loc)
+        return V.map_("where", V.map_("eq", m, self.c(math.inf, loc), loc=loc), m, r, loc=loc)
 
     def exp(self, z: V.Value, loc) -> V.Value:
         x, y = self.parts(z, loc)
@@ -225,8 +245,7 @@ class Complex:
         return self.make(re, im, loc)
 
     def log(self, z: V.Value, loc) -> V.Value:
-        half = V.mul([V.const(0.5, self.dtype, loc=loc), V.map_("log", self.abs2(z, loc), loc=loc)], loc=loc)
-        return self.make(half, self.angle(z, loc), loc)
+        return self.make(V.map_("log", self.abs(z, loc), loc=loc), self.angle(z, loc), loc)
 
     def angle(self, z: V.Value, loc) -> V.Value:
         """atan2(imag, real) by Newton's method (see the module's docstring)."""
