@@ -1,0 +1,51 @@
+"""Probe of stop 52: an outsider's programs and hostile inputs, from shared/LANGUAGE.md
+and the README only, through the Python API and the CLI. Each test here failed before
+its fix (the commit that adds it says which), unless its docstring says it is a probe
+kept because it passed."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tgc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _safetensors_file(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+    """A .safetensors file as another tool writes it (no tgc metadata): the 8-byte
+    little-endian header length, the JSON header, then the data."""
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_load_params_reads_a_bf16_safetensors_file_in_a_fresh_process(tmp_path):
+    """Model weights are exchanged as bf16 safetensors files (PyTorch writes them so).
+    `load_params` of one, for a program whose param is declared bf16, said "a damaged
+    safetensors file (data type 'bfloat16' not understood)" in any process that had not
+    imported ml_dtypes yet: safetensors' numpy reader looks the dtype up by name, and
+    only ml_dtypes registers it."""
+    # bf16 bit patterns of 1.0, -2.0, 0.5 (the top halves of their f32 patterns)
+    raw = np.array([1.0, -2.0, 0.5], np.float32).view(np.uint32) >> 16
+    _safetensors_file(tmp_path / "w.safetensors", {"w": ("BF16", [3], raw.astype("<u2").tobytes())})
+    (tmp_path / "m.tg").write_text("dim n = 3\ninput x[n]\nparam w: bf16[n]\nout y = sum(x * f32(w))\n")
+    code = ("import sys, tgc\n"
+            "p = tgc.compile(sys.argv[1], backend='interp')\n"
+            "w = tgc.load_params(sys.argv[2], p)['w']\n"
+            "print(w.dtype, [float(v) for v in w])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.tg"), str(tmp_path / "w.safetensors")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["bfloat16", "[1.0,", "-2.0,", "0.5]"]
