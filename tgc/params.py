@@ -206,6 +206,8 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
 
                 with safetensors.safe_open(name, framework="numpy") as f:   # it opens by name (and maps)
                     meta_text = (f.metadata() or {}).get(META_KEY)
+                    if any(f.get_slice(k).get_dtype() == "BF16" for k in f.keys()):
+                        TYPES["bf16"].numpy   # the reader finds numpy's "bfloat16" only once ml_dtypes registered it
                     arrays = {k: f.get_tensor(k) for k in f.keys()}
             else:
                 with np.load(fh, allow_pickle=False) as data:
