@@ -49,3 +49,22 @@ def test_load_params_reads_a_bf16_safetensors_file_in_a_fresh_process(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["bfloat16", "[1.0,", "-2.0,", "0.5]"]
+
+
+def test_save_params_writes_bf16_params_to_safetensors(tmp_path):
+    """save_params refused a bf16 param to `.safetensors` ("safetensors' numpy reader
+    cannot read back"), but the reader does once ml_dtypes is imported (load_params
+    now imports it): the format weights are exchanged in takes bf16, as PyTorch's
+    bf16 weights; written, it reads back bit for bit, and its header says BF16."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    p = tgc.compile("dim n = 3, m = 2\ninput x[n]\nparam w: bf16[n, m], b[m]\n"
+                    "out y = sum(x @ f32(w) + b)\n", backend="interp")
+    w = np.array([[1.5, -2], [0.25, 3], [1e-3, 7]], np.float32).astype(ml_dtypes.bfloat16)
+    b = np.array([1, 2], np.float32)
+    tgc.save_params(tmp_path / "m.safetensors", p, {"w": w, "b": b})
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["w"]["dtype"] == "BF16" and header["b"]["dtype"] == "F32"
+    back = tgc.load_params(tmp_path / "m.safetensors", p)
+    assert back["w"].dtype == w.dtype and back["w"].view(np.uint16).tolist() == w.view(np.uint16).tolist()
+    np.testing.assert_array_equal(back["b"], b)
