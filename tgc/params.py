@@ -170,10 +170,6 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
         raise ParamsError(f"save_params: no array for {', '.join(repr(n) for n in missing)}")
     checked = _checked(program, chosen, True, None, "save_params")
     meta = _describe(program, specs)
-    bf16 = [n for n, a in checked.items() if type_of_numpy(a.dtype) == "bf16"]
-    if fmt == "safetensors" and bf16:
-        raise ParamsError(f"save_params: '{bf16[0]}' is bf16, which safetensors' numpy reader cannot read "
-                          f"back: save bf16 parameters to an .npz")
     if fmt == "safetensors":
         import safetensors.numpy
 
