@@ -68,3 +68,48 @@ def test_save_params_writes_bf16_params_to_safetensors(tmp_path):
     back = tgc.load_params(tmp_path / "m.safetensors", p)
     assert back["w"].dtype == w.dtype and back["w"].view(np.uint16).tolist() == w.view(np.uint16).tolist()
     np.testing.assert_array_equal(back["b"], b)
+
+
+CASE_NAMES = """dim n, N
+input x[n], X[N]
+param w[n], W[N]
+out y = sum(x * w)
+out Y = sum(X * W)
+for p in params {
+  state m.p
+  update m.p = m.p + grad(y + Y, p)
+}
+"""
+
+
+def test_c_header_macros_of_names_that_differ_only_in_case_are_distinct(tmp_path):
+    """`w` and `W` are two names (edges, tensors and outputs are case-sensitive), but the
+    header upper-cases them into one macro: `#define M_ARG_W 2` then `#define M_ARG_W 3`,
+    a redefinition C compilers only warn about, so a C caller silently passed W's array
+    as w's. Macros of names that differ only in case keep the name's case instead."""
+    r = subprocess.run([sys.executable, "-m", "tgc", "build", "--emit", "h", "-o", str(tmp_path / "case.h"),
+                        str(_write(tmp_path / "case.tg", CASE_NAMES))], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    header = (tmp_path / "case.h").read_text()
+    defines = {}
+    for line in header.splitlines():
+        if line.startswith("#define CASE_") and line.split()[2].lstrip("-(").rstrip(")").isdigit():
+            name, value = line.split()[1:3]
+            assert name not in defines, f"{name} defined twice: {defines[name]} and {value}"
+            defines[name] = value
+    args = {d[len("CASE_ARG_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_ARG_")}
+    assert len(args) == 6 and sorted(args.values()) == list(range(6))
+    assert args["x"] != args["X"] and args["w"] != args["W"] and args["M_w"] != args["M_W"]
+    outs = {d[len("CASE_OUT_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_OUT_")}
+    dims = {d[len("CASE_DIM_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_DIM_")}
+    assert outs == {"y": 0, "Y": 1} and dims == {"n": 0, "N": 1}
+    if subprocess.run(["which", "gcc"], capture_output=True).returncode == 0:
+        (tmp_path / "t.c").write_text('#include "case.h"\nint main(void) { return CASE_ARG_w + CASE_ARG_W; }\n')
+        c = subprocess.run(["gcc", "-Werror", "-c", "t.c", "-o", "t.o"], cwd=tmp_path, capture_output=True, text=True)
+        assert c.returncode == 0, c.stderr
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
