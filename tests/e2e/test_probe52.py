@@ -100,7 +100,7 @@ def test_c_header_macros_of_names_that_differ_only_in_case_are_distinct(tmp_path
             defines[name] = value
     args = {d[len("CASE_ARG_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_ARG_")}
     assert len(args) == 6 and sorted(args.values()) == list(range(6))
-    assert args["x"] != args["X"] and args["w"] != args["W"] and args["M_w"] != args["M_W"]
+    assert args["x"] != args["X"] and args["w"] != args["W"] and args["m_w"] != args["m_W"]
     outs = {d[len("CASE_OUT_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_OUT_")}
     dims = {d[len("CASE_DIM_"):]: int(v) for d, v in defines.items() if d.startswith("CASE_DIM_")}
     assert outs == {"y": 0, "Y": 1} and dims == {"n": 0, "N": 1}
