@@ -113,3 +113,33 @@ def test_c_header_macros_of_names_that_differ_only_in_case_are_distinct(tmp_path
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+DOT_STATE = """dim n = 3
+input x[n]
+param w[n]
+out y = sum(x * w * w)
+for p in params {
+  state m.p
+  update m.p = m.p + grad(y, p)
+}
+out z = sum(m.w * x * x)
+"""
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_tgc_grad_of_a_per_param_state_prints_source_that_tgc_check_accepts(tmp_path, mode):
+    """`tgc grad` promises ".tg source that `tgc check` accepts"; with respect to a for
+    block's state `m.w` it printed `out dm.w[n] = ...`, which the front end reads as a
+    per-param name outside a for block (an error). The derivative is named `dm_w`."""
+    src = _write(tmp_path / "dot.tg", DOT_STATE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "tgc", "grad", str(src), "--of", "z", "--wrt", "m.w", "--mode", mode,
+                        "-o", str(tmp_path / "g.tg")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    c = subprocess.run([sys.executable, "-m", "tgc", "check", "-Werror", str(tmp_path / "g.tg")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert c.returncode == 0, c.stderr + (tmp_path / "g.tg").read_text()
+    g = tgc.compile(str(tmp_path / "g.tg"), backend="interp", dtype="f64")
+    x = np.array([1.0, -2.0, 3.0])
+    np.testing.assert_array_equal(g(x=x)["dm_w"], x * x)
