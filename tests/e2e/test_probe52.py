@@ -143,3 +143,68 @@ def test_tgc_grad_of_a_per_param_state_prints_source_that_tgc_check_accepts(tmp_
     g = tgc.compile(str(tmp_path / "g.tg"), backend="interp", dtype="f64")
     x = np.array([1.0, -2.0, 3.0])
     np.testing.assert_array_equal(g(x=x)["dm_w"], x * x)
+
+
+DILATED = """dim t, s, k = 3
+input x[t], w[k]
+y = x[t = 2*s + 2*k - 1] @ w
+out y
+out gx = grad(sum(y * y), x)
+out gw = grad(sum(y * y), w)
+out jy = jvp(y, x, x)
+"""
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu", "lowered"])
+def test_strided_dilated_padded_conv_with_a_symbolic_length_matches_torch(backend):
+    """A probe kept because it passed: stride 2, dilation 2, padding 1 written as one
+    reindex, the input length symbolic and the output's (`s`, read by no input) given
+    at the call; values, both gradients and a jvp against torch's conv1d."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    p = tgc.compile(DILATED, backend=backend, dtype="f64")
+    rng = np.random.default_rng(52)
+    for T in (5, 8):
+        x, w = rng.standard_normal(T), rng.standard_normal(3)
+        S = (T + 2 - 4 - 1) // 2 + 1
+        X, W = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+        y = F.conv1d(X[None, None], W[None, None], stride=2, padding=1, dilation=2)[0, 0]
+        gx, gw = torch.autograd.grad((y * y).sum(), [X, W])
+        got = p.run({"x": x, "w": w}, dims={"s": S})
+        np.testing.assert_allclose(got["y"], y.detach().numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(got["gx"], gx.numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(got["gw"], gw.numpy(), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(got["jy"], y.detach().numpy(), rtol=1e-12, atol=1e-14)   # linear in x
+
+
+SEGMENTS = """dim e, node, f = 3
+input msg[e, f], dst: i32[e]
+m = max[e](where([node = dst], msg, -inf))
+mn = min[e](where([node = dst], msg, inf))
+out m
+out mn
+out gm = grad(sum(where(m > -inf, m, 0) * where(mn < inf, mn, 0)) + sum(where(mn < inf, mn, 0)), msg)
+"""
+
+
+@pytest.mark.parametrize("backend", ["interp", "cpu", "lowered"])
+def test_segment_max_and_min_with_ties_and_empty_segments_match_torch(backend):
+    """A probe kept because it passed: segment max and min (LANGUAGE.md section 11), a
+    node no edge reaches (-inf / inf, masked out of the loss) and tied messages (a tie
+    in a max[e] shares the gradient evenly, as torch's scatter_reduce amax/amin does)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(52)
+    msg = rng.standard_normal((7, 3))
+    msg[1] = msg[0]
+    msg[6, 1] = msg[0, 1]
+    dst = np.array([0, 0, 2, 2, 2, 4, 0], np.int32)
+    M = torch.tensor(msg, requires_grad=True)
+    index = torch.tensor(dst, dtype=torch.long)[:, None].expand(7, 3)
+    mx = torch.full((5, 3), -np.inf, dtype=torch.float64).scatter_reduce(0, index, M, "amax")
+    mn = torch.full((5, 3), np.inf, dtype=torch.float64).scatter_reduce(0, index, M, "amin")
+    loss = (torch.where(mx > -np.inf, mx, 0) * torch.where(mn < np.inf, mn, 0)).sum() + torch.where(mn < np.inf, mn, 0).sum()
+    gm, = torch.autograd.grad(loss, M)
+    got = tgc.compile(SEGMENTS, backend=backend, dtype="f64").run({"msg": msg, "dst": dst}, dims={"node": 5})
+    np.testing.assert_array_equal(got["m"], mx.detach().numpy())
+    np.testing.assert_array_equal(got["mn"], mn.detach().numpy())
+    np.testing.assert_allclose(got["gm"], gm.numpy(), rtol=1e-12, atol=1e-14)
