@@ -208,3 +208,23 @@ def test_segment_max_and_min_with_ties_and_empty_segments_match_torch(backend):
     np.testing.assert_array_equal(got["m"], mx.detach().numpy())
     np.testing.assert_array_equal(got["mn"], mn.detach().numpy())
     np.testing.assert_allclose(got["gm"], gm.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_load_params_names_an_fp8_safetensors_array_not_a_damaged_file(tmp_path):
+    """An FP8 tensor (F8_E4M3, as quantized checkpoints hold) is a well-formed file of a
+    type tgc does not take: load_params said "a damaged safetensors file (data type
+    'float8_e4m3fn' not understood)" where ml_dtypes was not imported yet; it names the
+    array and its type."""
+    _safetensors_file(tmp_path / "w.safetensors", {"w": ("F8_E4M3", [3], bytes([0x38, 0x40, 0xb8]))})
+    (tmp_path / "m.tg").write_text("dim n = 3\ninput x[n]\nparam w[n]\nout y = sum(x * w)\n")
+    code = ("import sys, tgc\n"
+            "p = tgc.compile(sys.argv[1], backend='interp')\n"
+            "try:\n"
+            "    tgc.load_params(sys.argv[2], p)\n"
+            "except tgc.ParamsError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.tg"), str(tmp_path / "w.safetensors")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "damaged" not in r.stdout and "'w' is float8_e4m3fn, not a float array" in r.stdout, r.stdout
