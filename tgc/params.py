@@ -202,7 +202,12 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
 
                 with safetensors.safe_open(name, framework="numpy") as f:   # it opens by name (and maps)
                     meta_text = (f.metadata() or {}).get(META_KEY)
-                    if any(f.get_slice(k).get_dtype() == "BF16" for k in f.keys()):
+                    stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+                    odd = [k for k, t in stored.items() if t == "F4" or t.startswith(("F6_", "F8_"))]
+                    if odd:   # well formed, but numpy (and tgc) has no such type
+                        raise ParamsError(f"cannot read '{name}': '{odd[0]}' is {stored[odd[0]]}, a type tgc does not "
+                                          f"take (its floats: F64, F32, BF16, F16; convert the file's arrays first)")
+                    if "BF16" in stored.values():
                         TYPES["bf16"].numpy   # the reader finds numpy's "bfloat16" only once ml_dtypes registered it
                     arrays = {k: f.get_tensor(k) for k in f.keys()}
             else:
@@ -210,6 +215,8 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
                     arrays = {k: data[k] for k in data.files}
                 member = arrays.pop(NPZ_MEMBER, None)
                 meta_text = str(member) if member is not None and member.dtype.kind == "U" else None
+    except ParamsError:
+        raise
     except NotASource as e:
         raise ParamsError(f"cannot read '{name}': {e}") from None
     except OSError as e:
