@@ -170,10 +170,6 @@ def save_params(path: str | os.PathLike, program, arrays: Mapping[str, np.ndarra
         raise ParamsError(f"save_params: no array for {', '.join(repr(n) for n in missing)}")
     checked = _checked(program, chosen, True, None, "save_params")
     meta = _describe(program, specs)
-    bf16 = [n for n, a in checked.items() if type_of_numpy(a.dtype) == "bf16"]
-    if fmt == "safetensors" and bf16:
-        raise ParamsError(f"save_params: '{bf16[0]}' is bf16, which safetensors' numpy reader cannot read "
-                          f"back: save bf16 parameters to an .npz")
     if fmt == "safetensors":
         import safetensors.numpy
 
@@ -206,12 +202,21 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | No
 
                 with safetensors.safe_open(name, framework="numpy") as f:   # it opens by name (and maps)
                     meta_text = (f.metadata() or {}).get(META_KEY)
+                    stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+                    odd = [k for k, t in stored.items() if t == "F4" or t.startswith(("F6_", "F8_"))]
+                    if odd:   # well formed, but numpy (and tgc) has no such type
+                        raise ParamsError(f"cannot read '{name}': '{odd[0]}' is {stored[odd[0]]}, a type tgc does not "
+                                          f"take (its floats: F64, F32, BF16, F16; convert the file's arrays first)")
+                    if "BF16" in stored.values():
+                        TYPES["bf16"].numpy   # the reader finds numpy's "bfloat16" only once ml_dtypes registered it
                     arrays = {k: f.get_tensor(k) for k in f.keys()}
             else:
                 with np.load(fh, allow_pickle=False) as data:
                     arrays = {k: data[k] for k in data.files}
                 member = arrays.pop(NPZ_MEMBER, None)
                 meta_text = str(member) if member is not None and member.dtype.kind == "U" else None
+    except ParamsError:
+        raise
     except NotASource as e:
         raise ParamsError(f"cannot read '{name}': {e}") from None
     except OSError as e:

@@ -477,8 +477,9 @@ def test_save_and_load_bf16_params(tmp_path):
     back = tgc.load_params(tmp_path / "p.npz", p)
     assert back["W"].dtype == NP["bf16"] and back["V"].dtype == NP["f16"] and back["U"].dtype == np.float32
     assert same_bits(back["W"], W) and same_bits(back["V"], V)
-    with pytest.raises(tgc.ParamsError, match="bf16"):
-        tgc.save_params(tmp_path / "p.safetensors", p, {"W": W, "V": V, "U": U})
+    tgc.save_params(tmp_path / "p.safetensors", p, {"W": W, "V": V, "U": U})   # safetensors too (BF16, F16)
+    back = tgc.load_params(tmp_path / "p.safetensors", p)
+    assert same_bits(back["W"], W) and same_bits(back["V"], V) and back["U"].dtype == np.float32
     np.savez(tmp_path / "f32.npz", W=W.astype(np.float32), V=V, U=U)
     with pytest.raises(tgc.ParamsError, match="'W' is f32, the program's 'W' is bf16"):
         tgc.load_params(tmp_path / "f32.npz", p)

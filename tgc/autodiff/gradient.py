@@ -1,7 +1,7 @@
 """gradient_module: a program's derivative as a program (`tgc grad`).
 
 The result's outputs are d(of)/d(x) for each x in `wrt`, each named dNAME (fresh
-when taken) with x's edges, plus the output's for a Jacobian; its arguments are the
+when taken; a for block's state `m.w` gives `dm_w`, a name a .tg output can have) with x's edges, plus the output's for a Jacobian; its arguments are the
 program's. Reverse mode writes `grad(of, x)`; forward mode seeds `jvp` with an
 identity over fresh copies of x's edges, then renames them back. The derivatives
 are left to the `adjoint` and `tangent` passes that follow in the pipeline, so this
@@ -79,7 +79,7 @@ def gradient_module(module: Module, wrt: list[str], of: str | None, mode: str) -
             seed = V.mul([V.indicator(Relation((Affine.make([(e, 1)]), Affine.make([(c, 1)])), ("=",)), f.dtype)
                           for e, c in copies.items()]) if copies else V.const(1.0, f.dtype)
             value = V.rename(V.jvp(f, x, seed), {c: e for e, c in copies.items()})
-        m.outputs.append(Output(_fresh_output(m, f"d{name}"), value, tuple(module.order_edges(f.edges)) + arg.order))
+        m.outputs.append(Output(_fresh_output(m, "d" + name.replace(".", "_")), value, tuple(module.order_edges(f.edges)) + arg.order))
     return m
 
 

@@ -86,18 +86,18 @@ def make_header(module: Module, prefix: str, dtype: str, source: str, blas: str,
         f"/* Floats are {float_t}. Every tensor is a dense row-major array in its ABI order. */", "",
         f"/* Symbolic dims, the `dims` array of {prefix}_run, in this order: */",
     ]
-    lines += [f"#define {prefix.upper()}_DIM_{_macro(d)} {i}" for i, d in enumerate(dims)] or ["/* (none: every size is fixed) */"]
+    lines += [f"#define {prefix.upper()}_DIM_{_macro(d, dims)} {i}" for i, d in enumerate(dims)] or ["/* (none: every size is fixed) */"]
     lines += [f"#define {prefix.upper()}_NUM_DIMS {len(dims)}", "", "/* Arguments, the `args` array, in this order: */"]
     for i, a in enumerate(module.args.values()):
         updated = " (updated in place after the step)" if any(u.target == a.name for u in module.updates) else ""
         stored = _stored(low, "arg", i)
-        lines.append(f"#define {prefix.upper()}_ARG_{_macro(a.name)} {i}  /* {a.kind} {a.name}: "
+        lines.append(f"#define {prefix.upper()}_ARG_{_macro(a.name, module.args)} {i}  /* {a.kind} {a.name}: "
                      f"{_c_type(a.dtype, dtype, stored)} {_shape(module, a.order)}{updated}"
                      f"{_low_note(a.dtype, dtype, stored)} */")
     lines += [f"#define {prefix.upper()}_NUM_ARGS {len(module.args)}", "", "/* Outputs, the `outs` array, in this order: */"]
     for i, o in enumerate(module.outputs):
         stored = _stored(low, "out", i)
-        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name)} {i}  /* {o.name}: "
+        lines.append(f"#define {prefix.upper()}_OUT_{_macro(o.name, [p.name for p in module.outputs])} {i}  /* {o.name}: "
                      f"{_c_type('f32', dtype, stored)} {_shape(module, o.order)}"
                      f"{_low_note(o.value.dtype, dtype, stored)} */")
     lines += [
@@ -225,5 +225,11 @@ def _init_section(prefix: str, blas: str) -> list[str]:
     return lines
 
 
-def _macro(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name).upper()
+def _macro(name: str, group=()) -> str:
+    """The macro suffix of `name`: its C identifier (every character but letters, digits
+    and '_' as '_'; the front end makes those distinct within a group) upper-cased, or
+    as it is where another name of its `group` (the dims, the arguments or the outputs)
+    upper-cases to the same (`w` and `W`: `ARG_w` and `ARG_W`, never one macro twice)."""
+    ident = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    same = [n for n in group if re.sub(r"[^A-Za-z0-9_]", "_", n).upper() == ident.upper()]
+    return ident if len(set(same)) > 1 else ident.upper()
