@@ -254,6 +254,10 @@ def lower_module(module: Module, options: Options, backend: str = "cpu", emit=No
 # The passes of the IR pipeline that only act at known sizes: a specialization runs them
 # again once its dims are fixed (`specialized_module`).
 SIZED_PASSES: tuple[str, ...] = ("stream",)
+# The algebra that folds a dim's size once it is known: run before SIZED_PASSES where
+# the generic module still reads a size (`size[hd]`) and holds no loop, in the
+# pipeline's order.
+SIZE_FOLDING_PASSES: tuple[str, ...] = ("simplify", "factor")
 
 
 def specialized_module(module: Module, dims: dict, options: Options) -> Module:
@@ -262,12 +266,28 @@ def specialized_module(module: Module, dims: dict, options: Options) -> Module:
     then the pipeline's `SIZED_PASSES` again. `stream` only blocks an edge of known
     size, so over a symbolic sequence length a causal attention's [t, s] matrices were
     kept whole in every call, the specialized ones too (805 MB at t = 8192 where
-    `tgc.compile(dims=)` streams it in 41 MB)."""
+    `tgc.compile(dims=)` streams it in 41 MB).
+
+    Where the generic module reads the size of a symbolic edge (the `1 / sqrt(size(hd))`
+    of an attention whose head width is symbolic), `simplify` and `factor` run first,
+    as they did on a program written with that size: the size becomes a constant and
+    the scale moves off the mask. Without them the algebra had folded the scale into
+    the causal mask (`mask / sqrt(size(hd))`, an `[s, t]` product), which `stream` does
+    not read as a mask, and the specialization kept the whole `[t, s]` matrices (1.68 GB
+    at t = 4096, 4 heads x batch 2, against 15 MB with `hd` fixed in the source).
+    Not where the module holds a loop (a `repeat`, or the generic program's own
+    streams): run again on a streamed module, the algebra undid its streams (GPT-2's
+    layer at t = 64 specialized to batch 1 kept its [t, s] matrices whole); such a
+    program's specialization streams only what `stream` alone finds."""
     from tgc.manager import run_passes
     from tgc.registry import pipeline as pipeline_passes
 
     fixed = fix_dims(module, dims)
-    again = tuple(p for p in pipeline_passes(options) if p in SIZED_PASSES)
+    values = module.values()
+    reads_size = any(v.op == "size" for v in values) and not any(v.op == "loop" for v in values)
+    again = tuple(p for p in pipeline_passes(options)
+                  if p in SIZED_PASSES or (reads_size and p in SIZE_FOLDING_PASSES))
+    again = tuple(dict.fromkeys(again))   # the pipeline runs simplify twice: once is enough here
     return run_passes(fixed, again, options) if again else fixed
 
 
