@@ -42,6 +42,7 @@ class Options:
     stages: tuple[str, ...] | None = None    # lowering stages, written the same way; None: the backend's (fuse, layout, its own: the CPU's group, plan)
     opt_level: int = 2                       # -O0..-O3
     fp_strict: bool = False                  # no algebra, reassociation or FMA: every op as the source orders it (docs/optimization.md)
+    sum_exact_products: bool = False         # an f32 sum of 3+ terms (lowered.wide_sum): True also widens each product term's factors to f64 (exact products; the old rule), False rounds each product in f32 as PyTorch does
     dims: tuple[tuple[str, int], ...] = ()   # symbolic dims bound at build time (-D)
     import_dirs: tuple[str, ...] = ()        # folders imports may also come from (-I)
     verify_each: bool = False                # interpret before/after every pass and compare

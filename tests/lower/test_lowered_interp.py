@@ -226,7 +226,8 @@ def _wide_inputs():
 
 def _wide_want(x):
     a, b, c, d = (x[k].astype(np.float64) for k in "abcd")
-    return {"y": (a + (b - c)).astype(np.float32), "z": (a * d + 3 * (b - c) - a).astype(np.float32)}
+    ad = (x["a"] * x["d"]).astype(np.float64)   # a two-factor product term: f32, rounded once (`wide_term_factors`)
+    return {"y": (a + (b - c)).astype(np.float32), "z": (ad + 3 * (b - c) - a).astype(np.float32)}
 
 
 @pytest.mark.parametrize("backend", backends())

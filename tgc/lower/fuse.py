@@ -130,7 +130,7 @@ class _Fuser:
                 self.users[id(o)].add(id(v))
         self.by_id = {id(v): v for v in self.values}
         self.root_uses = Counter(id(v) for v in m.roots())
-        self.low = Lowered(m, options.dtype)
+        self.low = Lowered(m, options.dtype, sum_exact_products=options.sum_exact_products)
         self.mat: dict[int, str] = {}      # id(value) -> buffer
         self.gemms: dict[int, tuple] = {}  # id(value) -> (batch, m, n, k)
         self.shifted: dict[int, dict] = {}  # id(value) -> GEMMs on shifted views (`taps.TapGemms.tap_gemm`)

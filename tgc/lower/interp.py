@@ -51,7 +51,7 @@ from tgc.ir.interp import (NP_DTYPES, SCATTER_COMBINE, SCATTER_INIT, EvalError, 
                            check_inputs)
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load, LoopKernel, Lowered,
                             Map, Mask, Mul, Rand, SizeOf, StepLoop, epilogue_loops, logsumexp_outputs, wide_exp,
-                            wide_sum)
+                            wide_sum, wide_term_factors)
 from tgc.ir.ops import NUMPY as MAP_FNS
 from tgc.ir.philox import draw_numpy
 from tgc.ir.sizes import size_eval
@@ -361,7 +361,7 @@ class _Machine(ExprVisitor):
 
     def expr_add(self, e: Add, vals: dict, active, acc=None):
         if wide_sum(e, "f32" if self.fp == np.float32 else "f64"):
-            return self.round(self.sum64(e, vals, active, acc))
+            return self.round(self.sum64(e, vals, active, acc, low=self.low))
         # c0 a0 + c1 a1 + ..., each scaled term and partial sum rounded
         args = [np.asarray(self.expr(a, vals, active, acc), np.float64) for a in e.args]
         total = None
@@ -377,11 +377,12 @@ class _Machine(ExprVisitor):
             out = np.asarray(self.round(out * a), np.float64)
         return self.round(out)
 
-    def sum64(self, e: Add, vals: dict, active, acc=None) -> np.ndarray:
-        """The sum `e` in float64, not rounded: each term's factors widened."""
+    def sum64(self, e: Add, vals: dict, active, acc=None, low=None) -> np.ndarray:
+        """The sum `e` in float64, not rounded: a product term's factors widened where
+        `lowered.wide_term_factors(low, term)` says, else the product rounded in the program's type."""
         total = np.float64(0)
         for c, a in zip(e.coefs, e.args):
-            factors = a.args if isinstance(a, Mul) else (a,)
+            factors = a.args if wide_term_factors(low, a) else (a,)
             term = np.float64(1)
             for f in factors:
                 term = term * np.asarray(self.expr(f, vals, active, acc), np.float64)

@@ -264,6 +264,31 @@ def wide_sum(e: Add, dtype: str) -> bool:
     return dtype == "f32" and len(e.args) >= WIDE_SUM
 
 
+def wide_term_factors(low: "Lowered | None", term: "Expr") -> bool:
+    """Whether the product `term` of a wide sum (`wide_sum`) has its factors widened to
+    f64 before they are multiplied, rather than multiplied in f32 and the rounded
+    product widened: a product of three or more factors, or any product with
+    `Options.sum_exact_products` (the rule until stop 52) or no `low` (an exp's sum,
+    `wide_exp`, keeps exact products). A product of two factors is rounded in f32.
+    What makes a wide sum necessary is the order of its additions: the canonical order
+    is not the source's, so an f32 partial sum can hold a large term that a later one
+    cancels, and a small one is lost (`a + (b - c)`). A term's own value does not depend
+    on that order: PyTorch rounds each multiplication of a product as tgc's f32 product
+    does, so a product rounded in f32 (one rounding per multiplication, the same factor
+    order in every kernel: `factor_order`) and then added in f64 errs by at most the
+    roundings PyTorch's own product has, plus one rounding of the sum, whatever the
+    order of the terms; two equal products still cancel to 0. Two factors only: their
+    f32 product is the same in either order, PyTorch's to the bit; three or more are
+    in canonical order, not the source's, and (a * b) * c can overflow where the
+    source's a * (b * c) does not (`test_f32_product_reordered_does_not_overflow`), so
+    those stay widened. Widening two factors bought exact products, beyond PyTorch's
+    accuracy, for two conversions and an f64 multiply per factor in a 16-lane loop
+    (the GELU backward's GEMM epilogue: about a third of its instructions)."""
+    if not isinstance(term, Mul):
+        return False
+    return low is None or low.sum_exact_products or len(term.args) > 2
+
+
 def wide_exp(e: "Map", dtype: str, lse: Collection[str]) -> bool:
     """Whether `e` is an f32 softmax weight `exp(d - lse)`: an `exp` of a sum with a term
     read from `lse`, the buffers that hold a log-sum-exp (`logsumexp_outputs`). An
@@ -923,6 +948,7 @@ class Lowered:
     slots: list[tuple[Size, ...]] = field(default_factory=list)  # bytes; a slot holds the max
     stage: str = "fuse"
     edges: dict[str, Size] = field(default_factory=dict)    # edges lowering made (not the module's)
+    sum_exact_products: bool = False             # Options.sum_exact_products (`wide_term_factors`)
 
     def size(self, edge: str) -> Size:
         return self.edges[edge] if edge in self.edges else self.module.size(edge)

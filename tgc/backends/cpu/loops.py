@@ -75,7 +75,8 @@ import numpy as np
 from tgc.backends.cpu.elementwise import FLAGS, emit_map, intrinsic, narrow_to, storage_type, widen
 from tgc.backends.cpu.irutil import I64, PTR, Frame, define, for_range, offset, optimize_not
 from tgc.lower.lowered import (Acc, Add, Const, ExprVisitor, FloorDiv, IdLoad, Ix, Load, LoopKernel, Lowered, Map,
-                            Mask, Mul, Rand, SizeOf, logsumexp_outputs, walk, wide_exp, wide_sum)
+                            Mask, Mul, Rand, SizeOf, logsumexp_outputs, walk, wide_exp, wide_sum,
+                            wide_term_factors)
 from tgc.backends.cpu.philox import emit_draw
 from tgc.ir.sizes import size_op
 from tgc.backends.cpu.llvm_env import has_feature
@@ -1179,14 +1180,16 @@ class LoopGen(ExprVisitor):
         """An f32 sum of several terms in f64, rounded once (`lowered.wide_sum`): each
         term widened (a product's factors before they are multiplied), scaled and added
         in f64, so its value does not depend on the order of its terms."""
-        return self.b.fptrunc(self.sum64(e, vars, acc), self.fp)
+        return self.b.fptrunc(self.sum64(e, vars, acc, low=self.low), self.fp)
 
-    def sum64(self, e: Add, vars: dict, acc):
-        """The sum `e` in f64, not rounded (`wide_add`)."""
+    def sum64(self, e: Add, vars: dict, acc, low=None):
+        """The sum `e` in f64, not rounded (`wide_add`); a product term's factors widened
+        before they are multiplied as `lowered.wide_term_factors(low, term)` says, else
+        the product is taken in f32 (factor_order, one rounding per multiplication)."""
         b, wide = self.b, ir.DoubleType()
         total = None
         for c, a in zip(e.coefs, e.args):
-            if isinstance(a, Mul):
+            if wide_term_factors(low, a):
                 factors = [self.expr(x, vars, acc) for x in a.args]
                 term = None
                 for i in factor_order(a.args):

@@ -78,7 +78,7 @@ from tgc.backends.cuda.rowgen import RowGroupGen
 from tgc.backends.cuda.rows import RowGroup
 from tgc.lower.lowered import (Acc, Add, Buffer, Cond, Const, ExprVisitor, FloorDiv, GemmKernel, IdLoad, Ix, Load,
                             LoopKernel, Lowered, Map, Mask, Mul, Rand, SizeOf, StepLoop, View, logsumexp_outputs,
-                            neg, walk, wide_exp, wide_sum)
+                            neg, walk, wide_exp, wide_sum, wide_term_factors)
 from tgc.ir.ops import FNS
 from tgc.ir.sizes import Size, SizeOp
 
@@ -481,13 +481,14 @@ class _Gen(ExprVisitor):
         """An f32 sum of several terms in double, rounded once (`lowered.wide_sum`): a
         product's factors widened before they are multiplied, so its value does not
         depend on the order of its terms."""
-        return f"((tgc_t){self.sum64(e, ctx)})"
+        return f"((tgc_t){self.sum64(e, ctx, low=self.low)})"
 
-    def sum64(self, e: Add, ctx: "_Ctx") -> str:
-        """The sum `e` in double, not rounded: each term's factors widened."""
+    def sum64(self, e: Add, ctx: "_Ctx", low=None) -> str:
+        """The sum `e` in double, not rounded: a product term's factors widened where
+        `lowered.wide_term_factors(low, term)` says, else the product rounded in tgc_t."""
         terms = []
         for c, a in zip(e.coefs, e.args):
-            if isinstance(a, Mul):
+            if wide_term_factors(low, a):
                 x = "(" + " * ".join(f"(double){self.expr(f, ctx)}" for f in a.args) + ")"
             else:
                 x = f"(double){self.expr(a, ctx)}"
