@@ -1,0 +1,89 @@
+"""A loop group's output written over a buffer the group reads for the last time (a
+helper of the CPU group stage, `tgc.backends.cpu.group`, run on each program after
+grouping; `CpuOptions.group_in_place`).
+
+What it rewrites. A group member writing a temporary X that takes the place of a
+temporary Y the group reads last: in a streamed attention's step the softmax group
+reads the scores S row by row and writes the weights P, and the gradient's group reads
+dP and writes dS, each [rows, keys] (8 MB a step at t = 8192). `plan` gives a kernel's
+inputs and outputs different slots (a kernel never reads and writes one slot), so each
+output row is a fresh line: the CPU reads it from memory before writing it (a store
+that misses the cache), and the step holds four such matrices at once. Written over
+the row it has just read, the store hits the cache and the step holds two.
+
+The rule: X becomes Y (every kernel from the group on reads and writes Y instead; X's
+buffer goes) when
+- both are temporaries (no alias, no layout preference, neither a register of the
+  group) with the same element type, edges and order;
+- the group is the last kernel that uses Y, and no member of it writes Y;
+- X is written by exactly one member of the group and by no other kernel of the
+  program, and no kernel before the group uses it;
+- `LoopGroup.can_retarget(Y, X)` (the test plan's in-place updates ask): no member after
+  X's writer reads Y, and every member up to it reads Y only at the element it writes.
+  Members run in order at each index of the group's outer loops, so every element of Y
+  is read before it is overwritten, and no index reads another's.
+
+Exact: every member computes the same expression of the same values (each element of Y
+is read before its place takes X's value; Y is not read after the group). Only memory
+changes: one slot fewer. Terminates: one pass over the kernels; each member's output
+is renamed at most once.
+"""
+from __future__ import annotations
+
+from tgc.lower.lowered import Lowered, rename_buffers
+
+
+def _users(kernels: list) -> dict[str, list[int]]:
+    users: dict[str, list[int]] = {}
+    for i, k in enumerate(kernels):
+        for b in k.buffers_used():
+            users.setdefault(b, []).append(i)
+    return users
+
+
+def _writers(kernels: list) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, k in enumerate(kernels):
+        for b in (k.writes() if hasattr(k, "writes") else {k.out}):
+            out.setdefault(b, []).append(i)
+    return out
+
+
+def _plain(low: Lowered, name: str) -> bool:
+    b = low.buffers.get(name)
+    return b is not None and b.kind == "temp" and b.alias is None and b.prefer is None and b.order is not None
+
+
+def write_in_place(low: Lowered, is_group) -> None:
+    """Rewrite `low.kernels` (and drop the renamed buffers) as the module docstring says;
+    `is_group(k)`: whether kernel `k` is a loop group (`LoopGroup`)."""
+    kernels = list(low.kernels)
+    users, writers = _users(kernels), _writers(kernels)
+    for i, g in enumerate(kernels):
+        if not is_group(g):
+            continue
+        read = g.buffers_read()
+        for m in g.members:
+            x = m.out
+            if x in g.regs or not _plain(low, x) or writers.get(x) != [i] or users[x][0] != i:
+                continue
+            if sum(1 for n in g.members if n.out == x) != 1:
+                continue
+            bx = low.buffers[x]
+            for y in sorted(read):
+                if y == x or y in g.regs or not _plain(low, y) or users.get(y, [])[-1:] != [i]:
+                    continue
+                by = low.buffers[y]
+                if (by.dtype, by.edges, by.order) != (bx.dtype, bx.edges, bx.order) or y in g.writes():
+                    continue
+                if not g.can_retarget(low, y, x):
+                    continue
+                mapping = {x: y}
+                for j in range(i, len(kernels)):
+                    kernels[j] = rename_buffers(kernels[j], mapping)
+                del low.buffers[x]
+                g = kernels[i]
+                users, writers = _users(kernels), _writers(kernels)
+                read = g.buffers_read()
+                break
+    low.kernels = kernels
