@@ -105,3 +105,38 @@ def test_the_bits_of_the_switches_off(threads):
         got = compiled("f32", threads, **cpu)(**x)
         for name in plain:
             assert np.asarray(got[name]).tobytes() == np.asarray(plain[name]).tobytes(), (cpu, name)
+
+
+def _long_step_before_group():
+    """The backward step over 2048 keys, as the group stage receives it."""
+    from tgc import pipeline
+    o = Options()
+    module = compile_source(ATTENTION, "<gemms_up>", o)
+    compiled, opts = pipeline.target(pipeline.lower(module, o).module, o)
+    low = pipeline.lower_module(compiled, opts, "cpu", stop_after="pieces")
+    steps = [k.step for k in low.kernels if isinstance(k, StepLoop)
+             and sum(isinstance(g, GemmKernel) and not g.acc for g in k.step.kernels) >= 4]
+    return next(s for s in steps if keys(s) == 2048)
+
+
+def test_gemms_up_moves_only_an_independent_product_past_a_large_run():
+    """The rule of `gemms_up` on the step as `group` receives it: dP moves up to just after
+    the scores' product; not when it would read what the run writes (P), nor when the
+    row re-read would fit half the cache."""
+    from dataclasses import replace
+    from tgc.backends.cpu.gemm_up import gemms_up
+    from tgc.lower.lowered import View
+
+    step = _long_step_before_group()
+    kinds = ["gemm" if isinstance(k, GemmKernel) else "loop" for k in step.kernels]
+    dp = kinds.index("gemm", 1)
+    assert kinds[:dp] == ["gemm"] + ["loop"] * (dp - 1) and kinds[dp + 1] == "loop"
+    moved = gemms_up(step, 1 << 21)
+    assert moved[1] is step.kernels[dp] and moved[2:dp + 1] == step.kernels[1:dp]
+    assert gemms_up(step, 1 << 30) == step.kernels            # 4 MB of P re-read: under half of 1 GB
+    p = step.kernels[dp - 1].out                               # the run's last output, P
+    g = step.kernels[dp]
+    reading = replace(g, a=View(p, g.a.edges))                # (only the name matters to the rule)
+    kernels = list(step.kernels)
+    kernels[dp] = reading
+    assert gemms_up(replace(step, kernels=kernels), 1 << 21) == kernels
