@@ -84,7 +84,7 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKern
 from tgc.lower.epilogue import expand
 from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
 from tgc.backends.cpu.gemm_up import gemms_up
-from tgc.backends.cpu.group_in_place import write_in_place
+from tgc.backends.cpu.group_in_place import has_mask, write_in_place
 from tgc.backends.cpu.hoist import hoist_column_sums
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
 from tgc.lower.text import KernelForm
@@ -216,7 +216,11 @@ class Group(Pass[Lowered, Lowered]):
             low = replace(low, kernels=gemms_up(low, options.cpu.group_shrink_max_bytes))
         _Grouper(low, out, options).run()
         # a group's output over a buffer it reads for the last time
-        if options.cpu.group_in_place:
+        # (not in a program with a mask that a causal product's `tri` form could follow:
+        # backends/cpu/causal.py keeps its facts per buffer, and a buffer holding two
+        # values loses them; the masks of a stream's runs are loaded, not such masks)
+        if options.cpu.group_in_place and not (options.cpu.causal_gemm and not options.fp_strict
+                                               and has_mask(out)):
             write_in_place(out, lambda k: isinstance(k, LoopGroup))
         return out
 

@@ -24,6 +24,11 @@ buffer goes) when
   Members run in order at each index of the group's outer loops, so every element of Y
   is read before it is overwritten, and no index reads another's.
 
+Left alone: a program holding a mask (`Mask`) while `CpuOptions.causal_gemm` is on
+(tgc.backends.cpu.causal keeps its facts, "0 where the mask rejects", per buffer; a
+buffer holding two values lost them, and with them a causal product's `tri` form:
+tests/backends/test_cpu_causal.py). A stream's runs load their masks from a buffer.
+
 Exact: every member computes the same expression of the same values (each element of Y
 is read before its place takes X's value; Y is not read after the group). Only memory
 changes: one slot fewer. Terminates: one pass over the kernels; each member's output
@@ -31,7 +36,19 @@ is renamed at most once.
 """
 from __future__ import annotations
 
-from tgc.lower.lowered import Load, Lowered, rename_buffers, walk
+from tgc.lower.lowered import Load, LoopKernel, Lowered, Mask, rename_buffers, walk
+
+
+def has_mask(low: Lowered) -> bool:
+    """Whether a loop kernel of `low` (or a group's member) holds a mask (`Mask`)."""
+    for k in low.kernels:
+        for m in getattr(k, "members", (k,)):
+            if not isinstance(m, LoopKernel):
+                continue
+            for e in (m.body, m.epilogue):
+                if e is not None and any(isinstance(n, Mask) for n in walk(e)):
+                    return True
+    return False
 
 
 def _users(kernels: list) -> dict[str, list[int]]:
