@@ -83,6 +83,8 @@ from tgc.lower.lowered import (Acc, Add, Buffer, Const, Cond, Ix, Load, LoopKern
                                Map, Mask, Mul, Rand, walk)
 from tgc.lower.epilogue import expand
 from tgc.backends.cpu.gemm_dispatch import tile_epilogue as epilogue_supported
+from tgc.backends.cpu.gemm_up import gemms_up
+from tgc.backends.cpu.group_in_place import has_mask, write_in_place
 from tgc.backends.cpu.hoist import hoist_column_sums
 from tgc.lower.grouping import Grouper, MemberGroup, read_member_parts
 from tgc.lower.text import KernelForm
@@ -209,7 +211,17 @@ class Group(Pass[Lowered, Lowered]):
         out.kernels = []
         # column sums beside the rows they read
         low = replace(low, kernels=hoist_column_sums(low, options.cpu.group_shrink_max_bytes))
+        # a product moved up past the loop kernels before it, which then group with its reader's
+        if options.cpu.group_past_gemms:
+            low = replace(low, kernels=gemms_up(low, options.cpu.group_shrink_max_bytes))
         _Grouper(low, out, options).run()
+        # a group's output over a buffer it reads for the last time
+        # (not in a program with a mask that a causal product's `tri` form could follow:
+        # backends/cpu/causal.py keeps its facts per buffer, and a buffer holding two
+        # values loses them; the masks of a stream's runs are loaded, not such masks)
+        if options.cpu.group_in_place and not (options.cpu.causal_gemm and not options.fp_strict
+                                               and has_mask(out)):
+            write_in_place(out, lambda k: isinstance(k, LoopGroup))
         return out
 
 
