@@ -87,3 +87,24 @@ def assert_loop_is_the_unrolled_program(program, inputs: dict) -> None:
     want = evaluate(loop_kept(program(loop=False)), {k: a.copy() for k, a in inputs.items()}, dtype="f64")
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-11, atol=1e-12, err_msg=k)
+
+
+def causal_attention(head: int, t: int, hd: int) -> str:
+    """Causal self-attention of `head` heads of width `hd` over `t` tokens, with the
+    gradients of sum(y * dy): the program the streaming suites (tests/opt/test_stream.py,
+    tests/lower/test_pieces.py, the CPU group and mask tests) run at their own sizes."""
+    return f"""
+dim head = {head}, t = {t}, hd = {hd}
+dim s = t
+input q[head, t, hd]
+input k[head, s, hd]
+input v[head, s, hd]
+input dy[head, t, hd]
+p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
+y = sum[s](p * v)
+out y[head, t, hd]
+loss = sum(y * dy)
+out dq[head, t, hd] = grad(loss, q)
+out dk[head, s, hd] = grad(loss, k)
+out dv[head, s, hd] = grad(loss, v)
+"""

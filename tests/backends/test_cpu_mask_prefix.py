@@ -22,6 +22,7 @@ from tgc.lower.lowered import StepLoop
 from tgc.lower.plan import Plan
 from tgc.lower.text import parse_lowered
 from tgc.options import Options
+from layer_programs import causal_attention
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
@@ -94,21 +95,7 @@ def test_a_band_mask_gives_the_bits_of_the_option_off(mask, align):
 
 
 # tests/lower/test_pieces.py's causal attention at t = 64 in blocks of 4, in 4 runs of 16 rows
-ATTENTION = """
-dim head = 2, t = 64, hd = 2
-dim s = t
-input q[head, t, hd]
-input k[head, s, hd]
-input v[head, s, hd]
-input dy[head, t, hd]
-p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
-y = sum[s](p * v)
-out y[head, t, hd]
-loss = sum(y * dy)
-out dq[head, t, hd] = grad(loss, q)
-out dk[head, s, hd] = grad(loss, k)
-out dv[head, s, hd] = grad(loss, v)
-"""
+ATTENTION = causal_attention(head=2, t=64, hd=2)
 RUNS = dict(stream_block=4, stream_min_elements=200, stream_mask_groups=2, stream_mask_rows=16)
 
 

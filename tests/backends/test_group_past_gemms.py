@@ -15,26 +15,13 @@ from tgc.backends.cpu.group import LoopGroup
 from tgc.frontend import compile_source
 from tgc.lower.lowered import GemmKernel, StepLoop
 from tgc.options import Options
+from layer_programs import causal_attention
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
 # one head of 8 at t = 4096 under the default options: 16 causal runs of 256 rows whose
 # steps' [256, s] matrices grow from 256 KB (s = 256) to 4 MB
-ATTENTION = """
-dim head = 1, t = 4096, hd = 8
-dim s = t
-input q[head, t, hd]
-input k[head, s, hd]
-input v[head, s, hd]
-input dy[head, t, hd]
-p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
-y = sum[s](p * v)
-out y[head, t, hd]
-loss = sum(y * dy)
-out dq[head, t, hd] = grad(loss, q)
-out dk[head, s, hd] = grad(loss, k)
-out dv[head, s, hd] = grad(loss, v)
-"""
+ATTENTION = causal_attention(head=1, t=4096, hd=8)
 
 
 def compiled(dtype: str, threads: int = 1, **cpu):

@@ -11,27 +11,14 @@ from tgc.frontend import compile_source
 from tgc.ir.inputs import random_inputs
 from tgc.ir.interp import evaluate
 from tgc.options import Options
+from layer_programs import causal_attention
 
 torch_oracle = pytest.importorskip("torch_oracle", reason="the oracle needs torch")
 
 ON = dict(stream_block=4, stream_min_elements=200, stream_mask_groups=2)
 OFF = dict(stream_block=0)
 
-ATTENTION = """
-dim head = 2, t = 32, hd = 2
-dim s = t
-input q[head, t, hd]
-input k[head, s, hd]
-input v[head, s, hd]
-input dy[head, t, hd]
-p = softmax[s](where([s <= t], sum[hd](q * k) / sqrt(size(hd)), -1e9))
-y = sum[s](p * v)
-out y[head, t, hd]
-loss = sum(y * dy)
-out dq[head, t, hd] = grad(loss, q)
-out dk[head, s, hd] = grad(loss, k)
-out dv[head, s, hd] = grad(loss, v)
-"""
+ATTENTION = causal_attention(head=2, t=32, hd=2)
 
 CROSS = """
 dim head = 2, t = 16, s = 32, hd = 2
