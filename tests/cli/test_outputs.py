@@ -151,3 +151,24 @@ def test_a_written_text_that_carries_a_file_name_that_is_not_utf8(tmp_path):
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     assert b"m\xffp.tg" in (tmp_path / "t.svg").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out", "out.npy", "out.safetensors", "out.npz.tmp"])
+def test_run_output_must_be_named_npz(src, tmp_path, name):
+    """`tgc run -o` writes an .npz archive, and `--inputs` reads a file by its suffix:
+    any other name (`out.txt` used to get a zip under that name) is a usage error
+    (status 2) that names the rule, and nothing is written."""
+    out = tmp_path / name
+    before = set(os.listdir(tmp_path))
+    r = tgc("run", src, "--random-inputs", "-o", out)
+    assert r.exit_code == 2, r.output
+    assert "-o writes an .npz archive" in r.output and "Traceback" not in r.output
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_run_output_named_npz_in_any_case_is_written(src, tmp_path):
+    out = tmp_path / "OUT.NPZ"
+    r = tgc("run", src, "--random-inputs", "-o", out)
+    assert r.exit_code == 0, r.output
+    with np.load(out) as data:
+        assert set(data.files) == {"loss", "w"}
