@@ -35,6 +35,32 @@ def test_check_all_examples():
     assert r.output == ""
 
 
+def test_check_warns_of_the_statements_an_import_skips(tmp_path):
+    """An import brings only dims and functions: an imported file's `input`, `out`,
+    `update` (and every other statement but dim, fn and import) is skipped. `check`
+    says so at each, in the imported file, as a warning (an error with -Werror); the
+    program itself is unchanged and runs."""
+    (tmp_path / "lib.tg").write_text("dim n = 3\nfn double(v) = v * 2\ninput x[n]\nparam w[n]\n"
+                                     "h = x * w\nout y = double(x) + h\nupdate w = w - 0.1 * x\n")
+    main_tg = tmp_path / "main.tg"
+    main_tg.write_text('import "lib.tg"\ninput z[n]\nout q = double(z)\n')
+    lib = tmp_path / "lib.tg"
+    r = tgc("check", str(main_tg))
+    assert r.exit_code == 0, r.output
+    for where, what in (("3:1", "input 'x'"), ("4:1", "param 'w'"), ("5:1", "binding 'h'"),
+                        ("6:1", "out 'y'"), ("7:1", "update of 'w'")):
+        assert (f"{lib}:{where}: warning: {what} in an imported file is skipped: an import brings only "
+                "dims and functions") in r.output, r.output
+    assert "2:1" not in r.output and "1:1" not in r.output
+    r = tgc("check", "-Werror", str(main_tg))
+    assert r.exit_code == 1 and f"{lib}:6:1: error: out 'y' in an imported file is skipped" in r.output, r.output
+    r = tgc("run", str(main_tg), "--random-inputs")
+    assert r.exit_code == 0 and r.output.startswith("q ") and "y " not in r.output, r.output
+    # a file checked on its own is a program: nothing is skipped, nothing said
+    r = tgc("check", str(lib))
+    assert r.exit_code == 0 and r.output == "", r.output
+
+
 def test_check_error_is_located_with_exit_1(tmp_path):
     bad = tmp_path / "bad.tg"
     bad.write_text("dim n = 3\ninput x[n]\nout y = x + q\n")
