@@ -250,3 +250,13 @@ def test_the_help_examples_run(line, tmp_path, monkeypatch):
         r = tgc(*shlex.split(part)[1:], input=given)
         assert r.exit_code == 0, (part, r.output)
         given = r.stdout
+
+
+def test_a_missing_input_file_is_said_as_a_missing_inputs_archive_is(tmp_path):
+    """`--input x=FILE.npy` that does not exist: one plain reason, as `--inputs` gives,
+    not Python's "[Errno 2] ...: 'path'" repeating the path."""
+    for args, what in ((["--input", f"x={tmp_path / 'no.npy'}"], f"input 'x' from '{tmp_path / 'no.npy'}'"),
+                       (["--inputs", str(tmp_path / "no.npz")], f"inputs from '{tmp_path / 'no.npz'}'")):
+        r = CliRunner().invoke(main, ["run", MLP, *args])
+        assert r.exit_code == 3, r.output
+        assert r.output.strip().splitlines()[-1] == f"error: cannot read {what}: No such file or directory"
