@@ -51,7 +51,9 @@ def _load_array(path: str, what: str) -> np.ndarray:
     try:
         with open_regular(path, "an .npy file") as f:
             data = np.load(f, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:   # ValueError: NotASource too
+    except OSError as e:   # its reason only: the path is said already
+        raise EvalError(f"cannot read {what} from '{path}': {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile) as e:   # ValueError: NotASource too
         raise EvalError(f"cannot read {what} from '{path}': {e}") from None
     if not isinstance(data, np.ndarray):  # an .npz archive
         data.close()
