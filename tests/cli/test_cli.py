@@ -35,6 +35,32 @@ def test_check_all_examples():
     assert r.output == ""
 
 
+def test_check_warns_of_the_statements_an_import_skips(tmp_path):
+    """An import brings only dims and functions: an imported file's `input`, `out`,
+    `update` (and every other statement but dim, fn and import) is skipped. `check`
+    says so at each, in the imported file, as a warning (an error with -Werror); the
+    program itself is unchanged and runs."""
+    (tmp_path / "lib.tg").write_text("dim n = 3\nfn double(v) = v * 2\ninput x[n]\nparam w[n]\n"
+                                     "h = x * w\nout y = double(x) + h\nupdate w = w - 0.1 * x\n")
+    main_tg = tmp_path / "main.tg"
+    main_tg.write_text('import "lib.tg"\ninput z[n]\nout q = double(z)\n')
+    lib = tmp_path / "lib.tg"
+    r = tgc("check", str(main_tg))
+    assert r.exit_code == 0, r.output
+    for where, what in (("3:7", "input 'x'"), ("4:7", "param 'w'"), ("5:1", "binding 'h'"),
+                        ("6:5", "out 'y'"), ("7:8", "update of 'w'")):
+        assert (f"{lib}:{where}: warning: {what} in an imported file is skipped: an import brings only "
+                "dims and functions") in r.output, r.output
+    assert f"{lib}:1:" not in r.output and f"{lib}:2:" not in r.output and r.output.count("warning:") == 5
+    r = tgc("check", "-Werror", str(main_tg))
+    assert r.exit_code == 1 and f"{lib}:6:5: error: out 'y' in an imported file is skipped" in r.output, r.output
+    r = tgc("run", str(main_tg), "--random-inputs")
+    assert r.exit_code == 0 and r.output.startswith("q[n] ") and "y[" not in r.output, r.output
+    # a file checked on its own is a program: nothing is skipped, nothing said
+    r = tgc("check", str(lib))
+    assert r.exit_code == 0 and r.output == "", r.output
+
+
 def test_check_error_is_located_with_exit_1(tmp_path):
     bad = tmp_path / "bad.tg"
     bad.write_text("dim n = 3\ninput x[n]\nout y = x + q\n")
@@ -224,3 +250,13 @@ def test_the_help_examples_run(line, tmp_path, monkeypatch):
         r = tgc(*shlex.split(part)[1:], input=given)
         assert r.exit_code == 0, (part, r.output)
         given = r.stdout
+
+
+def test_a_missing_input_file_is_said_as_a_missing_inputs_archive_is(tmp_path):
+    """`--input x=FILE.npy` that does not exist: one plain reason, as `--inputs` gives,
+    not Python's "[Errno 2] ...: 'path'" repeating the path."""
+    for args, what in ((["--input", f"x={tmp_path / 'no.npy'}"], f"input 'x' from '{tmp_path / 'no.npy'}'"),
+                       (["--inputs", str(tmp_path / "no.npz")], f"inputs from '{tmp_path / 'no.npz'}'")):
+        r = CliRunner().invoke(main, ["run", MLP, *args])
+        assert r.exit_code == 3, r.output
+        assert r.output.strip().splitlines()[-1] == f"error: cannot read {what}: No such file or directory"

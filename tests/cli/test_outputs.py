@@ -48,7 +48,9 @@ def _same_file_spellings(src: Path) -> list[str]:
 def test_no_command_writes_over_its_source(src, command):
     for out in [str(src), *_same_file_spellings(src)]:
         r = tgc(command[0], src, *command[1:], "-o", out)
-        assert r.exit_code == 2 and "would overwrite the source" in r.output, (out, r.output)
+        # run's -o must be named .npz, so a source's name is refused before anything is read
+        said = "-o writes an .npz archive" if command[0] == "run" else "would overwrite the source"
+        assert r.exit_code == 2 and said in r.output, (out, r.output)
         assert src.read_text() == PROGRAM
     assert os.path.islink(src.parent / "link.tg")
 
@@ -59,7 +61,8 @@ def test_no_command_writes_over_an_import(tmp_path):
     main_tg.write_text('import "lib.tg"\ndim n = 3\ninput x[n]\nout y = double(x)\n')
     for command in (["run", "--random-inputs"], ["dump-ir"], ["grad", "--wrt", "x", "--of", "y"]):
         r = tgc(command[0], "main.tg", *command[1:], "-o", "lib.tg", cwd=tmp_path)
-        assert r.exit_code == 2 and "would overwrite the source" in r.output and "lib.tg'" in r.output, r.output
+        said = "-o writes an .npz archive" if command[0] == "run" else "would overwrite the source"
+        assert r.exit_code == 2 and said in r.output and "lib.tg'" in r.output, r.output
     assert (tmp_path / "lib.tg").read_text() == "fn double(v) = v * 2\n"
 
 
@@ -80,8 +83,14 @@ def test_run_does_not_write_over_its_inputs(src, tmp_path):
     np.savez(tmp_path / "in.npz", w=np.ones(3, np.float32))
     r = tgc("run", src, "--inputs", tmp_path / "in.npz", "-o", tmp_path / "sub" / ".." / "in.npz", "--input", f"x={x}")
     assert r.exit_code == 2 and "would overwrite the inputs" in r.output, r.output
-    r = tgc("run", src, "--inputs", tmp_path / "in.npz", "--input", f"x={x}", "-o", x)
+    xz = tmp_path / "x.npz"   # an .npy input named .npz (np.load reads it by its contents)
+    np.save(xz, np.ones(3, np.float32))
+    os.replace(str(xz) + ".npy", xz)
+    r = tgc("run", src, "--inputs", tmp_path / "in.npz", "--input", f"x={xz}", "-o", xz)
     assert r.exit_code == 2 and "would overwrite input 'x'" in r.output, r.output
+    assert np.load(xz).tolist() == [1, 1, 1]
+    r = tgc("run", src, "--inputs", tmp_path / "in.npz", "--input", f"x={x}", "-o", x)
+    assert r.exit_code == 2 and "-o writes an .npz archive" in r.output, r.output
     assert np.load(x).tolist() == [1, 1, 1]
     r = tgc("run", src, "--inputs", tmp_path / "in.npz", "--input", f"x={x}", "-o", tmp_path / "out.npz")
     assert r.exit_code == 0, r.output
@@ -151,3 +160,24 @@ def test_a_written_text_that_carries_a_file_name_that_is_not_utf8(tmp_path):
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     assert b"m\xffp.tg" in (tmp_path / "t.svg").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out", "out.npy", "out.safetensors", "out.npz.tmp"])
+def test_run_output_must_be_named_npz(src, tmp_path, name):
+    """`tgc run -o` writes an .npz archive, and `--inputs` reads a file by its suffix:
+    any other name (`out.txt` used to get a zip under that name) is a usage error
+    (status 2) that names the rule, and nothing is written."""
+    out = tmp_path / name
+    before = set(os.listdir(tmp_path))
+    r = tgc("run", src, "--random-inputs", "-o", out)
+    assert r.exit_code == 2, r.output
+    assert "-o writes an .npz archive" in r.output and "Traceback" not in r.output
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_run_output_named_npz_in_any_case_is_written(src, tmp_path):
+    out = tmp_path / "OUT.NPZ"
+    r = tgc("run", src, "--random-inputs", "-o", out)
+    assert r.exit_code == 0, r.output
+    with np.load(out) as data:
+        assert set(data.files) == {"loss", "w"}

@@ -98,9 +98,10 @@ def test_torch_function_takes_and_gives_bf16_tensors():
 
 
 def test_run_output_named_safetensors_is_refused_not_written_as_npz(tmp_path):
-    """`tgc run -o` writes an .npz archive whatever the name; `-o out.safetensors` wrote
-    a zip under that name, which `--inputs out.safetensors` then refused as 'a damaged
-    safetensors file'. The name is refused up front (a usage error, nothing written)."""
+    """`tgc run -o` writes an .npz archive; `-o out.safetensors` wrote a zip under that
+    name, which `--inputs out.safetensors` then refused as 'a damaged safetensors file'.
+    The name is refused up front (a usage error, nothing written), as is any name not
+    ending in .npz (tests/cli/test_outputs.py)."""
     from click.testing import CliRunner
 
     from tgc.cli import main

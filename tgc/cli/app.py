@@ -211,7 +211,8 @@ def main(debug: bool, color: str) -> None:
 def check(files: tuple[str, ...], dtype: str, werror: bool, no_warnings: bool, import_dirs=()) -> None:
     """Parse and check FILES; print nothing when they are correct.
 
-    Warnings (unused inputs and bindings) go to stderr; with -Werror they fail the check.
+    Warnings (unused inputs and bindings, statements an import skips) go to stderr; with
+    -Werror they fail the check.
 
     \b
     Example:

@@ -51,7 +51,9 @@ def _load_array(path: str, what: str) -> np.ndarray:
     try:
         with open_regular(path, "an .npy file") as f:
             data = np.load(f, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:   # ValueError: NotASource too
+    except OSError as e:   # its reason only: the path is said already
+        raise EvalError(f"cannot read {what} from '{path}': {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile) as e:   # ValueError: NotASource too
         raise EvalError(f"cannot read {what} from '{path}': {e}") from None
     if not isinstance(data, np.ndarray):  # an .npz archive
         data.close()
@@ -379,7 +381,7 @@ def _host(a):
 @click.option("--dtype", type=click.Choice(["f32", "f64"]),
               help="The float type (default: f32, or a .tgir file's own).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=False),
-              help="Write the outputs to this .npz (atomically).")
+              help="Write the outputs to this .npz archive (atomically); the name must end in .npz.")
 @click.option("--profile", type=click.IntRange(min=1, max=PROFILE_MAX_RUNS), metavar="N",
               help=f"With --backend cpu: run N (at most {PROFILE_MAX_RUNS:,}) more times (on copies of the inputs) "
                    "and print, to stderr, "
@@ -418,9 +420,9 @@ def run(file, npz, singles, random_inputs, seed, dims, backend, dtype, output, p
     if output == "-":
         raise click.BadParameter("an .npz archive cannot go to standard output: give a file name",
                                  param_hint="-o")
-    if output and output.endswith(".safetensors"):   # -o writes an .npz whatever the name: --inputs reads by suffix
-        raise click.BadParameter("-o writes an .npz archive: name it .npz (tgc.save_params writes .safetensors)",
-                                 param_hint="-o")
+    if output and not output.lower().endswith(".npz"):   # --inputs reads by suffix: the name must say the format
+        raise click.BadParameter(f"-o writes an .npz archive: name it .npz, not '{output}' "
+                                 "(tgc.save_params writes .safetensors)", param_hint="-o")
     if profile and backend != "cpu":
         raise click.UsageError("--profile needs --backend cpu")
     from tgc.progress import status

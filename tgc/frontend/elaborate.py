@@ -2,8 +2,8 @@
 
 Statements are processed in order (functions are hoisted): dims and edges are
 declared into one namespace, tensors become arguments, bindings become values,
-imports bring another file's dims and functions, and `out`/`update` become the
-module's roots. Function definitions are checked where written and inlined at
+imports bring another file's dims and functions (its other statements are
+skipped, each with a warning), and `out`/`update` become the module's roots. Function definitions are checked where written and inlined at
 their calls. Every mistake is a located `CompileError`.
 """
 from __future__ import annotations
@@ -82,6 +82,7 @@ class ProgramBuilder:
         self.imported: set[Path] = set()
         self.sources: dict[str, str] = {}  # file name -> its text (an assume keeps its own)
         self.absent: list[str] = []   # paths an import looked at before the file it found
+        self.skipped: list[Diagnostic] = []   # warnings: an imported file's statements other than dim and fn
         self.unused_locals: list[Diagnostic] = []   # warnings: bindings of a for block never read
 
     @functools.cached_property
@@ -111,6 +112,9 @@ class ProgramBuilder:
                 continue
             if top or isinstance(item, ast.DimDecl):
                 getattr(self, f"_{type(item).__name__}")(item, here)
+            else:   # an import brings dims and functions only: say what it leaves out, where
+                self.skipped.append(Diagnostic("warning", f"{_statement(item)} in an imported file is skipped: "
+                                               "an import brings only dims and functions", item.loc))
         if top:  # after every call: those report their own errors with the call's context
             for fn in self.user_fns:
                 check_names(self.fns[fn].defn, self.fns, self.scope.kinds)
@@ -512,7 +516,24 @@ class ProgramBuilder:
             arg = self.m.args.get(name)
             what = f"{arg.kind} '{name}'" if arg else f"'{name}'"
             out.append(Diagnostic("warning", f"{what} is never used", self.scope.locs[name]))
-        return out + self.unused_locals + self.el.capped
+        return self.skipped + out + self.unused_locals + self.el.capped
+
+
+def _statement(item) -> str:
+    """A top-level statement as a warning names it."""
+    if isinstance(item, ast.TensorDecl):
+        return f"{item.kind} '{item.name}'"
+    if isinstance(item, ast.Out):
+        return f"out '{item.name}'"
+    if isinstance(item, ast.Update):
+        return f"update of '{item.name}'"
+    if isinstance(item, ast.Bind):
+        return f"binding '{item.name}'"
+    if isinstance(item, ast.Assume):
+        return "assume"
+    if isinstance(item, ast.For):
+        return "for block"
+    return "statement"
 
 
 def elaborate_source(text: str, filename: str, options: Options) -> Elaborated:
