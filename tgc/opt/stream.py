@@ -589,16 +589,30 @@ class _Streamer:
         # its steps independent (no carries: the CPU shares them among its threads,
         # codegen.parallel_step_loops) and reading q, k, v, dy, writing the outputs in place
         for h in short:
-            rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
-            if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
+            rp = self.map_region(order, roots, seed, h)
+            if rp is None:
                 continue
-            inside = {id(v) for v in rp.members}
-            if any(id(v) not in inside for v in r.members):
+            m, order_h = self.m, order
+            if rp.carries:   # sums over h (a scalar loss): each step's partial stacked, summed after
+                split = self.split_sums(order, rp, h, seed)
+                if split is None:
+                    continue
+                self.m = split
+                order_h = split.values()
+                rp = self.map_region(order_h, split.roots(), seed, h)
+                if rp is not None:
+                    ends = {id(c) for c in rp.carries}
+                    rp = _Region(rp.edge, rp.members, [], rp.stacked + [o for c in rp.carries for o in c.operands
+                                                                          if id(o) in rp.edge and id(o) not in ends
+                                                                          and o not in rp.stacked],
+                                 rp.slices, rp.invariants, rp.masks)
+            inside = {id(v) for v in rp.members} if rp is not None else set()
+            out = None if rp is None or any(id(v) not in inside for v in r.members) \
+                else self.map_loop(order_h, rp, h)
+            if out is None:
+                self.m = m
                 continue
             n = self.sizes[h]
-            out = self.map_loop(order, rp, h)
-            if out is None:
-                continue
             o = self.options
             step = o.with_(stream_min_elements=max(1, o.stream_min_elements // n),
                            stream_min_elements_masked=max(1, o.stream_min_elements_masked // n))
@@ -614,6 +628,41 @@ class _Streamer:
             from tgc.opt.rewrite import map_bodies
             return map_bodies(out, lambda body: stream(body, step, lanes), only=self.last_body)
         return None
+
+    def map_region(self, order: list[Value], roots: list[Value], seed: Value, h: str) -> _Region | None:
+        """The region of `seed` along short edge `h` for a loop over `h` (`partition`): with
+        the values before the seed that read it too where it needs them (as the stream's own
+        region may: the row max of the scores); None when there is none, or it has masks,
+        edges of other sizes, or carries other than sums."""
+        rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
+        if rp is None:
+            rp = _region(order, roots, seed, h, lambda v: self.large(v, seed), closure=True)
+        if rp is None or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
+            return None
+        if any(_carry_kind(c, h) != "sum" for c in rp.carries):
+            return None
+        return rp
+
+    def split_sums(self, order: list[Value], rp: _Region, h: str, seed: Value) -> Module | None:
+        """The module with each carry of `rp` (a contraction summing `h` among other edges:
+        a scalar loss over the batch) split in two: the contraction keeping `h`, then its sum
+        over `h`, so that a loop over `h` computes the partial in its steps (a stacked
+        result of |h| elements per kept element, no carry: the steps stay independent) and
+        the sum over `h` follows the loop. A reassociation of that sum (as the stream's
+        own carries are). None when a partial would be of the seed's scale."""
+        memo: dict[int, Value] = {}
+        ends = {id(c) for c in rp.carries}
+        for v in order:
+            ops = tuple(memo.get(id(o), o) for o in v.operands)
+            if id(v) in ends:
+                keep = [e for e in v.edges] + [h]
+                part = V.contract(ops, keep, v.loc)
+                if self.large(part, seed):
+                    return None
+                memo[id(v)] = V.contract((part,), v.edges, v.loc)
+            else:
+                memo[id(v)] = rebuild_same(v, ops)
+        return self.m.replace_values(memo)
 
     def map_loop(self, order: list[Value], r: _Region, h: str) -> Module | None:
         """The module with region `r` (no carries, no masks) computed by a loop over `h`,
