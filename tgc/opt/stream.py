@@ -61,7 +61,8 @@ block of `E` at a time:
   times |s| times the seed's other edges) have more than `options.stream_step_elements`
   elements, the block is halved once where that brings them within it (`cache_block`);
   else the region along a short edge `h` of the seed (batch, heads: a map over it, no
-  reduction over `h`, no indicator naming it, holding the stream's region) first moves
+  reduction over `h` but the sums of a loss, no indicator naming it, holding the stream's
+  region, with the values before the seed where the stream's region took them) first moves
   into a loop over `h`, one index a step (`map_loop`: over `h` itself where every
   operand and result names it so, else operands renamed to the loop's edge, results
   renamed back), and the step streams as a program of its own under the thresholds
@@ -72,7 +73,11 @@ block of `E` at a time:
   the one-head program (not where such steps would run over key blocks under the
   stream's own rows, below). The body's new edges keep the place `new_edge` gave them
   (tgc.opt.rewrite.map_bodies), so a head's step is laid out as the flat stream's
-  steps are, and computes the same bits.
+  steps are, and computes the same bits. A sum over `h` of the region's values (a
+  scalar loss `sum(o * o)` over the batch: a carry, which would chain the steps) is
+  split first (`split_sums`): the sum keeping `h` in the step, a stacked result of |h|
+  partials per element, then the sum over `h` after the loop (cross-attention with such
+  a loss kept its flat stream's [batch, head, 256, s] steps, 93 MB: issue 32 item 6).
 
 - where the steps' matrices are over the budget even so and `options.stream_key_block`
   is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
@@ -92,7 +97,8 @@ alike, from the inputs of the region.
 Exact? Every value of a step is the op the program had, on the same elements (a loop
 over a short edge reads and writes its slices by renaming: the same values); only
 the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
-added across blocks (and across the runs of a masked stream): a reassociation of those
+added across blocks (and across the runs of a masked stream, and a loss's sum over the
+batch or heads across a loop's steps): a reassociation of those
 sums (docs/optimization.md's contract allows it; under `--fp-strict` the pass is not in
 the pipeline). The reindexing by indicators selects exact values. The keys a run skips
 are masked for all its rows, and each of its rows sees a key: their weights are
