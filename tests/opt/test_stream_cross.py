@@ -94,6 +94,24 @@ def test_a_summed_loss_loops_over_batch_and_heads():
                 close(prog(**inputs(CROSS, dtype)), want, tol)
 
 
+def test_a_padding_mask_over_the_keys_loops_alike():
+    """With a padding mask over the keys (`- 1e9 * pad`, pad read over the batch and the
+    keys) the loop over the batch splits the loss as without: values and gradients are
+    torch's (pad a 0/1 array)."""
+    import tgc
+
+    src = CROSS.replace("v[batch, head, s, hd]\n", "v[batch, head, s, hd], pad[batch, s]\n").replace(
+        "/ sqrt(size(hd)))", "/ sqrt(size(hd)) - 1e9 * pad)")
+    assert nested(lowered(src, options(64))) == [1, 1]
+    x = inputs(src)
+    x["pad"] = (np.arange(16)[None, :] >= np.array([[12], [5]])).astype(np.float64)
+    want = torch_oracle.evaluate(compile_source(src, "<cross>", Options(dtype="f64")), x)
+    close(evaluate(lowered(src, options(64)), x, dtype="f64"), want, 1e-10)
+    for dtype, tol in (("f64", 1e-10), ("f32", 2e-5)):
+        xs = {k: v.astype(np.float32 if dtype == "f32" else np.float64) for k, v in x.items()}
+        close(tgc.compile(src, "cpu", dtype, options=options(64, dtype, 2))(**xs), want, tol)
+
+
 def test_two_sums_over_the_batch_split_alike():
     """A loss of two sums over the batch of the stream's output (`sum(o * o)`, `sum(o)`):
     the loop over the batch splits both, and the values and gradients are torch's."""
@@ -124,8 +142,12 @@ DY = ISSUE.replace("input q[batch, head, t, hd],", "input q[batch, head, t, hd],
     "loss = sum(o * o) / size(t)\nout loss\n", "loss = sum(o * dy)\n")
 
 
+PAD = ISSUE.replace("v[batch, head, s, hd]\n", "v[batch, head, s, hd], pad[batch, s]\n").replace(
+    "/ sqrt(size(hd)))", "/ sqrt(size(hd)) - 1e9 * pad)")
+
+
 @pytest.mark.parametrize("t,s,most,src", [(4096, 2048, 16, ISSUE), (2048, 4096, 48, ISSUE), (4096, 4096, 48, ISSUE),
-                                          (4096, 2048, 16, DY)])
+                                          (4096, 2048, 16, DY), (4096, 2048, 16, PAD)])
 def test_explain_peak_of_cross_attention_at_the_issues_sizes(t, s, most, src):
     """Issue 32 item 6: at batch 2 x 4 heads of 64 (t = 4096, s = 2048) the loss's sum
     over the batch made the loop over the batch and heads a carry, refused: one flat
@@ -134,14 +156,14 @@ def test_explain_peak_of_cross_attention_at_the_issues_sizes(t, s, most, src):
     13.2 MB in all (t = 2048, s = 4096: 160 -> 40 MB; t = s = 4096 with s written as a
     number: 169 -> 41 MB). With `sum(o * dy)` (no carry, `o` no output) the loop's region
     along the batch needs the values before the seed too (the row max), as the stream's own
-    does: 101 -> 13.6 MB."""
+    does: 101 -> 13.6 MB. With a padding mask over the keys (`- 1e9 * pad`): 76 -> 10.6 MB."""
     from tgc.backends.cpu.options import CpuOptions
     from tgc.explain import explain
     from tgc.pipeline import lower_module
 
     opts = Options(dtype="f32", cpu=CpuOptions(threads=2))
+    assert ("pad" in src) == (src is PAD) and ("dy" in src) == (src is DY)   # the variants' rewrites took
     src = src.format(t=t, s=s)
-    assert "dy" in src or "out loss" in src
     report = explain(lower_module(lowered(src, opts), opts), {}, opts)
     steps = [k for k in report["kernels"] if k.get("lanes")]
     assert len(steps) == 1 and steps[0]["lanes"] == 2, report["kernels"]
