@@ -61,7 +61,8 @@ block of `E` at a time:
   times |s| times the seed's other edges) have more than `options.stream_step_elements`
   elements, the block is halved once where that brings them within it (`cache_block`);
   else the region along a short edge `h` of the seed (batch, heads: a map over it, no
-  reduction over `h`, no indicator naming it, holding the stream's region) first moves
+  reduction over `h` but the sums of a loss, no indicator naming it, holding the stream's
+  region, with the values before the seed where the stream's region took them) first moves
   into a loop over `h`, one index a step (`map_loop`: over `h` itself where every
   operand and result names it so, else operands renamed to the loop's edge, results
   renamed back), and the step streams as a program of its own under the thresholds
@@ -72,7 +73,11 @@ block of `E` at a time:
   the one-head program (not where such steps would run over key blocks under the
   stream's own rows, below). The body's new edges keep the place `new_edge` gave them
   (tgc.opt.rewrite.map_bodies), so a head's step is laid out as the flat stream's
-  steps are, and computes the same bits.
+  steps are, and computes the same bits. A sum over `h` of the region's values (a
+  scalar loss `sum(o * o)` over the batch: a carry, which would chain the steps) is
+  split first (`split_sums`): the sum keeping `h` in the step, a stacked result of |h|
+  partials per element, then the sum over `h` after the loop (cross-attention with such
+  a loss kept its flat stream's [batch, head, 256, s] steps, 93 MB: issue 32 item 6).
 
 - where the steps' matrices are over the budget even so and `options.stream_key_block`
   is set, the block is `options.stream_key_rows` (where it divides the edge twice): the
@@ -92,7 +97,8 @@ alike, from the inputs of the region.
 Exact? Every value of a step is the op the program had, on the same elements (a loop
 over a short edge reads and writes its slices by renaming: the same values); only
 the sums over `E` (and the max over `E`, which is exact) are taken blockwise and then
-added across blocks (and across the runs of a masked stream): a reassociation of those
+added across blocks (and across the runs of a masked stream, and a loss's sum over the
+batch or heads across a loop's steps): a reassociation of those
 sums (docs/optimization.md's contract allows it; under `--fp-strict` the pass is not in
 the pipeline). The reindexing by indicators selects exact values. The keys a run skips
 are masked for all its rows, and each of its rows sees a key: their weights are
@@ -589,16 +595,30 @@ class _Streamer:
         # its steps independent (no carries: the CPU shares them among its threads,
         # codegen.parallel_step_loops) and reading q, k, v, dy, writing the outputs in place
         for h in short:
-            rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
-            if rp is None or rp.carries or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
+            rp = self.map_region(order, roots, seed, h)
+            if rp is None:
                 continue
-            inside = {id(v) for v in rp.members}
-            if any(id(v) not in inside for v in r.members):
+            m, order_h = self.m, order
+            if rp.carries:   # sums over h (a scalar loss): each step's partial stacked, summed after
+                split = self.split_sums(order, rp, h, seed)
+                if split is None:
+                    continue
+                self.m = split
+                order_h = split.values()
+                rp = self.map_region(order_h, split.roots(), seed, h)
+                if rp is not None:
+                    ends = {id(c) for c in rp.carries}
+                    rp = _Region(rp.edge, rp.members, [], rp.stacked + [o for c in rp.carries for o in c.operands
+                                                                          if id(o) in rp.edge and id(o) not in ends
+                                                                          and o not in rp.stacked],
+                                 rp.slices, rp.invariants, rp.masks)
+            inside = {id(v) for v in rp.members} if rp is not None else set()
+            out = None if rp is None or any(id(v) not in inside for v in r.members) \
+                else self.map_loop(order_h, rp, h)
+            if out is None:
+                self.m = m
                 continue
             n = self.sizes[h]
-            out = self.map_loop(order, rp, h)
-            if out is None:
-                continue
             o = self.options
             step = o.with_(stream_min_elements=max(1, o.stream_min_elements // n),
                            stream_min_elements_masked=max(1, o.stream_min_elements_masked // n))
@@ -614,6 +634,41 @@ class _Streamer:
             from tgc.opt.rewrite import map_bodies
             return map_bodies(out, lambda body: stream(body, step, lanes), only=self.last_body)
         return None
+
+    def map_region(self, order: list[Value], roots: list[Value], seed: Value, h: str) -> _Region | None:
+        """The region of `seed` along short edge `h` for a loop over `h` (`partition`): with
+        the values before the seed that read it too where it needs them (as the stream's own
+        region may: the row max of the scores); None when there is none, or it has masks,
+        edges of other sizes, or carries other than sums."""
+        rp = _region(order, roots, seed, h, lambda v: self.large(v, seed))
+        if rp is None:
+            rp = _region(order, roots, seed, h, lambda v: self.large(v, seed), closure=True)
+        if rp is None or rp.masks or any(self.sizes[e] != self.sizes[h] for e in rp.edge.values()):
+            return None
+        if any(_carry_kind(c, h) != "sum" for c in rp.carries):
+            return None
+        return rp
+
+    def split_sums(self, order: list[Value], rp: _Region, h: str, seed: Value) -> Module | None:
+        """The module with each carry of `rp` (a contraction summing `h` among other edges:
+        a scalar loss over the batch) split in two: the contraction keeping `h`, then its sum
+        over `h`, so that a loop over `h` computes the partial in its steps (a stacked
+        result of |h| elements per kept element, no carry: the steps stay independent) and
+        the sum over `h` follows the loop. A reassociation of that sum (as the stream's
+        own carries are). None when a partial would be of the seed's scale."""
+        memo: dict[int, Value] = {}
+        ends = {id(c) for c in rp.carries}
+        for v in order:
+            ops = tuple(memo.get(id(o), o) for o in v.operands)
+            if id(v) in ends:
+                keep = [e for e in v.edges] + [h]
+                part = V.contract(ops, keep, v.loc)
+                if self.large(part, seed):
+                    return None
+                memo[id(v)] = V.contract((part,), v.edges, v.loc)
+            else:
+                memo[id(v)] = rebuild_same(v, ops)
+        return self.m.replace_values(memo)
 
     def map_loop(self, order: list[Value], r: _Region, h: str) -> Module | None:
         """The module with region `r` (no carries, no masks) computed by a loop over `h`,
