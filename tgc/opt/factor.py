@@ -268,17 +268,27 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
                 got.append(k)
     # each candidate's group and the most it can save (what the group's dead terms and
     # sums cost: the new values cost >= 0)
+    # (what a group's terms give depends on those terms only: memoized by them, as a
+    # rewritten sum keeps the groups not taken out, see `_undistributed`)
+    weighed = ctx.cache.setdefault("groups", {})
     cands, groups = [], set()
     for rank, o in enumerate(sorted({id(f): f for fs in factors for f in fs}.values(), key=sort_key)):
         group = holders[id(o)]
         if len(group) < 2 or tuple(group) in groups:   # a group met before: the same candidate, later
             continue
         groups.add(tuple(group))
-        common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
-        if not common or not _roles_agree(common, [terms[k] for k in group]):
+        ids = tuple(id(terms[k]) for k in group)
+        got = weighed.get(ids)
+        if got is None or not all(a is terms[k] for a, k in zip(got[0], group)):
+            common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
+            if not common or not _roles_agree(common, [terms[k] for k in group]):
+                common = None
+            dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
+            got = weighed[ids] = ([terms[k] for k in group], common, sum(_cost(t, sizes, costs) for t in dead))
+        common = got[1]
+        if common is None:
             continue
-        dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
-        old = sum(_cost(t, sizes, costs) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        old = got[2] + (len(group) - 1) * prod(v.edges, sizes)
         cands.append((old, rank, group, common))
     # the largest saving wins, the first candidate (in `sort_key` order) of equal ones;
     # tried most hopeful first, a candidate that cannot beat the best is not built
