@@ -14,7 +14,10 @@ Rewrites, in two phases:
    `sort_key` order of equal ones; a candidate saves at most what its group's
    terms and sums cost, so candidates are built from the largest such bound down
    and one whose bound cannot beat the best found is not built (the same result,
-   without building every candidate of a long sum).
+   without building every candidate of a long sum). The groups weighed and the values
+   built for them are memoized for the pass: a sum rewritten keeps the groups it did
+   not take out, and weighs them again without rebuilding them (a chain of n steps
+   under a gradient: one sum of n terms, n / 31 groups taken out one by one).
 2. Ordering: every contraction of three or more operands becomes a tree of
    pairwise contractions in the order `tgc.opt.paths` finds (opt_einsum,
    memory-bounded: no intermediate larger than the largest dense operand or the
@@ -111,6 +114,26 @@ def _roles_agree(common, terms) -> bool:
 
 
 def _undistributed(ctx: Ctx, common, terms, coefs) -> Value:
+    """`sum_k coefs[k] terms[k]` with the factors `common` taken out: `common * (sum_k
+    coefs[k] rest_k)`, the inner sum settled by `undistribute`. Memoized per (common,
+    terms, coefs) (`ctx.cache["taken_out"]`): when a sum is rewritten, the new sum keeps
+    the terms of every candidate group not taken out, and weighing them again rebuilt
+    the same products (hash-consed: the same values) once per group taken out before, so
+    a chain of n steps whose gradient is one sum of n terms in n / 31 nested groups built
+    O(n^2) products. The builders are deterministic, so the memo changes no result."""
+    memo = ctx.cache.setdefault("taken_out", {})
+    k = (tuple(map(id, common)), tuple(map(id, terms)), tuple(coefs))
+    got = memo.get(k)
+    if got is not None and all(a is b for a, b in zip(got[0], common)) and all(
+            a is b for a, b in zip(got[1], terms)):
+        return got[2]
+    out = _build_undistributed(ctx, common, terms, coefs)
+    memo[k] = (list(common), list(terms), out)
+    return out
+
+
+def _build_undistributed(ctx: Ctx, common, terms, coefs) -> Value:
+    ctx.cache["built"] = ctx.cache.get("built", 0) + 1   # work counted (tests: linear in n)
     edges = set().union(*(f.edges for f in common))
     inner = []
     for t in terms:
@@ -248,17 +271,27 @@ def _undistribute(ctx: Ctx, v: Value) -> Value | None:
                 got.append(k)
     # each candidate's group and the most it can save (what the group's dead terms and
     # sums cost: the new values cost >= 0)
+    # (what a group's terms give depends on those terms only: memoized by them, as a
+    # rewritten sum keeps the groups not taken out, see `_undistributed`)
+    weighed = ctx.cache.setdefault("groups", {})
     cands, groups = [], set()
     for rank, o in enumerate(sorted({id(f): f for fs in factors for f in fs}.values(), key=sort_key)):
         group = holders[id(o)]
         if len(group) < 2 or tuple(group) in groups:   # a group met before: the same candidate, later
             continue
         groups.add(tuple(group))
-        common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
-        if not common or not _roles_agree(common, [terms[k] for k in group]):
+        ids = tuple(id(terms[k]) for k in group)
+        got = weighed.get(ids)
+        if got is None or not all(a is terms[k] for a, k in zip(got[0], group)):
+            common = [f for f in _common([factors[k] for k in group]) if f.edges]  # scalars: no gain
+            if not common or not _roles_agree(common, [terms[k] for k in group]):
+                common = None
+            dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
+            got = weighed[ids] = ([terms[k] for k in group], common, sum(_cost(t, sizes, costs) for t in dead))
+        common = got[1]
+        if common is None:
             continue
-        dead = [terms[k] for k in group if users[id(terms[k])] <= 1]  # no other user: its work is saved
-        old = sum(_cost(t, sizes, costs) for t in dead) + (len(group) - 1) * prod(v.edges, sizes)
+        old = got[2] + (len(group) - 1) * prod(v.edges, sizes)
         cands.append((old, rank, group, common))
     # the largest saving wins, the first candidate (in `sort_key` order) of equal ones;
     # tried most hopeful first, a candidate that cannot beat the best is not built
