@@ -244,7 +244,7 @@ def test_grad_emit_tg_of_per_param_states_reads_back(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tgc.cli", "grad", str(path), "--wrt", "m.w", "--emit", "tg"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "out dm.w[k]" in r.stdout
+    assert "out dm_w[k]" in r.stdout   # a per-param state's derivative named so that `tgc check` takes it
     tgc.compile(r.stdout)   # the per-param name reads back outside a for block
 
 

@@ -232,7 +232,10 @@ def _workspace(module: Module, options: Options, backend: str, env=None) -> int:
     from tgc.manager import lower_module
 
     be = get_backend(backend)
-    low = lower_module(module, be.lowering_options(options.with_(memory_budget=None)), stages=be.lowering(),
+    # as the budgeted program lowers: without the CPU group's in-place outputs
+    # (tgc.backends.cpu.group: the greedy choice of recomputes is measured without them)
+    plain = options.with_(memory_budget=None, cpu=options.cpu.with_(group_in_place=False))
+    low = lower_module(module, be.lowering_options(plain), stages=be.lowering(),
                        known=pass_registry())
     return explain(low, env if env is not None else _sizes(module, options))["workspace"]["bytes"]
 
